@@ -1,0 +1,217 @@
+/* chat_template.c: template family detection and rendering (see chat_template.h; follows
+ * llama.cpp's llama-chat.cpp for the families it knows). */
+#define _GNU_SOURCE /* memmem */
+#include "chat_template.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_err.h"
+
+typedef struct {
+    char *v;
+    size_t n, cap;
+    bool oom;
+} td_sbuf;
+
+static void sb_add(td_sbuf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1)
+            cap *= 2;
+        char *p = realloc(b->v, cap);
+        if (!p) {
+            b->oom = true;
+            return;
+        }
+        b->v = p;
+        b->cap = cap;
+    }
+    memcpy(b->v + b->n, s, n);
+    b->n += n;
+    b->v[b->n] = '\0';
+}
+
+static void sb_str(td_sbuf *b, const char *s) {
+    sb_add(b, s, strlen(s));
+}
+
+static bool contains(const char *t, size_t n, const char *needle) {
+    return memmem(t, n, needle, strlen(needle)) != NULL;
+}
+
+/* The llama2 variants llama.cpp distinguishes. */
+typedef struct {
+    bool system; /* <<SYS>> blocks */
+    bool bos;    /* "<s>" before each later [INST] */
+    bool strip;  /* trim message content */
+} td_llama2_variant;
+
+static td_chat_family detect(const char *t, size_t n, td_llama2_variant *v) {
+    if (contains(t, n, "<|im_start|>")) {
+        /* phi-4 and smolvlm use the marker with another layout */
+        if (contains(t, n, "<|im_sep|>") || contains(t, n, "<end_of_utterance>"))
+            return TD_CHAT_UNKNOWN;
+        return TD_CHAT_CHATML;
+    }
+    if ((n >= 7 && memcmp(t, "mistral", 7) == 0) || contains(t, n, "[INST]")) {
+        /* mistral v1/v3/v7 render differently; not supported */
+        if (contains(t, n, "[SYSTEM_PROMPT]") || contains(t, n, "' [INST] ' + system_message") ||
+            contains(t, n, "[AVAILABLE_TOOLS]"))
+            return TD_CHAT_UNKNOWN;
+        td_llama2_variant x = {0};
+        if (contains(t, n, "content.strip()")) {
+            x.system = x.strip = true;
+        } else if (contains(t, n, "bos_token + '[INST]")) {
+            x.system = x.bos = true;
+        } else if (contains(t, n, "<<SYS>>")) {
+            x.system = true;
+        }
+        if (v) *v = x;
+        return TD_CHAT_LLAMA2;
+    }
+    if (contains(t, n, "<|start_header_id|>") && contains(t, n, "<|end_header_id|>"))
+        return TD_CHAT_LLAMA3;
+    return TD_CHAT_UNKNOWN;
+}
+
+td_chat_family td_chat_detect(const char *tmpl, size_t tmpl_len) {
+    return tmpl ? detect(tmpl, tmpl_len, NULL) : TD_CHAT_UNKNOWN;
+}
+
+/* A literal default system message in a chatml template: the text of a Jinja string
+ * literal '<|im_start|>system\n...<|im_end|>' with no expression inside. Returns a
+ * malloc'd unescaped copy, or NULL if the template has none. */
+static char *default_system(const char *t, size_t n, bool *oom) {
+    static const char head[] = "<|im_start|>system";
+    const char *p = t, *end = t + n;
+    while ((p = memmem(p, (size_t)(end - p), head, sizeof head - 1)) != NULL) {
+        const char *q = p + sizeof head - 1;
+        p = q;
+        if (q < end && *q == '\n')
+            q++;
+        else if (end - q >= 2 && q[0] == '\\' && q[1] == 'n')
+            q += 2;
+        else
+            continue;
+        const char *e = memmem(q, (size_t)(end - q), "<|im_end|>", 10);
+        if (!e) break;
+        bool literal = true;
+        for (const char *c = q; c < e; c++)
+            if (*c == '\'' || *c == '"' || *c == '{' || *c == '}') literal = false;
+        if (!literal || e == q) continue;
+        td_sbuf b = {0};
+        for (const char *c = q; c < e; c++) {
+            if (*c == '\\' && c + 1 < e) {
+                c++;
+                char x = *c == 'n' ? '\n' : *c == 't' ? '\t' : *c;
+                sb_add(&b, &x, 1);
+            } else {
+                sb_add(&b, c, 1);
+            }
+        }
+        if (b.oom) {
+            free(b.v);
+            *oom = true;
+            return NULL;
+        }
+        return b.v;
+    }
+    return NULL;
+}
+
+/* trim ASCII whitespace at both ends (llama.cpp's trim) */
+static void sb_trimmed(td_sbuf *b, const char *s) {
+    size_t n = strlen(s), i = 0;
+    while (i < n && strchr(" \t\n\v\f\r", s[i]))
+        i++;
+    while (n > i && strchr(" \t\n\v\f\r", s[n - 1]))
+        n--;
+    sb_add(b, s + i, n - i);
+}
+
+int td_chat_render(const char *tmpl, size_t tmpl_len, const td_chat_msg *msgs, size_t n,
+                   bool add_generation_prompt, char **out) {
+    if (!out) return TD_EINVAL;
+    *out = NULL;
+    if (!tmpl || (!msgs && n)) return TD_EINVAL;
+    for (size_t i = 0; i < n; i++)
+        if (!msgs[i].role || !msgs[i].content) {
+            TD_LOG_ERR("chat: message %zu has no role or content", i);
+            return TD_EINVAL;
+        }
+    td_llama2_variant v = {0};
+    td_chat_family fam = detect(tmpl, tmpl_len, &v);
+    td_sbuf b = {0};
+    sb_add(&b, "", 0);
+    switch (fam) {
+    case TD_CHAT_CHATML: {
+        bool oom = false;
+        char *sys = default_system(tmpl, tmpl_len, &oom);
+        if (oom) return TD_ENOMEM;
+        if (sys && n > 0 && strcmp(msgs[0].role, "system") != 0) {
+            sb_str(&b, "<|im_start|>system\n");
+            sb_str(&b, sys);
+            sb_str(&b, "<|im_end|>\n");
+        }
+        free(sys);
+        for (size_t i = 0; i < n; i++) {
+            sb_str(&b, "<|im_start|>");
+            sb_str(&b, msgs[i].role);
+            sb_str(&b, "\n");
+            sb_str(&b, msgs[i].content);
+            sb_str(&b, "<|im_end|>\n");
+        }
+        if (add_generation_prompt) sb_str(&b, "<|im_start|>assistant\n");
+        break;
+    }
+    case TD_CHAT_LLAMA3:
+        for (size_t i = 0; i < n; i++) {
+            sb_str(&b, "<|start_header_id|>");
+            sb_str(&b, msgs[i].role);
+            sb_str(&b, "<|end_header_id|>\n\n");
+            sb_trimmed(&b, msgs[i].content);
+            sb_str(&b, "<|eot_id|>");
+        }
+        if (add_generation_prompt) sb_str(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        break;
+    case TD_CHAT_LLAMA2: {
+        /* llama2 ignores add_generation_prompt: a user turn already ends with [/INST] */
+        bool inside_turn = true;
+        sb_str(&b, "[INST] ");
+        for (size_t i = 0; i < n; i++) {
+            if (!inside_turn) {
+                inside_turn = true;
+                sb_str(&b, v.bos ? "<s>[INST] " : "[INST] ");
+            }
+            const char *role = msgs[i].role;
+            if (strcmp(role, "system") == 0) {
+                if (v.system) sb_str(&b, "<<SYS>>\n");
+                v.strip ? sb_trimmed(&b, msgs[i].content) : sb_str(&b, msgs[i].content);
+                sb_str(&b, v.system ? "\n<</SYS>>\n\n" : "\n");
+            } else if (strcmp(role, "user") == 0) {
+                v.strip ? sb_trimmed(&b, msgs[i].content) : sb_str(&b, msgs[i].content);
+                sb_str(&b, " [/INST]");
+            } else {
+                v.strip ? sb_trimmed(&b, msgs[i].content) : sb_str(&b, msgs[i].content);
+                sb_str(&b, "</s>");
+                inside_turn = false;
+            }
+        }
+        break;
+    }
+    case TD_CHAT_UNKNOWN:
+    default:
+        free(b.v);
+        TD_LOG_ERR("chat: unsupported chat template (not chatml, llama3 or llama2): '%.*s%s'",
+                   tmpl_len > 60 ? 60 : (int)tmpl_len, tmpl, tmpl_len > 60 ? "..." : "");
+        return TD_EUNSUPP;
+    }
+    if (b.oom) {
+        free(b.v);
+        return TD_ENOMEM;
+    }
+    *out = b.v;
+    return 0;
+}

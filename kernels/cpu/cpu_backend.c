@@ -1,0 +1,79 @@
+/* cpu_backend.c: the CPU backend object and its ops table. */
+#include "cpu_backend.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "cpu_internal.h"
+#include "td_err.h"
+
+static const kn_backend_ops cpu_ops = {
+    .name = "cpu",
+    .matmul = kn_cpu_matmul,
+    .rmsnorm = kn_cpu_rmsnorm,
+    .rope = kn_cpu_rope,
+    .swiglu = kn_cpu_swiglu,
+    .kv_write = kn_cpu_kv_write,
+    .attention = kn_cpu_attention,
+    .get_rows = kn_cpu_get_rows,
+    .add = kn_cpu_add,
+    .add_row = kn_cpu_add_row,
+    .copy_rows = kn_cpu_copy_rows,
+};
+
+int kn_cpu_create(int n_threads, kn_cpu **out)
+{
+    *out = NULL;
+    if (n_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int)n : 1;
+    }
+    kn_cpu *c = calloc(1, sizeof *c);
+    if (!c) return TD_ENOMEM;
+    int rc = kn_pool_create(n_threads, &c->pool);
+    if (rc) {
+        free(c);
+        return rc;
+    }
+    c->n_threads = n_threads;
+    *out = c;
+    return 0;
+}
+
+void kn_cpu_destroy(kn_cpu *c)
+{
+    if (!c) return;
+    kn_pool_destroy(c->pool);
+    for (int t = 0; t < KN_CPU_MAX_THREADS; t++) free(c->scratch[t]);
+    free(c);
+}
+
+kn_backend kn_cpu_backend(kn_cpu *c) { return (kn_backend){.ops = &cpu_ops, .ctx = c}; }
+kn_pool *kn_cpu_pool(kn_cpu *c) { return c->pool; }
+int kn_cpu_n_threads(const kn_cpu *c) { return c->n_threads; }
+
+const char *kn_cpu_isa(void)
+{
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+float *kn_cpu_scratch(kn_cpu *c, int tid, size_t n_floats)
+{
+    if (tid < 0 || tid >= KN_CPU_MAX_THREADS) return NULL;
+    if (c->scratch_cap[tid] < n_floats) {
+        free(c->scratch[tid]);
+        c->scratch[tid] = NULL;
+        c->scratch_cap[tid] = 0;
+        void *p = NULL;
+        if (posix_memalign(&p, 64, n_floats * sizeof(float))) return NULL;
+        c->scratch[tid] = p;
+        c->scratch_cap[tid] = n_floats;
+    }
+    return c->scratch[tid];
+}

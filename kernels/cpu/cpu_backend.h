@@ -1,0 +1,68 @@
+/* cpu_backend.h: the CPU backend: a thread pool plus SIMD kernels behind kn_backend_ops.
+ *
+ * Purpose: run the engine on x86-64 CPUs. Decode-shaped products (few rows of x) use
+ * SIMD dot products that dequantize weights on the fly; prefill-shaped products (many
+ * rows) dequantize weight slices to float32 and call OpenBLAS sgemm per thread.
+ * Invariants: activations are float32; every kernel gives the same result for any thread
+ * count up to float reassociation inside a dot product.
+ * Threading: one caller at a time (see cpu_pool.h).
+ * Ownership: kn_cpu_create/kn_cpu_destroy; the ops table returned by kn_cpu_backend
+ * borrows the kn_cpu.
+ */
+#ifndef KN_CPU_BACKEND_H
+#define KN_CPU_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cpu_pool.h"
+#include "kn_backend.h"
+
+typedef struct kn_cpu kn_cpu;
+
+int kn_cpu_create(int n_threads, kn_cpu **out); /* n_threads <= 0: number of cores */
+void kn_cpu_destroy(kn_cpu *c);
+kn_backend kn_cpu_backend(kn_cpu *c);
+kn_pool *kn_cpu_pool(kn_cpu *c);
+int kn_cpu_n_threads(const kn_cpu *c);
+
+/* Which ISA the SIMD kernels use on this machine ("avx512", "avx2", "scalar"). */
+const char *kn_cpu_isa(void);
+
+/* ---- implemented in cpu_quant.c / cpu_matmul.c ---- */
+bool kn_cpu_type_supported(td_dtype t); /* F32 F16 BF16 Q8_0 Q4_0 Q4_1 */
+/* dst (n) = dequantized src; n a multiple of the block size. */
+int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n);
+int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y);
+int kn_cpu_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);
+
+/* ---- implemented in cpu_ops.c / cpu_attention.c ---- */
+void kn_cpu_rmsnorm(void *ctx, const float *x, const float *weight, float *y, int64_t m,
+                    int64_t n, float eps);
+void kn_cpu_rope(void *ctx, float *x, int64_t m, int n_heads, int head_dim, int n_rot,
+                 const int32_t *pos, const float *freq, bool neox);
+void kn_cpu_swiglu(void *ctx, const float *gate, const float *up, float *out, int64_t m,
+                   int64_t n);
+void kn_cpu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int block_size,
+                     int n_kv_heads, int head_dim, const float *k, const float *v, int64_t m,
+                     const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs);
+void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
+                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
+                      int head_dim, float scale, int64_t m, const int32_t *pos,
+                      const int32_t *seq_of, const kn_seq_view *seqs, float *out);
+
+/* ---- implemented in cpu_arith.c ---- */
+void kn_cpu_add(void *ctx, float *y, const float *x, int64_t m, int64_t n);
+void kn_cpu_add_row(void *ctx, float *y, const float *b, int64_t m, int64_t n);
+void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
+                      float *dst);
+
+/* ---- machine ceilings for benchmarks (cpu_ceilings.c) ---- */
+/* Streaming-sum read bandwidth over a buffer of `bytes`, all pool threads: GB/s (median
+ * of reps). */
+double kn_cpu_mem_read_gbps(kn_cpu *c, size_t bytes, int reps);
+/* OpenBLAS sgemm n x n x n with the pool's thread count: GFLOP/s (median of reps). */
+double kn_cpu_sgemm_gflops(kn_cpu *c, int n, int reps);
+
+#endif

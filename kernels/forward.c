@@ -1,0 +1,230 @@
+/* forward.c: the forward pass of a model shard over one batch (kn_engine).
+ *
+ * Reads top to bottom like the math of a pre-norm Llama block:
+ *   x = embed(tokens) | embd_in                        first stage | later stages
+ *   for each local layer:
+ *     h = rmsnorm(x) ; q, k, v = h Wq, h Wk, h Wv (+ bias) ; [qwen3: rmsnorm per head]
+ *     rope(q, k) ; write k, v to the paged pool ; a = attention(q, pool)
+ *     x += allreduce(a Wo)                              TP: each rank holds heads' share
+ *     h = rmsnorm(x) ; x += allreduce((silu(h Wg) * h Wu) Wd)
+ *   last stage: logits = rmsnorm(x[rows]) Wout ; else out = x
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+#include "td_err.h"
+
+struct kn_engine {
+    const kn_model *m;
+    kn_backend be;
+    kn_collective coll;
+    int64_t cap;  /* tokens the scratch below holds */
+    float *x;     /* (cap, n_embd) residual stream */
+    float *h;     /* (cap, n_embd) normed input / projection output */
+    float *q;     /* (cap, n_head_local * head_dim) */
+    float *k, *v; /* (cap, n_head_kv_local * head_dim) */
+    float *att;   /* (cap, n_head_local * head_dim) */
+    float *g, *u; /* (cap, n_ff_local) */
+    float *sel;   /* (cap, n_embd) rows that need logits */
+};
+
+int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll,
+                     kn_engine **out)
+{
+    *out = NULL;
+    if (m->shard.tp_size > 1 && (!coll || !coll->allreduce_sum)) {
+        TD_LOG_ERR("tp %d needs an allreduce", m->shard.tp_size);
+        return TD_EINVAL;
+    }
+    kn_engine *e = calloc(1, sizeof *e);
+    if (!e) return TD_ENOMEM;
+    e->m = m;
+    e->be = be;
+    if (coll) e->coll = *coll;
+    *out = e;
+    return 0;
+}
+
+static void free_scratch(kn_engine *e)
+{
+    float **bufs[] = {&e->x, &e->h, &e->q, &e->k, &e->v, &e->att, &e->g, &e->u, &e->sel};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) {
+        free(*bufs[i]);
+        *bufs[i] = NULL;
+    }
+    e->cap = 0;
+}
+
+void kn_engine_destroy(kn_engine *e)
+{
+    if (!e) return;
+    free_scratch(e);
+    free(e);
+}
+
+static int reserve(kn_engine *e, int64_t n)
+{
+    if (n <= e->cap) return 0;
+    free_scratch(e);
+    const kn_model *m = e->m;
+    int64_t E = m->hp.n_embd, HD = m->hp.head_dim;
+    int64_t nq = m->n_head_local * HD, nkv = m->n_head_kv_local * HD, F = m->n_ff_local;
+    size_t fl = sizeof(float);
+    e->x = malloc((size_t)(n * E) * fl);
+    e->h = malloc((size_t)(n * E) * fl);
+    e->q = malloc((size_t)(n * nq) * fl);
+    e->k = malloc((size_t)(n * nkv) * fl);
+    e->v = malloc((size_t)(n * nkv) * fl);
+    e->att = malloc((size_t)(n * nq) * fl);
+    e->g = malloc((size_t)(n * F) * fl);
+    e->u = malloc((size_t)(n * F) * fl);
+    e->sel = malloc((size_t)(n * E) * fl);
+    if (!e->x || !e->h || !e->q || !e->k || !e->v || !e->att || !e->g || !e->u || !e->sel) {
+        free_scratch(e);
+        TD_LOG_ERR("cannot allocate activations for %lld tokens", (long long)n);
+        return TD_ENOMEM;
+    }
+    e->cap = n;
+    return 0;
+}
+
+/* Everything in the batch that comes from outside is checked here, before any kernel
+ * indexes memory with it. */
+static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
+{
+    const kn_model *m = e->m;
+    if (b->n_tokens < 1 || b->n_seqs < 1 || !b->pos || !b->seq_of || !b->seqs) {
+        TD_LOG_ERR("empty or incomplete batch (%lld tokens, %d seqs)", (long long)b->n_tokens,
+                   b->n_seqs);
+        return TD_EINVAL;
+    }
+    if (m->first ? !b->tokens : !b->embd) {
+        TD_LOG_ERR("batch lacks %s for this stage", m->first ? "tokens" : "input hidden states");
+        return TD_EINVAL;
+    }
+    if (kv->n_layers != m->shard.l1 - m->shard.l0 || kv->n_kv_heads != m->n_head_kv_local ||
+        kv->head_dim != m->hp.head_dim) {
+        TD_LOG_ERR("kv pool shape (%d layers, %d heads, dim %d) does not match the shard",
+                   kv->n_layers, kv->n_kv_heads, kv->head_dim);
+        return TD_EINVAL;
+    }
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kn_seq_view *sv = &b->seqs[s];
+        if (sv->n_ctx < 0 || (sv->n_ctx > 0 && !sv->block_table)) {
+            TD_LOG_ERR("seq %d: bad context length %d", s, sv->n_ctx);
+            return TD_EINVAL;
+        }
+        int nb = kn_kv_blocks_for(kv, sv->n_ctx);
+        for (int j = 0; j < nb; j++)
+            if (sv->block_table[j] < 0 || sv->block_table[j] >= kv->n_blocks) {
+                TD_LOG_ERR("seq %d: block table entry %d is %d (pool has %d blocks)", s, j,
+                           sv->block_table[j], kv->n_blocks);
+                return TD_ERANGE;
+            }
+    }
+    for (int64_t i = 0; i < b->n_tokens; i++) {
+        int32_t s = b->seq_of[i];
+        if (s < 0 || s >= b->n_seqs) {
+            TD_LOG_ERR("token %lld: sequence index %d out of range", (long long)i, s);
+            return TD_EINVAL;
+        }
+        if (b->pos[i] < 0 || b->pos[i] >= b->seqs[s].n_ctx) {
+            TD_LOG_ERR("token %lld: position %d outside the sequence's %d positions", (long long)i,
+                       b->pos[i], b->seqs[s].n_ctx);
+            return TD_ERANGE;
+        }
+        if (m->first && (b->tokens[i] < 0 || b->tokens[i] >= m->hp.n_vocab)) {
+            TD_LOG_ERR("token %lld: id %d outside the vocabulary (%d)", (long long)i, b->tokens[i],
+                       m->hp.n_vocab);
+            return TD_ERANGE;
+        }
+    }
+    if (m->last) {
+        if (b->n_logits < 0 || (b->n_logits > 0 && !b->logit_rows)) return TD_EINVAL;
+        for (int i = 0; i < b->n_logits; i++)
+            if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens) {
+                TD_LOG_ERR("logit row %d out of the batch's %lld tokens", b->logit_rows[i],
+                           (long long)b->n_tokens);
+                return TD_ERANGE;
+            }
+    }
+    return 0;
+}
+
+static int allreduce(kn_engine *e, float *buf, int64_t n)
+{
+    if (e->m->shard.tp_size == 1) return 0;
+    return e->coll.allreduce_sum(e->coll.ctx, buf, n);
+}
+
+static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
+{
+    const kn_model *m = e->m;
+    const kn_hparams *hp = &m->hp;
+    const kn_layer *ly = &m->layers[li];
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    const int64_t n = b->n_tokens, E = hp->n_embd, HD = hp->head_dim;
+    const int nh = m->n_head_local, nkv = m->n_head_kv_local;
+    int rc;
+
+    /* attention */
+    ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
+    if ((rc = ops->matmul(c, &ly->wq, e->h, n, e->q))) return rc;
+    if ((rc = ops->matmul(c, &ly->wk, e->h, n, e->k))) return rc;
+    if ((rc = ops->matmul(c, &ly->wv, e->h, n, e->v))) return rc;
+    if (ly->bq) ops->add_row(c, e->q, ly->bq, n, nh * HD);
+    if (ly->bk) ops->add_row(c, e->k, ly->bk, n, nkv * HD);
+    if (ly->bv) ops->add_row(c, e->v, ly->bv, n, nkv * HD);
+    if (ly->q_norm) ops->rmsnorm(c, e->q, ly->q_norm, e->q, n * nh, HD, hp->rms_eps);
+    if (ly->k_norm) ops->rmsnorm(c, e->k, ly->k_norm, e->k, n * nkv, HD, hp->rms_eps);
+    ops->rope(c, e->q, n, nh, (int)HD, hp->n_rot, b->pos, m->rope_freq, hp->rope_neox);
+    ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, m->rope_freq, hp->rope_neox);
+    ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, nkv, (int)HD, e->k, e->v, n,
+                  b->pos, b->seq_of, b->seqs);
+    ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, (int)HD,
+                   1.0f / sqrtf((float)HD), n, b->pos, b->seq_of, b->seqs, e->att);
+    if ((rc = ops->matmul(c, &ly->wo, e->att, n, e->h))) return rc;
+    if ((rc = allreduce(e, e->h, n * E))) return rc;
+    ops->add(c, e->x, e->h, n, E);
+
+    /* feed-forward */
+    ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
+    if ((rc = ops->matmul(c, &ly->w_gate, e->h, n, e->g))) return rc;
+    if ((rc = ops->matmul(c, &ly->w_up, e->h, n, e->u))) return rc;
+    ops->swiglu(c, e->g, e->u, e->g, n, m->n_ff_local);
+    if ((rc = ops->matmul(c, &ly->w_down, e->g, n, e->h))) return rc;
+    if ((rc = allreduce(e, e->h, n * E))) return rc;
+    ops->add(c, e->x, e->h, n, E);
+    return 0;
+}
+
+int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)
+{
+    const kn_model *m = e->m;
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    const int64_t n = b->n_tokens, E = m->hp.n_embd;
+    int rc = validate(e, kv, b);
+    if (rc) return rc;
+    if ((rc = reserve(e, n))) return rc;
+
+    if (m->first) {
+        if ((rc = ops->get_rows(c, &m->tok_embd, b->tokens, n, e->x))) return rc;
+    } else {
+        memcpy(e->x, b->embd, (size_t)(n * E) * sizeof(float));
+    }
+    for (int li = 0; li < m->shard.l1 - m->shard.l0; li++)
+        if ((rc = layer_forward(e, kv, b, li))) return rc;
+
+    if (!m->last) {
+        memcpy(out, e->x, (size_t)(n * E) * sizeof(float));
+        return 0;
+    }
+    if (b->n_logits == 0) return 0;
+    ops->copy_rows(c, e->x, b->logit_rows, b->n_logits, E, e->sel);
+    ops->rmsnorm(c, e->sel, m->output_norm, e->sel, b->n_logits, E, m->hp.rms_eps);
+    return ops->matmul(c, &m->output, e->sel, b->n_logits, out);
+}

@@ -1,0 +1,94 @@
+/* kn_backend.h: the compute backend ops table the model code calls, and the weight
+ * matrix view (kn_mat) every backend understands.
+ *
+ * Purpose: the forward pass (kernels/model_*.c) never calls a CPU or CUDA kernel by name;
+ * it calls backend->ops->x(backend->ctx, ...), so a CUDA backend slots in without touching
+ * the model code.
+ * Invariants: all buffers passed to ops live in the backend's memory (host memory for cpu)
+ * and are row-major float32 unless stated; shapes are in the comments. Ops are
+ * synchronous from the caller's point of view (the cpu backend fans out to its thread
+ * pool and returns when all threads are done).
+ * Threading: one thread drives a backend at a time (the process's engine loop).
+ * Ownership: a kn_mat borrows its data (usually the GGUF mapping); the backend owns its
+ * thread pool and scratch.
+ */
+#ifndef KN_BACKEND_H
+#define KN_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_dtype.h"
+
+/* A weight matrix W of n_rows x n_cols in GGUF storage type. Row r starts at
+ * data + r * row_stride. A tensor-parallel slice is just a view: column-parallel slices
+ * move data by whole rows; row-parallel slices move data by whole blocks within a row and
+ * keep the full row_stride (so n_cols must be a multiple of the type's block size). */
+typedef struct {
+    td_dtype type;
+    int64_t n_rows;    /* output features */
+    int64_t n_cols;    /* input features (k) */
+    size_t row_stride; /* bytes between consecutive rows */
+    const void *data;  /* first used element of row 0 */
+} kn_mat;
+
+/* One sequence's view of a paged KV layer, as the attention op reads it. */
+typedef struct {
+    const int32_t *block_table; /* (n_blocks_used) block ids of this sequence */
+    int32_t n_ctx;              /* positions [0, n_ctx) are valid in the pool */
+} kn_seq_view;
+
+typedef struct {
+    const char *name;
+
+    /* y (m, w->n_rows) = x (m, w->n_cols) * W^T. */
+    int (*matmul)(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y);
+
+    /* y (m, n) = x / rms(x) * weight (n); y may equal x. */
+    void (*rmsnorm)(void *ctx, const float *x, const float *weight, float *y, int64_t m,
+                    int64_t n, float eps);
+
+    /* Rotate x (m, n_heads, head_dim) in place at positions pos (m). freq (head_dim/2) are
+     * the per-pair inverse frequencies (rope scaling already folded in); neox selects the
+     * pairing (i, i + d/2) instead of (2i, 2i+1). Only the first n_rot dims rotate. */
+    void (*rope)(void *ctx, float *x, int64_t m, int n_heads, int head_dim, int n_rot,
+                 const int32_t *pos, const float *freq, bool neox);
+
+    /* out (m, n) = silu(gate) * up, gate/up (m, n). */
+    void (*swiglu)(void *ctx, const float *gate, const float *up, float *out, int64_t m,
+                   int64_t n);
+
+    /* Write k, v (m, n_kv_heads, head_dim) of tokens at positions pos into the paged pool
+     * layer (kpool/vpool: (n_blocks, n_kv_heads, block_size, head_dim), kv_type F32/F16)
+     * through each token's sequence view seq[seq_of[i]]. */
+    void (*kv_write)(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int block_size,
+                     int n_kv_heads, int head_dim, const float *k, const float *v, int64_t m,
+                     const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs);
+
+    /* Causal attention with an online softmax: token i (at pos[i], sequence seq_of[i])
+     * attends to positions [0, pos[i]] of its sequence. q (m, n_heads, head_dim),
+     * out (m, n_heads, head_dim). Head h reads KV head h / (n_heads / n_kv_heads). */
+    void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
+                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
+                      int head_dim, float scale, int64_t m, const int32_t *pos,
+                      const int32_t *seq_of, const kn_seq_view *seqs, float *out);
+
+    /* out (m, n_cols) = rows ids[i] of W (any supported type), dequantized. */
+    int (*get_rows)(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);
+
+    /* y (m, n) += x (m, n). */
+    void (*add)(void *ctx, float *y, const float *x, int64_t m, int64_t n);
+    /* y (m, n) += b (n) on every row. */
+    void (*add_row)(void *ctx, float *y, const float *b, int64_t m, int64_t n);
+    /* dst (m, n) = src rows rows[i] (each of n floats). */
+    void (*copy_rows)(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
+                      float *dst);
+} kn_backend_ops;
+
+typedef struct {
+    const kn_backend_ops *ops;
+    void *ctx;
+} kn_backend;
+
+#endif

@@ -1,0 +1,116 @@
+/* model.h: a model shard (layer range x tensor-parallel slice) loaded from GGUF, and the
+ * engine that runs its forward pass over a batch against a paged KV pool.
+ *
+ * Purpose: the one compute path shared by prefill stages, decode ranks and the CLI.
+ * A shard is layers [l0, l1) x TP slice (rank, size): the first stage (l0 == 0) embeds
+ * tokens, the last stage (l1 == n_layer) applies the final norm and the LM head; middle
+ * stages take and return hidden states. TP slices hold heads [rank*h/size, ...) of
+ * Q/K/V, rows of gate/up, and the matching input columns of attn_output/ffn_down; the
+ * engine calls the collective's allreduce_sum twice per layer so ranks stay identical.
+ * Splitting is exact: PP stages and TP slices compose to the unsplit model's logits up to
+ * float reassociation.
+ * Invariants: weights are views into the GGUF mapping (never copied, except small 1-D
+ * tensors converted to float32); a loaded model is read-only.
+ * Threading: a kn_model may be shared by engines; a kn_engine is driven by one thread.
+ * Ownership: kn_model borrows the td_gguf (keep it open until kn_model_destroy);
+ * kn_engine borrows the model, the backend and the collective.
+ */
+#ifndef KN_MODEL_H
+#define KN_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "gguf.h"
+#include "kn_backend.h"
+#include "kv_pool.h"
+
+typedef enum { KN_ARCH_LLAMA, KN_ARCH_QWEN2, KN_ARCH_QWEN3 } kn_arch;
+
+typedef struct {
+    kn_arch arch;
+    int n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, n_vocab, n_ctx_train;
+    int n_rot;        /* rotated dims per head */
+    float rope_base;
+    float rope_scale; /* linear scaling factor (positions divided by it); 1 = none */
+    bool rope_neox;   /* qwen: pairs (i, i+n_rot/2); llama: (2i, 2i+1) */
+    float rms_eps;
+    bool tied_embd;   /* no output.weight: the LM head is token_embd */
+} kn_hparams;
+
+typedef struct {
+    int l0, l1;           /* layers [l0, l1); l1 = 0 means n_layer */
+    int tp_rank, tp_size; /* tp_size 0 means 1 */
+} kn_shard;
+
+typedef struct {
+    kn_mat wq, wk, wv, wo;             /* local slices */
+    kn_mat w_gate, w_up, w_down;
+    float *attn_norm, *ffn_norm;       /* (n_embd) */
+    float *bq, *bk, *bv;               /* local slices of the QKV biases or NULL */
+    float *q_norm, *k_norm;            /* (head_dim) qwen3 per-head norms or NULL */
+} kn_layer;
+
+typedef struct {
+    kn_hparams hp;
+    kn_shard shard;
+    int n_head_local, n_head_kv_local, n_ff_local;
+    bool first, last;
+    kn_mat tok_embd;    /* (n_vocab, n_embd); first stage, or last when tied */
+    kn_mat output;      /* (n_vocab, n_embd); last stage */
+    float *output_norm; /* (n_embd); last stage */
+    kn_layer *layers;   /* (l1 - l0) */
+    float *rope_freq;   /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
+    char name[128];     /* general.name (truncated) or "" */
+} kn_model;
+
+/* Load shard s of the model in g. Checks the architecture, every tensor's presence,
+ * shape and type, and that the TP split divides heads and FFN evenly with block-aligned
+ * row-parallel slices; errors are logged with the tensor name. */
+int kn_model_load(const td_gguf *g, const kn_shard *s, kn_model **out);
+void kn_model_destroy(kn_model *m);
+/* Read only the hyper-parameters (no shard, no tensors checked beyond the embedding). */
+int kn_hparams_read(const td_gguf *g, kn_hparams *hp);
+const char *kn_arch_name(kn_arch a);
+
+/* KV pool shape for this shard with n_blocks blocks. */
+kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_size,
+                                     td_dtype type);
+
+/* Tensor-parallel reduction: sum buf (n floats) across the instance's ranks in place;
+ * every rank gets the sum. Return 0 or a negative td_err. */
+typedef struct {
+    void *ctx;
+    int (*allreduce_sum)(void *ctx, float *buf, int64_t n);
+} kn_collective;
+
+/* One forward batch: tokens of several sequences at arbitrary positions. Tokens of one
+ * sequence must come in position order; positions [0, pos] of every token's sequence must
+ * be in the KV pool after this batch (earlier positions from earlier batches). */
+typedef struct {
+    int64_t n_tokens;
+    const int32_t *tokens;    /* (n_tokens) first stage */
+    const float *embd;        /* (n_tokens, n_embd) input hidden states, other stages */
+    const int32_t *pos;       /* (n_tokens) */
+    const int32_t *seq_of;    /* (n_tokens) index into seqs */
+    int n_seqs;
+    const kn_seq_view *seqs;  /* (n_seqs) block tables and n_ctx after this batch */
+    int n_logits;             /* last stage: rows that need logits */
+    const int32_t *logit_rows; /* (n_logits) token indices into the batch */
+} kn_batch;
+
+typedef struct kn_engine kn_engine;
+
+/* coll may be NULL when tp_size == 1. */
+int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll,
+                     kn_engine **out);
+void kn_engine_destroy(kn_engine *e);
+
+/* Run the shard over the batch. Writes K/V of its layers into kv. out:
+ *   last stage: (n_logits, n_vocab) logits of the requested rows;
+ *   other stages: (n_tokens, n_embd) hidden states for the next stage.
+ * Bad input (token id out of range, position past the block table, missing tokens or
+ * embd) is TD_EINVAL / TD_ERANGE with a logged message, never a crash. */
+int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out);
+
+#endif

@@ -1,0 +1,363 @@
+/* model_load.c: hyper-parameters from GGUF metadata and the shard's weight views. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_backend.h" /* kn_dequant_row, kn_cpu_type_supported: host-side loading */
+#include "model.h"
+#include "td_err.h"
+
+const char *kn_arch_name(kn_arch a)
+{
+    switch (a) {
+    case KN_ARCH_LLAMA: return "llama";
+    case KN_ARCH_QWEN2: return "qwen2";
+    case KN_ARCH_QWEN3: return "qwen3";
+    }
+    return "?";
+}
+
+static int get_u32(const td_gguf *g, const char *arch, const char *suffix, uint32_t *out,
+                   bool required)
+{
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    int rc = td_gguf_get_u32(g, key, out);
+    if (rc == TD_ENOENT && !required) return TD_ENOENT;
+    if (rc) TD_LOG_ERR("model metadata '%s': %s", key, rc == TD_ENOENT ? "missing" : "bad value");
+    return rc;
+}
+
+static int get_f32(const td_gguf *g, const char *arch, const char *suffix, float *out)
+{
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    int rc = td_gguf_get_f32(g, key, out);
+    if (rc && rc != TD_ENOENT) TD_LOG_ERR("model metadata '%s': bad value", key);
+    return rc;
+}
+
+int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
+{
+    memset(hp, 0, sizeof *hp);
+    const char *s;
+    size_t len;
+    if (td_gguf_get_str(g, "general.architecture", &s, &len)) {
+        TD_LOG_ERR("model has no general.architecture");
+        return TD_EFORMAT;
+    }
+    char arch[32];
+    if (len >= sizeof arch) len = sizeof arch - 1;
+    memcpy(arch, s, len);
+    arch[len] = '\0';
+    if (!strcmp(arch, "llama")) hp->arch = KN_ARCH_LLAMA;
+    else if (!strcmp(arch, "qwen2")) hp->arch = KN_ARCH_QWEN2;
+    else if (!strcmp(arch, "qwen3")) hp->arch = KN_ARCH_QWEN3;
+    else {
+        TD_LOG_ERR("unsupported architecture '%s' (llama, qwen2, qwen3 are supported)", arch);
+        return TD_EUNSUPP;
+    }
+    uint32_t v;
+    int rc;
+    if ((rc = get_u32(g, arch, "block_count", &v, true))) return rc;
+    hp->n_layer = (int)v;
+    if ((rc = get_u32(g, arch, "embedding_length", &v, true))) return rc;
+    hp->n_embd = (int)v;
+    if ((rc = get_u32(g, arch, "feed_forward_length", &v, true))) return rc;
+    hp->n_ff = (int)v;
+    if ((rc = get_u32(g, arch, "attention.head_count", &v, true))) return rc;
+    hp->n_head = (int)v;
+    rc = get_u32(g, arch, "attention.head_count_kv", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    hp->n_head_kv = rc ? hp->n_head : (int)v;
+    if (hp->n_layer < 1 || hp->n_layer > 4096 || hp->n_embd < 1 || hp->n_embd > (1 << 20) ||
+        hp->n_ff < 1 || hp->n_ff > (1 << 22) || hp->n_head < 1 || hp->n_head > 4096 ||
+        hp->n_head_kv < 1 || hp->n_head % hp->n_head_kv) {
+        TD_LOG_ERR("implausible model shape: layers %d embd %d ff %d heads %d kv heads %d",
+                   hp->n_layer, hp->n_embd, hp->n_ff, hp->n_head, hp->n_head_kv);
+        return TD_EFORMAT;
+    }
+    rc = get_u32(g, arch, "attention.key_length", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (rc == TD_ENOENT && hp->n_embd % hp->n_head) {
+        TD_LOG_ERR("embedding %d not divisible by %d heads and no key_length", hp->n_embd,
+                   hp->n_head);
+        return TD_EFORMAT;
+    }
+    hp->head_dim = rc ? hp->n_embd / hp->n_head : (int)v;
+    if (hp->head_dim < 2 || hp->head_dim > 1024 || hp->head_dim % 2) {
+        TD_LOG_ERR("unsupported head dim %d", hp->head_dim);
+        return TD_EUNSUPP;
+    }
+    rc = get_u32(g, arch, "rope.dimension_count", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    hp->n_rot = rc ? hp->head_dim : (int)v;
+    if (hp->n_rot < 2 || hp->n_rot > hp->head_dim || hp->n_rot % 2) {
+        TD_LOG_ERR("bad rope dimension count %d (head dim %d)", hp->n_rot, hp->head_dim);
+        return TD_EFORMAT;
+    }
+    rc = get_u32(g, arch, "context_length", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    hp->n_ctx_train = rc ? 2048 : (int)v;
+    hp->rope_base = 10000.0f;
+    rc = get_f32(g, arch, "rope.freq_base", &hp->rope_base);
+    if (rc && rc != TD_ENOENT) return rc;
+    hp->rms_eps = 1e-5f;
+    rc = get_f32(g, arch, "attention.layer_norm_rms_epsilon", &hp->rms_eps);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (!(hp->rope_base > 0) || !(hp->rms_eps > 0) || !(hp->rms_eps < 1)) {
+        TD_LOG_ERR("bad rope base %g or rms epsilon %g", hp->rope_base, hp->rms_eps);
+        return TD_EFORMAT;
+    }
+    hp->rope_scale = 1.0f;
+    char key[128];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
+    if (!td_gguf_get_str(g, key, &s, &len) && !(len == 4 && !memcmp(s, "none", 4))) {
+        if (!(len == 6 && !memcmp(s, "linear", 6))) {
+            TD_LOG_ERR("unsupported rope scaling type '%.*s' (none, linear, and llama3 "
+                       "rope_freqs are supported)", (int)len, s);
+            return TD_EUNSUPP;
+        }
+        float f = 1.0f;
+        rc = get_f32(g, arch, "rope.scaling.factor", &f);
+        if (rc && rc != TD_ENOENT) return rc;
+        if (!(f > 0)) {
+            TD_LOG_ERR("bad rope scaling factor %g", f);
+            return TD_EFORMAT;
+        }
+        hp->rope_scale = f;
+    }
+    hp->rope_neox = hp->arch != KN_ARCH_LLAMA;
+    const td_gguf_tensor *te = td_gguf_find_tensor(g, "token_embd.weight");
+    if (!te || te->n_dims != 2 || te->ne[0] != hp->n_embd) {
+        TD_LOG_ERR("token_embd.weight missing or not (%d, n_vocab)", hp->n_embd);
+        return TD_EFORMAT;
+    }
+    if (te->ne[1] > INT32_MAX) return TD_EFORMAT;
+    hp->n_vocab = (int)te->ne[1];
+    hp->tied_embd = td_gguf_find_tensor(g, "output.weight") == NULL;
+    return 0;
+}
+
+/* ---- weight views ---- */
+
+typedef struct {
+    const td_gguf *g;
+    kn_model *m;
+    int rc;
+} loader;
+
+static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int64_t ne1)
+{
+    if (L->rc) return NULL;
+    const td_gguf_tensor *t = td_gguf_find_tensor(L->g, name);
+    if (!t) {
+        TD_LOG_ERR("tensor '%s' missing", name);
+        L->rc = TD_EFORMAT;
+        return NULL;
+    }
+    int64_t want1 = ne1 ? ne1 : 1;
+    if (t->ne[0] != ne0 || t->ne[1] != want1 || t->ne[2] != 1 || t->ne[3] != 1) {
+        TD_LOG_ERR("tensor '%s' has shape (%lld, %lld, %lld, %lld), expected (%lld, %lld)", name,
+                   (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                   (long long)t->ne[3], (long long)ne0, (long long)want1);
+        L->rc = TD_EFORMAT;
+        return NULL;
+    }
+    if (!kn_cpu_type_supported(t->type)) {
+        TD_LOG_ERR("tensor '%s' has type %s, which the engine does not compute with (F32, F16, "
+                   "BF16, Q8_0, Q4_0, Q4_1)", name, td_dtype_name(t->type));
+        L->rc = TD_EUNSUPP;
+        return NULL;
+    }
+    return t;
+}
+
+/* Rows [r0, r0 + nr) and columns [c0, c0 + nc) of a 2-D tensor as a kn_mat. */
+static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t r0,
+                   int64_t nr, int64_t c0, int64_t nc)
+{
+    kn_mat w = {0};
+    const td_gguf_tensor *t = need(L, name, ne0, ne1);
+    if (!t) return w;
+    const td_dtype_info *ti = td_dtype_get(t->type);
+    if (c0 % ti->blck || nc % ti->blck) {
+        TD_LOG_ERR("tensor '%s' (%s): the tensor-parallel column slice [%lld, +%lld) is not "
+                   "aligned to %u-element blocks", name, ti->name, (long long)c0, (long long)nc,
+                   ti->blck);
+        L->rc = TD_EUNSUPP;
+        return w;
+    }
+    w.type = t->type;
+    w.n_rows = nr;
+    w.n_cols = nc;
+    w.row_stride = td_dtype_row_bytes(t->type, ne0);
+    w.data = (const char *)t->data + (size_t)r0 * w.row_stride + (size_t)(c0 / ti->blck) * ti->type_size;
+    return w;
+}
+
+/* Elements [off, off + n) of a 1-D tensor of ne0 elements, converted to float32. */
+static float *vec(loader *L, const char *name, int64_t ne0, int64_t off, int64_t n, bool optional)
+{
+    if (L->rc) return NULL;
+    if (optional && !td_gguf_find_tensor(L->g, name)) return NULL;
+    const td_gguf_tensor *t = need(L, name, ne0, 0);
+    if (!t) return NULL;
+    float *full = malloc((size_t)ne0 * sizeof *full);
+    float *out = malloc((size_t)n * sizeof *out);
+    if (!full || !out || kn_dequant_row(t->type, t->data, full, ne0)) {
+        free(full);
+        free(out);
+        L->rc = TD_ENOMEM;
+        return NULL;
+    }
+    memcpy(out, full + off, (size_t)n * sizeof *out);
+    free(full);
+    return out;
+}
+
+static int check_split(const kn_hparams *hp, const kn_shard *s)
+{
+    if (s->l0 < 0 || s->l0 >= s->l1 || s->l1 > hp->n_layer) {
+        TD_LOG_ERR("bad layer range [%d, %d) for a model of %d layers", s->l0, s->l1, hp->n_layer);
+        return TD_EINVAL;
+    }
+    if (s->tp_size < 1 || s->tp_rank < 0 || s->tp_rank >= s->tp_size) {
+        TD_LOG_ERR("bad tensor-parallel rank %d of %d", s->tp_rank, s->tp_size);
+        return TD_EINVAL;
+    }
+    if (hp->n_head % s->tp_size || hp->n_head_kv % s->tp_size || hp->n_ff % s->tp_size) {
+        TD_LOG_ERR("tp %d does not divide heads %d, kv heads %d and ffn %d evenly", s->tp_size,
+                   hp->n_head, hp->n_head_kv, hp->n_ff);
+        return TD_EUNSUPP;
+    }
+    return 0;
+}
+
+static void build_rope_freq(const kn_hparams *hp, float *freq, const float *factors)
+{
+    for (int i = 0; i < hp->n_rot / 2; i++) {
+        double f = pow((double)hp->rope_base, -2.0 * i / hp->n_rot) / hp->rope_scale;
+        if (factors) f /= factors[i];
+        freq[i] = (float)f;
+    }
+}
+
+int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
+{
+    *out = NULL;
+    kn_model *m = calloc(1, sizeof *m);
+    if (!m) return TD_ENOMEM;
+    int rc = kn_hparams_read(g, &m->hp);
+    if (rc) goto fail;
+    const kn_hparams *hp = &m->hp;
+    kn_shard s = *shard;
+    if (s.l1 == 0) s.l1 = hp->n_layer;
+    if (s.tp_size == 0) s.tp_size = 1;
+    if ((rc = check_split(hp, &s))) goto fail;
+    m->shard = s;
+    m->first = s.l0 == 0;
+    m->last = s.l1 == hp->n_layer;
+    m->n_head_local = hp->n_head / s.tp_size;
+    m->n_head_kv_local = hp->n_head_kv / s.tp_size;
+    m->n_ff_local = hp->n_ff / s.tp_size;
+    const char *name;
+    size_t name_len;
+    if (!td_gguf_get_str(g, "general.name", &name, &name_len))
+        snprintf(m->name, sizeof m->name, "%.*s", (int)(name_len < 127 ? name_len : 127), name);
+
+    loader L = {.g = g, .m = m};
+    const int64_t E = hp->n_embd, HD = hp->head_dim;
+    const int64_t nq = (int64_t)m->n_head_local * HD, nkv = (int64_t)m->n_head_kv_local * HD;
+    const int64_t q0 = s.tp_rank * nq, kv0 = s.tp_rank * nkv;
+    const int64_t F = m->n_ff_local, f0 = s.tp_rank * F;
+    const int64_t QT = (int64_t)hp->n_head * HD, KVT = (int64_t)hp->n_head_kv * HD;
+
+    if (m->first || (m->last && hp->tied_embd))
+        m->tok_embd = view(&L, "token_embd.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
+    if (m->last) {
+        m->output = hp->tied_embd ? m->tok_embd
+                                  : view(&L, "output.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
+        m->output_norm = vec(&L, "output_norm.weight", E, 0, E, false);
+    }
+    int n_local = s.l1 - s.l0;
+    m->layers = calloc((size_t)n_local, sizeof *m->layers);
+    if (!m->layers) {
+        rc = TD_ENOMEM;
+        goto fail;
+    }
+    char nm[96];
+#define NAME(fmt) (snprintf(nm, sizeof nm, "blk.%d." fmt, il), nm)
+    for (int i = 0; i < n_local && !L.rc; i++) {
+        int il = s.l0 + i;
+        kn_layer *ly = &m->layers[i];
+        ly->attn_norm = vec(&L, NAME("attn_norm.weight"), E, 0, E, false);
+        ly->ffn_norm = vec(&L, NAME("ffn_norm.weight"), E, 0, E, false);
+        ly->wq = view(&L, NAME("attn_q.weight"), E, QT, q0, nq, 0, E);
+        ly->wk = view(&L, NAME("attn_k.weight"), E, KVT, kv0, nkv, 0, E);
+        ly->wv = view(&L, NAME("attn_v.weight"), E, KVT, kv0, nkv, 0, E);
+        ly->wo = view(&L, NAME("attn_output.weight"), QT, E, 0, E, q0, nq);
+        ly->w_gate = view(&L, NAME("ffn_gate.weight"), E, hp->n_ff, f0, F, 0, E);
+        ly->w_up = view(&L, NAME("ffn_up.weight"), E, hp->n_ff, f0, F, 0, E);
+        ly->w_down = view(&L, NAME("ffn_down.weight"), hp->n_ff, E, 0, E, f0, F);
+        ly->bq = vec(&L, NAME("attn_q.bias"), QT, q0, nq, true);
+        ly->bk = vec(&L, NAME("attn_k.bias"), KVT, kv0, nkv, true);
+        ly->bv = vec(&L, NAME("attn_v.bias"), KVT, kv0, nkv, true);
+        ly->q_norm = vec(&L, NAME("attn_q_norm.weight"), HD, 0, HD, hp->arch != KN_ARCH_QWEN3);
+        ly->k_norm = vec(&L, NAME("attn_k_norm.weight"), HD, 0, HD, hp->arch != KN_ARCH_QWEN3);
+    }
+#undef NAME
+    float *factors = vec(&L, "rope_freqs.weight", hp->n_rot / 2, 0, hp->n_rot / 2, true);
+    if ((rc = L.rc)) {
+        free(factors);
+        goto fail;
+    }
+    m->rope_freq = malloc((size_t)(hp->n_rot / 2) * sizeof *m->rope_freq);
+    if (!m->rope_freq) {
+        free(factors);
+        rc = TD_ENOMEM;
+        goto fail;
+    }
+    build_rope_freq(hp, m->rope_freq, factors);
+    free(factors);
+    *out = m;
+    return 0;
+fail:
+    kn_model_destroy(m);
+    return rc;
+}
+
+void kn_model_destroy(kn_model *m)
+{
+    if (!m) return;
+    if (m->layers) {
+        for (int i = 0; i < m->shard.l1 - m->shard.l0; i++) {
+            kn_layer *ly = &m->layers[i];
+            free(ly->attn_norm);
+            free(ly->ffn_norm);
+            free(ly->bq);
+            free(ly->bk);
+            free(ly->bv);
+            free(ly->q_norm);
+            free(ly->k_norm);
+        }
+    }
+    free(m->layers);
+    free(m->output_norm);
+    free(m->rope_freq);
+    free(m);
+}
+
+kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_size,
+                                     td_dtype type)
+{
+    return (kn_kv_pool_params){
+        .n_layers = m->shard.l1 - m->shard.l0,
+        .n_kv_heads = m->n_head_kv_local,
+        .head_dim = m->hp.head_dim,
+        .block_size = block_size,
+        .n_blocks = n_blocks,
+        .type = type,
+    };
+}

@@ -1,0 +1,171 @@
+/* sampler.c: the sampling chain over a candidate list. */
+#include "sampler.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_err.h"
+
+struct kn_cand {
+    int32_t id;
+    float logit;
+    float p;
+};
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t xoshiro_next(uint64_t *s)
+{
+    uint64_t r = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return r;
+}
+
+/* uniform in [0, 1) with 53 random bits */
+static double uniform(uint64_t *s) { return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53; }
+
+int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab)
+{
+    memset(s, 0, sizeof *s);
+    if (n_vocab < 1) return TD_EINVAL;
+    s->p = *p;
+    if (s->p.repeat_last_n <= 0) s->p.repeat_last_n = 64;
+    s->n_vocab = n_vocab;
+    s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
+    if (!s->cand) return TD_ENOMEM;
+    uint64_t x = p->seed;
+    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+    return 0;
+}
+
+void kn_sampler_fini(kn_sampler *s)
+{
+    free(s->cand);
+    s->cand = NULL;
+}
+
+static int by_logit_desc(const void *a, const void *b)
+{
+    const struct kn_cand *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
+    return x->id - y->id;
+}
+
+static bool worse(const struct kn_cand *a, const struct kn_cand *b)
+{
+    return a->logit < b->logit || (a->logit == b->logit && a->id > b->id);
+}
+
+static void sift_down(struct kn_cand *h, int32_t k, int32_t i)
+{
+    for (;;) {
+        int32_t l = 2 * i + 1, r = l + 1, w = i;
+        if (l < k && worse(&h[l], &h[w])) w = l;
+        if (r < k && worse(&h[r], &h[w])) w = r;
+        if (w == i) return;
+        struct kn_cand t = h[i];
+        h[i] = h[w];
+        h[w] = t;
+        i = w;
+    }
+}
+
+/* Move the k best candidates to c[0..k) (unordered): a min-heap of the best k seen,
+ * O(n log k) instead of sorting the whole vocabulary. */
+static void select_top(struct kn_cand *c, int32_t n, int32_t k)
+{
+    for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(c, k, i);
+    for (int32_t i = k; i < n; i++)
+        if (worse(&c[0], &c[i])) {
+            c[0] = c[i];
+            sift_down(c, k, 0);
+        }
+}
+
+int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist)
+{
+    const kn_sampler_params *p = &s->p;
+    int32_t n = s->n_vocab;
+    struct kn_cand *c = s->cand;
+    for (int32_t i = 0; i < n; i++) c[i] = (struct kn_cand){.id = i, .logit = logits[i]};
+
+    if (p->repeat_penalty > 0 && p->repeat_penalty != 1.0f && history) {
+        int64_t from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
+        /* penalize each distinct token once, as llama.cpp does */
+        for (int64_t i = from; i < n_hist; i++) {
+            int32_t id = history[i];
+            if (id < 0 || id >= n) continue;
+            bool seen = false;
+            for (int64_t j = from; j < i && !seen; j++) seen = history[j] == id;
+            if (seen) continue;
+            float *l = &c[id].logit;
+            *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
+        }
+    }
+    if (p->temperature <= 0) {
+        int32_t best = 0;
+        for (int32_t i = 1; i < n; i++)
+            if (c[i].logit > c[best].logit) best = i;
+        return best;
+    }
+    for (int32_t i = 0; i < n; i++)
+        if (isnan(c[i].logit)) {
+            TD_LOG_ERR("logits contain nan");
+            return TD_EINVAL;
+        }
+    /* every later filter keeps a prefix of the list sorted by logit */
+    int32_t k = n;
+    if (p->top_k > 0 && p->top_k < n) {
+        k = p->top_k;
+        select_top(c, n, k);
+        qsort(c, (size_t)k, sizeof *c, by_logit_desc);
+    } else {
+        qsort(c, (size_t)n, sizeof *c, by_logit_desc); /* 50k entries: ~ms, only without top-k */
+    }
+    double maxl = c[0].logit, sum = 0;
+    for (int32_t i = 0; i < k; i++) {
+        c[i].p = (float)exp(((double)c[i].logit - maxl) / p->temperature);
+        sum += c[i].p;
+    }
+    if (p->top_p > 0 && p->top_p < 1) {
+        double acc = 0;
+        int32_t keep = k;
+        for (int32_t i = 0; i < k; i++) {
+            acc += c[i].p / sum;
+            if (acc >= p->top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        k = keep;
+    }
+    if (p->min_p > 0) {
+        /* relative to the most likely token: p_i >= min_p * p_0 */
+        int32_t keep = 1;
+        while (keep < k && c[keep].p >= p->min_p * c[0].p) keep++;
+        k = keep;
+    }
+    sum = 0;
+    for (int32_t i = 0; i < k; i++) sum += c[i].p;
+    double r = uniform(s->rng) * sum, acc = 0;
+    for (int32_t i = 0; i < k; i++) {
+        acc += c[i].p;
+        if (r < acc) return c[i].id;
+    }
+    return c[k - 1].id;
+}

@@ -1,0 +1,41 @@
+/* sampler.h: next-token sampling from logits.
+ *
+ * Purpose: the one sampler used by the CLI, the prefill last stage and decode rank 0.
+ * Order (as llama.cpp's default chain): repetition penalty -> top-k -> top-p -> min-p ->
+ * temperature -> draw. temperature <= 0 is greedy (argmax after the penalty; ties go to
+ * the lowest id).
+ * Invariants: the same params, seed, logits and history give the same token, on every
+ * machine (the RNG is a counter-free xoshiro256** seeded with splitmix64).
+ * Threading: a kn_sampler belongs to one sequence and one thread.
+ * Ownership: kn_sampler_init/fini (embedded); scratch is owned by the sampler.
+ */
+#ifndef KN_SAMPLER_H
+#define KN_SAMPLER_H
+
+#include <stdint.h>
+
+typedef struct {
+    float temperature;    /* <= 0: greedy */
+    int top_k;            /* <= 0: off */
+    float top_p;          /* >= 1 or <= 0: off */
+    float min_p;          /* <= 0: off */
+    float repeat_penalty; /* 1 or 0: off; > 1 penalizes tokens in the recent history */
+    int repeat_last_n;    /* history window for the penalty; 0: 64 */
+    uint64_t seed;
+} kn_sampler_params;
+
+typedef struct {
+    kn_sampler_params p;
+    int32_t n_vocab;
+    uint64_t rng[4];
+    struct kn_cand *cand; /* (n_vocab) scratch */
+} kn_sampler;
+
+int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab);
+void kn_sampler_fini(kn_sampler *s);
+
+/* Sample from logits (n_vocab). history (n_hist) are the sequence's previous tokens,
+ * used by the repetition penalty. Returns the token id (>= 0) or a negative td_err. */
+int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist);
+
+#endif

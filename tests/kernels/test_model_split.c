@@ -1,0 +1,448 @@
+/* test_model_split.c: exactness of the engine's splits on a synthetic model.
+ *
+ * The unsplit model (one shard, all layers) is the reference. Against it:
+ *   - PP into 2 and 3 stages (hidden states handed from stage to stage),
+ *   - TP 2 and 4 (ranks run concurrently on threads, summing partials through a
+ *     barrier-based allreduce, as the decode node's shared-memory collective will),
+ *   - PP 2 x TP 2,
+ *   - prefill in chunks of 1, 7, 64 and all at once, then greedy decode from that KV,
+ *   - two sequences in one batch vs each alone (no cross-sequence attention),
+ * must all give the same logits (max abs difference < 1e-4), and bad batches must be
+ * rejected with an error.
+ * usage: test_model_split MODEL.gguf
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../tharness.h"
+#include "cpu_backend.h"
+#include "model.h"
+#include "td_err.h"
+
+#define PROMPT_LEN 45
+#define N_DECODE 6
+#define BLOCK 16
+
+static const char *model_path;
+static td_gguf *gguf;
+static int n_vocab, n_embd, n_layer;
+
+/* ---- a "stage x rank" grid of shards running one sequence ---- */
+
+typedef struct {
+    pthread_barrier_t bar;
+    float **slots; /* (tp) pointers to each rank's buffer */
+    int tp;
+} allreduce_ctx;
+
+typedef struct {
+    allreduce_ctx *ar;
+    int rank;
+} rank_coll;
+
+static int allreduce_sum(void *ctx, float *buf, int64_t n)
+{
+    rank_coll *rc = ctx;
+    allreduce_ctx *ar = rc->ar;
+    float *mine = malloc((size_t)n * sizeof *mine);
+    if (!mine) return TD_ENOMEM;
+    ar->slots[rc->rank] = buf;
+    pthread_barrier_wait(&ar->bar);
+    /* every rank sums in rank order, so all ranks get bit-identical results */
+    for (int64_t i = 0; i < n; i++) {
+        float s = 0;
+        for (int r = 0; r < ar->tp; r++) s += ar->slots[r][i];
+        mine[i] = s;
+    }
+    pthread_barrier_wait(&ar->bar); /* nobody overwrites buf before all have read it */
+    memcpy(buf, mine, (size_t)n * sizeof *mine);
+    free(mine);
+    return 0;
+}
+
+typedef struct {
+    kn_model *model;
+    kn_cpu *cpu;
+    kn_engine *engine;
+    kn_kv_pool *kv;
+    kn_kv_seq seqs[2];
+    rank_coll coll;
+} shard_rt;
+
+typedef struct {
+    int pp, tp;
+    shard_rt *rt;        /* (pp * tp) stage-major */
+    allreduce_ctx *ars;  /* (pp) one collective per stage */
+    td_dtype kv_type;
+} grid;
+
+static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
+{
+    memset(g, 0, sizeof *g);
+    g->pp = pp;
+    g->tp = tp;
+    g->kv_type = kv_type;
+    g->rt = calloc((size_t)(pp * tp), sizeof *g->rt);
+    g->ars = calloc((size_t)pp, sizeof *g->ars);
+    for (int s = 0; s < pp; s++) {
+        g->ars[s].tp = tp;
+        g->ars[s].slots = calloc((size_t)tp, sizeof(float *));
+        pthread_barrier_init(&g->ars[s].bar, NULL, (unsigned)tp);
+        /* later stages get the extra layers, as the prefill node does */
+        int l0 = n_layer * s / pp, l1 = n_layer * (s + 1) / pp;
+        for (int r = 0; r < tp; r++) {
+            shard_rt *x = &g->rt[s * tp + r];
+            kn_shard sh = {.l0 = l0, .l1 = l1, .tp_rank = r, .tp_size = tp};
+            int rc = kn_model_load(gguf, &sh, &x->model);
+            if (rc) return rc;
+            if ((rc = kn_cpu_create(1 + (r % 2), &x->cpu))) return rc; /* mixed thread counts */
+            x->coll = (rank_coll){.ar = &g->ars[s], .rank = r};
+            kn_collective coll = {.ctx = &x->coll, .allreduce_sum = allreduce_sum};
+            if ((rc = kn_engine_create(x->model, kn_cpu_backend(x->cpu), &coll, &x->engine)))
+                return rc;
+            kn_kv_pool_params kp = kn_model_kv_params(x->model, 64, BLOCK, kv_type);
+            if ((rc = kn_kv_pool_create(&kp, &x->kv))) return rc;
+            kn_kv_seq_init(&x->seqs[0]);
+            kn_kv_seq_init(&x->seqs[1]);
+        }
+    }
+    return 0;
+}
+
+static void grid_close(grid *g)
+{
+    for (int i = 0; i < g->pp * g->tp && g->rt; i++) {
+        shard_rt *x = &g->rt[i];
+        if (x->kv) {
+            kn_kv_seq_fini(x->kv, &x->seqs[0]);
+            kn_kv_seq_fini(x->kv, &x->seqs[1]);
+        }
+        kn_kv_pool_destroy(x->kv);
+        kn_engine_destroy(x->engine);
+        kn_cpu_destroy(x->cpu);
+        kn_model_destroy(x->model);
+    }
+    for (int s = 0; s < g->pp && g->ars; s++) {
+        free(g->ars[s].slots);
+        pthread_barrier_destroy(&g->ars[s].bar);
+    }
+    free(g->rt);
+    free(g->ars);
+    memset(g, 0, sizeof *g);
+}
+
+typedef struct {
+    shard_rt *x;
+    kn_batch b;
+    float *out;
+    int rc;
+} rank_job;
+
+static void *rank_main(void *v)
+{
+    rank_job *j = v;
+    j->rc = kn_engine_forward(j->x->engine, j->x->kv, &j->b, j->out);
+    return NULL;
+}
+
+/* Runs tokens (of up to two sequences, given by seq_of) through every stage; logits of
+ * the rows asked for land in logits (n_rows, n_vocab). ctx_after[s]: positions of
+ * sequence s after this batch. */
+static int grid_forward(grid *g, const int32_t *tokens, const int32_t *pos, const int32_t *seq_of,
+                        int64_t n, int n_seqs, const int32_t *ctx_after, const int32_t *rows,
+                        int n_rows, float *logits)
+{
+    float *h_in = NULL, *h_out = malloc((size_t)(n * n_embd) * sizeof(float));
+    int rc = 0;
+    for (int s = 0; s < g->pp && !rc; s++) {
+        bool last = s == g->pp - 1;
+        rank_job jobs[8];
+        pthread_t th[8];
+        kn_seq_view views[8][2];
+        for (int r = 0; r < g->tp && !rc; r++) {
+            shard_rt *x = &g->rt[s * g->tp + r];
+            for (int q = 0; q < n_seqs && !rc; q++) {
+                rc = kn_kv_seq_reserve(x->kv, &x->seqs[q], ctx_after[q]);
+                views[r][q] = (kn_seq_view){.block_table = x->seqs[q].blocks,
+                                            .n_ctx = ctx_after[q]};
+            }
+            /* ranks other than 0 write their logits to a private buffer; rank 0's is kept */
+            float *out = last ? (r == 0 ? logits : malloc((size_t)n_rows * n_vocab * 4))
+                              : (r == 0 ? h_out : malloc((size_t)(n * n_embd) * 4));
+            jobs[r] = (rank_job){
+                .x = x,
+                .b = {.n_tokens = n, .tokens = s == 0 ? tokens : NULL, .embd = h_in, .pos = pos,
+                      .seq_of = seq_of, .n_seqs = n_seqs, .seqs = views[r],
+                      .n_logits = last ? n_rows : 0, .logit_rows = rows},
+                .out = out,
+            };
+        }
+        for (int r = 0; r < g->tp && !rc; r++) pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+        for (int r = 0; r < g->tp && !rc; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < g->tp && !rc; r++) {
+            if (jobs[r].rc) rc = jobs[r].rc;
+            if (r > 0) {
+                /* TP ranks must agree exactly after the allreduces */
+                float *ref = last ? logits : h_out;
+                size_t cnt = last ? (size_t)n_rows * (size_t)n_vocab : (size_t)(n * n_embd);
+                TH_CHECK(memcmp(ref, jobs[r].out, cnt * sizeof(float)) == 0);
+                free(jobs[r].out);
+            }
+        }
+        if (!last) {
+            free(h_in);
+            h_in = h_out;
+            h_out = malloc((size_t)(n * n_embd) * sizeof(float));
+        }
+    }
+    free(h_in);
+    free(h_out);
+    return rc;
+}
+
+/* Prefill the prompt for sequence 0 in chunks, then N_DECODE greedy steps; records the
+ * logits after the prompt and after each step, and the tokens chosen. */
+static int run_sequence(grid *g, const int32_t *prompt, int n_prompt, int chunk, float *logits,
+                        int32_t *gen)
+{
+    int32_t pos[PROMPT_LEN], seq_of[PROMPT_LEN] = {0};
+    int rc = 0;
+    for (int done = 0; done < n_prompt && !rc;) {
+        int len = n_prompt - done < chunk ? n_prompt - done : chunk;
+        for (int i = 0; i < len; i++) pos[i] = done + i;
+        int32_t ctx = done + len, row = len - 1;
+        rc = grid_forward(g, prompt + done, pos, seq_of, len, 1, &ctx, &row, 1, logits);
+        done += len;
+    }
+    for (int t = 0; t < N_DECODE && !rc; t++) {
+        const float *l = logits + (size_t)t * n_vocab;
+        int32_t best = 0;
+        for (int v = 1; v < n_vocab; v++)
+            if (l[v] > l[best]) best = v;
+        gen[t] = best;
+        int32_t p = n_prompt + t, ctx = p + 1, row = 0;
+        rc = grid_forward(g, &best, &p, seq_of, 1, 1, &ctx, &row, 1, logits + (size_t)(t + 1) * n_vocab);
+    }
+    return rc;
+}
+
+static float max_abs_diff(const float *a, const float *b, size_t n)
+{
+    float m = 0;
+    for (size_t i = 0; i < n; i++) {
+        float d = fabsf(a[i] - b[i]);
+        if (!(d <= m)) m = d; /* catches nan */
+    }
+    return m;
+}
+
+static int32_t prompt[PROMPT_LEN];
+static float *ref_logits; /* (N_DECODE + 1, n_vocab) */
+static int32_t ref_gen[N_DECODE];
+
+static void compare_config(int pp, int tp, int chunk, td_dtype kv_type, float tol)
+{
+    grid g;
+    int rc = grid_open(&g, pp, tp, kv_type);
+    TH_CHECKF(rc == 0, "pp %d tp %d: open failed: %s", pp, tp, td_strerror(rc));
+    if (rc) {
+        grid_close(&g);
+        return;
+    }
+    float *logits = calloc((size_t)(N_DECODE + 1) * n_vocab, sizeof(float));
+    int32_t gen[N_DECODE];
+    rc = run_sequence(&g, prompt, PROMPT_LEN, chunk, logits, gen);
+    TH_CHECKF(rc == 0, "pp %d tp %d chunk %d: forward failed: %s", pp, tp, chunk, td_strerror(rc));
+    if (!rc) {
+        float d = max_abs_diff(ref_logits, logits, (size_t)(N_DECODE + 1) * n_vocab);
+        fprintf(stderr, "  pp %d tp %d chunk %2d kv %s: max |dlogit| %.3g\n", pp, tp, chunk,
+                td_dtype_name(kv_type), d);
+        TH_CHECKF(d < tol, "pp %d tp %d chunk %d: logits differ by %g", pp, tp, chunk, d);
+        if (kv_type == TD_F32) TH_CHECK(memcmp(gen, ref_gen, sizeof gen) == 0);
+    }
+    free(logits);
+    grid_close(&g);
+}
+
+static void test_reference_is_sane(void)
+{
+    /* the synthetic model must not be degenerate, or every comparison passes trivially */
+    float mn = ref_logits[0], mx = ref_logits[0];
+    for (int v = 0; v < n_vocab; v++) {
+        mn = fminf(mn, ref_logits[v]);
+        mx = fmaxf(mx, ref_logits[v]);
+    }
+    TH_CHECKF(mx - mn > 0.1f, "logit spread %g", mx - mn);
+    fprintf(stderr, "  reference spread %.3g, generated %d %d %d ...\n", mx - mn, ref_gen[0],
+            ref_gen[1], ref_gen[2]);
+}
+
+static void test_pp_splits(void)
+{
+    compare_config(2, 1, PROMPT_LEN, TD_F32, 1e-4f);
+    compare_config(3, 1, PROMPT_LEN, TD_F32, 1e-4f);
+}
+
+static void test_tp_splits(void)
+{
+    compare_config(1, 2, PROMPT_LEN, TD_F32, 1e-4f);
+    compare_config(1, 4, PROMPT_LEN, TD_F32, 1e-4f);
+}
+
+static void test_pp_x_tp(void)
+{
+    compare_config(2, 2, PROMPT_LEN, TD_F32, 1e-4f);
+    compare_config(3, 2, 7, TD_F32, 1e-4f);
+}
+
+static void test_chunking(void)
+{
+    compare_config(1, 1, 1, TD_F32, 1e-4f);
+    compare_config(1, 1, 7, TD_F32, 1e-4f);
+    compare_config(1, 1, 64, TD_F32, 1e-4f);
+}
+
+static void test_two_sequences_in_one_batch(void)
+{
+    /* sequence 1 is a different prompt; batched together with sequence 0 the logits of
+     * sequence 0 must equal the reference */
+    grid g;
+    TH_REQUIRE(grid_open(&g, 1, 1, TD_F32) == 0);
+    int32_t tok[2 * PROMPT_LEN], pos[2 * PROMPT_LEN], seq_of[2 * PROMPT_LEN];
+    int n = 0;
+    for (int i = 0; i < PROMPT_LEN; i++) {
+        /* interleave the two sequences' tokens */
+        tok[n] = prompt[i], pos[n] = i, seq_of[n++] = 0;
+        tok[n] = (prompt[PROMPT_LEN - 1 - i] * 7 + 3) % n_vocab, pos[n] = i, seq_of[n++] = 1;
+    }
+    int32_t ctx[2] = {PROMPT_LEN, PROMPT_LEN}, rows[2] = {n - 2, n - 1};
+    float *logits = malloc((size_t)2 * n_vocab * sizeof(float));
+    int rc = grid_forward(&g, tok, pos, seq_of, n, 2, ctx, rows, 2, logits);
+    TH_CHECKF(rc == 0, "%s", td_strerror(rc));
+    float d = max_abs_diff(ref_logits, logits, (size_t)n_vocab);
+    fprintf(stderr, "  two sequences: max |dlogit| of seq 0 %.3g\n", d);
+    TH_CHECK(d < 1e-4f);
+    TH_CHECK(max_abs_diff(ref_logits, logits + n_vocab, (size_t)n_vocab) > 1e-3f);
+    free(logits);
+    grid_close(&g);
+}
+
+static void test_f16_kv_close(void)
+{
+    /* f16 KV rounds K and V: close to f32, not equal */
+    compare_config(1, 1, 16, TD_F16, 2e-2f);
+}
+
+static void test_bad_batches(void)
+{
+    grid g;
+    TH_REQUIRE(grid_open(&g, 1, 1, TD_F32) == 0);
+    shard_rt *x = &g.rt[0];
+    TH_REQUIRE(kn_kv_seq_reserve(x->kv, &x->seqs[0], 4) == 0);
+    kn_seq_view view = {.block_table = x->seqs[0].blocks, .n_ctx = 4};
+    int32_t tok[2] = {1, 2}, pos[2] = {0, 1}, seq_of[2] = {0, 0}, row = 1;
+    float *out = malloc((size_t)n_vocab * sizeof(float));
+    kn_batch ok = {.n_tokens = 2, .tokens = tok, .pos = pos, .seq_of = seq_of, .n_seqs = 1,
+                   .seqs = &view, .n_logits = 1, .logit_rows = &row};
+    TH_CHECK(kn_engine_forward(x->engine, x->kv, &ok, out) == 0);
+    kn_batch b = ok;
+    int32_t bad_tok[2] = {1, n_vocab};
+    b.tokens = bad_tok;
+    TH_CHECK(kn_engine_forward(x->engine, x->kv, &b, out) == TD_ERANGE);
+    b = ok;
+    int32_t bad_pos[2] = {0, 4};
+    b.pos = bad_pos;
+    TH_CHECK(kn_engine_forward(x->engine, x->kv, &b, out) == TD_ERANGE);
+    b = ok;
+    int32_t bad_seq[2] = {0, 1};
+    b.seq_of = bad_seq;
+    TH_CHECK(kn_engine_forward(x->engine, x->kv, &b, out) == TD_EINVAL);
+    b = ok;
+    int32_t bad_row = 2;
+    b.logit_rows = &bad_row;
+    TH_CHECK(kn_engine_forward(x->engine, x->kv, &b, out) == TD_ERANGE);
+    b = ok;
+    int32_t bad_table[1] = {9999};
+    kn_seq_view bad_view = {.block_table = bad_table, .n_ctx = 4};
+    b.seqs = &bad_view;
+    TH_CHECK(kn_engine_forward(x->engine, x->kv, &b, out) == TD_ERANGE);
+    b = ok;
+    b.tokens = NULL;
+    TH_CHECK(kn_engine_forward(x->engine, x->kv, &b, out) == TD_EINVAL);
+    /* bad shards */
+    kn_model *m = NULL;
+    kn_shard s1 = {.l0 = 2, .l1 = 1};
+    TH_CHECK(kn_model_load(gguf, &s1, &m) == TD_EINVAL && !m);
+    kn_shard s2 = {.tp_rank = 0, .tp_size = 3};
+    TH_CHECK(kn_model_load(gguf, &s2, &m) == TD_EUNSUPP && !m);
+    kn_shard s3 = {.l0 = 0, .l1 = n_layer + 1};
+    TH_CHECK(kn_model_load(gguf, &s3, &m) == TD_EINVAL && !m);
+    free(out);
+    grid_close(&g);
+}
+
+static void test_kv_pool_exhaustion(void)
+{
+    kn_kv_pool *kv;
+    kn_kv_pool_params p = {.n_layers = 1, .n_kv_heads = 1, .head_dim = 8, .block_size = 16,
+                           .n_blocks = 4, .type = TD_F16};
+    TH_REQUIRE(kn_kv_pool_create(&p, &kv) == 0);
+    kn_kv_seq a, b;
+    kn_kv_seq_init(&a);
+    kn_kv_seq_init(&b);
+    TH_CHECK(kn_kv_seq_reserve(kv, &a, 33) == 0 && a.n_blocks == 3);
+    TH_CHECK(kn_kv_seq_reserve(kv, &b, 17) == TD_ENOSPC && b.n_blocks == 0); /* all or nothing */
+    TH_CHECK(kv->n_free == 1);
+    kn_kv_seq_release(kv, &a);
+    TH_CHECK(kn_kv_seq_reserve(kv, &b, 64) == 0 && kv->n_free == 0);
+    kn_kv_seq_fini(kv, &a);
+    kn_kv_seq_fini(kv, &b);
+    TH_CHECK(kv->n_free == 4);
+    kn_kv_pool_params bad = p;
+    bad.block_size = 12;
+    kn_kv_pool *kv2 = NULL;
+    TH_CHECK(kn_kv_pool_create(&bad, &kv2) == TD_EINVAL && !kv2);
+    kn_kv_pool_destroy(kv);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_model_split MODEL.gguf\n");
+        return 2;
+    }
+    model_path = argv[1];
+    char err[256];
+    if (td_gguf_open(model_path, &gguf, err, sizeof err)) {
+        fprintf(stderr, "cannot open %s: %s\n", model_path, err);
+        return 1;
+    }
+    kn_hparams hp;
+    if (kn_hparams_read(gguf, &hp)) return 1;
+    n_vocab = hp.n_vocab;
+    n_embd = hp.n_embd;
+    n_layer = hp.n_layer;
+    fprintf(stderr, "model %s: %s, %d layers, embd %d, heads %d/%d, ff %d, vocab %d\n", model_path,
+            kn_arch_name(hp.arch), n_layer, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, n_vocab);
+    for (int i = 0; i < PROMPT_LEN; i++) prompt[i] = (i * 131 + 17) % n_vocab;
+    ref_logits = calloc((size_t)(N_DECODE + 1) * n_vocab, sizeof(float));
+    grid g;
+    if (grid_open(&g, 1, 1, TD_F32) || run_sequence(&g, prompt, PROMPT_LEN, PROMPT_LEN, ref_logits, ref_gen)) {
+        fprintf(stderr, "reference run failed\n");
+        return 1;
+    }
+    grid_close(&g);
+    TH_RUN(test_reference_is_sane);
+    TH_RUN(test_pp_splits);
+    TH_RUN(test_tp_splits);
+    TH_RUN(test_pp_x_tp);
+    TH_RUN(test_chunking);
+    TH_RUN(test_two_sequences_in_one_batch);
+    TH_RUN(test_f16_kv_close);
+    TH_RUN(test_bad_batches);
+    TH_RUN(test_kv_pool_exhaustion);
+    free(ref_logits);
+    td_gguf_close(gguf);
+    TH_EXIT();
+}

@@ -1,0 +1,21 @@
+# Engine exactness on synthetic models: PP/TP splits, chunking, batching, bad batches.
+add_executable(test_model_split ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_model_split.c)
+target_link_libraries(test_model_split PRIVATE td_kernels td_common)
+
+if(TANDEM_PYTHON)
+  foreach(arch llama qwen2 qwen3)
+    set(extra "")
+    if(arch STREQUAL "llama")
+      set(extra --rope-freqs)
+    endif()
+    add_test(NAME model_split_synth_${arch}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/make_synth.py
+                     --out ${TANDEM_TEST_DATA}/split-${arch}.gguf --arch ${arch} --types mixed
+                     --seed 11 ${extra})
+    set_tests_properties(model_split_synth_${arch} PROPERTIES FIXTURES_SETUP split_${arch})
+    add_test(NAME model_split_${arch}
+             COMMAND test_model_split ${TANDEM_TEST_DATA}/split-${arch}.gguf)
+    set_tests_properties(model_split_${arch} PROPERTIES FIXTURES_REQUIRED split_${arch}
+                         TIMEOUT 600)
+  endforeach()
+endif()

@@ -1,0 +1,62 @@
+/* cli.h: shared pieces of the `tandem` command-line tool: argument parsing helpers and a
+ * single-process "session" (model file, full shard, CPU backend, engine, KV pool,
+ * tokenizer) that generate, logits and bench build on.
+ *
+ * Ownership: cli_session_open/close own everything inside the session.
+ * Errors: every failure is printed to stderr once, as "tandem: ..." and returned as a
+ * negative td_err; main turns it into exit status 1.
+ */
+#ifndef TANDEM_CLI_H
+#define TANDEM_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "cpu_backend.h"
+#include "gguf.h"
+#include "kv_pool.h"
+#include "model.h"
+#include "tokenizer.h"
+
+typedef struct {
+    const char *model_path;
+    int threads;      /* 0: all cores */
+    td_dtype kv_type; /* TD_F16 default */
+    int ctx;          /* context length of the session; 0: min(model's, 8192) */
+    int block_size;   /* 0: 16 */
+    bool need_tokenizer;
+} cli_session_params;
+
+typedef struct {
+    td_gguf *gguf;
+    kn_model *model;
+    kn_cpu *cpu;
+    kn_engine *engine;
+    kn_kv_pool *kv;
+    td_tokenizer *tok; /* NULL when not needed and absent */
+    int ctx;
+} cli_session;
+
+int cli_session_open(cli_session *s, const cli_session_params *p);
+void cli_session_close(cli_session *s);
+
+/* Run ids[0..n) of one sequence through the model in chunks of `chunk` tokens starting
+ * at position start_pos; writes the logits of the last token into logits (n_vocab). */
+int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, int64_t start_pos,
+                int chunk, float *logits);
+
+/* Argument helpers: return 0 and store, or print "tandem: bad value for --x" and return
+ * TD_EINVAL. */
+int cli_parse_int(const char *flag, const char *v, long lo, long hi, int *out);
+int cli_parse_float(const char *flag, const char *v, float *out);
+int cli_parse_u64(const char *flag, const char *v, uint64_t *out);
+/* "1,2,3" or "1 2 3" -> malloc'd ids. */
+int cli_parse_ids(const char *v, int32_t **ids, int64_t *n);
+int cli_parse_kv_type(const char *v, td_dtype *out);
+
+int cmd_generate(int argc, char **argv);
+int cmd_logits(int argc, char **argv);
+int cmd_dequant(int argc, char **argv);
+int cmd_bench_engine(int argc, char **argv);
+
+#endif

@@ -1,0 +1,183 @@
+/* cli_session.c: loading a whole model into one process, and chunked prefill. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "td_err.h"
+
+int cli_session_open(cli_session *s, const cli_session_params *p)
+{
+    memset(s, 0, sizeof *s);
+    char err[512];
+    int rc = td_gguf_open(p->model_path, &s->gguf, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "tandem: %s\n", err);
+        return rc;
+    }
+    kn_shard shard = {0};
+    if ((rc = kn_model_load(s->gguf, &shard, &s->model))) {
+        fprintf(stderr, "tandem: cannot load model '%s': %s\n", p->model_path, td_strerror(rc));
+        goto fail;
+    }
+    if ((rc = td_tok_create(s->gguf, &s->tok))) {
+        if (p->need_tokenizer) {
+            fprintf(stderr, "tandem: cannot build the tokenizer of '%s': %s\n", p->model_path,
+                    td_strerror(rc));
+            goto fail;
+        }
+        s->tok = NULL;
+    }
+    if ((rc = kn_cpu_create(p->threads, &s->cpu))) goto fail;
+    if ((rc = kn_engine_create(s->model, kn_cpu_backend(s->cpu), NULL, &s->engine))) goto fail;
+    s->ctx = p->ctx ? p->ctx : s->model->hp.n_ctx_train;
+    if (!p->ctx && s->ctx > 8192) s->ctx = 8192;
+    int bs = p->block_size ? p->block_size : 16;
+    int n_blocks = (s->ctx + bs - 1) / bs;
+    kn_kv_pool_params kp = kn_model_kv_params(s->model, n_blocks, bs, p->kv_type);
+    if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
+    return 0;
+fail:
+    cli_session_close(s);
+    return rc;
+}
+
+void cli_session_close(cli_session *s)
+{
+    kn_kv_pool_destroy(s->kv);
+    kn_engine_destroy(s->engine);
+    kn_cpu_destroy(s->cpu);
+    if (s->tok) td_tok_destroy(s->tok);
+    kn_model_destroy(s->model);
+    td_gguf_close(s->gguf);
+    memset(s, 0, sizeof *s);
+}
+
+int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, int64_t start_pos,
+                int chunk, float *logits)
+{
+    if (chunk <= 0) chunk = 512;
+    int32_t *pos = malloc((size_t)chunk * sizeof *pos);
+    int32_t *seq_of = calloc((size_t)chunk, sizeof *seq_of);
+    if (!pos || !seq_of) {
+        free(pos);
+        free(seq_of);
+        return TD_ENOMEM;
+    }
+    int rc = 0;
+    for (int64_t done = 0; done < n && !rc;) {
+        int64_t len = n - done < chunk ? n - done : chunk;
+        int64_t end = start_pos + done + len;
+        if ((rc = kn_kv_seq_reserve(s->kv, seq, end))) break;
+        for (int64_t i = 0; i < len; i++) pos[i] = (int32_t)(start_pos + done + i);
+        kn_seq_view view = {.block_table = seq->blocks, .n_ctx = (int32_t)end};
+        int32_t last = (int32_t)(len - 1);
+        bool final = done + len == n;
+        kn_batch b = {
+            .n_tokens = len,
+            .tokens = ids + done,
+            .pos = pos,
+            .seq_of = seq_of,
+            .n_seqs = 1,
+            .seqs = &view,
+            .n_logits = final ? 1 : 0,
+            .logit_rows = &last,
+        };
+        rc = kn_engine_forward(s->engine, s->kv, &b, logits);
+        done += len;
+    }
+    free(pos);
+    free(seq_of);
+    return rc;
+}
+
+int cli_parse_int(const char *flag, const char *v, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || errno || *end || end == v || x < lo || x > hi) {
+        fprintf(stderr, "tandem: %s needs an integer in [%ld, %ld], got '%s'\n", flag, lo, hi,
+                v ? v : "");
+        return TD_EINVAL;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+int cli_parse_float(const char *flag, const char *v, float *out)
+{
+    char *end;
+    errno = 0;
+    float x = v ? strtof(v, &end) : 0;
+    if (!v || errno || *end || end == v || x != x) {
+        fprintf(stderr, "tandem: %s needs a number, got '%s'\n", flag, v ? v : "");
+        return TD_EINVAL;
+    }
+    *out = x;
+    return 0;
+}
+
+int cli_parse_u64(const char *flag, const char *v, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long x = v ? strtoull(v, &end, 10) : 0;
+    if (!v || errno || *end || end == v || v[0] == '-') {
+        fprintf(stderr, "tandem: %s needs a non-negative integer, got '%s'\n", flag, v ? v : "");
+        return TD_EINVAL;
+    }
+    *out = x;
+    return 0;
+}
+
+int cli_parse_ids(const char *v, int32_t **ids, int64_t *n)
+{
+    *ids = NULL;
+    *n = 0;
+    size_t cap = 16;
+    int32_t *a = malloc(cap * sizeof *a);
+    if (!a) return TD_ENOMEM;
+    const char *p = v;
+    while (*p) {
+        while (*p == ',' || *p == ' ') p++;
+        if (!*p) break;
+        char *end;
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        if (end == p || errno || x < 0 || x > INT32_MAX) {
+            fprintf(stderr, "tandem: bad token id list near '%.20s'\n", p);
+            free(a);
+            return TD_EINVAL;
+        }
+        if ((size_t)*n == cap) {
+            int32_t *b = realloc(a, (cap *= 2) * sizeof *a);
+            if (!b) {
+                free(a);
+                return TD_ENOMEM;
+            }
+            a = b;
+        }
+        a[(*n)++] = (int32_t)x;
+        p = end;
+    }
+    if (*n == 0) {
+        fprintf(stderr, "tandem: empty token id list\n");
+        free(a);
+        return TD_EINVAL;
+    }
+    *ids = a;
+    return 0;
+}
+
+int cli_parse_kv_type(const char *v, td_dtype *out)
+{
+    if (v && !strcmp(v, "f16")) *out = TD_F16;
+    else if (v && !strcmp(v, "f32")) *out = TD_F32;
+    else {
+        fprintf(stderr, "tandem: --kv-type must be f16 or f32, got '%s'\n", v ? v : "");
+        return TD_EINVAL;
+    }
+    return 0;
+}

@@ -1,0 +1,207 @@
+/* cmd_bench.c: `tandem bench-engine`: the llama-bench workloads (prefill of 512 tokens,
+ * 128 generated tokens at batch 1) plus decode at batch 8, next to this machine's
+ * ceilings measured in the same run, each figure reported as a ratio of its roofline:
+ *   decode roofline  = read bandwidth / weight bytes read per step (tokens/s)
+ *   prefill roofline = sgemm rate / (2 x parameters) (tokens/s)
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli.h"
+#include "td_err.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Deterministic token ids spread over the vocabulary (not a repeated token, so the
+ * embedding rows and attention patterns are those of real text's variety). */
+static void fill_ids(int32_t *ids, int64_t n, int32_t n_vocab, uint64_t seed)
+{
+    uint64_t x = seed * 6364136223846793005ull + 1442695040888963407ull;
+    for (int64_t i = 0; i < n; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((x >> 33) % (uint64_t)n_vocab);
+    }
+}
+
+/* One timed run of n_steps decode steps for n_seq sequences from an empty context. */
+static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, double *secs)
+{
+    kn_kv_seq *seqs = calloc((size_t)n_seq, sizeof *seqs);
+    kn_seq_view *views = calloc((size_t)n_seq, sizeof *views);
+    int32_t *tok = malloc((size_t)n_seq * sizeof *tok), *pos = malloc((size_t)n_seq * sizeof *pos);
+    int32_t *seq_of = malloc((size_t)n_seq * sizeof *seq_of);
+    int32_t *rows = malloc((size_t)n_seq * sizeof *rows);
+    int rc = (!seqs || !views || !tok || !pos || !seq_of || !rows) ? TD_ENOMEM : 0;
+    for (int i = 0; i < n_seq && !rc; i++) {
+        kn_kv_seq_init(&seqs[i]);
+        seq_of[i] = rows[i] = i;
+    }
+    if (!rc) fill_ids(tok, n_seq, s->model->hp.n_vocab, 7);
+    double t0 = now_s();
+    for (int step = 0; step < n_steps && !rc; step++) {
+        for (int i = 0; i < n_seq && !rc; i++) {
+            rc = kn_kv_seq_reserve(s->kv, &seqs[i], step + 1);
+            views[i] = (kn_seq_view){.block_table = seqs[i].blocks, .n_ctx = step + 1};
+            pos[i] = step;
+        }
+        if (rc) break;
+        kn_batch b = {.n_tokens = n_seq, .tokens = tok, .pos = pos, .seq_of = seq_of,
+                      .n_seqs = n_seq, .seqs = views, .n_logits = n_seq, .logit_rows = rows};
+        rc = kn_engine_forward(s->engine, s->kv, &b, logits);
+        /* greedy next tokens, as a real generation loop would feed them */
+        for (int i = 0; i < n_seq && !rc; i++) {
+            const float *l = logits + (size_t)i * (size_t)s->model->hp.n_vocab;
+            int32_t best = 0;
+            for (int32_t v = 1; v < s->model->hp.n_vocab; v++)
+                if (l[v] > l[best]) best = v;
+            tok[i] = best;
+        }
+    }
+    *secs = now_s() - t0;
+    for (int i = 0; i < n_seq && seqs; i++) kn_kv_seq_fini(s->kv, &seqs[i]);
+    free(seqs);
+    free(views);
+    free(tok);
+    free(pos);
+    free(seq_of);
+    free(rows);
+    return rc;
+}
+
+static int run_prefill(cli_session *s, int n, float *logits, double *secs)
+{
+    int32_t *ids = malloc((size_t)n * sizeof *ids);
+    if (!ids) return TD_ENOMEM;
+    fill_ids(ids, n, s->model->hp.n_vocab, 3);
+    kn_kv_seq seq;
+    kn_kv_seq_init(&seq);
+    double t0 = now_s();
+    int rc = cli_prefill(s, &seq, ids, n, 0, n, logits);
+    *secs = now_s() - t0;
+    kn_kv_seq_fini(s->kv, &seq);
+    free(ids);
+    return rc;
+}
+
+/* Weight bytes a decode step reads and the parameters of the matrix products: every
+ * tensor of the file except the embedding lookup, which reads one row (but counts once
+ * as the LM head when the embeddings are tied). */
+static void model_weights(const cli_session *s, double *bytes, double *params)
+{
+    *bytes = 0;
+    *params = 0;
+    for (size_t i = 0; i < td_gguf_n_tensors(s->gguf); i++) {
+        const td_gguf_tensor *t = td_gguf_tensor_at(s->gguf, i);
+        bool embd = !strcmp(t->name, "token_embd.weight");
+        if (embd && !s->model->hp.tied_embd) continue;
+        *bytes += (double)t->nbytes;
+        if (t->n_dims >= 2) *params += (double)t->ne[0] * (double)t->ne[1];
+    }
+}
+
+int cmd_bench_engine(int argc, char **argv)
+{
+    cli_session_params sp = {.kv_type = TD_F16, .ctx = 4096}; /* 8 x 129 tokens fit */
+    bool json = false;
+    int reps = 3, rc = 0;
+    for (int i = 0; i < argc && !rc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(f, "--json")) {
+            json = true;
+            continue;
+        }
+        if (!strcmp(f, "--model")) sp.model_path = v;
+        else if (!strcmp(f, "--threads")) rc = cli_parse_int(f, v, 1, 256, &sp.threads);
+        else if (!strcmp(f, "--reps")) rc = cli_parse_int(f, v, 1, 100, &reps);
+        else if (!strcmp(f, "--kv-type")) rc = cli_parse_kv_type(v, &sp.kv_type);
+        else {
+            fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
+                            "[--kv-type f16|f32] [--json]\n");
+            return TD_EINVAL;
+        }
+        if (!v) {
+            fprintf(stderr, "tandem: %s needs a value\n", f);
+            return TD_EINVAL;
+        }
+        i++;
+    }
+    if (rc) return rc;
+    if (!sp.model_path) {
+        fprintf(stderr, "tandem: bench-engine needs --model\n");
+        return TD_EINVAL;
+    }
+    cli_session s;
+    if ((rc = cli_session_open(&s, &sp))) return rc;
+    const int n_prefill = 512, n_gen = 128, batch = 8;
+    float *logits = malloc((size_t)batch * (size_t)s.model->hp.n_vocab * sizeof *logits);
+    double *t_pp = calloc((size_t)reps, sizeof(double)), *t_tg = calloc((size_t)reps, sizeof(double));
+    double *t_b8 = calloc((size_t)reps, sizeof(double));
+    if (!logits || !t_pp || !t_tg || !t_b8) rc = TD_ENOMEM;
+    double warm;
+    /* warm-up: page in the weights, start the threads, size the scratch */
+    if (!rc) rc = run_prefill(&s, n_prefill, logits, &warm);
+    if (!rc) rc = run_decode(&s, batch, 4, logits, &warm);
+    /* alternate the workloads so drift hits all of them */
+    for (int r = 0; r < reps && !rc; r++) {
+        if (!rc) rc = run_prefill(&s, n_prefill, logits, &t_pp[r]);
+        if (!rc) rc = run_decode(&s, 1, n_gen, logits, &t_tg[r]);
+        if (!rc) rc = run_decode(&s, batch, n_gen, logits, &t_b8[r]);
+    }
+    if (rc) {
+        fprintf(stderr, "tandem: bench-engine failed: %s\n", td_strerror(rc));
+    } else {
+        double pp = n_prefill / median(t_pp, reps), tg = n_gen / median(t_tg, reps);
+        double b8 = batch * n_gen / median(t_b8, reps);
+        double mem = kn_cpu_mem_read_gbps(s.cpu, 0, 5);
+        double gemm = kn_cpu_sgemm_gflops(s.cpu, 2048, 3);
+        double wbytes, params;
+        model_weights(&s, &wbytes, &params);
+        double tg_roof = mem * 1e9 / wbytes, pp_roof = gemm * 1e9 / (2 * params);
+        int th = kn_cpu_n_threads(s.cpu);
+        if (json) {
+            printf("{\"threads\": %d, \"isa\": \"%s\", \"prefill_tps\": %.2f, \"decode_tps\": %.2f, "
+                   "\"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, \"gemm_gflops\": %.2f, "
+                   "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
+                   "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
+                   "\"prefill_ratio\": %.3f}\n",
+                   th, kn_cpu_isa(), pp, tg, b8, mem, gemm, wbytes, params, tg_roof, pp_roof,
+                   tg / tg_roof, pp / pp_roof);
+        } else {
+            printf("model %s, %d threads, isa %s, kv %s\n", sp.model_path, th, kn_cpu_isa(),
+                   td_dtype_name(sp.kv_type));
+            printf("ceilings: memory read %.1f GB/s, sgemm %.1f GFLOP/s\n", mem, gemm);
+            printf("weights read per decode step %.1f MB, %.1f M params in matrix products\n",
+                   wbytes / 1e6, params / 1e6);
+            printf("prefill pp%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_prefill, pp,
+                   pp_roof, pp / pp_roof);
+            printf("decode  tg%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_gen, tg, tg_roof,
+                   tg / tg_roof);
+            printf("decode  b%d  : %8.1f tok/s  (%.2fx batch 1)\n", batch, b8, b8 / tg);
+        }
+    }
+    free(logits);
+    free(t_pp);
+    free(t_tg);
+    free(t_b8);
+    cli_session_close(&s);
+    return rc;
+}

@@ -1,0 +1,39 @@
+/* tandem.c: the `tandem` command-line tool: dispatch to the subcommands. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: tandem <command> [options]\n"
+                    "commands:\n"
+                    "  generate      generate text from a prompt in this process\n"
+                    "  bench-engine  prefill/decode throughput against this machine's ceilings\n"
+                    "  logits        write the last position's logits (raw float32)\n"
+                    "  dequant       write a tensor dequantized (raw float32)\n"
+                    "run 'tandem <command> --help' for its options\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage();
+        return 2;
+    }
+    const char *cmd = argv[1];
+    int rc;
+    if (!strcmp(cmd, "generate")) rc = cmd_generate(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "logits")) rc = cmd_logits(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "dequant")) rc = cmd_dequant(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "bench-engine")) rc = cmd_bench_engine(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
+        usage();
+        return 0;
+    } else {
+        fprintf(stderr, "tandem: unknown command '%s'\n", cmd);
+        usage();
+        return 2;
+    }
+    return rc ? 1 : 0;
+}
