@@ -86,7 +86,8 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
         return TD_EFORMAT;
     }
     hp->head_dim = rc ? hp->n_embd / hp->n_head : (int)v;
-    if (hp->head_dim < 2 || hp->head_dim > 1024 || hp->head_dim % 2) {
+    /* the CPU attention keeps a head's accumulators on the stack: 256 dims at most */
+    if (hp->head_dim < 2 || hp->head_dim > 256 || hp->head_dim % 2) {
         TD_LOG_ERR("unsupported head dim %d", hp->head_dim);
         return TD_EUNSUPP;
     }

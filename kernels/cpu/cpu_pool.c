@@ -3,15 +3,20 @@
 
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
 
 #include "td_err.h"
 
-/* Spin iterations (each a pause, ~20-60 ns) before a worker sleeps: long enough to cover
- * the gap between two ops of a decode step, short enough that an idle server sleeps. */
-#define POOL_SPIN 20000
+/* Spin iterations (each a pause, ~10-40 ns) before a worker sleeps: long enough to cover
+ * the gap between two ops of a decode step and between two steps (waking a sleeping vCPU
+ * costs tens to hundreds of microseconds), short enough that an idle server sleeps. */
+#define POOL_SPIN 100000
+/* While spinning, yield the core this often: when the machine is oversubscribed, the
+ * thread we wait for may need our core to finish its part. */
+#define POOL_YIELD_EVERY 1024
 
 typedef struct {
     kn_pool *pool;
@@ -52,7 +57,8 @@ static void *worker_main(void *v)
         int spins = 0;
         while ((g = atomic_load(&p->gen)) == last && !atomic_load(&p->stop)) {
             if (++spins < POOL_SPIN) {
-                _mm_pause();
+                if (spins % POOL_YIELD_EVERY == 0) sched_yield();
+                else _mm_pause();
                 continue;
             }
             pthread_mutex_lock(&p->mu);
@@ -143,5 +149,8 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
         pthread_mutex_unlock(&p->mu);
     }
     run_part(p, 0);
-    while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) _mm_pause();
+    for (unsigned spins = 1; atomic_load_explicit(&p->pending, memory_order_acquire) > 0; spins++) {
+        if (spins % POOL_YIELD_EVERY == 0) sched_yield();
+        else _mm_pause();
+    }
 }

@@ -1,0 +1,377 @@
+/* test_attention.c: the CPU backend's paged kv_write and attention against a float64
+ * softmax attention over contiguous K/V.
+ *
+ * Each case builds a pool whose blocks are handed to the sequences in a random order,
+ * writes K/V in batches that interleave sequences (chunked prefill, then single-token
+ * decode steps), and after every batch checks the batch's attention output. Sequences
+ * carry V values offset by 10 * (sequence + 1), so a token that saw another sequence's
+ * keys would be off by several units, far beyond the tolerance.
+ * `test_attention bench` prints timings instead of testing.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cpu_backend.h"
+#include "tharness.h"
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+
+static double urand(void) /* [0, 1) */
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static float frand(float lo, float hi) {
+    return lo + (hi - lo) * (float)urand();
+}
+
+static const int seq_lens[] = {1, 15, 16, 17, 100, 600};
+#define N_SEQ ((int)(sizeof seq_lens / sizeof seq_lens[0]))
+
+typedef struct {
+    int block_size, n_heads, n_kv_heads, head_dim;
+    td_dtype kv_type;
+} att_case;
+
+typedef struct {
+    att_case c;
+    int n_blocks;
+    int32_t *tables[N_SEQ];         /* (ceil(len / block_size)) block ids */
+    float *k[N_SEQ], *v[N_SEQ];     /* (len, n_kv_heads, head_dim), as the kernel will read them */
+    float *kin[N_SEQ], *vin[N_SEQ]; /* (len, n_kv_heads, head_dim) as written */
+    float *q[N_SEQ];                /* (len, n_heads, head_dim) */
+    float *ref[N_SEQ];              /* (len, n_heads, head_dim) float64 attention, rounded */
+    void *kpool, *vpool;
+} fixture;
+
+static float round_kv(td_dtype t, float x) {
+    return t == TD_F16 ? td_fp16_to_fp32(td_fp32_to_fp16(x)) : x;
+}
+
+static void fixture_init(fixture *F, att_case c) {
+    memset(F, 0, sizeof *F);
+    F->c = c;
+    const int bs = c.block_size, hd = c.head_dim, nkv = c.n_kv_heads, nh = c.n_heads;
+    for (int s = 0; s < N_SEQ; s++)
+        F->n_blocks += (seq_lens[s] + bs - 1) / bs;
+    F->n_blocks += 3; /* unused blocks, so not every id is taken */
+    int32_t *perm = malloc(sizeof(int32_t) * F->n_blocks);
+    for (int i = 0; i < F->n_blocks; i++)
+        perm[i] = i;
+    for (int i = F->n_blocks - 1; i > 0; i--) {
+        int j = (int)(urand() * (i + 1));
+        int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    const size_t esz = c.kv_type == TD_F16 ? 2 : 4;
+    const size_t pool_elems = (size_t)F->n_blocks * nkv * bs * hd;
+    F->kpool = malloc(pool_elems * esz);
+    F->vpool = malloc(pool_elems * esz);
+    memset(F->kpool, 0xff, pool_elems * esz); /* nan everywhere not written */
+    memset(F->vpool, 0xff, pool_elems * esz);
+    int next = 0;
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int s = 0; s < N_SEQ; s++) {
+        const int len = seq_lens[s], nb = (len + bs - 1) / bs;
+        F->tables[s] = malloc(sizeof(int32_t) * nb);
+        for (int b = 0; b < nb; b++)
+            F->tables[s][b] = perm[next++];
+        const size_t kvn = (size_t)len * nkv * hd, qn = (size_t)len * nh * hd;
+        F->k[s] = malloc(sizeof(float) * kvn);
+        F->v[s] = malloc(sizeof(float) * kvn);
+        F->kin[s] = malloc(sizeof(float) * kvn);
+        F->vin[s] = malloc(sizeof(float) * kvn);
+        F->q[s] = malloc(sizeof(float) * qn);
+        F->ref[s] = malloc(sizeof(float) * qn);
+        const float off = 10.0f * (float)(s + 1);
+        for (size_t i = 0; i < kvn; i++) {
+            F->kin[s][i] = frand(-1, 1);
+            F->vin[s][i] = off + frand(-1, 1);
+            F->k[s][i] = round_kv(c.kv_type, F->kin[s][i]);
+            F->v[s][i] = round_kv(c.kv_type, F->vin[s][i]);
+        }
+        /* large q so the softmax is peaked, not a plain mean */
+        for (size_t i = 0; i < qn; i++)
+            F->q[s][i] = frand(-4, 4);
+        double *w = malloc(sizeof(double) * len);
+        for (int p = 0; p < len; p++)
+            for (int h = 0; h < nh; h++) {
+                const int g = h / (nh / nkv);
+                const float *qr = F->q[s] + ((size_t)p * nh + h) * hd;
+                double mx = -INFINITY, sum = 0;
+                for (int j = 0; j <= p; j++) {
+                    const float *kr = F->k[s] + ((size_t)j * nkv + g) * hd;
+                    double d = 0;
+                    for (int e = 0; e < hd; e++)
+                        d += (double)qr[e] * kr[e];
+                    w[j] = d * scale;
+                    mx = w[j] > mx ? w[j] : mx;
+                }
+                for (int j = 0; j <= p; j++)
+                    sum += w[j] = exp(w[j] - mx);
+                for (int e = 0; e < hd; e++) {
+                    double o = 0;
+                    for (int j = 0; j <= p; j++)
+                        o += w[j] * F->v[s][((size_t)j * nkv + g) * hd + e];
+                    F->ref[s][((size_t)p * nh + h) * hd + e] = (float)(o / sum);
+                }
+            }
+        free(w);
+    }
+    free(perm);
+}
+
+static void fixture_fini(fixture *F) {
+    for (int s = 0; s < N_SEQ; s++) {
+        free(F->tables[s]);
+        free(F->k[s]);
+        free(F->v[s]);
+        free(F->kin[s]);
+        free(F->vin[s]);
+        free(F->q[s]);
+        free(F->ref[s]);
+    }
+    free(F->kpool);
+    free(F->vpool);
+}
+
+/* One batch: tokens of several sequences, written then attended. */
+typedef struct {
+    int64_t m;
+    int32_t *pos, *seq_of; /* (m) */
+    float *k, *v;          /* (m, n_kv_heads, head_dim) */
+    float *q, *out;        /* (m, n_heads, head_dim) */
+} batch;
+
+/* Whether pool element `at` holds x as kv_write must store it (f16: rounded to nearest
+ * even like td_fp32_to_fp16; f32: bit for bit). */
+static bool pool_holds(const void *pool, td_dtype t, size_t at, float x) {
+    if (t == TD_F16) {
+        uint16_t h;
+        memcpy(&h, (const char *)pool + at * 2, 2);
+        return h == td_fp32_to_fp16(x);
+    }
+    float f;
+    memcpy(&f, (const char *)pool + at * 4, 4);
+    return memcmp(&f, &x, 4) == 0;
+}
+
+/* Runs the whole write/attend schedule on c; returns the worst error relative to
+ * (1 + |ref|), and counts pool layout mismatches. */
+static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad) {
+    const att_case C = F->c;
+    const int hd = C.head_dim, nkv = C.n_kv_heads, nh = C.n_heads, bs = C.block_size;
+    int done[N_SEQ] = {0};
+    kn_seq_view views[N_SEQ];
+    double worst = 0;
+    int total = 0;
+    for (int s = 0; s < N_SEQ; s++)
+        total += seq_lens[s];
+    batch B;
+    B.pos = malloc(sizeof(int32_t) * total);
+    B.seq_of = malloc(sizeof(int32_t) * total);
+    B.k = malloc(sizeof(float) * (size_t)total * nkv * hd);
+    B.v = malloc(sizeof(float) * (size_t)total * nkv * hd);
+    B.q = malloc(sizeof(float) * (size_t)total * nh * hd);
+    B.out = malloc(sizeof(float) * (size_t)total * nh * hd);
+    for (int left = total; left > 0;) {
+        /* each unfinished sequence contributes a chunk: up to 70 tokens while more than 4
+         * remain (prefill), then one token per step (decode); sequences enter in a
+         * rotating order so batches interleave them differently */
+        B.m = 0;
+        const int first = (int)(urand() * N_SEQ);
+        for (int k = 0; k < N_SEQ; k++) {
+            const int s = (first + k) % N_SEQ, rem = seq_lens[s] - done[s];
+            if (rem == 0 || urand() < 0.2) continue;
+            int n = rem > 4 ? 1 + (int)(urand() * (rem - 4 < 70 ? rem - 4 : 70)) : 1;
+            for (int t = 0; t < n; t++) {
+                const int64_t i = B.m++;
+                const int p = done[s] + t;
+                B.pos[i] = p;
+                B.seq_of[i] = s;
+                memcpy(B.k + i * nkv * hd, F->kin[s] + (size_t)p * nkv * hd,
+                       sizeof(float) * nkv * hd);
+                memcpy(B.v + i * nkv * hd, F->vin[s] + (size_t)p * nkv * hd,
+                       sizeof(float) * nkv * hd);
+                memcpy(B.q + i * nh * hd, F->q[s] + (size_t)p * nh * hd, sizeof(float) * nh * hd);
+            }
+            done[s] += n;
+            left -= n;
+        }
+        if (B.m == 0) continue;
+        for (int s = 0; s < N_SEQ; s++)
+            views[s] = (kn_seq_view){.block_table = F->tables[s], .n_ctx = done[s]};
+        kn_cpu_kv_write(c, F->kpool, F->vpool, C.kv_type, bs, nkv, hd, B.k, B.v, B.m, B.pos,
+                        B.seq_of, views);
+        kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, nh, nkv, hd,
+                         1.0f / sqrtf((float)hd), B.m, B.pos, B.seq_of, views, B.out);
+        for (int64_t i = 0; i < B.m; i++) {
+            const int s = B.seq_of[i], p = B.pos[i];
+            const float *ref = F->ref[s] + (size_t)p * nh * hd;
+            for (int e = 0; e < nh * hd; e++) {
+                double err = fabs(B.out[i * nh * hd + e] - ref[e]) / (1.0 + fabs(ref[e]));
+                if (isnan(err) || err > worst) worst = err; /* nan sticks */
+            }
+            /* head-major layout: element (block, head, slot, d) */
+            const int32_t blk = F->tables[s][p / bs];
+            for (int h = 0; h < nkv; h++)
+                for (int d = 0; d < hd; d++) {
+                    const size_t at = (((size_t)blk * nkv + h) * bs + p % bs) * hd + d;
+                    const size_t src = ((size_t)p * nkv + h) * hd + d;
+                    *layout_bad += !pool_holds(F->kpool, C.kv_type, at, F->kin[s][src]);
+                    *layout_bad += !pool_holds(F->vpool, C.kv_type, at, F->vin[s][src]);
+                }
+        }
+    }
+    free(B.pos);
+    free(B.seq_of);
+    free(B.k);
+    free(B.v);
+    free(B.q);
+    free(B.out);
+    return worst;
+}
+
+static void test_paged_attention(void) {
+    static const att_case cases[] = {
+        {16, 4, 4, 32, TD_F32},  {32, 4, 4, 64, TD_F16}, {16, 9, 3, 64, TD_F32},
+        {32, 9, 3, 64, TD_F16},  {16, 8, 2, 64, TD_F16}, {32, 12, 3, 32, TD_F32},
+        {16, 16, 1, 32, TD_F32}, /* 16 q heads per KV head: two q-head chunks */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        fixture F;
+        fixture_init(&F, cases[k]);
+        for (int nt = 1; nt <= 3; nt++) {
+            kn_cpu *c;
+            TH_REQUIRE(kn_cpu_create(nt, &c) == 0);
+            int bad = 0;
+            double worst = run_schedule(&F, c, &bad);
+            const att_case *C = &cases[k];
+            TH_CHECKF(worst < 1e-5, "bs %d heads %d/%d hd %d %s threads %d: err %g", C->block_size,
+                      C->n_heads, C->n_kv_heads, C->head_dim, C->kv_type == TD_F16 ? "f16" : "f32",
+                      nt, worst);
+            TH_CHECKF(bad == 0, "%d pool elements not where the layout puts them", bad);
+            kn_cpu_destroy(c);
+        }
+        fixture_fini(&F);
+    }
+}
+
+/* fp32 -> fp16 in kv_write rounds like td_fp32_to_fp16 at the awkward values: ties,
+ * subnormals, overflow. */
+static void test_kv_write_f16_rounding(void) {
+    enum { HD = 40 }; /* 5 SIMD groups, no tail, plus a tail run below */
+    float k[HD + 3], v[HD + 3];
+    const float special[] = {0.0f,
+                             -0.0f,
+                             1.0f + 1.0f / 2048,
+                             1.0f + 3.0f / 2048,
+                             65504.0f,
+                             65520.0f,
+                             70000.0f,
+                             -1e9f,
+                             5.96e-8f,
+                             2.98e-8f,
+                             1e-6f,
+                             -3.0e-5f,
+                             6.1035e-5f,
+                             6.1e-5f,
+                             0.1f,
+                             1.0f / 3};
+    for (int d = 0; d < HD + 3; d++) {
+        k[d] = d < (int)(sizeof special / sizeof special[0]) ? special[d] : frand(-5, 5);
+        v[d] = -k[d];
+    }
+    for (int hd = HD; hd <= HD + 3; hd += 3) {
+        uint16_t kp[2 * (HD + 3)], vp[2 * (HD + 3)]; /* 2 blocks of 1 head, block_size 1 */
+        int32_t table[1] = {1}, pos[1] = {0}, seq_of[1] = {0};
+        kn_seq_view view = {.block_table = table, .n_ctx = 1};
+        kn_cpu *c;
+        TH_REQUIRE(kn_cpu_create(1, &c) == 0);
+        kn_cpu_kv_write(c, kp, vp, TD_F16, 1, 1, hd, k, v, 1, pos, seq_of, &view);
+        int bad = 0;
+        for (int d = 0; d < hd; d++)
+            bad += kp[hd + d] != td_fp32_to_fp16(k[d]) || vp[hd + d] != td_fp32_to_fp16(v[d]);
+        TH_CHECKF(bad == 0, "head_dim %d: %d values rounded differently", hd, bad);
+        kn_cpu_destroy(c);
+    }
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Attention time for one sequence of ctx positions, the last m of them queried. */
+static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, int hd) {
+    const int bs = 16, nb = (ctx + bs - 1) / bs;
+    const size_t esz = t == TD_F16 ? 2 : 4, pool = (size_t)nb * nkv * bs * hd;
+    void *kp = calloc(pool, esz), *vp = calloc(pool, esz);
+    float *k = malloc(sizeof(float) * (size_t)ctx * nkv * hd);
+    float *v = malloc(sizeof(float) * (size_t)ctx * nkv * hd);
+    float *q = malloc(sizeof(float) * (size_t)m * nh * hd);
+    float *out = malloc(sizeof(float) * (size_t)m * nh * hd);
+    int32_t *table = malloc(sizeof(int32_t) * nb), *pos = malloc(sizeof(int32_t) * ctx);
+    int32_t *seq_of = calloc((size_t)ctx, sizeof(int32_t));
+    for (int b = 0; b < nb; b++)
+        table[b] = nb - 1 - b;
+    for (int i = 0; i < ctx; i++)
+        pos[i] = i;
+    for (size_t i = 0; i < (size_t)ctx * nkv * hd; i++) {
+        k[i] = frand(-1, 1);
+        v[i] = frand(-1, 1);
+    }
+    for (size_t i = 0; i < (size_t)m * nh * hd; i++)
+        q[i] = frand(-1, 1);
+    kn_seq_view view = {.block_table = table, .n_ctx = ctx};
+    kn_cpu_kv_write(c, kp, vp, t, bs, nkv, hd, k, v, ctx, pos, seq_of, &view);
+    const int reps = m == 1 ? 2000 : 20;
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        double t0 = now_s();
+        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, hd, 0.125f, m, pos + ctx - m, seq_of, &view,
+                         out);
+        double dt = now_s() - t0;
+        best = dt < best ? dt : best;
+    }
+    printf("attention %s threads %d heads %d/%d hd %d m %d ctx %d: %.1f us\n",
+           t == TD_F16 ? "f16" : "f32", kn_cpu_n_threads(c), nh, nkv, hd, m, ctx, best * 1e6);
+    free(kp);
+    free(vp);
+    free(k);
+    free(v);
+    free(q);
+    free(out);
+    free(table);
+    free(pos);
+    free(seq_of);
+}
+
+static int bench(void) {
+    for (int nt = 1; nt <= 2; nt++) {
+        kn_cpu *c;
+        if (kn_cpu_create(nt, &c)) return 1;
+        for (int f = 0; f < 2; f++) {
+            td_dtype t = f ? TD_F16 : TD_F32;
+            bench_one(c, t, 1, 512, 9, 3, 64);
+            bench_one(c, t, 512, 512, 9, 3, 64);
+        }
+        kn_cpu_destroy(c);
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "bench") == 0) return bench();
+    TH_RUN(test_kv_write_f16_rounding);
+    TH_RUN(test_paged_attention);
+    TH_EXIT();
+}
