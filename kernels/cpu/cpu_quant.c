@@ -1,0 +1,82 @@
+/* cpu_quant.c: which weight types the CPU backend computes with, and row dequantization
+ * (bit-exact with ggml's reference dequantizers and the gguf python package). */
+#include <stdatomic.h>
+
+#include "cpu_backend.h"
+#include "cpu_quant.h"
+#include "td_err.h"
+
+bool kn_cpu_type_supported(td_dtype t) {
+    switch (t) {
+    case TD_F32:
+    case TD_F16:
+    case TD_BF16:
+    case TD_Q8_0:
+    case TD_Q4_0:
+    case TD_Q4_1:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* One log line per type and process: a model with an unsupported tensor would otherwise
+ * print it on every layer of every step. */
+void kn_cpu_log_unsupported(td_dtype t, const char *op) {
+    static atomic_uint_least64_t seen;
+    uint64_t bit = (unsigned)t < 64 ? (uint64_t)1 << (unsigned)t : (uint64_t)1 << 63;
+    if (atomic_fetch_or(&seen, bit) & bit) return;
+    TD_LOG_ERR("%s: weight type %s (%d) not supported by the cpu backend", op,
+               td_dtype_name((uint32_t)t), (int)t);
+}
+
+static void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t nb) {
+    const size_t bs = kn_q_block_bytes(t), qo = kn_q_quant_offset(t);
+    for (int64_t b = 0; b < nb; b++, src += bs, dst += TD_QK) {
+        kn_vf q[KN_NV];
+        kn_q_load(t, src + qo, q);
+        const kn_vf d = kn_vset1(kn_h2f(src));
+        if (t == TD_Q4_1) {
+            const kn_vf m = kn_vset1(kn_h2f(src + 2));
+            for (int k = 0; k < KN_NV; k++) {
+                kn_vf p = kn_vmul(q[k], d);
+                KN_NO_CONTRACT(p); /* round q * d, then add m: as ggml and numpy do */
+                kn_vstore(dst + k * KN_VL, kn_vadd(p, m));
+            }
+        } else {
+            for (int k = 0; k < KN_NV; k++)
+                kn_vstore(dst + k * KN_VL, kn_vmul(q[k], d));
+        }
+    }
+}
+
+static void dequant_floats(td_dtype t, const uint8_t *src, float *dst, int64_t n) {
+    const size_t es = t == TD_F32 ? 4 : 2;
+    if (t == TD_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    int64_t i = 0;
+    for (; i + KN_VL <= n; i += KN_VL)
+        kn_vstore(dst + i, kn_f_load(t, src + (size_t)i * es));
+    for (; i < n; i++)
+        dst[i] = kn_f_load1(t, src + (size_t)i * es);
+}
+
+int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n) {
+    if (!kn_cpu_type_supported(t)) {
+        kn_cpu_log_unsupported(t, "dequant");
+        return TD_EUNSUPP;
+    }
+    const td_dtype_info *info = td_dtype_get((uint32_t)t);
+    if (n < 0 || n % info->blck) {
+        TD_LOG_ERR("dequant: %lld elements is not a multiple of the %s block size %u", (long long)n,
+                   info->name, info->blck);
+        return TD_EINVAL;
+    }
+    if (info->blck == TD_QK)
+        dequant_blocks(t, src, dst, n / TD_QK);
+    else
+        dequant_floats(t, src, dst, n);
+    return 0;
+}
