@@ -1,0 +1,58 @@
+# reference.cmake: the engine against independent references (tests/ref/*.py).
+#   synth_models  fixture: make_synth.py --suite writes the synthetic models (llama with
+#                 rope_freqs, qwen2, qwen3, llama f32; mixed weight types) into
+#                 ${TANDEM_TEST_DATA}/synth
+#   gguf_synth    the GGUF reader reads the synthetic llama model as the gguf package does
+#   reference     `tandem logits` / `tandem generate` vs the numpy forward pass
+#                 (ref_forward.py) on the synthetic models and, with TANDEM_MODEL, on the
+#                 default model: logits rel L2 < 1e-3, same greedy tokens
+#   dequant       `tandem dequant` vs gguf.quants.dequantize, bit-exact (Q4_1 within the
+#                 FMA bound, see test_dequant.py)
+# Nothing here is registered without TANDEM_PYTHON; the default-model parts are skipped
+# without TANDEM_MODEL.
+if(NOT TANDEM_PYTHON)
+  message(STATUS "TANDEM_PYTHON not set: reference tests are not registered")
+  return()
+endif()
+
+set(TANDEM_SYNTH_DIR ${TANDEM_TEST_DATA}/synth)
+set(TANDEM_REF_DIR ${CMAKE_CURRENT_SOURCE_DIR}/ref)
+# keep the source tree free of __pycache__
+set(TANDEM_PY_ENV "PYTHONDONTWRITEBYTECODE=1")
+
+add_test(NAME synth_models
+  COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/make_synth.py --suite ${TANDEM_SYNTH_DIR})
+set_tests_properties(synth_models PROPERTIES FIXTURES_SETUP synth_models TIMEOUT 300
+                     ENVIRONMENT "${TANDEM_PY_ENV}")
+
+if(TARGET test_gguf)
+  add_test(NAME gguf_synth
+    COMMAND test_gguf --expect ${TANDEM_SYNTH_DIR}/llama.gguf ${TANDEM_SYNTH_DIR}/llama.expect)
+  set_tests_properties(gguf_synth PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 120)
+endif()
+
+set(TANDEM_REF_MODEL_ARGS "")
+if(TANDEM_MODEL)
+  set(TANDEM_REF_MODEL_ARGS --model ${TANDEM_MODEL})
+else()
+  message(STATUS "TANDEM_MODEL not set: reference tests run on the synthetic models only")
+endif()
+
+if(TARGET tandem)
+  set(TANDEM_BIN $<TARGET_FILE:tandem>)
+else()
+  # the scripts fail with "engine binary '' is missing", which is the truth
+  set(TANDEM_BIN "")
+endif()
+
+add_test(NAME reference
+  COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_reference.py --tandem "${TANDEM_BIN}"
+          --synth-dir ${TANDEM_SYNTH_DIR} ${TANDEM_REF_MODEL_ARGS})
+set_tests_properties(reference PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1800
+                     ENVIRONMENT "${TANDEM_PY_ENV}")
+
+add_test(NAME dequant
+  COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_dequant.py --tandem "${TANDEM_BIN}"
+          --synth-dir ${TANDEM_SYNTH_DIR} ${TANDEM_REF_MODEL_ARGS})
+set_tests_properties(dequant PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 900
+                     ENVIRONMENT "${TANDEM_PY_ENV}")
