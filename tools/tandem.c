@@ -33,7 +33,7 @@ int main(int argc, char **argv)
     } else {
         fprintf(stderr, "tandem: unknown command '%s'\n", cmd);
         usage();
-        return 2;
+        return 1;
     }
     return rc ? 1 : 0;
 }

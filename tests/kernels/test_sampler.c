@@ -1,0 +1,122 @@
+/* test_sampler.c: the sampling chain: greedy, seeds, top-k, top-p, min-p, temperature,
+ * repetition penalty, and the distribution it draws from. */
+#include <string.h>
+
+#include "../tharness.h"
+#include "sampler.h"
+#include "td_err.h"
+
+#define V 6
+
+static int32_t draw(kn_sampler *s, const float *logits) { return kn_sample(s, logits, NULL, 0); }
+
+static void test_greedy(void)
+{
+    kn_sampler s;
+    kn_sampler_params p = {.temperature = 0};
+    TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
+    float l[V] = {0.1f, 2.0f, -1.0f, 2.0f, 0.5f, 1.9f};
+    TH_CHECK(draw(&s, l) == 1); /* tie between 1 and 3 goes to the lower id */
+    l[3] = 2.5f;
+    TH_CHECK(draw(&s, l) == 3);
+    kn_sampler_fini(&s);
+}
+
+static void test_same_seed_same_tokens(void)
+{
+    float l[V] = {1.0f, 1.1f, 0.9f, 1.05f, 0.95f, 1.0f};
+    kn_sampler_params p = {.temperature = 1.0f, .seed = 1234};
+    kn_sampler a, b, c;
+    TH_REQUIRE(kn_sampler_init(&a, &p, V) == 0 && kn_sampler_init(&b, &p, V) == 0);
+    p.seed = 1235;
+    TH_REQUIRE(kn_sampler_init(&c, &p, V) == 0);
+    int differ = 0;
+    for (int i = 0; i < 200; i++) {
+        int32_t x = draw(&a, l), y = draw(&b, l), z = draw(&c, l);
+        TH_CHECK(x == y);
+        differ += x != z;
+    }
+    TH_CHECKF(differ > 50, "another seed changed only %d of 200 draws", differ);
+    kn_sampler_fini(&a);
+    kn_sampler_fini(&b);
+    kn_sampler_fini(&c);
+}
+
+/* Frequencies of each token over n draws. */
+static void histogram(kn_sampler_params p, const float *l, int n, int *count)
+{
+    kn_sampler s;
+    memset(count, 0, V * sizeof *count);
+    if (kn_sampler_init(&s, &p, V)) return;
+    for (int i = 0; i < n; i++) {
+        int32_t t = draw(&s, l);
+        if (t >= 0 && t < V) count[t]++;
+    }
+    kn_sampler_fini(&s);
+}
+
+static void test_distribution(void)
+{
+    /* softmax of log(p) is p: frequencies must follow 0.5 / 0.3 / 0.2 */
+    float l[V] = {logf(0.5f), logf(0.3f), logf(0.2f), -INFINITY, -INFINITY, -INFINITY};
+    int c[V], n = 40000;
+    histogram((kn_sampler_params){.temperature = 1.0f, .seed = 7}, l, n, c);
+    TH_CHECKF(fabs(c[0] / (double)n - 0.5) < 0.015, "p0 %g", c[0] / (double)n);
+    TH_CHECKF(fabs(c[1] / (double)n - 0.3) < 0.015, "p1 %g", c[1] / (double)n);
+    TH_CHECKF(fabs(c[2] / (double)n - 0.2) < 0.015, "p2 %g", c[2] / (double)n);
+    TH_CHECK(c[3] + c[4] + c[5] == 0);
+    /* temperature 0.5 squares the odds: 25 : 9 : 4 */
+    histogram((kn_sampler_params){.temperature = 0.5f, .seed = 7}, l, n, c);
+    TH_CHECKF(fabs(c[0] / (double)n - 25.0 / 38) < 0.015, "p0 at T=0.5 %g", c[0] / (double)n);
+}
+
+static void test_filters(void)
+{
+    float l[V] = {3.0f, 2.9f, 2.8f, 0.0f, -1.0f, 2.7f};
+    int c[V], n = 4000;
+    histogram((kn_sampler_params){.temperature = 5.0f, .top_k = 1, .seed = 3}, l, n, c);
+    TH_CHECK(c[0] == n);
+    histogram((kn_sampler_params){.temperature = 5.0f, .top_k = 2, .seed = 3}, l, n, c);
+    TH_CHECK(c[0] + c[1] == n && c[0] > 0 && c[1] > 0);
+    /* top-p 0.1: the first token alone reaches it */
+    histogram((kn_sampler_params){.temperature = 1.0f, .top_p = 0.1f, .seed = 3}, l, n, c);
+    TH_CHECK(c[0] == n);
+    /* min-p 0.5 at T=1: keep tokens with p >= 0.5 p_max: logits within ln 2 of the max */
+    histogram((kn_sampler_params){.temperature = 1.0f, .min_p = 0.5f, .seed = 3}, l, n, c);
+    TH_CHECK(c[3] == 0 && c[4] == 0 && c[0] > 0 && c[5] > 0);
+}
+
+static void test_repetition_penalty(void)
+{
+    kn_sampler s;
+    kn_sampler_params p = {.temperature = 0, .repeat_penalty = 2.0f, .repeat_last_n = 4};
+    TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
+    float l[V] = {2.0f, 1.5f, 0.0f, -1.0f, 0.0f, 0.0f};
+    int32_t hist[] = {0, 0, 0};
+    TH_CHECK(kn_sample(&s, l, hist, 3) == 1); /* 2.0 / 2 = 1.0 < 1.5 */
+    int32_t old[] = {0, 3, 3, 3, 3};          /* token 0 fell out of the window */
+    TH_CHECK(kn_sample(&s, l, old, 5) == 0);
+    kn_sampler_fini(&s);
+}
+
+static void test_bad_input(void)
+{
+    kn_sampler s;
+    kn_sampler_params p = {.temperature = 1.0f};
+    TH_CHECK(kn_sampler_init(&s, &p, 0) == TD_EINVAL);
+    TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
+    float l[V] = {0, NAN, 0, 0, 0, 0};
+    TH_CHECK(draw(&s, l) == TD_EINVAL);
+    kn_sampler_fini(&s);
+}
+
+int main(void)
+{
+    TH_RUN(test_greedy);
+    TH_RUN(test_same_seed_same_tokens);
+    TH_RUN(test_distribution);
+    TH_RUN(test_filters);
+    TH_RUN(test_repetition_penalty);
+    TH_RUN(test_bad_input);
+    TH_EXIT();
+}
