@@ -1,0 +1,435 @@
+/* dc_sched.c: continuous batching with chunked prefill and preemption (see dc_sched.h). */
+#include "dc_sched.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_err.h"
+
+typedef struct {
+    uint64_t id;
+    int32_t *tokens;     /* (cap) prompt then generated */
+    int32_t n_tokens, cap;
+    int32_t n_prompt;
+    int32_t n_computed;  /* tokens with KV in the pool */
+    int32_t n_generated;
+    int32_t max_tokens;
+    int32_t *stop_ids;
+    int n_stop;
+    bool ignore_eos;
+    bool cancelled;
+    kn_kv_seq seq;
+    kn_sampler smp;
+    uint64_t admitted;   /* admission order; preemption takes the largest */
+    int32_t chunk;       /* tokens of this step (0: not in the step) */
+    int32_t logit_row;   /* row in this step's logits, -1: none */
+} dc_req;
+
+/* A growable array of request pointers. */
+typedef struct {
+    dc_req **v;
+    int n, cap;
+} req_list;
+
+struct dc_sched {
+    dc_sched_params p;
+    int32_t *eog;            /* (n_eog) copy */
+    const kn_model *m;
+    kn_kv_pool *kv;
+    dc_sink sink;
+    req_list waiting;        /* FIFO; preempted requests go back to the front */
+    req_list running;        /* in admission order */
+    uint64_t admit_counter;
+    uint64_t preemptions;
+    /* the current step's arrays, (cap_tokens) / (cap_seqs) */
+    int32_t *tok, *pos, *seq_of, *rows;
+    kn_seq_view *views;
+    dc_req **in_step;        /* (cap_seqs) requests of this step, index = seq index */
+    int cap_tokens, cap_seqs;
+    bool planned;            /* a step was planned and not committed yet */
+};
+
+static int list_push(req_list *l, dc_req *r)
+{
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 16;
+        dc_req **v = realloc(l->v, (size_t)cap * sizeof *v);
+        if (!v) return TD_ENOMEM;
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->n++] = r;
+    return 0;
+}
+
+static int list_push_front(req_list *l, dc_req *r)
+{
+    int rc = list_push(l, r);
+    if (rc) return rc;
+    memmove(l->v + 1, l->v, (size_t)(l->n - 1) * sizeof *l->v);
+    l->v[0] = r;
+    return 0;
+}
+
+static void list_remove_at(req_list *l, int i)
+{
+    memmove(l->v + i, l->v + i + 1, (size_t)(l->n - i - 1) * sizeof *l->v);
+    l->n--;
+}
+
+static void req_free(dc_sched *s, dc_req *r)
+{
+    kn_kv_seq_fini(s->kv, &r->seq);
+    kn_sampler_fini(&r->smp);
+    free(r->tokens);
+    free(r->stop_ids);
+    free(r);
+}
+
+int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv, dc_sink sink,
+                    dc_sched **out)
+{
+    *out = NULL;
+    dc_sched *s = calloc(1, sizeof *s);
+    if (!s) return TD_ENOMEM;
+    s->p = *p;
+    if (s->p.max_running <= 0) s->p.max_running = 64;
+    if (s->p.step_tokens <= 0) s->p.step_tokens = 256;
+    if (s->p.max_ctx <= 0) s->p.max_ctx = m->hp.n_ctx_train;
+    if (s->p.step_tokens < s->p.max_running) s->p.step_tokens = s->p.max_running;
+    s->m = m;
+    s->kv = kv;
+    s->sink = sink;
+    s->cap_tokens = s->p.step_tokens;
+    s->cap_seqs = s->p.max_running;
+    s->eog = malloc((size_t)(p->n_eog ? p->n_eog : 1) * sizeof *s->eog);
+    s->tok = malloc((size_t)s->cap_tokens * sizeof *s->tok);
+    s->pos = malloc((size_t)s->cap_tokens * sizeof *s->pos);
+    s->seq_of = malloc((size_t)s->cap_tokens * sizeof *s->seq_of);
+    s->rows = malloc((size_t)s->cap_seqs * sizeof *s->rows);
+    s->views = malloc((size_t)s->cap_seqs * sizeof *s->views);
+    s->in_step = malloc((size_t)s->cap_seqs * sizeof *s->in_step);
+    if (!s->eog || !s->tok || !s->pos || !s->seq_of || !s->rows || !s->views || !s->in_step) {
+        dc_sched_destroy(s);
+        return TD_ENOMEM;
+    }
+    if (p->n_eog) memcpy(s->eog, p->eog_ids, (size_t)p->n_eog * sizeof *s->eog);
+    s->p.eog_ids = s->eog;
+    *out = s;
+    return 0;
+}
+
+void dc_sched_destroy(dc_sched *s)
+{
+    if (!s) return;
+    for (int i = 0; i < s->waiting.n; i++) req_free(s, s->waiting.v[i]);
+    for (int i = 0; i < s->running.n; i++) req_free(s, s->running.v[i]);
+    free(s->waiting.v);
+    free(s->running.v);
+    free(s->eog);
+    free(s->tok);
+    free(s->pos);
+    free(s->seq_of);
+    free(s->rows);
+    free(s->views);
+    free(s->in_step);
+    free(s);
+}
+
+static dc_req *find(dc_sched *s, uint64_t id, req_list **list, int *idx)
+{
+    req_list *ls[2] = {&s->waiting, &s->running};
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < ls[k]->n; i++)
+            if (ls[k]->v[i]->id == id) {
+                if (list) *list = ls[k];
+                if (idx) *idx = i;
+                return ls[k]->v[i];
+            }
+    return NULL;
+}
+
+int dc_sched_submit(dc_sched *s, const dc_request_params *p)
+{
+    if (p->n_prompt < 1 || p->max_tokens < 1 || p->n_stop < 0 || (p->n_stop && !p->stop_ids)) {
+        TD_LOG_ERR("req %llu: empty prompt, max tokens < 1 or bad stop list",
+                   (unsigned long long)p->id);
+        return TD_EINVAL;
+    }
+    if (find(s, p->id, NULL, NULL)) {
+        TD_LOG_ERR("req %llu: id already in use", (unsigned long long)p->id);
+        return TD_EINVAL;
+    }
+    if (p->n_prompt >= s->p.max_ctx) {
+        TD_LOG_ERR("req %llu: prompt of %d tokens does not fit the context (%d)",
+                   (unsigned long long)p->id, p->n_prompt, s->p.max_ctx);
+        return TD_ERANGE;
+    }
+    for (int32_t i = 0; i < p->n_prompt; i++)
+        if (p->prompt[i] < 0 || p->prompt[i] >= s->m->hp.n_vocab) {
+            TD_LOG_ERR("req %llu: token %d of the prompt (%d) is outside the vocabulary",
+                       (unsigned long long)p->id, i, p->prompt[i]);
+            return TD_ERANGE;
+        }
+    int64_t most = (int64_t)p->n_prompt + p->max_tokens;
+    if (most > s->p.max_ctx) most = s->p.max_ctx;
+    if (kn_kv_blocks_for(s->kv, most) > s->kv->n_blocks) {
+        TD_LOG_ERR("req %llu: %lld tokens need %d KV blocks; the pool has %d",
+                   (unsigned long long)p->id, (long long)most, kn_kv_blocks_for(s->kv, most),
+                   s->kv->n_blocks);
+        return TD_ENOSPC;
+    }
+    dc_req *r = calloc(1, sizeof *r);
+    if (!r) return TD_ENOMEM;
+    r->id = p->id;
+    r->cap = (int32_t)most + 1;
+    r->tokens = malloc((size_t)r->cap * sizeof *r->tokens);
+    r->stop_ids = malloc((size_t)(p->n_stop ? p->n_stop : 1) * sizeof *r->stop_ids);
+    int rc = (!r->tokens || !r->stop_ids) ? TD_ENOMEM : 0;
+    if (!rc) rc = kn_sampler_init(&r->smp, &p->sampling, s->m->hp.n_vocab);
+    if (!rc) {
+        memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof *r->tokens);
+        if (p->n_stop) memcpy(r->stop_ids, p->stop_ids, (size_t)p->n_stop * sizeof *r->stop_ids);
+        r->n_tokens = r->n_prompt = p->n_prompt;
+        r->n_stop = p->n_stop;
+        r->max_tokens = p->max_tokens;
+        r->ignore_eos = p->ignore_eos;
+        r->logit_row = -1;
+        kn_kv_seq_init(&r->seq);
+        rc = list_push(&s->waiting, r);
+    }
+    if (rc) {
+        kn_sampler_fini(&r->smp);
+        free(r->tokens);
+        free(r->stop_ids);
+        free(r);
+    }
+    return rc;
+}
+
+int dc_sched_cancel(dc_sched *s, uint64_t id)
+{
+    dc_req *r = find(s, id, NULL, NULL);
+    if (!r) return TD_ENOENT;
+    r->cancelled = true;
+    return 0;
+}
+
+static void finish(dc_sched *s, req_list *l, int i, dc_finish why)
+{
+    dc_req *r = l->v[i];
+    list_remove_at(l, i);
+    if (s->sink.on_tokens)
+        s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, why, r->n_prompt, r->n_generated);
+    req_free(s, r);
+}
+
+/* Move running request i back to the front of the waiting list, freeing its KV. */
+static void preempt(dc_sched *s, int i)
+{
+    dc_req *r = s->running.v[i];
+    TD_LOG_INFO("req %llu: preempted (kv pool full); %d tokens will be recomputed",
+                (unsigned long long)r->id, r->n_computed);
+    list_remove_at(&s->running, i);
+    kn_kv_seq_release(s->kv, &r->seq);
+    r->n_computed = 0;
+    r->chunk = 0;
+    s->preemptions++;
+    if (list_push_front(&s->waiting, r)) {
+        /* cannot fail: the waiting list had room for it before it was admitted... but a
+         * realloc may; then the request ends with an error rather than leaking */
+        if (s->sink.on_tokens)
+            s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, DC_FINISH_ERROR, r->n_prompt,
+                              r->n_generated);
+        req_free(s, r);
+    }
+}
+
+static int newest_running(const dc_sched *s)
+{
+    int best = -1;
+    for (int i = 0; i < s->running.n; i++)
+        if (best < 0 || s->running.v[i]->admitted > s->running.v[best]->admitted) best = i;
+    return best;
+}
+
+/* Reserve KV for r's next `chunk` tokens, preempting newer requests when the pool is
+ * full. Returns false if r itself had to be preempted (it is then no longer running). */
+static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
+{
+    for (;;) {
+        if (kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk) == 0) return true;
+        int victim = newest_running(s);
+        bool self = s->running.v[victim] == r;
+        /* a victim already in this step gives back its blocks and leaves the step */
+        preempt(s, victim);
+        if (self) return false;
+    }
+}
+
+/* Blocks the running requests still need to finish their prompts (promised capacity). */
+static int promised_blocks(const dc_sched *s)
+{
+    int n = 0;
+    for (int i = 0; i < s->running.n; i++) {
+        const dc_req *r = s->running.v[i];
+        int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - r->seq.n_blocks;
+        if (need > 0) n += need;
+    }
+    return n;
+}
+
+int dc_sched_plan(dc_sched *s, dc_step *step)
+{
+    memset(step, 0, sizeof *step);
+    if (s->planned) return TD_ESTATE;
+    /* report and free cancelled requests first: their blocks return within this step */
+    for (int i = s->waiting.n - 1; i >= 0; i--)
+        if (s->waiting.v[i]->cancelled) finish(s, &s->waiting, i, DC_FINISH_CANCELLED);
+    for (int i = s->running.n - 1; i >= 0; i--)
+        if (s->running.v[i]->cancelled) finish(s, &s->running, i, DC_FINISH_CANCELLED);
+
+    int budget = s->p.step_tokens;
+    for (int i = 0; i < s->running.n; i++) {
+        s->running.v[i]->chunk = 0;
+        s->running.v[i]->logit_row = -1;
+    }
+    /* 1. decoding requests: one token each, oldest first */
+    for (int i = 0; i < s->running.n && budget > 0; i++) {
+        dc_req *r = s->running.v[i];
+        if (r->n_tokens - r->n_computed != 1 || r->chunk) continue;
+        if (!reserve_or_preempt(s, r, 1)) {
+            i = -1; /* the list changed: rescan (requests with chunk set are skipped) */
+            continue;
+        }
+        r->chunk = 1;
+        budget--;
+    }
+    /* 2. prefill chunks of admitted requests, in admission order */
+    for (int i = 0; i < s->running.n && budget > 0; i++) {
+        dc_req *r = s->running.v[i];
+        int32_t left = r->n_tokens - r->n_computed;
+        if (r->chunk || left <= 1) continue;
+        int32_t chunk = left < budget ? left : budget;
+        if (kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) break; /* wait */
+        r->chunk = chunk;
+        budget -= chunk;
+    }
+    /* 3. admit waiting requests while the budget, the batch and the pool allow */
+    while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
+        dc_req *r = s->waiting.v[0];
+        int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1);
+        if (s->kv->n_free - promised_blocks(s) < need && s->running.n > 0) break;
+        int32_t chunk = r->n_tokens < budget ? r->n_tokens : budget;
+        if (kn_kv_seq_reserve(s->kv, &r->seq, chunk)) break;
+        list_remove_at(&s->waiting, 0);
+        if (list_push(&s->running, r)) {
+            kn_kv_seq_release(s->kv, &r->seq);
+            list_push_front(&s->waiting, r); /* cannot fail: we just removed it */
+            break;
+        }
+        r->admitted = ++s->admit_counter;
+        r->chunk = chunk;
+        r->logit_row = -1;
+        budget -= chunk;
+    }
+    /* lay out the batch: requests in running order, each its chunk of tokens */
+    int n = 0, nseq = 0, nrows = 0;
+    for (int i = 0; i < s->running.n; i++) {
+        dc_req *r = s->running.v[i];
+        if (!r->chunk) continue;
+        for (int32_t j = 0; j < r->chunk; j++) {
+            s->tok[n] = r->tokens[r->n_computed + j];
+            s->pos[n] = r->n_computed + j;
+            s->seq_of[n] = nseq;
+            n++;
+        }
+        s->views[nseq] = (kn_seq_view){.block_table = r->seq.blocks,
+                                       .n_ctx = r->n_computed + r->chunk};
+        if (r->n_computed + r->chunk == r->n_tokens) {
+            r->logit_row = nrows;
+            s->rows[nrows++] = n - 1;
+        }
+        s->in_step[nseq++] = r;
+    }
+    if (n == 0) return 0;
+    step->batch = (kn_batch){.n_tokens = n, .tokens = s->tok, .pos = s->pos, .seq_of = s->seq_of,
+                             .n_seqs = nseq, .seqs = s->views, .n_logits = nrows,
+                             .logit_rows = s->rows};
+    step->n_requests = nseq;
+    s->planned = true;
+    return n;
+}
+
+static bool is_stop(const dc_sched *s, const dc_req *r, int32_t id)
+{
+    for (int i = 0; i < r->n_stop; i++)
+        if (r->stop_ids[i] == id) return true;
+    if (r->ignore_eos) return false;
+    for (int i = 0; i < s->p.n_eog; i++)
+        if (s->p.eog_ids[i] == id) return true;
+    return false;
+}
+
+int dc_sched_commit(dc_sched *s, const float *logits, int rc)
+{
+    if (!s->planned) return TD_ESTATE;
+    s->planned = false;
+    int32_t n_vocab = s->m->hp.n_vocab;
+    for (int i = s->running.n - 1; i >= 0; i--) {
+        dc_req *r = s->running.v[i];
+        if (!r->chunk) continue;
+        if (rc) {
+            finish(s, &s->running, i, DC_FINISH_ERROR);
+            continue;
+        }
+        r->n_computed += r->chunk;
+        r->chunk = 0;
+        if (r->logit_row < 0) continue;
+        int32_t id = kn_sample(&r->smp, logits + (size_t)r->logit_row * (size_t)n_vocab,
+                               r->tokens, r->n_tokens);
+        r->logit_row = -1;
+        if (id < 0) {
+            TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id,
+                       td_strerror(id));
+            finish(s, &s->running, i, DC_FINISH_ERROR);
+            continue;
+        }
+        if (is_stop(s, r, id)) {
+            finish(s, &s->running, i, DC_FINISH_STOP);
+            continue;
+        }
+        r->tokens[r->n_tokens++] = id;
+        r->n_generated++;
+        dc_finish why = DC_FINISH_NONE;
+        if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx)
+            why = DC_FINISH_LENGTH;
+        if (s->sink.on_tokens)
+            s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, why, r->n_prompt, r->n_generated);
+        if (why != DC_FINISH_NONE) {
+            list_remove_at(&s->running, i);
+            req_free(s, r);
+        }
+    }
+    return rc;
+}
+
+void dc_sched_fail_all(dc_sched *s)
+{
+    s->planned = false;
+    while (s->running.n) finish(s, &s->running, s->running.n - 1, DC_FINISH_ERROR);
+    while (s->waiting.n) finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
+}
+
+bool dc_sched_idle(const dc_sched *s) { return s->running.n == 0 && s->waiting.n == 0; }
+
+dc_sched_stats dc_sched_get_stats(const dc_sched *s)
+{
+    return (dc_sched_stats){
+        .running = s->running.n,
+        .waiting = s->waiting.n,
+        .kv_blocks_used = s->kv->n_blocks - s->kv->n_free,
+        .kv_blocks_free = s->kv->n_free,
+        .preemptions = s->preemptions,
+    };
+}

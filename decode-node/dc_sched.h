@@ -1,0 +1,113 @@
+/* dc_sched.h: the decode instance's continuous-batching scheduler (runs on rank 0).
+ *
+ * Purpose: decide, step by step, which tokens go through the model: one token for every
+ * running request that is decoding, plus prefill chunks (colocated mode: the instance
+ * prefills its own prompts) under a per-step token budget, so long prompts never stall
+ * running decodes. It owns the KV block allocation of rank 0's pool; the other ranks use
+ * the same block ids (their pools have the same number of blocks).
+ *
+ * A request's life:
+ *
+ *     submit ──> WAITING ──admit──> RUNNING ──(stop | length | cancel | error)──> freed
+ *                  ^                   │
+ *                  └────preempt────────┘   (KV freed; prompt + generated recomputed later)
+ *
+ * A running request holds tokens [0, n_tokens) (prompt, then generated ones) of which
+ * [0, n_computed) have KV in the pool. Each step computes a range [n_computed, +chunk);
+ * when that reaches n_tokens the last row's logits are sampled and the new token is
+ * appended. Prefill and decode are thus the same thing with chunk > 1 or == 1.
+ * Invariants: a request is in exactly one of the waiting list or the running list;
+ * blocks held = blocks for n_computed (+ this step's chunk between plan and commit);
+ * a request that could never fit the whole pool (prompt + max_tokens) is refused at
+ * submit; the oldest running request can always progress (preemption takes the most
+ * recently admitted first), so the scheduler cannot deadlock.
+ * Threading: not thread-safe; the node's single engine loop calls everything.
+ * Ownership: dc_sched_submit copies its inputs; the dc_step returned by dc_sched_plan
+ * points into the scheduler and is valid until the next dc_sched_commit/plan.
+ */
+#ifndef DC_SCHED_H
+#define DC_SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kv_pool.h"
+#include "model.h"
+#include "sampler.h"
+
+typedef enum {
+    DC_FINISH_NONE = 0,
+    DC_FINISH_STOP,      /* EOS / end-of-generation or a stop token id */
+    DC_FINISH_LENGTH,    /* max tokens or the context limit */
+    DC_FINISH_CANCELLED,
+    DC_FINISH_ERROR,
+} dc_finish;
+
+typedef struct {
+    uint64_t id;
+    const int32_t *prompt;
+    int32_t n_prompt;
+    kn_sampler_params sampling;
+    int32_t max_tokens;
+    const int32_t *stop_ids;
+    int n_stop;
+    bool ignore_eos;
+} dc_request_params;
+
+/* Where results go. Called from dc_sched_commit / dc_sched_plan, on the engine loop. */
+typedef struct {
+    void *ctx;
+    /* New tokens of request id (n may be 0 on a final event); finish != NONE marks the
+     * last event of the request; usage counts travel with every event. */
+    void (*on_tokens)(void *ctx, uint64_t id, const int32_t *ids, int n, dc_finish finish,
+                      int32_t n_prompt, int32_t n_generated);
+} dc_sink;
+
+typedef struct {
+    int max_running;    /* requests in the running batch; 0: 64 */
+    int step_tokens;    /* tokens per step (decode + prefill chunks); 0: 256 */
+    int32_t max_ctx;    /* per-request context limit (prompt + generated); 0: model's */
+    const int32_t *eog_ids; /* tokens that end generation unless ignore_eos */
+    int n_eog;
+} dc_sched_params;
+
+typedef struct dc_sched dc_sched;
+
+/* One step's batch. */
+typedef struct {
+    kn_batch batch;          /* tokens, positions, sequences, logit rows */
+    int n_requests;          /* requests taking part */
+} dc_step;
+
+typedef struct {
+    int running, waiting;
+    int kv_blocks_used, kv_blocks_free;
+    uint64_t preemptions;
+} dc_sched_stats;
+
+int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv, dc_sink sink,
+                    dc_sched **out);
+void dc_sched_destroy(dc_sched *s); /* frees every request's blocks */
+
+/* Queue a request. TD_EINVAL: bad parameters or a duplicate id; TD_ENOSPC: it could never
+ * fit the pool (prompt + max_tokens); TD_ERANGE: prompt past the context limit or a token
+ * id outside the vocabulary. */
+int dc_sched_submit(dc_sched *s, const dc_request_params *p);
+/* Cancel: the request finishes (DC_FINISH_CANCELLED) and its blocks are freed at the
+ * next dc_sched_plan. TD_ENOENT if no such request. */
+int dc_sched_cancel(dc_sched *s, uint64_t id);
+
+/* Build the next step. Returns the number of tokens (0: nothing runnable) or a negative
+ * td_err. Finished/cancelled requests are reported and freed here. */
+int dc_sched_plan(dc_sched *s, dc_step *step);
+/* Apply the step's logits ((batch.n_logits, n_vocab)): sample, append, report, finish.
+ * rc != 0 means the forward pass failed: every request of the step is failed. */
+int dc_sched_commit(dc_sched *s, const float *logits, int rc);
+
+/* Fail every request (e.g. a rank died); each gets a final DC_FINISH_ERROR event. */
+void dc_sched_fail_all(dc_sched *s);
+
+bool dc_sched_idle(const dc_sched *s);
+dc_sched_stats dc_sched_get_stats(const dc_sched *s);
+
+#endif

@@ -1,0 +1,159 @@
+/* dc_shm.h: the collective plane of a decode instance: rendezvous, all-reduce and plan
+ * broadcast between the TP ranks of one instance through one POSIX shared-memory segment.
+ *
+ * Purpose. Every rank process (one per TP rank, all on one host, in one pid namespace)
+ * calls dc_shm_open with the same instance name, token, tp and sizes; the call returns when
+ * all tp ranks are present. Then, per decode step, rank 0 (the leader) publishes the step's
+ * batch plan (an opaque byte blob) and every rank runs its forward pass, in which the engine
+ * calls dc_shm_allreduce (through the kn_collective adapter) twice per layer.
+ *
+ * Invariants.
+ *   - All ranks call the collectives in the same order with the same n: allreduce k of rank
+ *     a pairs with allreduce k of rank b. A size mismatch is detected and breaks the instance.
+ *   - dc_shm_allreduce is deterministic: the sum of element i is ((p0 + p1) + p2) + ...
+ *     in rank order on every rank, so results are bit-identical across ranks.
+ *   - Every wait is bounded (rendezvous: timeout_ms; collectives: op_timeout_ms), and
+ *     checks the peers' pids every liveness_ms while it sleeps: a peer that died is reported
+ *     as "rank R died" (TD_EIO) within about liveness_ms, a live peer that does not arrive
+ *     as "rank R not answering" (TD_ETIMEDOUT) after op_timeout_ms.
+ *   - A failure on any rank breaks the whole instance: the rank that detects it marks the
+ *     segment broken and wakes every waiter, so the other ranks fail at once instead of at
+ *     their own timeout. A broken dc_shm fails every later call fast with the same code.
+ *   - Waits spin for spin_us (with pause and periodic sched_yield, so 3 ranks on 2 cores
+ *     still progress) and then sleep on a futex: an idle instance uses no CPU.
+ *
+ * Threading. One dc_shm per rank, used by one thread at a time (the rank's step loop; the
+ * engine calls the allreduce from the thread that runs kn_engine_forward). The optional
+ * params.interrupt flag may be set from any thread or a signal handler.
+ *
+ * Ownership. dc_shm_open allocates the object and maps the segment; dc_shm_close unmaps and
+ * frees it (safe on NULL). A plan pointer returned by dc_shm_plan_wait stays valid until
+ * the next dc_shm_plan_wait or dc_shm_close of that rank; the leader's plan buffer from
+ * dc_shm_plan_begin until dc_shm_plan_commit. The name /tandem-INSTANCE-TOKEN exists only
+ * while ranks gather: rank 0 unlinks it as soon as all ranks have mapped the segment (and
+ * on failure or close), so a crash after start-up leaves nothing behind in /dev/shm.
+ *
+ * The segment (shared state; each transition names the function that makes it):
+ *
+ *        (no name) or a stale segment (its rank 0 pid dead, or the pid reused: the process
+ *            |      start time differs; or a half-written/garbage header)
+ *            | dc_shm_open, rank 0: shm_unlink the stale name, create O_EXCL with a new
+ *            v   epoch, fallocate, write header, join itself, ready = 1
+ *        GATHERING   followers that came first poll for the name and skip stale segments;
+ *            |       a follower claims its rank slot, records pid + start time, join_word++
+ *            | last rank joins (join_word == tp); rank 0 unlinks the name
+ *            v
+ *        RUNNING  --- dc_shm_plan_publish / dc_shm_allreduce, step after step
+ *            |  \
+ *            |   \-- a rank died / timed out / bad size / interrupted in a collective
+ *            |        --> BROKEN (broken = detector rank + 1; all waiters woken; terminal)
+ *            | dc_shm_plan_stop (leader)
+ *            v
+ *        STOPPED  followers' dc_shm_plan_wait returns DC_SHM_STOP; the memory goes away when
+ *                 the last rank calls dc_shm_close (or dies)
+ *   GATHERING also goes to BROKEN: rendezvous timeout, a joined rank died, interrupted.
+ *
+ * Memory: (2 * tp + 2) * max_floats * 4 + 2 * max_plan bytes (+ a few KiB of header), on
+ * tmpfs (/dev/shm); reserved with posix_fallocate, so a full /dev/shm is a clean TD_ENOMEM
+ * at open rather than a SIGBUS later.
+ */
+#ifndef DC_SHM_H
+#define DC_SHM_H
+
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h" /* kn_collective */
+
+#define DC_SHM_MAX_TP 64
+
+typedef struct {
+    const char *instance; /* instance name, [A-Za-z0-9_.-]{1,64} (e.g. "d0"); required */
+    const char *token;    /* makes the name unique per cluster run/user, same charset, <= 64;
+                             NULL or "": the uid */
+    int rank;             /* 0 .. tp-1; rank 0 is the leader */
+    int tp;               /* number of ranks, 1 .. DC_SHM_MAX_TP */
+    int64_t max_floats;   /* largest allreduce (floats), e.g. max_tokens * n_embd; required */
+    size_t max_plan;      /* largest plan (bytes); 0: 64 KiB */
+    int timeout_ms;       /* rendezvous: wait this long for all ranks; 0: 30000 */
+    int op_timeout_ms;    /* one collective wait: a live peer silent this long is "not
+                             answering"; 0: 30000 */
+    int liveness_ms;      /* a sleeping wait checks the peers' pids this often; 0: 20 */
+    int spin_us;          /* spin this long before sleeping on the futex; 0: 50; < 0: none */
+    volatile sig_atomic_t *interrupt; /* optional, borrowed until dc_shm_close: when it
+                             becomes non-zero (e.g. set by a SIGTERM handler) the current wait
+                             returns within liveness_ms (DC_SHM_INTR from dc_shm_plan_wait,
+                             TD_ESTATE and broken from the rendezvous or a collective) */
+} dc_shm_params;
+
+typedef struct dc_shm dc_shm;
+
+/* Positive (non-error) results of dc_shm_plan_wait. */
+enum {
+    DC_SHM_STOP = 1, /* the leader published the shutdown plan */
+    DC_SHM_INTR = 2, /* params.interrupt became non-zero */
+};
+
+typedef struct {
+    uint64_t n_allreduce;  /* allreduces done */
+    uint64_t ns_allreduce; /* wall time inside dc_shm_allreduce (ns) */
+    uint64_t n_plans;      /* plans published (leader) or received (followers) */
+    uint64_t n_sleeps;     /* waits that went to sleep on the futex (spin was not enough) */
+} dc_shm_stats;
+
+/* Join (rank 0: create) the instance's segment and wait until all tp ranks are present.
+ * Ranks may start in any order. Returns 0 and *out, or a negative td_err (logged):
+ * TD_EINVAL bad params or a rank 0 with a different layout, TD_ETIMEDOUT (the message names
+ * the missing ranks), TD_EIO a joined rank died, TD_ESTATE the rank is already taken or the
+ * instance is already running, TD_ENOMEM /dev/shm or memory full. */
+int dc_shm_open(const dc_shm_params *p, dc_shm **out);
+
+/* Unmap and free (rank 0 also unlinks the name if it still exists). Safe on NULL. Clean
+ * shutdown: the leader calls dc_shm_plan_stop, followers close after DC_SHM_STOP. Closing
+ * a working instance any other way breaks it, so the peers fail at once (TD_EIO) instead
+ * of waiting for their timeout. */
+void dc_shm_close(dc_shm *s);
+
+/* Sum buf (n floats, 0 <= n <= max_floats) across the ranks in place; every rank gets the
+ * bit-identical sum. Returns 0 or a negative td_err (logged where detected); any error
+ * breaks the instance. tp == 1: no-op. */
+int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n);
+
+/* The engine's collective: {.ctx = s, .allreduce_sum = dc_shm_allreduce}. Valid until
+ * dc_shm_close. */
+kn_collective dc_shm_collective(dc_shm *s);
+
+/* Leader (rank 0) only. Publish the next step's plan: copies len <= max_plan bytes into
+ * the segment and wakes the followers. Returns 0 or a negative td_err: TD_EINVAL for a plan
+ * larger than max_plan or a call from a follower (logged; the instance stays intact),
+ * TD_ESTATE after dc_shm_plan_stop, the failure of a broken instance. */
+int dc_shm_plan_publish(dc_shm *s, const void *plan, size_t len);
+
+/* Leader, zero-copy variant: *buf (capacity *cap = max_plan bytes) is the next plan slot;
+ * serialize into it, then dc_shm_plan_commit(s, len) publishes it. Begin waits (bounded
+ * by op_timeout_ms) until every follower has taken the previous plan, so the slot of the
+ * one before is free; in a step loop (plan, forward with allreduces) that always holds. */
+int dc_shm_plan_begin(dc_shm *s, void **buf, size_t *cap);
+int dc_shm_plan_commit(dc_shm *s, size_t len);
+
+/* Leader: publish the shutdown plan; the followers' dc_shm_plan_wait returns DC_SHM_STOP.
+ * Later publishes and allreduces fail with TD_ESTATE. */
+int dc_shm_plan_stop(dc_shm *s);
+
+/* Followers (rank > 0). Wait for the next plan: 0 and *plan, *len (valid until the next
+ * dc_shm_plan_wait or dc_shm_close); DC_SHM_STOP; DC_SHM_INTR; TD_ETIMEDOUT after
+ * timeout_ms (< 0: no limit) without a plan, which does NOT break the instance (an idle
+ * leader is normal); TD_EIO the leader or a peer died or the instance is broken. Sleeps on
+ * a futex while waiting (checking the peers every liveness_ms). */
+int dc_shm_plan_wait(dc_shm *s, int timeout_ms, const void **plan, size_t *len);
+
+/* Any rank, between steps (e.g. the leader on its heartbeat timer while idle): 0 if every
+ * peer is alive and the instance is not broken, else TD_EIO (logged once) and broken. */
+int dc_shm_check(dc_shm *s);
+
+int dc_shm_rank(const dc_shm *s);
+int dc_shm_tp(const dc_shm *s);
+void dc_shm_get_stats(const dc_shm *s, dc_shm_stats *out);
+
+#endif

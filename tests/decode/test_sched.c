@@ -1,0 +1,311 @@
+/* test_sched.c: the decode scheduler driving a real engine (one rank) on a synthetic
+ * model: concurrent requests give the same tokens as alone, pool pressure (waiting and
+ * preemption) still completes everything correctly, cancel frees blocks within one step,
+ * requests that can never fit are refused, stop ids end generation, and step plans
+ * survive the trip to follower ranks (and malformed plans are rejected).
+ * usage: test_sched MODEL.gguf
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../tharness.h"
+#include "cpu_backend.h"
+#include "dc_plan.h"
+#include "dc_sched.h"
+#include "model.h"
+#include "td_err.h"
+
+#define MAX_REQ 32
+#define MAX_OUT 64
+
+typedef struct {
+    int32_t ids[MAX_REQ][MAX_OUT];
+    int n[MAX_REQ];
+    dc_finish finish[MAX_REQ];
+    int finals[MAX_REQ];
+} outputs;
+
+static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n, dc_finish finish,
+                      int32_t n_prompt, int32_t n_gen)
+{
+    outputs *o = ctx;
+    for (int i = 0; i < n && o->n[id] < MAX_OUT; i++) o->ids[id][o->n[id]++] = ids[i];
+    if (finish != DC_FINISH_NONE) {
+        o->finish[id] = finish;
+        o->finals[id]++;
+    }
+    (void)n_prompt;
+    (void)n_gen;
+}
+
+static td_gguf *gguf;
+static kn_model *model;
+static kn_cpu *cpu;
+static kn_engine *engine;
+
+typedef struct {
+    int32_t prompt[200];
+    int n_prompt;
+    int max_tokens;
+    float temperature;
+    uint64_t seed;
+} req_spec;
+
+static req_spec specs[MAX_REQ];
+
+static dc_request_params params_of(int i)
+{
+    return (dc_request_params){
+        .id = (uint64_t)i,
+        .prompt = specs[i].prompt,
+        .n_prompt = specs[i].n_prompt,
+        .sampling = {.temperature = specs[i].temperature, .top_k = 20, .seed = specs[i].seed},
+        .max_tokens = specs[i].max_tokens,
+    };
+}
+
+/* Run the scheduler until idle (or max_steps); returns the number of steps. */
+static int drive(dc_sched *s, kn_kv_pool *kv, int max_steps, float *logits)
+{
+    int steps = 0;
+    while (!dc_sched_idle(s) && steps < max_steps) {
+        dc_step st;
+        int n = dc_sched_plan(s, &st);
+        if (n < 0) return n;
+        if (n == 0) break;
+        int rc = kn_engine_forward(engine, kv, &st.batch, logits);
+        dc_sched_commit(s, logits, rc);
+        steps++;
+    }
+    return steps;
+}
+
+static float *logits_buf;
+
+static int run(const int *which, int n_which, int n_blocks, int step_tokens, outputs *o,
+               dc_sched_stats *stats)
+{
+    memset(o, 0, sizeof *o);
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, n_blocks, 16, TD_F32);
+    if (kn_kv_pool_create(&kp, &kv)) return -1;
+    dc_sched *s;
+    dc_sched_params sp = {.max_running = 16, .step_tokens = step_tokens};
+    if (dc_sched_create(&sp, model, kv, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s)) return -1;
+    for (int i = 0; i < n_which; i++) {
+        dc_request_params p = params_of(which[i]);
+        if (dc_sched_submit(s, &p)) return -1;
+    }
+    int steps = drive(s, kv, 100000, logits_buf);
+    if (stats) *stats = dc_sched_get_stats(s);
+    int leaked = kv->n_blocks - kv->n_free;
+    dc_sched_destroy(s);
+    TH_CHECKF(leaked == 0, "%d blocks still in use after all requests finished", leaked);
+    kn_kv_pool_destroy(kv);
+    return steps;
+}
+
+static outputs alone;
+
+static void compute_alone(int n_req)
+{
+    memset(&alone, 0, sizeof alone);
+    for (int i = 0; i < n_req; i++) {
+        outputs o;
+        run(&i, 1, 256, 64, &o, NULL);
+        memcpy(alone.ids[i], o.ids[i], sizeof o.ids[i]);
+        alone.n[i] = o.n[i];
+        alone.finish[i] = o.finish[i];
+    }
+}
+
+static void check_same_as_alone(const outputs *o, int n_req, const char *what)
+{
+    for (int i = 0; i < n_req; i++) {
+        TH_CHECKF(o->finals[i] == 1, "%s: req %d got %d final events", what, i, o->finals[i]);
+        TH_CHECKF(o->n[i] == alone.n[i] && !memcmp(o->ids[i], alone.ids[i], sizeof(int32_t) * o->n[i]),
+                  "%s: req %d generated %d tokens, alone %d (first %d vs %d)", what, i, o->n[i],
+                  alone.n[i], o->ids[i][0], alone.ids[i][0]);
+        TH_CHECK(o->finish[i] == DC_FINISH_LENGTH);
+    }
+}
+
+#define N_REQ 16
+
+static void test_concurrent_equals_alone(void)
+{
+    int all[N_REQ];
+    for (int i = 0; i < N_REQ; i++) all[i] = i;
+    outputs o;
+    int steps = run(all, N_REQ, 256, 64, &o, NULL);
+    fprintf(stderr, "  %d requests together: %d steps\n", N_REQ, steps);
+    TH_CHECK(steps > 0);
+    check_same_as_alone(&o, N_REQ, "together");
+}
+
+static void test_pool_pressure(void)
+{
+    /* 14 blocks of 16 tokens: the largest request needs ~6, all together ~60 */
+    int all[N_REQ];
+    for (int i = 0; i < N_REQ; i++) all[i] = i;
+    outputs o;
+    dc_sched_stats st;
+    int steps = run(all, N_REQ, 14, 48, &o, &st);
+    fprintf(stderr, "  small pool: %d steps, %llu preemptions\n", steps,
+            (unsigned long long)st.preemptions);
+    TH_CHECK(steps > 0);
+    TH_CHECK(st.preemptions > 0);
+    check_same_as_alone(&o, N_REQ, "small pool");
+}
+
+static void test_refuse_and_cancel(void)
+{
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 8, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    outputs o;
+    memset(&o, 0, sizeof o);
+    dc_sched *s;
+    dc_sched_params sp = {.step_tokens = 64};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+    dc_request_params big = params_of(0);
+    big.max_tokens = 8 * 16; /* prompt + this > 8 blocks */
+    TH_CHECK(dc_sched_submit(s, &big) == TD_ENOSPC);
+    dc_request_params p = params_of(1);
+    p.max_tokens = 40;
+    TH_CHECK(dc_sched_submit(s, &p) == 0);
+    TH_CHECK(dc_sched_submit(s, &p) == TD_EINVAL); /* duplicate id */
+    dc_request_params bad = params_of(2);
+    int32_t badtok[2] = {1, model->hp.n_vocab};
+    bad.prompt = badtok;
+    bad.n_prompt = 2;
+    TH_CHECK(dc_sched_submit(s, &bad) == TD_ERANGE);
+    bad.n_prompt = 0;
+    TH_CHECK(dc_sched_submit(s, &bad) == TD_EINVAL);
+    drive(s, kv, 5, logits_buf);
+    TH_CHECK(o.n[1] > 0 && o.finals[1] == 0);
+    TH_CHECK(kv->n_free < kv->n_blocks);
+    TH_CHECK(dc_sched_cancel(s, 1) == 0);
+    TH_CHECK(dc_sched_cancel(s, 99) == TD_ENOENT);
+    dc_step st;
+    TH_CHECK(dc_sched_plan(s, &st) == 0); /* the only request was cancelled */
+    TH_CHECK(o.finish[1] == DC_FINISH_CANCELLED && o.finals[1] == 1);
+    TH_CHECK(kv->n_free == kv->n_blocks);
+    TH_CHECK(dc_sched_idle(s));
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+}
+
+static void test_stop_ids(void)
+{
+    /* stop on the first token request 3 generates alone: nothing is emitted, finish STOP */
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    outputs o;
+    memset(&o, 0, sizeof o);
+    dc_sched *s;
+    dc_sched_params sp = {0};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+    dc_request_params p = params_of(3);
+    int32_t stop = alone.ids[3][2];
+    p.stop_ids = &stop;
+    p.n_stop = 1;
+    TH_REQUIRE(dc_sched_submit(s, &p) == 0);
+    drive(s, kv, 1000, logits_buf);
+    TH_CHECK(o.finish[3] == DC_FINISH_STOP);
+    TH_CHECK(o.n[3] <= 2 && !memcmp(o.ids[3], alone.ids[3], sizeof(int32_t) * o.n[3]));
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+}
+
+static void test_plan_round_trip(void)
+{
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    outputs o;
+    memset(&o, 0, sizeof o);
+    dc_sched *s;
+    dc_sched_params sp = {.step_tokens = 40};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+    for (int i = 0; i < 4; i++) {
+        dc_request_params p = params_of(i);
+        TH_REQUIRE(dc_sched_submit(s, &p) == 0);
+    }
+    dc_plan_view v;
+    dc_plan_view_init(&v);
+    uint8_t buf[1 << 16];
+    for (int step = 0; step < 6; step++) {
+        dc_step st;
+        TH_REQUIRE(dc_sched_plan(s, &st) > 0);
+        size_t len;
+        TH_REQUIRE(dc_plan_encode(&st.batch, 16, (uint64_t)step, buf, sizeof buf, &len) == 0);
+        TH_CHECK(len == dc_plan_size(&st.batch, 16));
+        TH_REQUIRE(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0);
+        const kn_batch *a = &st.batch, *b = &v.batch;
+        TH_CHECK(v.kind == DC_PLAN_RUN && v.step == (uint64_t)step);
+        TH_CHECK(a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs && b->n_logits == 0);
+        TH_CHECK(!memcmp(a->tokens, b->tokens, 4 * a->n_tokens));
+        TH_CHECK(!memcmp(a->pos, b->pos, 4 * a->n_tokens));
+        TH_CHECK(!memcmp(a->seq_of, b->seq_of, 4 * a->n_tokens));
+        for (int q = 0; q < a->n_seqs; q++) {
+            TH_CHECK(a->seqs[q].n_ctx == b->seqs[q].n_ctx);
+            TH_CHECK(!memcmp(a->seqs[q].block_table, b->seqs[q].block_table,
+                             4 * (size_t)((a->seqs[q].n_ctx + 15) / 16)));
+        }
+        /* every truncation and a corrupt block id are rejected */
+        for (size_t cut = 0; cut < len; cut += 7)
+            TH_CHECK(dc_plan_decode(buf, cut, 16, kv->n_blocks, &v) == TD_EFORMAT);
+        TH_CHECK(dc_plan_decode(buf, len, 16, 1, &v) == TD_EFORMAT || a->n_seqs == 0);
+        int rc = kn_engine_forward(engine, kv, &st.batch, logits_buf);
+        dc_sched_commit(s, logits_buf, rc);
+    }
+    size_t len;
+    TH_CHECK(dc_plan_encode(NULL, 16, 9, buf, sizeof buf, &len) == 0);
+    TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0 && v.kind == DC_PLAN_SHUTDOWN);
+    buf[0] ^= 1;
+    TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
+    dc_plan_view_fini(&v);
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_sched MODEL.gguf\n");
+        return 2;
+    }
+    char err[256];
+    kn_shard sh = {0};
+    if (td_gguf_open(argv[1], &gguf, err, sizeof err) || kn_model_load(gguf, &sh, &model) ||
+        kn_cpu_create(2, &cpu) || kn_engine_create(model, kn_cpu_backend(cpu), NULL, &engine)) {
+        fprintf(stderr, "cannot set up the engine for %s\n", argv[1]);
+        return 1;
+    }
+    logits_buf = malloc((size_t)64 * model->hp.n_vocab * sizeof(float));
+    uint64_t x = 12345;
+    for (int i = 0; i < N_REQ; i++) {
+        specs[i].n_prompt = 3 + (i * 37) % 90;
+        for (int j = 0; j < specs[i].n_prompt; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            specs[i].prompt[j] = (int32_t)((x >> 33) % (uint64_t)model->hp.n_vocab);
+        }
+        specs[i].max_tokens = 4 + (i * 11) % 20;
+        specs[i].temperature = i % 3 == 0 ? 0.0f : 0.9f;
+        specs[i].seed = 1000 + (uint64_t)i;
+    }
+    compute_alone(N_REQ);
+    TH_RUN(test_concurrent_equals_alone);
+    TH_RUN(test_pool_pressure);
+    TH_RUN(test_refuse_and_cancel);
+    TH_RUN(test_stop_ids);
+    TH_RUN(test_plan_round_trip);
+    free(logits_buf);
+    kn_engine_destroy(engine);
+    kn_cpu_destroy(cpu);
+    kn_model_destroy(model);
+    td_gguf_close(gguf);
+    TH_EXIT();
+}
