@@ -75,6 +75,30 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   else
     step_failed "fuzz_gguf: build or seed generation failed"
   fi
+
+  # control-plane envelope decoder; seeds come from the sanitizer build's test_ctrl
+  CTRL_SECONDS=${TANDEM_FUZZ_CTRL_SECONDS:-30}
+  mkdir -p build-fuzz/ctrl-gen build-fuzz/ctrl-corpus build-fuzz/ctrl-seeds
+  if protoc-c --c_out=build-fuzz/ctrl-gen -Iproto proto/tandem_ctrl.proto &&
+     clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+       -Wall -Wextra -Werror -Wno-unused-parameter -Icommon -Ibuild-fuzz/ctrl-gen \
+       tests/ctrl/fuzz_ctrl.c common/ctrl_codec.c build-fuzz/ctrl-gen/tandem_ctrl.pb-c.c \
+       common/td_err.c -lprotobuf-c -lpthread -lm -o build-fuzz/fuzz_ctrl &&
+     build-asan/bin/test_ctrl --seeds build-fuzz/ctrl-seeds >&2; then
+    echo "test.sh: fuzzing the control-message decoder for ${CTRL_SECONDS}s" >&2
+    if build-fuzz/fuzz_ctrl -max_total_time="$CTRL_SECONDS" -timeout=10 -rss_limit_mb=2048 \
+         -artifact_prefix=build-fuzz/artifacts/ -print_final_stats=1 \
+         build-fuzz/ctrl-corpus build-fuzz/ctrl-seeds >build-fuzz/fuzz_ctrl.log 2>&1; then
+      grep -E "Done [0-9]+ runs" build-fuzz/fuzz_ctrl.log >&2 || true
+      echo "fuzz_ctrl: passed" >&2
+      passed=$((passed + 1))
+    else
+      tail -n 60 build-fuzz/fuzz_ctrl.log >&2
+      step_failed "fuzz_ctrl: crash or error (see build-fuzz/fuzz_ctrl.log and build-fuzz/artifacts/)"
+    fi
+  else
+    step_failed "fuzz_ctrl: build or seed generation failed"
+  fi
 fi
 
 for n in "${notes[@]+"${notes[@]}"}"; do echo "test.sh: $n"; done

@@ -16,3 +16,12 @@ if(TANDEM_PYTHON)
   add_test(NAME decode_sched COMMAND test_sched ${TANDEM_TEST_DATA}/synth/llama.gguf)
   set_tests_properties(decode_sched PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300)
 endif()
+
+# ---- tandem-decode end to end: real rank processes, control plane over loopback TCP.
+if(TANDEM_PYTHON)
+  add_test(NAME decode_node
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_decode_node.py
+                   --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
+                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
+  set_tests_properties(decode_node PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1200)
+endif()

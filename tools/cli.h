@@ -58,5 +58,6 @@ int cmd_generate(int argc, char **argv);
 int cmd_logits(int argc, char **argv);
 int cmd_dequant(int argc, char **argv);
 int cmd_bench_engine(int argc, char **argv);
+int cmd_client(int argc, char **argv);
 
 #endif

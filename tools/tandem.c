@@ -12,6 +12,7 @@ static void usage(void)
                     "  bench-engine  prefill/decode throughput against this machine's ceilings\n"
                     "  logits        write the last position's logits (raw float32)\n"
                     "  dequant       write a tensor dequantized (raw float32)\n"
+                    "  client        submit requests to an instance over the control plane\n"
                     "run 'tandem <command> --help' for its options\n");
 }
 
@@ -27,6 +28,7 @@ int main(int argc, char **argv)
     else if (!strcmp(cmd, "logits")) rc = cmd_logits(argc - 2, argv + 2);
     else if (!strcmp(cmd, "dequant")) rc = cmd_dequant(argc - 2, argv + 2);
     else if (!strcmp(cmd, "bench-engine")) rc = cmd_bench_engine(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "client")) rc = cmd_client(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         return 0;

@@ -1,0 +1,788 @@
+/* config.c: the cluster YAML (libyaml document API) -> a validated td_cfg.
+ *
+ * Each section is a table of fields (key, type, offset, range); parse_map walks a
+ * mapping against its table, rejecting unknown and duplicate keys and bad values, and
+ * records the node of every key it saw so the checks that span fields (pp vs the
+ * length of layer_partition, kv_blocks vs kv_memory, unique names and ports) can point
+ * at the right line. The first error wins; messages are "FILE:LINE:COLUMN: ...".
+ */
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include <yaml.h>
+
+#include "td_err.h"
+
+#define MAX_FILE_BYTES (16u << 20)
+#define MAX_LIST       64
+
+typedef struct {
+    const char *file;
+    yaml_document_t *doc;
+    char *err;
+    size_t errcap;
+    int rc;
+} pctx;
+
+static int fail(pctx *p, const yaml_node_t *n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int fail(pctx *p, const yaml_node_t *n, const char *fmt, ...)
+{
+    if (p->rc) return p->rc;
+    p->rc = TD_EINVAL;
+    if (!p->err || !p->errcap) return p->rc;
+    int k = snprintf(p->err, p->errcap, "%s:%zu:%zu: ", p->file, n ? n->start_mark.line + 1 : 1,
+                     n ? n->start_mark.column + 1 : 1);
+    if (k < 0 || (size_t)k >= p->errcap) return p->rc;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->err + k, p->errcap - (size_t)k, fmt, ap);
+    va_end(ap);
+    return p->rc;
+}
+
+static yaml_node_t *node_at(pctx *p, int i)
+{
+    return yaml_document_get_node(p->doc, i);
+}
+
+static const char *sval(const yaml_node_t *n)
+{
+    return (const char *)n->data.scalar.value;
+}
+
+static bool is_null(const yaml_node_t *n)
+{
+    if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
+        return false;
+    const char *v = sval(n);
+    return !*v || !strcmp(v, "~") || !strcmp(v, "null") || !strcmp(v, "Null") || !strcmp(v, "NULL");
+}
+
+static const char *kind_name(const yaml_node_t *n)
+{
+    if (n->type == YAML_MAPPING_NODE) return "a mapping";
+    if (n->type == YAML_SEQUENCE_NODE) return "a list";
+    if (is_null(n)) return "nothing (null)";
+    return "a string";
+}
+
+static char *xstrdup(pctx *p, const char *s)
+{
+    char *d = strdup(s);
+    if (!d && !p->rc) {
+        p->rc = TD_ENOMEM;
+        td_errbuf_set(p->err, p->errcap, "%s: out of memory", p->file);
+    }
+    return d;
+}
+
+static void set_str(pctx *p, char **dst, const char *s)
+{
+    char *d = xstrdup(p, s);
+    if (!d) return;
+    free(*dst);
+    *dst = d;
+}
+
+/* "~/x" -> "$HOME/x"; anything else unchanged. */
+static void set_path(pctx *p, char **dst, const char *s)
+{
+    const char *home = getenv("HOME");
+    if ((s[0] == '~' && (s[1] == '/' || !s[1])) && home && *home) {
+        size_t n = strlen(home) + strlen(s);
+        char *d = malloc(n);
+        if (!d) {
+            if (!p->rc) td_errbuf_set(p->err, p->errcap, "%s: out of memory", p->file);
+            p->rc = p->rc ? p->rc : TD_ENOMEM;
+            return;
+        }
+        snprintf(d, n, "%s%s", home, s + 1);
+        free(*dst);
+        *dst = d;
+        return;
+    }
+    set_str(p, dst, s);
+}
+
+/* ---- scalars ------------------------------------------------------------------------- */
+
+static int get_int(pctx *p, const yaml_node_t *n, int64_t lo, int64_t hi, int64_t *out)
+{
+    if (n->type != YAML_SCALAR_NODE || is_null(n) ||
+        n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
+        return fail(p, n, "expected an integer, got %s", kind_name(n));
+    const char *s = sval(n);
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end || errno) return fail(p, n, "expected an integer, got '%s'", s);
+    if (v < lo || v > hi)
+        return fail(p, n, "%lld is out of range [%lld, %lld]", v, (long long)lo, (long long)hi);
+    *out = v;
+    return 0;
+}
+
+static int get_float(pctx *p, const yaml_node_t *n, double lo, double hi, double *out)
+{
+    if (n->type != YAML_SCALAR_NODE || is_null(n) ||
+        n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
+        return fail(p, n, "expected a number, got %s", kind_name(n));
+    const char *s = sval(n);
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end || errno || !isfinite(v))
+        return fail(p, n, "expected a number, got '%s'", s);
+    if (v < lo || v > hi) return fail(p, n, "%g is out of range [%g, %g]", v, lo, hi);
+    *out = v;
+    return 0;
+}
+
+static int get_bool(pctx *p, const yaml_node_t *n, bool *out)
+{
+    if (n->type == YAML_SCALAR_NODE && n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE) {
+        const char *s = sval(n);
+        if (!strcasecmp(s, "true") || !strcasecmp(s, "yes") || !strcasecmp(s, "on")) {
+            *out = true;
+            return 0;
+        }
+        if (!strcasecmp(s, "false") || !strcasecmp(s, "no") || !strcasecmp(s, "off")) {
+            *out = false;
+            return 0;
+        }
+        if (!is_null(n)) return fail(p, n, "expected true or false, got '%s'", s);
+    }
+    return fail(p, n, "expected true or false, got %s", kind_name(n));
+}
+
+static int get_str(pctx *p, const yaml_node_t *n, const char **out)
+{
+    if (n->type != YAML_SCALAR_NODE || is_null(n))
+        return fail(p, n, "expected a string, got %s", kind_name(n));
+    *out = sval(n);
+    return 0;
+}
+
+int td_cfg_parse_size(const char *s, int64_t *out)
+{
+    char *end;
+    errno = 0;
+    if (!s || !isdigit((unsigned char)*s)) return TD_EINVAL;
+    double v = strtod(s, &end);
+    if (end == s || errno || !isfinite(v)) return TD_EINVAL;
+    while (*end == ' ')
+        end++;
+    static const struct {
+        const char *unit;
+        double mul;
+    } units[] = {{"", 1},
+                 {"B", 1},
+                 {"KiB", 1024.0},
+                 {"MiB", 1048576.0},
+                 {"GiB", 1073741824.0},
+                 {"TiB", 1099511627776.0},
+                 {"KB", 1e3},
+                 {"MB", 1e6},
+                 {"GB", 1e9},
+                 {"TB", 1e12}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcmp(end, units[i].unit)) continue;
+        double b = v * units[i].mul;
+        if (b >= 9.2e18) return TD_ERANGE;
+        if (b != floor(b)) return TD_EINVAL; /* fractional bytes */
+        *out = (int64_t)b;
+        return 0;
+    }
+    return TD_EINVAL;
+}
+
+static int get_size(pctx *p, const yaml_node_t *n, int64_t lo, int64_t *out)
+{
+    const char *s;
+    if (get_str(p, n, &s)) return p->rc;
+    int64_t v;
+    int rc = td_cfg_parse_size(s, &v);
+    if (rc == TD_ERANGE) return fail(p, n, "size '%s' is too large", s);
+    if (rc) return fail(p, n, "expected a size such as 1GiB, 512MiB or 4096, got '%s'", s);
+    if (v < lo) return fail(p, n, "size '%s' is smaller than %lld bytes", s, (long long)lo);
+    *out = v;
+    return 0;
+}
+
+/* ---- tables -------------------------------------------------------------------------- */
+
+typedef enum { F_STR, F_PATH, F_INT, F_I64, F_BOOL, F_FLOAT, F_SIZE, F_INTS, F_STRS, F_NODE } ftype;
+
+typedef struct {
+    const char *key;
+    ftype t;
+    size_t off; /* into the section struct */
+    double lo, hi;
+    size_t noff; /* F_INTS / F_STRS: offset of the int count */
+} field;
+
+#define FLD(T, k, ty, m, l, h)                                                                     \
+    {                                                                                              \
+        k, ty, offsetof(T, m), l, h, 0                                                             \
+    }
+#define LST(T, k, ty, m, n, l, h)                                                                  \
+    {                                                                                              \
+        k, ty, offsetof(T, m), l, h, offsetof(T, n)                                                \
+    }
+
+static void list_keys(const field *f, size_t nf, char *buf, size_t cap)
+{
+    size_t k = 0;
+    buf[0] = 0;
+    for (size_t i = 0; i < nf && k < cap; i++) {
+        int w = snprintf(buf + k, cap - k, "%s%s", i ? ", " : "", f[i].key);
+        if (w < 0) break;
+        k += (size_t)w;
+    }
+}
+
+static int parse_value(pctx *p, const field *f, yaml_node_t *v, char *base)
+{
+    void *dst = base + f->off;
+    int64_t iv;
+    switch (f->t) {
+    case F_STR:
+    case F_PATH: {
+        const char *s;
+        if (get_str(p, v, &s)) return p->rc;
+        if (f->t == F_PATH && !*s) return fail(p, v, "empty path");
+        if (f->t == F_PATH)
+            set_path(p, dst, s);
+        else
+            set_str(p, dst, s);
+        return p->rc;
+    }
+    case F_INT:
+        if (get_int(p, v, (int64_t)f->lo, (int64_t)f->hi, &iv)) return p->rc;
+        *(int *)dst = (int)iv;
+        return 0;
+    case F_I64:
+        if (get_int(p, v, (int64_t)f->lo, (int64_t)f->hi, &iv)) return p->rc;
+        *(int64_t *)dst = iv;
+        return 0;
+    case F_BOOL:
+        return get_bool(p, v, dst);
+    case F_FLOAT:
+        return get_float(p, v, f->lo, f->hi, dst);
+    case F_SIZE:
+        return get_size(p, v, (int64_t)f->lo, dst);
+    case F_INTS:
+    case F_STRS: {
+        if (v->type != YAML_SEQUENCE_NODE)
+            return fail(p, v, "expected a list, got %s", kind_name(v));
+        size_t n = (size_t)(v->data.sequence.items.top - v->data.sequence.items.start);
+        if (n == 0) return fail(p, v, "empty list");
+        if (n > MAX_LIST) return fail(p, v, "list of %zu entries, more than %d", n, MAX_LIST);
+        void *arr = calloc(n, f->t == F_INTS ? sizeof(int) : sizeof(char *));
+        if (!arr) return fail(p, v, "out of memory");
+        if (f->t == F_INTS) {
+            free(*(int **)dst);
+            *(int **)dst = arr;
+        } else {
+            char **old = *(char ***)dst;
+            for (int i = 0; old && i < *(int *)(base + f->noff); i++)
+                free(old[i]);
+            free(old);
+            *(char ***)dst = arr;
+        }
+        *(int *)(base + f->noff) = (int)n;
+        for (size_t i = 0; i < n; i++) {
+            yaml_node_t *it = node_at(p, v->data.sequence.items.start[i]);
+            if (f->t == F_INTS) {
+                if (get_int(p, it, (int64_t)f->lo, (int64_t)f->hi, &iv)) return p->rc;
+                ((int *)arr)[i] = (int)iv;
+            } else {
+                const char *s;
+                if (get_str(p, it, &s)) return p->rc;
+                if (!*s) return fail(p, it, "empty string");
+                ((char **)arr)[i] = xstrdup(p, s);
+                if (p->rc) return p->rc;
+            }
+        }
+        return 0;
+    }
+    case F_NODE:
+        return 0;
+    }
+    return 0;
+}
+
+/* Walk mapping n against fields; seen[i] receives the value node of fields[i] (NULL if
+ * absent) and seen_key[i] its key node. A null n (e.g. "router:" with nothing) is an
+ * empty mapping. */
+static int parse_map(pctx *p, yaml_node_t *n, const char *what, const field *fields, size_t nf,
+                     void *base, yaml_node_t **seen, yaml_node_t **seen_key)
+{
+    for (size_t i = 0; i < nf; i++)
+        seen[i] = seen_key[i] = NULL;
+    if (is_null(n)) return 0;
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(p, n, "%s: expected a mapping, got %s", what, kind_name(n));
+    for (yaml_node_pair_t *pr = n->data.mapping.pairs.start; pr < n->data.mapping.pairs.top; pr++) {
+        yaml_node_t *k = node_at(p, pr->key), *v = node_at(p, pr->value);
+        if (k->type != YAML_SCALAR_NODE) return fail(p, k, "%s: keys must be strings", what);
+        size_t i = 0;
+        while (i < nf && strcmp(fields[i].key, sval(k)))
+            i++;
+        if (i == nf) {
+            char keys[512];
+            list_keys(fields, nf, keys, sizeof keys);
+            return fail(p, k, "unknown key '%s' in %s (known: %s)", sval(k), what, keys);
+        }
+        if (seen[i])
+            return fail(p, k, "duplicate key '%s' in %s (first at line %zu)", sval(k), what,
+                        seen_key[i]->start_mark.line + 1);
+        seen[i] = v;
+        seen_key[i] = k;
+        if (parse_value(p, &fields[i], v, base)) return p->rc;
+    }
+    return 0;
+}
+
+static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key, const char *what)
+{
+    if (seen) return 0;
+    return fail(p, map, "%s: missing required key '%s'", what, key);
+}
+
+/* ---- sections ------------------------------------------------------------------------ */
+
+static const field router_fields[] = {
+    FLD(td_cfg_router, "listen", F_STR, listen, 0, 0),
+    FLD(td_cfg_router, "api_key", F_STR, api_key, 0, 0),
+    FLD(td_cfg_router, "max_queue", F_INT, max_queue, 1, 1 << 20),
+    FLD(td_cfg_router, "max_prompt_tokens", F_INT, max_prompt_tokens, 1, 1 << 24),
+    FLD(td_cfg_router, "max_tokens", F_INT, max_tokens, 1, 1 << 24),
+    FLD(td_cfg_router, "chat_template", F_STR, chat_template, 0, 0),
+    FLD(td_cfg_router, "heartbeat_ms", F_INT, heartbeat_ms, 10, 600000),
+    FLD(td_cfg_router, "instance_timeout_ms", F_INT, instance_timeout_ms, 10, 3600000),
+};
+enum { R_LISTEN, R_APIKEY, R_QUEUE, R_PROMPT, R_MAXTOK, R_TEMPLATE, R_HB, R_TIMEOUT, R_N };
+
+static const field prefill_fields[] = {
+    FLD(td_cfg_prefill, "name", F_STR, name, 0, 0),
+    FLD(td_cfg_prefill, "pp", F_INT, pp, 1, TD_CFG_MAX_PARALLEL),
+    LST(td_cfg_prefill, "layer_partition", F_INTS, layer_partition, n_layer_partition, 1, 1 << 16),
+    FLD(td_cfg_prefill, "chunk_size", F_INT, chunk_size, 1, 1 << 20),
+    FLD(td_cfg_prefill, "dynamic_chunking", F_BOOL, dynamic_chunking, 0, 0),
+    FLD(td_cfg_prefill, "smooth_factor", F_FLOAT, smooth_factor, 0, 1),
+    FLD(td_cfg_prefill, "threads", F_INT, threads, 1, 1024),
+    LST(td_cfg_prefill, "hosts", F_STRS, hosts, n_hosts, 0, 0),
+    FLD(td_cfg_prefill, "port", F_INT, port, 1, 65535),
+};
+enum { P_NAME, P_PP, P_PART, P_CHUNK, P_DYN, P_SMOOTH, P_THREADS, P_HOSTS, P_PORT, P_N };
+
+static const field decode_fields[] = {
+    FLD(td_cfg_decode, "name", F_STR, name, 0, 0),
+    FLD(td_cfg_decode, "tp", F_INT, tp, 1, TD_CFG_MAX_PARALLEL),
+    FLD(td_cfg_decode, "host", F_STR, host, 0, 0),
+    FLD(td_cfg_decode, "threads", F_INT, threads, 1, 1024),
+    FLD(td_cfg_decode, "block_size", F_INT, block_size, 1, 1024),
+    FLD(td_cfg_decode, "kv_blocks", F_I64, kv_blocks, 1, 1ll << 32),
+    FLD(td_cfg_decode, "kv_memory", F_SIZE, kv_memory, 4096, 0),
+    FLD(td_cfg_decode, "max_batch", F_INT, max_batch, 1, 1 << 16),
+    FLD(td_cfg_decode, "step_tokens", F_INT, step_tokens, 1, 1 << 20),
+    FLD(td_cfg_decode, "kv_dtype", F_STR, kv_dtype, 0, 0),
+    FLD(td_cfg_decode, "port", F_INT, port, 1, 65535),
+};
+enum {
+    D_NAME,
+    D_TP,
+    D_HOST,
+    D_THREADS,
+    D_BLOCK,
+    D_KVB,
+    D_KVM,
+    D_BATCH,
+    D_STEP,
+    D_DTYPE,
+    D_PORT,
+    D_N
+};
+
+static const field kvxfer_fields[] = {
+    FLD(td_cfg_kvxfer, "ucx_tls", F_STR, ucx_tls, 0, 0),
+    FLD(td_cfg_kvxfer, "timeout_ms", F_INT, timeout_ms, 1, 3600000),
+};
+
+/* F_NODE: only the node is recorded; the section parsers below take it from there. */
+static const field root_fields[] = {
+    FLD(td_cfg, "model", F_PATH, model, 0, 0),
+    {"backend", F_NODE, 0, 0, 0, 0},
+    FLD(td_cfg, "run_dir", F_PATH, run_dir, 0, 0),
+    {"router", F_NODE, 0, 0, 0, 0},
+    {"prefill", F_NODE, 0, 0, 0, 0},
+    {"decode", F_NODE, 0, 0, 0, 0},
+    {"kvxfer", F_NODE, 0, 0, 0, 0},
+};
+enum { T_MODEL, T_BACKEND, T_RUNDIR, T_ROUTER, T_PREFILL, T_DECODE, T_KVXFER, T_N };
+
+static bool valid_name(const char *s)
+{
+    size_t n = strlen(s);
+    if (!n || n > TD_CFG_NAME_MAX) return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)s[i]) && !strchr("_.-", s[i])) return false;
+    return true;
+}
+
+static int check_host(pctx *p, yaml_node_t *n, const char *h)
+{
+    if (!*h || strlen(h) > 253 || strpbrk(h, " /\t"))
+        return fail(p, n, "'%s' is not a host name or address", h);
+    return 0;
+}
+
+static int check_listen(pctx *p, yaml_node_t *n, const char *s)
+{
+    const char *c = strrchr(s, ':');
+    char *end;
+    long port = c ? strtol(c + 1, &end, 10) : 0;
+    if (!c || c == s || !c[1] || *end || port < 1 || port > 65535)
+        return fail(p, n, "expected HOST:PORT (port 1..65535), got '%s'", s);
+    return 0;
+}
+
+static void router_defaults(pctx *p, td_cfg_router *r)
+{
+    set_str(p, &r->listen, "127.0.0.1:8000");
+    set_str(p, &r->api_key, "");
+    r->max_queue = 256;
+    r->max_prompt_tokens = 8192;
+    r->max_tokens = 4096;
+    set_str(p, &r->chat_template, "");
+    r->heartbeat_ms = 500;
+    r->instance_timeout_ms = 3000;
+}
+
+static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
+{
+    yaml_node_t *seen[R_N], *keys[R_N];
+    if (parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
+    if (seen[R_LISTEN] && check_listen(p, seen[R_LISTEN], r->listen)) return p->rc;
+    const char *t = r->chat_template;
+    if (*t && strcmp(t, "chatml") && strcmp(t, "llama3") && strcmp(t, "llama2"))
+        return fail(p, seen[R_TEMPLATE],
+                    "unknown chat_template '%s' (known: chatml, llama3, llama2; empty: the "
+                    "model's)",
+                    t);
+    return 0;
+}
+
+/* Instances: name rules and the nodes needed for the cross-instance checks. */
+typedef struct {
+    const char *name;
+    yaml_node_t *name_node;
+    const char *host;
+    int port;
+    yaml_node_t *port_node; /* where to point for a port clash */
+} inst_ref;
+
+static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, inst_ref *ref)
+{
+    yaml_node_t *seen[P_N], *keys[P_N];
+    x->pp = 1;
+    x->chunk_size = 512;
+    x->dynamic_chunking = true;
+    x->smooth_factor = 0.75;
+    x->threads = 1;
+    x->port = 9100 + idx;
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(p, n, "prefill[%d]: expected a mapping, got %s", idx, kind_name(n));
+    char what[64];
+    snprintf(what, sizeof what, "prefill[%d]", idx);
+    if (parse_map(p, n, what, prefill_fields, P_N, x, seen, keys)) return p->rc;
+    if (require(p, n, seen[P_NAME], "name", what)) return p->rc;
+    if (!valid_name(x->name))
+        return fail(p, seen[P_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -", x->name,
+                    TD_CFG_NAME_MAX);
+    if (x->layer_partition && x->n_layer_partition != x->pp)
+        return fail(p, seen[P_PART], "layer_partition has %d entries but pp is %d",
+                    x->n_layer_partition, x->pp);
+    if (x->hosts) {
+        if (x->n_hosts != x->pp)
+            return fail(p, seen[P_HOSTS], "hosts has %d entries but pp is %d (one per stage)",
+                        x->n_hosts, x->pp);
+        yaml_node_t *hl = seen[P_HOSTS];
+        for (int i = 0; i < x->n_hosts; i++)
+            if (check_host(p, node_at(p, hl->data.sequence.items.start[i]), x->hosts[i]))
+                return p->rc;
+    } else {
+        x->hosts = calloc((size_t)x->pp, sizeof *x->hosts);
+        if (!x->hosts) return fail(p, n, "out of memory");
+        x->n_hosts = x->pp;
+        for (int i = 0; i < x->pp; i++)
+            if (!(x->hosts[i] = xstrdup(p, "127.0.0.1"))) return p->rc;
+    }
+    *ref = (inst_ref){x->name, seen[P_NAME], x->hosts[0], x->port,
+                      seen[P_PORT] ? seen[P_PORT] : seen[P_NAME]};
+    return 0;
+}
+
+static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst_ref *ref)
+{
+    yaml_node_t *seen[D_N], *keys[D_N];
+    x->tp = 1;
+    set_str(p, &x->host, "127.0.0.1");
+    x->threads = 1;
+    x->block_size = 16;
+    x->kv_blocks = 4096;
+    x->max_batch = 64;
+    x->step_tokens = 512;
+    set_str(p, &x->kv_dtype, "f16");
+    x->port = 9000 + idx;
+    if (p->rc) return p->rc;
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(p, n, "decode[%d]: expected a mapping, got %s", idx, kind_name(n));
+    char what[64];
+    snprintf(what, sizeof what, "decode[%d]", idx);
+    if (parse_map(p, n, what, decode_fields, D_N, x, seen, keys)) return p->rc;
+    if (require(p, n, seen[D_NAME], "name", what)) return p->rc;
+    if (!valid_name(x->name))
+        return fail(p, seen[D_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -", x->name,
+                    TD_CFG_NAME_MAX);
+    if (seen[D_HOST] && check_host(p, seen[D_HOST], x->host)) return p->rc;
+    if (x->block_size & (x->block_size - 1))
+        return fail(p, seen[D_BLOCK], "block_size %d is not a power of two", x->block_size);
+    if (seen[D_KVB] && seen[D_KVM])
+        return fail(p, keys[D_KVM], "give kv_blocks or kv_memory, not both");
+    if (seen[D_KVM]) x->kv_blocks = 0;
+    if (strcmp(x->kv_dtype, "f16") && strcmp(x->kv_dtype, "f32"))
+        return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", x->kv_dtype);
+    *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port,
+                      seen[D_PORT] ? seen[D_PORT] : seen[D_NAME]};
+    return 0;
+}
+
+static int check_instances(pctx *p, inst_ref *r, int n)
+{
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++) {
+            if (!strcmp(r[i].name, r[j].name))
+                return fail(p, r[i].name_node, "duplicate instance name '%s' (first at line %zu)",
+                            r[i].name, r[j].name_node->start_mark.line + 1);
+            if (r[i].port == r[j].port && !strcmp(r[i].host, r[j].host))
+                return fail(p, r[i].port_node,
+                            "control port %d on %s is already used by instance '%s' (line %zu)",
+                            r[i].port, r[i].host, r[j].name, r[j].name_node->start_mark.line + 1);
+        }
+    return 0;
+}
+
+static int parse_list(pctx *p, yaml_node_t *n, const char *what, size_t *count)
+{
+    *count = 0;
+    if (!n || is_null(n)) return 0;
+    if (n->type != YAML_SEQUENCE_NODE)
+        return fail(p, n, "%s: expected a list of instances, got %s", what, kind_name(n));
+    *count = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    if (*count > MAX_LIST) return fail(p, n, "%s: more than %d instances", what, MAX_LIST);
+    return 0;
+}
+
+static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
+{
+    yaml_node_t *seen[T_N], *keys[T_N];
+    if (!root || is_null(root))
+        return fail(p, root,
+                    "empty configuration: expected a mapping with at least 'model' "
+                    "and 'decode'");
+    if (root->type != YAML_MAPPING_NODE)
+        return fail(p, root, "expected a mapping at the top level, got %s", kind_name(root));
+    set_path(p, &c->run_dir, "~/.cache/tandem/run");
+    router_defaults(p, &c->router);
+    set_str(p, &c->kvxfer.ucx_tls, "sm,tcp,self");
+    c->kvxfer.timeout_ms = 30000;
+    if (p->rc) return p->rc;
+
+    if (parse_map(p, root, "the top level", root_fields, T_N, c, seen, keys)) return p->rc;
+    if (require(p, root, seen[T_MODEL], "model", "the top level")) return p->rc;
+    if (seen[T_BACKEND]) {
+        const char *b;
+        if (get_str(p, seen[T_BACKEND], &b)) return p->rc;
+        if (!strcmp(b, "cpu"))
+            c->backend = TD_CFG_BACKEND_CPU;
+        else if (!strcmp(b, "cuda"))
+            c->backend = TD_CFG_BACKEND_CUDA;
+        else
+            return fail(p, seen[T_BACKEND], "unknown backend '%s' (known: cpu, cuda)", b);
+    }
+    if (seen[T_ROUTER] && parse_router(p, seen[T_ROUTER], &c->router)) return p->rc;
+    if (seen[T_KVXFER]) {
+        yaml_node_t *s2[2], *k2[2];
+        if (parse_map(p, seen[T_KVXFER], "kvxfer", kvxfer_fields, 2, &c->kvxfer, s2, k2))
+            return p->rc;
+    }
+
+    size_t np, nd;
+    if (parse_list(p, seen[T_PREFILL], "prefill", &np) ||
+        parse_list(p, seen[T_DECODE], "decode", &nd))
+        return p->rc;
+    if (!nd)
+        return fail(p, seen[T_DECODE] ? seen[T_DECODE] : root,
+                    "no decode instance: 'decode' needs at least one entry");
+    c->prefill = calloc(np ? np : 1, sizeof *c->prefill);
+    c->decode = calloc(nd, sizeof *c->decode);
+    inst_ref *refs = calloc(np + nd, sizeof *refs);
+    if (!c->prefill || !c->decode || !refs) {
+        free(refs);
+        return fail(p, root, "out of memory");
+    }
+    for (size_t i = 0; i < np && !p->rc; i++) {
+        c->n_prefill = (int)i + 1;
+        parse_prefill(p, node_at(p, seen[T_PREFILL]->data.sequence.items.start[i]), (int)i,
+                      &c->prefill[i], &refs[i]);
+    }
+    for (size_t i = 0; i < nd && !p->rc; i++) {
+        c->n_decode = (int)i + 1;
+        parse_decode(p, node_at(p, seen[T_DECODE]->data.sequence.items.start[i]), (int)i,
+                     &c->decode[i], &refs[np + i]);
+    }
+    if (!p->rc) check_instances(p, refs, (int)(np + nd));
+    free(refs);
+    return p->rc;
+}
+
+/* ---- entry points -------------------------------------------------------------------- */
+
+void td_cfg_free(td_cfg *c)
+{
+    if (!c) return;
+    free(c->path);
+    free(c->model);
+    free(c->run_dir);
+    free(c->router.listen);
+    free(c->router.api_key);
+    free(c->router.chat_template);
+    for (int i = 0; i < c->n_prefill; i++) {
+        td_cfg_prefill *x = &c->prefill[i];
+        free(x->name);
+        free(x->layer_partition);
+        for (int h = 0; x->hosts && h < x->n_hosts; h++)
+            free(x->hosts[h]);
+        free(x->hosts);
+    }
+    free(c->prefill);
+    for (int i = 0; i < c->n_decode; i++) {
+        free(c->decode[i].name);
+        free(c->decode[i].host);
+        free(c->decode[i].kv_dtype);
+    }
+    free(c->decode);
+    free(c->kvxfer.ucx_tls);
+    free(c);
+}
+
+int td_cfg_parse(const char *text, size_t len, const char *name, td_cfg **out, char *err,
+                 size_t errcap)
+{
+    *out = NULL;
+    if (err && errcap) err[0] = 0;
+    pctx p = {.file = name ? name : "<config>", .err = err, .errcap = errcap};
+    yaml_parser_t parser;
+    yaml_document_t doc;
+    if (!yaml_parser_initialize(&parser)) {
+        td_errbuf_set(err, errcap, "%s: out of memory", p.file);
+        return TD_ENOMEM;
+    }
+    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
+    if (!yaml_parser_load(&parser, &doc)) {
+        yaml_mark_t m = parser.problem_mark;
+        td_errbuf_set(err, errcap, "%s:%zu:%zu: yaml: %s%s%s", p.file, m.line + 1, m.column + 1,
+                      parser.problem ? parser.problem : "syntax error", parser.context ? " " : "",
+                      parser.context ? parser.context : "");
+        yaml_parser_delete(&parser);
+        return TD_EFORMAT;
+    }
+    p.doc = &doc;
+    td_cfg *c = calloc(1, sizeof *c);
+    if (!c) {
+        p.rc = TD_ENOMEM;
+        td_errbuf_set(err, errcap, "%s: out of memory", p.file);
+    } else {
+        c->path = xstrdup(&p, p.file);
+        if (!p.rc) parse_root(&p, yaml_document_get_root_node(&doc), c);
+    }
+    if (!p.rc) { /* a second document would be ignored silently: refuse it */
+        yaml_document_t doc2;
+        if (yaml_parser_load(&parser, &doc2)) {
+            yaml_node_t *r2 = yaml_document_get_root_node(&doc2);
+            if (r2) fail(&p, r2, "more than one YAML document");
+            yaml_document_delete(&doc2);
+        } else {
+            yaml_mark_t m = parser.problem_mark;
+            p.rc = TD_EFORMAT;
+            td_errbuf_set(err, errcap, "%s:%zu:%zu: yaml: %s", p.file, m.line + 1, m.column + 1,
+                          parser.problem ? parser.problem : "syntax error");
+        }
+    }
+    yaml_document_delete(&doc);
+    yaml_parser_delete(&parser);
+    if (p.rc) {
+        td_cfg_free(c);
+        return p.rc;
+    }
+    *out = c;
+    return 0;
+}
+
+int td_cfg_load(const char *path, td_cfg **out, char *err, size_t errcap)
+{
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        td_errbuf_set(err, errcap, "%s:1:1: cannot open: %s", path, strerror(errno));
+        return TD_EIO;
+    }
+    char *buf = malloc(MAX_FILE_BYTES + 1);
+    size_t n = buf ? fread(buf, 1, MAX_FILE_BYTES + 1, f) : 0;
+    int rerr = ferror(f);
+    fclose(f);
+    if (!buf) {
+        td_errbuf_set(err, errcap, "%s: out of memory", path);
+        return TD_ENOMEM;
+    }
+    if (rerr || n > MAX_FILE_BYTES) {
+        td_errbuf_set(err, errcap, "%s:1:1: %s", path, rerr ? "read error" : "larger than 16 MiB");
+        free(buf);
+        return TD_EIO;
+    }
+    int rc = td_cfg_parse(buf, n, path, out, err, errcap);
+    free(buf);
+    return rc;
+}
+
+const td_cfg_decode *td_cfg_find_decode(const td_cfg *c, const char *name)
+{
+    for (int i = 0; c && name && i < c->n_decode; i++)
+        if (!strcmp(c->decode[i].name, name)) return &c->decode[i];
+    return NULL;
+}
+
+const td_cfg_prefill *td_cfg_find_prefill(const td_cfg *c, const char *name)
+{
+    for (int i = 0; c && name && i < c->n_prefill; i++)
+        if (!strcmp(c->prefill[i].name, name)) return &c->prefill[i];
+    return NULL;
+}
+
+int td_cfg_ctrl_url(const char *host, int port, char *buf, size_t cap)
+{
+    bool v6 = strchr(host, ':') != NULL;
+    int n = snprintf(buf, cap, v6 ? "tcp://[%s]:%d" : "tcp://%s:%d", host, port);
+    return n < 0 || (size_t)n >= cap ? TD_ERANGE : 0;
+}

@@ -1,0 +1,105 @@
+/* config.h: the cluster configuration (YAML, ARCHITECTURE.md section 7; prefix td_cfg_).
+ *
+ * Purpose: one file describes a cluster: the model, the backend, the router, the
+ * prefill and decode instances and the KV transfer settings. Every binary loads the same
+ * file and looks up its own instance by name. docs/config.md lists every key with its
+ * default; the YAML files in deploy/ are commented examples.
+ * Invariants: td_cfg_load either returns a fully validated td_cfg with every default
+ * filled in, or an error "FILE:LINE:COLUMN: message" (1-based) naming the first problem:
+ * YAML syntax, unknown key, duplicate key, wrong type, value out of range, a missing
+ * required key, duplicate instance names or control ports. Paths have `~/` expanded.
+ * After success: prefill[i].hosts has pp entries; layer_partition is NULL (default) or
+ * has pp entries; exactly one of decode[i].kv_blocks / kv_memory is nonzero.
+ * Threading: a loaded td_cfg is read-only; any thread may read it.
+ * Ownership: td_cfg_load allocates; td_cfg_free frees the whole tree (strings included).
+ */
+#ifndef TD_CONFIG_H
+#define TD_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TD_CFG_NAME_MAX     63 /* instance names: [A-Za-z0-9_.-], 1..63 bytes */
+#define TD_CFG_MAX_PARALLEL 64 /* pp and tp */
+
+typedef enum { TD_CFG_BACKEND_CPU = 0, TD_CFG_BACKEND_CUDA = 1 } td_cfg_backend;
+
+typedef struct {
+    char *listen;            /* "127.0.0.1:8000" (host:port of the HTTP API) */
+    char *api_key;           /* "": no key required */
+    int max_queue;           /* 256: requests waiting for an instance */
+    int max_prompt_tokens;   /* 8192 */
+    int max_tokens;          /* 4096: cap on a request's max_tokens */
+    char *chat_template;     /* "": the model file's; else chatml | llama3 | llama2 */
+    int heartbeat_ms;        /* 500: health poll period per instance */
+    int instance_timeout_ms; /* 3000: no answer this long -> instance dead */
+} td_cfg_router;
+
+typedef struct {
+    char *name;
+    int pp;               /* 1: pipeline stages */
+    int *layer_partition; /* (pp) layers per stage, or NULL: equal, extra to later stages */
+    int n_layer_partition;
+    int chunk_size;        /* 512: initial chunk size (tokens) */
+    bool dynamic_chunking; /* true */
+    double smooth_factor;  /* 0.75, in [0, 1] */
+    int threads;           /* 1: per stage */
+    char **hosts;          /* (pp) host of each stage; default 127.0.0.1 */
+    int n_hosts;
+    int port; /* control port of stage 0; default 9100 + index */
+} td_cfg_prefill;
+
+typedef struct {
+    char *name;
+    int tp;            /* 1: tensor-parallel ranks (same host) */
+    char *host;        /* 127.0.0.1 */
+    int threads;       /* 1: per rank */
+    int block_size;    /* 16: tokens per KV block, a power of two */
+    int64_t kv_blocks; /* 4096 unless kv_memory is given */
+    int64_t kv_memory; /* bytes per rank ("1GiB"), 0 unless given */
+    int max_batch;     /* 64: running requests */
+    int step_tokens;   /* 512: token budget per step (colocated prefill chunks) */
+    char *kv_dtype;    /* "f16" | "f32" */
+    int port;          /* control port of rank 0; default 9000 + index */
+} td_cfg_decode;
+
+typedef struct {
+    char *ucx_tls;  /* "sm,tcp,self" */
+    int timeout_ms; /* 30000 */
+} td_cfg_kvxfer;
+
+typedef struct {
+    char *path;             /* the file it was loaded from */
+    char *model;            /* required; ~ expanded */
+    td_cfg_backend backend; /* cpu */
+    char *run_dir;          /* "~/.cache/tandem/run" expanded: logs, pids, ipc sockets */
+    td_cfg_router router;
+    td_cfg_prefill *prefill; /* (n_prefill); none: decode instances prefill themselves */
+    int n_prefill;
+    td_cfg_decode *decode; /* (n_decode), at least one */
+    int n_decode;
+    td_cfg_kvxfer kvxfer;
+} td_cfg;
+
+/* Load and validate a file. On error returns a negative td_err (TD_EIO: cannot read;
+ * TD_EFORMAT: YAML syntax; TD_EINVAL: schema; TD_ENOMEM), *out is NULL, and err holds
+ * "FILE:LINE:COLUMN: message". Nothing is logged: the caller prints err. */
+int td_cfg_load(const char *path, td_cfg **out, char *err, size_t errcap);
+/* The same over text in memory; name is used in messages (tests, fuzzing). */
+int td_cfg_parse(const char *text, size_t len, const char *name, td_cfg **out, char *err,
+                 size_t errcap);
+void td_cfg_free(td_cfg *cfg); /* NULL is fine */
+
+/* Lookups by instance name; NULL if there is none. */
+const td_cfg_decode *td_cfg_find_decode(const td_cfg *cfg, const char *name);
+const td_cfg_prefill *td_cfg_find_prefill(const td_cfg *cfg, const char *name);
+
+/* "tcp://HOST:PORT" of an instance leader's control socket (HOST in brackets if IPv6). */
+int td_cfg_ctrl_url(const char *host, int port, char *buf, size_t cap);
+
+/* "1GiB", "512MiB", "64KiB", "2GB", "1000" (bytes) -> bytes. TD_EINVAL if malformed,
+ * TD_ERANGE on overflow. Units: B, KiB/MiB/GiB/TiB (1024^n), KB/MB/GB/TB (1000^n). */
+int td_cfg_parse_size(const char *s, int64_t *out);
+
+#endif

@@ -1,0 +1,352 @@
+/* ctrl_codec.c: envelope encode/decode with size, memory and field limits (no NNG). */
+#include "ctrl_internal.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_err.h"
+
+#define MAX_INSTANCE_NAME 256u
+#define MAX_POLL_WAIT_MS  60000u
+#define MAX_STAGES        256u
+
+/* Defaults for a zeroed/NULL td_ctrl_opts (docs/control-plane.md). */
+#define DEF_MAX_MSG    (4u << 20)
+#define DEF_MAX_TOKENS (1u << 20)
+#define DEF_MAX_OUTBOX (1u << 16)
+
+void td_ctrl_opts_fill(const td_ctrl_opts *in, td_ctrl_opts *out)
+{
+    td_ctrl_opts o = {0};
+    if (in) o = *in;
+    if (!o.max_msg_bytes) o.max_msg_bytes = DEF_MAX_MSG;
+    if (!o.max_tokens) o.max_tokens = DEF_MAX_TOKENS;
+    if (!o.max_outbox) o.max_outbox = DEF_MAX_OUTBOX;
+    if (o.poll_wait_ms <= 0) o.poll_wait_ms = 1000;
+    if (o.peer_timeout_ms <= 0) o.peer_timeout_ms = 10000;
+    if (o.peer_grace_ms <= 0) o.peer_grace_ms = 2000;
+    if (o.reconnect_min_ms <= 0) o.reconnect_min_ms = 50;
+    if (o.reconnect_max_ms <= 0) o.reconnect_max_ms = 1000;
+    if (o.reconnect_max_ms < o.reconnect_min_ms) o.reconnect_max_ms = o.reconnect_min_ms;
+    if (o.send_timeout_ms <= 0) o.send_timeout_ms = 5000;
+    *out = o;
+}
+
+/* ---- byte-budgeted allocator: bounds the memory one message can make us allocate ---- */
+
+typedef struct {
+    size_t used, budget;
+    int over;
+} budget;
+
+static void *budget_alloc(void *data, size_t size)
+{
+    budget *b = data;
+    if (size > b->budget - b->used) {
+        b->over = 1;
+        return NULL;
+    }
+    b->used += size;
+    return malloc(size ? size : 1);
+}
+
+static void budget_free(void *data, void *ptr)
+{
+    (void)data;
+    free(ptr);
+}
+
+/* ---- validation ---------------------------------------------------------------------- */
+
+typedef struct {
+    const td_ctrl_opts *o;
+    char *err;
+    size_t errcap;
+} vctx;
+
+static int bad(vctx *v, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int bad(vctx *v, int code, const char *fmt, ...)
+{
+    if (v->err && v->errcap) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(v->err, v->errcap, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static int check_tokens(vctx *v, const char *what, const int32_t *t, size_t n, size_t max)
+{
+    if (n > max)
+        return bad(v, TD_ERANGE, "%s: %zu token ids, more than the limit of %zu", what, n, max);
+    for (size_t i = 0; i < n; i++)
+        if (t[i] < 0) return bad(v, TD_EINVAL, "%s[%zu]: negative token id %d", what, i, t[i]);
+    return 0;
+}
+
+static int check_str(vctx *v, const char *what, const char *s, size_t max)
+{
+    if (s && strnlen(s, max + 1) > max)
+        return bad(v, TD_ERANGE, "%s: string longer than %zu bytes", what, max);
+    return 0;
+}
+
+static int check_blob(vctx *v, const char *what, const ProtobufCBinaryData *b)
+{
+    if (b->len > TD_CTRL_MAX_BLOB)
+        return bad(v, TD_ERANGE, "%s: %zu bytes, more than the limit of %u", what, b->len,
+                   TD_CTRL_MAX_BLOB);
+    return 0;
+}
+
+static int check_sampling(vctx *v, const Td__Sampling *s)
+{
+    if (!s) return 0;
+    if (!isfinite(s->temperature) || !isfinite(s->top_p) || !isfinite(s->min_p) ||
+        !isfinite(s->repeat_penalty))
+        return bad(v, TD_EINVAL, "sampling: non-finite parameter");
+    if (s->repeat_last_n < 0)
+        return bad(v, TD_EINVAL, "sampling: negative repeat_last_n %d", s->repeat_last_n);
+    return 0;
+}
+
+static int check_submit(vctx *v, const Td__Submit *m)
+{
+    int rc;
+    if (!m->request_id) return bad(v, TD_EINVAL, "submit: request_id 0");
+    if (!m->n_token_ids)
+        return bad(v, TD_EINVAL, "submit %llu: empty prompt", (unsigned long long)m->request_id);
+    if ((rc = check_tokens(v, "submit.token_ids", m->token_ids, m->n_token_ids, v->o->max_tokens)))
+        return rc;
+    if ((rc = check_tokens(v, "submit.stop_token_ids", m->stop_token_ids, m->n_stop_token_ids,
+                           TD_CTRL_MAX_STOP_IDS)))
+        return rc;
+    if (!m->max_tokens)
+        return bad(v, TD_EINVAL, "submit %llu: max_tokens 0", (unsigned long long)m->request_id);
+    return check_sampling(v, m->sampling);
+}
+
+static int check_event(vctx *v, const Td__Event *e)
+{
+    int rc;
+    switch (e->body_case) {
+    case TD__EVENT__BODY_TOKEN:
+        if (!e->token->request_id) return bad(v, TD_EINVAL, "token event: request_id 0");
+        if ((unsigned)e->token->finish > TD__FINISH_REASON__FINISH_ERROR)
+            return bad(v, TD_EINVAL, "token event: unknown finish reason %d", e->token->finish);
+        return check_tokens(v, "token.token_ids", e->token->token_ids, e->token->n_token_ids,
+                            v->o->max_tokens);
+    case TD__EVENT__BODY_ERROR:
+        return check_str(v, "error.message", e->error->message, TD_CTRL_MAX_STRING);
+    case TD__EVENT__BODY_PREFILL_DONE:
+        if (e->prefill_done->first_token < 0)
+            return bad(v, TD_EINVAL, "prefill_done: negative first token");
+        if (e->prefill_done->n_chunk_sizes > TD_CTRL_MAX_CHUNKS)
+            return bad(v, TD_ERANGE, "prefill_done: %zu chunk sizes",
+                       e->prefill_done->n_chunk_sizes);
+        return 0;
+    default:
+        rc = bad(v, TD_EINVAL, "event %llu without a body", (unsigned long long)e->seq);
+    }
+    return rc;
+}
+
+static int check_health(vctx *v, const Td__Health *h)
+{
+    return check_str(v, "health.instance", h->instance, MAX_INSTANCE_NAME);
+}
+
+static int check_body(vctx *v, const Td__Envelope *e)
+{
+    int rc;
+    switch (e->body_case) {
+    case TD__ENVELOPE__BODY_SUBMIT:
+        return check_submit(v, e->submit);
+    case TD__ENVELOPE__BODY_CANCEL:
+        return e->cancel->request_id ? 0 : bad(v, TD_EINVAL, "cancel: request_id 0");
+    case TD__ENVELOPE__BODY_HEALTH_REQUEST:
+        return 0;
+    case TD__ENVELOPE__BODY_POLL:
+        if (e->poll->wait_ms > MAX_POLL_WAIT_MS)
+            return bad(v, TD_ERANGE, "poll: wait_ms %u over %u", e->poll->wait_ms,
+                       MAX_POLL_WAIT_MS);
+        return 0;
+    case TD__ENVELOPE__BODY_ALLOC:
+        if (!e->alloc->request) return bad(v, TD_EINVAL, "alloc: no request");
+        if (e->alloc->n_stages > MAX_STAGES)
+            return bad(v, TD_ERANGE, "alloc: %u stages", e->alloc->n_stages);
+        return check_submit(v, e->alloc->request);
+    case TD__ENVELOPE__BODY_PREFILL:
+        if (!e->prefill->request_id) return bad(v, TD_EINVAL, "prefill: request_id 0");
+        if (!e->prefill->n_token_ids) return bad(v, TD_EINVAL, "prefill: empty prompt");
+        if ((rc = check_tokens(v, "prefill.token_ids", e->prefill->token_ids,
+                               e->prefill->n_token_ids, v->o->max_tokens)) ||
+            (rc = check_sampling(v, e->prefill->sampling)) ||
+            (rc = check_blob(v, "prefill.kv_target", &e->prefill->kv_target)))
+            return rc;
+        return check_str(v, "prefill.decode_instance", e->prefill->decode_instance,
+                         MAX_INSTANCE_NAME);
+    case TD__ENVELOPE__BODY_KV_TARGET:
+        if (!e->kv_target->request_id) return bad(v, TD_EINVAL, "kv_target: request_id 0");
+        return check_blob(v, "kv_target.kv_target", &e->kv_target->kv_target);
+    case TD__ENVELOPE__BODY_ACK:
+        return 0;
+    case TD__ENVELOPE__BODY_ERROR:
+        return check_str(v, "error.message", e->error->message, TD_CTRL_MAX_STRING);
+    case TD__ENVELOPE__BODY_HEALTH:
+        return check_health(v, e->health);
+    case TD__ENVELOPE__BODY_EVENTS: {
+        const Td__Events *ev = e->events;
+        if (ev->n_events > TD_CTRL_MAX_BATCH)
+            return bad(v, TD_ERANGE, "events: %zu in one batch, limit %u", ev->n_events,
+                       TD_CTRL_MAX_BATCH);
+        for (size_t i = 0; i < ev->n_events; i++) {
+            if (!ev->events[i]->seq) return bad(v, TD_EINVAL, "events[%zu]: seq 0", i);
+            if (i && ev->events[i]->seq != ev->events[i - 1]->seq + 1)
+                return bad(v, TD_EINVAL, "events[%zu]: seq %llu does not follow %llu", i,
+                           (unsigned long long)ev->events[i]->seq,
+                           (unsigned long long)ev->events[i - 1]->seq);
+            if ((rc = check_event(v, ev->events[i]))) return rc;
+        }
+        return ev->health ? check_health(v, ev->health) : 0;
+    }
+    case TD__ENVELOPE__BODY_ALLOC_REPLY:
+        return check_blob(v, "alloc_reply.kv_target", &e->alloc_reply->kv_target);
+    default:
+        return bad(v, TD_EINVAL, "envelope without a body (or an unknown one)");
+    }
+}
+
+/* The version is field 1 and protobuf-c writes fields in number order, so a peer of
+ * another version is recognised from the first bytes even when its body would not
+ * decode with our schema. Returns the version, or -1 if the message does not start with
+ * field 1. */
+static int64_t peek_version(const uint8_t *p, size_t len)
+{
+    if (len < 2 || p[0] != 0x08) return -1; /* field 1, wire type varint */
+    uint64_t v = 0;
+    for (size_t i = 1; i < len && i < 11; i++) {
+        v |= (uint64_t)(p[i] & 0x7f) << (7 * (i - 1));
+        if (!(p[i] & 0x80)) return v > 0xffffffffu ? -1 : (int64_t)v;
+    }
+    return -1;
+}
+
+int td_ctrl_decode(const void *buf, size_t len, const td_ctrl_opts *opts, Td__Envelope **out,
+                   char *err, size_t errcap)
+{
+    td_ctrl_opts o;
+    td_ctrl_opts_fill(opts, &o);
+    vctx v = {.o = &o, .err = err, .errcap = errcap};
+    *out = NULL;
+    if (err && errcap) err[0] = 0;
+    if (len > o.max_msg_bytes)
+        return bad(&v, TD_ERANGE, "message of %zu bytes exceeds the limit of %zu bytes", len,
+                   o.max_msg_bytes);
+    if (len == 0 || !buf) return bad(&v, TD_EFORMAT, "empty message");
+    int64_t ver = peek_version(buf, len);
+    if (ver >= 0 && ver != TD_CTRL_VERSION)
+        return bad(&v, TD_EUNSUPP,
+                   "peer speaks control protocol version %lld, this build speaks %u",
+                   (long long)ver, TD_CTRL_VERSION);
+
+    budget b = {.budget = 32 * len + (64u << 10)};
+    ProtobufCAllocator a = {.alloc = budget_alloc, .free = budget_free, .allocator_data = &b};
+    Td__Envelope *e = td__envelope__unpack(&a, len, buf);
+    if (!e) {
+        if (b.over)
+            return bad(&v, TD_ERANGE, "message of %zu bytes decodes to more than %zu bytes", len,
+                       b.budget);
+        return bad(&v, TD_EFORMAT,
+                   "malformed envelope (%zu bytes): not valid protobuf or "
+                   "truncated",
+                   len);
+    }
+    int rc = 0;
+    if (e->version != TD_CTRL_VERSION)
+        rc = bad(&v, TD_EUNSUPP, "peer speaks control protocol version %u, this build speaks %u",
+                 e->version, TD_CTRL_VERSION);
+    else
+        rc = check_body(&v, e);
+    if (rc) {
+        td_ctrl_envelope_free(e);
+        return rc;
+    }
+    *out = e;
+    return 0;
+}
+
+void td_ctrl_envelope_free(Td__Envelope *env)
+{
+    if (env) td__envelope__free_unpacked(env, NULL); /* budget_alloc used malloc */
+}
+
+int td_ctrl_encode(const Td__Envelope *env, const td_ctrl_opts *opts, uint8_t **buf, size_t *len)
+{
+    td_ctrl_opts o;
+    td_ctrl_opts_fill(opts, &o);
+    *buf = NULL;
+    *len = 0;
+    if (!env || env->body_case == TD__ENVELOPE__BODY__NOT_SET) {
+        TD_LOG_ERR("ctrl encode: envelope without a body");
+        return TD_EINVAL;
+    }
+    Td__Envelope e = *env;
+    if (!e.version) e.version = TD_CTRL_VERSION;
+    size_t n = td__envelope__get_packed_size(&e);
+    if (n > o.max_msg_bytes) {
+        TD_LOG_ERR("ctrl encode: %s message of %zu bytes exceeds the limit of %zu bytes",
+                   td_ctrl_body_name(e.body_case), n, o.max_msg_bytes);
+        return TD_ERANGE;
+    }
+    uint8_t *p = malloc(n ? n : 1);
+    if (!p) return TD_ENOMEM;
+    td__envelope__pack(&e, p);
+    *buf = p;
+    *len = n;
+    return 0;
+}
+
+Td__ErrorCode td_ctrl_err_code(int err)
+{
+    switch (err) {
+    case TD_OK:
+        return TD__ERROR_CODE__ERR_NONE;
+    case TD_EFORMAT:
+        return TD__ERROR_CODE__ERR_MALFORMED;
+    case TD_ERANGE:
+        return TD__ERROR_CODE__ERR_TOO_LARGE;
+    case TD_EUNSUPP:
+        return TD__ERROR_CODE__ERR_VERSION;
+    case TD_EINVAL:
+        return TD__ERROR_CODE__ERR_INVALID;
+    case TD_ETIMEDOUT:
+        return TD__ERROR_CODE__ERR_TIMEOUT;
+    case TD_ENOSPC:
+        return TD__ERROR_CODE__ERR_NO_SPACE;
+    case TD_ENOENT:
+        return TD__ERROR_CODE__ERR_NOT_FOUND;
+    case TD_ESTATE:
+        return TD__ERROR_CODE__ERR_SHUTDOWN;
+    default:
+        return TD__ERROR_CODE__ERR_INTERNAL;
+    }
+}
+
+const char *td_ctrl_err_name(Td__ErrorCode code)
+{
+    const ProtobufCEnumValue *v =
+        protobuf_c_enum_descriptor_get_value(&td__error_code__descriptor, (int)code);
+    return v ? v->name : "ERR_UNKNOWN";
+}
+
+const char *td_ctrl_body_name(Td__Envelope__BodyCase body)
+{
+    const ProtobufCFieldDescriptor *f =
+        protobuf_c_message_descriptor_get_field(&td__envelope__descriptor, (unsigned)body);
+    return f ? f->name : "none";
+}

@@ -1,0 +1,60 @@
+/* ctrl_internal.h: shared pieces of the control-plane layer (not for callers).
+ *
+ * Purpose: option defaults, the NNG message helpers and the inbox that NNG callbacks fill
+ * and the owner thread drains.
+ * Invariants: an inbox item is owned by the inbox from push until pop, then by the popper.
+ * Threading: td_ctrl_inbox_* are thread-safe (one mutex); push never blocks on the owner.
+ * Ownership: the inbox frees nothing it holds; its owner drains it before destroying it.
+ */
+#ifndef TD_CTRL_INTERNAL_H
+#define TD_CTRL_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+
+#include <nng/nng.h>
+
+#include "ctrl.h"
+
+/* opts with every zero replaced by its default (in may be NULL); ctrl_codec.c. */
+void td_ctrl_opts_fill(const td_ctrl_opts *in, td_ctrl_opts *out);
+
+/* Pack env into a new NNG message (size checked against opts). */
+int td_ctrl_pack_msg(const Td__Envelope *env, const td_ctrl_opts *opts, nng_msg **out);
+
+/* A random nonzero 64-bit id (client ids, server epochs). */
+uint64_t td_ctrl_random_id(void);
+
+/* Map an NNG error to a td_err (NNG_ETIMEDOUT -> TD_ETIMEDOUT, NNG_ECLOSED -> TD_ESTATE,
+ * NNG_ENOMEM -> TD_ENOMEM, anything else TD_EIO). */
+int td_ctrl_nng_err(int rv);
+
+/* A FIFO of items pushed by callbacks; the owner waits on the condition variable or on
+ * the eventfd (readable while the FIFO is not empty). */
+typedef struct td_ctrl_item {
+    struct td_ctrl_item *next;
+    int kind;      /* owner-defined */
+    void *ptr;     /* owner-defined */
+    nng_msg *msg;  /* received message, or NULL */
+    int rv;        /* NNG result */
+    uint32_t pipe; /* pipe id (pipe events, received messages) */
+} td_ctrl_item;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    td_ctrl_item *head, *tail;
+    size_t n;
+    int efd; /* eventfd, -1 if it could not be created */
+} td_ctrl_inbox;
+
+int td_ctrl_inbox_init(td_ctrl_inbox *ib);
+void td_ctrl_inbox_fini(td_ctrl_inbox *ib); /* frees remaining items and their messages */
+/* Push (takes the item; never fails). Locks ib->mu: not for use with it held. */
+void td_ctrl_inbox_push(td_ctrl_inbox *ib, td_ctrl_item *it);
+/* Pop the oldest item, waiting until deadline_ms (td_ctrl_now_ms clock; < 0 forever).
+ * Returns NULL on timeout. */
+td_ctrl_item *td_ctrl_inbox_pop(td_ctrl_inbox *ib, int64_t deadline_ms);
+size_t td_ctrl_inbox_len(td_ctrl_inbox *ib);
+
+#endif

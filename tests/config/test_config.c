@@ -1,0 +1,267 @@
+/* test_config.c: the cluster YAML (common/config.h).
+ *
+ * usage: test_config DIR [EXAMPLE.yaml...]
+ * Writes a table of bad files into DIR (the build tree), loads each and checks the
+ * "FILE:LINE:COLUMN: message" it gives; loads a good file and checks every value and
+ * default; then loads each example given on the command line (the files in deploy/).
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "config.h"
+#include "td_err.h"
+#include "tharness.h"
+
+static const char *dir = ".";
+
+static const char *write_file(const char *name, const char *text)
+{
+    static char path[1024];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f) return NULL;
+    fputs(text, f);
+    fclose(f);
+    return path;
+}
+
+#define MIN "model: /m.gguf\ndecode:\n  - name: d0\n"
+
+typedef struct {
+    const char *name;
+    const char *text;
+    int line, col;
+    const char *msg; /* substring of the message after "FILE:LINE:COL: " */
+} bad_case;
+
+static const bad_case bad_cases[] = {
+    {"empty", "", 1, 1, "empty configuration"},
+    {"not_mapping", "- a\n- b\n", 1, 1, "expected a mapping at the top level, got a list"},
+    {"syntax", "model: /m\ndecode: [\n", 3, 1, "yaml: "},
+    {"tab_indent", "model: /m\ndecode:\n\t- name: d0\n", 3, 1, "yaml: "},
+    {"no_model", "decode:\n  - name: d0\n", 1, 1, "missing required key 'model'"},
+    {"no_decode", "model: /m\n", 1, 1, "no decode instance"},
+    {"empty_decode", "model: /m\ndecode: []\n", 2, 9, "no decode instance"},
+    {"unknown_top", MIN "modle: x\n", 4, 1, "unknown key 'modle' in the top level"},
+    {"dup_top", MIN "model: /n\n", 4, 1,
+     "duplicate key 'model' in the top level (first at line 1)"},
+    {"backend", "model: /m\nbackend: tpu\ndecode:\n  - name: d0\n", 2, 10, "unknown backend 'tpu'"},
+    {"router_type", MIN "router: 5\n", 4, 9, "router: expected a mapping, got a string"},
+    {"router_unknown", MIN "router:\n  listen: 127.0.0.1:8000\n  max_qeue: 3\n", 6, 3,
+     "unknown key 'max_qeue' in router"},
+    {"router_listen", MIN "router:\n  listen: localhost\n", 5, 11, "expected HOST:PORT"},
+    {"router_port", MIN "router:\n  listen: 1.2.3.4:70000\n", 5, 11, "expected HOST:PORT"},
+    {"router_queue_neg", MIN "router:\n  max_queue: -1\n", 5, 14, "-1 is out of range [1, "},
+    {"router_queue_str", MIN "router:\n  max_queue: lots\n", 5, 14,
+     "expected an integer, got 'lots'"},
+    {"router_queue_quoted", MIN "router:\n  max_queue: \"5\"\n", 5, 14,
+     "expected an integer, got a string"},
+    {"router_template", MIN "router:\n  chat_template: jinja\n", 5, 18,
+     "unknown chat_template 'jinja'"},
+    {"decode_not_list", "model: /m\ndecode:\n  name: d0\n", 3, 3,
+     "decode: expected a list of instances, got a mapping"},
+    {"decode_no_name", "model: /m\ndecode:\n  - tp: 2\n", 3, 5,
+     "decode[0]: missing required key 'name'"},
+    {"decode_bad_name", "model: /m\ndecode:\n  - name: d 0\n", 3, 11, "instance name 'd 0'"},
+    {"decode_tp_zero", MIN "    tp: 0\n", 4, 9, "0 is out of range [1, 64]"},
+    {"decode_tp_float", MIN "    tp: 1.5\n", 4, 9, "expected an integer, got '1.5'"},
+    {"decode_tp_list", MIN "    tp: [1]\n", 4, 9, "expected an integer, got a list"},
+    {"decode_block", MIN "    block_size: 24\n", 4, 17, "block_size 24 is not a power of two"},
+    {"decode_both_kv", MIN "    kv_blocks: 10\n    kv_memory: 1GiB\n", 5, 5,
+     "give kv_blocks or kv_memory, not both"},
+    {"decode_kv_memory", MIN "    kv_memory: 1 gigabyte\n", 4, 16, "expected a size"},
+    {"decode_kv_memory_small", MIN "    kv_memory: 10\n", 4, 16, "smaller than 4096 bytes"},
+    {"decode_dtype", MIN "    kv_dtype: q8\n", 4, 15, "kv_dtype 'q8'"},
+    {"decode_unknown", MIN "    treads: 4\n", 4, 5, "unknown key 'treads' in decode[0]"},
+    {"decode_dup_key", MIN "    tp: 1\n    tp: 2\n", 5, 5,
+     "duplicate key 'tp' in decode[0] (first at line 4)"},
+    {"decode_null_tp", MIN "    tp:\n", 4, 8, "expected an integer, got nothing (null)"},
+    {"dup_names", MIN "  - name: d0\n", 4, 11, "duplicate instance name 'd0' (first at line 3)"},
+    {"dup_names_roles", "model: /m\nprefill:\n  - name: x\ndecode:\n  - name: x\n", 5, 11,
+     "duplicate instance name 'x' (first at line 3)"},
+    {"dup_ports", MIN "    port: 9100\n  - name: d1\n    port: 9100\n", 6, 11,
+     "control port 9100 on 127.0.0.1 is already used by instance 'd0'"},
+    {"prefill_partition", MIN "prefill:\n  - name: p0\n    pp: 2\n    layer_partition: [30]\n", 7,
+     22, "layer_partition has 1 entries but pp is 2"},
+    {"prefill_partition_zero",
+     MIN "prefill:\n  - name: p0\n    pp: 2\n    layer_partition: [30, 0]\n", 7, 27,
+     "0 is out of range [1, 65536]"},
+    {"prefill_hosts", MIN "prefill:\n  - name: p0\n    pp: 2\n    hosts: [a]\n", 7, 12,
+     "hosts has 1 entries but pp is 2"},
+    {"prefill_smooth", MIN "prefill:\n  - name: p0\n    smooth_factor: 1.5\n", 6, 20,
+     "1.5 is out of range [0, 1]"},
+    {"prefill_dyn", MIN "prefill:\n  - name: p0\n    dynamic_chunking: maybe\n", 6, 23,
+     "expected true or false, got 'maybe'"},
+    {"prefill_item", MIN "prefill:\n  - p0\n", 5, 5, "prefill[0]: expected a mapping"},
+    {"kvxfer_unknown", MIN "kvxfer:\n  tls: tcp\n", 5, 3, "unknown key 'tls' in kvxfer"},
+    {"kvxfer_timeout", MIN "kvxfer:\n  timeout_ms: 0\n", 5, 15, "0 is out of range"},
+    {"two_docs", MIN "---\nmodel: /x\n", 5, 1, "more than one YAML document"},
+    {"nonscalar_key", MIN "? [a]\n: 1\n", 4, 3, "keys must be strings"},
+};
+
+static void test_bad_files(void)
+{
+    char err[512];
+    for (size_t i = 0; i < sizeof bad_cases / sizeof bad_cases[0]; i++) {
+        const bad_case *b = &bad_cases[i];
+        char name[128];
+        snprintf(name, sizeof name, "bad-%s.yaml", b->name);
+        const char *path = write_file(name, b->text);
+        TH_REQUIRE(path);
+        char want[1200];
+        snprintf(want, sizeof want, "%s:%d:%d: ", path, b->line, b->col);
+        td_cfg *c = NULL;
+        int rc = td_cfg_load(path, &c, err, sizeof err);
+        TH_CHECKF(rc < 0 && !c, "%s: loaded", b->name);
+        TH_CHECKF(!strncmp(err, want, strlen(want)) && strstr(err, b->msg),
+                  "%s: got '%s', want '%s%s'", b->name, err, want, b->msg);
+        td_cfg_free(c);
+    }
+    td_cfg *c = NULL;
+    char missing[1024];
+    snprintf(missing, sizeof missing, "%s/does-not-exist.yaml", dir);
+    TH_CHECK(td_cfg_load(missing, &c, err, sizeof err) == TD_EIO && !c);
+    TH_CHECK(strstr(err, "does-not-exist.yaml:1:1: cannot open") != NULL);
+}
+
+static void test_good_file(void)
+{
+    const char *text = "# a full file\n"
+                       "model: ~/models/m.gguf\n"
+                       "backend: cuda\n"
+                       "run_dir: /tmp/run\n"
+                       "router:\n"
+                       "  listen: 0.0.0.0:8080\n"
+                       "  api_key: \"sk-test\"\n"
+                       "  max_queue: 10\n"
+                       "  max_prompt_tokens: 2048\n"
+                       "  max_tokens: 100\n"
+                       "  chat_template: chatml\n"
+                       "  heartbeat_ms: 250\n"
+                       "  instance_timeout_ms: 1000\n"
+                       "prefill:\n"
+                       "  - name: p0\n"
+                       "    pp: 2\n"
+                       "    layer_partition: [14, 16]\n"
+                       "    chunk_size: 256\n"
+                       "    dynamic_chunking: false\n"
+                       "    smooth_factor: 0.6\n"
+                       "    threads: 2\n"
+                       "    hosts: [10.0.0.1, 10.0.0.2]\n"
+                       "  - name: p1\n"
+                       "decode:\n"
+                       "  - name: d0\n"
+                       "    tp: 3\n"
+                       "    host: 10.0.0.3\n"
+                       "    threads: 4\n"
+                       "    block_size: 32\n"
+                       "    kv_memory: 1GiB\n"
+                       "    max_batch: 16\n"
+                       "    step_tokens: 128\n"
+                       "    kv_dtype: f32\n"
+                       "    port: 7000\n"
+                       "  - name: d1\n"
+                       "kvxfer:\n"
+                       "  ucx_tls: tcp\n"
+                       "  timeout_ms: 5000\n";
+    const char *path = write_file("good.yaml", text);
+    TH_REQUIRE(path);
+    char err[512];
+    td_cfg *c = NULL;
+    int rc = td_cfg_load(path, &c, err, sizeof err);
+    TH_CHECKF(rc == 0, "%s", err);
+    TH_REQUIRE(c);
+    char model[1024];
+    snprintf(model, sizeof model, "%s/models/m.gguf", getenv("HOME") ? getenv("HOME") : "~");
+    TH_CHECKF(!strcmp(c->model, model), "%s", c->model);
+    TH_CHECK(c->backend == TD_CFG_BACKEND_CUDA && !strcmp(c->run_dir, "/tmp/run"));
+    TH_CHECK(!strcmp(c->router.listen, "0.0.0.0:8080") && !strcmp(c->router.api_key, "sk-test"));
+    TH_CHECK(c->router.max_queue == 10 && c->router.max_prompt_tokens == 2048 &&
+             c->router.max_tokens == 100 && !strcmp(c->router.chat_template, "chatml") &&
+             c->router.heartbeat_ms == 250 && c->router.instance_timeout_ms == 1000);
+    TH_REQUIRE(c->n_prefill == 2 && c->n_decode == 2);
+    const td_cfg_prefill *p = td_cfg_find_prefill(c, "p0");
+    TH_REQUIRE(p);
+    TH_CHECK(p->pp == 2 && p->n_layer_partition == 2 && p->layer_partition[0] == 14 &&
+             p->layer_partition[1] == 16 && p->chunk_size == 256 && !p->dynamic_chunking &&
+             p->smooth_factor == 0.6 && p->threads == 2 && p->n_hosts == 2 &&
+             !strcmp(p->hosts[1], "10.0.0.2") && p->port == 9100);
+    p = td_cfg_find_prefill(c, "p1"); /* all defaults */
+    TH_REQUIRE(p);
+    TH_CHECK(p->pp == 1 && !p->layer_partition && p->chunk_size == 512 && p->dynamic_chunking &&
+             p->smooth_factor == 0.75 && p->threads == 1 && p->n_hosts == 1 &&
+             !strcmp(p->hosts[0], "127.0.0.1") && p->port == 9101);
+    const td_cfg_decode *d = td_cfg_find_decode(c, "d0");
+    TH_REQUIRE(d);
+    TH_CHECK(d->tp == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 && d->block_size == 32 &&
+             d->kv_memory == (1ll << 30) && d->kv_blocks == 0 && d->max_batch == 16 &&
+             d->step_tokens == 128 && !strcmp(d->kv_dtype, "f32") && d->port == 7000);
+    d = td_cfg_find_decode(c, "d1");
+    TH_REQUIRE(d);
+    TH_CHECK(d->tp == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
+             d->block_size == 16 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
+             d->max_batch == 64 && d->step_tokens == 512 && !strcmp(d->kv_dtype, "f16") &&
+             d->port == 9001);
+    TH_CHECK(!td_cfg_find_decode(c, "p0") && !td_cfg_find_prefill(c, "d0") &&
+             !td_cfg_find_decode(c, "nope"));
+    TH_CHECK(!strcmp(c->kvxfer.ucx_tls, "tcp") && c->kvxfer.timeout_ms == 5000);
+    char url[128];
+    TH_CHECK(td_cfg_ctrl_url(d->host, d->port, url, sizeof url) == 0 &&
+             !strcmp(url, "tcp://127.0.0.1:9001"));
+    TH_CHECK(td_cfg_ctrl_url("::1", 5, url, sizeof url) == 0 && !strcmp(url, "tcp://[::1]:5"));
+    td_cfg_free(c);
+
+    /* the minimal file: every default */
+    TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "min", &c, err, sizeof err) == 0);
+    TH_CHECK(c->backend == TD_CFG_BACKEND_CPU && !strcmp(c->router.listen, "127.0.0.1:8000") &&
+             !strcmp(c->router.api_key, "") && c->router.max_queue == 256 &&
+             c->router.max_prompt_tokens == 8192 && c->n_prefill == 0 &&
+             !strcmp(c->kvxfer.ucx_tls, "sm,tcp,self") && c->kvxfer.timeout_ms == 30000 &&
+             strstr(c->run_dir, ".cache/tandem/run"));
+    td_cfg_free(c);
+}
+
+static void test_sizes(void)
+{
+    int64_t v;
+    TH_CHECK(td_cfg_parse_size("1GiB", &v) == 0 && v == 1ll << 30);
+    TH_CHECK(td_cfg_parse_size("512MiB", &v) == 0 && v == 512ll << 20);
+    TH_CHECK(td_cfg_parse_size("1.5KiB", &v) == 0 && v == 1536);
+    TH_CHECK(td_cfg_parse_size("2GB", &v) == 0 && v == 2000000000ll);
+    TH_CHECK(td_cfg_parse_size("4096", &v) == 0 && v == 4096);
+    TH_CHECK(td_cfg_parse_size("10 MiB", &v) == 0 && v == 10ll << 20);
+    TH_CHECK(td_cfg_parse_size("1.3B", &v) == TD_EINVAL);
+    TH_CHECK(td_cfg_parse_size("-1GiB", &v) == TD_EINVAL);
+    TH_CHECK(td_cfg_parse_size("1GiBs", &v) == TD_EINVAL);
+    TH_CHECK(td_cfg_parse_size("GiB", &v) == TD_EINVAL);
+    TH_CHECK(td_cfg_parse_size("100000000TiB", &v) == TD_ERANGE);
+}
+
+static char **examples;
+static int n_examples;
+
+static void test_examples(void)
+{
+    for (int i = 0; i < n_examples; i++) {
+        char err[512];
+        td_cfg *c = NULL;
+        int rc = td_cfg_load(examples[i], &c, err, sizeof err);
+        TH_CHECKF(rc == 0, "%s", err);
+        if (c) TH_CHECK(c->n_decode >= 1 && td_cfg_find_decode(c, "d0"));
+        td_cfg_free(c);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1) dir = argv[1];
+    mkdir(dir, 0755);
+    examples = argv + 2;
+    n_examples = argc > 2 ? argc - 2 : 0;
+    TH_RUN(test_bad_files);
+    TH_RUN(test_good_file);
+    TH_RUN(test_sizes);
+    TH_RUN(test_examples);
+    TH_EXIT();
+}

@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""test_decode_node.py: tandem-decode as it is deployed: real processes, one per TP rank,
+the control plane over loopback TCP, the test client (`tandem client`) as the user.
+
+Checks (each a separate case, all must pass):
+  tp1 / tp3 on the default model, tp2 / tp4 on synthetic models: greedy outputs equal
+    `tandem generate` token for token;
+  16 concurrent requests (different prompt lengths, max tokens, seeds): each equals its
+    output when run alone;
+  pool pressure: a pool too small for all at once still completes every request with the
+    same outputs; a request larger than the pool is refused with a clear error; the pool
+    reports 0 blocks used afterwards;
+  cancel mid-generation finishes the request as cancelled and frees its blocks;
+  bytes that are not a message get an error reply and the node keeps serving;
+  an idle instance uses (almost) no CPU;
+  killing one rank mid-request: the client gets an error, every rank exits non-zero, no hang.
+
+usage: test_decode_node.py --decode BIN --tandem BIN --synth-dir DIR [--model GGUF]
+"""
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+FAILS = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+
+
+class Instance:
+    """One decode instance: tp processes started from a generated YAML."""
+
+    def __init__(self, args, model, tp, threads=1, kv_blocks=512, step_tokens=128, max_batch=32,
+                 name=None):
+        self.args = args
+        self.tp = tp
+        self.port = random.randint(20000, 40000)
+        self.name = name or f"d{self.port}"
+        self.dir = tempfile.mkdtemp(prefix="tandem-dc-")
+        self.cfg = os.path.join(self.dir, "cluster.yaml")
+        with open(self.cfg, "w") as f:
+            f.write(f"model: {model}\n"
+                    f"decode:\n"
+                    f"  - name: {self.name}\n"
+                    f"    tp: {tp}\n"
+                    f"    threads: {threads}\n"
+                    f"    kv_blocks: {kv_blocks}\n"
+                    f"    step_tokens: {step_tokens}\n"
+                    f"    max_batch: {max_batch}\n"
+                    f"    port: {self.port}\n")
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self.procs = []
+        order = list(range(tp))
+        random.shuffle(order)  # ranks start in any order
+        for r in order:
+            log = open(os.path.join(self.dir, f"rank{r}.log"), "w")
+            p = subprocess.Popen([args.decode, "--config", self.cfg, "--instance", self.name,
+                                  "--rank", str(r)], stdout=log, stderr=subprocess.STDOUT)
+            self.procs.append((r, p))
+        self.wait_ready()
+
+    def rank_proc(self, r):
+        return next(p for rr, p in self.procs if rr == r)
+
+    def client(self, *extra, timeout=300):
+        return subprocess.run([self.args.tandem, "client", "--url", self.url, *extra],
+                              capture_output=True, text=True, timeout=timeout)
+
+    def wait_ready(self, timeout=120):
+        end = time.time() + timeout
+        while time.time() < end:
+            r = self.client("--health", "--timeout-ms", "2000", timeout=30)
+            if r.returncode == 0 and "ready 1" in r.stdout:
+                return
+            for rr, p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"rank {rr} exited with {p.returncode}: {self.log(rr)}")
+            time.sleep(0.2)
+        raise RuntimeError("instance did not become ready: " + self.log(0))
+
+    def health(self):
+        out = self.client("--health", "--timeout-ms", "5000").stdout.split()
+        return {out[i]: out[i + 1] for i in range(0, len(out) - 1, 2)}
+
+    def log(self, r):
+        with open(os.path.join(self.dir, f"rank{r}.log")) as f:
+            return f.read()[-3000:]
+
+    def cpu_seconds(self):
+        total = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for _, p in self.procs:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        return total
+
+    def stop(self):
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def generate_ids(args, model, ids, n):
+    r = subprocess.run([args.tandem, "generate", "--model", model, "--prompt-ids",
+                        ",".join(map(str, ids)), "--max-tokens", str(n), "--temperature", "0",
+                        "--ids", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        raise RuntimeError("generate failed: " + r.stderr)
+    return r.stdout.split()
+
+
+def node_ids(inst, ids, n):
+    r = inst.client("--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(n))
+    if r.returncode:
+        return None, r.stderr
+    fields = r.stdout.split()
+    return fields[1:], fields[0]
+
+
+def prompts_for(vocab, count, seed):
+    rnd = random.Random(seed)
+    return [[rnd.randrange(vocab) for _ in range(rnd.randint(3, 60))] for _ in range(count)]
+
+
+CHAT_PROMPTS = [
+    # ChatML renderings of short questions, tokenized for SmolLM2 (ids are the model's).
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
+     407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1,
+     520, 9531, 198],
+]
+
+
+def case_equals_generate(args, model, tp, prompts, n_tokens, label):
+    inst = Instance(args, model, tp)
+    try:
+        for i, ids in enumerate(prompts):
+            want = generate_ids(args, model, ids, n_tokens)
+            got, finish = node_ids(inst, ids, n_tokens)
+            check(got == want, f"{label}: prompt {i} ({len(ids)} tokens): node {finish} "
+                               f"{' '.join(got or [])[:80]} vs generate {' '.join(want)[:80]}")
+    finally:
+        inst.stop()
+
+
+def write_requests(path, reqs):
+    with open(path, "w") as f:
+        for max_tokens, temp, seed, ids in reqs:
+            f.write(f"{max_tokens} {temp} {seed} {','.join(map(str, ids))}\n")
+
+
+def run_requests(inst, reqs):
+    path = os.path.join(inst.dir, f"reqs-{random.randrange(1 << 30)}.txt")
+    write_requests(path, reqs)
+    r = inst.client("--requests", path, "--top-k", "40")
+    return r.returncode, r.stdout.splitlines(), r.stderr
+
+
+def case_concurrent(args, model, vocab, kv_blocks, label, expect_preempt=False):
+    rnd = random.Random(7)
+    reqs = []
+    for i in range(16):
+        ids = [rnd.randrange(vocab) for _ in range(rnd.randint(2, 120))]
+        reqs.append((rnd.randint(4, 40), 0.0 if i % 4 == 0 else 0.8, 100 + i, ids))
+    inst = Instance(args, model, 1, threads=2, kv_blocks=kv_blocks, step_tokens=64)
+    try:
+        rc, together, err = run_requests(inst, reqs)
+        check(rc == 0 and len(together) == 16, f"{label}: 16 concurrent requests finished ({err.strip()[:200]})")
+        alone = []
+        for r in reqs:
+            rc1, out, err1 = run_requests(inst, [r])
+            alone.append(out[0] if out else "")
+        same = sum(1 for a, b in zip(together, alone) if a == b)
+        check(same == 16, f"{label}: {same}/16 outputs equal to the request alone")
+        h = inst.health()
+        check(h.get("kv_used") == "0", f"{label}: 0 KV blocks in use afterwards (health {h})")
+        if expect_preempt:
+            big = [(kv_blocks * 16, 0.0, 1, [1, 2, 3])]
+            rc2, out2, err2 = run_requests(inst, big)
+            check(rc2 != 0 and "never fit" in err2, f"{label}: a request larger than the pool is refused: {err2.strip()[:160]}")
+    finally:
+        inst.stop()
+
+
+def case_cancel_garbage_idle(args, model):
+    inst = Instance(args, model, 1, threads=2)
+    try:
+        r = inst.client("--prompt-ids", "1,2,3,4", "--max-tokens", "100000", "--cancel-after", "3")
+        fields = r.stdout.split()
+        check(fields[:1] == ["cancelled"] and len(fields) >= 4,
+              f"cancel: finished as '{fields[:1]}' after {len(fields) - 1} tokens")
+        time.sleep(0.3)
+        h = inst.health()
+        check(h.get("kv_used") == "0" and h.get("running") == "0", f"cancel: blocks freed (health {h})")
+        r = inst.client("--garbage", "--prompt-ids", "5,6,7", "--max-tokens", "4")
+        check(r.returncode == 0 and r.stdout.startswith("length"),
+              f"garbage answered with an error and the node keeps serving: {r.stderr.strip()[:160]}")
+        time.sleep(0.5)
+        c0 = inst.cpu_seconds()
+        time.sleep(3)
+        used = inst.cpu_seconds() - c0
+        check(used < 0.15, f"idle instance used {used:.3f} s of CPU in 3 s")
+    finally:
+        inst.stop()
+
+
+def case_kill_rank(args, model, tp, delay):
+    inst = Instance(args, model, tp)
+    try:
+        client = subprocess.Popen([args.tandem, "client", "--url", inst.url, "--prompt-ids", "1,2,3",
+                                   "--max-tokens", "100000", "--timeout-ms", "60000"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        check(client.poll() is None, "kill rank: the request is still running when a rank is killed")
+        inst.rank_proc(1).kill()
+        t0 = time.time()
+        out, err = client.communicate(timeout=60)
+        check(client.returncode != 0 and ("error" in out or "error" in err),
+              f"kill rank: client got an error after {time.time() - t0:.1f} s: {err.strip()[:160]}")
+        code0 = inst.rank_proc(0).wait(timeout=30)
+        check(code0 != 0, f"kill rank: leader exited with status {code0}")
+    finally:
+        inst.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--tandem", required=True)
+    ap.add_argument("--synth-dir", required=True)
+    ap.add_argument("--model", default="")
+    args = ap.parse_args()
+    random.seed(os.getpid())
+    synth = os.path.join(args.synth_dir, "llama.gguf")
+    synth_vocab = 512
+    cases = [
+        ("tp2 synthetic", lambda: case_equals_generate(args, synth, 2, prompts_for(synth_vocab, 3, 1), 12, "tp2 synthetic")),
+        ("tp4 synthetic", lambda: case_equals_generate(args, os.path.join(args.synth_dir, "qwen2.gguf"), 4, prompts_for(synth_vocab, 3, 2), 12, "tp4 synthetic qwen2")),
+        ("concurrent", lambda: case_concurrent(args, synth, synth_vocab, 512, "concurrent")),
+        ("pool pressure", lambda: case_concurrent(args, synth, synth_vocab, 24, "pool pressure", expect_preempt=True)),
+        ("cancel/garbage/idle", lambda: case_cancel_garbage_idle(args, synth)),
+        # the default model generates slowly enough to be killed mid-request (8K context);
+        # the synthetic one reaches its 512-token context within a second or two
+        ("kill rank", lambda: case_kill_rank(args, args.model or synth, 3 if args.model else 2,
+                                             1.0 if args.model else 0.2)),
+    ]
+    if args.model:
+        prompts = CHAT_PROMPTS + prompts_for(49152, 2, 3)
+        cases.insert(0, ("tp1 default", lambda: case_equals_generate(args, args.model, 1, prompts, 24, "tp1 default model")))
+        cases.insert(1, ("tp3 default", lambda: case_equals_generate(args, args.model, 3, prompts, 24, "tp3 default model")))
+    for name, fn in cases:
+        t0 = time.time()
+        try:
+            fn()
+        except Exception as e:  # a case that crashes is a failure, the others still run
+            check(False, f"{name}: {type(e).__name__}: {e}")
+        print(f"     ({name}: {time.time() - t0:.1f} s)", flush=True)
+    print(f"{len(FAILS)} failed")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
