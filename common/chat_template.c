@@ -14,7 +14,8 @@ typedef struct {
     bool oom;
 } td_sbuf;
 
-static void sb_add(td_sbuf *b, const char *s, size_t n) {
+static void sb_add(td_sbuf *b, const char *s, size_t n)
+{
     if (b->oom) return;
     if (b->n + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
@@ -33,11 +34,13 @@ static void sb_add(td_sbuf *b, const char *s, size_t n) {
     b->v[b->n] = '\0';
 }
 
-static void sb_str(td_sbuf *b, const char *s) {
+static void sb_str(td_sbuf *b, const char *s)
+{
     sb_add(b, s, strlen(s));
 }
 
-static bool contains(const char *t, size_t n, const char *needle) {
+static bool contains(const char *t, size_t n, const char *needle)
+{
     return memmem(t, n, needle, strlen(needle)) != NULL;
 }
 
@@ -48,7 +51,8 @@ typedef struct {
     bool strip;  /* trim message content */
 } td_llama2_variant;
 
-static td_chat_family detect(const char *t, size_t n, td_llama2_variant *v) {
+static td_chat_family detect(const char *t, size_t n, td_llama2_variant *v)
+{
     if (contains(t, n, "<|im_start|>")) {
         /* phi-4 and smolvlm use the marker with another layout */
         if (contains(t, n, "<|im_sep|>") || contains(t, n, "<end_of_utterance>"))
@@ -76,14 +80,16 @@ static td_chat_family detect(const char *t, size_t n, td_llama2_variant *v) {
     return TD_CHAT_UNKNOWN;
 }
 
-td_chat_family td_chat_detect(const char *tmpl, size_t tmpl_len) {
+td_chat_family td_chat_detect(const char *tmpl, size_t tmpl_len)
+{
     return tmpl ? detect(tmpl, tmpl_len, NULL) : TD_CHAT_UNKNOWN;
 }
 
 /* A literal default system message in a chatml template: the text of a Jinja string
  * literal '<|im_start|>system\n...<|im_end|>' with no expression inside. Returns a
  * malloc'd unescaped copy, or NULL if the template has none. */
-static char *default_system(const char *t, size_t n, bool *oom) {
+static char *default_system(const char *t, size_t n, bool *oom)
+{
     static const char head[] = "<|im_start|>system";
     const char *p = t, *end = t + n;
     while ((p = memmem(p, (size_t)(end - p), head, sizeof head - 1)) != NULL) {
@@ -122,7 +128,8 @@ static char *default_system(const char *t, size_t n, bool *oom) {
 }
 
 /* trim ASCII whitespace at both ends (llama.cpp's trim) */
-static void sb_trimmed(td_sbuf *b, const char *s) {
+static void sb_trimmed(td_sbuf *b, const char *s)
+{
     size_t n = strlen(s), i = 0;
     while (i < n && strchr(" \t\n\v\f\r", s[i]))
         i++;
@@ -132,7 +139,8 @@ static void sb_trimmed(td_sbuf *b, const char *s) {
 }
 
 int td_chat_render(const char *tmpl, size_t tmpl_len, const td_chat_msg *msgs, size_t n,
-                   bool add_generation_prompt, char **out) {
+                   bool add_generation_prompt, char **out)
+{
     if (!out) return TD_EINVAL;
     *out = NULL;
     if (!tmpl || (!msgs && n)) return TD_EINVAL;

@@ -227,7 +227,14 @@ static bool poll_reply(td_ctrl_client *c, nng_msg *m)
 static void poll_cb(call *k, int rv)
 {
     td_ctrl_client *c = k->c;
-    if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) return;
+    if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) {
+        /* a send that did not happen leaves its message with us (NNG's rule) */
+        if (k->state == CALL_SEND) {
+            nng_msg_free(nng_aio_get_msg(k->aio));
+            nng_aio_set_msg(k->aio, NULL);
+        }
+        return;
+    }
     if (k->state == CALL_SLEEP) {
         poll_start(c);
         return;

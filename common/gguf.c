@@ -14,10 +14,10 @@
 
 #include "td_err.h"
 
-#define GGUF_MAGIC 0x46554747u /* "GGUF" little-endian */
+#define GGUF_MAGIC             0x46554747u /* "GGUF" little-endian */
 #define GGUF_DEFAULT_ALIGNMENT 32
-#define GGUF_MAX_DIMS 4
-#define GGUF_MAX_NAME 65535 /* longer keys or names are treated as corruption */
+#define GGUF_MAX_DIMS          4
+#define GGUF_MAX_NAME          65535 /* longer keys or names are treated as corruption */
 
 typedef struct {
     char *key;
@@ -31,7 +31,7 @@ typedef struct {
 struct td_gguf {
     const uint8_t *base; /* whole file */
     size_t size;
-    bool mapped;         /* base came from mmap and must be unmapped */
+    bool mapped; /* base came from mmap and must be unmapped */
     uint32_t version;
     size_t alignment;
     gguf_kv *kvs;
@@ -86,11 +86,23 @@ static int skip(cursor *c, uint64_t n, const char *what)
 static size_t scalar_size(td_gguf_vtype t)
 {
     switch (t) {
-    case TD_GGUF_U8: case TD_GGUF_I8: case TD_GGUF_BOOL: return 1;
-    case TD_GGUF_U16: case TD_GGUF_I16: return 2;
-    case TD_GGUF_U32: case TD_GGUF_I32: case TD_GGUF_F32: return 4;
-    case TD_GGUF_U64: case TD_GGUF_I64: case TD_GGUF_F64: return 8;
-    default: return 0;
+    case TD_GGUF_U8:
+    case TD_GGUF_I8:
+    case TD_GGUF_BOOL:
+        return 1;
+    case TD_GGUF_U16:
+    case TD_GGUF_I16:
+        return 2;
+    case TD_GGUF_U32:
+    case TD_GGUF_I32:
+    case TD_GGUF_F32:
+        return 4;
+    case TD_GGUF_U64:
+    case TD_GGUF_I64:
+    case TD_GGUF_F64:
+        return 8;
+    default:
+        return 0;
     }
 }
 
@@ -157,8 +169,10 @@ static int parse_kv(cursor *c, td_gguf *g, size_t idx)
     uint32_t et = 0;
     if ((rc = rd(c, &et, 4, "array element type"))) return rc;
     if ((rc = rd(c, &kv->n, 8, "array length"))) return rc;
-    if (et > TD_GGUF_F64) return fail(c, "metadata '%s': unknown array element type %u", kv->key, et);
-    if (et == TD_GGUF_ARRAY) return fail(c, "metadata '%s': nested arrays are not supported", kv->key);
+    if (et > TD_GGUF_F64)
+        return fail(c, "metadata '%s': unknown array element type %u", kv->key, et);
+    if (et == TD_GGUF_ARRAY)
+        return fail(c, "metadata '%s': nested arrays are not supported", kv->key);
     kv->elem = (td_gguf_vtype)et;
     kv->off = c->pos;
     if (et != TD_GGUF_STRING) {
@@ -200,7 +214,8 @@ static int parse_tensor(cursor *c, td_gguf *g, size_t idx, uint64_t *offsets)
     if (nd < 1 || nd > GGUF_MAX_DIMS)
         return fail(c, "tensor '%s': %u dimensions (1..%d allowed)", name, nd, GGUF_MAX_DIMS);
     t->n_dims = (int)nd;
-    for (int d = 0; d < 4; d++) t->ne[d] = 1;
+    for (int d = 0; d < 4; d++)
+        t->ne[d] = 1;
     uint64_t total = 1;
     for (uint32_t d = 0; d < nd; d++) {
         uint64_t ne = 0;
@@ -220,8 +235,7 @@ static int parse_tensor(cursor *c, td_gguf *g, size_t idx, uint64_t *offsets)
         return fail(c, "tensor '%s': row of %lld elements is not a whole number of %s blocks (%u)",
                     name, (long long)t->ne[0], ti->name, ti->blck);
     uint64_t blocks = total / ti->blck;
-    if (blocks > SIZE_MAX / ti->type_size)
-        return fail(c, "tensor '%s': size overflows", name);
+    if (blocks > SIZE_MAX / ti->type_size) return fail(c, "tensor '%s': size overflows", name);
     t->nbytes = (size_t)(blocks * ti->type_size);
     if ((rc = rd(c, &offsets[idx], 8, "tensor offset"))) return rc;
     for (size_t j = 0; j < idx; j++)
@@ -367,18 +381,34 @@ void td_gguf_close(td_gguf *g)
         free(g->kvs[i].key);
         free(g->kvs[i].str_off);
     }
-    for (size_t i = 0; i < g->n_tensors; i++) free((char *)g->tensors[i].name);
+    for (size_t i = 0; i < g->n_tensors; i++)
+        free((char *)g->tensors[i].name);
     free(g->kvs);
     free(g->tensors);
     if (g->mapped) munmap((void *)g->base, g->size);
     free(g);
 }
 
-uint32_t td_gguf_version(const td_gguf *g) { return g->version; }
-size_t td_gguf_alignment(const td_gguf *g) { return g->alignment; }
-size_t td_gguf_n_kv(const td_gguf *g) { return g->n_kvs; }
-const char *td_gguf_kv_key(const td_gguf *g, size_t i) { return i < g->n_kvs ? g->kvs[i].key : NULL; }
-td_gguf_vtype td_gguf_kv_type(const td_gguf *g, size_t i) { return g->kvs[i].type; }
+uint32_t td_gguf_version(const td_gguf *g)
+{
+    return g->version;
+}
+size_t td_gguf_alignment(const td_gguf *g)
+{
+    return g->alignment;
+}
+size_t td_gguf_n_kv(const td_gguf *g)
+{
+    return g->n_kvs;
+}
+const char *td_gguf_kv_key(const td_gguf *g, size_t i)
+{
+    return i < g->n_kvs ? g->kvs[i].key : NULL;
+}
+td_gguf_vtype td_gguf_kv_type(const td_gguf *g, size_t i)
+{
+    return g->kvs[i].type;
+}
 
 int64_t td_gguf_find_kv(const td_gguf *g, const char *key)
 {
@@ -400,20 +430,56 @@ static bool read_int(const td_gguf *g, td_gguf_vtype t, size_t off, int64_t *v, 
     const uint8_t *p = g->base + off;
     *is_unsigned = false;
     switch (t) {
-    case TD_GGUF_U8: { uint8_t x; memcpy(&x, p, 1); *v = x; return true; }
-    case TD_GGUF_I8: { int8_t x; memcpy(&x, p, 1); *v = x; return true; }
-    case TD_GGUF_U16: { uint16_t x; memcpy(&x, p, 2); *v = x; return true; }
-    case TD_GGUF_I16: { int16_t x; memcpy(&x, p, 2); *v = x; return true; }
-    case TD_GGUF_U32: { uint32_t x; memcpy(&x, p, 4); *v = x; return true; }
-    case TD_GGUF_I32: { int32_t x; memcpy(&x, p, 4); *v = x; return true; }
-    case TD_GGUF_I64: { int64_t x; memcpy(&x, p, 8); *v = x; return true; }
+    case TD_GGUF_U8: {
+        uint8_t x;
+        memcpy(&x, p, 1);
+        *v = x;
+        return true;
+    }
+    case TD_GGUF_I8: {
+        int8_t x;
+        memcpy(&x, p, 1);
+        *v = x;
+        return true;
+    }
+    case TD_GGUF_U16: {
+        uint16_t x;
+        memcpy(&x, p, 2);
+        *v = x;
+        return true;
+    }
+    case TD_GGUF_I16: {
+        int16_t x;
+        memcpy(&x, p, 2);
+        *v = x;
+        return true;
+    }
+    case TD_GGUF_U32: {
+        uint32_t x;
+        memcpy(&x, p, 4);
+        *v = x;
+        return true;
+    }
+    case TD_GGUF_I32: {
+        int32_t x;
+        memcpy(&x, p, 4);
+        *v = x;
+        return true;
+    }
+    case TD_GGUF_I64: {
+        int64_t x;
+        memcpy(&x, p, 8);
+        *v = x;
+        return true;
+    }
     case TD_GGUF_U64: {
         memcpy(uv, p, 8);
         *is_unsigned = true;
         *v = *uv > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)*uv;
         return true;
     }
-    default: return false;
+    default:
+        return false;
     }
 }
 
@@ -537,7 +603,10 @@ int td_gguf_arr_read_f32(const td_gguf *g, const char *key, float *out, size_t n
     return 0;
 }
 
-size_t td_gguf_n_tensors(const td_gguf *g) { return g->n_tensors; }
+size_t td_gguf_n_tensors(const td_gguf *g)
+{
+    return g->n_tensors;
+}
 
 const td_gguf_tensor *td_gguf_tensor_at(const td_gguf *g, size_t i)
 {

@@ -37,11 +37,11 @@ typedef enum {
 } td_gguf_vtype;
 
 typedef struct {
-    const char *name;  /* NUL-terminated copy */
+    const char *name; /* NUL-terminated copy */
     td_dtype type;
-    int n_dims;        /* 1..4 */
-    int64_t ne[4];     /* ne[0] is contiguous (a row); unused dims are 1 */
-    const void *data;  /* into the mapping, aligned to the file's alignment */
+    int n_dims;       /* 1..4 */
+    int64_t ne[4];    /* ne[0] is contiguous (a row); unused dims are 1 */
+    const void *data; /* into the mapping, aligned to the file's alignment */
     size_t nbytes;
 } td_gguf_tensor;
 

@@ -4,15 +4,12 @@
 #include <stdio.h>
 
 static const td_dtype_info infos[TD_DTYPE_COUNT] = {
-    [TD_F32] = {"F32", 1, 4},       [TD_F16] = {"F16", 1, 2},
-    [TD_Q4_0] = {"Q4_0", 32, 18},   [TD_Q4_1] = {"Q4_1", 32, 20},
-    [TD_Q5_0] = {"Q5_0", 32, 22},   [TD_Q5_1] = {"Q5_1", 32, 24},
-    [TD_Q8_0] = {"Q8_0", 32, 34},   [TD_Q8_1] = {"Q8_1", 32, 36},
-    [TD_Q2_K] = {"Q2_K", 256, 84},  [TD_Q3_K] = {"Q3_K", 256, 110},
-    [TD_Q4_K] = {"Q4_K", 256, 144}, [TD_Q5_K] = {"Q5_K", 256, 176},
-    [TD_Q6_K] = {"Q6_K", 256, 210}, [TD_Q8_K] = {"Q8_K", 256, 292},
-    [TD_I8] = {"I8", 1, 1},         [TD_I16] = {"I16", 1, 2},
-    [TD_I32] = {"I32", 1, 4},       [TD_I64] = {"I64", 1, 8},
+    [TD_F32] = {"F32", 1, 4},       [TD_F16] = {"F16", 1, 2},       [TD_Q4_0] = {"Q4_0", 32, 18},
+    [TD_Q4_1] = {"Q4_1", 32, 20},   [TD_Q5_0] = {"Q5_0", 32, 22},   [TD_Q5_1] = {"Q5_1", 32, 24},
+    [TD_Q8_0] = {"Q8_0", 32, 34},   [TD_Q8_1] = {"Q8_1", 32, 36},   [TD_Q2_K] = {"Q2_K", 256, 84},
+    [TD_Q3_K] = {"Q3_K", 256, 110}, [TD_Q4_K] = {"Q4_K", 256, 144}, [TD_Q5_K] = {"Q5_K", 256, 176},
+    [TD_Q6_K] = {"Q6_K", 256, 210}, [TD_Q8_K] = {"Q8_K", 256, 292}, [TD_I8] = {"I8", 1, 1},
+    [TD_I16] = {"I16", 1, 2},       [TD_I32] = {"I32", 1, 4},       [TD_I64] = {"I64", 1, 8},
     [TD_F64] = {"F64", 1, 8},       [TD_BF16] = {"BF16", 1, 2},
 };
 
@@ -43,7 +40,7 @@ uint16_t td_fp32_to_fp16(float f)
     if (absx >= 0x7f800000u) /* inf or nan */
         return (uint16_t)(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 : 0));
     if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds past 65504 */
-    if (absx < 0x38800000u) {                                 /* result is subnormal or 0 */
+    if (absx < 0x38800000u) {                                  /* result is subnormal or 0 */
         float a = td_fp32_from_bits(absx);
         /* scale so that the half subnormal unit is 1, then round to nearest even */
         float scaled = a * 16777216.0f;

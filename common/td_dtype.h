@@ -39,8 +39,8 @@ typedef enum {
 } td_dtype;
 
 typedef struct {
-    const char *name;  /* "Q4_1"; NULL when the number is not a known type */
-    uint32_t blck;     /* elements per block */
+    const char *name;   /* "Q4_1"; NULL when the number is not a known type */
+    uint32_t blck;      /* elements per block */
     uint32_t type_size; /* bytes per block */
 } td_dtype_info;
 
@@ -53,12 +53,31 @@ size_t td_dtype_row_bytes(td_dtype t, int64_t ne0);
 
 /* Block layouts of the quantized types the kernels compute with (as in ggml). */
 #define TD_QK 32
-typedef struct { uint16_t d; uint8_t qs[TD_QK / 2]; } td_block_q4_0;            /* 18 bytes */
-typedef struct { uint16_t d, m; uint8_t qs[TD_QK / 2]; } td_block_q4_1;         /* 20 bytes */
-typedef struct { uint16_t d; int8_t qs[TD_QK]; } td_block_q8_0;                 /* 34 bytes */
+typedef struct {
+    uint16_t d;
+    uint8_t qs[TD_QK / 2];
+} td_block_q4_0; /* 18 bytes */
+typedef struct {
+    uint16_t d, m;
+    uint8_t qs[TD_QK / 2];
+} td_block_q4_1; /* 20 bytes */
+typedef struct {
+    uint16_t d;
+    int8_t qs[TD_QK];
+} td_block_q8_0; /* 34 bytes */
 
-static inline float td_fp32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t td_fp32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float td_fp32_from_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint32_t td_fp32_to_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
 
 /* IEEE half -> float, exact for every input including subnormals, inf and nan. */
 static inline float td_fp16_to_fp32(uint16_t h)
@@ -78,7 +97,10 @@ static inline float td_fp16_to_fp32(uint16_t h)
 /* float -> IEEE half, round to nearest even, overflow to inf. */
 uint16_t td_fp32_to_fp16(float f);
 
-static inline float td_bf16_to_fp32(uint16_t b) { return td_fp32_from_bits((uint32_t)b << 16); }
+static inline float td_bf16_to_fp32(uint16_t b)
+{
+    return td_fp32_from_bits((uint32_t)b << 16);
+}
 uint16_t td_fp32_to_bf16(float f); /* round to nearest even; nan stays nan */
 
 #endif

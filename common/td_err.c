@@ -10,18 +10,30 @@
 const char *td_strerror(int err)
 {
     switch (err) {
-    case TD_OK: return "success";
-    case TD_EINVAL: return "invalid argument";
-    case TD_ENOMEM: return "out of memory";
-    case TD_EIO: return "i/o error";
-    case TD_EFORMAT: return "malformed file";
-    case TD_EUNSUPP: return "not supported";
-    case TD_ERANGE: return "out of range";
-    case TD_ENOENT: return "not found";
-    case TD_ENOSPC: return "out of space";
-    case TD_ETIMEDOUT: return "timed out";
-    case TD_ESTATE: return "invalid state";
-    default: return "unknown error";
+    case TD_OK:
+        return "success";
+    case TD_EINVAL:
+        return "invalid argument";
+    case TD_ENOMEM:
+        return "out of memory";
+    case TD_EIO:
+        return "i/o error";
+    case TD_EFORMAT:
+        return "malformed file";
+    case TD_EUNSUPP:
+        return "not supported";
+    case TD_ERANGE:
+        return "out of range";
+    case TD_ENOENT:
+        return "not found";
+    case TD_ENOSPC:
+        return "out of space";
+    case TD_ETIMEDOUT:
+        return "timed out";
+    case TD_ESTATE:
+        return "invalid state";
+    default:
+        return "unknown error";
     }
 }
 
@@ -39,9 +51,12 @@ static int current_level(void)
     const char *env = getenv("TANDEM_LOG");
     int lvl = TD_LOG_INFO;
     if (env) {
-        if (!strcasecmp(env, "debug")) lvl = TD_LOG_DEBUG;
-        else if (!strcasecmp(env, "warn")) lvl = TD_LOG_WARN;
-        else if (!strcasecmp(env, "error")) lvl = TD_LOG_ERROR;
+        if (!strcasecmp(env, "debug"))
+            lvl = TD_LOG_DEBUG;
+        else if (!strcasecmp(env, "warn"))
+            lvl = TD_LOG_WARN;
+        else if (!strcasecmp(env, "error"))
+            lvl = TD_LOG_ERROR;
     }
     log_level = lvl;
     return lvl;

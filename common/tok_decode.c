@@ -9,13 +9,15 @@
 
 /* ---- decoding ---- */
 
-const char *td_tok_piece(const td_tokenizer *t, int32_t id, size_t *len) {
+const char *td_tok_piece(const td_tokenizer *t, int32_t id, size_t *len)
+{
     if (!t || id < 0 || id >= t->n_vocab) return NULL;
     if (len) *len = t->piece_len[id];
     return t->piece[id];
 }
 
-const char *td_tok_piece_render(const td_tokenizer *t, int32_t id, bool special, size_t *len) {
+const char *td_tok_piece_render(const td_tokenizer *t, int32_t id, bool special, size_t *len)
+{
     if (!t || id < 0 || id >= t->n_vocab) return NULL;
     uint8_t ty = t->type[id];
     if (!special && (ty == TD_TOKTYPE_CONTROL || ty == TD_TOKTYPE_UNKNOWN)) {
@@ -27,7 +29,8 @@ const char *td_tok_piece_render(const td_tokenizer *t, int32_t id, bool special,
 }
 
 /* llama.cpp's clean_spaces passes over the decoded text, in place; returns the new length */
-static size_t clean_spaces(char *s, size_t total) {
+static size_t clean_spaces(char *s, size_t total)
+{
     size_t n = total ? 1 : 0;
     for (size_t i = 1; i < total; i++) { /* " ?", " !", " .", " ," */
         char x = s[i];
@@ -63,7 +66,8 @@ static size_t clean_spaces(char *s, size_t total) {
 }
 
 long td_tok_decode(const td_tokenizer *t, const int32_t *ids, size_t n, bool special, char *out,
-                   size_t cap) {
+                   size_t cap)
+{
     if (!t || (!ids && n) || (!out && cap)) return TD_EINVAL;
     td_bytes b = {0};
     bool strip = t->add_space_prefix;
@@ -89,18 +93,21 @@ long td_tok_decode(const td_tokenizer *t, const int32_t *ids, size_t n, bool spe
     return (long)total;
 }
 
-void td_detok_init(td_detok *d, const td_tokenizer *t) {
+void td_detok_init(td_detok *d, const td_tokenizer *t)
+{
     *d = (td_detok){.tok = t, .first = true};
 }
 
-void td_detok_fini(td_detok *d) {
+void td_detok_fini(td_detok *d)
+{
     *d = (td_detok){0};
 }
 
 /* Length of the valid prefix a UTF-8 character can have after lead byte c with the bytes
  * seen so far; returns the full length needed, or 0 if s[0..n) is already invalid at
  * some byte (then *bad is the number of bytes forming the maximal invalid subpart). */
-static size_t utf8_need(const uint8_t *s, size_t n, size_t *bad) {
+static size_t utf8_need(const uint8_t *s, size_t n, size_t *bad)
+{
     uint8_t c = s[0];
     size_t need;
     uint8_t lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
@@ -130,8 +137,8 @@ static size_t utf8_need(const uint8_t *s, size_t n, size_t *bad) {
 
 /* Move the complete characters of buf[0..n) into out; keep an unfinished tail in d.
  * Returns bytes written or TD_ERANGE. */
-static int detok_emit(td_detok *d, const uint8_t *buf, size_t n, char *out, size_t cap,
-                      bool final) {
+static int detok_emit(td_detok *d, const uint8_t *buf, size_t n, char *out, size_t cap, bool final)
+{
     size_t w = 0, i = 0;
     while (i < n) {
         if (buf[i] < 0x80) {
@@ -160,7 +167,8 @@ static int detok_emit(td_detok *d, const uint8_t *buf, size_t n, char *out, size
     return (int)w;
 }
 
-int td_detok_push(td_detok *d, int32_t id, char *out, size_t cap) {
+int td_detok_push(td_detok *d, int32_t id, char *out, size_t cap)
+{
     size_t len;
     const char *p = td_tok_piece_render(d->tok, id, d->special, &len);
     if (!p) return TD_EINVAL;
@@ -179,7 +187,8 @@ int td_detok_push(td_detok *d, int32_t id, char *out, size_t cap) {
     return rc;
 }
 
-int td_detok_flush(td_detok *d, char *out, size_t cap) {
+int td_detok_flush(td_detok *d, char *out, size_t cap)
+{
     uint8_t buf[4];
     size_t n = d->n_pending;
     memcpy(buf, d->pending, n);

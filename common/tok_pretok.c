@@ -7,7 +7,8 @@
 #include "td_err.h"
 #include "unicode_tables.h"
 
-uint32_t td_utf8_decode(const uint8_t *s, size_t len, size_t *n) {
+uint32_t td_utf8_decode(const uint8_t *s, size_t len, size_t *n)
+{
     uint8_t c = s[0];
     *n = 1;
     if (c < 0x80) return c;
@@ -32,7 +33,8 @@ uint32_t td_utf8_decode(const uint8_t *s, size_t len, size_t *n) {
     return cpt;
 }
 
-size_t td_utf8_encode(uint32_t cpt, uint8_t *out) {
+size_t td_utf8_encode(uint32_t cpt, uint8_t *out)
+{
     if (cpt < 0x80) {
         out[0] = (uint8_t)cpt;
         return 1;
@@ -55,7 +57,8 @@ size_t td_utf8_encode(uint32_t cpt, uint8_t *out) {
     return 4;
 }
 
-unsigned td_cpt_class(uint32_t cpt) {
+unsigned td_cpt_class(uint32_t cpt)
+{
     if (cpt > 0x10FFFF) return TD_UCD_OTHER;
     uint32_t key = (cpt << 8) | 0xFFu;
     size_t lo = 0, hi = TD_UCD_N_RANGES; /* find the last range with start <= cpt */
@@ -69,11 +72,13 @@ unsigned td_cpt_class(uint32_t cpt) {
     return td_ucd_ranges[lo] & 0xFFu;
 }
 
-void td_words_init(td_words *w) {
+void td_words_init(td_words *w)
+{
     *w = (td_words){0};
 }
 
-void td_words_fini(td_words *w) {
+void td_words_fini(td_words *w)
+{
     free(w->cpts);
     free(w->word_len);
     *w = (td_words){0};
@@ -92,27 +97,34 @@ typedef struct {
 
 #define OUT_OF_RANGE 0xFFFFFFFFu
 
-static uint32_t sp_cpt(const td_split *s, size_t pos) {
+static uint32_t sp_cpt(const td_split *s, size_t pos)
+{
     return pos >= s->ini && pos < s->end ? s->cpts[pos] : OUT_OF_RANGE;
 }
-static bool sp_in(const td_split *s, size_t pos) {
+static bool sp_in(const td_split *s, size_t pos)
+{
     return pos >= s->ini && pos < s->end;
 }
-static bool sp_letter(const td_split *s, size_t pos) {
+static bool sp_letter(const td_split *s, size_t pos)
+{
     return sp_in(s, pos) && (s->cls[pos] & 3u) == TD_UCD_LETTER;
 }
-static bool sp_number(const td_split *s, size_t pos) {
+static bool sp_number(const td_split *s, size_t pos)
+{
     return sp_in(s, pos) && (s->cls[pos] & 3u) == TD_UCD_NUMBER;
 }
-static bool sp_space(const td_split *s, size_t pos) {
+static bool sp_space(const td_split *s, size_t pos)
+{
     return sp_in(s, pos) && (s->cls[pos] & TD_UCD_WS);
 }
 /* [^\s\p{L}\p{N}] and inside the window */
-static bool sp_other(const td_split *s, size_t pos) {
+static bool sp_other(const td_split *s, size_t pos)
+{
     return sp_in(s, pos) && !sp_space(s, pos) && !sp_letter(s, pos) && !sp_number(s, pos);
 }
 
-static size_t sp_add(td_split *s, size_t end) {
+static size_t sp_add(td_split *s, size_t end)
+{
     size_t len = end - s->prev_end;
     if (len > 0) {
         td_words *w = s->w;
@@ -133,12 +145,14 @@ static size_t sp_add(td_split *s, size_t end) {
     return len;
 }
 
-static uint32_t ascii_lower(uint32_t c) {
+static uint32_t ascii_lower(uint32_t c)
+{
     return c >= 'A' && c <= 'Z' ? c + 32 : c;
 }
 
 /* 's|'t|'re|'ve|'m|'ll|'d: returns the match length (0 if none). */
-static size_t sp_contraction(const td_split *s, size_t pos, bool icase) {
+static size_t sp_contraction(const td_split *s, size_t pos, bool icase)
+{
     if (sp_cpt(s, pos) != '\'' || pos + 1 >= s->end) return 0;
     uint32_t a = sp_cpt(s, pos + 1);
     if (icase) a = ascii_lower(a);
@@ -151,7 +165,8 @@ static size_t sp_contraction(const td_split *s, size_t pos, bool icase) {
 }
 
 /* Trailing whitespace rules shared by both regex families: \s+(?!\S) | \s+ */
-static void sp_spaces(td_split *s, size_t *pos, size_t n_ws) {
+static void sp_spaces(td_split *s, size_t *pos, size_t n_ws)
+{
     if (n_ws > 1 && sp_cpt(s, *pos + n_ws) != OUT_OF_RANGE) {
         *pos += n_ws - 1;
         sp_add(s, *pos);
@@ -163,7 +178,8 @@ static void sp_spaces(td_split *s, size_t *pos, size_t n_ws) {
     }
 }
 
-static void split_gpt2(td_split *s) {
+static void split_gpt2(td_split *s)
+{
     size_t pos = s->ini;
     s->prev_end = s->ini;
     while (pos < s->end) {
@@ -202,7 +218,8 @@ static void split_gpt2(td_split *s) {
     }
 }
 
-static void split_llama3(td_split *s, size_t max_digits) {
+static void split_llama3(td_split *s, size_t max_digits)
+{
     size_t pos = s->ini;
     s->prev_end = s->ini;
     while (pos < s->end) {
@@ -261,7 +278,8 @@ static void split_llama3(td_split *s, size_t max_digits) {
     }
 }
 
-int td_pretokenize(td_pre_kind kind, const char *text, size_t len, td_words *w) {
+int td_pretokenize(td_pre_kind kind, const char *text, size_t len, td_words *w)
+{
     w->n_cpts = 0;
     w->n_words = 0;
     if (len > w->cap_cpts) {

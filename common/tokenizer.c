@@ -13,14 +13,16 @@
 
 /* ---- hash map ---- */
 
-static uint64_t td_hash(const char *s, size_t n) {
+static uint64_t td_hash(const char *s, size_t n)
+{
     uint64_t h = 1469598103934665603ull;
     for (size_t i = 0; i < n; i++)
         h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
     return h;
 }
 
-static int strmap_init(td_strmap *m, size_t n_expected) {
+static int strmap_init(td_strmap *m, size_t n_expected)
+{
     size_t cap = 16;
     while (cap < 2 * n_expected + 16)
         cap *= 2;
@@ -32,7 +34,8 @@ static int strmap_init(td_strmap *m, size_t n_expected) {
     return m->key && m->klen && m->val ? 0 : TD_ENOMEM;
 }
 
-static void strmap_fini(td_strmap *m) {
+static void strmap_fini(td_strmap *m)
+{
     free(m->key);
     free(m->klen);
     free(m->val);
@@ -40,7 +43,8 @@ static void strmap_fini(td_strmap *m) {
 }
 
 /* Insert or overwrite. The map never fills: capacity is fixed at >= 2x the entries. */
-static void strmap_put(td_strmap *m, const char *k, size_t n, int32_t v) {
+static void strmap_put(td_strmap *m, const char *k, size_t n, int32_t v)
+{
     size_t i = td_hash(k, n) & (m->cap - 1);
     while (m->key[i]) {
         if (m->klen[i] == n && memcmp(m->key[i], k, n) == 0) {
@@ -55,7 +59,8 @@ static void strmap_put(td_strmap *m, const char *k, size_t n, int32_t v) {
     m->n++;
 }
 
-static int32_t strmap_get(const td_strmap *m, const char *k, size_t n) {
+static int32_t strmap_get(const td_strmap *m, const char *k, size_t n)
+{
     if (!m->cap) return -1;
     size_t i = td_hash(k, n) & (m->cap - 1);
     while (m->key[i]) {
@@ -72,7 +77,8 @@ typedef struct {
     size_t n, cap;
 } td_ids;
 
-static int ids_push(td_ids *a, int32_t id) {
+static int ids_push(td_ids *a, int32_t id)
+{
     if (a->n == a->cap) {
         size_t cap = a->cap ? 2 * a->cap : 64;
         int32_t *p = realloc(a->v, cap * sizeof *p);
@@ -84,7 +90,8 @@ static int ids_push(td_ids *a, int32_t id) {
     return 0;
 }
 
-int td_bytes_reserve(td_bytes *b, size_t extra) {
+int td_bytes_reserve(td_bytes *b, size_t extra)
+{
     if (b->n + extra <= b->cap) return 0;
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->n + extra)
@@ -96,7 +103,8 @@ int td_bytes_reserve(td_bytes *b, size_t extra) {
     return 0;
 }
 
-int td_bytes_add(td_bytes *b, const void *s, size_t n) {
+int td_bytes_add(td_bytes *b, const void *s, size_t n)
+{
     if (n == 0) return 0;
     if (td_bytes_reserve(b, n)) return TD_ENOMEM;
     memcpy(b->v + b->n, s, n);
@@ -106,7 +114,8 @@ int td_bytes_add(td_bytes *b, const void *s, size_t n) {
 
 /* ---- loading ---- */
 
-static void byte_level_tables(td_tokenizer *t) {
+static void byte_level_tables(td_tokenizer *t)
+{
     /* GPT-2 bytes_to_unicode: printable latin-1 bytes map to themselves, the other 68 to
      * U+0100.. in byte order */
     int n = 0;
@@ -123,11 +132,13 @@ static void byte_level_tables(td_tokenizer *t) {
     }
 }
 
-static bool str_eq(const char *s, size_t n, const char *lit) {
+static bool str_eq(const char *s, size_t n, const char *lit)
+{
     return strlen(lit) == n && memcmp(s, lit, n) == 0;
 }
 
-static bool text_in(const char *s, size_t n, const char *const *list) {
+static bool text_in(const char *s, size_t n, const char *const *list)
+{
     for (; *list; list++)
         if (str_eq(s, n, *list)) return true;
     return false;
@@ -164,7 +175,8 @@ static const td_pre_entry pre_table[] = {
     {"megrez", TD_PRE_QWEN2, true, false, false},
 };
 
-static int32_t get_id_key(const td_gguf *g, const char *key, int32_t def, int32_t n_vocab) {
+static int32_t get_id_key(const td_gguf *g, const char *key, int32_t def, int32_t n_vocab)
+{
     int64_t v;
     if (td_gguf_get_i64(g, key, &v) != 0) return def;
     if (v < 0 || v >= n_vocab) {
@@ -175,14 +187,16 @@ static int32_t get_id_key(const td_gguf *g, const char *key, int32_t def, int32_
     return (int32_t)v;
 }
 
-static bool get_bool_key(const td_gguf *g, const char *key, bool def) {
+static bool get_bool_key(const td_gguf *g, const char *key, bool def)
+{
     bool v;
     return td_gguf_get_bool(g, key, &v) == 0 ? v : def;
 }
 
 /* Bytes of a normal token: BPE maps each codepoint back through the byte-level table,
  * spm turns U+2581 into a space and <0xXX> into its byte. */
-static int make_piece(td_tokenizer *t, int32_t id, td_bytes *out) {
+static int make_piece(td_tokenizer *t, int32_t id, td_bytes *out)
+{
     const char *s = t->text[id];
     size_t n = t->text_len[id];
     uint8_t ty = t->type[id];
@@ -232,14 +246,16 @@ static int make_piece(td_tokenizer *t, int32_t id, td_bytes *out) {
     return 0;
 }
 
-static int cmp_special(const void *a, const void *b, void *ctx) {
+static int cmp_special(const void *a, const void *b, void *ctx)
+{
     const td_tokenizer *t = ctx;
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     if (t->text_len[x] != t->text_len[y]) return t->text_len[x] > t->text_len[y] ? -1 : 1;
     return x < y ? -1 : x > y;
 }
 
-static int load_vocab(td_tokenizer *t, const td_gguf *g) {
+static int load_vocab(td_tokenizer *t, const td_gguf *g)
+{
     td_gguf_vtype et;
     size_t n;
     if (td_gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &n) != 0 || et != TD_GGUF_STRING ||
@@ -356,7 +372,8 @@ static int load_vocab(td_tokenizer *t, const td_gguf *g) {
     return 0;
 }
 
-static void find_specials(td_tokenizer *t, const td_gguf *g) {
+static void find_specials(td_tokenizer *t, const td_gguf *g)
+{
     static const char *const eot_names[] = {"<|eot_id|>",
                                             "<|im_end|>",
                                             "<|end|>",
@@ -423,7 +440,8 @@ static void find_specials(td_tokenizer *t, const td_gguf *g) {
     if (t->eom >= 0) t->eog[t->eom] = 1;
 }
 
-int td_tok_create(const td_gguf *g, td_tokenizer **out) {
+int td_tok_create(const td_gguf *g, td_tokenizer **out)
+{
     if (!out) return TD_EINVAL;
     *out = NULL;
     if (!g) return TD_EINVAL;
@@ -546,7 +564,8 @@ int td_tok_create(const td_gguf *g, td_tokenizer **out) {
     return 0;
 }
 
-void td_tok_destroy(td_tokenizer *t) {
+void td_tok_destroy(td_tokenizer *t)
+{
     if (!t) return;
     if (t->piece && t->n_vocab > 0) free((void *)t->piece[0]);
     free(t->pool);
@@ -563,34 +582,44 @@ void td_tok_destroy(td_tokenizer *t) {
     free(t);
 }
 
-int32_t td_tok_n_vocab(const td_tokenizer *t) {
+int32_t td_tok_n_vocab(const td_tokenizer *t)
+{
     return t->n_vocab;
 }
-int32_t td_tok_bos(const td_tokenizer *t) {
+int32_t td_tok_bos(const td_tokenizer *t)
+{
     return t->bos;
 }
-int32_t td_tok_eos(const td_tokenizer *t) {
+int32_t td_tok_eos(const td_tokenizer *t)
+{
     return t->eos;
 }
-bool td_tok_add_bos(const td_tokenizer *t) {
+bool td_tok_add_bos(const td_tokenizer *t)
+{
     return t->add_bos;
 }
-bool td_tok_add_eos(const td_tokenizer *t) {
+bool td_tok_add_eos(const td_tokenizer *t)
+{
     return t->add_eos;
 }
-bool td_tok_is_eog(const td_tokenizer *t, int32_t id) {
+bool td_tok_is_eog(const td_tokenizer *t, int32_t id)
+{
     return id >= 0 && id < t->n_vocab && t->eog[id];
 }
-int td_tok_type(const td_tokenizer *t, int32_t id) {
+int td_tok_type(const td_tokenizer *t, int32_t id)
+{
     return id >= 0 && id < t->n_vocab ? t->type[id] : -1;
 }
-bool td_tok_clean_spaces(const td_tokenizer *t) {
+bool td_tok_clean_spaces(const td_tokenizer *t)
+{
     return t->clean_spaces;
 }
-const char *td_tok_model_name(const td_tokenizer *t) {
+const char *td_tok_model_name(const td_tokenizer *t)
+{
     return t->kind == TD_VOCAB_BPE ? "gpt2" : "llama";
 }
-const char *td_tok_pre_name(const td_tokenizer *t) {
+const char *td_tok_pre_name(const td_tokenizer *t)
+{
     return t->pre_name;
 }
 
@@ -615,7 +644,8 @@ typedef struct {
 } td_heap;
 
 /* true if a should pop before b */
-static bool bg_before(const td_heap *h, const td_bigram *a, const td_bigram *b) {
+static bool bg_before(const td_heap *h, const td_bigram *a, const td_bigram *b)
+{
     if (h->spm) {
         if (a->score != b->score) return a->score > b->score;
         return a->left < b->left;
@@ -624,7 +654,8 @@ static bool bg_before(const td_heap *h, const td_bigram *a, const td_bigram *b) 
     return a->left < b->left;
 }
 
-static int heap_push(td_heap *h, td_bigram b) {
+static int heap_push(td_heap *h, td_bigram b)
+{
     if (h->n == h->cap) {
         size_t cap = h->cap ? 2 * h->cap : 64;
         td_bigram *p = realloc(h->v, cap * sizeof *p);
@@ -645,7 +676,8 @@ static int heap_push(td_heap *h, td_bigram b) {
     return 0;
 }
 
-static td_bigram heap_pop(td_heap *h) {
+static td_bigram heap_pop(td_heap *h)
+{
     td_bigram top = h->v[0];
     h->v[0] = h->v[--h->n];
     size_t i = 0;
@@ -674,7 +706,8 @@ typedef struct {
     td_words words; /* pre-tokenizer output */
 } td_enc;
 
-static int enc_syms_reserve(td_enc *e, size_t n) {
+static int enc_syms_reserve(td_enc *e, size_t n)
+{
     if (n <= e->cap_sym) return 0;
     size_t cap = e->cap_sym ? e->cap_sym : 64;
     while (cap < n)
@@ -690,7 +723,8 @@ static int enc_syms_reserve(td_enc *e, size_t n) {
  * length alone; that is the same for valid UTF-8 (BPE words always are), but for an invalid
  * byte in spm input it would swallow the next character, so an invalid byte is one
  * symbol here (and becomes a byte token). */
-static int enc_make_symbols(td_enc *e) {
+static int enc_make_symbols(td_enc *e)
+{
     const uint8_t *s = (const uint8_t *)e->word.v;
     size_t n = e->word.n;
     if (enc_syms_reserve(e, n)) return TD_ENOMEM;
@@ -708,7 +742,8 @@ static int enc_make_symbols(td_enc *e) {
     return 0;
 }
 
-static int bpe_add_bigram(td_enc *e, int32_t left, int32_t right) {
+static int bpe_add_bigram(td_enc *e, int32_t left, int32_t right)
+{
     if (left < 0 || right < 0) return 0;
     const td_sym *l = &e->sym[left], *r = &e->sym[right];
     e->key.n = 0;
@@ -721,7 +756,8 @@ static int bpe_add_bigram(td_enc *e, int32_t left, int32_t right) {
 }
 
 /* BPE one word (already in e->word, byte-level encoded) and append its ids. */
-static int bpe_word(td_enc *e) {
+static int bpe_word(td_enc *e)
+{
     const td_tokenizer *t = e->t;
     if (t->ignore_merges) {
         int32_t id = strmap_get(&t->tok_map, e->word.v, e->word.n);
@@ -759,7 +795,8 @@ static int bpe_word(td_enc *e) {
     return 0;
 }
 
-static int bpe_fragment(td_enc *e, const char *text, size_t len) {
+static int bpe_fragment(td_enc *e, const char *text, size_t len)
+{
     const td_tokenizer *t = e->t;
     int rc = td_pretokenize(t->pre, text, len, &e->words);
     if (rc) return rc;
@@ -781,7 +818,8 @@ static int bpe_fragment(td_enc *e, const char *text, size_t len) {
     return 0;
 }
 
-static int spm_add_bigram(td_enc *e, int32_t left, int32_t right) {
+static int spm_add_bigram(td_enc *e, int32_t left, int32_t right)
+{
     if (left < 0 || right < 0) return 0;
     const td_sym *l = &e->sym[left], *r = &e->sym[right];
     int32_t id = strmap_get(&e->t->tok_map, e->word.v + l->off, (size_t)l->n + r->n);
@@ -789,7 +827,8 @@ static int spm_add_bigram(td_enc *e, int32_t left, int32_t right) {
     return heap_push(&e->heap, (td_bigram){left, right, l->n, r->n, e->t->score[id], 0});
 }
 
-static int spm_fragment(td_enc *e, const char *text, size_t len, bool prefix_space) {
+static int spm_fragment(td_enc *e, const char *text, size_t len, bool prefix_space)
+{
     const td_tokenizer *t = e->t;
     e->word.n = 0;
     if (prefix_space && td_bytes_add(&e->word, "\xe2\x96\x81", 3)) return TD_ENOMEM;
@@ -843,7 +882,8 @@ typedef struct {
     size_t n, cap;
 } td_frags;
 
-static int frags_push(td_frags *f, td_frag x) {
+static int frags_push(td_frags *f, td_frag x)
+{
     if (f->n == f->cap) {
         size_t cap = f->cap ? 2 * f->cap : 16;
         td_frag *p = realloc(f->v, cap * sizeof *p);
@@ -858,7 +898,8 @@ static int frags_push(td_frags *f, td_frag x) {
 /* tokenizer_st_partition: cut raw fragments at each special token's occurrences, the
  * longest tokens first. */
 static int partition(const td_tokenizer *t, const char *text, size_t len, bool parse_special,
-                     td_frags *out) {
+                     td_frags *out)
+{
     td_frags a = {0}, b = {0};
     int rc = 0;
     if (len > 0) rc = frags_push(&a, (td_frag){-1, 0, len});
@@ -902,7 +943,8 @@ static int partition(const td_tokenizer *t, const char *text, size_t len, bool p
 }
 
 int td_tok_encode(const td_tokenizer *t, const char *text, size_t len, bool add_special,
-                  bool parse_special, int32_t **ids, size_t *n_ids) {
+                  bool parse_special, int32_t **ids, size_t *n_ids)
+{
     if (!t || !ids || !n_ids || (!text && len)) return TD_EINVAL;
     *ids = NULL;
     *n_ids = 0;

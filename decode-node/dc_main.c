@@ -37,9 +37,12 @@ int main(int argc, char **argv)
             fprintf(stderr, "tandem-decode: %s needs a value\n", f);
             return 1;
         }
-        if (!strcmp(f, "--config")) path = v;
-        else if (!strcmp(f, "--instance")) instance = v;
-        else if (!strcmp(f, "--listen")) listen = v;
+        if (!strcmp(f, "--config"))
+            path = v;
+        else if (!strcmp(f, "--instance"))
+            instance = v;
+        else if (!strcmp(f, "--listen"))
+            listen = v;
         else if (!strcmp(f, "--rank")) {
             char *end;
             long r = strtol(v, &end, 10);
@@ -71,8 +74,8 @@ int main(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
-    dc_node_params p = {.cfg = cfg, .instance = instance, .rank = rank, .listen = listen,
-                        .stop = &g_stop};
+    dc_node_params p = {
+        .cfg = cfg, .instance = instance, .rank = rank, .listen = listen, .stop = &g_stop};
     rc = dc_node_run(&p);
     td_cfg_free(cfg);
     return rc ? 1 : 0;

@@ -18,9 +18,9 @@
 #include "td_err.h"
 #include "tokenizer.h"
 
-#define IDLE_WAIT_MS 200     /* leader's inbox wait while nothing runs (liveness checks) */
-#define DRAIN_MS 3000        /* after a failure: keep answering polls so errors get out */
-#define MAX_WAITING_FACTOR 4 /* queued requests beyond 4 x max_batch are refused (busy) */
+#define IDLE_WAIT_MS       200  /* leader's inbox wait while nothing runs (liveness checks) */
+#define DRAIN_MS           3000 /* after a failure: keep answering polls so errors get out */
+#define MAX_WAITING_FACTOR 4    /* queued requests beyond 4 x max_batch are refused (busy) */
 
 /* Where a scheduler request came from: events go back to (client, request id). */
 typedef struct {
@@ -45,7 +45,9 @@ typedef struct {
     size_t n_routes;
     int64_t started_ms;
     uint64_t step;
-    float *logits; /* (max_batch, n_vocab) */
+    int64_t step_ns;     /* wall time of all steps */
+    int64_t step_tokens; /* tokens of all steps */
+    float *logits;       /* (max_batch, n_vocab) */
 } node;
 
 static int64_t now_ms(void)
@@ -59,7 +61,8 @@ static int64_t now_ms(void)
 
 static int kv_blocks_of(const node *n)
 {
-    if (n->dcfg->kv_blocks > 0) return (int)(n->dcfg->kv_blocks > (1 << 30) ? 1 << 30 : n->dcfg->kv_blocks);
+    if (n->dcfg->kv_blocks > 0)
+        return (int)(n->dcfg->kv_blocks > (1 << 30) ? 1 << 30 : n->dcfg->kv_blocks);
     kn_kv_pool_params kp = kn_model_kv_params(n->model, 1, n->dcfg->block_size,
                                               strcmp(n->dcfg->kv_dtype, "f32") ? TD_F16 : TD_F32);
     size_t es = kp.type == TD_F16 ? 2 : 4;
@@ -166,11 +169,16 @@ static int follower_loop(node *n)
 static Td__FinishReason wire_finish(dc_finish f)
 {
     switch (f) {
-    case DC_FINISH_STOP: return TD__FINISH_REASON__FINISH_STOP;
-    case DC_FINISH_LENGTH: return TD__FINISH_REASON__FINISH_LENGTH;
-    case DC_FINISH_CANCELLED: return TD__FINISH_REASON__FINISH_CANCELLED;
-    case DC_FINISH_ERROR: return TD__FINISH_REASON__FINISH_ERROR;
-    default: return TD__FINISH_REASON__FINISH_NONE;
+    case DC_FINISH_STOP:
+        return TD__FINISH_REASON__FINISH_STOP;
+    case DC_FINISH_LENGTH:
+        return TD__FINISH_REASON__FINISH_LENGTH;
+    case DC_FINISH_CANCELLED:
+        return TD__FINISH_REASON__FINISH_CANCELLED;
+    case DC_FINISH_ERROR:
+        return TD__FINISH_REASON__FINISH_ERROR;
+    default:
+        return TD__FINISH_REASON__FINISH_NONE;
     }
 }
 
@@ -250,19 +258,23 @@ static void handle_submit(node *n, const td_ctrl_server_in *in)
         .ignore_eos = s->ignore_eos,
     };
     if (sm)
-        rp.sampling = (kn_sampler_params){.temperature = sm->temperature, .top_k = sm->top_k,
-                                          .top_p = sm->top_p, .min_p = sm->min_p,
+        rp.sampling = (kn_sampler_params){.temperature = sm->temperature,
+                                          .top_k = sm->top_k,
+                                          .top_p = sm->top_p,
+                                          .min_p = sm->min_p,
                                           .repeat_penalty = sm->repeat_penalty,
-                                          .repeat_last_n = sm->repeat_last_n, .seed = sm->seed};
+                                          .repeat_last_n = sm->repeat_last_n,
+                                          .seed = sm->seed};
     int rc = dc_sched_submit(n->sched, &rp);
     if (rc) {
         n->routes[id].used = false;
-        Td__ErrorCode code = rc == TD_ENOSPC ? TD__ERROR_CODE__ERR_NO_SPACE
+        Td__ErrorCode code = rc == TD_ENOSPC   ? TD__ERROR_CODE__ERR_NO_SPACE
                              : rc == TD_ENOMEM ? TD__ERROR_CODE__ERR_INTERNAL
                                                : TD__ERROR_CODE__ERR_INVALID;
         td_ctrl_server_reply_error(n->srv, in->req, s->request_id, code,
-                                   rc == TD_ENOSPC ? "request can never fit this instance's KV pool "
-                                                     "(%d blocks of %d tokens)"
+                                   rc == TD_ENOSPC
+                                       ? "request can never fit this instance's KV pool "
+                                         "(%d blocks of %d tokens)"
                                    : rc == TD_ERANGE ? "prompt too long or token id outside the "
                                                        "vocabulary (%d blocks of %d tokens)"
                                                      : "invalid request (%d blocks of %d tokens)",
@@ -276,7 +288,9 @@ static void handle_request(node *n, const td_ctrl_server_in *in)
 {
     const Td__Envelope *env = in->env;
     switch (env->body_case) {
-    case TD__ENVELOPE__BODY_SUBMIT: handle_submit(n, in); return;
+    case TD__ENVELOPE__BODY_SUBMIT:
+        handle_submit(n, in);
+        return;
     case TD__ENVELOPE__BODY_CANCEL: {
         uint64_t rid = env->cancel->request_id;
         int64_t id = find_route(n, in->client_id, rid);
@@ -327,8 +341,10 @@ static int serve_inbox(node *n, int timeout_ms)
         int rc = td_ctrl_server_recv(n->srv, &in, timeout_ms);
         if (rc == TD_ETIMEDOUT) return 0;
         if (rc) return rc;
-        if (in.kind == TD_CTRL_IN_REQUEST) handle_request(n, &in);
-        else if (in.kind == TD_CTRL_IN_PEER_GONE) cancel_client(n, in.client_id);
+        if (in.kind == TD_CTRL_IN_REQUEST)
+            handle_request(n, &in);
+        else if (in.kind == TD_CTRL_IN_PEER_GONE)
+            cancel_client(n, in.client_id);
         timeout_ms = 0;
     }
 }
@@ -360,8 +376,10 @@ static int leader_setup(node *n)
     td_ctrl_opts opts = {0};
     if ((rc = td_ctrl_server_create(&opts, &n->srv))) return rc;
     char url[256], bound[256];
-    if (n->p->listen) snprintf(url, sizeof url, "%s", n->p->listen);
-    else if ((rc = td_cfg_ctrl_url(n->dcfg->host, n->dcfg->port, url, sizeof url))) return rc;
+    if (n->p->listen)
+        snprintf(url, sizeof url, "%s", n->p->listen);
+    else if ((rc = td_cfg_ctrl_url(n->dcfg->host, n->dcfg->port, url, sizeof url)))
+        return rc;
     if ((rc = td_ctrl_server_listen(n->srv, url, bound, sizeof bound))) {
         TD_LOG_ERR("decode %s: cannot listen on %s: %s", n->p->instance, url, td_strerror(rc));
         return rc;
@@ -370,11 +388,19 @@ static int leader_setup(node *n)
     return 0;
 }
 
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static int run_step(node *n)
 {
     dc_step st;
     int k = dc_sched_plan(n->sched, &st);
     if (k <= 0) return k;
+    int64_t t0 = now_ns();
     void *buf;
     size_t cap, len;
     int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
@@ -383,6 +409,8 @@ static int run_step(node *n)
     if (!rc) rc = kn_engine_forward(n->engine, n->kv, &st.batch, n->logits);
     n->step++;
     dc_sched_commit(n->sched, n->logits, rc);
+    n->step_ns += now_ns() - t0;
+    n->step_tokens += k;
     return rc;
 }
 
@@ -423,6 +451,18 @@ static int leader_loop(node *n)
         return rc;
     }
     dc_shm_plan_stop(n->shm);
+    /* the figures the decode benchmark reads (BENCHMARKS.md) */
+    dc_shm_stats ss;
+    dc_shm_get_stats(n->shm, &ss);
+    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    TD_LOG_INFO("decode %s: %llu steps, %lld tokens, mean step %.3f ms, allreduce %llu x "
+                "%.2f us (%.1f%% of step time), %llu preemptions",
+                n->p->instance, (unsigned long long)n->step, (long long)n->step_tokens,
+                n->step ? (double)n->step_ns / (double)n->step / 1e6 : 0.0,
+                (unsigned long long)ss.n_allreduce,
+                ss.n_allreduce ? (double)ss.ns_allreduce / (double)ss.n_allreduce / 1e3 : 0.0,
+                n->step_ns ? 100.0 * (double)ss.ns_allreduce / (double)n->step_ns : 0.0,
+                (unsigned long long)st.preemptions);
     return 0;
 }
 

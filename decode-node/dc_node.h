@@ -25,8 +25,8 @@ typedef struct {
     const td_cfg *cfg;
     const char *instance;
     int rank;
-    const char *listen;                /* leader: URL override (tests); NULL: from the config */
-    volatile sig_atomic_t *stop;       /* set by SIGTERM/SIGINT: clean shutdown */
+    const char *listen;          /* leader: URL override (tests); NULL: from the config */
+    volatile sig_atomic_t *stop; /* set by SIGTERM/SIGINT: clean shutdown */
 } dc_node_params;
 
 /* Run the rank until shutdown. Returns 0 on a clean stop, a negative td_err otherwise. */

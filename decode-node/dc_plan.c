@@ -10,7 +10,7 @@
 
 #include "td_err.h"
 
-#define PLAN_MAGIC 0x4c504454u /* "TDPL" */
+#define PLAN_MAGIC   0x4c504454u /* "TDPL" */
 #define HEADER_BYTES 24
 
 static int blocks_for(int32_t n_ctx, int block_size)
@@ -22,7 +22,8 @@ size_t dc_plan_size(const kn_batch *b, int block_size)
 {
     if (!b) return HEADER_BYTES;
     size_t n = HEADER_BYTES + (size_t)b->n_tokens * 12 + (size_t)b->n_seqs * 4;
-    for (int s = 0; s < b->n_seqs; s++) n += (size_t)blocks_for(b->seqs[s].n_ctx, block_size) * 4;
+    for (int s = 0; s < b->n_seqs; s++)
+        n += (size_t)blocks_for(b->seqs[s].n_ctx, block_size) * 4;
     return n;
 }
 
@@ -62,7 +63,10 @@ int dc_plan_encode(const kn_batch *b, int block_size, uint64_t step, void *buf, 
     return 0;
 }
 
-void dc_plan_view_init(dc_plan_view *v) { memset(v, 0, sizeof *v); }
+void dc_plan_view_init(dc_plan_view *v)
+{
+    memset(v, 0, sizeof *v);
+}
 
 void dc_plan_view_fini(dc_plan_view *v)
 {
@@ -134,7 +138,11 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
     }
     if (q != qend || (size_t)(end - p) != words * 4) return bad("trailing bytes");
     v->kind = kind;
-    v->batch = (kn_batch){.n_tokens = nt, .tokens = tok, .pos = pos, .seq_of = seq_of,
-                          .n_seqs = ns, .seqs = v->views};
+    v->batch = (kn_batch){.n_tokens = nt,
+                          .tokens = tok,
+                          .pos = pos,
+                          .seq_of = seq_of,
+                          .n_seqs = ns,
+                          .seqs = v->views};
     return 0;
 }

@@ -27,12 +27,12 @@ int dc_plan_encode(const kn_batch *b, int block_size, uint64_t step, void *buf, 
                    size_t *len);
 
 typedef struct {
-    uint32_t kind;        /* DC_PLAN_RUN or DC_PLAN_SHUTDOWN */
+    uint32_t kind; /* DC_PLAN_RUN or DC_PLAN_SHUTDOWN */
     uint64_t step;
-    kn_batch batch;       /* n_logits 0 */
-    kn_seq_view *views;   /* (cap_views) */
+    kn_batch batch;     /* n_logits 0 */
+    kn_seq_view *views; /* (cap_views) */
     int cap_views;
-    int32_t *scratch;     /* (cap_scratch) aligned copies of the arrays */
+    int32_t *scratch; /* (cap_scratch) aligned copies of the arrays */
     size_t cap_scratch;
 } dc_plan_view;
 

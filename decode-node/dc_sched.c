@@ -8,10 +8,10 @@
 
 typedef struct {
     uint64_t id;
-    int32_t *tokens;     /* (cap) prompt then generated */
+    int32_t *tokens; /* (cap) prompt then generated */
     int32_t n_tokens, cap;
     int32_t n_prompt;
-    int32_t n_computed;  /* tokens with KV in the pool */
+    int32_t n_computed; /* tokens with KV in the pool */
     int32_t n_generated;
     int32_t max_tokens;
     int32_t *stop_ids;
@@ -20,9 +20,9 @@ typedef struct {
     bool cancelled;
     kn_kv_seq seq;
     kn_sampler smp;
-    uint64_t admitted;   /* admission order; preemption takes the largest */
-    int32_t chunk;       /* tokens of this step (0: not in the step) */
-    int32_t logit_row;   /* row in this step's logits, -1: none */
+    uint64_t admitted; /* admission order; preemption takes the largest */
+    int32_t chunk;     /* tokens of this step (0: not in the step) */
+    int32_t logit_row; /* row in this step's logits, -1: none */
 } dc_req;
 
 /* A growable array of request pointers. */
@@ -33,20 +33,20 @@ typedef struct {
 
 struct dc_sched {
     dc_sched_params p;
-    int32_t *eog;            /* (n_eog) copy */
+    int32_t *eog; /* (n_eog) copy */
     const kn_model *m;
     kn_kv_pool *kv;
     dc_sink sink;
-    req_list waiting;        /* FIFO; preempted requests go back to the front */
-    req_list running;        /* in admission order */
+    req_list waiting; /* FIFO; preempted requests go back to the front */
+    req_list running; /* in admission order */
     uint64_t admit_counter;
     uint64_t preemptions;
     /* the current step's arrays, (cap_tokens) / (cap_seqs) */
     int32_t *tok, *pos, *seq_of, *rows;
     kn_seq_view *views;
-    dc_req **in_step;        /* (cap_seqs) requests of this step, index = seq index */
+    dc_req **in_step; /* (cap_seqs) requests of this step, index = seq index */
     int cap_tokens, cap_seqs;
-    bool planned;            /* a step was planned and not committed yet */
+    bool planned; /* a step was planned and not committed yet */
 };
 
 static int list_push(req_list *l, dc_req *r)
@@ -122,8 +122,10 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
 void dc_sched_destroy(dc_sched *s)
 {
     if (!s) return;
-    for (int i = 0; i < s->waiting.n; i++) req_free(s, s->waiting.v[i]);
-    for (int i = 0; i < s->running.n; i++) req_free(s, s->running.v[i]);
+    for (int i = 0; i < s->waiting.n; i++)
+        req_free(s, s->waiting.v[i]);
+    for (int i = 0; i < s->running.n; i++)
+        req_free(s, s->running.v[i]);
     free(s->waiting.v);
     free(s->running.v);
     free(s->eog);
@@ -344,8 +346,8 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
             s->seq_of[n] = nseq;
             n++;
         }
-        s->views[nseq] = (kn_seq_view){.block_table = r->seq.blocks,
-                                       .n_ctx = r->n_computed + r->chunk};
+        s->views[nseq] =
+            (kn_seq_view){.block_table = r->seq.blocks, .n_ctx = r->n_computed + r->chunk};
         if (r->n_computed + r->chunk == r->n_tokens) {
             r->logit_row = nrows;
             s->rows[nrows++] = n - 1;
@@ -353,8 +355,13 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         s->in_step[nseq++] = r;
     }
     if (n == 0) return 0;
-    step->batch = (kn_batch){.n_tokens = n, .tokens = s->tok, .pos = s->pos, .seq_of = s->seq_of,
-                             .n_seqs = nseq, .seqs = s->views, .n_logits = nrows,
+    step->batch = (kn_batch){.n_tokens = n,
+                             .tokens = s->tok,
+                             .pos = s->pos,
+                             .seq_of = s->seq_of,
+                             .n_seqs = nseq,
+                             .seqs = s->views,
+                             .n_logits = nrows,
                              .logit_rows = s->rows};
     step->n_requests = nseq;
     s->planned = true;
@@ -386,12 +393,11 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         r->n_computed += r->chunk;
         r->chunk = 0;
         if (r->logit_row < 0) continue;
-        int32_t id = kn_sample(&r->smp, logits + (size_t)r->logit_row * (size_t)n_vocab,
-                               r->tokens, r->n_tokens);
+        int32_t id = kn_sample(&r->smp, logits + (size_t)r->logit_row * (size_t)n_vocab, r->tokens,
+                               r->n_tokens);
         r->logit_row = -1;
         if (id < 0) {
-            TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id,
-                       td_strerror(id));
+            TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id, td_strerror(id));
             finish(s, &s->running, i, DC_FINISH_ERROR);
             continue;
         }
@@ -402,8 +408,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         r->tokens[r->n_tokens++] = id;
         r->n_generated++;
         dc_finish why = DC_FINISH_NONE;
-        if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx)
-            why = DC_FINISH_LENGTH;
+        if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
         if (s->sink.on_tokens)
             s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, why, r->n_prompt, r->n_generated);
         if (why != DC_FINISH_NONE) {
@@ -417,11 +422,16 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
 void dc_sched_fail_all(dc_sched *s)
 {
     s->planned = false;
-    while (s->running.n) finish(s, &s->running, s->running.n - 1, DC_FINISH_ERROR);
-    while (s->waiting.n) finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
+    while (s->running.n)
+        finish(s, &s->running, s->running.n - 1, DC_FINISH_ERROR);
+    while (s->waiting.n)
+        finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
 }
 
-bool dc_sched_idle(const dc_sched *s) { return s->running.n == 0 && s->waiting.n == 0; }
+bool dc_sched_idle(const dc_sched *s)
+{
+    return s->running.n == 0 && s->waiting.n == 0;
+}
 
 dc_sched_stats dc_sched_get_stats(const dc_sched *s)
 {

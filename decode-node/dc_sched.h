@@ -37,8 +37,8 @@
 
 typedef enum {
     DC_FINISH_NONE = 0,
-    DC_FINISH_STOP,      /* EOS / end-of-generation or a stop token id */
-    DC_FINISH_LENGTH,    /* max tokens or the context limit */
+    DC_FINISH_STOP,   /* EOS / end-of-generation or a stop token id */
+    DC_FINISH_LENGTH, /* max tokens or the context limit */
     DC_FINISH_CANCELLED,
     DC_FINISH_ERROR,
 } dc_finish;
@@ -64,9 +64,9 @@ typedef struct {
 } dc_sink;
 
 typedef struct {
-    int max_running;    /* requests in the running batch; 0: 64 */
-    int step_tokens;    /* tokens per step (decode + prefill chunks); 0: 256 */
-    int32_t max_ctx;    /* per-request context limit (prompt + generated); 0: model's */
+    int max_running;        /* requests in the running batch; 0: 64 */
+    int step_tokens;        /* tokens per step (decode + prefill chunks); 0: 256 */
+    int32_t max_ctx;        /* per-request context limit (prompt + generated); 0: model's */
     const int32_t *eog_ids; /* tokens that end generation unless ignore_eos */
     int n_eog;
 } dc_sched_params;
@@ -75,8 +75,8 @@ typedef struct dc_sched dc_sched;
 
 /* One step's batch. */
 typedef struct {
-    kn_batch batch;          /* tokens, positions, sequences, logit rows */
-    int n_requests;          /* requests taking part */
+    kn_batch batch; /* tokens, positions, sequences, logit rows */
+    int n_requests; /* requests taking part */
 } dc_step;
 
 typedef struct {

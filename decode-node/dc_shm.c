@@ -122,28 +122,33 @@ struct dc_shm {
 
 /* ---- time, futex, processes ---- */
 
-static int64_t now_ns(void) {
+static int64_t now_ns(void)
+{
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void sleep_ns(int64_t ns) {
+static void sleep_ns(int64_t ns)
+{
     struct timespec ts = {.tv_sec = ns / 1000000000, .tv_nsec = ns % 1000000000};
     nanosleep(&ts, NULL);
 }
 
-static void futex_wait(_Atomic uint32_t *w, uint32_t val, int64_t ns) {
+static void futex_wait(_Atomic uint32_t *w, uint32_t val, int64_t ns)
+{
     struct timespec ts = {.tv_sec = ns / 1000000000, .tv_nsec = ns % 1000000000};
     syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, val, &ts, NULL, 0);
 }
 
-static void futex_wake(_Atomic uint32_t *w) {
+static void futex_wake(_Atomic uint32_t *w)
+{
     syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
 /* State and start time of a process from /proc/PID/stat. 1 found, 0 gone, -1 unknown. */
-static int proc_stat(pid_t pid, char *state, uint64_t *start) {
+static int proc_stat(pid_t pid, char *state, uint64_t *start)
+{
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -166,7 +171,8 @@ static int proc_stat(pid_t pid, char *state, uint64_t *start) {
 }
 
 /* Whether the process (pid, start) still runs: not gone, not a zombie, pid not reused. */
-static bool proc_alive(pid_t pid, uint64_t start) {
+static bool proc_alive(pid_t pid, uint64_t start)
+{
     if (pid <= 0) return false;
     char state = 0;
     uint64_t st = 0;
@@ -176,7 +182,8 @@ static bool proc_alive(pid_t pid, uint64_t start) {
     return !start || st == start;
 }
 
-static uint64_t new_epoch(void) {
+static uint64_t new_epoch(void)
+{
     static _Atomic uint64_t counter;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -188,11 +195,13 @@ static uint64_t new_epoch(void) {
 
 /* ---- failure ---- */
 
-static bool interrupted(const dc_shm *s) {
+static bool interrupted(const dc_shm *s)
+{
     return s->intr && *s->intr;
 }
 
-static void wake_all(shm_hdr *h) {
+static void wake_all(shm_hdr *h)
+{
     futex_wake(&h->join_word);
     futex_wake(&h->bar_gen);
     futex_wake(&h->plan_seq);
@@ -200,7 +209,8 @@ static void wake_all(shm_hdr *h) {
 }
 
 /* Break this object with err (the caller logged why) and the instance with it. */
-static int fail(dc_shm *s, int err) {
+static int fail(dc_shm *s, int err)
+{
     if (!s->err) s->err = err;
     if (s->h) {
         uint32_t zero = 0;
@@ -212,7 +222,8 @@ static int fail(dc_shm *s, int err) {
 }
 
 /* If a peer broke the instance: log it once here, break this object too, return its code. */
-static int peer_broke(dc_shm *s) {
+static int peer_broke(dc_shm *s)
+{
     uint32_t b = atomic_load(&s->h->broken);
     if (!b) return 0;
     if ((int)b - 1 == s->rank) return s->err ? s->err : TD_EIO;
@@ -225,7 +236,8 @@ static int peer_broke(dc_shm *s) {
 }
 
 /* A joined peer whose process is gone, or -1. */
-static int find_dead(dc_shm *s) {
+static int find_dead(dc_shm *s)
+{
     for (int r = 0; r < s->tp; r++) {
         shm_rank *x = &s->h->ranks[r];
         if (r == s->rank || atomic_load(&x->joined_epoch) != s->epoch) continue;
@@ -244,7 +256,8 @@ static int find_dead(dc_shm *s) {
 /* Once gathered: pidfds of the peer processes, so a liveness check is one poll (about
  * 0.2 us against 7 us for /proc/PID/stat) and immune to pid reuse. Without pidfd_open
  * (old kernel, seccomp) find_dead reads /proc. */
-static void open_pidfds(dc_shm *s) {
+static void open_pidfds(dc_shm *s)
+{
 #ifdef SYS_pidfd_open
     for (int r = 0; r < s->tp; r++) {
         shm_rank *x = &s->h->ranks[r];
@@ -263,7 +276,8 @@ static void open_pidfds(dc_shm *s) {
 #endif
 }
 
-static int report_dead(dc_shm *s, int r) {
+static int report_dead(dc_shm *s, int r)
+{
     TD_LOG_ERR("dc_shm %s rank %d: rank %d died (pid %d)", s->inst, s->rank, r,
                (int)atomic_load(&s->h->ranks[r].pid));
     return fail(s, TD_EIO);
@@ -271,7 +285,8 @@ static int report_dead(dc_shm *s, int r) {
 
 /* ---- waiting ---- */
 
-static inline bool reached(_Atomic uint32_t *w, uint32_t target) {
+static inline bool reached(_Atomic uint32_t *w, uint32_t target)
+{
     return (int32_t)(atomic_load_explicit(w, memory_order_acquire) - target) >= 0;
 }
 
@@ -281,7 +296,8 @@ static inline bool reached(_Atomic uint32_t *w, uint32_t target) {
  * Returns 0; TD_EIO and friends (logged, broken) when a peer died or broke the instance;
  * TD_ETIMEDOUT or DC_SHM_INTR (neither logged nor broken: the caller decides). */
 static int wait_word(dc_shm *s, _Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t target,
-                     int64_t timeout_ns) {
+                     int64_t timeout_ns)
+{
     if (reached(word, target)) return 0;
     shm_hdr *h = s->h;
     int64_t t0 = now_ns();
@@ -325,13 +341,15 @@ static int wait_word(dc_shm *s, _Atomic uint32_t *word, _Atomic uint32_t *waiter
 }
 
 /* Store *word = val and wake its sleepers. */
-static void post_word(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t val) {
+static void post_word(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t val)
+{
     atomic_store(word, val);
     if (atomic_load(waiters)) futex_wake(word);
 }
 
 /* Log the ranks that have not reached a point (have[r] < want) as not answering. */
-static void report_silent(dc_shm *s, const char *what, uint64_t want, bool plan) {
+static void report_silent(dc_shm *s, const char *what, uint64_t want, bool plan)
+{
     char list[256] = "";
     size_t len = 0;
     for (int r = 0; r < s->tp && len < sizeof list - 8; r++) {
@@ -347,7 +365,8 @@ static void report_silent(dc_shm *s, const char *what, uint64_t want, bool plan)
 }
 
 /* All ranks meet; every rank's writes before it are visible to all after it. */
-static int barrier(dc_shm *s) {
+static int barrier(dc_shm *s)
+{
     shm_hdr *h = s->h;
     uint64_t k = ++s->bar_k;
     uint64_t c = atomic_fetch_add(&h->bar_count, 1) + 1;
@@ -373,7 +392,8 @@ static int barrier(dc_shm *s) {
 
 /* out[i] = ((src[0][i] + src[1][i]) + src[2][i]) + ... for i in [0, n), tp >= 2; out does
  * not overlap the sources. The same order on every rank makes the sums bit-identical. */
-static void reduce(float *restrict out, const float *const *src, int tp, int64_t n) {
+static void reduce(float *restrict out, const float *const *src, int tp, int64_t n)
+{
     for (int64_t b = 0; b < n; b += RED_BLOCK) {
         int64_t m = n - b < RED_BLOCK ? n - b : RED_BLOCK;
         float *restrict o = out + b;
@@ -389,7 +409,8 @@ static void reduce(float *restrict out, const float *const *src, int tp, int64_t
     }
 }
 
-static int check_usable(dc_shm *s, const char *what) {
+static int check_usable(dc_shm *s, const char *what)
+{
     if (s->err) return s->err;
     if (!s->gathered) return TD_ESTATE;
     if (s->stopped) {
@@ -399,7 +420,8 @@ static int check_usable(dc_shm *s, const char *what) {
     return 0;
 }
 
-int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n) {
+int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
+{
     int rc = check_usable(s, "allreduce");
     if (rc) return rc;
     if (n < 0 || n > s->max_floats || (n > 0 && !buf)) {
@@ -447,17 +469,20 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n) {
     return 0;
 }
 
-static int coll_allreduce(void *ctx, float *buf, int64_t n) {
+static int coll_allreduce(void *ctx, float *buf, int64_t n)
+{
     return dc_shm_allreduce(ctx, buf, n);
 }
 
-kn_collective dc_shm_collective(dc_shm *s) {
+kn_collective dc_shm_collective(dc_shm *s)
+{
     return (kn_collective){.ctx = s, .allreduce_sum = coll_allreduce};
 }
 
 /* ---- plan broadcast ---- */
 
-int dc_shm_plan_begin(dc_shm *s, void **buf, size_t *cap) {
+int dc_shm_plan_begin(dc_shm *s, void **buf, size_t *cap)
+{
     int rc = check_usable(s, "plan");
     if (rc) return rc;
     if (s->rank != 0 || !buf || !cap) {
@@ -485,7 +510,8 @@ int dc_shm_plan_begin(dc_shm *s, void **buf, size_t *cap) {
     return 0;
 }
 
-static void publish(dc_shm *s, uint32_t kind, size_t len) {
+static void publish(dc_shm *s, uint32_t kind, size_t len)
+{
     shm_hdr *h = s->h;
     uint32_t q = ++s->plan_seq;
     atomic_store_explicit(&h->plan_kind[q & 1], kind, memory_order_relaxed);
@@ -494,7 +520,8 @@ static void publish(dc_shm *s, uint32_t kind, size_t len) {
     s->in_plan = false;
 }
 
-int dc_shm_plan_commit(dc_shm *s, size_t len) {
+int dc_shm_plan_commit(dc_shm *s, size_t len)
+{
     int rc = check_usable(s, "plan");
     if (rc) return rc;
     if (!s->in_plan || len > s->max_plan) {
@@ -507,7 +534,8 @@ int dc_shm_plan_commit(dc_shm *s, size_t len) {
     return 0;
 }
 
-int dc_shm_plan_publish(dc_shm *s, const void *plan, size_t len) {
+int dc_shm_plan_publish(dc_shm *s, const void *plan, size_t len)
+{
     if (!s->err && len > s->max_plan) {
         TD_LOG_ERR("dc_shm %s rank %d: plan of %zu bytes (max %zu)", s->inst, s->rank, len,
                    s->max_plan);
@@ -521,7 +549,8 @@ int dc_shm_plan_publish(dc_shm *s, const void *plan, size_t len) {
     return dc_shm_plan_commit(s, len);
 }
 
-int dc_shm_plan_stop(dc_shm *s) {
+int dc_shm_plan_stop(dc_shm *s)
+{
     void *buf;
     size_t cap;
     int rc = dc_shm_plan_begin(s, &buf, &cap);
@@ -531,7 +560,8 @@ int dc_shm_plan_stop(dc_shm *s) {
     return 0;
 }
 
-int dc_shm_plan_wait(dc_shm *s, int timeout_ms, const void **plan, size_t *len) {
+int dc_shm_plan_wait(dc_shm *s, int timeout_ms, const void **plan, size_t *len)
+{
     if (s->err) return s->err;
     if (s->stopped) return DC_SHM_STOP;
     if (!s->gathered || s->rank == 0 || !plan || !len) {
@@ -565,7 +595,8 @@ int dc_shm_plan_wait(dc_shm *s, int timeout_ms, const void **plan, size_t *len) 
     return 0;
 }
 
-int dc_shm_check(dc_shm *s) {
+int dc_shm_check(dc_shm *s)
+{
     if (s->err) return s->err;
     if (!s->h) return TD_ESTATE;
     int rc = peer_broke(s);
@@ -576,7 +607,8 @@ int dc_shm_check(dc_shm *s) {
 
 /* ---- rendezvous ---- */
 
-static bool name_ok(const char *x, size_t max) {
+static bool name_ok(const char *x, size_t max)
+{
     size_t n = x ? strlen(x) : 0;
     if (n == 0 || n > max) return false;
     for (size_t i = 0; i < n; i++) {
@@ -588,7 +620,8 @@ static bool name_ok(const char *x, size_t max) {
     return true;
 }
 
-static void set_views(dc_shm *s) {
+static void set_views(dc_shm *s)
+{
     uint8_t *base = (uint8_t *)s->h;
     size_t off = (sizeof(shm_hdr) + PAGE - 1) & ~(size_t)(PAGE - 1);
     size_t part = (size_t)s->tp * s->stride * sizeof(float);
@@ -602,7 +635,8 @@ static void set_views(dc_shm *s) {
         s->plan[p] = base + off + (size_t)p * s->plan_stride;
 }
 
-static size_t layout_size(const dc_shm *s) {
+static size_t layout_size(const dc_shm *s)
+{
     size_t off = (sizeof(shm_hdr) + PAGE - 1) & ~(size_t)(PAGE - 1);
     off += (2 * (size_t)s->tp + 2) * s->stride * sizeof(float);
     off += 2 * s->plan_stride;
@@ -610,7 +644,8 @@ static size_t layout_size(const dc_shm *s) {
 }
 
 /* Rank 0: remove a stale segment (refuse a live one), create a fresh one, join it. */
-static int create_segment(dc_shm *s) {
+static int create_segment(dc_shm *s)
+{
     int fd = shm_open(s->name, O_RDWR, 0);
     if (fd >= 0) {
         struct stat st;
@@ -681,7 +716,8 @@ static int create_segment(dc_shm *s) {
 
 /* Follower: use the segment behind fd if it is this run's. 1 attached, 0 not (yet) usable
  * (s->why says why), or a negative td_err. */
-static int try_attach(dc_shm *s, int fd) {
+static int try_attach(dc_shm *s, int fd)
+{
     struct stat st;
     if (fstat(fd, &st) || (size_t)st.st_size < sizeof(shm_hdr)) {
         snprintf(s->why, sizeof s->why, "segment %s being created", s->name);
@@ -735,7 +771,8 @@ static int try_attach(dc_shm *s, int fd) {
 }
 
 /* Follower: poll for this run's segment until the deadline. */
-static int find_segment(dc_shm *s, int64_t deadline) {
+static int find_segment(dc_shm *s, int64_t deadline)
+{
     int64_t backoff = 1000000;
     snprintf(s->why, sizeof s->why, "no segment %s", s->name);
     for (;;) {
@@ -765,7 +802,8 @@ static int find_segment(dc_shm *s, int64_t deadline) {
 }
 
 /* Every rank, once attached: wait until all tp ranks joined. */
-static int gather(dc_shm *s, int64_t deadline) {
+static int gather(dc_shm *s, int64_t deadline)
+{
     shm_hdr *h = s->h;
     int64_t left = deadline - now_ns();
     int rc = wait_word(s, &h->join_word, &h->join_waiters, (uint32_t)s->tp, left > 0 ? left : 0);
@@ -787,7 +825,8 @@ static int gather(dc_shm *s, int64_t deadline) {
     return rc;
 }
 
-int dc_shm_open(const dc_shm_params *p, dc_shm **out) {
+int dc_shm_open(const dc_shm_params *p, dc_shm **out)
+{
     if (!out) return TD_EINVAL;
     *out = NULL;
     if (!p || !name_ok(p->instance, 64) || (p->token && p->token[0] && !name_ok(p->token, 64)) ||
@@ -846,7 +885,8 @@ int dc_shm_open(const dc_shm_params *p, dc_shm **out) {
     return 0;
 }
 
-void dc_shm_close(dc_shm *s) {
+void dc_shm_close(dc_shm *s)
+{
     if (!s) return;
     if (s->linked) shm_unlink(s->name);
     if (s->h) {
@@ -862,14 +902,17 @@ void dc_shm_close(dc_shm *s) {
     free(s);
 }
 
-int dc_shm_rank(const dc_shm *s) {
+int dc_shm_rank(const dc_shm *s)
+{
     return s->rank;
 }
 
-int dc_shm_tp(const dc_shm *s) {
+int dc_shm_tp(const dc_shm *s)
+{
     return s->tp;
 }
 
-void dc_shm_get_stats(const dc_shm *s, dc_shm_stats *out) {
+void dc_shm_get_stats(const dc_shm *s, dc_shm_stats *out)
+{
     *out = s->st;
 }

@@ -30,8 +30,7 @@ struct kn_engine {
     float *sel;   /* (cap, n_embd) rows that need logits */
 };
 
-int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll,
-                     kn_engine **out)
+int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll, kn_engine **out)
 {
     *out = NULL;
     if (m->shard.tp_size > 1 && (!coll || !coll->allreduce_sum)) {

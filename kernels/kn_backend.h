@@ -46,8 +46,8 @@ typedef struct {
     int (*matmul)(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y);
 
     /* y (m, n) = x / rms(x) * weight (n); y may equal x. */
-    void (*rmsnorm)(void *ctx, const float *x, const float *weight, float *y, int64_t m,
-                    int64_t n, float eps);
+    void (*rmsnorm)(void *ctx, const float *x, const float *weight, float *y, int64_t m, int64_t n,
+                    float eps);
 
     /* Rotate x (m, n_heads, head_dim) in place at positions pos (m). freq (head_dim/2) are
      * the per-pair inverse frequencies (rope scaling already folded in); neox selects the
@@ -56,8 +56,7 @@ typedef struct {
                  const int32_t *pos, const float *freq, bool neox);
 
     /* out (m, n) = silu(gate) * up, gate/up (m, n). */
-    void (*swiglu)(void *ctx, const float *gate, const float *up, float *out, int64_t m,
-                   int64_t n);
+    void (*swiglu)(void *ctx, const float *gate, const float *up, float *out, int64_t m, int64_t n);
 
     /* Write k, v (m, n_kv_heads, head_dim) of tokens at positions pos into the paged pool
      * layer (kpool/vpool: (n_blocks, n_kv_heads, block_size, head_dim), kv_type F32/F16)
@@ -70,9 +69,9 @@ typedef struct {
      * attends to positions [0, pos[i]] of its sequence. q (m, n_heads, head_dim),
      * out (m, n_heads, head_dim). Head h reads KV head h / (n_heads / n_kv_heads). */
     void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
-                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
-                      int head_dim, float scale, int64_t m, const int32_t *pos,
-                      const int32_t *seq_of, const kn_seq_view *seqs, float *out);
+                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int head_dim,
+                      float scale, int64_t m, const int32_t *pos, const int32_t *seq_of,
+                      const kn_seq_view *seqs, float *out);
 
     /* out (m, n_cols) = rows ids[i] of W (any supported type), dequantized. */
     int (*get_rows)(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);

@@ -15,8 +15,8 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     if (p->n_layers < 1 || p->n_kv_heads < 1 || p->head_dim < 1 || p->n_blocks < 1 ||
         (bs & (bs - 1)) || (type != TD_F16 && type != TD_F32)) {
         TD_LOG_ERR("bad kv pool shape: layers %d kv heads %d head dim %d blocks %d block size %d "
-                   "type %s", p->n_layers, p->n_kv_heads, p->head_dim, p->n_blocks, bs,
-                   td_dtype_name(type));
+                   "type %s",
+                   p->n_layers, p->n_kv_heads, p->head_dim, p->n_blocks, bs, td_dtype_name(type));
         return TD_EINVAL;
     }
     size_t es = type == TD_F16 ? 2 : 4;
@@ -38,8 +38,8 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     pool->block_bytes = block_bytes;
     pool->region_bytes = layer_bytes * 2 * (size_t)p->n_layers;
     /* anonymous mapping: page-aligned (registrable for RDMA later), zero-filled lazily */
-    void *r = mmap(NULL, pool->region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+    void *r =
+        mmap(NULL, pool->region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     pool->k = calloc((size_t)p->n_layers, sizeof *pool->k);
     pool->v = calloc((size_t)p->n_layers, sizeof *pool->v);
     pool->free_ids = malloc((size_t)p->n_blocks * sizeof *pool->free_ids);
@@ -58,7 +58,8 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         pool->v[l] = (char *)r + (size_t)(2 * l + 1) * layer_bytes;
     }
     /* stack with block 0 on top, so allocation order is 0, 1, 2, ... */
-    for (int i = 0; i < p->n_blocks; i++) pool->free_ids[i] = p->n_blocks - 1 - i;
+    for (int i = 0; i < p->n_blocks; i++)
+        pool->free_ids[i] = p->n_blocks - 1 - i;
     pool->n_free = p->n_blocks;
     *out = pool;
     return 0;
@@ -78,7 +79,8 @@ int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)
 {
     if (n < 0) return TD_EINVAL;
     if (n > pool->n_free) return TD_ENOSPC;
-    for (int i = 0; i < n; i++) ids[i] = pool->free_ids[--pool->n_free];
+    for (int i = 0; i < n; i++)
+        ids[i] = pool->free_ids[--pool->n_free];
     return 0;
 }
 
@@ -106,7 +108,8 @@ int kn_kv_seq_reserve(kn_kv_pool *pool, kn_kv_seq *s, int64_t n_ctx)
     if (need <= s->n_blocks) return 0;
     if (need > s->cap) {
         int cap = s->cap ? s->cap : 8;
-        while (cap < need) cap *= 2;
+        while (cap < need)
+            cap *= 2;
         int32_t *b = realloc(s->blocks, (size_t)cap * sizeof *b);
         if (!b) return TD_ENOMEM;
         s->blocks = b;

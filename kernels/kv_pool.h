@@ -27,17 +27,17 @@ typedef struct {
     int head_dim;
     int block_size; /* tokens per block, power of two; 0: 16 */
     int n_blocks;
-    td_dtype type;  /* TD_F16 (the default of the nodes) or TD_F32 (exactness checks) */
+    td_dtype type; /* TD_F16 (the default of the nodes) or TD_F32 (exactness checks) */
 } kn_kv_pool_params;
 
 typedef struct {
     int n_layers, n_kv_heads, head_dim, block_size, n_blocks;
     td_dtype type;
-    void *region;        /* the whole pool */
+    void *region; /* the whole pool */
     size_t region_bytes;
-    size_t block_bytes;  /* bytes of one block of one layer's K (or V): all heads */
-    void **k, **v;       /* (n_layers) pointers into region */
-    int32_t *free_ids;   /* stack of free block ids */
+    size_t block_bytes; /* bytes of one block of one layer's K (or V): all heads */
+    void **k, **v;      /* (n_layers) pointers into region */
+    int32_t *free_ids;  /* stack of free block ids */
     int n_free;
 } kn_kv_pool;
 

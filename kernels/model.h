@@ -30,12 +30,12 @@ typedef enum { KN_ARCH_LLAMA, KN_ARCH_QWEN2, KN_ARCH_QWEN3 } kn_arch;
 typedef struct {
     kn_arch arch;
     int n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, n_vocab, n_ctx_train;
-    int n_rot;        /* rotated dims per head */
+    int n_rot; /* rotated dims per head */
     float rope_base;
     float rope_scale; /* linear scaling factor (positions divided by it); 1 = none */
     bool rope_neox;   /* qwen: pairs (i, i+n_rot/2); llama: (2i, 2i+1) */
     float rms_eps;
-    bool tied_embd;   /* no output.weight: the LM head is token_embd */
+    bool tied_embd; /* no output.weight: the LM head is token_embd */
 } kn_hparams;
 
 typedef struct {
@@ -44,11 +44,11 @@ typedef struct {
 } kn_shard;
 
 typedef struct {
-    kn_mat wq, wk, wv, wo;             /* local slices */
+    kn_mat wq, wk, wv, wo; /* local slices */
     kn_mat w_gate, w_up, w_down;
-    float *attn_norm, *ffn_norm;       /* (n_embd) */
-    float *bq, *bk, *bv;               /* local slices of the QKV biases or NULL */
-    float *q_norm, *k_norm;            /* (head_dim) qwen3 per-head norms or NULL */
+    float *attn_norm, *ffn_norm; /* (n_embd) */
+    float *bq, *bk, *bv;         /* local slices of the QKV biases or NULL */
+    float *q_norm, *k_norm;      /* (head_dim) qwen3 per-head norms or NULL */
 } kn_layer;
 
 typedef struct {
@@ -89,21 +89,20 @@ typedef struct {
  * be in the KV pool after this batch (earlier positions from earlier batches). */
 typedef struct {
     int64_t n_tokens;
-    const int32_t *tokens;    /* (n_tokens) first stage */
-    const float *embd;        /* (n_tokens, n_embd) input hidden states, other stages */
-    const int32_t *pos;       /* (n_tokens) */
-    const int32_t *seq_of;    /* (n_tokens) index into seqs */
+    const int32_t *tokens; /* (n_tokens) first stage */
+    const float *embd;     /* (n_tokens, n_embd) input hidden states, other stages */
+    const int32_t *pos;    /* (n_tokens) */
+    const int32_t *seq_of; /* (n_tokens) index into seqs */
     int n_seqs;
-    const kn_seq_view *seqs;  /* (n_seqs) block tables and n_ctx after this batch */
-    int n_logits;             /* last stage: rows that need logits */
+    const kn_seq_view *seqs;   /* (n_seqs) block tables and n_ctx after this batch */
+    int n_logits;              /* last stage: rows that need logits */
     const int32_t *logit_rows; /* (n_logits) token indices into the batch */
 } kn_batch;
 
 typedef struct kn_engine kn_engine;
 
 /* coll may be NULL when tp_size == 1. */
-int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll,
-                     kn_engine **out);
+int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll, kn_engine **out);
 void kn_engine_destroy(kn_engine *e);
 
 /* Run the shard over the batch. Writes K/V of its layers into kv. out:

@@ -11,9 +11,12 @@
 const char *kn_arch_name(kn_arch a)
 {
     switch (a) {
-    case KN_ARCH_LLAMA: return "llama";
-    case KN_ARCH_QWEN2: return "qwen2";
-    case KN_ARCH_QWEN3: return "qwen3";
+    case KN_ARCH_LLAMA:
+        return "llama";
+    case KN_ARCH_QWEN2:
+        return "qwen2";
+    case KN_ARCH_QWEN3:
+        return "qwen3";
     }
     return "?";
 }
@@ -51,9 +54,12 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     if (len >= sizeof arch) len = sizeof arch - 1;
     memcpy(arch, s, len);
     arch[len] = '\0';
-    if (!strcmp(arch, "llama")) hp->arch = KN_ARCH_LLAMA;
-    else if (!strcmp(arch, "qwen2")) hp->arch = KN_ARCH_QWEN2;
-    else if (!strcmp(arch, "qwen3")) hp->arch = KN_ARCH_QWEN3;
+    if (!strcmp(arch, "llama"))
+        hp->arch = KN_ARCH_LLAMA;
+    else if (!strcmp(arch, "qwen2"))
+        hp->arch = KN_ARCH_QWEN2;
+    else if (!strcmp(arch, "qwen3"))
+        hp->arch = KN_ARCH_QWEN3;
     else {
         TD_LOG_ERR("unsupported architecture '%s' (llama, qwen2, qwen3 are supported)", arch);
         return TD_EUNSUPP;
@@ -117,7 +123,8 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     if (!td_gguf_get_str(g, key, &s, &len) && !(len == 4 && !memcmp(s, "none", 4))) {
         if (!(len == 6 && !memcmp(s, "linear", 6))) {
             TD_LOG_ERR("unsupported rope scaling type '%.*s' (none, linear, and llama3 "
-                       "rope_freqs are supported)", (int)len, s);
+                       "rope_freqs are supported)",
+                       (int)len, s);
             return TD_EUNSUPP;
         }
         float f = 1.0f;
@@ -168,7 +175,8 @@ static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int6
     }
     if (!kn_cpu_type_supported(t->type)) {
         TD_LOG_ERR("tensor '%s' has type %s, which the engine does not compute with (F32, F16, "
-                   "BF16, Q8_0, Q4_0, Q4_1)", name, td_dtype_name(t->type));
+                   "BF16, Q8_0, Q4_0, Q4_1)",
+                   name, td_dtype_name(t->type));
         L->rc = TD_EUNSUPP;
         return NULL;
     }
@@ -176,8 +184,8 @@ static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int6
 }
 
 /* Rows [r0, r0 + nr) and columns [c0, c0 + nc) of a 2-D tensor as a kn_mat. */
-static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t r0,
-                   int64_t nr, int64_t c0, int64_t nc)
+static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t r0, int64_t nr,
+                   int64_t c0, int64_t nc)
 {
     kn_mat w = {0};
     const td_gguf_tensor *t = need(L, name, ne0, ne1);
@@ -185,8 +193,8 @@ static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_
     const td_dtype_info *ti = td_dtype_get(t->type);
     if (c0 % ti->blck || nc % ti->blck) {
         TD_LOG_ERR("tensor '%s' (%s): the tensor-parallel column slice [%lld, +%lld) is not "
-                   "aligned to %u-element blocks", name, ti->name, (long long)c0, (long long)nc,
-                   ti->blck);
+                   "aligned to %u-element blocks",
+                   name, ti->name, (long long)c0, (long long)nc, ti->blck);
         L->rc = TD_EUNSUPP;
         return w;
     }
@@ -194,7 +202,8 @@ static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_
     w.n_rows = nr;
     w.n_cols = nc;
     w.row_stride = td_dtype_row_bytes(t->type, ne0);
-    w.data = (const char *)t->data + (size_t)r0 * w.row_stride + (size_t)(c0 / ti->blck) * ti->type_size;
+    w.data =
+        (const char *)t->data + (size_t)r0 * w.row_stride + (size_t)(c0 / ti->blck) * ti->type_size;
     return w;
 }
 
@@ -350,8 +359,7 @@ void kn_model_destroy(kn_model *m)
     free(m);
 }
 
-kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_size,
-                                     td_dtype type)
+kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_size, td_dtype type)
 {
     return (kn_kv_pool_params){
         .n_layers = m->shard.l1 - m->shard.l0,

@@ -22,7 +22,10 @@ static uint64_t splitmix64(uint64_t *x)
     return z ^ (z >> 31);
 }
 
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
 
 static uint64_t xoshiro_next(uint64_t *s)
 {
@@ -37,7 +40,10 @@ static uint64_t xoshiro_next(uint64_t *s)
 }
 
 /* uniform in [0, 1) with 53 random bits */
-static double uniform(uint64_t *s) { return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53; }
+static double uniform(uint64_t *s)
+{
+    return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53;
+}
 
 int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab)
 {
@@ -49,7 +55,8 @@ int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab)
     s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
     if (!s->cand) return TD_ENOMEM;
     uint64_t x = p->seed;
-    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+    for (int i = 0; i < 4; i++)
+        s->rng[i] = splitmix64(&x);
     return 0;
 }
 
@@ -89,7 +96,8 @@ static void sift_down(struct kn_cand *h, int32_t k, int32_t i)
  * O(n log k) instead of sorting the whole vocabulary. */
 static void select_top(struct kn_cand *c, int32_t n, int32_t k)
 {
-    for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(c, k, i);
+    for (int32_t i = k / 2 - 1; i >= 0; i--)
+        sift_down(c, k, i);
     for (int32_t i = k; i < n; i++)
         if (worse(&c[0], &c[i])) {
             c[0] = c[i];
@@ -102,7 +110,8 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
     const kn_sampler_params *p = &s->p;
     int32_t n = s->n_vocab;
     struct kn_cand *c = s->cand;
-    for (int32_t i = 0; i < n; i++) c[i] = (struct kn_cand){.id = i, .logit = logits[i]};
+    for (int32_t i = 0; i < n; i++)
+        c[i] = (struct kn_cand){.id = i, .logit = logits[i]};
 
     if (p->repeat_penalty > 0 && p->repeat_penalty != 1.0f && history) {
         int64_t from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
@@ -111,7 +120,8 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
             int32_t id = history[i];
             if (id < 0 || id >= n) continue;
             bool seen = false;
-            for (int64_t j = from; j < i && !seen; j++) seen = history[j] == id;
+            for (int64_t j = from; j < i && !seen; j++)
+                seen = history[j] == id;
             if (seen) continue;
             float *l = &c[id].logit;
             *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
@@ -157,11 +167,13 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
     if (p->min_p > 0) {
         /* relative to the most likely token: p_i >= min_p * p_0 */
         int32_t keep = 1;
-        while (keep < k && c[keep].p >= p->min_p * c[0].p) keep++;
+        while (keep < k && c[keep].p >= p->min_p * c[0].p)
+            keep++;
         k = keep;
     }
     sum = 0;
-    for (int32_t i = 0; i < k; i++) sum += c[i].p;
+    for (int32_t i = 0; i < k; i++)
+        sum += c[i].p;
     double r = uniform(s->rng) * sum, acc = 0;
     for (int32_t i = 0; i < k; i++) {
         acc += c[i].p;

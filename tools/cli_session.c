@@ -70,7 +70,8 @@ int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, i
         int64_t len = n - done < chunk ? n - done : chunk;
         int64_t end = start_pos + done + len;
         if ((rc = kn_kv_seq_reserve(s->kv, seq, end))) break;
-        for (int64_t i = 0; i < len; i++) pos[i] = (int32_t)(start_pos + done + i);
+        for (int64_t i = 0; i < len; i++)
+            pos[i] = (int32_t)(start_pos + done + i);
         kn_seq_view view = {.block_table = seq->blocks, .n_ctx = (int32_t)end};
         int32_t last = (int32_t)(len - 1);
         bool final = done + len == n;
@@ -141,7 +142,8 @@ int cli_parse_ids(const char *v, int32_t **ids, int64_t *n)
     if (!a) return TD_ENOMEM;
     const char *p = v;
     while (*p) {
-        while (*p == ',' || *p == ' ') p++;
+        while (*p == ',' || *p == ' ')
+            p++;
         if (!*p) break;
         char *end;
         errno = 0;
@@ -173,8 +175,10 @@ int cli_parse_ids(const char *v, int32_t **ids, int64_t *n)
 
 int cli_parse_kv_type(const char *v, td_dtype *out)
 {
-    if (v && !strcmp(v, "f16")) *out = TD_F16;
-    else if (v && !strcmp(v, "f32")) *out = TD_F32;
+    if (v && !strcmp(v, "f16"))
+        *out = TD_F16;
+    else if (v && !strcmp(v, "f32"))
+        *out = TD_F32;
     else {
         fprintf(stderr, "tandem: --kv-type must be f16 or f32, got '%s'\n", v ? v : "");
         return TD_EINVAL;

@@ -64,8 +64,14 @@ static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, dou
             pos[i] = step;
         }
         if (rc) break;
-        kn_batch b = {.n_tokens = n_seq, .tokens = tok, .pos = pos, .seq_of = seq_of,
-                      .n_seqs = n_seq, .seqs = views, .n_logits = n_seq, .logit_rows = rows};
+        kn_batch b = {.n_tokens = n_seq,
+                      .tokens = tok,
+                      .pos = pos,
+                      .seq_of = seq_of,
+                      .n_seqs = n_seq,
+                      .seqs = views,
+                      .n_logits = n_seq,
+                      .logit_rows = rows};
         rc = kn_engine_forward(s->engine, s->kv, &b, logits);
         /* greedy next tokens, as a real generation loop would feed them */
         for (int i = 0; i < n_seq && !rc; i++) {
@@ -77,7 +83,8 @@ static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, dou
         }
     }
     *secs = now_s() - t0;
-    for (int i = 0; i < n_seq && seqs; i++) kn_kv_seq_fini(s->kv, &seqs[i]);
+    for (int i = 0; i < n_seq && seqs; i++)
+        kn_kv_seq_fini(s->kv, &seqs[i]);
     free(seqs);
     free(views);
     free(tok);
@@ -129,10 +136,14 @@ int cmd_bench_engine(int argc, char **argv)
             json = true;
             continue;
         }
-        if (!strcmp(f, "--model")) sp.model_path = v;
-        else if (!strcmp(f, "--threads")) rc = cli_parse_int(f, v, 1, 256, &sp.threads);
-        else if (!strcmp(f, "--reps")) rc = cli_parse_int(f, v, 1, 100, &reps);
-        else if (!strcmp(f, "--kv-type")) rc = cli_parse_kv_type(v, &sp.kv_type);
+        if (!strcmp(f, "--model"))
+            sp.model_path = v;
+        else if (!strcmp(f, "--threads"))
+            rc = cli_parse_int(f, v, 1, 256, &sp.threads);
+        else if (!strcmp(f, "--reps"))
+            rc = cli_parse_int(f, v, 1, 100, &reps);
+        else if (!strcmp(f, "--kv-type"))
+            rc = cli_parse_kv_type(v, &sp.kv_type);
         else {
             fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
                             "[--kv-type f16|f32] [--json]\n");
@@ -153,7 +164,8 @@ int cmd_bench_engine(int argc, char **argv)
     if ((rc = cli_session_open(&s, &sp))) return rc;
     const int n_prefill = 512, n_gen = 128, batch = 8;
     float *logits = malloc((size_t)batch * (size_t)s.model->hp.n_vocab * sizeof *logits);
-    double *t_pp = calloc((size_t)reps, sizeof(double)), *t_tg = calloc((size_t)reps, sizeof(double));
+    double *t_pp = calloc((size_t)reps, sizeof(double)),
+           *t_tg = calloc((size_t)reps, sizeof(double));
     double *t_b8 = calloc((size_t)reps, sizeof(double));
     if (!logits || !t_pp || !t_tg || !t_b8) rc = TD_ENOMEM;
     double warm;
@@ -178,13 +190,14 @@ int cmd_bench_engine(int argc, char **argv)
         double tg_roof = mem * 1e9 / wbytes, pp_roof = gemm * 1e9 / (2 * params);
         int th = kn_cpu_n_threads(s.cpu);
         if (json) {
-            printf("{\"threads\": %d, \"isa\": \"%s\", \"prefill_tps\": %.2f, \"decode_tps\": %.2f, "
-                   "\"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, \"gemm_gflops\": %.2f, "
-                   "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
-                   "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
-                   "\"prefill_ratio\": %.3f}\n",
-                   th, kn_cpu_isa(), pp, tg, b8, mem, gemm, wbytes, params, tg_roof, pp_roof,
-                   tg / tg_roof, pp / pp_roof);
+            printf(
+                "{\"threads\": %d, \"isa\": \"%s\", \"prefill_tps\": %.2f, \"decode_tps\": %.2f, "
+                "\"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, \"gemm_gflops\": %.2f, "
+                "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
+                "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
+                "\"prefill_ratio\": %.3f}\n",
+                th, kn_cpu_isa(), pp, tg, b8, mem, gemm, wbytes, params, tg_roof, pp_roof,
+                tg / tg_roof, pp / pp_roof);
         } else {
             printf("model %s, %d threads, isa %s, kv %s\n", sp.model_path, th, kn_cpu_isa(),
                    td_dtype_name(sp.kv_type));

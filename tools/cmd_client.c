@@ -7,7 +7,9 @@
  *                                               MAX_TOKENS TEMPERATURE SEED ID,ID,...
  *   options: --timeout-ms MS (whole run; default 120000), --cancel-after N (cancel each
  *            request after N tokens), --garbage (first send bytes that are not a message
- *            and expect an error reply), --health (print the leader's load and exit)
+ *            and expect an error reply), --health (print the leader's load and exit),
+ *            --stats (a last line with throughput, time to first token, time per token),
+ *            --ignore-eos (generate max tokens whatever the model says)
  * Exit status 0 when every request finished (stop, length or the asked-for cancel), 1 on
  * error events, refusals or timeouts (the reason goes to stderr).
  */
@@ -31,17 +33,24 @@ typedef struct {
     int n_out, cap_out;
     Td__FinishReason finish;
     bool done, cancel_sent;
+    int64_t t_submit, t_first, t_last; /* ms: submit, first token, last token */
+    double gap_max;                    /* ms: longest pause between two tokens */
     char err[256];
 } creq;
 
 static const char *finish_name(Td__FinishReason f)
 {
     switch (f) {
-    case TD__FINISH_REASON__FINISH_STOP: return "stop";
-    case TD__FINISH_REASON__FINISH_LENGTH: return "length";
-    case TD__FINISH_REASON__FINISH_CANCELLED: return "cancelled";
-    case TD__FINISH_REASON__FINISH_ERROR: return "error";
-    default: return "none";
+    case TD__FINISH_REASON__FINISH_STOP:
+        return "stop";
+    case TD__FINISH_REASON__FINISH_LENGTH:
+        return "length";
+    case TD__FINISH_REASON__FINISH_CANCELLED:
+        return "cancelled";
+    case TD__FINISH_REASON__FINISH_ERROR:
+        return "error";
+    default:
+        return "none";
     }
 }
 
@@ -79,9 +88,11 @@ static int read_requests(const char *path, creq *reqs, int *n)
 
 static void append(creq *r, const int32_t *ids, size_t n)
 {
+    if (n == 0) return; /* a final event may carry no tokens (and a NULL array) */
     if (r->n_out + (int)n > r->cap_out) {
         int cap = r->cap_out ? r->cap_out * 2 : 64;
-        while (cap < r->n_out + (int)n) cap *= 2;
+        while (cap < r->n_out + (int)n)
+            cap *= 2;
         int32_t *o = realloc(r->out, (size_t)cap * sizeof *o);
         if (!o) return;
         r->out = o;
@@ -97,31 +108,50 @@ int cmd_client(int argc, char **argv)
     int max_tokens = 16, timeout_ms = 120000, cancel_after = -1, rc = 0, top_k = 0;
     float temperature = 0, top_p = 0, min_p = 0;
     uint64_t seed = 0;
-    bool garbage = false, health = false, ids_only = false;
+    bool garbage = false, health = false, ids_only = false, stats = false, ignore_eos = false;
     for (int i = 0; i < argc && !rc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool flag = true;
-        if (!strcmp(f, "--garbage")) garbage = true;
-        else if (!strcmp(f, "--health")) health = true;
-        else if (!strcmp(f, "--ids-only")) ids_only = true;
-        else flag = false;
+        if (!strcmp(f, "--garbage"))
+            garbage = true;
+        else if (!strcmp(f, "--health"))
+            health = true;
+        else if (!strcmp(f, "--ids-only"))
+            ids_only = true;
+        else if (!strcmp(f, "--stats"))
+            stats = true;
+        else if (!strcmp(f, "--ignore-eos"))
+            ignore_eos = true;
+        else
+            flag = false;
         if (flag) continue;
         if (!v) {
             fprintf(stderr, "tandem: %s needs a value\n", f);
             return TD_EINVAL;
         }
         i++;
-        if (!strcmp(f, "--url")) url = v;
-        else if (!strcmp(f, "--prompt-ids")) ids = v;
-        else if (!strcmp(f, "--requests")) file = v;
-        else if (!strcmp(f, "--max-tokens")) rc = cli_parse_int(f, v, 1, 1 << 24, &max_tokens);
-        else if (!strcmp(f, "--timeout-ms")) rc = cli_parse_int(f, v, 1, 1 << 30, &timeout_ms);
-        else if (!strcmp(f, "--cancel-after")) rc = cli_parse_int(f, v, 0, 1 << 24, &cancel_after);
-        else if (!strcmp(f, "--temperature")) rc = cli_parse_float(f, v, &temperature);
-        else if (!strcmp(f, "--top-p")) rc = cli_parse_float(f, v, &top_p);
-        else if (!strcmp(f, "--min-p")) rc = cli_parse_float(f, v, &min_p);
-        else if (!strcmp(f, "--top-k")) rc = cli_parse_int(f, v, 0, 1 << 30, &top_k);
-        else if (!strcmp(f, "--seed")) rc = cli_parse_u64(f, v, &seed);
+        if (!strcmp(f, "--url"))
+            url = v;
+        else if (!strcmp(f, "--prompt-ids"))
+            ids = v;
+        else if (!strcmp(f, "--requests"))
+            file = v;
+        else if (!strcmp(f, "--max-tokens"))
+            rc = cli_parse_int(f, v, 1, 1 << 24, &max_tokens);
+        else if (!strcmp(f, "--timeout-ms"))
+            rc = cli_parse_int(f, v, 1, 1 << 30, &timeout_ms);
+        else if (!strcmp(f, "--cancel-after"))
+            rc = cli_parse_int(f, v, 0, 1 << 24, &cancel_after);
+        else if (!strcmp(f, "--temperature"))
+            rc = cli_parse_float(f, v, &temperature);
+        else if (!strcmp(f, "--top-p"))
+            rc = cli_parse_float(f, v, &top_p);
+        else if (!strcmp(f, "--min-p"))
+            rc = cli_parse_float(f, v, &min_p);
+        else if (!strcmp(f, "--top-k"))
+            rc = cli_parse_int(f, v, 0, 1 << 30, &top_k);
+        else if (!strcmp(f, "--seed"))
+            rc = cli_parse_u64(f, v, &seed);
         else {
             fprintf(stderr, "tandem: client: unknown option '%s'\n", f);
             return TD_EINVAL;
@@ -137,7 +167,8 @@ int cmd_client(int argc, char **argv)
     creq *reqs = calloc(MAX_REQS, sizeof *reqs);
     if (!reqs) return TD_ENOMEM;
     int n = 0;
-    if (file) rc = read_requests(file, reqs, &n);
+    if (file)
+        rc = read_requests(file, reqs, &n);
     else if (ids) {
         rc = cli_parse_ids(ids, &reqs[0].prompt, &reqs[0].n_prompt);
         reqs[0].max_tokens = max_tokens;
@@ -212,13 +243,16 @@ int cmd_client(int argc, char **argv)
         sub.n_token_ids = (size_t)reqs[i].n_prompt;
         sub.sampling = &sm;
         sub.max_tokens = (uint32_t)reqs[i].max_tokens;
+        sub.ignore_eos = ignore_eos;
         rc = td_ctrl_client_submit(c, &sub, 10000, &calls[i]);
+        reqs[i].t_submit = td_ctrl_now_ms();
         outstanding++;
     }
     int finished = 0, failures = 0;
     while (!rc && finished < n) {
         if (td_ctrl_now_ms() >= deadline) {
-            fprintf(stderr, "tandem: timed out with %d of %d requests unfinished\n", n - finished, n);
+            fprintf(stderr, "tandem: timed out with %d of %d requests unfinished\n", n - finished,
+                    n);
             rc = TD_ETIMEDOUT;
             break;
         }
@@ -255,6 +289,14 @@ int cmd_client(int argc, char **argv)
             if (t->request_id < 1 || t->request_id > (uint64_t)n) continue;
             creq *r = &reqs[t->request_id - 1];
             if (r->done) continue;
+            if (t->n_token_ids) {
+                int64_t now = td_ctrl_now_ms();
+                if (!r->t_first)
+                    r->t_first = now;
+                else if ((double)(now - r->t_last) > r->gap_max)
+                    r->gap_max = (double)(now - r->t_last);
+                r->t_last = now;
+            }
             append(r, t->token_ids, t->n_token_ids);
             if (cancel_after >= 0 && r->n_out >= cancel_after && !r->cancel_sent &&
                 t->finish == TD__FINISH_REASON__FINISH_NONE) {
@@ -273,13 +315,37 @@ int cmd_client(int argc, char **argv)
     (void)outstanding;
     for (int i = 0; i < n; i++) {
         if (ids_only && n == 1) {
-            for (int k = 0; k < reqs[i].n_out; k++) printf(k ? " %d" : "%d", reqs[i].out[k]);
+            for (int k = 0; k < reqs[i].n_out; k++)
+                printf(k ? " %d" : "%d", reqs[i].out[k]);
             printf("\n");
         } else {
             printf("%s", reqs[i].done ? finish_name(reqs[i].finish) : "unfinished");
-            for (int k = 0; k < reqs[i].n_out; k++) printf(" %d", reqs[i].out[k]);
+            for (int k = 0; k < reqs[i].n_out; k++)
+                printf(" %d", reqs[i].out[k]);
             printf("\n");
         }
+    }
+    if (stats && n > 0) {
+        /* throughput over the whole run; per request: time to first token and the mean
+         * time per output token after it */
+        int64_t t0 = reqs[0].t_submit, t1 = 0, tokens = 0;
+        double ttft = 0, tpot = 0, gap = 0;
+        int n_tpot = 0;
+        for (int i = 0; i < n; i++) {
+            tokens += reqs[i].n_out;
+            if (reqs[i].t_last > t1) t1 = reqs[i].t_last;
+            if (reqs[i].t_first) ttft += (double)(reqs[i].t_first - reqs[i].t_submit);
+            if (reqs[i].n_out > 1) {
+                tpot += (double)(reqs[i].t_last - reqs[i].t_first) / (reqs[i].n_out - 1);
+                n_tpot++;
+            }
+            if (reqs[i].gap_max > gap) gap = reqs[i].gap_max;
+        }
+        double secs = (double)(t1 - t0) / 1000.0;
+        printf("stats: requests %d tokens %lld seconds %.3f tok_per_s %.1f ttft_ms %.1f "
+               "tpot_ms %.2f max_gap_ms %.1f\n",
+               n, (long long)tokens, secs, secs > 0 ? (double)tokens / secs : 0.0, ttft / n,
+               n_tpot ? tpot / n_tpot : 0.0, gap);
     }
     fflush(stdout);
     td_ctrl_client_in_free(&in);

@@ -11,16 +11,17 @@
 
 static void usage(void)
 {
-    fprintf(stderr,
-            "usage: tandem generate --model PATH (--prompt TEXT | --chat TEXT | --prompt-ids IDS)\n"
-            "         --max-tokens N [--temperature T] [--top-p P] [--top-k K] [--min-p P]\n"
-            "         [--repeat-penalty R] [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
-            "         [--ctx N] [--chunk N] [--ignore-eos]\n"
-            "  --prompt TEXT      raw text, tokenized as llama.cpp does (BOS if the model says so)\n"
-            "  --chat TEXT        one user message rendered with the model's chat template\n"
-            "  --prompt-ids IDS   token ids, e.g. 1,2,3\n"
-            "  --ids              print generated token ids instead of text\n"
-            "  --temperature 0    greedy decoding (default 0.8, top-k 40, top-p 0.95, min-p 0.05)\n");
+    fprintf(
+        stderr,
+        "usage: tandem generate --model PATH (--prompt TEXT | --chat TEXT | --prompt-ids IDS)\n"
+        "         --max-tokens N [--temperature T] [--top-p P] [--top-k K] [--min-p P]\n"
+        "         [--repeat-penalty R] [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
+        "         [--ctx N] [--chunk N] [--ignore-eos]\n"
+        "  --prompt TEXT      raw text, tokenized as llama.cpp does (BOS if the model says so)\n"
+        "  --chat TEXT        one user message rendered with the model's chat template\n"
+        "  --prompt-ids IDS   token ids, e.g. 1,2,3\n"
+        "  --ids              print generated token ids instead of text\n"
+        "  --temperature 0    greedy decoding (default 0.8, top-k 40, top-p 0.95, min-p 0.05)\n");
 }
 
 typedef struct {
@@ -36,7 +37,10 @@ static int parse_args(int argc, char **argv, gen_args *a)
 {
     *a = (gen_args){
         .max_tokens = -1,
-        .sp = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
+        .sp = {.temperature = 0.8f,
+               .top_k = 40,
+               .top_p = 0.95f,
+               .min_p = 0.05f,
                .repeat_penalty = 1.0f},
         .chunk = 512,
         .sess = {.kv_type = TD_F16, .need_tokenizer = true},
@@ -45,31 +49,44 @@ static int parse_args(int argc, char **argv, gen_args *a)
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int rc = 0;
         bool takes = true;
-        if (!strcmp(f, "--model")) a->sess.model_path = v;
-        else if (!strcmp(f, "--prompt")) a->prompt = v;
-        else if (!strcmp(f, "--chat")) a->chat = v;
-        else if (!strcmp(f, "--prompt-ids")) a->prompt_ids = v;
-        else if (!strcmp(f, "--max-tokens")) rc = cli_parse_int(f, v, 0, 1 << 24, &a->max_tokens);
-        else if (!strcmp(f, "--temperature")) rc = cli_parse_float(f, v, &a->sp.temperature);
-        else if (!strcmp(f, "--top-p")) rc = cli_parse_float(f, v, &a->sp.top_p);
-        else if (!strcmp(f, "--top-k")) rc = cli_parse_int(f, v, 0, 1 << 30, &a->sp.top_k);
-        else if (!strcmp(f, "--min-p")) rc = cli_parse_float(f, v, &a->sp.min_p);
-        else if (!strcmp(f, "--repeat-penalty")) rc = cli_parse_float(f, v, &a->sp.repeat_penalty);
+        if (!strcmp(f, "--model"))
+            a->sess.model_path = v;
+        else if (!strcmp(f, "--prompt"))
+            a->prompt = v;
+        else if (!strcmp(f, "--chat"))
+            a->chat = v;
+        else if (!strcmp(f, "--prompt-ids"))
+            a->prompt_ids = v;
+        else if (!strcmp(f, "--max-tokens"))
+            rc = cli_parse_int(f, v, 0, 1 << 24, &a->max_tokens);
+        else if (!strcmp(f, "--temperature"))
+            rc = cli_parse_float(f, v, &a->sp.temperature);
+        else if (!strcmp(f, "--top-p"))
+            rc = cli_parse_float(f, v, &a->sp.top_p);
+        else if (!strcmp(f, "--top-k"))
+            rc = cli_parse_int(f, v, 0, 1 << 30, &a->sp.top_k);
+        else if (!strcmp(f, "--min-p"))
+            rc = cli_parse_float(f, v, &a->sp.min_p);
+        else if (!strcmp(f, "--repeat-penalty"))
+            rc = cli_parse_float(f, v, &a->sp.repeat_penalty);
         else if (!strcmp(f, "--seed")) {
             rc = cli_parse_u64(f, v, &a->sp.seed);
             a->seed_set = true;
-        } else if (!strcmp(f, "--threads")) rc = cli_parse_int(f, v, 1, 256, &a->sess.threads);
-        else if (!strcmp(f, "--kv-type")) rc = cli_parse_kv_type(v, &a->sess.kv_type);
-        else if (!strcmp(f, "--ctx")) rc = cli_parse_int(f, v, 1, 1 << 24, &a->sess.ctx);
-        else if (!strcmp(f, "--chunk")) rc = cli_parse_int(f, v, 1, 1 << 20, &a->chunk);
+        } else if (!strcmp(f, "--threads"))
+            rc = cli_parse_int(f, v, 1, 256, &a->sess.threads);
+        else if (!strcmp(f, "--kv-type"))
+            rc = cli_parse_kv_type(v, &a->sess.kv_type);
+        else if (!strcmp(f, "--ctx"))
+            rc = cli_parse_int(f, v, 1, 1 << 24, &a->sess.ctx);
+        else if (!strcmp(f, "--chunk"))
+            rc = cli_parse_int(f, v, 1, 1 << 20, &a->chunk);
         else if (!strcmp(f, "--ids")) {
             a->print_ids = true;
             takes = false;
         } else if (!strcmp(f, "--ignore-eos")) {
             a->ignore_eos = true;
             takes = false;
-        }
-        else if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
+        } else if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
             usage();
             return 1;
         } else {

@@ -30,12 +30,18 @@ int cmd_logits(int argc, char **argv)
     int chunk = 512, rc = 0;
     for (int i = 0; i + 1 < argc && !rc; i += 2) {
         const char *f = argv[i], *v = argv[i + 1];
-        if (!strcmp(f, "--model")) sp.model_path = v;
-        else if (!strcmp(f, "--prompt-ids")) ids_s = v;
-        else if (!strcmp(f, "--out")) out = v;
-        else if (!strcmp(f, "--kv-type")) rc = cli_parse_kv_type(v, &sp.kv_type);
-        else if (!strcmp(f, "--threads")) rc = cli_parse_int(f, v, 1, 256, &sp.threads);
-        else if (!strcmp(f, "--chunk")) rc = cli_parse_int(f, v, 1, 1 << 20, &chunk);
+        if (!strcmp(f, "--model"))
+            sp.model_path = v;
+        else if (!strcmp(f, "--prompt-ids"))
+            ids_s = v;
+        else if (!strcmp(f, "--out"))
+            out = v;
+        else if (!strcmp(f, "--kv-type"))
+            rc = cli_parse_kv_type(v, &sp.kv_type);
+        else if (!strcmp(f, "--threads"))
+            rc = cli_parse_int(f, v, 1, 256, &sp.threads);
+        else if (!strcmp(f, "--chunk"))
+            rc = cli_parse_int(f, v, 1, 1 << 20, &chunk);
         else {
             fprintf(stderr, "tandem: logits: unknown option '%s'\n", f);
             return TD_EINVAL;
@@ -58,7 +64,8 @@ int cmd_logits(int argc, char **argv)
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
     float *logits = malloc((size_t)s.model->hp.n_vocab * sizeof *logits);
-    if (!logits) rc = TD_ENOMEM;
+    if (!logits)
+        rc = TD_ENOMEM;
     else if (n > s.ctx) {
         fprintf(stderr, "tandem: %lld tokens do not fit the context (%d)\n", (long long)n, s.ctx);
         rc = TD_ERANGE;
@@ -78,9 +85,12 @@ int cmd_dequant(int argc, char **argv)
 {
     const char *path = NULL, *name = NULL, *out = NULL;
     for (int i = 0; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--model")) path = argv[i + 1];
-        else if (!strcmp(argv[i], "--tensor")) name = argv[i + 1];
-        else if (!strcmp(argv[i], "--out")) out = argv[i + 1];
+        if (!strcmp(argv[i], "--model"))
+            path = argv[i + 1];
+        else if (!strcmp(argv[i], "--tensor"))
+            name = argv[i + 1];
+        else if (!strcmp(argv[i], "--out"))
+            out = argv[i + 1];
         else {
             fprintf(stderr, "tandem: dequant: unknown option '%s'\n", argv[i]);
             return TD_EINVAL;
@@ -109,9 +119,11 @@ int cmd_dequant(int argc, char **argv)
     if (!x) rc = TD_ENOMEM;
     for (int64_t r = 0; r < rows && !rc; r++)
         rc = kn_dequant_row(t->type, (const char *)t->data + (size_t)r * rb, x + r * cols, cols);
-    if (rc) fprintf(stderr, "tandem: cannot dequantize '%s' (%s): %s\n", name,
-                    td_dtype_name(t->type), td_strerror(rc));
-    else rc = write_f32(out, x, (size_t)(rows * cols));
+    if (rc)
+        fprintf(stderr, "tandem: cannot dequantize '%s' (%s): %s\n", name, td_dtype_name(t->type),
+                td_strerror(rc));
+    else
+        rc = write_f32(out, x, (size_t)(rows * cols));
     free(x);
     td_gguf_close(g);
     return rc;

@@ -24,11 +24,16 @@ int main(int argc, char **argv)
     }
     const char *cmd = argv[1];
     int rc;
-    if (!strcmp(cmd, "generate")) rc = cmd_generate(argc - 2, argv + 2);
-    else if (!strcmp(cmd, "logits")) rc = cmd_logits(argc - 2, argv + 2);
-    else if (!strcmp(cmd, "dequant")) rc = cmd_dequant(argc - 2, argv + 2);
-    else if (!strcmp(cmd, "bench-engine")) rc = cmd_bench_engine(argc - 2, argv + 2);
-    else if (!strcmp(cmd, "client")) rc = cmd_client(argc - 2, argv + 2);
+    if (!strcmp(cmd, "generate"))
+        rc = cmd_generate(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "logits"))
+        rc = cmd_logits(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "dequant"))
+        rc = cmd_dequant(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "bench-engine"))
+        rc = cmd_bench_engine(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "client"))
+        rc = cmd_client(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         return 0;

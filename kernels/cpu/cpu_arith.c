@@ -7,17 +7,20 @@
 void kn_cpu_add(void *ctx, float *y, const float *x, int64_t m, int64_t n)
 {
     int64_t total = m * n;
-    for (int64_t i = 0; i < total; i++) y[i] += x[i];
+    for (int64_t i = 0; i < total; i++)
+        y[i] += x[i];
 }
 
 void kn_cpu_add_row(void *ctx, float *y, const float *b, int64_t m, int64_t n)
 {
     for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < n; i++) y[r * n + i] += b[i];
+        for (int64_t i = 0; i < n; i++)
+            y[r * n + i] += b[i];
 }
 
 void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
                       float *dst)
 {
-    for (int64_t r = 0; r < m; r++) memcpy(dst + r * n, src + (int64_t)rows[r] * n, (size_t)n * 4);
+    for (int64_t r = 0; r < m; r++)
+        memcpy(dst + r * n, src + (int64_t)rows[r] * n, (size_t)n * 4);
 }

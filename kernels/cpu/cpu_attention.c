@@ -36,7 +36,8 @@
 
 /* ---- fp16 <-> fp32 rows ---- */
 
-static void f16_to_f32(const uint16_t *src, float *dst, int64_t n) {
+static void f16_to_f32(const uint16_t *src, float *dst, int64_t n)
+{
     int64_t j = 0;
 #if defined(__AVX512F__)
     for (; j + 16 <= n; j += 16)
@@ -52,7 +53,8 @@ static void f16_to_f32(const uint16_t *src, float *dst, int64_t n) {
 
 /* Round to nearest even, overflow to inf: F16C with _MM_FROUND_TO_NEAREST_INT rounds
  * exactly as td_fp32_to_fp16 does. */
-static void f32_to_f16(const float *src, uint16_t *dst, int64_t n) {
+static void f32_to_f16(const float *src, uint16_t *dst, int64_t n)
+{
     int64_t j = 0;
 #ifdef ATT_SIMD
     for (; j + 8 <= n; j += 8)
@@ -75,7 +77,8 @@ typedef struct {
     const kn_seq_view *seqs;
 } kvw_job;
 
-static void kvw_rows(void *arg, int64_t i0, int64_t i1, int tid) {
+static void kvw_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
     const kvw_job *J = arg;
     const int64_t hd = J->head_dim, nkv = J->n_kv_heads, bs = J->block_size;
     for (int64_t i = i0; i < i1; i++) {
@@ -99,7 +102,8 @@ static void kvw_rows(void *arg, int64_t i0, int64_t i1, int tid) {
 
 void kn_cpu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int block_size,
                      int n_kv_heads, int head_dim, const float *k, const float *v, int64_t m,
-                     const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs) {
+                     const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs)
+{
     assert(kv_type == TD_F32 || kv_type == TD_F16);
     assert(block_size > 0 && (block_size & (block_size - 1)) == 0);
     kvw_job J = {.kpool = kpool,
@@ -123,14 +127,16 @@ void kn_cpu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int 
  * out of registers and spills the loop pointers, which measured 1.5-2x slower. */
 
 #ifdef ATT_SIMD
-static inline float hsum(__m256 a) {
+static inline float hsum(__m256 a)
+{
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* The 8 horizontal sums of a[0..7], as one vector: two hadd levels, then fold lanes. */
-static inline __m256 hsum8(const __m256 a[8]) {
+static inline __m256 hsum8(const __m256 a[8])
+{
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
@@ -139,7 +145,8 @@ static inline __m256 hsum8(const __m256 a[8]) {
 
 #endif
 
-static float dot(const float *a, const float *b, int n) {
+static float dot(const float *a, const float *b, int n)
+{
     int d = 0;
     float s = 0.0f;
 #ifdef ATT_SIMD
@@ -157,7 +164,8 @@ static float dot(const float *a, const float *b, int n) {
  * horizontal reduction. The eight accumulators are spelled out: as an array indexed in an
  * inner loop, gcc -O2 keeps them in memory. */
 __attribute__((noinline)) static void tile_scores(const float *q, const float *kt, int n, int hd,
-                                                  float *sc) {
+                                                  float *sc)
+{
     int s = 0;
 #ifdef ATT_SIMD
     if (hd % 8 == 0) {
@@ -190,7 +198,8 @@ __attribute__((noinline)) static void tile_scores(const float *q, const float *k
 /* acc (hd) += sum over s < n of p[s] * vt row s (n, hd); the accumulator stays in
  * registers for a 32-wide column strip across all n rows. */
 __attribute__((noinline)) static void tile_accumulate(float *acc, const float *p, const float *vt,
-                                                      int n, int hd) {
+                                                      int n, int hd)
+{
     int d = 0;
 #ifdef ATT_SIMD
     for (; d + 32 <= hd; d += 32) {
@@ -228,7 +237,8 @@ __attribute__((noinline)) static void tile_accumulate(float *acc, const float *p
  * running max *mx if the tile holds a larger score (rescaling *l and acc (hd) to the new
  * max), then turn sc into exp(score - max) and add them to *l. */
 __attribute__((noinline)) static void tile_softmax(float *sc, int n, float scale, float *mx,
-                                                   float *l, float *acc, int hd) {
+                                                   float *l, float *acc, int hd)
+{
 #ifdef ATT_SIMD
     _Static_assert(ATT_TILE == 16, "the SIMD softmax handles a tile as two vectors");
     const __m256 ninf = _mm256_set1_ps(-INFINITY), vn = _mm256_set1_ps((float)n);
@@ -308,7 +318,8 @@ typedef struct {
 } att_job;
 
 /* The q heads [h0, h0 + nr) of item j, and its token. */
-static void item_heads(const att_job *J, int64_t j, int64_t *tok, int *g, int *h0, int *nr) {
+static void item_heads(const att_job *J, int64_t j, int64_t *tok, int *g, int *h0, int *nr)
+{
     *tok = j / J->items_per_tok;
     int rem = (int)(j % J->items_per_tok);
     *g = rem / J->n_chunk;
@@ -319,7 +330,8 @@ static void item_heads(const att_job *J, int64_t j, int64_t *tok, int *g, int *h
 }
 
 /* Fold keys [k0, k1) of item j into st (freshly initialized here). */
-static void item_run(const att_job *J, int64_t j, int64_t k0, int64_t k1, att_state *st) {
+static void item_run(const att_job *J, int64_t j, int64_t k0, int64_t k1, att_state *st)
+{
     _Alignas(32) float kbuf[ATT_TILE * ATT_MAX_HEAD_DIM]; /* (ATT_TILE, head_dim) */
     _Alignas(32) float vbuf[ATT_TILE * ATT_MAX_HEAD_DIM]; /* (ATT_TILE, head_dim) */
     _Alignas(32) float sc[ATT_TILE] = {0};                /* scores, then probabilities */
@@ -361,7 +373,8 @@ static void item_run(const att_job *J, int64_t j, int64_t k0, int64_t k1, att_st
     }
 }
 
-static void state_write_out(const att_job *J, int64_t j, const att_state *st) {
+static void state_write_out(const att_job *J, int64_t j, const att_state *st)
+{
     int64_t tok;
     int g, h0, nr;
     item_heads(J, j, &tok, &g, &h0, &nr);
@@ -376,11 +389,13 @@ static void state_write_out(const att_job *J, int64_t j, const att_state *st) {
 }
 
 /* slot layout: mx (rep), l (rep), acc (rep, head_dim) */
-static float *slot_at(const att_job *J, int part, int slot) {
+static float *slot_at(const att_job *J, int part, int slot)
+{
     return J->part_state + ((size_t)part * 2 + (size_t)slot) * J->slot_floats;
 }
 
-static void state_save(const att_job *J, int nr, const att_state *st, float *dst) {
+static void state_save(const att_job *J, int nr, const att_state *st, float *dst)
+{
     const int rep = J->n_rep < ATT_MAX_REP ? J->n_rep : ATT_MAX_REP;
     const int hd = J->head_dim;
     for (int r = 0; r < nr; r++) {
@@ -391,7 +406,8 @@ static void state_save(const att_job *J, int nr, const att_state *st, float *dst
 }
 
 /* st = merge(st, partial src): both rescaled to the larger of the two maxima. */
-static void state_merge(const att_job *J, int nr, att_state *st, const float *src) {
+static void state_merge(const att_job *J, int nr, att_state *st, const float *src)
+{
     const int rep = J->n_rep < ATT_MAX_REP ? J->n_rep : ATT_MAX_REP;
     const int hd = J->head_dim;
     for (int r = 0; r < nr; r++) {
@@ -410,7 +426,8 @@ static void state_merge(const att_job *J, int nr, att_state *st, const float *sr
  * is ATT_ITEM_COST of overhead followed by one unit per key; a part processes the keys
  * that fall in its range. Items it covers whole are written out; the (at most two) cut
  * ones at its ends are saved to its partial slots. */
-static void att_parts(void *arg, int64_t p0, int64_t p1, int tid) {
+static void att_parts(void *arg, int64_t p0, int64_t p1, int tid)
+{
     const att_job *J = arg;
     att_state st;
     for (int64_t p = p0; p < p1; p++) {
@@ -452,7 +469,8 @@ static void att_parts(void *arg, int64_t p0, int64_t p1, int tid) {
 
 /* Merge the cut items' partial states; slots of one item are adjacent in (part, slot)
  * order because parts are consecutive ranges of the line. */
-static void merge_parts(const att_job *J) {
+static void merge_parts(const att_job *J)
+{
     att_state st;
     int64_t cur = -1;
     int nr = 0;
@@ -480,7 +498,8 @@ static void merge_parts(const att_job *J) {
 void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int head_dim,
                       float scale, int64_t m, const int32_t *pos, const int32_t *seq_of,
-                      const kn_seq_view *seqs, float *out) {
+                      const kn_seq_view *seqs, float *out)
+{
     assert(kv_type == TD_F32 || kv_type == TD_F16);
     assert(block_size > 0 && (block_size & (block_size - 1)) == 0);
     assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0);

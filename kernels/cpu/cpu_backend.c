@@ -44,13 +44,23 @@ void kn_cpu_destroy(kn_cpu *c)
 {
     if (!c) return;
     kn_pool_destroy(c->pool);
-    for (int t = 0; t < KN_CPU_MAX_THREADS; t++) free(c->scratch[t]);
+    for (int t = 0; t < KN_CPU_MAX_THREADS; t++)
+        free(c->scratch[t]);
     free(c);
 }
 
-kn_backend kn_cpu_backend(kn_cpu *c) { return (kn_backend){.ops = &cpu_ops, .ctx = c}; }
-kn_pool *kn_cpu_pool(kn_cpu *c) { return c->pool; }
-int kn_cpu_n_threads(const kn_cpu *c) { return c->n_threads; }
+kn_backend kn_cpu_backend(kn_cpu *c)
+{
+    return (kn_backend){.ops = &cpu_ops, .ctx = c};
+}
+kn_pool *kn_cpu_pool(kn_cpu *c)
+{
+    return c->pool;
+}
+int kn_cpu_n_threads(const kn_cpu *c)
+{
+    return c->n_threads;
+}
 
 const char *kn_cpu_isa(void)
 {

@@ -14,18 +14,21 @@
 #define READ_DEFAULT_BYTES ((size_t)1 << 30) /* far beyond L3 (32 MiB here) */
 #define SGEMM_DEFAULT_N    2048
 
-static double now_s(void) {
+static double now_s(void)
+{
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_double(const void *a, const void *b) {
+static int cmp_double(const void *a, const void *b)
+{
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
 
-static double median(double *v, int n) {
+static double median(double *v, int n)
+{
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
@@ -39,14 +42,16 @@ typedef struct {
     float sums[KN_CPU_MAX_THREADS];
 } read_job;
 
-static void fill_part(void *arg, int64_t i0, int64_t i1, int tid) {
+static void fill_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
     read_job *j = arg;
     /* non-zero values, written by the thread that later reads them (first touch) */
     for (int64_t i = i0 * READ_CHUNK; i < i1 * READ_CHUNK; i++)
         j->buf[i] = (float)(i & 1023) * 0.25f + 1.0f;
 }
 
-static void sum_part(void *arg, int64_t i0, int64_t i1, int tid) {
+static void sum_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
     read_job *j = arg;
     const float *p = j->buf + i0 * READ_CHUNK, *end = j->buf + i1 * READ_CHUNK;
     /* four independent accumulators: the loop must be limited by loads, not add latency */
@@ -63,7 +68,8 @@ static void sum_part(void *arg, int64_t i0, int64_t i1, int tid) {
     j->sums[tid] = s;
 }
 
-double kn_cpu_mem_read_gbps(kn_cpu *c, size_t bytes, int reps) {
+double kn_cpu_mem_read_gbps(kn_cpu *c, size_t bytes, int reps)
+{
     if (bytes == 0) bytes = READ_DEFAULT_BYTES;
     if (reps <= 0) reps = 5;
     const int64_t n_items = (int64_t)(bytes / (READ_CHUNK * sizeof(float)));
@@ -107,13 +113,15 @@ typedef struct {
 } gemm_job;
 
 /* Columns [i0, i1) of C = A B^T on one thread: how the matmul's gemm path uses sgemm. */
-static void gemm_part(void *arg, int64_t i0, int64_t i1, int tid) {
+static void gemm_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
     gemm_job *g = arg;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->n, (blasint)(i1 - i0), g->n, 1.0f, g->a,
                 g->n, g->b + i0 * g->n, g->n, 0.0f, g->cm + i0, g->n);
 }
 
-static double sgemm_median(kn_cpu *c, gemm_job *g, int reps, bool sliced, double *t) {
+static double sgemm_median(kn_cpu *c, gemm_job *g, int reps, bool sliced, double *t)
+{
     for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
         double t0 = now_s();
         if (sliced)
@@ -127,7 +135,8 @@ static double sgemm_median(kn_cpu *c, gemm_job *g, int reps, bool sliced, double
     return 2.0 * n * n * n / median(t, reps) / 1e9;
 }
 
-double kn_cpu_sgemm_gflops(kn_cpu *c, int n, int reps) {
+double kn_cpu_sgemm_gflops(kn_cpu *c, int n, int reps)
+{
     if (n <= 0) n = SGEMM_DEFAULT_N;
     if (reps <= 0) reps = 3;
     size_t nn = (size_t)n * (size_t)n;

@@ -11,7 +11,7 @@
 struct kn_cpu {
     kn_pool *pool;
     int n_threads;
-    float *scratch[KN_CPU_MAX_THREADS]; /* per-thread float scratch, grown on demand */
+    float *scratch[KN_CPU_MAX_THREADS];     /* per-thread float scratch, grown on demand */
     size_t scratch_cap[KN_CPU_MAX_THREADS]; /* floats */
 };
 

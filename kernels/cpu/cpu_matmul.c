@@ -59,7 +59,8 @@ typedef struct {
 static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
 
 /* Our pool already occupies every core; OpenBLAS threads on top would only contend. */
-static void blas_single_thread(void) {
+static void blas_single_thread(void)
+{
     openblas_set_num_threads(1);
 }
 
@@ -72,7 +73,8 @@ static void blas_single_thread(void) {
  * from xs (nb) per x row. M > 1 scales the quants once (q * d [+ m]) and reuses them for
  * every row of x. */
 KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nb,
-                           const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy) {
+                           const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
+{
     const size_t bs = kn_q_block_bytes(t), qo = kn_q_quant_offset(t);
     kn_vf acc[4][4];
     float macc[4] = {0, 0, 0, 0};
@@ -128,7 +130,8 @@ KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws
 
 /* The same for a float-like W (F32, F16, BF16) of n columns (any n). */
 KN_ALWAYS_INLINE void fdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t n,
-                           const float *x, int64_t ldx, float *y, int64_t ldy) {
+                           const float *x, int64_t ldx, float *y, int64_t ldy)
+{
     const size_t es = t == TD_F32 ? 4 : 2;
     kn_vf acc[4][4];
 #pragma GCC unroll 4
@@ -166,7 +169,8 @@ KN_ALWAYS_INLINE void fdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws
 }
 
 /* R rows of W from row r against rows [i, i + M) of x. */
-KN_ALWAYS_INLINE void dot_tile(td_dtype t, int R, int M, const mm_job *j, int64_t r, int64_t i) {
+KN_ALWAYS_INLINE void dot_tile(td_dtype t, int R, int M, const mm_job *j, int64_t r, int64_t i)
+{
     const kn_mat *w = j->w;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * w->row_stride;
     const float *x = j->x + i * w->n_cols;
@@ -179,7 +183,8 @@ KN_ALWAYS_INLINE void dot_tile(td_dtype t, int R, int M, const mm_job *j, int64_
 }
 
 /* Rows [R x M) tiles over rows [r, r + R) of W and all rows of x. */
-KN_ALWAYS_INLINE void dot_rows(td_dtype t, int R, const mm_job *j, int64_t r) {
+KN_ALWAYS_INLINE void dot_rows(td_dtype t, int R, const mm_job *j, int64_t r)
+{
     int64_t i = 0;
     for (; i + 4 <= j->m; i += 4)
         dot_tile(t, R, 4, j, r, i);
@@ -198,7 +203,8 @@ KN_ALWAYS_INLINE void dot_rows(td_dtype t, int R, const mm_job *j, int64_t r) {
     }
 }
 
-KN_ALWAYS_INLINE void dot_range(td_dtype t, const mm_job *j, int64_t r0, int64_t r1) {
+KN_ALWAYS_INLINE void dot_range(td_dtype t, const mm_job *j, int64_t r0, int64_t r1)
+{
     int64_t r = r0;
     if (j->m == 1) {
         for (; r + 4 <= r1; r += 4)
@@ -214,26 +220,33 @@ KN_ALWAYS_INLINE void dot_range(td_dtype t, const mm_job *j, int64_t r0, int64_t
 }
 
 /* One specialised copy of the dot path per type, so every inner loop is branch-free. */
-static void dot_f32(const mm_job *j, int64_t r0, int64_t r1) {
+static void dot_f32(const mm_job *j, int64_t r0, int64_t r1)
+{
     dot_range(TD_F32, j, r0, r1);
 }
-static void dot_f16(const mm_job *j, int64_t r0, int64_t r1) {
+static void dot_f16(const mm_job *j, int64_t r0, int64_t r1)
+{
     dot_range(TD_F16, j, r0, r1);
 }
-static void dot_bf16(const mm_job *j, int64_t r0, int64_t r1) {
+static void dot_bf16(const mm_job *j, int64_t r0, int64_t r1)
+{
     dot_range(TD_BF16, j, r0, r1);
 }
-static void dot_q8_0(const mm_job *j, int64_t r0, int64_t r1) {
+static void dot_q8_0(const mm_job *j, int64_t r0, int64_t r1)
+{
     dot_range(TD_Q8_0, j, r0, r1);
 }
-static void dot_q4_0(const mm_job *j, int64_t r0, int64_t r1) {
+static void dot_q4_0(const mm_job *j, int64_t r0, int64_t r1)
+{
     dot_range(TD_Q4_0, j, r0, r1);
 }
-static void dot_q4_1(const mm_job *j, int64_t r0, int64_t r1) {
+static void dot_q4_1(const mm_job *j, int64_t r0, int64_t r1)
+{
     dot_range(TD_Q4_1, j, r0, r1);
 }
 
-static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid) {
+static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
+{
     const mm_job *j = arg;
     switch (j->w->type) {
     case TD_F32:
@@ -260,7 +273,8 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid) {
 }
 
 /* xs (m, nb) = sums of x (m, nb * 32) over each block of 32. */
-static void block_sums(const float *x, int64_t m, int64_t nb, float *xs) {
+static void block_sums(const float *x, int64_t m, int64_t nb, float *xs)
+{
     for (int64_t i = 0; i < m * nb; i++) {
         const float *xb = x + i * TD_QK;
         kn_vf s = kn_vload(xb);
@@ -272,7 +286,8 @@ static void block_sums(const float *x, int64_t m, int64_t nb, float *xs) {
 
 /* ---- gemm path ---- */
 
-static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid) {
+static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
+{
     mm_job *j = arg;
     const kn_mat *w = j->w;
     const int64_t k = w->n_cols;
@@ -305,7 +320,8 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid) {
 
 /* ---- entry points ---- */
 
-static int mm_check(const kn_mat *w, const char *op) {
+static int mm_check(const kn_mat *w, const char *op)
+{
     if (!kn_cpu_type_supported(w->type)) {
         kn_cpu_log_unsupported(w->type, op);
         return TD_EUNSUPP;
@@ -326,7 +342,8 @@ static int mm_check(const kn_mat *w, const char *op) {
     return 0;
 }
 
-int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y) {
+int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y)
+{
     kn_cpu *c = ctx;
     int rc = mm_check(w, "matmul");
     if (rc) return rc;
@@ -360,7 +377,8 @@ int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *
     return 0;
 }
 
-int kn_cpu_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out) {
+int kn_cpu_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out)
+{
     int rc = mm_check(w, "get_rows");
     if (rc) return rc;
     if (m < 0) {

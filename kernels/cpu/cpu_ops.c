@@ -22,7 +22,8 @@
  * worker costs about as much as touching this many elements. */
 #define OPS_MIN_ELEMS_PER_THREAD 16384
 
-static int64_t min_rows_per_thread(int64_t row_elems) {
+static int64_t min_rows_per_thread(int64_t row_elems)
+{
     int64_t r = OPS_MIN_ELEMS_PER_THREAD / (row_elems > 0 ? row_elems : 1);
     return r > 1 ? r : 1;
 }
@@ -39,7 +40,8 @@ typedef struct {
 
 /* Sum of squares of a row in float64: a float sum over a few thousand squares loses
  * several digits, and the reference parity tests compare against float64. */
-static double row_sumsq(const float *x, int64_t n) {
+static double row_sumsq(const float *x, int64_t n)
+{
     int64_t j = 0;
     double s = 0.0;
 #ifdef OPS_SIMD
@@ -60,7 +62,8 @@ static double row_sumsq(const float *x, int64_t n) {
     return s;
 }
 
-static void rmsnorm_rows(void *arg, int64_t i0, int64_t i1, int tid) {
+static void rmsnorm_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
     const rmsnorm_job *J = arg;
     const int64_t n = J->n;
     for (int64_t i = i0; i < i1; i++) {
@@ -82,7 +85,8 @@ static void rmsnorm_rows(void *arg, int64_t i0, int64_t i1, int tid) {
 }
 
 void kn_cpu_rmsnorm(void *ctx, const float *x, const float *weight, float *y, int64_t m, int64_t n,
-                    float eps) {
+                    float eps)
+{
     assert(m >= 0 && n > 0);
     rmsnorm_job J = {.x = x, .weight = weight, .y = y, .n = n, .eps = eps};
     kn_pool_run(kn_cpu_pool(ctx), m, min_rows_per_thread(n), rmsnorm_rows, &J);
@@ -103,7 +107,8 @@ typedef struct {
  * drifts by a few float ulps of theta at long positions; float64 gives the correctly
  * rounded rotation, which stays well inside the reference tolerance. The rotation itself
  * is done in float, as ggml does. */
-static void rope_rows(void *arg, int64_t i0, int64_t i1, int tid) {
+static void rope_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
     const rope_job *J = arg;
     const int half = J->n_rot / 2;
     /* NORM pairs (2i, 2i+1); NEOX pairs (i, i + n_rot/2) */
@@ -125,7 +130,8 @@ static void rope_rows(void *arg, int64_t i0, int64_t i1, int tid) {
 }
 
 void kn_cpu_rope(void *ctx, float *x, int64_t m, int n_heads, int head_dim, int n_rot,
-                 const int32_t *pos, const float *freq, bool neox) {
+                 const int32_t *pos, const float *freq, bool neox)
+{
     assert(n_rot >= 0 && n_rot <= head_dim && n_rot % 2 == 0);
     if (n_rot == 0) return;
     rope_job J = {.x = x,
@@ -148,7 +154,8 @@ typedef struct {
     int64_t n;
 } swiglu_job;
 
-static void swiglu_rows(void *arg, int64_t i0, int64_t i1, int tid) {
+static void swiglu_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
     const swiglu_job *J = arg;
     /* rows are contiguous, so the row range is one flat element range */
     const int64_t e0 = i0 * J->n, e1 = i1 * J->n;
@@ -167,8 +174,8 @@ static void swiglu_rows(void *arg, int64_t i0, int64_t i1, int tid) {
         o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }
 
-void kn_cpu_swiglu(void *ctx, const float *gate, const float *up, float *out, int64_t m,
-                   int64_t n) {
+void kn_cpu_swiglu(void *ctx, const float *gate, const float *up, float *out, int64_t m, int64_t n)
+{
     assert(m >= 0 && n > 0);
     swiglu_job J = {.gate = gate, .up = up, .out = out, .n = n};
     kn_pool_run(kn_cpu_pool(ctx), m, min_rows_per_thread(n), swiglu_rows, &J);

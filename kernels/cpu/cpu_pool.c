@@ -31,10 +31,10 @@ struct kn_pool {
     kn_pool_fn fn;
     void *arg;
     int64_t n;
-    int n_active;           /* threads taking part in this job (<= n_threads) */
-    atomic_uint gen;        /* job generation; workers wait for it to change */
-    atomic_int pending;     /* workers of this job not finished yet */
-    atomic_int sleeping;    /* workers blocked (or about to block) on cv */
+    int n_active;        /* threads taking part in this job (<= n_threads) */
+    atomic_uint gen;     /* job generation; workers wait for it to change */
+    atomic_int pending;  /* workers of this job not finished yet */
+    atomic_int sleeping; /* workers blocked (or about to block) on cv */
     atomic_bool stop;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -57,8 +57,10 @@ static void *worker_main(void *v)
         int spins = 0;
         while ((g = atomic_load(&p->gen)) == last && !atomic_load(&p->stop)) {
             if (++spins < POOL_SPIN) {
-                if (spins % POOL_YIELD_EVERY == 0) sched_yield();
-                else _mm_pause();
+                if (spins % POOL_YIELD_EVERY == 0)
+                    sched_yield();
+                else
+                    _mm_pause();
                 continue;
             }
             pthread_mutex_lock(&p->mu);
@@ -125,7 +127,10 @@ void kn_pool_destroy(kn_pool *p)
     free(p);
 }
 
-int kn_pool_n_threads(const kn_pool *p) { return p->n_threads; }
+int kn_pool_n_threads(const kn_pool *p)
+{
+    return p->n_threads;
+}
 
 void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg)
 {
@@ -150,7 +155,9 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
     }
     run_part(p, 0);
     for (unsigned spins = 1; atomic_load_explicit(&p->pending, memory_order_acquire) > 0; spins++) {
-        if (spins % POOL_YIELD_EVERY == 0) sched_yield();
-        else _mm_pause();
+        if (spins % POOL_YIELD_EVERY == 0)
+            sched_yield();
+        else
+            _mm_pause();
     }
 }

@@ -6,7 +6,8 @@
 #include "cpu_quant.h"
 #include "td_err.h"
 
-bool kn_cpu_type_supported(td_dtype t) {
+bool kn_cpu_type_supported(td_dtype t)
+{
     switch (t) {
     case TD_F32:
     case TD_F16:
@@ -22,7 +23,8 @@ bool kn_cpu_type_supported(td_dtype t) {
 
 /* One log line per type and process: a model with an unsupported tensor would otherwise
  * print it on every layer of every step. */
-void kn_cpu_log_unsupported(td_dtype t, const char *op) {
+void kn_cpu_log_unsupported(td_dtype t, const char *op)
+{
     static atomic_uint_least64_t seen;
     uint64_t bit = (unsigned)t < 64 ? (uint64_t)1 << (unsigned)t : (uint64_t)1 << 63;
     if (atomic_fetch_or(&seen, bit) & bit) return;
@@ -30,7 +32,8 @@ void kn_cpu_log_unsupported(td_dtype t, const char *op) {
                td_dtype_name((uint32_t)t), (int)t);
 }
 
-static void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t nb) {
+static void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t nb)
+{
     const size_t bs = kn_q_block_bytes(t), qo = kn_q_quant_offset(t);
     for (int64_t b = 0; b < nb; b++, src += bs, dst += TD_QK) {
         kn_vf q[KN_NV];
@@ -50,7 +53,8 @@ static void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t n
     }
 }
 
-static void dequant_floats(td_dtype t, const uint8_t *src, float *dst, int64_t n) {
+static void dequant_floats(td_dtype t, const uint8_t *src, float *dst, int64_t n)
+{
     const size_t es = t == TD_F32 ? 4 : 2;
     if (t == TD_F32) {
         memcpy(dst, src, (size_t)n * 4);
@@ -63,7 +67,8 @@ static void dequant_floats(td_dtype t, const uint8_t *src, float *dst, int64_t n
         dst[i] = kn_f_load1(t, src + (size_t)i * es);
 }
 
-int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n) {
+int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n)
+{
     if (!kn_cpu_type_supported(t)) {
         kn_cpu_log_unsupported(t, "dequant");
         return TD_EUNSUPP;

@@ -27,55 +27,71 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KN_VL 16
 typedef __m512 kn_vf;
-KN_ALWAYS_INLINE kn_vf kn_vzero(void) {
+KN_ALWAYS_INLINE kn_vf kn_vzero(void)
+{
     return _mm512_setzero_ps();
 }
-KN_ALWAYS_INLINE kn_vf kn_vset1(float a) {
+KN_ALWAYS_INLINE kn_vf kn_vset1(float a)
+{
     return _mm512_set1_ps(a);
 }
-KN_ALWAYS_INLINE kn_vf kn_vload(const float *p) {
+KN_ALWAYS_INLINE kn_vf kn_vload(const float *p)
+{
     return _mm512_loadu_ps(p);
 }
-KN_ALWAYS_INLINE void kn_vstore(float *p, kn_vf a) {
+KN_ALWAYS_INLINE void kn_vstore(float *p, kn_vf a)
+{
     _mm512_storeu_ps(p, a);
 }
-KN_ALWAYS_INLINE kn_vf kn_vadd(kn_vf a, kn_vf b) {
+KN_ALWAYS_INLINE kn_vf kn_vadd(kn_vf a, kn_vf b)
+{
     return _mm512_add_ps(a, b);
 }
-KN_ALWAYS_INLINE kn_vf kn_vmul(kn_vf a, kn_vf b) {
+KN_ALWAYS_INLINE kn_vf kn_vmul(kn_vf a, kn_vf b)
+{
     return _mm512_mul_ps(a, b);
 }
-KN_ALWAYS_INLINE kn_vf kn_vfma(kn_vf a, kn_vf b, kn_vf c) {
+KN_ALWAYS_INLINE kn_vf kn_vfma(kn_vf a, kn_vf b, kn_vf c)
+{
     return _mm512_fmadd_ps(a, b, c);
 }
-KN_ALWAYS_INLINE float kn_vsum(kn_vf a) {
+KN_ALWAYS_INLINE float kn_vsum(kn_vf a)
+{
     return _mm512_reduce_add_ps(a);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KN_VL 8
 typedef __m256 kn_vf;
-KN_ALWAYS_INLINE kn_vf kn_vzero(void) {
+KN_ALWAYS_INLINE kn_vf kn_vzero(void)
+{
     return _mm256_setzero_ps();
 }
-KN_ALWAYS_INLINE kn_vf kn_vset1(float a) {
+KN_ALWAYS_INLINE kn_vf kn_vset1(float a)
+{
     return _mm256_set1_ps(a);
 }
-KN_ALWAYS_INLINE kn_vf kn_vload(const float *p) {
+KN_ALWAYS_INLINE kn_vf kn_vload(const float *p)
+{
     return _mm256_loadu_ps(p);
 }
-KN_ALWAYS_INLINE void kn_vstore(float *p, kn_vf a) {
+KN_ALWAYS_INLINE void kn_vstore(float *p, kn_vf a)
+{
     _mm256_storeu_ps(p, a);
 }
-KN_ALWAYS_INLINE kn_vf kn_vadd(kn_vf a, kn_vf b) {
+KN_ALWAYS_INLINE kn_vf kn_vadd(kn_vf a, kn_vf b)
+{
     return _mm256_add_ps(a, b);
 }
-KN_ALWAYS_INLINE kn_vf kn_vmul(kn_vf a, kn_vf b) {
+KN_ALWAYS_INLINE kn_vf kn_vmul(kn_vf a, kn_vf b)
+{
     return _mm256_mul_ps(a, b);
 }
-KN_ALWAYS_INLINE kn_vf kn_vfma(kn_vf a, kn_vf b, kn_vf c) {
+KN_ALWAYS_INLINE kn_vf kn_vfma(kn_vf a, kn_vf b, kn_vf c)
+{
     return _mm256_fmadd_ps(a, b, c);
 }
-KN_ALWAYS_INLINE float kn_vsum(kn_vf a) {
+KN_ALWAYS_INLINE float kn_vsum(kn_vf a)
+{
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -84,28 +100,36 @@ KN_ALWAYS_INLINE float kn_vsum(kn_vf a) {
 #else
 #define KN_VL 1
 typedef float kn_vf;
-KN_ALWAYS_INLINE kn_vf kn_vzero(void) {
+KN_ALWAYS_INLINE kn_vf kn_vzero(void)
+{
     return 0.0f;
 }
-KN_ALWAYS_INLINE kn_vf kn_vset1(float a) {
+KN_ALWAYS_INLINE kn_vf kn_vset1(float a)
+{
     return a;
 }
-KN_ALWAYS_INLINE kn_vf kn_vload(const float *p) {
+KN_ALWAYS_INLINE kn_vf kn_vload(const float *p)
+{
     return *p;
 }
-KN_ALWAYS_INLINE void kn_vstore(float *p, kn_vf a) {
+KN_ALWAYS_INLINE void kn_vstore(float *p, kn_vf a)
+{
     *p = a;
 }
-KN_ALWAYS_INLINE kn_vf kn_vadd(kn_vf a, kn_vf b) {
+KN_ALWAYS_INLINE kn_vf kn_vadd(kn_vf a, kn_vf b)
+{
     return a + b;
 }
-KN_ALWAYS_INLINE kn_vf kn_vmul(kn_vf a, kn_vf b) {
+KN_ALWAYS_INLINE kn_vf kn_vmul(kn_vf a, kn_vf b)
+{
     return a * b;
 }
-KN_ALWAYS_INLINE kn_vf kn_vfma(kn_vf a, kn_vf b, kn_vf c) {
+KN_ALWAYS_INLINE kn_vf kn_vfma(kn_vf a, kn_vf b, kn_vf c)
+{
     return a * b + c;
 }
-KN_ALWAYS_INLINE float kn_vsum(kn_vf a) {
+KN_ALWAYS_INLINE float kn_vsum(kn_vf a)
+{
     return a;
 }
 #endif
@@ -122,7 +146,8 @@ void kn_cpu_log_unsupported(td_dtype t, const char *op);
 
 /* a * b + c, always fused where FMA exists: scalar code must round the same way whether
  * the compiler vectorizes it or not, so results do not depend on how rows are grouped. */
-KN_ALWAYS_INLINE float kn_fmaf(float a, float b, float c) {
+KN_ALWAYS_INLINE float kn_fmaf(float a, float b, float c)
+{
 #if defined(__FMA__)
     return __builtin_fmaf(a, b, c);
 #else
@@ -133,7 +158,8 @@ KN_ALWAYS_INLINE float kn_fmaf(float a, float b, float c) {
 }
 
 /* fp16 scale stored at p (any alignment) as float. */
-KN_ALWAYS_INLINE float kn_h2f(const uint8_t *p) {
+KN_ALWAYS_INLINE float kn_h2f(const uint8_t *p)
+{
     uint16_t h;
     memcpy(&h, p, 2);
 #if defined(__F16C__)
@@ -144,16 +170,19 @@ KN_ALWAYS_INLINE float kn_h2f(const uint8_t *p) {
 }
 
 /* Bytes per block and offset of the quants inside it, for the three block types. */
-KN_ALWAYS_INLINE size_t kn_q_block_bytes(td_dtype t) {
+KN_ALWAYS_INLINE size_t kn_q_block_bytes(td_dtype t)
+{
     return t == TD_Q8_0 ? sizeof(td_block_q8_0)
                         : (t == TD_Q4_0 ? sizeof(td_block_q4_0) : sizeof(td_block_q4_1));
 }
-KN_ALWAYS_INLINE size_t kn_q_quant_offset(td_dtype t) {
+KN_ALWAYS_INLINE size_t kn_q_quant_offset(td_dtype t)
+{
     return t == TD_Q4_1 ? 4 : 2;
 }
 
 /* q (KN_NV vectors) = the 32 quants at qs as unscaled floats (see the header comment). */
-KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *qs, kn_vf q[KN_NV]) {
+KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *qs, kn_vf q[KN_NV])
+{
 #if KN_VL == 16
     if (t == TD_Q8_0) {
         q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
@@ -202,7 +231,8 @@ KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *qs, kn_vf q[KN_NV]) {
 }
 
 /* One weight of a float-like type at p (any alignment). */
-KN_ALWAYS_INLINE float kn_f_load1(td_dtype t, const uint8_t *p) {
+KN_ALWAYS_INLINE float kn_f_load1(td_dtype t, const uint8_t *p)
+{
     if (t == TD_F32) {
         float f;
         memcpy(&f, p, 4);
@@ -214,7 +244,8 @@ KN_ALWAYS_INLINE float kn_f_load1(td_dtype t, const uint8_t *p) {
 }
 
 /* KN_VL weights of a float-like type (F32, F16, BF16) at p as floats. */
-KN_ALWAYS_INLINE kn_vf kn_f_load(td_dtype t, const uint8_t *p) {
+KN_ALWAYS_INLINE kn_vf kn_f_load(td_dtype t, const uint8_t *p)
+{
 #if KN_VL == 16
     if (t == TD_F32) return _mm512_loadu_ps(p);
     __m256i h = _mm256_loadu_si256((const __m256i *)p);

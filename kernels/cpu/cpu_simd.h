@@ -9,7 +9,8 @@
  * with a two-part ln2, a degree-6 polynomial for exp(r), 2^n built in the exponent field).
  * Inputs above 88 saturate to exp(88) instead of inf; inputs below -87.33 (and -inf, and
  * nan) give exactly 0, which masks padded attention scores. */
-static inline __m256 kn_exp8(__m256 x) {
+static inline __m256 kn_exp8(__m256 x)
+{
     const __m256 hi = _mm256_set1_ps(88.0f), lo = _mm256_set1_ps(-87.3365478515625f);
     const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);

@@ -30,7 +30,8 @@ static const struct {
 
 static const char *g_tmpl_file, *g_gguf, *g_dir;
 
-static char *slurp(const char *path, size_t *len) {
+static char *slurp(const char *path, size_t *len)
+{
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
     fseek(f, 0, SEEK_END);
@@ -45,7 +46,8 @@ static char *slurp(const char *path, size_t *len) {
 }
 
 static void check_render(const char *tmpl, const td_chat_msg *m, size_t n, bool gen,
-                         const char *want) {
+                         const char *want)
+{
     char *out = NULL;
     int rc = td_chat_render(tmpl, strlen(tmpl), m, n, gen, &out);
     TH_CHECKF(rc == 0, "render failed: %d", rc);
@@ -61,7 +63,8 @@ static const char smollm_tmpl[] =
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ "
     "'<|im_start|>assistant\n' }}{% endif %}";
 
-static void test_chatml(void) {
+static void test_chatml(void)
+{
     check_render(smollm_tmpl, conv1, 1, true,
                  "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                  "Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
@@ -81,7 +84,8 @@ static void test_chatml(void) {
     TH_CHECK(td_chat_detect(smollm_tmpl, strlen(smollm_tmpl)) == TD_CHAT_CHATML);
 }
 
-static void test_llama3(void) {
+static void test_llama3(void)
+{
     const char *t = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}";
     TH_CHECK(td_chat_detect(t, strlen(t)) == TD_CHAT_LLAMA3);
     const td_chat_msg m[] = {{"system", " S "}, {"user", "A\n"}};
@@ -91,7 +95,8 @@ static void test_llama3(void) {
                  "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
-static void test_llama2(void) {
+static void test_llama2(void)
+{
     const char *sys = "{% if messages[0]['role'] == 'system' %}<<SYS>>{% endif %}[INST]";
     TH_CHECK(td_chat_detect(sys, strlen(sys)) == TD_CHAT_LLAMA2);
     check_render(sys, conv2, 4, true,
@@ -106,7 +111,8 @@ static void test_llama2(void) {
     check_render(strip, m, 1, true, "[INST] A [/INST]");
 }
 
-static void test_errors(void) {
+static void test_errors(void)
+{
     char *out = (char *)1;
     const char *unk = "{% for m in messages %}{{ m['content'] }}{% endfor %}";
     TH_CHECK(td_chat_render(unk, strlen(unk), conv1, 1, true, &out) == TD_EUNSUPP);
@@ -125,7 +131,8 @@ static void test_errors(void) {
     free(out);
 }
 
-static void test_reference(void) {
+static void test_reference(void)
+{
     size_t tlen = 0;
     char *tmpl = NULL;
     td_gguf *g = NULL;
@@ -164,7 +171,8 @@ static void test_reference(void) {
     free(tmpl);
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char **argv)
+{
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--tmpl-file"))
             g_tmpl_file = argv[i + 1];

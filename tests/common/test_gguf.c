@@ -61,7 +61,8 @@ static int read_file(const char *path, uint8_t **buf, size_t *size)
 static uint64_t checksum(const uint8_t *p, size_t n)
 {
     uint64_t s = 0;
-    for (size_t i = 0; i < n; i++) s += (uint64_t)p[i] * (uint64_t)(i % 251 + 1);
+    for (size_t i = 0; i < n; i++)
+        s += (uint64_t)p[i] * (uint64_t)(i % 251 + 1);
     return s;
 }
 
@@ -99,9 +100,11 @@ static void walk(const td_gguf *g)
                 float *fv = malloc((n ? n : 1) * sizeof *fv);
                 TH_REQUIRE(iv && fv);
                 if (td_gguf_arr_read_i32(g, key, iv, n) == 0)
-                    for (size_t j = 0; j < n; j++) acc += (uint32_t)iv[j];
+                    for (size_t j = 0; j < n; j++)
+                        acc += (uint32_t)iv[j];
                 if (td_gguf_arr_read_f32(g, key, fv, n) == 0)
-                    for (size_t j = 0; j < n; j++) acc += (uint64_t)(fv[j] == fv[j]);
+                    for (size_t j = 0; j < n; j++)
+                        acc += (uint64_t)(fv[j] == fv[j]);
                 free(iv);
                 free(fv);
             }
@@ -134,17 +137,17 @@ static void walk(const td_gguf *g)
 static size_t build_minimal(uint8_t *buf, uint32_t version)
 {
     size_t p = 0;
-#define PUT(v, n)                                                                          \
-    do {                                                                                   \
-        uint64_t v_ = (v);                                                                 \
-        memcpy(buf + p, &v_, n);                                                           \
-        p += n;                                                                            \
+#define PUT(v, n)                                                                                  \
+    do {                                                                                           \
+        uint64_t v_ = (v);                                                                         \
+        memcpy(buf + p, &v_, n);                                                                   \
+        p += n;                                                                                    \
     } while (0)
-#define PUTS(s)                                                                            \
-    do {                                                                                   \
-        PUT(strlen(s), 8);                                                                 \
-        memcpy(buf + p, s, strlen(s));                                                     \
-        p += strlen(s);                                                                    \
+#define PUTS(s)                                                                                    \
+    do {                                                                                           \
+        PUT(strlen(s), 8);                                                                         \
+        memcpy(buf + p, s, strlen(s));                                                             \
+        p += strlen(s);                                                                            \
     } while (0)
     PUT(0x46554747u, 4);
     PUT(version, 4);
@@ -161,7 +164,8 @@ static size_t build_minimal(uint8_t *buf, uint32_t version)
     PUT(4, 8);      /* ne[0] */
     PUT(TD_F32, 4); /* type */
     PUT(0, 8);      /* offset */
-    while (p % 32) buf[p++] = 0;
+    while (p % 32)
+        buf[p++] = 0;
     for (int i = 0; i < 4; i++) {
         float f = (float)i + 0.5f;
         memcpy(buf + p, &f, 4);
@@ -242,12 +246,9 @@ static void test_minimal_mutations(void)
         int width;
         const char *what;
     } muts[] = {
-        {0, 0x47475546, 4, "byte-swapped magic"},
-        {4, 1, 4, "version 1"},
-        {8, UINT64_MAX, 8, "tensor count 2^64-1"},
-        {16, UINT64_MAX, 8, "key count 2^64-1"},
-        {24, UINT64_MAX, 8, "first key length 2^64-1"},
-        {52, 13, 4, "unknown value type"},
+        {0, 0x47475546, 4, "byte-swapped magic"},        {4, 1, 4, "version 1"},
+        {8, UINT64_MAX, 8, "tensor count 2^64-1"},       {16, UINT64_MAX, 8, "key count 2^64-1"},
+        {24, UINT64_MAX, 8, "first key length 2^64-1"},  {52, 13, 4, "unknown value type"},
         {56, UINT64_MAX - 2, 8, "string length 2^64-3"},
     };
     for (size_t i = 0; i < sizeof muts / sizeof muts[0]; i++) {
@@ -372,10 +373,9 @@ static void run_corpus(const char *dir)
         /* the path and the buffer must agree (an empty file's message differs) */
         bool agree = (rc == 0) == (rc2 == 0);
         if (!good || !agree) bad++;
-        fprintf(stderr, "  %s %-5s %-32s %s: %s\n", good && agree ? "ok  " : "FAIL", expect,
-                file, desc, rc == 0 ? "opened" : err);
-        if (!agree)
-            fprintf(stderr, "       td_gguf_open disagrees: rc %d (%s)\n", rc2, err2);
+        fprintf(stderr, "  %s %-5s %-32s %s: %s\n", good && agree ? "ok  " : "FAIL", expect, file,
+                desc, rc == 0 ? "opened" : err);
+        if (!agree) fprintf(stderr, "       td_gguf_open disagrees: rc %d (%s)\n", rc2, err2);
         n_error += !strcmp(expect, "error");
         n_ok += ok_expected;
         td_gguf_close(g);
@@ -437,7 +437,8 @@ static void run_expect(const char *model, const char *expect_path)
         line[strcspn(line, "\n")] = '\0';
         char *w[12] = {0};
         int nw = 0;
-        for (char *tok = strtok(line, " "); tok && nw < 12; tok = strtok(NULL, " ")) w[nw++] = tok;
+        for (char *tok = strtok(line, " "); tok && nw < 12; tok = strtok(NULL, " "))
+            w[nw++] = tok;
         if (nw < 2) continue;
         facts++;
         const char *k = w[1];
@@ -454,8 +455,9 @@ static void run_expect(const char *model, const char *expect_path)
             const char *key = td_gguf_kv_key(g, i);
             TH_CHECKF(key && !strcmp(key, w[2]), "key %zu is '%s', expected '%s'", i,
                       key ? key : "(none)", w[2]);
-            if (key) TH_CHECKF((unsigned)td_gguf_kv_type(g, i) == strtoul(w[3], NULL, 10),
-                               "key '%s' type %d", key, (int)td_gguf_kv_type(g, i));
+            if (key)
+                TH_CHECKF((unsigned)td_gguf_kv_type(g, i) == strtoul(w[3], NULL, 10),
+                          "key '%s' type %d", key, (int)td_gguf_kv_type(g, i));
             TH_CHECK(td_gguf_find_kv(g, w[2]) == (int64_t)i);
         } else if (!strcmp(w[0], "uint") || !strcmp(w[0], "int")) {
             bool is_u = w[0][0] == 'u';
@@ -468,8 +470,8 @@ static void run_expect(const char *model, const char *expect_path)
                           w[2], r);
             } else {
                 int64_t want = is_u ? (int64_t)uv : sv;
-                TH_CHECKF(r == 0 && got == want, "'%s': get_i64 rc %d %" PRId64 ", expected %s",
-                          k, r, got, w[2]);
+                TH_CHECKF(r == 0 && got == want, "'%s': get_i64 rc %d %" PRId64 ", expected %s", k,
+                          r, got, w[2]);
                 uint32_t u32;
                 r = td_gguf_get_u32(g, k, &u32);
                 if (want >= 0 && want <= (int64_t)UINT32_MAX)
@@ -515,7 +517,8 @@ static void run_expect(const char *model, const char *expect_path)
             TH_REQUIRE(v != NULL);
             int r = td_gguf_arr_read_i32(g, k, v, n);
             int64_t sum = 0;
-            for (size_t i = 0; r == 0 && i < n; i++) sum += v[i];
+            for (size_t i = 0; r == 0 && i < n; i++)
+                sum += v[i];
             TH_CHECKF(r == 0 && sum == strtoll(w[3], NULL, 10), "'%s': read_i32 rc %d sum %" PRId64,
                       k, r, sum);
             TH_CHECK(td_gguf_arr_read_i32(g, k, v, n + 1) == TD_ERANGE);
@@ -535,9 +538,9 @@ static void run_expect(const char *model, const char *expect_path)
             const td_gguf_tensor *t = td_gguf_find_tensor(g, w[1]);
             TH_CHECKF(t != NULL, "tensor '%s' not found", w[1]);
             if (!t) continue;
-            bool dims_ok = (unsigned)t->type == strtoul(w[2], NULL, 10) &&
-                           t->n_dims == atoi(w[3]);
-            for (int d = 0; d < 4; d++) dims_ok = dims_ok && t->ne[d] == strtoll(w[4 + d], NULL, 10);
+            bool dims_ok = (unsigned)t->type == strtoul(w[2], NULL, 10) && t->n_dims == atoi(w[3]);
+            for (int d = 0; d < 4; d++)
+                dims_ok = dims_ok && t->ne[d] == strtoll(w[4 + d], NULL, 10);
             TH_CHECKF(dims_ok, "tensor '%s': type %d, %d dims, ne %lld %lld %lld %lld", w[1],
                       (int)t->type, t->n_dims, (long long)t->ne[0], (long long)t->ne[1],
                       (long long)t->ne[2], (long long)t->ne[3]);

@@ -44,14 +44,16 @@ static int32_t g_eog[64];
 static size_t g_n_eog;
 static bool g_has_eog;
 
-static int hexval(int c) {
+static int hexval(int c)
+{
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
     return -1;
 }
 
-static blob unhex(const char *s, size_t n) {
+static blob unhex(const char *s, size_t n)
+{
     blob b = {malloc(n / 2 + 1), 0};
     for (size_t i = 0; i + 1 < n; i += 2) {
         int h = hexval(s[i]), l = hexval(s[i + 1]);
@@ -61,7 +63,8 @@ static blob unhex(const char *s, size_t n) {
     return b;
 }
 
-static char *read_file(const char *path, size_t *len) {
+static char *read_file(const char *path, size_t *len)
+{
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
     fseek(f, 0, SEEK_END);
@@ -76,7 +79,8 @@ static char *read_file(const char *path, size_t *len) {
 }
 
 /* Split into lines in place; returns the count. */
-static size_t split_lines(char *buf, char ***lines) {
+static size_t split_lines(char *buf, char ***lines)
+{
     size_t n = 0, cap = 64;
     *lines = malloc(cap * sizeof **lines);
     for (char *p = buf; *p;) {
@@ -90,7 +94,8 @@ static size_t split_lines(char *buf, char ***lines) {
     return n;
 }
 
-static bool load_inputs(void) {
+static bool load_inputs(void)
+{
     size_t len;
     char *cbuf = read_file(g_corpus, &len), *ebuf = read_file(g_expect, &len);
     if (!cbuf || !ebuf) {
@@ -155,14 +160,16 @@ static bool load_inputs(void) {
     return k == g_n && g_n > 0;
 }
 
-static void show_ids(const char *what, const int32_t *ids, size_t n) {
+static void show_ids(const char *what, const int32_t *ids, size_t n)
+{
     fprintf(stderr, "  %s:", what);
     for (size_t i = 0; i < n && i < 40; i++)
         fprintf(stderr, " %d", ids[i]);
     fprintf(stderr, n > 40 ? " ...\n" : "\n");
 }
 
-static void test_reference_ids(void) {
+static void test_reference_ids(void)
+{
     size_t matched = 0, compared = 0;
     for (size_t i = 0; i < g_n; i++) {
         int32_t *ids = NULL;
@@ -193,7 +200,8 @@ static void test_reference_ids(void) {
 
 /* Decode ids through the incremental detokenizer; checks that every chunk is whole UTF-8
  * characters. Returns the malloc'd text. */
-static char *stream_decode(const int32_t *ids, size_t n, size_t *len) {
+static char *stream_decode(const int32_t *ids, size_t n, size_t *len)
+{
     td_detok d;
     td_detok_init(&d, g_tok);
     d.special = true;
@@ -223,7 +231,8 @@ static char *stream_decode(const int32_t *ids, size_t n, size_t *len) {
     return all;
 }
 
-static void test_round_trip(void) {
+static void test_round_trip(void)
+{
     for (size_t i = 0; i < g_n; i++) {
         int32_t *ids = NULL;
         size_t n = 0;
@@ -255,7 +264,8 @@ static void test_round_trip(void) {
     }
 }
 
-static void test_meta(void) {
+static void test_meta(void)
+{
     if (g_meta_nvocab != -2) TH_CHECK(td_tok_n_vocab(g_tok) == g_meta_nvocab);
     if (g_meta_bos != -2) TH_CHECK(td_tok_bos(g_tok) == g_meta_bos);
     if (g_meta_eos != -2) TH_CHECK(td_tok_eos(g_tok) == g_meta_eos);
@@ -289,7 +299,8 @@ static void test_meta(void) {
 }
 
 /* Streaming an emoji split across byte tokens holds bytes back until complete. */
-static void test_detok_partial(void) {
+static void test_detok_partial(void)
+{
     static const char text[] = "a\xF0\x9F\x98\x80"
                                "b\xE4\xB8\xAD";
     int32_t *ids;
@@ -302,7 +313,8 @@ static void test_detok_partial(void) {
     free(ids);
 }
 
-static void test_perf(void) {
+static void test_perf(void)
+{
     size_t cap = 100 * 1024, len = 0;
     char *big = malloc(cap);
     for (size_t i = 0; len < cap; i = (i + 1) % g_n) {
@@ -325,7 +337,8 @@ static void test_perf(void) {
     free(big);
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char **argv)
+{
     long expect_fail = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--model"))

@@ -29,7 +29,8 @@ static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n, dc_fini
                       int32_t n_prompt, int32_t n_gen)
 {
     outputs *o = ctx;
-    for (int i = 0; i < n && o->n[id] < MAX_OUT; i++) o->ids[id][o->n[id]++] = ids[i];
+    for (int i = 0; i < n && o->n[id] < MAX_OUT; i++)
+        o->ids[id][o->n[id]++] = ids[i];
     if (finish != DC_FINISH_NONE) {
         o->finish[id] = finish;
         o->finals[id]++;
@@ -123,7 +124,8 @@ static void check_same_as_alone(const outputs *o, int n_req, const char *what)
 {
     for (int i = 0; i < n_req; i++) {
         TH_CHECKF(o->finals[i] == 1, "%s: req %d got %d final events", what, i, o->finals[i]);
-        TH_CHECKF(o->n[i] == alone.n[i] && !memcmp(o->ids[i], alone.ids[i], sizeof(int32_t) * o->n[i]),
+        TH_CHECKF(o->n[i] == alone.n[i] &&
+                      !memcmp(o->ids[i], alone.ids[i], sizeof(int32_t) * o->n[i]),
                   "%s: req %d generated %d tokens, alone %d (first %d vs %d)", what, i, o->n[i],
                   alone.n[i], o->ids[i][0], alone.ids[i][0]);
         TH_CHECK(o->finish[i] == DC_FINISH_LENGTH);
@@ -135,7 +137,8 @@ static void check_same_as_alone(const outputs *o, int n_req, const char *what)
 static void test_concurrent_equals_alone(void)
 {
     int all[N_REQ];
-    for (int i = 0; i < N_REQ; i++) all[i] = i;
+    for (int i = 0; i < N_REQ; i++)
+        all[i] = i;
     outputs o;
     int steps = run(all, N_REQ, 256, 64, &o, NULL);
     fprintf(stderr, "  %d requests together: %d steps\n", N_REQ, steps);
@@ -147,7 +150,8 @@ static void test_pool_pressure(void)
 {
     /* 14 blocks of 16 tokens: the largest request needs ~6, all together ~60 */
     int all[N_REQ];
-    for (int i = 0; i < N_REQ; i++) all[i] = i;
+    for (int i = 0; i < N_REQ; i++)
+        all[i] = i;
     outputs o;
     dc_sched_stats st;
     int steps = run(all, N_REQ, 14, 48, &o, &st);
@@ -167,7 +171,8 @@ static void test_refuse_and_cancel(void)
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {.step_tokens = 64};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
     dc_request_params big = params_of(0);
     big.max_tokens = 8 * 16; /* prompt + this > 8 blocks */
     TH_CHECK(dc_sched_submit(s, &big) == TD_ENOSPC);
@@ -206,7 +211,8 @@ static void test_stop_ids(void)
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {0};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
     dc_request_params p = params_of(3);
     int32_t stop = alone.ids[3][2];
     p.stop_ids = &stop;
@@ -228,7 +234,8 @@ static void test_plan_round_trip(void)
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {.step_tokens = 40};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
     for (int i = 0; i < 4; i++) {
         dc_request_params p = params_of(i);
         TH_REQUIRE(dc_sched_submit(s, &p) == 0);

@@ -47,31 +47,36 @@ typedef struct {
 static rank_out *outs; /* (MAX_TP + 1) */
 static char tmpdir[64];
 
-static int64_t now_ns(void) {
+static int64_t now_ns(void)
+{
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void sleep_ms(int ms) {
+static void sleep_ms(int ms)
+{
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
     while (nanosleep(&ts, &ts) && errno == EINTR) {
     }
 }
 
-static uint64_t mix(uint64_t x) {
+static uint64_t mix(uint64_t x)
+{
     x += 0x9e3779b97f4a7c15ull;
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
 }
 
-static void new_token(char *tok, size_t cap) {
+static void new_token(char *tok, size_t cap)
+{
     static int counter;
     snprintf(tok, cap, "t%d-%d", (int)getpid(), counter++);
 }
 
-static dc_shm_params params(const char *token, int rank, int tp) {
+static dc_shm_params params(const char *token, int rank, int tp)
+{
     return (dc_shm_params){.instance = "d0",
                            .token = token,
                            .rank = rank,
@@ -93,7 +98,8 @@ typedef struct {
     pthread_t th;
 } thread_rank;
 
-static void *thread_main(void *arg) {
+static void *thread_main(void *arg)
+{
     thread_rank *t = arg;
     if (t->delay_ms) sleep_ms(t->delay_ms);
     outs[t->rank].fails += t->fn(t->rank, t->ctx) != 0;
@@ -101,7 +107,8 @@ static void *thread_main(void *arg) {
 }
 
 /* Run tp ranks as threads; delays (ms) may be NULL. Returns the number of failed ranks. */
-static int run_threads(int tp, rank_fn fn, void *ctx, const int *delays) {
+static int run_threads(int tp, rank_fn fn, void *ctx, const int *delays)
+{
     thread_rank t[MAX_TP + 1];
     for (int r = 0; r < tp; r++) {
         t[r] = (thread_rank){.fn = fn, .ctx = ctx, .rank = r, .delay_ms = delays ? delays[r] : 0};
@@ -115,12 +122,14 @@ static int run_threads(int tp, rank_fn fn, void *ctx, const int *delays) {
     return bad;
 }
 
-static void log_path(char *buf, size_t cap, int rank) {
+static void log_path(char *buf, size_t cap, int rank)
+{
     snprintf(buf, cap, "%s/rank%d.log", tmpdir, rank);
 }
 
 /* Fork one rank (stderr to its log file when logged), after delay_ms. */
-static pid_t spawn(int rank, rank_fn fn, void *ctx, int delay_ms, bool logged) {
+static pid_t spawn(int rank, rank_fn fn, void *ctx, int delay_ms, bool logged)
+{
     fflush(stderr);
     pid_t pid = fork();
     if (pid != 0) return pid;
@@ -137,7 +146,8 @@ static pid_t spawn(int rank, rank_fn fn, void *ctx, int delay_ms, bool logged) {
 }
 
 /* Wait for a child for up to ms; a hung child is killed and counted as failed. */
-static int reap(pid_t pid, int ms) {
+static int reap(pid_t pid, int ms)
+{
     int64_t end = now_ns() + (int64_t)ms * 1000000;
     int status;
     for (;;) {
@@ -153,7 +163,8 @@ static int reap(pid_t pid, int ms) {
     }
 }
 
-static int run_procs(int tp, rank_fn fn, void *ctx, const int *delays, int limit_ms) {
+static int run_procs(int tp, rank_fn fn, void *ctx, const int *delays, int limit_ms)
+{
     pid_t pids[MAX_TP + 1];
     for (int r = 0; r < tp; r++)
         pids[r] = spawn(r, fn, ctx, delays ? delays[r] : 0, false);
@@ -163,7 +174,8 @@ static int run_procs(int tp, rank_fn fn, void *ctx, const int *delays, int limit
     return bad;
 }
 
-static bool log_has_q(int rank, const char *needle, bool quiet) {
+static bool log_has_q(int rank, const char *needle, bool quiet)
+{
     char path[128], buf[8192];
     log_path(path, sizeof path, rank);
     FILE *f = fopen(path, "r");
@@ -178,11 +190,13 @@ static bool log_has_q(int rank, const char *needle, bool quiet) {
     return true;
 }
 
-static bool log_has(int rank, const char *needle) {
+static bool log_has(int rank, const char *needle)
+{
     return log_has_q(rank, needle, false);
 }
 
-static void reset_outs(void) {
+static void reset_outs(void)
+{
     memset(outs, 0, sizeof *outs * (MAX_TP + 1));
 }
 
@@ -196,7 +210,8 @@ typedef struct {
 } ar_ctx;
 
 /* The size of iteration it: mostly decode-sized, some large (two-phase path), edges. */
-static int64_t pick_n(const ar_ctx *c, int it) {
+static int64_t pick_n(const ar_ctx *c, int it)
+{
     uint64_t h = mix(c->seed ^ (uint64_t)it * 7919);
     if (it == 0) return 576;
     if (it == 1) return MAXF;
@@ -206,7 +221,8 @@ static int64_t pick_n(const ar_ctx *c, int it) {
 }
 
 /* Rank r's input of iteration it: varied magnitudes, so the summation order matters. */
-static void fill(const ar_ctx *c, int r, int it, float *x, int64_t n) {
+static void fill(const ar_ctx *c, int r, int it, float *x, int64_t n)
+{
     uint64_t base = mix(c->seed ^ ((uint64_t)r << 48) ^ (uint64_t)it);
     for (int64_t i = 0; i < n; i++) {
         uint64_t h = mix(base + (uint64_t)i);
@@ -215,12 +231,14 @@ static void fill(const ar_ctx *c, int r, int it, float *x, int64_t n) {
     }
 }
 
-static void fill_plan(uint8_t *p, size_t len, int it) {
+static void fill_plan(uint8_t *p, size_t len, int it)
+{
     for (size_t j = 0; j < len; j++)
         p[j] = (uint8_t)(it * 31 + (int)j * 7);
 }
 
-static int body_allreduce(int rank, void *vctx) {
+static int body_allreduce(int rank, void *vctx)
+{
     const ar_ctx *c = vctx;
     dc_shm_params p = params(c->token, rank, c->tp);
     p.spin_us = c->spin_us;
@@ -323,12 +341,14 @@ static int body_allreduce(int rank, void *vctx) {
     return fails;
 }
 
-static void check_same_hash(int tp) {
+static void check_same_hash(int tp)
+{
     for (int r = 1; r < tp; r++)
         TH_CHECK(outs[r].hash == outs[0].hash);
 }
 
-static bool segment_exists(const char *token) {
+static bool segment_exists(const char *token)
+{
     char name[160];
     snprintf(name, sizeof name, "/tandem-d0-%s", token);
     int fd = shm_open(name, O_RDONLY, 0);
@@ -337,12 +357,14 @@ static bool segment_exists(const char *token) {
     return true;
 }
 
-static void random_delays(int *d, int tp, uint64_t seed, int max_ms) {
+static void random_delays(int *d, int tp, uint64_t seed, int max_ms)
+{
     for (int r = 0; r < tp; r++)
         d[r] = (int)(mix(seed + (uint64_t)r) % (uint64_t)(max_ms + 1));
 }
 
-static void test_threads_allreduce(void) {
+static void test_threads_allreduce(void)
+{
     for (int tp = 1; tp <= 4; tp++) {
         ar_ctx c = {.tp = tp, .iters = 150, .seed = 100 + (uint64_t)tp};
         new_token(c.token, sizeof c.token);
@@ -360,7 +382,8 @@ static void test_threads_allreduce(void) {
     }
 }
 
-static void test_procs_allreduce(void) {
+static void test_procs_allreduce(void)
+{
     for (int tp = 1; tp <= 4; tp++) {
         ar_ctx c = {.tp = tp, .iters = 150, .seed = 200 + (uint64_t)tp};
         new_token(c.token, sizeof c.token);
@@ -382,7 +405,8 @@ static void test_procs_allreduce(void) {
 }
 
 /* 3 ranks pinned to one CPU: spinning ranks must yield and sleep so the others progress. */
-static int body_pinned(int rank, void *ctx) {
+static int body_pinned(int rank, void *ctx)
+{
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(0, &set);
@@ -390,7 +414,8 @@ static int body_pinned(int rank, void *ctx) {
     return body_allreduce(rank, ctx);
 }
 
-static void test_oversubscribed(void) {
+static void test_oversubscribed(void)
+{
     ar_ctx c = {.tp = 3, .iters = 150, .seed = 300};
     new_token(c.token, sizeof c.token);
     reset_outs();
@@ -411,7 +436,8 @@ typedef struct {
     bool hold;                      /* after open: loop allreduce until an error */
 } open_ctx;
 
-static int body_open(int worker, void *vctx) {
+static int body_open(int worker, void *vctx)
+{
     const open_ctx *c = vctx;
     int rank = c->rank_of[worker] >= 0 ? c->rank_of[worker] : worker;
     dc_shm_params p = params(c->token, rank, c->tp);
@@ -442,12 +468,13 @@ static int body_open(int worker, void *vctx) {
     const void *pl;
     size_t len;
     int again2 = rank ? dc_shm_plan_wait(s, 1000, &pl, &len) : dc_shm_plan_publish(s, buf, 4);
-    if (again != rc || again2 != rc || now_ns() - t0 > 50000000) outs[worker].fails++;
+    if (again != rc || again2 != rc || now_ns() - t0 > 500000000) outs[worker].fails++;
     dc_shm_close(s);
     return 0;
 }
 
-static open_ctx open_ctx_new(int tp, int timeout_ms) {
+static open_ctx open_ctx_new(int tp, int timeout_ms)
+{
     open_ctx c = {.tp = tp, .timeout_ms = timeout_ms, .op_timeout_ms = 10000};
     new_token(c.token, sizeof c.token);
     for (int i = 0; i <= MAX_TP; i++)
@@ -455,7 +482,8 @@ static open_ctx open_ctx_new(int tp, int timeout_ms) {
     return c;
 }
 
-static void test_missing_rank(void) {
+static void test_missing_rank(void)
+{
     open_ctx c = open_ctx_new(3, 300);
     reset_outs();
     int64_t t0 = now_ns();
@@ -464,7 +492,7 @@ static void test_missing_rank(void) {
     TH_CHECK(reap(b, 5000) == 0);
     TH_CHECK(outs[0].rc == TD_ETIMEDOUT);
     TH_CHECK(outs[1].rc == TD_ETIMEDOUT);
-    TH_CHECK(outs[0].t_ns - t0 < 1000000000);
+    TH_CHECK(outs[0].t_ns - t0 < 3000000000ll);
     TH_CHECK(log_has(0, "rendezvous timed out after 300 ms: missing rank 2 (of tp 3)"));
     TH_CHECK(!segment_exists(c.token)); /* rank 0 cleaned up after the failure */
 
@@ -477,7 +505,8 @@ static void test_missing_rank(void) {
     TH_CHECK(log_has(1, "missing rank 0 (no segment /tandem-d0-"));
 }
 
-static void test_bad_open(void) {
+static void test_bad_open(void)
+{
     /* a follower with another layout than rank 0: refused at once */
     open_ctx c = open_ctx_new(2, 400);
     c.max_floats[1] = 1000;
@@ -514,7 +543,8 @@ typedef struct {
     int64_t n[2];
 } size_ctx;
 
-static int body_sizes(int rank, void *vctx) {
+static int body_sizes(int rank, void *vctx)
+{
     const size_ctx *c = vctx;
     dc_shm_params p = params(c->token, rank, 2);
     dc_shm *s;
@@ -526,12 +556,13 @@ static int body_sizes(int rank, void *vctx) {
     outs[rank].rc = rc;
     int64_t t0 = now_ns();
     outs[rank].fails += dc_shm_allreduce(s, buf, 8) != rc || dc_shm_check(s) != rc;
-    outs[rank].fails += now_ns() - t0 > 50000000;
+    outs[rank].fails += now_ns() - t0 > 500000000;
     dc_shm_close(s);
     return 0;
 }
 
-static void test_bad_sizes(void) {
+static void test_bad_sizes(void)
+{
     size_ctx c = {.n = {100, 200}};
     new_token(c.token, sizeof c.token);
     reset_outs();
@@ -545,10 +576,11 @@ static void test_bad_sizes(void) {
     int64_t t0 = now_ns();
     TH_CHECK(run_threads(2, body_sizes, &c, NULL) == 0);
     TH_CHECK(outs[0].rc == TD_EINVAL && outs[1].rc == TD_EINVAL);
-    TH_CHECK(now_ns() - t0 < 1000000000);
+    TH_CHECK(now_ns() - t0 < 3000000000ll);
 }
 
-static void test_kill_mid_allreduce(void) {
+static void test_kill_mid_allreduce(void)
+{
     for (int victim = 0; victim < 3; victim++) {
         open_ctx c = open_ctx_new(3, 5000);
         c.hold = true;
@@ -556,11 +588,12 @@ static void test_kill_mid_allreduce(void) {
         pid_t pids[3];
         for (int r = 0; r < 3; r++)
             pids[r] = spawn(r, body_open, &c, 0, true);
-        /* let them run allreduces for a while */
-        int64_t end = now_ns() + 3000000000ll;
-        while (outs[0].iters < 2000 && now_ns() < end)
+        /* let them run allreduces for a while (a loaded CI machine is slow: wait for a
+         * count, not for a time) */
+        int64_t end = now_ns() + 20000000000ll;
+        while (outs[0].iters < 200 && now_ns() < end)
             sleep_ms(5);
-        TH_CHECK(outs[0].iters >= 2000);
+        TH_CHECK(outs[0].iters >= 200);
         int64_t t_kill = now_ns();
         kill(pids[victim], SIGKILL);
         /* the victim stays a zombie until the survivors are done: must count as dead */
@@ -570,7 +603,7 @@ static void test_kill_mid_allreduce(void) {
         for (int r = 0; r < 3; r++) {
             if (r == victim) continue;
             TH_CHECKF(outs[r].rc == TD_EIO, "rank %d rc %d", r, outs[r].rc);
-            TH_CHECKF(outs[r].t_ns - t_kill < 1000000000, "rank %d noticed after %.0f ms", r,
+            TH_CHECKF(outs[r].t_ns - t_kill < 3000000000ll, "rank %d noticed after %.0f ms", r,
                       (outs[r].t_ns - t_kill) / 1e6);
             TH_CHECK(outs[r].fails == 0);
         }
@@ -585,7 +618,8 @@ static void test_kill_mid_allreduce(void) {
     }
 }
 
-static void test_not_answering(void) {
+static void test_not_answering(void)
+{
     open_ctx c = open_ctx_new(2, 5000);
     c.hold = true;
     c.op_timeout_ms = 300;
@@ -601,7 +635,7 @@ static void test_not_answering(void) {
     TH_CHECK(reap(pids[0], 5000) == 0);
     TH_CHECK(outs[0].rc == TD_ETIMEDOUT);
     int64_t waited = outs[0].t_ns - t_stop;
-    TH_CHECKF(waited >= 250000000 && waited < 1500000000, "%.0f ms", waited / 1e6);
+    TH_CHECKF(waited >= 250000000 && waited < 5000000000ll, "%.0f ms", waited / 1e6);
     TH_CHECK(log_has(0, "rank 1 not answering (allreduce barrier, 300 ms)"));
     /* the stopped rank, resumed, finds the instance broken */
     kill(pids[1], SIGCONT);
@@ -620,7 +654,8 @@ typedef struct {
     volatile sig_atomic_t *intr;
 } plan_ctx;
 
-static int body_plan(int rank, void *vctx) {
+static int body_plan(int rank, void *vctx)
+{
     const plan_ctx *c = vctx;
     dc_shm_params p = params(c->token, rank, c->tp);
     p.interrupt = rank ? c->intr : NULL;
@@ -659,7 +694,8 @@ static int body_plan(int rank, void *vctx) {
     return fails;
 }
 
-static void test_idle_follower_cpu(void) {
+static void test_idle_follower_cpu(void)
+{
     plan_ctx c = {.tp = 3, .leader_sleep_ms = 2000};
     new_token(c.token, sizeof c.token);
     reset_outs();
@@ -673,7 +709,8 @@ static void test_idle_follower_cpu(void) {
     }
 }
 
-static void test_leader_dies_idle(void) {
+static void test_leader_dies_idle(void)
+{
     plan_ctx c = {.tp = 3, .leader_sleep_ms = 300, .leader_dies = true};
     new_token(c.token, sizeof c.token);
     reset_outs();
@@ -687,30 +724,33 @@ static void test_leader_dies_idle(void) {
     for (int r = 1; r < 3; r++) {
         reap(pids[r], 5000);
         TH_CHECK(outs[r].rc == TD_EIO);
-        TH_CHECKF(outs[r].t_ns - t_death < 1000000000, "%.0f ms", (outs[r].t_ns - t_death) / 1e6);
+        TH_CHECKF(outs[r].t_ns - t_death < 3000000000ll, "%.0f ms", (outs[r].t_ns - t_death) / 1e6);
     }
     TH_CHECK(log_has_q(1, "rank 0 died", true) || log_has(2, "rank 0 died"));
 }
 
-static void test_leader_leaves_without_stop(void) {
+static void test_leader_leaves_without_stop(void)
+{
     plan_ctx c = {.tp = 2, .leader_sleep_ms = 50, .leader_no_stop = true};
     new_token(c.token, sizeof c.token);
     reset_outs();
     int64_t t0 = now_ns();
     run_threads(2, body_plan, &c, NULL);
     TH_CHECK(outs[1].rc == TD_EIO);
-    TH_CHECK(now_ns() - t0 < 1000000000);
+    TH_CHECK(now_ns() - t0 < 3000000000ll);
 }
 
 static volatile sig_atomic_t intr_flag;
 
-static void *set_intr(void *arg) {
+static void *set_intr(void *arg)
+{
     sleep_ms(100);
     intr_flag = 1;
     return arg;
 }
 
-static void test_interrupt(void) {
+static void test_interrupt(void)
+{
     plan_ctx c = {.tp = 2, .leader_sleep_ms = 400, .intr = &intr_flag};
     new_token(c.token, sizeof c.token);
     reset_outs();
@@ -726,7 +766,8 @@ static void test_interrupt(void) {
 
 /* ---- stale segments ---- */
 
-static int body_hang(int rank, void *vctx) {
+static int body_hang(int rank, void *vctx)
+{
     const open_ctx *c = vctx;
     dc_shm_params p = params(c->token, rank, c->tp);
     dc_shm *s;
@@ -734,7 +775,8 @@ static int body_hang(int rank, void *vctx) {
     return 1;
 }
 
-static void write_garbage(const char *token, size_t size) {
+static void write_garbage(const char *token, size_t size)
+{
     char name[160];
     snprintf(name, sizeof name, "/tandem-d0-%s", token);
     int fd = shm_open(name, O_RDWR | O_CREAT, 0600);
@@ -748,7 +790,8 @@ static void write_garbage(const char *token, size_t size) {
     close(fd);
 }
 
-static void test_stale_segment(void) {
+static void test_stale_segment(void)
+{
     for (int variant = 0; variant < 4; variant++) {
         ar_ctx a = {.tp = 2, .iters = 20, .seed = 400 + (uint64_t)variant};
         new_token(a.token, sizeof a.token);
@@ -797,12 +840,14 @@ typedef struct {
     int tp;
 } bench_ctx;
 
-static int cmp_i64(const void *a, const void *b) {
+static int cmp_i64(const void *a, const void *b)
+{
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return (x > y) - (x < y);
 }
 
-static int body_bench(int rank, void *vctx) {
+static int body_bench(int rank, void *vctx)
+{
     const bench_ctx *c = vctx;
     dc_shm_params p = params(c->token, rank, c->tp);
     dc_shm *s;
@@ -838,7 +883,8 @@ static int body_bench(int rank, void *vctx) {
     return 0;
 }
 
-static int bench(void) {
+static int bench(void)
+{
     for (int tp = 2; tp <= 3; tp++) {
         bench_ctx c = {.tp = tp};
         new_token(c.token, sizeof c.token);
@@ -847,7 +893,8 @@ static int bench(void) {
     return 0;
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char **argv)
+{
     outs = mmap(NULL, sizeof *outs * (MAX_TP + 1), PROT_READ | PROT_WRITE,
                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (outs == MAP_FAILED) return 1;

@@ -20,14 +20,15 @@ static uint64_t sum_bytes(const void *p, size_t n)
 {
     const uint8_t *b = p;
     uint64_t s = 0;
-    for (size_t i = 0; i < n; i++) s += b[i];
+    for (size_t i = 0; i < n; i++)
+        s += b[i];
     return s;
 }
 
 static void walk_kv(const td_gguf *g, size_t i)
 {
     const char *key = td_gguf_kv_key(g, i);
-    if (!key) abort(); /* a successful open must name every key */
+    if (!key) abort();                                  /* a successful open must name every key */
     if (td_gguf_find_kv(g, key) != (int64_t)i) abort(); /* keys are unique */
     const char *s;
     size_t len;
@@ -81,7 +82,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     }
     sink += td_gguf_version(g) + td_gguf_alignment(g);
-    for (size_t i = 0; i < td_gguf_n_kv(g); i++) walk_kv(g, i);
+    for (size_t i = 0; i < td_gguf_n_kv(g); i++)
+        walk_kv(g, i);
     for (size_t i = 0; i < td_gguf_n_tensors(g); i++) {
         const td_gguf_tensor *t = td_gguf_tensor_at(g, i);
         if (!t || td_gguf_find_tensor(g, t->name) != t) abort();

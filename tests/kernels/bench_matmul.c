@@ -34,13 +34,15 @@ static const shape shapes[] = {
 #define N_LAYERS   30
 #define COLD_BYTES ((size_t)256 << 20)
 
-static double now_s(void) {
+static double now_s(void)
+{
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_double(const void *a, const void *b) {
+static int cmp_double(const void *a, const void *b)
+{
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
@@ -48,7 +50,8 @@ static int cmp_double(const void *a, const void *b) {
 static uint64_t rng = 0x2545f4914f6cdd1dull;
 
 /* Random quants with small finite scales: realistic work, nothing the kernel can skip. */
-static void *make_weights(td_dtype t, int64_t rows, int64_t cols) {
+static void *make_weights(td_dtype t, int64_t rows, int64_t cols)
+{
     size_t bytes = td_dtype_row_bytes(t, cols) * (size_t)rows;
     uint8_t *p = malloc(bytes);
     if (!p) return NULL;
@@ -67,7 +70,8 @@ static void *make_weights(td_dtype t, int64_t rows, int64_t cols) {
     return p;
 }
 
-static kn_mat mat_of(const shape *s, const void *data) {
+static kn_mat mat_of(const shape *s, const void *data)
+{
     return (kn_mat){.type = s->type,
                     .n_rows = s->rows,
                     .n_cols = s->cols,
@@ -77,7 +81,8 @@ static kn_mat mat_of(const shape *s, const void *data) {
 
 /* Median seconds of reps passes over n_mats matrices of shape s at m rows of x. */
 static double time_pass(kn_cpu *c, const shape *s, void **mats, int n_mats, const float *x,
-                        int64_t m, float *y, int reps) {
+                        int64_t m, float *y, int reps)
+{
     double t[16];
     if (reps > 16) reps = 16;
     for (int r = -1; r < reps; r++) {
@@ -92,7 +97,8 @@ static double time_pass(kn_cpu *c, const shape *s, void **mats, int n_mats, cons
     return t[reps / 2];
 }
 
-static void bench_threads(int n_threads) {
+static void bench_threads(int n_threads)
+{
     kn_cpu *c;
     if (kn_cpu_create(n_threads, &c)) return;
     const double read = kn_cpu_mem_read_gbps(c, 0, 5);
@@ -189,7 +195,8 @@ static void bench_threads(int n_threads) {
     kn_cpu_destroy(c);
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char **argv)
+{
     if (argc < 2) {
         bench_threads(1);
         bench_threads(2);

@@ -27,7 +27,8 @@ static double urand(void) /* [0, 1) */
     return (double)(rng >> 11) * (1.0 / 9007199254740992.0);
 }
 
-static float frand(float lo, float hi) {
+static float frand(float lo, float hi)
+{
     return lo + (hi - lo) * (float)urand();
 }
 
@@ -50,11 +51,13 @@ typedef struct {
     void *kpool, *vpool;
 } fixture;
 
-static float round_kv(td_dtype t, float x) {
+static float round_kv(td_dtype t, float x)
+{
     return t == TD_F16 ? td_fp16_to_fp32(td_fp32_to_fp16(x)) : x;
 }
 
-static void fixture_init(fixture *F, att_case c) {
+static void fixture_init(fixture *F, att_case c)
+{
     memset(F, 0, sizeof *F);
     F->c = c;
     const int bs = c.block_size, hd = c.head_dim, nkv = c.n_kv_heads, nh = c.n_heads;
@@ -128,7 +131,8 @@ static void fixture_init(fixture *F, att_case c) {
     free(perm);
 }
 
-static void fixture_fini(fixture *F) {
+static void fixture_fini(fixture *F)
+{
     for (int s = 0; s < N_SEQ; s++) {
         free(F->tables[s]);
         free(F->k[s]);
@@ -152,7 +156,8 @@ typedef struct {
 
 /* Whether pool element `at` holds x as kv_write must store it (f16: rounded to nearest
  * even like td_fp32_to_fp16; f32: bit for bit). */
-static bool pool_holds(const void *pool, td_dtype t, size_t at, float x) {
+static bool pool_holds(const void *pool, td_dtype t, size_t at, float x)
+{
     if (t == TD_F16) {
         uint16_t h;
         memcpy(&h, (const char *)pool + at * 2, 2);
@@ -165,7 +170,8 @@ static bool pool_holds(const void *pool, td_dtype t, size_t at, float x) {
 
 /* Runs the whole write/attend schedule on c; returns the worst error relative to
  * (1 + |ref|), and counts pool layout mismatches. */
-static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad) {
+static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
+{
     const att_case C = F->c;
     const int hd = C.head_dim, nkv = C.n_kv_heads, nh = C.n_heads, bs = C.block_size;
     int done[N_SEQ] = {0};
@@ -239,7 +245,8 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad) {
     return worst;
 }
 
-static void test_paged_attention(void) {
+static void test_paged_attention(void)
+{
     static const att_case cases[] = {
         {16, 4, 4, 32, TD_F32},  {32, 4, 4, 64, TD_F16}, {16, 9, 3, 64, TD_F32},
         {32, 9, 3, 64, TD_F16},  {16, 8, 2, 64, TD_F16}, {32, 12, 3, 32, TD_F32},
@@ -266,7 +273,8 @@ static void test_paged_attention(void) {
 
 /* fp32 -> fp16 in kv_write rounds like td_fp32_to_fp16 at the awkward values: ties,
  * subnormals, overflow. */
-static void test_kv_write_f16_rounding(void) {
+static void test_kv_write_f16_rounding(void)
+{
     enum { HD = 40 }; /* 5 SIMD groups, no tail, plus a tail run below */
     float k[HD + 3], v[HD + 3];
     const float special[] = {0.0f,
@@ -304,14 +312,16 @@ static void test_kv_write_f16_rounding(void) {
     }
 }
 
-static double now_s(void) {
+static double now_s(void)
+{
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* Attention time for one sequence of ctx positions, the last m of them queried. */
-static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, int hd) {
+static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, int hd)
+{
     const int bs = 16, nb = (ctx + bs - 1) / bs;
     const size_t esz = t == TD_F16 ? 2 : 4, pool = (size_t)nb * nkv * bs * hd;
     void *kp = calloc(pool, esz), *vp = calloc(pool, esz);
@@ -355,7 +365,8 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     free(seq_of);
 }
 
-static int bench(void) {
+static int bench(void)
+{
     for (int nt = 1; nt <= 2; nt++) {
         kn_cpu *c;
         if (kn_cpu_create(nt, &c)) return 1;
@@ -369,7 +380,8 @@ static int bench(void) {
     return 0;
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char **argv)
+{
     if (argc > 1 && strcmp(argv[1], "bench") == 0) return bench();
     TH_RUN(test_kv_write_f16_rounding);
     TH_RUN(test_paged_attention);

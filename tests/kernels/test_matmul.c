@@ -16,20 +16,23 @@ static const td_dtype all_types[] = {TD_F32, TD_F16, TD_BF16, TD_Q8_0, TD_Q4_0, 
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
-static uint32_t rng_u32(void) {
+static uint32_t rng_u32(void)
+{
     rng_state ^= rng_state << 13;
     rng_state ^= rng_state >> 7;
     rng_state ^= rng_state << 17;
     return (uint32_t)(rng_state >> 16);
 }
 
-static float rng_uniform(float lo, float hi) {
+static float rng_uniform(float lo, float hi)
+{
     return lo + (hi - lo) * (float)(rng_u32() & 0xffffff) / 16777216.0f;
 }
 
 /* ---- reference quantizers, after ggml's quantize_row_*_ref ---- */
 
-static void quantize_q8_0(const float *x, td_block_q8_0 *y, int64_t n) {
+static void quantize_q8_0(const float *x, td_block_q8_0 *y, int64_t n)
+{
     for (int64_t b = 0; b < n / TD_QK; b++, x += TD_QK) {
         float amax = 0.0f;
         for (int j = 0; j < TD_QK; j++)
@@ -41,7 +44,8 @@ static void quantize_q8_0(const float *x, td_block_q8_0 *y, int64_t n) {
     }
 }
 
-static void quantize_q4_0(const float *x, td_block_q4_0 *y, int64_t n) {
+static void quantize_q4_0(const float *x, td_block_q4_0 *y, int64_t n)
+{
     for (int64_t b = 0; b < n / TD_QK; b++, x += TD_QK) {
         float amax = 0.0f, max = 0.0f;
         for (int j = 0; j < TD_QK; j++)
@@ -60,7 +64,8 @@ static void quantize_q4_0(const float *x, td_block_q4_0 *y, int64_t n) {
     }
 }
 
-static void quantize_q4_1(const float *x, td_block_q4_1 *y, int64_t n) {
+static void quantize_q4_1(const float *x, td_block_q4_1 *y, int64_t n)
+{
     for (int64_t b = 0; b < n / TD_QK; b++, x += TD_QK) {
         float min = INFINITY, max = -INFINITY;
         for (int j = 0; j < TD_QK; j++) {
@@ -81,7 +86,8 @@ static void quantize_q4_1(const float *x, td_block_q4_1 *y, int64_t n) {
 }
 
 /* dst (row bytes of n elements of t) = x (n) stored as t. */
-static void quantize_row(td_dtype t, const float *x, void *dst, int64_t n) {
+static void quantize_row(td_dtype t, const float *x, void *dst, int64_t n)
+{
     switch (t) {
     case TD_F32:
         memcpy(dst, x, (size_t)n * 4);
@@ -126,7 +132,8 @@ static void quantize_row(td_dtype t, const float *x, void *dst, int64_t n) {
 }
 
 /* Scalar dequantization written out the way ggml's reference does it. */
-static float ref_dequant_one(td_dtype t, const uint8_t *row, int64_t i) {
+static float ref_dequant_one(td_dtype t, const uint8_t *row, int64_t i)
+{
     uint16_t h, hm;
     const int64_t b = i / TD_QK, j = i % TD_QK;
     switch (t) {
@@ -172,7 +179,8 @@ static size_t elem_unit(td_dtype t) /* bytes of one block (or one element) */
 
 /* ---- dequantization ---- */
 
-static void check_half(td_dtype t, const uint16_t *in, const uint32_t *want_bits, int n) {
+static void check_half(td_dtype t, const uint16_t *in, const uint32_t *want_bits, int n)
+{
     float out[32];
     TH_REQUIRE(kn_dequant_row(t, in, out, n) == 0);
     for (int i = 0; i < n; i++)
@@ -180,7 +188,8 @@ static void check_half(td_dtype t, const uint16_t *in, const uint32_t *want_bits
                   td_dtype_name(t), i, in[i], td_fp32_to_bits(out[i]), want_bits[i]);
 }
 
-static void test_dequant_known_values(void) {
+static void test_dequant_known_values(void)
+{
     /* 19 elements: 16 go through the SIMD loop, 3 through the tail */
     const uint16_t h[19] = {0x3c00, 0x0001, 0x03ff, 0x8000, 0x7c00, 0xfc00, 0xc000,
                             0x7bff, 0x0400, 0x3555, 0x8001, 0x0000, 0x4900, 0x3800,
@@ -210,7 +219,8 @@ static void test_dequant_known_values(void) {
 
 /* Random block bytes (scales restricted to finite halves, some subnormal) against the
  * scalar formula, bit for bit. */
-static void test_dequant_blocks_bit_exact(void) {
+static void test_dequant_blocks_bit_exact(void)
+{
     const td_dtype qt[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1};
     for (int ti = 0; ti < 3; ti++) {
         const td_dtype t = qt[ti];
@@ -243,7 +253,8 @@ static void test_dequant_blocks_bit_exact(void) {
 }
 
 /* The test's quantizers are sane: round trips stay within half a quantization step. */
-static void test_quantize_round_trip(void) {
+static void test_quantize_round_trip(void)
+{
     enum { N = 4 * TD_QK };
     float x[N], y[N];
     uint8_t q[N * 4];
@@ -272,7 +283,8 @@ typedef struct {
 
 /* A strided row-slice view: each row sits one block (or element) into a row of
  * row_bytes + 3 units, like a row-parallel slice of a wider matrix. */
-static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, test_mat *tm) {
+static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, test_mat *tm)
+{
     const size_t unit = elem_unit(t), rb = td_dtype_row_bytes(t, n_cols);
     const size_t stride = rb + 3 * unit;
     tm->buf = malloc(stride * (size_t)n_rows + unit);
@@ -298,14 +310,16 @@ static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, test_mat *tm) {
     return 0;
 }
 
-static void free_mat(test_mat *tm) {
+static void free_mat(test_mat *tm)
+{
     free(tm->buf);
     free(tm->deq);
 }
 
 static kn_cpu *cpus[3]; /* 1, 2 and 3 threads */
 
-static void test_matmul_all(void) {
+static void test_matmul_all(void)
+{
     const int64_t ms[] = {1, 2, 3, 7, 8, 16, 33, 100};
     const int64_t rows[] = {1, 5, 67, 300};
     const int64_t cols[] = {32, 64, 576, 1536, 37};
@@ -390,7 +404,8 @@ static void test_matmul_all(void) {
 
 /* ---- get_rows and errors ---- */
 
-static void test_get_rows(void) {
+static void test_get_rows(void)
+{
     for (int ti = 0; ti < N_TYPES; ti++) {
         const td_dtype t = all_types[ti];
         test_mat tm;
@@ -409,7 +424,8 @@ static void test_get_rows(void) {
     }
 }
 
-static void test_errors(void) {
+static void test_errors(void)
+{
     uint8_t data[4096] = {0};
     float x[256] = {0}, y[256];
     const td_dtype unsupported[] = {TD_Q5_0, TD_Q4_K, TD_Q6_K, TD_I32};
@@ -436,7 +452,8 @@ static void test_errors(void) {
     TH_CHECK(kn_cpu_matmul(cpus[0], &w, x, 0, y) == 0);
 }
 
-int main(void) {
+int main(void)
+{
     for (int i = 0; i < 3; i++)
         if (kn_cpu_create(i + 1, &cpus[i])) {
             fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);

@@ -21,8 +21,8 @@
 #include "td_err.h"
 
 #define PROMPT_LEN 45
-#define N_DECODE 6
-#define BLOCK 16
+#define N_DECODE   6
+#define BLOCK      16
 
 static const char *model_path;
 static td_gguf *gguf;
@@ -52,7 +52,8 @@ static int allreduce_sum(void *ctx, float *buf, int64_t n)
     /* every rank sums in rank order, so all ranks get bit-identical results */
     for (int64_t i = 0; i < n; i++) {
         float s = 0;
-        for (int r = 0; r < ar->tp; r++) s += ar->slots[r][i];
+        for (int r = 0; r < ar->tp; r++)
+            s += ar->slots[r][i];
         mine[i] = s;
     }
     pthread_barrier_wait(&ar->bar); /* nobody overwrites buf before all have read it */
@@ -72,8 +73,8 @@ typedef struct {
 
 typedef struct {
     int pp, tp;
-    shard_rt *rt;        /* (pp * tp) stage-major */
-    allreduce_ctx *ars;  /* (pp) one collective per stage */
+    shard_rt *rt;       /* (pp * tp) stage-major */
+    allreduce_ctx *ars; /* (pp) one collective per stage */
     td_dtype kv_type;
 } grid;
 
@@ -164,22 +165,30 @@ static int grid_forward(grid *g, const int32_t *tokens, const int32_t *pos, cons
             shard_rt *x = &g->rt[s * g->tp + r];
             for (int q = 0; q < n_seqs && !rc; q++) {
                 rc = kn_kv_seq_reserve(x->kv, &x->seqs[q], ctx_after[q]);
-                views[r][q] = (kn_seq_view){.block_table = x->seqs[q].blocks,
-                                            .n_ctx = ctx_after[q]};
+                views[r][q] =
+                    (kn_seq_view){.block_table = x->seqs[q].blocks, .n_ctx = ctx_after[q]};
             }
             /* ranks other than 0 write their logits to a private buffer; rank 0's is kept */
             float *out = last ? (r == 0 ? logits : malloc((size_t)n_rows * n_vocab * 4))
                               : (r == 0 ? h_out : malloc((size_t)(n * n_embd) * 4));
             jobs[r] = (rank_job){
                 .x = x,
-                .b = {.n_tokens = n, .tokens = s == 0 ? tokens : NULL, .embd = h_in, .pos = pos,
-                      .seq_of = seq_of, .n_seqs = n_seqs, .seqs = views[r],
-                      .n_logits = last ? n_rows : 0, .logit_rows = rows},
+                .b = {.n_tokens = n,
+                      .tokens = s == 0 ? tokens : NULL,
+                      .embd = h_in,
+                      .pos = pos,
+                      .seq_of = seq_of,
+                      .n_seqs = n_seqs,
+                      .seqs = views[r],
+                      .n_logits = last ? n_rows : 0,
+                      .logit_rows = rows},
                 .out = out,
             };
         }
-        for (int r = 0; r < g->tp && !rc; r++) pthread_create(&th[r], NULL, rank_main, &jobs[r]);
-        for (int r = 0; r < g->tp && !rc; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < g->tp && !rc; r++)
+            pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+        for (int r = 0; r < g->tp && !rc; r++)
+            pthread_join(th[r], NULL);
         for (int r = 0; r < g->tp && !rc; r++) {
             if (jobs[r].rc) rc = jobs[r].rc;
             if (r > 0) {
@@ -210,7 +219,8 @@ static int run_sequence(grid *g, const int32_t *prompt, int n_prompt, int chunk,
     int rc = 0;
     for (int done = 0; done < n_prompt && !rc;) {
         int len = n_prompt - done < chunk ? n_prompt - done : chunk;
-        for (int i = 0; i < len; i++) pos[i] = done + i;
+        for (int i = 0; i < len; i++)
+            pos[i] = done + i;
         int32_t ctx = done + len, row = len - 1;
         rc = grid_forward(g, prompt + done, pos, seq_of, len, 1, &ctx, &row, 1, logits);
         done += len;
@@ -222,7 +232,8 @@ static int run_sequence(grid *g, const int32_t *prompt, int n_prompt, int chunk,
             if (l[v] > l[best]) best = v;
         gen[t] = best;
         int32_t p = n_prompt + t, ctx = p + 1, row = 0;
-        rc = grid_forward(g, &best, &p, seq_of, 1, 1, &ctx, &row, 1, logits + (size_t)(t + 1) * n_vocab);
+        rc = grid_forward(g, &best, &p, seq_of, 1, 1, &ctx, &row, 1,
+                          logits + (size_t)(t + 1) * n_vocab);
     }
     return rc;
 }
@@ -343,8 +354,14 @@ static void test_bad_batches(void)
     kn_seq_view view = {.block_table = x->seqs[0].blocks, .n_ctx = 4};
     int32_t tok[2] = {1, 2}, pos[2] = {0, 1}, seq_of[2] = {0, 0}, row = 1;
     float *out = malloc((size_t)n_vocab * sizeof(float));
-    kn_batch ok = {.n_tokens = 2, .tokens = tok, .pos = pos, .seq_of = seq_of, .n_seqs = 1,
-                   .seqs = &view, .n_logits = 1, .logit_rows = &row};
+    kn_batch ok = {.n_tokens = 2,
+                   .tokens = tok,
+                   .pos = pos,
+                   .seq_of = seq_of,
+                   .n_seqs = 1,
+                   .seqs = &view,
+                   .n_logits = 1,
+                   .logit_rows = &row};
     TH_CHECK(kn_engine_forward(x->engine, x->kv, &ok, out) == 0);
     kn_batch b = ok;
     int32_t bad_tok[2] = {1, n_vocab};
@@ -385,8 +402,12 @@ static void test_bad_batches(void)
 static void test_kv_pool_exhaustion(void)
 {
     kn_kv_pool *kv;
-    kn_kv_pool_params p = {.n_layers = 1, .n_kv_heads = 1, .head_dim = 8, .block_size = 16,
-                           .n_blocks = 4, .type = TD_F16};
+    kn_kv_pool_params p = {.n_layers = 1,
+                           .n_kv_heads = 1,
+                           .head_dim = 8,
+                           .block_size = 16,
+                           .n_blocks = 4,
+                           .type = TD_F16};
     TH_REQUIRE(kn_kv_pool_create(&p, &kv) == 0);
     kn_kv_seq a, b;
     kn_kv_seq_init(&a);
@@ -425,10 +446,12 @@ int main(int argc, char **argv)
     n_layer = hp.n_layer;
     fprintf(stderr, "model %s: %s, %d layers, embd %d, heads %d/%d, ff %d, vocab %d\n", model_path,
             kn_arch_name(hp.arch), n_layer, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, n_vocab);
-    for (int i = 0; i < PROMPT_LEN; i++) prompt[i] = (i * 131 + 17) % n_vocab;
+    for (int i = 0; i < PROMPT_LEN; i++)
+        prompt[i] = (i * 131 + 17) % n_vocab;
     ref_logits = calloc((size_t)(N_DECODE + 1) * n_vocab, sizeof(float));
     grid g;
-    if (grid_open(&g, 1, 1, TD_F32) || run_sequence(&g, prompt, PROMPT_LEN, PROMPT_LEN, ref_logits, ref_gen)) {
+    if (grid_open(&g, 1, 1, TD_F32) ||
+        run_sequence(&g, prompt, PROMPT_LEN, PROMPT_LEN, ref_logits, ref_gen)) {
         fprintf(stderr, "reference run failed\n");
         return 1;
     }

@@ -18,13 +18,15 @@ static double urand(void) /* [0, 1) */
     return (double)(rng >> 11) * (1.0 / 9007199254740992.0);
 }
 
-static float frand(float lo, float hi) {
+static float frand(float lo, float hi)
+{
     return lo + (hi - lo) * (float)urand();
 }
 
 static const int thread_counts[] = {1, 2, 3};
 
-static void test_rmsnorm(void) {
+static void test_rmsnorm(void)
+{
     static const int64_t ns[] = {1, 7, 64, 576, 4099};
     for (size_t tc = 0; tc < 3; tc++) {
         kn_cpu *c;
@@ -69,7 +71,8 @@ static void test_rmsnorm(void) {
 }
 
 /* freq[i] = base^(-2i / n_rot), as llama.cpp's theta_scale powers */
-static void rope_case(kn_cpu *c, int n_heads, int head_dim, int n_rot, bool neox, int64_t m) {
+static void rope_case(kn_cpu *c, int n_heads, int head_dim, int n_rot, bool neox, int64_t m)
+{
     const int64_t row = (int64_t)n_heads * head_dim;
     float *x = malloc(sizeof(float) * m * row), *x0 = malloc(sizeof(float) * m * row);
     float *freq = malloc(sizeof(float) * (size_t)(head_dim / 2));
@@ -109,7 +112,8 @@ static void rope_case(kn_cpu *c, int n_heads, int head_dim, int n_rot, bool neox
     free(pos);
 }
 
-static void test_rope(void) {
+static void test_rope(void)
+{
     for (size_t tc = 0; tc < 3; tc++) {
         kn_cpu *c;
         TH_REQUIRE(kn_cpu_create(thread_counts[tc], &c) == 0);
@@ -123,7 +127,8 @@ static void test_rope(void) {
     }
 }
 
-static void test_swiglu(void) {
+static void test_swiglu(void)
+{
     static const int64_t ns[] = {1, 13, 1536};
     for (size_t tc = 0; tc < 3; tc++) {
         kn_cpu *c;
@@ -158,7 +163,8 @@ static void test_swiglu(void) {
     }
 }
 
-int main(void) {
+int main(void)
+{
     TH_RUN(test_rmsnorm);
     TH_RUN(test_rope);
     TH_RUN(test_swiglu);

@@ -8,7 +8,10 @@
 
 #define V 6
 
-static int32_t draw(kn_sampler *s, const float *logits) { return kn_sample(s, logits, NULL, 0); }
+static int32_t draw(kn_sampler *s, const float *logits)
+{
+    return kn_sample(s, logits, NULL, 0);
+}
 
 static void test_greedy(void)
 {

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""bench_decode.py: the decode-node benchmark of BENCHMARKS.md (Release build).
+
+  1. decode throughput at batch 1, 4, 16, 64 (128 tokens per request, ignore EOS) of one
+     tp1 instance, next to `tandem bench-engine`'s single-process batch-1 decode measured
+     in the same run (the ratio is what the node's scheduling and control plane cost);
+  2. tensor parallelism: mean step time and all-reduce share of tp3 x 1 thread against
+     tp1 x 3 threads (same total threads; the default model has 3 KV heads, so tp2 is not
+     possible; both oversubscribe a 2-core machine equally);
+  3. colocated mode: time per output token of 4 running requests while a 2048-token
+     prompt is prefilled, against the same run without it (target: within 2x).
+
+usage: tools/bench_decode.py [--build build] [--model PATH]
+"""
+import argparse
+import os
+import random
+import re
+import signal
+import subprocess
+import tempfile
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--build", default="build")
+ap.add_argument("--model", default=os.path.expanduser(
+    "~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+args = ap.parse_args()
+TANDEM = os.path.join(args.build, "bin", "tandem")
+DECODE = os.path.join(args.build, "bin", "tandem-decode")
+rnd = random.Random(1)
+
+
+def start(tp, threads, port, step_tokens=256):
+    d = tempfile.mkdtemp(prefix="tandem-bench-")
+    cfg = os.path.join(d, "c.yaml")
+    with open(cfg, "w") as f:
+        f.write(f"model: {args.model}\ndecode:\n  - name: b{port}\n    tp: {tp}\n"
+                f"    threads: {threads}\n    kv_blocks: 4096\n    max_batch: 64\n"
+                f"    step_tokens: {step_tokens}\n    port: {port}\n")
+    procs = [subprocess.Popen([DECODE, "--config", cfg, "--instance", f"b{port}", "--rank", str(r)],
+                              stderr=open(os.path.join(d, f"r{r}.log"), "w")) for r in range(tp)]
+    url = f"tcp://127.0.0.1:{port}"
+    for _ in range(300):
+        r = subprocess.run([TANDEM, "client", "--url", url, "--health", "--timeout-ms", "1000"],
+                           capture_output=True, text=True)
+        if "ready 1" in r.stdout:
+            break
+        time.sleep(0.2)
+    return procs, url, d
+
+
+def stop(procs, d):
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.wait(timeout=30)
+    with open(os.path.join(d, "r0.log")) as f:
+        return f.read()
+
+
+def run(url, n, max_tokens, prompt_len=16):
+    path = tempfile.mktemp()
+    with open(path, "w") as f:
+        for i in range(n):
+            ids = ",".join(str(rnd.randrange(1000, 40000)) for _ in range(prompt_len))
+            f.write(f"{max_tokens} 0.8 {i} {ids}\n")
+    r = subprocess.run([TANDEM, "client", "--url", url, "--requests", path, "--stats",
+                        "--ignore-eos", "--timeout-ms", "600000"], capture_output=True, text=True)
+    line = [l for l in r.stdout.splitlines() if l.startswith("stats:")][0].split()[1:]
+    return {line[i]: float(line[i + 1]) for i in range(0, len(line), 2)}
+
+
+engine = subprocess.run([TANDEM, "bench-engine", "--model", args.model, "--threads", "2",
+                         "--reps", "1", "--json"], capture_output=True, text=True).stdout
+m = re.search(r'"decode_tps": ([0-9.]+)', engine)
+engine_tg = float(m.group(1))
+print(f"engine (bench-engine, 2 threads) decode batch 1: {engine_tg:.1f} tok/s")
+
+procs, url, d = start(1, 2, 9700)
+run(url, 1, 16)  # warm-up
+for b in (1, 4, 16, 64):
+    s = run(url, b, 128)
+    extra = f"  ({s['tok_per_s'] / engine_tg:.2f} x engine batch 1)" if b == 1 else ""
+    print(f"node tp1 x 2 threads, batch {b:2d}: {s['tok_per_s']:7.1f} tok/s, "
+          f"tpot {s['tpot_ms']:.2f} ms{extra}")
+stop(procs, d)
+
+for tp, threads in ((1, 3), (3, 1)):
+    procs, url, d = start(tp, threads, 9710 + tp)
+    s = run(url, 4, 128)
+    log = stop(procs, d)
+    m = re.search(r"mean step ([0-9.]+) ms, allreduce (\d+) x ([0-9.]+) us \(([0-9.]+)% of step", log)
+    print(f"tp{tp} x {threads} threads, batch 4: {s['tok_per_s']:6.1f} tok/s, step {m.group(1)} ms, "
+          f"allreduce {m.group(3)} us each, {m.group(4)}% of step time")
+
+for label, with_prefill in (("without", False), ("with", True)):
+    procs, url, d = start(1, 2, 9720 + with_prefill, step_tokens=256)
+    path = tempfile.mktemp()
+    with open(path, "w") as f:
+        for i in range(4):
+            f.write(f"256 0.8 {i} " + ",".join(str(rnd.randrange(1000, 40000)) for _ in range(16)) + "\n")
+    a = subprocess.Popen([TANDEM, "client", "--url", url, "--requests", path, "--stats", "--ignore-eos",
+                          "--timeout-ms", "600000"], stdout=subprocess.PIPE, text=True)
+    if with_prefill:
+        time.sleep(0.5)
+        long_ids = ",".join(str(rnd.randrange(1000, 40000)) for _ in range(2048))
+        subprocess.run([TANDEM, "client", "--url", url, "--prompt-ids", long_ids, "--max-tokens", "1",
+                        "--timeout-ms", "600000"], capture_output=True)
+    out = a.communicate()[0]
+    stop(procs, d)
+    line = [l for l in out.splitlines() if l.startswith("stats:")][0].split()[1:]
+    s = {line[i]: float(line[i + 1]) for i in range(0, len(line), 2)}
+    print(f"colocated, 4 running requests {label} a 2048-token prefill: tpot {s['tpot_ms']:.2f} ms, "
+          f"longest gap {s['max_gap_ms']:.0f} ms")
