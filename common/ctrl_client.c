@@ -87,7 +87,13 @@ static void call_free(td_ctrl_client *c, call *k)
         c->calls = k->next;
     if (k->next) k->next->prev = k->prev;
     pthread_mutex_unlock(&c->mu);
-    nng_aio_free(k->aio); /* waits for a callback still running */
+    /* stop first (waits for a callback still running): a send posted by that callback on
+     * a stopping aio fails without a callback and leaves its message attached to the aio,
+     * which nng_aio_free would not free */
+    nng_aio_stop(k->aio);
+    nng_msg *left = nng_aio_get_msg(k->aio);
+    if (left) nng_msg_free(left);
+    nng_aio_free(k->aio);
     nng_ctx_close(k->ctx);
     if (k->req) nng_msg_free(k->req);
     free(k);

@@ -19,6 +19,8 @@ VENV=${TANDEM_VENV:-$HOME/.cache/tandem/venv}
 PY=$VENV/bin/python
 export PYTHONDONTWRITEBYTECODE=1
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
+# the suite-wide LeakSanitizer suppressions (each entry explained in the file)
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/lsan.supp}
 
 passed=0
 failed=0

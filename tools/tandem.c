@@ -13,6 +13,10 @@ static void usage(void)
                     "  logits        write the last position's logits (raw float32)\n"
                     "  dequant       write a tensor dequantized (raw float32)\n"
                     "  client        submit requests to an instance over the control plane\n"
+                    "  up            start a cluster from its YAML (-d: in the background)\n"
+                    "  down          stop a cluster started with 'tandem up -d'\n"
+                    "  status        the processes of a cluster and their state\n"
+                    "  bench         load generator against the OpenAI HTTP API\n"
                     "run 'tandem <command> --help' for its options\n");
 }
 
@@ -34,6 +38,14 @@ int main(int argc, char **argv)
         rc = cmd_bench_engine(argc - 2, argv + 2);
     else if (!strcmp(cmd, "client"))
         rc = cmd_client(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "up"))
+        rc = cmd_up(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "down"))
+        rc = cmd_down(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "status"))
+        rc = cmd_status(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "bench"))
+        rc = cmd_bench(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         return 0;

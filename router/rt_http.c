@@ -1,0 +1,351 @@
+/* rt_http.c: libmicrohttpd glue: routing, authentication, bodies, and the hand-off of
+ * generation requests to the loop thread with suspend/resume.
+ *
+ * A generation request on its connection (MHD's threads):
+ *   headers --route/auth--> BODY (collected up to RT_MAX_BODY, the rest read and dropped)
+ *   BODY complete --parse ok--> suspend, rt_loop_post --loop resumes--> handler again:
+ *     q->sse: queue the SSE response (reader: copy q->out, suspend when empty, end at done)
+ *     q->done: queue q->out as JSON with q->status
+ *     neither (a poke): suspend again
+ *   request-completed callback: mark http_gone, tell the loop if the request is open.
+ * Errors found before the hand-off (404, 405, 401, 413, 400) are answered here. */
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <microhttpd.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+typedef enum {
+    K_NONE = 0,
+    K_COMPLETIONS,
+    K_CHAT,
+    K_MODELS,
+    K_HEALTH,
+    K_METRICS,
+} conn_kind;
+
+typedef struct {
+    conn_kind kind;
+    rt_error err; /* err.status != 0: answer this once the body is read */
+    rt_buf body;  /* (<= RT_MAX_BODY) */
+    bool too_large;
+    rt_req *q; /* after the hand-off */
+} conn_ctx;
+
+static atomic_uint_fast64_t g_seq;
+static uint64_t g_salt;
+
+static enum MHD_Result respond(rt_router *r, struct MHD_Connection *conn, int status,
+                               const char *body, size_t len, const char *ctype)
+{
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    if (status == 429 || status == 503) MHD_add_response_header(resp, "Retry-After", "1");
+    if (status == 405) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, "GET, POST");
+    enum MHD_Result ok = MHD_queue_response(conn, (unsigned)status, resp);
+    MHD_destroy_response(resp);
+    rt_metrics_status(&r->metrics, status);
+    return ok;
+}
+
+static enum MHD_Result respond_error(rt_router *r, struct MHD_Connection *conn, const rt_error *e)
+{
+    char *s = rt_error_json(e);
+    static const char fallback[] = "{\"error\":{\"message\":\"internal error\",\"type\":"
+                                   "\"server_error\",\"param\":null,\"code\":null}}";
+    enum MHD_Result ok =
+        respond(r, conn, e->status, s ? s : fallback, strlen(s ? s : fallback), "application/json");
+    free(s);
+    return ok;
+}
+
+/* ---- streaming ---- */
+
+static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    rt_req *q = cls;
+    ssize_t n;
+    pthread_mutex_lock(&q->mu);
+    if (q->out.len) {
+        size_t k = q->out.len < max ? q->out.len : max;
+        memcpy(buf, q->out.buf, k);
+        rt_buf_consume(&q->out, k);
+        n = (ssize_t)k;
+    } else if (q->done) {
+        n = MHD_CONTENT_READER_END_OF_STREAM;
+    } else {
+        q->suspended = true;
+        MHD_suspend_connection(q->conn);
+        n = 0;
+    }
+    pthread_mutex_unlock(&q->mu);
+    return n;
+}
+
+static void sse_free(void *cls)
+{
+    rt_req_release(cls);
+}
+
+static enum MHD_Result start_sse(rt_router *r, struct MHD_Connection *conn, rt_req *q)
+{
+    rt_req_retain(q);
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, sse_read, q, sse_free);
+    if (!resp) {
+        rt_req_release(q);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    enum MHD_Result ok = MHD_queue_response(conn, 200, resp);
+    MHD_destroy_response(resp);
+    rt_metrics_status(&r->metrics, 200);
+    return ok;
+}
+
+/* ---- routing ---- */
+
+static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const char *url,
+                  const char *method)
+{
+    static const struct {
+        const char *path, *method;
+        conn_kind kind;
+    } routes[] = {
+        {"/v1/completions", "POST", K_COMPLETIONS},
+        {"/v1/chat/completions", "POST", K_CHAT},
+        {"/v1/models", "GET", K_MODELS},
+        {"/health", "GET", K_HEALTH},
+        {"/metrics", "GET", K_METRICS},
+    };
+    bool head = !strcmp(method, "HEAD");
+    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
+        if (strcmp(url, routes[i].path)) continue;
+        if (strcmp(method, routes[i].method) && !(head && !strcmp(routes[i].method, "GET"))) {
+            rt_error_set(&c->err, 405, NULL, "method_not_allowed",
+                         "%s is not allowed on %s (use %s)", method, url, routes[i].method);
+            return;
+        }
+        c->kind = routes[i].kind;
+        break;
+    }
+    if (c->kind == K_NONE) {
+        rt_error_set(&c->err, 404, NULL, "not_found", "no such endpoint: %s %.200s", method, url);
+        return;
+    }
+    if (r->api_key_hdr[0] && !strncmp(url, "/v1/", 4)) {
+        const char *auth =
+            MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+        if (!auth || strcmp(auth, r->api_key_hdr))
+            rt_error_set(&c->err, 401, NULL, "invalid_api_key",
+                         auth ? "invalid API key" : "missing API key (Authorization: Bearer KEY)");
+    }
+}
+
+static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, conn_kind kind)
+{
+    char buf[128];
+    char *s = NULL;
+    enum MHD_Result ok;
+    switch (kind) {
+    case K_MODELS:
+        s = rt_openai_models(r);
+        if (!s) break;
+        ok = respond(r, conn, 200, s, strlen(s), "application/json");
+        free(s);
+        return ok;
+    case K_HEALTH: {
+        int n = atomic_load(&r->n_alive);
+        int len = snprintf(buf, sizeof buf, "{\"status\":\"%s\",\"instances_alive\":%d}",
+                           n ? "ok" : "unavailable", n);
+        return respond(r, conn, n ? 200 : 503, buf, (size_t)len, "application/json");
+    }
+    case K_METRICS:
+        s = rt_metrics_render(&r->metrics, r);
+        if (!s) break;
+        ok = respond(r, conn, 200, s, strlen(s), "text/plain; version=0.0.4");
+        free(s);
+        return ok;
+    default:
+        break;
+    }
+    rt_error e;
+    rt_error_set(&e, 500, NULL, NULL, "out of memory");
+    return respond_error(r, conn, &e);
+}
+
+/* Body complete: parse, then hand off (suspending the connection). */
+static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *conn, conn_ctx *c)
+{
+    rt_req *q = rt_req_create();
+    if (!q) {
+        rt_error e;
+        rt_error_set(&e, 500, NULL, NULL, "out of memory");
+        return respond_error(r, conn, &e);
+    }
+    rt_endpoint ep = c->kind == K_CHAT ? RT_EP_CHAT : RT_EP_COMPLETIONS;
+    rt_error e;
+    if (rt_openai_parse(r, ep, c->body.buf ? c->body.buf : "", c->body.len, &q->p, &e)) {
+        rt_req_release(q);
+        return respond_error(r, conn, &e);
+    }
+    rt_buf_free(&c->body);
+    uint64_t seq = atomic_fetch_add(&g_seq, 1) + 1;
+    snprintf(q->oid, sizeof q->oid, "%s-%016llx%08llx", ep == RT_EP_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)(g_salt ^ (seq * 0x9e3779b97f4a7c15ull)),
+             (unsigned long long)(seq & 0xffffffffu));
+    q->created = (int64_t)time(NULL);
+    q->t_arrive_ms = td_ctrl_now_ms();
+    q->conn = conn;
+    if (!rt_loop_post(r, q)) {
+        rt_req_release(q);
+        rt_error_set(&e, 503, NULL, "shutting_down", "the router is shutting down");
+        return respond_error(r, conn, &e);
+    }
+    c->q = q;
+    atomic_fetch_add(&r->open, 1);
+    return MHD_YES;
+}
+
+/* Called again after the loop resumed the connection. */
+static enum MHD_Result continue_generation(rt_router *r, struct MHD_Connection *conn, conn_ctx *c)
+{
+    rt_req *q = c->q;
+    pthread_mutex_lock(&q->mu);
+    if (q->sse) {
+        pthread_mutex_unlock(&q->mu);
+        return start_sse(r, conn, q);
+    }
+    if (q->done) {
+        int status = q->status ? q->status : 500;
+        char *body = q->out.buf;
+        size_t len = q->out.len;
+        q->out = (rt_buf){0};
+        pthread_mutex_unlock(&q->mu);
+        enum MHD_Result ok =
+            respond(r, conn, status, body ? body : "{}", body ? len : 2, "application/json");
+        free(body);
+        return ok;
+    }
+    q->suspended = true; /* woken with nothing to do (a poke): wait again */
+    MHD_suspend_connection(conn);
+    pthread_mutex_unlock(&q->mu);
+    return MHD_YES;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version, const char *upload,
+                                  size_t *upload_size, void **con_cls)
+{
+    rt_router *r = cls;
+    conn_ctx *c = *con_cls;
+    if (!c) {
+        c = calloc(1, sizeof *c);
+        if (!c) return MHD_NO;
+        *con_cls = c;
+        route(r, conn, c, url, method);
+        const char *cl =
+            MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl && strtoull(cl, NULL, 10) > RT_MAX_BODY) c->too_large = true;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        bool keep = !c->err.status && (c->kind == K_COMPLETIONS || c->kind == K_CHAT);
+        if (keep && !c->too_large && c->body.len + *upload_size <= RT_MAX_BODY) {
+            if (rt_buf_append(&c->body, upload, *upload_size)) return MHD_NO;
+        } else if (keep) {
+            c->too_large = true;
+            rt_buf_free(&c->body);
+        }
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (c->q) return continue_generation(r, conn, c);
+    if (c->err.status) return respond_error(r, conn, &c->err);
+    if (c->kind == K_COMPLETIONS || c->kind == K_CHAT) {
+        if (c->too_large) {
+            rt_error e;
+            rt_error_set(&e, 413, NULL, "request_too_large",
+                         "the request body is larger than %u bytes", RT_MAX_BODY);
+            return respond_error(r, conn, &e);
+        }
+        return start_generation(r, conn, c);
+    }
+    return simple_get(r, conn, c->kind);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    rt_router *r = cls;
+    conn_ctx *c = *con_cls;
+    if (!c) return;
+    if (c->q) {
+        rt_req *q = c->q;
+        pthread_mutex_lock(&q->mu);
+        q->http_gone = true;
+        bool open = !q->done;
+        pthread_mutex_unlock(&q->mu);
+        if (open) rt_loop_gone(r, q);
+        rt_req_release(q);
+        atomic_fetch_sub(&r->open, 1);
+    }
+    rt_buf_free(&c->body);
+    free(c);
+    *con_cls = NULL;
+}
+
+int rt_http_start(rt_router *r, const char *host, int port)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    int gai = getaddrinfo(host, ps, &hints, &ai);
+    if (gai || !ai) {
+        TD_LOG_ERR("router: cannot resolve listen address '%s': %s", host, gai_strerror(gai));
+        return TD_EINVAL;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    g_salt = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 16;
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    r->mhd = MHD_start_daemon(
+        flags, (uint16_t)port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, r, MHD_OPTION_THREAD_POOL_SIZE, 2u,
+        MHD_OPTION_CONNECTION_TIMEOUT, 300u, MHD_OPTION_CONNECTION_LIMIT, 4000u, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!r->mhd) {
+        TD_LOG_ERR("router: cannot listen on %s:%d (address in use or not local?)", host, port);
+        return TD_EIO;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(r->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    TD_LOG_INFO("router: listening on http://%s:%u", host, di ? di->port : (unsigned)port);
+    return 0;
+}
+
+void rt_http_stop(rt_router *r, int wait_ms)
+{
+    if (!r->mhd) return;
+    MHD_socket ls = MHD_quiesce_daemon(r->mhd);
+    if (ls != MHD_INVALID_SOCKET) close(ls);
+    /* the loop has answered every open request: let those answers reach the clients */
+    for (int t = 0; t < wait_ms && atomic_load(&r->open) > 0; t += 10)
+        usleep(10 * 1000);
+    MHD_stop_daemon(r->mhd);
+    r->mhd = NULL;
+}

@@ -1,0 +1,585 @@
+/* rt_loop.c: the router loop thread. It alone owns the control-plane clients (one per
+ * decode instance, via rt_registry), the request table and the router queue, and it takes
+ * every scheduling decision. The HTTP threads only post to its inbox (new requests,
+ * closed connections) and wake it through an eventfd; it answers through rt_req's shared
+ * fields and resumes the connection (rt_req_wake).
+ *
+ * One iteration: poll(wake fd, client fds, <= 50 ms) -> take the inbox (admit: queue or
+ * 429/503; closed connections: cancel) -> drain every client (replies, token events,
+ * health) -> liveness (fail the requests of instances silent for instance_timeout_ms) ->
+ * heartbeats -> dispatch queued requests to rt_reg_pick's choice -> poke idle suspended
+ * connections (so a client that went away is noticed). */
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <microhttpd.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+#define SUBMIT_TIMEOUT_MS 10000
+#define CANCEL_TIMEOUT_MS 5000
+#define MAX_RETRIES       3
+
+/* ---- rt_req lifetime ---- */
+
+rt_req *rt_req_create(void)
+{
+    rt_req *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    pthread_mutex_init(&q->mu, NULL);
+    q->refs = 1;
+    q->inst = -1;
+    return q;
+}
+
+void rt_req_retain(rt_req *q)
+{
+    pthread_mutex_lock(&q->mu);
+    q->refs++;
+    pthread_mutex_unlock(&q->mu);
+}
+
+void rt_req_release(rt_req *q)
+{
+    if (!q) return;
+    pthread_mutex_lock(&q->mu);
+    int left = --q->refs;
+    pthread_mutex_unlock(&q->mu);
+    if (left) return;
+    rt_params_fini(&q->p);
+    if (q->dt_init) td_detok_fini(&q->dt);
+    rt_buf_free(&q->held);
+    rt_buf_free(&q->text);
+    rt_buf_free(&q->out);
+    pthread_mutex_destroy(&q->mu);
+    free(q);
+}
+
+void rt_req_wake(rt_req *q)
+{
+    struct MHD_Connection *conn = NULL;
+    pthread_mutex_lock(&q->mu);
+    if (q->suspended && !q->http_gone) {
+        q->suspended = false;
+        conn = q->conn;
+    }
+    pthread_mutex_unlock(&q->mu);
+    /* the connection cannot complete while suspended, so conn is still valid here */
+    if (conn) MHD_resume_connection(conn);
+}
+
+/* ---- inbox (HTTP threads) ---- */
+
+static void wake_loop(rt_router *r)
+{
+    uint64_t one = 1;
+    ssize_t w = write(r->wake_fd, &one, sizeof one);
+    (void)w; /* the counter saturating still leaves the fd readable */
+}
+
+bool rt_loop_post(rt_router *r, rt_req *q)
+{
+    pthread_mutex_lock(&r->in_mu);
+    if (r->closing) {
+        pthread_mutex_unlock(&r->in_mu);
+        return false;
+    }
+    q->refs++; /* nobody else knows q yet */
+    q->state = RT_ST_INBOX;
+    atomic_fetch_add(&r->queued, 1);
+    pthread_mutex_lock(&q->mu);
+    q->suspended = true;
+    MHD_suspend_connection(q->conn);
+    pthread_mutex_unlock(&q->mu);
+    q->next = NULL;
+    if (r->in_tail)
+        r->in_tail->next = q;
+    else
+        r->in_head = q;
+    r->in_tail = q;
+    pthread_mutex_unlock(&r->in_mu);
+    wake_loop(r);
+    return true;
+}
+
+void rt_loop_gone(rt_router *r, rt_req *q)
+{
+    rt_req_retain(q);
+    pthread_mutex_lock(&r->in_mu);
+    q->gone_next = r->gone_head;
+    r->gone_head = q;
+    pthread_mutex_unlock(&r->in_mu);
+    wake_loop(r);
+}
+
+/* ---- request endings (loop thread) ---- */
+
+static void queue_remove(rt_router *r, rt_req *q)
+{
+    rt_req **pp = &r->q_head, *prev = NULL;
+    while (*pp && *pp != q) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (!*pp) return;
+    *pp = q->next;
+    if (r->q_tail == q) r->q_tail = prev;
+    q->next = NULL;
+    r->q_len--;
+    atomic_fetch_sub(&r->queued, 1);
+}
+
+static void send_cancel(rt_router *r, rt_req *q)
+{
+    if (q->inst < 0 || !q->rid) return;
+    uint64_t call;
+    td_ctrl_client_cancel(r->reg.inst[q->inst].c, q->rid, CANCEL_TIMEOUT_MS, &call);
+}
+
+/* Take q out of the loop's structures and drop the loop's reference. */
+static void retire(rt_router *r, rt_req *q)
+{
+    if (q->state == RT_ST_QUEUED) queue_remove(r, q);
+    rt_table_remove(&r->table, q);
+    if (q->inst >= 0 && (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING))
+        r->reg.inst[q->inst].active--;
+    q->state = RT_ST_DONE;
+    rt_req_release(q);
+}
+
+static void finish(rt_router *r, rt_req *q, rt_finish fin)
+{
+    int rc = rt_stream_finish(r, q, fin);
+    if (rc) TD_LOG_ERR("router: %s: cannot write the response: %s", q->oid, td_strerror(rc));
+    rt_metrics_request_done(&r->metrics, q, td_ctrl_now_ms());
+    retire(r, q);
+}
+
+static void fail(rt_router *r, rt_req *q, int status, const char *code, const char *msg)
+{
+    rt_error e;
+    rt_error_set(&e, status, NULL, code, "%s", msg);
+    if (status >= 500) TD_LOG_WARN("router: %s: %s", q->oid, msg);
+    rt_stream_fail(q, &e);
+    retire(r, q);
+}
+
+static void requeue_front(rt_router *r, rt_req *q)
+{
+    if (q->inst >= 0) r->reg.inst[q->inst].active--;
+    q->inst = -1;
+    q->state = RT_ST_QUEUED;
+    q->retries++;
+    q->next = r->q_head;
+    r->q_head = q;
+    if (!r->q_tail) r->q_tail = q;
+    r->q_len++;
+    atomic_fetch_add(&r->queued, 1);
+}
+
+/* ---- admission and dispatch ---- */
+
+static void admit(rt_router *r, rt_req *q)
+{
+    if (atomic_load(&r->n_alive) == 0) {
+        atomic_fetch_sub(&r->queued, 1);
+        q->state = RT_ST_DONE;
+        rt_error e;
+        rt_error_set(&e, 503, NULL, "no_instance", "no decode instance is available");
+        rt_stream_fail(q, &e);
+        rt_req_release(q);
+        return;
+    }
+    if (r->q_len >= r->cfg->router.max_queue) {
+        atomic_fetch_sub(&r->queued, 1);
+        q->state = RT_ST_DONE;
+        rt_error e;
+        rt_error_set(&e, 429, NULL, "queue_full", "the router queue is full (%d requests)",
+                     r->cfg->router.max_queue);
+        rt_stream_fail(q, &e);
+        rt_req_release(q);
+        return;
+    }
+    int rc = rt_table_add(&r->table, q);
+    if (rc) {
+        q->state = RT_ST_DONE;
+        atomic_fetch_sub(&r->queued, 1);
+        rt_error e;
+        rt_error_set(&e, 500, NULL, NULL, "cannot track the request: %s", td_strerror(rc));
+        rt_stream_fail(q, &e);
+        rt_req_release(q);
+        return;
+    }
+    q->state = RT_ST_QUEUED;
+    q->next = NULL;
+    if (r->q_tail)
+        r->q_tail->next = q;
+    else
+        r->q_head = q;
+    r->q_tail = q;
+    r->q_len++; /* r->queued already counts it */
+}
+
+static int submit(rt_router *r, rt_req *q, int i)
+{
+    rt_inst *s = &r->reg.inst[i];
+    Td__Sampling sm = TD__SAMPLING__INIT;
+    sm.temperature = q->p.temperature;
+    sm.top_k = q->p.top_k;
+    sm.top_p = q->p.top_p;
+    sm.min_p = q->p.min_p;
+    sm.repeat_penalty = q->p.repeat_penalty;
+    sm.seed = q->p.seed;
+    Td__Submit sub = TD__SUBMIT__INIT;
+    sub.request_id = q->rid;
+    sub.token_ids = q->p.prompt;
+    sub.n_token_ids = q->p.n_prompt;
+    sub.sampling = &sm;
+    sub.max_tokens = (uint32_t)q->p.max_tokens;
+    sub.ignore_eos = q->p.ignore_eos;
+    int rc = td_ctrl_client_submit(s->c, &sub, SUBMIT_TIMEOUT_MS, &q->call_id);
+    if (rc) return rc;
+    q->inst = i;
+    q->state = RT_ST_SUBMITTED;
+    s->active++;
+    return 0;
+}
+
+static void dispatch(rt_router *r, int64_t now)
+{
+    while (r->q_head) {
+        int i = rt_reg_pick(&r->reg, now);
+        if (i < 0) return;
+        rt_req *q = r->q_head;
+        r->q_head = q->next;
+        if (!r->q_head) r->q_tail = NULL;
+        q->next = NULL;
+        r->q_len--;
+        atomic_fetch_sub(&r->queued, 1);
+        q->state = RT_ST_INBOX; /* off the queue, not yet submitted */
+        int rc = submit(r, q, i);
+        if (rc) {
+            q->state = RT_ST_DONE;
+            rt_table_remove(&r->table, q);
+            rt_error e;
+            rt_error_set(&e, 500, NULL, NULL, "cannot send the request: %s", td_strerror(rc));
+            TD_LOG_ERR("router: %s: %s", q->oid, e.message);
+            rt_stream_fail(q, &e);
+            rt_req_release(q);
+        }
+    }
+}
+
+/* ---- control-plane input ---- */
+
+static rt_req *find_call(rt_router *r, int i, uint64_t call_id)
+{
+    /* replies to Submit: the request is in the table with that call id on instance i */
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (q && q->inst == i && q->state == RT_ST_SUBMITTED && q->call_id == call_id) return q;
+    }
+    return NULL;
+}
+
+static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t now)
+{
+    rt_inst *s = &r->reg.inst[i];
+    if (in->call_id == s->hb_call) {
+        s->hb_call = 0;
+        if (!in->err && in->env && in->env->body_case == TD__ENVELOPE__BODY_HEALTH) {
+            bool was = s->alive;
+            if (rt_reg_seen(&r->reg, i, in->env->health, now) && !was)
+                TD_LOG_INFO("router: decode instance %s (%s) is serving", s->cfg->name, s->url);
+        }
+        return;
+    }
+    if (!in->err) rt_reg_seen(&r->reg, i, NULL, now);
+    rt_req *q = find_call(r, i, in->call_id);
+    if (!q) return; /* a Cancel's answer, or a request that ended meanwhile */
+    if (in->err) {
+        /* no answer in time: the instance is probably going away */
+        if (!q->sse && q->retries < MAX_RETRIES) {
+            send_cancel(r, q);
+            requeue_front(r, q);
+        } else {
+            fail(r, q, 503, "instance_unavailable", "the decode instance did not answer");
+        }
+        return;
+    }
+    const Td__Envelope *env = in->env;
+    if (env->body_case == TD__ENVELOPE__BODY_ACK) {
+        q->state = RT_ST_RUNNING;
+        return;
+    }
+    if (env->body_case != TD__ENVELOPE__BODY_ERROR) {
+        fail(r, q, 500, NULL, "unexpected reply from the decode instance");
+        return;
+    }
+    const Td__ErrorEvent *err = env->error;
+    switch (err->code) {
+    case TD__ERROR_CODE__ERR_BUSY:
+        s->busy_until_ms = now + 100;
+        if (q->retries < 100) {
+            q->retries--; /* busy is not a failure */
+            requeue_front(r, q);
+            return;
+        }
+        fail(r, q, 503, "instance_busy", err->message);
+        return;
+    case TD__ERROR_CODE__ERR_NO_SPACE:
+    case TD__ERROR_CODE__ERR_INVALID: {
+        rt_error e;
+        rt_error_set(&e, 400, NULL, NULL, "%s", err->message);
+        rt_stream_fail(q, &e);
+        retire(r, q);
+        return;
+    }
+    case TD__ERROR_CODE__ERR_SHUTDOWN:
+    case TD__ERROR_CODE__ERR_PEER_FAILED:
+        fail(r, q, 503, "instance_unavailable", err->message);
+        return;
+    default:
+        fail(r, q, 500, NULL, err->message);
+        return;
+    }
+}
+
+static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
+{
+    rt_req *q = rt_table_get(&r->table, t->request_id);
+    if (!q || q->inst != i || (q->state != RT_ST_SUBMITTED && q->state != RT_ST_RUNNING)) return;
+    q->state = RT_ST_RUNNING;
+    if (t->n_token_ids) {
+        if (!q->t_first_ms) q->t_first_ms = now;
+        q->t_last_ms = now;
+    }
+    int rc = rt_stream_tokens(r, q, t->token_ids, t->n_token_ids);
+    if (rc < 0) {
+        TD_LOG_ERR("router: %s: cannot process tokens: %s", q->oid, td_strerror(rc));
+        send_cancel(r, q);
+        fail(r, q, 500, NULL, "internal error while detokenizing");
+        return;
+    }
+    if (rc == RT_FIN_STOP) {
+        if (t->finish == TD__FINISH_REASON__FINISH_NONE) send_cancel(r, q);
+        finish(r, q, RT_FIN_STOP);
+        return;
+    }
+    switch (t->finish) {
+    case TD__FINISH_REASON__FINISH_NONE:
+        return;
+    case TD__FINISH_REASON__FINISH_STOP:
+        finish(r, q, RT_FIN_STOP);
+        return;
+    case TD__FINISH_REASON__FINISH_LENGTH:
+        finish(r, q, RT_FIN_LENGTH);
+        return;
+    case TD__FINISH_REASON__FINISH_CANCELLED:
+        fail(r, q, 503, "cancelled", "the request was cancelled by the decode instance");
+        return;
+    default:
+        fail(r, q, 500, NULL, "the request failed on the decode instance");
+        return;
+    }
+}
+
+static void on_events(rt_router *r, int i, const td_ctrl_client_in *in, int64_t now)
+{
+    rt_inst *s = &r->reg.inst[i];
+    bool was = s->alive;
+    if (rt_reg_seen(&r->reg, i, in->health, now) && !was)
+        TD_LOG_INFO("router: decode instance %s (%s) is serving", s->cfg->name, s->url);
+    for (size_t k = 0; k < in->n_events; k++) {
+        const Td__Event *ev = in->events[k];
+        if (ev->body_case == TD__EVENT__BODY_TOKEN) {
+            on_token(r, i, ev->token, now);
+        } else if (ev->body_case == TD__EVENT__BODY_ERROR && ev->error->request_id) {
+            rt_req *q = rt_table_get(&r->table, ev->error->request_id);
+            if (q && q->inst == i) fail(r, q, 500, NULL, ev->error->message);
+        }
+    }
+}
+
+/* Fail every request on instance i (it stopped answering). */
+static void instance_died(rt_router *r, int i)
+{
+    rt_inst *s = &r->reg.inst[i];
+    TD_LOG_WARN("router: decode instance %s (%s) silent for %d ms: marked dead", s->cfg->name,
+                s->url, r->cfg->router.instance_timeout_ms);
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q || q->inst != i) continue;
+        send_cancel(r, q); /* in case it comes back with the request still running */
+        fail(r, q, 503, "instance_unavailable", "the decode instance serving this request died");
+    }
+}
+
+static void liveness(rt_router *r, int64_t now)
+{
+    int timeout = r->cfg->router.instance_timeout_ms;
+    for (int i = 0; i < r->reg.n; i++) {
+        rt_inst *s = &r->reg.inst[i];
+        bool recent = s->ever_seen && now - s->last_seen_ms <= timeout;
+        if (s->alive && !recent) {
+            s->alive = false;
+            instance_died(r, i);
+        } else {
+            s->alive = recent && s->ready;
+        }
+    }
+    int n = rt_reg_n_alive(&r->reg);
+    atomic_store(&r->n_alive, n);
+    if (!n) {
+        /* nobody can take the queue: answer it now rather than let clients hang */
+        while (r->q_head)
+            fail(r, r->q_head, 503, "no_instance", "no decode instance is available");
+    }
+}
+
+static void publish_metrics(rt_router *r)
+{
+    rt_metrics *m = &r->metrics;
+    pthread_mutex_lock(&m->mu);
+    for (int i = 0; i < r->reg.n && i < m->n_inst; i++) {
+        const rt_inst *s = &r->reg.inst[i];
+        m->inst[i] = (rt_inst_gauge){.running = s->running,
+                                     .waiting = s->waiting,
+                                     .kv_used = s->kv_used,
+                                     .kv_free = s->kv_free,
+                                     .alive = s->alive};
+    }
+    m->queue = atomic_load(&r->queued);
+    m->active = (int)r->table.count - r->q_len;
+    pthread_mutex_unlock(&m->mu);
+}
+
+static void take_inbox(rt_router *r)
+{
+    uint64_t v;
+    ssize_t rd = read(r->wake_fd, &v, sizeof v);
+    (void)rd;
+    pthread_mutex_lock(&r->in_mu);
+    rt_req *nq = r->in_head, *gone = r->gone_head;
+    r->in_head = r->in_tail = NULL;
+    r->gone_head = NULL;
+    pthread_mutex_unlock(&r->in_mu);
+    while (nq) {
+        rt_req *next = nq->next;
+        nq->next = NULL;
+        admit(r, nq);
+        nq = next;
+    }
+    while (gone) {
+        rt_req *next = gone->gone_next;
+        if (gone->state == RT_ST_SUBMITTED || gone->state == RT_ST_RUNNING) {
+            send_cancel(r, gone);
+            retire(r, gone);
+        } else if (gone->state == RT_ST_QUEUED) {
+            retire(r, gone);
+        }
+        rt_req_release(gone); /* the reference rt_loop_gone took */
+        gone = next;
+    }
+}
+
+static void poke(rt_router *r)
+{
+    for (uint32_t k = 0; k < r->table.cap; k++)
+        if (r->table.slots[k]) rt_req_wake(r->table.slots[k]);
+}
+
+static void *loop_main(void *arg)
+{
+    rt_router *r = arg;
+    int n = r->reg.n;
+    struct pollfd *fds = calloc((size_t)n + 1, sizeof *fds);
+    if (!fds) {
+        TD_LOG_ERR("router: out of memory in the loop");
+        return NULL;
+    }
+    int64_t last_poke = td_ctrl_now_ms();
+    while (!atomic_load(&r->stop)) {
+        fds[0] = (struct pollfd){.fd = r->wake_fd, .events = POLLIN};
+        for (int i = 0; i < n; i++)
+            fds[i + 1] =
+                (struct pollfd){.fd = td_ctrl_client_fd(r->reg.inst[i].c), .events = POLLIN};
+        int wait = r->cfg->router.heartbeat_ms < 50 ? r->cfg->router.heartbeat_ms : 50;
+        poll(fds, (nfds_t)n + 1, wait);
+        int64_t now = td_ctrl_now_ms();
+        take_inbox(r);
+        for (int i = 0; i < n; i++) {
+            rt_inst *s = &r->reg.inst[i];
+            while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
+                if (s->in.kind == TD_CTRL_IN_REPLY)
+                    on_reply(r, i, &s->in, now);
+                else if (s->in.kind == TD_CTRL_IN_EVENTS)
+                    on_events(r, i, &s->in, now);
+            }
+        }
+        now = td_ctrl_now_ms();
+        liveness(r, now);
+        rt_reg_heartbeat(&r->reg, &r->cfg->router, now);
+        dispatch(r, now);
+        if (now - last_poke >= RT_POKE_MS) {
+            poke(r);
+            last_poke = now;
+        }
+        publish_metrics(r);
+    }
+    /* shutting down: answer everything still open */
+    take_inbox(r);
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q) continue;
+        send_cancel(r, q);
+        fail(r, q, 503, "shutting_down", "the router is shutting down");
+    }
+    free(fds);
+    return NULL;
+}
+
+int rt_loop_start(rt_router *r)
+{
+    r->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (r->wake_fd < 0) {
+        TD_LOG_ERR("router: eventfd failed");
+        return TD_EIO;
+    }
+    int rc = rt_reg_init(&r->reg, r->cfg);
+    if (rc) return rc;
+    if (pthread_create(&r->loop, NULL, loop_main, r)) {
+        TD_LOG_ERR("router: cannot start the loop thread");
+        return TD_ENOMEM;
+    }
+    r->loop_started = true;
+    return 0;
+}
+
+void rt_loop_stop(rt_router *r)
+{
+    if (!r->loop_started) return;
+    atomic_store(&r->stop, true);
+    wake_loop(r);
+    pthread_join(r->loop, NULL);
+    r->loop_started = false;
+}
+
+void rt_loop_drain(rt_router *r)
+{
+    rt_req *g = r->gone_head;
+    r->gone_head = NULL;
+    while (g) {
+        rt_req *next = g->gone_next;
+        rt_req_release(g);
+        g = next;
+    }
+    rt_reg_fini(&r->reg);
+    rt_table_fini(&r->table);
+    if (r->wake_fd >= 0) close(r->wake_fd);
+    r->wake_fd = -1;
+}

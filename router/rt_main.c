@@ -1,0 +1,164 @@
+/* rt_main.c: `tandem-router --config FILE [--listen HOST:PORT]`: loads the cluster YAML and
+ * the model's tokenizer metadata, starts the loop thread and the HTTP server, and runs
+ * until SIGINT or SIGTERM, then shuts down in order: stop taking requests, answer the open
+ * ones (503), stop the HTTP server, free everything. Exit status 0 after a clean stop, 1
+ * when start-up failed (the reason is logged). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: tandem-router --config FILE [--listen HOST:PORT]\n");
+}
+
+/* "HOST:PORT", "[V6]:PORT" -> host (malloc'd) and port. */
+static int split_listen(const char *s, char **host, int *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s) return TD_EINVAL;
+    char *end;
+    long p = strtol(colon + 1, &end, 10);
+    if (*end || p < 0 || p > 65535 || end == colon + 1) return TD_EINVAL;
+    const char *h = s;
+    size_t hl = (size_t)(colon - s);
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') {
+        h++;
+        hl -= 2;
+    }
+    *host = strndup(h, hl);
+    *port = (int)p;
+    return *host ? 0 : TD_ENOMEM;
+}
+
+static int load_model(rt_router *r)
+{
+    char err[512] = "";
+    int rc = td_gguf_open(r->cfg->model, &r->gguf, err, sizeof err);
+    if (rc) {
+        TD_LOG_ERR("router: cannot open model '%s': %s", r->cfg->model, err);
+        return rc;
+    }
+    if ((rc = td_tok_create(r->gguf, &r->tok))) return rc;
+    const char *arch = NULL;
+    size_t alen = 0;
+    int64_t ctx = 0;
+    if (!td_gguf_get_str(r->gguf, "general.architecture", &arch, &alen) && alen < 64) {
+        char key[96];
+        snprintf(key, sizeof key, "%.*s.context_length", (int)alen, arch);
+        td_gguf_get_i64(r->gguf, key, &ctx);
+    }
+    r->n_ctx = ctx > 0 && ctx < INT32_MAX ? (int32_t)ctx : 2048;
+    if (r->n_ctx > 8192) r->n_ctx = 8192; /* what the decode nodes allocate at most */
+
+    const char *forced = r->cfg->router.chat_template;
+    if (forced && forced[0]) {
+        r->tmpl = !strcmp(forced, "chatml")   ? "<|im_start|>"
+                  : !strcmp(forced, "llama3") ? "<|start_header_id|><|end_header_id|>"
+                  : !strcmp(forced, "llama2") ? "[INST] <<SYS>>"
+                                              : NULL;
+        if (!r->tmpl) {
+            TD_LOG_ERR("router: router.chat_template '%s' is not chatml, llama3 or llama2", forced);
+            return TD_EUNSUPP;
+        }
+        r->tmpl_len = strlen(r->tmpl);
+    } else {
+        if (td_gguf_get_str(r->gguf, "tokenizer.chat_template", &r->tmpl, &r->tmpl_len)) {
+            TD_LOG_ERR("router: model '%s' has no chat template; name one in router.chat_template "
+                       "(chatml, llama3, llama2)",
+                       r->cfg->model);
+            return TD_EUNSUPP;
+        }
+        if (td_chat_detect(r->tmpl, r->tmpl_len) == TD_CHAT_UNKNOWN) {
+            TD_LOG_ERR("router: the chat template of '%s' is not a known one; name one in "
+                       "router.chat_template (chatml, llama3, llama2)",
+                       r->cfg->model);
+            return TD_EUNSUPP;
+        }
+    }
+    /* the model name: the file name without directories and without ".gguf" */
+    const char *base = strrchr(r->cfg->model, '/');
+    base = base ? base + 1 : r->cfg->model;
+    snprintf(r->model_name, sizeof r->model_name, "%s", base);
+    size_t ml = strlen(r->model_name);
+    if (ml > 5 && !strcmp(r->model_name + ml - 5, ".gguf")) r->model_name[ml - 5] = 0;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *config = NULL, *listen = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--config") && i + 1 < argc)
+            config = argv[++i];
+        else if (!strcmp(argv[i], "--listen") && i + 1 < argc)
+            listen = argv[++i];
+        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            usage();
+            return 0;
+        } else {
+            fprintf(stderr, "tandem-router: unknown or incomplete option '%s'\n", argv[i]);
+            usage();
+            return 1;
+        }
+    }
+    if (!config) {
+        usage();
+        return 1;
+    }
+    const char *lvl = getenv("TANDEM_LOG");
+    if (lvl && !strcmp(lvl, "debug")) td_log_set_level(TD_LOG_DEBUG);
+
+    /* block the stop signals in every thread; the main thread waits for them */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    static rt_router router;
+    rt_router *r = &router;
+    r->wake_fd = -1;
+    pthread_mutex_init(&r->in_mu, NULL);
+    char err[1024] = "";
+    int rc = td_cfg_load(config, &r->cfg, err, sizeof err);
+    char *host = NULL;
+    int port = 0;
+    if (rc) {
+        fprintf(stderr, "tandem-router: %s\n", err);
+    } else if ((rc = split_listen(listen ? listen : r->cfg->router.listen, &host, &port))) {
+        fprintf(stderr, "tandem-router: bad listen address '%s' (want HOST:PORT)\n",
+                listen ? listen : r->cfg->router.listen);
+    }
+    if (!rc && r->cfg->router.api_key && r->cfg->router.api_key[0])
+        snprintf(r->api_key_hdr, sizeof r->api_key_hdr, "Bearer %s", r->cfg->router.api_key);
+    if (!rc) rc = load_model(r);
+    if (!rc) rc = rt_metrics_init(&r->metrics, r->cfg->n_decode);
+    if (!rc) rc = rt_loop_start(r);
+    if (!rc) rc = rt_http_start(r, host, port);
+    if (!rc) {
+        TD_LOG_INFO("router: model %s (context %d), %d decode instance(s)", r->model_name, r->n_ctx,
+                    r->cfg->n_decode);
+        int sig = 0;
+        sigwait(&set, &sig);
+        TD_LOG_INFO("router: signal %d: stopping", sig);
+    }
+    pthread_mutex_lock(&r->in_mu);
+    r->closing = true;
+    pthread_mutex_unlock(&r->in_mu);
+    rt_loop_stop(r); /* answers every open request, so no connection stays suspended */
+    rt_http_stop(r, 3000);
+    rt_loop_drain(r);
+    rt_metrics_fini(&r->metrics);
+    td_tok_destroy(r->tok);
+    td_gguf_close(r->gguf);
+    td_cfg_free(r->cfg);
+    free(host);
+    pthread_mutex_destroy(&r->in_mu);
+    return rc ? 1 : 0;
+}

@@ -1,0 +1,171 @@
+/* rt_metrics.c: the router's Prometheus metrics (text exposition format 0.0.4).
+ * Series: tandem_router_requests_total{status}, tandem_router_time_to_first_token_seconds,
+ * tandem_router_time_per_output_token_seconds, tandem_router_e2e_request_latency_seconds
+ * (histograms), tandem_router_prompt_tokens_total, tandem_router_generation_tokens_total,
+ * tandem_router_queue_length, tandem_router_requests_running, and per decode instance
+ * tandem_instance_{up,running,waiting,kv_blocks_used,kv_blocks_free,kv_usage_ratio}.
+ * Threading: every function takes m->mu; any thread may call them. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+/* upper bounds in seconds; the last bucket is +Inf */
+static const double LAT_BOUNDS[RT_HIST_BUCKETS] = {0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,
+                                                   0.5,   0.75, 1.0,  2.5,  5.0,  10.0, 30.0, 60.0};
+static const double TPOT_BOUNDS[RT_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.015, 0.02,
+                                                    0.025, 0.03,   0.04,  0.05, 0.075, 0.1,
+                                                    0.15,  0.2,    0.5,   1.0};
+
+int rt_metrics_init(rt_metrics *m, int n_inst)
+{
+    memset(m, 0, sizeof *m);
+    pthread_mutex_init(&m->mu, NULL);
+    m->inst = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->inst);
+    if (!m->inst) return TD_ENOMEM;
+    m->n_inst = n_inst;
+    return 0;
+}
+
+void rt_metrics_fini(rt_metrics *m)
+{
+    free(m->inst);
+    m->inst = NULL;
+    pthread_mutex_destroy(&m->mu);
+}
+
+void rt_metrics_status(rt_metrics *m, int status)
+{
+    if (status < 100 || status >= 600) return;
+    pthread_mutex_lock(&m->mu);
+    m->by_status[status]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+static void observe(rt_hist *h, const double *bounds, double v)
+{
+    int b = 0;
+    while (b < RT_HIST_BUCKETS && v > bounds[b])
+        b++;
+    h->counts[b]++;
+    h->sum += v;
+    h->n++;
+}
+
+void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
+{
+    pthread_mutex_lock(&m->mu);
+    m->prompt_tokens += q->p.n_prompt;
+    m->generation_tokens += (uint64_t)q->n_gen;
+    if (q->t_first_ms) {
+        observe(&m->ttft, LAT_BOUNDS, (double)(q->t_first_ms - q->t_arrive_ms) / 1000.0);
+        if (q->n_gen > 1)
+            observe(&m->tpot, TPOT_BOUNDS,
+                    (double)(q->t_last_ms - q->t_first_ms) / 1000.0 / (q->n_gen - 1));
+    }
+    observe(&m->e2e, LAT_BOUNDS, (double)(now_ms - q->t_arrive_ms) / 1000.0);
+    pthread_mutex_unlock(&m->mu);
+}
+
+static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist *h,
+                    const double *bounds)
+{
+    char line[256];
+    int rc = 0;
+    snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    rc |= rt_buf_puts(b, line);
+    uint64_t cum = 0;
+    for (int i = 0; i <= RT_HIST_BUCKETS; i++) {
+        cum += h->counts[i];
+        if (i < RT_HIST_BUCKETS)
+            snprintf(line, sizeof line, "%s_bucket{le=\"%g\"} %llu\n", name, bounds[i],
+                     (unsigned long long)cum);
+        else
+            snprintf(line, sizeof line, "%s_bucket{le=\"+Inf\"} %llu\n", name,
+                     (unsigned long long)cum);
+        rc |= rt_buf_puts(b, line);
+    }
+    snprintf(line, sizeof line, "%s_sum %.6f\n%s_count %llu\n", name, h->sum, name,
+             (unsigned long long)h->n);
+    rc |= rt_buf_puts(b, line);
+    return rc;
+}
+
+char *rt_metrics_render(rt_metrics *m, const rt_router *r)
+{
+    rt_buf b = {0};
+    char line[512];
+    int rc = 0;
+    pthread_mutex_lock(&m->mu);
+    rc |= rt_buf_puts(&b, "# HELP tandem_router_requests_total HTTP responses by status code.\n"
+                          "# TYPE tandem_router_requests_total counter\n");
+    for (int s = 100; s < 600; s++) {
+        if (!m->by_status[s]) continue;
+        snprintf(line, sizeof line, "tandem_router_requests_total{status=\"%d\"} %llu\n", s,
+                 (unsigned long long)m->by_status[s]);
+        rc |= rt_buf_puts(&b, line);
+    }
+    rc |= put_hist(&b, "tandem_router_time_to_first_token_seconds",
+                   "Time from the complete request to its first generated token.", &m->ttft,
+                   LAT_BOUNDS);
+    rc |= put_hist(&b, "tandem_router_time_per_output_token_seconds",
+                   "Mean time between generated tokens after the first, per request.", &m->tpot,
+                   TPOT_BOUNDS);
+    rc |=
+        put_hist(&b, "tandem_router_e2e_request_latency_seconds",
+                 "Time from the complete request to its last byte of output.", &m->e2e, LAT_BOUNDS);
+    snprintf(line, sizeof line,
+             "# HELP tandem_router_prompt_tokens_total Prompt tokens of finished requests.\n"
+             "# TYPE tandem_router_prompt_tokens_total counter\n"
+             "tandem_router_prompt_tokens_total %llu\n"
+             "# HELP tandem_router_generation_tokens_total Generated tokens of finished requests.\n"
+             "# TYPE tandem_router_generation_tokens_total counter\n"
+             "tandem_router_generation_tokens_total %llu\n",
+             (unsigned long long)m->prompt_tokens, (unsigned long long)m->generation_tokens);
+    rc |= rt_buf_puts(&b, line);
+    snprintf(line, sizeof line,
+             "# HELP tandem_router_queue_length Requests waiting in the router for an instance.\n"
+             "# TYPE tandem_router_queue_length gauge\n"
+             "tandem_router_queue_length %d\n"
+             "# HELP tandem_router_requests_running Requests on decode instances.\n"
+             "# TYPE tandem_router_requests_running gauge\n"
+             "tandem_router_requests_running %d\n",
+             m->queue, m->active);
+    rc |= rt_buf_puts(&b, line);
+    static const char *const names[] = {
+        "up", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_usage_ratio"};
+    static const char *const helps[] = {"1 when the decode instance is alive and ready.",
+                                        "Requests in the instance's batch.",
+                                        "Requests admitted by the instance but waiting.",
+                                        "KV blocks in use.",
+                                        "KV blocks free.",
+                                        "Fraction of the KV pool in use."};
+    for (int k = 0; k < 6; k++) {
+        snprintf(line, sizeof line,
+                 "# HELP tandem_instance_%s %s\n# TYPE tandem_instance_%s gauge\n", names[k],
+                 helps[k], names[k]);
+        rc |= rt_buf_puts(&b, line);
+        for (int i = 0; i < m->n_inst; i++) {
+            const rt_inst_gauge *g = &m->inst[i];
+            double v = k == 0   ? g->alive
+                       : k == 1 ? g->running
+                       : k == 2 ? g->waiting
+                       : k == 3 ? g->kv_used
+                       : k == 4 ? g->kv_free
+                       : g->kv_used + g->kv_free
+                           ? (double)g->kv_used / (double)(g->kv_used + g->kv_free)
+                           : 0.0;
+            snprintf(line, sizeof line, "tandem_instance_%s{instance=\"%s\"} %g\n", names[k],
+                     r->cfg->decode[i].name, v);
+            rc |= rt_buf_puts(&b, line);
+        }
+    }
+    pthread_mutex_unlock(&m->mu);
+    if (rc) {
+        rt_buf_free(&b);
+        return NULL;
+    }
+    return b.buf;
+}

@@ -1,0 +1,466 @@
+/* rt_openai.c: OpenAI request bodies -> rt_params (validated), error objects, /v1/models.
+ * Runs on the HTTP threads; reads only the router's read-only state (config, tokenizer,
+ * chat template). Every rejection names the field (param) and says what was expected. */
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+/* ---- buffers ---- */
+
+int rt_buf_append(rt_buf *b, const void *p, size_t n)
+{
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *nb = realloc(b->buf, cap);
+        if (!nb) return TD_ENOMEM;
+        b->buf = nb;
+        b->cap = cap;
+    }
+    if (n) memcpy(b->buf + b->len, p, n);
+    b->len += n;
+    b->buf[b->len] = 0;
+    return 0;
+}
+
+int rt_buf_puts(rt_buf *b, const char *s)
+{
+    return rt_buf_append(b, s, strlen(s));
+}
+
+void rt_buf_consume(rt_buf *b, size_t n)
+{
+    if (n >= b->len) {
+        b->len = 0;
+        if (b->buf) b->buf[0] = 0;
+        return;
+    }
+    memmove(b->buf, b->buf + n, b->len - n);
+    b->len -= n;
+    b->buf[b->len] = 0;
+}
+
+void rt_buf_free(rt_buf *b)
+{
+    free(b->buf);
+    *b = (rt_buf){0};
+}
+
+/* ---- errors ---- */
+
+static const char *type_for(int status)
+{
+    switch (status) {
+    case 401:
+        return "authentication_error";
+    case 404:
+        return "not_found_error";
+    case 429:
+        return "rate_limit_error";
+    case 500:
+    case 503:
+        return "server_error";
+    default:
+        return "invalid_request_error";
+    }
+}
+
+int rt_error_set(rt_error *e, int status, const char *param, const char *code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    e->status = status;
+    e->type = type_for(status);
+    e->param = param;
+    e->code = code;
+    return status;
+}
+
+char *rt_error_json(const rt_error *e)
+{
+    json_t *o = json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
+                          e->type ? e->type : type_for(e->status), "param",
+                          e->param ? json_string(e->param) : json_null(), "code",
+                          e->code ? json_string(e->code) : json_null());
+    if (!o) return NULL;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+void rt_params_fini(rt_params *p)
+{
+    free(p->prompt);
+    for (int i = 0; i < p->n_stop; i++)
+        free(p->stop[i]);
+    *p = (rt_params){0};
+}
+
+/* ---- field helpers: each returns 0 or the HTTP status with e filled ---- */
+
+static int bad(rt_error *e, const char *param, const char *fmt, const char *what)
+{
+    return rt_error_set(e, 400, param, NULL, fmt, param, what);
+}
+
+static bool absent(const json_t *v)
+{
+    return !v || json_is_null(v);
+}
+
+static int get_number(json_t *o, const char *key, double lo, double hi, double *out, rt_error *e)
+{
+    json_t *v = json_object_get(o, key);
+    if (absent(v)) return 0;
+    if (!json_is_number(v)) return bad(e, key, "'%s' must be a number%s", "");
+    double d = json_number_value(v);
+    if (!isfinite(d) || d < lo || d > hi) {
+        char what[96];
+        snprintf(what, sizeof what, " in [%g, %g], got %g", lo, hi, d);
+        return bad(e, key, "'%s' must be a number%s", what);
+    }
+    *out = d;
+    return 0;
+}
+
+static int get_int(json_t *o, const char *key, long long lo, long long hi, long long *out,
+                   rt_error *e)
+{
+    json_t *v = json_object_get(o, key);
+    if (absent(v)) return 0;
+    if (!json_is_integer(v)) return bad(e, key, "'%s' must be an integer%s", "");
+    long long x = json_integer_value(v);
+    if (x < lo || x > hi) {
+        char what[96];
+        snprintf(what, sizeof what, " in [%lld, %lld], got %lld", lo, hi, x);
+        return bad(e, key, "'%s' must be an integer%s", what);
+    }
+    *out = x;
+    return 0;
+}
+
+static int get_bool(json_t *o, const char *key, bool *out, rt_error *e)
+{
+    json_t *v = json_object_get(o, key);
+    if (absent(v)) return 0;
+    if (!json_is_boolean(v)) return bad(e, key, "'%s' must be a boolean%s", "");
+    *out = json_is_true(v);
+    return 0;
+}
+
+static int parse_stop(json_t *o, rt_params *p, rt_error *e)
+{
+    json_t *v = json_object_get(o, "stop");
+    if (absent(v)) return 0;
+    json_t *one[1] = {v};
+    json_t **items = one;
+    size_t n = 1;
+    if (json_is_array(v)) {
+        n = json_array_size(v);
+        if (n > RT_MAX_STOP)
+            return rt_error_set(e, 400, "stop", NULL, "'stop' takes at most %d strings, got %zu",
+                                RT_MAX_STOP, n);
+    } else if (!json_is_string(v)) {
+        return bad(e, "stop", "'%s' must be a string or an array of strings%s", "");
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *s = json_is_array(v) ? json_array_get(v, i) : items[0];
+        if (!json_is_string(s))
+            return bad(e, "stop", "'%s' must be a string or an array of strings%s", "");
+        size_t len = json_string_length(s);
+        if (len == 0) continue; /* an empty stop string never matches anything useful */
+        if (len > RT_MAX_STOP_BYTES)
+            return rt_error_set(e, 400, "stop", NULL, "a stop string is longer than %d bytes",
+                                RT_MAX_STOP_BYTES);
+        char *c = malloc(len + 1);
+        if (!c) return rt_error_set(e, 500, NULL, NULL, "out of memory");
+        memcpy(c, json_string_value(s), len + 1);
+        p->stop[p->n_stop] = c;
+        p->stop_len[p->n_stop++] = len;
+    }
+    return 0;
+}
+
+static int tokenize(const rt_router *r, const char *text, size_t len, bool add_special,
+                    rt_params *p, rt_error *e)
+{
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int rc = td_tok_encode(r->tok, text, len, add_special, true, &ids, &n);
+    if (rc)
+        return rt_error_set(e, 500, NULL, NULL, "cannot tokenize the prompt: %s", td_strerror(rc));
+    p->prompt = ids;
+    p->n_prompt = n;
+    return 0;
+}
+
+static int parse_prompt(const rt_router *r, json_t *o, rt_params *p, rt_error *e)
+{
+    json_t *v = json_object_get(o, "prompt");
+    if (absent(v)) return rt_error_set(e, 400, "prompt", NULL, "'prompt' is required");
+    if (json_is_array(v) && json_array_size(v) == 1 &&
+        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
+        v = json_array_get(v, 0); /* a batch of one */
+    if (json_is_string(v))
+        return tokenize(r, json_string_value(v), json_string_length(v), true, p, e);
+    if (!json_is_array(v))
+        return bad(e, "prompt", "'%s' must be a string or an array of token ids%s", "");
+    size_t n = json_array_size(v);
+    if (n == 0) return rt_error_set(e, 400, "prompt", NULL, "'prompt' is empty");
+    if (n > (size_t)r->cfg->router.max_prompt_tokens)
+        n = (size_t)r->cfg->router.max_prompt_tokens + 1;
+    int32_t *ids = malloc(n * sizeof *ids);
+    if (!ids) return rt_error_set(e, 500, NULL, NULL, "out of memory");
+    int32_t nv = td_tok_n_vocab(r->tok);
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(v, i);
+        if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= nv) {
+            free(ids);
+            return rt_error_set(
+                e, 400, "prompt", NULL,
+                "'prompt' token ids must be integers in [0, %d); element %zu is not", nv, i);
+        }
+        ids[i] = (int32_t)json_integer_value(t);
+    }
+    p->prompt = ids;
+    p->n_prompt = n;
+    return 0;
+}
+
+static int parse_messages(const rt_router *r, json_t *o, rt_params *p, rt_error *e)
+{
+    json_t *v = json_object_get(o, "messages");
+    if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required");
+    if (!json_is_array(v) || json_array_size(v) == 0)
+        return bad(e, "messages", "'%s' must be a non-empty array of messages%s", "");
+    size_t n = json_array_size(v);
+    td_chat_msg *msgs = calloc(n, sizeof *msgs);
+    char **owned = calloc(n, sizeof *owned);
+    int rc = 0;
+    if (!msgs || !owned) rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n && !rc; i++) {
+        json_t *m = json_array_get(v, i);
+        json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content");
+        if (!json_is_object(m) || !json_is_string(role)) {
+            rc = rt_error_set(e, 400, "messages", NULL,
+                              "messages[%zu] must be an object with a string 'role'", i);
+            break;
+        }
+        const char *rs = json_string_value(role);
+        if (!strcmp(rs, "developer")) rs = "system";
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant")) {
+            rc = rt_error_set(e, 400, "messages", NULL,
+                              "messages[%zu].role must be system, user or assistant", i);
+            break;
+        }
+        msgs[i].role = rs;
+        if (json_is_string(content)) {
+            msgs[i].content = json_string_value(content);
+        } else if (absent(content) && !strcmp(rs, "assistant")) {
+            msgs[i].content = "";
+        } else if (json_is_array(content)) {
+            rt_buf b = {0};
+            for (size_t k = 0; k < json_array_size(content) && !rc; k++) {
+                json_t *part = json_array_get(content, k);
+                json_t *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
+                if (!json_is_string(type) || strcmp(json_string_value(type), "text") ||
+                    !json_is_string(text)) {
+                    rc = rt_error_set(e, 400, "messages", NULL,
+                                      "messages[%zu].content[%zu]: only {\"type\": \"text\", "
+                                      "\"text\": ...} parts are supported",
+                                      i, k);
+                    break;
+                }
+                if (rt_buf_append(&b, json_string_value(text), json_string_length(text)))
+                    rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
+            }
+            if (!rc && rt_buf_append(&b, "", 0))
+                rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
+            owned[i] = b.buf;
+            msgs[i].content = b.buf ? b.buf : "";
+        } else {
+            rc =
+                rt_error_set(e, 400, "messages", NULL,
+                             "messages[%zu].content must be a string or an array of text parts", i);
+        }
+    }
+    char *text = NULL;
+    if (!rc) {
+        int err = td_chat_render(r->tmpl, r->tmpl_len, msgs, n, true, &text);
+        if (err)
+            rc = rt_error_set(e, 500, NULL, NULL, "cannot render the chat template: %s",
+                              td_strerror(err));
+    }
+    /* the template writes BOS itself where the model wants one */
+    if (!rc) rc = tokenize(r, text, strlen(text), false, p, e);
+    free(text);
+    if (owned)
+        for (size_t i = 0; i < n; i++)
+            free(owned[i]);
+    free(owned);
+    free(msgs);
+    return rc;
+}
+
+static int check_model(const rt_router *r, json_t *o, rt_error *e)
+{
+    json_t *v = json_object_get(o, "model");
+    if (absent(v)) return 0;
+    if (!json_is_string(v)) return bad(e, "model", "'%s' must be a string%s", "");
+    const char *m = json_string_value(v);
+    size_t ml = strlen(r->model_name);
+    if (!strcmp(m, r->model_name) || (!strncmp(m, r->model_name, ml) && !strcmp(m + ml, ".gguf")))
+        return 0;
+    return rt_error_set(e, 404, "model", "model_not_found", "The model '%.200s' does not exist", m);
+}
+
+static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
+{
+    json_t *v;
+    long long n = 1;
+    int rc;
+    if ((rc = get_int(o, "n", 1, 1 << 20, &n, e))) return rc;
+    if (n != 1) return rt_error_set(e, 400, "n", NULL, "only n = 1 is supported, got %lld", n);
+    if ((rc = get_int(o, "best_of", 1, 1, &n, e))) return rc;
+    if ((v = json_object_get(o, "echo")) && json_is_true(v))
+        return rt_error_set(e, 400, "echo", NULL, "'echo' is not supported");
+    v = json_object_get(o, "logprobs");
+    if (!absent(v) && !json_is_false(v))
+        return rt_error_set(e, 400, "logprobs", NULL, "'logprobs' is not supported");
+    v = json_object_get(o, "top_logprobs");
+    if (!absent(v))
+        return rt_error_set(e, 400, "top_logprobs", NULL, "'top_logprobs' is not supported");
+    v = json_object_get(o, "suffix");
+    if (!absent(v)) return rt_error_set(e, 400, "suffix", NULL, "'suffix' is not supported");
+    v = json_object_get(o, "tools");
+    if (!absent(v) && !(json_is_array(v) && json_array_size(v) == 0))
+        return rt_error_set(e, 400, "tools", NULL, "'tools' is not supported");
+    v = json_object_get(o, "logit_bias");
+    if (!absent(v) && !(json_is_object(v) && json_object_size(v) == 0))
+        return rt_error_set(e, 400, "logit_bias", NULL, "'logit_bias' is not supported");
+    v = json_object_get(o, "response_format");
+    if (!absent(v)) {
+        json_t *t = json_object_get(v, "type");
+        if (!json_is_string(t) || strcmp(json_string_value(t), "text"))
+            return rt_error_set(e, 400, "response_format", NULL,
+                                "only response_format {\"type\": \"text\"} is supported");
+    }
+    return 0;
+}
+
+static int parse_obj(const rt_router *r, rt_endpoint ep, json_t *o, rt_params *p, rt_error *e)
+{
+    int rc;
+    const td_cfg_router *rc_cfg = &r->cfg->router;
+    if ((rc = check_model(r, o, e)) || (rc = unsupported(o, ep, e))) return rc;
+    double temperature = 1.0, top_p = 1.0, min_p = 0.0, rep = 1.0, ignored = 0;
+    long long top_k = -1, seed = -1, max_tokens = -1, mct = -1;
+    bool seeded = json_object_get(o, "seed") && !json_is_null(json_object_get(o, "seed"));
+    if ((rc = get_number(o, "temperature", 0, 2, &temperature, e)) ||
+        (rc = get_number(o, "top_p", 0, 1, &top_p, e)) ||
+        (rc = get_number(o, "min_p", 0, 1, &min_p, e)) ||
+        (rc = get_number(o, "repetition_penalty", 0.01, 10, &rep, e)) ||
+        (rc = get_number(o, "presence_penalty", -2, 2, &ignored, e)) ||
+        (rc = get_number(o, "frequency_penalty", -2, 2, &ignored, e)) ||
+        (rc = get_int(o, "top_k", -1, 1 << 30, &top_k, e)) ||
+        (rc = get_int(o, "seed", INT64_MIN, INT64_MAX, &seed, e)) ||
+        (rc = get_int(o, "max_tokens", 1, rc_cfg->max_tokens, &max_tokens, e)) ||
+        (rc = get_bool(o, "stream", &p->stream, e)) ||
+        (rc = get_bool(o, "ignore_eos", &p->ignore_eos, e)))
+        return rc;
+    if (ep == RT_EP_CHAT &&
+        (rc = get_int(o, "max_completion_tokens", 1, rc_cfg->max_tokens, &mct, e)))
+        return rc;
+    if (mct > 0) max_tokens = mct;
+    json_t *so = json_object_get(o, "stream_options");
+    if (!absent(so)) {
+        if (!json_is_object(so)) return bad(e, "stream_options", "'%s' must be an object%s", "");
+        if ((rc = get_bool(so, "include_usage", &p->include_usage, e))) return rc;
+    }
+    if (!p->stream) p->include_usage = false;
+    if ((rc = parse_stop(o, p, e))) return rc;
+    if (ep == RT_EP_COMPLETIONS)
+        rc = parse_prompt(r, o, p, e);
+    else
+        rc = parse_messages(r, o, p, e);
+    if (rc) return rc;
+    if (p->n_prompt == 0) return rt_error_set(e, 400, "prompt", NULL, "the prompt is empty");
+    if (p->n_prompt > (size_t)rc_cfg->max_prompt_tokens)
+        return rt_error_set(e, 400, ep == RT_EP_CHAT ? "messages" : "prompt",
+                            "context_length_exceeded",
+                            "the prompt is longer than router.max_prompt_tokens (%d tokens)",
+                            rc_cfg->max_prompt_tokens);
+    long long room = (long long)r->n_ctx - (long long)p->n_prompt;
+    if (room < 1)
+        return rt_error_set(e, 400, ep == RT_EP_CHAT ? "messages" : "prompt",
+                            "context_length_exceeded",
+                            "This model's maximum context length is %d tokens; the prompt has %zu",
+                            r->n_ctx, p->n_prompt);
+    if (max_tokens < 0) {
+        max_tokens = ep == RT_EP_COMPLETIONS ? 16 : rc_cfg->max_tokens;
+        if (max_tokens > room) max_tokens = room;
+    } else if (max_tokens > room) {
+        return rt_error_set(e, 400, "max_tokens", "context_length_exceeded",
+                            "This model's maximum context length is %d tokens; the prompt has %zu "
+                            "and max_tokens is %lld",
+                            r->n_ctx, p->n_prompt, max_tokens);
+    }
+    p->max_tokens = (int)max_tokens;
+    p->temperature = (float)temperature;
+    p->top_p = top_p >= 1.0 ? 0.0f : (float)top_p;
+    p->min_p = (float)min_p;
+    p->top_k = top_k < 0 ? 0 : (int)top_k;
+    p->repeat_penalty = (float)rep;
+    if (seeded)
+        p->seed = (uint64_t)seed;
+    else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        p->seed = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^ (uint64_t)ts.tv_sec;
+    }
+    if (temperature > 0 && top_p <= 0)
+        return rt_error_set(e, 400, "top_p", NULL, "'top_p' must be in (0, 1]");
+    return 0;
+}
+
+int rt_openai_parse(const rt_router *r, rt_endpoint ep, const char *body, size_t len, rt_params *p,
+                    rt_error *e)
+{
+    *p = (rt_params){.ep = ep};
+    json_error_t jerr;
+    json_t *o = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!o)
+        return rt_error_set(e, 400, NULL, NULL, "invalid JSON body: %s (line %d, column %d)",
+                            jerr.text, jerr.line, jerr.column);
+    int rc;
+    if (!json_is_object(o))
+        rc = rt_error_set(e, 400, NULL, NULL, "the request body must be a JSON object");
+    else
+        rc = parse_obj(r, ep, o, p, e);
+    json_decref(o);
+    if (rc) rt_params_fini(p);
+    p->ep = ep;
+    return rc;
+}
+
+char *rt_openai_models(const rt_router *r)
+{
+    json_t *o = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
+                          r->model_name, "object", "model", "created", (json_int_t)0, "owned_by",
+                          "tandem", "max_model_len", (int)r->n_ctx);
+    if (!o) return NULL;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}

@@ -1,0 +1,242 @@
+/* rt_stream.c: a request's output: incremental detokenization, stop strings with hold-back,
+ * SSE chunks / the final JSON body, and error endings. Runs on the loop thread; writes to
+ * the shared part of rt_req under its lock and wakes the connection.
+ *
+ * Hold-back: q->held is text that has been detokenized but not sent. After every batch of
+ * ids the earliest full stop-string match in held ends the request (text before it is
+ * sent, the rest dropped); otherwise everything except the longest suffix that is a prefix
+ * of some stop string is sent. So a match can only start inside held, and no byte of a
+ * stop string ever reaches the client. */
+#define _GNU_SOURCE /* memmem */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+size_t rt_stop_holdback(const char *text, size_t len, char *const *stop, const size_t *stop_len,
+                        int n_stop)
+{
+    size_t best = 0;
+    for (int i = 0; i < n_stop; i++) {
+        size_t k = stop_len[i] - 1 < len ? stop_len[i] - 1 : len;
+        for (; k > best; k--)
+            if (!memcmp(text + len - k, stop[i], k)) {
+                best = k;
+                break;
+            }
+    }
+    return best;
+}
+
+long rt_stop_find(const char *text, size_t len, char *const *stop, const size_t *stop_len,
+                  int n_stop)
+{
+    long best = -1;
+    for (int i = 0; i < n_stop; i++) {
+        if (stop_len[i] > len) continue;
+        const char *hit = memmem(text, len, stop[i], stop_len[i]);
+        if (hit && (best < 0 || hit - text < best)) best = hit - text;
+    }
+    return best;
+}
+
+/* ---- JSON pieces ---- */
+
+static json_t *usage_obj(const rt_req *q)
+{
+    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)q->p.n_prompt,
+                     "completion_tokens", (json_int_t)q->n_gen, "total_tokens",
+                     (json_int_t)(q->p.n_prompt + (size_t)q->n_gen));
+}
+
+static const char *finish_name(rt_finish f)
+{
+    return f == RT_FIN_STOP ? "stop" : "length";
+}
+
+/* One SSE event "data: {chunk}\n\n" appended to q->out (caller holds q->mu). choice NULL:
+ * an empty choices array (the usage chunk). Steals choice and usage. */
+static int sse_chunk(const rt_router *r, rt_req *q, json_t *choice, json_t *usage)
+{
+    bool chat = q->p.ep == RT_EP_CHAT;
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[]}", "id", q->oid, "object",
+                          chat ? "chat.completion.chunk" : "text_completion", "created",
+                          (json_int_t)q->created, "model", r->model_name, "choices");
+    if (!o) {
+        json_decref(choice);
+        json_decref(usage);
+        return TD_ENOMEM;
+    }
+    if (choice) json_array_append_new(json_object_get(o, "choices"), choice);
+    if (usage)
+        json_object_set_new(o, "usage", usage);
+    else if (q->p.include_usage)
+        json_object_set_new(o, "usage", json_null());
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (!s) return TD_ENOMEM;
+    int rc = rt_buf_puts(&q->out, "data: ");
+    if (!rc) rc = rt_buf_puts(&q->out, s);
+    if (!rc) rc = rt_buf_puts(&q->out, "\n\n");
+    free(s);
+    q->sse = true;
+    return rc;
+}
+
+static json_t *text_choice(const rt_req *q, const char *text, size_t len, const char *finish)
+{
+    json_t *fin = finish ? json_string(finish) : json_null();
+    if (q->p.ep == RT_EP_CHAT) {
+        json_t *delta = len || !finish ? json_pack("{s:s%}", "content", text, len) : json_object();
+        return json_pack("{s:i, s:o, s:n, s:o}", "index", 0, "delta", delta, "logprobs",
+                         "finish_reason", fin);
+    }
+    return json_pack("{s:i, s:s%, s:n, s:o}", "index", 0, "text", text, len, "logprobs",
+                     "finish_reason", fin);
+}
+
+/* Send len bytes of text (finish NULL: more follows). Caller holds q->mu. */
+static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char *finish)
+{
+    if (!q->p.stream) return rt_buf_append(&q->text, text, len);
+    if (!len && !finish) return 0;
+    int rc = 0;
+    if (q->p.ep == RT_EP_CHAT && !q->role_sent) {
+        q->role_sent = true;
+        rc = sse_chunk(r, q,
+                       json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", 0, "delta", "role",
+                                 "assistant", "content", "", "logprobs", "finish_reason"),
+                       NULL);
+    }
+    if (!rc) rc = sse_chunk(r, q, text_choice(q, text, len, finish), NULL);
+    return rc;
+}
+
+static int push_id(rt_req *q, int32_t id, const td_tokenizer *tok)
+{
+    char stack[1024];
+    size_t plen = 0;
+    if (!td_tok_piece(tok, id, &plen)) return TD_EINVAL;
+    size_t need = 4 * plen + 8;
+    char *buf = need <= sizeof stack ? stack : malloc(need);
+    if (!buf) return TD_ENOMEM;
+    int n = td_detok_push(&q->dt, id, buf, need);
+    int rc = n < 0 ? n : rt_buf_append(&q->held, buf, (size_t)n);
+    if (buf != stack) free(buf);
+    return rc;
+}
+
+void rt_req_wake(rt_req *q);
+
+int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n)
+{
+    if (!q->dt_init) {
+        td_detok_init(&q->dt, r->tok);
+        q->dt_init = true;
+    }
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        q->n_gen++;
+        rc = push_id(q, ids[i], r->tok);
+    }
+    if (rc) return rc;
+    long at = rt_stop_find(q->held.buf, q->held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+    if (at >= 0) {
+        q->held.len = (size_t)at; /* the stop string and what follows are dropped */
+        q->stop_hit = true;
+        return RT_FIN_STOP;
+    }
+    size_t keep = rt_stop_holdback(q->held.buf, q->held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+    size_t send = q->held.len - keep;
+    if (!send) return 0;
+    pthread_mutex_lock(&q->mu);
+    rc = emit(r, q, q->held.buf, send, NULL);
+    pthread_mutex_unlock(&q->mu);
+    rt_buf_consume(&q->held, send);
+    if (q->p.stream) rt_req_wake(q);
+    return rc;
+}
+
+static char *final_body(const rt_router *r, rt_req *q, const char *finish)
+{
+    json_t *choice;
+    const char *text = q->text.buf ? q->text.buf : "";
+    if (q->p.ep == RT_EP_CHAT)
+        choice =
+            json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", 0, "message", "role", "assistant",
+                      "content", text, q->text.len, "logprobs", "finish_reason", finish);
+    else
+        choice = json_pack("{s:i, s:s%, s:n, s:s}", "index", 0, "text", text, q->text.len,
+                           "logprobs", "finish_reason", finish);
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", q->oid, "object",
+                          q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
+                          (json_int_t)q->created, "model", r->model_name, "choices", choice,
+                          "usage", usage_obj(q));
+    if (!o) return NULL;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
+{
+    int rc = 0;
+    if (!q->stop_hit && q->dt_init) {
+        char buf[64];
+        int k = td_detok_flush(&q->dt, buf, sizeof buf);
+        if (k > 0) rc = rt_buf_append(&q->held, buf, (size_t)k);
+        long at = rt_stop_find(q->held.buf, q->held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+        if (at >= 0) {
+            q->held.len = (size_t)at;
+            q->stop_hit = true;
+        }
+    }
+    if (q->stop_hit) fin = RT_FIN_STOP;
+    const char *finish = finish_name(fin);
+    pthread_mutex_lock(&q->mu);
+    if (!rc) rc = emit(r, q, q->held.buf ? q->held.buf : "", q->held.len, finish);
+    if (!rc && q->p.stream) {
+        if (q->p.include_usage) rc = sse_chunk(r, q, NULL, usage_obj(q));
+        if (!rc) rc = rt_buf_puts(&q->out, "data: [DONE]\n\n");
+    } else if (!rc) {
+        char *body = final_body(r, q, finish);
+        if (!body) rc = TD_ENOMEM;
+        if (!rc) rc = rt_buf_puts(&q->out, body);
+        free(body);
+        q->status = 200;
+    }
+    if (rc) {
+        /* out of memory while finishing: end the response as best we can */
+        rt_buf_free(&q->out);
+        if (q->sse)
+            rt_buf_puts(&q->out, "data: [DONE]\n\n");
+        else
+            q->status = 500;
+    }
+    q->done = true;
+    pthread_mutex_unlock(&q->mu);
+    rt_buf_consume(&q->held, q->held.len);
+    rt_req_wake(q);
+    return rc;
+}
+
+void rt_stream_fail(rt_req *q, const rt_error *e)
+{
+    char *err = rt_error_json(e);
+    pthread_mutex_lock(&q->mu);
+    if (q->sse) {
+        rt_buf_puts(&q->out, "data: ");
+        rt_buf_puts(&q->out, err ? err : "{\"error\":{\"message\":\"internal error\"}}");
+        rt_buf_puts(&q->out, "\n\ndata: [DONE]\n\n");
+    } else {
+        rt_buf_free(&q->out);
+        if (err) rt_buf_puts(&q->out, err);
+        q->status = e->status;
+    }
+    q->done = true;
+    pthread_mutex_unlock(&q->mu);
+    free(err);
+    rt_req_wake(q);
+}

@@ -1,0 +1,24 @@
+# Deployment tests: `tandem up/down/status`, `tandem bench` and deploy/start-*.sh with real
+# processes (tests/deploy/test_deploy.py; synthetic model, random ports, temp run dirs).
+#   deploy_up_down     up -d -> status running -> HTTP request -> down -> status stopped
+#   deploy_foreground  foreground up stopped by SIGTERM; a killed rank stops the cluster
+#   deploy_bad_model   a decode instance that cannot start: up -d fails, nothing left behind
+#   deploy_bench       tandem bench --json (plain and --stream) against the cluster
+#   deploy_netns       router and decode instance in two network namespaces (needs root;
+#                      skipped otherwise)
+# Without the tandem-router target, tests/deploy/fake_router.py stands in for the router.
+if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode)
+  set(TANDEM_DEPLOY_ROUTER "")
+  if(TARGET tandem-router)
+    set(TANDEM_DEPLOY_ROUTER --router $<TARGET_FILE:tandem-router>)
+  endif()
+  foreach(case up_down foreground bad_model bench netns)
+    add_test(NAME deploy_${case}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_deploy.py
+                     --case ${case} --tandem $<TARGET_FILE:tandem>
+                     --decode $<TARGET_FILE:tandem-decode> ${TANDEM_DEPLOY_ROUTER}
+                     --synth-dir ${TANDEM_TEST_DATA}/synth --source-dir ${CMAKE_SOURCE_DIR})
+    set_tests_properties(deploy_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 400
+                         SKIP_RETURN_CODE 77)
+  endforeach()
+endif()

@@ -1,0 +1,505 @@
+#!/usr/bin/env python3
+"""test_deploy.py: `tandem up/down/status`, `tandem bench` and the start scripts, with real
+processes.
+
+Cases (--case, one ctest each):
+  up_down     up -d on a generated YAML (router + decode tp1 + decode tp2, synthetic model)
+              -> status: all running -> POST /v1/completions answers -> down -> status:
+              all stopped, no process left
+  foreground  up in the foreground: SIGTERM stops everything (exit 0); a second run where a
+              decode rank is killed: up reports it, stops the rest and exits non-zero
+  bad_model   a decode instance that cannot start (no such model file): up -d exits
+              non-zero, prints the log tail, leaves no process behind
+  bench       tandem bench (plain and --stream) against the cluster: requests == N,
+              errors == 0, sane numbers
+  netns       two "hosts": network namespaces with veth links, the router in one and the
+              decode instance in the other, each started by its deploy/start-*.sh; an HTTP
+              request from the root namespace is answered (skipped when namespaces cannot be
+              created)
+
+--router BIN: the real tandem-router; without it tests/deploy/fake_router.py stands in (it
+checks the decode ports for /health and answers with fixed text), and the output says so.
+
+usage: test_deploy.py --case NAME --tandem BIN --decode BIN [--router BIN] --synth-dir DIR
+                      --source-dir DIR
+"""
+import argparse
+import json
+import os
+import random
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+FAILS = []
+SKIP = 77  # ctest SKIP_RETURN_CODE
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+    return cond
+
+
+def free_port():
+    return random.randint(20000, 45000)
+
+
+class Env:
+    """A temp dir with a bin dir (TANDEM_BIN: tandem-decode + router) and YAML files."""
+
+    def __init__(self, args):
+        self.args = args
+        self.dir = tempfile.mkdtemp(prefix="tandem-deploy-")
+        self.bin = os.path.join(self.dir, "bin")
+        os.mkdir(self.bin)
+        os.symlink(os.path.abspath(args.decode), os.path.join(self.bin, "tandem-decode"))
+        router = args.router or os.path.join(args.source_dir, "tests/deploy/fake_router.py")
+        os.symlink(os.path.abspath(router), os.path.join(self.bin, "tandem-router"))
+        self.env = dict(os.environ, TANDEM_BIN=self.bin)
+        self.model = os.path.join(args.synth_dir, "llama.gguf")
+
+    def yaml(self, name, decodes, model=None, listen_host="127.0.0.1", decode_host=None):
+        """decodes: list of (name, tp). Returns (path, router port)."""
+        port = free_port()
+        lines = [f"model: {model or self.model}", f"run_dir: {self.dir}/run",
+                 "router:", f"  listen: {listen_host}:{port}", "  heartbeat_ms: 100",
+                 "  instance_timeout_ms: 3000", "decode:"]
+        for i, (dname, tp) in enumerate(decodes):
+            lines += [f"  - name: {dname}", f"    tp: {tp}", "    kv_blocks: 256",
+                      "    max_batch: 16", "    step_tokens: 128", f"    port: {port + 1 + i}"]
+            if decode_host:
+                lines.append(f"    host: {decode_host}")
+        path = os.path.join(self.dir, name + ".yaml")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path, port
+
+    def tandem(self, *a, timeout=300):
+        return subprocess.run([self.args.tandem, *a], capture_output=True, text=True,
+                              timeout=timeout, env=self.env)
+
+    def status(self, cfg):
+        r = self.tandem("status", cfg, "--json")
+        if r.returncode:
+            return None
+        return json.loads(r.stdout)
+
+    def leftovers(self):
+        """Processes whose command line mentions this test's directory."""
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if self.dir in cmd and state not in ("Z", "X") and "test_deploy" not in cmd:
+                found.append((int(pid), cmd.replace("\0", " ")[:120]))
+        return found
+
+    def cleanup(self):
+        for pid, _ in self.leftovers():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def http(url, body=None, timeout=120):
+    """(status, parsed JSON or text)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def model_name(base):
+    st, m = http(base + "/v1/models", timeout=30)
+    try:
+        return m["data"][0]["id"]
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+PROMPT = [1, 104, 205, 306, 407]
+
+
+def generate_text(e):
+    """What `tandem generate` (greedy, 8 tokens) makes of PROMPT: the expected completion."""
+    r = subprocess.run([e.args.tandem, "generate", "--model", e.model, "--prompt-ids",
+                        ",".join(map(str, PROMPT)), "--max-tokens", "8", "--temperature", "0",
+                        "--threads", "1"], capture_output=True, timeout=300)
+    return r.stdout.decode(errors="replace").rstrip("\n") if r.returncode == 0 else None
+
+
+def check_completion(base, label, e):
+    """POST /v1/completions answers; with the real router, exactly as `tandem generate`."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    name = model_name(base)
+    if name:
+        body["model"] = name
+    st, r = http(base + "/v1/completions", body)
+    ok = (st == 200 and isinstance(r, dict) and isinstance(r.get("choices"), list)
+          and r["choices"] and isinstance(r["choices"][0].get("text"), str)
+          and r["choices"][0].get("finish_reason") in ("stop", "length")
+          and 1 <= r.get("usage", {}).get("completion_tokens", 0) <= 8)
+    check(ok, f"{label}: POST /v1/completions answers 200 with a completion "
+              f"({st} {json.dumps(r)[:200]})")
+    if ok and e.args.router:
+        want = generate_text(e)
+        got = r["choices"][0]["text"]
+        check(got == want, f"{label}: the completion equals tandem generate ({got!r} vs {want!r})")
+
+
+def running(pid):
+    """pid exists and is not a zombie (an orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def states(st):
+    return [p["state"] for p in st["processes"]] if st else None
+
+
+def case_up_down(e):
+    cfg, port = e.yaml("updown", [("d0", 1), ("d1", 2)])
+    t0 = time.time()
+    r = e.tandem("up", "-d", cfg, "--timeout", "150", timeout=240)
+    if not check(r.returncode == 0, f"up -d exits 0 in {time.time() - t0:.1f} s "
+                                    f"({r.stderr.strip()[-600:]})"):
+        return
+    check(f"http://127.0.0.1:{port}" in r.stdout, f"up -d prints the endpoint: {r.stdout.strip()}")
+    st = e.status(cfg)
+    check(st and len(st["processes"]) == 4 and states(st) == ["running"] * 4,
+          f"status --json: 4 processes running ({states(st)})")
+    plain = e.tandem("status", cfg).stdout.strip().splitlines()
+    check(len(plain) == 4 and all(l.split()[-1] == "running" for l in plain),
+          f"status: one line per process, all running ({plain})")
+    rdir = st["run_dir"] if st else ""
+    names = sorted(os.listdir(rdir)) if os.path.isdir(rdir) else []
+    want = ["decode-d0-0", "decode-d1-0", "decode-d1-1", "router-router-0"]
+    check(all(f"{w}.log" in names and f"{w}.pid" in names for w in want),
+          f"run directory holds a log and a pid file per process ({names})")
+    r2 = e.tandem("up", "-d", cfg, "--timeout", "30", timeout=60)
+    check(r2.returncode != 0 and "already running" in r2.stderr,
+          f"a second up -d is refused while running ({r2.stderr.strip()[:160]})")
+    check(http(f"http://127.0.0.1:{port}/health", timeout=30)[0] == 200, "GET /health is 200")
+    check_completion(f"http://127.0.0.1:{port}", "up_down", e)
+    pids = [p["pid"] for p in st["processes"]] if st else []
+    t0 = time.time()
+    r = e.tandem("down", cfg, timeout=120)
+    check(r.returncode == 0, f"down exits 0 in {time.time() - t0:.1f} s ({r.stderr.strip()[:300]})")
+    st = e.status(cfg)
+    check(states(st) == ["stopped"] * 4, f"status after down: all stopped ({states(st)})")
+    alive = [p for p in pids if running(p)]
+    check(not alive and not e.leftovers(), f"no process left after down ({alive} {e.leftovers()})")
+    r = e.tandem("down", cfg, timeout=60)
+    check(r.returncode == 0 and "not running" in r.stdout, "down again: 'not running', exit 0")
+
+
+def wait_line(proc, needle, timeout):
+    """Reads proc.stdout until a line containing needle; returns the text read."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    buf = ""
+    end = time.time() + timeout
+    while time.time() < end and needle not in buf:
+        if not sel.select(timeout=0.5):
+            if proc.poll() is not None:
+                break
+            continue
+        chunk = os.read(proc.stdout.fileno(), 4096).decode(errors="replace")
+        if not chunk:
+            break
+        buf += chunk
+    sel.close()
+    return buf
+
+
+def start_fg(e, cfg):
+    err = open(os.path.join(e.dir, f"fg-{random.randrange(1 << 30)}.err"), "w+")
+    p = subprocess.Popen([e.args.tandem, "up", cfg, "--timeout", "150"], stdout=subprocess.PIPE,
+                         stderr=err, env=e.env)
+    out = wait_line(p, "is up", 180)
+    return p, out, err
+
+
+def read_err(err):
+    err.seek(0)
+    return err.read()
+
+
+def case_foreground(e):
+    cfg, port = e.yaml("fg", [("d0", 1)])
+    p, out, err = start_fg(e, cfg)
+    try:
+        if not check("is up" in out, f"foreground up reports the cluster up ({out.strip()} "
+                                     f"{read_err(err)[-600:]})"):
+            return
+        st = e.status(cfg)
+        check(states(st) == ["running"] * 2, f"status while up runs: all running ({states(st)})")
+        check_completion(f"http://127.0.0.1:{port}", "foreground", e)
+        t0 = time.time()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=90)
+        check(rc == 0, f"SIGTERM: up exits 0 in {time.time() - t0:.1f} s "
+                       f"({read_err(err)[-300:].strip()})")
+        st = e.status(cfg)
+        check(states(st) == ["stopped"] * 2, f"status after SIGTERM: all stopped ({states(st)})")
+        check(not e.leftovers(), f"no process left after SIGTERM ({e.leftovers()})")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+    # A rank dying while the cluster runs: up reports it and stops everything, exit != 0.
+    p, out, err = start_fg(e, cfg)
+    try:
+        if not check("is up" in out, "foreground up (second run) is up"):
+            return
+        st = e.status(cfg)
+        victim = st["processes"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        rc = p.wait(timeout=90)
+        text = read_err(err)
+        check(rc != 0 and "while running" in text and "killed by signal 9" in text,
+              f"a killed decode rank: up reports it and exits {rc} "
+              f"({text.strip().splitlines()[-1:] if text.strip() else ''})")
+        check(not e.leftovers(), f"no process left after the failure ({e.leftovers()})")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def case_bad_model(e):
+    cfg, port = e.yaml("bad", [("d0", 1)], model=os.path.join(e.dir, "no-such-model.gguf"))
+    t0 = time.time()
+    r = e.tandem("up", "-d", cfg, "--timeout", "120", timeout=240)
+    check(r.returncode != 0, f"up -d with a missing model exits {r.returncode} in "
+                             f"{time.time() - t0:.1f} s")
+    check("last lines of" in r.stderr and "no-such-model" in r.stderr,
+          f"the failing process's log tail is printed ({r.stderr.strip()[-500:]})")
+    check("did not come up" in r.stderr, "up says the cluster did not come up")
+    st = e.status(cfg)
+    check(states(st) == ["stopped"] * 2, f"status: all stopped ({states(st)})")
+    check(not e.leftovers(), f"no process left behind ({e.leftovers()})")
+    # A missing binary is reported before anything runs.
+    env = dict(e.env, TANDEM_BIN=os.path.join(e.dir, "nowhere"))
+    good, _ = e.yaml("nobin", [("d0", 1)])
+    r = subprocess.run([e.args.tandem, "up", "-d", good, "--timeout", "30"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    check(r.returncode != 0 and "cannot run" in r.stderr,
+          f"missing binaries: clear error ({r.stderr.strip()[:200]})")
+    check(not e.leftovers(), "no process left behind (missing binaries)")
+
+
+def case_bench(e):
+    cfg, port = e.yaml("bench", [("d0", 1)])
+    r = e.tandem("up", "-d", cfg, "--timeout", "150", timeout=240)
+    if not check(r.returncode == 0, f"up -d ({r.stderr.strip()[-400:]})"):
+        return
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for extra in ([], ["--stream"]):
+            label = "bench" + (" --stream" if extra else "")
+            t0 = time.time()
+            b = e.tandem("bench", "--url", url, "--concurrency", "4", "--requests", "12",
+                         "--prompt-tokens", "16", "--max-tokens", "8", "--json", *extra,
+                         timeout=300)
+            try:
+                s = json.loads(b.stdout)
+            except ValueError:
+                check(False, f"{label}: JSON output ({b.stdout[:200]} {b.stderr[-300:]})")
+                continue
+            check(b.returncode == 0 and s["requests"] == 12 and s["completed"] == 12
+                  and s["errors"] == 0, f"{label}: 12 requests, 0 errors in "
+                                        f"{time.time() - t0:.1f} s (rc {b.returncode}, "
+                                        f"{b.stderr.strip()[-300:]})")
+            check(0 < s["total_output_tokens"] <= 12 * 8 and s["output_tokens_per_s"] > 0
+                  and s["requests_per_s"] > 0, f"{label}: throughput "
+                                               f"{s['output_tokens_per_s']:.1f} tok/s, "
+                                               f"{s['total_output_tokens']} tokens")
+            check(s["e2el_ms_p50"] and s["e2el_ms_p50"] <= s["e2el_ms_p99"],
+                  f"{label}: latency percentiles ordered")
+            if extra:
+                check(s["ttft_ms_p50"] is not None and 0 < s["ttft_ms_p50"] <= s["ttft_ms_p90"]
+                      <= s["ttft_ms_p99"] and s["tpot_ms_p50"] is not None
+                      and s["itl_ms_p50"] is not None,
+                      f"{label}: ttft p50 {s['ttft_ms_p50']}, tpot p50 {s['tpot_ms_p50']}, "
+                      f"itl p50 {s['itl_ms_p50']}")
+            else:
+                check(s["ttft_ms_p50"] is None, f"{label}: no TTFT without streaming")
+        t = e.tandem("bench", "--url", url, "--requests", "2", "--max-tokens", "4", timeout=300)
+        check(t.returncode == 0 and "output throughput" in t.stdout,
+              f"bench text report ({t.stdout.strip()[:300]})")
+        bad = e.tandem("bench", "--url", "http://127.0.0.1:1", "--requests", "2", "--json",
+                       timeout=120)
+        try:
+            errs = json.loads(bad.stdout)["errors"]
+        except (ValueError, KeyError):
+            errs = None
+        check(bad.returncode != 0 and errs == 2,
+              f"bench against a closed port: exit {bad.returncode}, errors {errs}")
+    finally:
+        e.tandem("down", cfg, timeout=120)
+        check(not e.leftovers(), "no process left after down")
+
+
+def sh(*cmd, check_rc=True):
+    r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+    if check_rc and r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+    return r
+
+
+def case_netns(e):
+    if shutil.which("ip") is None:
+        print("SKIP netns: no 'ip' command")
+        return SKIP
+    tag = f"{os.getpid() % 10000}{random.randrange(100)}"
+    ns_r, ns_d = f"tdr{tag}", f"tdd{tag}"
+    probe = subprocess.run(["ip", "netns", "add", ns_r], capture_output=True, text=True)
+    if probe.returncode:
+        print(f"SKIP netns: 'ip netns add' is not permitted here ({probe.stderr.strip()}); "
+              f"run as root to test two hosts")
+        return SKIP
+    procs = []
+    try:
+        sh("ip", "netns", "add", ns_d)
+        used = sh("ip", "-4", "addr").stdout
+        k = next(k for k in random.sample(range(1, 250), 249) if f"10.77.{k}." not in used)
+        a, b = f"10.77.{k}", f"10.77.{k}"
+        # root <-> router namespace: 10.77.k.1 / .2 ; router <-> decode namespace: .9 / .10
+        sh("ip", "link", "add", f"ve{tag}a", "type", "veth", "peer", "name", f"ve{tag}b")
+        sh("ip", "link", "set", f"ve{tag}b", "netns", ns_r)
+        sh("ip", "addr", "add", f"{a}.1/30", "dev", f"ve{tag}a")
+        sh("ip", "link", "set", f"ve{tag}a", "up")
+        sh("ip", "-n", ns_r, "addr", "add", f"{a}.2/30", "dev", f"ve{tag}b")
+        sh("ip", "-n", ns_r, "link", "set", f"ve{tag}b", "up")
+        sh("ip", "link", "add", f"vx{tag}a", "type", "veth", "peer", "name", f"vx{tag}b")
+        sh("ip", "link", "set", f"vx{tag}a", "netns", ns_r)
+        sh("ip", "link", "set", f"vx{tag}b", "netns", ns_d)
+        sh("ip", "-n", ns_r, "addr", "add", f"{b}.9/30", "dev", f"vx{tag}a")
+        sh("ip", "-n", ns_d, "addr", "add", f"{b}.10/30", "dev", f"vx{tag}b")
+        for ns, dev in ((ns_r, f"vx{tag}a"), (ns_d, f"vx{tag}b")):
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        cfg, port = e.yaml("twohost", [("d0", 1)], listen_host=f"{a}.2",
+                           decode_host=f"{b}.10")
+        scripts = os.path.join(e.args.source_dir, "deploy")
+        for name, ns, cmd in (("decode", ns_d, ["start-decode.sh", cfg, "d0", "0"]),
+                              ("router", ns_r, ["start-router.sh", cfg])):
+            log = open(os.path.join(e.dir, f"netns-{name}.log"), "w")
+            procs.append((name, subprocess.Popen(
+                ["ip", "netns", "exec", ns, os.path.join(scripts, cmd[0]), *cmd[1:]],
+                stdout=log, stderr=subprocess.STDOUT, env=e.env, start_new_session=True)))
+        base = f"http://{a}.2:{port}"
+        end, st = time.time() + 150, None
+        while time.time() < end:
+            if any(p.poll() is not None for _, p in procs):
+                break
+            try:
+                st = http(base + "/health", timeout=5)[0]
+            except OSError:
+                st = None
+            if st == 200:
+                break
+            time.sleep(0.3)
+        logs = {n: open(os.path.join(e.dir, f"netns-{n}.log")).read()[-500:] for n, _ in procs}
+        if check(st == 200, f"two hosts: router {a}.2 (ns {ns_r}) reaches decode {b}.10 "
+                            f"(ns {ns_d}): /health 200 from the root namespace ({logs})"):
+            check_completion(base, "two hosts", e)
+        where = {n: sh("ip", "netns", "identify", str(p.pid), check_rc=False).stdout.strip()
+                 for n, p in procs}
+        check(where == {"decode": ns_d, "router": ns_r},
+              f"each process runs in its own namespace ({where})")
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for ns in (ns_r, ns_d):
+            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"ve{tag}a"], capture_output=True)
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        check(ns_r not in left and ns_d not in left, "namespaces removed")
+    return 0
+
+
+CASES = {"up_down": case_up_down, "foreground": case_foreground, "bad_model": case_bad_model,
+         "bench": case_bench, "netns": case_netns}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True, choices=sorted(CASES))
+    ap.add_argument("--tandem", required=True)
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--router", default="")
+    ap.add_argument("--synth-dir", required=True)
+    ap.add_argument("--source-dir", required=True)
+    args = ap.parse_args()
+    print(f"router: {args.router or 'tests/deploy/fake_router.py (tandem-router not built)'}",
+          flush=True)
+    if args.router and not os.access(args.router, os.X_OK):
+        print(f"FAIL {args.router} is not built (build the tandem-router target)")
+        return 1
+    e = Env(args)
+    t0 = time.time()
+    try:
+        rc = CASES[args.case](e)
+    finally:
+        left = e.leftovers()
+        e.cleanup()
+    check(not left, f"{args.case}: no process left at exit ({left})")
+    print(f"{args.case}: {time.time() - t0:.1f} s", flush=True)
+    if FAILS:
+        print(f"{len(FAILS)} FAILED:\n  " + "\n  ".join(FAILS))
+        return 1
+    return rc or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+# Router tests (router/). Every integration test starts its own decode instance(s) and
+# router on random loopback ports and kills them when it ends.
+#   test_rt_unit     stop-string hold-back, request table, rt_stream over a tokenizer
+#   router_openai    the `openai` client: completions/chat, streaming, stops, seeds, greedy ==
+#                    `tandem generate` (synthetic model; also the default model with TANDEM_MODEL)
+#   router_http      raw HTTP: SSE bytes, keep-alive, 256 concurrent streams, the bad-request
+#                    table, API key, bounded fuzz (TANDEM_HTTP_FUZZ_SECONDS, default 20)
+#   router_faults    client disconnect frees KV blocks; decode instance killed and restarted
+add_executable(test_rt_unit ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_unit.c)
+target_include_directories(test_rt_unit PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_rt_unit PRIVATE rt_core)
+add_test(NAME test_rt_unit COMMAND test_rt_unit)
+set_tests_properties(test_rt_unit PROPERTIES TIMEOUT 60)
+
+if(TANDEM_PYTHON)
+  add_test(NAME test_rt_unit_tok COMMAND test_rt_unit ${TANDEM_TEST_DATA}/synth/llama.gguf)
+  set_tests_properties(test_rt_unit_tok PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 60)
+
+  set(RT_TEST_BINS --router $<TARGET_FILE:tandem-router> --decode $<TARGET_FILE:tandem-decode>
+                   --tandem $<TARGET_FILE:tandem> --synth ${TANDEM_TEST_DATA}/synth/llama.gguf)
+  add_test(NAME router_openai
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_openai.py
+                   ${RT_TEST_BINS} --model "${TANDEM_MODEL}")
+  add_test(NAME router_http
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_http.py
+                   ${RT_TEST_BINS})
+  add_test(NAME router_faults
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_faults.py
+                   ${RT_TEST_BINS})
+  set_tests_properties(router_openai router_http router_faults PROPERTIES
+                       FIXTURES_REQUIRED synth_models TIMEOUT 600)
+endif()

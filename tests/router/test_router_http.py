@@ -1,0 +1,455 @@
+#!/usr/bin/env python3
+"""test_router_http.py: tandem-router at the HTTP level (raw sockets and http.client), one
+tp1 decode instance on the synthetic model. Cases (--case, default all):
+  sse        SSE framing byte for byte (HTTP/1.1 chunked and HTTP/1.0), [DONE], headers
+  keepalive  several requests (JSON, SSE, GET) on one connection
+  concurrent 256 streams open at once all complete with the right text
+  errors     a table of bad requests: exact status and an OpenAI error object each;
+             401 with an API key configured; /health and /metrics
+  fuzz       random and mutated requests for TANDEM_HTTP_FUZZ_SECONDS (default 20), then the
+             router still serves
+
+usage: test_router_http.py --router BIN --decode BIN --tandem BIN --synth GGUF [--case C]
+"""
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import socket
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rtlib import Cluster, post  # noqa: E402
+
+FAILS = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+
+
+def jansson_dumps(obj):
+    """json.dumps as jansson's JSON_COMPACT writes it (UTF-8, \\u00XX upper case)."""
+    s = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return re.sub(r"\\u00([0-9a-f]{2})", lambda m: "\\u00" + m.group(1).upper(), s)
+
+
+def raw_request(port, data, timeout=60):
+    """Send bytes, read until the server closes: the raw response bytes."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(data)
+    out = b""
+    while True:
+        try:
+            b = s.recv(65536)
+        except socket.timeout:
+            break
+        except ConnectionResetError:
+            break
+        if not b:
+            break
+        out += b
+    s.close()
+    return out
+
+
+def dechunk(body):
+    out, i = b"", 0
+    while True:
+        j = body.index(b"\r\n", i)
+        n = int(body[i:j], 16)
+        if n == 0:
+            return out, body[j + 2:]
+        out += body[j + 2:j + 2 + n]
+        if body[j + 2 + n:j + 4 + n] != b"\r\n":
+            raise ValueError("bad chunk trailer")
+        i = j + 4 + n
+
+
+def req_bytes(path, body, version="1.1", extra=""):
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n{extra}\r\n").encode() + data
+
+
+def case_sse(cl):
+    body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 0}
+    st, _, full = post(cl.http_port, "/v1/completions", body)
+    full = json.loads(full)
+    text, finish = full["choices"][0]["text"], full["choices"][0]["finish_reason"]
+    for version in ("1.1", "1.0"):
+        raw = raw_request(cl.http_port, req_bytes("/v1/completions", dict(body, stream=True),
+                                                  version))
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        hdr = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+        check(re.match(r"HTTP/1\.[01] 200 ", lines[0]) is not None,
+              f"sse {version}: status line {lines[0]}")
+        check(hdr.get("content-type") == "text/event-stream", f"sse {version}: content type")
+        if version == "1.1":
+            check(hdr.get("transfer-encoding") == "chunked", "sse 1.1: chunked")
+            try:
+                payload, trailer = dechunk(rest)
+                check(trailer == b"\r\n", "sse 1.1: nothing after the last chunk")
+            except ValueError:
+                check(False, "sse 1.1: chunked framing")
+                continue
+        else:
+            check("transfer-encoding" not in hdr, "sse 1.0: not chunked")
+            payload = rest
+        events = payload.split(b"\n\n")
+        check(events[-1] == b"" and events[-2] == b"data: [DONE]",
+              f"sse {version}: ends with exactly 'data: [DONE]\\n\\n'")
+        objs = [json.loads(e[6:]) for e in events[:-2] if e.startswith(b"data: ")]
+        check(len(objs) == len(events) - 2, f"sse {version}: every event is one 'data: ' line")
+        first = objs[0]
+        # rebuild every event from the texts: the bytes must be identical
+        want = b""
+        got_text = ""
+        for o in objs:
+            c = o["choices"][0]
+            got_text += c["text"]
+            want += b"data: " + jansson_dumps({
+                "id": first["id"], "object": "text_completion", "created": first["created"],
+                "model": first["model"],
+                "choices": [{"index": 0, "text": c["text"], "logprobs": None,
+                             "finish_reason": c["finish_reason"]}]}).encode() + b"\n\n"
+        want += b"data: [DONE]\n\n"
+        check(payload == want, f"sse {version}: bytes equal the expected framing")
+        check(got_text == text and objs[-1]["choices"][0]["finish_reason"] == finish,
+              f"sse {version}: text and finish_reason equal the non-streamed response")
+    # chat: role chunk first, finish_reason in the last chunk, usage chunk when asked
+    raw = raw_request(cl.http_port, req_bytes("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}}, "1.0"))
+    payload = raw.partition(b"\r\n\r\n")[2]
+    events = [json.loads(e[6:]) for e in payload.split(b"\n\n")[:-2]]
+    check(events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""},
+          "sse chat: role chunk first")
+    check(events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] >= 1,
+          "sse chat: usage chunk last")
+    check(events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+          and all(e["choices"][0]["finish_reason"] is None for e in events[:-2]),
+          "sse chat: finish_reason only on the last content chunk")
+    check(all(e.get("usage", 0) is None for e in events[:-1]),
+          "sse chat: usage null on the other chunks")
+
+
+def case_keepalive(cl):
+    c = http.client.HTTPConnection("127.0.0.1", cl.http_port, timeout=60)
+    socks = set()
+    ok = True
+    for i in range(3):
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 4}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        ok &= r.status == 200 and "choices" in json.loads(r.read())
+        socks.add(id(c.sock))
+        c.request("POST", "/v1/completions",
+                  json.dumps({"prompt": "Hi", "max_tokens": 4, "stream": True}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        ok &= r.status == 200 and r.read().endswith(b"data: [DONE]\n\n")
+        socks.add(id(c.sock))
+        c.request("GET", "/health")
+        r = c.getresponse()
+        ok &= r.status == 200
+        r.read()
+        socks.add(id(c.sock))
+        c.request("POST", "/v1/completions", b"{bad json", {"Content-Type": "application/json"})
+        r = c.getresponse()
+        ok &= r.status == 400
+        r.read()
+        socks.add(id(c.sock))
+    c.close()
+    check(ok, "keepalive: JSON, SSE, GET and errors answered on one connection")
+    check(len(socks) == 1, f"keepalive: one TCP connection for 12 requests ({len(socks)})")
+
+
+def case_concurrent(cl, n=256):
+    prompts = ["Hello world", "The quick brown fox", "1 2 3", "Once upon a time"]
+    want = {}
+    for p in prompts:
+        st, _, b = post(cl.http_port, "/v1/completions", {"prompt": p, "max_tokens": 8,
+                                                          "temperature": 0})
+        want[p] = json.loads(b)["choices"][0]["text"]
+    barrier = threading.Barrier(n, timeout=120)
+    results = [None] * n
+
+    def worker(i):
+        p = prompts[i % len(prompts)]
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", cl.http_port, timeout=240)
+            c.connect()
+            barrier.wait()
+            c.request("POST", "/v1/completions",
+                      json.dumps({"prompt": p, "max_tokens": 8, "temperature": 0,
+                                  "stream": True}), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            data = r.read()
+            c.close()
+            events = data.split(b"\n\n")
+            text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2])
+            results[i] = (r.status, events[-2] == b"data: [DONE]", text == want[p])
+        except Exception as e:  # noqa: BLE001
+            results[i] = ("exception", repr(e))
+
+    t0 = time.time()
+    th = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(300)
+    good = sum(1 for r in results if r == (200, True, True))
+    bad = [r for r in results if r != (200, True, True)][:3]
+    check(good == n, f"concurrent: {good}/{n} streams complete with the right text "
+          f"in {time.time() - t0:.1f} s {bad}")
+
+
+ERR_TABLE = [
+    # (name, method, path, body bytes or obj, status, param)
+    ("malformed JSON", "POST", "/v1/completions", b"{\"prompt\": ", 400, None),
+    ("not an object", "POST", "/v1/completions", b"[1, 2]", 400, None),
+    ("empty body", "POST", "/v1/chat/completions", b"", 400, None),
+    ("prompt wrong type", "POST", "/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("max_tokens string", "POST", "/v1/completions", {"prompt": "a", "max_tokens": "10"}, 400,
+     "max_tokens"),
+    ("temperature string", "POST", "/v1/completions", {"prompt": "a", "temperature": "hot"}, 400,
+     "temperature"),
+    ("stream not bool", "POST", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400,
+     "stream"),
+    ("stop wrong type", "POST", "/v1/completions", {"prompt": "a", "stop": 5}, 400, "stop"),
+    ("five stop strings", "POST", "/v1/completions", {"prompt": "a", "stop": list("abcde")}, 400,
+     "stop"),
+    ("messages string", "POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("missing prompt", "POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("missing messages", "POST", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
+    ("message without role", "POST", "/v1/chat/completions", {"messages": [{"content": "x"}]},
+     400, "messages"),
+    ("unknown role", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("image part", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages"),
+    ("invalid UTF-8", "POST", "/v1/completions", b'{"prompt": "\xff\xfe abc"}', 400, None),
+    ("negative max_tokens", "POST", "/v1/completions", {"prompt": "a", "max_tokens": -1}, 400,
+     "max_tokens"),
+    ("zero max_tokens", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("huge max_tokens", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 10 ** 9}, 400,
+     "max_tokens"),
+    ("enormous max_tokens", "POST", "/v1/completions", b'{"prompt": "a", "max_tokens": 1e300}',
+     400, "max_tokens"),
+    ("max_tokens over the context", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 4000},
+     400, "max_tokens"),
+    ("negative temperature", "POST", "/v1/completions", {"prompt": "a", "temperature": -0.5}, 400,
+     "temperature"),
+    ("top_p > 1", "POST", "/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("prompt over the context", "POST", "/v1/completions", {"prompt": [1] * 600}, 400, "prompt"),
+    ("token id outside the vocabulary", "POST", "/v1/completions", {"prompt": [1, 99999]}, 400,
+     "prompt"),
+    ("empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("n = 2", "POST", "/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
+    ("echo", "POST", "/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("logprobs", "POST", "/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("chat logprobs", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("unknown model", "POST", "/v1/completions", {"prompt": "a", "model": "gpt-17"}, 404,
+     "model"),
+    ("10 MB body", "POST", "/v1/completions",
+     b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
+    ("unknown path", "POST", "/v1/nothing", {"prompt": "a"}, 404, None),
+    ("unknown GET path", "GET", "/index.html", None, 404, None),
+    ("GET on completions", "GET", "/v1/completions", None, 405, None),
+    ("DELETE on models", "DELETE", "/v1/models", None, 405, None),
+    ("POST on health", "POST", "/health", {}, 405, None),
+]
+
+
+def request(port, method, path, body, headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"Content-Type": "application/json"}
+    h.update(headers or {})
+    c.request(method, path, data, h)
+    r = c.getresponse()
+    out = r.read()
+    hd = {k.lower(): v for k, v in r.getheaders()}
+    c.close()
+    return r.status, hd, out
+
+
+def is_error_object(body):
+    try:
+        e = json.loads(body)["error"]
+        return (isinstance(e["message"], str) and e["message"] and isinstance(e["type"], str)
+                and "param" in e and "code" in e)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def case_errors(cl, args):
+    for name, method, path, body, status, param in ERR_TABLE:
+        st, hd, out = request(cl.http_port, method, path, body)
+        ok = st == status and is_error_object(out) and hd.get("content-type") == "application/json"
+        if ok and param is not None:
+            ok = json.loads(out)["error"]["param"] == param
+        check(ok, f"errors: {name}: {status}" + ("" if ok else f" (got {st} {out[:200]!r})"))
+    st, hd, out = request(cl.http_port, "GET", "/v1/models", None)
+    check(st == 200 and json.loads(out)["data"][0]["object"] == "model", "errors: /v1/models 200")
+    st, hd, out = request(cl.http_port, "GET", "/health", None)
+    check(st == 200, "errors: /health 200")
+    st, hd, out = request(cl.http_port, "GET", "/metrics", None)
+    text = out.decode()
+    want = ["tandem_router_requests_total{status=\"400\"}",
+            "tandem_router_time_to_first_token_seconds_bucket",
+            "tandem_router_time_per_output_token_seconds_bucket",
+            "tandem_router_e2e_request_latency_seconds_count", "tandem_router_prompt_tokens_total",
+            "tandem_router_generation_tokens_total", "tandem_router_queue_length",
+            "tandem_instance_running{instance=\"d0\"}", "tandem_instance_waiting{instance=\"d0\"}",
+            "tandem_instance_kv_usage_ratio{instance=\"d0\"}", "tandem_instance_up{instance=\"d0\"} 1"]
+    missing = [w for w in want if w not in text]
+    check(st == 200 and hd.get("content-type", "").startswith("text/plain") and not missing,
+          f"errors: /metrics has every series {missing}")
+    # after the table the router still serves
+    st, _, out = request(cl.http_port, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})
+    check(st == 200, "errors: still serving after the table")
+
+
+def case_api_key(args):
+    with Cluster(args, args.synth, api_key="sekrit") as cl:
+        body = {"prompt": "a", "max_tokens": 2}
+        st, _, out = request(cl.http_port, "POST", "/v1/completions", body)
+        check(st == 401 and is_error_object(out), "api key: missing -> 401")
+        st, _, out = request(cl.http_port, "POST", "/v1/completions", body,
+                             {"Authorization": "Bearer wrong"})
+        check(st == 401 and is_error_object(out), "api key: wrong -> 401")
+        st, _, out = request(cl.http_port, "GET", "/v1/models", None,
+                             {"Authorization": "Bearer wrong"})
+        check(st == 401, "api key: /v1/models needs it too")
+        st, _, out = request(cl.http_port, "POST", "/v1/completions", body,
+                             {"Authorization": "Bearer sekrit"})
+        check(st == 200, "api key: right key -> 200")
+        check(request(cl.http_port, "GET", "/health", None)[0] == 200,
+              "api key: /health needs no key")
+
+
+def mutate(b, rnd):
+    b = bytearray(b)
+    for _ in range(rnd.randint(1, 8)):
+        op = rnd.randrange(5)
+        if op == 0 and b:
+            b[rnd.randrange(len(b))] = rnd.randrange(256)
+        elif op == 1 and b:
+            del b[rnd.randrange(len(b)):][:rnd.randint(1, 20)]
+        elif op == 2:
+            i = rnd.randrange(len(b) + 1)
+            b[i:i] = bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 20)))
+        elif op == 3 and b:
+            i = rnd.randrange(len(b))
+            b[i:i] = b[i:i + rnd.randint(1, 50)] * rnd.randint(1, 30)
+        elif op == 4:
+            b = b[:rnd.randrange(len(b) + 1)]
+    return bytes(b)
+
+
+def case_fuzz(cl):
+    seconds = float(os.environ.get("TANDEM_HTTP_FUZZ_SECONDS", "20"))
+    rnd = random.Random(int(os.environ.get("TANDEM_HTTP_FUZZ_SEED", "1")))
+    seeds_json = [
+        json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0.5, "stop": ["a"]}),
+        json.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "stream": True}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "stream": True, "stream_options": {"include_usage": True}}),
+        json.dumps({"messages": [{"role": "system", "content": [{"type": "text", "text": "x"}]},
+                                 {"role": "user", "content": "y"}], "max_tokens": 2}),
+    ]
+    paths = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
+    end = time.time() + seconds
+    n_raw = n_json = 0
+    bad_status = []
+    while time.time() < end:
+        if rnd.random() < 0.5:
+            # well-formed HTTP, mutated JSON: must get 200 or an OpenAI error object
+            path = paths[rnd.randrange(2)]
+            body = mutate(seeds_json[rnd.randrange(len(seeds_json))].encode(), rnd)
+            try:
+                st, hd, out = request(cl.http_port, "POST", path, body)
+            except (OSError, http.client.HTTPException) as e:
+                bad_status.append(("exception", repr(e)))
+                continue
+            n_json += 1
+            if st != 200 and not (st in (400, 404, 413) and is_error_object(out)):
+                bad_status.append((st, body[:80], out[:120]))
+        else:
+            # raw bytes: a mutated whole request, or garbage; any answer (or none) is fine
+            path = paths[rnd.randrange(len(paths))]
+            method = rnd.choice(["GET", "POST", "PUT", "HEAD", "OPTIONS", "G\x00T"])
+            body = seeds_json[rnd.randrange(len(seeds_json))].encode()
+            req = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                   f"Connection: close\r\n\r\n").encode() + body
+            data = mutate(req, rnd) if rnd.random() < 0.8 else bytes(
+                rnd.randrange(256) for _ in range(rnd.randint(1, 2000)))
+            try:
+                s = socket.create_connection(("127.0.0.1", cl.http_port), timeout=5)
+                s.sendall(data)
+                if rnd.random() < 0.5:
+                    s.shutdown(socket.SHUT_WR)
+                    s.settimeout(3)
+                    while s.recv(65536):
+                        pass
+                s.close()
+            except OSError:
+                pass
+            n_raw += 1
+    check(not bad_status, f"fuzz: {n_json} mutated JSON requests answered 200 or with an error "
+          f"object {bad_status[:3]}")
+    check(cl.router.poll() is None, f"fuzz: router alive after {n_raw} raw requests")
+    st, _, out = request(cl.http_port, "POST", "/v1/completions",
+                         {"prompt": "Hello world", "max_tokens": 4, "temperature": 0})
+    check(st == 200 and json.loads(out)["choices"][0]["finish_reason"] in ("stop", "length"),
+          "fuzz: still serves a completion")
+    check(request(cl.http_port, "GET", "/health", None)[0] == 200, "fuzz: /health 200")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--router", required=True)
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--tandem", required=True)
+    ap.add_argument("--synth", required=True)
+    ap.add_argument("--case", default="all")
+    args = ap.parse_args()
+    t0 = time.time()
+    cases = ["sse", "keepalive", "concurrent", "errors", "fuzz"] if args.case == "all" else \
+        args.case.split(",")
+    with Cluster(args, args.synth, max_batch=64) as cl:
+        for c in cases:
+            t = time.time()
+            if c == "sse":
+                case_sse(cl)
+            elif c == "keepalive":
+                case_keepalive(cl)
+            elif c == "concurrent":
+                case_concurrent(cl)
+            elif c == "errors":
+                case_errors(cl, args)
+            elif c == "fuzz":
+                case_fuzz(cl)
+            print(f"case {c}: {time.time() - t:.1f} s", flush=True)
+        rc = cl.stop()
+        check(rc == 0, f"router exits 0 on SIGTERM (got {rc}): {cl.log()[-600:] if rc else ''}")
+    if "errors" in cases:
+        case_api_key(args)
+    print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""test_router_openai.py: the official `openai` Python client against tandem-router + one tp1
+decode instance: completions and chat, streaming and not, stop strings, seeds, /v1/models;
+greedy text equals `tandem generate --temperature 0` for the same prompt. Runs on the
+synthetic model and, with --model, on the default model too.
+
+usage: test_router_openai.py --router BIN --decode BIN --tandem BIN --synth GGUF [--model GGUF]
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import openai  # noqa: E402
+from rtlib import Cluster, generate_text  # noqa: E402
+
+FAILS = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+
+
+def gen(args, model, prompt, n, chat=False):
+    t = generate_text(args, model, prompt, n, chat)
+    return t[:-1] if t.endswith("\n") else t
+
+
+def stream_text(stream, chat):
+    text, finishes, usage, n_chunks = "", [], None, 0
+    for ch in stream:
+        n_chunks += 1
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            piece = (c.delta.content or "") if chat else c.text
+            text += piece
+            finishes.append(c.finish_reason)
+    return text, finishes, usage, n_chunks
+
+
+def run_model(args, model, name, prompts, chats, n_tok):
+    with Cluster(args, model) as cl:
+        client = openai.OpenAI(base_url=cl.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        ids = [m.id for m in client.models.list().data]
+        check(len(ids) == 1, f"{name}: /v1/models lists one model ({ids})")
+        mid = ids[0]
+        for p in prompts:
+            want = gen(args, model, p, n_tok)
+            r = client.completions.create(model=mid, prompt=p, max_tokens=n_tok, temperature=0)
+            got = r.choices[0].text
+            check(got == want, f"{name}: completion greedy == tandem generate for {p!r}"
+                  + ("" if got == want else f": {got!r} != {want!r}"))
+            check(r.object == "text_completion" and r.id.startswith("cmpl-")
+                  and r.usage.completion_tokens >= 1
+                  and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens,
+                  f"{name}: completion fields and usage")
+            s = client.completions.create(model=mid, prompt=p, max_tokens=n_tok, temperature=0,
+                                          stream=True, stream_options={"include_usage": True})
+            text, fins, usage, _ = stream_text(s, False)
+            check(text == got, f"{name}: streamed completion == non-streamed for {p!r}")
+            check(fins and fins[-1] in ("stop", "length") and all(f is None for f in fins[:-1]),
+                  f"{name}: finish_reason only in the last content chunk ({fins[-3:]})")
+            check(usage is not None and usage.completion_tokens == r.usage.completion_tokens,
+                  f"{name}: usage chunk with include_usage")
+            # stop strings: cut at the first occurrence, never a byte of the stop string
+            if len(want) >= 8:
+                k = len(want) // 2
+                stop = want[k:k + 3]
+                cut = want[:want.find(stop)]
+                r2 = client.completions.create(model=mid, prompt=p, max_tokens=n_tok,
+                                               temperature=0, stop=[stop, "never-in-output-xyz"])
+                check(r2.choices[0].text == cut and r2.choices[0].finish_reason == "stop",
+                      f"{name}: stop string {stop!r} cuts the text ({r2.choices[0].text!r} vs "
+                      f"{cut!r}, {r2.choices[0].finish_reason})")
+                s2 = client.completions.create(model=mid, prompt=p, max_tokens=n_tok,
+                                               temperature=0, stop=stop, stream=True)
+                text2, fins2, _, _ = stream_text(s2, False)
+                check(text2 == cut and fins2[-1] == "stop",
+                      f"{name}: streamed stop string {stop!r} ({text2!r} vs {cut!r})")
+        for c in chats:
+            want = gen(args, model, c, n_tok, chat=True)
+            msgs = [{"role": "user", "content": c}]
+            r = client.chat.completions.create(model=mid, messages=msgs, max_tokens=n_tok,
+                                               temperature=0)
+            got = r.choices[0].message.content
+            check(got == want, f"{name}: chat greedy == tandem generate --chat for {c!r}"
+                  + ("" if got == want else f": {got!r} != {want!r}"))
+            check(r.object == "chat.completion" and r.choices[0].message.role == "assistant",
+                  f"{name}: chat fields")
+            s = client.chat.completions.create(model=mid, messages=msgs, max_tokens=n_tok,
+                                               temperature=0, stream=True)
+            text, fins, _, _ = stream_text(s, True)
+            check(text == got and fins[-1] == r.choices[0].finish_reason,
+                  f"{name}: streamed chat == non-streamed")
+            parts = [{"role": "user", "content": [{"type": "text", "text": c[:3]},
+                                                  {"type": "text", "text": c[3:]}]}]
+            r3 = client.chat.completions.create(model=mid, messages=parts, max_tokens=n_tok,
+                                                temperature=0, max_completion_tokens=n_tok)
+            check(r3.choices[0].message.content == got, f"{name}: content as text parts")
+        # seeds: same seed, same text; different seeds, (almost surely) different text
+        p = prompts[0]
+        outs = [client.completions.create(model=mid, prompt=p, max_tokens=n_tok, temperature=1.0,
+                                          seed=s).choices[0].text for s in (7, 7, 8, 9)]
+        check(outs[0] == outs[1], f"{name}: same seed, same text")
+        check(len(set(outs[1:])) > 1, f"{name}: different seeds give different texts")
+        r = client.completions.create(model=mid, prompt=p, max_tokens=3, temperature=0)
+        check(r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 3,
+              f"{name}: max_tokens bounds the output")
+        try:
+            client.completions.create(model=mid, prompt=p, max_tokens=4, n=2)
+            check(False, f"{name}: n=2 is refused")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and "n" in str(e), f"{name}: n=2 is refused with 400")
+        rc = cl.stop()
+        check(rc == 0, f"{name}: router exits 0 on SIGTERM (got {rc})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--router", required=True)
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--tandem", required=True)
+    ap.add_argument("--synth", required=True)
+    ap.add_argument("--model", default="")
+    args = ap.parse_args()
+    t0 = time.time()
+    run_model(args, args.synth, "synth", ["Hello world", "The quick brown fox", "1 2 3"],
+              ["Hi there", "What is 2+2?"], 16)
+    if args.model:
+        run_model(args, args.model, "default", ["The capital of France is"],
+                  ["What is the capital of France?"], 12)
+    print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

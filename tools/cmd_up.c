@@ -1,0 +1,760 @@
+/* cmd_up.c: `tandem up|down|status`: run every process of a cluster YAML on this machine.
+ *
+ *   tandem up [-d] FILE [--timeout S] [--grace S]
+ *   tandem down FILE [--grace S]
+ *   tandem status FILE [--json]
+ *
+ * Processes: every rank of every decode instance (tandem-decode --config FILE --instance
+ * NAME --rank R, all ranks of an instance at once, any order), then the router
+ * (tandem-router --config FILE). Binaries are taken from $TANDEM_BIN (a directory) or the
+ * directory of this `tandem` executable. Prefill instances are refused until the prefill
+ * node exists.
+ *
+ * Run directory: RUN_DIR/<file stem>/ (run_dir from the YAML): per process
+ * <role>-<instance>-<rank>.log (stdout + stderr, truncated at each start) and .pid
+ * ("PID STARTTIME": the start time from /proc/PID/stat tells a pid that was reused from the
+ * process we started), plus up.pid for a foreground `tandem up` (its own pid).
+ *
+ * Start-up: processes start in their own session (setsid) with stdin from /dev/null; up
+ * waits for the router's GET /health to answer 200 (--timeout, default 300 s). If a process
+ * exits meanwhile, the timeout passes or a signal arrives, up prints the log tail of the
+ * process concerned, stops everything and exits non-zero.
+ *
+ * Running (foreground): until SIGINT/SIGTERM/SIGHUP, then everything is stopped. A child
+ * that dies while running is reported with its log tail and the whole cluster is stopped,
+ * exit status 1: a partial cluster is never left running unattended. With -d, up returns
+ * once /health is 200 and the processes keep running; `tandem down` stops them.
+ *
+ * Stopping: SIGTERM to each process group (router first), wait --grace seconds (default
+ * 10), then SIGKILL; pid files are removed. `down` also stops a foreground up (up.pid).
+ * Status: per process "ROLE INSTANCE RANK PID STATE", STATE running (pid file, process
+ * alive and the same one), dead (pid file but the process is gone) or stopped (no pid
+ * file); --json prints one object {"cluster", "run_dir", "endpoint", "processes": [...]}.
+ */
+#define _GNU_SOURCE /* memmem, strcasestr, pipe2 */
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "config.h"
+#include "td_err.h"
+
+typedef struct {
+    const char *role; /* "decode" | "router" */
+    char instance[TD_CFG_NAME_MAX + 1];
+    int rank;
+    char log[PATH_MAX], pidfile[PATH_MAX];
+    pid_t pid;                /* 0: none */
+    unsigned long long start; /* starttime of pid (clock ticks since boot) */
+    bool child, exited;       /* started by this process / reaped */
+    int wstatus;              /* when exited */
+} up_proc;
+
+typedef struct {
+    td_cfg *cfg;
+    char cfg_path[PATH_MAX]; /* absolute */
+    char name[256];          /* the file stem */
+    char dir[PATH_MAX];      /* run_dir/name */
+    char bindir[PATH_MAX];
+    char up_pidfile[PATH_MAX];
+    up_proc *p; /* (n) decode ranks in YAML order, then the router */
+    int n;
+    char host[256]; /* where /health is asked (a wildcard listen becomes loopback) */
+    int port;
+    char endpoint[300]; /* http://HOST:PORT as the user reaches it */
+} cluster;
+
+static volatile sig_atomic_t g_signal;
+
+static void on_signal(int sig)
+{
+    g_signal = sig;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static int mkdir_p(const char *path)
+{
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return TD_ERANGE;
+    for (char *s = buf + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = 0;
+        if (mkdir(buf, 0755) && errno != EEXIST) return TD_EIO;
+        *s = '/';
+    }
+    if (mkdir(buf, 0755) && errno != EEXIST) return TD_EIO;
+    return 0;
+}
+
+/* State and start time of a process from /proc/PID/stat; TD_ENOENT if there is none. */
+static int proc_stat(pid_t pid, char *state, unsigned long long *start)
+{
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return TD_ENOENT;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p) return TD_ENOENT;
+    /* after ")": state (field 3) ... starttime (field 22) */
+    char st;
+    unsigned long long v = 0;
+    if (sscanf(p + 1,
+               " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+               &st, &v) != 2)
+        return TD_ENOENT;
+    *state = st;
+    *start = v;
+    return 0;
+}
+
+/* The process recorded in p still runs (same pid and start time, not a zombie). */
+static bool proc_alive(up_proc *p)
+{
+    if (p->pid <= 0 || p->exited) return false;
+    if (p->child) {
+        int ws;
+        pid_t r = waitpid(p->pid, &ws, WNOHANG);
+        if (r == p->pid) {
+            p->exited = true;
+            p->wstatus = ws;
+            return false;
+        }
+        return r == 0;
+    }
+    char st;
+    unsigned long long start;
+    if (proc_stat(p->pid, &st, &start)) return false;
+    return st != 'Z' && st != 'X' && start == p->start;
+}
+
+static int read_pidfile(const char *path, pid_t *pid, unsigned long long *start)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return TD_ENOENT;
+    int ipid = 0;
+    int k = fscanf(f, "%d %llu", &ipid, start);
+    fclose(f);
+    if (k != 2 || ipid <= 0) return TD_EFORMAT;
+    *pid = ipid;
+    return 0;
+}
+
+static int write_pidfile(const char *path, pid_t pid)
+{
+    char st;
+    unsigned long long start = 0;
+    proc_stat(pid, &st, &start);
+    char tmp[PATH_MAX + 8];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return TD_EIO;
+    fprintf(f, "%d %llu\n", (int)pid, start);
+    if (fclose(f) || rename(tmp, path)) return TD_EIO;
+    return 0;
+}
+
+/* Prints the last `lines` lines of a log file to stderr. */
+static void print_tail(const char *path, int lines)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "  (no log at %s)\n", path);
+        return;
+    }
+    char buf[8192];
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    long from = size > (long)sizeof buf - 1 ? size - (long)sizeof buf + 1 : 0;
+    fseek(f, from, SEEK_SET);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    while (n && buf[n - 1] == '\n')
+        buf[--n] = 0;
+    char *s = buf + n;
+    int seen = 0;
+    while (s > buf && seen < lines)
+        if (*--s == '\n') seen++;
+    if (*s == '\n') s++;
+    fprintf(stderr, "---- last lines of %s ----\n%s\n----\n", path, s);
+}
+
+static void proc_label(const up_proc *p, char *buf, size_t cap)
+{
+    if (!strcmp(p->role, "router"))
+        snprintf(buf, cap, "router");
+    else
+        snprintf(buf, cap, "%s %s rank %d", p->role, p->instance, p->rank);
+}
+
+/* "HOST:PORT" or "[V6]:PORT" -> host to ask and endpoint. */
+static int parse_listen(cluster *c, const char *listen)
+{
+    char host[256];
+    const char *colon;
+    if (listen[0] == '[') {
+        const char *e = strchr(listen, ']');
+        if (!e || e[1] != ':' || (size_t)(e - listen - 1) >= sizeof host) return TD_EINVAL;
+        snprintf(host, sizeof host, "%.*s", (int)(e - listen - 1), listen + 1);
+        colon = e + 1;
+    } else {
+        colon = strrchr(listen, ':');
+        if (!colon || (size_t)(colon - listen) >= sizeof host) return TD_EINVAL;
+        snprintf(host, sizeof host, "%.*s", (int)(colon - listen), listen);
+    }
+    char *end;
+    long port = strtol(colon + 1, &end, 10);
+    if (*end || port < 1 || port > 65535) return TD_EINVAL;
+    c->port = (int)port;
+    if (!strcmp(host, "0.0.0.0") || !host[0])
+        snprintf(c->host, sizeof c->host, "127.0.0.1");
+    else if (!strcmp(host, "::"))
+        snprintf(c->host, sizeof c->host, "::1");
+    else
+        snprintf(c->host, sizeof c->host, "%s", host);
+    bool v6 = strchr(c->host, ':') != NULL;
+    snprintf(c->endpoint, sizeof c->endpoint, "http://%s%s%s:%d", v6 ? "[" : "", c->host,
+             v6 ? "]" : "", c->port);
+    return 0;
+}
+
+static void cluster_close(cluster *c)
+{
+    td_cfg_free(c->cfg);
+    free(c->p);
+    memset(c, 0, sizeof *c);
+}
+
+/* Loads the YAML and lays out the processes and their files. Prints its errors. */
+static int cluster_open(cluster *c, const char *path)
+{
+    memset(c, 0, sizeof *c);
+    char err[512];
+    int rc = td_cfg_load(path, &c->cfg, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "tandem: %s\n", err);
+        return rc;
+    }
+    if (!realpath(path, c->cfg_path)) snprintf(c->cfg_path, sizeof c->cfg_path, "%s", path);
+    const char *base = strrchr(c->cfg_path, '/');
+    base = base ? base + 1 : c->cfg_path;
+    if (snprintf(c->name, sizeof c->name, "%s", base) >= (int)sizeof c->name)
+        snprintf(c->name, sizeof c->name, "cluster");
+    char *dot = strrchr(c->name, '.');
+    if (dot && dot != c->name && (!strcmp(dot, ".yaml") || !strcmp(dot, ".yml"))) *dot = 0;
+    if (snprintf(c->dir, sizeof c->dir, "%s/%s", c->cfg->run_dir, c->name) >= (int)sizeof c->dir ||
+        snprintf(c->up_pidfile, sizeof c->up_pidfile, "%s/up.pid", c->dir) >=
+            (int)sizeof c->up_pidfile) {
+        fprintf(stderr, "tandem: run directory path too long\n");
+        cluster_close(c);
+        return TD_ERANGE;
+    }
+    if (parse_listen(c, c->cfg->router.listen)) {
+        fprintf(stderr, "tandem: %s: cannot parse router.listen '%s'\n", path,
+                c->cfg->router.listen);
+        cluster_close(c);
+        return TD_EINVAL;
+    }
+    const char *env = getenv("TANDEM_BIN");
+    if (env && *env) {
+        snprintf(c->bindir, sizeof c->bindir, "%s", env);
+    } else {
+        ssize_t l = readlink("/proc/self/exe", c->bindir, sizeof c->bindir - 1);
+        c->bindir[l > 0 ? l : 0] = 0;
+        char *slash = strrchr(c->bindir, '/');
+        if (slash)
+            *slash = 0;
+        else
+            snprintf(c->bindir, sizeof c->bindir, ".");
+    }
+    int n = 1;
+    for (int i = 0; i < c->cfg->n_decode; i++)
+        n += c->cfg->decode[i].tp;
+    c->p = calloc((size_t)n, sizeof *c->p);
+    if (!c->p) {
+        cluster_close(c);
+        return TD_ENOMEM;
+    }
+    for (int i = 0; i < c->cfg->n_decode; i++)
+        for (int r = 0; r < c->cfg->decode[i].tp; r++) {
+            up_proc *p = &c->p[c->n++];
+            p->role = "decode";
+            snprintf(p->instance, sizeof p->instance, "%s", c->cfg->decode[i].name);
+            p->rank = r;
+        }
+    up_proc *rt = &c->p[c->n++];
+    rt->role = "router";
+    snprintf(rt->instance, sizeof rt->instance, "router");
+    for (int i = 0; i < c->n; i++) {
+        up_proc *p = &c->p[i];
+        if (snprintf(p->log, sizeof p->log, "%s/%s-%s-%d.log", c->dir, p->role, p->instance,
+                     p->rank) >= (int)sizeof p->log ||
+            snprintf(p->pidfile, sizeof p->pidfile, "%s/%s-%s-%d.pid", c->dir, p->role, p->instance,
+                     p->rank) >= (int)sizeof p->pidfile) {
+            fprintf(stderr, "tandem: run directory path too long\n");
+            cluster_close(c);
+            return TD_ERANGE;
+        }
+    }
+    return 0;
+}
+
+/* Fills pid/start from the pid files (processes started by someone else). */
+static void load_pids(cluster *c)
+{
+    for (int i = 0; i < c->n; i++) {
+        up_proc *p = &c->p[i];
+        p->child = false;
+        p->exited = false;
+        if (read_pidfile(p->pidfile, &p->pid, &p->start)) p->pid = 0;
+    }
+}
+
+/* Starts one process: log file, own session, pid file. */
+static int spawn(cluster *c, up_proc *p)
+{
+    char bin[PATH_MAX], rank[16];
+    if (snprintf(bin, sizeof bin, "%s/tandem-%s", c->bindir, p->role) >= (int)sizeof bin)
+        return TD_ERANGE;
+    snprintf(rank, sizeof rank, "%d", p->rank);
+    char *argv_decode[] = {bin,         "--config", c->cfg_path, "--instance",
+                           p->instance, "--rank",   rank,        NULL};
+    char *argv_router[] = {bin, "--config", c->cfg_path, NULL};
+    char **argv = strcmp(p->role, "router") ? argv_decode : argv_router;
+    int logfd = open(p->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (logfd < 0) {
+        fprintf(stderr, "tandem: cannot create %s: %s\n", p->log, strerror(errno));
+        return TD_EIO;
+    }
+    int ep[2];
+    if (pipe2(ep, O_CLOEXEC)) {
+        close(logfd);
+        return TD_EIO;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "tandem: fork: %s\n", strerror(errno));
+        close(logfd);
+        close(ep[0]);
+        close(ep[1]);
+        return TD_EIO;
+    }
+    if (pid == 0) {
+        setsid();
+        int nul = open("/dev/null", O_RDONLY);
+        if (nul >= 0) dup2(nul, 0);
+        dup2(logfd, 1);
+        dup2(logfd, 2);
+        struct sigaction sa = {.sa_handler = SIG_DFL};
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGHUP, &sa, NULL);
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        execv(bin, argv);
+        int e = errno;
+        ssize_t w = write(ep[1], &e, sizeof e);
+        (void)w;
+        _exit(127);
+    }
+    close(ep[1]);
+    close(logfd);
+    int e = 0;
+    ssize_t r;
+    do
+        r = read(ep[0], &e, sizeof e);
+    while (r < 0 && errno == EINTR);
+    close(ep[0]);
+    if (r == (ssize_t)sizeof e) {
+        waitpid(pid, NULL, 0);
+        fprintf(stderr,
+                "tandem: cannot run %s: %s (set TANDEM_BIN to the directory of the "
+                "tandem binaries)\n",
+                bin, strerror(e));
+        return TD_ENOENT;
+    }
+    p->pid = pid;
+    p->child = true;
+    p->exited = false;
+    char st;
+    proc_stat(pid, &st, &p->start);
+    if (write_pidfile(p->pidfile, pid)) {
+        fprintf(stderr, "tandem: cannot write %s\n", p->pidfile);
+        return TD_EIO;
+    }
+    return 0;
+}
+
+static void signal_proc(up_proc *p, int sig)
+{
+    if (!proc_alive(p)) return;
+    if (kill(-p->pid, sig)) kill(p->pid, sig); /* its process group, else the process */
+}
+
+/* Stops every process in c (router first): SIGTERM, grace, SIGKILL. Removes pid files of
+ * processes that are gone. Returns how many were running. */
+static int stop_all(cluster *c, double grace_s)
+{
+    int running = 0;
+    for (int i = c->n - 1; i >= 0; i--)
+        if (proc_alive(&c->p[i])) {
+            running++;
+            signal_proc(&c->p[i], SIGTERM);
+        }
+    double end = now_s() + grace_s;
+    bool killed = false;
+    for (;;) {
+        int alive = 0;
+        for (int i = 0; i < c->n; i++)
+            alive += proc_alive(&c->p[i]);
+        if (!alive) break;
+        if (now_s() > end) {
+            if (killed && now_s() > end + 10) {
+                fprintf(stderr, "tandem: %d processes did not go away after SIGKILL\n", alive);
+                return running;
+            }
+            if (!killed) {
+                for (int i = 0; i < c->n; i++)
+                    if (proc_alive(&c->p[i])) {
+                        char l[128];
+                        proc_label(&c->p[i], l, sizeof l);
+                        fprintf(stderr, "tandem: %s (pid %d) ignored SIGTERM for %.0f s: SIGKILL\n",
+                                l, (int)c->p[i].pid, grace_s);
+                        signal_proc(&c->p[i], SIGKILL);
+                    }
+                killed = true;
+            }
+        }
+        sleep_ms(50);
+    }
+    for (int i = 0; i < c->n; i++) {
+        unlink(c->p[i].pidfile);
+        c->p[i].pid = 0;
+    }
+    return running;
+}
+
+static void describe_exit(const up_proc *p, char *buf, size_t cap)
+{
+    if (WIFEXITED(p->wstatus))
+        snprintf(buf, cap, "exited with status %d", WEXITSTATUS(p->wstatus));
+    else if (WIFSIGNALED(p->wstatus))
+        snprintf(buf, cap, "was killed by signal %d (%s)", WTERMSIG(p->wstatus),
+                 strsignal(WTERMSIG(p->wstatus)));
+    else
+        snprintf(buf, cap, "is gone");
+}
+
+/* The first of our children that has exited, or NULL. */
+static up_proc *find_exited(cluster *c)
+{
+    for (int i = 0; i < c->n; i++) {
+        up_proc *p = &c->p[i];
+        if (p->pid && p->child && !proc_alive(p)) return p;
+    }
+    return NULL;
+}
+
+static void report_exit(const up_proc *p, const char *when)
+{
+    char l[128], how[128];
+    proc_label(p, l, sizeof l);
+    describe_exit(p, how, sizeof how);
+    fprintf(stderr, "tandem: %s (pid %d) %s %s\n", l, (int)p->pid, how, when);
+    print_tail(p->log, 20);
+}
+
+static int health(const cluster *c, int timeout_ms)
+{
+    cli_http_req rq = {.host = c->host,
+                       .port = c->port,
+                       .method = "GET",
+                       .path = "/health",
+                       .timeout_ms = timeout_ms};
+    int status = 0;
+    int rc = cli_http_request(&rq, &status);
+    return rc ? rc : status;
+}
+
+/* Any process of the cluster still running from an earlier up? */
+static bool already_running(cluster *c)
+{
+    load_pids(c);
+    for (int i = 0; i < c->n; i++)
+        if (proc_alive(&c->p[i])) return true;
+    up_proc sup = {.role = "up"};
+    return !read_pidfile(c->up_pidfile, &sup.pid, &sup.start) && proc_alive(&sup);
+}
+
+static int parse_seconds(const char *flag, const char *v, double *out)
+{
+    char *e;
+    double d = strtod(v, &e);
+    if (e == v || *e || !(d >= 0) || d > 86400) {
+        fprintf(stderr, "tandem: bad value for %s: '%s'\n", flag, v);
+        return TD_EINVAL;
+    }
+    *out = d;
+    return 0;
+}
+
+static void usage_up(void)
+{
+    fprintf(stderr,
+            "usage: tandem up [-d] FILE [--timeout S] [--grace S]\n"
+            "       tandem down FILE [--grace S]\n"
+            "       tandem status FILE [--json]\n"
+            "  up: start every process of the cluster YAML on this machine, wait for the\n"
+            "      router's /health, print the endpoint and stay until Ctrl-C/SIGTERM\n"
+            "  -d: return once /health is 200 and leave the processes running\n"
+            "  --timeout S  start-up bound (default 300)   --grace S  SIGTERM to SIGKILL (10)\n"
+            "  binaries: $TANDEM_BIN, else the directory of this tandem executable\n");
+}
+
+/* Common option parsing: FILE plus flags. */
+typedef struct {
+    const char *file;
+    bool detach, json;
+    double timeout_s, grace_s;
+} up_opts;
+
+static int parse_opts(int argc, char **argv, up_opts *o, bool allow_d, bool allow_json)
+{
+    *o = (up_opts){.timeout_s = 300, .grace_s = 10};
+    for (int i = 0; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int rc = 0;
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
+            usage_up();
+            return 1;
+        } else if (allow_d && (!strcmp(f, "-d") || !strcmp(f, "--detach"))) {
+            o->detach = true;
+        } else if (allow_json && !strcmp(f, "--json")) {
+            o->json = true;
+        } else if (!strcmp(f, "--timeout") || !strcmp(f, "--grace")) {
+            if (!v) {
+                fprintf(stderr, "tandem: %s needs a value\n", f);
+                return TD_EINVAL;
+            }
+            rc = parse_seconds(f, v, f[2] == 't' ? &o->timeout_s : &o->grace_s);
+            i++;
+        } else if (f[0] == '-' || o->file) {
+            fprintf(stderr, "tandem: unexpected argument '%s'\n", f);
+            usage_up();
+            return TD_EINVAL;
+        } else {
+            o->file = f;
+        }
+        if (rc) return rc;
+    }
+    if (!o->file) {
+        usage_up();
+        return TD_EINVAL;
+    }
+    return 0;
+}
+
+int cmd_up(int argc, char **argv)
+{
+    up_opts o;
+    int rc = parse_opts(argc, argv, &o, true, false);
+    if (rc) return rc > 0 ? 0 : rc;
+    cluster c;
+    if ((rc = cluster_open(&c, o.file))) return rc;
+    if (c.cfg->n_prefill) {
+        fprintf(stderr,
+                "tandem: %s has prefill instances; tandem up does not start prefill "
+                "nodes yet (remove the prefill list to serve in colocated mode)\n",
+                o.file);
+        cluster_close(&c);
+        return TD_EUNSUPP;
+    }
+    if ((rc = mkdir_p(c.dir))) {
+        fprintf(stderr, "tandem: cannot create run directory %s: %s\n", c.dir, strerror(errno));
+        cluster_close(&c);
+        return rc;
+    }
+    if (already_running(&c)) {
+        fprintf(stderr,
+                "tandem: cluster '%s' is already running (run directory %s); "
+                "'tandem down %s' first\n",
+                c.name, c.dir, o.file);
+        cluster_close(&c);
+        return TD_ESTATE;
+    }
+    for (int i = 0; i < c.n; i++) {
+        c.p[i].pid = 0;
+        unlink(c.p[i].pidfile);
+    }
+    g_signal = 0;
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    if (!o.detach) write_pidfile(c.up_pidfile, getpid());
+
+    fprintf(stderr, "tandem: starting cluster '%s' (%d processes, logs in %s)\n", c.name, c.n,
+            c.dir);
+    for (int i = 0; i < c.n && !rc; i++) /* decode ranks, then the router */
+        rc = spawn(&c, &c.p[i]);
+    double t0 = now_s(), last_note = t0;
+    while (!rc) {
+        up_proc *dead = find_exited(&c);
+        if (dead) {
+            report_exit(dead, "during start-up");
+            rc = TD_EIO;
+            break;
+        }
+        if (g_signal) {
+            fprintf(stderr, "tandem: %s during start-up: stopping\n", strsignal(g_signal));
+            rc = TD_ESTATE;
+            break;
+        }
+        int h = health(&c, 2000);
+        if (h == 200) break;
+        if (now_s() - t0 > o.timeout_s) {
+            fprintf(stderr, "tandem: %s/health did not answer 200 within %.0f s (last: %s)\n",
+                    c.endpoint, o.timeout_s, h > 0 ? "an HTTP error status" : td_strerror(h));
+            print_tail(c.p[c.n - 1].log, 20);
+            rc = TD_ETIMEDOUT;
+            break;
+        }
+        if (now_s() - last_note > 15) {
+            last_note = now_s();
+            fprintf(stderr, "tandem: waiting for %s/health (%.0f s)\n", c.endpoint, last_note - t0);
+        }
+        sleep_ms(250);
+    }
+    if (rc) {
+        stop_all(&c, o.grace_s);
+        if (!o.detach) unlink(c.up_pidfile);
+        fprintf(stderr, "tandem: cluster '%s' did not come up; every process is stopped\n", c.name);
+        cluster_close(&c);
+        return rc;
+    }
+    printf("tandem: cluster '%s' is up in %.1f s: %s (OpenAI API at %s/v1)\n", c.name, now_s() - t0,
+           c.endpoint, c.endpoint);
+    fflush(stdout);
+    if (o.detach) {
+        fprintf(stderr,
+                "tandem: running in the background; 'tandem status %s', 'tandem down "
+                "%s'\n",
+                o.file, o.file);
+        cluster_close(&c);
+        return 0;
+    }
+    fprintf(stderr, "tandem: Ctrl-C or SIGTERM stops the cluster\n");
+    while (!g_signal) {
+        up_proc *dead = find_exited(&c);
+        if (dead) {
+            report_exit(dead, "while running: stopping the cluster");
+            rc = TD_EIO;
+            break;
+        }
+        sleep_ms(200);
+    }
+    if (!rc) fprintf(stderr, "tandem: %s: stopping the cluster\n", strsignal(g_signal));
+    int n = stop_all(&c, o.grace_s);
+    unlink(c.up_pidfile);
+    fprintf(stderr, "tandem: cluster '%s' stopped (%d processes)\n", c.name, n);
+    cluster_close(&c);
+    return rc;
+}
+
+int cmd_down(int argc, char **argv)
+{
+    up_opts o;
+    int rc = parse_opts(argc, argv, &o, false, false);
+    if (rc) return rc > 0 ? 0 : rc;
+    cluster c;
+    if ((rc = cluster_open(&c, o.file))) return rc;
+    int n = 0;
+    up_proc sup = {.role = "up"};
+    if (!read_pidfile(c.up_pidfile, &sup.pid, &sup.start) && proc_alive(&sup)) {
+        /* a foreground up: it stops its own processes */
+        kill(sup.pid, SIGTERM);
+        double end = now_s() + o.grace_s + 15;
+        while (proc_alive(&sup) && now_s() < end)
+            sleep_ms(50);
+        if (proc_alive(&sup))
+            fprintf(stderr, "tandem: the foreground 'tandem up' (pid %d) did not stop\n",
+                    (int)sup.pid);
+        else
+            n++;
+    }
+    unlink(c.up_pidfile);
+    load_pids(&c);
+    n += stop_all(&c, o.grace_s);
+    if (n)
+        printf("tandem: cluster '%s' stopped\n", c.name);
+    else
+        printf("tandem: cluster '%s' was not running\n", c.name);
+    cluster_close(&c);
+    return 0;
+}
+
+int cmd_status(int argc, char **argv)
+{
+    up_opts o;
+    int rc = parse_opts(argc, argv, &o, false, true);
+    if (rc) return rc > 0 ? 0 : rc;
+    cluster c;
+    if ((rc = cluster_open(&c, o.file))) return rc;
+    load_pids(&c);
+    json_t *arr = json_array();
+    for (int i = 0; i < c.n; i++) {
+        up_proc *p = &c.p[i];
+        const char *state = !p->pid ? "stopped" : proc_alive(p) ? "running" : "dead";
+        if (o.json) {
+            json_array_append_new(arr, json_pack("{s:s, s:s, s:i, s:o, s:s, s:s}", "role", p->role,
+                                                 "instance", p->instance, "rank", p->rank, "pid",
+                                                 p->pid ? json_integer(p->pid) : json_null(),
+                                                 "state", state, "log", p->log));
+        } else {
+            char pid[16];
+            snprintf(pid, sizeof pid, p->pid ? "%d" : "-", (int)p->pid);
+            printf("%-8s %-16s %4d %8s  %s\n", p->role, p->instance, p->rank, pid, state);
+        }
+    }
+    if (o.json) {
+        json_t *root = json_pack("{s:s, s:s, s:s, s:o}", "cluster", c.name, "run_dir", c.dir,
+                                 "endpoint", c.endpoint, "processes", arr);
+        char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;
+        if (s) printf("%s\n", s);
+        free(s);
+        json_decref(root);
+    } else {
+        json_decref(arr);
+    }
+    cluster_close(&c);
+    return 0;
+}
