@@ -1,0 +1,233 @@
+/* kvx_conn.h: the top layer of kvxfer: the API the prefill and decode nodes call to move
+ * a request's KV cache from prefill stages into decode ranks' paged KV pools.
+ *
+ * Purpose. Decode side: register this rank's KV pool, make the *KV target* bytes of a
+ * request (endpoint address, memory key, layout, block ids, head range), poll the
+ * request's state, abort it. Prefill side: open a request, add the targets of every
+ * decode rank, send chunks (token range x this stage's layer range; each decode rank
+ * gets its heads only; contiguous runs coalesce into single puts; chunks wait in the
+ * lookup buffer until the targets arrived and accepted), finish (flush, then notify every
+ * rank with a metadata record), abort. Composes the pipe (kvx_pipe.h) and the lookup
+ * buffer (kvx_lookup.h); neither knows this layer.
+ *
+ * Protocol (active messages on one id). A *writer* is one (PP stage, source TP rank)
+ * process. It sends BEGIN(req, epoch, stage, src rank/tp, its address) to every decode
+ * rank of the request and writes nothing before that rank answered ACCEPT (a rank that
+ * aborted, failed or never heard of the request answers REFUSE). finish = flush every
+ * rank, then DONE(meta). A decode abort sends ABORT to every accepted writer; the writer
+ * stops, flushes and answers STOPPED. A prefill abort flushes, then sends STOPPED.
+ *
+ * Puts: a piece is (layer, K/V, block, head slice [, token range]); pieces contiguous on
+ * both sides merge into one put; small pieces contiguous only at the destination (a head
+ * slice of consecutive blocks when the source holds more heads) are gathered into a
+ * staging buffer (kept until a flush of that rank completed) and go as one put.
+ *
+ * Decode request states (kvx_dec_poll):
+ *
+ *   kvx_dec_make_target
+ *          |
+ *          v         first ACCEPT          DONE from every writer of every stage
+ *      WAITING ----------------------> TRANSFERRING -----------------------> DONE
+ *          |                               |
+ *          | kvx_dec_abort, deadline       | kvx_dec_abort, deadline, STOPPED from a
+ *          |                               | writer, a writer's endpoint failed
+ *          v                               v
+ *      FAILED <----------------------- ABORTING
+ *              every accepted writer is done, answered STOPPED, or its endpoint failed
+ *              (or was closed by us after abort_timeout_ms)
+ *
+ *   (WAITING -> FAILED directly when no writer was accepted yet: BEGINs after that are
+ *   refused.) In DONE every writer flushed before its notice: the blocks hold the KV. In
+ *   FAILED no writer can write into the blocks any more: only then may the caller reuse
+ *   them. ABORTING is reported as such: the blocks are NOT yet safe.
+ *
+ * Prefill request states (kvx_pf_poll):
+ *
+ *   kvx_pf_open -> OPEN --all targets added--> BEGUN --every rank ACCEPTs--> READY
+ *   READY --kvx_pf_finish--> FLUSHING --flushes ok--> NOTIFYING --notices sent--> DONE
+ *   any non-final --kvx_pf_abort, deadline, ABORT/REFUSE, endpoint failed--> ABORTING
+ *   ABORTING --outstanding puts flushed (or endpoint closed), STOPPED sent--> FAILED
+ *
+ *   Chunks sent in OPEN/BEGUN are copied into the lookup buffer and go out on READY;
+ *   a finish before READY is remembered and runs after them.
+ *
+ * Invariants: every request has a deadline (timeout_ms from open / make_target); a dead
+ * peer fails its requests on the other side at the latest after timeout_ms +
+ * abort_timeout_ms (usually at once: UCX reports the endpoint error over the network; on
+ * shared memory the pipe watches the peer process). Bytes from outside
+ * (targets, messages) are decoded with bounds checks: malformed input is an error
+ * (logged once), never a crash.
+ *
+ * Threading: every function is thread-safe (one mutex per connector). Progress happens in
+ * kvx_conn_progress (call it from the owner's loop; it sleeps on the pipe's event fd when
+ * idle) or, with params.progress_thread, in an internal thread that does the same. Over
+ * TCP, puts are emulated with messages: the decode side must keep progressing.
+ *
+ * Ownership: the connector owns the pipe given to kvx_conn_create. Registered regions are
+ * borrowed until kvx_conn_destroy. The source KV of a prefill request (the region and the
+ * blocks named in send_chunk) must stay valid and unchanged until kvx_pf_poll reports
+ * DONE or FAILED (queued chunks are copies; direct chunks are read by the transport
+ * until the flush). Request records live until kvx_*_release (only in a final state).
+ */
+#ifndef KVX_CONN_H
+#define KVX_CONN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvx_pipe.h"
+
+#define KVX_MAX_STAGES 64
+#define KVX_MAX_RANKS  64
+
+/* A KV region: for each local layer, K then V, each
+ * (n_blocks, n_heads, block_size, head_dim) elements of dtype_size bytes. */
+typedef struct {
+    uint32_t layer0, n_layers; /* global layers held: [layer0, layer0 + n_layers) */
+    uint32_t n_kv_heads;       /* the model's KV heads (all TP ranks together) */
+    uint32_t head0, n_heads;   /* heads held: [head0, head0 + n_heads) */
+    uint32_t block_size;       /* tokens per block */
+    uint32_t head_dim;         /* elements */
+    uint32_t dtype_size;       /* bytes per element */
+    uint32_t n_blocks;         /* blocks per layer array */
+} kvx_layout;
+
+/* Bytes of a region with this layout (0 if the layout is invalid). */
+size_t kvx_layout_bytes(const kvx_layout *l);
+/* The head range of rank `rank` of `tp` (n_kv_heads divisible by tp). */
+int kvx_layout_heads_of_rank(uint32_t n_kv_heads, uint32_t tp, uint32_t rank, uint32_t *head0,
+                             uint32_t *n_heads);
+
+typedef struct {
+    int timeout_ms;       /* default request deadline; 0: 30000 */
+    int abort_timeout_ms; /* wait for a writer's STOPPED before closing it; 0: 2000 */
+    size_t lookup_budget; /* bytes of queued chunks; 0: 256 MiB */
+    bool progress_thread; /* run progress in an internal thread */
+} kvx_conn_params;
+
+typedef struct kvx_conn kvx_conn;
+
+/* Takes ownership of pipe (also on failure). */
+int kvx_conn_create(kvx_pipe *pipe, const kvx_conn_params *params, kvx_conn **out);
+/* Closes every endpoint, fails and frees every request and queued chunk. NULL is fine. */
+void kvx_conn_destroy(kvx_conn *c);
+/* Make progress; sleep up to timeout_ms when idle (0: do not sleep). Returns >= 0 or a
+ * negative td_err. Not needed (but harmless) with params.progress_thread. */
+int kvx_conn_progress(kvx_conn *c, int timeout_ms);
+
+typedef struct {
+    int dec_requests, pf_requests; /* request records alive */
+    int peers;                     /* endpoints alive */
+    kvx_pipe_stats pipe;
+    size_t queued_bytes; /* chunks in the lookup buffer */
+    int queued_chunks;
+    size_t held_bytes;   /* chunk copies and staging buffers waiting for a flush */
+    size_t pooled_bytes; /* idle staging buffers kept for reuse */
+} kvx_conn_stats;
+void kvx_conn_stats_get(kvx_conn *c, kvx_conn_stats *out);
+/* Close the endpoints no request uses (they are otherwise cached for later requests) and
+ * free the idle staging buffers; returns how many endpoints were closed. */
+int kvx_conn_close_idle(kvx_conn *c);
+
+typedef enum {
+    KVX_REQ_WAITING,
+    KVX_REQ_TRANSFERRING,
+    KVX_REQ_DONE,
+    KVX_REQ_ABORTING,
+    KVX_REQ_FAILED,
+    /* prefill side only */
+    KVX_REQ_OPEN,
+    KVX_REQ_BEGUN,
+    KVX_REQ_READY,
+    KVX_REQ_FLUSHING,
+    KVX_REQ_NOTIFYING,
+} kvx_req_state;
+const char *kvx_req_state_name(kvx_req_state s);
+
+typedef enum {
+    KVX_FAIL_NONE,
+    KVX_FAIL_ABORTED,      /* this side called abort */
+    KVX_FAIL_PEER_ABORTED, /* the other side aborted (or refused) */
+    KVX_FAIL_PEER_FAILED,  /* an endpoint failed */
+    KVX_FAIL_TIMEOUT,      /* the deadline passed */
+    KVX_FAIL_BAD_INPUT,    /* a target or chunk did not fit */
+} kvx_fail_reason;
+
+/* Metadata a stage sends with its finish notice. */
+typedef struct {
+    int32_t first_token; /* sampled by the last stage; -1 from other stages */
+    uint32_t n_tokens;   /* prompt tokens transferred */
+} kvx_meta;
+
+/* --- decode side ---------------------------------------------------------------------- */
+
+/* Register this rank's KV pool (once per connector). */
+int kvx_dec_register(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout);
+
+typedef struct {
+    uint32_t n_stages;     /* prefill stages that will write (1..KVX_MAX_STAGES) */
+    uint32_t rank, tp;     /* this decode rank and the decode TP size */
+    const int32_t *blocks; /* (n_blocks) block ids: position p lives in blocks[p / bs] */
+    uint32_t n_blocks;
+    int timeout_ms; /* 0: the connector's */
+} kvx_dec_req_params;
+
+/* Start a request and write its KV target bytes (at most cap; *len gets the size, also
+ * when TD_ERANGE says cap is too small). TD_ESTATE if req_id is alive. */
+int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *p, void *buf,
+                        size_t cap, size_t *len);
+
+typedef struct {
+    kvx_req_state state;
+    kvx_fail_reason reason;
+    int err; /* td_err of the failure, 0 otherwise */
+    uint32_t n_stages;
+    uint64_t stages_begun;         /* bit s: a writer of stage s was accepted */
+    uint64_t stages_done;          /* bit s: every TP rank of stage s sent DONE */
+    kvx_meta meta[KVX_MAX_STAGES]; /* per stage, from its TP rank 0 */
+} kvx_dec_status;
+int kvx_dec_poll(kvx_conn *c, uint64_t req_id, kvx_dec_status *out); /* TD_ENOENT */
+/* Abort: WAITING/TRANSFERRING -> ABORTING or FAILED; no-op in a final state. */
+int kvx_dec_abort(kvx_conn *c, uint64_t req_id);
+/* Forget a DONE or FAILED request (TD_ESTATE otherwise). */
+int kvx_dec_release(kvx_conn *c, uint64_t req_id);
+
+/* --- prefill side --------------------------------------------------------------------- */
+
+/* Register this stage's KV (the source of every chunk; once per connector). */
+int kvx_pf_register_source(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout);
+
+typedef struct {
+    uint32_t stage;    /* this stage's id (< the target's n_stages) */
+    uint32_t src_rank; /* this process's TP rank inside the stage */
+    uint32_t src_tp;   /* the stage's TP size (0: 1); the decode side waits for all */
+    uint32_t n_dst;    /* decode ranks (targets) of the request; 0: from the first target */
+    int timeout_ms;    /* 0: the connector's */
+} kvx_pf_req_params;
+
+int kvx_pf_open(kvx_conn *c, uint64_t req_id, const kvx_pf_req_params *p);
+/* Add one decode rank's target bytes (any order; malformed bytes are TD_EFORMAT and fail
+ * nothing else). */
+int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t len);
+/* Send tokens [t0, t1) of this stage's layers; src_blocks (n_src_blocks) is the request's
+ * block table in the source region (position p in src_blocks[p / bs]). TD_ENOSPC if the
+ * chunk must be queued and the lookup buffer is full (nothing sent; retry later). */
+int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0, uint32_t t1,
+                      const int32_t *src_blocks, uint32_t n_src_blocks);
+int kvx_pf_finish(kvx_conn *c, uint64_t req_id, const kvx_meta *meta);
+int kvx_pf_abort(kvx_conn *c, uint64_t req_id);
+
+typedef struct {
+    kvx_req_state state;
+    kvx_fail_reason reason;
+    int err;
+    uint32_t n_targets, n_accepted;
+    uint64_t pieces; /* puts before coalescing (contiguous pieces) */
+    uint64_t puts;   /* puts issued after coalescing */
+    uint64_t bytes;  /* bytes put */
+} kvx_pf_status;
+int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out);
+int kvx_pf_release(kvx_conn *c, uint64_t req_id);
+
+#endif

@@ -1,0 +1,198 @@
+/* kvx_conn_int.h: the connector's private state, shared by kvx_conn.c (peers, messages,
+ * progress, lifecycle), kvx_conn_pf.c (prefill side) and kvx_conn_dec.c (decode side).
+ * Not installed; nothing outside kvxfer/ includes it. Internal functions shared between the
+ * three files carry the kvxi_ prefix. Every function here runs with c->mu held.
+ */
+#ifndef KVX_CONN_INT_H
+#define KVX_CONN_INT_H
+
+#include <pthread.h>
+
+#include "kvx_conn.h"
+#include "kvx_lookup.h"
+#include "kvx_wire.h"
+
+#define AM_ID 0
+
+typedef struct chunk_copy chunk_copy;
+
+enum { MSG_BEGIN = 1, MSG_ACCEPT, MSG_REFUSE, MSG_DONE, MSG_ABORT, MSG_STOPPED };
+
+/* An endpoint to another connector, shared by every request that talks to it. */
+typedef struct {
+    uint64_t uid;   /* the other connector's id */
+    kvx_peer peer;  /* pipe endpoint; -1 once disconnected */
+    bool failed;    /* endpoint error seen (or closed by us) */
+    int refs;       /* requests using it */
+    kvx_rkey *rkey; /* prefill side: the decode region's key */
+    uint32_t rkey_sum;
+} cpeer;
+
+typedef struct queued_msg {
+    size_t len;
+    struct queued_msg *next;
+    uint8_t data[];
+} queued_msg;
+
+/* A copy of a chunk (queued, then held until the flush): a small region with the
+ * source layout whose blocks are the chunk's blocks b_first.. in order. */
+struct chunk_copy {
+    uint32_t chunk, t0, t1, b_first, nb;
+    size_t bytes;
+    struct chunk_copy *next;
+    uint8_t data[]; /* (n_layers, 2, nb, n_heads, block_size, head_dim), or staging bytes */
+};
+
+typedef struct {
+    bool have, accepted, refused, begin_sent, flushed, stopped_sent;
+    int flush_err;
+    int peer; /* index into c->peers */
+    uint64_t epoch, dst_uid;
+    uint32_t rank, tp, n_stages;
+    kvx_layout layout;
+    uint64_t base, region_bytes;
+    uint32_t n_blocks;
+    uint32_t *blocks;
+} pf_target;
+
+typedef struct pf_req {
+    uint64_t id;
+    uint32_t stage, n_dst;
+    uint32_t src_rank, src_tp; /* this stage's TP rank and size */
+    kvx_req_state state;
+    kvx_fail_reason reason;
+    int err;
+    int64_t deadline, abort_deadline;
+    pf_target tgt[KVX_MAX_RANKS];
+    uint32_t n_tgt;
+    bool finish_wanted;
+    kvx_meta meta;
+    int pending;      /* operations in flight whose callback will touch this record */
+    int abort_phase;  /* 0: flush; 1: flushes out; 2: STOPPED sent */
+    chunk_copy *held; /* drained copies, freed when final */
+    uint64_t pieces, puts, bytes;
+    struct pf_req *next;
+} pf_req;
+
+/* One accepted writer of a decode request: (stage, source TP rank). */
+typedef struct {
+    uint32_t stage, src_rank;
+    int peer;    /* index into c->peers; -1 once the request let go of it */
+    bool done;   /* its DONE arrived (after its flush) */
+    bool closed; /* it can no longer write: done, stopped, or its endpoint is gone */
+    kvx_meta meta;
+} dec_writer;
+
+#define KVX_MAX_WRITERS 256
+
+typedef struct dec_req {
+    uint64_t id, epoch;
+    kvx_req_state state;
+    kvx_fail_reason reason;
+    int err;
+    uint32_t n_stages;
+    uint32_t src_tp[KVX_MAX_STAGES]; /* writers expected per stage (0: none seen yet) */
+    dec_writer *w;                   /* (n_w) accepted writers */
+    int n_w;
+    int64_t deadline, abort_deadline;
+    bool abort_sent;
+    struct dec_req *next;
+} dec_req;
+
+struct kvx_conn {
+    pthread_mutex_t mu;
+    kvx_pipe *pipe;
+    kvx_conn_params params;
+    uint64_t uid, next_epoch;
+    uint8_t addr[KVX_ADDR_MAX];
+    size_t addr_len;
+    kvx_lookup *lb;
+    cpeer *peers;
+    int n_peers;
+    queued_msg *inbox, *inbox_tail;
+    /* decode side */
+    kvx_mem *dec_mem;
+    void *dec_region;
+    kvx_layout dec_layout;
+    uint8_t rkey[KVX_RKEY_MAX];
+    size_t rkey_len;
+    dec_req *dreqs;
+    int n_dreqs;
+    /* prefill side */
+    const uint8_t *src;
+    size_t src_bytes;
+    kvx_layout src_layout;
+    pf_req *preqs;
+    int n_preqs;
+    size_t held_bytes;      /* chunk copies and staging arenas (busy or pooled) */
+    chunk_copy *stage_pool; /* idle staging arenas */
+    size_t stage_pool_bytes;
+    /* progress thread */
+    pthread_t thread;
+    bool thread_on, stop;
+};
+
+typedef struct {
+    kvx_conn *c;
+    pf_req *r;
+    uint32_t t;
+    chunk_copy *bufs; /* staging buffers a flush frees */
+} op_ctx;
+
+typedef struct {
+    uint32_t type;
+    uint64_t req, epoch, uid;
+    uint32_t stage, rank;
+    uint32_t src_rank, src_tp;
+    int32_t first_token;
+    uint32_t n_tokens;
+    const uint8_t *addr;
+    uint32_t addr_len;
+} msg;
+
+/* bytes of one (block, head): block_size x head_dim elements */
+static inline size_t kvxi_head_bytes(const kvx_layout *l)
+{
+    return (size_t)l->block_size * l->head_dim * l->dtype_size;
+}
+
+/* byte offset of (local layer, K/V, block, head index inside the region, token) */
+static inline size_t kvxi_kv_off(const kvx_layout *l, uint32_t ll, uint32_t kv, uint32_t blk,
+                                 uint32_t h, uint32_t tok)
+{
+    size_t hb = kvxi_head_bytes(l);
+    return (((size_t)ll * 2 + kv) * l->n_blocks + blk) * l->n_heads * hb + (size_t)h * hb +
+           (size_t)tok * l->head_dim * l->dtype_size;
+}
+
+static inline bool kvxi_pf_final(const pf_req *r)
+{
+    return r->state == KVX_REQ_DONE || r->state == KVX_REQ_FAILED;
+}
+
+static inline bool kvxi_dec_live(const dec_req *r)
+{
+    return r->state == KVX_REQ_WAITING || r->state == KVX_REQ_TRANSFERRING;
+}
+
+/* kvx_conn.c */
+int kvxi_peer_get(kvx_conn *c, uint64_t uid, const void *addr, size_t addr_len, int *out);
+void kvxi_peer_close(kvx_conn *c, int i, bool force);
+bool kvxi_peer_ok(kvx_conn *c, int i);
+int kvxi_msg_send_cb(kvx_conn *c, int pi, const msg *m, kvx_done_cb cb, void *arg);
+int kvxi_msg_send(kvx_conn *c, int pi, const msg *m);
+void kvxi_free_copy(void *arg, const kvx_lb_key *k, void *val, size_t bytes);
+void kvxi_kick(kvx_conn *c);
+void kvxi_wr_layout(kvx_wr *w, const kvx_layout *l);
+void kvxi_rd_layout(kvx_rd *r, kvx_layout *l);
+
+/* kvx_conn_pf.c */
+void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now);
+void kvxi_pf_free(pf_req *r);
+void kvxi_pf_on_msg(kvx_conn *c, const msg *m); /* ACCEPT, REFUSE, ABORT */
+
+/* kvx_conn_dec.c */
+void kvxi_dec_step(kvx_conn *c, dec_req *r, int64_t now);
+void kvxi_dec_on_msg(kvx_conn *c, const msg *m); /* BEGIN, DONE, STOPPED */
+
+#endif

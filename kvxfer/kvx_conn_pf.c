@@ -1,0 +1,795 @@
+/* kvx_conn_pf.c: the prefill side of the connector: request state machine, head slicing,
+ * coalescing and staging of puts, the lookup-buffer path, target decoding, the kvx_pf_ API. */
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvx_conn_int.h"
+
+/* --- prefill side ----------------------------------------------------------------------- */
+
+static pf_req *pf_find(kvx_conn *c, uint64_t id)
+{
+    for (pf_req *r = c->preqs; r; r = r->next)
+        if (r->id == id) return r;
+    return NULL;
+}
+
+static void pf_fail(kvx_conn *c, pf_req *r, kvx_fail_reason why, int err)
+{
+    if (kvxi_pf_final(r) || r->state == KVX_REQ_ABORTING) return;
+    if (why != KVX_FAIL_ABORTED)
+        TD_LOG_ERR("kvx conn: req %llu stage %u failed in state %s: %s (%s)",
+                   (unsigned long long)r->id, r->stage, kvx_req_state_name(r->state),
+                   why == KVX_FAIL_TIMEOUT        ? "timeout"
+                   : why == KVX_FAIL_PEER_ABORTED ? "aborted by the decode side"
+                   : why == KVX_FAIL_PEER_FAILED  ? "peer failed"
+                                                  : "bad input",
+                   td_strerror(err));
+    r->state = KVX_REQ_ABORTING;
+    r->reason = why;
+    r->err = err;
+    r->abort_phase = 0;
+    r->abort_deadline = kvx_now_ms() + c->params.abort_timeout_ms;
+    kvx_lookup_drop_request(c->lb, r->id, kvxi_free_copy, NULL);
+}
+
+static void pf_op_done(void *arg, int status, size_t len)
+{
+    op_ctx *o = arg;
+    pf_target *t = &o->r->tgt[o->t];
+    if (status && !t->flush_err) t->flush_err = status;
+    o->r->pending--;
+    free(o);
+}
+
+static void pf_flush_done(void *arg, int status, size_t len)
+{
+    op_ctx *o = arg;
+    o->r->tgt[o->t].flushed = true;
+    pf_op_done(arg, status, len);
+}
+
+/* Start a flush (m == NULL) or a message to target t, counted in r->pending. */
+static int pf_start_op(kvx_conn *c, pf_req *r, uint32_t t, const msg *m)
+{
+    op_ctx *o = malloc(sizeof(*o));
+    if (!o) return TD_ENOMEM;
+    *o = (op_ctx){c, r, t, NULL};
+    pf_target *tg = &r->tgt[t];
+    int err;
+    if (!kvxi_peer_ok(c, tg->peer))
+        err = TD_EIO;
+    else if (!m)
+        err = kvx_pipe_flush(c->pipe, c->peers[tg->peer].peer, pf_flush_done, o);
+    else
+        err = kvxi_msg_send_cb(c, tg->peer, m, pf_op_done, o);
+    if (err) {
+        free(o);
+        return err;
+    }
+    r->pending++;
+    return 0;
+}
+
+/* Coalescer: pieces contiguous on both sides become one put. Small pieces that are
+ * contiguous at the destination only (a head slice of consecutive blocks when the source
+ * holds more heads than the destination) are gathered into a staging buffer and go as one
+ * put; the buffer lives until a flush of that target completed. */
+#define STAGE_PIECE_MAX (64u << 10)         /* bytes: larger pieces go directly */
+#define STAGE_MAX       (1u << 20)          /* bytes per staged put */
+#define STAGE_POOL_MAX  ((size_t)512 << 20) /* bytes of idle arenas kept for reuse */
+
+typedef struct {
+    kvx_conn *c;
+    pf_req *r;
+    pf_target *t;
+    const uint8_t *src;
+    uint64_t dst;
+    size_t len;
+    bool staged;       /* the current run lives in the arena */
+    chunk_copy *arena; /* staging bytes of this call (one target), taken on first use */
+    size_t arena_need; /* upper bound of what this call can stage */
+    size_t used;       /* arena bytes used (the current staged run ends here) */
+    int err;
+} coalescer;
+
+static void co_flush(coalescer *co)
+{
+    if (!co->len || co->err) {
+        co->len = 0;
+        co->staged = false;
+        return;
+    }
+    cpeer *p = &co->c->peers[co->t->peer];
+    int err = kvx_pipe_put(co->c->pipe, p->peer, co->src, co->len, co->dst, p->rkey);
+    if (err) co->err = err;
+    co->r->puts++;
+    co->r->bytes += co->len;
+    co->len = 0;
+    co->staged = false;
+}
+
+/* A staging arena of at least `need` bytes: a recycled one or a new one. */
+static chunk_copy *arena_get(kvx_conn *c, size_t need)
+{
+    for (chunk_copy **pp = &c->stage_pool; *pp; pp = &(*pp)->next)
+        if ((*pp)->bytes >= need) {
+            chunk_copy *a = *pp;
+            *pp = a->next;
+            c->stage_pool_bytes -= a->bytes;
+            a->next = NULL;
+            return a;
+        }
+    chunk_copy *a = malloc(sizeof(*a) + need);
+    if (!a) return NULL;
+    *a = (chunk_copy){.bytes = need};
+    c->held_bytes += need;
+    return a;
+}
+
+/* Give an arena back (kept for reuse up to STAGE_POOL_MAX bytes, else freed). */
+static void arena_put(kvx_conn *c, chunk_copy *a)
+{
+    if (c->stage_pool_bytes + a->bytes <= STAGE_POOL_MAX) {
+        a->next = c->stage_pool;
+        c->stage_pool = a;
+        c->stage_pool_bytes += a->bytes;
+        return;
+    }
+    c->held_bytes -= a->bytes;
+    free(a);
+}
+
+static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
+{
+    co->r->pieces++;
+    if (co->len && co->dst + co->len == dst) {
+        if (!co->staged && co->src + co->len == src) {
+            co->len += len;
+            return;
+        }
+        if (len <= STAGE_PIECE_MAX && co->len + len <= STAGE_MAX) {
+            if (!co->arena) co->arena = arena_get(co->c, co->arena_need);
+            if (co->arena && !co->staged && co->used + co->len + len <= co->arena->bytes) {
+                memcpy(co->arena->data + co->used, co->src, co->len);
+                co->src = co->arena->data + co->used;
+                co->staged = true;
+            }
+            if (co->staged && co->used + co->len + len <= co->arena->bytes) {
+                memcpy(co->arena->data + co->used + co->len, src, len);
+                co->len += len;
+                return;
+            }
+        }
+    }
+    if (co->staged) co->used += co->len;
+    co_flush(co);
+    co->src = src;
+    co->dst = dst;
+    co->len = len;
+}
+
+static void pf_stage_done(void *arg, int status, size_t len)
+{
+    op_ctx *o = arg;
+    pf_target *t = &o->r->tgt[o->t];
+    if (status && !t->flush_err) t->flush_err = status;
+    if (o->bufs) arena_put(o->c, o->bufs);
+    o->r->pending--;
+    free(o);
+}
+
+/* After staged puts to target t: a flush frees their buffers (or, if it cannot start, the
+ * request keeps them until it is final). */
+static void pf_stage_flush(kvx_conn *c, pf_req *r, uint32_t t, chunk_copy *bufs)
+{
+    if (!bufs) return;
+    op_ctx *o = malloc(sizeof(*o));
+    int err = o ? 0 : TD_ENOMEM;
+    if (o) *o = (op_ctx){c, r, t, bufs};
+    if (!err && kvxi_peer_ok(c, r->tgt[t].peer))
+        err = kvx_pipe_flush(c->pipe, c->peers[r->tgt[t].peer].peer, pf_stage_done, o);
+    else if (!err)
+        err = TD_EIO;
+    if (!err) {
+        r->pending++;
+        return;
+    }
+    free(o);
+    bufs->next = r->held;
+    r->held = bufs;
+}
+
+/* Put tokens [t0, t1) of the source (region src with layout sl, logical block b in
+ * block id sblk[b - sfirst]) into target t: its heads only. */
+static int pf_put_range(kvx_conn *c, pf_req *r, pf_target *t, const uint8_t *src,
+                        const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
+                        uint32_t t1)
+{
+    const kvx_layout *dl = &t->layout;
+    uint32_t i0 = sl->head0 > dl->head0 ? sl->head0 : dl->head0;
+    uint32_t e0 = sl->head0 + sl->n_heads, e1 = dl->head0 + dl->n_heads;
+    uint32_t i1 = e0 < e1 ? e0 : e1;
+    if (i0 >= i1) return 0; /* no common heads */
+    uint32_t bs = sl->block_size;
+    size_t tokb = (size_t)sl->head_dim * sl->dtype_size;
+    coalescer co = {.c = c, .r = r, .t = t};
+    co.arena_need =
+        (size_t)sl->n_layers * 2 * ((t1 - 1) / bs - t0 / bs + 1) * (i1 - i0) * kvxi_head_bytes(sl);
+    for (uint32_t ll = 0; ll < sl->n_layers; ll++) {
+        uint32_t dll = sl->layer0 + ll - dl->layer0;
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t b = t0 / bs; b <= (t1 - 1) / bs; b++) {
+                uint32_t a = b * bs > t0 ? 0 : t0 - b * bs;
+                uint32_t e = (b + 1) * bs < t1 ? bs : t1 - b * bs;
+                uint32_t sb = sblk[b - sfirst], db = t->blocks[b];
+                if (a == 0 && e == bs) { /* whole block: the common heads are contiguous */
+                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, i0 - sl->head0, 0),
+                           t->base + kvxi_kv_off(dl, dll, kv, db, i0 - dl->head0, 0),
+                           (size_t)(i1 - i0) * kvxi_head_bytes(sl));
+                    continue;
+                }
+                for (uint32_t h = i0; h < i1; h++)
+                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, h - sl->head0, a),
+                           t->base + kvxi_kv_off(dl, dll, kv, db, h - dl->head0, a),
+                           (size_t)(e - a) * tokb);
+            }
+    }
+    co_flush(&co);
+    if (co.arena) pf_stage_flush(c, r, (uint32_t)(t - r->tgt), co.arena);
+    return co.err;
+}
+
+/* Check a chunk fits a target (token range inside its blocks, layers inside its layers,
+ * same geometry). */
+static int pf_check_fit(pf_req *r, const pf_target *t, const kvx_layout *sl, uint32_t t1)
+{
+    const kvx_layout *dl = &t->layout;
+    if ((uint64_t)t->n_blocks * dl->block_size < t1 || sl->layer0 < dl->layer0 ||
+        sl->layer0 + sl->n_layers > dl->layer0 + dl->n_layers) {
+        TD_LOG_ERR("kvx conn: req %llu rank %u: chunk up to token %u, layers %u-%u do not fit "
+                   "the target (%u blocks, layers %u-%u)",
+                   (unsigned long long)r->id, t->rank, t1, sl->layer0, sl->layer0 + sl->n_layers,
+                   t->n_blocks, dl->layer0, dl->layer0 + dl->n_layers);
+        return TD_ERANGE;
+    }
+    return 0;
+}
+
+static int pf_send_copy(kvx_conn *c, pf_req *r, chunk_copy *cc)
+{
+    kvx_layout pl = c->src_layout;
+    pl.n_blocks = cc->nb;
+    uint32_t *ids = malloc(cc->nb * sizeof(*ids));
+    if (!ids) return TD_ENOMEM;
+    for (uint32_t i = 0; i < cc->nb; i++)
+        ids[i] = i;
+    int err = 0;
+    for (uint32_t t = 0; t < r->n_tgt && !err; t++) {
+        err = pf_check_fit(r, &r->tgt[t], &pl, cc->t1);
+        if (!err)
+            err = pf_put_range(c, r, &r->tgt[t], cc->data, &pl, ids, cc->b_first, cc->t0, cc->t1);
+    }
+    free(ids);
+    return err;
+}
+
+/* Advance one prefill request. */
+void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
+{
+    if (kvxi_pf_final(r)) return;
+    if (r->state != KVX_REQ_ABORTING) {
+        if (now >= r->deadline) pf_fail(c, r, KVX_FAIL_TIMEOUT, TD_ETIMEDOUT);
+        for (uint32_t t = 0; t < r->n_tgt && r->state != KVX_REQ_ABORTING; t++) {
+            pf_target *tg = &r->tgt[t];
+            if (tg->have && !kvxi_peer_ok(c, tg->peer))
+                pf_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
+            else if (tg->refused)
+                pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
+        }
+    }
+    switch (r->state) {
+    case KVX_REQ_OPEN: {
+        if (!r->n_dst) return;
+        for (uint32_t t = 0; t < r->n_dst; t++)
+            if (!r->tgt[t].have) return;
+        for (uint32_t t = 0; t < r->n_dst; t++) {
+            pf_target *tg = &r->tgt[t];
+            msg m = {.type = MSG_BEGIN,
+                     .req = r->id,
+                     .epoch = tg->epoch,
+                     .stage = r->stage,
+                     .src_rank = r->src_rank,
+                     .src_tp = r->src_tp,
+                     .rank = tg->rank,
+                     .addr = c->addr,
+                     .addr_len = (uint32_t)c->addr_len};
+            int err = pf_start_op(c, r, t, &m);
+            if (err) {
+                pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
+                return;
+            }
+            tg->begin_sent = true;
+        }
+        r->state = KVX_REQ_BEGUN;
+    } /* fall through */
+    case KVX_REQ_BEGUN: {
+        for (uint32_t t = 0; t < r->n_tgt; t++)
+            if (!r->tgt[t].accepted) return;
+        r->state = KVX_REQ_READY;
+        kvx_lb_key k;
+        void *v;
+        while (kvx_lookup_drop_first(c->lb, r->id, &k, &v, NULL) == 0) {
+            chunk_copy *cc = v;
+            cc->next = r->held;
+            r->held = cc;
+            c->held_bytes += cc->bytes;
+            int err = pf_send_copy(c, r, cc);
+            if (err) {
+                pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
+                return;
+            }
+        }
+    } /* fall through */
+    case KVX_REQ_READY:
+        if (!r->finish_wanted) return;
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            int err = pf_start_op(c, r, t, NULL);
+            if (err) {
+                pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
+                return;
+            }
+        }
+        r->state = KVX_REQ_FLUSHING;
+        return;
+    case KVX_REQ_FLUSHING:
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            if (r->tgt[t].flush_err) {
+                pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
+                return;
+            }
+            if (!r->tgt[t].flushed) return;
+        }
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            msg m = {.type = MSG_DONE,
+                     .req = r->id,
+                     .epoch = r->tgt[t].epoch,
+                     .stage = r->stage,
+                     .src_rank = r->src_rank,
+                     .src_tp = r->src_tp,
+                     .rank = r->tgt[t].rank,
+                     .first_token = r->meta.first_token,
+                     .n_tokens = r->meta.n_tokens};
+            int err = pf_start_op(c, r, t, &m);
+            if (err) {
+                pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
+                return;
+            }
+        }
+        r->state = KVX_REQ_NOTIFYING;
+        return;
+    case KVX_REQ_NOTIFYING:
+        if (r->pending) return;
+        for (uint32_t t = 0; t < r->n_tgt; t++)
+            if (r->tgt[t].flush_err) {
+                pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
+                return;
+            }
+        r->state = KVX_REQ_DONE;
+        break;
+    case KVX_REQ_ABORTING:
+        if (now >= r->abort_deadline && r->pending) {
+            /* a peer that does not complete our flush within the bound is closed: its
+             * operations complete with errors and nothing of ours is read any more */
+            for (uint32_t t = 0; t < r->n_tgt; t++)
+                if (r->tgt[t].have && kvxi_peer_ok(c, r->tgt[t].peer) && !r->tgt[t].flushed) {
+                    TD_LOG_WARN("kvx conn: req %llu rank %u: closing an unresponsive peer",
+                                (unsigned long long)r->id, r->tgt[t].rank);
+                    kvxi_peer_close(c, r->tgt[t].peer, true);
+                }
+            return;
+        }
+        if (r->pending) return;
+        if (r->abort_phase == 0) {
+            for (uint32_t t = 0; t < r->n_tgt; t++) {
+                pf_target *tg = &r->tgt[t];
+                tg->flushed = false;
+                tg->flush_err = 0;
+                if (tg->begin_sent && kvxi_peer_ok(c, tg->peer)) pf_start_op(c, r, t, NULL);
+            }
+            r->abort_phase = 1;
+            return;
+        }
+        if (r->abort_phase == 1) {
+            for (uint32_t t = 0; t < r->n_tgt; t++) {
+                pf_target *tg = &r->tgt[t];
+                if (!tg->begin_sent || !kvxi_peer_ok(c, tg->peer)) continue;
+                msg m = {.type = MSG_STOPPED,
+                         .req = r->id,
+                         .epoch = tg->epoch,
+                         .stage = r->stage,
+                         .src_rank = r->src_rank,
+                         .src_tp = r->src_tp,
+                         .rank = tg->rank};
+                pf_start_op(c, r, t, &m);
+            }
+            r->abort_phase = 2;
+            return;
+        }
+        r->state = KVX_REQ_FAILED;
+        break;
+    default:
+        return;
+    }
+    /* final: copies go, endpoints are no longer used by this request */
+    while (r->held) {
+        chunk_copy *cc = r->held;
+        r->held = cc->next;
+        c->held_bytes -= cc->bytes;
+        free(cc);
+    }
+    kvx_lookup_drop_request(c->lb, r->id, kvxi_free_copy, NULL);
+    for (uint32_t t = 0; t < r->n_tgt; t++)
+        if (r->tgt[t].have && r->tgt[t].peer >= 0) {
+            c->peers[r->tgt[t].peer].refs--;
+            r->tgt[t].peer = -1;
+        }
+}
+
+void kvxi_pf_free(pf_req *r)
+{
+    for (uint32_t t = 0; t < KVX_MAX_RANKS; t++)
+        free(r->tgt[t].blocks);
+    while (r->held) {
+        chunk_copy *cc = r->held;
+        r->held = cc->next;
+        free(cc);
+    }
+    free(r);
+}
+
+/* ACCEPT, REFUSE or ABORT from a decode rank. */
+void kvxi_pf_on_msg(kvx_conn *c, const msg *m)
+{
+    pf_req *r = pf_find(c, m->req);
+    pf_target *t = NULL;
+    for (uint32_t i = 0; r && i < r->n_tgt; i++)
+        if (r->tgt[i].have && r->tgt[i].epoch == m->epoch && r->tgt[i].dst_uid == m->uid)
+            t = &r->tgt[i];
+    if (!t) {
+        TD_LOG_WARN("kvx conn: req %llu: message %u for no known target (dropped)",
+                    (unsigned long long)m->req, m->type);
+        return;
+    }
+    if (m->type == MSG_ACCEPT)
+        t->accepted = true;
+    else if (m->type == MSG_REFUSE)
+        t->refused = true;
+    else
+        pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
+}
+
+/* --- prefill API ------------------------------------------------------------------------ */
+
+int kvx_pf_register_source(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout)
+{
+    size_t need = kvx_layout_bytes(layout);
+    if (!region || !need || bytes < need) {
+        TD_LOG_ERR("kvx conn: source: invalid layout or region (%zu bytes, layout needs %zu)",
+                   bytes, need);
+        return TD_EINVAL;
+    }
+    pthread_mutex_lock(&c->mu);
+    int err = c->src ? TD_ESTATE : 0;
+    if (!err) {
+        c->src = region;
+        c->src_bytes = need;
+        c->src_layout = *layout;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return err;
+}
+
+int kvx_pf_open(kvx_conn *c, uint64_t req_id, const kvx_pf_req_params *p)
+{
+    if (!p || p->stage >= KVX_MAX_STAGES || p->n_dst > KVX_MAX_RANKS || p->src_tp > KVX_MAX_RANKS ||
+        p->src_rank >= (p->src_tp ? p->src_tp : 1))
+        return TD_EINVAL;
+    pthread_mutex_lock(&c->mu);
+    int err = 0;
+    pf_req *r = NULL;
+    if (!c->src)
+        err = TD_ESTATE;
+    else if (pf_find(c, req_id))
+        err = TD_ESTATE;
+    else if (!(r = calloc(1, sizeof(*r))))
+        err = TD_ENOMEM;
+    if (err) {
+        pthread_mutex_unlock(&c->mu);
+        if (err == TD_ESTATE)
+            TD_LOG_ERR("kvx conn: req %llu: open: %s", (unsigned long long)req_id,
+                       c->src ? "already open" : "no source region registered");
+        return err;
+    }
+    r->id = req_id;
+    r->stage = p->stage;
+    r->src_rank = p->src_rank;
+    r->src_tp = p->src_tp ? p->src_tp : 1;
+    r->n_dst = p->n_dst;
+    r->n_tgt = p->n_dst;
+    r->state = KVX_REQ_OPEN;
+    r->deadline = kvx_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
+    for (int t = 0; t < KVX_MAX_RANKS; t++)
+        r->tgt[t].peer = -1;
+    r->next = c->preqs;
+    c->preqs = r;
+    c->n_preqs++;
+    pthread_mutex_unlock(&c->mu);
+    return 0;
+}
+
+/* Decode target bytes into t (blocks allocated); TD_EFORMAT if malformed. */
+static int target_decode(const void *buf, size_t len, pf_target *t, const uint8_t **addr,
+                         uint32_t *addr_len, const uint8_t **rkey, uint32_t *rkey_len,
+                         uint64_t *req_id)
+{
+    const void *pl;
+    size_t n;
+    if (kvx_frame_read(buf, len, KVX_MAGIC_TARGET, KVX_KIND_UCX, &pl, &n)) return TD_EFORMAT;
+    kvx_rd r;
+    kvx_rd_init(&r, pl, n);
+    *req_id = kvx_rd_u64(&r);
+    t->epoch = kvx_rd_u64(&r);
+    t->dst_uid = kvx_rd_u64(&r);
+    t->rank = kvx_rd_u32(&r);
+    t->tp = kvx_rd_u32(&r);
+    t->n_stages = kvx_rd_u32(&r);
+    kvxi_rd_layout(&r, &t->layout);
+    t->base = kvx_rd_u64(&r);
+    t->region_bytes = kvx_rd_u64(&r);
+    *addr_len = kvx_rd_u32(&r);
+    *addr = kvx_rd_bytes(&r, *addr_len);
+    *rkey_len = kvx_rd_u32(&r);
+    *rkey = kvx_rd_bytes(&r, *rkey_len);
+    t->n_blocks = kvx_rd_u32(&r);
+    if (!r.ok || t->n_blocks == 0 || t->n_blocks > (n - r.off) / 4) return TD_EFORMAT;
+    if (!t->tp || t->tp > KVX_MAX_RANKS || t->rank >= t->tp || !t->n_stages ||
+        t->n_stages > KVX_MAX_STAGES || kvx_layout_bytes(&t->layout) != t->region_bytes ||
+        t->base + t->region_bytes < t->base)
+        return TD_EFORMAT;
+    t->blocks = malloc(t->n_blocks * sizeof(uint32_t));
+    if (!t->blocks) return TD_ENOMEM;
+    for (uint32_t i = 0; i < t->n_blocks; i++) {
+        t->blocks[i] = kvx_rd_u32(&r);
+        if (t->blocks[i] >= t->layout.n_blocks) {
+            free(t->blocks);
+            t->blocks = NULL;
+            return TD_EFORMAT;
+        }
+    }
+    if (r.off != n) {
+        free(t->blocks);
+        t->blocks = NULL;
+        return TD_EFORMAT;
+    }
+    return 0;
+}
+
+int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t len)
+{
+    pf_target t = {0};
+    const uint8_t *addr, *rkey;
+    uint32_t addr_len, rkey_len;
+    uint64_t tid;
+    int err = target_decode(target, len, &t, &addr, &addr_len, &rkey, &rkey_len, &tid);
+    if (err) {
+        TD_LOG_ERR("kvx conn: req %llu: malformed KV target (%zu bytes)",
+                   (unsigned long long)req_id, len);
+        return err;
+    }
+    t.peer = -1;
+    pthread_mutex_lock(&c->mu);
+    pf_req *r = pf_find(c, req_id);
+    const kvx_layout *sl = &c->src_layout, *dl = &t.layout;
+    if (!r) {
+        err = TD_ENOENT;
+    } else if (tid != req_id) {
+        TD_LOG_ERR("kvx conn: req %llu: target is for req %llu", (unsigned long long)req_id,
+                   (unsigned long long)tid);
+        err = TD_EINVAL;
+    } else if (r->state != KVX_REQ_OPEN) {
+        TD_LOG_ERR("kvx conn: req %llu: target in state %s", (unsigned long long)req_id,
+                   kvx_req_state_name(r->state));
+        err = TD_ESTATE;
+    } else if ((r->n_dst && t.tp != r->n_dst) || r->stage >= t.n_stages || r->tgt[t.rank].have) {
+        TD_LOG_ERR("kvx conn: req %llu rank %u: target does not match the request (tp %u, "
+                   "stages %u)",
+                   (unsigned long long)req_id, t.rank, t.tp, t.n_stages);
+        err = TD_EINVAL;
+    } else if (dl->n_kv_heads != sl->n_kv_heads || dl->block_size != sl->block_size ||
+               dl->head_dim != sl->head_dim || dl->dtype_size != sl->dtype_size) {
+        TD_LOG_ERR("kvx conn: req %llu rank %u: target geometry (heads %u, block %u, dim %u, "
+                   "dtype %u bytes) differs from the source",
+                   (unsigned long long)req_id, t.rank, dl->n_kv_heads, dl->block_size, dl->head_dim,
+                   dl->dtype_size);
+        err = TD_EINVAL;
+    }
+    int pi = -1;
+    if (!err) err = kvxi_peer_get(c, t.dst_uid, addr, addr_len, &pi);
+    if (!err) {
+        cpeer *p = &c->peers[pi];
+        uint32_t sum = kvx_fnv1a(rkey, rkey_len);
+        if (p->rkey && p->rkey_sum != sum) {
+            kvx_pipe_rkey_destroy(c->pipe, p->rkey);
+            p->rkey = NULL;
+        }
+        if (!p->rkey) {
+            err = kvx_pipe_rkey_unpack(c->pipe, p->peer, rkey, rkey_len, &p->rkey);
+            p->rkey_sum = sum;
+            if (err) p->rkey = NULL;
+        }
+    }
+    if (!err) {
+        t.have = true;
+        t.peer = pi;
+        c->peers[pi].refs++;
+        if (!r->n_dst) r->n_dst = r->n_tgt = t.tp;
+        r->tgt[t.rank] = t;
+        t.blocks = NULL;
+        kvxi_pf_step(c, r, kvx_now_ms());
+    }
+    pthread_mutex_unlock(&c->mu);
+    free(t.blocks);
+    kvxi_kick(c);
+    return err;
+}
+
+int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0, uint32_t t1,
+                      const int32_t *src_blocks, uint32_t n_src_blocks)
+{
+    pthread_mutex_lock(&c->mu);
+    pf_req *r = pf_find(c, req_id);
+    const kvx_layout *sl = &c->src_layout;
+    int err = 0;
+    if (!r)
+        err = TD_ENOENT;
+    else if (r->state == KVX_REQ_ABORTING || r->state == KVX_REQ_FAILED)
+        err = r->err ? r->err : TD_ESTATE;
+    else if (r->finish_wanted || r->state > KVX_REQ_READY || r->state == KVX_REQ_DONE)
+        err = TD_ESTATE;
+    else if (t0 >= t1 || !src_blocks || (uint64_t)n_src_blocks * sl->block_size < t1) {
+        TD_LOG_ERR("kvx conn: req %llu chunk %u: bad token range %u-%u (%u source blocks)",
+                   (unsigned long long)req_id, chunk, t0, t1, n_src_blocks);
+        err = TD_EINVAL;
+    }
+    uint32_t bs = sl->block_size, b_first = t0 / (bs ? bs : 1), b_last = (t1 - 1) / (bs ? bs : 1);
+    for (uint32_t b = b_first; !err && b <= b_last; b++)
+        if (src_blocks[b] < 0 || (uint32_t)src_blocks[b] >= sl->n_blocks) {
+            TD_LOG_ERR("kvx conn: req %llu chunk %u: source block %d out of range",
+                       (unsigned long long)req_id, chunk, src_blocks[b]);
+            err = TD_EINVAL;
+        }
+    if (err) {
+        pthread_mutex_unlock(&c->mu);
+        return err;
+    }
+    if (r->state == KVX_REQ_READY) {
+        uint32_t *ids = malloc((b_last + 1) * sizeof(*ids));
+        err = ids ? 0 : TD_ENOMEM;
+        for (uint32_t b = 0; ids && b <= b_last; b++)
+            ids[b] = b >= b_first ? (uint32_t)src_blocks[b] : 0;
+        for (uint32_t t = 0; !err && t < r->n_tgt; t++) {
+            err = pf_check_fit(r, &r->tgt[t], sl, t1);
+            if (!err) err = pf_put_range(c, r, &r->tgt[t], c->src, sl, ids, 0, t0, t1);
+        }
+        free(ids);
+        if (err) pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
+    } else {
+        /* not ready: copy the chunk's blocks (all held heads) into the lookup buffer */
+        uint32_t nb = b_last - b_first + 1;
+        size_t blk = (size_t)sl->n_heads * kvxi_head_bytes(sl);
+        size_t bytes = (size_t)sl->n_layers * 2 * nb * blk;
+        chunk_copy *cc = malloc(sizeof(*cc) + bytes);
+        if (!cc) err = TD_ENOMEM;
+        if (cc) {
+            *cc = (chunk_copy){
+                .chunk = chunk, .t0 = t0, .t1 = t1, .b_first = b_first, .nb = nb, .bytes = bytes};
+            kvx_layout pl = *sl;
+            pl.n_blocks = nb;
+            for (uint32_t ll = 0; ll < sl->n_layers; ll++)
+                for (uint32_t kv = 0; kv < 2; kv++)
+                    for (uint32_t i = 0; i < nb; i++)
+                        memcpy(cc->data + kvxi_kv_off(&pl, ll, kv, i, 0, 0),
+                               c->src +
+                                   kvxi_kv_off(sl, ll, kv, (uint32_t)src_blocks[b_first + i], 0, 0),
+                               blk);
+            kvx_lb_key k = {.req_id = req_id,
+                            .chunk = chunk,
+                            .layer0 = sl->layer0,
+                            .layer1 = sl->layer0 + sl->n_layers};
+            err = kvx_lookup_insert(c->lb, &k, cc, bytes, 0);
+            if (err) free(cc);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    kvxi_kick(c);
+    return err;
+}
+
+int kvx_pf_finish(kvx_conn *c, uint64_t req_id, const kvx_meta *meta)
+{
+    pthread_mutex_lock(&c->mu);
+    pf_req *r = pf_find(c, req_id);
+    int err = 0;
+    if (!r)
+        err = TD_ENOENT;
+    else if (r->finish_wanted || r->state > KVX_REQ_READY || r->state == KVX_REQ_DONE ||
+             r->state == KVX_REQ_ABORTING || r->state == KVX_REQ_FAILED)
+        err = r->err ? r->err : TD_ESTATE;
+    if (!err) {
+        r->finish_wanted = true;
+        if (meta) r->meta = *meta;
+        kvxi_pf_step(c, r, kvx_now_ms());
+    }
+    pthread_mutex_unlock(&c->mu);
+    kvxi_kick(c);
+    return err;
+}
+
+int kvx_pf_abort(kvx_conn *c, uint64_t req_id)
+{
+    pthread_mutex_lock(&c->mu);
+    pf_req *r = pf_find(c, req_id);
+    if (r) {
+        pf_fail(c, r, KVX_FAIL_ABORTED, TD_ESTATE);
+        kvxi_pf_step(c, r, kvx_now_ms());
+    }
+    pthread_mutex_unlock(&c->mu);
+    kvxi_kick(c);
+    return r ? 0 : TD_ENOENT;
+}
+
+int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out)
+{
+    pthread_mutex_lock(&c->mu);
+    pf_req *r = pf_find(c, req_id);
+    if (r) {
+        memset(out, 0, sizeof(*out));
+        out->state = r->state;
+        out->reason = r->reason;
+        out->err = r->err;
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            out->n_targets += r->tgt[t].have;
+            out->n_accepted += r->tgt[t].accepted;
+        }
+        out->pieces = r->pieces;
+        out->puts = r->puts;
+        out->bytes = r->bytes;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return r ? 0 : TD_ENOENT;
+}
+
+int kvx_pf_release(kvx_conn *c, uint64_t req_id)
+{
+    pthread_mutex_lock(&c->mu);
+    int err = TD_ENOENT;
+    for (pf_req **pp = &c->preqs; *pp; pp = &(*pp)->next) {
+        pf_req *r = *pp;
+        if (r->id != req_id) continue;
+        if (!kvxi_pf_final(r) || r->pending) {
+            err = TD_ESTATE;
+            break;
+        }
+        *pp = r->next;
+        kvxi_pf_free(r);
+        c->n_preqs--;
+        err = 0;
+        break;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return err;
+}

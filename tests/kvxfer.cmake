@@ -1,0 +1,32 @@
+# kvxfer tests: every layer on the in-process fake transport, then real processes over UCX.
+if(TARGET td_kvxfer)
+  foreach(t test_kvx_pipe test_kvx_lookup test_kvx_conn)
+    add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer/${t}.c)
+    target_include_directories(${t} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+    target_link_libraries(${t} PRIVATE td_kvxfer td_common)
+    add_test(NAME ${t} COMMAND ${t})
+    set_tests_properties(${t} PROPERTIES TIMEOUT 60 LABELS kvxfer)
+  endforeach()
+endif()
+
+# Two real processes over UCX on loopback: this process is one side, kvx_test_peer the
+# other; once over tcp and once over shared memory (UCX_TLS=posix,cma,self: liveness by
+# pidfd, see kvxfer/README.md).
+if(TARGET td_kvxfer)
+  add_executable(kvx_test_peer ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer/kvx_test_peer.c)
+  target_include_directories(kvx_test_peer PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer)
+  target_link_libraries(kvx_test_peer PRIVATE td_kvxfer td_common)
+  add_executable(test_kvx_2proc ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer/test_kvx_2proc.c)
+  target_include_directories(test_kvx_2proc PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_kvx_2proc PRIVATE td_kvxfer td_common)
+  add_dependencies(test_kvx_2proc kvx_test_peer)
+  foreach(tls tcp sm)
+    set(ucx_tls ${tls})
+    if(tls STREQUAL "sm")
+      set(ucx_tls "posix,cma,self")
+    endif()
+    add_test(NAME kvx_2proc_${tls}
+             COMMAND test_kvx_2proc --tls ${ucx_tls} --peer $<TARGET_FILE:kvx_test_peer>)
+    set_tests_properties(kvx_2proc_${tls} PROPERTIES TIMEOUT 150 LABELS kvxfer)
+  endforeach()
+endif()

@@ -1,0 +1,727 @@
+/* test_kvx_conn.c: the connector on the in-process fake transport: byte-exact transfers
+ * for every TP pairing and PP layer ranges, chunks out of order, a late target (lookup
+ * buffer path), coalescing counts, aborts from either side, timeouts, killed peers,
+ * malformed targets, a full lookup buffer, the progress thread; no leaks after each. */
+#include <string.h>
+#include <sys/resource.h>
+
+#include "kvx_conn.h"
+#include "kvx_scenario.h"
+#include "tharness.h"
+
+#define MAXC 16
+
+typedef struct {
+    kvx_fake_fabric *fab;
+    int n_dec, n_src;
+    kvx_conn *dec[MAXC], *src[MAXC];
+    kvx_pipe *dec_pipe[MAXC], *src_pipe[MAXC];
+    uint8_t *dreg[MAXC], *sreg[MAXC];
+    kvx_layout dl[MAXC], sl[MAXC];
+    uint32_t src_stage[MAXC], src_rank[MAXC], src_tp;
+} world;
+
+typedef struct {
+    uint32_t n_kv_heads, head_dim, block_size, n_layers;
+    uint32_t src_tp, dst_tp, pp;
+    uint32_t layer_split[4]; /* stage s holds [split[s], split[s+1]); split[pp] = n_layers */
+    uint32_t n_blocks;       /* per region */
+    int timeout_ms;
+    size_t lookup_budget;
+    bool progress_thread;
+} wcfg;
+
+static void world_init(world *w, const wcfg *c)
+{
+    memset(w, 0, sizeof(*w));
+    if (kvx_fake_fabric_create(&w->fab)) abort();
+    kvx_conn_params cp = {.timeout_ms = c->timeout_ms ? c->timeout_ms : 5000,
+                          .abort_timeout_ms = 500,
+                          .lookup_budget = c->lookup_budget,
+                          .progress_thread = c->progress_thread};
+    w->n_dec = (int)c->dst_tp;
+    for (uint32_t r = 0; r < c->dst_tp; r++) {
+        kvx_layout *l = &w->dl[r];
+        *l = (kvx_layout){.layer0 = 0,
+                          .n_layers = c->n_layers,
+                          .n_kv_heads = c->n_kv_heads,
+                          .block_size = c->block_size,
+                          .head_dim = c->head_dim,
+                          .dtype_size = 2,
+                          .n_blocks = c->n_blocks};
+        kvx_layout_heads_of_rank(c->n_kv_heads, c->dst_tp, r, &l->head0, &l->n_heads);
+        w->dreg[r] = calloc(1, kvx_layout_bytes(l));
+        if (kvx_pipe_fake_create(w->fab, NULL, &w->dec_pipe[r])) abort();
+        if (kvx_conn_create(w->dec_pipe[r], &cp, &w->dec[r])) abort();
+        if (kvx_dec_register(w->dec[r], w->dreg[r], kvx_layout_bytes(l), l)) abort();
+    }
+    cp.progress_thread = false;
+    w->n_src = (int)(c->pp * c->src_tp);
+    for (uint32_t s = 0; s < c->pp; s++)
+        for (uint32_t r = 0; r < c->src_tp; r++) {
+            int i = (int)(s * c->src_tp + r);
+            kvx_layout *l = &w->sl[i];
+            *l = (kvx_layout){.layer0 = c->layer_split[s],
+                              .n_layers = c->layer_split[s + 1] - c->layer_split[s],
+                              .n_kv_heads = c->n_kv_heads,
+                              .block_size = c->block_size,
+                              .head_dim = c->head_dim,
+                              .dtype_size = 2,
+                              .n_blocks = c->n_blocks};
+            kvx_layout_heads_of_rank(c->n_kv_heads, c->src_tp, r, &l->head0, &l->n_heads);
+            w->sreg[i] = calloc(1, kvx_layout_bytes(l));
+            w->src_stage[i] = s;
+            w->src_rank[i] = r;
+            w->src_tp = c->src_tp;
+            if (kvx_pipe_fake_create(w->fab, NULL, &w->src_pipe[i])) abort();
+            if (kvx_conn_create(w->src_pipe[i], &cp, &w->src[i])) abort();
+            if (kvx_pf_register_source(w->src[i], w->sreg[i], kvx_layout_bytes(l), l)) abort();
+        }
+}
+
+static void progress_all(world *w, int sleep_ms)
+{
+    int n = 0;
+    for (int i = 0; i < w->n_dec; i++)
+        n += kvx_conn_progress(w->dec[i], 0);
+    for (int i = 0; i < w->n_src; i++)
+        n += kvx_conn_progress(w->src[i], 0);
+    if (!n && sleep_ms && w->n_dec) kvx_conn_progress(w->dec[0], sleep_ms);
+}
+
+/* Leak check, then teardown: no requests, no endpoints, registrations only the pool. */
+static void world_fini(world *w)
+{
+    for (int k = 0; k < 5; k++)
+        progress_all(w, 0);
+    kvx_conn_stats st;
+    for (int i = 0; i < w->n_dec + w->n_src; i++) {
+        kvx_conn *c = i < w->n_dec ? w->dec[i] : w->src[i - w->n_dec];
+        kvx_conn_close_idle(c);
+        kvx_conn_stats_get(c, &st);
+        TH_CHECKF(st.dec_requests == 0 && st.pf_requests == 0 && st.peers == 0 &&
+                      st.pipe.peers == 0 && st.pipe.rkeys == 0 && st.pipe.pending_ops == 0 &&
+                      st.queued_chunks == 0 && st.queued_bytes == 0 && st.held_bytes == 0 &&
+                      st.pipe.mems == (i < w->n_dec ? 1 : 0),
+                  "conn %d: requests %d/%d peers %d/%d rkeys %d ops %d queued %d held %zu "
+                  "mems %d",
+                  i, st.dec_requests, st.pf_requests, st.peers, st.pipe.peers, st.pipe.rkeys,
+                  st.pipe.pending_ops, st.queued_chunks, st.held_bytes, st.pipe.mems);
+    }
+    for (int i = 0; i < w->n_dec; i++) {
+        kvx_conn_destroy(w->dec[i]);
+        free(w->dreg[i]);
+    }
+    for (int i = 0; i < w->n_src; i++) {
+        kvx_conn_destroy(w->src[i]);
+        free(w->sreg[i]);
+    }
+    kvx_fake_fabric_destroy(w->fab);
+}
+
+typedef struct {
+    uint64_t req;
+    uint32_t n_tokens, chunk;
+    int order; /* 0 in order, 1 reversed, 2 interleaved odd/even */
+    bool late; /* targets arrive after the chunks */
+    uint32_t salt;
+    uint32_t dst_run; /* decode block runs */
+    bool aligned_src; /* source blocks contiguous (else reversed) */
+} xfer;
+
+typedef struct {
+    int32_t dblk[MAXC][256];
+    int32_t sblk[MAXC][256];
+    uint32_t nb;
+    uint8_t tgt[MAXC][8192];
+    size_t tgt_len[MAXC];
+} xstate;
+
+static bool all_final(world *w, uint64_t req)
+{
+    for (int i = 0; i < w->n_dec; i++) {
+        kvx_dec_status ds;
+        if (kvx_dec_poll(w->dec[i], req, &ds) == 0 && ds.state != KVX_REQ_DONE &&
+            ds.state != KVX_REQ_FAILED)
+            return false;
+    }
+    for (int i = 0; i < w->n_src; i++) {
+        kvx_pf_status ps;
+        if (kvx_pf_poll(w->src[i], req, &ps) == 0 && ps.state != KVX_REQ_DONE &&
+            ps.state != KVX_REQ_FAILED)
+            return false;
+    }
+    return true;
+}
+
+static bool pump_final(world *w, uint64_t req, int ms)
+{
+    int64_t end = kvx_now_ms() + ms;
+    while (!all_final(w, req) && kvx_now_ms() < end)
+        progress_all(w, 2);
+    return all_final(w, req);
+}
+
+static void release_all(world *w, uint64_t req)
+{
+    for (int i = 0; i < w->n_dec; i++)
+        kvx_dec_release(w->dec[i], req);
+    for (int i = 0; i < w->n_src; i++)
+        kvx_pf_release(w->src[i], req);
+}
+
+/* Decode ranks make targets; sources open (and get targets unless late). */
+static void xfer_setup(world *w, const wcfg *c, const xfer *x, xstate *s)
+{
+    s->nb = (x->n_tokens + c->block_size - 1) / c->block_size;
+    for (int i = 0; i < w->n_dec; i++) {
+        memset(w->dreg[i], 0, kvx_layout_bytes(&w->dl[i])); /* so stray writes show */
+        sc_blocks(s->dblk[i], s->nb, c->n_blocks, x->dst_run, 3 + (uint32_t)x->req * 7);
+        kvx_dec_req_params dp = {.n_stages = c->pp,
+                                 .rank = (uint32_t)i,
+                                 .tp = c->dst_tp,
+                                 .blocks = s->dblk[i],
+                                 .n_blocks = s->nb};
+        TH_CHECK(kvx_dec_make_target(w->dec[i], x->req, &dp, s->tgt[i], sizeof(s->tgt[i]),
+                                     &s->tgt_len[i]) == 0);
+    }
+    for (int i = 0; i < w->n_src; i++) {
+        for (uint32_t b = 0; b < s->nb; b++)
+            s->sblk[i][b] = x->aligned_src ? (int32_t)(b + 1) : (int32_t)(c->n_blocks - 1 - b);
+        sc_fill(w->sreg[i], &w->sl[i], s->sblk[i], x->n_tokens, x->salt);
+        kvx_pf_req_params pp = {
+            .stage = w->src_stage[i], .src_rank = w->src_rank[i], .src_tp = w->src_tp};
+        TH_CHECK(kvx_pf_open(w->src[i], x->req, &pp) == 0);
+        if (!x->late)
+            for (int d = 0; d < w->n_dec; d++)
+                TH_CHECK(kvx_pf_add_target(w->src[i], x->req, s->tgt[d], s->tgt_len[d]) == 0);
+    }
+}
+
+static void xfer_chunks(world *w, const xfer *x, xstate *s, uint32_t from, uint32_t to)
+{
+    uint32_t nch = (x->n_tokens + x->chunk - 1) / x->chunk;
+    for (int i = 0; i < w->n_src; i++)
+        for (uint32_t k = from; k < to && k < nch; k++) {
+            uint32_t ci = x->order == 1 ? nch - 1 - k
+                          : x->order == 2
+                              ? (k < (nch + 1) / 2 ? 2 * k : 2 * (k - (nch + 1) / 2) + 1)
+                              : k;
+            uint32_t t0 = ci * x->chunk, t1 = t0 + x->chunk;
+            if (t1 > x->n_tokens) t1 = x->n_tokens;
+            TH_CHECK(kvx_pf_send_chunk(w->src[i], x->req, ci, t0, t1, s->sblk[i], s->nb) == 0);
+        }
+}
+
+static void xfer_finish(world *w, const wcfg *c, const xfer *x, xstate *s)
+{
+    if (x->late)
+        for (int i = 0; i < w->n_src; i++)
+            for (int d = 0; d < w->n_dec; d++)
+                TH_CHECK(kvx_pf_add_target(w->src[i], x->req, s->tgt[d], s->tgt_len[d]) == 0);
+    for (int i = 0; i < w->n_src; i++) {
+        kvx_meta m = {.first_token = w->src_stage[i] == c->pp - 1 ? 4242 : -1,
+                      .n_tokens = x->n_tokens};
+        TH_CHECK(kvx_pf_finish(w->src[i], x->req, &m) == 0);
+    }
+}
+
+/* Full transfer; returns the total puts and pieces of the sources. */
+static void run_xfer(world *w, const wcfg *c, const xfer *x, uint64_t *puts, uint64_t *pieces)
+{
+    xstate *s = calloc(1, sizeof(*s));
+    xfer_setup(w, c, x, s);
+    xfer_chunks(w, x, s, 0, 1000);
+    if (x->late) {
+        kvx_conn_stats st;
+        kvx_conn_stats_get(w->src[0], &st);
+        TH_CHECK(st.queued_chunks > 0);
+    }
+    xfer_finish(w, c, x, s);
+    TH_CHECK(pump_final(w, x->req, 5000));
+    *puts = *pieces = 0;
+    for (int i = 0; i < w->n_src; i++) {
+        kvx_pf_status ps;
+        TH_CHECK(kvx_pf_poll(w->src[i], x->req, &ps) == 0);
+        TH_CHECKF(ps.state == KVX_REQ_DONE, "source %d: %s", i, kvx_req_state_name(ps.state));
+        *puts += ps.puts;
+        *pieces += ps.pieces;
+    }
+    for (int d = 0; d < w->n_dec; d++) {
+        kvx_dec_status ds;
+        TH_CHECK(kvx_dec_poll(w->dec[d], x->req, &ds) == 0);
+        TH_CHECKF(ds.state == KVX_REQ_DONE, "rank %d: %s", d, kvx_req_state_name(ds.state));
+        TH_CHECK(ds.stages_done == (1ull << c->pp) - 1);
+        TH_CHECK(ds.meta[c->pp - 1].first_token == 4242 && ds.meta[0].n_tokens == x->n_tokens);
+        size_t bad = sc_verify(w->dreg[d], &w->dl[d], s->dblk[d], s->nb, x->n_tokens, 0,
+                               c->n_layers, x->salt, 1);
+        TH_CHECKF(bad == 0, "rank %d: %zu wrong elements", d, bad);
+    }
+    release_all(w, x->req);
+    free(s);
+}
+
+static wcfg base_cfg(uint32_t src_tp, uint32_t dst_tp)
+{
+    return (wcfg){.n_kv_heads = 4,
+                  .head_dim = 8,
+                  .block_size = 16,
+                  .n_layers = 3,
+                  .src_tp = src_tp,
+                  .dst_tp = dst_tp,
+                  .pp = 1,
+                  .layer_split = {0, 3},
+                  .n_blocks = 48};
+}
+
+static void test_tp_pairs(void)
+{
+    static const uint32_t pairs[][2] = {{1, 1}, {1, 2}, {1, 4}, {2, 1}, {2, 4}, {4, 2}, {4, 1}};
+    for (size_t p = 0; p < sizeof(pairs) / sizeof(pairs[0]); p++) {
+        wcfg c = base_cfg(pairs[p][0], pairs[p][1]);
+        world w;
+        world_init(&w, &c);
+        xfer x = {.req = 10 + p,
+                  .n_tokens = 150,
+                  .chunk = 37,
+                  .order = (int)(p % 3),
+                  .salt = 77 + (uint32_t)p,
+                  .dst_run = 4};
+        uint64_t puts, pieces;
+        run_xfer(&w, &c, &x, &puts, &pieces);
+        fprintf(stderr, "  tp %u->%u: %llu pieces, %llu puts\n", pairs[p][0], pairs[p][1],
+                (unsigned long long)pieces, (unsigned long long)puts);
+        world_fini(&w);
+    }
+}
+
+/* Two PP stages (layers 0-2 and 2-5) to 2 decode ranks; two requests back to back. */
+static void test_pp_stages(void)
+{
+    wcfg c = base_cfg(1, 2);
+    c.n_layers = 5;
+    c.pp = 2;
+    c.layer_split[0] = 0;
+    c.layer_split[1] = 2;
+    c.layer_split[2] = 5;
+    world w;
+    world_init(&w, &c);
+    uint64_t puts, pieces;
+    xfer x = {.req = 1, .n_tokens = 100, .chunk = 32, .salt = 5, .dst_run = 8};
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    x.req = 2;
+    x.salt = 6;
+    x.order = 1;
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    world_fini(&w);
+}
+
+/* Targets after the chunks: the chunks wait in the lookup buffer, then drain. */
+static void test_late_target(void)
+{
+    wcfg c = base_cfg(2, 4);
+    world w;
+    world_init(&w, &c);
+    uint64_t puts, pieces;
+    xfer x = {
+        .req = 3, .n_tokens = 130, .chunk = 20, .order = 2, .late = true, .salt = 9, .dst_run = 3};
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    world_fini(&w);
+}
+
+/* Coalescing: 1->1 with contiguous blocks on both sides and block-aligned chunks: one put
+ * per (layer, K/V) per chunk; with runs of 4 on the decode side, one per run. */
+static void test_coalescing(void)
+{
+    wcfg c = base_cfg(1, 1);
+    world w;
+    world_init(&w, &c);
+    uint64_t puts, pieces;
+    xfer x = {
+        .req = 4, .n_tokens = 256, .chunk = 128, .salt = 1, .dst_run = 0, .aligned_src = true};
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    TH_CHECKF(pieces == 3 * 2 * 16 && puts == 3 * 2 * 2, "pieces %llu puts %llu",
+              (unsigned long long)pieces, (unsigned long long)puts);
+    x.req = 5;
+    x.dst_run = 4;
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    TH_CHECKF(pieces == 3 * 2 * 16 && puts == 3 * 2 * 4, "pieces %llu puts %llu",
+              (unsigned long long)pieces, (unsigned long long)puts);
+    world_fini(&w);
+}
+
+static kvx_req_state dec_state(world *w, int d, uint64_t req, kvx_dec_status *ds)
+{
+    kvx_dec_status tmp;
+    if (!ds) ds = &tmp;
+    return kvx_dec_poll(w->dec[d], req, ds) == 0 ? ds->state : (kvx_req_state)-1;
+}
+
+static kvx_req_state pf_state(world *w, int i, uint64_t req, kvx_pf_status *ps)
+{
+    kvx_pf_status tmp;
+    if (!ps) ps = &tmp;
+    return kvx_pf_poll(w->src[i], req, ps) == 0 ? ps->state : (kvx_req_state)-1;
+}
+
+/* The decode side aborts after half the chunks: the stage stops, and only then the
+ * blocks are released (FAILED); the sender reports the peer's abort. */
+static void test_dec_abort(void)
+{
+    wcfg c = base_cfg(1, 2);
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 7, .n_tokens = 160, .chunk = 16, .salt = 3, .dst_run = 2};
+    xfer_setup(&w, &c, &x, s);
+    int64_t end = kvx_now_ms() + 2000;
+    while (pf_state(&w, 0, 7, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+        progress_all(&w, 1);
+    xfer_chunks(&w, &x, s, 0, 5);
+    TH_CHECK(kvx_dec_abort(w.dec[0], 7) == 0);
+    TH_CHECK(dec_state(&w, 0, 7, NULL) == KVX_REQ_ABORTING); /* a writer may still write */
+    TH_CHECK(kvx_dec_release(w.dec[0], 7) == TD_ESTATE);
+    TH_CHECK(pump_final(&w, 7, 3000));
+    kvx_dec_status ds;
+    TH_CHECK(dec_state(&w, 0, 7, &ds) == KVX_REQ_FAILED && ds.reason == KVX_FAIL_ABORTED);
+    TH_CHECK(dec_state(&w, 1, 7, &ds) == KVX_REQ_FAILED && ds.reason == KVX_FAIL_PEER_ABORTED);
+    kvx_pf_status ps;
+    TH_CHECK(pf_state(&w, 0, 7, &ps) == KVX_REQ_FAILED && ps.reason == KVX_FAIL_PEER_ABORTED);
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 7, 9, 144, 160, s->sblk[0], s->nb) < 0);
+    release_all(&w, 7);
+    /* the same connectors serve the next request */
+    uint64_t puts, pieces;
+    x.req = 8;
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    world_fini(&w);
+    free(s);
+}
+
+/* The prefill side aborts: decode ranks fail with the peer's abort. */
+static void test_pf_abort(void)
+{
+    wcfg c = base_cfg(2, 1);
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 11, .n_tokens = 64, .chunk = 16, .salt = 3, .dst_run = 2};
+    xfer_setup(&w, &c, &x, s);
+    xfer_chunks(&w, &x, s, 0, 2);
+    TH_CHECK(kvx_pf_abort(w.src[1], 11) == 0);
+    TH_CHECK(pump_final(&w, 11, 3000));
+    kvx_dec_status ds;
+    TH_CHECK(dec_state(&w, 0, 11, &ds) == KVX_REQ_FAILED && ds.reason == KVX_FAIL_PEER_ABORTED);
+    TH_CHECK(pf_state(&w, 1, 11, NULL) == KVX_REQ_FAILED);
+    TH_CHECK(pf_state(&w, 0, 11, NULL) == KVX_REQ_FAILED);
+    release_all(&w, 11);
+    world_fini(&w);
+    free(s);
+}
+
+/* No receiver ever registers a target: the sender times out and frees its queue. */
+static void test_no_target_timeout(void)
+{
+    wcfg c = base_cfg(1, 1);
+    c.timeout_ms = 300;
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 12, .n_tokens = 64, .chunk = 16, .salt = 3, .late = true};
+    xfer_setup(&w, &c, &x, s);
+    xfer_chunks(&w, &x, s, 0, 4);
+    kvx_dec_abort(w.dec[0], 12); /* the decode side's record is not part of this test */
+    int64_t t0 = kvx_now_ms();
+    kvx_pf_status ps;
+    while (pf_state(&w, 0, 12, &ps) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 3000)
+        progress_all(&w, 5);
+    int64_t dt = kvx_now_ms() - t0;
+    TH_CHECKF(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_TIMEOUT && dt < 1500,
+              "state %s after %lld ms", kvx_req_state_name(ps.state), (long long)dt);
+    release_all(&w, 12);
+    world_fini(&w);
+    free(s);
+}
+
+/* A target that no stage ever writes: the decode side times out. */
+static void test_dec_timeout(void)
+{
+    wcfg c = base_cfg(1, 1);
+    c.timeout_ms = 200;
+    world w;
+    world_init(&w, &c);
+    int32_t blocks[4] = {1, 2, 3, 4};
+    kvx_dec_req_params dp = {.n_stages = 1, .tp = 1, .blocks = blocks, .n_blocks = 4};
+    uint8_t buf[4096];
+    size_t len;
+    TH_CHECK(kvx_dec_make_target(w.dec[0], 13, &dp, buf, sizeof(buf), &len) == 0);
+    TH_CHECK(kvx_dec_make_target(w.dec[0], 13, &dp, buf, sizeof(buf), &len) == TD_ESTATE);
+    TH_CHECK(kvx_dec_make_target(w.dec[0], 14, &dp, buf, 10, &len) == TD_ERANGE);
+    int64_t t0 = kvx_now_ms();
+    while (dec_state(&w, 0, 13, NULL) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 3000)
+        progress_all(&w, 50);
+    kvx_dec_status ds;
+    TH_CHECK(dec_state(&w, 0, 13, &ds) == KVX_REQ_FAILED && ds.reason == KVX_FAIL_TIMEOUT);
+    TH_CHECK(kvx_now_ms() - t0 < 1500);
+    release_all(&w, 13);
+    world_fini(&w);
+}
+
+/* A prefill stage dies mid-transfer: the decode rank fails the request at once, frees
+ * everything, and serves a request from another stage afterwards; then a decode rank
+ * dies and the sender fails. */
+static void test_peer_killed(void)
+{
+    wcfg c = base_cfg(1, 1);
+    c.pp = 2;
+    c.layer_split[1] = 1;
+    c.layer_split[2] = 3;
+    c.timeout_ms = 20000;
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 20, .n_tokens = 96, .chunk = 16, .salt = 3, .dst_run = 2};
+    xfer_setup(&w, &c, &x, s);
+    int64_t end = kvx_now_ms() + 2000;
+    while (pf_state(&w, 1, 20, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+        progress_all(&w, 1);
+    xfer_chunks(&w, &x, s, 0, 3);
+    kvx_pipe_fake_kill(w.src_pipe[1]);
+    int64_t t0 = kvx_now_ms();
+    kvx_dec_status ds;
+    while (dec_state(&w, 0, 20, &ds) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+        progress_all(&w, 5);
+    TH_CHECKF(ds.state == KVX_REQ_FAILED && ds.reason == KVX_FAIL_PEER_FAILED, "state %s reason %d",
+              kvx_req_state_name(ds.state), ds.reason);
+    TH_CHECK(kvx_now_ms() - t0 < 1000);
+    /* the surviving stage got the abort */
+    while (pf_state(&w, 0, 20, NULL) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+        progress_all(&w, 5);
+    TH_CHECK(pf_state(&w, 0, 20, NULL) == KVX_REQ_FAILED);
+    kvx_dec_release(w.dec[0], 20);
+    kvx_pf_release(w.src[0], 20);
+    /* the dead stage's connector is gone: replace it by a fresh one */
+    kvx_conn_destroy(w.src[1]);
+    kvx_conn_params cp = {.timeout_ms = 5000, .abort_timeout_ms = 500};
+    TH_REQUIRE(kvx_pipe_fake_create(w.fab, NULL, &w.src_pipe[1]) == 0);
+    TH_REQUIRE(kvx_conn_create(w.src_pipe[1], &cp, &w.src[1]) == 0);
+    TH_REQUIRE(kvx_pf_register_source(w.src[1], w.sreg[1], kvx_layout_bytes(&w.sl[1]), &w.sl[1]) ==
+               0);
+    for (int k = 0; k < 5; k++)
+        progress_all(&w, 0);
+    kvx_conn_stats st;
+    kvx_conn_stats_get(w.dec[0], &st);
+    TH_CHECKF(st.peers == 1, "decode keeps %d endpoints (the dead one must be gone)", st.peers);
+    uint64_t puts, pieces;
+    x.req = 21;
+    run_xfer(&w, &c, &x, &puts, &pieces);
+
+    /* now the decode rank dies during a transfer */
+    x.req = 22;
+    xfer_setup(&w, &c, &x, s);
+    xfer_chunks(&w, &x, s, 0, 2);
+    kvx_pipe_fake_kill(w.dec_pipe[0]);
+    t0 = kvx_now_ms();
+    kvx_pf_status ps;
+    while (pf_state(&w, 0, 22, &ps) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+        progress_all(&w, 5);
+    TH_CHECK(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_PEER_FAILED);
+    TH_CHECK(kvx_now_ms() - t0 < 2000);
+    while (pf_state(&w, 1, 22, NULL) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+        progress_all(&w, 5);
+    kvx_pf_release(w.src[0], 22);
+    kvx_pf_release(w.src[1], 22);
+    kvx_dec_abort(w.dec[0], 22);
+    for (int k = 0; k < 5; k++)
+        progress_all(&w, 0);
+    kvx_dec_release(w.dec[0], 22);
+    for (int i = 0; i < w.n_src; i++) {
+        kvx_conn_stats_get(w.src[i], &st);
+        TH_CHECK(st.pf_requests == 0 && st.peers == 0 && st.pipe.rkeys == 0);
+    }
+    /* the dead decode connector: drop it from the leak check */
+    kvx_conn_destroy(w.dec[0]);
+    TH_REQUIRE(kvx_pipe_fake_create(w.fab, NULL, &w.dec_pipe[0]) == 0);
+    TH_REQUIRE(kvx_conn_create(w.dec_pipe[0], &cp, &w.dec[0]) == 0);
+    TH_REQUIRE(kvx_dec_register(w.dec[0], w.dreg[0], kvx_layout_bytes(&w.dl[0]), &w.dl[0]) == 0);
+    world_fini(&w);
+    free(s);
+}
+
+/* Malformed or mismatched targets are errors, never crashes, and fail nothing else. */
+static void test_bad_targets(void)
+{
+    wcfg c = base_cfg(1, 1);
+    world w;
+    world_init(&w, &c);
+    int32_t blocks[4] = {1, 2, 3, 4};
+    kvx_dec_req_params dp = {.n_stages = 1, .tp = 1, .blocks = blocks, .n_blocks = 4};
+    uint8_t buf[4096], bad[4096];
+    size_t len;
+    TH_REQUIRE(kvx_dec_make_target(w.dec[0], 30, &dp, buf, sizeof(buf), &len) == 0);
+    int32_t oob[1] = {48};
+    kvx_dec_req_params dq = dp;
+    dq.blocks = oob;
+    dq.n_blocks = 1;
+    TH_CHECK(kvx_dec_make_target(w.dec[0], 31, &dq, bad, sizeof(bad), &len) == TD_EINVAL);
+    kvx_pf_req_params pp = {.stage = 0};
+    TH_REQUIRE(kvx_pf_open(w.src[0], 30, &pp) == 0);
+    td_log_set_level(TD_LOG_ERROR + 1); /* thousands of expected errors */
+    int accepted = 0;
+    for (size_t i = 0; i < len; i++) /* every truncation */
+        accepted += kvx_pf_add_target(w.src[0], 30, buf, i) == 0;
+    for (size_t i = 0; i < len; i++) /* every single-byte corruption */
+        for (int bit = 0; bit < 8; bit += 3) {
+            memcpy(bad, buf, len);
+            bad[i] ^= (uint8_t)(1u << bit);
+            accepted += kvx_pf_add_target(w.src[0], 30, bad, len) == 0;
+        }
+    uint32_t seed = 1;
+    for (int k = 0; k < 2000; k++) { /* garbage */
+        size_t n = (size_t)(seed % sizeof(bad));
+        for (size_t i = 0; i < n; i++) {
+            seed = seed * 1103515245u + 12345u;
+            bad[i] = (uint8_t)(seed >> 16);
+        }
+        accepted += kvx_pf_add_target(w.src[0], 30, bad, n) == 0;
+    }
+    td_log_set_level(TD_LOG_INFO);
+    TH_CHECK(accepted == 0);
+    TH_CHECK(kvx_pf_add_target(w.src[0], 99, buf, len) == TD_ENOENT);
+    TH_CHECK(kvx_pf_add_target(w.src[0], 30, buf, len) == 0);
+    TH_CHECK(kvx_pf_add_target(w.src[0], 30, buf, len) == TD_ESTATE); /* no longer OPEN */
+    /* bad chunks */
+    int32_t sb[4] = {0, 1, 2, 3};
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 30, 0, 10, 10, sb, 4) == TD_EINVAL);
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 30, 0, 0, 65, sb, 4) == TD_EINVAL);
+    int32_t sbad[4] = {0, 1, -2, 3};
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 30, 0, 0, 64, sbad, 4) == TD_EINVAL);
+    /* a target of another geometry */
+    kvx_pf_abort(w.src[0], 30);
+    kvx_dec_abort(w.dec[0], 30);
+    TH_CHECK(pump_final(&w, 30, 2000));
+    release_all(&w, 30);
+    world_fini(&w);
+}
+
+/* A lookup budget smaller than the chunks: send_chunk says TD_ENOSPC, nothing leaks. */
+static void test_lookup_full(void)
+{
+    wcfg c = base_cfg(1, 1);
+    c.lookup_budget = 3 * 2 * 4 * 16 * 8 * 2 + 100; /* one 16-token chunk fits */
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 40, .n_tokens = 64, .chunk = 16, .salt = 3, .late = true};
+    xfer_setup(&w, &c, &x, s);
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 40, 0, 0, 16, s->sblk[0], s->nb) == 0);
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 40, 1, 16, 32, s->sblk[0], s->nb) == TD_ENOSPC);
+    kvx_pf_abort(w.src[0], 40);
+    kvx_dec_abort(w.dec[0], 40);
+    TH_CHECK(pump_final(&w, 40, 2000));
+    release_all(&w, 40);
+    world_fini(&w);
+    free(s);
+}
+
+static double cpu_seconds(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
+           (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+/* The decode side runs its own progress thread; an idle connector sleeps. */
+static void test_progress_thread(void)
+{
+    wcfg c = base_cfg(1, 2);
+    c.progress_thread = true;
+    world w;
+    world_init(&w, &c);
+    uint64_t puts, pieces;
+    xfer x = {.req = 50, .n_tokens = 100, .chunk = 33, .salt = 8, .dst_run = 5};
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    double c0 = cpu_seconds();
+    int64_t t0 = kvx_now_ms();
+    while (kvx_now_ms() - t0 < 300)
+        kvx_conn_progress(w.src[0], 100);
+    double used = cpu_seconds() - c0;
+    TH_CHECKF(used < 0.1, "idle connectors used %.3f s of CPU in 0.3 s", used);
+    world_fini(&w);
+}
+
+/* Soak: back-to-back requests on one set of connectors, each finishing normally, aborted by
+ * either side mid-way, or with a late target; every finished one is byte-exact and nothing
+ * leaks. Duration: KVX_SOAK_SECONDS (default 1). */
+static void test_soak(void)
+{
+    const char *env = getenv("KVX_SOAK_SECONDS");
+    double secs = env ? atof(env) : 1.0;
+    wcfg c = base_cfg(2, 2);
+    c.n_layers = 4;
+    c.pp = 2;
+    c.layer_split[1] = 1;
+    c.layer_split[2] = 4;
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    uint32_t seed = 12345;
+    int done = 0, aborted = 0;
+    int64_t end = kvx_now_ms() + (int64_t)(secs * 1000);
+    td_log_set_level(TD_LOG_ERROR + 1); /* aborts log errors by design */
+    for (uint64_t req = 1000; kvx_now_ms() < end; req++) {
+        seed = seed * 1103515245u + 12345u;
+        int action = (int)(seed >> 16) % 4;
+        xfer x = {.req = req,
+                  .n_tokens = 20 + (seed >> 8) % 200,
+                  .chunk = 7 + (seed >> 4) % 40,
+                  .order = (int)(seed >> 20) % 3,
+                  .late = action == 3,
+                  .salt = (uint32_t)req,
+                  .dst_run = 1 + (seed >> 12) % 6};
+        xfer_setup(&w, &c, &x, s);
+        uint32_t nch = (x.n_tokens + x.chunk - 1) / x.chunk;
+        xfer_chunks(&w, &x, s, 0, action == 1 || action == 2 ? nch / 2 : 1000);
+        for (int k = 0; k < 3; k++)
+            progress_all(&w, 0);
+        if (action == 1) kvx_dec_abort(w.dec[(int)(req % 2)], req);
+        if (action == 2) kvx_pf_abort(w.src[(int)(req % 4)], req);
+        if (action == 1 || action == 2) {
+            TH_CHECK(pump_final(&w, req, 5000));
+            aborted++;
+        } else {
+            xfer_finish(&w, &c, &x, s);
+            TH_CHECK(pump_final(&w, req, 5000));
+            for (int d = 0; d < w.n_dec; d++) {
+                TH_CHECK(dec_state(&w, d, req, NULL) == KVX_REQ_DONE);
+                TH_CHECK(sc_verify(w.dreg[d], &w.dl[d], s->dblk[d], s->nb, x.n_tokens, 0,
+                                   c.n_layers, x.salt, 1) == 0);
+            }
+            done++;
+        }
+        release_all(&w, req);
+    }
+    td_log_set_level(TD_LOG_INFO);
+    fprintf(stderr, "  soak: %d transfers, %d aborted\n", done, aborted);
+    TH_CHECK(done > 0 && aborted > 0);
+    world_fini(&w);
+    free(s);
+}
+
+int main(void)
+{
+    TH_RUN(test_tp_pairs);
+    TH_RUN(test_pp_stages);
+    TH_RUN(test_late_target);
+    TH_RUN(test_coalescing);
+    TH_RUN(test_dec_abort);
+    TH_RUN(test_pf_abort);
+    TH_RUN(test_no_target_timeout);
+    TH_RUN(test_dec_timeout);
+    TH_RUN(test_peer_killed);
+    TH_RUN(test_bad_targets);
+    TH_RUN(test_lookup_full);
+    TH_RUN(test_progress_thread);
+    TH_RUN(test_soak);
+    TH_EXIT();
+}

@@ -1,0 +1,340 @@
+/* test_kvx_pipe.c: the pipe's contract, run on the fake and on UCX (two workers in one
+ * process, over tcp and over shared memory): exported bytes, puts + flush, active
+ * messages, tagged messages, malformed input, injected faults, an idle wait that sleeps. */
+#include <string.h>
+#include <sys/resource.h>
+
+#include "kvx_pipe.h"
+#include "tharness.h"
+
+typedef struct {
+    int n, status;
+    size_t len;
+} done_rec;
+
+static void on_done(void *arg, int status, size_t len)
+{
+    done_rec *d = arg;
+    d->n++;
+    d->status = status;
+    d->len = len;
+}
+
+typedef struct {
+    int n;
+    char last[64];
+} am_rec;
+
+static void on_am(void *arg, const void *data, size_t len)
+{
+    am_rec *a = arg;
+    a->n++;
+    memset(a->last, 0, sizeof(a->last));
+    memcpy(a->last, data, len < sizeof(a->last) - 1 ? len : sizeof(a->last) - 1);
+}
+
+typedef struct {
+    int n;
+    kvx_peer peer;
+    int status;
+} err_rec;
+
+static void on_peer_err(void *arg, kvx_peer peer, int status)
+{
+    err_rec *e = arg;
+    e->n++;
+    e->peer = peer;
+    e->status = status;
+}
+
+/* Progress both pipes until *flag >= want or 5 s pass. */
+static int pump(kvx_pipe *a, kvx_pipe *b, const int *flag, int want)
+{
+    int64_t end = kvx_now_ms() + 5000;
+    while (*flag < want && kvx_now_ms() < end) {
+        kvx_pipe_progress(a);
+        if (b) kvx_pipe_progress(b);
+    }
+    return *flag >= want;
+}
+
+static double cpu_seconds(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
+           (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+typedef int (*make_fn)(const kvx_pipe_params *, kvx_pipe **);
+static kvx_fake_fabric *g_fab;
+static const char *g_tls;
+static int make_fake(const kvx_pipe_params *pp, kvx_pipe **out)
+{
+    return kvx_pipe_fake_create(g_fab, pp, out);
+}
+static int make_ucx(const kvx_pipe_params *pp, kvx_pipe **out)
+{
+    kvx_pipe_params q = *pp;
+    q.tls = g_tls;
+    return kvx_pipe_ucx_create(&q, out);
+}
+
+/* The contract every implementation keeps. */
+static void contract(make_fn make, const char *what)
+{
+    fprintf(stderr, "  pipe contract on %s\n", what);
+    err_rec ea = {0}, eb = {0};
+    kvx_pipe_params pa = {.peer_err_cb = on_peer_err, .peer_err_arg = &ea};
+    kvx_pipe_params pb = {.peer_err_cb = on_peer_err, .peer_err_arg = &eb};
+    kvx_pipe *a = NULL, *b = NULL;
+    TH_REQUIRE(make(&pa, &a) == 0);
+    if (make(&pb, &b) != 0) {
+        kvx_pipe_destroy(a);
+        TH_REQUIRE(0);
+    }
+
+    uint8_t addr_b[KVX_ADDR_MAX], addr_a[KVX_ADDR_MAX];
+    size_t la = 0, lb = 0;
+    TH_CHECK(kvx_pipe_address(b, addr_b, sizeof(addr_b), &lb) == 0);
+    TH_CHECK(kvx_pipe_address(a, addr_a, sizeof(addr_a), &la) == 0);
+    TH_CHECK(kvx_pipe_address(a, addr_a, 8, &la) == TD_ERANGE);
+    TH_CHECK(kvx_pipe_address(a, addr_a, sizeof(addr_a), &la) == 0);
+
+    /* malformed addresses: truncated, corrupted, garbage, empty */
+    kvx_peer bad;
+    TH_CHECK(kvx_pipe_connect(a, addr_b, lb - 1, &bad) < 0);
+    TH_CHECK(kvx_pipe_connect(a, addr_b, 3, &bad) < 0);
+    TH_CHECK(kvx_pipe_connect(a, NULL, 0, &bad) < 0);
+    uint8_t corrupt[KVX_ADDR_MAX];
+    memcpy(corrupt, addr_b, lb);
+    corrupt[lb - 1] ^= 0x5a;
+    TH_CHECK(kvx_pipe_connect(a, corrupt, lb, &bad) < 0);
+
+    kvx_peer ab, ba;
+    TH_REQUIRE(kvx_pipe_connect(a, addr_b, lb, &ab) == 0);
+    TH_REQUIRE(kvx_pipe_connect(b, addr_a, la, &ba) == 0);
+    TH_CHECK(kvx_pipe_peer_status(a, ab) == 0);
+
+    /* b registers a region, a puts into it */
+    size_t region_len = 1 << 20;
+    uint8_t *region = calloc(1, region_len);
+    uint8_t *src = malloc(region_len);
+    for (size_t i = 0; i < region_len; i++)
+        src[i] = (uint8_t)(i * 131 + 7);
+    kvx_mem *mem = NULL;
+    TH_REQUIRE(kvx_pipe_mem_reg(b, region, region_len, &mem) == 0);
+    uint8_t rkb[KVX_RKEY_MAX];
+    size_t rkl = 0;
+    TH_CHECK(kvx_pipe_rkey_pack(b, mem, rkb, sizeof(rkb), &rkl) == 0);
+    kvx_rkey *rk = NULL;
+    TH_CHECK(kvx_pipe_rkey_unpack(a, ab, rkb, rkl - 2, &rk) < 0);
+    TH_CHECK(kvx_pipe_rkey_unpack(a, ab, rkb, 0, &rk) < 0);
+    TH_REQUIRE(kvx_pipe_rkey_unpack(a, ab, rkb, rkl, &rk) == 0);
+
+    TH_CHECK(kvx_pipe_put(a, ab, src, 4096, (uint64_t)(uintptr_t)region, rk) == 0);
+    TH_CHECK(kvx_pipe_put(a, ab, src + 8192, region_len - 8192,
+                          (uint64_t)(uintptr_t)(region + 8192), rk) == 0);
+    done_rec fl = {0};
+    TH_CHECK(kvx_pipe_flush(a, ab, on_done, &fl) == 0);
+    TH_CHECK(fl.n == 0); /* never from inside the call */
+    TH_CHECK(pump(a, b, &fl.n, 1));
+    TH_CHECK(fl.status == 0);
+    TH_CHECK(memcmp(region, src, 4096) == 0);
+    TH_CHECK(region[4096] == 0 && region[8191] == 0);
+    TH_CHECK(memcmp(region + 8192, src + 8192, region_len - 8192) == 0);
+
+    /* active messages, in order */
+    am_rec am = {0};
+    TH_CHECK(kvx_pipe_set_am_handler(b, 3, on_am, &am) == 0);
+    TH_CHECK(kvx_pipe_set_am_handler(b, KVX_AM_IDS, on_am, &am) == TD_EINVAL);
+    done_rec sd = {0};
+    TH_CHECK(kvx_pipe_am_send(a, ab, 3, "hello", 5, on_done, &sd) == 0);
+    TH_CHECK(kvx_pipe_am_send(a, ab, 3, "world", 5, NULL, NULL) == 0);
+    TH_CHECK(pump(a, b, &am.n, 2));
+    TH_CHECK(strcmp(am.last, "world") == 0);
+    TH_CHECK(pump(a, b, &sd.n, 1) && sd.status == 0);
+    static uint8_t big[KVX_AM_MAX + 1];
+    TH_CHECK(kvx_pipe_am_send(a, ab, 3, big, sizeof(big), NULL, NULL) == TD_EINVAL);
+
+    /* tagged: posted before and after the send; a too-small buffer is TD_ERANGE */
+    char rbuf[64] = {0};
+    done_rec rv = {0}, ts = {0};
+    TH_CHECK(kvx_pipe_tag_recv(b, 77, rbuf, sizeof(rbuf), on_done, &rv) == 0);
+    TH_CHECK(kvx_pipe_tag_send(a, ab, 77, "activation", 10, on_done, &ts) == 0);
+    TH_CHECK(pump(a, b, &rv.n, 1));
+    TH_CHECK(rv.status == 0 && rv.len == 10 && memcmp(rbuf, "activation", 10) == 0);
+    TH_CHECK(pump(a, b, &ts.n, 1) && ts.status == 0);
+    done_rec rv2 = {0}, ts2 = {0};
+    TH_CHECK(kvx_pipe_tag_send(b, ba, 5, "back", 4, on_done, &ts2) == 0);
+    for (int i = 0; i < 50; i++) {
+        kvx_pipe_progress(a);
+        kvx_pipe_progress(b);
+    }
+    TH_CHECK(kvx_pipe_tag_recv(a, 5, rbuf, sizeof(rbuf), on_done, &rv2) == 0);
+    TH_CHECK(pump(a, b, &rv2.n, 1));
+    TH_CHECK(rv2.status == 0 && rv2.len == 4 && memcmp(rbuf, "back", 4) == 0);
+    TH_CHECK(pump(a, b, &ts2.n, 1));
+
+    /* an idle wait sleeps: 300 ms of waiting costs far less than 300 ms of CPU */
+    for (int i = 0; i < 20; i++) {
+        kvx_pipe_progress(a);
+        kvx_pipe_progress(b);
+    }
+    double c0 = cpu_seconds();
+    int64_t t0 = kvx_now_ms();
+    while (kvx_now_ms() - t0 < 300)
+        TH_CHECK(kvx_pipe_wait(a, 100) >= 0);
+    double used = cpu_seconds() - c0;
+    TH_CHECKF(used < 0.1, "idle wait used %.3f s of CPU in 0.3 s", used);
+
+    /* a signal wakes a waiter at once */
+    kvx_pipe_signal(a);
+    int64_t t1 = kvx_now_ms();
+    kvx_pipe_wait(a, 2000);
+    TH_CHECKF(kvx_now_ms() - t1 < 1000, "signal did not wake the wait");
+
+    kvx_pipe_stats st;
+    kvx_pipe_rkey_destroy(a, rk);
+    kvx_pipe_mem_dereg(b, mem);
+    kvx_pipe_disconnect(a, ab, false);
+    kvx_pipe_disconnect(b, ba, false);
+    for (int i = 0; i < 20; i++) {
+        kvx_pipe_progress(a);
+        kvx_pipe_progress(b);
+    }
+    kvx_pipe_stats_get(a, &st);
+    TH_CHECK(st.peers == 0 && st.mems == 0 && st.rkeys == 0 && st.pending_ops == 0);
+    kvx_pipe_stats_get(b, &st);
+    TH_CHECK(st.peers == 0 && st.mems == 0 && st.rkeys == 0 && st.pending_ops == 0);
+    kvx_pipe_destroy(a);
+    kvx_pipe_destroy(b);
+    free(region);
+    free(src);
+}
+
+static void test_fake_contract(void)
+{
+    TH_REQUIRE(kvx_fake_fabric_create(&g_fab) == 0);
+    contract(make_fake, "fake");
+    kvx_fake_fabric_destroy(g_fab);
+}
+
+static void test_ucx_contract_tcp(void)
+{
+    g_tls = "tcp";
+    contract(make_ucx, "ucx tcp");
+}
+
+static void test_ucx_contract_sm(void)
+{
+    g_tls = getenv("KVX_TEST_SM_TLS") ? getenv("KVX_TEST_SM_TLS") : "posix,cma,self";
+    contract(make_ucx, g_tls);
+}
+
+/* Faults the fake injects: out-of-bounds puts, failing puts, a killed peer. */
+static void test_fake_faults(void)
+{
+    kvx_fake_fabric *f;
+    TH_REQUIRE(kvx_fake_fabric_create(&f) == 0);
+    err_rec ea = {0}, eb = {0};
+    kvx_pipe_params pa = {.peer_err_cb = on_peer_err, .peer_err_arg = &ea};
+    kvx_pipe_params pb = {.peer_err_cb = on_peer_err, .peer_err_arg = &eb};
+    kvx_pipe *a, *b, *c;
+    TH_REQUIRE(kvx_pipe_fake_create(f, &pa, &a) == 0);
+    TH_REQUIRE(kvx_pipe_fake_create(f, &pb, &b) == 0);
+    TH_REQUIRE(kvx_pipe_fake_create(f, NULL, &c) == 0);
+    uint8_t addr[KVX_ADDR_MAX], rkb[KVX_RKEY_MAX];
+    size_t n, rkl;
+    kvx_peer ab, ba, ac;
+    TH_REQUIRE(kvx_pipe_address(b, addr, sizeof(addr), &n) == 0);
+    TH_REQUIRE(kvx_pipe_connect(a, addr, n, &ab) == 0);
+    TH_REQUIRE(kvx_pipe_address(c, addr, sizeof(addr), &n) == 0);
+    TH_REQUIRE(kvx_pipe_connect(a, addr, n, &ac) == 0);
+    TH_REQUIRE(kvx_pipe_address(a, addr, sizeof(addr), &n) == 0);
+    TH_REQUIRE(kvx_pipe_connect(b, addr, n, &ba) == 0);
+
+    uint8_t region[256] = {0}, src[256];
+    memset(src, 0xab, sizeof(src));
+    kvx_mem *m;
+    kvx_rkey *rk, *rk_wrong;
+    TH_REQUIRE(kvx_pipe_mem_reg(b, region, sizeof(region), &m) == 0);
+    TH_REQUIRE(kvx_pipe_rkey_pack(b, m, rkb, sizeof(rkb), &rkl) == 0);
+    TH_REQUIRE(kvx_pipe_rkey_unpack(a, ab, rkb, rkl, &rk) == 0);
+    /* an rkey of b cannot be used towards c */
+    TH_CHECK(kvx_pipe_rkey_unpack(a, ac, rkb, rkl, &rk_wrong) == TD_EINVAL);
+
+    TH_CHECK(kvx_pipe_put(a, ab, src, 16, (uint64_t)(uintptr_t)(region + 250), rk) == TD_ERANGE);
+    TH_CHECK(kvx_pipe_put(a, ab, src, 16, (uint64_t)(uintptr_t)region - 1, rk) == TD_ERANGE);
+    TH_CHECK(kvx_pipe_put(a, ab, src, 16, (uint64_t)(uintptr_t)(region + 240), rk) == 0);
+    TH_CHECK(region[255] == 0xab && region[239] == 0);
+
+    /* the third put fails: the flush reports it and the peer fails once */
+    kvx_pipe_fake_fail_puts_after(a, 1);
+    TH_CHECK(kvx_pipe_put(a, ab, src, 8, (uint64_t)(uintptr_t)region, rk) == 0);
+    TH_CHECK(kvx_pipe_put(a, ab, src, 8, (uint64_t)(uintptr_t)region, rk) == 0);
+    done_rec fl = {0};
+    TH_CHECK(kvx_pipe_flush(a, ab, on_done, &fl) == 0);
+    TH_CHECK(pump(a, b, &fl.n, 1) && fl.status == TD_EIO);
+    TH_CHECK(pump(a, b, &ea.n, 1) && ea.peer == ab);
+    TH_CHECK(kvx_pipe_peer_status(a, ab) == TD_EIO);
+    TH_CHECK(kvx_pipe_put(a, ab, src, 8, (uint64_t)(uintptr_t)region, rk) < 0);
+    kvx_pipe_fake_fail_puts_after(a, -1);
+
+    /* a dies: b's endpoint to a fails, and b's wait wakes up for it */
+    kvx_pipe_fake_kill(a);
+    TH_CHECK(kvx_pipe_wait(b, 1000) >= 0);
+    TH_CHECK(eb.n == 1 && eb.peer == ba && eb.status == TD_EIO);
+    TH_CHECK(kvx_pipe_am_send(b, ba, 0, "x", 1, NULL, NULL) == TD_EIO);
+    TH_CHECK(kvx_pipe_fake_puts(a) == 6);
+
+    kvx_pipe_mem_dereg(b, m);
+    kvx_pipe_destroy(a);
+    kvx_pipe_destroy(b);
+    kvx_pipe_destroy(c);
+    kvx_fake_fabric_destroy(f);
+}
+
+/* UCX: a peer that goes away makes the survivor's operations fail, not hang. */
+static void test_ucx_peer_gone(void)
+{
+    err_rec ea = {0};
+    kvx_pipe_params pa = {.peer_err_cb = on_peer_err, .peer_err_arg = &ea, .tls = "tcp"};
+    kvx_pipe_params pb = {.tls = "tcp"};
+    kvx_pipe *a, *b;
+    TH_REQUIRE(kvx_pipe_ucx_create(&pa, &a) == 0);
+    TH_REQUIRE(kvx_pipe_ucx_create(&pb, &b) == 0);
+    uint8_t addr[KVX_ADDR_MAX];
+    size_t n;
+    kvx_peer ab;
+    TH_REQUIRE(kvx_pipe_address(b, addr, sizeof(addr), &n) == 0);
+    TH_REQUIRE(kvx_pipe_connect(a, addr, n, &ab) == 0);
+    am_rec am = {0};
+    TH_REQUIRE(kvx_pipe_set_am_handler(b, 1, on_am, &am) == 0);
+    TH_REQUIRE(kvx_pipe_am_send(a, ab, 1, "hi", 2, NULL, NULL) == 0);
+    TH_CHECK(pump(a, b, &am.n, 1));
+    kvx_pipe_destroy(b);
+    int64_t end = kvx_now_ms() + 10000;
+    int sent = 0;
+    while (!ea.n && kvx_now_ms() < end) {
+        if (sent < 100 && kvx_pipe_am_send(a, ab, 1, "hi", 2, NULL, NULL) == 0) sent++;
+        kvx_pipe_wait(a, 50);
+    }
+    TH_CHECKF(ea.n == 1, "no peer error after the peer went away");
+    TH_CHECK(kvx_pipe_peer_status(a, ab) < 0);
+    kvx_pipe_disconnect(a, ab, false);
+    kvx_pipe_stats st;
+    kvx_pipe_stats_get(a, &st);
+    TH_CHECK(st.peers == 0 && st.pending_ops == 0);
+    kvx_pipe_destroy(a);
+}
+
+int main(void)
+{
+    TH_RUN(test_fake_contract);
+    TH_RUN(test_fake_faults);
+    TH_RUN(test_ucx_contract_tcp);
+    TH_RUN(test_ucx_contract_sm);
+    TH_RUN(test_ucx_peer_gone);
+    TH_EXIT();
+}
