@@ -51,9 +51,10 @@ def start(tp, threads, port, step_tokens=256):
 
 
 def stop(procs, d):
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    for p in procs:
+    # the leader first: it publishes the stop plan, the followers then exit on their own
+    procs[0].send_signal(signal.SIGTERM)
+    procs[0].wait(timeout=30)
+    for p in procs[1:]:
         p.wait(timeout=30)
     with open(os.path.join(d, "r0.log")) as f:
         return f.read()
