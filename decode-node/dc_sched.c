@@ -292,6 +292,7 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         if (s->running.v[i]->cancelled) finish(s, &s->running, i, DC_FINISH_CANCELLED);
 
     int budget = s->p.step_tokens;
+    uint64_t preemptions_before = s->preemptions;
     for (int i = 0; i < s->running.n; i++) {
         s->running.v[i]->chunk = 0;
         s->running.v[i]->logit_row = -1;
@@ -317,8 +318,11 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         r->chunk = chunk;
         budget -= chunk;
     }
-    /* 3. admit waiting requests while the budget, the batch and the pool allow */
-    while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
+    /* 3. admit waiting requests while the budget, the batch and the pool allow; not in a
+     * step that had to preempt (the pool is short: re-admitting the victim at once would
+     * only have it preempted again) */
+    bool preempted = s->preemptions != preemptions_before;
+    while (!preempted && s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
         dc_req *r = s->waiting.v[0];
         int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1);
         if (s->kv->n_free - promised_blocks(s) < need && s->running.n > 0) break;
