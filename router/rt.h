@@ -146,6 +146,9 @@ typedef struct rt_req {
     bool sse;       /* out holds SSE bytes: the response is (or will be) a stream */
     bool suspended; /* the connection is suspended waiting for the loop */
     bool http_gone; /* the connection is closed; never resume it again */
+    struct rt_router *router; /* set before the SSE response starts (metrics) */
+    int64_t t_pending_ns;     /* SSE: when the token events behind the oldest unsent bytes of out
+                                 reached the loop (0: out empty); the router-overhead histogram */
     struct MHD_Connection *conn;
 
     /* loop-owned */
@@ -269,6 +272,7 @@ typedef struct {
     uint64_t by_status[600]; /* responses by HTTP status */
     uint64_t prompt_tokens, generation_tokens;
     rt_hist ttft, tpot, e2e; /* seconds */
+    rt_hist write_delay;     /* seconds: token event received -> its bytes handed to the socket */
     rt_inst_gauge *inst;     /* (n_inst) */
     int n_inst;
     int queue;  /* requests in the router queue */
@@ -279,6 +283,8 @@ int rt_metrics_init(rt_metrics *m, int n_inst);
 void rt_metrics_fini(rt_metrics *m);
 void rt_metrics_status(rt_metrics *m, int status);
 void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms);
+void rt_metrics_write_delay(rt_metrics *m, double seconds);
+int64_t rt_now_ns(void); /* CLOCK_MONOTONIC */
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const struct rt_router *r);
 
@@ -308,6 +314,7 @@ typedef struct rt_router {
 
     pthread_t loop;
     bool loop_started;
+    int64_t t_events_ns;     /* loop-owned: when the batch of events in hand was received */
     rt_registry reg;         /* loop-owned */
     rt_table table;          /* loop-owned */
     rt_req *q_head, *q_tail; /* loop-owned router queue */

@@ -75,12 +75,18 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     rt_req *q = cls;
     ssize_t n;
+    double delay = -1;
     pthread_mutex_lock(&q->mu);
     if (q->out.len) {
         size_t k = q->out.len < max ? q->out.len : max;
         memcpy(buf, q->out.buf, k);
         rt_buf_consume(&q->out, k);
         n = (ssize_t)k;
+        if (q->t_pending_ns) {
+            delay = (double)(rt_now_ns() - q->t_pending_ns) / 1e9;
+            /* what is left was produced no earlier than what just went out */
+            q->t_pending_ns = q->out.len ? q->t_pending_ns : 0;
+        }
     } else if (q->done) {
         n = MHD_CONTENT_READER_END_OF_STREAM;
     } else {
@@ -89,6 +95,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
         n = 0;
     }
     pthread_mutex_unlock(&q->mu);
+    if (delay >= 0 && q->router) rt_metrics_write_delay(&q->router->metrics, delay);
     return n;
 }
 
@@ -99,6 +106,9 @@ static void sse_free(void *cls)
 
 static enum MHD_Result start_sse(rt_router *r, struct MHD_Connection *conn, rt_req *q)
 {
+    pthread_mutex_lock(&q->mu);
+    q->router = r;
+    pthread_mutex_unlock(&q->mu);
     rt_req_retain(q);
     struct MHD_Response *resp =
         MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, sse_read, q, sse_free);

@@ -515,6 +515,7 @@ static void *loop_main(void *arg)
         for (int i = 0; i < n; i++) {
             rt_inst *s = &r->reg.inst[i];
             while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
+                r->t_events_ns = rt_now_ns();
                 if (s->in.kind == TD_CTRL_IN_REPLY)
                     on_reply(r, i, &s->in, now);
                 else if (s->in.kind == TD_CTRL_IN_EVENTS)

@@ -6,6 +6,7 @@
  * tandem_instance_{up,running,waiting,kv_blocks_used,kv_blocks_free,kv_usage_ratio}.
  * Threading: every function takes m->mu; any thread may call them. */
 #include <stdio.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,6 +53,25 @@ static void observe(rt_hist *h, const double *bounds, double v)
     h->counts[b]++;
     h->sum += v;
     h->n++;
+}
+
+/* Router overhead on the token path: tens of microseconds when healthy. */
+static const double WRITE_BOUNDS[RT_HIST_BUCKETS] = {
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+    0.005,   0.01,     0.025,   0.05,   0.1,     0.25,   0.5,   1.0};
+
+int64_t rt_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void rt_metrics_write_delay(rt_metrics *m, double seconds)
+{
+    pthread_mutex_lock(&m->mu);
+    observe(&m->write_delay, WRITE_BOUNDS, seconds);
+    pthread_mutex_unlock(&m->mu);
 }
 
 void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
@@ -116,6 +136,10 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
     rc |=
         put_hist(&b, "tandem_router_e2e_request_latency_seconds",
                  "Time from the complete request to its last byte of output.", &m->e2e, LAT_BOUNDS);
+    rc |= put_hist(&b, "tandem_router_token_write_delay_seconds",
+                   "Streaming: time from a token event reaching the router to its SSE bytes being "
+                   "handed to the socket (the router's own overhead).",
+                   &m->write_delay, WRITE_BOUNDS);
     snprintf(line, sizeof line,
              "# HELP tandem_router_prompt_tokens_total Prompt tokens of finished requests.\n"
              "# TYPE tandem_router_prompt_tokens_total counter\n"

@@ -77,6 +77,8 @@ static int sse_chunk(const rt_router *r, rt_req *q, json_t *choice, json_t *usag
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     if (!s) return TD_ENOMEM;
+    if (q->out.len == 0 && !q->t_pending_ns)
+        q->t_pending_ns = r->t_events_ns ? r->t_events_ns : rt_now_ns();
     int rc = rt_buf_puts(&q->out, "data: ");
     if (!rc) rc = rt_buf_puts(&q->out, s);
     if (!rc) rc = rt_buf_puts(&q->out, "\n\n");
