@@ -60,10 +60,11 @@ int cmd_logits(int argc, char **argv);
 int cmd_dequant(int argc, char **argv);
 int cmd_bench_engine(int argc, char **argv);
 int cmd_client(int argc, char **argv);
-int cmd_up(int argc, char **argv);     /* tandem up [-d] FILE (cmd_up.c) */
-int cmd_down(int argc, char **argv);   /* tandem down FILE */
-int cmd_status(int argc, char **argv); /* tandem status FILE [--json] */
-int cmd_bench(int argc, char **argv);  /* tandem bench: HTTP load generator (cmd_loadgen.c) */
+int cmd_up(int argc, char **argv);         /* tandem up [-d] FILE (cmd_up.c) */
+int cmd_down(int argc, char **argv);       /* tandem down FILE */
+int cmd_status(int argc, char **argv);     /* tandem status FILE [--json] */
+int cmd_bench(int argc, char **argv);      /* tandem bench: HTTP load generator (cmd_loadgen.c) */
+int cmd_chunk_plan(int argc, char **argv); /* tandem chunk-plan (cmd_chunkplan.c) */
 
 /* A minimal blocking HTTP/1.1 client (cmd_loadgen.c): one request per connection
  * (Connection: close); the body, de-chunked, goes to on_body as it arrives (a nonzero

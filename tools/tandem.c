@@ -17,6 +17,7 @@ static void usage(void)
                     "  down          stop a cluster started with 'tandem up -d'\n"
                     "  status        the processes of a cluster and their state\n"
                     "  bench         load generator against the OpenAI HTTP API\n"
+                    "  chunk-plan    profile a prefill stage, fit the dynamic-chunking cost model\n"
                     "run 'tandem <command> --help' for its options\n");
 }
 
@@ -46,6 +47,8 @@ int main(int argc, char **argv)
         rc = cmd_status(argc - 2, argv + 2);
     else if (!strcmp(cmd, "bench"))
         rc = cmd_bench(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "chunk-plan"))
+        rc = cmd_chunk_plan(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         return 0;

@@ -1,0 +1,287 @@
+/* pf_profile.c: start-up profile of one pipeline stage on the engine, the cost-model fit
+ * over it, and timed runs of chunk plans (see pf_profile.h for what is measured). */
+#include "pf_profile.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "td_err.h"
+
+#define PF_MAX_REPS 16
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ---- rig ---- */
+
+int pf_rig_open(pf_rig *r, const pf_rig_params *p)
+{
+    memset(r, 0, sizeof *r);
+    char err[512];
+    int rc = td_gguf_open(p->model_path, &r->gguf, err, sizeof err);
+    if (rc) {
+        TD_LOG_ERR("%s", err);
+        return rc;
+    }
+    kn_hparams hp;
+    if ((rc = kn_hparams_read(r->gguf, &hp))) goto fail;
+    r->pp = p->pp ? p->pp : 1;
+    r->stage = p->stage;
+    int counts[PF_MAX_STAGES];
+    if (r->pp > PF_MAX_STAGES) {
+        TD_LOG_ERR("pp %d: at most %d stages", r->pp, PF_MAX_STAGES);
+        rc = TD_EINVAL;
+        goto fail;
+    }
+    if ((rc =
+             pf_layer_partition(hp.n_layer, r->pp, p->partition, p->partition ? r->pp : 0, counts)))
+        goto fail;
+    if ((rc = pf_stage_range(counts, r->pp, r->stage, &r->l0, &r->l1))) goto fail;
+    kn_shard shard = {.l0 = r->l0, .l1 = r->l1};
+    if ((rc = kn_model_load(r->gguf, &shard, &r->model))) {
+        TD_LOG_ERR("cannot load layers [%d, %d) of '%s': %s", r->l0, r->l1, p->model_path,
+                   td_strerror(rc));
+        goto fail;
+    }
+    if ((rc = kn_cpu_create(p->threads > 0 ? p->threads : 1, &r->cpu))) goto fail;
+    if ((rc = kn_engine_create(r->model, kn_cpu_backend(r->cpu), NULL, &r->engine))) goto fail;
+    r->ctx = p->ctx > 0 ? p->ctx : 8192;
+    int bs = p->block_size > 0 ? p->block_size : 16;
+    kn_kv_pool_params kp = kn_model_kv_params(r->model, (r->ctx + bs - 1) / bs, bs, p->kv_type);
+    if ((rc = kn_kv_pool_create(&kp, &r->kv))) goto fail;
+    return 0;
+fail:
+    pf_rig_close(r);
+    return rc;
+}
+
+void pf_rig_close(pf_rig *r)
+{
+    kn_kv_pool_destroy(r->kv);
+    kn_engine_destroy(r->engine);
+    kn_cpu_destroy(r->cpu);
+    kn_model_destroy(r->model);
+    td_gguf_close(r->gguf);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- inputs ---- */
+
+/* A stage's input for up to n tokens: ids (first stage) or hidden states (others). */
+typedef struct {
+    int32_t *ids; /* (n) first stage, else NULL */
+    float *embd;  /* (n, n_embd) other stages, else NULL */
+    int32_t *pos; /* (n) scratch */
+    int32_t *seq; /* (n) zeros: one sequence */
+    float *out;   /* (n, n_embd) output of a non-last stage; (1) on the last */
+    int64_t n;
+} stage_io;
+
+static uint64_t lcg(uint64_t *x)
+{
+    *x = *x * 6364136223846793005ull + 1442695040888963407ull;
+    return *x >> 33;
+}
+
+static void io_free(stage_io *io)
+{
+    free(io->ids);
+    free(io->embd);
+    free(io->pos);
+    free(io->seq);
+    free(io->out);
+    memset(io, 0, sizeof *io);
+}
+
+static int io_alloc(stage_io *io, const kn_model *m, int64_t n, uint64_t seed)
+{
+    memset(io, 0, sizeof *io);
+    size_t E = (size_t)m->hp.n_embd;
+    io->n = n;
+    io->pos = malloc((size_t)n * sizeof *io->pos);
+    io->seq = calloc((size_t)n, sizeof *io->seq);
+    io->out = malloc((m->last ? 1 : (size_t)n * E) * sizeof *io->out);
+    if (m->first)
+        io->ids = malloc((size_t)n * sizeof *io->ids);
+    else
+        io->embd = malloc((size_t)n * E * sizeof *io->embd);
+    if (!io->pos || !io->seq || !io->out || (!io->ids && !io->embd)) {
+        io_free(io);
+        return TD_ENOMEM;
+    }
+    uint64_t x = seed * 2654435761ull + 12345;
+    if (io->ids) {
+        for (int64_t i = 0; i < n; i++)
+            io->ids[i] = (int32_t)(lcg(&x) % (uint64_t)m->hp.n_vocab);
+    } else {
+        /* uniform in [-sqrt(3), sqrt(3)): unit variance, like a residual stream after norm */
+        for (size_t i = 0; i < (size_t)n * E; i++)
+            io->embd[i] = (float)(((double)lcg(&x) / 2147483648.0 - 0.5) * 3.4641016);
+    }
+    return 0;
+}
+
+/* One forward of tokens [start, start + len) of the sequence in seq (blocks reserved). */
+static int forward(pf_rig *r, stage_io *io, kn_kv_seq *seq, int64_t start, int64_t len)
+{
+    for (int64_t i = 0; i < len; i++)
+        io->pos[i] = (int32_t)(start + i);
+    kn_seq_view view = {.block_table = seq->blocks, .n_ctx = (int32_t)(start + len)};
+    size_t E = (size_t)r->model->hp.n_embd;
+    kn_batch b = {
+        .n_tokens = len,
+        .tokens = io->ids ? io->ids + start : NULL,
+        .embd = io->embd ? io->embd + (size_t)start * E : NULL,
+        .pos = io->pos,
+        .seq_of = io->seq,
+        .n_seqs = 1,
+        .seqs = &view,
+        .n_logits = 0,
+        .logit_rows = NULL,
+    };
+    return kn_engine_forward(r->engine, r->kv, &b, io->out);
+}
+
+/* ---- profile ---- */
+
+/* Visit order spreading the lengths: last, first, then midpoints of the intervals
+ * breadth-first (n <= PF_PROFILE_MAX_LENGTHS). */
+static void spread_order(int n, int *order)
+{
+    int k = 0, qa[2 * PF_PROFILE_MAX_LENGTHS], qb[2 * PF_PROFILE_MAX_LENGTHS], head = 0, tail = 0;
+    order[k++] = n - 1;
+    if (n > 1) order[k++] = 0;
+    qa[tail] = 0;
+    qb[tail++] = n - 1;
+    while (head < tail && k < n) {
+        int a = qa[head], b = qb[head++], mid = (a + b) / 2;
+        if (mid == a || mid == b) continue;
+        order[k++] = mid;
+        qa[tail] = a;
+        qb[tail++] = mid;
+        qa[tail] = mid;
+        qb[tail++] = b;
+    }
+}
+
+int pf_profile_stage(pf_rig *r, const pf_profile_params *p, pf_profile_result *out)
+{
+    memset(out, 0, sizeof *out);
+    if (p->chunk_size < 1 || p->n_lengths < 0 || p->n_lengths > PF_PROFILE_MAX_LENGTHS ||
+        p->reps < 0 || p->max_len < 0 || p->budget_ms < 0) {
+        TD_LOG_ERR("profile: bad parameters (chunk %d, lengths %d, reps %d)", p->chunk_size,
+                   p->n_lengths, p->reps);
+        return TD_EINVAL;
+    }
+    int hi = p->max_len ? p->max_len : p->chunk_size + p->chunk_size / 4;
+    int nl = p->n_lengths ? p->n_lengths : 16;
+    int reps = p->reps ? (p->reps < PF_MAX_REPS ? p->reps : PF_MAX_REPS) : 3;
+    double budget = p->budget_ms ? p->budget_ms : 20000;
+    if (hi > r->ctx) {
+        TD_LOG_ERR("profile: length %d exceeds the stage's KV capacity %d", hi, r->ctx);
+        return TD_ERANGE;
+    }
+    int lo = hi / 4 < 64 ? hi / 4 : 64;
+    if (lo < 1) lo = 1;
+    if (hi - lo + 1 < nl) nl = hi - lo + 1;
+    int32_t lens[PF_PROFILE_MAX_LENGTHS];
+    for (int i = 0; i < nl; i++)
+        lens[i] = nl > 1 ? (int32_t)(lo + (int64_t)(hi - lo) * i / (nl - 1)) : hi;
+    double(*tm)[PF_MAX_REPS] = calloc((size_t)nl, sizeof *tm);
+    int nrun[PF_PROFILE_MAX_LENGTHS] = {0}, order[PF_PROFILE_MAX_LENGTHS];
+    stage_io io;
+    kn_kv_seq seq;
+    kn_kv_seq_init(&seq);
+    int rc = tm ? io_alloc(&io, r->model, hi, p->seed) : TD_ENOMEM;
+    if (rc) {
+        free(tm);
+        return rc;
+    }
+    spread_order(nl, order);
+    double t0 = now_ms();
+    if (!(rc = kn_kv_seq_reserve(r->kv, &seq, hi)))
+        rc = forward(r, &io, &seq, 0, hi); /* warm-up: weights paged in, scratch sized */
+    for (int rep = 0; rep < reps && !rc && !out->budget_hit; rep++) {
+        for (int k = 0; k < nl && !rc; k++) {
+            /* the first three lengths always run, so there is something to fit */
+            if ((rep > 0 || k >= 3) && now_ms() - t0 >= budget) {
+                out->budget_hit = true;
+                break;
+            }
+            int i = order[k];
+            double s = now_ms();
+            rc = forward(r, &io, &seq, 0, lens[i]);
+            tm[i][nrun[i]++] = now_ms() - s;
+        }
+    }
+    out->elapsed_ms = now_ms() - t0;
+    kn_kv_seq_fini(r->kv, &seq);
+    io_free(&io);
+    if (rc) {
+        TD_LOG_ERR("profile: forward failed: %s", td_strerror(rc));
+        free(tm);
+        return rc;
+    }
+    double xs[PF_PROFILE_MAX_LENGTHS];
+    for (int i = 0; i < nl; i++) {
+        if (!nrun[i]) continue;
+        int k = out->n_lengths++;
+        out->len[k] = lens[i];
+        out->ms[k] = median(tm[i], nrun[i]);
+        out->n_runs[k] = nrun[i];
+        xs[k] = lens[i];
+    }
+    free(tm);
+    pf_fit_quadratic(xs, out->ms, out->n_lengths, &out->fit);
+    return 0;
+}
+
+int pf_profile_run_plan(pf_rig *r, const int32_t *chunks, int64_t n, uint64_t seed, double *ms)
+{
+    int64_t total = 0;
+    for (int64_t k = 0; k < n; k++) {
+        if (chunks[k] < 1) return TD_EINVAL;
+        total += chunks[k];
+    }
+    if (total < 1) return TD_EINVAL;
+    if (total > r->ctx) {
+        TD_LOG_ERR("plan of %lld tokens exceeds the stage's KV capacity %d", (long long)total,
+                   r->ctx);
+        return TD_ERANGE;
+    }
+    stage_io io;
+    int rc = io_alloc(&io, r->model, total, seed);
+    if (rc) return rc;
+    kn_kv_seq seq;
+    kn_kv_seq_init(&seq);
+    int64_t done = 0;
+    for (int64_t k = 0; k < n && !rc; k++) {
+        double s = now_ms();
+        /* block reservation is part of a chunk's real cost, and cheap */
+        if (!(rc = kn_kv_seq_reserve(r->kv, &seq, done + chunks[k])))
+            rc = forward(r, &io, &seq, done, chunks[k]);
+        ms[k] = now_ms() - s;
+        done += chunks[k];
+    }
+    kn_kv_seq_fini(r->kv, &seq);
+    io_free(&io);
+    return rc;
+}

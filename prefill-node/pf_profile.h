@@ -1,0 +1,96 @@
+/* pf_profile.h: measuring one pipeline stage on the real engine: the start-up profile
+ * that the dynamic chunk planner's cost model is fitted to, and timed runs of a chunk
+ * plan.
+ *
+ * Purpose: stage 0 of a prefill instance profiles its own stage (its layer range of the
+ * model, on its backend and thread count) at start-up and fits pf_cost_model to it.
+ * What f(l) means here: the run time (ms) of ONE forward of the stage over a
+ * single-request prefill of l tokens at positions [0, l) from an empty context, i.e. the
+ * cumulative stage time of a sequence of length l. f(L + x) - f(L) then predicts a chunk
+ * of x tokens after a prefix of L (attention over the prefix included); the per-forward
+ * constant c cancels in that difference. Lengths are spread over [min(64, hi/4), hi],
+ * hi = 1.25 C by default; each length is run `reps` times (passes over all lengths, so
+ * drift hits every length alike) and the median is fitted. The stage's real inputs are
+ * used: token ids on the first stage, hidden states (deterministic pseudo-random, unit
+ * scale) elsewhere; the last stage computes no logits (a non-final chunk's work).
+ * Time bound: the profile stops starting new forwards once budget_ms has elapsed (one
+ * warm-up forward at the longest length and the first three timed lengths always run,
+ * so the bound is budget_ms + 4 forwards of at most max_len tokens); lengths are visited
+ * spread out (longest, shortest, middle, ...) so a cut-short first pass spans the range.
+ * Threading: drives the engine from the calling thread; the engine and pool must not be
+ * used by anyone else meanwhile.
+ * Ownership: pf_rig_open/close own a stage's model, backend, engine and KV pool;
+ * profile results are filled into caller structs (fixed-size arrays, no allocation).
+ */
+#ifndef PF_PROFILE_H
+#define PF_PROFILE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "cpu_backend.h"
+#include "gguf.h"
+#include "kv_pool.h"
+#include "model.h"
+#include "pf_chunk.h"
+
+#define PF_PROFILE_MAX_LENGTHS 64
+
+/* One stage of a model loaded in this process (CPU backend, TP 1). */
+typedef struct {
+    td_gguf *gguf;
+    kn_model *model; /* layers [l0, l1) */
+    kn_cpu *cpu;
+    kn_engine *engine;
+    kn_kv_pool *kv;
+    int l0, l1; /* the stage's layer range */
+    int ctx;    /* tokens of KV the pool holds for one sequence */
+    int pp, stage;
+} pf_rig;
+
+typedef struct {
+    const char *model_path;
+    int pp, stage;        /* pp 0 means 1 */
+    const int *partition; /* (pp) explicit layer partition or NULL (pf_layer_partition) */
+    int threads;          /* 0: 1 (one thread per stage process) */
+    int ctx;              /* KV capacity, tokens; 0: 8192 */
+    int block_size;       /* 0: 16 */
+    td_dtype kv_type;     /* TD_F32 (0) or TD_F16 */
+} pf_rig_params;
+
+/* Load the stage and build its engine and KV pool. Errors are logged; returns 0 or a
+ * negative td_err, and *r is zeroed on failure. */
+int pf_rig_open(pf_rig *r, const pf_rig_params *p);
+void pf_rig_close(pf_rig *r); /* safe on a zeroed rig */
+
+typedef struct {
+    int chunk_size; /* C, tokens (> 0) */
+    int max_len;    /* longest profiled length; 0: 1.25 C */
+    int n_lengths;  /* 0: 16; at most PF_PROFILE_MAX_LENGTHS */
+    int reps;       /* passes over the lengths, median per length; 0: 3 */
+    int budget_ms;  /* wall-time bound of the profile; 0: 20000 */
+    uint64_t seed;  /* input ids / hidden states; 0 is fine */
+} pf_profile_params;
+
+typedef struct {
+    int n_lengths;                       /* lengths with at least one timing */
+    int32_t len[PF_PROFILE_MAX_LENGTHS]; /* (n_lengths) tokens, ascending */
+    double ms[PF_PROFILE_MAX_LENGTHS];   /* (n_lengths) median forward time, ms */
+    int n_runs[PF_PROFILE_MAX_LENGTHS];  /* (n_lengths) timings behind each median */
+    double elapsed_ms;                   /* the whole profile incl. warm-up */
+    bool budget_hit;                     /* stopped early on budget_ms */
+    pf_cost_model fit;                   /* fitted over (len, ms); see fit.dynamic */
+} pf_profile_result;
+
+/* Profile the rig's stage and fit the cost model. Returns 0 when the forwards ran (the
+ * fit may still have failed: out->fit.valid / .dynamic say, and the caller falls back to
+ * fixed chunks), or a negative td_err from the engine / bad parameters (TD_EINVAL,
+ * TD_ERANGE if max_len exceeds the rig's ctx). */
+int pf_profile_stage(pf_rig *r, const pf_profile_params *p, pf_profile_result *out);
+
+/* Run one request of sum(chunks) tokens through the rig's stage in the given chunks (a
+ * fresh sequence from position 0) and write each chunk's forward time into ms (n).
+ * Returns 0 or a negative td_err (TD_ERANGE if the prompt exceeds the rig's ctx). */
+int pf_profile_run_plan(pf_rig *r, const int32_t *chunks, int64_t n, uint64_t seed, double *ms);
+
+#endif

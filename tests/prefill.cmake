@@ -1,0 +1,20 @@
+# prefill.cmake: the prefill node's planning pieces (prefill-node/pf_chunk.h, pf_profile.h).
+#   test_pf_chunk    partition, quadratic fit and chunk planner against hand-computed cases
+#   test_pf_profile  stage profile + fit on the engine with the synthetic llama model
+#                    (fixture synth_models, reference.cmake; needs TANDEM_PYTHON)
+if(TARGET pf_core)
+  add_executable(test_pf_chunk ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_chunk.c)
+  target_include_directories(test_pf_chunk PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_pf_chunk PRIVATE pf_core td_common)
+  add_test(NAME test_pf_chunk COMMAND test_pf_chunk)
+  set_tests_properties(test_pf_chunk PROPERTIES TIMEOUT 30 LABELS prefill)
+
+  add_executable(test_pf_profile ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_profile.c)
+  target_include_directories(test_pf_profile PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_pf_profile PRIVATE pf_core td_kernels td_common)
+  if(TANDEM_PYTHON)
+    add_test(NAME test_pf_profile COMMAND test_pf_profile ${TANDEM_TEST_DATA}/synth/llama.gguf)
+    set_tests_properties(test_pf_profile PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 60
+                         LABELS prefill)
+  endif()
+endif()
