@@ -53,7 +53,11 @@ int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab)
     if (s->p.repeat_last_n <= 0) s->p.repeat_last_n = 64;
     s->n_vocab = n_vocab;
     s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
-    if (!s->cand) return TD_ENOMEM;
+    s->cand2 = malloc((size_t)n_vocab * sizeof *s->cand2);
+    if (!s->cand || !s->cand2) {
+        kn_sampler_fini(s);
+        return TD_ENOMEM;
+    }
     uint64_t x = p->seed;
     for (int i = 0; i < 4; i++)
         s->rng[i] = splitmix64(&x);
@@ -63,7 +67,8 @@ int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab)
 void kn_sampler_fini(kn_sampler *s)
 {
     free(s->cand);
-    s->cand = NULL;
+    free(s->cand2);
+    s->cand = s->cand2 = NULL;
 }
 
 static int by_logit_desc(const void *a, const void *b)
@@ -105,6 +110,50 @@ static void select_top(struct kn_cand *c, int32_t n, int32_t k)
         }
 }
 
+static bool more_likely(const struct kn_cand *a, const struct kn_cand *b)
+{
+    return a->p > b->p || (a->p == b->p && a->id < b->id);
+}
+
+/* Top-p without a full sort: a max-heap over c[0..k) by probability, popped into out in
+ * descending order until the popped mass reaches `mass`; the nucleus is copied back to
+ * c[0..returned). O(k + m log k) for a nucleus of m tokens. */
+static int32_t nucleus(struct kn_cand *c, int32_t k, struct kn_cand *out, double mass)
+{
+    for (int32_t i = k / 2 - 1; i >= 0; i--) {
+        for (int32_t j = i;;) { /* sift down (max-heap) */
+            int32_t l = 2 * j + 1, r = l + 1, b = j;
+            if (l < k && more_likely(&c[l], &c[b])) b = l;
+            if (r < k && more_likely(&c[r], &c[b])) b = r;
+            if (b == j) break;
+            struct kn_cand t = c[j];
+            c[j] = c[b];
+            c[b] = t;
+            j = b;
+        }
+    }
+    int32_t m = 0, left = k;
+    double acc = 0;
+    while (left > 0 && (m == 0 || acc < mass)) {
+        out[m] = c[0];
+        acc += c[0].p;
+        m++;
+        c[0] = c[--left];
+        for (int32_t j = 0;;) {
+            int32_t l = 2 * j + 1, r = l + 1, b = j;
+            if (l < left && more_likely(&c[l], &c[b])) b = l;
+            if (r < left && more_likely(&c[r], &c[b])) b = r;
+            if (b == j) break;
+            struct kn_cand t = c[j];
+            c[j] = c[b];
+            c[b] = t;
+            j = b;
+        }
+    }
+    memcpy(c, out, (size_t)m * sizeof *c);
+    return m;
+}
+
 int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist)
 {
     const kn_sampler_params *p = &s->p;
@@ -138,37 +187,45 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
             TD_LOG_ERR("logits contain nan");
             return TD_EINVAL;
         }
-    /* every later filter keeps a prefix of the list sorted by logit */
+    /* top-k: the k best, sorted by logit. Without top-k the list stays in id order and is
+     * never sorted whole (a 50k-entry sort costs more than a small model's decode step):
+     * top-p then extracts the nucleus with a heap, min-p is a threshold. */
     int32_t k = n;
+    bool sorted = false;
     if (p->top_k > 0 && p->top_k < n) {
         k = p->top_k;
         select_top(c, n, k);
         qsort(c, (size_t)k, sizeof *c, by_logit_desc);
-    } else {
-        qsort(c, (size_t)n, sizeof *c, by_logit_desc); /* 50k entries: ~ms, only without top-k */
+        sorted = true;
     }
     double maxl = c[0].logit, sum = 0;
+    for (int32_t i = 1; i < k; i++)
+        if (c[i].logit > maxl) maxl = c[i].logit;
     for (int32_t i = 0; i < k; i++) {
         c[i].p = (float)exp(((double)c[i].logit - maxl) / p->temperature);
         sum += c[i].p;
     }
     if (p->top_p > 0 && p->top_p < 1) {
-        double acc = 0;
-        int32_t keep = k;
-        for (int32_t i = 0; i < k; i++) {
-            acc += c[i].p / sum;
-            if (acc >= p->top_p) {
-                keep = i + 1;
-                break;
+        if (!sorted) {
+            k = nucleus(c, k, s->cand2, p->top_p * sum);
+        } else {
+            double acc = 0;
+            int32_t keep = k;
+            for (int32_t i = 0; i < k; i++) {
+                acc += c[i].p / sum;
+                if (acc >= p->top_p) {
+                    keep = i + 1;
+                    break;
+                }
             }
+            k = keep;
         }
-        k = keep;
     }
     if (p->min_p > 0) {
-        /* relative to the most likely token: p_i >= min_p * p_0 */
-        int32_t keep = 1;
-        while (keep < k && c[keep].p >= p->min_p * c[0].p)
-            keep++;
+        /* relative to the most likely token, whose p is 1 (it survives every filter) */
+        int32_t keep = 0;
+        for (int32_t i = 0; i < k; i++)
+            if (c[i].p >= p->min_p) c[keep++] = c[i];
         k = keep;
     }
     sum = 0;

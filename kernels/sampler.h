@@ -28,7 +28,8 @@ typedef struct {
     kn_sampler_params p;
     int32_t n_vocab;
     uint64_t rng[4];
-    struct kn_cand *cand; /* (n_vocab) scratch */
+    struct kn_cand *cand;  /* (n_vocab) scratch */
+    struct kn_cand *cand2; /* (n_vocab) scratch: the top-p nucleus */
 } kn_sampler;
 
 int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab);

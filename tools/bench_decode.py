@@ -8,7 +8,9 @@
      tp1 x 3 threads (same total threads; the default model has 3 KV heads, so tp2 is not
      possible; both oversubscribe a 2-core machine equally);
   3. colocated mode: time per output token of 4 running requests while a 2048-token
-     prompt is prefilled, against the same run without it (target: within 2x).
+     prompt is prefilled, against the same run without it (target: within 2x), for a
+     per-step token budget of 256 and of 32 (the budget trades TPOT against the long
+     prompt's time to first token).
 
 usage: tools/bench_decode.py [--build build] [--model PATH]
 """
@@ -95,22 +97,27 @@ for tp, threads in ((1, 3), (3, 1)):
     print(f"tp{tp} x {threads} threads, batch 4: {s['tok_per_s']:6.1f} tok/s, step {m.group(1)} ms, "
           f"allreduce {m.group(3)} us each, {m.group(4)}% of step time")
 
-for label, with_prefill in (("without", False), ("with", True)):
-    procs, url, d = start(1, 2, 9720 + with_prefill, step_tokens=256)
-    path = tempfile.mktemp()
-    with open(path, "w") as f:
-        for i in range(4):
-            f.write(f"256 0.8 {i} " + ",".join(str(rnd.randrange(1000, 40000)) for _ in range(16)) + "\n")
-    a = subprocess.Popen([TANDEM, "client", "--url", url, "--requests", path, "--stats", "--ignore-eos",
-                          "--timeout-ms", "600000"], stdout=subprocess.PIPE, text=True)
-    if with_prefill:
-        time.sleep(0.5)
-        long_ids = ",".join(str(rnd.randrange(1000, 40000)) for _ in range(2048))
-        subprocess.run([TANDEM, "client", "--url", url, "--prompt-ids", long_ids, "--max-tokens", "1",
-                        "--timeout-ms", "600000"], capture_output=True)
-    out = a.communicate()[0]
-    stop(procs, d)
-    line = [l for l in out.splitlines() if l.startswith("stats:")][0].split()[1:]
-    s = {line[i]: float(line[i + 1]) for i in range(0, len(line), 2)}
-    print(f"colocated, 4 running requests {label} a 2048-token prefill: tpot {s['tpot_ms']:.2f} ms, "
-          f"longest gap {s['max_gap_ms']:.0f} ms")
+for step_tokens in (256, 32):
+    for label, with_prefill in (("without", False), ("with", True)):
+        procs, url, d = start(1, 2, 9720 + with_prefill + 2 * (step_tokens == 32),
+                              step_tokens=step_tokens)
+        path = tempfile.mktemp()
+        with open(path, "w") as f:
+            for i in range(4):
+                f.write(f"256 0.8 {i} " + ",".join(str(rnd.randrange(1000, 40000)) for _ in range(16)) + "\n")
+        a = subprocess.Popen([TANDEM, "client", "--url", url, "--requests", path, "--stats",
+                              "--ignore-eos", "--timeout-ms", "600000"], stdout=subprocess.PIPE, text=True)
+        ttft = ""
+        if with_prefill:
+            time.sleep(0.5)
+            long_ids = ",".join(str(rnd.randrange(1000, 40000)) for _ in range(2048))
+            t0 = time.time()
+            subprocess.run([TANDEM, "client", "--url", url, "--prompt-ids", long_ids, "--max-tokens", "1",
+                            "--timeout-ms", "600000"], capture_output=True)
+            ttft = f", the 2048-token prompt's first token after {time.time() - t0:.2f} s"
+        out = a.communicate()[0]
+        stop(procs, d)
+        line = [l for l in out.splitlines() if l.startswith("stats:")][0].split()[1:]
+        s = {line[i]: float(line[i + 1]) for i in range(0, len(line), 2)}
+        print(f"colocated, step_tokens {step_tokens}, 4 running requests {label} a 2048-token "
+              f"prefill: tpot {s['tpot_ms']:.2f} ms, longest gap {s['max_gap_ms']:.0f} ms{ttft}")

@@ -89,6 +89,20 @@ static void test_filters(void)
     TH_CHECK(c[3] == 0 && c[4] == 0 && c[0] > 0 && c[5] > 0);
 }
 
+static void test_top_p_paths_agree(void)
+{
+    /* the heap nucleus (no top-k) and the sorted prefix (top-k) keep the same set */
+    float l[V] = {logf(0.1f), logf(0.4f), logf(0.05f), logf(0.3f), logf(0.1f), logf(0.05f)};
+    int a[V], b[V], n = 20000;
+    histogram((kn_sampler_params){.temperature = 1.0f, .top_p = 0.5f, .seed = 9}, l, n, a);
+    histogram((kn_sampler_params){.temperature = 1.0f, .top_p = 0.5f, .top_k = V - 1, .seed = 9}, l,
+              n, b);
+    for (int i = 0; i < V; i++)
+        TH_CHECKF((a[i] > 0) == (i == 1 || i == 3) && (b[i] > 0) == (i == 1 || i == 3),
+                  "token %d drawn %d / %d times", i, a[i], b[i]);
+    TH_CHECKF(fabs(a[1] / (double)n - 4.0 / 7) < 0.02, "p1 %g", a[1] / (double)n);
+}
+
 static void test_repetition_penalty(void)
 {
     kn_sampler s;
@@ -119,6 +133,7 @@ int main(void)
     TH_RUN(test_same_seed_same_tokens);
     TH_RUN(test_distribution);
     TH_RUN(test_filters);
+    TH_RUN(test_top_p_paths_agree);
     TH_RUN(test_repetition_penalty);
     TH_RUN(test_bad_input);
     TH_EXIT();
