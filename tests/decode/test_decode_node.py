@@ -211,9 +211,9 @@ def case_cancel_garbage_idle(args, model):
               f"garbage answered with an error and the node keeps serving: {r.stderr.strip()[:160]}")
         time.sleep(0.5)
         c0 = inst.cpu_seconds()
-        time.sleep(3)
+        time.sleep(10)  # the measure: CPU time of an idle instance over 10 s
         used = inst.cpu_seconds() - c0
-        check(used < 0.15, f"idle instance used {used:.3f} s of CPU in 3 s")
+        check(used < 0.5, f"idle instance used {used:.3f} s of CPU in 10 s (limit 5 % of a core)")
     finally:
         inst.stop()
 
