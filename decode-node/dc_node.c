@@ -20,6 +20,7 @@
 
 #define IDLE_WAIT_MS       200  /* leader's inbox wait while nothing runs (liveness checks) */
 #define DRAIN_MS           3000 /* after a failure: keep answering polls so errors get out */
+#define STOP_DRAIN_MS      500  /* after SIGTERM with requests in flight: the same, shorter */
 #define MAX_WAITING_FACTOR 4    /* queued requests beyond 4 x max_batch are refused (busy) */
 
 /* Where a scheduler request came from: events go back to (client, request id). */
@@ -47,6 +48,7 @@ typedef struct {
     uint64_t step;
     int64_t step_ns;     /* wall time of all steps */
     int64_t step_tokens; /* tokens of all steps */
+    bool stopping;       /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
     float *logits;       /* (max_batch, n_vocab) */
 } node;
 
@@ -188,9 +190,16 @@ static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids, dc_
     node *n = ctx;
     if (id >= n->n_routes || !n->routes[id].used) return;
     route *r = &n->routes[id];
-    if (finish == DC_FINISH_ERROR)
-        td_ctrl_server_send_error(n->srv, r->client_id, r->request_id, TD__ERROR_CODE__ERR_INTERNAL,
-                                  "request failed on decode instance %s", n->p->instance);
+    if (finish == DC_FINISH_ERROR) {
+        if (n->stopping)
+            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
+                                      TD__ERROR_CODE__ERR_SHUTDOWN,
+                                      "decode instance %s is shutting down", n->p->instance);
+        else
+            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
+                                      TD__ERROR_CODE__ERR_INTERNAL,
+                                      "request failed on decode instance %s", n->p->instance);
+    }
     /* TD_ENOENT: the client is gone; the request is finishing or will be cancelled */
     td_ctrl_server_send_tokens(n->srv, r->client_id, r->request_id, r->seq++, ids, (size_t)n_ids,
                                wire_finish(finish), (uint32_t)n_prompt, (uint32_t)n_gen);
@@ -449,6 +458,19 @@ static int leader_loop(node *n)
             td_ctrl_server_get_stats(n->srv, &ss);
         } while (now_ms() < until && ss.clients > 0);
         return rc;
+    }
+    if (!dc_sched_idle(n->sched)) {
+        /* stopped with work in flight: end every request with a clear error and give the
+         * events a moment to reach their clients (they long-poll, so ~ms) */
+        dc_sched_stats st = dc_sched_get_stats(n->sched);
+        TD_LOG_INFO("decode %s: stopping; %d running and %d waiting requests end with an error",
+                    n->p->instance, st.running, st.waiting);
+        n->stopping = true;
+        dc_sched_fail_all(n->sched);
+        publish_health(n, false);
+        int64_t until = now_ms() + STOP_DRAIN_MS;
+        while (now_ms() < until)
+            serve_inbox(n, 50);
     }
     dc_shm_plan_stop(n->shm);
     /* the figures the decode benchmark reads (BENCHMARKS.md) */
