@@ -68,21 +68,21 @@ static void blas_single_thread(void)
 
 /* y[j * ldy + r] = dot(row r of W, row j of x) for R rows of a block-quantized W starting
  * at w (row stride ws) and M rows of x (row stride ldx), nb blocks per row.
- * M == 1 keeps the quants unscaled and applies d once per block (3 vector ops per
- * block-vector pair); for Q4_1 the offsets contribute m * sum(x over the block), taken
- * from xs (nb) per x row. M > 1 scales the quants once (q * d [+ m]) and reuses them for
- * every row of x. */
+ * The quants stay unscaled and d is applied once per block and row of x; for Q4_1 the
+ * offsets contribute m * sum(x over the block), taken from xs ((M, nb), row stride nb). */
 KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nb,
                            const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
 {
     const size_t bs = kn_q_block_bytes(t), qo = kn_q_quant_offset(t);
     kn_vf acc[4][4];
-    float macc[4] = {0, 0, 0, 0};
+    float macc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int j = 0; j < M; j++)
+        for (int j = 0; j < M; j++) {
             acc[r][j] = kn_vzero();
+            macc[r][j] = 0.0f;
+        }
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * TD_QK;
 #pragma GCC unroll 4
@@ -93,31 +93,21 @@ KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws
 #endif
             kn_vf q[KN_NV];
             kn_q_load(t, blk + qo, q);
-            const float d = kn_h2f(blk);
-            if (M == 1) {
-                kn_vf p = kn_vmul(q[0], kn_vload(xb));
+            const kn_vf vd = kn_vset1(kn_h2f(blk));
+            /* Every row of x gets exactly the arithmetic of the m == 1 case (unscaled quants
+             * dotted with the row, then one multiply-add by d; Q4_1 offsets through the
+             * block sums), so a row's result does not depend on which other rows share the
+             * batch: decode outputs are the same whether a request runs alone or batched.
+             * The block is loaded once for all M rows either way. */
+#pragma GCC unroll 4
+            for (int j = 0; j < M; j++) {
+                const float *xj = xb + j * ldx;
+                kn_vf p = kn_vmul(q[0], kn_vload(xj));
 #pragma GCC unroll 32
                 for (int k = 1; k < KN_NV; k++)
-                    p = kn_vfma(q[k], kn_vload(xb + k * KN_VL), p);
-                acc[r][0] = kn_vfma(p, kn_vset1(d), acc[r][0]);
-                if (t == TD_Q4_1) macc[r] = kn_fmaf(kn_h2f(blk + 2), xs[b], macc[r]);
-            } else {
-                const kn_vf vd = kn_vset1(d);
-                if (t == TD_Q4_1) {
-                    const kn_vf vm = kn_vset1(kn_h2f(blk + 2));
-#pragma GCC unroll 32
-                    for (int k = 0; k < KN_NV; k++)
-                        q[k] = kn_vfma(q[k], vd, vm);
-                } else {
-#pragma GCC unroll 32
-                    for (int k = 0; k < KN_NV; k++)
-                        q[k] = kn_vmul(q[k], vd);
-                }
-#pragma GCC unroll 4
-                for (int j = 0; j < M; j++)
-#pragma GCC unroll 32
-                    for (int k = 0; k < KN_NV; k++)
-                        acc[r][j] = kn_vfma(q[k], kn_vload(xb + j * ldx + k * KN_VL), acc[r][j]);
+                    p = kn_vfma(q[k], kn_vload(xj + k * KN_VL), p);
+                acc[r][j] = kn_vfma(p, vd, acc[r][j]);
+                if (t == TD_Q4_1) macc[r][j] = kn_fmaf(kn_h2f(blk + 2), xs[j * nb + b], macc[r][j]);
             }
         }
     }
@@ -125,7 +115,7 @@ KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < M; j++)
-            y[j * ldy + r] = kn_vsum(acc[r][j]) + (M == 1 ? macc[r] : 0.0f);
+            y[j * ldy + r] = kn_vsum(acc[r][j]) + macc[r][j];
 }
 
 /* The same for a float-like W (F32, F16, BF16) of n columns (any n). */

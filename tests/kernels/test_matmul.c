@@ -386,6 +386,21 @@ static void test_matmul_all(void)
                                       td_dtype_name(t), (long long)n, (long long)k, (long long)m,
                                       th + 1);
                     }
+                    /* batch invariance on the dot path: each row of x alone (m = 1) gives
+                     * the same bits as inside the batch */
+                    if (m > 1 && m < 64) {
+                        float *yr = malloc((size_t)n * sizeof *yr);
+                        TH_REQUIRE(yr);
+                        for (int64_t j = 0; j < m; j++) {
+                            TH_CHECK(kn_cpu_matmul(cpus[1], &tm.w, x + j * k, 1, yr) == 0);
+                            TH_CHECKF(memcmp(yr, y1 + j * n, (size_t)n * sizeof *yr) == 0,
+                                      "%s %lldx%lld: row %lld of a batch of %lld differs from "
+                                      "the row alone",
+                                      td_dtype_name(t), (long long)n, (long long)k, (long long)j,
+                                      (long long)m);
+                        }
+                        free(yr);
+                    }
                     free(x);
                     free(y);
                     free(y1);
