@@ -556,9 +556,13 @@ static int target_decode(const void *buf, size_t len, pf_target *t, const uint8_
     *rkey = kvx_rd_bytes(&r, *rkey_len);
     t->n_blocks = kvx_rd_u32(&r);
     if (!r.ok || t->n_blocks == 0 || t->n_blocks > (n - r.off) / 4) return TD_EFORMAT;
+    /* fuzz_kvx found: an invalid layout (kvx_layout_bytes 0, e.g. more heads than the
+     * model has) with region_bytes 0 passed the size check, and puts computed from it
+     * went outside the decode region (tests/fuzz/regress/kvx-invalid-layout-target,
+     * kvx-heads-beyond-layout) */
     if (!t->tp || t->tp > KVX_MAX_RANKS || t->rank >= t->tp || !t->n_stages ||
-        t->n_stages > KVX_MAX_STAGES || kvx_layout_bytes(&t->layout) != t->region_bytes ||
-        t->base + t->region_bytes < t->base)
+        t->n_stages > KVX_MAX_STAGES || !kvx_layout_bytes(&t->layout) ||
+        kvx_layout_bytes(&t->layout) != t->region_bytes || t->base + t->region_bytes < t->base)
         return TD_EFORMAT;
     t->blocks = malloc(t->n_blocks * sizeof(uint32_t));
     if (!t->blocks) return TD_ENOMEM;

@@ -89,7 +89,21 @@ int rt_error_set(rt_error *e, int status, const char *param, const char *code, c
 
 char *rt_error_json(const rt_error *e)
 {
-    json_t *o = json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
+    /* fuzz_openai found: a message cut inside a UTF-8 sequence (jansson's error text quotes
+     * the input up to the bad byte; "%.200s" of a model name) is invalid UTF-8, json_pack
+     * refused it and the client got "internal error" instead of the 400's reason
+     * (tests/fuzz/regress/openai-error-json-utf8). Such a message goes out with its
+     * non-ASCII bytes as '?'. */
+    char msg[sizeof e->message];
+    memcpy(msg, e->message, sizeof msg);
+    msg[sizeof msg - 1] = 0;
+    json_t *m = json_string(msg);
+    if (!m) {
+        for (char *c = msg; *c; c++)
+            if ((unsigned char)*c >= 0x80) *c = '?';
+        m = json_string(msg);
+    }
+    json_t *o = json_pack("{s:{s:o, s:s, s:o, s:o}}", "error", "message", m, "type",
                           e->type ? e->type : type_for(e->status), "param",
                           e->param ? json_string(e->param) : json_null(), "code",
                           e->code ? json_string(e->code) : json_null());
@@ -409,6 +423,9 @@ static int parse_obj(const rt_router *r, rt_endpoint ep, json_t *o, rt_params *p
                             r->n_ctx, p->n_prompt);
     if (max_tokens < 0) {
         max_tokens = ep == RT_EP_COMPLETIONS ? 16 : rc_cfg->max_tokens;
+        /* fuzz_openai found: the completions default (16) ignored a smaller
+         * router.max_tokens cap (tests/fuzz/regress/openai-default-over-cap) */
+        if (max_tokens > rc_cfg->max_tokens) max_tokens = rc_cfg->max_tokens;
         if (max_tokens > room) max_tokens = room;
     } else if (max_tokens > room) {
         return rt_error_set(e, 400, "max_tokens", "context_length_exceeded",

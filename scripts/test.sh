@@ -3,10 +3,13 @@
 #
 #   build-asan/   -DTANDEM_SANITIZE=ON RelWithDebInfo build; ctest with a per-test timeout
 #   build-fuzz/   clang libFuzzer build of tests/fuzz/fuzz_gguf.c, seeded with the malformed
-#                 corpus (tests/ref/make_malformed.py), run for TANDEM_FUZZ_SECONDS
+#                 corpus (tests/ref/make_malformed.py), run for TANDEM_FUZZ_SECONDS; the
+#                 control-message, YAML config, kvxfer and router-request fuzzers; the
+#                 regression inputs in tests/fuzz/regress/
 #
 # Environment: TANDEM_JOBS (2), TANDEM_TEST_TIMEOUT (seconds per test, 1800),
-# TANDEM_FUZZ_SECONDS (60; 0 skips the fuzzer), plus setup.sh's TANDEM_VENV / TANDEM_MODELS.
+# TANDEM_FUZZ_SECONDS (60; 0 skips the fuzzers), TANDEM_FUZZ_SECONDS_EACH (20: the config,
+# kvx and openai fuzzers), plus setup.sh's TANDEM_VENV / TANDEM_MODELS.
 # Ends with "tandem: N passed, M failed" (ctest's tests, the fuzzer and any failed build
 # step each count as one) and exits non-zero if anything failed.
 set -euo pipefail
@@ -100,6 +103,78 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
     fi
   else
     step_failed "fuzz_ctrl: build or seed generation failed"
+  fi
+
+  # YAML config loader, kvxfer's handshake bytes (KV targets, active messages) and the
+  # router's request parser: TANDEM_FUZZ_SECONDS_EACH (20) each, then every crasher kept
+  # in tests/fuzz/regress/ (named config-*, kvx-* or openai-*) through its target
+  EACH=${TANDEM_FUZZ_SECONDS_EACH:-20}
+  FZ_CC=(clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined
+         -fno-sanitize-recover=undefined -Wall -Wextra -Werror -Wno-unused-parameter)
+  KVX_SRC=(kvxfer/kvx_conn.c kvxfer/kvx_conn_pf.c kvxfer/kvx_conn_dec.c kvxfer/kvx_lookup.c
+           kvxfer/kvx_pipe.c kvxfer/kvx_pipe_fake.c)
+  TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/chat_template.c
+           common/gguf.c common/td_dtype.c)
+  mkdir -p build-fuzz/config-corpus build-fuzz/config-seeds build-fuzz/kvx-corpus \
+           build-fuzz/openai-corpus build-fuzz/ctrl-gen
+  built=()
+  # two compilers at a time: fuzz_kvx in the background, the other two meanwhile
+  "${FZ_CC[@]}" -Icommon -Ikvxfer tests/fuzz/fuzz_kvx.c "${KVX_SRC[@]}" common/td_err.c \
+    -lpthread -lm -o build-fuzz/fuzz_kvx &
+  kvx_build=$!
+  if "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_config.c common/config.c common/td_err.c \
+       -lyaml -lpthread -lm -o build-fuzz/fuzz_config; then
+    built+=(config)
+  else
+    step_failed "fuzz_config: build failed"
+  fi
+  if protoc-c --c_out=build-fuzz/ctrl-gen -Iproto proto/tandem_ctrl.proto &&
+     "${FZ_CC[@]}" -Icommon -Irouter -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
+       router/rt_openai.c "${TOK_SRC[@]}" common/td_err.c -ljansson -lpthread -lm \
+       -o build-fuzz/fuzz_openai &&
+     "$PY" tests/ref/make_synth.py --out build-fuzz/tiny.gguf --arch llama --tiny >/dev/null; then
+    built+=(openai)
+    export TD_FUZZ_MODEL=$PWD/build-fuzz/tiny.gguf # the tokenizer and chat template
+  else
+    step_failed "fuzz_openai: build or model generation failed"
+  fi
+  if wait "$kvx_build"; then
+    built+=(kvx)
+  else
+    step_failed "fuzz_kvx: build failed"
+  fi
+  cp deploy/*.yaml tests/fuzz/seeds-config/* build-fuzz/config-seeds/
+  for t in "${built[@]}"; do
+    seeds=tests/fuzz/seeds-$t
+    [ "$t" = config ] && seeds=build-fuzz/config-seeds
+    echo "test.sh: fuzzing fuzz_$t for ${EACH}s" >&2
+    if build-fuzz/fuzz_$t -max_total_time="$EACH" -timeout=10 -rss_limit_mb=2048 \
+         -artifact_prefix=build-fuzz/artifacts/ -print_final_stats=1 \
+         build-fuzz/$t-corpus "$seeds" >build-fuzz/fuzz_$t.log 2>&1; then
+      grep -E "Done [0-9]+ runs" build-fuzz/fuzz_$t.log >&2 || true
+      echo "fuzz_$t: passed" >&2
+      passed=$((passed + 1))
+    else
+      tail -n 60 build-fuzz/fuzz_$t.log >&2
+      step_failed "fuzz_$t: crash or error (see build-fuzz/fuzz_$t.log and build-fuzz/artifacts/)"
+    fi
+  done
+  # regression inputs: each must run clean through the (fixed) code it once crashed
+  reg_bad=()
+  for f in tests/fuzz/regress/*; do
+    [ -f "$f" ] || continue
+    t=$(basename "$f" | cut -d- -f1)
+    if [ ! -x "build-fuzz/fuzz_$t" ] ||
+       ! "build-fuzz/fuzz_$t" "$f" >build-fuzz/regress.log 2>&1; then
+      tail -n 30 build-fuzz/regress.log >&2
+      reg_bad+=("$(basename "$f")")
+    fi
+  done
+  if [ "${#reg_bad[@]}" -eq 0 ]; then
+    echo "fuzz_regress: passed" >&2
+    passed=$((passed + 1))
+  else
+    step_failed "fuzz_regress: ${reg_bad[*]} (tests/fuzz/regress/)"
   fi
 fi
 

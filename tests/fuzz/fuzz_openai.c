@@ -1,0 +1,127 @@
+/* fuzz_openai.c: libFuzzer target for the router's request parser/validator
+ * (rt_openai_parse in router/rt_openai.c: JSON -> validated rt_params).
+ *
+ * Input: one selector byte, then the request body. The selector picks the endpoint
+ * (completions / chat), the chat template (the model's, chatml, llama3, llama2) and the
+ * limits (model context, router.max_prompt_tokens, router.max_tokens), so the limit checks
+ * run at their edges too. Each input builds its own rt_router on the stack; only the
+ * tokenizer and the model's chat template are shared, read-only, as in the real router
+ * (rt.h: "The tokenizer and the config are read-only after start"). The tokenizer comes
+ * from the GGUF named by $TD_FUZZ_MODEL (scripts/test.sh makes a tiny synthetic one with
+ * tests/ref/make_synth.py --tiny).
+ *
+ * Oracle: never crash, leak or read out of bounds; a rejection is a 4xx with a message and
+ * leaves the parameters empty, and its error JSON renders; an acceptance keeps every limit:
+ * 1 <= prompt tokens <= max_prompt_tokens, every id in [0, n_vocab), 1 <= max_tokens <=
+ * router.max_tokens, prompt + max_tokens <= the context, sampling values in their ranges,
+ * at most RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES. A 500 is only
+ * acceptable for "out of memory".
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+static td_tokenizer *g_tok;
+static const char *g_tmpl;
+static size_t g_tmpl_len;
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    td_log_set_level(TD_LOG_ERROR);
+    json_object_seed(1); /* the same hash order on every run: reproducible inputs */
+    const char *path = getenv("TD_FUZZ_MODEL");
+    if (!path || !*path) {
+        fprintf(stderr, "fuzz_openai: set TD_FUZZ_MODEL to a GGUF with a tokenizer\n");
+        exit(2);
+    }
+    static td_gguf *g; /* kept open: the chat template points into it */
+    char err[256] = "";
+    if (td_gguf_open(path, &g, err, sizeof err) || td_tok_create(g, &g_tok) ||
+        td_gguf_get_str(g, "tokenizer.chat_template", &g_tmpl, &g_tmpl_len)) {
+        fprintf(stderr, "fuzz_openai: cannot load %s: %s\n", path, err);
+        exit(2);
+    }
+    return 0;
+}
+
+static void check_ok(const rt_router *r, rt_endpoint ep, const rt_params *p)
+{
+    const td_cfg_router *rc = &r->cfg->router;
+    int32_t nv = td_tok_n_vocab(r->tok);
+    if (p->ep != ep || !p->prompt || p->n_prompt < 1 || p->n_prompt > (size_t)rc->max_prompt_tokens)
+        abort();
+    for (size_t i = 0; i < p->n_prompt; i++)
+        if (p->prompt[i] < 0 || p->prompt[i] >= nv) abort();
+    if (p->max_tokens < 1 || p->max_tokens > rc->max_tokens) abort();
+    if ((long long)p->n_prompt + p->max_tokens > r->n_ctx) abort();
+    if (!(p->temperature >= 0 && p->temperature <= 2) || !(p->top_p >= 0 && p->top_p <= 1) ||
+        !(p->min_p >= 0 && p->min_p <= 1) || !(p->repeat_penalty > 0 && p->repeat_penalty <= 10) ||
+        p->top_k < 0)
+        abort();
+    if (p->n_stop < 0 || p->n_stop > RT_MAX_STOP) abort();
+    for (int i = 0; i < p->n_stop; i++)
+        if (!p->stop[i] || p->stop_len[i] < 1 || p->stop_len[i] > RT_MAX_STOP_BYTES ||
+            p->stop[i][p->stop_len[i]])
+            abort();
+    if (p->include_usage && !p->stream) abort();
+}
+
+static void check_err(rt_endpoint ep, const rt_params *p, const rt_error *e, int rc)
+{
+    if (rc != e->status || !e->message[0] || !e->type) abort();
+    if (rc == 500 && !strstr(e->message, "out of memory")) abort(); /* client input: 4xx */
+    if (rc < 400 || rc > 499) {
+        if (rc != 500) abort();
+    }
+    if (p->ep != ep || p->prompt || p->n_prompt || p->n_stop) abort(); /* nothing left */
+    char *j = rt_error_json(e);
+    if (!j) abort();
+    free(j);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1) return 0;
+    uint8_t sel = data[0];
+    static const char *const builtin[] = {"<|im_start|>", "<|start_header_id|><|end_header_id|>",
+                                          "[INST] <<SYS>>"};
+    static const int32_t ctx[] = {4, 64, 2048, 8192};
+    static const int prompt_max[] = {2, 48, 8192, 1};
+    static const int tok_max[] = {1, 8, 4096, 3};
+
+    td_cfg cfg = {0};
+    cfg.router.max_prompt_tokens = prompt_max[(sel >> 5) & 3];
+    cfg.router.max_tokens = tok_max[(sel >> 3) & 3];
+    rt_router r = {0};
+    r.cfg = &cfg;
+    r.tok = g_tok;
+    unsigned t = (sel >> 1) & 3;
+    r.tmpl = t == 0 ? g_tmpl : builtin[t - 1];
+    r.tmpl_len = t == 0 ? g_tmpl_len : strlen(r.tmpl);
+    r.n_ctx = ctx[(sel >> 7) | (((sel >> 3) & 1) << 1)];
+    snprintf(r.model_name, sizeof r.model_name, "tiny");
+
+    rt_endpoint ep = (sel & 1) ? RT_EP_CHAT : RT_EP_COMPLETIONS;
+    /* an exact-size heap copy: ASan sees any read past the body */
+    size_t len = size - 1;
+    char *body = malloc(len ? len : 1);
+    if (!body) return 0;
+    memcpy(body, data + 1, len);
+    rt_params p;
+    rt_error e;
+    memset(&e, 0, sizeof e);
+    int rc = rt_openai_parse(&r, ep, body, len, &p, &e);
+    if (rc == 0)
+        check_ok(&r, ep, &p);
+    else
+        check_err(ep, &p, &e, rc);
+    rt_params_fini(&p);
+    free(body);
+    return 0;
+}
