@@ -445,6 +445,15 @@ static int leader_loop(node *n)
         rc = 0;
         if (dc_sched_idle(n->sched)) publish_health(n, true); /* the load just dropped to 0 */
     }
+    bool broken = false;
+    if (rc && *n->p->stop) {
+        /* `tandem down` signals every rank at once: a follower that stopped first is part
+         * of the shutdown, not a failure */
+        TD_LOG_INFO("decode %s: stopping (another rank stopped first: %s)", n->p->instance,
+                    td_strerror(rc));
+        rc = 0;
+        broken = true;
+    }
     if (rc) {
         TD_LOG_ERR("decode %s: stopping after a failure (%s); failing every request",
                    n->p->instance, td_strerror(rc));
@@ -472,7 +481,7 @@ static int leader_loop(node *n)
         while (now_ms() < until)
             serve_inbox(n, 50);
     }
-    dc_shm_plan_stop(n->shm);
+    if (!broken) dc_shm_plan_stop(n->shm);
     /* the figures the decode benchmark reads (BENCHMARKS.md) */
     dc_shm_stats ss;
     dc_shm_get_stats(n->shm, &ss);

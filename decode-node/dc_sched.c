@@ -406,6 +406,8 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
             continue;
         }
         if (is_stop(s, r, id)) {
+            /* the stop token is generated work (usage counts it) but is not sent */
+            r->n_generated++;
             finish(s, &s->running, i, DC_FINISH_STOP);
             continue;
         }

@@ -374,6 +374,9 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
     case TD__FINISH_REASON__FINISH_NONE:
         return;
     case TD__FINISH_REASON__FINISH_STOP:
+        /* the instance does not send the end-of-generation token but counts it */
+        if (t->usage && (int64_t)t->usage->completion_tokens > q->n_gen)
+            q->n_gen = (int)t->usage->completion_tokens;
         finish(r, q, RT_FIN_STOP);
         return;
     case TD__FINISH_REASON__FINISH_LENGTH:
