@@ -59,7 +59,7 @@ typedef struct {
     int64_t kv_blocks; /* 4096 unless kv_memory is given */
     int64_t kv_memory; /* bytes per rank ("1GiB"), 0 unless given */
     int max_batch;     /* 64: running requests */
-    int step_tokens;   /* 512: token budget per step (colocated prefill chunks) */
+    int step_tokens;   /* 512: prefill tokens per step (colocated), besides the decodes */
     char *kv_dtype;    /* "f16" | "f32" */
     int port;          /* control port of rank 0; default 9000 + index */
 } td_cfg_decode;

@@ -98,7 +98,9 @@ static int setup(node *n)
 
     int32_t max_ctx = n->model->hp.n_ctx_train;
     int bpseq = (max_ctx + n->dcfg->block_size - 1) / n->dcfg->block_size;
-    size_t max_plan = 64 + (size_t)n->dcfg->step_tokens * 12 +
+    /* a step holds the prefill budget plus one token per running request */
+    int64_t max_step = (int64_t)n->dcfg->step_tokens + n->dcfg->max_batch;
+    size_t max_plan = 64 + (size_t)max_step * 12 +
                       (size_t)n->dcfg->max_batch * (4 + (size_t)bpseq * 4);
     char token[32];
     snprintf(token, sizeof token, "p%d", n->dcfg->port);
@@ -107,7 +109,7 @@ static int setup(node *n)
         .token = token,
         .rank = p->rank,
         .tp = n->dcfg->tp,
-        .max_floats = (int64_t)n->dcfg->step_tokens * n->model->hp.n_embd,
+        .max_floats = max_step * n->model->hp.n_embd,
         .max_plan = max_plan,
         .timeout_ms = p->cfg->kvxfer.timeout_ms,
         .interrupt = p->stop,

@@ -96,11 +96,11 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     if (s->p.max_running <= 0) s->p.max_running = 64;
     if (s->p.step_tokens <= 0) s->p.step_tokens = 256;
     if (s->p.max_ctx <= 0) s->p.max_ctx = m->hp.n_ctx_train;
-    if (s->p.step_tokens < s->p.max_running) s->p.step_tokens = s->p.max_running;
+
     s->m = m;
     s->kv = kv;
     s->sink = sink;
-    s->cap_tokens = s->p.step_tokens;
+    s->cap_tokens = s->p.step_tokens + s->p.max_running; /* prefill budget + one per decode */
     s->cap_seqs = s->p.max_running;
     s->eog = malloc((size_t)(p->n_eog ? p->n_eog : 1) * sizeof *s->eog);
     s->tok = malloc((size_t)s->cap_tokens * sizeof *s->tok);
@@ -297,8 +297,9 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         s->running.v[i]->chunk = 0;
         s->running.v[i]->logit_row = -1;
     }
-    /* 1. decoding requests: one token each, oldest first */
-    for (int i = 0; i < s->running.n && budget > 0; i++) {
+    /* 1. decoding requests: one token each, oldest first, always (the budget below is
+     * for prefill tokens only, so a small budget never starves running decodes) */
+    for (int i = 0; i < s->running.n; i++) {
         dc_req *r = s->running.v[i];
         if (r->n_tokens - r->n_computed != 1 || r->chunk) continue;
         if (!reserve_or_preempt(s, r, 1)) {
@@ -306,7 +307,6 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
             continue;
         }
         r->chunk = 1;
-        budget--;
     }
     /* 2. prefill chunks of admitted requests, in admission order */
     for (int i = 0; i < s->running.n && budget > 0; i++) {

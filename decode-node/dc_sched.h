@@ -2,8 +2,8 @@
  *
  * Purpose: decide, step by step, which tokens go through the model: one token for every
  * running request that is decoding, plus prefill chunks (colocated mode: the instance
- * prefills its own prompts) under a per-step token budget, so long prompts never stall
- * running decodes. It owns the KV block allocation of rank 0's pool; the other ranks use
+ * prefills its own prompts) under a per-step prefill token budget, so long prompts never
+ * stall running decodes. It owns the KV block allocation of rank 0's pool; the other ranks use
  * the same block ids (their pools have the same number of blocks).
  *
  * A request's life:
@@ -65,7 +65,8 @@ typedef struct {
 
 typedef struct {
     int max_running;        /* requests in the running batch; 0: 64 */
-    int step_tokens;        /* tokens per step (decode + prefill chunks); 0: 256 */
+    int step_tokens;        /* prefill tokens per step, on top of one token per decoding
+                               request; 0: 256 */
     int32_t max_ctx;        /* per-request context limit (prompt + generated); 0: model's */
     const int32_t *eog_ids; /* tokens that end generation unless ignore_eos */
     int n_eog;

@@ -97,9 +97,9 @@ for tp, threads in ((1, 3), (3, 1)):
     print(f"tp{tp} x {threads} threads, batch 4: {s['tok_per_s']:6.1f} tok/s, step {m.group(1)} ms, "
           f"allreduce {m.group(3)} us each, {m.group(4)}% of step time")
 
-for step_tokens in (256, 32):
+for step_tokens in (256, 16):
     for label, with_prefill in (("without", False), ("with", True)):
-        procs, url, d = start(1, 2, 9720 + with_prefill + 2 * (step_tokens == 32),
+        procs, url, d = start(1, 2, 9720 + with_prefill + 2 * (step_tokens == 16),
                               step_tokens=step_tokens)
         path = tempfile.mktemp()
         with open(path, "w") as f:
