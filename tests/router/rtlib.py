@@ -29,6 +29,16 @@ atexit.register(_kill_all)
 signal.signal(signal.SIGTERM, lambda *a: (_kill_all(), os._exit(1)))
 
 
+FAILS = []  # what failed, for the test's exit status
+
+
+def check(cond, what):
+    """Record one check: print it, remember a failure, go on."""
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+
+
 def free_port():
     while True:
         port = random.randint(20000, 60000)

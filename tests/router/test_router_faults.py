@@ -22,15 +22,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rtlib import Cluster, post  # noqa: E402
+from rtlib import FAILS, check, Cluster, post  # noqa: E402
 
-FAILS = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
 
 
 LONG = {"prompt": "Hello world", "max_tokens": 480, "temperature": 0, "ignore_eos": True}

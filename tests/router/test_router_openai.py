@@ -13,15 +13,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import openai  # noqa: E402
-from rtlib import Cluster, generate_text  # noqa: E402
+from rtlib import FAILS, check, Cluster, generate_text  # noqa: E402
 
-FAILS = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
 
 
 def gen(args, model, prompt, n, chat=False):
