@@ -383,8 +383,25 @@ static const field prefill_fields[] = {
     FLD(td_cfg_prefill, "threads", F_INT, threads, 1, 1024),
     LST(td_cfg_prefill, "hosts", F_STRS, hosts, n_hosts, 0, 0),
     FLD(td_cfg_prefill, "port", F_INT, port, 1, 65535),
+    FLD(td_cfg_prefill, "kv_tokens", F_INT, kv_tokens, 64, 1 << 26),
+    FLD(td_cfg_prefill, "max_queue", F_INT, max_queue, 1, 1 << 20),
+    FLD(td_cfg_prefill, "profile_budget_ms", F_INT, profile_budget_ms, 0, 3600000),
 };
-enum { P_NAME, P_PP, P_PART, P_CHUNK, P_DYN, P_SMOOTH, P_THREADS, P_HOSTS, P_PORT, P_N };
+enum {
+    P_NAME,
+    P_PP,
+    P_PART,
+    P_CHUNK,
+    P_DYN,
+    P_SMOOTH,
+    P_THREADS,
+    P_HOSTS,
+    P_PORT,
+    P_KVTOK,
+    P_QUEUE,
+    P_PROFILE,
+    P_N
+};
 
 static const field decode_fields[] = {
     FLD(td_cfg_decode, "name", F_STR, name, 0, 0),
@@ -501,6 +518,9 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     x->smooth_factor = 0.75;
     x->threads = 1;
     x->port = 9100 + idx;
+    x->kv_tokens = 32768;
+    x->max_queue = 64;
+    x->profile_budget_ms = 20000;
     if (n->type != YAML_MAPPING_NODE)
         return fail(p, n, "prefill[%d]: expected a mapping, got %s", idx, kind_name(n));
     char what[64];
@@ -654,6 +674,16 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
     }
     if (!p->rc) check_instances(p, refs, (int)(np + nd));
     free(refs);
+    /* prefill stages write straight into decode blocks: one block size and KV type for
+     * every decode instance (the prefill stages use the same) */
+    for (int i = 1; np && !p->rc && i < c->n_decode; i++)
+        if (c->decode[i].block_size != c->decode[0].block_size ||
+            strcmp(c->decode[i].kv_dtype, c->decode[0].kv_dtype))
+            fail(p, node_at(p, seen[T_DECODE]->data.sequence.items.start[i]),
+                 "decode instance '%s' has block_size %d / kv_dtype %s but '%s' has %d / %s: "
+                 "with prefill instances every decode instance needs the same",
+                 c->decode[i].name, c->decode[i].block_size, c->decode[i].kv_dtype,
+                 c->decode[0].name, c->decode[0].block_size, c->decode[0].kv_dtype);
     return p->rc;
 }
 

@@ -48,6 +48,9 @@ typedef struct {
     char **hosts;          /* (pp) host of each stage; default 127.0.0.1 */
     int n_hosts;
     int port; /* control port of stage 0; default 9100 + index */
+    int kv_tokens;         /* 32768: KV capacity of each stage (prompt tokens in flight) */
+    int max_queue;         /* 64: prefill requests waiting at stage 0 before ERR_BUSY */
+    int profile_budget_ms; /* 20000: bound on stage 0's start-up profile (0: no profile) */
 } td_cfg_prefill;
 
 typedef struct {

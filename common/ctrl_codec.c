@@ -103,6 +103,22 @@ static int check_blob(vctx *v, const char *what, const ProtobufCBinaryData *b)
     return 0;
 }
 
+/* A list of per-rank kvxfer targets (at most MAX_STAGES of them, each a bounded blob). */
+static int check_blobs(vctx *v, const char *what, const ProtobufCBinaryData *b, size_t n)
+{
+    if (n > MAX_STAGES) return bad(v, TD_ERANGE, "%s: %zu entries, limit %u", what, n, MAX_STAGES);
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        int rc = check_blob(v, what, &b[i]);
+        if (rc) return rc;
+        total += b[i].len;
+    }
+    if (total > TD_CTRL_MAX_BLOB)
+        return bad(v, TD_ERANGE, "%s: %zu bytes in all, more than the limit of %u", what, total,
+                   TD_CTRL_MAX_BLOB);
+    return 0;
+}
+
 static int check_sampling(vctx *v, const Td__Sampling *s)
 {
     if (!s) return 0;
@@ -186,13 +202,26 @@ static int check_body(vctx *v, const Td__Envelope *e)
         if ((rc = check_tokens(v, "prefill.token_ids", e->prefill->token_ids,
                                e->prefill->n_token_ids, v->o->max_tokens)) ||
             (rc = check_sampling(v, e->prefill->sampling)) ||
-            (rc = check_blob(v, "prefill.kv_target", &e->prefill->kv_target)))
+            (rc = check_blobs(v, "prefill.kv_targets", e->prefill->kv_targets,
+                              e->prefill->n_kv_targets)))
             return rc;
+        if (e->prefill->n_decode_ranks > MAX_STAGES)
+            return bad(v, TD_ERANGE, "prefill: %u decode ranks", e->prefill->n_decode_ranks);
         return check_str(v, "prefill.decode_instance", e->prefill->decode_instance,
                          MAX_INSTANCE_NAME);
     case TD__ENVELOPE__BODY_KV_TARGET:
         if (!e->kv_target->request_id) return bad(v, TD_EINVAL, "kv_target: request_id 0");
-        return check_blob(v, "kv_target.kv_target", &e->kv_target->kv_target);
+        if (!e->kv_target->n_kv_targets) return bad(v, TD_EINVAL, "kv_target: no targets");
+        return check_blobs(v, "kv_target.kv_targets", e->kv_target->kv_targets,
+                           e->kv_target->n_kv_targets);
+    case TD__ENVELOPE__BODY_STAGE_HELLO: {
+        const Td__StageHello *h = e->stage_hello;
+        if (!h->pp || h->pp > MAX_STAGES || h->stage >= h->pp)
+            return bad(v, TD_EINVAL, "stage_hello: stage %u of pp %u", h->stage, h->pp);
+        if (!h->pipe_address.len) return bad(v, TD_EINVAL, "stage_hello: no pipe address");
+        if ((rc = check_blob(v, "stage_hello.pipe_address", &h->pipe_address))) return rc;
+        return check_str(v, "stage_hello.instance", h->instance, MAX_INSTANCE_NAME);
+    }
     case TD__ENVELOPE__BODY_ACK:
         return 0;
     case TD__ENVELOPE__BODY_ERROR:
@@ -215,7 +244,14 @@ static int check_body(vctx *v, const Td__Envelope *e)
         return ev->health ? check_health(v, ev->health) : 0;
     }
     case TD__ENVELOPE__BODY_ALLOC_REPLY:
-        return check_blob(v, "alloc_reply.kv_target", &e->alloc_reply->kv_target);
+        return check_blobs(v, "alloc_reply.kv_targets", e->alloc_reply->kv_targets,
+                           e->alloc_reply->n_kv_targets);
+    case TD__ENVELOPE__BODY_STAGE_TABLE:
+        if (e->stage_table->n_boot_ids != e->stage_table->n_pipe_addresses)
+            return bad(v, TD_EINVAL, "stage_table: %zu addresses, %zu boot ids",
+                       e->stage_table->n_pipe_addresses, e->stage_table->n_boot_ids);
+        return check_blobs(v, "stage_table.pipe_addresses", e->stage_table->pipe_addresses,
+                           e->stage_table->n_pipe_addresses);
     default:
         return bad(v, TD_EINVAL, "envelope without a body (or an unknown one)");
     }

@@ -319,7 +319,7 @@ static bool is_request(Td__Envelope__BodyCase b)
 {
     return b == TD__ENVELOPE__BODY_SUBMIT || b == TD__ENVELOPE__BODY_CANCEL ||
            b == TD__ENVELOPE__BODY_ALLOC || b == TD__ENVELOPE__BODY_PREFILL ||
-           b == TD__ENVELOPE__BODY_KV_TARGET;
+           b == TD__ENVELOPE__BODY_KV_TARGET || b == TD__ENVELOPE__BODY_STAGE_HELLO;
 }
 
 /* Handle one received message. Returns true when in was filled for the owner. */

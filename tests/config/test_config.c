@@ -67,6 +67,11 @@ static const bad_case bad_cases[] = {
     {"decode_tp_zero", MIN "    tp: 0\n", 4, 9, "0 is out of range [1, 64]"},
     {"decode_tp_float", MIN "    tp: 1.5\n", 4, 9, "expected an integer, got '1.5'"},
     {"decode_tp_list", MIN "    tp: [1]\n", 4, 9, "expected an integer, got a list"},
+    {"pd_block_mismatch",
+     "model: /m\nprefill:\n  - name: p0\ndecode:\n  - name: d0\n  - name: d1\n    block_size: 32\n",
+     6, 5, "with prefill instances every decode instance needs the same"},
+    {"prefill_kv_tokens", "model: /m\nprefill:\n  - name: p0\n    kv_tokens: 10\ndecode:\n  - name: d0\n",
+     4, 16, "10 is out of range"},
     {"decode_block", MIN "    block_size: 24\n", 4, 17, "block_size 24 is not a power of two"},
     {"decode_both_kv", MIN "    kv_blocks: 10\n    kv_memory: 1GiB\n", 5, 5,
      "give kv_blocks or kv_memory, not both"},
@@ -149,6 +154,9 @@ static void test_good_file(void)
                        "    smooth_factor: 0.6\n"
                        "    threads: 2\n"
                        "    hosts: [10.0.0.1, 10.0.0.2]\n"
+                       "    kv_tokens: 4096\n"
+                       "    max_queue: 8\n"
+                       "    profile_budget_ms: 0\n"
                        "  - name: p1\n"
                        "decode:\n"
                        "  - name: d0\n"
@@ -162,6 +170,8 @@ static void test_good_file(void)
                        "    kv_dtype: f32\n"
                        "    port: 7000\n"
                        "  - name: d1\n"
+                       "    block_size: 32\n"
+                       "    kv_dtype: f32\n"
                        "kvxfer:\n"
                        "  ucx_tls: tcp\n"
                        "  timeout_ms: 5000\n";
@@ -186,12 +196,14 @@ static void test_good_file(void)
     TH_CHECK(p->pp == 2 && p->n_layer_partition == 2 && p->layer_partition[0] == 14 &&
              p->layer_partition[1] == 16 && p->chunk_size == 256 && !p->dynamic_chunking &&
              p->smooth_factor == 0.6 && p->threads == 2 && p->n_hosts == 2 &&
-             !strcmp(p->hosts[1], "10.0.0.2") && p->port == 9100);
+             !strcmp(p->hosts[1], "10.0.0.2") && p->port == 9100 && p->kv_tokens == 4096 &&
+             p->max_queue == 8 && p->profile_budget_ms == 0);
     p = td_cfg_find_prefill(c, "p1"); /* all defaults */
     TH_REQUIRE(p);
     TH_CHECK(p->pp == 1 && !p->layer_partition && p->chunk_size == 512 && p->dynamic_chunking &&
              p->smooth_factor == 0.75 && p->threads == 1 && p->n_hosts == 1 &&
-             !strcmp(p->hosts[0], "127.0.0.1") && p->port == 9101);
+             !strcmp(p->hosts[0], "127.0.0.1") && p->port == 9101 && p->kv_tokens == 32768 &&
+             p->max_queue == 64 && p->profile_budget_ms == 20000);
     const td_cfg_decode *d = td_cfg_find_decode(c, "d0");
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 && d->block_size == 32 &&
@@ -200,8 +212,8 @@ static void test_good_file(void)
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
-             d->block_size == 16 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
-             d->max_batch == 64 && d->step_tokens == 512 && !strcmp(d->kv_dtype, "f16") &&
+             d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
+             d->max_batch == 64 && d->step_tokens == 512 && !strcmp(d->kv_dtype, "f32") &&
              d->port == 9001);
     TH_CHECK(!td_cfg_find_decode(c, "p0") && !td_cfg_find_prefill(c, "d0") &&
              !td_cfg_find_decode(c, "nope"));

@@ -128,25 +128,52 @@ static void test_roundtrip_requests(void)
     pf.n_token_ids = 3;
     pf.token_ids = prompt;
     pf.sampling = &sp;
-    pf.kv_target.data = blob;
-    pf.kv_target.len = 4;
+    ProtobufCBinaryData blobs[2] = {{4, blob}, {2, blob}};
+    pf.n_kv_targets = 2;
+    pf.kv_targets = blobs;
+    pf.n_decode_ranks = 2;
     pf.decode_instance = "d0";
     e.body_case = TD__ENVELOPE__BODY_PREFILL;
     e.prefill = &pf;
     d = roundtrip(&e);
     TH_CHECK(d && d->prefill->request_id == 43 && d->prefill->n_token_ids == 3 &&
-             d->prefill->kv_target.len == 4 && d->prefill->kv_target.data[3] == 255 &&
+             d->prefill->n_kv_targets == 2 && d->prefill->kv_targets[0].len == 4 &&
+             d->prefill->kv_targets[0].data[3] == 255 && d->prefill->kv_targets[1].len == 2 &&
              !strcmp(d->prefill->decode_instance, "d0") && d->prefill->sampling->top_k == 40);
     td_ctrl_envelope_free(d);
 
     Td__KvTarget kt = TD__KV_TARGET__INIT;
     kt.request_id = 43;
-    kt.kv_target.data = blob;
-    kt.kv_target.len = 4;
+    kt.n_kv_targets = 1;
+    kt.kv_targets = blobs;
     e.body_case = TD__ENVELOPE__BODY_KV_TARGET;
     e.kv_target = &kt;
     d = roundtrip(&e);
-    TH_CHECK(d && d->kv_target->request_id == 43 && d->kv_target->kv_target.len == 4);
+    TH_CHECK(d && d->kv_target->request_id == 43 && d->kv_target->n_kv_targets == 1 &&
+             d->kv_target->kv_targets[0].len == 4);
+    td_ctrl_envelope_free(d);
+    kt.n_kv_targets = 0; /* a KvTarget without targets is invalid */
+    {
+        uint8_t *buf;
+        size_t len;
+        TH_CHECK(td_ctrl_encode(&e, NULL, &buf, &len) == 0);
+        Td__Envelope *bad = NULL;
+        TH_CHECK(td_ctrl_decode(buf, len, NULL, &bad, NULL, 0) == TD_EINVAL && !bad);
+        free(buf);
+    }
+
+    Td__StageHello sh = TD__STAGE_HELLO__INIT;
+    sh.instance = "p0";
+    sh.stage = 1;
+    sh.pp = 2;
+    sh.pipe_address = blobs[0];
+    sh.pid = 1234;
+    sh.boot_id = 99;
+    e.body_case = TD__ENVELOPE__BODY_STAGE_HELLO;
+    e.stage_hello = &sh;
+    d = roundtrip(&e);
+    TH_CHECK(d && d->stage_hello->stage == 1 && d->stage_hello->pp == 2 &&
+             d->stage_hello->pipe_address.len == 4 && d->stage_hello->boot_id == 99);
     td_ctrl_envelope_free(d);
 }
 
@@ -200,13 +227,15 @@ static void test_roundtrip_replies(void)
         blob[i] = (uint8_t)i;
     Td__AllocReply ar = TD__ALLOC_REPLY__INIT;
     ar.request_id = 9;
-    ar.kv_target.data = blob;
-    ar.kv_target.len = sizeof blob;
+    ProtobufCBinaryData targets[3] = {{sizeof blob, blob}, {10, blob}, {1, blob + 299}};
+    ar.n_kv_targets = 3;
+    ar.kv_targets = targets;
     e.body_case = TD__ENVELOPE__BODY_ALLOC_REPLY;
     e.alloc_reply = &ar;
     d = roundtrip(&e);
-    TH_CHECK(d && d->alloc_reply->kv_target.len == 300 &&
-             !memcmp(d->alloc_reply->kv_target.data, blob, 300));
+    TH_CHECK(d && d->alloc_reply->n_kv_targets == 3 && d->alloc_reply->kv_targets[0].len == 300 &&
+             !memcmp(d->alloc_reply->kv_targets[0].data, blob, 300) &&
+             d->alloc_reply->kv_targets[2].len == 1 && d->alloc_reply->kv_targets[2].data[0] == 43);
     td_ctrl_envelope_free(d);
 
     /* Events: token, error, prefill_done, with health */
