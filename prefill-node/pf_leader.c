@@ -1,0 +1,714 @@
+/* pf_leader.c: stage 0 of a prefill instance: the control socket (Prefill, KvTarget,
+ * Cancel from the router; StageHello from the other stages), the request queue, the chunk
+ * planner (dynamic chunking over the start-up profile), the membership of the stage chain
+ * and the completion events (PrefillDone / ErrorEvent) once every stage reported. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pf_int.h"
+#include "td_err.h"
+
+#define HEALTH_MS          100
+#define MEMBER_SILENCE_MS  5000 /* a joined stage that stops saying hello is gone */
+#define REPORT_GRACE_MS    5000 /* on top of the transfer deadline */
+#define STOP_DRAIN_MS      500
+
+/* ---- jobs ---- */
+
+static void job_free(pf_job *j)
+{
+    free(j->prompt);
+    for (int i = 0; i < j->n_targets; i++)
+        free(j->targets[i]);
+    free(j->chunk_sizes);
+    free(j);
+}
+
+static pf_job *find_job(pf_node *n, uint64_t request_id)
+{
+    for (pf_job *j = n->jobs; j; j = j->next)
+        if (j->request_id == request_id) return j;
+    return NULL;
+}
+
+static void unlink_job(pf_node *n, pf_job *j)
+{
+    for (pf_job **pp = &n->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == j) {
+            *pp = j->next;
+            n->n_jobs--;
+            return;
+        }
+}
+
+static Td__ErrorCode wire_code(int err, uint32_t reason)
+{
+    if (err == TD_ETIMEDOUT || reason == KVX_FAIL_TIMEOUT) return TD__ERROR_CODE__ERR_TIMEOUT;
+    if (err == TD_ENOSPC) return TD__ERROR_CODE__ERR_NO_SPACE;
+    if (err == TD_ESTATE) return TD__ERROR_CODE__ERR_SHUTDOWN;
+    return TD__ERROR_CODE__ERR_PEER_FAILED;
+}
+
+/* End a job: tell its client (unless it cancelled) and forget it. */
+static void finish_job(pf_node *n, pf_job *j, int err, const char *why)
+{
+    unlink_job(n, j);
+    if (j->cancelled) {
+        job_free(j);
+        return;
+    }
+    if (err) {
+        n->n_failed++;
+        TD_LOG_INFO("prefill %s: request %llu failed: %s", n->p->instance,
+                    (unsigned long long)j->request_id, why);
+        td_ctrl_server_send_error(n->srv, j->client_id, j->request_id,
+                                  wire_code(err, j->fail_reason), "prefill instance %s: %s",
+                                  n->p->instance, why);
+    } else {
+        n->n_done++;
+        Td__PrefillDone pd = TD__PREFILL_DONE__INIT;
+        pd.request_id = j->request_id;
+        pd.first_token = j->first_token;
+        pd.n_prompt_tokens = (uint32_t)j->n_prompt;
+        pd.n_chunk_sizes = j->n_chunks;
+        pd.chunk_sizes = (uint32_t *)j->chunk_sizes;
+        pd.queued_ms = (uint64_t)(j->t_start_ms - j->t_submit_ms);
+        pd.prefill_ms = (uint64_t)(j->t_end_ms - j->t_start_ms);
+        char sizes[256];
+        int off = 0;
+        for (uint32_t i = 0; i < j->n_chunks && off < (int)sizeof sizes - 16; i++)
+            off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "",
+                            j->chunk_sizes[i]);
+        TD_LOG_INFO("prefill %s: request %llu: %d tokens in %u chunks [%s], queued %llu ms, "
+                    "prefill %llu ms",
+                    n->p->instance, (unsigned long long)j->request_id, j->n_prompt, j->n_chunks,
+                    sizes, (unsigned long long)pd.queued_ms, (unsigned long long)pd.prefill_ms);
+        Td__Event ev = TD__EVENT__INIT;
+        ev.body_case = TD__EVENT__BODY_PREFILL_DONE;
+        ev.prefill_done = &pd;
+        td_ctrl_server_send_event(n->srv, j->client_id, &ev);
+    }
+    job_free(j);
+}
+
+void pf_leader_on_report(pf_node *n, const pf_report *r)
+{
+    if (r->epoch != n->epoch || r->stage >= (uint32_t)n->pp) return; /* an old formation's */
+    pf_job *j = find_job(n, r->req_id);
+    if (!j || !j->emitted) return;
+    j->reported |= 1ull << r->stage;
+    if (r->end_ms > j->t_end_ms) j->t_end_ms = r->end_ms;
+    if (r->status && !j->err) {
+        j->err = r->status;
+        j->fail_reason = r->reason;
+        j->fail_stage = (int)r->stage;
+        /* the other stages stop too (the decode side also tells them) */
+        pf_stage_abort(n, j->request_id, r->status);
+        uint8_t msg[28];
+        int64_t len = pf_wire_abort_write(msg, sizeof msg, 0, j->request_id, r->status);
+        if (len > 0) pf_chain_send_msg(n, msg, (size_t)len);
+    }
+    if (r->stage == (uint32_t)n->pp - 1) j->first_token = r->first_token;
+    uint64_t all = n->pp == 64 ? ~0ull : (1ull << n->pp) - 1;
+    if ((j->reported & all) != all) return;
+    if (j->err) {
+        char why[160];
+        snprintf(why, sizeof why, "KV transfer failed on stage %d: %s (%s)", j->fail_stage,
+                 td_strerror(j->err), kvx_req_state_name(KVX_REQ_FAILED));
+        finish_job(n, j, j->err, why);
+    } else
+        finish_job(n, j, 0, NULL);
+}
+
+/* ---- membership ---- */
+
+static void reset_formation(pf_node *n, const char *why)
+{
+    TD_LOG_WARN("prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
+                "the stages to rejoin",
+                n->p->instance, why, n->n_jobs);
+    for (pf_job *j = n->jobs, *nx; j; j = nx) {
+        nx = j->next;
+        if (j->emitted) finish_job(n, j, TD_EIO, "a prefill stage failed or restarted");
+    }
+    pf_stage_abort_all(n, TD_EIO);
+    pf_chain_close(n);
+    uint64_t old = n->members[0].boot_id;
+    memset(n->members, 0, sizeof n->members);
+    n->running = false;
+    if (pf_chain_open(n)) {
+        TD_LOG_ERR("prefill %s: cannot recreate the activation pipe", n->p->instance);
+        return;
+    }
+    n->members[0].present = true;
+    n->members[0].boot_id = old;
+    pf_link_address(n->link, n->members[0].addr, sizeof n->members[0].addr,
+                    &n->members[0].addr_len);
+    static uint64_t formations;
+    n->epoch = (n->boot_id << 16) ^ ++formations; /* never 0, differs per formation */
+    if (n->pp == 1) n->running = true;
+}
+
+static int table_reply(pf_node *n, td_ctrl_req *req)
+{
+    ProtobufCBinaryData addrs[PF_MAX_STAGES];
+    uint64_t boots[PF_MAX_STAGES];
+    for (int s = 0; s < n->pp; s++) {
+        addrs[s] = (ProtobufCBinaryData){n->members[s].addr_len, n->members[s].addr};
+        boots[s] = n->members[s].boot_id;
+    }
+    Td__StageTable t = TD__STAGE_TABLE__INIT;
+    t.n_pipe_addresses = t.n_boot_ids = (size_t)n->pp;
+    t.pipe_addresses = addrs;
+    t.boot_ids = boots;
+    t.epoch = n->epoch;
+    Td__Envelope e = TD__ENVELOPE__INIT;
+    e.body_case = TD__ENVELOPE__BODY_STAGE_TABLE;
+    e.stage_table = &t;
+    return td_ctrl_server_reply(n->srv, req, &e);
+}
+
+static void handle_hello(pf_node *n, const td_ctrl_server_in *in)
+{
+    const Td__StageHello *h = in->env->stage_hello;
+    if (strcmp(h->instance ? h->instance : "", n->p->instance) || h->pp != (uint32_t)n->pp ||
+        h->stage == 0) {
+        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_INVALID,
+                                   "this is stage 0 of %s (pp %d), not of %s (pp %u) / stage %u",
+                                   n->p->instance, n->pp, h->instance ? h->instance : "", h->pp,
+                                   h->stage);
+        return;
+    }
+    int s = (int)h->stage;
+    bool same = n->members[s].present && n->members[s].boot_id == h->boot_id &&
+                n->members[s].addr_len == h->pipe_address.len &&
+                !memcmp(n->members[s].addr, h->pipe_address.data, h->pipe_address.len);
+    if (h->epoch && h->epoch != n->epoch) {
+        /* it runs in an older formation: it must reset and join again */
+        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
+                                   "rejoin: the stage chain was re-formed");
+        return;
+    }
+    if (!same) {
+        if (n->running && n->pp > 1) {
+            TD_LOG_INFO("prefill %s: stage %d (re)joins", n->p->instance, s);
+            reset_formation(n, "a stage restarted");
+        }
+        if (h->pipe_address.len > sizeof n->members[s].addr) {
+            td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_TOO_LARGE,
+                                       "pipe address of %zu bytes", h->pipe_address.len);
+            return;
+        }
+        n->members[s].present = true;
+        n->members[s].boot_id = h->boot_id;
+        memcpy(n->members[s].addr, h->pipe_address.data, h->pipe_address.len);
+        n->members[s].addr_len = h->pipe_address.len;
+    }
+    n->members[s].seen_ms = pf_now_ms();
+    if (!n->running) {
+        char missing[256] = "";
+        int off = 0;
+        for (int k = 1; k < n->pp; k++)
+            if (!n->members[k].present && off < (int)sizeof missing - 8)
+                off += snprintf(missing + off, sizeof missing - (size_t)off, " %d", k);
+        if (off) {
+            td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
+                                       "waiting for stages%s", missing);
+            return;
+        }
+        const uint8_t *addrs[PF_MAX_STAGES];
+        size_t lens[PF_MAX_STAGES];
+        for (int k = 0; k < n->pp; k++) {
+            addrs[k] = n->members[k].addr;
+            lens[k] = n->members[k].addr_len;
+            n->members[k].seen_ms = pf_now_ms();
+        }
+        if (pf_chain_start(n, addrs, lens)) {
+            td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
+                                       "cannot connect the stages");
+            reset_formation(n, "connect failed");
+            return;
+        }
+        n->running = true;
+        TD_LOG_INFO("prefill %s: all %d stages joined: ready", n->p->instance, n->pp);
+    }
+    table_reply(n, in->req);
+}
+
+static void check_members(pf_node *n)
+{
+    if (!n->running || n->pp == 1) return;
+    int64_t now = pf_now_ms();
+    for (int s = 1; s < n->pp; s++) {
+        char why[96];
+        if (n->link && pf_link_peer_failed(n->link, n->member_peer[s])) {
+            snprintf(why, sizeof why, "stage %d is unreachable", s);
+            reset_formation(n, why);
+            return;
+        }
+        if (now - n->members[s].seen_ms > MEMBER_SILENCE_MS) {
+            snprintf(why, sizeof why, "stage %d silent for %d ms", s, MEMBER_SILENCE_MS);
+            reset_formation(n, why);
+            return;
+        }
+    }
+    if (n->broken) reset_formation(n, "activation send failed");
+}
+
+/* ---- requests from the router ---- */
+
+static void copy_sampling(pf_sampling *d, const Td__Sampling *s)
+{
+    memset(d, 0, sizeof *d);
+    if (!s) return;
+    d->temperature = s->temperature;
+    d->top_k = s->top_k;
+    d->top_p = s->top_p;
+    d->min_p = s->min_p;
+    d->repeat_penalty = s->repeat_penalty;
+    d->repeat_last_n = s->repeat_last_n;
+    d->seed = s->seed;
+}
+
+static int set_targets(pf_job *j, ProtobufCBinaryData *t, size_t n)
+{
+    if (!n) return 0;
+    if (j->n_targets) return TD_ESTATE;
+    if (n > PF_MAX_TARGETS || (j->n_dst && n != j->n_dst)) return TD_EINVAL;
+    for (size_t i = 0; i < n; i++) {
+        j->targets[i] = malloc(t[i].len ? t[i].len : 1);
+        if (!j->targets[i]) return TD_ENOMEM;
+        memcpy(j->targets[i], t[i].data, t[i].len);
+        j->target_len[i] = t[i].len;
+        j->n_targets = (int)i + 1;
+    }
+    j->n_dst = (uint32_t)n;
+    return 0;
+}
+
+/* Targets go to this stage's connector and down the chain, after the first chunk. */
+static void push_targets(pf_node *n, pf_job *j)
+{
+    if (!j->emitted || j->targets_sent || !j->n_targets) return;
+    j->targets_sent = true;
+    pf_stage_targets(n, j->request_id, (const uint8_t *const *)j->targets, j->target_len,
+                     j->n_targets);
+    if (n->pp == 1) return;
+    size_t sz = pf_wire_targets_size(j->target_len, j->n_targets);
+    uint8_t *msg = malloc(sz);
+    if (!msg) return;
+    int64_t len = pf_wire_targets_write(msg, sz, 0, j->request_id,
+                                        (const uint8_t *const *)j->targets, j->target_len,
+                                        j->n_targets);
+    if (len > 0) pf_chain_send_msg(n, msg, (size_t)len);
+    free(msg);
+}
+
+static void handle_prefill(pf_node *n, const td_ctrl_server_in *in)
+{
+    const Td__Prefill *p = in->env->prefill;
+    pf_job *old = find_job(n, p->request_id);
+    if (old) {
+        if (old->client_id == in->client_id) /* the control layer's retry of the same call */
+            td_ctrl_server_reply_ack(n->srv, in->req, p->request_id);
+        else
+            td_ctrl_server_reply_error(n->srv, in->req, p->request_id,
+                                       TD__ERROR_CODE__ERR_DUPLICATE, "request id in use");
+        return;
+    }
+    if (!n->running) {
+        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_BUSY,
+                                   "prefill instance %s: stages not all joined", n->p->instance);
+        return;
+    }
+    int waiting = 0;
+    for (pf_job *j = n->jobs; j; j = j->next)
+        waiting += !j->emitted;
+    if (waiting >= n->cfg->max_queue) {
+        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_BUSY,
+                                   "%d prefill requests already waiting", waiting);
+        return;
+    }
+    int max_ctx = n->rig.model->hp.n_ctx_train;
+    int cap = n->rig.kv->n_blocks * n->rig.kv->block_size;
+    if (p->n_token_ids > (size_t)(cap < max_ctx ? cap : max_ctx)) {
+        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_NO_SPACE,
+                                   "prompt of %zu tokens: this instance holds %d (KV) and the "
+                                   "model %d",
+                                   p->n_token_ids, cap, max_ctx);
+        return;
+    }
+    for (size_t i = 0; i < p->n_token_ids; i++)
+        if (p->token_ids[i] >= n->n_vocab) {
+            td_ctrl_server_reply_error(n->srv, in->req, p->request_id,
+                                       TD__ERROR_CODE__ERR_INVALID,
+                                       "token id %d outside the vocabulary", p->token_ids[i]);
+            return;
+        }
+    uint32_t n_dst = p->n_decode_ranks ? p->n_decode_ranks : (uint32_t)p->n_kv_targets;
+    if (n_dst < 1 || n_dst > PF_MAX_TARGETS) {
+        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
+                                   "n_decode_ranks %u (1..%d)", n_dst, PF_MAX_TARGETS);
+        return;
+    }
+    pf_job *j = calloc(1, sizeof *j);
+    if (j) j->prompt = malloc(p->n_token_ids * sizeof *j->prompt);
+    if (!j || !j->prompt) {
+        if (j) job_free(j);
+        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INTERNAL,
+                                   "out of memory");
+        return;
+    }
+    memcpy(j->prompt, p->token_ids, p->n_token_ids * sizeof *j->prompt);
+    j->client_id = in->client_id;
+    j->request_id = p->request_id;
+    j->n_prompt = (int32_t)p->n_token_ids;
+    j->n_dst = n_dst;
+    j->first_token = -1;
+    j->t_submit_ms = pf_now_ms();
+    copy_sampling(&j->sampling, p->sampling);
+    if (set_targets(j, p->kv_targets, p->n_kv_targets)) {
+        job_free(j);
+        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
+                                   "%zu KV targets for %u decode ranks", p->n_kv_targets, n_dst);
+        return;
+    }
+    pf_job **tail = &n->jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = j;
+    n->n_jobs++;
+    td_ctrl_server_reply_ack(n->srv, in->req, p->request_id);
+}
+
+static void cancel_job(pf_node *n, pf_job *j, int err)
+{
+    if (!j->emitted) {
+        finish_job(n, j, 0, NULL);
+        return;
+    }
+    /* in the chain: every stage aborts; the job ends when all reported */
+    pf_stage_abort(n, j->request_id, err);
+    uint8_t msg[28];
+    int64_t len = pf_wire_abort_write(msg, sizeof msg, 0, j->request_id, err);
+    if (len > 0) pf_chain_send_msg(n, msg, (size_t)len);
+    j->done = j->n_prompt; /* schedule nothing more */
+    if (!j->err) j->err = err;
+}
+
+static void handle_request(pf_node *n, const td_ctrl_server_in *in)
+{
+    const Td__Envelope *env = in->env;
+    switch (env->body_case) {
+    case TD__ENVELOPE__BODY_PREFILL:
+        handle_prefill(n, in);
+        return;
+    case TD__ENVELOPE__BODY_KV_TARGET: {
+        const Td__KvTarget *t = env->kv_target;
+        pf_job *j = find_job(n, t->request_id);
+        if (!j || j->client_id != in->client_id || j->err) {
+            td_ctrl_server_reply_error(n->srv, in->req, t->request_id,
+                                       TD__ERROR_CODE__ERR_NOT_FOUND, "no prefill request %llu",
+                                       (unsigned long long)t->request_id);
+            return;
+        }
+        int rc = set_targets(j, t->kv_targets, t->n_kv_targets);
+        if (rc == TD_ESTATE) { /* a retried call: the same targets again */
+            td_ctrl_server_reply_ack(n->srv, in->req, t->request_id);
+            return;
+        }
+        if (rc) {
+            td_ctrl_server_reply_error(n->srv, in->req, t->request_id,
+                                       TD__ERROR_CODE__ERR_INVALID,
+                                       "%zu KV targets for %u decode ranks", t->n_kv_targets,
+                                       j->n_dst);
+            return;
+        }
+        push_targets(n, j);
+        td_ctrl_server_reply_ack(n->srv, in->req, t->request_id);
+        return;
+    }
+    case TD__ENVELOPE__BODY_CANCEL: {
+        uint64_t rid = env->cancel->request_id;
+        pf_job *j = find_job(n, rid);
+        if (!j || j->client_id != in->client_id) {
+            td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_NOT_FOUND,
+                                       "no prefill request %llu", (unsigned long long)rid);
+            return;
+        }
+        j->cancelled = true;
+        cancel_job(n, j, TD_EIO);
+        td_ctrl_server_reply_ack(n->srv, in->req, rid);
+        return;
+    }
+    case TD__ENVELOPE__BODY_STAGE_HELLO:
+        handle_hello(n, in);
+        return;
+    default:
+        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
+                                   "prefill instance %s does not handle %s", n->p->instance,
+                                   td_ctrl_body_name(env->body_case));
+    }
+}
+
+static int serve_inbox(pf_node *n, int timeout_ms)
+{
+    for (;;) {
+        td_ctrl_server_in in;
+        int rc = td_ctrl_server_recv(n->srv, &in, timeout_ms);
+        if (rc == TD_ETIMEDOUT) return 0;
+        if (rc) return rc;
+        if (in.kind == TD_CTRL_IN_REQUEST)
+            handle_request(n, &in);
+        else if (in.kind == TD_CTRL_IN_PEER_GONE)
+            for (pf_job *j = n->jobs, *nx; j; j = nx) {
+                nx = j->next;
+                if (j->client_id == in.client_id) {
+                    j->cancelled = true;
+                    cancel_job(n, j, TD_EIO);
+                }
+            }
+        timeout_ms = 0;
+    }
+}
+
+/* ---- deadlines ---- */
+
+static void expire_jobs(pf_node *n)
+{
+    int64_t now = pf_now_ms();
+    for (pf_job *j = n->jobs, *nx; j; j = nx) {
+        nx = j->next;
+        if (!j->emitted && now - j->t_submit_ms > n->timeout_ms)
+            finish_job(n, j, TD_ETIMEDOUT, "waited in the queue past the transfer deadline");
+        else if (j->emitted && now - j->t_start_ms > n->timeout_ms + REPORT_GRACE_MS)
+            finish_job(n, j, TD_ETIMEDOUT, "stages did not report before the deadline");
+    }
+}
+
+/* ---- chunk planning ---- */
+
+static int record_chunk(pf_job *j, int32_t size)
+{
+    if (j->n_chunks == j->cap_chunks) {
+        uint32_t cap = j->cap_chunks ? 2 * j->cap_chunks : 8;
+        int32_t *c = realloc(j->chunk_sizes, cap * sizeof *c);
+        if (!c) return TD_ENOMEM;
+        j->chunk_sizes = c;
+        j->cap_chunks = cap;
+    }
+    j->chunk_sizes[j->n_chunks++] = size;
+    return 0;
+}
+
+/* Plan and run the next chunk; returns 1 if one ran, 0 if there is nothing to do. */
+static int run_chunk(pf_node *n)
+{
+    if (!n->last && !pf_chain_free_send(n, 0)) return 0; /* the chain is full: later */
+    pf_seg segs[PF_MAX_SEGS];
+    pf_job *js[PF_MAX_SEGS];
+    int n_segs = 0;
+    int32_t budget = n->chunk_max;
+    int64_t promised = 0;
+    int32_t *ids = n->tokens;
+    int64_t n_ids = 0;
+    for (pf_job *j = n->jobs; j && budget > 0 && n_segs < PF_MAX_SEGS; j = j->next) {
+        if (j->done >= j->n_prompt || j->cancelled || j->err) continue;
+        if (!j->emitted) {
+            int64_t need = kn_kv_blocks_for(n->rig.kv, j->n_prompt);
+            if (n->rig.kv->n_free - promised < need) break; /* in order: wait for room */
+            promised += need;
+        }
+        int32_t rem = j->n_prompt - j->done, size;
+        if (n_segs == 0) {
+            int64_t x = pf_next_chunk(&n->model, &n->chunking, j->done, rem);
+            size = x > 0 ? (int32_t)x : (rem < budget ? rem : budget);
+        } else
+            size = rem; /* packing after a request's last chunk: the rest of the budget */
+        if (size > budget) size = budget;
+        pf_seg *g = &segs[n_segs];
+        *g = (pf_seg){.req_id = j->request_id,
+                      .t0 = (uint32_t)j->done,
+                      .t1 = (uint32_t)(j->done + size),
+                      .n_prompt = (uint32_t)j->n_prompt,
+                      .chunk = j->n_chunks,
+                      .n_dst = j->n_dst,
+                      .sampling = j->sampling};
+        g->flags = (g->t0 == 0 ? PF_SEG_FIRST : 0) | (g->t1 == g->n_prompt ? PF_SEG_LAST : 0);
+        memcpy(ids + n_ids, j->prompt + j->done, (size_t)size * sizeof *ids);
+        g->tokens = ids + n_ids;
+        n_ids += size;
+        budget -= size;
+        js[n_segs++] = j;
+        if (!(g->flags & PF_SEG_LAST)) break; /* a request's middle chunk fills the chunk */
+    }
+    if (!n_segs) return 0;
+    int64_t now = pf_now_ms();
+    for (int i = 0; i < n_segs; i++) {
+        pf_job *j = js[i];
+        if (!j->emitted) j->t_start_ms = now;
+        j->emitted = true;
+        j->done = (int32_t)segs[i].t1;
+        record_chunk(j, (int32_t)(segs[i].t1 - segs[i].t0));
+    }
+    /* pf_stage_chunk copies ids into its own scratch first: pass a copy */
+    int32_t *in = malloc((size_t)n_ids * sizeof *in);
+    if (!in) return TD_ENOMEM;
+    memcpy(in, ids, (size_t)n_ids * sizeof *in);
+    int rc = pf_stage_chunk(n, segs, n_segs, in, NULL);
+    free(in);
+    for (int i = 0; i < n_segs; i++)
+        push_targets(n, js[i]);
+    return rc ? rc : 1;
+}
+
+/* ---- health ---- */
+
+static void publish_health(pf_node *n)
+{
+    Td__Health h = TD__HEALTH__INIT;
+    h.instance = (char *)n->p->instance;
+    h.role = TD__ROLE__ROLE_PREFILL;
+    h.rank = 0;
+    uint64_t queued = 0;
+    for (pf_job *j = n->jobs; j; j = j->next) {
+        if (j->emitted)
+            h.running++;
+        else
+            h.waiting++;
+        queued += (uint64_t)(j->n_prompt - j->done);
+    }
+    h.queued_prompt_tokens = queued;
+    h.kv_blocks_used = (uint32_t)(n->rig.kv->n_blocks - n->rig.kv->n_free);
+    h.kv_blocks_free = (uint32_t)n->rig.kv->n_free;
+    h.kv_block_size = (uint32_t)n->rig.kv->block_size;
+    h.uptime_ms = (uint64_t)(pf_now_ms() - n->started_ms);
+    h.ready = n->running;
+    td_ctrl_server_set_health(n->srv, &h);
+}
+
+/* ---- start-up ---- */
+
+static void profile(pf_node *n)
+{
+    n->chunking = (pf_chunk_params){.chunk_size = n->chunk_max,
+                                    .smooth = n->cfg->smooth_factor,
+                                    .page_size = n->rig.kv->block_size,
+                                    .max_batch_tokens = n->chunk_max,
+                                    .dynamic = false};
+    memset(&n->model, 0, sizeof n->model);
+    if (!n->cfg->dynamic_chunking || n->cfg->smooth_factor == 0) {
+        TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", n->p->instance, n->chunk_max);
+        return;
+    }
+    if (n->cfg->profile_budget_ms <= 0) {
+        TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): fixed "
+                    "chunks of %d tokens",
+                    n->p->instance, n->chunk_max);
+        return;
+    }
+    pf_profile_params pp = {.chunk_size = n->chunk_max, .budget_ms = n->cfg->profile_budget_ms};
+    int max_len = n->chunk_max + n->chunk_max / 4;
+    if (max_len > n->rig.ctx) pp.max_len = n->rig.ctx;
+    pf_profile_result res;
+    int rc = pf_profile_stage(&n->rig, &pp, &res);
+    if (rc || !res.fit.dynamic) {
+        TD_LOG_WARN("prefill %s: the stage profile gave no usable cost model (%s; a=%g b=%g "
+                    "over %d lengths): fixed chunks of %d tokens",
+                    n->p->instance, rc ? td_strerror(rc) : "not convex", res.fit.a, res.fit.b_fit,
+                    res.n_lengths, n->chunk_max);
+        return;
+    }
+    n->model = res.fit;
+    n->chunking.dynamic = true;
+    int32_t plan[16];
+    int64_t np = 0;
+    pf_plan_chunks(&n->model, &n->chunking, 8 * (int64_t)n->chunk_max < n->rig.ctx
+                                                ? 8 * (int64_t)n->chunk_max
+                                                : n->rig.ctx,
+                   plan, 16, &np);
+    char sizes[200];
+    int off = 0;
+    for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
+        off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);
+    TD_LOG_INFO("prefill %s: dynamic chunking: f(l) = %.3g l^2 + %.3g l + %.3g ms (r2 %.4f, %d "
+                "lengths, %.0f ms profile), smoothing %.2f; a %lld-token prompt goes as [%s]",
+                n->p->instance, n->model.a, n->model.b, n->model.c, n->model.r2, res.n_lengths,
+                res.elapsed_ms, n->cfg->smooth_factor,
+                8 * (long long)n->chunk_max < n->rig.ctx ? 8 * (long long)n->chunk_max
+                                                          : (long long)n->rig.ctx,
+                sizes);
+}
+
+int pf_leader_run(pf_node *n)
+{
+    profile(n);
+    td_ctrl_opts opts = {0};
+    int rc = td_ctrl_server_create(&opts, &n->srv);
+    if (rc) return rc;
+    char url[256], bound[256];
+    if (n->p->listen)
+        snprintf(url, sizeof url, "%s", n->p->listen);
+    else if ((rc = td_cfg_ctrl_url(n->cfg->hosts[0], n->cfg->port, url, sizeof url)))
+        return rc;
+    if ((rc = td_ctrl_server_listen(n->srv, url, bound, sizeof bound))) {
+        TD_LOG_ERR("prefill %s: cannot listen on %s: %s", n->p->instance, url, td_strerror(rc));
+        return rc;
+    }
+    TD_LOG_INFO("prefill %s: serving on %s (pp %d)", n->p->instance, bound, n->pp);
+    n->started_ms = pf_now_ms();
+    n->members[0].boot_id = n->boot_id;
+    reset_formation(n, "start-up");
+    if (n->running) TD_LOG_INFO("prefill %s: ready", n->p->instance);
+    int64_t last_health = 0;
+    while (!*n->p->stop) {
+        if ((rc = serve_inbox(n, 0))) break;
+        check_members(n);
+        if (n->link) {
+            uint8_t b[PF_LINK_REPORT_MAX];
+            size_t len;
+            pf_report r;
+            while (pf_link_take_report(n->link, b, &len))
+                if (!pf_wire_report_parse(b, len, &r)) pf_leader_on_report(n, &r);
+        }
+        pf_stage_poll(n);
+        expire_jobs(n);
+        int ran = 0;
+        if (n->running) {
+            ran = run_chunk(n);
+            if (ran < 0) {
+                TD_LOG_ERR("prefill %s: chunk failed: %s", n->p->instance, td_strerror(ran));
+                if (ran == TD_ENOMEM) break;
+                ran = 0;
+            }
+        }
+        if (pf_now_ms() - last_health >= HEALTH_MS) {
+            publish_health(n);
+            last_health = pf_now_ms();
+        }
+        if (!ran) pf_wait(n, td_ctrl_server_fd(n->srv), n->jobs || n->reqs ? 5 : 100);
+    }
+    /* stop: fail what is in flight, let the events out, then tear down */
+    if (n->n_jobs)
+        TD_LOG_INFO("prefill %s: stopping; %d requests end with an error", n->p->instance,
+                    n->n_jobs);
+    while (n->jobs)
+        finish_job(n, n->jobs, TD_ESTATE, "the prefill instance is shutting down");
+    pf_stage_abort_all(n, TD_ESTATE);
+    n->running = false;
+    publish_health(n);
+    /* the error events go out with the clients' next long poll (~ms); transfers end */
+    int64_t start = pf_now_ms();
+    while (pf_now_ms() - start < STOP_DRAIN_MS) {
+        serve_inbox(n, 20);
+        pf_stage_poll(n);
+        if (!n->reqs && pf_now_ms() - start >= 100) break;
+    }
+    TD_LOG_INFO("prefill %s: %llu requests done, %llu failed, %llu chunks", n->p->instance,
+                (unsigned long long)n->n_done, (unsigned long long)n->n_failed,
+                (unsigned long long)n->n_chunks_total);
+    td_ctrl_server_destroy(n->srv);
+    n->srv = NULL;
+    return rc == TD_ESTATE ? 0 : rc;
+}

@@ -1,0 +1,122 @@
+/* pf_main.c: `tandem-prefill --config FILE --instance NAME --stage S [--listen URL]
+ * [--leader URL]`, and pf_node_run (one stage's life: set up, then lead or follow). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pf_int.h"
+#include "td_err.h"
+
+int pf_node_run(const pf_node_params *p)
+{
+    pf_node *n = calloc(1, sizeof *n);
+    if (!n) return TD_ENOMEM;
+    n->p = p;
+    n->cfg = td_cfg_find_prefill(p->cfg, p->instance);
+    int rc = TD_EINVAL;
+    if (!n->cfg) {
+        TD_LOG_ERR("no prefill instance '%s' in %s", p->instance, p->cfg->path);
+        goto out;
+    }
+    n->pp = n->cfg->pp;
+    n->stage = p->stage;
+    if (p->stage < 0 || p->stage >= n->pp) {
+        TD_LOG_ERR("stage %d is outside prefill instance %s (pp %d)", p->stage, p->instance, n->pp);
+        goto out;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    n->boot_id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)ts.tv_sec << 20;
+    if (!n->boot_id) n->boot_id = 1;
+    rc = pf_stage_setup(n);
+    if (!rc) rc = n->stage == 0 ? pf_leader_run(n) : pf_follower_run(n);
+out:
+    if (rc) TD_LOG_ERR("prefill %s stage %d: exiting: %s", p->instance, p->stage, td_strerror(rc));
+    pf_stage_teardown(n);
+    free(n);
+    return rc;
+}
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    g_stop = 1;
+}
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: tandem-prefill --config FILE --instance NAME --stage S [--listen URL] "
+            "[--leader URL]\n"
+            "  one process per pipeline stage; stage 0 serves the control socket\n"
+            "  (tcp://hosts[0]:port of the instance in the config, or --listen); the other\n"
+            "  stages join it there (or at --leader)\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *path = NULL, *instance = NULL, *listen = NULL, *leader = NULL;
+    int stage = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
+            usage();
+            return 0;
+        }
+        if (!v) {
+            fprintf(stderr, "tandem-prefill: %s needs a value\n", f);
+            return 1;
+        }
+        if (!strcmp(f, "--config"))
+            path = v;
+        else if (!strcmp(f, "--instance"))
+            instance = v;
+        else if (!strcmp(f, "--listen"))
+            listen = v;
+        else if (!strcmp(f, "--leader"))
+            leader = v;
+        else if (!strcmp(f, "--stage")) {
+            char *end;
+            long s = strtol(v, &end, 10);
+            if (*end || s < 0 || s > 1023) {
+                fprintf(stderr, "tandem-prefill: bad --stage '%s'\n", v);
+                return 1;
+            }
+            stage = (int)s;
+        } else {
+            fprintf(stderr, "tandem-prefill: unknown option '%s'\n", f);
+            usage();
+            return 1;
+        }
+        i++;
+    }
+    if (!path || !instance || stage < 0) {
+        usage();
+        return 1;
+    }
+    char err[512];
+    td_cfg *cfg;
+    if (td_cfg_load(path, &cfg, err, sizeof err)) {
+        fprintf(stderr, "tandem-prefill: %s\n", err);
+        return 1;
+    }
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    pf_node_params p = {.cfg = cfg,
+                        .instance = instance,
+                        .stage = stage,
+                        .listen = listen,
+                        .leader = leader,
+                        .stop = &g_stop};
+    int rc = pf_node_run(&p);
+    td_cfg_free(cfg);
+    return rc ? 1 : 0;
+}

@@ -1,0 +1,34 @@
+/* pf_node.h: one stage of a prefill instance (the tandem-prefill process).
+ *
+ * Purpose: run pipeline stage `stage` of prefill instance `instance` of the YAML: load the
+ * stage's layers, join the instance (stages s > 0 say StageHello to stage 0's control
+ * socket until stage 0 answers with the StageTable), then loop: stage 0 takes Prefill
+ * requests from the router, cuts prompts into chunks (dynamic chunking, pf_chunk.h) and
+ * sends each chunk's hidden states down the stage chain (pf_wire.h, pf_link.h); every
+ * stage computes its layers, pushes the chunk's KV to the decode ranks (kvxfer connector)
+ * and forwards the chunk; the last stage samples the first token; after its last chunk
+ * every stage finishes its transfer and reports to stage 0, which tells the router
+ * (PrefillDone or ErrorEvent). docs/prefill.md explains the protocol.
+ * Threading: one main thread per process; the activation pipe and the kvxfer connector
+ * each have a progress thread. Returns when *stop becomes non-zero (SIGTERM) or on a
+ * fatal error.
+ */
+#ifndef PF_NODE_H
+#define PF_NODE_H
+
+#include <signal.h>
+
+#include "config.h"
+
+typedef struct {
+    const td_cfg *cfg;
+    const char *instance;
+    int stage;
+    const char *listen; /* stage 0: control URL instead of the YAML's; NULL: the YAML's */
+    const char *leader; /* stages > 0: stage 0's control URL; NULL: from the YAML */
+    volatile sig_atomic_t *stop;
+} pf_node_params;
+
+int pf_node_run(const pf_node_params *p);
+
+#endif

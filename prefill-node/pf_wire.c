@@ -1,0 +1,269 @@
+/* pf_wire.c: encoding and bounds-checked parsing of the stage-chain messages. */
+#include "pf_wire.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_err.h"
+
+#define HDR_BYTES 32
+#define SEG_BYTES 64
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    memcpy(p, &v, 4); /* every supported host is little-endian (checked at build time) */
+}
+static void put64(uint8_t *p, uint64_t v)
+{
+    memcpy(p, &v, 8);
+}
+static uint32_t get32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static void putf(uint8_t *p, float f)
+{
+    memcpy(p, &f, 4);
+}
+static float getf(const uint8_t *p)
+{
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "pf_wire assumes little-endian");
+
+static void header(uint8_t *b, uint32_t kind, uint64_t seq)
+{
+    put32(b, PF_WIRE_MAGIC);
+    put32(b + 4, PF_WIRE_VERSION | kind << 16);
+    put64(b + 8, seq);
+}
+
+size_t pf_wire_chunk_payload_off(int n_segs, int64_t n_ids)
+{
+    size_t off = HDR_BYTES + (size_t)n_segs * SEG_BYTES + (size_t)n_ids * 4;
+    return (off + 63) & ~(size_t)63;
+}
+
+size_t pf_wire_chunk_size(int n_segs, int64_t n_ids, int64_t rows, int n_embd)
+{
+    return pf_wire_chunk_payload_off(n_segs, n_ids) + (size_t)rows * (size_t)n_embd * 4;
+}
+
+static int64_t live_rows(const pf_seg *segs, int n)
+{
+    int64_t r = 0;
+    for (int i = 0; i < n; i++)
+        if (!(segs[i].flags & PF_SEG_DEAD)) r += segs[i].t1 - segs[i].t0;
+    return r;
+}
+
+int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *segs, int n_segs,
+                            const int32_t *ids, int n_embd)
+{
+    if (n_segs < 1 || n_segs > PF_MAX_SEGS) return TD_EINVAL;
+    int64_t rows = live_rows(segs, n_segs);
+    size_t need = pf_wire_chunk_size(n_segs, rows, n_embd > 0 ? rows : 0, n_embd);
+    if (need > cap) return TD_ERANGE;
+    uint8_t *b = buf;
+    header(b, PF_MSG_CHUNK, seq);
+    put32(b + 16, (uint32_t)n_segs);
+    put32(b + 20, (uint32_t)rows);
+    put32(b + 24, (uint32_t)n_embd);
+    put32(b + 28, 0);
+    for (int i = 0; i < n_segs; i++) {
+        uint8_t *s = b + HDR_BYTES + (size_t)i * SEG_BYTES;
+        const pf_seg *g = &segs[i];
+        put64(s, g->req_id);
+        put32(s + 8, g->t0);
+        put32(s + 12, g->t1);
+        put32(s + 16, g->n_prompt);
+        put32(s + 20, g->flags);
+        put32(s + 24, g->chunk);
+        put32(s + 28, g->n_dst);
+        putf(s + 32, g->sampling.temperature);
+        putf(s + 36, g->sampling.top_p);
+        putf(s + 40, g->sampling.min_p);
+        putf(s + 44, g->sampling.repeat_penalty);
+        put32(s + 48, (uint32_t)g->sampling.top_k);
+        put32(s + 52, (uint32_t)g->sampling.repeat_last_n);
+        put64(s + 56, g->sampling.seed);
+    }
+    if (rows) memcpy(b + HDR_BYTES + (size_t)n_segs * SEG_BYTES, ids, (size_t)rows * 4);
+    return (int64_t)need;
+}
+
+static int bad(const char *why)
+{
+    TD_LOG_ERR("stage message rejected: %s", why);
+    return TD_EFORMAT;
+}
+
+int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, int max_tokens,
+                  pf_msg *out)
+{
+    memset(out, 0, sizeof *out);
+    const uint8_t *b = buf;
+    if (len < 16 || get32(b) != PF_WIRE_MAGIC || (get32(b + 4) & 0xffff) != PF_WIRE_VERSION)
+        return bad("bad magic or version");
+    out->kind = get32(b + 4) >> 16;
+    out->seq = get64(b + 8);
+    switch (out->kind) {
+    case PF_MSG_CHUNK: {
+        if (len < HDR_BYTES) return bad("short chunk header");
+        uint32_t n_segs = get32(b + 16), rows = get32(b + 20), embd = get32(b + 24);
+        if (n_segs < 1 || n_segs > PF_MAX_SEGS) return bad("segment count");
+        if (rows > (uint32_t)max_tokens) return bad("too many rows");
+        if (embd_expected ? embd != (uint32_t)n_embd : embd != 0)
+            return bad("hidden-state width differs from the model's");
+        size_t need = pf_wire_chunk_size((int)n_segs, rows, embd ? rows : 0, (int)embd);
+        if (need != len) return bad("length does not match the counts");
+        int64_t sum = 0;
+        for (uint32_t i = 0; i < n_segs; i++) {
+            const uint8_t *s = b + HDR_BYTES + (size_t)i * SEG_BYTES;
+            pf_seg *g = &out->segs[i];
+            g->req_id = get64(s);
+            g->t0 = get32(s + 8);
+            g->t1 = get32(s + 12);
+            g->n_prompt = get32(s + 16);
+            g->flags = get32(s + 20);
+            g->chunk = get32(s + 24);
+            g->n_dst = get32(s + 28);
+            g->sampling.temperature = getf(s + 32);
+            g->sampling.top_p = getf(s + 36);
+            g->sampling.min_p = getf(s + 40);
+            g->sampling.repeat_penalty = getf(s + 44);
+            g->sampling.top_k = (int32_t)get32(s + 48);
+            g->sampling.repeat_last_n = (int32_t)get32(s + 52);
+            g->sampling.seed = get64(s + 56);
+            if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
+                g->n_dst > PF_MAX_TARGETS || (g->flags & ~7u) ||
+                !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||
+                !!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt))
+                return bad("inconsistent segment");
+            if (!(g->flags & PF_SEG_DEAD)) sum += g->t1 - g->t0;
+        }
+        if (sum != rows) return bad("rows do not add up");
+        out->n_segs = (int)n_segs;
+        out->n_rows = rows;
+        out->ids = malloc((rows ? rows : 1) * sizeof *out->ids);
+        if (!out->ids) return TD_ENOMEM;
+        memcpy(out->ids, b + HDR_BYTES + (size_t)n_segs * SEG_BYTES, (size_t)rows * 4);
+        const int32_t *ids = out->ids;
+        for (uint32_t i = 0; i < n_segs; i++)
+            if (!(out->segs[i].flags & PF_SEG_DEAD)) {
+                out->segs[i].tokens = ids;
+                ids += out->segs[i].t1 - out->segs[i].t0;
+            }
+        out->embd = embd ? (const float *)(b + pf_wire_chunk_payload_off((int)n_segs, rows))
+                         : NULL;
+        return 0;
+    }
+    case PF_MSG_TARGETS: {
+        if (len < 28) return bad("short targets message");
+        out->req_id = get64(b + 16);
+        uint32_t n = get32(b + 24);
+        if (n < 1 || n > PF_MAX_TARGETS) return bad("target count");
+        size_t off = 28;
+        for (uint32_t i = 0; i < n; i++) {
+            if (len - off < 4) return bad("truncated target");
+            uint32_t l = get32(b + off);
+            off += 4;
+            if (l > len - off) return bad("target past the end");
+            out->target[i] = b + off;
+            out->target_len[i] = l;
+            off += l;
+        }
+        if (off != len) return bad("trailing bytes after the targets");
+        out->n_targets = (int)n;
+        return 0;
+    }
+    case PF_MSG_ABORT:
+        if (len != 28) return bad("abort message length");
+        out->req_id = get64(b + 16);
+        out->code = (int32_t)get32(b + 24);
+        return 0;
+    default:
+        return bad("unknown message kind");
+    }
+}
+
+void pf_msg_fini(pf_msg *m)
+{
+    free(m->ids);
+    m->ids = NULL;
+}
+
+size_t pf_wire_targets_size(const size_t *lens, int n)
+{
+    size_t s = 28;
+    for (int i = 0; i < n; i++)
+        s += 4 + lens[i];
+    return s;
+}
+
+int64_t pf_wire_targets_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id,
+                              const uint8_t *const *targets, const size_t *lens, int n)
+{
+    if (n < 1 || n > PF_MAX_TARGETS) return TD_EINVAL;
+    size_t need = pf_wire_targets_size(lens, n);
+    if (need > cap) return TD_ERANGE;
+    uint8_t *b = buf;
+    header(b, PF_MSG_TARGETS, seq);
+    put64(b + 16, req_id);
+    put32(b + 24, (uint32_t)n);
+    size_t off = 28;
+    for (int i = 0; i < n; i++) {
+        put32(b + off, (uint32_t)lens[i]);
+        memcpy(b + off + 4, targets[i], lens[i]);
+        off += 4 + lens[i];
+    }
+    return (int64_t)need;
+}
+
+int64_t pf_wire_abort_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id, int32_t code)
+{
+    if (cap < 28) return TD_ERANGE;
+    uint8_t *b = buf;
+    header(b, PF_MSG_ABORT, seq);
+    put64(b + 16, req_id);
+    put32(b + 24, (uint32_t)code);
+    return 28;
+}
+
+void pf_wire_report_write(uint8_t b[PF_REPORT_BYTES], const pf_report *r)
+{
+    header(b, PF_MSG_REPORT, r->epoch);
+    put64(b + 16, r->req_id);
+    put32(b + 24, r->stage);
+    put32(b + 28, (uint32_t)r->status);
+    put32(b + 32, (uint32_t)r->first_token);
+    put32(b + 36, r->reason);
+    put64(b + 40, (uint64_t)r->end_ms);
+}
+
+int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
+{
+    const uint8_t *b = buf;
+    if (len != PF_REPORT_BYTES || get32(b) != PF_WIRE_MAGIC ||
+        get32(b + 4) != (PF_WIRE_VERSION | (uint32_t)PF_MSG_REPORT << 16))
+        return bad("bad report");
+    out->epoch = get64(b + 8);
+    out->req_id = get64(b + 16);
+    out->stage = get32(b + 24);
+    out->status = (int32_t)get32(b + 28);
+    out->first_token = (int32_t)get32(b + 32);
+    out->reason = get32(b + 36);
+    out->end_ms = (int64_t)get64(b + 40);
+    return 0;
+}

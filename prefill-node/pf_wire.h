@@ -1,0 +1,108 @@
+/* pf_wire.h: the messages between the pipeline stages of one prefill instance.
+ *
+ * Purpose: stage 0 decides everything (which requests, which chunk sizes, the KV targets,
+ * aborts) and its decisions flow down the stage chain 0 -> 1 -> ... -> pp-1 as one
+ * ordered stream of messages on the activation pipe, so no stage ever schedules on its
+ * own and the stages cannot diverge:
+ *   CHUNK    a micro-batch: segments (request, token range [t0, t1), flags, sampling
+ *            parameters) with their token ids and, after stage 0, the hidden states of
+ *            every live row (rows of DEAD segments are left out);
+ *   TARGETS  the decode ranks' kvxfer targets of a request (sent after its first chunk);
+ *   ABORT    stop a request (cancel, deadline, a failed stage).
+ * Each stage s > 0 also sends REPORTs back to stage 0 (one per request it finished or
+ * failed), as active messages.
+ * Format: little-endian, fixed-size header and segment records, 64-byte aligned payload.
+ * Invariants: pf_wire_parse_* check every count and offset against the received length
+ * and the limits given; a malformed message is TD_EFORMAT (never a crash).
+ * Threading: pure functions. Ownership: parsed views point into the caller's buffer.
+ */
+#ifndef PF_WIRE_H
+#define PF_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PF_WIRE_MAGIC   0x46504454u /* "TDPF" */
+#define PF_WIRE_VERSION 1u
+#define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
+#define PF_MAX_TARGETS  64 /* decode ranks of one request */
+
+enum { PF_MSG_CHUNK = 1, PF_MSG_TARGETS = 2, PF_MSG_ABORT = 3, PF_MSG_REPORT = 4 };
+
+enum {
+    PF_SEG_FIRST = 1, /* t0 == 0: the stage opens the request */
+    PF_SEG_LAST = 2,  /* t1 == n_prompt: the stage finishes it (last stage samples) */
+    PF_SEG_DEAD = 4,  /* failed on an earlier stage: no rows, the stage aborts it */
+};
+
+typedef struct {
+    float temperature, top_p, min_p, repeat_penalty;
+    int32_t top_k, repeat_last_n;
+    uint64_t seed;
+} pf_sampling;
+
+typedef struct {
+    uint64_t req_id;
+    uint32_t t0, t1, n_prompt;
+    uint32_t flags;
+    uint32_t chunk;  /* index of this chunk within the request: 0, 1, ... */
+    uint32_t n_dst;  /* decode ranks of the request */
+    pf_sampling sampling;
+    const int32_t *tokens; /* parse: (t1 - t0) ids, unaligned-safe copy made by the parser */
+} pf_seg;
+
+/* Bytes of a chunk message with these segments (rows = live rows, embd floats each). */
+size_t pf_wire_chunk_size(int n_segs, int64_t n_ids, int64_t rows, int n_embd);
+/* Offset of the payload (hidden states) inside a chunk message (64-byte aligned). */
+size_t pf_wire_chunk_payload_off(int n_segs, int64_t n_ids);
+
+/* Write the header, segments and token ids of a chunk into buf (cap bytes); the caller
+ * writes rows * n_embd floats at pf_wire_chunk_payload_off. ids: the concatenated token
+ * ids of the live segments in order. Returns bytes of the whole message or TD_ERANGE. */
+int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *segs, int n_segs,
+                            const int32_t *ids, int n_embd);
+
+typedef struct {
+    uint32_t kind;
+    uint64_t seq;
+    /* CHUNK */
+    int n_segs;
+    pf_seg segs[PF_MAX_SEGS];
+    int64_t n_rows; /* live rows */
+    int32_t *ids;   /* (n_rows) token ids (owned by the view) */
+    const float *embd; /* (n_rows, n_embd) into the buffer, or NULL if the message has none */
+    /* TARGETS / ABORT */
+    uint64_t req_id;
+    int n_targets;
+    const uint8_t *target[PF_MAX_TARGETS];
+    size_t target_len[PF_MAX_TARGETS];
+    int32_t code; /* ABORT: td_err */
+} pf_msg;
+
+/* Parse a chain message. embd_expected: payload must be present (stages > 0). On
+ * success the view's ids are malloc'd (free with pf_msg_fini). */
+int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, int max_tokens,
+                  pf_msg *out);
+void pf_msg_fini(pf_msg *m);
+
+int64_t pf_wire_targets_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id,
+                              const uint8_t *const *targets, const size_t *lens, int n);
+size_t pf_wire_targets_size(const size_t *lens, int n);
+int64_t pf_wire_abort_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id, int32_t code);
+
+/* A stage's report to stage 0 about one request it is done with. */
+typedef struct {
+    uint64_t epoch;
+    uint64_t req_id;
+    uint32_t stage;
+    int32_t status;      /* 0: its transfer completed; else a td_err */
+    int32_t first_token; /* last stage: the sampled first token; else -1 */
+    uint32_t reason;     /* kvx_fail_reason when status != 0 */
+    int64_t end_ms;      /* CLOCK_MONOTONIC ms when the transfer ended */
+} pf_report;
+
+#define PF_REPORT_BYTES 48
+void pf_wire_report_write(uint8_t buf[PF_REPORT_BYTES], const pf_report *r);
+int pf_wire_report_parse(const void *buf, size_t len, pf_report *out);
+
+#endif
