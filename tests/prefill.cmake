@@ -24,3 +24,12 @@ if(TARGET tandem-prefill)
   add_executable(pf_sink ${CMAKE_CURRENT_SOURCE_DIR}/prefill/pf_sink.c)
   target_link_libraries(pf_sink PRIVATE pf_core td_kvxfer td_ctrl td_kernels td_common)
 endif()
+if(TARGET tandem-prefill AND TANDEM_PYTHON)
+  add_test(NAME prefill_node
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_node.py
+                   --prefill $<TARGET_FILE:tandem-prefill> --sink $<TARGET_FILE:pf_sink>
+                   --tandem $<TARGET_FILE:tandem> --synth-dir ${TANDEM_TEST_DATA}/synth
+                   --model "${TANDEM_MODEL}")
+  set_tests_properties(prefill_node PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
+                       LABELS prefill)
+endif()
