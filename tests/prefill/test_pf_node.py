@@ -121,7 +121,7 @@ def kill_mid_prompt(args):
     with Prefill(args, 3, args.model_default, chunk=256, profile=0) as pf:
         env = dict(os.environ, PF_SINK_STAGES="3")
         p = subprocess.Popen([args.sink, "--model", args.model_default, "--url", pf.url,
-                              "--tokens", "3000", "--id", "9001", "--expect-error",
+                              "--tokens", "3000", "--id", "9001", "--expect-error", "--no-check",
                               "--timeout", "5000"], stdout=subprocess.PIPE, text=True, env=env)
         deadline = time.time() + 120
         while time.time() < deadline and p.poll() is None:
