@@ -18,6 +18,7 @@ typedef struct {
     int n_stop;
     bool ignore_eos;
     bool cancelled;
+    bool arrived; /* transferring: the KV and the first token are in; runnable */
     kn_kv_seq seq;
     kn_sampler smp;
     uint64_t admitted; /* admission order; preemption takes the largest */
@@ -39,6 +40,7 @@ struct dc_sched {
     dc_sink sink;
     req_list waiting; /* FIFO; preempted requests go back to the front */
     req_list running; /* in admission order */
+    req_list xfer;    /* transferring (disaggregated): prompt blocks held, in Alloc order */
     uint64_t admit_counter;
     uint64_t preemptions;
     /* the current step's arrays, (cap_tokens) / (cap_seqs) */
@@ -126,8 +128,11 @@ void dc_sched_destroy(dc_sched *s)
         req_free(s, s->waiting.v[i]);
     for (int i = 0; i < s->running.n; i++)
         req_free(s, s->running.v[i]);
+    for (int i = 0; i < s->xfer.n; i++)
+        req_free(s, s->xfer.v[i]);
     free(s->waiting.v);
     free(s->running.v);
+    free(s->xfer.v);
     free(s->eog);
     free(s->tok);
     free(s->pos);
@@ -140,8 +145,8 @@ void dc_sched_destroy(dc_sched *s)
 
 static dc_req *find(dc_sched *s, uint64_t id, req_list **list, int *idx)
 {
-    req_list *ls[2] = {&s->waiting, &s->running};
-    for (int k = 0; k < 2; k++)
+    req_list *ls[3] = {&s->waiting, &s->running, &s->xfer};
+    for (int k = 0; k < 3; k++)
         for (int i = 0; i < ls[k]->n; i++)
             if (ls[k]->v[i]->id == id) {
                 if (list) *list = ls[k];
@@ -151,7 +156,8 @@ static dc_req *find(dc_sched *s, uint64_t id, req_list **list, int *idx)
     return NULL;
 }
 
-int dc_sched_submit(dc_sched *s, const dc_request_params *p)
+/* The checks every new request passes (dc_sched_submit's error contract). */
+static int check_params(dc_sched *s, const dc_request_params *p)
 {
     if (p->n_prompt < 1 || p->max_tokens < 1 || p->n_stop < 0 || (p->n_stop && !p->stop_ids)) {
         TD_LOG_ERR("req %llu: empty prompt, max tokens < 1 or bad stop list",
@@ -181,6 +187,14 @@ int dc_sched_submit(dc_sched *s, const dc_request_params *p)
                    s->kv->n_blocks);
         return TD_ENOSPC;
     }
+    return 0;
+}
+
+/* A new request record (checked parameters), holding no blocks. */
+static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
+{
+    int64_t most = (int64_t)p->n_prompt + p->max_tokens;
+    if (most > s->p.max_ctx) most = s->p.max_ctx;
     dc_req *r = calloc(1, sizeof *r);
     if (!r) return TD_ENOMEM;
     r->id = p->id;
@@ -189,24 +203,63 @@ int dc_sched_submit(dc_sched *s, const dc_request_params *p)
     r->stop_ids = malloc((size_t)(p->n_stop ? p->n_stop : 1) * sizeof *r->stop_ids);
     int rc = (!r->tokens || !r->stop_ids) ? TD_ENOMEM : 0;
     if (!rc) rc = kn_sampler_init(&r->smp, &p->sampling, s->m->hp.n_vocab);
-    if (!rc) {
-        memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof *r->tokens);
-        if (p->n_stop) memcpy(r->stop_ids, p->stop_ids, (size_t)p->n_stop * sizeof *r->stop_ids);
-        r->n_tokens = r->n_prompt = p->n_prompt;
-        r->n_stop = p->n_stop;
-        r->max_tokens = p->max_tokens;
-        r->ignore_eos = p->ignore_eos;
-        r->logit_row = -1;
-        kn_kv_seq_init(&r->seq);
-        rc = list_push(&s->waiting, r);
-    }
     if (rc) {
         kn_sampler_fini(&r->smp);
         free(r->tokens);
         free(r->stop_ids);
         free(r);
+        return rc;
     }
+    memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof *r->tokens);
+    if (p->n_stop) memcpy(r->stop_ids, p->stop_ids, (size_t)p->n_stop * sizeof *r->stop_ids);
+    r->n_tokens = r->n_prompt = p->n_prompt;
+    r->n_stop = p->n_stop;
+    r->max_tokens = p->max_tokens;
+    r->ignore_eos = p->ignore_eos;
+    r->logit_row = -1;
+    kn_kv_seq_init(&r->seq);
+    *out = r;
+    return 0;
+}
+
+int dc_sched_submit(dc_sched *s, const dc_request_params *p)
+{
+    int rc = check_params(s, p);
+    dc_req *r = NULL;
+    if (!rc) rc = req_new(s, p, &r);
+    if (!rc && (rc = list_push(&s->waiting, r))) req_free(s, r);
     return rc;
+}
+
+/* Blocks the running requests still need to finish their prompts (promised capacity). */
+static int promised_blocks(const dc_sched *s);
+
+int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int32_t **blocks,
+                             int *n_blocks)
+{
+    *blocks = NULL;
+    *n_blocks = 0;
+    int rc = check_params(s, p);
+    if (rc) return rc;
+    /* blocks promised to running prompts stay theirs: taking them would only preempt */
+    int need = kn_kv_blocks_for(s->kv, p->n_prompt);
+    if (s->kv->n_free - promised_blocks(s) < need) {
+        TD_LOG_DEBUG("req %llu: the pool cannot hold %d blocks for the prompt now (%d free, %d "
+                     "promised)",
+                     (unsigned long long)p->id, need, s->kv->n_free, promised_blocks(s));
+        return TD_ESTATE;
+    }
+    dc_req *r;
+    if ((rc = req_new(s, p, &r))) return rc;
+    rc = kn_kv_seq_reserve(s->kv, &r->seq, p->n_prompt);
+    if (!rc) rc = list_push(&s->xfer, r);
+    if (rc) {
+        req_free(s, r);
+        return rc == TD_ENOSPC ? TD_ESTATE : rc;
+    }
+    *blocks = r->seq.blocks;
+    *n_blocks = r->seq.n_blocks;
+    return 0;
 }
 
 int dc_sched_cancel(dc_sched *s, uint64_t id)
@@ -269,7 +322,6 @@ static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
     }
 }
 
-/* Blocks the running requests still need to finish their prompts (promised capacity). */
 static int promised_blocks(const dc_sched *s)
 {
     int n = 0;
@@ -281,6 +333,23 @@ static int promised_blocks(const dc_sched *s)
     return n;
 }
 
+/* Arrived transfers join the running batch (oldest first) while it has room: they hold
+ * their prompt's KV already, so they go before waiting requests. */
+static void admit_arrived(dc_sched *s)
+{
+    for (int i = 0; i < s->xfer.n && s->running.n < s->p.max_running;) {
+        dc_req *r = s->xfer.v[i];
+        if (!r->arrived || r->cancelled || list_push(&s->running, r)) {
+            i++;
+            continue;
+        }
+        list_remove_at(&s->xfer, i);
+        r->admitted = ++s->admit_counter;
+        r->chunk = 0;
+        r->logit_row = -1;
+    }
+}
+
 int dc_sched_plan(dc_sched *s, dc_step *step)
 {
     memset(step, 0, sizeof *step);
@@ -290,6 +359,12 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         if (s->waiting.v[i]->cancelled) finish(s, &s->waiting, i, DC_FINISH_CANCELLED);
     for (int i = s->running.n - 1; i >= 0; i--)
         if (s->running.v[i]->cancelled) finish(s, &s->running, i, DC_FINISH_CANCELLED);
+    /* a transferring request's blocks are the node's to release (dc_sched_transfer_end:
+     * kvxfer says when no writer can write any more); once arrived they are ours */
+    for (int i = s->xfer.n - 1; i >= 0; i--)
+        if (s->xfer.v[i]->arrived && s->xfer.v[i]->cancelled)
+            finish(s, &s->xfer, i, DC_FINISH_CANCELLED);
+    admit_arrived(s);
 
     int budget = s->p.step_tokens;
     uint64_t preemptions_before = s->preemptions;
@@ -432,18 +507,83 @@ void dc_sched_fail_all(dc_sched *s)
         finish(s, &s->running, s->running.n - 1, DC_FINISH_ERROR);
     while (s->waiting.n)
         finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
+    while (s->xfer.n)
+        finish(s, &s->xfer, s->xfer.n - 1, DC_FINISH_ERROR);
+}
+
+static int xfer_index(const dc_sched *s, uint64_t id)
+{
+    for (int i = 0; i < s->xfer.n; i++)
+        if (s->xfer.v[i]->id == id) return i;
+    return -1;
+}
+
+int dc_sched_transfer_done(dc_sched *s, uint64_t id, int32_t first_token)
+{
+    int i = xfer_index(s, id);
+    if (i < 0 || s->xfer.v[i]->arrived) return TD_ENOENT;
+    dc_req *r = s->xfer.v[i];
+    if (r->cancelled) {
+        finish(s, &s->xfer, i, DC_FINISH_CANCELLED);
+        return 0;
+    }
+    if (first_token < 0 || first_token >= s->m->hp.n_vocab) {
+        TD_LOG_ERR("req %llu: first token %d from the prefill is outside the vocabulary",
+                   (unsigned long long)id, first_token);
+        return TD_EINVAL;
+    }
+    /* the KV of the whole prompt is in the blocks: as if this node had prefilled it and
+     * sampled first_token with the request's sampler, which therefore skips one draw */
+    r->n_computed = r->n_prompt;
+    kn_sampler_skip(&r->smp);
+    r->n_generated++;
+    if (is_stop(s, r, first_token)) {
+        finish(s, &s->xfer, i, DC_FINISH_STOP);
+        return 0;
+    }
+    r->tokens[r->n_tokens++] = first_token;
+    dc_finish why = DC_FINISH_NONE;
+    if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
+    if (s->sink.on_tokens)
+        s->sink.on_tokens(s->sink.ctx, r->id, &first_token, 1, why, r->n_prompt, r->n_generated);
+    if (why != DC_FINISH_NONE) {
+        list_remove_at(&s->xfer, i);
+        req_free(s, r);
+        return 0;
+    }
+    r->arrived = true;
+    if (!s->planned) admit_arrived(s); /* between steps; else the next plan admits it */
+    return 0;
+}
+
+int dc_sched_transfer_end(dc_sched *s, uint64_t id, dc_finish why)
+{
+    int i = xfer_index(s, id);
+    if (i < 0) return TD_ENOENT;
+    finish(s, &s->xfer, i, why);
+    return 0;
+}
+
+bool dc_sched_transferring(const dc_sched *s, uint64_t id)
+{
+    int i = xfer_index(s, id);
+    return i >= 0 && !s->xfer.v[i]->arrived;
 }
 
 bool dc_sched_idle(const dc_sched *s)
 {
-    return s->running.n == 0 && s->waiting.n == 0;
+    return s->running.n == 0 && s->waiting.n == 0 && s->xfer.n == 0;
 }
 
 dc_sched_stats dc_sched_get_stats(const dc_sched *s)
 {
+    int arrived = 0;
+    for (int i = 0; i < s->xfer.n; i++)
+        arrived += s->xfer.v[i]->arrived;
     return (dc_sched_stats){
         .running = s->running.n,
-        .waiting = s->waiting.n,
+        .waiting = s->waiting.n + arrived,
+        .transferring = s->xfer.n - arrived,
         .kv_blocks_used = s->kv->n_blocks - s->kv->n_free,
         .kv_blocks_free = s->kv->n_free,
         .preemptions = s->preemptions,

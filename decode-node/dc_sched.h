@@ -4,19 +4,32 @@
  * running request that is decoding, plus prefill chunks (colocated mode: the instance
  * prefills its own prompts) under a per-step prefill token budget, so long prompts never
  * stall running decodes. It owns the KV block allocation of rank 0's pool; the other ranks use
- * the same block ids (their pools have the same number of blocks).
+ * the same block ids (their pools have the same number of blocks). In disaggregated mode
+ * a request's prompt KV is computed by a prefill instance and written into its blocks by
+ * kvxfer: such a request starts TRANSFERRING with its prompt's blocks reserved.
  *
  * A request's life:
  *
  *     submit ──> WAITING ──admit──> RUNNING ──(stop | length | cancel | error)──> freed
- *                  ^                   │
- *                  └────preempt────────┘   (KV freed; prompt + generated recomputed later)
+ *                  ^                   │ ^
+ *                  └────preempt────────┘ │   (KV freed; prompt + generated recomputed later)
+ *                                        │
+ *     submit_transfer ──> TRANSFERRING ──┘ transfer_done: first token appended (and
+ *                            │             reported); joins when the batch has room
+ *                            └──transfer_end (failed, cancelled: only once no writer can
+ *                               write into its blocks any more)──> freed
+ *
+ * TRANSFERRING holds blocks for [0, n_prompt) and is never planned; the node decides its
+ * end (kvxfer's safety rule: blocks of a failed transfer are reusable only when every
+ * rank's transfer is FAILED or DONE). transfer_done makes it as if the node had prefilled
+ * the prompt itself and sampled the prefill's first token (the sampler skips one draw,
+ * kn_sampler_skip), so a seeded request gives the same tokens in both modes.
  *
  * A running request holds tokens [0, n_tokens) (prompt, then generated ones) of which
  * [0, n_computed) have KV in the pool. Each step computes a range [n_computed, +chunk);
  * when that reaches n_tokens the last row's logits are sampled and the new token is
  * appended. Prefill and decode are thus the same thing with chunk > 1 or == 1.
- * Invariants: a request is in exactly one of the waiting list or the running list;
+ * Invariants: a request is in exactly one of the waiting, running or transferring lists;
  * blocks held = blocks for n_computed (+ this step's chunk between plan and commit);
  * a request that could never fit the whole pool (prompt + max_tokens) is refused at
  * submit; the oldest running request can always progress (preemption takes the most
@@ -81,7 +94,8 @@ typedef struct {
 } dc_step;
 
 typedef struct {
-    int running, waiting;
+    int running, waiting; /* waiting includes arrived transfers waiting for a batch slot */
+    int transferring;     /* KV transfers in flight (their blocks count as used) */
     int kv_blocks_used, kv_blocks_free;
     uint64_t preemptions;
 } dc_sched_stats;
@@ -95,8 +109,27 @@ void dc_sched_destroy(dc_sched *s); /* frees every request's blocks */
  * id outside the vocabulary. */
 int dc_sched_submit(dc_sched *s, const dc_request_params *p);
 /* Cancel: the request finishes (DC_FINISH_CANCELLED) and its blocks are freed at the
- * next dc_sched_plan. TD_ENOENT if no such request. */
+ * next dc_sched_plan. TD_ENOENT if no such request. A request still transferring is only
+ * marked: the node ends it with dc_sched_transfer_end once its transfer is over. */
 int dc_sched_cancel(dc_sched *s, uint64_t id);
+
+/* Disaggregated mode: check p like dc_sched_submit (same errors) and reserve blocks for
+ * the whole prompt now; the request is TRANSFERRING. *blocks (n_blocks ids: position q in
+ * blocks[q / block_size]) stays valid until the next call into the scheduler. TD_ESTATE:
+ * the pool cannot hold the prompt right now (blocks promised to running prompts count as
+ * taken); retry later. */
+int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int32_t **blocks,
+                             int *n_blocks);
+/* The KV of [0, n_prompt) arrived and the prefill sampled first_token: report it (a
+ * generated token; a stop token or max_tokens 1 finishes the request here) and make the
+ * request runnable. A request cancelled meanwhile finishes CANCELLED. TD_ENOENT: not
+ * transferring; TD_EINVAL: first_token outside the vocabulary (nothing changed). */
+int dc_sched_transfer_done(dc_sched *s, uint64_t id, int32_t first_token);
+/* The transfer failed or was cancelled and no writer can write into the blocks any more:
+ * free them and report the final event with why. TD_ENOENT if no such request. */
+int dc_sched_transfer_end(dc_sched *s, uint64_t id, dc_finish why);
+/* Whether id is transferring (its KV not arrived yet). */
+bool dc_sched_transferring(const dc_sched *s, uint64_t id);
 
 /* Build the next step. Returns the number of tokens (0: nothing runnable) or a negative
  * td_err. Finished/cancelled requests are reported and freed here. */
@@ -105,10 +138,12 @@ int dc_sched_plan(dc_sched *s, dc_step *step);
  * rc != 0 means the forward pass failed: every request of the step is failed. */
 int dc_sched_commit(dc_sched *s, const float *logits, int rc);
 
-/* Fail every request (e.g. a rank died); each gets a final DC_FINISH_ERROR event. */
+/* Fail every request (e.g. a rank died); each gets a final DC_FINISH_ERROR event.
+ * Transferring ones too: their blocks go back to the pool at once, so the caller must not
+ * allocate again (the node only does this when it stops). */
 void dc_sched_fail_all(dc_sched *s);
 
-bool dc_sched_idle(const dc_sched *s);
+bool dc_sched_idle(const dc_sched *s); /* no request at all (transferring ones count) */
 dc_sched_stats dc_sched_get_stats(const dc_sched *s);
 
 #endif

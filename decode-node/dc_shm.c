@@ -912,6 +912,12 @@ int dc_shm_tp(const dc_shm *s)
     return s->tp;
 }
 
+int dc_shm_rank_pid(const dc_shm *s, int rank)
+{
+    if (!s->gathered || rank < 0 || rank >= s->tp) return -1;
+    return (int)atomic_load(&s->h->ranks[rank].pid);
+}
+
 void dc_shm_get_stats(const dc_shm *s, dc_shm_stats *out)
 {
     *out = s->st;

@@ -154,6 +154,9 @@ int dc_shm_check(dc_shm *s);
 
 int dc_shm_rank(const dc_shm *s);
 int dc_shm_tp(const dc_shm *s);
+/* The pid of rank's process as it joined the rendezvous (-1 before it completed or for
+ * a bad rank): a peer's names that carry its pid (its KV pool segment) can be found. */
+int dc_shm_rank_pid(const dc_shm *s, int rank);
 void dc_shm_get_stats(const dc_shm *s, dc_shm_stats *out);
 
 #endif

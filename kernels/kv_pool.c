@@ -1,15 +1,20 @@
-/* kv_pool.c: one-region paged KV pool with a free-list allocator. */
+/* kv_pool.c: one-region paged KV pool with a free-list allocator; the region is private
+ * anonymous memory or a named POSIX shared-memory segment. */
 #include "kv_pool.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "td_err.h"
 
-int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
+/* Validate the shape; *block_bytes and *region_bytes on success. */
+static int pool_shape(const kn_kv_pool_params *p, size_t *block_bytes, size_t *region_bytes)
 {
-    *out = NULL;
     int bs = p->block_size ? p->block_size : 16;
     td_dtype type = p->type;
     if (p->n_layers < 1 || p->n_kv_heads < 1 || p->head_dim < 1 || p->n_blocks < 1 ||
@@ -20,11 +25,66 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         return TD_EINVAL;
     }
     size_t es = type == TD_F16 ? 2 : 4;
-    size_t block_bytes = (size_t)p->n_kv_heads * (size_t)bs * (size_t)p->head_dim * es;
-    size_t layer_bytes = block_bytes * (size_t)p->n_blocks;
-    if (layer_bytes / block_bytes != (size_t)p->n_blocks ||
+    size_t bb = (size_t)p->n_kv_heads * (size_t)bs * (size_t)p->head_dim * es;
+    size_t layer_bytes = bb * (size_t)p->n_blocks;
+    if (layer_bytes / bb != (size_t)p->n_blocks ||
         layer_bytes > SIZE_MAX / 2 / (size_t)p->n_layers) {
         TD_LOG_ERR("kv pool size overflows");
+        return TD_EINVAL;
+    }
+    *block_bytes = bb;
+    *region_bytes = layer_bytes * 2 * (size_t)p->n_layers;
+    return 0;
+}
+
+size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p)
+{
+    size_t bb, rb;
+    return pool_shape(p, &bb, &rb) ? 0 : rb;
+}
+
+static bool shm_name_ok(const char *name)
+{
+    size_t n = strlen(name);
+    return n >= 2 && n < 200 && name[0] == '/' && !strchr(name + 1, '/');
+}
+
+/* Create the named segment of `bytes`, reserve its memory, map it. */
+static int shm_create(const char *name, size_t bytes, void **out)
+{
+    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+        int e = errno;
+        TD_LOG_ERR("kv pool: cannot create shared memory %s: %s", name, strerror(e));
+        return e == EEXIST ? TD_ESTATE : e == ENOMEM || e == ENOSPC ? TD_ENOMEM : TD_EIO;
+    }
+    /* fallocate, not ftruncate: tmpfs pages are reserved now, so a full /dev/shm fails
+     * here instead of killing the process with SIGBUS when a block is first written */
+    int e = posix_fallocate(fd, 0, (off_t)bytes);
+    void *r = MAP_FAILED;
+    if (!e) {
+        r = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (r == MAP_FAILED) e = errno;
+    }
+    close(fd);
+    if (e) {
+        TD_LOG_ERR("kv pool: cannot reserve %zu bytes of shared memory %s: %s", bytes, name,
+                   strerror(e));
+        shm_unlink(name);
+        return e == ENOSPC || e == ENOMEM || e == EFBIG ? TD_ENOMEM : TD_EIO;
+    }
+    *out = r;
+    return 0;
+}
+
+int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
+{
+    *out = NULL;
+    size_t block_bytes, region_bytes;
+    int rc = pool_shape(p, &block_bytes, &region_bytes);
+    if (rc) return rc;
+    if (p->shm_name && !shm_name_ok(p->shm_name)) {
+        TD_LOG_ERR("kv pool: bad shared memory name '%s'", p->shm_name);
         return TD_EINVAL;
     }
     kn_kv_pool *pool = calloc(1, sizeof *pool);
@@ -32,27 +92,40 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     pool->n_layers = p->n_layers;
     pool->n_kv_heads = p->n_kv_heads;
     pool->head_dim = p->head_dim;
-    pool->block_size = bs;
+    pool->block_size = p->block_size ? p->block_size : 16;
     pool->n_blocks = p->n_blocks;
-    pool->type = type;
+    pool->type = p->type;
     pool->block_bytes = block_bytes;
-    pool->region_bytes = layer_bytes * 2 * (size_t)p->n_layers;
-    /* anonymous mapping: page-aligned (registrable for RDMA later), zero-filled lazily */
-    void *r =
-        mmap(NULL, pool->region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    pool->region_bytes = region_bytes;
     pool->k = calloc((size_t)p->n_layers, sizeof *pool->k);
     pool->v = calloc((size_t)p->n_layers, sizeof *pool->v);
     pool->free_ids = malloc((size_t)p->n_blocks * sizeof *pool->free_ids);
-    if (r == MAP_FAILED || !pool->k || !pool->v || !pool->free_ids) {
-        TD_LOG_ERR("cannot allocate kv pool of %zu bytes", pool->region_bytes);
-        if (r != MAP_FAILED) munmap(r, pool->region_bytes);
-        free(pool->k);
-        free(pool->v);
-        free(pool->free_ids);
-        free(pool);
+    if (p->shm_name) pool->shm_name = strdup(p->shm_name);
+    if (!pool->k || !pool->v || !pool->free_ids || (p->shm_name && !pool->shm_name)) {
+        TD_LOG_ERR("cannot allocate kv pool bookkeeping");
+        kn_kv_pool_destroy(pool);
         return TD_ENOMEM;
     }
+    void *r = MAP_FAILED;
+    if (p->shm_name) {
+        rc = shm_create(p->shm_name, region_bytes, &r);
+        if (rc) {
+            free(pool->shm_name); /* not ours: creation failed (maybe someone else's name) */
+            pool->shm_name = NULL;
+            kn_kv_pool_destroy(pool);
+            return rc;
+        }
+    } else {
+        /* anonymous mapping: page-aligned (registrable for RDMA later), zero-filled lazily */
+        r = mmap(NULL, region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (r == MAP_FAILED) {
+            TD_LOG_ERR("cannot allocate kv pool of %zu bytes", region_bytes);
+            kn_kv_pool_destroy(pool);
+            return TD_ENOMEM;
+        }
+    }
     pool->region = r;
+    size_t layer_bytes = block_bytes * (size_t)p->n_blocks;
     for (int l = 0; l < p->n_layers; l++) {
         pool->k[l] = (char *)r + (size_t)(2 * l) * layer_bytes;
         pool->v[l] = (char *)r + (size_t)(2 * l + 1) * layer_bytes;
@@ -69,10 +142,59 @@ void kn_kv_pool_destroy(kn_kv_pool *pool)
 {
     if (!pool) return;
     if (pool->region) munmap(pool->region, pool->region_bytes);
+    /* the mapper usually unlinked it already (ENOENT); the name carries our pid, so it
+     * cannot be another process's segment */
+    if (pool->shm_name) shm_unlink(pool->shm_name);
+    free(pool->shm_name);
     free(pool->k);
     free(pool->v);
     free(pool->free_ids);
     free(pool);
+}
+
+int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes)
+{
+    *region = NULL;
+    *bytes = 0;
+    size_t block_bytes, region_bytes;
+    int rc = pool_shape(p, &block_bytes, &region_bytes);
+    if (rc) return rc;
+    if (!p->shm_name || !shm_name_ok(p->shm_name)) {
+        TD_LOG_ERR("kv pool: bad shared memory name '%s'", p->shm_name ? p->shm_name : "(null)");
+        return TD_EINVAL;
+    }
+    int fd = shm_open(p->shm_name, O_RDWR, 0);
+    if (fd < 0) {
+        int e = errno;
+        TD_LOG_ERR("kv pool: cannot open shared memory %s: %s", p->shm_name, strerror(e));
+        return e == ENOENT ? TD_ENOENT : TD_EIO;
+    }
+    struct stat st;
+    rc = fstat(fd, &st) ? TD_EIO : 0;
+    if (!rc && (st.st_size < 0 || (size_t)st.st_size != region_bytes)) {
+        TD_LOG_ERR("kv pool: shared memory %s has %lld bytes, the pool needs %zu", p->shm_name,
+                   (long long)st.st_size, region_bytes);
+        rc = TD_EFORMAT;
+    }
+    void *r = MAP_FAILED;
+    if (!rc) {
+        r = mmap(NULL, region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (r == MAP_FAILED) {
+            TD_LOG_ERR("kv pool: cannot map shared memory %s: %s", p->shm_name, strerror(errno));
+            rc = TD_ENOMEM;
+        }
+    }
+    close(fd);
+    if (rc) return rc;
+    if (unlink) shm_unlink(p->shm_name);
+    *region = r;
+    *bytes = region_bytes;
+    return 0;
+}
+
+void kn_kv_region_unmap(void *region, size_t bytes)
+{
+    if (region) munmap(region, bytes);
 }
 
 int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)

@@ -8,9 +8,18 @@
  * (head-major inside a block: one head's slice of a block is one contiguous range).
  * Invariants: block_size is a power of two; a block id is either on the free list or
  * owned by exactly one kn_kv_seq; kn_kv_alloc is all-or-nothing.
- * Threading: not thread-safe; the process's engine loop owns the pool.
+ * Memory: private anonymous memory (zero-filled lazily), or, with params.shm_name, a
+ * POSIX shared-memory segment the pool's process creates and another process maps with
+ * kn_kv_region_map (a decode instance's leader maps its followers' pools to receive their
+ * KV through kvxfer). The segment is reserved with posix_fallocate at create, so a full
+ * /dev/shm is a clean TD_ENOMEM there rather than a SIGBUS at the first write.
+ * Threading: not thread-safe; the process's engine loop owns the pool (a process that maps
+ * the region shares the memory, not the allocator).
  * Ownership: kn_kv_pool_create/destroy own the region; kn_kv_seq_init/fini are for an
- * embedded sequence record whose blocks go back to the pool on kn_kv_seq_release.
+ * embedded sequence record whose blocks go back to the pool on kn_kv_seq_release. A shared
+ * pool's name exists from create until the mapper unlinks it (kn_kv_region_map with
+ * unlink) or the pool is destroyed, whichever comes first: names must therefore be unique
+ * per creating process (carry its pid), so that destroy never removes another's segment.
  */
 #ifndef KN_KV_POOL_H
 #define KN_KV_POOL_H
@@ -27,7 +36,10 @@ typedef struct {
     int head_dim;
     int block_size; /* tokens per block, power of two; 0: 16 */
     int n_blocks;
-    td_dtype type; /* TD_F16 (the default of the nodes) or TD_F32 (exactness checks) */
+    td_dtype type;        /* TD_F16 (the default of the nodes) or TD_F32 (exactness checks) */
+    const char *shm_name; /* NULL: private memory; else "/NAME" (< 200 bytes, no other
+                             '/'): back the region with a new POSIX shared-memory segment of
+                             this name (created exclusively: an existing one is TD_ESTATE) */
 } kn_kv_pool_params;
 
 typedef struct {
@@ -39,10 +51,25 @@ typedef struct {
     void **k, **v;      /* (n_layers) pointers into region */
     int32_t *free_ids;  /* stack of free block ids */
     int n_free;
+    char *shm_name; /* the segment's name while this pool may still have to unlink it, or NULL */
 } kn_kv_pool;
 
+/* Errors: TD_EINVAL bad shape or name; TD_ENOMEM no memory (or /dev/shm full); TD_ESTATE
+ * the shm name already exists; TD_EIO another shm failure (logged with errno). */
 int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out);
-void kn_kv_pool_destroy(kn_kv_pool *pool); /* NULL is fine */
+/* Unmaps the region; a shared pool also unlinks its name if still there. NULL is fine. */
+void kn_kv_pool_destroy(kn_kv_pool *pool);
+
+/* Bytes of the region of a pool with these params (0 if the shape is invalid). */
+size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p);
+
+/* Map the region of a shared pool another process created with the same params
+ * (p->shm_name set): *region (read-write, shared), *bytes. The segment's size must be the
+ * region size of p (else TD_EFORMAT). unlink: remove the name once mapped (the memory
+ * lives on while any process maps it). TD_ENOENT if there is no such segment. Unmap
+ * with kn_kv_region_unmap. */
+int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes);
+void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */
 
 /* Take n free blocks into ids; TD_ENOSPC (and nothing taken) if fewer are free. */
 int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids);

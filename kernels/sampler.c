@@ -222,10 +222,12 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
         }
     }
     if (p->min_p > 0) {
-        /* relative to the most likely token, whose p is 1 (it survives every filter) */
+        /* relative to the most likely token, whose p is 1 (it survives every filter); a
+         * min_p above 1 would keep nothing, so it is capped at 1 (keep the best only) */
+        float min_p = p->min_p > 1.0f ? 1.0f : p->min_p;
         int32_t keep = 0;
         for (int32_t i = 0; i < k; i++)
-            if (c[i].p >= p->min_p) c[keep++] = c[i];
+            if (c[i].p >= min_p) c[keep++] = c[i];
         k = keep;
     }
     sum = 0;
@@ -237,4 +239,10 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
         if (r < acc) return c[i].id;
     }
     return c[k - 1].id;
+}
+
+void kn_sampler_skip(kn_sampler *s)
+{
+    /* mirrors kn_sample: greedy returns before the draw; otherwise exactly one uniform() */
+    if (s->p.temperature > 0) (void)xoshiro_next(s->rng);
 }

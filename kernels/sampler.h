@@ -39,4 +39,11 @@ void kn_sampler_fini(kn_sampler *s);
  * used by the repetition penalty. Returns the token id (>= 0) or a negative td_err. */
 int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist);
 
+/* Advance the sampler exactly as one successful kn_sample call does, without logits: a
+ * token sampled elsewhere with the same params and seed (the last prefill stage samples
+ * a disaggregated request's first token) is skipped, so the next kn_sample here draws
+ * what a sampler that had drawn that token itself would draw. kn_sample draws one random
+ * number per call when temperature > 0 and none when greedy; so does this. */
+void kn_sampler_skip(kn_sampler *s);
+
 #endif

@@ -25,3 +25,39 @@ if(TANDEM_PYTHON)
                    --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
   set_tests_properties(decode_node PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1200)
 endif()
+
+# ---- KV pools in shared memory (the followers' pools in disaggregated mode) and the
+# ---- segment names / stale sweep of dc_xfer.
+if(TARGET td_kvxfer)
+  add_executable(test_kv_shm ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_kv_shm.c)
+  target_link_libraries(test_kv_shm PRIVATE dc_xfer td_kernels td_common rt)
+  add_test(NAME test_kv_shm COMMAND test_kv_shm)
+  set_tests_properties(test_kv_shm PROPERTIES TIMEOUT 60 LABELS decode)
+endif()
+
+# ---- disaggregated decode: tandem-decode receiving the prompt KV through kvxfer.
+#   pd_client   the router's part: Alloc (or a colocated Submit), the targets, the stream
+#   pd_writer   a stand-in prefill: the real engine prefills, kvxfer pushes the KV (UCX)
+#   test_pd_decode.py --case C: tp1/tp3 default model, tp2 synthetic (2 stages), faults
+add_executable(pd_client ${CMAKE_CURRENT_SOURCE_DIR}/decode/pd_client.c)
+target_link_libraries(pd_client PRIVATE td_ctrl td_common)
+if(TARGET td_kvxfer)
+  add_executable(pd_writer ${CMAKE_CURRENT_SOURCE_DIR}/decode/pd_writer.c)
+  target_link_libraries(pd_writer PRIVATE td_kvxfer td_kernels td_common)
+endif()
+if(TANDEM_PYTHON AND TARGET td_kvxfer)
+  set(pd_cases synth_tp2 faults)
+  if(TANDEM_MODEL)
+    list(PREPEND pd_cases default_tp1 default_tp3)
+  endif()
+  foreach(case ${pd_cases})
+    add_test(NAME decode_pd_${case}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_pd_decode.py
+                     --case ${case} --decode $<TARGET_FILE:tandem-decode>
+                     --tandem $<TARGET_FILE:tandem> --client $<TARGET_FILE:pd_client>
+                     --writer $<TARGET_FILE:pd_writer> --synth-dir ${TANDEM_TEST_DATA}/synth
+                     --model "${TANDEM_MODEL}")
+    set_tests_properties(decode_pd_${case} PROPERTIES FIXTURES_REQUIRED synth_models
+                         TIMEOUT 300 LABELS decode)
+  endforeach()
+endif()

@@ -39,7 +39,7 @@ class Instance:
     """One decode instance: tp processes started from a generated YAML."""
 
     def __init__(self, args, model, tp, threads=1, kv_blocks=512, step_tokens=128, max_batch=32,
-                 name=None):
+                 name=None, extra=""):
         self.args = args
         self.tp = tp
         self.port = random.randint(20000, 40000)
@@ -55,7 +55,7 @@ class Instance:
                     f"    kv_blocks: {kv_blocks}\n"
                     f"    step_tokens: {step_tokens}\n"
                     f"    max_batch: {max_batch}\n"
-                    f"    port: {self.port}\n")
+                    f"    port: {self.port}\n" + extra)  # extra: more YAML (test_pd_decode.py)
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.procs = []
         order = list(range(tp))

@@ -1,8 +1,10 @@
 /* test_sched.c: the decode scheduler driving a real engine (one rank) on a synthetic
  * model: concurrent requests give the same tokens as alone, pool pressure (waiting and
  * preemption) still completes everything correctly, cancel frees blocks within one step,
- * requests that can never fit are refused, stop ids end generation, and step plans
- * survive the trip to follower ranks (and malformed plans are rejected).
+ * requests that can never fit are refused, stop ids end generation, step plans survive
+ * the trip to follower ranks (and malformed plans are rejected), and requests whose KV
+ * arrives from a prefill (TRANSFERRING: simulated here by prefilling into the reserved
+ * blocks) give the same tokens as colocated ones, also under pool pressure.
  * usage: test_sched MODEL.gguf
  */
 #include <stdlib.h>
@@ -13,6 +15,7 @@
 #include "dc_plan.h"
 #include "dc_sched.h"
 #include "model.h"
+#include "sampler.h"
 #include "td_err.h"
 
 #define MAX_REQ 32
@@ -278,6 +281,174 @@ static void test_plan_round_trip(void)
     kn_kv_pool_destroy(kv);
 }
 
+/* What a prefill instance does for request i: compute the prompt's KV into the blocks the
+ * scheduler reserved (as kvxfer would put it there) and sample the first token with the
+ * request's sampler. Returns the token or a negative td_err. */
+static int32_t fake_prefill(kn_kv_pool *kv, int i, const int32_t *blocks, int n_blocks)
+{
+    int32_t table[16], pos[200], seq_of[200] = {0};
+    if (n_blocks > 16) return TD_ERANGE;
+    memcpy(table, blocks, (size_t)n_blocks * sizeof *table); /* the scheduler may move them */
+    int n = specs[i].n_prompt;
+    for (int t = 0; t < n; t++)
+        pos[t] = t;
+    kn_seq_view view = {.block_table = table, .n_ctx = n};
+    int32_t last = n - 1;
+    kn_batch b = {.n_tokens = n,
+                  .tokens = specs[i].prompt,
+                  .pos = pos,
+                  .seq_of = seq_of,
+                  .n_seqs = 1,
+                  .seqs = &view,
+                  .n_logits = 1,
+                  .logit_rows = &last};
+    int rc = kn_engine_forward(engine, kv, &b, logits_buf);
+    if (rc) return rc;
+    dc_request_params p = params_of(i);
+    kn_sampler smp;
+    if ((rc = kn_sampler_init(&smp, &p.sampling, model->hp.n_vocab))) return rc;
+    int32_t first = kn_sample(&smp, logits_buf, specs[i].prompt, n);
+    kn_sampler_fini(&smp);
+    return first;
+}
+
+/* One scheduler step; returns its tokens (0: nothing runnable). */
+static int one_step(dc_sched *s, kn_kv_pool *kv)
+{
+    dc_step st;
+    int n = dc_sched_plan(s, &st);
+    if (n <= 0) return n;
+    dc_sched_commit(s, logits_buf, kn_engine_forward(engine, kv, &st.batch, logits_buf));
+    return n;
+}
+
+/* Every request arrives by transfer, one after the other while the others decode. */
+static void transfer_all(int n_blocks, const char *what)
+{
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, n_blocks, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    outputs o;
+    memset(&o, 0, sizeof o);
+    dc_sched *s;
+    dc_sched_params sp = {.max_running = 16, .step_tokens = 48};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
+    for (int i = 0; i < N_REQ; i++) {
+        dc_request_params p = params_of(i);
+        const int32_t *blocks;
+        int nb, rc, guard = 0;
+        /* the pool has no room for the prompt now: the running requests make some */
+        while ((rc = dc_sched_submit_transfer(s, &p, &blocks, &nb)) == TD_ESTATE && guard++ < 1000)
+            if (one_step(s, kv) <= 0) break;
+        TH_REQUIRE(rc == 0);
+        TH_CHECK(nb == kn_kv_blocks_for(kv, specs[i].n_prompt));
+        TH_CHECK(dc_sched_transferring(s, (uint64_t)i));
+        TH_CHECK(dc_sched_get_stats(s).transferring == 1);
+        int32_t first = fake_prefill(kv, i, blocks, nb);
+        TH_REQUIRE(first >= 0);
+        TH_CHECK(dc_sched_transfer_done(s, (uint64_t)i, first) == 0);
+        TH_CHECK(!dc_sched_transferring(s, (uint64_t)i));
+        TH_CHECK(o.n[i] == 1 && o.ids[i][0] == first);
+        one_step(s, kv);
+    }
+    drive(s, kv, 100000, logits_buf);
+    dc_sched_stats st = dc_sched_get_stats(s);
+    fprintf(stderr, "  %s: %llu preemptions\n", what, (unsigned long long)st.preemptions);
+    check_same_as_alone(&o, N_REQ, what);
+    TH_CHECKF(kv->n_free == kv->n_blocks, "%s: %d blocks still in use", what,
+              kv->n_blocks - kv->n_free);
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+}
+
+static void test_transfer_equals_colocated(void)
+{
+    transfer_all(256, "transferred");
+    transfer_all(14, "transferred, small pool"); /* preempted ones are recomputed locally */
+}
+
+static void test_transfer_edges(void)
+{
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 16, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    outputs o;
+    memset(&o, 0, sizeof o);
+    dc_sched *s;
+    dc_sched_params sp = {0};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
+    const int32_t *blocks;
+    int nb;
+    /* same errors as submit */
+    dc_request_params big = params_of(0);
+    big.max_tokens = 16 * 16;
+    TH_CHECK(dc_sched_submit_transfer(s, &big, &blocks, &nb) == TD_ENOSPC);
+    /* a transferring request holds its blocks and is not runnable */
+    dc_request_params p = params_of(5); /* 3 + 5 * 37 % 90 = 8 tokens: 1 block */
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0 && nb == 1);
+    TH_CHECK(dc_sched_submit_transfer(s, &p, &blocks, &nb) == TD_EINVAL); /* duplicate id */
+    TH_CHECK(kv->n_free == 15 && !dc_sched_idle(s));
+    dc_step st;
+    TH_CHECK(dc_sched_plan(s, &st) == 0);
+    /* cancel only marks it: the node ends it once no writer can write */
+    TH_CHECK(dc_sched_cancel(s, 5) == 0);
+    TH_CHECK(dc_sched_plan(s, &st) == 0 && kv->n_free == 15 && o.finals[5] == 0);
+    TH_CHECK(dc_sched_transfer_end(s, 5, DC_FINISH_CANCELLED) == 0);
+    TH_CHECK(o.finish[5] == DC_FINISH_CANCELLED && o.finals[5] == 1 && kv->n_free == 16);
+    TH_CHECK(dc_sched_transfer_end(s, 5, DC_FINISH_CANCELLED) == TD_ENOENT);
+    /* the pool cannot hold the prompt right now: retry later */
+    dc_request_params q = params_of(6); /* 3 + 6 * 37 % 90 = 45 tokens: 3 blocks */
+    q.max_tokens = 4;
+    int held = 0;
+    for (uint64_t id = 20; id < 25; id++, held++) { /* 5 x 3 of 16 blocks */
+        q.id = id;
+        TH_REQUIRE(dc_sched_submit_transfer(s, &q, &blocks, &nb) == 0);
+    }
+    q.id = 25;
+    TH_CHECK(dc_sched_submit_transfer(s, &q, &blocks, &nb) == TD_ESTATE);
+    TH_CHECK(dc_sched_get_stats(s).transferring == held && kv->n_free == 16 - 3 * held);
+    /* a first token outside the vocabulary changes nothing */
+    TH_CHECK(dc_sched_transfer_done(s, 20, model->hp.n_vocab) == TD_EINVAL);
+    TH_CHECK(dc_sched_transferring(s, 20));
+    /* a failed transfer ends with an error and gives its blocks back */
+    TH_CHECK(dc_sched_transfer_end(s, 20, DC_FINISH_ERROR) == 0 && o.finish[20] == DC_FINISH_ERROR);
+    TH_CHECK(kv->n_free == 16 - 3 * (held - 1));
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    memset(&o, 0, sizeof o);
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
+    p = params_of(5);
+    p.max_tokens = 1;
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    TH_CHECK(dc_sched_transfer_done(s, 5, 7) == 0);
+    TH_CHECK(o.n[5] == 1 && o.ids[5][0] == 7 && o.finish[5] == DC_FINISH_LENGTH);
+    /* a stop token: counted, not sent, finish STOP */
+    int32_t stop = 9;
+    p = params_of(6);
+    p.stop_ids = &stop;
+    p.n_stop = 1;
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    TH_CHECK(dc_sched_transfer_done(s, 6, 9) == 0);
+    TH_CHECK(o.n[6] == 0 && o.finish[6] == DC_FINISH_STOP);
+    /* cancelled while transferring, then the KV arrives anyway: it ends cancelled */
+    p = params_of(7);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    TH_CHECK(dc_sched_cancel(s, 7) == 0 && dc_sched_transfer_done(s, 7, 3) == 0);
+    TH_CHECK(o.n[7] == 0 && o.finish[7] == DC_FINISH_CANCELLED);
+    /* fail_all ends transferring requests too and frees their blocks */
+    p = params_of(8);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    dc_sched_fail_all(s);
+    TH_CHECK(o.finish[8] == DC_FINISH_ERROR && kv->n_free == kv->n_blocks && dc_sched_idle(s));
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -309,6 +480,8 @@ int main(int argc, char **argv)
     TH_RUN(test_refuse_and_cancel);
     TH_RUN(test_stop_ids);
     TH_RUN(test_plan_round_trip);
+    TH_RUN(test_transfer_equals_colocated);
+    TH_RUN(test_transfer_edges);
     free(logits_buf);
     kn_engine_destroy(engine);
     kn_cpu_destroy(cpu);

@@ -1,5 +1,6 @@
 /* test_sampler.c: the sampling chain: greedy, seeds, top-k, top-p, min-p, temperature,
- * repetition penalty, and the distribution it draws from. */
+ * repetition penalty, the distribution it draws from, and kn_sampler_skip (a token
+ * sampled elsewhere: the disaggregated first token). */
 #include <string.h>
 
 #include "../tharness.h"
@@ -127,6 +128,60 @@ static void test_bad_input(void)
     kn_sampler_fini(&s);
 }
 
+/* kn_sampler_skip must leave the sampler exactly where one kn_sample call leaves it, for
+ * every chain (greedy, each filter, the penalty): a decode node that skips the first token
+ * a prefill stage sampled then draws the same tokens as a node that sampled it itself. */
+static void test_skip_equals_one_sample(void)
+{
+    kn_sampler_params ps[] = {
+        {.temperature = 0},
+        {.temperature = 0.8f, .seed = 11},
+        {.temperature = 0.8f, .top_k = 3, .seed = 12},
+        {.temperature = 1.0f, .top_p = 0.7f, .seed = 13},
+        {.temperature = 1.0f, .top_k = 4, .top_p = 0.9f, .min_p = 0.05f, .seed = 14},
+        {.temperature = 1.3f, .repeat_penalty = 1.5f, .repeat_last_n = 3, .seed = 15},
+    };
+    float first[V] = {0.3f, 1.0f, 0.2f, 0.9f, -0.5f, 0.8f};
+    for (size_t k = 0; k < sizeof ps / sizeof ps[0]; k++) {
+        kn_sampler a, b, fresh;
+        TH_REQUIRE(kn_sampler_init(&a, &ps[k], V) == 0 && kn_sampler_init(&b, &ps[k], V) == 0 &&
+                   kn_sampler_init(&fresh, &ps[k], V) == 0);
+        int32_t hist[64] = {1, 2, 3};
+        int64_t n = 3;
+        TH_CHECK(kn_sample(&a, first, hist, n) >= 0);
+        kn_sampler_skip(&b);
+        int differ_fresh = 0;
+        for (int i = 0; i < 40; i++) {
+            float l[V];
+            for (int j = 0; j < V; j++)
+                l[j] = 0.1f * (float)((i * 7 + j * 3) % 11);
+            int32_t x = kn_sample(&a, l, hist, n), y = kn_sample(&b, l, hist, n),
+                    z = kn_sample(&fresh, l, hist, n);
+            TH_CHECKF(x == y, "params %zu draw %d: sampled %d, skipped %d", k, i, x, y);
+            differ_fresh += x != z;
+            if (n < 64) hist[n++] = x;
+        }
+        /* the skip is not a no-op when the chain draws: a fresh sampler (one draw behind)
+         * gives other tokens */
+        if (ps[k].temperature > 0)
+            TH_CHECKF(differ_fresh > 0, "params %zu: skipping changed nothing", k);
+        else
+            TH_CHECK(differ_fresh == 0);
+        kn_sampler_fini(&a);
+        kn_sampler_fini(&b);
+        kn_sampler_fini(&fresh);
+    }
+}
+
+static void test_min_p_above_one(void)
+{
+    /* min-p > 1 would filter out every token: it keeps the most likely one instead */
+    float l[V] = {0.1f, 0.2f, 3.0f, 0.0f, 0.3f, 0.2f};
+    int c[V], n = 200;
+    histogram((kn_sampler_params){.temperature = 1.0f, .min_p = 5.0f, .seed = 3}, l, n, c);
+    TH_CHECK(c[2] == n);
+}
+
 int main(void)
 {
     TH_RUN(test_greedy);
@@ -136,5 +191,7 @@ int main(void)
     TH_RUN(test_top_p_paths_agree);
     TH_RUN(test_repetition_penalty);
     TH_RUN(test_bad_input);
+    TH_RUN(test_skip_equals_one_sample);
+    TH_RUN(test_min_p_above_one);
     TH_EXIT();
 }
