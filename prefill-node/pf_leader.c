@@ -125,7 +125,8 @@ void pf_leader_on_report(pf_node *n, const pf_report *r)
 
 static void reset_formation(pf_node *n, const char *why)
 {
-    TD_LOG_WARN("prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
+    if (n->running || n->n_jobs) /* not at start-up */
+        TD_LOG_WARN("prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
                 "the stages to rejoin",
                 n->p->instance, why, n->n_jobs);
     for (pf_job *j = n->jobs, *nx; j; j = nx) {
@@ -622,13 +623,12 @@ static void profile(pf_node *n)
     }
     n->model = res.fit;
     n->chunking.dynamic = true;
-    int32_t plan[16];
+    int64_t example = 8 * (int64_t)n->chunk_max < n->rig.ctx ? 8 * (int64_t)n->chunk_max
+                                                               : (int64_t)n->rig.ctx;
+    int32_t plan[64];
     int64_t np = 0;
-    pf_plan_chunks(&n->model, &n->chunking, 8 * (int64_t)n->chunk_max < n->rig.ctx
-                                                ? 8 * (int64_t)n->chunk_max
-                                                : n->rig.ctx,
-                   plan, 16, &np);
-    char sizes[200];
+    if (pf_plan_chunks(&n->model, &n->chunking, example, plan, 64, &np)) np = 0;
+    char sizes[200] = "";
     int off = 0;
     for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
         off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);

@@ -1,0 +1,11 @@
+# disagg.cmake: disaggregated serving end to end (tests/disagg/test_disagg.py): router,
+# prefill stages and decode ranks as real processes, checked through the HTTP API.
+if(TANDEM_PYTHON AND TARGET tandem-prefill)
+  add_test(NAME disagg
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
+                   --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
+                   --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
+                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
+  set_tests_properties(disagg PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
+                       LABELS disagg)
+endif()

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""test_disagg.py: disaggregated serving end to end through the HTTP API: tandem-router,
+tandem-prefill stages and tandem-decode ranks as real processes on loopback.
+
+Cases (--case NAME runs one):
+  synth    greedy output equals `tandem generate` token for token on the synthetic llama,
+           for prefill pp 1/2/3 x decode tp 1/2, prompts from 1 token to several chunks;
+  default  the same on the default model: pp 2 x tp 1 and pp 2 x tp 3;
+  retry    a prefill stage killed mid-prompt with a second prefill instance up: the request
+           is retried there and still equals `tandem generate`; the killed stage restarts,
+           rejoins, and its instance serves again;
+  decode_dies  the decode rank killed mid-transfer: the client gets a clear error quickly,
+           the prefill instance ends its transfer (no request, no KV block left), the
+           restarted rank serves again;
+  stalled  prefill stage 0 stopped (SIGSTOP) after taking a prompt, so its KV never comes:
+           the decode side's deadline ends the request with an error, nothing leaks, and
+           after SIGCONT the cluster serves again.
+After every case every instance reports no request and no KV block in use.
+
+usage: test_disagg.py --router BIN --prefill BIN --decode BIN --tandem BIN --synth-dir DIR
+                      [--model GGUF] [--case NAME]
+"""
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pdlib import FAILS, Cluster, check, generate_text  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over the lazy dog while seven wise owls count stars "
+         "above a quiet river that winds through old hills and green fields").split()
+
+
+def text(n_words):
+    return " ".join(WORDS[i % len(WORDS)] for i in range(n_words))
+
+
+def expect(args, model, prompts, n, cache={}):
+    out = []
+    for p in prompts:
+        key = (model, p, n)
+        if key not in cache:
+            cache[key] = generate_text(args, model, p, n)
+        out.append(cache[key])
+    return out
+
+
+def equal_outputs(c, args, model, prompts, label, n=16):
+    want = expect(args, model, prompts, n)
+    for p, w in zip(prompts, want):
+        st, body = c.complete(p, n)
+        got = body.get("choices", [{}])[0].get("text") if st == 200 else None
+        ptok = body.get("usage", {}).get("prompt_tokens") if st == 200 else None
+        check(st == 200 and got == w,
+              f"{label}: {ptok} prompt tokens: equal to generate"
+              + ("" if got == w else f" (status {st}: {str(body)[:300]!r} vs {w!r})"))
+
+
+def idle(c, label):
+    ok, hs = c.wait_idle()
+    check(ok, f"{label}: every instance idle, no KV block held: {hs}")
+
+
+def case_synth(args):
+    model = os.path.join(args.synth_dir, "llama.gguf")
+    prompts = ["a", text(30), text(150)]
+    for pp in (1, 2, 3):
+        for tp in (1, 2):
+            with Cluster(args, model, [{"pp": pp, "chunk": 64}], [{"tp": tp}]) as c:
+                equal_outputs(c, args, model, prompts, f"synth pp{pp} tp{tp}")
+                idle(c, f"synth pp{pp} tp{tp}")
+                codes = c.stop()
+                check(all(v == 0 for v in codes.values()),
+                      f"synth pp{pp} tp{tp}: SIGTERM, every process exits 0 ({codes})")
+
+
+def case_default(args):
+    prompts = ["The capital of France is", text(300)]
+    for pp, tp in ((2, 1), (2, 3)):
+        with Cluster(args, args.model, [{"pp": pp, "chunk": 128}], [{"tp": tp}]) as c:
+            equal_outputs(c, args, args.model, prompts, f"default pp{pp} tp{tp}", n=24)
+            idle(c, f"default pp{pp} tp{tp}")
+
+
+def wait_for(pred, timeout, step=0.05):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+def background_complete(c, prompt, n, out):
+    t0 = time.time()
+    out["status"], out["body"] = c.complete(prompt, n)
+    out["seconds"] = time.time() - t0
+
+
+def case_retry(args):
+    prompt = text(1500)
+    want = expect(args, args.model, [prompt], 8)[0]
+    with Cluster(args, args.model, [{"pp": 2, "chunk": 128}, {"pp": 1, "chunk": 128}],
+                 [{"tp": 1, "kv_blocks": 1024}]) as c:
+        out = {}
+        th = threading.Thread(target=background_complete, args=(c, prompt, 8, out))
+        th.start()
+        busy = None
+        for _ in range(400):
+            for i in (0, 1):
+                if c.prefill_health(i).get("running") == "1":
+                    busy = i
+            if busy is not None:
+                break
+            time.sleep(0.05)
+        check(busy is not None, f"retry: the prompt reached a prefill instance (p{busy})")
+        victim = f"p{busy}s0" if busy is not None else "p0s0"
+        time.sleep(0.3)
+        c.kill(victim)
+        th.join(timeout=300)
+        text_out = out.get("body", {}).get("choices", [{}])[0].get("text")
+        check(out.get("status") == 200 and text_out == want,
+              f"retry: {victim} killed mid-prompt: retried elsewhere, equal to generate "
+              f"(status {out.get('status')}, {str(out.get('body'))[:200]})")
+        m = c.metrics()
+        check("retries" in m, "retry: the router counts retries in /metrics")
+        c.start_stage(busy if busy is not None else 0, 0)
+        ok = wait_for(lambda: c.prefill_health(busy or 0).get("ready") == "1", 60)
+        check(ok, f"retry: restarted {victim} rejoins, its instance is ready again")
+        equal_outputs(c, args, args.model, ["The capital of France is"], "retry: after restart")
+        ok, hs = c.wait_idle()
+        check(ok, f"retry: every instance idle, no KV block held: {hs}")
+
+
+def case_decode_dies(args):
+    prompt = text(1500)
+    with Cluster(args, args.model, [{"pp": 2, "chunk": 128}], [{"tp": 1, "kv_blocks": 1024}],
+                 instance_timeout_ms=1500) as c:
+        out = {}
+        th = threading.Thread(target=background_complete, args=(c, prompt, 8, out))
+        th.start()
+        ok = wait_for(lambda: c.prefill_health().get("running") == "1", 60)
+        check(ok, "decode_dies: the prompt is being prefilled")
+        time.sleep(0.3)
+        c.kill("d0r0")
+        th.join(timeout=120)
+        check(out.get("status") not in (None, 200) and out.get("seconds", 99) < 30,
+              f"decode_dies: the client gets an error in {out.get('seconds', 0):.1f} s "
+              f"(status {out.get('status')}: {str(out.get('body'))[:200]})")
+        ok = wait_for(lambda: (lambda h: h.get("running") == "0" and h.get("kv_used") == "0")(
+            c.prefill_health()), 30)
+        check(ok, f"decode_dies: the prefill instance dropped the transfer: {c.prefill_health()}")
+        c.start_rank(0, 0)
+        c.wait_health()
+        equal_outputs(c, args, args.model, ["The capital of France is"],
+                      "decode_dies: after the restart")
+        idle(c, "decode_dies")
+
+
+def case_stalled(args):
+    prompt = text(600)
+    with Cluster(args, args.model, [{"pp": 1, "chunk": 128}], [{"tp": 1}], timeout_ms=3000,
+                 instance_timeout_ms=60000) as c:
+        out = {}
+        c.kill("p0s0", signal.SIGSTOP)
+        th = threading.Thread(target=background_complete, args=(c, prompt, 8, out))
+        th.start()
+        th.join(timeout=120)
+        c.kill("p0s0", signal.SIGCONT)
+        check(out.get("status") not in (None, 200) and out.get("seconds", 99) < 20,
+              f"stalled: no KV ever comes: a clear error in {out.get('seconds', 0):.1f} s "
+              f"(status {out.get('status')}: {str(out.get('body'))[:200]})")
+        ok = wait_for(lambda: c.decode_health().get("kv_used") == "0", 20)
+        check(ok, f"stalled: the decode instance freed the blocks: {c.decode_health()}")
+        time.sleep(0.5)
+        equal_outputs(c, args, args.model, ["The capital of France is"], "stalled: after SIGCONT")
+        idle(c, "stalled")
+
+
+CASES = {"synth": case_synth, "default": case_default, "retry": case_retry,
+         "decode_dies": case_decode_dies, "stalled": case_stalled}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for k in ("router", "prefill", "decode", "tandem", "synth-dir"):
+        ap.add_argument("--" + k, required=True)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--case", default="")
+    args = ap.parse_args()
+    for name, fn in CASES.items():
+        if args.case and name != args.case:
+            continue
+        if name != "synth" and not (args.model and os.path.exists(args.model)):
+            print(f"skip {name}: no default model")
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            fn(args)
+        except Exception as e:  # a crashed case is a failure, the others still run
+            check(False, f"{name}: {type(e).__name__}: {e}")
+    print(f"{len(FAILS)} failed")
+    sys.exit(1 if FAILS else 0)
+
+
+if __name__ == "__main__":
+    main()
