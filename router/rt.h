@@ -3,14 +3,17 @@
  * Purpose: accept /v1/completions and /v1/chat/completions over HTTP (libmicrohttpd),
  * tokenize on the router, send token ids to a decode instance over the control plane
  * (common/ctrl.h), detokenize the returned ids incrementally and answer as the OpenAI API
- * does (one JSON body, or Server-Sent Events). Files, one concern each:
+ * does (one JSON body, or Server-Sent Events). With prefill instances in the YAML every
+ * request is served disaggregated: a prefill instance computes the prompt's KV and pushes it
+ * to a decode instance, which then generates (rt_pair.c). Files, one concern each:
  *   rt_main.c      command line, model metadata (tokenizer, chat template), start/stop
  *   rt_http.c      libmicrohttpd glue: routing, bodies, suspend/resume, SSE reader
  *   rt_openai.c    request JSON parsing/validation, response and error JSON
  *   rt_stream.c    per-request output: detokenizer, stop strings with hold-back, chunks
  *   rt_table.c     request table (router request id -> request)
- *   rt_registry.c  decode instances: heartbeats, liveness, scheduling choice
+ *   rt_registry.c  decode and prefill instances: heartbeats, liveness, scheduling choice
  *   rt_loop.c      the router loop thread: owns the ctrl clients and the request table
+ *   rt_pair.c      disaggregated mode: pairing, KV target relay, prefill failures, retries
  *   rt_metrics.c   Prometheus counters, gauges and histograms
  *
  * A request's life (loop side, rt_loop.c):
@@ -21,6 +24,12 @@
  *   SUBMITTED --Ack--> RUNNING --TokenEvent*--> RUNNING --finish/stop string--> DONE
  *   SUBMITTED --ErrorEvent BUSY / timeout, nothing streamed--> QUEUED (retried)
  *   any --instance dead / error / client gone / shutdown--> DONE
+ * Disaggregated mode (rt_pair.c has the details): dispatch sends Alloc to the decode leader
+ * and Prefill to the prefill leader of one *attempt* (its own request id, used on both
+ * sides); SUBMITTED waits for AllocReply, RUNNING means the decode side holds the request.
+ * The prefill side is tracked beside the state (pf_busy, pf_acked): KvTarget is relayed
+ * once both the Ack of Prefill and the AllocReply are in. A failure before the first token
+ * cancels both sides and re-queues the request (one prefill retry), else ends it.
  * DONE requests are out of the table; their remaining bytes sit in rt_req.out until the
  * HTTP side has written them.
  *
@@ -150,6 +159,7 @@ typedef struct rt_req {
     int64_t t_pending_ns;     /* SSE: when the token events behind the oldest unsent bytes of out
                                  reached the loop (0: out empty); the router-overhead histogram */
     struct MHD_Connection *conn;
+    int fd; /* conn's socket, -1 unknown: the loop peeks at it while conn is suspended */
 
     /* loop-owned */
     rt_state state;
@@ -166,6 +176,23 @@ typedef struct rt_req {
     bool stop_hit;  /* a stop string matched: the rest of the text is dropped */
     int n_gen;      /* tokens received */
     int64_t t_first_ms, t_last_ms;
+
+    /* loop-owned, disaggregated mode only (rt_pair.c) */
+    int attempts;                 /* pairings started; each after the first takes a fresh rid */
+    int busy;                     /* ERR_BUSY bounces from either side (not failures) */
+    int pinst;                    /* prefill instance of the attempt, -1 none */
+    uint64_t pf_call;             /* outstanding Prefill (until acked) or KvTarget call, 0 none */
+    bool pf_busy;                 /* the prefill side may still work on the attempt */
+    bool pf_acked;                /* Prefill was acknowledged (a Cancel can now reach it) */
+    bool kvt_sent;                /* the KV targets went to the prefill side */
+    bool pf_retried;              /* the one retry after a prefill failure was used */
+    int pf_avoid;                 /* the retry's prefill instance must differ from this, -1 none */
+    bool pf_same_ok;              /* ... unless no other is alive (the failure was a timeout) */
+    int64_t deadline_ms;          /* the attempt's first token is due by then, 0 none */
+    ProtobufCBinaryData *targets; /* (n_targets) AllocReply's targets until relayed */
+    size_t n_targets;
+    char pf_fail[320]; /* the first prefill failure, for the client's error message */
+
     struct rt_req *next;      /* inbox / queue link */
     struct rt_req *gone_next; /* gone list link */
 } rt_req;
@@ -220,7 +247,9 @@ typedef struct {
 } rt_call;
 
 typedef struct {
-    const td_cfg_decode *cfg;
+    const td_cfg_decode *cfg;   /* decode instance; NULL for a prefill instance */
+    const td_cfg_prefill *pcfg; /* prefill instance; NULL for a decode instance */
+    const char *name;           /* from the YAML */
     char url[160];
     td_ctrl_client *c;
     td_ctrl_client_in in;
@@ -232,25 +261,44 @@ typedef struct {
     int64_t busy_until_ms;
     uint32_t running, waiting, kv_used, kv_free; /* last figures */
     bool ready;
-    int active; /* router requests SUBMITTED or RUNNING on it */
-    int cap;    /* most requests the router gives it at once */
+    int active;             /* decode: router requests SUBMITTED or RUNNING on it; prefill: attempts
+                               with pf_busy on it */
+    int cap;                /* most requests the router gives it at once */
+    uint64_t queued_tokens; /* prefill: Health.queued_prompt_tokens */
+    uint64_t inflight_tokens; /* prefill: prompt tokens of the router's attempts on it */
+    bool role_warned;         /* prefill: logged once that it does not say ROLE_PREFILL */
+    rt_call *orphans;         /* prefill: (n_orphans) Prefill calls of abandoned attempts:
+                                 their Ack is answered with a Cancel */
+    int n_orphans, cap_orphans;
 } rt_inst;
 
 typedef struct {
-    rt_inst *inst; /* (n) */
+    rt_inst *inst; /* (n) decode instances, YAML order */
     int n;
+    rt_inst *pf; /* (n_pf) prefill instances, YAML order; none: colocated mode */
+    int n_pf;
+    unsigned pf_rr; /* round-robin start among equally loaded prefill instances */
 } rt_registry;
 
 int rt_reg_init(rt_registry *g, const td_cfg *cfg);
 void rt_reg_fini(rt_registry *g);
-/* Record a sign of life and health figures (h may be NULL). Returns true if the instance
- * just came (back) up. */
-bool rt_reg_seen(rt_registry *g, int i, const Td__Health *h, int64_t now);
-/* Send heartbeats that are due. */
+/* Record a sign of life and health figures (h may be NULL) of s. A prefill instance must
+ * say ROLE_PREFILL to count as ready. Returns true if the instance just came (back) up. */
+bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now);
+/* Send heartbeats that are due (decode and prefill instances). */
 void rt_reg_heartbeat(rt_registry *g, const td_cfg_router *rc, int64_t now);
-/* Index of the best instance for a new request, or -1 (none alive with room). */
+/* Index of the best decode instance for a new request, or -1 (none alive with room):
+ * the most free KV blocks, then the fewest running + router-active requests. */
 int rt_reg_pick(const rt_registry *g, int64_t now);
+/* Index of the prefill instance for a new attempt, or -1 (none alive with room); never
+ * `avoid` (-1: no exclusion). Least load first: max(reported queued prompt tokens, prompt
+ * tokens of the router's own attempts on it: they count before a health report shows
+ * them), then fewest waiting + running, then round robin (g->pf_rr advances past the
+ * choice, so a run of idle instances is used in turn). */
+int rt_reg_pick_prefill(rt_registry *g, int64_t now, int avoid);
 int rt_reg_n_alive(const rt_registry *g);
+/* Prefill instances alive (ready), not counting `avoid` (-1: count all). */
+int rt_reg_n_pf_alive(const rt_registry *g, int avoid);
 
 /* ---- metrics (any thread) ----------------------------------------------------------------- */
 
@@ -268,6 +316,22 @@ typedef struct {
 } rt_inst_gauge;
 
 typedef struct {
+    uint64_t queued_tokens;
+    uint32_t running, waiting;
+    int active; /* the router's attempts on it */
+    bool alive;
+} rt_pf_gauge;
+
+/* Why a disaggregated attempt failed before its first token (metric label). */
+typedef enum {
+    RT_PF_ERROR = 0, /* the prefill instance reported an error (reply or ErrorEvent) */
+    RT_PF_DEAD,      /* the prefill instance was marked dead */
+    RT_PF_TRANSFER,  /* the decode side reported the KV transfer failed / timed out */
+    RT_PF_DEADLINE,  /* no first token by the attempt's deadline */
+    RT_PF_N
+} rt_pf_fail;
+
+typedef struct {
     pthread_mutex_t mu;
     uint64_t by_status[600]; /* responses by HTTP status */
     uint64_t prompt_tokens, generation_tokens;
@@ -277,13 +341,31 @@ typedef struct {
     int n_inst;
     int queue;  /* requests in the router queue */
     int active; /* requests on instances */
+    /* disaggregated mode */
+    uint64_t pf_requests; /* Prefill messages sent (attempts) */
+    uint64_t pf_retries;  /* attempts retried after a prefill failure */
+    uint64_t pf_failures[RT_PF_N];
+    uint64_t busy_decode, busy_prefill; /* ERR_BUSY bounces */
+    rt_hist chunk;                      /* tokens: chunk sizes from PrefillDone */
+    rt_hist pf_time, pf_queued;         /* seconds: PrefillDone.prefill_ms, queued_ms */
+    rt_pf_gauge *pf;                    /* (n_pf) */
+    int n_pf;
 } rt_metrics;
 
-int rt_metrics_init(rt_metrics *m, int n_inst);
+int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf);
 void rt_metrics_fini(rt_metrics *m);
 void rt_metrics_status(rt_metrics *m, int status);
 void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms);
 void rt_metrics_write_delay(rt_metrics *m, double seconds);
+void rt_metrics_prefill_done(rt_metrics *m, const Td__PrefillDone *d);
+typedef enum {
+    RT_PM_SENT = 0,     /* a Prefill went out (an attempt) */
+    RT_PM_RETRY,        /* a request is retried after a prefill failure */
+    RT_PM_BUSY_DECODE,  /* ERR_BUSY to Alloc */
+    RT_PM_BUSY_PREFILL, /* ERR_BUSY to Prefill */
+    RT_PM_FAIL,         /* an attempt failed before its first token (why) */
+} rt_pair_metric;
+void rt_metrics_pair(rt_metrics *m, rt_pair_metric what, rt_pf_fail why);
 int64_t rt_now_ns(void); /* CLOCK_MONOTONIC */
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const struct rt_router *r);
@@ -308,9 +390,11 @@ typedef struct rt_router {
     bool closing;              /* shutting down: nothing more is posted */
     int wake_fd;               /* eventfd */
     atomic_bool stop;
-    atomic_int n_alive; /* instances able to serve (for /health) */
-    atomic_int queued;  /* requests posted but not yet on an instance */
-    atomic_int open;    /* generation requests whose response is not complete */
+    bool disagg;           /* prefill instances configured (read-only after start) */
+    atomic_int n_alive;    /* decode instances able to serve (for /health) */
+    atomic_int n_pf_alive; /* prefill instances able to serve */
+    atomic_int queued;     /* requests posted but not yet on an instance */
+    atomic_int open;       /* generation requests whose response is not complete */
 
     pthread_t loop;
     bool loop_started;
@@ -336,6 +420,46 @@ bool rt_loop_post(rt_router *r, rt_req *q);
 void rt_loop_gone(rt_router *r, rt_req *q);
 /* Resume q's connection if it is suspended (any thread; takes q->mu). */
 void rt_req_wake(rt_req *q);
+
+/* rt_loop.c internals shared with rt_pair.c (loop thread). */
+/* Take q out of the loop's structures (cancelling a busy prefill side), drop the loop's
+ * reference. */
+void rt_loop_retire(rt_router *r, rt_req *q);
+/* End q with an error (JSON status if nothing was streamed, else an SSE error event). */
+void rt_loop_fail(rt_router *r, rt_req *q, int status, const char *code, const char *msg);
+/* Put q back at the head of the router queue (counts a retry). */
+void rt_loop_requeue(rt_router *r, rt_req *q);
+/* Cancel q's request id on its decode instance (if any). */
+void rt_loop_cancel_decode(rt_router *r, rt_req *q);
+
+/* rt_pair.c: disaggregated mode (loop thread). */
+/* Start an attempt of q (off the queue) on decode instance d and prefill instance p:
+ * Alloc and Prefill (without targets) at once; an attempt after the first takes a fresh
+ * request id. 0, or a td_err (nothing is left on either instance; the caller fails q). */
+int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now);
+/* The reply to q's Alloc on decode instance i. */
+void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *in, int64_t now);
+/* An AllocReply that matches no live attempt: cancel it on decode instance i. */
+void rt_pair_orphan_alloc(rt_router *r, int i, const Td__Envelope *env);
+/* A decode ErrorEvent for q (an attempt on instance q->inst). */
+void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e);
+/* Replies and events from prefill instance j. */
+void rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now);
+void rt_pair_on_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now);
+/* Prefill instance j stopped answering: its attempts before their first token fail over. */
+void rt_pair_prefill_died(rt_router *r, int j);
+/* Attempts past their deadline: cancel both sides, fail the request. */
+void rt_pair_deadlines(rt_router *r, int64_t now);
+/* The request ends: cancel its prefill side if still busy, free the relay buffers. */
+void rt_pair_release(rt_router *r, rt_req *q);
+/* Dispatch check for the queue head q when no prefill instance can take it now: true when
+ * it can never be served (its retry must avoid the only alive instance); then it was
+ * failed. */
+bool rt_pair_unservable(rt_router *r, rt_req *q);
+/* First-token deadline of an attempt started at now: kvxfer.timeout_ms (the nodes' own
+ * bound on every KV wait, so their error normally comes first) + instance_timeout_ms (a
+ * dead node is noticed by then) + 2 s for the messages. */
+int64_t rt_pair_deadline(const td_cfg *cfg, int64_t now);
 
 /* rt_http.c */
 int rt_http_start(rt_router *r, const char *host, int port);

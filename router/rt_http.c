@@ -176,10 +176,16 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
         free(s);
         return ok;
     case K_HEALTH: {
-        int n = atomic_load(&r->n_alive);
-        int len = snprintf(buf, sizeof buf, "{\"status\":\"%s\",\"instances_alive\":%d}",
-                           n ? "ok" : "unavailable", n);
-        return respond(r, conn, n ? 200 : 503, buf, (size_t)len, "application/json");
+        /* disaggregated: serving needs a decode and a prefill instance */
+        int n = atomic_load(&r->n_alive), np = atomic_load(&r->n_pf_alive);
+        bool ok = n > 0 && (!r->disagg || np > 0);
+        int len = snprintf(buf, sizeof buf, "{\"status\":\"%s\",\"instances_alive\":%d",
+                           ok ? "ok" : "unavailable", n);
+        if (r->disagg)
+            len += snprintf(buf + len, sizeof buf - (size_t)len, ",\"prefill_instances_alive\":%d",
+                            np);
+        len += snprintf(buf + len, sizeof buf - (size_t)len, "}");
+        return respond(r, conn, ok ? 200 : 503, buf, (size_t)len, "application/json");
     }
     case K_METRICS:
         s = rt_metrics_render(&r->metrics, r);
@@ -218,6 +224,9 @@ static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *con
     q->created = (int64_t)time(NULL);
     q->t_arrive_ms = td_ctrl_now_ms();
     q->conn = conn;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    q->fd = ci ? ci->connect_fd : -1;
     if (!rt_loop_post(r, q)) {
         rt_req_release(q);
         rt_error_set(&e, 503, NULL, "shutting_down", "the router is shutting down");

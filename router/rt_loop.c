@@ -1,18 +1,22 @@
 /* rt_loop.c: the router loop thread. It alone owns the control-plane clients (one per
- * decode instance, via rt_registry), the request table and the router queue, and it takes
- * every scheduling decision. The HTTP threads only post to its inbox (new requests,
- * closed connections) and wake it through an eventfd; it answers through rt_req's shared
- * fields and resumes the connection (rt_req_wake).
+ * decode and prefill instance, via rt_registry), the request table and the router queue,
+ * and it takes every scheduling decision. The HTTP threads only post to its inbox (new
+ * requests, closed connections) and wake it through an eventfd; it answers through
+ * rt_req's shared fields and resumes the connection (rt_req_wake).
  *
  * One iteration: poll(wake fd, client fds, <= 50 ms) -> take the inbox (admit: queue or
  * 429/503; closed connections: cancel) -> drain every client (replies, token events,
- * health) -> liveness (fail the requests of instances silent for instance_timeout_ms) ->
- * heartbeats -> dispatch queued requests to rt_reg_pick's choice -> poke idle suspended
- * connections (so a client that went away is noticed). */
+ * health; prefill instances' through rt_pair.c) -> liveness (fail the requests of
+ * instances silent for instance_timeout_ms) -> attempt deadlines (disaggregated) ->
+ * heartbeats -> dispatch queued requests to rt_reg_pick's choice (and, disaggregated,
+ * rt_reg_pick_prefill's) -> poke idle suspended connections (so a client that went away
+ * is noticed). */
+#include <errno.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <microhttpd.h>
@@ -32,7 +36,10 @@ rt_req *rt_req_create(void)
     if (!q) return NULL;
     pthread_mutex_init(&q->mu, NULL);
     q->refs = 1;
+    q->fd = -1;
     q->inst = -1;
+    q->pinst = -1;
+    q->pf_avoid = -1;
     return q;
 }
 
@@ -55,6 +62,9 @@ void rt_req_release(rt_req *q)
     rt_buf_free(&q->held);
     rt_buf_free(&q->text);
     rt_buf_free(&q->out);
+    for (size_t i = 0; i < q->n_targets; i++)
+        free(q->targets[i].data);
+    free(q->targets);
     pthread_mutex_destroy(&q->mu);
     free(q);
 }
@@ -140,10 +150,16 @@ static void send_cancel(rt_router *r, rt_req *q)
     td_ctrl_client_cancel(r->reg.inst[q->inst].c, q->rid, CANCEL_TIMEOUT_MS, &call);
 }
 
+void rt_loop_cancel_decode(rt_router *r, rt_req *q)
+{
+    send_cancel(r, q);
+}
+
 /* Take q out of the loop's structures and drop the loop's reference. */
 static void retire(rt_router *r, rt_req *q)
 {
     if (q->state == RT_ST_QUEUED) queue_remove(r, q);
+    if (r->disagg) rt_pair_release(r, q);
     rt_table_remove(&r->table, q);
     if (q->inst >= 0 && (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING))
         r->reg.inst[q->inst].active--;
@@ -168,6 +184,16 @@ static void fail(rt_router *r, rt_req *q, int status, const char *code, const ch
     retire(r, q);
 }
 
+void rt_loop_retire(rt_router *r, rt_req *q)
+{
+    retire(r, q);
+}
+
+void rt_loop_fail(rt_router *r, rt_req *q, int status, const char *code, const char *msg)
+{
+    fail(r, q, status, code, msg);
+}
+
 static void requeue_front(rt_router *r, rt_req *q)
 {
     if (q->inst >= 0) r->reg.inst[q->inst].active--;
@@ -181,15 +207,22 @@ static void requeue_front(rt_router *r, rt_req *q)
     atomic_fetch_add(&r->queued, 1);
 }
 
+void rt_loop_requeue(rt_router *r, rt_req *q)
+{
+    requeue_front(r, q);
+}
+
 /* ---- admission and dispatch ---- */
 
 static void admit(rt_router *r, rt_req *q)
 {
-    if (atomic_load(&r->n_alive) == 0) {
+    bool no_pf = r->disagg && atomic_load(&r->n_pf_alive) == 0;
+    if (atomic_load(&r->n_alive) == 0 || no_pf) {
         atomic_fetch_sub(&r->queued, 1);
         q->state = RT_ST_DONE;
         rt_error e;
-        rt_error_set(&e, 503, NULL, "no_instance", "no decode instance is available");
+        rt_error_set(&e, 503, NULL, "no_instance", "no %s instance is available",
+                     no_pf ? "prefill" : "decode");
         rt_stream_fail(q, &e);
         rt_req_release(q);
         return;
@@ -255,13 +288,24 @@ static void dispatch(rt_router *r, int64_t now)
         int i = rt_reg_pick(&r->reg, now);
         if (i < 0) return;
         rt_req *q = r->q_head;
+        int p = -1;
+        if (r->disagg) {
+            p = rt_reg_pick_prefill(&r->reg, now, q->pf_avoid);
+            if (p < 0 && q->pf_avoid >= 0 && q->pf_same_ok &&
+                !rt_reg_n_pf_alive(&r->reg, q->pf_avoid))
+                p = rt_reg_pick_prefill(&r->reg, now, -1); /* a timeout: the same one may retry */
+            if (p < 0) {
+                if (rt_pair_unservable(r, q)) continue; /* failed; next in the queue */
+                return;
+            }
+        }
         r->q_head = q->next;
         if (!r->q_head) r->q_tail = NULL;
         q->next = NULL;
         r->q_len--;
         atomic_fetch_sub(&r->queued, 1);
         q->state = RT_ST_INBOX; /* off the queue, not yet submitted */
-        int rc = submit(r, q, i);
+        int rc = r->disagg ? rt_pair_start(r, q, i, p, now) : submit(r, q, i);
         if (rc) {
             q->state = RT_ST_DONE;
             rt_table_remove(&r->table, q);
@@ -292,15 +336,24 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
     if (in->call_id == s->hb_call) {
         s->hb_call = 0;
         if (!in->err && in->env && in->env->body_case == TD__ENVELOPE__BODY_HEALTH) {
-            bool was = s->alive;
-            if (rt_reg_seen(&r->reg, i, in->env->health, now) && !was)
-                TD_LOG_INFO("router: decode instance %s (%s) is serving", s->cfg->name, s->url);
+            if (rt_reg_seen(s, in->env->health, now))
+                TD_LOG_INFO("router: decode instance %s (%s) is serving", s->name, s->url);
         }
         return;
     }
-    if (!in->err) rt_reg_seen(&r->reg, i, NULL, now);
+    if (!in->err) rt_reg_seen(s, NULL, now);
     rt_req *q = find_call(r, i, in->call_id);
-    if (!q) return; /* a Cancel's answer, or a request that ended meanwhile */
+    if (!q) {
+        /* a Cancel's answer, or a request that ended meanwhile; an Alloc's reservation of
+           an attempt that ended must not stay behind */
+        if (!in->err && in->env && in->env->body_case == TD__ENVELOPE__BODY_ALLOC_REPLY)
+            rt_pair_orphan_alloc(r, i, in->env);
+        return;
+    }
+    if (r->disagg) {
+        rt_pair_on_alloc(r, q, i, in, now);
+        return;
+    }
     if (in->err) {
         /* no answer in time: the instance is probably going away */
         if (!q->sse && q->retries < MAX_RETRIES) {
@@ -394,16 +447,19 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
 static void on_events(rt_router *r, int i, const td_ctrl_client_in *in, int64_t now)
 {
     rt_inst *s = &r->reg.inst[i];
-    bool was = s->alive;
-    if (rt_reg_seen(&r->reg, i, in->health, now) && !was)
-        TD_LOG_INFO("router: decode instance %s (%s) is serving", s->cfg->name, s->url);
+    if (rt_reg_seen(s, in->health, now))
+        TD_LOG_INFO("router: decode instance %s (%s) is serving", s->name, s->url);
     for (size_t k = 0; k < in->n_events; k++) {
         const Td__Event *ev = in->events[k];
         if (ev->body_case == TD__EVENT__BODY_TOKEN) {
             on_token(r, i, ev->token, now);
         } else if (ev->body_case == TD__EVENT__BODY_ERROR && ev->error->request_id) {
             rt_req *q = rt_table_get(&r->table, ev->error->request_id);
-            if (q && q->inst == i) fail(r, q, 500, NULL, ev->error->message);
+            if (!q || q->inst != i) continue;
+            if (r->disagg)
+                rt_pair_on_decode_error(r, q, ev->error);
+            else
+                fail(r, q, 500, NULL, ev->error->message);
         }
     }
 }
@@ -412,8 +468,8 @@ static void on_events(rt_router *r, int i, const td_ctrl_client_in *in, int64_t 
 static void instance_died(rt_router *r, int i)
 {
     rt_inst *s = &r->reg.inst[i];
-    TD_LOG_WARN("router: decode instance %s (%s) silent for %d ms: marked dead", s->cfg->name,
-                s->url, r->cfg->router.instance_timeout_ms);
+    TD_LOG_WARN("router: decode instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
+                r->cfg->router.instance_timeout_ms);
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
         if (!q || q->inst != i) continue;
@@ -422,25 +478,34 @@ static void instance_died(rt_router *r, int i)
     }
 }
 
+/* Did s just die? (alive, but not heard from within the timeout) */
+static bool went_silent(rt_inst *s, int timeout, int64_t now)
+{
+    bool recent = s->ever_seen && now - s->last_seen_ms <= timeout;
+    if (s->alive && !recent) {
+        s->alive = false;
+        return true;
+    }
+    s->alive = recent && s->ready;
+    return false;
+}
+
 static void liveness(rt_router *r, int64_t now)
 {
     int timeout = r->cfg->router.instance_timeout_ms;
-    for (int i = 0; i < r->reg.n; i++) {
-        rt_inst *s = &r->reg.inst[i];
-        bool recent = s->ever_seen && now - s->last_seen_ms <= timeout;
-        if (s->alive && !recent) {
-            s->alive = false;
-            instance_died(r, i);
-        } else {
-            s->alive = recent && s->ready;
-        }
-    }
+    for (int i = 0; i < r->reg.n; i++)
+        if (went_silent(&r->reg.inst[i], timeout, now)) instance_died(r, i);
+    for (int j = 0; j < r->reg.n_pf; j++)
+        if (went_silent(&r->reg.pf[j], timeout, now)) rt_pair_prefill_died(r, j);
     int n = rt_reg_n_alive(&r->reg);
+    int n_pf = rt_reg_n_pf_alive(&r->reg, -1);
     atomic_store(&r->n_alive, n);
-    if (!n) {
+    atomic_store(&r->n_pf_alive, n_pf);
+    if (!n || (r->disagg && !n_pf)) {
         /* nobody can take the queue: answer it now rather than let clients hang */
         while (r->q_head)
-            fail(r, r->q_head, 503, "no_instance", "no decode instance is available");
+            fail(r, r->q_head, 503, "no_instance",
+                 n ? "no prefill instance is available" : "no decode instance is available");
     }
 }
 
@@ -455,6 +520,14 @@ static void publish_metrics(rt_router *r)
                                      .kv_used = s->kv_used,
                                      .kv_free = s->kv_free,
                                      .alive = s->alive};
+    }
+    for (int j = 0; j < r->reg.n_pf && j < m->n_pf; j++) {
+        const rt_inst *s = &r->reg.pf[j];
+        m->pf[j] = (rt_pf_gauge){.queued_tokens = s->queued_tokens,
+                                 .running = s->running,
+                                 .waiting = s->waiting,
+                                 .active = s->active,
+                                 .alive = s->alive};
     }
     m->queue = atomic_load(&r->queued);
     m->active = (int)r->table.count - r->q_len;
@@ -490,17 +563,48 @@ static void take_inbox(rt_router *r)
     }
 }
 
+/* Did the client of a suspended connection close it? MHD reads nothing from a connection
+ * whose request is complete until the response writes, so a client that leaves before
+ * its first byte (a long queue wait, a slow prefill) would otherwise go unnoticed. The fd
+ * cannot be closed under us: the connection cannot complete while suspended, and it is
+ * resumed only under q->mu (rt_req_wake). A half-close (FIN after the request) counts as
+ * gone, as it does for every HTTP server that checks. */
+static bool client_closed(rt_req *q)
+{
+    bool closed = false;
+    pthread_mutex_lock(&q->mu);
+    if (q->suspended && !q->http_gone && q->fd >= 0) {
+        char c;
+        ssize_t n = recv(q->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    }
+    pthread_mutex_unlock(&q->mu);
+    return closed;
+}
+
 static void poke(rt_router *r)
 {
-    for (uint32_t k = 0; k < r->table.cap; k++)
-        if (r->table.slots[k]) rt_req_wake(r->table.slots[k]);
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q) continue;
+        if (client_closed(q)) {
+            TD_LOG_DEBUG("router: %s: the client closed its connection: cancelled", q->oid);
+            if (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING) send_cancel(r, q);
+            rt_error e; /* never seen: it makes MHD write, fail and complete the connection */
+            rt_error_set(&e, 499, NULL, NULL, "the client closed the connection");
+            rt_stream_fail(q, &e);
+            retire(r, q);
+            continue;
+        }
+        rt_req_wake(q);
+    }
 }
 
 static void *loop_main(void *arg)
 {
     rt_router *r = arg;
-    int n = r->reg.n;
-    struct pollfd *fds = calloc((size_t)n + 1, sizeof *fds);
+    int n = r->reg.n, n_pf = r->reg.n_pf;
+    struct pollfd *fds = calloc((size_t)(n + n_pf) + 1, sizeof *fds);
     if (!fds) {
         TD_LOG_ERR("router: out of memory in the loop");
         return NULL;
@@ -511,8 +615,11 @@ static void *loop_main(void *arg)
         for (int i = 0; i < n; i++)
             fds[i + 1] =
                 (struct pollfd){.fd = td_ctrl_client_fd(r->reg.inst[i].c), .events = POLLIN};
+        for (int j = 0; j < n_pf; j++)
+            fds[n + j + 1] =
+                (struct pollfd){.fd = td_ctrl_client_fd(r->reg.pf[j].c), .events = POLLIN};
         int wait = r->cfg->router.heartbeat_ms < 50 ? r->cfg->router.heartbeat_ms : 50;
-        poll(fds, (nfds_t)n + 1, wait);
+        poll(fds, (nfds_t)(n + n_pf) + 1, wait);
         int64_t now = td_ctrl_now_ms();
         take_inbox(r);
         for (int i = 0; i < n; i++) {
@@ -525,8 +632,18 @@ static void *loop_main(void *arg)
                     on_events(r, i, &s->in, now);
             }
         }
+        for (int j = 0; j < n_pf; j++) {
+            rt_inst *s = &r->reg.pf[j];
+            while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
+                if (s->in.kind == TD_CTRL_IN_REPLY)
+                    rt_pair_on_reply(r, j, &s->in, now);
+                else if (s->in.kind == TD_CTRL_IN_EVENTS)
+                    rt_pair_on_events(r, j, &s->in, now);
+            }
+        }
         now = td_ctrl_now_ms();
         liveness(r, now);
+        if (r->disagg) rt_pair_deadlines(r, now);
         rt_reg_heartbeat(&r->reg, &r->cfg->router, now);
         dispatch(r, now);
         if (now - last_poke >= RT_POKE_MS) {
@@ -554,6 +671,7 @@ int rt_loop_start(rt_router *r)
         TD_LOG_ERR("router: eventfd failed");
         return TD_EIO;
     }
+    r->disagg = r->cfg->n_prefill > 0;
     int rc = rt_reg_init(&r->reg, r->cfg);
     if (rc) return rc;
     if (pthread_create(&r->loop, NULL, loop_main, r)) {

@@ -138,12 +138,14 @@ int main(int argc, char **argv)
     if (!rc && r->cfg->router.api_key && r->cfg->router.api_key[0])
         snprintf(r->api_key_hdr, sizeof r->api_key_hdr, "Bearer %s", r->cfg->router.api_key);
     if (!rc) rc = load_model(r);
-    if (!rc) rc = rt_metrics_init(&r->metrics, r->cfg->n_decode);
+    if (!rc) rc = rt_metrics_init(&r->metrics, r->cfg->n_decode, r->cfg->n_prefill);
     if (!rc) rc = rt_loop_start(r);
     if (!rc) rc = rt_http_start(r, host, port);
     if (!rc) {
-        TD_LOG_INFO("router: model %s (context %d), %d decode instance(s)", r->model_name, r->n_ctx,
-                    r->cfg->n_decode);
+        TD_LOG_INFO(
+            "router: model %s (context %d), %d decode instance(s), %d prefill instance(s)%s",
+            r->model_name, r->n_ctx, r->cfg->n_decode, r->cfg->n_prefill,
+            r->cfg->n_prefill ? " (disaggregated)" : " (colocated)");
         int sig = 0;
         sigwait(&set, &sig);
         TD_LOG_INFO("router: signal %d: stopping", sig);

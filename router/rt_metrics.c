@@ -4,6 +4,10 @@
  * (histograms), tandem_router_prompt_tokens_total, tandem_router_generation_tokens_total,
  * tandem_router_queue_length, tandem_router_requests_running, and per decode instance
  * tandem_instance_{up,running,waiting,kv_blocks_used,kv_blocks_free,kv_usage_ratio}.
+ * With prefill instances (disaggregated mode) also tandem_router_prefill_{requests,retries,
+ * failures{reason},busy{side}}_total, the histograms tandem_router_prefill_chunk_size_tokens,
+ * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds, and per prefill
+ * instance tandem_prefill_instance_{up,queued_prompt_tokens,running,waiting,requests}.
  * Threading: every function takes m->mu; any thread may call them. */
 #include <stdio.h>
 #include <time.h>
@@ -20,20 +24,28 @@ static const double TPOT_BOUNDS[RT_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 
                                                     0.025, 0.03,   0.04,  0.05, 0.075, 0.1,
                                                     0.15,  0.2,    0.5,   1.0};
 
-int rt_metrics_init(rt_metrics *m, int n_inst)
+/* tokens; chunk sizes are aligned to max(block size, 64) by the prefill planner */
+static const double CHUNK_BOUNDS[RT_HIST_BUCKETS] = {
+    16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192, 16384};
+
+int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
 {
     memset(m, 0, sizeof *m);
     pthread_mutex_init(&m->mu, NULL);
     m->inst = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->inst);
-    if (!m->inst) return TD_ENOMEM;
+    m->pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->pf);
+    if (!m->inst || !m->pf) return TD_ENOMEM;
     m->n_inst = n_inst;
+    m->n_pf = n_pf;
     return 0;
 }
 
 void rt_metrics_fini(rt_metrics *m)
 {
     free(m->inst);
+    free(m->pf);
     m->inst = NULL;
+    m->pf = NULL;
     pthread_mutex_destroy(&m->mu);
 }
 
@@ -74,6 +86,39 @@ void rt_metrics_write_delay(rt_metrics *m, double seconds)
     pthread_mutex_unlock(&m->mu);
 }
 
+void rt_metrics_prefill_done(rt_metrics *m, const Td__PrefillDone *d)
+{
+    pthread_mutex_lock(&m->mu);
+    for (size_t k = 0; k < d->n_chunk_sizes; k++)
+        observe(&m->chunk, CHUNK_BOUNDS, (double)d->chunk_sizes[k]);
+    observe(&m->pf_time, LAT_BOUNDS, (double)d->prefill_ms / 1000.0);
+    observe(&m->pf_queued, LAT_BOUNDS, (double)d->queued_ms / 1000.0);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void rt_metrics_pair(rt_metrics *m, rt_pair_metric what, rt_pf_fail why)
+{
+    pthread_mutex_lock(&m->mu);
+    switch (what) {
+    case RT_PM_SENT:
+        m->pf_requests++;
+        break;
+    case RT_PM_RETRY:
+        m->pf_retries++;
+        break;
+    case RT_PM_BUSY_DECODE:
+        m->busy_decode++;
+        break;
+    case RT_PM_BUSY_PREFILL:
+        m->busy_prefill++;
+        break;
+    case RT_PM_FAIL:
+        if (why >= 0 && why < RT_PF_N) m->pf_failures[why]++;
+        break;
+    }
+    pthread_mutex_unlock(&m->mu);
+}
+
 void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
 {
     pthread_mutex_lock(&m->mu);
@@ -110,6 +155,75 @@ static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist
     snprintf(line, sizeof line, "%s_sum %.6f\n%s_count %llu\n", name, h->sum, name,
              (unsigned long long)h->n);
     rc |= rt_buf_puts(b, line);
+    return rc;
+}
+
+/* The disaggregated-mode series (caller holds m->mu). */
+static int render_prefill(rt_buf *b, const rt_metrics *m, const rt_router *r)
+{
+    char line[512];
+    int rc = 0;
+    snprintf(
+        line, sizeof line,
+        "# HELP tandem_router_prefill_requests_total Prefill requests sent (one per attempt).\n"
+        "# TYPE tandem_router_prefill_requests_total counter\n"
+        "tandem_router_prefill_requests_total %llu\n"
+        "# HELP tandem_router_prefill_retries_total Requests retried after a prefill failure.\n"
+        "# TYPE tandem_router_prefill_retries_total counter\n"
+        "tandem_router_prefill_retries_total %llu\n",
+        (unsigned long long)m->pf_requests, (unsigned long long)m->pf_retries);
+    rc |= rt_buf_puts(b, line);
+    static const char *const reasons[RT_PF_N] = {"prefill_error", "instance_dead", "transfer",
+                                                 "deadline"};
+    rc |= rt_buf_puts(b, "# HELP tandem_router_prefill_failures_total Attempts that failed "
+                         "before their first token, by reason.\n"
+                         "# TYPE tandem_router_prefill_failures_total counter\n");
+    for (int k = 0; k < RT_PF_N; k++) {
+        snprintf(line, sizeof line, "tandem_router_prefill_failures_total{reason=\"%s\"} %llu\n",
+                 reasons[k], (unsigned long long)m->pf_failures[k]);
+        rc |= rt_buf_puts(b, line);
+    }
+    snprintf(line, sizeof line,
+             "# HELP tandem_router_pair_busy_total ERR_BUSY answers to Alloc (decode) and "
+             "Prefill (prefill).\n"
+             "# TYPE tandem_router_pair_busy_total counter\n"
+             "tandem_router_pair_busy_total{side=\"decode\"} %llu\n"
+             "tandem_router_pair_busy_total{side=\"prefill\"} %llu\n",
+             (unsigned long long)m->busy_decode, (unsigned long long)m->busy_prefill);
+    rc |= rt_buf_puts(b, line);
+    rc |= put_hist(b, "tandem_router_prefill_chunk_size_tokens",
+                   "Chunk sizes chosen by the prefill instances (from PrefillDone).", &m->chunk,
+                   CHUNK_BOUNDS);
+    rc |= put_hist(b, "tandem_router_prefill_seconds",
+                   "Prefill time: first chunk's start to the last stage's finish (PrefillDone).",
+                   &m->pf_time, LAT_BOUNDS);
+    rc |= put_hist(b, "tandem_router_prefill_queue_seconds",
+                   "Time a prefill waited at stage 0 before its first chunk (PrefillDone).",
+                   &m->pf_queued, LAT_BOUNDS);
+    static const char *const names[] = {"up", "queued_prompt_tokens", "running", "waiting",
+                                        "requests"};
+    static const char *const helps[] = {
+        "1 when the prefill instance is alive and ready (all stages joined).",
+        "Prompt tokens queued or being prefilled on the instance.",
+        "Requests the instance is prefilling.", "Requests waiting at the instance's stage 0.",
+        "The router's attempts on the instance not yet done."};
+    for (int k = 0; k < 5; k++) {
+        snprintf(line, sizeof line,
+                 "# HELP tandem_prefill_instance_%s %s\n# TYPE tandem_prefill_instance_%s gauge\n",
+                 names[k], helps[k], names[k]);
+        rc |= rt_buf_puts(b, line);
+        for (int j = 0; j < m->n_pf; j++) {
+            const rt_pf_gauge *g = &m->pf[j];
+            double v = k == 0   ? g->alive
+                       : k == 1 ? (double)g->queued_tokens
+                       : k == 2 ? (double)g->running
+                       : k == 3 ? (double)g->waiting
+                                : (double)g->active;
+            snprintf(line, sizeof line, "tandem_prefill_instance_%s{instance=\"%s\"} %g\n",
+                     names[k], r->cfg->prefill[j].name, v);
+            rc |= rt_buf_puts(b, line);
+        }
+    }
     return rc;
 }
 
@@ -186,6 +300,7 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
             rc |= rt_buf_puts(&b, line);
         }
     }
+    if (m->n_pf > 0) rc |= render_prefill(&b, m, r);
     pthread_mutex_unlock(&m->mu);
     if (rc) {
         rt_buf_free(&b);

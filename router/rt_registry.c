@@ -1,11 +1,13 @@
-/* rt_registry.c: the decode instances of the YAML, their liveness and load, and the choice
- * of an instance for a new request. Loop thread only.
+/* rt_registry.c: the decode and prefill instances of the YAML, their liveness and load, and
+ * the choice of instances for a new request. Loop thread only.
  *
  * Liveness: every heartbeat_ms the loop sends HealthRequest (one outstanding per instance);
  * any reply or event from an instance counts as a sign of life. An instance that has been
  * seen, reports ready and was heard from within instance_timeout_ms is alive; the loop
- * (rt_loop.c) notices when one stops being alive and fails its requests. A dead instance
- * keeps being polled and rejoins with its first ready answer. */
+ * (rt_loop.c) notices when one stops being alive and fails (decode) or fails over (prefill)
+ * its requests. A dead instance keeps being polled and rejoins with its first ready answer.
+ * Decode and prefill instances are two arrays of the same rt_inst so that the health and
+ * liveness code is shared; the choice functions differ (rt.h). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,64 +15,104 @@
 #include "rt.h"
 #include "td_err.h"
 
+static int client_for(rt_inst *s, const char *kind, const char *host, int port)
+{
+    td_ctrl_opts opts = {.poll_wait_ms = 500};
+    int rc = td_cfg_ctrl_url(host, port, s->url, sizeof s->url);
+    if (!rc) rc = td_ctrl_client_create(s->url, &opts, &s->c);
+    if (rc)
+        TD_LOG_ERR("router: cannot create the control client of %s instance %s (%s): %s", kind,
+                   s->name, s->url, td_strerror(rc));
+    return rc;
+}
+
 int rt_reg_init(rt_registry *g, const td_cfg *cfg)
 {
     g->inst = calloc((size_t)cfg->n_decode, sizeof *g->inst);
-    if (!g->inst) return TD_ENOMEM;
+    g->pf = calloc((size_t)(cfg->n_prefill > 0 ? cfg->n_prefill : 1), sizeof *g->pf);
+    if (!g->inst || !g->pf) return TD_ENOMEM;
     g->n = cfg->n_decode;
-    td_ctrl_opts opts = {.poll_wait_ms = 500};
+    g->n_pf = cfg->n_prefill;
     for (int i = 0; i < g->n; i++) {
         rt_inst *s = &g->inst[i];
         s->cfg = &cfg->decode[i];
+        s->name = s->cfg->name;
         s->cap = 4 * s->cfg->max_batch;
-        int rc = td_cfg_ctrl_url(s->cfg->host, s->cfg->port, s->url, sizeof s->url);
-        if (!rc) rc = td_ctrl_client_create(s->url, &opts, &s->c);
-        if (rc) {
-            TD_LOG_ERR("router: cannot create the control client of decode instance %s (%s): %s",
-                       s->cfg->name, s->url, td_strerror(rc));
-            return rc;
-        }
+        int rc = client_for(s, "decode", s->cfg->host, s->cfg->port);
+        if (rc) return rc;
+    }
+    for (int j = 0; j < g->n_pf; j++) {
+        rt_inst *s = &g->pf[j];
+        s->pcfg = &cfg->prefill[j];
+        s->name = s->pcfg->name;
+        /* the node answers ERR_BUSY past its own queue; this only bounds the router's
+           bookkeeping for one instance */
+        s->cap = 2 * s->pcfg->max_queue + 8;
+        int rc = client_for(s, "prefill", s->pcfg->hosts[0], s->pcfg->port);
+        if (rc) return rc;
     }
     return 0;
 }
 
+static void inst_fini(rt_inst *s)
+{
+    td_ctrl_client_in_free(&s->in);
+    td_ctrl_client_destroy(s->c);
+    free(s->orphans);
+}
+
 void rt_reg_fini(rt_registry *g)
 {
-    for (int i = 0; i < g->n; i++) {
-        td_ctrl_client_in_free(&g->inst[i].in);
-        td_ctrl_client_destroy(g->inst[i].c);
-    }
+    for (int i = 0; i < g->n; i++)
+        inst_fini(&g->inst[i]);
+    for (int j = 0; j < g->n_pf; j++)
+        inst_fini(&g->pf[j]);
     free(g->inst);
+    free(g->pf);
     *g = (rt_registry){0};
 }
 
-bool rt_reg_seen(rt_registry *g, int i, const Td__Health *h, int64_t now)
+bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
 {
-    rt_inst *s = &g->inst[i];
     bool was = s->alive;
     s->ever_seen = true;
     s->last_seen_ms = now;
     if (h) {
         s->ready = h->ready;
+        if (s->pcfg && h->role != TD__ROLE__ROLE_PREFILL) {
+            /* a decode leader on a prefill port would take Prefill for Submit: never use it */
+            if (!s->role_warned)
+                TD_LOG_ERR("router: prefill instance %s (%s) answers as role %d, not a prefill "
+                           "leader: not used",
+                           s->name, s->url, (int)h->role);
+            s->role_warned = true;
+            s->ready = false;
+        }
         s->running = h->running;
         s->waiting = h->waiting;
         s->kv_used = h->kv_blocks_used;
         s->kv_free = h->kv_blocks_free;
+        s->queued_tokens = h->queued_prompt_tokens;
     }
     s->alive = s->ready;
     return s->alive && !was;
+}
+
+static void heartbeat(rt_inst *s, const td_cfg_router *rc, int timeout, int64_t now)
+{
+    if (s->hb_call || now - s->last_hb_ms < rc->heartbeat_ms) return;
+    s->last_hb_ms = now;
+    if (td_ctrl_client_health(s->c, timeout, &s->hb_call)) s->hb_call = 0;
 }
 
 void rt_reg_heartbeat(rt_registry *g, const td_cfg_router *rc, int64_t now)
 {
     int timeout = 2 * rc->heartbeat_ms < 250 ? 250 : 2 * rc->heartbeat_ms;
     if (timeout > rc->instance_timeout_ms) timeout = rc->instance_timeout_ms;
-    for (int i = 0; i < g->n; i++) {
-        rt_inst *s = &g->inst[i];
-        if (s->hb_call || now - s->last_hb_ms < rc->heartbeat_ms) continue;
-        s->last_hb_ms = now;
-        if (td_ctrl_client_health(s->c, timeout, &s->hb_call)) s->hb_call = 0;
-    }
+    for (int i = 0; i < g->n; i++)
+        heartbeat(&g->inst[i], rc, timeout, now);
+    for (int j = 0; j < g->n_pf; j++)
+        heartbeat(&g->pf[j], rc, timeout, now);
 }
 
 int rt_reg_pick(const rt_registry *g, int64_t now)
@@ -91,10 +133,45 @@ int rt_reg_pick(const rt_registry *g, int64_t now)
     return best;
 }
 
+static uint64_t pf_tokens(const rt_inst *s)
+{
+    return s->queued_tokens > s->inflight_tokens ? s->queued_tokens : s->inflight_tokens;
+}
+
+int rt_reg_pick_prefill(rt_registry *g, int64_t now, int avoid)
+{
+    int best = -1;
+    for (int k = 0; k < g->n_pf; k++) {
+        /* visiting in round-robin order and replacing only on strictly less load makes
+           ties go to the first instance after the previous choice */
+        int j = (int)((g->pf_rr + (unsigned)k) % (unsigned)g->n_pf);
+        const rt_inst *s = &g->pf[j];
+        if (j == avoid || !s->alive || s->active >= s->cap || s->busy_until_ms > now) continue;
+        if (best < 0) {
+            best = j;
+            continue;
+        }
+        const rt_inst *b = &g->pf[best];
+        uint64_t ts = pf_tokens(s), tb = pf_tokens(b);
+        uint32_t ws = s->waiting + s->running, wb = b->waiting + b->running;
+        if (ts < tb || (ts == tb && ws < wb)) best = j;
+    }
+    if (best >= 0) g->pf_rr = (unsigned)best + 1;
+    return best;
+}
+
 int rt_reg_n_alive(const rt_registry *g)
 {
     int n = 0;
     for (int i = 0; i < g->n; i++)
         n += g->inst[i].alive;
+    return n;
+}
+
+int rt_reg_n_pf_alive(const rt_registry *g, int avoid)
+{
+    int n = 0;
+    for (int j = 0; j < g->n_pf; j++)
+        n += j != avoid && g->pf[j].alive;
     return n;
 }

@@ -6,6 +6,8 @@
 #   router_http      raw HTTP: SSE bytes, keep-alive, 256 concurrent streams, the bad-request
 #                    table, API key, bounded fuzz (TANDEM_HTTP_FUZZ_SECONDS, default 20)
 #   router_faults    client disconnect frees KV blocks; decode instance killed and restarted
+#   test_rt_pair     disaggregated mode against scripted fake prefill/decode leaders (C):
+#                    pairing, KV target relay, retries, cancels, busy, deadlines, dead instances
 add_executable(test_rt_unit ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_unit.c)
 target_include_directories(test_rt_unit PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_rt_unit PRIVATE rt_core)
@@ -15,6 +17,13 @@ set_tests_properties(test_rt_unit PROPERTIES TIMEOUT 60)
 if(TANDEM_PYTHON)
   add_test(NAME test_rt_unit_tok COMMAND test_rt_unit ${TANDEM_TEST_DATA}/synth/llama.gguf)
   set_tests_properties(test_rt_unit_tok PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 60)
+
+  add_executable(test_rt_pair ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_pair.c)
+  target_include_directories(test_rt_pair PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_rt_pair PRIVATE td_ctrl td_common Threads::Threads)
+  add_test(NAME test_rt_pair COMMAND test_rt_pair $<TARGET_FILE:tandem-router>
+                                     ${TANDEM_TEST_DATA}/synth/llama.gguf)
+  set_tests_properties(test_rt_pair PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 120)
 
   set(RT_TEST_BINS --router $<TARGET_FILE:tandem-router> --decode $<TARGET_FILE:tandem-decode>
                    --tandem $<TARGET_FILE:tandem> --synth ${TANDEM_TEST_DATA}/synth/llama.gguf)

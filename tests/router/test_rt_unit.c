@@ -1,6 +1,9 @@
 /* test_rt_unit.c: router units without processes: stop-string hold-back (random texts
  * fed character by character: the emitted text is exactly the text before the first stop
- * string to complete), the request table, and rt_stream over a real tokenizer (argv[1]: a GGUF). */
+ * string to complete), the request table, the choice of decode and prefill instances, the
+ * disaggregated pairing's bookkeeping (replies and events fed by hand; the control clients
+ * dial ports nobody listens on, so calls just stay pending), and rt_stream over a real
+ * tokenizer (argv[1]: a GGUF). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -97,6 +100,327 @@ static void test_table(void)
     rt_table_fini(&t);
 }
 
+/* ---- instance choice ---- */
+
+static void test_pick(void)
+{
+    rt_inst d[3] = {0}, p[3] = {0};
+    rt_registry g = {.inst = d, .n = 3, .pf = p, .n_pf = 3};
+    for (int i = 0; i < 3; i++) {
+        d[i] = (rt_inst){.alive = true, .cap = 4, .kv_free = 100};
+        p[i] = (rt_inst){.alive = true, .cap = 4};
+    }
+    /* decode: most free blocks, then least running + active; never dead, full or busy */
+    d[1].kv_free = 200;
+    TH_CHECK(rt_reg_pick(&g, 0) == 1);
+    d[1].busy_until_ms = 50;
+    TH_CHECK(rt_reg_pick(&g, 10) == 0 && rt_reg_pick(&g, 60) == 1);
+    d[1].active = 4;
+    TH_CHECK(rt_reg_pick(&g, 60) == 0);
+    d[0].running = 3;
+    TH_CHECK(rt_reg_pick(&g, 60) == 2);
+    d[0].alive = d[1].alive = d[2].alive = false;
+    TH_CHECK(rt_reg_pick(&g, 60) == -1);
+
+    /* prefill: idle instances in turn */
+    int seen[3] = {0};
+    for (int k = 0; k < 6; k++)
+        seen[rt_reg_pick_prefill(&g, 0, -1)]++;
+    TH_CHECK(seen[0] == 2 && seen[1] == 2 && seen[2] == 2);
+    /* least load: the larger of the reported queue and the router's own attempts */
+    p[0].queued_tokens = 500;
+    p[1].inflight_tokens = 300;
+    p[2].queued_tokens = 100;
+    p[2].inflight_tokens = 400;
+    TH_CHECK(rt_reg_pick_prefill(&g, 0, -1) == 1);
+    p[1].queued_tokens = 450;
+    TH_CHECK(rt_reg_pick_prefill(&g, 0, -1) == 2);
+    /* equal tokens: fewer waiting + running */
+    p[0].queued_tokens = p[1].queued_tokens = 400;
+    p[0].inflight_tokens = p[1].inflight_tokens = p[2].inflight_tokens = 0;
+    p[2].queued_tokens = 1000;
+    p[0].waiting = 2;
+    p[1].running = 1;
+    TH_CHECK(rt_reg_pick_prefill(&g, 0, -1) == 1);
+    TH_CHECK(rt_reg_pick_prefill(&g, 0, 1) == 0); /* avoid */
+    TH_CHECK(rt_reg_pick_prefill(&g, 0, 0) == 1);
+    p[1].busy_until_ms = 100;
+    TH_CHECK(rt_reg_pick_prefill(&g, 50, -1) == 0);
+    TH_CHECK(rt_reg_pick_prefill(&g, 150, -1) == 1);
+    p[0].active = 4; /* at its cap */
+    TH_CHECK(rt_reg_pick_prefill(&g, 50, -1) == 2);
+    p[2].alive = false;
+    TH_CHECK(rt_reg_pick_prefill(&g, 50, -1) == -1);
+    p[2].alive = true;
+    TH_CHECK(rt_reg_n_pf_alive(&g, -1) == 3 && rt_reg_n_pf_alive(&g, 0) == 2);
+    p[1].alive = false;
+    TH_CHECK(rt_reg_n_pf_alive(&g, 0) == 1);
+
+    /* a prefill entry must answer as a prefill leader to be ready */
+    rt_inst x = {.pcfg = &(td_cfg_prefill){.name = "p"}, .name = "p"};
+    Td__Health h = TD__HEALTH__INIT;
+    h.ready = true;
+    h.role = TD__ROLE__ROLE_DECODE;
+    h.queued_prompt_tokens = 77;
+    TH_CHECK(!rt_reg_seen(&x, &h, 1) && !x.alive);
+    h.role = TD__ROLE__ROLE_PREFILL;
+    TH_CHECK(rt_reg_seen(&x, &h, 2) && x.alive && x.queued_tokens == 77);
+}
+
+/* ---- pairing bookkeeping (rt_pair.c) ---- */
+
+static rt_router g_r;
+
+static int pair_setup(void)
+{
+    static const char yaml[] = "model: /nonexistent.gguf\n"
+                               "router: {instance_timeout_ms: 1000}\n"
+                               "kvxfer: {timeout_ms: 2000}\n"
+                               "prefill: [{name: p0, pp: 2, port: 1}, {name: p1, port: 2}]\n"
+                               "decode: [{name: d0, port: 3}]\n";
+    char err[256];
+    memset(&g_r, 0, sizeof g_r);
+    if (td_cfg_parse(yaml, strlen(yaml), "unit", &g_r.cfg, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
+        return -1;
+    }
+    g_r.disagg = true;
+    if (rt_reg_init(&g_r.reg, g_r.cfg) || rt_metrics_init(&g_r.metrics, 1, 2)) return -1;
+    /* as after their first ready health answer (replies and events keep alive == ready) */
+    rt_inst *all[3] = {&g_r.reg.inst[0], &g_r.reg.pf[0], &g_r.reg.pf[1]};
+    for (int i = 0; i < 3; i++)
+        all[i]->alive = all[i]->ready = all[i]->ever_seen = true;
+    return 0;
+}
+
+static void pair_teardown(void)
+{
+    rt_reg_fini(&g_r.reg);
+    rt_table_fini(&g_r.table);
+    rt_metrics_fini(&g_r.metrics);
+    td_cfg_free(g_r.cfg);
+}
+
+/* A request as the loop holds it after admission (plus a reference for the test). */
+static rt_req *pair_req(void)
+{
+    rt_req *q = rt_req_create();
+    q->p.prompt = malloc(3 * sizeof *q->p.prompt);
+    q->p.prompt[0] = 1, q->p.prompt[1] = 2, q->p.prompt[2] = 3;
+    q->p.n_prompt = 3;
+    q->p.max_tokens = 4;
+    snprintf(q->oid, sizeof q->oid, "cmpl-unit");
+    rt_req_retain(q);
+    rt_table_add(&g_r.table, q);
+    return q;
+}
+
+/* Take q off the router queue as dispatch does. */
+static void pair_unqueue(rt_req *q)
+{
+    g_r.q_head = q->next;
+    if (!g_r.q_head) g_r.q_tail = NULL;
+    q->next = NULL;
+    g_r.q_len--;
+    atomic_fetch_sub(&g_r.queued, 1);
+    q->state = RT_ST_INBOX;
+}
+
+static void reply(int pf, uint64_t call, Td__Envelope *env)
+{
+    td_ctrl_client_in in = {.kind = TD_CTRL_IN_REPLY, .call_id = call, .env = env};
+    if (pf >= 0)
+        rt_pair_on_reply(&g_r, pf, &in, 0);
+    else {
+        rt_req *q = NULL;
+        for (uint32_t k = 0; k < g_r.table.cap; k++)
+            if (g_r.table.slots[k] && g_r.table.slots[k]->call_id == call) q = g_r.table.slots[k];
+        if (q) rt_pair_on_alloc(&g_r, q, 0, &in, 0);
+    }
+}
+
+static void ack(int pf, uint64_t call)
+{
+    Td__Ack a = TD__ACK__INIT;
+    Td__Envelope env = TD__ENVELOPE__INIT;
+    env.body_case = TD__ENVELOPE__BODY_ACK;
+    env.ack = &a;
+    reply(pf, call, &env);
+}
+
+static void alloc_reply(uint64_t call, uint64_t rid)
+{
+    char t[] = "target";
+    ProtobufCBinaryData b = {.len = 6, .data = (uint8_t *)t};
+    Td__AllocReply ar = TD__ALLOC_REPLY__INIT;
+    ar.request_id = rid;
+    ar.kv_targets = &b;
+    ar.n_kv_targets = 1;
+    Td__Envelope env = TD__ENVELOPE__INIT;
+    env.body_case = TD__ENVELOPE__BODY_ALLOC_REPLY;
+    env.alloc_reply = &ar;
+    reply(-1, call, &env);
+}
+
+static void error_reply(int pf, uint64_t call, Td__ErrorCode code)
+{
+    Td__ErrorEvent e = TD__ERROR_EVENT__INIT;
+    e.code = code;
+    e.message = "unit";
+    Td__Envelope env = TD__ENVELOPE__INIT;
+    env.body_case = TD__ENVELOPE__BODY_ERROR;
+    env.error = &e;
+    reply(pf, call, &env);
+}
+
+static void pf_event(int pf, Td__Event *ev)
+{
+    td_ctrl_client_in in = {.kind = TD_CTRL_IN_EVENTS, .events = &ev, .n_events = 1};
+    rt_pair_on_events(&g_r, pf, &in, 0);
+}
+
+static void prefill_done(int pf, uint64_t rid)
+{
+    uint32_t chunks[1] = {3};
+    Td__PrefillDone d = TD__PREFILL_DONE__INIT;
+    d.request_id = rid;
+    d.chunk_sizes = chunks;
+    d.n_chunk_sizes = 1;
+    Td__Event ev = TD__EVENT__INIT;
+    ev.body_case = TD__EVENT__BODY_PREFILL_DONE;
+    ev.prefill_done = &d;
+    pf_event(pf, &ev);
+}
+
+static void prefill_error(int pf, uint64_t rid, Td__ErrorCode code)
+{
+    Td__ErrorEvent e = TD__ERROR_EVENT__INIT;
+    e.request_id = rid;
+    e.code = code;
+    e.message = "stage died";
+    Td__Event ev = TD__EVENT__INIT;
+    ev.body_case = TD__EVENT__BODY_ERROR;
+    ev.error = &e;
+    pf_event(pf, &ev);
+}
+
+/* Nothing is held on any instance. */
+static bool all_released(void)
+{
+    const rt_registry *g = &g_r.reg;
+    return g->inst[0].active == 0 && g->pf[0].active == 0 && g->pf[1].active == 0 &&
+           g->pf[0].inflight_tokens == 0 && g->pf[1].inflight_tokens == 0;
+}
+
+static void test_pair(void)
+{
+    TH_REQUIRE(pair_setup() == 0);
+    TH_CHECK(rt_pair_deadline(g_r.cfg, 100) == 100 + 2000 + 1000 + 2000);
+
+    /* the normal path: Ack and AllocReply in either order, then PrefillDone */
+    for (int order = 0; order < 2; order++) {
+        rt_req *q = pair_req();
+        TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+        TH_CHECK(q->state == RT_ST_SUBMITTED && q->pf_busy && q->pinst == 0);
+        TH_CHECK(g_r.reg.inst[0].active == 1 && g_r.reg.pf[0].active == 1 &&
+                 g_r.reg.pf[0].inflight_tokens == 3);
+        uint64_t pcall = q->pf_call;
+        if (order == 0) ack(0, pcall);
+        alloc_reply(q->call_id, q->rid);
+        TH_CHECK(q->state == RT_ST_RUNNING && q->kvt_sent == (order == 0));
+        if (order == 1) ack(0, pcall);
+        TH_CHECK(q->kvt_sent && !q->targets && q->pf_call != 0); /* the KvTarget call */
+        ack(0, q->pf_call);
+        prefill_done(0, q->rid);
+        TH_CHECK(!q->pf_busy && g_r.reg.pf[0].active == 0 && g_r.reg.pf[0].inflight_tokens == 0);
+        rt_loop_retire(&g_r, q); /* the request ends */
+        TH_CHECK(all_released());
+        rt_req_release(q);
+    }
+    TH_CHECK(g_r.metrics.pf_requests == 2 && g_r.metrics.chunk.n == 2);
+
+    /* a prefill failure: retried once avoiding the instance, with a fresh id; the second
+       failure ends the request */
+    rt_req *q = pair_req();
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    uint64_t rid1 = q->rid;
+    ack(0, q->pf_call);
+    prefill_error(0, q->rid, TD__ERROR_CODE__ERR_PEER_FAILED);
+    TH_CHECK(q->state == RT_ST_QUEUED && g_r.q_head == q && q->pf_retried && q->pf_avoid == 0);
+    TH_CHECK(!q->pf_same_ok && all_released());
+    pair_unqueue(q);
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 0) == 0);
+    TH_CHECK(q->rid != rid1 && rt_table_get(&g_r.table, rid1) == NULL);
+    alloc_reply(q->call_id, q->rid);
+    error_reply(1, q->pf_call, TD__ERROR_CODE__ERR_PEER_FAILED); /* Prefill refused */
+    TH_CHECK(q->done && q->status == 503 && strstr(q->out.buf, "prefill_failed") &&
+             strstr(q->out.buf, "failed twice"));
+    TH_CHECK(all_released() && g_r.metrics.pf_retries == 1);
+    rt_req_release(q);
+
+    /* a timeout with no other instance alive: the same instance may retry */
+    g_r.reg.pf[1].alive = g_r.reg.pf[1].ready = false;
+    q = pair_req();
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    ack(0, q->pf_call);
+    prefill_error(0, q->rid, TD__ERROR_CODE__ERR_TIMEOUT);
+    TH_CHECKF(q->state == RT_ST_QUEUED && q->pf_same_ok && !rt_pair_unservable(&g_r, q),
+              "state %d same %d", (int)q->state, q->pf_same_ok);
+    /* ... but not after a non-timeout failure */
+    q->pf_same_ok = false;
+    TH_CHECK(rt_pair_unservable(&g_r, q) && q->done && q->status == 503);
+    TH_CHECK(g_r.q_head == NULL && all_released());
+    rt_req_release(q);
+    g_r.reg.pf[1].alive = g_r.reg.pf[1].ready = true;
+
+    /* decode BUSY before the Prefill's Ack: re-queued; the Prefill is cancelled when its Ack
+       comes (an orphan), never before */
+    q = pair_req();
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    uint64_t pcall = q->pf_call;
+    error_reply(-1, q->call_id, TD__ERROR_CODE__ERR_BUSY);
+    TH_CHECK(q->state == RT_ST_QUEUED && q->busy == 1 && q->retries == 0 && !q->pf_retried);
+    TH_CHECK(g_r.reg.pf[0].n_orphans == 1 && all_released());
+    ack(0, pcall);
+    TH_CHECK(g_r.reg.pf[0].n_orphans == 0);
+    pair_unqueue(q);
+
+    /* a decode transfer error before the first token: retried */
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    ack(0, q->pf_call);
+    alloc_reply(q->call_id, q->rid);
+    Td__ErrorEvent xe = TD__ERROR_EVENT__INIT;
+    xe.request_id = q->rid;
+    xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
+    xe.message = "transfer failed";
+    rt_pair_on_decode_error(&g_r, q, &xe);
+    TH_CHECK(q->state == RT_ST_QUEUED && q->pf_retried && all_released());
+    TH_CHECK(g_r.metrics.pf_failures[RT_PF_TRANSFER] == 1);
+    pair_unqueue(q);
+
+    /* the deadline ends the attempt and the request */
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 0) == 0);
+    ack(1, q->pf_call);
+    rt_pair_deadlines(&g_r, q->deadline_ms);
+    TH_CHECK(!q->done);
+    rt_pair_deadlines(&g_r, q->deadline_ms + 1);
+    TH_CHECK(q->done && q->status == 503 && strstr(q->out.buf, "first_token_timeout"));
+    TH_CHECK(all_released() && g_r.table.count == 0);
+    rt_req_release(q);
+
+    /* the prefill instance dies mid-prefill: failed over */
+    q = pair_req();
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    g_r.reg.pf[0].alive = g_r.reg.pf[0].ready = false;
+    rt_pair_prefill_died(&g_r, 0);
+    TH_CHECK(q->state == RT_ST_QUEUED && q->pf_avoid == 0 && all_released());
+    TH_CHECK(g_r.reg.pf[0].n_orphans == 1); /* its Prefill was not answered yet */
+    pair_unqueue(q);
+    rt_loop_retire(&g_r, q);
+    rt_req_release(q);
+    pair_teardown();
+}
+
 static const char *g_model;
 
 static void test_stream(void)
@@ -143,6 +467,8 @@ int main(int argc, char **argv)
     g_model = argc > 1 ? argv[1] : NULL;
     TH_RUN(test_holdback);
     TH_RUN(test_table);
+    TH_RUN(test_pick);
+    TH_RUN(test_pair);
     TH_RUN(test_stream);
     TH_EXIT();
 }

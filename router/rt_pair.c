@@ -1,0 +1,569 @@
+/* rt_pair.c: disaggregated serving: pairing a prefill instance with a decode instance per
+ * request, relaying the decode side's KV targets, and what happens when either side fails
+ * before the first token. Loop thread only (rt_loop.c calls in).
+ *
+ * One attempt of a request (its own request id, the same on both sides, so the logs of the
+ * three processes line up):
+ *
+ *   dispatch: Alloc{Submit, n_stages} -> decode leader  |  Prefill{ids, no targets} -> prefill
+ *   decode:  AllocReply{kv_targets} -- state SUBMITTED -> RUNNING, targets kept
+ *   prefill: Ack ---------------------- pf_acked
+ *   both in: KvTarget{targets} -> prefill (kvt_sent; the targets are freed)
+ *   prefill: PrefillDone -------------- pf_busy = false (metrics, one INFO log line)
+ *   decode:  TokenEvents exactly as after Submit (the first carries the prefill's token)
+ *
+ * Failures before the first token (n_gen == 0):
+ *   prefill ErrorEvent, a Prefill/KvTarget reply error or no reply, the prefill instance
+ *   marked dead, a decode ErrorEvent ERR_PEER_FAILED / ERR_TIMEOUT (the KV transfer)
+ *     -> cancel both sides; if the request has not been retried yet and another prefill
+ *        instance is alive (or the failure was a timeout and the same one still is), it
+ *        goes back to the head of the queue avoiding the failed instance (pf_avoid), else
+ *        it ends with 503 prefill_failed.
+ *   ERR_BUSY from either side -> cancel the other side, pause that instance 100 ms,
+ *     re-queue (a bounce, not a failure); MAX_BUSY bounces -> 503 instance_busy.
+ *   no first token by deadline_ms (rt_pair_deadline) -> cancel both, 503 first_token_timeout.
+ *   decode instance dead -> rt_loop.c fails its requests; retire cancels the prefill side.
+ *
+ * Cancelling a side (abandon): a side whose request call was answered gets a Cancel now;
+ * one whose call is still out is cancelled when its answer comes (an AllocReply for no live
+ * attempt: rt_pair_orphan_alloc; the Ack of an abandoned Prefill: the instance's orphan
+ * list), so a Cancel can never overtake the request it cancels.
+ *
+ * Invariants: pf_busy <=> the attempt counts in its prefill instance's `active` and
+ * `inflight_tokens`; a decode side counts in `active` while SUBMITTED or RUNNING (as in
+ * colocated mode). Both are released exactly once (pf_release, abandon, retire). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rt.h"
+#include "td_err.h"
+
+#define ALLOC_TIMEOUT_MS   10000 /* the decode leader answers between steps */
+#define PREFILL_TIMEOUT_MS 10000
+#define KVT_TIMEOUT_MS     5000
+#define CANCEL_TIMEOUT_MS  5000
+#define MAX_RETRIES        3   /* Alloc calls without an answer (as rt_loop.c's Submit) */
+#define MAX_BUSY           50  /* ERR_BUSY bounces before 503 (>= 5 s with one decode instance) */
+#define BUSY_PAUSE_MS      100 /* an instance that answered ERR_BUSY is skipped this long */
+
+int64_t rt_pair_deadline(const td_cfg *cfg, int64_t now)
+{
+    return now + cfg->kvxfer.timeout_ms + cfg->router.instance_timeout_ms + 2000;
+}
+
+/* ---- bookkeeping of the two sides ---- */
+
+static void drop_targets(rt_req *q)
+{
+    for (size_t i = 0; i < q->n_targets; i++)
+        free(q->targets[i].data);
+    free(q->targets);
+    q->targets = NULL;
+    q->n_targets = 0;
+}
+
+/* The prefill side no longer works on the attempt (done, refused, failed or cancelled). */
+static void pf_release(rt_router *r, rt_req *q)
+{
+    if (!q->pf_busy) return;
+    rt_inst *s = &r->reg.pf[q->pinst];
+    s->active--;
+    s->inflight_tokens -= q->p.n_prompt < s->inflight_tokens ? q->p.n_prompt : s->inflight_tokens;
+    q->pf_busy = false;
+    q->pf_call = 0;
+}
+
+static void orphan_add(rt_inst *s, uint64_t call, uint64_t rid)
+{
+    if (s->n_orphans == s->cap_orphans) {
+        int cap = s->cap_orphans ? 2 * s->cap_orphans : 16;
+        rt_call *o = realloc(s->orphans, (size_t)cap * sizeof *o);
+        if (!o) {
+            /* the node drops the request after kvxfer.timeout_ms without targets anyway */
+            TD_LOG_WARN("router: req %llu: out of memory: cannot cancel its prefill later",
+                        (unsigned long long)rid);
+            return;
+        }
+        s->orphans = o;
+        s->cap_orphans = cap;
+    }
+    s->orphans[s->n_orphans++] = (rt_call){.call_id = call, .rid = rid};
+}
+
+static void cancel_prefill(rt_router *r, rt_req *q)
+{
+    if (!q->pf_busy) return;
+    rt_inst *s = &r->reg.pf[q->pinst];
+    uint64_t call;
+    if (q->pf_acked)
+        td_ctrl_client_cancel(s->c, q->rid, CANCEL_TIMEOUT_MS, &call);
+    else
+        orphan_add(s, q->pf_call, q->rid); /* cancelled when its Ack arrives */
+    pf_release(r, q);
+}
+
+/* End the current attempt on both sides; q is then off every instance (state INBOX). */
+static void abandon(rt_router *r, rt_req *q)
+{
+    if (q->inst >= 0 && (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING)) {
+        /* SUBMITTED: the AllocReply, if one comes, matches no attempt and is cancelled then */
+        if (q->state == RT_ST_RUNNING) rt_loop_cancel_decode(r, q);
+        r->reg.inst[q->inst].active--;
+    }
+    q->inst = -1;
+    q->state = RT_ST_INBOX;
+    cancel_prefill(r, q);
+    drop_targets(q);
+    q->deadline_ms = 0;
+}
+
+void rt_pair_release(rt_router *r, rt_req *q)
+{
+    /* after the first token the prefill is over (its PrefillDone may still be on its way) */
+    if (q->n_gen > 0)
+        pf_release(r, q);
+    else
+        cancel_prefill(r, q);
+    drop_targets(q);
+}
+
+static const char *pf_name(const rt_router *r, int j)
+{
+    return j >= 0 && j < r->reg.n_pf ? r->reg.pf[j].name : "?";
+}
+
+/* An ERR_BUSY from either side: back to the queue head, or 503 after MAX_BUSY. */
+static void bounce(rt_router *r, rt_req *q, const char *msg)
+{
+    abandon(r, q);
+    if (++q->busy < MAX_BUSY) {
+        q->retries--; /* busy is not a failure */
+        rt_loop_requeue(r, q);
+        return;
+    }
+    rt_loop_fail(r, q, 503, "instance_busy", msg);
+}
+
+/* The attempt failed before its first token: retry once elsewhere, or end the request. */
+static void pair_failed(rt_router *r, rt_req *q, rt_pf_fail why, bool timeout, const char *msg)
+{
+    int failed = q->pinst;
+    bool first = !q->pf_retried;
+    rt_metrics_pair(&r->metrics, RT_PM_FAIL, why);
+    TD_LOG_WARN("router: %s req %llu: attempt %d failed before its first token: %s", q->oid,
+                (unsigned long long)q->rid, q->attempts, msg);
+    if (first) snprintf(q->pf_fail, sizeof q->pf_fail, "%s", msg);
+    if (why != RT_PF_DEADLINE && q->n_gen == 0 && first) {
+        int others = rt_reg_n_pf_alive(&r->reg, failed);
+        bool same = timeout && failed >= 0 && r->reg.pf[failed].alive;
+        if (others || same) {
+            abandon(r, q);
+            q->pf_retried = true;
+            q->pf_avoid = failed;
+            q->pf_same_ok = same;
+            rt_metrics_pair(&r->metrics, RT_PM_RETRY, 0);
+            rt_loop_requeue(r, q);
+            return;
+        }
+    }
+    abandon(r, q);
+    char text[800];
+    if (why == RT_PF_DEADLINE)
+        snprintf(text, sizeof text, "%s", msg);
+    else if (!first)
+        snprintf(text, sizeof text, "the prefill of this request failed twice: %s; retry: %s",
+                 q->pf_fail, msg);
+    else
+        snprintf(text, sizeof text,
+                 "the prefill of this request failed and no other prefill instance is "
+                 "available: %s",
+                 msg);
+    rt_loop_fail(r, q, 503, why == RT_PF_DEADLINE ? "first_token_timeout" : "prefill_failed", text);
+}
+
+/* ---- starting an attempt ---- */
+
+int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
+{
+    if (q->attempts > 0) {
+        /* a fresh id: late answers about the previous attempt must not match this one */
+        rt_table_remove(&r->table, q);
+        int rc = rt_table_add(&r->table, q);
+        if (rc) return rc;
+    }
+    rt_inst *ds = &r->reg.inst[d], *ps = &r->reg.pf[p];
+    Td__Sampling sm = TD__SAMPLING__INIT;
+    sm.temperature = q->p.temperature;
+    sm.top_k = q->p.top_k;
+    sm.top_p = q->p.top_p;
+    sm.min_p = q->p.min_p;
+    sm.repeat_penalty = q->p.repeat_penalty;
+    sm.seed = q->p.seed;
+    Td__Submit sub = TD__SUBMIT__INIT;
+    sub.request_id = q->rid;
+    sub.token_ids = q->p.prompt;
+    sub.n_token_ids = q->p.n_prompt;
+    sub.sampling = &sm;
+    sub.max_tokens = (uint32_t)q->p.max_tokens;
+    sub.ignore_eos = q->p.ignore_eos;
+    Td__Alloc al = TD__ALLOC__INIT;
+    al.request = &sub;
+    al.n_stages = (uint32_t)ps->pcfg->pp;
+    Td__Envelope env = TD__ENVELOPE__INIT;
+    env.body_case = TD__ENVELOPE__BODY_ALLOC;
+    env.alloc = &al;
+    uint64_t acall = 0, pcall = 0;
+    int rc = td_ctrl_client_call(ds->c, &env, ALLOC_TIMEOUT_MS, &acall);
+    if (rc) return rc;
+
+    Td__Prefill pf = TD__PREFILL__INIT;
+    pf.request_id = q->rid;
+    pf.token_ids = q->p.prompt;
+    pf.n_token_ids = q->p.n_prompt;
+    pf.sampling = &sm;
+    pf.decode_instance = (char *)ds->name;
+    pf.n_decode_ranks = (uint32_t)ds->cfg->tp;
+    env = (Td__Envelope)TD__ENVELOPE__INIT;
+    env.body_case = TD__ENVELOPE__BODY_PREFILL;
+    env.prefill = &pf;
+    rc = td_ctrl_client_call(ps->c, &env, PREFILL_TIMEOUT_MS, &pcall);
+    if (rc) {
+        uint64_t call;
+        td_ctrl_client_cancel(ds->c, q->rid, CANCEL_TIMEOUT_MS, &call);
+        return rc;
+    }
+    q->attempts++;
+    q->inst = d;
+    q->state = RT_ST_SUBMITTED;
+    q->call_id = acall;
+    ds->active++;
+    q->pinst = p;
+    q->pf_call = pcall;
+    q->pf_busy = true;
+    q->pf_acked = false;
+    q->kvt_sent = false;
+    ps->active++;
+    ps->inflight_tokens += q->p.n_prompt;
+    q->deadline_ms = rt_pair_deadline(r->cfg, now);
+    rt_metrics_pair(&r->metrics, RT_PM_SENT, 0);
+    TD_LOG_DEBUG("router: %s req %llu: attempt %d: prefill %s, decode %s, %zu prompt tokens",
+                 q->oid, (unsigned long long)q->rid, q->attempts, ps->name, ds->name,
+                 q->p.n_prompt);
+    return 0;
+}
+
+/* KvTarget once both the Prefill's Ack and the AllocReply are in. */
+static void relay(rt_router *r, rt_req *q)
+{
+    if (!q->pf_busy || !q->pf_acked || q->kvt_sent || !q->n_targets) return;
+    rt_inst *s = &r->reg.pf[q->pinst];
+    Td__KvTarget kt = TD__KV_TARGET__INIT;
+    kt.request_id = q->rid;
+    kt.kv_targets = q->targets;
+    kt.n_kv_targets = q->n_targets;
+    Td__Envelope env = TD__ENVELOPE__INIT;
+    env.body_case = TD__ENVELOPE__BODY_KV_TARGET;
+    env.kv_target = &kt;
+    int rc = td_ctrl_client_call(s->c, &env, KVT_TIMEOUT_MS, &q->pf_call);
+    if (rc) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "cannot send the KV targets to prefill instance %s: %s", s->name,
+                 td_strerror(rc));
+        pair_failed(r, q, RT_PF_ERROR, false, msg);
+        return;
+    }
+    q->kvt_sent = true;
+    drop_targets(q);
+}
+
+/* ---- the decode side ---- */
+
+void rt_pair_orphan_alloc(rt_router *r, int i, const Td__Envelope *env)
+{
+    uint64_t rid = env->alloc_reply->request_id, call;
+    const rt_req *q = rt_table_get(&r->table, rid);
+    if (!rid || (q && q->inst == i)) return; /* never cancel a live attempt */
+    TD_LOG_DEBUG("router: req %llu: reservation on decode instance %s outlived its attempt: "
+                 "cancelled",
+                 (unsigned long long)rid, r->reg.inst[i].name);
+    td_ctrl_client_cancel(r->reg.inst[i].c, rid, CANCEL_TIMEOUT_MS, &call);
+}
+
+static int keep_targets(rt_req *q, const Td__AllocReply *ar)
+{
+    q->targets = calloc(ar->n_kv_targets, sizeof *q->targets);
+    if (!q->targets) return TD_ENOMEM;
+    q->n_targets = ar->n_kv_targets;
+    for (size_t k = 0; k < ar->n_kv_targets; k++) {
+        size_t len = ar->kv_targets[k].len;
+        q->targets[k].data = malloc(len ? len : 1);
+        if (!q->targets[k].data) return TD_ENOMEM;
+        if (len) memcpy(q->targets[k].data, ar->kv_targets[k].data, len);
+        q->targets[k].len = len;
+    }
+    return 0;
+}
+
+void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *in, int64_t now)
+{
+    rt_inst *s = &r->reg.inst[i];
+    char msg[600];
+    if (in->err) {
+        /* no answer in time: it may still have reserved the blocks */
+        rt_loop_cancel_decode(r, q);
+        abandon(r, q);
+        if (q->retries < MAX_RETRIES) {
+            rt_loop_requeue(r, q);
+            return;
+        }
+        rt_loop_fail(r, q, 503, "instance_unavailable", "the decode instance did not answer");
+        return;
+    }
+    const Td__Envelope *env = in->env;
+    if (env->body_case == TD__ENVELOPE__BODY_ALLOC_REPLY) {
+        const Td__AllocReply *ar = env->alloc_reply;
+        if (ar->n_kv_targets != (size_t)s->cfg->tp) {
+            snprintf(msg, sizeof msg, "decode instance %s answered %zu KV targets for tp %d",
+                     s->name, ar->n_kv_targets, s->cfg->tp);
+            TD_LOG_ERR("router: %s req %llu: %s", q->oid, (unsigned long long)q->rid, msg);
+            q->state = RT_ST_RUNNING; /* it holds the request: abandon cancels it */
+            abandon(r, q);
+            rt_loop_fail(r, q, 500, NULL, msg);
+            return;
+        }
+        q->state = RT_ST_RUNNING;
+        if (keep_targets(q, ar)) {
+            abandon(r, q);
+            rt_loop_fail(r, q, 500, NULL, "out of memory while relaying the KV targets");
+            return;
+        }
+        relay(r, q);
+        return;
+    }
+    if (env->body_case != TD__ENVELOPE__BODY_ERROR) {
+        abandon(r, q);
+        rt_loop_fail(r, q, 500, NULL, "unexpected reply from the decode instance");
+        return;
+    }
+    const Td__ErrorEvent *err = env->error;
+    switch (err->code) {
+    case TD__ERROR_CODE__ERR_BUSY:
+        s->busy_until_ms = now + BUSY_PAUSE_MS;
+        rt_metrics_pair(&r->metrics, RT_PM_BUSY_DECODE, 0);
+        bounce(r, q, "every decode instance is busy (no room for the request's KV cache now)");
+        return;
+    case TD__ERROR_CODE__ERR_NO_SPACE:
+    case TD__ERROR_CODE__ERR_INVALID:
+        abandon(r, q);
+        rt_loop_fail(r, q, 400, NULL, err->message);
+        return;
+    case TD__ERROR_CODE__ERR_SHUTDOWN:
+    case TD__ERROR_CODE__ERR_PEER_FAILED:
+        abandon(r, q);
+        rt_loop_fail(r, q, 503, "instance_unavailable", err->message);
+        return;
+    default:
+        abandon(r, q);
+        rt_loop_fail(r, q, 500, NULL, err->message);
+        return;
+    }
+}
+
+void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e)
+{
+    bool xfer =
+        e->code == TD__ERROR_CODE__ERR_PEER_FAILED || e->code == TD__ERROR_CODE__ERR_TIMEOUT;
+    if (xfer && q->n_gen == 0) {
+        char msg[600];
+        snprintf(msg, sizeof msg,
+                 "decode instance %s: KV transfer from prefill instance %s: %s: %s",
+                 q->inst >= 0 ? r->reg.inst[q->inst].name : "?", pf_name(r, q->pinst),
+                 td_ctrl_err_name(e->code), e->message);
+        pair_failed(r, q, RT_PF_TRANSFER, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
+        return;
+    }
+    rt_loop_fail(r, q, 500, NULL, e->message); /* as in colocated mode */
+}
+
+/* ---- the prefill side ---- */
+
+static rt_req *find_pf_call(rt_router *r, int j, uint64_t call_id)
+{
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (q && q->pinst == j && q->pf_busy && q->pf_call == call_id) return q;
+    }
+    return NULL;
+}
+
+/* A reply that matches no live attempt: an abandoned Prefill that was not refused (an Ack,
+ * or no answer in time: it may have got through) is cancelled now. */
+static void orphan_reply(rt_inst *s, const td_ctrl_client_in *in)
+{
+    for (int k = 0; k < s->n_orphans; k++) {
+        if (s->orphans[k].call_id != in->call_id) continue;
+        uint64_t rid = s->orphans[k].rid, call;
+        s->orphans[k] = s->orphans[--s->n_orphans];
+        if (in->err || in->env->body_case == TD__ENVELOPE__BODY_ACK)
+            td_ctrl_client_cancel(s->c, rid, CANCEL_TIMEOUT_MS, &call);
+        return;
+    }
+}
+
+void rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
+{
+    rt_inst *s = &r->reg.pf[j];
+    if (in->call_id == s->hb_call) {
+        s->hb_call = 0;
+        if (!in->err && in->env && in->env->body_case == TD__ENVELOPE__BODY_HEALTH &&
+            rt_reg_seen(s, in->env->health, now))
+            TD_LOG_INFO("router: prefill instance %s (%s) is serving", s->name, s->url);
+        return;
+    }
+    if (!in->err) rt_reg_seen(s, NULL, now);
+    rt_req *q = find_pf_call(r, j, in->call_id);
+    if (!q) {
+        orphan_reply(s, in);
+        return;
+    }
+    bool is_prefill = !q->pf_acked; /* else the reply is KvTarget's */
+    const char *what = is_prefill ? "Prefill" : "KvTarget";
+    char msg[600];
+    if (in->err) {
+        /* no Ack can come any more, but the request may have got through: cancel it now */
+        q->pf_acked = true;
+        snprintf(msg, sizeof msg, "prefill instance %s did not answer %s (%s)", s->name, what,
+                 td_strerror(in->err));
+        pair_failed(r, q, RT_PF_ERROR, false, msg);
+        return;
+    }
+    const Td__Envelope *env = in->env;
+    if (env->body_case == TD__ENVELOPE__BODY_ACK) {
+        q->pf_call = 0;
+        if (is_prefill) {
+            q->pf_acked = true;
+            relay(r, q);
+        }
+        return;
+    }
+    if (env->body_case != TD__ENVELOPE__BODY_ERROR) {
+        snprintf(msg, sizeof msg, "prefill instance %s: unexpected reply to %s", s->name, what);
+        pair_failed(r, q, RT_PF_ERROR, false, msg);
+        return;
+    }
+    const Td__ErrorEvent *e = env->error;
+    if (is_prefill) pf_release(r, q); /* refused: nothing to cancel there */
+    if (is_prefill && e->code == TD__ERROR_CODE__ERR_BUSY) {
+        s->busy_until_ms = now + BUSY_PAUSE_MS;
+        rt_metrics_pair(&r->metrics, RT_PM_BUSY_PREFILL, 0);
+        bounce(r, q, "every prefill instance is busy (its queue is full)");
+        return;
+    }
+    if (is_prefill &&
+        (e->code == TD__ERROR_CODE__ERR_INVALID || e->code == TD__ERROR_CODE__ERR_NO_SPACE ||
+         e->code == TD__ERROR_CODE__ERR_TOO_LARGE)) {
+        snprintf(msg, sizeof msg, "the prefill instance refused the request: %s", e->message);
+        abandon(r, q);
+        rt_loop_fail(r, q, 400, NULL, msg);
+        return;
+    }
+    /* KvTarget refused: the prefill may still hold the request, abandon cancels it */
+    q->pf_call = 0;
+    snprintf(msg, sizeof msg, "prefill instance %s: %s: %s: %s", s->name, what,
+             td_ctrl_err_name(e->code), e->message);
+    pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
+}
+
+static void log_done(const rt_router *r, const rt_req *q, int j, const Td__PrefillDone *d)
+{
+    char chunks[400];
+    size_t o = 0;
+    size_t shown = d->n_chunk_sizes < 48 ? d->n_chunk_sizes : 48;
+    chunks[0] = 0;
+    for (size_t k = 0; k < shown && o < sizeof chunks; k++)
+        o += (size_t)snprintf(chunks + o, sizeof chunks - o, "%s%u", k ? " " : "",
+                              d->chunk_sizes[k]);
+    if (shown < d->n_chunk_sizes && o < sizeof chunks)
+        snprintf(chunks + o, sizeof chunks - o, " ...");
+    TD_LOG_INFO("router: %s req %llu: prefill done on %s: %u prompt tokens, chunks [%s], queued "
+                "%llu ms, prefill %llu ms",
+                q ? q->oid : "-", (unsigned long long)d->request_id, pf_name(r, j),
+                d->n_prompt_tokens, chunks, (unsigned long long)d->queued_ms,
+                (unsigned long long)d->prefill_ms);
+}
+
+void rt_pair_on_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
+{
+    rt_inst *s = &r->reg.pf[j];
+    if (rt_reg_seen(s, in->health, now))
+        TD_LOG_INFO("router: prefill instance %s (%s) is serving", s->name, s->url);
+    for (size_t k = 0; k < in->n_events; k++) {
+        const Td__Event *ev = in->events[k];
+        if (ev->body_case == TD__EVENT__BODY_PREFILL_DONE) {
+            const Td__PrefillDone *d = ev->prefill_done;
+            rt_req *q = rt_table_get(&r->table, d->request_id);
+            bool live = q && q->pinst == j && q->pf_busy;
+            /* a late notice of an ended attempt still describes work the instance did */
+            rt_metrics_prefill_done(&r->metrics, d);
+            log_done(r, live ? q : NULL, j, d);
+            if (live) pf_release(r, q);
+        } else if (ev->body_case == TD__EVENT__BODY_ERROR && ev->error->request_id) {
+            const Td__ErrorEvent *e = ev->error;
+            rt_req *q = rt_table_get(&r->table, e->request_id);
+            if (!q || q->pinst != j || !q->pf_busy) continue;
+            pf_release(r, q); /* the request is over on the prefill side */
+            if (q->n_gen > 0) continue;
+            char msg[600];
+            snprintf(msg, sizeof msg, "prefill instance %s: %s: %s", s->name,
+                     td_ctrl_err_name(e->code), e->message);
+            pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
+        }
+    }
+}
+
+void rt_pair_prefill_died(rt_router *r, int j)
+{
+    rt_inst *s = &r->reg.pf[j];
+    TD_LOG_WARN("router: prefill instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
+                r->cfg->router.instance_timeout_ms);
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q || q->pinst != j || !q->pf_busy) continue;
+        if (q->n_gen > 0) {
+            pf_release(r, q);
+            continue;
+        }
+        char msg[300];
+        snprintf(msg, sizeof msg, "prefill instance %s stopped answering", s->name);
+        pair_failed(r, q, RT_PF_DEAD, false, msg); /* cancels too, in case it comes back */
+    }
+}
+
+void rt_pair_deadlines(rt_router *r, int64_t now)
+{
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q || !q->deadline_ms || q->n_gen > 0 || now <= q->deadline_ms) continue;
+        if (q->state != RT_ST_SUBMITTED && q->state != RT_ST_RUNNING) continue;
+        char msg[400];
+        snprintf(msg, sizeof msg,
+                 "no first token %lld ms after the request went to prefill instance %s and "
+                 "decode instance %s",
+                 (long long)(rt_pair_deadline(r->cfg, 0)), pf_name(r, q->pinst),
+                 q->inst >= 0 ? r->reg.inst[q->inst].name : "?");
+        pair_failed(r, q, RT_PF_DEADLINE, true, msg);
+    }
+}
+
+bool rt_pair_unservable(rt_router *r, rt_req *q)
+{
+    if (q->pf_avoid < 0 || rt_reg_n_pf_alive(&r->reg, q->pf_avoid) > 0) return false;
+    if (q->pf_same_ok && r->reg.pf[q->pf_avoid].alive) return false; /* only busy: wait */
+    char msg[800];
+    snprintf(msg, sizeof msg,
+             "the prefill of this request failed and no other prefill instance is available: %s",
+             q->pf_fail);
+    rt_loop_fail(r, q, 503, "prefill_failed", msg);
+    return true;
+}
