@@ -138,7 +138,7 @@ class Cluster:
                            self.log("p0s0")[-2000:] + self.log("d0r0")[-2000:])
 
     def complete(self, prompt, n=16, timeout=300, **extra):
-        body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
         body.update(extra)
         c = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
         c.request("POST", "/v1/completions", json.dumps(body).encode(),
@@ -187,4 +187,5 @@ def generate_text(args, model, prompt, n):
                        capture_output=True, timeout=300)
     if r.returncode:
         raise RuntimeError("generate failed: " + r.stderr.decode(errors="replace"))
-    return r.stdout.decode("utf-8", errors="replace")
+    out = r.stdout.decode("utf-8", errors="replace")
+    return out[:-1] if out.endswith("\n") else out  # the CLI ends its output with a newline
