@@ -105,7 +105,7 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
 
 static int bad(const char *why)
 {
-    TD_LOG_ERR("stage message rejected: %s", why);
+    TD_LOG_WARN("stage message rejected: %s", why);
     return TD_EFORMAT;
 }
 

@@ -105,9 +105,10 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
     step_failed "fuzz_ctrl: build or seed generation failed"
   fi
 
-  # YAML config loader, kvxfer's handshake bytes (KV targets, active messages) and the
-  # router's request parser: TANDEM_FUZZ_SECONDS_EACH (20) each, then every crasher kept
-  # in tests/fuzz/regress/ (named config-*, kvx-* or openai-*) through its target
+  # YAML config loader, kvxfer's handshake bytes (KV targets, active messages), the
+  # router's request parser and the prefill stage-chain messages: TANDEM_FUZZ_SECONDS_EACH
+  # (20) each, then every crasher kept in tests/fuzz/regress/ (named config-*, kvx-*,
+  # openai-* or pfwire-*) through its target
   EACH=${TANDEM_FUZZ_SECONDS_EACH:-20}
   FZ_CC=(clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined
          -fno-sanitize-recover=undefined -Wall -Wextra -Werror -Wno-unused-parameter)
@@ -116,7 +117,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/chat_template.c
            common/gguf.c common/td_dtype.c)
   mkdir -p build-fuzz/config-corpus build-fuzz/config-seeds build-fuzz/kvx-corpus \
-           build-fuzz/openai-corpus build-fuzz/ctrl-gen
+           build-fuzz/openai-corpus build-fuzz/pfwire-corpus build-fuzz/ctrl-gen
   built=()
   # two compilers at a time: fuzz_kvx in the background, the other two meanwhile
   "${FZ_CC[@]}" -Icommon -Ikvxfer tests/fuzz/fuzz_kvx.c "${KVX_SRC[@]}" common/td_err.c \
@@ -137,6 +138,12 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
     export TD_FUZZ_MODEL=$PWD/build-fuzz/tiny.gguf # the tokenizer and chat template
   else
     step_failed "fuzz_openai: build or model generation failed"
+  fi
+  if "${FZ_CC[@]}" -Icommon -Iprefill-node tests/fuzz/fuzz_pfwire.c prefill-node/pf_wire.c \
+       common/td_err.c -lpthread -lm -o build-fuzz/fuzz_pfwire; then
+    built+=(pfwire)
+  else
+    step_failed "fuzz_pfwire: build failed"
   fi
   if wait "$kvx_build"; then
     built+=(kvx)

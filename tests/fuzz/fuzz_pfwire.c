@@ -1,0 +1,130 @@
+/* fuzz_pfwire.c: libFuzzer target for the prefill stage-chain messages (prefill-node/
+ * pf_wire.h): what a stage parses from the previous stage (CHUNK, TARGETS, ABORT) and
+ * what stage 0 parses from the others (REPORT).
+ *
+ * Input: mode u8, then bytes.
+ *   mode & 1 == 0  the bytes are a whole message, parsed as a chain message (with and
+ *                  without a hidden-state payload) and as a report;
+ *   mode & 1 == 1  the bytes describe up to 8 segments (a compact record each) that the
+ *                  harness encodes with pf_wire_chunk_write (or a TARGETS message), then
+ *                  flips the bytes named by the input's tail before parsing, so mutations
+ *                  reach deep into an otherwise valid message.
+ * Oracle: no crash, leak or out-of-bounds access; a parsed CHUNK's segments are consistent
+ * (t0 < t1 <= n_prompt, FIRST/LAST flags agree, live rows add up, every token pointer and
+ * the payload lie inside the buffer); a message the harness built and did not mutate
+ * parses back to the same segments.
+ */
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pf_wire.h"
+#include "td_err.h"
+
+#define N_EMBD 4
+#define MAXTOK 64
+
+static void check_chunk(const pf_msg *m, const uint8_t *buf, size_t len)
+{
+    int64_t rows = 0;
+    for (int i = 0; i < m->n_segs; i++) {
+        const pf_seg *g = &m->segs[i];
+        if (!(g->t0 < g->t1 && g->t1 <= g->n_prompt)) abort();
+        if (!!(g->flags & PF_SEG_FIRST) != (g->t0 == 0)) abort();
+        if (!!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt)) abort();
+        if (!(g->flags & PF_SEG_DEAD)) {
+            if (g->tokens < m->ids || g->tokens + (g->t1 - g->t0) > m->ids + m->n_rows) abort();
+            rows += g->t1 - g->t0;
+        }
+    }
+    if (rows != m->n_rows || rows > MAXTOK) abort();
+    if (m->embd) {
+        const uint8_t *e = (const uint8_t *)m->embd;
+        if (e < buf || e + (size_t)m->n_rows * N_EMBD * sizeof(float) > buf + len) abort();
+        volatile float sink = 0;
+        for (int64_t i = 0; i < m->n_rows * N_EMBD; i++)
+            sink += m->embd[i]; /* ASan: every payload float is readable */
+        (void)sink;
+    }
+}
+
+static void parse_all(const uint8_t *buf, size_t len)
+{
+    for (int embd = 0; embd < 2; embd++) {
+        pf_msg m;
+        if (pf_wire_parse(buf, len, N_EMBD, embd, MAXTOK, &m) == 0) {
+            if (m.kind == PF_MSG_CHUNK) check_chunk(&m, buf, len);
+            if (m.kind == PF_MSG_TARGETS)
+                for (int i = 0; i < m.n_targets; i++)
+                    if (m.target[i] < buf || m.target[i] + m.target_len[i] > buf + len) abort();
+        }
+        pf_msg_fini(&m);
+    }
+    pf_report r;
+    pf_wire_report_parse(buf, len, &r);
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc, (void)argv;
+    td_log_set_level(TD_LOG_ERROR); /* rejected messages are warnings: keep the run quiet */
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1) return 0;
+    uint8_t mode = data[0];
+    data++, size--;
+    if (!(mode & 1)) {
+        uint8_t *copy = malloc(size ? size : 1); /* exact size: reads past it are caught */
+        memcpy(copy, data, size);
+        parse_all(copy, size);
+        free(copy);
+        return 0;
+    }
+    /* build: segments of 6 bytes each (t0, len, n_prompt extra, flags-ish) */
+    pf_seg segs[8];
+    int32_t ids[MAXTOK];
+    int n = 0;
+    int64_t rows = 0;
+    size_t off = 0;
+    while (n < 8 && off + 6 <= size && n < (mode >> 1 & 7) + 1) {
+        const uint8_t *r = data + off;
+        off += 6;
+        uint32_t t0 = r[0] % 32, l = r[1] % 16 + 1, extra = r[2] % 8;
+        bool dead = r[3] & 1;
+        if (!dead && rows + l > MAXTOK) break;
+        segs[n] = (pf_seg){.req_id = (uint64_t)r[4] + 1, .t0 = t0, .t1 = t0 + l,
+                           .n_prompt = t0 + l + extra, .chunk = r[5], .n_dst = 1 + r[5] % 4};
+        segs[n].flags = (t0 == 0 ? PF_SEG_FIRST : 0) | (extra == 0 ? PF_SEG_LAST : 0) |
+                        (dead ? PF_SEG_DEAD : 0);
+        for (uint32_t k = 0; !dead && k < l; k++)
+            ids[rows + k] = (int32_t)(r[4] * 31 + k);
+        if (!dead) rows += l;
+        n++;
+    }
+    if (!n) return 0;
+    size_t cap = pf_wire_chunk_size(n, rows, rows, N_EMBD);
+    uint8_t *buf = calloc(1, cap);
+    int64_t len = pf_wire_chunk_write(buf, cap, 1, segs, n, ids, N_EMBD);
+    if (len < 0 || (size_t)len != cap) abort();
+    pf_msg m;
+    if (pf_wire_parse(buf, (size_t)len, N_EMBD, 1, MAXTOK, &m) != 0) abort(); /* round trip */
+    if (m.n_segs != n || m.n_rows != rows) abort();
+    for (int i = 0; i < n; i++)
+        if (m.segs[i].req_id != segs[i].req_id || m.segs[i].t1 != segs[i].t1 ||
+            m.segs[i].flags != segs[i].flags)
+            abort();
+    pf_msg_fini(&m);
+    /* the rest of the input: (offset u16, xor u8) flips, and maybe a truncation */
+    for (; off + 3 <= size; off += 3) {
+        size_t at = ((size_t)data[off] | (size_t)data[off + 1] << 8) % (size_t)len;
+        buf[at] ^= data[off + 2];
+    }
+    size_t cut = (mode & 0x80) ? (size_t)len - (size_t)(data[size - 1] % (len > 1 ? len : 1)) : (size_t)len;
+    parse_all(buf, cut);
+    free(buf);
+    return 0;
+}
