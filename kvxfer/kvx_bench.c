@@ -3,13 +3,16 @@
  * transport and size for the ceiling, and prints the ratio as its last line.
  *
  *   kvx-bench [--tls tcp|sm|<UCX_TLS>] [--dst-ranks N] [--iters K] [--tokens T]
- *             [--layers L] [--heads H] [--head-dim D] [--block B] [--run R]
+ *             [--chunk C] [--layers L] [--heads H] [--head-dim D] [--block B] [--run R]
  *             [--port P] [--no-perftest]
  *
  * Defaults: the default model's KV shapes (30 layers, 3 KV heads, head_dim 64, f16,
- * 16-token blocks), one 4096-token chunk, decode block ids in runs of 32 (a used pool).
- * Effective bandwidth = chunk bytes / (first put issued .. flush confirmed and notices
- * sent). Ranks get head ranges [r*H/N, (r+1)*H/N) (uneven splits allowed here).
+ * 16-token blocks), one 4096-token request sent as one chunk (--chunk C: chunks of C
+ * tokens, sent back to back), decode block ids in runs of 32 (a used pool).
+ * Effective bandwidth = request bytes / (first put issued .. every flush confirmed and
+ * notices sent). With several chunks it also prints each chunk's send_chunk -> landed
+ * time (the connector's per-chunk times). Ranks get head ranges [r*H/N, (r+1)*H/N)
+ * (uneven splits allowed here).
  * Internal: `kvx-bench --receiver ...` is the decode-rank child. KVX_BENCH_DEBUG=1 prints
  * the time of each chunk's puts and of its flush + notices.
  */
@@ -30,7 +33,7 @@
 
 typedef struct {
     const char *tls;
-    uint32_t ranks, iters, tokens, layers, heads, head_dim, block, run, lat_iters;
+    uint32_t ranks, iters, tokens, chunk, layers, heads, head_dim, block, run, lat_iters;
     int port;
     bool perftest;
     uint32_t rank; /* receiver */
@@ -381,14 +384,22 @@ static bool open_ready(sender *s, uint64_t req, uint32_t ntok)
     return ps.state == KVX_REQ_READY;
 }
 
-/* Send [0, ntok) as one chunk, finish, wait for DONE; returns seconds or < 0. */
-static double timed_send(sender *s, uint64_t req, uint32_t ntok, kvx_pf_status *out)
+/* Send [0, ntok) in chunks of `chunk` tokens back to back, finish, wait for DONE; returns
+ * seconds or < 0. landed_us (n_chunks entries, may be NULL): each chunk's send_chunk ->
+ * landed time. */
+static double timed_send(sender *s, uint64_t req, uint32_t ntok, uint32_t chunk, kvx_pf_status *out,
+                         double *landed_us)
 {
     uint32_t nb = (ntok + s->o->block - 1) / s->o->block;
     int64_t t_end = kvx_now_ms() + 60000;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
-    if (kvx_pf_send_chunk(s->c, req, 0, 0, ntok, s->src_blocks, nb)) return -1;
+    uint32_t nch = (ntok + chunk - 1) / chunk;
+    for (uint32_t k = 0; k < nch; k++) {
+        uint32_t t1 = (k + 1) * chunk < ntok ? (k + 1) * chunk : ntok;
+        if (kvx_pf_send_chunk(s->c, req, k, k * chunk, t1, s->src_blocks, nb)) return -1;
+        kvx_conn_progress(s->c, 0);
+    }
     struct timespec a1;
     clock_gettime(CLOCK_MONOTONIC, &a1);
     kvx_meta m = {.first_token = 1, .n_tokens = ntok};
@@ -398,6 +409,11 @@ static double timed_send(sender *s, uint64_t req, uint32_t ntok, kvx_pf_status *
            ps.state != KVX_REQ_FAILED && kvx_now_ms() < t_end)
         kvx_conn_progress(s->c, 0);
     clock_gettime(CLOCK_MONOTONIC, &b);
+    for (uint32_t k = 0; landed_us && k < nch; k++) {
+        kvx_chunk_times ct = {0};
+        kvx_pf_chunk_times(s->c, req, k, &ct);
+        landed_us[k] = ct.landed_ns ? (ct.landed_ns - ct.handed_ns) / 1e3 : -1;
+    }
     if (getenv("KVX_BENCH_DEBUG"))
         fprintf(stderr, "send_chunk %.3f ms, flush+notify %.3f ms\n",
                 ((a1.tv_sec - a.tv_sec) + (a1.tv_nsec - a.tv_nsec) * 1e-9) * 1e3,
@@ -480,7 +496,7 @@ static int bench(const bopts *o, const char *self)
 
     /* correctness + warm-up: every rank's blocks byte-exact */
     kvx_pf_status ps;
-    if (!open_ready(&s, 1, o->tokens) || timed_send(&s, 1, o->tokens, &ps) < 0) {
+    if (!open_ready(&s, 1, o->tokens) || timed_send(&s, 1, o->tokens, o->chunk, &ps, NULL) < 0) {
         fprintf(stderr, "kvx-bench: the first transfer failed (%s)\n",
                 kvx_req_state_name(ps.state));
         return 1;
@@ -504,10 +520,13 @@ static int bench(const bopts *o, const char *self)
     size_t put_size = ps.bytes / (ps.puts ? ps.puts : 1);
 
     double *gbs = calloc(o->iters, sizeof(double));
+    uint32_t nch = (o->tokens + o->chunk - 1) / o->chunk;
+    double *landed = calloc((size_t)o->iters * nch, sizeof(double));
     for (uint32_t i = 0; i < o->iters; i++) {
         uint64_t req = 10 + i;
         double t;
-        if (!open_ready(&s, req, o->tokens) || (t = timed_send(&s, req, o->tokens, NULL)) < 0 ||
+        if (!open_ready(&s, req, o->tokens) ||
+            (t = timed_send(&s, req, o->tokens, o->chunk, NULL, landed + (size_t)i * nch)) < 0 ||
             !finish_req(&s, req)) {
             fprintf(stderr, "kvx-bench: transfer %u failed\n", i);
             return 1;
@@ -516,15 +535,22 @@ static int bench(const bopts *o, const char *self)
     }
     qsort(gbs, o->iters, sizeof(double), cmp_d);
     double med = gbs[o->iters / 2];
-    printf("kvxfer: %.2f GB/s median (min %.2f, max %.2f) over %u chunks\n", med, gbs[0],
-           gbs[o->iters - 1], o->iters);
+    printf("kvxfer: %.2f GB/s median (min %.2f, max %.2f) over %u requests of %u chunk(s)\n", med,
+           gbs[0], gbs[o->iters - 1], o->iters, nch);
+    if (nch > 1) {
+        size_t nl = (size_t)o->iters * nch;
+        qsort(landed, nl, sizeof(double), cmp_d);
+        printf("per chunk (%u tokens), send_chunk -> landed: %.0f us median (min %.0f, max %.0f)\n",
+               o->chunk, landed[nl / 2], landed[0], landed[nl - 1]);
+    }
+    free(landed);
 
     double *lat = calloc(o->lat_iters, sizeof(double));
     for (uint32_t i = 0; i < o->lat_iters; i++) {
         uint64_t req = 100000 + i;
         double t;
-        if (!open_ready(&s, req, o->block) || (t = timed_send(&s, req, o->block, NULL)) < 0 ||
-            !finish_req(&s, req)) {
+        if (!open_ready(&s, req, o->block) ||
+            (t = timed_send(&s, req, o->block, o->block, NULL, NULL)) < 0 || !finish_req(&s, req)) {
             fprintf(stderr, "kvx-bench: 1-block transfer %u failed\n", i);
             return 1;
         }
@@ -609,6 +635,8 @@ int main(int argc, char **argv)
             o.iters = u;
         else if (!strcmp(k, "--tokens"))
             o.tokens = u;
+        else if (!strcmp(k, "--chunk"))
+            o.chunk = u;
         else if (!strcmp(k, "--layers"))
             o.layers = u;
         else if (!strcmp(k, "--heads"))
@@ -629,6 +657,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    if (!o.chunk || o.chunk > o.tokens) o.chunk = o.tokens;
     if (!o.ranks || o.ranks > o.heads || o.ranks > MAXCH || !o.iters || !o.tokens || !o.layers ||
         !o.head_dim || !o.block || o.tokens > 1u << 20) {
         fprintf(stderr, "kvx-bench: bad sizes (1 <= dst-ranks <= heads, all sizes > 0)\n");

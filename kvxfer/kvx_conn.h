@@ -6,21 +6,33 @@
  * request's state, abort it. Prefill side: open a request, add the targets of every
  * decode rank, send chunks (token range x this stage's layer range; each decode rank
  * gets its heads only; contiguous runs coalesce into single puts; chunks wait in the
- * lookup buffer until the targets arrived and accepted), finish (flush, then notify every
- * rank with a metadata record), abort. Composes the pipe (kvx_pipe.h) and the lookup
- * buffer (kvx_lookup.h); neither knows this layer.
+ * lookup buffer until the targets arrived and accepted; each chunk's puts to a rank are
+ * followed by a flush of that rank, so every chunk is known to have landed on its own),
+ * per-chunk times (handed, issued, landed: kvx_pf_chunk_times), finish (wait for the
+ * flushes, then notify every rank with a metadata record), abort. Composes the pipe
+ * (kvx_pipe.h) and the lookup buffer (kvx_lookup.h); neither knows this layer.
  *
  * Protocol (active messages on one id). A *writer* is one (PP stage, source TP rank)
  * process. It sends BEGIN(req, epoch, stage, src rank/tp, its address) to every decode
  * rank of the request and writes nothing before that rank answered ACCEPT (a rank that
- * aborted, failed or never heard of the request answers REFUSE). finish = flush every
- * rank, then DONE(meta). A decode abort sends ABORT to every accepted writer; the writer
- * stops, flushes and answers STOPPED. A prefill abort flushes, then sends STOPPED.
+ * aborted, failed or never heard of the request answers REFUSE). After a chunk's puts
+ * to a rank the writer flushes that rank (one flush per rank per chunk); finish = every
+ * chunk flush completed, then DONE(meta). A decode abort sends ABORT to every accepted
+ * writer; the writer stops, flushes and answers STOPPED. A prefill abort flushes, then
+ * sends STOPPED.
  *
  * Puts: a piece is (layer, K/V, block, head slice [, token range]); pieces contiguous on
  * both sides merge into one put; small pieces contiguous only at the destination (a head
  * slice of consecutive blocks when the source holds more heads) are gathered into a
- * staging buffer (kept until a flush of that rank completed) and go as one put.
+ * staging buffer (kept until the chunk's flush of that rank completed) and go as one put.
+ *
+ * Chunk times (CLOCK_MONOTONIC ns, kvx_now_ns: comparable between the processes of one
+ * host): handed = kvx_pf_send_chunk accepted the chunk; issued = its puts started (the
+ * same moment when the request was READY; later for a chunk that waited in the lookup
+ * buffer for its targets); landed = the last of its rank flushes completed with success,
+ * as seen by this connector's progress (so at or after the true moment): its KV is in
+ * every decode rank's memory. handed <= issued <= landed; a chunk whose flush failed
+ * never lands (landed stays 0).
  *
  * Decode request states (kvx_dec_poll):
  *
@@ -44,8 +56,8 @@
  * Prefill request states (kvx_pf_poll):
  *
  *   kvx_pf_open -> OPEN --all targets added--> BEGUN --every rank ACCEPTs--> READY
- *   READY --kvx_pf_finish--> FLUSHING --flushes ok--> NOTIFYING --notices sent--> DONE
- *   any non-final --kvx_pf_abort, deadline, ABORT/REFUSE, endpoint failed--> ABORTING
+ *   READY --kvx_pf_finish--> FLUSHING --chunk flushes ok--> NOTIFYING --notices sent--> DONE
+ *   any non-final --kvx_pf_abort, deadline, ABORT/REFUSE, endpoint/flush failed--> ABORTING
  *   ABORTING --outstanding puts flushed (or endpoint closed), STOPPED sent--> FAILED
  *
  *   Chunks sent in OPEN/BEGUN are copied into the lookup buffer and go out on READY;
@@ -66,8 +78,9 @@
  * Ownership: the connector owns the pipe given to kvx_conn_create. Registered regions are
  * borrowed until kvx_conn_destroy. The source KV of a prefill request (the region and the
  * blocks named in send_chunk) must stay valid and unchanged until kvx_pf_poll reports
- * DONE or FAILED (queued chunks are copies; direct chunks are read by the transport
- * until the flush). Request records live until kvx_*_release (only in a final state).
+ * DONE or FAILED (queued chunks are copies; a direct chunk's blocks are read by the
+ * transport until the chunk landed). Request records, chunk times included, live until
+ * kvx_*_release (only in a final state).
  */
 #ifndef KVX_CONN_H
 #define KVX_CONN_H
@@ -80,6 +93,7 @@
 
 #define KVX_MAX_STAGES 64
 #define KVX_MAX_RANKS  64
+#define KVX_MAX_CHUNKS 16384 /* chunk numbers per prefill request: 0 .. KVX_MAX_CHUNKS - 1 */
 
 /* A KV region: for each local layer, K then V, each
  * (n_blocks, n_heads, block_size, head_dim) elements of dtype_size bytes. */
@@ -210,9 +224,11 @@ int kvx_pf_open(kvx_conn *c, uint64_t req_id, const kvx_pf_req_params *p);
 /* Add one decode rank's target bytes (any order; malformed bytes are TD_EFORMAT and fail
  * nothing else). */
 int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t len);
-/* Send tokens [t0, t1) of this stage's layers; src_blocks (n_src_blocks) is the request's
- * block table in the source region (position p in src_blocks[p / bs]). TD_ENOSPC if the
- * chunk must be queued and the lookup buffer is full (nothing sent; retry later). */
+/* Send tokens [t0, t1) of this stage's layers as chunk number `chunk` (< KVX_MAX_CHUNKS,
+ * each number once per request: TD_EINVAL / TD_ESTATE); src_blocks (n_src_blocks) is the
+ * request's block table in the source region (position p in src_blocks[p / bs]).
+ * TD_ENOSPC if the chunk must be queued and the lookup buffer is full (nothing sent, no
+ * time recorded; retry later). */
 int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0, uint32_t t1,
                       const int32_t *src_blocks, uint32_t n_src_blocks);
 int kvx_pf_finish(kvx_conn *c, uint64_t req_id, const kvx_meta *meta);
@@ -228,6 +244,15 @@ typedef struct {
     uint64_t bytes;  /* bytes put */
 } kvx_pf_status;
 int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out);
+
+/* A chunk's times (see "Chunk times" above), CLOCK_MONOTONIC nanoseconds; 0: not yet. */
+typedef struct {
+    uint64_t handed_ns; /* kvx_pf_send_chunk accepted the chunk */
+    uint64_t issued_ns; /* its puts started (0: still in the lookup buffer) */
+    uint64_t landed_ns; /* every rank's flush of its puts completed (0: not yet, or failed) */
+} kvx_chunk_times;
+/* TD_ENOENT: no such request, or that chunk was not sent. Valid until kvx_pf_release. */
+int kvx_pf_chunk_times(kvx_conn *c, uint64_t req_id, uint32_t chunk, kvx_chunk_times *out);
 int kvx_pf_release(kvx_conn *c, uint64_t req_id);
 
 #endif

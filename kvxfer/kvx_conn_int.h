@@ -34,8 +34,9 @@ typedef struct queued_msg {
     uint8_t data[];
 } queued_msg;
 
-/* A copy of a chunk (queued, then held until the flush): a small region with the
- * source layout whose blocks are the chunk's blocks b_first.. in order. */
+/* A copy of a chunk (queued, then held until its flushes completed): a small region with
+ * the source layout whose blocks are the chunk's blocks b_first.. in order. Also the
+ * type of a staging arena (then only bytes and data are used). */
 struct chunk_copy {
     uint32_t chunk, t0, t1, b_first, nb;
     size_t bytes;
@@ -45,8 +46,10 @@ struct chunk_copy {
 
 typedef struct {
     bool have, accepted, refused, begin_sent, flushed, stopped_sent;
-    int flush_err;
-    int peer; /* index into c->peers */
+    int flush_err; /* first failed operation (flush or message) on this target */
+    int ops;       /* operations in flight on this target (flushes, messages) */
+    int flushes;   /* chunk flushes in flight on this target */
+    int peer;      /* index into c->peers */
     uint64_t epoch, dst_uid;
     uint32_t rank, tp, n_stages;
     kvx_layout layout;
@@ -54,6 +57,17 @@ typedef struct {
     uint32_t n_blocks;
     uint32_t *blocks;
 } pf_target;
+
+/* One chunk of a prefill request (indexed by its chunk number): its times and the rank
+ * flushes of its puts still in flight. */
+typedef struct {
+    uint64_t handed_ns; /* send_chunk accepted it (0: never sent) */
+    uint64_t issued_ns; /* its puts started (0: still queued) */
+    uint64_t landed_ns; /* the last of its rank flushes completed with success (0: not yet) */
+    uint32_t flushes;   /* rank flushes of this chunk in flight */
+    bool failed;        /* a flush failed or could not start: it never lands */
+    chunk_copy *copy;   /* drained lookup-buffer copy its puts read; freed after the flushes */
+} pf_chunk;
 
 typedef struct pf_req {
     uint64_t id;
@@ -69,7 +83,9 @@ typedef struct pf_req {
     kvx_meta meta;
     int pending;      /* operations in flight whose callback will touch this record */
     int abort_phase;  /* 0: flush; 1: flushes out; 2: STOPPED sent */
-    chunk_copy *held; /* drained copies, freed when final */
+    chunk_copy *held; /* buffers whose flush could not start, freed when final */
+    pf_chunk *chunks; /* (n_chunks) by chunk number, grown as chunks come (<= KVX_MAX_CHUNKS) */
+    uint32_t n_chunks;
     uint64_t pieces, puts, bytes;
     struct pf_req *next;
 } pf_req;
@@ -137,6 +153,7 @@ typedef struct {
     pf_req *r;
     uint32_t t;
     chunk_copy *bufs; /* staging buffers a flush frees */
+    int64_t chunk;    /* a chunk flush: the chunk's number; -1 otherwise */
 } op_ctx;
 
 typedef struct {

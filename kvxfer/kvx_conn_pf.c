@@ -1,5 +1,6 @@
 /* kvx_conn_pf.c: the prefill side of the connector: request state machine, head slicing,
- * coalescing and staging of puts, the lookup-buffer path, target decoding, the kvx_pf_ API. */
+ * coalescing and staging of puts, per-chunk flushes and times, the lookup-buffer path,
+ * target decoding, the kvx_pf_ API. */
 #include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -41,6 +42,7 @@ static void pf_op_done(void *arg, int status, size_t len)
     op_ctx *o = arg;
     pf_target *t = &o->r->tgt[o->t];
     if (status && !t->flush_err) t->flush_err = status;
+    t->ops--;
     o->r->pending--;
     free(o);
 }
@@ -57,7 +59,7 @@ static int pf_start_op(kvx_conn *c, pf_req *r, uint32_t t, const msg *m)
 {
     op_ctx *o = malloc(sizeof(*o));
     if (!o) return TD_ENOMEM;
-    *o = (op_ctx){c, r, t, NULL};
+    *o = (op_ctx){c, r, t, NULL, -1};
     pf_target *tg = &r->tgt[t];
     int err;
     if (!kvxi_peer_ok(c, tg->peer))
@@ -71,13 +73,14 @@ static int pf_start_op(kvx_conn *c, pf_req *r, uint32_t t, const msg *m)
         return err;
     }
     r->pending++;
+    tg->ops++;
     return 0;
 }
 
 /* Coalescer: pieces contiguous on both sides become one put. Small pieces that are
  * contiguous at the destination only (a head slice of consecutive blocks when the source
  * holds more heads than the destination) are gathered into a staging buffer and go as one
- * put; the buffer lives until a flush of that target completed. */
+ * put; the buffer lives until the chunk's flush of that target completed. */
 #define STAGE_PIECE_MAX (64u << 10)         /* bytes: larger pieces go directly */
 #define STAGE_MAX       (1u << 20)          /* bytes per staged put */
 #define STAGE_POOL_MAX  ((size_t)512 << 20) /* bytes of idle arenas kept for reuse */
@@ -172,47 +175,18 @@ static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
     co->len = len;
 }
 
-static void pf_stage_done(void *arg, int status, size_t len)
-{
-    op_ctx *o = arg;
-    pf_target *t = &o->r->tgt[o->t];
-    if (status && !t->flush_err) t->flush_err = status;
-    if (o->bufs) arena_put(o->c, o->bufs);
-    o->r->pending--;
-    free(o);
-}
-
-/* After staged puts to target t: a flush frees their buffers (or, if it cannot start, the
- * request keeps them until it is final). */
-static void pf_stage_flush(kvx_conn *c, pf_req *r, uint32_t t, chunk_copy *bufs)
-{
-    if (!bufs) return;
-    op_ctx *o = malloc(sizeof(*o));
-    int err = o ? 0 : TD_ENOMEM;
-    if (o) *o = (op_ctx){c, r, t, bufs};
-    if (!err && kvxi_peer_ok(c, r->tgt[t].peer))
-        err = kvx_pipe_flush(c->pipe, c->peers[r->tgt[t].peer].peer, pf_stage_done, o);
-    else if (!err)
-        err = TD_EIO;
-    if (!err) {
-        r->pending++;
-        return;
-    }
-    free(o);
-    bufs->next = r->held;
-    r->held = bufs;
-}
-
 /* Put tokens [t0, t1) of the source (region src with layout sl, logical block b in
- * block id sblk[b - sfirst]) into target t: its heads only. */
+ * block id sblk[b - sfirst]) into target t: its heads only. *arena gets the staging
+ * buffer the puts read (NULL if none): it must live until a flush of t completed. */
 static int pf_put_range(kvx_conn *c, pf_req *r, pf_target *t, const uint8_t *src,
                         const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
-                        uint32_t t1)
+                        uint32_t t1, chunk_copy **arena)
 {
     const kvx_layout *dl = &t->layout;
     uint32_t i0 = sl->head0 > dl->head0 ? sl->head0 : dl->head0;
     uint32_t e0 = sl->head0 + sl->n_heads, e1 = dl->head0 + dl->n_heads;
     uint32_t i1 = e0 < e1 ? e0 : e1;
+    *arena = NULL;
     if (i0 >= i1) return 0; /* no common heads */
     uint32_t bs = sl->block_size;
     size_t tokb = (size_t)sl->head_dim * sl->dtype_size;
@@ -239,7 +213,7 @@ static int pf_put_range(kvx_conn *c, pf_req *r, pf_target *t, const uint8_t *src
             }
     }
     co_flush(&co);
-    if (co.arena) pf_stage_flush(c, r, (uint32_t)(t - r->tgt), co.arena);
+    *arena = co.arena;
     return co.err;
 }
 
@@ -259,20 +233,136 @@ static int pf_check_fit(pf_req *r, const pf_target *t, const kvx_layout *sl, uin
     return 0;
 }
 
+/* --- chunks: records, per-rank flushes, times ------------------------------------------ */
+
+/* The record of chunk number k (< KVX_MAX_CHUNKS), the array grown on demand (doubling,
+ * so a request holds at most KVX_MAX_CHUNKS records); NULL if out of memory. */
+static pf_chunk *chunk_rec(pf_req *r, uint32_t k)
+{
+    if (k < r->n_chunks) return &r->chunks[k];
+    uint32_t n = r->n_chunks ? r->n_chunks : 16;
+    while (n <= k)
+        n *= 2;
+    if (n > KVX_MAX_CHUNKS) n = KVX_MAX_CHUNKS;
+    pf_chunk *nc = realloc(r->chunks, n * sizeof(*nc));
+    if (!nc) return NULL;
+    memset(nc + r->n_chunks, 0, (n - r->n_chunks) * sizeof(*nc));
+    r->chunks = nc;
+    r->n_chunks = n;
+    return &nc[k];
+}
+
+/* Once no flush of the chunk is in flight (they were all started: completions only run in
+ * progress, never while a chunk is being issued): it landed unless something failed, and
+ * its copy goes (after a failure it waits for the final state, like an unflushed arena). */
+static void chunk_settle(kvx_conn *c, pf_req *r, pf_chunk *ch)
+{
+    if (ch->flushes) return;
+    if (!ch->failed && !ch->landed_ns) ch->landed_ns = kvx_now_ns();
+    chunk_copy *cc = ch->copy;
+    if (!cc) return;
+    ch->copy = NULL;
+    if (ch->failed) {
+        cc->next = r->held;
+        r->held = cc;
+        return;
+    }
+    c->held_bytes -= cc->bytes;
+    free(cc);
+}
+
+static void pf_chunk_flush_done(void *arg, int status, size_t len)
+{
+    op_ctx *o = arg;
+    pf_req *r = o->r;
+    pf_target *t = &r->tgt[o->t];
+    pf_chunk *ch = &r->chunks[o->chunk];
+    if (status) {
+        if (!t->flush_err) t->flush_err = status;
+        ch->failed = true;
+    }
+    if (o->bufs) arena_put(o->c, o->bufs);
+    t->ops--;
+    t->flushes--;
+    r->pending--;
+    ch->flushes--;
+    chunk_settle(o->c, r, ch);
+    free(o);
+}
+
+/* After chunk k's puts to target t: one flush of t covers them (and frees their staging
+ * arena when it completes). If it cannot start, the chunk never lands, the target
+ * records the error and the arena waits for the final state. */
+static int pf_chunk_flush(kvx_conn *c, pf_req *r, uint32_t t, uint32_t k, chunk_copy *arena)
+{
+    pf_target *tg = &r->tgt[t];
+    pf_chunk *ch = &r->chunks[k];
+    op_ctx *o = malloc(sizeof(*o));
+    int err = o ? 0 : TD_ENOMEM;
+    if (!err && !kvxi_peer_ok(c, tg->peer)) err = TD_EIO;
+    if (!err) {
+        *o = (op_ctx){c, r, t, arena, k};
+        err = kvx_pipe_flush(c->pipe, c->peers[tg->peer].peer, pf_chunk_flush_done, o);
+    }
+    if (!err) {
+        r->pending++;
+        tg->ops++;
+        tg->flushes++;
+        ch->flushes++;
+        return 0;
+    }
+    free(o);
+    if (arena) {
+        arena->next = r->held;
+        r->held = arena;
+    }
+    ch->failed = true;
+    if (!tg->flush_err) tg->flush_err = err;
+    return err;
+}
+
+/* Issue chunk k: tokens [t0, t1) of src (layout sl, logical block b in sblk[b - sfirst])
+ * to every target, then one flush per target that got puts. */
+static int pf_issue_chunk(kvx_conn *c, pf_req *r, uint32_t k, const uint8_t *src,
+                          const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
+                          uint32_t t1)
+{
+    pf_chunk *ch = &r->chunks[k];
+    ch->issued_ns = kvx_now_ns();
+    int err = 0;
+    for (uint32_t t = 0; t < r->n_tgt && !err; t++) {
+        chunk_copy *arena = NULL;
+        uint64_t puts = r->puts;
+        err = pf_check_fit(r, &r->tgt[t], sl, t1);
+        if (!err) err = pf_put_range(c, r, &r->tgt[t], src, sl, sblk, sfirst, t0, t1, &arena);
+        if (r->puts != puts || arena) {
+            int ferr = pf_chunk_flush(c, r, t, k, arena);
+            if (!err) err = ferr;
+        }
+    }
+    if (err) ch->failed = true;
+    chunk_settle(c, r, ch);
+    return err;
+}
+
+/* A chunk that waited in the lookup buffer goes out from its copy (held until its
+ * flushes completed). */
 static int pf_send_copy(kvx_conn *c, pf_req *r, chunk_copy *cc)
 {
+    pf_chunk *ch = &r->chunks[cc->chunk];
+    ch->copy = cc;
+    c->held_bytes += cc->bytes;
     kvx_layout pl = c->src_layout;
     pl.n_blocks = cc->nb;
     uint32_t *ids = malloc(cc->nb * sizeof(*ids));
-    if (!ids) return TD_ENOMEM;
+    if (!ids) {
+        ch->failed = true;
+        chunk_settle(c, r, ch);
+        return TD_ENOMEM;
+    }
     for (uint32_t i = 0; i < cc->nb; i++)
         ids[i] = i;
-    int err = 0;
-    for (uint32_t t = 0; t < r->n_tgt && !err; t++) {
-        err = pf_check_fit(r, &r->tgt[t], &pl, cc->t1);
-        if (!err)
-            err = pf_put_range(c, r, &r->tgt[t], cc->data, &pl, ids, cc->b_first, cc->t0, cc->t1);
-    }
+    int err = pf_issue_chunk(c, r, cc->chunk, cc->data, &pl, ids, cc->b_first, cc->t0, cc->t1);
     free(ids);
     return err;
 }
@@ -289,6 +379,8 @@ void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
                 pf_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
             else if (tg->refused)
                 pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
+            else if (tg->flush_err) /* a chunk's flush (or a message) failed */
+                pf_fail(c, r, KVX_FAIL_PEER_FAILED, tg->flush_err);
         }
     }
     switch (r->state) {
@@ -323,11 +415,7 @@ void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
         kvx_lb_key k;
         void *v;
         while (kvx_lookup_drop_first(c->lb, r->id, &k, &v, NULL) == 0) {
-            chunk_copy *cc = v;
-            cc->next = r->held;
-            r->held = cc;
-            c->held_bytes += cc->bytes;
-            int err = pf_send_copy(c, r, cc);
+            int err = pf_send_copy(c, r, v);
             if (err) {
                 pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
                 return;
@@ -336,22 +424,17 @@ void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
     } /* fall through */
     case KVX_REQ_READY:
         if (!r->finish_wanted) return;
-        for (uint32_t t = 0; t < r->n_tgt; t++) {
-            int err = pf_start_op(c, r, t, NULL);
-            if (err) {
-                pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
-                return;
-            }
-        }
+        /* every chunk's puts to a target were followed by a flush of it: the finish
+         * flush is waiting for those */
         r->state = KVX_REQ_FLUSHING;
-        return;
+    /* fall through */
     case KVX_REQ_FLUSHING:
         for (uint32_t t = 0; t < r->n_tgt; t++) {
             if (r->tgt[t].flush_err) {
                 pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
                 return;
             }
-            if (!r->tgt[t].flushed) return;
+            if (r->tgt[t].flushes) return;
         }
         for (uint32_t t = 0; t < r->n_tgt; t++) {
             msg m = {.type = MSG_DONE,
@@ -385,7 +468,7 @@ void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
             /* a peer that does not complete our flush within the bound is closed: its
              * operations complete with errors and nothing of ours is read any more */
             for (uint32_t t = 0; t < r->n_tgt; t++)
-                if (r->tgt[t].have && kvxi_peer_ok(c, r->tgt[t].peer) && !r->tgt[t].flushed) {
+                if (r->tgt[t].have && kvxi_peer_ok(c, r->tgt[t].peer) && r->tgt[t].ops > 0) {
                     TD_LOG_WARN("kvx conn: req %llu rank %u: closing an unresponsive peer",
                                 (unsigned long long)r->id, r->tgt[t].rank);
                     kvxi_peer_close(c, r->tgt[t].peer, true);
@@ -431,6 +514,12 @@ void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
         c->held_bytes -= cc->bytes;
         free(cc);
     }
+    for (uint32_t k = 0; k < r->n_chunks; k++)
+        if (r->chunks[k].copy) { /* not expected: no flush is in flight any more */
+            c->held_bytes -= r->chunks[k].copy->bytes;
+            free(r->chunks[k].copy);
+            r->chunks[k].copy = NULL;
+        }
     kvx_lookup_drop_request(c->lb, r->id, kvxi_free_copy, NULL);
     for (uint32_t t = 0; t < r->n_tgt; t++)
         if (r->tgt[t].have && r->tgt[t].peer >= 0) {
@@ -448,6 +537,9 @@ void kvxi_pf_free(pf_req *r)
         r->held = cc->next;
         free(cc);
     }
+    for (uint32_t k = 0; k < r->n_chunks; k++)
+        free(r->chunks[k].copy);
+    free(r->chunks);
     free(r);
 }
 
@@ -654,6 +746,7 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
 int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0, uint32_t t1,
                       const int32_t *src_blocks, uint32_t n_src_blocks)
 {
+    uint64_t handed = kvx_now_ns();
     pthread_mutex_lock(&c->mu);
     pf_req *r = pf_find(c, req_id);
     const kvx_layout *sl = &c->src_layout;
@@ -668,6 +761,13 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
         TD_LOG_ERR("kvx conn: req %llu chunk %u: bad token range %u-%u (%u source blocks)",
                    (unsigned long long)req_id, chunk, t0, t1, n_src_blocks);
         err = TD_EINVAL;
+    } else if (chunk >= KVX_MAX_CHUNKS) {
+        TD_LOG_ERR("kvx conn: req %llu chunk %u: chunk numbers go up to %u",
+                   (unsigned long long)req_id, chunk, KVX_MAX_CHUNKS - 1);
+        err = TD_EINVAL;
+    } else if (chunk < r->n_chunks && r->chunks[chunk].handed_ns) {
+        TD_LOG_ERR("kvx conn: req %llu chunk %u: sent twice", (unsigned long long)req_id, chunk);
+        err = TD_ESTATE;
     }
     uint32_t bs = sl->block_size, b_first = t0 / (bs ? bs : 1), b_last = (t1 - 1) / (bs ? bs : 1);
     for (uint32_t b = b_first; !err && b <= b_last; b++)
@@ -676,6 +776,8 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
                        (unsigned long long)req_id, chunk, src_blocks[b]);
             err = TD_EINVAL;
         }
+    pf_chunk *ch = err ? NULL : chunk_rec(r, chunk);
+    if (!err && !ch) err = TD_ENOMEM;
     if (err) {
         pthread_mutex_unlock(&c->mu);
         return err;
@@ -685,9 +787,9 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
         err = ids ? 0 : TD_ENOMEM;
         for (uint32_t b = 0; ids && b <= b_last; b++)
             ids[b] = b >= b_first ? (uint32_t)src_blocks[b] : 0;
-        for (uint32_t t = 0; !err && t < r->n_tgt; t++) {
-            err = pf_check_fit(r, &r->tgt[t], sl, t1);
-            if (!err) err = pf_put_range(c, r, &r->tgt[t], c->src, sl, ids, 0, t0, t1);
+        if (!err) {
+            ch->handed_ns = handed;
+            err = pf_issue_chunk(c, r, chunk, c->src, sl, ids, 0, t0, t1);
         }
         free(ids);
         if (err) pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
@@ -715,7 +817,10 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
                             .layer0 = sl->layer0,
                             .layer1 = sl->layer0 + sl->n_layers};
             err = kvx_lookup_insert(c->lb, &k, cc, bytes, 0);
-            if (err) free(cc);
+            if (err)
+                free(cc);
+            else
+                ch->handed_ns = handed;
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -775,6 +880,21 @@ int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out)
     }
     pthread_mutex_unlock(&c->mu);
     return r ? 0 : TD_ENOENT;
+}
+
+int kvx_pf_chunk_times(kvx_conn *c, uint64_t req_id, uint32_t chunk, kvx_chunk_times *out)
+{
+    pthread_mutex_lock(&c->mu);
+    pf_req *r = pf_find(c, req_id);
+    int err = TD_ENOENT;
+    if (r && chunk < r->n_chunks && r->chunks[chunk].handed_ns) {
+        const pf_chunk *ch = &r->chunks[chunk];
+        *out = (kvx_chunk_times){
+            .handed_ns = ch->handed_ns, .issued_ns = ch->issued_ns, .landed_ns = ch->landed_ns};
+        err = 0;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return err;
 }
 
 int kvx_pf_release(kvx_conn *c, uint64_t req_id)

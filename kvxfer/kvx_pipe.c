@@ -12,6 +12,13 @@ int64_t kvx_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+uint64_t kvx_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 int kvx_pipe_wait(kvx_pipe *p, int timeout_ms)
 {
     int n = kvx_pipe_progress(p);

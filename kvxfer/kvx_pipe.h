@@ -255,5 +255,8 @@ int kvx_pipe_wait(kvx_pipe *p, int timeout_ms);
 
 /* Milliseconds of CLOCK_MONOTONIC (shared by kvxfer's deadlines). */
 int64_t kvx_now_ms(void);
+/* Nanoseconds of CLOCK_MONOTONIC (kvxfer's timestamps; comparable between the processes
+ * of one host). */
+uint64_t kvx_now_ns(void);
 
 #endif

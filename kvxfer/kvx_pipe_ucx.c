@@ -1,4 +1,12 @@
-/* kvx_pipe_ucx.c: the UCX implementation of the pipe (one context, one worker). */
+/* kvx_pipe_ucx.c: the UCX implementation of the pipe (one context, one worker).
+ *
+ * Operations on a peer that failed (or was force-closed) complete with an error in the
+ * next progress even when UCX itself never completes them (over shared memory, with
+ * UCP_ERR_HANDLING_MODE_NONE, a flush to a process that died stays in flight forever):
+ * the owner hears the error, and the operation becomes a *zombie* that keeps its UCX
+ * request (and an am_send payload) until UCX completes it or the pipe is destroyed.
+ * Releasing such a request with ucp_request_free instead wedged the worker in about one
+ * SIGKILL test in twenty (flushes to the live peers stopped completing). */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -47,8 +55,10 @@ typedef struct ucx_op {
     int status;
     size_t len;
     bool done;
-    void *copy; /* am_send: the copied payload */
-    void *req;  /* the UCX request while in flight (freed by the callback) */
+    bool zombie;   /* reported failed already; waits for UCX to let go of the request */
+    kvx_peer peer; /* the endpoint it runs on; -1: none (receives), or no longer tracked */
+    void *copy;    /* am_send: the copied payload */
+    void *req;     /* the UCX request while in flight (freed by the callback) */
     struct ucx_op *next, *prev;
 } ucx_op;
 
@@ -69,7 +79,8 @@ struct ucx_pipe {
     int n_mems, n_rkeys;
     ucx_op *ops; /* pending and completed-not-delivered operations */
     int n_ops;
-    bool any_done; /* some op in the list is done */
+    ucx_op *zombies; /* reported operations whose UCX request is still in flight */
+    bool any_done;   /* some op in the list is done */
     struct {
         kvx_am_cb cb;
         void *arg;
@@ -97,11 +108,14 @@ static int ucx_err(ucs_status_t st)
     }
 }
 
-static ucx_op *op_new(ucx_pipe *p, kvx_done_cb cb, void *arg)
+#define PEER_GONE (-2) /* ucx_op.peer: its endpoint was force-closed */
+
+static ucx_op *op_new(ucx_pipe *p, kvx_peer peer, kvx_done_cb cb, void *arg)
 {
     ucx_op *op = calloc(1, sizeof(*op));
     if (!op) return NULL;
     op->pipe = p;
+    op->peer = peer;
     op->cb = cb;
     op->arg = arg;
     op->next = p->ops;
@@ -111,15 +125,22 @@ static ucx_op *op_new(ucx_pipe *p, kvx_done_cb cb, void *arg)
     return op;
 }
 
-static void op_unlink(ucx_op *op)
+static void op_detach(ucx_op *op)
 {
     ucx_pipe *p = op->pipe;
+    ucx_op **head = op->zombie ? &p->zombies : &p->ops;
     if (op->prev)
         op->prev->next = op->next;
     else
-        p->ops = op->next;
+        *head = op->next;
     if (op->next) op->next->prev = op->prev;
-    p->n_ops--;
+    op->next = op->prev = NULL;
+    if (!op->zombie) p->n_ops--;
+}
+
+static void op_unlink(ucx_op *op)
+{
+    op_detach(op);
     free(op->copy);
     free(op);
 }
@@ -152,6 +173,11 @@ static int op_started(ucx_op *op, ucs_status_ptr_t sp, const char *what)
 static void send_cb(void *req, ucs_status_t st, void *user)
 {
     ucx_op *op = user;
+    if (op->zombie) { /* its owner heard about it long ago */
+        op_unlink(op);
+        ucp_request_free(req);
+        return;
+    }
     op->req = NULL;
     op_complete(op, ucx_err(st), 0);
     ucp_request_free(req);
@@ -160,6 +186,11 @@ static void send_cb(void *req, ucs_status_t st, void *user)
 static void recv_cb(void *req, ucs_status_t st, const ucp_tag_recv_info_t *info, void *user)
 {
     ucx_op *op = user;
+    if (op->zombie) {
+        op_unlink(op);
+        ucp_request_free(req);
+        return;
+    }
     op->req = NULL;
     op_complete(op, ucx_err(st), st == UCS_OK ? info->length : 0);
     ucp_request_free(req);
@@ -220,6 +251,36 @@ static void reap_closing(ucx_pipe *p)
     p->n_closing = k;
 }
 
+/* Operations still in flight on a failed or force-closed endpoint (after UCX had its
+ * chance to complete them): the owner hears TD_EIO (or the peer's error) and the operation
+ * becomes a zombie (see the top of the file). Returns how many were reported. */
+static int orphan_ops(ucx_pipe *p)
+{
+    int n = 0;
+    for (ucx_op *op = p->ops, *next; op; op = next) {
+        next = op->next;
+        if (op->done || !op->req || op->peer == -1) continue;
+        int st = TD_EIO;
+        if (op->peer >= 0) {
+            ucx_peer *pr = op->peer < p->n_peers ? p->peers[op->peer] : NULL;
+            if (!pr || !pr->status || pr->ep) continue; /* healthy, or not closed yet */
+            st = pr->status;
+        }
+        kvx_done_cb cb = op->cb;
+        void *arg = op->arg;
+        op_detach(op);
+        op->zombie = true;
+        op->cb = NULL;
+        op->next = p->zombies;
+        if (p->zombies) p->zombies->prev = op;
+        p->zombies = op;
+        if (cb) cb(arg, st, 0);
+        n++;
+        next = p->ops; /* the callback may have changed the list */
+    }
+    return n;
+}
+
 static int ucx_progress(kvx_pipe *base)
 {
     ucx_pipe *p = (ucx_pipe *)base;
@@ -228,13 +289,18 @@ static int ucx_progress(kvx_pipe *base)
     int n = 0;
     if (p->shm) check_pids(p);
     if (p->n_closing) reap_closing(p);
+    bool closed = false;
     for (int i = 0; i < p->n_peers; i++) {
         ucx_peer *pr = p->peers[i];
         if (pr->close_needed) {
             pr->close_needed = false;
             ep_close(p, pr, true);
+            closed = true;
         }
     }
+    if (closed)
+        while (ucp_worker_progress(p->worker)) { /* completions the closes produced */
+        }
     while (p->any_done) {
         p->any_done = false;
         ucx_op *op = p->ops, *next;
@@ -251,6 +317,7 @@ static int ucx_progress(kvx_pipe *base)
             next = p->ops; /* the callback may have changed the list */
         }
     }
+    n += orphan_ops(p);
     for (int i = 0; i < p->n_peers; i++) {
         ucx_peer *pr = p->peers[i];
         if (pr->used && pr->err_pending) {
@@ -414,7 +481,12 @@ static void ucx_disconnect(kvx_pipe *base, kvx_peer peer, bool force)
         nx = rk->next;
         if (rk->peer == peer) base->ops->rkey_destroy(base, rk);
     }
-    ep_close(p, pr, force || pr->status != 0);
+    bool forced = force || pr->status != 0;
+    ep_close(p, pr, forced);
+    /* its operations: after a forced close, reported failed by the next progress unless UCX
+     * completes them first; after a graceful one, left to UCX (the slot may be reused) */
+    for (ucx_op *op = p->ops; op; op = op->next)
+        if (op->peer == peer) op->peer = forced ? PEER_GONE : -1;
     pidfd_close(p, pr);
     pr->close_needed = false;
     pr->err_pending = false;
@@ -568,7 +640,7 @@ static int ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg)
     int err;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
-    ucx_op *op = op_new(p, cb, arg);
+    ucx_op *op = op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
@@ -621,7 +693,7 @@ static int ucx_am_send(kvx_pipe *base, kvx_peer peer, unsigned id, const void *b
     if (id >= KVX_AM_IDS || len > KVX_AM_MAX) return TD_EINVAL;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
-    ucx_op *op = op_new(p, cb, arg);
+    ucx_op *op = op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     op->copy = malloc(len ? len : 1);
     if (!op->copy) {
@@ -645,7 +717,7 @@ static int ucx_tag_send(kvx_pipe *base, kvx_peer peer, uint64_t tag, const void 
     int err;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
-    ucx_op *op = op_new(p, cb, arg);
+    ucx_op *op = op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
@@ -658,7 +730,7 @@ static int ucx_tag_recv(kvx_pipe *base, uint64_t tag, void *buf, size_t cap, kvx
                         void *arg)
 {
     ucx_pipe *p = (ucx_pipe *)base;
-    ucx_op *op = op_new(p, cb, arg);
+    ucx_op *op = op_new(p, -1, cb, arg);
     if (!op) return TD_ENOMEM;
     op->len = 0;
     /* no immediate completion: the length is reported by the callback */
@@ -719,6 +791,11 @@ static void ucx_destroy(kvx_pipe *base)
         free(p->closing);
         p->closing = NULL;
         p->n_closing = 0;
+        while (p->zombies) { /* no callback comes after ucp_request_free */
+            ucx_op *op = p->zombies;
+            if (op->req) ucp_request_free(op->req);
+            op_unlink(op);
+        }
         while (p->mems)
             ucx_mem_dereg(base, p->mems);
         ucp_worker_destroy(p->worker);

@@ -6,17 +6,27 @@
 #   deploy_bench       tandem bench --json (plain and --stream) against the cluster
 #   deploy_netns       router and decode instance in two network namespaces (needs root;
 #                      skipped otherwise)
+#   deploy_prefill_up_down, deploy_prefill_foreground, deploy_prefill_scripts: the same
+#                      with a prefill instance (pp 2): up/down/status, readiness, a killed
+#                      stage, a stage that cannot start, deploy/start-prefill.sh (skipped
+#                      without the tandem-prefill target)
 # Without the tandem-router target, tests/deploy/fake_router.py stands in for the router.
 if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode)
   set(TANDEM_DEPLOY_ROUTER "")
   if(TARGET tandem-router)
     set(TANDEM_DEPLOY_ROUTER --router $<TARGET_FILE:tandem-router>)
   endif()
-  foreach(case up_down foreground bad_model bench netns)
+  set(TANDEM_DEPLOY_PREFILL "")
+  if(TARGET tandem-prefill)
+    set(TANDEM_DEPLOY_PREFILL --prefill $<TARGET_FILE:tandem-prefill>)
+  endif()
+  foreach(case up_down foreground bad_model bench netns prefill_up_down prefill_foreground
+               prefill_scripts)
     add_test(NAME deploy_${case}
              COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_deploy.py
                      --case ${case} --tandem $<TARGET_FILE:tandem>
                      --decode $<TARGET_FILE:tandem-decode> ${TANDEM_DEPLOY_ROUTER}
+                     ${TANDEM_DEPLOY_PREFILL}
                      --synth-dir ${TANDEM_TEST_DATA}/synth --source-dir ${CMAKE_SOURCE_DIR})
     set_tests_properties(deploy_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 400
                          SKIP_RETURN_CODE 77)

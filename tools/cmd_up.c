@@ -4,32 +4,39 @@
  *   tandem down FILE [--grace S]
  *   tandem status FILE [--json]
  *
- * Processes: every rank of every decode instance (tandem-decode --config FILE --instance
- * NAME --rank R, all ranks of an instance at once, any order), then the router
- * (tandem-router --config FILE). Binaries are taken from $TANDEM_BIN (a directory) or the
- * directory of this `tandem` executable. Prefill instances are refused until the prefill
- * node exists.
+ * Processes, started in this order (each one waits for or retries its peers by itself, so
+ * the order only makes the logs read naturally): every rank of every decode instance
+ * (tandem-decode --config FILE --instance NAME --rank R), every stage of every prefill
+ * instance (tandem-prefill --config FILE --instance NAME --stage S; stage 0 serves the
+ * instance's control socket, the others join it), then the router (tandem-router --config
+ * FILE). Every process of the YAML runs on this machine, whatever its host (several hosts:
+ * deploy/start-*.sh on each). Binaries are taken from $TANDEM_BIN (a directory) or the
+ * directory of this `tandem` executable; all of them are checked before anything starts.
  *
  * Run directory: RUN_DIR/<file stem>/ (run_dir from the YAML): per process
- * <role>-<instance>-<rank>.log (stdout + stderr, truncated at each start) and .pid
- * ("PID STARTTIME": the start time from /proc/PID/stat tells a pid that was reused from the
- * process we started), plus up.pid for a foreground `tandem up` (its own pid).
+ * <role>-<instance>-<rank>.log (stdout + stderr, truncated at each start; for a prefill
+ * stage, rank is the stage) and .pid ("PID STARTTIME": the start time from /proc/PID/stat
+ * tells a pid that was reused from the process we started), plus up.pid for a foreground
+ * `tandem up` (its own pid).
  *
  * Start-up: processes start in their own session (setsid) with stdin from /dev/null; up
- * waits for the router's GET /health to answer 200 (--timeout, default 300 s). If a process
+ * waits until the router's GET /health answers 200 and, with prefill instances, every
+ * prefill stage 0 answers a control-plane HealthRequest with ready = true (all its stages
+ * joined, model loaded, start-up profile done) (--timeout, default 300 s). If a process
  * exits meanwhile, the timeout passes or a signal arrives, up prints the log tail of the
  * process concerned, stops everything and exits non-zero.
  *
  * Running (foreground): until SIGINT/SIGTERM/SIGHUP, then everything is stopped. A child
  * that dies while running is reported with its log tail and the whole cluster is stopped,
  * exit status 1: a partial cluster is never left running unattended. With -d, up returns
- * once /health is 200 and the processes keep running; `tandem down` stops them.
+ * once the cluster is ready and the processes keep running; `tandem down` stops them.
  *
- * Stopping: SIGTERM to each process group (router first), wait --grace seconds (default
- * 10), then SIGKILL; pid files are removed. `down` also stops a foreground up (up.pid).
- * Status: per process "ROLE INSTANCE RANK PID STATE", STATE running (pid file, process
- * alive and the same one), dead (pid file but the process is gone) or stopped (no pid
- * file); --json prints one object {"cluster", "run_dir", "endpoint", "processes": [...]}.
+ * Stopping: SIGTERM to each process group (router first, then the prefill stages, then the
+ * decode ranks), wait --grace seconds (default 10), then SIGKILL; pid files are removed.
+ * `down` also stops a foreground up (up.pid). Status: per process "ROLE INSTANCE RANK PID
+ * STATE", STATE running (pid file, process alive and the same one), dead (pid file but the
+ * process is gone) or stopped (no pid file); --json prints one object {"cluster",
+ * "run_dir", "endpoint", "processes": [...]}.
  */
 #define _GNU_SOURCE /* memmem, strcasestr, pipe2 */
 #include <errno.h>
@@ -47,12 +54,13 @@
 
 #include "cli.h"
 #include "config.h"
+#include "ctrl.h"
 #include "td_err.h"
 
 typedef struct {
-    const char *role; /* "decode" | "router" */
+    const char *role; /* "decode" | "prefill" | "router" */
     char instance[TD_CFG_NAME_MAX + 1];
-    int rank;
+    int rank; /* decode rank, prefill stage, 0 for the router */
     char log[PATH_MAX], pidfile[PATH_MAX];
     pid_t pid;                /* 0: none */
     unsigned long long start; /* starttime of pid (clock ticks since boot) */
@@ -67,7 +75,7 @@ typedef struct {
     char dir[PATH_MAX];      /* run_dir/name */
     char bindir[PATH_MAX];
     char up_pidfile[PATH_MAX];
-    up_proc *p; /* (n) decode ranks in YAML order, then the router */
+    up_proc *p; /* (n) decode ranks, then prefill stages (YAML order), then the router */
     int n;
     char host[256]; /* where /health is asked (a wildcard listen becomes loopback) */
     int port;
@@ -209,7 +217,8 @@ static void proc_label(const up_proc *p, char *buf, size_t cap)
     if (!strcmp(p->role, "router"))
         snprintf(buf, cap, "router");
     else
-        snprintf(buf, cap, "%s %s rank %d", p->role, p->instance, p->rank);
+        snprintf(buf, cap, "%s %s %s %d", p->role, p->instance,
+                 strcmp(p->role, "prefill") ? "rank" : "stage", p->rank);
 }
 
 /* "HOST:PORT" or "[V6]:PORT" -> host to ask and endpoint. */
@@ -295,6 +304,8 @@ static int cluster_open(cluster *c, const char *path)
     int n = 1;
     for (int i = 0; i < c->cfg->n_decode; i++)
         n += c->cfg->decode[i].tp;
+    for (int i = 0; i < c->cfg->n_prefill; i++)
+        n += c->cfg->prefill[i].pp;
     c->p = calloc((size_t)n, sizeof *c->p);
     if (!c->p) {
         cluster_close(c);
@@ -306,6 +317,13 @@ static int cluster_open(cluster *c, const char *path)
             p->role = "decode";
             snprintf(p->instance, sizeof p->instance, "%s", c->cfg->decode[i].name);
             p->rank = r;
+        }
+    for (int i = 0; i < c->cfg->n_prefill; i++)
+        for (int s = 0; s < c->cfg->prefill[i].pp; s++) {
+            up_proc *p = &c->p[c->n++];
+            p->role = "prefill";
+            snprintf(p->instance, sizeof p->instance, "%s", c->cfg->prefill[i].name);
+            p->rank = s;
         }
     up_proc *rt = &c->p[c->n++];
     rt->role = "router";
@@ -344,8 +362,12 @@ static int spawn(cluster *c, up_proc *p)
     snprintf(rank, sizeof rank, "%d", p->rank);
     char *argv_decode[] = {bin,         "--config", c->cfg_path, "--instance",
                            p->instance, "--rank",   rank,        NULL};
+    char *argv_prefill[] = {bin,         "--config", c->cfg_path, "--instance",
+                            p->instance, "--stage",  rank,        NULL};
     char *argv_router[] = {bin, "--config", c->cfg_path, NULL};
-    char **argv = strcmp(p->role, "router") ? argv_decode : argv_router;
+    char **argv = !strcmp(p->role, "router")    ? argv_router
+                  : !strcmp(p->role, "prefill") ? argv_prefill
+                                                : argv_decode;
     int logfd = open(p->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (logfd < 0) {
         fprintf(stderr, "tandem: cannot create %s: %s\n", p->log, strerror(errno));
@@ -491,6 +513,102 @@ static void report_exit(const up_proc *p, const char *when)
     print_tail(p->log, 20);
 }
 
+/* Every binary the cluster needs is there and executable (checked before anything runs,
+ * so a missing one never leaves a half-started cluster behind). Prints the first missing. */
+static int check_binaries(const cluster *c)
+{
+    for (int i = 0; i < c->n; i++) {
+        char bin[PATH_MAX];
+        if (snprintf(bin, sizeof bin, "%s/tandem-%s", c->bindir, c->p[i].role) >= (int)sizeof bin)
+            return TD_ERANGE;
+        if (access(bin, X_OK)) {
+            fprintf(stderr,
+                    "tandem: cannot run %s: %s (set TANDEM_BIN to the directory of the "
+                    "tandem binaries)\n",
+                    bin, strerror(errno));
+            return TD_ENOENT;
+        }
+    }
+    return 0;
+}
+
+/* Readiness of a prefill instance: its stage 0 answers HealthRequest with ready = true
+ * once every stage joined (and its start-up profile is done). One control-plane client
+ * per instance; calls are asynchronous, so polling never blocks the start-up loop. */
+typedef struct {
+    const char *instance;
+    char url[320];
+    td_ctrl_client *cl;
+    bool ready, asked; /* asked: a health call is in flight (call) */
+    uint64_t call;
+    const up_proc *stage0; /* whose log tail explains a timeout */
+} pf_probe;
+
+static void probes_close(pf_probe *pp, int n)
+{
+    for (int i = 0; pp && i < n; i++)
+        td_ctrl_client_destroy(pp[i].cl);
+    free(pp);
+}
+
+static int probes_open(const cluster *c, pf_probe **out)
+{
+    int n = c->cfg->n_prefill;
+    *out = NULL;
+    if (!n) return 0;
+    pf_probe *pp = calloc((size_t)n, sizeof *pp);
+    if (!pp) return TD_ENOMEM;
+    for (int i = 0; i < n; i++) {
+        const td_cfg_prefill *pf = &c->cfg->prefill[i];
+        const char *host = pf->hosts[0];
+        if (!strcmp(host, "0.0.0.0") || !host[0]) host = "127.0.0.1";
+        if (!strcmp(host, "::")) host = "::1";
+        pp[i].instance = pf->name;
+        for (int k = 0; k < c->n; k++)
+            if (!strcmp(c->p[k].role, "prefill") && !strcmp(c->p[k].instance, pf->name) &&
+                c->p[k].rank == 0)
+                pp[i].stage0 = &c->p[k];
+        td_ctrl_opts opts = {0};
+        int rc = td_cfg_ctrl_url(host, pf->port, pp[i].url, sizeof pp[i].url);
+        if (!rc) rc = td_ctrl_client_create(pp[i].url, &opts, &pp[i].cl);
+        if (rc) {
+            fprintf(stderr, "tandem: prefill %s: cannot reach %s: %s\n", pf->name, pp[i].url,
+                    td_strerror(rc));
+            probes_close(pp, n);
+            return rc;
+        }
+    }
+    *out = pp;
+    return 0;
+}
+
+/* Collect answers and ask again where needed, without blocking; returns the first prefill
+ * instance that is not ready yet, or NULL when all are. */
+static pf_probe *probes_poll(pf_probe *pp, int n)
+{
+    pf_probe *first = NULL;
+    for (int i = 0; i < n; i++) {
+        pf_probe *p = &pp[i];
+        td_ctrl_client_in in = {0};
+        while (!p->ready && td_ctrl_client_recv(p->cl, &in, 0) == 0) {
+            const Td__Health *h = NULL;
+            if (in.kind == TD_CTRL_IN_REPLY && in.call_id == p->call) {
+                p->asked = false;
+                if (!in.err && in.env && in.env->body_case == TD__ENVELOPE__BODY_HEALTH)
+                    h = in.env->health;
+            } else if (in.kind == TD_CTRL_IN_EVENTS) {
+                h = in.health;
+            }
+            if (h && h->ready) p->ready = true;
+        }
+        td_ctrl_client_in_free(&in);
+        if (!p->ready && !p->asked && td_ctrl_client_health(p->cl, 2000, &p->call) == 0)
+            p->asked = true;
+        if (!p->ready && !first) first = p;
+    }
+    return first;
+}
+
 static int health(const cluster *c, int timeout_ms)
 {
     cli_http_req rq = {.host = c->host,
@@ -531,9 +649,10 @@ static void usage_up(void)
             "usage: tandem up [-d] FILE [--timeout S] [--grace S]\n"
             "       tandem down FILE [--grace S]\n"
             "       tandem status FILE [--json]\n"
-            "  up: start every process of the cluster YAML on this machine, wait for the\n"
-            "      router's /health, print the endpoint and stay until Ctrl-C/SIGTERM\n"
-            "  -d: return once /health is 200 and leave the processes running\n"
+            "  up: start every process of the cluster YAML on this machine (decode ranks,\n"
+            "      prefill stages, router), wait for the router's /health and every prefill\n"
+            "      stage 0's ready, print the endpoint and stay until Ctrl-C/SIGTERM\n"
+            "  -d: return once the cluster is ready and leave the processes running\n"
             "  --timeout S  start-up bound (default 300)   --grace S  SIGTERM to SIGKILL (10)\n"
             "  binaries: $TANDEM_BIN, else the directory of this tandem executable\n");
 }
@@ -588,13 +707,9 @@ int cmd_up(int argc, char **argv)
     if (rc) return rc > 0 ? 0 : rc;
     cluster c;
     if ((rc = cluster_open(&c, o.file))) return rc;
-    if (c.cfg->n_prefill) {
-        fprintf(stderr,
-                "tandem: %s has prefill instances; tandem up does not start prefill "
-                "nodes yet (remove the prefill list to serve in colocated mode)\n",
-                o.file);
+    if ((rc = check_binaries(&c))) {
         cluster_close(&c);
-        return TD_EUNSUPP;
+        return rc;
     }
     if ((rc = mkdir_p(c.dir))) {
         fprintf(stderr, "tandem: cannot create run directory %s: %s\n", c.dir, strerror(errno));
@@ -624,9 +739,13 @@ int cmd_up(int argc, char **argv)
 
     fprintf(stderr, "tandem: starting cluster '%s' (%d processes, logs in %s)\n", c.name, c.n,
             c.dir);
-    for (int i = 0; i < c.n && !rc; i++) /* decode ranks, then the router */
+    for (int i = 0; i < c.n && !rc; i++) /* decode ranks, prefill stages, then the router */
         rc = spawn(&c, &c.p[i]);
+    pf_probe *probes = NULL;
+    int n_probes = c.cfg->n_prefill;
+    if (!rc) rc = probes_open(&c, &probes);
     double t0 = now_s(), last_note = t0;
+    bool router_ok = false;
     while (!rc) {
         up_proc *dead = find_exited(&c);
         if (dead) {
@@ -639,21 +758,37 @@ int cmd_up(int argc, char **argv)
             rc = TD_ESTATE;
             break;
         }
-        int h = health(&c, 2000);
-        if (h == 200) break;
+        pf_probe *waiting = probes_poll(probes, n_probes);
+        int h = router_ok ? 200 : health(&c, 2000);
+        router_ok = h == 200;
+        if (router_ok && !waiting) break;
         if (now_s() - t0 > o.timeout_s) {
-            fprintf(stderr, "tandem: %s/health did not answer 200 within %.0f s (last: %s)\n",
-                    c.endpoint, o.timeout_s, h > 0 ? "an HTTP error status" : td_strerror(h));
-            print_tail(c.p[c.n - 1].log, 20);
+            if (!router_ok) {
+                fprintf(stderr, "tandem: %s/health did not answer 200 within %.0f s (last: %s)\n",
+                        c.endpoint, o.timeout_s, h > 0 ? "an HTTP error status" : td_strerror(h));
+                print_tail(c.p[c.n - 1].log, 20);
+            } else {
+                fprintf(stderr,
+                        "tandem: prefill %s (%s) did not report ready within %.0f s "
+                        "(stage 0 says ready once every stage joined)\n",
+                        waiting->instance, waiting->url, o.timeout_s);
+                if (waiting->stage0) print_tail(waiting->stage0->log, 20);
+            }
             rc = TD_ETIMEDOUT;
             break;
         }
         if (now_s() - last_note > 15) {
             last_note = now_s();
-            fprintf(stderr, "tandem: waiting for %s/health (%.0f s)\n", c.endpoint, last_note - t0);
+            if (!router_ok)
+                fprintf(stderr, "tandem: waiting for %s/health (%.0f s)\n", c.endpoint,
+                        last_note - t0);
+            else
+                fprintf(stderr, "tandem: waiting for prefill %s to be ready (%.0f s)\n",
+                        waiting->instance, last_note - t0);
         }
         sleep_ms(250);
     }
+    probes_close(probes, n_probes);
     if (rc) {
         stop_all(&c, o.grace_s);
         if (!o.detach) unlink(c.up_pidfile);

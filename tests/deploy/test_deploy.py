@@ -16,12 +16,26 @@ Cases (--case, one ctest each):
               decode instance in the other, each started by its deploy/start-*.sh; an HTTP
               request from the root namespace is answered (skipped when namespaces cannot be
               created)
+ Disaggregated (router + prefill p0 with pp 2 + decode d0; skipped without tandem-prefill):
+  prefill_up_down     up -d returns only once stage 0 said ready -> status: decode, both
+                      prefill stages and the router running, their logs and pid files ->
+                      a completion (with the real router: equal to tandem generate, and
+                      prefilled by p0) -> down -> all stopped, nothing left
+  prefill_foreground  foreground up; SIGKILL of prefill stage 1: up reports it, stops the
+                      rest, exits non-zero; a stage that cannot start (bad layer_partition):
+                      up -d fails with its log tail and leaves nothing behind
+  prefill_scripts     deploy/start-prefill.sh: one stage per call, stage 1 started first,
+                      decode and router by their scripts; ready, a completion, SIGTERM ->
+                      every stage exits 0; `all`: both stages under one script, SIGTERM ->
+                      exit 0; a stage killed -> the script stops the other, exits non-zero
 
 --router BIN: the real tandem-router; without it tests/deploy/fake_router.py stands in (it
 checks the decode ports for /health and answers with fixed text), and the output says so.
+--prefill BIN: tandem-prefill (default: next to --decode); the prefill cases skip (77)
+without it.
 
-usage: test_deploy.py --case NAME --tandem BIN --decode BIN [--router BIN] --synth-dir DIR
-                      --source-dir DIR
+usage: test_deploy.py --case NAME --tandem BIN --decode BIN [--router BIN] [--prefill BIN]
+                      --synth-dir DIR --source-dir DIR
 """
 import argparse
 import json
@@ -30,6 +44,7 @@ import random
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,8 +63,27 @@ def check(cond, what):
     return cond
 
 
+def can_bind(port):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def free_port():
-    return random.randint(20000, 45000)
+    """A base port P for a cluster: P is the router, P+1.. the decode instances, P+50.. the
+    prefill instances. Below the ephemeral range (32768 up by default), so that no outgoing
+    connection on this busy machine holds one of them (a prefill stage 0 once failed to
+    listen with 'Address in use' on a port in that range)."""
+    for _ in range(100):
+        p = random.randint(20000, 32700 - 60)
+        if all(can_bind(q) for q in (p, p + 1, p + 2, p + 3, p + 50, p + 51)):
+            return p
+    return p
 
 
 class Env:
@@ -63,11 +97,19 @@ class Env:
         os.symlink(os.path.abspath(args.decode), os.path.join(self.bin, "tandem-decode"))
         router = args.router or os.path.join(args.source_dir, "tests/deploy/fake_router.py")
         os.symlink(os.path.abspath(router), os.path.join(self.bin, "tandem-router"))
+        prefill = args.prefill or os.path.join(os.path.dirname(args.decode), "tandem-prefill")
+        self.prefill = prefill if os.access(prefill, os.X_OK) else None
+        if self.prefill:
+            os.symlink(os.path.abspath(prefill), os.path.join(self.bin, "tandem-prefill"))
+        # start-prefill.sh ... all reads the stage count with `tandem status`
+        os.symlink(os.path.abspath(args.tandem), os.path.join(self.bin, "tandem"))
         self.env = dict(os.environ, TANDEM_BIN=self.bin)
-        self.model = os.path.join(args.synth_dir, "llama.gguf")
+        self.model = os.path.join(args.synth_dir, "llama.gguf")  # 6 layers: pp 2 = 3 + 3
 
-    def yaml(self, name, decodes, model=None, listen_host="127.0.0.1", decode_host=None):
-        """decodes: list of (name, tp). Returns (path, router port)."""
+    def yaml(self, name, decodes, model=None, listen_host="127.0.0.1", decode_host=None,
+             prefills=()):
+        """decodes: list of (name, tp); prefills: list of (name, pp[, extra YAML lines]).
+        Returns (path, router port); the prefill instances' ports are in self.pf_port."""
         port = free_port()
         lines = [f"model: {model or self.model}", f"run_dir: {self.dir}/run",
                  "router:", f"  listen: {listen_host}:{port}", "  heartbeat_ms: 100",
@@ -77,6 +119,16 @@ class Env:
                       "    max_batch: 16", "    step_tokens: 128", f"    port: {port + 1 + i}"]
             if decode_host:
                 lines.append(f"    host: {decode_host}")
+        self.pf_port = {}
+        if prefills:
+            lines.append("prefill:")
+        for i, (pname, pp, *extra) in enumerate(prefills):
+            self.pf_port[pname] = port + 50 + i
+            lines += [f"  - name: {pname}", f"    pp: {pp}", "    chunk_size: 64",
+                      "    kv_tokens: 4096", "    profile_budget_ms: 1000",
+                      f"    port: {port + 50 + i}", *(extra[0] if extra else [])]
+        if prefills:  # one host: shared memory only, as deploy/local.yaml
+            lines += ["kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 20000"]
         path = os.path.join(self.dir, name + ".yaml")
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -374,6 +426,230 @@ def case_bench(e):
         check(not e.leftovers(), "no process left after down")
 
 
+def need_prefill(e):
+    if e.prefill:
+        print(f"prefill: {e.prefill}", flush=True)
+        return True
+    print("SKIP: tandem-prefill is not built (pass --prefill BIN or build it next to "
+          "tandem-decode)", flush=True)
+    return False
+
+
+def read(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def prefilled_by(e, rdir_or_log, label):
+    """With the real router: stage 0's log shows a request prefilled by the instance."""
+    if not e.args.router:
+        return
+    text = read(rdir_or_log)
+    check(" tokens in " in text and "request " in text,
+          f"{label}: prefill stage 0 logged a prefilled request ({text.strip()[-300:]!r})")
+
+
+PF_PROCS = [("decode", "d0", 0), ("prefill", "p0", 0), ("prefill", "p0", 1),
+            ("router", "router", 0)]
+
+
+def case_prefill_up_down(e):
+    if not need_prefill(e):
+        return SKIP
+    cfg, port = e.yaml("pf", [("d0", 1)], prefills=[("p0", 2)])
+    t0 = time.time()
+    r = e.tandem("up", "-d", cfg, "--timeout", "200", timeout=300)
+    if not check(r.returncode == 0, f"up -d with a prefill instance exits 0 in "
+                                    f"{time.time() - t0:.1f} s ({r.stderr.strip()[-600:]})"):
+        return
+    st = e.status(cfg)
+    rdir = st["run_dir"] if st else ""
+    log0 = os.path.join(rdir, "prefill-p0-0.log")
+    # up returned: stage 0 must already have said ready (its Health.ready is what up waits for)
+    check("ready" in read(log0), f"prefill stage 0 said 'ready' before up returned "
+                                 f"({read(log0).strip()[-300:]!r})")
+    got = [(p["role"], p["instance"], p["rank"]) for p in st["processes"]] if st else None
+    check(got == PF_PROCS and states(st) == ["running"] * 4,
+          f"status --json: decode, prefill stages 0 and 1, router, all running "
+          f"({got} {states(st)})")
+    plain = e.tandem("status", cfg).stdout.strip().splitlines()
+    check(len(plain) == 4 and [l.split()[:3] for l in plain][1:3] ==
+          [["prefill", "p0", "0"], ["prefill", "p0", "1"]]
+          and all(l.split()[-1] == "running" for l in plain),
+          f"status: one line per process, prefill stages listed ({plain})")
+    names = sorted(os.listdir(rdir)) if os.path.isdir(rdir) else []
+    want = ["decode-d0-0", "prefill-p0-0", "prefill-p0-1", "router-router-0"]
+    check(all(f"{w}.log" in names and f"{w}.pid" in names for w in want),
+          f"run directory holds a log and a pid file per process ({names})")
+    h = e.tandem("client", "--url", f"tcp://127.0.0.1:{e.pf_port['p0']}", "--health",
+                 timeout=60)
+    check(h.returncode == 0 and "ready 1" in h.stdout,
+          f"prefill stage 0 answers Health with ready ({h.stdout.strip()} {h.stderr.strip()})")
+    check_completion(f"http://127.0.0.1:{port}", "prefill_up_down", e)
+    prefilled_by(e, log0, "prefill_up_down")
+    pids = [p["pid"] for p in st["processes"]] if st else []
+    t0 = time.time()
+    r = e.tandem("down", cfg, timeout=120)
+    check(r.returncode == 0, f"down exits 0 in {time.time() - t0:.1f} s ({r.stderr.strip()[:300]})")
+    check("SIGKILL" not in r.stderr, f"every process stopped on SIGTERM ({r.stderr.strip()[:300]})")
+    st = e.status(cfg)
+    check(states(st) == ["stopped"] * 4, f"status after down: all stopped ({states(st)})")
+    alive = [p for p in pids if running(p)]
+    check(not alive and not e.leftovers(), f"no process left after down ({alive} {e.leftovers()})")
+
+
+def case_prefill_foreground(e):
+    if not need_prefill(e):
+        return SKIP
+    cfg, port = e.yaml("pffg", [("d0", 1)], prefills=[("p0", 2)])
+    p, out, err = start_fg(e, cfg)
+    try:
+        if not check("is up" in out, f"foreground up with a prefill instance is up ({out.strip()} "
+                                     f"{read_err(err)[-600:]})"):
+            return
+        st = e.status(cfg)
+        victim = [q["pid"] for q in st["processes"]
+                  if q["role"] == "prefill" and q["rank"] == 1][0]
+        os.kill(victim, signal.SIGKILL)
+        rc = p.wait(timeout=90)
+        text = read_err(err)
+        check(rc != 0 and "prefill p0 stage 1" in text and "killed by signal 9" in text
+              and "while running" in text,
+              f"a killed prefill stage: up reports it and exits {rc} "
+              f"({text.strip().splitlines()[-3:] if text.strip() else ''})")
+        st = e.status(cfg)
+        check(states(st) == ["stopped"] * 4, f"status after the failure: all stopped "
+                                             f"({states(st)})")
+        check(not e.leftovers(), f"no process left after the failure ({e.leftovers()})")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    # A prefill instance that cannot start (its layer partition does not fit the model).
+    bad, _ = e.yaml("pfbad", [("d0", 1)], prefills=[("p0", 2, ["    layer_partition: [1, 2]"])])
+    t0 = time.time()
+    r = e.tandem("up", "-d", bad, "--timeout", "120", timeout=240)
+    check(r.returncode != 0 and "did not come up" in r.stderr and "prefill-p0-" in r.stderr,
+          f"a prefill stage that cannot start: up -d exits {r.returncode} in "
+          f"{time.time() - t0:.1f} s with the stage's log tail ({r.stderr.strip()[-500:]})")
+    st = e.status(bad)
+    check(states(st) == ["stopped"] * 4, f"status: all stopped ({states(st)})")
+    check(not e.leftovers(), f"no process left behind ({e.leftovers()})")
+
+
+def popen_script(e, name, argv):
+    log = open(os.path.join(e.dir, f"script-{name}.log"), "w")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e.env,
+                            start_new_session=True)
+
+
+def wait_pf_ready(e, procs, timeout=120):
+    """Until prefill p0's stage 0 answers Health with ready (or a process exits)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if any(p.poll() is not None for p in procs):
+            return False
+        h = e.tandem("client", "--url", f"tcp://127.0.0.1:{e.pf_port['p0']}", "--health",
+                     timeout=60)
+        if "ready 1" in h.stdout:
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def stop_procs(procs, sig=signal.SIGTERM, timeout=60):
+    codes = []
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            codes.append(p.wait())
+    return codes
+
+
+def children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def case_prefill_scripts(e):
+    if not need_prefill(e):
+        return SKIP
+    cfg, port = e.yaml("pfsh", [("d0", 1)], prefills=[("p0", 2)])
+    d = os.path.join(e.args.source_dir, "deploy")
+    procs = {}
+    try:
+        # stage 1 first (it retries until stage 0 is there), stage 0 last
+        procs["p0-1"] = popen_script(e, "p0-1", [f"{d}/start-prefill.sh", cfg, "p0", "1"])
+        procs["d0-0"] = popen_script(e, "d0-0", [f"{d}/start-decode.sh", cfg, "d0", "0"])
+        procs["router"] = popen_script(e, "router", [f"{d}/start-router.sh", cfg])
+        time.sleep(1)
+        procs["p0-0"] = popen_script(e, "p0-0", [f"{d}/start-prefill.sh", cfg, "p0", "0"])
+        ok = wait_pf_ready(e, procs.values())
+        check(ok, f"stage 1 started before stage 0: stage 0 ready "
+                  f"({read(os.path.join(e.dir, 'script-p0-0.log')).strip()[-300:]!r})")
+        exe = os.path.realpath(e.prefill)
+        check(all(os.path.realpath(f"/proc/{procs[k].pid}/exe") == exe for k in ("p0-0", "p0-1")),
+              "start-prefill.sh STAGE execs tandem-prefill (the script's pid is the stage's)")
+        base = f"http://127.0.0.1:{port}"
+        end, hs = time.time() + 60, None
+        while time.time() < end and hs != 200:
+            try:
+                hs = http(base + "/health", timeout=5)[0]
+            except OSError:
+                hs = None
+            time.sleep(0.3)
+        if check(hs == 200, "router /health 200 (every process from its start script)"):
+            check_completion(base, "start scripts", e)
+            prefilled_by(e, os.path.join(e.dir, "script-p0-0.log"), "start scripts")
+        order = ["router", "p0-0", "p0-1", "d0-0"]
+        codes = stop_procs([procs[k] for k in order])
+        check(codes[1:3] == [0, 0], f"SIGTERM: both prefill stages exit 0 ({dict(zip(order, codes))})")
+    finally:
+        stop_procs(procs.values(), signal.SIGKILL, 10)
+
+    # `all`: every stage of the instance under one script
+    p = popen_script(e, "all", [f"{d}/start-prefill.sh", cfg, "p0", "all"])
+    try:
+        ok = wait_pf_ready(e, [p])
+        kids = children(p.pid)
+        check(ok and len(kids) == 2, f"start-prefill.sh p0 all: 2 stages, stage 0 ready "
+                                     f"({kids} {read(os.path.join(e.dir, 'script-all.log'))[-300:]!r})")
+        rc = stop_procs([p])[0]
+        check(rc == 0 and not any(running(k) for k in kids),
+              f"SIGTERM to the script: every stage stopped, exit {rc}")
+    finally:
+        stop_procs([p], signal.SIGKILL, 10)
+    p = popen_script(e, "all2", [f"{d}/start-prefill.sh", cfg, "p0", "all"])
+    try:
+        ok = wait_pf_ready(e, [p])
+        kids = children(p.pid)
+        if check(ok and len(kids) == 2, "start-prefill.sh p0 all (second run): ready"):
+            os.kill(kids[-1], signal.SIGKILL)
+            try:
+                rc = p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                rc = None
+            text = read(os.path.join(e.dir, "script-all2.log"))
+            check(rc not in (0, None) and not any(running(k) for k in kids)
+                  and "stopping the others" in text,
+                  f"a stage killed: the script stops the other and exits {rc} "
+                  f"({text.strip()[-200:]!r})")
+    finally:
+        stop_procs([p], signal.SIGKILL, 10)
+    return 0
+
+
 def sh(*cmd, check_rc=True):
     r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
     if check_rc and r.returncode:
@@ -469,7 +745,8 @@ def case_netns(e):
 
 
 CASES = {"up_down": case_up_down, "foreground": case_foreground, "bad_model": case_bad_model,
-         "bench": case_bench, "netns": case_netns}
+         "bench": case_bench, "netns": case_netns, "prefill_up_down": case_prefill_up_down,
+         "prefill_foreground": case_prefill_foreground, "prefill_scripts": case_prefill_scripts}
 
 
 def main():
@@ -478,6 +755,7 @@ def main():
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--decode", required=True)
     ap.add_argument("--router", default="")
+    ap.add_argument("--prefill", default="")
     ap.add_argument("--synth-dir", required=True)
     ap.add_argument("--source-dir", required=True)
     args = ap.parse_args()

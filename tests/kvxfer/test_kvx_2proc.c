@@ -1,11 +1,13 @@
 /* test_kvx_2proc.c: kvxfer between real processes over UCX (loopback).
  *
- *   test_kvx_2proc --tls TLS --peer PATH/kvx_test_peer
+ *   test_kvx_2proc --tls TLS --peer PATH/kvx_test_peer [--only TEST_NAME]
  *
  * This process plays the prefill side (one connector per source stage x TP rank) against
  * decode ranks in child processes, and the decode side against prefill children in the
  * kill test. Checked: byte-exact blocks for TP 1->1, 1->2, 1->4, 2->1, 2->4 and PP layer
- * ranges, chunks out of order, a late target, abort mid-transfer, a receiver that never
+ * ranges, chunks out of order, a late target, per-chunk times (ordered; a queued chunk is
+ * issued after the targets arrived; once a chunk landed the decode process's memory holds
+ * its tokens and not yet the next chunk's), abort mid-transfer, a receiver that never
  * answers, and SIGKILL of either peer mid-transfer (the survivor fails the request within
  * the timeout, frees everything, and serves the next request). Children die with this
  * process (PR_SET_PDEATHSIG) and are killed on every path.
@@ -26,6 +28,13 @@
 
 static const char *g_tls = "tcp";
 static const char *g_peer;
+static const char *g_only; /* --only NAME: run that test alone */
+
+/* TH_RUN unless --only names another test. */
+#define RUN(fn)                                                                                    \
+    do {                                                                                           \
+        if (!g_only || !strcmp(g_only, #fn)) TH_RUN(fn);                                           \
+    } while (0)
 
 /* geometry of every test: 4 KV heads, head_dim 8, 16-token blocks, 4 layers */
 #define HEADS  4
@@ -357,10 +366,12 @@ static void run_case(const xcfg *x, uint64_t req, uint32_t salt)
             TH_CHECK(sc_src_send(&src[i], req, x->n_tokens, x->chunk, k, x->order) == 0);
             src_pump(&src[i], 1, 0);
         }
+    uint64_t t_target = 0;
     if (x->late) {
         kvx_conn_stats st;
         kvx_conn_stats_get(src[0].c, &st);
         TH_CHECK(st.queued_chunks == (int)nch);
+        t_target = kvx_now_ns();
         for (int i = 0; i < n_src; i++)
             for (int d = 0; d < n_dec; d++)
                 TH_CHECK(kvx_pf_add_target(src[i].c, req, tgt[d], tl[d]) == 0);
@@ -371,6 +382,16 @@ static void run_case(const xcfg *x, uint64_t req, uint32_t salt)
     }
     TH_CHECK(src_wait_final(src, n_src, req, TMO + 3000));
     uint64_t puts = 0, pieces = 0;
+    for (int i = 0; i < n_src; i++)
+        for (uint32_t k = 0; k < nch; k++) {
+            kvx_chunk_times ct = {0};
+            TH_CHECK(kvx_pf_chunk_times(src[i].c, req, k, &ct) == 0);
+            TH_CHECKF(ct.handed_ns && ct.handed_ns <= ct.issued_ns &&
+                          ct.issued_ns <= ct.landed_ns && ct.issued_ns >= t_target,
+                      "source %d chunk %u: handed %llu issued %llu landed %llu (targets %llu)", i,
+                      k, (unsigned long long)ct.handed_ns, (unsigned long long)ct.issued_ns,
+                      (unsigned long long)ct.landed_ns, (unsigned long long)t_target);
+        }
     for (int i = 0; i < n_src; i++) {
         kvx_pf_status ps;
         TH_CHECKF(src_state(&src[i], req, &ps) == KVX_REQ_DONE, "source %d: %s", i,
@@ -437,6 +458,87 @@ static void test_late_target(void)
               .order = 2,
               .late = true};
     run_case(&x, 300, 31);
+}
+
+/* Chunk by chunk over UCX to two decode processes: after chunk k is sent, wait until it
+ * landed (no finish yet), then ask every decode process for its memory: tokens up to the
+ * end of chunk k are there byte-exact, those of chunk k + 1 (not sent yet) are not. The
+ * times are ordered and the staging buffers of a chunk are free once it landed. */
+static void test_chunk_landing(void)
+{
+    child ch[2];
+    sc_src s;
+    kvx_conn_params cp = {.timeout_ms = TMO, .abort_timeout_ms = 1000};
+    TH_REQUIRE(dec_spawn(&ch[0], 0, 2));
+    if (!dec_spawn(&ch[1], 1, 2)) {
+        child_quit(&ch[0]);
+        TH_REQUIRE(0);
+    }
+    kvx_pipe *p = ucx_pipe();
+    if (!p || sc_src_init(&s, p, &cp, HEADS, HDIM, BS, NBLK, 0, LAYERS, 0, 0, 1)) {
+        child_quit(&ch[0]);
+        child_quit(&ch[1]);
+        TH_REQUIRE(0);
+    }
+    const uint64_t req = 350;
+    const uint32_t n_tokens = 200, chunk = 48, salt = 35;
+    uint8_t tgt[2][16384];
+    size_t tl[2];
+    for (int d = 0; d < 2; d++) {
+        tl[d] = dec_target(&ch[d], req, 1, n_tokens, 4, 2 + (uint32_t)d, tgt[d], 16384);
+        TH_CHECK(tl[d] > 0);
+    }
+    TH_CHECK(sc_src_open(&s, req, n_tokens, salt, 0) == 0);
+    for (int d = 0; d < 2; d++)
+        TH_CHECK(kvx_pf_add_target(s.c, req, tgt[d], tl[d]) == 0);
+    TH_CHECK(src_wait_ready(&s, req));
+    uint32_t nch = (n_tokens + chunk - 1) / chunk;
+    uint64_t prev_landed = 0;
+    for (uint32_t k = 0; k < nch; k++) {
+        TH_CHECK(sc_src_send(&s, req, n_tokens, chunk, k, 0) == 0);
+        kvx_chunk_times ct = {0};
+        int64_t end = kvx_now_ms() + TMO;
+        while ((kvx_pf_chunk_times(s.c, req, k, &ct) || !ct.landed_ns) && kvx_now_ms() < end)
+            src_pump(&s, 1, 1);
+        TH_CHECKF(ct.landed_ns && ct.handed_ns <= ct.issued_ns && ct.issued_ns <= ct.landed_ns &&
+                      ct.handed_ns >= prev_landed,
+                  "chunk %u: handed %llu issued %llu landed %llu", k,
+                  (unsigned long long)ct.handed_ns, (unsigned long long)ct.issued_ns,
+                  (unsigned long long)ct.landed_ns);
+        prev_landed = ct.landed_ns;
+        TH_CHECK(src_state(&s, req, NULL) == KVX_REQ_READY);
+        kvx_conn_stats st;
+        kvx_conn_stats_get(s.c, &st);
+        TH_CHECKF(st.held_bytes == 0, "chunk %u landed: %zu bytes still held", k, st.held_bytes);
+        uint32_t t1 = (k + 1) * chunk < n_tokens ? (k + 1) * chunk : n_tokens;
+        for (int d = 0; d < 2; d++) {
+            long bad = dec_verify(&ch[d], req, t1, salt);
+            TH_CHECKF(bad == 0, "rank %d: chunk %u landed, but %ld of its elements are not there",
+                      d, k, bad);
+            if (k + 1 < nch) {
+                bad = dec_verify(&ch[d], req, t1 + 1, salt);
+                TH_CHECKF(bad > 0, "rank %d: token %u (chunk %u, not sent) is already there", d, t1,
+                          k + 1);
+            }
+        }
+        fprintf(stderr, "  %s chunk %u: issued +%.1f us, landed +%.1f us after send_chunk\n", g_tls,
+                k, (ct.issued_ns - ct.handed_ns) / 1e3, (ct.landed_ns - ct.handed_ns) / 1e3);
+    }
+    kvx_meta m = {.first_token = 3, .n_tokens = n_tokens};
+    TH_CHECK(kvx_pf_finish(s.c, req, &m) == 0);
+    TH_CHECK(src_wait_final(&s, 1, req, TMO + 3000));
+    TH_CHECK(src_state(&s, req, NULL) == KVX_REQ_DONE);
+    for (int d = 0; d < 2; d++) {
+        TH_CHECK(dec_wait(&ch[d], req, TMO, NULL, NULL) == KVX_REQ_DONE);
+        TH_CHECK(dec_verify(&ch[d], req, n_tokens, salt) == 0);
+        dec_release(&ch[d], req);
+        TH_CHECK(dec_clean(&ch[d]));
+    }
+    kvx_pf_release(s.c, req);
+    TH_CHECK(src_clean(&s, 1));
+    sc_src_fini(&s);
+    child_quit(&ch[0]);
+    child_quit(&ch[1]);
 }
 
 /* The decode rank aborts mid-transfer; the sender learns it and stops. */
@@ -744,23 +846,26 @@ int main(int argc, char **argv)
             g_tls = argv[i + 1];
         else if (!strcmp(argv[i], "--peer"))
             g_peer = argv[i + 1];
+        else if (!strcmp(argv[i], "--only"))
+            g_only = argv[i + 1];
     }
     if (!g_peer) {
-        fprintf(stderr, "usage: test_kvx_2proc --tls TLS --peer PATH\n");
+        fprintf(stderr, "usage: test_kvx_2proc --tls TLS --peer PATH [--only TEST]\n");
         return 2;
     }
     atexit(kill_all);
     signal(SIGTERM, on_signal);
     signal(SIGINT, on_signal);
     signal(SIGPIPE, SIG_IGN);
-    TH_RUN(test_tp_pairs);
-    TH_RUN(test_pp_range);
-    TH_RUN(test_late_target);
-    TH_RUN(test_abort_mid);
-    TH_RUN(test_no_receiver);
-    TH_RUN(test_kill_decode);
-    TH_RUN(test_kill_prefill);
-    TH_RUN(test_soak);
+    RUN(test_tp_pairs);
+    RUN(test_pp_range);
+    RUN(test_late_target);
+    RUN(test_chunk_landing);
+    RUN(test_abort_mid);
+    RUN(test_no_receiver);
+    RUN(test_kill_decode);
+    RUN(test_kill_prefill);
+    RUN(test_soak);
     kill_all();
     TH_EXIT();
 }

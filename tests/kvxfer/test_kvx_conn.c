@@ -1,7 +1,9 @@
 /* test_kvx_conn.c: the connector on the in-process fake transport: byte-exact transfers
  * for every TP pairing and PP layer ranges, chunks out of order, a late target (lookup
- * buffer path), coalescing counts, aborts from either side, timeouts, killed peers,
- * malformed targets, a full lookup buffer, the progress thread; no leaks after each. */
+ * buffer path), coalescing counts, per-chunk flushes and times (ordered, a chunk's KV in
+ * place once it landed, copies and staging freed before finish, a failing put), aborts
+ * from either side, timeouts, killed peers, malformed targets, a full lookup buffer, the
+ * progress thread; no leaks after each. */
 #include <string.h>
 #include <sys/resource.h>
 
@@ -632,6 +634,190 @@ static double cpu_seconds(void)
 }
 
 /* The decode side runs its own progress thread; an idle connector sleeps. */
+/* Times of chunk k of a request on source i; asserts it exists. */
+static kvx_chunk_times chunk_times(world *w, int i, uint64_t req, uint32_t k)
+{
+    kvx_chunk_times ct = {0};
+    TH_CHECKF(kvx_pf_chunk_times(w->src[i], req, k, &ct) == 0, "source %d chunk %u: no times", i,
+              k);
+    return ct;
+}
+
+/* Progress until chunk k of every source landed (or ms passed). */
+static bool pump_landed(world *w, uint64_t req, uint32_t k, int ms)
+{
+    int64_t end = kvx_now_ms() + ms;
+    for (;;) {
+        bool all = true;
+        for (int i = 0; i < w->n_src; i++) {
+            kvx_chunk_times ct = {0};
+            all = all && kvx_pf_chunk_times(w->src[i], req, k, &ct) == 0 && ct.landed_ns;
+        }
+        if (all) return true;
+        if (kvx_now_ms() > end) return false;
+        progress_all(w, 1);
+    }
+}
+
+/* Per-chunk flushes, direct path: each chunk lands on its own before the next one is sent
+ * and before finish (its tokens are in every decode rank's blocks, the next chunk's are
+ * not); handed <= issued <= landed; staging buffers are back in the pool once a chunk
+ * landed; bad chunk numbers are refused. */
+static void test_chunk_times(void)
+{
+    wcfg c = base_cfg(1, 2); /* 4 source heads -> 2 + 2: strided slices, staged puts */
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 60, .n_tokens = 100, .chunk = 32, .salt = 17, .dst_run = 4};
+    xfer_setup(&w, &c, &x, s);
+    int64_t end = kvx_now_ms() + 2000;
+    while (pf_state(&w, 0, 60, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+        progress_all(&w, 1);
+    TH_REQUIRE(pf_state(&w, 0, 60, NULL) == KVX_REQ_READY);
+    kvx_chunk_times ct;
+    TH_CHECK(kvx_pf_chunk_times(w.src[0], 60, 0, &ct) == TD_ENOENT); /* not sent yet */
+    TH_CHECK(kvx_pf_chunk_times(w.src[0], 61, 0, &ct) == TD_ENOENT); /* no such request */
+    uint32_t nch = (x.n_tokens + x.chunk - 1) / x.chunk;
+    for (uint32_t k = 0; k < nch; k++) {
+        uint64_t before = kvx_now_ns();
+        xfer_chunks(&w, &x, s, k, k + 1);
+        ct = chunk_times(&w, 0, 60, k);
+        TH_CHECKF(ct.handed_ns >= before && ct.issued_ns >= ct.handed_ns,
+                  "chunk %u: handed %llu issued %llu (before %llu)", k,
+                  (unsigned long long)ct.handed_ns, (unsigned long long)ct.issued_ns,
+                  (unsigned long long)before);
+        TH_CHECKF(ct.landed_ns == 0, "chunk %u landed inside send_chunk", k); /* needs progress */
+        TH_CHECK(pump_landed(&w, 60, k, 2000));
+        ct = chunk_times(&w, 0, 60, k);
+        TH_CHECK(ct.landed_ns >= ct.issued_ns);
+        uint32_t t1 = (k + 1) * x.chunk < x.n_tokens ? (k + 1) * x.chunk : x.n_tokens;
+        for (int d = 0; d < w.n_dec; d++) {
+            TH_CHECKF(sc_verify(w.dreg[d], &w.dl[d], s->dblk[d], s->nb, t1, 0, c.n_layers, x.salt,
+                                0) == 0,
+                      "rank %d: chunk %u landed but tokens < %u are not all there", d, k, t1);
+            if (k + 1 < nch)
+                TH_CHECK(sc_verify(w.dreg[d], &w.dl[d], s->dblk[d], s->nb, t1 + 1, 0, c.n_layers,
+                                   x.salt, 0) > 0); /* the next chunk's are not */
+        }
+        kvx_conn_stats st;
+        kvx_conn_stats_get(w.src[0], &st);
+        TH_CHECKF(st.held_bytes == 0 && st.pooled_bytes > 0,
+                  "chunk %u landed: %zu bytes still held, %zu pooled", k, st.held_bytes,
+                  st.pooled_bytes);
+    }
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 60, 1, 32, 64, s->sblk[0], s->nb) == TD_ESTATE);
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 60, KVX_MAX_CHUNKS, 32, 64, s->sblk[0], s->nb) ==
+             TD_EINVAL);
+    xfer_finish(&w, &c, &x, s);
+    TH_CHECK(pump_final(&w, 60, 5000));
+    TH_CHECK(pf_state(&w, 0, 60, NULL) == KVX_REQ_DONE &&
+             dec_state(&w, 1, 60, NULL) == KVX_REQ_DONE);
+    ct = chunk_times(&w, 0, 60, nch - 1); /* still there until release */
+    TH_CHECK(ct.landed_ns > 0);
+    release_all(&w, 60);
+    TH_CHECK(kvx_pf_chunk_times(w.src[0], 60, 0, &ct) == TD_ENOENT);
+    world_fini(&w);
+    free(s);
+}
+
+/* Chunks queued before the targets (out of order, two TP source ranks): nothing is issued
+ * until the targets arrived; then issued >= their arrival and landed >= issued for every
+ * chunk, the copies are freed as their chunks land (before finish). */
+static void test_chunk_times_late(void)
+{
+    wcfg c = base_cfg(2, 2);
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {
+        .req = 62, .n_tokens = 90, .chunk = 16, .order = 1, .late = true, .salt = 5, .dst_run = 2};
+    xfer_setup(&w, &c, &x, s);
+    xfer_chunks(&w, &x, s, 0, 1000);
+    for (int k = 0; k < 5; k++)
+        progress_all(&w, 1);
+    uint32_t nch = (x.n_tokens + x.chunk - 1) / x.chunk;
+    for (int i = 0; i < w.n_src; i++)
+        for (uint32_t k = 0; k < nch; k++) {
+            kvx_chunk_times ct = chunk_times(&w, i, 62, k);
+            TH_CHECK(ct.handed_ns > 0 && ct.issued_ns == 0 && ct.landed_ns == 0);
+        }
+    uint64_t t_target = kvx_now_ns();
+    for (int i = 0; i < w.n_src; i++)
+        for (int d = 0; d < w.n_dec; d++)
+            TH_CHECK(kvx_pf_add_target(w.src[i], 62, s->tgt[d], s->tgt_len[d]) == 0);
+    for (uint32_t k = 0; k < nch; k++)
+        TH_CHECK(pump_landed(&w, 62, k, 2000));
+    for (int i = 0; i < w.n_src; i++) {
+        for (uint32_t k = 0; k < nch; k++) {
+            kvx_chunk_times ct = chunk_times(&w, i, 62, k);
+            TH_CHECKF(ct.handed_ns < t_target && ct.issued_ns >= t_target &&
+                          ct.landed_ns >= ct.issued_ns,
+                      "source %d chunk %u: handed %llu issued %llu landed %llu (targets %llu)", i,
+                      k, (unsigned long long)ct.handed_ns, (unsigned long long)ct.issued_ns,
+                      (unsigned long long)ct.landed_ns, (unsigned long long)t_target);
+        }
+        kvx_conn_stats st;
+        kvx_conn_stats_get(w.src[i], &st);
+        TH_CHECKF(st.held_bytes == 0 && st.queued_chunks == 0,
+                  "source %d: every chunk landed, %zu bytes still held", i, st.held_bytes);
+        TH_CHECK(pf_state(&w, i, 62, NULL) == KVX_REQ_READY);
+    }
+    for (int d = 0; d < w.n_dec; d++) /* all there before any finish */
+        TH_CHECK(sc_verify(w.dreg[d], &w.dl[d], s->dblk[d], s->nb, x.n_tokens, 0, c.n_layers,
+                           x.salt, 1) == 0);
+    x.late = false;
+    xfer_finish(&w, &c, &x, s);
+    TH_CHECK(pump_final(&w, 62, 5000));
+    TH_CHECK(dec_state(&w, 0, 62, NULL) == KVX_REQ_DONE);
+    release_all(&w, 62);
+    world_fini(&w);
+    free(s);
+}
+
+/* A put fails in the middle of a request: the chunk's flush reports it, the request fails
+ * at once (before any finish), that chunk never lands, the earlier ones did; nothing
+ * leaks, the next request goes through. */
+static void test_chunk_put_fails(void)
+{
+    wcfg c = base_cfg(1, 1);
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 64, .n_tokens = 128, .chunk = 32, .salt = 2, .dst_run = 0};
+    xfer_setup(&w, &c, &x, s);
+    int64_t end = kvx_now_ms() + 2000;
+    while (pf_state(&w, 0, 64, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+        progress_all(&w, 1);
+    xfer_chunks(&w, &x, s, 0, 2);
+    TH_CHECK(pump_landed(&w, 64, 1, 2000));
+    kvx_pipe_fake_fail_puts_after(w.src_pipe[0], 0);
+    td_log_set_level(TD_LOG_ERROR + 1);
+    xfer_chunks(&w, &x, s, 2, 3);
+    kvx_pf_status ps;
+    end = kvx_now_ms() + 3000;
+    while (pf_state(&w, 0, 64, &ps) != KVX_REQ_FAILED && kvx_now_ms() < end)
+        progress_all(&w, 1);
+    TH_CHECKF(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_PEER_FAILED, "%s reason %d",
+              kvx_req_state_name(ps.state), ps.reason);
+    TH_CHECK(chunk_times(&w, 0, 64, 0).landed_ns > 0 && chunk_times(&w, 0, 64, 1).landed_ns > 0);
+    kvx_chunk_times ct = chunk_times(&w, 0, 64, 2);
+    TH_CHECK(ct.issued_ns > 0 && ct.landed_ns == 0);
+    TH_CHECK(kvx_pf_send_chunk(w.src[0], 64, 3, 96, 128, s->sblk[0], s->nb) < 0);
+    kvx_dec_abort(w.dec[0], 64); /* the decode side only learns it by its own means */
+    TH_CHECK(pump_final(&w, 64, 3000));
+    td_log_set_level(TD_LOG_INFO);
+    release_all(&w, 64);
+    kvx_pipe_fake_fail_puts_after(w.src_pipe[0], -1);
+    for (int k = 0; k < 5; k++)
+        progress_all(&w, 1);
+    uint64_t puts, pieces;
+    x.req = 65;
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    world_fini(&w);
+    free(s);
+}
+
 static void test_progress_thread(void)
 {
     wcfg c = base_cfg(1, 2);
@@ -714,6 +900,9 @@ int main(void)
     TH_RUN(test_pp_stages);
     TH_RUN(test_late_target);
     TH_RUN(test_coalescing);
+    TH_RUN(test_chunk_times);
+    TH_RUN(test_chunk_times_late);
+    TH_RUN(test_chunk_put_fails);
     TH_RUN(test_dec_abort);
     TH_RUN(test_pf_abort);
     TH_RUN(test_no_target_timeout);
