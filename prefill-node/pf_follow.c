@@ -115,15 +115,16 @@ int pf_follower_run(pf_node *n)
         while (td_ctrl_client_recv(n->cli, &in, 0) == 0)
             if (in.kind == TD_CTRL_IN_REPLY) on_reply(n, &in);
         td_ctrl_client_in_free(&in);
+        int got = 0;
         if (n->running) {
-            pf_stage_recv(n);
+            got = pf_stage_recv(n) > 0;
             if (!n->broken && (pf_link_peer_failed(n->link, n->lead_peer) ||
                                (n->next_peer >= 0 && pf_link_peer_failed(n->link, n->next_peer))))
                 n->broken = true;
             if (n->broken && (rc = rejoin(n, "a neighbour stage failed"))) break;
         }
         pf_stage_poll(n);
-        pf_wait(n, td_ctrl_client_fd(n->cli), n->reqs ? 5 : 100);
+        pf_wait(n, td_ctrl_client_fd(n->cli), got ? 0 : n->reqs ? 5 : 100);
     }
     /* SIGTERM: abort what is in flight; the connector tells the decode side */
     pf_stage_abort_all(n, TD_ESTATE);

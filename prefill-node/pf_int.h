@@ -40,6 +40,8 @@ typedef struct pf_req {
     bool failed;        /* no more work; waiting for the connector's final state */
     int fail_err;       /* td_err of a local failure */
     int64_t t_first_ms; /* first chunk computed here */
+    int64_t *comp_end_ns; /* (cap_chunks) CLOCK_MONOTONIC ns when chunk k's compute ended */
+    uint32_t cap_chunks;
     struct pf_req *next;
 } pf_req;
 

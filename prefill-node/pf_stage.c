@@ -101,6 +101,7 @@ static void req_free(pf_node *n, pf_req *r)
 {
     kn_kv_seq_fini(n->rig.kv, &r->kv);
     free(r->hist);
+    free(r->comp_end_ns);
     free(r);
 }
 
@@ -352,6 +353,37 @@ void pf_report_out(pf_node *n, const pf_report *r)
     if (pf_link_report(n->link, n->lead_peer, b, sizeof b)) n->broken = true;
 }
 
+/* One line per request (debug: one per chunk) about its KV transfer: how much of the
+ * transfer time (from a chunk handed to kvxfer to its KV landed in every decode rank)
+ * passed while this stage was still computing the request's later chunks, i.e. was hidden
+ * behind compute. The chunk lines are what tests/prefill checks chunk-by-chunk transfer
+ * with: chunk k landed before chunk k + 1's compute ended. */
+static void log_transfer(pf_node *n, const pf_req *r, const kvx_pf_status *st)
+{
+    uint32_t nc = r->n_chunks < r->cap_chunks ? r->n_chunks : r->cap_chunks;
+    if (!nc) return;
+    int64_t last_end = r->comp_end_ns[nc - 1];
+    double total = 0, hidden = 0;
+    for (uint32_t k = 0; k < nc; k++) {
+        kvx_chunk_times t;
+        if (kvx_pf_chunk_times(n->kvx, r->id, k, &t) || !t.landed_ns) continue;
+        double span = (double)(t.landed_ns - t.handed_ns);
+        double before = (double)last_end - (double)t.handed_ns;
+        total += span;
+        hidden += before <= 0 ? 0 : before < span ? before : span;
+        TD_LOG_DEBUG("prefill %s stage %d: request %llu chunk %u: computed %lld landed %lld "
+                     "(handed %lld issued %lld ns)",
+                     n->p->instance, n->stage, (unsigned long long)r->id, k,
+                     (long long)r->comp_end_ns[k], (long long)t.landed_ns,
+                     (long long)t.handed_ns, (long long)t.issued_ns);
+    }
+    TD_LOG_INFO("prefill %s stage %d: request %llu: KV of %d tokens in %u chunks, %.1f MiB in "
+                "%llu puts; transfer %.1f ms, %.0f %% of it hidden behind compute",
+                n->p->instance, n->stage, (unsigned long long)r->id, r->n_prompt, r->n_chunks,
+                (double)st->bytes / (1 << 20), (unsigned long long)st->puts, total / 1e6,
+                total > 0 ? 100.0 * hidden / total : 0.0);
+}
+
 void pf_stage_poll(pf_node *n)
 {
     pf_req **pp = &n->reqs;
@@ -372,13 +404,8 @@ void pf_stage_poll(pf_node *n)
                 if (st.state == KVX_REQ_FAILED) {
                     rep.status = r->fail_err ? r->fail_err : st.err ? st.err : TD_EIO;
                     rep.reason = (uint32_t)st.reason;
-                } else {
-                    TD_LOG_DEBUG("prefill %s stage %d: request %llu: %d tokens, %u chunks, "
-                                 "%llu bytes in %llu puts",
-                                 n->p->instance, n->stage, (unsigned long long)r->id, r->n_prompt,
-                                 r->n_chunks, (unsigned long long)st.bytes,
-                                 (unsigned long long)st.puts);
-                }
+                } else
+                    log_transfer(n, r, &st);
                 kvx_pf_release(n->kvx, r->id);
             }
         } else if (r->failed) {
@@ -500,12 +527,22 @@ int pf_stage_chunk(pf_node *n, pf_seg *segs, int n_segs, const int32_t *ids_in, 
         }
     }
     int64_t t1 = pf_now_ms();
+    int64_t t1_ns = (int64_t)kvx_now_ns();
     n->n_chunks_total++;
     for (int i = 0; i < n_segs; i++) {
         const pf_seg *g = &segs[i];
         if (g->flags & PF_SEG_DEAD) continue;
         pf_req *r = rq[i];
         if (!r->n_chunks) r->t_first_ms = t0;
+        if (r->n_chunks == r->cap_chunks) {
+            uint32_t cap = r->cap_chunks ? 2 * r->cap_chunks : 8;
+            int64_t *c = realloc(r->comp_end_ns, cap * sizeof *c);
+            if (c) {
+                r->comp_end_ns = c;
+                r->cap_chunks = cap;
+            }
+        }
+        if (r->n_chunks < r->cap_chunks) r->comp_end_ns[r->n_chunks] = t1_ns;
         r->n_chunks++;
         r->n_computed = (int32_t)g->t1;
         TD_LOG_DEBUG("prefill %s stage %d: request %llu chunk %u [%u, %u) computed at %lld ms "
@@ -587,36 +624,37 @@ static int handle_msg(pf_node *n, pf_buf *b)
 
 int pf_stage_recv(pf_node *n)
 {
-    for (;;) {
-        pf_buf *next = NULL;
-        for (int i = 0; i < PF_NRECV; i++) {
-            pf_buf *b = &n->recvs[i];
-            if (!b->busy || !pf_op_done(&b->op)) continue;
-            if (b->op.status) {
-                TD_LOG_ERR("prefill %s stage %d: receive from stage %d failed: %s",
-                           n->p->instance, n->stage, n->stage - 1, td_strerror(b->op.status));
-                n->broken = true;
-                return b->op.status;
-            }
-            uint64_t seq = 0;
-            if (b->op.len >= 16) memcpy(&seq, b->buf + 8, 8);
-            if (seq == n->recv_seq) next = b;
-        }
-        if (!next) return 0;
-        int rc = handle_msg(n, next);
-        n->recv_seq++;
-        next->busy = false;
-        if (rc) {
-            TD_LOG_ERR("prefill %s stage %d: chain message %llu: %s", n->p->instance, n->stage,
-                       (unsigned long long)(n->recv_seq - 1), td_strerror(rc));
+    /* one message per call: the caller's loop keeps heartbeats and reports going while a
+     * backlog of chunks waits (a stage that only computed would look silent to stage 0) */
+    pf_buf *next = NULL;
+    for (int i = 0; i < PF_NRECV; i++) {
+        pf_buf *b = &n->recvs[i];
+        if (!b->busy || !pf_op_done(&b->op)) continue;
+        if (b->op.status) {
+            TD_LOG_ERR("prefill %s stage %d: receive from stage %d failed: %s", n->p->instance,
+                       n->stage, n->stage - 1, td_strerror(b->op.status));
             n->broken = true;
-            return rc;
+            return b->op.status;
         }
-        rc = pf_link_recv(n->link, PF_TAG_CHAIN, next->buf, next->cap, &next->op);
-        if (rc) {
-            n->broken = true;
-            return rc;
-        }
-        next->busy = true;
+        uint64_t seq = 0;
+        if (b->op.len >= 16) memcpy(&seq, b->buf + 8, 8);
+        if (seq == n->recv_seq) next = b; /* receives may complete out of order */
     }
+    if (!next) return 0;
+    int rc = handle_msg(n, next);
+    n->recv_seq++;
+    next->busy = false;
+    if (rc) {
+        TD_LOG_ERR("prefill %s stage %d: chain message %llu: %s", n->p->instance, n->stage,
+                   (unsigned long long)(n->recv_seq - 1), td_strerror(rc));
+        n->broken = true;
+        return rc;
+    }
+    rc = pf_link_recv(n->link, PF_TAG_CHAIN, next->buf, next->cap, &next->op);
+    if (rc) {
+        n->broken = true;
+        return rc;
+    }
+    next->busy = true;
+    return 1;
 }

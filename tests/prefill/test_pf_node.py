@@ -10,6 +10,9 @@ Checks:
     (1 to 4 chunks) arrive bit-for-bit (f16 rounding aside) with the right first token,
     decode tp 1 and 2 (head slices), targets with the Prefill or later through KvTarget;
   a Prefill whose KV target never comes ends with ERR_TIMEOUT after the deadline;
+  chunk by chunk (default model, pp 2, 700 tokens in chunks of 128): on every stage, chunk k's
+    KV has landed in the decode rank (kvxfer's per-chunk flush) before the stage finished
+    computing chunk k + 1 (times the stages log at debug level);
   stage 1 of 3 killed mid-prompt (default model, 3000 tokens): the request fails with
     ERR_PEER_FAILED, the restarted stage rejoins by itself and the instance serves again;
     stage 0 holds no request and no KV block afterwards;
@@ -19,6 +22,7 @@ usage: test_pf_node.py --prefill BIN --sink BIN --tandem BIN --synth-dir DIR [--
 """
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,8 +48,8 @@ def free_port():
 
 
 class Prefill:
-    def __init__(self, args, pp, model, chunk=64, timeout_ms=5000, profile=2000):
-        self.args, self.pp = args, pp
+    def __init__(self, args, pp, model, chunk=64, timeout_ms=5000, profile=2000, env=None):
+        self.args, self.pp, self.env = args, pp, env
         self.dir = tempfile.mkdtemp(prefix="tandem-pf-")
         self.port = free_port()
         self.cfg = os.path.join(self.dir, "c.yaml")
@@ -62,7 +66,8 @@ class Prefill:
         log = open(os.path.join(self.dir, f"s{s}.log"), "a")
         self.procs[s] = subprocess.Popen([self.args.prefill, "--config", self.cfg, "--instance",
                                           "p0", "--stage", str(s)], stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, **self.env) if self.env else None)
 
     def log(self, s=0):
         with open(os.path.join(self.dir, f"s{s}.log"), errors="replace") as f:
@@ -108,12 +113,33 @@ class Prefill:
         self.stop()
 
 
-def sink(args, pf, n, rid, tp=1, extra=(), timeout=120):
+def sink(args, pf, n, rid, tp=1, extra=(), timeout=120, model=None):
     env = dict(os.environ, PF_SINK_STAGES=str(pf.pp))
-    r = subprocess.run([args.sink, "--model", args.model, "--url", pf.url, "--tokens", str(n),
+    r = subprocess.run([args.sink, "--model", model or args.model, "--url", pf.url, "--tokens", str(n),
                         "--tp", str(tp), "--id", str(rid), *extra], capture_output=True,
                        text=True, timeout=timeout, env=env)
     return r.returncode, (r.stdout + r.stderr[-800:]).strip()
+
+
+def chunk_by_chunk(args):
+    """Each chunk's KV lands in the decode ranks before the stage finished the next chunk."""
+    with Prefill(args, 2, args.model_default, chunk=128, profile=0,
+                 env={"TANDEM_LOG": "debug"}) as pf:
+        rc, out = sink(args, pf, 700, 9100, model=args.model_default)
+        check(rc == 0 and out.startswith("ok"), f"chunk-by-chunk: 700 tokens arrive: {out}")
+        time.sleep(0.5)
+        for s in range(2):
+            rows = re.findall(r"request 9100 chunk (\d+): computed (\d+) landed (\d+)", pf.log(s))
+            comp = {int(k): int(c) for k, c, _ in rows}
+            land = {int(k): int(l) for k, _, l in rows}
+            n = len(rows)
+            early = [k for k in range(n - 1) if k + 1 in comp and land[k] < comp[k + 1]]
+            check(n >= 5 and len(early) == n - 1,
+                  f"chunk-by-chunk: stage {s}: {len(early)} of the first {n - 1} chunks landed "
+                  f"in the decode ranks before the next chunk's compute ended (lead "
+                  f"{[round((comp[k + 1] - land[k]) / 1e6, 1) for k in range(n - 1)]} ms)")
+            m = re.search(r"request 9100: KV of .* (\d+) % of it hidden", pf.log(s))
+            print(f"     stage {s}: {m.group(0) if m else 'no transfer summary'}")
 
 
 def kill_mid_prompt(args):
@@ -184,6 +210,7 @@ def main():
             codes = pf.stop()
             check(all(c == 0 for c in codes), f"pp{pp} SIGTERM: every stage exits 0 ({codes})")
     if args.model_default and os.path.exists(args.model_default):
+        chunk_by_chunk(args)
         kill_mid_prompt(args)
     else:
         print("skip stage kill on the default model (no --model given)")
