@@ -124,7 +124,7 @@ def case_retry(args):
         text_out = out.get("body", {}).get("choices", [{}])[0].get("text")
         check(out.get("status") == 200 and text_out == want,
               f"retry: {victim} killed mid-prompt: retried elsewhere, equal to generate "
-              f"(status {out.get('status')}, {str(out.get('body'))[:200]})")
+              f"(status {out.get('status')}, {str(out.get('body'))[:900]})")
         m = c.metrics()
         check("retries" in m, "retry: the router counts retries in /metrics")
         c.start_stage(busy if busy is not None else 0, 0)
