@@ -92,6 +92,33 @@ static void finish_job(pf_node *n, pf_job *j, int err, const char *why)
     job_free(j);
 }
 
+/* What a failed transfer means, for the router's error message (and its operator). */
+static const char *fail_text(int err, uint32_t reason)
+{
+    switch (reason) {
+    case KVX_FAIL_PEER_FAILED:
+        return "a decode rank became unreachable (its process or connection died)";
+    case KVX_FAIL_PEER_ABORTED:
+        return "the decode side aborted or refused it";
+    case KVX_FAIL_TIMEOUT:
+        return "the transfer deadline passed (kvxfer.timeout_ms)";
+    case KVX_FAIL_BAD_INPUT:
+        return "the KV target does not fit this model or stage (block size, heads, dtype)";
+    default:
+        break;
+    }
+    switch (err) {
+    case TD_ENOSPC:
+        return "no KV room on a prefill stage";
+    case TD_ESTATE:
+        return "a prefill stage is shutting down";
+    case TD_EIO:
+        return "a prefill stage failed or was aborted";
+    default:
+        return td_strerror(err);
+    }
+}
+
 void pf_leader_on_report(pf_node *n, const pf_report *r)
 {
     if (r->epoch != n->epoch || r->stage >= (uint32_t)n->pp) return; /* an old formation's */
@@ -114,8 +141,8 @@ void pf_leader_on_report(pf_node *n, const pf_report *r)
     if ((j->reported & all) != all) return;
     if (j->err) {
         char why[160];
-        snprintf(why, sizeof why, "KV transfer failed on stage %d: %s (%s)", j->fail_stage,
-                 td_strerror(j->err), kvx_req_state_name(KVX_REQ_FAILED));
+        snprintf(why, sizeof why, "KV transfer failed on stage %d: %s", j->fail_stage,
+                 fail_text(j->err, j->fail_reason));
         finish_job(n, j, j->err, why);
     } else
         finish_job(n, j, 0, NULL);
