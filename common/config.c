@@ -370,8 +370,24 @@ static const field router_fields[] = {
     FLD(td_cfg_router, "chat_template", F_STR, chat_template, 0, 0),
     FLD(td_cfg_router, "heartbeat_ms", F_INT, heartbeat_ms, 10, 600000),
     FLD(td_cfg_router, "instance_timeout_ms", F_INT, instance_timeout_ms, 10, 3600000),
+    FLD(td_cfg_router, "request_timeout_ms", F_INT, request_timeout_ms, 1, 86400000),
+    FLD(td_cfg_router, "max_request_timeout_ms", F_INT, max_request_timeout_ms, 1, 86400000),
+    FLD(td_cfg_router, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000),
 };
-enum { R_LISTEN, R_APIKEY, R_QUEUE, R_PROMPT, R_MAXTOK, R_TEMPLATE, R_HB, R_TIMEOUT, R_N };
+enum {
+    R_LISTEN,
+    R_APIKEY,
+    R_QUEUE,
+    R_PROMPT,
+    R_MAXTOK,
+    R_TEMPLATE,
+    R_HB,
+    R_TIMEOUT,
+    R_REQ_TIMEOUT,
+    R_MAX_REQ_TIMEOUT,
+    R_DRAIN,
+    R_N
+};
 
 static const field prefill_fields[] = {
     FLD(td_cfg_prefill, "name", F_STR, name, 0, 0),
@@ -484,6 +500,9 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     set_str(p, &r->chat_template, "");
     r->heartbeat_ms = 500;
     r->instance_timeout_ms = 3000;
+    r->request_timeout_ms = 600000;
+    r->max_request_timeout_ms = 3600000;
+    r->drain_timeout_ms = 30000;
 }
 
 static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
@@ -497,6 +516,13 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
                     "unknown chat_template '%s' (known: chatml, llama3, llama2; empty: the "
                     "model's)",
                     t);
+    /* the default deadline follows a smaller maximum; an explicit one must fit under it */
+    if (!seen[R_REQ_TIMEOUT] && r->request_timeout_ms > r->max_request_timeout_ms)
+        r->request_timeout_ms = r->max_request_timeout_ms;
+    if (r->request_timeout_ms > r->max_request_timeout_ms)
+        return fail(p, seen[R_REQ_TIMEOUT],
+                    "request_timeout_ms (%d) is larger than max_request_timeout_ms (%d)",
+                    r->request_timeout_ms, r->max_request_timeout_ms);
     return 0;
 }
 
@@ -626,7 +652,7 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
     set_path(p, &c->run_dir, "~/.cache/tandem/run");
     router_defaults(p, &c->router);
     set_str(p, &c->kvxfer.ucx_tls, "sm,tcp,self");
-    c->kvxfer.timeout_ms = 30000;
+    c->kvxfer.timeout_ms = 120000;
     if (p->rc) return p->rc;
 
     if (parse_map(p, root, "the top level", root_fields, T_N, c, seen, keys)) return p->rc;

@@ -26,14 +26,18 @@
 typedef enum { TD_CFG_BACKEND_CPU = 0, TD_CFG_BACKEND_CUDA = 1 } td_cfg_backend;
 
 typedef struct {
-    char *listen;            /* "127.0.0.1:8000" (host:port of the HTTP API) */
-    char *api_key;           /* "": no key required */
-    int max_queue;           /* 256: requests waiting for an instance */
-    int max_prompt_tokens;   /* 8192 */
-    int max_tokens;          /* 4096: cap on a request's max_tokens */
-    char *chat_template;     /* "": the model file's; else chatml | llama3 | llama2 */
-    int heartbeat_ms;        /* 500: health poll period per instance */
-    int instance_timeout_ms; /* 3000: no answer this long -> instance dead */
+    char *listen;               /* "127.0.0.1:8000" (host:port of the HTTP API) */
+    char *api_key;              /* "": no key required */
+    int max_queue;              /* 256: requests waiting for an instance */
+    int max_prompt_tokens;      /* 8192 */
+    int max_tokens;             /* 4096: cap on a request's max_tokens */
+    char *chat_template;        /* "": the model file's; else chatml | llama3 | llama2 */
+    int heartbeat_ms;           /* 500: health poll period per instance */
+    int instance_timeout_ms;    /* 3000: no answer this long -> instance dead */
+    int request_timeout_ms;     /* 600000 (or max_request_timeout_ms if smaller): a request's
+                                   deadline from arrival unless it asks for another */
+    int max_request_timeout_ms; /* 3600000: the longest deadline a request may ask for */
+    int drain_timeout_ms;       /* 30000: SIGTERM/SIGINT: in-flight requests get this long */
 } td_cfg_router;
 
 typedef struct {
@@ -69,7 +73,7 @@ typedef struct {
 
 typedef struct {
     char *ucx_tls;  /* "sm,tcp,self" */
-    int timeout_ms; /* 30000 */
+    int timeout_ms; /* 120000: a whole transfer (the prefill of the longest prompt included) */
 } td_cfg_kvxfer;
 
 typedef struct {

@@ -14,16 +14,21 @@
  *   rt_registry.c  decode and prefill instances: heartbeats, liveness, scheduling choice
  *   rt_loop.c      the router loop thread: owns the ctrl clients and the request table
  *   rt_pair.c      disaggregated mode: pairing, KV target relay, prefill failures, retries
+ *   rt_fair.c      the router queue: one FIFO per client, served round robin
  *   rt_metrics.c   Prometheus counters, gauges and histograms
  *
  * A request's life (loop side, rt_loop.c):
  *
  *   HTTP thread: parse + validate --rt_loop_post--> INBOX
- *   INBOX --admit--> QUEUED (router queue, bounded by router.max_queue; full: 429)
- *   QUEUED --dispatch (rt_reg_pick)--> SUBMITTED (Submit sent, waiting for the Ack)
+ *   INBOX --admit--> QUEUED (router queue, bounded by router.max_queue; full: 429 to the
+ *         client holding the most queued requests, which may evict its newest one)
+ *   QUEUED --dispatch (round robin over clients, rt_reg_pick)--> SUBMITTED (Submit sent)
  *   SUBMITTED --Ack--> RUNNING --TokenEvent*--> RUNNING --finish/stop string--> DONE
  *   SUBMITTED --ErrorEvent BUSY / timeout, nothing streamed--> QUEUED (retried)
- *   any --instance dead / error / client gone / shutdown--> DONE
+ *   any --deadline (504) / instance dead / error / client gone / shutdown--> DONE
+ * Every request has a deadline (expires_ms: arrival + router.request_timeout_ms or what
+ * it asked for); time queued counts. Past it the loop cancels it on its instance(s) and
+ * ends it with 504 request_timeout (or an SSE error event once streaming started).
  * Disaggregated mode (rt_pair.c has the details): dispatch sends Alloc to the decode leader
  * and Prefill to the prefill leader of one *attempt* (its own request id, used on both
  * sides); SUBMITTED waits for AllocReply, RUNNING means the decode side holds the request.
@@ -63,10 +68,12 @@
 #include "ctrl.h"
 #include "tokenizer.h"
 
-#define RT_MAX_BODY       (4u << 20) /* bytes of a request body; more: 413 */
-#define RT_MAX_STOP       4          /* stop strings per request */
-#define RT_MAX_STOP_BYTES 1024       /* bytes of one stop string */
-#define RT_POKE_MS        300        /* resume idle suspended connections this often */
+#define RT_MIN_BODY       (1u << 20)   /* floor of the body limit (rt_max_body) */
+#define RT_MAX_BODY       (256u << 20) /* ceiling of the body limit */
+#define RT_MAX_HEADERS    (32u << 10)  /* request line + headers (MHD's pool); more: 431 */
+#define RT_MAX_STOP       4            /* stop strings per request */
+#define RT_MAX_STOP_BYTES 1024         /* bytes of one stop string */
+#define RT_POKE_MS        300          /* resume idle suspended connections this often */
 
 /* ---- byte buffer ---------------------------------------------------------------------- */
 
@@ -84,7 +91,7 @@ void rt_buf_free(rt_buf *b);
 /* ---- errors as the OpenAI API shows them ----------------------------------------------- */
 
 typedef struct {
-    int status; /* HTTP status: 400, 401, 404, 405, 413, 429, 500, 503 */
+    int status; /* HTTP status: 400, 401, 404, 405, 413, 429, 500, 503, 504 */
     char message[512];
     const char *type;  /* "invalid_request_error", ... */
     const char *param; /* the offending field or NULL */
@@ -115,6 +122,7 @@ typedef struct {
     size_t stop_len[RT_MAX_STOP];
     int n_stop;
     bool stream, include_usage;
+    int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
 } rt_params;
 
 void rt_params_fini(rt_params *p);
@@ -144,6 +152,8 @@ typedef struct rt_req {
     char oid[48];        /* "cmpl-..." / "chatcmpl-..." */
     int64_t created;     /* unix seconds */
     int64_t t_arrive_ms; /* td_ctrl_now_ms() when the body was complete */
+    int64_t expires_ms;  /* the request's deadline (td_ctrl_now_ms clock); 0: none */
+    uint64_t client;     /* fairness key: hash of the remote address and Authorization */
     rt_params p;
 
     /* shared, under mu */
@@ -194,6 +204,8 @@ typedef struct rt_req {
     char pf_fail[320]; /* the first prefill failure, for the client's error message */
 
     struct rt_req *next;      /* inbox / queue link */
+    struct rt_req *qprev;     /* queue: the previous request of the same client */
+    int fslot;                /* queue: the client's slot in rt_fair, -1 not queued */
     struct rt_req *gone_next; /* gone list link */
 } rt_req;
 
@@ -300,6 +312,43 @@ int rt_reg_n_alive(const rt_registry *g);
 /* Prefill instances alive (ready), not counting `avoid` (-1: count all). */
 int rt_reg_n_pf_alive(const rt_registry *g, int avoid);
 
+/* ---- the router queue: per-client FIFOs served round robin (loop thread; rt_fair.c) -- */
+
+#define RT_FAIR_CLIENTS 256 /* clients with a slot of their own; more share one slot */
+
+typedef struct {
+    uint64_t key;
+    rt_req *head, *tail; /* queued requests, oldest first (a request put back at the head) */
+    int n;               /* requests in the list; 0: the slot is free */
+    int next, prev;      /* ring of slots with queued requests */
+} rt_fair_client;
+
+typedef struct {
+    rt_fair_client c[RT_FAIR_CLIENTS + 1]; /* the last one: the overflow slot */
+    int n_clients;                         /* slots in the ring */
+    int cur;                               /* the slot served next (when n_clients > 0) */
+    int len;                               /* requests queued in all */
+} rt_fair;
+
+/* Slot of key: its own, else a free one, else the overflow slot. */
+int rt_fair_slot(const rt_fair *f, uint64_t key);
+/* Requests queued under key's slot (what a newcomer with that key would join). */
+int rt_fair_count(const rt_fair *f, uint64_t key);
+/* Append q (key q->client) to its client's FIFO; sets q->fslot. */
+void rt_fair_push(rt_fair *f, rt_req *q);
+/* Put q at the head of its client's FIFO and serve that client next (a retry). */
+void rt_fair_push_front(rt_fair *f, rt_req *q);
+/* The request dispatch should take next, or NULL. */
+rt_req *rt_fair_peek(const rt_fair *f);
+/* Take the peeked request off the queue and move on to the next client. */
+rt_req *rt_fair_pop(rt_fair *f);
+/* Take q (queued) off the queue wherever it is. */
+void rt_fair_remove(rt_fair *f, rt_req *q);
+/* The queue is full and a request of key arrives: the newest queued request of the client
+ * holding the most, if that client holds more than key's client would after admitting
+ * the newcomer (so refusing it narrows the gap), else NULL (refuse the newcomer). */
+rt_req *rt_fair_victim(const rt_fair *f, uint64_t key);
+
 /* ---- metrics (any thread) ----------------------------------------------------------------- */
 
 #define RT_HIST_BUCKETS 16
@@ -322,6 +371,14 @@ typedef struct {
     bool alive;
 } rt_pf_gauge;
 
+/* Where a request was when its deadline passed (metric label). */
+typedef enum {
+    RT_TO_QUEUED = 0, /* in the router queue */
+    RT_TO_WAITING,    /* on its instance(s), no token yet (disaggregated: prefilling) */
+    RT_TO_GENERATING, /* tokens were coming */
+    RT_TO_N
+} rt_timeout_state;
+
 /* Why a disaggregated attempt failed before its first token (metric label). */
 typedef enum {
     RT_PF_ERROR = 0, /* the prefill instance reported an error (reply or ErrorEvent) */
@@ -339,8 +396,11 @@ typedef struct {
     rt_hist write_delay;     /* seconds: token event received -> its bytes handed to the socket */
     rt_inst_gauge *inst;     /* (n_inst) */
     int n_inst;
-    int queue;  /* requests in the router queue */
-    int active; /* requests on instances */
+    int queue;                  /* requests in the router queue */
+    int active;                 /* requests on instances */
+    uint64_t timeouts[RT_TO_N]; /* requests ended by their deadline */
+    uint64_t evictions;         /* queued requests refused to make room for a quieter client */
+    bool draining;              /* SIGTERM/SIGINT received */
     /* disaggregated mode */
     uint64_t pf_requests; /* Prefill messages sent (attempts) */
     uint64_t pf_retries;  /* attempts retried after a prefill failure */
@@ -366,6 +426,8 @@ typedef enum {
     RT_PM_FAIL,         /* an attempt failed before its first token (why) */
 } rt_pair_metric;
 void rt_metrics_pair(rt_metrics *m, rt_pair_metric what, rt_pf_fail why);
+void rt_metrics_timeout(rt_metrics *m, rt_timeout_state where);
+void rt_metrics_eviction(rt_metrics *m);
 int64_t rt_now_ns(void); /* CLOCK_MONOTONIC */
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const struct rt_router *r);
@@ -381,6 +443,7 @@ typedef struct rt_router {
     int32_t n_ctx; /* model context length */
     char model_name[256];
     char api_key_hdr[512]; /* "Bearer KEY", or "" */
+    size_t max_body;       /* bytes of a request body (rt_max_body); more: 413 */
     struct MHD_Daemon *mhd;
 
     /* inbox: HTTP -> loop */
@@ -395,21 +458,22 @@ typedef struct rt_router {
     atomic_int n_pf_alive; /* prefill instances able to serve */
     atomic_int queued;     /* requests posted but not yet on an instance */
     atomic_int open;       /* generation requests whose response is not complete */
+    atomic_bool draining;  /* stop signal: new requests get 503, in-flight ones may finish */
 
     pthread_t loop;
     bool loop_started;
-    int64_t t_events_ns;     /* loop-owned: when the batch of events in hand was received */
-    rt_registry reg;         /* loop-owned */
-    rt_table table;          /* loop-owned */
-    rt_req *q_head, *q_tail; /* loop-owned router queue */
-    int q_len;
+    int64_t t_events_ns; /* loop-owned: when the batch of events in hand was received */
+    rt_registry reg;     /* loop-owned */
+    rt_table table;      /* loop-owned */
+    rt_fair fair;        /* loop-owned router queue (fair.len requests) */
 
     rt_metrics metrics;
 } rt_router;
 
 /* rt_loop.c */
 int rt_loop_start(rt_router *r);
-/* Answer every open request (503), join the thread. Call with closing set. */
+/* Answer every open request (503 shutting_down, cancelled on its instances; the Cancels
+ * are given up to 500 ms to reach them), join the thread. Call with closing set. */
 void rt_loop_stop(rt_router *r);
 /* After the HTTP server stopped: free the loop's structures. */
 void rt_loop_drain(rt_router *r);
@@ -462,6 +526,15 @@ bool rt_pair_unservable(rt_router *r, rt_req *q);
 int64_t rt_pair_deadline(const td_cfg *cfg, int64_t now);
 
 /* rt_http.c */
+/* The body limit for cfg: 64 bytes per router.max_prompt_tokens (a prompt as JSON text
+ * with room for escapes and chat framing), within [RT_MIN_BODY, RT_MAX_BODY]. */
+size_t rt_max_body(const td_cfg *cfg);
+/* Constant-time equality of a presented credential with the expected one (the time
+ * depends on the expected length only). */
+bool rt_key_equal(const char *given, const char *expected);
+/* The fairness key of a client: its remote address and its Authorization header value
+ * (either may be absent). */
+uint64_t rt_client_key(const void *addr, size_t addr_len, const char *auth);
 int rt_http_start(rt_router *r, const char *host, int port);
 /* Stop taking connections, give open responses up to wait_ms to finish, stop. */
 void rt_http_stop(rt_router *r, int wait_ms);

@@ -2,13 +2,17 @@
  * generation requests to the loop thread with suspend/resume.
  *
  * A generation request on its connection (MHD's threads):
- *   headers --route/auth--> BODY (collected up to RT_MAX_BODY, the rest read and dropped)
+ *   headers --route/auth, client key, X-Tandem-Timeout-Ms--> BODY (collected up to
+ *           r->max_body, the rest read and dropped)
  *   BODY complete --parse ok--> suspend, rt_loop_post --loop resumes--> handler again:
  *     q->sse: queue the SSE response (reader: copy q->out, suspend when empty, end at done)
  *     q->done: queue q->out as JSON with q->status
  *     neither (a poke): suspend again
  *   request-completed callback: mark http_gone, tell the loop if the request is open.
- * Errors found before the hand-off (404, 405, 401, 413, 400) are answered here. */
+ * Errors found before the hand-off (404, 405, 401, 413, 400, 503 while draining) are
+ * answered here. Limits: request line + headers RT_MAX_HEADERS (MHD's per-connection
+ * memory pool: MHD itself answers 431), bodies r->max_body (413). While the router drains
+ * every response carries "Connection: close", so keep-alive clients go elsewhere. */
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <stdio.h>
@@ -35,9 +39,11 @@ typedef enum {
 typedef struct {
     conn_kind kind;
     rt_error err; /* err.status != 0: answer this once the body is read */
-    rt_buf body;  /* (<= RT_MAX_BODY) */
+    rt_buf body;  /* (<= r->max_body) */
     bool too_large;
-    rt_req *q; /* after the hand-off */
+    uint64_t client;    /* fairness key (rt_client_key) */
+    int64_t timeout_ms; /* X-Tandem-Timeout-Ms, 0: not given */
+    rt_req *q;          /* after the hand-off */
 } conn_ctx;
 
 static atomic_uint_fast64_t g_seq;
@@ -52,6 +58,8 @@ static enum MHD_Result respond(rt_router *r, struct MHD_Connection *conn, int st
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (status == 429 || status == 503) MHD_add_response_header(resp, "Retry-After", "1");
     if (status == 405) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, "GET, POST");
+    if (atomic_load(&r->draining))
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(conn, (unsigned)status, resp);
     MHD_destroy_response(resp);
     rt_metrics_status(&r->metrics, status);
@@ -118,10 +126,88 @@ static enum MHD_Result start_sse(rt_router *r, struct MHD_Connection *conn, rt_r
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    if (atomic_load(&r->draining))
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(conn, 200, resp);
     MHD_destroy_response(resp);
     rt_metrics_status(&r->metrics, 200);
     return ok;
+}
+
+/* ---- limits, credentials, clients ---- */
+
+size_t rt_max_body(const td_cfg *cfg)
+{
+    size_t b = (size_t)cfg->router.max_prompt_tokens * 64;
+    return b < RT_MIN_BODY ? RT_MIN_BODY : b > RT_MAX_BODY ? RT_MAX_BODY : b;
+}
+
+bool rt_key_equal(const char *given, const char *expected)
+{
+    size_t g = strlen(given), n = strlen(expected);
+    volatile unsigned char d = g != n; /* volatile: no early exit once a byte differs */
+    for (size_t i = 0; i < n; i++)
+        d |= (unsigned char)((i < g ? (unsigned char)given[i] : 0) ^ (unsigned char)expected[i]);
+    return d == 0;
+}
+
+uint64_t rt_client_key(const void *addr, size_t addr_len, const char *auth)
+{
+    /* FNV-1a: a collision only merges two clients' queues */
+    uint64_t h = 0xcbf29ce484222325ull;
+    const unsigned char *p = addr;
+    for (size_t i = 0; i < addr_len; i++)
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    h = (h ^ 0xff) * 0x100000001b3ull; /* address | credential */
+    for (const char *c = auth ? auth : ""; *c; c++)
+        h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+    return h;
+}
+
+/* The client's IP address (no port: one host's connections are one client), and the
+ * Authorization header: with router.api_key set every client presents the same key, so
+ * the address tells them apart; without it the header (unverified) tells apart the
+ * clients behind one proxy. */
+static uint64_t conn_client(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    const void *a = NULL;
+    size_t alen = 0;
+    if (ci && ci->client_addr) {
+        const struct sockaddr *sa = ci->client_addr;
+        if (sa->sa_family == AF_INET) {
+            a = &((const struct sockaddr_in *)(const void *)sa)->sin_addr;
+            alen = sizeof(struct in_addr);
+        } else if (sa->sa_family == AF_INET6) {
+            a = &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr;
+            alen = sizeof(struct in6_addr);
+        }
+    }
+    const char *auth =
+        MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    return rt_client_key(a, alen, auth);
+}
+
+/* X-Tandem-Timeout-Ms: digits only, 1..router.max_request_timeout_ms; 0 if absent,
+ * else c->err is set. */
+static void header_timeout(rt_router *r, struct MHD_Connection *conn, conn_ctx *c)
+{
+    const char *v = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Tandem-Timeout-Ms");
+    if (!v) return;
+    int max = r->cfg->router.max_request_timeout_ms;
+    long long ms = 0;
+    const char *p = v;
+    while (*p >= '0' && *p <= '9' && ms <= max)
+        ms = ms * 10 + (*p++ - '0');
+    if (p == v || *p || ms < 1 || ms > max) {
+        rt_error_set(&c->err, 400, "X-Tandem-Timeout-Ms", NULL,
+                     "X-Tandem-Timeout-Ms must be an integer number of milliseconds in [1, %d] "
+                     "(router.max_request_timeout_ms), got '%.40s'",
+                     max, v);
+        return;
+    }
+    c->timeout_ms = ms;
 }
 
 /* ---- routing ---- */
@@ -157,9 +243,13 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
     if (r->api_key_hdr[0] && !strncmp(url, "/v1/", 4)) {
         const char *auth =
             MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-        if (!auth || strcmp(auth, r->api_key_hdr))
+        if (!auth || !rt_key_equal(auth, r->api_key_hdr))
             rt_error_set(&c->err, 401, NULL, "invalid_api_key",
                          auth ? "invalid API key" : "missing API key (Authorization: Bearer KEY)");
+    }
+    if (!c->err.status && (c->kind == K_COMPLETIONS || c->kind == K_CHAT)) {
+        c->client = conn_client(conn);
+        header_timeout(r, conn, c);
     }
 }
 
@@ -178,9 +268,13 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
     case K_HEALTH: {
         /* disaggregated: serving needs a decode and a prefill instance */
         int n = atomic_load(&r->n_alive), np = atomic_load(&r->n_pf_alive);
-        bool ok = n > 0 && (!r->disagg || np > 0);
+        bool draining = atomic_load(&r->draining);
+        bool ok = n > 0 && (!r->disagg || np > 0) && !draining;
         int len = snprintf(buf, sizeof buf, "{\"status\":\"%s\",\"instances_alive\":%d",
-                           ok ? "ok" : "unavailable", n);
+                           draining ? "draining"
+                           : ok     ? "ok"
+                                    : "unavailable",
+                           n);
         if (r->disagg)
             len += snprintf(buf + len, sizeof buf - (size_t)len, ",\"prefill_instances_alive\":%d",
                             np);
@@ -217,12 +311,20 @@ static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *con
         return respond_error(r, conn, &e);
     }
     rt_buf_free(&c->body);
+    /* the body's "timeout" and the header both ask for an earlier end: the smaller wins */
+    int64_t timeout = r->cfg->router.request_timeout_ms;
+    if (q->p.timeout_ms || c->timeout_ms) {
+        timeout = q->p.timeout_ms ? q->p.timeout_ms : c->timeout_ms;
+        if (c->timeout_ms && c->timeout_ms < timeout) timeout = c->timeout_ms;
+    }
+    q->client = c->client;
     uint64_t seq = atomic_fetch_add(&g_seq, 1) + 1;
     snprintf(q->oid, sizeof q->oid, "%s-%016llx%08llx", ep == RT_EP_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)(g_salt ^ (seq * 0x9e3779b97f4a7c15ull)),
              (unsigned long long)(seq & 0xffffffffu));
     q->created = (int64_t)time(NULL);
     q->t_arrive_ms = td_ctrl_now_ms();
+    q->expires_ms = q->t_arrive_ms + timeout;
     q->conn = conn;
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
@@ -276,12 +378,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         route(r, conn, c, url, method);
         const char *cl =
             MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > RT_MAX_BODY) c->too_large = true;
+        if (cl && strtoull(cl, NULL, 10) > r->max_body) c->too_large = true;
         return MHD_YES;
     }
     if (*upload_size) {
         bool keep = !c->err.status && (c->kind == K_COMPLETIONS || c->kind == K_CHAT);
-        if (keep && !c->too_large && c->body.len + *upload_size <= RT_MAX_BODY) {
+        if (keep && !c->too_large && c->body.len + *upload_size <= r->max_body) {
             if (rt_buf_append(&c->body, upload, *upload_size)) return MHD_NO;
         } else if (keep) {
             c->too_large = true;
@@ -293,10 +395,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (c->q) return continue_generation(r, conn, c);
     if (c->err.status) return respond_error(r, conn, &c->err);
     if (c->kind == K_COMPLETIONS || c->kind == K_CHAT) {
+        rt_error e;
         if (c->too_large) {
-            rt_error e;
             rt_error_set(&e, 413, NULL, "request_too_large",
-                         "the request body is larger than %u bytes", RT_MAX_BODY);
+                         "the request body is larger than %zu bytes", r->max_body);
+            return respond_error(r, conn, &e);
+        }
+        if (atomic_load(&r->draining)) {
+            rt_error_set(&e, 503, NULL, "shutting_down",
+                         "the router is shutting down (draining): retry on another one");
             return respond_error(r, conn, &e);
         }
         return start_generation(r, conn, c);
@@ -346,7 +453,8 @@ int rt_http_start(rt_router *r, const char *host, int port)
     r->mhd = MHD_start_daemon(
         flags, (uint16_t)port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, r, MHD_OPTION_THREAD_POOL_SIZE, 2u,
-        MHD_OPTION_CONNECTION_TIMEOUT, 300u, MHD_OPTION_CONNECTION_LIMIT, 4000u, MHD_OPTION_END);
+        MHD_OPTION_CONNECTION_TIMEOUT, 300u, MHD_OPTION_CONNECTION_LIMIT, 4000u,
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)RT_MAX_HEADERS, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!r->mhd) {
         TD_LOG_ERR("router: cannot listen on %s:%d (address in use or not local?)", host, port);

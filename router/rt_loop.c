@@ -7,10 +7,16 @@
  * One iteration: poll(wake fd, client fds, <= 50 ms) -> take the inbox (admit: queue or
  * 429/503; closed connections: cancel) -> drain every client (replies, token events,
  * health; prefill instances' through rt_pair.c) -> liveness (fail the requests of
- * instances silent for instance_timeout_ms) -> attempt deadlines (disaggregated) ->
- * heartbeats -> dispatch queued requests to rt_reg_pick's choice (and, disaggregated,
- * rt_reg_pick_prefill's) -> poke idle suspended connections (so a client that went away
- * is noticed). */
+ * instances silent for instance_timeout_ms) -> request deadlines (504) -> attempt
+ * deadlines (disaggregated) -> heartbeats -> dispatch queued requests, round robin over
+ * clients (rt_fair.c), to rt_reg_pick's choice (and, disaggregated, rt_reg_pick_prefill's)
+ * -> poke idle suspended connections (so a client that went away is noticed).
+ *
+ * Stop (rt_loop_stop, after the drain in rt_main.c): every request still open ends with
+ * 503 shutting_down and is cancelled on its instances; then a health call to each
+ * instance that got a Cancel serves as a barrier (the node answers it only after reading
+ * what came before it on the connection), waited for up to FLUSH_MS, so the Cancels are
+ * not lost when the sockets close. */
 #include <errno.h>
 #include <poll.h>
 #include <stdlib.h>
@@ -27,6 +33,7 @@
 #define SUBMIT_TIMEOUT_MS 10000
 #define CANCEL_TIMEOUT_MS 5000
 #define MAX_RETRIES       3
+#define FLUSH_MS          500 /* stop: wait this long at most for the Cancels to arrive */
 
 /* ---- rt_req lifetime ---- */
 
@@ -40,6 +47,7 @@ rt_req *rt_req_create(void)
     q->inst = -1;
     q->pinst = -1;
     q->pf_avoid = -1;
+    q->fslot = -1;
     return q;
 }
 
@@ -130,16 +138,8 @@ void rt_loop_gone(rt_router *r, rt_req *q)
 
 static void queue_remove(rt_router *r, rt_req *q)
 {
-    rt_req **pp = &r->q_head, *prev = NULL;
-    while (*pp && *pp != q) {
-        prev = *pp;
-        pp = &(*pp)->next;
-    }
-    if (!*pp) return;
-    *pp = q->next;
-    if (r->q_tail == q) r->q_tail = prev;
-    q->next = NULL;
-    r->q_len--;
+    if (q->fslot < 0) return;
+    rt_fair_remove(&r->fair, q);
     atomic_fetch_sub(&r->queued, 1);
 }
 
@@ -153,6 +153,15 @@ static void send_cancel(rt_router *r, rt_req *q)
 void rt_loop_cancel_decode(rt_router *r, rt_req *q)
 {
     send_cancel(r, q);
+}
+
+/* Cancel q's decode side if the instance may hold it: colocated, also while the Submit is
+ * unanswered (the Cancel follows it on the same connection); disaggregated, an unanswered
+ * Alloc is cancelled when its reply comes (rt_pair_orphan_alloc), once q is out of the
+ * table. The prefill side is retire's (rt_pair_release). */
+static void cancel_decode_side(rt_router *r, rt_req *q)
+{
+    if (q->state == RT_ST_RUNNING || (q->state == RT_ST_SUBMITTED && !r->disagg)) send_cancel(r, q);
 }
 
 /* Take q out of the loop's structures and drop the loop's reference. */
@@ -200,10 +209,7 @@ static void requeue_front(rt_router *r, rt_req *q)
     q->inst = -1;
     q->state = RT_ST_QUEUED;
     q->retries++;
-    q->next = r->q_head;
-    r->q_head = q;
-    if (!r->q_tail) r->q_tail = q;
-    r->q_len++;
+    rt_fair_push_front(&r->fair, q);
     atomic_fetch_add(&r->queued, 1);
 }
 
@@ -214,47 +220,53 @@ void rt_loop_requeue(rt_router *r, rt_req *q)
 
 /* ---- admission and dispatch ---- */
 
+/* q never got into the queue: answer e, drop the loop's reference. */
+static void refuse(rt_router *r, rt_req *q, const rt_error *e)
+{
+    atomic_fetch_sub(&r->queued, 1);
+    q->state = RT_ST_DONE;
+    rt_stream_fail(q, e);
+    rt_req_release(q);
+}
+
 static void admit(rt_router *r, rt_req *q)
 {
+    rt_error e;
     bool no_pf = r->disagg && atomic_load(&r->n_pf_alive) == 0;
     if (atomic_load(&r->n_alive) == 0 || no_pf) {
-        atomic_fetch_sub(&r->queued, 1);
-        q->state = RT_ST_DONE;
-        rt_error e;
         rt_error_set(&e, 503, NULL, "no_instance", "no %s instance is available",
                      no_pf ? "prefill" : "decode");
-        rt_stream_fail(q, &e);
-        rt_req_release(q);
+        refuse(r, q, &e);
         return;
     }
-    if (r->q_len >= r->cfg->router.max_queue) {
-        atomic_fetch_sub(&r->queued, 1);
-        q->state = RT_ST_DONE;
-        rt_error e;
-        rt_error_set(&e, 429, NULL, "queue_full", "the router queue is full (%d requests)",
-                     r->cfg->router.max_queue);
-        rt_stream_fail(q, &e);
-        rt_req_release(q);
-        return;
+    int max = r->cfg->router.max_queue;
+    if (r->fair.len >= max) {
+        /* full: the client holding the most queued requests gives one up, unless that
+           is the newcomer's own client (then the newcomer is refused) */
+        rt_req *v = rt_fair_victim(&r->fair, q->client);
+        if (!v) {
+            rt_error_set(&e, 429, NULL, "queue_full", "the router queue is full (%d requests)",
+                         max);
+            refuse(r, q, &e);
+            return;
+        }
+        rt_error_set(&e, 429, NULL, "queue_full",
+                     "the router queue is full (%d requests) and this client holds the most "
+                     "of them",
+                     max);
+        TD_LOG_DEBUG("router: %s: queue full: refused for a client with fewer requests", v->oid);
+        rt_metrics_eviction(&r->metrics);
+        rt_stream_fail(v, &e);
+        retire(r, v);
     }
     int rc = rt_table_add(&r->table, q);
     if (rc) {
-        q->state = RT_ST_DONE;
-        atomic_fetch_sub(&r->queued, 1);
-        rt_error e;
         rt_error_set(&e, 500, NULL, NULL, "cannot track the request: %s", td_strerror(rc));
-        rt_stream_fail(q, &e);
-        rt_req_release(q);
+        refuse(r, q, &e);
         return;
     }
     q->state = RT_ST_QUEUED;
-    q->next = NULL;
-    if (r->q_tail)
-        r->q_tail->next = q;
-    else
-        r->q_head = q;
-    r->q_tail = q;
-    r->q_len++; /* r->queued already counts it */
+    rt_fair_push(&r->fair, q); /* r->queued already counts it */
 }
 
 static int submit(rt_router *r, rt_req *q, int i)
@@ -284,10 +296,10 @@ static int submit(rt_router *r, rt_req *q, int i)
 
 static void dispatch(rt_router *r, int64_t now)
 {
-    while (r->q_head) {
+    rt_req *q;
+    while ((q = rt_fair_peek(&r->fair))) {
         int i = rt_reg_pick(&r->reg, now);
         if (i < 0) return;
-        rt_req *q = r->q_head;
         int p = -1;
         if (r->disagg) {
             p = rt_reg_pick_prefill(&r->reg, now, q->pf_avoid);
@@ -299,10 +311,7 @@ static void dispatch(rt_router *r, int64_t now)
                 return;
             }
         }
-        r->q_head = q->next;
-        if (!r->q_head) r->q_tail = NULL;
-        q->next = NULL;
-        r->q_len--;
+        rt_fair_pop(&r->fair);
         atomic_fetch_sub(&r->queued, 1);
         q->state = RT_ST_INBOX; /* off the queue, not yet submitted */
         int rc = r->disagg ? rt_pair_start(r, q, i, p, now) : submit(r, q, i);
@@ -503,9 +512,37 @@ static void liveness(rt_router *r, int64_t now)
     atomic_store(&r->n_pf_alive, n_pf);
     if (!n || (r->disagg && !n_pf)) {
         /* nobody can take the queue: answer it now rather than let clients hang */
-        while (r->q_head)
-            fail(r, r->q_head, 503, "no_instance",
+        rt_req *q;
+        while ((q = rt_fair_peek(&r->fair)))
+            fail(r, q, 503, "no_instance",
                  n ? "no prefill instance is available" : "no decode instance is available");
+    }
+}
+
+/* Requests past their deadline: cancelled on their instance(s), ended with 504 (an SSE
+ * error event once streaming started; the text already sent stands, no finish_reason). */
+static void expire(rt_router *r, int64_t now)
+{
+    static const char *const where_name[RT_TO_N] = {"queued", "waiting for its first token",
+                                                    "generating"};
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q || !q->expires_ms || now < q->expires_ms) continue;
+        rt_timeout_state where = q->state == RT_ST_QUEUED ? RT_TO_QUEUED
+                                 : q->n_gen > 0           ? RT_TO_GENERATING
+                                                          : RT_TO_WAITING;
+        long long limit = (long long)(q->expires_ms - q->t_arrive_ms);
+        TD_LOG_INFO("router: %s: its deadline of %lld ms passed while %s (tokens: %d): ended",
+                    q->oid, limit, where_name[where], q->n_gen);
+        rt_metrics_timeout(&r->metrics, where);
+        cancel_decode_side(r, q);
+        rt_error e;
+        rt_error_set(&e, 504, NULL, "request_timeout",
+                     "the request did not complete within its timeout of %lld ms (%s; tokens "
+                     "generated: %d)",
+                     limit, where_name[where], q->n_gen);
+        rt_stream_fail(q, &e);
+        retire(r, q);
     }
 }
 
@@ -530,7 +567,8 @@ static void publish_metrics(rt_router *r)
                                  .alive = s->alive};
     }
     m->queue = atomic_load(&r->queued);
-    m->active = (int)r->table.count - r->q_len;
+    m->active = (int)r->table.count - r->fair.len;
+    m->draining = atomic_load(&r->draining);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -600,49 +638,105 @@ static void poke(rt_router *r)
     }
 }
 
+/* Wait up to wait_ms for the wake fd or any control client (fds: 1 + n + n_pf). */
+static void wait_input(rt_router *r, struct pollfd *fds, int wait_ms)
+{
+    int n = r->reg.n, n_pf = r->reg.n_pf;
+    fds[0] = (struct pollfd){.fd = r->wake_fd, .events = POLLIN};
+    for (int i = 0; i < n; i++)
+        fds[i + 1] = (struct pollfd){.fd = td_ctrl_client_fd(r->reg.inst[i].c), .events = POLLIN};
+    for (int j = 0; j < n_pf; j++)
+        fds[n + j + 1] = (struct pollfd){.fd = td_ctrl_client_fd(r->reg.pf[j].c), .events = POLLIN};
+    poll(fds, (nfds_t)(n + n_pf) + 1, wait_ms);
+}
+
+/* Everything the control clients have: replies, events, health. */
+static void read_instances(rt_router *r, int64_t now)
+{
+    for (int i = 0; i < r->reg.n; i++) {
+        rt_inst *s = &r->reg.inst[i];
+        while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
+            r->t_events_ns = rt_now_ns();
+            if (s->in.kind == TD_CTRL_IN_REPLY)
+                on_reply(r, i, &s->in, now);
+            else if (s->in.kind == TD_CTRL_IN_EVENTS)
+                on_events(r, i, &s->in, now);
+        }
+    }
+    for (int j = 0; j < r->reg.n_pf; j++) {
+        rt_inst *s = &r->reg.pf[j];
+        while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
+            if (s->in.kind == TD_CTRL_IN_REPLY)
+                rt_pair_on_reply(r, j, &s->in, now);
+            else if (s->in.kind == TD_CTRL_IN_EVENTS)
+                rt_pair_on_events(r, j, &s->in, now);
+        }
+    }
+}
+
+static rt_inst *inst_at(rt_router *r, int k) /* decode instances, then prefill instances */
+{
+    return k < r->reg.n ? &r->reg.inst[k] : &r->reg.pf[k - r->reg.n];
+}
+
+/* Stop: end every open request (503, cancelled on its instances), then wait up to
+ * FLUSH_MS for a health answer from each alive instance that got a Cancel: it comes after
+ * the node read the Cancels. A node that never answers (stopped, gone) still drops a
+ * vanished client's requests by itself (TD_CTRL_IN_PEER_GONE). */
+static void stop_all(rt_router *r, struct pollfd *fds)
+{
+    int n_all = r->reg.n + r->reg.n_pf;
+    bool *told = calloc((size_t)n_all + 1, sizeof *told);
+    take_inbox(r);
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q) continue;
+        if (told && q->inst >= 0) told[q->inst] = true;
+        if (told && q->pf_busy && q->pinst >= 0) told[r->reg.n + q->pinst] = true;
+        send_cancel(r, q);
+        fail(r, q, 503, "shutting_down", "the router is shutting down");
+    }
+    if (!told) return;
+    int waiting = 0;
+    for (int k = 0; k < n_all; k++) {
+        rt_inst *s = inst_at(r, k);
+        s->hb_call = 0;
+        if (!told[k] || !s->alive) continue;
+        /* its own timeout later than ours: a timeout answer must not pass for the barrier */
+        if (td_ctrl_client_health(s->c, 2 * FLUSH_MS, &s->hb_call))
+            told[k] = false;
+        else
+            waiting++;
+    }
+    int64_t end = td_ctrl_now_ms() + FLUSH_MS;
+    while (waiting > 0 && td_ctrl_now_ms() < end) {
+        wait_input(r, fds, 10);
+        read_instances(r, td_ctrl_now_ms()); /* on_reply clears hb_call */
+        waiting = 0;
+        for (int k = 0; k < n_all; k++)
+            waiting += told[k] && inst_at(r, k)->hb_call != 0;
+    }
+    if (waiting) TD_LOG_WARN("router: %d instance(s) did not confirm the last cancels", waiting);
+    free(told);
+}
+
 static void *loop_main(void *arg)
 {
     rt_router *r = arg;
-    int n = r->reg.n, n_pf = r->reg.n_pf;
-    struct pollfd *fds = calloc((size_t)(n + n_pf) + 1, sizeof *fds);
+    struct pollfd *fds = calloc((size_t)(r->reg.n + r->reg.n_pf) + 1, sizeof *fds);
     if (!fds) {
         TD_LOG_ERR("router: out of memory in the loop");
         return NULL;
     }
     int64_t last_poke = td_ctrl_now_ms();
     while (!atomic_load(&r->stop)) {
-        fds[0] = (struct pollfd){.fd = r->wake_fd, .events = POLLIN};
-        for (int i = 0; i < n; i++)
-            fds[i + 1] =
-                (struct pollfd){.fd = td_ctrl_client_fd(r->reg.inst[i].c), .events = POLLIN};
-        for (int j = 0; j < n_pf; j++)
-            fds[n + j + 1] =
-                (struct pollfd){.fd = td_ctrl_client_fd(r->reg.pf[j].c), .events = POLLIN};
-        int wait = r->cfg->router.heartbeat_ms < 50 ? r->cfg->router.heartbeat_ms : 50;
-        poll(fds, (nfds_t)(n + n_pf) + 1, wait);
+        wait_input(r, fds, r->cfg->router.heartbeat_ms < 50 ? r->cfg->router.heartbeat_ms : 50);
         int64_t now = td_ctrl_now_ms();
         take_inbox(r);
-        for (int i = 0; i < n; i++) {
-            rt_inst *s = &r->reg.inst[i];
-            while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
-                r->t_events_ns = rt_now_ns();
-                if (s->in.kind == TD_CTRL_IN_REPLY)
-                    on_reply(r, i, &s->in, now);
-                else if (s->in.kind == TD_CTRL_IN_EVENTS)
-                    on_events(r, i, &s->in, now);
-            }
-        }
-        for (int j = 0; j < n_pf; j++) {
-            rt_inst *s = &r->reg.pf[j];
-            while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
-                if (s->in.kind == TD_CTRL_IN_REPLY)
-                    rt_pair_on_reply(r, j, &s->in, now);
-                else if (s->in.kind == TD_CTRL_IN_EVENTS)
-                    rt_pair_on_events(r, j, &s->in, now);
-            }
-        }
+        read_instances(r, now);
         now = td_ctrl_now_ms();
         liveness(r, now);
+        expire(r, now);
         if (r->disagg) rt_pair_deadlines(r, now);
         rt_reg_heartbeat(&r->reg, &r->cfg->router, now);
         dispatch(r, now);
@@ -652,14 +746,7 @@ static void *loop_main(void *arg)
         }
         publish_metrics(r);
     }
-    /* shutting down: answer everything still open */
-    take_inbox(r);
-    for (uint32_t k = 0; k < r->table.cap; k++) {
-        rt_req *q = r->table.slots[k];
-        if (!q) continue;
-        send_cancel(r, q);
-        fail(r, q, 503, "shutting_down", "the router is shutting down");
-    }
+    stop_all(r, fds);
     free(fds);
     return NULL;
 }

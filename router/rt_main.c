@@ -1,15 +1,25 @@
 /* rt_main.c: `tandem-router --config FILE [--listen HOST:PORT]`: loads the cluster YAML and
  * the model's tokenizer metadata, starts the loop thread and the HTTP server, and runs
- * until SIGINT or SIGTERM, then shuts down in order: stop taking requests, answer the open
- * ones (503), stop the HTTP server, free everything. Exit status 0 after a clean stop, 1
- * when start-up failed (the reason is logged). */
+ * until SIGINT or SIGTERM, then shuts down in order:
+ *   drain: new requests get 503 shutting_down (the listening socket stays open so that
+ *          clients get an answer, not a refused connection), /health 503 "draining";
+ *          requests already accepted (queued ones too) may finish, for up to
+ *          router.drain_timeout_ms; a second SIGINT/SIGTERM ends the drain at once
+ *   stop:  the requests still open are cancelled on their instances and answered (503, or
+ *          an SSE error event + [DONE]); the HTTP server gets up to STOP_FLUSH_MS to hand
+ *          those answers to the clients, then stops; everything is freed.
+ * Exit status 0 after a stop (drained or not), 1 when start-up failed (the reason is
+ * logged). The whole stop takes at most drain_timeout_ms + ~1.5 s. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "rt.h"
 #include "td_err.h"
+
+#define STOP_FLUSH_MS 1000 /* after the drain: bound on writing the last answers */
 
 static void usage(void)
 {
@@ -89,6 +99,30 @@ static int load_model(rt_router *r)
     return 0;
 }
 
+/* After the first stop signal: refuse new requests and wait for the open ones to complete
+ * (every generation response written), up to router.drain_timeout_ms or a second signal. */
+static void drain(rt_router *r, int sig, const sigset_t *set)
+{
+    atomic_store(&r->draining, true);
+    int ms = r->cfg->router.drain_timeout_ms;
+    TD_LOG_INFO("router: signal %d: draining: %d request(s) open, waiting up to %d ms", sig,
+                atomic_load(&r->open), ms);
+    int64_t end = td_ctrl_now_ms() + ms;
+    while (atomic_load(&r->open) > 0 && td_ctrl_now_ms() < end) {
+        struct timespec ts = {.tv_nsec = 20 * 1000 * 1000};
+        int again = sigtimedwait(set, NULL, &ts);
+        if (again > 0) {
+            TD_LOG_INFO("router: signal %d again: stopping now", again);
+            break;
+        }
+    }
+    int left = atomic_load(&r->open);
+    if (left)
+        TD_LOG_WARN("router: %d request(s) still open after the drain: cancelling them", left);
+    else
+        TD_LOG_INFO("router: drained: no request open, stopping");
+}
+
 int main(int argc, char **argv)
 {
     const char *config = NULL, *listen = NULL;
@@ -137,6 +171,7 @@ int main(int argc, char **argv)
     }
     if (!rc && r->cfg->router.api_key && r->cfg->router.api_key[0])
         snprintf(r->api_key_hdr, sizeof r->api_key_hdr, "Bearer %s", r->cfg->router.api_key);
+    if (!rc) r->max_body = rt_max_body(r->cfg);
     if (!rc) rc = load_model(r);
     if (!rc) rc = rt_metrics_init(&r->metrics, r->cfg->n_decode, r->cfg->n_prefill);
     if (!rc) rc = rt_loop_start(r);
@@ -148,13 +183,13 @@ int main(int argc, char **argv)
             r->cfg->n_prefill ? " (disaggregated)" : " (colocated)");
         int sig = 0;
         sigwait(&set, &sig);
-        TD_LOG_INFO("router: signal %d: stopping", sig);
+        drain(r, sig, &set);
     }
     pthread_mutex_lock(&r->in_mu);
     r->closing = true;
     pthread_mutex_unlock(&r->in_mu);
     rt_loop_stop(r); /* answers every open request, so no connection stays suspended */
-    rt_http_stop(r, 3000);
+    rt_http_stop(r, STOP_FLUSH_MS);
     rt_loop_drain(r);
     rt_metrics_fini(&r->metrics);
     td_tok_destroy(r->tok);

@@ -119,6 +119,20 @@ void rt_metrics_pair(rt_metrics *m, rt_pair_metric what, rt_pf_fail why)
     pthread_mutex_unlock(&m->mu);
 }
 
+void rt_metrics_timeout(rt_metrics *m, rt_timeout_state where)
+{
+    pthread_mutex_lock(&m->mu);
+    if (where >= 0 && where < RT_TO_N) m->timeouts[where]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void rt_metrics_eviction(rt_metrics *m)
+{
+    pthread_mutex_lock(&m->mu);
+    m->evictions++;
+    pthread_mutex_unlock(&m->mu);
+}
+
 void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
 {
     pthread_mutex_lock(&m->mu);
@@ -271,6 +285,26 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
              "# TYPE tandem_router_requests_running gauge\n"
              "tandem_router_requests_running %d\n",
              m->queue, m->active);
+    rc |= rt_buf_puts(&b, line);
+    static const char *const where[RT_TO_N] = {"queued", "waiting", "generating"};
+    rc |= rt_buf_puts(&b, "# HELP tandem_router_request_timeouts_total Requests ended by their "
+                          "deadline (504), by where they were: queued, waiting (on an instance, "
+                          "no token yet), generating.\n"
+                          "# TYPE tandem_router_request_timeouts_total counter\n");
+    for (int k = 0; k < RT_TO_N; k++) {
+        snprintf(line, sizeof line, "tandem_router_request_timeouts_total{state=\"%s\"} %llu\n",
+                 where[k], (unsigned long long)m->timeouts[k]);
+        rc |= rt_buf_puts(&b, line);
+    }
+    snprintf(line, sizeof line,
+             "# HELP tandem_router_queue_evictions_total Queued requests refused (429) to make "
+             "room for a request of a client holding fewer.\n"
+             "# TYPE tandem_router_queue_evictions_total counter\n"
+             "tandem_router_queue_evictions_total %llu\n"
+             "# HELP tandem_router_draining 1 once a stop signal came: new requests get 503.\n"
+             "# TYPE tandem_router_draining gauge\n"
+             "tandem_router_draining %d\n",
+             (unsigned long long)m->evictions, m->draining ? 1 : 0);
     rc |= rt_buf_puts(&b, line);
     static const char *const names[] = {
         "up", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_usage_ratio"};

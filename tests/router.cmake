@@ -1,13 +1,17 @@
 # Router tests (router/). Every integration test starts its own decode instance(s) and
 # router on random loopback ports and kills them when it ends.
-#   test_rt_unit     stop-string hold-back, request table, rt_stream over a tokenizer
+#   test_rt_unit     stop-string hold-back, request table, fair queue, key comparison,
+#                    rt_stream and the "timeout" field over a tokenizer
 #   router_openai    the `openai` client: completions/chat, streaming, stops, seeds, greedy ==
 #                    `tandem generate` (synthetic model; also the default model with TANDEM_MODEL)
 #   router_http      raw HTTP: SSE bytes, keep-alive, 256 concurrent streams, the bad-request
 #                    table, API key, bounded fuzz (TANDEM_HTTP_FUZZ_SECONDS, default 20)
 #   router_faults    client disconnect frees KV blocks; decode instance killed and restarted
+#   router_limits    request deadlines (504), per-client fairness, header/body limits, no
+#                    prompt or key in the log, drain on SIGTERM (decode paused by SIGSTOP)
 #   test_rt_pair     disaggregated mode against scripted fake prefill/decode leaders (C):
-#                    pairing, KV target relay, retries, cancels, busy, deadlines, dead instances
+#                    pairing, KV target relay, retries, cancels, busy, deadlines, dead
+#                    instances, request timeouts, drain
 add_executable(test_rt_unit ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_unit.c)
 target_include_directories(test_rt_unit PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_rt_unit PRIVATE rt_core)
@@ -36,6 +40,9 @@ if(TANDEM_PYTHON)
   add_test(NAME router_faults
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_faults.py
                    ${RT_TEST_BINS})
-  set_tests_properties(router_openai router_http router_faults PROPERTIES
+  add_test(NAME router_limits
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_limits.py
+                   ${RT_TEST_BINS})
+  set_tests_properties(router_openai router_http router_faults router_limits PROPERTIES
                        FIXTURES_REQUIRED synth_models TIMEOUT 600)
 endif()

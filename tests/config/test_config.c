@@ -59,6 +59,13 @@ static const bad_case bad_cases[] = {
      "expected an integer, got a string"},
     {"router_template", MIN "router:\n  chat_template: jinja\n", 5, 18,
      "unknown chat_template 'jinja'"},
+    {"router_req_timeout",
+     MIN "router:\n  max_request_timeout_ms: 1000\n  request_timeout_ms: 2000\n", 6, 23,
+     "request_timeout_ms (2000) is larger than max_request_timeout_ms (1000)"},
+    {"router_req_timeout_zero", MIN "router:\n  request_timeout_ms: 0\n", 5, 23,
+     "0 is out of range [1, 86400000]"},
+    {"router_drain_neg", MIN "router:\n  drain_timeout_ms: -1\n", 5, 21,
+     "-1 is out of range [0, 3600000]"},
     {"decode_not_list", "model: /m\ndecode:\n  name: d0\n", 3, 3,
      "decode: expected a list of instances, got a mapping"},
     {"decode_no_name", "model: /m\ndecode:\n  - tp: 2\n", 3, 5,
@@ -145,6 +152,9 @@ static void test_good_file(void)
                        "  chat_template: chatml\n"
                        "  heartbeat_ms: 250\n"
                        "  instance_timeout_ms: 1000\n"
+                       "  request_timeout_ms: 5000\n"
+                       "  max_request_timeout_ms: 60000\n"
+                       "  drain_timeout_ms: 0\n"
                        "prefill:\n"
                        "  - name: p0\n"
                        "    pp: 2\n"
@@ -190,6 +200,8 @@ static void test_good_file(void)
     TH_CHECK(c->router.max_queue == 10 && c->router.max_prompt_tokens == 2048 &&
              c->router.max_tokens == 100 && !strcmp(c->router.chat_template, "chatml") &&
              c->router.heartbeat_ms == 250 && c->router.instance_timeout_ms == 1000);
+    TH_CHECK(c->router.request_timeout_ms == 5000 && c->router.max_request_timeout_ms == 60000 &&
+             c->router.drain_timeout_ms == 0);
     TH_REQUIRE(c->n_prefill == 2 && c->n_decode == 2);
     const td_cfg_prefill *p = td_cfg_find_prefill(c, "p0");
     TH_REQUIRE(p);
@@ -228,9 +240,16 @@ static void test_good_file(void)
     TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "min", &c, err, sizeof err) == 0);
     TH_CHECK(c->backend == TD_CFG_BACKEND_CPU && !strcmp(c->router.listen, "127.0.0.1:8000") &&
              !strcmp(c->router.api_key, "") && c->router.max_queue == 256 &&
-             c->router.max_prompt_tokens == 8192 && c->n_prefill == 0 &&
-             !strcmp(c->kvxfer.ucx_tls, "sm,tcp,self") && c->kvxfer.timeout_ms == 30000 &&
-             strstr(c->run_dir, ".cache/tandem/run"));
+             c->router.max_prompt_tokens == 8192 && c->router.request_timeout_ms == 600000 &&
+             c->router.max_request_timeout_ms == 3600000 && c->router.drain_timeout_ms == 30000 &&
+             c->n_prefill == 0 && !strcmp(c->kvxfer.ucx_tls, "sm,tcp,self") &&
+             c->kvxfer.timeout_ms == 120000 && strstr(c->run_dir, ".cache/tandem/run"));
+    td_cfg_free(c);
+
+    /* a smaller maximum alone lowers the default deadline with it */
+    const char *lower = MIN "router:\n  max_request_timeout_ms: 20000\n";
+    TH_REQUIRE(td_cfg_parse(lower, strlen(lower), "lower", &c, err, sizeof err) == 0);
+    TH_CHECK(c->router.request_timeout_ms == 20000 && c->router.max_request_timeout_ms == 20000);
     td_cfg_free(c);
 }
 

@@ -16,6 +16,13 @@
  *   deadline      prefill never finishes -> 503 first_token_timeout, both sides cancelled
  *   prefill dies  p0 stops answering mid-prefill -> retried on p1
  *   decode dies   d0 stops answering -> 503, the prefill side gets Cancel
+ *   timeouts      a request's own deadline ("timeout": 1) while prefilling -> 504
+ *                 request_timeout before the attempt's deadline, both sides cancelled;
+ *                 streamed, after its first token (X-Tandem-Timeout-Ms) -> the text, an SSE
+ *                 error event and [DONE], the decode side cancelled; the timeouts metric
+ *   drain         SIGTERM with a stream open after its first token: new requests 503,
+ *                 /health 503; after drain_timeout_ms (1 s) the stream ends with an SSE
+ *                 error event and [DONE], the decode side is cancelled, exit 0 within 3 s
  * The fakes run on one thread (fake_main); the main thread drives HTTP and reads the fakes'
  * records under g_mu. */
 #define _GNU_SOURCE
@@ -49,6 +56,7 @@ typedef enum {
     M_EVENT_ERR,          /* prefill: Ack, then an ErrorEvent ERR_PEER_FAILED */
     M_EVENT_TIMEOUT_ONCE, /* prefill: Ack, ErrorEvent ERR_TIMEOUT once, then M_OK */
     M_XFER_FAIL_ONCE,     /* decode: ERR_PEER_FAILED + finish ERROR once, then M_OK */
+    M_FIRST_HANG,         /* decode: the first token, then nothing (until Cancel) */
 } fake_mode;
 
 typedef struct {
@@ -121,8 +129,11 @@ static void kv_arrived(fake *d, uint64_t rid, int32_t first)
         uint64_t client = d->pend[k].client;
         uint32_t max = d->pend[k].max_tokens;
         d->pend[k] = d->pend[--d->n_pend];
-        if (d->mode == M_HANG) {
+        if (d->mode == M_HANG || d->mode == M_FIRST_HANG) {
             d->pend[d->n_pend++] = (pend_req){rid, client, max};
+            if (d->mode == M_FIRST_HANG)
+                td_ctrl_server_send_tokens(d->s, client, rid, 0, &first, 1,
+                                           TD__FINISH_REASON__FINISH_NONE, 3, 1);
             return;
         }
         if (d->mode == M_XFER_FAIL_ONCE) {
@@ -421,33 +432,52 @@ static int http_connect(void)
     return fd;
 }
 
-static void http_send(int fd, const char *method, const char *path, const char *body)
+/* hdrs: extra header lines, each ending in \r\n ("" none). */
+static void http_send_h(int fd, const char *method, const char *path, const char *body,
+                        const char *hdrs)
 {
     char req[4096];
     int n = snprintf(req, sizeof req,
                      "%s %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
-                     method, path, body ? strlen(body) : 0, body ? body : "");
+                     "Content-Length: %zu\r\nConnection: close\r\n%s\r\n%s",
+                     method, path, body ? strlen(body) : 0, hdrs, body ? body : "");
     ssize_t w = write(fd, req, (size_t)n);
     (void)w;
 }
 
+static void http_send(int fd, const char *method, const char *path, const char *body)
+{
+    http_send_h(fd, method, path, body, "");
+}
+
+/* Read until the server closes (or cap), appending to resp[*len]. */
+static void http_read_all(int fd, char *resp, size_t cap, size_t *len)
+{
+    ssize_t k;
+    while (*len < cap - 1 && (k = read(fd, resp + *len, cap - 1 - *len)) > 0)
+        *len += (size_t)k;
+    resp[*len] = 0;
+}
+
 /* One request; returns the status, the whole response (headers + body) in resp. */
-static int http(const char *method, const char *path, const char *body, char *resp, size_t cap)
+static int http_h(const char *method, const char *path, const char *body, const char *hdrs,
+                  char *resp, size_t cap)
 {
     resp[0] = 0;
     int fd = http_connect();
     if (fd < 0) return -1;
-    http_send(fd, method, path, body);
+    http_send_h(fd, method, path, body, hdrs);
     size_t len = 0;
-    ssize_t k;
-    while (len < cap - 1 && (k = read(fd, resp + len, cap - 1 - len)) > 0)
-        len += (size_t)k;
-    resp[len] = 0;
+    http_read_all(fd, resp, cap, &len);
     close(fd);
     int status = -1;
     if (sscanf(resp, "HTTP/1.%*d %d", &status) != 1) return -1;
     return status;
+}
+
+static int http(const char *method, const char *path, const char *body, char *resp, size_t cap)
+{
+    return http_h(method, path, body, "", resp, cap);
 }
 
 static const char *REQ = "{\"prompt\": [1, 2, 3], \"max_tokens\": 4}";
@@ -502,7 +532,7 @@ static int start_router(const char *bin, const char *model)
     fprintf(f,
             "model: %s\n"
             "router:\n  listen: 127.0.0.1:%d\n  heartbeat_ms: 100\n  instance_timeout_ms: 1500\n"
-            "  max_queue: 16\n"
+            "  max_queue: 16\n  drain_timeout_ms: 1000\n"
             "prefill:\n  - name: p0\n    pp: 2\n    port: %d\n  - name: p1\n    port: %d\n"
             "decode:\n  - name: d0\n    port: %d\n  - name: d1\n    port: %d\n"
             "kvxfer:\n  timeout_ms: 1000\n",
@@ -749,6 +779,46 @@ static void test_deadline(void)
     set_fake(P0, M_OK, true);
 }
 
+static void test_timeouts(void)
+{
+    /* the request's own deadline (1 s) comes before the attempt's (4.5 s) */
+    clear_logs();
+    set_fake(P0, M_HANG, true);
+    int64_t t0 = now_ms();
+    int st =
+        http("POST", "/v1/completions",
+             "{\"prompt\": [1, 2, 3], \"max_tokens\": 4, \"timeout\": 1}", g_resp, sizeof g_resp);
+    int64_t took = now_ms() - t0;
+    TH_CHECKF(st == 504 && strstr(g_resp, "\"code\":\"request_timeout\"") &&
+                  !strstr(g_resp, "Retry-After"),
+              "status %d: %s", st, g_resp);
+    TH_CHECKF(took >= 950 && took < 2000, "took %lld ms", (long long)took);
+    /* both sides held it (the Prefill was acked, the Alloc answered): both cancelled */
+    TH_CHECK(wait_count(P0, "cancel ", 1, 2000) && wait_count(D0, "cancel ", 1, 2000));
+    set_fake(P0, M_OK, true);
+
+    /* streamed, after the first token: the text, then an error event and [DONE] */
+    clear_logs();
+    set_fake(D0, M_FIRST_HANG, true);
+    t0 = now_ms();
+    st = http_h("POST", "/v1/completions", REQ_STREAM, "X-Tandem-Timeout-Ms: 1000\r\n", g_resp,
+                sizeof g_resp);
+    took = now_ms() - t0;
+    char *text = strstr(g_resp, "\"text\":\""), *err = strstr(g_resp, "data: {\"error\"");
+    TH_CHECKF(st == 200 && text && err && text < err &&
+                  strstr(err, "\"code\":\"request_timeout\"") && strstr(err, "data: [DONE]") &&
+                  strstr(err, "generating; tokens generated: 1"),
+              "status %d: %s", st, g_resp);
+    TH_CHECKF(!strstr(g_resp, "\"finish_reason\":\""), "%s", g_resp); /* never finished */
+    TH_CHECKF(took >= 950 && took < 2000, "took %lld ms", (long long)took);
+    TH_CHECK(wait_count(D0, "cancel ", 1, 2000) && count(P0, "cancel ") == 0);
+    set_fake(D0, M_OK, true);
+    http("GET", "/metrics", NULL, g_resp, sizeof g_resp);
+    TH_CHECK(strstr(g_resp, "tandem_router_request_timeouts_total{state=\"waiting\"} 1\n"));
+    TH_CHECK(strstr(g_resp, "tandem_router_request_timeouts_total{state=\"generating\"} 1\n"));
+    TH_CHECK(strstr(g_resp, "tandem_router_request_timeouts_total{state=\"queued\"} 0\n"));
+}
+
 static void test_prefill_dies(void)
 {
     clear_logs();
@@ -799,6 +869,54 @@ static void test_decode_dies(void)
     TH_CHECK(wait_count(P1, "cancel ", 1, 2000) && rid_of(P1, "cancel ", 0) == rid);
 }
 
+static int g_drain_exit = -1; /* the router's exit status after test_drain */
+
+static void test_drain(void)
+{
+    clear_logs();
+    set_fake(P1, M_OK, true);
+    set_fake(D1, M_FIRST_HANG, true);
+    int fd = http_connect();
+    TH_REQUIRE(fd >= 0);
+    http_send(fd, "POST", "/v1/completions", REQ_STREAM);
+    /* wait for the first token's chunk */
+    size_t len = 0;
+    ssize_t k;
+    while (!strstr(g_resp, "\"text\":\"") && len < sizeof g_resp - 1 &&
+           (k = read(fd, g_resp + len, sizeof g_resp - 1 - len)) > 0) {
+        len += (size_t)k;
+        g_resp[len] = 0;
+    }
+    TH_REQUIRE(strstr(g_resp, "\"text\":\""));
+    int64_t t0 = now_ms();
+    kill(g_router, SIGTERM);
+    static char r2[1 << 14];
+    int st = -1;
+    for (int t = 0; t < 200 && st != 503; t++) {
+        st = http("POST", "/v1/completions", REQ, r2, sizeof r2);
+        if (st != 503) usleep(10000);
+    }
+    TH_CHECKF(st == 503 && strstr(r2, "\"code\":\"shutting_down\"") &&
+                  strstr(r2, "Retry-After: 1") && strstr(r2, "Connection: close"),
+              "status %d: %s", st, r2);
+    st = http("GET", "/health", NULL, r2, sizeof r2);
+    TH_CHECKF(st == 503 && strstr(r2, "\"status\":\"draining\""), "status %d: %s", st, r2);
+    http_read_all(fd, g_resp, sizeof g_resp, &len);
+    close(fd);
+    int64_t took = now_ms() - t0;
+    char *err = strstr(g_resp, "data: {\"error\"");
+    TH_CHECKF(err && strstr(err, "\"code\":\"shutting_down\"") && strstr(err, "data: [DONE]"), "%s",
+              g_resp);
+    TH_CHECKF(took >= 950, "the stream ended %lld ms after SIGTERM", (long long)took);
+    int ws = 0;
+    waitpid(g_router, &ws, 0);
+    g_router = 0;
+    took = now_ms() - t0;
+    g_drain_exit = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+    TH_CHECKF(took < 3000, "exit %lld ms after SIGTERM (drain 1 s)", (long long)took);
+    TH_CHECK(wait_count(D1, "cancel ", 1, 2000));
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) {
@@ -830,14 +948,16 @@ int main(int argc, char **argv)
         TH_RUN(test_cancel);
         TH_RUN(test_busy);
         TH_RUN(test_deadline);
+        TH_RUN(test_timeouts);
         TH_RUN(test_prefill_dies); /* these two leave p0 and d0 dead */
         TH_RUN(test_decode_dies);
+        TH_RUN(test_drain); /* the router exits */
     }
     if (th_failures) {
         dump_logs();
         fprintf(stderr, "router log: %s\n", g_logpath);
     }
-    int st = stop_router();
+    int st = g_router ? stop_router() : g_drain_exit;
     TH_CHECKF(st == 0, "the router exited with status %d (log %s)", st, g_logpath);
     g_stop = true;
     pthread_join(th, NULL);

@@ -1,9 +1,11 @@
 /* test_rt_unit.c: router units without processes: stop-string hold-back (random texts
  * fed character by character: the emitted text is exactly the text before the first stop
- * string to complete), the request table, the choice of decode and prefill instances, the
- * disaggregated pairing's bookkeeping (replies and events fed by hand; the control clients
- * dial ports nobody listens on, so calls just stay pending), and rt_stream over a real
- * tokenizer (argv[1]: a GGUF). */
+ * string to complete), the request table, the fair queue (round robin, put-back, the
+ * victim when full, the overflow slot), the API key comparison, client keys and the body
+ * limit, the choice of decode and prefill instances, the disaggregated pairing's
+ * bookkeeping (replies and events fed by hand; the control clients dial ports nobody
+ * listens on, so calls just stay pending), and rt_stream over a real tokenizer (argv[1]: a
+ * GGUF) with the per-request "timeout" field. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -98,6 +100,127 @@ static void test_table(void)
     TH_CHECK(rt_table_get(&t, reqs[5].rid) == &reqs[5]);
     TH_CHECK(t.count == 600);
     rt_table_fini(&t);
+}
+
+/* ---- the fair queue (rt_fair.c) ---- */
+
+static rt_req *freq(rt_req *q, uint64_t client)
+{
+    memset(q, 0, sizeof *q);
+    q->client = client;
+    q->fslot = -1;
+    return q;
+}
+
+/* Pop everything; the clients' keys in order, as a string ("ABAC..."). */
+static void pop_order(rt_fair *f, char *out, size_t cap)
+{
+    size_t n = 0;
+    rt_req *q;
+    while ((q = rt_fair_pop(f)) && n + 1 < cap)
+        out[n++] = (char)q->client;
+    out[n] = 0;
+}
+
+static void test_fair(void)
+{
+    static rt_fair f; /* zeroed: empty */
+    static rt_req r[600];
+    char order[600];
+    TH_CHECK(rt_fair_peek(&f) == NULL && rt_fair_pop(&f) == NULL);
+
+    /* round robin over clients, FIFO within one */
+    for (int i = 0; i < 3; i++)
+        rt_fair_push(&f, freq(&r[i], 'A'));
+    for (int i = 3; i < 5; i++)
+        rt_fair_push(&f, freq(&r[i], 'B'));
+    rt_fair_push(&f, freq(&r[5], 'C'));
+    TH_CHECK(f.len == 6 && f.n_clients == 3 && rt_fair_count(&f, 'A') == 3);
+    TH_CHECK(rt_fair_peek(&f) == &r[0]);
+    pop_order(&f, order, sizeof order);
+    TH_CHECKF(!strcmp(order, "ABCABA"), "%s", order);
+    TH_CHECK(f.len == 0 && f.n_clients == 0);
+
+    /* a client that arrives mid-round waits for one turn of each active client */
+    for (int i = 0; i < 2; i++)
+        rt_fair_push(&f, freq(&r[i], 'A'));
+    for (int i = 2; i < 4; i++)
+        rt_fair_push(&f, freq(&r[i], 'B'));
+    TH_CHECK(rt_fair_pop(&f) == &r[0]); /* A; B is next */
+    rt_fair_push(&f, freq(&r[4], 'D'));
+    pop_order(&f, order, sizeof order);
+    TH_CHECKF(!strcmp(order, "BADB"), "%s", order);
+
+    /* a request put back goes first, and its client is served next */
+    for (int i = 0; i < 2; i++)
+        rt_fair_push(&f, freq(&r[i], 'A'));
+    rt_fair_push(&f, freq(&r[2], 'B'));
+    rt_req *a0 = rt_fair_pop(&f); /* A; B next */
+    TH_CHECK(a0 == &r[0]);
+    rt_fair_push_front(&f, a0);
+    TH_CHECK(rt_fair_peek(&f) == a0);
+    pop_order(&f, order, sizeof order);
+    TH_CHECKF(!strcmp(order, "ABA"), "%s", order);
+
+    /* removal anywhere; an emptied client leaves the ring */
+    for (int i = 0; i < 3; i++)
+        rt_fair_push(&f, freq(&r[i], 'A'));
+    rt_fair_push(&f, freq(&r[3], 'B'));
+    rt_fair_remove(&f, &r[1]);
+    rt_fair_remove(&f, &r[3]);
+    TH_CHECK(r[1].fslot == -1 && f.n_clients == 1 && f.len == 2);
+    TH_CHECK(rt_fair_pop(&f) == &r[0] && rt_fair_pop(&f) == &r[2] && !rt_fair_peek(&f));
+
+    /* the queue is full: the heaviest client gives up its newest request when that narrows
+       the gap, never for a newcomer of its own */
+    for (int i = 0; i < 5; i++)
+        rt_fair_push(&f, freq(&r[i], 'G'));
+    TH_CHECK(rt_fair_victim(&f, 'Q') == &r[4]);
+    TH_CHECK(rt_fair_victim(&f, 'G') == NULL);
+    for (int i = 5; i < 8; i++)
+        rt_fair_push(&f, freq(&r[i], 'Q'));
+    TH_CHECK(rt_fair_victim(&f, 'Q') == &r[4]); /* 5 > 3 + 1 */
+    rt_fair_push(&f, freq(&r[8], 'Q'));
+    TH_CHECK(rt_fair_victim(&f, 'Q') == NULL); /* 5 <= 4 + 1 */
+    TH_CHECK(rt_fair_victim(&f, 'Z') == &r[4]);
+    pop_order(&f, order, sizeof order);
+    TH_CHECKF(!strcmp(order, "GQGQGQGQG"), "%s", order);
+
+    /* more clients than slots: the rest share the overflow slot, which is one client */
+    for (int i = 0; i < RT_FAIR_CLIENTS + 2; i++)
+        rt_fair_push(&f, freq(&r[i], 1000 + (uint64_t)i));
+    rt_fair_push(&f, freq(&r[RT_FAIR_CLIENTS + 2], 1000)); /* the first client again */
+    TH_CHECK(f.n_clients == RT_FAIR_CLIENTS + 1 && f.len == RT_FAIR_CLIENTS + 3);
+    TH_CHECK(r[RT_FAIR_CLIENTS].fslot == RT_FAIR_CLIENTS &&
+             r[RT_FAIR_CLIENTS + 1].fslot == RT_FAIR_CLIENTS);
+    TH_CHECK(rt_fair_count(&f, 1000) == 2 && rt_fair_count(&f, 99999) == 2);
+    int popped = 0;
+    while (rt_fair_pop(&f))
+        popped++;
+    TH_CHECK(popped == RT_FAIR_CLIENTS + 3 && f.len == 0 && f.n_clients == 0);
+    for (int s = 0; s <= RT_FAIR_CLIENTS; s++)
+        TH_CHECK(!f.c[s].n && !f.c[s].head && !f.c[s].tail);
+}
+
+static void test_keys(void)
+{
+    TH_CHECK(rt_key_equal("Bearer sk-1", "Bearer sk-1"));
+    TH_CHECK(!rt_key_equal("Bearer sk-2", "Bearer sk-1"));
+    TH_CHECK(!rt_key_equal("Bearer sk-", "Bearer sk-1"));
+    TH_CHECK(!rt_key_equal("Bearer sk-11", "Bearer sk-1"));
+    TH_CHECK(!rt_key_equal("", "Bearer sk-1") && rt_key_equal("", ""));
+    unsigned char a1[4] = {127, 0, 0, 1}, a2[4] = {127, 0, 0, 2};
+    uint64_t k = rt_client_key(a1, 4, NULL);
+    TH_CHECK(k == rt_client_key(a1, 4, ""));
+    TH_CHECK(k != rt_client_key(a2, 4, NULL) && k != rt_client_key(a1, 4, "Bearer x"));
+    TH_CHECK(rt_client_key(a1, 4, "Bearer x") != rt_client_key(a1, 4, "Bearer y"));
+    td_cfg cfg = {0};
+    cfg.router.max_prompt_tokens = 8192;
+    TH_CHECK(rt_max_body(&cfg) == RT_MIN_BODY);
+    cfg.router.max_prompt_tokens = 100000;
+    TH_CHECK(rt_max_body(&cfg) == 6400000);
+    cfg.router.max_prompt_tokens = 1 << 24;
+    TH_CHECK(rt_max_body(&cfg) == RT_MAX_BODY);
 }
 
 /* ---- instance choice ---- */
@@ -218,10 +341,7 @@ static rt_req *pair_req(void)
 /* Take q off the router queue as dispatch does. */
 static void pair_unqueue(rt_req *q)
 {
-    g_r.q_head = q->next;
-    if (!g_r.q_head) g_r.q_tail = NULL;
-    q->next = NULL;
-    g_r.q_len--;
+    TH_CHECK(rt_fair_pop(&g_r.fair) == q);
     atomic_fetch_sub(&g_r.queued, 1);
     q->state = RT_ST_INBOX;
 }
@@ -346,7 +466,8 @@ static void test_pair(void)
     uint64_t rid1 = q->rid;
     ack(0, q->pf_call);
     prefill_error(0, q->rid, TD__ERROR_CODE__ERR_PEER_FAILED);
-    TH_CHECK(q->state == RT_ST_QUEUED && g_r.q_head == q && q->pf_retried && q->pf_avoid == 0);
+    TH_CHECK(q->state == RT_ST_QUEUED && rt_fair_peek(&g_r.fair) == q && q->pf_retried &&
+             q->pf_avoid == 0);
     TH_CHECK(!q->pf_same_ok && all_released());
     pair_unqueue(q);
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 0) == 0);
@@ -369,7 +490,7 @@ static void test_pair(void)
     /* ... but not after a non-timeout failure */
     q->pf_same_ok = false;
     TH_CHECK(rt_pair_unservable(&g_r, q) && q->done && q->status == 503);
-    TH_CHECK(g_r.q_head == NULL && all_released());
+    TH_CHECK(rt_fair_peek(&g_r.fair) == NULL && g_r.fair.len == 0 && all_released());
     rt_req_release(q);
     g_r.reg.pf[1].alive = g_r.reg.pf[1].ready = true;
 
@@ -458,6 +579,40 @@ static void test_stream(void)
         rt_req_release(q);
     }
     free(ids);
+
+    /* the per-request "timeout" (seconds), within router.max_request_timeout_ms */
+    td_cfg cfg = {0};
+    cfg.router.max_prompt_tokens = 100;
+    cfg.router.max_tokens = 10;
+    cfg.router.max_request_timeout_ms = 5000;
+    r.cfg = &cfg;
+    r.n_ctx = 64;
+    static const struct {
+        const char *body;
+        int status;
+        int64_t ms;
+    } cases[] = {
+        {"{\"prompt\": [1, 2]}", 0, 0},
+        {"{\"prompt\": [1, 2], \"timeout\": 2.5}", 0, 2500},
+        {"{\"prompt\": [1, 2], \"timeout\": 5}", 0, 5000},
+        {"{\"prompt\": [1, 2], \"timeout\": 0.001}", 0, 1},
+        {"{\"prompt\": [1, 2], \"timeout\": null}", 0, 0},
+        {"{\"prompt\": [1, 2], \"timeout\": 5.01}", 400, 0},
+        {"{\"prompt\": [1, 2], \"timeout\": 0}", 400, 0},
+        {"{\"prompt\": [1, 2], \"timeout\": -1}", 400, 0},
+        {"{\"prompt\": [1, 2], \"timeout\": \"10\"}", 400, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        rt_params p;
+        rt_error e = {0};
+        int st =
+            rt_openai_parse(&r, RT_EP_COMPLETIONS, cases[i].body, strlen(cases[i].body), &p, &e);
+        TH_CHECKF(st == cases[i].status && (st || p.timeout_ms == cases[i].ms),
+                  "%s: status %d (%s), timeout %lld", cases[i].body, st, e.message,
+                  st ? 0LL : (long long)p.timeout_ms);
+        if (st) TH_CHECK(e.param && !strcmp(e.param, "timeout"));
+        rt_params_fini(&p);
+    }
     td_tok_destroy(r.tok);
     td_gguf_close(g);
 }
@@ -467,6 +622,8 @@ int main(int argc, char **argv)
     g_model = argc > 1 ? argv[1] : NULL;
     TH_RUN(test_holdback);
     TH_RUN(test_table);
+    TH_RUN(test_fair);
+    TH_RUN(test_keys);
     TH_RUN(test_pick);
     TH_RUN(test_pair);
     TH_RUN(test_stream);
