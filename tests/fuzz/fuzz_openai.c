@@ -98,6 +98,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     td_cfg cfg = {0};
     cfg.router.max_prompt_tokens = prompt_max[(sel >> 5) & 3];
     cfg.router.max_tokens = tok_max[(sel >> 3) & 3];
+    cfg.router.request_timeout_ms = 600000; /* the defaults: a "timeout" field can be valid */
+    cfg.router.max_request_timeout_ms = (sel & 0x80) ? 1000 : 3600000;
     rt_router r = {0};
     r.cfg = &cfg;
     r.tok = g_tok;
