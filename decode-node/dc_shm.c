@@ -19,6 +19,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -33,7 +34,7 @@
 #include "td_err.h"
 
 #define SHM_MAGIC   0x31304d4853445454ull /* "TTDSHM01" */
-#define SHM_VERSION 1u
+#define SHM_VERSION 2u                    /* 2: broken names the culprit too */
 #define LINE        128 /* a pair of cache lines: keeps the adjacent-line prefetcher off */
 #define PAGE        4096
 #define RED_BLOCK   1024 /* floats reduced per block (L1-sized) */
@@ -45,6 +46,8 @@
 #define DEF_TIMEOUT_MS  30000
 #define DEF_LIVENESS_MS 20
 #define DEF_SPIN_US     50
+/* longest sleep of a follower polling for rank 0's segment (find_segment) */
+#define FIND_MAX_BACKOFF_NS (50 * 1000000ll)
 
 enum { PLAN_KIND_PLAN = 1, PLAN_KIND_STOP = 2 };
 
@@ -74,7 +77,8 @@ typedef struct {
 
     _Alignas(LINE) _Atomic uint32_t join_word; /* ranks joined (futex) */
     _Atomic uint32_t join_waiters;
-    _Alignas(LINE) _Atomic uint32_t broken;    /* 0, or rank + 1 of the rank that failed first */
+    _Alignas(LINE) _Atomic uint32_t broken;    /* 0, or BROKEN(detector, culprit) of the first
+                                                  failure */
     _Atomic int32_t broken_err;                /* its td_err */
     _Alignas(LINE) _Atomic uint64_t bar_count; /* barrier arrivals since creation */
     _Alignas(LINE) _Atomic uint32_t bar_gen;   /* index of the last completed barrier (futex) */
@@ -115,7 +119,11 @@ struct dc_shm {
     bool gathered;            /* rendezvous done */
     bool stopped;             /* stop published (leader) or received (follower) */
     bool linked;              /* rank 0: the name still refers to this segment */
+    dev_t dev;                /* the segment's file (to tell it from another one of the */
+    ino_t ino;                /* same name) */
     int err;                  /* 0, or the error that broke this object */
+    int culprit;              /* the rank found dead or silent before a fail(), or -1 */
+    char err_msg[160];        /* what broke it, when known ("rank 1 died (pid 42)") */
     dc_shm_stats st;
     char why[256]; /* follower: why the last segment looked at was not usable */
 };
@@ -208,14 +216,30 @@ static void wake_all(shm_hdr *h)
     futex_wake(&h->taken_word);
 }
 
-/* Break this object with err (the caller logged why) and the instance with it. */
+/* Remember the first reason this object broke, for dc_shm_error (the callers' messages). */
+static void note(dc_shm *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note(dc_shm *s, const char *fmt, ...)
+{
+    if (s->err_msg[0]) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->err_msg, sizeof s->err_msg, fmt, ap);
+    va_end(ap);
+}
+
+/* Break this object with err (the caller logged why) and the instance with it. The
+ * segment records who saw it (detector) and whom it is about (culprit: a rank found dead
+ * or silent, else the detector itself), in one word so a reader never sees half of it. */
+#define BROKEN(detector, culprit) ((uint32_t)((detector) + 1) | (uint32_t)((culprit) + 1) << 8)
+
 static int fail(dc_shm *s, int err)
 {
     if (!s->err) s->err = err;
     if (s->h) {
         uint32_t zero = 0;
         atomic_store(&s->h->broken_err, s->err);
-        atomic_compare_exchange_strong(&s->h->broken, &zero, (uint32_t)(s->rank + 1));
+        atomic_compare_exchange_strong(&s->h->broken, &zero,
+                                       BROKEN(s->rank, s->culprit >= 0 ? s->culprit : s->rank));
         wake_all(s->h);
     }
     return s->err;
@@ -226,11 +250,20 @@ static int peer_broke(dc_shm *s)
 {
     uint32_t b = atomic_load(&s->h->broken);
     if (!b) return 0;
-    if ((int)b - 1 == s->rank) return s->err ? s->err : TD_EIO;
+    int det = (int)(b & 0xff) - 1, cul = (int)(b >> 8 & 0xff) - 1;
+    if (det == s->rank) return s->err ? s->err : TD_EIO;
     int err = atomic_load(&s->h->broken_err);
     if (err >= 0) err = TD_EIO;
-    TD_LOG_ERR("dc_shm %s rank %d: instance failed at rank %d (%s)", s->inst, s->rank, (int)b - 1,
+    TD_LOG_ERR("dc_shm %s rank %d: instance failed at rank %d (%s)", s->inst, s->rank, det,
                td_strerror(err));
+    if (cul != det && err == TD_EIO)
+        note(s, "rank %d died (seen by rank %d)", cul, det);
+    else if (cul != det && err == TD_ETIMEDOUT)
+        note(s, "rank %d not answering (seen by rank %d)", cul, det);
+    else if (err == TD_ESTATE) /* only an interrupt breaks with TD_ESTATE */
+        note(s, "rank %d stopped (interrupted)", det);
+    else
+        note(s, "rank %d failed or left (%s)", det, td_strerror(err));
     if (!s->err) s->err = err;
     return s->err;
 }
@@ -278,8 +311,10 @@ static void open_pidfds(dc_shm *s)
 
 static int report_dead(dc_shm *s, int r)
 {
-    TD_LOG_ERR("dc_shm %s rank %d: rank %d died (pid %d)", s->inst, s->rank, r,
-               (int)atomic_load(&s->h->ranks[r].pid));
+    pid_t pid = atomic_load(&s->h->ranks[r].pid);
+    TD_LOG_ERR("dc_shm %s rank %d: rank %d died (pid %d)", s->inst, s->rank, r, (int)pid);
+    note(s, "rank %d died (pid %d)", r, (int)pid);
+    s->culprit = r;
     return fail(s, TD_EIO);
 }
 
@@ -357,11 +392,14 @@ static void report_silent(dc_shm *s, const char *what, uint64_t want, bool plan)
         shm_rank *x = &s->h->ranks[r];
         bool behind = plan ? (int32_t)(atomic_load(&x->plan_taken) - (uint32_t)want) < 0
                            : atomic_load(&x->arrived) < want;
-        if (behind)
-            len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", len ? ", " : "", r);
+        if (!behind) continue;
+        if (s->culprit < 0) s->culprit = r;
+        len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", len ? ", " : "", r);
     }
     TD_LOG_ERR("dc_shm %s rank %d: rank %s not answering (%s, %lld ms)", s->inst, s->rank,
                len ? list : "?", what, (long long)(s->op_timeout_ns / 1000000));
+    note(s, "rank %s not answering (%s, %lld ms)", len ? list : "?", what,
+         (long long)(s->op_timeout_ns / 1000000));
 }
 
 /* All ranks meet; every rank's writes before it are visible to all after it. */
@@ -643,6 +681,17 @@ static size_t layout_size(const dc_shm *s)
     return (off + PAGE - 1) & ~(size_t)(PAGE - 1);
 }
 
+/* Whether s->name still names this object's segment (and not a newer one). */
+static bool name_is_ours(const dc_shm *s)
+{
+    int fd = shm_open(s->name, O_RDONLY, 0);
+    if (fd < 0) return false;
+    struct stat st;
+    bool same = fstat(fd, &st) == 0 && st.st_dev == s->dev && st.st_ino == s->ino;
+    close(fd);
+    return same;
+}
+
 /* Rank 0: remove a stale segment (refuse a live one), create a fresh one, join it. */
 static int create_segment(dc_shm *s)
 {
@@ -681,6 +730,11 @@ static int create_segment(dc_shm *s)
         return errno == EEXIST ? TD_ESTATE : TD_EIO;
     }
     s->linked = true;
+    struct stat st;
+    if (fstat(fd, &st) == 0) {
+        s->dev = st.st_dev;
+        s->ino = st.st_ino;
+    }
     size_t size = layout_size(s);
     int err = ftruncate(fd, (off_t)size) ? errno : posix_fallocate(fd, 0, (off_t)size);
     if (err) {
@@ -754,13 +808,24 @@ static int try_attach(dc_shm *s, int fd)
     shm_rank *me = &h->ranks[s->rank];
     uint32_t zero = 0;
     if (!atomic_compare_exchange_strong(&me->claim, &zero, 1)) {
+        pid_t owner = atomic_load(&me->pid);
+        if (owner != s->pid && !proc_alive(owner, atomic_load(&me->start))) {
+            /* this rank's previous process joined and died: rank 0 notices within
+             * liveness_ms, breaks this segment and makes a fresh one; wait for that */
+            snprintf(s->why, sizeof s->why, "rank %d of segment %s held by dead pid %d", s->rank,
+                     s->name, (int)owner);
+            munmap(h, size);
+            return 0;
+        }
         TD_LOG_ERR("dc_shm %s rank %d: rank %d already taken by pid %d", s->inst, s->rank, s->rank,
-                   (int)atomic_load(&me->pid));
+                   (int)owner);
         munmap(h, size);
         return TD_ESTATE;
     }
     s->h = h;
     s->size = size;
+    s->dev = st.st_dev;
+    s->ino = st.st_ino;
     s->epoch = h->epoch;
     atomic_store(&me->pid, s->pid);
     atomic_store(&me->start, s->start);
@@ -770,7 +835,9 @@ static int try_attach(dc_shm *s, int fd)
     return 1;
 }
 
-/* Follower: poll for this run's segment until the deadline. */
+/* Follower: poll for this run's segment until the deadline. The poll backs off from 1 ms
+ * to FIND_MAX_BACKOFF: quick when the ranks start together, and a follower waiting a long
+ * time for a (new) leader wakes only FIND_MAX_BACKOFF^-1 times a second. */
 static int find_segment(dc_shm *s, int64_t deadline)
 {
     int64_t backoff = 1000000;
@@ -797,16 +864,32 @@ static int find_segment(dc_shm *s, int64_t deadline)
             return TD_ETIMEDOUT;
         }
         sleep_ns(deadline - now < backoff ? deadline - now : backoff);
-        if (backoff < 10000000) backoff *= 2;
+        backoff = backoff * 2 < FIND_MAX_BACKOFF_NS ? backoff * 2 : FIND_MAX_BACKOFF_NS;
     }
 }
 
-/* Every rank, once attached: wait until all tp ranks joined. */
-static int gather(dc_shm *s, int64_t deadline)
+/* Every rank, once attached: wait until all tp ranks joined, until deadline (INT64_MAX:
+ * no limit). final (dc_shm_open): running out of time fails the instance; otherwise
+ * (dc_shm_gather) it is TD_ETIMEDOUT, not logged, and the caller may wait again. */
+static int gather(dc_shm *s, int64_t deadline, bool final)
 {
+    if (s->err) return s->err;
+    if (s->gathered) return 0;
     shm_hdr *h = s->h;
-    int64_t left = deadline - now_ns();
-    int rc = wait_word(s, &h->join_word, &h->join_waiters, (uint32_t)s->tp, left > 0 ? left : 0);
+    int64_t left = deadline == INT64_MAX ? -1 : deadline - now_ns();
+    if (deadline != INT64_MAX && left < 0) left = 0;
+    int rc = wait_word(s, &h->join_word, &h->join_waiters, (uint32_t)s->tp, left);
+    if (rc == TD_ETIMEDOUT && !final) {
+        if (s->rank == 0 && s->linked && !name_is_ours(s)) {
+            /* removed by a follower that took it for its dead rank 0's (dc_shm_close) */
+            TD_LOG_ERR("dc_shm %s rank 0: %s was removed while the ranks gathered", s->inst,
+                       s->name);
+            s->linked = false;
+            note(s, "rendezvous segment %s removed", s->name);
+            return fail(s, TD_EIO);
+        }
+        return TD_ETIMEDOUT;
+    }
     if (rc == TD_ETIMEDOUT) {
         char list[256] = "";
         size_t len = 0;
@@ -822,10 +905,19 @@ static int gather(dc_shm *s, int64_t deadline)
         TD_LOG_ERR("dc_shm %s rank %d: interrupted in the rendezvous", s->inst, s->rank);
         return fail(s, TD_ESTATE);
     }
-    return rc;
+    if (rc) return rc;
+    s->gathered = true;
+    open_pidfds(s);
+    if (s->rank == 0) {
+        shm_unlink(s->name); /* everyone has it mapped: nothing can go stale from here on */
+        s->linked = false;
+    }
+    return 0;
 }
 
-int dc_shm_open(const dc_shm_params *p, dc_shm **out)
+/* Check p, allocate the object and create (rank 0) or find and join (followers, until
+ * *deadline) the segment. */
+static int begin(const dc_shm_params *p, dc_shm **out, int64_t *deadline)
 {
     if (!out) return TD_EINVAL;
     *out = NULL;
@@ -844,6 +936,7 @@ int dc_shm_open(const dc_shm_params *p, dc_shm **out)
     if (!s) return TD_ENOMEM;
     for (int r = 0; r < DC_SHM_MAX_TP; r++)
         s->pidfd[r] = -1;
+    s->culprit = -1;
     char tok[32];
     const char *token = p->token && p->token[0] ? p->token : tok;
     snprintf(tok, sizeof tok, "%u", (unsigned)getuid());
@@ -865,30 +958,60 @@ int dc_shm_open(const dc_shm_params *p, dc_shm **out)
     char state;
     if (proc_stat(s->pid, &state, &s->start) != 1) s->start = 0;
 
-    int64_t deadline = now_ns() + (int64_t)s->timeout_ms * 1000000;
-    int rc = s->rank == 0 ? create_segment(s) : find_segment(s, deadline);
-    if (!rc) {
-        set_views(s);
-        rc = gather(s, deadline);
-    }
+    *deadline = now_ns() + (int64_t)s->timeout_ms * 1000000;
+    int rc = s->rank == 0 ? create_segment(s) : find_segment(s, *deadline);
     if (rc) {
         dc_shm_close(s);
         return rc;
     }
-    s->gathered = true;
-    open_pidfds(s);
-    if (s->rank == 0) {
-        shm_unlink(s->name); /* everyone has it mapped: nothing can go stale from here on */
-        s->linked = false;
-    }
+    set_views(s);
     *out = s;
     return 0;
+}
+
+int dc_shm_open(const dc_shm_params *p, dc_shm **out)
+{
+    int64_t deadline;
+    int rc = begin(p, out, &deadline);
+    if (rc) return rc;
+    if ((rc = gather(*out, deadline, true))) {
+        dc_shm_close(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+int dc_shm_begin(const dc_shm_params *p, dc_shm **out)
+{
+    int64_t deadline;
+    return begin(p, out, &deadline);
+}
+
+int dc_shm_gather(dc_shm *s, int wait_ms)
+{
+    return gather(s, wait_ms < 0 ? INT64_MAX : now_ns() + (int64_t)wait_ms * 1000000, false);
+}
+
+uint64_t dc_shm_joined(const dc_shm *s)
+{
+    uint64_t m = 0;
+    for (int r = 0; s && s->h && r < s->tp; r++)
+        if (atomic_load(&s->h->ranks[r].joined_epoch) == s->epoch) m |= (uint64_t)1 << r;
+    return m;
 }
 
 void dc_shm_close(dc_shm *s)
 {
     if (!s) return;
-    if (s->linked) shm_unlink(s->name);
+    if (s->linked && name_is_ours(s)) shm_unlink(s->name);
+    /* a follower whose rank 0 died while the ranks gathered: nobody else would remove that
+     * name until the next rank 0 starts (a leader may wait long for a restarted rank). The
+     * check is not atomic with the unlink: a new rank 0 replacing the name in between
+     * loses its name, notices (gather) and makes another segment. */
+    if (s->rank > 0 && s->h && !s->gathered && s->culprit == 0 && name_is_ours(s)) {
+        TD_LOG_INFO("dc_shm %s rank %d: removing %s (its rank 0 died)", s->inst, s->rank, s->name);
+        shm_unlink(s->name);
+    }
     if (s->h) {
         if (!s->stopped && !s->err) {
             /* leaving without a clean stop: the peers must not wait for this rank */
@@ -900,6 +1023,12 @@ void dc_shm_close(dc_shm *s)
     for (int r = 0; r < DC_SHM_MAX_TP; r++)
         if (s->pidfd[r] >= 0) close(s->pidfd[r]);
     free(s);
+}
+
+const char *dc_shm_error(const dc_shm *s)
+{
+    if (!s || !s->err) return "";
+    return s->err_msg[0] ? s->err_msg : td_strerror(s->err);
 }
 
 int dc_shm_rank(const dc_shm *s)

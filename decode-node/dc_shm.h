@@ -12,13 +12,19 @@
  *     a pairs with allreduce k of rank b. A size mismatch is detected and breaks the instance.
  *   - dc_shm_allreduce is deterministic: the sum of element i is ((p0 + p1) + p2) + ...
  *     in rank order on every rank, so results are bit-identical across ranks.
- *   - Every wait is bounded (rendezvous: timeout_ms; collectives: op_timeout_ms), and
- *     checks the peers' pids every liveness_ms while it sleeps: a peer that died is reported
- *     as "rank R died" (TD_EIO) within about liveness_ms, a live peer that does not arrive
- *     as "rank R not answering" (TD_ETIMEDOUT) after op_timeout_ms.
+ *   - Every wait is bounded (rendezvous: timeout_ms, or the wait_ms of dc_shm_gather;
+ *     collectives: op_timeout_ms; only a caller that asks for it, with a negative wait to
+ *     dc_shm_gather or dc_shm_plan_wait, waits for its event, a failure or the interrupt),
+ *     and checks the peers' pids every liveness_ms while it sleeps: a peer that died is
+ *     reported as "rank R died" (TD_EIO) within about liveness_ms, a live peer that does not
+ *     arrive as "rank R not answering" (TD_ETIMEDOUT) after op_timeout_ms.
  *   - A failure on any rank breaks the whole instance: the rank that detects it marks the
  *     segment broken and wakes every waiter, so the other ranks fail at once instead of at
  *     their own timeout. A broken dc_shm fails every later call fast with the same code.
+ *     Broken is final for a segment, not for the processes: each rank closes it and opens
+ *     the next rendezvous (a fresh segment, a new epoch), which is how a decode instance
+ *     re-forms after a rank died and was restarted (dc_node.h). Nothing of a segment
+ *     carries over to the next one.
  *   - Waits spin for spin_us (with pause and periodic sched_yield, so 3 ranks on 2 cores
  *     still progress) and then sleep on a futex: an idle instance uses no CPU.
  *
@@ -26,27 +32,34 @@
  * engine calls the allreduce from the thread that runs kn_engine_forward). The optional
  * params.interrupt flag may be set from any thread or a signal handler.
  *
- * Ownership. dc_shm_open allocates the object and maps the segment; dc_shm_close unmaps and
- * frees it (safe on NULL). A plan pointer returned by dc_shm_plan_wait stays valid until
+ * Ownership. dc_shm_open (dc_shm_begin) allocates the object and maps the segment; dc_shm_close
+ * unmaps and frees it (safe on NULL). A plan pointer returned by dc_shm_plan_wait stays valid until
  * the next dc_shm_plan_wait or dc_shm_close of that rank; the leader's plan buffer from
  * dc_shm_plan_begin until dc_shm_plan_commit. The name /tandem-INSTANCE-TOKEN exists only
  * while ranks gather: rank 0 unlinks it as soon as all ranks have mapped the segment (and
- * on failure or close), so a crash after start-up leaves nothing behind in /dev/shm.
+ * on failure or close), so a crash of a formed instance leaves nothing behind in /dev/shm.
+ * A rank 0 killed while gathering (which may last: a re-forming leader waits for a
+ * restarted rank) leaves the name; a joined follower that sees it die removes it (only if
+ * the name still refers to that segment; a new rank 0 whose name vanishes anyway notices
+ * in dc_shm_gather and makes another), else the next rank 0 replaces it.
  *
  * The segment (shared state; each transition names the function that makes it):
  *
  *        (no name) or a stale segment (its rank 0 pid dead, or the pid reused: the process
- *            |      start time differs; or a half-written/garbage header)
- *            | dc_shm_open, rank 0: shm_unlink the stale name, create O_EXCL with a new
- *            v   epoch, fallocate, write header, join itself, ready = 1
- *        GATHERING   followers that came first poll for the name and skip stale segments;
- *            |       a follower claims its rank slot, records pid + start time, join_word++
- *            | last rank joins (join_word == tp); rank 0 unlinks the name
- *            v
+ *            |      start time differs; or a half-written/garbage header; or broken)
+ *            | dc_shm_open / dc_shm_begin, rank 0: shm_unlink the stale name, create O_EXCL
+ *            v   with a new epoch, fallocate, write header, join itself, ready = 1
+ *        GATHERING   followers that came first poll for the name and skip stale segments
+ *            |       (and one whose slot for their rank is held by a dead process: rank 0
+ *            |       breaks it and makes a new one); a follower claims its rank slot,
+ *            |       records pid + start time, join_word++
+ *            | last rank joins (join_word == tp; dc_shm_open or dc_shm_gather returns 0);
+ *            v   rank 0 unlinks the name
  *        RUNNING  --- dc_shm_plan_publish / dc_shm_allreduce, step after step
  *            |  \
  *            |   \-- a rank died / timed out / bad size / interrupted in a collective
- *            |        --> BROKEN (broken = detector rank + 1; all waiters woken; terminal)
+ *            |        --> BROKEN (broken names the detector and the culprit, the rank found
+ *            |            dead or silent; all waiters woken; terminal for this segment)
  *            | dc_shm_plan_stop (leader)
  *            v
  *        STOPPED  followers' dc_shm_plan_wait returns DC_SHM_STOP; the memory goes away when
@@ -105,9 +118,25 @@ typedef struct {
 /* Join (rank 0: create) the instance's segment and wait until all tp ranks are present.
  * Ranks may start in any order. Returns 0 and *out, or a negative td_err (logged):
  * TD_EINVAL bad params or a rank 0 with a different layout, TD_ETIMEDOUT (the message names
- * the missing ranks), TD_EIO a joined rank died, TD_ESTATE the rank is already taken or the
- * instance is already running, TD_ENOMEM /dev/shm or memory full. */
+ * the missing ranks), TD_EIO a joined rank died, TD_ESTATE the rank is already taken (by a
+ * live process) or the instance is already running, TD_ENOMEM /dev/shm or memory full.
+ * Equivalent to dc_shm_begin, then dc_shm_gather until the same deadline. */
 int dc_shm_open(const dc_shm_params *p, dc_shm **out);
+
+/* The rendezvous in two halves, for a rank that does other work while it waits (the
+ * decode leader keeps answering its control socket while the instance re-forms).
+ * dc_shm_begin: rank 0 creates the segment and returns at once; a follower polls (sleeping)
+ * up to timeout_ms for rank 0's segment and joins it. Errors as dc_shm_open (TD_ETIMEDOUT:
+ * no segment of a live rank 0 appeared). The object is not usable for collectives until
+ * dc_shm_gather returned 0. */
+int dc_shm_begin(const dc_shm_params *p, dc_shm **out);
+/* Wait up to wait_ms (0: just look; < 0: no limit, only a failure or the interrupt ends
+ * the wait) until every rank joined: 0 (done; later calls return 0 at once), TD_ETIMEDOUT
+ * not yet (neither logged nor broken: call again), or a failure that breaks the segment
+ * (logged): TD_EIO a joined rank died or another rank broke it, TD_ESTATE interrupted. */
+int dc_shm_gather(dc_shm *s, int wait_ms);
+/* Ranks that joined this segment so far (bit r: rank r), e.g. to name the missing ones. */
+uint64_t dc_shm_joined(const dc_shm *s);
 
 /* Unmap and free (rank 0 also unlinks the name if it still exists). Safe on NULL. Clean
  * shutdown: the leader calls dc_shm_plan_stop, followers close after DC_SHM_STOP. Closing
@@ -151,6 +180,13 @@ int dc_shm_plan_wait(dc_shm *s, int timeout_ms, const void **plan, size_t *len);
 /* Any rank, between steps (e.g. the leader on its heartbeat timer while idle): 0 if every
  * peer is alive and the instance is not broken, else TD_EIO (logged once) and broken. */
 int dc_shm_check(dc_shm *s);
+
+/* What broke this object, for messages: "rank 1 died (pid 42)" (seen here), "rank 1 died
+ * (seen by rank 2)", "rank 2 not answering (allreduce barrier, 30000 ms)", "rank 1 failed
+ * or left (I/O error)" (a rank that broke the segment itself, e.g. closed it and exited),
+ * "rank 1 stopped (interrupted)" (its params.interrupt, e.g. SIGTERM, ended a wait), or
+ * the error's text; "" while it is intact. Valid until dc_shm_close. */
+const char *dc_shm_error(const dc_shm *s);
 
 int dc_shm_rank(const dc_shm *s);
 int dc_shm_tp(const dc_shm *s);

@@ -237,7 +237,8 @@ int dc_xfer_abort(dc_xfer *x, uint64_t key, dc_xfer_end why)
     if (!t) return TD_ENOENT;
     if (!t->ending)
         snprintf(t->msg, sizeof t->msg, "KV transfer from prefill %s",
-                 why == DC_XFER_END_CANCELLED ? "cancelled" : "stopped: the node is stopping");
+                 why == DC_XFER_END_CANCELLED ? "cancelled"
+                                              : "stopped: the node stops or re-forms");
     begin_ending(x, t, why);
     return 0;
 }

@@ -39,6 +39,10 @@
  * Ownership: the pool regions are borrowed until dc_xfer_destroy (destroy it before
  * unmapping them); target bytes returned by dc_xfer_targets live until the transfer's
  * event was returned.
+ * Lifetime: one dc_xfer per formation of the instance (dc_node.h). When a rank fails the
+ * leader aborts every transfer (DC_XFER_END_STOPPED), polls until none is alive (so no
+ * writer can still write into any rank's pool), destroys it and unmaps the followers'
+ * pools; the next formation creates a new one over the followers' new pool segments.
  */
 #ifndef DC_XFER_H
 #define DC_XFER_H
@@ -84,7 +88,8 @@ typedef enum {
     DC_XFER_END_FAILED = 1, /* a writer failed or aborted, or sent inconsistent metadata */
     DC_XFER_END_TIMEOUT,    /* the deadline passed before every stage was done */
     DC_XFER_END_CANCELLED,  /* dc_xfer_abort: the client cancelled or went away */
-    DC_XFER_END_STOPPED,    /* dc_xfer_abort: the node stops (the request ended already) */
+    DC_XFER_END_STOPPED,    /* dc_xfer_abort: the node stops, or a rank failed (the request
+                               ended already) */
 } dc_xfer_end;
 
 /* Abort a live transfer (no-op if it is already ending: the first reason stays). */

@@ -61,3 +61,28 @@ if(TANDEM_PYTHON AND TARGET td_kvxfer)
                          TIMEOUT 300 LABELS decode)
   endforeach()
 endif()
+
+# ---- restart and rejoin: a rank killed or stopped, restarted, the instance re-forms (the
+# ---- others keep running); rejoin times are printed ("rejoin: ...").
+#   test_rejoin.py --case C: synth_tp2 (colocated, follower and leader, SIGKILL and
+#   SIGTERM), default_tp3 (default model), pd_tp2 (disaggregated: a transfer in flight)
+if(TANDEM_PYTHON)
+  set(rejoin_cases synth_tp2)
+  if(TANDEM_MODEL)
+    list(APPEND rejoin_cases default_tp3)
+  endif()
+  if(TARGET td_kvxfer)
+    list(APPEND rejoin_cases pd_tp2)
+  endif()
+  foreach(case ${rejoin_cases})
+    add_test(NAME decode_rejoin_${case}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_rejoin.py
+                     --case ${case} --decode $<TARGET_FILE:tandem-decode>
+                     --tandem $<TARGET_FILE:tandem> --synth-dir ${TANDEM_TEST_DATA}/synth
+                     --model "${TANDEM_MODEL}"
+                     --client $<$<TARGET_EXISTS:pd_writer>:$<TARGET_FILE:pd_client>>
+                     --writer $<$<TARGET_EXISTS:pd_writer>:$<TARGET_FILE:pd_writer>>)
+    set_tests_properties(decode_rejoin_${case} PROPERTIES FIXTURES_REQUIRED synth_models
+                         TIMEOUT 180 LABELS decode)
+  endforeach()
+endif()

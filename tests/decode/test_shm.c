@@ -7,7 +7,11 @@
  * out with a message naming it; a SIGKILLed rank is reported by the others within a second,
  * also mid-allreduce; a SIGSTOPped rank is "not answering" after the op timeout; an idle
  * follower uses < 5% of a core; stale segments of a killed run (and garbage) do not stop a
- * new run; bad sizes, mismatched layouts, duplicate ranks, leaving without stop, interrupt.
+ * new run; bad sizes, mismatched layouts, duplicate ranks, leaving without stop, interrupt;
+ * re-forming: the rendezvous in slices (dc_shm_begin/gather) stays intact, a rank that
+ * joined and died is noticed, its restarted process waits for and joins the next segment,
+ * a follower waiting without limit ends when rank 0 gives the segment up or dies (and
+ * then removes the name rank 0 left behind).
  * usage: test_shm            run the tests
  *        test_shm --bench    allreduce latency (tp 2, n = 576 and 576 * 64)
  */
@@ -833,6 +837,108 @@ static void test_stale_segment(void)
     shm_unlink(name);
 }
 
+/* ---- re-forming: the rendezvous in steps, a rank restarted while rank 0 waits ---- */
+
+/* A follower that joins (dc_shm_begin) and waits for the rest without limit (dc_shm_gather
+ * -1): outs[rank] gets the gather's result and when it returned. */
+static int body_join(int rank, void *vctx)
+{
+    const open_ctx *c = vctx;
+    dc_shm_params p = params(c->token, rank, c->tp);
+    p.timeout_ms = c->timeout_ms;
+    dc_shm *s = NULL;
+    int rc = dc_shm_begin(&p, &s);
+    if (!rc) rc = dc_shm_gather(s, -1);
+    outs[rank].rc = rc;
+    outs[rank].t_ns = now_ns();
+    dc_shm_close(s);
+    return 0;
+}
+
+/* Rank 0 in this process: gather in slices until mask is joined (or ms pass). */
+static bool wait_joined(dc_shm *s, uint64_t mask, int ms)
+{
+    int64_t end = now_ns() + (int64_t)ms * 1000000;
+    while ((dc_shm_joined(s) & mask) != mask && now_ns() < end)
+        if (dc_shm_gather(s, 10) != TD_ETIMEDOUT) break;
+    return (dc_shm_joined(s) & mask) == mask;
+}
+
+static void test_reform(void)
+{
+    /* rank 0 begins at once and waits in slices that leave the rendezvous intact */
+    open_ctx c = open_ctx_new(3, 5000);
+    reset_outs();
+    dc_shm_params p = params(c.token, 0, 3);
+    dc_shm *s = NULL;
+    TH_CHECK(dc_shm_begin(&p, &s) == 0);
+    TH_CHECK(dc_shm_gather(s, 0) == TD_ETIMEDOUT);
+    TH_CHECK(dc_shm_gather(s, 30) == TD_ETIMEDOUT);
+    TH_CHECK(dc_shm_joined(s) == 1);
+    TH_CHECK(!strcmp(dc_shm_error(s), ""));
+
+    /* rank 1 joins, then dies before rank 2 came; restarted at once, it must wait for a
+     * fresh segment instead of failing on its dead predecessor's slot */
+    pid_t a = spawn(1, body_join, &c, 0, false);
+    TH_CHECK(wait_joined(s, 3, 3000));
+    TH_CHECK(dc_shm_gather(s, 20) == TD_ETIMEDOUT);
+    kill(a, SIGKILL);
+    reap(a, 2000);
+    a = spawn(1, body_join, &c, 0, false);
+    int64_t t0 = now_ns();
+    int rc;
+    while ((rc = dc_shm_gather(s, 50)) == TD_ETIMEDOUT && now_ns() - t0 < 3000000000ll) {
+    }
+    TH_CHECK(rc == TD_EIO);
+    TH_CHECKF(strstr(dc_shm_error(s), "rank 1 died") != NULL, "error '%s'", dc_shm_error(s));
+    dc_shm_close(s);
+    TH_CHECK(!segment_exists(c.token));
+
+    /* the next rendezvous: the restarted rank 1 and a late rank 2 join it */
+    TH_CHECK(dc_shm_begin(&p, &s) == 0);
+    pid_t b = spawn(2, body_join, &c, 100, false);
+    t0 = now_ns();
+    while ((rc = dc_shm_gather(s, 50)) == TD_ETIMEDOUT && now_ns() - t0 < 5000000000ll) {
+    }
+    TH_CHECK(rc == 0);
+    TH_CHECK(dc_shm_joined(s) == 7);
+    TH_CHECK(dc_shm_gather(s, 0) == 0); /* done stays done */
+    TH_CHECK(!segment_exists(c.token)); /* unlinked once everyone is in */
+    TH_CHECK(dc_shm_plan_stop(s) == 0);
+    TH_CHECK(reap(a, 3000) == 0 && reap(b, 3000) == 0);
+    TH_CHECK(outs[1].rc == 0 && outs[2].rc == 0);
+    dc_shm_close(s);
+
+    /* a follower waiting without limit ends at once when rank 0 gives the segment up */
+    c = open_ctx_new(3, 5000);
+    reset_outs();
+    p = params(c.token, 0, 3);
+    TH_CHECK(dc_shm_begin(&p, &s) == 0);
+    a = spawn(1, body_join, &c, 0, true);
+    TH_CHECK(wait_joined(s, 3, 3000));
+    sleep_ms(50);
+    t0 = now_ns();
+    dc_shm_close(s);
+    TH_CHECK(reap(a, 3000) == 0);
+    TH_CHECK(outs[1].rc == TD_EIO);
+    TH_CHECKF(outs[1].t_ns - t0 < 500000000, "%.0f ms", (outs[1].t_ns - t0) / 1e6);
+    TH_CHECK(!segment_exists(c.token));
+
+    /* ... and when rank 0 dies meanwhile, the follower removes the name it left behind */
+    c = open_ctx_new(3, 5000);
+    reset_outs();
+    pid_t leader = spawn(0, body_hang, &c, 0, false);
+    a = spawn(1, body_join, &c, 20, true);
+    sleep_ms(300);
+    TH_CHECK(segment_exists(c.token));
+    kill(leader, SIGKILL);
+    reap(leader, 2000);
+    TH_CHECK(reap(a, 3000) == 0);
+    TH_CHECK(outs[1].rc == TD_EIO);
+    TH_CHECK(!segment_exists(c.token));
+    TH_CHECK(log_has(1, "its rank 0 died"));
+}
+
 /* ---- micro-benchmark ---- */
 
 typedef struct {
@@ -920,6 +1026,7 @@ int main(int argc, char **argv)
     RUN(test_leader_leaves_without_stop);
     RUN(test_interrupt);
     RUN(test_stale_segment);
+    RUN(test_reform);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
     if (system(cmd)) fprintf(stderr, "could not remove %s\n", tmpdir);

@@ -1,0 +1,90 @@
+/* dc_node_int.h: the state of one decode rank, shared by the two halves of tandem-decode:
+ * dc_node.c (the rank's life: setup, the formations of the instance, the step loops) and
+ * dc_serve.c (the leader's control plane: requests in, token and error events out, health).
+ * Private to the tandem-decode binary.
+ *
+ * Invariants: shm is the current formation's segment, NULL between formations (the engine
+ * reaches it through the node, so a new segment needs no new engine). While forming is set
+ * the leader admits nothing (Submit and Alloc get ERR_BUSY with forming_why); requests
+ * exist only while a formation serves, so every route is free when forming starts.
+ * Threading: the rank's engine thread only (the control server's callbacks never see it).
+ * Ownership: dc_node_run owns the node (on its stack) and everything it points to.
+ */
+#ifndef DC_NODE_INT_H
+#define DC_NODE_INT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "cpu_backend.h"
+#include "ctrl.h"
+#include "dc_node.h"
+#include "dc_sched.h"
+#include "dc_shm.h"
+#include "dc_xfer.h"
+#include "gguf.h"
+#include "kv_pool.h"
+#include "model.h"
+
+/* Where a scheduler request came from: events go back to (client, request id). */
+typedef struct {
+    uint64_t client_id, request_id;
+    uint32_t seq; /* next TokenEvent.seq */
+    bool used;
+    Td__ErrorCode err_code; /* the ErrorEvent of a FINISH_ERROR, when not the default */
+    char err_msg[320];
+} dc_route;
+
+typedef struct {
+    const dc_node_params *p;
+    const td_cfg_decode *dcfg;
+    td_gguf *gguf;
+    kn_model *model;
+    kn_cpu *cpu;
+    kn_engine *engine;
+    kn_kv_pool *kv;
+    kn_kv_pool_params kvp; /* the pool's shape (a follower makes a fresh pool from it) */
+    char kv_shm_name[256]; /* disaggregated follower: its pool's segment name */
+    dc_shm_params shmp;    /* the rendezvous (the same for every formation) */
+    dc_shm *shm;           /* the current formation's segment, or NULL */
+    dc_shm_stats shm_done; /* the stats of the segments already closed */
+    bool disagg;           /* the cluster has prefill instances: KV arrives through kvxfer */
+    char token[32];        /* the instance's name token (shared-memory names) */
+    /* leader only */
+    dc_xfer *xfer;       /* disaggregated mode: the KV-transfer plane of this formation */
+    void **peer_regions; /* (tp) rank r > 0: its pool region mapped here */
+    size_t region_bytes;
+    td_ctrl_server *srv;
+    dc_sched *sched;
+    dc_route *routes; /* (n_routes) indexed by scheduler id */
+    size_t n_routes;
+    int64_t started_ms;
+    uint64_t step;
+    int64_t step_ns;       /* wall time of all steps */
+    int64_t step_tokens;   /* tokens of all steps */
+    bool stopping;         /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
+    bool draining;         /* after the loop: new requests are refused */
+    bool load_changed;     /* an Alloc or a transfer event: publish the health now */
+    bool forming;          /* not every rank is in (or old transfers still end): not ready */
+    int formations;        /* formations completed (1 once the instance first served) */
+    char forming_why[160]; /* the ERR_BUSY text while forming: "re-forming (waiting for
+                              rank 1)" */
+    char fail_why[192];    /* while a failure fails every request: why, for their events */
+    float *logits;         /* (max_batch, n_vocab) */
+} dc_node;
+
+/* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
+void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids, dc_finish finish,
+                        int32_t n_prompt, int32_t n_gen);
+/* Drain the inbox: wait up to timeout_ms for the first message, then take all pending.
+ * Answers polls and health on the way. Returns 0, or the control server's failure. */
+int dc_serve_inbox(dc_node *n, int timeout_ms);
+/* Apply the transfers' events to the scheduler (arrived KV joins the batch, failed and
+ * cancelled transfers end: their blocks are safe to reuse now). */
+void dc_serve_transfers(dc_node *n);
+/* Publish Health (ready unless forming, stopping or draining). */
+void dc_serve_health(dc_node *n);
+
+#endif

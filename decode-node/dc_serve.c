@@ -1,0 +1,396 @@
+/* dc_serve.c: the decode leader's control plane: Submit, Alloc and Cancel in (refused
+ * with ERR_BUSY while the instance forms), token and error events out, the transfers'
+ * events applied to the scheduler, Health. The rank's life and the step loop are in
+ * dc_node.c; the state both share is dc_node_int.h. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dc_node_int.h"
+#include "kvx_conn.h"
+#include "td_err.h"
+
+#define MAX_WAITING_FACTOR 4 /* queued requests beyond 4 x max_batch are refused (busy) */
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- leader: events out ---- */
+
+static Td__FinishReason wire_finish(dc_finish f)
+{
+    switch (f) {
+    case DC_FINISH_STOP:
+        return TD__FINISH_REASON__FINISH_STOP;
+    case DC_FINISH_LENGTH:
+        return TD__FINISH_REASON__FINISH_LENGTH;
+    case DC_FINISH_CANCELLED:
+        return TD__FINISH_REASON__FINISH_CANCELLED;
+    case DC_FINISH_ERROR:
+        return TD__FINISH_REASON__FINISH_ERROR;
+    default:
+        return TD__FINISH_REASON__FINISH_NONE;
+    }
+}
+
+void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids, dc_finish finish,
+                        int32_t n_prompt, int32_t n_gen)
+{
+    dc_node *n = ctx;
+    if (id >= n->n_routes || !n->routes[id].used) return;
+    dc_route *r = &n->routes[id];
+    if (finish == DC_FINISH_ERROR) {
+        if (r->err_code != TD__ERROR_CODE__ERR_NONE)
+            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id, r->err_code, "%s",
+                                      r->err_msg);
+        else if (n->stopping)
+            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
+                                      TD__ERROR_CODE__ERR_SHUTDOWN,
+                                      "decode instance %s is shutting down", n->p->instance);
+        else
+            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
+                                      TD__ERROR_CODE__ERR_INTERNAL,
+                                      "request failed on decode instance %s%s%s", n->p->instance,
+                                      n->fail_why[0] ? ": " : "", n->fail_why);
+    }
+    /* TD_ENOENT: the client is gone; the request is finishing or will be cancelled */
+    td_ctrl_server_send_tokens(n->srv, r->client_id, r->request_id, r->seq++, ids, (size_t)n_ids,
+                               wire_finish(finish), (uint32_t)n_prompt, (uint32_t)n_gen);
+    if (finish != DC_FINISH_NONE) r->used = false;
+}
+
+/* ---- leader: requests in ---- */
+
+static int64_t find_route(const dc_node *n, uint64_t client, uint64_t request_id)
+{
+    for (size_t i = 0; i < n->n_routes; i++)
+        if (n->routes[i].used && n->routes[i].client_id == client &&
+            n->routes[i].request_id == request_id)
+            return (int64_t)i;
+    return -1;
+}
+
+static int64_t new_route(dc_node *n, uint64_t client, uint64_t request_id)
+{
+    for (size_t i = 0; i < n->n_routes; i++)
+        if (!n->routes[i].used) {
+            n->routes[i] = (dc_route){.client_id = client, .request_id = request_id, .used = true};
+            return (int64_t)i;
+        }
+    size_t cap = n->n_routes ? 2 * n->n_routes : 64;
+    dc_route *r = realloc(n->routes, cap * sizeof *r);
+    if (!r) return -1;
+    memset(r + n->n_routes, 0, (cap - n->n_routes) * sizeof *r);
+    n->routes = r;
+    size_t i = n->n_routes;
+    n->n_routes = cap;
+    n->routes[i] = (dc_route){.client_id = client, .request_id = request_id, .used = true};
+    return (int64_t)i;
+}
+
+/* The scheduler's view of a Submit (also the request inside an Alloc). */
+static dc_request_params request_params(const Td__Submit *s, uint64_t id)
+{
+    const Td__Sampling *sm = s->sampling;
+    dc_request_params rp = {
+        .id = id,
+        .prompt = s->token_ids,
+        .n_prompt = (int32_t)s->n_token_ids,
+        .max_tokens = (int32_t)(s->max_tokens > INT32_MAX ? INT32_MAX : s->max_tokens),
+        .stop_ids = s->stop_token_ids,
+        .n_stop = (int)s->n_stop_token_ids,
+        .ignore_eos = s->ignore_eos,
+    };
+    if (sm)
+        rp.sampling = (kn_sampler_params){.temperature = sm->temperature,
+                                          .top_k = sm->top_k,
+                                          .top_p = sm->top_p,
+                                          .min_p = sm->min_p,
+                                          .repeat_penalty = sm->repeat_penalty,
+                                          .repeat_last_n = sm->repeat_last_n,
+                                          .seed = sm->seed};
+    return rp;
+}
+
+/* Refuse a request the scheduler rejected (rc from dc_sched_submit*). */
+static void reply_refused(dc_node *n, td_ctrl_req *req, uint64_t request_id, int rc)
+{
+    Td__ErrorCode code = rc == TD_ENOSPC   ? TD__ERROR_CODE__ERR_NO_SPACE
+                         : rc == TD_ENOMEM ? TD__ERROR_CODE__ERR_INTERNAL
+                                           : TD__ERROR_CODE__ERR_INVALID;
+    td_ctrl_server_reply_error(n->srv, req, request_id, code,
+                               rc == TD_ENOSPC   ? "request can never fit this instance's KV pool "
+                                                   "(%d blocks of %d tokens)"
+                               : rc == TD_ERANGE ? "prompt too long or token id outside the "
+                                                   "vocabulary (%d blocks of %d tokens)"
+                                                 : "invalid request (%d blocks of %d tokens)",
+                               n->kv->n_blocks, n->kv->block_size);
+}
+
+static void handle_submit(dc_node *n, const td_ctrl_server_in *in)
+{
+    const Td__Submit *s = in->env->submit;
+    if (find_route(n, in->client_id, s->request_id) >= 0) {
+        /* the control layer re-sends a call whose connection dropped: the same (client,
+         * request id) while it runs is that retry, answered like the first time */
+        td_ctrl_server_reply_ack(n->srv, in->req, s->request_id);
+        return;
+    }
+    if (n->draining) {
+        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_SHUTDOWN,
+                                   "decode instance %s is shutting down", n->p->instance);
+        return;
+    }
+    if (n->forming) {
+        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_BUSY,
+                                   "decode instance %s %s", n->p->instance, n->forming_why);
+        return;
+    }
+    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    if (st.waiting >= MAX_WAITING_FACTOR * n->dcfg->max_batch) {
+        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_BUSY,
+                                   "%d requests already waiting", st.waiting);
+        return;
+    }
+    int64_t id = new_route(n, in->client_id, s->request_id);
+    if (id < 0) {
+        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_INTERNAL,
+                                   "out of memory");
+        return;
+    }
+    dc_request_params rp = request_params(s, (uint64_t)id);
+    int rc = dc_sched_submit(n->sched, &rp);
+    if (rc) {
+        n->routes[id].used = false;
+        reply_refused(n, in->req, s->request_id, rc);
+        return;
+    }
+    td_ctrl_server_reply_ack(n->srv, in->req, s->request_id);
+}
+
+/* Reply AllocReply with the transfer's targets (one per rank, rank order). */
+static void reply_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uint64_t id)
+{
+    const uint8_t *const *tg;
+    const size_t *len;
+    if (dc_xfer_targets(n->xfer, id, &tg, &len)) {
+        td_ctrl_server_reply_error(n->srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
+                                   "no KV targets for request %llu (bug)",
+                                   (unsigned long long)request_id);
+        return;
+    }
+    ProtobufCBinaryData bins[KVX_MAX_RANKS];
+    for (int r = 0; r < n->dcfg->tp; r++)
+        bins[r] = (ProtobufCBinaryData){.len = len[r], .data = (uint8_t *)tg[r]};
+    Td__AllocReply ar = TD__ALLOC_REPLY__INIT;
+    ar.request_id = request_id;
+    ar.n_kv_targets = (size_t)n->dcfg->tp;
+    ar.kv_targets = bins;
+    Td__Envelope env = TD__ENVELOPE__INIT;
+    env.body_case = TD__ENVELOPE__BODY_ALLOC_REPLY;
+    env.alloc_reply = &ar;
+    td_ctrl_server_reply(n->srv, req, &env);
+}
+
+/* Alloc (disaggregated mode): reserve the prompt's blocks, make every rank's KV target and
+ * answer them; the request waits TRANSFERRING until the prefill stages' KV is in. */
+static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
+{
+    const Td__Alloc *a = in->env->alloc;
+    const Td__Submit *s = a->request; /* present: the decoder checks it */
+    uint64_t rid = s->request_id;
+    if (!n->disagg) {
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_UNSUPPORTED,
+                                   "decode instance %s runs in colocated mode (%s has no prefill "
+                                   "instances)",
+                                   n->p->instance, n->p->cfg->path);
+        return;
+    }
+    int64_t id = find_route(n, in->client_id, rid);
+    if (id >= 0) {
+        /* a retry of the call (the control layer re-sends after a connection drop) */
+        if (n->xfer && dc_xfer_live(n->xfer, (uint64_t)id))
+            reply_targets(n, in->req, rid, (uint64_t)id);
+        else
+            td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
+                                       "request %llu is already running", (unsigned long long)rid);
+        return;
+    }
+    if (n->draining) {
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_SHUTDOWN,
+                                   "decode instance %s is shutting down", n->p->instance);
+        return;
+    }
+    /* forming: no KV plane yet, or the last one's transfers still end (their blocks are
+     * not reusable before that) */
+    if (n->forming || !n->xfer) {
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
+                                   "decode instance %s %s", n->p->instance,
+                                   n->forming ? n->forming_why : "has no KV-transfer plane (bug)");
+        return;
+    }
+    if (a->n_stages < 1 || a->n_stages > KVX_MAX_STAGES) {
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_INVALID,
+                                   "alloc: n_stages %u is not in 1..%d", a->n_stages,
+                                   KVX_MAX_STAGES);
+        return;
+    }
+    /* the kvxfer request id is the client's request id (the prefill side opens the same) */
+    if (dc_xfer_kvx_live(n->xfer, rid)) {
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
+                                   "request id %llu is already being transferred into %s (by "
+                                   "another client)",
+                                   (unsigned long long)rid, n->p->instance);
+        return;
+    }
+    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    if (st.waiting + st.transferring >= MAX_WAITING_FACTOR * n->dcfg->max_batch) {
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
+                                   "%d requests already waiting and %d transferring", st.waiting,
+                                   st.transferring);
+        return;
+    }
+    if ((id = new_route(n, in->client_id, rid)) < 0) {
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_INTERNAL,
+                                   "out of memory");
+        return;
+    }
+    dc_request_params rp = request_params(s, (uint64_t)id);
+    const int32_t *blocks;
+    int n_blocks;
+    int rc = dc_sched_submit_transfer(n->sched, &rp, &blocks, &n_blocks);
+    if (rc == TD_ESTATE) {
+        n->routes[id].used = false;
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
+                                   "the KV pool cannot hold the prompt's %d blocks now (%d of %d "
+                                   "free)",
+                                   kn_kv_blocks_for(n->kv, rp.n_prompt), n->kv->n_free,
+                                   n->kv->n_blocks);
+        return;
+    }
+    if (rc) {
+        n->routes[id].used = false;
+        reply_refused(n, in->req, rid, rc);
+        return;
+    }
+    rc = dc_xfer_start(n->xfer, (uint64_t)id, rid, a->n_stages, rp.n_prompt, blocks, n_blocks);
+    if (rc) {
+        /* no target went out: the blocks are safe to free; no event (the reply says it) */
+        n->routes[id].used = false;
+        dc_sched_transfer_end(n->sched, (uint64_t)id, DC_FINISH_ERROR);
+        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_INTERNAL,
+                                   "cannot make the KV targets: %s", td_strerror(rc));
+        return;
+    }
+    reply_targets(n, in->req, rid, (uint64_t)id);
+    n->load_changed = true; /* blocks are held now: a router picking instances sees it */
+}
+
+/* Cancel one request: a transfer in flight is aborted (its blocks are freed once kvxfer
+ * says no writer can write any more), anything else goes through the scheduler. */
+static int cancel_one(dc_node *n, uint64_t id)
+{
+    if (n->xfer && dc_xfer_live(n->xfer, id))
+        return dc_xfer_abort(n->xfer, id, DC_XFER_END_CANCELLED);
+    return dc_sched_cancel(n->sched, id);
+}
+
+static void handle_request(dc_node *n, const td_ctrl_server_in *in)
+{
+    const Td__Envelope *env = in->env;
+    switch (env->body_case) {
+    case TD__ENVELOPE__BODY_SUBMIT:
+        handle_submit(n, in);
+        return;
+    case TD__ENVELOPE__BODY_ALLOC:
+        handle_alloc(n, in);
+        return;
+    case TD__ENVELOPE__BODY_CANCEL: {
+        uint64_t rid = env->cancel->request_id;
+        int64_t id = find_route(n, in->client_id, rid);
+        if (id < 0 || cancel_one(n, (uint64_t)id)) {
+            td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_NOT_FOUND,
+                                       "no running request %llu", (unsigned long long)rid);
+            return;
+        }
+        td_ctrl_server_reply_ack(n->srv, in->req, rid);
+        return;
+    }
+    default:
+        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
+                                   "decode instance %s does not handle %s", n->p->instance,
+                                   td_ctrl_body_name(env->body_case));
+        return;
+    }
+}
+
+static void cancel_client(dc_node *n, uint64_t client)
+{
+    for (size_t i = 0; i < n->n_routes; i++)
+        if (n->routes[i].used && n->routes[i].client_id == client) cancel_one(n, i);
+}
+
+void dc_serve_transfers(dc_node *n)
+{
+    dc_xfer_event ev;
+    while (n->xfer && dc_xfer_next(n->xfer, &ev) == 1) {
+        n->load_changed = true;
+        dc_route *r = ev.key < n->n_routes ? &n->routes[ev.key] : NULL;
+        if (ev.kind == DC_XFER_ARRIVED) {
+            if (dc_sched_transfer_done(n->sched, ev.key, ev.first_token) != TD_EINVAL) continue;
+            ev.why = DC_XFER_END_FAILED;
+            snprintf(ev.msg, sizeof ev.msg,
+                     "KV transfer from prefill: first token %d is outside the vocabulary",
+                     ev.first_token);
+        }
+        if (ev.why == DC_XFER_END_CANCELLED) {
+            dc_sched_transfer_end(n->sched, ev.key, DC_FINISH_CANCELLED);
+            continue;
+        }
+        if (ev.why == DC_XFER_END_STOPPED) continue; /* the request ended already */
+        if (r && r->used) {
+            r->err_code = ev.why == DC_XFER_END_TIMEOUT ? TD__ERROR_CODE__ERR_TIMEOUT
+                                                        : TD__ERROR_CODE__ERR_PEER_FAILED;
+            snprintf(r->err_msg, sizeof r->err_msg, "%s", ev.msg);
+        }
+        dc_sched_transfer_end(n->sched, ev.key, DC_FINISH_ERROR);
+    }
+}
+
+void dc_serve_health(dc_node *n)
+{
+    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    Td__Health h = TD__HEALTH__INIT;
+    h.instance = (char *)n->p->instance;
+    h.role = TD__ROLE__ROLE_DECODE;
+    h.rank = 0;
+    h.running = (uint32_t)st.running;
+    h.waiting = (uint32_t)(st.waiting + st.transferring); /* admitted, not running yet */
+    h.kv_blocks_used = (uint32_t)st.kv_blocks_used;
+    h.kv_blocks_free = (uint32_t)st.kv_blocks_free;
+    h.kv_block_size = (uint32_t)n->kv->block_size;
+    h.uptime_ms = (uint64_t)(now_ms() - n->started_ms);
+    /* alive but not ready while forming: the router keeps polling and sends nothing */
+    h.ready = !n->forming && !n->stopping && !n->draining;
+    td_ctrl_server_set_health(n->srv, &h);
+}
+
+int dc_serve_inbox(dc_node *n, int timeout_ms)
+{
+    for (;;) {
+        td_ctrl_server_in in;
+        int rc = td_ctrl_server_recv(n->srv, &in, timeout_ms);
+        if (rc == TD_ETIMEDOUT) return 0;
+        if (rc) return rc;
+        if (in.kind == TD_CTRL_IN_REQUEST)
+            handle_request(n, &in);
+        else if (in.kind == TD_CTRL_IN_PEER_GONE)
+            cancel_client(n, in.client_id);
+        timeout_ms = 0;
+    }
+}
