@@ -68,7 +68,8 @@ struct td_ctrl_server {
     bool ib_ok;
     client *clients; /* owner thread only */
     uint32_t n_clients;
-    Td__Health *health; /* owned copy, or NULL */
+    Td__Health *health; /* owned copy, or NULL; replaced under health_mu */
+    pthread_mutex_t health_mu;
     uint64_t epoch;     /* random, nonzero: Events.epoch */
     td_ctrl_server_stats st;
 };
@@ -110,6 +111,34 @@ static void keep_receiving(td_ctrl_server *s)
         nng_ctx_recv(post[i]->ctx, post[i]->aio);
 }
 
+static int srv_send(td_ctrl_server *s, td_ctrl_req *r, const Td__Envelope *reply);
+
+/* A HealthRequest is answered right here on NNG's thread: a node whose owner thread is
+ * inside a long computation (a prefill chunk of an 8K-token prompt, a large decode step)
+ * still shows the router that it is alive and what its load is. Everything else goes to
+ * the owner's inbox. Returns true (and consumes msg) if it answered. */
+static bool answer_health(td_ctrl_server *s, td_ctrl_req *r, nng_msg *msg)
+{
+    Td__Envelope *env = NULL;
+    if (td_ctrl_decode(nng_msg_body(msg), nng_msg_len(msg), &s->o, &env, NULL, 0)) return false;
+    if (env->body_case != TD__ENVELOPE__BODY_HEALTH_REQUEST) {
+        td_ctrl_envelope_free(env);
+        return false;
+    }
+    r->call_id = env->call_id;
+    r->env = NULL;
+    td_ctrl_envelope_free(env);
+    nng_msg_free(msg);
+    Td__Health empty = TD__HEALTH__INIT;
+    Td__Envelope e = TD__ENVELOPE__INIT;
+    e.body_case = TD__ENVELOPE__BODY_HEALTH;
+    pthread_mutex_lock(&s->health_mu);
+    e.health = s->health ? s->health : &empty;
+    srv_send(s, r, &e); /* packs the reply before returning: the lock covers the read */
+    pthread_mutex_unlock(&s->health_mu);
+    return true;
+}
+
 static void ctx_cb(void *arg)
 {
     td_ctrl_req *r = arg;
@@ -145,6 +174,10 @@ static void ctx_cb(void *arg)
     }
     bool closing = s->closing;
     pthread_mutex_unlock(&s->mu);
+    if (it && !closing && answer_health(s, r, it->msg)) {
+        free(it);
+        it = NULL;
+    }
     if (it) td_ctrl_inbox_push(&s->ib, it);
     if (refill && !closing) keep_receiving(s);
 }
@@ -568,8 +601,11 @@ int td_ctrl_server_set_health(td_ctrl_server *s, const Td__Health *h)
 {
     Td__Health *copy = copy_msg(&h->base, &td__health__descriptor);
     if (!copy) return TD_ENOMEM;
-    if (s->health) td__health__free_unpacked(s->health, NULL);
+    pthread_mutex_lock(&s->health_mu);
+    Td__Health *old = s->health;
     s->health = copy;
+    pthread_mutex_unlock(&s->health_mu);
+    if (old) td__health__free_unpacked(old, NULL);
     return 0;
 }
 
@@ -594,9 +630,11 @@ int td_ctrl_server_create(const td_ctrl_opts *opts, td_ctrl_server **out)
     td_ctrl_opts_fill(opts, &s->o);
     s->epoch = td_ctrl_random_id();
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->health_mu, NULL);
     int rc = td_ctrl_inbox_init(&s->ib);
     if (rc) {
         pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->health_mu);
         free(s);
         return rc;
     }
@@ -664,5 +702,6 @@ void td_ctrl_server_destroy(td_ctrl_server *s)
     if (s->health) td__health__free_unpacked(s->health, NULL);
     if (s->ib_ok) td_ctrl_inbox_fini(&s->ib);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->health_mu);
     free(s);
 }

@@ -32,7 +32,7 @@ class Cluster:
     """prefill: list of dicts (pp, chunk, ...); decode: list of dicts (tp, ...)."""
 
     def __init__(self, args, model, prefill, decode, timeout_ms=60000, heartbeat_ms=100,
-                 instance_timeout_ms=2000, ucx_tls="sm,tcp,self"):
+                 instance_timeout_ms=4000, ucx_tls="sm,tcp,self"):
         self.args, self.model = args, model
         self.dir = tempfile.mkdtemp(prefix="tandem-pd-")
         self.http_port = free_port()

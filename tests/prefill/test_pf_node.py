@@ -123,9 +123,10 @@ def sink(args, pf, n, rid, tp=1, extra=(), timeout=120, model=None):
 
 def chunk_by_chunk(args):
     """Each chunk's KV lands in the decode ranks before the stage finished the next chunk."""
-    with Prefill(args, 2, args.model_default, chunk=128, profile=0,
+    with Prefill(args, 2, args.model_default, chunk=128, profile=0, timeout_ms=120000,
                  env={"TANDEM_LOG": "debug"}) as pf:
-        rc, out = sink(args, pf, 700, 9100, model=args.model_default)
+        rc, out = sink(args, pf, 700, 9100, model=args.model_default,
+                       extra=["--timeout", "120000"], timeout=600)
         check(rc == 0 and out.startswith("ok"), f"chunk-by-chunk: 700 tokens arrive: {out}")
         time.sleep(0.5)
         for s in range(2):
