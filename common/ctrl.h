@@ -104,7 +104,8 @@ void td_ctrl_server_destroy(td_ctrl_server *s);
 int td_ctrl_server_listen(td_ctrl_server *s, const char *url, char *bound, size_t boundcap);
 
 /* The load figures answered to HealthRequest and attached to every Events reply
- * (copied). Call whenever they change (e.g. once per step). */
+ * (copied). Call whenever they change (e.g. once per step). HealthRequest is answered on
+ * NNG's thread with the last figures set here, even while the owner is busy computing. */
 int td_ctrl_server_set_health(td_ctrl_server *s, const Td__Health *h);
 
 typedef enum {
@@ -121,7 +122,7 @@ typedef struct {
 } td_ctrl_server_in;
 
 /* Wait up to timeout_ms (0: poll, < 0: forever) for the next request or peer event.
- * Also answers Poll and HealthRequest, rejects bad messages, expires held Polls and
+ * Also answers Poll, rejects bad messages, expires held Polls and
  * detects gone peers, so call it at least every poll_wait_ms while clients are connected
  * (a loop that calls it between steps does). Returns 0, TD_ETIMEDOUT, or TD_ESTATE when
  * the server is shutting down. The env stays valid until the request is replied. */
