@@ -320,15 +320,18 @@ static void client_gone(td_ctrl_server *s, client *c)
 }
 
 /* Expire parked Polls; report one gone client. Returns the next time housekeeping has
- * work (ms), and sets *gone to the id of a client that went away (0 if none). */
-static int64_t housekeeping(td_ctrl_server *s, int64_t now, uint64_t *gone)
+ * work (ms), and sets *gone to the id of a client that went away (0 if none). drained:
+ * the inbox is empty. A client is declared gone only then: after the owner was busy for
+ * longer than peer_timeout_ms (a long prefill chunk), the Polls that kept arriving are
+ * still in the inbox, and the client is not silent at all. */
+static int64_t housekeeping(td_ctrl_server *s, int64_t now, bool drained, uint64_t *gone)
 {
     int64_t next = now + s->o.poll_wait_ms;
     *gone = 0;
     for (client *c = s->clients; c; c = c->next) {
         int64_t dead_at = c->last_seen + s->o.peer_timeout_ms;
         if (c->gone_at && c->gone_at < dead_at) dead_at = c->gone_at;
-        if (now >= dead_at) {
+        if (drained && now >= dead_at) {
             *gone = c->id;
             TD_LOG_INFO("ctrl: client %016llx gone (%s)", (unsigned long long)c->id,
                         c->gone_at && now >= c->gone_at ? "connection closed" : "silent");
@@ -447,7 +450,7 @@ int td_ctrl_server_recv(td_ctrl_server *s, td_ctrl_server_in *in, int timeout_ms
         if (s->closing) return TD_ESTATE;
         int64_t now = td_ctrl_now_ms();
         uint64_t gone;
-        int64_t wake = housekeeping(s, now, &gone);
+        int64_t wake = housekeeping(s, now, td_ctrl_inbox_len(&s->ib) == 0, &gone);
         if (gone) {
             in->kind = TD_CTRL_IN_PEER_GONE;
             in->client_id = gone;
