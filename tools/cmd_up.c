@@ -1,6 +1,7 @@
-/* cmd_up.c: `tandem up|down|status`: run every process of a cluster YAML on this machine.
+/* cmd_up.c: `tandem up|down|status`: run and supervise every process of a cluster YAML on
+ * this machine.
  *
- *   tandem up [-d] FILE [--timeout S] [--grace S]
+ *   tandem up [-d] FILE [--timeout S] [--grace S] [--no-restart]
  *   tandem down FILE [--grace S]
  *   tandem status FILE [--json]
  *
@@ -14,35 +15,50 @@
  * directory of this `tandem` executable; all of them are checked before anything starts.
  *
  * Run directory: RUN_DIR/<file stem>/ (run_dir from the YAML): per process
- * <role>-<instance>-<rank>.log (stdout + stderr, truncated at each start; for a prefill
- * stage, rank is the stage) and .pid ("PID STARTTIME": the start time from /proc/PID/stat
- * tells a pid that was reused from the process we started), plus up.pid for a foreground
- * `tandem up` (its own pid).
+ * <role>-<instance>-<rank>.log (stdout + stderr, truncated at each up, appended to at each
+ * restart; for a prefill stage, rank is the stage) and .pid ("PID STARTTIME RESTARTS": the
+ * start time from /proc/PID/stat tells a pid that was reused from the process we started;
+ * PID 0 while the supervisor waits to restart it), plus up.pid (the supervising `tandem up`
+ * itself) and, with -d, up.log (what the detached supervisor prints once the cluster is up).
  *
  * Start-up: processes start in their own session (setsid) with stdin from /dev/null; up
  * waits until the router's GET /health answers 200 and, with prefill instances, every
  * prefill stage 0 answers a control-plane HealthRequest with ready = true (all its stages
  * joined, model loaded, start-up profile done) (--timeout, default 300 s). If a process
  * exits meanwhile, the timeout passes or a signal arrives, up prints the log tail of the
- * process concerned, stops everything and exits non-zero.
+ * process concerned, stops everything and exits non-zero (a process that cannot start is a
+ * configuration error: restarting it would only loop).
  *
- * Running (foreground): until SIGINT/SIGTERM/SIGHUP, then everything is stopped. A child
- * that dies while running is reported with its log tail and the whole cluster is stopped,
- * exit status 1: a partial cluster is never left running unattended. With -d, up returns
- * once the cluster is ready and the processes keep running; `tandem down` stops them.
+ * Supervision, once the cluster is up: a child that dies (any exit, any signal) is reported
+ * with its log tail and started again with the same command line after a back-off: 0.5 s,
+ * doubled at each death up to 30 s, back to 0.5 s once the process had run 60 s. Nothing
+ * else is restarted: every process rejoins its peers by itself (docs/deploy.md). The
+ * restart count is in the pid file (tandem status). --no-restart keeps the strict mode: a
+ * child that dies stops the whole cluster, exit status 1. Until SIGINT/SIGTERM/SIGHUP, then
+ * everything is stopped. With -d the supervisor detaches: `up` forks before starting
+ * anything; the child (its own session, up.pid) starts and supervises the cluster, the
+ * parent relays the start-up and exits once the child reports the cluster up (0) or gives
+ * up (1). The detached supervisor then logs to up.log; `tandem down` stops it, which stops
+ * its processes.
  *
- * Stopping: SIGTERM to each process group (router first, then the prefill stages, then the
- * decode ranks), wait --grace seconds (default 10), then SIGKILL; pid files are removed.
- * `down` also stops a foreground up (up.pid). Status: per process "ROLE INSTANCE RANK PID
- * STATE", STATE running (pid file, process alive and the same one), dead (pid file but the
- * process is gone) or stopped (no pid file); --json prints one object {"cluster",
- * "run_dir", "endpoint", "processes": [...]}.
+ * Stopping: SIGTERM to the router's process group first, which drains (requests in flight
+ * may finish, up to router.drain_timeout_ms; SIGKILL after max(--grace, drain + 5 s)), then
+ * to the prefill stages' and decode ranks' groups, --grace seconds (default 10), then
+ * SIGKILL; pid files are removed. `down` first stops the supervisor (up.pid; SIGKILL if it
+ * has not gone once those bounds and 15 s more passed), then whatever the pid files still
+ * name.
+ *
+ * Status: per process "ROLE INSTANCE RANK PID RESTARTS STATE", STATE running (pid file,
+ * process alive and the same one), restarting (the supervisor waits to start it again),
+ * dead (pid file but the process is gone) or stopped (no pid file); --json prints one
+ * object {"cluster", "run_dir", "endpoint", "supervisor", "processes": [...]}.
  */
 #define _GNU_SOURCE /* memmem, strcasestr, pipe2 */
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <limits.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,11 +78,24 @@ typedef struct {
     char instance[TD_CFG_NAME_MAX + 1];
     int rank; /* decode rank, prefill stage, 0 for the router */
     char log[PATH_MAX], pidfile[PATH_MAX];
-    pid_t pid;                /* 0: none */
+    pid_t pid;                /* 0: none (or, from a pid file, waiting to be restarted) */
     unsigned long long start; /* starttime of pid (clock ticks since boot) */
     bool child, exited;       /* started by this process / reaped */
     int wstatus;              /* when exited */
+    int restarts;             /* times the supervisor started it again (in the pid file) */
+    bool pending;             /* pid file "0 0 N": the supervisor waits to restart it */
+    double started_at;        /* now_s() of its last start (supervisor) */
+    double backoff_s;         /* the delay before its last restart; 0: none yet */
+    double restart_at;        /* now_s() when it is started again; 0: no restart pending */
+    pid_t last_pid;           /* the process before the pending restart, and how it ended */
+    char last_exit[128];
 } up_proc;
+
+/* Restart back-off of the supervisor: first delay, cap, and how long a process must have
+ * run for the next delay to start again from the first. */
+#define UP_BACKOFF_MIN_S   0.5
+#define UP_BACKOFF_MAX_S   30.0
+#define UP_BACKOFF_RESET_S 60.0
 
 typedef struct {
     td_cfg *cfg;
@@ -160,28 +189,31 @@ static bool proc_alive(up_proc *p)
     return st != 'Z' && st != 'X' && start == p->start;
 }
 
-static int read_pidfile(const char *path, pid_t *pid, unsigned long long *start)
+/* "PID STARTTIME [RESTARTS]"; PID 0 (waiting for a restart) is returned as *pid = 0. */
+static int read_pidfile(const char *path, pid_t *pid, unsigned long long *start, int *restarts)
 {
     FILE *f = fopen(path, "r");
     if (!f) return TD_ENOENT;
-    int ipid = 0;
-    int k = fscanf(f, "%d %llu", &ipid, start);
+    int ipid = -1, n = 0;
+    int k = fscanf(f, "%d %llu %d", &ipid, start, &n);
     fclose(f);
-    if (k != 2 || ipid <= 0) return TD_EFORMAT;
+    if (k < 2 || ipid < 0) return TD_EFORMAT;
     *pid = ipid;
+    if (restarts) *restarts = k == 3 && n > 0 ? n : 0;
     return 0;
 }
 
-static int write_pidfile(const char *path, pid_t pid)
+/* Writes "PID STARTTIME RESTARTS" atomically; pid 0 records a process waiting for a restart. */
+static int write_pidfile(const char *path, pid_t pid, int restarts)
 {
     char st;
     unsigned long long start = 0;
-    proc_stat(pid, &st, &start);
+    if (pid > 0) proc_stat(pid, &st, &start);
     char tmp[PATH_MAX + 8];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "w");
     if (!f) return TD_EIO;
-    fprintf(f, "%d %llu\n", (int)pid, start);
+    fprintf(f, "%d %llu %d\n", (int)pid, start, restarts);
     if (fclose(f) || rename(tmp, path)) return TD_EIO;
     return 0;
 }
@@ -349,12 +381,19 @@ static void load_pids(cluster *c)
         up_proc *p = &c->p[i];
         p->child = false;
         p->exited = false;
-        if (read_pidfile(p->pidfile, &p->pid, &p->start)) p->pid = 0;
+        p->restarts = 0;
+        if (read_pidfile(p->pidfile, &p->pid, &p->start, &p->restarts)) {
+            p->pid = 0;
+            p->pending = false;
+        } else {
+            p->pending = p->pid == 0;
+        }
     }
 }
 
-/* Starts one process: log file, own session, pid file. */
-static int spawn(cluster *c, up_proc *p)
+/* Starts one process: log file, own session, pid file. note NULL: the first start (the log
+ * is truncated); else a restart: the log is appended to, after the line note. */
+static int spawn(cluster *c, up_proc *p, const char *note)
 {
     char bin[PATH_MAX], rank[16];
     if (snprintf(bin, sizeof bin, "%s/tandem-%s", c->bindir, p->role) >= (int)sizeof bin)
@@ -368,10 +407,14 @@ static int spawn(cluster *c, up_proc *p)
     char **argv = !strcmp(p->role, "router")    ? argv_router
                   : !strcmp(p->role, "prefill") ? argv_prefill
                                                 : argv_decode;
-    int logfd = open(p->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int logfd = open(p->log, O_WRONLY | O_CREAT | O_CLOEXEC | (note ? O_APPEND : O_TRUNC), 0644);
     if (logfd < 0) {
         fprintf(stderr, "tandem: cannot create %s: %s\n", p->log, strerror(errno));
         return TD_EIO;
+    }
+    if (note) {
+        ssize_t w = write(logfd, note, strlen(note));
+        (void)w; /* the log line is informative only */
     }
     int ep[2];
     if (pipe2(ep, O_CLOEXEC)) {
@@ -425,9 +468,11 @@ static int spawn(cluster *c, up_proc *p)
     p->pid = pid;
     p->child = true;
     p->exited = false;
+    p->pending = false;
+    p->started_at = now_s();
     char st;
     proc_stat(pid, &st, &p->start);
-    if (write_pidfile(p->pidfile, pid)) {
+    if (write_pidfile(p->pidfile, pid, p->restarts)) {
         fprintf(stderr, "tandem: cannot write %s\n", p->pidfile);
         return TD_EIO;
     }
@@ -440,31 +485,42 @@ static void signal_proc(up_proc *p, int sig)
     if (kill(-p->pid, sig)) kill(p->pid, sig); /* its process group, else the process */
 }
 
-/* Stops every process in c (router first): SIGTERM, grace, SIGKILL. Removes pid files of
- * processes that are gone. Returns how many were running. */
-static int stop_all(cluster *c, double grace_s)
+/* A process stopped by SIGSTOP would not handle its SIGTERM: SIGCONT to it. Only to a
+ * stopped one: a SIGCONT sent to a process group while a sanitizer's leak checker attaches
+ * to the threads at exit (ptrace) cancels a thread's stop and hangs the checker. */
+static void cont_if_stopped(up_proc *p)
+{
+    char st;
+    unsigned long long start;
+    if (proc_alive(p) && !proc_stat(p->pid, &st, &start) && st == 'T') kill(p->pid, SIGCONT);
+}
+
+/* SIGTERM (and SIGCONT to a stopped one) to the processes of c whose role is (routers) or is not
+ * (!routers) the router, wait up to grace_s, then SIGKILL. Returns how many were running. */
+static int stop_set(cluster *c, bool routers, double grace_s)
 {
     int running = 0;
     for (int i = c->n - 1; i >= 0; i--)
-        if (proc_alive(&c->p[i])) {
+        if (!strcmp(c->p[i].role, "router") == routers && proc_alive(&c->p[i])) {
             running++;
             signal_proc(&c->p[i], SIGTERM);
+            cont_if_stopped(&c->p[i]);
         }
     double end = now_s() + grace_s;
     bool killed = false;
     for (;;) {
         int alive = 0;
         for (int i = 0; i < c->n; i++)
-            alive += proc_alive(&c->p[i]);
+            alive += !strcmp(c->p[i].role, "router") == routers && proc_alive(&c->p[i]);
         if (!alive) break;
         if (now_s() > end) {
             if (killed && now_s() > end + 10) {
                 fprintf(stderr, "tandem: %d processes did not go away after SIGKILL\n", alive);
-                return running;
+                break;
             }
             if (!killed) {
                 for (int i = 0; i < c->n; i++)
-                    if (proc_alive(&c->p[i])) {
+                    if (!strcmp(c->p[i].role, "router") == routers && proc_alive(&c->p[i])) {
                         char l[128];
                         proc_label(&c->p[i], l, sizeof l);
                         fprintf(stderr, "tandem: %s (pid %d) ignored SIGTERM for %.0f s: SIGKILL\n",
@@ -476,9 +532,22 @@ static int stop_all(cluster *c, double grace_s)
         }
         sleep_ms(50);
     }
+    return running;
+}
+
+/* Stops every process in c: the router first, given max(grace_s, router.drain_timeout_ms +
+ * 5 s) (on SIGTERM it lets the requests in flight finish on the instances, which still
+ * run), then the prefill stages and decode ranks together, grace_s; SIGKILL after those
+ * bounds. Removes the pid files. Returns how many were running. */
+static int stop_all(cluster *c, double grace_s)
+{
+    double drain_s = c->cfg->router.drain_timeout_ms / 1000.0 + 5;
+    int running = stop_set(c, true, fmax(grace_s, drain_s));
+    running += stop_set(c, false, grace_s);
     for (int i = 0; i < c->n; i++) {
         unlink(c->p[i].pidfile);
         c->p[i].pid = 0;
+        c->p[i].restart_at = 0;
     }
     return running;
 }
@@ -621,14 +690,21 @@ static int health(const cluster *c, int timeout_ms)
     return rc ? rc : status;
 }
 
+/* The supervising `tandem up` recorded in up.pid if it still runs, else 0. */
+static pid_t supervisor_pid(const cluster *c)
+{
+    up_proc sup = {.role = "up"};
+    if (read_pidfile(c->up_pidfile, &sup.pid, &sup.start, NULL) || !proc_alive(&sup)) return 0;
+    return sup.pid;
+}
+
 /* Any process of the cluster still running from an earlier up? */
 static bool already_running(cluster *c)
 {
     load_pids(c);
     for (int i = 0; i < c->n; i++)
         if (proc_alive(&c->p[i])) return true;
-    up_proc sup = {.role = "up"};
-    return !read_pidfile(c->up_pidfile, &sup.pid, &sup.start) && proc_alive(&sup);
+    return supervisor_pid(c) != 0;
 }
 
 static int parse_seconds(const char *flag, const char *v, double *out)
@@ -646,35 +722,41 @@ static int parse_seconds(const char *flag, const char *v, double *out)
 static void usage_up(void)
 {
     fprintf(stderr,
-            "usage: tandem up [-d] FILE [--timeout S] [--grace S]\n"
+            "usage: tandem up [-d] FILE [--timeout S] [--grace S] [--no-restart]\n"
             "       tandem down FILE [--grace S]\n"
             "       tandem status FILE [--json]\n"
             "  up: start every process of the cluster YAML on this machine (decode ranks,\n"
             "      prefill stages, router), wait for the router's /health and every prefill\n"
-            "      stage 0's ready, print the endpoint and stay until Ctrl-C/SIGTERM\n"
-            "  -d: return once the cluster is ready and leave the processes running\n"
+            "      stage 0's ready, print the endpoint, then supervise until Ctrl-C/SIGTERM:\n"
+            "      a process that dies is restarted (back-off 0.5 s doubling to 30 s)\n"
+            "  -d: supervise in the background (a detached 'tandem up'); returns once the\n"
+            "      cluster is ready; 'tandem down' stops the supervisor and every process\n"
+            "  --no-restart  a process that dies stops the whole cluster (exit status 1)\n"
             "  --timeout S  start-up bound (default 300)   --grace S  SIGTERM to SIGKILL (10)\n"
+            "  status: ROLE INSTANCE RANK PID RESTARTS STATE per process\n"
             "  binaries: $TANDEM_BIN, else the directory of this tandem executable\n");
 }
 
 /* Common option parsing: FILE plus flags. */
 typedef struct {
     const char *file;
-    bool detach, json;
+    bool detach, json, restart;
     double timeout_s, grace_s;
 } up_opts;
 
-static int parse_opts(int argc, char **argv, up_opts *o, bool allow_d, bool allow_json)
+static int parse_opts(int argc, char **argv, up_opts *o, bool is_up, bool allow_json)
 {
-    *o = (up_opts){.timeout_s = 300, .grace_s = 10};
+    *o = (up_opts){.timeout_s = 300, .grace_s = 10, .restart = true};
     for (int i = 0; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int rc = 0;
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
             usage_up();
             return 1;
-        } else if (allow_d && (!strcmp(f, "-d") || !strcmp(f, "--detach"))) {
+        } else if (is_up && (!strcmp(f, "-d") || !strcmp(f, "--detach"))) {
             o->detach = true;
+        } else if (is_up && !strcmp(f, "--no-restart")) {
+            o->restart = false;
         } else if (allow_json && !strcmp(f, "--json")) {
             o->json = true;
         } else if (!strcmp(f, "--timeout") || !strcmp(f, "--grace")) {
@@ -698,6 +780,220 @@ static int parse_opts(int argc, char **argv, up_opts *o, bool allow_d, bool allo
         return TD_EINVAL;
     }
     return 0;
+}
+
+/* Starts every process and waits until the cluster is ready. On error the log tail of the
+ * process concerned has been printed; the caller stops what runs. */
+static int start_cluster(cluster *c, const up_opts *o, double t0)
+{
+    int rc = 0;
+    for (int i = 0; i < c->n && !rc; i++) /* decode ranks, prefill stages, then the router */
+        rc = spawn(c, &c->p[i], NULL);
+    pf_probe *probes = NULL;
+    int n_probes = c->cfg->n_prefill;
+    if (!rc) rc = probes_open(c, &probes);
+    double last_note = t0;
+    bool router_ok = false;
+    while (!rc) {
+        up_proc *dead = find_exited(c);
+        if (dead) {
+            report_exit(dead, "during start-up");
+            rc = TD_EIO;
+            break;
+        }
+        if (g_signal) {
+            fprintf(stderr, "tandem: %s during start-up: stopping\n", strsignal(g_signal));
+            rc = TD_ESTATE;
+            break;
+        }
+        pf_probe *waiting = probes_poll(probes, n_probes);
+        int h = router_ok ? 200 : health(c, 2000);
+        router_ok = h == 200;
+        if (router_ok && !waiting) break;
+        if (now_s() - t0 > o->timeout_s) {
+            if (!router_ok) {
+                fprintf(stderr, "tandem: %s/health did not answer 200 within %.0f s (last: %s)\n",
+                        c->endpoint, o->timeout_s, h > 0 ? "an HTTP error status" : td_strerror(h));
+                print_tail(c->p[c->n - 1].log, 20);
+            } else {
+                fprintf(stderr,
+                        "tandem: prefill %s (%s) did not report ready within %.0f s "
+                        "(stage 0 says ready once every stage joined)\n",
+                        waiting->instance, waiting->url, o->timeout_s);
+                if (waiting->stage0) print_tail(waiting->stage0->log, 20);
+            }
+            rc = TD_ETIMEDOUT;
+            break;
+        }
+        if (now_s() - last_note > 15) {
+            last_note = now_s();
+            if (!router_ok)
+                fprintf(stderr, "tandem: waiting for %s/health (%.0f s)\n", c->endpoint,
+                        last_note - t0);
+            else
+                fprintf(stderr, "tandem: waiting for prefill %s to be ready (%.0f s)\n",
+                        waiting->instance, last_note - t0);
+        }
+        sleep_ms(250);
+    }
+    probes_close(probes, n_probes);
+    return rc;
+}
+
+/* p has died while supervised: report it and schedule its restart after the back-off. */
+static void schedule_restart(up_proc *p, double t)
+{
+    char l[128];
+    proc_label(p, l, sizeof l);
+    describe_exit(p, p->last_exit, sizeof p->last_exit);
+    p->last_pid = p->pid;
+    double ran = t - p->started_at;
+    p->backoff_s = !p->backoff_s || ran >= UP_BACKOFF_RESET_S
+                       ? UP_BACKOFF_MIN_S
+                       : fmin(2 * p->backoff_s, UP_BACKOFF_MAX_S);
+    p->restart_at = t + p->backoff_s;
+    fprintf(stderr, "tandem: %s (pid %d) %s after %.1f s: restarting it in %.1f s\n", l,
+            (int)p->pid, p->last_exit, ran, p->backoff_s);
+    print_tail(p->log, 10);
+    p->pid = 0;
+    p->child = false;
+    write_pidfile(p->pidfile, 0, p->restarts); /* tandem status: restarting */
+}
+
+/* Starts p again (its restart is due): same command line, its log appended to. */
+static void restart(cluster *c, up_proc *p, double t)
+{
+    char l[128], when[64], note[512];
+    proc_label(p, l, sizeof l);
+    time_t wall = time(NULL);
+    struct tm tm;
+    localtime_r(&wall, &tm);
+    strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
+    snprintf(note, sizeof note,
+             "---- tandem up: restart %d of %s at %s (the previous process, pid %d, %s) ----\n",
+             p->restarts + 1, l, when, (int)p->last_pid, p->last_exit);
+    p->restart_at = 0;
+    p->restarts++; /* before spawn: the new pid file carries it */
+    int rc = spawn(c, p, note);
+    if (p->pid > 0) { /* running (a pid file that could not be written was reported) */
+        fprintf(stderr, "tandem: %s restarted (pid %d, restart %d)\n", l, (int)p->pid, p->restarts);
+        return;
+    }
+    p->restarts--;
+    /* it did not start (spawn said why): try again after a longer back-off */
+    p->started_at = t;
+    p->backoff_s = fmin(2 * p->backoff_s, UP_BACKOFF_MAX_S);
+    p->restart_at = t + p->backoff_s;
+    fprintf(stderr, "tandem: could not restart %s (%s): trying again in %.1f s\n", l,
+            td_strerror(rc), p->backoff_s);
+}
+
+/* Runs until a signal: children that die are restarted (o->restart) or stop the cluster
+ * (TD_EIO). */
+static int supervise(cluster *c, const up_opts *o)
+{
+    while (!g_signal) {
+        double t = now_s();
+        for (int i = 0; i < c->n; i++) {
+            up_proc *p = &c->p[i];
+            if (p->pid && p->child && !proc_alive(p)) {
+                if (!o->restart) {
+                    report_exit(p, "while running: stopping the cluster");
+                    return TD_EIO;
+                }
+                schedule_restart(p, t);
+            } else if (!p->pid && p->restart_at && t >= p->restart_at) {
+                restart(c, p, t);
+            }
+        }
+        sleep_ms(100);
+    }
+    return 0;
+}
+
+/* -d: forks the supervisor. In the child (its own session, stdin from /dev/null) returns 0
+ * with *notify the pipe to write one byte to once the cluster is up. In the parent waits for
+ * that byte (0) or the child's end (TD_EIO: it printed why), forwarding SIGINT/SIGTERM/SIGHUP
+ * as SIGTERM, and sets *parent. */
+static int detach(int *notify, bool *parent)
+{
+    int ep[2];
+    *parent = false;
+    if (pipe2(ep, O_CLOEXEC)) {
+        fprintf(stderr, "tandem: pipe: %s\n", strerror(errno));
+        return TD_EIO;
+    }
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "tandem: fork: %s\n", strerror(errno));
+        close(ep[0]);
+        close(ep[1]);
+        return TD_EIO;
+    }
+    if (pid == 0) {
+        close(ep[0]);
+        setsid();
+        int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (nul >= 0) {
+            dup2(nul, 0);
+            close(nul);
+        }
+        *notify = ep[1];
+        return 0;
+    }
+    *parent = true;
+    close(ep[1]);
+    bool forwarded = false;
+    int rc;
+    for (;;) {
+        char b;
+        ssize_t r = read(ep[0], &b, 1);
+        if (r == 1) {
+            rc = 0;
+            break;
+        }
+        if (r < 0 && errno == EINTR) {
+            if (g_signal && !forwarded) {
+                kill(pid, SIGTERM);
+                forwarded = true;
+            }
+            continue;
+        }
+        int ws;
+        while (waitpid(pid, &ws, 0) < 0 && errno == EINTR)
+            ;
+        rc = TD_EIO;
+        break;
+    }
+    close(ep[0]);
+    return rc;
+}
+
+/* The detached supervisor, once the cluster is up: its output goes to up.log from now on,
+ * and the waiting parent is released. */
+static void detach_done(const cluster *c, const up_opts *o, int notify)
+{
+    char path[PATH_MAX + 8];
+    snprintf(path, sizeof path, "%s/up.log", c->dir);
+    fprintf(stderr,
+            "tandem: supervising in the background (pid %d, messages in %s); 'tandem status "
+            "%s', 'tandem down %s'\n",
+            (int)getpid(), path, o->file, o->file);
+    fflush(stdout);
+    fflush(stderr);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        close(fd);
+    }
+    char b = 1;
+    ssize_t w = write(notify, &b, 1);
+    (void)w; /* a parent that is gone needs no answer */
+    close(notify);
 }
 
 int cmd_up(int argc, char **argv)
@@ -724,10 +1020,6 @@ int cmd_up(int argc, char **argv)
         cluster_close(&c);
         return TD_ESTATE;
     }
-    for (int i = 0; i < c.n; i++) {
-        c.p[i].pid = 0;
-        unlink(c.p[i].pidfile);
-    }
     g_signal = 0;
     struct sigaction sa = {.sa_handler = on_signal};
     sigemptyset(&sa.sa_mask);
@@ -735,88 +1027,42 @@ int cmd_up(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGHUP, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
-    if (!o.detach) write_pidfile(c.up_pidfile, getpid());
+    int notify = -1;
+    if (o.detach) {
+        bool parent;
+        rc = detach(&notify, &parent);
+        if (rc || parent) {
+            cluster_close(&c);
+            return rc;
+        }
+    }
+    for (int i = 0; i < c.n; i++) {
+        c.p[i].pid = 0;
+        unlink(c.p[i].pidfile);
+    }
+    write_pidfile(c.up_pidfile, getpid(), 0);
 
     fprintf(stderr, "tandem: starting cluster '%s' (%d processes, logs in %s)\n", c.name, c.n,
             c.dir);
-    for (int i = 0; i < c.n && !rc; i++) /* decode ranks, prefill stages, then the router */
-        rc = spawn(&c, &c.p[i]);
-    pf_probe *probes = NULL;
-    int n_probes = c.cfg->n_prefill;
-    if (!rc) rc = probes_open(&c, &probes);
-    double t0 = now_s(), last_note = t0;
-    bool router_ok = false;
-    while (!rc) {
-        up_proc *dead = find_exited(&c);
-        if (dead) {
-            report_exit(dead, "during start-up");
-            rc = TD_EIO;
-            break;
-        }
-        if (g_signal) {
-            fprintf(stderr, "tandem: %s during start-up: stopping\n", strsignal(g_signal));
-            rc = TD_ESTATE;
-            break;
-        }
-        pf_probe *waiting = probes_poll(probes, n_probes);
-        int h = router_ok ? 200 : health(&c, 2000);
-        router_ok = h == 200;
-        if (router_ok && !waiting) break;
-        if (now_s() - t0 > o.timeout_s) {
-            if (!router_ok) {
-                fprintf(stderr, "tandem: %s/health did not answer 200 within %.0f s (last: %s)\n",
-                        c.endpoint, o.timeout_s, h > 0 ? "an HTTP error status" : td_strerror(h));
-                print_tail(c.p[c.n - 1].log, 20);
-            } else {
-                fprintf(stderr,
-                        "tandem: prefill %s (%s) did not report ready within %.0f s "
-                        "(stage 0 says ready once every stage joined)\n",
-                        waiting->instance, waiting->url, o.timeout_s);
-                if (waiting->stage0) print_tail(waiting->stage0->log, 20);
-            }
-            rc = TD_ETIMEDOUT;
-            break;
-        }
-        if (now_s() - last_note > 15) {
-            last_note = now_s();
-            if (!router_ok)
-                fprintf(stderr, "tandem: waiting for %s/health (%.0f s)\n", c.endpoint,
-                        last_note - t0);
-            else
-                fprintf(stderr, "tandem: waiting for prefill %s to be ready (%.0f s)\n",
-                        waiting->instance, last_note - t0);
-        }
-        sleep_ms(250);
-    }
-    probes_close(probes, n_probes);
+    double t0 = now_s();
+    rc = start_cluster(&c, &o, t0);
     if (rc) {
         stop_all(&c, o.grace_s);
-        if (!o.detach) unlink(c.up_pidfile);
+        unlink(c.up_pidfile);
         fprintf(stderr, "tandem: cluster '%s' did not come up; every process is stopped\n", c.name);
         cluster_close(&c);
+        if (notify >= 0) close(notify);
         return rc;
     }
     printf("tandem: cluster '%s' is up in %.1f s: %s (OpenAI API at %s/v1)\n", c.name, now_s() - t0,
            c.endpoint, c.endpoint);
     fflush(stdout);
-    if (o.detach) {
-        fprintf(stderr,
-                "tandem: running in the background; 'tandem status %s', 'tandem down "
-                "%s'\n",
-                o.file, o.file);
-        cluster_close(&c);
-        return 0;
-    }
-    fprintf(stderr, "tandem: Ctrl-C or SIGTERM stops the cluster\n");
-    while (!g_signal) {
-        up_proc *dead = find_exited(&c);
-        if (dead) {
-            report_exit(dead, "while running: stopping the cluster");
-            rc = TD_EIO;
-            break;
-        }
-        sleep_ms(200);
-    }
+    if (o.detach)
+        detach_done(&c, &o, notify);
+    else
+        fprintf(stderr, "tandem: Ctrl-C or SIGTERM stops the cluster%s\n",
+                o.restart ? "; a process that dies is restarted" : "");
+    rc = supervise(&c, &o);
     if (!rc) fprintf(stderr, "tandem: %s: stopping the cluster\n", strsignal(g_signal));
     int n = stop_all(&c, o.grace_s);
     unlink(c.up_pidfile);
@@ -834,17 +1080,25 @@ int cmd_down(int argc, char **argv)
     if ((rc = cluster_open(&c, o.file))) return rc;
     int n = 0;
     up_proc sup = {.role = "up"};
-    if (!read_pidfile(c.up_pidfile, &sup.pid, &sup.start) && proc_alive(&sup)) {
-        /* a foreground up: it stops its own processes */
+    if (!read_pidfile(c.up_pidfile, &sup.pid, &sup.start, NULL) && proc_alive(&sup)) {
+        /* the supervising up (foreground or -d): it stops its own processes */
         kill(sup.pid, SIGTERM);
-        double end = now_s() + o.grace_s + 15;
+        cont_if_stopped(&sup);
+        /* its stop_all: the router's drain bound, then the others' grace */
+        double drain_s = c.cfg->router.drain_timeout_ms / 1000.0 + 5;
+        double end = now_s() + fmax(o.grace_s, drain_s) + o.grace_s + 15;
         while (proc_alive(&sup) && now_s() < end)
             sleep_ms(50);
-        if (proc_alive(&sup))
-            fprintf(stderr, "tandem: the foreground 'tandem up' (pid %d) did not stop\n",
+        if (proc_alive(&sup)) {
+            /* so that it restarts nothing while its processes are stopped below */
+            fprintf(stderr, "tandem: the supervising 'tandem up' (pid %d) did not stop: SIGKILL\n",
                     (int)sup.pid);
-        else
-            n++;
+            kill(sup.pid, SIGKILL);
+            end = now_s() + 10;
+            while (proc_alive(&sup) && now_s() < end)
+                sleep_ms(50);
+        }
+        n++;
     }
     unlink(c.up_pidfile);
     load_pids(&c);
@@ -865,24 +1119,32 @@ int cmd_status(int argc, char **argv)
     cluster c;
     if ((rc = cluster_open(&c, o.file))) return rc;
     load_pids(&c);
+    pid_t sup = supervisor_pid(&c);
     json_t *arr = json_array();
     for (int i = 0; i < c.n; i++) {
         up_proc *p = &c.p[i];
-        const char *state = !p->pid ? "stopped" : proc_alive(p) ? "running" : "dead";
+        const char *state = p->pending      ? (sup ? "restarting" : "dead")
+                            : !p->pid       ? "stopped"
+                            : proc_alive(p) ? "running"
+                                            : "dead";
         if (o.json) {
-            json_array_append_new(arr, json_pack("{s:s, s:s, s:i, s:o, s:s, s:s}", "role", p->role,
-                                                 "instance", p->instance, "rank", p->rank, "pid",
-                                                 p->pid ? json_integer(p->pid) : json_null(),
-                                                 "state", state, "log", p->log));
+            json_array_append_new(arr,
+                                  json_pack("{s:s, s:s, s:i, s:o, s:i, s:s, s:s}", "role", p->role,
+                                            "instance", p->instance, "rank", p->rank, "pid",
+                                            p->pid ? json_integer(p->pid) : json_null(), "restarts",
+                                            p->restarts, "state", state, "log", p->log));
         } else {
             char pid[16];
             snprintf(pid, sizeof pid, p->pid ? "%d" : "-", (int)p->pid);
-            printf("%-8s %-16s %4d %8s  %s\n", p->role, p->instance, p->rank, pid, state);
+            printf("%-8s %-16s %4d %8s %3d  %s\n", p->role, p->instance, p->rank, pid, p->restarts,
+                   state);
         }
     }
     if (o.json) {
-        json_t *root = json_pack("{s:s, s:s, s:s, s:o}", "cluster", c.name, "run_dir", c.dir,
-                                 "endpoint", c.endpoint, "processes", arr);
+        json_t *root = json_pack("{s:s, s:s, s:s, s:{s:o, s:s}, s:o}", "cluster", c.name, "run_dir",
+                                 c.dir, "endpoint", c.endpoint, "supervisor", "pid",
+                                 sup ? json_integer(sup) : json_null(), "state",
+                                 sup ? "running" : "stopped", "processes", arr);
         char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;
         if (s) printf("%s\n", s);
         free(s);

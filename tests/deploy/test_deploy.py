@@ -7,7 +7,8 @@ Cases (--case, one ctest each):
               -> status: all running -> POST /v1/completions answers -> down -> status:
               all stopped, no process left
   foreground  up in the foreground: SIGTERM stops everything (exit 0); a second run where a
-              decode rank is killed: up reports it, stops the rest and exits non-zero
+              decode rank is killed under --no-restart: up reports it, stops the rest and
+              exits non-zero
   bad_model   a decode instance that cannot start (no such model file): up -d exits
               non-zero, prints the log tail, leaves no process behind
   bench       tandem bench (plain and --stream) against the cluster: requests == N,
@@ -21,9 +22,10 @@ Cases (--case, one ctest each):
                       prefill stages and the router running, their logs and pid files ->
                       a completion (with the real router: equal to tandem generate, and
                       prefilled by p0) -> down -> all stopped, nothing left
-  prefill_foreground  foreground up; SIGKILL of prefill stage 1: up reports it, stops the
-                      rest, exits non-zero; a stage that cannot start (bad layer_partition):
-                      up -d fails with its log tail and leaves nothing behind
+  prefill_foreground  foreground up --no-restart; SIGKILL of prefill stage 1: up reports
+                      it, stops the rest, exits non-zero; a stage that cannot start (bad
+                      layer_partition): up -d fails with its log tail and leaves nothing
+                      behind
   prefill_scripts     deploy/start-prefill.sh: one stage per call, stage 1 started first,
                       decode and router by their scripts; ready, a completion, SIGTERM ->
                       every stage exits 0; `all`: both stages under one script, SIGTERM ->
@@ -296,10 +298,10 @@ def wait_line(proc, needle, timeout):
     return buf
 
 
-def start_fg(e, cfg):
+def start_fg(e, cfg, *extra):
     err = open(os.path.join(e.dir, f"fg-{random.randrange(1 << 30)}.err"), "w+")
-    p = subprocess.Popen([e.args.tandem, "up", cfg, "--timeout", "150"], stdout=subprocess.PIPE,
-                         stderr=err, env=e.env)
+    p = subprocess.Popen([e.args.tandem, "up", cfg, "--timeout", "150", *extra],
+                         stdout=subprocess.PIPE, stderr=err, env=e.env)
     out = wait_line(p, "is up", 180)
     return p, out, err
 
@@ -332,8 +334,9 @@ def case_foreground(e):
             p.kill()
             p.wait()
 
-    # A rank dying while the cluster runs: up reports it and stops everything, exit != 0.
-    p, out, err = start_fg(e, cfg)
+    # A rank dying while the cluster runs, --no-restart: up reports it and stops everything,
+    # exit != 0 (the restarts are tested by chaos_supervise, tests/chaos/test_chaos.py).
+    p, out, err = start_fg(e, cfg, "--no-restart")
     try:
         if not check("is up" in out, "foreground up (second run) is up"):
             return
@@ -505,7 +508,7 @@ def case_prefill_foreground(e):
     if not need_prefill(e):
         return SKIP
     cfg, port = e.yaml("pffg", [("d0", 1)], prefills=[("p0", 2)])
-    p, out, err = start_fg(e, cfg)
+    p, out, err = start_fg(e, cfg, "--no-restart")
     try:
         if not check("is up" in out, f"foreground up with a prefill instance is up ({out.strip()} "
                                      f"{read_err(err)[-600:]})"):

@@ -1,17 +1,19 @@
 """soaklib.py: the cluster side of the soak test (tests/soak/test_soak.py).
 
-    cl = SoakCluster(args, model, decodes=[("d0", 1), ("d1", 2)])
+    cl = SoakCluster(args, model, decodes=[("d0", 1)], prefills=[("p0", 2)])
     cl.up()                  # tandem up -d on a generated YAML (random ports, temp run dir)
     cl.procs                 # [{"role","instance","rank","pid","log"}] from tandem status --json
-    cl.rss(pid)              # {"VmRSS": kB, "RssAnon": kB, ...} from /proc/PID/status
     cl.metrics()             # the router's /metrics as {(name, labels): value}
     cl.instance_health(i)    # tandem client --url tcp://127.0.0.1:PORT --health, as a dict
+    cl.prefill_health(i)     # the same for prefill instance i (its stage 0)
     cl.down()                # tandem down; then cl.leftovers() lists what is still running
     cl.cleanup()             # kills whatever mentions the temp dir, removes it
 
 Every process is started by `tandem up -d` with TANDEM_BIN pointing at a temp bin dir of
-symlinks (tandem-decode, tandem-router), so its command line names the temp dir and
-leftovers() finds it even if the pid files are gone.
+symlinks (tandem-decode, tandem-router, tandem-prefill), so its command line names the temp
+dir and leftovers() finds it even if the pid files are gone. With prefill instances the
+cluster is disaggregated (every request is prefilled by a prefill instance, KV over shared
+memory as in deploy/local.yaml); without, the decode instances prefill their own prompts.
 """
 import http.client
 import json
@@ -89,7 +91,7 @@ def parse_metrics(text):
 
 class SoakCluster:
     def __init__(self, args, model, decodes, kv_blocks=256, max_batch=16, step_tokens=128,
-                 threads=1, env_extra=None):
+                 threads=1, env_extra=None, prefills=()):
         self.args = args
         self.model = model
         self.dir = tempfile.mkdtemp(prefix="tandem-soak-")
@@ -97,12 +99,16 @@ class SoakCluster:
         os.mkdir(self.bin)
         os.symlink(os.path.abspath(args.decode), os.path.join(self.bin, "tandem-decode"))
         os.symlink(os.path.abspath(args.router), os.path.join(self.bin, "tandem-router"))
+        if prefills:
+            os.symlink(os.path.abspath(args.prefill), os.path.join(self.bin, "tandem-prefill"))
         self.env = dict(os.environ, TANDEM_BIN=self.bin, **(env_extra or {}))
         # unique instance names: the decode node's shm segment is /dev/shm/tandem-NAME-pPORT
         tag = f"{os.getpid() % 100000}{random.randrange(1000)}"
         self.decodes = [(f"soak{tag}{name}", tp) for name, tp in decodes]
-        self.port = free_port(1 + len(decodes))
+        self.prefills = [(f"soak{tag}{name}", pp) for name, pp in prefills]
+        self.port = free_port(1 + len(decodes) + len(prefills))
         self.decode_ports = [self.port + 1 + i for i in range(len(decodes))]
+        self.prefill_ports = [self.port + 1 + len(decodes) + i for i in range(len(prefills))]
         self.url = f"http://127.0.0.1:{self.port}"
         lines = [f"model: {model}", f"run_dir: {self.dir}/run", "router:",
                  f"  listen: 127.0.0.1:{self.port}", "  heartbeat_ms: 100",
@@ -111,6 +117,14 @@ class SoakCluster:
             lines += [f"  - name: {name}", f"    tp: {tp}", f"    threads: {threads}",
                       f"    kv_blocks: {kv_blocks}", f"    max_batch: {max_batch}",
                       f"    step_tokens: {step_tokens}", f"    port: {self.decode_ports[i]}"]
+        if prefills:
+            lines.append("prefill:")
+        for i, (name, pp) in enumerate(self.prefills):
+            lines += [f"  - name: {name}", f"    pp: {pp}", f"    threads: {threads}",
+                      "    chunk_size: 128", "    kv_tokens: 8192", "    max_queue: 64",
+                      "    profile_budget_ms: 0", f"    port: {self.prefill_ports[i]}"]
+        if prefills:  # one host: shared memory only, as deploy/local.yaml
+            lines += ["kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 60000"]
         self.cfg = os.path.join(self.dir, "soak.yaml")
         with open(self.cfg, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -185,7 +199,8 @@ class SoakCluster:
     def label(self, p):
         if p["role"] == "router":
             return "router"
-        return f"{p['instance'][len('soak'):].lstrip('0123456789')}.r{p['rank']}"
+        short = p['instance'][len('soak'):].lstrip('0123456789')
+        return f"{short}.{'s' if p['role'] == 'prefill' else 'r'}{p['rank']}"
 
     def metrics(self, timeout=30):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -197,14 +212,17 @@ class SoakCluster:
         finally:
             c.close()
 
-    def instance_health(self, i, timeout=60):
+    def instance_health(self, i, timeout=60, port=None):
         r = subprocess.run([self.args.tandem, "client", "--url",
-                            f"tcp://127.0.0.1:{self.decode_ports[i]}", "--health"],
+                            f"tcp://127.0.0.1:{port or self.decode_ports[i]}", "--health"],
                            capture_output=True, text=True, timeout=timeout, env=self.env)
         f = r.stdout.split()
         d = {f[k]: f[k + 1] for k in range(0, len(f) - 1, 2)}
         return {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in d.items()} \
             if r.returncode == 0 else None
+
+    def prefill_health(self, i, timeout=60):
+        return self.instance_health(0, timeout, port=self.prefill_ports[i])
 
     def http_get(self, path, timeout=30):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)

@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""test_soak.py: the soak test (issue 7 item 5) for what exists today: router + decode
-instances in colocated mode, started by `tandem up -d` on a generated YAML.
+"""test_soak.py: the soak test (issue 7): a cluster started by `tandem up -d` on a generated
+YAML under steady load with client cancellations, checked for errors, leaks and memory growth.
 
-Cluster: tandem-router + decode instance d0 (tp 1) + decode instance d1 (tp 2) on the
-synthetic model (or --model GGUF: the manual long mode on a real model), random ports, a
-temp run dir; kv_blocks 256, max_batch 16 per instance.
+Cluster (--shape), on the synthetic model (or --model GGUF: the manual long mode on a real
+model), random ports, a temp run dir:
+  disagg     (default) the default shape of deploy/local.yaml: tandem-router + prefill
+             instance p0 (pp 2: two tandem-prefill stages, chunks of 128, kv_tokens 8192) +
+             decode instance d0 (tp 1); every request is prefilled by p0 and its KV pushed
+             into d0 over shared memory (posix,cma,self); kv_blocks 256, max_batch 16;
+  colocated  tandem-router + decode instance d0 (tp 1) + decode instance d1 (tp 2), which
+             prefill their own prompts; kv_blocks 256, max_batch 16 per instance.
 
 Load: --concurrency (default 16) client threads, each one request at a time on a fresh
 connection, for --seconds (default $TANDEM_SOAK_SECONDS, else 30):
@@ -20,16 +25,18 @@ connection, for --seconds (default $TANDEM_SOAK_SECONDS, else 30):
 Every answer is checked (status, JSON shape, SSE framing, [DONE], finish_reason,
 completion_tokens <= max_tokens); anything else is an "unexpected" outcome.
 
-Sampled once a second: VmRSS and RssAnon (/proc/PID/status) of the router and of every
-decode rank, the router's /metrics (KV blocks used per instance, queue, running).
+Sampled once a second: VmRSS and RssAnon (/proc/PID/status) of the router, of every prefill
+stage and of every decode rank, the router's /metrics (KV blocks used per instance, queue,
+running).
 
 Checks at the end:
   1. zero unexpected outcomes (every request: success, its expected 4xx, or cancelled by us)
      and no 5xx in the router's tandem_router_requests_total;
   2. within --drain-timeout (30 s) after the load stops: the router's
-     tandem_instance_kv_blocks_used{instance} is 0 for both instances, queue and running 0,
-     and `tandem client --url tcp://127.0.0.1:PORT --health` of each instance says kv_used 0,
-     running 0, waiting 0;
+     tandem_instance_kv_blocks_used{instance} is 0 for every decode instance, queue and
+     running 0 (disagg: tandem_prefill_instance_{requests,running,waiting} 0 too), and
+     `tandem client --url tcp://127.0.0.1:PORT --health` of each decode instance and of
+     prefill stage 0 says kv_used 0, running 0, waiting 0;
   3. resident memory: for every process, growth of VmRSS from the end of the warm-up
      window (the first --warmup seconds, default max(10 s, 25% of the run)) to the highest
      sample after it is below --rss-bound-mb (20 MiB, absolute; see BOUND below);
@@ -56,7 +63,8 @@ Manual long mode on the default model (not a ctest):
       --decode build/bin/tandem-decode --router build/bin/tandem-router \
       --synth build/test-data/synth/llama.gguf --model "$TANDEM_MODEL"
 
-usage: test_soak.py --tandem BIN --decode BIN --router BIN --synth GGUF [--model GGUF]
+usage: test_soak.py --tandem BIN --decode BIN --router BIN [--prefill BIN] --synth GGUF
+                    [--shape disagg|colocated] [--model GGUF]
                     [--seconds S] [--concurrency C] [--warmup S] [--rss-bound-mb MB]
                     [--drain-timeout S] [--kv-blocks N] [--asan] [--json FILE] [--seed N]
                     [--keep]
@@ -495,8 +503,16 @@ def kv_idle(cl):
         v = m.get((g, ()))
         desc.append(f"{g[13:]}={v}")
         idle &= v == 0
-    for i, (name, _) in enumerate(cl.decodes):
-        h = cl.instance_health(i, timeout=30)
+    for name, _ in cl.prefills:
+        for g in ("requests", "running", "waiting", "queued_prompt_tokens"):
+            v = m.get((f"tandem_prefill_instance_{g}", (("instance", name),)))
+            desc.append(f"router:{name[4:].lstrip('0123456789')}.{g}={v}")
+            idle &= v == 0
+    healths = [(name, cl.instance_health(i, timeout=30)) for i, (name, _) in
+               enumerate(cl.decodes)]
+    healths += [(name, cl.prefill_health(i, timeout=30)) for i, (name, _) in
+                enumerate(cl.prefills)]
+    for name, h in healths:
         short = name[4:].lstrip("0123456789")
         if h is None:
             desc.append(f"{short}: no health reply")
@@ -559,6 +575,9 @@ def main():
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--decode", required=True)
     ap.add_argument("--router", required=True)
+    ap.add_argument("--prefill", default="", help="tandem-prefill (needed by --shape disagg)")
+    ap.add_argument("--shape", choices=["disagg", "colocated"],
+                    default=os.environ.get("TANDEM_SOAK_SHAPE") or "disagg")
     ap.add_argument("--synth", required=True)
     ap.add_argument("--model", default="", help="soak this model instead (manual long mode)")
     ap.add_argument("--seconds", type=float,
@@ -575,7 +594,8 @@ def main():
     ap.add_argument("--seed", type=int, default=int(os.environ.get("TANDEM_SOAK_SEED") or 0))
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs)")
     args = ap.parse_args()
-    for b in (args.tandem, args.decode, args.router):
+    for b in (args.tandem, args.decode, args.router) + \
+            ((args.prefill,) if args.shape == "disagg" else ()):
         if not os.access(b, os.X_OK):
             print(f"FAIL {b} is not built")
             return 1
@@ -583,7 +603,8 @@ def main():
     seed = args.seed or random.randrange(1, 1 << 30)
     warmup = args.warmup if args.warmup is not None else max(10.0, 0.25 * args.seconds)
     warmup = min(warmup, 0.5 * args.seconds)
-    print(f"soak: model {model}, {args.seconds:.0f} s, concurrency {args.concurrency}, "
+    print(f"soak: {args.shape}, model {model}, {args.seconds:.0f} s, concurrency "
+          f"{args.concurrency}, "
           f"warm-up {warmup:.0f} s, seed {seed} (TANDEM_SOAK_SEED={seed} repeats the request mix)",
           flush=True)
     env_extra = {}
@@ -596,12 +617,18 @@ def main():
         env_extra["ASAN_OPTIONS"] = (os.environ.get("ASAN_OPTIONS", "") +
                                      ":quarantine_size_mb=4").lstrip(":")
     kv_blocks = args.kv_blocks or (64 if args.model else 256)
-    cl = SoakCluster(args, model, [("d0", 1), ("d1", 2)], kv_blocks=kv_blocks,
-                     env_extra=env_extra)
+    if args.shape == "disagg":  # deploy/local.yaml's shape
+        cl = SoakCluster(args, model, [("d0", 1)], kv_blocks=kv_blocks, env_extra=env_extra,
+                         prefills=[("p0", 2)])
+    else:
+        cl = SoakCluster(args, model, [("d0", 1), ("d1", 2)], kv_blocks=kv_blocks,
+                         env_extra=env_extra)
+    n_procs = 1 + sum(tp for _, tp in cl.decodes) + sum(pp for _, pp in cl.prefills)
     t_start = time.time()
     sampler = None
     load = None
-    report = {"model": os.path.basename(model), "seconds": args.seconds, "kv_blocks": kv_blocks,
+    report = {"shape": args.shape, "model": os.path.basename(model), "seconds": args.seconds,
+              "kv_blocks": kv_blocks,
               "concurrency": args.concurrency, "seed": seed, "warmup_s": warmup}
     try:
         r = cl.up(timeout=300)
@@ -609,8 +636,8 @@ def main():
                                         f"({(r.stdout + r.stderr).strip()[-800:]})"):
             return 1
         labels = [cl.label(p) for p in cl.procs]
-        check(len(cl.procs) == 4 and all(p["state"] == "running" for p in cl.procs),
-              f"status: 4 processes running ({labels})")
+        check(len(cl.procs) == n_procs and all(p["state"] == "running" for p in cl.procs),
+              f"status: {n_procs} processes running ({labels})")
         name = model_name_of(cl)
         check(name is not None, f"GET /v1/models: {name}")
 
@@ -647,7 +674,7 @@ def main():
         ok, took = wait_for(lambda: kv_idle(cl)[0], args.drain_timeout, step=0.5)
         idle, desc = kv_idle(cl)
         report["kv_drain_s"] = round(took, 1) if ok else None
-        check(ok, f"KV blocks back to 0 used on both instances {took:.1f} s after the load "
+        check(ok, f"nothing held anywhere (KV blocks, requests) {took:.1f} s after the load "
                   f"stopped ({desc})")
         sampler.halt.set()
         sampler.join(30)
@@ -740,7 +767,7 @@ def main():
 
     # summary
     print("\n=== soak summary ===")
-    print(f"model {report['model']}, load {report.get('load_seconds', 0):.1f} s at concurrency "
+    print(f"{args.shape}: model {report['model']}, load {report.get('load_seconds', 0):.1f} s at concurrency "
           f"{args.concurrency}, seed {seed}")
     print(f"requests {report.get('requests')}: {report.get('by_outcome')}  "
           f"({report.get('requests_per_s', 0):.1f} req/s; successful e2e p50 "

@@ -1,0 +1,43 @@
+# Chaos suite (tests/chaos/test_chaos.py): faults injected into a disaggregated cluster (router
+# + prefill p0 pp 2 + decode d0 on the synthetic model) under steady load, repaired by the
+# supervisor of `tandem up` (docs/deploy.md). Each case prints a summary table (fault,
+# requests ok / error, repair and recovery times) and writes chaos-CASE.json here.
+#   chaos_supervise  tandem up restarts what dies (back-off, log appended, status, -d, down)
+#   chaos_kill       kill -9 the router, prefill stage 1, prefill stage 0, a decode rank (tp 2),
+#                    and clients dropping their streams; after each: every request ended in
+#                    time with a success or a clear error, recovery time, no leak anywhere
+#   chaos_stop       SIGSTOP prefill stage 1 past stage 0's 5 s heartbeat, then SIGCONT
+#   chaos_netns      prefill and decode in two network namespaces, the link between them cut
+#                    and restored (skipped, 77, when namespaces cannot be created)
+# TANDEM_CHAOS_ROUNDS (default 1) repeats the faults of chaos_kill / chaos_stop on one
+# cluster. RUN_SERIAL: the faults are timed (heartbeats, restarts), so nothing else runs.
+if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode AND TARGET tandem-router
+   AND TARGET tandem-prefill)
+  set(TANDEM_CHAOS_ARGS "")
+  if(TANDEM_SANITIZE)
+    set(TANDEM_CHAOS_ARGS --asan)
+  endif()
+  set(TANDEM_CHAOS_CASES supervise kill stop netns)
+  foreach(case ${TANDEM_CHAOS_CASES})
+    set(chaos_case ${case})
+    set(chaos_only "")
+    if(case STREQUAL "kill")
+      set(chaos_case faults)
+      set(chaos_only --only "kill -9,drop clients")
+    elseif(case STREQUAL "stop")
+      set(chaos_case faults)
+      set(chaos_only --only SIGSTOP)
+    endif()
+    add_test(NAME chaos_${case}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/chaos/test_chaos.py
+                     --case ${chaos_case} ${chaos_only} --tandem $<TARGET_FILE:tandem>
+                     --decode $<TARGET_FILE:tandem-decode> --prefill $<TARGET_FILE:tandem-prefill>
+                     --router $<TARGET_FILE:tandem-router> --synth-dir ${TANDEM_TEST_DATA}/synth
+                     --source-dir ${CMAKE_SOURCE_DIR}
+                     --json ${CMAKE_CURRENT_BINARY_DIR}/chaos-${case}.json
+                     ${TANDEM_CHAOS_ARGS})
+    set_tests_properties(chaos_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
+                         SKIP_RETURN_CODE 77 RUN_SERIAL TRUE LABELS chaos
+                         ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+  endforeach()
+endif()
