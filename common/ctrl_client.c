@@ -259,7 +259,9 @@ static void poll_cb(call *k, int rv)
     } else if (rv == 0) {
         nng_msg *m = nng_aio_get_msg(k->aio);
         nng_aio_set_msg(k->aio, NULL);
-        ok = poll_reply(c, m);
+        /* NNG 1.5.2 can complete a receive with success and no message (nanomsg/nng#1620
+         * territory): treat it as a failed poll and ask again after the back-off */
+        ok = m && poll_reply(c, m);
     }
     if (rv == NNG_ETIMEDOUT) ok = true; /* no server (yet): ask again at once */
     if (!ok) {
@@ -309,6 +311,7 @@ static void call_cb(void *arg)
     if (rv == 0) {
         m = nng_aio_get_msg(k->aio);
         nng_aio_set_msg(k->aio, NULL);
+        if (!m) rv = NNG_EPROTO; /* success without a message (see poll_cb): a failed call */
     }
     k->state = CALL_DONE;
     push_item(c, IT_REPLY, k, m, rv);

@@ -100,6 +100,7 @@ typedef struct {
     pf_buf sends[PF_NSEND];
     pf_buf recvs[PF_NRECV];
     bool broken;         /* a peer failed: rejoin */
+    struct pf_ctl *ctl_head, *ctl_tail; /* TARGETS / ABORT waiting for a send buffer, in order */
 
     /* requests of this stage */
     pf_req *reqs;
@@ -127,6 +128,7 @@ typedef struct {
     bool running; /* every stage joined (stage 0: table complete) */
     int64_t started_ms;
     uint64_t n_done, n_failed, n_chunks_total;
+    double slow_chunk_ms; /* recent longest chunk compute here (decays): heartbeat allowance */
 
     /* stages > 0 */
     td_ctrl_client *cli;
@@ -153,8 +155,13 @@ void pf_stage_abort_all(pf_node *n, int err);
 void pf_stage_poll(pf_node *n);
 /* Process received chain messages in order (stages > 0). */
 int pf_stage_recv(pf_node *n);
-/* Send a TARGETS or ABORT message down the chain (stage 0; no-op on the last stage). */
+/* Queue a TARGETS or ABORT message for the next stage (copied; no-op on the last stage)
+ * and send what the free send buffers allow, without waiting: the loop must keep serving
+ * while the next stage is slow or stopped. pf_chain_flush sends more; chunks go only when
+ * the queue is empty, so the chain keeps stage 0's order. */
 int pf_chain_send_msg(pf_node *n, const void *msg, size_t len);
+int pf_chain_flush(pf_node *n);         /* 0, or a negative td_err if the link broke */
+bool pf_chain_queue_empty(const pf_node *n);
 /* Wait (bounded) for a free send buffer; NULL if the link broke. */
 pf_buf *pf_chain_free_send(pf_node *n, int timeout_ms);
 /* Where a report about req goes: stage 0 handles it itself, others send it. */

@@ -10,7 +10,7 @@
 #include "td_err.h"
 
 #define HEALTH_MS          100
-#define MEMBER_SILENCE_MS  5000 /* a joined stage that stops saying hello is gone */
+#define MEMBER_SILENCE_MS  5000 /* a joined stage that stops saying hello is gone... */
 #define REPORT_GRACE_MS    5000 /* on top of the transfer deadline */
 #define STOP_DRAIN_MS      500
 
@@ -268,6 +268,11 @@ static void check_members(pf_node *n)
 {
     if (!n->running || n->pp == 1) return;
     int64_t now = pf_now_ms();
+    /* ...unless chunks take long: a stage says hello between chunks, so one that computes a
+     * long chunk (an 8K-token prefix on a slow or busy CPU) is silent for that long. Stage
+     * 0's own recent chunk times stand in for the others' (similar layer counts). */
+    int64_t silence = MEMBER_SILENCE_MS;
+    if (3 * n->slow_chunk_ms + 2000 > silence) silence = (int64_t)(3 * n->slow_chunk_ms) + 2000;
     for (int s = 1; s < n->pp; s++) {
         char why[96];
         if (n->link && pf_link_peer_failed(n->link, n->member_peer[s])) {
@@ -275,8 +280,8 @@ static void check_members(pf_node *n)
             reset_formation(n, why);
             return;
         }
-        if (now - n->members[s].seen_ms > MEMBER_SILENCE_MS) {
-            snprintf(why, sizeof why, "stage %d silent for %d ms", s, MEMBER_SILENCE_MS);
+        if (now - n->members[s].seen_ms > silence) {
+            snprintf(why, sizeof why, "stage %d silent for %lld ms", s, (long long)silence);
             reset_formation(n, why);
             return;
         }
@@ -533,7 +538,8 @@ static int record_chunk(pf_job *j, int32_t size)
 /* Plan and run the next chunk; returns 1 if one ran, 0 if there is nothing to do. */
 static int run_chunk(pf_node *n)
 {
-    if (!n->last && !pf_chain_free_send(n, 0)) return 0; /* the chain is full: later */
+    if (!n->last && (!pf_chain_queue_empty(n) || !pf_chain_free_send(n, 0)))
+        return 0; /* the chain is full: later (queued messages first, to keep the order) */
     pf_seg segs[PF_MAX_SEGS];
     pf_job *js[PF_MAX_SEGS];
     int n_segs = 0;
@@ -699,6 +705,7 @@ int pf_leader_run(pf_node *n)
             while (pf_link_take_report(n->link, b, &len))
                 if (!pf_wire_report_parse(b, len, &r)) pf_leader_on_report(n, &r);
         }
+        if (n->link && pf_chain_flush(n)) n->broken = true;
         pf_stage_poll(n);
         expire_jobs(n);
         int ran = 0;

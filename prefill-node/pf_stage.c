@@ -127,6 +127,8 @@ void pf_stage_teardown(pf_node *n)
 
 /* ---- the chain ---- */
 
+static void ctl_drop_all(pf_node *n);
+
 int pf_chain_open(pf_node *n)
 {
     int rc = pf_link_create(n->p->cfg->kvxfer.ucx_tls, &n->link);
@@ -137,6 +139,7 @@ int pf_chain_open(pf_node *n)
 
 void pf_chain_close(pf_node *n)
 {
+    ctl_drop_all(n); /* the messages were for this chain only */
     pf_link_destroy(n->link); /* completes pending sends/receives with an error */
     n->link = NULL;
     for (int i = 0; i < PF_NSEND; i++)
@@ -211,27 +214,63 @@ pf_buf *pf_chain_free_send(pf_node *n, int timeout_ms)
     }
 }
 
-static int send_raw(pf_node *n, const void *msg, size_t len)
+struct pf_ctl {
+    struct pf_ctl *next;
+    size_t len;
+    uint8_t data[];
+};
+
+static void ctl_drop_all(pf_node *n)
 {
-    if (n->last) return 0;
-    pf_buf *b = pf_chain_free_send(n, n->timeout_ms);
-    if (!b) return TD_EIO;
-    if (len > b->cap) return TD_ERANGE;
-    memcpy(b->buf, msg, len);
-    uint64_t seq = n->send_seq++;
-    memcpy(b->buf + 8, &seq, 8); /* the seq of this hop (pf_wire header layout) */
-    int rc = pf_link_send(n->link, n->next_peer, PF_TAG_CHAIN, b->buf, len, &b->op);
-    if (rc) {
-        n->broken = true;
-        return rc;
+    while (n->ctl_head) {
+        struct pf_ctl *c = n->ctl_head;
+        n->ctl_head = c->next;
+        free(c);
     }
-    b->busy = true;
+    n->ctl_tail = NULL;
+}
+
+bool pf_chain_queue_empty(const pf_node *n)
+{
+    return !n->ctl_head;
+}
+
+int pf_chain_flush(pf_node *n)
+{
+    while (n->ctl_head) {
+        pf_buf *b = pf_chain_free_send(n, 0);
+        if (!b) return n->broken ? TD_EIO : 0;
+        struct pf_ctl *c = n->ctl_head;
+        if (c->len > b->cap) return TD_ERANGE;
+        memcpy(b->buf, c->data, c->len);
+        uint64_t seq = n->send_seq++;
+        memcpy(b->buf + 8, &seq, 8); /* the seq of this hop (pf_wire header layout) */
+        if (pf_link_send(n->link, n->next_peer, PF_TAG_CHAIN, b->buf, c->len, &b->op)) {
+            n->broken = true;
+            return TD_EIO;
+        }
+        b->busy = true;
+        n->ctl_head = c->next;
+        if (!n->ctl_head) n->ctl_tail = NULL;
+        free(c);
+    }
     return 0;
 }
 
 int pf_chain_send_msg(pf_node *n, const void *msg, size_t len)
 {
-    return send_raw(n, msg, len);
+    if (n->last || !n->link) return 0;
+    struct pf_ctl *c = malloc(sizeof *c + len);
+    if (!c) return TD_ENOMEM;
+    c->next = NULL;
+    c->len = len;
+    memcpy(c->data, msg, len);
+    if (n->ctl_tail)
+        n->ctl_tail->next = c;
+    else
+        n->ctl_head = c;
+    n->ctl_tail = c;
+    return pf_chain_flush(n);
 }
 
 /* ---- requests ---- */
@@ -529,6 +568,8 @@ int pf_stage_chunk(pf_node *n, pf_seg *segs, int n_segs, const int32_t *ids_in, 
     int64_t t1 = pf_now_ms();
     int64_t t1_ns = (int64_t)kvx_now_ns();
     n->n_chunks_total++;
+    n->slow_chunk_ms *= 0.95;
+    if ((double)(t1 - t0) > n->slow_chunk_ms) n->slow_chunk_ms = (double)(t1 - t0);
     for (int i = 0; i < n_segs; i++) {
         const pf_seg *g = &segs[i];
         if (g->flags & PF_SEG_DEAD) continue;
@@ -609,11 +650,11 @@ static int handle_msg(pf_node *n, pf_buf *b)
         break;
     case PF_MSG_TARGETS:
         pf_stage_targets(n, m.req_id, m.target, m.target_len, m.n_targets);
-        rc = send_raw(n, b->buf, b->op.len);
+        rc = pf_chain_send_msg(n, b->buf, b->op.len);
         break;
     case PF_MSG_ABORT:
         pf_stage_abort(n, m.req_id, m.code ? m.code : TD_EIO);
-        rc = send_raw(n, b->buf, b->op.len);
+        rc = pf_chain_send_msg(n, b->buf, b->op.len);
         break;
     default:
         rc = TD_EFORMAT;
@@ -625,7 +666,11 @@ static int handle_msg(pf_node *n, pf_buf *b)
 int pf_stage_recv(pf_node *n)
 {
     /* one message per call: the caller's loop keeps heartbeats and reports going while a
-     * backlog of chunks waits (a stage that only computed would look silent to stage 0) */
+     * backlog of chunks waits (a stage that only computed would look silent to stage 0);
+     * nothing new while forwarded messages still wait for a send buffer (order) */
+    int frc = pf_chain_flush(n);
+    if (frc) return frc;
+    if (!pf_chain_queue_empty(n)) return 0;
     pf_buf *next = NULL;
     for (int i = 0; i < PF_NRECV; i++) {
         pf_buf *b = &n->recvs[i];
