@@ -40,8 +40,20 @@ if cmake -S . -B build-asan -DTANDEM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebIn
     step_failed "build-asan: build errors (tests of the broken targets fail below)"
   fi
   set +e
+  # --repeat until-pass:2: a test that fails is run once more, and a test that passes only on
+  # its second run is listed below as flaky (so a flake is seen, never hidden). Known: a
+  # rare UCX stall after a peer is SIGKILLed (kvx_2proc_sm over shared memory; once,
+  # decode_pd_faults over TCP on a loaded machine: the leader stopped answering).
   ctest --test-dir build-asan --output-on-failure --timeout "$TEST_TIMEOUT" -j "$JOBS" \
-    2>&1 | tee build-asan/ctest.log
+    --repeat until-pass:2 2>&1 | tee build-asan/ctest.log
+  # failed at least once (any run) minus failed in the end = flaky
+  grep -oE "Test +#[0-9]+: [A-Za-z0-9_]+ [.]*\*\*\*(Failed|Timeout|Exception)" build-asan/ctest.log |
+    awk '{print $3}' | sort -u >build-asan/failed-once.txt || true
+  sed -n '/The following tests FAILED/,$p' build-asan/ctest.log |
+    grep -oE "^[[:space:]]+[0-9]+ - [A-Za-z0-9_]+" | awk '{print $3}' | sort -u \
+    >build-asan/failed-final.txt || true
+  flaky=$(comm -23 build-asan/failed-once.txt build-asan/failed-final.txt | tr '\n' ' ')
+  [ -z "$flaky" ] || notes+=("flaky (failed once, passed on the retry): $flaky")
   set -e
   # "NN% tests passed, F tests failed out of T"
   line=$(grep -E "tests passed, [0-9]+ tests? failed out of [0-9]+" build-asan/ctest.log | tail -n1 || true)
