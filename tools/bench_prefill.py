@@ -31,6 +31,7 @@ ap.add_argument("--model", default=os.path.expanduser(
     "~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 ap.add_argument("--reps", type=int, default=1)
 ap.add_argument("--quick", action="store_true", help="2K only (smoke run)")
+ap.add_argument("--only-dynamic", action="store_true", help="part 2 only")
 args = ap.parse_args()
 BIN = os.path.join(args.build, "bin")
 
@@ -103,10 +104,10 @@ def measure(inst, n):
     return statistics.median(ts), chunks
 
 
-lengths = [2048] if args.quick else [2048, 4096, 8192 - 64]
+lengths = [] if args.only_dynamic else [2048] if args.quick else [2048, 4096, 8192 - 64]
 print("## strong scaling (fixed chunks of 512)")
 res = {}
-for pp in (1, 2):
+for pp in (1, 2) if lengths else ():
     inst = Instance(pp, 512, False)
     print(f"pp{pp}: {inst.fit_line()}")
     for n in lengths:
