@@ -501,6 +501,9 @@ void rt_loop_cancel_decode(rt_router *r, rt_req *q);
  * Alloc and Prefill (without targets) at once; an attempt after the first takes a fresh
  * request id. 0, or a td_err (nothing is left on either instance; the caller fails q). */
 int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now);
+/* The Submit (and its Sampling) of a request, for a colocated Submit or inside an Alloc
+ * (rt_loop.c); both point into q. */
+void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub);
 /* The reply to q's Alloc on decode instance i. */
 void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *in, int64_t now);
 /* An AllocReply that matches no live attempt: cancel it on decode instance i. */

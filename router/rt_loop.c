@@ -269,23 +269,30 @@ static void admit(rt_router *r, rt_req *q)
     rt_fair_push(&r->fair, q); /* r->queued already counts it */
 }
 
+void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
+{
+    td__sampling__init(sm);
+    sm->temperature = q->p.temperature;
+    sm->top_k = q->p.top_k;
+    sm->top_p = q->p.top_p;
+    sm->min_p = q->p.min_p;
+    sm->repeat_penalty = q->p.repeat_penalty;
+    sm->seed = q->p.seed;
+    td__submit__init(sub);
+    sub->request_id = q->rid;
+    sub->token_ids = q->p.prompt;
+    sub->n_token_ids = q->p.n_prompt;
+    sub->sampling = sm;
+    sub->max_tokens = (uint32_t)q->p.max_tokens;
+    sub->ignore_eos = q->p.ignore_eos;
+}
+
 static int submit(rt_router *r, rt_req *q, int i)
 {
     rt_inst *s = &r->reg.inst[i];
-    Td__Sampling sm = TD__SAMPLING__INIT;
-    sm.temperature = q->p.temperature;
-    sm.top_k = q->p.top_k;
-    sm.top_p = q->p.top_p;
-    sm.min_p = q->p.min_p;
-    sm.repeat_penalty = q->p.repeat_penalty;
-    sm.seed = q->p.seed;
-    Td__Submit sub = TD__SUBMIT__INIT;
-    sub.request_id = q->rid;
-    sub.token_ids = q->p.prompt;
-    sub.n_token_ids = q->p.n_prompt;
-    sub.sampling = &sm;
-    sub.max_tokens = (uint32_t)q->p.max_tokens;
-    sub.ignore_eos = q->p.ignore_eos;
+    Td__Sampling sm;
+    Td__Submit sub;
+    rt_req_submit_msg(q, &sm, &sub);
     int rc = td_ctrl_client_submit(s->c, &sub, SUBMIT_TIMEOUT_MS, &q->call_id);
     if (rc) return rc;
     q->inst = i;

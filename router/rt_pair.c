@@ -193,20 +193,9 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
         if (rc) return rc;
     }
     rt_inst *ds = &r->reg.inst[d], *ps = &r->reg.pf[p];
-    Td__Sampling sm = TD__SAMPLING__INIT;
-    sm.temperature = q->p.temperature;
-    sm.top_k = q->p.top_k;
-    sm.top_p = q->p.top_p;
-    sm.min_p = q->p.min_p;
-    sm.repeat_penalty = q->p.repeat_penalty;
-    sm.seed = q->p.seed;
-    Td__Submit sub = TD__SUBMIT__INIT;
-    sub.request_id = q->rid;
-    sub.token_ids = q->p.prompt;
-    sub.n_token_ids = q->p.n_prompt;
-    sub.sampling = &sm;
-    sub.max_tokens = (uint32_t)q->p.max_tokens;
-    sub.ignore_eos = q->p.ignore_eos;
+    Td__Sampling sm;
+    Td__Submit sub;
+    rt_req_submit_msg(q, &sm, &sub);
     Td__Alloc al = TD__ALLOC__INIT;
     al.request = &sub;
     al.n_stages = (uint32_t)ps->pcfg->pp;
