@@ -373,6 +373,8 @@ static const field router_fields[] = {
     FLD(td_cfg_router, "request_timeout_ms", F_INT, request_timeout_ms, 1, 86400000),
     FLD(td_cfg_router, "max_request_timeout_ms", F_INT, max_request_timeout_ms, 1, 86400000),
     FLD(td_cfg_router, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000),
+    FLD(td_cfg_router, "max_migrations", F_INT, max_migrations, 0, 100),
+    FLD(td_cfg_router, "migrate_wait_ms", F_INT, migrate_wait_ms, 0, 3600000),
 };
 enum {
     R_LISTEN,
@@ -386,6 +388,8 @@ enum {
     R_REQ_TIMEOUT,
     R_MAX_REQ_TIMEOUT,
     R_DRAIN,
+    R_MAX_MIGRATIONS,
+    R_MIGRATE_WAIT,
     R_N
 };
 
@@ -503,6 +507,8 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     r->request_timeout_ms = 600000;
     r->max_request_timeout_ms = 3600000;
     r->drain_timeout_ms = 30000;
+    r->max_migrations = 3;
+    r->migrate_wait_ms = 15000;
 }
 
 static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)

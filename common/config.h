@@ -38,6 +38,9 @@ typedef struct {
                                    deadline from arrival unless it asks for another */
     int max_request_timeout_ms; /* 3600000: the longest deadline a request may ask for */
     int drain_timeout_ms;       /* 30000: SIGTERM/SIGINT: in-flight requests get this long */
+    int max_migrations;         /* 3: times a request may move to another decode instance after
+                                   its instance died (0: never; it fails instead) */
+    int migrate_wait_ms;        /* 15000: how long a moving request waits for a live instance */
 } td_cfg_router;
 
 typedef struct {
@@ -51,7 +54,7 @@ typedef struct {
     int threads;           /* 1: per stage */
     char **hosts;          /* (pp) host of each stage; default 127.0.0.1 */
     int n_hosts;
-    int port; /* control port of stage 0; default 9100 + index */
+    int port;              /* control port of stage 0; default 9100 + index */
     int kv_tokens;         /* 32768: KV capacity of each stage (prompt tokens in flight) */
     int max_queue;         /* 64: prefill requests waiting at stage 0 before ERR_BUSY */
     int profile_budget_ms; /* 20000: bound on stage 0's start-up profile (0: no profile) */

@@ -192,6 +192,9 @@ typedef enum {
     TD_CTRL_IN_EVENTS,       /* events[0..n_events), health (may be NULL) */
     TD_CTRL_IN_CONNECTED,    /* a connection to the server came up */
     TD_CTRL_IN_DISCONNECTED, /* it went down (the dialer keeps retrying) */
+    TD_CTRL_IN_RESTARTED,    /* a new server process answers (a new event epoch): whatever
+                                the old one was doing for this client is lost; delivered
+                                before any event of the new process */
 } td_ctrl_client_in_kind;
 
 typedef struct {

@@ -35,7 +35,7 @@
 #define DEFAULT_TIMEOUT 10000
 
 enum { CALL_SEND, CALL_RECV, CALL_DONE, CALL_SLEEP };
-enum { IT_REPLY = 1, IT_EVENTS, IT_UP, IT_DOWN };
+enum { IT_REPLY = 1, IT_EVENTS, IT_UP, IT_DOWN, IT_RESTARTED };
 
 typedef struct call {
     td_ctrl_client *c;
@@ -207,8 +207,10 @@ static bool poll_reply(td_ctrl_client *c, nng_msg *m)
     }
     const Td__Events *ev = env->events;
     pthread_mutex_lock(&c->mu);
+    bool restarted = false;
     if (ev->epoch != c->epoch) { /* a new server instance: its seq starts over */
-        if (c->epoch) TD_LOG_INFO("ctrl: the server restarted (new event epoch)");
+        restarted = c->epoch != 0;
+        if (restarted) TD_LOG_INFO("ctrl: the server restarted (new event epoch)");
         c->epoch = ev->epoch;
         c->last_seq = 0;
     }
@@ -223,6 +225,8 @@ static bool poll_reply(td_ctrl_client *c, nng_msg *m)
         c->last_seq = ev->events[ev->n_events - 1]->seq;
     }
     pthread_mutex_unlock(&c->mu);
+    /* before the new process's events: the owner must first forget the old one's work */
+    if (restarted) push_item(c, IT_RESTARTED, NULL, NULL, 0);
     if (start < ev->n_events)
         push_item(c, IT_EVENTS, env, NULL, (int)start);
     else
@@ -439,6 +443,9 @@ int td_ctrl_client_recv(td_ctrl_client *c, td_ctrl_client_in *in, int timeout_ms
     }
     case IT_UP:
         in->kind = TD_CTRL_IN_CONNECTED;
+        break;
+    case IT_RESTARTED:
+        in->kind = TD_CTRL_IN_RESTARTED;
         break;
     default:
         in->kind = TD_CTRL_IN_DISCONNECTED;

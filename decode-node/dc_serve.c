@@ -52,9 +52,11 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids, d
             td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
                                       TD__ERROR_CODE__ERR_SHUTDOWN,
                                       "decode instance %s is shutting down", n->p->instance);
-        else
+        else /* a rank died or the instance broke: PEER_FAILED tells the router to move the
+                request (migration); a plain failure stays INTERNAL */
             td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
-                                      TD__ERROR_CODE__ERR_INTERNAL,
+                                      n->fail_why[0] ? TD__ERROR_CODE__ERR_PEER_FAILED
+                                                     : TD__ERROR_CODE__ERR_INTERNAL,
                                       "request failed on decode instance %s%s%s", n->p->instance,
                                       n->fail_why[0] ? ": " : "", n->fail_why);
     }

@@ -123,6 +123,7 @@ typedef struct {
     int n_stop;
     bool stream, include_usage;
     int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
+    bool no_migrate;    /* the body's "migrate": false: fail rather than move mid-stream */
 } rt_params;
 
 void rt_params_fini(rt_params *p);
@@ -186,6 +187,18 @@ typedef struct rt_req {
     bool stop_hit;  /* a stop string matched: the rest of the text is dropped */
     int n_gen;      /* tokens received */
     int64_t t_first_ms, t_last_ms;
+
+    /* loop-owned: migration (rt_loop.c, "lost"): a request whose decode side was lost
+       continues on another attempt from the prompt plus the tokens already received */
+    int32_t *gen_ids; /* (cap_gen) the ids received so far, gen_ids[0..n_gen) */
+    int cap_gen;
+    int32_t *resume; /* (n_resume) prompt + gen_ids[0..gen_base): the current attempt's
+                        prompt when gen_base > 0, else NULL (p.prompt) */
+    size_t n_resume;
+    int gen_base;    /* tokens received before the current attempt: its first token is the
+                        one that makes n_gen > gen_base */
+    int migrations;  /* times its decode side was lost and it moved (router.max_migrations) */
+    int64_t lost_ms; /* when its decode side was lost; 0 once the next token arrived */
 
     /* loop-owned, disaggregated mode only (rt_pair.c) */
     int attempts;                 /* pairings started; each after the first takes a fresh rid */
@@ -495,6 +508,21 @@ void rt_loop_fail(rt_router *r, rt_req *q, int status, const char *code, const c
 void rt_loop_requeue(rt_router *r, rt_req *q);
 /* Cancel q's request id on its decode instance (if any). */
 void rt_loop_cancel_decode(rt_router *r, rt_req *q);
+/* q's decode side is lost (its instance died, restarted, failed the request or is
+ * stopping: why says which), maybe after tokens were streamed. Migration: q goes back to
+ * the head of the router queue and its next attempt sends the prompt followed by every
+ * token received so far, with max_tokens reduced by as many, so the instance that takes it
+ * over computes their KV and goes on from the next token: the client's stream continues
+ * with nothing repeated or missing (greedy output equals an uninterrupted run). A request
+ * that may not move (the body said "migrate": false, router.max_migrations reached) ends
+ * with 503 instance_unavailable (an SSE error event once streaming started); a moving
+ * request waits up to router.migrate_wait_ms for a live instance (liveness). */
+void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now);
+/* Does a decode ErrorEvent with this code mean the request's decode side was lost (a rank
+ * died, the instance is stopping), so that it should move rather than fail? */
+bool rt_code_lost(int code);
+/* The prompt of q's current attempt: p.prompt, or the resumed one (rt_loop_lose). */
+int32_t *rt_req_prompt(const rt_req *q, size_t *n);
 
 /* rt_pair.c: disaggregated mode (loop thread). */
 /* Start an attempt of q (off the queue) on decode instance d and prefill instance p:
@@ -509,12 +537,18 @@ void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *i
 /* An AllocReply that matches no live attempt: cancel it on decode instance i. */
 void rt_pair_orphan_alloc(rt_router *r, int i, const Td__Envelope *env);
 /* A decode ErrorEvent for q (an attempt on instance q->inst). */
-void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e);
+void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e, int64_t now);
+/* End q's current attempt on both sides (cancelled where they may hold it); q is then on no
+ * instance (inst -1, state INBOX). */
+void rt_pair_abandon(rt_router *r, rt_req *q);
 /* Replies and events from prefill instance j. */
 void rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now);
 void rt_pair_on_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now);
 /* Prefill instance j stopped answering: its attempts before their first token fail over. */
 void rt_pair_prefill_died(rt_router *r, int j);
+/* A new process answers for prefill instance j: its attempts before their first token
+ * start again (on it or another one, rt_loop_lose). */
+void rt_pair_prefill_restarted(rt_router *r, int j, int64_t now);
 /* Attempts past their deadline: cancel both sides, fail the request. */
 void rt_pair_deadlines(rt_router *r, int64_t now);
 /* The request ends: cancel its prefill side if still busy, free the relay buffers. */

@@ -19,6 +19,7 @@
  * not lost when the sockets close. */
 #include <errno.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -70,6 +71,8 @@ void rt_req_release(rt_req *q)
     rt_buf_free(&q->held);
     rt_buf_free(&q->text);
     rt_buf_free(&q->out);
+    free(q->gen_ids);
+    free(q->resume);
     for (size_t i = 0; i < q->n_targets; i++)
         free(q->targets[i].data);
     free(q->targets);
@@ -218,6 +221,99 @@ void rt_loop_requeue(rt_router *r, rt_req *q)
     requeue_front(r, q);
 }
 
+/* ---- migration: a request whose decode side was lost ---- */
+
+int32_t *rt_req_prompt(const rt_req *q, size_t *n)
+{
+    *n = q->resume ? q->n_resume : q->p.n_prompt;
+    return q->resume ? q->resume : q->p.prompt;
+}
+
+/* The next attempt's prompt: p.prompt followed by every token received so far. */
+static int make_resume(rt_req *q)
+{
+    q->gen_base = q->n_gen;
+    if (!q->n_gen) return 0;
+    size_t n = q->p.n_prompt + (size_t)q->n_gen;
+    int32_t *ids = realloc(q->resume, n * sizeof *ids);
+    if (!ids) return TD_ENOMEM;
+    memcpy(ids, q->p.prompt, q->p.n_prompt * sizeof *ids);
+    memcpy(ids + q->p.n_prompt, q->gen_ids, (size_t)q->n_gen * sizeof *ids);
+    q->resume = ids;
+    q->n_resume = n;
+    return 0;
+}
+
+static void lose(rt_router *r, rt_req *q, const char *why, int64_t now)
+{
+    const td_cfg_router *rc = &r->cfg->router;
+    if (r->disagg) {
+        rt_pair_abandon(r, q); /* cancels both sides; q->inst is -1 after */
+    } else {
+        if (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING) send_cancel(r, q);
+        if (q->inst >= 0) r->reg.inst[q->inst].active--;
+        q->inst = -1;
+    }
+    if (q->n_gen >= q->p.max_tokens) { /* lost after its last token, before the finish */
+        finish(r, q, RT_FIN_LENGTH);
+        return;
+    }
+    char no[160] = "";
+    if (q->n_gen > 0 && q->p.no_migrate)
+        snprintf(no, sizeof no, "the request asked not to move (\"migrate\": false)");
+    else if (!rc->max_migrations)
+        snprintf(no, sizeof no, "router.max_migrations is 0");
+    else if (q->migrations >= rc->max_migrations)
+        snprintf(no, sizeof no, "it moved %d times already (router.max_migrations)", q->migrations);
+    else if (make_resume(q))
+        snprintf(no, sizeof no, "out of memory");
+    if (no[0]) {
+        char msg[600];
+        snprintf(msg, sizeof msg, "%s after %d tokens; the request cannot move: %s", why, q->n_gen,
+                 no);
+        fail(r, q, 503, "instance_unavailable", msg);
+        return;
+    }
+    if (!r->disagg) {
+        /* a fresh id: late events of the lost attempt must not match the next one (the
+           disaggregated attempt takes its own in rt_pair_start) */
+        rt_table_remove(&r->table, q);
+        int err = rt_table_add(&r->table, q);
+        if (err) {
+            fail(r, q, 500, NULL, "cannot track the request");
+            return;
+        }
+    }
+    q->migrations++;
+    if (!q->lost_ms) q->lost_ms = now;
+    /* a fresh start for the disaggregated attempt: any prefill instance, one retry */
+    q->pf_retried = false;
+    q->pf_avoid = -1;
+    q->pf_same_ok = false;
+    q->busy = 0;
+    TD_LOG_INFO("router: %s: %s after %d tokens: moving it (move %d of %d), it goes on from "
+                "token %d",
+                q->oid, why, q->n_gen, q->migrations, rc->max_migrations, q->n_gen);
+    q->state = RT_ST_QUEUED;
+    rt_fair_push_front(&r->fair, q);
+    atomic_fetch_add(&r->queued, 1);
+}
+
+void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now)
+{
+    lose(r, q, why, now);
+}
+
+/* Every request on decode instance i lost its decode side. */
+static void lose_all(rt_router *r, int i, const char *why, int64_t now)
+{
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (q && q->inst == i && (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING))
+            lose(r, q, why, now);
+    }
+}
+
 /* ---- admission and dispatch ---- */
 
 /* q never got into the queue: answer e, drop the loop's reference. */
@@ -280,10 +376,9 @@ void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
     sm->seed = q->p.seed;
     td__submit__init(sub);
     sub->request_id = q->rid;
-    sub->token_ids = q->p.prompt;
-    sub->n_token_ids = q->p.n_prompt;
+    sub->token_ids = rt_req_prompt(q, &sub->n_token_ids);
     sub->sampling = sm;
-    sub->max_tokens = (uint32_t)q->p.max_tokens;
+    sub->max_tokens = (uint32_t)(q->p.max_tokens - q->gen_base);
     sub->ignore_eos = q->p.ignore_eos;
 }
 
@@ -372,9 +467,9 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
     }
     if (in->err) {
         /* no answer in time: the instance is probably going away */
-        if (!q->sse && q->retries < MAX_RETRIES) {
-            send_cancel(r, q);
-            requeue_front(r, q);
+        if (q->retries < MAX_RETRIES) {
+            q->retries++;
+            lose(r, q, "the decode instance did not answer", now);
         } else {
             fail(r, q, 503, "instance_unavailable", "the decode instance did not answer");
         }
@@ -410,12 +505,30 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
     }
     case TD__ERROR_CODE__ERR_SHUTDOWN:
     case TD__ERROR_CODE__ERR_PEER_FAILED:
-        fail(r, q, 503, "instance_unavailable", err->message);
+        lose(r, q, err->message, now); /* elsewhere, or the same one once it re-formed */
         return;
     default:
         fail(r, q, 500, NULL, err->message);
         return;
     }
+}
+
+/* Append ids to q->gen_ids (what a moved request resumes from). */
+static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
+{
+    if (!n) return 0;
+    size_t need = (size_t)q->n_gen + n;
+    if (need > (size_t)q->cap_gen) {
+        size_t cap = q->cap_gen ? 2 * (size_t)q->cap_gen : 64;
+        while (cap < need)
+            cap *= 2;
+        int32_t *g = realloc(q->gen_ids, cap * sizeof *g);
+        if (!g) return TD_ENOMEM;
+        q->gen_ids = g;
+        q->cap_gen = (int)cap;
+    }
+    memcpy(q->gen_ids + q->n_gen, ids, n * sizeof *ids); /* n_gen grows in rt_stream_tokens */
+    return 0;
 }
 
 static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
@@ -426,8 +539,15 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
     if (t->n_token_ids) {
         if (!q->t_first_ms) q->t_first_ms = now;
         q->t_last_ms = now;
+        if (q->lost_ms) {
+            TD_LOG_INFO("router: %s: moved: the stream goes on %lld ms after its decode side "
+                        "was lost",
+                        q->oid, (long long)(now - q->lost_ms));
+            q->lost_ms = 0;
+        }
     }
-    int rc = rt_stream_tokens(r, q, t->token_ids, t->n_token_ids);
+    int rc = keep_ids(q, t->token_ids, t->n_token_ids);
+    if (!rc) rc = rt_stream_tokens(r, q, t->token_ids, t->n_token_ids);
     if (rc < 0) {
         TD_LOG_ERR("router: %s: cannot process tokens: %s", q->oid, td_strerror(rc));
         send_cancel(r, q);
@@ -444,8 +564,8 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         return;
     case TD__FINISH_REASON__FINISH_STOP:
         /* the instance does not send the end-of-generation token but counts it */
-        if (t->usage && (int64_t)t->usage->completion_tokens > q->n_gen)
-            q->n_gen = (int)t->usage->completion_tokens;
+        if (t->usage && (int64_t)t->usage->completion_tokens + q->gen_base > q->n_gen)
+            q->n_gen = (int)t->usage->completion_tokens + q->gen_base;
         finish(r, q, RT_FIN_STOP);
         return;
     case TD__FINISH_REASON__FINISH_LENGTH:
@@ -473,25 +593,40 @@ static void on_events(rt_router *r, int i, const td_ctrl_client_in *in, int64_t 
             rt_req *q = rt_table_get(&r->table, ev->error->request_id);
             if (!q || q->inst != i) continue;
             if (r->disagg)
-                rt_pair_on_decode_error(r, q, ev->error);
+                rt_pair_on_decode_error(r, q, ev->error, now);
+            else if (rt_code_lost(ev->error->code))
+                lose(r, q, ev->error->message, now);
             else
                 fail(r, q, 500, NULL, ev->error->message);
         }
     }
 }
 
-/* Fail every request on instance i (it stopped answering). */
-static void instance_died(rt_router *r, int i)
+bool rt_code_lost(int code)
+{
+    return code == TD__ERROR_CODE__ERR_PEER_FAILED || code == TD__ERROR_CODE__ERR_SHUTDOWN;
+}
+
+/* Move every request on instance i (it stopped answering; lose cancels them there in case
+ * it comes back with them still running). */
+static void instance_died(rt_router *r, int i, int64_t now)
 {
     rt_inst *s = &r->reg.inst[i];
     TD_LOG_WARN("router: decode instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
                 r->cfg->router.instance_timeout_ms);
-    for (uint32_t k = 0; k < r->table.cap; k++) {
-        rt_req *q = r->table.slots[k];
-        if (!q || q->inst != i) continue;
-        send_cancel(r, q); /* in case it comes back with the request still running */
-        fail(r, q, 503, "instance_unavailable", "the decode instance serving this request died");
-    }
+    char why[300];
+    snprintf(why, sizeof why, "decode instance %s stopped answering", s->name);
+    lose_all(r, i, why, now);
+}
+
+/* A new process answers for decode instance i: what the old one held is gone. */
+static void instance_restarted(rt_router *r, int i, int64_t now)
+{
+    rt_inst *s = &r->reg.inst[i];
+    TD_LOG_WARN("router: decode instance %s (%s) restarted: moving its requests", s->name, s->url);
+    char why[300];
+    snprintf(why, sizeof why, "decode instance %s restarted", s->name);
+    lose_all(r, i, why, now);
 }
 
 /* Did s just die? (alive, but not heard from within the timeout) */
@@ -510,19 +645,31 @@ static void liveness(rt_router *r, int64_t now)
 {
     int timeout = r->cfg->router.instance_timeout_ms;
     for (int i = 0; i < r->reg.n; i++)
-        if (went_silent(&r->reg.inst[i], timeout, now)) instance_died(r, i);
+        if (went_silent(&r->reg.inst[i], timeout, now)) instance_died(r, i, now);
     for (int j = 0; j < r->reg.n_pf; j++)
         if (went_silent(&r->reg.pf[j], timeout, now)) rt_pair_prefill_died(r, j);
     int n = rt_reg_n_alive(&r->reg);
     int n_pf = rt_reg_n_pf_alive(&r->reg, -1);
     atomic_store(&r->n_alive, n);
     atomic_store(&r->n_pf_alive, n_pf);
-    if (!n || (r->disagg && !n_pf)) {
-        /* nobody can take the queue: answer it now rather than let clients hang */
-        rt_req *q;
-        while ((q = rt_fair_peek(&r->fair)))
+    /* Nobody can take the queue: answer it now rather than let clients hang; but a request
+       that is moving waits up to router.migrate_wait_ms for an instance to come (back). */
+    bool none = !n || (r->disagg && !n_pf);
+    int wait = r->cfg->router.migrate_wait_ms;
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q || q->state != RT_ST_QUEUED) continue;
+        if (q->lost_ms && now - q->lost_ms > wait) {
+            char msg[300];
+            snprintf(msg, sizeof msg,
+                     "its decode instance was lost after %d tokens and no instance took the "
+                     "request over within %d ms (router.migrate_wait_ms)",
+                     q->n_gen, wait);
+            fail(r, q, 503, "instance_unavailable", msg);
+        } else if (none && !q->lost_ms) {
             fail(r, q, 503, "no_instance",
                  n ? "no prefill instance is available" : "no decode instance is available");
+        }
     }
 }
 
@@ -668,6 +815,8 @@ static void read_instances(rt_router *r, int64_t now)
                 on_reply(r, i, &s->in, now);
             else if (s->in.kind == TD_CTRL_IN_EVENTS)
                 on_events(r, i, &s->in, now);
+            else if (s->in.kind == TD_CTRL_IN_RESTARTED)
+                instance_restarted(r, i, now);
         }
     }
     for (int j = 0; j < r->reg.n_pf; j++) {
@@ -677,6 +826,8 @@ static void read_instances(rt_router *r, int64_t now)
                 rt_pair_on_reply(r, j, &s->in, now);
             else if (s->in.kind == TD_CTRL_IN_EVENTS)
                 rt_pair_on_events(r, j, &s->in, now);
+            else if (s->in.kind == TD_CTRL_IN_RESTARTED)
+                rt_pair_prefill_restarted(r, j, now);
         }
     }
 }

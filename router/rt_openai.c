@@ -380,6 +380,7 @@ static int parse_obj(const rt_router *r, rt_endpoint ep, json_t *o, rt_params *p
     const td_cfg_router *rc_cfg = &r->cfg->router;
     if ((rc = check_model(r, o, e)) || (rc = unsupported(o, ep, e))) return rc;
     double temperature = 1.0, top_p = 1.0, min_p = 0.0, rep = 1.0, ignored = 0, timeout = 0;
+    bool migrate = true; /* a Tandem extension: false ends the stream if its instance dies */
     long long top_k = -1, seed = -1, max_tokens = -1, mct = -1;
     bool seeded = json_object_get(o, "seed") && !json_is_null(json_object_get(o, "seed"));
     if ((rc = get_number(o, "temperature", 0, 2, &temperature, e)) ||
@@ -393,12 +394,14 @@ static int parse_obj(const rt_router *r, rt_endpoint ep, json_t *o, rt_params *p
         (rc = get_int(o, "max_tokens", 1, rc_cfg->max_tokens, &max_tokens, e)) ||
         (rc = get_bool(o, "stream", &p->stream, e)) ||
         (rc = get_bool(o, "ignore_eos", &p->ignore_eos, e)) ||
+        (rc = get_bool(o, "migrate", &migrate, e)) ||
         (rc =
              get_number(o, "timeout", 0.001, rc_cfg->max_request_timeout_ms / 1000.0, &timeout, e)))
         return rc;
     /* a Tandem extension: seconds, as the OpenAI clients' own timeout option; more than
        router.max_request_timeout_ms is refused rather than silently shortened */
     if (timeout > 0) p->timeout_ms = llround(timeout * 1000.0) > 0 ? llround(timeout * 1000.0) : 1;
+    p->no_migrate = !migrate;
     if (ep == RT_EP_CHAT &&
         (rc = get_int(o, "max_completion_tokens", 1, rc_cfg->max_tokens, &mct, e)))
         return rc;

@@ -63,13 +63,21 @@ static void drop_targets(rt_req *q)
     q->n_targets = 0;
 }
 
+/* Has the current attempt produced its first token? (a moved request had gen_base before) */
+static bool started(const rt_req *q)
+{
+    return q->n_gen > q->gen_base;
+}
+
 /* The prefill side no longer works on the attempt (done, refused, failed or cancelled). */
 static void pf_release(rt_router *r, rt_req *q)
 {
     if (!q->pf_busy) return;
     rt_inst *s = &r->reg.pf[q->pinst];
+    size_t n;
+    rt_req_prompt(q, &n);
     s->active--;
-    s->inflight_tokens -= q->p.n_prompt < s->inflight_tokens ? q->p.n_prompt : s->inflight_tokens;
+    s->inflight_tokens -= n < s->inflight_tokens ? n : s->inflight_tokens;
     q->pf_busy = false;
     q->pf_call = 0;
 }
@@ -118,10 +126,15 @@ static void abandon(rt_router *r, rt_req *q)
     q->deadline_ms = 0;
 }
 
+void rt_pair_abandon(rt_router *r, rt_req *q)
+{
+    abandon(r, q);
+}
+
 void rt_pair_release(rt_router *r, rt_req *q)
 {
     /* after the first token the prefill is over (its PrefillDone may still be on its way) */
-    if (q->n_gen > 0)
+    if (started(q))
         pf_release(r, q);
     else
         cancel_prefill(r, q);
@@ -154,7 +167,7 @@ static void pair_failed(rt_router *r, rt_req *q, rt_pf_fail why, bool timeout, c
     TD_LOG_WARN("router: %s req %llu: attempt %d failed before its first token: %s", q->oid,
                 (unsigned long long)q->rid, q->attempts, msg);
     if (first) snprintf(q->pf_fail, sizeof q->pf_fail, "%s", msg);
-    if (why != RT_PF_DEADLINE && q->n_gen == 0 && first) {
+    if (why != RT_PF_DEADLINE && !started(q) && first) {
         int others = rt_reg_n_pf_alive(&r->reg, failed);
         bool same = timeout && failed >= 0 && r->reg.pf[failed].alive;
         if (others || same) {
@@ -208,8 +221,7 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
 
     Td__Prefill pf = TD__PREFILL__INIT;
     pf.request_id = q->rid;
-    pf.token_ids = q->p.prompt;
-    pf.n_token_ids = q->p.n_prompt;
+    pf.token_ids = rt_req_prompt(q, &pf.n_token_ids);
     pf.sampling = &sm;
     pf.decode_instance = (char *)ds->name;
     pf.n_decode_ranks = (uint32_t)ds->cfg->tp;
@@ -233,12 +245,12 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     q->pf_acked = false;
     q->kvt_sent = false;
     ps->active++;
-    ps->inflight_tokens += q->p.n_prompt;
+    ps->inflight_tokens += pf.n_token_ids;
     q->deadline_ms = rt_pair_deadline(r->cfg, now);
     rt_metrics_pair(&r->metrics, RT_PM_SENT, 0);
     TD_LOG_DEBUG("router: %s req %llu: attempt %d: prefill %s, decode %s, %zu prompt tokens",
                  q->oid, (unsigned long long)q->rid, q->attempts, ps->name, ds->name,
-                 q->p.n_prompt);
+                 pf.n_token_ids);
     return 0;
 }
 
@@ -349,8 +361,7 @@ void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *i
         return;
     case TD__ERROR_CODE__ERR_SHUTDOWN:
     case TD__ERROR_CODE__ERR_PEER_FAILED:
-        abandon(r, q);
-        rt_loop_fail(r, q, 503, "instance_unavailable", err->message);
+        rt_loop_lose(r, q, err->message, now); /* elsewhere, or here once it re-formed */
         return;
     default:
         abandon(r, q);
@@ -359,20 +370,26 @@ void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *i
     }
 }
 
-void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e)
+void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e, int64_t now)
 {
     bool xfer =
         e->code == TD__ERROR_CODE__ERR_PEER_FAILED || e->code == TD__ERROR_CODE__ERR_TIMEOUT;
-    if (xfer && q->n_gen == 0) {
+    if (xfer && !started(q)) {
+        /* the transfer failed, or the decode instance did (a rank died): the same prefill
+           instance may retry with another (or the re-formed) decode instance */
         char msg[600];
         snprintf(msg, sizeof msg,
                  "decode instance %s: KV transfer from prefill instance %s: %s: %s",
                  q->inst >= 0 ? r->reg.inst[q->inst].name : "?", pf_name(r, q->pinst),
                  td_ctrl_err_name(e->code), e->message);
-        pair_failed(r, q, RT_PF_TRANSFER, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
+        pair_failed(r, q, RT_PF_TRANSFER, true, msg);
         return;
     }
-    rt_loop_fail(r, q, 500, NULL, e->message); /* as in colocated mode */
+    if (rt_code_lost(e->code)) {
+        rt_loop_lose(r, q, e->message, now); /* as in colocated mode */
+        return;
+    }
+    rt_loop_fail(r, q, 500, NULL, e->message);
 }
 
 /* ---- the prefill side ---- */
@@ -502,7 +519,7 @@ void rt_pair_on_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t
             rt_req *q = rt_table_get(&r->table, e->request_id);
             if (!q || q->pinst != j || !q->pf_busy) continue;
             pf_release(r, q); /* the request is over on the prefill side */
-            if (q->n_gen > 0) continue;
+            if (started(q)) continue;
             char msg[600];
             snprintf(msg, sizeof msg, "prefill instance %s: %s: %s", s->name,
                      td_ctrl_err_name(e->code), e->message);
@@ -511,29 +528,50 @@ void rt_pair_on_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t
     }
 }
 
+/* The attempts on prefill instance j are lost. Silent: each fails over (pair_failed).
+ * Restarted: the new process knows nothing of them, but the instance is coming back, so
+ * each starts again, on it or another one, as a moved request does (rt_loop_lose: it
+ * waits up to router.migrate_wait_ms for a live instance). */
+static void prefill_lost(rt_router *r, int j, const char *what, bool restarted, int64_t now)
+{
+    rt_inst *s = &r->reg.pf[j];
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q || q->pinst != j || !q->pf_busy) continue;
+        if (started(q)) {
+            pf_release(r, q);
+            continue;
+        }
+        char msg[300];
+        snprintf(msg, sizeof msg, "prefill instance %s %s", s->name, what);
+        if (restarted)
+            rt_loop_lose(r, q, msg, now);
+        else
+            pair_failed(r, q, RT_PF_DEAD, false, msg); /* cancels too, in case it comes back */
+    }
+}
+
 void rt_pair_prefill_died(rt_router *r, int j)
 {
     rt_inst *s = &r->reg.pf[j];
     TD_LOG_WARN("router: prefill instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
                 r->cfg->router.instance_timeout_ms);
-    for (uint32_t k = 0; k < r->table.cap; k++) {
-        rt_req *q = r->table.slots[k];
-        if (!q || q->pinst != j || !q->pf_busy) continue;
-        if (q->n_gen > 0) {
-            pf_release(r, q);
-            continue;
-        }
-        char msg[300];
-        snprintf(msg, sizeof msg, "prefill instance %s stopped answering", s->name);
-        pair_failed(r, q, RT_PF_DEAD, false, msg); /* cancels too, in case it comes back */
-    }
+    prefill_lost(r, j, "stopped answering", false, 0);
+}
+
+void rt_pair_prefill_restarted(rt_router *r, int j, int64_t now)
+{
+    rt_inst *s = &r->reg.pf[j];
+    TD_LOG_WARN("router: prefill instance %s (%s) restarted: its prompts start again", s->name,
+                s->url);
+    prefill_lost(r, j, "restarted", true, now);
 }
 
 void rt_pair_deadlines(rt_router *r, int64_t now)
 {
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (!q || !q->deadline_ms || q->n_gen > 0 || now <= q->deadline_ms) continue;
+        if (!q || !q->deadline_ms || started(q) || now <= q->deadline_ms) continue;
         if (q->state != RT_ST_SUBMITTED && q->state != RT_ST_RUNNING) continue;
         char msg[400];
         snprintf(msg, sizeof msg,

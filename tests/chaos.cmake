@@ -9,6 +9,12 @@
 #   chaos_stop       SIGSTOP prefill stage 1 past stage 0's 5 s heartbeat, then SIGCONT
 #   chaos_netns      prefill and decode in two network namespaces, the link between them cut
 #                    and restored (skipped, 77, when namespaces cannot be created)
+#   chaos_migrate    (tests/chaos/test_migrate.py) pp 1 prefill + tp 1 decode: the only decode
+#                    process killed mid-stream (restarted within a second): the stream goes on
+#                    where it stopped and equals an uninterrupted greedy run; "migrate": false
+#                    ends with an SSE error at once; prefill stage 0 killed mid-prompt
+#   chaos_migrate_colocated  the same with a colocated tp 1 decode instance (synthetic model;
+#                    chaos_migrate runs the default model when TANDEM_MODEL is set)
 # TANDEM_CHAOS_ROUNDS (default 1) repeats the faults of chaos_kill / chaos_stop on one
 # cluster. RUN_SERIAL: the faults are timed (heartbeats, restarts), so nothing else runs.
 if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode AND TARGET tandem-router
@@ -39,5 +45,25 @@ if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode AND TARGET tandem-ro
     set_tests_properties(chaos_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
                          SKIP_RETURN_CODE 77 RUN_SERIAL TRUE LABELS chaos
                          ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+  endforeach()
+  foreach(shape disagg colocated)
+    set(mig_name chaos_migrate)
+    set(mig_args "")
+    if(TANDEM_MODEL)
+      set(mig_args --model ${TANDEM_MODEL}) # the real model: a prefill long enough to kill
+    endif()
+    if(shape STREQUAL "colocated")
+      set(mig_name chaos_migrate_colocated)
+      set(mig_args --colocated)
+    endif()
+    add_test(NAME ${mig_name}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/chaos/test_migrate.py
+                     --tandem $<TARGET_FILE:tandem> --decode $<TARGET_FILE:tandem-decode>
+                     --prefill $<TARGET_FILE:tandem-prefill> --router $<TARGET_FILE:tandem-router>
+                     --synth-dir ${TANDEM_TEST_DATA}/synth
+                     --json ${CMAKE_CURRENT_BINARY_DIR}/${mig_name}.json ${mig_args}
+                     ${TANDEM_CHAOS_ARGS})
+    set_tests_properties(${mig_name} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
+                         RUN_SERIAL TRUE LABELS chaos ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
   endforeach()
 endif()

@@ -44,18 +44,21 @@ OK, ERROR, REFUSED, CUT, HUNG, BAD, DROPPED = ("ok", "error", "refused", "cut", 
 
 
 def yaml_text(model, run_dir, listen, router_port, pf_hosts, pf_port, dc_host, dc_port, tp,
-              ucx_tls, xfer_timeout_ms, instance_timeout_ms=2000, pp=2, request_timeout_ms=30000):
+              ucx_tls, xfer_timeout_ms, instance_timeout_ms=2000, pp=2, request_timeout_ms=30000,
+              colocated=False):
     """The cluster YAML: the router's own deadline per request (request_timeout_ms, 504 past
     it) is below the clients' (--deadline), so a request that hangs inside the cluster is
-    the router's failure to answer, not the client's impatience."""
+    the router's failure to answer, not the client's impatience. colocated: no prefill
+    instance (the decode instance prefills)."""
+    prefill = [] if colocated else [
+        "prefill:", "  - name: p0", f"    pp: {pp}", "    chunk_size: 64", "    threads: 1",
+        f"    hosts: [{', '.join(pf_hosts[:pp])}]", f"    port: {pf_port}", "    kv_tokens: 4096",
+        "    profile_budget_ms: 0"]
     return "\n".join([
         f"model: {model}", f"run_dir: {run_dir}",
         "router:", f"  listen: {listen}:{router_port}", "  heartbeat_ms: 100",
         f"  instance_timeout_ms: {instance_timeout_ms}",
-        f"  request_timeout_ms: {request_timeout_ms}", "  drain_timeout_ms: 5000",
-        "prefill:", "  - name: p0", f"    pp: {pp}", "    chunk_size: 64", "    threads: 1",
-        f"    hosts: [{', '.join(pf_hosts)}]", f"    port: {pf_port}", "    kv_tokens: 4096",
-        "    profile_budget_ms: 0",
+        f"  request_timeout_ms: {request_timeout_ms}", "  drain_timeout_ms: 5000"] + prefill + [
         "decode:", "  - name: d0", f"    tp: {tp}", "    threads: 1", f"    host: {dc_host}",
         f"    port: {dc_port}", "    kv_blocks: 256", "    max_batch: 16",
         "kvxfer:", f"  ucx_tls: {ucx_tls}", f"  timeout_ms: {xfer_timeout_ms}", ""])
@@ -66,9 +69,11 @@ class ChaosCluster:
     synthetic model, fixed chunks of 64) and decode d0 (tp ranks). TANDEM_BIN points at a
     temp dir of symlinks, so every process's command line names the temp dir (leftovers)."""
 
-    def __init__(self, args, model, tp=2, xfer_timeout_ms=10000, env_extra=None):
+    def __init__(self, args, model, tp=2, xfer_timeout_ms=10000, env_extra=None, pp=2,
+                 colocated=False):
         self.args = args
         self.tp = tp
+        self.pp = 0 if colocated else pp
         self.dir = tempfile.mkdtemp(prefix="tandem-chaos-")
         self.bin = os.path.join(self.dir, "bin")
         os.mkdir(self.bin)
@@ -84,7 +89,8 @@ class ChaosCluster:
         with open(self.cfg, "w") as f:
             f.write(yaml_text(model, f"{self.dir}/run", "127.0.0.1", self.port,
                               ["127.0.0.1", "127.0.0.1"], self.pf_port, "127.0.0.1",
-                              self.dc_port, tp, "posix,cma,self", xfer_timeout_ms))
+                              self.dc_port, tp, "posix,cma,self", xfer_timeout_ms, pp=pp,
+                              colocated=colocated))
         self.rdir = os.path.join(self.dir, "run", "chaos")
 
     def tandem(self, *a, timeout=300):
@@ -103,8 +109,8 @@ class ChaosCluster:
 
     # --- processes, from the pid files ("PID STARTTIME RESTARTS", docs/deploy.md) -----------
     def keys(self):
-        return [f"decode-d0-{r}" for r in range(self.tp)] + ["prefill-p0-0", "prefill-p0-1",
-                                                              "router-router-0"]
+        return ([f"decode-d0-{r}" for r in range(self.tp)] +
+                [f"prefill-p0-{s}" for s in range(self.pp)] + ["router-router-0"])
 
     def pid(self, key):
         try:
@@ -189,8 +195,11 @@ class ChaosCluster:
         leaders say kv_used 0, running 0, waiting 0 (prefill: ready 1); the router's gauges
         say nothing queued or running, no KV block used, both instances up."""
         bad = []
-        dh, ph = self.decode_health(), self.prefill_health()
+        dh = self.decode_health()
+        ph = self.prefill_health() if self.pp else None
         for name, h in (("decode d0", dh), ("prefill p0", ph)):
+            if name == "prefill p0" and not self.pp:
+                continue  # colocated
             if h is None:
                 bad.append(f"{name}: no health answer")
                 continue
@@ -210,12 +219,14 @@ class ChaosCluster:
                     ("tandem_instance_up", (("instance", "d0"),)): 1,
                     ("tandem_instance_running", (("instance", "d0"),)): 0,
                     ("tandem_instance_waiting", (("instance", "d0"),)): 0,
-                    ("tandem_instance_kv_blocks_used", (("instance", "d0"),)): 0,
+                    ("tandem_instance_kv_blocks_used", (("instance", "d0"),)): 0}
+            if self.pp:
+                want.update({
                     ("tandem_prefill_instance_up", (("instance", "p0"),)): 1,
                     ("tandem_prefill_instance_requests", (("instance", "p0"),)): 0,
                     ("tandem_prefill_instance_running", (("instance", "p0"),)): 0,
                     ("tandem_prefill_instance_waiting", (("instance", "p0"),)): 0,
-                    ("tandem_prefill_instance_queued_prompt_tokens", (("instance", "p0"),)): 0}
+                    ("tandem_prefill_instance_queued_prompt_tokens", (("instance", "p0"),)): 0})
             for k, v in want.items():
                 if m.get(k) != v:
                     bad.append(f"router {k[0]}{dict(k[1]) or ''} {m.get(k)} (want {v})")

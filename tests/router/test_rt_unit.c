@@ -514,7 +514,7 @@ static void test_pair(void)
     xe.request_id = q->rid;
     xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
     xe.message = "transfer failed";
-    rt_pair_on_decode_error(&g_r, q, &xe);
+    rt_pair_on_decode_error(&g_r, q, &xe, 0);
     TH_CHECK(q->state == RT_ST_QUEUED && q->pf_retried && all_released());
     TH_CHECK(g_r.metrics.pf_failures[RT_PF_TRANSFER] == 1);
     pair_unqueue(q);

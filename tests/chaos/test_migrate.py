@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""test_migrate.py: no stream is left hanging when the process serving it dies, and a
+request whose decode instance dies mid-stream moves (migration, docs/operations.md).
+
+A cluster under `tandem up -d` (the supervisor restarts what dies): the router, a prefill
+instance p0 with one stage and a decode instance d0 with one rank (--colocated: no prefill
+instance, the decode instance prefills), on the synthetic model or --model. Cases, in turn:
+
+  reference   a greedy stream of --tokens tokens (ignore_eos) and the same request without
+              streaming: the uninterrupted texts
+  decode      the same stream; after --kill-after tokens, kill -9 of decode rank 0 (its only
+              process: the supervisor has it back within a second). The stream must end with
+              [DONE], finish_reason "length", usage.completion_tokens == --tokens, no SSE
+              error, and its text must equal the reference (nothing repeated or missing).
+              Measured: kill -> next token (the migration time).
+  nonstream   the same without streaming: kill -9 while it generates; the JSON answer equals
+              the reference
+  opt-out     "migrate": false, killed the same way: an SSE error event and [DONE] within
+              --end-within seconds (never a hang)
+  prefill     (disaggregated only) a long prompt (--long-prompt tokens, 64-token chunks);
+              kill -9 of prefill stage 0 while it prefills: the request still completes, and
+              its text equals the uninterrupted run of the same request
+After the cases: no leak on any survivor (decode and prefill health, router gauges), every
+process runs, `tandem down` leaves nothing behind, no sanitizer report in any log.
+--json FILE writes the measured times (BENCHMARKS.md "Migration").
+
+usage: test_migrate.py --tandem BIN --decode BIN --prefill BIN --router BIN --synth-dir DIR
+                       [--model GGUF] [--colocated] [--tokens N] [--kill-after K] [--asan]
+"""
+import argparse
+import http.client
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+sys.dont_write_bytecode = True  # keep the source tree free of __pycache__
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chaoslib import ChaosCluster, alive, model_name  # noqa: E402
+
+FAILS = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+    return cond
+
+
+class Stream:
+    """One streamed /v1/completions request read on a thread: the text, the time of every
+    chunk with text, the finish reason, usage, any SSE error, and how it ended."""
+
+    def __init__(self, host, port, body, deadline_s):
+        self.host, self.port, self.body, self.deadline_s = host, port, body, deadline_s
+        self.text, self.times, self.finish, self.usage = "", [], None, None
+        self.error, self.done, self.status, self.ended = None, False, None, None
+        self.t = threading.Thread(target=self.run, daemon=True)
+
+    def start(self):
+        self.t0 = time.time()
+        self.t.start()
+        return self
+
+    def join(self):
+        self.t.join(self.deadline_s + 5)
+        return self
+
+    def run(self):
+        c = http.client.HTTPConnection(self.host, self.port, timeout=self.deadline_s)
+        try:
+            c.request("POST", "/v1/completions", json.dumps(self.body).encode(),
+                      {"Content-Type": "application/json"})
+            r = c.getresponse()
+            self.status = r.status
+            if r.status != 200:
+                self.error = r.read()[:300].decode(errors="replace")
+                self.ended = "status"
+                return
+            while True:
+                line = r.readline()
+                if not line:
+                    self.ended = "cut"
+                    return
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    self.done, self.ended = True, "done"
+                    return
+                ev = json.loads(payload)
+                if "error" in ev:
+                    self.error = ev["error"].get("message")
+                    continue
+                if ev.get("usage"):
+                    self.usage = ev["usage"]
+                for ch in ev.get("choices", []):
+                    if ch.get("text"):
+                        self.text += ch["text"]
+                        self.times.append(time.time())
+                    if ch.get("finish_reason"):
+                        self.finish = ch["finish_reason"]
+        except OSError as e:  # socket.timeout included: the client gave up
+            self.ended = f"{type(e).__name__}: {e}"
+        finally:
+            c.close()
+
+
+def post(host, port, body, timeout):
+    c = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        c.request("POST", "/v1/completions", json.dumps(body).encode(),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        c.close()
+
+
+def wait_tokens(s, n, timeout):
+    end = time.time() + timeout
+    while len(s.times) < n and s.ended is None and time.time() < end:
+        time.sleep(0.005)
+    return len(s.times) >= n
+
+
+def kill(cl, key):
+    pid, _ = cl.pid(key)
+    if not pid or not alive(pid):
+        return 0, 0.0
+    os.kill(pid, signal.SIGKILL)
+    return pid, time.time()
+
+
+def wait_serving(cl, timeout):
+    """After a restart: a one-token request succeeds (the instance re-registered)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            st, _ = post(cl.host, cl.port, {"prompt": [1, 2, 3], "max_tokens": 1,
+                                            "temperature": 0}, 30)
+            if st == 200:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def case_decode(cl, args, base, ref, ref_text, figures):
+    """Decode rank killed mid-stream: the stream goes on where it stopped."""
+    s = Stream(cl.host, cl.port, dict(base, stream=True, stream_options={"include_usage": True}),
+               args.deadline).start()
+    check(wait_tokens(s, args.kill_after, 60), f"{args.kill_after} chunks before the kill")
+    n_before = len(s.times)
+    old, t_kill = kill(cl, "decode-d0-0")
+    check(old != 0, "decode rank 0 killed (kill -9)")
+    s.join()
+    # the stall the client saw: the longest pause between chunks from the kill on (chunks
+    # already on their way when it died arrive right after it)
+    ts = [t_kill] + [t for t in s.times if t > t_kill]
+    gap = max((b - a for a, b in zip(ts, ts[1:])), default=None)
+    gaps = sorted(b - a for a, b in zip(ref.times, ref.times[1:]))
+    figures["decode_kill_to_next_token_s"] = round(gap, 3) if gap is not None else None
+    figures["median_token_gap_s"] = round(gaps[len(gaps) // 2], 5) if gaps else None
+    check(s.done and not s.error and s.finish == "length",
+          f"killed stream ended with [DONE], finish_reason length, no error "
+          f"(ended {s.ended}, finish {s.finish}, error {s.error})")
+    check((s.usage or {}).get("completion_tokens") == args.tokens,
+          f"usage.completion_tokens {(s.usage or {}).get('completion_tokens')} == {args.tokens}")
+    check(s.text == ref.text, f"the migrated text equals the uninterrupted one "
+                              f"({len(s.text)} vs {len(ref.text)} chars; {n_before} chunks "
+                              f"before the kill)")
+    check(gap is not None and gap < 10, f"longest pause after the kill: "
+                                        f"{gap if gap is None else round(gap, 2)} s")
+    check(cl.wait_restarted("decode-d0-0", old, 60) is not None, "the supervisor restarted it")
+    check(wait_serving(cl, 60), "serving again")
+
+
+def case_nonstream(cl, args, base, ref, ref_text, figures):
+    """Not streamed: killed mid-way, the answer is still whole."""
+    res = {}
+
+    def plain():
+        try:
+            res["r"] = post(cl.host, cl.port, base, args.deadline)
+        except OSError as e:
+            res["r"] = (0, {"error": str(e)})
+    th = threading.Thread(target=plain, daemon=True)
+    th.start()
+    time.sleep(max(0.2, (ref.times[-1] - ref.t0) / 3) if ref.times else 0.5)
+    old, _ = kill(cl, "decode-d0-0")
+    th.join(args.deadline + 5)
+    st, body = res.get("r", (0, {}))
+    text = body.get("choices", [{}])[0].get("text") if st == 200 else None
+    check(st == 200 and text == ref_text,
+          f"non-streamed request killed mid-way: {st}, text equal {text == ref_text}")
+    check(cl.wait_restarted("decode-d0-0", old, 60) is not None and wait_serving(cl, 60),
+          "restarted and serving again")
+
+
+def case_optout(cl, args, base, ref, ref_text, figures):
+    """"migrate": false: an SSE error event and [DONE], quickly."""
+    s = Stream(cl.host, cl.port, dict(base, stream=True, migrate=False), args.deadline).start()
+    check(wait_tokens(s, args.kill_after, 60), "opt-out: tokens before the kill")
+    old, t_kill = kill(cl, "decode-d0-0")
+    s.join()
+    took = time.time() - t_kill
+    check(s.done and s.error and took < args.end_within,
+          f'"migrate": false: SSE error event and [DONE] {took:.2f} s after the kill '
+          f"(ended {s.ended}, error {s.error})")
+    figures["optout_kill_to_error_s"] = round(took, 3)
+    check(cl.wait_restarted("decode-d0-0", old, 60) is not None and wait_serving(cl, 60),
+          "restarted and serving again")
+
+
+def case_prefill(cl, args, base, ref, ref_text, figures):
+    """Prefill stage 0 killed while it prefills a long prompt: the request completes."""
+    if args.colocated:
+        return
+    long_body = dict(base, prompt=[(7 * k) % 400 + 20 for k in range(args.long_prompt)],
+                     max_tokens=16, stream=True)
+    ref_long = Stream(cl.host, cl.port, long_body, args.deadline).start().join()
+    check(ref_long.done and not ref_long.error,
+          f"long prompt, uninterrupted: {ref_long.ended} {ref_long.error}")
+    ttft = ref_long.times[0] - ref_long.t0 if ref_long.times else 1.0
+    figures["long_prompt_ttft_s"] = round(ttft, 3)
+    s = Stream(cl.host, cl.port, long_body, args.deadline).start()
+    time.sleep(max(0.05, ttft / 3))  # about a third into the prefill
+    old, t_kill = kill(cl, "prefill-p0-0")
+    first = not s.times
+    s.join()
+    check(first, "the prefill stage was killed before the first token")
+    check(s.done and not s.error and s.text == ref_long.text,
+          f"prefill stage killed mid-prompt: the request completed with the same text "
+          f"(ended {s.ended}, error {s.error}, equal {s.text == ref_long.text})")
+    if s.times:
+        figures["prefill_kill_to_first_token_s"] = round(s.times[0] - t_kill, 3)
+    check(cl.wait_restarted("prefill-p0-0", old, 60) is not None, "prefill restarted")
+
+
+CASES = {"decode": case_decode, "nonstream": case_nonstream, "optout": case_optout,
+         "prefill": case_prefill}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for b in ("tandem", "decode", "prefill", "router"):
+        ap.add_argument(f"--{b}", required=True)
+    ap.add_argument("--synth-dir", required=True)
+    ap.add_argument("--model", default="", help="default: the synthetic llama of --synth-dir")
+    ap.add_argument("--colocated", action="store_true")
+    ap.add_argument("--tokens", type=int, default=160, help="tokens of the killed stream")
+    ap.add_argument("--kill-after", type=int, default=40, help="tokens before the kill")
+    ap.add_argument("--long-prompt", type=int, default=600, help="prefill case, tokens")
+    ap.add_argument("--end-within", type=float, default=10.0, help="opt-out: seconds")
+    ap.add_argument("--deadline", type=float, default=120.0, help="client side, seconds")
+    ap.add_argument("--asan", action="store_true")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--cases", default="decode,nonstream,optout,prefill")
+    args = ap.parse_args()
+    args.model = args.model or os.path.join(args.synth_dir, "llama.gguf")
+    env_extra = {}
+    if args.asan:
+        supp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "lsan.supp")
+        env_extra["LSAN_OPTIONS"] = (os.environ.get("LSAN_OPTIONS", "") +
+                                     f":suppressions={supp}").lstrip(":")
+    # kvxfer.timeout_ms covers a whole transfer, prefill included: room for the long prompt
+    # of the prefill case under a sanitizer build on a busy machine
+    cl = ChaosCluster(args, args.model, tp=1, pp=1, colocated=args.colocated,
+                      env_extra=env_extra, xfer_timeout_ms=60000)
+    shape = "colocated tp 1" if args.colocated else "pp 1 prefill + tp 1 decode"
+    print(f"migrate: {shape}, model {args.model}", flush=True)
+    figures = {"shape": shape}
+    try:
+        r = cl.up()
+        if not check(r.returncode == 0, f"tandem up -d ({r.stderr.strip()[-300:]})"):
+            return 1
+        model = model_name(cl.host, cl.port)
+        base = {"prompt": [11, 12, 13, 14, 15, 16, 17, 18], "max_tokens": args.tokens,
+                "temperature": 0, "ignore_eos": True}
+        if model:
+            base["model"] = model
+
+        # reference: uninterrupted, streamed and not
+        ref = Stream(cl.host, cl.port, dict(base, stream=True), args.deadline).start().join()
+        check(ref.done and ref.finish == "length" and not ref.error,
+              f"reference stream: {ref.ended}, finish {ref.finish}, error {ref.error}")
+        st, ref_json = post(cl.host, cl.port, base, args.deadline)
+        ref_text = ref_json.get("choices", [{}])[0].get("text") if st == 200 else None
+        check(ref_text == ref.text, "reference: the streamed and the plain answers agree")
+
+        for case in args.cases.split(","):
+            CASES[case](cl, args, base, ref, ref_text, figures)
+
+        clean, secs, desc = cl.idle(30)
+        check(clean, f"no leak on the survivors after {secs:.1f} s ({desc})")
+        check(cl.all_running(), "every process runs")
+        r = cl.down()
+        check(r.returncode == 0, f"tandem down ({r.stderr.strip()[-200:]})")
+        time.sleep(0.5)
+        check(not cl.leftovers(), f"nothing left behind: {cl.leftovers()}")
+        reports = {n: t for n, t in cl.logs().items()
+                   if "ERROR: AddressSanitizer" in t or "runtime error:" in t
+                   or "ERROR: LeakSanitizer" in t}
+        check(not reports, f"no sanitizer report ({list(reports)})")
+    finally:
+        if FAILS or args.keep:
+            for n, t in cl.logs().items():
+                print(f"---- {n} (last 40 lines)")
+                print("\n".join(t.splitlines()[-40:]))
+        cl.cleanup(keep=args.keep)
+    print("migration figures: " + json.dumps(figures), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"figures": figures, "fails": FAILS}, f, indent=1)
+    if FAILS:
+        print(f"{len(FAILS)} FAILED:\n  " + "\n  ".join(FAILS))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+    sys.exit(main())
