@@ -7,12 +7,13 @@
 #include <string.h>
 
 #include "pf_int.h"
+#include "pf_pcache.h"
 #include "td_err.h"
 
-#define HEALTH_MS          100
-#define MEMBER_SILENCE_MS  5000 /* a joined stage that stops saying hello is gone... */
-#define REPORT_GRACE_MS    5000 /* on top of the transfer deadline */
-#define STOP_DRAIN_MS      500
+#define HEALTH_MS         100
+#define MEMBER_SILENCE_MS 5000 /* a joined stage that stops saying hello is gone... */
+#define REPORT_GRACE_MS   5000 /* on top of the transfer deadline */
+#define STOP_DRAIN_MS     500
 
 /* ---- jobs ---- */
 
@@ -153,9 +154,10 @@ void pf_leader_on_report(pf_node *n, const pf_report *r)
 static void reset_formation(pf_node *n, const char *why)
 {
     if (n->running || n->n_jobs) /* not at start-up */
-        TD_LOG_WARN("prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
-                "the stages to rejoin",
-                n->p->instance, why, n->n_jobs);
+        TD_LOG_WARN(
+            "prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
+            "the stages to rejoin",
+            n->p->instance, why, n->n_jobs);
     for (pf_job *j = n->jobs, *nx; j; j = nx) {
         nx = j->next;
         if (j->emitted) finish_job(n, j, TD_EIO, "a prefill stage failed or restarted");
@@ -331,9 +333,8 @@ static void push_targets(pf_node *n, pf_job *j)
     size_t sz = pf_wire_targets_size(j->target_len, j->n_targets);
     uint8_t *msg = malloc(sz);
     if (!msg) return;
-    int64_t len = pf_wire_targets_write(msg, sz, 0, j->request_id,
-                                        (const uint8_t *const *)j->targets, j->target_len,
-                                        j->n_targets);
+    int64_t len = pf_wire_targets_write(
+        msg, sz, 0, j->request_id, (const uint8_t *const *)j->targets, j->target_len, j->n_targets);
     if (len > 0) pf_chain_send_msg(n, msg, (size_t)len);
     free(msg);
 }
@@ -374,8 +375,7 @@ static void handle_prefill(pf_node *n, const td_ctrl_server_in *in)
     }
     for (size_t i = 0; i < p->n_token_ids; i++)
         if (p->token_ids[i] >= n->n_vocab) {
-            td_ctrl_server_reply_error(n->srv, in->req, p->request_id,
-                                       TD__ERROR_CODE__ERR_INVALID,
+            td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
                                        "token id %d outside the vocabulary", p->token_ids[i]);
             return;
         }
@@ -452,8 +452,7 @@ static void handle_request(pf_node *n, const td_ctrl_server_in *in)
             return;
         }
         if (rc) {
-            td_ctrl_server_reply_error(n->srv, in->req, t->request_id,
-                                       TD__ERROR_CODE__ERR_INVALID,
+            td_ctrl_server_reply_error(n->srv, in->req, t->request_id, TD__ERROR_CODE__ERR_INVALID,
                                        "%zu KV targets for %u decode ranks", t->n_kv_targets,
                                        j->n_dst);
             return;
@@ -624,7 +623,65 @@ static void publish_health(pf_node *n)
 
 /* ---- start-up ---- */
 
-static void profile(pf_node *n)
+/* The stage profile: loaded from the cache (pf_pcache.h) unless --reprofile, else
+ * measured and stored. Fills res; returns 0, TD_ESTATE if *stop ended the measurement,
+ * or another td_err from the profile. Cache trouble is only ever a warning. */
+static int get_profile(pf_node *n, const pf_profile_params *pp, pf_profile_result *res)
+{
+    const char *inst = n->p->instance;
+    char dir[2048], path[2200], why[512] = "";
+    pf_pcache_key key;
+    int krc = pf_pcache_key_make(&n->rig, n->p->cfg->model, pp, &key);
+    int drc = krc ? krc : pf_pcache_dir(dir, sizeof dir);
+    if (!drc) drc = pf_pcache_path(dir, &key, path, sizeof path);
+    if (drc)
+        TD_LOG_WARN("prefill %s: no profile cache (%s): the profile is measured every start", inst,
+                    krc                ? td_strerror(krc)
+                    : drc == TD_ENOENT ? "neither TANDEM_CACHE nor HOME is set"
+                                       : td_strerror(drc));
+    int64_t t0 = pf_now_ms();
+    const char *reason = n->p->reprofile ? "--reprofile" : "no cached profile";
+    if (!drc && !n->p->reprofile) {
+        int rc = pf_pcache_load(path, &key, res, why, sizeof why);
+        if (!rc) {
+            TD_LOG_INFO("prefill %s: stage profile loaded from the cache in %lld ms (%s; %d "
+                        "lengths, measured in %.0f ms); --reprofile measures it again",
+                        inst, (long long)(pf_now_ms() - t0), path, res->n_lengths, res->elapsed_ms);
+            return 0;
+        }
+        if (rc != TD_ENOENT) {
+            TD_LOG_WARN("prefill %s: ignoring the cached profile %s: %s", inst, path,
+                        why[0] ? why : td_strerror(rc));
+            reason = "the cached one is unusable";
+        }
+    }
+    pf_profile_params p = pf_profile_resolve(pp);
+    TD_LOG_INFO("prefill %s: measuring the stage profile (%s): %d lengths up to %d tokens, "
+                "at most ~%d ms",
+                inst, reason, p.n_lengths, p.max_len, p.budget_ms);
+    int rc = pf_profile_stage(&n->rig, pp, res);
+    if (rc == TD_ESTATE && res->stopped) {
+        TD_LOG_INFO("prefill %s: stopped while profiling (after %lld ms)", inst,
+                    (long long)(pf_now_ms() - t0));
+        return rc;
+    }
+    if (rc) return rc;
+    TD_LOG_INFO("prefill %s: stage profile measured in %lld ms (%d lengths%s)", inst,
+                (long long)(pf_now_ms() - t0), res->n_lengths,
+                res->budget_hit ? ", cut short by profile_budget_ms" : "");
+    if (drc) return 0;
+    int src = pf_pcache_store(path, &key, res, why, sizeof why);
+    if (src)
+        TD_LOG_WARN("prefill %s: cannot cache the stage profile: %s", inst,
+                    why[0] ? why : td_strerror(src));
+    else
+        TD_LOG_INFO("prefill %s: stage profile cached in %s", inst, path);
+    return 0;
+}
+
+/* Set up chunking: fixed, or dynamic over the stage profile's cost model. Returns 0, or
+ * TD_ESTATE when *stop ended the profile (the caller shuts down). */
+static int profile(pf_node *n)
 {
     n->chunking = (pf_chunk_params){.chunk_size = n->chunk_max,
                                     .smooth = n->cfg->smooth_factor,
@@ -634,30 +691,32 @@ static void profile(pf_node *n)
     memset(&n->model, 0, sizeof n->model);
     if (!n->cfg->dynamic_chunking || n->cfg->smooth_factor == 0) {
         TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", n->p->instance, n->chunk_max);
-        return;
+        return 0;
     }
     if (n->cfg->profile_budget_ms <= 0) {
         TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): fixed "
                     "chunks of %d tokens",
                     n->p->instance, n->chunk_max);
-        return;
+        return 0;
     }
-    pf_profile_params pp = {.chunk_size = n->chunk_max, .budget_ms = n->cfg->profile_budget_ms};
+    pf_profile_params pp = {
+        .chunk_size = n->chunk_max, .budget_ms = n->cfg->profile_budget_ms, .stop = n->p->stop};
     int max_len = n->chunk_max + n->chunk_max / 4;
     if (max_len > n->rig.ctx) pp.max_len = n->rig.ctx;
     pf_profile_result res;
-    int rc = pf_profile_stage(&n->rig, &pp, &res);
+    int rc = get_profile(n, &pp, &res);
+    if (rc == TD_ESTATE) return rc;
     if (rc || !res.fit.dynamic) {
         TD_LOG_WARN("prefill %s: the stage profile gave no usable cost model (%s; a=%g b=%g "
                     "over %d lengths): fixed chunks of %d tokens",
                     n->p->instance, rc ? td_strerror(rc) : "not convex", res.fit.a, res.fit.b_fit,
                     res.n_lengths, n->chunk_max);
-        return;
+        return 0;
     }
     n->model = res.fit;
     n->chunking.dynamic = true;
-    int64_t example = 8 * (int64_t)n->chunk_max < n->rig.ctx ? 8 * (int64_t)n->chunk_max
-                                                               : (int64_t)n->rig.ctx;
+    int64_t example =
+        8 * (int64_t)n->chunk_max < n->rig.ctx ? 8 * (int64_t)n->chunk_max : (int64_t)n->rig.ctx;
     int32_t plan[64];
     int64_t np = 0;
     if (pf_plan_chunks(&n->model, &n->chunking, example, plan, 64, &np)) np = 0;
@@ -666,17 +725,16 @@ static void profile(pf_node *n)
     for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
         off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);
     TD_LOG_INFO("prefill %s: dynamic chunking: f(l) = %.3g l^2 + %.3g l + %.3g ms (r2 %.4f, %d "
-                "lengths, %.0f ms profile), smoothing %.2f; a %lld-token prompt goes as [%s]",
+                "lengths), smoothing %.2f; a %lld-token prompt goes as [%s]",
                 n->p->instance, n->model.a, n->model.b, n->model.c, n->model.r2, res.n_lengths,
-                res.elapsed_ms, n->cfg->smooth_factor,
-                8 * (long long)n->chunk_max < n->rig.ctx ? 8 * (long long)n->chunk_max
-                                                          : (long long)n->rig.ctx,
-                sizes);
+                n->cfg->smooth_factor, (long long)example, sizes);
+    return 0;
 }
 
 int pf_leader_run(pf_node *n)
 {
-    profile(n);
+    /* listen first: a busy port is an error before any profiling, and meanwhile Health is
+     * answered (ready: false) and the other stages' hellos wait in the inbox */
     td_ctrl_opts opts = {0};
     int rc = td_ctrl_server_create(&opts, &n->srv);
     if (rc) return rc;
@@ -689,8 +747,14 @@ int pf_leader_run(pf_node *n)
         TD_LOG_ERR("prefill %s: cannot listen on %s: %s", n->p->instance, url, td_strerror(rc));
         return rc;
     }
-    TD_LOG_INFO("prefill %s: serving on %s (pp %d)", n->p->instance, bound, n->pp);
     n->started_ms = pf_now_ms();
+    publish_health(n);
+    if (profile(n) == TD_ESTATE) {
+        td_ctrl_server_destroy(n->srv);
+        n->srv = NULL;
+        return 0; /* SIGTERM while profiling: a normal stop, nothing was in flight */
+    }
+    TD_LOG_INFO("prefill %s: serving on %s (pp %d)", n->p->instance, bound, n->pp);
     n->members[0].boot_id = n->boot_id;
     reset_formation(n, "start-up");
     if (n->running) TD_LOG_INFO("prefill %s: ready", n->p->instance);

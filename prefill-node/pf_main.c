@@ -1,5 +1,6 @@
 /* pf_main.c: `tandem-prefill --config FILE --instance NAME --stage S [--listen URL]
- * [--leader URL]`, and pf_node_run (one stage's life: set up, then lead or follow). */
+ * [--leader URL] [--reprofile]`, and pf_node_run (one stage's life: set up, then lead or follow).
+ */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,21 +53,29 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: tandem-prefill --config FILE --instance NAME --stage S [--listen URL] "
-            "[--leader URL]\n"
+            "[--leader URL] [--reprofile]\n"
             "  one process per pipeline stage; stage 0 serves the control socket\n"
             "  (tcp://hosts[0]:port of the instance in the config, or --listen); the other\n"
-            "  stages join it there (or at --leader)\n");
+            "  stages join it there (or at --leader)\n"
+            "  --reprofile  stage 0 measures its stage profile (dynamic chunking) even if one\n"
+            "               is cached for this model, layers, threads, build and CPU\n"
+            "               ($TANDEM_CACHE/profiles, else ~/.cache/tandem/profiles)\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *path = NULL, *instance = NULL, *listen = NULL, *leader = NULL;
     int stage = -1;
+    bool reprofile = false;
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
             usage();
             return 0;
+        }
+        if (!strcmp(f, "--reprofile")) {
+            reprofile = true;
+            continue;
         }
         if (!v) {
             fprintf(stderr, "tandem-prefill: %s needs a value\n", f);
@@ -115,6 +124,7 @@ int main(int argc, char **argv)
                         .stage = stage,
                         .listen = listen,
                         .leader = leader,
+                        .reprofile = reprofile,
                         .stop = &g_stop};
     int rc = pf_node_run(&p);
     td_cfg_free(cfg);

@@ -9,14 +9,17 @@
  * and forwards the chunk; the last stage samples the first token; after its last chunk
  * every stage finishes its transfer and reports to stage 0, which tells the router
  * (PrefillDone or ErrorEvent). docs/prefill.md explains the protocol.
+ * Stage 0 profiles its stage at start-up for dynamic chunking, or loads the profile it
+ * cached on disk for the same model, layers, threads, build and CPU (pf_pcache.h).
  * Threading: one main thread per process; the activation pipe and the kvxfer connector
- * each have a progress thread. Returns when *stop becomes non-zero (SIGTERM) or on a
- * fatal error.
+ * each have a progress thread. Returns when *stop becomes non-zero (SIGTERM; honoured in
+ * every phase, the profile included) or on a fatal error.
  */
 #ifndef PF_NODE_H
 #define PF_NODE_H
 
 #include <signal.h>
+#include <stdbool.h>
 
 #include "config.h"
 
@@ -26,6 +29,7 @@ typedef struct {
     int stage;
     const char *listen; /* stage 0: control URL instead of the YAML's; NULL: the YAML's */
     const char *leader; /* stages > 0: stage 0's control URL; NULL: from the YAML */
+    bool reprofile;     /* stage 0: measure the stage profile even if one is cached */
     volatile sig_atomic_t *stop;
 } pf_node_params;
 

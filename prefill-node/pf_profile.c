@@ -61,7 +61,8 @@ int pf_rig_open(pf_rig *r, const pf_rig_params *p)
                    td_strerror(rc));
         goto fail;
     }
-    if ((rc = kn_cpu_create(p->threads > 0 ? p->threads : 1, &r->cpu))) goto fail;
+    r->threads = p->threads > 0 ? p->threads : 1;
+    if ((rc = kn_cpu_create(r->threads, &r->cpu))) goto fail;
     if ((rc = kn_engine_create(r->model, kn_cpu_backend(r->cpu), NULL, &r->engine))) goto fail;
     r->ctx = p->ctx > 0 ? p->ctx : 8192;
     int bs = p->block_size > 0 ? p->block_size : 16;
@@ -182,19 +183,35 @@ static void spread_order(int n, int *order)
     }
 }
 
-int pf_profile_stage(pf_rig *r, const pf_profile_params *p, pf_profile_result *out)
+pf_profile_params pf_profile_resolve(const pf_profile_params *p)
+{
+    pf_profile_params q = *p;
+    if (!q.max_len) q.max_len = p->chunk_size + p->chunk_size / 4;
+    if (!q.n_lengths) q.n_lengths = 16;
+    if (!q.reps) q.reps = 3;
+    if (q.reps > PF_MAX_REPS) q.reps = PF_MAX_REPS;
+    if (!q.budget_ms) q.budget_ms = 20000;
+    return q;
+}
+
+static bool stop_seen(const pf_profile_params *p)
+{
+    return p->stop && *p->stop;
+}
+
+int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result *out)
 {
     memset(out, 0, sizeof *out);
-    if (p->chunk_size < 1 || p->n_lengths < 0 || p->n_lengths > PF_PROFILE_MAX_LENGTHS ||
-        p->reps < 0 || p->max_len < 0 || p->budget_ms < 0) {
-        TD_LOG_ERR("profile: bad parameters (chunk %d, lengths %d, reps %d)", p->chunk_size,
-                   p->n_lengths, p->reps);
+    if (p_in->chunk_size < 1 || p_in->n_lengths < 0 || p_in->n_lengths > PF_PROFILE_MAX_LENGTHS ||
+        p_in->reps < 0 || p_in->max_len < 0 || p_in->budget_ms < 0) {
+        TD_LOG_ERR("profile: bad parameters (chunk %d, lengths %d, reps %d)", p_in->chunk_size,
+                   p_in->n_lengths, p_in->reps);
         return TD_EINVAL;
     }
-    int hi = p->max_len ? p->max_len : p->chunk_size + p->chunk_size / 4;
-    int nl = p->n_lengths ? p->n_lengths : 16;
-    int reps = p->reps ? (p->reps < PF_MAX_REPS ? p->reps : PF_MAX_REPS) : 3;
-    double budget = p->budget_ms ? p->budget_ms : 20000;
+    pf_profile_params p0 = pf_profile_resolve(p_in);
+    const pf_profile_params *p = &p0;
+    int hi = p->max_len, nl = p->n_lengths, reps = p->reps;
+    double budget = p->budget_ms;
     if (hi > r->ctx) {
         TD_LOG_ERR("profile: length %d exceeds the stage's KV capacity %d", hi, r->ctx);
         return TD_ERANGE;
@@ -217,10 +234,16 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p, pf_profile_result *o
     }
     spread_order(nl, order);
     double t0 = now_ms();
-    if (!(rc = kn_kv_seq_reserve(r->kv, &seq, hi)))
+    if (stop_seen(p))
+        out->stopped = true;
+    else if (!(rc = kn_kv_seq_reserve(r->kv, &seq, hi)))
         rc = forward(r, &io, &seq, 0, hi); /* warm-up: weights paged in, scratch sized */
-    for (int rep = 0; rep < reps && !rc && !out->budget_hit; rep++) {
+    for (int rep = 0; rep < reps && !rc && !out->budget_hit && !out->stopped; rep++) {
         for (int k = 0; k < nl && !rc; k++) {
+            if (stop_seen(p)) {
+                out->stopped = true;
+                break;
+            }
             /* the first three lengths always run, so there is something to fit */
             if ((rep > 0 || k >= 3) && now_ms() - t0 >= budget) {
                 out->budget_hit = true;
@@ -239,6 +262,10 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p, pf_profile_result *o
         TD_LOG_ERR("profile: forward failed: %s", td_strerror(rc));
         free(tm);
         return rc;
+    }
+    if (out->stopped) {
+        free(tm);
+        return TD_ESTATE;
     }
     double xs[PF_PROFILE_MAX_LENGTHS];
     for (int i = 0; i < nl; i++) {

@@ -17,6 +17,10 @@
  * warm-up forward at the longest length and the first three timed lengths always run,
  * so the bound is budget_ms + 4 forwards of at most max_len tokens); lengths are visited
  * spread out (longest, shortest, middle, ...) so a cut-short first pass spans the range.
+ * Stop: *stop (a signal handler's flag) is read before every forward, the warm-up
+ * included, so a SIGTERM ends the profile within one forward.
+ * Caching: the result depends only on what pf_pcache.h puts in its key; stage 0 keeps
+ * it on disk there and re-uses it across restarts.
  * Threading: drives the engine from the calling thread; the engine and pool must not be
  * used by anyone else meanwhile.
  * Ownership: pf_rig_open/close own a stage's model, backend, engine and KV pool;
@@ -25,6 +29,7 @@
 #ifndef PF_PROFILE_H
 #define PF_PROFILE_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -43,8 +48,9 @@ typedef struct {
     kn_cpu *cpu;
     kn_engine *engine;
     kn_kv_pool *kv;
-    int l0, l1; /* the stage's layer range */
-    int ctx;    /* tokens of KV the pool holds for one sequence */
+    int l0, l1;  /* the stage's layer range */
+    int ctx;     /* tokens of KV the pool holds for one sequence */
+    int threads; /* compute threads of the backend */
     int pp, stage;
 } pf_rig;
 
@@ -64,13 +70,18 @@ int pf_rig_open(pf_rig *r, const pf_rig_params *p);
 void pf_rig_close(pf_rig *r); /* safe on a zeroed rig */
 
 typedef struct {
-    int chunk_size; /* C, tokens (> 0) */
-    int max_len;    /* longest profiled length; 0: 1.25 C */
-    int n_lengths;  /* 0: 16; at most PF_PROFILE_MAX_LENGTHS */
-    int reps;       /* passes over the lengths, median per length; 0: 3 */
-    int budget_ms;  /* wall-time bound of the profile; 0: 20000 */
-    uint64_t seed;  /* input ids / hidden states; 0 is fine */
+    int chunk_size;              /* C, tokens (> 0) */
+    int max_len;                 /* longest profiled length; 0: 1.25 C */
+    int n_lengths;               /* 0: 16; at most PF_PROFILE_MAX_LENGTHS */
+    int reps;                    /* passes over the lengths, median per length; 0: 3 */
+    int budget_ms;               /* wall-time bound of the profile; 0: 20000 */
+    uint64_t seed;               /* input ids / hidden states; 0 is fine */
+    volatile sig_atomic_t *stop; /* non-zero: stop before the next forward; NULL: never */
 } pf_profile_params;
+
+/* p with every 0 replaced by the value pf_profile_stage uses (max_len, n_lengths, reps,
+ * budget_ms); stop and seed are copied. The cache key is built from the result. */
+pf_profile_params pf_profile_resolve(const pf_profile_params *p);
 
 typedef struct {
     int n_lengths;                       /* lengths with at least one timing */
@@ -79,12 +90,14 @@ typedef struct {
     int n_runs[PF_PROFILE_MAX_LENGTHS];  /* (n_lengths) timings behind each median */
     double elapsed_ms;                   /* the whole profile incl. warm-up */
     bool budget_hit;                     /* stopped early on budget_ms */
+    bool stopped;                        /* *stop was seen: partial, not fitted */
     pf_cost_model fit;                   /* fitted over (len, ms); see fit.dynamic */
 } pf_profile_result;
 
 /* Profile the rig's stage and fit the cost model. Returns 0 when the forwards ran (the
  * fit may still have failed: out->fit.valid / .dynamic say, and the caller falls back to
- * fixed chunks), or a negative td_err from the engine / bad parameters (TD_EINVAL,
+ * fixed chunks), TD_ESTATE with out->stopped set when *p->stop ended it early (nothing
+ * usable in out), or a negative td_err from the engine / bad parameters (TD_EINVAL,
  * TD_ERANGE if max_len exceeds the rig's ctx). */
 int pf_profile_stage(pf_rig *r, const pf_profile_params *p, pf_profile_result *out);
 

@@ -2,6 +2,11 @@
 #   test_pf_chunk    partition, quadratic fit and chunk planner against hand-computed cases
 #   test_pf_profile  stage profile + fit on the engine with the synthetic llama model
 #                    (fixture synth_models, reference.cmake; needs TANDEM_PYTHON)
+#   test_pf_pcache   the on-disk profile cache: key, round trip, corrupt files, store
+#                    errors; the profile's stop flag (synthetic model)
+#   prefill_profile_cache  tandem-prefill re-uses its cached profile, re-profiles on a key
+#                    change, a corrupt file or --reprofile, and exits 0 within ~1 s on a
+#                    SIGTERM while profiling (test_pf_cache.py)
 if(TARGET pf_core)
   add_executable(test_pf_chunk ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_chunk.c)
   target_include_directories(test_pf_chunk PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
@@ -15,6 +20,15 @@ if(TARGET pf_core)
   if(TANDEM_PYTHON)
     add_test(NAME test_pf_profile COMMAND test_pf_profile ${TANDEM_TEST_DATA}/synth/llama.gguf)
     set_tests_properties(test_pf_profile PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 60
+                         LABELS prefill)
+  endif()
+
+  add_executable(test_pf_pcache ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_pcache.c)
+  target_include_directories(test_pf_pcache PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_pf_pcache PRIVATE pf_core td_kernels td_common Threads::Threads)
+  if(TANDEM_PYTHON)
+    add_test(NAME test_pf_pcache COMMAND test_pf_pcache ${TANDEM_TEST_DATA}/synth/llama.gguf)
+    set_tests_properties(test_pf_pcache PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 120
                          LABELS prefill)
   endif()
 endif()
@@ -32,4 +46,9 @@ if(TARGET tandem-prefill AND TANDEM_PYTHON)
                    --model "${TANDEM_MODEL}")
   set_tests_properties(prefill_node PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
                        LABELS prefill)
+  add_test(NAME prefill_profile_cache
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_cache.py
+                   --prefill $<TARGET_FILE:tandem-prefill> --synth-dir ${TANDEM_TEST_DATA}/synth)
+  set_tests_properties(prefill_profile_cache PROPERTIES FIXTURES_REQUIRED synth_models
+                       TIMEOUT 300 LABELS prefill)
 endif()

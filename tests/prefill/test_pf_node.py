@@ -67,7 +67,8 @@ class Prefill:
         self.procs[s] = subprocess.Popen([self.args.prefill, "--config", self.cfg, "--instance",
                                           "p0", "--stage", str(s)], stdout=log,
                                          stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, **self.env) if self.env else None)
+                                         env=dict(os.environ, TANDEM_CACHE=self.dir,
+                                                  **(self.env or {})))
 
     def log(self, s=0):
         with open(os.path.join(self.dir, f"s{s}.log"), errors="replace") as f:

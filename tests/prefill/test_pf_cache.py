@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""test_pf_cache.py: tandem-prefill's stage-0 profile cache and its SIGTERM while profiling,
+on the synthetic model, with TANDEM_CACHE in a temporary directory.
+
+Checks:
+  a first start measures the profile and caches it (one file in $TANDEM_CACHE/profiles);
+  a second start of the same configuration loads it (no measuring; the same cost model);
+  another thread count is another key: measured again, a second file;
+  a corrupt cache file is ignored with a warning, measured again and rewritten (the next
+    start loads it);
+  --reprofile measures even though a profile is cached;
+  a cache that cannot be written (TANDEM_CACHE is a file) is a warning: the stage serves;
+  SIGTERM while stage 0 profiles: exit 0 within 2 s, nothing cached; with pp 2, SIGINT to
+    stage 0 and SIGTERM to stage 1 while stage 0 profiles: both exit 0 within 2 s.
+
+usage: test_pf_cache.py --prefill BIN --synth-dir DIR
+"""
+import argparse
+import glob
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+FAILS = []
+STOP_S = 2.0  # SIGTERM to exit while profiling
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+class Stage:
+    """tandem-prefill stages of instance p0 of a config written into dir."""
+
+    def __init__(self, args, dir, cache, pp=1, threads=1, chunk=128, budget=2000, extra=()):
+        self.args, self.dir, self.pp, self.extra = args, dir, pp, list(extra)
+        self.cfg = os.path.join(dir, f"c-{pp}-{threads}-{chunk}-{budget}.yaml")
+        with open(self.cfg, "w") as f:
+            f.write(f"model: {args.model}\nprefill:\n  - name: p0\n    pp: {pp}\n"
+                    f"    chunk_size: {chunk}\n    port: {free_port()}\n    kv_tokens: 2048\n"
+                    f"    threads: {threads}\n    profile_budget_ms: {budget}\n"
+                    f"decode:\n  - name: d0\n    port: {free_port()}\n"
+                    f"kvxfer:\n  ucx_tls: sm,tcp,self\n")
+        self.env = dict(os.environ, TANDEM_CACHE=cache)
+        self.procs, self.logs = {}, {}
+
+    def start(self):
+        for s in range(self.pp):
+            self.logs[s] = os.path.join(self.dir, f"s{s}-{time.monotonic_ns()}.log")
+            with open(self.logs[s], "w") as log:
+                self.procs[s] = subprocess.Popen(
+                    [self.args.prefill, "--config", self.cfg, "--instance", "p0", "--stage",
+                     str(s), *(self.extra if s == 0 else [])],
+                    stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def log(self, s=0):
+        with open(self.logs[s], errors="replace") as f:
+            return f.read()
+
+    def wait_log(self, pattern, timeout=120):
+        end = time.time() + timeout
+        while time.time() < end:
+            if re.search(pattern, self.log()):
+                return True
+            if self.procs[0].poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def wait_ready(self):
+        return self.wait_log(r"p0: ready|stages joined: ready")
+
+    def stop(self, sigs=None):
+        """Signal every stage; returns ([exit codes], seconds until the last one exited)."""
+        t0 = time.monotonic()
+        for s, p in self.procs.items():
+            if p.poll() is None:
+                p.send_signal(sigs[s] if sigs else signal.SIGTERM)
+        codes = []
+        for p in self.procs.values():
+            try:
+                codes.append(p.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return codes, time.monotonic() - t0
+
+
+def fit_line(log):
+    m = re.search(r"dynamic chunking: (f\(l\).*)|(no usable cost model.*)", log)
+    return m.group(0) if m else None
+
+
+def profiles(cache):
+    return sorted(glob.glob(os.path.join(cache, "profiles", "stage-*.profile")))
+
+
+def cached_runs(args, dir):
+    cache = os.path.join(dir, "cache")
+    # first start: measured, stored
+    st = Stage(args, dir, cache).start()
+    ready = st.wait_ready()
+    log = st.log()
+    codes, _ = st.stop()
+    check(ready and "measuring the stage profile (no cached profile)" in log
+          and "stage profile cached in" in log, "first start: measured and cached")
+    files = profiles(cache)
+    check(len(files) == 1, f"first start: one profile file ({files})")
+    check(codes == [0], f"first start: SIGTERM, exit 0 ({codes})")
+    first_fit = fit_line(log)
+
+    # second start: loaded, same cost model
+    st = Stage(args, dir, cache).start()
+    ready = st.wait_ready()
+    log = st.log()
+    codes, _ = st.stop()
+    check(ready and "stage profile loaded from the cache" in log and "measuring" not in log,
+          "second start: the profile is loaded from the cache, not measured")
+    check(first_fit is not None and fit_line(log) == first_fit,
+          f"second start: the same cost model ({fit_line(log)})")
+    check(codes == [0], f"second start: exit 0 ({codes})")
+
+    # another key: 2 threads
+    st = Stage(args, dir, cache, threads=2).start()
+    ready = st.wait_ready()
+    log = st.log()
+    st.stop()
+    check(ready and "measuring the stage profile (no cached profile)" in log,
+          "2 threads: another key, measured")
+    check(len(profiles(cache)) == 2, f"2 threads: a second profile file ({profiles(cache)})")
+
+    # a corrupt file: ignored with a warning, measured, rewritten
+    for path in files:
+        with open(path, "r+b") as f:
+            f.seek(40)
+            f.write(b"\x00garbage\n")
+    st = Stage(args, dir, cache).start()
+    ready = st.wait_ready()
+    log = st.log()
+    codes, _ = st.stop()
+    check(ready and "ignoring the cached profile" in log
+          and "measuring the stage profile (the cached one is unusable)" in log
+          and "stage profile cached in" in log,
+          "corrupt cache file: warned, measured again and rewritten")
+    check(codes == [0], f"corrupt cache file: no crash, exit 0 ({codes})")
+    st = Stage(args, dir, cache).start()
+    ready = st.wait_ready()
+    log = st.log()
+    st.stop()
+    check(ready and "stage profile loaded from the cache" in log,
+          "after the corrupt file was rewritten: loaded")
+
+    # --reprofile
+    before = os.stat(files[0]).st_mtime_ns
+    st = Stage(args, dir, cache, extra=["--reprofile"]).start()
+    ready = st.wait_ready()
+    log = st.log()
+    codes, _ = st.stop()
+    check(ready and "measuring the stage profile (--reprofile)" in log
+          and os.stat(files[0]).st_mtime_ns != before, "--reprofile: measured and stored anew")
+    check(codes == [0], f"--reprofile: exit 0 ({codes})")
+
+    # a cache that cannot be written
+    blocker = os.path.join(dir, "not-a-dir")
+    open(blocker, "w").close()
+    st = Stage(args, dir, blocker).start()
+    ready = st.wait_ready()
+    log = st.log()
+    codes, _ = st.stop()
+    check(ready and "cannot cache the stage profile" in log and codes == [0],
+          f"unwritable cache: a warning, the stage serves, exit 0 ({codes})")
+
+
+def stop_while_profiling(args, dir):
+    cache = os.path.join(dir, "cache-stop")
+    # chunks of 256: forwards of at most 320 tokens; 16 lengths x 3 passes last seconds
+    st = Stage(args, dir, cache, chunk=256, budget=60000).start()
+    measuring = st.wait_log(r"measuring the stage profile")
+    time.sleep(0.5)
+    alive = st.procs[0].poll() is None
+    codes, took = st.stop()
+    log = st.log()
+    check(measuring and alive and "stopped while profiling" in log,
+          "SIGTERM while profiling: the profile stops")
+    check(codes == [0] and took < STOP_S,
+          f"SIGTERM while profiling: exit 0 in {took:.2f} s (< {STOP_S} s) ({codes})")
+    check(profiles(cache) == [], "SIGTERM while profiling: nothing cached")
+
+    st = Stage(args, dir, cache, pp=2, chunk=256, budget=60000).start()
+    measuring = st.wait_log(r"measuring the stage profile")
+    time.sleep(0.5)
+    codes, took = st.stop({0: signal.SIGINT, 1: signal.SIGTERM})
+    check(measuring and codes == [0, 0] and took < STOP_S,
+          f"pp 2, SIGINT to stage 0 / SIGTERM to stage 1 while stage 0 profiles: both exit 0 "
+          f"in {took:.2f} s ({codes})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill", required=True)
+    ap.add_argument("--synth-dir", required=True)
+    args = ap.parse_args()
+    args.model = os.path.join(args.synth_dir, "llama.gguf")
+    with tempfile.TemporaryDirectory(prefix="tandem-pfcache-") as dir:
+        cached_runs(args, dir)
+        stop_while_profiling(args, dir)
+    print(f"{len(FAILS)} failed")
+    sys.exit(1 if FAILS else 0)
+
+
+if __name__ == "__main__":
+    main()
