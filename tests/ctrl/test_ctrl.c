@@ -585,6 +585,9 @@ typedef struct {
     bool got;
 } reply_rec;
 
+static int g_restarts;          /* TD_CTRL_IN_RESTARTED seen by pump_n */
+static int g_tokens_at_restart; /* tokens of the first stream when the last one came */
+
 /* Receive until every stream is done and every reply arrived, or the timeout. */
 static bool pump_n(td_ctrl_client *c, stream *st, int n_st, int n_need, reply_rec *rp, int n_rp,
                    int timeout_ms)
@@ -614,6 +617,9 @@ static bool pump_n(td_ctrl_client *c, stream *st, int n_st, int n_need, reply_re
                     }
                 }
             }
+        } else if (in.kind == TD_CTRL_IN_RESTARTED) {
+            g_restarts++;
+            g_tokens_at_restart = n_st > 0 ? (int)st[0].n : -1;
         } else if (in.kind == TD_CTRL_IN_EVENTS) {
             for (size_t k = 0; k < in.n_events; k++) {
                 const Td__Event *ev = in.events[k];
@@ -824,6 +830,11 @@ static void test_absent_and_reconnect(void)
         TH_CHECK(pump(c, &st, 1, &rp, 1, 5000));
         TH_CHECKF(rp.err == 0 && rp.body == TD__ENVELOPE__BODY_ACK && st.n == 5 && st.seq_ok,
                   "round %d: err %d body %d n %u", round, rp.err, rp.body, st.n);
+        /* a new server process is reported once, before any of its events (the first
+           server is not a restart) */
+        TH_CHECKF(g_restarts == round && (round == 0 || g_tokens_at_restart == 0),
+                  "round %d: %d restarts reported, %d tokens before", round, g_restarts,
+                  g_tokens_at_restart);
         if (round == 1) { /* the server notices the client going away */
             td_ctrl_client_destroy(c);
             c = NULL;

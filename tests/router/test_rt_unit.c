@@ -542,6 +542,104 @@ static void test_pair(void)
     pair_teardown();
 }
 
+/* Migration (rt_loop_lose): a request whose decode side is lost after tokens reached the
+ * client goes back to the queue with the prompt plus those tokens, and max_tokens less as
+ * many; it may move router.max_migrations times; "migrate": false ends it instead. */
+static void got_tokens(rt_req *q, int n) /* as on_token does, without a tokenizer */
+{
+    q->gen_ids = realloc(q->gen_ids, (size_t)(q->n_gen + n) * sizeof *q->gen_ids);
+    q->cap_gen = q->n_gen + n;
+    for (int k = 0; k < n; k++)
+        q->gen_ids[q->n_gen + k] = 100 + q->n_gen + k;
+    q->n_gen += n;
+}
+
+static void test_migrate(void)
+{
+    TH_REQUIRE(pair_setup() == 0);
+    TH_CHECK(g_r.cfg->router.max_migrations == 3 && g_r.cfg->router.migrate_wait_ms == 15000);
+    rt_req *q = pair_req();
+    q->p.max_tokens = 10;
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    ack(0, q->pf_call);
+    alloc_reply(q->call_id, q->rid);
+    prefill_done(0, q->rid);
+    got_tokens(q, 2);
+    uint64_t rid0 = q->rid;
+
+    /* a rank died: ERR_PEER_FAILED after the first token moves the request */
+    Td__ErrorEvent xe = TD__ERROR_EVENT__INIT;
+    xe.request_id = q->rid;
+    xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
+    xe.message = "rank 1 died";
+    rt_pair_on_decode_error(&g_r, q, &xe, 1000);
+    TH_CHECK(q->state == RT_ST_QUEUED && !q->done && q->migrations == 1 && q->lost_ms == 1000);
+    TH_CHECK(q->gen_base == 2 && q->inst == -1 && all_released());
+    size_t n = 0;
+    const int32_t *ids = rt_req_prompt(q, &n);
+    TH_CHECK(n == 5 && ids[0] == 1 && ids[2] == 3 && ids[3] == 100 && ids[4] == 101);
+
+    /* the next attempt: a fresh id, the resumed prompt's tokens on the prefill instance */
+    pair_unqueue(q);
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 1100) == 0);
+    TH_CHECK(q->rid != rid0 && g_r.reg.pf[1].inflight_tokens == 5);
+    /* before its first token a transfer failure is the attempt's (retried), not a move */
+    ack(1, q->pf_call);
+    alloc_reply(q->call_id, q->rid);
+    xe.request_id = q->rid;
+    rt_pair_on_decode_error(&g_r, q, &xe, 1200);
+    TH_CHECK(q->state == RT_ST_QUEUED && q->migrations == 1 && q->pf_retried && all_released());
+    pair_unqueue(q);
+
+    /* the restarted prefill instance: its prompts start again (a move, waiting allowed) */
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1300) == 0);
+    rt_pair_prefill_restarted(&g_r, 0, 1300);
+    TH_CHECK(q->state == RT_ST_QUEUED && q->migrations == 2 && !q->pf_retried && all_released());
+    pair_unqueue(q);
+
+    /* a decode instance that is stopping moves it too; then max_migrations (3) is reached */
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1400) == 0);
+    ack(0, q->pf_call);
+    alloc_reply(q->call_id, q->rid);
+    prefill_done(0, q->rid);
+    got_tokens(q, 3);
+    xe.request_id = q->rid;
+    xe.code = TD__ERROR_CODE__ERR_SHUTDOWN;
+    rt_pair_on_decode_error(&g_r, q, &xe, 1500);
+    TH_CHECK(q->state == RT_ST_QUEUED && q->migrations == 3 && q->gen_base == 5);
+    TH_CHECK(rt_req_prompt(q, &n)[7] == 104 && n == 8);
+    pair_unqueue(q);
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1600) == 0);
+    ack(0, q->pf_call);
+    alloc_reply(q->call_id, q->rid);
+    prefill_done(0, q->rid);
+    got_tokens(q, 1);
+    xe.request_id = q->rid;
+    rt_pair_on_decode_error(&g_r, q, &xe, 1700);
+    TH_CHECK(q->done && q->status == 503 && strstr(q->out.buf, "max_migrations"));
+    TH_CHECK(all_released() && g_r.table.count == 0);
+    rt_req_release(q);
+
+    /* "migrate": false: ends with 503 instead; an internal error is never moved */
+    for (int k = 0; k < 2; k++) {
+        q = pair_req();
+        q->p.no_migrate = k == 0;
+        TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+        ack(0, q->pf_call);
+        alloc_reply(q->call_id, q->rid);
+        prefill_done(0, q->rid);
+        got_tokens(q, 1);
+        xe.request_id = q->rid;
+        xe.code = k == 0 ? TD__ERROR_CODE__ERR_PEER_FAILED : TD__ERROR_CODE__ERR_INTERNAL;
+        rt_pair_on_decode_error(&g_r, q, &xe, 0);
+        TH_CHECK(q->done && q->status == (k == 0 ? 503 : 500) && q->migrations == 0);
+        TH_CHECK(k || strstr(q->out.buf, "migrate"));
+        TH_CHECK(all_released() && g_r.table.count == 0);
+        rt_req_release(q);
+    }
+    pair_teardown();
+}
+
 static const char *g_model;
 
 static void test_stream(void)
@@ -626,6 +724,7 @@ int main(int argc, char **argv)
     TH_RUN(test_keys);
     TH_RUN(test_pick);
     TH_RUN(test_pair);
+    TH_RUN(test_migrate);
     TH_RUN(test_stream);
     TH_EXIT();
 }
