@@ -1,11 +1,15 @@
 /* td_err.c: error strings and the line-atomic stderr logger. */
+#define _GNU_SOURCE /* program_invocation_short_name */
 #include "td_err.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
+#include <unistd.h>
 
 const char *td_strerror(int err)
 {
@@ -62,6 +66,23 @@ static int current_level(void)
     return lvl;
 }
 
+size_t td_log_timestamp(char *buf, size_t cap)
+{
+    struct timespec ts;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    time_t sec = ts.tv_sec;
+    if (cap == 0) return 0;
+    if (!gmtime_r(&sec, &tm)) {
+        buf[0] = 0;
+        return 0;
+    }
+    int n =
+        snprintf(buf, cap, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
+                 tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, (int)(ts.tv_nsec / 1000000));
+    return n < 0 ? 0 : (size_t)n < cap ? (size_t)n : cap - 1;
+}
+
 void td_log_write(td_log_level level, const char *file, int line, const char *fmt, ...)
 {
     if ((int)level < current_level()) return;
@@ -73,11 +94,17 @@ void td_log_write(td_log_level level, const char *file, int line, const char *fm
     va_end(ap);
     const char *base = strrchr(file, '/');
     base = base ? base + 1 : file;
+    char when[32];
+    td_log_timestamp(when, sizeof when);
+    /* the process: its program name and pid (what `tandem status` shows) */
+    const char *prog = program_invocation_short_name;
+    int pid = (int)getpid();
     pthread_mutex_lock(&log_lock);
     if (level >= TD_LOG_WARN)
-        fprintf(stderr, "tandem %s: %s (%s:%d)\n", names[level], msg, base, line);
+        fprintf(stderr, "%s %s[%d] %s: %s (%s:%d)\n", when, prog, pid, names[level], msg, base,
+                line);
     else
-        fprintf(stderr, "tandem %s: %s\n", names[level], msg);
+        fprintf(stderr, "%s %s[%d] %s: %s\n", when, prog, pid, names[level], msg);
     pthread_mutex_unlock(&log_lock);
 }
 

@@ -5,11 +5,16 @@
  * line), and its callers only propagate the code.
  * Threading: td_strerror is pure; logging writes one line per call to stderr under a
  * lock, so lines from different threads never interleave.
+ *
+ * A log line: "2026-11-25T11:40:02.123Z tandem-router[4242] info: MESSAGE", the time in
+ * UTC with milliseconds, then the program name and pid; warn and error lines end with
+ * " (file.c:LINE)".
  */
 #ifndef TD_ERR_H
 #define TD_ERR_H
 
 #include <stdarg.h>
+#include <stddef.h>
 
 typedef enum {
     TD_OK = 0,
@@ -33,6 +38,10 @@ typedef enum { TD_LOG_DEBUG, TD_LOG_INFO, TD_LOG_WARN, TD_LOG_ERROR } td_log_lev
 void td_log_set_level(td_log_level level);
 void td_log_write(td_log_level level, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+
+/* The current time, UTC, "YYYY-MM-DDTHH:MM:SS.mmmZ" (24 bytes), into buf (cap >= 25 for
+ * all of it); returns the length written. */
+size_t td_log_timestamp(char *buf, size_t cap);
 
 #define TD_LOG_ERR(...)   td_log_write(TD_LOG_ERROR, __FILE__, __LINE__, __VA_ARGS__)
 #define TD_LOG_WARN(...)  td_log_write(TD_LOG_WARN, __FILE__, __LINE__, __VA_ARGS__)

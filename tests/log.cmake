@@ -1,0 +1,11 @@
+# The logger (common/td_err.c): line format (UTC timestamp with milliseconds, program name
+# and pid), levels set in code and by TANDEM_LOG, whole lines from concurrent threads.
+add_executable(test_log common/test_log.c)
+target_include_directories(test_log PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_log PRIVATE td_common)
+add_test(NAME log_format COMMAND test_log)
+set_tests_properties(log_format PROPERTIES TIMEOUT 60)
+foreach(level debug warn error)
+  add_test(NAME log_env_${level} COMMAND test_log --env-level ${level})
+  set_tests_properties(log_env_${level} PROPERTIES ENVIRONMENT TANDEM_LOG=${level} TIMEOUT 60)
+endforeach()
