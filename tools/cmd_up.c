@@ -1,9 +1,9 @@
 /* cmd_up.c: `tandem up|down|status`: run and supervise every process of a cluster YAML on
  * this machine.
  *
- *   tandem up [-d] FILE [--timeout S] [--grace S] [--no-restart]
- *   tandem down FILE [--grace S]
- *   tandem status FILE [--json]
+ *   tandem up [-d] FILE [--port N] [--timeout S] [--grace S] [--no-restart] [--reprofile]
+ *   tandem down FILE [--port N] [--grace S]
+ *   tandem status FILE [--port N] [--json]
  *
  * Processes, started in this order (each one waits for or retries its peers by itself, so
  * the order only makes the logs read naturally): every rank of every decode instance
@@ -13,6 +13,14 @@
  * FILE). Every process of the YAML runs on this machine, whatever its host (several hosts:
  * deploy/start-*.sh on each). Binaries are taken from $TANDEM_BIN (a directory) or the
  * directory of this `tandem` executable; all of them are checked before anything starts.
+ *
+ * Ports: --port N moves the cluster: the router listens on N, the control ports of the
+ * decode instances and then the prefill instances are N+1, N+2, ... (up_config.h); up
+ * writes that copy of the YAML into the run directory and starts every process on it. The
+ * cluster is then named <file stem>-N (its run directory), so that two clusters of one YAML
+ * run side by side; down and status take the same --port. Before anything starts, up binds
+ * every listening port once (router.listen, each decode rank 0's and prefill stage 0's
+ * control port) and stops with a clear error if one is taken.
  *
  * Run directory: RUN_DIR/<file stem>/ (run_dir from the YAML): per process
  * <role>-<instance>-<rank>.log (stdout + stderr, truncated at each up, appended to at each
@@ -24,7 +32,9 @@
  * Start-up: processes start in their own session (setsid) with stdin from /dev/null; up
  * waits until the router's GET /health answers 200 and, with prefill instances, every
  * prefill stage 0 answers a control-plane HealthRequest with ready = true (all its stages
- * joined, model loaded, start-up profile done) (--timeout, default 300 s). If a process
+ * joined, model loaded, start-up profile done) (--timeout, default 300 s), then prints the
+ * endpoint and an example request (curl). --reprofile passes --reprofile to each prefill
+ * stage 0 at its first start (a new start-up profile, not the cached one). If a process
  * exits meanwhile, the timeout passes or a signal arrives, up prints the log tail of the
  * process concerned, stops everything and exits non-zero (a process that cannot start is a
  * configuration error: restarting it would only loop).
@@ -72,6 +82,7 @@
 #include "config.h"
 #include "ctrl.h"
 #include "td_err.h"
+#include "up_config.h"
 
 typedef struct {
     const char *role; /* "decode" | "prefill" | "router" */
@@ -109,6 +120,8 @@ typedef struct {
     char host[256]; /* where /health is asked (a wildcard listen becomes loopback) */
     int port;
     char endpoint[300]; /* http://HOST:PORT as the user reaches it */
+    int port_override;  /* --port N (0: none): the cluster is named STEM-N, runs a copy */
+    bool reprofile;     /* --reprofile: prefill stage 0 profiles anew at its first start */
 } cluster;
 
 static volatile sig_atomic_t g_signal;
@@ -253,8 +266,9 @@ static void proc_label(const up_proc *p, char *buf, size_t cap)
                  strcmp(p->role, "prefill") ? "rank" : "stage", p->rank);
 }
 
-/* "HOST:PORT" or "[V6]:PORT" -> host to ask and endpoint. */
-static int parse_listen(cluster *c, const char *listen)
+/* "HOST:PORT" or "[V6]:PORT" -> host to ask and endpoint; port_override (nonzero) replaces
+ * PORT. */
+static int parse_listen(cluster *c, const char *listen, int port_override)
 {
     char host[256];
     const char *colon;
@@ -271,7 +285,7 @@ static int parse_listen(cluster *c, const char *listen)
     char *end;
     long port = strtol(colon + 1, &end, 10);
     if (*end || port < 1 || port > 65535) return TD_EINVAL;
-    c->port = (int)port;
+    c->port = port_override ? port_override : (int)port;
     if (!strcmp(host, "0.0.0.0") || !host[0])
         snprintf(c->host, sizeof c->host, "127.0.0.1");
     else if (!strcmp(host, "::"))
@@ -291,8 +305,10 @@ static void cluster_close(cluster *c)
     memset(c, 0, sizeof *c);
 }
 
-/* Loads the YAML and lays out the processes and their files. Prints its errors. */
-static int cluster_open(cluster *c, const char *path)
+/* Loads the YAML and lays out the processes and their files; port (--port N, 0: none)
+ * names the cluster STEM-N and moves its endpoint (cluster_derive then writes the copy of
+ * the YAML its processes read). Prints its errors. */
+static int cluster_open(cluster *c, const char *path, int port)
 {
     memset(c, 0, sizeof *c);
     char err[512];
@@ -308,6 +324,12 @@ static int cluster_open(cluster *c, const char *path)
         snprintf(c->name, sizeof c->name, "cluster");
     char *dot = strrchr(c->name, '.');
     if (dot && dot != c->name && (!strcmp(dot, ".yaml") || !strcmp(dot, ".yml"))) *dot = 0;
+    c->port_override = port;
+    if (port) {
+        size_t l = strlen(c->name);
+        if (l > sizeof c->name - 8) l = sizeof c->name - 8;
+        snprintf(c->name + l, sizeof c->name - l, "-%d", port);
+    }
     if (snprintf(c->dir, sizeof c->dir, "%s/%s", c->cfg->run_dir, c->name) >= (int)sizeof c->dir ||
         snprintf(c->up_pidfile, sizeof c->up_pidfile, "%s/up.pid", c->dir) >=
             (int)sizeof c->up_pidfile) {
@@ -315,7 +337,7 @@ static int cluster_open(cluster *c, const char *path)
         cluster_close(c);
         return TD_ERANGE;
     }
-    if (parse_listen(c, c->cfg->router.listen)) {
+    if (parse_listen(c, c->cfg->router.listen, port)) {
         fprintf(stderr, "tandem: %s: cannot parse router.listen '%s'\n", path,
                 c->cfg->router.listen);
         cluster_close(c);
@@ -401,8 +423,11 @@ static int spawn(cluster *c, up_proc *p, const char *note)
     snprintf(rank, sizeof rank, "%d", p->rank);
     char *argv_decode[] = {bin,         "--config", c->cfg_path, "--instance",
                            p->instance, "--rank",   rank,        NULL};
+    /* --reprofile: stage 0's first start only; a restart re-uses the profile it made */
+    bool reprofile = c->reprofile && p->rank == 0 && !note;
     char *argv_prefill[] = {bin,         "--config", c->cfg_path, "--instance",
-                            p->instance, "--stage",  rank,        NULL};
+                            p->instance, "--stage",  rank,        reprofile ? "--reprofile" : NULL,
+                            NULL};
     char *argv_router[] = {bin, "--config", c->cfg_path, NULL};
     char **argv = !strcmp(p->role, "router")    ? argv_router
                   : !strcmp(p->role, "prefill") ? argv_prefill
@@ -719,12 +744,25 @@ static int parse_seconds(const char *flag, const char *v, double *out)
     return 0;
 }
 
+static int parse_port(const char *v, int *out)
+{
+    char *e;
+    long p = strtol(v, &e, 10);
+    if (e == v || *e || p < 1 || p > 65535) {
+        fprintf(stderr, "tandem: bad value for --port: '%s' (1..65535)\n", v);
+        return TD_EINVAL;
+    }
+    *out = (int)p;
+    return 0;
+}
+
 static void usage_up(void)
 {
     fprintf(stderr,
-            "usage: tandem up [-d] FILE [--timeout S] [--grace S] [--no-restart]\n"
-            "       tandem down FILE [--grace S]\n"
-            "       tandem status FILE [--json]\n"
+            "usage: tandem up [-d] FILE [--port N] [--timeout S] [--grace S] [--no-restart]\n"
+            "                 [--reprofile]\n"
+            "       tandem down FILE [--port N] [--grace S]\n"
+            "       tandem status FILE [--port N] [--json]\n"
             "  up: start every process of the cluster YAML on this machine (decode ranks,\n"
             "      prefill stages, router), wait for the router's /health and every prefill\n"
             "      stage 0's ready, print the endpoint, then supervise until Ctrl-C/SIGTERM:\n"
@@ -733,6 +771,12 @@ static void usage_up(void)
             "      cluster is ready; 'tandem down' stops the supervisor and every process\n"
             "  --no-restart  a process that dies stops the whole cluster (exit status 1)\n"
             "  --timeout S  start-up bound (default 300)   --grace S  SIGTERM to SIGKILL (10)\n"
+            "  --port N  the router on port N, the control ports of the decode instances and\n"
+            "      then the prefill instances on N+1, N+2, ... (a copy of the YAML in the run\n"
+            "      directory); the cluster is named STEM-N: give down and status the same --port\n"
+            "  --reprofile  every prefill stage 0 profiles itself anew instead of re-using\n"
+            "      its cached start-up profile\n"
+            "  up checks that the router's and the control ports are free before it starts\n"
             "  status: ROLE INSTANCE RANK PID RESTARTS STATE per process\n"
             "  binaries: $TANDEM_BIN, else the directory of this tandem executable\n");
 }
@@ -740,8 +784,9 @@ static void usage_up(void)
 /* Common option parsing: FILE plus flags. */
 typedef struct {
     const char *file;
-    bool detach, json, restart;
+    bool detach, json, restart, reprofile;
     double timeout_s, grace_s;
+    int port; /* --port N, 0: the YAML's ports */
 } up_opts;
 
 static int parse_opts(int argc, char **argv, up_opts *o, bool is_up, bool allow_json)
@@ -757,6 +802,15 @@ static int parse_opts(int argc, char **argv, up_opts *o, bool is_up, bool allow_
             o->detach = true;
         } else if (is_up && !strcmp(f, "--no-restart")) {
             o->restart = false;
+        } else if (is_up && !strcmp(f, "--reprofile")) {
+            o->reprofile = true;
+        } else if (!strcmp(f, "--port")) {
+            if (!v) {
+                fprintf(stderr, "tandem: --port needs a value\n");
+                return TD_EINVAL;
+            }
+            rc = parse_port(v, &o->port);
+            i++;
         } else if (allow_json && !strcmp(f, "--json")) {
             o->json = true;
         } else if (!strcmp(f, "--timeout") || !strcmp(f, "--grace")) {
@@ -838,6 +892,47 @@ static int start_cluster(cluster *c, const up_opts *o, double t0)
     }
     probes_close(probes, n_probes);
     return rc;
+}
+
+/* --port N: writes the copy of the YAML with the ports moved into the run directory
+ * (DIR/BASENAME) and loads the configuration from it; every process is started on it.
+ * On error nothing of it is left. */
+static int cluster_derive(cluster *c)
+{
+    char path[PATH_MAX], err[512];
+    const char *base = strrchr(c->cfg_path, '/');
+    base = base ? base + 1 : c->cfg_path;
+    if (snprintf(path, sizeof path, "%s/%s", c->dir, base) >= (int)sizeof path) {
+        fprintf(stderr, "tandem: run directory path too long\n");
+        return TD_ERANGE;
+    }
+    int rc = up_config_derive(c->cfg_path, c->port_override, path, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "tandem: %s\n", err);
+        return rc;
+    }
+    td_cfg *cfg;
+    if ((rc = td_cfg_load(path, &cfg, err, sizeof err))) {
+        fprintf(stderr, "tandem: the copy of %s for --port %d does not load: %s\n", c->cfg_path,
+                c->port_override, err);
+        unlink(path);
+        return rc;
+    }
+    td_cfg_free(c->cfg);
+    c->cfg = cfg;
+    snprintf(c->cfg_path, sizeof c->cfg_path, "%s", path);
+    return 0;
+}
+
+/* The example request printed once the cluster is up: a short greedy chat completion. */
+static void print_example(const cluster *c)
+{
+    bool v6 = strchr(c->host, ':') != NULL; /* curl reads [ ] as a glob without -g */
+    printf("tandem: try: curl -s%s %s/v1/chat/completions -H 'Content-Type: application/json'%s "
+           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of "
+           "France?\"}], \"max_tokens\": 32, \"temperature\": 0}'\n",
+           v6 ? " -g" : "", c->endpoint,
+           c->cfg->router.api_key[0] ? " -H 'Authorization: Bearer YOUR_API_KEY'" : "");
 }
 
 /* p has died while supervised: report it and schedule its restart after the back-off. */
@@ -973,14 +1068,14 @@ static int detach(int *notify, bool *parent)
 
 /* The detached supervisor, once the cluster is up: its output goes to up.log from now on,
  * and the waiting parent is released. */
-static void detach_done(const cluster *c, const up_opts *o, int notify)
+static void detach_done(const cluster *c, const up_opts *o, const char *port_arg, int notify)
 {
     char path[PATH_MAX + 8];
     snprintf(path, sizeof path, "%s/up.log", c->dir);
     fprintf(stderr,
             "tandem: supervising in the background (pid %d, messages in %s); 'tandem status "
-            "%s', 'tandem down %s'\n",
-            (int)getpid(), path, o->file, o->file);
+            "%s%s', 'tandem down %s%s'\n",
+            (int)getpid(), path, o->file, port_arg, o->file, port_arg);
     fflush(stdout);
     fflush(stderr);
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -1002,11 +1097,13 @@ int cmd_up(int argc, char **argv)
     int rc = parse_opts(argc, argv, &o, true, false);
     if (rc) return rc > 0 ? 0 : rc;
     cluster c;
-    if ((rc = cluster_open(&c, o.file))) return rc;
+    if ((rc = cluster_open(&c, o.file, o.port))) return rc;
     if ((rc = check_binaries(&c))) {
         cluster_close(&c);
         return rc;
     }
+    char port_arg[24] = "";
+    if (o.port) snprintf(port_arg, sizeof port_arg, " --port %d", o.port);
     if ((rc = mkdir_p(c.dir))) {
         fprintf(stderr, "tandem: cannot create run directory %s: %s\n", c.dir, strerror(errno));
         cluster_close(&c);
@@ -1015,10 +1112,23 @@ int cmd_up(int argc, char **argv)
     if (already_running(&c)) {
         fprintf(stderr,
                 "tandem: cluster '%s' is already running (run directory %s); "
-                "'tandem down %s' first\n",
-                c.name, c.dir, o.file);
+                "'tandem down %s%s' first\n",
+                c.name, c.dir, o.file, port_arg);
         cluster_close(&c);
         return TD_ESTATE;
+    }
+    c.reprofile = o.reprofile;
+    /* before anything starts (a prefill stage 0 profiles itself for ~20 s first) */
+    if (o.port && (rc = cluster_derive(&c))) {
+        rmdir(c.dir); /* if this up made it and it holds nothing (the copy is removed) */
+        cluster_close(&c);
+        return rc;
+    }
+    if ((rc = up_ports_check(c.cfg))) {
+        if (o.port) unlink(c.cfg_path); /* the copy cluster_derive wrote */
+        rmdir(c.dir);
+        cluster_close(&c);
+        return rc;
     }
     g_signal = 0;
     struct sigaction sa = {.sa_handler = on_signal};
@@ -1056,9 +1166,10 @@ int cmd_up(int argc, char **argv)
     }
     printf("tandem: cluster '%s' is up in %.1f s: %s (OpenAI API at %s/v1)\n", c.name, now_s() - t0,
            c.endpoint, c.endpoint);
+    print_example(&c);
     fflush(stdout);
     if (o.detach)
-        detach_done(&c, &o, notify);
+        detach_done(&c, &o, port_arg, notify);
     else
         fprintf(stderr, "tandem: Ctrl-C or SIGTERM stops the cluster%s\n",
                 o.restart ? "; a process that dies is restarted" : "");
@@ -1077,7 +1188,7 @@ int cmd_down(int argc, char **argv)
     int rc = parse_opts(argc, argv, &o, false, false);
     if (rc) return rc > 0 ? 0 : rc;
     cluster c;
-    if ((rc = cluster_open(&c, o.file))) return rc;
+    if ((rc = cluster_open(&c, o.file, o.port))) return rc;
     int n = 0;
     up_proc sup = {.role = "up"};
     if (!read_pidfile(c.up_pidfile, &sup.pid, &sup.start, NULL) && proc_alive(&sup)) {
@@ -1117,7 +1228,7 @@ int cmd_status(int argc, char **argv)
     int rc = parse_opts(argc, argv, &o, false, true);
     if (rc) return rc > 0 ? 0 : rc;
     cluster c;
-    if ((rc = cluster_open(&c, o.file))) return rc;
+    if ((rc = cluster_open(&c, o.file, o.port))) return rc;
     load_pids(&c);
     pid_t sup = supervisor_pid(&c);
     json_t *arr = json_array();
