@@ -11,6 +11,13 @@
 #                      stage, a stage that cannot start, deploy/start-prefill.sh (skipped
 #                      without the tandem-prefill target)
 # Without the tandem-router target, tests/deploy/fake_router.py stands in for the router.
+#   deploy_quickstart  a new user's first minutes (tests/deploy/test_quickstart.py): a copy of
+#                      the working tree without build directory, scripts/run.sh --port N
+#                      (setup, its own Release build, the default cluster on the default
+#                      model), the printed and README examples, the openai client, busy ports
+#                      and --reprofile, Ctrl-C, nothing left. Needs TANDEM_MODEL (setup.sh
+#                      has fetched the model and the venv); RUN_SERIAL: it builds and runs a
+#                      whole cluster (about 1.5 min on 2 cores)
 if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode)
   set(TANDEM_DEPLOY_ROUTER "")
   if(TARGET tandem-router)
@@ -31,4 +38,11 @@ if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode)
     set_tests_properties(deploy_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 400
                          SKIP_RETURN_CODE 77)
   endforeach()
+endif()
+
+if(TANDEM_PYTHON AND TANDEM_MODEL)
+  add_test(NAME deploy_quickstart
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_quickstart.py
+                   --source-dir ${CMAKE_SOURCE_DIR})
+  set_tests_properties(deploy_quickstart PROPERTIES TIMEOUT 600 RUN_SERIAL TRUE)
 endif()
