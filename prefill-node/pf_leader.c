@@ -659,7 +659,9 @@ static int get_profile(pf_node *n, const pf_profile_params *pp, pf_profile_resul
     TD_LOG_INFO("prefill %s: measuring the stage profile (%s): %d lengths up to %d tokens, "
                 "at most ~%d ms",
                 inst, reason, p.n_lengths, p.max_len, p.budget_ms);
+    if (n->p->profiling) *n->p->profiling = 1;
     int rc = pf_profile_stage(&n->rig, pp, res);
+    if (n->p->profiling) *n->p->profiling = 0;
     if (rc == TD_ESTATE && res->stopped) {
         TD_LOG_INFO("prefill %s: stopped while profiling (after %lld ms)", inst,
                     (long long)(pf_now_ms() - t0));

@@ -31,6 +31,9 @@ typedef struct {
     const char *leader; /* stages > 0: stage 0's control URL; NULL: from the YAML */
     bool reprofile;     /* stage 0: measure the stage profile even if one is cached */
     volatile sig_atomic_t *stop;
+    volatile sig_atomic_t *profiling; /* stage 0 sets it to 1 while it profiles (the signal
+                                       * handler may then end the process, pf_main.c); or
+                                       * NULL */
 } pf_node_params;
 
 int pf_node_run(const pf_node_params *p);

@@ -48,7 +48,8 @@ if(TARGET tandem-prefill AND TANDEM_PYTHON)
                        LABELS prefill)
   add_test(NAME prefill_profile_cache
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_cache.py
-                   --prefill $<TARGET_FILE:tandem-prefill> --synth-dir ${TANDEM_TEST_DATA}/synth)
+                   --prefill $<TARGET_FILE:tandem-prefill> --synth-dir ${TANDEM_TEST_DATA}/synth
+                   --model "${TANDEM_MODEL}")
   set_tests_properties(prefill_profile_cache PROPERTIES FIXTURES_REQUIRED synth_models
                        TIMEOUT 300 LABELS prefill)
 endif()

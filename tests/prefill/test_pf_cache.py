@@ -11,9 +11,11 @@ Checks:
   --reprofile measures even though a profile is cached;
   a cache that cannot be written (TANDEM_CACHE is a file) is a warning: the stage serves;
   SIGTERM while stage 0 profiles: exit 0 within 2 s, nothing cached; with pp 2, SIGINT to
-    stage 0 and SIGTERM to stage 1 while stage 0 profiles: both exit 0 within 2 s.
+    stage 0 and SIGTERM to stage 1 while stage 0 profiles: both exit 0 within 2 s;
+  with --model (the default model): SIGTERM in the middle of a forward that takes seconds
+    (2560 tokens of 15 layers): the process does not wait for it, exit 0 within 2 s.
 
-usage: test_pf_cache.py --prefill BIN --synth-dir DIR
+usage: test_pf_cache.py --prefill BIN --synth-dir DIR [--model GGUF]
 """
 import argparse
 import glob
@@ -47,12 +49,14 @@ def free_port():
 class Stage:
     """tandem-prefill stages of instance p0 of a config written into dir."""
 
-    def __init__(self, args, dir, cache, pp=1, threads=1, chunk=128, budget=2000, extra=()):
+    def __init__(self, args, dir, cache, pp=1, threads=1, chunk=128, budget=2000, extra=(),
+                 model=None):
         self.args, self.dir, self.pp, self.extra = args, dir, pp, list(extra)
         self.cfg = os.path.join(dir, f"c-{pp}-{threads}-{chunk}-{budget}.yaml")
         with open(self.cfg, "w") as f:
-            f.write(f"model: {args.model}\nprefill:\n  - name: p0\n    pp: {pp}\n"
-                    f"    chunk_size: {chunk}\n    port: {free_port()}\n    kv_tokens: 2048\n"
+            f.write(f"model: {model or args.model}\nprefill:\n  - name: p0\n    pp: {pp}\n"
+                    f"    chunk_size: {chunk}\n    port: {free_port()}\n"
+                    f"    kv_tokens: {max(2048, 2 * chunk)}\n"
                     f"    threads: {threads}\n    profile_budget_ms: {budget}\n"
                     f"decode:\n  - name: d0\n    port: {free_port()}\n"
                     f"kvxfer:\n  ucx_tls: sm,tcp,self\n")
@@ -211,15 +215,37 @@ def stop_while_profiling(args, dir):
           f"in {took:.2f} s ({codes})")
 
 
+def stop_mid_forward(args, dir):
+    """The default model's warm-up forward of 2560 tokens takes seconds: not waited for."""
+    cache = os.path.join(dir, "cache-mid")
+    st = Stage(args, dir, cache, pp=2, chunk=2048, budget=60000, model=args.model_default)
+    st.pp = 1  # stage 0 only: it profiles alone
+    st.start()
+    measuring = st.wait_log(r"measuring the stage profile")
+    time.sleep(0.3)
+    codes, took = st.stop()
+    log = st.log()
+    check(measuring and "without waiting for the forward in progress" in log,
+          "default model, SIGTERM inside a long forward: not waited for")
+    check(codes == [0] and took < STOP_S,
+          f"default model, SIGTERM inside a long forward: exit 0 in {took:.2f} s ({codes})")
+    check(profiles(cache) == [], "default model, SIGTERM inside a long forward: nothing cached")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", required=True)
     ap.add_argument("--synth-dir", required=True)
+    ap.add_argument("--model", dest="model_default", default="")
     args = ap.parse_args()
     args.model = os.path.join(args.synth_dir, "llama.gguf")
     with tempfile.TemporaryDirectory(prefix="tandem-pfcache-") as dir:
         cached_runs(args, dir)
         stop_while_profiling(args, dir)
+        if args.model_default and os.path.exists(args.model_default):
+            stop_mid_forward(args, dir)
+        else:
+            print("skip the long forward on the default model (no --model given)")
     print(f"{len(FAILS)} failed")
     sys.exit(1 if FAILS else 0)
 
