@@ -197,11 +197,48 @@ static void handle_msg(kvx_conn *c, const uint8_t *data, size_t len)
 
 /* --- progress --------------------------------------------------------------------------- */
 
+/* A connector id that differs across processes, restarts and worker replacements. */
+static uint64_t new_uid(kvx_conn *c)
+{
+    uint64_t seed = (uint64_t)kvx_now_ns() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 32 ^
+                    (uint64_t)(uintptr_t)c ^ c->uid;
+    seed ^= seed >> 31;
+    seed *= 0xbf58476d1ce4e5b9ull;
+    return seed ^ (seed >> 29);
+}
+
+/* The pipe replaced its wedged worker (kvx_pipe_allow_reset): every endpoint failed with
+ * it. The connector takes the new address and a new id, so that peers open fresh endpoints
+ * to it instead of reusing the ones into the dead queue, and fails the decode requests
+ * whose targets carry the old address (nobody can begin them any more). */
+static void pipe_reset(kvx_conn *c)
+{
+    size_t len = 0;
+    int err = kvx_pipe_address(c->pipe, c->addr, sizeof(c->addr), &len);
+    if (err) {
+        TD_LOG_ERR("kvx conn: no address after the worker replacement: %s", td_strerror(err));
+        len = 0;
+    }
+    c->addr_len = len;
+    c->uid = new_uid(c);
+    for (int i = 0; i < c->n_peers; i++)
+        if (c->peers[i].peer >= 0) c->peers[i].failed = true;
+    kvxi_dec_pipe_reset(c);
+    TD_LOG_WARN("kvx conn: the transport worker was replaced: requests in flight fail, new ones "
+                "use the new address");
+}
+
 /* Locked: run the pipe, the messages and every request's step. */
 static int progress_locked(kvx_conn *c)
 {
     int n = kvx_pipe_progress(c->pipe);
     if (n < 0) return n;
+    uint32_t gen = kvx_pipe_generation(c->pipe);
+    if (gen != c->pipe_gen) {
+        c->pipe_gen = gen;
+        pipe_reset(c);
+        n++;
+    }
     while (c->inbox) {
         queued_msg *q = c->inbox;
         c->inbox = q->next;
@@ -299,16 +336,15 @@ int kvx_conn_create(kvx_pipe *pipe, const kvx_conn_params *params, kvx_conn **ou
     if (c->params.timeout_ms <= 0) c->params.timeout_ms = 30000;
     if (c->params.abort_timeout_ms <= 0) c->params.abort_timeout_ms = 2000;
     pthread_mutex_init(&c->mu, NULL);
-    /* a connector id that differs across processes and restarts */
-    uint64_t seed = (uint64_t)kvx_now_ms() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 32 ^
-                    (uint64_t)(uintptr_t)c;
-    seed ^= seed >> 31;
-    seed *= 0xbf58476d1ce4e5b9ull;
-    c->uid = seed ^ (seed >> 29);
+    c->uid = new_uid(c);
     c->next_epoch = c->uid ^ 0x5555;
     int err = kvx_lookup_create(c->params.lookup_budget, &c->lb);
     if (!err) err = kvx_pipe_address(pipe, c->addr, sizeof(c->addr), &c->addr_len);
     if (!err) err = kvx_pipe_set_am_handler(pipe, AM_ID, on_am, c);
+    if (!err) {
+        kvx_pipe_allow_reset(pipe); /* the connector re-reads its address (pipe_reset) */
+        c->pipe_gen = kvx_pipe_generation(pipe);
+    }
     if (err) {
         kvx_conn_destroy(c);
         return err;

@@ -33,6 +33,15 @@ static void dec_fail(kvx_conn *c, dec_req *r, kvx_fail_reason why, int err)
     r->abort_sent = false;
 }
 
+void kvxi_dec_pipe_reset(kvx_conn *c)
+{
+    for (dec_req *r = c->dreqs; r; r = r->next) {
+        for (int i = 0; i < r->n_w; i++)
+            r->w[i].closed = true; /* their endpoints died with the old worker */
+        dec_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
+    }
+}
+
 /* Stages whose every writer (source TP rank) sent DONE. */
 static uint64_t dec_stages_done(const dec_req *r)
 {

@@ -143,6 +143,7 @@ struct kvx_conn {
     size_t held_bytes;      /* chunk copies and staging arenas (busy or pooled) */
     chunk_copy *stage_pool; /* idle staging arenas */
     size_t stage_pool_bytes;
+    uint32_t pipe_gen; /* kvx_pipe_generation last seen */
     /* progress thread */
     pthread_t thread;
     bool thread_on, stop;
@@ -211,5 +212,6 @@ void kvxi_pf_on_msg(kvx_conn *c, const msg *m); /* ACCEPT, REFUSE, ABORT */
 /* kvx_conn_dec.c */
 void kvxi_dec_step(kvx_conn *c, dec_req *r, int64_t now);
 void kvxi_dec_on_msg(kvx_conn *c, const msg *m); /* BEGIN, DONE, STOPPED */
+void kvxi_dec_pipe_reset(kvx_conn *c);           /* the pipe replaced its worker */
 
 #endif

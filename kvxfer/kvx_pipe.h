@@ -113,6 +113,9 @@ typedef struct {
     int (*event_fd)(kvx_pipe *p);
     void (*signal)(kvx_pipe *p);
     void (*stats)(kvx_pipe *p, kvx_pipe_stats *out);
+    /* optional (NULL: never replaces its worker, generation 0): see kvx_pipe_allow_reset */
+    void (*allow_reset)(kvx_pipe *p);
+    uint32_t (*generation)(kvx_pipe *p);
 } kvx_pipe_ops;
 
 /* Every implementation embeds this as its first member. */
@@ -247,6 +250,26 @@ static inline void kvx_pipe_signal(kvx_pipe *p)
 static inline void kvx_pipe_stats_get(kvx_pipe *p, kvx_pipe_stats *out)
 {
     p->ops->stats(p, out);
+}
+
+/* The owner can live with a new local address (it re-reads kvx_pipe_address when
+ * kvx_pipe_generation changes, and tells its peers the new one): the pipe may then replace
+ * a wedged transport worker. UCX over shared memory: a peer that dies while it writes into
+ * this process's receive queue leaves a slot reserved and never filled, and the worker
+ * receives nothing more from anyone. After every peer death the pipe sends itself a probe
+ * through that queue; if it does not come back within a second of progress, every peer
+ * fails (their operations complete with TD_EIO, peer_err_cb once each), a new worker takes
+ * over (new address, the old one kept unread until destroy) and the generation grows.
+ * Without this call a wedge is only logged. */
+static inline void kvx_pipe_allow_reset(kvx_pipe *p)
+{
+    if (p->ops->allow_reset) p->ops->allow_reset(p);
+}
+
+/* How many times the pipe replaced its worker (0 at creation). */
+static inline uint32_t kvx_pipe_generation(kvx_pipe *p)
+{
+    return p->ops->generation ? p->ops->generation(p) : 0;
 }
 
 /* Progress; if nothing ran, arm and sleep on the event fd up to timeout_ms (0: do not

@@ -5,8 +5,18 @@
  * UCP_ERR_HANDLING_MODE_NONE, a flush to a process that died stays in flight forever):
  * the owner hears the error, and the operation becomes a *zombie* that keeps its UCX
  * request (and an am_send payload) until UCX completes it or the pipe is destroyed.
- * Releasing such a request with ucp_request_free instead wedged the worker in about one
- * SIGKILL test in twenty (flushes to the live peers stopped completing). */
+ *
+ * A wedged receive queue (shared memory): UCX's posix/sysv transports give each worker one
+ * receive FIFO that every peer writes into: a writer reserves a slot (an atomic on the
+ * head), fills it, then sets its owner flag; the reader stops at the first slot whose flag
+ * is not set. A peer killed between the two leaves that slot reserved forever: the worker
+ * receives nothing more from anyone (ACCEPTs, DONEs, and the completions of the puts,
+ * which UCX emulates with active messages when the remote memory is not its own shared
+ * memory, so a flush to a live peer never completes either). So after every peer death the
+ * pipe sends itself a probe from a second worker through that FIFO; if it has not arrived
+ * after PROBE_MS of progress, the FIFO is wedged: with kvx_pipe_allow_reset, every peer
+ * fails and a new worker takes over (the old one is kept, never progressed, until destroy:
+ * its requests may still point at our operations). */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -62,14 +72,31 @@ typedef struct ucx_op {
     struct ucx_op *next, *prev;
 } ucx_op;
 
+#define PROBE_AM_ID KVX_AM_IDS /* the wedge probe's active message id (users have 0..7) */
+#define PROBE_MS    1000       /* a probe not back after this long (and 3 progress calls) */
+
 struct ucx_pipe {
     kvx_pipe base;
     ucp_context_h ctx;
     ucp_worker_h worker;
-    int efd;        /* the worker's event fd */
-    int epfd;       /* what sleepers wait on: efd + the peers' pidfds */
-    bool shm;       /* shared-memory transports only: liveness by pidfd, not by UCX */
-    void **closing; /* (n_closing) endpoint close requests still in progress */
+    ucp_worker_h *retired; /* (n_retired) wedged workers, destroyed with the pipe */
+    int n_retired;
+    bool can_reset;       /* kvx_pipe_allow_reset: the owner copes with a new address */
+    uint32_t gen;         /* workers replaced */
+    ucp_worker_h probe_w; /* shared memory: sends the wedge probe (created on first use) */
+    ucp_ep_h probe_ep;    /* probe_w -> worker (NULL until needed, and after a reset) */
+    uint64_t probe_seq;   /* last probe sent */
+    uint64_t probe_got;   /* last probe received */
+    uint64_t probe_buf;   /* the payload of the probe in flight */
+    bool probe_wanted;    /* a peer died: probe at the next progress */
+    bool probing;         /* probe probe_seq in flight */
+    bool wedge_logged;    /* no reset allowed: the wedge was reported */
+    int64_t probe_deadline;
+    int probe_rounds; /* progress calls since the probe was sent */
+    int efd;          /* the worker's event fd */
+    int epfd;         /* what sleepers wait on: efd + the peers' pidfds */
+    bool shm;         /* shared-memory transports only: liveness by pidfd, not by UCX */
+    void **closing;   /* (n_closing) endpoint close requests still in progress */
     int n_closing;
     kvx_pipe_params params;
     ucx_peer **peers; /* (n_peers) slots, each allocated once */
@@ -281,13 +308,18 @@ static int orphan_ops(ucx_pipe *p)
     return n;
 }
 
+static void probe_step(ucx_pipe *p);
+
 static int ucx_progress(kvx_pipe *base)
 {
     ucx_pipe *p = (ucx_pipe *)base;
     while (ucp_worker_progress(p->worker)) {
     }
     int n = 0;
-    if (p->shm) check_pids(p);
+    if (p->shm) {
+        check_pids(p);
+        probe_step(p);
+    }
     if (p->n_closing) reap_closing(p);
     bool closed = false;
     for (int i = 0; i < p->n_peers; i++) {
@@ -332,7 +364,7 @@ static int ucx_progress(kvx_pipe *base)
 static int ucx_arm(kvx_pipe *base)
 {
     ucx_pipe *p = (ucx_pipe *)base;
-    if (p->any_done) return 0;
+    if (p->any_done || p->probe_wanted) return 0;
     if (p->shm && check_pids(p)) return 0;
     for (int i = 0; i < p->n_peers; i++)
         if (p->peers[i]->err_pending || p->peers[i]->close_needed) return 0;
@@ -465,6 +497,7 @@ static int check_pids(ucx_pipe *p)
             TD_LOG_WARN("kvx ucx: peer process exited");
             peer_fail(pr, TD_EIO);
             pidfd_close(p, pr);
+            p->probe_wanted = true; /* it may have died writing into our receive FIFO */
             n++;
         }
     }
@@ -742,6 +775,185 @@ static int ucx_tag_recv(kvx_pipe *base, uint64_t tag, void *buf, size_t cap, kvx
     return op_started(op, ucp_tag_recv_nbx(p->worker, buf, cap, tag, UINT64_MAX, &prm), "tag recv");
 }
 
+/* --- the wedge probe and the worker replacement (see the top of the file) ---------------- */
+
+static ucs_status_t probe_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                               const ucp_am_recv_param_t *prm)
+{
+    ucx_pipe *p = arg;
+    uint64_t seq;
+    if (len == sizeof(seq) && !(prm->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        memcpy(&seq, data, sizeof(seq));
+        if (seq > p->probe_got) p->probe_got = seq;
+    }
+    return UCS_OK;
+}
+
+/* A worker in serialized mode with its event fd; the probe handler and the users' active
+ * message handlers registered. */
+static ucs_status_t worker_open(ucx_pipe *p, ucp_worker_h *w, int *efd)
+{
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SERIALIZED};
+    ucs_status_t st = ucp_worker_create(p->ctx, &wp, w);
+    if (st != UCS_OK) return st;
+    if (efd) st = ucp_worker_get_efd(*w, efd);
+    for (unsigned id = 0; efd && st == UCS_OK && id <= KVX_AM_IDS; id++) {
+        bool probe = id == PROBE_AM_ID;
+        if (!probe && !p->am[id].cb) continue;
+        ucp_am_handler_param_t hp = {
+            .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                          UCP_AM_HANDLER_PARAM_FIELD_ARG,
+            .id = id,
+            .cb = probe ? probe_recv : am_recv,
+            .arg = probe ? (void *)p : (void *)&p->am[id],
+        };
+        st = ucp_worker_set_am_recv_handler(*w, &hp);
+    }
+    if (st != UCS_OK) {
+        ucp_worker_destroy(*w);
+        *w = NULL;
+    }
+    return st;
+}
+
+/* The receive FIFO is wedged: every peer fails, a new worker takes over. */
+static void worker_replace(ucx_pipe *p)
+{
+    ucp_worker_h nw = NULL;
+    int nefd = -1;
+    ucp_worker_h *nr = realloc(p->retired, (size_t)(p->n_retired + 1) * sizeof(*nr));
+    if (nr) p->retired = nr;
+    ucs_status_t st = nr ? worker_open(p, &nw, &nefd) : UCS_ERR_NO_MEMORY;
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = nefd};
+    if (st == UCS_OK && epoll_ctl(p->epfd, EPOLL_CTL_ADD, nefd, &ev)) st = UCS_ERR_IO_ERROR;
+    if (st != UCS_OK) {
+        TD_LOG_ERR("kvx ucx: cannot replace the wedged worker: %s (this pipe receives nothing "
+                   "more)",
+                   ucs_status_string(st));
+        if (nw) ucp_worker_destroy(nw);
+        p->can_reset = false;
+        return;
+    }
+    epoll_ctl(p->epfd, EPOLL_CTL_DEL, p->efd, NULL);
+    p->retired[p->n_retired++] = p->worker; /* never progressed again; destroyed last */
+    p->worker = nw;
+    p->efd = nefd;
+    p->gen++;
+    /* the probe's endpoint pointed at the old FIFO */
+    if (p->probe_ep) {
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                   .flags = UCP_EP_CLOSE_FLAG_FORCE};
+        ucs_status_ptr_t sp = ucp_ep_close_nbx(p->probe_ep, &prm);
+        if (sp && !UCS_PTR_IS_ERR(sp)) ucp_request_free(sp);
+        p->probe_ep = NULL;
+    }
+    p->probing = false;
+    /* closes in progress belong to the old worker */
+    for (int i = 0; i < p->n_closing; i++)
+        ucp_request_free(p->closing[i]);
+    p->n_closing = 0;
+    /* every endpoint was on the old worker: the peers fail, their slots stay reserved */
+    for (int i = 0; i < p->n_peers; i++) {
+        ucx_peer *pr = p->peers[i];
+        if (!pr->used) continue;
+        pr->ep = NULL;
+        pr->close_needed = false;
+        if (!pr->status) {
+            pr->status = TD_EIO;
+            pr->err_pending = true;
+        }
+    }
+    /* operations in flight on the old worker never complete: reported failed, kept as
+     * zombies (their UCX requests point at them) until destroy */
+    for (ucx_op *op = p->ops, *next; op; op = next) {
+        next = op->next;
+        if (op->done || !op->req) continue;
+        kvx_done_cb cb = op->cb;
+        void *arg = op->arg;
+        op_detach(op);
+        op->zombie = true;
+        op->cb = NULL;
+        op->next = p->zombies;
+        if (p->zombies) p->zombies->prev = op;
+        p->zombies = op;
+        if (cb) cb(arg, TD_EIO, 0);
+        next = p->ops; /* the callback may have changed the list */
+    }
+    TD_LOG_WARN("kvx ucx: a new UCX worker took over (generation %u): every peer of the old one "
+                "failed",
+                p->gen);
+}
+
+/* Shared memory: after a peer death, send the probe; judge it once it had its time. */
+static void probe_step(ucx_pipe *p)
+{
+    if (p->probing) {
+        if (p->probe_w)
+            while (ucp_worker_progress(p->probe_w)) {
+            }
+        while (ucp_worker_progress(p->worker)) {
+        }
+        if (p->probe_got >= p->probe_seq) {
+            p->probing = false;
+        } else if (++p->probe_rounds >= 3 && kvx_now_ms() > p->probe_deadline) {
+            p->probing = false;
+            if (p->can_reset) {
+                TD_LOG_ERR("kvx ucx: the shared-memory receive queue is stuck (a peer died while "
+                           "writing into it): replacing the UCX worker");
+                worker_replace(p);
+            } else if (!p->wedge_logged) {
+                TD_LOG_ERR("kvx ucx: the shared-memory receive queue is stuck (a peer died while "
+                           "writing into it): this pipe receives nothing more");
+                p->wedge_logged = true;
+            }
+            return;
+        }
+    }
+    if (!p->probe_wanted || p->probing) return;
+    p->probe_wanted = false;
+    if (!p->probe_w && worker_open(p, &p->probe_w, NULL) != UCS_OK) {
+        TD_LOG_WARN("kvx ucx: no probe worker: a wedged receive queue would go unnoticed");
+        p->probe_w = NULL;
+        return;
+    }
+    if (!p->probe_ep) {
+        ucp_address_t *addr;
+        size_t n;
+        if (ucp_worker_get_address(p->worker, &addr, &n) != UCS_OK) return;
+        ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                            UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                              .address = addr,
+                              .err_mode = UCP_ERR_HANDLING_MODE_NONE};
+        ucs_status_t st = ucp_ep_create(p->probe_w, &ep, &p->probe_ep);
+        ucp_worker_release_address(p->worker, addr);
+        if (st != UCS_OK) {
+            p->probe_ep = NULL;
+            return;
+        }
+    }
+    p->probe_buf = ++p->probe_seq;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_AM_SEND_FLAG_EAGER};
+    ucs_status_ptr_t sp = ucp_am_send_nbx(p->probe_ep, PROBE_AM_ID, NULL, 0, &p->probe_buf,
+                                          sizeof(p->probe_buf), &prm);
+    if (UCS_PTR_IS_ERR(sp)) return;
+    if (sp) ucp_request_free(sp); /* completes in the probe worker's progress */
+    p->probing = true;
+    p->probe_rounds = 0;
+    p->probe_deadline = kvx_now_ms() + PROBE_MS;
+}
+
+static void ucx_allow_reset(kvx_pipe *base)
+{
+    ((ucx_pipe *)base)->can_reset = true;
+}
+
+static uint32_t ucx_generation(kvx_pipe *base)
+{
+    return ((ucx_pipe *)base)->gen;
+}
+
 static void ucx_stats(kvx_pipe *base, kvx_pipe_stats *out)
 {
     ucx_pipe *p = (ucx_pipe *)base;
@@ -798,8 +1010,18 @@ static void ucx_destroy(kvx_pipe *base)
         }
         while (p->mems)
             ucx_mem_dereg(base, p->mems);
+        if (p->probe_ep) {
+            ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                       .flags = UCP_EP_CLOSE_FLAG_FORCE};
+            ucs_status_ptr_t sp = ucp_ep_close_nbx(p->probe_ep, &prm);
+            if (sp && !UCS_PTR_IS_ERR(sp)) ucp_request_free(sp);
+        }
+        if (p->probe_w) ucp_worker_destroy(p->probe_w);
         ucp_worker_destroy(p->worker);
+        for (int i = 0; i < p->n_retired; i++)
+            ucp_worker_destroy(p->retired[i]);
     }
+    free(p->retired);
     if (p->ctx) ucp_cleanup(p->ctx);
     if (p->epfd > 0) close(p->epfd);
     for (int i = 0; i < p->n_peers; i++)
@@ -831,6 +1053,8 @@ static const kvx_pipe_ops ucx_ops = {
     .event_fd = ucx_event_fd,
     .signal = ucx_signal,
     .stats = ucx_stats,
+    .allow_reset = ucx_allow_reset,
+    .generation = ucx_generation,
 };
 
 /* True when every transport of a UCX_TLS list works on one host only (shared memory). */
@@ -890,10 +1114,8 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
         free(p);
         return TD_EIO;
     }
-    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-                              .thread_mode = UCS_THREAD_MODE_SERIALIZED};
-    st = ucp_worker_create(p->ctx, &wp, &p->worker);
-    if (st == UCS_OK) st = ucp_worker_get_efd(p->worker, &p->efd);
+    p->efd = -1;
+    st = worker_open(p, &p->worker, &p->efd);
     if (st == UCS_OK) {
         p->epfd = epoll_create1(EPOLL_CLOEXEC);
         struct epoll_event ev = {.events = EPOLLIN, .data.fd = p->efd};
