@@ -423,6 +423,8 @@ typedef struct {
     rt_hist pf_time, pf_queued;         /* seconds: PrefillDone.prefill_ms, queued_ms */
     rt_pf_gauge *pf;                    /* (n_pf) */
     int n_pf;
+    uint64_t *http; /* (RT_PATH_N, 600) responses to non-generation requests by path and
+                      status (rt_metrics_http) */
 } rt_metrics;
 
 int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf);
@@ -444,6 +446,25 @@ void rt_metrics_eviction(rt_metrics *m);
 int64_t rt_now_ns(void); /* CLOCK_MONOTONIC */
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const struct rt_router *r);
+/* Non-generation paths, counted apart from the API (generation) requests. */
+typedef enum {
+    RT_PATH_HEALTH = 0, /* /health */
+    RT_PATH_METRICS,    /* /metrics */
+    RT_PATH_MODELS,     /* /v1/models */
+    RT_PATH_OTHER,      /* anything else (404) */
+    RT_PATH_N
+} rt_path;
+/* A response with status (100..599) to a request on a non-generation path. */
+void rt_metrics_http(rt_metrics *m, rt_path path, int status);
+/* A generation request ended, however: finished (status 200, outcome its finish reason
+ * "stop" / "length"), failed, timed out, refused or left by its client (status: the HTTP
+ * status its answer has or would have had, also when it goes out as an SSE error event;
+ * outcome: the error code, or NULL). Logs the request's one info line (id, endpoint,
+ * status, outcome, prompt and output tokens, TTFT, total time, instances; never the
+ * prompt) and, finished, records its tokens and latencies. Loop thread, before q is
+ * retired. */
+void rt_metrics_request_end(struct rt_router *r, const rt_req *q, int64_t now_ms, int status,
+                            const char *outcome);
 
 /* ---- the router --------------------------------------------------------------------------- */
 

@@ -10,9 +10,13 @@
  *     neither (a poke): suspend again
  *   request-completed callback: mark http_gone, tell the loop if the request is open.
  * Errors found before the hand-off (404, 405, 401, 413, 400, 503 while draining) are
- * answered here. Limits: request line + headers RT_MAX_HEADERS (MHD's per-connection
- * memory pool: MHD itself answers 431), bodies r->max_body (413). While the router drains
- * every response carries "Connection: close", so keep-alive clients go elsewhere. */
+ * answered here, each logged at info in one line without the body (the request's status,
+ * method, path, error type, param and code; the message, which may quote the body, at
+ * debug). Counting: responses to generation requests go to tandem_router_requests_total,
+ * the others (health and metrics polls, /v1/models, unknown paths) to
+ * tandem_router_http_requests_total{path}. Limits: request line + headers RT_MAX_HEADERS (MHD's
+ * per-connection memory pool: MHD itself answers 431), bodies r->max_body (413). While the router
+ * drains every response carries "Connection: close", so keep-alive clients go elsewhere. */
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <stdio.h>
@@ -44,13 +48,34 @@ typedef struct {
     uint64_t client;    /* fairness key (rt_client_key) */
     int64_t timeout_ms; /* X-Tandem-Timeout-Ms, 0: not given */
     rt_req *q;          /* after the hand-off */
+    char method[16];    /* for the log: the method, */
+    char path[104];     /* and the path (cut, unprintable bytes as '?') */
 } conn_ctx;
 
 static atomic_uint_fast64_t g_seq;
 static uint64_t g_salt;
 
-static enum MHD_Result respond(rt_router *r, struct MHD_Connection *conn, int status,
-                               const char *body, size_t len, const char *ctype)
+static bool is_generation(conn_kind kind)
+{
+    return kind == K_COMPLETIONS || kind == K_CHAT;
+}
+
+/* Count a response to a request of that kind. */
+static void count(rt_router *r, conn_kind kind, int status)
+{
+    if (is_generation(kind)) {
+        rt_metrics_status(&r->metrics, status);
+        return;
+    }
+    rt_path path = kind == K_HEALTH    ? RT_PATH_HEALTH
+                   : kind == K_METRICS ? RT_PATH_METRICS
+                   : kind == K_MODELS  ? RT_PATH_MODELS
+                                       : RT_PATH_OTHER;
+    rt_metrics_http(&r->metrics, path, status);
+}
+
+static enum MHD_Result respond(rt_router *r, struct MHD_Connection *conn, conn_kind kind,
+                               int status, const char *body, size_t len, const char *ctype)
 {
     struct MHD_Response *resp =
         MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
@@ -62,17 +87,35 @@ static enum MHD_Result respond(rt_router *r, struct MHD_Connection *conn, int st
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(conn, (unsigned)status, resp);
     MHD_destroy_response(resp);
-    rt_metrics_status(&r->metrics, status);
+    count(r, kind, status);
     return ok;
 }
 
-static enum MHD_Result respond_error(rt_router *r, struct MHD_Connection *conn, const rt_error *e)
+/* A request answered here with an error, before the loop saw it: one line at info (at
+ * warn for a 500), never the body or a credential; the message (it may quote the body,
+ * a header or the model asked for) only at debug. */
+static void log_refusal(const conn_ctx *c, const rt_error *e)
 {
+    const char *param = e->param ? e->param : "-", *code = e->code ? e->code : "-";
+    const char *type = e->type ? e->type : "-";
+    if (e->status >= 500 && e->status != 503)
+        TD_LOG_WARN("router: refused %s %s status %d %s param %s code %s", c->method, c->path,
+                    e->status, type, param, code);
+    else
+        TD_LOG_INFO("router: refused %s %s status %d %s param %s code %s", c->method, c->path,
+                    e->status, type, param, code);
+    TD_LOG_DEBUG("router: refused %s %s status %d: %s", c->method, c->path, e->status, e->message);
+}
+
+static enum MHD_Result respond_error(rt_router *r, struct MHD_Connection *conn, const conn_ctx *c,
+                                     const rt_error *e)
+{
+    log_refusal(c, e);
     char *s = rt_error_json(e);
     static const char fallback[] = "{\"error\":{\"message\":\"internal error\",\"type\":"
                                    "\"server_error\",\"param\":null,\"code\":null}}";
-    enum MHD_Result ok =
-        respond(r, conn, e->status, s ? s : fallback, strlen(s ? s : fallback), "application/json");
+    enum MHD_Result ok = respond(r, conn, c->kind, e->status, s ? s : fallback,
+                                 strlen(s ? s : fallback), "application/json");
     free(s);
     return ok;
 }
@@ -130,7 +173,7 @@ static enum MHD_Result start_sse(rt_router *r, struct MHD_Connection *conn, rt_r
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(conn, 200, resp);
     MHD_destroy_response(resp);
-    rt_metrics_status(&r->metrics, 200);
+    rt_metrics_status(&r->metrics, 200); /* a generation request's */
     return ok;
 }
 
@@ -212,6 +255,15 @@ static void header_timeout(rt_router *r, struct MHD_Connection *conn, conn_ctx *
 
 /* ---- routing ---- */
 
+/* s for a log line: at most cap - 1 bytes, bytes outside printable ASCII as '?'. */
+static void log_name(char *out, size_t cap, const char *s)
+{
+    size_t n = 0;
+    for (; s && s[n] && n + 1 < cap; n++)
+        out[n] = s[n] > ' ' && s[n] < 0x7f ? s[n] : '?';
+    out[n] = 0;
+}
+
 static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const char *url,
                   const char *method)
 {
@@ -228,12 +280,12 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
     bool head = !strcmp(method, "HEAD");
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
         if (strcmp(url, routes[i].path)) continue;
+        c->kind = routes[i].kind; /* a 405 is counted under the path it was meant for */
         if (strcmp(method, routes[i].method) && !(head && !strcmp(routes[i].method, "GET"))) {
             rt_error_set(&c->err, 405, NULL, "method_not_allowed",
                          "%s is not allowed on %s (use %s)", method, url, routes[i].method);
             return;
         }
-        c->kind = routes[i].kind;
         break;
     }
     if (c->kind == K_NONE) {
@@ -253,8 +305,9 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
     }
 }
 
-static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, conn_kind kind)
+static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, const conn_ctx *c)
 {
+    conn_kind kind = c->kind;
     char buf[128];
     char *s = NULL;
     enum MHD_Result ok;
@@ -262,7 +315,7 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
     case K_MODELS:
         s = rt_openai_models(r);
         if (!s) break;
-        ok = respond(r, conn, 200, s, strlen(s), "application/json");
+        ok = respond(r, conn, kind, 200, s, strlen(s), "application/json");
         free(s);
         return ok;
     case K_HEALTH: {
@@ -279,12 +332,12 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
             len += snprintf(buf + len, sizeof buf - (size_t)len, ",\"prefill_instances_alive\":%d",
                             np);
         len += snprintf(buf + len, sizeof buf - (size_t)len, "}");
-        return respond(r, conn, ok ? 200 : 503, buf, (size_t)len, "application/json");
+        return respond(r, conn, kind, ok ? 200 : 503, buf, (size_t)len, "application/json");
     }
     case K_METRICS:
         s = rt_metrics_render(&r->metrics, r);
         if (!s) break;
-        ok = respond(r, conn, 200, s, strlen(s), "text/plain; version=0.0.4");
+        ok = respond(r, conn, kind, 200, s, strlen(s), "text/plain; version=0.0.4");
         free(s);
         return ok;
     default:
@@ -292,7 +345,7 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
     }
     rt_error e;
     rt_error_set(&e, 500, NULL, NULL, "out of memory");
-    return respond_error(r, conn, &e);
+    return respond_error(r, conn, c, &e);
 }
 
 /* Body complete: parse, then hand off (suspending the connection). */
@@ -302,13 +355,13 @@ static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *con
     if (!q) {
         rt_error e;
         rt_error_set(&e, 500, NULL, NULL, "out of memory");
-        return respond_error(r, conn, &e);
+        return respond_error(r, conn, c, &e);
     }
     rt_endpoint ep = c->kind == K_CHAT ? RT_EP_CHAT : RT_EP_COMPLETIONS;
     rt_error e;
     if (rt_openai_parse(r, ep, c->body.buf ? c->body.buf : "", c->body.len, &q->p, &e)) {
         rt_req_release(q);
-        return respond_error(r, conn, &e);
+        return respond_error(r, conn, c, &e);
     }
     rt_buf_free(&c->body);
     /* the body's "timeout" and the header both ask for an earlier end: the smaller wins */
@@ -332,7 +385,7 @@ static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *con
     if (!rt_loop_post(r, q)) {
         rt_req_release(q);
         rt_error_set(&e, 503, NULL, "shutting_down", "the router is shutting down");
-        return respond_error(r, conn, &e);
+        return respond_error(r, conn, c, &e);
     }
     c->q = q;
     atomic_fetch_add(&r->open, 1);
@@ -354,8 +407,8 @@ static enum MHD_Result continue_generation(rt_router *r, struct MHD_Connection *
         size_t len = q->out.len;
         q->out = (rt_buf){0};
         pthread_mutex_unlock(&q->mu);
-        enum MHD_Result ok =
-            respond(r, conn, status, body ? body : "{}", body ? len : 2, "application/json");
+        enum MHD_Result ok = respond(r, conn, c->kind, status, body ? body : "{}", body ? len : 2,
+                                     "application/json");
         free(body);
         return ok;
     }
@@ -375,6 +428,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         c = calloc(1, sizeof *c);
         if (!c) return MHD_NO;
         *con_cls = c;
+        log_name(c->method, sizeof c->method, method);
+        log_name(c->path, sizeof c->path, url);
         route(r, conn, c, url, method);
         const char *cl =
             MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
@@ -393,22 +448,22 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         return MHD_YES;
     }
     if (c->q) return continue_generation(r, conn, c);
-    if (c->err.status) return respond_error(r, conn, &c->err);
+    if (c->err.status) return respond_error(r, conn, c, &c->err);
     if (c->kind == K_COMPLETIONS || c->kind == K_CHAT) {
         rt_error e;
         if (c->too_large) {
             rt_error_set(&e, 413, NULL, "request_too_large",
                          "the request body is larger than %zu bytes", r->max_body);
-            return respond_error(r, conn, &e);
+            return respond_error(r, conn, c, &e);
         }
         if (atomic_load(&r->draining)) {
             rt_error_set(&e, 503, NULL, "shutting_down",
                          "the router is shutting down (draining): retry on another one");
-            return respond_error(r, conn, &e);
+            return respond_error(r, conn, c, &e);
         }
         return start_generation(r, conn, c);
     }
-    return simple_get(r, conn, c->kind);
+    return simple_get(r, conn, c);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,

@@ -1,5 +1,8 @@
-/* rt_metrics.c: the router's Prometheus metrics (text exposition format 0.0.4).
- * Series: tandem_router_requests_total{status}, tandem_router_time_to_first_token_seconds,
+/* rt_metrics.c: the router's Prometheus metrics (text exposition format 0.0.4) and its
+ * one log line per ended generation request.
+ * Series: tandem_router_requests_total{status} (generation requests only: /v1/completions
+ * and /v1/chat/completions), tandem_router_http_requests_total{path,status} (everything
+ * else: /health, /metrics, /v1/models, path="other"), tandem_router_time_to_first_token_seconds,
  * tandem_router_time_per_output_token_seconds, tandem_router_e2e_request_latency_seconds
  * (histograms), tandem_router_prompt_tokens_total, tandem_router_generation_tokens_total,
  * tandem_router_queue_length, tandem_router_requests_running, and per decode instance
@@ -9,10 +12,11 @@
  * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds, and per prefill
  * instance tandem_prefill_instance_{up,queued_prompt_tokens,running,waiting,requests}.
  * Threading: every function takes m->mu; any thread may call them. */
+#include <stddef.h>
 #include <stdio.h>
-#include <time.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "rt.h"
 #include "td_err.h"
@@ -34,7 +38,8 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
     pthread_mutex_init(&m->mu, NULL);
     m->inst = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->inst);
     m->pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->pf);
-    if (!m->inst || !m->pf) return TD_ENOMEM;
+    m->http = calloc((size_t)RT_PATH_N * 600, sizeof *m->http);
+    if (!m->inst || !m->pf || !m->http) return TD_ENOMEM;
     m->n_inst = n_inst;
     m->n_pf = n_pf;
     return 0;
@@ -44,8 +49,10 @@ void rt_metrics_fini(rt_metrics *m)
 {
     free(m->inst);
     free(m->pf);
+    free(m->http);
     m->inst = NULL;
     m->pf = NULL;
+    m->http = NULL;
     pthread_mutex_destroy(&m->mu);
 }
 
@@ -54,6 +61,14 @@ void rt_metrics_status(rt_metrics *m, int status)
     if (status < 100 || status >= 600) return;
     pthread_mutex_lock(&m->mu);
     m->by_status[status]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void rt_metrics_http(rt_metrics *m, rt_path path, int status)
+{
+    if (status < 100 || status >= 600 || path < 0 || path >= RT_PATH_N) return;
+    pthread_mutex_lock(&m->mu);
+    m->http[(size_t)path * 600 + (size_t)status]++;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -133,9 +148,9 @@ void rt_metrics_eviction(rt_metrics *m)
     pthread_mutex_unlock(&m->mu);
 }
 
-void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
+/* The finished request's tokens and latencies (caller holds m->mu). */
+static void record_finished(rt_metrics *m, const rt_req *q, int64_t now_ms)
 {
-    pthread_mutex_lock(&m->mu);
     m->prompt_tokens += q->p.n_prompt;
     m->generation_tokens += (uint64_t)q->n_gen;
     if (q->t_first_ms) {
@@ -145,7 +160,44 @@ void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
                     (double)(q->t_last_ms - q->t_first_ms) / 1000.0 / (q->n_gen - 1));
     }
     observe(&m->e2e, LAT_BOUNDS, (double)(now_ms - q->t_arrive_ms) / 1000.0);
-    pthread_mutex_unlock(&m->mu);
+}
+
+void rt_metrics_request_end(rt_router *r, const rt_req *q, int64_t now_ms, int status,
+                            const char *outcome)
+{
+    if (status == 200) {
+        pthread_mutex_lock(&r->metrics.mu);
+        record_finished(&r->metrics, q, now_ms);
+        pthread_mutex_unlock(&r->metrics.mu);
+    }
+    /* q->p, oid and the times are immutable or loop-owned: no lock needed on the loop */
+    char ttft[24] = "-", where[160] = "";
+    if (q->t_first_ms)
+        snprintf(ttft, sizeof ttft, "%lld", (long long)(q->t_first_ms - q->t_arrive_ms));
+    size_t w = 0;
+    if (q->inst >= 0 && q->inst < r->cfg->n_decode)
+        w += (size_t)snprintf(where + w, sizeof where - w, " decode %s",
+                              r->cfg->decode[q->inst].name);
+    if (q->pinst >= 0 && q->pinst < r->cfg->n_prefill && w < sizeof where)
+        snprintf(where + w, sizeof where - w, " prefill %s", r->cfg->prefill[q->pinst].name);
+    TD_LOG_INFO("router: request %s %s%s status %d %s %s prompt_tokens %zu output_tokens %d "
+                "ttft_ms %s total_ms %lld%s",
+                q->oid, q->p.ep == RT_EP_CHAT ? "/v1/chat/completions" : "/v1/completions",
+                q->p.stream ? " stream" : "", status, status == 200 ? "finish" : "error",
+                outcome ? outcome : "-", q->p.n_prompt, q->n_gen, ttft,
+                (long long)(now_ms - q->t_arrive_ms), where);
+}
+
+/* The call rt_loop.c makes for a finished request until it passes the finish reason
+ * (rt_metrics_request_end); m is always an rt_router's (rt.h). */
+void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
+{
+    rt_router *r = (rt_router *)(void *)((char *)m - offsetof(rt_router, metrics));
+    rt_req *mq = (rt_req *)q; /* the lock only */
+    pthread_mutex_lock(&mq->mu);
+    int status = q->sse || !q->status ? 200 : q->status;
+    pthread_mutex_unlock(&mq->mu);
+    rt_metrics_request_end(r, q, now_ms, status, NULL);
 }
 
 static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist *h,
@@ -247,7 +299,9 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
     char line[512];
     int rc = 0;
     pthread_mutex_lock(&m->mu);
-    rc |= rt_buf_puts(&b, "# HELP tandem_router_requests_total HTTP responses by status code.\n"
+    rc |= rt_buf_puts(&b, "# HELP tandem_router_requests_total Generation requests "
+                          "(/v1/completions, /v1/chat/completions) by the HTTP status of their "
+                          "response.\n"
                           "# TYPE tandem_router_requests_total counter\n");
     for (int s = 100; s < 600; s++) {
         if (!m->by_status[s]) continue;
@@ -255,6 +309,20 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
                  (unsigned long long)m->by_status[s]);
         rc |= rt_buf_puts(&b, line);
     }
+    static const char *const paths[RT_PATH_N] = {"/health", "/metrics", "/v1/models", "other"};
+    rc |= rt_buf_puts(&b, "# HELP tandem_router_http_requests_total Responses to the other "
+                          "requests (health and metrics polls, /v1/models, unknown paths) by "
+                          "path and status.\n"
+                          "# TYPE tandem_router_http_requests_total counter\n");
+    for (int p = 0; p < RT_PATH_N; p++)
+        for (int s = 100; s < 600; s++) {
+            uint64_t n = m->http[(size_t)p * 600 + (size_t)s];
+            if (!n) continue;
+            snprintf(line, sizeof line,
+                     "tandem_router_http_requests_total{path=\"%s\",status=\"%d\"} %llu\n",
+                     paths[p], s, (unsigned long long)n);
+            rc |= rt_buf_puts(&b, line);
+        }
     rc |= put_hist(&b, "tandem_router_time_to_first_token_seconds",
                    "Time from the complete request to its first generated token.", &m->ttft,
                    LAT_BOUNDS);

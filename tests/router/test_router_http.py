@@ -6,6 +6,11 @@ tp1 decode instance on the synthetic model. Cases (--case, default all):
   concurrent 256 streams open at once all complete with the right text
   errors     a table of bad requests: exact status and an OpenAI error object each;
              401 with an API key configured; /health and /metrics
+  logs       timestamps on every line; one info line per finished request (id, endpoint,
+             status, finish, prompt/output tokens equal to the usage, TTFT, total time,
+             instance); a 400 logged at info without the prompt; /health, /metrics,
+             /v1/models polls counted apart, not in tandem_router_requests_total; a clean
+             start and stop logs no warn/error line (router and decode)
   fuzz       random and mutated requests for TANDEM_HTTP_FUZZ_SECONDS (default 20), then the
              router still serves
 
@@ -315,6 +320,136 @@ def case_errors(cl, args):
     check(st == 200, "errors: still serving after the table")
 
 
+TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z [\w.-]+\[\d+\] "
+                   r"(debug|info|warn|error): ")
+REQ_RE = re.compile(r" info: router: request (\S+) (/v1/\S+)( stream)? status (\d+) "
+                    r"(finish|error) (\S+) prompt_tokens (\d+) output_tokens (\d+) "
+                    r"ttft_ms (\S+) total_ms (\d+)( decode (\S+))?")
+
+
+def read_log(cl, name="router.log"):
+    with open(os.path.join(cl.dir, name), errors="replace") as f:
+        return f.read()
+
+
+def wait_log(cl, pred, timeout=10):
+    """The router log once pred(log) holds (the line of a request may follow its answer)."""
+    end = time.time() + timeout
+    while True:
+        log = read_log(cl)
+        if pred(log) or time.time() > end:
+            return log
+        time.sleep(0.05)
+
+
+def request_line(log, oid):
+    for line in log.splitlines():
+        m = REQ_RE.search(line)
+        if m and m.group(1) == oid:
+            return m
+    return None
+
+
+def metric_samples(port, name):
+    """{labels string: value} of one metric family from /metrics."""
+    st, _, out = request(port, "GET", "/metrics", None)
+    got = {}
+    for line in out.decode().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            k, v = line.rsplit(" ", 1)
+            got[k[len(name):]] = float(v)
+    return got
+
+
+def case_logs(cl, args):
+    port = cl.http_port
+    # a finished request: one line with its id and the usage's token counts
+    st, _, out = request(port, "POST", "/v1/completions",
+                         {"prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 6, "temperature": 0,
+                          "ignore_eos": True})
+    body = json.loads(out)
+    oid, usage = body["id"], body["usage"]
+    log = wait_log(cl, lambda lg: request_line(lg, oid) is not None)
+    m = request_line(log, oid)
+    ok = (m is not None and st == 200 and m.group(2) == "/v1/completions" and not m.group(3) and
+          m.group(4) == "200" and m.group(5) == "finish" and
+          int(m.group(7)) == usage["prompt_tokens"] == 7 and
+          int(m.group(8)) == usage["completion_tokens"] == 6 and m.group(9).isdigit() and
+          int(m.group(9)) <= int(m.group(10)) and m.group(12) == "d0")
+    check(ok, f"logs: a completion's line: id, endpoint, 200, prompt 7 and output 6 tokens, "
+          f"ttft <= total, decode d0 ({m.group(0) if m else None!r}, usage {usage})")
+    check(sum(1 for ln in log.splitlines() if f" request {oid} " in ln) == 1,
+          "logs: exactly one line for it")
+    # a stream: its line says so, with the usage chunk's counts
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/chat/completions",
+              json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                          "ignore_eos": True, "stream": True,
+                          "stream_options": {"include_usage": True}}),
+              {"Content-Type": "application/json"})
+    events = [json.loads(e[6:]) for e in c.getresponse().read().split(b"\n\n")
+              if e.startswith(b"data: {")]
+    c.close()
+    oid, usage = events[0]["id"], events[-1].get("usage") or {}
+    m = request_line(wait_log(cl, lambda lg: request_line(lg, oid) is not None), oid)
+    check(m is not None and m.group(2) == "/v1/chat/completions" and m.group(3) == " stream" and
+          m.group(4) == "200" and int(m.group(7)) == usage.get("prompt_tokens") and
+          int(m.group(8)) == usage.get("completion_tokens") == 5,
+          f"logs: a stream's line ({m.group(0) if m else None!r}, usage {usage})")
+
+    # polls are not API requests: they leave tandem_router_requests_total alone
+    before = metric_samples(port, "tandem_router_requests_total")
+    http0 = metric_samples(port, "tandem_router_http_requests_total")
+    for _ in range(25):
+        request(port, "GET", "/health", None)
+    for _ in range(3):
+        request(port, "GET", "/metrics", None)
+    request(port, "GET", "/v1/models", None)
+    request(port, "GET", "/favicon.ico", None)
+    after = metric_samples(port, "tandem_router_requests_total")
+    http1 = metric_samples(port, "tandem_router_http_requests_total")
+    d = {k: http1.get(k, 0) - http0.get(k, 0) for k in http1}
+    check(after == before, f"logs: 25 /health, 3 /metrics, /v1/models, a 404 leave "
+          f"tandem_router_requests_total as it was ({before} -> {after})")
+    check(d.get('{path="/health",status="200"}') == 25 and
+          d.get('{path="/metrics",status="200"}') == 3 + 2 and  # + metric_samples' own two
+          d.get('{path="/v1/models",status="200"}') == 1 and
+          d.get('{path="other",status="404"}') == 1,
+          f"logs: tandem_router_http_requests_total counts them by path ({d})")
+
+    # a 400: one info line with status, path and param, never the prompt; counted once
+    secret = "okapi-marmalade-7319"
+    n400 = metric_samples(port, "tandem_router_requests_total").get('{status="400"}', 0)
+    st, _, out = request(port, "POST", "/v1/completions", {"prompt": secret, "max_tokens": -1})
+    log = wait_log(cl, lambda lg: "refused POST /v1/completions status 400" in lg)
+    lines = [ln for ln in log.splitlines()
+             if " info: router: refused POST /v1/completions status 400 " in ln and
+             " param max_tokens " in ln]
+    check(st == 400 and len(lines) >= 1, f"logs: a 400 is logged at info with its param "
+          f"({lines[-1:]})")
+    check(secret not in log, "logs: the 400's prompt text is not in the log")
+    n400b = metric_samples(port, "tandem_router_requests_total").get('{status="400"}', 0)
+    check(n400b == n400 + 1, f"logs: the 400 counts once in tandem_router_requests_total "
+          f"({n400} -> {n400b})")
+    bad = [ln for ln in log.splitlines() if ln and not TS_RE.match(ln)]
+    check(not bad, f"logs: every router line starts with a UTC timestamp, program and pid "
+          f"{bad[:2]}")
+
+
+def case_clean_stop(args):
+    """A clean start and stop: no warn or error line in the router's or the decode's log."""
+    with Cluster(args, args.synth) as cl:
+        st, _, _ = request(cl.http_port, "POST", "/v1/completions",
+                           {"prompt": "Hello", "max_tokens": 4})
+        rc = cl.stop()
+        logs = read_log(cl) + read_log(cl, "d0.log")
+    bad = [ln for ln in logs.splitlines() if re.search(r"\] (warn|error): ", ln)]
+    check(st == 200 and rc == 0 and not bad,
+          f"clean stop: no warn/error line in the router and decode logs (rc {rc}) {bad[:3]}")
+    check(any(TS_RE.match(ln) for ln in read_log(cl, "d0.log").splitlines()),
+          "clean stop: the decode node's lines are timestamped too")
+
+
 def case_api_key(args):
     with Cluster(args, args.synth, api_key="sekrit") as cl:
         body = {"prompt": "a", "max_tokens": 2}
@@ -420,7 +555,7 @@ def main():
     ap.add_argument("--case", default="all")
     args = ap.parse_args()
     t0 = time.time()
-    cases = ["sse", "keepalive", "concurrent", "errors", "fuzz"] if args.case == "all" else \
+    cases = ["sse", "keepalive", "concurrent", "errors", "logs", "fuzz"] if args.case == "all" else \
         args.case.split(",")
     with Cluster(args, args.synth, max_batch=64) as cl:
         for c in cases:
@@ -433,6 +568,8 @@ def main():
                 case_concurrent(cl)
             elif c == "errors":
                 case_errors(cl, args)
+            elif c == "logs":
+                case_logs(cl, args)
             elif c == "fuzz":
                 case_fuzz(cl)
             print(f"case {c}: {time.time() - t:.1f} s", flush=True)
@@ -440,6 +577,8 @@ def main():
         check(rc == 0, f"router exits 0 on SIGTERM (got {rc}): {cl.log()[-600:] if rc else ''}")
     if "errors" in cases:
         case_api_key(args)
+    if "logs" in cases:
+        case_clean_stop(args)
     print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
     return 1 if FAILS else 0
 
