@@ -494,7 +494,15 @@ static int check_pids(ucx_pipe *p)
         if (!pr->used || pr->pidfd < 0 || pr->status) continue;
         struct pollfd pf = {.fd = pr->pidfd, .events = POLLIN};
         if (poll(&pf, 1, 0) > 0) {
-            TD_LOG_WARN("kvx ucx: peer process exited");
+            /* nothing in flight to it: a stop, not a failure (what depended on the peer
+               is reported by the layers above) */
+            int busy = 0;
+            for (ucx_op *op = p->ops; op; op = op->next)
+                busy += op->peer == i && !op->done;
+            if (busy)
+                TD_LOG_WARN("kvx ucx: peer process exited with %d operation(s) in flight", busy);
+            else
+                TD_LOG_INFO("kvx ucx: peer process exited");
             peer_fail(pr, TD_EIO);
             pidfd_close(p, pr);
             p->probe_wanted = true; /* it may have died writing into our receive FIFO */
