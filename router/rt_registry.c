@@ -17,7 +17,10 @@
 
 static int client_for(rt_inst *s, const char *kind, const char *host, int port)
 {
-    td_ctrl_opts opts = {.poll_wait_ms = 500};
+    /* reconnect at least every 200 ms (NNG backs off up to 1 s by default): a restarted
+       node is found, and the requests its old process held are moved (rt_loop_lose),
+       within 200 ms of it listening again; a refused connect costs next to nothing */
+    td_ctrl_opts opts = {.poll_wait_ms = 500, .reconnect_max_ms = 200};
     int rc = td_cfg_ctrl_url(host, port, s->url, sizeof s->url);
     if (!rc) rc = td_ctrl_client_create(s->url, &opts, &s->c);
     if (rc)
