@@ -7,6 +7,10 @@
 #   prefill_profile_cache  tandem-prefill re-uses its cached profile, re-profiles on a key
 #                    change, a corrupt file or --reprofile, and exits 0 within ~1 s on a
 #                    SIGTERM while profiling (test_pf_cache.py)
+#   prefill_startup_cached  `tandem up deploy/local.yaml` three times with an empty profile
+#                    cache (profile_budget_ms 3000 to keep the first start short): the first
+#                    measures, the others load the profile and serve /health within 3 s
+#                    and complete a request (startup_time.py; needs TANDEM_MODEL)
 if(TARGET pf_core)
   add_executable(test_pf_chunk ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_chunk.c)
   target_include_directories(test_pf_chunk PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
@@ -52,4 +56,13 @@ if(TARGET tandem-prefill AND TANDEM_PYTHON)
                    --model "${TANDEM_MODEL}")
   set_tests_properties(prefill_profile_cache PROPERTIES FIXTURES_REQUIRED synth_models
                        TIMEOUT 300 LABELS prefill)
+endif()
+if(TARGET tandem-prefill AND TARGET tandem-decode AND TARGET tandem-router AND TANDEM_PYTHON
+   AND TANDEM_MODEL)
+  add_test(NAME prefill_startup_cached
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/prefill/startup_time.py
+                   --tandem $<TARGET_FILE:tandem> --config ${CMAKE_SOURCE_DIR}/deploy/local.yaml
+                   --model "${TANDEM_MODEL}" --runs 3 --fresh-cache --budget-ms 3000
+                   --max-cached-s 3)
+  set_tests_properties(prefill_startup_cached PROPERTIES TIMEOUT 600 LABELS prefill)
 endif()
