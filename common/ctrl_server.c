@@ -411,7 +411,11 @@ static bool handle_msg(td_ctrl_server *s, td_ctrl_req *r, nng_msg *m, uint32_t p
         if (c->parked) reply_events(s, c); /* stale: the client only has one Poll out */
         c->parked = r;
         r->poll_expire = now + env->poll->wait_ms;
-        if (c->ob_n || !env->poll->wait_ms) reply_events(s, c);
+        /* a client that knew another epoch (a previous process of this server) is answered
+           at once: the new epoch tells it that what the old process held is lost, and it
+           should not wait a whole poll_wait for that (request migration) */
+        bool stale = env->poll->epoch && env->poll->epoch != s->epoch;
+        if (c->ob_n || !env->poll->wait_ms || stale) reply_events(s, c);
         return false;
     }
     case TD__ENVELOPE__BODY_HEALTH_REQUEST: {
