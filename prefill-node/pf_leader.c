@@ -691,14 +691,17 @@ static int profile(pf_node *n)
                                     .max_batch_tokens = n->chunk_max,
                                     .dynamic = false};
     memset(&n->model, 0, sizeof n->model);
-    if (!n->cfg->dynamic_chunking || n->cfg->smooth_factor == 0) {
-        TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", n->p->instance, n->chunk_max);
-        return 0;
-    }
-    if (n->cfg->profile_budget_ms <= 0) {
-        TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): fixed "
-                    "chunks of %d tokens",
-                    n->p->instance, n->chunk_max);
+    bool dynamic = n->cfg->dynamic_chunking && n->cfg->smooth_factor != 0;
+    if (!dynamic || n->cfg->profile_budget_ms <= 0) {
+        if (!dynamic)
+            TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", n->p->instance, n->chunk_max);
+        else
+            TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): "
+                        "fixed chunks of %d tokens",
+                        n->p->instance, n->chunk_max);
+        if (n->p->reprofile)
+            TD_LOG_INFO("prefill %s: --reprofile: nothing to profile with fixed chunks",
+                        n->p->instance);
         return 0;
     }
     pf_profile_params pp = {

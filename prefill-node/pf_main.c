@@ -129,6 +129,13 @@ int main(int argc, char **argv)
         usage();
         return 1;
     }
+    if (reprofile && stage != 0) {
+        fprintf(stderr,
+                "tandem-prefill: --reprofile is for stage 0 (only it profiles), not "
+                "stage %d\n",
+                stage);
+        return 1;
+    }
     char err[512];
     td_cfg *cfg;
     if (td_cfg_load(path, &cfg, err, sizeof err)) {

@@ -8,7 +8,7 @@ Checks:
   another thread count is another key: measured again, a second file;
   a corrupt cache file is ignored with a warning, measured again and rewritten (the next
     start loads it);
-  --reprofile measures even though a profile is cached;
+  --reprofile measures even though a profile is cached; on stage 1 it is refused;
   a cache that cannot be written (TANDEM_CACHE is a file) is a warning: the stage serves;
   SIGTERM while stage 0 profiles: exit 0 within 2 s, nothing cached; with pp 2, SIGINT to
     stage 0 and SIGTERM to stage 1 while stage 0 profiles: both exit 0 within 2 s;
@@ -179,6 +179,12 @@ def cached_runs(args, dir):
     check(ready and "measuring the stage profile (--reprofile)" in log
           and os.stat(files[0]).st_mtime_ns != before, "--reprofile: measured and stored anew")
     check(codes == [0], f"--reprofile: exit 0 ({codes})")
+
+    # --reprofile on a stage that does not profile is an error, not ignored
+    r = subprocess.run([args.prefill, "--config", st.cfg, "--instance", "p0", "--stage", "1",
+                        "--reprofile"], capture_output=True, text=True, timeout=60)
+    check(r.returncode == 1 and "--reprofile is for stage 0" in r.stderr,
+          f"--reprofile on stage 1: refused ({r.returncode}: {r.stderr.strip()})")
 
     # a cache that cannot be written
     blocker = os.path.join(dir, "not-a-dir")
