@@ -413,6 +413,8 @@ typedef struct {
     int active;                 /* requests on instances */
     uint64_t timeouts[RT_TO_N]; /* requests ended by their deadline */
     uint64_t evictions;         /* queued requests refused to make room for a quieter client */
+    uint64_t migrations;        /* times a request's decode side was lost and it moved */
+    rt_hist migrate_pause;      /* seconds: decode side lost -> the next token (moved requests) */
     bool draining;              /* SIGTERM/SIGINT received */
     /* disaggregated mode */
     uint64_t pf_requests; /* Prefill messages sent (attempts) */
@@ -430,7 +432,6 @@ typedef struct {
 int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf);
 void rt_metrics_fini(rt_metrics *m);
 void rt_metrics_status(rt_metrics *m, int status);
-void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms);
 void rt_metrics_write_delay(rt_metrics *m, double seconds);
 void rt_metrics_prefill_done(rt_metrics *m, const Td__PrefillDone *d);
 typedef enum {
@@ -443,6 +444,9 @@ typedef enum {
 void rt_metrics_pair(rt_metrics *m, rt_pair_metric what, rt_pf_fail why);
 void rt_metrics_timeout(rt_metrics *m, rt_timeout_state where);
 void rt_metrics_eviction(rt_metrics *m);
+/* A request moved (rt_loop_lose); a moved request's next token came `pause` s after. */
+void rt_metrics_migration(rt_metrics *m);
+void rt_metrics_migrated(rt_metrics *m, double pause);
 int64_t rt_now_ns(void); /* CLOCK_MONOTONIC */
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const struct rt_router *r);

@@ -183,7 +183,8 @@ static void finish(rt_router *r, rt_req *q, rt_finish fin)
 {
     int rc = rt_stream_finish(r, q, fin);
     if (rc) TD_LOG_ERR("router: %s: cannot write the response: %s", q->oid, td_strerror(rc));
-    rt_metrics_request_done(&r->metrics, q, td_ctrl_now_ms());
+    rt_metrics_request_end(r, q, td_ctrl_now_ms(), rc && !q->p.stream ? 500 : 200,
+                           fin == RT_FIN_LENGTH && !q->stop_hit ? "length" : "stop");
     retire(r, q);
 }
 
@@ -193,6 +194,7 @@ static void fail(rt_router *r, rt_req *q, int status, const char *code, const ch
     rt_error_set(&e, status, NULL, code, "%s", msg);
     if (status >= 500) TD_LOG_WARN("router: %s: %s", q->oid, msg);
     rt_stream_fail(q, &e);
+    rt_metrics_request_end(r, q, td_ctrl_now_ms(), status, code);
     retire(r, q);
 }
 
@@ -294,6 +296,7 @@ static void lose(rt_router *r, rt_req *q, const char *why, int64_t now)
     TD_LOG_INFO("router: %s: %s after %d tokens: moving it (move %d of %d), it goes on from "
                 "token %d",
                 q->oid, why, q->n_gen, q->migrations, rc->max_migrations, q->n_gen);
+    rt_metrics_migration(&r->metrics);
     q->state = RT_ST_QUEUED;
     rt_fair_push_front(&r->fair, q);
     atomic_fetch_add(&r->queued, 1);
@@ -322,6 +325,7 @@ static void refuse(rt_router *r, rt_req *q, const rt_error *e)
     atomic_fetch_sub(&r->queued, 1);
     q->state = RT_ST_DONE;
     rt_stream_fail(q, e);
+    rt_metrics_request_end(r, q, td_ctrl_now_ms(), e->status, e->code);
     rt_req_release(q);
 }
 
@@ -353,6 +357,7 @@ static void admit(rt_router *r, rt_req *q)
         TD_LOG_DEBUG("router: %s: queue full: refused for a client with fewer requests", v->oid);
         rt_metrics_eviction(&r->metrics);
         rt_stream_fail(v, &e);
+        rt_metrics_request_end(r, v, td_ctrl_now_ms(), 429, "queue_full");
         retire(r, v);
     }
     int rc = rt_table_add(&r->table, q);
@@ -424,6 +429,7 @@ static void dispatch(rt_router *r, int64_t now)
             rt_error_set(&e, 500, NULL, NULL, "cannot send the request: %s", td_strerror(rc));
             TD_LOG_ERR("router: %s: %s", q->oid, e.message);
             rt_stream_fail(q, &e);
+            rt_metrics_request_end(r, q, now, 500, NULL);
             rt_req_release(q);
         }
     }
@@ -500,6 +506,7 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
         rt_error e;
         rt_error_set(&e, 400, NULL, NULL, "%s", err->message);
         rt_stream_fail(q, &e);
+        rt_metrics_request_end(r, q, now, 400, NULL);
         retire(r, q);
         return;
     }
@@ -543,6 +550,7 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
             TD_LOG_INFO("router: %s: moved: the stream goes on %lld ms after its decode side "
                         "was lost",
                         q->oid, (long long)(now - q->lost_ms));
+            rt_metrics_migrated(&r->metrics, (double)(now - q->lost_ms) / 1000.0);
             q->lost_ms = 0;
         }
     }
@@ -696,6 +704,7 @@ static void expire(rt_router *r, int64_t now)
                      "generated: %d)",
                      limit, where_name[where], q->n_gen);
         rt_stream_fail(q, &e);
+        rt_metrics_request_end(r, q, now, 504, "request_timeout");
         retire(r, q);
     }
 }
@@ -746,8 +755,10 @@ static void take_inbox(rt_router *r)
         rt_req *next = gone->gone_next;
         if (gone->state == RT_ST_SUBMITTED || gone->state == RT_ST_RUNNING) {
             send_cancel(r, gone);
+            rt_metrics_request_end(r, gone, td_ctrl_now_ms(), 499, "client_closed");
             retire(r, gone);
         } else if (gone->state == RT_ST_QUEUED) {
+            rt_metrics_request_end(r, gone, td_ctrl_now_ms(), 499, "client_closed");
             retire(r, gone);
         }
         rt_req_release(gone); /* the reference rt_loop_gone took */
@@ -785,6 +796,7 @@ static void poke(rt_router *r)
             rt_error e; /* never seen: it makes MHD write, fail and complete the connection */
             rt_error_set(&e, 499, NULL, NULL, "the client closed the connection");
             rt_stream_fail(q, &e);
+            rt_metrics_request_end(r, q, td_ctrl_now_ms(), 499, "client_closed");
             retire(r, q);
             continue;
         }

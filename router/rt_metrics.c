@@ -12,7 +12,6 @@
  * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds, and per prefill
  * instance tandem_prefill_instance_{up,queued_prompt_tokens,running,waiting,requests}.
  * Threading: every function takes m->mu; any thread may call them. */
-#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,6 +147,20 @@ void rt_metrics_eviction(rt_metrics *m)
     pthread_mutex_unlock(&m->mu);
 }
 
+void rt_metrics_migration(rt_metrics *m)
+{
+    pthread_mutex_lock(&m->mu);
+    m->migrations++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void rt_metrics_migrated(rt_metrics *m, double pause)
+{
+    pthread_mutex_lock(&m->mu);
+    observe(&m->migrate_pause, LAT_BOUNDS, pause);
+    pthread_mutex_unlock(&m->mu);
+}
+
 /* The finished request's tokens and latencies (caller holds m->mu). */
 static void record_finished(rt_metrics *m, const rt_req *q, int64_t now_ms)
 {
@@ -179,25 +192,16 @@ void rt_metrics_request_end(rt_router *r, const rt_req *q, int64_t now_ms, int s
         w += (size_t)snprintf(where + w, sizeof where - w, " decode %s",
                               r->cfg->decode[q->inst].name);
     if (q->pinst >= 0 && q->pinst < r->cfg->n_prefill && w < sizeof where)
-        snprintf(where + w, sizeof where - w, " prefill %s", r->cfg->prefill[q->pinst].name);
+        w += (size_t)snprintf(where + w, sizeof where - w, " prefill %s",
+                              r->cfg->prefill[q->pinst].name);
+    if (q->migrations && w < sizeof where)
+        snprintf(where + w, sizeof where - w, " moved %d", q->migrations);
     TD_LOG_INFO("router: request %s %s%s status %d %s %s prompt_tokens %zu output_tokens %d "
                 "ttft_ms %s total_ms %lld%s",
                 q->oid, q->p.ep == RT_EP_CHAT ? "/v1/chat/completions" : "/v1/completions",
                 q->p.stream ? " stream" : "", status, status == 200 ? "finish" : "error",
                 outcome ? outcome : "-", q->p.n_prompt, q->n_gen, ttft,
                 (long long)(now_ms - q->t_arrive_ms), where);
-}
-
-/* The call rt_loop.c makes for a finished request until it passes the finish reason
- * (rt_metrics_request_end); m is always an rt_router's (rt.h). */
-void rt_metrics_request_done(rt_metrics *m, const rt_req *q, int64_t now_ms)
-{
-    rt_router *r = (rt_router *)(void *)((char *)m - offsetof(rt_router, metrics));
-    rt_req *mq = (rt_req *)q; /* the lock only */
-    pthread_mutex_lock(&mq->mu);
-    int status = q->sse || !q->status ? 200 : q->status;
-    pthread_mutex_unlock(&mq->mu);
-    rt_metrics_request_end(r, q, now_ms, status, NULL);
 }
 
 static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist *h,
@@ -374,6 +378,16 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
              "tandem_router_draining %d\n",
              (unsigned long long)m->evictions, m->draining ? 1 : 0);
     rc |= rt_buf_puts(&b, line);
+    snprintf(line, sizeof line,
+             "# HELP tandem_router_migrations_total Times a request's decode instance died, "
+             "restarted or failed it and the request moved to go on elsewhere.\n"
+             "# TYPE tandem_router_migrations_total counter\n"
+             "tandem_router_migrations_total %llu\n",
+             (unsigned long long)m->migrations);
+    rc |= rt_buf_puts(&b, line);
+    rc |= put_hist(&b, "tandem_router_migration_pause_seconds",
+                   "Moved requests: time from losing the decode side to the next token.",
+                   &m->migrate_pause, LAT_BOUNDS);
     static const char *const names[] = {
         "up", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_usage_ratio"};
     static const char *const helps[] = {"1 when the decode instance is alive and ready.",

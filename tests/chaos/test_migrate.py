@@ -178,6 +178,11 @@ def case_decode(cl, args, base, ref, ref_text, figures):
                                         f"{gap if gap is None else round(gap, 2)} s")
     check(cl.wait_restarted("decode-d0-0", old, 60) is not None, "the supervisor restarted it")
     check(wait_serving(cl, 60), "serving again")
+    m = cl.metrics() or {}
+    moves = m.get(("tandem_router_migrations_total", ()))
+    paused = m.get(("tandem_router_migration_pause_seconds_count", ()))
+    check(moves and moves >= 1 and paused and paused >= 1,
+          f"/metrics: migrations_total {moves}, migration_pause_seconds_count {paused}")
 
 
 def case_nonstream(cl, args, base, ref, ref_text, figures):

@@ -431,6 +431,29 @@ def case_logs(cl, args):
     n400b = metric_samples(port, "tandem_router_requests_total").get('{status="400"}', 0)
     check(n400b == n400 + 1, f"logs: the 400 counts once in tandem_router_requests_total "
           f"({n400} -> {n400b})")
+    # the other endings have their line too: a deadline passed (504), a client gone (499)
+    st, _, out = request(port, "POST", "/v1/completions",
+                         {"prompt": "Hello", "max_tokens": 64, "ignore_eos": True},
+                         {"X-Tandem-Timeout-Ms": "1"})
+    oid = (json.loads(out).get("error") or {}).get("code")
+    log = wait_log(cl, lambda lg: " status 504 error request_timeout " in lg)
+    check(st == 504 and oid == "request_timeout" and
+          any(m and m.group(4) == "504" and m.group(6) == "request_timeout"
+              for m in map(REQ_RE.search, log.splitlines())),
+          f"logs: a request past its deadline: a line with status 504 error request_timeout "
+          f"({st})")
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(req_bytes("/v1/completions", {"prompt": "Hello", "max_tokens": 400,
+                                            "ignore_eos": True, "stream": True}))
+    first = s.recv(4096)
+    s.close()
+    log = wait_log(cl, lambda lg: " status 499 error client_closed " in lg)
+    m = [m for m in map(REQ_RE.search, log.splitlines())
+         if m and m.group(4) == "499" and m.group(6) == "client_closed"]
+    check(first.startswith(b"HTTP/1.1 200") and len(m) == 1 and m[0].group(3) == " stream" and
+          int(m[0].group(8)) < 400,
+          f"logs: a client that leaves mid-stream: a line with status 499 error client_closed "
+          f"({m[0].group(0) if m else None!r})")
     bad = [ln for ln in log.splitlines() if ln and not TS_RE.match(ln)]
     check(not bad, f"logs: every router line starts with a UTC timestamp, program and pid "
           f"{bad[:2]}")

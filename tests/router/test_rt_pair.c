@@ -15,7 +15,12 @@
  *                 attempts cancelled
  *   deadline      prefill never finishes -> 503 first_token_timeout, both sides cancelled
  *   prefill dies  p0 stops answering mid-prefill -> retried on p1
- *   decode dies   d0 stops answering -> 503, the prefill side gets Cancel
+ *   moved        d0 streams the first token, then a rank dies (ERR_PEER_FAILED): the request
+ *                 moves with its prompt + that token (Alloc n=4, max 3) and the stream ends
+ *                 normally
+ *   decode dies   d0 stops answering mid-prefill -> the request moves (a new attempt on
+ *                 d1, rt_loop_lose) and succeeds; the first attempt's prefill side gets
+ *                 Cancel
  *   timeouts      a request's own deadline ("timeout": 1) while prefilling -> 504
  *                 request_timeout before the attempt's deadline, both sides cancelled;
  *                 streamed, after its first token (X-Tandem-Timeout-Ms) -> the text, an SSE
@@ -57,6 +62,8 @@ typedef enum {
     M_EVENT_TIMEOUT_ONCE, /* prefill: Ack, ErrorEvent ERR_TIMEOUT once, then M_OK */
     M_XFER_FAIL_ONCE,     /* decode: ERR_PEER_FAILED + finish ERROR once, then M_OK */
     M_FIRST_HANG,         /* decode: the first token, then nothing (until Cancel) */
+    M_FIRST_FAIL_ONCE,    /* decode: the first token, then ERR_PEER_FAILED ("a rank died")
+                             + finish ERROR once, then M_OK */
 } fake_mode;
 
 typedef struct {
@@ -134,6 +141,16 @@ static void kv_arrived(fake *d, uint64_t rid, int32_t first)
             if (d->mode == M_FIRST_HANG)
                 td_ctrl_server_send_tokens(d->s, client, rid, 0, &first, 1,
                                            TD__FINISH_REASON__FINISH_NONE, 3, 1);
+            return;
+        }
+        if (d->mode == M_FIRST_FAIL_ONCE) {
+            d->mode = M_OK;
+            td_ctrl_server_send_tokens(d->s, client, rid, 0, &first, 1,
+                                       TD__FINISH_REASON__FINISH_NONE, 3, 1);
+            td_ctrl_server_send_error(d->s, client, rid, TD__ERROR_CODE__ERR_PEER_FAILED,
+                                      "rank 1 died (fake)");
+            td_ctrl_server_send_tokens(d->s, client, rid, 1, NULL, 0,
+                                       TD__FINISH_REASON__FINISH_ERROR, 3, 1);
             return;
         }
         if (d->mode == M_XFER_FAIL_ONCE) {
@@ -854,19 +871,41 @@ static void test_decode_dies(void)
     TH_REQUIRE(fd >= 0);
     http_send(fd, "POST", "/v1/completions", REQ);
     TH_CHECK(wait_count(P1, "kvt ", 1, 3000));
+    int d1_allocs = count(D1, "alloc ");
     pthread_mutex_lock(&g_mu);
     g_f[D0].kill = true;
     pthread_mutex_unlock(&g_mu);
+    set_fake(P1, M_OK, true); /* the next attempt's prefill finishes */
     size_t len = 0;
     ssize_t k;
     while (len < sizeof g_resp - 1 && (k = read(fd, g_resp + len, sizeof g_resp - 1 - len)) > 0)
         len += (size_t)k;
     g_resp[len] = 0;
     close(fd);
-    TH_CHECKF(strstr(g_resp, "HTTP/1.1 503") && strstr(g_resp, "\"code\":\"instance_unavailable\""),
-              "%s", g_resp);
+    TH_CHECKF(strstr(g_resp, "HTTP/1.1 200") && strstr(g_resp, "\"finish_reason\""), "%s", g_resp);
+    TH_CHECK(count(D1, "alloc ") == d1_allocs + 1);
     uint64_t rid = rid_of(P1, "prefill ", 0);
     TH_CHECK(wait_count(P1, "cancel ", 1, 2000) && rid_of(P1, "cancel ", 0) == rid);
+}
+
+static void test_moved(void)
+{
+    clear_logs();
+    set_fake(P0, M_OK, true);
+    set_fake(D0, M_FIRST_FAIL_ONCE, true);
+    int st = http("POST", "/v1/completions", REQ_STREAM, g_resp, sizeof g_resp);
+    TH_CHECKF(st == 200 && strstr(g_resp, "data: [DONE]") && !strstr(g_resp, "\"error\"") &&
+                  strstr(g_resp, "\"finish_reason\":\"length\""),
+              "status %d: %s", st, g_resp);
+    /* the first attempt: the prompt (3), max 4; the move: prompt + the first token, max 3 */
+    uint64_t r1 = rid_of(D0, "alloc ", 0), r2 = rid_of(D0, "alloc ", 1);
+    char want[96];
+    snprintf(want, sizeof want, "alloc %llu stages=2 n=4 max=3", (unsigned long long)r2);
+    pthread_mutex_lock(&g_mu);
+    bool moved = r1 && r2 && r1 != r2 && strstr(g_f[D0].log, want);
+    pthread_mutex_unlock(&g_mu);
+    TH_CHECKF(moved, "decode log: %s", g_f[D0].log);
+    TH_CHECK(count(P0, "prefill ") == 2);
 }
 
 static int g_drain_exit = -1; /* the router's exit status after test_drain */
@@ -949,6 +988,7 @@ int main(int argc, char **argv)
         TH_RUN(test_busy);
         TH_RUN(test_deadline);
         TH_RUN(test_timeouts);
+        TH_RUN(test_moved);
         TH_RUN(test_prefill_dies); /* these two leave p0 and d0 dead */
         TH_RUN(test_decode_dies);
         TH_RUN(test_drain); /* the router exits */
