@@ -70,6 +70,7 @@
 #include <limits.h>
 #include <math.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -598,12 +599,25 @@ static up_proc *find_exited(cluster *c)
     return NULL;
 }
 
+/* One supervisor event (a death, a restart, a kill) on stderr, which is up.log under -d:
+ * stamped like the processes' own log lines, so the two can be read side by side. */
+static void __attribute__((format(printf, 1, 2))) up_event(const char *fmt, ...)
+{
+    char ts[40], msg[1024];
+    td_log_timestamp(ts, sizeof ts);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "%s tandem: %s\n", ts, msg);
+}
+
 static void report_exit(const up_proc *p, const char *when)
 {
     char l[128], how[128];
     proc_label(p, l, sizeof l);
     describe_exit(p, how, sizeof how);
-    fprintf(stderr, "tandem: %s (pid %d) %s %s\n", l, (int)p->pid, how, when);
+    up_event("%s (pid %d) %s %s", l, (int)p->pid, how, when);
     print_tail(p->log, 20);
 }
 
@@ -947,8 +961,8 @@ static void schedule_restart(up_proc *p, double t)
                        ? UP_BACKOFF_MIN_S
                        : fmin(2 * p->backoff_s, UP_BACKOFF_MAX_S);
     p->restart_at = t + p->backoff_s;
-    fprintf(stderr, "tandem: %s (pid %d) %s after %.1f s: restarting it in %.1f s\n", l,
-            (int)p->pid, p->last_exit, ran, p->backoff_s);
+    up_event("%s (pid %d) %s after %.1f s: restarting it in %.1f s", l, (int)p->pid, p->last_exit,
+             ran, p->backoff_s);
     print_tail(p->log, 10);
     p->pid = 0;
     p->child = false;
@@ -971,7 +985,7 @@ static void restart(cluster *c, up_proc *p, double t)
     p->restarts++; /* before spawn: the new pid file carries it */
     int rc = spawn(c, p, note);
     if (p->pid > 0) { /* running (a pid file that could not be written was reported) */
-        fprintf(stderr, "tandem: %s restarted (pid %d, restart %d)\n", l, (int)p->pid, p->restarts);
+        up_event("%s restarted (pid %d, restart %d)", l, (int)p->pid, p->restarts);
         return;
     }
     p->restarts--;
@@ -979,8 +993,7 @@ static void restart(cluster *c, up_proc *p, double t)
     p->started_at = t;
     p->backoff_s = fmin(2 * p->backoff_s, UP_BACKOFF_MAX_S);
     p->restart_at = t + p->backoff_s;
-    fprintf(stderr, "tandem: could not restart %s (%s): trying again in %.1f s\n", l,
-            td_strerror(rc), p->backoff_s);
+    up_event("could not restart %s (%s): trying again in %.1f s", l, td_strerror(rc), p->backoff_s);
 }
 
 /* Runs until a signal: children that die are restarted (o->restart) or stop the cluster
