@@ -153,7 +153,9 @@ void pf_leader_on_report(pf_node *n, const pf_report *r)
 
 static void reset_formation(pf_node *n, const char *why)
 {
-    if (n->running || n->n_jobs) /* not at start-up */
+    bool logged = n->running || n->n_jobs; /* not at start-up */
+    int64_t t0 = pf_now_ms();
+    if (logged)
         TD_LOG_WARN(
             "prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
             "the stages to rejoin",
@@ -164,6 +166,9 @@ static void reset_formation(pf_node *n, const char *why)
     }
     pf_stage_abort_all(n, TD_EIO);
     pf_chain_close(n);
+    if (logged)
+        TD_LOG_INFO("prefill %s: the old stage chain closed in %lld ms", n->p->instance,
+                    (long long)(pf_now_ms() - t0));
     uint64_t old = n->members[0].boot_id;
     memset(n->members, 0, sizeof n->members);
     n->running = false;

@@ -20,6 +20,7 @@ struct pf_link {
     bool thread_on, stop;
     int wake_fd;
     int peer_err[MAX_PEERS];
+    bool connected[MAX_PEERS]; /* endpoints made by pf_link_connect */
     /* received reports, a ring */
     uint8_t reports[PF_LINK_MAX_REPORTS][PF_LINK_REPORT_MAX];
     size_t report_len[PF_LINK_MAX_REPORTS];
@@ -120,6 +121,14 @@ void pf_link_destroy(pf_link *l)
         kvx_pipe_signal(l->pipe);
         pthread_join(l->thread, NULL);
     }
+    /* A link is destroyed when its chain is over (broken, re-formed, or the stage stops):
+     * nothing still in flight on it is wanted. Close every endpoint without flushing, so
+     * its operations fail at once: a graceful close waits for the peer, and a peer that is
+     * stopped (SIGSTOP, a stuck host) is not dead to the pipe (its process still exists),
+     * so the destroy would wait out its bounds (1.3 s) with stage 0's loop blocked: no
+     * Health answers, no ready: false, no new chain meanwhile. */
+    for (int i = 0; l->pipe && i < MAX_PEERS; i++)
+        if (l->connected[i]) kvx_pipe_disconnect(l->pipe, i, true);
     kvx_pipe_destroy(l->pipe); /* completes pending ops with an error */
     if (l->wake_fd >= 0) close(l->wake_fd);
     pthread_mutex_destroy(&l->mu);
@@ -147,6 +156,7 @@ int pf_link_connect(pf_link *l, const void *addr, size_t len, kvx_peer *out)
         TD_LOG_ERR("prefill link: peer id %d out of range", *out);
         return TD_ERANGE;
     }
+    if (!rc) l->connected[*out] = true;
     return rc;
 }
 

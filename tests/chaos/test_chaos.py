@@ -53,6 +53,7 @@ import http.client
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -309,9 +310,12 @@ def kill_fault(cl, key):
 def stop_fault(cl, key, hold):
     """SIGSTOP, hold, SIGCONT; meanwhile prefill stage 0 is asked for Health every 0.5 s: it
     must keep answering (its loop must not wait on the stopped stage) and say ready 0 once
-    it declared the stage silent (5 s)."""
+    it declared the stage silent (5 s). Closing the old chain must not wait on the stopped
+    stage either: its log line "the old stage chain closed in N ms" says N < 500 (a graceful
+    close of the endpoints toward the stopped stage blocked stage 0's loop for 1.0-1.3 s)."""
     def inject():
         pid, _ = cl.pid(key)
+        n_closed = cl.log("prefill-p0-0").count("the old stage chain closed in")
         polls = []
         done = threading.Event()
 
@@ -343,6 +347,11 @@ def stop_fault(cl, key, hold):
                     if h and h.get("ready") == 0 and a + b <= t_rep - t0]
             check(seen, f"{key} stopped: stage 0 declared it gone (Health ready 0) from "
                         f"t = {seen[0] if seen else None} s (its heartbeat silence is 5 s)")
+            closed = re.findall(r"the old stage chain closed in (\d+) ms",
+                                cl.log("prefill-p0-0"))[n_closed:]
+            check(closed and all(int(ms) < 500 for ms in closed),
+                  f"{key} stopped: stage 0 closed the old stage chain without waiting for the "
+                  f"stopped stage ({closed} ms)")
         return t_rep, []
     return inject
 
