@@ -119,9 +119,13 @@ static int check_blobs(vctx *v, const char *what, const ProtobufCBinaryData *b, 
     return 0;
 }
 
-static int check_sampling(vctx *v, const Td__Sampling *s)
+/* n_prompt: the request's prompt tokens (skip_samples counts tokens among them). */
+static int check_sampling(vctx *v, const Td__Sampling *s, size_t n_prompt)
 {
     if (!s) return 0;
+    if (s->skip_samples >= n_prompt)
+        return bad(v, TD_EINVAL, "sampling: skip_samples %u of a %zu-token prompt", s->skip_samples,
+                   n_prompt);
     if (!isfinite(s->temperature) || !isfinite(s->top_p) || !isfinite(s->min_p) ||
         !isfinite(s->repeat_penalty))
         return bad(v, TD_EINVAL, "sampling: non-finite parameter");
@@ -143,7 +147,7 @@ static int check_submit(vctx *v, const Td__Submit *m)
         return rc;
     if (!m->max_tokens)
         return bad(v, TD_EINVAL, "submit %llu: max_tokens 0", (unsigned long long)m->request_id);
-    return check_sampling(v, m->sampling);
+    return check_sampling(v, m->sampling, m->n_token_ids);
 }
 
 static int check_event(vctx *v, const Td__Event *e)
@@ -201,7 +205,7 @@ static int check_body(vctx *v, const Td__Envelope *e)
         if (!e->prefill->n_token_ids) return bad(v, TD_EINVAL, "prefill: empty prompt");
         if ((rc = check_tokens(v, "prefill.token_ids", e->prefill->token_ids,
                                e->prefill->n_token_ids, v->o->max_tokens)) ||
-            (rc = check_sampling(v, e->prefill->sampling)) ||
+            (rc = check_sampling(v, e->prefill->sampling, e->prefill->n_token_ids)) ||
             (rc = check_blobs(v, "prefill.kv_targets", e->prefill->kv_targets,
                               e->prefill->n_kv_targets)))
             return rc;

@@ -108,6 +108,7 @@ static dc_request_params request_params(const Td__Submit *s, uint64_t id)
         .n_stop = (int)s->n_stop_token_ids,
         .ignore_eos = s->ignore_eos,
     };
+    if (sm) rp.skip_samples = sm->skip_samples;
     if (sm)
         rp.sampling = (kn_sampler_params){.temperature = sm->temperature,
                                           .top_k = sm->top_k,

@@ -309,6 +309,7 @@ static void copy_sampling(pf_sampling *d, const Td__Sampling *s)
     d->repeat_penalty = s->repeat_penalty;
     d->repeat_last_n = s->repeat_last_n;
     d->seed = s->seed;
+    d->skip_samples = s->skip_samples;
 }
 
 static int set_targets(pf_job *j, ProtobufCBinaryData *t, size_t n)

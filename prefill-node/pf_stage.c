@@ -139,7 +139,7 @@ int pf_chain_open(pf_node *n)
 
 void pf_chain_close(pf_node *n)
 {
-    ctl_drop_all(n); /* the messages were for this chain only */
+    ctl_drop_all(n);          /* the messages were for this chain only */
     pf_link_destroy(n->link); /* completes pending sends/receives with an error */
     n->link = NULL;
     for (int i = 0; i < PF_NSEND; i++)
@@ -168,8 +168,9 @@ int pf_chain_start(pf_node *n, const uint8_t *const *addrs, const size_t *lens)
         rc = pf_link_recv(n->link, PF_TAG_CHAIN, n->recvs[i].buf, n->recvs[i].cap, &n->recvs[i].op);
         n->recvs[i].busy = !rc;
     }
-    if (rc) TD_LOG_ERR("prefill %s stage %d: cannot connect the stage chain: %s", n->p->instance,
-                       n->stage, td_strerror(rc));
+    if (rc)
+        TD_LOG_ERR("prefill %s stage %d: cannot connect the stage chain: %s", n->p->instance,
+                   n->stage, td_strerror(rc));
     return rc;
 }
 
@@ -413,8 +414,8 @@ static void log_transfer(pf_node *n, const pf_req *r, const kvx_pf_status *st)
         TD_LOG_DEBUG("prefill %s stage %d: request %llu chunk %u: computed %lld landed %lld "
                      "(handed %lld issued %lld ns)",
                      n->p->instance, n->stage, (unsigned long long)r->id, k,
-                     (long long)r->comp_end_ns[k], (long long)t.landed_ns,
-                     (long long)t.handed_ns, (long long)t.issued_ns);
+                     (long long)r->comp_end_ns[k], (long long)t.landed_ns, (long long)t.handed_ns,
+                     (long long)t.issued_ns);
     }
     TD_LOG_INFO("prefill %s stage %d: request %llu: KV of %d tokens in %u chunks, %.1f MiB in "
                 "%llu puts; transfer %.1f ms, %.0f %% of it hidden behind compute",
@@ -611,6 +612,8 @@ int pf_stage_chunk(pf_node *n, pf_seg *segs, int n_segs, const int32_t *ids_in, 
                                     .repeat_last_n = g->sampling.repeat_last_n,
                                     .seed = g->sampling.seed};
             int rc = kn_sampler_init(&s, &sp, n->n_vocab);
+            for (uint32_t k = 0; !rc && k < g->sampling.skip_samples; k++)
+                kn_sampler_skip(&s); /* a moved request: its earlier draws were made elsewhere */
             int32_t tok = rc ? rc
                              : kn_sample(&s, n->logits + (size_t)li * (size_t)n->n_vocab, r->hist,
                                          r->n_prompt);

@@ -7,7 +7,7 @@
 #include "td_err.h"
 
 #define HDR_BYTES 32
-#define SEG_BYTES 64
+#define SEG_BYTES 72 /* 68 used: 8-byte aligned records */
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -98,6 +98,8 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         put32(s + 48, (uint32_t)g->sampling.top_k);
         put32(s + 52, (uint32_t)g->sampling.repeat_last_n);
         put64(s + 56, g->sampling.seed);
+        put32(s + 64, g->sampling.skip_samples);
+        put32(s + 68, 0);
     }
     if (rows) memcpy(b + HDR_BYTES + (size_t)n_segs * SEG_BYTES, ids, (size_t)rows * 4);
     return (int64_t)need;
@@ -146,9 +148,10 @@ int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, in
             g->sampling.top_k = (int32_t)get32(s + 48);
             g->sampling.repeat_last_n = (int32_t)get32(s + 52);
             g->sampling.seed = get64(s + 56);
+            g->sampling.skip_samples = get32(s + 64);
             if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
-                g->n_dst > PF_MAX_TARGETS || (g->flags & ~7u) ||
-                !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||
+                g->sampling.skip_samples >= g->n_prompt || g->n_dst > PF_MAX_TARGETS ||
+                (g->flags & ~7u) || !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||
                 !!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt))
                 return bad("inconsistent segment");
             if (!(g->flags & PF_SEG_DEAD)) sum += g->t1 - g->t0;
@@ -165,8 +168,7 @@ int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, in
                 out->segs[i].tokens = ids;
                 ids += out->segs[i].t1 - out->segs[i].t0;
             }
-        out->embd = embd ? (const float *)(b + pf_wire_chunk_payload_off((int)n_segs, rows))
-                         : NULL;
+        out->embd = embd ? (const float *)(b + pf_wire_chunk_payload_off((int)n_segs, rows)) : NULL;
         return 0;
     }
     case PF_MSG_TARGETS: {

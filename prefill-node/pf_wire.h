@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define PF_WIRE_MAGIC   0x46504454u /* "TDPF" */
-#define PF_WIRE_VERSION 1u
+#define PF_WIRE_VERSION 2u
 #define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
 #define PF_MAX_TARGETS  64 /* decode ranks of one request */
 
@@ -39,14 +39,15 @@ typedef struct {
     float temperature, top_p, min_p, repeat_penalty;
     int32_t top_k, repeat_last_n;
     uint64_t seed;
+    uint32_t skip_samples; /* draws made elsewhere (a moved request), < n_prompt */
 } pf_sampling;
 
 typedef struct {
     uint64_t req_id;
     uint32_t t0, t1, n_prompt;
     uint32_t flags;
-    uint32_t chunk;  /* index of this chunk within the request: 0, 1, ... */
-    uint32_t n_dst;  /* decode ranks of the request */
+    uint32_t chunk; /* index of this chunk within the request: 0, 1, ... */
+    uint32_t n_dst; /* decode ranks of the request */
     pf_sampling sampling;
     const int32_t *tokens; /* parse: (t1 - t0) ids, unaligned-safe copy made by the parser */
 } pf_seg;
@@ -68,8 +69,8 @@ typedef struct {
     /* CHUNK */
     int n_segs;
     pf_seg segs[PF_MAX_SEGS];
-    int64_t n_rows; /* live rows */
-    int32_t *ids;   /* (n_rows) token ids (owned by the view) */
+    int64_t n_rows;    /* live rows */
+    int32_t *ids;      /* (n_rows) token ids (owned by the view) */
     const float *embd; /* (n_rows, n_embd) into the buffer, or NULL if the message has none */
     /* TARGETS / ABORT */
     uint64_t req_id;

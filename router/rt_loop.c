@@ -379,6 +379,7 @@ void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
     sm->min_p = q->p.min_p;
     sm->repeat_penalty = q->p.repeat_penalty;
     sm->seed = q->p.seed;
+    sm->skip_samples = (uint32_t)q->gen_base; /* a moved request: the draws already made */
     td__submit__init(sub);
     sub->request_id = q->rid;
     sub->token_ids = rt_req_prompt(q, &sub->n_token_ids);

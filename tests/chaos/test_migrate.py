@@ -13,6 +13,8 @@ instance, the decode instance prefills), on the synthetic model or --model. Case
               [DONE], finish_reason "length", usage.completion_tokens == --tokens, no SSE
               error, and its text must equal the reference (nothing repeated or missing).
               Measured: kill -> next token (the migration time).
+  seeded      the same sampled (temperature 0.9, seed 11): the text equals the
+              uninterrupted seeded run's (the sampler skips the draws made before the move)
   nonstream   the same without streaming: kill -9 while it generates; the JSON answer equals
               the reference
   opt-out     "migrate": false, killed the same way: an SSE error event and [DONE] within
@@ -185,6 +187,25 @@ def case_decode(cl, args, base, ref, ref_text, figures):
           f"/metrics: migrations_total {moves}, migration_pause_seconds_count {paused}")
 
 
+def case_seeded(cl, args, base, ref, ref_text, figures):
+    """Sampled with a seed: the moved stream draws on from where it stopped (the sampler
+    skips the draws made before the move), so it equals the uninterrupted seeded run."""
+    body = dict(base, stream=True, temperature=0.9, top_p=0.95, seed=11)
+    sref = Stream(cl.host, cl.port, body, args.deadline).start().join()
+    again = Stream(cl.host, cl.port, body, args.deadline).start().join()
+    check(sref.done and again.done and sref.text == again.text and sref.text != ref.text,
+          "seeded reference: two runs agree and differ from the greedy one")
+    s = Stream(cl.host, cl.port, body, args.deadline).start()
+    check(wait_tokens(s, args.kill_after, 60), "seeded: tokens before the kill")
+    old, _ = kill(cl, "decode-d0-0")
+    s.join()
+    check(s.done and not s.error and s.text == sref.text,
+          f"seeded stream killed mid-way: the text equals the uninterrupted seeded run "
+          f"(ended {s.ended}, error {s.error}, {len(s.text)} vs {len(sref.text)} chars)")
+    check(cl.wait_restarted("decode-d0-0", old, 60) is not None and wait_serving(cl, 60),
+          "restarted and serving again")
+
+
 def case_nonstream(cl, args, base, ref, ref_text, figures):
     """Not streamed: killed mid-way, the answer is still whole."""
     res = {}
@@ -247,8 +268,8 @@ def case_prefill(cl, args, base, ref, ref_text, figures):
     check(cl.wait_restarted("prefill-p0-0", old, 60) is not None, "prefill restarted")
 
 
-CASES = {"decode": case_decode, "nonstream": case_nonstream, "optout": case_optout,
-         "prefill": case_prefill}
+CASES = {"decode": case_decode, "seeded": case_seeded, "nonstream": case_nonstream,
+         "optout": case_optout, "prefill": case_prefill}
 
 
 def main():
@@ -266,7 +287,7 @@ def main():
     ap.add_argument("--asan", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--cases", default="decode,nonstream,optout,prefill")
+    ap.add_argument("--cases", default="decode,seeded,nonstream,optout,prefill")
     args = ap.parse_args()
     args.model = args.model or os.path.join(args.synth_dir, "llama.gguf")
     env_extra = {}

@@ -369,6 +369,17 @@ static void test_decode_rejects(void)
     TH_REQUIRE(td_ctrl_encode(&e, NULL, &buf, &len) == 0);
     TH_CHECK(decode_err(buf, len, NULL, err, sizeof err) == TD_EINVAL);
     free(buf);
+    /* skip_samples counts tokens of the prompt (a moved request's generated ones) */
+    sp.temperature = 0.5f;
+    sp.skip_samples = (uint32_t)sub.n_token_ids - 1;
+    TH_REQUIRE(td_ctrl_encode(&e, NULL, &buf, &len) == 0);
+    TH_CHECK(decode_err(buf, len, NULL, err, sizeof err) == 0);
+    free(buf);
+    sp.skip_samples = (uint32_t)sub.n_token_ids;
+    TH_REQUIRE(td_ctrl_encode(&e, NULL, &buf, &len) == 0);
+    TH_CHECK(decode_err(buf, len, NULL, err, sizeof err) == TD_EINVAL);
+    TH_CHECKF(strstr(err, "skip_samples") != NULL, "%s", err);
+    free(buf);
     sub.sampling = NULL;
     sub.request_id = 0;
     TH_REQUIRE(td_ctrl_encode(&e, NULL, &buf, &len) == 0);

@@ -96,10 +96,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         uint32_t t0 = r[0] % 32, l = r[1] % 16 + 1, extra = r[2] % 8;
         bool dead = r[3] & 1;
         if (!dead && rows + l > MAXTOK) break;
-        segs[n] = (pf_seg){.req_id = (uint64_t)r[4] + 1, .t0 = t0, .t1 = t0 + l,
-                           .n_prompt = t0 + l + extra, .chunk = r[5], .n_dst = 1 + r[5] % 4};
+        segs[n] = (pf_seg){.req_id = (uint64_t)r[4] + 1,
+                           .t0 = t0,
+                           .t1 = t0 + l,
+                           .n_prompt = t0 + l + extra,
+                           .chunk = r[5],
+                           .n_dst = 1 + r[5] % 4};
         segs[n].flags = (t0 == 0 ? PF_SEG_FIRST : 0) | (extra == 0 ? PF_SEG_LAST : 0) |
                         (dead ? PF_SEG_DEAD : 0);
+        segs[n].sampling.seed = (uint64_t)r[5] << 40 | r[4];
+        segs[n].sampling.skip_samples = r[2] % segs[n].n_prompt; /* < n_prompt */
         for (uint32_t k = 0; !dead && k < l; k++)
             ids[rows + k] = (int32_t)(r[4] * 31 + k);
         if (!dead) rows += l;
@@ -115,7 +121,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (m.n_segs != n || m.n_rows != rows) abort();
     for (int i = 0; i < n; i++)
         if (m.segs[i].req_id != segs[i].req_id || m.segs[i].t1 != segs[i].t1 ||
-            m.segs[i].flags != segs[i].flags)
+            m.segs[i].flags != segs[i].flags || m.segs[i].sampling.seed != segs[i].sampling.seed ||
+            m.segs[i].sampling.skip_samples != segs[i].sampling.skip_samples)
             abort();
     pf_msg_fini(&m);
     /* the rest of the input: (offset u16, xor u8) flips, and maybe a truncation */
@@ -123,7 +130,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size_t at = ((size_t)data[off] | (size_t)data[off + 1] << 8) % (size_t)len;
         buf[at] ^= data[off + 2];
     }
-    size_t cut = (mode & 0x80) ? (size_t)len - (size_t)(data[size - 1] % (len > 1 ? len : 1)) : (size_t)len;
+    size_t cut =
+        (mode & 0x80) ? (size_t)len - (size_t)(data[size - 1] % (len > 1 ? len : 1)) : (size_t)len;
     parse_all(buf, cut);
     free(buf);
     return 0;
