@@ -1,5 +1,5 @@
 /* dc_plan.c: flat encoding of a step's batch:
- *   u32 magic 'TDPL', u32 kind, u64 step, i32 n_tokens, i32 n_seqs,
+ *   u32 magic 'TDPL', u32 kind, u64 step, i32 n_tokens, i32 n_seqs, i32 n_solo,
  *   i32 tokens[n_tokens], i32 pos[n_tokens], i32 seq_of[n_tokens],
  *   per sequence: i32 n_ctx, then i32 blocks[ceil(n_ctx / block_size)]
  * The ranks of an instance share a host, so byte order is the host's. */
@@ -11,7 +11,7 @@
 #include "td_err.h"
 
 #define PLAN_MAGIC   0x4c504454u /* "TDPL" */
-#define HEADER_BYTES 24
+#define HEADER_BYTES 28
 
 static int blocks_for(int32_t n_ctx, int block_size)
 {
@@ -45,11 +45,13 @@ int dc_plan_encode(const kn_batch *b, int block_size, uint64_t step, void *buf, 
     uint8_t *p = buf;
     uint32_t magic = PLAN_MAGIC, kind = b ? DC_PLAN_RUN : DC_PLAN_SHUTDOWN;
     int32_t nt = b ? (int32_t)b->n_tokens : 0, ns = b ? b->n_seqs : 0;
+    int32_t solo = b ? (int32_t)b->n_solo : 0;
     put(&p, &magic, 4);
     put(&p, &kind, 4);
     put(&p, &step, 8);
     put(&p, &nt, 4);
     put(&p, &ns, 4);
+    put(&p, &solo, 4);
     if (b) {
         put(&p, b->tokens, (size_t)nt * 4);
         put(&p, b->pos, (size_t)nt * 4);
@@ -85,13 +87,14 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
 {
     const uint8_t *p = buf, *end = p + len;
     uint32_t magic, kind;
-    int32_t nt, ns;
+    int32_t nt, ns, solo;
     if (len < HEADER_BYTES) return bad("shorter than its header");
     memcpy(&magic, p, 4);
     memcpy(&kind, p + 4, 4);
     memcpy(&v->step, p + 8, 8);
     memcpy(&nt, p + 16, 4);
     memcpy(&ns, p + 20, 4);
+    memcpy(&solo, p + 24, 4);
     p += HEADER_BYTES;
     if (magic != PLAN_MAGIC) return bad("bad magic");
     if (kind == DC_PLAN_SHUTDOWN) {
@@ -99,7 +102,8 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
         memset(&v->batch, 0, sizeof v->batch);
         return 0;
     }
-    if (kind != DC_PLAN_RUN || nt < 1 || ns < 1 || ns > nt) return bad("bad kind or counts");
+    if (kind != DC_PLAN_RUN || nt < 1 || ns < 1 || ns > nt || solo < 0 || solo > nt)
+        return bad("bad kind or counts");
     /* the arrays and the tables must fit what is left; copy them into aligned scratch */
     size_t left = (size_t)(end - p);
     if ((size_t)nt > left / 12) return bad("token arrays past the end");
@@ -139,6 +143,7 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
     if (q != qend || (size_t)(end - p) != words * 4) return bad("trailing bytes");
     v->kind = kind;
     v->batch = (kn_batch){.n_tokens = nt,
+                          .n_solo = solo,
                           .tokens = tok,
                           .pos = pos,
                           .seq_of = seq_of,

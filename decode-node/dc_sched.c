@@ -416,27 +416,33 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         r->logit_row = -1;
         budget -= chunk;
     }
-    /* lay out the batch: requests in running order, each its chunk of tokens */
-    int n = 0, nseq = 0, nrows = 0;
-    for (int i = 0; i < s->running.n; i++) {
-        dc_req *r = s->running.v[i];
-        if (!r->chunk) continue;
-        for (int32_t j = 0; j < r->chunk; j++) {
-            s->tok[n] = r->tokens[r->n_computed + j];
-            s->pos[n] = r->n_computed + j;
-            s->seq_of[n] = nseq;
-            n++;
+    /* lay out the batch: requests in running order, each its chunk of tokens; first the
+     * one-token decode rows (solo rows: computed as if each were alone, so a request's
+     * tokens do not depend on what else is batched), then the prefill chunks */
+    int n = 0, nseq = 0, nrows = 0, n_solo = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < s->running.n; i++) {
+            dc_req *r = s->running.v[i];
+            bool solo = r->chunk == 1 && r->n_computed + 1 == r->n_tokens;
+            if (!r->chunk || solo != (pass == 0)) continue;
+            for (int32_t j = 0; j < r->chunk; j++) {
+                s->tok[n] = r->tokens[r->n_computed + j];
+                s->pos[n] = r->n_computed + j;
+                s->seq_of[n] = nseq;
+                n++;
+            }
+            s->views[nseq] =
+                (kn_seq_view){.block_table = r->seq.blocks, .n_ctx = r->n_computed + r->chunk};
+            if (r->n_computed + r->chunk == r->n_tokens) {
+                r->logit_row = nrows;
+                s->rows[nrows++] = n - 1;
+            }
+            s->in_step[nseq++] = r;
+            if (solo) n_solo = n;
         }
-        s->views[nseq] =
-            (kn_seq_view){.block_table = r->seq.blocks, .n_ctx = r->n_computed + r->chunk};
-        if (r->n_computed + r->chunk == r->n_tokens) {
-            r->logit_row = nrows;
-            s->rows[nrows++] = n - 1;
-        }
-        s->in_step[nseq++] = r;
-    }
     if (n == 0) return 0;
     step->batch = (kn_batch){.n_tokens = n,
+                             .n_solo = n_solo,
                              .tokens = s->tok,
                              .pos = s->pos,
                              .seq_of = s->seq_of,

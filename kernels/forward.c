@@ -8,6 +8,8 @@
  *     x += allreduce(a Wo)                              TP: each rank holds heads' share
  *     h = rmsnorm(x) ; x += allreduce((silu(h Wg) * h Wu) Wd)
  *   last stage: logits = rmsnorm(x[rows]) Wout ; else out = x
+ * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
+ * backend's matmul_mixed, or row by row when the backend has none.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -89,6 +91,30 @@ static int reserve(kn_engine *e, int64_t n)
     return 0;
 }
 
+/* Leading logit rows that belong to solo rows (they must all be leading: validate). */
+static int solo_logits(const kn_batch *b)
+{
+    int i = 0;
+    while (i < b->n_logits && b->logit_rows[i] < b->n_solo)
+        i++;
+    return i;
+}
+
+/* y (m, w->n_rows) = x (m, w->n_cols) W^T with rows [0, solo) each computed as if alone. */
+static int matmul(const kn_engine *e, const kn_mat *w, const float *x, int64_t m, int64_t solo,
+                  float *y)
+{
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    if (solo == 0) return ops->matmul(c, w, x, m, y);
+    if (ops->matmul_mixed) return ops->matmul_mixed(c, w, x, m, solo, y);
+    int rc;
+    for (int64_t i = 0; i < solo; i++)
+        if ((rc = ops->matmul(c, w, x + i * w->n_cols, 1, y + i * w->n_rows))) return rc;
+    if (m == solo) return 0;
+    return ops->matmul(c, w, x + solo * w->n_cols, m - solo, y + solo * w->n_rows);
+}
+
 /* Everything in the batch that comes from outside is checked here, before any kernel
  * indexes memory with it. */
 static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
@@ -97,6 +123,11 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
     if (b->n_tokens < 1 || b->n_seqs < 1 || !b->pos || !b->seq_of || !b->seqs) {
         TD_LOG_ERR("empty or incomplete batch (%lld tokens, %d seqs)", (long long)b->n_tokens,
                    b->n_seqs);
+        return TD_EINVAL;
+    }
+    if (b->n_solo < 0 || b->n_solo > b->n_tokens) {
+        TD_LOG_ERR("%lld solo rows in a batch of %lld tokens", (long long)b->n_solo,
+                   (long long)b->n_tokens);
         return TD_EINVAL;
     }
     if (m->first ? !b->tokens : !b->embd) {
@@ -148,6 +179,13 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
                            (long long)b->n_tokens);
                 return TD_ERANGE;
             }
+        int lead = solo_logits(b);
+        for (int i = lead; i < b->n_logits; i++)
+            if (b->logit_rows[i] < b->n_solo) {
+                TD_LOG_ERR("logit row %d of solo row %d comes after a logit row of another row", i,
+                           b->logit_rows[i]);
+                return TD_EINVAL;
+            }
     }
     return 0;
 }
@@ -165,15 +203,15 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     const kn_layer *ly = &m->layers[li];
     const kn_backend_ops *ops = e->be.ops;
     void *c = e->be.ctx;
-    const int64_t n = b->n_tokens, E = hp->n_embd, HD = hp->head_dim;
+    const int64_t n = b->n_tokens, solo = b->n_solo, E = hp->n_embd, HD = hp->head_dim;
     const int nh = m->n_head_local, nkv = m->n_head_kv_local;
     int rc;
 
     /* attention */
     ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = ops->matmul(c, &ly->wq, e->h, n, e->q))) return rc;
-    if ((rc = ops->matmul(c, &ly->wk, e->h, n, e->k))) return rc;
-    if ((rc = ops->matmul(c, &ly->wv, e->h, n, e->v))) return rc;
+    if ((rc = matmul(e, &ly->wq, e->h, n, solo, e->q))) return rc;
+    if ((rc = matmul(e, &ly->wk, e->h, n, solo, e->k))) return rc;
+    if ((rc = matmul(e, &ly->wv, e->h, n, solo, e->v))) return rc;
     if (ly->bq) ops->add_row(c, e->q, ly->bq, n, nh * HD);
     if (ly->bk) ops->add_row(c, e->k, ly->bk, n, nkv * HD);
     if (ly->bv) ops->add_row(c, e->v, ly->bv, n, nkv * HD);
@@ -185,16 +223,16 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
                   b->pos, b->seq_of, b->seqs);
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, (int)HD,
                    1.0f / sqrtf((float)HD), n, b->pos, b->seq_of, b->seqs, e->att);
-    if ((rc = ops->matmul(c, &ly->wo, e->att, n, e->h))) return rc;
+    if ((rc = matmul(e, &ly->wo, e->att, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
     ops->add(c, e->x, e->h, n, E);
 
     /* feed-forward */
     ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = ops->matmul(c, &ly->w_gate, e->h, n, e->g))) return rc;
-    if ((rc = ops->matmul(c, &ly->w_up, e->h, n, e->u))) return rc;
+    if ((rc = matmul(e, &ly->w_gate, e->h, n, solo, e->g))) return rc;
+    if ((rc = matmul(e, &ly->w_up, e->h, n, solo, e->u))) return rc;
     ops->swiglu(c, e->g, e->u, e->g, n, m->n_ff_local);
-    if ((rc = ops->matmul(c, &ly->w_down, e->g, n, e->h))) return rc;
+    if ((rc = matmul(e, &ly->w_down, e->g, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
     ops->add(c, e->x, e->h, n, E);
     return 0;
@@ -225,5 +263,5 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
     if (b->n_logits == 0) return 0;
     ops->copy_rows(c, e->x, b->logit_rows, b->n_logits, E, e->sel);
     ops->rmsnorm(c, e->sel, m->output_norm, e->sel, b->n_logits, E, m->hp.rms_eps);
-    return ops->matmul(c, &m->output, e->sel, b->n_logits, out);
+    return matmul(e, &m->output, e->sel, b->n_logits, solo_logits(b), out);
 }

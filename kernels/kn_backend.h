@@ -45,6 +45,16 @@ typedef struct {
     /* y (m, w->n_rows) = x (m, w->n_cols) * W^T. */
     int (*matmul)(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y);
 
+    /* Optional (NULL: the engine calls matmul on each of the first m_solo rows alone, then
+     * once on the rest). y (m, w->n_rows) = x (m, w->n_cols) * W^T where each of the first
+     * m_solo rows is computed as if it were alone: its row of y is bit-identical to matmul
+     * of that one row (m == 1), whatever the other rows are and however many; rows
+     * [m_solo, m) are bit-identical to matmul of those rows alone. 0 <= m_solo <= m.
+     * The decode scheduler puts its one-token decode rows first, so a request's tokens do
+     * not depend on what else is batched with it, while prefill rows keep batch kernels. */
+    int (*matmul_mixed)(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                        float *y);
+
     /* y (m, n) = x / rms(x) * weight (n); y may equal x. */
     void (*rmsnorm)(void *ctx, const float *x, const float *weight, float *y, int64_t m, int64_t n,
                     float eps);

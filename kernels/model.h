@@ -86,9 +86,15 @@ typedef struct {
 
 /* One forward batch: tokens of several sequences at arbitrary positions. Tokens of one
  * sequence must come in position order; positions [0, pos] of every token's sequence must
- * be in the KV pool after this batch (earlier positions from earlier batches). */
+ * be in the KV pool after this batch (earlier positions from earlier batches).
+ * Rows [0, n_solo) are computed as if each were alone in the batch: their hidden states
+ * and logits are bit-identical whatever else is batched with them (the decode scheduler
+ * puts its one-token decode rows there, so a seeded request samples the same tokens under
+ * any load); the other rows may take faster kernels whose rounding depends on the batch.
+ * Their logit rows must come before any other logit row. 0: no such rows (prefill). */
 typedef struct {
     int64_t n_tokens;
+    int64_t n_solo;        /* leading rows computed as if each were alone; 0..n_tokens */
     const int32_t *tokens; /* (n_tokens) first stage */
     const float *embd;     /* (n_tokens, n_embd) input hidden states, other stages */
     const int32_t *pos;    /* (n_tokens) */

@@ -10,6 +10,7 @@
 static const kn_backend_ops cpu_ops = {
     .name = "cpu",
     .matmul = kn_cpu_matmul,
+    .matmul_mixed = kn_cpu_matmul_mixed,
     .rmsnorm = kn_cpu_rmsnorm,
     .rope = kn_cpu_rope,
     .swiglu = kn_cpu_swiglu,
@@ -44,7 +45,7 @@ void kn_cpu_destroy(kn_cpu *c)
 {
     if (!c) return;
     kn_pool_destroy(c->pool);
-    for (int t = 0; t < KN_CPU_MAX_THREADS; t++)
+    for (int t = 0; t <= KN_CPU_CALLER; t++)
         free(c->scratch[t]);
     free(c);
 }
@@ -75,7 +76,7 @@ const char *kn_cpu_isa(void)
 
 float *kn_cpu_scratch(kn_cpu *c, int tid, size_t n_floats)
 {
-    if (tid < 0 || tid >= KN_CPU_MAX_THREADS) return NULL;
+    if (tid < 0 || tid > KN_CPU_CALLER) return NULL;
     if (c->scratch_cap[tid] < n_floats) {
         free(c->scratch[tid]);
         c->scratch[tid] = NULL;

@@ -35,6 +35,8 @@ bool kn_cpu_type_supported(td_dtype t); /* F32 F16 BF16 Q8_0 Q4_0 Q4_1 */
 /* dst (n) = dequantized src; n a multiple of the block size. */
 int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n);
 int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y);
+int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                        float *y);
 int kn_cpu_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);
 
 /* ---- implemented in cpu_ops.c / cpu_attention.c ---- */

@@ -7,17 +7,20 @@
 #include "cpu_backend.h"
 
 #define KN_CPU_MAX_THREADS 256
+/* The scratch slot of the thread that calls an op, for use outside pool jobs. */
+#define KN_CPU_CALLER KN_CPU_MAX_THREADS
 
 struct kn_cpu {
     kn_pool *pool;
     int n_threads;
-    float *scratch[KN_CPU_MAX_THREADS];     /* per-thread float scratch, grown on demand */
-    size_t scratch_cap[KN_CPU_MAX_THREADS]; /* floats */
+    float *scratch[KN_CPU_MAX_THREADS + 1];     /* per-thread float scratch, grown on demand;
+                                                   the last slot is KN_CPU_CALLER's */
+    size_t scratch_cap[KN_CPU_MAX_THREADS + 1]; /* floats */
 };
 
 /* Per-thread scratch of at least n_floats, 64-byte aligned; valid until the next call
  * with the same tid. NULL on allocation failure. Called from inside pool jobs: thread tid
- * only touches its own slot. */
+ * only touches its own slot; tid KN_CPU_CALLER is the calling thread's, outside jobs. */
 float *kn_cpu_scratch(kn_cpu *c, int tid, size_t n_floats);
 
 #endif

@@ -2,16 +2,22 @@
  * embedding lookup (get_rows).
  *
  * Two paths, chosen by the number of rows m of x:
- *  - dot path (decode and small batches, m < MM_GEMM_MIN_M): the pool splits W's rows;
+ *  - dot path (decode and small batches, m < MM_GEMM_MIN_M, and every solo row of
+ *    matmul_mixed): the pool splits W's rows;
  *    each thread streams its rows once, dequantizing every block in registers and
  *    dotting it against all m rows of x (float32 throughout). At m == 1 weight bytes
  *    dominate, so the goal is to read them at memory speed: four rows of W at a time
  *    (independent chains hide the FMA latency) with software prefetch; for m > 1 two
  *    rows of W times up to four rows of x, so each block is dequantized once per four
- *    rows of x and the kernel is FMA-bound.
+ *    rows of x and the kernel is FMA-bound. Every row of x gets the arithmetic of m == 1,
+ *    so its result does not depend on the other rows (batch-invariant).
  *  - gemm path (prefill): each thread dequantizes slices of its rows of W to float32 in its
  *    scratch and hands them to single-threaded OpenBLAS sgemm, which writes the matching
  *    columns of y. Dequantization is O(n_rows * n_cols), amortized over m rows of x.
+ *    sgemm's rounding depends on the batch, so a row's result may change with m.
+ * matmul_mixed (solo rows first, then batch rows): when the batch rows take the gemm path,
+ * each thread runs the dot path for the solo rows over a slice of W's rows just before it
+ * dequantizes that slice for sgemm, so the slice is read from memory once.
  */
 #include <cblas.h>
 #include <pthread.h>
@@ -49,10 +55,15 @@
 typedef struct {
     kn_cpu *c;
     const kn_mat *w;
+    /* dot path rows */
     const float *x;    /* (m, n_cols) */
-    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1 on the dot path, else NULL */
-    int64_t m;
-    float *y; /* (m, n_rows) */
+    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, else NULL */
+    int64_t m;         /* 0: none */
+    float *y;          /* (m, n_rows) */
+    /* gemm path rows */
+    const float *gx; /* (gm, n_cols) */
+    int64_t gm;      /* 0: none */
+    float *gy;       /* (gm, n_rows) */
     atomic_int err;
 } mm_job;
 
@@ -276,6 +287,7 @@ static void block_sums(const float *x, int64_t m, int64_t nb, float *xs)
 
 /* ---- gemm path ---- */
 
+/* The gemm rows of rows [r0, r1) of W; the dot rows too (if any), slice by slice. */
 static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
 {
     mm_job *j = arg;
@@ -285,10 +297,11 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
     if (w->type == TD_F32 && w->row_stride % sizeof(float) == 0 &&
         (uintptr_t)w->data % sizeof(float) == 0) {
         /* already float32: sgemm reads W in place */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)j->m, (blasint)(r1 - r0),
-                    (blasint)k, 1.0f, j->x, (blasint)k,
+        if (j->m) mm_dot_part(j, r0, r1, tid);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)j->gm, (blasint)(r1 - r0),
+                    (blasint)k, 1.0f, j->gx, (blasint)k,
                     (const float *)(const void *)(base + (size_t)r0 * w->row_stride),
-                    (blasint)(w->row_stride / sizeof(float)), 0.0f, j->y + r0, (blasint)w->n_rows);
+                    (blasint)(w->row_stride / sizeof(float)), 0.0f, j->gy + r0, (blasint)w->n_rows);
         return;
     }
     int64_t slice = MM_GEMM_SLICE_BYTES / (k * (int64_t)sizeof(float));
@@ -301,10 +314,11 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
     }
     for (int64_t r = r0; r < r1; r += slice) {
         const int64_t n = r1 - r < slice ? r1 - r : slice;
+        if (j->m) mm_dot_part(j, r, r + n, tid);
         for (int64_t i = 0; i < n; i++)
             kn_dequant_row(w->type, base + (size_t)(r + i) * w->row_stride, buf + i * k, k);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)j->m, (blasint)n, (blasint)k,
-                    1.0f, j->x, (blasint)k, buf, (blasint)k, 0.0f, j->y + r, (blasint)w->n_rows);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)j->gm, (blasint)n, (blasint)k,
+                    1.0f, j->gx, (blasint)k, buf, (blasint)k, 0.0f, j->gy + r, (blasint)w->n_rows);
     }
 }
 
@@ -334,31 +348,46 @@ static int mm_check(const kn_mat *w, const char *op)
 
 int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y)
 {
+    return kn_cpu_matmul_mixed(ctx, w, x, m, 0, y);
+}
+
+int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                        float *y)
+{
     kn_cpu *c = ctx;
     int rc = mm_check(w, "matmul");
     if (rc) return rc;
-    if (m < 0 || m > INT32_MAX) {
-        TD_LOG_ERR("matmul: bad row count m %lld", (long long)m);
+    if (m < 0 || m > INT32_MAX || m_solo < 0 || m_solo > m) {
+        TD_LOG_ERR("matmul: bad row counts m %lld, solo %lld", (long long)m, (long long)m_solo);
         return TD_EINVAL;
     }
     if (m == 0 || w->n_rows == 0) return 0;
-    mm_job j = {.c = c, .w = w, .x = x, .m = m, .y = y};
+    /* the batch rows take the gemm path when there are enough of them; the dot path gives
+     * every row the same bits in either role, so below that all m rows share it */
+    const int64_t gm = m - m_solo >= MM_GEMM_MIN_M ? m - m_solo : 0;
+    mm_job j = {.c = c,
+                .w = w,
+                .x = x,
+                .m = m - gm,
+                .y = y,
+                .gx = x + (m - gm) * w->n_cols,
+                .gm = gm,
+                .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
-    if (m >= MM_GEMM_MIN_M) {
+    if (j.m && w->type == TD_Q4_1) {
+        const int64_t nb = w->n_cols / TD_QK;
+        float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
+        if (!xs) {
+            TD_LOG_ERR("matmul: out of memory for %lld block sums", (long long)(j.m * nb));
+            return TD_ENOMEM;
+        }
+        block_sums(x, j.m, nb, xs);
+        j.xsum = xs;
+    }
+    if (gm) {
         pthread_once(&blas_once, blas_single_thread);
         kn_pool_run(c->pool, w->n_rows, MM_GEMM_MIN_ROWS, mm_gemm_part, &j);
         return atomic_load(&j.err);
-    }
-    if (w->type == TD_Q4_1) {
-        /* thread 0's scratch is free on the dot path (only the gemm path uses scratch) */
-        const int64_t nb = w->n_cols / TD_QK;
-        float *xs = kn_cpu_scratch(c, 0, (size_t)(m * nb)); /* (m, nb) */
-        if (!xs) {
-            TD_LOG_ERR("matmul: out of memory for %lld block sums", (long long)(m * nb));
-            return TD_ENOMEM;
-        }
-        block_sums(x, m, nb, xs);
-        j.xsum = xs;
     }
     const int64_t row_bytes = (int64_t)td_dtype_row_bytes(w->type, w->n_cols);
     int64_t min_rows = MM_DOT_MIN_BYTES / row_bytes;

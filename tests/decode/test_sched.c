@@ -4,7 +4,8 @@
  * requests that can never fit are refused, stop ids end generation, step plans survive
  * the trip to follower ranks (and malformed plans are rejected), and requests whose KV
  * arrives from a prefill (TRANSFERRING: simulated here by prefilling into the reserved
- * blocks) give the same tokens as colocated ones, also under pool pressure.
+ * blocks) give the same tokens as colocated ones, also under pool pressure; a decode row
+ * batched with a prefill chunk past the gemm threshold gives the bits of the row alone.
  * usage: test_sched MODEL.gguf
  */
 #include <stdlib.h>
@@ -256,6 +257,7 @@ static void test_plan_round_trip(void)
         const kn_batch *a = &st.batch, *b = &v.batch;
         TH_CHECK(v.kind == DC_PLAN_RUN && v.step == (uint64_t)step);
         TH_CHECK(a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs && b->n_logits == 0);
+        TH_CHECK(a->n_solo == b->n_solo);
         TH_CHECK(!memcmp(a->tokens, b->tokens, 4 * a->n_tokens));
         TH_CHECK(!memcmp(a->pos, b->pos, 4 * a->n_tokens));
         TH_CHECK(!memcmp(a->seq_of, b->seq_of, 4 * a->n_tokens));
@@ -277,6 +279,65 @@ static void test_plan_round_trip(void)
     buf[0] ^= 1;
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
     dc_plan_view_fini(&v);
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+}
+
+/* A step that mixes a decode row with a prefill chunk past the gemm threshold (77 rows):
+ * the decode row comes first as a solo row, and its logits are bit-identical to the same
+ * row run alone; bad solo counts and misplaced solo logit rows are refused. */
+static void test_solo_rows(void)
+{
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    outputs o;
+    memset(&o, 0, sizeof o);
+    dc_sched *s;
+    dc_sched_params sp = {.max_running = 16, .step_tokens = 100};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
+    dc_request_params p0 = params_of(0), p2 = params_of(2);
+    TH_REQUIRE(specs[2].n_prompt >= 64 && specs[2].n_prompt < 100 && specs[0].max_tokens > 2);
+    TH_REQUIRE(dc_sched_submit(s, &p0) == 0);
+    TH_REQUIRE(drive(s, kv, 1, logits_buf) == 1); /* request 0's prompt: now decoding */
+    TH_REQUIRE(dc_sched_submit(s, &p2) == 0);
+    dc_step st;
+    TH_REQUIRE(dc_sched_plan(s, &st) == 1 + specs[2].n_prompt);
+    const kn_batch *b = &st.batch;
+    TH_CHECK(b->n_solo == 1 && b->n_logits == 2 && b->logit_rows[0] == 0);
+    TH_CHECK(b->tokens[0] == o.ids[0][0] && b->pos[0] == specs[0].n_prompt);
+    const size_t nv = (size_t)model->hp.n_vocab;
+    float *mixed = malloc(2 * nv * sizeof *mixed), *solo = malloc(nv * sizeof *solo);
+    TH_REQUIRE(mixed && solo);
+    TH_REQUIRE(kn_engine_forward(engine, kv, b, mixed) == 0);
+    /* the decode row alone (its KV write repeats the same bits into the same slot) */
+    const int32_t seq0 = 0, row0 = 0;
+    kn_batch one = {.n_tokens = 1,
+                    .n_solo = 1,
+                    .tokens = b->tokens,
+                    .pos = b->pos,
+                    .seq_of = &seq0,
+                    .n_seqs = 1,
+                    .seqs = &b->seqs[b->seq_of[0]],
+                    .n_logits = 1,
+                    .logit_rows = &row0};
+    TH_REQUIRE(kn_engine_forward(engine, kv, &one, solo) == 0);
+    TH_CHECK(memcmp(mixed, solo, nv * sizeof *solo) == 0);
+    /* refused: more solo rows than tokens; a solo row's logit row after another one */
+    kn_batch bad = *b;
+    bad.n_solo = b->n_tokens + 1;
+    TH_CHECK(kn_engine_forward(engine, kv, &bad, mixed) == TD_EINVAL);
+    const int32_t swapped[2] = {b->logit_rows[1], b->logit_rows[0]};
+    bad = *b;
+    bad.logit_rows = swapped;
+    TH_CHECK(kn_engine_forward(engine, kv, &bad, mixed) == TD_EINVAL);
+    TH_REQUIRE(kn_engine_forward(engine, kv, b, mixed) == 0);
+    dc_sched_commit(s, mixed, 0);
+    drive(s, kv, 1000, logits_buf);
+    TH_CHECK(dc_sched_idle(s) && o.n[0] == specs[0].max_tokens && o.n[2] == specs[2].max_tokens);
+    free(mixed);
+    free(solo);
     dc_sched_destroy(s);
     kn_kv_pool_destroy(kv);
 }
@@ -480,6 +541,7 @@ int main(int argc, char **argv)
     TH_RUN(test_refuse_and_cancel);
     TH_RUN(test_stop_ids);
     TH_RUN(test_plan_round_trip);
+    TH_RUN(test_solo_rows);
     TH_RUN(test_transfer_equals_colocated);
     TH_RUN(test_transfer_edges);
     free(logits_buf);

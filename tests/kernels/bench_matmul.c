@@ -5,7 +5,8 @@
  * Prints, per thread count: streaming read GB/s and sgemm 2048^3 GFLOP/s; for m = 1 the
  * weight bytes read per second per shape (cold: cycling over copies much larger than L3;
  * hot: one copy that stays in cache) and a whole decode step's matmuls (30 layers + LM
- * head, ~98 MB); for larger m the GFLOP/s per shape.
+ * head, ~98 MB); for larger m the GFLOP/s per shape; for m = 64..256 the GFLOP/s of solo
+ * rows (matmul_mixed: the batch-invariant dot path) next to the gemm path.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -77,6 +78,25 @@ static kn_mat mat_of(const shape *s, const void *data)
                     .n_cols = s->cols,
                     .row_stride = td_dtype_row_bytes(s->type, s->cols),
                     .data = data};
+}
+
+/* Median seconds of reps passes over n_mats matrices of shape s at m rows of x, the first
+ * solo of them solo rows (matmul_mixed). */
+static double time_mixed(kn_cpu *c, const shape *s, void **mats, int n_mats, const float *x,
+                         int64_t m, int64_t solo, float *y, int reps)
+{
+    double t[16];
+    if (reps > 16) reps = 16;
+    for (int r = -1; r < reps; r++) {
+        double t0 = now_s();
+        for (int i = 0; i < n_mats; i++) {
+            kn_mat w = mat_of(s, mats[i]);
+            kn_cpu_matmul_mixed(c, &w, x, m, solo, y);
+        }
+        if (r >= 0) t[r] = now_s() - t0;
+    }
+    qsort(t, (size_t)reps, sizeof *t, cmp_double);
+    return t[reps / 2];
 }
 
 /* Median seconds of reps passes over n_mats matrices of shape s at m rows of x. */
@@ -182,6 +202,27 @@ static void bench_threads(int n_threads)
             double gf = 2.0 * (double)m * s->rows * s->cols / t / 1e9;
             printf(" m%lld %.0f", (long long)m, gf);
             if (m == 512) printf(" (%.0f%%)", 100.0 * gf / peak);
+        }
+        printf("\n");
+        free(wm);
+    }
+
+    /* decode rows past the gemm threshold stay on the dot path (batch invariance) */
+    const int64_t big[] = {64, 128, 256};
+    printf("m = 64..256: GFLOP/s, all rows solo (dot path) / gemm path / 4 solo + m gemm rows "
+           "against m gemm rows alone (s)\n");
+    for (int si = 0; si < N_SHAPES - 1; si++) {
+        const shape *s = &shapes[si];
+        void *wm = make_weights(s->type, s->rows, s->cols);
+        printf("  %-28s", s->name);
+        for (int mi = 0; mi < 3; mi++) {
+            const int64_t m = big[mi];
+            const double fl = 2.0 * (double)m * s->rows * s->cols;
+            double td = time_mixed(c, s, &wm, 1, x, m, m, y, 5);
+            double tg = time_pass(c, s, &wm, 1, x, m, y, 5);
+            double tm = time_mixed(c, s, &wm, 1, x, m + 4, 4, y, 5);
+            printf("  m%lld dot %.0f gemm %.0f mix %.2f", (long long)m, fl / td / 1e9,
+                   fl / tg / 1e9, tm / tg);
         }
         printf("\n");
         free(wm);

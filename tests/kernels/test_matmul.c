@@ -1,6 +1,7 @@
 /* test_matmul.c: the CPU backend's dequantizers, matmul (both paths) and get_rows against
  * naive references, for every supported weight type, odd shapes, strided row-slice
- * views and 1, 2 and 3 threads. */
+ * views and 1, 2 and 3 threads; matmul_mixed's solo rows bit for bit against each row
+ * alone. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -417,6 +418,77 @@ static void test_matmul_all(void)
             worst);
 }
 
+/* matmul_mixed: solo rows first, then batch rows. Each solo row gives the bits of that row
+ * alone (m = 1) and the batch rows those of the batch alone, whatever the mix: solo counts
+ * 1, 7, 64 and 200 (past the gemm threshold) with 0, 5 (dot path) and 70, 130 (gemm path)
+ * batch rows, on 1, 2 and 3 threads. */
+static void test_matmul_mixed(void)
+{
+    const int64_t solos[] = {1, 7, 64, 200}, batches[] = {0, 5, 70, 130};
+    const int64_t shapes[][2] = {{300, 576}, {67, 64}, {5, 37}};
+    const int64_t max_m = 200 + 130;
+    int64_t n_cmp = 0;
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        const td_dtype t = all_types[ti];
+        for (int si = 0; si < 3; si++) {
+            const int64_t n = shapes[si][0], k = shapes[si][1];
+            if (k % td_dtype_get((uint32_t)t)->blck) continue; /* 37: float types only */
+            test_mat tm;
+            TH_REQUIRE(make_mat(t, n, k, &tm) == 0);
+            float *x = malloc((size_t)(max_m * k) * sizeof *x);
+            float *alone = malloc((size_t)(max_m * n) * sizeof *alone); /* each row, m = 1 */
+            float *y = malloc((size_t)(max_m * n) * sizeof *y);
+            float *yb = malloc((size_t)(max_m * n) * sizeof *yb);
+            TH_REQUIRE(x && alone && y && yb);
+            for (int64_t i = 0; i < max_m * k; i++)
+                x[i] = rng_uniform(-1.0f, 1.0f);
+            for (int64_t j = 0; j < max_m; j++)
+                TH_REQUIRE(kn_cpu_matmul(cpus[0], &tm.w, x + j * k, 1, alone + j * n) == 0);
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++) {
+                    const int64_t solo = solos[a], nb = batches[b], m = solo + nb;
+                    /* the batch rows are rows [200, 200 + nb) of x: the same for every solo */
+                    const float *xb = x + 200 * k;
+                    float *xm = malloc((size_t)(m * k) * sizeof *xm);
+                    TH_REQUIRE(xm);
+                    memcpy(xm, x, (size_t)(solo * k) * sizeof *xm);
+                    memcpy(xm + solo * k, xb, (size_t)(nb * k) * sizeof *xm);
+                    for (int th = 0; th < 3; th++) {
+                        /* the gemm path's bits depend on how the threads split W's rows:
+                         * compare with the batch alone on the same backend */
+                        if (nb) TH_REQUIRE(kn_cpu_matmul(cpus[th], &tm.w, xb, nb, yb) == 0);
+                        for (int64_t i = 0; i < m * n; i++)
+                            y[i] = NAN;
+                        TH_CHECK(kn_cpu_matmul_mixed(cpus[th], &tm.w, xm, m, solo, y) == 0);
+                        for (int64_t j = 0; j < solo; j++, n_cmp++)
+                            TH_CHECKF(memcmp(y + j * n, alone + j * n, (size_t)n * sizeof *y) == 0,
+                                      "%s %lldx%lld: solo row %lld of %lld (+ %lld batch rows, "
+                                      "%d threads) differs from the row alone",
+                                      td_dtype_name(t), (long long)n, (long long)k, (long long)j,
+                                      (long long)solo, (long long)nb, th + 1);
+                        n_cmp += nb;
+                        TH_CHECKF(nb == 0 ||
+                                      memcmp(y + solo * n, yb, (size_t)(nb * n) * sizeof *y) == 0,
+                                  "%s %lldx%lld: %lld batch rows after %lld solo rows (%d "
+                                  "threads) differ from the batch alone",
+                                  td_dtype_name(t), (long long)n, (long long)k, (long long)nb,
+                                  (long long)solo, th + 1);
+                    }
+                    free(xm);
+                }
+            TH_CHECK(kn_cpu_matmul_mixed(cpus[0], &tm.w, x, 4, 5, y) == TD_EINVAL);
+            TH_CHECK(kn_cpu_matmul_mixed(cpus[0], &tm.w, x, 4, -1, y) == TD_EINVAL);
+            TH_CHECK(kn_cpu_matmul_mixed(cpus[0], &tm.w, x, 0, 0, y) == 0);
+            free(x);
+            free(alone);
+            free(y);
+            free(yb);
+            free_mat(&tm);
+        }
+    }
+    fprintf(stderr, "  matmul_mixed: %lld rows bit-identical\n", (long long)n_cmp);
+}
+
 /* ---- get_rows and errors ---- */
 
 static void test_get_rows(void)
@@ -479,6 +551,7 @@ int main(void)
     TH_RUN(test_dequant_blocks_bit_exact);
     TH_RUN(test_quantize_round_trip);
     TH_RUN(test_matmul_all);
+    TH_RUN(test_matmul_mixed);
     TH_RUN(test_get_rows);
     TH_RUN(test_errors);
     for (int i = 0; i < 3; i++)
