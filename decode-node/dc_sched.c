@@ -417,14 +417,19 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         budget -= chunk;
     }
     /* lay out the batch: requests in running order, each its chunk of tokens; first the
-     * one-token decode rows (solo rows: computed as if each were alone, so a request's
-     * tokens do not depend on what else is batched), then the prefill chunks */
-    int n = 0, nseq = 0, nrows = 0, n_solo = 0;
+     * one-token decode rows, then the prefill chunks. Every row is a solo row (computed as
+     * if it were alone): decode rows so that a request's tokens do not depend on what else
+     * is batched, and prefill rows too, because a prompt's KV would otherwise depend on
+     * how its chunks were batched (the gemm path's rounding differs from the dot path's),
+     * and that alone flips sampled tokens later (decode_node 'concurrent'). Cost: colocated
+     * prefill runs on the dot path (BENCHMARKS.md "Decode node"); a prefill node is not
+     * affected. */
+    int n = 0, nseq = 0, nrows = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < s->running.n; i++) {
             dc_req *r = s->running.v[i];
-            bool solo = r->chunk == 1 && r->n_computed + 1 == r->n_tokens;
-            if (!r->chunk || solo != (pass == 0)) continue;
+            bool decode = r->chunk == 1 && r->n_computed + 1 == r->n_tokens;
+            if (!r->chunk || decode != (pass == 0)) continue;
             for (int32_t j = 0; j < r->chunk; j++) {
                 s->tok[n] = r->tokens[r->n_computed + j];
                 s->pos[n] = r->n_computed + j;
@@ -438,11 +443,10 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
                 s->rows[nrows++] = n - 1;
             }
             s->in_step[nseq++] = r;
-            if (solo) n_solo = n;
         }
     if (n == 0) return 0;
     step->batch = (kn_batch){.n_tokens = n,
-                             .n_solo = n_solo,
+                             .n_solo = n,
                              .tokens = s->tok,
                              .pos = s->pos,
                              .seq_of = s->seq_of,

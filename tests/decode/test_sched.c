@@ -305,7 +305,7 @@ static void test_solo_rows(void)
     dc_step st;
     TH_REQUIRE(dc_sched_plan(s, &st) == 1 + specs[2].n_prompt);
     const kn_batch *b = &st.batch;
-    TH_CHECK(b->n_solo == 1 && b->n_logits == 2 && b->logit_rows[0] == 0);
+    TH_CHECK(b->n_solo == b->n_tokens && b->n_logits == 2 && b->logit_rows[0] == 0);
     TH_CHECK(b->tokens[0] == o.ids[0][0] && b->pos[0] == specs[0].n_prompt);
     const size_t nv = (size_t)model->hp.n_vocab;
     float *mixed = malloc(2 * nv * sizeof *mixed), *solo = malloc(nv * sizeof *solo);
@@ -330,6 +330,7 @@ static void test_solo_rows(void)
     TH_CHECK(kn_engine_forward(engine, kv, &bad, mixed) == TD_EINVAL);
     const int32_t swapped[2] = {b->logit_rows[1], b->logit_rows[0]};
     bad = *b;
+    bad.n_solo = 1; /* row 0 solo: its logit row must come first */
     bad.logit_rows = swapped;
     TH_CHECK(kn_engine_forward(engine, kv, &bad, mixed) == TD_EINVAL);
     TH_REQUIRE(kn_engine_forward(engine, kv, b, mixed) == 0);
