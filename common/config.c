@@ -435,6 +435,7 @@ static const field decode_fields[] = {
     FLD(td_cfg_decode, "step_tokens", F_INT, step_tokens, 1, 1 << 20),
     FLD(td_cfg_decode, "kv_dtype", F_STR, kv_dtype, 0, 0),
     FLD(td_cfg_decode, "port", F_INT, port, 1, 65535),
+    FLD(td_cfg_decode, "deterministic", F_BOOL, deterministic, 0, 0),
 };
 enum {
     D_NAME,
@@ -448,6 +449,7 @@ enum {
     D_STEP,
     D_DTYPE,
     D_PORT,
+    D_DETERMINISTIC,
     D_N
 };
 

@@ -62,16 +62,18 @@ typedef struct {
 
 typedef struct {
     char *name;
-    int tp;            /* 1: tensor-parallel ranks (same host) */
-    char *host;        /* 127.0.0.1 */
-    int threads;       /* 1: per rank */
-    int block_size;    /* 16: tokens per KV block, a power of two */
-    int64_t kv_blocks; /* 4096 unless kv_memory is given */
-    int64_t kv_memory; /* bytes per rank ("1GiB"), 0 unless given */
-    int max_batch;     /* 64: running requests */
-    int step_tokens;   /* 512: prefill tokens per step (colocated), besides the decodes */
-    char *kv_dtype;    /* "f16" | "f32" */
-    int port;          /* control port of rank 0; default 9000 + index */
+    int tp;             /* 1: tensor-parallel ranks (same host) */
+    char *host;         /* 127.0.0.1 */
+    int threads;        /* 1: per rank */
+    int block_size;     /* 16: tokens per KV block, a power of two */
+    int64_t kv_blocks;  /* 4096 unless kv_memory is given */
+    int64_t kv_memory;  /* bytes per rank ("1GiB"), 0 unless given */
+    int max_batch;      /* 64: running requests */
+    int step_tokens;    /* 512: prefill tokens per step (colocated), besides the decodes */
+    bool deterministic; /* false: prefill rows of a step may take the faster batched path;
+                           true: every row is computed as if alone (docs/config.md) */
+    char *kv_dtype;     /* "f16" | "f32" */
+    int port;           /* control port of rank 0; default 9000 + index */
 } td_cfg_decode;
 
 typedef struct {

@@ -345,6 +345,7 @@ static int leader_setup(dc_node *n)
     }
     dc_sched_params sp = {.max_running = n->dcfg->max_batch,
                           .step_tokens = n->dcfg->step_tokens,
+                          .deterministic = n->dcfg->deterministic,
                           .eog_ids = eog,
                           .n_eog = n_eog};
     rc = dc_sched_create(&sp, n->model, n->kv, (dc_sink){.ctx = n, .on_tokens = dc_serve_on_tokens},

@@ -417,15 +417,16 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         budget -= chunk;
     }
     /* lay out the batch: requests in running order, each its chunk of tokens; first the
-     * one-token decode rows, then the prefill chunks. Every row is a solo row (computed as
-     * if it were alone): decode rows so that a request's tokens do not depend on what else
-     * is batched, and prefill rows too, because a prompt's KV would otherwise depend on
-     * how its chunks were batched (the gemm path's rounding differs from the dot path's),
-     * and that alone flips sampled tokens later (decode_node 'concurrent'). Cost: colocated
-     * prefill runs on the dot path (BENCHMARKS.md "Decode node"); a prefill node is not
-     * affected. */
-    int n = 0, nseq = 0, nrows = 0;
-    for (int pass = 0; pass < 2; pass++)
+     * one-token decode rows, then the prefill chunks. The decode rows are solo rows
+     * (computed as if each were alone), so a running request's next token does not depend
+     * on what else is batched. With p.deterministic the prefill rows are too: otherwise a
+     * prompt whose chunk shares a step with others takes the batched (gemm) path, whose
+     * rounding differs from the dot path's, and that alone can flip a sampled token later
+     * (decode_node 'concurrent'). Its cost: colocated prefill on the dot path, about half
+     * the matmul rate at 64-256 rows (BENCHMARKS.md "Engine"). */
+    int n = 0, nseq = 0, nrows = 0, n_decode = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) n_decode = n; /* the decode rows came first */
         for (int i = 0; i < s->running.n; i++) {
             dc_req *r = s->running.v[i];
             bool decode = r->chunk == 1 && r->n_computed + 1 == r->n_tokens;
@@ -444,9 +445,10 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
             }
             s->in_step[nseq++] = r;
         }
+    }
     if (n == 0) return 0;
     step->batch = (kn_batch){.n_tokens = n,
-                             .n_solo = n,
+                             .n_solo = s->p.deterministic ? n : n_decode,
                              .tokens = s->tok,
                              .pos = s->pos,
                              .seq_of = s->seq_of,

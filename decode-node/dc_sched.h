@@ -81,6 +81,7 @@ typedef struct {
     int max_running;        /* requests in the running batch; 0: 64 */
     int step_tokens;        /* prefill tokens per step, on top of one token per decoding
                                request; 0: 256 */
+    bool deterministic;     /* prefill rows are solo rows too (kn_batch.n_solo = all) */
     int32_t max_ctx;        /* per-request context limit (prompt + generated); 0: model's */
     const int32_t *eog_ids; /* tokens that end generation unless ignore_eos */
     int n_eog;

@@ -305,7 +305,7 @@ static void test_solo_rows(void)
     dc_step st;
     TH_REQUIRE(dc_sched_plan(s, &st) == 1 + specs[2].n_prompt);
     const kn_batch *b = &st.batch;
-    TH_CHECK(b->n_solo == b->n_tokens && b->n_logits == 2 && b->logit_rows[0] == 0);
+    TH_CHECK(b->n_solo == 1 && b->n_logits == 2 && b->logit_rows[0] == 0); /* the decode row */
     TH_CHECK(b->tokens[0] == o.ids[0][0] && b->pos[0] == specs[0].n_prompt);
     const size_t nv = (size_t)model->hp.n_vocab;
     float *mixed = malloc(2 * nv * sizeof *mixed), *solo = malloc(nv * sizeof *solo);
@@ -334,6 +334,22 @@ static void test_solo_rows(void)
     bad.logit_rows = swapped;
     TH_CHECK(kn_engine_forward(engine, kv, &bad, mixed) == TD_EINVAL);
     TH_REQUIRE(kn_engine_forward(engine, kv, b, mixed) == 0);
+    dc_sched_commit(s, mixed, 0);
+    drive(s, kv, 1000, logits_buf);
+    TH_CHECK(dc_sched_idle(s) && o.n[0] == specs[0].max_tokens && o.n[2] == specs[2].max_tokens);
+    dc_sched_destroy(s);
+
+    /* deterministic: the prefill rows are solo rows too */
+    memset(&o, 0, sizeof o);
+    sp.deterministic = true;
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
+    TH_REQUIRE(dc_sched_submit(s, &p0) == 0);
+    TH_REQUIRE(drive(s, kv, 1, logits_buf) == 1);
+    TH_REQUIRE(dc_sched_submit(s, &p2) == 0);
+    TH_REQUIRE(dc_sched_plan(s, &st) == 1 + specs[2].n_prompt);
+    TH_CHECK(st.batch.n_solo == st.batch.n_tokens);
+    TH_REQUIRE(kn_engine_forward(engine, kv, &st.batch, mixed) == 0);
     dc_sched_commit(s, mixed, 0);
     drive(s, kv, 1000, logits_buf);
     TH_CHECK(dc_sched_idle(s) && o.n[0] == specs[0].max_tokens && o.n[2] == specs[2].max_tokens);
