@@ -538,11 +538,11 @@ void rt_loop_cancel_decode(rt_router *r, rt_req *q);
  * the head of the router queue and its next attempt sends the prompt followed by every
  * token received so far, with max_tokens reduced by as many, so the instance that takes it
  * over computes their KV and goes on from the next token: the client's stream continues
- * with nothing repeated or missing (greedy output equals an uninterrupted run up to float rounding: the
- * streamed tokens' KV is recomputed in a prefill chunk). A request
- * that may not move (the body said "migrate": false, router.max_migrations reached) ends
- * with 503 instance_unavailable (an SSE error event once streaming started); a moving
- * request waits up to router.migrate_wait_ms for a live instance (liveness). */
+ * with nothing repeated or missing (greedy output equals an uninterrupted run up to float rounding:
+ * the streamed tokens' KV is recomputed in a prefill chunk). A request that may not move (the body
+ * said "migrate": false, router.max_migrations reached) ends with 503 instance_unavailable (an SSE
+ * error event once streaming started); a moving request waits up to router.migrate_wait_ms for a
+ * live instance (liveness). */
 void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now);
 /* Does a decode ErrorEvent with this code mean the request's decode side was lost (a rank
  * died, the instance is stopping), so that it should move rather than fail? */
