@@ -2,6 +2,7 @@
  * order), the chunk's forward pass over the stage's layers, the KV push of each chunk to
  * the decode ranks, the last stage's first-token sampling, and the reports to stage 0. */
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -424,6 +425,31 @@ static void log_transfer(pf_node *n, const pf_req *r, const kvx_pf_status *st)
                 total > 0 ? 100.0 * hidden / total : 0.0);
 }
 
+/* A request's KV transfer passed its deadline on this stage: say where the time went. The
+ * deadline (kvxfer.timeout_ms, from the stage's first chunk) covers the compute of every
+ * later chunk, so on a busy CPU a prompt can outlast it with every transfer on time. What
+ * the connector took before it failed tells the two apart (n_sent, finished: a chunk
+ * computed after the deadline is refused). */
+static void log_deadline(pf_node *n, const pf_req *r)
+{
+    char since[64] = "";
+    if (r->n_chunks)
+        snprintf(since, sizeof since, "; its first chunk here began %lld ms ago",
+                 (long long)(pf_now_ms() - r->t_first_ms));
+    if (!r->finished)
+        TD_LOG_WARN("prefill %s stage %d: request %llu: the KV transfer deadline "
+                    "(kvxfer.timeout_ms %d) passed while this stage was still computing (%d of %d "
+                    "tokens handed over%s): the deadline must cover the prompt's whole prefill",
+                    n->p->instance, n->stage, (unsigned long long)r->id, n->timeout_ms, r->n_sent,
+                    r->n_prompt, since);
+    else
+        TD_LOG_WARN("prefill %s stage %d: request %llu: the KV transfer deadline "
+                    "(kvxfer.timeout_ms %d) passed after all %d tokens were computed and handed "
+                    "over%s: the KV targets or the decode ranks were late",
+                    n->p->instance, n->stage, (unsigned long long)r->id, n->timeout_ms, r->n_prompt,
+                    since);
+}
+
 void pf_stage_poll(pf_node *n)
 {
     pf_req **pp = &n->reqs;
@@ -442,6 +468,7 @@ void pf_stage_poll(pf_node *n)
                 (st.state == KVX_REQ_DONE || st.state == KVX_REQ_FAILED)) {
                 over = true;
                 if (st.state == KVX_REQ_FAILED) {
+                    if (st.reason == KVX_FAIL_TIMEOUT) log_deadline(n, r);
                     rep.status = r->fail_err ? r->fail_err : st.err ? st.err : TD_EIO;
                     rep.reason = (uint32_t)st.reason;
                 } else

@@ -9,16 +9,24 @@ Checks:
   pp 1 / 2 / 3 (synthetic llama, 6 layers; chunks of 64): prompts of 1, 50 and 200 tokens
     (1 to 4 chunks) arrive bit-for-bit (f16 rounding aside) with the right first token,
     decode tp 1 and 2 (head slices), targets with the Prefill or later through KvTarget;
-  a Prefill whose KV target never comes ends with ERR_TIMEOUT after the deadline;
+  a Prefill whose KV target never comes ends with ERR_TIMEOUT after the deadline, and every
+    stage logs that it had computed the whole prompt (the wait was not its compute);
   chunk by chunk (default model, pp 2, 700 tokens in chunks of 128): on every stage, chunk k's
     KV has landed in the decode rank (kvxfer's per-chunk flush) before the stage finished
     computing chunk k + 1 (times the stages log at debug level);
   stage 1 of 3 killed mid-prompt (default model, 3000 tokens): the request fails with
     ERR_PEER_FAILED, the restarted stage rejoins by itself and the instance serves again;
-    stage 0 holds no request and no KV block afterwards;
+    stage 0 holds no request and no KV block afterwards (that instance's kvxfer.timeout_ms is
+    KILL_TIMEOUT_MS: like in a deployment it must cover a prompt's whole prefill; the
+    300-token prompt after the rejoin kept each stage busy 1.5-7.5 s in the sanitizer build on
+    the shared 2-core machine, and the 5 s of the other instances failed 3 of 10 runs there);
   SIGTERM: every stage exits 0.
 
 usage: test_pf_node.py --prefill BIN --sink BIN --tandem BIN --synth-dir DIR [--model GGUF]
+                       [--only basic|chunk|kill] [--repeat N]
+--only runs one part (kill: the stage kill; it needs --model), --repeat N runs it N times.
+Each instance's stage logs stay in its directory (tandem-pf-* under the temp dir); a failed
+check prints the directory.
 """
 import argparse
 import os
@@ -31,12 +39,15 @@ import tempfile
 import time
 
 FAILS = []
+LOGDIR = [None]  # the instance whose checks run now: its logs are named on a failure
 
 
 def check(cond, what):
     print(("ok   " if cond else "FAIL ") + what, flush=True)
     if not cond:
         FAILS.append(what)
+        if LOGDIR[0]:
+            print(f"     logs: {LOGDIR[0]}", flush=True)
 
 
 def free_port():
@@ -51,6 +62,7 @@ class Prefill:
     def __init__(self, args, pp, model, chunk=64, timeout_ms=5000, profile=2000, env=None):
         self.args, self.pp, self.env = args, pp, env
         self.dir = tempfile.mkdtemp(prefix="tandem-pf-")
+        LOGDIR[0] = self.dir
         self.port = free_port()
         self.cfg = os.path.join(self.dir, "c.yaml")
         with open(self.cfg, "w") as f:
@@ -144,13 +156,33 @@ def chunk_by_chunk(args):
             print(f"     stage {s}: {m.group(0) if m else 'no transfer summary'}")
 
 
+# kvxfer.timeout_ms of the stage-kill instance (see the top): a stage's KV request is open
+# from its first chunk to its last, so the deadline covers the stage's compute of the whole
+# prompt, and the stages compete for the CPU with each other and everything else running
+KILL_TIMEOUT_MS = 30000
+
+
+def stage_spans(pf, rid):
+    """Per stage: ms from the start of request rid's first chunk to the end of its last
+    (the stages' debug lines); None for a stage that computed none of it."""
+    spans = []
+    for s in range(pf.pp):
+        rows = re.findall(rf"request {rid} chunk \d+ \[\d+, \d+\) computed at (\d+) ms "
+                          rf"\((\d+) ms\)", pf.log(s))
+        spans.append(max(int(t) for t, _ in rows) - (int(rows[0][0]) - int(rows[0][1]))
+                     if rows else None)
+    return spans
+
+
 def kill_mid_prompt(args):
     """Stage 1 of 3 killed while a 3000-token prompt of the default model flows."""
-    with Prefill(args, 3, args.model_default, chunk=256, profile=0) as pf:
+    with Prefill(args, 3, args.model_default, chunk=256, profile=0, timeout_ms=KILL_TIMEOUT_MS,
+                 env={"TANDEM_LOG": "debug"}) as pf:
         env = dict(os.environ, PF_SINK_STAGES="3")
         p = subprocess.Popen([args.sink, "--model", args.model_default, "--url", pf.url,
                               "--tokens", "3000", "--id", "9001", "--expect-error", "--no-check",
-                              "--timeout", "5000"], stdout=subprocess.PIPE, text=True, env=env)
+                              "--timeout", "5000"], stdout=subprocess.PIPE, text=True, env=env,
+                             stderr=open(os.path.join(pf.dir, "sink-9001.log"), "w"))
         deadline = time.time() + 120
         while time.time() < deadline and p.poll() is None:
             if pf.health().get("running") == "1":
@@ -166,10 +198,16 @@ def kill_mid_prompt(args):
         check(pf.wait_ready(n_joins=2), "pp3 restarted stage 1 rejoins: ready again")
         env["PF_SINK_STAGES"] = "3"
         r = subprocess.run([args.sink, "--model", args.model_default, "--url", pf.url,
-                            "--tokens", "300", "--id", "9002"], capture_output=True, text=True,
-                           timeout=120, env=env)
+                            "--tokens", "300", "--id", "9002", "--timeout",
+                            str(KILL_TIMEOUT_MS)], capture_output=True, text=True,
+                           timeout=180, env=env)
+        with open(os.path.join(pf.dir, "sink-9002.log"), "w") as f:
+            f.write(r.stderr)
+        spans = stage_spans(pf, 9002)
         check(r.returncode == 0 and r.stdout.startswith("ok"),
               f"pp3 serves after the rejoin: {r.stdout.strip()} {r.stderr[-300:]}")
+        print(f"     request 9002 per stage, first chunk start to last chunk end: "
+              f"{spans} ms (kvxfer.timeout_ms {KILL_TIMEOUT_MS})")
         h = {}
         for _ in range(50):
             h = pf.health()
@@ -190,8 +228,33 @@ def main():
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--synth-dir", required=True)
     ap.add_argument("--model", dest="model_default", default="")
+    ap.add_argument("--only", choices=("basic", "chunk", "kill"))
+    ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     args.model = os.path.join(args.synth_dir, "llama.gguf")
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            print(f"--- run {i + 1} of {args.repeat}", flush=True)
+        run_once(args)
+    print(f"{len(FAILS)} failed")
+    sys.exit(1 if FAILS else 0)
+
+
+def run_once(args):
+    has_default = args.model_default and os.path.exists(args.model_default)
+    if args.only in ("chunk", "kill") and not has_default:
+        sys.exit(f"--only {args.only} needs --model")
+    if args.only in (None, "basic"):
+        basic(args)
+    if args.only in (None, "chunk") and has_default:
+        chunk_by_chunk(args)
+    if args.only in (None, "kill") and has_default:
+        kill_mid_prompt(args)
+    if not has_default:
+        print("skip stage kill on the default model (no --model given)")
+
+
+def basic(args):
     rid = 1000
     for pp in (1, 2, 3):
         with Prefill(args, pp, args.model) as pf:
@@ -209,15 +272,13 @@ def main():
                                                           "--timeout", "5000"])
                 check(rc == 0 and out.startswith("error 10"),
                       f"pp2 target never arrives: ERR_TIMEOUT in {time.time() - t0:.1f} s: {out}")
+                said = [f"request {rid}: the KV transfer deadline (kvxfer.timeout_ms 5000) passed "
+                        f"after all 100 tokens were computed and handed over" in pf.log(s)
+                        for s in range(pp)]
+                check(all(said), f"pp2 target never arrives: every stage logs that the deadline "
+                                 f"passed with the prompt computed ({said})")
             codes = pf.stop()
             check(all(c == 0 for c in codes), f"pp{pp} SIGTERM: every stage exits 0 ({codes})")
-    if args.model_default and os.path.exists(args.model_default):
-        chunk_by_chunk(args)
-        kill_mid_prompt(args)
-    else:
-        print("skip stage kill on the default model (no --model given)")
-    print(f"{len(FAILS)} failed")
-    sys.exit(1 if FAILS else 0)
 
 
 if __name__ == "__main__":
