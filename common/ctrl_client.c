@@ -22,6 +22,7 @@
  */
 #include "ctrl_internal.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,6 +52,7 @@ typedef struct call {
 
 struct td_ctrl_client {
     td_ctrl_opts o;
+    char *url; /* for the log */
     nng_socket sock;
     bool sock_open;
     uint64_t id;
@@ -479,6 +481,7 @@ int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_cli
     td_ctrl_client *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
     td_ctrl_opts_fill(opts, &c->o);
+    c->url = strdup(url);
     c->id = td_ctrl_random_id();
     pthread_mutex_init(&c->mu, NULL);
     int rc = td_ctrl_inbox_init(&c->ib);
@@ -520,12 +523,11 @@ int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_cli
     return 0;
 }
 
-void td_ctrl_client_destroy(td_ctrl_client *c)
+/* Everything after `closing`: close the socket (NNG then completes or cancels every call and
+ * the Poll), stop the aios and free. Runs on its own thread (td_ctrl_teardown_bounded). */
+static void client_teardown(void *arg)
 {
-    if (!c) return;
-    pthread_mutex_lock(&c->mu);
-    c->closing = true;
-    pthread_mutex_unlock(&c->mu);
+    td_ctrl_client *c = arg;
     if (c->sock_open) nng_close(c->sock);
     for (call *k = c->calls; k; k = k->next)
         nng_aio_stop(k->aio);
@@ -548,5 +550,23 @@ void td_ctrl_client_destroy(td_ctrl_client *c)
     }
     if (c->ib_ok) td_ctrl_inbox_fini(&c->ib);
     pthread_mutex_destroy(&c->mu);
+    free(c->url);
     free(c);
+}
+
+void td_ctrl_client_destroy(td_ctrl_client *c)
+{
+    if (!c) return;
+    pthread_mutex_lock(&c->mu);
+    c->closing = true;
+    pthread_mutex_unlock(&c->mu);
+    if (!c->sock_open) {
+        client_teardown(c);
+        return;
+    }
+    /* nng_close may never return (ctrl_internal.h): the owner goes on after a bound, and
+       the client is left to NNG (never freed) if its close hangs */
+    char what[320];
+    snprintf(what, sizeof what, "the control client of %s", c->url ? c->url : "?");
+    td_ctrl_teardown_bounded(client_teardown, c, what);
 }

@@ -57,4 +57,17 @@ void td_ctrl_inbox_push(td_ctrl_inbox *ib, td_ctrl_item *it);
 td_ctrl_item *td_ctrl_inbox_pop(td_ctrl_inbox *ib, int64_t deadline_ms);
 size_t td_ctrl_inbox_len(td_ctrl_inbox *ib);
 
+/* Run fn(arg) (a teardown that calls nng_close) on a thread of its own and wait for it at
+ * most TD_CTRL_TEARDOWN_MS (TD_CTRL_TEARDOWN_STUCK_MS once a teardown of this process has
+ * been given up: NNG is then stuck for good). Returns true if fn returned in time; false
+ * if it did not: fn goes on (or hangs) on its thread, so fn(arg) must own everything it
+ * touches (the caller forgets arg), and a warning naming `what` is logged.
+ * Why: NNG 1.5.2's nng_close can hang forever when the peer drops the connection while the
+ * socket closes: its reaper thread waits in the protocol's pipe stop for the pipe's receive
+ * aio, which nothing completes (nanomsg/nng#1543); every later nng_close of the process
+ * then waits for that reaper too. A process that shuts down must still exit. */
+#define TD_CTRL_TEARDOWN_MS       1000
+#define TD_CTRL_TEARDOWN_STUCK_MS 100
+bool td_ctrl_teardown_bounded(void (*fn)(void *), void *arg, const char *what);
+
 #endif

@@ -2,6 +2,7 @@
 #include "ctrl_internal.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -169,4 +170,92 @@ size_t td_ctrl_inbox_len(td_ctrl_inbox *ib)
     size_t n = ib->n;
     pthread_mutex_unlock(&ib->mu);
     return n;
+}
+
+/* ---- bounded teardown ---------------------------------------------------------------- */
+
+typedef struct {
+    void (*fn)(void *);
+    void *arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done; /* fn returned */
+    int refs;  /* the waiting caller and the thread, under mu */
+} teardown;
+
+static atomic_bool g_teardown_stuck; /* a teardown of this process was given up */
+
+static void teardown_unref(teardown *t)
+{
+    pthread_mutex_lock(&t->mu);
+    int left = --t->refs;
+    pthread_mutex_unlock(&t->mu);
+    if (left) return;
+    pthread_cond_destroy(&t->cv);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}
+
+static void *teardown_main(void *arg)
+{
+    teardown *t = arg;
+    t->fn(t->arg);
+    pthread_mutex_lock(&t->mu);
+    t->done = true;
+    pthread_cond_signal(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    teardown_unref(t);
+    return NULL;
+}
+
+bool td_ctrl_teardown_bounded(void (*fn)(void *), void *arg, const char *what)
+{
+    int wait_ms = atomic_load(&g_teardown_stuck) ? TD_CTRL_TEARDOWN_STUCK_MS : TD_CTRL_TEARDOWN_MS;
+    teardown *t = calloc(1, sizeof *t);
+    if (!t) { /* no thread to spare it: the teardown itself, unbounded */
+        fn(arg);
+        return true;
+    }
+    t->fn = fn;
+    t->arg = arg;
+    t->refs = 2;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t th;
+    int err = pthread_create(&th, &attr, teardown_main, t);
+    pthread_attr_destroy(&attr);
+    if (err) {
+        t->refs = 1;
+        teardown_unref(t);
+        fn(arg);
+        return true;
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += wait_ms / 1000;
+    until.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&t->mu);
+    while (!t->done)
+        if (pthread_cond_timedwait(&t->cv, &t->mu, &until) == ETIMEDOUT) break;
+    bool done = t->done;
+    pthread_mutex_unlock(&t->mu);
+    teardown_unref(t);
+    if (!done) {
+        atomic_store(&g_teardown_stuck, true);
+        TD_LOG_WARN("ctrl: closing %s did not finish within %d ms (NNG's close hangs: "
+                    "nanomsg/nng#1543); going on without it, its memory is not freed",
+                    what, wait_ms);
+    }
+    return done;
 }

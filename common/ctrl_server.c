@@ -70,7 +70,7 @@ struct td_ctrl_server {
     uint32_t n_clients;
     Td__Health *health; /* owned copy, or NULL; replaced under health_mu */
     pthread_mutex_t health_mu;
-    uint64_t epoch;     /* random, nonzero: Events.epoch */
+    uint64_t epoch; /* random, nonzero: Events.epoch */
     td_ctrl_server_stats st;
 };
 
@@ -641,7 +641,7 @@ int td_ctrl_server_create(const td_ctrl_opts *opts, td_ctrl_server **out)
     int rc = td_ctrl_inbox_init(&s->ib);
     if (rc) {
         pthread_mutex_destroy(&s->mu);
-    pthread_mutex_destroy(&s->health_mu);
+        pthread_mutex_destroy(&s->health_mu);
         free(s);
         return rc;
     }
@@ -683,12 +683,11 @@ int td_ctrl_server_listen(td_ctrl_server *s, const char *url, char *bound, size_
     return 0;
 }
 
-void td_ctrl_server_destroy(td_ctrl_server *s)
+/* Everything after `closing`: close the socket, stop the aios, free. Runs on its own
+ * thread (td_ctrl_teardown_bounded). */
+static void server_teardown(void *arg)
 {
-    if (!s) return;
-    pthread_mutex_lock(&s->mu);
-    s->closing = true;
-    pthread_mutex_unlock(&s->mu);
+    td_ctrl_server *s = arg;
     if (s->sock_open) nng_close(s->sock);
     for (td_ctrl_req *r = s->all; r; r = r->all_next)
         nng_aio_stop(r->aio);
@@ -711,4 +710,16 @@ void td_ctrl_server_destroy(td_ctrl_server *s)
     pthread_mutex_destroy(&s->mu);
     pthread_mutex_destroy(&s->health_mu);
     free(s);
+}
+
+void td_ctrl_server_destroy(td_ctrl_server *s)
+{
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->closing = true;
+    pthread_mutex_unlock(&s->mu);
+    if (s->sock_open) /* nng_close may never return (ctrl_internal.h) */
+        td_ctrl_teardown_bounded(server_teardown, s, "the control server");
+    else
+        server_teardown(s);
 }

@@ -9,7 +9,9 @@
  *          an SSE error event + [DONE]); the HTTP server gets up to STOP_FLUSH_MS to hand
  *          those answers to the clients, then stops; everything is freed.
  * Exit status 0 after a stop (drained or not), 1 when start-up failed (the reason is
- * logged). The whole stop takes at most drain_timeout_ms + ~1.5 s. */
+ * logged). The whole stop takes at most drain_timeout_ms + ~1.5 s, plus 1 s (and 0.1 s for
+ * each later instance) when NNG's close of a control connection hangs (the close is given
+ * up then: td_ctrl_teardown_bounded in common/ctrl_internal.h). */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>

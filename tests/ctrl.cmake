@@ -2,10 +2,15 @@
 #   ctrl   codec round trips of every message, rejections (malformed, truncated,
 #          oversized, wrong version, limits), and a fake node serving clients over ipc://
 #          and tcp:// on loopback: submit/events/cancel, deadlines, bad input, bursts,
-#          absent server, reconnects, gone clients.
+#          absent server, reconnects, gone clients; server and client closing at the same
+#          moment, over and over for TANDEM_CTRL_CLOSE_LOOP_MS (3000): every destroy returns
+#          within its bound (NNG 1.5.2's nng_close can hang then).
+#   ctrl_teardown  td_ctrl_teardown_bounded: waits for a teardown that returns, gives up
+#          on one that hangs after 1 s, on later ones after 0.1 s.
 # The libFuzzer target tests/ctrl/fuzz_ctrl.c is built by scripts/test.sh (clang).
 add_executable(test_ctrl ctrl/test_ctrl.c)
 target_link_libraries(test_ctrl PRIVATE td_ctrl td_common)
 target_include_directories(test_ctrl PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 add_test(NAME ctrl COMMAND test_ctrl)
-set_tests_properties(ctrl PROPERTIES TIMEOUT 60)
+add_test(NAME ctrl_teardown COMMAND test_ctrl --teardown)
+set_tests_properties(ctrl ctrl_teardown PROPERTIES TIMEOUT 60)

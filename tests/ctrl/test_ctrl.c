@@ -10,10 +10,12 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "ctrl.h"
+#include "ctrl_internal.h"
 #include "td_err.h"
 #include "tharness.h"
 
@@ -859,6 +861,121 @@ static void test_absent_and_reconnect(void)
     td_ctrl_client_destroy(c);
 }
 
+/* ---- teardown ------------------------------------------------------------------------ */
+
+/* The server and the client of one connection close at the same moment, over and over (the
+ * router and its nodes all getting SIGTERM): NNG 1.5.2's nng_close sometimes never returns
+ * then (ctrl_internal.h). Every destroy must return within its bound. Runs for
+ * TANDEM_CTRL_CLOSE_LOOP_MS (default 3000). */
+typedef struct {
+    node_run *nr;
+    atomic_int done;
+} stopper;
+
+static void *stop_node_main(void *arg)
+{
+    stopper *x = arg;
+    node_stop(x->nr);
+    atomic_store(&x->done, 1);
+    return NULL;
+}
+
+static void test_close_while_peer_closes(void)
+{
+    const char *env = getenv("TANDEM_CTRL_CLOSE_LOOP_MS");
+    int64_t budget = env ? atoll(env) : 3000;
+    int64_t end = td_ctrl_now_ms() + budget;
+    td_ctrl_opts o = {.reconnect_min_ms = 10, .reconnect_max_ms = 200, .poll_wait_ms = 500};
+    int rounds = 0, slow = 0;
+    int64_t worst = 0;
+    while (td_ctrl_now_ms() < end || rounds == 0) {
+        node_run nr;
+        TH_REQUIRE(node_start(&nr, "tcp://127.0.0.1:0", &o) == 0);
+        td_ctrl_client *c;
+        TH_REQUIRE(td_ctrl_client_create(nr.url, &o, &c) == 0);
+        reply_rec r = {0};
+        TH_CHECK(td_ctrl_client_health(c, 2000, &r.call_id) == 0);
+        TH_CHECK(pump(c, NULL, 0, &r, 1, 3000) && r.err == 0);
+        TH_CHECK(td_ctrl_client_health(c, 2000, &r.call_id) == 0); /* one in flight */
+        stopper x = {.nr = &nr};
+        pthread_t th;
+        pthread_create(&th, NULL, stop_node_main, &x);
+        usleep((useconds_t)(rounds % 7) * 300); /* vary which side goes first */
+        int64_t t0 = td_ctrl_now_ms();
+        td_ctrl_client_destroy(c);
+        int64_t took = td_ctrl_now_ms() - t0;
+        int64_t until = td_ctrl_now_ms() + TD_CTRL_TEARDOWN_MS + 2000;
+        while (!atomic_load(&x.done) && td_ctrl_now_ms() < until)
+            usleep(1000);
+        int64_t stop_took = td_ctrl_now_ms() - t0;
+        TH_CHECKF(atomic_load(&x.done), "round %d: the server's destroy is still running", rounds);
+        if (!atomic_load(&x.done)) break; /* its thread still uses nr: stop here */
+        pthread_join(th, NULL);
+        worst = took > worst ? took : worst;
+        worst = stop_took > worst ? stop_took : worst;
+        slow += took >= TD_CTRL_TEARDOWN_MS;
+        TH_CHECKF(took < TD_CTRL_TEARDOWN_MS + 1500, "round %d: the client's destroy took %lld ms",
+                  rounds, (long long)took);
+        rounds++;
+    }
+    fprintf(stderr,
+            "close while the peer closes: %d rounds, slowest destroy %lld ms, %d given up\n",
+            rounds, (long long)worst, slow);
+}
+
+/* td_ctrl_teardown_bounded: a teardown that returns is waited for; one that hangs is given
+ * up after TD_CTRL_TEARDOWN_MS, later ones after TD_CTRL_TEARDOWN_STUCK_MS. In a process of
+ * its own (test_ctrl --teardown): the "stuck" mark is for the rest of the process. */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool release;
+    atomic_int ran, finished;
+} gate;
+
+static void gate_fn(void *arg)
+{
+    gate *g = arg;
+    atomic_fetch_add(&g->ran, 1);
+    pthread_mutex_lock(&g->mu);
+    while (!g->release)
+        pthread_cond_wait(&g->cv, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+    atomic_fetch_add(&g->finished, 1);
+}
+
+static void test_teardown_bounded(void)
+{
+    gate g = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .release = true};
+    int64_t t0 = td_ctrl_now_ms();
+    TH_CHECK(td_ctrl_teardown_bounded(gate_fn, &g, "quick"));
+    TH_CHECK(atomic_load(&g.finished) == 1 && td_ctrl_now_ms() - t0 < 500);
+
+    g.release = false;
+    t0 = td_ctrl_now_ms();
+    TH_CHECK(!td_ctrl_teardown_bounded(gate_fn, &g, "hanging"));
+    int64_t took = td_ctrl_now_ms() - t0;
+    TH_CHECKF(took >= TD_CTRL_TEARDOWN_MS - 5 && took < TD_CTRL_TEARDOWN_MS + 1000, "%lld ms",
+              (long long)took);
+    t0 = td_ctrl_now_ms(); /* NNG stuck: the next ones wait less */
+    TH_CHECK(!td_ctrl_teardown_bounded(gate_fn, &g, "hanging too"));
+    took = td_ctrl_now_ms() - t0;
+    TH_CHECKF(took >= TD_CTRL_TEARDOWN_STUCK_MS - 5 && took < TD_CTRL_TEARDOWN_MS, "%lld ms",
+              (long long)took);
+    TH_CHECK(atomic_load(&g.ran) == 3 && atomic_load(&g.finished) == 1);
+
+    pthread_mutex_lock(&g.mu); /* the given-up teardowns still end when they can */
+    g.release = true;
+    pthread_cond_broadcast(&g.cv);
+    pthread_mutex_unlock(&g.mu);
+    int64_t until = td_ctrl_now_ms() + 3000;
+    while (atomic_load(&g.finished) < 3 && td_ctrl_now_ms() < until)
+        usleep(1000);
+    TH_CHECK(atomic_load(&g.finished) == 3);
+    TH_CHECK(td_ctrl_teardown_bounded(gate_fn, &g, "quick again"));
+    usleep(20000); /* the detached threads drop their last reference */
+}
+
 int main(int argc, char **argv)
 {
     td_log_set_level(TD_LOG_ERROR);
@@ -868,6 +985,10 @@ int main(int argc, char **argv)
         TH_RUN(test_roundtrip_replies);
         TH_EXIT();
     }
+    if (argc == 2 && !strcmp(argv[1], "--teardown")) { /* its own process: it marks NNG stuck */
+        TH_RUN(test_teardown_bounded);
+        TH_EXIT();
+    }
     TH_RUN(test_roundtrip_requests);
     TH_RUN(test_roundtrip_replies);
     TH_RUN(test_decode_rejects);
@@ -875,5 +996,6 @@ int main(int argc, char **argv)
     TH_RUN(test_exchange_tcp);
     TH_RUN(test_burst);
     TH_RUN(test_absent_and_reconnect);
+    TH_RUN(test_close_while_peer_closes);
     TH_EXIT();
 }
