@@ -39,13 +39,23 @@
 #include "rt.h"
 #include "td_err.h"
 
-#define ALLOC_TIMEOUT_MS   10000 /* the decode leader answers between steps */
-#define PREFILL_TIMEOUT_MS 10000
-#define KVT_TIMEOUT_MS     5000
-#define CANCEL_TIMEOUT_MS  5000
-#define MAX_RETRIES        3   /* Alloc calls without an answer (as rt_loop.c's Submit) */
-#define MAX_BUSY           50  /* ERR_BUSY bounces before 503 (>= 5 s with one decode instance) */
-#define BUSY_PAUSE_MS      100 /* an instance that answered ERR_BUSY is skipped this long */
+#define ALLOC_TIMEOUT_MS  10000 /* the decode leader answers between steps */
+#define MIN_PF_CALL_MS    10000 /* floor of the Prefill and KvTarget reply waits */
+#define CANCEL_TIMEOUT_MS 5000
+#define MAX_RETRIES       3   /* Alloc calls without an answer (as rt_loop.c's Submit) */
+#define MAX_BUSY          50  /* ERR_BUSY bounces before 503 (>= 5 s with one decode instance) */
+#define BUSY_PAUSE_MS     100 /* an instance that answered ERR_BUSY is skipped this long */
+
+/* How long a Prefill or KvTarget call waits for its reply. Stage 0 answers them between
+ * chunks, and one chunk can take seconds (a long chunk, a big model, a busy machine): a
+ * reply wait shorter than that failed healthy attempts (a KvTarget sent while stage 0
+ * computed a chunk under load timed out at 5 s). A dead stage 0 is found by its heartbeat
+ * (answered on NNG's thread), and the node bounds the whole transfer by kvxfer.timeout_ms,
+ * so the reply wait can be as long as that. */
+static int pf_call_ms(const td_cfg *cfg)
+{
+    return cfg->kvxfer.timeout_ms > MIN_PF_CALL_MS ? cfg->kvxfer.timeout_ms : MIN_PF_CALL_MS;
+}
 
 int64_t rt_pair_deadline(const td_cfg *cfg, int64_t now)
 {
@@ -228,7 +238,7 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     env = (Td__Envelope)TD__ENVELOPE__INIT;
     env.body_case = TD__ENVELOPE__BODY_PREFILL;
     env.prefill = &pf;
-    rc = td_ctrl_client_call(ps->c, &env, PREFILL_TIMEOUT_MS, &pcall);
+    rc = td_ctrl_client_call(ps->c, &env, pf_call_ms(r->cfg), &pcall);
     if (rc) {
         uint64_t call;
         td_ctrl_client_cancel(ds->c, q->rid, CANCEL_TIMEOUT_MS, &call);
@@ -266,7 +276,7 @@ static void relay(rt_router *r, rt_req *q)
     Td__Envelope env = TD__ENVELOPE__INIT;
     env.body_case = TD__ENVELOPE__BODY_KV_TARGET;
     env.kv_target = &kt;
-    int rc = td_ctrl_client_call(s->c, &env, KVT_TIMEOUT_MS, &q->pf_call);
+    int rc = td_ctrl_client_call(s->c, &env, pf_call_ms(r->cfg), &q->pf_call);
     if (rc) {
         char msg[256];
         snprintf(msg, sizeof msg, "cannot send the KV targets to prefill instance %s: %s", s->name,
