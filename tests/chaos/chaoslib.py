@@ -70,7 +70,7 @@ class ChaosCluster:
     temp dir of symlinks, so every process's command line names the temp dir (leftovers)."""
 
     def __init__(self, args, model, tp=2, xfer_timeout_ms=10000, env_extra=None, pp=2,
-                 colocated=False):
+                 colocated=False, request_timeout_ms=30000):
         self.args = args
         self.tp = tp
         self.pp = 0 if colocated else pp
@@ -90,7 +90,7 @@ class ChaosCluster:
             f.write(yaml_text(model, f"{self.dir}/run", "127.0.0.1", self.port,
                               ["127.0.0.1", "127.0.0.1"], self.pf_port, "127.0.0.1",
                               self.dc_port, tp, "posix,cma,self", xfer_timeout_ms, pp=pp,
-                              colocated=colocated))
+                              colocated=colocated, request_timeout_ms=request_timeout_ms))
         self.rdir = os.path.join(self.dir, "run", "chaos")
 
     def tandem(self, *a, timeout=300):

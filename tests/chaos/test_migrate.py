@@ -279,7 +279,7 @@ def main():
     ap.add_argument("--synth-dir", required=True)
     ap.add_argument("--model", default="", help="default: the synthetic llama of --synth-dir")
     ap.add_argument("--colocated", action="store_true")
-    ap.add_argument("--tokens", type=int, default=160, help="tokens of the killed stream")
+    ap.add_argument("--tokens", type=int, default=120, help="tokens of the killed stream")
     ap.add_argument("--kill-after", type=int, default=40, help="tokens before the kill")
     ap.add_argument("--long-prompt", type=int, default=600, help="prefill case, tokens")
     ap.add_argument("--end-within", type=float, default=10.0, help="opt-out: seconds")
@@ -298,8 +298,10 @@ def main():
                                      f":suppressions={supp}").lstrip(":")
     # kvxfer.timeout_ms covers a whole transfer, prefill included: room for the long prompt
     # of the prefill case under a sanitizer build on a busy machine
+    # and the router's deadline per request room for a whole stream of the default model
+    # under ASan (~0.15 s a token on a busy machine) plus a move
     cl = ChaosCluster(args, args.model, tp=1, pp=1, colocated=args.colocated,
-                      env_extra=env_extra, xfer_timeout_ms=60000)
+                      env_extra=env_extra, xfer_timeout_ms=60000, request_timeout_ms=120000)
     shape = "colocated tp 1" if args.colocated else "pp 1 prefill + tp 1 decode"
     print(f"migrate: {shape}, model {args.model}", flush=True)
     figures = {"shape": shape}
