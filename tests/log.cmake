@@ -9,3 +9,10 @@ foreach(level debug warn error)
   add_test(NAME log_env_${level} COMMAND test_log --env-level ${level})
   set_tests_properties(log_env_${level} PROPERTIES ENVIRONMENT TANDEM_LOG=${level} TIMEOUT 60)
 endforeach()
+
+# The clock and the statistics helpers (common/td_clock.c, common/td_stats.c).
+add_executable(test_clock_stats common/test_clock_stats.c)
+target_include_directories(test_clock_stats PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_clock_stats PRIVATE td_common)
+add_test(NAME clock_stats COMMAND test_clock_stats)
+set_tests_properties(clock_stats PROPERTIES TIMEOUT 60)
