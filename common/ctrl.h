@@ -43,6 +43,7 @@
 #include <stdint.h>
 
 #include "tandem_ctrl.pb-c.h"
+#include "td_sampling.h"
 
 #define TD_CTRL_VERSION 1u /* Envelope.version spoken by this build */
 
@@ -88,6 +89,11 @@ void td_ctrl_envelope_free(Td__Envelope *env); /* NULL is fine */
 /* The wire code for a td_err from td_ctrl_decode (ERR_MALFORMED, ERR_TOO_LARGE, ...). */
 Td__ErrorCode td_ctrl_err_code(int err);
 const char *td_ctrl_err_name(Td__ErrorCode code);
+
+/* Sampling parameters between td_sampling and the wire (the only conversion; a missing
+ * Sampling message is all-zero: greedy). to_pb initializes pb. */
+void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb);
+td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb);
 const char *td_ctrl_body_name(Td__Envelope__BodyCase body);
 
 /* ---- server (decode rank 0, prefill stage 0) ------------------------------------------ */

@@ -119,6 +119,32 @@ static int check_blobs(vctx *v, const char *what, const ProtobufCBinaryData *b, 
     return 0;
 }
 
+void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb)
+{
+    td__sampling__init(pb);
+    pb->temperature = s->temperature;
+    pb->top_k = s->top_k;
+    pb->top_p = s->top_p;
+    pb->min_p = s->min_p;
+    pb->repeat_penalty = s->repeat_penalty;
+    pb->repeat_last_n = s->repeat_last_n;
+    pb->seed = s->seed;
+    pb->skip_samples = s->skip_samples;
+}
+
+td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
+{
+    if (!pb) return (td_sampling){0};
+    return (td_sampling){.temperature = pb->temperature,
+                         .top_k = pb->top_k,
+                         .top_p = pb->top_p,
+                         .min_p = pb->min_p,
+                         .repeat_penalty = pb->repeat_penalty,
+                         .repeat_last_n = pb->repeat_last_n,
+                         .seed = pb->seed,
+                         .skip_samples = pb->skip_samples};
+}
+
 /* n_prompt: the request's prompt tokens (skip_samples counts tokens among them). */
 static int check_sampling(vctx *v, const Td__Sampling *s, size_t n_prompt)
 {

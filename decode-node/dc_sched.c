@@ -202,9 +202,8 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     r->tokens = malloc((size_t)r->cap * sizeof *r->tokens);
     r->stop_ids = malloc((size_t)(p->n_stop ? p->n_stop : 1) * sizeof *r->stop_ids);
     int rc = (!r->tokens || !r->stop_ids) ? TD_ENOMEM : 0;
+    /* a moved request's sampler skips the draws made before it moved */
     if (!rc) rc = kn_sampler_init(&r->smp, &p->sampling, s->m->hp.n_vocab);
-    for (uint32_t k = 0; !rc && k < p->skip_samples; k++)
-        kn_sampler_skip(&r->smp); /* as if this node had drawn the moved request's tokens */
     if (rc) {
         kn_sampler_fini(&r->smp);
         free(r->tokens);

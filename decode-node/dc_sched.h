@@ -60,8 +60,7 @@ typedef struct {
     uint64_t id;
     const int32_t *prompt;
     int32_t n_prompt;
-    kn_sampler_params sampling;
-    uint32_t skip_samples; /* draws made elsewhere (a moved request): skipped, < n_prompt */
+    td_sampling sampling; /* .skip_samples < n_prompt */
     int32_t max_tokens;
     const int32_t *stop_ids;
     int n_stop;

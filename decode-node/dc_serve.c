@@ -98,7 +98,6 @@ static int64_t new_route(dc_node *n, uint64_t client, uint64_t request_id)
 /* The scheduler's view of a Submit (also the request inside an Alloc). */
 static dc_request_params request_params(const Td__Submit *s, uint64_t id)
 {
-    const Td__Sampling *sm = s->sampling;
     dc_request_params rp = {
         .id = id,
         .prompt = s->token_ids,
@@ -107,16 +106,8 @@ static dc_request_params request_params(const Td__Submit *s, uint64_t id)
         .stop_ids = s->stop_token_ids,
         .n_stop = (int)s->n_stop_token_ids,
         .ignore_eos = s->ignore_eos,
+        .sampling = td_ctrl_sampling_from_pb(s->sampling),
     };
-    if (sm) rp.skip_samples = sm->skip_samples;
-    if (sm)
-        rp.sampling = (kn_sampler_params){.temperature = sm->temperature,
-                                          .top_k = sm->top_k,
-                                          .top_p = sm->top_p,
-                                          .min_p = sm->min_p,
-                                          .repeat_penalty = sm->repeat_penalty,
-                                          .repeat_last_n = sm->repeat_last_n,
-                                          .seed = sm->seed};
     return rp;
 }
 

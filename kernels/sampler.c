@@ -45,7 +45,7 @@ static double uniform(uint64_t *s)
     return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53;
 }
 
-int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab)
+int kn_sampler_init(kn_sampler *s, const td_sampling *p, int32_t n_vocab)
 {
     memset(s, 0, sizeof *s);
     if (n_vocab < 1) return TD_EINVAL;
@@ -61,6 +61,8 @@ int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab)
     uint64_t x = p->seed;
     for (int i = 0; i < 4; i++)
         s->rng[i] = splitmix64(&x);
+    for (uint32_t k = 0; k < p->skip_samples; k++)
+        kn_sampler_skip(s); /* the draws made elsewhere (td_sampling.skip_samples) */
     return 0;
 }
 
@@ -156,7 +158,7 @@ static int32_t nucleus(struct kn_cand *c, int32_t k, struct kn_cand *out, double
 
 int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist)
 {
-    const kn_sampler_params *p = &s->p;
+    const td_sampling *p = &s->p;
     int32_t n = s->n_vocab;
     struct kn_cand *c = s->cand;
     for (int32_t i = 0; i < n; i++)

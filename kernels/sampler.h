@@ -14,25 +14,18 @@
 
 #include <stdint.h>
 
-typedef struct {
-    float temperature;    /* <= 0: greedy */
-    int top_k;            /* <= 0: off */
-    float top_p;          /* >= 1 or <= 0: off */
-    float min_p;          /* <= 0: off */
-    float repeat_penalty; /* 1 or 0: off; > 1 penalizes tokens in the recent history */
-    int repeat_last_n;    /* history window for the penalty; 0: 64 */
-    uint64_t seed;
-} kn_sampler_params;
+#include "td_sampling.h"
 
 typedef struct {
-    kn_sampler_params p;
+    td_sampling p;
     int32_t n_vocab;
     uint64_t rng[4];
     struct kn_cand *cand;  /* (n_vocab) scratch */
     struct kn_cand *cand2; /* (n_vocab) scratch: the top-p nucleus */
 } kn_sampler;
 
-int kn_sampler_init(kn_sampler *s, const kn_sampler_params *p, int32_t n_vocab);
+/* Seeds the sampler from p and advances it past p->skip_samples draws (kn_sampler_skip). */
+int kn_sampler_init(kn_sampler *s, const td_sampling *p, int32_t n_vocab);
 void kn_sampler_fini(kn_sampler *s);
 
 /* Sample from logits (n_vocab). history (n_hist) are the sequence's previous tokens,

@@ -18,8 +18,8 @@
 #include "pf_wire.h"
 #include "sampler.h"
 
-#define PF_NSEND 2 /* send buffers per stage: a chunk computes while the last one moves */
-#define PF_NRECV 2 /* receives posted from the previous stage */
+#define PF_NSEND     2 /* send buffers per stage: a chunk computes while the last one moves */
+#define PF_NRECV     2 /* receives posted from the previous stage */
 #define PF_TAG_CHAIN 1
 
 /* A request as one stage sees it. */
@@ -27,19 +27,19 @@ typedef struct pf_req {
     uint64_t id;
     int32_t n_prompt;
     uint32_t n_dst;
-    pf_sampling sampling;
-    kn_kv_seq kv;       /* this stage's blocks for the whole prompt */
-    int32_t *hist;      /* last stage: the prompt's ids (for the repetition penalty) */
+    td_sampling sampling;
+    kn_kv_seq kv;  /* this stage's blocks for the whole prompt */
+    int32_t *hist; /* last stage: the prompt's ids (for the repetition penalty) */
     int32_t n_hist;
     uint32_t n_chunks;  /* chunks computed */
     int32_t n_sent;     /* tokens whose KV went to the connector */
     int32_t n_computed; /* tokens computed */
     int32_t first_token;
-    bool opened;        /* kvx_pf_open done */
-    bool finished;      /* kvx_pf_finish done */
-    bool failed;        /* no more work; waiting for the connector's final state */
-    int fail_err;       /* td_err of a local failure */
-    int64_t t_first_ms; /* first chunk computed here */
+    bool opened;          /* kvx_pf_open done */
+    bool finished;        /* kvx_pf_finish done */
+    bool failed;          /* no more work; waiting for the connector's final state */
+    int fail_err;         /* td_err of a local failure */
+    int64_t t_first_ms;   /* first chunk computed here */
     int64_t *comp_end_ns; /* (cap_chunks) CLOCK_MONOTONIC ns when chunk k's compute ended */
     uint32_t cap_chunks;
     struct pf_req *next;
@@ -50,18 +50,18 @@ typedef struct pf_job {
     uint64_t client_id, request_id;
     int32_t *prompt;
     int32_t n_prompt;
-    int32_t done;       /* tokens scheduled into chunks */
+    int32_t done; /* tokens scheduled into chunks */
     uint32_t n_chunks;
     uint32_t n_dst;
-    pf_sampling sampling;
+    td_sampling sampling;
     uint8_t *targets[PF_MAX_TARGETS];
     size_t target_len[PF_MAX_TARGETS];
     int n_targets;
-    bool targets_sent;  /* TARGETS went down the chain (after the first chunk) */
-    bool emitted;       /* its first chunk entered the chain */
+    bool targets_sent; /* TARGETS went down the chain (after the first chunk) */
+    bool emitted;      /* its first chunk entered the chain */
     bool cancelled;
-    uint64_t reported;  /* bit s: stage s reported */
-    int err;            /* first failure reported (td_err), 0 if none */
+    uint64_t reported; /* bit s: stage s reported */
+    int err;           /* first failure reported (td_err), 0 if none */
     uint32_t fail_reason;
     int fail_stage;
     int32_t first_token;
@@ -93,13 +93,13 @@ typedef struct {
 
     /* the stage chain */
     pf_link *link;
-    uint64_t epoch;      /* StageTable epoch this stage runs in; 0: not joined */
-    kvx_peer next_peer;  /* stage + 1, or -1 */
-    kvx_peer lead_peer;  /* stage 0 (stages > 0), or -1 */
+    uint64_t epoch;     /* StageTable epoch this stage runs in; 0: not joined */
+    kvx_peer next_peer; /* stage + 1, or -1 */
+    kvx_peer lead_peer; /* stage 0 (stages > 0), or -1 */
     uint64_t send_seq, recv_seq;
     pf_buf sends[PF_NSEND];
     pf_buf recvs[PF_NRECV];
-    bool broken;         /* a peer failed: rejoin */
+    bool broken;                        /* a peer failed: rejoin */
     struct pf_ctl *ctl_head, *ctl_tail; /* TARGETS / ABORT waiting for a send buffer, in order */
 
     /* requests of this stage */
@@ -141,8 +141,8 @@ int64_t pf_now_ms(void);
 /* pf_stage.c */
 int pf_stage_setup(pf_node *n);
 void pf_stage_teardown(pf_node *n);
-int pf_chain_open(pf_node *n);              /* new link (new address) */
-void pf_chain_close(pf_node *n);            /* drop link and peers */
+int pf_chain_open(pf_node *n);   /* new link (new address) */
+void pf_chain_close(pf_node *n); /* drop link and peers */
 int pf_chain_start(pf_node *n, const uint8_t *const *addrs, const size_t *lens); /* connect */
 /* Compute one chunk (stage 0: from its own plan; others: a received message) and pass it
  * on. segs/ids as in pf_wire; embd NULL on stage 0. */
@@ -160,7 +160,7 @@ int pf_stage_recv(pf_node *n);
  * while the next stage is slow or stopped. pf_chain_flush sends more; chunks go only when
  * the queue is empty, so the chain keeps stage 0's order. */
 int pf_chain_send_msg(pf_node *n, const void *msg, size_t len);
-int pf_chain_flush(pf_node *n);         /* 0, or a negative td_err if the link broke */
+int pf_chain_flush(pf_node *n); /* 0, or a negative td_err if the link broke */
 bool pf_chain_queue_empty(const pf_node *n);
 /* Wait (bounded) for a free send buffer; NULL if the link broke. */
 pf_buf *pf_chain_free_send(pf_node *n, int timeout_ms);

@@ -298,20 +298,6 @@ static void check_members(pf_node *n)
 
 /* ---- requests from the router ---- */
 
-static void copy_sampling(pf_sampling *d, const Td__Sampling *s)
-{
-    memset(d, 0, sizeof *d);
-    if (!s) return;
-    d->temperature = s->temperature;
-    d->top_k = s->top_k;
-    d->top_p = s->top_p;
-    d->min_p = s->min_p;
-    d->repeat_penalty = s->repeat_penalty;
-    d->repeat_last_n = s->repeat_last_n;
-    d->seed = s->seed;
-    d->skip_samples = s->skip_samples;
-}
-
 static int set_targets(pf_job *j, ProtobufCBinaryData *t, size_t n)
 {
     if (!n) return 0;
@@ -406,7 +392,7 @@ static void handle_prefill(pf_node *n, const td_ctrl_server_in *in)
     j->n_dst = n_dst;
     j->first_token = -1;
     j->t_submit_ms = pf_now_ms();
-    copy_sampling(&j->sampling, p->sampling);
+    j->sampling = td_ctrl_sampling_from_pb(p->sampling);
     if (set_targets(j, p->kv_targets, p->n_kv_targets)) {
         job_free(j);
         td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,

@@ -631,16 +631,8 @@ int pf_stage_chunk(pf_node *n, pf_seg *segs, int n_segs, const int32_t *ids_in, 
             off += g->t1 - g->t0;
             if (!(g->flags & PF_SEG_LAST)) continue;
             kn_sampler s;
-            kn_sampler_params sp = {.temperature = g->sampling.temperature,
-                                    .top_k = g->sampling.top_k,
-                                    .top_p = g->sampling.top_p,
-                                    .min_p = g->sampling.min_p,
-                                    .repeat_penalty = g->sampling.repeat_penalty,
-                                    .repeat_last_n = g->sampling.repeat_last_n,
-                                    .seed = g->sampling.seed};
-            int rc = kn_sampler_init(&s, &sp, n->n_vocab);
-            for (uint32_t k = 0; !rc && k < g->sampling.skip_samples; k++)
-                kn_sampler_skip(&s); /* a moved request: its earlier draws were made elsewhere */
+            /* a moved request's sampler skips the draws made before it moved */
+            int rc = kn_sampler_init(&s, &g->sampling, n->n_vocab);
             int32_t tok = rc ? rc
                              : kn_sample(&s, n->logits + (size_t)li * (size_t)n->n_vocab, r->hist,
                                          r->n_prompt);

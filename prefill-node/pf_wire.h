@@ -22,6 +22,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "td_sampling.h"
+
 #define PF_WIRE_MAGIC   0x46504454u /* "TDPF" */
 #define PF_WIRE_VERSION 2u
 #define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
@@ -36,19 +38,12 @@ enum {
 };
 
 typedef struct {
-    float temperature, top_p, min_p, repeat_penalty;
-    int32_t top_k, repeat_last_n;
-    uint64_t seed;
-    uint32_t skip_samples; /* draws made elsewhere (a moved request), < n_prompt */
-} pf_sampling;
-
-typedef struct {
     uint64_t req_id;
     uint32_t t0, t1, n_prompt;
     uint32_t flags;
-    uint32_t chunk; /* index of this chunk within the request: 0, 1, ... */
-    uint32_t n_dst; /* decode ranks of the request */
-    pf_sampling sampling;
+    uint32_t chunk;        /* index of this chunk within the request: 0, 1, ... */
+    uint32_t n_dst;        /* decode ranks of the request */
+    td_sampling sampling;  /* .skip_samples < n_prompt */
     const int32_t *tokens; /* parse: (t1 - t0) ids, unaligned-safe copy made by the parser */
 } pf_seg;
 

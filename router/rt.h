@@ -66,6 +66,7 @@
 #include "chat_template.h"
 #include "config.h"
 #include "ctrl.h"
+#include "td_sampling.h"
 #include "tokenizer.h"
 
 #define RT_MIN_BODY       (1u << 20)   /* floor of the body limit (rt_max_body) */
@@ -113,10 +114,7 @@ typedef struct {
     int32_t *prompt; /* (n_prompt) token ids, malloc'd */
     size_t n_prompt;
     int max_tokens;
-    float temperature; /* 0: greedy */
-    float top_p, min_p, repeat_penalty;
-    int top_k;
-    uint64_t seed;
+    td_sampling sampling; /* .skip_samples is set per attempt (rt_req_submit_msg) */
     bool ignore_eos;
     char *stop[RT_MAX_STOP]; /* NUL-terminated, malloc'd, non-empty */
     size_t stop_len[RT_MAX_STOP];

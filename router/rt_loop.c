@@ -372,14 +372,9 @@ static void admit(rt_router *r, rt_req *q)
 
 void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
 {
-    td__sampling__init(sm);
-    sm->temperature = q->p.temperature;
-    sm->top_k = q->p.top_k;
-    sm->top_p = q->p.top_p;
-    sm->min_p = q->p.min_p;
-    sm->repeat_penalty = q->p.repeat_penalty;
-    sm->seed = q->p.seed;
-    sm->skip_samples = (uint32_t)q->gen_base; /* a moved request: the draws already made */
+    td_sampling s = q->p.sampling;
+    s.skip_samples = (uint32_t)q->gen_base; /* a moved request: the draws already made */
+    td_ctrl_sampling_to_pb(&s, sm);
     td__submit__init(sub);
     sub->request_id = q->rid;
     sub->token_ids = rt_req_prompt(q, &sub->n_token_ids);

@@ -443,17 +443,18 @@ static int parse_obj(const rt_router *r, rt_endpoint ep, json_t *o, rt_params *p
                             r->n_ctx, p->n_prompt, max_tokens);
     }
     p->max_tokens = (int)max_tokens;
-    p->temperature = (float)temperature;
-    p->top_p = top_p >= 1.0 ? 0.0f : (float)top_p;
-    p->min_p = (float)min_p;
-    p->top_k = top_k < 0 ? 0 : (int)top_k;
-    p->repeat_penalty = (float)rep;
+    td_sampling *sp = &p->sampling;
+    sp->temperature = (float)temperature;
+    sp->top_p = top_p >= 1.0 ? 0.0f : (float)top_p;
+    sp->min_p = (float)min_p;
+    sp->top_k = top_k < 0 ? 0 : (int32_t)top_k;
+    sp->repeat_penalty = (float)rep;
     if (seeded)
-        p->seed = (uint64_t)seed;
+        sp->seed = (uint64_t)seed;
     else {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        p->seed = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^ (uint64_t)ts.tv_sec;
+        sp->seed = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^ (uint64_t)ts.tv_sec;
     }
     if (temperature > 0 && top_p <= 0)
         return rt_error_set(e, 400, "top_p", NULL, "'top_p' must be in (0, 1]");

@@ -27,7 +27,7 @@ static void usage(void)
 typedef struct {
     const char *prompt, *chat, *prompt_ids;
     int max_tokens;
-    kn_sampler_params sp;
+    td_sampling sp;
     bool seed_set, print_ids, ignore_eos;
     int chunk;
     cli_session_params sess;

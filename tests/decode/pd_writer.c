@@ -36,7 +36,7 @@ typedef struct {
     const char *model, *ids, *targets, *tls, *kv_type;
     uint64_t req;
     int stages, chunks, delay_ms, block_size, threads, timeout_ms;
-    kn_sampler_params sp;
+    td_sampling sp;
 } opts;
 
 static void usage(void)

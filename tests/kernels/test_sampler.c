@@ -17,7 +17,7 @@ static int32_t draw(kn_sampler *s, const float *logits)
 static void test_greedy(void)
 {
     kn_sampler s;
-    kn_sampler_params p = {.temperature = 0};
+    td_sampling p = {.temperature = 0};
     TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
     float l[V] = {0.1f, 2.0f, -1.0f, 2.0f, 0.5f, 1.9f};
     TH_CHECK(draw(&s, l) == 1); /* tie between 1 and 3 goes to the lower id */
@@ -29,7 +29,7 @@ static void test_greedy(void)
 static void test_same_seed_same_tokens(void)
 {
     float l[V] = {1.0f, 1.1f, 0.9f, 1.05f, 0.95f, 1.0f};
-    kn_sampler_params p = {.temperature = 1.0f, .seed = 1234};
+    td_sampling p = {.temperature = 1.0f, .seed = 1234};
     kn_sampler a, b, c;
     TH_REQUIRE(kn_sampler_init(&a, &p, V) == 0 && kn_sampler_init(&b, &p, V) == 0);
     p.seed = 1235;
@@ -47,7 +47,7 @@ static void test_same_seed_same_tokens(void)
 }
 
 /* Frequencies of each token over n draws. */
-static void histogram(kn_sampler_params p, const float *l, int n, int *count)
+static void histogram(td_sampling p, const float *l, int n, int *count)
 {
     kn_sampler s;
     memset(count, 0, V * sizeof *count);
@@ -64,13 +64,13 @@ static void test_distribution(void)
     /* softmax of log(p) is p: frequencies must follow 0.5 / 0.3 / 0.2 */
     float l[V] = {logf(0.5f), logf(0.3f), logf(0.2f), -INFINITY, -INFINITY, -INFINITY};
     int c[V], n = 40000;
-    histogram((kn_sampler_params){.temperature = 1.0f, .seed = 7}, l, n, c);
+    histogram((td_sampling){.temperature = 1.0f, .seed = 7}, l, n, c);
     TH_CHECKF(fabs(c[0] / (double)n - 0.5) < 0.015, "p0 %g", c[0] / (double)n);
     TH_CHECKF(fabs(c[1] / (double)n - 0.3) < 0.015, "p1 %g", c[1] / (double)n);
     TH_CHECKF(fabs(c[2] / (double)n - 0.2) < 0.015, "p2 %g", c[2] / (double)n);
     TH_CHECK(c[3] + c[4] + c[5] == 0);
     /* temperature 0.5 squares the odds: 25 : 9 : 4 */
-    histogram((kn_sampler_params){.temperature = 0.5f, .seed = 7}, l, n, c);
+    histogram((td_sampling){.temperature = 0.5f, .seed = 7}, l, n, c);
     TH_CHECKF(fabs(c[0] / (double)n - 25.0 / 38) < 0.015, "p0 at T=0.5 %g", c[0] / (double)n);
 }
 
@@ -78,15 +78,15 @@ static void test_filters(void)
 {
     float l[V] = {3.0f, 2.9f, 2.8f, 0.0f, -1.0f, 2.7f};
     int c[V], n = 4000;
-    histogram((kn_sampler_params){.temperature = 5.0f, .top_k = 1, .seed = 3}, l, n, c);
+    histogram((td_sampling){.temperature = 5.0f, .top_k = 1, .seed = 3}, l, n, c);
     TH_CHECK(c[0] == n);
-    histogram((kn_sampler_params){.temperature = 5.0f, .top_k = 2, .seed = 3}, l, n, c);
+    histogram((td_sampling){.temperature = 5.0f, .top_k = 2, .seed = 3}, l, n, c);
     TH_CHECK(c[0] + c[1] == n && c[0] > 0 && c[1] > 0);
     /* top-p 0.1: the first token alone reaches it */
-    histogram((kn_sampler_params){.temperature = 1.0f, .top_p = 0.1f, .seed = 3}, l, n, c);
+    histogram((td_sampling){.temperature = 1.0f, .top_p = 0.1f, .seed = 3}, l, n, c);
     TH_CHECK(c[0] == n);
     /* min-p 0.5 at T=1: keep tokens with p >= 0.5 p_max: logits within ln 2 of the max */
-    histogram((kn_sampler_params){.temperature = 1.0f, .min_p = 0.5f, .seed = 3}, l, n, c);
+    histogram((td_sampling){.temperature = 1.0f, .min_p = 0.5f, .seed = 3}, l, n, c);
     TH_CHECK(c[3] == 0 && c[4] == 0 && c[0] > 0 && c[5] > 0);
 }
 
@@ -95,9 +95,9 @@ static void test_top_p_paths_agree(void)
     /* the heap nucleus (no top-k) and the sorted prefix (top-k) keep the same set */
     float l[V] = {logf(0.1f), logf(0.4f), logf(0.05f), logf(0.3f), logf(0.1f), logf(0.05f)};
     int a[V], b[V], n = 20000;
-    histogram((kn_sampler_params){.temperature = 1.0f, .top_p = 0.5f, .seed = 9}, l, n, a);
-    histogram((kn_sampler_params){.temperature = 1.0f, .top_p = 0.5f, .top_k = V - 1, .seed = 9}, l,
-              n, b);
+    histogram((td_sampling){.temperature = 1.0f, .top_p = 0.5f, .seed = 9}, l, n, a);
+    histogram((td_sampling){.temperature = 1.0f, .top_p = 0.5f, .top_k = V - 1, .seed = 9}, l, n,
+              b);
     for (int i = 0; i < V; i++)
         TH_CHECKF((a[i] > 0) == (i == 1 || i == 3) && (b[i] > 0) == (i == 1 || i == 3),
                   "token %d drawn %d / %d times", i, a[i], b[i]);
@@ -107,7 +107,7 @@ static void test_top_p_paths_agree(void)
 static void test_repetition_penalty(void)
 {
     kn_sampler s;
-    kn_sampler_params p = {.temperature = 0, .repeat_penalty = 2.0f, .repeat_last_n = 4};
+    td_sampling p = {.temperature = 0, .repeat_penalty = 2.0f, .repeat_last_n = 4};
     TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
     float l[V] = {2.0f, 1.5f, 0.0f, -1.0f, 0.0f, 0.0f};
     int32_t hist[] = {0, 0, 0};
@@ -120,7 +120,7 @@ static void test_repetition_penalty(void)
 static void test_bad_input(void)
 {
     kn_sampler s;
-    kn_sampler_params p = {.temperature = 1.0f};
+    td_sampling p = {.temperature = 1.0f};
     TH_CHECK(kn_sampler_init(&s, &p, 0) == TD_EINVAL);
     TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
     float l[V] = {0, NAN, 0, 0, 0, 0};
@@ -133,7 +133,7 @@ static void test_bad_input(void)
  * a prefill stage sampled then draws the same tokens as a node that sampled it itself. */
 static void test_skip_equals_one_sample(void)
 {
-    kn_sampler_params ps[] = {
+    td_sampling ps[] = {
         {.temperature = 0},
         {.temperature = 0.8f, .seed = 11},
         {.temperature = 0.8f, .top_k = 3, .seed = 12},
@@ -173,12 +173,37 @@ static void test_skip_equals_one_sample(void)
     }
 }
 
+/* td_sampling.skip_samples = N: kn_sampler_init leaves the sampler where N kn_sampler_skip
+ * calls leave it (a moved request's sampler, built from the wire's parameters). */
+static void test_init_skips(void)
+{
+    td_sampling p = {.temperature = 0.9f, .top_k = 4, .seed = 21};
+    td_sampling q = p;
+    q.skip_samples = 3;
+    kn_sampler a, b;
+    TH_REQUIRE(kn_sampler_init(&a, &p, V) == 0 && kn_sampler_init(&b, &q, V) == 0);
+    for (int k = 0; k < 3; k++)
+        kn_sampler_skip(&a);
+    int32_t hist[1] = {0};
+    int differ = 0;
+    for (int i = 0; i < 40; i++) {
+        float l[V];
+        for (int j = 0; j < V; j++)
+            l[j] = 0.1f * (float)((i * 5 + j * 7) % 13);
+        int32_t x = kn_sample(&a, l, hist, 1), y = kn_sample(&b, l, hist, 1);
+        differ += x != y;
+    }
+    TH_CHECKF(differ == 0, "%d of 40 draws differ", differ);
+    kn_sampler_fini(&a);
+    kn_sampler_fini(&b);
+}
+
 static void test_min_p_above_one(void)
 {
     /* min-p > 1 would filter out every token: it keeps the most likely one instead */
     float l[V] = {0.1f, 0.2f, 3.0f, 0.0f, 0.3f, 0.2f};
     int c[V], n = 200;
-    histogram((kn_sampler_params){.temperature = 1.0f, .min_p = 5.0f, .seed = 3}, l, n, c);
+    histogram((td_sampling){.temperature = 1.0f, .min_p = 5.0f, .seed = 3}, l, n, c);
     TH_CHECK(c[2] == n);
 }
 
@@ -192,6 +217,7 @@ int main(void)
     TH_RUN(test_repetition_penalty);
     TH_RUN(test_bad_input);
     TH_RUN(test_skip_equals_one_sample);
+    TH_RUN(test_init_skips);
     TH_RUN(test_min_p_above_one);
     TH_EXIT();
 }

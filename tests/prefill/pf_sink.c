@@ -32,7 +32,9 @@
 static float elem(const kn_kv_pool *kv, int layer, int v, int block, int head, int t, int d)
 {
     size_t idx = (((size_t)block * (size_t)kv->n_kv_heads + (size_t)head) * (size_t)kv->block_size +
-                  (size_t)t) * (size_t)kv->head_dim + (size_t)d;
+                  (size_t)t) *
+                     (size_t)kv->head_dim +
+                 (size_t)d;
     const void *base = v ? kv->v[layer] : kv->k[layer];
     return kv->type == TD_F16 ? td_fp16_to_fp32(((const uint16_t *)base)[idx])
                               : ((const float *)base)[idx];
@@ -42,10 +44,10 @@ static float dst_elem(const uint8_t *region, const kvx_layout *l, int layer, int
                       int head, int t, int d)
 {
     size_t per = (size_t)l->n_blocks * l->n_heads * l->block_size * l->head_dim;
-    size_t idx = (size_t)(2 * layer + v) * per +
-                 (((size_t)block * l->n_heads + (size_t)head) * l->block_size + (size_t)t) *
-                     l->head_dim +
-                 (size_t)d;
+    size_t idx =
+        (size_t)(2 * layer + v) * per +
+        (((size_t)block * l->n_heads + (size_t)head) * l->block_size + (size_t)t) * l->head_dim +
+        (size_t)d;
     return l->dtype_size == 2 ? td_fp16_to_fp32(((const uint16_t *)region)[idx])
                               : ((const float *)region)[idx];
 }
@@ -58,17 +60,28 @@ int main(int argc, char **argv)
     uint64_t id = 77;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-        if (!strcmp(a, "--model")) model = v, i++;
-        else if (!strcmp(a, "--url")) url = v, i++;
-        else if (!strcmp(a, "--tls")) tls = v, i++;
-        else if (!strcmp(a, "--tokens")) n_tok = atoi(v), i++;
-        else if (!strcmp(a, "--tp")) tp = atoi(v), i++;
-        else if (!strcmp(a, "--id")) id = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--timeout")) timeout = atoi(v), i++;
-        else if (!strcmp(a, "--late-targets")) late = 1;
-        else if (!strcmp(a, "--no-targets")) never = 1;
-        else if (!strcmp(a, "--expect-error")) expect_error = 1;
-        else if (!strcmp(a, "--no-check")) no_check = 1;
+        if (!strcmp(a, "--model"))
+            model = v, i++;
+        else if (!strcmp(a, "--url"))
+            url = v, i++;
+        else if (!strcmp(a, "--tls"))
+            tls = v, i++;
+        else if (!strcmp(a, "--tokens"))
+            n_tok = atoi(v), i++;
+        else if (!strcmp(a, "--tp"))
+            tp = atoi(v), i++;
+        else if (!strcmp(a, "--id"))
+            id = strtoull(v, NULL, 10), i++;
+        else if (!strcmp(a, "--timeout"))
+            timeout = atoi(v), i++;
+        else if (!strcmp(a, "--late-targets"))
+            late = 1;
+        else if (!strcmp(a, "--no-targets"))
+            never = 1;
+        else if (!strcmp(a, "--expect-error"))
+            expect_error = 1;
+        else if (!strcmp(a, "--no-check"))
+            no_check = 1;
         else {
             fprintf(stderr, "pf_sink: unknown option %s\n", a);
             return 2;
@@ -80,8 +93,8 @@ int main(int argc, char **argv)
     }
     /* the reference: the whole model in this process */
     pf_rig rig;
-    pf_rig_params rp = {.model_path = model, .pp = 1, .ctx = n_tok + 64, .block_size = 16,
-                        .kv_type = TD_F16};
+    pf_rig_params rp = {
+        .model_path = model, .pp = 1, .ctx = n_tok + 64, .block_size = 16, .kv_type = TD_F16};
     if (pf_rig_open(&rig, &rp)) return 2;
     const kn_hparams *hp = &rig.model->hp;
     int32_t *prompt = malloc((size_t)n_tok * sizeof *prompt), *pos = malloc((size_t)n_tok * 4);
@@ -96,13 +109,19 @@ int main(int argc, char **argv)
     kn_seq_view view = {.block_table = seq.blocks, .n_ctx = n_tok};
     int32_t last = n_tok - 1;
     float *logits = malloc((size_t)hp->n_vocab * sizeof *logits);
-    kn_batch b = {.n_tokens = n_tok, .tokens = prompt, .pos = pos, .seq_of = seq0, .n_seqs = 1,
-                  .seqs = &view, .n_logits = 1, .logit_rows = &last};
+    kn_batch b = {.n_tokens = n_tok,
+                  .tokens = prompt,
+                  .pos = pos,
+                  .seq_of = seq0,
+                  .n_seqs = 1,
+                  .seqs = &view,
+                  .n_logits = 1,
+                  .logit_rows = &last};
     int32_t expect_tok = -1;
     if (!no_check) {
         if (kn_engine_forward(rig.engine, rig.kv, &b, logits)) return 2;
         kn_sampler smp;
-        kn_sampler_params sp = {0};
+        td_sampling sp = {0};
         kn_sampler_init(&smp, &sp, hp->n_vocab);
         expect_tok = kn_sample(&smp, logits, prompt, n_tok);
         kn_sampler_fini(&smp);
@@ -126,10 +145,15 @@ int main(int argc, char **argv)
         uint32_t h0, nh;
         if (kvx_layout_heads_of_rank((uint32_t)hp->n_head_kv, (uint32_t)tp, (uint32_t)r, &h0, &nh))
             return 2;
-        lay[r] = (kvx_layout){.layer0 = 0, .n_layers = (uint32_t)hp->n_layer,
-                              .n_kv_heads = (uint32_t)hp->n_head_kv, .head0 = h0, .n_heads = nh,
-                              .block_size = (uint32_t)bs, .head_dim = (uint32_t)hp->head_dim,
-                              .dtype_size = 2, .n_blocks = (uint32_t)n_blocks};
+        lay[r] = (kvx_layout){.layer0 = 0,
+                              .n_layers = (uint32_t)hp->n_layer,
+                              .n_kv_heads = (uint32_t)hp->n_head_kv,
+                              .head0 = h0,
+                              .n_heads = nh,
+                              .block_size = (uint32_t)bs,
+                              .head_dim = (uint32_t)hp->head_dim,
+                              .dtype_size = 2,
+                              .n_blocks = (uint32_t)n_blocks};
         region[r] = calloc(1, kvx_layout_bytes(&lay[r]));
         if (kvx_dec_register(conn[r], region[r], kvx_layout_bytes(&lay[r]), &lay[r])) return 2;
         for (int i = 0; i < nb; i++)
@@ -137,8 +161,11 @@ int main(int argc, char **argv)
         if (n_blocks % 3 == 0)
             for (int i = 0; i < nb; i++)
                 blocks[r][i] = n_blocks - 1 - i;
-        kvx_dec_req_params dp = {.n_stages = 0, .rank = (uint32_t)r, .tp = (uint32_t)tp,
-                                 .blocks = blocks[r], .n_blocks = (uint32_t)nb,
+        kvx_dec_req_params dp = {.n_stages = 0,
+                                 .rank = (uint32_t)r,
+                                 .tp = (uint32_t)tp,
+                                 .blocks = blocks[r],
+                                 .n_blocks = (uint32_t)nb,
                                  .timeout_ms = timeout};
         size_t len;
         /* n_stages: asked from the instance's pp, passed in the URL-less way: the test
@@ -179,8 +206,8 @@ int main(int argc, char **argv)
         if (in.kind == TD_CTRL_IN_REPLY && in.call_id == call) {
             if (in.err || in.env->body_case == TD__ENVELOPE__BODY_ERROR) {
                 code = in.err ? -1 : (int)in.env->error->code;
-                snprintf(msg, sizeof msg, "%s", in.err ? td_strerror(in.err)
-                                                        : in.env->error->message);
+                snprintf(msg, sizeof msg, "%s",
+                         in.err ? td_strerror(in.err) : in.env->error->message);
                 got = 1;
             } else if (late) {
                 usleep(200000);
@@ -248,8 +275,8 @@ int main(int argc, char **argv)
                             for (int d = 0; d < hp->head_dim; d++) {
                                 float ref = elem(rig.kv, l, v, seq.blocks[t / bs],
                                                  (int)(lay[r].head0 + h), t % bs, d);
-                                float got_v = dst_elem(region[r], &lay[r], l, v,
-                                                       blocks[r][t / bs], (int)h, t % bs, d);
+                                float got_v = dst_elem(region[r], &lay[r], l, v, blocks[r][t / bs],
+                                                       (int)h, t % bs, d);
                                 double dd = fabs((double)ref - got_v);
                                 if (dd > maxd) maxd = dd;
                                 if (fabs(ref) > maxref) maxref = fabs(ref);
@@ -261,8 +288,8 @@ int main(int argc, char **argv)
         } else if (ok) {
             int kv_ok = maxd <= 1e-2 * maxref + 1e-3;
             printf("%s first_token %d expected %d kv_max_diff %.3g (max |kv| %.3g) %s\n",
-                   kv_ok && first == expect_tok ? "ok" : "error mismatch", first, expect_tok,
-                   maxd, maxref, msg);
+                   kv_ok && first == expect_tok ? "ok" : "error mismatch", first, expect_tok, maxd,
+                   maxref, msg);
             ok = kv_ok && first == expect_tok && !expect_error;
         }
     }

@@ -918,7 +918,8 @@ static void test_drain(void)
     int fd = http_connect();
     TH_REQUIRE(fd >= 0);
     http_send(fd, "POST", "/v1/completions", REQ_STREAM);
-    /* wait for the first token's chunk */
+    /* wait for the first token's chunk (of this response: g_resp holds the last test's) */
+    g_resp[0] = 0;
     size_t len = 0;
     ssize_t k;
     while (!strstr(g_resp, "\"text\":\"") && len < sizeof g_resp - 1 &&

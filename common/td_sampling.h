@@ -1,0 +1,29 @@
+/* td_sampling.h: a request's sampling parameters, one type from the router to the sampler.
+ *
+ * Purpose: the router parses them from the OpenAI body into this struct; the control plane
+ * carries them as proto Sampling (td_ctrl_sampling_to_pb / _from_pb in ctrl.h, the only
+ * conversion); the prefill chain's wire format carries them to the last stage; the decode
+ * scheduler and the last prefill stage hand them to kn_sampler_init unchanged.
+ * Semantics (kernels/sampler.h applies them, in llama.cpp's order): repetition penalty ->
+ * top-k -> top-p -> min-p -> temperature -> draw.
+ */
+#ifndef TD_SAMPLING_H
+#define TD_SAMPLING_H
+
+#include <stdint.h>
+
+typedef struct {
+    float temperature;     /* <= 0: greedy */
+    int32_t top_k;         /* <= 0: off */
+    float top_p;           /* >= 1 or <= 0: off */
+    float min_p;           /* <= 0: off */
+    float repeat_penalty;  /* 1 or 0: off; > 1 penalizes tokens in the recent history */
+    int32_t repeat_last_n; /* history window for the penalty; 0: 64 */
+    uint64_t seed;
+    /* Draws already made for this request elsewhere (a moved request, or the first token that
+     * the last prefill stage sampled): kn_sampler_init advances the sampler past them, so a
+     * seeded request gives the same tokens wherever it runs. */
+    uint32_t skip_samples;
+} td_sampling;
+
+#endif
