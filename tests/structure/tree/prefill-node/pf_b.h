@@ -1,0 +1,3 @@
+/* pf_b.h (fixture) */
+#include "pf_a.h"
+int pf_b(void);

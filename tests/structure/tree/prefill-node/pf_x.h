@@ -1,0 +1,2 @@
+/* pf_x.h (fixture) */
+int pf_x(void);

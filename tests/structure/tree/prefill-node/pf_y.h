@@ -1,0 +1,2 @@
+/* pf_y.h (fixture) */
+int pf_y(void);

@@ -1,0 +1,3 @@
+/* pf_z.h (fixture) */
+#include "pf_int.h"
+int pf_z(void);

@@ -1,0 +1,10 @@
+/* cli_main.c (fixture): a static named like common's exported td_parse. */
+static int td_parse(const char *s) /* EXPECT: static-clash */
+{
+    return s[0] - '0';
+}
+
+int main(void)
+{
+    return td_parse("0");
+}
