@@ -25,87 +25,66 @@ import http.client
 import json
 import os
 import random
-import shutil
-import signal
 import socket
 import struct
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "soak"))
-from soaklib import alive, free_port, parse_metrics  # noqa: E402
+from tdtest.cluster import UpCluster, client_health, parse_metrics, yaml_text
+from tdtest.ports import free_port
+from tdtest.procs import alive, read
 
 OK, ERROR, REFUSED, CUT, HUNG, BAD, DROPPED = ("ok", "error", "refused", "cut", "hung", "bad",
                                               "dropped")
 
 
-def yaml_text(model, run_dir, listen, router_port, pf_hosts, pf_port, dc_host, dc_port, tp,
-              ucx_tls, xfer_timeout_ms, instance_timeout_ms=2000, pp=2, request_timeout_ms=30000,
-              colocated=False):
+def chaos_yaml(model, run_dir, listen, router_port, pf_hosts, pf_port, dc_host, dc_port, tp,
+               ucx_tls, xfer_timeout_ms, instance_timeout_ms=2000, pp=2, request_timeout_ms=30000,
+               colocated=False):
     """The cluster YAML: the router's own deadline per request (request_timeout_ms, 504 past
     it) is below the clients' (--deadline), so a request that hangs inside the cluster is
     the router's failure to answer, not the client's impatience. colocated: no prefill
     instance (the decode instance prefills)."""
-    prefill = [] if colocated else [
-        "prefill:", "  - name: p0", f"    pp: {pp}", "    chunk_size: 64", "    threads: 1",
-        f"    hosts: [{', '.join(pf_hosts[:pp])}]", f"    port: {pf_port}", "    kv_tokens: 4096",
-        "    profile_budget_ms: 0"]
-    return "\n".join([
-        f"model: {model}", f"run_dir: {run_dir}",
-        "router:", f"  listen: {listen}:{router_port}", "  heartbeat_ms: 100",
-        f"  instance_timeout_ms: {instance_timeout_ms}",
-        f"  request_timeout_ms: {request_timeout_ms}", "  drain_timeout_ms: 5000"] + prefill + [
-        "decode:", "  - name: d0", f"    tp: {tp}", "    threads: 1", f"    host: {dc_host}",
-        f"    port: {dc_port}", "    kv_blocks: 256", "    max_batch: 16",
-        "kvxfer:", f"  ucx_tls: {ucx_tls}", f"  timeout_ms: {xfer_timeout_ms}", ""])
+    doc = {"model": model, "run_dir": run_dir,
+           "router": {"listen": f"{listen}:{router_port}", "heartbeat_ms": 100,
+                      "instance_timeout_ms": instance_timeout_ms,
+                      "request_timeout_ms": request_timeout_ms, "drain_timeout_ms": 5000}}
+    if not colocated:
+        doc["prefill"] = [{"name": "p0", "pp": pp, "chunk_size": 64, "threads": 1,
+                           "hosts": list(pf_hosts[:pp]), "port": pf_port, "kv_tokens": 4096,
+                           "profile_budget_ms": 0}]
+    doc["decode"] = [{"name": "d0", "tp": tp, "threads": 1, "host": dc_host, "port": dc_port,
+                      "kv_blocks": 256, "max_batch": 16}]
+    doc["kvxfer"] = {"ucx_tls": ucx_tls, "timeout_ms": xfer_timeout_ms}
+    return yaml_text(doc)
 
 
-class ChaosCluster:
+class ChaosCluster(UpCluster):
     """A disaggregated cluster on loopback under `tandem up -d`: router, prefill p0 (pp 2,
     synthetic model, fixed chunks of 64) and decode d0 (tp ranks). TANDEM_BIN points at a
     temp dir of symlinks, so every process's command line names the temp dir (leftovers)."""
 
     def __init__(self, args, model, tp=2, xfer_timeout_ms=10000, env_extra=None, pp=2,
                  colocated=False, request_timeout_ms=30000):
+        super().__init__(args.tandem, "tandem-chaos-",
+                         {"decode": args.decode, "prefill": args.prefill,
+                          "router": args.router}, exclude="test_chaos", env_extra=env_extra)
         self.args = args
         self.tp = tp
         self.pp = 0 if colocated else pp
-        self.dir = tempfile.mkdtemp(prefix="tandem-chaos-")
-        self.bin = os.path.join(self.dir, "bin")
-        os.mkdir(self.bin)
-        for role in ("decode", "prefill", "router"):
-            os.symlink(os.path.abspath(getattr(args, role)),
-                       os.path.join(self.bin, f"tandem-{role}"))
-        self.env = dict(os.environ, TANDEM_BIN=self.bin, **(env_extra or {}))
         self.port = free_port(1)
         self.dc_port = free_port(1)
         self.pf_port = free_port(1)
         self.host = "127.0.0.1"
         self.cfg = os.path.join(self.dir, "chaos.yaml")
         with open(self.cfg, "w") as f:
-            f.write(yaml_text(model, f"{self.dir}/run", "127.0.0.1", self.port,
-                              ["127.0.0.1", "127.0.0.1"], self.pf_port, "127.0.0.1",
-                              self.dc_port, tp, "posix,cma,self", xfer_timeout_ms, pp=pp,
-                              colocated=colocated, request_timeout_ms=request_timeout_ms))
-        self.rdir = os.path.join(self.dir, "run", "chaos")
-
-    def tandem(self, *a, timeout=300):
-        return subprocess.run([self.args.tandem, *a], capture_output=True, text=True,
-                              timeout=timeout, env=self.env)
-
-    def up(self, timeout=240):
-        return self.tandem("up", "-d", self.cfg, "--timeout", str(timeout), timeout=timeout + 60)
-
-    def down(self, grace=30):
-        return self.tandem("down", self.cfg, "--grace", str(grace), timeout=grace * 3 + 60)
-
-    def status(self):
-        r = self.tandem("status", self.cfg, "--json", timeout=60)
-        return json.loads(r.stdout) if r.returncode == 0 else None
+            f.write(chaos_yaml(model, f"{self.dir}/run", "127.0.0.1", self.port,
+                               ["127.0.0.1", "127.0.0.1"], self.pf_port, "127.0.0.1",
+                               self.dc_port, tp, "posix,cma,self", xfer_timeout_ms, pp=pp,
+                               colocated=colocated, request_timeout_ms=request_timeout_ms))
+        self.rdir = self.run_dir("chaos")
 
     # --- processes, from the pid files ("PID STARTTIME RESTARTS", docs/deploy.md) -----------
     def keys(self):
@@ -113,12 +92,7 @@ class ChaosCluster:
                 [f"prefill-p0-{s}" for s in range(self.pp)] + ["router-router-0"])
 
     def pid(self, key):
-        try:
-            with open(os.path.join(self.rdir, key + ".pid")) as f:
-                v = f.read().split()
-            return int(v[0]), int(v[2]) if len(v) > 2 else 0
-        except (OSError, ValueError, IndexError):
-            return 0, 0
+        return self.pid_file(self.rdir, key)
 
     def wait_restarted(self, key, old_pid, timeout):
         """Time at which the pid file names a live process other than old_pid, or None."""
@@ -134,31 +108,14 @@ class ChaosCluster:
         return all(self.pid(k)[0] and alive(self.pid(k)[0]) for k in self.keys())
 
     def log(self, key):
-        try:
-            with open(os.path.join(self.rdir, key + ".log"), errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
+        return read(os.path.join(self.rdir, key + ".log"))
 
     def logs(self):
-        out = {}
-        if os.path.isdir(self.rdir):
-            for n in sorted(os.listdir(self.rdir)):
-                if n.endswith(".log"):
-                    with open(os.path.join(self.rdir, n), errors="replace") as f:
-                        out[n] = f.read()
-        return out
+        return self.logs_of(self.rdir)
 
     # --- observation --------------------------------------------------------------------
     def client_health(self, url, ns=None):
-        cmd = [self.args.tandem, "client", "--url", url, "--health"]
-        if ns:
-            cmd = ["ip", "netns", "exec", ns] + cmd
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=self.env)
-        f = r.stdout.split()
-        d = {f[k]: f[k + 1] for k in range(0, len(f) - 1, 2)}
-        return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in d.items()} \
-            if r.returncode == 0 else None
+        return client_health(self.args.tandem, url, env=self.env, ns=ns, typed=True)
 
     def decode_health(self):
         return self.client_health(f"tcp://{self.dc_host_for_client()}:{self.dc_port}",
@@ -247,38 +204,9 @@ class ChaosCluster:
                 return clean, time.time() - t0, desc
             time.sleep(0.3)
 
-    def leftovers(self):
-        """Live processes whose command line mentions the temp dir (the test itself aside)."""
-        found = []
-        me = os.getpid()
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit() or int(pid) == me:
-                continue
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if self.dir in cmd and "test_chaos" not in cmd and alive(pid):
-                found.append((int(pid), cmd.replace("\0", " ")[:120]))
-        return found
-
     def cleanup(self, keep=False):
         """Kills what is left of this test's processes (by pid) and removes the temp dir."""
-        for pid, _ in self.leftovers():
-            for fn in (lambda: os.killpg(pid, signal.SIGKILL),
-                       lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    fn()
-                except OSError:
-                    pass
-        for path in (f"/dev/shm/tandem-d0-p{self.dc_port}",):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        if not keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        super().cleanup(keep, shm=(f"/dev/shm/tandem-d0-p{self.dc_port}",))
 
 
 # --- load --------------------------------------------------------------------------------------

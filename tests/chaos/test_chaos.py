@@ -62,19 +62,14 @@ import threading
 import time
 
 sys.dont_write_bytecode = True  # keep the source tree free of __pycache__
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
 from chaoslib import (BAD, CUT, DROPPED, ERROR, HUNG, OK, REFUSED, ChaosCluster,  # noqa: E402
-                      Load, alive, drop_clients, model_name, yaml_text)
+                      Load, chaos_yaml, drop_clients, model_name)
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.procs import alive, read, spawn, stop  # noqa: E402
+from tdtest.waits import wait_text  # noqa: E402
 
-FAILS = []
-SKIP = 77
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-    return cond
+SKIP = 77  # ctest SKIP_RETURN_CODE
 
 
 def sanitizer_reports(logs):
@@ -83,27 +78,6 @@ def sanitizer_reports(logs):
 
 
 # --- supervise ---------------------------------------------------------------------------------
-def wait_text(path, needle, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            with open(path, errors="replace") as f:
-                if needle in f.read():
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.05)
-    return False
-
-
-def read(path):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def case_supervise(args):
     cl = ChaosCluster(args, args.model, tp=1)
     err_path = os.path.join(cl.dir, "up.err")
@@ -470,10 +444,10 @@ class NetnsCluster(ChaosCluster):
         self.dc_addr, self.pf_addr = f"{net}.5", f"{net}.6"
         self.dev_dp, self.dev_pd = dev_dp, dev_pd
         with open(self.cfg, "w") as f:
-            f.write(yaml_text(args.model, f"{self.dir}/run", self.host, self.port,
-                              [self.pf_addr, self.pf_addr], self.pf_port, self.dc_addr,
-                              self.dc_port, 1, "tcp", args.xfer_timeout_ms,
-                              instance_timeout_ms=2000))
+            f.write(chaos_yaml(args.model, f"{self.dir}/run", self.host, self.port,
+                               [self.pf_addr, self.pf_addr], self.pf_port, self.dc_addr,
+                               self.dc_port, 1, "tcp", args.xfer_timeout_ms,
+                               instance_timeout_ms=2000))
         self.procs = {}
 
     def dc_host_for_client(self):
@@ -489,12 +463,10 @@ class NetnsCluster(ChaosCluster):
         return self.ns_p
 
     def start(self, name, ns, script, *a, dev):
-        log = open(os.path.join(self.dir, f"{name}.log"), "a")
         env = dict(self.env, UCX_NET_DEVICES=dev) if dev else self.env
-        self.procs[name] = subprocess.Popen(
+        self.procs[name] = spawn(
             ["ip", "netns", "exec", ns, os.path.join(self.args.source_dir, "deploy", script),
-             self.cfg, *a], stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+             self.cfg, *a], os.path.join(self.dir, f"{name}.log"), env=env, new_session=True)
 
     def keys(self):
         return list(self.procs)
@@ -509,17 +481,8 @@ class NetnsCluster(ChaosCluster):
         return {k: read(os.path.join(self.dir, f"{k}.log")) for k in self.procs}
 
     def stop(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        codes = {}
-        for k, p in self.procs.items():
-            try:
-                codes[k] = p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                codes[k] = p.wait()
-        return codes
+        keys = list(self.procs)
+        return dict(zip(keys, stop([self.procs[k] for k in keys], timeout=60, group=True)))
 
 
 def case_netns(args):

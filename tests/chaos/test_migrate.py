@@ -39,17 +39,10 @@ import threading
 import time
 
 sys.dont_write_bytecode = True  # keep the source tree free of __pycache__
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chaoslib import ChaosCluster, alive, model_name  # noqa: E402
-
-FAILS = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-    return cond
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from chaoslib import ChaosCluster, model_name  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.procs import alive  # noqa: E402
 
 
 class Stream:

@@ -22,51 +22,45 @@ usage: test_decode_node.py --decode BIN --tandem BIN --synth-dir DIR [--model GG
 import argparse
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-FAILS = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.cluster import client_health, write_yaml  # noqa: E402
+from tdtest.ports import free_port  # noqa: E402
+from tdtest.procs import spawn, stop  # noqa: E402
 
 
 class Instance:
     """One decode instance: tp processes started from a generated YAML."""
 
     def __init__(self, args, model, tp, threads=1, kv_blocks=512, step_tokens=128, max_batch=32,
-                 name=None, extra=""):
+                 name=None, decode_extra=None, doc_extra=None):
+        """decode_extra: more fields of the instance; doc_extra: more top-level sections
+        (test_pd_decode.py: a prefill instance and kvxfer)."""
         self.args = args
         self.tp = tp
         self.dir = tempfile.mkdtemp(prefix="tandem-dc-")
         self.cfg = os.path.join(self.dir, "cluster.yaml")
         for attempt in range(3):
-            self.port = random.randint(20000, 40000)
+            self.port = free_port()
             self.name = name or f"d{self.port}"
-            with open(self.cfg, "w") as f:
-                f.write(f"model: {model}\n"
-                        f"decode:\n"
-                        f"  - name: {self.name}\n"
-                        f"    tp: {tp}\n"
-                        f"    threads: {threads}\n"
-                        f"    kv_blocks: {kv_blocks}\n"
-                        f"    step_tokens: {step_tokens}\n"
-                        f"    max_batch: {max_batch}\n"
-                        f"    port: {self.port}\n" + extra)  # extra: more YAML (test_pd_decode.py)
+            write_yaml(self.cfg, {
+                "model": model,
+                "decode": [{"name": self.name, "tp": tp, "threads": threads,
+                            "kv_blocks": kv_blocks, "step_tokens": step_tokens,
+                            "max_batch": max_batch, "port": self.port, **(decode_extra or {})}],
+                **(doc_extra or {})})
             self.url = f"tcp://127.0.0.1:{self.port}"
             self.procs = []
             order = list(range(tp))
             random.shuffle(order)  # ranks start in any order
             for r in order:
-                log = open(os.path.join(self.dir, f"rank{r}.log"), "w")
-                p = subprocess.Popen([args.decode, "--config", self.cfg, "--instance", self.name,
-                                      "--rank", str(r)], stdout=log, stderr=subprocess.STDOUT)
+                p = spawn([args.decode, "--config", self.cfg, "--instance", self.name,
+                           "--rank", str(r)], os.path.join(self.dir, f"rank{r}.log"), mode="w")
                 self.procs.append((r, p))
             try:
                 self.wait_ready()
@@ -75,7 +69,7 @@ class Instance:
                 # followers wait for a leader without limit: never leave them behind (SIGTERM:
                 # they remove their shared-memory KV pools)
                 self.stop()
-                # another process on this machine took the random port: try another one
+                # another process on this machine took the port since: try another one
                 if attempt < 2 and "Address in use" in self.log(0):
                     continue
                 raise
@@ -100,8 +94,8 @@ class Instance:
         raise RuntimeError("instance did not become ready: " + self.log(0))
 
     def health(self):
-        out = self.client("--health", "--timeout-ms", "5000").stdout.split()
-        return {out[i]: out[i + 1] for i in range(0, len(out) - 1, 2)}
+        return client_health(self.args.tandem, self.url, timeout=300,
+                             extra=("--timeout-ms", "5000"))
 
     def log(self, r):
         with open(os.path.join(self.dir, f"rank{r}.log")) as f:
@@ -117,15 +111,7 @@ class Instance:
         return total
 
     def stop(self):
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for _, p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop([p for _, p in self.procs], timeout=20)
 
 
 def generate_ids(args, model, ids, n):
@@ -192,7 +178,7 @@ def case_concurrent(args, model, vocab, kv_blocks, label, expect_preempt=False):
     # deterministic: prefill rows too are computed as if alone, so a request's output never
     # depends on its batch (decode[].deterministic, docs/config.md)
     inst = Instance(args, model, 1, threads=2, kv_blocks=kv_blocks, step_tokens=64,
-                    extra="    deterministic: true\n")
+                    decode_extra={"deterministic": True})
     try:
         rc, together, err = run_requests(inst, reqs)
         check(rc == 0 and len(together) == 16, f"{label}: 16 concurrent requests finished ({err.strip()[:200]})")

@@ -38,19 +38,18 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_decode_node import CHAT_PROMPTS, FAILS, Instance, check, generate_ids  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from test_decode_node import CHAT_PROMPTS, Instance, generate_ids  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.procs import shm_left  # noqa: E402
 
 SEEDED = ["--temperature", "0.9", "--top-k", "40", "--seed", "5"]
 
 
 def instance(args, model, tp, tls, timeout_ms=20000, kv_blocks=256):
-    extra = ("prefill:\n"
-             "  - name: p0\n"          # never started: it makes the decode disaggregated
-             "kvxfer:\n"
-             f"  ucx_tls: {tls}\n"
-             f"  timeout_ms: {timeout_ms}\n")
-    return Instance(args, model, tp, kv_blocks=kv_blocks, extra=extra)
+    extra = {"prefill": [{"name": "p0"}],  # never started: it makes the decode disaggregated
+             "kvxfer": {"ucx_tls": tls, "timeout_ms": timeout_ms}}
+    return Instance(args, model, tp, kv_blocks=kv_blocks, doc_extra=extra)
 
 
 class Transfer:
@@ -115,7 +114,7 @@ def stop_and_check_leaks(inst, label):
     zeros = ",".join(["0"] * inst.tp)
     check(f"0 transfers alive, dec_requests {zeros}" in line,
           f"{label}: no kvxfer request left on any rank: '{line.strip()[-80:]}'")
-    left = [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-kv-{inst.name}-")]
+    left = shm_left(f"tandem-kv-{inst.name}-")
     check(not left, f"{label}: no KV pool segment left in /dev/shm ({left})")
 
 
@@ -147,7 +146,7 @@ def case_default(args, tp):
     inst = instance(args, model, tp, tls)
     try:
         if tp > 1:
-            left = [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-kv-{inst.name}-")]
+            left = shm_left(f"tandem-kv-{inst.name}-")
             check(not left, f"{label}: the leader unlinked the followers' KV segments ({left})")
         rnd = random.Random(3)
         prompts = CHAT_PROMPTS + [[rnd.randrange(49152) for _ in range(45)]]

@@ -37,8 +37,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_decode_node import FAILS, Instance, check, generate_ids, node_ids  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from test_decode_node import Instance, generate_ids, node_ids  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.procs import shm_left as _shm_left, spawn  # noqa: E402
 
 READY_LIMIT = 60  # seconds from a restart to ready (model load included); typically ~1 s
 TIMES = []
@@ -46,9 +48,8 @@ TIMES = []
 
 def start_rank(inst, r):
     """(Re)start rank r of inst; its log continues in rankR.log."""
-    log = open(os.path.join(inst.dir, f"rank{r}.log"), "a")
-    p = subprocess.Popen([inst.args.decode, "--config", inst.cfg, "--instance", inst.name,
-                          "--rank", str(r)], stdout=log, stderr=subprocess.STDOUT)
+    p = spawn([inst.args.decode, "--config", inst.cfg, "--instance", inst.name, "--rank", str(r)],
+              os.path.join(inst.dir, f"rank{r}.log"))
     inst.procs = [(rr, pp) for rr, pp in inst.procs if rr != r] + [(r, p)]
     return p
 
@@ -141,8 +142,7 @@ def lose_leader(inst, sig, label):
 
 
 def shm_left(inst):
-    return [f for f in os.listdir("/dev/shm")
-            if f.startswith(f"tandem-{inst.name}-") or f.startswith(f"tandem-kv-{inst.name}-")]
+    return _shm_left(f"tandem-{inst.name}-", f"tandem-kv-{inst.name}-")
 
 
 def stop_all(inst, label):

@@ -43,137 +43,68 @@ import argparse
 import json
 import os
 import random
-import selectors
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
-FAILS = []
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.cluster import UpCluster, write_yaml  # noqa: E402
+from tdtest.ports import free_port as _free_port  # noqa: E402
+from tdtest.procs import alive as running, children, read, stop  # noqa: E402
+from tdtest.waits import wait_line  # noqa: E402
+
 SKIP = 77  # ctest SKIP_RETURN_CODE
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-    return cond
-
-
-def can_bind(port):
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def free_port():
     """A base port P for a cluster: P is the router, P+1.. the decode instances, P+50.. the
-    prefill instances. Below the ephemeral range (32768 up by default), so that no outgoing
-    connection on this busy machine holds one of them (a prefill stage 0 once failed to
-    listen with 'Address in use' on a port in that range)."""
-    for _ in range(100):
-        p = random.randint(20000, 32700 - 60)
-        if all(can_bind(q) for q in (p, p + 1, p + 2, p + 3, p + 50, p + 51)):
-            return p
-    return p
+    prefill instances."""
+    return _free_port(4, also=(50, 51))
 
 
-class Env:
+class Env(UpCluster):
     """A temp dir with a bin dir (TANDEM_BIN: tandem-decode + router) and YAML files."""
 
     def __init__(self, args):
-        self.args = args
-        self.dir = tempfile.mkdtemp(prefix="tandem-deploy-")
-        self.bin = os.path.join(self.dir, "bin")
-        os.mkdir(self.bin)
-        os.symlink(os.path.abspath(args.decode), os.path.join(self.bin, "tandem-decode"))
         router = args.router or os.path.join(args.source_dir, "tests/deploy/fake_router.py")
-        os.symlink(os.path.abspath(router), os.path.join(self.bin, "tandem-router"))
         prefill = args.prefill or os.path.join(os.path.dirname(args.decode), "tandem-prefill")
         self.prefill = prefill if os.access(prefill, os.X_OK) else None
-        if self.prefill:
-            os.symlink(os.path.abspath(prefill), os.path.join(self.bin, "tandem-prefill"))
         # start-prefill.sh ... all reads the stage count with `tandem status`
-        os.symlink(os.path.abspath(args.tandem), os.path.join(self.bin, "tandem"))
-        self.env = dict(os.environ, TANDEM_BIN=self.bin)
+        super().__init__(args.tandem, "tandem-deploy-",
+                         {"decode": args.decode, "router": router, "prefill": self.prefill,
+                          "tandem": args.tandem}, exclude="test_deploy")
+        self.args = args
         self.model = os.path.join(args.synth_dir, "llama.gguf")  # 6 layers: pp 2 = 3 + 3
 
     def yaml(self, name, decodes, model=None, listen_host="127.0.0.1", decode_host=None,
              prefills=()):
-        """decodes: list of (name, tp); prefills: list of (name, pp[, extra YAML lines]).
+        """decodes: list of (name, tp); prefills: list of (name, pp[, {more fields}]).
         Returns (path, router port); the prefill instances' ports are in self.pf_port."""
         port = free_port()
-        lines = [f"model: {model or self.model}", f"run_dir: {self.dir}/run",
-                 "router:", f"  listen: {listen_host}:{port}", "  heartbeat_ms: 100",
-                 "  instance_timeout_ms: 3000", "decode:"]
-        for i, (dname, tp) in enumerate(decodes):
-            lines += [f"  - name: {dname}", f"    tp: {tp}", "    kv_blocks: 256",
-                      "    max_batch: 16", "    step_tokens: 128", f"    port: {port + 1 + i}"]
-            if decode_host:
-                lines.append(f"    host: {decode_host}")
+        doc = {"model": model or self.model, "run_dir": f"{self.dir}/run",
+               "router": {"listen": f"{listen_host}:{port}", "heartbeat_ms": 100,
+                          "instance_timeout_ms": 3000},
+               "decode": [dict({"name": dname, "tp": tp, "kv_blocks": 256, "max_batch": 16,
+                                "step_tokens": 128, "port": port + 1 + i},
+                               **({"host": decode_host} if decode_host else {}))
+                          for i, (dname, tp) in enumerate(decodes)]}
         self.pf_port = {}
-        if prefills:
-            lines.append("prefill:")
         for i, (pname, pp, *extra) in enumerate(prefills):
             self.pf_port[pname] = port + 50 + i
-            lines += [f"  - name: {pname}", f"    pp: {pp}", "    chunk_size: 64",
-                      "    kv_tokens: 4096", "    profile_budget_ms: 1000",
-                      f"    port: {port + 50 + i}", *(extra[0] if extra else [])]
+            doc.setdefault("prefill", []).append(
+                {"name": pname, "pp": pp, "chunk_size": 64, "kv_tokens": 4096,
+                 "profile_budget_ms": 1000, "port": port + 50 + i, **(extra[0] if extra else {})})
         if prefills:  # one host: shared memory only, as deploy/local.yaml
-            lines += ["kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 20000"]
-        path = os.path.join(self.dir, name + ".yaml")
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return path, port
-
-    def tandem(self, *a, timeout=300):
-        return subprocess.run([self.args.tandem, *a], capture_output=True, text=True,
-                              timeout=timeout, env=self.env)
+            doc["kvxfer"] = {"ucx_tls": "posix,cma,self", "timeout_ms": 20000}
+        return write_yaml(os.path.join(self.dir, name + ".yaml"), doc), port
 
     def status(self, cfg):
-        r = self.tandem("status", cfg, "--json")
-        if r.returncode:
-            return None
-        return json.loads(r.stdout)
-
-    def leftovers(self):
-        """Processes whose command line mentions this test's directory."""
-        found = []
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit() or int(pid) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-                with open(f"/proc/{pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if self.dir in cmd and state not in ("Z", "X") and "test_deploy" not in cmd:
-                found.append((int(pid), cmd.replace("\0", " ")[:120]))
-        return found
-
-    def cleanup(self):
-        for pid, _ in self.leftovers():
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        return super().status(cfg, timeout=300)
 
 
 def http(url, body=None, timeout=120):
@@ -230,15 +161,6 @@ def check_completion(base, label, e):
         check(got == want, f"{label}: the completion equals tandem generate ({got!r} vs {want!r})")
 
 
-def running(pid):
-    """pid exists and is not a zombie (an orphan waits for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def states(st):
     return [p["state"] for p in st["processes"]] if st else None
 
@@ -277,25 +199,6 @@ def case_up_down(e):
     check(not alive and not e.leftovers(), f"no process left after down ({alive} {e.leftovers()})")
     r = e.tandem("down", cfg, timeout=60)
     check(r.returncode == 0 and "not running" in r.stdout, "down again: 'not running', exit 0")
-
-
-def wait_line(proc, needle, timeout):
-    """Reads proc.stdout until a line containing needle; returns the text read."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf = ""
-    end = time.time() + timeout
-    while time.time() < end and needle not in buf:
-        if not sel.select(timeout=0.5):
-            if proc.poll() is not None:
-                break
-            continue
-        chunk = os.read(proc.stdout.fileno(), 4096).decode(errors="replace")
-        if not chunk:
-            break
-        buf += chunk
-    sel.close()
-    return buf
 
 
 def start_fg(e, cfg, *extra):
@@ -438,14 +341,6 @@ def need_prefill(e):
     return False
 
 
-def read(path):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def prefilled_by(e, rdir_or_log, label):
     """With the real router: stage 0's log shows a request prefilled by the instance."""
     if not e.args.router:
@@ -532,7 +427,7 @@ def case_prefill_foreground(e):
             p.kill()
             p.wait()
     # A prefill instance that cannot start (its layer partition does not fit the model).
-    bad, _ = e.yaml("pfbad", [("d0", 1)], prefills=[("p0", 2, ["    layer_partition: [1, 2]"])])
+    bad, _ = e.yaml("pfbad", [("d0", 1)], prefills=[("p0", 2, {"layer_partition": [1, 2]})])
     t0 = time.time()
     r = e.tandem("up", "-d", bad, "--timeout", "120", timeout=240)
     check(r.returncode != 0 and "did not come up" in r.stderr and "prefill-p0-" in r.stderr,
@@ -564,25 +459,7 @@ def wait_pf_ready(e, procs, timeout=120):
 
 
 def stop_procs(procs, sig=signal.SIGTERM, timeout=60):
-    codes = []
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(sig)
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            codes.append(p.wait())
-    return codes
-
-
-def children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
+    return stop(procs, sig, timeout, group=True)
 
 
 def case_prefill_scripts(e):

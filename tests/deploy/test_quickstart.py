@@ -28,49 +28,30 @@ usage: test_quickstart.py --source-dir DIR [--keep]
 import argparse
 import json
 import os
-import random
 import re
-import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
-FAILS = []
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.ports import can_bind as _can_bind, free_port as _free_port  # noqa: E402
+from tdtest.procs import alive, leftovers, proc_stat, read  # noqa: E402
+from tdtest.waits import http_status  # noqa: E402
+
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 
 
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-    return cond
-
-
 def can_bind(port):
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
-    try:
-        s.bind(("127.0.0.1", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+    return _can_bind(port, reuse=True)  # as the servers bind
 
 
 def free_port():
     """N with N, N+1, N+2 free (router, d0, p0 under --port N), below the ephemeral range."""
-    for _ in range(200):
-        p = random.randint(20000, 32700)
-        if all(can_bind(q) for q in (p, p + 1, p + 2)):
-            return p
-    return p
+    return _free_port(3, reuse=True)
 
 
 def copy_tree(src, dst):
@@ -94,55 +75,6 @@ def copy_tree(src, dst):
         shutil.copy2(s, d)
         n += 1
     return n
-
-
-def http_status(url, timeout=5):
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
-
-
-def read(path):
-    with open(path, errors="replace") as f:
-        return f.read()
-
-
-def proc_stat(pid):
-    """(state, pgid) of a pid, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-        return rest[0], int(rest[2])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def alive(pid):
-    st = proc_stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def leftovers(needle, pgids):
-    """Live processes whose command line mentions needle or whose process group is in pgids."""
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        st = proc_stat(int(d))
-        if st is None or st[0] in ("Z", "X"):
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace").replace("\0", " ")
-        except OSError:
-            continue
-        if needle in cmd or st[1] in pgids:
-            found.append((int(d), cmd[:120]))
-    return found
 
 
 def readme_examples(readme, port):

@@ -27,8 +27,11 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pdlib import FAILS, Cluster, check, generate_text  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from pdlib import Cluster, generate_text  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.waits import wait_for  # noqa: E402
+
 
 WORDS = ("the quick brown fox jumps over the lazy dog while seven wise owls count stars "
          "above a quiet river that winds through old hills and green fields").split()
@@ -85,15 +88,6 @@ def case_default(args):
             idle(c, f"default pp{pp} tp{tp}")
 
 
-def wait_for(pred, timeout, step=0.05):
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
-
-
 def background_complete(c, prompt, n, out):
     t0 = time.time()
     out["status"], out["body"] = c.complete(prompt, n)
@@ -128,7 +122,8 @@ def case_retry(args):
         m = c.metrics()
         check("retries" in m, "retry: the router counts retries in /metrics")
         c.start_stage(busy if busy is not None else 0, 0)
-        ok = wait_for(lambda: c.prefill_health(busy or 0).get("ready") == "1", 60)
+        ok = wait_for(lambda: c.prefill_health(busy or 0).get("ready") == "1", 60,
+                      last_look=False)
         check(ok, f"retry: restarted {victim} rejoins, its instance is ready again")
         equal_outputs(c, args, args.model, ["The capital of France is"], "retry: after restart")
         ok, hs = c.wait_idle()
@@ -142,7 +137,7 @@ def case_decode_dies(args):
         out = {}
         th = threading.Thread(target=background_complete, args=(c, prompt, 8, out))
         th.start()
-        ok = wait_for(lambda: c.prefill_health().get("running") == "1", 60)
+        ok = wait_for(lambda: c.prefill_health().get("running") == "1", 60, last_look=False)
         check(ok, "decode_dies: the prompt is being prefilled")
         time.sleep(0.3)
         c.kill("d0r0")
@@ -151,7 +146,7 @@ def case_decode_dies(args):
               f"decode_dies: the client gets an error in {out.get('seconds', 0):.1f} s "
               f"(status {out.get('status')}: {str(out.get('body'))[:200]})")
         ok = wait_for(lambda: (lambda h: h.get("running") == "0" and h.get("kv_used") == "0")(
-            c.prefill_health()), 30)
+            c.prefill_health()), 30, last_look=False)
         check(ok, f"decode_dies: the prefill instance dropped the transfer: {c.prefill_health()}")
         c.start_rank(0, 0)
         c.wait_health()
@@ -173,7 +168,7 @@ def case_stalled(args):
         check((out.get("status") or 0) >= 500 and out.get("seconds", 99) < 20,
               f"stalled: no KV ever comes: a clear error in {out.get('seconds', 0):.1f} s "
               f"(status {out.get('status')}: {str(out.get('body'))[:200]})")
-        ok = wait_for(lambda: c.decode_health().get("kv_used") == "0", 20)
+        ok = wait_for(lambda: c.decode_health().get("kv_used") == "0", 20, last_look=False)
         check(ok, f"stalled: the decode instance freed the blocks: {c.decode_health()}")
         time.sleep(0.5)
         equal_outputs(c, args, args.model, ["The capital of France is"], "stalled: after SIGCONT")

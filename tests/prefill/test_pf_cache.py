@@ -22,28 +22,19 @@ import glob
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-FAILS = []
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.cluster import write_yaml  # noqa: E402
+from tdtest.ports import free_port  # noqa: E402
+from tdtest.procs import read, spawn, stop  # noqa: E402
+from tdtest.waits import wait_text  # noqa: E402
+
 STOP_S = 2.0  # SIGTERM to exit while profiling
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 class Stage:
@@ -52,40 +43,29 @@ class Stage:
     def __init__(self, args, dir, cache, pp=1, threads=1, chunk=128, budget=2000, extra=(),
                  model=None):
         self.args, self.dir, self.pp, self.extra = args, dir, pp, list(extra)
-        self.cfg = os.path.join(dir, f"c-{pp}-{threads}-{chunk}-{budget}.yaml")
-        with open(self.cfg, "w") as f:
-            f.write(f"model: {model or args.model}\nprefill:\n  - name: p0\n    pp: {pp}\n"
-                    f"    chunk_size: {chunk}\n    port: {free_port()}\n"
-                    f"    kv_tokens: {max(2048, 2 * chunk)}\n"
-                    f"    threads: {threads}\n    profile_budget_ms: {budget}\n"
-                    f"decode:\n  - name: d0\n    port: {free_port()}\n"
-                    f"kvxfer:\n  ucx_tls: sm,tcp,self\n")
+        self.cfg = write_yaml(os.path.join(dir, f"c-{pp}-{threads}-{chunk}-{budget}.yaml"), {
+            "model": model or args.model,
+            "prefill": [{"name": "p0", "pp": pp, "chunk_size": chunk, "port": free_port(),
+                         "kv_tokens": max(2048, 2 * chunk), "threads": threads,
+                         "profile_budget_ms": budget}],
+            "decode": [{"name": "d0", "port": free_port()}],
+            "kvxfer": {"ucx_tls": "sm,tcp,self"}})
         self.env = dict(os.environ, TANDEM_CACHE=cache)
         self.procs, self.logs = {}, {}
 
     def start(self):
         for s in range(self.pp):
             self.logs[s] = os.path.join(self.dir, f"s{s}-{time.monotonic_ns()}.log")
-            with open(self.logs[s], "w") as log:
-                self.procs[s] = subprocess.Popen(
-                    [self.args.prefill, "--config", self.cfg, "--instance", "p0", "--stage",
-                     str(s), *(self.extra if s == 0 else [])],
-                    stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.procs[s] = spawn([self.args.prefill, "--config", self.cfg, "--instance", "p0",
+                                   "--stage", str(s), *(self.extra if s == 0 else [])],
+                                  self.logs[s], env=self.env, mode="w")
         return self
 
     def log(self, s=0):
-        with open(self.logs[s], errors="replace") as f:
-            return f.read()
+        return read(self.logs[s])
 
     def wait_log(self, pattern, timeout=120):
-        end = time.time() + timeout
-        while time.time() < end:
-            if re.search(pattern, self.log()):
-                return True
-            if self.procs[0].poll() is not None:
-                return False
-            time.sleep(0.05)
-        return False
+        return wait_text(self.logs[0], pattern, timeout, regex=True, procs=[self.procs[0]])
 
     def wait_ready(self):
         return self.wait_log(r"p0: ready|stages joined: ready")
@@ -96,13 +76,7 @@ class Stage:
         for s, p in self.procs.items():
             if p.poll() is None:
                 p.send_signal(sigs[s] if sigs else signal.SIGTERM)
-        codes = []
-        for p in self.procs.values():
-            try:
-                codes.append(p.wait(timeout=60))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append(p.wait())
+        codes = stop(self.procs.values(), sig=None, timeout=60)
         return codes, time.monotonic() - t0
 
 

@@ -31,66 +31,45 @@ check prints the directory.
 import argparse
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-FAILS = []
-LOGDIR = [None]  # the instance whose checks run now: its logs are named on a failure
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-        if LOGDIR[0]:
-            print(f"     logs: {LOGDIR[0]}", flush=True)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from tdtest.checks import FAILS, check, context  # noqa: E402
+from tdtest.cluster import client_health, write_yaml  # noqa: E402
+from tdtest.ports import free_port  # noqa: E402
+from tdtest.procs import Procs  # noqa: E402
 
 
 class Prefill:
     def __init__(self, args, pp, model, chunk=64, timeout_ms=5000, profile=2000, env=None):
         self.args, self.pp, self.env = args, pp, env
         self.dir = tempfile.mkdtemp(prefix="tandem-pf-")
-        LOGDIR[0] = self.dir
+        context(f"logs: {self.dir}")  # the instance whose checks run now
         self.port = free_port()
-        self.cfg = os.path.join(self.dir, "c.yaml")
-        with open(self.cfg, "w") as f:
-            f.write(f"model: {model}\nprefill:\n  - name: p0\n    pp: {pp}\n"
-                    f"    chunk_size: {chunk}\n    port: {self.port}\n    kv_tokens: 4096\n"
-                    f"    profile_budget_ms: {profile}\n"
-                    f"decode:\n  - name: d0\n    port: {free_port()}\n"
-                    f"kvxfer:\n  ucx_tls: sm,tcp,self\n  timeout_ms: {timeout_ms}\n")
-        self.procs = {}
+        self.cfg = write_yaml(os.path.join(self.dir, "c.yaml"), {
+            "model": model,
+            "prefill": [{"name": "p0", "pp": pp, "chunk_size": chunk, "port": self.port,
+                         "kv_tokens": 4096, "profile_budget_ms": profile}],
+            "decode": [{"name": "d0", "port": free_port()}],
+            "kvxfer": {"ucx_tls": "sm,tcp,self", "timeout_ms": timeout_ms}})
+        self.ps = Procs(self.dir)
+        self.procs = {}  # stage -> Popen
         self.url = f"tcp://127.0.0.1:{self.port}"
 
     def start(self, s):
-        log = open(os.path.join(self.dir, f"s{s}.log"), "a")
-        self.procs[s] = subprocess.Popen([self.args.prefill, "--config", self.cfg, "--instance",
-                                          "p0", "--stage", str(s)], stdout=log,
-                                         stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, TANDEM_CACHE=self.dir,
-                                                  **(self.env or {})))
+        self.procs[s] = self.ps.spawn(f"s{s}", [self.args.prefill, "--config", self.cfg,
+                                                "--instance", "p0", "--stage", str(s)],
+                                      env=dict(os.environ, TANDEM_CACHE=self.dir,
+                                               **(self.env or {})))
 
     def log(self, s=0):
-        with open(os.path.join(self.dir, f"s{s}.log"), errors="replace") as f:
-            return f.read()
+        return self.ps.log(f"s{s}")
 
     def health(self):
-        r = subprocess.run([self.args.tandem, "client", "--url", self.url, "--health"],
-                           capture_output=True, text=True, timeout=30)
-        f = r.stdout.split()
-        return {f[k]: f[k + 1] for k in range(0, len(f) - 1, 2)}
+        return client_health(self.args.tandem, self.url, timeout=30)
 
     def wait_ready(self, n_joins=1, timeout=60):
         end = time.time() + timeout
@@ -110,17 +89,7 @@ class Prefill:
         return self
 
     def stop(self):
-        codes = []
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                codes.append(p.wait(timeout=30))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append(p.wait())
-        return codes
+        return list(self.ps.stop(timeout=30).values())
 
     def __exit__(self, *exc):
         self.stop()

@@ -8,12 +8,13 @@ import atexit
 import http.client
 import json
 import os
-import random
 import signal
-import socket
-import subprocess
 import tempfile
-import time
+
+from tdtest.cluster import client_health, generate_text as _generate_text, write_yaml
+from tdtest.ports import free_port
+from tdtest.procs import spawn, stop
+from tdtest.waits import get_status, wait_http
 
 _PROCS = []
 
@@ -29,57 +30,25 @@ atexit.register(_kill_all)
 signal.signal(signal.SIGTERM, lambda *a: (_kill_all(), os._exit(1)))
 
 
-FAILS = []  # what failed, for the test's exit status
-
-
-def check(cond, what):
-    """Record one check: print it, remember a failure, go on."""
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-
-
-def free_port():
-    while True:
-        port = random.randint(20000, 60000)
-        s = socket.socket()
-        try:
-            s.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            s.close()
-
-
 class Cluster:
     def __init__(self, args, model, n_decode=1, api_key="", max_queue=256, max_batch=64,
-                 kv_blocks=1024, heartbeat_ms=200, instance_timeout_ms=6000, extra_router="",
+                 kv_blocks=1024, heartbeat_ms=200, instance_timeout_ms=6000, router_extra=None,
                  router_env=None):
+        """router_extra: more router fields ({name: value}, after the others)."""
         self.router_env = router_env
         self.args = args
         self.model = model
         self.dir = tempfile.mkdtemp(prefix="tandem-rt-")
         self.http_port = free_port()
         self.decode_ports = [free_port() for _ in range(n_decode)]
-        self.cfg = os.path.join(self.dir, "cluster.yaml")
-        with open(self.cfg, "w") as f:
-            f.write(f"model: {model}\n"
-                    f"router:\n"
-                    f"  listen: 127.0.0.1:{self.http_port}\n"
-                    f"  api_key: \"{api_key}\"\n"
-                    f"  max_queue: {max_queue}\n"
-                    f"  heartbeat_ms: {heartbeat_ms}\n"
-                    f"  instance_timeout_ms: {instance_timeout_ms}\n{extra_router}"
-                    f"decode:\n")
-            for i, port in enumerate(self.decode_ports):
-                f.write(f"  - name: d{i}\n"
-                        f"    tp: 1\n"
-                        f"    threads: 1\n"
-                        f"    kv_blocks: {kv_blocks}\n"
-                        f"    max_batch: {max_batch}\n"
-                        f"    step_tokens: 64\n"
-                        f"    port: {port}\n")
+        self.cfg = write_yaml(os.path.join(self.dir, "cluster.yaml"), {
+            "model": model,
+            "router": {"listen": f"127.0.0.1:{self.http_port}", "api_key": json.dumps(api_key),
+                       "max_queue": max_queue, "heartbeat_ms": heartbeat_ms,
+                       "instance_timeout_ms": instance_timeout_ms, **(router_extra or {})},
+            "decode": [{"name": f"d{i}", "tp": 1, "threads": 1, "kv_blocks": kv_blocks,
+                        "max_batch": max_batch, "step_tokens": 64, "port": port}
+                       for i, port in enumerate(self.decode_ports)]})
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.decode = {}
         self.router = None
@@ -95,9 +64,8 @@ class Cluster:
         self.stop()
 
     def _spawn(self, argv, logname, env=None):
-        log = open(os.path.join(self.dir, logname), "a")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, **env) if env else None)
+        p = spawn(argv, os.path.join(self.dir, logname),
+                  env=dict(os.environ, **env) if env else None)
         _PROCS.append(p)
         return p
 
@@ -119,45 +87,24 @@ class Cluster:
             return f.read()[-4000:]
 
     def status(self, path):
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=10)
-            c.request("GET", path)
-            r = c.getresponse()
-            r.read()
-            c.close()
-            return r.status
-        except OSError:
-            return None
+        return get_status(self.http_port, path)[0]
 
     def wait_health(self, want, timeout=180):
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.status("/health") == want:
-                return
-            if self.router.poll() is not None:
-                raise RuntimeError("router exited: " + self.log())
-            time.sleep(0.1)
-        raise RuntimeError(f"/health never answered {want}: " + self.log() + self.log("d0.log"))
+        ok = wait_http(self.http_port, want, timeout, proc=self.router)
+        if ok is None:
+            raise RuntimeError("router exited: " + self.log())
+        if not ok:
+            raise RuntimeError(f"/health never answered {want}: " + self.log() +
+                               self.log("d0.log"))
 
     def kv_used(self, i=0):
-        r = subprocess.run([self.args.tandem, "client", "--url",
-                            f"tcp://127.0.0.1:{self.decode_ports[i]}", "--health"],
-                           capture_output=True, text=True, timeout=60)
-        f = r.stdout.split()
-        d = {f[k]: f[k + 1] for k in range(0, len(f) - 1, 2)}
+        d = client_health(self.args.tandem, f"tcp://127.0.0.1:{self.decode_ports[i]}",
+                          timeout=60)
         return int(d.get("kv_used", -1))
 
     def stop(self):
         procs = ([self.router] if self.router else []) + list(self.decode.values())
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(procs, timeout=30)
         rc = self.router.returncode if self.router else 0
         return rc
 
@@ -178,9 +125,4 @@ def post(port, path, body, headers=None, timeout=120):
 
 def generate_text(args, model, prompt, n, chat=False):
     """`tandem generate --temperature 0` text for a prompt (or a chat message)."""
-    r = subprocess.run([args.tandem, "generate", "--model", model, "--chat" if chat else "--prompt",
-                        prompt, "--max-tokens", str(n), "--temperature", "0", "--threads", "1"],
-                       capture_output=True, timeout=300)
-    if r.returncode:
-        raise RuntimeError("generate failed: " + r.stderr.decode(errors="replace"))
-    return r.stdout.decode("utf-8", errors="replace")
+    return _generate_text(args.tandem, model, prompt, n, chat=chat)

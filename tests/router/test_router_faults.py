@@ -21,8 +21,10 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rtlib import FAILS, check, Cluster, post  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from rtlib import Cluster, post  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.waits import wait_for  # noqa: E402
 
 
 
@@ -46,15 +48,6 @@ def read_event(r):
     if not line.startswith(b"data: ") or blank != b"\n":
         raise ValueError(f"bad SSE framing: {line[:80]!r} {blank!r}")
     return line[6:].rstrip(b"\n")
-
-
-def wait_for(pred, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def case_disconnect(cl, n=12):

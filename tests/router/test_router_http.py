@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rtlib import FAILS, check, Cluster, post  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from rtlib import Cluster, post  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
 
 
 

@@ -39,8 +39,10 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rtlib import FAILS, check, Cluster  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from rtlib import Cluster  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.waits import wait_for  # noqa: E402
 
 KEY = "sk-limits-4242-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -110,15 +112,6 @@ def metric(port, name):
     st, _, out = get(port, "/metrics")
     m = re.search(rb"^" + re.escape(name.encode()) + rb" (\S+)$", out, re.M)
     return float(m.group(1)) if m else None
-
-
-def wait_for(pred, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 class Paused:
@@ -349,10 +342,10 @@ def main():
              else args.case.split(","))
     supp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lsan.supp")
     lsan = (os.environ.get("LSAN_OPTIONS", "") + f":suppressions={supp}").lstrip(":")
-    extra = ("  request_timeout_ms: 1500\n  max_request_timeout_ms: 20000\n"
-             "  drain_timeout_ms: 1000\n")
+    extra = {"request_timeout_ms": 1500, "max_request_timeout_ms": 20000,
+             "drain_timeout_ms": 1000}
     with Cluster(args, args.synth, api_key=KEY, max_queue=4, max_batch=1, heartbeat_ms=100,
-                 instance_timeout_ms=60000, extra_router=extra,
+                 instance_timeout_ms=60000, router_extra=extra,
                  router_env={"LSAN_OPTIONS": lsan}) as cl:
         for c in cases:
             t = time.time()

@@ -11,9 +11,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
 import openai  # noqa: E402
-from rtlib import FAILS, check, Cluster, generate_text  # noqa: E402
+from rtlib import Cluster, generate_text  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
 
 
 

@@ -83,17 +83,11 @@ import time
 import traceback
 
 sys.dont_write_bytecode = True  # keep the source tree free of __pycache__
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soaklib import SoakCluster, alive, proc_status, wait_for  # noqa: E402
-
-FAILS = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        FAILS.append(what)
-    return cond
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from soaklib import SoakCluster  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.procs import alive, proc_status  # noqa: E402
+from tdtest.waits import wait_timed  # noqa: E402
 
 
 WORDS = ("the quick brown fox jumps over lazy dog what is capital of France Paris a city on "
@@ -675,7 +669,7 @@ def main():
         report["load_seconds"] = load_seconds
 
         # 2. KV gauges back to 0 used
-        ok, took = wait_for(lambda: kv_idle(cl)[0], args.drain_timeout, step=0.5)
+        ok, took = wait_timed(lambda: kv_idle(cl)[0], args.drain_timeout, step=0.5)
         idle, desc = kv_idle(cl)
         report["kv_drain_s"] = round(took, 1) if ok else None
         check(ok, f"nothing held anywhere (KV blocks, requests) {took:.1f} s after the load "
@@ -746,7 +740,7 @@ def main():
         report["down_s"] = round(time.time() - t0, 1)
         check(d.returncode == 0, f"tandem down exits 0 in {time.time() - t0:.1f} s "
                                  f"({d.stderr.strip()[-300:]})")
-        gone, _ = wait_for(lambda: not any(alive(p) for p in pids) and not cl.leftovers(), 30)
+        gone, _ = wait_timed(lambda: not any(alive(p) for p in pids) and not cl.leftovers(), 30)
         check(gone, f"nothing left running after down ({[p for p in pids if alive(p)]} "
                     f"{cl.leftovers()})")
         st = cl.status()
