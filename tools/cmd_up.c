@@ -83,6 +83,7 @@
 #include "config.h"
 #include "ctrl.h"
 #include "td_err.h"
+#include "http_client.h"
 #include "up_config.h"
 
 typedef struct {
@@ -725,7 +726,7 @@ static int health(const cluster *c, int timeout_ms)
                        .path = "/health",
                        .timeout_ms = timeout_ms};
     int status = 0;
-    int rc = cli_http_request(&rq, &status);
+    int rc = cli_http_request(NULL, &rq, &status);
     return rc ? rc : status;
 }
 
