@@ -21,7 +21,7 @@ APT_PACKAGES=(
   build-essential cmake pkg-config clang libclang-rt-14-dev
   libnng-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev
   libucx-dev ucx-utils libibverbs-dev libopenblas-dev
-  libmicrohttpd-dev libjansson-dev
+  libmicrohttpd-dev libjansson-dev libcurl4-openssl-dev
 )
 # The versions the tests were written against (numpy and gguf decide the synthetic
 # models' bytes: keep them pinned).

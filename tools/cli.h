@@ -66,23 +66,4 @@ int cmd_status(int argc, char **argv);     /* tandem status FILE [--json] */
 int cmd_bench(int argc, char **argv);      /* tandem bench: HTTP load generator (cmd_loadgen.c) */
 int cmd_chunk_plan(int argc, char **argv); /* tandem chunk-plan (cmd_chunkplan.c) */
 
-/* A minimal blocking HTTP/1.1 client (cmd_loadgen.c): one request per connection
- * (Connection: close); the body, de-chunked, goes to on_body as it arrives (a nonzero
- * return stops reading). Returns 0 with *status set, or a negative td_err (TD_EIO cannot
- * connect / connection lost, TD_ETIMEDOUT the whole exchange took over timeout_ms). */
-typedef int (*cli_http_body_fn)(void *ctx, const char *data, size_t n);
-typedef struct {
-    const char *host; /* name or address (IPv6 without brackets) */
-    int port;
-    const char *method, *path; /* "GET", "/health" */
-    const char *body;          /* NULL: none; else sent as application/json */
-    int timeout_ms;            /* whole exchange; 0: 30000 */
-    cli_http_body_fn on_body;  /* NULL: body discarded */
-    void *ctx;
-} cli_http_req;
-int cli_http_request(const cli_http_req *rq, int *status);
-/* "http://HOST[:PORT][/PATH]" -> host, port (80), path ("" if none); TD_EINVAL if not. */
-int cli_parse_http_url(const char *url, char *host, size_t hcap, int *port, char *path,
-                       size_t pcap);
-
 #endif

@@ -7,28 +7,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cli.h"
+#include "td_clock.h"
 #include "td_err.h"
+#include "td_stats.h"
 
 static double now_s(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    return (double)td_now_ns() * 1e-9;
 }
 
 /* Deterministic token ids spread over the vocabulary (not a repeated token, so the
@@ -181,8 +168,9 @@ int cmd_bench_engine(int argc, char **argv)
     if (rc) {
         fprintf(stderr, "tandem: bench-engine failed: %s\n", td_strerror(rc));
     } else {
-        double pp = n_prefill / median(t_pp, reps), tg = n_gen / median(t_tg, reps);
-        double b8 = batch * n_gen / median(t_b8, reps);
+        double pp = n_prefill / td_stats_median(t_pp, (size_t)reps),
+               tg = n_gen / td_stats_median(t_tg, (size_t)reps);
+        double b8 = batch * n_gen / td_stats_median(t_b8, (size_t)reps);
         double mem = kn_cpu_mem_read_gbps(s.cpu, 0, 5);
         double gemm = kn_cpu_sgemm_gflops(s.cpu, 2048, 3);
         double wbytes, params;

@@ -12,6 +12,7 @@
 #include "pf_chunk.h"
 #include "pf_profile.h"
 #include "td_err.h"
+#include "td_stats.h"
 
 typedef struct {
     const char *name;
@@ -52,12 +53,6 @@ static int plan_make(plan *p, const char *name, const pf_cost_model *m, const pf
         done += p->chunks[k];
     }
     return rc;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* max / min of v[0..n) (n >= 1), and the sum */
@@ -114,47 +109,63 @@ static void usage(void)
             "  budget 20000 ms, block size 16, 16 lengths, 3 profile reps, 1 plan rep\n");
 }
 
-int cmd_chunk_plan(int argc, char **argv)
+/* The command line. */
+typedef struct {
+    pf_rig_params rp;
+    pf_profile_params pp;
+    float smooth;
+    int prompt, plan_reps;
+    bool run;
+} chunkplan_opts;
+
+/* Returns 0, 1 (--help: done) or a negative td_err (printed). */
+static int chunkplan_parse_args(int argc, char **argv, chunkplan_opts *o)
 {
-    pf_rig_params rp = {.pp = 1, .threads = 1, .kv_type = TD_F16, .block_size = 16};
-    pf_profile_params pp = {.chunk_size = 512, .budget_ms = 20000, .reps = 3, .n_lengths = 16};
-    float smooth = 0.75f;
-    int prompt = 8192, plan_reps = 1, rc = 0;
-    bool run = true;
+    *o = (chunkplan_opts){
+        .rp = {.pp = 1, .threads = 1, .kv_type = TD_F16, .block_size = 16},
+        .pp = {.chunk_size = 512, .budget_ms = 20000, .reps = 3, .n_lengths = 16},
+        .smooth = 0.75f,
+        .prompt = 8192,
+        .plan_reps = 1,
+        .run = true,
+    };
+    pf_rig_params *rp = &o->rp;
+    pf_profile_params *pp = &o->pp;
+    int rc = 0;
     for (int i = 0; i < argc && !rc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--no-run")) {
-            run = false;
+            o->run = false;
             continue;
         }
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
             usage();
-            return 0;
+            return 1;
         }
         if (!strcmp(f, "--model"))
-            rp.model_path = v;
+            rp->model_path = v;
         else if (!strcmp(f, "--pp"))
-            rc = cli_parse_int(f, v, 1, PF_MAX_STAGES, &rp.pp);
+            rc = cli_parse_int(f, v, 1, PF_MAX_STAGES, &rp->pp);
         else if (!strcmp(f, "--stage"))
-            rc = cli_parse_int(f, v, 0, PF_MAX_STAGES - 1, &rp.stage);
+            rc = cli_parse_int(f, v, 0, PF_MAX_STAGES - 1, &rp->stage);
         else if (!strcmp(f, "--chunk"))
-            rc = cli_parse_int(f, v, 1, 1 << 20, &pp.chunk_size);
+            rc = cli_parse_int(f, v, 1, 1 << 20, &pp->chunk_size);
         else if (!strcmp(f, "--smooth"))
-            rc = cli_parse_float(f, v, &smooth);
+            rc = cli_parse_float(f, v, &o->smooth);
         else if (!strcmp(f, "--prompt-tokens"))
-            rc = cli_parse_int(f, v, 1, 1 << 22, &prompt);
+            rc = cli_parse_int(f, v, 1, 1 << 22, &o->prompt);
         else if (!strcmp(f, "--threads"))
-            rc = cli_parse_int(f, v, 1, 256, &rp.threads);
+            rc = cli_parse_int(f, v, 1, 256, &rp->threads);
         else if (!strcmp(f, "--budget-ms"))
-            rc = cli_parse_int(f, v, 1, 3600000, &pp.budget_ms);
+            rc = cli_parse_int(f, v, 1, 3600000, &pp->budget_ms);
         else if (!strcmp(f, "--block-size"))
-            rc = cli_parse_int(f, v, 1, 4096, &rp.block_size);
+            rc = cli_parse_int(f, v, 1, 4096, &rp->block_size);
         else if (!strcmp(f, "--lengths"))
-            rc = cli_parse_int(f, v, 3, PF_PROFILE_MAX_LENGTHS, &pp.n_lengths);
+            rc = cli_parse_int(f, v, 3, PF_PROFILE_MAX_LENGTHS, &pp->n_lengths);
         else if (!strcmp(f, "--profile-reps"))
-            rc = cli_parse_int(f, v, 1, 16, &pp.reps);
+            rc = cli_parse_int(f, v, 1, 16, &pp->reps);
         else if (!strcmp(f, "--plan-reps"))
-            rc = cli_parse_int(f, v, 1, 16, &plan_reps);
+            rc = cli_parse_int(f, v, 1, 16, &o->plan_reps);
         else {
             usage();
             return TD_EINVAL;
@@ -166,42 +177,32 @@ int cmd_chunk_plan(int argc, char **argv)
         i++;
     }
     if (rc) return rc;
-    if (!rp.model_path) {
+    if (!rp->model_path) {
         fprintf(stderr, "tandem: chunk-plan needs --model\n");
         return TD_EINVAL;
     }
-    if (!(smooth >= 0 && smooth <= 1)) {
+    if (!(o->smooth >= 0 && o->smooth <= 1)) {
         fprintf(stderr, "tandem: --smooth needs a number in [0, 1]\n");
         return TD_EINVAL;
     }
-    if (rp.stage >= rp.pp) {
-        fprintf(stderr, "tandem: --stage %d needs --pp > %d\n", rp.stage, rp.stage);
+    if (rp->stage >= rp->pp) {
+        fprintf(stderr, "tandem: --stage %d needs --pp > %d\n", rp->stage, rp->stage);
         return TD_EINVAL;
     }
-    int hi = pp.chunk_size + pp.chunk_size / 4;
-    rp.ctx = prompt > hi ? prompt : hi;
-    pf_rig rig;
-    if ((rc = pf_rig_open(&rig, &rp))) {
-        fprintf(stderr, "tandem: cannot set up stage %d of '%s': %s\n", rp.stage, rp.model_path,
-                td_strerror(rc));
-        return rc;
-    }
-    printf("model %s, stage %d of %d: layers [%d, %d), %d thread(s), isa %s\n", rp.model_path,
-           rig.stage, rig.pp, rig.l0, rig.l1, kn_cpu_n_threads(rig.cpu), kn_cpu_isa());
-    pf_profile_result pr;
-    if ((rc = pf_profile_stage(&rig, &pp, &pr))) {
-        fprintf(stderr, "tandem: profile failed: %s\n", td_strerror(rc));
-        pf_rig_close(&rig);
-        return rc;
-    }
-    const pf_cost_model *m = &pr.fit;
-    printf("profile: %d lengths in [%d, %d], %.0f ms%s\n", pr.n_lengths,
-           pr.n_lengths ? pr.len[0] : 0, pr.n_lengths ? pr.len[pr.n_lengths - 1] : 0, pr.elapsed_ms,
-           pr.budget_hit ? " (budget hit)" : "");
+    return 0;
+}
+
+/* The profile's table and the fitted cost model. */
+static void print_profile(const chunkplan_opts *o, const pf_profile_result *pr)
+{
+    const pf_cost_model *m = &pr->fit;
+    printf("profile: %d lengths in [%d, %d], %.0f ms%s\n", pr->n_lengths,
+           pr->n_lengths ? pr->len[0] : 0, pr->n_lengths ? pr->len[pr->n_lengths - 1] : 0,
+           pr->elapsed_ms, pr->budget_hit ? " (budget hit)" : "");
     printf("  %6s %10s %10s %4s\n", "length", "median_ms", "fit_ms", "runs");
-    for (int i = 0; i < pr.n_lengths; i++)
-        printf("  %6d %10.3f %10.3f %4d\n", pr.len[i], pr.ms[i],
-               m->valid ? pf_cost_eval(m, pr.len[i]) : 0.0, pr.n_runs[i]);
+    for (int i = 0; i < pr->n_lengths; i++)
+        printf("  %6d %10.3f %10.3f %4d\n", pr->len[i], pr->ms[i],
+               m->valid ? pf_cost_eval(m, pr->len[i]) : 0.0, pr->n_runs[i]);
     printf("fit: f(l) = a l^2 + b l + c (ms): a = %.6e, b = %.6e (fitted %.6e), c = %.4f, "
            "R^2 = %.5f\n",
            m->a, m->b, m->b_fit, m->c, m->r2);
@@ -211,40 +212,69 @@ int cmd_chunk_plan(int argc, char **argv)
         printf("fit is not convex (a <= 0): dynamic chunking falls back to fixed chunks\n");
     else
         printf("T = f(C) - f(0) = %.2f ms for C = %d; predicted f(%d) = %.1f ms\n",
-               pf_cost_chunk(m, 0, pp.chunk_size), pp.chunk_size, prompt, pf_cost_eval(m, prompt));
+               pf_cost_chunk(m, 0, o->pp.chunk_size), o->pp.chunk_size, o->prompt,
+               pf_cost_eval(m, o->prompt));
+}
 
-    pf_chunk_params fixed = {.chunk_size = pp.chunk_size, .page_size = rp.block_size};
+/* The fixed and the dynamic plan of the prompt: made, run through the stage (unless
+ * --no-run, alternating so that drift hits both) and printed. */
+static int run_plans(const chunkplan_opts *o, pf_rig *rig, const pf_cost_model *m)
+{
+    int reps = o->plan_reps;
+    pf_chunk_params fixed = {.chunk_size = o->pp.chunk_size, .page_size = o->rp.block_size};
     pf_chunk_params dyn = fixed;
     dyn.dynamic = true;
-    dyn.smooth = smooth;
+    dyn.smooth = o->smooth;
     plan plans[2];
     memset(plans, 0, sizeof plans);
-    rc = plan_make(&plans[0], "fixed", m, &fixed, prompt, plan_reps);
+    int rc = plan_make(&plans[0], "fixed", m, &fixed, o->prompt, reps);
     char dname[64];
-    snprintf(dname, sizeof dname, "dynamic (s = %.2f)", smooth);
-    if (!rc) rc = plan_make(&plans[1], dname, m, &dyn, prompt, plan_reps);
-    /* alternate the plans so drift hits both */
-    for (int r = 0; r < plan_reps && run && !rc; r++)
+    snprintf(dname, sizeof dname, "dynamic (s = %.2f)", o->smooth);
+    if (!rc) rc = plan_make(&plans[1], dname, m, &dyn, o->prompt, reps);
+    for (int r = 0; r < reps && o->run && !rc; r++)
         for (int k = 0; k < 2 && !rc; k++)
-            rc = pf_profile_run_plan(&rig, plans[k].chunks, plans[k].n, 5, plans[k].runs[r]);
+            rc = pf_profile_run_plan(rig, plans[k].chunks, plans[k].n, 5, plans[k].runs[r]);
     if (rc) {
         fprintf(stderr, "tandem: chunk-plan failed: %s\n", td_strerror(rc));
     } else {
         double col[16];
         for (int k = 0; k < 2; k++) {
-            for (int64_t c = 0; c < plans[k].n && run; c++) {
-                for (int r = 0; r < plan_reps; r++)
+            for (int64_t c = 0; c < plans[k].n && o->run; c++) {
+                for (int r = 0; r < reps; r++)
                     col[r] = plans[k].runs[r][c];
-                qsort(col, (size_t)plan_reps, sizeof *col, cmp_double);
-                plans[k].meas[c] = plan_reps % 2
-                                       ? col[plan_reps / 2]
-                                       : 0.5 * (col[plan_reps / 2 - 1] + col[plan_reps / 2]);
+                plans[k].meas[c] = td_stats_median(col, (size_t)reps);
             }
-            print_plan(&plans[k], run);
+            print_plan(&plans[k], o->run);
         }
     }
     for (int k = 0; k < 2; k++)
-        plan_free(&plans[k], plan_reps);
+        plan_free(&plans[k], reps);
+    return rc;
+}
+
+int cmd_chunk_plan(int argc, char **argv)
+{
+    chunkplan_opts o;
+    int rc = chunkplan_parse_args(argc, argv, &o);
+    if (rc) return rc > 0 ? 0 : rc;
+    int hi = o.pp.chunk_size + o.pp.chunk_size / 4;
+    o.rp.ctx = o.prompt > hi ? o.prompt : hi;
+    pf_rig rig;
+    if ((rc = pf_rig_open(&rig, &o.rp))) {
+        fprintf(stderr, "tandem: cannot set up stage %d of '%s': %s\n", o.rp.stage, o.rp.model_path,
+                td_strerror(rc));
+        return rc;
+    }
+    printf("model %s, stage %d of %d: layers [%d, %d), %d thread(s), isa %s\n", o.rp.model_path,
+           rig.stage, rig.pp, rig.l0, rig.l1, kn_cpu_n_threads(rig.cpu), kn_cpu_isa());
+    pf_profile_result pr;
+    if ((rc = pf_profile_stage(&rig, &o.pp, &pr))) {
+        fprintf(stderr, "tandem: profile failed: %s\n", td_strerror(rc));
+        pf_rig_close(&rig);
+        return rc;
+    }
+    print_profile(&o, &pr);
+    rc = run_plans(&o, &rig, &pr.fit);
     pf_rig_close(&rig);
     return rc;
 }

@@ -102,26 +102,44 @@ static void append(creq *r, const int32_t *ids, size_t n)
     r->n_out += (int)n;
 }
 
-int cmd_client(int argc, char **argv)
+/* The command line. */
+typedef struct {
+    const char *url, *ids, *file;
+    int max_tokens, timeout_ms, cancel_after, top_k;
+    float temperature, top_p, min_p;
+    uint64_t seed;
+    bool garbage, health, ids_only, stats, ignore_eos;
+} client_opts;
+
+/* One run: the requests, the connection and the progress of the event loop. */
+typedef struct {
+    const client_opts *o;
+    td_ctrl_client *c;
+    creq *reqs; /* (MAX_REQS), n used */
+    int n;
+    uint64_t *calls;        /* (n) the Submit call of each request */
+    td_ctrl_client_in in;   /* the last message received */
+    int64_t deadline;       /* ms: the whole run */
+    int finished, failures; /* requests done, requests failed */
+} client_run;
+
+static int client_parse_args(int argc, char **argv, client_opts *o)
 {
-    const char *url = NULL, *ids = NULL, *file = NULL;
-    int max_tokens = 16, timeout_ms = 120000, cancel_after = -1, rc = 0, top_k = 0;
-    float temperature = 0, top_p = 0, min_p = 0;
-    uint64_t seed = 0;
-    bool garbage = false, health = false, ids_only = false, stats = false, ignore_eos = false;
+    *o = (client_opts){.max_tokens = 16, .timeout_ms = 120000, .cancel_after = -1};
+    int rc = 0;
     for (int i = 0; i < argc && !rc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool flag = true;
         if (!strcmp(f, "--garbage"))
-            garbage = true;
+            o->garbage = true;
         else if (!strcmp(f, "--health"))
-            health = true;
+            o->health = true;
         else if (!strcmp(f, "--ids-only"))
-            ids_only = true;
+            o->ids_only = true;
         else if (!strcmp(f, "--stats"))
-            stats = true;
+            o->stats = true;
         else if (!strcmp(f, "--ignore-eos"))
-            ignore_eos = true;
+            o->ignore_eos = true;
         else
             flag = false;
         if (flag) continue;
@@ -131,231 +149,290 @@ int cmd_client(int argc, char **argv)
         }
         i++;
         if (!strcmp(f, "--url"))
-            url = v;
+            o->url = v;
         else if (!strcmp(f, "--prompt-ids"))
-            ids = v;
+            o->ids = v;
         else if (!strcmp(f, "--requests"))
-            file = v;
+            o->file = v;
         else if (!strcmp(f, "--max-tokens"))
-            rc = cli_parse_int(f, v, 1, 1 << 24, &max_tokens);
+            rc = cli_parse_int(f, v, 1, 1 << 24, &o->max_tokens);
         else if (!strcmp(f, "--timeout-ms"))
-            rc = cli_parse_int(f, v, 1, 1 << 30, &timeout_ms);
+            rc = cli_parse_int(f, v, 1, 1 << 30, &o->timeout_ms);
         else if (!strcmp(f, "--cancel-after"))
-            rc = cli_parse_int(f, v, 0, 1 << 24, &cancel_after);
+            rc = cli_parse_int(f, v, 0, 1 << 24, &o->cancel_after);
         else if (!strcmp(f, "--temperature"))
-            rc = cli_parse_float(f, v, &temperature);
+            rc = cli_parse_float(f, v, &o->temperature);
         else if (!strcmp(f, "--top-p"))
-            rc = cli_parse_float(f, v, &top_p);
+            rc = cli_parse_float(f, v, &o->top_p);
         else if (!strcmp(f, "--min-p"))
-            rc = cli_parse_float(f, v, &min_p);
+            rc = cli_parse_float(f, v, &o->min_p);
         else if (!strcmp(f, "--top-k"))
-            rc = cli_parse_int(f, v, 0, 1 << 30, &top_k);
+            rc = cli_parse_int(f, v, 0, 1 << 30, &o->top_k);
         else if (!strcmp(f, "--seed"))
-            rc = cli_parse_u64(f, v, &seed);
+            rc = cli_parse_u64(f, v, &o->seed);
         else {
             fprintf(stderr, "tandem: client: unknown option '%s'\n", f);
             return TD_EINVAL;
         }
     }
     if (rc) return rc;
-    if (!url || (!health && !!ids == !!file)) {
+    if (!o->url || (!o->health && !!o->ids == !!o->file)) {
         fprintf(stderr, "usage: tandem client --url URL (--prompt-ids IDS | --requests FILE | "
                         "--health) [--max-tokens N] [--temperature T] [--seed S] [--top-k K]\n"
                         "       [--timeout-ms MS] [--cancel-after N] [--garbage] [--ids-only]\n");
         return TD_EINVAL;
     }
-    creq *reqs = calloc(MAX_REQS, sizeof *reqs);
-    if (!reqs) return TD_ENOMEM;
-    int n = 0;
-    if (file)
-        rc = read_requests(file, reqs, &n);
-    else if (ids) {
-        rc = cli_parse_ids(ids, &reqs[0].prompt, &reqs[0].n_prompt);
-        reqs[0].max_tokens = max_tokens;
-        reqs[0].temperature = temperature;
-        reqs[0].seed = seed;
-        n = 1;
-    }
-    td_ctrl_client *c = NULL;
-    td_ctrl_opts opts = {0};
-    if (!rc) rc = td_ctrl_client_create(url, &opts, &c);
-    int64_t deadline = td_ctrl_now_ms() + timeout_ms;
-    td_ctrl_client_in in = {0};
+    return 0;
+}
+
+/* The requests of --requests FILE or the one of --prompt-ids into r->reqs. */
+static int client_load(client_run *r)
+{
+    const client_opts *o = r->o;
+    if (o->file) return read_requests(o->file, r->reqs, &r->n);
+    if (!o->ids) return 0;
+    creq *q = &r->reqs[0];
+    int rc = cli_parse_ids(o->ids, &q->prompt, &q->n_prompt);
+    q->max_tokens = o->max_tokens;
+    q->temperature = o->temperature;
+    q->seed = o->seed;
+    r->n = 1;
+    return rc;
+}
+
+/* --health: asks the leader's load and prints it. */
+static int client_health(client_run *r)
+{
     uint64_t call;
-    if (!rc && health) {
-        Td__Envelope *env = NULL;
-        if (!(rc = td_ctrl_client_health(c, 5000, &call))) {
-            int err;
-            while (td_ctrl_now_ms() < deadline) {
-                if (td_ctrl_client_recv(c, &in, 200)) continue;
-                if (in.kind == TD_CTRL_IN_REPLY && in.call_id == call) break;
-            }
-            err = in.kind == TD_CTRL_IN_REPLY ? in.err : TD_ETIMEDOUT;
-            env = err ? NULL : in.env;
-            if (env && env->body_case == TD__ENVELOPE__BODY_HEALTH) {
-                Td__Health *h = env->health;
-                printf("instance %s rank %u ready %d running %u waiting %u kv_used %u kv_free %u\n",
-                       h->instance, h->rank, h->ready, h->running, h->waiting, h->kv_blocks_used,
-                       h->kv_blocks_free);
-            } else {
-                fprintf(stderr, "tandem: no health reply: %s\n", td_strerror(err ? err : TD_EIO));
-                rc = err ? err : TD_EIO;
-            }
-        }
-        n = 0;
+    int rc = td_ctrl_client_health(r->c, 5000, &call);
+    if (rc) return rc;
+    while (td_ctrl_now_ms() < r->deadline) {
+        if (td_ctrl_client_recv(r->c, &r->in, 200)) continue;
+        if (r->in.kind == TD_CTRL_IN_REPLY && r->in.call_id == call) break;
     }
-    (void)n;
-    if (!rc && garbage) {
-        static const uint8_t junk[] = {0xff, 0x01, 0x02, 0x03, 0x7f, 0x00, 0x13, 0x37};
-        rc = td_ctrl_client_call_raw(c, junk, sizeof junk, 5000, &call);
-        int err = TD_ETIMEDOUT;
-        Td__Envelope *env = NULL;
-        while (!rc && td_ctrl_now_ms() < deadline) {
-            if (td_ctrl_client_recv(c, &in, 200)) continue;
-            if (in.kind == TD_CTRL_IN_REPLY && in.call_id == call) {
-                err = in.err;
-                env = in.env;
-                break;
-            }
-        }
-        if (!rc && (err || !env || env->body_case != TD__ENVELOPE__BODY_ERROR)) {
-            fprintf(stderr, "tandem: garbage was not answered with an error (%s)\n",
-                    td_strerror(err));
-            rc = TD_EIO;
-        } else if (!rc) {
-            fprintf(stderr, "tandem: garbage answered: %s: %s\n",
-                    td_ctrl_err_name(env->error->code), env->error->message);
-        }
+    int err = r->in.kind == TD_CTRL_IN_REPLY ? r->in.err : TD_ETIMEDOUT;
+    Td__Envelope *env = err ? NULL : r->in.env;
+    if (env && env->body_case == TD__ENVELOPE__BODY_HEALTH) {
+        Td__Health *h = env->health;
+        printf("instance %s rank %u ready %d running %u waiting %u kv_used %u kv_free %u\n",
+               h->instance, h->rank, h->ready, h->running, h->waiting, h->kv_blocks_used,
+               h->kv_blocks_free);
+        return 0;
     }
-    /* submit every request, then collect events until all finished */
-    int outstanding = 0;
-    uint64_t *calls = calloc((size_t)(n ? n : 1), sizeof *calls);
-    for (int i = 0; i < n && !rc; i++) {
-        Td__Submit sub = TD__SUBMIT__INIT;
-        Td__Sampling sm = TD__SAMPLING__INIT;
-        sm.temperature = reqs[i].temperature;
-        sm.seed = reqs[i].seed;
-        sm.top_k = top_k;
-        sm.top_p = top_p;
-        sm.min_p = min_p;
-        sub.request_id = (uint64_t)i + 1;
-        sub.token_ids = reqs[i].prompt;
-        sub.n_token_ids = (size_t)reqs[i].n_prompt;
-        sub.sampling = &sm;
-        sub.max_tokens = (uint32_t)reqs[i].max_tokens;
-        sub.ignore_eos = ignore_eos;
-        rc = td_ctrl_client_submit(c, &sub, 10000, &calls[i]);
-        reqs[i].t_submit = td_ctrl_now_ms();
-        outstanding++;
-    }
-    int finished = 0, failures = 0;
-    while (!rc && finished < n) {
-        if (td_ctrl_now_ms() >= deadline) {
-            fprintf(stderr, "tandem: timed out with %d of %d requests unfinished\n", n - finished,
-                    n);
-            rc = TD_ETIMEDOUT;
+    fprintf(stderr, "tandem: no health reply: %s\n", td_strerror(err ? err : TD_EIO));
+    return err ? err : TD_EIO;
+}
+
+/* --garbage: bytes that are not a message must be answered with an error reply. */
+static int client_garbage(client_run *r)
+{
+    static const uint8_t junk[] = {0xff, 0x01, 0x02, 0x03, 0x7f, 0x00, 0x13, 0x37};
+    uint64_t call;
+    int rc = td_ctrl_client_call_raw(r->c, junk, sizeof junk, 5000, &call);
+    int err = TD_ETIMEDOUT;
+    Td__Envelope *env = NULL;
+    while (!rc && td_ctrl_now_ms() < r->deadline) {
+        if (td_ctrl_client_recv(r->c, &r->in, 200)) continue;
+        if (r->in.kind == TD_CTRL_IN_REPLY && r->in.call_id == call) {
+            err = r->in.err;
+            env = r->in.env;
             break;
         }
-        if (td_ctrl_client_recv(c, &in, 200)) continue;
-        if (in.kind == TD_CTRL_IN_REPLY) {
-            int i = -1;
-            for (int k = 0; k < n; k++)
-                if (calls[k] == in.call_id) i = k;
-            if (i < 0) continue; /* a cancel's ack */
-            if (in.err || (in.env && in.env->body_case == TD__ENVELOPE__BODY_ERROR)) {
-                const char *msg = in.err ? td_strerror(in.err) : in.env->error->message;
-                snprintf(reqs[i].err, sizeof reqs[i].err, "%s", msg);
-                fprintf(stderr, "tandem: request %d refused: %s\n", i + 1, msg);
-                if (!reqs[i].done) {
-                    reqs[i].done = true;
-                    reqs[i].finish = TD__FINISH_REASON__FINISH_ERROR;
-                    finished++;
-                    failures++;
-                }
-            }
+    }
+    if (rc) return rc;
+    if (err || !env || env->body_case != TD__ENVELOPE__BODY_ERROR) {
+        fprintf(stderr, "tandem: garbage was not answered with an error (%s)\n", td_strerror(err));
+        return TD_EIO;
+    }
+    fprintf(stderr, "tandem: garbage answered: %s: %s\n", td_ctrl_err_name(env->error->code),
+            env->error->message);
+    return 0;
+}
+
+/* Submits every request (request id = index + 1). */
+static int client_submit(client_run *r)
+{
+    const client_opts *o = r->o;
+    int rc = 0;
+    for (int i = 0; i < r->n && !rc; i++) {
+        creq *q = &r->reqs[i];
+        Td__Submit sub = TD__SUBMIT__INIT;
+        Td__Sampling sm = TD__SAMPLING__INIT;
+        sm.temperature = q->temperature;
+        sm.seed = q->seed;
+        sm.top_k = o->top_k;
+        sm.top_p = o->top_p;
+        sm.min_p = o->min_p;
+        sub.request_id = (uint64_t)i + 1;
+        sub.token_ids = q->prompt;
+        sub.n_token_ids = (size_t)q->n_prompt;
+        sub.sampling = &sm;
+        sub.max_tokens = (uint32_t)q->max_tokens;
+        sub.ignore_eos = o->ignore_eos;
+        rc = td_ctrl_client_submit(r->c, &sub, 10000, &r->calls[i]);
+        q->t_submit = td_ctrl_now_ms();
+    }
+    return rc;
+}
+
+/* A reply: a refused Submit finishes its request with an error (a cancel's ack is
+ * ignored). */
+static void client_on_reply(client_run *r)
+{
+    const td_ctrl_client_in *in = &r->in;
+    int i = -1;
+    for (int k = 0; k < r->n; k++)
+        if (r->calls[k] == in->call_id) i = k;
+    if (i < 0) return; /* a cancel's ack */
+    if (!in->err && !(in->env && in->env->body_case == TD__ENVELOPE__BODY_ERROR)) return;
+    creq *q = &r->reqs[i];
+    const char *msg = in->err ? td_strerror(in->err) : in->env->error->message;
+    snprintf(q->err, sizeof q->err, "%s", msg);
+    fprintf(stderr, "tandem: request %d refused: %s\n", i + 1, msg);
+    if (!q->done) {
+        q->done = true;
+        q->finish = TD__FINISH_REASON__FINISH_ERROR;
+        r->finished++;
+        r->failures++;
+    }
+}
+
+/* One token event: its tokens and times, --cancel-after, the finish. */
+static void client_on_token(client_run *r, const Td__TokenEvent *t)
+{
+    if (t->request_id < 1 || t->request_id > (uint64_t)r->n) return;
+    creq *q = &r->reqs[t->request_id - 1];
+    if (q->done) return;
+    if (t->n_token_ids) {
+        int64_t now = td_ctrl_now_ms();
+        if (!q->t_first)
+            q->t_first = now;
+        else if ((double)(now - q->t_last) > q->gap_max)
+            q->gap_max = (double)(now - q->t_last);
+        q->t_last = now;
+    }
+    append(q, t->token_ids, t->n_token_ids);
+    int cancel_after = r->o->cancel_after;
+    if (cancel_after >= 0 && q->n_out >= cancel_after && !q->cancel_sent &&
+        t->finish == TD__FINISH_REASON__FINISH_NONE) {
+        uint64_t cc;
+        td_ctrl_client_cancel(r->c, t->request_id, 10000, &cc);
+        q->cancel_sent = true;
+    }
+    if (t->finish != TD__FINISH_REASON__FINISH_NONE) {
+        q->done = true;
+        q->finish = t->finish;
+        r->finished++;
+        if (t->finish == TD__FINISH_REASON__FINISH_ERROR) r->failures++;
+    }
+}
+
+/* Collects replies and events until every request finished or the deadline passed. */
+static int client_collect(client_run *r)
+{
+    while (r->finished < r->n) {
+        if (td_ctrl_now_ms() >= r->deadline) {
+            fprintf(stderr, "tandem: timed out with %d of %d requests unfinished\n",
+                    r->n - r->finished, r->n);
+            return TD_ETIMEDOUT;
+        }
+        if (td_ctrl_client_recv(r->c, &r->in, 200)) continue;
+        if (r->in.kind == TD_CTRL_IN_REPLY) {
+            client_on_reply(r);
             continue;
         }
-        if (in.kind != TD_CTRL_IN_EVENTS) continue;
-        for (size_t e = 0; e < in.n_events; e++) {
-            const Td__Event *ev = in.events[e];
+        if (r->in.kind != TD_CTRL_IN_EVENTS) continue;
+        for (size_t e = 0; e < r->in.n_events; e++) {
+            const Td__Event *ev = r->in.events[e];
             if (ev->body_case == TD__EVENT__BODY_ERROR) {
                 fprintf(stderr, "tandem: error event for request %llu: %s: %s\n",
                         (unsigned long long)ev->error->request_id,
                         td_ctrl_err_name(ev->error->code), ev->error->message);
                 continue;
             }
-            if (ev->body_case != TD__EVENT__BODY_TOKEN) continue;
-            const Td__TokenEvent *t = ev->token;
-            if (t->request_id < 1 || t->request_id > (uint64_t)n) continue;
-            creq *r = &reqs[t->request_id - 1];
-            if (r->done) continue;
-            if (t->n_token_ids) {
-                int64_t now = td_ctrl_now_ms();
-                if (!r->t_first)
-                    r->t_first = now;
-                else if ((double)(now - r->t_last) > r->gap_max)
-                    r->gap_max = (double)(now - r->t_last);
-                r->t_last = now;
-            }
-            append(r, t->token_ids, t->n_token_ids);
-            if (cancel_after >= 0 && r->n_out >= cancel_after && !r->cancel_sent &&
-                t->finish == TD__FINISH_REASON__FINISH_NONE) {
-                uint64_t cc;
-                td_ctrl_client_cancel(c, t->request_id, 10000, &cc);
-                r->cancel_sent = true;
-            }
-            if (t->finish != TD__FINISH_REASON__FINISH_NONE) {
-                r->done = true;
-                r->finish = t->finish;
-                finished++;
-                if (t->finish == TD__FINISH_REASON__FINISH_ERROR) failures++;
-            }
+            if (ev->body_case == TD__EVENT__BODY_TOKEN) client_on_token(r, ev->token);
         }
     }
-    (void)outstanding;
-    for (int i = 0; i < n; i++) {
-        if (ids_only && n == 1) {
-            for (int k = 0; k < reqs[i].n_out; k++)
-                printf(k ? " %d" : "%d", reqs[i].out[k]);
+    return 0;
+}
+
+/* Per request in input order: "<finish> <id> ..." (or the ids alone, --ids-only). */
+static void client_print(const client_run *r)
+{
+    for (int i = 0; i < r->n; i++) {
+        const creq *q = &r->reqs[i];
+        if (r->o->ids_only && r->n == 1) {
+            for (int k = 0; k < q->n_out; k++)
+                printf(k ? " %d" : "%d", q->out[k]);
             printf("\n");
         } else {
-            printf("%s", reqs[i].done ? finish_name(reqs[i].finish) : "unfinished");
-            for (int k = 0; k < reqs[i].n_out; k++)
-                printf(" %d", reqs[i].out[k]);
+            printf("%s", q->done ? finish_name(q->finish) : "unfinished");
+            for (int k = 0; k < q->n_out; k++)
+                printf(" %d", q->out[k]);
             printf("\n");
         }
     }
-    if (stats && n > 0) {
-        /* throughput over the whole run; per request: time to first token and the mean
-         * time per output token after it */
-        int64_t t0 = reqs[0].t_submit, t1 = 0, tokens = 0;
-        double ttft = 0, tpot = 0, gap = 0;
-        int n_tpot = 0;
-        for (int i = 0; i < n; i++) {
-            tokens += reqs[i].n_out;
-            if (reqs[i].t_last > t1) t1 = reqs[i].t_last;
-            if (reqs[i].t_first) ttft += (double)(reqs[i].t_first - reqs[i].t_submit);
-            if (reqs[i].n_out > 1) {
-                tpot += (double)(reqs[i].t_last - reqs[i].t_first) / (reqs[i].n_out - 1);
-                n_tpot++;
-            }
-            if (reqs[i].gap_max > gap) gap = reqs[i].gap_max;
+}
+
+/* --stats: throughput over the whole run; per request: time to first token and the mean
+ * time per output token after it. */
+static void client_print_stats(const client_run *r)
+{
+    const creq *reqs = r->reqs;
+    int n = r->n;
+    int64_t t0 = reqs[0].t_submit, t1 = 0, tokens = 0;
+    double ttft = 0, tpot = 0, gap = 0;
+    int n_tpot = 0;
+    for (int i = 0; i < n; i++) {
+        tokens += reqs[i].n_out;
+        if (reqs[i].t_last > t1) t1 = reqs[i].t_last;
+        if (reqs[i].t_first) ttft += (double)(reqs[i].t_first - reqs[i].t_submit);
+        if (reqs[i].n_out > 1) {
+            tpot += (double)(reqs[i].t_last - reqs[i].t_first) / (reqs[i].n_out - 1);
+            n_tpot++;
         }
-        double secs = (double)(t1 - t0) / 1000.0;
-        printf("stats: requests %d tokens %lld seconds %.3f tok_per_s %.1f ttft_ms %.1f "
-               "tpot_ms %.2f max_gap_ms %.1f\n",
-               n, (long long)tokens, secs, secs > 0 ? (double)tokens / secs : 0.0, ttft / n,
-               n_tpot ? tpot / n_tpot : 0.0, gap);
+        if (reqs[i].gap_max > gap) gap = reqs[i].gap_max;
     }
+    double secs = (double)(t1 - t0) / 1000.0;
+    printf("stats: requests %d tokens %lld seconds %.3f tok_per_s %.1f ttft_ms %.1f "
+           "tpot_ms %.2f max_gap_ms %.1f\n",
+           n, (long long)tokens, secs, secs > 0 ? (double)tokens / secs : 0.0, ttft / n,
+           n_tpot ? tpot / n_tpot : 0.0, gap);
+}
+
+int cmd_client(int argc, char **argv)
+{
+    client_opts o;
+    int rc = client_parse_args(argc, argv, &o);
+    if (rc) return rc;
+    client_run r = {.o = &o};
+    r.reqs = calloc(MAX_REQS, sizeof *r.reqs);
+    if (!r.reqs) return TD_ENOMEM;
+    rc = client_load(&r);
+    td_ctrl_opts opts = {0};
+    if (!rc) rc = td_ctrl_client_create(o.url, &opts, &r.c);
+    r.deadline = td_ctrl_now_ms() + o.timeout_ms;
+    if (!rc && o.health) {
+        rc = client_health(&r);
+        r.n = 0; /* --health submits nothing */
+    }
+    if (!rc && o.garbage) rc = client_garbage(&r);
+    /* submit every request, then collect events until all finished */
+    r.calls = calloc((size_t)(r.n ? r.n : 1), sizeof *r.calls);
+    if (!rc && !r.calls) rc = TD_ENOMEM;
+    if (!rc) rc = client_submit(&r);
+    if (!rc) rc = client_collect(&r);
+    client_print(&r);
+    if (o.stats && r.n > 0) client_print_stats(&r);
     fflush(stdout);
-    td_ctrl_client_in_free(&in);
-    td_ctrl_client_destroy(c);
+    td_ctrl_client_in_free(&r.in);
+    td_ctrl_client_destroy(r.c);
     for (int i = 0; i < MAX_REQS; i++) {
-        free(reqs[i].prompt);
-        free(reqs[i].out);
+        free(r.reqs[i].prompt);
+        free(r.reqs[i].out);
     }
-    free(reqs);
-    free(calls);
-    if (!rc && failures) rc = TD_EIO;
+    free(r.reqs);
+    free(r.calls);
+    if (!rc && r.failures) rc = TD_EIO;
     return rc;
 }

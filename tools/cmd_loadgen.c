@@ -1,5 +1,4 @@
-/* cmd_loadgen.c: `tandem bench`: a load generator for the OpenAI HTTP API, plus the small
- * blocking HTTP/1.1 client it (and `tandem up`'s health wait) uses.
+/* cmd_loadgen.c: `tandem bench`: a load generator for the OpenAI HTTP API.
  *
  *   tandem bench --url URL --concurrency C --requests N --prompt-tokens P --max-tokens M
  *                [--stream] [--json] [--model NAME] [--temperature T] [--timeout-ms MS]
@@ -15,260 +14,29 @@
  * are null. Progress goes to stderr once a second. Exit status 0 when every request
  * succeeded, 1 otherwise (the summary is printed either way).
  *
- * HTTP: requests are HTTP/1.1 with Connection: close; responses may be chunked or
- * length-delimited or end at close; the body is handed to a callback, de-chunked, as it
- * arrives (so SSE events can be timed).
+ * HTTP: http_client.h (libcurl), one client handle per thread; the body of a streamed
+ * response reaches on_stream_body as its bytes arrive, so every event is timed when it is
+ * received.
  */
-#define _GNU_SOURCE /* memmem, strcasestr, pipe2 */
-#include <errno.h>
 #include <jansson.h>
-#include <math.h>
-#include <netdb.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-#include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "http_client.h"
+#include "td_clock.h"
 #include "td_err.h"
-
-/* ---- HTTP client ---------------------------------------------------------------- */
+#include "td_stats.h"
 
 static double now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+    return (double)td_now_ns() / 1e6;
 }
-
-/* Connects with a deadline; returns the socket or a negative td_err. */
-static int http_connect(const char *host, int port, double deadline)
-{
-    char ports[16];
-    snprintf(ports, sizeof ports, "%d", port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res;
-    if (getaddrinfo(host, ports, &hints, &res)) return TD_EIO;
-    int fd = -1, rc = TD_EIO;
-    for (struct addrinfo *a = res; a; a = a->ai_next) {
-        fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-        if (fd < 0) continue;
-        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-            rc = 0;
-            break;
-        }
-        if (errno == EINPROGRESS) {
-            struct pollfd p = {.fd = fd, .events = POLLOUT};
-            int left = (int)(deadline - now_ms());
-            if (left > 0 && poll(&p, 1, left) == 1) {
-                int e = 0;
-                socklen_t l = sizeof e;
-                getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &l);
-                if (!e) {
-                    rc = 0;
-                    break;
-                }
-            } else if (left <= 0) {
-                rc = TD_ETIMEDOUT;
-            }
-        }
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(res);
-    return rc ? rc : fd;
-}
-
-static int http_send_all(int fd, const char *p, size_t n, double deadline)
-{
-    while (n) {
-        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-        if (w > 0) {
-            p += w;
-            n -= (size_t)w;
-            continue;
-        }
-        if (w < 0 && errno != EAGAIN && errno != EINTR) return TD_EIO;
-        struct pollfd pf = {.fd = fd, .events = POLLOUT};
-        int left = (int)(deadline - now_ms());
-        if (left <= 0) return TD_ETIMEDOUT;
-        poll(&pf, 1, left);
-    }
-    return 0;
-}
-
-/* Response parser state: header, then body (chunked, sized or until close). */
-typedef struct {
-    char *buf; /* unparsed bytes */
-    size_t len, cap;
-    bool in_body, chunked, done;
-    long long remaining; /* sized body: bytes left; chunked: bytes left in chunk, -1 size line */
-    int status;
-    const cli_http_req *rq;
-    int cb_rc;
-} http_parse;
-
-static int deliver(http_parse *ps, const char *p, size_t n)
-{
-    if (!n || !ps->rq->on_body || ps->cb_rc) return 0;
-    ps->cb_rc = ps->rq->on_body(ps->rq->ctx, p, n);
-    return ps->cb_rc;
-}
-
-/* Consumes what it can of ps->buf. Returns 0, or TD_EFORMAT on a malformed response. */
-static int http_consume(http_parse *ps)
-{
-    size_t off = 0;
-    if (!ps->in_body) {
-        char *end = memmem(ps->buf, ps->len, "\r\n\r\n", 4);
-        if (!end) return ps->len > 65536 ? TD_EFORMAT : 0;
-        *end = 0;
-        if (sscanf(ps->buf, "HTTP/%*d.%*d %d", &ps->status) != 1) return TD_EFORMAT;
-        ps->remaining = -2; /* until close */
-        for (char *line = strstr(ps->buf, "\r\n"); line; line = strstr(line + 2, "\r\n")) {
-            char *h = line + 2;
-            if (!strncasecmp(h, "Transfer-Encoding:", 18) && strcasestr(h, "chunked"))
-                ps->chunked = true;
-            else if (!strncasecmp(h, "Content-Length:", 15))
-                ps->remaining = atoll(h + 15);
-        }
-        if (ps->chunked) ps->remaining = -1;
-        ps->in_body = true;
-        off = (size_t)(end - ps->buf) + 4;
-        if (ps->remaining == 0) ps->done = true;
-    }
-    while (off < ps->len && !ps->done) {
-        char *p = ps->buf + off;
-        size_t avail = ps->len - off;
-        if (!ps->chunked) {
-            size_t n = avail;
-            if (ps->remaining >= 0 && (long long)n > ps->remaining) n = (size_t)ps->remaining;
-            deliver(ps, p, n);
-            off += n;
-            if (ps->remaining >= 0) {
-                ps->remaining -= (long long)n;
-                if (!ps->remaining) ps->done = true;
-            }
-        } else if (ps->remaining < 0) { /* size line, or the CRLF after a chunk (-3) */
-            char *eol = memmem(p, avail, "\r\n", 2);
-            if (!eol) break;
-            if (ps->remaining == -3) {
-                ps->remaining = -1;
-            } else {
-                char *e;
-                long long sz = strtoll(p, &e, 16);
-                if (e == p || sz < 0) return TD_EFORMAT;
-                if (sz == 0) ps->done = true;
-                ps->remaining = sz;
-            }
-            off += (size_t)(eol - p) + 2;
-        } else {
-            size_t n = avail < (size_t)ps->remaining ? avail : (size_t)ps->remaining;
-            deliver(ps, p, n);
-            off += n;
-            ps->remaining -= (long long)n;
-            if (!ps->remaining) ps->remaining = -3;
-        }
-    }
-    memmove(ps->buf, ps->buf + off, ps->len - off);
-    ps->len -= off;
-    return 0;
-}
-
-int cli_http_request(const cli_http_req *rq, int *status)
-{
-    double deadline = now_ms() + (rq->timeout_ms > 0 ? rq->timeout_ms : 30000);
-    *status = 0;
-    int fd = http_connect(rq->host, rq->port, deadline);
-    if (fd < 0) return fd;
-    size_t blen = rq->body ? strlen(rq->body) : 0;
-    char head[1024];
-    bool v6 = strchr(rq->host, ':') != NULL;
-    int hn = snprintf(head, sizeof head,
-                      "%s %s HTTP/1.1\r\nHost: %s%s%s:%d\r\nConnection: close\r\n"
-                      "Accept: */*\r\nUser-Agent: tandem\r\n",
-                      rq->method, rq->path, v6 ? "[" : "", rq->host, v6 ? "]" : "", rq->port);
-    if (rq->body)
-        hn += snprintf(head + hn, sizeof head - (size_t)hn,
-                       "Content-Type: application/json\r\nContent-Length: %zu\r\n", blen);
-    hn += snprintf(head + hn, sizeof head - (size_t)hn, "\r\n");
-    int rc = (size_t)hn >= sizeof head ? TD_EINVAL : http_send_all(fd, head, (size_t)hn, deadline);
-    if (!rc && blen) rc = http_send_all(fd, rq->body, blen, deadline);
-    http_parse ps = {.rq = rq, .cap = 16384};
-    ps.buf = malloc(ps.cap);
-    if (!ps.buf) rc = TD_ENOMEM;
-    while (!rc && !ps.done && !ps.cb_rc) {
-        if (ps.cap - ps.len < 4096) {
-            char *nb = realloc(ps.buf, ps.cap * 2);
-            if (!nb) {
-                rc = TD_ENOMEM;
-                break;
-            }
-            ps.buf = nb;
-            ps.cap *= 2;
-        }
-        ssize_t r = recv(fd, ps.buf + ps.len, ps.cap - ps.len, 0);
-        if (r > 0) {
-            ps.len += (size_t)r;
-            rc = http_consume(&ps);
-        } else if (r == 0) {
-            /* closed: complete only if the body was delimited by the close */
-            if (!ps.in_body || ps.remaining != -2) rc = TD_EIO;
-            break;
-        } else if (errno == EAGAIN || errno == EINTR) {
-            struct pollfd pf = {.fd = fd, .events = POLLIN};
-            int left = (int)(deadline - now_ms());
-            if (left <= 0)
-                rc = TD_ETIMEDOUT;
-            else
-                poll(&pf, 1, left);
-        } else {
-            rc = TD_EIO;
-        }
-    }
-    free(ps.buf);
-    close(fd);
-    *status = ps.status;
-    return rc;
-}
-
-int cli_parse_http_url(const char *url, char *host, size_t hcap, int *port, char *path, size_t pcap)
-{
-    if (strncmp(url, "http://", 7)) return TD_EINVAL;
-    const char *h = url + 7, *hend, *rest;
-    if (*h == '[') {
-        hend = strchr(h, ']');
-        if (!hend) return TD_EINVAL;
-        h++;
-        rest = hend + 1;
-    } else {
-        hend = h + strcspn(h, ":/");
-        rest = hend;
-    }
-    size_t hl = (size_t)(hend - h);
-    if (!hl || hl >= hcap) return TD_EINVAL;
-    memcpy(host, h, hl);
-    host[hl] = 0;
-    *port = 80;
-    if (*rest == ':') {
-        char *e;
-        long p = strtol(rest + 1, &e, 10);
-        if (e == rest + 1 || p < 1 || p > 65535) return TD_EINVAL;
-        *port = (int)p;
-        rest = e;
-    }
-    if (*rest && *rest != '/') return TD_EINVAL;
-    if (strlen(rest) >= pcap) return TD_EINVAL;
-    strcpy(path, rest);
-    return 0;
-}
-
-/* ---- the benchmark ---------------------------------------------------------------- */
 
 typedef struct {
     double t_start, t_first, t_last, t_end; /* ms, monotonic */
@@ -447,11 +215,12 @@ static char *request_body(const bench *b, int idx)
     return s;
 }
 
-static void run_one(bench *b, int idx)
+static void run_one(bench *b, cli_http *h, int idx)
 {
     bench_result *r = &b->res[idx];
     req_ctx c = {.b = b, .r = r};
     char *body = request_body(b, idx);
+    char why[200];
     cli_http_req rq = {.host = b->host,
                        .port = b->port,
                        .method = "POST",
@@ -459,13 +228,17 @@ static void run_one(bench *b, int idx)
                        .body = body,
                        .timeout_ms = b->timeout_ms,
                        .on_body = b->stream ? on_stream_body : on_plain_body,
-                       .ctx = &c};
+                       .ctx = &c,
+                       .err = why,
+                       .err_cap = sizeof why};
     int status = 0;
     r->t_start = now_ms();
-    int rc = body ? cli_http_request(&rq, &status) : TD_ENOMEM;
+    int rc = body ? cli_http_request(h, &rq, &status) : TD_ENOMEM;
     r->t_end = now_ms();
     if (!rc && !b->stream && c.buf && status == 200) take_json(&c, c.buf, false);
-    if (rc)
+    if (rc && body)
+        snprintf(c.err, sizeof c.err, "http: %s (%s)", td_strerror(rc), why);
+    else if (rc)
         snprintf(c.err, sizeof c.err, "http: %s", td_strerror(rc));
     else if (status != 200 && !c.err[0])
         snprintf(c.err, sizeof c.err, "status %d: %.160s", status, c.buf ? c.buf : "");
@@ -486,36 +259,38 @@ static void run_one(bench *b, int idx)
     free(body);
 }
 
+/* One client thread: takes the next request index until none is left; its own HTTP
+ * handle (NULL if none could be made: then one per request). */
 static void *worker(void *arg)
 {
     bench *b = arg;
+    cli_http *h = NULL;
+    cli_http_create(&h);
     for (;;) {
         int idx = atomic_fetch_add(&b->next, 1);
         if (idx >= b->requests) break;
-        run_one(b, idx);
+        run_one(b, h, idx);
     }
+    cli_http_destroy(h);
     return NULL;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Percentile with linear interpolation (numpy's default); v sorted, n >= 1. */
-static double pct(const double *v, int n, double q)
-{
-    double pos = q / 100.0 * (n - 1);
-    int lo = (int)floor(pos), hi = lo + 1 < n ? lo + 1 : lo;
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo);
-}
-
+/* One latency series of the report, sorted ascending. */
 typedef struct {
     const char *name;
-    double *v;
+    double *v; /* (n) ms */
     int n;
 } series;
+
+enum { S_TTFT, S_TPOT, S_ITL, S_E2EL, N_SERIES };
+
+static double series_mean(const series *s)
+{
+    double sum = 0;
+    for (int i = 0; i < s->n; i++)
+        sum += s->v[i];
+    return sum / s->n;
+}
 
 static void put_series(json_t *o, const series *s)
 {
@@ -524,13 +299,12 @@ static void put_series(json_t *o, const series *s)
     char key[64];
     for (int i = 0; i < 3; i++) {
         snprintf(key, sizeof key, "%s_ms_%s", s->name, qn[i]);
-        json_object_set_new(o, key, s->n ? json_real(pct(s->v, s->n, qs[i])) : json_null());
+        json_object_set_new(o, key,
+                            s->n ? json_real(td_stats_percentile_sorted(s->v, (size_t)s->n, qs[i]))
+                                 : json_null());
     }
-    double sum = 0;
-    for (int i = 0; i < s->n; i++)
-        sum += s->v[i];
     snprintf(key, sizeof key, "%s_ms_mean", s->name);
-    json_object_set_new(o, key, s->n ? json_real(sum / s->n) : json_null());
+    json_object_set_new(o, key, s->n ? json_real(series_mean(s)) : json_null());
 }
 
 /* GET /v1/models: the first model's id (malloc'd) or NULL. */
@@ -549,7 +323,7 @@ static char *first_model(const bench *b)
                        .ctx = &c};
     int status;
     char *id = NULL;
-    if (!cli_http_request(&rq, &status) && status == 200 && c.buf) {
+    if (!cli_http_request(NULL, &rq, &status) && status == 200 && c.buf) {
         json_error_t je;
         json_t *o = json_loads(c.buf, 0, &je);
         json_t *d = json_is_object(o) ? json_object_get(o, "data") : NULL;
@@ -572,6 +346,198 @@ static void usage_bench(void)
             "  defaults: C 1, N 16, P 32, M 32, T 0 (greedy), timeout 300000 per request\n");
 }
 
+/* The command line into b, *url and *as_json. Returns 0, 1 (--help: done) or a negative
+ * td_err (printed). */
+static int bench_parse_args(int argc, char **argv, bench *b, const char **url, bool *as_json)
+{
+    for (int i = 0; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int rc = 0;
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
+            usage_bench();
+            return 1;
+        } else if (!strcmp(f, "--stream")) {
+            b->stream = true;
+            continue;
+        } else if (!strcmp(f, "--json")) {
+            *as_json = true;
+            continue;
+        } else if (!v) {
+            fprintf(stderr, "tandem: %s needs a value\n", f);
+            return TD_EINVAL;
+        } else if (!strcmp(f, "--url"))
+            *url = v;
+        else if (!strcmp(f, "--model"))
+            b->model = v;
+        else if (!strcmp(f, "--concurrency"))
+            rc = cli_parse_int(f, v, 1, 4096, &b->concurrency);
+        else if (!strcmp(f, "--requests"))
+            rc = cli_parse_int(f, v, 1, 1000000, &b->requests);
+        else if (!strcmp(f, "--prompt-tokens"))
+            rc = cli_parse_int(f, v, 1, 1 << 20, &b->prompt_tokens);
+        else if (!strcmp(f, "--max-tokens"))
+            rc = cli_parse_int(f, v, 1, 1 << 20, &b->max_tokens);
+        else if (!strcmp(f, "--timeout-ms"))
+            rc = cli_parse_int(f, v, 1, 86400000, &b->timeout_ms);
+        else if (!strcmp(f, "--temperature")) {
+            float t;
+            rc = cli_parse_float(f, v, &t);
+            b->temperature = t;
+        } else {
+            fprintf(stderr, "tandem: unknown option '%s'\n", f);
+            usage_bench();
+            return TD_EINVAL;
+        }
+        if (rc) return rc;
+        i++;
+    }
+    return 0;
+}
+
+/* --url into b's host, port and POST target (.../v1/completions). Prints its error. */
+static int bench_target(bench *b, const char *url)
+{
+    char path[512];
+    if (!url || cli_parse_http_url(url, b->host, sizeof b->host, &b->port, path, sizeof path)) {
+        fprintf(stderr, "tandem: bench needs --url http://HOST:PORT%s%s\n", url ? ", got " : "",
+                url ? url : "");
+        return TD_EINVAL;
+    }
+    size_t pl = strlen(path);
+    while (pl && path[pl - 1] == '/')
+        path[--pl] = 0;
+    if (pl >= 3 && !strcmp(path + pl - 3, "/v1"))
+        snprintf(b->path, sizeof b->path, "%s/completions", path);
+    else
+        snprintf(b->path, sizeof b->path, "%s/v1/completions", path);
+    return 0;
+}
+
+/* Runs every request on b->concurrency threads, printing progress to stderr, and sets
+ * *dur_s to the wall time of the whole run. Returns 0, or TD_ENOMEM when no thread started
+ * (then every request counts as failed). */
+static int bench_run(bench *b, pthread_t *th, double *dur_s)
+{
+    double t0 = now_ms();
+    int started = 0, rc = 0;
+    for (; started < b->concurrency; started++) {
+        if (pthread_create(&th[started], NULL, worker, b)) {
+            fprintf(stderr, "tandem: cannot start thread %d\n", started);
+            break;
+        }
+    }
+    if (!started) {
+        /* nothing can run: count everything as failed */
+        atomic_store(&b->errors, b->requests);
+        atomic_store(&b->done, b->requests);
+        rc = TD_ENOMEM;
+    }
+    bool tty = isatty(2);
+    double last_print = t0;
+    while (atomic_load(&b->done) < b->requests) {
+        usleep(100 * 1000);
+        double t = now_ms();
+        if (t - last_print >= (tty ? 1000 : 5000)) {
+            last_print = t;
+            fprintf(stderr, "%sbench: %d/%d done, %d errors, %.1f output tokens/s, %.0f s%s",
+                    tty ? "\r" : "", atomic_load(&b->done), b->requests, atomic_load(&b->errors),
+                    atomic_load(&b->tokens) / ((t - t0) / 1e3), (t - t0) / 1e3, tty ? "" : "\n");
+        }
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+    *dur_s = (now_ms() - t0) / 1e3;
+    if (tty) fprintf(stderr, "\n");
+    return rc;
+}
+
+/* The series over the successful requests, each sorted (ss[k].v malloc'd; the caller frees
+ * them), their count and output tokens. Returns 0 or TD_ENOMEM. */
+static int bench_collect(const bench *b, series ss[N_SERIES], int *n_ok, long long *out_tokens)
+{
+    static const char *names[N_SERIES] = {"ttft", "tpot", "itl", "e2el"};
+    int n_gaps = 0;
+    *n_ok = 0;
+    *out_tokens = 0;
+    for (int i = 0; i < b->requests; i++)
+        if (b->res[i].ok) n_gaps += b->res[i].n_gaps;
+    for (int k = 0; k < N_SERIES; k++) {
+        ss[k] = (series){.name = names[k]};
+        ss[k].v = calloc((size_t)(k == S_ITL ? n_gaps : b->requests) + 1, sizeof(double));
+    }
+    for (int k = 0; k < N_SERIES; k++)
+        if (!ss[k].v) return TD_ENOMEM;
+    for (int i = 0; i < b->requests; i++) {
+        const bench_result *r = &b->res[i];
+        if (!r->ok) continue;
+        (*n_ok)++;
+        *out_tokens += r->out_tokens;
+        ss[S_E2EL].v[ss[S_E2EL].n++] = r->t_end - r->t_start;
+        if (b->stream && r->chunks) {
+            ss[S_TTFT].v[ss[S_TTFT].n++] = r->t_first - r->t_start;
+            if (r->out_tokens > 1)
+                ss[S_TPOT].v[ss[S_TPOT].n++] = (r->t_last - r->t_first) / (r->out_tokens - 1);
+        }
+        for (int k = 0; k < r->n_gaps; k++)
+            ss[S_ITL].v[ss[S_ITL].n++] = r->gaps[k];
+    }
+    for (int k = 0; k < N_SERIES; k++)
+        td_stats_sort(ss[k].v, (size_t)ss[k].n);
+    return 0;
+}
+
+/* The summary: one JSON object (--json) or the table. */
+static void bench_report(const bench *b, const char *url, bool as_json, double dur_s,
+                         const series ss[N_SERIES], int n_ok, long long out_tokens)
+{
+    int errors = atomic_load(&b->errors);
+    json_t *o = json_object();
+    json_object_set_new(o, "url", json_string(url));
+    json_object_set_new(o, "model", b->model ? json_string(b->model) : json_null());
+    json_object_set_new(o, "stream", json_boolean(b->stream));
+    json_object_set_new(o, "concurrency", json_integer(b->concurrency));
+    json_object_set_new(o, "requests", json_integer(b->requests));
+    json_object_set_new(o, "completed", json_integer(n_ok));
+    json_object_set_new(o, "errors", json_integer(errors));
+    json_object_set_new(o, "prompt_tokens", json_integer(b->prompt_tokens));
+    json_object_set_new(o, "max_tokens", json_integer(b->max_tokens));
+    json_object_set_new(o, "duration_s", json_real(dur_s));
+    json_object_set_new(o, "total_output_tokens", json_integer(out_tokens));
+    json_object_set_new(o, "requests_per_s", json_real(n_ok / dur_s));
+    json_object_set_new(o, "output_tokens_per_s", json_real((double)out_tokens / dur_s));
+    json_object_set_new(o, "total_tokens_per_s",
+                        json_real(((double)out_tokens + (double)n_ok * b->prompt_tokens) / dur_s));
+    for (int i = 0; i < N_SERIES; i++)
+        if (ss[i].v) put_series(o, &ss[i]);
+    if (as_json) {
+        char *s = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(6));
+        if (s) printf("%s\n", s);
+        free(s);
+    } else {
+        printf("requests            %d (%d ok, %d errors) in %.2f s\n", b->requests, n_ok, errors,
+               dur_s);
+        printf("request throughput  %.3f req/s\n", n_ok / dur_s);
+        printf("output throughput   %.1f tokens/s (%lld tokens)\n", (double)out_tokens / dur_s,
+               out_tokens);
+        printf("%-20s %10s %10s %10s %10s\n", "latency (ms)", "mean", "p50", "p90", "p99");
+        static const char *labels[] = {"time to first token", "time per output tok",
+                                       "inter-token latency", "end-to-end"};
+        for (int i = 0; i < N_SERIES; i++) {
+            const series *s = &ss[i];
+            if (!s->v || !s->n) {
+                printf("%-20s %10s\n", labels[i], b->stream ? "-" : "- (needs --stream)");
+                continue;
+            }
+            printf("%-20s %10.2f %10.2f %10.2f %10.2f\n", labels[i], series_mean(s),
+                   td_stats_percentile_sorted(s->v, (size_t)s->n, 50),
+                   td_stats_percentile_sorted(s->v, (size_t)s->n, 90),
+                   td_stats_percentile_sorted(s->v, (size_t)s->n, 99));
+        }
+    }
+    fflush(stdout);
+    json_decref(o);
+}
+
 int cmd_bench(int argc, char **argv)
 {
     bench b = {.concurrency = 1,
@@ -581,61 +547,10 @@ int cmd_bench(int argc, char **argv)
                .timeout_ms = 300000};
     const char *url = NULL;
     bool as_json = false;
+    int rc = bench_parse_args(argc, argv, &b, &url, &as_json);
+    if (rc) return rc > 0 ? 0 : rc;
+    if ((rc = bench_target(&b, url))) return rc;
     char *model_owned = NULL;
-    for (int i = 0; i < argc; i++) {
-        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int rc = 0;
-        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
-            usage_bench();
-            return 0;
-        } else if (!strcmp(f, "--stream")) {
-            b.stream = true;
-            continue;
-        } else if (!strcmp(f, "--json")) {
-            as_json = true;
-            continue;
-        } else if (!v) {
-            fprintf(stderr, "tandem: %s needs a value\n", f);
-            return TD_EINVAL;
-        } else if (!strcmp(f, "--url"))
-            url = v;
-        else if (!strcmp(f, "--model"))
-            b.model = v;
-        else if (!strcmp(f, "--concurrency"))
-            rc = cli_parse_int(f, v, 1, 4096, &b.concurrency);
-        else if (!strcmp(f, "--requests"))
-            rc = cli_parse_int(f, v, 1, 1000000, &b.requests);
-        else if (!strcmp(f, "--prompt-tokens"))
-            rc = cli_parse_int(f, v, 1, 1 << 20, &b.prompt_tokens);
-        else if (!strcmp(f, "--max-tokens"))
-            rc = cli_parse_int(f, v, 1, 1 << 20, &b.max_tokens);
-        else if (!strcmp(f, "--timeout-ms"))
-            rc = cli_parse_int(f, v, 1, 86400000, &b.timeout_ms);
-        else if (!strcmp(f, "--temperature")) {
-            float t;
-            rc = cli_parse_float(f, v, &t);
-            b.temperature = t;
-        } else {
-            fprintf(stderr, "tandem: unknown option '%s'\n", f);
-            usage_bench();
-            return TD_EINVAL;
-        }
-        if (rc) return rc;
-        i++;
-    }
-    char path[512];
-    if (!url || cli_parse_http_url(url, b.host, sizeof b.host, &b.port, path, sizeof path)) {
-        fprintf(stderr, "tandem: bench needs --url http://HOST:PORT%s%s\n", url ? ", got " : "",
-                url ? url : "");
-        return TD_EINVAL;
-    }
-    size_t pl = strlen(path);
-    while (pl && path[pl - 1] == '/')
-        path[--pl] = 0;
-    if (pl >= 3 && !strcmp(path + pl - 3, "/v1"))
-        snprintf(b.path, sizeof b.path, "%s/completions", path);
-    else
-        snprintf(b.path, sizeof b.path, "%s/v1/completions", path);
     if (!b.model) b.model = model_owned = first_model(&b);
     if (b.concurrency > b.requests) b.concurrency = b.requests;
     b.res = calloc((size_t)b.requests, sizeof *b.res);
@@ -653,121 +568,19 @@ int cmd_bench(int argc, char **argv)
             "model %s, %s:%d%s\n",
             b.requests, b.concurrency, b.prompt_tokens, b.max_tokens, b.stream ? ", stream" : "",
             b.model ? b.model : "(none)", b.host, b.port, b.path);
-    double t0 = now_ms();
-    int started = 0, rc = 0;
-    for (; started < b.concurrency; started++) {
-        if (pthread_create(&th[started], NULL, worker, &b)) {
-            fprintf(stderr, "tandem: cannot start thread %d\n", started);
-            break;
-        }
-    }
-    if (!started) {
-        /* nothing can run: count everything as failed */
-        atomic_store(&b.errors, b.requests);
-        atomic_store(&b.done, b.requests);
-        rc = TD_ENOMEM;
-    }
-    bool tty = isatty(2);
-    double last_print = t0;
-    while (atomic_load(&b.done) < b.requests) {
-        usleep(100 * 1000);
-        double t = now_ms();
-        if (t - last_print >= (tty ? 1000 : 5000)) {
-            last_print = t;
-            fprintf(stderr, "%sbench: %d/%d done, %d errors, %.1f output tokens/s, %.0f s%s",
-                    tty ? "\r" : "", atomic_load(&b.done), b.requests, atomic_load(&b.errors),
-                    atomic_load(&b.tokens) / ((t - t0) / 1e3), (t - t0) / 1e3, tty ? "" : "\n");
-        }
-    }
-    for (int i = 0; i < started; i++)
-        pthread_join(th[i], NULL);
-    double dur_s = (now_ms() - t0) / 1e3;
-    if (tty) fprintf(stderr, "\n");
-
-    /* Collect the series over successful requests. */
-    int n_ok = 0, n_gaps = 0;
+    double dur_s = 0;
+    rc = bench_run(&b, th, &dur_s);
+    series ss[N_SERIES];
+    int n_ok = 0;
     long long out_tokens = 0;
-    for (int i = 0; i < b.requests; i++)
-        if (b.res[i].ok) n_gaps += b.res[i].n_gaps;
-    double *ttft = calloc((size_t)b.requests + 1, sizeof(double));
-    double *tpot = calloc((size_t)b.requests + 1, sizeof(double));
-    double *e2e = calloc((size_t)b.requests + 1, sizeof(double));
-    double *itl = calloc((size_t)n_gaps + 1, sizeof(double));
-    int n_ttft = 0, n_tpot = 0, n_itl = 0;
-    if (ttft && tpot && e2e && itl) {
-        for (int i = 0; i < b.requests; i++) {
-            bench_result *r = &b.res[i];
-            if (!r->ok) continue;
-            n_ok++;
-            out_tokens += r->out_tokens;
-            e2e[n_ok - 1] = r->t_end - r->t_start;
-            if (b.stream && r->chunks) {
-                ttft[n_ttft++] = r->t_first - r->t_start;
-                if (r->out_tokens > 1)
-                    tpot[n_tpot++] = (r->t_last - r->t_first) / (r->out_tokens - 1);
-            }
-            for (int k = 0; k < r->n_gaps; k++)
-                itl[n_itl++] = r->gaps[k];
-        }
-    } else {
-        rc = TD_ENOMEM;
-    }
-    series ss[] = {
-        {"ttft", ttft, n_ttft}, {"tpot", tpot, n_tpot}, {"itl", itl, n_itl}, {"e2el", e2e, n_ok}};
-    for (size_t i = 0; i < sizeof ss / sizeof ss[0]; i++)
-        if (ss[i].v) qsort(ss[i].v, (size_t)ss[i].n, sizeof(double), cmp_double);
+    int crc = bench_collect(&b, ss, &n_ok, &out_tokens);
+    if (crc) rc = crc;
+    bench_report(&b, url, as_json, dur_s, ss, n_ok, out_tokens);
     int errors = atomic_load(&b.errors);
-    json_t *o = json_object();
-    json_object_set_new(o, "url", json_string(url));
-    json_object_set_new(o, "model", b.model ? json_string(b.model) : json_null());
-    json_object_set_new(o, "stream", json_boolean(b.stream));
-    json_object_set_new(o, "concurrency", json_integer(b.concurrency));
-    json_object_set_new(o, "requests", json_integer(b.requests));
-    json_object_set_new(o, "completed", json_integer(n_ok));
-    json_object_set_new(o, "errors", json_integer(errors));
-    json_object_set_new(o, "prompt_tokens", json_integer(b.prompt_tokens));
-    json_object_set_new(o, "max_tokens", json_integer(b.max_tokens));
-    json_object_set_new(o, "duration_s", json_real(dur_s));
-    json_object_set_new(o, "total_output_tokens", json_integer(out_tokens));
-    json_object_set_new(o, "requests_per_s", json_real(n_ok / dur_s));
-    json_object_set_new(o, "output_tokens_per_s", json_real((double)out_tokens / dur_s));
-    json_object_set_new(o, "total_tokens_per_s",
-                        json_real(((double)out_tokens + (double)n_ok * b.prompt_tokens) / dur_s));
-    for (size_t i = 0; i < sizeof ss / sizeof ss[0]; i++)
-        if (ss[i].v) put_series(o, &ss[i]);
-    if (as_json) {
-        char *s = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(6));
-        if (s) printf("%s\n", s);
-        free(s);
-    } else {
-        printf("requests            %d (%d ok, %d errors) in %.2f s\n", b.requests, n_ok, errors,
-               dur_s);
-        printf("request throughput  %.3f req/s\n", n_ok / dur_s);
-        printf("output throughput   %.1f tokens/s (%lld tokens)\n", (double)out_tokens / dur_s,
-               out_tokens);
-        printf("%-20s %10s %10s %10s %10s\n", "latency (ms)", "mean", "p50", "p90", "p99");
-        static const char *labels[] = {"time to first token", "time per output tok",
-                                       "inter-token latency", "end-to-end"};
-        for (size_t i = 0; i < sizeof ss / sizeof ss[0]; i++) {
-            if (!ss[i].v || !ss[i].n) {
-                printf("%-20s %10s\n", labels[i], b.stream ? "-" : "- (needs --stream)");
-                continue;
-            }
-            double sum = 0;
-            for (int k = 0; k < ss[i].n; k++)
-                sum += ss[i].v[k];
-            printf("%-20s %10.2f %10.2f %10.2f %10.2f\n", labels[i], sum / ss[i].n,
-                   pct(ss[i].v, ss[i].n, 50), pct(ss[i].v, ss[i].n, 90), pct(ss[i].v, ss[i].n, 99));
-        }
-    }
-    fflush(stdout);
-    json_decref(o);
+    for (int k = 0; k < N_SERIES; k++)
+        free(ss[k].v);
     for (int i = 0; i < b.requests; i++)
         free(b.res[i].gaps);
-    free(ttft);
-    free(tpot);
-    free(e2e);
-    free(itl);
     free(b.res);
     free(th);
     free(model_owned);

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "http_client.h"
 
 static void usage(void)
 {
@@ -28,6 +29,11 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *cmd = argv[1];
+    /* libcurl's global state, before any command starts a thread (bench) */
+    if (cli_http_global_init()) {
+        fprintf(stderr, "tandem: cannot initialize libcurl\n");
+        return 1;
+    }
     int rc;
     if (!strcmp(cmd, "generate"))
         rc = cmd_generate(argc - 2, argv + 2);
@@ -51,11 +57,12 @@ int main(int argc, char **argv)
         rc = cmd_chunk_plan(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
-        return 0;
+        rc = 0;
     } else {
         fprintf(stderr, "tandem: unknown command '%s'\n", cmd);
         usage();
-        return 1;
+        rc = 1;
     }
+    cli_http_global_fini();
     return rc ? 1 : 0;
 }

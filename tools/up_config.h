@@ -9,7 +9,7 @@
  * Invariants: the copy holds every key of the original with the same values but those
  * ports (comments are not kept); it passes td_cfg_load whenever the original did and no
  * derived port is above 65535.
- * Threading: none (the `tandem` tool is single-threaded).
+ * Threading: none (`tandem up` is single-threaded).
  * Ownership: nothing is kept; the caller owns the paths and buffers it passes.
  */
 #ifndef TANDEM_UP_CONFIG_H
