@@ -50,8 +50,7 @@ static int kv_blocks_of(const dc_node *n)
 {
     if (n->dcfg->kv_blocks > 0)
         return (int)(n->dcfg->kv_blocks > (1 << 30) ? 1 << 30 : n->dcfg->kv_blocks);
-    kn_kv_pool_params kp = kn_model_kv_params(n->model, 1, n->dcfg->block_size,
-                                              strcmp(n->dcfg->kv_dtype, "f32") ? TD_F16 : TD_F32);
+    kn_kv_pool_params kp = kn_model_kv_params(n->model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
     size_t es = kp.type == TD_F16 ? 2 : 4;
     size_t per_block = 2 * (size_t)kp.n_layers * (size_t)kp.n_kv_heads * (size_t)kp.block_size *
                        (size_t)kp.head_dim * es;
@@ -85,7 +84,7 @@ static int setup(dc_node *n)
                    (long long)n->dcfg->kv_memory);
         return TD_EINVAL;
     }
-    td_dtype kv_type = strcmp(n->dcfg->kv_dtype, "f32") ? TD_F16 : TD_F32;
+    td_dtype kv_type = n->dcfg->kv_dtype;
     n->kvp = kn_model_kv_params(n->model, n_blocks, n->dcfg->block_size, kv_type);
     snprintf(n->token, sizeof n->token, "p%d", n->dcfg->port);
     /* disaggregated: the leader receives every rank's KV (dc_xfer.h), so a follower's pool
