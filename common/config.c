@@ -218,9 +218,34 @@ static int get_size(pctx *p, const yaml_node_t *n, int64_t lo, int64_t *out)
     return 0;
 }
 
+/* The KV cache types a decode instance may use: TD_F16 / TD_F32, or -1. */
+static int kv_dtype_of(const char *s)
+{
+    if (!strcmp(s, "f16")) return TD_F16;
+    if (!strcmp(s, "f32")) return TD_F32;
+    return -1;
+}
+
+static const char *kv_dtype_name(td_dtype t)
+{
+    return t == TD_F32 ? "f32" : "f16";
+}
+
 /* ---- tables -------------------------------------------------------------------------- */
 
-typedef enum { F_STR, F_PATH, F_INT, F_I64, F_BOOL, F_FLOAT, F_SIZE, F_INTS, F_STRS, F_NODE } ftype;
+typedef enum {
+    F_STR,
+    F_PATH,
+    F_INT,
+    F_I64,
+    F_BOOL,
+    F_FLOAT,
+    F_SIZE,
+    F_INTS,
+    F_STRS,
+    F_KV_DTYPE, /* "f16" | "f32" -> td_dtype (an unknown name is reported by the section) */
+    F_NODE
+} ftype;
 
 typedef struct {
     const char *key;
@@ -230,13 +255,18 @@ typedef struct {
     size_t noff; /* F_INTS / F_STRS: offset of the int count */
 } field;
 
-#define FLD(T, k, ty, m, l, h)                                                                     \
+/* Each section's keys are one X-macro list, from which both its enum of indices (into the
+ * seen[] arrays of parse_map) and its table are generated, so the two cannot disagree. An
+ * entry is FIELD(ID, "key", type, member, lo, hi), LIST(ID, "key", type, member,
+ * count_member, lo, hi) for F_INTS / F_STRS, or NODE(ID, "key") for F_NODE. SECT names
+ * the section's struct while its table is expanded. */
+#define ENUM_ID(id, ...)            id,
+#define FIELD(id, k, ty, m, l, h)   [id] = {k, ty, offsetof(SECT, m), l, h, 0},
+#define LIST(id, k, ty, m, n, l, h) [id] = {k, ty, offsetof(SECT, m), l, h, offsetof(SECT, n)},
+#define NODE(id, k)                 [id] = {k, F_NODE, 0, 0, 0, 0},
+#define FIELD_TABLE(LIST_OF)                                                                       \
     {                                                                                              \
-        k, ty, offsetof(T, m), l, h, 0                                                             \
-    }
-#define LST(T, k, ty, m, n, l, h)                                                                  \
-    {                                                                                              \
-        k, ty, offsetof(T, m), l, h, offsetof(T, n)                                                \
+        LIST_OF(FIELD, LIST, NODE)                                                                 \
     }
 
 static void list_keys(const field *f, size_t nf, char *buf, size_t cap)
@@ -315,6 +345,13 @@ static int parse_value(pctx *p, const field *f, yaml_node_t *v, char *base)
         }
         return 0;
     }
+    case F_KV_DTYPE: {
+        const char *s;
+        if (get_str(p, v, &s)) return p->rc;
+        int t = kv_dtype_of(s);
+        if (t >= 0) *(td_dtype *)dst = (td_dtype)t;
+        return 0;
+    }
     case F_NODE:
         return 0;
     }
@@ -361,114 +398,82 @@ static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key
 
 /* ---- sections ------------------------------------------------------------------------ */
 
-static const field router_fields[] = {
-    FLD(td_cfg_router, "listen", F_STR, listen, 0, 0),
-    FLD(td_cfg_router, "api_key", F_STR, api_key, 0, 0),
-    FLD(td_cfg_router, "max_queue", F_INT, max_queue, 1, 1 << 20),
-    FLD(td_cfg_router, "max_prompt_tokens", F_INT, max_prompt_tokens, 1, 1 << 24),
-    FLD(td_cfg_router, "max_tokens", F_INT, max_tokens, 1, 1 << 24),
-    FLD(td_cfg_router, "chat_template", F_STR, chat_template, 0, 0),
-    FLD(td_cfg_router, "heartbeat_ms", F_INT, heartbeat_ms, 10, 600000),
-    FLD(td_cfg_router, "instance_timeout_ms", F_INT, instance_timeout_ms, 10, 3600000),
-    FLD(td_cfg_router, "request_timeout_ms", F_INT, request_timeout_ms, 1, 86400000),
-    FLD(td_cfg_router, "max_request_timeout_ms", F_INT, max_request_timeout_ms, 1, 86400000),
-    FLD(td_cfg_router, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000),
-    FLD(td_cfg_router, "max_migrations", F_INT, max_migrations, 0, 100),
-    FLD(td_cfg_router, "migrate_wait_ms", F_INT, migrate_wait_ms, 0, 3600000),
-};
-enum {
-    R_LISTEN,
-    R_APIKEY,
-    R_QUEUE,
-    R_PROMPT,
-    R_MAXTOK,
-    R_TEMPLATE,
-    R_HB,
-    R_TIMEOUT,
-    R_REQ_TIMEOUT,
-    R_MAX_REQ_TIMEOUT,
-    R_DRAIN,
-    R_MAX_MIGRATIONS,
-    R_MIGRATE_WAIT,
-    R_N
-};
+#define ROUTER_FIELDS(F, L, N)                                                                     \
+    F(R_LISTEN, "listen", F_STR, listen, 0, 0)                                                     \
+    F(R_APIKEY, "api_key", F_STR, api_key, 0, 0)                                                   \
+    F(R_QUEUE, "max_queue", F_INT, max_queue, 1, 1 << 20)                                          \
+    F(R_PROMPT, "max_prompt_tokens", F_INT, max_prompt_tokens, 1, 1 << 24)                         \
+    F(R_MAXTOK, "max_tokens", F_INT, max_tokens, 1, 1 << 24)                                       \
+    F(R_TEMPLATE, "chat_template", F_STR, chat_template, 0, 0)                                     \
+    F(R_HB, "heartbeat_ms", F_INT, heartbeat_ms, 10, 600000)                                       \
+    F(R_TIMEOUT, "instance_timeout_ms", F_INT, instance_timeout_ms, 10, 3600000)                   \
+    F(R_REQ_TIMEOUT, "request_timeout_ms", F_INT, request_timeout_ms, 1, 86400000)                 \
+    F(R_MAX_REQ_TIMEOUT, "max_request_timeout_ms", F_INT, max_request_timeout_ms, 1, 86400000)     \
+    F(R_DRAIN, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000)                            \
+    F(R_MAX_MIGRATIONS, "max_migrations", F_INT, max_migrations, 0, 100)                           \
+    F(R_MIGRATE_WAIT, "migrate_wait_ms", F_INT, migrate_wait_ms, 0, 3600000)
+enum { ROUTER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) R_N };
+#define SECT td_cfg_router
+static const field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
+#undef SECT
 
-static const field prefill_fields[] = {
-    FLD(td_cfg_prefill, "name", F_STR, name, 0, 0),
-    FLD(td_cfg_prefill, "pp", F_INT, pp, 1, TD_CFG_MAX_PARALLEL),
-    LST(td_cfg_prefill, "layer_partition", F_INTS, layer_partition, n_layer_partition, 1, 1 << 16),
-    FLD(td_cfg_prefill, "chunk_size", F_INT, chunk_size, 1, 1 << 20),
-    FLD(td_cfg_prefill, "dynamic_chunking", F_BOOL, dynamic_chunking, 0, 0),
-    FLD(td_cfg_prefill, "smooth_factor", F_FLOAT, smooth_factor, 0, 1),
-    FLD(td_cfg_prefill, "threads", F_INT, threads, 1, 1024),
-    LST(td_cfg_prefill, "hosts", F_STRS, hosts, n_hosts, 0, 0),
-    FLD(td_cfg_prefill, "port", F_INT, port, 1, 65535),
-    FLD(td_cfg_prefill, "kv_tokens", F_INT, kv_tokens, 64, 1 << 26),
-    FLD(td_cfg_prefill, "max_queue", F_INT, max_queue, 1, 1 << 20),
-    FLD(td_cfg_prefill, "profile_budget_ms", F_INT, profile_budget_ms, 0, 3600000),
-};
-enum {
-    P_NAME,
-    P_PP,
-    P_PART,
-    P_CHUNK,
-    P_DYN,
-    P_SMOOTH,
-    P_THREADS,
-    P_HOSTS,
-    P_PORT,
-    P_KVTOK,
-    P_QUEUE,
-    P_PROFILE,
-    P_N
-};
+#define PREFILL_FIELDS(F, L, N)                                                                    \
+    F(P_NAME, "name", F_STR, name, 0, 0)                                                           \
+    F(P_PP, "pp", F_INT, pp, 1, TD_CFG_MAX_PARALLEL)                                               \
+    L(P_PART, "layer_partition", F_INTS, layer_partition, n_layer_partition, 1, 1 << 16)           \
+    F(P_CHUNK, "chunk_size", F_INT, chunk_size, 1, 1 << 20)                                        \
+    F(P_DYN, "dynamic_chunking", F_BOOL, dynamic_chunking, 0, 0)                                   \
+    F(P_SMOOTH, "smooth_factor", F_FLOAT, smooth_factor, 0, 1)                                     \
+    F(P_THREADS, "threads", F_INT, threads, 1, 1024)                                               \
+    L(P_HOSTS, "hosts", F_STRS, hosts, n_hosts, 0, 0)                                              \
+    F(P_PORT, "port", F_INT, port, 1, 65535)                                                       \
+    F(P_KVTOK, "kv_tokens", F_INT, kv_tokens, 64, 1 << 26)                                         \
+    F(P_QUEUE, "max_queue", F_INT, max_queue, 1, 1 << 20)                                          \
+    F(P_PROFILE, "profile_budget_ms", F_INT, profile_budget_ms, 0, 3600000)
+enum { PREFILL_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) P_N };
+#define SECT td_cfg_prefill
+static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
+#undef SECT
 
-static const field decode_fields[] = {
-    FLD(td_cfg_decode, "name", F_STR, name, 0, 0),
-    FLD(td_cfg_decode, "tp", F_INT, tp, 1, TD_CFG_MAX_PARALLEL),
-    FLD(td_cfg_decode, "host", F_STR, host, 0, 0),
-    FLD(td_cfg_decode, "threads", F_INT, threads, 1, 1024),
-    FLD(td_cfg_decode, "block_size", F_INT, block_size, 1, 1024),
-    FLD(td_cfg_decode, "kv_blocks", F_I64, kv_blocks, 1, 1ll << 32),
-    FLD(td_cfg_decode, "kv_memory", F_SIZE, kv_memory, 4096, 0),
-    FLD(td_cfg_decode, "max_batch", F_INT, max_batch, 1, 1 << 16),
-    FLD(td_cfg_decode, "step_tokens", F_INT, step_tokens, 1, 1 << 20),
-    FLD(td_cfg_decode, "kv_dtype", F_STR, kv_dtype, 0, 0),
-    FLD(td_cfg_decode, "port", F_INT, port, 1, 65535),
-    FLD(td_cfg_decode, "deterministic", F_BOOL, deterministic, 0, 0),
-};
-enum {
-    D_NAME,
-    D_TP,
-    D_HOST,
-    D_THREADS,
-    D_BLOCK,
-    D_KVB,
-    D_KVM,
-    D_BATCH,
-    D_STEP,
-    D_DTYPE,
-    D_PORT,
-    D_DETERMINISTIC,
-    D_N
-};
+#define DECODE_FIELDS(F, L, N)                                                                     \
+    F(D_NAME, "name", F_STR, name, 0, 0)                                                           \
+    F(D_TP, "tp", F_INT, tp, 1, TD_CFG_MAX_PARALLEL)                                               \
+    F(D_HOST, "host", F_STR, host, 0, 0)                                                           \
+    F(D_THREADS, "threads", F_INT, threads, 1, 1024)                                               \
+    F(D_BLOCK, "block_size", F_INT, block_size, 1, 1024)                                           \
+    F(D_KVB, "kv_blocks", F_I64, kv_blocks, 1, 1ll << 32)                                          \
+    F(D_KVM, "kv_memory", F_SIZE, kv_memory, 4096, 0)                                              \
+    F(D_BATCH, "max_batch", F_INT, max_batch, 1, 1 << 16)                                          \
+    F(D_STEP, "step_tokens", F_INT, step_tokens, 1, 1 << 20)                                       \
+    F(D_DTYPE, "kv_dtype", F_KV_DTYPE, kv_dtype, 0, 0)                                             \
+    F(D_PORT, "port", F_INT, port, 1, 65535)                                                       \
+    F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)
+enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
+#define SECT td_cfg_decode
+static const field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
+#undef SECT
 
-static const field kvxfer_fields[] = {
-    FLD(td_cfg_kvxfer, "ucx_tls", F_STR, ucx_tls, 0, 0),
-    FLD(td_cfg_kvxfer, "timeout_ms", F_INT, timeout_ms, 1, 3600000),
-};
+#define KVXFER_FIELDS(F, L, N)                                                                     \
+    F(K_TLS, "ucx_tls", F_STR, ucx_tls, 0, 0)                                                      \
+    F(K_TIMEOUT, "timeout_ms", F_INT, timeout_ms, 1, 3600000)
+enum { KVXFER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) K_N };
+#define SECT td_cfg_kvxfer
+static const field kvxfer_fields[K_N] = FIELD_TABLE(KVXFER_FIELDS);
+#undef SECT
 
-/* F_NODE: only the node is recorded; the section parsers below take it from there. */
-static const field root_fields[] = {
-    FLD(td_cfg, "model", F_PATH, model, 0, 0),
-    {"backend", F_NODE, 0, 0, 0, 0},
-    FLD(td_cfg, "run_dir", F_PATH, run_dir, 0, 0),
-    {"router", F_NODE, 0, 0, 0, 0},
-    {"prefill", F_NODE, 0, 0, 0, 0},
-    {"decode", F_NODE, 0, 0, 0, 0},
-    {"kvxfer", F_NODE, 0, 0, 0, 0},
-};
-enum { T_MODEL, T_BACKEND, T_RUNDIR, T_ROUTER, T_PREFILL, T_DECODE, T_KVXFER, T_N };
+/* NODE: only the node is recorded; the section parsers below take it from there. */
+#define ROOT_FIELDS(F, L, N)                                                                       \
+    F(T_MODEL, "model", F_PATH, model, 0, 0)                                                       \
+    N(T_BACKEND, "backend")                                                                        \
+    F(T_RUNDIR, "run_dir", F_PATH, run_dir, 0, 0)                                                  \
+    N(T_ROUTER, "router")                                                                          \
+    N(T_PREFILL, "prefill")                                                                        \
+    N(T_DECODE, "decode")                                                                          \
+    N(T_KVXFER, "kvxfer")
+enum { ROOT_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) T_N };
+#define SECT td_cfg
+static const field root_fields[T_N] = FIELD_TABLE(ROOT_FIELDS);
+#undef SECT
 
 static bool valid_name(const char *s)
 {
@@ -597,7 +602,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     x->kv_blocks = 4096;
     x->max_batch = 64;
     x->step_tokens = 512;
-    set_str(p, &x->kv_dtype, "f16");
+    x->kv_dtype = TD_F16;
     x->port = 9000 + idx;
     if (p->rc) return p->rc;
     if (n->type != YAML_MAPPING_NODE)
@@ -615,8 +620,8 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     if (seen[D_KVB] && seen[D_KVM])
         return fail(p, keys[D_KVM], "give kv_blocks or kv_memory, not both");
     if (seen[D_KVM]) x->kv_blocks = 0;
-    if (strcmp(x->kv_dtype, "f16") && strcmp(x->kv_dtype, "f32"))
-        return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", x->kv_dtype);
+    if (seen[D_DTYPE] && kv_dtype_of(sval(seen[D_DTYPE])) < 0)
+        return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", sval(seen[D_DTYPE]));
     *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port,
                       seen[D_PORT] ? seen[D_PORT] : seen[D_NAME]};
     return 0;
@@ -677,8 +682,8 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
     }
     if (seen[T_ROUTER] && parse_router(p, seen[T_ROUTER], &c->router)) return p->rc;
     if (seen[T_KVXFER]) {
-        yaml_node_t *s2[2], *k2[2];
-        if (parse_map(p, seen[T_KVXFER], "kvxfer", kvxfer_fields, 2, &c->kvxfer, s2, k2))
+        yaml_node_t *s2[K_N], *k2[K_N];
+        if (parse_map(p, seen[T_KVXFER], "kvxfer", kvxfer_fields, K_N, &c->kvxfer, s2, k2))
             return p->rc;
     }
 
@@ -712,12 +717,12 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
      * every decode instance (the prefill stages use the same) */
     for (int i = 1; np && !p->rc && i < c->n_decode; i++)
         if (c->decode[i].block_size != c->decode[0].block_size ||
-            strcmp(c->decode[i].kv_dtype, c->decode[0].kv_dtype))
+            c->decode[i].kv_dtype != c->decode[0].kv_dtype)
             fail(p, node_at(p, seen[T_DECODE]->data.sequence.items.start[i]),
                  "decode instance '%s' has block_size %d / kv_dtype %s but '%s' has %d / %s: "
                  "with prefill instances every decode instance needs the same",
-                 c->decode[i].name, c->decode[i].block_size, c->decode[i].kv_dtype,
-                 c->decode[0].name, c->decode[0].block_size, c->decode[0].kv_dtype);
+                 c->decode[i].name, c->decode[i].block_size, kv_dtype_name(c->decode[i].kv_dtype),
+                 c->decode[0].name, c->decode[0].block_size, kv_dtype_name(c->decode[0].kv_dtype));
     return p->rc;
 }
 
@@ -744,7 +749,6 @@ void td_cfg_free(td_cfg *c)
     for (int i = 0; i < c->n_decode; i++) {
         free(c->decode[i].name);
         free(c->decode[i].host);
-        free(c->decode[i].kv_dtype);
     }
     free(c->decode);
     free(c->kvxfer.ucx_tls);

@@ -20,6 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "td_dtype.h"
+
 #define TD_CFG_NAME_MAX     63 /* instance names: [A-Za-z0-9_.-], 1..63 bytes */
 #define TD_CFG_MAX_PARALLEL 64 /* pp and tp */
 
@@ -72,7 +74,7 @@ typedef struct {
     int step_tokens;    /* 512: prefill tokens per step (colocated), besides the decodes */
     bool deterministic; /* false: prefill rows of a step may take the faster batched path;
                            true: every row is computed as if alone (docs/config.md) */
-    char *kv_dtype;     /* "f16" | "f32" */
+    td_dtype kv_dtype;  /* TD_F16 ("f16", default) | TD_F32 ("f32") */
     int port;           /* control port of rank 0; default 9000 + index */
 } td_cfg_decode;
 

@@ -28,6 +28,7 @@
 
 #include <nng/protocol/reqrep0/req.h>
 
+#include "td_clock.h"
 #include "td_err.h"
 
 #define MAX_QUEUED      1024
@@ -123,7 +124,7 @@ static call *call_new(td_ctrl_client *c, bool is_poll)
  * copy could be made (then the callback is not called). */
 static int call_send(call *k)
 {
-    int64_t left = k->deadline - td_ctrl_now_ms();
+    int64_t left = k->deadline - td_now_ms();
     nng_msg *m;
     int rv = nng_msg_dup(&m, k->req);
     if (rv) return rv;
@@ -139,7 +140,7 @@ static int call_start(call *k, nng_msg *msg, int timeout_ms)
 {
     if (k->req) nng_msg_free(k->req);
     k->req = msg;
-    k->deadline = td_ctrl_now_ms() + timeout_ms;
+    k->deadline = td_now_ms() + timeout_ms;
     return call_send(k);
 }
 
@@ -252,7 +253,7 @@ static void poll_cb(call *k, int rv)
         return;
     }
     if (k->state == CALL_SEND && rv == 0) {
-        int64_t left = k->deadline - td_ctrl_now_ms();
+        int64_t left = k->deadline - td_now_ms();
         k->state = CALL_RECV;
         nng_aio_set_timeout(k->aio, left > 0 ? (nng_duration)left : 1);
         nng_ctx_recv(k->ctx, k->aio);
@@ -291,7 +292,7 @@ static void call_cb(void *arg)
         poll_cb(k, rv);
         return;
     }
-    int64_t left = k->deadline - td_ctrl_now_ms();
+    int64_t left = k->deadline - td_now_ms();
     if (k->state == CALL_SLEEP) {
         if (rv == 0 && call_send(k) == 0) return;
         if (rv == 0) rv = NNG_ENOMEM;
@@ -412,7 +413,7 @@ void td_ctrl_client_in_free(td_ctrl_client_in *in)
 int td_ctrl_client_recv(td_ctrl_client *c, td_ctrl_client_in *in, int timeout_ms)
 {
     td_ctrl_client_in_free(in);
-    int64_t end = timeout_ms < 0 ? -1 : td_ctrl_now_ms() + timeout_ms;
+    int64_t end = timeout_ms < 0 ? -1 : td_now_ms() + timeout_ms;
     td_ctrl_item *it = td_ctrl_inbox_pop(&c->ib, end);
     if (!it) return TD_ETIMEDOUT;
     switch (it->kind) {

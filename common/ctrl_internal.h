@@ -52,7 +52,7 @@ int td_ctrl_inbox_init(td_ctrl_inbox *ib);
 void td_ctrl_inbox_fini(td_ctrl_inbox *ib); /* frees remaining items and their messages */
 /* Push (takes the item; never fails). Locks ib->mu: not for use with it held. */
 void td_ctrl_inbox_push(td_ctrl_inbox *ib, td_ctrl_item *it);
-/* Pop the oldest item, waiting until deadline_ms (td_ctrl_now_ms clock; < 0 forever).
+/* Pop the oldest item, waiting until deadline_ms (td_now_ms clock; < 0 forever).
  * Returns NULL on timeout. */
 td_ctrl_item *td_ctrl_inbox_pop(td_ctrl_inbox *ib, int64_t deadline_ms);
 size_t td_ctrl_inbox_len(td_ctrl_inbox *ib);

@@ -10,21 +10,20 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "td_clock.h"
 #include "td_err.h"
 
+/* Kept for the callers outside common/ (router, tools, tests): td_now_ms. */
 int64_t td_ctrl_now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return td_now_ms();
 }
 
 uint64_t td_ctrl_random_id(void)
 {
     uint64_t id = 0;
     if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
+        struct timespec ts = td_wall_now(); /* a seed, not a time */
         id = ((uint64_t)ts.tv_nsec << 32) ^ (uint64_t)ts.tv_sec ^ ((uint64_t)getpid() << 16);
     }
     return id ? id : 1;
@@ -137,17 +136,9 @@ td_ctrl_item *td_ctrl_inbox_pop(td_ctrl_inbox *ib, int64_t deadline_ms)
             pthread_cond_wait(&ib->cv, &ib->mu);
             continue;
         }
-        int64_t now = td_ctrl_now_ms();
+        int64_t now = td_now_ms();
         if (now >= deadline_ms) break;
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        int64_t wait = deadline_ms - now;
-        ts.tv_sec += wait / 1000;
-        ts.tv_nsec += (wait % 1000) * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
+        struct timespec ts = td_deadline_ts(deadline_ms - now);
         pthread_cond_timedwait(&ib->cv, &ib->mu, &ts);
     }
     td_ctrl_item *it = ib->head;
@@ -237,14 +228,7 @@ bool td_ctrl_teardown_bounded(void (*fn)(void *), void *arg, const char *what)
         fn(arg);
         return true;
     }
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += wait_ms / 1000;
-    until.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
+    struct timespec until = td_deadline_ts(wait_ms);
     pthread_mutex_lock(&t->mu);
     while (!t->done)
         if (pthread_cond_timedwait(&t->cv, &t->mu, &until) == ETIMEDOUT) break;

@@ -24,6 +24,7 @@
 
 #include <nng/protocol/reqrep0/rep.h>
 
+#include "td_clock.h"
 #include "td_err.h"
 
 #define N_RECV      8    /* contexts kept receiving */
@@ -376,7 +377,7 @@ static bool handle_msg(td_ctrl_server *s, td_ctrl_req *r, nng_msg *m, uint32_t p
     }
     r->env = env;
     r->call_id = env->call_id;
-    int64_t now = td_ctrl_now_ms();
+    int64_t now = td_now_ms();
     if (!env->client_id) {
         TD_LOG_WARN("ctrl: rejected a %s message on pipe %u: client_id 0",
                     td_ctrl_body_name(env->body_case), pipe);
@@ -449,10 +450,10 @@ static bool handle_msg(td_ctrl_server *s, td_ctrl_req *r, nng_msg *m, uint32_t p
 int td_ctrl_server_recv(td_ctrl_server *s, td_ctrl_server_in *in, int timeout_ms)
 {
     memset(in, 0, sizeof *in);
-    int64_t end = timeout_ms < 0 ? INT64_MAX : td_ctrl_now_ms() + timeout_ms;
+    int64_t end = timeout_ms < 0 ? INT64_MAX : td_now_ms() + timeout_ms;
     for (;;) {
         if (s->closing) return TD_ESTATE;
-        int64_t now = td_ctrl_now_ms();
+        int64_t now = td_now_ms();
         uint64_t gone;
         int64_t wake = housekeeping(s, now, td_ctrl_inbox_len(&s->ib) == 0, &gone);
         if (gone) {
@@ -467,7 +468,7 @@ int td_ctrl_server_recv(td_ctrl_server *s, td_ctrl_server_in *in, int timeout_ms
         if (it->kind == IT_MSG) {
             got = handle_msg(s, it->ptr, it->msg, it->pipe, in);
         } else if (it->kind == IT_PIPE_REM) {
-            int64_t t = td_ctrl_now_ms() + s->o.peer_grace_ms;
+            int64_t t = td_now_ms() + s->o.peer_grace_ms;
             for (client *c = s->clients; c; c = c->next)
                 if (c->pipe == it->pipe && !c->gone_at) c->gone_at = t;
         }
@@ -541,7 +542,7 @@ int td_ctrl_server_send_event(td_ctrl_server *s, uint64_t client_id, const Td__E
     if (c->ob_n >= s->o.max_outbox) {
         TD_LOG_WARN("ctrl: client %016llx has %zu unacknowledged events: treating it as gone",
                     (unsigned long long)c->id, c->ob_n);
-        c->gone_at = td_ctrl_now_ms();
+        c->gone_at = td_now_ms();
         return TD_ENOSPC;
     }
     if (c->ob_n == c->ob_cap) {

@@ -11,6 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "td_clock.h"
+
 const char *td_strerror(int err)
 {
     switch (err) {
@@ -68,9 +70,8 @@ static int current_level(void)
 
 size_t td_log_timestamp(char *buf, size_t cap)
 {
-    struct timespec ts;
+    struct timespec ts = td_wall_now();
     struct tm tm;
-    clock_gettime(CLOCK_REALTIME, &ts);
     time_t sec = ts.tv_sec;
     if (cap == 0) return 0;
     if (!gmtime_r(&sec, &tm)) {

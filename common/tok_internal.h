@@ -1,11 +1,10 @@
-/* tok_internal.h: pieces shared by tokenizer.c and tok_pretok.c (not a public header).
+/* tok_internal.h: pieces shared by the tokenizer's files (not a public header).
  *
- * Purpose: the tokenizer's state (shared by tokenizer.c, which builds it and encodes, and
- * tok_decode.c), UTF-8 decoding as the tokenizer sees it, codepoint classes, and the
- * pre-tokenizers that cut a text fragment into words before BPE.
- * Invariants: td_utf8_decode never reads past len and always advances by at least 1.
- * Threading: pure functions over caller buffers.
- * Ownership: a td_words owns its arrays; td_words_fini frees them.
+ * Purpose: the tokenizer's state (built by tok_vocab.c, read by tokenizer.c, which encodes,
+ * and tok_decode.c), its string map, UTF-8 decoding as the tokenizer sees it, codepoint classes,
+ * and the pre-tokenizers that cut a text fragment into words before BPE. Invariants: td_utf8_decode
+ * never reads past len and always advances by at least 1. Threading: pure functions over caller
+ * buffers. Ownership: a td_words owns its arrays; td_words_fini frees them.
  */
 #ifndef TD_TOK_INTERNAL_H
 #define TD_TOK_INTERNAL_H
@@ -73,11 +72,19 @@ typedef struct {
     size_t n;
 } td_strmap;
 
+/* Room for n_expected entries (the map never fills: capacity is >= 2x that). 0 or
+ * TD_ENOMEM. td_strmap_fini frees it (safe on a zeroed map). */
+int td_strmap_init(td_strmap *m, size_t n_expected);
+void td_strmap_fini(td_strmap *m);
+/* Insert or overwrite. */
+void td_strmap_put(td_strmap *m, const char *k, size_t n, int32_t v);
+/* The value of key k[0..n), or -1 (also on a map never initialised). */
+int32_t td_strmap_get(const td_strmap *m, const char *k, size_t n);
+
 /* The tokenizer (typedef'd in tokenizer.h). Built by td_tok_create, read-only after. */
 struct td_tokenizer {
     td_vocab_kind kind;
     td_pre_kind pre;
-    char pre_name[32];
     int32_t n_vocab;
     char *pool;          /* token texts, then pieces, then merges, back to back */
     const char **text;   /* (n_vocab) token text as in the file (byte-level encoded for BPE) */

@@ -54,17 +54,11 @@ int32_t td_tok_n_vocab(const td_tokenizer *t);
 int32_t td_tok_bos(const td_tokenizer *t); /* -1 if none */
 int32_t td_tok_eos(const td_tokenizer *t); /* -1 if none */
 bool td_tok_add_bos(const td_tokenizer *t);
-bool td_tok_add_eos(const td_tokenizer *t);
 /* End of generation: eos, eot/eom and tokens named like <|im_end|>, <|eot_id|>,
  * <|endoftext|>, <|end|>, <end_of_turn>, <|eom_id|>, <EOT> (llama.cpp's list). */
 bool td_tok_is_eog(const td_tokenizer *t, int32_t id);
-/* TD_TOKTYPE_* of id, or -1 for an invalid id. */
-int td_tok_type(const td_tokenizer *t, int32_t id);
 /* llama.cpp's clean_spaces: td_tok_decode drops the space in " ?", " 's" and the like. */
 bool td_tok_clean_spaces(const td_tokenizer *t);
-/* "gpt2" / "llama" and the pre-tokenizer name as given in the file ("" for spm). */
-const char *td_tok_model_name(const td_tokenizer *t);
-const char *td_tok_pre_name(const td_tokenizer *t);
 
 /* Encode len bytes of text. add_special: prepend BOS / append EOS as the metadata says.
  * parse_special: recognise control-token text like "<|im_start|>". *ids is malloc'd

@@ -12,6 +12,7 @@
 
 #include "dc_node_int.h"
 #include "dc_plan.h"
+#include "td_clock.h"
 #include "td_err.h"
 #include "tokenizer.h"
 
@@ -22,20 +23,6 @@
 #define RETRY_MS      1000  /* forming: pause after a failed attempt (segment, KV plane) */
 #define FORM_LOG_MS   10000 /* forming: say what it waits for this often */
 #define STOP_DRAIN_MS 500   /* after SIGTERM with requests in flight: errors get out */
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 /* Interrupted early by a signal (no SA_RESTART): SIGTERM ends the pause at once. */
 static void sleep_ms(int ms)
@@ -50,8 +37,7 @@ static int kv_blocks_of(const dc_node *n)
 {
     if (n->dcfg->kv_blocks > 0)
         return (int)(n->dcfg->kv_blocks > (1 << 30) ? 1 << 30 : n->dcfg->kv_blocks);
-    kn_kv_pool_params kp = kn_model_kv_params(n->model, 1, n->dcfg->block_size,
-                                              strcmp(n->dcfg->kv_dtype, "f32") ? TD_F16 : TD_F32);
+    kn_kv_pool_params kp = kn_model_kv_params(n->model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
     size_t es = kp.type == TD_F16 ? 2 : 4;
     size_t per_block = 2 * (size_t)kp.n_layers * (size_t)kp.n_kv_heads * (size_t)kp.block_size *
                        (size_t)kp.head_dim * es;
@@ -85,7 +71,7 @@ static int setup(dc_node *n)
                    (long long)n->dcfg->kv_memory);
         return TD_EINVAL;
     }
-    td_dtype kv_type = strcmp(n->dcfg->kv_dtype, "f32") ? TD_F16 : TD_F32;
+    td_dtype kv_type = n->dcfg->kv_dtype;
     n->kvp = kn_model_kv_params(n->model, n_blocks, n->dcfg->block_size, kv_type);
     snprintf(n->token, sizeof n->token, "p%d", n->dcfg->port);
     /* disaggregated: the leader receives every rank's KV (dc_xfer.h), so a follower's pool
@@ -263,7 +249,7 @@ static int follower_run(dc_node *n)
         pool_used = true;
         if (t_left)
             TD_LOG_INFO("decode %s rank %d: joined the instance again (%.1f s after leaving it)",
-                        p->instance, p->rank, (double)(now_ms() - t_left) / 1e3);
+                        p->instance, p->rank, (double)(td_now_ms() - t_left) / 1e3);
         else
             TD_LOG_INFO("decode %s rank %d: joined the instance", p->instance, p->rank);
         rc = follower_steps(n);
@@ -274,7 +260,7 @@ static int follower_run(dc_node *n)
                  : dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm)
                                            : td_strerror(rc));
         close_shm(n);
-        t_left = now_ms();
+        t_left = td_now_ms();
         if (*p->stop) break;
         TD_LOG_INFO("decode %s rank %d: left the instance (%s); waiting for rank 0 to form it "
                     "again",
@@ -405,7 +391,7 @@ static int form(dc_node *n)
 {
     const dc_node_params *p = n->p;
     bool first = n->formations == 0;
-    int64_t t0 = now_ms(), next_try = 0, last_health = 0, next_log = t0 + FORM_LOG_MS;
+    int64_t t0 = td_now_ms(), next_try = 0, last_health = 0, next_log = t0 + FORM_LOG_MS;
     bool gathered = false;
     char no_segment[64] = "not made yet";
     n->forming = true;
@@ -415,27 +401,27 @@ static int form(dc_node *n)
     if (n->disagg) dc_xfer_kv_shm_sweep(p->instance, n->token);
     while (!*p->stop) {
         int rc;
-        if (!n->shm && now_ms() >= next_try) {
+        if (!n->shm && td_now_ms() >= next_try) {
             gathered = false;
             if ((rc = dc_shm_begin(&n->shmp, &n->shm))) {
                 if (first) return rc;
                 snprintf(no_segment, sizeof no_segment, "%s", td_strerror(rc));
-                next_try = now_ms() + RETRY_MS;
+                next_try = td_now_ms() + RETRY_MS;
             }
         }
         set_forming_why(n, gathered, no_segment);
-        if (now_ms() >= next_log) {
+        if (td_now_ms() >= next_log) {
             TD_LOG_INFO("decode %s: %s for %.0f s", p->instance, n->forming_why,
-                        (double)(now_ms() - t0) / 1e3);
-            next_log = now_ms() + FORM_LOG_MS;
+                        (double)(td_now_ms() - t0) / 1e3);
+            next_log = td_now_ms() + FORM_LOG_MS;
         }
         /* the inbox first, then the ranks: neither waits long for the other */
         int wait = !n->shm ? FORM_WAIT_MS : gathered ? DRAIN_WAIT_MS : 0;
         if ((rc = dc_serve_inbox(n, wait))) return rc;
         dc_serve_transfers(n);
-        if (n->load_changed || now_ms() - last_health >= 100) {
+        if (n->load_changed || td_now_ms() - last_health >= 100) {
             dc_serve_health(n);
-            last_health = now_ms();
+            last_health = td_now_ms();
             n->load_changed = false;
         }
         if (!n->shm) continue;
@@ -453,7 +439,7 @@ static int form(dc_node *n)
             if (n->disagg && (rc = xfer_setup(n))) {
                 xfer_teardown(n);
                 if (first) return rc;
-                next_try = now_ms() + RETRY_MS;
+                next_try = td_now_ms() + RETRY_MS;
                 snprintf(no_segment, sizeof no_segment, "KV-transfer plane: %s", td_strerror(rc));
             }
         }
@@ -469,7 +455,7 @@ static int form(dc_node *n)
         n->forming = false;
         n->formations++;
         TD_LOG_INFO("decode %s: instance of %d ranks %s in %.3f s: ready", p->instance, n->dcfg->tp,
-                    first ? "formed" : "re-formed", (double)(now_ms() - t0) / 1e3);
+                    first ? "formed" : "re-formed", (double)(td_now_ms() - t0) / 1e3);
         dc_serve_health(n);
         return 0;
     }
@@ -481,7 +467,7 @@ static int run_step(dc_node *n)
     dc_step st;
     int k = dc_sched_plan(n->sched, &st);
     if (k <= 0) return k;
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     void *buf;
     size_t cap, len;
     int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
@@ -494,7 +480,7 @@ static int run_step(dc_node *n)
         snprintf(n->fail_why, sizeof n->fail_why, "%s",
                  dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm) : td_strerror(rc));
     dc_sched_commit(n->sched, n->logits, rc);
-    n->step_ns += now_ns() - t0;
+    n->step_ns += td_now_ns() - t0;
     n->step_tokens += k;
     return rc ? rc : k;
 }
@@ -520,9 +506,9 @@ static int serve(dc_node *n, bool *fatal)
             return rc;
         }
         dc_serve_transfers(n);
-        if (n->load_changed || now_ms() - last_health >= 100) {
+        if (n->load_changed || td_now_ms() - last_health >= 100) {
             dc_serve_health(n);
-            last_health = now_ms();
+            last_health = td_now_ms();
             n->load_changed = false;
         }
         k = 0;
@@ -578,8 +564,8 @@ static void leader_stop(dc_node *n)
         dc_xfer_abort_all(n->xfer, DC_XFER_END_STOPPED);
         dc_sched_fail_all(n->sched);
         dc_serve_health(n);
-        int64_t until = now_ms() + STOP_DRAIN_MS;
-        while (now_ms() < until) {
+        int64_t until = td_now_ms() + STOP_DRAIN_MS;
+        while (td_now_ms() < until) {
             dc_serve_inbox(n, 50);
             dc_serve_transfers(n);
         }
@@ -622,7 +608,7 @@ static int leader_run(dc_node *n)
 {
     int rc = leader_setup(n);
     if (rc) return rc;
-    n->started_ms = now_ms();
+    n->started_ms = td_now_ms();
     bool fatal = false;
     for (;;) {
         if ((rc = form(n))) {

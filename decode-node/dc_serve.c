@@ -5,20 +5,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "dc_node_int.h"
 #include "kvx_conn.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 #define MAX_WAITING_FACTOR 4 /* queued requests beyond 4 x max_batch are refused (busy) */
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* ---- leader: events out ---- */
 
@@ -368,7 +361,7 @@ void dc_serve_health(dc_node *n)
     h.kv_blocks_used = (uint32_t)st.kv_blocks_used;
     h.kv_blocks_free = (uint32_t)st.kv_blocks_free;
     h.kv_block_size = (uint32_t)n->kv->block_size;
-    h.uptime_ms = (uint64_t)(now_ms() - n->started_ms);
+    h.uptime_ms = (uint64_t)(td_now_ms() - n->started_ms);
     /* alive but not ready while forming: the router keeps polling and sends nothing */
     h.ready = !n->forming && !n->stopping && !n->draining;
     td_ctrl_server_set_health(n->srv, &h);

@@ -5,7 +5,7 @@
  * calls dc_shm_open with the same instance name, token, tp and sizes; the call returns when
  * all tp ranks are present. Then, per decode step, rank 0 (the leader) publishes the step's
  * batch plan (an opaque byte blob) and every rank runs its forward pass, in which the engine
- * calls dc_shm_allreduce (through the kn_collective adapter) twice per layer.
+ * calls dc_shm_allreduce (through the decode node's kn_collective) twice per layer.
  *
  * Invariants.
  *   - All ranks call the collectives in the same order with the same n: allreduce k of rank
@@ -77,8 +77,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "model.h" /* kn_collective */
-
 #define DC_SHM_MAX_TP 64
 
 typedef struct {
@@ -149,10 +147,6 @@ void dc_shm_close(dc_shm *s);
  * breaks the instance. tp == 1: no-op. */
 int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n);
 
-/* The engine's collective: {.ctx = s, .allreduce_sum = dc_shm_allreduce}. Valid until
- * dc_shm_close. */
-kn_collective dc_shm_collective(dc_shm *s);
-
 /* Leader (rank 0) only. Publish the next step's plan: copies len <= max_plan bytes into
  * the segment and wakes the followers. Returns 0 or a negative td_err: TD_EINVAL for a plan
  * larger than max_plan or a call from a follower (logged; the instance stays intact),
@@ -188,8 +182,6 @@ int dc_shm_check(dc_shm *s);
  * the error's text; "" while it is intact. Valid until dc_shm_close. */
 const char *dc_shm_error(const dc_shm *s);
 
-int dc_shm_rank(const dc_shm *s);
-int dc_shm_tp(const dc_shm *s);
 /* The pid of rank's process as it joined the rendezvous (-1 before it completed or for
  * a bad rank): a peer's names that carry its pid (its KV pool segment) can be found. */
 int dc_shm_rank_pid(const dc_shm *s, int rank);

@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 
 #include "kvx_conn.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 /* One transfer: a kvxfer request on every rank's connector. */
@@ -34,13 +34,6 @@ struct dc_xfer {
     xfer *v;         /* (n, cap) live transfers */
     int n, cap;
 };
-
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
 {
@@ -167,7 +160,7 @@ int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, 
               .kvx_id = kvx_id,
               .n_stages = n_stages,
               .n_prompt = n_prompt,
-              .t_start_ns = now_ns()};
+              .t_start_ns = td_now_ns()};
     t.target = calloc((size_t)x->p.tp, sizeof *t.target);
     t.target_len = calloc((size_t)x->p.tp, sizeof *t.target_len);
     if (!t.target || !t.target_len) {
@@ -278,7 +271,7 @@ static int popcount64(uint64_t v)
 /* The first failure of a live transfer, seen on rank r. */
 static void fail_seen(dc_xfer *x, xfer *t, int r, const kvx_dec_status *st)
 {
-    long long ms = (long long)((now_ns() - t->t_start_ns) / 1000000);
+    long long ms = (long long)((td_now_ns() - t->t_start_ns) / 1000000);
     if (st->reason == KVX_FAIL_TIMEOUT)
         snprintf(t->msg, sizeof t->msg,
                  "KV transfer from prefill timed out on rank %d: not complete %lld ms after "
@@ -365,7 +358,7 @@ static int step(dc_xfer *x, int i, dc_xfer_event *ev)
             TD_LOG_INFO("decode %s: request %llu: KV of %d tokens from %u stages arrived (transfer "
                         "%.1f ms after Alloc)",
                         x->instance, (unsigned long long)t->kvx_id, t->n_prompt, t->n_stages,
-                        (double)(now_ns() - t->t_start_ns) / 1e6);
+                        (double)(td_now_ns() - t->t_start_ns) / 1e6);
             release_all(x, t);
             ev->kind = DC_XFER_ARRIVED;
             ev->first_token = first;

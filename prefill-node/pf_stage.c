@@ -33,7 +33,7 @@ int pf_stage_setup(pf_node *n)
 {
     const td_cfg *cfg = n->p->cfg;
     const td_cfg_decode *d0 = &cfg->decode[0]; /* every decode instance has the same KV shape */
-    td_dtype kv_type = strcmp(d0->kv_dtype, "f32") ? TD_F16 : TD_F32;
+    td_dtype kv_type = d0->kv_dtype;
     pf_rig_params rp = {
         .model_path = cfg->model,
         .pp = n->pp,

@@ -28,12 +28,10 @@ endif()
 
 # ---- KV pools in shared memory (the followers' pools in disaggregated mode) and the
 # ---- segment names / stale sweep of dc_xfer.
-if(TARGET td_kvxfer)
-  add_executable(test_kv_shm ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_kv_shm.c)
-  target_link_libraries(test_kv_shm PRIVATE dc_xfer td_kernels td_common rt)
-  add_test(NAME test_kv_shm COMMAND test_kv_shm)
-  set_tests_properties(test_kv_shm PROPERTIES TIMEOUT 60 LABELS decode)
-endif()
+add_executable(test_kv_shm ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_kv_shm.c)
+target_link_libraries(test_kv_shm PRIVATE dc_xfer td_kernels td_common rt)
+add_test(NAME test_kv_shm COMMAND test_kv_shm)
+set_tests_properties(test_kv_shm PROPERTIES TIMEOUT 60 LABELS decode)
 
 # ---- disaggregated decode: tandem-decode receiving the prompt KV through kvxfer.
 #   pd_client   the router's part: Alloc (or a colocated Submit), the targets, the stream
@@ -41,11 +39,9 @@ endif()
 #   test_pd_decode.py --case C: tp1/tp3 default model, tp2 synthetic (2 stages), faults
 add_executable(pd_client ${CMAKE_CURRENT_SOURCE_DIR}/decode/pd_client.c)
 target_link_libraries(pd_client PRIVATE td_ctrl td_common)
-if(TARGET td_kvxfer)
-  add_executable(pd_writer ${CMAKE_CURRENT_SOURCE_DIR}/decode/pd_writer.c)
-  target_link_libraries(pd_writer PRIVATE td_kvxfer td_kernels td_common)
-endif()
-if(TANDEM_PYTHON AND TARGET td_kvxfer)
+add_executable(pd_writer ${CMAKE_CURRENT_SOURCE_DIR}/decode/pd_writer.c)
+target_link_libraries(pd_writer PRIVATE td_kvxfer td_kernels td_common)
+if(TANDEM_PYTHON)
   set(pd_cases synth_tp2 faults)
   if(TANDEM_MODEL)
     list(PREPEND pd_cases default_tp1 default_tp3)
@@ -71,17 +67,14 @@ if(TANDEM_PYTHON)
   if(TANDEM_MODEL)
     list(APPEND rejoin_cases default_tp3)
   endif()
-  if(TARGET td_kvxfer)
-    list(APPEND rejoin_cases pd_tp2)
-  endif()
+  list(APPEND rejoin_cases pd_tp2)
   foreach(case ${rejoin_cases})
     add_test(NAME decode_rejoin_${case}
              COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_rejoin.py
                      --case ${case} --decode $<TARGET_FILE:tandem-decode>
                      --tandem $<TARGET_FILE:tandem> --synth-dir ${TANDEM_TEST_DATA}/synth
                      --model "${TANDEM_MODEL}"
-                     --client $<$<TARGET_EXISTS:pd_writer>:$<TARGET_FILE:pd_client>>
-                     --writer $<$<TARGET_EXISTS:pd_writer>:$<TARGET_FILE:pd_writer>>)
+                     --client $<TARGET_FILE:pd_client> --writer $<TARGET_FILE:pd_writer>)
     set_tests_properties(decode_rejoin_${case} PROPERTIES FIXTURES_REQUIRED synth_models
                          TIMEOUT 180 LABELS decode)
   endforeach()

@@ -4,34 +4,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
 #include "cpu_quant.h"
+#include "td_clock.h"
 #include "td_err.h"
+#include "td_stats.h"
 
 #define READ_DEFAULT_BYTES ((size_t)1 << 30) /* far beyond L3 (32 MiB here) */
 #define SGEMM_DEFAULT_N    2048
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 /* ---- read bandwidth ---- */
 
@@ -90,15 +72,15 @@ double kn_cpu_mem_read_gbps(kn_cpu *c, size_t bytes, int reps)
     kn_pool_run(c->pool, n_items, 1, fill_part, &j);
     kn_pool_run(c->pool, n_items, 1, sum_part, &j); /* warm-up: TLB, thread wake-up */
     for (int r = 0; r < reps; r++) {
-        double t0 = now_s();
+        int64_t t0 = td_now_ns();
         kn_pool_run(c->pool, n_items, 1, sum_part, &j);
-        t[r] = now_s() - t0;
+        t[r] = 1e-9 * (double)(td_now_ns() - t0);
     }
     volatile float sink = 0;
     for (int i = 0; i < c->n_threads; i++)
         sink += j.sums[i]; /* keep the sums observable */
     (void)sink;
-    double gbps = (double)bytes / median(t, reps) / 1e9;
+    double gbps = (double)bytes / td_stats_median(t, (size_t)reps) / 1e9;
     free(t);
     free(p);
     return gbps;
@@ -123,16 +105,16 @@ static void gemm_part(void *arg, int64_t i0, int64_t i1, int tid)
 static double sgemm_median(kn_cpu *c, gemm_job *g, int reps, bool sliced, double *t)
 {
     for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
-        double t0 = now_s();
+        int64_t t0 = td_now_ns();
         if (sliced)
             kn_pool_run(c->pool, g->n, 64, gemm_part, g);
         else
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->n, g->n, g->n, 1.0f, g->a, g->n,
                         g->b, g->n, 0.0f, g->cm, g->n);
-        if (r >= 0) t[r] = now_s() - t0;
+        if (r >= 0) t[r] = 1e-9 * (double)(td_now_ns() - t0);
     }
     double n = g->n;
-    return 2.0 * n * n * n / median(t, reps) / 1e9;
+    return 2.0 * n * n * n / td_stats_median(t, (size_t)reps) / 1e9;
 }
 
 double kn_cpu_sgemm_gflops(kn_cpu *c, int n, int reps)

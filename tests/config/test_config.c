@@ -77,8 +77,9 @@ static const bad_case bad_cases[] = {
     {"pd_block_mismatch",
      "model: /m\nprefill:\n  - name: p0\ndecode:\n  - name: d0\n  - name: d1\n    block_size: 32\n",
      6, 5, "with prefill instances every decode instance needs the same"},
-    {"prefill_kv_tokens", "model: /m\nprefill:\n  - name: p0\n    kv_tokens: 10\ndecode:\n  - name: d0\n",
-     4, 16, "10 is out of range"},
+    {"prefill_kv_tokens",
+     "model: /m\nprefill:\n  - name: p0\n    kv_tokens: 10\ndecode:\n  - name: d0\n", 4, 16,
+     "10 is out of range"},
     {"decode_block", MIN "    block_size: 24\n", 4, 17, "block_size 24 is not a power of two"},
     {"decode_both_kv", MIN "    kv_blocks: 10\n    kv_memory: 1GiB\n", 5, 5,
      "give kv_blocks or kv_memory, not both"},
@@ -220,12 +221,12 @@ static void test_good_file(void)
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 && d->block_size == 32 &&
              d->kv_memory == (1ll << 30) && d->kv_blocks == 0 && d->max_batch == 16 &&
-             d->step_tokens == 128 && !strcmp(d->kv_dtype, "f32") && d->port == 7000);
+             d->step_tokens == 128 && d->kv_dtype == TD_F32 && d->port == 7000);
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
              d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
-             d->max_batch == 64 && d->step_tokens == 512 && !strcmp(d->kv_dtype, "f32") &&
+             d->max_batch == 64 && d->step_tokens == 512 && d->kv_dtype == TD_F32 &&
              d->port == 9001);
     TH_CHECK(!td_cfg_find_decode(c, "p0") && !td_cfg_find_prefill(c, "d0") &&
              !td_cfg_find_decode(c, "nope"));

@@ -21,6 +21,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -31,6 +32,7 @@
 
 #include "../tharness.h"
 #include "dc_shm.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 #define MAXF     (576 * 64) /* floats: 64 tokens of the default model's hidden size */
@@ -50,13 +52,6 @@ typedef struct {
 
 static rank_out *outs; /* (MAX_TP + 1) */
 static char tmpdir[64];
-
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 static void sleep_ms(int ms)
 {
@@ -152,12 +147,12 @@ static pid_t spawn(int rank, rank_fn fn, void *ctx, int delay_ms, bool logged)
 /* Wait for a child for up to ms; a hung child is killed and counted as failed. */
 static int reap(pid_t pid, int ms)
 {
-    int64_t end = now_ns() + (int64_t)ms * 1000000;
+    int64_t end = td_now_ns() + (int64_t)ms * 1000000;
     int status;
     for (;;) {
         pid_t r = waitpid(pid, &status, WNOHANG);
         if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        if (now_ns() > end) {
+        if (td_now_ns() > end) {
             fprintf(stderr, "child %d hung: killing it\n", (int)pid);
             kill(pid, SIGKILL);
             waitpid(pid, &status, 0);
@@ -258,7 +253,6 @@ static int body_allreduce(int rank, void *vctx)
     uint8_t plan[MAX_PLAN];
     int fails = 0;
     uint64_t hash = 1469598103934665603ull;
-    kn_collective kc = dc_shm_collective(s);
     for (int it = 0; it < c->iters && !fails; it++) {
         int64_t n = pick_n(c, it);
         size_t plen = (size_t)(mix((uint64_t)it) % (MAX_PLAN + 1));
@@ -287,7 +281,7 @@ static int body_allreduce(int rank, void *vctx)
             }
         }
         fill(c, rank, it, buf, n);
-        rc = it & 1 ? kc.allreduce_sum(kc.ctx, buf, n) : dc_shm_allreduce(s, buf, n);
+        rc = dc_shm_allreduce(s, buf, n);
         if (rc) {
             fprintf(stderr, "rank %d: allreduce %d: %s\n", rank, it, td_strerror(rc));
             fails++;
@@ -375,14 +369,14 @@ static void test_threads_allreduce(void)
         int delays[MAX_TP];
         random_delays(delays, tp, c.seed, 60);
         reset_outs();
-        int64_t t0 = now_ns();
+        int64_t t0 = td_now_ns();
         TH_CHECK(run_threads(tp, body_allreduce, &c, delays) == 0);
         for (int r = 0; r < tp; r++)
             TH_CHECK(outs[r].iters == c.iters);
         check_same_hash(tp);
         TH_CHECK(!segment_exists(c.token));
         fprintf(stderr, "  threads tp %d: %d allreduces + plans in %.0f ms\n", tp, c.iters,
-                (now_ns() - t0) / 1e6);
+                (td_now_ns() - t0) / 1e6);
     }
 }
 
@@ -394,7 +388,7 @@ static void test_procs_allreduce(void)
         int delays[MAX_TP];
         random_delays(delays, tp, c.seed, 80);
         reset_outs();
-        int64_t t0 = now_ns();
+        int64_t t0 = td_now_ns();
         TH_CHECK(run_procs(tp, body_allreduce, &c, delays, 30000) == 0);
         for (int r = 0; r < tp; r++) {
             TH_CHECK(outs[r].fails == 0);
@@ -404,7 +398,7 @@ static void test_procs_allreduce(void)
         TH_CHECK(!segment_exists(c.token));
         fprintf(stderr, "  procs tp %d (start order by delays %d %d %d %d ms): %.0f ms\n", tp,
                 delays[0], tp > 1 ? delays[1] : 0, tp > 2 ? delays[2] : 0, tp > 3 ? delays[3] : 0,
-                (now_ns() - t0) / 1e6);
+                (td_now_ns() - t0) / 1e6);
     }
 }
 
@@ -423,11 +417,11 @@ static void test_oversubscribed(void)
     ar_ctx c = {.tp = 3, .iters = 150, .seed = 300};
     new_token(c.token, sizeof c.token);
     reset_outs();
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     TH_CHECK(run_procs(3, body_pinned, &c, NULL, 30000) == 0);
     check_same_hash(3);
     fprintf(stderr, "  tp 3 on one cpu: %d steps in %.0f ms (%llu futex sleeps on rank 0)\n",
-            c.iters, (now_ns() - t0) / 1e6, (unsigned long long)outs[0].stats.n_sleeps);
+            c.iters, (td_now_ns() - t0) / 1e6, (unsigned long long)outs[0].stats.n_sleeps);
 }
 
 /* ---- rendezvous failures ---- */
@@ -451,7 +445,7 @@ static int body_open(int worker, void *vctx)
     dc_shm *s = NULL;
     int rc = dc_shm_open(&p, &s);
     outs[worker].rc = rc;
-    outs[worker].t_ns = now_ns();
+    outs[worker].t_ns = td_now_ns();
     if (rc || !c->hold) {
         dc_shm_close(s);
         return 0;
@@ -465,14 +459,14 @@ static int body_open(int worker, void *vctx)
         outs[worker].iters = it + 1;
     }
     outs[worker].rc = rc;
-    outs[worker].t_ns = now_ns();
+    outs[worker].t_ns = td_now_ns();
     /* broken: every later call fails fast with the same code */
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     int again = dc_shm_allreduce(s, buf, 576);
     const void *pl;
     size_t len;
     int again2 = rank ? dc_shm_plan_wait(s, 1000, &pl, &len) : dc_shm_plan_publish(s, buf, 4);
-    if (again != rc || again2 != rc || now_ns() - t0 > 500000000) outs[worker].fails++;
+    if (again != rc || again2 != rc || td_now_ns() - t0 > 500000000) outs[worker].fails++;
     dc_shm_close(s);
     return 0;
 }
@@ -490,7 +484,7 @@ static void test_missing_rank(void)
 {
     open_ctx c = open_ctx_new(3, 300);
     reset_outs();
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     pid_t a = spawn(0, body_open, &c, 0, true), b = spawn(1, body_open, &c, 50, true);
     TH_CHECK(reap(a, 5000) == 0);
     TH_CHECK(reap(b, 5000) == 0);
@@ -558,9 +552,9 @@ static int body_sizes(int rank, void *vctx)
     int rc = dc_shm_allreduce(s, buf, 8); /* a good one first */
     if (!rc) rc = dc_shm_allreduce(s, buf, c->n[rank]);
     outs[rank].rc = rc;
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     outs[rank].fails += dc_shm_allreduce(s, buf, 8) != rc || dc_shm_check(s) != rc;
-    outs[rank].fails += now_ns() - t0 > 500000000;
+    outs[rank].fails += td_now_ns() - t0 > 500000000;
     dc_shm_close(s);
     return 0;
 }
@@ -577,10 +571,10 @@ static void test_bad_sizes(void)
     c = (size_ctx){.n = {100, MAXF + 1}};
     new_token(c.token, sizeof c.token);
     reset_outs();
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     TH_CHECK(run_threads(2, body_sizes, &c, NULL) == 0);
     TH_CHECK(outs[0].rc == TD_EINVAL && outs[1].rc == TD_EINVAL);
-    TH_CHECK(now_ns() - t0 < 3000000000ll);
+    TH_CHECK(td_now_ns() - t0 < 3000000000ll);
 }
 
 static void test_kill_mid_allreduce(void)
@@ -594,11 +588,11 @@ static void test_kill_mid_allreduce(void)
             pids[r] = spawn(r, body_open, &c, 0, true);
         /* let them run allreduces for a while (a loaded CI machine is slow: wait for a
          * count, not for a time) */
-        int64_t end = now_ns() + 20000000000ll;
-        while (outs[0].iters < 200 && now_ns() < end)
+        int64_t end = td_now_ns() + 20000000000ll;
+        while (outs[0].iters < 200 && td_now_ns() < end)
             sleep_ms(5);
         TH_CHECK(outs[0].iters >= 200);
-        int64_t t_kill = now_ns();
+        int64_t t_kill = td_now_ns();
         kill(pids[victim], SIGKILL);
         /* the victim stays a zombie until the survivors are done: must count as dead */
         for (int r = 0; r < 3; r++)
@@ -631,10 +625,10 @@ static void test_not_answering(void)
     pid_t pids[2];
     for (int r = 0; r < 2; r++)
         pids[r] = spawn(r, body_open, &c, 0, true);
-    int64_t end = now_ns() + 3000000000ll;
-    while (outs[0].iters < 1000 && now_ns() < end)
+    int64_t end = td_now_ns() + 3000000000ll;
+    while (outs[0].iters < 1000 && td_now_ns() < end)
         sleep_ms(5);
-    int64_t t_stop = now_ns();
+    int64_t t_stop = td_now_ns();
     kill(pids[1], SIGSTOP);
     TH_CHECK(reap(pids[0], 5000) == 0);
     TH_CHECK(outs[0].rc == TD_ETIMEDOUT);
@@ -684,7 +678,7 @@ static int body_plan(int rank, void *vctx)
         outs[rank].cpu_ns =
             (uint64_t)((c1.tv_sec - c0.tv_sec) * 1000000000ll + (c1.tv_nsec - c0.tv_nsec));
         outs[rank].rc = rc;
-        outs[rank].t_ns = now_ns();
+        outs[rank].t_ns = td_now_ns();
         if (rc == DC_SHM_INTR) {
             *c->intr = 0;
             rc = dc_shm_plan_wait(s, -1, &pl, &len);
@@ -723,7 +717,7 @@ static void test_leader_dies_idle(void)
         pids[r] = spawn(r, body_plan, &c, 0, r > 0);
     int status;
     waitpid(pids[0], &status, 0); /* reaped: /proc entry gone */
-    int64_t t_death = now_ns();
+    int64_t t_death = td_now_ns();
     TH_CHECK(WIFSIGNALED(status));
     for (int r = 1; r < 3; r++) {
         reap(pids[r], 5000);
@@ -738,10 +732,10 @@ static void test_leader_leaves_without_stop(void)
     plan_ctx c = {.tp = 2, .leader_sleep_ms = 50, .leader_no_stop = true};
     new_token(c.token, sizeof c.token);
     reset_outs();
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     run_threads(2, body_plan, &c, NULL);
     TH_CHECK(outs[1].rc == TD_EIO);
-    TH_CHECK(now_ns() - t0 < 3000000000ll);
+    TH_CHECK(td_now_ns() - t0 < 3000000000ll);
 }
 
 static volatile sig_atomic_t intr_flag;
@@ -761,7 +755,7 @@ static void test_interrupt(void)
     intr_flag = 0;
     pthread_t th;
     pthread_create(&th, NULL, set_intr, NULL);
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     TH_CHECK(run_threads(2, body_plan, &c, NULL) == 0);
     pthread_join(th, NULL);
     TH_CHECK(outs[1].rc == DC_SHM_INTR);
@@ -804,8 +798,8 @@ static void test_stale_segment(void)
             open_ctx o = open_ctx_new(2 + variant, 10000);
             memcpy(o.token, a.token, sizeof o.token);
             pid_t pid = spawn(0, body_hang, &o, 0, false);
-            int64_t end = now_ns() + 2000000000ll;
-            while (!segment_exists(a.token) && now_ns() < end)
+            int64_t end = td_now_ns() + 2000000000ll;
+            while (!segment_exists(a.token) && td_now_ns() < end)
                 sleep_ms(2);
             sleep_ms(20);
             kill(pid, SIGKILL);
@@ -823,8 +817,8 @@ static void test_stale_segment(void)
     /* a live rank 0 gathering: a second rank 0 is refused */
     open_ctx o = open_ctx_new(2, 3000);
     pid_t pid = spawn(0, body_hang, &o, 0, false);
-    int64_t end = now_ns() + 2000000000ll;
-    while (!segment_exists(o.token) && now_ns() < end)
+    int64_t end = td_now_ns() + 2000000000ll;
+    while (!segment_exists(o.token) && td_now_ns() < end)
         sleep_ms(2);
     sleep_ms(20);
     dc_shm_params p = params(o.token, 0, 2);
@@ -850,7 +844,7 @@ static int body_join(int rank, void *vctx)
     int rc = dc_shm_begin(&p, &s);
     if (!rc) rc = dc_shm_gather(s, -1);
     outs[rank].rc = rc;
-    outs[rank].t_ns = now_ns();
+    outs[rank].t_ns = td_now_ns();
     dc_shm_close(s);
     return 0;
 }
@@ -858,8 +852,8 @@ static int body_join(int rank, void *vctx)
 /* Rank 0 in this process: gather in slices until mask is joined (or ms pass). */
 static bool wait_joined(dc_shm *s, uint64_t mask, int ms)
 {
-    int64_t end = now_ns() + (int64_t)ms * 1000000;
-    while ((dc_shm_joined(s) & mask) != mask && now_ns() < end)
+    int64_t end = td_now_ns() + (int64_t)ms * 1000000;
+    while ((dc_shm_joined(s) & mask) != mask && td_now_ns() < end)
         if (dc_shm_gather(s, 10) != TD_ETIMEDOUT) break;
     return (dc_shm_joined(s) & mask) == mask;
 }
@@ -885,9 +879,9 @@ static void test_reform(void)
     kill(a, SIGKILL);
     reap(a, 2000);
     a = spawn(1, body_join, &c, 0, false);
-    int64_t t0 = now_ns();
+    int64_t t0 = td_now_ns();
     int rc;
-    while ((rc = dc_shm_gather(s, 50)) == TD_ETIMEDOUT && now_ns() - t0 < 3000000000ll) {
+    while ((rc = dc_shm_gather(s, 50)) == TD_ETIMEDOUT && td_now_ns() - t0 < 3000000000ll) {
     }
     TH_CHECK(rc == TD_EIO);
     TH_CHECKF(strstr(dc_shm_error(s), "rank 1 died") != NULL, "error '%s'", dc_shm_error(s));
@@ -897,8 +891,8 @@ static void test_reform(void)
     /* the next rendezvous: the restarted rank 1 and a late rank 2 join it */
     TH_CHECK(dc_shm_begin(&p, &s) == 0);
     pid_t b = spawn(2, body_join, &c, 100, false);
-    t0 = now_ns();
-    while ((rc = dc_shm_gather(s, 50)) == TD_ETIMEDOUT && now_ns() - t0 < 5000000000ll) {
+    t0 = td_now_ns();
+    while ((rc = dc_shm_gather(s, 50)) == TD_ETIMEDOUT && td_now_ns() - t0 < 5000000000ll) {
     }
     TH_CHECK(rc == 0);
     TH_CHECK(dc_shm_joined(s) == 7);
@@ -917,7 +911,7 @@ static void test_reform(void)
     a = spawn(1, body_join, &c, 0, true);
     TH_CHECK(wait_joined(s, 3, 3000));
     sleep_ms(50);
-    t0 = now_ns();
+    t0 = td_now_ns();
     dc_shm_close(s);
     TH_CHECK(reap(a, 3000) == 0);
     TH_CHECK(outs[1].rc == TD_EIO);
@@ -964,13 +958,13 @@ static int body_bench(int rank, void *vctx)
     for (int k = 0; k < 2; k++) {
         for (int i = 0; i < 1000; i++)
             dc_shm_allreduce(s, buf, ns[k]);
-        int64_t t0 = now_ns();
+        int64_t t0 = td_now_ns();
         for (int64_t i = 0; i < iters[k]; i++) {
-            int64_t a = now_ns();
+            int64_t a = td_now_ns();
             dc_shm_allreduce(s, buf, ns[k]);
-            lat[i] = now_ns() - a;
+            lat[i] = td_now_ns() - a;
         }
-        int64_t total = now_ns() - t0;
+        int64_t total = td_now_ns() - t0;
         qsort(lat, (size_t)iters[k], sizeof *lat, cmp_i64);
         if (rank == 0)
             printf("tp %d n %6lld: mean %7.2f us  p50 %7.2f us  p99 %7.2f us  (%lld calls)\n",

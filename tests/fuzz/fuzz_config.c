@@ -43,7 +43,8 @@ static void check_cfg(const td_cfg *c)
     }
     for (int i = 0; i < c->n_decode; i++) {
         const td_cfg_decode *x = &c->decode[i];
-        if (!x->name || !x->host || !x->kv_dtype || x->tp < 1 || x->tp > TD_CFG_MAX_PARALLEL)
+        if (!x->name || !x->host || (x->kv_dtype != TD_F16 && x->kv_dtype != TD_F32) || x->tp < 1 ||
+            x->tp > TD_CFG_MAX_PARALLEL)
             abort();
         if ((x->kv_blocks != 0) == (x->kv_memory != 0)) abort(); /* exactly one of them */
         if (x->block_size <= 0 || (x->block_size & (x->block_size - 1))) abort();
