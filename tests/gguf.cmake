@@ -11,7 +11,8 @@ add_executable(test_gguf
   ${CMAKE_CURRENT_SOURCE_DIR}/common/test_gguf.c
   ${PROJECT_SOURCE_DIR}/common/gguf.c
   ${PROJECT_SOURCE_DIR}/common/td_dtype.c
-  ${PROJECT_SOURCE_DIR}/common/td_err.c)
+  ${PROJECT_SOURCE_DIR}/common/td_err.c
+  ${PROJECT_SOURCE_DIR}/common/td_clock.c)
 target_include_directories(test_gguf PRIVATE ${PROJECT_SOURCE_DIR}/common ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_gguf PRIVATE Threads::Threads m)
 
