@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "kvx_conn.h"
+#include "td_clock.h"
 
 typedef struct {
     const char *tls;
@@ -169,9 +170,9 @@ static int receiver(const bopts *o)
             }
         } else if (sscanf(line, "wait %llu %d", &req, &ms) == 2) {
             kvx_dec_status ds = {0};
-            int64_t end = kvx_now_ms() + ms;
+            int64_t end = td_now_ms() + ms;
             while (kvx_dec_poll(c, req, &ds) == 0 && ds.state != KVX_REQ_DONE &&
-                   ds.state != KVX_REQ_FAILED && kvx_now_ms() < end)
+                   ds.state != KVX_REQ_FAILED && td_now_ms() < end)
                 usleep(200);
             printf("STATE %d\n", ds.state);
         } else if (sscanf(line, "sum %llu %u", &req, &ntok) == 2) {
@@ -261,7 +262,7 @@ static pid_t spawn(char *const argv[], const char *ucx_tls, int *in, int *out)
 
 static bool ch_line(child *ch, char *out, size_t cap, int ms)
 {
-    int64_t end = kvx_now_ms() + ms;
+    int64_t end = td_now_ms() + ms;
     for (;;) {
         char *nl = memchr(ch->buf, '\n', ch->len);
         if (nl) {
@@ -272,7 +273,7 @@ static bool ch_line(child *ch, char *out, size_t cap, int ms)
             ch->len -= n + 1;
             return true;
         }
-        int left = (int)(end - kvx_now_ms());
+        int left = (int)(end - td_now_ms());
         if (left <= 0 || ch->len == sizeof(ch->buf)) return false;
         struct pollfd p = {.fd = ch->out, .events = POLLIN};
         if (poll(&p, 1, left) <= 0) continue;
@@ -331,8 +332,8 @@ static double perftest(const char *ucx_tls, size_t size, unsigned iters, int por
     close(so);
     for (int i = 0; i < 2; i++)
         if (g_extra[i] > 0) {
-            int64_t end = kvx_now_ms() + 3000;
-            while (waitpid(g_extra[i], NULL, WNOHANG) == 0 && kvx_now_ms() < end)
+            int64_t end = td_now_ms() + 3000;
+            while (waitpid(g_extra[i], NULL, WNOHANG) == 0 && td_now_ms() < end)
                 usleep(10000);
             kill(g_extra[i], SIGKILL);
             waitpid(g_extra[i], NULL, 0);
@@ -377,9 +378,9 @@ static bool open_ready(sender *s, uint64_t req, uint32_t ntok)
     for (uint32_t d = 0; d < s->o->ranks; d++)
         if (kvx_pf_add_target(s->c, req, s->tgt[d], s->tl[d])) return false;
     kvx_pf_status ps;
-    int64_t end = kvx_now_ms() + 20000;
+    int64_t end = td_now_ms() + 20000;
     while (kvx_pf_poll(s->c, req, &ps) == 0 && ps.state != KVX_REQ_READY &&
-           ps.state != KVX_REQ_FAILED && kvx_now_ms() < end)
+           ps.state != KVX_REQ_FAILED && td_now_ms() < end)
         kvx_conn_progress(s->c, 1);
     return ps.state == KVX_REQ_READY;
 }
@@ -391,7 +392,7 @@ static double timed_send(sender *s, uint64_t req, uint32_t ntok, uint32_t chunk,
                          double *landed_us)
 {
     uint32_t nb = (ntok + s->o->block - 1) / s->o->block;
-    int64_t t_end = kvx_now_ms() + 60000;
+    int64_t t_end = td_now_ms() + 60000;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
     uint32_t nch = (ntok + chunk - 1) / chunk;
@@ -406,7 +407,7 @@ static double timed_send(sender *s, uint64_t req, uint32_t ntok, uint32_t chunk,
     if (kvx_pf_finish(s->c, req, &m)) return -1;
     kvx_pf_status ps;
     while (kvx_pf_poll(s->c, req, &ps) == 0 && ps.state != KVX_REQ_DONE &&
-           ps.state != KVX_REQ_FAILED && kvx_now_ms() < t_end)
+           ps.state != KVX_REQ_FAILED && td_now_ms() < t_end)
         kvx_conn_progress(s->c, 0);
     clock_gettime(CLOCK_MONOTONIC, &b);
     for (uint32_t k = 0; landed_us && k < nch; k++) {

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "kvx_conn_int.h"
+#include "td_clock.h"
 
 const char *kvx_req_state_name(kvx_req_state s)
 {
@@ -200,7 +201,7 @@ static void handle_msg(kvx_conn *c, const uint8_t *data, size_t len)
 /* A connector id that differs across processes, restarts and worker replacements. */
 static uint64_t new_uid(kvx_conn *c)
 {
-    uint64_t seed = (uint64_t)kvx_now_ns() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 32 ^
+    uint64_t seed = (uint64_t)td_now_ns() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 32 ^
                     (uint64_t)(uintptr_t)c ^ c->uid;
     seed ^= seed >> 31;
     seed *= 0xbf58476d1ce4e5b9ull;
@@ -247,7 +248,7 @@ static int progress_locked(kvx_conn *c)
         free(q);
         n++;
     }
-    int64_t now = kvx_now_ms();
+    int64_t now = td_now_ms();
     for (pf_req *r = c->preqs; r; r = r->next)
         kvxi_pf_step(c, r, now);
     for (dec_req *r = c->dreqs; r; r = r->next)
@@ -287,7 +288,7 @@ int kvx_conn_progress(kvx_conn *c, int timeout_ms)
         pthread_mutex_unlock(&c->mu);
         return n;
     }
-    int64_t now = kvx_now_ms(), d = next_deadline(c);
+    int64_t now = td_now_ms(), d = next_deadline(c);
     int wait = timeout_ms;
     if (d != INT64_MAX) wait = d <= now ? 0 : (d - now < wait ? (int)(d - now) + 1 : wait);
     int armed = wait > 0 ? kvx_pipe_arm(c->pipe) : 0;

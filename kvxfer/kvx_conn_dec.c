@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "kvx_conn_int.h"
+#include "td_clock.h"
 
 /* --- decode side ------------------------------------------------------------------------ */
 
@@ -29,7 +30,7 @@ static void dec_fail(kvx_conn *c, dec_req *r, kvx_fail_reason why, int err)
     r->state = KVX_REQ_ABORTING;
     r->reason = why;
     r->err = err;
-    r->abort_deadline = kvx_now_ms() + c->params.abort_timeout_ms;
+    r->abort_deadline = td_now_ms() + c->params.abort_timeout_ms;
     r->abort_sent = false;
 }
 
@@ -239,7 +240,7 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
     r->epoch = ++c->next_epoch;
     r->n_stages = p->n_stages;
     r->state = KVX_REQ_WAITING;
-    r->deadline = kvx_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
+    r->deadline = td_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
 
     size_t pl_cap = 128 + c->addr_len + c->rkey_len + (size_t)p->n_blocks * 4;
     uint8_t *pl = malloc(pl_cap);
@@ -305,7 +306,7 @@ int kvx_dec_abort(kvx_conn *c, uint64_t req_id)
     dec_req *r = dec_find(c, req_id);
     if (r) {
         dec_fail(c, r, KVX_FAIL_ABORTED, TD_ESTATE);
-        kvxi_dec_step(c, r, kvx_now_ms());
+        kvxi_dec_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     kvxi_kick(c);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "kvx_conn_int.h"
+#include "td_clock.h"
 
 /* --- prefill side ----------------------------------------------------------------------- */
 
@@ -33,7 +34,7 @@ static void pf_fail(kvx_conn *c, pf_req *r, kvx_fail_reason why, int err)
     r->reason = why;
     r->err = err;
     r->abort_phase = 0;
-    r->abort_deadline = kvx_now_ms() + c->params.abort_timeout_ms;
+    r->abort_deadline = td_now_ms() + c->params.abort_timeout_ms;
     kvx_lookup_drop_request(c->lb, r->id, kvxi_free_copy, NULL);
 }
 
@@ -258,7 +259,7 @@ static pf_chunk *chunk_rec(pf_req *r, uint32_t k)
 static void chunk_settle(kvx_conn *c, pf_req *r, pf_chunk *ch)
 {
     if (ch->flushes) return;
-    if (!ch->failed && !ch->landed_ns) ch->landed_ns = kvx_now_ns();
+    if (!ch->failed && !ch->landed_ns) ch->landed_ns = (uint64_t)td_now_ns();
     chunk_copy *cc = ch->copy;
     if (!cc) return;
     ch->copy = NULL;
@@ -328,7 +329,7 @@ static int pf_issue_chunk(kvx_conn *c, pf_req *r, uint32_t k, const uint8_t *src
                           uint32_t t1)
 {
     pf_chunk *ch = &r->chunks[k];
-    ch->issued_ns = kvx_now_ns();
+    ch->issued_ns = (uint64_t)td_now_ns();
     int err = 0;
     for (uint32_t t = 0; t < r->n_tgt && !err; t++) {
         chunk_copy *arena = NULL;
@@ -613,7 +614,7 @@ int kvx_pf_open(kvx_conn *c, uint64_t req_id, const kvx_pf_req_params *p)
     r->n_dst = p->n_dst;
     r->n_tgt = p->n_dst;
     r->state = KVX_REQ_OPEN;
-    r->deadline = kvx_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
+    r->deadline = td_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
     for (int t = 0; t < KVX_MAX_RANKS; t++)
         r->tgt[t].peer = -1;
     r->next = c->preqs;
@@ -735,7 +736,7 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
         if (!r->n_dst) r->n_dst = r->n_tgt = t.tp;
         r->tgt[t.rank] = t;
         t.blocks = NULL;
-        kvxi_pf_step(c, r, kvx_now_ms());
+        kvxi_pf_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     free(t.blocks);
@@ -746,7 +747,7 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
 int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0, uint32_t t1,
                       const int32_t *src_blocks, uint32_t n_src_blocks)
 {
-    uint64_t handed = kvx_now_ns();
+    uint64_t handed = (uint64_t)td_now_ns();
     pthread_mutex_lock(&c->mu);
     pf_req *r = pf_find(c, req_id);
     const kvx_layout *sl = &c->src_layout;
@@ -841,7 +842,7 @@ int kvx_pf_finish(kvx_conn *c, uint64_t req_id, const kvx_meta *meta)
     if (!err) {
         r->finish_wanted = true;
         if (meta) r->meta = *meta;
-        kvxi_pf_step(c, r, kvx_now_ms());
+        kvxi_pf_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     kvxi_kick(c);
@@ -854,7 +855,7 @@ int kvx_pf_abort(kvx_conn *c, uint64_t req_id)
     pf_req *r = pf_find(c, req_id);
     if (r) {
         pf_fail(c, r, KVX_FAIL_ABORTED, TD_ESTATE);
-        kvxi_pf_step(c, r, kvx_now_ms());
+        kvxi_pf_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     kvxi_kick(c);
