@@ -1,7 +1,8 @@
 /* kvx_conn_int.h: the connector's private state, shared by kvx_conn.c (peers, messages,
- * progress, lifecycle), kvx_conn_pf.c (prefill side) and kvx_conn_dec.c (decode side).
+ * progress, lifecycle), kvx_conn_pf.c (prefill side), kvx_conn_put.c (the prefill side's
+ * puts) and kvx_conn_dec.c (decode side).
  * Not installed; nothing outside kvxfer/ includes it. Its types and macros, and the internal
- * functions shared between the three files, carry the kvxi_ (KVXI_) prefix. Every function
+ * functions shared between the files, carry the kvxi_ (KVXI_) prefix. Every function
  * here runs with c->mu held.
  */
 #ifndef KVX_CONN_INT_H
@@ -217,6 +218,19 @@ void kvxi_rd_layout(kvx_rd *r, kvx_layout *l);
 void kvxi_pf_step(kvx_conn *c, kvxi_pf_req *r, int64_t now);
 void kvxi_pf_free(kvxi_pf_req *r);
 void kvxi_pf_on_msg(kvx_conn *c, const kvxi_msg *m); /* ACCEPT, REFUSE, ABORT */
+
+/* kvx_conn_put.c */
+/* Put tokens [t0, t1) of the source (region src with layout sl, logical block b in
+ * block id sblk[b - sfirst]) into target t: its heads only. *arena gets the staging
+ * buffer the puts read (NULL if none): it must live until a flush of t completed. */
+int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint8_t *src,
+                      const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
+                      uint32_t t1, kvxi_chunk_copy **arena);
+/* Check a chunk fits a target (token range inside its blocks, layers inside its layers,
+ * same geometry): TD_ERANGE (logged) if not. */
+int kvxi_pf_check_fit(kvxi_pf_req *r, const kvxi_pf_target *t, const kvx_layout *sl, uint32_t t1);
+/* Give a staging arena back (kept for reuse up to STAGE_POOL_MAX bytes, else freed). */
+void kvxi_arena_put(kvx_conn *c, kvxi_chunk_copy *a);
 
 /* kvx_conn_dec.c */
 void kvxi_dec_step(kvx_conn *c, kvxi_dec_req *r, int64_t now);

@@ -1,6 +1,6 @@
-/* kvx_conn_pf.c: the prefill side of the connector: request state machine, head slicing,
- * coalescing and staging of puts, per-chunk flushes and times, the lookup-buffer path,
- * target decoding, the kvx_pf_ API. */
+/* kvx_conn_pf.c: the prefill side of the connector: the request state machine, per-chunk
+ * flushes and times, the lookup-buffer path, target decoding, the kvx_pf_ API (the puts
+ * themselves: kvx_conn_put.c). */
 #include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -78,163 +78,6 @@ static int kvxi_pf_start_op(kvx_conn *c, kvxi_pf_req *r, uint32_t t, const kvxi_
     return 0;
 }
 
-/* Coalescer: pieces contiguous on both sides become one put. Small pieces that are
- * contiguous at the destination only (a head slice of consecutive blocks when the source
- * holds more heads than the destination) are gathered into a staging buffer and go as one
- * put; the buffer lives until the chunk's flush of that target completed. */
-#define STAGE_PIECE_MAX (64u << 10)         /* bytes: larger pieces go directly */
-#define STAGE_MAX       (1u << 20)          /* bytes per staged put */
-#define STAGE_POOL_MAX  ((size_t)512 << 20) /* bytes of idle arenas kept for reuse */
-
-typedef struct {
-    kvx_conn *c;
-    kvxi_pf_req *r;
-    kvxi_pf_target *t;
-    const uint8_t *src;
-    uint64_t dst;
-    size_t len;
-    bool staged;            /* the current run lives in the arena */
-    kvxi_chunk_copy *arena; /* staging bytes of this call (one target), taken on first use */
-    size_t arena_need;      /* upper bound of what this call can stage */
-    size_t used;            /* arena bytes used (the current staged run ends here) */
-    int err;
-} coalescer;
-
-static void co_flush(coalescer *co)
-{
-    if (!co->len || co->err) {
-        co->len = 0;
-        co->staged = false;
-        return;
-    }
-    kvxi_peer *p = &co->c->peers[co->t->peer];
-    int err = kvx_pipe_put(co->c->pipe, p->peer, co->src, co->len, co->dst, p->rkey);
-    if (err) co->err = err;
-    co->r->puts++;
-    co->r->bytes += co->len;
-    co->len = 0;
-    co->staged = false;
-}
-
-/* A staging arena of at least `need` bytes: a recycled one or a new one. */
-static kvxi_chunk_copy *arena_get(kvx_conn *c, size_t need)
-{
-    for (kvxi_chunk_copy **pp = &c->stage_pool; *pp; pp = &(*pp)->next)
-        if ((*pp)->bytes >= need) {
-            kvxi_chunk_copy *a = *pp;
-            *pp = a->next;
-            c->stage_pool_bytes -= a->bytes;
-            a->next = NULL;
-            return a;
-        }
-    kvxi_chunk_copy *a = malloc(sizeof(*a) + need);
-    if (!a) return NULL;
-    *a = (kvxi_chunk_copy){.bytes = need};
-    c->held_bytes += need;
-    return a;
-}
-
-/* Give an arena back (kept for reuse up to STAGE_POOL_MAX bytes, else freed). */
-static void arena_put(kvx_conn *c, kvxi_chunk_copy *a)
-{
-    if (c->stage_pool_bytes + a->bytes <= STAGE_POOL_MAX) {
-        a->next = c->stage_pool;
-        c->stage_pool = a;
-        c->stage_pool_bytes += a->bytes;
-        return;
-    }
-    c->held_bytes -= a->bytes;
-    free(a);
-}
-
-static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
-{
-    co->r->pieces++;
-    if (co->len && co->dst + co->len == dst) {
-        if (!co->staged && co->src + co->len == src) {
-            co->len += len;
-            return;
-        }
-        if (len <= STAGE_PIECE_MAX && co->len + len <= STAGE_MAX) {
-            if (!co->arena) co->arena = arena_get(co->c, co->arena_need);
-            if (co->arena && !co->staged && co->used + co->len + len <= co->arena->bytes) {
-                memcpy(co->arena->data + co->used, co->src, co->len);
-                co->src = co->arena->data + co->used;
-                co->staged = true;
-            }
-            if (co->staged && co->used + co->len + len <= co->arena->bytes) {
-                memcpy(co->arena->data + co->used + co->len, src, len);
-                co->len += len;
-                return;
-            }
-        }
-    }
-    if (co->staged) co->used += co->len;
-    co_flush(co);
-    co->src = src;
-    co->dst = dst;
-    co->len = len;
-}
-
-/* Put tokens [t0, t1) of the source (region src with layout sl, logical block b in
- * block id sblk[b - sfirst]) into target t: its heads only. *arena gets the staging
- * buffer the puts read (NULL if none): it must live until a flush of t completed. */
-static int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint8_t *src,
-                             const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst,
-                             uint32_t t0, uint32_t t1, kvxi_chunk_copy **arena)
-{
-    const kvx_layout *dl = &t->layout;
-    uint32_t i0 = sl->head0 > dl->head0 ? sl->head0 : dl->head0;
-    uint32_t e0 = sl->head0 + sl->n_heads, e1 = dl->head0 + dl->n_heads;
-    uint32_t i1 = e0 < e1 ? e0 : e1;
-    *arena = NULL;
-    if (i0 >= i1) return 0; /* no common heads */
-    uint32_t bs = sl->block_size;
-    size_t tokb = (size_t)sl->head_dim * sl->dtype_size;
-    coalescer co = {.c = c, .r = r, .t = t};
-    co.arena_need =
-        (size_t)sl->n_layers * 2 * ((t1 - 1) / bs - t0 / bs + 1) * (i1 - i0) * kvxi_head_bytes(sl);
-    for (uint32_t ll = 0; ll < sl->n_layers; ll++) {
-        uint32_t dll = sl->layer0 + ll - dl->layer0;
-        for (uint32_t kv = 0; kv < 2; kv++)
-            for (uint32_t b = t0 / bs; b <= (t1 - 1) / bs; b++) {
-                uint32_t a = b * bs > t0 ? 0 : t0 - b * bs;
-                uint32_t e = (b + 1) * bs < t1 ? bs : t1 - b * bs;
-                uint32_t sb = sblk[b - sfirst], db = t->blocks[b];
-                if (a == 0 && e == bs) { /* whole block: the common heads are contiguous */
-                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, i0 - sl->head0, 0),
-                           t->base + kvxi_kv_off(dl, dll, kv, db, i0 - dl->head0, 0),
-                           (size_t)(i1 - i0) * kvxi_head_bytes(sl));
-                    continue;
-                }
-                for (uint32_t h = i0; h < i1; h++)
-                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, h - sl->head0, a),
-                           t->base + kvxi_kv_off(dl, dll, kv, db, h - dl->head0, a),
-                           (size_t)(e - a) * tokb);
-            }
-    }
-    co_flush(&co);
-    *arena = co.arena;
-    return co.err;
-}
-
-/* Check a chunk fits a target (token range inside its blocks, layers inside its layers,
- * same geometry). */
-static int kvxi_pf_check_fit(kvxi_pf_req *r, const kvxi_pf_target *t, const kvx_layout *sl,
-                             uint32_t t1)
-{
-    const kvx_layout *dl = &t->layout;
-    if ((uint64_t)t->n_blocks * dl->block_size < t1 || sl->layer0 < dl->layer0 ||
-        sl->layer0 + sl->n_layers > dl->layer0 + dl->n_layers) {
-        TD_LOG_ERR("kvx conn: req %llu rank %u: chunk up to token %u, layers %u-%u do not fit "
-                   "the target (%u blocks, layers %u-%u)",
-                   (unsigned long long)r->id, t->rank, t1, sl->layer0, sl->layer0 + sl->n_layers,
-                   t->n_blocks, dl->layer0, dl->layer0 + dl->n_layers);
-        return TD_ERANGE;
-    }
-    return 0;
-}
-
 /* --- chunks: records, per-rank flushes, times ------------------------------------------ */
 
 /* The record of chunk number k (< KVX_MAX_CHUNKS), the array grown on demand (doubling,
@@ -283,7 +126,7 @@ static void kvxi_pf_chunk_flush_done(void *arg, int status, size_t len)
         if (!t->flush_err) t->flush_err = status;
         ch->failed = true;
     }
-    if (o->bufs) arena_put(o->c, o->bufs);
+    if (o->bufs) kvxi_arena_put(o->c, o->bufs);
     t->ops--;
     t->flushes--;
     r->pending--;
@@ -370,148 +213,158 @@ static int kvxi_pf_send_copy(kvx_conn *c, kvxi_pf_req *r, kvxi_chunk_copy *cc)
     return err;
 }
 
-/* Advance one prefill request. */
-void kvxi_pf_step(kvx_conn *c, kvxi_pf_req *r, int64_t now)
+/* --- the request state machine (kvx_conn.h, "Prefill request states") -------------------- */
+
+/* Any non-final state: the deadline, a failed endpoint, a REFUSE or a failed flush (or
+ * message) moves the request to ABORTING. */
+static void kvxi_pf_check(kvx_conn *c, kvxi_pf_req *r, int64_t now)
 {
-    if (kvxi_pf_final(r)) return;
-    if (r->state != KVX_REQ_ABORTING) {
-        if (now >= r->deadline) kvxi_pf_fail(c, r, KVX_FAIL_TIMEOUT, TD_ETIMEDOUT);
-        for (uint32_t t = 0; t < r->n_tgt && r->state != KVX_REQ_ABORTING; t++) {
-            kvxi_pf_target *tg = &r->tgt[t];
-            if (tg->have && !kvxi_peer_ok(c, tg->peer))
-                kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
-            else if (tg->refused)
-                kvxi_pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
-            else if (tg->flush_err) /* a chunk's flush (or a message) failed */
-                kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, tg->flush_err);
+    if (now >= r->deadline) kvxi_pf_fail(c, r, KVX_FAIL_TIMEOUT, TD_ETIMEDOUT);
+    for (uint32_t t = 0; t < r->n_tgt && r->state != KVX_REQ_ABORTING; t++) {
+        kvxi_pf_target *tg = &r->tgt[t];
+        if (tg->have && !kvxi_peer_ok(c, tg->peer))
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
+        else if (tg->refused)
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
+        else if (tg->flush_err) /* a chunk's flush (or a message) failed */
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, tg->flush_err);
+    }
+}
+
+/* A message of this request to target tg: the fields every type carries. */
+static kvxi_msg kvxi_pf_msg(const kvxi_pf_req *r, const kvxi_pf_target *tg, uint32_t type)
+{
+    return (kvxi_msg){.type = type,
+                      .req = r->id,
+                      .epoch = tg->epoch,
+                      .stage = r->stage,
+                      .src_rank = r->src_rank,
+                      .src_tp = r->src_tp,
+                      .rank = tg->rank};
+}
+
+/* OPEN -> BEGUN once every target was added: BEGIN to each. False while waiting or failed. */
+static bool kvxi_pf_begin(kvx_conn *c, kvxi_pf_req *r)
+{
+    if (!r->n_dst) return false;
+    for (uint32_t t = 0; t < r->n_dst; t++)
+        if (!r->tgt[t].have) return false;
+    for (uint32_t t = 0; t < r->n_dst; t++) {
+        kvxi_pf_target *tg = &r->tgt[t];
+        kvxi_msg m = kvxi_pf_msg(r, tg, KVXI_MSG_BEGIN);
+        m.addr = c->addr;
+        m.addr_len = (uint32_t)c->addr_len;
+        int err = kvxi_pf_start_op(c, r, t, &m);
+        if (err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
+            return false;
+        }
+        tg->begin_sent = true;
+    }
+    r->state = KVX_REQ_BEGUN;
+    return true;
+}
+
+/* BEGUN -> READY once every rank ACCEPTed: the chunks queued in the lookup buffer go out.
+ * False while waiting or failed. */
+static bool kvxi_pf_ready(kvx_conn *c, kvxi_pf_req *r)
+{
+    for (uint32_t t = 0; t < r->n_tgt; t++)
+        if (!r->tgt[t].accepted) return false;
+    r->state = KVX_REQ_READY;
+    kvx_lb_key k;
+    void *v;
+    while (kvx_lookup_drop_first(c->lb, r->id, &k, &v, NULL) == 0) {
+        int err = kvxi_pf_send_copy(c, r, v);
+        if (err) {
+            kvxi_pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
+            return false;
         }
     }
-    switch (r->state) {
-    case KVX_REQ_OPEN: {
-        if (!r->n_dst) return;
-        for (uint32_t t = 0; t < r->n_dst; t++)
-            if (!r->tgt[t].have) return;
-        for (uint32_t t = 0; t < r->n_dst; t++) {
-            kvxi_pf_target *tg = &r->tgt[t];
-            kvxi_msg m = {.type = KVXI_MSG_BEGIN,
-                          .req = r->id,
-                          .epoch = tg->epoch,
-                          .stage = r->stage,
-                          .src_rank = r->src_rank,
-                          .src_tp = r->src_tp,
-                          .rank = tg->rank,
-                          .addr = c->addr,
-                          .addr_len = (uint32_t)c->addr_len};
-            int err = kvxi_pf_start_op(c, r, t, &m);
-            if (err) {
-                kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
-                return;
-            }
-            tg->begin_sent = true;
-        }
-        r->state = KVX_REQ_BEGUN;
-    } /* fall through */
-    case KVX_REQ_BEGUN: {
-        for (uint32_t t = 0; t < r->n_tgt; t++)
-            if (!r->tgt[t].accepted) return;
-        r->state = KVX_REQ_READY;
-        kvx_lb_key k;
-        void *v;
-        while (kvx_lookup_drop_first(c->lb, r->id, &k, &v, NULL) == 0) {
-            int err = kvxi_pf_send_copy(c, r, v);
-            if (err) {
-                kvxi_pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED,
-                             err);
-                return;
-            }
-        }
-    } /* fall through */
-    case KVX_REQ_READY:
-        if (!r->finish_wanted) return;
-        /* every chunk's puts to a target were followed by a flush of it: the finish
-         * flush is waiting for those */
-        r->state = KVX_REQ_FLUSHING;
-    /* fall through */
-    case KVX_REQ_FLUSHING:
-        for (uint32_t t = 0; t < r->n_tgt; t++) {
-            if (r->tgt[t].flush_err) {
-                kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
-                return;
-            }
-            if (r->tgt[t].flushes) return;
-        }
-        for (uint32_t t = 0; t < r->n_tgt; t++) {
-            kvxi_msg m = {.type = KVXI_MSG_DONE,
-                          .req = r->id,
-                          .epoch = r->tgt[t].epoch,
-                          .stage = r->stage,
-                          .src_rank = r->src_rank,
-                          .src_tp = r->src_tp,
-                          .rank = r->tgt[t].rank,
-                          .first_token = r->meta.first_token,
-                          .n_tokens = r->meta.n_tokens};
-            int err = kvxi_pf_start_op(c, r, t, &m);
-            if (err) {
-                kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
-                return;
-            }
-        }
-        r->state = KVX_REQ_NOTIFYING;
-        return;
-    case KVX_REQ_NOTIFYING:
-        if (r->pending) return;
-        for (uint32_t t = 0; t < r->n_tgt; t++)
-            if (r->tgt[t].flush_err) {
-                kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
-                return;
-            }
-        r->state = KVX_REQ_DONE;
-        break;
-    case KVX_REQ_ABORTING:
-        if (now >= r->abort_deadline && r->pending) {
-            /* a peer that does not complete our flush within the bound is closed: its
-             * operations complete with errors and nothing of ours is read any more */
-            for (uint32_t t = 0; t < r->n_tgt; t++)
-                if (r->tgt[t].have && kvxi_peer_ok(c, r->tgt[t].peer) && r->tgt[t].ops > 0) {
-                    TD_LOG_WARN("kvx conn: req %llu rank %u: closing an unresponsive peer",
-                                (unsigned long long)r->id, r->tgt[t].rank);
-                    kvxi_peer_close(c, r->tgt[t].peer, true);
-                }
+    return true;
+}
+
+/* FLUSHING -> NOTIFYING once every chunk flush completed (every chunk's puts to a target
+ * were followed by a flush of it): DONE with the metadata to each target. */
+static void kvxi_pf_notify(kvx_conn *c, kvxi_pf_req *r)
+{
+    for (uint32_t t = 0; t < r->n_tgt; t++) {
+        if (r->tgt[t].flush_err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
             return;
         }
-        if (r->pending) return;
-        if (r->abort_phase == 0) {
-            for (uint32_t t = 0; t < r->n_tgt; t++) {
-                kvxi_pf_target *tg = &r->tgt[t];
-                tg->flushed = false;
-                tg->flush_err = 0;
-                if (tg->begin_sent && kvxi_peer_ok(c, tg->peer)) kvxi_pf_start_op(c, r, t, NULL);
-            }
-            r->abort_phase = 1;
-            return;
-        }
-        if (r->abort_phase == 1) {
-            for (uint32_t t = 0; t < r->n_tgt; t++) {
-                kvxi_pf_target *tg = &r->tgt[t];
-                if (!tg->begin_sent || !kvxi_peer_ok(c, tg->peer)) continue;
-                kvxi_msg m = {.type = KVXI_MSG_STOPPED,
-                              .req = r->id,
-                              .epoch = tg->epoch,
-                              .stage = r->stage,
-                              .src_rank = r->src_rank,
-                              .src_tp = r->src_tp,
-                              .rank = tg->rank};
-                kvxi_pf_start_op(c, r, t, &m);
-            }
-            r->abort_phase = 2;
-            return;
-        }
-        r->state = KVX_REQ_FAILED;
-        break;
-    default:
-        return;
+        if (r->tgt[t].flushes) return;
     }
-    /* final: copies go, endpoints are no longer used by this request */
+    for (uint32_t t = 0; t < r->n_tgt; t++) {
+        kvxi_msg m = kvxi_pf_msg(r, &r->tgt[t], KVXI_MSG_DONE);
+        m.first_token = r->meta.first_token;
+        m.n_tokens = r->meta.n_tokens;
+        int err = kvxi_pf_start_op(c, r, t, &m);
+        if (err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
+            return;
+        }
+    }
+    r->state = KVX_REQ_NOTIFYING;
+}
+
+/* NOTIFYING -> DONE once every notice was sent. False while waiting or failed. */
+static bool kvxi_pf_done(kvx_conn *c, kvxi_pf_req *r)
+{
+    if (r->pending) return false;
+    for (uint32_t t = 0; t < r->n_tgt; t++)
+        if (r->tgt[t].flush_err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
+            return false;
+        }
+    r->state = KVX_REQ_DONE;
+    return true;
+}
+
+/* ABORTING -> FAILED: wait for what is in flight (closing a peer that does not complete
+ * it within abort_timeout_ms), flush every target that got a BEGIN, then send it STOPPED.
+ * True once FAILED. */
+static bool kvxi_pf_abort_step(kvx_conn *c, kvxi_pf_req *r, int64_t now)
+{
+    if (now >= r->abort_deadline && r->pending) {
+        /* a peer that does not complete our flush within the bound is closed: its
+         * operations complete with errors and nothing of ours is read any more */
+        for (uint32_t t = 0; t < r->n_tgt; t++)
+            if (r->tgt[t].have && kvxi_peer_ok(c, r->tgt[t].peer) && r->tgt[t].ops > 0) {
+                TD_LOG_WARN("kvx conn: req %llu rank %u: closing an unresponsive peer",
+                            (unsigned long long)r->id, r->tgt[t].rank);
+                kvxi_peer_close(c, r->tgt[t].peer, true);
+            }
+        return false;
+    }
+    if (r->pending) return false;
+    if (r->abort_phase == 0) {
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            kvxi_pf_target *tg = &r->tgt[t];
+            tg->flushed = false;
+            tg->flush_err = 0;
+            if (tg->begin_sent && kvxi_peer_ok(c, tg->peer)) kvxi_pf_start_op(c, r, t, NULL);
+        }
+        r->abort_phase = 1;
+        return false;
+    }
+    if (r->abort_phase == 1) {
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            kvxi_pf_target *tg = &r->tgt[t];
+            if (!tg->begin_sent || !kvxi_peer_ok(c, tg->peer)) continue;
+            kvxi_msg m = kvxi_pf_msg(r, tg, KVXI_MSG_STOPPED);
+            kvxi_pf_start_op(c, r, t, &m);
+        }
+        r->abort_phase = 2;
+        return false;
+    }
+    r->state = KVX_REQ_FAILED;
+    return true;
+}
+
+/* DONE or FAILED reached: copies go, endpoints are no longer used by this request. */
+static void kvxi_pf_let_go(kvx_conn *c, kvxi_pf_req *r)
+{
     while (r->held) {
         kvxi_chunk_copy *cc = r->held;
         r->held = cc->next;
@@ -530,6 +383,37 @@ void kvxi_pf_step(kvx_conn *c, kvxi_pf_req *r, int64_t now)
             c->peers[r->tgt[t].peer].refs--;
             r->tgt[t].peer = -1;
         }
+}
+
+/* Advance one prefill request as far as it can go now. */
+void kvxi_pf_step(kvx_conn *c, kvxi_pf_req *r, int64_t now)
+{
+    if (kvxi_pf_final(r)) return;
+    if (r->state != KVX_REQ_ABORTING) kvxi_pf_check(c, r, now);
+    switch (r->state) {
+    case KVX_REQ_OPEN:
+        if (!kvxi_pf_begin(c, r)) return;
+    /* fall through */
+    case KVX_REQ_BEGUN:
+        if (!kvxi_pf_ready(c, r)) return;
+    /* fall through */
+    case KVX_REQ_READY:
+        if (!r->finish_wanted) return; /* a finish before READY runs here */
+        r->state = KVX_REQ_FLUSHING;
+    /* fall through */
+    case KVX_REQ_FLUSHING:
+        kvxi_pf_notify(c, r);
+        return;
+    case KVX_REQ_NOTIFYING:
+        if (!kvxi_pf_done(c, r)) return;
+        break;
+    case KVX_REQ_ABORTING:
+        if (!kvxi_pf_abort_step(c, r, now)) return;
+        break;
+    default:
+        return;
+    }
+    kvxi_pf_let_go(c, r);
 }
 
 void kvxi_pf_free(kvxi_pf_req *r)
