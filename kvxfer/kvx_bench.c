@@ -26,10 +26,11 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "kvx_conn.h"
+#include "td_clock.h"
+#include "td_stats.h"
 
 typedef struct {
     const char *tls;
@@ -169,9 +170,9 @@ static int receiver(const bopts *o)
             }
         } else if (sscanf(line, "wait %llu %d", &req, &ms) == 2) {
             kvx_dec_status ds = {0};
-            int64_t end = kvx_now_ms() + ms;
+            int64_t end = td_now_ms() + ms;
             while (kvx_dec_poll(c, req, &ds) == 0 && ds.state != KVX_REQ_DONE &&
-                   ds.state != KVX_REQ_FAILED && kvx_now_ms() < end)
+                   ds.state != KVX_REQ_FAILED && td_now_ms() < end)
                 usleep(200);
             printf("STATE %d\n", ds.state);
         } else if (sscanf(line, "sum %llu %u", &req, &ntok) == 2) {
@@ -261,7 +262,7 @@ static pid_t spawn(char *const argv[], const char *ucx_tls, int *in, int *out)
 
 static bool ch_line(child *ch, char *out, size_t cap, int ms)
 {
-    int64_t end = kvx_now_ms() + ms;
+    int64_t end = td_now_ms() + ms;
     for (;;) {
         char *nl = memchr(ch->buf, '\n', ch->len);
         if (nl) {
@@ -272,7 +273,7 @@ static bool ch_line(child *ch, char *out, size_t cap, int ms)
             ch->len -= n + 1;
             return true;
         }
-        int left = (int)(end - kvx_now_ms());
+        int left = (int)(end - td_now_ms());
         if (left <= 0 || ch->len == sizeof(ch->buf)) return false;
         struct pollfd p = {.fd = ch->out, .events = POLLIN};
         if (poll(&p, 1, left) <= 0) continue;
@@ -331,8 +332,8 @@ static double perftest(const char *ucx_tls, size_t size, unsigned iters, int por
     close(so);
     for (int i = 0; i < 2; i++)
         if (g_extra[i] > 0) {
-            int64_t end = kvx_now_ms() + 3000;
-            while (waitpid(g_extra[i], NULL, WNOHANG) == 0 && kvx_now_ms() < end)
+            int64_t end = td_now_ms() + 3000;
+            while (waitpid(g_extra[i], NULL, WNOHANG) == 0 && td_now_ms() < end)
                 usleep(10000);
             kill(g_extra[i], SIGKILL);
             waitpid(g_extra[i], NULL, 0);
@@ -342,12 +343,6 @@ static double perftest(const char *ucx_tls, size_t size, unsigned iters, int por
 }
 
 /* --- the sender ------------------------------------------------------------------------- */
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 typedef struct {
     kvx_conn *c;
@@ -377,9 +372,9 @@ static bool open_ready(sender *s, uint64_t req, uint32_t ntok)
     for (uint32_t d = 0; d < s->o->ranks; d++)
         if (kvx_pf_add_target(s->c, req, s->tgt[d], s->tl[d])) return false;
     kvx_pf_status ps;
-    int64_t end = kvx_now_ms() + 20000;
+    int64_t end = td_now_ms() + 20000;
     while (kvx_pf_poll(s->c, req, &ps) == 0 && ps.state != KVX_REQ_READY &&
-           ps.state != KVX_REQ_FAILED && kvx_now_ms() < end)
+           ps.state != KVX_REQ_FAILED && td_now_ms() < end)
         kvx_conn_progress(s->c, 1);
     return ps.state == KVX_REQ_READY;
 }
@@ -391,36 +386,33 @@ static double timed_send(sender *s, uint64_t req, uint32_t ntok, uint32_t chunk,
                          double *landed_us)
 {
     uint32_t nb = (ntok + s->o->block - 1) / s->o->block;
-    int64_t t_end = kvx_now_ms() + 60000;
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
+    int64_t t_end = td_now_ms() + 60000;
+    int64_t a = td_now_ns();
     uint32_t nch = (ntok + chunk - 1) / chunk;
     for (uint32_t k = 0; k < nch; k++) {
         uint32_t t1 = (k + 1) * chunk < ntok ? (k + 1) * chunk : ntok;
         if (kvx_pf_send_chunk(s->c, req, k, k * chunk, t1, s->src_blocks, nb)) return -1;
         kvx_conn_progress(s->c, 0);
     }
-    struct timespec a1;
-    clock_gettime(CLOCK_MONOTONIC, &a1);
+    int64_t a1 = td_now_ns();
     kvx_meta m = {.first_token = 1, .n_tokens = ntok};
     if (kvx_pf_finish(s->c, req, &m)) return -1;
     kvx_pf_status ps;
     while (kvx_pf_poll(s->c, req, &ps) == 0 && ps.state != KVX_REQ_DONE &&
-           ps.state != KVX_REQ_FAILED && kvx_now_ms() < t_end)
+           ps.state != KVX_REQ_FAILED && td_now_ms() < t_end)
         kvx_conn_progress(s->c, 0);
-    clock_gettime(CLOCK_MONOTONIC, &b);
+    int64_t b = td_now_ns();
     for (uint32_t k = 0; landed_us && k < nch; k++) {
         kvx_chunk_times ct = {0};
         kvx_pf_chunk_times(s->c, req, k, &ct);
         landed_us[k] = ct.landed_ns ? (ct.landed_ns - ct.handed_ns) / 1e3 : -1;
     }
     if (getenv("KVX_BENCH_DEBUG"))
-        fprintf(stderr, "send_chunk %.3f ms, flush+notify %.3f ms\n",
-                ((a1.tv_sec - a.tv_sec) + (a1.tv_nsec - a.tv_nsec) * 1e-9) * 1e3,
-                ((b.tv_sec - a1.tv_sec) + (b.tv_nsec - a1.tv_nsec) * 1e-9) * 1e3);
+        fprintf(stderr, "send_chunk %.3f ms, flush+notify %.3f ms\n", (a1 - a) * 1e-6,
+                (b - a1) * 1e-6);
     if (out) *out = ps;
     if (ps.state != KVX_REQ_DONE) return -1;
-    return (double)(b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9;
+    return (b - a) * 1e-9;
 }
 
 static bool finish_req(sender *s, uint64_t req)
@@ -437,26 +429,25 @@ static bool finish_req(sender *s, uint64_t req)
     return ok;
 }
 
-static int bench(const bopts *o, const char *self)
+/* The source region: one request's blocks of every layer and head, random f16-like bits
+ * (not zeros). NULL if out of memory. */
+static uint8_t *make_source(const kvx_layout *sl, size_t bytes)
 {
-    const char *ucx_tls = ucx_tls_of(o->tls);
-    uint32_t nb = (o->tokens + o->block - 1) / o->block;
-    kvx_layout sl = layout_of(o, 0, o->heads, nb + 1);
-    size_t src_bytes = kvx_layout_bytes(&sl);
-    uint8_t *src = malloc(src_bytes);
-    if (!src) return 1;
-    uint64_t x = 0x9e3779b97f4a7c15ull; /* f16-like random bits, not zeros */
-    for (size_t i = 0; i + 8 <= src_bytes; i += 8) {
+    uint8_t *src = malloc(bytes);
+    if (!src) return NULL;
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (size_t i = 0; i + 8 <= bytes; i += 8) {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         memcpy(src + i, &x, 8);
     }
-    sender s = {.o = o};
-    s.src_blocks = malloc(nb * sizeof(int32_t));
-    for (uint32_t i = 0; i < nb; i++)
-        s.src_blocks[i] = (int32_t)i; /* a fresh request */
+    return src;
+}
 
+/* Spawn the decode-rank children and wait for their READY. */
+static bool start_receivers(const bopts *o, const char *self)
+{
     char a_tls[64], a_rank[16], a_ranks[16], a_tok[16], a_lay[16], a_h[16], a_hd[16], a_b[16],
         a_run[16];
     snprintf(a_tls, sizeof(a_tls), "%s", o->tls);
@@ -477,107 +468,113 @@ static int bench(const bopts *o, const char *self)
         char r[64];
         if (g_ch[d].pid < 0 || !ch_line(&g_ch[d], r, sizeof(r), 60000) || strcmp(r, "READY")) {
             fprintf(stderr, "kvx-bench: receiver %u did not start\n", d);
-            return 1;
+            return false;
         }
     }
-    kvx_pipe_params pp = {.tls = ucx_tls};
-    kvx_pipe *pipe;
-    kvx_conn_params cp = {.timeout_ms = 60000};
-    if (kvx_pipe_ucx_create(&pp, &pipe) || kvx_conn_create(pipe, &cp, &s.c) ||
-        kvx_pf_register_source(s.c, src, src_bytes, &sl)) {
-        fprintf(stderr, "kvx-bench: UCX setup failed\n");
-        return 1;
-    }
-    size_t chunk_bytes = (size_t)o->layers * 2 * o->tokens * o->heads * o->head_dim * 2;
-    printf("kvx-bench: UCX_TLS=%s, %u layers x %u KV heads x head_dim %u f16, block %u, "
-           "%u-token chunk = %.1f MiB, %u decode rank(s), decode blocks in runs of %u\n",
-           ucx_tls, o->layers, o->heads, o->head_dim, o->block, o->tokens, chunk_bytes / 1048576.0,
-           o->ranks, o->run);
+    return true;
+}
 
-    /* correctness + warm-up: every rank's blocks byte-exact */
+/* Correctness and warm-up: request 1, every rank's blocks byte-exact. Prints the check and
+ * the coalescing; *put_size gets the mean put size. False if the transfer failed. */
+static bool first_transfer(sender *s, const uint8_t *src, const kvx_layout *sl, size_t *put_size)
+{
+    const bopts *o = s->o;
     kvx_pf_status ps;
-    if (!open_ready(&s, 1, o->tokens) || timed_send(&s, 1, o->tokens, o->chunk, &ps, NULL) < 0) {
+    if (!open_ready(s, 1, o->tokens) || timed_send(s, 1, o->tokens, o->chunk, &ps, NULL) < 0) {
         fprintf(stderr, "kvx-bench: the first transfer failed (%s)\n",
                 kvx_req_state_name(ps.state));
-        return 1;
+        return false;
     }
     bool exact = true;
     for (uint32_t d = 0; d < o->ranks; d++) {
         char r[64];
         uint32_t h0, nh;
         rank_heads(o, d, &h0, &nh);
-        uint64_t want = kv_sum(src, &sl, s.src_blocks, o->tokens, h0, nh), got = 0;
+        uint64_t want = kv_sum(src, sl, s->src_blocks, o->tokens, h0, nh), got = 0;
         if (ch_cmd(&g_ch[d], r, sizeof(r), 60000, "wait 1 30000") &&
             ch_cmd(&g_ch[d], r, sizeof(r), 60000, "sum 1 %u", o->tokens))
             sscanf(r, "SUM %llx", (unsigned long long *)&got);
         exact = exact && got == want;
     }
-    finish_req(&s, 1);
+    finish_req(s, 1);
     printf("byte-exact check of every rank's heads: %s\n", exact ? "ok" : "FAILED");
     printf("puts per chunk: %llu before coalescing, %llu after (%.1f KiB per put)\n",
            (unsigned long long)ps.pieces, (unsigned long long)ps.puts,
            ps.bytes / 1024.0 / (double)(ps.puts ? ps.puts : 1));
-    size_t put_size = ps.bytes / (ps.puts ? ps.puts : 1);
+    *put_size = ps.bytes / (ps.puts ? ps.puts : 1);
+    return true;
+}
 
+/* o->iters whole requests: prints the bandwidth (and, with several chunks, the per-chunk
+ * send -> landed times); returns the median GB/s, or < 0 if a transfer failed. */
+static double measure_bandwidth(sender *s, size_t req_bytes)
+{
+    const bopts *o = s->o;
     double *gbs = calloc(o->iters, sizeof(double));
     uint32_t nch = (o->tokens + o->chunk - 1) / o->chunk;
     double *landed = calloc((size_t)o->iters * nch, sizeof(double));
     for (uint32_t i = 0; i < o->iters; i++) {
         uint64_t req = 10 + i;
         double t;
-        if (!open_ready(&s, req, o->tokens) ||
-            (t = timed_send(&s, req, o->tokens, o->chunk, NULL, landed + (size_t)i * nch)) < 0 ||
-            !finish_req(&s, req)) {
+        if (!open_ready(s, req, o->tokens) ||
+            (t = timed_send(s, req, o->tokens, o->chunk, NULL, landed + (size_t)i * nch)) < 0 ||
+            !finish_req(s, req)) {
             fprintf(stderr, "kvx-bench: transfer %u failed\n", i);
-            return 1;
+            free(landed);
+            free(gbs);
+            return -1;
         }
-        gbs[i] = chunk_bytes / t / 1e9;
+        gbs[i] = req_bytes / t / 1e9;
     }
-    qsort(gbs, o->iters, sizeof(double), cmp_d);
-    double med = gbs[o->iters / 2];
+    double med = td_stats_median(gbs, o->iters); /* sorts: min and max at the ends */
     printf("kvxfer: %.2f GB/s median (min %.2f, max %.2f) over %u requests of %u chunk(s)\n", med,
            gbs[0], gbs[o->iters - 1], o->iters, nch);
     if (nch > 1) {
         size_t nl = (size_t)o->iters * nch;
-        qsort(landed, nl, sizeof(double), cmp_d);
+        double lmed = td_stats_median(landed, nl);
         printf("per chunk (%u tokens), send_chunk -> landed: %.0f us median (min %.0f, max %.0f)\n",
-               o->chunk, landed[nl / 2], landed[0], landed[nl - 1]);
+               o->chunk, lmed, landed[0], landed[nl - 1]);
     }
     free(landed);
+    free(gbs);
+    return med;
+}
 
+/* o->lat_iters one-block requests: prints the latency. False if a transfer failed. */
+static bool measure_latency(sender *s)
+{
+    const bopts *o = s->o;
     double *lat = calloc(o->lat_iters, sizeof(double));
     for (uint32_t i = 0; i < o->lat_iters; i++) {
         uint64_t req = 100000 + i;
         double t;
-        if (!open_ready(&s, req, o->block) ||
-            (t = timed_send(&s, req, o->block, o->block, NULL, NULL)) < 0 || !finish_req(&s, req)) {
+        if (!open_ready(s, req, o->block) ||
+            (t = timed_send(s, req, o->block, o->block, NULL, NULL)) < 0 || !finish_req(s, req)) {
             fprintf(stderr, "kvx-bench: 1-block transfer %u failed\n", i);
-            return 1;
+            free(lat);
+            return false;
         }
         lat[i] = t * 1e6;
     }
-    qsort(lat, o->lat_iters, sizeof(double), cmp_d);
+    double med = td_stats_median(lat, o->lat_iters);
     printf("1-block chunk (%zu bytes): %.1f us median (min %.1f, max %.1f) send -> flushed + "
            "notified\n",
-           (size_t)o->layers * 2 * o->block * o->heads * o->head_dim * 2, lat[o->lat_iters / 2],
-           lat[0], lat[o->lat_iters - 1]);
-
-    for (uint32_t d = 0; d < o->ranks; d++)
-        if (write(g_ch[d].in, "quit\n", 5) != 5) break;
-    kvx_conn_destroy(s.c);
-    kill_children();
-    free(src);
-    free(s.src_blocks);
-    free(gbs);
+           (size_t)o->layers * 2 * o->block * o->heads * o->head_dim * 2, med, lat[0],
+           lat[o->lat_iters - 1]);
     free(lat);
+    return true;
+}
 
-    if (!o->perftest) return 0;
-    /* The ceiling: ucx_perftest ucp_put_bw on the same transport, (a) at kvxfer's mean put
-     * size with the same total bytes, (b) one message of a whole chunk's bytes per rank.
-     * perftest reuses one buffer, so on shared memory (a) is cache-resident (it fits L2)
-     * while kvxfer moves 90 MiB of distinct memory: there (b), the memory-bound figure, is
-     * the reference. Over tcp both move through the kernel; the faster one is used. */
-    size_t per_rank = chunk_bytes / o->ranks;
+/* The ceiling: ucx_perftest ucp_put_bw on the same transport, (a) at kvxfer's mean put
+ * size with the same total bytes, (b) one message of a whole chunk's bytes per rank.
+ * perftest reuses one buffer, so on shared memory (a) is cache-resident (it fits L2)
+ * while kvxfer moves 90 MiB of distinct memory: there (b), the memory-bound figure, is
+ * the reference. Over tcp both move through the kernel; the faster one is used. Prints
+ * the ratio of kvxfer's median (med, GB/s) to it; returns the exit status. */
+static int ceiling(const bopts *o, const char *ucx_tls, size_t req_bytes, size_t put_size,
+                   double med)
+{
+    size_t per_rank = req_bytes / o->ranks;
     unsigned n_msg = (unsigned)(per_rank / (put_size ? put_size : 1));
     if (n_msg < 20) n_msg = 20;
     double p_msg = perftest(ucx_tls, put_size, n_msg, o->port) / 1e3;
@@ -598,6 +595,47 @@ static int bench(const bopts *o, const char *self)
            shm ? "the whole-chunk run (memory-bound, like kvxfer)" : "the faster of the two runs");
     printf("kvxfer/perftest bandwidth ratio: %.2f\n", med / ref);
     return 0;
+}
+
+static int bench(const bopts *o, const char *self)
+{
+    const char *ucx_tls = ucx_tls_of(o->tls);
+    uint32_t nb = (o->tokens + o->block - 1) / o->block;
+    kvx_layout sl = layout_of(o, 0, o->heads, nb + 1);
+    size_t src_bytes = kvx_layout_bytes(&sl);
+    uint8_t *src = make_source(&sl, src_bytes);
+    if (!src) return 1;
+    sender s = {.o = o};
+    s.src_blocks = malloc(nb * sizeof(int32_t));
+    for (uint32_t i = 0; i < nb; i++)
+        s.src_blocks[i] = (int32_t)i; /* a fresh request */
+    if (!start_receivers(o, self)) return 1;
+    kvx_pipe_params pp = {.tls = ucx_tls};
+    kvx_pipe *pipe;
+    kvx_conn_params cp = {.timeout_ms = 60000};
+    if (kvx_pipe_ucx_create(&pp, &pipe) || kvx_conn_create(pipe, &cp, &s.c) ||
+        kvx_pf_register_source(s.c, src, src_bytes, &sl)) {
+        fprintf(stderr, "kvx-bench: UCX setup failed\n");
+        return 1;
+    }
+    size_t chunk_bytes = (size_t)o->layers * 2 * o->tokens * o->heads * o->head_dim * 2;
+    printf("kvx-bench: UCX_TLS=%s, %u layers x %u KV heads x head_dim %u f16, block %u, "
+           "%u-token chunk = %.1f MiB, %u decode rank(s), decode blocks in runs of %u\n",
+           ucx_tls, o->layers, o->heads, o->head_dim, o->block, o->tokens, chunk_bytes / 1048576.0,
+           o->ranks, o->run);
+    size_t put_size;
+    if (!first_transfer(&s, src, &sl, &put_size)) return 1;
+    double med = measure_bandwidth(&s, chunk_bytes);
+    if (med < 0 || !measure_latency(&s)) return 1;
+
+    for (uint32_t d = 0; d < o->ranks; d++)
+        if (write(g_ch[d].in, "quit\n", 5) != 5) break;
+    kvx_conn_destroy(s.c);
+    kill_children();
+    free(src);
+    free(s.src_blocks);
+    if (!o->perftest) return 0;
+    return ceiling(o, ucx_tls, chunk_bytes, put_size, med);
 }
 
 int main(int argc, char **argv)

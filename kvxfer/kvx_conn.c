@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "kvx_conn_int.h"
+#include "td_clock.h"
 
 const char *kvx_req_state_name(kvx_req_state s)
 {
@@ -58,12 +59,12 @@ int kvxi_peer_get(kvx_conn *c, uint64_t uid, const void *addr, size_t addr_len, 
     for (i = 0; i < c->n_peers; i++)
         if (c->peers[i].peer < 0 && c->peers[i].refs == 0) break;
     if (i == c->n_peers) {
-        cpeer *np = realloc(c->peers, (size_t)(c->n_peers + 1) * sizeof(*np));
+        kvxi_peer *np = realloc(c->peers, (size_t)(c->n_peers + 1) * sizeof(*np));
         if (!np) return TD_ENOMEM;
         c->peers = np;
         c->n_peers++;
     }
-    cpeer *p = &c->peers[i];
+    kvxi_peer *p = &c->peers[i];
     memset(p, 0, sizeof(*p));
     p->peer = -1;
     p->uid = uid;
@@ -79,7 +80,7 @@ int kvxi_peer_get(kvx_conn *c, uint64_t uid, const void *addr, size_t addr_len, 
 /* Close an endpoint; force: do not flush (it failed, or it does not answer). */
 void kvxi_peer_close(kvx_conn *c, int i, bool force)
 {
-    cpeer *p = &c->peers[i];
+    kvxi_peer *p = &c->peers[i];
     if (p->peer < 0) return;
     force = force || p->failed;
     p->failed = true;
@@ -96,7 +97,7 @@ bool kvxi_peer_ok(kvx_conn *c, int i)
 
 /* --- messages ------------------------------------------------------------------------- */
 
-static size_t msg_encode(kvx_conn *c, const msg *m, uint8_t *buf, size_t cap)
+static size_t msg_encode(kvx_conn *c, const kvxi_msg *m, uint8_t *buf, size_t cap)
 {
     kvx_wr w;
     kvx_wr_init(&w, buf, cap);
@@ -117,21 +118,21 @@ static size_t msg_encode(kvx_conn *c, const msg *m, uint8_t *buf, size_t cap)
 }
 
 /* Send a message to peer pi; cb (may be NULL) gets its completion. */
-int kvxi_msg_send_cb(kvx_conn *c, int pi, const msg *m, kvx_done_cb cb, void *arg)
+int kvxi_msg_send_cb(kvx_conn *c, int pi, const kvxi_msg *m, kvx_done_cb cb, void *arg)
 {
     uint8_t buf[KVX_AM_MAX];
     size_t n = msg_encode(c, m, buf, sizeof(buf));
     if (!n) return TD_ERANGE;
     if (!kvxi_peer_ok(c, pi)) return TD_EIO;
-    return kvx_pipe_am_send(c->pipe, c->peers[pi].peer, AM_ID, buf, n, cb, arg);
+    return kvx_pipe_am_send(c->pipe, c->peers[pi].peer, KVXI_AM_ID, buf, n, cb, arg);
 }
 
-int kvxi_msg_send(kvx_conn *c, int pi, const msg *m)
+int kvxi_msg_send(kvx_conn *c, int pi, const kvxi_msg *m)
 {
     return kvxi_msg_send_cb(c, pi, m, NULL, NULL);
 }
 
-static int msg_parse(const uint8_t *buf, size_t len, msg *m)
+static int msg_parse(const uint8_t *buf, size_t len, kvxi_msg *m)
 {
     kvx_rd r;
     kvx_rd_init(&r, buf, len);
@@ -148,7 +149,7 @@ static int msg_parse(const uint8_t *buf, size_t len, msg *m)
     m->n_tokens = kvx_rd_u32(&r);
     m->addr_len = kvx_rd_u32(&r);
     m->addr = kvx_rd_bytes(&r, m->addr_len);
-    if (!r.ok || magic != KVX_MAGIC_MSG || m->type < MSG_BEGIN || m->type > MSG_STOPPED ||
+    if (!r.ok || magic != KVX_MAGIC_MSG || m->type < KVXI_MSG_BEGIN || m->type > KVXI_MSG_STOPPED ||
         r.off != len)
         return TD_EFORMAT;
     return 0;
@@ -158,7 +159,7 @@ static int msg_parse(const uint8_t *buf, size_t len, msg *m)
 static void on_am(void *arg, const void *data, size_t len)
 {
     kvx_conn *c = arg;
-    queued_msg *q = malloc(sizeof(*q) + len);
+    kvxi_queued_msg *q = malloc(sizeof(*q) + len);
     if (!q) {
         TD_LOG_ERR("kvx conn: out of memory for a %zu-byte message (dropped)", len);
         return;
@@ -184,12 +185,12 @@ void kvxi_free_copy(void *arg, const kvx_lb_key *k, void *val, size_t bytes)
 
 static void handle_msg(kvx_conn *c, const uint8_t *data, size_t len)
 {
-    msg m;
+    kvxi_msg m;
     if (msg_parse(data, len, &m)) {
         TD_LOG_ERR("kvx conn: malformed message of %zu bytes (dropped)", len);
         return;
     }
-    if (m.type == MSG_BEGIN || m.type == MSG_DONE || m.type == MSG_STOPPED)
+    if (m.type == KVXI_MSG_BEGIN || m.type == KVXI_MSG_DONE || m.type == KVXI_MSG_STOPPED)
         kvxi_dec_on_msg(c, &m);
     else
         kvxi_pf_on_msg(c, &m);
@@ -200,7 +201,7 @@ static void handle_msg(kvx_conn *c, const uint8_t *data, size_t len)
 /* A connector id that differs across processes, restarts and worker replacements. */
 static uint64_t new_uid(kvx_conn *c)
 {
-    uint64_t seed = (uint64_t)kvx_now_ns() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 32 ^
+    uint64_t seed = (uint64_t)td_now_ns() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid() << 32 ^
                     (uint64_t)(uintptr_t)c ^ c->uid;
     seed ^= seed >> 31;
     seed *= 0xbf58476d1ce4e5b9ull;
@@ -240,17 +241,17 @@ static int progress_locked(kvx_conn *c)
         n++;
     }
     while (c->inbox) {
-        queued_msg *q = c->inbox;
+        kvxi_queued_msg *q = c->inbox;
         c->inbox = q->next;
         if (!c->inbox) c->inbox_tail = NULL;
         handle_msg(c, q->data, q->len);
         free(q);
         n++;
     }
-    int64_t now = kvx_now_ms();
-    for (pf_req *r = c->preqs; r; r = r->next)
+    int64_t now = td_now_ms();
+    for (kvxi_pf_req *r = c->preqs; r; r = r->next)
         kvxi_pf_step(c, r, now);
-    for (dec_req *r = c->dreqs; r; r = r->next)
+    for (kvxi_dec_req *r = c->dreqs; r; r = r->next)
         kvxi_dec_step(c, r, now);
     /* endpoints that failed and that no request uses any more are released */
     for (int i = 0; i < c->n_peers; i++)
@@ -265,12 +266,12 @@ static int progress_locked(kvx_conn *c)
 static int64_t next_deadline(kvx_conn *c)
 {
     int64_t d = INT64_MAX;
-    for (pf_req *r = c->preqs; r; r = r->next) {
+    for (kvxi_pf_req *r = c->preqs; r; r = r->next) {
         if (kvxi_pf_final(r)) continue;
         int64_t x = r->state == KVX_REQ_ABORTING ? r->abort_deadline : r->deadline;
         if (x < d) d = x;
     }
-    for (dec_req *r = c->dreqs; r; r = r->next) {
+    for (kvxi_dec_req *r = c->dreqs; r; r = r->next) {
         int64_t x = kvxi_dec_live(r)               ? r->deadline
                     : r->state == KVX_REQ_ABORTING ? r->abort_deadline
                                                    : INT64_MAX;
@@ -287,7 +288,7 @@ int kvx_conn_progress(kvx_conn *c, int timeout_ms)
         pthread_mutex_unlock(&c->mu);
         return n;
     }
-    int64_t now = kvx_now_ms(), d = next_deadline(c);
+    int64_t now = td_now_ms(), d = next_deadline(c);
     int wait = timeout_ms;
     if (d != INT64_MAX) wait = d <= now ? 0 : (d - now < wait ? (int)(d - now) + 1 : wait);
     int armed = wait > 0 ? kvx_pipe_arm(c->pipe) : 0;
@@ -340,7 +341,7 @@ int kvx_conn_create(kvx_pipe *pipe, const kvx_conn_params *params, kvx_conn **ou
     c->next_epoch = c->uid ^ 0x5555;
     int err = kvx_lookup_create(c->params.lookup_budget, &c->lb);
     if (!err) err = kvx_pipe_address(pipe, c->addr, sizeof(c->addr), &c->addr_len);
-    if (!err) err = kvx_pipe_set_am_handler(pipe, AM_ID, on_am, c);
+    if (!err) err = kvx_pipe_set_am_handler(pipe, KVXI_AM_ID, on_am, c);
     if (!err) {
         kvx_pipe_allow_reset(pipe); /* the connector re-reads its address (pipe_reset) */
         c->pipe_gen = kvx_pipe_generation(pipe);
@@ -379,23 +380,23 @@ void kvx_conn_destroy(kvx_conn *c)
         kvx_pipe_destroy(c->pipe);
     }
     while (c->preqs) {
-        pf_req *r = c->preqs;
+        kvxi_pf_req *r = c->preqs;
         c->preqs = r->next;
         kvxi_pf_free(r);
     }
     while (c->dreqs) {
-        dec_req *r = c->dreqs;
+        kvxi_dec_req *r = c->dreqs;
         c->dreqs = r->next;
         free(r->w);
         free(r);
     }
     while (c->inbox) {
-        queued_msg *q = c->inbox;
+        kvxi_queued_msg *q = c->inbox;
         c->inbox = q->next;
         free(q);
     }
     while (c->stage_pool) {
-        chunk_copy *a = c->stage_pool;
+        kvxi_chunk_copy *a = c->stage_pool;
         c->stage_pool = a->next;
         free(a);
     }
@@ -415,7 +416,7 @@ int kvx_conn_close_idle(kvx_conn *c)
             n++;
         }
     while (c->stage_pool) {
-        chunk_copy *a = c->stage_pool;
+        kvxi_chunk_copy *a = c->stage_pool;
         c->stage_pool = a->next;
         c->stage_pool_bytes -= a->bytes;
         c->held_bytes -= a->bytes;

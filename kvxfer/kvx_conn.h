@@ -26,7 +26,7 @@
  * slice of consecutive blocks when the source holds more heads) are gathered into a
  * staging buffer (kept until the chunk's flush of that rank completed) and go as one put.
  *
- * Chunk times (CLOCK_MONOTONIC ns, kvx_now_ns: comparable between the processes of one
+ * Chunk times (CLOCK_MONOTONIC ns, td_now_ns: comparable between the processes of one
  * host): handed = kvx_pf_send_chunk accepted the chunk; issued = its puts started (the
  * same moment when the request was READY; later for a chunk that waited in the lookup
  * buffer for its targets); landed = the last of its rank flushes completed with success,

@@ -7,17 +7,18 @@
 #include <unistd.h>
 
 #include "kvx_conn_int.h"
+#include "td_clock.h"
 
 /* --- decode side ------------------------------------------------------------------------ */
 
-static dec_req *dec_find(kvx_conn *c, uint64_t id)
+static kvxi_dec_req *kvxi_dec_find(kvx_conn *c, uint64_t id)
 {
-    for (dec_req *r = c->dreqs; r; r = r->next)
+    for (kvxi_dec_req *r = c->dreqs; r; r = r->next)
         if (r->id == id) return r;
     return NULL;
 }
 
-static void dec_fail(kvx_conn *c, dec_req *r, kvx_fail_reason why, int err)
+static void kvxi_dec_fail(kvx_conn *c, kvxi_dec_req *r, kvx_fail_reason why, int err)
 {
     if (!kvxi_dec_live(r)) return;
     if (why != KVX_FAIL_ABORTED)
@@ -29,21 +30,21 @@ static void dec_fail(kvx_conn *c, dec_req *r, kvx_fail_reason why, int err)
     r->state = KVX_REQ_ABORTING;
     r->reason = why;
     r->err = err;
-    r->abort_deadline = kvx_now_ms() + c->params.abort_timeout_ms;
+    r->abort_deadline = td_now_ms() + c->params.abort_timeout_ms;
     r->abort_sent = false;
 }
 
 void kvxi_dec_pipe_reset(kvx_conn *c)
 {
-    for (dec_req *r = c->dreqs; r; r = r->next) {
+    for (kvxi_dec_req *r = c->dreqs; r; r = r->next) {
         for (int i = 0; i < r->n_w; i++)
             r->w[i].closed = true; /* their endpoints died with the old worker */
-        dec_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
+        kvxi_dec_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
     }
 }
 
 /* Stages whose every writer (source TP rank) sent DONE. */
-static uint64_t dec_stages_done(const dec_req *r)
+static uint64_t kvxi_dec_stages_done(const kvxi_dec_req *r)
 {
     uint64_t m = 0;
     for (uint32_t st = 0; st < r->n_stages; st++) {
@@ -55,19 +56,19 @@ static uint64_t dec_stages_done(const dec_req *r)
     return m;
 }
 
-void kvxi_dec_step(kvx_conn *c, dec_req *r, int64_t now)
+void kvxi_dec_step(kvx_conn *c, kvxi_dec_req *r, int64_t now)
 {
     if (!kvxi_dec_live(r) && r->state != KVX_REQ_ABORTING) return;
     /* writers whose endpoint failed can no longer write */
     for (int i = 0; i < r->n_w; i++)
         if (!r->w[i].closed && !kvxi_peer_ok(c, r->w[i].peer)) {
             r->w[i].closed = true;
-            dec_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
+            kvxi_dec_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
         }
-    if (kvxi_dec_live(r) && now >= r->deadline) dec_fail(c, r, KVX_FAIL_TIMEOUT, TD_ETIMEDOUT);
+    if (kvxi_dec_live(r) && now >= r->deadline) kvxi_dec_fail(c, r, KVX_FAIL_TIMEOUT, TD_ETIMEDOUT);
     uint64_t all = r->n_stages == 64 ? ~0ull : (1ull << r->n_stages) - 1;
     if (kvxi_dec_live(r)) {
-        if (dec_stages_done(r) == all)
+        if (kvxi_dec_stages_done(r) == all)
             r->state = KVX_REQ_DONE;
         else
             return;
@@ -76,11 +77,11 @@ void kvxi_dec_step(kvx_conn *c, dec_req *r, int64_t now)
         if (!r->abort_sent) {
             for (int i = 0; i < r->n_w; i++) {
                 if (r->w[i].closed) continue;
-                msg m = {.type = MSG_ABORT,
-                         .req = r->id,
-                         .epoch = r->epoch,
-                         .stage = r->w[i].stage,
-                         .src_rank = r->w[i].src_rank};
+                kvxi_msg m = {.type = KVXI_MSG_ABORT,
+                              .req = r->id,
+                              .epoch = r->epoch,
+                              .stage = r->w[i].stage,
+                              .src_rank = r->w[i].src_rank};
                 if (kvxi_msg_send(c, r->w[i].peer, &m)) r->w[i].closed = true;
             }
             r->abort_sent = true;
@@ -109,7 +110,7 @@ void kvxi_dec_step(kvx_conn *c, dec_req *r, int64_t now)
         }
 }
 
-static dec_writer *dec_writer_find(dec_req *r, uint32_t stage, uint32_t src_rank)
+static kvxi_dec_writer *kvxi_dec_writer_find(kvxi_dec_req *r, uint32_t stage, uint32_t src_rank)
 {
     for (int i = 0; i < r->n_w; i++)
         if (r->w[i].stage == stage && r->w[i].src_rank == src_rank) return &r->w[i];
@@ -117,34 +118,34 @@ static dec_writer *dec_writer_find(dec_req *r, uint32_t stage, uint32_t src_rank
 }
 
 /* BEGIN, DONE or STOPPED from a prefill writer. */
-void kvxi_dec_on_msg(kvx_conn *c, const msg *m)
+void kvxi_dec_on_msg(kvx_conn *c, const kvxi_msg *m)
 {
-    dec_req *r = dec_find(c, m->req);
+    kvxi_dec_req *r = kvxi_dec_find(c, m->req);
     bool match = r && r->epoch == m->epoch && m->stage < r->n_stages && m->src_tp &&
                  m->src_tp <= KVX_MAX_RANKS && m->src_rank < m->src_tp;
-    if (m->type == MSG_BEGIN) {
+    if (m->type == KVXI_MSG_BEGIN) {
         int pi;
         if (kvxi_peer_get(c, m->uid, m->addr, m->addr_len, &pi)) {
             TD_LOG_ERR("kvx conn: req %llu stage %u: cannot reach the prefill stage",
                        (unsigned long long)m->req, m->stage);
             return;
         }
-        const char *why = !match                                      ? "unknown request"
-                          : !kvxi_dec_live(r)                         ? kvx_req_state_name(r->state)
-                          : dec_writer_find(r, m->stage, m->src_rank) ? "duplicate writer"
+        const char *why = !match              ? "unknown request"
+                          : !kvxi_dec_live(r) ? kvx_req_state_name(r->state)
+                          : kvxi_dec_writer_find(r, m->stage, m->src_rank) ? "duplicate writer"
                           : r->src_tp[m->stage] && r->src_tp[m->stage] != m->src_tp
                               ? "source TP size differs from the stage's other ranks"
                           : r->n_w == KVX_MAX_WRITERS ? "too many writers"
                                                       : NULL;
-        dec_writer *w = NULL;
+        kvxi_dec_writer *w = NULL;
         if (!why) {
-            dec_writer *nw = realloc(r->w, (size_t)(r->n_w + 1) * sizeof(*nw));
+            kvxi_dec_writer *nw = realloc(r->w, (size_t)(r->n_w + 1) * sizeof(*nw));
             if (!nw)
                 why = "out of memory";
             else {
                 r->w = nw;
                 w = &r->w[r->n_w++];
-                *w = (dec_writer){.stage = m->stage, .src_rank = m->src_rank, .peer = pi};
+                *w = (kvxi_dec_writer){.stage = m->stage, .src_rank = m->src_rank, .peer = pi};
                 c->peers[pi].refs++;
                 r->src_tp[m->stage] = m->src_tp;
                 r->state = KVX_REQ_TRANSFERRING;
@@ -153,30 +154,30 @@ void kvxi_dec_on_msg(kvx_conn *c, const msg *m)
         if (why)
             TD_LOG_WARN("kvx conn: req %llu stage %u rank %u: refused (%s)",
                         (unsigned long long)m->req, m->stage, m->src_rank, why);
-        msg a = {.type = w ? MSG_ACCEPT : MSG_REFUSE,
-                 .req = m->req,
-                 .epoch = m->epoch,
-                 .stage = m->stage,
-                 .rank = m->rank,
-                 .src_rank = m->src_rank};
+        kvxi_msg a = {.type = w ? KVXI_MSG_ACCEPT : KVXI_MSG_REFUSE,
+                      .req = m->req,
+                      .epoch = m->epoch,
+                      .stage = m->stage,
+                      .rank = m->rank,
+                      .src_rank = m->src_rank};
         if (kvxi_msg_send(c, pi, &a) && w) {
             w->closed = true;
-            dec_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
+            kvxi_dec_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
         }
         return;
     }
-    dec_writer *w = match ? dec_writer_find(r, m->stage, m->src_rank) : NULL;
+    kvxi_dec_writer *w = match ? kvxi_dec_writer_find(r, m->stage, m->src_rank) : NULL;
     if (!w) {
         TD_LOG_WARN("kvx conn: req %llu stage %u: unexpected message %u (dropped)",
                     (unsigned long long)m->req, m->stage, m->type);
         return;
     }
     w->closed = true; /* after DONE or STOPPED the writer writes no more */
-    if (m->type == MSG_DONE) {
+    if (m->type == KVXI_MSG_DONE) {
         w->done = true;
         w->meta = (kvx_meta){.first_token = m->first_token, .n_tokens = m->n_tokens};
     } else {
-        dec_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
+        kvxi_dec_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
     }
     return;
 }
@@ -219,7 +220,7 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
     if (!c->dec_mem) {
         TD_LOG_ERR("kvx conn: req %llu: no KV region registered", (unsigned long long)req_id);
         err = TD_ESTATE;
-    } else if (dec_find(c, req_id)) {
+    } else if (kvxi_dec_find(c, req_id)) {
         TD_LOG_ERR("kvx conn: req %llu: already alive", (unsigned long long)req_id);
         err = TD_ESTATE;
     }
@@ -229,7 +230,7 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
                        p->blocks[i]);
             err = TD_EINVAL;
         }
-    dec_req *r = NULL;
+    kvxi_dec_req *r = NULL;
     if (!err && !(r = calloc(1, sizeof(*r)))) err = TD_ENOMEM;
     if (err) {
         pthread_mutex_unlock(&c->mu);
@@ -239,7 +240,7 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
     r->epoch = ++c->next_epoch;
     r->n_stages = p->n_stages;
     r->state = KVX_REQ_WAITING;
-    r->deadline = kvx_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
+    r->deadline = td_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
 
     size_t pl_cap = 128 + c->addr_len + c->rkey_len + (size_t)p->n_blocks * 4;
     uint8_t *pl = malloc(pl_cap);
@@ -282,7 +283,7 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
 int kvx_dec_poll(kvx_conn *c, uint64_t req_id, kvx_dec_status *out)
 {
     pthread_mutex_lock(&c->mu);
-    dec_req *r = dec_find(c, req_id);
+    kvxi_dec_req *r = kvxi_dec_find(c, req_id);
     if (r) {
         memset(out, 0, sizeof(*out));
         out->state = r->state;
@@ -293,7 +294,7 @@ int kvx_dec_poll(kvx_conn *c, uint64_t req_id, kvx_dec_status *out)
             out->stages_begun |= 1ull << r->w[i].stage;
             if (r->w[i].done && r->w[i].src_rank == 0) out->meta[r->w[i].stage] = r->w[i].meta;
         }
-        out->stages_done = dec_stages_done(r);
+        out->stages_done = kvxi_dec_stages_done(r);
     }
     pthread_mutex_unlock(&c->mu);
     return r ? 0 : TD_ENOENT;
@@ -302,10 +303,10 @@ int kvx_dec_poll(kvx_conn *c, uint64_t req_id, kvx_dec_status *out)
 int kvx_dec_abort(kvx_conn *c, uint64_t req_id)
 {
     pthread_mutex_lock(&c->mu);
-    dec_req *r = dec_find(c, req_id);
+    kvxi_dec_req *r = kvxi_dec_find(c, req_id);
     if (r) {
-        dec_fail(c, r, KVX_FAIL_ABORTED, TD_ESTATE);
-        kvxi_dec_step(c, r, kvx_now_ms());
+        kvxi_dec_fail(c, r, KVX_FAIL_ABORTED, TD_ESTATE);
+        kvxi_dec_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     kvxi_kick(c);
@@ -316,8 +317,8 @@ int kvx_dec_release(kvx_conn *c, uint64_t req_id)
 {
     pthread_mutex_lock(&c->mu);
     int err = TD_ENOENT;
-    for (dec_req **pp = &c->dreqs; *pp; pp = &(*pp)->next) {
-        dec_req *r = *pp;
+    for (kvxi_dec_req **pp = &c->dreqs; *pp; pp = &(*pp)->next) {
+        kvxi_dec_req *r = *pp;
         if (r->id != req_id) continue;
         if (r->state != KVX_REQ_DONE && r->state != KVX_REQ_FAILED) {
             err = TD_ESTATE;

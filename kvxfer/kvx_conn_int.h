@@ -1,7 +1,9 @@
 /* kvx_conn_int.h: the connector's private state, shared by kvx_conn.c (peers, messages,
- * progress, lifecycle), kvx_conn_pf.c (prefill side) and kvx_conn_dec.c (decode side).
- * Not installed; nothing outside kvxfer/ includes it. Internal functions shared between the
- * three files carry the kvxi_ prefix. Every function here runs with c->mu held.
+ * progress, lifecycle), kvx_conn_pf.c (prefill side), kvx_conn_put.c (the prefill side's
+ * puts) and kvx_conn_dec.c (decode side).
+ * Not installed; nothing outside kvxfer/ includes it. Its types and macros, and the internal
+ * functions shared between the files, carry the kvxi_ (KVXI_) prefix. Every function
+ * here runs with c->mu held.
  */
 #ifndef KVX_CONN_INT_H
 #define KVX_CONN_INT_H
@@ -12,11 +14,18 @@
 #include "kvx_lookup.h"
 #include "kvx_wire.h"
 
-#define AM_ID 0
+#define KVXI_AM_ID 0
 
-typedef struct chunk_copy chunk_copy;
+typedef struct kvxi_chunk_copy kvxi_chunk_copy;
 
-enum { MSG_BEGIN = 1, MSG_ACCEPT, MSG_REFUSE, MSG_DONE, MSG_ABORT, MSG_STOPPED };
+enum {
+    KVXI_MSG_BEGIN = 1,
+    KVXI_MSG_ACCEPT,
+    KVXI_MSG_REFUSE,
+    KVXI_MSG_DONE,
+    KVXI_MSG_ABORT,
+    KVXI_MSG_STOPPED
+};
 
 /* An endpoint to another connector, shared by every request that talks to it. */
 typedef struct {
@@ -26,21 +35,21 @@ typedef struct {
     int refs;       /* requests using it */
     kvx_rkey *rkey; /* prefill side: the decode region's key */
     uint32_t rkey_sum;
-} cpeer;
+} kvxi_peer;
 
-typedef struct queued_msg {
+typedef struct kvxi_queued_msg {
     size_t len;
-    struct queued_msg *next;
+    struct kvxi_queued_msg *next;
     uint8_t data[];
-} queued_msg;
+} kvxi_queued_msg;
 
 /* A copy of a chunk (queued, then held until its flushes completed): a small region with
  * the source layout whose blocks are the chunk's blocks b_first.. in order. Also the
  * type of a staging arena (then only bytes and data are used). */
-struct chunk_copy {
+struct kvxi_chunk_copy {
     uint32_t chunk, t0, t1, b_first, nb;
     size_t bytes;
-    struct chunk_copy *next;
+    struct kvxi_chunk_copy *next;
     uint8_t data[]; /* (n_layers, 2, nb, n_heads, block_size, head_dim), or staging bytes */
 };
 
@@ -56,20 +65,20 @@ typedef struct {
     uint64_t base, region_bytes;
     uint32_t n_blocks;
     uint32_t *blocks;
-} pf_target;
+} kvxi_pf_target;
 
 /* One chunk of a prefill request (indexed by its chunk number): its times and the rank
  * flushes of its puts still in flight. */
 typedef struct {
-    uint64_t handed_ns; /* send_chunk accepted it (0: never sent) */
-    uint64_t issued_ns; /* its puts started (0: still queued) */
-    uint64_t landed_ns; /* the last of its rank flushes completed with success (0: not yet) */
-    uint32_t flushes;   /* rank flushes of this chunk in flight */
-    bool failed;        /* a flush failed or could not start: it never lands */
-    chunk_copy *copy;   /* drained lookup-buffer copy its puts read; freed after the flushes */
-} pf_chunk;
+    uint64_t handed_ns;    /* send_chunk accepted it (0: never sent) */
+    uint64_t issued_ns;    /* its puts started (0: still queued) */
+    uint64_t landed_ns;    /* the last of its rank flushes completed with success (0: not yet) */
+    uint32_t flushes;      /* rank flushes of this chunk in flight */
+    bool failed;           /* a flush failed or could not start: it never lands */
+    kvxi_chunk_copy *copy; /* drained lookup-buffer copy its puts read; freed after the flushes */
+} kvxi_pf_chunk;
 
-typedef struct pf_req {
+typedef struct kvxi_pf_req {
     uint64_t id;
     uint32_t stage, n_dst;
     uint32_t src_rank, src_tp; /* this stage's TP rank and size */
@@ -77,18 +86,19 @@ typedef struct pf_req {
     kvx_fail_reason reason;
     int err;
     int64_t deadline, abort_deadline;
-    pf_target tgt[KVX_MAX_RANKS];
+    kvxi_pf_target tgt[KVX_MAX_RANKS];
     uint32_t n_tgt;
     bool finish_wanted;
     kvx_meta meta;
-    int pending;      /* operations in flight whose callback will touch this record */
-    int abort_phase;  /* 0: flush; 1: flushes out; 2: STOPPED sent */
-    chunk_copy *held; /* buffers whose flush could not start, freed when final */
-    pf_chunk *chunks; /* (n_chunks) by chunk number, grown as chunks come (<= KVX_MAX_CHUNKS) */
+    int pending;           /* operations in flight whose callback will touch this record */
+    int abort_phase;       /* 0: flush; 1: flushes out; 2: STOPPED sent */
+    kvxi_chunk_copy *held; /* buffers whose flush could not start, freed when final */
+    kvxi_pf_chunk
+        *chunks; /* (n_chunks) by chunk number, grown as chunks come (<= KVX_MAX_CHUNKS) */
     uint32_t n_chunks;
     uint64_t pieces, puts, bytes;
-    struct pf_req *next;
-} pf_req;
+    struct kvxi_pf_req *next;
+} kvxi_pf_req;
 
 /* One accepted writer of a decode request: (stage, source TP rank). */
 typedef struct {
@@ -97,23 +107,23 @@ typedef struct {
     bool done;   /* its DONE arrived (after its flush) */
     bool closed; /* it can no longer write: done, stopped, or its endpoint is gone */
     kvx_meta meta;
-} dec_writer;
+} kvxi_dec_writer;
 
 #define KVX_MAX_WRITERS 256
 
-typedef struct dec_req {
+typedef struct kvxi_dec_req {
     uint64_t id, epoch;
     kvx_req_state state;
     kvx_fail_reason reason;
     int err;
     uint32_t n_stages;
     uint32_t src_tp[KVX_MAX_STAGES]; /* writers expected per stage (0: none seen yet) */
-    dec_writer *w;                   /* (n_w) accepted writers */
+    kvxi_dec_writer *w;              /* (n_w) accepted writers */
     int n_w;
     int64_t deadline, abort_deadline;
     bool abort_sent;
-    struct dec_req *next;
-} dec_req;
+    struct kvxi_dec_req *next;
+} kvxi_dec_req;
 
 struct kvx_conn {
     pthread_mutex_t mu;
@@ -123,25 +133,25 @@ struct kvx_conn {
     uint8_t addr[KVX_ADDR_MAX];
     size_t addr_len;
     kvx_lookup *lb;
-    cpeer *peers;
+    kvxi_peer *peers;
     int n_peers;
-    queued_msg *inbox, *inbox_tail;
+    kvxi_queued_msg *inbox, *inbox_tail;
     /* decode side */
     kvx_mem *dec_mem;
     void *dec_region;
     kvx_layout dec_layout;
     uint8_t rkey[KVX_RKEY_MAX];
     size_t rkey_len;
-    dec_req *dreqs;
+    kvxi_dec_req *dreqs;
     int n_dreqs;
     /* prefill side */
     const uint8_t *src;
     size_t src_bytes;
     kvx_layout src_layout;
-    pf_req *preqs;
+    kvxi_pf_req *preqs;
     int n_preqs;
-    size_t held_bytes;      /* chunk copies and staging arenas (busy or pooled) */
-    chunk_copy *stage_pool; /* idle staging arenas */
+    size_t held_bytes;           /* chunk copies and staging arenas (busy or pooled) */
+    kvxi_chunk_copy *stage_pool; /* idle staging arenas */
     size_t stage_pool_bytes;
     uint32_t pipe_gen; /* kvx_pipe_generation last seen */
     /* progress thread */
@@ -151,11 +161,11 @@ struct kvx_conn {
 
 typedef struct {
     kvx_conn *c;
-    pf_req *r;
+    kvxi_pf_req *r;
     uint32_t t;
-    chunk_copy *bufs; /* staging buffers a flush frees */
-    int64_t chunk;    /* a chunk flush: the chunk's number; -1 otherwise */
-} op_ctx;
+    kvxi_chunk_copy *bufs; /* staging buffers a flush frees */
+    int64_t chunk;         /* a chunk flush: the chunk's number; -1 otherwise */
+} kvxi_op;
 
 typedef struct {
     uint32_t type;
@@ -166,7 +176,7 @@ typedef struct {
     uint32_t n_tokens;
     const uint8_t *addr;
     uint32_t addr_len;
-} msg;
+} kvxi_msg;
 
 /* bytes of one (block, head): block_size x head_dim elements */
 static inline size_t kvxi_head_bytes(const kvx_layout *l)
@@ -183,12 +193,12 @@ static inline size_t kvxi_kv_off(const kvx_layout *l, uint32_t ll, uint32_t kv, 
            (size_t)tok * l->head_dim * l->dtype_size;
 }
 
-static inline bool kvxi_pf_final(const pf_req *r)
+static inline bool kvxi_pf_final(const kvxi_pf_req *r)
 {
     return r->state == KVX_REQ_DONE || r->state == KVX_REQ_FAILED;
 }
 
-static inline bool kvxi_dec_live(const dec_req *r)
+static inline bool kvxi_dec_live(const kvxi_dec_req *r)
 {
     return r->state == KVX_REQ_WAITING || r->state == KVX_REQ_TRANSFERRING;
 }
@@ -197,21 +207,34 @@ static inline bool kvxi_dec_live(const dec_req *r)
 int kvxi_peer_get(kvx_conn *c, uint64_t uid, const void *addr, size_t addr_len, int *out);
 void kvxi_peer_close(kvx_conn *c, int i, bool force);
 bool kvxi_peer_ok(kvx_conn *c, int i);
-int kvxi_msg_send_cb(kvx_conn *c, int pi, const msg *m, kvx_done_cb cb, void *arg);
-int kvxi_msg_send(kvx_conn *c, int pi, const msg *m);
+int kvxi_msg_send_cb(kvx_conn *c, int pi, const kvxi_msg *m, kvx_done_cb cb, void *arg);
+int kvxi_msg_send(kvx_conn *c, int pi, const kvxi_msg *m);
 void kvxi_free_copy(void *arg, const kvx_lb_key *k, void *val, size_t bytes);
 void kvxi_kick(kvx_conn *c);
 void kvxi_wr_layout(kvx_wr *w, const kvx_layout *l);
 void kvxi_rd_layout(kvx_rd *r, kvx_layout *l);
 
 /* kvx_conn_pf.c */
-void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now);
-void kvxi_pf_free(pf_req *r);
-void kvxi_pf_on_msg(kvx_conn *c, const msg *m); /* ACCEPT, REFUSE, ABORT */
+void kvxi_pf_step(kvx_conn *c, kvxi_pf_req *r, int64_t now);
+void kvxi_pf_free(kvxi_pf_req *r);
+void kvxi_pf_on_msg(kvx_conn *c, const kvxi_msg *m); /* ACCEPT, REFUSE, ABORT */
+
+/* kvx_conn_put.c */
+/* Put tokens [t0, t1) of the source (region src with layout sl, logical block b in
+ * block id sblk[b - sfirst]) into target t: its heads only. *arena gets the staging
+ * buffer the puts read (NULL if none): it must live until a flush of t completed. */
+int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint8_t *src,
+                      const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
+                      uint32_t t1, kvxi_chunk_copy **arena);
+/* Check a chunk fits a target (token range inside its blocks, layers inside its layers,
+ * same geometry): TD_ERANGE (logged) if not. */
+int kvxi_pf_check_fit(kvxi_pf_req *r, const kvxi_pf_target *t, const kvx_layout *sl, uint32_t t1);
+/* Give a staging arena back (kept for reuse up to STAGE_POOL_MAX bytes, else freed). */
+void kvxi_arena_put(kvx_conn *c, kvxi_chunk_copy *a);
 
 /* kvx_conn_dec.c */
-void kvxi_dec_step(kvx_conn *c, dec_req *r, int64_t now);
-void kvxi_dec_on_msg(kvx_conn *c, const msg *m); /* BEGIN, DONE, STOPPED */
-void kvxi_dec_pipe_reset(kvx_conn *c);           /* the pipe replaced its worker */
+void kvxi_dec_step(kvx_conn *c, kvxi_dec_req *r, int64_t now);
+void kvxi_dec_on_msg(kvx_conn *c, const kvxi_msg *m); /* BEGIN, DONE, STOPPED */
+void kvxi_dec_pipe_reset(kvx_conn *c);                /* the pipe replaced its worker */
 
 #endif

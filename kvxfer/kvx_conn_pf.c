@@ -1,6 +1,6 @@
-/* kvx_conn_pf.c: the prefill side of the connector: request state machine, head slicing,
- * coalescing and staging of puts, per-chunk flushes and times, the lookup-buffer path,
- * target decoding, the kvx_pf_ API. */
+/* kvx_conn_pf.c: the prefill side of the connector: the request state machine, per-chunk
+ * flushes and times, the lookup-buffer path, target decoding, the kvx_pf_ API (the puts
+ * themselves: kvx_conn_put.c). */
 #include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -8,17 +8,18 @@
 #include <unistd.h>
 
 #include "kvx_conn_int.h"
+#include "td_clock.h"
 
 /* --- prefill side ----------------------------------------------------------------------- */
 
-static pf_req *pf_find(kvx_conn *c, uint64_t id)
+static kvxi_pf_req *kvxi_pf_find(kvx_conn *c, uint64_t id)
 {
-    for (pf_req *r = c->preqs; r; r = r->next)
+    for (kvxi_pf_req *r = c->preqs; r; r = r->next)
         if (r->id == id) return r;
     return NULL;
 }
 
-static void pf_fail(kvx_conn *c, pf_req *r, kvx_fail_reason why, int err)
+static void kvxi_pf_fail(kvx_conn *c, kvxi_pf_req *r, kvx_fail_reason why, int err)
 {
     if (kvxi_pf_final(r) || r->state == KVX_REQ_ABORTING) return;
     if (why != KVX_FAIL_ABORTED)
@@ -33,41 +34,41 @@ static void pf_fail(kvx_conn *c, pf_req *r, kvx_fail_reason why, int err)
     r->reason = why;
     r->err = err;
     r->abort_phase = 0;
-    r->abort_deadline = kvx_now_ms() + c->params.abort_timeout_ms;
+    r->abort_deadline = td_now_ms() + c->params.abort_timeout_ms;
     kvx_lookup_drop_request(c->lb, r->id, kvxi_free_copy, NULL);
 }
 
-static void pf_op_done(void *arg, int status, size_t len)
+static void kvxi_pf_op_done(void *arg, int status, size_t len)
 {
-    op_ctx *o = arg;
-    pf_target *t = &o->r->tgt[o->t];
+    kvxi_op *o = arg;
+    kvxi_pf_target *t = &o->r->tgt[o->t];
     if (status && !t->flush_err) t->flush_err = status;
     t->ops--;
     o->r->pending--;
     free(o);
 }
 
-static void pf_flush_done(void *arg, int status, size_t len)
+static void kvxi_pf_flush_done(void *arg, int status, size_t len)
 {
-    op_ctx *o = arg;
+    kvxi_op *o = arg;
     o->r->tgt[o->t].flushed = true;
-    pf_op_done(arg, status, len);
+    kvxi_pf_op_done(arg, status, len);
 }
 
 /* Start a flush (m == NULL) or a message to target t, counted in r->pending. */
-static int pf_start_op(kvx_conn *c, pf_req *r, uint32_t t, const msg *m)
+static int kvxi_pf_start_op(kvx_conn *c, kvxi_pf_req *r, uint32_t t, const kvxi_msg *m)
 {
-    op_ctx *o = malloc(sizeof(*o));
+    kvxi_op *o = malloc(sizeof(*o));
     if (!o) return TD_ENOMEM;
-    *o = (op_ctx){c, r, t, NULL, -1};
-    pf_target *tg = &r->tgt[t];
+    *o = (kvxi_op){c, r, t, NULL, -1};
+    kvxi_pf_target *tg = &r->tgt[t];
     int err;
     if (!kvxi_peer_ok(c, tg->peer))
         err = TD_EIO;
     else if (!m)
-        err = kvx_pipe_flush(c->pipe, c->peers[tg->peer].peer, pf_flush_done, o);
+        err = kvx_pipe_flush(c->pipe, c->peers[tg->peer].peer, kvxi_pf_flush_done, o);
     else
-        err = kvxi_msg_send_cb(c, tg->peer, m, pf_op_done, o);
+        err = kvxi_msg_send_cb(c, tg->peer, m, kvxi_pf_op_done, o);
     if (err) {
         free(o);
         return err;
@@ -77,174 +78,18 @@ static int pf_start_op(kvx_conn *c, pf_req *r, uint32_t t, const msg *m)
     return 0;
 }
 
-/* Coalescer: pieces contiguous on both sides become one put. Small pieces that are
- * contiguous at the destination only (a head slice of consecutive blocks when the source
- * holds more heads than the destination) are gathered into a staging buffer and go as one
- * put; the buffer lives until the chunk's flush of that target completed. */
-#define STAGE_PIECE_MAX (64u << 10)         /* bytes: larger pieces go directly */
-#define STAGE_MAX       (1u << 20)          /* bytes per staged put */
-#define STAGE_POOL_MAX  ((size_t)512 << 20) /* bytes of idle arenas kept for reuse */
-
-typedef struct {
-    kvx_conn *c;
-    pf_req *r;
-    pf_target *t;
-    const uint8_t *src;
-    uint64_t dst;
-    size_t len;
-    bool staged;       /* the current run lives in the arena */
-    chunk_copy *arena; /* staging bytes of this call (one target), taken on first use */
-    size_t arena_need; /* upper bound of what this call can stage */
-    size_t used;       /* arena bytes used (the current staged run ends here) */
-    int err;
-} coalescer;
-
-static void co_flush(coalescer *co)
-{
-    if (!co->len || co->err) {
-        co->len = 0;
-        co->staged = false;
-        return;
-    }
-    cpeer *p = &co->c->peers[co->t->peer];
-    int err = kvx_pipe_put(co->c->pipe, p->peer, co->src, co->len, co->dst, p->rkey);
-    if (err) co->err = err;
-    co->r->puts++;
-    co->r->bytes += co->len;
-    co->len = 0;
-    co->staged = false;
-}
-
-/* A staging arena of at least `need` bytes: a recycled one or a new one. */
-static chunk_copy *arena_get(kvx_conn *c, size_t need)
-{
-    for (chunk_copy **pp = &c->stage_pool; *pp; pp = &(*pp)->next)
-        if ((*pp)->bytes >= need) {
-            chunk_copy *a = *pp;
-            *pp = a->next;
-            c->stage_pool_bytes -= a->bytes;
-            a->next = NULL;
-            return a;
-        }
-    chunk_copy *a = malloc(sizeof(*a) + need);
-    if (!a) return NULL;
-    *a = (chunk_copy){.bytes = need};
-    c->held_bytes += need;
-    return a;
-}
-
-/* Give an arena back (kept for reuse up to STAGE_POOL_MAX bytes, else freed). */
-static void arena_put(kvx_conn *c, chunk_copy *a)
-{
-    if (c->stage_pool_bytes + a->bytes <= STAGE_POOL_MAX) {
-        a->next = c->stage_pool;
-        c->stage_pool = a;
-        c->stage_pool_bytes += a->bytes;
-        return;
-    }
-    c->held_bytes -= a->bytes;
-    free(a);
-}
-
-static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
-{
-    co->r->pieces++;
-    if (co->len && co->dst + co->len == dst) {
-        if (!co->staged && co->src + co->len == src) {
-            co->len += len;
-            return;
-        }
-        if (len <= STAGE_PIECE_MAX && co->len + len <= STAGE_MAX) {
-            if (!co->arena) co->arena = arena_get(co->c, co->arena_need);
-            if (co->arena && !co->staged && co->used + co->len + len <= co->arena->bytes) {
-                memcpy(co->arena->data + co->used, co->src, co->len);
-                co->src = co->arena->data + co->used;
-                co->staged = true;
-            }
-            if (co->staged && co->used + co->len + len <= co->arena->bytes) {
-                memcpy(co->arena->data + co->used + co->len, src, len);
-                co->len += len;
-                return;
-            }
-        }
-    }
-    if (co->staged) co->used += co->len;
-    co_flush(co);
-    co->src = src;
-    co->dst = dst;
-    co->len = len;
-}
-
-/* Put tokens [t0, t1) of the source (region src with layout sl, logical block b in
- * block id sblk[b - sfirst]) into target t: its heads only. *arena gets the staging
- * buffer the puts read (NULL if none): it must live until a flush of t completed. */
-static int pf_put_range(kvx_conn *c, pf_req *r, pf_target *t, const uint8_t *src,
-                        const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
-                        uint32_t t1, chunk_copy **arena)
-{
-    const kvx_layout *dl = &t->layout;
-    uint32_t i0 = sl->head0 > dl->head0 ? sl->head0 : dl->head0;
-    uint32_t e0 = sl->head0 + sl->n_heads, e1 = dl->head0 + dl->n_heads;
-    uint32_t i1 = e0 < e1 ? e0 : e1;
-    *arena = NULL;
-    if (i0 >= i1) return 0; /* no common heads */
-    uint32_t bs = sl->block_size;
-    size_t tokb = (size_t)sl->head_dim * sl->dtype_size;
-    coalescer co = {.c = c, .r = r, .t = t};
-    co.arena_need =
-        (size_t)sl->n_layers * 2 * ((t1 - 1) / bs - t0 / bs + 1) * (i1 - i0) * kvxi_head_bytes(sl);
-    for (uint32_t ll = 0; ll < sl->n_layers; ll++) {
-        uint32_t dll = sl->layer0 + ll - dl->layer0;
-        for (uint32_t kv = 0; kv < 2; kv++)
-            for (uint32_t b = t0 / bs; b <= (t1 - 1) / bs; b++) {
-                uint32_t a = b * bs > t0 ? 0 : t0 - b * bs;
-                uint32_t e = (b + 1) * bs < t1 ? bs : t1 - b * bs;
-                uint32_t sb = sblk[b - sfirst], db = t->blocks[b];
-                if (a == 0 && e == bs) { /* whole block: the common heads are contiguous */
-                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, i0 - sl->head0, 0),
-                           t->base + kvxi_kv_off(dl, dll, kv, db, i0 - dl->head0, 0),
-                           (size_t)(i1 - i0) * kvxi_head_bytes(sl));
-                    continue;
-                }
-                for (uint32_t h = i0; h < i1; h++)
-                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, h - sl->head0, a),
-                           t->base + kvxi_kv_off(dl, dll, kv, db, h - dl->head0, a),
-                           (size_t)(e - a) * tokb);
-            }
-    }
-    co_flush(&co);
-    *arena = co.arena;
-    return co.err;
-}
-
-/* Check a chunk fits a target (token range inside its blocks, layers inside its layers,
- * same geometry). */
-static int pf_check_fit(pf_req *r, const pf_target *t, const kvx_layout *sl, uint32_t t1)
-{
-    const kvx_layout *dl = &t->layout;
-    if ((uint64_t)t->n_blocks * dl->block_size < t1 || sl->layer0 < dl->layer0 ||
-        sl->layer0 + sl->n_layers > dl->layer0 + dl->n_layers) {
-        TD_LOG_ERR("kvx conn: req %llu rank %u: chunk up to token %u, layers %u-%u do not fit "
-                   "the target (%u blocks, layers %u-%u)",
-                   (unsigned long long)r->id, t->rank, t1, sl->layer0, sl->layer0 + sl->n_layers,
-                   t->n_blocks, dl->layer0, dl->layer0 + dl->n_layers);
-        return TD_ERANGE;
-    }
-    return 0;
-}
-
 /* --- chunks: records, per-rank flushes, times ------------------------------------------ */
 
 /* The record of chunk number k (< KVX_MAX_CHUNKS), the array grown on demand (doubling,
  * so a request holds at most KVX_MAX_CHUNKS records); NULL if out of memory. */
-static pf_chunk *chunk_rec(pf_req *r, uint32_t k)
+static kvxi_pf_chunk *chunk_rec(kvxi_pf_req *r, uint32_t k)
 {
     if (k < r->n_chunks) return &r->chunks[k];
     uint32_t n = r->n_chunks ? r->n_chunks : 16;
     while (n <= k)
         n *= 2;
     if (n > KVX_MAX_CHUNKS) n = KVX_MAX_CHUNKS;
-    pf_chunk *nc = realloc(r->chunks, n * sizeof(*nc));
+    kvxi_pf_chunk *nc = realloc(r->chunks, n * sizeof(*nc));
     if (!nc) return NULL;
     memset(nc + r->n_chunks, 0, (n - r->n_chunks) * sizeof(*nc));
     r->chunks = nc;
@@ -255,11 +100,11 @@ static pf_chunk *chunk_rec(pf_req *r, uint32_t k)
 /* Once no flush of the chunk is in flight (they were all started: completions only run in
  * progress, never while a chunk is being issued): it landed unless something failed, and
  * its copy goes (after a failure it waits for the final state, like an unflushed arena). */
-static void chunk_settle(kvx_conn *c, pf_req *r, pf_chunk *ch)
+static void chunk_settle(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_chunk *ch)
 {
     if (ch->flushes) return;
-    if (!ch->failed && !ch->landed_ns) ch->landed_ns = kvx_now_ns();
-    chunk_copy *cc = ch->copy;
+    if (!ch->failed && !ch->landed_ns) ch->landed_ns = (uint64_t)td_now_ns();
+    kvxi_chunk_copy *cc = ch->copy;
     if (!cc) return;
     ch->copy = NULL;
     if (ch->failed) {
@@ -271,17 +116,17 @@ static void chunk_settle(kvx_conn *c, pf_req *r, pf_chunk *ch)
     free(cc);
 }
 
-static void pf_chunk_flush_done(void *arg, int status, size_t len)
+static void kvxi_pf_chunk_flush_done(void *arg, int status, size_t len)
 {
-    op_ctx *o = arg;
-    pf_req *r = o->r;
-    pf_target *t = &r->tgt[o->t];
-    pf_chunk *ch = &r->chunks[o->chunk];
+    kvxi_op *o = arg;
+    kvxi_pf_req *r = o->r;
+    kvxi_pf_target *t = &r->tgt[o->t];
+    kvxi_pf_chunk *ch = &r->chunks[o->chunk];
     if (status) {
         if (!t->flush_err) t->flush_err = status;
         ch->failed = true;
     }
-    if (o->bufs) arena_put(o->c, o->bufs);
+    if (o->bufs) kvxi_arena_put(o->c, o->bufs);
     t->ops--;
     t->flushes--;
     r->pending--;
@@ -293,16 +138,17 @@ static void pf_chunk_flush_done(void *arg, int status, size_t len)
 /* After chunk k's puts to target t: one flush of t covers them (and frees their staging
  * arena when it completes). If it cannot start, the chunk never lands, the target
  * records the error and the arena waits for the final state. */
-static int pf_chunk_flush(kvx_conn *c, pf_req *r, uint32_t t, uint32_t k, chunk_copy *arena)
+static int kvxi_pf_chunk_flush(kvx_conn *c, kvxi_pf_req *r, uint32_t t, uint32_t k,
+                               kvxi_chunk_copy *arena)
 {
-    pf_target *tg = &r->tgt[t];
-    pf_chunk *ch = &r->chunks[k];
-    op_ctx *o = malloc(sizeof(*o));
+    kvxi_pf_target *tg = &r->tgt[t];
+    kvxi_pf_chunk *ch = &r->chunks[k];
+    kvxi_op *o = malloc(sizeof(*o));
     int err = o ? 0 : TD_ENOMEM;
     if (!err && !kvxi_peer_ok(c, tg->peer)) err = TD_EIO;
     if (!err) {
-        *o = (op_ctx){c, r, t, arena, k};
-        err = kvx_pipe_flush(c->pipe, c->peers[tg->peer].peer, pf_chunk_flush_done, o);
+        *o = (kvxi_op){c, r, t, arena, k};
+        err = kvx_pipe_flush(c->pipe, c->peers[tg->peer].peer, kvxi_pf_chunk_flush_done, o);
     }
     if (!err) {
         r->pending++;
@@ -323,20 +169,20 @@ static int pf_chunk_flush(kvx_conn *c, pf_req *r, uint32_t t, uint32_t k, chunk_
 
 /* Issue chunk k: tokens [t0, t1) of src (layout sl, logical block b in sblk[b - sfirst])
  * to every target, then one flush per target that got puts. */
-static int pf_issue_chunk(kvx_conn *c, pf_req *r, uint32_t k, const uint8_t *src,
-                          const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
-                          uint32_t t1)
+static int kvxi_pf_issue_chunk(kvx_conn *c, kvxi_pf_req *r, uint32_t k, const uint8_t *src,
+                               const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst,
+                               uint32_t t0, uint32_t t1)
 {
-    pf_chunk *ch = &r->chunks[k];
-    ch->issued_ns = kvx_now_ns();
+    kvxi_pf_chunk *ch = &r->chunks[k];
+    ch->issued_ns = (uint64_t)td_now_ns();
     int err = 0;
     for (uint32_t t = 0; t < r->n_tgt && !err; t++) {
-        chunk_copy *arena = NULL;
+        kvxi_chunk_copy *arena = NULL;
         uint64_t puts = r->puts;
-        err = pf_check_fit(r, &r->tgt[t], sl, t1);
-        if (!err) err = pf_put_range(c, r, &r->tgt[t], src, sl, sblk, sfirst, t0, t1, &arena);
+        err = kvxi_pf_check_fit(r, &r->tgt[t], sl, t1);
+        if (!err) err = kvxi_pf_put_range(c, r, &r->tgt[t], src, sl, sblk, sfirst, t0, t1, &arena);
         if (r->puts != puts || arena) {
-            int ferr = pf_chunk_flush(c, r, t, k, arena);
+            int ferr = kvxi_pf_chunk_flush(c, r, t, k, arena);
             if (!err) err = ferr;
         }
     }
@@ -347,9 +193,9 @@ static int pf_issue_chunk(kvx_conn *c, pf_req *r, uint32_t k, const uint8_t *src
 
 /* A chunk that waited in the lookup buffer goes out from its copy (held until its
  * flushes completed). */
-static int pf_send_copy(kvx_conn *c, pf_req *r, chunk_copy *cc)
+static int kvxi_pf_send_copy(kvx_conn *c, kvxi_pf_req *r, kvxi_chunk_copy *cc)
 {
-    pf_chunk *ch = &r->chunks[cc->chunk];
+    kvxi_pf_chunk *ch = &r->chunks[cc->chunk];
     ch->copy = cc;
     c->held_bytes += cc->bytes;
     kvx_layout pl = c->src_layout;
@@ -362,154 +208,165 @@ static int pf_send_copy(kvx_conn *c, pf_req *r, chunk_copy *cc)
     }
     for (uint32_t i = 0; i < cc->nb; i++)
         ids[i] = i;
-    int err = pf_issue_chunk(c, r, cc->chunk, cc->data, &pl, ids, cc->b_first, cc->t0, cc->t1);
+    int err = kvxi_pf_issue_chunk(c, r, cc->chunk, cc->data, &pl, ids, cc->b_first, cc->t0, cc->t1);
     free(ids);
     return err;
 }
 
-/* Advance one prefill request. */
-void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
+/* --- the request state machine (kvx_conn.h, "Prefill request states") -------------------- */
+
+/* Any non-final state: the deadline, a failed endpoint, a REFUSE or a failed flush (or
+ * message) moves the request to ABORTING. */
+static void kvxi_pf_check(kvx_conn *c, kvxi_pf_req *r, int64_t now)
 {
-    if (kvxi_pf_final(r)) return;
-    if (r->state != KVX_REQ_ABORTING) {
-        if (now >= r->deadline) pf_fail(c, r, KVX_FAIL_TIMEOUT, TD_ETIMEDOUT);
-        for (uint32_t t = 0; t < r->n_tgt && r->state != KVX_REQ_ABORTING; t++) {
-            pf_target *tg = &r->tgt[t];
-            if (tg->have && !kvxi_peer_ok(c, tg->peer))
-                pf_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
-            else if (tg->refused)
-                pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
-            else if (tg->flush_err) /* a chunk's flush (or a message) failed */
-                pf_fail(c, r, KVX_FAIL_PEER_FAILED, tg->flush_err);
+    if (now >= r->deadline) kvxi_pf_fail(c, r, KVX_FAIL_TIMEOUT, TD_ETIMEDOUT);
+    for (uint32_t t = 0; t < r->n_tgt && r->state != KVX_REQ_ABORTING; t++) {
+        kvxi_pf_target *tg = &r->tgt[t];
+        if (tg->have && !kvxi_peer_ok(c, tg->peer))
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, TD_EIO);
+        else if (tg->refused)
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
+        else if (tg->flush_err) /* a chunk's flush (or a message) failed */
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, tg->flush_err);
+    }
+}
+
+/* A message of this request to target tg: the fields every type carries. */
+static kvxi_msg kvxi_pf_msg(const kvxi_pf_req *r, const kvxi_pf_target *tg, uint32_t type)
+{
+    return (kvxi_msg){.type = type,
+                      .req = r->id,
+                      .epoch = tg->epoch,
+                      .stage = r->stage,
+                      .src_rank = r->src_rank,
+                      .src_tp = r->src_tp,
+                      .rank = tg->rank};
+}
+
+/* OPEN -> BEGUN once every target was added: BEGIN to each. False while waiting or failed. */
+static bool kvxi_pf_begin(kvx_conn *c, kvxi_pf_req *r)
+{
+    if (!r->n_dst) return false;
+    for (uint32_t t = 0; t < r->n_dst; t++)
+        if (!r->tgt[t].have) return false;
+    for (uint32_t t = 0; t < r->n_dst; t++) {
+        kvxi_pf_target *tg = &r->tgt[t];
+        kvxi_msg m = kvxi_pf_msg(r, tg, KVXI_MSG_BEGIN);
+        m.addr = c->addr;
+        m.addr_len = (uint32_t)c->addr_len;
+        int err = kvxi_pf_start_op(c, r, t, &m);
+        if (err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
+            return false;
+        }
+        tg->begin_sent = true;
+    }
+    r->state = KVX_REQ_BEGUN;
+    return true;
+}
+
+/* BEGUN -> READY once every rank ACCEPTed: the chunks queued in the lookup buffer go out.
+ * False while waiting or failed. */
+static bool kvxi_pf_ready(kvx_conn *c, kvxi_pf_req *r)
+{
+    for (uint32_t t = 0; t < r->n_tgt; t++)
+        if (!r->tgt[t].accepted) return false;
+    r->state = KVX_REQ_READY;
+    kvx_lb_key k;
+    void *v;
+    while (kvx_lookup_drop_first(c->lb, r->id, &k, &v, NULL) == 0) {
+        int err = kvxi_pf_send_copy(c, r, v);
+        if (err) {
+            kvxi_pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
+            return false;
         }
     }
-    switch (r->state) {
-    case KVX_REQ_OPEN: {
-        if (!r->n_dst) return;
-        for (uint32_t t = 0; t < r->n_dst; t++)
-            if (!r->tgt[t].have) return;
-        for (uint32_t t = 0; t < r->n_dst; t++) {
-            pf_target *tg = &r->tgt[t];
-            msg m = {.type = MSG_BEGIN,
-                     .req = r->id,
-                     .epoch = tg->epoch,
-                     .stage = r->stage,
-                     .src_rank = r->src_rank,
-                     .src_tp = r->src_tp,
-                     .rank = tg->rank,
-                     .addr = c->addr,
-                     .addr_len = (uint32_t)c->addr_len};
-            int err = pf_start_op(c, r, t, &m);
-            if (err) {
-                pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
-                return;
-            }
-            tg->begin_sent = true;
-        }
-        r->state = KVX_REQ_BEGUN;
-    } /* fall through */
-    case KVX_REQ_BEGUN: {
-        for (uint32_t t = 0; t < r->n_tgt; t++)
-            if (!r->tgt[t].accepted) return;
-        r->state = KVX_REQ_READY;
-        kvx_lb_key k;
-        void *v;
-        while (kvx_lookup_drop_first(c->lb, r->id, &k, &v, NULL) == 0) {
-            int err = pf_send_copy(c, r, v);
-            if (err) {
-                pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
-                return;
-            }
-        }
-    } /* fall through */
-    case KVX_REQ_READY:
-        if (!r->finish_wanted) return;
-        /* every chunk's puts to a target were followed by a flush of it: the finish
-         * flush is waiting for those */
-        r->state = KVX_REQ_FLUSHING;
-    /* fall through */
-    case KVX_REQ_FLUSHING:
-        for (uint32_t t = 0; t < r->n_tgt; t++) {
-            if (r->tgt[t].flush_err) {
-                pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
-                return;
-            }
-            if (r->tgt[t].flushes) return;
-        }
-        for (uint32_t t = 0; t < r->n_tgt; t++) {
-            msg m = {.type = MSG_DONE,
-                     .req = r->id,
-                     .epoch = r->tgt[t].epoch,
-                     .stage = r->stage,
-                     .src_rank = r->src_rank,
-                     .src_tp = r->src_tp,
-                     .rank = r->tgt[t].rank,
-                     .first_token = r->meta.first_token,
-                     .n_tokens = r->meta.n_tokens};
-            int err = pf_start_op(c, r, t, &m);
-            if (err) {
-                pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
-                return;
-            }
-        }
-        r->state = KVX_REQ_NOTIFYING;
-        return;
-    case KVX_REQ_NOTIFYING:
-        if (r->pending) return;
-        for (uint32_t t = 0; t < r->n_tgt; t++)
-            if (r->tgt[t].flush_err) {
-                pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
-                return;
-            }
-        r->state = KVX_REQ_DONE;
-        break;
-    case KVX_REQ_ABORTING:
-        if (now >= r->abort_deadline && r->pending) {
-            /* a peer that does not complete our flush within the bound is closed: its
-             * operations complete with errors and nothing of ours is read any more */
-            for (uint32_t t = 0; t < r->n_tgt; t++)
-                if (r->tgt[t].have && kvxi_peer_ok(c, r->tgt[t].peer) && r->tgt[t].ops > 0) {
-                    TD_LOG_WARN("kvx conn: req %llu rank %u: closing an unresponsive peer",
-                                (unsigned long long)r->id, r->tgt[t].rank);
-                    kvxi_peer_close(c, r->tgt[t].peer, true);
-                }
+    return true;
+}
+
+/* FLUSHING -> NOTIFYING once every chunk flush completed (every chunk's puts to a target
+ * were followed by a flush of it): DONE with the metadata to each target. */
+static void kvxi_pf_notify(kvx_conn *c, kvxi_pf_req *r)
+{
+    for (uint32_t t = 0; t < r->n_tgt; t++) {
+        if (r->tgt[t].flush_err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
             return;
         }
-        if (r->pending) return;
-        if (r->abort_phase == 0) {
-            for (uint32_t t = 0; t < r->n_tgt; t++) {
-                pf_target *tg = &r->tgt[t];
-                tg->flushed = false;
-                tg->flush_err = 0;
-                if (tg->begin_sent && kvxi_peer_ok(c, tg->peer)) pf_start_op(c, r, t, NULL);
-            }
-            r->abort_phase = 1;
-            return;
-        }
-        if (r->abort_phase == 1) {
-            for (uint32_t t = 0; t < r->n_tgt; t++) {
-                pf_target *tg = &r->tgt[t];
-                if (!tg->begin_sent || !kvxi_peer_ok(c, tg->peer)) continue;
-                msg m = {.type = MSG_STOPPED,
-                         .req = r->id,
-                         .epoch = tg->epoch,
-                         .stage = r->stage,
-                         .src_rank = r->src_rank,
-                         .src_tp = r->src_tp,
-                         .rank = tg->rank};
-                pf_start_op(c, r, t, &m);
-            }
-            r->abort_phase = 2;
-            return;
-        }
-        r->state = KVX_REQ_FAILED;
-        break;
-    default:
-        return;
+        if (r->tgt[t].flushes) return;
     }
-    /* final: copies go, endpoints are no longer used by this request */
+    for (uint32_t t = 0; t < r->n_tgt; t++) {
+        kvxi_msg m = kvxi_pf_msg(r, &r->tgt[t], KVXI_MSG_DONE);
+        m.first_token = r->meta.first_token;
+        m.n_tokens = r->meta.n_tokens;
+        int err = kvxi_pf_start_op(c, r, t, &m);
+        if (err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, err);
+            return;
+        }
+    }
+    r->state = KVX_REQ_NOTIFYING;
+}
+
+/* NOTIFYING -> DONE once every notice was sent. False while waiting or failed. */
+static bool kvxi_pf_done(kvx_conn *c, kvxi_pf_req *r)
+{
+    if (r->pending) return false;
+    for (uint32_t t = 0; t < r->n_tgt; t++)
+        if (r->tgt[t].flush_err) {
+            kvxi_pf_fail(c, r, KVX_FAIL_PEER_FAILED, r->tgt[t].flush_err);
+            return false;
+        }
+    r->state = KVX_REQ_DONE;
+    return true;
+}
+
+/* ABORTING -> FAILED: wait for what is in flight (closing a peer that does not complete
+ * it within abort_timeout_ms), flush every target that got a BEGIN, then send it STOPPED.
+ * True once FAILED. */
+static bool kvxi_pf_abort_step(kvx_conn *c, kvxi_pf_req *r, int64_t now)
+{
+    if (now >= r->abort_deadline && r->pending) {
+        /* a peer that does not complete our flush within the bound is closed: its
+         * operations complete with errors and nothing of ours is read any more */
+        for (uint32_t t = 0; t < r->n_tgt; t++)
+            if (r->tgt[t].have && kvxi_peer_ok(c, r->tgt[t].peer) && r->tgt[t].ops > 0) {
+                TD_LOG_WARN("kvx conn: req %llu rank %u: closing an unresponsive peer",
+                            (unsigned long long)r->id, r->tgt[t].rank);
+                kvxi_peer_close(c, r->tgt[t].peer, true);
+            }
+        return false;
+    }
+    if (r->pending) return false;
+    if (r->abort_phase == 0) {
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            kvxi_pf_target *tg = &r->tgt[t];
+            tg->flushed = false;
+            tg->flush_err = 0;
+            if (tg->begin_sent && kvxi_peer_ok(c, tg->peer)) kvxi_pf_start_op(c, r, t, NULL);
+        }
+        r->abort_phase = 1;
+        return false;
+    }
+    if (r->abort_phase == 1) {
+        for (uint32_t t = 0; t < r->n_tgt; t++) {
+            kvxi_pf_target *tg = &r->tgt[t];
+            if (!tg->begin_sent || !kvxi_peer_ok(c, tg->peer)) continue;
+            kvxi_msg m = kvxi_pf_msg(r, tg, KVXI_MSG_STOPPED);
+            kvxi_pf_start_op(c, r, t, &m);
+        }
+        r->abort_phase = 2;
+        return false;
+    }
+    r->state = KVX_REQ_FAILED;
+    return true;
+}
+
+/* DONE or FAILED reached: copies go, endpoints are no longer used by this request. */
+static void kvxi_pf_let_go(kvx_conn *c, kvxi_pf_req *r)
+{
     while (r->held) {
-        chunk_copy *cc = r->held;
+        kvxi_chunk_copy *cc = r->held;
         r->held = cc->next;
         c->held_bytes -= cc->bytes;
         free(cc);
@@ -528,12 +385,43 @@ void kvxi_pf_step(kvx_conn *c, pf_req *r, int64_t now)
         }
 }
 
-void kvxi_pf_free(pf_req *r)
+/* Advance one prefill request as far as it can go now. */
+void kvxi_pf_step(kvx_conn *c, kvxi_pf_req *r, int64_t now)
+{
+    if (kvxi_pf_final(r)) return;
+    if (r->state != KVX_REQ_ABORTING) kvxi_pf_check(c, r, now);
+    switch (r->state) {
+    case KVX_REQ_OPEN:
+        if (!kvxi_pf_begin(c, r)) return;
+    /* fall through */
+    case KVX_REQ_BEGUN:
+        if (!kvxi_pf_ready(c, r)) return;
+    /* fall through */
+    case KVX_REQ_READY:
+        if (!r->finish_wanted) return; /* a finish before READY runs here */
+        r->state = KVX_REQ_FLUSHING;
+    /* fall through */
+    case KVX_REQ_FLUSHING:
+        kvxi_pf_notify(c, r);
+        return;
+    case KVX_REQ_NOTIFYING:
+        if (!kvxi_pf_done(c, r)) return;
+        break;
+    case KVX_REQ_ABORTING:
+        if (!kvxi_pf_abort_step(c, r, now)) return;
+        break;
+    default:
+        return;
+    }
+    kvxi_pf_let_go(c, r);
+}
+
+void kvxi_pf_free(kvxi_pf_req *r)
 {
     for (uint32_t t = 0; t < KVX_MAX_RANKS; t++)
         free(r->tgt[t].blocks);
     while (r->held) {
-        chunk_copy *cc = r->held;
+        kvxi_chunk_copy *cc = r->held;
         r->held = cc->next;
         free(cc);
     }
@@ -544,10 +432,10 @@ void kvxi_pf_free(pf_req *r)
 }
 
 /* ACCEPT, REFUSE or ABORT from a decode rank. */
-void kvxi_pf_on_msg(kvx_conn *c, const msg *m)
+void kvxi_pf_on_msg(kvx_conn *c, const kvxi_msg *m)
 {
-    pf_req *r = pf_find(c, m->req);
-    pf_target *t = NULL;
+    kvxi_pf_req *r = kvxi_pf_find(c, m->req);
+    kvxi_pf_target *t = NULL;
     for (uint32_t i = 0; r && i < r->n_tgt; i++)
         if (r->tgt[i].have && r->tgt[i].epoch == m->epoch && r->tgt[i].dst_uid == m->uid)
             t = &r->tgt[i];
@@ -556,12 +444,12 @@ void kvxi_pf_on_msg(kvx_conn *c, const msg *m)
                     (unsigned long long)m->req, m->type);
         return;
     }
-    if (m->type == MSG_ACCEPT)
+    if (m->type == KVXI_MSG_ACCEPT)
         t->accepted = true;
-    else if (m->type == MSG_REFUSE)
+    else if (m->type == KVXI_MSG_REFUSE)
         t->refused = true;
     else
-        pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
+        kvxi_pf_fail(c, r, KVX_FAIL_PEER_ABORTED, TD_ESTATE);
 }
 
 /* --- prefill API ------------------------------------------------------------------------ */
@@ -592,10 +480,10 @@ int kvx_pf_open(kvx_conn *c, uint64_t req_id, const kvx_pf_req_params *p)
         return TD_EINVAL;
     pthread_mutex_lock(&c->mu);
     int err = 0;
-    pf_req *r = NULL;
+    kvxi_pf_req *r = NULL;
     if (!c->src)
         err = TD_ESTATE;
-    else if (pf_find(c, req_id))
+    else if (kvxi_pf_find(c, req_id))
         err = TD_ESTATE;
     else if (!(r = calloc(1, sizeof(*r))))
         err = TD_ENOMEM;
@@ -613,7 +501,7 @@ int kvx_pf_open(kvx_conn *c, uint64_t req_id, const kvx_pf_req_params *p)
     r->n_dst = p->n_dst;
     r->n_tgt = p->n_dst;
     r->state = KVX_REQ_OPEN;
-    r->deadline = kvx_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
+    r->deadline = td_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
     for (int t = 0; t < KVX_MAX_RANKS; t++)
         r->tgt[t].peer = -1;
     r->next = c->preqs;
@@ -624,7 +512,7 @@ int kvx_pf_open(kvx_conn *c, uint64_t req_id, const kvx_pf_req_params *p)
 }
 
 /* Decode target bytes into t (blocks allocated); TD_EFORMAT if malformed. */
-static int target_decode(const void *buf, size_t len, pf_target *t, const uint8_t **addr,
+static int target_decode(const void *buf, size_t len, kvxi_pf_target *t, const uint8_t **addr,
                          uint32_t *addr_len, const uint8_t **rkey, uint32_t *rkey_len,
                          uint64_t *req_id)
 {
@@ -676,7 +564,7 @@ static int target_decode(const void *buf, size_t len, pf_target *t, const uint8_
 
 int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t len)
 {
-    pf_target t = {0};
+    kvxi_pf_target t = {0};
     const uint8_t *addr, *rkey;
     uint32_t addr_len, rkey_len;
     uint64_t tid;
@@ -688,7 +576,7 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
     }
     t.peer = -1;
     pthread_mutex_lock(&c->mu);
-    pf_req *r = pf_find(c, req_id);
+    kvxi_pf_req *r = kvxi_pf_find(c, req_id);
     const kvx_layout *sl = &c->src_layout, *dl = &t.layout;
     if (!r) {
         err = TD_ENOENT;
@@ -716,7 +604,7 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
     int pi = -1;
     if (!err) err = kvxi_peer_get(c, t.dst_uid, addr, addr_len, &pi);
     if (!err) {
-        cpeer *p = &c->peers[pi];
+        kvxi_peer *p = &c->peers[pi];
         uint32_t sum = kvx_fnv1a(rkey, rkey_len);
         if (p->rkey && p->rkey_sum != sum) {
             kvx_pipe_rkey_destroy(c->pipe, p->rkey);
@@ -735,7 +623,7 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
         if (!r->n_dst) r->n_dst = r->n_tgt = t.tp;
         r->tgt[t.rank] = t;
         t.blocks = NULL;
-        kvxi_pf_step(c, r, kvx_now_ms());
+        kvxi_pf_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     free(t.blocks);
@@ -746,9 +634,9 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
 int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0, uint32_t t1,
                       const int32_t *src_blocks, uint32_t n_src_blocks)
 {
-    uint64_t handed = kvx_now_ns();
+    uint64_t handed = (uint64_t)td_now_ns();
     pthread_mutex_lock(&c->mu);
-    pf_req *r = pf_find(c, req_id);
+    kvxi_pf_req *r = kvxi_pf_find(c, req_id);
     const kvx_layout *sl = &c->src_layout;
     int err = 0;
     if (!r)
@@ -776,7 +664,7 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
                        (unsigned long long)req_id, chunk, src_blocks[b]);
             err = TD_EINVAL;
         }
-    pf_chunk *ch = err ? NULL : chunk_rec(r, chunk);
+    kvxi_pf_chunk *ch = err ? NULL : chunk_rec(r, chunk);
     if (!err && !ch) err = TD_ENOMEM;
     if (err) {
         pthread_mutex_unlock(&c->mu);
@@ -789,19 +677,20 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
             ids[b] = b >= b_first ? (uint32_t)src_blocks[b] : 0;
         if (!err) {
             ch->handed_ns = handed;
-            err = pf_issue_chunk(c, r, chunk, c->src, sl, ids, 0, t0, t1);
+            err = kvxi_pf_issue_chunk(c, r, chunk, c->src, sl, ids, 0, t0, t1);
         }
         free(ids);
-        if (err) pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
+        if (err)
+            kvxi_pf_fail(c, r, err == TD_ERANGE ? KVX_FAIL_BAD_INPUT : KVX_FAIL_PEER_FAILED, err);
     } else {
         /* not ready: copy the chunk's blocks (all held heads) into the lookup buffer */
         uint32_t nb = b_last - b_first + 1;
         size_t blk = (size_t)sl->n_heads * kvxi_head_bytes(sl);
         size_t bytes = (size_t)sl->n_layers * 2 * nb * blk;
-        chunk_copy *cc = malloc(sizeof(*cc) + bytes);
+        kvxi_chunk_copy *cc = malloc(sizeof(*cc) + bytes);
         if (!cc) err = TD_ENOMEM;
         if (cc) {
-            *cc = (chunk_copy){
+            *cc = (kvxi_chunk_copy){
                 .chunk = chunk, .t0 = t0, .t1 = t1, .b_first = b_first, .nb = nb, .bytes = bytes};
             kvx_layout pl = *sl;
             pl.n_blocks = nb;
@@ -831,7 +720,7 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
 int kvx_pf_finish(kvx_conn *c, uint64_t req_id, const kvx_meta *meta)
 {
     pthread_mutex_lock(&c->mu);
-    pf_req *r = pf_find(c, req_id);
+    kvxi_pf_req *r = kvxi_pf_find(c, req_id);
     int err = 0;
     if (!r)
         err = TD_ENOENT;
@@ -841,7 +730,7 @@ int kvx_pf_finish(kvx_conn *c, uint64_t req_id, const kvx_meta *meta)
     if (!err) {
         r->finish_wanted = true;
         if (meta) r->meta = *meta;
-        kvxi_pf_step(c, r, kvx_now_ms());
+        kvxi_pf_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     kvxi_kick(c);
@@ -851,10 +740,10 @@ int kvx_pf_finish(kvx_conn *c, uint64_t req_id, const kvx_meta *meta)
 int kvx_pf_abort(kvx_conn *c, uint64_t req_id)
 {
     pthread_mutex_lock(&c->mu);
-    pf_req *r = pf_find(c, req_id);
+    kvxi_pf_req *r = kvxi_pf_find(c, req_id);
     if (r) {
-        pf_fail(c, r, KVX_FAIL_ABORTED, TD_ESTATE);
-        kvxi_pf_step(c, r, kvx_now_ms());
+        kvxi_pf_fail(c, r, KVX_FAIL_ABORTED, TD_ESTATE);
+        kvxi_pf_step(c, r, td_now_ms());
     }
     pthread_mutex_unlock(&c->mu);
     kvxi_kick(c);
@@ -864,7 +753,7 @@ int kvx_pf_abort(kvx_conn *c, uint64_t req_id)
 int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out)
 {
     pthread_mutex_lock(&c->mu);
-    pf_req *r = pf_find(c, req_id);
+    kvxi_pf_req *r = kvxi_pf_find(c, req_id);
     if (r) {
         memset(out, 0, sizeof(*out));
         out->state = r->state;
@@ -885,10 +774,10 @@ int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out)
 int kvx_pf_chunk_times(kvx_conn *c, uint64_t req_id, uint32_t chunk, kvx_chunk_times *out)
 {
     pthread_mutex_lock(&c->mu);
-    pf_req *r = pf_find(c, req_id);
+    kvxi_pf_req *r = kvxi_pf_find(c, req_id);
     int err = TD_ENOENT;
     if (r && chunk < r->n_chunks && r->chunks[chunk].handed_ns) {
-        const pf_chunk *ch = &r->chunks[chunk];
+        const kvxi_pf_chunk *ch = &r->chunks[chunk];
         *out = (kvx_chunk_times){
             .handed_ns = ch->handed_ns, .issued_ns = ch->issued_ns, .landed_ns = ch->landed_ns};
         err = 0;
@@ -901,8 +790,8 @@ int kvx_pf_release(kvx_conn *c, uint64_t req_id)
 {
     pthread_mutex_lock(&c->mu);
     int err = TD_ENOENT;
-    for (pf_req **pp = &c->preqs; *pp; pp = &(*pp)->next) {
-        pf_req *r = *pp;
+    for (kvxi_pf_req **pp = &c->preqs; *pp; pp = &(*pp)->next) {
+        kvxi_pf_req *r = *pp;
         if (r->id != req_id) continue;
         if (!kvxi_pf_final(r) || r->pending) {
             err = TD_ESTATE;

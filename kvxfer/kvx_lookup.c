@@ -8,6 +8,7 @@
 
 #include "kvx_lookup.h"
 #include "kvx_pipe.h"
+#include "td_clock.h"
 
 typedef struct lb_entry lb_entry;
 typedef struct lb_group lb_group;
@@ -212,14 +213,7 @@ int kvx_lookup_insert(kvx_lookup *lb, const kvx_lb_key *key, void *val, size_t b
         return TD_ESTATE;
     }
     if (lb->bytes + bytes > lb->budget && timeout_ms > 0) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_sec += timeout_ms / 1000;
-        ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = td_deadline_ts(timeout_ms);
         while (lb->bytes + bytes > lb->budget) {
             int r = pthread_cond_timedwait(&lb->space, &lb->mu, &ts);
             if (r == ETIMEDOUT) break;
@@ -256,7 +250,7 @@ int kvx_lookup_insert(kvx_lookup *lb, const kvx_lb_key *key, void *val, size_t b
     e->key = *key;
     e->val = val;
     e->bytes = bytes;
-    e->t_ms = kvx_now_ms();
+    e->t_ms = td_now_ms();
     e->group = g;
     e->gprev = g->tail;
     if (g->tail)

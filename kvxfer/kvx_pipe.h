@@ -276,10 +276,10 @@ static inline uint32_t kvx_pipe_generation(kvx_pipe *p)
  * sleep). Returns the number of completions run (>= 0) or a negative td_err. */
 int kvx_pipe_wait(kvx_pipe *p, int timeout_ms);
 
-/* Milliseconds of CLOCK_MONOTONIC (shared by kvxfer's deadlines). */
+/* Deprecated: td_now_ms() and td_now_ns() (common/td_clock.h), which these only call. Kept
+ * for the modules outside kvxfer that still use them until the final sweep removes them;
+ * kvxfer does not. kvx_now_ns is td_now_ns as uint64_t. */
 int64_t kvx_now_ms(void);
-/* Nanoseconds of CLOCK_MONOTONIC (kvxfer's timestamps; comparable between the processes
- * of one host). */
 uint64_t kvx_now_ns(void);
 
 #endif

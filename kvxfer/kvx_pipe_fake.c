@@ -15,6 +15,7 @@
 
 #include "kvx_pipe.h"
 #include "kvx_wire.h"
+#include "td_clock.h"
 
 #define FAKE_MAX_PIPES 64
 
@@ -675,7 +676,7 @@ int kvx_fake_fabric_create(kvx_fake_fabric **out)
     kvx_fake_fabric *f = calloc(1, sizeof(*f));
     if (!f) return TD_ENOMEM;
     pthread_mutex_init(&f->mu, NULL);
-    f->token = (uint64_t)(uintptr_t)f ^ (uint64_t)kvx_now_ms() ^ 0x9e3779b97f4a7c15ull;
+    f->token = (uint64_t)(uintptr_t)f ^ (uint64_t)td_now_ms() ^ 0x9e3779b97f4a7c15ull;
     *out = f;
     return 0;
 }

@@ -125,8 +125,8 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   EACH=${TANDEM_FUZZ_SECONDS_EACH:-20}
   FZ_CC=(clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined
          -fno-sanitize-recover=undefined -Wall -Wextra -Werror -Wno-unused-parameter)
-  KVX_SRC=(kvxfer/kvx_conn.c kvxfer/kvx_conn_pf.c kvxfer/kvx_conn_dec.c kvxfer/kvx_lookup.c
-           kvxfer/kvx_pipe.c kvxfer/kvx_pipe_fake.c)
+  KVX_SRC=(kvxfer/kvx_conn.c kvxfer/kvx_conn_pf.c kvxfer/kvx_conn_put.c kvxfer/kvx_conn_dec.c
+           kvxfer/kvx_lookup.c kvxfer/kvx_pipe.c kvxfer/kvx_pipe_fake.c common/td_clock.c)
   TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/chat_template.c
            common/gguf.c common/td_dtype.c)
   mkdir -p build-fuzz/config-corpus build-fuzz/config-seeds build-fuzz/kvx-corpus \

@@ -25,6 +25,7 @@
 
 #include "kvx_conn.h"
 #include "kvx_scenario.h"
+#include "td_clock.h"
 
 typedef struct {
     const char *role, *tls;
@@ -99,10 +100,10 @@ static int run_decode(const opts *o, kvx_pipe *pipe)
             }
         } else if (sscanf(line, "wait %llu %d", &req, &ms) == 2) {
             kvx_dec_status ds = {0};
-            int64_t end = kvx_now_ms() + ms;
+            int64_t end = td_now_ms() + ms;
             int rc;
             while ((rc = kvx_dec_poll(c, req, &ds)) == 0 && !sc_final(ds.state) &&
-                   kvx_now_ms() < end)
+                   td_now_ms() < end)
                 usleep(1000);
             if (rc)
                 printf("STATE -1 0 0 0\n");
@@ -172,16 +173,16 @@ static int run_prefill(const opts *o, kvx_pipe *pipe)
             uint32_t nch = (n_tokens + chunk - 1) / chunk;
             for (uint32_t k = 0; !rc && k < nch; k++) {
                 rc = sc_src_send(&s, req, n_tokens, chunk, k, 0);
-                int64_t end = kvx_now_ms() + delay;
+                int64_t end = td_now_ms() + delay;
                 do
                     kvx_conn_progress(s.c, 1);
-                while (kvx_now_ms() < end);
+                while (td_now_ms() < end);
             }
             kvx_meta m = {.first_token = o->first_token, .n_tokens = n_tokens};
             if (!rc) rc = kvx_pf_finish(s.c, req, &m);
             kvx_pf_status ps = {0};
-            int64_t end = kvx_now_ms() + o->timeout_ms + 3000;
-            while (kvx_pf_poll(s.c, req, &ps) == 0 && !sc_final(ps.state) && kvx_now_ms() < end)
+            int64_t end = td_now_ms() + o->timeout_ms + 3000;
+            while (kvx_pf_poll(s.c, req, &ps) == 0 && !sc_final(ps.state) && td_now_ms() < end)
                 kvx_conn_progress(s.c, 10);
             printf("PF %d %d\n", rc ? -1 : (int)ps.state, ps.reason);
             kvx_pf_release(s.c, req);

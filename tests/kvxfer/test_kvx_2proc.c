@@ -24,6 +24,7 @@
 
 #include "kvx_conn.h"
 #include "kvx_scenario.h"
+#include "td_clock.h"
 #include "tharness.h"
 
 static const char *g_tls = "tcp";
@@ -77,7 +78,7 @@ static void kill_all(void)
 /* One reply line (without the newline) within ms; returns false on timeout or EOF. */
 static bool child_line(child *ch, char *out, size_t cap, int ms)
 {
-    int64_t end = kvx_now_ms() + ms;
+    int64_t end = td_now_ms() + ms;
     for (;;) {
         char *nl = memchr(ch->buf, '\n', ch->len);
         if (nl) {
@@ -89,7 +90,7 @@ static bool child_line(child *ch, char *out, size_t cap, int ms)
             ch->len -= n + 1;
             return true;
         }
-        int left = (int)(end - kvx_now_ms());
+        int left = (int)(end - td_now_ms());
         if (left <= 0 || ch->len == sizeof(ch->buf)) return false;
         struct pollfd p = {.fd = ch->out, .events = POLLIN};
         if (poll(&p, 1, left) <= 0) continue;
@@ -181,8 +182,8 @@ static void child_quit(child *ch)
 {
     if (ch->pid <= 0) return;
     if (write(ch->in, "quit\n", 5) == 5) {
-        int64_t end = kvx_now_ms() + 5000;
-        while (kvx_now_ms() < end) {
+        int64_t end = td_now_ms() + 5000;
+        while (td_now_ms() < end) {
             if (waitpid(ch->pid, NULL, WNOHANG) == ch->pid) {
                 ch->pid = 0;
                 break;
@@ -274,13 +275,13 @@ static kvx_req_state src_state(sc_src *s, uint64_t req, kvx_pf_status *ps)
 
 static bool src_wait_final(sc_src *s, int n, uint64_t req, int ms)
 {
-    int64_t end = kvx_now_ms() + ms;
+    int64_t end = td_now_ms() + ms;
     for (;;) {
         bool all = true;
         for (int i = 0; i < n; i++)
             all = all && sc_final(src_state(&s[i], req, NULL));
         if (all) return true;
-        if (kvx_now_ms() > end) return false;
+        if (td_now_ms() > end) return false;
         src_pump(s, n, 1);
     }
 }
@@ -288,8 +289,8 @@ static bool src_wait_final(sc_src *s, int n, uint64_t req, int ms)
 /* Until both sides agreed (the decode ranks accepted): puts go out directly. */
 static bool src_wait_ready(sc_src *s, uint64_t req)
 {
-    int64_t end = kvx_now_ms() + TMO;
-    while (src_state(s, req, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+    int64_t end = td_now_ms() + TMO;
+    while (src_state(s, req, NULL) != KVX_REQ_READY && td_now_ms() < end)
         src_pump(s, 1, 2);
     return src_state(s, req, NULL) == KVX_REQ_READY;
 }
@@ -371,7 +372,7 @@ static void run_case(const xcfg *x, uint64_t req, uint32_t salt)
         kvx_conn_stats st;
         kvx_conn_stats_get(src[0].c, &st);
         TH_CHECK(st.queued_chunks == (int)nch);
-        t_target = kvx_now_ns();
+        t_target = (uint64_t)td_now_ns();
         for (int i = 0; i < n_src; i++)
             for (int d = 0; d < n_dec; d++)
                 TH_CHECK(kvx_pf_add_target(src[i].c, req, tgt[d], tl[d]) == 0);
@@ -497,8 +498,8 @@ static void test_chunk_landing(void)
     for (uint32_t k = 0; k < nch; k++) {
         TH_CHECK(sc_src_send(&s, req, n_tokens, chunk, k, 0) == 0);
         kvx_chunk_times ct = {0};
-        int64_t end = kvx_now_ms() + TMO;
-        while ((kvx_pf_chunk_times(s.c, req, k, &ct) || !ct.landed_ns) && kvx_now_ms() < end)
+        int64_t end = td_now_ms() + TMO;
+        while ((kvx_pf_chunk_times(s.c, req, k, &ct) || !ct.landed_ns) && td_now_ms() < end)
             src_pump(&s, 1, 1);
         TH_CHECKF(ct.landed_ns && ct.handed_ns <= ct.issued_ns && ct.issued_ns <= ct.landed_ns &&
                       ct.handed_ns >= prev_landed,
@@ -565,9 +566,9 @@ static void test_abort_mid(void)
     }
     char r[64];
     TH_CHECK(child_cmd(&ch, r, sizeof(r), 5000, "abort 400") && !strcmp(r, "OK 0"));
-    int64_t end = kvx_now_ms() + TMO;
+    int64_t end = td_now_ms() + TMO;
     kvx_pf_status ps;
-    while (!sc_final(src_state(&s, 400, &ps)) && kvx_now_ms() < end)
+    while (!sc_final(src_state(&s, 400, &ps)) && td_now_ms() < end)
         src_pump(&s, 1, 5);
     TH_CHECKF(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_PEER_ABORTED, "%s %d",
               kvx_req_state_name(ps.state), ps.reason);
@@ -593,11 +594,11 @@ static void test_no_receiver(void)
     TH_CHECK(sc_src_open(&s, 500, 64, 1, 0) == 0);
     for (uint32_t k = 0; k < 4; k++)
         TH_CHECK(sc_src_send(&s, 500, 64, 16, k, 0) == 0);
-    int64_t t0 = kvx_now_ms();
+    int64_t t0 = td_now_ms();
     kvx_pf_status ps;
-    while (!sc_final(src_state(&s, 500, &ps)) && kvx_now_ms() - t0 < 5000)
+    while (!sc_final(src_state(&s, 500, &ps)) && td_now_ms() - t0 < 5000)
         src_pump(&s, 1, 50);
-    int64_t dt = kvx_now_ms() - t0;
+    int64_t dt = td_now_ms() - t0;
     TH_CHECKF(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_TIMEOUT && dt < 1500,
               "%s after %lld ms", kvx_req_state_name(ps.state), (long long)dt);
     kvx_pf_release(s.c, 500);
@@ -636,16 +637,16 @@ static void test_kill_decode(void)
     for (uint32_t k = 0; k < 16; k++) {
         if (k == 6) {
             child_kill(&ch[1]);
-            t0 = kvx_now_ms();
+            t0 = td_now_ms();
         }
         if (sc_src_send(&s, 600, 256, 16, k, 0) != 0) break;
         src_pump(&s, 1, 10);
     }
     kvx_meta m = {.first_token = 1, .n_tokens = 256};
     kvx_pf_finish(s.c, 600, &m);
-    while (!sc_final(src_state(&s, 600, &ps)) && kvx_now_ms() - t0 < TMO + 3000)
+    while (!sc_final(src_state(&s, 600, &ps)) && td_now_ms() - t0 < TMO + 3000)
         src_pump(&s, 1, 5);
-    int64_t dt = kvx_now_ms() - t0;
+    int64_t dt = td_now_ms() - t0;
     TH_CHECKF(ps.state == KVX_REQ_FAILED && dt <= TMO, "%s reason %d after %lld ms",
               kvx_req_state_name(ps.state), ps.reason, (long long)dt);
     fprintf(stderr, "  %s: sender failed %lld ms after the kill (reason %d)\n", g_tls,
@@ -727,20 +728,20 @@ static void test_kill_prefill(void)
         snprintf(cmd, sizeof(cmd), "send %llu 256 16 %d 71 1 %s\n", (unsigned long long)req,
                  round == 0 ? 100 : 1, hex);
         TH_CHECK(write(ch.in, cmd, strlen(cmd)) == (ssize_t)strlen(cmd));
-        int64_t t_start = kvx_now_ms(), t_kill = 0;
+        int64_t t_start = td_now_ms(), t_kill = 0;
         kvx_dec_status ds;
         for (;;) {
             kvx_conn_progress(dc, 5);
             TH_CHECK(kvx_dec_poll(dc, req, &ds) == 0);
-            if (round == 0 && !t_kill && kvx_now_ms() - t_start > 400) {
+            if (round == 0 && !t_kill && td_now_ms() - t_start > 400) {
                 TH_CHECK(ds.state == KVX_REQ_TRANSFERRING);
                 child_kill(&ch);
-                t_kill = kvx_now_ms();
+                t_kill = td_now_ms();
             }
-            if (sc_final(ds.state) || kvx_now_ms() - t_start > 3 * TMO) break;
+            if (sc_final(ds.state) || td_now_ms() - t_start > 3 * TMO) break;
         }
         if (round == 0) {
-            int64_t dt = kvx_now_ms() - t_kill;
+            int64_t dt = td_now_ms() - t_kill;
             TH_CHECKF(ds.state == KVX_REQ_FAILED && dt <= TMO, "%s reason %d after %lld ms",
                       kvx_req_state_name(ds.state), ds.reason, (long long)dt);
             fprintf(stderr, "  %s: decode side failed %lld ms after the kill (reason %d)\n", g_tls,
@@ -787,8 +788,8 @@ static void test_soak(void)
     static uint8_t tgt[16384];
     int done = 0, aborted = 0;
     td_log_set_level(TD_LOG_ERROR + 1);
-    int64_t end = kvx_now_ms() + ms;
-    for (uint64_t req = 900; kvx_now_ms() < end; req++) {
+    int64_t end = td_now_ms() + ms;
+    for (uint64_t req = 900; td_now_ms() < end; req++) {
         int action = (int)(req % 3); /* 0: finish, 1: decode aborts, 2: prefill aborts */
         uint32_t n_tokens = 16 + (uint32_t)(req * 37 % 200), salt = (uint32_t)req;
         size_t tl = dec_target(&ch, req, 1, n_tokens, 1 + (uint32_t)(req % 5), 0, tgt, sizeof(tgt));

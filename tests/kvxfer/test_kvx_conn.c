@@ -9,6 +9,7 @@
 
 #include "kvx_conn.h"
 #include "kvx_scenario.h"
+#include "td_clock.h"
 #include "tharness.h"
 
 #define MAXC 16
@@ -158,8 +159,8 @@ static bool all_final(world *w, uint64_t req)
 
 static bool pump_final(world *w, uint64_t req, int ms)
 {
-    int64_t end = kvx_now_ms() + ms;
-    while (!all_final(w, req) && kvx_now_ms() < end)
+    int64_t end = td_now_ms() + ms;
+    while (!all_final(w, req) && td_now_ms() < end)
         progress_all(w, 2);
     return all_final(w, req);
 }
@@ -376,8 +377,8 @@ static void test_dec_abort(void)
     xstate *s = calloc(1, sizeof(*s));
     xfer x = {.req = 7, .n_tokens = 160, .chunk = 16, .salt = 3, .dst_run = 2};
     xfer_setup(&w, &c, &x, s);
-    int64_t end = kvx_now_ms() + 2000;
-    while (pf_state(&w, 0, 7, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+    int64_t end = td_now_ms() + 2000;
+    while (pf_state(&w, 0, 7, NULL) != KVX_REQ_READY && td_now_ms() < end)
         progress_all(&w, 1);
     xfer_chunks(&w, &x, s, 0, 5);
     TH_CHECK(kvx_dec_abort(w.dec[0], 7) == 0);
@@ -432,11 +433,11 @@ static void test_no_target_timeout(void)
     xfer_setup(&w, &c, &x, s);
     xfer_chunks(&w, &x, s, 0, 4);
     kvx_dec_abort(w.dec[0], 12); /* the decode side's record is not part of this test */
-    int64_t t0 = kvx_now_ms();
+    int64_t t0 = td_now_ms();
     kvx_pf_status ps;
-    while (pf_state(&w, 0, 12, &ps) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 3000)
+    while (pf_state(&w, 0, 12, &ps) != KVX_REQ_FAILED && td_now_ms() - t0 < 3000)
         progress_all(&w, 5);
-    int64_t dt = kvx_now_ms() - t0;
+    int64_t dt = td_now_ms() - t0;
     TH_CHECKF(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_TIMEOUT && dt < 1500,
               "state %s after %lld ms", kvx_req_state_name(ps.state), (long long)dt);
     release_all(&w, 12);
@@ -458,12 +459,12 @@ static void test_dec_timeout(void)
     TH_CHECK(kvx_dec_make_target(w.dec[0], 13, &dp, buf, sizeof(buf), &len) == 0);
     TH_CHECK(kvx_dec_make_target(w.dec[0], 13, &dp, buf, sizeof(buf), &len) == TD_ESTATE);
     TH_CHECK(kvx_dec_make_target(w.dec[0], 14, &dp, buf, 10, &len) == TD_ERANGE);
-    int64_t t0 = kvx_now_ms();
-    while (dec_state(&w, 0, 13, NULL) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 3000)
+    int64_t t0 = td_now_ms();
+    while (dec_state(&w, 0, 13, NULL) != KVX_REQ_FAILED && td_now_ms() - t0 < 3000)
         progress_all(&w, 50);
     kvx_dec_status ds;
     TH_CHECK(dec_state(&w, 0, 13, &ds) == KVX_REQ_FAILED && ds.reason == KVX_FAIL_TIMEOUT);
-    TH_CHECK(kvx_now_ms() - t0 < 1500);
+    TH_CHECK(td_now_ms() - t0 < 1500);
     release_all(&w, 13);
     world_fini(&w);
 }
@@ -483,20 +484,20 @@ static void test_peer_killed(void)
     xstate *s = calloc(1, sizeof(*s));
     xfer x = {.req = 20, .n_tokens = 96, .chunk = 16, .salt = 3, .dst_run = 2};
     xfer_setup(&w, &c, &x, s);
-    int64_t end = kvx_now_ms() + 2000;
-    while (pf_state(&w, 1, 20, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+    int64_t end = td_now_ms() + 2000;
+    while (pf_state(&w, 1, 20, NULL) != KVX_REQ_READY && td_now_ms() < end)
         progress_all(&w, 1);
     xfer_chunks(&w, &x, s, 0, 3);
     kvx_pipe_fake_kill(w.src_pipe[1]);
-    int64_t t0 = kvx_now_ms();
+    int64_t t0 = td_now_ms();
     kvx_dec_status ds;
-    while (dec_state(&w, 0, 20, &ds) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+    while (dec_state(&w, 0, 20, &ds) != KVX_REQ_FAILED && td_now_ms() - t0 < 5000)
         progress_all(&w, 5);
     TH_CHECKF(ds.state == KVX_REQ_FAILED && ds.reason == KVX_FAIL_PEER_FAILED, "state %s reason %d",
               kvx_req_state_name(ds.state), ds.reason);
-    TH_CHECK(kvx_now_ms() - t0 < 1000);
+    TH_CHECK(td_now_ms() - t0 < 1000);
     /* the surviving stage got the abort */
-    while (pf_state(&w, 0, 20, NULL) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+    while (pf_state(&w, 0, 20, NULL) != KVX_REQ_FAILED && td_now_ms() - t0 < 5000)
         progress_all(&w, 5);
     TH_CHECK(pf_state(&w, 0, 20, NULL) == KVX_REQ_FAILED);
     kvx_dec_release(w.dec[0], 20);
@@ -522,13 +523,13 @@ static void test_peer_killed(void)
     xfer_setup(&w, &c, &x, s);
     xfer_chunks(&w, &x, s, 0, 2);
     kvx_pipe_fake_kill(w.dec_pipe[0]);
-    t0 = kvx_now_ms();
+    t0 = td_now_ms();
     kvx_pf_status ps;
-    while (pf_state(&w, 0, 22, &ps) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+    while (pf_state(&w, 0, 22, &ps) != KVX_REQ_FAILED && td_now_ms() - t0 < 5000)
         progress_all(&w, 5);
     TH_CHECK(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_PEER_FAILED);
-    TH_CHECK(kvx_now_ms() - t0 < 2000);
-    while (pf_state(&w, 1, 22, NULL) != KVX_REQ_FAILED && kvx_now_ms() - t0 < 5000)
+    TH_CHECK(td_now_ms() - t0 < 2000);
+    while (pf_state(&w, 1, 22, NULL) != KVX_REQ_FAILED && td_now_ms() - t0 < 5000)
         progress_all(&w, 5);
     kvx_pf_release(w.src[0], 22);
     kvx_pf_release(w.src[1], 22);
@@ -646,7 +647,7 @@ static kvx_chunk_times chunk_times(world *w, int i, uint64_t req, uint32_t k)
 /* Progress until chunk k of every source landed (or ms passed). */
 static bool pump_landed(world *w, uint64_t req, uint32_t k, int ms)
 {
-    int64_t end = kvx_now_ms() + ms;
+    int64_t end = td_now_ms() + ms;
     for (;;) {
         bool all = true;
         for (int i = 0; i < w->n_src; i++) {
@@ -654,7 +655,7 @@ static bool pump_landed(world *w, uint64_t req, uint32_t k, int ms)
             all = all && kvx_pf_chunk_times(w->src[i], req, k, &ct) == 0 && ct.landed_ns;
         }
         if (all) return true;
-        if (kvx_now_ms() > end) return false;
+        if (td_now_ms() > end) return false;
         progress_all(w, 1);
     }
 }
@@ -671,8 +672,8 @@ static void test_chunk_times(void)
     xstate *s = calloc(1, sizeof(*s));
     xfer x = {.req = 60, .n_tokens = 100, .chunk = 32, .salt = 17, .dst_run = 4};
     xfer_setup(&w, &c, &x, s);
-    int64_t end = kvx_now_ms() + 2000;
-    while (pf_state(&w, 0, 60, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+    int64_t end = td_now_ms() + 2000;
+    while (pf_state(&w, 0, 60, NULL) != KVX_REQ_READY && td_now_ms() < end)
         progress_all(&w, 1);
     TH_REQUIRE(pf_state(&w, 0, 60, NULL) == KVX_REQ_READY);
     kvx_chunk_times ct;
@@ -680,7 +681,7 @@ static void test_chunk_times(void)
     TH_CHECK(kvx_pf_chunk_times(w.src[0], 61, 0, &ct) == TD_ENOENT); /* no such request */
     uint32_t nch = (x.n_tokens + x.chunk - 1) / x.chunk;
     for (uint32_t k = 0; k < nch; k++) {
-        uint64_t before = kvx_now_ns();
+        uint64_t before = (uint64_t)td_now_ns();
         xfer_chunks(&w, &x, s, k, k + 1);
         ct = chunk_times(&w, 0, 60, k);
         TH_CHECKF(ct.handed_ns >= before && ct.issued_ns >= ct.handed_ns,
@@ -742,7 +743,7 @@ static void test_chunk_times_late(void)
             kvx_chunk_times ct = chunk_times(&w, i, 62, k);
             TH_CHECK(ct.handed_ns > 0 && ct.issued_ns == 0 && ct.landed_ns == 0);
         }
-    uint64_t t_target = kvx_now_ns();
+    uint64_t t_target = (uint64_t)td_now_ns();
     for (int i = 0; i < w.n_src; i++)
         for (int d = 0; d < w.n_dec; d++)
             TH_CHECK(kvx_pf_add_target(w.src[i], 62, s->tgt[d], s->tgt_len[d]) == 0);
@@ -786,8 +787,8 @@ static void test_chunk_put_fails(void)
     xstate *s = calloc(1, sizeof(*s));
     xfer x = {.req = 64, .n_tokens = 128, .chunk = 32, .salt = 2, .dst_run = 0};
     xfer_setup(&w, &c, &x, s);
-    int64_t end = kvx_now_ms() + 2000;
-    while (pf_state(&w, 0, 64, NULL) != KVX_REQ_READY && kvx_now_ms() < end)
+    int64_t end = td_now_ms() + 2000;
+    while (pf_state(&w, 0, 64, NULL) != KVX_REQ_READY && td_now_ms() < end)
         progress_all(&w, 1);
     xfer_chunks(&w, &x, s, 0, 2);
     TH_CHECK(pump_landed(&w, 64, 1, 2000));
@@ -795,8 +796,8 @@ static void test_chunk_put_fails(void)
     td_log_set_level(TD_LOG_ERROR + 1);
     xfer_chunks(&w, &x, s, 2, 3);
     kvx_pf_status ps;
-    end = kvx_now_ms() + 3000;
-    while (pf_state(&w, 0, 64, &ps) != KVX_REQ_FAILED && kvx_now_ms() < end)
+    end = td_now_ms() + 3000;
+    while (pf_state(&w, 0, 64, &ps) != KVX_REQ_FAILED && td_now_ms() < end)
         progress_all(&w, 1);
     TH_CHECKF(ps.state == KVX_REQ_FAILED && ps.reason == KVX_FAIL_PEER_FAILED, "%s reason %d",
               kvx_req_state_name(ps.state), ps.reason);
@@ -828,8 +829,8 @@ static void test_progress_thread(void)
     xfer x = {.req = 50, .n_tokens = 100, .chunk = 33, .salt = 8, .dst_run = 5};
     run_xfer(&w, &c, &x, &puts, &pieces);
     double c0 = cpu_seconds();
-    int64_t t0 = kvx_now_ms();
-    while (kvx_now_ms() - t0 < 300)
+    int64_t t0 = td_now_ms();
+    while (td_now_ms() - t0 < 300)
         kvx_conn_progress(w.src[0], 100);
     double used = cpu_seconds() - c0;
     TH_CHECKF(used < 0.1, "idle connectors used %.3f s of CPU in 0.3 s", used);
@@ -853,9 +854,9 @@ static void test_soak(void)
     xstate *s = calloc(1, sizeof(*s));
     uint32_t seed = 12345;
     int done = 0, aborted = 0;
-    int64_t end = kvx_now_ms() + (int64_t)(secs * 1000);
+    int64_t end = td_now_ms() + (int64_t)(secs * 1000);
     td_log_set_level(TD_LOG_ERROR + 1); /* aborts log errors by design */
-    for (uint64_t req = 1000; kvx_now_ms() < end; req++) {
+    for (uint64_t req = 1000; td_now_ms() < end; req++) {
         seed = seed * 1103515245u + 12345u;
         int action = (int)(seed >> 16) % 4;
         xfer x = {.req = req,

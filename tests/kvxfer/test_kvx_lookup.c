@@ -6,6 +6,7 @@
 
 #include "kvx_lookup.h"
 #include "kvx_pipe.h"
+#include "td_clock.h"
 #include "tharness.h"
 
 static int g_freed;
@@ -98,7 +99,7 @@ static void test_expire(void)
     usleep(60 * 1000);
     TH_CHECK(kvx_lookup_insert(lb, &b, malloc(1), 1, 0) == 0);
     g_freed = 0;
-    TH_CHECK(kvx_lookup_expire(lb, kvx_now_ms(), 30, count_free, NULL) == 1);
+    TH_CHECK(kvx_lookup_expire(lb, td_now_ms(), 30, count_free, NULL) == 1);
     TH_CHECK(g_freed == 1);
     void *v;
     TH_CHECK(kvx_lookup_drop_select(lb, &a, &v, NULL) == TD_ENOENT);
@@ -117,11 +118,11 @@ static void *producer(void *arg)
 {
     waiter *w = arg;
     kvx_lb_key k = key(9, 1);
-    int64_t t0 = kvx_now_ms();
+    int64_t t0 = td_now_ms();
     void *v = malloc(1);
     w->rc = kvx_lookup_insert(w->lb, &k, v, 600, 3000);
     if (w->rc) free(v);
-    w->waited_ms = kvx_now_ms() - t0;
+    w->waited_ms = td_now_ms() - t0;
     return NULL;
 }
 
@@ -144,11 +145,11 @@ static void test_wait(void)
     TH_CHECK(w.rc == 0 && w.waited_ms >= 50 && w.waited_ms < 2500);
 
     kvx_lb_key k2 = key(9, 2);
-    int64_t t0 = kvx_now_ms();
+    int64_t t0 = td_now_ms();
     void *v2 = malloc(1);
     TH_CHECK(kvx_lookup_insert(lb, &k2, v2, 600, 200) == TD_ETIMEDOUT);
     free(v2);
-    int64_t dt = kvx_now_ms() - t0;
+    int64_t dt = td_now_ms() - t0;
     TH_CHECK(dt >= 190 && dt < 1500);
     kvx_lookup_destroy(lb, count_free, NULL);
 }

@@ -1,0 +1,157 @@
+/* kvx_conn_put.c: the prefill side's puts: head slicing (each decode rank gets the heads it
+ * holds), coalescing of contiguous pieces into single puts, and the staging arenas that
+ * gather small pieces contiguous only at the destination. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvx_conn_int.h"
+
+/* Coalescer: pieces contiguous on both sides become one put. Small pieces that are
+ * contiguous at the destination only (a head slice of consecutive blocks when the source
+ * holds more heads than the destination) are gathered into a staging buffer and go as one
+ * put; the buffer lives until the chunk's flush of that target completed. */
+#define STAGE_PIECE_MAX (64u << 10)         /* bytes: larger pieces go directly */
+#define STAGE_MAX       (1u << 20)          /* bytes per staged put */
+#define STAGE_POOL_MAX  ((size_t)512 << 20) /* bytes of idle arenas kept for reuse */
+
+typedef struct {
+    kvx_conn *c;
+    kvxi_pf_req *r;
+    kvxi_pf_target *t;
+    const uint8_t *src;
+    uint64_t dst;
+    size_t len;
+    bool staged;            /* the current run lives in the arena */
+    kvxi_chunk_copy *arena; /* staging bytes of this call (one target), taken on first use */
+    size_t arena_need;      /* upper bound of what this call can stage */
+    size_t used;            /* arena bytes used (the current staged run ends here) */
+    int err;
+} coalescer;
+
+static void co_flush(coalescer *co)
+{
+    if (!co->len || co->err) {
+        co->len = 0;
+        co->staged = false;
+        return;
+    }
+    kvxi_peer *p = &co->c->peers[co->t->peer];
+    int err = kvx_pipe_put(co->c->pipe, p->peer, co->src, co->len, co->dst, p->rkey);
+    if (err) co->err = err;
+    co->r->puts++;
+    co->r->bytes += co->len;
+    co->len = 0;
+    co->staged = false;
+}
+
+/* A staging arena of at least `need` bytes: a recycled one or a new one. */
+static kvxi_chunk_copy *arena_get(kvx_conn *c, size_t need)
+{
+    for (kvxi_chunk_copy **pp = &c->stage_pool; *pp; pp = &(*pp)->next)
+        if ((*pp)->bytes >= need) {
+            kvxi_chunk_copy *a = *pp;
+            *pp = a->next;
+            c->stage_pool_bytes -= a->bytes;
+            a->next = NULL;
+            return a;
+        }
+    kvxi_chunk_copy *a = malloc(sizeof(*a) + need);
+    if (!a) return NULL;
+    *a = (kvxi_chunk_copy){.bytes = need};
+    c->held_bytes += need;
+    return a;
+}
+
+void kvxi_arena_put(kvx_conn *c, kvxi_chunk_copy *a)
+{
+    if (c->stage_pool_bytes + a->bytes <= STAGE_POOL_MAX) {
+        a->next = c->stage_pool;
+        c->stage_pool = a;
+        c->stage_pool_bytes += a->bytes;
+        return;
+    }
+    c->held_bytes -= a->bytes;
+    free(a);
+}
+
+static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
+{
+    co->r->pieces++;
+    if (co->len && co->dst + co->len == dst) {
+        if (!co->staged && co->src + co->len == src) {
+            co->len += len;
+            return;
+        }
+        if (len <= STAGE_PIECE_MAX && co->len + len <= STAGE_MAX) {
+            if (!co->arena) co->arena = arena_get(co->c, co->arena_need);
+            if (co->arena && !co->staged && co->used + co->len + len <= co->arena->bytes) {
+                memcpy(co->arena->data + co->used, co->src, co->len);
+                co->src = co->arena->data + co->used;
+                co->staged = true;
+            }
+            if (co->staged && co->used + co->len + len <= co->arena->bytes) {
+                memcpy(co->arena->data + co->used + co->len, src, len);
+                co->len += len;
+                return;
+            }
+        }
+    }
+    if (co->staged) co->used += co->len;
+    co_flush(co);
+    co->src = src;
+    co->dst = dst;
+    co->len = len;
+}
+
+int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint8_t *src,
+                      const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
+                      uint32_t t1, kvxi_chunk_copy **arena)
+{
+    const kvx_layout *dl = &t->layout;
+    uint32_t i0 = sl->head0 > dl->head0 ? sl->head0 : dl->head0;
+    uint32_t e0 = sl->head0 + sl->n_heads, e1 = dl->head0 + dl->n_heads;
+    uint32_t i1 = e0 < e1 ? e0 : e1;
+    *arena = NULL;
+    if (i0 >= i1) return 0; /* no common heads */
+    uint32_t bs = sl->block_size;
+    size_t tokb = (size_t)sl->head_dim * sl->dtype_size;
+    coalescer co = {.c = c, .r = r, .t = t};
+    co.arena_need =
+        (size_t)sl->n_layers * 2 * ((t1 - 1) / bs - t0 / bs + 1) * (i1 - i0) * kvxi_head_bytes(sl);
+    for (uint32_t ll = 0; ll < sl->n_layers; ll++) {
+        uint32_t dll = sl->layer0 + ll - dl->layer0;
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t b = t0 / bs; b <= (t1 - 1) / bs; b++) {
+                uint32_t a = b * bs > t0 ? 0 : t0 - b * bs;
+                uint32_t e = (b + 1) * bs < t1 ? bs : t1 - b * bs;
+                uint32_t sb = sblk[b - sfirst], db = t->blocks[b];
+                if (a == 0 && e == bs) { /* whole block: the common heads are contiguous */
+                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, i0 - sl->head0, 0),
+                           t->base + kvxi_kv_off(dl, dll, kv, db, i0 - dl->head0, 0),
+                           (size_t)(i1 - i0) * kvxi_head_bytes(sl));
+                    continue;
+                }
+                for (uint32_t h = i0; h < i1; h++)
+                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, h - sl->head0, a),
+                           t->base + kvxi_kv_off(dl, dll, kv, db, h - dl->head0, a),
+                           (size_t)(e - a) * tokb);
+            }
+    }
+    co_flush(&co);
+    *arena = co.arena;
+    return co.err;
+}
+
+int kvxi_pf_check_fit(kvxi_pf_req *r, const kvxi_pf_target *t, const kvx_layout *sl, uint32_t t1)
+{
+    const kvx_layout *dl = &t->layout;
+    if ((uint64_t)t->n_blocks * dl->block_size < t1 || sl->layer0 < dl->layer0 ||
+        sl->layer0 + sl->n_layers > dl->layer0 + dl->n_layers) {
+        TD_LOG_ERR("kvx conn: req %llu rank %u: chunk up to token %u, layers %u-%u do not fit "
+                   "the target (%u blocks, layers %u-%u)",
+                   (unsigned long long)r->id, t->rank, t1, sl->layer0, sl->layer0 + sl->n_layers,
+                   t->n_blocks, dl->layer0, dl->layer0 + dl->n_layers);
+        return TD_ERANGE;
+    }
+    return 0;
+}

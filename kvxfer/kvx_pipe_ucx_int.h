@@ -1,0 +1,188 @@
+/* kvx_pipe_ucx_int.h: the UCX pipe's shared state, private to kvx_pipe_ucx*.c.
+ *
+ * Purpose: the UCX implementation of kvx_pipe.h is split by concern:
+ *   kvx_pipe_ucx.c        the context and worker: create, destroy, progress, sleep (the ops table)
+ *   kvx_pipe_ucx_peer.c   wire-up: the address, endpoints and peer failure, registrations, rkeys
+ *   kvx_pipe_ucx_op.c     operations (put, flush, active messages, tagged messages), their
+ *                         completion, and the zombies of failed peers
+ *   kvx_pipe_ucx_probe.c  the shared-memory receive FIFO's wedge probe and the worker reset
+ *
+ * Zombies: operations on a peer that failed (or was force-closed) complete with an error in
+ * the next progress even when UCX itself never completes them (over shared memory, with
+ * UCP_ERR_HANDLING_MODE_NONE, a flush to a process that died stays in flight forever): the
+ * owner hears the error, and the operation becomes a *zombie* that keeps its UCX request
+ * (and an am_send payload) until UCX completes it or the pipe is destroyed.
+ *
+ * A wedged receive queue (shared memory): see kvx_pipe_ucx_probe.c.
+ *
+ * Invariants: p->ops holds the operations whose owner has not heard of them yet (in flight,
+ * or done and waiting for progress to deliver them; n_ops counts them); p->zombies holds the
+ * ones reported failed whose UCX request is still in flight. A peer slot, once allocated,
+ * lives as long as the pipe (ids are indexes); `used` says whether it is taken.
+ * Threading: that of kvx_pipe.h (one thread at a time; the worker is serialized).
+ */
+#ifndef KVX_PIPE_UCX_INT_H
+#define KVX_PIPE_UCX_INT_H
+
+#include <ucp/api/ucp.h>
+
+#include "kvx_pipe.h"
+
+typedef struct kvxi_ucx_pipe kvxi_ucx_pipe;
+
+typedef struct {
+    kvxi_ucx_pipe *pipe;
+    ucp_ep_h ep;       /* NULL once closed */
+    int status;        /* 0 or the error it failed with */
+    bool used;         /* slot taken (until disconnect) */
+    bool err_pending;  /* failed, peer_err_cb not yet delivered */
+    bool close_needed; /* failed, ep still to be force-closed */
+    int pidfd;         /* shared-memory mode: the peer process (readable once it exited) */
+} kvxi_ucx_peer;
+
+struct kvx_mem {
+    ucp_mem_h memh;
+    void *base;
+    size_t len;
+    kvx_mem *next, *prev;
+};
+
+struct kvx_rkey {
+    ucp_rkey_h rkey;
+    kvx_peer peer;
+    kvx_rkey *next, *prev;
+};
+
+/* One asynchronous operation with a user callback. */
+typedef struct kvxi_ucx_op {
+    kvxi_ucx_pipe *pipe;
+    kvx_done_cb cb;
+    void *arg;
+    int status;
+    size_t len;
+    bool done;
+    bool zombie;   /* reported failed already; waits for UCX to let go of the request */
+    kvx_peer peer; /* the endpoint it runs on; -1: none (receives), or no longer tracked */
+    void *copy;    /* am_send: the copied payload */
+    void *req;     /* the UCX request while in flight (freed by the callback) */
+    struct kvxi_ucx_op *next, *prev;
+} kvxi_ucx_op;
+
+#define KVXI_UCX_PROBE_AM_ID                                                                       \
+    KVX_AM_IDS                  /* the wedge probe's active message id (users have 0..7)           \
+                                 */
+#define KVXI_UCX_PEER_GONE (-2) /* kvxi_ucx_op.peer: its endpoint was force-closed */
+
+/* A user's active message handler (kvx_pipe_set_am_handler). */
+typedef struct {
+    kvx_am_cb cb;
+    void *arg;
+} kvxi_ucx_am;
+
+struct kvxi_ucx_pipe {
+    kvx_pipe base;
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_worker_h *retired; /* (n_retired) wedged workers, destroyed with the pipe */
+    int n_retired;
+    bool can_reset;       /* kvx_pipe_allow_reset: the owner copes with a new address */
+    uint32_t gen;         /* workers replaced */
+    ucp_worker_h probe_w; /* shared memory: sends the wedge probe (created on first use) */
+    ucp_ep_h probe_ep;    /* probe_w -> worker (NULL until needed, and after a reset) */
+    uint64_t probe_seq;   /* last probe sent */
+    uint64_t probe_got;   /* last probe received */
+    uint64_t probe_buf;   /* the payload of the probe in flight */
+    bool probe_wanted;    /* a peer died: probe at the next progress */
+    bool probing;         /* probe probe_seq in flight */
+    bool wedge_logged;    /* no reset allowed: the wedge was reported */
+    int64_t probe_deadline;
+    int probe_rounds; /* progress calls since the probe was sent */
+    int efd;          /* the worker's event fd */
+    int epfd;         /* what sleepers wait on: efd + the peers' pidfds */
+    bool shm;         /* shared-memory transports only: liveness by pidfd, not by UCX */
+    void **closing;   /* (n_closing) endpoint close requests still in progress */
+    int n_closing;
+    kvx_pipe_params params;
+    kvxi_ucx_peer **peers; /* (n_peers) slots, each allocated once */
+    int n_peers;
+    kvx_mem *mems;
+    kvx_rkey *rkeys;
+    int n_mems, n_rkeys;
+    kvxi_ucx_op *ops; /* pending and completed-not-delivered operations */
+    int n_ops;
+    kvxi_ucx_op *zombies; /* reported operations whose UCX request is still in flight */
+    bool any_done;        /* some op in the list is done */
+    kvxi_ucx_am am[KVX_AM_IDS];
+};
+
+/* UCX status -> td_err. */
+int kvxi_ucx_err(ucs_status_t st);
+
+/* --- kvx_pipe_ucx.c -------------------------------------------------------------------- */
+
+/* A worker in serialized mode; with efd, its event fd and every active message handler
+ * (the probe's and the users') registered. On error *w is NULL. */
+ucs_status_t kvxi_ucx_worker_open(kvxi_ucx_pipe *p, ucp_worker_h *w, int *efd);
+
+/* --- kvx_pipe_ucx_peer.c --------------------------------------------------------------- */
+
+int kvxi_ucx_address(kvx_pipe *base, void *buf, size_t cap, size_t *len);
+int kvxi_ucx_connect(kvx_pipe *base, const void *addr, size_t len, kvx_peer *out);
+void kvxi_ucx_disconnect(kvx_pipe *base, kvx_peer peer, bool force);
+int kvxi_ucx_peer_status(kvx_pipe *base, kvx_peer peer);
+int kvxi_ucx_mem_reg(kvx_pipe *base, void *addr, size_t len, kvx_mem **out);
+void kvxi_ucx_mem_dereg(kvx_pipe *base, kvx_mem *m);
+int kvxi_ucx_rkey_pack(kvx_pipe *base, kvx_mem *m, void *buf, size_t cap, size_t *len);
+int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t len,
+                         kvx_rkey **out);
+void kvxi_ucx_rkey_destroy(kvx_pipe *base, kvx_rkey *rk);
+/* The peer slot of id, or NULL if id is not a connected peer. */
+kvxi_ucx_peer *kvxi_ucx_peer_get(kvxi_ucx_pipe *p, kvx_peer id);
+/* Close an endpoint; force: do not flush (peer gone). A graceful close finishes in later
+ * progress calls (kept in p->closing). */
+void kvxi_ucx_ep_close(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr, bool force);
+/* Release the close requests that completed. */
+void kvxi_ucx_reap_closing(kvxi_ucx_pipe *p);
+/* Shared-memory mode: peers whose process exited fail (returns how many newly). */
+int kvxi_ucx_check_pids(kvxi_ucx_pipe *p);
+/* Stop watching a peer's process (no-op without a pidfd). */
+void kvxi_ucx_pidfd_close(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr);
+
+/* --- kvx_pipe_ucx_op.c ----------------------------------------------------------------- */
+
+int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uint64_t raddr,
+                 kvx_rkey *rk);
+int kvxi_ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg);
+int kvxi_ucx_set_am_handler(kvx_pipe *base, unsigned id, kvx_am_cb cb, void *arg);
+int kvxi_ucx_am_send(kvx_pipe *base, kvx_peer peer, unsigned id, const void *buf, size_t len,
+                     kvx_done_cb cb, void *arg);
+int kvxi_ucx_tag_send(kvx_pipe *base, kvx_peer peer, uint64_t tag, const void *buf, size_t len,
+                      kvx_done_cb cb, void *arg);
+int kvxi_ucx_tag_recv(kvx_pipe *base, uint64_t tag, void *buf, size_t cap, kvx_done_cb cb,
+                      void *arg);
+/* The UCX receive handler of a user's active message id (arg: its kvxi_ucx_am). */
+ucs_status_t kvxi_ucx_am_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                              const ucp_am_recv_param_t *prm);
+/* Take an operation off its list and free it (and its am_send payload). */
+void kvxi_ucx_op_unlink(kvxi_ucx_op *op);
+/* Report an operation in flight as failed with status (its callback runs now) and keep it
+ * as a zombie until UCX lets go of its request. */
+void kvxi_ucx_op_zombify(kvxi_ucx_op *op, int status);
+/* Run the callbacks of the operations that completed; returns how many ran. */
+int kvxi_ucx_deliver_done(kvxi_ucx_pipe *p);
+/* Report the operations still in flight on failed or force-closed endpoints; returns how
+ * many were reported. */
+int kvxi_ucx_orphan_ops(kvxi_ucx_pipe *p);
+
+/* --- kvx_pipe_ucx_probe.c -------------------------------------------------------------- */
+
+/* The UCX receive handler of the probe (arg: the pipe). */
+ucs_status_t kvxi_ucx_probe_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                                 const ucp_am_recv_param_t *prm);
+/* Shared memory, every progress: after a peer death, send the probe; judge it once it had
+ * its time (replacing the worker if it is wedged and kvx_pipe_allow_reset was called). */
+void kvxi_ucx_probe_step(kvxi_ucx_pipe *p);
+/* Force-close the probe's endpoint (NULL is fine). */
+void kvxi_ucx_probe_ep_close(kvxi_ucx_pipe *p);
+
+#endif
