@@ -76,7 +76,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   mkdir -p build-fuzz/corpus build-fuzz/artifacts
   if clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
        -Wall -Wextra -Werror -Wno-unused-parameter -Icommon \
-       tests/fuzz/fuzz_gguf.c common/gguf.c common/td_dtype.c common/td_err.c \
+       tests/fuzz/fuzz_gguf.c common/gguf.c common/td_dtype.c common/td_err.c common/td_clock.c \
        -lpthread -lm -o build-fuzz/fuzz_gguf &&
      "$PY" tests/ref/make_malformed.py --out build-fuzz/seeds >&2; then
     echo "test.sh: fuzzing the GGUF reader for ${FUZZ_SECONDS}s" >&2
@@ -101,7 +101,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
      clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
        -Wall -Wextra -Werror -Wno-unused-parameter -Icommon -Ibuild-fuzz/ctrl-gen \
        tests/ctrl/fuzz_ctrl.c common/ctrl_codec.c build-fuzz/ctrl-gen/tandem_ctrl.pb-c.c \
-       common/td_err.c -lprotobuf-c -lpthread -lm -o build-fuzz/fuzz_ctrl &&
+       common/td_err.c common/td_clock.c -lprotobuf-c -lpthread -lm -o build-fuzz/fuzz_ctrl &&
      build-asan/bin/test_ctrl --seeds build-fuzz/ctrl-seeds >&2; then
     echo "test.sh: fuzzing the control-message decoder for ${CTRL_SECONDS}s" >&2
     if build-fuzz/fuzz_ctrl -max_total_time="$CTRL_SECONDS" -timeout=10 -rss_limit_mb=2048 \
@@ -126,17 +126,17 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   FZ_CC=(clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined
          -fno-sanitize-recover=undefined -Wall -Wextra -Werror -Wno-unused-parameter)
   KVX_SRC=(kvxfer/kvx_conn.c kvxfer/kvx_conn_pf.c kvxfer/kvx_conn_put.c kvxfer/kvx_conn_dec.c
-           kvxfer/kvx_lookup.c kvxfer/kvx_pipe.c kvxfer/kvx_pipe_fake.c common/td_clock.c)
-  TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/chat_template.c
+           kvxfer/kvx_lookup.c kvxfer/kvx_pipe.c kvxfer/kvx_pipe_fake.c)
+  TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/tok_vocab.c common/chat_template.c
            common/gguf.c common/td_dtype.c)
   mkdir -p build-fuzz/config-corpus build-fuzz/config-seeds build-fuzz/kvx-corpus \
            build-fuzz/openai-corpus build-fuzz/pfwire-corpus build-fuzz/ctrl-gen
   built=()
   # two compilers at a time: fuzz_kvx in the background, the other two meanwhile
-  "${FZ_CC[@]}" -Icommon -Ikvxfer tests/fuzz/fuzz_kvx.c "${KVX_SRC[@]}" common/td_err.c \
+  "${FZ_CC[@]}" -Icommon -Ikvxfer tests/fuzz/fuzz_kvx.c "${KVX_SRC[@]}" common/td_err.c common/td_clock.c \
     -lpthread -lm -o build-fuzz/fuzz_kvx &
   kvx_build=$!
-  if "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_config.c common/config.c common/td_err.c \
+  if "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_config.c common/config.c common/td_err.c common/td_clock.c \
        -lyaml -lpthread -lm -o build-fuzz/fuzz_config; then
     built+=(config)
   else
@@ -144,7 +144,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   fi
   if protoc-c --c_out=build-fuzz/ctrl-gen -Iproto proto/tandem_ctrl.proto &&
      "${FZ_CC[@]}" -Icommon -Irouter -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
-       router/rt_openai.c "${TOK_SRC[@]}" common/td_err.c -ljansson -lpthread -lm \
+       router/rt_openai.c "${TOK_SRC[@]}" common/td_err.c common/td_clock.c -ljansson -lpthread -lm \
        -o build-fuzz/fuzz_openai &&
      "$PY" tests/ref/make_synth.py --out build-fuzz/tiny.gguf --arch llama --tiny >/dev/null; then
     built+=(openai)
@@ -153,7 +153,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
     step_failed "fuzz_openai: build or model generation failed"
   fi
   if "${FZ_CC[@]}" -Icommon -Iprefill-node tests/fuzz/fuzz_pfwire.c prefill-node/pf_wire.c \
-       common/td_err.c -lpthread -lm -o build-fuzz/fuzz_pfwire; then
+       common/td_err.c common/td_clock.c -lpthread -lm -o build-fuzz/fuzz_pfwire; then
     built+=(pfwire)
   else
     step_failed "fuzz_pfwire: build failed"
