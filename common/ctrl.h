@@ -178,8 +178,6 @@ typedef struct td_ctrl_client td_ctrl_client;
 int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_client **out);
 void td_ctrl_client_destroy(td_ctrl_client *c); /* NULL is fine; pending calls are dropped */
 
-uint64_t td_ctrl_client_id(const td_ctrl_client *c);
-
 /* Start a call (asynchronous): the reply, or the timeout, arrives as TD_CTRL_IN_REPLY
  * with the same call_id. The layer sets version, client_id, call_id and timeout_ms. */
 int td_ctrl_client_call(td_ctrl_client *c, const Td__Envelope *req, int timeout_ms,

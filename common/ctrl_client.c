@@ -469,11 +469,6 @@ int td_ctrl_client_fd(const td_ctrl_client *c)
     return c->ib.efd;
 }
 
-uint64_t td_ctrl_client_id(const td_ctrl_client *c)
-{
-    return c->id;
-}
-
 /* ---- lifetime ------------------------------------------------------------------------ */
 
 int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_client **out)

@@ -17,8 +17,7 @@
 #                    chaos_migrate runs the default model when TANDEM_MODEL is set)
 # TANDEM_CHAOS_ROUNDS (default 1) repeats the faults of chaos_kill / chaos_stop on one
 # cluster. RUN_SERIAL: the faults are timed (heartbeats, restarts), so nothing else runs.
-if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode AND TARGET tandem-router
-   AND TARGET tandem-prefill)
+if(TANDEM_PYTHON)
   set(TANDEM_CHAOS_ARGS "")
   if(TANDEM_SANITIZE)
     set(TANDEM_CHAOS_ARGS --asan)

@@ -18,22 +18,14 @@
 #                      and --reprofile, Ctrl-C, nothing left. Needs TANDEM_MODEL (setup.sh
 #                      has fetched the model and the venv); RUN_SERIAL: it builds and runs a
 #                      whole cluster (about 1.5 min on 2 cores)
-if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode)
-  set(TANDEM_DEPLOY_ROUTER "")
-  if(TARGET tandem-router)
-    set(TANDEM_DEPLOY_ROUTER --router $<TARGET_FILE:tandem-router>)
-  endif()
-  set(TANDEM_DEPLOY_PREFILL "")
-  if(TARGET tandem-prefill)
-    set(TANDEM_DEPLOY_PREFILL --prefill $<TARGET_FILE:tandem-prefill>)
-  endif()
+if(TANDEM_PYTHON)
   foreach(case up_down foreground bad_model bench netns prefill_up_down prefill_foreground
                prefill_scripts)
     add_test(NAME deploy_${case}
              COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_deploy.py
                      --case ${case} --tandem $<TARGET_FILE:tandem>
-                     --decode $<TARGET_FILE:tandem-decode> ${TANDEM_DEPLOY_ROUTER}
-                     ${TANDEM_DEPLOY_PREFILL}
+                     --decode $<TARGET_FILE:tandem-decode> --router $<TARGET_FILE:tandem-router>
+                     --prefill $<TARGET_FILE:tandem-prefill>
                      --synth-dir ${TANDEM_TEST_DATA}/synth --source-dir ${CMAKE_SOURCE_DIR})
     set_tests_properties(deploy_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 400
                          SKIP_RETURN_CODE 77)

@@ -1,6 +1,6 @@
 # disagg.cmake: disaggregated serving end to end (tests/disagg/test_disagg.py): router,
 # prefill stages and decode ranks as real processes, checked through the HTTP API.
-if(TANDEM_PYTHON AND TARGET tandem-prefill)
+if(TANDEM_PYTHON)
   add_test(NAME disagg
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
                    --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>

@@ -25,11 +25,9 @@ add_test(NAME synth_models
 set_tests_properties(synth_models PROPERTIES FIXTURES_SETUP synth_models TIMEOUT 300
                      ENVIRONMENT "${TANDEM_PY_ENV}")
 
-if(TARGET test_gguf)
-  add_test(NAME gguf_synth
-    COMMAND test_gguf --expect ${TANDEM_SYNTH_DIR}/llama.gguf ${TANDEM_SYNTH_DIR}/llama.expect)
-  set_tests_properties(gguf_synth PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 120)
-endif()
+add_test(NAME gguf_synth
+  COMMAND test_gguf --expect ${TANDEM_SYNTH_DIR}/llama.gguf ${TANDEM_SYNTH_DIR}/llama.expect)
+set_tests_properties(gguf_synth PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 120)
 
 set(TANDEM_REF_MODEL_ARGS "")
 if(TANDEM_MODEL)

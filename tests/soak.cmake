@@ -10,7 +10,7 @@
 #   soak_colocated  router + decode d0 (tp 1) + d1 (tp 2) prefilling their own prompts;
 #                   summary in soak-colocated.json
 # The manual long mode on the default model is described at the top of test_soak.py.
-if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode AND TARGET tandem-router)
+if(TANDEM_PYTHON)
   set(TANDEM_SOAK_ARGS "")
   if(TANDEM_SANITIZE)
     set(TANDEM_SOAK_ARGS --asan)
@@ -23,18 +23,14 @@ if(TANDEM_PYTHON AND TARGET tandem AND TARGET tandem-decode AND TARGET tandem-ro
   set(TANDEM_SOAK_COMMON --tandem $<TARGET_FILE:tandem> --decode $<TARGET_FILE:tandem-decode>
                          --router $<TARGET_FILE:tandem-router>
                          --synth ${TANDEM_TEST_DATA}/synth/llama.gguf ${TANDEM_SOAK_ARGS})
-  set(TANDEM_SOAK_TESTS soak_colocated)
   add_test(NAME soak_colocated
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/soak/test_soak.py
                    ${TANDEM_SOAK_COMMON} --shape colocated
                    --json ${CMAKE_CURRENT_BINARY_DIR}/soak-colocated.json)
-  if(TARGET tandem-prefill)
-    list(APPEND TANDEM_SOAK_TESTS soak)
-    add_test(NAME soak
-             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/soak/test_soak.py
-                     ${TANDEM_SOAK_COMMON} --shape disagg --prefill $<TARGET_FILE:tandem-prefill>
-                     --json ${CMAKE_CURRENT_BINARY_DIR}/soak.json)
-  endif()
-  set_tests_properties(${TANDEM_SOAK_TESTS} PROPERTIES FIXTURES_REQUIRED synth_models
+  add_test(NAME soak
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/soak/test_soak.py
+                   ${TANDEM_SOAK_COMMON} --shape disagg --prefill $<TARGET_FILE:tandem-prefill>
+                   --json ${CMAKE_CURRENT_BINARY_DIR}/soak.json)
+  set_tests_properties(soak_colocated soak PROPERTIES FIXTURES_REQUIRED synth_models
                        TIMEOUT ${TANDEM_SOAK_TIMEOUT} ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 endif()
