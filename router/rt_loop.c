@@ -2,7 +2,7 @@
  * decode and prefill instance, via rt_registry), the request table and the router queue,
  * and it takes every scheduling decision. The HTTP threads only post to its inbox (new
  * requests, closed connections) and wake it through an eventfd; it answers through
- * rt_req's shared fields and resumes the connection (rt_req_wake).
+ * q->http (rt_req.h) and resumes the connection (rt_req_wake).
  *
  * One iteration: poll(wake fd, client fds, <= 50 ms) -> take the inbox (admit: queue or
  * 429/503; closed connections: cancel) -> drain every client (replies, token events,
