@@ -17,7 +17,7 @@
  * Invariants: c[s].n > 0 <=> slot s is in the ring <=> its list is non-empty; the sum of
  * c[s].n is len; n_clients counts the ring; cur is a ring member while n_clients > 0.
  * A zeroed rt_fair is an empty queue. */
-#include "rt.h"
+#include "rt_fair.h"
 
 static int find_slot(const rt_fair *f, uint64_t key)
 {
@@ -76,7 +76,7 @@ static int take_slot(rt_fair *f, rt_req *q)
 {
     int s = rt_fair_slot(f, q->client);
     if (!f->c[s].n) ring_join(f, s, q->client);
-    q->fslot = s;
+    q->loop.fslot = s;
     f->c[s].n++;
     f->len++;
     return s;
@@ -85,10 +85,10 @@ static int take_slot(rt_fair *f, rt_req *q)
 void rt_fair_push(rt_fair *f, rt_req *q)
 {
     rt_fair_client *c = &f->c[take_slot(f, q)];
-    q->next = NULL;
-    q->qprev = c->tail;
+    q->loop.next = NULL;
+    q->loop.qprev = c->tail;
     if (c->tail)
-        c->tail->next = q;
+        c->tail->loop.next = q;
     else
         c->head = q;
     c->tail = q;
@@ -98,10 +98,10 @@ void rt_fair_push_front(rt_fair *f, rt_req *q)
 {
     int s = take_slot(f, q);
     rt_fair_client *c = &f->c[s];
-    q->qprev = NULL;
-    q->next = c->head;
+    q->loop.qprev = NULL;
+    q->loop.next = c->head;
     if (c->head)
-        c->head->qprev = q;
+        c->head->loop.qprev = q;
     else
         c->tail = q;
     c->head = q;
@@ -115,19 +115,19 @@ rt_req *rt_fair_peek(const rt_fair *f)
 
 void rt_fair_remove(rt_fair *f, rt_req *q)
 {
-    int s = q->fslot;
+    int s = q->loop.fslot;
     if (s < 0) return;
     rt_fair_client *c = &f->c[s];
-    if (q->qprev)
-        q->qprev->next = q->next;
+    if (q->loop.qprev)
+        q->loop.qprev->loop.next = q->loop.next;
     else
-        c->head = q->next;
-    if (q->next)
-        q->next->qprev = q->qprev;
+        c->head = q->loop.next;
+    if (q->loop.next)
+        q->loop.next->loop.qprev = q->loop.qprev;
     else
-        c->tail = q->qprev;
-    q->next = q->qprev = NULL;
-    q->fslot = -1;
+        c->tail = q->loop.qprev;
+    q->loop.next = q->loop.qprev = NULL;
+    q->loop.fslot = -1;
     f->len--;
     if (--c->n == 0) ring_leave(f, s);
 }

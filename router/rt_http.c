@@ -5,8 +5,8 @@
  *   headers --route/auth, client key, X-Tandem-Timeout-Ms--> BODY (collected up to
  *           r->max_body, the rest read and dropped)
  *   BODY complete --parse ok--> suspend, rt_loop_post --loop resumes--> handler again:
- *     q->sse: queue the SSE response (reader: copy q->out, suspend when empty, end at done)
- *     q->done: queue q->out as JSON with q->status
+ *     q->http.sse: queue the SSE response (reader: copy q->http.out, suspend when empty, end at done)
+ *     q->http.done: queue q->http.out as JSON with q->http.status
  *     neither (a poke): suspend again
  *   request-completed callback: mark http_gone, tell the loop if the request is open.
  * Errors found before the hand-off (404, 405, 401, 413, 400, 503 while draining) are
@@ -29,6 +29,9 @@
 #include <microhttpd.h>
 
 #include "rt.h"
+#include "rt_http.h"
+#include "rt_loop.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 typedef enum {
@@ -128,25 +131,25 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
     ssize_t n;
     double delay = -1;
     pthread_mutex_lock(&q->mu);
-    if (q->out.len) {
-        size_t k = q->out.len < max ? q->out.len : max;
-        memcpy(buf, q->out.buf, k);
-        rt_buf_consume(&q->out, k);
+    if (q->http.out.len) {
+        size_t k = q->http.out.len < max ? q->http.out.len : max;
+        memcpy(buf, q->http.out.buf, k);
+        rt_buf_consume(&q->http.out, k);
         n = (ssize_t)k;
-        if (q->t_pending_ns) {
-            delay = (double)(rt_now_ns() - q->t_pending_ns) / 1e9;
+        if (q->http.t_pending_ns) {
+            delay = (double)(td_now_ns() - q->http.t_pending_ns) / 1e9;
             /* what is left was produced no earlier than what just went out */
-            q->t_pending_ns = q->out.len ? q->t_pending_ns : 0;
+            q->http.t_pending_ns = q->http.out.len ? q->http.t_pending_ns : 0;
         }
-    } else if (q->done) {
+    } else if (q->http.done) {
         n = MHD_CONTENT_READER_END_OF_STREAM;
     } else {
-        q->suspended = true;
-        MHD_suspend_connection(q->conn);
+        q->http.suspended = true;
+        MHD_suspend_connection(q->http.conn);
         n = 0;
     }
     pthread_mutex_unlock(&q->mu);
-    if (delay >= 0 && q->router) rt_metrics_write_delay(&q->router->metrics, delay);
+    if (delay >= 0 && q->http.router) rt_metrics_write_delay(&q->http.router->metrics, delay);
     return n;
 }
 
@@ -158,7 +161,7 @@ static void sse_free(void *cls)
 static enum MHD_Result start_sse(rt_router *r, struct MHD_Connection *conn, rt_req *q)
 {
     pthread_mutex_lock(&q->mu);
-    q->router = r;
+    q->http.router = r;
     pthread_mutex_unlock(&q->mu);
     rt_req_retain(q);
     struct MHD_Response *resp =
@@ -375,13 +378,13 @@ static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *con
     snprintf(q->oid, sizeof q->oid, "%s-%016llx%08llx", ep == RT_EP_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)(g_salt ^ (seq * 0x9e3779b97f4a7c15ull)),
              (unsigned long long)(seq & 0xffffffffu));
-    q->created = (int64_t)time(NULL);
-    q->t_arrive_ms = td_ctrl_now_ms();
+    q->created = (int64_t)td_wall_now().tv_sec;
+    q->t_arrive_ms = td_now_ms();
     q->expires_ms = q->t_arrive_ms + timeout;
-    q->conn = conn;
+    q->http.conn = conn;
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    q->fd = ci ? ci->connect_fd : -1;
+    q->http.fd = ci ? ci->connect_fd : -1;
     if (!rt_loop_post(r, q)) {
         rt_req_release(q);
         rt_error_set(&e, 503, NULL, "shutting_down", "the router is shutting down");
@@ -397,22 +400,22 @@ static enum MHD_Result continue_generation(rt_router *r, struct MHD_Connection *
 {
     rt_req *q = c->q;
     pthread_mutex_lock(&q->mu);
-    if (q->sse) {
+    if (q->http.sse) {
         pthread_mutex_unlock(&q->mu);
         return start_sse(r, conn, q);
     }
-    if (q->done) {
-        int status = q->status ? q->status : 500;
-        char *body = q->out.buf;
-        size_t len = q->out.len;
-        q->out = (rt_buf){0};
+    if (q->http.done) {
+        int status = q->http.status ? q->http.status : 500;
+        char *body = q->http.out.buf;
+        size_t len = q->http.out.len;
+        q->http.out = (rt_buf){0};
         pthread_mutex_unlock(&q->mu);
         enum MHD_Result ok = respond(r, conn, c->kind, status, body ? body : "{}", body ? len : 2,
                                      "application/json");
         free(body);
         return ok;
     }
-    q->suspended = true; /* woken with nothing to do (a poke): wait again */
+    q->http.suspended = true; /* woken with nothing to do (a poke): wait again */
     MHD_suspend_connection(conn);
     pthread_mutex_unlock(&q->mu);
     return MHD_YES;
@@ -475,8 +478,8 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     if (c->q) {
         rt_req *q = c->q;
         pthread_mutex_lock(&q->mu);
-        q->http_gone = true;
-        bool open = !q->done;
+        q->http.gone = true;
+        bool open = !q->http.done;
         pthread_mutex_unlock(&q->mu);
         if (open) rt_loop_gone(r, q);
         rt_req_release(q);
@@ -500,8 +503,7 @@ int rt_http_start(rt_router *r, const char *host, int port)
         TD_LOG_ERR("router: cannot resolve listen address '%s': %s", host, gai_strerror(gai));
         return TD_EINVAL;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
+    struct timespec ts = td_wall_now();
     g_salt = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 16;
     unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;

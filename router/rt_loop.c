@@ -2,14 +2,15 @@
  * decode and prefill instance, via rt_registry), the request table and the router queue,
  * and it takes every scheduling decision. The HTTP threads only post to its inbox (new
  * requests, closed connections) and wake it through an eventfd; it answers through
- * rt_req's shared fields and resumes the connection (rt_req_wake).
+ * q->http (rt_req.h) and resumes the connection (rt_req_wake).
  *
  * One iteration: poll(wake fd, client fds, <= 50 ms) -> take the inbox (admit: queue or
  * 429/503; closed connections: cancel) -> drain every client (replies, token events,
- * health; prefill instances' through rt_pair.c) -> liveness (fail the requests of
+ * health; prefill instances' through rt_pair.c, whose verdicts rt_loop_act carries out)
+ * -> liveness (fail the requests of
  * instances silent for instance_timeout_ms) -> request deadlines (504) -> attempt
  * deadlines (disaggregated) -> heartbeats -> dispatch queued requests, round robin over
- * clients (rt_fair.c), to rt_reg_pick's choice (and, disaggregated, rt_reg_pick_prefill's)
+ * clients (rt_fair.c), to rt_reg_pick's choice (and, disaggregated, rt_pair_pick's)
  * -> poke idle suspended connections (so a client that went away is noticed).
  *
  * Stop (rt_loop_stop, after the drain in rt_main.c): every request still open ends with
@@ -28,70 +29,13 @@
 
 #include <microhttpd.h>
 
-#include "rt.h"
+#include "rt_loop.h"
+#include "rt_loop_int.h"
+#include "td_clock.h"
 #include "td_err.h"
 
-#define SUBMIT_TIMEOUT_MS 10000
-#define CANCEL_TIMEOUT_MS 5000
 #define MAX_RETRIES       3
 #define FLUSH_MS          500 /* stop: wait this long at most for the Cancels to arrive */
-
-/* ---- rt_req lifetime ---- */
-
-rt_req *rt_req_create(void)
-{
-    rt_req *q = calloc(1, sizeof *q);
-    if (!q) return NULL;
-    pthread_mutex_init(&q->mu, NULL);
-    q->refs = 1;
-    q->fd = -1;
-    q->inst = -1;
-    q->pinst = -1;
-    q->pf_avoid = -1;
-    q->fslot = -1;
-    return q;
-}
-
-void rt_req_retain(rt_req *q)
-{
-    pthread_mutex_lock(&q->mu);
-    q->refs++;
-    pthread_mutex_unlock(&q->mu);
-}
-
-void rt_req_release(rt_req *q)
-{
-    if (!q) return;
-    pthread_mutex_lock(&q->mu);
-    int left = --q->refs;
-    pthread_mutex_unlock(&q->mu);
-    if (left) return;
-    rt_params_fini(&q->p);
-    if (q->dt_init) td_detok_fini(&q->dt);
-    rt_buf_free(&q->held);
-    rt_buf_free(&q->text);
-    rt_buf_free(&q->out);
-    free(q->gen_ids);
-    free(q->resume);
-    for (size_t i = 0; i < q->n_targets; i++)
-        free(q->targets[i].data);
-    free(q->targets);
-    pthread_mutex_destroy(&q->mu);
-    free(q);
-}
-
-void rt_req_wake(rt_req *q)
-{
-    struct MHD_Connection *conn = NULL;
-    pthread_mutex_lock(&q->mu);
-    if (q->suspended && !q->http_gone) {
-        q->suspended = false;
-        conn = q->conn;
-    }
-    pthread_mutex_unlock(&q->mu);
-    /* the connection cannot complete while suspended, so conn is still valid here */
-    if (conn) MHD_resume_connection(conn);
-}
 
 /* ---- inbox (HTTP threads) ---- */
 
@@ -110,15 +54,15 @@ bool rt_loop_post(rt_router *r, rt_req *q)
         return false;
     }
     q->refs++; /* nobody else knows q yet */
-    q->state = RT_ST_INBOX;
+    q->loop.state = RT_ST_INBOX;
     atomic_fetch_add(&r->queued, 1);
     pthread_mutex_lock(&q->mu);
-    q->suspended = true;
-    MHD_suspend_connection(q->conn);
+    q->http.suspended = true;
+    MHD_suspend_connection(q->http.conn);
     pthread_mutex_unlock(&q->mu);
-    q->next = NULL;
+    q->loop.next = NULL;
     if (r->in_tail)
-        r->in_tail->next = q;
+        r->in_tail->loop.next = q;
     else
         r->in_head = q;
     r->in_tail = q;
@@ -131,180 +75,10 @@ void rt_loop_gone(rt_router *r, rt_req *q)
 {
     rt_req_retain(q);
     pthread_mutex_lock(&r->in_mu);
-    q->gone_next = r->gone_head;
+    q->loop.gone_next = r->gone_head;
     r->gone_head = q;
     pthread_mutex_unlock(&r->in_mu);
     wake_loop(r);
-}
-
-/* ---- request endings (loop thread) ---- */
-
-static void queue_remove(rt_router *r, rt_req *q)
-{
-    if (q->fslot < 0) return;
-    rt_fair_remove(&r->fair, q);
-    atomic_fetch_sub(&r->queued, 1);
-}
-
-static void send_cancel(rt_router *r, rt_req *q)
-{
-    if (q->inst < 0 || !q->rid) return;
-    uint64_t call;
-    td_ctrl_client_cancel(r->reg.inst[q->inst].c, q->rid, CANCEL_TIMEOUT_MS, &call);
-}
-
-void rt_loop_cancel_decode(rt_router *r, rt_req *q)
-{
-    send_cancel(r, q);
-}
-
-/* Cancel q's decode side if the instance may hold it: colocated, also while the Submit is
- * unanswered (the Cancel follows it on the same connection); disaggregated, an unanswered
- * Alloc is cancelled when its reply comes (rt_pair_orphan_alloc), once q is out of the
- * table. The prefill side is retire's (rt_pair_release). */
-static void cancel_decode_side(rt_router *r, rt_req *q)
-{
-    if (q->state == RT_ST_RUNNING || (q->state == RT_ST_SUBMITTED && !r->disagg)) send_cancel(r, q);
-}
-
-/* Take q out of the loop's structures and drop the loop's reference. */
-static void retire(rt_router *r, rt_req *q)
-{
-    if (q->state == RT_ST_QUEUED) queue_remove(r, q);
-    if (r->disagg) rt_pair_release(r, q);
-    rt_table_remove(&r->table, q);
-    if (q->inst >= 0 && (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING))
-        r->reg.inst[q->inst].active--;
-    q->state = RT_ST_DONE;
-    rt_req_release(q);
-}
-
-static void finish(rt_router *r, rt_req *q, rt_finish fin)
-{
-    int rc = rt_stream_finish(r, q, fin);
-    if (rc) TD_LOG_ERR("router: %s: cannot write the response: %s", q->oid, td_strerror(rc));
-    rt_metrics_request_end(r, q, td_ctrl_now_ms(), rc && !q->p.stream ? 500 : 200,
-                           fin == RT_FIN_LENGTH && !q->stop_hit ? "length" : "stop");
-    retire(r, q);
-}
-
-static void fail(rt_router *r, rt_req *q, int status, const char *code, const char *msg)
-{
-    rt_error e;
-    rt_error_set(&e, status, NULL, code, "%s", msg);
-    if (status >= 500) TD_LOG_WARN("router: %s: %s", q->oid, msg);
-    rt_stream_fail(q, &e);
-    rt_metrics_request_end(r, q, td_ctrl_now_ms(), status, code);
-    retire(r, q);
-}
-
-void rt_loop_retire(rt_router *r, rt_req *q)
-{
-    retire(r, q);
-}
-
-void rt_loop_fail(rt_router *r, rt_req *q, int status, const char *code, const char *msg)
-{
-    fail(r, q, status, code, msg);
-}
-
-static void requeue_front(rt_router *r, rt_req *q)
-{
-    if (q->inst >= 0) r->reg.inst[q->inst].active--;
-    q->inst = -1;
-    q->state = RT_ST_QUEUED;
-    q->retries++;
-    rt_fair_push_front(&r->fair, q);
-    atomic_fetch_add(&r->queued, 1);
-}
-
-void rt_loop_requeue(rt_router *r, rt_req *q)
-{
-    requeue_front(r, q);
-}
-
-/* ---- migration: a request whose decode side was lost ---- */
-
-int32_t *rt_req_prompt(const rt_req *q, size_t *n)
-{
-    *n = q->resume ? q->n_resume : q->p.n_prompt;
-    return q->resume ? q->resume : q->p.prompt;
-}
-
-/* The next attempt's prompt: p.prompt followed by every token received so far. */
-static int make_resume(rt_req *q)
-{
-    q->gen_base = q->n_gen;
-    if (!q->n_gen) return 0;
-    size_t n = q->p.n_prompt + (size_t)q->n_gen;
-    int32_t *ids = realloc(q->resume, n * sizeof *ids);
-    if (!ids) return TD_ENOMEM;
-    memcpy(ids, q->p.prompt, q->p.n_prompt * sizeof *ids);
-    memcpy(ids + q->p.n_prompt, q->gen_ids, (size_t)q->n_gen * sizeof *ids);
-    q->resume = ids;
-    q->n_resume = n;
-    return 0;
-}
-
-static void lose(rt_router *r, rt_req *q, const char *why, int64_t now)
-{
-    const td_cfg_router *rc = &r->cfg->router;
-    if (r->disagg) {
-        rt_pair_abandon(r, q); /* cancels both sides; q->inst is -1 after */
-    } else {
-        if (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING) send_cancel(r, q);
-        if (q->inst >= 0) r->reg.inst[q->inst].active--;
-        q->inst = -1;
-    }
-    if (q->n_gen >= q->p.max_tokens) { /* lost after its last token, before the finish */
-        finish(r, q, RT_FIN_LENGTH);
-        return;
-    }
-    char no[160] = "";
-    if (q->n_gen > 0 && q->p.no_migrate)
-        snprintf(no, sizeof no, "the request asked not to move (\"migrate\": false)");
-    else if (!rc->max_migrations)
-        snprintf(no, sizeof no, "router.max_migrations is 0");
-    else if (q->migrations >= rc->max_migrations)
-        snprintf(no, sizeof no, "it moved %d times already (router.max_migrations)", q->migrations);
-    else if (make_resume(q))
-        snprintf(no, sizeof no, "out of memory");
-    if (no[0]) {
-        char msg[600];
-        snprintf(msg, sizeof msg, "%s after %d tokens; the request cannot move: %s", why, q->n_gen,
-                 no);
-        fail(r, q, 503, "instance_unavailable", msg);
-        return;
-    }
-    if (!r->disagg) {
-        /* a fresh id: late events of the lost attempt must not match the next one (the
-           disaggregated attempt takes its own in rt_pair_start) */
-        rt_table_remove(&r->table, q);
-        int err = rt_table_add(&r->table, q);
-        if (err) {
-            fail(r, q, 500, NULL, "cannot track the request");
-            return;
-        }
-    }
-    q->migrations++;
-    if (!q->lost_ms) q->lost_ms = now;
-    /* a fresh start for the disaggregated attempt: any prefill instance, one retry */
-    q->pf_retried = false;
-    q->pf_avoid = -1;
-    q->pf_same_ok = false;
-    q->busy = 0;
-    TD_LOG_INFO("router: %s: %s after %d tokens: moving it (move %d of %d), it goes on from "
-                "token %d",
-                q->oid, why, q->n_gen, q->migrations, rc->max_migrations, q->n_gen);
-    rt_metrics_migration(&r->metrics);
-    q->state = RT_ST_QUEUED;
-    rt_fair_push_front(&r->fair, q);
-    atomic_fetch_add(&r->queued, 1);
-}
-
-void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now)
-{
-    lose(r, q, why, now);
 }
 
 /* Every request on decode instance i lost its decode side. */
@@ -312,122 +86,8 @@ static void lose_all(rt_router *r, int i, const char *why, int64_t now)
 {
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (q && q->inst == i && (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING))
-            lose(r, q, why, now);
-    }
-}
-
-/* ---- admission and dispatch ---- */
-
-/* q never got into the queue: answer e, drop the loop's reference. */
-static void refuse(rt_router *r, rt_req *q, const rt_error *e)
-{
-    atomic_fetch_sub(&r->queued, 1);
-    q->state = RT_ST_DONE;
-    rt_stream_fail(q, e);
-    rt_metrics_request_end(r, q, td_ctrl_now_ms(), e->status, e->code);
-    rt_req_release(q);
-}
-
-static void admit(rt_router *r, rt_req *q)
-{
-    rt_error e;
-    bool no_pf = r->disagg && atomic_load(&r->n_pf_alive) == 0;
-    if (atomic_load(&r->n_alive) == 0 || no_pf) {
-        rt_error_set(&e, 503, NULL, "no_instance", "no %s instance is available",
-                     no_pf ? "prefill" : "decode");
-        refuse(r, q, &e);
-        return;
-    }
-    int max = r->cfg->router.max_queue;
-    if (r->fair.len >= max) {
-        /* full: the client holding the most queued requests gives one up, unless that
-           is the newcomer's own client (then the newcomer is refused) */
-        rt_req *v = rt_fair_victim(&r->fair, q->client);
-        if (!v) {
-            rt_error_set(&e, 429, NULL, "queue_full", "the router queue is full (%d requests)",
-                         max);
-            refuse(r, q, &e);
-            return;
-        }
-        rt_error_set(&e, 429, NULL, "queue_full",
-                     "the router queue is full (%d requests) and this client holds the most "
-                     "of them",
-                     max);
-        TD_LOG_DEBUG("router: %s: queue full: refused for a client with fewer requests", v->oid);
-        rt_metrics_eviction(&r->metrics);
-        rt_stream_fail(v, &e);
-        rt_metrics_request_end(r, v, td_ctrl_now_ms(), 429, "queue_full");
-        retire(r, v);
-    }
-    int rc = rt_table_add(&r->table, q);
-    if (rc) {
-        rt_error_set(&e, 500, NULL, NULL, "cannot track the request: %s", td_strerror(rc));
-        refuse(r, q, &e);
-        return;
-    }
-    q->state = RT_ST_QUEUED;
-    rt_fair_push(&r->fair, q); /* r->queued already counts it */
-}
-
-void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
-{
-    td_sampling s = q->p.sampling;
-    s.skip_samples = (uint32_t)q->gen_base; /* a moved request: the draws already made */
-    td_ctrl_sampling_to_pb(&s, sm);
-    td__submit__init(sub);
-    sub->request_id = q->rid;
-    sub->token_ids = rt_req_prompt(q, &sub->n_token_ids);
-    sub->sampling = sm;
-    sub->max_tokens = (uint32_t)(q->p.max_tokens - q->gen_base);
-    sub->ignore_eos = q->p.ignore_eos;
-}
-
-static int submit(rt_router *r, rt_req *q, int i)
-{
-    rt_inst *s = &r->reg.inst[i];
-    Td__Sampling sm;
-    Td__Submit sub;
-    rt_req_submit_msg(q, &sm, &sub);
-    int rc = td_ctrl_client_submit(s->c, &sub, SUBMIT_TIMEOUT_MS, &q->call_id);
-    if (rc) return rc;
-    q->inst = i;
-    q->state = RT_ST_SUBMITTED;
-    s->active++;
-    return 0;
-}
-
-static void dispatch(rt_router *r, int64_t now)
-{
-    rt_req *q;
-    while ((q = rt_fair_peek(&r->fair))) {
-        int i = rt_reg_pick(&r->reg, now);
-        if (i < 0) return;
-        int p = -1;
-        if (r->disagg) {
-            p = rt_reg_pick_prefill(&r->reg, now, q->pf_avoid);
-            if (p < 0 && q->pf_avoid >= 0 && q->pf_same_ok &&
-                !rt_reg_n_pf_alive(&r->reg, q->pf_avoid))
-                p = rt_reg_pick_prefill(&r->reg, now, -1); /* a timeout: the same one may retry */
-            if (p < 0) {
-                if (rt_pair_unservable(r, q)) continue; /* failed; next in the queue */
-                return;
-            }
-        }
-        rt_fair_pop(&r->fair);
-        atomic_fetch_sub(&r->queued, 1);
-        q->state = RT_ST_INBOX; /* off the queue, not yet submitted */
-        int rc = r->disagg ? rt_pair_start(r, q, i, p, now) : submit(r, q, i);
-        if (rc) {
-            q->state = RT_ST_DONE;
-            rt_table_remove(&r->table, q);
-            rt_error e;
-            rt_error_set(&e, 500, NULL, NULL, "cannot send the request: %s", td_strerror(rc));
-            TD_LOG_ERR("router: %s: %s", q->oid, e.message);
-            rt_stream_fail(q, &e);
-            rt_metrics_request_end(r, q, now, 500, NULL);
-            rt_req_release(q);
-        }
+        if (q && q->loop.inst == i && (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING))
+            rt_loop_lose(r, q, why, now);
     }
 }
 
@@ -438,7 +98,7 @@ static rt_req *find_call(rt_router *r, int i, uint64_t call_id)
     /* replies to Submit: the request is in the table with that call id on instance i */
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (q && q->inst == i && q->state == RT_ST_SUBMITTED && q->call_id == call_id) return q;
+        if (q && q->loop.inst == i && q->loop.state == RT_ST_SUBMITTED && q->loop.call_id == call_id) return q;
     }
     return NULL;
 }
@@ -464,38 +124,38 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
         return;
     }
     if (r->disagg) {
-        rt_pair_on_alloc(r, q, i, in, now);
+        rt_pair_out o = rt_pair_on_alloc(r, q, i, in, now);
+        rt_loop_act(r, &o, now);
         return;
     }
     if (in->err) {
         /* no answer in time: the instance is probably going away */
-        if (q->retries < MAX_RETRIES) {
-            q->retries++;
-            lose(r, q, "the decode instance did not answer", now);
+        if (q->loop.retries < MAX_RETRIES) {
+            q->loop.retries++;
+            rt_loop_lose(r, q, "the decode instance did not answer", now);
         } else {
-            fail(r, q, 503, "instance_unavailable", "the decode instance did not answer");
+            rt_loop_fail(r, q, 503, "instance_unavailable", "the decode instance did not answer");
         }
         return;
     }
     const Td__Envelope *env = in->env;
     if (env->body_case == TD__ENVELOPE__BODY_ACK) {
-        q->state = RT_ST_RUNNING;
+        q->loop.state = RT_ST_RUNNING;
         return;
     }
     if (env->body_case != TD__ENVELOPE__BODY_ERROR) {
-        fail(r, q, 500, NULL, "unexpected reply from the decode instance");
+        rt_loop_fail(r, q, 500, NULL, "unexpected reply from the decode instance");
         return;
     }
     const Td__ErrorEvent *err = env->error;
     switch (err->code) {
     case TD__ERROR_CODE__ERR_BUSY:
         s->busy_until_ms = now + 100;
-        if (q->retries < 100) {
-            q->retries--; /* busy is not a failure */
-            requeue_front(r, q);
+        if (q->loop.retries < 100) {
+            rt_loop_requeue(r, q, false); /* busy is not a failure */
             return;
         }
-        fail(r, q, 503, "instance_busy", err->message);
+        rt_loop_fail(r, q, 503, "instance_busy", err->message);
         return;
     case TD__ERROR_CODE__ERR_NO_SPACE:
     case TD__ERROR_CODE__ERR_INVALID: {
@@ -503,64 +163,64 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
         rt_error_set(&e, 400, NULL, NULL, "%s", err->message);
         rt_stream_fail(q, &e);
         rt_metrics_request_end(r, q, now, 400, NULL);
-        retire(r, q);
+        rt_loop_retire(r, q);
         return;
     }
     case TD__ERROR_CODE__ERR_SHUTDOWN:
     case TD__ERROR_CODE__ERR_PEER_FAILED:
-        lose(r, q, err->message, now); /* elsewhere, or the same one once it re-formed */
+        rt_loop_lose(r, q, err->message, now); /* elsewhere, or the same one once it re-formed */
         return;
     default:
-        fail(r, q, 500, NULL, err->message);
+        rt_loop_fail(r, q, 500, NULL, err->message);
         return;
     }
 }
 
-/* Append ids to q->gen_ids (what a moved request resumes from). */
+/* Append ids to q->loop.gen_ids (what a moved request resumes from). */
 static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
 {
     if (!n) return 0;
-    size_t need = (size_t)q->n_gen + n;
-    if (need > (size_t)q->cap_gen) {
-        size_t cap = q->cap_gen ? 2 * (size_t)q->cap_gen : 64;
+    size_t need = (size_t)q->loop.n_gen + n;
+    if (need > (size_t)q->loop.cap_gen) {
+        size_t cap = q->loop.cap_gen ? 2 * (size_t)q->loop.cap_gen : 64;
         while (cap < need)
             cap *= 2;
-        int32_t *g = realloc(q->gen_ids, cap * sizeof *g);
+        int32_t *g = realloc(q->loop.gen_ids, cap * sizeof *g);
         if (!g) return TD_ENOMEM;
-        q->gen_ids = g;
-        q->cap_gen = (int)cap;
+        q->loop.gen_ids = g;
+        q->loop.cap_gen = (int)cap;
     }
-    memcpy(q->gen_ids + q->n_gen, ids, n * sizeof *ids); /* n_gen grows in rt_stream_tokens */
+    memcpy(q->loop.gen_ids + q->loop.n_gen, ids, n * sizeof *ids); /* n_gen grows in rt_stream_tokens */
     return 0;
 }
 
 static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
 {
     rt_req *q = rt_table_get(&r->table, t->request_id);
-    if (!q || q->inst != i || (q->state != RT_ST_SUBMITTED && q->state != RT_ST_RUNNING)) return;
-    q->state = RT_ST_RUNNING;
+    if (!q || q->loop.inst != i || (q->loop.state != RT_ST_SUBMITTED && q->loop.state != RT_ST_RUNNING)) return;
+    q->loop.state = RT_ST_RUNNING;
     if (t->n_token_ids) {
-        if (!q->t_first_ms) q->t_first_ms = now;
-        q->t_last_ms = now;
-        if (q->lost_ms) {
+        if (!q->loop.t_first_ms) q->loop.t_first_ms = now;
+        q->loop.t_last_ms = now;
+        if (q->loop.lost_ms) {
             TD_LOG_INFO("router: %s: moved: the stream goes on %lld ms after its decode side "
                         "was lost",
-                        q->oid, (long long)(now - q->lost_ms));
-            rt_metrics_migrated(&r->metrics, (double)(now - q->lost_ms) / 1000.0);
-            q->lost_ms = 0;
+                        q->oid, (long long)(now - q->loop.lost_ms));
+            rt_metrics_migrated(&r->metrics, (double)(now - q->loop.lost_ms) / 1000.0);
+            q->loop.lost_ms = 0;
         }
     }
     int rc = keep_ids(q, t->token_ids, t->n_token_ids);
     if (!rc) rc = rt_stream_tokens(r, q, t->token_ids, t->n_token_ids);
     if (rc < 0) {
         TD_LOG_ERR("router: %s: cannot process tokens: %s", q->oid, td_strerror(rc));
-        send_cancel(r, q);
-        fail(r, q, 500, NULL, "internal error while detokenizing");
+        rt_loop_cancel(r, q);
+        rt_loop_fail(r, q, 500, NULL, "internal error while detokenizing");
         return;
     }
     if (rc == RT_FIN_STOP) {
-        if (t->finish == TD__FINISH_REASON__FINISH_NONE) send_cancel(r, q);
-        finish(r, q, RT_FIN_STOP);
+        if (t->finish == TD__FINISH_REASON__FINISH_NONE) rt_loop_cancel(r, q);
+        rt_loop_finish(r, q, RT_FIN_STOP);
         return;
     }
     switch (t->finish) {
@@ -568,18 +228,18 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         return;
     case TD__FINISH_REASON__FINISH_STOP:
         /* the instance does not send the end-of-generation token but counts it */
-        if (t->usage && (int64_t)t->usage->completion_tokens + q->gen_base > q->n_gen)
-            q->n_gen = (int)t->usage->completion_tokens + q->gen_base;
-        finish(r, q, RT_FIN_STOP);
+        if (t->usage && (int64_t)t->usage->completion_tokens + q->loop.gen_base > q->loop.n_gen)
+            q->loop.n_gen = (int)t->usage->completion_tokens + q->loop.gen_base;
+        rt_loop_finish(r, q, RT_FIN_STOP);
         return;
     case TD__FINISH_REASON__FINISH_LENGTH:
-        finish(r, q, RT_FIN_LENGTH);
+        rt_loop_finish(r, q, RT_FIN_LENGTH);
         return;
     case TD__FINISH_REASON__FINISH_CANCELLED:
-        fail(r, q, 503, "cancelled", "the request was cancelled by the decode instance");
+        rt_loop_fail(r, q, 503, "cancelled", "the request was cancelled by the decode instance");
         return;
     default:
-        fail(r, q, 500, NULL, "the request failed on the decode instance");
+        rt_loop_fail(r, q, 500, NULL, "the request failed on the decode instance");
         return;
     }
 }
@@ -595,20 +255,16 @@ static void on_events(rt_router *r, int i, const td_ctrl_client_in *in, int64_t 
             on_token(r, i, ev->token, now);
         } else if (ev->body_case == TD__EVENT__BODY_ERROR && ev->error->request_id) {
             rt_req *q = rt_table_get(&r->table, ev->error->request_id);
-            if (!q || q->inst != i) continue;
-            if (r->disagg)
-                rt_pair_on_decode_error(r, q, ev->error, now);
-            else if (rt_code_lost(ev->error->code))
-                lose(r, q, ev->error->message, now);
+            if (!q || q->loop.inst != i) continue;
+            if (r->disagg) {
+                rt_pair_out o = rt_pair_on_decode_error(r, q, ev->error);
+                rt_loop_act(r, &o, now);
+            } else if (rt_code_lost(ev->error->code))
+                rt_loop_lose(r, q, ev->error->message, now);
             else
-                fail(r, q, 500, NULL, ev->error->message);
+                rt_loop_fail(r, q, 500, NULL, ev->error->message);
         }
     }
-}
-
-bool rt_code_lost(int code)
-{
-    return code == TD__ERROR_CODE__ERR_PEER_FAILED || code == TD__ERROR_CODE__ERR_SHUTDOWN;
 }
 
 /* Move every request on instance i (it stopped answering; lose cancels them there in case
@@ -633,6 +289,66 @@ static void instance_restarted(rt_router *r, int i, int64_t now)
     lose_all(r, i, why, now);
 }
 
+/* ---- prefill instances (disaggregated mode; rt_pair.c decides, the loop acts) ---- */
+
+static void on_pf_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
+{
+    rt_pair_out o = rt_pair_on_reply(r, j, in, now);
+    rt_loop_act(r, &o, now);
+}
+
+static void on_pf_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
+{
+    rt_inst *s = &r->reg.pf[j];
+    if (rt_reg_seen(s, in->health, now))
+        TD_LOG_INFO("router: prefill instance %s (%s) is serving", s->name, s->url);
+    for (size_t k = 0; k < in->n_events; k++) {
+        rt_pair_out o = rt_pair_on_event(r, j, in->events[k]);
+        rt_loop_act(r, &o, now);
+    }
+}
+
+/* The attempts on prefill instance j are lost. Silent: each fails over. Restarted: the new
+ * process knows nothing of them, but the instance is coming back, so each starts again, on
+ * it or another one, as a moved request does (rt_loop_lose: it waits up to
+ * router.migrate_wait_ms for a live instance). */
+static void prefill_lost(rt_router *r, int j, bool restarted, int64_t now)
+{
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q) continue;
+        rt_pair_out o = rt_pair_prefill_lost(r, q, j, restarted);
+        rt_loop_act(r, &o, now);
+    }
+}
+
+static void prefill_died(rt_router *r, int j)
+{
+    rt_inst *s = &r->reg.pf[j];
+    TD_LOG_WARN("router: prefill instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
+                r->cfg->router.instance_timeout_ms);
+    prefill_lost(r, j, false, 0);
+}
+
+static void prefill_restarted(rt_router *r, int j, int64_t now)
+{
+    rt_inst *s = &r->reg.pf[j];
+    TD_LOG_WARN("router: prefill instance %s (%s) restarted: its prompts start again", s->name,
+                s->url);
+    prefill_lost(r, j, true, now);
+}
+
+/* Attempts past their first-token deadline: both sides cancelled, the request failed. */
+static void pair_deadlines(rt_router *r, int64_t now)
+{
+    for (uint32_t k = 0; k < r->table.cap; k++) {
+        rt_req *q = r->table.slots[k];
+        if (!q) continue;
+        rt_pair_out o = rt_pair_expire(r, q, now);
+        rt_loop_act(r, &o, now);
+    }
+}
+
 /* Did s just die? (alive, but not heard from within the timeout) */
 static bool went_silent(rt_inst *s, int timeout, int64_t now)
 {
@@ -651,7 +367,7 @@ static void liveness(rt_router *r, int64_t now)
     for (int i = 0; i < r->reg.n; i++)
         if (went_silent(&r->reg.inst[i], timeout, now)) instance_died(r, i, now);
     for (int j = 0; j < r->reg.n_pf; j++)
-        if (went_silent(&r->reg.pf[j], timeout, now)) rt_pair_prefill_died(r, j);
+        if (went_silent(&r->reg.pf[j], timeout, now)) prefill_died(r, j);
     int n = rt_reg_n_alive(&r->reg);
     int n_pf = rt_reg_n_pf_alive(&r->reg, -1);
     atomic_store(&r->n_alive, n);
@@ -662,16 +378,16 @@ static void liveness(rt_router *r, int64_t now)
     int wait = r->cfg->router.migrate_wait_ms;
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (!q || q->state != RT_ST_QUEUED) continue;
-        if (q->lost_ms && now - q->lost_ms > wait) {
+        if (!q || q->loop.state != RT_ST_QUEUED) continue;
+        if (q->loop.lost_ms && now - q->loop.lost_ms > wait) {
             char msg[300];
             snprintf(msg, sizeof msg,
                      "its decode instance was lost after %d tokens and no instance took the "
                      "request over within %d ms (router.migrate_wait_ms)",
-                     q->n_gen, wait);
-            fail(r, q, 503, "instance_unavailable", msg);
-        } else if (none && !q->lost_ms) {
-            fail(r, q, 503, "no_instance",
+                     q->loop.n_gen, wait);
+            rt_loop_fail(r, q, 503, "instance_unavailable", msg);
+        } else if (none && !q->loop.lost_ms) {
+            rt_loop_fail(r, q, 503, "no_instance",
                  n ? "no prefill instance is available" : "no decode instance is available");
         }
     }
@@ -686,22 +402,22 @@ static void expire(rt_router *r, int64_t now)
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
         if (!q || !q->expires_ms || now < q->expires_ms) continue;
-        rt_timeout_state where = q->state == RT_ST_QUEUED ? RT_TO_QUEUED
-                                 : q->n_gen > 0           ? RT_TO_GENERATING
+        rt_timeout_state where = q->loop.state == RT_ST_QUEUED ? RT_TO_QUEUED
+                                 : q->loop.n_gen > 0           ? RT_TO_GENERATING
                                                           : RT_TO_WAITING;
         long long limit = (long long)(q->expires_ms - q->t_arrive_ms);
         TD_LOG_INFO("router: %s: its deadline of %lld ms passed while %s (tokens: %d): ended",
-                    q->oid, limit, where_name[where], q->n_gen);
+                    q->oid, limit, where_name[where], q->loop.n_gen);
         rt_metrics_timeout(&r->metrics, where);
-        cancel_decode_side(r, q);
+        rt_loop_cancel_decode_side(r, q);
         rt_error e;
         rt_error_set(&e, 504, NULL, "request_timeout",
                      "the request did not complete within its timeout of %lld ms (%s; tokens "
                      "generated: %d)",
-                     limit, where_name[where], q->n_gen);
+                     limit, where_name[where], q->loop.n_gen);
         rt_stream_fail(q, &e);
         rt_metrics_request_end(r, q, now, 504, "request_timeout");
-        retire(r, q);
+        rt_loop_retire(r, q);
     }
 }
 
@@ -742,20 +458,20 @@ static void take_inbox(rt_router *r)
     r->gone_head = NULL;
     pthread_mutex_unlock(&r->in_mu);
     while (nq) {
-        rt_req *next = nq->next;
-        nq->next = NULL;
-        admit(r, nq);
+        rt_req *next = nq->loop.next;
+        nq->loop.next = NULL;
+        rt_loop_admit(r, nq);
         nq = next;
     }
     while (gone) {
-        rt_req *next = gone->gone_next;
-        if (gone->state == RT_ST_SUBMITTED || gone->state == RT_ST_RUNNING) {
-            send_cancel(r, gone);
-            rt_metrics_request_end(r, gone, td_ctrl_now_ms(), 499, "client_closed");
-            retire(r, gone);
-        } else if (gone->state == RT_ST_QUEUED) {
-            rt_metrics_request_end(r, gone, td_ctrl_now_ms(), 499, "client_closed");
-            retire(r, gone);
+        rt_req *next = gone->loop.gone_next;
+        if (gone->loop.state == RT_ST_SUBMITTED || gone->loop.state == RT_ST_RUNNING) {
+            rt_loop_cancel(r, gone);
+            rt_metrics_request_end(r, gone, td_now_ms(), 499, "client_closed");
+            rt_loop_retire(r, gone);
+        } else if (gone->loop.state == RT_ST_QUEUED) {
+            rt_metrics_request_end(r, gone, td_now_ms(), 499, "client_closed");
+            rt_loop_retire(r, gone);
         }
         rt_req_release(gone); /* the reference rt_loop_gone took */
         gone = next;
@@ -772,9 +488,9 @@ static bool client_closed(rt_req *q)
 {
     bool closed = false;
     pthread_mutex_lock(&q->mu);
-    if (q->suspended && !q->http_gone && q->fd >= 0) {
+    if (q->http.suspended && !q->http.gone && q->http.fd >= 0) {
         char c;
-        ssize_t n = recv(q->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        ssize_t n = recv(q->http.fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
         closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
     }
     pthread_mutex_unlock(&q->mu);
@@ -788,12 +504,12 @@ static void poke(rt_router *r)
         if (!q) continue;
         if (client_closed(q)) {
             TD_LOG_DEBUG("router: %s: the client closed its connection: cancelled", q->oid);
-            if (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING) send_cancel(r, q);
+            if (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING) rt_loop_cancel(r, q);
             rt_error e; /* never seen: it makes MHD write, fail and complete the connection */
             rt_error_set(&e, 499, NULL, NULL, "the client closed the connection");
             rt_stream_fail(q, &e);
-            rt_metrics_request_end(r, q, td_ctrl_now_ms(), 499, "client_closed");
-            retire(r, q);
+            rt_metrics_request_end(r, q, td_now_ms(), 499, "client_closed");
+            rt_loop_retire(r, q);
             continue;
         }
         rt_req_wake(q);
@@ -818,7 +534,7 @@ static void read_instances(rt_router *r, int64_t now)
     for (int i = 0; i < r->reg.n; i++) {
         rt_inst *s = &r->reg.inst[i];
         while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
-            r->t_events_ns = rt_now_ns();
+            r->t_events_ns = td_now_ns();
             if (s->in.kind == TD_CTRL_IN_REPLY)
                 on_reply(r, i, &s->in, now);
             else if (s->in.kind == TD_CTRL_IN_EVENTS)
@@ -831,11 +547,11 @@ static void read_instances(rt_router *r, int64_t now)
         rt_inst *s = &r->reg.pf[j];
         while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
             if (s->in.kind == TD_CTRL_IN_REPLY)
-                rt_pair_on_reply(r, j, &s->in, now);
+                on_pf_reply(r, j, &s->in, now);
             else if (s->in.kind == TD_CTRL_IN_EVENTS)
-                rt_pair_on_events(r, j, &s->in, now);
+                on_pf_events(r, j, &s->in, now);
             else if (s->in.kind == TD_CTRL_IN_RESTARTED)
-                rt_pair_prefill_restarted(r, j, now);
+                prefill_restarted(r, j, now);
         }
     }
 }
@@ -857,10 +573,10 @@ static void stop_all(rt_router *r, struct pollfd *fds)
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
         if (!q) continue;
-        if (told && q->inst >= 0) told[q->inst] = true;
-        if (told && q->pf_busy && q->pinst >= 0) told[r->reg.n + q->pinst] = true;
-        send_cancel(r, q);
-        fail(r, q, 503, "shutting_down", "the router is shutting down");
+        if (told && q->loop.inst >= 0) told[q->loop.inst] = true;
+        if (told && q->pair.pf_busy && q->pair.pinst >= 0) told[r->reg.n + q->pair.pinst] = true;
+        rt_loop_cancel(r, q);
+        rt_loop_fail(r, q, 503, "shutting_down", "the router is shutting down");
     }
     if (!told) return;
     int waiting = 0;
@@ -874,10 +590,10 @@ static void stop_all(rt_router *r, struct pollfd *fds)
         else
             waiting++;
     }
-    int64_t end = td_ctrl_now_ms() + FLUSH_MS;
-    while (waiting > 0 && td_ctrl_now_ms() < end) {
+    int64_t end = td_now_ms() + FLUSH_MS;
+    while (waiting > 0 && td_now_ms() < end) {
         wait_input(r, fds, 10);
-        read_instances(r, td_ctrl_now_ms()); /* on_reply clears hb_call */
+        read_instances(r, td_now_ms()); /* on_reply clears hb_call */
         waiting = 0;
         for (int k = 0; k < n_all; k++)
             waiting += told[k] && inst_at(r, k)->hb_call != 0;
@@ -894,18 +610,18 @@ static void *loop_main(void *arg)
         TD_LOG_ERR("router: out of memory in the loop");
         return NULL;
     }
-    int64_t last_poke = td_ctrl_now_ms();
+    int64_t last_poke = td_now_ms();
     while (!atomic_load(&r->stop)) {
         wait_input(r, fds, r->cfg->router.heartbeat_ms < 50 ? r->cfg->router.heartbeat_ms : 50);
-        int64_t now = td_ctrl_now_ms();
+        int64_t now = td_now_ms();
         take_inbox(r);
         read_instances(r, now);
-        now = td_ctrl_now_ms();
+        now = td_now_ms();
         liveness(r, now);
         expire(r, now);
-        if (r->disagg) rt_pair_deadlines(r, now);
+        if (r->disagg) pair_deadlines(r, now);
         rt_reg_heartbeat(&r->reg, &r->cfg->router, now);
-        dispatch(r, now);
+        rt_loop_dispatch(r, now);
         if (now - last_poke >= RT_POKE_MS) {
             poke(r);
             last_poke = now;
@@ -949,7 +665,7 @@ void rt_loop_drain(rt_router *r)
     rt_req *g = r->gone_head;
     r->gone_head = NULL;
     while (g) {
-        rt_req *next = g->gone_next;
+        rt_req *next = g->loop.gone_next;
         rt_req_release(g);
         g = next;
     }

@@ -18,7 +18,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "chat_template.h"
 #include "rt.h"
+#include "rt_http.h"
+#include "rt_loop.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 #define STOP_FLUSH_MS 1000 /* after the drain: bound on writing the last answers */
@@ -109,8 +113,8 @@ static void drain(rt_router *r, int sig, const sigset_t *set)
     int ms = r->cfg->router.drain_timeout_ms;
     TD_LOG_INFO("router: signal %d: draining: %d request(s) open, waiting up to %d ms", sig,
                 atomic_load(&r->open), ms);
-    int64_t end = td_ctrl_now_ms() + ms;
-    while (atomic_load(&r->open) > 0 && td_ctrl_now_ms() < end) {
+    int64_t end = td_now_ms() + ms;
+    while (atomic_load(&r->open) > 0 && td_now_ms() < end) {
         struct timespec ts = {.tv_nsec = 20 * 1000 * 1000};
         int again = sigtimedwait(set, NULL, &ts);
         if (again > 0) {

@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "rt.h"
+#include "rt_metrics.h"
 #include "td_err.h"
 
 /* upper bounds in seconds; the last bucket is +Inf */
@@ -85,13 +86,6 @@ static void observe(rt_hist *h, const double *bounds, double v)
 static const double WRITE_BOUNDS[RT_HIST_BUCKETS] = {
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
     0.005,   0.01,     0.025,   0.05,   0.1,     0.25,   0.5,   1.0};
-
-int64_t rt_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 void rt_metrics_write_delay(rt_metrics *m, double seconds)
 {
@@ -165,12 +159,13 @@ void rt_metrics_migrated(rt_metrics *m, double pause)
 static void record_finished(rt_metrics *m, const rt_req *q, int64_t now_ms)
 {
     m->prompt_tokens += q->p.n_prompt;
-    m->generation_tokens += (uint64_t)q->n_gen;
-    if (q->t_first_ms) {
-        observe(&m->ttft, LAT_BOUNDS, (double)(q->t_first_ms - q->t_arrive_ms) / 1000.0);
-        if (q->n_gen > 1)
+    m->generation_tokens += (uint64_t)q->loop.n_gen;
+    if (q->loop.t_first_ms) {
+        observe(&m->ttft, LAT_BOUNDS, (double)(q->loop.t_first_ms - q->t_arrive_ms) / 1000.0);
+        if (q->loop.n_gen > 1)
             observe(&m->tpot, TPOT_BOUNDS,
-                    (double)(q->t_last_ms - q->t_first_ms) / 1000.0 / (q->n_gen - 1));
+                    (double)(q->loop.t_last_ms - q->loop.t_first_ms) / 1000.0 /
+                        (q->loop.n_gen - 1));
     }
     observe(&m->e2e, LAT_BOUNDS, (double)(now_ms - q->t_arrive_ms) / 1000.0);
 }
@@ -185,22 +180,22 @@ void rt_metrics_request_end(rt_router *r, const rt_req *q, int64_t now_ms, int s
     }
     /* q->p, oid and the times are immutable or loop-owned: no lock needed on the loop */
     char ttft[24] = "-", where[160] = "";
-    if (q->t_first_ms)
-        snprintf(ttft, sizeof ttft, "%lld", (long long)(q->t_first_ms - q->t_arrive_ms));
+    if (q->loop.t_first_ms)
+        snprintf(ttft, sizeof ttft, "%lld", (long long)(q->loop.t_first_ms - q->t_arrive_ms));
     size_t w = 0;
-    if (q->inst >= 0 && q->inst < r->cfg->n_decode)
+    if (q->loop.inst >= 0 && q->loop.inst < r->cfg->n_decode)
         w += (size_t)snprintf(where + w, sizeof where - w, " decode %s",
-                              r->cfg->decode[q->inst].name);
-    if (q->pinst >= 0 && q->pinst < r->cfg->n_prefill && w < sizeof where)
+                              r->cfg->decode[q->loop.inst].name);
+    if (q->pair.pinst >= 0 && q->pair.pinst < r->cfg->n_prefill && w < sizeof where)
         w += (size_t)snprintf(where + w, sizeof where - w, " prefill %s",
-                              r->cfg->prefill[q->pinst].name);
-    if (q->migrations && w < sizeof where)
-        snprintf(where + w, sizeof where - w, " moved %d", q->migrations);
+                              r->cfg->prefill[q->pair.pinst].name);
+    if (q->loop.migrations && w < sizeof where)
+        snprintf(where + w, sizeof where - w, " moved %d", q->loop.migrations);
     TD_LOG_INFO("router: request %s %s%s status %d %s %s prompt_tokens %zu output_tokens %d "
                 "ttft_ms %s total_ms %lld%s",
                 q->oid, q->p.ep == RT_EP_CHAT ? "/v1/chat/completions" : "/v1/completions",
                 q->p.stream ? " stream" : "", status, status == 200 ? "finish" : "error",
-                outcome ? outcome : "-", q->p.n_prompt, q->n_gen, ttft,
+                outcome ? outcome : "-", q->p.n_prompt, q->loop.n_gen, ttft,
                 (long long)(now_ms - q->t_arrive_ms), where);
 }
 
@@ -297,27 +292,27 @@ static int render_prefill(rt_buf *b, const rt_metrics *m, const rt_router *r)
     return rc;
 }
 
-char *rt_metrics_render(rt_metrics *m, const rt_router *r)
+/* Responses: generation requests by status, the other paths by path and status (caller holds
+ * m->mu). */
+static int render_requests(rt_buf *b, const rt_metrics *m)
 {
-    rt_buf b = {0};
     char line[512];
     int rc = 0;
-    pthread_mutex_lock(&m->mu);
-    rc |= rt_buf_puts(&b, "# HELP tandem_router_requests_total Generation requests "
-                          "(/v1/completions, /v1/chat/completions) by the HTTP status of their "
-                          "response.\n"
-                          "# TYPE tandem_router_requests_total counter\n");
+    rc |= rt_buf_puts(b, "# HELP tandem_router_requests_total Generation requests "
+                         "(/v1/completions, /v1/chat/completions) by the HTTP status of their "
+                         "response.\n"
+                         "# TYPE tandem_router_requests_total counter\n");
     for (int s = 100; s < 600; s++) {
         if (!m->by_status[s]) continue;
         snprintf(line, sizeof line, "tandem_router_requests_total{status=\"%d\"} %llu\n", s,
                  (unsigned long long)m->by_status[s]);
-        rc |= rt_buf_puts(&b, line);
+        rc |= rt_buf_puts(b, line);
     }
     static const char *const paths[RT_PATH_N] = {"/health", "/metrics", "/v1/models", "other"};
-    rc |= rt_buf_puts(&b, "# HELP tandem_router_http_requests_total Responses to the other "
-                          "requests (health and metrics polls, /v1/models, unknown paths) by "
-                          "path and status.\n"
-                          "# TYPE tandem_router_http_requests_total counter\n");
+    rc |= rt_buf_puts(b, "# HELP tandem_router_http_requests_total Responses to the other "
+                         "requests (health and metrics polls, /v1/models, unknown paths) by "
+                         "path and status.\n"
+                         "# TYPE tandem_router_http_requests_total counter\n");
     for (int p = 0; p < RT_PATH_N; p++)
         for (int s = 100; s < 600; s++) {
             uint64_t n = m->http[(size_t)p * 600 + (size_t)s];
@@ -325,21 +320,36 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
             snprintf(line, sizeof line,
                      "tandem_router_http_requests_total{path=\"%s\",status=\"%d\"} %llu\n",
                      paths[p], s, (unsigned long long)n);
-            rc |= rt_buf_puts(&b, line);
+            rc |= rt_buf_puts(b, line);
         }
-    rc |= put_hist(&b, "tandem_router_time_to_first_token_seconds",
+    return rc;
+}
+
+/* The request latency histograms (caller holds m->mu). */
+static int render_latency(rt_buf *b, const rt_metrics *m)
+{
+    int rc = 0;
+    rc |= put_hist(b, "tandem_router_time_to_first_token_seconds",
                    "Time from the complete request to its first generated token.", &m->ttft,
                    LAT_BOUNDS);
-    rc |= put_hist(&b, "tandem_router_time_per_output_token_seconds",
+    rc |= put_hist(b, "tandem_router_time_per_output_token_seconds",
                    "Mean time between generated tokens after the first, per request.", &m->tpot,
                    TPOT_BOUNDS);
     rc |=
-        put_hist(&b, "tandem_router_e2e_request_latency_seconds",
+        put_hist(b, "tandem_router_e2e_request_latency_seconds",
                  "Time from the complete request to its last byte of output.", &m->e2e, LAT_BOUNDS);
-    rc |= put_hist(&b, "tandem_router_token_write_delay_seconds",
+    rc |= put_hist(b, "tandem_router_token_write_delay_seconds",
                    "Streaming: time from a token event reaching the router to its SSE bytes being "
                    "handed to the socket (the router's own overhead).",
                    &m->write_delay, WRITE_BOUNDS);
+    return rc;
+}
+
+/* Token counters, the queue, timeouts, evictions, the drain, migrations (caller holds m->mu). */
+static int render_counters(rt_buf *b, const rt_metrics *m)
+{
+    char line[512];
+    int rc = 0;
     snprintf(line, sizeof line,
              "# HELP tandem_router_prompt_tokens_total Prompt tokens of finished requests.\n"
              "# TYPE tandem_router_prompt_tokens_total counter\n"
@@ -348,7 +358,7 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
              "# TYPE tandem_router_generation_tokens_total counter\n"
              "tandem_router_generation_tokens_total %llu\n",
              (unsigned long long)m->prompt_tokens, (unsigned long long)m->generation_tokens);
-    rc |= rt_buf_puts(&b, line);
+    rc |= rt_buf_puts(b, line);
     snprintf(line, sizeof line,
              "# HELP tandem_router_queue_length Requests waiting in the router for an instance.\n"
              "# TYPE tandem_router_queue_length gauge\n"
@@ -357,16 +367,16 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
              "# TYPE tandem_router_requests_running gauge\n"
              "tandem_router_requests_running %d\n",
              m->queue, m->active);
-    rc |= rt_buf_puts(&b, line);
+    rc |= rt_buf_puts(b, line);
     static const char *const where[RT_TO_N] = {"queued", "waiting", "generating"};
-    rc |= rt_buf_puts(&b, "# HELP tandem_router_request_timeouts_total Requests ended by their "
-                          "deadline (504), by where they were: queued, waiting (on an instance, "
-                          "no token yet), generating.\n"
-                          "# TYPE tandem_router_request_timeouts_total counter\n");
+    rc |= rt_buf_puts(b, "# HELP tandem_router_request_timeouts_total Requests ended by their "
+                         "deadline (504), by where they were: queued, waiting (on an instance, "
+                         "no token yet), generating.\n"
+                         "# TYPE tandem_router_request_timeouts_total counter\n");
     for (int k = 0; k < RT_TO_N; k++) {
         snprintf(line, sizeof line, "tandem_router_request_timeouts_total{state=\"%s\"} %llu\n",
                  where[k], (unsigned long long)m->timeouts[k]);
-        rc |= rt_buf_puts(&b, line);
+        rc |= rt_buf_puts(b, line);
     }
     snprintf(line, sizeof line,
              "# HELP tandem_router_queue_evictions_total Queued requests refused (429) to make "
@@ -377,17 +387,25 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
              "# TYPE tandem_router_draining gauge\n"
              "tandem_router_draining %d\n",
              (unsigned long long)m->evictions, m->draining ? 1 : 0);
-    rc |= rt_buf_puts(&b, line);
+    rc |= rt_buf_puts(b, line);
     snprintf(line, sizeof line,
              "# HELP tandem_router_migrations_total Times a request's decode instance died, "
              "restarted or failed it and the request moved to go on elsewhere.\n"
              "# TYPE tandem_router_migrations_total counter\n"
              "tandem_router_migrations_total %llu\n",
              (unsigned long long)m->migrations);
-    rc |= rt_buf_puts(&b, line);
-    rc |= put_hist(&b, "tandem_router_migration_pause_seconds",
+    rc |= rt_buf_puts(b, line);
+    rc |= put_hist(b, "tandem_router_migration_pause_seconds",
                    "Moved requests: time from losing the decode side to the next token.",
                    &m->migrate_pause, LAT_BOUNDS);
+    return rc;
+}
+
+/* The per decode instance gauges (caller holds m->mu). */
+static int render_decode(rt_buf *b, const rt_metrics *m, const rt_router *r)
+{
+    char line[512];
+    int rc = 0;
     static const char *const names[] = {
         "up", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_usage_ratio"};
     static const char *const helps[] = {"1 when the decode instance is alive and ready.",
@@ -400,7 +418,7 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
         snprintf(line, sizeof line,
                  "# HELP tandem_instance_%s %s\n# TYPE tandem_instance_%s gauge\n", names[k],
                  helps[k], names[k]);
-        rc |= rt_buf_puts(&b, line);
+        rc |= rt_buf_puts(b, line);
         for (int i = 0; i < m->n_inst; i++) {
             const rt_inst_gauge *g = &m->inst[i];
             double v = k == 0   ? g->alive
@@ -413,9 +431,21 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
                            : 0.0;
             snprintf(line, sizeof line, "tandem_instance_%s{instance=\"%s\"} %g\n", names[k],
                      r->cfg->decode[i].name, v);
-            rc |= rt_buf_puts(&b, line);
+            rc |= rt_buf_puts(b, line);
         }
     }
+    return rc;
+}
+
+char *rt_metrics_render(rt_metrics *m, const rt_router *r)
+{
+    rt_buf b = {0};
+    int rc = 0;
+    pthread_mutex_lock(&m->mu);
+    rc |= render_requests(&b, m);
+    rc |= render_latency(&b, m);
+    rc |= render_counters(&b, m);
+    rc |= render_decode(&b, m, r);
     if (m->n_pf > 0) rc |= render_prefill(&b, m, r);
     pthread_mutex_unlock(&m->mu);
     if (rc) {

@@ -1,6 +1,7 @@
 /* rt_pair.c: disaggregated serving: pairing a prefill instance with a decode instance per
  * request, relaying the decode side's KV targets, and what happens when either side fails
- * before the first token. Loop thread only (rt_loop.c calls in).
+ * before the first token. Loop thread only: the loop calls in and carries out the verdict
+ * each function returns (rt_pair_out); nothing here calls the loop.
  *
  * One attempt of a request (its own request id, the same on both sides, so the logs of the
  * three processes line up):
@@ -37,12 +38,13 @@
 #include <string.h>
 
 #include "rt.h"
+#include "rt_pair.h"
 #include "td_err.h"
 
 #define ALLOC_TIMEOUT_MS  10000 /* the decode leader answers between steps */
 #define MIN_PF_CALL_MS    10000 /* floor of the Prefill and KvTarget reply waits */
 #define CANCEL_TIMEOUT_MS 5000
-#define MAX_RETRIES       3   /* Alloc calls without an answer (as rt_loop.c's Submit) */
+#define MAX_RETRIES       3   /* Alloc calls without an answer (as a colocated Submit) */
 #define MAX_BUSY          50  /* ERR_BUSY bounces before 503 (>= 5 s with one decode instance) */
 #define BUSY_PAUSE_MS     100 /* an instance that answered ERR_BUSY is skipped this long */
 
@@ -66,30 +68,30 @@ int64_t rt_pair_deadline(const td_cfg *cfg, int64_t now)
 
 static void drop_targets(rt_req *q)
 {
-    for (size_t i = 0; i < q->n_targets; i++)
-        free(q->targets[i].data);
-    free(q->targets);
-    q->targets = NULL;
-    q->n_targets = 0;
+    for (size_t i = 0; i < q->pair.n_targets; i++)
+        free(q->pair.targets[i].data);
+    free(q->pair.targets);
+    q->pair.targets = NULL;
+    q->pair.n_targets = 0;
 }
 
 /* Has the current attempt produced its first token? (a moved request had gen_base before) */
 static bool started(const rt_req *q)
 {
-    return q->n_gen > q->gen_base;
+    return q->loop.n_gen > q->loop.gen_base;
 }
 
 /* The prefill side no longer works on the attempt (done, refused, failed or cancelled). */
 static void pf_release(rt_router *r, rt_req *q)
 {
-    if (!q->pf_busy) return;
-    rt_inst *s = &r->reg.pf[q->pinst];
+    if (!q->pair.pf_busy) return;
+    rt_inst *s = &r->reg.pf[q->pair.pinst];
     size_t n;
     rt_req_prompt(q, &n);
     s->active--;
     s->inflight_tokens -= n < s->inflight_tokens ? n : s->inflight_tokens;
-    q->pf_busy = false;
-    q->pf_call = 0;
+    q->pair.pf_busy = false;
+    q->pair.pf_call = 0;
 }
 
 static void orphan_add(rt_inst *s, uint64_t call, uint64_t rid)
@@ -111,34 +113,76 @@ static void orphan_add(rt_inst *s, uint64_t call, uint64_t rid)
 
 static void cancel_prefill(rt_router *r, rt_req *q)
 {
-    if (!q->pf_busy) return;
-    rt_inst *s = &r->reg.pf[q->pinst];
+    if (!q->pair.pf_busy) return;
+    rt_inst *s = &r->reg.pf[q->pair.pinst];
     uint64_t call;
-    if (q->pf_acked)
-        td_ctrl_client_cancel(s->c, q->rid, CANCEL_TIMEOUT_MS, &call);
+    if (q->pair.pf_acked)
+        td_ctrl_client_cancel(s->c, q->loop.rid, CANCEL_TIMEOUT_MS, &call);
     else
-        orphan_add(s, q->pf_call, q->rid); /* cancelled when its Ack arrives */
+        orphan_add(s, q->pair.pf_call, q->loop.rid); /* cancelled when its Ack arrives */
     pf_release(r, q);
+}
+
+/* ---- verdicts for the loop ---- */
+
+static rt_pair_out go_on(void)
+{
+    return (rt_pair_out){.verdict = RT_PAIR_OK};
+}
+
+static rt_pair_out requeue(rt_req *q, bool counted)
+{
+    return (rt_pair_out){.verdict = counted ? RT_PAIR_RETRY : RT_PAIR_BOUNCE, .q = q};
+}
+
+static rt_pair_out lost(rt_req *q, const char *why)
+{
+    rt_pair_out o = {.verdict = RT_PAIR_LOST, .q = q};
+    snprintf(o.msg, sizeof o.msg, "%s", why);
+    return o;
+}
+
+static rt_pair_out failed(rt_req *q, int status, const char *code, const char *msg)
+{
+    rt_pair_out o = {.verdict = RT_PAIR_FAILED, .q = q, .status = status, .code = code};
+    snprintf(o.msg, sizeof o.msg, "%s", msg);
+    return o;
+}
+
+/* Cancel q on its decode instance. */
+static void cancel_decode(rt_router *r, rt_req *q)
+{
+    if (q->loop.inst < 0 || !q->loop.rid) return;
+    uint64_t call;
+    td_ctrl_client_cancel(r->reg.inst[q->loop.inst].c, q->loop.rid, CANCEL_TIMEOUT_MS, &call);
 }
 
 /* End the current attempt on both sides; q is then off every instance (state INBOX). */
 static void abandon(rt_router *r, rt_req *q)
 {
-    if (q->inst >= 0 && (q->state == RT_ST_SUBMITTED || q->state == RT_ST_RUNNING)) {
+    if (q->loop.inst >= 0 && (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING)) {
         /* SUBMITTED: the AllocReply, if one comes, matches no attempt and is cancelled then */
-        if (q->state == RT_ST_RUNNING) rt_loop_cancel_decode(r, q);
-        r->reg.inst[q->inst].active--;
+        if (q->loop.state == RT_ST_RUNNING) cancel_decode(r, q);
+        r->reg.inst[q->loop.inst].active--;
     }
-    q->inst = -1;
-    q->state = RT_ST_INBOX;
+    q->loop.inst = -1;
+    q->loop.state = RT_ST_INBOX;
     cancel_prefill(r, q);
     drop_targets(q);
-    q->deadline_ms = 0;
+    q->pair.deadline_ms = 0;
 }
 
 void rt_pair_abandon(rt_router *r, rt_req *q)
 {
     abandon(r, q);
+}
+
+void rt_pair_moved(rt_req *q)
+{
+    q->pair.pf_retried = false;
+    q->pair.pf_avoid = -1;
+    q->pair.pf_same_ok = false;
+    q->pair.busy = 0;
 }
 
 void rt_pair_release(rt_router *r, rt_req *q)
@@ -157,37 +201,33 @@ static const char *pf_name(const rt_router *r, int j)
 }
 
 /* An ERR_BUSY from either side: back to the queue head, or 503 after MAX_BUSY. */
-static void bounce(rt_router *r, rt_req *q, const char *msg)
+static rt_pair_out bounce(rt_router *r, rt_req *q, const char *msg)
 {
     abandon(r, q);
-    if (++q->busy < MAX_BUSY) {
-        q->retries--; /* busy is not a failure */
-        rt_loop_requeue(r, q);
-        return;
-    }
-    rt_loop_fail(r, q, 503, "instance_busy", msg);
+    if (++q->pair.busy < MAX_BUSY) return requeue(q, false); /* busy is not a failure */
+    return failed(q, 503, "instance_busy", msg);
 }
 
 /* The attempt failed before its first token: retry once elsewhere, or end the request. */
-static void pair_failed(rt_router *r, rt_req *q, rt_pf_fail why, bool timeout, const char *msg)
+static rt_pair_out pair_failed(rt_router *r, rt_req *q, rt_pf_fail why, bool timeout,
+                               const char *msg)
 {
-    int failed = q->pinst;
-    bool first = !q->pf_retried;
+    int failed_on = q->pair.pinst;
+    bool first = !q->pair.pf_retried;
     rt_metrics_pair(&r->metrics, RT_PM_FAIL, why);
     TD_LOG_WARN("router: %s req %llu: attempt %d failed before its first token: %s", q->oid,
-                (unsigned long long)q->rid, q->attempts, msg);
-    if (first) snprintf(q->pf_fail, sizeof q->pf_fail, "%s", msg);
+                (unsigned long long)q->loop.rid, q->pair.attempts, msg);
+    if (first) snprintf(q->pair.pf_fail, sizeof q->pair.pf_fail, "%s", msg);
     if (why != RT_PF_DEADLINE && !started(q) && first) {
-        int others = rt_reg_n_pf_alive(&r->reg, failed);
-        bool same = timeout && failed >= 0 && r->reg.pf[failed].alive;
+        int others = rt_reg_n_pf_alive(&r->reg, failed_on);
+        bool same = timeout && failed_on >= 0 && r->reg.pf[failed_on].alive;
         if (others || same) {
             abandon(r, q);
-            q->pf_retried = true;
-            q->pf_avoid = failed;
-            q->pf_same_ok = same;
+            q->pair.pf_retried = true;
+            q->pair.pf_avoid = failed_on;
+            q->pair.pf_same_ok = same;
             rt_metrics_pair(&r->metrics, RT_PM_RETRY, 0);
-            rt_loop_requeue(r, q);
-            return;
+            return requeue(q, true);
         }
     }
     abandon(r, q);
@@ -196,20 +236,40 @@ static void pair_failed(rt_router *r, rt_req *q, rt_pf_fail why, bool timeout, c
         snprintf(text, sizeof text, "%s", msg);
     else if (!first)
         snprintf(text, sizeof text, "the prefill of this request failed twice: %s; retry: %s",
-                 q->pf_fail, msg);
+                 q->pair.pf_fail, msg);
     else
         snprintf(text, sizeof text,
                  "the prefill of this request failed and no other prefill instance is "
                  "available: %s",
                  msg);
-    rt_loop_fail(r, q, 503, why == RT_PF_DEADLINE ? "first_token_timeout" : "prefill_failed", text);
+    return failed(q, 503, why == RT_PF_DEADLINE ? "first_token_timeout" : "prefill_failed", text);
 }
 
 /* ---- starting an attempt ---- */
 
+int rt_pair_pick(rt_router *r, const rt_req *q, int64_t now)
+{
+    int avoid = q->pair.pf_avoid;
+    int p = rt_reg_pick_prefill(&r->reg, now, avoid);
+    if (p < 0 && avoid >= 0 && q->pair.pf_same_ok && !rt_reg_n_pf_alive(&r->reg, avoid))
+        p = rt_reg_pick_prefill(&r->reg, now, -1); /* a timeout: the same one may retry */
+    return p;
+}
+
+rt_pair_out rt_pair_unservable(rt_router *r, rt_req *q)
+{
+    if (q->pair.pf_avoid < 0 || rt_reg_n_pf_alive(&r->reg, q->pair.pf_avoid) > 0) return go_on();
+    if (q->pair.pf_same_ok && r->reg.pf[q->pair.pf_avoid].alive) return go_on(); /* only busy */
+    char msg[800];
+    snprintf(msg, sizeof msg,
+             "the prefill of this request failed and no other prefill instance is available: %s",
+             q->pair.pf_fail);
+    return failed(q, 503, "prefill_failed", msg);
+}
+
 int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
 {
-    if (q->attempts > 0) {
+    if (q->pair.attempts > 0) {
         /* a fresh id: late answers about the previous attempt must not match this one */
         rt_table_remove(&r->table, q);
         int rc = rt_table_add(&r->table, q);
@@ -230,7 +290,7 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     if (rc) return rc;
 
     Td__Prefill pf = TD__PREFILL__INIT;
-    pf.request_id = q->rid;
+    pf.request_id = q->loop.rid;
     pf.token_ids = rt_req_prompt(q, &pf.n_token_ids);
     pf.sampling = &sm;
     pf.decode_instance = (char *)ds->name;
@@ -241,51 +301,52 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     rc = td_ctrl_client_call(ps->c, &env, pf_call_ms(r->cfg), &pcall);
     if (rc) {
         uint64_t call;
-        td_ctrl_client_cancel(ds->c, q->rid, CANCEL_TIMEOUT_MS, &call);
+        td_ctrl_client_cancel(ds->c, q->loop.rid, CANCEL_TIMEOUT_MS, &call);
         return rc;
     }
-    q->attempts++;
-    q->inst = d;
-    q->state = RT_ST_SUBMITTED;
-    q->call_id = acall;
+    q->pair.attempts++;
+    q->loop.inst = d;
+    q->loop.state = RT_ST_SUBMITTED;
+    q->loop.call_id = acall;
     ds->active++;
-    q->pinst = p;
-    q->pf_call = pcall;
-    q->pf_busy = true;
-    q->pf_acked = false;
-    q->kvt_sent = false;
+    q->pair.pinst = p;
+    q->pair.pf_call = pcall;
+    q->pair.pf_busy = true;
+    q->pair.pf_acked = false;
+    q->pair.kvt_sent = false;
     ps->active++;
     ps->inflight_tokens += pf.n_token_ids;
-    q->deadline_ms = rt_pair_deadline(r->cfg, now);
+    q->pair.deadline_ms = rt_pair_deadline(r->cfg, now);
     rt_metrics_pair(&r->metrics, RT_PM_SENT, 0);
     TD_LOG_DEBUG("router: %s req %llu: attempt %d: prefill %s, decode %s, %zu prompt tokens",
-                 q->oid, (unsigned long long)q->rid, q->attempts, ps->name, ds->name,
+                 q->oid, (unsigned long long)q->loop.rid, q->pair.attempts, ps->name, ds->name,
                  pf.n_token_ids);
     return 0;
 }
 
 /* KvTarget once both the Prefill's Ack and the AllocReply are in. */
-static void relay(rt_router *r, rt_req *q)
+static rt_pair_out relay(rt_router *r, rt_req *q)
 {
-    if (!q->pf_busy || !q->pf_acked || q->kvt_sent || !q->n_targets) return;
-    rt_inst *s = &r->reg.pf[q->pinst];
+    if (!q->pair.pf_busy || !q->pair.pf_acked || q->pair.kvt_sent || !q->pair.n_targets)
+        return go_on();
+    rt_inst *s = &r->reg.pf[q->pair.pinst];
     Td__KvTarget kt = TD__KV_TARGET__INIT;
-    kt.request_id = q->rid;
-    kt.kv_targets = q->targets;
-    kt.n_kv_targets = q->n_targets;
+    kt.request_id = q->loop.rid;
+    kt.kv_targets = q->pair.targets;
+    kt.n_kv_targets = q->pair.n_targets;
     Td__Envelope env = TD__ENVELOPE__INIT;
     env.body_case = TD__ENVELOPE__BODY_KV_TARGET;
     env.kv_target = &kt;
-    int rc = td_ctrl_client_call(s->c, &env, pf_call_ms(r->cfg), &q->pf_call);
+    int rc = td_ctrl_client_call(s->c, &env, pf_call_ms(r->cfg), &q->pair.pf_call);
     if (rc) {
         char msg[256];
         snprintf(msg, sizeof msg, "cannot send the KV targets to prefill instance %s: %s", s->name,
                  td_strerror(rc));
-        pair_failed(r, q, RT_PF_ERROR, false, msg);
-        return;
+        return pair_failed(r, q, RT_PF_ERROR, false, msg);
     }
-    q->kvt_sent = true;
+    q->pair.kvt_sent = true;
     drop_targets(q);
+    return go_on();
 }
 
 /* ---- the decode side ---- */
@@ -294,7 +355,7 @@ void rt_pair_orphan_alloc(rt_router *r, int i, const Td__Envelope *env)
 {
     uint64_t rid = env->alloc_reply->request_id, call;
     const rt_req *q = rt_table_get(&r->table, rid);
-    if (!rid || (q && q->inst == i)) return; /* never cancel a live attempt */
+    if (!rid || (q && q->loop.inst == i)) return; /* never cancel a live attempt */
     TD_LOG_DEBUG("router: req %llu: reservation on decode instance %s outlived its attempt: "
                  "cancelled",
                  (unsigned long long)rid, r->reg.inst[i].name);
@@ -303,33 +364,30 @@ void rt_pair_orphan_alloc(rt_router *r, int i, const Td__Envelope *env)
 
 static int keep_targets(rt_req *q, const Td__AllocReply *ar)
 {
-    q->targets = calloc(ar->n_kv_targets, sizeof *q->targets);
-    if (!q->targets) return TD_ENOMEM;
-    q->n_targets = ar->n_kv_targets;
+    q->pair.targets = calloc(ar->n_kv_targets, sizeof *q->pair.targets);
+    if (!q->pair.targets) return TD_ENOMEM;
+    q->pair.n_targets = ar->n_kv_targets;
     for (size_t k = 0; k < ar->n_kv_targets; k++) {
         size_t len = ar->kv_targets[k].len;
-        q->targets[k].data = malloc(len ? len : 1);
-        if (!q->targets[k].data) return TD_ENOMEM;
-        if (len) memcpy(q->targets[k].data, ar->kv_targets[k].data, len);
-        q->targets[k].len = len;
+        q->pair.targets[k].data = malloc(len ? len : 1);
+        if (!q->pair.targets[k].data) return TD_ENOMEM;
+        if (len) memcpy(q->pair.targets[k].data, ar->kv_targets[k].data, len);
+        q->pair.targets[k].len = len;
     }
     return 0;
 }
 
-void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *in, int64_t now)
+rt_pair_out rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *in,
+                             int64_t now)
 {
     rt_inst *s = &r->reg.inst[i];
     char msg[600];
     if (in->err) {
         /* no answer in time: it may still have reserved the blocks */
-        rt_loop_cancel_decode(r, q);
+        cancel_decode(r, q);
         abandon(r, q);
-        if (q->retries < MAX_RETRIES) {
-            rt_loop_requeue(r, q);
-            return;
-        }
-        rt_loop_fail(r, q, 503, "instance_unavailable", "the decode instance did not answer");
-        return;
+        if (q->loop.retries < MAX_RETRIES) return requeue(q, true);
+        return failed(q, 503, "instance_unavailable", "the decode instance did not answer");
     }
     const Td__Envelope *env = in->env;
     if (env->body_case == TD__ENVELOPE__BODY_ALLOC_REPLY) {
@@ -337,50 +395,43 @@ void rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_client_in *i
         if (ar->n_kv_targets != (size_t)s->cfg->tp) {
             snprintf(msg, sizeof msg, "decode instance %s answered %zu KV targets for tp %d",
                      s->name, ar->n_kv_targets, s->cfg->tp);
-            TD_LOG_ERR("router: %s req %llu: %s", q->oid, (unsigned long long)q->rid, msg);
-            q->state = RT_ST_RUNNING; /* it holds the request: abandon cancels it */
+            TD_LOG_ERR("router: %s req %llu: %s", q->oid, (unsigned long long)q->loop.rid, msg);
+            q->loop.state = RT_ST_RUNNING; /* it holds the request: abandon cancels it */
             abandon(r, q);
-            rt_loop_fail(r, q, 500, NULL, msg);
-            return;
+            return failed(q, 500, NULL, msg);
         }
-        q->state = RT_ST_RUNNING;
+        q->loop.state = RT_ST_RUNNING;
         if (keep_targets(q, ar)) {
             abandon(r, q);
-            rt_loop_fail(r, q, 500, NULL, "out of memory while relaying the KV targets");
-            return;
+            return failed(q, 500, NULL, "out of memory while relaying the KV targets");
         }
-        relay(r, q);
-        return;
+        return relay(r, q);
     }
     if (env->body_case != TD__ENVELOPE__BODY_ERROR) {
         abandon(r, q);
-        rt_loop_fail(r, q, 500, NULL, "unexpected reply from the decode instance");
-        return;
+        return failed(q, 500, NULL, "unexpected reply from the decode instance");
     }
     const Td__ErrorEvent *err = env->error;
     switch (err->code) {
     case TD__ERROR_CODE__ERR_BUSY:
         s->busy_until_ms = now + BUSY_PAUSE_MS;
         rt_metrics_pair(&r->metrics, RT_PM_BUSY_DECODE, 0);
-        bounce(r, q, "every decode instance is busy (no room for the request's KV cache now)");
-        return;
+        return bounce(r, q,
+                      "every decode instance is busy (no room for the request's KV cache now)");
     case TD__ERROR_CODE__ERR_NO_SPACE:
     case TD__ERROR_CODE__ERR_INVALID:
         abandon(r, q);
-        rt_loop_fail(r, q, 400, NULL, err->message);
-        return;
+        return failed(q, 400, NULL, err->message);
     case TD__ERROR_CODE__ERR_SHUTDOWN:
     case TD__ERROR_CODE__ERR_PEER_FAILED:
-        rt_loop_lose(r, q, err->message, now); /* elsewhere, or here once it re-formed */
-        return;
+        return lost(q, err->message); /* elsewhere, or here once it re-formed */
     default:
         abandon(r, q);
-        rt_loop_fail(r, q, 500, NULL, err->message);
-        return;
+        return failed(q, 500, NULL, err->message);
     }
 }
 
-void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e, int64_t now)
+rt_pair_out rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e)
 {
     bool xfer =
         e->code == TD__ERROR_CODE__ERR_PEER_FAILED || e->code == TD__ERROR_CODE__ERR_TIMEOUT;
@@ -390,16 +441,12 @@ void rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e, i
         char msg[600];
         snprintf(msg, sizeof msg,
                  "decode instance %s: KV transfer from prefill instance %s: %s: %s",
-                 q->inst >= 0 ? r->reg.inst[q->inst].name : "?", pf_name(r, q->pinst),
-                 td_ctrl_err_name(e->code), e->message);
-        pair_failed(r, q, RT_PF_TRANSFER, true, msg);
-        return;
+                 q->loop.inst >= 0 ? r->reg.inst[q->loop.inst].name : "?",
+                 pf_name(r, q->pair.pinst), td_ctrl_err_name(e->code), e->message);
+        return pair_failed(r, q, RT_PF_TRANSFER, true, msg);
     }
-    if (rt_code_lost(e->code)) {
-        rt_loop_lose(r, q, e->message, now); /* as in colocated mode */
-        return;
-    }
-    rt_loop_fail(r, q, 500, NULL, e->message);
+    if (rt_code_lost(e->code)) return lost(q, e->message); /* as in colocated mode */
+    return failed(q, 500, NULL, e->message);
 }
 
 /* ---- the prefill side ---- */
@@ -408,7 +455,7 @@ static rt_req *find_pf_call(rt_router *r, int j, uint64_t call_id)
 {
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (q && q->pinst == j && q->pf_busy && q->pf_call == call_id) return q;
+        if (q && q->pair.pinst == j && q->pair.pf_busy && q->pair.pf_call == call_id) return q;
     }
     return NULL;
 }
@@ -427,7 +474,7 @@ static void orphan_reply(rt_inst *s, const td_ctrl_client_in *in)
     }
 }
 
-void rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
+rt_pair_out rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
 {
     rt_inst *s = &r->reg.pf[j];
     if (in->call_id == s->hb_call) {
@@ -435,60 +482,56 @@ void rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_t 
         if (!in->err && in->env && in->env->body_case == TD__ENVELOPE__BODY_HEALTH &&
             rt_reg_seen(s, in->env->health, now))
             TD_LOG_INFO("router: prefill instance %s (%s) is serving", s->name, s->url);
-        return;
+        return go_on();
     }
     if (!in->err) rt_reg_seen(s, NULL, now);
     rt_req *q = find_pf_call(r, j, in->call_id);
     if (!q) {
         orphan_reply(s, in);
-        return;
+        return go_on();
     }
-    bool is_prefill = !q->pf_acked; /* else the reply is KvTarget's */
+    bool is_prefill = !q->pair.pf_acked; /* else the reply is KvTarget's */
     const char *what = is_prefill ? "Prefill" : "KvTarget";
     char msg[600];
     if (in->err) {
         /* no Ack can come any more, but the request may have got through: cancel it now */
-        q->pf_acked = true;
+        q->pair.pf_acked = true;
         snprintf(msg, sizeof msg, "prefill instance %s did not answer %s (%s)", s->name, what,
                  td_strerror(in->err));
-        pair_failed(r, q, RT_PF_ERROR, false, msg);
-        return;
+        return pair_failed(r, q, RT_PF_ERROR, false, msg);
     }
     const Td__Envelope *env = in->env;
     if (env->body_case == TD__ENVELOPE__BODY_ACK) {
-        q->pf_call = 0;
+        q->pair.pf_call = 0;
         if (is_prefill) {
-            q->pf_acked = true;
-            relay(r, q);
+            q->pair.pf_acked = true;
+            return relay(r, q);
         }
-        return;
+        return go_on();
     }
     if (env->body_case != TD__ENVELOPE__BODY_ERROR) {
         snprintf(msg, sizeof msg, "prefill instance %s: unexpected reply to %s", s->name, what);
-        pair_failed(r, q, RT_PF_ERROR, false, msg);
-        return;
+        return pair_failed(r, q, RT_PF_ERROR, false, msg);
     }
     const Td__ErrorEvent *e = env->error;
     if (is_prefill) pf_release(r, q); /* refused: nothing to cancel there */
     if (is_prefill && e->code == TD__ERROR_CODE__ERR_BUSY) {
         s->busy_until_ms = now + BUSY_PAUSE_MS;
         rt_metrics_pair(&r->metrics, RT_PM_BUSY_PREFILL, 0);
-        bounce(r, q, "every prefill instance is busy (its queue is full)");
-        return;
+        return bounce(r, q, "every prefill instance is busy (its queue is full)");
     }
     if (is_prefill &&
         (e->code == TD__ERROR_CODE__ERR_INVALID || e->code == TD__ERROR_CODE__ERR_NO_SPACE ||
          e->code == TD__ERROR_CODE__ERR_TOO_LARGE)) {
         snprintf(msg, sizeof msg, "the prefill instance refused the request: %s", e->message);
         abandon(r, q);
-        rt_loop_fail(r, q, 400, NULL, msg);
-        return;
+        return failed(q, 400, NULL, msg);
     }
     /* KvTarget refused: the prefill may still hold the request, abandon cancels it */
-    q->pf_call = 0;
+    q->pair.pf_call = 0;
     snprintf(msg, sizeof msg, "prefill instance %s: %s: %s: %s", s->name, what,
              td_ctrl_err_name(e->code), e->message);
-    pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
+    return pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
 }
 
 static void log_done(const rt_router *r, const rt_req *q, int j, const Td__PrefillDone *d)
@@ -509,98 +552,54 @@ static void log_done(const rt_router *r, const rt_req *q, int j, const Td__Prefi
                 (unsigned long long)d->prefill_ms);
 }
 
-void rt_pair_on_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
+rt_pair_out rt_pair_on_event(rt_router *r, int j, const Td__Event *ev)
 {
     rt_inst *s = &r->reg.pf[j];
-    if (rt_reg_seen(s, in->health, now))
-        TD_LOG_INFO("router: prefill instance %s (%s) is serving", s->name, s->url);
-    for (size_t k = 0; k < in->n_events; k++) {
-        const Td__Event *ev = in->events[k];
-        if (ev->body_case == TD__EVENT__BODY_PREFILL_DONE) {
-            const Td__PrefillDone *d = ev->prefill_done;
-            rt_req *q = rt_table_get(&r->table, d->request_id);
-            bool live = q && q->pinst == j && q->pf_busy;
-            /* a late notice of an ended attempt still describes work the instance did */
-            rt_metrics_prefill_done(&r->metrics, d);
-            log_done(r, live ? q : NULL, j, d);
-            if (live) pf_release(r, q);
-        } else if (ev->body_case == TD__EVENT__BODY_ERROR && ev->error->request_id) {
-            const Td__ErrorEvent *e = ev->error;
-            rt_req *q = rt_table_get(&r->table, e->request_id);
-            if (!q || q->pinst != j || !q->pf_busy) continue;
-            pf_release(r, q); /* the request is over on the prefill side */
-            if (started(q)) continue;
-            char msg[600];
-            snprintf(msg, sizeof msg, "prefill instance %s: %s: %s", s->name,
-                     td_ctrl_err_name(e->code), e->message);
-            pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
-        }
+    if (ev->body_case == TD__EVENT__BODY_PREFILL_DONE) {
+        const Td__PrefillDone *d = ev->prefill_done;
+        rt_req *q = rt_table_get(&r->table, d->request_id);
+        bool live = q && q->pair.pinst == j && q->pair.pf_busy;
+        /* a late notice of an ended attempt still describes work the instance did */
+        rt_metrics_prefill_done(&r->metrics, d);
+        log_done(r, live ? q : NULL, j, d);
+        if (live) pf_release(r, q);
+    } else if (ev->body_case == TD__EVENT__BODY_ERROR && ev->error->request_id) {
+        const Td__ErrorEvent *e = ev->error;
+        rt_req *q = rt_table_get(&r->table, e->request_id);
+        if (!q || q->pair.pinst != j || !q->pair.pf_busy) return go_on();
+        pf_release(r, q); /* the request is over on the prefill side */
+        if (started(q)) return go_on();
+        char msg[600];
+        snprintf(msg, sizeof msg, "prefill instance %s: %s: %s", s->name,
+                 td_ctrl_err_name(e->code), e->message);
+        return pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
     }
+    return go_on();
 }
 
-/* The attempts on prefill instance j are lost. Silent: each fails over (pair_failed).
- * Restarted: the new process knows nothing of them, but the instance is coming back, so
- * each starts again, on it or another one, as a moved request does (rt_loop_lose: it
- * waits up to router.migrate_wait_ms for a live instance). */
-static void prefill_lost(rt_router *r, int j, const char *what, bool restarted, int64_t now)
+rt_pair_out rt_pair_prefill_lost(rt_router *r, rt_req *q, int j, bool restarted)
 {
-    rt_inst *s = &r->reg.pf[j];
-    for (uint32_t k = 0; k < r->table.cap; k++) {
-        rt_req *q = r->table.slots[k];
-        if (!q || q->pinst != j || !q->pf_busy) continue;
-        if (started(q)) {
-            pf_release(r, q);
-            continue;
-        }
-        char msg[300];
-        snprintf(msg, sizeof msg, "prefill instance %s %s", s->name, what);
-        if (restarted)
-            rt_loop_lose(r, q, msg, now);
-        else
-            pair_failed(r, q, RT_PF_DEAD, false, msg); /* cancels too, in case it comes back */
+    if (q->pair.pinst != j || !q->pair.pf_busy) return go_on();
+    if (started(q)) {
+        pf_release(r, q);
+        return go_on();
     }
+    char msg[300];
+    snprintf(msg, sizeof msg, "prefill instance %s %s", r->reg.pf[j].name,
+             restarted ? "restarted" : "stopped answering");
+    if (restarted) return lost(q, msg);
+    return pair_failed(r, q, RT_PF_DEAD, false, msg); /* cancels too, in case it comes back */
 }
 
-void rt_pair_prefill_died(rt_router *r, int j)
+rt_pair_out rt_pair_expire(rt_router *r, rt_req *q, int64_t now)
 {
-    rt_inst *s = &r->reg.pf[j];
-    TD_LOG_WARN("router: prefill instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
-                r->cfg->router.instance_timeout_ms);
-    prefill_lost(r, j, "stopped answering", false, 0);
-}
-
-void rt_pair_prefill_restarted(rt_router *r, int j, int64_t now)
-{
-    rt_inst *s = &r->reg.pf[j];
-    TD_LOG_WARN("router: prefill instance %s (%s) restarted: its prompts start again", s->name,
-                s->url);
-    prefill_lost(r, j, "restarted", true, now);
-}
-
-void rt_pair_deadlines(rt_router *r, int64_t now)
-{
-    for (uint32_t k = 0; k < r->table.cap; k++) {
-        rt_req *q = r->table.slots[k];
-        if (!q || !q->deadline_ms || started(q) || now <= q->deadline_ms) continue;
-        if (q->state != RT_ST_SUBMITTED && q->state != RT_ST_RUNNING) continue;
-        char msg[400];
-        snprintf(msg, sizeof msg,
-                 "no first token %lld ms after the request went to prefill instance %s and "
-                 "decode instance %s",
-                 (long long)(rt_pair_deadline(r->cfg, 0)), pf_name(r, q->pinst),
-                 q->inst >= 0 ? r->reg.inst[q->inst].name : "?");
-        pair_failed(r, q, RT_PF_DEADLINE, true, msg);
-    }
-}
-
-bool rt_pair_unservable(rt_router *r, rt_req *q)
-{
-    if (q->pf_avoid < 0 || rt_reg_n_pf_alive(&r->reg, q->pf_avoid) > 0) return false;
-    if (q->pf_same_ok && r->reg.pf[q->pf_avoid].alive) return false; /* only busy: wait */
-    char msg[800];
+    if (!q->pair.deadline_ms || started(q) || now <= q->pair.deadline_ms) return go_on();
+    if (q->loop.state != RT_ST_SUBMITTED && q->loop.state != RT_ST_RUNNING) return go_on();
+    char msg[400];
     snprintf(msg, sizeof msg,
-             "the prefill of this request failed and no other prefill instance is available: %s",
-             q->pf_fail);
-    rt_loop_fail(r, q, 503, "prefill_failed", msg);
-    return true;
+             "no first token %lld ms after the request went to prefill instance %s and "
+             "decode instance %s",
+             (long long)(rt_pair_deadline(r->cfg, 0)), pf_name(r, q->pair.pinst),
+             q->loop.inst >= 0 ? r->reg.inst[q->loop.inst].name : "?");
+    return pair_failed(r, q, RT_PF_DEADLINE, true, msg);
 }

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "rt.h"
+#include "rt_registry.h"
 #include "td_err.h"
 
 static int client_for(rt_inst *s, const char *kind, const char *host, int port)

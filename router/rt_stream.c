@@ -2,7 +2,7 @@
  * SSE chunks / the final JSON body, and error endings. Runs on the loop thread; writes to
  * the shared part of rt_req under its lock and wakes the connection.
  *
- * Hold-back: q->held is text that has been detokenized but not sent. After every batch of
+ * Hold-back: q->loop.held is text that has been detokenized but not sent. After every batch of
  * ids the earliest full stop-string match in held ends the request (text before it is
  * sent, the rest dropped); otherwise everything except the longest suffix that is a prefix
  * of some stop string is sent. So a match can only start inside held, and no byte of a
@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "rt.h"
+#include "rt_stream.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 size_t rt_stop_holdback(const char *text, size_t len, char *const *stop, const size_t *stop_len,
@@ -47,8 +49,8 @@ long rt_stop_find(const char *text, size_t len, char *const *stop, const size_t 
 static json_t *usage_obj(const rt_req *q)
 {
     return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)q->p.n_prompt,
-                     "completion_tokens", (json_int_t)q->n_gen, "total_tokens",
-                     (json_int_t)(q->p.n_prompt + (size_t)q->n_gen));
+                     "completion_tokens", (json_int_t)q->loop.n_gen, "total_tokens",
+                     (json_int_t)(q->p.n_prompt + (size_t)q->loop.n_gen));
 }
 
 static const char *finish_name(rt_finish f)
@@ -56,7 +58,7 @@ static const char *finish_name(rt_finish f)
     return f == RT_FIN_STOP ? "stop" : "length";
 }
 
-/* One SSE event "data: {chunk}\n\n" appended to q->out (caller holds q->mu). choice NULL:
+/* One SSE event "data: {chunk}\n\n" appended to q->http.out (caller holds q->mu). choice NULL:
  * an empty choices array (the usage chunk). Steals choice and usage. */
 static int sse_chunk(const rt_router *r, rt_req *q, json_t *choice, json_t *usage)
 {
@@ -77,13 +79,13 @@ static int sse_chunk(const rt_router *r, rt_req *q, json_t *choice, json_t *usag
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     if (!s) return TD_ENOMEM;
-    if (q->out.len == 0 && !q->t_pending_ns)
-        q->t_pending_ns = r->t_events_ns ? r->t_events_ns : rt_now_ns();
-    int rc = rt_buf_puts(&q->out, "data: ");
-    if (!rc) rc = rt_buf_puts(&q->out, s);
-    if (!rc) rc = rt_buf_puts(&q->out, "\n\n");
+    if (q->http.out.len == 0 && !q->http.t_pending_ns)
+        q->http.t_pending_ns = r->t_events_ns ? r->t_events_ns : td_now_ns();
+    int rc = rt_buf_puts(&q->http.out, "data: ");
+    if (!rc) rc = rt_buf_puts(&q->http.out, s);
+    if (!rc) rc = rt_buf_puts(&q->http.out, "\n\n");
     free(s);
-    q->sse = true;
+    q->http.sse = true;
     return rc;
 }
 
@@ -102,11 +104,11 @@ static json_t *text_choice(const rt_req *q, const char *text, size_t len, const 
 /* Send len bytes of text (finish NULL: more follows). Caller holds q->mu. */
 static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char *finish)
 {
-    if (!q->p.stream) return rt_buf_append(&q->text, text, len);
+    if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
     if (!len && !finish) return 0;
     int rc = 0;
-    if (q->p.ep == RT_EP_CHAT && !q->role_sent) {
-        q->role_sent = true;
+    if (q->p.ep == RT_EP_CHAT && !q->loop.role_sent) {
+        q->loop.role_sent = true;
         rc = sse_chunk(r, q,
                        json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", 0, "delta", "role",
                                  "assistant", "content", "", "logprobs", "finish_reason"),
@@ -124,39 +126,37 @@ static int push_id(rt_req *q, int32_t id, const td_tokenizer *tok)
     size_t need = 4 * plen + 8;
     char *buf = need <= sizeof stack ? stack : malloc(need);
     if (!buf) return TD_ENOMEM;
-    int n = td_detok_push(&q->dt, id, buf, need);
-    int rc = n < 0 ? n : rt_buf_append(&q->held, buf, (size_t)n);
+    int n = td_detok_push(&q->loop.dt, id, buf, need);
+    int rc = n < 0 ? n : rt_buf_append(&q->loop.held, buf, (size_t)n);
     if (buf != stack) free(buf);
     return rc;
 }
 
-void rt_req_wake(rt_req *q);
-
 int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n)
 {
-    if (!q->dt_init) {
-        td_detok_init(&q->dt, r->tok);
-        q->dt_init = true;
+    if (!q->loop.dt_init) {
+        td_detok_init(&q->loop.dt, r->tok);
+        q->loop.dt_init = true;
     }
     int rc = 0;
     for (size_t i = 0; i < n && !rc; i++) {
-        q->n_gen++;
+        q->loop.n_gen++;
         rc = push_id(q, ids[i], r->tok);
     }
     if (rc) return rc;
-    long at = rt_stop_find(q->held.buf, q->held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+    long at = rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
     if (at >= 0) {
-        q->held.len = (size_t)at; /* the stop string and what follows are dropped */
-        q->stop_hit = true;
+        q->loop.held.len = (size_t)at; /* the stop string and what follows are dropped */
+        q->loop.stop_hit = true;
         return RT_FIN_STOP;
     }
-    size_t keep = rt_stop_holdback(q->held.buf, q->held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
-    size_t send = q->held.len - keep;
+    size_t keep = rt_stop_holdback(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+    size_t send = q->loop.held.len - keep;
     if (!send) return 0;
     pthread_mutex_lock(&q->mu);
-    rc = emit(r, q, q->held.buf, send, NULL);
+    rc = emit(r, q, q->loop.held.buf, send, NULL);
     pthread_mutex_unlock(&q->mu);
-    rt_buf_consume(&q->held, send);
+    rt_buf_consume(&q->loop.held, send);
     if (q->p.stream) rt_req_wake(q);
     return rc;
 }
@@ -164,13 +164,13 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
 static char *final_body(const rt_router *r, rt_req *q, const char *finish)
 {
     json_t *choice;
-    const char *text = q->text.buf ? q->text.buf : "";
+    const char *text = q->loop.text.buf ? q->loop.text.buf : "";
     if (q->p.ep == RT_EP_CHAT)
         choice =
             json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", 0, "message", "role", "assistant",
-                      "content", text, q->text.len, "logprobs", "finish_reason", finish);
+                      "content", text, q->loop.text.len, "logprobs", "finish_reason", finish);
     else
-        choice = json_pack("{s:i, s:s%, s:n, s:s}", "index", 0, "text", text, q->text.len,
+        choice = json_pack("{s:i, s:s%, s:n, s:s}", "index", 0, "text", text, q->loop.text.len,
                            "logprobs", "finish_reason", finish);
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", q->oid, "object",
                           q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
@@ -185,41 +185,41 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
 int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
 {
     int rc = 0;
-    if (!q->stop_hit && q->dt_init) {
+    if (!q->loop.stop_hit && q->loop.dt_init) {
         char buf[64];
-        int k = td_detok_flush(&q->dt, buf, sizeof buf);
-        if (k > 0) rc = rt_buf_append(&q->held, buf, (size_t)k);
-        long at = rt_stop_find(q->held.buf, q->held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+        int k = td_detok_flush(&q->loop.dt, buf, sizeof buf);
+        if (k > 0) rc = rt_buf_append(&q->loop.held, buf, (size_t)k);
+        long at = rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
         if (at >= 0) {
-            q->held.len = (size_t)at;
-            q->stop_hit = true;
+            q->loop.held.len = (size_t)at;
+            q->loop.stop_hit = true;
         }
     }
-    if (q->stop_hit) fin = RT_FIN_STOP;
+    if (q->loop.stop_hit) fin = RT_FIN_STOP;
     const char *finish = finish_name(fin);
     pthread_mutex_lock(&q->mu);
-    if (!rc) rc = emit(r, q, q->held.buf ? q->held.buf : "", q->held.len, finish);
+    if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, finish);
     if (!rc && q->p.stream) {
         if (q->p.include_usage) rc = sse_chunk(r, q, NULL, usage_obj(q));
-        if (!rc) rc = rt_buf_puts(&q->out, "data: [DONE]\n\n");
+        if (!rc) rc = rt_buf_puts(&q->http.out, "data: [DONE]\n\n");
     } else if (!rc) {
         char *body = final_body(r, q, finish);
         if (!body) rc = TD_ENOMEM;
-        if (!rc) rc = rt_buf_puts(&q->out, body);
+        if (!rc) rc = rt_buf_puts(&q->http.out, body);
         free(body);
-        q->status = 200;
+        q->http.status = 200;
     }
     if (rc) {
         /* out of memory while finishing: end the response as best we can */
-        rt_buf_free(&q->out);
-        if (q->sse)
-            rt_buf_puts(&q->out, "data: [DONE]\n\n");
+        rt_buf_free(&q->http.out);
+        if (q->http.sse)
+            rt_buf_puts(&q->http.out, "data: [DONE]\n\n");
         else
-            q->status = 500;
+            q->http.status = 500;
     }
-    q->done = true;
+    q->http.done = true;
     pthread_mutex_unlock(&q->mu);
-    rt_buf_consume(&q->held, q->held.len);
+    rt_buf_consume(&q->loop.held, q->loop.held.len);
     rt_req_wake(q);
     return rc;
 }
@@ -228,16 +228,16 @@ void rt_stream_fail(rt_req *q, const rt_error *e)
 {
     char *err = rt_error_json(e);
     pthread_mutex_lock(&q->mu);
-    if (q->sse) {
-        rt_buf_puts(&q->out, "data: ");
-        rt_buf_puts(&q->out, err ? err : "{\"error\":{\"message\":\"internal error\"}}");
-        rt_buf_puts(&q->out, "\n\ndata: [DONE]\n\n");
+    if (q->http.sse) {
+        rt_buf_puts(&q->http.out, "data: ");
+        rt_buf_puts(&q->http.out, err ? err : "{\"error\":{\"message\":\"internal error\"}}");
+        rt_buf_puts(&q->http.out, "\n\ndata: [DONE]\n\n");
     } else {
-        rt_buf_free(&q->out);
-        if (err) rt_buf_puts(&q->out, err);
-        q->status = e->status;
+        rt_buf_free(&q->http.out);
+        if (err) rt_buf_puts(&q->http.out, err);
+        q->http.status = e->status;
     }
-    q->done = true;
+    q->http.done = true;
     pthread_mutex_unlock(&q->mu);
     free(err);
     rt_req_wake(q);

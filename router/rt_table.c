@@ -4,7 +4,8 @@
  * Loop thread only. */
 #include <stdlib.h>
 
-#include "rt.h"
+#include "rt_req.h"
+#include "rt_table.h"
 #include "td_err.h"
 
 #define SLOT_BITS 20u
@@ -29,7 +30,7 @@ int rt_table_add(rt_table *t, rt_req *q)
     }
     uint32_t slot = t->free_list[--t->n_free];
     t->slots[slot] = q;
-    q->rid = (++t->gen << SLOT_BITS) | slot;
+    q->loop.rid = (++t->gen << SLOT_BITS) | slot;
     t->count++;
     return 0;
 }
@@ -37,14 +38,14 @@ int rt_table_add(rt_table *t, rt_req *q)
 rt_req *rt_table_get(const rt_table *t, uint64_t rid)
 {
     uint64_t slot = rid & SLOT_MASK;
-    if (slot >= t->cap || !t->slots[slot] || t->slots[slot]->rid != rid) return NULL;
+    if (slot >= t->cap || !t->slots[slot] || t->slots[slot]->loop.rid != rid) return NULL;
     return t->slots[slot];
 }
 
 void rt_table_remove(rt_table *t, rt_req *q)
 {
-    if (!q->rid || rt_table_get(t, q->rid) != q) return;
-    uint32_t slot = (uint32_t)(q->rid & SLOT_MASK);
+    if (!q->loop.rid || rt_table_get(t, q->loop.rid) != q) return;
+    uint32_t slot = (uint32_t)(q->loop.rid & SLOT_MASK);
     t->slots[slot] = NULL;
     t->free_list[t->n_free++] = slot;
     t->count--;

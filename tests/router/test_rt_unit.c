@@ -3,13 +3,18 @@
  * string to complete), the request table, the fair queue (round robin, put-back, the
  * victim when full, the overflow slot), the API key comparison, client keys and the body
  * limit, the choice of decode and prefill instances, the disaggregated pairing's
- * bookkeeping (replies and events fed by hand; the control clients dial ports nobody
- * listens on, so calls just stay pending), and rt_stream over a real tokenizer (argv[1]: a
+ * bookkeeping (replies and events fed by hand, the verdicts carried out by the loop's
+ * rt_loop_act; the control clients dial ports nobody listens on, so calls just stay
+ * pending), and rt_stream over a real tokenizer (argv[1]: a
  * GGUF) with the per-request "timeout" field. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "rt.h"
+#include "rt_http.h"
+#include "rt_loop_int.h"
+#include "rt_pair.h"
+#include "rt_stream.h"
 #include "tharness.h"
 
 /* the emitter's rule applied to text arriving a character at a time */
@@ -91,13 +96,13 @@ static void test_table(void)
     for (int i = 0; i < 600; i++)
         TH_REQUIRE(rt_table_add(&t, &reqs[i]) == 0);
     for (int i = 0; i < 600; i++)
-        TH_CHECK(rt_table_get(&t, reqs[i].rid) == &reqs[i]);
-    uint64_t old = reqs[5].rid;
+        TH_CHECK(rt_table_get(&t, reqs[i].loop.rid) == &reqs[i]);
+    uint64_t old = reqs[5].loop.rid;
     rt_table_remove(&t, &reqs[5]);
     TH_CHECK(rt_table_get(&t, old) == NULL);
     TH_CHECK(rt_table_add(&t, &reqs[5]) == 0);
-    TH_CHECK(reqs[5].rid != old && rt_table_get(&t, old) == NULL);
-    TH_CHECK(rt_table_get(&t, reqs[5].rid) == &reqs[5]);
+    TH_CHECK(reqs[5].loop.rid != old && rt_table_get(&t, old) == NULL);
+    TH_CHECK(rt_table_get(&t, reqs[5].loop.rid) == &reqs[5]);
     TH_CHECK(t.count == 600);
     rt_table_fini(&t);
 }
@@ -108,7 +113,7 @@ static rt_req *freq(rt_req *q, uint64_t client)
 {
     memset(q, 0, sizeof *q);
     q->client = client;
-    q->fslot = -1;
+    q->loop.fslot = -1;
     return q;
 }
 
@@ -168,7 +173,7 @@ static void test_fair(void)
     rt_fair_push(&f, freq(&r[3], 'B'));
     rt_fair_remove(&f, &r[1]);
     rt_fair_remove(&f, &r[3]);
-    TH_CHECK(r[1].fslot == -1 && f.n_clients == 1 && f.len == 2);
+    TH_CHECK(r[1].loop.fslot == -1 && f.n_clients == 1 && f.len == 2);
     TH_CHECK(rt_fair_pop(&f) == &r[0] && rt_fair_pop(&f) == &r[2] && !rt_fair_peek(&f));
 
     /* the queue is full: the heaviest client gives up its newest request when that narrows
@@ -191,8 +196,8 @@ static void test_fair(void)
         rt_fair_push(&f, freq(&r[i], 1000 + (uint64_t)i));
     rt_fair_push(&f, freq(&r[RT_FAIR_CLIENTS + 2], 1000)); /* the first client again */
     TH_CHECK(f.n_clients == RT_FAIR_CLIENTS + 1 && f.len == RT_FAIR_CLIENTS + 3);
-    TH_CHECK(r[RT_FAIR_CLIENTS].fslot == RT_FAIR_CLIENTS &&
-             r[RT_FAIR_CLIENTS + 1].fslot == RT_FAIR_CLIENTS);
+    TH_CHECK(r[RT_FAIR_CLIENTS].loop.fslot == RT_FAIR_CLIENTS &&
+             r[RT_FAIR_CLIENTS + 1].loop.fslot == RT_FAIR_CLIENTS);
     TH_CHECK(rt_fair_count(&f, 1000) == 2 && rt_fair_count(&f, 99999) == 2);
     int popped = 0;
     while (rt_fair_pop(&f))
@@ -343,19 +348,25 @@ static void pair_unqueue(rt_req *q)
 {
     TH_CHECK(rt_fair_pop(&g_r.fair) == q);
     atomic_fetch_sub(&g_r.queued, 1);
-    q->state = RT_ST_INBOX;
+    q->loop.state = RT_ST_INBOX;
+}
+
+/* What the loop does with a verdict of the pairing. */
+static void act(rt_pair_out o, int64_t now)
+{
+    rt_loop_act(&g_r, &o, now);
 }
 
 static void reply(int pf, uint64_t call, Td__Envelope *env)
 {
     td_ctrl_client_in in = {.kind = TD_CTRL_IN_REPLY, .call_id = call, .env = env};
     if (pf >= 0)
-        rt_pair_on_reply(&g_r, pf, &in, 0);
+        act(rt_pair_on_reply(&g_r, pf, &in, 0), 0);
     else {
         rt_req *q = NULL;
         for (uint32_t k = 0; k < g_r.table.cap; k++)
-            if (g_r.table.slots[k] && g_r.table.slots[k]->call_id == call) q = g_r.table.slots[k];
-        if (q) rt_pair_on_alloc(&g_r, q, 0, &in, 0);
+            if (g_r.table.slots[k] && g_r.table.slots[k]->loop.call_id == call) q = g_r.table.slots[k];
+        if (q) act(rt_pair_on_alloc(&g_r, q, 0, &in, 0), 0);
     }
 }
 
@@ -395,8 +406,7 @@ static void error_reply(int pf, uint64_t call, Td__ErrorCode code)
 
 static void pf_event(int pf, Td__Event *ev)
 {
-    td_ctrl_client_in in = {.kind = TD_CTRL_IN_EVENTS, .events = &ev, .n_events = 1};
-    rt_pair_on_events(&g_r, pf, &in, 0);
+    act(rt_pair_on_event(&g_r, pf, ev), 0);
 }
 
 static void prefill_done(int pf, uint64_t rid)
@@ -424,6 +434,14 @@ static void prefill_error(int pf, uint64_t rid, Td__ErrorCode code)
     pf_event(pf, &ev);
 }
 
+/* Dispatch's check when no prefill instance can take q: true when q was failed. */
+static bool unservable(rt_req *q)
+{
+    rt_pair_out o = rt_pair_unservable(&g_r, q);
+    act(o, 0);
+    return o.verdict != RT_PAIR_OK;
+}
+
 /* Nothing is held on any instance. */
 static bool all_released(void)
 {
@@ -441,18 +459,18 @@ static void test_pair(void)
     for (int order = 0; order < 2; order++) {
         rt_req *q = pair_req();
         TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-        TH_CHECK(q->state == RT_ST_SUBMITTED && q->pf_busy && q->pinst == 0);
+        TH_CHECK(q->loop.state == RT_ST_SUBMITTED && q->pair.pf_busy && q->pair.pinst == 0);
         TH_CHECK(g_r.reg.inst[0].active == 1 && g_r.reg.pf[0].active == 1 &&
                  g_r.reg.pf[0].inflight_tokens == 3);
-        uint64_t pcall = q->pf_call;
+        uint64_t pcall = q->pair.pf_call;
         if (order == 0) ack(0, pcall);
-        alloc_reply(q->call_id, q->rid);
-        TH_CHECK(q->state == RT_ST_RUNNING && q->kvt_sent == (order == 0));
+        alloc_reply(q->loop.call_id, q->loop.rid);
+        TH_CHECK(q->loop.state == RT_ST_RUNNING && q->pair.kvt_sent == (order == 0));
         if (order == 1) ack(0, pcall);
-        TH_CHECK(q->kvt_sent && !q->targets && q->pf_call != 0); /* the KvTarget call */
-        ack(0, q->pf_call);
-        prefill_done(0, q->rid);
-        TH_CHECK(!q->pf_busy && g_r.reg.pf[0].active == 0 && g_r.reg.pf[0].inflight_tokens == 0);
+        TH_CHECK(q->pair.kvt_sent && !q->pair.targets && q->pair.pf_call != 0); /* the KvTarget call */
+        ack(0, q->pair.pf_call);
+        prefill_done(0, q->loop.rid);
+        TH_CHECK(!q->pair.pf_busy && g_r.reg.pf[0].active == 0 && g_r.reg.pf[0].inflight_tokens == 0);
         rt_loop_retire(&g_r, q); /* the request ends */
         TH_CHECK(all_released());
         rt_req_release(q);
@@ -463,19 +481,19 @@ static void test_pair(void)
        failure ends the request */
     rt_req *q = pair_req();
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-    uint64_t rid1 = q->rid;
-    ack(0, q->pf_call);
-    prefill_error(0, q->rid, TD__ERROR_CODE__ERR_PEER_FAILED);
-    TH_CHECK(q->state == RT_ST_QUEUED && rt_fair_peek(&g_r.fair) == q && q->pf_retried &&
-             q->pf_avoid == 0);
-    TH_CHECK(!q->pf_same_ok && all_released());
+    uint64_t rid1 = q->loop.rid;
+    ack(0, q->pair.pf_call);
+    prefill_error(0, q->loop.rid, TD__ERROR_CODE__ERR_PEER_FAILED);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && rt_fair_peek(&g_r.fair) == q && q->pair.pf_retried &&
+             q->pair.pf_avoid == 0);
+    TH_CHECK(!q->pair.pf_same_ok && all_released());
     pair_unqueue(q);
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 0) == 0);
-    TH_CHECK(q->rid != rid1 && rt_table_get(&g_r.table, rid1) == NULL);
-    alloc_reply(q->call_id, q->rid);
-    error_reply(1, q->pf_call, TD__ERROR_CODE__ERR_PEER_FAILED); /* Prefill refused */
-    TH_CHECK(q->done && q->status == 503 && strstr(q->out.buf, "prefill_failed") &&
-             strstr(q->out.buf, "failed twice"));
+    TH_CHECK(q->loop.rid != rid1 && rt_table_get(&g_r.table, rid1) == NULL);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    error_reply(1, q->pair.pf_call, TD__ERROR_CODE__ERR_PEER_FAILED); /* Prefill refused */
+    TH_CHECK(q->http.done && q->http.status == 503 && strstr(q->http.out.buf, "prefill_failed") &&
+             strstr(q->http.out.buf, "failed twice"));
     TH_CHECK(all_released() && g_r.metrics.pf_retries == 1);
     rt_req_release(q);
 
@@ -483,13 +501,13 @@ static void test_pair(void)
     g_r.reg.pf[1].alive = g_r.reg.pf[1].ready = false;
     q = pair_req();
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-    ack(0, q->pf_call);
-    prefill_error(0, q->rid, TD__ERROR_CODE__ERR_TIMEOUT);
-    TH_CHECKF(q->state == RT_ST_QUEUED && q->pf_same_ok && !rt_pair_unservable(&g_r, q),
-              "state %d same %d", (int)q->state, q->pf_same_ok);
+    ack(0, q->pair.pf_call);
+    prefill_error(0, q->loop.rid, TD__ERROR_CODE__ERR_TIMEOUT);
+    TH_CHECKF(q->loop.state == RT_ST_QUEUED && q->pair.pf_same_ok && !unservable(q),
+              "state %d same %d", (int)q->loop.state, q->pair.pf_same_ok);
     /* ... but not after a non-timeout failure */
-    q->pf_same_ok = false;
-    TH_CHECK(rt_pair_unservable(&g_r, q) && q->done && q->status == 503);
+    q->pair.pf_same_ok = false;
+    TH_CHECK(unservable(q) && q->http.done && q->http.status == 503);
     TH_CHECK(rt_fair_peek(&g_r.fair) == NULL && g_r.fair.len == 0 && all_released());
     rt_req_release(q);
     g_r.reg.pf[1].alive = g_r.reg.pf[1].ready = true;
@@ -498,9 +516,9 @@ static void test_pair(void)
        comes (an orphan), never before */
     q = pair_req();
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-    uint64_t pcall = q->pf_call;
-    error_reply(-1, q->call_id, TD__ERROR_CODE__ERR_BUSY);
-    TH_CHECK(q->state == RT_ST_QUEUED && q->busy == 1 && q->retries == 0 && !q->pf_retried);
+    uint64_t pcall = q->pair.pf_call;
+    error_reply(-1, q->loop.call_id, TD__ERROR_CODE__ERR_BUSY);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.busy == 1 && q->loop.retries == 0 && !q->pair.pf_retried);
     TH_CHECK(g_r.reg.pf[0].n_orphans == 1 && all_released());
     ack(0, pcall);
     TH_CHECK(g_r.reg.pf[0].n_orphans == 0);
@@ -508,24 +526,24 @@ static void test_pair(void)
 
     /* a decode transfer error before the first token: retried */
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-    ack(0, q->pf_call);
-    alloc_reply(q->call_id, q->rid);
+    ack(0, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
     Td__ErrorEvent xe = TD__ERROR_EVENT__INIT;
-    xe.request_id = q->rid;
+    xe.request_id = q->loop.rid;
     xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
     xe.message = "transfer failed";
-    rt_pair_on_decode_error(&g_r, q, &xe, 0);
-    TH_CHECK(q->state == RT_ST_QUEUED && q->pf_retried && all_released());
+    act(rt_pair_on_decode_error(&g_r, q, &xe), 0);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.pf_retried && all_released());
     TH_CHECK(g_r.metrics.pf_failures[RT_PF_TRANSFER] == 1);
     pair_unqueue(q);
 
     /* the deadline ends the attempt and the request */
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 0) == 0);
-    ack(1, q->pf_call);
-    rt_pair_deadlines(&g_r, q->deadline_ms);
-    TH_CHECK(!q->done);
-    rt_pair_deadlines(&g_r, q->deadline_ms + 1);
-    TH_CHECK(q->done && q->status == 503 && strstr(q->out.buf, "first_token_timeout"));
+    ack(1, q->pair.pf_call);
+    act(rt_pair_expire(&g_r, q, q->pair.deadline_ms), q->pair.deadline_ms);
+    TH_CHECK(!q->http.done);
+    act(rt_pair_expire(&g_r, q, q->pair.deadline_ms + 1), q->pair.deadline_ms + 1);
+    TH_CHECK(q->http.done && q->http.status == 503 && strstr(q->http.out.buf, "first_token_timeout"));
     TH_CHECK(all_released() && g_r.table.count == 0);
     rt_req_release(q);
 
@@ -533,8 +551,8 @@ static void test_pair(void)
     q = pair_req();
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
     g_r.reg.pf[0].alive = g_r.reg.pf[0].ready = false;
-    rt_pair_prefill_died(&g_r, 0);
-    TH_CHECK(q->state == RT_ST_QUEUED && q->pf_avoid == 0 && all_released());
+    act(rt_pair_prefill_lost(&g_r, q, 0, false), 0); /* as the loop does for each request */
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.pf_avoid == 0 && all_released());
     TH_CHECK(g_r.reg.pf[0].n_orphans == 1); /* its Prefill was not answered yet */
     pair_unqueue(q);
     rt_loop_retire(&g_r, q);
@@ -547,11 +565,11 @@ static void test_pair(void)
  * many; it may move router.max_migrations times; "migrate": false ends it instead. */
 static void got_tokens(rt_req *q, int n) /* as on_token does, without a tokenizer */
 {
-    q->gen_ids = realloc(q->gen_ids, (size_t)(q->n_gen + n) * sizeof *q->gen_ids);
-    q->cap_gen = q->n_gen + n;
+    q->loop.gen_ids = realloc(q->loop.gen_ids, (size_t)(q->loop.n_gen + n) * sizeof *q->loop.gen_ids);
+    q->loop.cap_gen = q->loop.n_gen + n;
     for (int k = 0; k < n; k++)
-        q->gen_ids[q->n_gen + k] = 100 + q->n_gen + k;
-    q->n_gen += n;
+        q->loop.gen_ids[q->loop.n_gen + k] = 100 + q->loop.n_gen + k;
+    q->loop.n_gen += n;
 }
 
 static void test_migrate(void)
@@ -561,20 +579,20 @@ static void test_migrate(void)
     rt_req *q = pair_req();
     q->p.max_tokens = 10;
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-    ack(0, q->pf_call);
-    alloc_reply(q->call_id, q->rid);
-    prefill_done(0, q->rid);
+    ack(0, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    prefill_done(0, q->loop.rid);
     got_tokens(q, 2);
-    uint64_t rid0 = q->rid;
+    uint64_t rid0 = q->loop.rid;
 
     /* a rank died: ERR_PEER_FAILED after the first token moves the request */
     Td__ErrorEvent xe = TD__ERROR_EVENT__INIT;
-    xe.request_id = q->rid;
+    xe.request_id = q->loop.rid;
     xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
     xe.message = "rank 1 died";
-    rt_pair_on_decode_error(&g_r, q, &xe, 1000);
-    TH_CHECK(q->state == RT_ST_QUEUED && !q->done && q->migrations == 1 && q->lost_ms == 1000);
-    TH_CHECK(q->gen_base == 2 && q->inst == -1 && all_released());
+    act(rt_pair_on_decode_error(&g_r, q, &xe), 1000);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && !q->http.done && q->loop.migrations == 1 && q->loop.lost_ms == 1000);
+    TH_CHECK(q->loop.gen_base == 2 && q->loop.inst == -1 && all_released());
     size_t n = 0;
     const int32_t *ids = rt_req_prompt(q, &n);
     TH_CHECK(n == 5 && ids[0] == 1 && ids[2] == 3 && ids[3] == 100 && ids[4] == 101);
@@ -582,41 +600,41 @@ static void test_migrate(void)
     /* the next attempt: a fresh id, the resumed prompt's tokens on the prefill instance */
     pair_unqueue(q);
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 1100) == 0);
-    TH_CHECK(q->rid != rid0 && g_r.reg.pf[1].inflight_tokens == 5);
+    TH_CHECK(q->loop.rid != rid0 && g_r.reg.pf[1].inflight_tokens == 5);
     /* before its first token a transfer failure is the attempt's (retried), not a move */
-    ack(1, q->pf_call);
-    alloc_reply(q->call_id, q->rid);
-    xe.request_id = q->rid;
-    rt_pair_on_decode_error(&g_r, q, &xe, 1200);
-    TH_CHECK(q->state == RT_ST_QUEUED && q->migrations == 1 && q->pf_retried && all_released());
+    ack(1, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    xe.request_id = q->loop.rid;
+    act(rt_pair_on_decode_error(&g_r, q, &xe), 1200);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 1 && q->pair.pf_retried && all_released());
     pair_unqueue(q);
 
     /* the restarted prefill instance: its prompts start again (a move, waiting allowed) */
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1300) == 0);
-    rt_pair_prefill_restarted(&g_r, 0, 1300);
-    TH_CHECK(q->state == RT_ST_QUEUED && q->migrations == 2 && !q->pf_retried && all_released());
+    act(rt_pair_prefill_lost(&g_r, q, 0, true), 1300);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 2 && !q->pair.pf_retried && all_released());
     pair_unqueue(q);
 
     /* a decode instance that is stopping moves it too; then max_migrations (3) is reached */
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1400) == 0);
-    ack(0, q->pf_call);
-    alloc_reply(q->call_id, q->rid);
-    prefill_done(0, q->rid);
+    ack(0, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    prefill_done(0, q->loop.rid);
     got_tokens(q, 3);
-    xe.request_id = q->rid;
+    xe.request_id = q->loop.rid;
     xe.code = TD__ERROR_CODE__ERR_SHUTDOWN;
-    rt_pair_on_decode_error(&g_r, q, &xe, 1500);
-    TH_CHECK(q->state == RT_ST_QUEUED && q->migrations == 3 && q->gen_base == 5);
+    act(rt_pair_on_decode_error(&g_r, q, &xe), 1500);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 3 && q->loop.gen_base == 5);
     TH_CHECK(rt_req_prompt(q, &n)[7] == 104 && n == 8);
     pair_unqueue(q);
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1600) == 0);
-    ack(0, q->pf_call);
-    alloc_reply(q->call_id, q->rid);
-    prefill_done(0, q->rid);
+    ack(0, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    prefill_done(0, q->loop.rid);
     got_tokens(q, 1);
-    xe.request_id = q->rid;
-    rt_pair_on_decode_error(&g_r, q, &xe, 1700);
-    TH_CHECK(q->done && q->status == 503 && strstr(q->out.buf, "max_migrations"));
+    xe.request_id = q->loop.rid;
+    act(rt_pair_on_decode_error(&g_r, q, &xe), 1700);
+    TH_CHECK(q->http.done && q->http.status == 503 && strstr(q->http.out.buf, "max_migrations"));
     TH_CHECK(all_released() && g_r.table.count == 0);
     rt_req_release(q);
 
@@ -625,15 +643,15 @@ static void test_migrate(void)
         q = pair_req();
         q->p.no_migrate = k == 0;
         TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-        ack(0, q->pf_call);
-        alloc_reply(q->call_id, q->rid);
-        prefill_done(0, q->rid);
+        ack(0, q->pair.pf_call);
+        alloc_reply(q->loop.call_id, q->loop.rid);
+        prefill_done(0, q->loop.rid);
         got_tokens(q, 1);
-        xe.request_id = q->rid;
+        xe.request_id = q->loop.rid;
         xe.code = k == 0 ? TD__ERROR_CODE__ERR_PEER_FAILED : TD__ERROR_CODE__ERR_INTERNAL;
-        rt_pair_on_decode_error(&g_r, q, &xe, 0);
-        TH_CHECK(q->done && q->status == (k == 0 ? 503 : 500) && q->migrations == 0);
-        TH_CHECK(k || strstr(q->out.buf, "migrate"));
+        act(rt_pair_on_decode_error(&g_r, q, &xe), 0);
+        TH_CHECK(q->http.done && q->http.status == (k == 0 ? 503 : 500) && q->loop.migrations == 0);
+        TH_CHECK(k || strstr(q->http.out.buf, "migrate"));
         TH_CHECK(all_released() && g_r.table.count == 0);
         rt_req_release(q);
     }
@@ -665,14 +683,14 @@ static void test_stream(void)
             fin = rt_stream_tokens(&r, q, &ids[i], 1);
         TH_CHECK(fin == RT_FIN_STOP);
         rt_stream_finish(&r, q, RT_FIN_STOP);
-        TH_CHECK(q->done);
+        TH_CHECK(q->http.done);
         if (!stream) {
-            TH_CHECKF(q->text.len == 21 && !memcmp(q->text.buf, "hello world, this is ", 21),
-                      "text '%s'", q->text.buf);
-            TH_CHECK(q->status == 200 && strstr(q->out.buf, "\"finish_reason\":\"stop\""));
+            TH_CHECKF(q->loop.text.len == 21 && !memcmp(q->loop.text.buf, "hello world, this is ", 21),
+                      "text '%s'", q->loop.text.buf);
+            TH_CHECK(q->http.status == 200 && strstr(q->http.out.buf, "\"finish_reason\":\"stop\""));
         } else {
-            TH_CHECK(q->sse && strstr(q->out.buf, "data: [DONE]\n\n"));
-            TH_CHECK(!strstr(q->out.buf, "the end") && !strstr(q->out.buf, "the en"));
+            TH_CHECK(q->http.sse && strstr(q->http.out.buf, "data: [DONE]\n\n"));
+            TH_CHECK(!strstr(q->http.out.buf, "the end") && !strstr(q->http.out.buf, "the en"));
         }
         rt_req_release(q);
     }

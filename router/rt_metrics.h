@@ -1,0 +1,129 @@
+/* rt_metrics.h: the router's Prometheus metrics and its one log line per ended request
+ * (prefix rt_metrics_).
+ *
+ * Purpose: counters, gauges and histograms of generation requests, non-generation paths,
+ * instances and (disaggregated) the pairing; rendered as Prometheus text for /metrics.
+ * Invariants: histogram counts[] are per bucket (cumulated when rendered); the gauges are
+ * what the loop last published.
+ * Threading: every function takes rt_metrics.mu; any thread may call them
+ * (rt_metrics_request_end: the loop thread, before the request is retired).
+ * Ownership: rt_metrics owns its gauge arrays (rt_metrics_fini).
+ */
+#ifndef RT_METRICS_H
+#define RT_METRICS_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ctrl.h"
+#include "rt_req.h"
+
+struct rt_router;
+
+#define RT_HIST_BUCKETS 16
+
+typedef struct {
+    uint64_t counts[RT_HIST_BUCKETS + 1]; /* per bucket, last: +Inf */
+    double sum;
+    uint64_t n;
+} rt_hist;
+
+typedef struct {
+    uint32_t running, waiting, kv_used, kv_free;
+    bool alive;
+} rt_inst_gauge;
+
+typedef struct {
+    uint64_t queued_tokens;
+    uint32_t running, waiting;
+    int active; /* the router's attempts on it */
+    bool alive;
+} rt_pf_gauge;
+
+/* Where a request was when its deadline passed (metric label). */
+typedef enum {
+    RT_TO_QUEUED = 0, /* in the router queue */
+    RT_TO_WAITING,    /* on its instance(s), no token yet (disaggregated: prefilling) */
+    RT_TO_GENERATING, /* tokens were coming */
+    RT_TO_N
+} rt_timeout_state;
+
+/* Why a disaggregated attempt failed before its first token (metric label). */
+typedef enum {
+    RT_PF_ERROR = 0, /* the prefill instance reported an error (reply or ErrorEvent) */
+    RT_PF_DEAD,      /* the prefill instance was marked dead */
+    RT_PF_TRANSFER,  /* the decode side reported the KV transfer failed / timed out */
+    RT_PF_DEADLINE,  /* no first token by the attempt's deadline */
+    RT_PF_N
+} rt_pf_fail;
+
+typedef struct {
+    pthread_mutex_t mu;
+    uint64_t by_status[600]; /* responses by HTTP status */
+    uint64_t prompt_tokens, generation_tokens;
+    rt_hist ttft, tpot, e2e; /* seconds */
+    rt_hist write_delay;     /* seconds: token event received -> its bytes handed to the socket */
+    rt_inst_gauge *inst;     /* (n_inst) */
+    int n_inst;
+    int queue;                  /* requests in the router queue */
+    int active;                 /* requests on instances */
+    uint64_t timeouts[RT_TO_N]; /* requests ended by their deadline */
+    uint64_t evictions;         /* queued requests refused to make room for a quieter client */
+    uint64_t migrations;        /* times a request's decode side was lost and it moved */
+    rt_hist migrate_pause;      /* seconds: decode side lost -> the next token (moved requests) */
+    bool draining;              /* SIGTERM/SIGINT received */
+    /* disaggregated mode */
+    uint64_t pf_requests; /* Prefill messages sent (attempts) */
+    uint64_t pf_retries;  /* attempts retried after a prefill failure */
+    uint64_t pf_failures[RT_PF_N];
+    uint64_t busy_decode, busy_prefill; /* ERR_BUSY bounces */
+    rt_hist chunk;                      /* tokens: chunk sizes from PrefillDone */
+    rt_hist pf_time, pf_queued;         /* seconds: PrefillDone.prefill_ms, queued_ms */
+    rt_pf_gauge *pf;                    /* (n_pf) */
+    int n_pf;
+    uint64_t *http; /* (RT_PATH_N, 600) responses to non-generation requests by path and
+                      status (rt_metrics_http) */
+} rt_metrics;
+
+int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf);
+void rt_metrics_fini(rt_metrics *m);
+void rt_metrics_status(rt_metrics *m, int status);
+void rt_metrics_write_delay(rt_metrics *m, double seconds);
+void rt_metrics_prefill_done(rt_metrics *m, const Td__PrefillDone *d);
+typedef enum {
+    RT_PM_SENT = 0,     /* a Prefill went out (an attempt) */
+    RT_PM_RETRY,        /* a request is retried after a prefill failure */
+    RT_PM_BUSY_DECODE,  /* ERR_BUSY to Alloc */
+    RT_PM_BUSY_PREFILL, /* ERR_BUSY to Prefill */
+    RT_PM_FAIL,         /* an attempt failed before its first token (why) */
+} rt_pair_metric;
+void rt_metrics_pair(rt_metrics *m, rt_pair_metric what, rt_pf_fail why);
+void rt_metrics_timeout(rt_metrics *m, rt_timeout_state where);
+void rt_metrics_eviction(rt_metrics *m);
+/* A request moved (rt_loop_lose); a moved request's next token came `pause` s after. */
+void rt_metrics_migration(rt_metrics *m);
+void rt_metrics_migrated(rt_metrics *m, double pause);
+/* Prometheus text exposition (malloc'd). */
+char *rt_metrics_render(rt_metrics *m, const struct rt_router *r);
+/* Non-generation paths, counted apart from the API (generation) requests. */
+typedef enum {
+    RT_PATH_HEALTH = 0, /* /health */
+    RT_PATH_METRICS,    /* /metrics */
+    RT_PATH_MODELS,     /* /v1/models */
+    RT_PATH_OTHER,      /* anything else (404) */
+    RT_PATH_N
+} rt_path;
+/* A response with status (100..599) to a request on a non-generation path. */
+void rt_metrics_http(rt_metrics *m, rt_path path, int status);
+/* A generation request ended, however: finished (status 200, outcome its finish reason
+ * "stop" / "length"), failed, timed out, refused or left by its client (status: the HTTP
+ * status its answer has or would have had, also when it goes out as an SSE error event;
+ * outcome: the error code, or NULL). Logs the request's one info line (id, endpoint,
+ * status, outcome, prompt and output tokens, TTFT, total time, instances; never the
+ * prompt) and, finished, records its tokens and latencies. Loop thread, before q is
+ * retired. */
+void rt_metrics_request_end(struct rt_router *r, const rt_req *q, int64_t now_ms, int status,
+                            const char *outcome);
+
+#endif

@@ -1,0 +1,56 @@
+/* rt_openai.h: OpenAI request bodies -> validated request parameters (prefix rt_).
+ *
+ * Purpose: parse and validate /v1/completions and /v1/chat/completions bodies (tokenizing
+ * the prompt, rendering the chat template) into rt_params, refusing bad input with a 400 or
+ * 404 rt_error that names the field; the /v1/models body.
+ * Invariants: a parsed rt_params has 1 <= n_prompt <= router.max_prompt_tokens, n_stop <=
+ * RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES, and sampling values the
+ * sampler accepts.
+ * Threading: called on the HTTP threads; reads only the router's read-only state (config,
+ * tokenizer, chat template).
+ * Ownership: rt_params owns its prompt and stop strings (rt_params_fini); it belongs to its
+ * rt_req once posted.
+ */
+#ifndef RT_OPENAI_H
+#define RT_OPENAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rt_buf.h"
+#include "td_sampling.h"
+
+#define RT_MAX_STOP       4    /* stop strings per request */
+#define RT_MAX_STOP_BYTES 1024 /* bytes of one stop string */
+
+struct rt_router;
+
+typedef enum { RT_EP_COMPLETIONS = 0, RT_EP_CHAT = 1 } rt_endpoint;
+
+typedef struct {
+    rt_endpoint ep;
+    int32_t *prompt; /* (n_prompt) token ids, malloc'd */
+    size_t n_prompt;
+    int max_tokens;
+    td_sampling sampling; /* .skip_samples is set per attempt (rt_req_submit_msg) */
+    bool ignore_eos;
+    char *stop[RT_MAX_STOP]; /* NUL-terminated, malloc'd, non-empty */
+    size_t stop_len[RT_MAX_STOP];
+    int n_stop;
+    bool stream, include_usage;
+    int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
+    bool no_migrate;    /* the body's "migrate": false: fail rather than move mid-stream */
+} rt_params;
+
+void rt_params_fini(rt_params *p);
+
+/* Parse and validate a request body for ep. Returns 0 with *p filled, or the HTTP
+ * status with e filled (p is then empty). */
+int rt_openai_parse(const struct rt_router *r, rt_endpoint ep, const char *body, size_t len,
+                    rt_params *p, rt_error *e);
+
+/* /v1/models body (malloc'd). */
+char *rt_openai_models(const struct rt_router *r);
+
+#endif

@@ -1,0 +1,81 @@
+/* rt_registry.h: the decode and prefill instances of the YAML, their liveness and load,
+ * and the choice of instances for a new request (prefix rt_reg_).
+ *
+ * Purpose: one control-plane client per instance, heartbeats, the last health figures, and
+ * rt_reg_pick / rt_reg_pick_prefill.
+ * Invariants: an instance is alive when it was seen, reports ready (a prefill instance:
+ * as ROLE_PREFILL) and was heard from within router.instance_timeout_ms; `active` counts
+ * the router's own requests on it (decode: SUBMITTED or RUNNING; prefill: attempts with
+ * pf_busy), released exactly once by whoever took the request off it.
+ * Threading: the loop thread only.
+ * Ownership: the registry owns the clients and the orphan lists; it borrows the config.
+ */
+#ifndef RT_REGISTRY_H
+#define RT_REGISTRY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "ctrl.h"
+
+typedef struct {
+    uint64_t call_id;
+    uint64_t rid; /* 0: health / cancel */
+} rt_call;
+
+typedef struct {
+    const td_cfg_decode *cfg;   /* decode instance; NULL for a prefill instance */
+    const td_cfg_prefill *pcfg; /* prefill instance; NULL for a decode instance */
+    const char *name;           /* from the YAML */
+    char url[160];
+    td_ctrl_client *c;
+    td_ctrl_client_in in;
+    bool alive; /* answered within instance_timeout_ms and ready */
+    bool ever_seen;
+    int64_t last_seen_ms;
+    int64_t last_hb_ms;
+    uint64_t hb_call; /* outstanding health call, 0 none */
+    int64_t busy_until_ms;
+    uint32_t running, waiting, kv_used, kv_free; /* last figures */
+    bool ready;
+    int active;             /* decode: router requests SUBMITTED or RUNNING on it; prefill: attempts
+                               with pf_busy on it */
+    int cap;                /* most requests the router gives it at once */
+    uint64_t queued_tokens; /* prefill: Health.queued_prompt_tokens */
+    uint64_t inflight_tokens; /* prefill: prompt tokens of the router's attempts on it */
+    bool role_warned;         /* prefill: logged once that it does not say ROLE_PREFILL */
+    rt_call *orphans;         /* prefill: (n_orphans) Prefill calls of abandoned attempts:
+                                 their Ack is answered with a Cancel */
+    int n_orphans, cap_orphans;
+} rt_inst;
+
+typedef struct {
+    rt_inst *inst; /* (n) decode instances, YAML order */
+    int n;
+    rt_inst *pf; /* (n_pf) prefill instances, YAML order; none: colocated mode */
+    int n_pf;
+    unsigned pf_rr; /* round-robin start among equally loaded prefill instances */
+} rt_registry;
+
+int rt_reg_init(rt_registry *g, const td_cfg *cfg);
+void rt_reg_fini(rt_registry *g);
+/* Record a sign of life and health figures (h may be NULL) of s. A prefill instance must
+ * say ROLE_PREFILL to count as ready. Returns true if the instance just came (back) up. */
+bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now);
+/* Send heartbeats that are due (decode and prefill instances). */
+void rt_reg_heartbeat(rt_registry *g, const td_cfg_router *rc, int64_t now);
+/* Index of the best decode instance for a new request, or -1 (none alive with room):
+ * the most free KV blocks, then the fewest running + router-active requests. */
+int rt_reg_pick(const rt_registry *g, int64_t now);
+/* Index of the prefill instance for a new attempt, or -1 (none alive with room); never
+ * `avoid` (-1: no exclusion). Least load first: max(reported queued prompt tokens, prompt
+ * tokens of the router's own attempts on it: they count before a health report shows
+ * them), then fewest waiting + running, then round robin (g->pf_rr advances past the
+ * choice, so a run of idle instances is used in turn). */
+int rt_reg_pick_prefill(rt_registry *g, int64_t now, int avoid);
+int rt_reg_n_alive(const rt_registry *g);
+/* Prefill instances alive (ready), not counting `avoid` (-1: count all). */
+int rt_reg_n_pf_alive(const rt_registry *g, int avoid);
+
+#endif
