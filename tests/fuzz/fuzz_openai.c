@@ -60,9 +60,11 @@ static void check_ok(const rt_router *r, rt_endpoint ep, const rt_params *p)
         if (p->prompt[i] < 0 || p->prompt[i] >= nv) abort();
     if (p->max_tokens < 1 || p->max_tokens > rc->max_tokens) abort();
     if ((long long)p->n_prompt + p->max_tokens > r->n_ctx) abort();
-    if (!(p->temperature >= 0 && p->temperature <= 2) || !(p->top_p >= 0 && p->top_p <= 1) ||
-        !(p->min_p >= 0 && p->min_p <= 1) || !(p->repeat_penalty > 0 && p->repeat_penalty <= 10) ||
-        p->top_k < 0)
+    const td_sampling *sp = &p->sampling;
+    if (!(sp->temperature >= 0 && sp->temperature <= 2) || !(sp->top_p >= 0 && sp->top_p <= 1) ||
+        !(sp->min_p >= 0 && sp->min_p <= 1) ||
+        !(sp->repeat_penalty > 0 && sp->repeat_penalty <= 10) || sp->top_k < 0 ||
+        sp->skip_samples != 0)
         abort();
     if (p->n_stop < 0 || p->n_stop > RT_MAX_STOP) abort();
     for (int i = 0; i < p->n_stop; i++)
