@@ -49,7 +49,7 @@ static uint64_t fnv_f32(uint64_t h, float v)
 }
 
 /* The model's shape: file size, hyper-parameters, tensor table (not the weights). */
-static uint64_t model_hash(const pf_rig *r, int64_t size)
+static uint64_t model_hash(const pf_shard *r, int64_t size)
 {
     const kn_hparams *hp = &r->model->hp;
     uint64_t h = fnv_i64(FNV_OFFSET, size);
@@ -186,7 +186,7 @@ static int desc_add(pf_pcache_key *k, size_t *off, const char *fmt, ...)
     return 0;
 }
 
-int pf_pcache_key_make(const pf_rig *r, const char *model_path, const pf_profile_params *p_in,
+int pf_pcache_key_make(const pf_shard *r, const char *model_path, const pf_profile_params *p_in,
                        pf_pcache_key *k)
 {
     memset(k, 0, sizeof *k);

@@ -116,7 +116,7 @@ static void usage(void)
 
 int cmd_chunk_plan(int argc, char **argv)
 {
-    pf_rig_params rp = {.pp = 1, .threads = 1, .kv_type = TD_F16, .block_size = 16};
+    pf_shard_params rp = {.pp = 1, .threads = 1, .kv_type = TD_F16, .block_size = 16};
     pf_profile_params pp = {.chunk_size = 512, .budget_ms = 20000, .reps = 3, .n_lengths = 16};
     float smooth = 0.75f;
     int prompt = 8192, plan_reps = 1, rc = 0;
@@ -180,8 +180,8 @@ int cmd_chunk_plan(int argc, char **argv)
     }
     int hi = pp.chunk_size + pp.chunk_size / 4;
     rp.ctx = prompt > hi ? prompt : hi;
-    pf_rig rig;
-    if ((rc = pf_rig_open(&rig, &rp))) {
+    pf_shard rig;
+    if ((rc = pf_shard_open(&rig, &rp))) {
         fprintf(stderr, "tandem: cannot set up stage %d of '%s': %s\n", rp.stage, rp.model_path,
                 td_strerror(rc));
         return rc;
@@ -191,7 +191,7 @@ int cmd_chunk_plan(int argc, char **argv)
     pf_profile_result pr;
     if ((rc = pf_profile_stage(&rig, &pp, &pr))) {
         fprintf(stderr, "tandem: profile failed: %s\n", td_strerror(rc));
-        pf_rig_close(&rig);
+        pf_shard_close(&rig);
         return rc;
     }
     const pf_cost_model *m = &pr.fit;
@@ -245,6 +245,6 @@ int cmd_chunk_plan(int argc, char **argv)
     }
     for (int k = 0; k < 2; k++)
         plan_free(&plans[k], plan_reps);
-    pf_rig_close(&rig);
+    pf_shard_close(&rig);
     return rc;
 }
