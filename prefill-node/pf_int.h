@@ -1,6 +1,7 @@
 /* pf_int.h: the state of one prefill stage process and what every stage does with it
  * (pf_stage.c: requests, compute, first-token sampling, KV push, reports), shared by the
- * two roles: pf_leader.c (stage 0: control socket, queue, chunk planning, membership) and
+ * two roles: pf_leader.c (stage 0: control socket, queue, chunk planning, membership; its
+ * start-up profile in pf_chunking.c) and
  * pf_follow.c (stages > 0: joining, the received stream). The chain transport is
  * pf_chain.h, the shard of the model pf_shard.h. Not a public interface: see pf_node.h.
  *
@@ -104,6 +105,12 @@ bool pf_stage_take_report(pf_stage *st, pf_report *out);
 /* Process the next received chain message in order (stages > 0): 1 if one was handled,
  * 0 if none waits, or a negative td_err (the chain is broken). */
 int pf_stage_recv(pf_stage *st);
+
+/* pf_chunking.c: stage 0's chunking, fixed or dynamic over the stage profile (cached or
+ * measured; *st->p->profiling is 1 while it measures). Returns 0 (a profile that failed
+ * means fixed chunks, with a warning), or TD_ESTATE when *stop ended the profile (the
+ * caller shuts down). */
+int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunking);
 
 /* pf_leader.c */
 int pf_leader_run(pf_stage *st);

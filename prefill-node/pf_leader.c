@@ -1,13 +1,12 @@
 /* pf_leader.c: stage 0 of a prefill instance: the control socket (Prefill, KvTarget,
  * Cancel from the router; StageHello from the other stages), the request queue, the chunk
- * planner (dynamic chunking over the start-up profile), the membership of the stage chain
- * and the completion events (PrefillDone / ErrorEvent) once every stage reported. */
+ * planner (dynamic chunking over the start-up profile, pf_chunking.c), the membership of the stage
+ * chain and the completion events (PrefillDone / ErrorEvent) once every stage reported. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pf_int.h"
-#include "pf_pcache.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -664,124 +663,6 @@ static void publish_health(pf_leader *ld)
     td_ctrl_server_set_health(ld->srv, &h);
 }
 
-/* ---- start-up ---- */
-
-/* The stage profile: loaded from the cache (pf_pcache.h) unless --reprofile, else
- * measured and stored. Fills res; returns 0, TD_ESTATE if *stop ended the measurement,
- * or another td_err from the profile. Cache trouble is only ever a warning. */
-static int get_profile(pf_leader *ld, const pf_profile_params *pp, pf_profile_result *res)
-{
-    const char *inst = ld->st->p->instance;
-    char dir[2048], path[2200], why[512] = "";
-    pf_pcache_key key;
-    int krc = pf_pcache_key_make(&ld->st->shard, ld->st->p->cfg->model, pp, &key);
-    int drc = krc ? krc : pf_pcache_dir(dir, sizeof dir);
-    if (!drc) drc = pf_pcache_path(dir, &key, path, sizeof path);
-    if (drc)
-        TD_LOG_WARN("prefill %s: no profile cache (%s): the profile is measured every start", inst,
-                    krc                ? td_strerror(krc)
-                    : drc == TD_ENOENT ? "neither TANDEM_CACHE nor HOME is set"
-                                       : td_strerror(drc));
-    int64_t t0 = td_now_ms();
-    const char *reason = ld->st->p->reprofile ? "--reprofile" : "no cached profile";
-    if (!drc && !ld->st->p->reprofile) {
-        int rc = pf_pcache_load(path, &key, res, why, sizeof why);
-        if (!rc) {
-            TD_LOG_INFO("prefill %s: stage profile loaded from the cache in %lld ms (%s; %d "
-                        "lengths, measured in %.0f ms); --reprofile measures it again",
-                        inst, (long long)(td_now_ms() - t0), path, res->n_lengths, res->elapsed_ms);
-            return 0;
-        }
-        if (rc != TD_ENOENT) {
-            TD_LOG_WARN("prefill %s: ignoring the cached profile %s: %s", inst, path,
-                        why[0] ? why : td_strerror(rc));
-            reason = "the cached one is unusable";
-        }
-    }
-    pf_profile_params p = pf_profile_resolve(pp);
-    TD_LOG_INFO("prefill %s: measuring the stage profile (%s): %d lengths up to %d tokens, "
-                "at most ~%d ms",
-                inst, reason, p.n_lengths, p.max_len, p.budget_ms);
-    if (ld->st->p->profiling) *ld->st->p->profiling = 1;
-    int rc = pf_profile_stage(&ld->st->shard, pp, res);
-    if (ld->st->p->profiling) *ld->st->p->profiling = 0;
-    if (rc == TD_ESTATE && res->stopped) {
-        TD_LOG_INFO("prefill %s: stopped while profiling (after %lld ms)", inst,
-                    (long long)(td_now_ms() - t0));
-        return rc;
-    }
-    if (rc) return rc;
-    TD_LOG_INFO("prefill %s: stage profile measured in %lld ms (%d lengths%s)", inst,
-                (long long)(td_now_ms() - t0), res->n_lengths,
-                res->budget_hit ? ", cut short by profile_budget_ms" : "");
-    if (drc) return 0;
-    int src = pf_pcache_store(path, &key, res, why, sizeof why);
-    if (src)
-        TD_LOG_WARN("prefill %s: cannot cache the stage profile: %s", inst,
-                    why[0] ? why : td_strerror(src));
-    else
-        TD_LOG_INFO("prefill %s: stage profile cached in %s", inst, path);
-    return 0;
-}
-
-/* Set up chunking: fixed, or dynamic over the stage profile's cost model. Returns 0, or
- * TD_ESTATE when *stop ended the profile (the caller shuts down). */
-static int profile(pf_leader *ld)
-{
-    ld->chunking = (pf_chunk_params){.chunk_size = ld->st->chunk_max,
-                                     .smooth = ld->st->cfg->smooth_factor,
-                                     .page_size = ld->st->shard.kv->block_size,
-                                     .max_batch_tokens = ld->st->chunk_max,
-                                     .dynamic = false};
-    memset(&ld->model, 0, sizeof ld->model);
-    bool dynamic = ld->st->cfg->dynamic_chunking && ld->st->cfg->smooth_factor != 0;
-    if (!dynamic || ld->st->cfg->profile_budget_ms <= 0) {
-        if (!dynamic)
-            TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", ld->st->p->instance,
-                        ld->st->chunk_max);
-        else
-            TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): "
-                        "fixed chunks of %d tokens",
-                        ld->st->p->instance, ld->st->chunk_max);
-        if (ld->st->p->reprofile)
-            TD_LOG_INFO("prefill %s: --reprofile: nothing to profile with fixed chunks",
-                        ld->st->p->instance);
-        return 0;
-    }
-    pf_profile_params pp = {.chunk_size = ld->st->chunk_max,
-                            .budget_ms = ld->st->cfg->profile_budget_ms,
-                            .stop = ld->st->p->stop};
-    int max_len = ld->st->chunk_max + ld->st->chunk_max / 4;
-    if (max_len > ld->st->shard.ctx) pp.max_len = ld->st->shard.ctx;
-    pf_profile_result res;
-    int rc = get_profile(ld, &pp, &res);
-    if (rc == TD_ESTATE) return rc;
-    if (rc || !res.fit.dynamic) {
-        TD_LOG_WARN("prefill %s: the stage profile gave no usable cost model (%s; a=%g b=%g "
-                    "over %d lengths): fixed chunks of %d tokens",
-                    ld->st->p->instance, rc ? td_strerror(rc) : "not convex", res.fit.a,
-                    res.fit.b_fit, res.n_lengths, ld->st->chunk_max);
-        return 0;
-    }
-    ld->model = res.fit;
-    ld->chunking.dynamic = true;
-    int64_t example = 8 * (int64_t)ld->st->chunk_max < ld->st->shard.ctx
-                          ? 8 * (int64_t)ld->st->chunk_max
-                          : (int64_t)ld->st->shard.ctx;
-    int32_t plan[64];
-    int64_t np = 0;
-    if (pf_plan_chunks(&ld->model, &ld->chunking, example, plan, 64, &np)) np = 0;
-    char sizes[200] = "";
-    int off = 0;
-    for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
-        off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);
-    TD_LOG_INFO("prefill %s: dynamic chunking: f(l) = %.3g l^2 + %.3g l + %.3g ms (r2 %.4f, %d "
-                "lengths), smoothing %.2f; a %lld-token prompt goes as [%s]",
-                ld->st->p->instance, ld->model.a, ld->model.b, ld->model.c, ld->model.r2,
-                res.n_lengths, ld->st->cfg->smooth_factor, (long long)example, sizes);
-    return 0;
-}
-
 static int lead(pf_leader *ld)
 {
     /* listen first: a busy port is an error before any profiling, and meanwhile Health is
@@ -801,7 +682,7 @@ static int lead(pf_leader *ld)
     }
     ld->started_ms = td_now_ms();
     publish_health(ld);
-    if (profile(ld) == TD_ESTATE) {
+    if (pf_chunking_setup(ld->st, &ld->model, &ld->chunking) == TD_ESTATE) {
         td_ctrl_server_destroy(ld->srv);
         ld->srv = NULL;
         return 0; /* SIGTERM while profiling: a normal stop, nothing was in flight */

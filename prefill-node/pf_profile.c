@@ -28,7 +28,7 @@ typedef struct {
     int32_t *seq; /* (n) zeros: one sequence */
     float *out;   /* (n, n_embd) output of a non-last stage; (1) on the last */
     int64_t n;
-} stage_io;
+} pf_stage_io;
 
 static uint64_t lcg(uint64_t *x)
 {
@@ -36,7 +36,7 @@ static uint64_t lcg(uint64_t *x)
     return *x >> 33;
 }
 
-static void io_free(stage_io *io)
+static void io_free(pf_stage_io *io)
 {
     free(io->ids);
     free(io->embd);
@@ -46,7 +46,7 @@ static void io_free(stage_io *io)
     memset(io, 0, sizeof *io);
 }
 
-static int io_alloc(stage_io *io, const kn_model *m, int64_t n, uint64_t seed)
+static int io_alloc(pf_stage_io *io, const kn_model *m, int64_t n, uint64_t seed)
 {
     memset(io, 0, sizeof *io);
     size_t E = (size_t)m->hp.n_embd;
@@ -75,7 +75,7 @@ static int io_alloc(stage_io *io, const kn_model *m, int64_t n, uint64_t seed)
 }
 
 /* One forward of tokens [start, start + len) of the sequence in seq (blocks reserved). */
-static int forward(pf_shard *sh, stage_io *io, kn_kv_seq *seq, int64_t start, int64_t len)
+static int forward(pf_shard *sh, pf_stage_io *io, kn_kv_seq *seq, int64_t start, int64_t len)
 {
     for (int64_t i = 0; i < len; i++)
         io->pos[i] = (int32_t)(start + i);
@@ -158,7 +158,7 @@ int pf_profile_stage(pf_shard *sh, const pf_profile_params *p_in, pf_profile_res
         lens[i] = nl > 1 ? (int32_t)(lo + (int64_t)(hi - lo) * i / (nl - 1)) : hi;
     double(*tm)[PF_MAX_REPS] = calloc((size_t)nl, sizeof *tm);
     int nrun[PF_PROFILE_MAX_LENGTHS] = {0}, order[PF_PROFILE_MAX_LENGTHS];
-    stage_io io;
+    pf_stage_io io;
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
     int rc = tm ? io_alloc(&io, sh->model, hi, p->seed) : TD_ENOMEM;
@@ -228,7 +228,7 @@ int pf_profile_run_plan(pf_shard *sh, const int32_t *chunks, int64_t n, uint64_t
                    sh->ctx);
         return TD_ERANGE;
     }
-    stage_io io;
+    pf_stage_io io;
     int rc = io_alloc(&io, sh->model, total, seed);
     if (rc) return rc;
     kn_kv_seq seq;
