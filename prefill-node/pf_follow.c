@@ -7,135 +7,151 @@
 #include <unistd.h>
 
 #include "pf_int.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 #define HELLO_RETRY_MS   200
 #define HEARTBEAT_MS     1000
 #define HELLO_TIMEOUT_MS 2000
 
-static int send_hello(pf_node *n)
+/* A follower's state, on top of its stage (st). Owned by the main thread, like the stage:
+ * the follower's loop (pf_follower_run) is the only code that touches either. */
+typedef struct {
+    pf_stage *st;
+    td_ctrl_client *cli; /* to stage 0's control socket */
+    uint64_t hello_call; /* the StageHello in flight, 0 if none */
+    int64_t hello_sent_ms;
+    bool running; /* joined: the StageTable came and the chain is connected */
+} pf_follower;
+
+static int send_hello(pf_follower *fl)
 {
     uint8_t addr[KVX_ADDR_MAX];
     size_t len;
-    int rc = pf_link_address(n->link, addr, sizeof addr, &len);
+    int rc = pf_chain_address(&fl->st->chain, addr, sizeof addr, &len);
     if (rc) return rc;
     Td__StageHello h = TD__STAGE_HELLO__INIT;
-    h.instance = (char *)n->p->instance;
-    h.stage = (uint32_t)n->stage;
-    h.pp = (uint32_t)n->pp;
+    h.instance = (char *)fl->st->p->instance;
+    h.stage = (uint32_t)fl->st->stage;
+    h.pp = (uint32_t)fl->st->pp;
     h.pipe_address = (ProtobufCBinaryData){len, addr};
     h.pid = (uint32_t)getpid();
-    h.boot_id = n->boot_id;
-    h.epoch = n->epoch;
+    h.boot_id = fl->st->boot_id;
+    h.epoch = fl->st->epoch;
     Td__Envelope e = TD__ENVELOPE__INIT;
     e.body_case = TD__ENVELOPE__BODY_STAGE_HELLO;
     e.stage_hello = &h;
-    rc = td_ctrl_client_call(n->cli, &e, HELLO_TIMEOUT_MS, &n->hello_call);
-    n->hello_sent_ms = pf_now_ms();
+    rc = td_ctrl_client_call(fl->cli, &e, HELLO_TIMEOUT_MS, &fl->hello_call);
+    fl->hello_sent_ms = td_now_ms();
     return rc;
 }
 
 /* Back to joining: abort this stage's requests, new pipe (the old address is dead). */
-static int rejoin(pf_node *n, const char *why)
+static int rejoin(pf_follower *fl, const char *why)
 {
-    TD_LOG_WARN("prefill %s stage %d: leaving the stage chain (%s); rejoining", n->p->instance,
-                n->stage, why);
-    pf_stage_abort_all(n, TD_EIO);
-    pf_chain_close(n);
-    n->running = false;
-    return pf_chain_open(n);
+    TD_LOG_WARN("prefill %s stage %d: leaving the stage chain (%s); rejoining", fl->st->p->instance,
+                fl->st->stage, why);
+    pf_stage_leave_chain(fl->st, TD_EIO);
+    fl->running = false;
+    return pf_chain_open(&fl->st->chain);
 }
 
-static void on_reply(pf_node *n, const td_ctrl_client_in *in)
+static void on_reply(pf_follower *fl, const td_ctrl_client_in *in)
 {
-    if (in->call_id != n->hello_call) return;
-    n->hello_call = 0;
+    if (in->call_id != fl->hello_call) return;
+    fl->hello_call = 0;
     if (in->err) {
-        if (n->running)
-            TD_LOG_DEBUG("prefill %s stage %d: hello: %s", n->p->instance, n->stage,
+        if (fl->running)
+            TD_LOG_DEBUG("prefill %s stage %d: hello: %s", fl->st->p->instance, fl->st->stage,
                          td_strerror(in->err));
         return; /* stage 0 is slow or away; its own checks decide */
     }
     const Td__Envelope *r = in->env;
     if (r->body_case == TD__ENVELOPE__BODY_STAGE_TABLE) {
         const Td__StageTable *t = r->stage_table;
-        if (n->running) {
-            if (t->epoch != n->epoch) rejoin(n, "stage 0 re-formed the chain");
+        if (fl->running) {
+            if (t->epoch != fl->st->epoch) rejoin(fl, "stage 0 re-formed the chain");
             return;
         }
-        if (t->n_pipe_addresses != (size_t)n->pp) {
+        if (t->n_pipe_addresses != (size_t)fl->st->pp) {
             TD_LOG_ERR("prefill %s stage %d: stage table of %zu stages, expected %d",
-                       n->p->instance, n->stage, t->n_pipe_addresses, n->pp);
+                       fl->st->p->instance, fl->st->stage, t->n_pipe_addresses, fl->st->pp);
             return;
         }
         const uint8_t *addrs[PF_MAX_STAGES];
         size_t lens[PF_MAX_STAGES];
-        for (int s = 0; s < n->pp; s++) {
+        for (int s = 0; s < fl->st->pp; s++) {
             addrs[s] = t->pipe_addresses[s].data;
             lens[s] = t->pipe_addresses[s].len;
         }
-        if (pf_chain_start(n, addrs, lens)) {
-            rejoin(n, "cannot connect");
+        if (pf_chain_start(&fl->st->chain, addrs, lens)) {
+            rejoin(fl, "cannot connect");
             return;
         }
-        n->epoch = t->epoch;
-        n->running = true;
-        TD_LOG_INFO("prefill %s stage %d: joined the stage chain (epoch %llx)", n->p->instance,
-                    n->stage, (unsigned long long)n->epoch);
+        fl->st->epoch = t->epoch;
+        fl->running = true;
+        TD_LOG_INFO("prefill %s stage %d: joined the stage chain (epoch %llx)", fl->st->p->instance,
+                    fl->st->stage, (unsigned long long)fl->st->epoch);
         return;
     }
     if (r->body_case == TD__ENVELOPE__BODY_ERROR) {
-        if (n->running && r->error->code == TD__ERROR_CODE__ERR_BUSY) {
-            rejoin(n, r->error->message ? r->error->message : "stage 0 says busy");
+        if (fl->running && r->error->code == TD__ERROR_CODE__ERR_BUSY) {
+            rejoin(fl, r->error->message ? r->error->message : "stage 0 says busy");
             return;
         }
-        if (!n->running && r->error->code != TD__ERROR_CODE__ERR_BUSY)
-            TD_LOG_ERR("prefill %s stage %d: stage 0 refused: %s", n->p->instance, n->stage,
-                       r->error->message ? r->error->message : "");
+        if (!fl->running && r->error->code != TD__ERROR_CODE__ERR_BUSY)
+            TD_LOG_ERR("prefill %s stage %d: stage 0 refused: %s", fl->st->p->instance,
+                       fl->st->stage, r->error->message ? r->error->message : "");
     }
 }
 
-int pf_follower_run(pf_node *n)
+static int follow(pf_follower *fl)
 {
     char url[256];
     int rc;
-    if (n->p->leader)
-        snprintf(url, sizeof url, "%s", n->p->leader);
-    else if ((rc = td_cfg_ctrl_url(n->cfg->hosts[0], n->cfg->port, url, sizeof url)))
+    if (fl->st->p->leader)
+        snprintf(url, sizeof url, "%s", fl->st->p->leader);
+    else if ((rc = td_cfg_ctrl_url(fl->st->cfg->hosts[0], fl->st->cfg->port, url, sizeof url)))
         return rc;
     td_ctrl_opts opts = {0};
-    if ((rc = td_ctrl_client_create(url, &opts, &n->cli))) return rc;
-    if ((rc = pf_chain_open(n))) goto out;
-    TD_LOG_INFO("prefill %s stage %d: joining stage 0 at %s", n->p->instance, n->stage, url);
-    while (!*n->p->stop) {
-        int64_t now = pf_now_ms();
-        int period = n->running ? HEARTBEAT_MS : HELLO_RETRY_MS;
-        if (!n->hello_call && now - n->hello_sent_ms >= period) send_hello(n);
+    if ((rc = td_ctrl_client_create(url, &opts, &fl->cli))) return rc;
+    if ((rc = pf_chain_open(&fl->st->chain))) goto out;
+    TD_LOG_INFO("prefill %s stage %d: joining stage 0 at %s", fl->st->p->instance, fl->st->stage,
+                url);
+    while (!*fl->st->p->stop) {
+        int64_t now = td_now_ms();
+        int period = fl->running ? HEARTBEAT_MS : HELLO_RETRY_MS;
+        if (!fl->hello_call && now - fl->hello_sent_ms >= period) send_hello(fl);
         td_ctrl_client_in in = {0};
-        while (td_ctrl_client_recv(n->cli, &in, 0) == 0)
-            if (in.kind == TD_CTRL_IN_REPLY) on_reply(n, &in);
+        while (td_ctrl_client_recv(fl->cli, &in, 0) == 0)
+            if (in.kind == TD_CTRL_IN_REPLY) on_reply(fl, &in);
         td_ctrl_client_in_free(&in);
         int got = 0;
-        if (n->running) {
-            got = pf_stage_recv(n) > 0;
-            if (!n->broken && (pf_link_peer_failed(n->link, n->lead_peer) ||
-                               (n->next_peer >= 0 && pf_link_peer_failed(n->link, n->next_peer))))
-                n->broken = true;
-            if (n->broken && (rc = rejoin(n, "a neighbour stage failed"))) break;
+        if (fl->running) {
+            got = pf_stage_recv(fl->st) > 0;
+            if (!fl->st->chain.broken && pf_chain_neighbour_failed(&fl->st->chain))
+                fl->st->chain.broken = true;
+            if (fl->st->chain.broken && (rc = rejoin(fl, "a neighbour stage failed"))) break;
         }
-        pf_stage_poll(n);
-        pf_wait(n, td_ctrl_client_fd(n->cli), got ? 0 : n->reqs ? 5 : 100);
+        pf_stage_poll(fl->st);
+        pf_chain_wait(&fl->st->chain, td_ctrl_client_fd(fl->cli), got ? 0 : fl->st->reqs ? 5 : 100);
     }
     /* SIGTERM: abort what is in flight; the connector tells the decode side */
-    pf_stage_abort_all(n, TD_ESTATE);
-    int64_t start = pf_now_ms();
-    while (n->reqs && pf_now_ms() - start < 1000) {
-        pf_stage_poll(n);
-        pf_wait(n, -1, 10);
+    pf_stage_abort_all(fl->st, TD_ESTATE);
+    int64_t start = td_now_ms();
+    while (fl->st->reqs && td_now_ms() - start < 1000) {
+        pf_stage_poll(fl->st);
+        pf_chain_wait(&fl->st->chain, -1, 10);
     }
     rc = 0;
 out:
-    td_ctrl_client_destroy(n->cli);
-    n->cli = NULL;
+    td_ctrl_client_destroy(fl->cli);
+    fl->cli = NULL;
     return rc;
+}
+
+int pf_follower_run(pf_stage *st)
+{
+    pf_follower fl = {.st = st};
+    return follow(&fl);
 }

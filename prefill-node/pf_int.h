@@ -1,7 +1,17 @@
-/* pf_int.h: the state of one prefill stage process, shared by pf_stage.c (what every
- * stage does: the chain, compute, KV push, reports), pf_leader.c (stage 0: control
- * socket, queue, chunk planning, membership) and pf_follow.c (stages > 0: joining).
- * Not a public interface: see pf_node.h.
+/* pf_int.h: the state of one prefill stage process and what every stage does with it
+ * (pf_stage.c: requests, compute, first-token sampling, KV push, reports), shared by the
+ * two roles: pf_leader.c (stage 0: control socket, queue, chunk planning, membership; its
+ * start-up profile in pf_chunking.c) and
+ * pf_follow.c (stages > 0: joining, the received stream). The chain transport is
+ * pf_chain.h, the shard of the model pf_shard.h. Not a public interface: see pf_node.h.
+ *
+ * Reports: a stage reports each request it is done with (pf_stage_poll). Stages > 0 send
+ * the report over the chain; stage 0 queues it in its own stage state, and the leader's
+ * loop drains the queue (pf_stage_take_report) with the reports that came over the chain,
+ * so stage code never calls into the leader.
+ * Threading: a pf_stage is owned by the process's main thread, which runs the role's loop;
+ * the link's and the connector's progress threads never touch it (they complete pf_ops and
+ * kvxfer requests, read here by polling).
  */
 #ifndef PF_INT_H
 #define PF_INT_H
@@ -11,16 +21,12 @@
 
 #include "ctrl.h"
 #include "kvx_conn.h"
+#include "pf_chain.h"
 #include "pf_chunk.h"
-#include "pf_link.h"
 #include "pf_node.h"
-#include "pf_profile.h"
+#include "pf_shard.h"
 #include "pf_wire.h"
 #include "sampler.h"
-
-#define PF_NSEND     2 /* send buffers per stage: a chunk computes while the last one moves */
-#define PF_NRECV     2 /* receives posted from the previous stage */
-#define PF_TAG_CHAIN 1
 
 /* A request as one stage sees it. */
 typedef struct pf_req {
@@ -29,7 +35,7 @@ typedef struct pf_req {
     uint32_t n_dst;
     td_sampling sampling;
     kn_kv_seq kv;  /* this stage's blocks for the whole prompt */
-    int32_t *hist; /* last stage: the prompt's ids (for the repetition penalty) */
+    int32_t *hist; /* (n_prompt) last stage: the prompt's ids (for the repetition penalty) */
     int32_t n_hist;
     uint32_t n_chunks;  /* chunks computed */
     int32_t n_sent;     /* tokens whose KV went to the connector */
@@ -40,140 +46,76 @@ typedef struct pf_req {
     bool failed;          /* no more work; waiting for the connector's final state */
     int fail_err;         /* td_err of a local failure */
     int64_t t_first_ms;   /* first chunk computed here */
-    int64_t *comp_end_ns; /* (cap_chunks) CLOCK_MONOTONIC ns when chunk k's compute ended */
+    int64_t *comp_end_ns; /* (cap_chunks) td_now_ns when chunk k's compute ended */
     uint32_t cap_chunks;
     struct pf_req *next;
 } pf_req;
 
-/* Stage 0's record of a request from the router. */
-typedef struct pf_job {
-    uint64_t client_id, request_id;
-    int32_t *prompt;
-    int32_t n_prompt;
-    int32_t done; /* tokens scheduled into chunks */
-    uint32_t n_chunks;
-    uint32_t n_dst;
-    td_sampling sampling;
-    uint8_t *targets[PF_MAX_TARGETS];
-    size_t target_len[PF_MAX_TARGETS];
-    int n_targets;
-    bool targets_sent; /* TARGETS went down the chain (after the first chunk) */
-    bool emitted;      /* its first chunk entered the chain */
-    bool cancelled;
-    uint64_t reported; /* bit s: stage s reported */
-    int err;           /* first failure reported (td_err), 0 if none */
-    uint32_t fail_reason;
-    int fail_stage;
-    int32_t first_token;
-    int64_t t_submit_ms, t_start_ms, t_end_ms;
-    int32_t *chunk_sizes;
-    uint32_t cap_chunks;
-    struct pf_job *next;
-} pf_job;
-
-typedef struct {
-    uint8_t *buf;
-    size_t cap;
-    pf_op op;
-    bool busy;
-} pf_buf;
-
+/* One stage process: its identity, its shard and connector, its chain and its requests.
+ * Owned by the main thread (see the top). */
 typedef struct {
     const pf_node_params *p;
     const td_cfg_prefill *cfg;
     int stage, pp;
     bool first, last;
-    pf_rig rig;
+    uint64_t boot_id; /* differs per process start (StageHello, the epoch) */
+    pf_shard shard;
     int n_embd, n_vocab;
-    int chunk_max;  /* tokens per chunk at most */
-    size_t msg_cap; /* bytes of the largest chain message */
+    int chunk_max; /* tokens per chunk at most */
     kvx_conn *kvx;
-    int timeout_ms;
-    uint64_t boot_id;
-
-    /* the stage chain */
-    pf_link *link;
-    uint64_t epoch;     /* StageTable epoch this stage runs in; 0: not joined */
-    kvx_peer next_peer; /* stage + 1, or -1 */
-    kvx_peer lead_peer; /* stage 0 (stages > 0), or -1 */
-    uint64_t send_seq, recv_seq;
-    pf_buf sends[PF_NSEND];
-    pf_buf recvs[PF_NRECV];
-    bool broken;                        /* a peer failed: rejoin */
-    struct pf_ctl *ctl_head, *ctl_tail; /* TARGETS / ABORT waiting for a send buffer, in order */
+    int timeout_ms; /* kvxfer.timeout_ms: a request's transfer deadline */
+    uint64_t epoch; /* StageTable epoch this stage runs in; 0: not joined */
+    pf_chain chain;
 
     /* requests of this stage */
     pf_req *reqs;
     int n_reqs;
 
     /* scratch of one chunk */
-    int32_t *pos, *seq_of, *tokens;
-    float *logits; /* last stage: (PF_MAX_SEGS, n_vocab) */
-    float *io;     /* stage 0 with pp 1 / the last stage: no send buffer; scratch output */
+    int32_t *pos, *seq_of; /* (chunk_max) per row */
+    int32_t *ids;          /* (chunk_max) the chunk's live token ids, compacted */
+    float *logits;         /* last stage: (PF_MAX_SEGS, n_vocab) */
 
-    /* stage 0 */
-    td_ctrl_server *srv;
-    pf_job *jobs; /* FIFO: emitted first, then queued */
-    int n_jobs;
-    pf_cost_model model;
-    pf_chunk_params chunking;
-    struct {
-        bool present;
-        uint64_t boot_id;
-        uint8_t addr[KVX_ADDR_MAX];
-        size_t addr_len;
-        int64_t seen_ms;
-    } members[PF_MAX_STAGES];
-    kvx_peer member_peer[PF_MAX_STAGES];
-    bool running; /* every stage joined (stage 0: table complete) */
-    int64_t started_ms;
-    uint64_t n_done, n_failed, n_chunks_total;
-    double slow_chunk_ms; /* recent longest chunk compute here (decays): heartbeat allowance */
+    /* stage 0: reports waiting for the leader's loop, a FIFO */
+    pf_report *reports; /* (cap_reports) */
+    int rep_head, n_reports, cap_reports;
 
-    /* stages > 0 */
-    td_ctrl_client *cli;
-    uint64_t hello_call;
-    int64_t hello_sent_ms;
-} pf_node;
-
-int64_t pf_now_ms(void);
+    /* this stage's compute */
+    uint64_t n_chunks;    /* chunks computed */
+    double slow_chunk_ms; /* recent longest chunk compute (decays) */
+} pf_stage;
 
 /* pf_stage.c */
-int pf_stage_setup(pf_node *n);
-void pf_stage_teardown(pf_node *n);
-int pf_chain_open(pf_node *n);   /* new link (new address) */
-void pf_chain_close(pf_node *n); /* drop link and peers */
-int pf_chain_start(pf_node *n, const uint8_t *const *addrs, const size_t *lens); /* connect */
+int pf_stage_setup(pf_stage *st); /* shard, connector, chain buffers, scratch */
+void pf_stage_teardown(pf_stage *st);
+/* Leave the chain (close it, epoch 0) after failing every request with err. */
+void pf_stage_leave_chain(pf_stage *st, int err);
 /* Compute one chunk (stage 0: from its own plan; others: a received message) and pass it
- * on. segs/ids as in pf_wire; embd NULL on stage 0. */
-int pf_stage_chunk(pf_node *n, pf_seg *segs, int n_segs, const int32_t *ids, float *embd);
-void pf_stage_targets(pf_node *n, uint64_t req_id, const uint8_t *const *t, const size_t *lens,
+ * on. segs/ids as in pf_wire (ids: the live segments' token ids, read before anything is
+ * written to this stage's scratch); embd NULL on stage 0. */
+int pf_stage_chunk(pf_stage *st, pf_seg *segs, int n_segs, const int32_t *ids, float *embd);
+void pf_stage_targets(pf_stage *st, uint64_t req_id, const uint8_t *const *t, const size_t *lens,
                       int n_t);
-void pf_stage_abort(pf_node *n, uint64_t req_id, int err);
-void pf_stage_abort_all(pf_node *n, int err);
+void pf_stage_abort(pf_stage *st, uint64_t req_id, int err);
+void pf_stage_abort_all(pf_stage *st, int err);
 /* Poll the connector for this stage's requests; report the finished ones. */
-void pf_stage_poll(pf_node *n);
-/* Process received chain messages in order (stages > 0). */
-int pf_stage_recv(pf_node *n);
-/* Queue a TARGETS or ABORT message for the next stage (copied; no-op on the last stage)
- * and send what the free send buffers allow, without waiting: the loop must keep serving
- * while the next stage is slow or stopped. pf_chain_flush sends more; chunks go only when
- * the queue is empty, so the chain keeps stage 0's order. */
-int pf_chain_send_msg(pf_node *n, const void *msg, size_t len);
-int pf_chain_flush(pf_node *n); /* 0, or a negative td_err if the link broke */
-bool pf_chain_queue_empty(const pf_node *n);
-/* Wait (bounded) for a free send buffer; NULL if the link broke. */
-pf_buf *pf_chain_free_send(pf_node *n, int timeout_ms);
-/* Where a report about req goes: stage 0 handles it itself, others send it. */
-void pf_report_out(pf_node *n, const pf_report *r);
-/* Wait for link events or fd (stage 0's control socket, -1 none), up to timeout_ms. */
-void pf_wait(pf_node *n, int extra_fd, int timeout_ms);
+void pf_stage_poll(pf_stage *st);
+/* Stage 0: the next report of its own stage (queued by pf_stage_poll); false if none. */
+bool pf_stage_take_report(pf_stage *st, pf_report *out);
+/* Process the next received chain message in order (stages > 0): 1 if one was handled,
+ * 0 if none waits, or a negative td_err (the chain is broken). */
+int pf_stage_recv(pf_stage *st);
+
+/* pf_chunking.c: stage 0's chunking, fixed or dynamic over the stage profile (cached or
+ * measured; *st->p->profiling is 1 while it measures). Returns 0 (a profile that failed
+ * means fixed chunks, with a warning), or TD_ESTATE when *stop ended the profile (the
+ * caller shuts down). */
+int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunking);
 
 /* pf_leader.c */
-int pf_leader_run(pf_node *n);
-void pf_leader_on_report(pf_node *n, const pf_report *r);
+int pf_leader_run(pf_stage *st);
 
 /* pf_follow.c */
-int pf_follower_run(pf_node *n);
+int pf_follower_run(pf_stage *st);
 
 #endif

@@ -1,19 +1,70 @@
 /* pf_leader.c: stage 0 of a prefill instance: the control socket (Prefill, KvTarget,
  * Cancel from the router; StageHello from the other stages), the request queue, the chunk
- * planner (dynamic chunking over the start-up profile), the membership of the stage chain
- * and the completion events (PrefillDone / ErrorEvent) once every stage reported. */
+ * planner (dynamic chunking over the start-up profile, pf_chunking.c), the membership of the stage
+ * chain and the completion events (PrefillDone / ErrorEvent) once every stage reported. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pf_int.h"
-#include "pf_pcache.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 #define HEALTH_MS         100
 #define MEMBER_SILENCE_MS 5000 /* a joined stage that stops saying hello is gone... */
 #define REPORT_GRACE_MS   5000 /* on top of the transfer deadline */
 #define STOP_DRAIN_MS     500
+
+/* Stage 0's record of a request from the router. */
+typedef struct pf_job {
+    uint64_t client_id, request_id;
+    int32_t *prompt; /* (n_prompt) token ids */
+    int32_t n_prompt;
+    int32_t done; /* tokens scheduled into chunks */
+    uint32_t n_chunks;
+    uint32_t n_dst;
+    td_sampling sampling;
+    uint8_t *targets[PF_MAX_TARGETS]; /* (n_targets) the decode ranks' kvxfer targets */
+    size_t target_len[PF_MAX_TARGETS];
+    int n_targets;
+    bool targets_sent; /* TARGETS went down the chain (after the first chunk) */
+    bool emitted;      /* its first chunk entered the chain */
+    bool cancelled;
+    uint64_t reported; /* bit s: stage s reported */
+    int err;           /* first failure reported (td_err), 0 if none */
+    uint32_t fail_reason;
+    int fail_stage;
+    int32_t first_token;
+    int64_t t_submit_ms, t_start_ms, t_end_ms;
+    int32_t *chunk_sizes; /* (cap_chunks) tokens of each chunk so far */
+    uint32_t cap_chunks;
+    struct pf_job *next;
+} pf_job;
+
+/* One member of the stage chain as stage 0 knows it (from its StageHello). */
+typedef struct {
+    bool present;
+    uint64_t boot_id;
+    uint8_t addr[KVX_ADDR_MAX]; /* (addr_len) its link address */
+    size_t addr_len;
+    int64_t seen_ms; /* its last hello */
+} pf_member;
+
+/* Stage 0's leader state, on top of its stage (st). Owned by the main thread, like the
+ * stage: the leader's loop (pf_leader_run) is the only code that touches either. */
+typedef struct {
+    pf_stage *st;
+    td_ctrl_server *srv;
+    pf_job *jobs; /* FIFO: emitted first, then queued */
+    int n_jobs;
+    pf_cost_model model;
+    pf_chunk_params chunking;
+    pf_member members[PF_MAX_STAGES]; /* (pp) the current formation */
+    bool running;                     /* every stage joined (the table is complete) */
+    int64_t started_ms;
+    uint64_t n_done, n_failed;
+    int32_t *ids; /* (chunk_max) the token ids of the chunk being planned */
+} pf_leader;
 
 /* ---- jobs ---- */
 
@@ -26,19 +77,19 @@ static void job_free(pf_job *j)
     free(j);
 }
 
-static pf_job *find_job(pf_node *n, uint64_t request_id)
+static pf_job *find_job(pf_leader *ld, uint64_t request_id)
 {
-    for (pf_job *j = n->jobs; j; j = j->next)
+    for (pf_job *j = ld->jobs; j; j = j->next)
         if (j->request_id == request_id) return j;
     return NULL;
 }
 
-static void unlink_job(pf_node *n, pf_job *j)
+static void unlink_job(pf_leader *ld, pf_job *j)
 {
-    for (pf_job **pp = &n->jobs; *pp; pp = &(*pp)->next)
+    for (pf_job **pp = &ld->jobs; *pp; pp = &(*pp)->next)
         if (*pp == j) {
             *pp = j->next;
-            n->n_jobs--;
+            ld->n_jobs--;
             return;
         }
 }
@@ -52,22 +103,22 @@ static Td__ErrorCode wire_code(int err, uint32_t reason)
 }
 
 /* End a job: tell its client (unless it cancelled) and forget it. */
-static void finish_job(pf_node *n, pf_job *j, int err, const char *why)
+static void finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
 {
-    unlink_job(n, j);
+    unlink_job(ld, j);
     if (j->cancelled) {
         job_free(j);
         return;
     }
     if (err) {
-        n->n_failed++;
-        TD_LOG_INFO("prefill %s: request %llu failed: %s", n->p->instance,
+        ld->n_failed++;
+        TD_LOG_INFO("prefill %s: request %llu failed: %s", ld->st->p->instance,
                     (unsigned long long)j->request_id, why);
-        td_ctrl_server_send_error(n->srv, j->client_id, j->request_id,
+        td_ctrl_server_send_error(ld->srv, j->client_id, j->request_id,
                                   wire_code(err, j->fail_reason), "prefill instance %s: %s",
-                                  n->p->instance, why);
+                                  ld->st->p->instance, why);
     } else {
-        n->n_done++;
+        ld->n_done++;
         Td__PrefillDone pd = TD__PREFILL_DONE__INIT;
         pd.request_id = j->request_id;
         pd.first_token = j->first_token;
@@ -83,12 +134,13 @@ static void finish_job(pf_node *n, pf_job *j, int err, const char *why)
                             j->chunk_sizes[i]);
         TD_LOG_INFO("prefill %s: request %llu: %d tokens in %u chunks [%s], queued %llu ms, "
                     "prefill %llu ms",
-                    n->p->instance, (unsigned long long)j->request_id, j->n_prompt, j->n_chunks,
-                    sizes, (unsigned long long)pd.queued_ms, (unsigned long long)pd.prefill_ms);
+                    ld->st->p->instance, (unsigned long long)j->request_id, j->n_prompt,
+                    j->n_chunks, sizes, (unsigned long long)pd.queued_ms,
+                    (unsigned long long)pd.prefill_ms);
         Td__Event ev = TD__EVENT__INIT;
         ev.body_case = TD__EVENT__BODY_PREFILL_DONE;
         ev.prefill_done = &pd;
-        td_ctrl_server_send_event(n->srv, j->client_id, &ev);
+        td_ctrl_server_send_event(ld->srv, j->client_id, &ev);
     }
     job_free(j);
 }
@@ -120,10 +172,11 @@ static const char *fail_text(int err, uint32_t reason)
     }
 }
 
-void pf_leader_on_report(pf_node *n, const pf_report *r)
+static void on_report(pf_leader *ld, const pf_report *r)
 {
-    if (r->epoch != n->epoch || r->stage >= (uint32_t)n->pp) return; /* an old formation's */
-    pf_job *j = find_job(n, r->req_id);
+    if (r->epoch != ld->st->epoch || r->stage >= (uint32_t)ld->st->pp)
+        return; /* an old formation's */
+    pf_job *j = find_job(ld, r->req_id);
     if (!j || !j->emitted) return;
     j->reported |= 1ull << r->stage;
     if (r->end_ms > j->t_end_ms) j->t_end_ms = r->end_ms;
@@ -132,168 +185,168 @@ void pf_leader_on_report(pf_node *n, const pf_report *r)
         j->fail_reason = r->reason;
         j->fail_stage = (int)r->stage;
         /* the other stages stop too (the decode side also tells them) */
-        pf_stage_abort(n, j->request_id, r->status);
+        pf_stage_abort(ld->st, j->request_id, r->status);
         uint8_t msg[28];
         int64_t len = pf_wire_abort_write(msg, sizeof msg, 0, j->request_id, r->status);
-        if (len > 0) pf_chain_send_msg(n, msg, (size_t)len);
+        if (len > 0) pf_chain_send_msg(&ld->st->chain, msg, (size_t)len);
     }
-    if (r->stage == (uint32_t)n->pp - 1) j->first_token = r->first_token;
-    uint64_t all = n->pp == 64 ? ~0ull : (1ull << n->pp) - 1;
+    if (r->stage == (uint32_t)ld->st->pp - 1) j->first_token = r->first_token;
+    uint64_t all = ld->st->pp == 64 ? ~0ull : (1ull << ld->st->pp) - 1;
     if ((j->reported & all) != all) return;
     if (j->err) {
         char why[160];
         snprintf(why, sizeof why, "KV transfer failed on stage %d: %s", j->fail_stage,
                  fail_text(j->err, j->fail_reason));
-        finish_job(n, j, j->err, why);
+        finish_job(ld, j, j->err, why);
     } else
-        finish_job(n, j, 0, NULL);
+        finish_job(ld, j, 0, NULL);
 }
 
 /* ---- membership ---- */
 
-static void reset_formation(pf_node *n, const char *why)
+static void reset_formation(pf_leader *ld, const char *why)
 {
-    bool logged = n->running || n->n_jobs; /* not at start-up */
-    int64_t t0 = pf_now_ms();
+    bool logged = ld->running || ld->n_jobs; /* not at start-up */
+    int64_t t0 = td_now_ms();
     if (logged)
         TD_LOG_WARN(
             "prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
             "the stages to rejoin",
-            n->p->instance, why, n->n_jobs);
-    for (pf_job *j = n->jobs, *nx; j; j = nx) {
+            ld->st->p->instance, why, ld->n_jobs);
+    for (pf_job *j = ld->jobs, *nx; j; j = nx) {
         nx = j->next;
-        if (j->emitted) finish_job(n, j, TD_EIO, "a prefill stage failed or restarted");
+        if (j->emitted) finish_job(ld, j, TD_EIO, "a prefill stage failed or restarted");
     }
-    pf_stage_abort_all(n, TD_EIO);
-    pf_chain_close(n);
+    pf_stage_leave_chain(ld->st, TD_EIO);
     if (logged)
-        TD_LOG_INFO("prefill %s: the old stage chain closed in %lld ms", n->p->instance,
-                    (long long)(pf_now_ms() - t0));
-    uint64_t old = n->members[0].boot_id;
-    memset(n->members, 0, sizeof n->members);
-    n->running = false;
-    if (pf_chain_open(n)) {
-        TD_LOG_ERR("prefill %s: cannot recreate the activation pipe", n->p->instance);
+        TD_LOG_INFO("prefill %s: the old stage chain closed in %lld ms", ld->st->p->instance,
+                    (long long)(td_now_ms() - t0));
+    uint64_t old = ld->members[0].boot_id;
+    memset(ld->members, 0, sizeof ld->members);
+    ld->running = false;
+    if (pf_chain_open(&ld->st->chain)) {
+        TD_LOG_ERR("prefill %s: cannot recreate the activation pipe", ld->st->p->instance);
         return;
     }
-    n->members[0].present = true;
-    n->members[0].boot_id = old;
-    pf_link_address(n->link, n->members[0].addr, sizeof n->members[0].addr,
-                    &n->members[0].addr_len);
+    ld->members[0].present = true;
+    ld->members[0].boot_id = old;
+    pf_chain_address(&ld->st->chain, ld->members[0].addr, sizeof ld->members[0].addr,
+                     &ld->members[0].addr_len);
     static uint64_t formations;
-    n->epoch = (n->boot_id << 16) ^ ++formations; /* never 0, differs per formation */
-    if (n->pp == 1) n->running = true;
+    ld->st->epoch = (ld->st->boot_id << 16) ^ ++formations; /* never 0, differs per formation */
+    if (ld->st->pp == 1) ld->running = true;
 }
 
-static int table_reply(pf_node *n, td_ctrl_req *req)
+static int table_reply(pf_leader *ld, td_ctrl_req *req)
 {
     ProtobufCBinaryData addrs[PF_MAX_STAGES];
     uint64_t boots[PF_MAX_STAGES];
-    for (int s = 0; s < n->pp; s++) {
-        addrs[s] = (ProtobufCBinaryData){n->members[s].addr_len, n->members[s].addr};
-        boots[s] = n->members[s].boot_id;
+    for (int s = 0; s < ld->st->pp; s++) {
+        addrs[s] = (ProtobufCBinaryData){ld->members[s].addr_len, ld->members[s].addr};
+        boots[s] = ld->members[s].boot_id;
     }
     Td__StageTable t = TD__STAGE_TABLE__INIT;
-    t.n_pipe_addresses = t.n_boot_ids = (size_t)n->pp;
+    t.n_pipe_addresses = t.n_boot_ids = (size_t)ld->st->pp;
     t.pipe_addresses = addrs;
     t.boot_ids = boots;
-    t.epoch = n->epoch;
+    t.epoch = ld->st->epoch;
     Td__Envelope e = TD__ENVELOPE__INIT;
     e.body_case = TD__ENVELOPE__BODY_STAGE_TABLE;
     e.stage_table = &t;
-    return td_ctrl_server_reply(n->srv, req, &e);
+    return td_ctrl_server_reply(ld->srv, req, &e);
 }
 
-static void handle_hello(pf_node *n, const td_ctrl_server_in *in)
+static void handle_hello(pf_leader *ld, const td_ctrl_server_in *in)
 {
     const Td__StageHello *h = in->env->stage_hello;
-    if (strcmp(h->instance ? h->instance : "", n->p->instance) || h->pp != (uint32_t)n->pp ||
-        h->stage == 0) {
-        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_INVALID,
+    if (strcmp(h->instance ? h->instance : "", ld->st->p->instance) ||
+        h->pp != (uint32_t)ld->st->pp || h->stage == 0) {
+        td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_INVALID,
                                    "this is stage 0 of %s (pp %d), not of %s (pp %u) / stage %u",
-                                   n->p->instance, n->pp, h->instance ? h->instance : "", h->pp,
-                                   h->stage);
+                                   ld->st->p->instance, ld->st->pp, h->instance ? h->instance : "",
+                                   h->pp, h->stage);
         return;
     }
     int s = (int)h->stage;
-    bool same = n->members[s].present && n->members[s].boot_id == h->boot_id &&
-                n->members[s].addr_len == h->pipe_address.len &&
-                !memcmp(n->members[s].addr, h->pipe_address.data, h->pipe_address.len);
-    if (h->epoch && h->epoch != n->epoch) {
+    bool same = ld->members[s].present && ld->members[s].boot_id == h->boot_id &&
+                ld->members[s].addr_len == h->pipe_address.len &&
+                !memcmp(ld->members[s].addr, h->pipe_address.data, h->pipe_address.len);
+    if (h->epoch && h->epoch != ld->st->epoch) {
         /* it runs in an older formation: it must reset and join again */
-        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
+        td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
                                    "rejoin: the stage chain was re-formed");
         return;
     }
     if (!same) {
-        if (n->running && n->pp > 1) {
-            TD_LOG_INFO("prefill %s: stage %d (re)joins", n->p->instance, s);
-            reset_formation(n, "a stage restarted");
+        if (ld->running && ld->st->pp > 1) {
+            TD_LOG_INFO("prefill %s: stage %d (re)joins", ld->st->p->instance, s);
+            reset_formation(ld, "a stage restarted");
         }
-        if (h->pipe_address.len > sizeof n->members[s].addr) {
-            td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_TOO_LARGE,
+        if (h->pipe_address.len > sizeof ld->members[s].addr) {
+            td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_TOO_LARGE,
                                        "pipe address of %zu bytes", h->pipe_address.len);
             return;
         }
-        n->members[s].present = true;
-        n->members[s].boot_id = h->boot_id;
-        memcpy(n->members[s].addr, h->pipe_address.data, h->pipe_address.len);
-        n->members[s].addr_len = h->pipe_address.len;
+        ld->members[s].present = true;
+        ld->members[s].boot_id = h->boot_id;
+        memcpy(ld->members[s].addr, h->pipe_address.data, h->pipe_address.len);
+        ld->members[s].addr_len = h->pipe_address.len;
     }
-    n->members[s].seen_ms = pf_now_ms();
-    if (!n->running) {
+    ld->members[s].seen_ms = td_now_ms();
+    if (!ld->running) {
         char missing[256] = "";
         int off = 0;
-        for (int k = 1; k < n->pp; k++)
-            if (!n->members[k].present && off < (int)sizeof missing - 8)
+        for (int k = 1; k < ld->st->pp; k++)
+            if (!ld->members[k].present && off < (int)sizeof missing - 8)
                 off += snprintf(missing + off, sizeof missing - (size_t)off, " %d", k);
         if (off) {
-            td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
+            td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
                                        "waiting for stages%s", missing);
             return;
         }
         const uint8_t *addrs[PF_MAX_STAGES];
         size_t lens[PF_MAX_STAGES];
-        for (int k = 0; k < n->pp; k++) {
-            addrs[k] = n->members[k].addr;
-            lens[k] = n->members[k].addr_len;
-            n->members[k].seen_ms = pf_now_ms();
+        for (int k = 0; k < ld->st->pp; k++) {
+            addrs[k] = ld->members[k].addr;
+            lens[k] = ld->members[k].addr_len;
+            ld->members[k].seen_ms = td_now_ms();
         }
-        if (pf_chain_start(n, addrs, lens)) {
-            td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
+        if (pf_chain_start(&ld->st->chain, addrs, lens)) {
+            td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
                                        "cannot connect the stages");
-            reset_formation(n, "connect failed");
+            reset_formation(ld, "connect failed");
             return;
         }
-        n->running = true;
-        TD_LOG_INFO("prefill %s: all %d stages joined: ready", n->p->instance, n->pp);
+        ld->running = true;
+        TD_LOG_INFO("prefill %s: all %d stages joined: ready", ld->st->p->instance, ld->st->pp);
     }
-    table_reply(n, in->req);
+    table_reply(ld, in->req);
 }
 
-static void check_members(pf_node *n)
+static void check_members(pf_leader *ld)
 {
-    if (!n->running || n->pp == 1) return;
-    int64_t now = pf_now_ms();
+    if (!ld->running || ld->st->pp == 1) return;
+    int64_t now = td_now_ms();
     /* ...unless chunks take long: a stage says hello between chunks, so one that computes a
      * long chunk (an 8K-token prefix on a slow or busy CPU) is silent for that long. Stage
      * 0's own recent chunk times stand in for the others' (similar layer counts). */
     int64_t silence = MEMBER_SILENCE_MS;
-    if (3 * n->slow_chunk_ms + 2000 > silence) silence = (int64_t)(3 * n->slow_chunk_ms) + 2000;
-    for (int s = 1; s < n->pp; s++) {
+    if (3 * ld->st->slow_chunk_ms + 2000 > silence)
+        silence = (int64_t)(3 * ld->st->slow_chunk_ms) + 2000;
+    for (int s = 1; s < ld->st->pp; s++) {
         char why[96];
-        if (n->link && pf_link_peer_failed(n->link, n->member_peer[s])) {
+        if (pf_chain_stage_failed(&ld->st->chain, s)) {
             snprintf(why, sizeof why, "stage %d is unreachable", s);
-            reset_formation(n, why);
+            reset_formation(ld, why);
             return;
         }
-        if (now - n->members[s].seen_ms > silence) {
+        if (now - ld->members[s].seen_ms > silence) {
             snprintf(why, sizeof why, "stage %d silent for %lld ms", s, (long long)silence);
-            reset_formation(n, why);
+            reset_formation(ld, why);
             return;
         }
     }
-    if (n->broken) reset_formation(n, "activation send failed");
+    if (ld->st->chain.broken) reset_formation(ld, "activation send failed");
 }
 
 /* ---- requests from the router ---- */
@@ -315,65 +368,66 @@ static int set_targets(pf_job *j, ProtobufCBinaryData *t, size_t n)
 }
 
 /* Targets go to this stage's connector and down the chain, after the first chunk. */
-static void push_targets(pf_node *n, pf_job *j)
+static void push_targets(pf_leader *ld, pf_job *j)
 {
     if (!j->emitted || j->targets_sent || !j->n_targets) return;
     j->targets_sent = true;
-    pf_stage_targets(n, j->request_id, (const uint8_t *const *)j->targets, j->target_len,
+    pf_stage_targets(ld->st, j->request_id, (const uint8_t *const *)j->targets, j->target_len,
                      j->n_targets);
-    if (n->pp == 1) return;
+    if (ld->st->pp == 1) return;
     size_t sz = pf_wire_targets_size(j->target_len, j->n_targets);
     uint8_t *msg = malloc(sz);
     if (!msg) return;
     int64_t len = pf_wire_targets_write(
         msg, sz, 0, j->request_id, (const uint8_t *const *)j->targets, j->target_len, j->n_targets);
-    if (len > 0) pf_chain_send_msg(n, msg, (size_t)len);
+    if (len > 0) pf_chain_send_msg(&ld->st->chain, msg, (size_t)len);
     free(msg);
 }
 
-static void handle_prefill(pf_node *n, const td_ctrl_server_in *in)
+static void handle_prefill(pf_leader *ld, const td_ctrl_server_in *in)
 {
     const Td__Prefill *p = in->env->prefill;
-    pf_job *old = find_job(n, p->request_id);
+    pf_job *old = find_job(ld, p->request_id);
     if (old) {
         if (old->client_id == in->client_id) /* the control layer's retry of the same call */
-            td_ctrl_server_reply_ack(n->srv, in->req, p->request_id);
+            td_ctrl_server_reply_ack(ld->srv, in->req, p->request_id);
         else
-            td_ctrl_server_reply_error(n->srv, in->req, p->request_id,
+            td_ctrl_server_reply_error(ld->srv, in->req, p->request_id,
                                        TD__ERROR_CODE__ERR_DUPLICATE, "request id in use");
         return;
     }
-    if (!n->running) {
-        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_BUSY,
-                                   "prefill instance %s: stages not all joined", n->p->instance);
+    if (!ld->running) {
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_BUSY,
+                                   "prefill instance %s: stages not all joined",
+                                   ld->st->p->instance);
         return;
     }
     int waiting = 0;
-    for (pf_job *j = n->jobs; j; j = j->next)
+    for (pf_job *j = ld->jobs; j; j = j->next)
         waiting += !j->emitted;
-    if (waiting >= n->cfg->max_queue) {
-        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_BUSY,
+    if (waiting >= ld->st->cfg->max_queue) {
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_BUSY,
                                    "%d prefill requests already waiting", waiting);
         return;
     }
-    int max_ctx = n->rig.model->hp.n_ctx_train;
-    int cap = n->rig.kv->n_blocks * n->rig.kv->block_size;
+    int max_ctx = ld->st->shard.model->hp.n_ctx_train;
+    int cap = ld->st->shard.kv->n_blocks * ld->st->shard.kv->block_size;
     if (p->n_token_ids > (size_t)(cap < max_ctx ? cap : max_ctx)) {
-        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_NO_SPACE,
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_NO_SPACE,
                                    "prompt of %zu tokens: this instance holds %d (KV) and the "
                                    "model %d",
                                    p->n_token_ids, cap, max_ctx);
         return;
     }
     for (size_t i = 0; i < p->n_token_ids; i++)
-        if (p->token_ids[i] >= n->n_vocab) {
-            td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
+        if (p->token_ids[i] >= ld->st->n_vocab) {
+            td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
                                        "token id %d outside the vocabulary", p->token_ids[i]);
             return;
         }
     uint32_t n_dst = p->n_decode_ranks ? p->n_decode_ranks : (uint32_t)p->n_kv_targets;
     if (n_dst < 1 || n_dst > PF_MAX_TARGETS) {
-        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
                                    "n_decode_ranks %u (1..%d)", n_dst, PF_MAX_TARGETS);
         return;
     }
@@ -381,7 +435,7 @@ static void handle_prefill(pf_node *n, const td_ctrl_server_in *in)
     if (j) j->prompt = malloc(p->n_token_ids * sizeof *j->prompt);
     if (!j || !j->prompt) {
         if (j) job_free(j);
-        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INTERNAL,
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INTERNAL,
                                    "out of memory");
         return;
     }
@@ -391,106 +445,106 @@ static void handle_prefill(pf_node *n, const td_ctrl_server_in *in)
     j->n_prompt = (int32_t)p->n_token_ids;
     j->n_dst = n_dst;
     j->first_token = -1;
-    j->t_submit_ms = pf_now_ms();
+    j->t_submit_ms = td_now_ms();
     j->sampling = td_ctrl_sampling_from_pb(p->sampling);
     if (set_targets(j, p->kv_targets, p->n_kv_targets)) {
         job_free(j);
-        td_ctrl_server_reply_error(n->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
                                    "%zu KV targets for %u decode ranks", p->n_kv_targets, n_dst);
         return;
     }
-    pf_job **tail = &n->jobs;
+    pf_job **tail = &ld->jobs;
     while (*tail)
         tail = &(*tail)->next;
     *tail = j;
-    n->n_jobs++;
-    td_ctrl_server_reply_ack(n->srv, in->req, p->request_id);
+    ld->n_jobs++;
+    td_ctrl_server_reply_ack(ld->srv, in->req, p->request_id);
 }
 
-static void cancel_job(pf_node *n, pf_job *j, int err)
+static void cancel_job(pf_leader *ld, pf_job *j, int err)
 {
     if (!j->emitted) {
-        finish_job(n, j, 0, NULL);
+        finish_job(ld, j, 0, NULL);
         return;
     }
     /* in the chain: every stage aborts; the job ends when all reported */
-    pf_stage_abort(n, j->request_id, err);
+    pf_stage_abort(ld->st, j->request_id, err);
     uint8_t msg[28];
     int64_t len = pf_wire_abort_write(msg, sizeof msg, 0, j->request_id, err);
-    if (len > 0) pf_chain_send_msg(n, msg, (size_t)len);
+    if (len > 0) pf_chain_send_msg(&ld->st->chain, msg, (size_t)len);
     j->done = j->n_prompt; /* schedule nothing more */
     if (!j->err) j->err = err;
 }
 
-static void handle_request(pf_node *n, const td_ctrl_server_in *in)
+static void handle_request(pf_leader *ld, const td_ctrl_server_in *in)
 {
     const Td__Envelope *env = in->env;
     switch (env->body_case) {
     case TD__ENVELOPE__BODY_PREFILL:
-        handle_prefill(n, in);
+        handle_prefill(ld, in);
         return;
     case TD__ENVELOPE__BODY_KV_TARGET: {
         const Td__KvTarget *t = env->kv_target;
-        pf_job *j = find_job(n, t->request_id);
+        pf_job *j = find_job(ld, t->request_id);
         if (!j || j->client_id != in->client_id || j->err) {
-            td_ctrl_server_reply_error(n->srv, in->req, t->request_id,
+            td_ctrl_server_reply_error(ld->srv, in->req, t->request_id,
                                        TD__ERROR_CODE__ERR_NOT_FOUND, "no prefill request %llu",
                                        (unsigned long long)t->request_id);
             return;
         }
         int rc = set_targets(j, t->kv_targets, t->n_kv_targets);
         if (rc == TD_ESTATE) { /* a retried call: the same targets again */
-            td_ctrl_server_reply_ack(n->srv, in->req, t->request_id);
+            td_ctrl_server_reply_ack(ld->srv, in->req, t->request_id);
             return;
         }
         if (rc) {
-            td_ctrl_server_reply_error(n->srv, in->req, t->request_id, TD__ERROR_CODE__ERR_INVALID,
+            td_ctrl_server_reply_error(ld->srv, in->req, t->request_id, TD__ERROR_CODE__ERR_INVALID,
                                        "%zu KV targets for %u decode ranks", t->n_kv_targets,
                                        j->n_dst);
             return;
         }
-        push_targets(n, j);
-        td_ctrl_server_reply_ack(n->srv, in->req, t->request_id);
+        push_targets(ld, j);
+        td_ctrl_server_reply_ack(ld->srv, in->req, t->request_id);
         return;
     }
     case TD__ENVELOPE__BODY_CANCEL: {
         uint64_t rid = env->cancel->request_id;
-        pf_job *j = find_job(n, rid);
+        pf_job *j = find_job(ld, rid);
         if (!j || j->client_id != in->client_id) {
-            td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_NOT_FOUND,
+            td_ctrl_server_reply_error(ld->srv, in->req, rid, TD__ERROR_CODE__ERR_NOT_FOUND,
                                        "no prefill request %llu", (unsigned long long)rid);
             return;
         }
         j->cancelled = true;
-        cancel_job(n, j, TD_EIO);
-        td_ctrl_server_reply_ack(n->srv, in->req, rid);
+        cancel_job(ld, j, TD_EIO);
+        td_ctrl_server_reply_ack(ld->srv, in->req, rid);
         return;
     }
     case TD__ENVELOPE__BODY_STAGE_HELLO:
-        handle_hello(n, in);
+        handle_hello(ld, in);
         return;
     default:
-        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
-                                   "prefill instance %s does not handle %s", n->p->instance,
+        td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
+                                   "prefill instance %s does not handle %s", ld->st->p->instance,
                                    td_ctrl_body_name(env->body_case));
     }
 }
 
-static int serve_inbox(pf_node *n, int timeout_ms)
+static int serve_inbox(pf_leader *ld, int timeout_ms)
 {
     for (;;) {
         td_ctrl_server_in in;
-        int rc = td_ctrl_server_recv(n->srv, &in, timeout_ms);
+        int rc = td_ctrl_server_recv(ld->srv, &in, timeout_ms);
         if (rc == TD_ETIMEDOUT) return 0;
         if (rc) return rc;
         if (in.kind == TD_CTRL_IN_REQUEST)
-            handle_request(n, &in);
+            handle_request(ld, &in);
         else if (in.kind == TD_CTRL_IN_PEER_GONE)
-            for (pf_job *j = n->jobs, *nx; j; j = nx) {
+            for (pf_job *j = ld->jobs, *nx; j; j = nx) {
                 nx = j->next;
                 if (j->client_id == in.client_id) {
                     j->cancelled = true;
-                    cancel_job(n, j, TD_EIO);
+                    cancel_job(ld, j, TD_EIO);
                 }
             }
         timeout_ms = 0;
@@ -499,15 +553,15 @@ static int serve_inbox(pf_node *n, int timeout_ms)
 
 /* ---- deadlines ---- */
 
-static void expire_jobs(pf_node *n)
+static void expire_jobs(pf_leader *ld)
 {
-    int64_t now = pf_now_ms();
-    for (pf_job *j = n->jobs, *nx; j; j = nx) {
+    int64_t now = td_now_ms();
+    for (pf_job *j = ld->jobs, *nx; j; j = nx) {
         nx = j->next;
-        if (!j->emitted && now - j->t_submit_ms > n->timeout_ms)
-            finish_job(n, j, TD_ETIMEDOUT, "waited in the queue past the transfer deadline");
-        else if (j->emitted && now - j->t_start_ms > n->timeout_ms + REPORT_GRACE_MS)
-            finish_job(n, j, TD_ETIMEDOUT, "stages did not report before the deadline");
+        if (!j->emitted && now - j->t_submit_ms > ld->st->timeout_ms)
+            finish_job(ld, j, TD_ETIMEDOUT, "waited in the queue past the transfer deadline");
+        else if (j->emitted && now - j->t_start_ms > ld->st->timeout_ms + REPORT_GRACE_MS)
+            finish_job(ld, j, TD_ETIMEDOUT, "stages did not report before the deadline");
     }
 }
 
@@ -527,27 +581,28 @@ static int record_chunk(pf_job *j, int32_t size)
 }
 
 /* Plan and run the next chunk; returns 1 if one ran, 0 if there is nothing to do. */
-static int run_chunk(pf_node *n)
+static int run_chunk(pf_leader *ld)
 {
-    if (!n->last && (!pf_chain_queue_empty(n) || !pf_chain_free_send(n, 0)))
+    if (!ld->st->last &&
+        (!pf_chain_queue_empty(&ld->st->chain) || !pf_chain_free_send(&ld->st->chain, 0)))
         return 0; /* the chain is full: later (queued messages first, to keep the order) */
     pf_seg segs[PF_MAX_SEGS];
     pf_job *js[PF_MAX_SEGS];
     int n_segs = 0;
-    int32_t budget = n->chunk_max;
+    int32_t budget = ld->st->chunk_max;
     int64_t promised = 0;
-    int32_t *ids = n->tokens;
+    int32_t *ids = ld->ids;
     int64_t n_ids = 0;
-    for (pf_job *j = n->jobs; j && budget > 0 && n_segs < PF_MAX_SEGS; j = j->next) {
+    for (pf_job *j = ld->jobs; j && budget > 0 && n_segs < PF_MAX_SEGS; j = j->next) {
         if (j->done >= j->n_prompt || j->cancelled || j->err) continue;
         if (!j->emitted) {
-            int64_t need = kn_kv_blocks_for(n->rig.kv, j->n_prompt);
-            if (n->rig.kv->n_free - promised < need) break; /* in order: wait for room */
+            int64_t need = kn_kv_blocks_for(ld->st->shard.kv, j->n_prompt);
+            if (ld->st->shard.kv->n_free - promised < need) break; /* in order: wait for room */
             promised += need;
         }
         int32_t rem = j->n_prompt - j->done, size;
         if (n_segs == 0) {
-            int64_t x = pf_next_chunk(&n->model, &n->chunking, j->done, rem);
+            int64_t x = pf_next_chunk(&ld->model, &ld->chunking, j->done, rem);
             size = x > 0 ? (int32_t)x : (rem < budget ? rem : budget);
         } else
             size = rem; /* packing after a request's last chunk: the rest of the budget */
@@ -569,7 +624,7 @@ static int run_chunk(pf_node *n)
         if (!(g->flags & PF_SEG_LAST)) break; /* a request's middle chunk fills the chunk */
     }
     if (!n_segs) return 0;
-    int64_t now = pf_now_ms();
+    int64_t now = td_now_ms();
     for (int i = 0; i < n_segs; i++) {
         pf_job *j = js[i];
         if (!j->emitted) j->t_start_ms = now;
@@ -577,27 +632,22 @@ static int run_chunk(pf_node *n)
         j->done = (int32_t)segs[i].t1;
         record_chunk(j, (int32_t)(segs[i].t1 - segs[i].t0));
     }
-    /* pf_stage_chunk copies ids into its own scratch first: pass a copy */
-    int32_t *in = malloc((size_t)n_ids * sizeof *in);
-    if (!in) return TD_ENOMEM;
-    memcpy(in, ids, (size_t)n_ids * sizeof *in);
-    int rc = pf_stage_chunk(n, segs, n_segs, in, NULL);
-    free(in);
+    int rc = pf_stage_chunk(ld->st, segs, n_segs, ids, NULL);
     for (int i = 0; i < n_segs; i++)
-        push_targets(n, js[i]);
+        push_targets(ld, js[i]);
     return rc ? rc : 1;
 }
 
 /* ---- health ---- */
 
-static void publish_health(pf_node *n)
+static void publish_health(pf_leader *ld)
 {
     Td__Health h = TD__HEALTH__INIT;
-    h.instance = (char *)n->p->instance;
+    h.instance = (char *)ld->st->p->instance;
     h.role = TD__ROLE__ROLE_PREFILL;
     h.rank = 0;
     uint64_t queued = 0;
-    for (pf_job *j = n->jobs; j; j = j->next) {
+    for (pf_job *j = ld->jobs; j; j = j->next) {
         if (j->emitted)
             h.running++;
         else
@@ -605,205 +655,107 @@ static void publish_health(pf_node *n)
         queued += (uint64_t)(j->n_prompt - j->done);
     }
     h.queued_prompt_tokens = queued;
-    h.kv_blocks_used = (uint32_t)(n->rig.kv->n_blocks - n->rig.kv->n_free);
-    h.kv_blocks_free = (uint32_t)n->rig.kv->n_free;
-    h.kv_block_size = (uint32_t)n->rig.kv->block_size;
-    h.uptime_ms = (uint64_t)(pf_now_ms() - n->started_ms);
-    h.ready = n->running;
-    td_ctrl_server_set_health(n->srv, &h);
+    h.kv_blocks_used = (uint32_t)(ld->st->shard.kv->n_blocks - ld->st->shard.kv->n_free);
+    h.kv_blocks_free = (uint32_t)ld->st->shard.kv->n_free;
+    h.kv_block_size = (uint32_t)ld->st->shard.kv->block_size;
+    h.uptime_ms = (uint64_t)(td_now_ms() - ld->started_ms);
+    h.ready = ld->running;
+    td_ctrl_server_set_health(ld->srv, &h);
 }
 
-/* ---- start-up ---- */
-
-/* The stage profile: loaded from the cache (pf_pcache.h) unless --reprofile, else
- * measured and stored. Fills res; returns 0, TD_ESTATE if *stop ended the measurement,
- * or another td_err from the profile. Cache trouble is only ever a warning. */
-static int get_profile(pf_node *n, const pf_profile_params *pp, pf_profile_result *res)
-{
-    const char *inst = n->p->instance;
-    char dir[2048], path[2200], why[512] = "";
-    pf_pcache_key key;
-    int krc = pf_pcache_key_make(&n->rig, n->p->cfg->model, pp, &key);
-    int drc = krc ? krc : pf_pcache_dir(dir, sizeof dir);
-    if (!drc) drc = pf_pcache_path(dir, &key, path, sizeof path);
-    if (drc)
-        TD_LOG_WARN("prefill %s: no profile cache (%s): the profile is measured every start", inst,
-                    krc                ? td_strerror(krc)
-                    : drc == TD_ENOENT ? "neither TANDEM_CACHE nor HOME is set"
-                                       : td_strerror(drc));
-    int64_t t0 = pf_now_ms();
-    const char *reason = n->p->reprofile ? "--reprofile" : "no cached profile";
-    if (!drc && !n->p->reprofile) {
-        int rc = pf_pcache_load(path, &key, res, why, sizeof why);
-        if (!rc) {
-            TD_LOG_INFO("prefill %s: stage profile loaded from the cache in %lld ms (%s; %d "
-                        "lengths, measured in %.0f ms); --reprofile measures it again",
-                        inst, (long long)(pf_now_ms() - t0), path, res->n_lengths, res->elapsed_ms);
-            return 0;
-        }
-        if (rc != TD_ENOENT) {
-            TD_LOG_WARN("prefill %s: ignoring the cached profile %s: %s", inst, path,
-                        why[0] ? why : td_strerror(rc));
-            reason = "the cached one is unusable";
-        }
-    }
-    pf_profile_params p = pf_profile_resolve(pp);
-    TD_LOG_INFO("prefill %s: measuring the stage profile (%s): %d lengths up to %d tokens, "
-                "at most ~%d ms",
-                inst, reason, p.n_lengths, p.max_len, p.budget_ms);
-    if (n->p->profiling) *n->p->profiling = 1;
-    int rc = pf_profile_stage(&n->rig, pp, res);
-    if (n->p->profiling) *n->p->profiling = 0;
-    if (rc == TD_ESTATE && res->stopped) {
-        TD_LOG_INFO("prefill %s: stopped while profiling (after %lld ms)", inst,
-                    (long long)(pf_now_ms() - t0));
-        return rc;
-    }
-    if (rc) return rc;
-    TD_LOG_INFO("prefill %s: stage profile measured in %lld ms (%d lengths%s)", inst,
-                (long long)(pf_now_ms() - t0), res->n_lengths,
-                res->budget_hit ? ", cut short by profile_budget_ms" : "");
-    if (drc) return 0;
-    int src = pf_pcache_store(path, &key, res, why, sizeof why);
-    if (src)
-        TD_LOG_WARN("prefill %s: cannot cache the stage profile: %s", inst,
-                    why[0] ? why : td_strerror(src));
-    else
-        TD_LOG_INFO("prefill %s: stage profile cached in %s", inst, path);
-    return 0;
-}
-
-/* Set up chunking: fixed, or dynamic over the stage profile's cost model. Returns 0, or
- * TD_ESTATE when *stop ended the profile (the caller shuts down). */
-static int profile(pf_node *n)
-{
-    n->chunking = (pf_chunk_params){.chunk_size = n->chunk_max,
-                                    .smooth = n->cfg->smooth_factor,
-                                    .page_size = n->rig.kv->block_size,
-                                    .max_batch_tokens = n->chunk_max,
-                                    .dynamic = false};
-    memset(&n->model, 0, sizeof n->model);
-    bool dynamic = n->cfg->dynamic_chunking && n->cfg->smooth_factor != 0;
-    if (!dynamic || n->cfg->profile_budget_ms <= 0) {
-        if (!dynamic)
-            TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", n->p->instance, n->chunk_max);
-        else
-            TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): "
-                        "fixed chunks of %d tokens",
-                        n->p->instance, n->chunk_max);
-        if (n->p->reprofile)
-            TD_LOG_INFO("prefill %s: --reprofile: nothing to profile with fixed chunks",
-                        n->p->instance);
-        return 0;
-    }
-    pf_profile_params pp = {
-        .chunk_size = n->chunk_max, .budget_ms = n->cfg->profile_budget_ms, .stop = n->p->stop};
-    int max_len = n->chunk_max + n->chunk_max / 4;
-    if (max_len > n->rig.ctx) pp.max_len = n->rig.ctx;
-    pf_profile_result res;
-    int rc = get_profile(n, &pp, &res);
-    if (rc == TD_ESTATE) return rc;
-    if (rc || !res.fit.dynamic) {
-        TD_LOG_WARN("prefill %s: the stage profile gave no usable cost model (%s; a=%g b=%g "
-                    "over %d lengths): fixed chunks of %d tokens",
-                    n->p->instance, rc ? td_strerror(rc) : "not convex", res.fit.a, res.fit.b_fit,
-                    res.n_lengths, n->chunk_max);
-        return 0;
-    }
-    n->model = res.fit;
-    n->chunking.dynamic = true;
-    int64_t example =
-        8 * (int64_t)n->chunk_max < n->rig.ctx ? 8 * (int64_t)n->chunk_max : (int64_t)n->rig.ctx;
-    int32_t plan[64];
-    int64_t np = 0;
-    if (pf_plan_chunks(&n->model, &n->chunking, example, plan, 64, &np)) np = 0;
-    char sizes[200] = "";
-    int off = 0;
-    for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
-        off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);
-    TD_LOG_INFO("prefill %s: dynamic chunking: f(l) = %.3g l^2 + %.3g l + %.3g ms (r2 %.4f, %d "
-                "lengths), smoothing %.2f; a %lld-token prompt goes as [%s]",
-                n->p->instance, n->model.a, n->model.b, n->model.c, n->model.r2, res.n_lengths,
-                n->cfg->smooth_factor, (long long)example, sizes);
-    return 0;
-}
-
-int pf_leader_run(pf_node *n)
+static int lead(pf_leader *ld)
 {
     /* listen first: a busy port is an error before any profiling, and meanwhile Health is
      * answered (ready: false) and the other stages' hellos wait in the inbox */
     td_ctrl_opts opts = {0};
-    int rc = td_ctrl_server_create(&opts, &n->srv);
+    int rc = td_ctrl_server_create(&opts, &ld->srv);
     if (rc) return rc;
     char url[256], bound[256];
-    if (n->p->listen)
-        snprintf(url, sizeof url, "%s", n->p->listen);
-    else if ((rc = td_cfg_ctrl_url(n->cfg->hosts[0], n->cfg->port, url, sizeof url)))
+    if (ld->st->p->listen)
+        snprintf(url, sizeof url, "%s", ld->st->p->listen);
+    else if ((rc = td_cfg_ctrl_url(ld->st->cfg->hosts[0], ld->st->cfg->port, url, sizeof url)))
         return rc;
-    if ((rc = td_ctrl_server_listen(n->srv, url, bound, sizeof bound))) {
-        TD_LOG_ERR("prefill %s: cannot listen on %s: %s", n->p->instance, url, td_strerror(rc));
+    if ((rc = td_ctrl_server_listen(ld->srv, url, bound, sizeof bound))) {
+        TD_LOG_ERR("prefill %s: cannot listen on %s: %s", ld->st->p->instance, url,
+                   td_strerror(rc));
         return rc;
     }
-    n->started_ms = pf_now_ms();
-    publish_health(n);
-    if (profile(n) == TD_ESTATE) {
-        td_ctrl_server_destroy(n->srv);
-        n->srv = NULL;
+    ld->started_ms = td_now_ms();
+    publish_health(ld);
+    if (pf_chunking_setup(ld->st, &ld->model, &ld->chunking) == TD_ESTATE) {
+        td_ctrl_server_destroy(ld->srv);
+        ld->srv = NULL;
         return 0; /* SIGTERM while profiling: a normal stop, nothing was in flight */
     }
-    TD_LOG_INFO("prefill %s: serving on %s (pp %d)", n->p->instance, bound, n->pp);
-    n->members[0].boot_id = n->boot_id;
-    reset_formation(n, "start-up");
-    if (n->running) TD_LOG_INFO("prefill %s: ready", n->p->instance);
+    TD_LOG_INFO("prefill %s: serving on %s (pp %d)", ld->st->p->instance, bound, ld->st->pp);
+    ld->members[0].boot_id = ld->st->boot_id;
+    reset_formation(ld, "start-up");
+    if (ld->running) TD_LOG_INFO("prefill %s: ready", ld->st->p->instance);
     int64_t last_health = 0;
-    while (!*n->p->stop) {
-        if ((rc = serve_inbox(n, 0))) break;
-        check_members(n);
-        if (n->link) {
-            uint8_t b[PF_LINK_REPORT_MAX];
-            size_t len;
-            pf_report r;
-            while (pf_link_take_report(n->link, b, &len))
-                if (!pf_wire_report_parse(b, len, &r)) pf_leader_on_report(n, &r);
-        }
-        if (n->link && pf_chain_flush(n)) n->broken = true;
-        pf_stage_poll(n);
-        expire_jobs(n);
+    while (!*ld->st->p->stop) {
+        if ((rc = serve_inbox(ld, 0))) break;
+        check_members(ld);
+        pf_report r;
+        while (pf_chain_take_report(&ld->st->chain, &r)) /* the other stages' */
+            on_report(ld, &r);
+        if (ld->st->chain.link && pf_chain_flush(&ld->st->chain)) ld->st->chain.broken = true;
+        pf_stage_poll(ld->st);
+        while (pf_stage_take_report(ld->st, &r)) /* this stage's */
+            on_report(ld, &r);
+        expire_jobs(ld);
         int ran = 0;
-        if (n->running) {
-            ran = run_chunk(n);
+        if (ld->running) {
+            ran = run_chunk(ld);
             if (ran < 0) {
-                TD_LOG_ERR("prefill %s: chunk failed: %s", n->p->instance, td_strerror(ran));
+                TD_LOG_ERR("prefill %s: chunk failed: %s", ld->st->p->instance, td_strerror(ran));
                 if (ran == TD_ENOMEM) break;
                 ran = 0;
             }
         }
-        if (pf_now_ms() - last_health >= HEALTH_MS) {
-            publish_health(n);
-            last_health = pf_now_ms();
+        if (td_now_ms() - last_health >= HEALTH_MS) {
+            publish_health(ld);
+            last_health = td_now_ms();
         }
-        if (!ran) pf_wait(n, td_ctrl_server_fd(n->srv), n->jobs || n->reqs ? 5 : 100);
+        if (!ran)
+            pf_chain_wait(&ld->st->chain, td_ctrl_server_fd(ld->srv),
+                          ld->jobs || ld->st->reqs ? 5 : 100);
     }
     /* stop: fail what is in flight, let the events out, then tear down */
-    if (n->n_jobs)
-        TD_LOG_INFO("prefill %s: stopping; %d requests end with an error", n->p->instance,
-                    n->n_jobs);
-    while (n->jobs)
-        finish_job(n, n->jobs, TD_ESTATE, "the prefill instance is shutting down");
-    pf_stage_abort_all(n, TD_ESTATE);
-    n->running = false;
-    publish_health(n);
+    if (ld->n_jobs)
+        TD_LOG_INFO("prefill %s: stopping; %d requests end with an error", ld->st->p->instance,
+                    ld->n_jobs);
+    while (ld->jobs)
+        finish_job(ld, ld->jobs, TD_ESTATE, "the prefill instance is shutting down");
+    pf_stage_abort_all(ld->st, TD_ESTATE);
+    ld->running = false;
+    publish_health(ld);
     /* the error events go out with the clients' next long poll (~ms); transfers end */
-    int64_t start = pf_now_ms();
-    while (pf_now_ms() - start < STOP_DRAIN_MS) {
-        serve_inbox(n, 20);
-        pf_stage_poll(n);
-        if (!n->reqs && pf_now_ms() - start >= 100) break;
+    int64_t start = td_now_ms();
+    while (td_now_ms() - start < STOP_DRAIN_MS) {
+        serve_inbox(ld, 20);
+        pf_stage_poll(ld->st);
+        pf_report r;
+        while (pf_stage_take_report(ld->st, &r))
+            on_report(ld, &r); /* the jobs are gone: nothing more to tell */
+        if (!ld->st->reqs && td_now_ms() - start >= 100) break;
     }
-    TD_LOG_INFO("prefill %s: %llu requests done, %llu failed, %llu chunks", n->p->instance,
-                (unsigned long long)n->n_done, (unsigned long long)n->n_failed,
-                (unsigned long long)n->n_chunks_total);
-    td_ctrl_server_destroy(n->srv);
-    n->srv = NULL;
+    TD_LOG_INFO("prefill %s: %llu requests done, %llu failed, %llu chunks", ld->st->p->instance,
+                (unsigned long long)ld->n_done, (unsigned long long)ld->n_failed,
+                (unsigned long long)ld->st->n_chunks);
+    td_ctrl_server_destroy(ld->srv);
+    ld->srv = NULL;
     return rc == TD_ESTATE ? 0 : rc;
+}
+
+int pf_leader_run(pf_stage *st)
+{
+    pf_leader *ld = calloc(1, sizeof *ld);
+    if (!ld) return TD_ENOMEM;
+    ld->st = st;
+    ld->ids = malloc((size_t)st->chunk_max * sizeof *ld->ids);
+    int rc = ld->ids ? lead(ld) : TD_ENOMEM;
+    td_ctrl_server_destroy(ld->srv); /* left by an error before the loop */
+    free(ld->ids);
+    free(ld);
+    return rc;
 }

@@ -5,39 +5,40 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "pf_int.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 int pf_node_run(const pf_node_params *p)
 {
-    pf_node *n = calloc(1, sizeof *n);
-    if (!n) return TD_ENOMEM;
-    n->p = p;
-    n->cfg = td_cfg_find_prefill(p->cfg, p->instance);
+    pf_stage *st = calloc(1, sizeof *st);
+    if (!st) return TD_ENOMEM;
+    st->p = p;
+    st->cfg = td_cfg_find_prefill(p->cfg, p->instance);
     int rc = TD_EINVAL;
-    if (!n->cfg) {
+    if (!st->cfg) {
         TD_LOG_ERR("no prefill instance '%s' in %s", p->instance, p->cfg->path);
         goto out;
     }
-    n->pp = n->cfg->pp;
-    n->stage = p->stage;
-    if (p->stage < 0 || p->stage >= n->pp) {
-        TD_LOG_ERR("stage %d is outside prefill instance %s (pp %d)", p->stage, p->instance, n->pp);
+    st->pp = st->cfg->pp;
+    st->stage = p->stage;
+    if (p->stage < 0 || p->stage >= st->pp) {
+        TD_LOG_ERR("stage %d is outside prefill instance %s (pp %d)", p->stage, p->instance,
+                   st->pp);
         goto out;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    n->boot_id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)ts.tv_sec << 20;
-    if (!n->boot_id) n->boot_id = 1;
-    rc = pf_stage_setup(n);
-    if (!rc) rc = n->stage == 0 ? pf_leader_run(n) : pf_follower_run(n);
+    /* the wall clock: differs between starts of the same pid, across reboots too */
+    struct timespec ts = td_wall_now();
+    st->boot_id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)ts.tv_sec << 20;
+    if (!st->boot_id) st->boot_id = 1;
+    rc = pf_stage_setup(st);
+    if (!rc) rc = st->stage == 0 ? pf_leader_run(st) : pf_follower_run(st);
 out:
     if (rc) TD_LOG_ERR("prefill %s stage %d: exiting: %s", p->instance, p->stage, td_strerror(rc));
-    pf_stage_teardown(n);
-    free(n);
+    pf_stage_teardown(st);
+    free(st);
     return rc;
 }
 

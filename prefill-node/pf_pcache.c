@@ -49,7 +49,7 @@ static uint64_t fnv_f32(uint64_t h, float v)
 }
 
 /* The model's shape: file size, hyper-parameters, tensor table (not the weights). */
-static uint64_t model_hash(const pf_rig *r, int64_t size)
+static uint64_t model_hash(const pf_shard *r, int64_t size)
 {
     const kn_hparams *hp = &r->model->hp;
     uint64_t h = fnv_i64(FNV_OFFSET, size);
@@ -79,9 +79,9 @@ typedef struct {
     uintptr_t addr; /* find the object mapping this address; 0: the first (the executable) */
     bool found;
     char hex[2 * BUILD_ID_MAX + 1];
-} build_id_q;
+} pf_build_id_q;
 
-static void note_build_id(const struct dl_phdr_info *info, build_id_q *q)
+static void note_build_id(const struct dl_phdr_info *info, pf_build_id_q *q)
 {
     for (int i = 0; i < info->dlpi_phnum; i++) {
         const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
@@ -110,7 +110,7 @@ static void note_build_id(const struct dl_phdr_info *info, build_id_q *q)
 static int find_object(struct dl_phdr_info *info, size_t size, void *arg)
 {
     (void)size;
-    build_id_q *q = arg;
+    pf_build_id_q *q = arg;
     bool hit = q->addr == 0;
     for (int i = 0; i < info->dlpi_phnum && !hit; i++) {
         const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
@@ -126,7 +126,7 @@ static int find_object(struct dl_phdr_info *info, size_t size, void *arg)
  * path, size and mtime (a build without --build-id), or "unknown". */
 static void build_identity(uintptr_t addr, char *out, size_t cap)
 {
-    build_id_q q = {.addr = addr};
+    pf_build_id_q q = {.addr = addr};
     dl_iterate_phdr(find_object, &q);
     if (q.found) {
         snprintf(out, cap, "%s", q.hex);
@@ -186,7 +186,7 @@ static int desc_add(pf_pcache_key *k, size_t *off, const char *fmt, ...)
     return 0;
 }
 
-int pf_pcache_key_make(const pf_rig *r, const char *model_path, const pf_profile_params *p_in,
+int pf_pcache_key_make(const pf_shard *r, const char *model_path, const pf_profile_params *p_in,
                        pf_pcache_key *k)
 {
     memset(k, 0, sizeof *k);
@@ -270,10 +270,10 @@ static int make_parents(const char *path)
 typedef struct {
     char *p;  /* next unread byte */
     int line; /* 1-based number of the next line */
-} cursor;
+} pf_cursor;
 
 /* The next line, NUL-terminated in place; NULL if no whole line is left. */
-static char *next_line(cursor *c)
+static char *next_line(pf_cursor *c)
 {
     char *nl = strchr(c->p, '\n');
     if (!nl) return NULL;
@@ -331,7 +331,7 @@ static int parse(char *text, const pf_pcache_key *k, pf_profile_result *out, cha
     char want[32];
     snprintf(want, sizeof want, "end %016llx", (unsigned long long)fnv(FNV_OFFSET, text, body));
     if (strncmp(text + ml, k->desc, dl)) return refuse(why, cap, "stored under another key");
-    cursor c = {.p = text + ml + dl, .line = 2};
+    pf_cursor c = {.p = text + ml + dl, .line = 2};
     for (const char *d = k->desc; *d; d++)
         c.line += *d == '\n';
     char *l = next_line(&c);

@@ -49,10 +49,10 @@ typedef struct {
     uint64_t hash;                 /* FNV-1a of desc: the file name */
 } pf_pcache_key;
 
-/* Build the key of profiling rig r's stage with parameters p. Returns 0, or TD_ERANGE if
+/* Build the key of shard r's stage with parameters p. Returns 0, or TD_ERANGE if
  * the description does not fit (a pathological CPU name), TD_EIO if the model file cannot
  * be stat'ed. */
-int pf_pcache_key_make(const pf_rig *r, const char *model_path, const pf_profile_params *p,
+int pf_pcache_key_make(const pf_shard *r, const char *model_path, const pf_profile_params *p,
                        pf_pcache_key *k);
 
 /* The cache directory: $TANDEM_CACHE/profiles, else $HOME/.cache/tandem/profiles.

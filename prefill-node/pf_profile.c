@@ -5,83 +5,17 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "td_clock.h"
 #include "td_err.h"
+#include "td_stats.h"
 
 #define PF_MAX_REPS 16
 
+/* CLOCK_MONOTONIC in ms, with sub-ms resolution (forwards of short lengths take ~1 ms) */
 static double now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* ---- rig ---- */
-
-int pf_rig_open(pf_rig *r, const pf_rig_params *p)
-{
-    memset(r, 0, sizeof *r);
-    char err[512];
-    int rc = td_gguf_open(p->model_path, &r->gguf, err, sizeof err);
-    if (rc) {
-        TD_LOG_ERR("%s", err);
-        return rc;
-    }
-    kn_hparams hp;
-    if ((rc = kn_hparams_read(r->gguf, &hp))) goto fail;
-    r->pp = p->pp ? p->pp : 1;
-    r->stage = p->stage;
-    int counts[PF_MAX_STAGES];
-    if (r->pp > PF_MAX_STAGES) {
-        TD_LOG_ERR("pp %d: at most %d stages", r->pp, PF_MAX_STAGES);
-        rc = TD_EINVAL;
-        goto fail;
-    }
-    if ((rc =
-             pf_layer_partition(hp.n_layer, r->pp, p->partition, p->partition ? r->pp : 0, counts)))
-        goto fail;
-    if ((rc = pf_stage_range(counts, r->pp, r->stage, &r->l0, &r->l1))) goto fail;
-    kn_shard shard = {.l0 = r->l0, .l1 = r->l1};
-    if ((rc = kn_model_load(r->gguf, &shard, &r->model))) {
-        TD_LOG_ERR("cannot load layers [%d, %d) of '%s': %s", r->l0, r->l1, p->model_path,
-                   td_strerror(rc));
-        goto fail;
-    }
-    r->threads = p->threads > 0 ? p->threads : 1;
-    if ((rc = kn_cpu_create(r->threads, &r->cpu))) goto fail;
-    if ((rc = kn_engine_create(r->model, kn_cpu_backend(r->cpu), NULL, &r->engine))) goto fail;
-    r->ctx = p->ctx > 0 ? p->ctx : 8192;
-    int bs = p->block_size > 0 ? p->block_size : 16;
-    kn_kv_pool_params kp = kn_model_kv_params(r->model, (r->ctx + bs - 1) / bs, bs, p->kv_type);
-    if ((rc = kn_kv_pool_create(&kp, &r->kv))) goto fail;
-    return 0;
-fail:
-    pf_rig_close(r);
-    return rc;
-}
-
-void pf_rig_close(pf_rig *r)
-{
-    kn_kv_pool_destroy(r->kv);
-    kn_engine_destroy(r->engine);
-    kn_cpu_destroy(r->cpu);
-    kn_model_destroy(r->model);
-    td_gguf_close(r->gguf);
-    memset(r, 0, sizeof *r);
+    return (double)td_now_ns() * 1e-6;
 }
 
 /* ---- inputs ---- */
@@ -94,7 +28,7 @@ typedef struct {
     int32_t *seq; /* (n) zeros: one sequence */
     float *out;   /* (n, n_embd) output of a non-last stage; (1) on the last */
     int64_t n;
-} stage_io;
+} pf_stage_io;
 
 static uint64_t lcg(uint64_t *x)
 {
@@ -102,7 +36,7 @@ static uint64_t lcg(uint64_t *x)
     return *x >> 33;
 }
 
-static void io_free(stage_io *io)
+static void io_free(pf_stage_io *io)
 {
     free(io->ids);
     free(io->embd);
@@ -112,7 +46,7 @@ static void io_free(stage_io *io)
     memset(io, 0, sizeof *io);
 }
 
-static int io_alloc(stage_io *io, const kn_model *m, int64_t n, uint64_t seed)
+static int io_alloc(pf_stage_io *io, const kn_model *m, int64_t n, uint64_t seed)
 {
     memset(io, 0, sizeof *io);
     size_t E = (size_t)m->hp.n_embd;
@@ -141,12 +75,12 @@ static int io_alloc(stage_io *io, const kn_model *m, int64_t n, uint64_t seed)
 }
 
 /* One forward of tokens [start, start + len) of the sequence in seq (blocks reserved). */
-static int forward(pf_rig *r, stage_io *io, kn_kv_seq *seq, int64_t start, int64_t len)
+static int forward(pf_shard *sh, pf_stage_io *io, kn_kv_seq *seq, int64_t start, int64_t len)
 {
     for (int64_t i = 0; i < len; i++)
         io->pos[i] = (int32_t)(start + i);
     kn_seq_view view = {.block_table = seq->blocks, .n_ctx = (int32_t)(start + len)};
-    size_t E = (size_t)r->model->hp.n_embd;
+    size_t E = (size_t)sh->model->hp.n_embd;
     kn_batch b = {
         .n_tokens = len,
         .tokens = io->ids ? io->ids + start : NULL,
@@ -158,7 +92,7 @@ static int forward(pf_rig *r, stage_io *io, kn_kv_seq *seq, int64_t start, int64
         .n_logits = 0,
         .logit_rows = NULL,
     };
-    return kn_engine_forward(r->engine, r->kv, &b, io->out);
+    return kn_engine_forward(sh->engine, sh->kv, &b, io->out);
 }
 
 /* ---- profile ---- */
@@ -199,7 +133,7 @@ static bool stop_seen(const pf_profile_params *p)
     return p->stop && *p->stop;
 }
 
-int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result *out)
+int pf_profile_stage(pf_shard *sh, const pf_profile_params *p_in, pf_profile_result *out)
 {
     memset(out, 0, sizeof *out);
     if (p_in->chunk_size < 1 || p_in->n_lengths < 0 || p_in->n_lengths > PF_PROFILE_MAX_LENGTHS ||
@@ -212,8 +146,8 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result
     const pf_profile_params *p = &p0;
     int hi = p->max_len, nl = p->n_lengths, reps = p->reps;
     double budget = p->budget_ms;
-    if (hi > r->ctx) {
-        TD_LOG_ERR("profile: length %d exceeds the stage's KV capacity %d", hi, r->ctx);
+    if (hi > sh->ctx) {
+        TD_LOG_ERR("profile: length %d exceeds the stage's KV capacity %d", hi, sh->ctx);
         return TD_ERANGE;
     }
     int lo = hi / 4 < 64 ? hi / 4 : 64;
@@ -224,10 +158,10 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result
         lens[i] = nl > 1 ? (int32_t)(lo + (int64_t)(hi - lo) * i / (nl - 1)) : hi;
     double(*tm)[PF_MAX_REPS] = calloc((size_t)nl, sizeof *tm);
     int nrun[PF_PROFILE_MAX_LENGTHS] = {0}, order[PF_PROFILE_MAX_LENGTHS];
-    stage_io io;
+    pf_stage_io io;
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
-    int rc = tm ? io_alloc(&io, r->model, hi, p->seed) : TD_ENOMEM;
+    int rc = tm ? io_alloc(&io, sh->model, hi, p->seed) : TD_ENOMEM;
     if (rc) {
         free(tm);
         return rc;
@@ -236,8 +170,8 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result
     double t0 = now_ms();
     if (stop_seen(p))
         out->stopped = true;
-    else if (!(rc = kn_kv_seq_reserve(r->kv, &seq, hi)))
-        rc = forward(r, &io, &seq, 0, hi); /* warm-up: weights paged in, scratch sized */
+    else if (!(rc = kn_kv_seq_reserve(sh->kv, &seq, hi)))
+        rc = forward(sh, &io, &seq, 0, hi); /* warm-up: weights paged in, scratch sized */
     for (int rep = 0; rep < reps && !rc && !out->budget_hit && !out->stopped; rep++) {
         for (int k = 0; k < nl && !rc; k++) {
             if (stop_seen(p)) {
@@ -251,12 +185,12 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result
             }
             int i = order[k];
             double s = now_ms();
-            rc = forward(r, &io, &seq, 0, lens[i]);
+            rc = forward(sh, &io, &seq, 0, lens[i]);
             tm[i][nrun[i]++] = now_ms() - s;
         }
     }
     out->elapsed_ms = now_ms() - t0;
-    kn_kv_seq_fini(r->kv, &seq);
+    kn_kv_seq_fini(sh->kv, &seq);
     io_free(&io);
     if (rc) {
         TD_LOG_ERR("profile: forward failed: %s", td_strerror(rc));
@@ -272,7 +206,7 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result
         if (!nrun[i]) continue;
         int k = out->n_lengths++;
         out->len[k] = lens[i];
-        out->ms[k] = median(tm[i], nrun[i]);
+        out->ms[k] = td_stats_median(tm[i], (size_t)nrun[i]);
         out->n_runs[k] = nrun[i];
         xs[k] = lens[i];
     }
@@ -281,7 +215,7 @@ int pf_profile_stage(pf_rig *r, const pf_profile_params *p_in, pf_profile_result
     return 0;
 }
 
-int pf_profile_run_plan(pf_rig *r, const int32_t *chunks, int64_t n, uint64_t seed, double *ms)
+int pf_profile_run_plan(pf_shard *sh, const int32_t *chunks, int64_t n, uint64_t seed, double *ms)
 {
     int64_t total = 0;
     for (int64_t k = 0; k < n; k++) {
@@ -289,13 +223,13 @@ int pf_profile_run_plan(pf_rig *r, const int32_t *chunks, int64_t n, uint64_t se
         total += chunks[k];
     }
     if (total < 1) return TD_EINVAL;
-    if (total > r->ctx) {
+    if (total > sh->ctx) {
         TD_LOG_ERR("plan of %lld tokens exceeds the stage's KV capacity %d", (long long)total,
-                   r->ctx);
+                   sh->ctx);
         return TD_ERANGE;
     }
-    stage_io io;
-    int rc = io_alloc(&io, r->model, total, seed);
+    pf_stage_io io;
+    int rc = io_alloc(&io, sh->model, total, seed);
     if (rc) return rc;
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
@@ -303,12 +237,12 @@ int pf_profile_run_plan(pf_rig *r, const int32_t *chunks, int64_t n, uint64_t se
     for (int64_t k = 0; k < n && !rc; k++) {
         double s = now_ms();
         /* block reservation is part of a chunk's real cost, and cheap */
-        if (!(rc = kn_kv_seq_reserve(r->kv, &seq, done + chunks[k])))
-            rc = forward(r, &io, &seq, done, chunks[k]);
+        if (!(rc = kn_kv_seq_reserve(sh->kv, &seq, done + chunks[k])))
+            rc = forward(sh, &io, &seq, done, chunks[k]);
         ms[k] = now_ms() - s;
         done += chunks[k];
     }
-    kn_kv_seq_fini(r->kv, &seq);
+    kn_kv_seq_fini(sh->kv, &seq);
     io_free(&io);
     return rc;
 }

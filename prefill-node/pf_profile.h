@@ -23,8 +23,8 @@
  * it on disk there and re-uses it across restarts.
  * Threading: drives the engine from the calling thread; the engine and pool must not be
  * used by anyone else meanwhile.
- * Ownership: pf_rig_open/close own a stage's model, backend, engine and KV pool;
- * profile results are filled into caller structs (fixed-size arrays, no allocation).
+ * Ownership: the caller opens the stage's shard (pf_shard.h) and keeps it; profile
+ * results are filled into caller structs (fixed-size arrays, no allocation).
  */
 #ifndef PF_PROFILE_H
 #define PF_PROFILE_H
@@ -33,41 +33,10 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "cpu_backend.h"
-#include "gguf.h"
-#include "kv_pool.h"
-#include "model.h"
 #include "pf_chunk.h"
+#include "pf_shard.h"
 
 #define PF_PROFILE_MAX_LENGTHS 64
-
-/* One stage of a model loaded in this process (CPU backend, TP 1). */
-typedef struct {
-    td_gguf *gguf;
-    kn_model *model; /* layers [l0, l1) */
-    kn_cpu *cpu;
-    kn_engine *engine;
-    kn_kv_pool *kv;
-    int l0, l1;  /* the stage's layer range */
-    int ctx;     /* tokens of KV the pool holds for one sequence */
-    int threads; /* compute threads of the backend */
-    int pp, stage;
-} pf_rig;
-
-typedef struct {
-    const char *model_path;
-    int pp, stage;        /* pp 0 means 1 */
-    const int *partition; /* (pp) explicit layer partition or NULL (pf_layer_partition) */
-    int threads;          /* 0: 1 (one thread per stage process) */
-    int ctx;              /* KV capacity, tokens; 0: 8192 */
-    int block_size;       /* 0: 16 */
-    td_dtype kv_type;     /* TD_F32 (0) or TD_F16 */
-} pf_rig_params;
-
-/* Load the stage and build its engine and KV pool. Errors are logged; returns 0 or a
- * negative td_err, and *r is zeroed on failure. */
-int pf_rig_open(pf_rig *r, const pf_rig_params *p);
-void pf_rig_close(pf_rig *r); /* safe on a zeroed rig */
 
 typedef struct {
     int chunk_size;              /* C, tokens (> 0) */
@@ -94,16 +63,16 @@ typedef struct {
     pf_cost_model fit;                   /* fitted over (len, ms); see fit.dynamic */
 } pf_profile_result;
 
-/* Profile the rig's stage and fit the cost model. Returns 0 when the forwards ran (the
+/* Profile the shard's stage and fit the cost model. Returns 0 when the forwards ran (the
  * fit may still have failed: out->fit.valid / .dynamic say, and the caller falls back to
  * fixed chunks), TD_ESTATE with out->stopped set when *p->stop ended it early (nothing
  * usable in out), or a negative td_err from the engine / bad parameters (TD_EINVAL,
- * TD_ERANGE if max_len exceeds the rig's ctx). */
-int pf_profile_stage(pf_rig *r, const pf_profile_params *p, pf_profile_result *out);
+ * TD_ERANGE if max_len exceeds the shard's ctx). */
+int pf_profile_stage(pf_shard *s, const pf_profile_params *p, pf_profile_result *out);
 
-/* Run one request of sum(chunks) tokens through the rig's stage in the given chunks (a
+/* Run one request of sum(chunks) tokens through the shard's stage in the given chunks (a
  * fresh sequence from position 0) and write each chunk's forward time into ms (n).
- * Returns 0 or a negative td_err (TD_ERANGE if the prompt exceeds the rig's ctx). */
-int pf_profile_run_plan(pf_rig *r, const int32_t *chunks, int64_t n, uint64_t seed, double *ms);
+ * Returns 0 or a negative td_err (TD_ERANGE if the prompt exceeds the shard's ctx). */
+int pf_profile_run_plan(pf_shard *s, const int32_t *chunks, int64_t n, uint64_t seed, double *ms);
 
 #endif

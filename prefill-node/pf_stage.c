@@ -1,72 +1,31 @@
-/* pf_stage.c: what every prefill stage does: the stage chain (activation messages in
- * order), the chunk's forward pass over the stage's layers, the KV push of each chunk to
- * the decode ranks, the last stage's first-token sampling, and the reports to stage 0. */
-#include <poll.h>
+/* pf_stage.c: what every prefill stage does with a chunk: its requests on this stage (KV
+ * blocks, the kvxfer request), the forward pass over the stage's layers, the last stage's
+ * first-token sampling, the KV push of each chunk to the decode ranks, and the reports to
+ * stage 0. The chain that carries the chunks is pf_chain.c. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "pf_int.h"
+#include "td_clock.h"
 #include "td_err.h"
-
-int64_t pf_now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* ---- setup ---- */
 
-static int alloc_bufs(pf_buf *b, int n, size_t cap)
+static int open_connector(pf_stage *st)
 {
-    for (int i = 0; i < n; i++) {
-        b[i].buf = aligned_alloc(64, (cap + 63) & ~(size_t)63);
-        b[i].cap = cap;
-        if (!b[i].buf) return TD_ENOMEM;
-    }
-    return 0;
-}
-
-int pf_stage_setup(pf_node *n)
-{
-    const td_cfg *cfg = n->p->cfg;
-    const td_cfg_decode *d0 = &cfg->decode[0]; /* every decode instance has the same KV shape */
-    td_dtype kv_type = d0->kv_dtype;
-    pf_rig_params rp = {
-        .model_path = cfg->model,
-        .pp = n->pp,
-        .stage = n->stage,
-        .partition = n->cfg->layer_partition,
-        .threads = n->cfg->threads,
-        .ctx = n->cfg->kv_tokens,
-        .block_size = d0->block_size,
-        .kv_type = kv_type,
-    };
-    int rc = pf_rig_open(&n->rig, &rp);
-    if (rc) return rc;
-    const kn_model *m = n->rig.model;
-    n->first = m->first;
-    n->last = m->last;
-    n->n_embd = m->hp.n_embd;
-    n->n_vocab = m->hp.n_vocab;
-    n->chunk_max = n->cfg->chunk_size;
-    if (n->chunk_max > n->cfg->kv_tokens) n->chunk_max = n->cfg->kv_tokens;
-    size_t chunk_bytes = pf_wire_chunk_size(PF_MAX_SEGS, n->chunk_max, n->chunk_max, n->n_embd);
-    size_t target_bytes = TD_CTRL_MAX_BLOB + 28 + 4 * PF_MAX_TARGETS;
-    n->msg_cap = chunk_bytes > target_bytes ? chunk_bytes : target_bytes;
-    n->timeout_ms = cfg->kvxfer.timeout_ms;
-
+    const td_cfg *cfg = st->p->cfg;
     kvx_pipe *pipe;
     kvx_pipe_params pp = {.tls = cfg->kvxfer.ucx_tls};
-    if ((rc = kvx_pipe_ucx_create(&pp, &pipe))) return rc;
-    kvx_conn_params cp = {.timeout_ms = n->timeout_ms, .progress_thread = true};
-    if ((rc = kvx_conn_create(pipe, &cp, &n->kvx))) return rc;
-    const kn_kv_pool *kv = n->rig.kv;
+    int rc = kvx_pipe_ucx_create(&pp, &pipe);
+    if (rc) return rc;
+    kvx_conn_params cp = {.timeout_ms = st->timeout_ms, .progress_thread = true};
+    if ((rc = kvx_conn_create(pipe, &cp, &st->kvx))) return rc;
+    const kn_model *m = st->shard.model;
+    const kn_kv_pool *kv = st->shard.kv;
     kvx_layout lay = {
-        .layer0 = (uint32_t)n->rig.l0,
-        .n_layers = (uint32_t)(n->rig.l1 - n->rig.l0),
+        .layer0 = (uint32_t)st->shard.l0,
+        .n_layers = (uint32_t)(st->shard.l1 - st->shard.l0),
         .n_kv_heads = (uint32_t)m->hp.n_head_kv,
         .head0 = 0,
         .n_heads = (uint32_t)m->hp.n_head_kv,
@@ -75,224 +34,120 @@ int pf_stage_setup(pf_node *n)
         .dtype_size = kv->type == TD_F16 ? 2 : 4,
         .n_blocks = (uint32_t)kv->n_blocks,
     };
-    if ((rc = kvx_pf_register_source(n->kvx, kv->region, kv->region_bytes, &lay))) return rc;
+    return kvx_pf_register_source(st->kvx, kv->region, kv->region_bytes, &lay);
+}
 
-    size_t C = (size_t)n->chunk_max;
-    n->pos = malloc(C * sizeof *n->pos);
-    n->seq_of = malloc(C * sizeof *n->seq_of);
-    n->tokens = malloc(C * sizeof *n->tokens);
-    if (!n->pos || !n->seq_of || !n->tokens) return TD_ENOMEM;
-    if (n->last) {
-        n->logits = malloc((size_t)PF_MAX_SEGS * (size_t)n->n_vocab * sizeof *n->logits);
-        if (!n->logits) return TD_ENOMEM;
-    } else if ((rc = alloc_bufs(n->sends, PF_NSEND, n->msg_cap)))
-        return rc;
-    if (!n->first && (rc = alloc_bufs(n->recvs, PF_NRECV, n->msg_cap))) return rc;
-    n->next_peer = n->lead_peer = -1;
-    for (int s = 0; s < PF_MAX_STAGES; s++)
-        n->member_peer[s] = -1;
+static int open_chain(pf_stage *st)
+{
+    size_t chunk_bytes = pf_wire_chunk_size(PF_MAX_SEGS, st->chunk_max, st->chunk_max, st->n_embd);
+    size_t target_bytes = TD_CTRL_MAX_BLOB + 28 + 4 * PF_MAX_TARGETS;
+    pf_chain_params cp = {.instance = st->p->instance,
+                          .stage = st->stage,
+                          .pp = st->pp,
+                          .first = st->first,
+                          .last = st->last,
+                          .tls = st->p->cfg->kvxfer.ucx_tls,
+                          .msg_cap = chunk_bytes > target_bytes ? chunk_bytes : target_bytes,
+                          .stop = st->p->stop};
+    return pf_chain_init(&st->chain, &cp);
+}
+
+int pf_stage_setup(pf_stage *st)
+{
+    const td_cfg *cfg = st->p->cfg;
+    const td_cfg_decode *d0 = &cfg->decode[0]; /* every decode instance has the same KV shape */
+    td_dtype kv_type = d0->kv_dtype;
+    pf_shard_params sp = {
+        .model_path = cfg->model,
+        .pp = st->pp,
+        .stage = st->stage,
+        .partition = st->cfg->layer_partition,
+        .threads = st->cfg->threads,
+        .ctx = st->cfg->kv_tokens,
+        .block_size = d0->block_size,
+        .kv_type = kv_type,
+    };
+    int rc = pf_shard_open(&st->shard, &sp);
+    if (rc) return rc;
+    const kn_model *m = st->shard.model;
+    st->first = m->first;
+    st->last = m->last;
+    st->n_embd = m->hp.n_embd;
+    st->n_vocab = m->hp.n_vocab;
+    st->chunk_max = st->cfg->chunk_size;
+    if (st->chunk_max > st->cfg->kv_tokens) st->chunk_max = st->cfg->kv_tokens;
+    st->timeout_ms = cfg->kvxfer.timeout_ms;
+    if ((rc = open_connector(st))) return rc;
+
+    size_t C = (size_t)st->chunk_max;
+    st->pos = malloc(C * sizeof *st->pos);
+    st->seq_of = malloc(C * sizeof *st->seq_of);
+    st->ids = malloc(C * sizeof *st->ids);
+    if (!st->pos || !st->seq_of || !st->ids) return TD_ENOMEM;
+    if (st->last) {
+        st->logits = malloc((size_t)PF_MAX_SEGS * (size_t)st->n_vocab * sizeof *st->logits);
+        if (!st->logits) return TD_ENOMEM;
+    }
+    if ((rc = open_chain(st))) return rc;
+    const kn_kv_pool *kv = st->shard.kv;
     TD_LOG_INFO("prefill %s stage %d/%d: layers [%d, %d), %d threads, KV %d blocks of %d (%s), "
                 "chunks up to %d tokens",
-                n->p->instance, n->stage, n->pp, n->rig.l0, n->rig.l1, n->cfg->threads,
-                kv->n_blocks, kv->block_size, td_dtype_name(kv->type), n->chunk_max);
+                st->p->instance, st->stage, st->pp, st->shard.l0, st->shard.l1, st->cfg->threads,
+                kv->n_blocks, kv->block_size, td_dtype_name(kv->type), st->chunk_max);
     return 0;
 }
 
-static void req_free(pf_node *n, pf_req *r)
+static void req_free(pf_stage *st, pf_req *r)
 {
-    kn_kv_seq_fini(n->rig.kv, &r->kv);
+    kn_kv_seq_fini(st->shard.kv, &r->kv);
     free(r->hist);
     free(r->comp_end_ns);
     free(r);
 }
 
-void pf_stage_teardown(pf_node *n)
+void pf_stage_teardown(pf_stage *st)
 {
-    pf_chain_close(n);
-    kvx_conn_destroy(n->kvx); /* fails what is left; nothing writes into our pool after */
-    while (n->reqs) {
-        pf_req *r = n->reqs;
-        n->reqs = r->next;
-        req_free(n, r);
+    pf_chain_close(&st->chain);
+    kvx_conn_destroy(st->kvx); /* fails what is left; nothing writes into our pool after */
+    while (st->reqs) {
+        pf_req *r = st->reqs;
+        st->reqs = r->next;
+        req_free(st, r);
     }
-    for (int i = 0; i < PF_NSEND; i++)
-        free(n->sends[i].buf);
-    for (int i = 0; i < PF_NRECV; i++)
-        free(n->recvs[i].buf);
-    free(n->pos);
-    free(n->seq_of);
-    free(n->tokens);
-    free(n->logits);
-    pf_rig_close(&n->rig);
+    pf_chain_fini(&st->chain);
+    free(st->pos);
+    free(st->seq_of);
+    free(st->ids);
+    free(st->logits);
+    free(st->reports);
+    pf_shard_close(&st->shard);
 }
 
-/* ---- the chain ---- */
-
-static void ctl_drop_all(pf_node *n);
-
-int pf_chain_open(pf_node *n)
+void pf_stage_leave_chain(pf_stage *st, int err)
 {
-    int rc = pf_link_create(n->p->cfg->kvxfer.ucx_tls, &n->link);
-    n->send_seq = n->recv_seq = 1;
-    n->broken = false;
-    return rc;
-}
-
-void pf_chain_close(pf_node *n)
-{
-    ctl_drop_all(n);          /* the messages were for this chain only */
-    pf_link_destroy(n->link); /* completes pending sends/receives with an error */
-    n->link = NULL;
-    for (int i = 0; i < PF_NSEND; i++)
-        n->sends[i].busy = false;
-    for (int i = 0; i < PF_NRECV; i++)
-        n->recvs[i].busy = false;
-    n->next_peer = n->lead_peer = -1;
-    for (int s = 0; s < PF_MAX_STAGES; s++)
-        n->member_peer[s] = -1;
-    n->epoch = 0;
-}
-
-int pf_chain_start(pf_node *n, const uint8_t *const *addrs, const size_t *lens)
-{
-    int rc = 0;
-    if (n->stage == 0) {
-        for (int s = 1; s < n->pp && !rc; s++)
-            rc = pf_link_connect(n->link, addrs[s], lens[s], &n->member_peer[s]);
-        n->next_peer = n->pp > 1 ? n->member_peer[1] : -1;
-    } else {
-        rc = pf_link_connect(n->link, addrs[0], lens[0], &n->lead_peer);
-        if (!rc && !n->last)
-            rc = pf_link_connect(n->link, addrs[n->stage + 1], lens[n->stage + 1], &n->next_peer);
-    }
-    for (int i = 0; !rc && !n->first && i < PF_NRECV; i++) {
-        rc = pf_link_recv(n->link, PF_TAG_CHAIN, n->recvs[i].buf, n->recvs[i].cap, &n->recvs[i].op);
-        n->recvs[i].busy = !rc;
-    }
-    if (rc)
-        TD_LOG_ERR("prefill %s stage %d: cannot connect the stage chain: %s", n->p->instance,
-                   n->stage, td_strerror(rc));
-    return rc;
-}
-
-void pf_wait(pf_node *n, int extra_fd, int timeout_ms)
-{
-    struct pollfd pfd[2];
-    int k = 0;
-    if (n->link) pfd[k++] = (struct pollfd){.fd = pf_link_wake_fd(n->link), .events = POLLIN};
-    if (extra_fd >= 0) pfd[k++] = (struct pollfd){.fd = extra_fd, .events = POLLIN};
-    poll(pfd, (nfds_t)k, timeout_ms);
-    if (n->link) pf_link_clear_wake(n->link);
-}
-
-static bool peer_dead(pf_node *n, kvx_peer p)
-{
-    return p >= 0 && n->link && pf_link_peer_failed(n->link, p) != 0;
-}
-
-pf_buf *pf_chain_free_send(pf_node *n, int timeout_ms)
-{
-    int64_t until = pf_now_ms() + timeout_ms;
-    for (;;) {
-        for (int i = 0; i < PF_NSEND; i++) {
-            pf_buf *b = &n->sends[i];
-            if (b->busy && pf_op_done(&b->op)) {
-                b->busy = false;
-                if (b->op.status) {
-                    TD_LOG_ERR("prefill %s stage %d: send to stage %d failed: %s", n->p->instance,
-                               n->stage, n->stage + 1, td_strerror(b->op.status));
-                    n->broken = true;
-                }
-            }
-        }
-        if (n->broken || !n->link || peer_dead(n, n->next_peer)) {
-            n->broken = true;
-            return NULL;
-        }
-        for (int i = 0; i < PF_NSEND; i++)
-            if (!n->sends[i].busy) return &n->sends[i];
-        if (pf_now_ms() >= until || *n->p->stop) return NULL;
-        pf_wait(n, -1, 20);
-    }
-}
-
-struct pf_ctl {
-    struct pf_ctl *next;
-    size_t len;
-    uint8_t data[];
-};
-
-static void ctl_drop_all(pf_node *n)
-{
-    while (n->ctl_head) {
-        struct pf_ctl *c = n->ctl_head;
-        n->ctl_head = c->next;
-        free(c);
-    }
-    n->ctl_tail = NULL;
-}
-
-bool pf_chain_queue_empty(const pf_node *n)
-{
-    return !n->ctl_head;
-}
-
-int pf_chain_flush(pf_node *n)
-{
-    while (n->ctl_head) {
-        pf_buf *b = pf_chain_free_send(n, 0);
-        if (!b) return n->broken ? TD_EIO : 0;
-        struct pf_ctl *c = n->ctl_head;
-        if (c->len > b->cap) return TD_ERANGE;
-        memcpy(b->buf, c->data, c->len);
-        uint64_t seq = n->send_seq++;
-        memcpy(b->buf + 8, &seq, 8); /* the seq of this hop (pf_wire header layout) */
-        if (pf_link_send(n->link, n->next_peer, PF_TAG_CHAIN, b->buf, c->len, &b->op)) {
-            n->broken = true;
-            return TD_EIO;
-        }
-        b->busy = true;
-        n->ctl_head = c->next;
-        if (!n->ctl_head) n->ctl_tail = NULL;
-        free(c);
-    }
-    return 0;
-}
-
-int pf_chain_send_msg(pf_node *n, const void *msg, size_t len)
-{
-    if (n->last || !n->link) return 0;
-    struct pf_ctl *c = malloc(sizeof *c + len);
-    if (!c) return TD_ENOMEM;
-    c->next = NULL;
-    c->len = len;
-    memcpy(c->data, msg, len);
-    if (n->ctl_tail)
-        n->ctl_tail->next = c;
-    else
-        n->ctl_head = c;
-    n->ctl_tail = c;
-    return pf_chain_flush(n);
+    pf_stage_abort_all(st, err);
+    pf_chain_close(&st->chain);
+    st->epoch = 0;
 }
 
 /* ---- requests ---- */
 
-static pf_req *find_req(pf_node *n, uint64_t id)
+static pf_req *find_req(pf_stage *st, uint64_t id)
 {
-    for (pf_req *r = n->reqs; r; r = r->next)
+    for (pf_req *r = st->reqs; r; r = r->next)
         if (r->id == id) return r;
     return NULL;
 }
 
-static void fail_req(pf_node *n, pf_req *r, int err)
+static void fail_req(pf_stage *st, pf_req *r, int err)
 {
     if (r->failed) return;
     r->failed = true;
     r->fail_err = err ? err : TD_EIO;
-    if (r->opened) kvx_pf_abort(n->kvx, r->id);
+    if (r->opened) kvx_pf_abort(st->kvx, r->id);
 }
 
-static pf_req *new_req(pf_node *n, const pf_seg *g)
+static pf_req *new_req(pf_stage *st, const pf_seg *g)
 {
     pf_req *r = calloc(1, sizeof *r);
     if (!r) return NULL;
@@ -302,96 +157,123 @@ static pf_req *new_req(pf_node *n, const pf_seg *g)
     r->sampling = g->sampling;
     r->first_token = -1;
     kn_kv_seq_init(&r->kv);
-    r->next = n->reqs;
-    n->reqs = r;
-    n->n_reqs++;
+    r->next = st->reqs;
+    st->reqs = r;
+    st->n_reqs++;
     return r;
 }
 
 /* Open the request on this stage: blocks for the whole prompt, the kvxfer request. */
-static int open_req(pf_node *n, pf_req *r)
+static int open_req(pf_stage *st, pf_req *r)
 {
-    int rc = kn_kv_seq_reserve(n->rig.kv, &r->kv, r->n_prompt);
+    int rc = kn_kv_seq_reserve(st->shard.kv, &r->kv, r->n_prompt);
     if (rc) {
         TD_LOG_WARN("prefill %s stage %d: request %llu: no KV room for %d tokens (%d blocks "
                     "free)",
-                    n->p->instance, n->stage, (unsigned long long)r->id, r->n_prompt,
-                    n->rig.kv->n_free);
+                    st->p->instance, st->stage, (unsigned long long)r->id, r->n_prompt,
+                    st->shard.kv->n_free);
         return rc;
     }
-    if (n->last && !(r->hist = malloc((size_t)r->n_prompt * sizeof *r->hist))) return TD_ENOMEM;
-    kvx_pf_req_params kp = {.stage = (uint32_t)n->stage,
+    if (st->last && !(r->hist = malloc((size_t)r->n_prompt * sizeof *r->hist))) return TD_ENOMEM;
+    kvx_pf_req_params kp = {.stage = (uint32_t)st->stage,
                             .src_rank = 0,
                             .src_tp = 1,
                             .n_dst = r->n_dst,
-                            .timeout_ms = n->timeout_ms};
-    if ((rc = kvx_pf_open(n->kvx, r->id, &kp))) return rc;
+                            .timeout_ms = st->timeout_ms};
+    if ((rc = kvx_pf_open(st->kvx, r->id, &kp))) return rc;
     r->opened = true;
     return 0;
 }
 
-static void try_send_and_finish(pf_node *n, pf_req *r)
+void pf_stage_targets(pf_stage *st, uint64_t req_id, const uint8_t *const *t, const size_t *lens,
+                      int n_t)
+{
+    pf_req *r = find_req(st, req_id);
+    if (!r || r->failed || !r->opened) return;
+    for (int i = 0; i < n_t; i++) {
+        int rc = kvx_pf_add_target(st->kvx, req_id, t[i], lens[i]);
+        if (rc) {
+            TD_LOG_WARN("prefill %s stage %d: request %llu: KV target %d rejected: %s",
+                        st->p->instance, st->stage, (unsigned long long)req_id, i, td_strerror(rc));
+            fail_req(st, r, rc);
+            return;
+        }
+    }
+}
+
+void pf_stage_abort(pf_stage *st, uint64_t req_id, int err)
+{
+    pf_req *r = find_req(st, req_id);
+    if (r) fail_req(st, r, err);
+}
+
+void pf_stage_abort_all(pf_stage *st, int err)
+{
+    for (pf_req *r = st->reqs; r; r = r->next)
+        fail_req(st, r, err);
+}
+
+/* ---- KV push and reports ---- */
+
+/* Hand the chunks computed since the last call to the connector; finish the transfer
+ * after the last one (the last stage once it sampled the first token). */
+static void try_send_and_finish(pf_stage *st, pf_req *r)
 {
     if (r->failed || !r->opened) return;
     if (r->n_sent < r->n_computed) {
-        int rc = kvx_pf_send_chunk(n->kvx, r->id, r->n_chunks - 1, (uint32_t)r->n_sent,
+        int rc = kvx_pf_send_chunk(st->kvx, r->id, r->n_chunks - 1, (uint32_t)r->n_sent,
                                    (uint32_t)r->n_computed, r->kv.blocks, (uint32_t)r->kv.n_blocks);
         if (rc == TD_ENOSPC) return; /* the lookup buffer is full: later */
         if (rc) {
-            fail_req(n, r, rc);
+            fail_req(st, r, rc);
             return;
         }
         r->n_sent = r->n_computed;
     }
-    if (r->n_sent == r->n_prompt && !r->finished && (!n->last || r->first_token >= 0)) {
-        kvx_meta meta = {.first_token = n->last ? r->first_token : -1,
+    if (r->n_sent == r->n_prompt && !r->finished && (!st->last || r->first_token >= 0)) {
+        kvx_meta meta = {.first_token = st->last ? r->first_token : -1,
                          .n_tokens = (uint32_t)r->n_prompt};
-        int rc = kvx_pf_finish(n->kvx, r->id, &meta);
+        int rc = kvx_pf_finish(st->kvx, r->id, &meta);
         if (rc)
-            fail_req(n, r, rc);
+            fail_req(st, r, rc);
         else
             r->finished = true;
     }
 }
 
-void pf_stage_targets(pf_node *n, uint64_t req_id, const uint8_t *const *t, const size_t *lens,
-                      int n_t)
+/* Stage 0 keeps its own reports for the leader's loop; others send them to stage 0. */
+static void report_out(pf_stage *st, const pf_report *r)
 {
-    pf_req *r = find_req(n, req_id);
-    if (!r || r->failed || !r->opened) return;
-    for (int i = 0; i < n_t; i++) {
-        int rc = kvx_pf_add_target(n->kvx, req_id, t[i], lens[i]);
-        if (rc) {
-            TD_LOG_WARN("prefill %s stage %d: request %llu: KV target %d rejected: %s",
-                        n->p->instance, n->stage, (unsigned long long)req_id, i, td_strerror(rc));
-            fail_req(n, r, rc);
-            return;
-        }
-    }
-}
-
-void pf_stage_abort(pf_node *n, uint64_t req_id, int err)
-{
-    pf_req *r = find_req(n, req_id);
-    if (r) fail_req(n, r, err);
-}
-
-void pf_stage_abort_all(pf_node *n, int err)
-{
-    for (pf_req *r = n->reqs; r; r = r->next)
-        fail_req(n, r, err);
-}
-
-void pf_report_out(pf_node *n, const pf_report *r)
-{
-    if (n->stage == 0) {
-        pf_leader_on_report(n, r);
+    if (st->stage != 0) {
+        pf_chain_report(&st->chain, r);
         return;
     }
-    if (!n->link || n->lead_peer < 0) return; /* stage 0 fails it when the chain re-forms */
-    uint8_t b[PF_REPORT_BYTES];
-    pf_wire_report_write(b, r);
-    if (pf_link_report(n->link, n->lead_peer, b, sizeof b)) n->broken = true;
+    if (st->rep_head + st->n_reports == st->cap_reports) {
+        if (st->rep_head) { /* slide the FIFO to the front first */
+            memmove(st->reports, st->reports + st->rep_head,
+                    (size_t)st->n_reports * sizeof *st->reports);
+            st->rep_head = 0;
+        } else {
+            int cap = st->cap_reports ? 2 * st->cap_reports : 16;
+            pf_report *q = realloc(st->reports, (size_t)cap * sizeof *q);
+            if (!q) { /* the job then ends at its deadline */
+                TD_LOG_ERR("prefill %s: out of memory: report of request %llu dropped",
+                           st->p->instance, (unsigned long long)r->req_id);
+                return;
+            }
+            st->reports = q;
+            st->cap_reports = cap;
+        }
+    }
+    st->reports[st->rep_head + st->n_reports++] = *r;
+}
+
+bool pf_stage_take_report(pf_stage *st, pf_report *out)
+{
+    if (!st->n_reports) return false;
+    *out = st->reports[st->rep_head++];
+    if (!--st->n_reports) st->rep_head = 0;
+    return true;
 }
 
 /* One line per request (debug: one per chunk) about its KV transfer: how much of the
@@ -399,7 +281,7 @@ void pf_report_out(pf_node *n, const pf_report *r)
  * passed while this stage was still computing the request's later chunks, i.e. was hidden
  * behind compute. The chunk lines are what tests/prefill checks chunk-by-chunk transfer
  * with: chunk k landed before chunk k + 1's compute ended. */
-static void log_transfer(pf_node *n, const pf_req *r, const kvx_pf_status *st)
+static void log_transfer(pf_stage *st, const pf_req *r, const kvx_pf_status *s)
 {
     uint32_t nc = r->n_chunks < r->cap_chunks ? r->n_chunks : r->cap_chunks;
     if (!nc) return;
@@ -407,21 +289,21 @@ static void log_transfer(pf_node *n, const pf_req *r, const kvx_pf_status *st)
     double total = 0, hidden = 0;
     for (uint32_t k = 0; k < nc; k++) {
         kvx_chunk_times t;
-        if (kvx_pf_chunk_times(n->kvx, r->id, k, &t) || !t.landed_ns) continue;
+        if (kvx_pf_chunk_times(st->kvx, r->id, k, &t) || !t.landed_ns) continue;
         double span = (double)(t.landed_ns - t.handed_ns);
         double before = (double)last_end - (double)t.handed_ns;
         total += span;
         hidden += before <= 0 ? 0 : before < span ? before : span;
         TD_LOG_DEBUG("prefill %s stage %d: request %llu chunk %u: computed %lld landed %lld "
                      "(handed %lld issued %lld ns)",
-                     n->p->instance, n->stage, (unsigned long long)r->id, k,
+                     st->p->instance, st->stage, (unsigned long long)r->id, k,
                      (long long)r->comp_end_ns[k], (long long)t.landed_ns, (long long)t.handed_ns,
                      (long long)t.issued_ns);
     }
     TD_LOG_INFO("prefill %s stage %d: request %llu: KV of %d tokens in %u chunks, %.1f MiB in "
                 "%llu puts; transfer %.1f ms, %.0f %% of it hidden behind compute",
-                n->p->instance, n->stage, (unsigned long long)r->id, r->n_prompt, r->n_chunks,
-                (double)st->bytes / (1 << 20), (unsigned long long)st->puts, total / 1e6,
+                st->p->instance, st->stage, (unsigned long long)r->id, r->n_prompt, r->n_chunks,
+                (double)s->bytes / (1 << 20), (unsigned long long)s->puts, total / 1e6,
                 total > 0 ? 100.0 * hidden / total : 0.0);
 }
 
@@ -430,78 +312,128 @@ static void log_transfer(pf_node *n, const pf_req *r, const kvx_pf_status *st)
  * later chunk, so on a busy CPU a prompt can outlast it with every transfer on time. What
  * the connector took before it failed tells the two apart (n_sent, finished: a chunk
  * computed after the deadline is refused). */
-static void log_deadline(pf_node *n, const pf_req *r)
+static void log_deadline(pf_stage *st, const pf_req *r)
 {
     char since[64] = "";
     if (r->n_chunks)
         snprintf(since, sizeof since, "; its first chunk here began %lld ms ago",
-                 (long long)(pf_now_ms() - r->t_first_ms));
+                 (long long)(td_now_ms() - r->t_first_ms));
     if (!r->finished)
         TD_LOG_WARN("prefill %s stage %d: request %llu: the KV transfer deadline "
                     "(kvxfer.timeout_ms %d) passed while this stage was still computing (%d of %d "
                     "tokens handed over%s): the deadline must cover the prompt's whole prefill",
-                    n->p->instance, n->stage, (unsigned long long)r->id, n->timeout_ms, r->n_sent,
-                    r->n_prompt, since);
+                    st->p->instance, st->stage, (unsigned long long)r->id, st->timeout_ms,
+                    r->n_sent, r->n_prompt, since);
     else
         TD_LOG_WARN("prefill %s stage %d: request %llu: the KV transfer deadline "
                     "(kvxfer.timeout_ms %d) passed after all %d tokens were computed and handed "
                     "over%s: the KV targets or the decode ranks were late",
-                    n->p->instance, n->stage, (unsigned long long)r->id, n->timeout_ms, r->n_prompt,
-                    since);
+                    st->p->instance, st->stage, (unsigned long long)r->id, st->timeout_ms,
+                    r->n_prompt, since);
 }
 
-void pf_stage_poll(pf_node *n)
+/* Is r over on this stage (its connector request final, or failed before it opened)?
+ * Fills rep's outcome when it is. */
+static bool req_over(pf_stage *st, pf_req *r, pf_report *rep)
 {
-    pf_req **pp = &n->reqs;
+    if (!r->opened) {
+        rep->status = r->fail_err;
+        return r->failed;
+    }
+    kvx_pf_status s;
+    if (kvx_pf_poll(st->kvx, r->id, &s) || (s.state != KVX_REQ_DONE && s.state != KVX_REQ_FAILED))
+        return false;
+    if (s.state == KVX_REQ_FAILED) {
+        if (s.reason == KVX_FAIL_TIMEOUT) log_deadline(st, r);
+        rep->status = r->fail_err ? r->fail_err : s.err ? s.err : TD_EIO;
+        rep->reason = (uint32_t)s.reason;
+    } else
+        log_transfer(st, r, &s);
+    kvx_pf_release(st->kvx, r->id);
+    return true;
+}
+
+void pf_stage_poll(pf_stage *st)
+{
+    pf_req **pp = &st->reqs;
     while (*pp) {
         pf_req *r = *pp;
-        try_send_and_finish(n, r);
-        pf_report rep = {.epoch = n->epoch,
+        try_send_and_finish(st, r);
+        pf_report rep = {.epoch = st->epoch,
                          .req_id = r->id,
-                         .stage = (uint32_t)n->stage,
-                         .first_token = n->last ? r->first_token : -1,
-                         .end_ms = pf_now_ms()};
-        bool over = false;
-        if (r->opened) {
-            kvx_pf_status st;
-            if (kvx_pf_poll(n->kvx, r->id, &st) == 0 &&
-                (st.state == KVX_REQ_DONE || st.state == KVX_REQ_FAILED)) {
-                over = true;
-                if (st.state == KVX_REQ_FAILED) {
-                    if (st.reason == KVX_FAIL_TIMEOUT) log_deadline(n, r);
-                    rep.status = r->fail_err ? r->fail_err : st.err ? st.err : TD_EIO;
-                    rep.reason = (uint32_t)st.reason;
-                } else
-                    log_transfer(n, r, &st);
-                kvx_pf_release(n->kvx, r->id);
-            }
-        } else if (r->failed) {
-            over = true;
-            rep.status = r->fail_err;
-        }
-        if (!over) {
+                         .stage = (uint32_t)st->stage,
+                         .first_token = st->last ? r->first_token : -1,
+                         .end_ms = td_now_ms()};
+        if (!req_over(st, r, &rep)) {
             pp = &r->next;
             continue;
         }
-        pf_report_out(n, &rep);
+        report_out(st, &rep);
         *pp = r->next;
-        n->n_reqs--;
-        req_free(n, r); /* the connector is final: nothing reads our blocks any more */
+        st->n_reqs--;
+        req_free(st, r); /* the connector is final: nothing reads our blocks any more */
     }
 }
 
 /* ---- one chunk ---- */
 
-/* Drop the rows of segments that died on this stage from ids/embd (in place). */
-static int64_t compact(pf_node *n, const pf_seg *segs, int n_segs, const bool *was_live,
-                       int32_t *ids, float *embd)
+/* One chunk's batch on this stage: its segments, their requests here, the rows. */
+typedef struct {
+    pf_seg *segs;
+    int n_segs;
+    pf_req *rq[PF_MAX_SEGS];    /* (n_segs) the segment's request, NULL if refused */
+    bool was_live[PF_MAX_SEGS]; /* (n_segs) live when the chunk arrived (it has rows) */
+    int64_t rows_in;            /* rows that arrived */
+    int64_t rows;               /* rows computed here (live segments) */
+    kn_seq_view views[PF_MAX_SEGS];
+    int32_t logit_rows[PF_MAX_SEGS]; /* last stage: the rows of the segments that end */
+    int n_views, n_logits;
+} pf_batch;
+
+/* Find or open each segment's request; segments whose request failed (or a duplicate
+ * first chunk) become DEAD. Returns 0 or TD_ENOMEM. */
+static int admit_segs(pf_stage *st, pf_batch *bt)
+{
+    bt->rows_in = 0;
+    for (int i = 0; i < bt->n_segs; i++) {
+        pf_seg *g = &bt->segs[i];
+        bool live = bt->was_live[i] = !(g->flags & PF_SEG_DEAD);
+        if (live) bt->rows_in += g->t1 - g->t0;
+        pf_req *r = find_req(st, g->req_id);
+        if (g->flags & PF_SEG_FIRST) {
+            if (r) { /* a duplicate id would mix two prompts' KV: refuse the new one */
+                g->flags |= PF_SEG_DEAD;
+                bt->rq[i] = NULL;
+                continue;
+            }
+            r = new_req(st, g);
+            if (!r) return TD_ENOMEM;
+            if (!live)
+                fail_req(st, r, TD_EIO);
+            else {
+                int rc = open_req(st, r);
+                if (rc) fail_req(st, r, rc);
+            }
+        } else if (r && !r->failed && (!live || (int32_t)g->t0 != r->n_computed)) {
+            fail_req(st, r, live ? TD_EINVAL : TD_EIO);
+        }
+        if (!r || r->failed) g->flags |= PF_SEG_DEAD;
+        bt->rq[i] = r;
+    }
+    return 0;
+}
+
+/* Drop the rows of segments that died on this stage from st->ids and embd (in place);
+ * sets bt->rows. */
+static void compact(pf_stage *st, pf_batch *bt, float *embd)
 {
     int64_t src = 0, dst = 0;
-    size_t E = (size_t)n->n_embd;
-    for (int i = 0; i < n_segs; i++) {
-        int64_t len = segs[i].t1 - segs[i].t0;
-        if (!was_live[i]) continue;
-        if (!(segs[i].flags & PF_SEG_DEAD)) {
+    size_t E = (size_t)st->n_embd;
+    int32_t *ids = st->ids;
+    for (int i = 0; i < bt->n_segs; i++) {
+        int64_t len = bt->segs[i].t1 - bt->segs[i].t0;
+        if (!bt->was_live[i]) continue;
+        if (!(bt->segs[i].flags & PF_SEG_DEAD)) {
             if (src != dst) {
                 memmove(ids + dst, ids + src, (size_t)len * sizeof *ids);
                 if (embd) memmove(embd + dst * E, embd + src * E, (size_t)len * E * sizeof *embd);
@@ -510,98 +442,63 @@ static int64_t compact(pf_node *n, const pf_seg *segs, int n_segs, const bool *w
         }
         src += len;
     }
-    return dst;
+    bt->rows = dst;
 }
 
-int pf_stage_chunk(pf_node *n, pf_seg *segs, int n_segs, const int32_t *ids_in, float *embd)
+/* Positions, sequences and logit rows of the live segments. */
+static void build_batch(pf_stage *st, pf_batch *bt)
 {
-    bool was_live[PF_MAX_SEGS];
-    pf_req *rq[PF_MAX_SEGS];
-    int64_t rows_in = 0;
-    for (int i = 0; i < n_segs; i++) {
-        pf_seg *g = &segs[i];
-        was_live[i] = !(g->flags & PF_SEG_DEAD);
-        if (was_live[i]) rows_in += g->t1 - g->t0;
-        pf_req *r = find_req(n, g->req_id);
-        if (g->flags & PF_SEG_FIRST) {
-            if (r) { /* a duplicate id would mix two prompts' KV: refuse the new one */
-                g->flags |= PF_SEG_DEAD;
-                rq[i] = NULL;
-                continue;
-            }
-            r = new_req(n, g);
-            if (!r) return TD_ENOMEM;
-            if (!was_live[i])
-                fail_req(n, r, TD_EIO);
-            else {
-                int rc = open_req(n, r);
-                if (rc) fail_req(n, r, rc);
-            }
-        } else if (r && !r->failed && (!was_live[i] || (int32_t)g->t0 != r->n_computed)) {
-            fail_req(n, r, was_live[i] ? TD_EINVAL : TD_EIO);
-        }
-        if (!r || r->failed) g->flags |= PF_SEG_DEAD;
-        rq[i] = r;
-    }
-    int32_t *ids = n->tokens;
-    if (rows_in > n->chunk_max) return TD_ERANGE;
-    memcpy(ids, ids_in, (size_t)rows_in * sizeof *ids);
-    int64_t rows = compact(n, segs, n_segs, was_live, ids, embd);
-
-    /* the batch over the live segments */
-    kn_seq_view views[PF_MAX_SEGS];
-    int32_t logit_rows[PF_MAX_SEGS];
-    int n_views = 0, n_logits = 0;
     int64_t row = 0;
-    for (int i = 0; i < n_segs; i++) {
-        const pf_seg *g = &segs[i];
+    bt->n_views = bt->n_logits = 0;
+    for (int i = 0; i < bt->n_segs; i++) {
+        const pf_seg *g = &bt->segs[i];
         if (g->flags & PF_SEG_DEAD) continue;
         for (uint32_t t = g->t0; t < g->t1; t++, row++) {
-            n->pos[row] = (int32_t)t;
-            n->seq_of[row] = n_views;
+            st->pos[row] = (int32_t)t;
+            st->seq_of[row] = bt->n_views;
         }
-        views[n_views++] = (kn_seq_view){.block_table = rq[i]->kv.blocks, .n_ctx = (int32_t)g->t1};
-        if (n->last && (g->flags & PF_SEG_LAST)) logit_rows[n_logits++] = (int32_t)(row - 1);
+        bt->views[bt->n_views++] =
+            (kn_seq_view){.block_table = bt->rq[i]->kv.blocks, .n_ctx = (int32_t)g->t1};
+        if (st->last && (g->flags & PF_SEG_LAST))
+            bt->logit_rows[bt->n_logits++] = (int32_t)(row - 1);
     }
-    pf_buf *sb = NULL;
-    float *out = n->logits;
-    if (!n->last) {
-        sb = pf_chain_free_send(n, n->timeout_ms);
-        if (!sb) return TD_EIO;
-        out = (float *)(sb->buf + pf_wire_chunk_payload_off(n_segs, rows));
-    }
-    int64_t t0 = pf_now_ms();
-    if (rows > 0) {
-        kn_batch b = {.n_tokens = rows,
-                      .tokens = n->first ? ids : NULL,
-                      .embd = n->first ? NULL : embd,
-                      .pos = n->pos,
-                      .seq_of = n->seq_of,
-                      .n_seqs = n_views,
-                      .seqs = views,
-                      .n_logits = n_logits,
-                      .logit_rows = logit_rows};
-        int rc = kn_engine_forward(n->rig.engine, n->rig.kv, &b, out);
-        if (rc) {
-            TD_LOG_ERR("prefill %s stage %d: forward of %lld tokens failed: %s", n->p->instance,
-                       n->stage, (long long)rows, td_strerror(rc));
-            for (int i = 0; i < n_segs; i++)
-                if (!(segs[i].flags & PF_SEG_DEAD)) {
-                    fail_req(n, rq[i], rc);
-                    segs[i].flags |= PF_SEG_DEAD;
-                }
-            rows = 0;
+}
+
+/* The forward pass over the stage's layers into out; a failure fails every live segment. */
+static void forward(pf_stage *st, pf_batch *bt, const float *embd, float *out)
+{
+    if (bt->rows <= 0) return;
+    kn_batch b = {.n_tokens = bt->rows,
+                  .tokens = st->first ? st->ids : NULL,
+                  .embd = st->first ? NULL : embd,
+                  .pos = st->pos,
+                  .seq_of = st->seq_of,
+                  .n_seqs = bt->n_views,
+                  .seqs = bt->views,
+                  .n_logits = bt->n_logits,
+                  .logit_rows = bt->logit_rows};
+    int rc = kn_engine_forward(st->shard.engine, st->shard.kv, &b, out);
+    if (!rc) return;
+    TD_LOG_ERR("prefill %s stage %d: forward of %lld tokens failed: %s", st->p->instance, st->stage,
+               (long long)bt->rows, td_strerror(rc));
+    for (int i = 0; i < bt->n_segs; i++)
+        if (!(bt->segs[i].flags & PF_SEG_DEAD)) {
+            fail_req(st, bt->rq[i], rc);
+            bt->segs[i].flags |= PF_SEG_DEAD;
         }
-    }
-    int64_t t1 = pf_now_ms();
-    int64_t t1_ns = (int64_t)kvx_now_ns();
-    n->n_chunks_total++;
-    n->slow_chunk_ms *= 0.95;
-    if ((double)(t1 - t0) > n->slow_chunk_ms) n->slow_chunk_ms = (double)(t1 - t0);
-    for (int i = 0; i < n_segs; i++) {
-        const pf_seg *g = &segs[i];
+    bt->rows = 0;
+}
+
+/* Account the chunk computed in [t0, t1] ms (t1_ns: its end) to the stage and its requests. */
+static void record_compute(pf_stage *st, pf_batch *bt, int64_t t0, int64_t t1, int64_t t1_ns)
+{
+    st->n_chunks++;
+    st->slow_chunk_ms *= 0.95;
+    if ((double)(t1 - t0) > st->slow_chunk_ms) st->slow_chunk_ms = (double)(t1 - t0);
+    for (int i = 0; i < bt->n_segs; i++) {
+        const pf_seg *g = &bt->segs[i];
         if (g->flags & PF_SEG_DEAD) continue;
-        pf_req *r = rq[i];
+        pf_req *r = bt->rq[i];
         if (!r->n_chunks) r->t_first_ms = t0;
         if (r->n_chunks == r->cap_chunks) {
             uint32_t cap = r->cap_chunks ? 2 * r->cap_chunks : 8;
@@ -616,67 +513,88 @@ int pf_stage_chunk(pf_node *n, pf_seg *segs, int n_segs, const int32_t *ids_in, 
         r->n_computed = (int32_t)g->t1;
         TD_LOG_DEBUG("prefill %s stage %d: request %llu chunk %u [%u, %u) computed at %lld ms "
                      "(%lld ms)",
-                     n->p->instance, n->stage, (unsigned long long)r->id, g->chunk, g->t0, g->t1,
+                     st->p->instance, st->stage, (unsigned long long)r->id, g->chunk, g->t0, g->t1,
                      (long long)t1, (long long)(t1 - t0));
     }
-    /* the last stage keeps the prompt's ids for the repetition penalty, then samples */
-    if (n->last) {
-        int64_t off = 0;
-        int li = 0;
-        for (int i = 0; i < n_segs; i++) {
-            const pf_seg *g = &segs[i];
-            if (g->flags & PF_SEG_DEAD) continue;
-            pf_req *r = rq[i];
-            memcpy(r->hist + g->t0, ids + off, (size_t)(g->t1 - g->t0) * sizeof *ids);
-            off += g->t1 - g->t0;
-            if (!(g->flags & PF_SEG_LAST)) continue;
-            kn_sampler s;
-            /* a moved request's sampler skips the draws made before it moved */
-            int rc = kn_sampler_init(&s, &g->sampling, n->n_vocab);
-            int32_t tok = rc ? rc
-                             : kn_sample(&s, n->logits + (size_t)li * (size_t)n->n_vocab, r->hist,
-                                         r->n_prompt);
-            if (!rc) kn_sampler_fini(&s);
-            li++;
-            if (tok < 0)
-                fail_req(n, r, tok);
-            else
-                r->first_token = tok;
-        }
+}
+
+/* Last stage: keep the prompt's ids for the repetition penalty, then sample the first
+ * token of every segment that ends a prompt. */
+static void sample_first_tokens(pf_stage *st, pf_batch *bt)
+{
+    int64_t off = 0;
+    int li = 0;
+    for (int i = 0; i < bt->n_segs; i++) {
+        const pf_seg *g = &bt->segs[i];
+        if (g->flags & PF_SEG_DEAD) continue;
+        pf_req *r = bt->rq[i];
+        memcpy(r->hist + g->t0, st->ids + off, (size_t)(g->t1 - g->t0) * sizeof *st->ids);
+        off += g->t1 - g->t0;
+        if (!(g->flags & PF_SEG_LAST)) continue;
+        kn_sampler s;
+        /* a moved request's sampler skips the draws made before it moved */
+        int rc = kn_sampler_init(&s, &g->sampling, st->n_vocab);
+        int32_t tok =
+            rc ? rc
+               : kn_sample(&s, st->logits + (size_t)li * (size_t)st->n_vocab, r->hist, r->n_prompt);
+        if (!rc) kn_sampler_fini(&s);
+        li++;
+        if (tok < 0)
+            fail_req(st, r, tok);
+        else
+            r->first_token = tok;
     }
+}
+
+int pf_stage_chunk(pf_stage *st, pf_seg *segs, int n_segs, const int32_t *ids_in, float *embd)
+{
+    pf_batch bt = {.segs = segs, .n_segs = n_segs};
+    int rc = admit_segs(st, &bt);
+    if (rc) return rc;
+    if (bt.rows_in > st->chunk_max) return TD_ERANGE;
+    memcpy(st->ids, ids_in, (size_t)bt.rows_in * sizeof *st->ids);
+    compact(st, &bt, embd);
+    build_batch(st, &bt);
+
+    /* the output goes straight into a send buffer (the last stage: the logits) */
+    pf_buf *sb = NULL;
+    float *out = st->logits;
+    if (!st->last) {
+        sb = pf_chain_free_send(&st->chain, st->timeout_ms);
+        if (!sb) return TD_EIO;
+        out = (float *)(sb->buf + pf_wire_chunk_payload_off(n_segs, bt.rows));
+    }
+    int64_t t0 = td_now_ms();
+    forward(st, &bt, embd, out);
+    int64_t t1 = td_now_ms();
+    record_compute(st, &bt, t0, t1, td_now_ns());
+    if (st->last) sample_first_tokens(st, &bt);
     for (int i = 0; i < n_segs; i++)
-        if (!(segs[i].flags & PF_SEG_DEAD)) try_send_and_finish(n, rq[i]);
-    if (n->last) return 0;
-    int64_t len = pf_wire_chunk_write(sb->buf, sb->cap, n->send_seq, segs, n_segs, ids, n->n_embd);
+        if (!(segs[i].flags & PF_SEG_DEAD)) try_send_and_finish(st, bt.rq[i]);
+    if (st->last) return 0;
+    int64_t len = pf_wire_chunk_write(sb->buf, sb->cap, 0, segs, n_segs, st->ids, st->n_embd);
     if (len < 0) return (int)len;
-    n->send_seq++;
-    int rc = pf_link_send(n->link, n->next_peer, PF_TAG_CHAIN, sb->buf, (size_t)len, &sb->op);
-    if (rc) {
-        n->broken = true;
-        return rc;
-    }
-    sb->busy = true;
-    return 0;
+    return pf_chain_post(&st->chain, sb, (size_t)len); /* stamps the hop's seq */
 }
 
 /* ---- stages > 0: the received stream ---- */
 
-static int handle_msg(pf_node *n, pf_buf *b)
+static int handle_msg(pf_stage *st, pf_buf *b)
 {
     pf_msg m;
-    int rc = pf_wire_parse(b->buf, b->op.len, n->n_embd, 1, n->chunk_max, &m);
+    int rc = pf_wire_parse(b->buf, b->op.len, st->n_embd, 1, st->chunk_max, &m);
     if (rc) return rc;
     switch (m.kind) {
     case PF_MSG_CHUNK:
-        rc = pf_stage_chunk(n, m.segs, m.n_segs, m.ids, (float *)m.embd);
+        rc = pf_stage_chunk(st, m.segs, m.n_segs, m.ids, (float *)m.embd);
         break;
     case PF_MSG_TARGETS:
-        pf_stage_targets(n, m.req_id, m.target, m.target_len, m.n_targets);
-        rc = pf_chain_send_msg(n, b->buf, b->op.len);
+        pf_stage_targets(st, m.req_id, m.target, m.target_len, m.n_targets);
+        rc = pf_chain_send_msg(&st->chain, b->buf, b->op.len);
         break;
     case PF_MSG_ABORT:
-        pf_stage_abort(n, m.req_id, m.code ? m.code : TD_EIO);
-        rc = pf_chain_send_msg(n, b->buf, b->op.len);
+        pf_stage_abort(st, m.req_id, m.code ? m.code : TD_EIO);
+        rc = pf_chain_send_msg(&st->chain, b->buf, b->op.len);
         break;
     default:
         rc = TD_EFORMAT;
@@ -685,43 +603,16 @@ static int handle_msg(pf_node *n, pf_buf *b)
     return rc;
 }
 
-int pf_stage_recv(pf_node *n)
+int pf_stage_recv(pf_stage *st)
 {
     /* one message per call: the caller's loop keeps heartbeats and reports going while a
      * backlog of chunks waits (a stage that only computed would look silent to stage 0);
      * nothing new while forwarded messages still wait for a send buffer (order) */
-    int frc = pf_chain_flush(n);
-    if (frc) return frc;
-    if (!pf_chain_queue_empty(n)) return 0;
-    pf_buf *next = NULL;
-    for (int i = 0; i < PF_NRECV; i++) {
-        pf_buf *b = &n->recvs[i];
-        if (!b->busy || !pf_op_done(&b->op)) continue;
-        if (b->op.status) {
-            TD_LOG_ERR("prefill %s stage %d: receive from stage %d failed: %s", n->p->instance,
-                       n->stage, n->stage - 1, td_strerror(b->op.status));
-            n->broken = true;
-            return b->op.status;
-        }
-        uint64_t seq = 0;
-        if (b->op.len >= 16) memcpy(&seq, b->buf + 8, 8);
-        if (seq == n->recv_seq) next = b; /* receives may complete out of order */
-    }
-    if (!next) return 0;
-    int rc = handle_msg(n, next);
-    n->recv_seq++;
-    next->busy = false;
-    if (rc) {
-        TD_LOG_ERR("prefill %s stage %d: chain message %llu: %s", n->p->instance, n->stage,
-                   (unsigned long long)(n->recv_seq - 1), td_strerror(rc));
-        n->broken = true;
-        return rc;
-    }
-    rc = pf_link_recv(n->link, PF_TAG_CHAIN, next->buf, next->cap, &next->op);
-    if (rc) {
-        n->broken = true;
-        return rc;
-    }
-    next->busy = true;
-    return 1;
+    int rc = pf_chain_flush(&st->chain);
+    if (rc) return rc;
+    if (!pf_chain_queue_empty(&st->chain)) return 0;
+    pf_buf *b;
+    if ((rc = pf_chain_next(&st->chain, &b)) <= 0) return rc;
+    rc = pf_chain_recv_done(&st->chain, b, handle_msg(st, b));
+    return rc ? rc : 1;
 }

@@ -94,7 +94,7 @@ typedef struct {
     int32_t status;      /* 0: its transfer completed; else a td_err */
     int32_t first_token; /* last stage: the sampled first token; else -1 */
     uint32_t reason;     /* kvx_fail_reason when status != 0 */
-    int64_t end_ms;      /* CLOCK_MONOTONIC ms when the transfer ended */
+    int64_t end_ms;      /* td_now_ms when the transfer ended */
 } pf_report;
 
 #define PF_REPORT_BYTES 48

@@ -111,7 +111,7 @@ static void usage(void)
 
 /* The command line. */
 typedef struct {
-    pf_rig_params rp;
+    pf_shard_params rp;
     pf_profile_params pp;
     float smooth;
     int prompt, plan_reps;
@@ -129,7 +129,7 @@ static int chunkplan_parse_args(int argc, char **argv, chunkplan_opts *o)
         .plan_reps = 1,
         .run = true,
     };
-    pf_rig_params *rp = &o->rp;
+    pf_shard_params *rp = &o->rp;
     pf_profile_params *pp = &o->pp;
     int rc = 0;
     for (int i = 0; i < argc && !rc; i++) {
@@ -218,7 +218,7 @@ static void print_profile(const chunkplan_opts *o, const pf_profile_result *pr)
 
 /* The fixed and the dynamic plan of the prompt: made, run through the stage (unless
  * --no-run, alternating so that drift hits both) and printed. */
-static int run_plans(const chunkplan_opts *o, pf_rig *rig, const pf_cost_model *m)
+static int run_plans(const chunkplan_opts *o, pf_shard *rig, const pf_cost_model *m)
 {
     int reps = o->plan_reps;
     pf_chunk_params fixed = {.chunk_size = o->pp.chunk_size, .page_size = o->rp.block_size};
@@ -259,8 +259,8 @@ int cmd_chunk_plan(int argc, char **argv)
     if (rc) return rc > 0 ? 0 : rc;
     int hi = o.pp.chunk_size + o.pp.chunk_size / 4;
     o.rp.ctx = o.prompt > hi ? o.prompt : hi;
-    pf_rig rig;
-    if ((rc = pf_rig_open(&rig, &o.rp))) {
+    pf_shard rig;
+    if ((rc = pf_shard_open(&rig, &o.rp))) {
         fprintf(stderr, "tandem: cannot set up stage %d of '%s': %s\n", o.rp.stage, o.rp.model_path,
                 td_strerror(rc));
         return rc;
@@ -270,11 +270,11 @@ int cmd_chunk_plan(int argc, char **argv)
     pf_profile_result pr;
     if ((rc = pf_profile_stage(&rig, &o.pp, &pr))) {
         fprintf(stderr, "tandem: profile failed: %s\n", td_strerror(rc));
-        pf_rig_close(&rig);
+        pf_shard_close(&rig);
         return rc;
     }
     print_profile(&o, &pr);
     rc = run_plans(&o, &rig, &pr.fit);
-    pf_rig_close(&rig);
+    pf_shard_close(&rig);
     return rc;
 }

@@ -92,11 +92,11 @@ int main(int argc, char **argv)
         return 2;
     }
     /* the reference: the whole model in this process */
-    pf_rig rig;
-    pf_rig_params rp = {
+    pf_shard shard;
+    pf_shard_params rp = {
         .model_path = model, .pp = 1, .ctx = n_tok + 64, .block_size = 16, .kv_type = TD_F16};
-    if (pf_rig_open(&rig, &rp)) return 2;
-    const kn_hparams *hp = &rig.model->hp;
+    if (pf_shard_open(&shard, &rp)) return 2;
+    const kn_hparams *hp = &shard.model->hp;
     int32_t *prompt = malloc((size_t)n_tok * sizeof *prompt), *pos = malloc((size_t)n_tok * 4);
     int32_t *seq0 = calloc((size_t)n_tok, 4);
     for (int i = 0; i < n_tok; i++) {
@@ -105,7 +105,7 @@ int main(int argc, char **argv)
     }
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
-    if (kn_kv_seq_reserve(rig.kv, &seq, n_tok)) return 2;
+    if (kn_kv_seq_reserve(shard.kv, &seq, n_tok)) return 2;
     kn_seq_view view = {.block_table = seq.blocks, .n_ctx = n_tok};
     int32_t last = n_tok - 1;
     float *logits = malloc((size_t)hp->n_vocab * sizeof *logits);
@@ -119,7 +119,7 @@ int main(int argc, char **argv)
                   .logit_rows = &last};
     int32_t expect_tok = -1;
     if (!no_check) {
-        if (kn_engine_forward(rig.engine, rig.kv, &b, logits)) return 2;
+        if (kn_engine_forward(shard.engine, shard.kv, &b, logits)) return 2;
         kn_sampler smp;
         td_sampling sp = {0};
         kn_sampler_init(&smp, &sp, hp->n_vocab);
@@ -273,7 +273,7 @@ int main(int argc, char **argv)
                     for (int t = 0; t < n_tok; t++)
                         for (uint32_t h = 0; h < lay[r].n_heads; h++)
                             for (int d = 0; d < hp->head_dim; d++) {
-                                float ref = elem(rig.kv, l, v, seq.blocks[t / bs],
+                                float ref = elem(shard.kv, l, v, seq.blocks[t / bs],
                                                  (int)(lay[r].head0 + h), t % bs, d);
                                 float got_v = dst_elem(region[r], &lay[r], l, v, blocks[r][t / bs],
                                                        (int)h, t % bs, d);
@@ -299,8 +299,8 @@ int main(int argc, char **argv)
         kvx_conn_destroy(conn[r]);
         free(region[r]);
     }
-    kn_kv_seq_fini(rig.kv, &seq);
-    pf_rig_close(&rig);
+    kn_kv_seq_fini(shard.kv, &seq);
+    pf_shard_close(&shard);
     free(prompt);
     free(pos);
     free(seq0);

@@ -14,12 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "../tharness.h"
 #include "pf_pcache.h"
 #include "pf_profile.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 static const char *model_path;
@@ -27,31 +27,29 @@ static char tmpdir[256];
 
 static double now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+    return (double)td_now_ns() * 1e-6;
 }
 
-static int open_rig(pf_rig *r, const char *path, int pp, int stage, int threads, td_dtype kv)
+static int open_shard(pf_shard *r, const char *path, int pp, int stage, int threads, td_dtype kv)
 {
-    pf_rig_params rp = {.model_path = path,
-                        .pp = pp,
-                        .stage = stage,
-                        .threads = threads,
-                        .ctx = 1024,
-                        .kv_type = kv};
-    return pf_rig_open(r, &rp);
+    pf_shard_params rp = {.model_path = path,
+                          .pp = pp,
+                          .stage = stage,
+                          .threads = threads,
+                          .ctx = 1024,
+                          .kv_type = kv};
+    return pf_shard_open(r, &rp);
 }
 
 static int key_of(const char *path, int pp, int stage, int threads, td_dtype kv, int chunk,
                   pf_pcache_key *k)
 {
-    pf_rig r;
-    int rc = open_rig(&r, path, pp, stage, threads, kv);
+    pf_shard r;
+    int rc = open_shard(&r, path, pp, stage, threads, kv);
     if (rc) return rc;
     pf_profile_params p = {.chunk_size = chunk};
     rc = pf_pcache_key_make(&r, path, &p, k);
-    pf_rig_close(&r);
+    pf_shard_close(&r);
     return rc;
 }
 
@@ -88,14 +86,14 @@ static void test_key(void)
     TH_CHECK(strstr(a.desc, "\ncpu "));
 
     /* explicit defaults are the same profile */
-    pf_rig r;
-    TH_REQUIRE(open_rig(&r, model_path, 1, 0, 1, TD_F16) == 0);
+    pf_shard r;
+    TH_REQUIRE(open_shard(&r, model_path, 1, 0, 1, TD_F16) == 0);
     pf_profile_params p = {.chunk_size = 128, .max_len = 160, .budget_ms = 20000, .reps = 3};
     TH_CHECK(pf_pcache_key_make(&r, model_path, &p, &b) == 0 && b.hash == a.hash);
     p.budget_ms = 5000;
     TH_CHECK(pf_pcache_key_make(&r, model_path, &p, &b) == 0 && b.hash != a.hash);
     TH_CHECK(pf_pcache_key_make(&r, "/nonexistent/model.gguf", &p, &b) == TD_EIO);
-    pf_rig_close(&r);
+    pf_shard_close(&r);
 
     /* every input changes it */
     TH_CHECK(key_of(model_path, 1, 0, 2, TD_F16, 128, &b) == 0 && b.hash != a.hash);
@@ -135,12 +133,12 @@ static char path_a[512];
 
 static void test_roundtrip(void)
 {
-    pf_rig r;
-    TH_REQUIRE(open_rig(&r, model_path, 1, 0, 1, TD_F16) == 0);
+    pf_shard r;
+    TH_REQUIRE(open_shard(&r, model_path, 1, 0, 1, TD_F16) == 0);
     pf_profile_params p = {.chunk_size = 128, .n_lengths = 8, .reps = 2, .budget_ms = 300};
     TH_CHECK(pf_profile_stage(&r, &p, &measured) == 0);
     TH_CHECK(pf_pcache_key_make(&r, model_path, &p, &key_a) == 0);
-    pf_rig_close(&r);
+    pf_shard_close(&r);
     TH_REQUIRE(measured.n_lengths >= 3);
 
     char dir[300];
@@ -287,8 +285,8 @@ static void *set_stop(void *arg)
 
 static void test_stop(void)
 {
-    pf_rig r;
-    TH_REQUIRE(open_rig(&r, model_path, 1, 0, 1, TD_F16) == 0);
+    pf_shard r;
+    TH_REQUIRE(open_shard(&r, model_path, 1, 0, 1, TD_F16) == 0);
     pf_profile_result res;
     stop_flag = 1; /* already set: not even the warm-up runs */
     pf_profile_params p = {.chunk_size = 512, .budget_ms = 60000, .stop = &stop_flag};
@@ -306,11 +304,11 @@ static void test_stop(void)
     fprintf(stderr, "  stopped after %.0f ms (flag set at 150 ms)\n", took);
     TH_CHECK(rc == TD_ESTATE && res.stopped && res.n_lengths == 0);
     TH_CHECKF(took < 150 + 3000, "%.0f ms", took);
-    /* the rig is still usable: a profile without the flag completes */
+    /* the shard is still usable: a profile without the flag completes */
     stop_flag = 0;
     p = (pf_profile_params){.chunk_size = 64, .n_lengths = 4, .reps = 1, .stop = &stop_flag};
     TH_CHECK(pf_profile_stage(&r, &p, &res) == 0 && !res.stopped && res.n_lengths == 4);
-    pf_rig_close(&r);
+    pf_shard_close(&r);
 }
 
 int main(int argc, char **argv)

@@ -3,7 +3,7 @@
  * middle and last: hidden states in) profiles within a small time budget, the fit is
  * finite, and the plan built from it covers a prompt exactly with chunks that follow the
  * rules (first chunk C; dynamic chunks aligned to 64 and at most C; caps), and runs
- * through the stage. Bad rigs and profiles are rejected with an error.
+ * through the stage. Bad shards and profiles are rejected with an error.
  * usage: test_pf_profile MODEL.gguf
  */
 #include <math.h>
@@ -40,22 +40,22 @@ static void check_plan(const pf_cost_model *m, const pf_chunk_params *p, const i
 
 static void profile_stage(int pp, int stage)
 {
-    pf_rig rig;
-    pf_rig_params rp = {.model_path = model_path, .pp = pp, .stage = stage, .ctx = 1024};
-    TH_REQUIRE(pf_rig_open(&rig, &rp) == 0);
-    TH_CHECK(rig.model->first == (stage == 0) && rig.model->last == (stage == pp - 1));
+    pf_shard shard;
+    pf_shard_params rp = {.model_path = model_path, .pp = pp, .stage = stage, .ctx = 1024};
+    TH_REQUIRE(pf_shard_open(&shard, &rp) == 0);
+    TH_CHECK(shard.model->first == (stage == 0) && shard.model->last == (stage == pp - 1));
     pf_profile_params pp_ = {.chunk_size = CHUNK, .n_lengths = 8, .reps = 2, .budget_ms = BUDGET};
     pf_profile_result pr;
-    int rc = pf_profile_stage(&rig, &pp_, &pr);
+    int rc = pf_profile_stage(&shard, &pp_, &pr);
     TH_CHECK(rc == 0);
     if (rc) {
-        pf_rig_close(&rig);
+        pf_shard_close(&shard);
         return;
     }
     fprintf(stderr,
             "  pp %d stage %d layers [%d, %d): %d lengths [%d, %d], %.0f ms%s, a %.3e b %.3e "
             "c %.3f R^2 %.3f%s\n",
-            pp, stage, rig.l0, rig.l1, pr.n_lengths, pr.len[0], pr.len[pr.n_lengths - 1],
+            pp, stage, shard.l0, shard.l1, pr.n_lengths, pr.len[0], pr.len[pr.n_lengths - 1],
             pr.elapsed_ms, pr.budget_hit ? " (budget)" : "", pr.fit.a, pr.fit.b, pr.fit.c,
             pr.fit.r2, pr.fit.dynamic ? "" : " (fixed fallback)");
     TH_CHECK(pr.n_lengths >= 3 && pr.n_lengths <= 8);
@@ -79,25 +79,25 @@ static void profile_stage(int pp, int stage)
     TH_CHECK(pf_plan_chunks(&pr.fit, &cp, PROMPT, c, cap, &n) == 0);
     check_plan(&pr.fit, &cp, c, n, PROMPT);
     double ms[64];
-    TH_CHECK(pf_profile_run_plan(&rig, c, n, 1, ms) == 0);
+    TH_CHECK(pf_profile_run_plan(&shard, c, n, 1, ms) == 0);
     for (int64_t i = 0; i < n; i++)
         TH_CHECK(ms[i] > 0 && isfinite(ms[i]));
     cp.smooth = 0;
     TH_CHECK(pf_plan_chunks(&pr.fit, &cp, PROMPT, c, cap, &n) == 0);
     check_plan(&pr.fit, &cp, c, n, PROMPT);
     TH_CHECK(n == (PROMPT + CHUNK - 1) / CHUNK);
-    TH_CHECK(pf_profile_run_plan(&rig, c, n, 2, ms) == 0);
+    TH_CHECK(pf_profile_run_plan(&shard, c, n, 2, ms) == 0);
 
     /* a plan longer than the pool, a profile longer than the pool, bad parameters */
     int32_t big[2] = {1000, 1000};
-    TH_CHECK(pf_profile_run_plan(&rig, big, 2, 0, ms) == TD_ERANGE);
+    TH_CHECK(pf_profile_run_plan(&shard, big, 2, 0, ms) == TD_ERANGE);
     int32_t zero[1] = {0};
-    TH_CHECK(pf_profile_run_plan(&rig, zero, 1, 0, ms) == TD_EINVAL);
+    TH_CHECK(pf_profile_run_plan(&shard, zero, 1, 0, ms) == TD_EINVAL);
     pf_profile_params too_long = {.chunk_size = 1000};
-    TH_CHECK(pf_profile_stage(&rig, &too_long, &pr) == TD_ERANGE);
+    TH_CHECK(pf_profile_stage(&shard, &too_long, &pr) == TD_ERANGE);
     pf_profile_params bad = {.chunk_size = 0};
-    TH_CHECK(pf_profile_stage(&rig, &bad, &pr) == TD_EINVAL);
-    pf_rig_close(&rig);
+    TH_CHECK(pf_profile_stage(&shard, &bad, &pr) == TD_EINVAL);
+    pf_shard_close(&shard);
 }
 
 static void test_profile_single_stage(void)
@@ -116,28 +116,28 @@ static void test_profile_middle(void)
     profile_stage(3, 1);
 }
 
-static void test_rig_errors(void)
+static void test_shard_errors(void)
 {
-    pf_rig rig;
-    memset(&rig, 0x5a, sizeof rig);
-    pf_rig_params rp = {.model_path = model_path, .pp = 2, .stage = 2};
-    TH_CHECK(pf_rig_open(&rig, &rp) == TD_EINVAL);
-    TH_CHECK(rig.model == NULL && rig.gguf == NULL); /* zeroed on failure */
+    pf_shard shard;
+    memset(&shard, 0x5a, sizeof shard);
+    pf_shard_params rp = {.model_path = model_path, .pp = 2, .stage = 2};
+    TH_CHECK(pf_shard_open(&shard, &rp) == TD_EINVAL);
+    TH_CHECK(shard.model == NULL && shard.gguf == NULL); /* zeroed on failure */
     int bad_part[2] = {1, 1};                        /* the model has more layers */
-    rp = (pf_rig_params){.model_path = model_path, .pp = 2, .partition = bad_part};
-    TH_CHECK(pf_rig_open(&rig, &rp) == TD_EINVAL);
-    rp = (pf_rig_params){.model_path = model_path, .pp = 100};
-    TH_CHECK(pf_rig_open(&rig, &rp) == TD_EINVAL);
-    rp = (pf_rig_params){.model_path = "/nonexistent/model.gguf"};
-    TH_CHECK(pf_rig_open(&rig, &rp) < 0);
-    pf_rig_close(&rig); /* zeroed: fine */
+    rp = (pf_shard_params){.model_path = model_path, .pp = 2, .partition = bad_part};
+    TH_CHECK(pf_shard_open(&shard, &rp) == TD_EINVAL);
+    rp = (pf_shard_params){.model_path = model_path, .pp = 100};
+    TH_CHECK(pf_shard_open(&shard, &rp) == TD_EINVAL);
+    rp = (pf_shard_params){.model_path = "/nonexistent/model.gguf"};
+    TH_CHECK(pf_shard_open(&shard, &rp) < 0);
+    pf_shard_close(&shard); /* zeroed: fine */
     /* an explicit partition that fits: stage 1 of {2, 4} is layers [2, 6) */
     int part[2] = {2, 4};
-    rp = (pf_rig_params){
+    rp = (pf_shard_params){
         .model_path = model_path, .pp = 2, .stage = 1, .partition = part, .ctx = 256};
-    TH_REQUIRE(pf_rig_open(&rig, &rp) == 0);
-    TH_CHECK(rig.l0 == 2 && rig.l1 == 6);
-    pf_rig_close(&rig);
+    TH_REQUIRE(pf_shard_open(&shard, &rp) == 0);
+    TH_CHECK(shard.l0 == 2 && shard.l1 == 6);
+    pf_shard_close(&shard);
 }
 
 int main(int argc, char **argv)
@@ -150,6 +150,6 @@ int main(int argc, char **argv)
     TH_RUN(test_profile_single_stage);
     TH_RUN(test_profile_first_and_last);
     TH_RUN(test_profile_middle);
-    TH_RUN(test_rig_errors);
+    TH_RUN(test_shard_errors);
     TH_EXIT();
 }

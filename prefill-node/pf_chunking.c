@@ -1,0 +1,121 @@
+/* pf_chunking.c: stage 0's chunk planner set-up at start: fixed chunks, or dynamic chunking
+ * over the stage profile, loaded from the profile cache (pf_pcache.h) or measured on the
+ * stage's shard (pf_profile.h) and stored. */
+#include <stdio.h>
+#include <string.h>
+
+#include "pf_int.h"
+#include "pf_pcache.h"
+#include "td_clock.h"
+#include "td_err.h"
+
+/* The stage profile: loaded from the cache (pf_pcache.h) unless --reprofile, else
+ * measured and stored. Fills res; returns 0, TD_ESTATE if *stop ended the measurement,
+ * or another td_err from the profile. Cache trouble is only ever a warning. */
+static int get_profile(pf_stage *st, const pf_profile_params *pp, pf_profile_result *res)
+{
+    const char *inst = st->p->instance;
+    char dir[2048], path[2200], why[512] = "";
+    pf_pcache_key key;
+    int krc = pf_pcache_key_make(&st->shard, st->p->cfg->model, pp, &key);
+    int drc = krc ? krc : pf_pcache_dir(dir, sizeof dir);
+    if (!drc) drc = pf_pcache_path(dir, &key, path, sizeof path);
+    if (drc)
+        TD_LOG_WARN("prefill %s: no profile cache (%s): the profile is measured every start", inst,
+                    krc                ? td_strerror(krc)
+                    : drc == TD_ENOENT ? "neither TANDEM_CACHE nor HOME is set"
+                                       : td_strerror(drc));
+    int64_t t0 = td_now_ms();
+    const char *reason = st->p->reprofile ? "--reprofile" : "no cached profile";
+    if (!drc && !st->p->reprofile) {
+        int rc = pf_pcache_load(path, &key, res, why, sizeof why);
+        if (!rc) {
+            TD_LOG_INFO("prefill %s: stage profile loaded from the cache in %lld ms (%s; %d "
+                        "lengths, measured in %.0f ms); --reprofile measures it again",
+                        inst, (long long)(td_now_ms() - t0), path, res->n_lengths, res->elapsed_ms);
+            return 0;
+        }
+        if (rc != TD_ENOENT) {
+            TD_LOG_WARN("prefill %s: ignoring the cached profile %s: %s", inst, path,
+                        why[0] ? why : td_strerror(rc));
+            reason = "the cached one is unusable";
+        }
+    }
+    pf_profile_params p = pf_profile_resolve(pp);
+    TD_LOG_INFO("prefill %s: measuring the stage profile (%s): %d lengths up to %d tokens, "
+                "at most ~%d ms",
+                inst, reason, p.n_lengths, p.max_len, p.budget_ms);
+    if (st->p->profiling) *st->p->profiling = 1;
+    int rc = pf_profile_stage(&st->shard, pp, res);
+    if (st->p->profiling) *st->p->profiling = 0;
+    if (rc == TD_ESTATE && res->stopped) {
+        TD_LOG_INFO("prefill %s: stopped while profiling (after %lld ms)", inst,
+                    (long long)(td_now_ms() - t0));
+        return rc;
+    }
+    if (rc) return rc;
+    TD_LOG_INFO("prefill %s: stage profile measured in %lld ms (%d lengths%s)", inst,
+                (long long)(td_now_ms() - t0), res->n_lengths,
+                res->budget_hit ? ", cut short by profile_budget_ms" : "");
+    if (drc) return 0;
+    int src = pf_pcache_store(path, &key, res, why, sizeof why);
+    if (src)
+        TD_LOG_WARN("prefill %s: cannot cache the stage profile: %s", inst,
+                    why[0] ? why : td_strerror(src));
+    else
+        TD_LOG_INFO("prefill %s: stage profile cached in %s", inst, path);
+    return 0;
+}
+
+int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunking)
+{
+    *chunking = (pf_chunk_params){.chunk_size = st->chunk_max,
+                                  .smooth = st->cfg->smooth_factor,
+                                  .page_size = st->shard.kv->block_size,
+                                  .max_batch_tokens = st->chunk_max,
+                                  .dynamic = false};
+    memset(model, 0, sizeof *model);
+    bool dynamic = st->cfg->dynamic_chunking && st->cfg->smooth_factor != 0;
+    if (!dynamic || st->cfg->profile_budget_ms <= 0) {
+        if (!dynamic)
+            TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", st->p->instance, st->chunk_max);
+        else
+            TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): "
+                        "fixed chunks of %d tokens",
+                        st->p->instance, st->chunk_max);
+        if (st->p->reprofile)
+            TD_LOG_INFO("prefill %s: --reprofile: nothing to profile with fixed chunks",
+                        st->p->instance);
+        return 0;
+    }
+    pf_profile_params pp = {
+        .chunk_size = st->chunk_max, .budget_ms = st->cfg->profile_budget_ms, .stop = st->p->stop};
+    int max_len = st->chunk_max + st->chunk_max / 4;
+    if (max_len > st->shard.ctx) pp.max_len = st->shard.ctx;
+    pf_profile_result res;
+    int rc = get_profile(st, &pp, &res);
+    if (rc == TD_ESTATE) return rc;
+    if (rc || !res.fit.dynamic) {
+        TD_LOG_WARN("prefill %s: the stage profile gave no usable cost model (%s; a=%g b=%g "
+                    "over %d lengths): fixed chunks of %d tokens",
+                    st->p->instance, rc ? td_strerror(rc) : "not convex", res.fit.a, res.fit.b_fit,
+                    res.n_lengths, st->chunk_max);
+        return 0;
+    }
+    *model = res.fit;
+    chunking->dynamic = true;
+    int64_t example = 8 * (int64_t)st->chunk_max < st->shard.ctx ? 8 * (int64_t)st->chunk_max
+                                                                 : (int64_t)st->shard.ctx;
+    int32_t plan[64];
+    int64_t np = 0;
+    if (pf_plan_chunks(model, chunking, example, plan, 64, &np)) np = 0;
+    char sizes[200] = "";
+    int off = 0;
+    for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
+        off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);
+    TD_LOG_INFO("prefill %s: dynamic chunking: f(l) = %.3g l^2 + %.3g l + %.3g ms (r2 %.4f, %d "
+                "lengths), smoothing %.2f; a %lld-token prompt goes as [%s]",
+                st->p->instance, model->a, model->b, model->c, model->r2, res.n_lengths,
+                st->cfg->smooth_factor, (long long)example, sizes);
+    return 0;
+}

@@ -1,0 +1,52 @@
+/* pf_shard.h: one pipeline stage's shard of the model, loaded in this process: the model
+ * file, the stage's layer range, a CPU backend, the engine and the KV pool.
+ *
+ * Purpose: the one place that opens a stage for compute. The production stage
+ * (pf_stage.c) opens its shard here, and so do the profiler (pf_profile.h), the profile
+ * cache's key (pf_pcache.h), `tandem chunk-plan` and the tests' stand-in decode instance.
+ * The layer range comes from the partition (pf_layer_partition: equal shares, the extra
+ * layers on the later stages, or the YAML's explicit layer_partition).
+ * Invariants: after pf_shard_open, model holds layers [l0, l1) and kv holds ctx tokens of
+ * one sequence (ceil(ctx / block_size) blocks); the backend is CPU, TP 1.
+ * Threading: the engine and pool are driven by one thread at a time (the stage's main
+ * thread, or the profiler before the stage serves).
+ * Ownership: the shard owns everything it points to; pf_shard_close frees it all.
+ */
+#ifndef PF_SHARD_H
+#define PF_SHARD_H
+
+#include "cpu_backend.h"
+#include "gguf.h"
+#include "kv_pool.h"
+#include "model.h"
+#include "td_dtype.h"
+
+typedef struct {
+    td_gguf *gguf;
+    kn_model *model; /* layers [l0, l1) */
+    kn_cpu *cpu;
+    kn_engine *engine;
+    kn_kv_pool *kv;
+    int l0, l1;  /* the stage's layer range */
+    int ctx;     /* tokens of KV the pool holds for one sequence */
+    int threads; /* compute threads of the backend */
+    int pp, stage;
+} pf_shard;
+
+typedef struct {
+    const char *model_path;
+    int pp, stage;        /* pp 0 means 1 */
+    const int *partition; /* (pp) explicit layer partition or NULL (pf_layer_partition) */
+    int threads;          /* 0: 1 (one thread per stage process) */
+    int ctx;              /* KV capacity, tokens; 0: 8192 */
+    int block_size;       /* 0: 16 */
+    td_dtype kv_type;     /* TD_F32 (0) or TD_F16 */
+} pf_shard_params;
+
+/* Load the stage and build its engine and KV pool. Errors are logged; returns 0 or a
+ * negative td_err (TD_EINVAL for a stage or partition that does not fit the model), and
+ * *s is zeroed on failure. */
+int pf_shard_open(pf_shard *s, const pf_shard_params *p);
+void pf_shard_close(pf_shard *s); /* safe on a zeroed shard */
+
+#endif
