@@ -57,11 +57,7 @@
 typedef struct rt_router {
     td_cfg *cfg;
     td_gguf *gguf;
-    td_tokenizer *tok;
-    const char *tmpl; /* chat template text (into gguf, or a built-in one) */
-    size_t tmpl_len;
-    int32_t n_ctx; /* model context length */
-    char model_name[256];
+    rt_model model; /* the tokenizer it owns, the chat template, the context length, the name */
     char api_key_hdr[512]; /* "Bearer KEY", or "" */
     size_t max_body;       /* bytes of a request body (rt_max_body); more: 413 */
     struct MHD_Daemon *mhd;

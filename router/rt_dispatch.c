@@ -37,7 +37,8 @@ void rt_loop_cancel(rt_router *r, rt_req *q)
 
 void rt_loop_cancel_decode_side(rt_router *r, rt_req *q)
 {
-    if (q->loop.state == RT_ST_RUNNING || (q->loop.state == RT_ST_SUBMITTED && !r->disagg)) rt_loop_cancel(r, q);
+    if (q->loop.state == RT_ST_RUNNING || (q->loop.state == RT_ST_SUBMITTED && !r->disagg))
+        rt_loop_cancel(r, q);
 }
 
 void rt_loop_retire(rt_router *r, rt_req *q)
@@ -55,7 +56,7 @@ void rt_loop_finish(rt_router *r, rt_req *q, rt_finish fin)
 {
     int rc = rt_stream_finish(r, q, fin);
     if (rc) TD_LOG_ERR("router: %s: cannot write the response: %s", q->oid, td_strerror(rc));
-    rt_metrics_request_end(r, q, td_now_ms(), rc && !q->p.stream ? 500 : 200,
+    rt_metrics_request_end(&r->metrics, r->cfg, q, td_now_ms(), rc && !q->p.stream ? 500 : 200,
                            fin == RT_FIN_LENGTH && !q->loop.stop_hit ? "length" : "stop");
     rt_loop_retire(r, q);
 }
@@ -66,7 +67,7 @@ void rt_loop_fail(rt_router *r, rt_req *q, int status, const char *code, const c
     rt_error_set(&e, status, NULL, code, "%s", msg);
     if (status >= 500) TD_LOG_WARN("router: %s: %s", q->oid, msg);
     rt_stream_fail(q, &e);
-    rt_metrics_request_end(r, q, td_now_ms(), status, code);
+    rt_metrics_request_end(&r->metrics, r->cfg, q, td_now_ms(), status, code);
     rt_loop_retire(r, q);
 }
 
@@ -103,7 +104,8 @@ void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now)
     if (r->disagg) {
         rt_pair_abandon(r, q); /* cancels both sides; q->loop.inst is -1 after */
     } else {
-        if (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING) rt_loop_cancel(r, q);
+        if (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING)
+            rt_loop_cancel(r, q);
         if (q->loop.inst >= 0) r->reg.inst[q->loop.inst].active--;
         q->loop.inst = -1;
     }
@@ -117,13 +119,14 @@ void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now)
     else if (!rc->max_migrations)
         snprintf(no, sizeof no, "router.max_migrations is 0");
     else if (q->loop.migrations >= rc->max_migrations)
-        snprintf(no, sizeof no, "it moved %d times already (router.max_migrations)", q->loop.migrations);
+        snprintf(no, sizeof no, "it moved %d times already (router.max_migrations)",
+                 q->loop.migrations);
     else if (make_resume(q))
         snprintf(no, sizeof no, "out of memory");
     if (no[0]) {
         char msg[600];
-        snprintf(msg, sizeof msg, "%s after %d tokens; the request cannot move: %s", why, q->loop.n_gen,
-                 no);
+        snprintf(msg, sizeof msg, "%s after %d tokens; the request cannot move: %s", why,
+                 q->loop.n_gen, no);
         rt_loop_fail(r, q, 503, "instance_unavailable", msg);
         return;
     }
@@ -157,7 +160,7 @@ static void refuse(rt_router *r, rt_req *q, const rt_error *e)
     atomic_fetch_sub(&r->queued, 1);
     q->loop.state = RT_ST_DONE;
     rt_stream_fail(q, e);
-    rt_metrics_request_end(r, q, td_now_ms(), e->status, e->code);
+    rt_metrics_request_end(&r->metrics, r->cfg, q, td_now_ms(), e->status, e->code);
     rt_req_release(q);
 }
 
@@ -189,7 +192,7 @@ void rt_loop_admit(rt_router *r, rt_req *q)
         TD_LOG_DEBUG("router: %s: queue full: refused for a client with fewer requests", v->oid);
         rt_metrics_eviction(&r->metrics);
         rt_stream_fail(v, &e);
-        rt_metrics_request_end(r, v, td_now_ms(), 429, "queue_full");
+        rt_metrics_request_end(&r->metrics, r->cfg, v, td_now_ms(), 429, "queue_full");
         rt_loop_retire(r, v);
     }
     int rc = rt_table_add(&r->table, q);
@@ -243,12 +246,11 @@ void rt_loop_dispatch(rt_router *r, int64_t now)
             rt_error_set(&e, 500, NULL, NULL, "cannot send the request: %s", td_strerror(rc));
             TD_LOG_ERR("router: %s: %s", q->oid, e.message);
             rt_stream_fail(q, &e);
-            rt_metrics_request_end(r, q, now, 500, NULL);
+            rt_metrics_request_end(&r->metrics, r->cfg, q, now, 500, NULL);
             rt_req_release(q);
         }
     }
 }
-
 
 void rt_loop_act(rt_router *r, const rt_pair_out *o, int64_t now)
 {

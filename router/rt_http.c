@@ -5,9 +5,8 @@
  *   headers --route/auth, client key, X-Tandem-Timeout-Ms--> BODY (collected up to
  *           r->max_body, the rest read and dropped)
  *   BODY complete --parse ok--> suspend, rt_loop_post --loop resumes--> handler again:
- *     q->http.sse: queue the SSE response (reader: copy q->http.out, suspend when empty, end at done)
- *     q->http.done: queue q->http.out as JSON with q->http.status
- *     neither (a poke): suspend again
+ *     q->http.sse: queue the SSE response (reader: copy q->http.out, suspend when empty, end at
+ * done) q->http.done: queue q->http.out as JSON with q->http.status neither (a poke): suspend again
  *   request-completed callback: mark http_gone, tell the loop if the request is open.
  * Errors found before the hand-off (404, 405, 401, 413, 400, 503 while draining) are
  * answered here, each logged at info in one line without the body (the request's status,
@@ -316,7 +315,7 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
     enum MHD_Result ok;
     switch (kind) {
     case K_MODELS:
-        s = rt_openai_models(r);
+        s = rt_openai_models(&r->model);
         if (!s) break;
         ok = respond(r, conn, kind, 200, s, strlen(s), "application/json");
         free(s);
@@ -338,7 +337,7 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
         return respond(r, conn, kind, ok ? 200 : 503, buf, (size_t)len, "application/json");
     }
     case K_METRICS:
-        s = rt_metrics_render(&r->metrics, r);
+        s = rt_metrics_render(&r->metrics, r->cfg);
         if (!s) break;
         ok = respond(r, conn, kind, 200, s, strlen(s), "text/plain; version=0.0.4");
         free(s);
@@ -362,7 +361,7 @@ static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *con
     }
     rt_endpoint ep = c->kind == K_CHAT ? RT_EP_CHAT : RT_EP_COMPLETIONS;
     rt_error e;
-    if (rt_openai_parse(r, ep, c->body.buf ? c->body.buf : "", c->body.len, &q->p, &e)) {
+    if (rt_openai_parse(&r->model, ep, c->body.buf ? c->body.buf : "", c->body.len, &q->p, &e)) {
         rt_req_release(q);
         return respond_error(r, conn, c, &e);
     }

@@ -34,8 +34,8 @@
 #include "td_clock.h"
 #include "td_err.h"
 
-#define MAX_RETRIES       3
-#define FLUSH_MS          500 /* stop: wait this long at most for the Cancels to arrive */
+#define MAX_RETRIES 3
+#define FLUSH_MS    500 /* stop: wait this long at most for the Cancels to arrive */
 
 /* ---- inbox (HTTP threads) ---- */
 
@@ -86,7 +86,8 @@ static void lose_all(rt_router *r, int i, const char *why, int64_t now)
 {
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (q && q->loop.inst == i && (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING))
+        if (q && q->loop.inst == i &&
+            (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING))
             rt_loop_lose(r, q, why, now);
     }
 }
@@ -98,7 +99,9 @@ static rt_req *find_call(rt_router *r, int i, uint64_t call_id)
     /* replies to Submit: the request is in the table with that call id on instance i */
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (q && q->loop.inst == i && q->loop.state == RT_ST_SUBMITTED && q->loop.call_id == call_id) return q;
+        if (q && q->loop.inst == i && q->loop.state == RT_ST_SUBMITTED &&
+            q->loop.call_id == call_id)
+            return q;
     }
     return NULL;
 }
@@ -162,7 +165,7 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
         rt_error e;
         rt_error_set(&e, 400, NULL, NULL, "%s", err->message);
         rt_stream_fail(q, &e);
-        rt_metrics_request_end(r, q, now, 400, NULL);
+        rt_metrics_request_end(&r->metrics, r->cfg, q, now, 400, NULL);
         rt_loop_retire(r, q);
         return;
     }
@@ -190,14 +193,17 @@ static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
         q->loop.gen_ids = g;
         q->loop.cap_gen = (int)cap;
     }
-    memcpy(q->loop.gen_ids + q->loop.n_gen, ids, n * sizeof *ids); /* n_gen grows in rt_stream_tokens */
+    memcpy(q->loop.gen_ids + q->loop.n_gen, ids,
+           n * sizeof *ids); /* n_gen grows in rt_stream_tokens */
     return 0;
 }
 
 static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
 {
     rt_req *q = rt_table_get(&r->table, t->request_id);
-    if (!q || q->loop.inst != i || (q->loop.state != RT_ST_SUBMITTED && q->loop.state != RT_ST_RUNNING)) return;
+    if (!q || q->loop.inst != i ||
+        (q->loop.state != RT_ST_SUBMITTED && q->loop.state != RT_ST_RUNNING))
+        return;
     q->loop.state = RT_ST_RUNNING;
     if (t->n_token_ids) {
         if (!q->loop.t_first_ms) q->loop.t_first_ms = now;
@@ -388,7 +394,8 @@ static void liveness(rt_router *r, int64_t now)
             rt_loop_fail(r, q, 503, "instance_unavailable", msg);
         } else if (none && !q->loop.lost_ms) {
             rt_loop_fail(r, q, 503, "no_instance",
-                 n ? "no prefill instance is available" : "no decode instance is available");
+                         n ? "no prefill instance is available"
+                           : "no decode instance is available");
         }
     }
 }
@@ -404,7 +411,7 @@ static void expire(rt_router *r, int64_t now)
         if (!q || !q->expires_ms || now < q->expires_ms) continue;
         rt_timeout_state where = q->loop.state == RT_ST_QUEUED ? RT_TO_QUEUED
                                  : q->loop.n_gen > 0           ? RT_TO_GENERATING
-                                                          : RT_TO_WAITING;
+                                                               : RT_TO_WAITING;
         long long limit = (long long)(q->expires_ms - q->t_arrive_ms);
         TD_LOG_INFO("router: %s: its deadline of %lld ms passed while %s (tokens: %d): ended",
                     q->oid, limit, where_name[where], q->loop.n_gen);
@@ -416,7 +423,7 @@ static void expire(rt_router *r, int64_t now)
                      "generated: %d)",
                      limit, where_name[where], q->loop.n_gen);
         rt_stream_fail(q, &e);
-        rt_metrics_request_end(r, q, now, 504, "request_timeout");
+        rt_metrics_request_end(&r->metrics, r->cfg, q, now, 504, "request_timeout");
         rt_loop_retire(r, q);
     }
 }
@@ -467,10 +474,10 @@ static void take_inbox(rt_router *r)
         rt_req *next = gone->loop.gone_next;
         if (gone->loop.state == RT_ST_SUBMITTED || gone->loop.state == RT_ST_RUNNING) {
             rt_loop_cancel(r, gone);
-            rt_metrics_request_end(r, gone, td_now_ms(), 499, "client_closed");
+            rt_metrics_request_end(&r->metrics, r->cfg, gone, td_now_ms(), 499, "client_closed");
             rt_loop_retire(r, gone);
         } else if (gone->loop.state == RT_ST_QUEUED) {
-            rt_metrics_request_end(r, gone, td_now_ms(), 499, "client_closed");
+            rt_metrics_request_end(&r->metrics, r->cfg, gone, td_now_ms(), 499, "client_closed");
             rt_loop_retire(r, gone);
         }
         rt_req_release(gone); /* the reference rt_loop_gone took */
@@ -504,11 +511,12 @@ static void poke(rt_router *r)
         if (!q) continue;
         if (client_closed(q)) {
             TD_LOG_DEBUG("router: %s: the client closed its connection: cancelled", q->oid);
-            if (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING) rt_loop_cancel(r, q);
+            if (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING)
+                rt_loop_cancel(r, q);
             rt_error e; /* never seen: it makes MHD write, fail and complete the connection */
             rt_error_set(&e, 499, NULL, NULL, "the client closed the connection");
             rt_stream_fail(q, &e);
-            rt_metrics_request_end(r, q, td_now_ms(), 499, "client_closed");
+            rt_metrics_request_end(&r->metrics, r->cfg, q, td_now_ms(), 499, "client_closed");
             rt_loop_retire(r, q);
             continue;
         }

@@ -59,7 +59,8 @@ static int load_model(rt_router *r)
         TD_LOG_ERR("router: cannot open model '%s': %s", r->cfg->model, err);
         return rc;
     }
-    if ((rc = td_tok_create(r->gguf, &r->tok))) return rc;
+    if ((rc = td_tok_create(r->gguf, &r->model.tok))) return rc;
+    r->model.limits = &r->cfg->router;
     const char *arch = NULL;
     size_t alen = 0;
     int64_t ctx = 0;
@@ -68,28 +69,29 @@ static int load_model(rt_router *r)
         snprintf(key, sizeof key, "%.*s.context_length", (int)alen, arch);
         td_gguf_get_i64(r->gguf, key, &ctx);
     }
-    r->n_ctx = ctx > 0 && ctx < INT32_MAX ? (int32_t)ctx : 2048;
-    if (r->n_ctx > 8192) r->n_ctx = 8192; /* what the decode nodes allocate at most */
+    r->model.n_ctx = ctx > 0 && ctx < INT32_MAX ? (int32_t)ctx : 2048;
+    if (r->model.n_ctx > 8192) r->model.n_ctx = 8192; /* what the decode nodes allocate at most */
 
     const char *forced = r->cfg->router.chat_template;
     if (forced && forced[0]) {
-        r->tmpl = !strcmp(forced, "chatml")   ? "<|im_start|>"
-                  : !strcmp(forced, "llama3") ? "<|start_header_id|><|end_header_id|>"
-                  : !strcmp(forced, "llama2") ? "[INST] <<SYS>>"
-                                              : NULL;
-        if (!r->tmpl) {
+        r->model.tmpl = !strcmp(forced, "chatml")   ? "<|im_start|>"
+                        : !strcmp(forced, "llama3") ? "<|start_header_id|><|end_header_id|>"
+                        : !strcmp(forced, "llama2") ? "[INST] <<SYS>>"
+                                                    : NULL;
+        if (!r->model.tmpl) {
             TD_LOG_ERR("router: router.chat_template '%s' is not chatml, llama3 or llama2", forced);
             return TD_EUNSUPP;
         }
-        r->tmpl_len = strlen(r->tmpl);
+        r->model.tmpl_len = strlen(r->model.tmpl);
     } else {
-        if (td_gguf_get_str(r->gguf, "tokenizer.chat_template", &r->tmpl, &r->tmpl_len)) {
+        if (td_gguf_get_str(r->gguf, "tokenizer.chat_template", &r->model.tmpl,
+                            &r->model.tmpl_len)) {
             TD_LOG_ERR("router: model '%s' has no chat template; name one in router.chat_template "
                        "(chatml, llama3, llama2)",
                        r->cfg->model);
             return TD_EUNSUPP;
         }
-        if (td_chat_detect(r->tmpl, r->tmpl_len) == TD_CHAT_UNKNOWN) {
+        if (td_chat_detect(r->model.tmpl, r->model.tmpl_len) == TD_CHAT_UNKNOWN) {
             TD_LOG_ERR("router: the chat template of '%s' is not a known one; name one in "
                        "router.chat_template (chatml, llama3, llama2)",
                        r->cfg->model);
@@ -99,9 +101,9 @@ static int load_model(rt_router *r)
     /* the model name: the file name without directories and without ".gguf" */
     const char *base = strrchr(r->cfg->model, '/');
     base = base ? base + 1 : r->cfg->model;
-    snprintf(r->model_name, sizeof r->model_name, "%s", base);
-    size_t ml = strlen(r->model_name);
-    if (ml > 5 && !strcmp(r->model_name + ml - 5, ".gguf")) r->model_name[ml - 5] = 0;
+    snprintf(r->model.name, sizeof r->model.name, "%s", base);
+    size_t ml = strlen(r->model.name);
+    if (ml > 5 && !strcmp(r->model.name + ml - 5, ".gguf")) r->model.name[ml - 5] = 0;
     return 0;
 }
 
@@ -185,7 +187,7 @@ int main(int argc, char **argv)
     if (!rc) {
         TD_LOG_INFO(
             "router: model %s (context %d), %d decode instance(s), %d prefill instance(s)%s",
-            r->model_name, r->n_ctx, r->cfg->n_decode, r->cfg->n_prefill,
+            r->model.name, r->model.n_ctx, r->cfg->n_decode, r->cfg->n_prefill,
             r->cfg->n_prefill ? " (disaggregated)" : " (colocated)");
         int sig = 0;
         sigwait(&set, &sig);
@@ -198,7 +200,7 @@ int main(int argc, char **argv)
     rt_http_stop(r, STOP_FLUSH_MS);
     rt_loop_drain(r);
     rt_metrics_fini(&r->metrics);
-    td_tok_destroy(r->tok);
+    td_tok_destroy(r->model.tok);
     td_gguf_close(r->gguf);
     td_cfg_free(r->cfg);
     free(host);

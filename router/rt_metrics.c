@@ -17,7 +17,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "rt.h"
 #include "rt_metrics.h"
 #include "td_err.h"
 
@@ -170,25 +169,25 @@ static void record_finished(rt_metrics *m, const rt_req *q, int64_t now_ms)
     observe(&m->e2e, LAT_BOUNDS, (double)(now_ms - q->t_arrive_ms) / 1000.0);
 }
 
-void rt_metrics_request_end(rt_router *r, const rt_req *q, int64_t now_ms, int status,
-                            const char *outcome)
+void rt_metrics_request_end(rt_metrics *m, const td_cfg *cfg, const rt_req *q, int64_t now_ms,
+                            int status, const char *outcome)
 {
     if (status == 200) {
-        pthread_mutex_lock(&r->metrics.mu);
-        record_finished(&r->metrics, q, now_ms);
-        pthread_mutex_unlock(&r->metrics.mu);
+        pthread_mutex_lock(&m->mu);
+        record_finished(m, q, now_ms);
+        pthread_mutex_unlock(&m->mu);
     }
     /* q->p, oid and the times are immutable or loop-owned: no lock needed on the loop */
     char ttft[24] = "-", where[160] = "";
     if (q->loop.t_first_ms)
         snprintf(ttft, sizeof ttft, "%lld", (long long)(q->loop.t_first_ms - q->t_arrive_ms));
     size_t w = 0;
-    if (q->loop.inst >= 0 && q->loop.inst < r->cfg->n_decode)
+    if (q->loop.inst >= 0 && q->loop.inst < cfg->n_decode)
         w += (size_t)snprintf(where + w, sizeof where - w, " decode %s",
-                              r->cfg->decode[q->loop.inst].name);
-    if (q->pair.pinst >= 0 && q->pair.pinst < r->cfg->n_prefill && w < sizeof where)
+                              cfg->decode[q->loop.inst].name);
+    if (q->pair.pinst >= 0 && q->pair.pinst < cfg->n_prefill && w < sizeof where)
         w += (size_t)snprintf(where + w, sizeof where - w, " prefill %s",
-                              r->cfg->prefill[q->pair.pinst].name);
+                              cfg->prefill[q->pair.pinst].name);
     if (q->loop.migrations && w < sizeof where)
         snprintf(where + w, sizeof where - w, " moved %d", q->loop.migrations);
     TD_LOG_INFO("router: request %s %s%s status %d %s %s prompt_tokens %zu output_tokens %d "
@@ -224,7 +223,7 @@ static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist
 }
 
 /* The disaggregated-mode series (caller holds m->mu). */
-static int render_prefill(rt_buf *b, const rt_metrics *m, const rt_router *r)
+static int render_prefill(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
 {
     char line[512];
     int rc = 0;
@@ -285,7 +284,7 @@ static int render_prefill(rt_buf *b, const rt_metrics *m, const rt_router *r)
                        : k == 3 ? (double)g->waiting
                                 : (double)g->active;
             snprintf(line, sizeof line, "tandem_prefill_instance_%s{instance=\"%s\"} %g\n",
-                     names[k], r->cfg->prefill[j].name, v);
+                     names[k], cfg->prefill[j].name, v);
             rc |= rt_buf_puts(b, line);
         }
     }
@@ -402,7 +401,7 @@ static int render_counters(rt_buf *b, const rt_metrics *m)
 }
 
 /* The per decode instance gauges (caller holds m->mu). */
-static int render_decode(rt_buf *b, const rt_metrics *m, const rt_router *r)
+static int render_decode(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
 {
     char line[512];
     int rc = 0;
@@ -430,14 +429,14 @@ static int render_decode(rt_buf *b, const rt_metrics *m, const rt_router *r)
                            ? (double)g->kv_used / (double)(g->kv_used + g->kv_free)
                            : 0.0;
             snprintf(line, sizeof line, "tandem_instance_%s{instance=\"%s\"} %g\n", names[k],
-                     r->cfg->decode[i].name, v);
+                     cfg->decode[i].name, v);
             rc |= rt_buf_puts(b, line);
         }
     }
     return rc;
 }
 
-char *rt_metrics_render(rt_metrics *m, const rt_router *r)
+char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg)
 {
     rt_buf b = {0};
     int rc = 0;
@@ -445,8 +444,8 @@ char *rt_metrics_render(rt_metrics *m, const rt_router *r)
     rc |= render_requests(&b, m);
     rc |= render_latency(&b, m);
     rc |= render_counters(&b, m);
-    rc |= render_decode(&b, m, r);
-    if (m->n_pf > 0) rc |= render_prefill(&b, m, r);
+    rc |= render_decode(&b, m, cfg);
+    if (m->n_pf > 0) rc |= render_prefill(&b, m, cfg);
     pthread_mutex_unlock(&m->mu);
     if (rc) {
         rt_buf_free(&b);

@@ -16,10 +16,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "config.h"
 #include "ctrl.h"
 #include "rt_req.h"
-
-struct rt_router;
 
 #define RT_HIST_BUCKETS 16
 
@@ -105,7 +104,7 @@ void rt_metrics_eviction(rt_metrics *m);
 void rt_metrics_migration(rt_metrics *m);
 void rt_metrics_migrated(rt_metrics *m, double pause);
 /* Prometheus text exposition (malloc'd). */
-char *rt_metrics_render(rt_metrics *m, const struct rt_router *r);
+char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg);
 /* Non-generation paths, counted apart from the API (generation) requests. */
 typedef enum {
     RT_PATH_HEALTH = 0, /* /health */
@@ -123,7 +122,7 @@ void rt_metrics_http(rt_metrics *m, rt_path path, int status);
  * status, outcome, prompt and output tokens, TTFT, total time, instances; never the
  * prompt) and, finished, records its tokens and latencies. Loop thread, before q is
  * retired. */
-void rt_metrics_request_end(struct rt_router *r, const rt_req *q, int64_t now_ms, int status,
-                            const char *outcome);
+void rt_metrics_request_end(rt_metrics *m, const td_cfg *cfg, const rt_req *q, int64_t now_ms,
+                            int status, const char *outcome);
 
 #endif

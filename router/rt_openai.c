@@ -11,7 +11,6 @@
 #include <time.h>
 
 #include "chat_template.h"
-#include "rt.h"
 #include "rt_openai.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -109,8 +108,8 @@ static int parse_stop(json_t *o, rt_params *p, rt_error *e)
     return 0;
 }
 
-static int tokenize(const rt_router *r, const char *text, size_t len, bool add_special,
-                    rt_params *p, rt_error *e)
+static int tokenize(const rt_model *r, const char *text, size_t len, bool add_special, rt_params *p,
+                    rt_error *e)
 {
     int32_t *ids = NULL;
     size_t n = 0;
@@ -122,7 +121,7 @@ static int tokenize(const rt_router *r, const char *text, size_t len, bool add_s
     return 0;
 }
 
-static int parse_prompt(const rt_router *r, json_t *o, rt_params *p, rt_error *e)
+static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
     json_t *v = json_object_get(o, "prompt");
     if (absent(v)) return rt_error_set(e, 400, "prompt", NULL, "'prompt' is required");
@@ -135,8 +134,7 @@ static int parse_prompt(const rt_router *r, json_t *o, rt_params *p, rt_error *e
         return bad(e, "prompt", "'%s' must be a string or an array of token ids%s", "");
     size_t n = json_array_size(v);
     if (n == 0) return rt_error_set(e, 400, "prompt", NULL, "'prompt' is empty");
-    if (n > (size_t)r->cfg->router.max_prompt_tokens)
-        n = (size_t)r->cfg->router.max_prompt_tokens + 1;
+    if (n > (size_t)r->limits->max_prompt_tokens) n = (size_t)r->limits->max_prompt_tokens + 1;
     int32_t *ids = malloc(n * sizeof *ids);
     if (!ids) return rt_error_set(e, 500, NULL, NULL, "out of memory");
     int32_t nv = td_tok_n_vocab(r->tok);
@@ -155,7 +153,7 @@ static int parse_prompt(const rt_router *r, json_t *o, rt_params *p, rt_error *e
     return 0;
 }
 
-static int parse_messages(const rt_router *r, json_t *o, rt_params *p, rt_error *e)
+static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
     json_t *v = json_object_get(o, "messages");
     if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required");
@@ -230,15 +228,14 @@ static int parse_messages(const rt_router *r, json_t *o, rt_params *p, rt_error 
     return rc;
 }
 
-static int check_model(const rt_router *r, json_t *o, rt_error *e)
+static int check_model(const rt_model *r, json_t *o, rt_error *e)
 {
     json_t *v = json_object_get(o, "model");
     if (absent(v)) return 0;
     if (!json_is_string(v)) return bad(e, "model", "'%s' must be a string%s", "");
     const char *m = json_string_value(v);
-    size_t ml = strlen(r->model_name);
-    if (!strcmp(m, r->model_name) || (!strncmp(m, r->model_name, ml) && !strcmp(m + ml, ".gguf")))
-        return 0;
+    size_t ml = strlen(r->name);
+    if (!strcmp(m, r->name) || (!strncmp(m, r->name, ml) && !strcmp(m + ml, ".gguf"))) return 0;
     return rt_error_set(e, 404, "model", "model_not_found", "The model '%.200s' does not exist", m);
 }
 
@@ -276,10 +273,10 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     return 0;
 }
 
-static int parse_obj(const rt_router *r, rt_endpoint ep, json_t *o, rt_params *p, rt_error *e)
+static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p, rt_error *e)
 {
     int rc;
-    const td_cfg_router *rc_cfg = &r->cfg->router;
+    const td_cfg_router *rc_cfg = r->limits;
     if ((rc = check_model(r, o, e)) || (rc = unsupported(o, ep, e))) return rc;
     double temperature = 1.0, top_p = 1.0, min_p = 0.0, rep = 1.0, ignored = 0, timeout = 0;
     bool migrate = true; /* a Tandem extension: false ends the stream if its instance dies */
@@ -362,7 +359,7 @@ static int parse_obj(const rt_router *r, rt_endpoint ep, json_t *o, rt_params *p
     return 0;
 }
 
-int rt_openai_parse(const rt_router *r, rt_endpoint ep, const char *body, size_t len, rt_params *p,
+int rt_openai_parse(const rt_model *r, rt_endpoint ep, const char *body, size_t len, rt_params *p,
                     rt_error *e)
 {
     *p = (rt_params){.ep = ep};
@@ -382,10 +379,10 @@ int rt_openai_parse(const rt_router *r, rt_endpoint ep, const char *body, size_t
     return rc;
 }
 
-char *rt_openai_models(const rt_router *r)
+char *rt_openai_models(const rt_model *r)
 {
     json_t *o = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
-                          r->model_name, "object", "model", "created", (json_int_t)0, "owned_by",
+                          r->name, "object", "model", "created", (json_int_t)0, "owned_by",
                           "tandem", "max_model_len", (int)r->n_ctx);
     if (!o) return NULL;
     char *s = json_dumps(o, JSON_COMPACT);

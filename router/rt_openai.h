@@ -18,13 +18,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "config.h"
 #include "rt_buf.h"
 #include "td_sampling.h"
+#include "tokenizer.h"
 
 #define RT_MAX_STOP       4    /* stop strings per request */
 #define RT_MAX_STOP_BYTES 1024 /* bytes of one stop string */
 
-struct rt_router;
+/* The served model as the API sees it: what parsing a request, streaming its text and
+ * answering /v1/models need. Set up once at start (rt_main.c), read-only after, so any
+ * thread may read it. */
+typedef struct {
+    td_tokenizer *tok;
+    const char *tmpl; /* chat template text (into the GGUF, or a built-in one) */
+    size_t tmpl_len;
+    int32_t n_ctx;               /* model context length */
+    char name[256];              /* the model id clients send and see */
+    const td_cfg_router *limits; /* max_prompt_tokens, max_tokens, request timeouts */
+} rt_model;
 
 typedef enum { RT_EP_COMPLETIONS = 0, RT_EP_CHAT = 1 } rt_endpoint;
 
@@ -47,10 +59,10 @@ void rt_params_fini(rt_params *p);
 
 /* Parse and validate a request body for ep. Returns 0 with *p filled, or the HTTP
  * status with e filled (p is then empty). */
-int rt_openai_parse(const struct rt_router *r, rt_endpoint ep, const char *body, size_t len,
-                    rt_params *p, rt_error *e);
+int rt_openai_parse(const rt_model *m, rt_endpoint ep, const char *body, size_t len, rt_params *p,
+                    rt_error *e);
 
 /* /v1/models body (malloc'd). */
-char *rt_openai_models(const struct rt_router *r);
+char *rt_openai_models(const rt_model *m);
 
 #endif

@@ -570,8 +570,8 @@ rt_pair_out rt_pair_on_event(rt_router *r, int j, const Td__Event *ev)
         pf_release(r, q); /* the request is over on the prefill side */
         if (started(q)) return go_on();
         char msg[600];
-        snprintf(msg, sizeof msg, "prefill instance %s: %s: %s", s->name,
-                 td_ctrl_err_name(e->code), e->message);
+        snprintf(msg, sizeof msg, "prefill instance %s: %s: %s", s->name, td_ctrl_err_name(e->code),
+                 e->message);
         return pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
     }
     return go_on();

@@ -61,8 +61,7 @@ void rt_pair_orphan_alloc(struct rt_router *r, int i, const Td__Envelope *env);
 /* A decode ErrorEvent for q (an attempt on instance q->loop.inst). */
 rt_pair_out rt_pair_on_decode_error(struct rt_router *r, rt_req *q, const Td__ErrorEvent *e);
 /* A reply from prefill instance j (a heartbeat's, a Prefill's or a KvTarget's). */
-rt_pair_out rt_pair_on_reply(struct rt_router *r, int j, const td_ctrl_client_in *in,
-                             int64_t now);
+rt_pair_out rt_pair_on_reply(struct rt_router *r, int j, const td_ctrl_client_in *in, int64_t now);
 /* One event from prefill instance j (PrefillDone, ErrorEvent). */
 rt_pair_out rt_pair_on_event(struct rt_router *r, int j, const Td__Event *ev);
 /* Prefill instance j stopped answering (restarted false: q's attempt fails over) or a new

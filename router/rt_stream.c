@@ -65,7 +65,7 @@ static int sse_chunk(const rt_router *r, rt_req *q, json_t *choice, json_t *usag
     bool chat = q->p.ep == RT_EP_CHAT;
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[]}", "id", q->oid, "object",
                           chat ? "chat.completion.chunk" : "text_completion", "created",
-                          (json_int_t)q->created, "model", r->model_name, "choices");
+                          (json_int_t)q->created, "model", r->model.name, "choices");
     if (!o) {
         json_decref(choice);
         json_decref(usage);
@@ -135,22 +135,24 @@ static int push_id(rt_req *q, int32_t id, const td_tokenizer *tok)
 int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n)
 {
     if (!q->loop.dt_init) {
-        td_detok_init(&q->loop.dt, r->tok);
+        td_detok_init(&q->loop.dt, r->model.tok);
         q->loop.dt_init = true;
     }
     int rc = 0;
     for (size_t i = 0; i < n && !rc; i++) {
         q->loop.n_gen++;
-        rc = push_id(q, ids[i], r->tok);
+        rc = push_id(q, ids[i], r->model.tok);
     }
     if (rc) return rc;
-    long at = rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+    long at =
+        rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
     if (at >= 0) {
         q->loop.held.len = (size_t)at; /* the stop string and what follows are dropped */
         q->loop.stop_hit = true;
         return RT_FIN_STOP;
     }
-    size_t keep = rt_stop_holdback(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+    size_t keep =
+        rt_stop_holdback(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
     size_t send = q->loop.held.len - keep;
     if (!send) return 0;
     pthread_mutex_lock(&q->mu);
@@ -174,7 +176,7 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
                            "logprobs", "finish_reason", finish);
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", q->oid, "object",
                           q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
-                          (json_int_t)q->created, "model", r->model_name, "choices", choice,
+                          (json_int_t)q->created, "model", r->model.name, "choices", choice,
                           "usage", usage_obj(q));
     if (!o) return NULL;
     char *s = json_dumps(o, JSON_COMPACT);
@@ -189,7 +191,8 @@ int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
         char buf[64];
         int k = td_detok_flush(&q->loop.dt, buf, sizeof buf);
         if (k > 0) rc = rt_buf_append(&q->loop.held, buf, (size_t)k);
-        long at = rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+        long at =
+            rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
         if (at >= 0) {
             q->loop.held.len = (size_t)at;
             q->loop.stop_hit = true;

@@ -24,7 +24,7 @@
 
 #include <jansson.h>
 
-#include "rt.h"
+#include "rt_openai.h"
 #include "td_err.h"
 
 static td_tokenizer *g_tok;
@@ -50,9 +50,9 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     return 0;
 }
 
-static void check_ok(const rt_router *r, rt_endpoint ep, const rt_params *p)
+static void check_ok(const rt_model *r, rt_endpoint ep, const rt_params *p)
 {
-    const td_cfg_router *rc = &r->cfg->router;
+    const td_cfg_router *rc = r->limits;
     int32_t nv = td_tok_n_vocab(r->tok);
     if (p->ep != ep || !p->prompt || p->n_prompt < 1 || p->n_prompt > (size_t)rc->max_prompt_tokens)
         abort();
@@ -102,14 +102,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     cfg.router.max_tokens = tok_max[(sel >> 3) & 3];
     cfg.router.request_timeout_ms = 600000; /* the defaults: a "timeout" field can be valid */
     cfg.router.max_request_timeout_ms = (sel & 0x80) ? 1000 : 3600000;
-    rt_router r = {0};
-    r.cfg = &cfg;
-    r.tok = g_tok;
+    rt_model r = {.tok = g_tok, .limits = &cfg.router};
     unsigned t = (sel >> 1) & 3;
     r.tmpl = t == 0 ? g_tmpl : builtin[t - 1];
     r.tmpl_len = t == 0 ? g_tmpl_len : strlen(r.tmpl);
     r.n_ctx = ctx[(sel >> 7) | (((sel >> 3) & 1) << 1)];
-    snprintf(r.model_name, sizeof r.model_name, "tiny");
+    snprintf(r.name, sizeof r.name, "tiny");
 
     rt_endpoint ep = (sel & 1) ? RT_EP_CHAT : RT_EP_COMPLETIONS;
     /* an exact-size heap copy: ASan sees any read past the body */

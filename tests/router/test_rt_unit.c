@@ -365,7 +365,8 @@ static void reply(int pf, uint64_t call, Td__Envelope *env)
     else {
         rt_req *q = NULL;
         for (uint32_t k = 0; k < g_r.table.cap; k++)
-            if (g_r.table.slots[k] && g_r.table.slots[k]->loop.call_id == call) q = g_r.table.slots[k];
+            if (g_r.table.slots[k] && g_r.table.slots[k]->loop.call_id == call)
+                q = g_r.table.slots[k];
         if (q) act(rt_pair_on_alloc(&g_r, q, 0, &in, 0), 0);
     }
 }
@@ -467,10 +468,12 @@ static void test_pair(void)
         alloc_reply(q->loop.call_id, q->loop.rid);
         TH_CHECK(q->loop.state == RT_ST_RUNNING && q->pair.kvt_sent == (order == 0));
         if (order == 1) ack(0, pcall);
-        TH_CHECK(q->pair.kvt_sent && !q->pair.targets && q->pair.pf_call != 0); /* the KvTarget call */
+        TH_CHECK(q->pair.kvt_sent && !q->pair.targets &&
+                 q->pair.pf_call != 0); /* the KvTarget call */
         ack(0, q->pair.pf_call);
         prefill_done(0, q->loop.rid);
-        TH_CHECK(!q->pair.pf_busy && g_r.reg.pf[0].active == 0 && g_r.reg.pf[0].inflight_tokens == 0);
+        TH_CHECK(!q->pair.pf_busy && g_r.reg.pf[0].active == 0 &&
+                 g_r.reg.pf[0].inflight_tokens == 0);
         rt_loop_retire(&g_r, q); /* the request ends */
         TH_CHECK(all_released());
         rt_req_release(q);
@@ -518,7 +521,8 @@ static void test_pair(void)
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
     uint64_t pcall = q->pair.pf_call;
     error_reply(-1, q->loop.call_id, TD__ERROR_CODE__ERR_BUSY);
-    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.busy == 1 && q->loop.retries == 0 && !q->pair.pf_retried);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.busy == 1 && q->loop.retries == 0 &&
+             !q->pair.pf_retried);
     TH_CHECK(g_r.reg.pf[0].n_orphans == 1 && all_released());
     ack(0, pcall);
     TH_CHECK(g_r.reg.pf[0].n_orphans == 0);
@@ -543,7 +547,8 @@ static void test_pair(void)
     act(rt_pair_expire(&g_r, q, q->pair.deadline_ms), q->pair.deadline_ms);
     TH_CHECK(!q->http.done);
     act(rt_pair_expire(&g_r, q, q->pair.deadline_ms + 1), q->pair.deadline_ms + 1);
-    TH_CHECK(q->http.done && q->http.status == 503 && strstr(q->http.out.buf, "first_token_timeout"));
+    TH_CHECK(q->http.done && q->http.status == 503 &&
+             strstr(q->http.out.buf, "first_token_timeout"));
     TH_CHECK(all_released() && g_r.table.count == 0);
     rt_req_release(q);
 
@@ -565,7 +570,8 @@ static void test_pair(void)
  * many; it may move router.max_migrations times; "migrate": false ends it instead. */
 static void got_tokens(rt_req *q, int n) /* as on_token does, without a tokenizer */
 {
-    q->loop.gen_ids = realloc(q->loop.gen_ids, (size_t)(q->loop.n_gen + n) * sizeof *q->loop.gen_ids);
+    q->loop.gen_ids =
+        realloc(q->loop.gen_ids, (size_t)(q->loop.n_gen + n) * sizeof *q->loop.gen_ids);
     q->loop.cap_gen = q->loop.n_gen + n;
     for (int k = 0; k < n; k++)
         q->loop.gen_ids[q->loop.n_gen + k] = 100 + q->loop.n_gen + k;
@@ -591,7 +597,8 @@ static void test_migrate(void)
     xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
     xe.message = "rank 1 died";
     act(rt_pair_on_decode_error(&g_r, q, &xe), 1000);
-    TH_CHECK(q->loop.state == RT_ST_QUEUED && !q->http.done && q->loop.migrations == 1 && q->loop.lost_ms == 1000);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && !q->http.done && q->loop.migrations == 1 &&
+             q->loop.lost_ms == 1000);
     TH_CHECK(q->loop.gen_base == 2 && q->loop.inst == -1 && all_released());
     size_t n = 0;
     const int32_t *ids = rt_req_prompt(q, &n);
@@ -606,13 +613,15 @@ static void test_migrate(void)
     alloc_reply(q->loop.call_id, q->loop.rid);
     xe.request_id = q->loop.rid;
     act(rt_pair_on_decode_error(&g_r, q, &xe), 1200);
-    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 1 && q->pair.pf_retried && all_released());
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 1 && q->pair.pf_retried &&
+             all_released());
     pair_unqueue(q);
 
     /* the restarted prefill instance: its prompts start again (a move, waiting allowed) */
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1300) == 0);
     act(rt_pair_prefill_lost(&g_r, q, 0, true), 1300);
-    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 2 && !q->pair.pf_retried && all_released());
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 2 && !q->pair.pf_retried &&
+             all_released());
     pair_unqueue(q);
 
     /* a decode instance that is stopping moves it too; then max_migrations (3) is reached */
@@ -666,12 +675,12 @@ static void test_stream(void)
     td_gguf *g = NULL;
     TH_REQUIRE(td_gguf_open(g_model, &g, NULL, 0) == 0);
     rt_router r = {0};
-    TH_REQUIRE(td_tok_create(g, &r.tok) == 0);
-    snprintf(r.model_name, sizeof r.model_name, "m");
+    TH_REQUIRE(td_tok_create(g, &r.model.tok) == 0);
+    snprintf(r.model.name, sizeof r.model.name, "m");
     const char *text = "hello world, this is the end of it";
     int32_t *ids = NULL;
     size_t n = 0;
-    TH_REQUIRE(td_tok_encode(r.tok, text, strlen(text), false, false, &ids, &n) == 0);
+    TH_REQUIRE(td_tok_encode(r.model.tok, text, strlen(text), false, false, &ids, &n) == 0);
     for (int stream = 0; stream < 2; stream++) {
         rt_req *q = rt_req_create();
         q->p.stream = stream;
@@ -685,9 +694,11 @@ static void test_stream(void)
         rt_stream_finish(&r, q, RT_FIN_STOP);
         TH_CHECK(q->http.done);
         if (!stream) {
-            TH_CHECKF(q->loop.text.len == 21 && !memcmp(q->loop.text.buf, "hello world, this is ", 21),
+            TH_CHECKF(q->loop.text.len == 21 &&
+                          !memcmp(q->loop.text.buf, "hello world, this is ", 21),
                       "text '%s'", q->loop.text.buf);
-            TH_CHECK(q->http.status == 200 && strstr(q->http.out.buf, "\"finish_reason\":\"stop\""));
+            TH_CHECK(q->http.status == 200 &&
+                     strstr(q->http.out.buf, "\"finish_reason\":\"stop\""));
         } else {
             TH_CHECK(q->http.sse && strstr(q->http.out.buf, "data: [DONE]\n\n"));
             TH_CHECK(!strstr(q->http.out.buf, "the end") && !strstr(q->http.out.buf, "the en"));
@@ -702,7 +713,8 @@ static void test_stream(void)
     cfg.router.max_tokens = 10;
     cfg.router.max_request_timeout_ms = 5000;
     r.cfg = &cfg;
-    r.n_ctx = 64;
+    r.model.limits = &cfg.router;
+    r.model.n_ctx = 64;
     static const struct {
         const char *body;
         int status;
@@ -721,15 +733,15 @@ static void test_stream(void)
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         rt_params p;
         rt_error e = {0};
-        int st =
-            rt_openai_parse(&r, RT_EP_COMPLETIONS, cases[i].body, strlen(cases[i].body), &p, &e);
+        int st = rt_openai_parse(&r.model, RT_EP_COMPLETIONS, cases[i].body, strlen(cases[i].body),
+                                 &p, &e);
         TH_CHECKF(st == cases[i].status && (st || p.timeout_ms == cases[i].ms),
                   "%s: status %d (%s), timeout %lld", cases[i].body, st, e.message,
                   st ? 0LL : (long long)p.timeout_ms);
         if (st) TH_CHECK(e.param && !strcmp(e.param, "timeout"));
         rt_params_fini(&p);
     }
-    td_tok_destroy(r.tok);
+    td_tok_destroy(r.model.tok);
     td_gguf_close(g);
 }
 
