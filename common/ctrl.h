@@ -124,7 +124,7 @@ typedef struct {
     uint64_t client_id;      /* who sent it: events for this request go to this id */
     const Td__Envelope *env; /* REQUEST: body is submit/cancel/alloc/prefill/kv_target */
     td_ctrl_req *req;        /* REQUEST: reply handle, valid until replied */
-    int64_t deadline_ms;     /* REQUEST: td_ctrl_now_ms() when the client stops waiting */
+    int64_t deadline_ms;     /* REQUEST: td_now_ms() when the client stops waiting */
 } td_ctrl_server_in;
 
 /* Wait up to timeout_ms (0: poll, < 0: forever) for the next request or peer event.
@@ -220,8 +220,5 @@ void td_ctrl_client_in_free(td_ctrl_client_in *in); /* zeroed in is fine */
 
 /* Readable while td_ctrl_client_recv has something (a router polls many clients). */
 int td_ctrl_client_fd(const td_ctrl_client *c);
-
-/* Monotonic clock in ms (deadline_ms above). */
-int64_t td_ctrl_now_ms(void);
 
 #endif

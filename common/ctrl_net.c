@@ -13,12 +13,6 @@
 #include "td_clock.h"
 #include "td_err.h"
 
-/* Kept for the callers outside common/ (router, tools, tests): td_now_ms. */
-int64_t td_ctrl_now_ms(void)
-{
-    return td_now_ms();
-}
-
 uint64_t td_ctrl_random_id(void)
 {
     uint64_t id = 0;

@@ -1,22 +1,8 @@
-/* kvx_pipe.c: what every pipe implementation shares: the sleeping wait (and the old clock
- * wrappers, see kvx_pipe.h). */
+/* kvx_pipe.c: what every pipe implementation shares: the sleeping wait. */
 #include <errno.h>
 #include <poll.h>
 
 #include "kvx_pipe.h"
-#include "td_clock.h"
-
-/* Thin wrappers kept for the modules that still call them (the lead removes them in a final
- * sweep): kvxfer itself reads td_clock. */
-int64_t kvx_now_ms(void)
-{
-    return td_now_ms();
-}
-
-uint64_t kvx_now_ns(void)
-{
-    return (uint64_t)td_now_ns();
-}
 
 int kvx_pipe_wait(kvx_pipe *p, int timeout_ms)
 {

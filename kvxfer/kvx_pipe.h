@@ -276,10 +276,4 @@ static inline uint32_t kvx_pipe_generation(kvx_pipe *p)
  * sleep). Returns the number of completions run (>= 0) or a negative td_err. */
 int kvx_pipe_wait(kvx_pipe *p, int timeout_ms);
 
-/* Deprecated: td_now_ms() and td_now_ns() (common/td_clock.h), which these only call. Kept
- * for the modules outside kvxfer that still use them until the final sweep removes them;
- * kvxfer does not. kvx_now_ns is td_now_ns as uint64_t. */
-int64_t kvx_now_ms(void);
-uint64_t kvx_now_ns(void);
-
 #endif

@@ -19,6 +19,7 @@
 
 #include "cli.h"
 #include "ctrl.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 #define MAX_REQS 1024
@@ -206,7 +207,7 @@ static int client_health(client_run *r)
     uint64_t call;
     int rc = td_ctrl_client_health(r->c, 5000, &call);
     if (rc) return rc;
-    while (td_ctrl_now_ms() < r->deadline) {
+    while (td_now_ms() < r->deadline) {
         if (td_ctrl_client_recv(r->c, &r->in, 200)) continue;
         if (r->in.kind == TD_CTRL_IN_REPLY && r->in.call_id == call) break;
     }
@@ -231,7 +232,7 @@ static int client_garbage(client_run *r)
     int rc = td_ctrl_client_call_raw(r->c, junk, sizeof junk, 5000, &call);
     int err = TD_ETIMEDOUT;
     Td__Envelope *env = NULL;
-    while (!rc && td_ctrl_now_ms() < r->deadline) {
+    while (!rc && td_now_ms() < r->deadline) {
         if (td_ctrl_client_recv(r->c, &r->in, 200)) continue;
         if (r->in.kind == TD_CTRL_IN_REPLY && r->in.call_id == call) {
             err = r->in.err;
@@ -270,7 +271,7 @@ static int client_submit(client_run *r)
         sub.max_tokens = (uint32_t)q->max_tokens;
         sub.ignore_eos = o->ignore_eos;
         rc = td_ctrl_client_submit(r->c, &sub, 10000, &r->calls[i]);
-        q->t_submit = td_ctrl_now_ms();
+        q->t_submit = td_now_ms();
     }
     return rc;
 }
@@ -304,7 +305,7 @@ static void client_on_token(client_run *r, const Td__TokenEvent *t)
     creq *q = &r->reqs[t->request_id - 1];
     if (q->done) return;
     if (t->n_token_ids) {
-        int64_t now = td_ctrl_now_ms();
+        int64_t now = td_now_ms();
         if (!q->t_first)
             q->t_first = now;
         else if ((double)(now - q->t_last) > q->gap_max)
@@ -331,7 +332,7 @@ static void client_on_token(client_run *r, const Td__TokenEvent *t)
 static int client_collect(client_run *r)
 {
     while (r->finished < r->n) {
-        if (td_ctrl_now_ms() >= r->deadline) {
+        if (td_now_ms() >= r->deadline) {
             fprintf(stderr, "tandem: timed out with %d of %d requests unfinished\n",
                     r->n - r->finished, r->n);
             return TD_ETIMEDOUT;
@@ -411,7 +412,7 @@ int cmd_client(int argc, char **argv)
     rc = client_load(&r);
     td_ctrl_opts opts = {0};
     if (!rc) rc = td_ctrl_client_create(o.url, &opts, &r.c);
-    r.deadline = td_ctrl_now_ms() + o.timeout_ms;
+    r.deadline = td_now_ms() + o.timeout_ms;
     if (!rc && o.health) {
         rc = client_health(&r);
         r.n = 0; /* --health submits nothing */

@@ -16,6 +16,7 @@
 
 #include "ctrl.h"
 #include "ctrl_internal.h"
+#include "td_clock.h"
 #include "td_err.h"
 #include "tharness.h"
 
@@ -465,7 +466,7 @@ static void node_handle(fake_node *n, td_ctrl_server_in *in)
         const Td__Submit *s = e->submit;
         if (s->request_id == 999) { /* held: the client's deadline passes first */
             n->held = in->req;
-            n->held_until = td_ctrl_now_ms() + 400;
+            n->held_until = td_now_ms() + 400;
             return;
         }
         if (node_find(n, in->client_id, s->request_id)) { /* delivered twice: idempotent */
@@ -532,7 +533,7 @@ static void *node_main(void *arg)
         td_ctrl_server_in in;
         int rc = td_ctrl_server_recv(n->s, &in, busy ? 3 : 20);
         if (rc == 0) node_handle(n, &in);
-        if (n->held && td_ctrl_now_ms() >= n->held_until) {
+        if (n->held && td_now_ms() >= n->held_until) {
             td_ctrl_server_reply_ack(n->s, n->held, 999); /* late: the client gave up */
             n->held = NULL;
         }
@@ -605,7 +606,7 @@ static int g_tokens_at_restart; /* tokens of the first stream when the last one 
 static bool pump_n(td_ctrl_client *c, stream *st, int n_st, int n_need, reply_rec *rp, int n_rp,
                    int timeout_ms)
 {
-    int64_t end = td_ctrl_now_ms() + timeout_ms;
+    int64_t end = td_now_ms() + timeout_ms;
     td_ctrl_client_in in = {0};
     for (;;) {
         bool all = true;
@@ -614,7 +615,7 @@ static bool pump_n(td_ctrl_client *c, stream *st, int n_st, int n_need, reply_re
         for (int i = 0; i < n_rp; i++)
             all &= rp[i].got;
         if (all) break;
-        int64_t left = end - td_ctrl_now_ms();
+        int64_t left = end - td_now_ms();
         if (left <= 0) break;
         if (td_ctrl_client_recv(c, &in, (int)left)) continue;
         if (in.kind == TD_CTRL_IN_REPLY) {
@@ -754,10 +755,10 @@ static void exchange(const char *listen_url)
     /* a request the node does not answer in time: the deadline reports it */
     Td__Submit s9 = make_submit(999, p2, 1, 3);
     reply_rec dl = {0};
-    int64_t t0 = td_ctrl_now_ms();
+    int64_t t0 = td_now_ms();
     TH_CHECK(td_ctrl_client_submit(c, &s9, 150, &dl.call_id) == 0);
     TH_REQUIRE(pump(c, NULL, 0, &dl, 1, 3000));
-    int64_t took = td_ctrl_now_ms() - t0;
+    int64_t took = td_now_ms() - t0;
     TH_CHECKF(dl.err == TD_ETIMEDOUT && took >= 140 && took < 1000, "err %d after %lld ms", dl.err,
               (long long)took);
     /* the late reply is dropped; the next call still works */
@@ -825,10 +826,10 @@ static void test_absent_and_reconnect(void)
     td_ctrl_client *c;
     TH_REQUIRE(td_ctrl_client_create(url, &o, &c) == 0);
     reply_rec r = {0};
-    int64_t t0 = td_ctrl_now_ms();
+    int64_t t0 = td_now_ms();
     TH_CHECK(td_ctrl_client_health(c, 300, &r.call_id) == 0);
     TH_REQUIRE(pump(c, NULL, 0, &r, 1, 3000));
-    int64_t took = td_ctrl_now_ms() - t0;
+    int64_t took = td_now_ms() - t0;
     TH_CHECKF(r.err == TD_ETIMEDOUT && took >= 290 && took < 1500, "err %d after %lld ms", r.err,
               (long long)took);
 
@@ -851,8 +852,8 @@ static void test_absent_and_reconnect(void)
         if (round == 1) { /* the server notices the client going away */
             td_ctrl_client_destroy(c);
             c = NULL;
-            int64_t until = td_ctrl_now_ms() + 3000;
-            while (!atomic_load(&nr.node.peer_gone) && td_ctrl_now_ms() < until)
+            int64_t until = td_now_ms() + 3000;
+            while (!atomic_load(&nr.node.peer_gone) && td_now_ms() < until)
                 usleep(10000);
             TH_CHECK(atomic_load(&nr.node.peer_gone) == 1);
         }
@@ -884,11 +885,11 @@ static void test_close_while_peer_closes(void)
 {
     const char *env = getenv("TANDEM_CTRL_CLOSE_LOOP_MS");
     int64_t budget = env ? atoll(env) : 3000;
-    int64_t end = td_ctrl_now_ms() + budget;
+    int64_t end = td_now_ms() + budget;
     td_ctrl_opts o = {.reconnect_min_ms = 10, .reconnect_max_ms = 200, .poll_wait_ms = 500};
     int rounds = 0, slow = 0;
     int64_t worst = 0;
-    while (td_ctrl_now_ms() < end || rounds == 0) {
+    while (td_now_ms() < end || rounds == 0) {
         node_run nr;
         TH_REQUIRE(node_start(&nr, "tcp://127.0.0.1:0", &o) == 0);
         td_ctrl_client *c;
@@ -901,13 +902,13 @@ static void test_close_while_peer_closes(void)
         pthread_t th;
         pthread_create(&th, NULL, stop_node_main, &x);
         usleep((useconds_t)(rounds % 7) * 300); /* vary which side goes first */
-        int64_t t0 = td_ctrl_now_ms();
+        int64_t t0 = td_now_ms();
         td_ctrl_client_destroy(c);
-        int64_t took = td_ctrl_now_ms() - t0;
-        int64_t until = td_ctrl_now_ms() + TD_CTRL_TEARDOWN_MS + 2000;
-        while (!atomic_load(&x.done) && td_ctrl_now_ms() < until)
+        int64_t took = td_now_ms() - t0;
+        int64_t until = td_now_ms() + TD_CTRL_TEARDOWN_MS + 2000;
+        while (!atomic_load(&x.done) && td_now_ms() < until)
             usleep(1000);
-        int64_t stop_took = td_ctrl_now_ms() - t0;
+        int64_t stop_took = td_now_ms() - t0;
         TH_CHECKF(atomic_load(&x.done), "round %d: the server's destroy is still running", rounds);
         if (!atomic_load(&x.done)) break; /* its thread still uses nr: stop here */
         pthread_join(th, NULL);
@@ -947,19 +948,19 @@ static void gate_fn(void *arg)
 static void test_teardown_bounded(void)
 {
     gate g = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .release = true};
-    int64_t t0 = td_ctrl_now_ms();
+    int64_t t0 = td_now_ms();
     TH_CHECK(td_ctrl_teardown_bounded(gate_fn, &g, "quick"));
-    TH_CHECK(atomic_load(&g.finished) == 1 && td_ctrl_now_ms() - t0 < 500);
+    TH_CHECK(atomic_load(&g.finished) == 1 && td_now_ms() - t0 < 500);
 
     g.release = false;
-    t0 = td_ctrl_now_ms();
+    t0 = td_now_ms();
     TH_CHECK(!td_ctrl_teardown_bounded(gate_fn, &g, "hanging"));
-    int64_t took = td_ctrl_now_ms() - t0;
+    int64_t took = td_now_ms() - t0;
     TH_CHECKF(took >= TD_CTRL_TEARDOWN_MS - 5 && took < TD_CTRL_TEARDOWN_MS + 1000, "%lld ms",
               (long long)took);
-    t0 = td_ctrl_now_ms(); /* NNG stuck: the next ones wait less */
+    t0 = td_now_ms(); /* NNG stuck: the next ones wait less */
     TH_CHECK(!td_ctrl_teardown_bounded(gate_fn, &g, "hanging too"));
-    took = td_ctrl_now_ms() - t0;
+    took = td_now_ms() - t0;
     TH_CHECKF(took >= TD_CTRL_TEARDOWN_STUCK_MS - 5 && took < TD_CTRL_TEARDOWN_MS, "%lld ms",
               (long long)took);
     TH_CHECK(atomic_load(&g.ran) == 3 && atomic_load(&g.finished) == 1);
@@ -968,8 +969,8 @@ static void test_teardown_bounded(void)
     g.release = true;
     pthread_cond_broadcast(&g.cv);
     pthread_mutex_unlock(&g.mu);
-    int64_t until = td_ctrl_now_ms() + 3000;
-    while (atomic_load(&g.finished) < 3 && td_ctrl_now_ms() < until)
+    int64_t until = td_now_ms() + 3000;
+    while (atomic_load(&g.finished) < 3 && td_now_ms() < until)
         usleep(1000);
     TH_CHECK(atomic_load(&g.finished) == 3);
     TH_CHECK(td_ctrl_teardown_bounded(gate_fn, &g, "quick again"));

@@ -23,6 +23,7 @@
 
 #include "ctrl.h"
 #include "pd_util.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 static volatile sig_atomic_t g_cancel;
@@ -129,15 +130,15 @@ int main(int argc, char **argv)
     uint64_t call;
     if (td_ctrl_client_call(c, &env, 10000, &call)) return 2;
 
-    int64_t deadline = td_ctrl_now_ms() + timeout_ms, cancel_at = -1;
+    int64_t deadline = td_now_ms() + timeout_ms, cancel_at = -1;
     int32_t *out = malloc((size_t)(max_tokens + 1) * sizeof *out);
     int n_out = 0, status = 1;
     bool done = false, cancel_sent = false;
     Td__FinishReason finish = TD__FINISH_REASON__FINISH_NONE;
     td_ctrl_client_in in = {0};
-    while (!done && td_ctrl_now_ms() < deadline) {
+    while (!done && td_now_ms() < deadline) {
         if (g_cancel && cancel_at < 0) cancel_at = 0;
-        if (cancel_at >= 0 && !cancel_sent && td_ctrl_now_ms() >= cancel_at) {
+        if (cancel_at >= 0 && !cancel_sent && td_now_ms() >= cancel_at) {
             uint64_t cc;
             td_ctrl_client_cancel(c, rid, 10000, &cc);
             cancel_sent = true;
@@ -165,7 +166,7 @@ int main(int argc, char **argv)
                 printf("\n");
                 fflush(stdout);
             }
-            if (cancel_after_ms >= 0) cancel_at = td_ctrl_now_ms() + cancel_after_ms;
+            if (cancel_after_ms >= 0) cancel_at = td_now_ms() + cancel_after_ms;
             continue;
         }
         if (in.kind != TD_CTRL_IN_EVENTS) continue;

@@ -28,6 +28,7 @@
 #include "model.h"
 #include "pd_util.h"
 #include "sampler.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 #define MAX_TARGETS 64
@@ -105,11 +106,11 @@ static void parse(int argc, char **argv, opts *o)
 /* Progress every stage's connector for about ms milliseconds. */
 static void progress_for(kvx_conn **c, int n, int ms)
 {
-    int64_t end = kvx_now_ms() + ms;
+    int64_t end = td_now_ms() + ms;
     do {
         for (int s = 0; s < n; s++)
             kvx_conn_progress(c[s], n == 1 ? 5 : 2);
-    } while (kvx_now_ms() < end);
+    } while (td_now_ms() < end);
 }
 
 static bool final(kvx_req_state st)
@@ -215,8 +216,8 @@ int main(int argc, char **argv)
         }
         /* "CHUNK k" only once every rank accepted every stage: from then on a kill is
          * seen by the decode side as a writer that died */
-        int64_t end = kvx_now_ms() + o.timeout_ms;
-        for (bool ready = false; !rc && !ready && kvx_now_ms() < end;) {
+        int64_t end = td_now_ms() + o.timeout_ms;
+        for (bool ready = false; !rc && !ready && td_now_ms() < end;) {
             ready = true;
             for (int s = 0; s < o.stages; s++) {
                 kvx_pf_status st = {0};
@@ -246,11 +247,11 @@ int main(int argc, char **argv)
     if (rc)
         for (int s = 0; s < o.stages; s++)
             kvx_pf_abort(c[s], o.req);
-    int64_t end = kvx_now_ms() + o.timeout_ms + 5000;
+    int64_t end = td_now_ms() + o.timeout_ms + 5000;
     bool all_done = true;
     for (int s = 0; s < o.stages; s++) {
         kvx_pf_status st = {0};
-        while (kvx_pf_poll(c[s], o.req, &st) == 0 && !final(st.state) && kvx_now_ms() < end)
+        while (kvx_pf_poll(c[s], o.req, &st) == 0 && !final(st.state) && td_now_ms() < end)
             progress_for(c, o.stages, 2);
         printf("DONE %s %d\n", kvx_req_state_name(st.state), (int)st.reason);
         all_done = all_done && st.state == KVX_REQ_DONE;

@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include "kvx_pipe.h"
+#include "td_clock.h"
 #include "tharness.h"
 
 typedef struct {
@@ -50,8 +51,8 @@ static void on_peer_err(void *arg, kvx_peer peer, int status)
 /* Progress both pipes until *flag >= want or 5 s pass. */
 static int pump(kvx_pipe *a, kvx_pipe *b, const int *flag, int want)
 {
-    int64_t end = kvx_now_ms() + 5000;
-    while (*flag < want && kvx_now_ms() < end) {
+    int64_t end = td_now_ms() + 5000;
+    while (*flag < want && td_now_ms() < end) {
         kvx_pipe_progress(a);
         if (b) kvx_pipe_progress(b);
     }
@@ -182,17 +183,17 @@ static void contract(make_fn make, const char *what)
         kvx_pipe_progress(b);
     }
     double c0 = cpu_seconds();
-    int64_t t0 = kvx_now_ms();
-    while (kvx_now_ms() - t0 < 300)
+    int64_t t0 = td_now_ms();
+    while (td_now_ms() - t0 < 300)
         TH_CHECK(kvx_pipe_wait(a, 100) >= 0);
     double used = cpu_seconds() - c0;
     TH_CHECKF(used < 0.1, "idle wait used %.3f s of CPU in 0.3 s", used);
 
     /* a signal wakes a waiter at once */
     kvx_pipe_signal(a);
-    int64_t t1 = kvx_now_ms();
+    int64_t t1 = td_now_ms();
     kvx_pipe_wait(a, 2000);
-    TH_CHECKF(kvx_now_ms() - t1 < 1000, "signal did not wake the wait");
+    TH_CHECKF(td_now_ms() - t1 < 1000, "signal did not wake the wait");
 
     kvx_pipe_stats st;
     kvx_pipe_rkey_destroy(a, rk);
@@ -314,9 +315,9 @@ static void test_ucx_peer_gone(void)
     TH_REQUIRE(kvx_pipe_am_send(a, ab, 1, "hi", 2, NULL, NULL) == 0);
     TH_CHECK(pump(a, b, &am.n, 1));
     kvx_pipe_destroy(b);
-    int64_t end = kvx_now_ms() + 10000;
+    int64_t end = td_now_ms() + 10000;
     int sent = 0;
-    while (!ea.n && kvx_now_ms() < end) {
+    while (!ea.n && td_now_ms() < end) {
         if (sent < 100 && kvx_pipe_am_send(a, ab, 1, "hi", 2, NULL, NULL) == 0) sent++;
         kvx_pipe_wait(a, 50);
     }

@@ -24,6 +24,7 @@
 #include "kvx_conn.h"
 #include "pf_profile.h"
 #include "sampler.h"
+#include "td_clock.h"
 #include "td_dtype.h"
 #include "td_err.h"
 
@@ -196,12 +197,12 @@ int main(int argc, char **argv)
     e.prefill = &pf;
     uint64_t call, tcall = 0;
     td_ctrl_client_call(cli, &e, 10000, &call);
-    int64_t t0 = td_ctrl_now_ms();
+    int64_t t0 = td_now_ms();
     int got = 0, code = 0, first = -1;
     int64_t t_done = 0, t_kv = 0;
     char msg[512] = "";
     td_ctrl_client_in in = {0};
-    while (!got && td_ctrl_now_ms() - t0 < 3 * timeout + 10000) {
+    while (!got && td_now_ms() - t0 < 3 * timeout + 10000) {
         if (td_ctrl_client_recv(cli, &in, 100)) continue;
         if (in.kind == TD_CTRL_IN_REPLY && in.call_id == call) {
             if (in.err || in.env->body_case == TD__ENVELOPE__BODY_ERROR) {
@@ -226,7 +227,7 @@ int main(int argc, char **argv)
                 if (ev->body_case == TD__EVENT__BODY_PREFILL_DONE &&
                     ev->prefill_done->request_id == id) {
                     first = ev->prefill_done->first_token;
-                    t_done = td_ctrl_now_ms();
+                    t_done = td_now_ms();
                     int off = snprintf(msg, sizeof msg, "chunks");
                     for (size_t k = 0; k < ev->prefill_done->n_chunk_sizes && off < 400; k++)
                         off += snprintf(msg + off, sizeof msg - (size_t)off, " %u",
@@ -253,9 +254,9 @@ int main(int argc, char **argv)
         double maxd = 0, maxref = 0;
         for (int r = 0; r < tp && ok; r++) {
             kvx_dec_status st;
-            int64_t t1 = td_ctrl_now_ms();
+            int64_t t1 = td_now_ms();
             while (!kvx_dec_poll(conn[r], id, &st) && st.state != KVX_REQ_DONE &&
-                   st.state != KVX_REQ_FAILED && td_ctrl_now_ms() - t1 < timeout)
+                   st.state != KVX_REQ_FAILED && td_now_ms() - t1 < timeout)
                 usleep(2000);
             if (st.state != KVX_REQ_DONE) {
                 printf("error rank %d transfer %s\n", r, kvx_req_state_name(st.state));
@@ -267,7 +268,7 @@ int main(int argc, char **argv)
                        st.meta[st.n_stages - 1].first_token, first);
                 ok = 0;
             }
-            t_kv = td_ctrl_now_ms();
+            t_kv = td_now_ms();
             for (int l = 0; !no_check && l < hp->n_layer; l++)
                 for (int v = 0; v < 2; v++)
                     for (int t = 0; t < n_tok; t++)

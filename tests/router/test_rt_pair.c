@@ -49,6 +49,7 @@
 #include <unistd.h>
 
 #include "ctrl.h"
+#include "td_clock.h"
 #include "tharness.h"
 
 /* ---- the fakes ---- */
@@ -598,7 +599,7 @@ static bool wait_pf_alive(int n)
 
 static int64_t now_ms(void)
 {
-    return td_ctrl_now_ms();
+    return td_now_ms();
 }
 
 /* ---- scenarios ---- */
