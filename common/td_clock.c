@@ -8,11 +8,6 @@ int64_t td_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-int64_t td_now_us(void)
-{
-    return td_now_ns() / 1000;
-}
-
 int64_t td_now_ms(void)
 {
     return td_now_ns() / 1000000;

@@ -12,9 +12,8 @@
 #include <stdint.h>
 #include <time.h>
 
-/* CLOCK_MONOTONIC in nanoseconds / microseconds / milliseconds. */
+/* CLOCK_MONOTONIC in nanoseconds / milliseconds. */
 int64_t td_now_ns(void);
-int64_t td_now_us(void);
 int64_t td_now_ms(void);
 
 /* The absolute CLOCK_MONOTONIC time `ms` milliseconds from now, as pthread_cond_timedwait

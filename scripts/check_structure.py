@@ -513,7 +513,7 @@ def check_clock(files, max_places):
         for ln in lines:
             out.append(Violation(rel, ln, "monotonic-clock",
                                  "reads the monotonic clock directly (one of %d files, max %d): "
-                                 "use td_now_ns/us/ms or td_deadline_ts (common/td_clock.h)"
+                                 "use td_now_ns/ms or td_deadline_ts (common/td_clock.h)"
                                  % (len(places), max_places)))
     return out
 

@@ -127,11 +127,6 @@ void kn_pool_destroy(kn_pool *p)
     free(p);
 }
 
-int kn_pool_n_threads(const kn_pool *p)
-{
-    return p->n_threads;
-}
-
 void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg)
 {
     if (n <= 0) return;

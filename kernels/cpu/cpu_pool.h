@@ -22,7 +22,6 @@ typedef void (*kn_pool_fn)(void *arg, int64_t i0, int64_t i1, int tid);
 
 int kn_pool_create(int n_threads, kn_pool **out); /* n_threads >= 1 */
 void kn_pool_destroy(kn_pool *p);                 /* NULL is fine */
-int kn_pool_n_threads(const kn_pool *p);
 
 /* Run fn over [0, n) split across the threads. With n small (< n_threads * min_per_thread)
  * fewer threads take part, so tiny ops do not pay for waking everyone. */
