@@ -170,8 +170,11 @@ def case_supervise(args):
         old, _ = cl.pid(key)
         os.kill(old, signal.SIGKILL)
         t_new = cl.wait_restarted(key, old, 30)
-        up_log = read(os.path.join(cl.rdir, "up.log"))
-        check(t_new is not None and "prefill p0 stage 1 restarted" in up_log,
+        # the supervisor writes the new pid file, then its "restarted" line: wait for both
+        up_path = os.path.join(cl.rdir, "up.log")
+        logged = wait_text(up_path, "prefill p0 stage 1 restarted", 5)
+        up_log = read(up_path)
+        check(t_new is not None and logged,
               f"kill -9 prefill stage 1: the detached supervisor restarted it (up.log: "
               f"{up_log.strip().splitlines()[-1:]})")
         ok, took, desc = cl.idle(60)
