@@ -14,3 +14,8 @@ add_test(NAME test_kquant_matmul COMMAND test_kquant)
 #   bin/bench_matmul [threads...]
 add_executable(bench_matmul ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_matmul.c)
 target_link_libraries(bench_matmul PRIVATE td_kernels td_common)
+
+# K-quant matmul speed next to Q4_1 and Q8_0 on one shape (not run by ctest):
+#   bin/bench_kquant [threads [rows cols]]
+add_executable(bench_kquant ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_kquant.c)
+target_link_libraries(bench_kquant PRIVATE td_kernels td_common)
