@@ -156,6 +156,20 @@ typedef struct {
     int rc;
 } loader;
 
+/* out = the names of the weight types the backend computes with, comma-separated (the list
+ * grows with the kernels, so it is read from them rather than written here). */
+static void supported_types(char *out, size_t cap)
+{
+    size_t n = 0;
+    out[0] = 0;
+    for (uint32_t t = 0; t < TD_DTYPE_COUNT && n < cap; t++)
+        if (td_dtype_get(t) && kn_cpu_type_supported((td_dtype)t)) {
+            int k = snprintf(out + n, cap - n, "%s%s", n ? ", " : "", td_dtype_name(t));
+            if (k < 0) break;
+            n += (size_t)k;
+        }
+}
+
 static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int64_t ne1)
 {
     if (L->rc) return NULL;
@@ -174,9 +188,10 @@ static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int6
         return NULL;
     }
     if (!kn_cpu_type_supported(t->type)) {
-        TD_LOG_ERR("tensor '%s' has type %s, which the engine does not compute with (F32, F16, "
-                   "BF16, Q8_0, Q4_0, Q4_1)",
-                   name, td_dtype_name(t->type));
+        char types[256];
+        supported_types(types, sizeof types);
+        TD_LOG_ERR("tensor '%s' has type %s, which the engine does not compute with (%s)", name,
+                   td_dtype_name(t->type), types);
         L->rc = TD_EUNSUPP;
         return NULL;
     }
@@ -192,9 +207,13 @@ static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_
     if (!t) return w;
     const td_dtype_info *ti = td_dtype_get(t->type);
     if (c0 % ti->blck || nc % ti->blck) {
-        TD_LOG_ERR("tensor '%s' (%s): the tensor-parallel column slice [%lld, +%lld) is not "
-                   "aligned to %u-element blocks",
-                   name, ti->name, (long long)c0, (long long)nc, ti->blck);
+        /* a row-parallel slice must be whole blocks (256 weights for the K types); slicing
+         * inside a block would need re-quantizing it at load, not done yet (issue 13 item 3) */
+        TD_LOG_ERR("tensor '%s' (%s): tp %d rank %d would take columns [%lld, +%lld) of %lld, "
+                   "not whole %u-element %s blocks; choose a tp that splits %lld into multiples "
+                   "of %u (re-quantizing slices at load is not implemented yet)",
+                   name, ti->name, L->m->shard.tp_size, L->m->shard.tp_rank, (long long)c0,
+                   (long long)nc, (long long)ne0, ti->blck, ti->name, (long long)ne0, ti->blck);
         L->rc = TD_EUNSUPP;
         return w;
     }

@@ -4,7 +4,18 @@ target_include_directories(test_matmul PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_matmul PRIVATE td_kernels td_common)
 add_test(NAME test_matmul COMMAND test_matmul)
 
+# K-quant types (Q4_K, Q5_K, Q6_K): dequantization bit for bit, matmul on both paths.
+add_executable(test_kquant ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kquant.c)
+target_include_directories(test_kquant PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_kquant PRIVATE td_kernels td_common)
+add_test(NAME test_kquant_matmul COMMAND test_kquant)
+
 # Micro-benchmark of the matmul paths against the machine's ceilings (not run by ctest):
 #   bin/bench_matmul [threads...]
 add_executable(bench_matmul ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_matmul.c)
 target_link_libraries(bench_matmul PRIVATE td_kernels td_common)
+
+# K-quant matmul speed next to Q4_1 and Q8_0 on one shape (not run by ctest):
+#   bin/bench_kquant [threads [rows cols]]
+add_executable(bench_kquant ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_kquant.c)
+target_link_libraries(bench_kquant PRIVATE td_kernels td_common)

@@ -54,3 +54,9 @@ add_test(NAME dequant
           --synth-dir ${TANDEM_SYNTH_DIR} ${TANDEM_REF_MODEL_ARGS})
 set_tests_properties(dequant PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 900
                      ENVIRONMENT "${TANDEM_PY_ENV}")
+
+# K-quant dequantization (Q4_K, Q5_K, Q6_K) of `tandem dequant` vs gguf.quants.dequantize on
+# random super-blocks written to a GGUF file of its own: bit-exact (0 ulp, see the script)
+add_test(NAME dequant_kquant
+  COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_kquant_ref.py --tandem "${TANDEM_BIN}")
+set_tests_properties(dequant_kquant PROPERTIES TIMEOUT 300 ENVIRONMENT "${TANDEM_PY_ENV}")

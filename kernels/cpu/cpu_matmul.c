@@ -25,6 +25,7 @@
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
+#include "cpu_kquant_internal.h"
 #include "cpu_quant.h"
 #include "td_err.h"
 
@@ -57,7 +58,7 @@ typedef struct {
     const kn_mat *w;
     /* dot path rows */
     const float *x;    /* (m, n_cols) */
-    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, else NULL */
+    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q4_K, Q5_K, else NULL */
     int64_t m;         /* 0: none */
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
@@ -268,6 +269,11 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
     case TD_Q4_1:
         dot_q4_1(j, r0, r1);
         break;
+    case TD_Q4_K:
+    case TD_Q5_K:
+    case TD_Q6_K:
+        kn_kq_dot(j->w, j->x, j->xsum, j->m, j->y, r0, r1);
+        break;
     default:
         break; /* rejected by mm_check */
     }
@@ -374,7 +380,7 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                 .gm = gm,
                 .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
-    if (j.m && w->type == TD_Q4_1) {
+    if (j.m && (w->type == TD_Q4_1 || kn_kq_needs_xsum(w->type))) {
         const int64_t nb = w->n_cols / TD_QK;
         float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
         if (!xs) {

@@ -3,6 +3,7 @@
 #include <stdatomic.h>
 
 #include "cpu_backend.h"
+#include "cpu_kquant_internal.h"
 #include "cpu_quant.h"
 #include "td_err.h"
 
@@ -15,6 +16,9 @@ bool kn_cpu_type_supported(td_dtype t)
     case TD_Q8_0:
     case TD_Q4_0:
     case TD_Q4_1:
+    case TD_Q4_K:
+    case TD_Q5_K:
+    case TD_Q6_K:
         return true;
     default:
         return false;
@@ -79,7 +83,9 @@ int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n)
                    info->name, info->blck);
         return TD_EINVAL;
     }
-    if (info->blck == TD_QK)
+    if (kn_kq_is_ktype(t))
+        kn_kq_dequant(t, src, dst, n / KN_QK_K);
+    else if (info->blck == TD_QK)
         dequant_blocks(t, src, dst, n / TD_QK);
     else
         dequant_floats(t, src, dst, n);

@@ -1,0 +1,302 @@
+/* cpu_kquant.c: Q4_K, Q5_K and Q6_K weights: the dequantizer and the decode dot products.
+ *
+ * Layouts (bytes of one 256-weight super-block; element e = 32 c + l, chunk c < 8, l < 32):
+ *   Q4_K (144): d f16 | dmin f16 | scales[12] | qs[128]
+ *       q = (qs[32 (c / 2) + l] >> 4 (c % 2)) & 15;  w = d sc[c] q - dmin mn[c]
+ *   Q5_K (176): d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
+ *       q = the Q4_K nibble | ((qh[l] >> c) & 1) << 4;  w = d sc[c] q - dmin mn[c]
+ *   Q6_K (210): ql[128] | qh[64] | scales[16] int8 | d f16;  with c = 4 h + k:
+ *       q = ((ql[64 h + 32 (k % 2) + l] >> 4 (k / 2)) & 15
+ *           | ((qh[32 h + l] >> 2 k) & 3) << 4) - 32;  w = d scales[e / 16] q
+ * sc and mn are 6-bit values packed in scales[12] (kq_scale_min, gguf's get_scale_min).
+ *
+ * Exactness: d (fp16, 11 significant bits) times sc (6 bits) times q (5 bits) needs at
+ * most 22 bits and Q6_K's d * scale (7 bits + sign) * q (5 bits + sign) at most 23, so
+ * every product is exact in float32 in any order and fused or not; Q4_K/Q5_K then round
+ * once when subtracting dmin * mn (itself exact). The result is therefore bit-identical
+ * to gguf.quants' numpy (which rounds the same single step) for every finite d and dmin,
+ * subnormal halves included: the bound is 0 ulp, unlike Q4_1's.
+ *
+ * Dot path: per chunk of 32 (Q6_K: per group of 16) the raw quants are dotted with x
+ * unscaled, then scaled once by d * sc; the mins contribute dmin * mn * sum(x over the
+ * chunk) from the block sums cpu_matmul.c computes. Tiling as in cpu_matmul.c's qdot:
+ * four rows of W at a time for m == 1 (independent chains, prefetch), two rows of W times
+ * up to four rows of x otherwise, every row of x with the arithmetic of m == 1.
+ */
+#include "cpu_kquant_internal.h"
+
+#include "cpu_quant.h"
+
+/* Prefetch distance along each row stream of the dot path, in bytes (as MM_PREFETCH). */
+#ifndef KQ_PREFETCH
+#define KQ_PREFETCH 8192
+#endif
+
+bool kn_kq_is_ktype(td_dtype t)
+{
+    return t == TD_Q4_K || t == TD_Q5_K || t == TD_Q6_K;
+}
+
+bool kn_kq_needs_xsum(td_dtype t)
+{
+    return t == TD_Q4_K || t == TD_Q5_K;
+}
+
+KN_ALWAYS_INLINE size_t kq_block_bytes(td_dtype t)
+{
+    return t == TD_Q4_K ? 144 : t == TD_Q5_K ? 176 : 210;
+}
+
+/* The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, from scales[12]:
+ * bytes 0-3 hold sc[0..3] (low 6 bits) and the top bits of sc[4..7]; bytes 4-7 mn[0..3]
+ * and the top bits of mn[4..7]; bytes 8-11 the low nibbles of sc[4..7] and mn[4..7]. */
+KN_ALWAYS_INLINE void kq_scale_min(const uint8_t *s, int sc[8], int mn[8])
+{
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* ds (8 for Q4_K/Q5_K, 16 for Q6_K) = d * scale per chunk (group), dm (8) = dmin * min;
+ * all exact products. */
+KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float *dm)
+{
+    if (t == TD_Q6_K) {
+        const float d = kn_h2f(blk + 208);
+        for (int g = 0; g < 16; g++)
+            ds[g] = d * (float)(int8_t)blk[192 + g];
+        return;
+    }
+    int sc[8], mn[8];
+    kq_scale_min(blk + 4, sc, mn);
+    const float d = kn_h2f(blk), dmin = kn_h2f(blk + 2);
+    for (int c = 0; c < 8; c++) {
+        ds[c] = d * (float)sc[c];
+        dm[c] = dmin * (float)mn[c];
+    }
+}
+
+/* q (KN_NV vectors, elements 0..31 in order) = ((lo[i] >> ls) & 15 | ((hi[i] >> hs) & hm)
+ * << 4) - off as floats, for i < 32; hi NULL: no high bits. */
+KN_ALWAYS_INLINE void kq_bits(const uint8_t *lo, int ls, const uint8_t *hi, int hs, int hm, int off,
+                              kn_vf q[KN_NV])
+{
+#if KN_VL > 1
+    __m256i a = _mm256_loadu_si256((const __m256i *)lo);
+    a = _mm256_and_si256(_mm256_srli_epi16(a, ls), _mm256_set1_epi8(0x0f));
+    if (hi) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)hi);
+        b = _mm256_and_si256(_mm256_srli_epi16(b, hs), _mm256_set1_epi8((char)hm));
+        a = _mm256_or_si256(a, _mm256_slli_epi16(b, 4)); /* b < 16: no carry between bytes */
+    }
+    if (off) a = _mm256_sub_epi8(a, _mm256_set1_epi8((char)off));
+    const __m128i a0 = _mm256_castsi256_si128(a), a1 = _mm256_extracti128_si256(a, 1);
+#if KN_VL == 16
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a0));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a1));
+#else
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a0));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a0, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a1));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a1, 8)));
+#endif
+#else
+    for (int i = 0; i < 32; i++) {
+        int v = (lo[i] >> ls) & 15;
+        if (hi) v |= ((hi[i] >> hs) & hm) << 4;
+        q[i] = (float)(v - off);
+    }
+#endif
+}
+
+/* q = the raw quants of chunk c (elements 32 c .. 32 c + 31) of the super-block blk. */
+KN_ALWAYS_INLINE void kq_load(td_dtype t, const uint8_t *blk, int c, kn_vf q[KN_NV])
+{
+    if (t == TD_Q4_K)
+        kq_bits(blk + 16 + 32 * (c / 2), 4 * (c % 2), NULL, 0, 0, 0, q);
+    else if (t == TD_Q5_K)
+        kq_bits(blk + 48 + 32 * (c / 2), 4 * (c % 2), blk + 16, c, 1, 0, q);
+    else
+        kq_bits(blk + 64 * (c / 4) + 32 * (c % 2), 4 * ((c % 4) / 2), blk + 128 + 32 * (c / 4),
+                2 * (c % 4), 3, 32, q);
+}
+
+/* Vector k of a chunk covers elements k KN_VL ..; Q6_K's group of 16 it falls in. */
+#define KQ_GROUP(c, k) (2 * (c) + (k)*KN_VL / 16)
+
+static void kq_dequant_t(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
+{
+    const size_t bs = kq_block_bytes(t);
+    for (int64_t b = 0; b < nsb; b++, src += bs) {
+        float ds[16], dm[8];
+        kq_scales(t, src, ds, dm);
+        for (int c = 0; c < 8; c++, dst += 32) {
+            kn_vf q[KN_NV];
+            kq_load(t, src, c, q);
+            for (int k = 0; k < KN_NV; k++) {
+                if (t == TD_Q6_K)
+                    kn_vstore(dst + k * KN_VL, kn_vmul(q[k], kn_vset1(ds[KQ_GROUP(c, k)])));
+                else /* the product is exact, so fusing it with the add changes nothing;
+                      * p + (-dm) is p - dm bit for bit */
+                    kn_vstore(dst + k * KN_VL,
+                              kn_vadd(kn_vmul(q[k], kn_vset1(ds[c])), kn_vset1(-dm[c])));
+            }
+        }
+    }
+}
+
+void kn_kq_dequant(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
+{
+    if (t == TD_Q4_K)
+        kq_dequant_t(TD_Q4_K, src, dst, nsb);
+    else if (t == TD_Q5_K)
+        kq_dequant_t(TD_Q5_K, src, dst, nsb);
+    else if (t == TD_Q6_K)
+        kq_dequant_t(TD_Q6_K, src, dst, nsb);
+}
+
+/* y[j * ldy + r] = dot(row r of W, row j of x) for R rows of W at w (row stride ws) and
+ * M rows of x (row stride ldx), nsb super-blocks per row; xs: block sums of x over 32,
+ * row stride 8 nsb (Q4_K/Q5_K). */
+KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
+                             const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
+{
+    const size_t bs = kq_block_bytes(t);
+    kn_vf acc[4][4];
+    float macc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++) {
+            acc[r][j] = kn_vzero();
+            macc[r][j] = 0.0f;
+        }
+    for (int64_t b = 0; b < nsb; b++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + (size_t)r * ws + (size_t)b * bs;
+#if KQ_PREFETCH
+            for (size_t o = 0; o < bs; o += 64)
+                __builtin_prefetch(blk + KQ_PREFETCH + o);
+#endif
+            float ds[16], dm[8];
+            kq_scales(t, blk, ds, dm);
+            for (int c = 0; c < 8; c++) {
+                kn_vf q[KN_NV];
+                kq_load(t, blk, c, q);
+#pragma GCC unroll 4
+                for (int j = 0; j < M; j++) {
+                    const float *xj = x + j * ldx + b * KN_QK_K + c * 32;
+                    if (t == TD_Q6_K) {
+                        /* two groups of 16, each with its own scale */
+#pragma GCC unroll 2
+                        for (int g = 0; g < 2; g++) {
+                            const int k0 = g * KN_NV / 2;
+                            kn_vf p = kn_vmul(q[k0], kn_vload(xj + k0 * KN_VL));
+#pragma GCC unroll 16
+                            for (int k = k0 + 1; k < k0 + KN_NV / 2; k++)
+                                p = kn_vfma(q[k], kn_vload(xj + k * KN_VL), p);
+                            acc[r][j] = kn_vfma(p, kn_vset1(ds[2 * c + g]), acc[r][j]);
+                        }
+                    } else {
+                        kn_vf p = kn_vmul(q[0], kn_vload(xj));
+#pragma GCC unroll 32
+                        for (int k = 1; k < KN_NV; k++)
+                            p = kn_vfma(q[k], kn_vload(xj + k * KN_VL), p);
+                        acc[r][j] = kn_vfma(p, kn_vset1(ds[c]), acc[r][j]);
+                    }
+                }
+            }
+            if (t != TD_Q6_K)
+#pragma GCC unroll 4
+                for (int j = 0; j < M; j++)
+                    for (int c = 0; c < 8; c++)
+                        macc[r][j] = kn_fmaf(dm[c], xs[j * 8 * nsb + 8 * b + c], macc[r][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++)
+            y[j * ldy + r] = kn_vsum(acc[r][j]) - macc[r][j];
+}
+
+/* R rows of W from row r against rows [i, i + M) of x. */
+KN_ALWAYS_INLINE void kq_tile(td_dtype t, int R, int M, const kn_mat *w, const float *x,
+                              const float *xs, float *y, int64_t r, int64_t i)
+{
+    const int64_t nsb = w->n_cols / KN_QK_K;
+    kq_dot(t, R, M, (const uint8_t *)w->data + (size_t)r * w->row_stride, w->row_stride, nsb,
+           x + i * w->n_cols, w->n_cols, xs ? xs + i * 8 * nsb : NULL, y + i * w->n_rows + r,
+           w->n_rows);
+}
+
+/* R rows of W from row r against all m rows of x, four rows of x at a time. */
+KN_ALWAYS_INLINE void kq_rows(td_dtype t, int R, const kn_mat *w, const float *x, const float *xs,
+                              int64_t m, float *y, int64_t r)
+{
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4)
+        kq_tile(t, R, 4, w, x, xs, y, r, i);
+    switch (m - i) {
+    case 3:
+        kq_tile(t, R, 3, w, x, xs, y, r, i);
+        break;
+    case 2:
+        kq_tile(t, R, 2, w, x, xs, y, r, i);
+        break;
+    case 1:
+        kq_tile(t, R, 1, w, x, xs, y, r, i);
+        break;
+    default:
+        break;
+    }
+}
+
+KN_ALWAYS_INLINE void kq_range(td_dtype t, const kn_mat *w, const float *x, const float *xs,
+                               int64_t m, float *y, int64_t r0, int64_t r1)
+{
+    int64_t r = r0;
+    if (m == 1) {
+        for (; r + 4 <= r1; r += 4)
+            kq_tile(t, 4, 1, w, x, xs, y, r, 0);
+        for (; r < r1; r++)
+            kq_tile(t, 1, 1, w, x, xs, y, r, 0);
+        return;
+    }
+    for (; r + 2 <= r1; r += 2)
+        kq_rows(t, 2, w, x, xs, m, y, r);
+    for (; r < r1; r++)
+        kq_rows(t, 1, w, x, xs, m, y, r);
+}
+
+/* One specialised copy per type, so every inner loop is branch-free. */
+static void kq_range_q4_k(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,
+                          int64_t r0, int64_t r1)
+{
+    kq_range(TD_Q4_K, w, x, xs, m, y, r0, r1);
+}
+static void kq_range_q5_k(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,
+                          int64_t r0, int64_t r1)
+{
+    kq_range(TD_Q5_K, w, x, xs, m, y, r0, r1);
+}
+static void kq_range_q6_k(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,
+                          int64_t r0, int64_t r1)
+{
+    kq_range(TD_Q6_K, w, x, xs, m, y, r0, r1);
+}
+
+void kn_kq_dot(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y, int64_t r0,
+               int64_t r1)
+{
+    if (w->type == TD_Q4_K)
+        kq_range_q4_k(w, x, xs, m, y, r0, r1);
+    else if (w->type == TD_Q5_K)
+        kq_range_q5_k(w, x, xs, m, y, r0, r1);
+    else if (w->type == TD_Q6_K)
+        kq_range_q6_k(w, x, xs, m, y, r0, r1);
+}

@@ -1,0 +1,124 @@
+/* bench_kquant.c: K-quant matmul speed next to Q4_1's on the same shape, in the same run.
+ *
+ * Usage: bench_kquant [threads [rows cols]]   (default: 1 thread, 8960 x 1536, the FFN
+ * gate/up shape of Qwen2.5-1.5B)
+ * Prints per type: m = 1 dot rows/s and weight GB/s, hot (one matrix that stays in cache)
+ * and cold (cycling over copies totalling ~256 MB, beyond L3), then GFLOP/s at m = 8 (dot
+ * path) and m = 256 (gemm path). Random quants with small finite scales.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cpu_backend.h"
+#include "td_dtype.h"
+
+#define COLD_BYTES ((size_t)256 << 20)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+/* Random bytes; every fp16 scale (d, and dmin / m where the type has one) ~0.008. */
+static uint8_t *make_weights(td_dtype t, int64_t rows, int64_t cols)
+{
+    const size_t bytes = td_dtype_row_bytes(t, cols) * (size_t)rows;
+    uint8_t *p = malloc(bytes);
+    if (!p) return NULL;
+    for (size_t i = 0; i < bytes; i++) {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        p[i] = (uint8_t)(rng >> 24);
+    }
+    const size_t bs = td_dtype_get((uint32_t)t)->type_size;
+    const uint16_t s = 0x2000;
+    for (size_t b = 0; b < bytes / bs; b++) {
+        if (t == TD_Q6_K) {
+            memcpy(p + b * bs + 208, &s, 2);
+        } else {
+            memcpy(p + b * bs, &s, 2);
+            if (t != TD_Q4_0 && t != TD_Q8_0) memcpy(p + b * bs + 2, &s, 2);
+        }
+    }
+    return p;
+}
+
+/* Median seconds of one matmul pass over n matrices (cycled) at m rows of x. */
+static double time_pass(kn_cpu *c, td_dtype t, uint8_t **w, int n, int64_t rows, int64_t cols,
+                        const float *x, int64_t m, float *y)
+{
+    double ts[9];
+    for (int r = -1; r < 9; r++) {
+        const double t0 = now_s();
+        for (int i = 0; i < n; i++) {
+            kn_mat km = {.type = t,
+                         .n_rows = rows,
+                         .n_cols = cols,
+                         .row_stride = td_dtype_row_bytes(t, cols),
+                         .data = w[i]};
+            kn_cpu_matmul(c, &km, x, m, y);
+        }
+        if (r >= 0) ts[r] = (now_s() - t0) / n;
+    }
+    qsort(ts, 9, sizeof *ts, cmp_double);
+    return ts[4];
+}
+
+int main(int argc, char **argv)
+{
+    const int threads = argc > 1 ? atoi(argv[1]) : 1;
+    const int64_t rows = argc > 3 ? atoll(argv[2]) : 8960, cols = argc > 3 ? atoll(argv[3]) : 1536;
+    if (threads < 1 || rows < 1 || cols < 256 || cols % 256) {
+        fprintf(stderr, "usage: bench_kquant [threads [rows cols]] (cols a multiple of 256)\n");
+        return 2;
+    }
+    kn_cpu *c;
+    if (kn_cpu_create(threads, &c)) return 1;
+    float *x = malloc((size_t)(256 * cols) * sizeof *x), *y = malloc((size_t)(256 * rows) * 4);
+    if (!x || !y) return 1;
+    for (int64_t i = 0; i < 256 * cols; i++)
+        x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
+    printf("isa %s, %d thread(s), %lld x %lld\n", kn_cpu_isa(), threads, (long long)rows,
+           (long long)cols);
+    const td_dtype types[] = {TD_Q4_1, TD_Q4_K, TD_Q5_K, TD_Q6_K, TD_Q8_0};
+    for (int ti = 0; ti < 5; ti++) {
+        const td_dtype t = types[ti];
+        const size_t mb = td_dtype_row_bytes(t, cols) * (size_t)rows;
+        int n = (int)(COLD_BYTES / mb) + 1;
+        if (n > 4096) n = 4096;
+        uint8_t **w = malloc((size_t)n * sizeof *w);
+        if (!w) return 1;
+        for (int i = 0; i < n; i++)
+            if (!(w[i] = make_weights(t, rows, cols))) return 1;
+        const double hot = time_pass(c, t, w, 1, rows, cols, x, 1, y);
+        const double cold = time_pass(c, t, w, n, rows, cols, x, 1, y);
+        const double m8 = time_pass(c, t, w, 1, rows, cols, x, 8, y);
+        const double m256 = time_pass(c, t, w, 1, rows, cols, x, 256, y);
+        const double fl = 2.0 * (double)rows * (double)cols;
+        printf("  %-5s m1 hot %6.2f Mrows/s %5.1f GB/s | cold %6.2f Mrows/s %5.1f GB/s | "
+               "m8 %5.1f GFLOP/s | m256 %5.1f GFLOP/s\n",
+               td_dtype_name(t), rows / hot / 1e6, mb / hot / 1e9, rows / cold / 1e6,
+               mb / cold / 1e9, 8 * fl / m8 / 1e9, 256 * fl / m256 / 1e9);
+        for (int i = 0; i < n; i++)
+            free(w[i]);
+        free(w);
+    }
+    free(x);
+    free(y);
+    kn_cpu_destroy(c);
+    return 0;
+}
