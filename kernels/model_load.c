@@ -175,7 +175,7 @@ static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int6
     }
     if (!kn_cpu_type_supported(t->type)) {
         TD_LOG_ERR("tensor '%s' has type %s, which the engine does not compute with (F32, F16, "
-                   "BF16, Q8_0, Q4_0, Q4_1)",
+                   "BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)",
                    name, td_dtype_name(t->type));
         L->rc = TD_EUNSUPP;
         return NULL;
