@@ -8,3 +8,8 @@ add_test(NAME test_matmul COMMAND test_matmul)
 #   bin/bench_matmul [threads...]
 add_executable(bench_matmul ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_matmul.c)
 target_link_libraries(bench_matmul PRIVATE td_kernels td_common)
+
+# The matmul paths of every 32-weight block type on one shape, side by side (not run by
+# ctest): bin/bench_qtypes [threads [rows cols]]
+add_executable(bench_qtypes ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_qtypes.c)
+target_link_libraries(bench_qtypes PRIVATE td_kernels td_common)
