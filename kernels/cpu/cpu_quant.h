@@ -253,22 +253,22 @@ KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *blk, kn_vf q[KN_NV])
     __m128i v = _mm_loadu_si128((const __m128i *)qs);
     __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
     if (kn_q_is_q5(t)) {
-        /* byte i of each half gets 0x10 where bit i of its 16 bits of qh is set: spread
-         * the two qh bytes over eight lanes each, test one bit per lane */
-        const __m128i h = _mm_cvtsi32_si128((int)kn_q5_qh(t, blk));
-        const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ull);
-        const __m128i c16 = _mm_set1_epi8(0x10);
-        __m128i hl =
-            _mm_shuffle_epi8(h, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-        __m128i hh =
-            _mm_shuffle_epi8(h, _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-        lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hl, bit), bit), c16));
-        hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hh, bit), bit), c16));
-    }
-    if (t == TD_Q4_0 || t == TD_Q5_0) {
-        const __m128i off = _mm_set1_epi8(t == TD_Q4_0 ? 8 : 16);
-        lo = _mm_sub_epi8(lo, off);
-        hi = _mm_sub_epi8(hi, off);
+        /* all 32 quants as bytes: nibbles plus the 5th bit, spread from qh by one byte
+         * shuffle (lane i reads qh byte i / 8) and one bit test per lane; Q5_0 folds its
+         * -16 into the same add (+0 where the bit is set, -16 where it is not) */
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+        const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                             2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)kn_q5_qh(t, blk)), sel);
+        hb = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
+        hb = t == TD_Q5_0 ? _mm256_andnot_si256(hb, _mm256_set1_epi8(-16))
+                          : _mm256_and_si256(hb, _mm256_set1_epi8(16));
+        const __m256i b = _mm256_add_epi8(_mm256_set_m128i(hi, lo), hb);
+        lo = _mm256_castsi256_si128(b);
+        hi = _mm256_extracti128_si256(b, 1);
+    } else if (t == TD_Q4_0) {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+        hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
     }
     q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
     q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
