@@ -65,6 +65,18 @@ typedef struct {
     uint16_t d;
     int8_t qs[TD_QK];
 } td_block_q8_0; /* 34 bytes */
+/* Q5_0/Q5_1: bit i of qh (little-endian) is the 5th bit of weight i; the low nibbles are
+ * stored as in Q4_0/Q4_1. */
+typedef struct {
+    uint16_t d;
+    uint8_t qh[4];
+    uint8_t qs[TD_QK / 2];
+} td_block_q5_0; /* 22 bytes */
+typedef struct {
+    uint16_t d, m;
+    uint8_t qh[4];
+    uint8_t qs[TD_QK / 2];
+} td_block_q5_1; /* 24 bytes */
 
 static inline float td_fp32_from_bits(uint32_t u)
 {

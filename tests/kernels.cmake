@@ -19,3 +19,8 @@ target_link_libraries(bench_matmul PRIVATE td_kernels td_common)
 #   bin/bench_kquant [threads [rows cols]]
 add_executable(bench_kquant ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_kquant.c)
 target_link_libraries(bench_kquant PRIVATE td_kernels td_common)
+
+# The matmul paths of every 32-weight block type on one shape, side by side (not run by
+# ctest): bin/bench_qtypes [threads [rows cols]]
+add_executable(bench_qtypes ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_qtypes.c)
+target_link_libraries(bench_qtypes PRIVATE td_kernels td_common)

@@ -58,7 +58,7 @@ typedef struct {
     const kn_mat *w;
     /* dot path rows */
     const float *x;    /* (m, n_cols) */
-    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q4_K, Q5_K, else NULL */
+    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q5_1, Q4_K, Q5_K, else NULL */
     int64_t m;         /* 0: none */
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
@@ -80,12 +80,12 @@ static void blas_single_thread(void)
 
 /* y[j * ldy + r] = dot(row r of W, row j of x) for R rows of a block-quantized W starting
  * at w (row stride ws) and M rows of x (row stride ldx), nb blocks per row.
- * The quants stay unscaled and d is applied once per block and row of x; for Q4_1 the
- * offsets contribute m * sum(x over the block), taken from xs ((M, nb), row stride nb). */
+ * The quants stay unscaled and d is applied once per block and row of x; for Q4_1/Q5_1
+ * the offsets contribute m * sum(x over the block), taken from xs ((M, nb), row stride nb). */
 KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nb,
                            const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
 {
-    const size_t bs = kn_q_block_bytes(t), qo = kn_q_quant_offset(t);
+    const size_t bs = kn_q_block_bytes(t);
     kn_vf acc[4][4];
     float macc[4][4];
 #pragma GCC unroll 4
@@ -104,7 +104,7 @@ KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws
             __builtin_prefetch(blk + MM_PREFETCH);
 #endif
             kn_vf q[KN_NV];
-            kn_q_load(t, blk + qo, q);
+            kn_q_load(t, blk, q);
             const kn_vf vd = kn_vset1(kn_h2f(blk));
             /* Every row of x gets exactly the arithmetic of the m == 1 case (unscaled quants
              * dotted with the row, then one multiply-add by d; Q4_1 offsets through the
@@ -119,7 +119,8 @@ KN_ALWAYS_INLINE void qdot(td_dtype t, int R, int M, const uint8_t *w, size_t ws
                 for (int k = 1; k < KN_NV; k++)
                     p = kn_vfma(q[k], kn_vload(xj + k * KN_VL), p);
                 acc[r][j] = kn_vfma(p, vd, acc[r][j]);
-                if (t == TD_Q4_1) macc[r][j] = kn_fmaf(kn_h2f(blk + 2), xs[j * nb + b], macc[r][j]);
+                if (kn_q_has_min(t))
+                    macc[r][j] = kn_fmaf(kn_h2f(blk + 2), xs[j * nb + b], macc[r][j]);
             }
         }
     }
@@ -177,7 +178,7 @@ KN_ALWAYS_INLINE void dot_tile(td_dtype t, int R, int M, const mm_job *j, int64_
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * w->row_stride;
     const float *x = j->x + i * w->n_cols;
     float *y = j->y + i * w->n_rows + r;
-    if (t == TD_Q8_0 || t == TD_Q4_0 || t == TD_Q4_1)
+    if (t == TD_Q8_0 || t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q5_0 || t == TD_Q5_1)
         qdot(t, R, M, wr, w->row_stride, w->n_cols / TD_QK, x, w->n_cols,
              j->xsum ? j->xsum + i * (w->n_cols / TD_QK) : NULL, y, w->n_rows);
     else
@@ -246,6 +247,14 @@ static void dot_q4_1(const mm_job *j, int64_t r0, int64_t r1)
 {
     dot_range(TD_Q4_1, j, r0, r1);
 }
+static void dot_q5_0(const mm_job *j, int64_t r0, int64_t r1)
+{
+    dot_range(TD_Q5_0, j, r0, r1);
+}
+static void dot_q5_1(const mm_job *j, int64_t r0, int64_t r1)
+{
+    dot_range(TD_Q5_1, j, r0, r1);
+}
 
 static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
 {
@@ -268,6 +277,12 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
         break;
     case TD_Q4_1:
         dot_q4_1(j, r0, r1);
+        break;
+    case TD_Q5_0:
+        dot_q5_0(j, r0, r1);
+        break;
+    case TD_Q5_1:
+        dot_q5_1(j, r0, r1);
         break;
     case TD_Q4_K:
     case TD_Q5_K:
@@ -380,7 +395,7 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                 .gm = gm,
                 .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
-    if (j.m && (w->type == TD_Q4_1 || kn_kq_needs_xsum(w->type))) {
+    if (j.m && (kn_q_has_min(w->type) || kn_kq_needs_xsum(w->type))) {
         const int64_t nb = w->n_cols / TD_QK;
         float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
         if (!xs) {

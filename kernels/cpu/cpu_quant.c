@@ -16,6 +16,8 @@ bool kn_cpu_type_supported(td_dtype t)
     case TD_Q8_0:
     case TD_Q4_0:
     case TD_Q4_1:
+    case TD_Q5_0:
+    case TD_Q5_1:
     case TD_Q4_K:
     case TD_Q5_K:
     case TD_Q6_K:
@@ -38,12 +40,12 @@ void kn_cpu_log_unsupported(td_dtype t, const char *op)
 
 static void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t nb)
 {
-    const size_t bs = kn_q_block_bytes(t), qo = kn_q_quant_offset(t);
+    const size_t bs = kn_q_block_bytes(t);
     for (int64_t b = 0; b < nb; b++, src += bs, dst += TD_QK) {
         kn_vf q[KN_NV];
-        kn_q_load(t, src + qo, q);
+        kn_q_load(t, src, q);
         const kn_vf d = kn_vset1(kn_h2f(src));
-        if (t == TD_Q4_1) {
+        if (kn_q_has_min(t)) {
             const kn_vf m = kn_vset1(kn_h2f(src + 2));
             for (int k = 0; k < KN_NV; k++) {
                 kn_vf p = kn_vmul(q[k], d);

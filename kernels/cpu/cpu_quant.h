@@ -5,9 +5,11 @@
  * (16 floats with AVX-512, 8 with AVX2, 1 without SIMD), so the three ISA paths share
  * the same code and differ only in these few helpers.
  * Invariants: a quantized block holds TD_QK = 32 weights; element i < 16 is the low
- * nibble of qs[i], element 16 + i the high nibble (Q4_0/Q4_1); loaders return the raw
- * quants as floats (Q8_0: q, Q4_0: q - 8, Q4_1: q), unscaled, in KN_NV vectors covering
- * elements 0..31 in order. All loads are unaligned-safe.
+ * nibble of qs[i], element 16 + i the high nibble (Q4_0/Q4_1/Q5_0/Q5_1), and for Q5_0/Q5_1
+ * bit i of the 32-bit qh is the 5th bit of element i; loaders return the raw quants as
+ * floats (Q8_0: q, Q4_0: q - 8, Q4_1: q, Q5_0: q - 16, Q5_1: q), unscaled, in KN_NV
+ * vectors covering elements 0..31 in order. Every block starts with its fp16 scale d;
+ * Q4_1/Q5_1 follow it with the fp16 min m. All loads are unaligned-safe.
  * Threading: pure functions.
  */
 #ifndef KN_CPU_QUANT_H
@@ -169,20 +171,53 @@ KN_ALWAYS_INLINE float kn_h2f(const uint8_t *p)
 #endif
 }
 
-/* Bytes per block and offset of the quants inside it, for the three block types. */
+/* Bytes per block of the block-quantized types. */
 KN_ALWAYS_INLINE size_t kn_q_block_bytes(td_dtype t)
 {
-    return t == TD_Q8_0 ? sizeof(td_block_q8_0)
-                        : (t == TD_Q4_0 ? sizeof(td_block_q4_0) : sizeof(td_block_q4_1));
-}
-KN_ALWAYS_INLINE size_t kn_q_quant_offset(td_dtype t)
-{
-    return t == TD_Q4_1 ? 4 : 2;
+    switch (t) {
+    case TD_Q8_0:
+        return sizeof(td_block_q8_0);
+    case TD_Q4_0:
+        return sizeof(td_block_q4_0);
+    case TD_Q4_1:
+        return sizeof(td_block_q4_1);
+    case TD_Q5_0:
+        return sizeof(td_block_q5_0);
+    default:
+        return sizeof(td_block_q5_1);
+    }
 }
 
-/* q (KN_NV vectors) = the 32 quants at qs as unscaled floats (see the header comment). */
-KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *qs, kn_vf q[KN_NV])
+/* True for the types with a min m (weight = q * d + m). */
+KN_ALWAYS_INLINE int kn_q_has_min(td_dtype t)
 {
+    return t == TD_Q4_1 || t == TD_Q5_1;
+}
+
+KN_ALWAYS_INLINE int kn_q_is_q5(td_dtype t)
+{
+    return t == TD_Q5_0 || t == TD_Q5_1;
+}
+
+/* Offset of the quants (qs) inside a block; Q5_0/Q5_1 keep qh in the 4 bytes before. */
+KN_ALWAYS_INLINE size_t kn_q_quant_offset(td_dtype t)
+{
+    return (kn_q_has_min(t) ? 4 : 2) + (kn_q_is_q5(t) ? 4 : 0);
+}
+
+/* The 32 high bits of a Q5_0/Q5_1 block at blk. */
+KN_ALWAYS_INLINE uint32_t kn_q5_qh(td_dtype t, const uint8_t *blk)
+{
+    uint32_t qh;
+    memcpy(&qh, blk + kn_q_quant_offset(t) - 4, 4);
+    return qh;
+}
+
+/* q (KN_NV vectors) = the 32 quants of the block at blk as unscaled floats (see the
+ * header comment). */
+KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *blk, kn_vf q[KN_NV])
+{
+    const uint8_t *qs = blk + kn_q_quant_offset(t);
 #if KN_VL == 16
     if (t == TD_Q8_0) {
         q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
@@ -191,13 +226,22 @@ KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *qs, kn_vf q[KN_NV])
         return;
     }
     /* a 16-entry table lookup turns nibbles into floats: vpermps reads only the low 4 bits
-     * of each index, so the low nibbles need no mask and the high ones one shift */
-    const __m512 tbl = t == TD_Q4_0
-                           ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                           : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+     * of each index, so the low nibbles need no mask and the high ones one shift; the 5th
+     * bit of Q5_0/Q5_1 then adds 16 under a mask taken straight from qh */
+    const __m512 tbl =
+        t == TD_Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+        : t == TD_Q5_0
+            ? _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1)
+            : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
     q[0] = _mm512_permutexvar_ps(v, tbl);
     q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
+    if (kn_q_is_q5(t)) {
+        const uint32_t qh = kn_q5_qh(t, blk);
+        const __m512 c16 = _mm512_set1_ps(16.0f);
+        q[0] = _mm512_mask_add_ps(q[0], (__mmask16)qh, q[0], c16);
+        q[1] = _mm512_mask_add_ps(q[1], (__mmask16)(qh >> 16), q[1], c16);
+    }
 #elif KN_VL == 8
     if (t == TD_Q8_0) {
         for (int k = 0; k < 4; k++)
@@ -208,7 +252,21 @@ KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *qs, kn_vf q[KN_NV])
     const __m128i m4 = _mm_set1_epi8(0x0f);
     __m128i v = _mm_loadu_si128((const __m128i *)qs);
     __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-    if (t == TD_Q4_0) {
+    if (kn_q_is_q5(t)) {
+        /* all 32 quants as bytes: nibbles plus the 5th bit, spread from qh by one byte
+         * shuffle (lane i reads qh byte i / 8) and one bit test per lane; Q5_0 folds its
+         * -16 into the same add (+0 where the bit is set, -16 where it is not) */
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+        const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                             2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)kn_q5_qh(t, blk)), sel);
+        hb = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
+        hb = t == TD_Q5_0 ? _mm256_andnot_si256(hb, _mm256_set1_epi8(-16))
+                          : _mm256_and_si256(hb, _mm256_set1_epi8(16));
+        const __m256i b = _mm256_add_epi8(_mm256_set_m128i(hi, lo), hb);
+        lo = _mm256_castsi256_si128(b);
+        hi = _mm256_extracti128_si256(b, 1);
+    } else if (t == TD_Q4_0) {
         lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
         hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
     }
@@ -222,10 +280,12 @@ KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *qs, kn_vf q[KN_NV])
             q[k] = (float)(int8_t)qs[k];
         return;
     }
-    const int off = t == TD_Q4_0 ? 8 : 0;
+    const int off = t == TD_Q4_0 ? 8 : t == TD_Q5_0 ? 16 : 0;
+    const uint32_t qh = kn_q_is_q5(t) ? kn_q5_qh(t, blk) : 0;
     for (int k = 0; k < TD_QK / 2; k++) {
-        q[k] = (float)((qs[k] & 0x0f) - off);
-        q[k + TD_QK / 2] = (float)((qs[k] >> 4) - off);
+        const int h0 = (int)((qh >> k) & 1) << 4, h1 = (int)((qh >> (k + 16)) & 1) << 4;
+        q[k] = (float)(((qs[k] & 0x0f) | h0) - off);
+        q[k + TD_QK / 2] = (float)(((qs[k] >> 4) | h1) - off);
     }
 #endif
 }

@@ -12,7 +12,8 @@
 #include "td_err.h"
 #include "tharness.h"
 
-static const td_dtype all_types[] = {TD_F32, TD_F16, TD_BF16, TD_Q8_0, TD_Q4_0, TD_Q4_1};
+static const td_dtype all_types[] = {TD_F32,  TD_F16,  TD_BF16, TD_Q8_0,
+                                     TD_Q4_0, TD_Q4_1, TD_Q5_0, TD_Q5_1};
 #define N_TYPES (int)(sizeof all_types / sizeof all_types[0])
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -86,6 +87,70 @@ static void quantize_q4_1(const float *x, td_block_q4_1 *y, int64_t n)
     }
 }
 
+/* Q5_0/Q5_1 store 5-bit quants as a nibble in qs and the 5th bit in bit j of qh. */
+static void pack_q5(const int q[TD_QK], uint8_t qh_out[4], uint8_t qs[TD_QK / 2])
+{
+    uint32_t qh = 0;
+    for (int j = 0; j < TD_QK / 2; j++) {
+        qs[j] = (uint8_t)((q[j] & 0x0f) | ((q[j + TD_QK / 2] & 0x0f) << 4));
+        qh |= (uint32_t)((q[j] & 0x10) >> 4) << j;
+        qh |= (uint32_t)((q[j + TD_QK / 2] & 0x10) >> 4) << (j + TD_QK / 2);
+    }
+    memcpy(qh_out, &qh, 4);
+}
+
+static void quantize_q5_0(const float *x, td_block_q5_0 *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / TD_QK; b++, x += TD_QK) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < TD_QK; j++)
+            if (amax < fabsf(x[j])) {
+                amax = fabsf(x[j]);
+                max = x[j];
+            }
+        const float d = max / -16.0f, id = d ? 1.0f / d : 0.0f;
+        y[b].d = td_fp32_to_fp16(d);
+        int q[TD_QK];
+        for (int j = 0; j < TD_QK; j++) {
+            int v = (int8_t)(x[j] * id + 16.5f);
+            q[j] = v < 31 ? v : 31;
+        }
+        pack_q5(q, y[b].qh, y[b].qs);
+    }
+}
+
+static void quantize_q5_1(const float *x, td_block_q5_1 *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / TD_QK; b++, x += TD_QK) {
+        float min = INFINITY, max = -INFINITY;
+        for (int j = 0; j < TD_QK; j++) {
+            min = fminf(min, x[j]);
+            max = fmaxf(max, x[j]);
+        }
+        const float d = (max - min) / 31.0f, id = d ? 1.0f / d : 0.0f;
+        y[b].d = td_fp32_to_fp16(d);
+        y[b].m = td_fp32_to_fp16(min);
+        int q[TD_QK];
+        for (int j = 0; j < TD_QK; j++) {
+            int v = (uint8_t)((x[j] - min) * id + 0.5f);
+            q[j] = v < 31 ? v : 31;
+        }
+        pack_q5(q, y[b].qh, y[b].qs);
+    }
+}
+
+/* Quantizes n elements in chunks of 64 blocks through a stack buffer of blocks of type B. */
+#define QUANTIZE_CHUNKED(B, fn)                                                                    \
+    do {                                                                                           \
+        B tmp[64];                                                                                 \
+        for (int64_t i = 0; i < n; i += 64 * TD_QK) {                                              \
+            int64_t k = n - i < 64 * TD_QK ? n - i : 64 * TD_QK;                                   \
+            fn(x + i, tmp, k);                                                                     \
+            memcpy((uint8_t *)dst + i / TD_QK * sizeof *tmp, tmp,                                  \
+                   (size_t)k / TD_QK * sizeof *tmp);                                               \
+        }                                                                                          \
+    } while (0)
+
 /* dst (row bytes of n elements of t) = x (n) stored as t. */
 static void quantize_row(td_dtype t, const float *x, void *dst, int64_t n)
 {
@@ -127,6 +192,12 @@ static void quantize_row(td_dtype t, const float *x, void *dst, int64_t n)
         }
         break;
     }
+    case TD_Q5_0:
+        QUANTIZE_CHUNKED(td_block_q5_0, quantize_q5_0);
+        break;
+    case TD_Q5_1:
+        QUANTIZE_CHUNKED(td_block_q5_1, quantize_q5_1);
+        break;
     default:
         break;
     }
@@ -165,6 +236,20 @@ static float ref_dequant_one(td_dtype t, const uint8_t *row, int64_t i)
         memcpy(&h, blk, 2);
         memcpy(&hm, blk + 2, 2);
         int q = j < 16 ? (blk[4 + j] & 0x0f) : (blk[4 + j - 16] >> 4);
+        volatile float p = (float)q * td_fp16_to_fp32(h); /* rounded before the add */
+        return p + td_fp16_to_fp32(hm);
+    }
+    case TD_Q5_0:
+    case TD_Q5_1: {
+        const int has_m = t == TD_Q5_1;
+        const uint8_t *blk = row + b * (has_m ? sizeof(td_block_q5_1) : sizeof(td_block_q5_0));
+        const uint8_t *qs = blk + (has_m ? 8 : 6);
+        uint32_t qh;
+        memcpy(&h, blk, 2);
+        memcpy(&hm, blk + 2, 2);
+        memcpy(&qh, qs - 4, 4);
+        int q = (j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4)) | (int)((qh >> j) & 1) << 4;
+        if (!has_m) return (float)(q - 16) * td_fp16_to_fp32(h);
         volatile float p = (float)q * td_fp16_to_fp32(h); /* rounded before the add */
         return p + td_fp16_to_fp32(hm);
     }
@@ -222,8 +307,8 @@ static void test_dequant_known_values(void)
  * scalar formula, bit for bit. */
 static void test_dequant_blocks_bit_exact(void)
 {
-    const td_dtype qt[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1};
-    for (int ti = 0; ti < 3; ti++) {
+    const td_dtype qt[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q5_0, TD_Q5_1};
+    for (int ti = 0; ti < 5; ti++) {
         const td_dtype t = qt[ti];
         const int nb = 37;
         const size_t bs = elem_unit(t);
@@ -233,7 +318,7 @@ static void test_dequant_blocks_bit_exact(void)
         for (size_t i = 0; i < nb * bs; i++)
             row[i] = (uint8_t)rng_u32();
         for (int b = 0; b < nb; b++) {
-            for (int k = 0; k < (t == TD_Q4_1 ? 2 : 1); k++) {
+            for (int k = 0; k < (t == TD_Q4_1 || t == TD_Q5_1 ? 2 : 1); k++) {
                 uint16_t s = (uint16_t)(rng_u32() & 0x7bff); /* finite, positive */
                 if (b % 5 == 1) s &= 0x03ff;                 /* subnormal */
                 if (rng_u32() & 1) s |= 0x8000;
@@ -265,8 +350,14 @@ static void test_quantize_round_trip(void)
         const td_dtype t = all_types[ti];
         quantize_row(t, x, q, N);
         TH_REQUIRE(kn_dequant_row(t, q, y, N) == 0);
-        /* a step is 4/127 (Q8_0), 4/8 (Q4_0, extremes), 4/15 (Q4_1); fp16 scales add a bit */
-        float tol = t == TD_Q8_0 ? 0.017f : t == TD_Q4_0 ? 0.26f : t == TD_Q4_1 ? 0.14f : 0.008f;
+        /* a step is 4/127 (Q8_0), 4/8 (Q4_0, extremes), 4/15 (Q4_1), 4/16 (Q5_0, extremes),
+         * 4/31 (Q5_1); fp16 scales add a bit */
+        float tol = t == TD_Q8_0   ? 0.017f
+                    : t == TD_Q4_0 ? 0.26f
+                    : t == TD_Q4_1 ? 0.14f
+                    : t == TD_Q5_0 ? 0.13f
+                    : t == TD_Q5_1 ? 0.07f
+                                   : 0.008f;
         float worst = 0.0f;
         for (int i = 0; i < N; i++)
             worst = fmaxf(worst, fabsf(x[i] - y[i]));
@@ -515,7 +606,7 @@ static void test_errors(void)
 {
     uint8_t data[4096] = {0};
     float x[256] = {0}, y[256];
-    const td_dtype unsupported[] = {TD_Q5_0, TD_Q2_K, TD_Q8_K, TD_I32};
+    const td_dtype unsupported[] = {TD_Q8_1, TD_Q2_K, TD_Q8_K, TD_I32};
     for (int i = 0; i < 4; i++) {
         kn_mat w = {
             .type = unsupported[i], .n_rows = 2, .n_cols = 256, .row_stride = 1024, .data = data};

@@ -66,8 +66,9 @@ TINY_SHAPES = dict(n_embd=32, n_head=1, n_head_kv=1, head_dim=32, n_ff=32, n_lay
                    n_vocab=264, n_ctx=64)
 
 # Weight-matrix types cycled through in --types mixed (norms, biases and rope factors are
-# always F32, as in llama.cpp's converter).
-MIXED_CYCLE = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.F16, QT.BF16, QT.F32]
+# always F32, as in llama.cpp's converter). 7 matrices per layer: with 8 types each role
+# meets 6 of them over the 6 layers, and every type appears 5 or 6 times.
+MIXED_CYCLE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.F16, QT.BF16, QT.F32]
 # Embedding / LM-head types per architecture in --types mixed.
 MIXED_EMBD = {"llama": QT.Q8_0, "qwen2": QT.Q4_0, "qwen3": QT.BF16}
 MIXED_OUTPUT = {"llama": QT.Q4_1, "qwen2": QT.F16, "qwen3": QT.Q8_0}
@@ -211,7 +212,7 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
 
     def wtype():
         """Next weight-matrix type: cycles through MIXED_CYCLE so every type appears in
-        every role across the layers."""
+        most roles across the layers."""
         if types == "f32":
             return QT.F32
         t = MIXED_CYCLE[counter[0] % len(MIXED_CYCLE)]

@@ -4,16 +4,16 @@
 `tandem dequant --model PATH --tensor NAME --out FILE.f32` writes a whole tensor as raw
 little-endian float32; this compares it with gguf.quants.dequantize on the same bytes:
 
-  F32, F16, BF16, Q8_0, Q4_0   bit-exact (each value is one conversion or one product of an
-                               fp16 scale and a small integer: exactly one rounding)
-  Q4_1                         d * q + m has two roundings in numpy; a C compiler may fuse
+  F32, F16, BF16, Q8_0, Q4_0,  bit-exact (each value is one conversion or one product of an
+  Q5_0                         fp16 scale and a small integer: exactly one rounding)
+  Q4_1, Q5_1                   d * q + m has two roundings in numpy; a C compiler may fuse
                                them into one FMA (gcc contracts by default in gnu11), so each
-                               value may differ by at most 2^-23 * (15 |d| + |m|) of its
-                               block (the product's rounding error); the number of values
-                               that are bit-exact is printed
+                               value may differ by at most 2^-23 * (qmax |d| + |m|) of its
+                               block (the product's rounding error; qmax 15 or 31); the
+                               number of values that are bit-exact is printed
 
-Tensors: every tensor of the synthetic mixed-type llama model (all six types in every
-role) and, with --model, one tensor of each type present in the default model plus
+Tensors: every tensor of the synthetic mixed-type llama model (all eight types, most in
+every role) and, with --model, one tensor of each type present in the default model plus
 token_embd.weight (Q8_0) and output_norm.weight.
 
 Usage: test_dequant.py --tandem BIN [--model PATH] [--synth-dir DIR]
@@ -31,15 +31,18 @@ from gguf import GGMLQuantizationType as QT
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ref_forward  # noqa: E402
 
-EXACT = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0}
+EXACT = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q5_0}
+# Types with a min m: (bytes per block, largest quant); d and m are the first two halves.
+WITH_MIN = {QT.Q4_1: (20, 15), QT.Q5_1: (24, 31)}
 
 
-def q4_1_bound(t):
-    """Per-element allowed |difference| for a Q4_1 tensor (see the top comment)."""
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, 20)   # (n_blocks, 20 bytes)
+def fma_bound(t):
+    """Per-element allowed |difference| for a Q4_1/Q5_1 tensor (see the top comment)."""
+    block_bytes, qmax = WITH_MIN[t.tensor_type]
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, block_bytes)  # (n_blocks, bytes)
     d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
     m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
-    b = np.float32(2.0 ** -23) * (15 * np.abs(d) + np.abs(m))
+    b = np.float32(2.0 ** -23) * (qmax * np.abs(d) + np.abs(m))
     return np.repeat(b, 32)
 
 
@@ -65,9 +68,9 @@ def check(tandem, model, t, timeout):
         i = int(np.argmin(same))
         return False, (f"{name}: {want.size - n_exact} values differ, first at {i}: "
                        f"{got[i]!r} vs {want[i]!r}")
-    if t.tensor_type == QT.Q4_1:
+    if t.tensor_type in WITH_MIN:
         diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-        bound = q4_1_bound(t)
+        bound = fma_bound(t)
         bad = diff > bound
         if not np.all(np.isfinite(got)) or bad.any():
             i = int(np.argmax(bad)) if bad.any() else int(np.argmax(~np.isfinite(got)))
@@ -99,7 +102,7 @@ def main():
         r = gguf.GGUFReader(path)
         jobs += [(path, t) for t in r.tensors]
         types = {t.tensor_type for t in r.tensors}
-        missing = (EXACT | {QT.Q4_1}) - types
+        missing = (EXACT | set(WITH_MIN)) - types
         if missing:
             print(f"FAIL  synthetic model lacks types {sorted(x.name for x in missing)}")
             return 1
