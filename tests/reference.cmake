@@ -6,8 +6,9 @@
 #   reference     `tandem logits` / `tandem generate` vs the numpy forward pass
 #                 (ref_forward.py) on the synthetic models and, with TANDEM_MODEL, on the
 #                 default model: logits rel L2 < 1e-3, same greedy tokens
-#   dequant       `tandem dequant` vs gguf.quants.dequantize, bit-exact (Q4_1 within the
-#                 FMA bound, see test_dequant.py)
+#   dequant       `tandem dequant` vs gguf.quants.dequantize, bit-exact (Q4_1 and Q5_1
+#                 within the FMA bound, see test_dequant.py)
+#   dequant_kquant  the same for random Q4_K/Q5_K/Q6_K super-blocks (test_kquant_ref.py)
 # Nothing here is registered without TANDEM_PYTHON; the default-model parts are skipped
 # without TANDEM_MODEL.
 if(NOT TANDEM_PYTHON)
