@@ -9,8 +9,12 @@
  * engine calls the collective's allreduce_sum twice per layer so ranks stay identical.
  * Splitting is exact: PP stages and TP slices compose to the unsplit model's logits up to
  * float reassociation.
+ * TP needs tp to divide the head and KV-head counts; the FFN is split evenly when tp
+ * divides it into whole 32-weight blocks, else in whole 32-blocks with ranks differing by
+ * one block (n_ff_local is per rank). A row-parallel slice that cuts through a quant block
+ * (256-weight K types) is re-quantized to Q8_0 at load (docs/architecture.md: effect).
  * Invariants: weights are views into the GGUF mapping (never copied, except small 1-D
- * tensors converted to float32); a loaded model is read-only.
+ * tensors converted to float32 and re-quantized slices); a loaded model is read-only.
  * Threading: a kn_model may be shared by engines; a kn_engine is driven by one thread.
  * Ownership: kn_model borrows the td_gguf (keep it open until kn_model_destroy);
  * kn_engine borrows the model, the backend and the collective.
@@ -41,6 +45,10 @@ typedef struct {
 typedef struct {
     int l0, l1;           /* layers [l0, l1); l1 = 0 means n_layer */
     int tp_rank, tp_size; /* tp_size 0 means 1 */
+    /* re-quantize every row-parallel tensor whose blocks are wider than 32 weights into
+     * Q8_0 even where the slice is whole blocks: a tp-1 reference carrying the rounding a
+     * split shard gets (the split tests compare against it) */
+    bool requant_all;
 } kn_shard;
 
 typedef struct {
@@ -54,7 +62,8 @@ typedef struct {
 typedef struct {
     kn_hparams hp;
     kn_shard shard;
-    int n_head_local, n_head_kv_local, n_ff_local;
+    int n_head_local, n_head_kv_local;
+    int n_ff_local, ff0; /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
     bool first, last;
     kn_mat tok_embd;    /* (n_vocab, n_embd); first stage, or last when tied */
     kn_mat output;      /* (n_vocab, n_embd); last stage */
@@ -62,11 +71,13 @@ typedef struct {
     kn_layer *layers;   /* (l1 - l0) */
     float *rope_freq;   /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
     char name[128];     /* general.name (truncated) or "" */
+    void **owned;       /* (n_owned) re-quantized slices the views above point into */
+    int n_owned;
 } kn_model;
 
 /* Load shard s of the model in g. Checks the architecture, every tensor's presence,
- * shape and type, and that the TP split divides heads and FFN evenly with block-aligned
- * row-parallel slices; errors are logged with the tensor name. */
+ * shape and type, and that the TP split divides the heads and cuts the FFN and the
+ * row-parallel slices at 32-weight boundaries; errors are logged with the tensor name. */
 int kn_model_load(const td_gguf *g, const kn_shard *s, kn_model **out);
 void kn_model_destroy(kn_model *m);
 /* Read only the hyper-parameters (no shard, no tensors checked beyond the embedding). */

@@ -154,6 +154,8 @@ typedef struct {
     const td_gguf *g;
     kn_model *m;
     int rc;
+    int cap_owned;
+    uint64_t logged[2]; /* re-quantized (attn_output, ffn_down) source types already logged */
 } loader;
 
 /* out = the names of the weight types the backend computes with, comma-separated (the list
@@ -207,11 +209,9 @@ static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_
     if (!t) return w;
     const td_dtype_info *ti = td_dtype_get(t->type);
     if (c0 % ti->blck || nc % ti->blck) {
-        /* a row-parallel slice must be whole blocks (256 weights for the K types); slicing
-         * inside a block would need re-quantizing it at load, not done yet (issue 13 item 3) */
         TD_LOG_ERR("tensor '%s' (%s): tp %d rank %d would take columns [%lld, +%lld) of %lld, "
                    "not whole %u-element %s blocks; choose a tp that splits %lld into multiples "
-                   "of %u (re-quantizing slices at load is not implemented yet)",
+                   "of %u",
                    name, ti->name, L->m->shard.tp_size, L->m->shard.tp_rank, (long long)c0,
                    (long long)nc, (long long)ne0, ti->blck, ti->name, (long long)ne0, ti->blck);
         L->rc = TD_EUNSUPP;
@@ -224,6 +224,61 @@ static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_
     w.data =
         (const char *)t->data + (size_t)r0 * w.row_stride + (size_t)(c0 / ti->blck) * ti->type_size;
     return w;
+}
+
+static void *own(loader *L, size_t bytes)
+{
+    kn_model *m = L->m;
+    if (m->n_owned == L->cap_owned) {
+        int cap = L->cap_owned ? 2 * L->cap_owned : 16;
+        void **o = realloc(m->owned, (size_t)cap * sizeof *o);
+        if (!o) return NULL;
+        m->owned = o;
+        L->cap_owned = cap;
+    }
+    void *p = malloc(bytes);
+    if (p) m->owned[m->n_owned++] = p;
+    return p;
+}
+
+/* Columns [c0, c0 + nc) of every row of a row-parallel tensor (attn_output, ffn_down:
+ * kind 0, 1). A slice that cuts through the type's blocks (the 256-weight K types) is
+ * dequantized and re-quantized into Q8_0, whose 32-weight blocks fit any slice the split
+ * makes; the rounding this adds is measured in docs/architecture.md. */
+static kn_mat view_cols(loader *L, int kind, const char *name, int64_t ne0, int64_t ne1, int64_t c0,
+                        int64_t nc)
+{
+    const td_gguf_tensor *t = need(L, name, ne0, ne1);
+    if (!t) return (kn_mat){0};
+    const td_dtype_info *ti = td_dtype_get(t->type);
+    bool cut = c0 % ti->blck || nc % ti->blck;
+    bool forced = L->m->shard.requant_all && ti->blck > TD_QK;
+    if ((!cut && !forced) || c0 % TD_QK || nc % TD_QK)
+        return view(L, name, ne0, ne1, 0, ne1, c0, nc); /* whole blocks, or the error */
+    if (!(L->logged[kind] >> t->type & 1)) {
+        L->logged[kind] |= (uint64_t)1 << t->type;
+        TD_LOG_INFO("tp %d rank %d: %s columns [%lld, +%lld) of %lld %s whole %u-weight %s "
+                    "blocks: re-quantized %s -> q8_0 at load (every layer's)",
+                    L->m->shard.tp_size, L->m->shard.tp_rank, kind ? "ffn_down" : "attn_output",
+                    (long long)c0, (long long)nc, (long long)ne0,
+                    cut ? "are not" : "(requant_all) are", ti->blck, ti->name, ti->name);
+    }
+    const size_t out_row = (size_t)(nc / TD_QK) * td_dtype_get(TD_Q8_0)->type_size;
+    const size_t in_row = td_dtype_row_bytes(t->type, ne0);
+    uint8_t *dst = own(L, out_row * (size_t)ne1);
+    float *row = malloc((size_t)ne0 * sizeof *row);
+    if (!dst || !row) {
+        free(row);
+        L->rc = TD_ENOMEM;
+        return (kn_mat){0};
+    }
+    for (int64_t r = 0; r < ne1 && !L->rc; r++)
+        if (kn_dequant_row(t->type, (const char *)t->data + (size_t)r * in_row, row, ne0) ||
+            kn_quant_row_q8_0(row + c0, dst + (size_t)r * out_row, nc))
+            L->rc = TD_EINVAL;
+    free(row);
+    return (kn_mat){
+        .type = TD_Q8_0, .n_rows = ne1, .n_cols = nc, .row_stride = out_row, .data = dst};
 }
 
 /* Elements [off, off + n) of a 1-D tensor of ne0 elements, converted to float32. */
@@ -256,12 +311,42 @@ static int check_split(const kn_hparams *hp, const kn_shard *s)
         TD_LOG_ERR("bad tensor-parallel rank %d of %d", s->tp_rank, s->tp_size);
         return TD_EINVAL;
     }
-    if (hp->n_head % s->tp_size || hp->n_head_kv % s->tp_size || hp->n_ff % s->tp_size) {
-        TD_LOG_ERR("tp %d does not divide heads %d, kv heads %d and ffn %d evenly", s->tp_size,
-                   hp->n_head, hp->n_head_kv, hp->n_ff);
+    if (hp->n_head % s->tp_size) {
+        TD_LOG_ERR("tp %d does not divide the %d attention heads", s->tp_size, hp->n_head);
+        return TD_EUNSUPP;
+    }
+    /* replicating KV heads (tp > kv heads) would need the attention, the KV pool and the
+     * prefill -> decode head slicing to map a rank's query heads onto the KV heads it
+     * holds; not done (issue 13 item 3) */
+    if (hp->n_head_kv % s->tp_size) {
+        TD_LOG_ERR("tp %d does not divide the %d kv heads (replicating kv heads for tp > kv "
+                   "heads is not implemented)",
+                   s->tp_size, hp->n_head_kv);
+        return TD_EUNSUPP;
+    }
+    if (hp->n_ff % s->tp_size && (hp->n_ff % TD_QK || hp->n_ff / TD_QK < s->tp_size)) {
+        TD_LOG_ERR("tp %d splits neither the ffn width %d evenly nor into whole %d-blocks",
+                   s->tp_size, hp->n_ff, TD_QK);
         return TD_EUNSUPP;
     }
     return 0;
+}
+
+/* This rank's FFN columns: an even split when tp divides the width into whole 32-weight
+ * blocks (or the width is not a multiple of 32, float weights), else whole 32-blocks with
+ * rank r taking blocks [r * nb / tp, (r + 1) * nb / tp), so ranks differ by one block. */
+static void ffn_split(const kn_hparams *hp, const kn_shard *s, int *f0, int *nf)
+{
+    int tp = s->tp_size, r = s->tp_rank;
+    if ((hp->n_ff % tp == 0 && (hp->n_ff / tp) % TD_QK == 0) || hp->n_ff % TD_QK) {
+        *nf = hp->n_ff / tp;
+        *f0 = r * *nf;
+        return;
+    }
+    int64_t nb = hp->n_ff / TD_QK;
+    int64_t b0 = r * nb / tp, b1 = (r + 1) * nb / tp;
+    *f0 = (int)(b0 * TD_QK);
+    *nf = (int)((b1 - b0) * TD_QK);
 }
 
 static void build_rope_freq(const kn_hparams *hp, float *freq, const float *factors)
@@ -290,7 +375,7 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     m->last = s.l1 == hp->n_layer;
     m->n_head_local = hp->n_head / s.tp_size;
     m->n_head_kv_local = hp->n_head_kv / s.tp_size;
-    m->n_ff_local = hp->n_ff / s.tp_size;
+    ffn_split(hp, &s, &m->ff0, &m->n_ff_local);
     const char *name;
     size_t name_len;
     if (!td_gguf_get_str(g, "general.name", &name, &name_len))
@@ -300,7 +385,7 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     const int64_t E = hp->n_embd, HD = hp->head_dim;
     const int64_t nq = (int64_t)m->n_head_local * HD, nkv = (int64_t)m->n_head_kv_local * HD;
     const int64_t q0 = s.tp_rank * nq, kv0 = s.tp_rank * nkv;
-    const int64_t F = m->n_ff_local, f0 = s.tp_rank * F;
+    const int64_t F = m->n_ff_local, f0 = m->ff0;
     const int64_t QT = (int64_t)hp->n_head * HD, KVT = (int64_t)hp->n_head_kv * HD;
 
     if (m->first || (m->last && hp->tied_embd))
@@ -326,10 +411,10 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
         ly->wq = view(&L, NAME("attn_q.weight"), E, QT, q0, nq, 0, E);
         ly->wk = view(&L, NAME("attn_k.weight"), E, KVT, kv0, nkv, 0, E);
         ly->wv = view(&L, NAME("attn_v.weight"), E, KVT, kv0, nkv, 0, E);
-        ly->wo = view(&L, NAME("attn_output.weight"), QT, E, 0, E, q0, nq);
+        ly->wo = view_cols(&L, 0, NAME("attn_output.weight"), QT, E, q0, nq);
         ly->w_gate = view(&L, NAME("ffn_gate.weight"), E, hp->n_ff, f0, F, 0, E);
         ly->w_up = view(&L, NAME("ffn_up.weight"), E, hp->n_ff, f0, F, 0, E);
-        ly->w_down = view(&L, NAME("ffn_down.weight"), hp->n_ff, E, 0, E, f0, F);
+        ly->w_down = view_cols(&L, 1, NAME("ffn_down.weight"), hp->n_ff, E, f0, F);
         ly->bq = vec(&L, NAME("attn_q.bias"), QT, q0, nq, true);
         ly->bk = vec(&L, NAME("attn_k.bias"), KVT, kv0, nkv, true);
         ly->bv = vec(&L, NAME("attn_v.bias"), KVT, kv0, nkv, true);
@@ -373,6 +458,9 @@ void kn_model_destroy(kn_model *m)
         }
     }
     free(m->layers);
+    for (int i = 0; i < m->n_owned; i++)
+        free(m->owned[i]);
+    free(m->owned);
     free(m->output_norm);
     free(m->rope_freq);
     free(m);

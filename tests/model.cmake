@@ -19,3 +19,23 @@ if(TANDEM_PYTHON)
                          TIMEOUT 600)
   endforeach()
 endif()
+
+# The split shapes issue 13 added: an FFN width TP 2/4 do not cut into whole 32-blocks
+# (uneven split), and K-type row-parallel tensors whose TP slices are re-quantized.
+if(TANDEM_PYTHON)
+  foreach(var odd kquant)
+    if(var STREQUAL "odd")
+      set(args --arch llama --types mixed --n-ff 544 --seed 12)
+    else()
+      set(args --arch qwen2 --types kquant --n-ff 768 --seed 13)
+    endif()
+    add_test(NAME model_split_synth_${var}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/make_synth.py
+                     --out ${TANDEM_TEST_DATA}/split-${var}.gguf ${args})
+    set_tests_properties(model_split_synth_${var} PROPERTIES FIXTURES_SETUP split_${var})
+    add_test(NAME model_split_${var}
+             COMMAND test_model_split ${TANDEM_TEST_DATA}/split-${var}.gguf)
+    set_tests_properties(model_split_${var} PROPERTIES FIXTURES_REQUIRED split_${var}
+                         TIMEOUT 600)
+  endforeach()
+endif()

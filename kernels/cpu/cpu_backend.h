@@ -35,6 +35,9 @@ const char *kn_cpu_isa(void);
 bool kn_cpu_type_supported(td_dtype t);
 /* dst (n) = dequantized src; n a multiple of the block size. */
 int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n);
+/* dst (n / 32 Q8_0 blocks) = src quantized by llama.cpp's reference rule (d = max|x| / 127,
+ * q = round(x / d)); n a multiple of 32. Used to re-quantize tensor-parallel slices. */
+int kn_quant_row_q8_0(const float *src, void *dst, int64_t n);
 int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y);
 int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
                         float *y);

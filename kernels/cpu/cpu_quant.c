@@ -1,5 +1,7 @@
-/* cpu_quant.c: which weight types the CPU backend computes with, and row dequantization
- * (bit-exact with ggml's reference dequantizers and the gguf python package). */
+/* cpu_quant.c: which weight types the CPU backend computes with, row dequantization
+ * (bit-exact with ggml's reference dequantizers and the gguf python package), and the
+ * Q8_0 quantizer the loader re-quantizes tensor-parallel slices with. */
+#include <math.h>
 #include <stdatomic.h>
 
 #include "cpu_backend.h"
@@ -91,5 +93,27 @@ int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n)
         dequant_blocks(t, src, dst, n / TD_QK);
     else
         dequant_floats(t, src, dst, n);
+    return 0;
+}
+
+int kn_quant_row_q8_0(const float *src, void *dst, int64_t n)
+{
+    if (n < 0 || n % TD_QK) {
+        TD_LOG_ERR("quantize q8_0: %lld elements is not a multiple of %d", (long long)n, TD_QK);
+        return TD_EINVAL;
+    }
+    uint8_t *o = dst;
+    for (int64_t b = 0; b < n / TD_QK; b++, src += TD_QK, o += 2 + TD_QK) {
+        float amax = 0;
+        for (int i = 0; i < TD_QK; i++)
+            amax = fmaxf(amax, fabsf(src[i]));
+        /* ggml's quantize_row_q8_0_ref and gguf.quants: the quants use the float32 scale
+         * (x * (1 / d), rounded half away from zero); only the stored d is rounded to fp16 */
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t dh = td_fp32_to_fp16(d);
+        memcpy(o, &dh, 2);
+        for (int i = 0; i < TD_QK; i++)
+            o[2 + i] = (uint8_t)(int8_t)roundf(src[i] * id);
+    }
     return 0;
 }

@@ -8,7 +8,11 @@
  *   - prefill in chunks of 1, 7, 64 and all at once, then greedy decode from that KV,
  *   - two sequences in one batch vs each alone (no cross-sequence attention),
  * must all give the same logits (max abs difference < 1e-4), and bad batches must be
- * rejected with an error.
+ * rejected with an error. A model whose FFN width tp does not split into whole 32-weight
+ * blocks (--n-ff 544) checks the uneven split (ranks differ by one block). A model whose
+ * row-parallel tensors are 256-weight K blocks (--types kquant) checks the re-quantization
+ * of cut slices: its reference is the unsplit model with those tensors re-quantized to
+ * Q8_0 too (kn_shard.requant_all), and the change from the original is reported.
  * usage: test_model_split MODEL.gguf
  */
 #include <pthread.h>
@@ -26,7 +30,8 @@
 
 static const char *model_path;
 static td_gguf *gguf;
-static int n_vocab, n_embd, n_layer;
+static int n_vocab, n_embd, n_layer, n_ff;
+static bool requant_ref; /* row-parallel tensors have blocks wider than 32: compare requantized */
 
 /* ---- a "stage x rank" grid of shards running one sequence ---- */
 
@@ -94,7 +99,8 @@ static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
         int l0 = n_layer * s / pp, l1 = n_layer * (s + 1) / pp;
         for (int r = 0; r < tp; r++) {
             shard_rt *x = &g->rt[s * tp + r];
-            kn_shard sh = {.l0 = l0, .l1 = l1, .tp_rank = r, .tp_size = tp};
+            kn_shard sh = {
+                .l0 = l0, .l1 = l1, .tp_rank = r, .tp_size = tp, .requant_all = requant_ref};
             int rc = kn_model_load(gguf, &sh, &x->model);
             if (rc) return rc;
             if ((rc = kn_cpu_create(1 + (r % 2), &x->cpu))) return rc; /* mixed thread counts */
@@ -399,6 +405,72 @@ static void test_bad_batches(void)
     grid_close(&g);
 }
 
+/* Uneven FFN splits: when tp does not cut the width into whole 32-blocks, rank r holds
+ * blocks [r * nb / tp, (r + 1) * nb / tp), the ranks tile the width, and the split logits
+ * match (test_tp_splits ran them). */
+static void test_ffn_split_tiles(void)
+{
+    for (int tp = 2; tp <= 4; tp *= 2) {
+        int next = 0;
+        bool uneven = false;
+        for (int r = 0; r < tp; r++) {
+            kn_model *m = NULL;
+            kn_shard sh = {.tp_rank = r, .tp_size = tp};
+            TH_REQUIRE(kn_model_load(gguf, &sh, &m) == 0);
+            TH_CHECK(m->ff0 == next && m->n_ff_local % 32 == 0 && m->n_ff_local > 0);
+            TH_CHECK(m->layers[0].w_down.n_cols == m->n_ff_local);
+            TH_CHECK(m->layers[0].w_up.n_rows == m->n_ff_local);
+            uneven |= m->n_ff_local != n_ff / tp;
+            next = m->ff0 + m->n_ff_local;
+            kn_model_destroy(m);
+        }
+        TH_CHECK(next == n_ff);
+        if (n_ff % (32 * tp)) TH_CHECKF(uneven, "tp %d: ffn %d split evenly", tp, n_ff);
+        fprintf(stderr, "  tp %d: ffn %d tiled%s\n", tp, n_ff, uneven ? " unevenly" : "");
+    }
+}
+
+static double rel_l2(const float *a, const float *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : INFINITY;
+}
+
+/* K-type row-parallel tensors: a cut slice loads as Q8_0 (and a whole one keeps its
+ * type); the re-quantized reference differs from the original model a little, not zero. */
+static void test_requant(void)
+{
+    kn_model *m = NULL;
+    kn_shard whole = {0}, half = {.tp_rank = 1, .tp_size = 2};
+    TH_REQUIRE(kn_model_load(gguf, &whole, &m) == 0);
+    td_dtype orig = m->layers[0].w_down.type;
+    TH_CHECK(orig != TD_Q8_0 && m->n_owned == 0);
+    kn_model_destroy(m);
+    TH_REQUIRE(kn_model_load(gguf, &half, &m) == 0);
+    TH_CHECK(m->layers[0].w_down.type == TD_Q8_0 && m->layers[0].wo.type == TD_Q8_0);
+    TH_CHECK(m->layers[0].w_down.n_cols == n_ff / 2 && m->n_owned == 2 * n_layer);
+    kn_model_destroy(m);
+    /* the original, unsplit and not re-quantized, against the re-quantized reference */
+    requant_ref = false;
+    grid g;
+    TH_REQUIRE(grid_open(&g, 1, 1, TD_F32) == 0);
+    float *logits = calloc((size_t)(N_DECODE + 1) * n_vocab, sizeof(float));
+    int32_t gen[N_DECODE];
+    int rc = run_sequence(&g, prompt, PROMPT_LEN, PROMPT_LEN, logits, gen);
+    TH_CHECK(rc == 0);
+    double d = rel_l2(ref_logits, logits, (size_t)n_vocab); /* prompt logits: same input */
+    fprintf(stderr, "  %s -> q8_0 row-parallel: prompt logits rel L2 %.3g\n", td_dtype_name(orig),
+            d);
+    TH_CHECK(d > 0 && d < 2e-2);
+    free(logits);
+    grid_close(&g);
+    requant_ref = true;
+}
+
 static void test_kv_pool_exhaustion(void)
 {
     kn_kv_pool *kv;
@@ -444,6 +516,9 @@ int main(int argc, char **argv)
     n_vocab = hp.n_vocab;
     n_embd = hp.n_embd;
     n_layer = hp.n_layer;
+    n_ff = hp.n_ff;
+    const td_gguf_tensor *down = td_gguf_find_tensor(gguf, "blk.0.ffn_down.weight");
+    requant_ref = down && td_dtype_get(down->type) && td_dtype_get(down->type)->blck > 32;
     fprintf(stderr, "model %s: %s, %d layers, embd %d, heads %d/%d, ff %d, vocab %d\n", model_path,
             kn_arch_name(hp.arch), n_layer, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, n_vocab);
     for (int i = 0; i < PROMPT_LEN; i++)
@@ -465,6 +540,8 @@ int main(int argc, char **argv)
     TH_RUN(test_f16_kv_close);
     TH_RUN(test_bad_batches);
     TH_RUN(test_kv_pool_exhaustion);
+    TH_RUN(test_ffn_split_tiles);
+    if (requant_ref) TH_RUN(test_requant);
     free(ref_logits);
     td_gguf_close(gguf);
     TH_EXIT();

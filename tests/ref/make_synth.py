@@ -160,6 +160,20 @@ def add_matrix(w, name, data, qtype):
         w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
 
 
+def q6k_matrix(rng, rows, cols, std):
+    """(rows, cols / 256 * 210) uint8 Q6_K super-blocks of random quants whose weights have
+    about the given standard deviation (gguf cannot quantize to the K types; the engine's
+    K-quant dequantizer is checked against gguf's elsewhere, so random quants suffice)."""
+    nb = rows * cols // 256
+    blocks = rng.integers(0, 256, size=(nb, 210), dtype=np.uint8)
+    sc = rng.integers(4, 17, size=(nb, 16)) * rng.choice([-1, 1], size=(nb, 16))
+    blocks[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+    # q - 32 is uniform over [-32, 31] (std ~18.5); the scales' rms is ~11
+    d = np.full(nb, std / (18.5 * 11.0), dtype=np.float16)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(rows, cols // 256 * 210)
+
+
 def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, shapes=None,
                head_dim=None, alignment=None, extra_kv=None):
     """Writes one model to out. alignment: write general.alignment explicitly (the GGUF
@@ -191,7 +205,7 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     w.add_layer_norm_rms_eps(eps)
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(1 if types == "mixed" else 0)
+    w.add_file_type(0 if types == "f32" else 1)
 
     tokens, ttypes, merges = build_tokenizer(n_vocab)
     w.add_tokenizer_model("gpt2")
@@ -225,16 +239,25 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     def norm_weight(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    def row_par(name, rows, cols, std):
+        """A row-parallel matrix (split by columns under TP): Q6_K in --types kquant, so
+        that TP slices cut its 256-weight blocks and the loader re-quantizes them."""
+        if types == "kquant":
+            q = q6k_matrix(rng, rows, cols, std)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=QT.Q6_K)
+        else:
+            add_matrix(w, name, normal((rows, cols), std), wtype())
+
     # Scales keep the residual stream and the logits O(1): projections scaled by
     # 1/sqrt(fan_in), the embedding ~N(0, 1), the LM head a bit larger so the logits spread.
     # A tied embedding doubles as the LM head: scaled down like one, or every logit would
     # be dominated by the current token's own embedding and greedy decoding would repeat it.
-    embd_t = MIXED_EMBD[arch] if types == "mixed" else QT.F32
+    embd_t = MIXED_EMBD[arch] if types != "f32" else QT.F32
     embd_scale = 2.0 / np.sqrt(n_embd) if tied else 1.0
     add_matrix(w, "token_embd.weight", normal((n_vocab, n_embd), embd_scale), embd_t)
     w.add_tensor("output_norm.weight", norm_weight(n_embd))
     if not tied:
-        out_t = MIXED_OUTPUT[arch] if types == "mixed" else QT.F32
+        out_t = MIXED_OUTPUT[arch] if types != "f32" else QT.F32
         add_matrix(w, "output.weight", normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd)), out_t)
     if rope_freqs:
         # llama3 style: high-frequency pairs untouched, low-frequency ones slowed down
@@ -256,11 +279,11 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
         if arch == "qwen3":
             w.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
-        add_matrix(w, p + "attn_output.weight", normal((n_embd, n_head * hd), 0.5 / np.sqrt(n_head * hd)), wtype())
+        row_par(p + "attn_output.weight", n_embd, n_head * hd, 0.5 / np.sqrt(n_head * hd))
         w.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
         add_matrix(w, p + "ffn_gate.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
         add_matrix(w, p + "ffn_up.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
-        add_matrix(w, p + "ffn_down.weight", normal((n_embd, n_ff), 0.5 / np.sqrt(n_ff)), wtype())
+        row_par(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -295,7 +318,9 @@ def main():
     ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3"])
     ap.add_argument("--rope-freqs", action="store_true", help="add llama3 rope_freqs.weight")
     ap.add_argument("--tied", action="store_true", help="no output.weight (LM head = token_embd)")
-    ap.add_argument("--types", choices=["mixed", "f32"], default="mixed")
+    ap.add_argument("--types", choices=["mixed", "f32", "kquant"], default="mixed",
+                    help="kquant: mixed, with attn_output and ffn_down in Q6_K")
+    ap.add_argument("--n-ff", type=int, default=None, help="FFN width (default 512)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=None,
                     help="per-head dim (default 32; qwen3 defaults to 64 != n_embd/n_head)")
@@ -309,8 +334,11 @@ def main():
     head_dim = a.head_dim
     if head_dim is None and a.arch == "qwen3" and not a.tiny:
         head_dim = 64
+    shapes = dict(TINY_SHAPES if a.tiny else DEFAULT_SHAPES)
+    if a.n_ff is not None:
+        shapes["n_ff"] = a.n_ff
     make_model(a.out, a.arch, rope_freqs=a.rope_freqs, tied=a.tied, types=a.types,
-               seed=a.seed, shapes=TINY_SHAPES if a.tiny else None, head_dim=head_dim)
+               seed=a.seed, shapes=shapes, head_dim=head_dim)
     print(a.out)
     return 0
 
