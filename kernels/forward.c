@@ -1,12 +1,14 @@
 /* forward.c: the forward pass of a model shard over one batch (kn_engine).
  *
  * Reads top to bottom like the math of a pre-norm Llama block:
- *   x = embed(tokens) | embd_in                        first stage | later stages
+ *   x = embed(tokens) [* sqrt(n_embd) gemma3] | embd_in      first stage | later stages
  *   for each local layer:
- *     h = rmsnorm(x) ; q, k, v = h Wq, h Wk, h Wv (+ bias) ; [qwen3: rmsnorm per head]
+ *     h = rmsnorm(x) ; q, k, v = h Wq, h Wk, h Wv (+ bias) ; [qwen3/gemma3: rmsnorm per head]
  *     rope(q, k) ; write k, v to the paged pool ; a = attention(q, pool)
- *     x += allreduce(a Wo)                              TP: each rank holds heads' share
- *     h = rmsnorm(x) ; x += allreduce((silu(h Wg) * h Wu) Wd)
+ *       [gemma3 sliding-window layers: window keys only, their own rope base]
+ *     x += [post-norm] allreduce(a Wo)                 TP: each rank holds heads' share
+ *     h = rmsnorm(x) ; x += [post-norm] allreduce((act(h Wg) * h Wu) Wd)
+ *       act: silu, or gelu (tanh) for gemma3
  *   last stage: logits = rmsnorm(x[rows]) Wout ; else out = x
  * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
  * backend's matmul_mixed, or row by row when the backend has none.
@@ -208,6 +210,8 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     int rc;
 
     /* attention */
+    const bool swa = kn_layer_is_swa(hp, m->shard.l0 + li);
+    const float *freq = swa ? m->rope_freq_swa : m->rope_freq;
     ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
     if ((rc = matmul(e, &ly->wq, e->h, n, solo, e->q))) return rc;
     if ((rc = matmul(e, &ly->wk, e->h, n, solo, e->k))) return rc;
@@ -217,23 +221,29 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     if (ly->bv) ops->add_row(c, e->v, ly->bv, n, nkv * HD);
     if (ly->q_norm) ops->rmsnorm(c, e->q, ly->q_norm, e->q, n * nh, HD, hp->rms_eps);
     if (ly->k_norm) ops->rmsnorm(c, e->k, ly->k_norm, e->k, n * nkv, HD, hp->rms_eps);
-    ops->rope(c, e->q, n, nh, (int)HD, hp->n_rot, b->pos, m->rope_freq, hp->rope_neox);
-    ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, m->rope_freq, hp->rope_neox);
+    ops->rope(c, e->q, n, nh, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
+    ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
     ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, nkv, (int)HD, e->k, e->v, n,
                   b->pos, b->seq_of, b->seqs);
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, (int)HD,
-                   1.0f / sqrtf((float)HD), n, b->pos, b->seq_of, b->seqs, e->att);
+                   hp->attn_scale, swa ? hp->swa_window : 0, n, b->pos, b->seq_of, b->seqs, e->att);
     if ((rc = matmul(e, &ly->wo, e->att, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
+    /* gemma3 normalizes the (whole, reduced) attention output before the residual add */
+    if (ly->attn_post_norm) ops->rmsnorm(c, e->h, ly->attn_post_norm, e->h, n, E, hp->rms_eps);
     ops->add(c, e->x, e->h, n, E);
 
     /* feed-forward */
     ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
     if ((rc = matmul(e, &ly->w_gate, e->h, n, solo, e->g))) return rc;
     if ((rc = matmul(e, &ly->w_up, e->h, n, solo, e->u))) return rc;
-    ops->swiglu(c, e->g, e->u, e->g, n, m->n_ff_local);
+    if (hp->gelu_ffn)
+        ops->geglu(c, e->g, e->u, e->g, n, m->n_ff_local);
+    else
+        ops->swiglu(c, e->g, e->u, e->g, n, m->n_ff_local);
     if ((rc = matmul(e, &ly->w_down, e->g, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
+    if (ly->ffn_post_norm) ops->rmsnorm(c, e->h, ly->ffn_post_norm, e->h, n, E, hp->rms_eps);
     ops->add(c, e->x, e->h, n, E);
     return 0;
 }
@@ -250,6 +260,9 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
 
     if (m->first) {
         if ((rc = ops->get_rows(c, &m->tok_embd, b->tokens, n, e->x))) return rc;
+        if (m->hp.embd_scale != 1.0f)
+            for (int64_t i = 0; i < n * E; i++)
+                e->x[i] *= m->hp.embd_scale;
     } else {
         memcpy(e->x, b->embd, (size_t)(n * E) * sizeof(float));
     }

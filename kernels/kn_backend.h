@@ -68,6 +68,9 @@ typedef struct {
     /* out (m, n) = silu(gate) * up, gate/up (m, n). */
     void (*swiglu)(void *ctx, const float *gate, const float *up, float *out, int64_t m, int64_t n);
 
+    /* out (m, n) = gelu(gate) * up with the tanh approximation of GELU (gemma's FFN). */
+    void (*geglu)(void *ctx, const float *gate, const float *up, float *out, int64_t m, int64_t n);
+
     /* Write k, v (m, n_kv_heads, head_dim) of tokens at positions pos into the paged pool
      * layer (kpool/vpool: (n_blocks, n_kv_heads, block_size, head_dim), kv_type F32/F16)
      * through each token's sequence view seq[seq_of[i]]. */
@@ -76,11 +79,13 @@ typedef struct {
                      const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs);
 
     /* Causal attention with an online softmax: token i (at pos[i], sequence seq_of[i])
-     * attends to positions [0, pos[i]] of its sequence. q (m, n_heads, head_dim),
-     * out (m, n_heads, head_dim). Head h reads KV head h / (n_heads / n_kv_heads). */
+     * attends to positions [0, pos[i]] of its sequence, or with window > 0 (sliding-window
+     * layers) to the window positions [max(0, pos[i] - window + 1), pos[i]] only.
+     * q (m, n_heads, head_dim), out (m, n_heads, head_dim). Head h reads KV head
+     * h / (n_heads / n_kv_heads). */
     void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int head_dim,
-                      float scale, int64_t m, const int32_t *pos, const int32_t *seq_of,
+                      float scale, int window, int64_t m, const int32_t *pos, const int32_t *seq_of,
                       const kn_seq_view *seqs, float *out);
 
     /* out (m, n_cols) = rows ids[i] of W (any supported type), dequantized. */

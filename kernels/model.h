@@ -29,7 +29,7 @@
 #include "kn_backend.h"
 #include "kv_pool.h"
 
-typedef enum { KN_ARCH_LLAMA, KN_ARCH_QWEN2, KN_ARCH_QWEN3 } kn_arch;
+typedef enum { KN_ARCH_LLAMA, KN_ARCH_QWEN2, KN_ARCH_QWEN3, KN_ARCH_GEMMA3 } kn_arch;
 
 typedef struct {
     kn_arch arch;
@@ -40,7 +40,18 @@ typedef struct {
     bool rope_neox;   /* qwen: pairs (i, i+n_rot/2); llama: (2i, 2i+1) */
     float rms_eps;
     bool tied_embd; /* no output.weight: the LM head is token_embd */
+    /* gemma3 (1 and 0 / false elsewhere): */
+    float embd_scale;    /* token embeddings are multiplied by it (gemma: sqrt(n_embd)) */
+    float attn_scale;    /* scores are q.k * attn_scale (1/sqrt(head_dim) by default) */
+    bool gelu_ffn;       /* FFN is gelu(gate) * up instead of silu(gate) * up */
+    bool post_norms;     /* sandwich norms after attention and after the FFN */
+    int swa_window;      /* > 0: sliding-window layers see this many positions */
+    int swa_pattern;     /* layer il is global when il % swa_pattern == swa_pattern - 1 */
+    float rope_base_swa; /* rope base of the sliding-window layers (no scaling there) */
 } kn_hparams;
+
+/* Whether layer il (global index) uses sliding-window attention. */
+bool kn_layer_is_swa(const kn_hparams *hp, int il);
 
 typedef struct {
     int l0, l1;           /* layers [l0, l1); l1 = 0 means n_layer */
@@ -54,9 +65,10 @@ typedef struct {
 typedef struct {
     kn_mat wq, wk, wv, wo; /* local slices */
     kn_mat w_gate, w_up, w_down;
-    float *attn_norm, *ffn_norm; /* (n_embd) */
-    float *bq, *bk, *bv;         /* local slices of the QKV biases or NULL */
-    float *q_norm, *k_norm;      /* (head_dim) qwen3 per-head norms or NULL */
+    float *attn_norm, *ffn_norm;           /* (n_embd) */
+    float *bq, *bk, *bv;                   /* local slices of the QKV biases or NULL */
+    float *q_norm, *k_norm;                /* (head_dim) qwen3/gemma3 per-head norms or NULL */
+    float *attn_post_norm, *ffn_post_norm; /* (n_embd) gemma3 sandwich norms or NULL */
 } kn_layer;
 
 typedef struct {
@@ -65,13 +77,14 @@ typedef struct {
     int n_head_local, n_head_kv_local;
     int n_ff_local, ff0; /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
     bool first, last;
-    kn_mat tok_embd;    /* (n_vocab, n_embd); first stage, or last when tied */
-    kn_mat output;      /* (n_vocab, n_embd); last stage */
-    float *output_norm; /* (n_embd); last stage */
-    kn_layer *layers;   /* (l1 - l0) */
-    float *rope_freq;   /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
-    char name[128];     /* general.name (truncated) or "" */
-    void **owned;       /* (n_owned) re-quantized slices the views above point into */
+    kn_mat tok_embd;      /* (n_vocab, n_embd); first stage, or last when tied */
+    kn_mat output;        /* (n_vocab, n_embd); last stage */
+    float *output_norm;   /* (n_embd); last stage */
+    kn_layer *layers;     /* (l1 - l0) */
+    float *rope_freq;     /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
+    float *rope_freq_swa; /* (n_rot / 2) the same for sliding-window layers, or NULL */
+    char name[128];       /* general.name (truncated) or "" */
+    void **owned;         /* (n_owned) re-quantized slices the views above point into */
     int n_owned;
 } kn_model;
 

@@ -17,6 +17,8 @@ const char *kn_arch_name(kn_arch a)
         return "qwen2";
     case KN_ARCH_QWEN3:
         return "qwen3";
+    case KN_ARCH_GEMMA3:
+        return "gemma3";
     }
     return "?";
 }
@@ -41,6 +43,34 @@ static int get_f32(const td_gguf *g, const char *arch, const char *suffix, float
     return rc;
 }
 
+/* What gemma3 adds to the Llama block, as llama.cpp's loader (src/llama-model.cpp,
+ * LLM_ARCH_GEMMA3 in load_hparams) and graph (src/models/gemma3-iswa.cpp) read it:
+ * embeddings scaled by sqrt(n_embd); GELU-gated FFN; post-attention and post-FFN RMSNorms
+ * before each residual add; per-head Q/K norms; scores scaled by 1/sqrt(head_dim)
+ * (1/sqrt(n_embd / n_head) for the 62-layer 27B model, whose query_pre_attn_scalar
+ * differs; the GGUF carries no key for it); with attention.sliding_window set, every layer
+ * but each 6th (pattern hard-coded there too) attends to that many positions and ropes
+ * with base 10000, unscaled; the global layers use rope.freq_base and the rope scaling.
+ * The converter already stores the norm weights as 1 + w, so they are used as they are. */
+static int gemma3_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
+    hp->embd_scale = sqrtf((float)hp->n_embd);
+    if (hp->n_layer == 62) hp->attn_scale = 1.0f / sqrtf((float)(hp->n_embd / hp->n_head));
+    hp->gelu_ffn = true;
+    hp->post_norms = true;
+    uint32_t v;
+    int rc = get_u32(g, arch, "attention.sliding_window", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (rc == 0 && v > (1u << 30)) {
+        TD_LOG_ERR("implausible sliding window %u", v);
+        return TD_EFORMAT;
+    }
+    hp->swa_window = rc ? 0 : (int)v;
+    hp->swa_pattern = 6;
+    hp->rope_base_swa = 10000.0f;
+    return 0;
+}
+
 int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
 {
     memset(hp, 0, sizeof *hp);
@@ -60,8 +90,11 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
         hp->arch = KN_ARCH_QWEN2;
     else if (!strcmp(arch, "qwen3"))
         hp->arch = KN_ARCH_QWEN3;
+    else if (!strcmp(arch, "gemma3"))
+        hp->arch = KN_ARCH_GEMMA3;
     else {
-        TD_LOG_ERR("unsupported architecture '%s' (llama, qwen2, qwen3 are supported)", arch);
+        TD_LOG_ERR("unsupported architecture '%s' (llama, qwen2, qwen3, gemma3 are supported)",
+                   arch);
         return TD_EUNSUPP;
     }
     uint32_t v;
@@ -110,7 +143,7 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     hp->rope_base = 10000.0f;
     rc = get_f32(g, arch, "rope.freq_base", &hp->rope_base);
     if (rc && rc != TD_ENOENT) return rc;
-    hp->rms_eps = 1e-5f;
+    hp->rms_eps = hp->arch == KN_ARCH_GEMMA3 ? 1e-6f : 1e-5f;
     rc = get_f32(g, arch, "attention.layer_norm_rms_epsilon", &hp->rms_eps);
     if (rc && rc != TD_ENOENT) return rc;
     if (!(hp->rope_base > 0) || !(hp->rms_eps > 0) || !(hp->rms_eps < 1)) {
@@ -145,7 +178,14 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     if (te->ne[1] > INT32_MAX) return TD_EFORMAT;
     hp->n_vocab = (int)te->ne[1];
     hp->tied_embd = td_gguf_find_tensor(g, "output.weight") == NULL;
-    return 0;
+    hp->embd_scale = 1.0f;
+    hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
+    return hp->arch == KN_ARCH_GEMMA3 ? gemma3_hparams(g, arch, hp) : 0;
+}
+
+bool kn_layer_is_swa(const kn_hparams *hp, int il)
+{
+    return hp->swa_window > 0 && il % hp->swa_pattern != hp->swa_pattern - 1;
 }
 
 /* ---- weight views ---- */
@@ -349,10 +389,11 @@ static void ffn_split(const kn_hparams *hp, const kn_shard *s, int *f0, int *nf)
     *nf = (int)((b1 - b0) * TD_QK);
 }
 
-static void build_rope_freq(const kn_hparams *hp, float *freq, const float *factors)
+static void build_rope_freq(const kn_hparams *hp, float base, float scale, float *freq,
+                            const float *factors)
 {
     for (int i = 0; i < hp->n_rot / 2; i++) {
-        double f = pow((double)hp->rope_base, -2.0 * i / hp->n_rot) / hp->rope_scale;
+        double f = pow((double)base, -2.0 * i / hp->n_rot) / scale;
         if (factors) f /= factors[i];
         freq[i] = (float)f;
     }
@@ -418,8 +459,13 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
         ly->bq = vec(&L, NAME("attn_q.bias"), QT, q0, nq, true);
         ly->bk = vec(&L, NAME("attn_k.bias"), KVT, kv0, nkv, true);
         ly->bv = vec(&L, NAME("attn_v.bias"), KVT, kv0, nkv, true);
-        ly->q_norm = vec(&L, NAME("attn_q_norm.weight"), HD, 0, HD, hp->arch != KN_ARCH_QWEN3);
-        ly->k_norm = vec(&L, NAME("attn_k_norm.weight"), HD, 0, HD, hp->arch != KN_ARCH_QWEN3);
+        const bool qk_norm = hp->arch == KN_ARCH_QWEN3 || hp->arch == KN_ARCH_GEMMA3;
+        ly->q_norm = vec(&L, NAME("attn_q_norm.weight"), HD, 0, HD, !qk_norm);
+        ly->k_norm = vec(&L, NAME("attn_k_norm.weight"), HD, 0, HD, !qk_norm);
+        if (hp->post_norms) {
+            ly->attn_post_norm = vec(&L, NAME("post_attention_norm.weight"), E, 0, E, false);
+            ly->ffn_post_norm = vec(&L, NAME("post_ffw_norm.weight"), E, 0, E, false);
+        }
     }
 #undef NAME
     float *factors = vec(&L, "rope_freqs.weight", hp->n_rot / 2, 0, hp->n_rot / 2, true);
@@ -433,8 +479,16 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
         rc = TD_ENOMEM;
         goto fail;
     }
-    build_rope_freq(hp, m->rope_freq, factors);
+    build_rope_freq(hp, hp->rope_base, hp->rope_scale, m->rope_freq, factors);
     free(factors);
+    if (hp->swa_window > 0) {
+        m->rope_freq_swa = malloc((size_t)(hp->n_rot / 2) * sizeof *m->rope_freq_swa);
+        if (!m->rope_freq_swa) {
+            rc = TD_ENOMEM;
+            goto fail;
+        }
+        build_rope_freq(hp, hp->rope_base_swa, 1.0f, m->rope_freq_swa, NULL);
+    }
     *out = m;
     return 0;
 fail:
@@ -455,6 +509,8 @@ void kn_model_destroy(kn_model *m)
             free(ly->bv);
             free(ly->q_norm);
             free(ly->k_norm);
+            free(ly->attn_post_norm);
+            free(ly->ffn_post_norm);
         }
     }
     free(m->layers);
@@ -463,6 +519,7 @@ void kn_model_destroy(kn_model *m)
     free(m->owned);
     free(m->output_norm);
     free(m->rope_freq);
+    free(m->rope_freq_swa);
     free(m);
 }
 

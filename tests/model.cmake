@@ -3,7 +3,7 @@ add_executable(test_model_split ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_model_s
 target_link_libraries(test_model_split PRIVATE td_kernels td_common)
 
 if(TANDEM_PYTHON)
-  foreach(arch llama qwen2 qwen3)
+  foreach(arch llama qwen2 qwen3 gemma3)
     set(extra "")
     if(arch STREQUAL "llama")
       set(extra --rope-freqs)

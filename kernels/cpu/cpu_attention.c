@@ -303,6 +303,7 @@ typedef struct {
     td_dtype kv_type;
     int block_size, n_heads, n_kv_heads, head_dim;
     float scale;
+    int window;                  /* > 0: token at p sees keys [p - window + 1, p] only */
     const int32_t *pos, *seq_of; /* (m) */
     const kn_seq_view *seqs;
     float *out;        /* (m, n_heads, head_dim) */
@@ -316,6 +317,14 @@ typedef struct {
     float *part_state;  /* (n_parts, 2, slot_floats) */
     size_t slot_floats; /* 2 * rep + rep * head_dim, rep = min(n_rep, ATT_MAX_REP) */
 } att_job;
+
+/* First key token t attends to: 0, or the start of its sliding window. Keys before it are
+ * simply not visited (no mask), so a windowed layer also costs only window keys. */
+static int64_t key_lo(const att_job *J, int64_t t)
+{
+    const int64_t lo = J->window > 0 ? (int64_t)J->pos[t] + 1 - J->window : 0;
+    return lo > 0 ? lo : 0;
+}
 
 /* The q heads [h0, h0 + nr) of item j, and its token. */
 static void item_heads(const att_job *J, int64_t j, int64_t *tok, int *g, int *h0, int *nr)
@@ -435,7 +444,9 @@ static void att_parts(void *arg, int64_t p0, int64_t p1, int tid)
         int used = 0;
         int64_t start = 0; /* line offset of the current token's first item */
         for (int64_t t = 0; t < J->m && start < c1; t++) {
-            const int64_t nk = (int64_t)J->pos[t] + 1, cost = nk + ATT_ITEM_COST;
+            /* the item's keys are [lo, lo + nk); the line counts them from lo */
+            const int64_t lo = key_lo(J, t);
+            const int64_t nk = (int64_t)J->pos[t] + 1 - lo, cost = nk + ATT_ITEM_COST;
             assert(J->pos[t] >= 0 && J->pos[t] < J->seqs[J->seq_of[t]].n_ctx);
             if (start + cost * J->items_per_tok <= c0) {
                 start += cost * J->items_per_tok;
@@ -448,7 +459,7 @@ static void att_parts(void *arg, int64_t p0, int64_t p1, int tid)
                 kb = kb < 0 ? 0 : (kb > nk ? nk : kb);
                 if (ka >= kb) continue;
                 const int64_t j = t * J->items_per_tok + c;
-                item_run(J, j, ka, kb, &st);
+                item_run(J, j, lo + ka, lo + kb, &st);
                 if (ka == 0 && kb == nk) {
                     state_write_out(J, j, &st);
                     continue;
@@ -497,7 +508,7 @@ static void merge_parts(const att_job *J)
 
 void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int head_dim,
-                      float scale, int64_t m, const int32_t *pos, const int32_t *seq_of,
+                      float scale, int window, int64_t m, const int32_t *pos, const int32_t *seq_of,
                       const kn_seq_view *seqs, float *out)
 {
     assert(kv_type == TD_F32 || kv_type == TD_F16);
@@ -515,6 +526,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
                  .n_kv_heads = n_kv_heads,
                  .head_dim = head_dim,
                  .scale = scale,
+                 .window = window,
                  .pos = pos,
                  .seq_of = seq_of,
                  .seqs = seqs,
@@ -524,7 +536,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
     J.n_chunk = (J.n_rep + ATT_MAX_REP - 1) / ATT_MAX_REP;
     J.items_per_tok = n_kv_heads * J.n_chunk;
     for (int64_t t = 0; t < m; t++)
-        J.total += ((int64_t)pos[t] + 1 + ATT_ITEM_COST) * J.items_per_tok;
+        J.total += ((int64_t)pos[t] + 1 - key_lo(&J, t) + ATT_ITEM_COST) * J.items_per_tok;
 
     const int rep = J.n_rep < ATT_MAX_REP ? J.n_rep : ATT_MAX_REP;
     const int64_t work = J.total * rep * head_dim;

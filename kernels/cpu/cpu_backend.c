@@ -14,6 +14,7 @@ static const kn_backend_ops cpu_ops = {
     .rmsnorm = kn_cpu_rmsnorm,
     .rope = kn_cpu_rope,
     .swiglu = kn_cpu_swiglu,
+    .geglu = kn_cpu_geglu,
     .kv_write = kn_cpu_kv_write,
     .attention = kn_cpu_attention,
     .get_rows = kn_cpu_get_rows,

@@ -1,6 +1,6 @@
-/* cpu_ops.c: the CPU backend's row-wise element ops: rmsnorm, rope and swiglu.
+/* cpu_ops.c: the CPU backend's row-wise element ops: rmsnorm, rope, swiglu and geglu.
  *
- * All three are memory-bound at decode sizes, so they only fan out to the pool when a call
+ * All of them are memory-bound at decode sizes, so they only fan out to the pool when a call
  * carries enough rows to pay for waking the workers (prefill). The SIMD paths use AVX2 +
  * FMA (present in both the native and the portable build); a scalar path covers the rest.
  */
@@ -179,4 +179,28 @@ void kn_cpu_swiglu(void *ctx, const float *gate, const float *up, float *out, in
     assert(m >= 0 && n > 0);
     swiglu_job J = {.gate = gate, .up = up, .out = out, .n = n};
     kn_pool_run(kn_cpu_pool(ctx), m, min_rows_per_thread(n), swiglu_rows, &J);
+}
+
+/* ---- geglu ---- */
+
+/* GELU with the tanh approximation, as ggml_gelu and Hugging Face's gelu_pytorch_tanh that
+ * gemma uses: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+static void geglu_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    const swiglu_job *J = arg;
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+    const float *g = J->gate, *u = J->up;
+    float *o = J->out;
+    for (int64_t j = i0 * J->n; j < i1 * J->n; j++) {
+        const float x = g[j];
+        o[j] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * u[j];
+    }
+    (void)tid;
+}
+
+void kn_cpu_geglu(void *ctx, const float *gate, const float *up, float *out, int64_t m, int64_t n)
+{
+    assert(m >= 0 && n > 0);
+    swiglu_job J = {.gate = gate, .up = up, .out = out, .n = n};
+    kn_pool_run(kn_cpu_pool(ctx), m, min_rows_per_thread(n), geglu_rows, &J);
 }

@@ -217,7 +217,7 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
         kn_cpu_kv_write(c, F->kpool, F->vpool, C.kv_type, bs, nkv, hd, B.k, B.v, B.m, B.pos,
                         B.seq_of, views);
         kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, nh, nkv, hd,
-                         1.0f / sqrtf((float)hd), B.m, B.pos, B.seq_of, views, B.out);
+                         1.0f / sqrtf((float)hd), 0, B.m, B.pos, B.seq_of, views, B.out);
         for (int64_t i = 0; i < B.m; i++) {
             const int s = B.seq_of[i], p = B.pos[i];
             const float *ref = F->ref[s] + (size_t)p * nh * hd;
@@ -347,8 +347,8 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         double t0 = now_s();
-        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, hd, 0.125f, m, pos + ctx - m, seq_of, &view,
-                         out);
+        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, hd, 0.125f, 0, m, pos + ctx - m, seq_of,
+                         &view, out);
         double dt = now_s() - t0;
         best = dt < best ? dt : best;
     }

@@ -9,6 +9,9 @@ numpy reference in ref_forward.py can compute the same function independently:
   qwen2   NEOX rope (pairs i, i+d/2), Q/K/V biases
   qwen3   NEOX rope, per-head RMSNorm of Q and K (attn_q_norm / attn_k_norm), explicit
           attention.key_length/value_length (head_dim != n_embd / n_head by default)
+  gemma3  qwen3's attention plus post_attention_norm / post_ffw_norm, GELU FFN, embeddings
+          scaled by sqrt(n_embd) at run time, attention.sliding_window (SWA_WINDOW, small
+          so that the test prompts cross it) on all layers but every 6th
 
 Default shapes split evenly for PP 2/3 (6 layers) and TP 2/4 (8 query heads, 4 KV heads,
 n_ff 512), and every row-parallel slice (attn_output, ffn_down columns) stays a whole
@@ -18,7 +21,7 @@ The tokenizer is a minimal valid GPT-2 style byte-level BPE (pre "smollm"): 3 sp
 tokens, the 256 byte tokens in GPT-2 byte-to-unicode form, then merged tokens learned by a
 few BPE steps on a fixed English text until the vocabulary is full.
 
-Usage: make_synth.py --out PATH --arch llama|qwen2|qwen3 [--rope-freqs] [--tied]
+Usage: make_synth.py --out PATH --arch llama|qwen2|qwen3|gemma3 [--rope-freqs] [--tied]
                      [--types mixed|f32] [--seed N] [--tiny]
        make_synth.py --suite DIR     the models the tests use (see SUITE), plus
                                      llama.expect for the GGUF reader test
@@ -70,8 +73,14 @@ TINY_SHAPES = dict(n_embd=32, n_head=1, n_head_kv=1, head_dim=32, n_ff=32, n_lay
 # meets 6 of them over the 6 layers, and every type appears 5 or 6 times.
 MIXED_CYCLE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.F16, QT.BF16, QT.F32]
 # Embedding / LM-head types per architecture in --types mixed.
-MIXED_EMBD = {"llama": QT.Q8_0, "qwen2": QT.Q4_0, "qwen3": QT.BF16}
-MIXED_OUTPUT = {"llama": QT.Q4_1, "qwen2": QT.F16, "qwen3": QT.Q8_0}
+MIXED_EMBD = {"llama": QT.Q8_0, "qwen2": QT.Q4_0, "qwen3": QT.BF16, "gemma3": QT.Q8_0}
+MIXED_OUTPUT = {"llama": QT.Q4_1, "qwen2": QT.F16, "qwen3": QT.Q8_0, "gemma3": QT.Q5_0}
+# gemma3's sliding window in the synthetic model: the 9- and 40-token prompts cross it
+SWA_WINDOW = 8
+# gemma3's post-norm weights: the blocks' outputs (rms ~ this after their post-norm) must
+# outweigh the tied embedding scaled by sqrt(n_embd) (rms ~2), or every logit is dominated
+# by the current token's own embedding and greedy decoding repeats it
+POST_NORM = 3.0
 
 
 def bytes_to_unicode():
@@ -198,12 +207,14 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    if arch == "qwen3" or hd * n_head != n_embd:
+    if arch in ("qwen3", "gemma3") or hd * n_head != n_embd:
         w.add_key_length(hd)
         w.add_value_length(hd)
     w.add_rope_freq_base(freq_base)
     w.add_layer_norm_rms_eps(eps)
     w.add_rope_dimension_count(hd)
+    if arch == "gemma3":
+        w.add_sliding_window(SWA_WINDOW)
     w.add_vocab_size(n_vocab)
     w.add_file_type(0 if types == "f32" else 1)
 
@@ -236,8 +247,8 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     def normal(shape, scale):
         return rng.standard_normal(shape).astype(np.float32) * np.float32(scale)
 
-    def norm_weight(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    def norm_weight(n, scale=1.0):
+        return (scale * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32)
 
     def row_par(name, rows, cols, std):
         """A row-parallel matrix (split by columns under TP): Q6_K in --types kquant, so
@@ -253,7 +264,8 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     # A tied embedding doubles as the LM head: scaled down like one, or every logit would
     # be dominated by the current token's own embedding and greedy decoding would repeat it.
     embd_t = MIXED_EMBD[arch] if types != "f32" else QT.F32
-    embd_scale = 2.0 / np.sqrt(n_embd) if tied else 1.0
+    # gemma3 multiplies the embedding by sqrt(n_embd) at run time: scaled down the same way
+    embd_scale = 2.0 / np.sqrt(n_embd) if tied or arch == "gemma3" else 1.0
     add_matrix(w, "token_embd.weight", normal((n_vocab, n_embd), embd_scale), embd_t)
     w.add_tensor("output_norm.weight", norm_weight(n_embd))
     if not tied:
@@ -276,14 +288,18 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
             w.add_tensor(p + "attn_q.bias", normal(n_head * hd, 0.1))
             w.add_tensor(p + "attn_k.bias", normal(n_kv * hd, 0.1))
             w.add_tensor(p + "attn_v.bias", normal(n_kv * hd, 0.1))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             w.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
         row_par(p + "attn_output.weight", n_embd, n_head * hd, 0.5 / np.sqrt(n_head * hd))
+        if arch == "gemma3":
+            w.add_tensor(p + "post_attention_norm.weight", norm_weight(n_embd, POST_NORM))
         w.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
         add_matrix(w, p + "ffn_gate.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
         add_matrix(w, p + "ffn_up.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
         row_par(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
+        if arch == "gemma3":
+            w.add_tensor(p + "post_ffw_norm.weight", norm_weight(n_embd, POST_NORM))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -299,6 +315,9 @@ SUITE = {
     "qwen2.gguf": dict(arch="qwen2", tied=False, types="mixed", seed=1),
     "qwen3.gguf": dict(arch="qwen3", tied=True, types="mixed", seed=1, head_dim=64),
     "llama-f32.gguf": dict(arch="llama", tied=True, types="f32", seed=3),
+    # untied: with the tied head and the sqrt(n_embd) embedding scale, random weights make
+    # every greedy step repeat the current token (the real gemma3 file tests the tied head)
+    "gemma3.gguf": dict(arch="gemma3", tied=False, types="mixed", seed=1, head_dim=64),
 }
 
 
@@ -315,7 +334,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", metavar="DIR", help="write the test suite's models into DIR")
     ap.add_argument("--out")
-    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3"])
+    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3"])
     ap.add_argument("--rope-freqs", action="store_true", help="add llama3 rope_freqs.weight")
     ap.add_argument("--tied", action="store_true", help="no output.weight (LM head = token_embd)")
     ap.add_argument("--types", choices=["mixed", "f32", "kquant"], default="mixed",
@@ -332,7 +351,7 @@ def main():
     if not a.out or not a.arch:
         ap.error("--out and --arch are required (or --suite DIR)")
     head_dim = a.head_dim
-    if head_dim is None and a.arch == "qwen3" and not a.tiny:
+    if head_dim is None and a.arch in ("qwen3", "gemma3") and not a.tiny:
         head_dim = 64
     shapes = dict(TINY_SHAPES if a.tiny else DEFAULT_SHAPES)
     if a.n_ff is not None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ref_forward.py: an independent numpy forward pass of Llama-family GGUF models.
+"""ref_forward.py: an independent numpy forward pass of Llama-family and Gemma 3 GGUF models.
 
 This is the reference the engine is tested against. It shares no code with the engine:
 weights are read with gguf.GGUFReader and dequantized with gguf.quants.dequantize, and the
@@ -17,6 +17,17 @@ math follows llama.cpp's graph for these architectures:
               h = rmsnorm(x) * ffn_norm
               x = x + Wdown (silu(Wgate h) * Wup h)
   logits = Wout (rmsnorm(x) * output_norm)           (no output.weight: Wout = token_embd)
+
+gemma3 (from llama.cpp's src/models/gemma3-iswa.cpp and the gemma3 case of
+src/llama-model.cpp's load_hparams; Hugging Face's Gemma3 modelling says the same):
+  x = token_embd[ids] * sqrt(n_embd)
+  q, k per-head RMSNorm (attn_q_norm / attn_k_norm) before NEOX rope
+  scores scaled by 1/sqrt(head_dim)
+  sliding-window layers (all but every 6th, when attention.sliding_window is set): query at
+  p sees keys p - window < j <= p, rope base 10000 unscaled; global layers: rope.freq_base
+  x = x + rmsnorm(Wo a) * post_attention_norm
+  x = x + rmsnorm(Wdown (gelu_tanh(Wgate h) * Wup h)) * post_ffw_norm
+  (norm weights are stored with Gemma's +1 already added by the converter: used as is)
 
 Python API:
   logits_last(path, ids) -> np.ndarray (n_vocab,) float32
@@ -55,7 +66,7 @@ class RefModel:
         self.dtype = dtype
         r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3"):
+        if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
             raise ValueError(f"{path}: unsupported architecture {arch!r}")
         self.arch = arch
         hp = lambda k, d=None: _field(r, f"{arch}.{k}", d)  # noqa: E731
@@ -65,9 +76,12 @@ class RefModel:
         self.n_head_kv = int(hp("attention.head_count_kv", self.n_head))
         self.head_dim = int(hp("attention.key_length", self.n_embd // self.n_head))
         self.n_rot = int(hp("rope.dimension_count", self.head_dim))
-        self.eps = float(hp("attention.layer_norm_rms_epsilon", 1e-5))
+        self.eps = float(hp("attention.layer_norm_rms_epsilon",
+                            1e-6 if arch == "gemma3" else 1e-5))
         self.freq_base = float(hp("rope.freq_base", 10000.0))
-        self.neox = arch in ("qwen2", "qwen3")
+        self.neox = arch in ("qwen2", "qwen3", "gemma3")
+        self.gemma = arch == "gemma3"
+        self.window = int(hp("attention.sliding_window", 0) or 0) if self.gemma else 0
         self.eos = _field(r, "tokenizer.ggml.eos_token_id")
         types = _field(r, "tokenizer.ggml.token_type")
         # tokens that end generation in llama.cpp: the EOS and the control tokens
@@ -94,6 +108,7 @@ class RefModel:
         if ff is not None:
             inv = inv / ff.astype(np.float64)
         self.inv_freq = inv                             # (n_rot/2,)
+        self.inv_freq_swa = 10000.0 ** (-2.0 * i / self.n_rot)
 
         self.layers = []
         for il in range(self.n_layer):
@@ -105,6 +120,8 @@ class RefModel:
                 L[k + ".bias"] = W(p + k + ".bias", required=False)
             L["attn_q_norm"] = W(p + "attn_q_norm.weight", required=False)
             L["attn_k_norm"] = W(p + "attn_k_norm.weight", required=False)
+            L["post_attention_norm"] = W(p + "post_attention_norm.weight", required=self.gemma)
+            L["post_ffw_norm"] = W(p + "post_ffw_norm.weight", required=self.gemma)
             self.layers.append(L)
 
     # -- pieces ---------------------------------------------------------------------
@@ -113,9 +130,13 @@ class RefModel:
         ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
         return (x / np.sqrt(ms + self.eps)).astype(self.dtype) * w
 
-    def rope(self, x, pos):
+    def is_swa(self, il):
+        return self.window > 0 and il % 6 != 5
+
+    def rope(self, x, pos, inv_freq=None):
         """x (T, heads, head_dim) rotated in place over the first n_rot dims; pos (T,)."""
-        ang = pos[:, None].astype(np.float64) * self.inv_freq[None, :]   # (T, n_rot/2)
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        ang = pos[:, None].astype(np.float64) * inv_freq[None, :]       # (T, n_rot/2)
         cos = np.cos(ang)[:, None, :].astype(self.dtype)
         sin = np.sin(ang)[:, None, :].astype(self.dtype)
         half = self.n_rot // 2
@@ -140,12 +161,19 @@ class RefModel:
         past = cache[0][0].shape[1] if cache else 0
         pos = np.arange(past, past + T)
         x = self.tok_embd[ids].astype(self.dtype)                        # (T, n_embd)
+        if self.gemma:
+            x = x * self.dtype(np.sqrt(self.n_embd))
         H, KV, hd = self.n_head, self.n_head_kv, self.head_dim
         g = H // KV
         scale = 1.0 / np.sqrt(hd)
         # causal mask over (T, past + T): query t sees keys j <= past + t
         mask = np.arange(past + T)[None, :] > (past + np.arange(T))[:, None]
+        # sliding window: also masked when the key is window or more positions back
+        mask_swa = mask | (np.arange(past + T)[None, :]
+                           <= (past + np.arange(T))[:, None] - max(self.window, 1))
         for il, L in enumerate(self.layers):
+            swa = self.is_swa(il)
+            inv = self.inv_freq_swa if swa else self.inv_freq
             h = self.rmsnorm(x, L["attn_norm"])
             q = h @ L["attn_q"].T                                        # (T, H*hd)
             k = h @ L["attn_k"].T                                        # (T, KV*hd)
@@ -160,8 +188,8 @@ class RefModel:
             if L["attn_q_norm"] is not None:
                 q = self.rmsnorm(q, L["attn_q_norm"])
                 k = self.rmsnorm(k, L["attn_k_norm"])
-            q = self.rope(np.array(q), pos)
-            k = self.rope(np.array(k), pos)
+            q = self.rope(np.array(q), pos, inv)
+            k = self.rope(np.array(k), pos, inv)
             k = k.transpose(1, 0, 2)                                     # (KV, T, hd)
             v = v.transpose(1, 0, 2)
             if len(cache) > il:
@@ -173,18 +201,30 @@ class RefModel:
                 cache.append((K, V))
             qh = q.transpose(1, 0, 2).reshape(KV, g, T, hd)              # (KV, g, T, hd)
             s = np.einsum("kgtd,ksd->kgts", qh, K).astype(np.float64) * scale
-            s[..., mask] = -np.inf
+            s[..., mask_swa if swa else mask] = -np.inf
             s = s - s.max(axis=-1, keepdims=True)
             p = np.exp(s)
             p = (p / p.sum(axis=-1, keepdims=True)).astype(self.dtype)
             a = np.einsum("kgts,ksd->kgtd", p, V)                        # (KV, g, T, hd)
             a = a.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, H * hd)
-            x = x + a @ L["attn_output"].T
+            o = a @ L["attn_output"].T
+            if self.gemma:
+                o = self.rmsnorm(o, L["post_attention_norm"])
+            x = x + o
             h = self.rmsnorm(x, L["ffn_norm"])
             gate = h @ L["ffn_gate"].T                                   # (T, n_ff)
             up = h @ L["ffn_up"].T
-            act = gate / (1.0 + np.exp(-gate.astype(np.float64))).astype(self.dtype) * up
-            x = x + act @ L["ffn_down"].T
+            if self.gemma:
+                g64 = gate.astype(np.float64)
+                gl = 0.5 * g64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi)
+                                                * (g64 + 0.044715 * g64 ** 3)))
+                act = gl.astype(self.dtype) * up
+            else:
+                act = gate / (1.0 + np.exp(-gate.astype(np.float64))).astype(self.dtype) * up
+            f = act @ L["ffn_down"].T
+            if self.gemma:
+                f = self.rmsnorm(f, L["post_ffw_norm"])
+            x = x + f
         last = self.rmsnorm(x[-1:], self.output_norm)                    # (1, n_embd)
         return (last @ self.output.T)[0].astype(np.float32)              # (n_vocab,)
 
