@@ -77,6 +77,7 @@ static td_chat_family detect(const char *t, size_t n, td_llama2_variant *v)
     }
     if (contains(t, n, "<|start_header_id|>") && contains(t, n, "<|end_header_id|>"))
         return TD_CHAT_LLAMA3;
+    if (contains(t, n, "<start_of_turn>")) return TD_CHAT_GEMMA;
     return TD_CHAT_UNKNOWN;
 }
 
@@ -136,6 +137,37 @@ static void sb_trimmed(td_sbuf *b, const char *s)
     while (n > i && strchr(" \t\n\v\f\r", s[n - 1]))
         n--;
     sb_add(b, s + i, n - i);
+}
+
+/* Gemma (as llama.cpp's LLM_CHAT_TEMPLATE_GEMMA renders it): no system role, so system
+ * messages are collected (trimmed) and put before the next user turn's text; "assistant" is
+ * "model"; contents trimmed; every turn "<start_of_turn>ROLE\n...<end_of_turn>\n". */
+static void render_gemma(td_sbuf *b, const td_chat_msg *msgs, size_t n, bool add_generation_prompt)
+{
+    td_sbuf sys = {0};
+    sb_add(&sys, "", 0);
+    for (size_t i = 0; i < n; i++) {
+        const char *role = msgs[i].role;
+        if (strcmp(role, "system") == 0) {
+            sb_trimmed(&sys, msgs[i].content);
+            continue;
+        }
+        bool model = strcmp(role, "assistant") == 0;
+        sb_str(b, "<start_of_turn>");
+        sb_str(b, model ? "model" : role);
+        sb_str(b, "\n");
+        if (sys.n && !model) {
+            sb_str(b, sys.v);
+            sb_str(b, "\n\n");
+            sys.n = 0;
+            sys.v[0] = 0;
+        }
+        sb_trimmed(b, msgs[i].content);
+        sb_str(b, "<end_of_turn>\n");
+    }
+    if (sys.oom) b->oom = true;
+    free(sys.v);
+    if (add_generation_prompt) sb_str(b, "<start_of_turn>model\n");
 }
 
 int td_chat_render(const char *tmpl, size_t tmpl_len, const td_chat_msg *msgs, size_t n,
@@ -209,11 +241,15 @@ int td_chat_render(const char *tmpl, size_t tmpl_len, const td_chat_msg *msgs, s
         }
         break;
     }
+    case TD_CHAT_GEMMA:
+        render_gemma(&b, msgs, n, add_generation_prompt);
+        break;
     case TD_CHAT_UNKNOWN:
     default:
         free(b.v);
-        TD_LOG_ERR("chat: unsupported chat template (not chatml, llama3 or llama2): '%.*s%s'",
-                   tmpl_len > 60 ? 60 : (int)tmpl_len, tmpl, tmpl_len > 60 ? "..." : "");
+        TD_LOG_ERR(
+            "chat: unsupported chat template (not chatml, llama3, llama2 or gemma): '%.*s%s'",
+            tmpl_len > 60 ? 60 : (int)tmpl_len, tmpl, tmpl_len > 60 ? "..." : "");
         return TD_EUNSUPP;
     }
     if (b.oom) {

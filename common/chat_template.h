@@ -6,7 +6,8 @@
  * llm_chat_detect_template does, and each family is rendered by fixed code:
  *   chatml ("<|im_start|>": SmolLM2, Qwen), llama3 ("<|start_header_id|>" and
  *   "<|end_header_id|>"), llama2 ("[INST]", with its <<SYS>> / BOS-in-history / strip
- *   variants).
+ *   variants), gemma ("<start_of_turn>": Gemma 1-3; no system role, a system message is
+ *   prepended to the next user turn, "assistant" is "model").
  * A chatml template that writes a literal default system message when the conversation
  * has none (SmolLM2's "You are a helpful AI assistant named SmolLM, ...") gets that text,
  * extracted from the template string, so the output equals what the Jinja template gives.
@@ -30,6 +31,7 @@ typedef enum {
     TD_CHAT_CHATML,
     TD_CHAT_LLAMA3,
     TD_CHAT_LLAMA2,
+    TD_CHAT_GEMMA,
 } td_chat_family;
 
 /* Family of a template string (TD_CHAT_UNKNOWN if not recognised). */

@@ -524,9 +524,10 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
     if (parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
     if (seen[R_LISTEN] && check_listen(p, seen[R_LISTEN], r->listen)) return p->rc;
     const char *t = r->chat_template;
-    if (*t && strcmp(t, "chatml") && strcmp(t, "llama3") && strcmp(t, "llama2"))
+    if (*t && strcmp(t, "chatml") && strcmp(t, "llama3") && strcmp(t, "llama2") &&
+        strcmp(t, "gemma"))
         return fail(p, seen[R_TEMPLATE],
-                    "unknown chat_template '%s' (known: chatml, llama3, llama2; empty: the "
+                    "unknown chat_template '%s' (known: chatml, llama3, llama2, gemma; empty: the "
                     "model's)",
                     t);
     /* the default deadline follows a smaller maximum; an explicit one must fit under it */

@@ -77,9 +77,11 @@ static int load_model(rt_router *r)
         r->model.tmpl = !strcmp(forced, "chatml")   ? "<|im_start|>"
                         : !strcmp(forced, "llama3") ? "<|start_header_id|><|end_header_id|>"
                         : !strcmp(forced, "llama2") ? "[INST] <<SYS>>"
+                        : !strcmp(forced, "gemma")  ? "<start_of_turn>"
                                                     : NULL;
         if (!r->model.tmpl) {
-            TD_LOG_ERR("router: router.chat_template '%s' is not chatml, llama3 or llama2", forced);
+            TD_LOG_ERR("router: router.chat_template '%s' is not chatml, llama3, llama2 or gemma",
+                       forced);
             return TD_EUNSUPP;
         }
         r->model.tmpl_len = strlen(r->model.tmpl);
@@ -87,13 +89,13 @@ static int load_model(rt_router *r)
         if (td_gguf_get_str(r->gguf, "tokenizer.chat_template", &r->model.tmpl,
                             &r->model.tmpl_len)) {
             TD_LOG_ERR("router: model '%s' has no chat template; name one in router.chat_template "
-                       "(chatml, llama3, llama2)",
+                       "(chatml, llama3, llama2, gemma)",
                        r->cfg->model);
             return TD_EUNSUPP;
         }
         if (td_chat_detect(r->model.tmpl, r->model.tmpl_len) == TD_CHAT_UNKNOWN) {
             TD_LOG_ERR("router: the chat template of '%s' is not a known one; name one in "
-                       "router.chat_template (chatml, llama3, llama2)",
+                       "router.chat_template (chatml, llama3, llama2, gemma)",
                        r->cfg->model);
             return TD_EUNSUPP;
         }

@@ -111,6 +111,20 @@ static void test_llama2(void)
     check_render(strip, m, 1, true, "[INST] A [/INST]");
 }
 
+static void test_gemma(void)
+{
+    /* Gemma 3's template (abridged): the marker is what detection needs */
+    const char *t = "{{ bos_token }}{% for message in loop_messages %}<start_of_turn>"
+                    "{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}";
+    TH_CHECK(td_chat_detect(t, strlen(t)) == TD_CHAT_GEMMA);
+    /* llama.cpp's rendering: the system text joins the next user turn, assistant is model */
+    check_render(t, conv2, 4, true,
+                 "<start_of_turn>user\nS\n\nA<end_of_turn>\n<start_of_turn>model\nB<end_of_turn>\n"
+                 "<start_of_turn>user\nC<end_of_turn>\n<start_of_turn>model\n");
+    const td_chat_msg m[] = {{"user", " hi \n"}};
+    check_render(t, m, 1, false, "<start_of_turn>user\nhi<end_of_turn>\n");
+}
+
 static void test_errors(void)
 {
     char *out = (char *)1;
@@ -188,6 +202,7 @@ int main(int argc, char **argv)
     TH_RUN(test_chatml);
     TH_RUN(test_llama3);
     TH_RUN(test_llama2);
+    TH_RUN(test_gemma);
     TH_RUN(test_errors);
     TH_EXIT();
 }
