@@ -172,8 +172,9 @@ def run_shape(args, name, env_extra):
     try:
         r = cl.up(timeout=args.up_timeout)
         ok = r.returncode == 0
-        if not check(ok, f"{name}: tandem up -d: ready in {time.time() - t0:.1f} s" +
-                     ("" if ok else f" ({r.stderr.strip()[-600:]})")):
+        said = " | ".join(r.stderr.strip().splitlines()[-4:])  # the error lines of `up`
+        if not check(ok, f"{name}: tandem up -d: " + (f"ready in {time.time() - t0:.1f} s" if ok
+                         else f"failed after {time.time() - t0:.1f} s: {said}")):
             return None, time.time() - t0
         answers = {}
         for pname, path, body in PROMPTS:
