@@ -9,6 +9,9 @@
 #   dequant       `tandem dequant` vs gguf.quants.dequantize, bit-exact (Q4_1 and Q5_1
 #                 within the FMA bound, see test_dequant.py)
 #   dequant_kquant  the same for random Q4_K/Q5_K/Q6_K super-blocks (test_kquant_ref.py)
+#   reference_qwen05  `reference` on Qwen2.5-Coder 0.5B Q4_K_M (TANDEM_MODEL_QWEN05; Q5_0,
+#                 Q8_0, Q4_K, Q6_K weights; scripts/test.sh fetches it): two chat prompts and
+#                 the long text prompt (about 5 min of the numpy reference on 2 cores)
 # Nothing here is registered without TANDEM_PYTHON; the default-model parts are skipped
 # without TANDEM_MODEL.
 if(NOT TANDEM_PYTHON)
@@ -61,3 +64,10 @@ set_tests_properties(dequant PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 9
 add_test(NAME dequant_kquant
   COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_kquant_ref.py --tandem "${TANDEM_BIN}")
 set_tests_properties(dequant_kquant PROPERTIES TIMEOUT 300 ENVIRONMENT "${TANDEM_PY_ENV}")
+
+if(TANDEM_MODEL_QWEN05)
+  add_test(NAME reference_qwen05
+    COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_reference.py --tandem "${TANDEM_BIN}"
+            --model ${TANDEM_MODEL_QWEN05} --label qwen0.5b --prompts 0,1,6)
+  set_tests_properties(reference_qwen05 PROPERTIES TIMEOUT 1800 ENVIRONMENT "${TANDEM_PY_ENV}")
+endif()

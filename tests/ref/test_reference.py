@@ -17,7 +17,8 @@ ids (tokenized here with the GGUF's vocabulary, independent of the C tokenizer):
 Prints every check's figures, the worst error, and "reference: N passed, M failed";
 exits 1 if anything failed (including a missing or crashing engine).
 
-Usage: test_reference.py --tandem BIN [--model PATH] [--synth-dir DIR] [--threads N]
+Usage: test_reference.py --tandem BIN [--model PATH [--prompts 0,1,6] [--label NAME]]
+                         [--synth-dir DIR] [--threads N]
 """
 import argparse
 import os
@@ -199,6 +200,10 @@ def main():
     ap.add_argument("--n-gen", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600, help="per engine call, seconds")
+    ap.add_argument("--prompts", default="",
+                    help="--model prompts to run, by index (e.g. 0,1,6; empty: all): the numpy "
+                         "reference of a larger model costs ~30 s per prompt on 2 cores")
+    ap.add_argument("--label", default="default", help="name of the --model in the report")
     a = ap.parse_args()
 
     if not os.access(a.tandem, os.X_OK):
@@ -215,7 +220,13 @@ def main():
         enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
         prompts = [enc(ref_tokenizer.chatml(p)) for p in CHAT_PROMPTS]
         prompts += [enc(p) for p in TEXT_PROMPTS]
-        r.run_model("default", a.model, prompts)
+        if a.prompts:
+            keep = [int(i) for i in a.prompts.split(",")]
+            if any(i < 0 or i >= len(prompts) for i in keep):
+                print(f"FAIL  --prompts {a.prompts}: indices are 0..{len(prompts) - 1}")
+                return 1
+            prompts = [prompts[i] for i in keep]
+        r.run_model(a.label, a.model, prompts)
     if a.synth_dir:
         for f in SYNTH_MODELS:
             path = os.path.join(a.synth_dir, f)
