@@ -260,9 +260,7 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
 
     if (m->first) {
         if ((rc = ops->get_rows(c, &m->tok_embd, b->tokens, n, e->x))) return rc;
-        if (m->hp.embd_scale != 1.0f)
-            for (int64_t i = 0; i < n * E; i++)
-                e->x[i] *= m->hp.embd_scale;
+        if (m->hp.embd_scale != 1.0f) ops->scale(c, e->x, n * E, m->hp.embd_scale);
     } else {
         memcpy(e->x, b->embd, (size_t)(n * E) * sizeof(float));
     }

@@ -95,6 +95,8 @@ typedef struct {
     void (*add)(void *ctx, float *y, const float *x, int64_t m, int64_t n);
     /* y (m, n) += b (n) on every row. */
     void (*add_row)(void *ctx, float *y, const float *b, int64_t m, int64_t n);
+    /* x (n) *= s (gemma3's embedding scale). */
+    void (*scale)(void *ctx, float *x, int64_t n, float s);
     /* dst (m, n) = src rows rows[i] (each of n floats). */
     void (*copy_rows)(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
                       float *dst);

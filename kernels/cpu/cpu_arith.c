@@ -1,4 +1,4 @@
-/* cpu_arith.c: the residual add, bias add and row gather of the CPU backend. These are
+/* cpu_arith.c: the residual add, bias add, scaling and row gather of the CPU backend. These are
  * memory-bound and small (m x n_embd floats), so they run on the calling thread. */
 #include <string.h>
 
@@ -16,6 +16,12 @@ void kn_cpu_add_row(void *ctx, float *y, const float *b, int64_t m, int64_t n)
     for (int64_t r = 0; r < m; r++)
         for (int64_t i = 0; i < n; i++)
             y[r * n + i] += b[i];
+}
+
+void kn_cpu_scale(void *ctx, float *x, int64_t n, float s)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= s;
 }
 
 void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,

@@ -20,6 +20,7 @@ static const kn_backend_ops cpu_ops = {
     .get_rows = kn_cpu_get_rows,
     .add = kn_cpu_add,
     .add_row = kn_cpu_add_row,
+    .scale = kn_cpu_scale,
     .copy_rows = kn_cpu_copy_rows,
 };
 

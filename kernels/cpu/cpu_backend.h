@@ -61,6 +61,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
 /* ---- implemented in cpu_arith.c ---- */
 void kn_cpu_add(void *ctx, float *y, const float *x, int64_t m, int64_t n);
 void kn_cpu_add_row(void *ctx, float *y, const float *b, int64_t m, int64_t n);
+void kn_cpu_scale(void *ctx, float *x, int64_t n, float s);
 void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
                       float *dst);
 
