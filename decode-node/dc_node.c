@@ -37,10 +37,14 @@ static int kv_blocks_of(const dc_node *n)
 {
     if (n->dcfg->kv_blocks > 0)
         return (int)(n->dcfg->kv_blocks > (1 << 30) ? 1 << 30 : n->dcfg->kv_blocks);
+    /* every rank sizes its blocks for the rank that holds the most KV heads, so that all
+     * ranks get the same number of blocks (the leader's block ids index every pool) */
+    const kn_hparams *hp = &n->model->hp;
     kn_kv_pool_params kp = kn_model_kv_params(n->model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
     size_t es = kp.type == TD_F16 ? 2 : 4;
-    size_t per_block = 2 * (size_t)kp.n_layers * (size_t)kp.n_kv_heads * (size_t)kp.block_size *
-                       (size_t)kp.head_dim * es;
+    size_t per_block = 2 * (size_t)kp.n_layers *
+                       (size_t)td_tp_max_kv_heads(hp->n_head, hp->n_head_kv, n->dcfg->tp) *
+                       (size_t)kp.block_size * (size_t)kp.head_dim * es;
     int64_t nb = n->dcfg->kv_memory / (int64_t)per_block;
     return nb > (1 << 30) ? 1 << 30 : (int)nb;
 }
@@ -108,7 +112,7 @@ static int setup(dc_node *n)
     TD_LOG_INFO("decode %s rank %d/%d: %s layers, %d heads/%d kv heads local, %d kv blocks of %d "
                 "(%s), %d threads",
                 p->instance, p->rank, n->dcfg->tp, kn_arch_name(n->model->hp.arch),
-                n->model->n_head_local, n->model->n_head_kv_local, n_blocks, n->dcfg->block_size,
+                n->model->heads.n_q, n->model->heads.n_kv, n_blocks, n->dcfg->block_size,
                 td_dtype_name(kv_type), kn_cpu_n_threads(n->cpu));
     return 0;
 }
@@ -136,9 +140,11 @@ static void xfer_teardown(dc_node *n)
     dc_xfer_destroy(n->xfer); /* the connectors first: they have the pools registered */
     n->xfer = NULL;
     for (int r = 1; n->peer_regions && r < n->dcfg->tp; r++)
-        kn_kv_region_unmap(n->peer_regions[r], n->region_bytes);
+        kn_kv_region_unmap(n->peer_regions[r], n->peer_bytes[r]);
     free(n->peer_regions);
+    free(n->peer_bytes);
     n->peer_regions = NULL;
+    n->peer_bytes = NULL;
 }
 
 static void teardown(dc_node *n)
@@ -277,33 +283,37 @@ static int follower_run(dc_node *n)
 static int xfer_setup(dc_node *n)
 {
     int tp = n->dcfg->tp;
+    const kn_hparams *hp = &n->model->hp;
     kn_kv_pool_params kp =
         kn_model_kv_params(n->model, n->kv->n_blocks, n->kv->block_size, n->kv->type);
-    n->region_bytes = n->kv->region_bytes;
     n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
-    if (!n->peer_regions) return TD_ENOMEM;
+    n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
+    if (!n->peer_regions || !n->peer_bytes) return TD_ENOMEM;
     n->peer_regions[0] = n->kv->region;
+    n->peer_bytes[0] = n->kv->region_bytes;
     for (int r = 1; r < tp; r++) {
         char name[256];
         int rc = dc_xfer_kv_shm_name(n->p->instance, n->token, r, dc_shm_rank_pid(n->shm, r), name,
                                      sizeof name);
+        td_tp_heads heads; /* rank r's pool holds its own number of KV heads */
+        if (!rc) rc = td_tp_heads_of_rank(hp->n_head, hp->n_head_kv, tp, r, &heads);
+        kp.n_kv_heads = heads.n_kv;
         kp.shm_name = name;
-        size_t bytes = 0;
         /* unlink at once: from now on the memory lives exactly as long as its mappings */
-        if (!rc) rc = kn_kv_region_map(&kp, true, &n->peer_regions[r], &bytes);
+        if (!rc) rc = kn_kv_region_map(&kp, true, &n->peer_regions[r], &n->peer_bytes[r]);
         if (rc) {
             TD_LOG_ERR("decode %s: cannot map rank %d's KV pool: %s", n->p->instance, r,
                        td_strerror(rc));
             return rc;
         }
     }
-    const kn_hparams *hp = &n->model->hp;
     dc_xfer_params xp = {
         .instance = n->p->instance,
         .tp = tp,
         .regions = n->peer_regions,
-        .region_bytes = n->region_bytes,
+        .region_bytes = n->peer_bytes,
         .n_layers = (uint32_t)hp->n_layer,
+        .n_heads = (uint32_t)hp->n_head,
         .n_kv_heads = (uint32_t)hp->n_head_kv,
         .head_dim = (uint32_t)hp->head_dim,
         .block_size = (uint32_t)n->kv->block_size,

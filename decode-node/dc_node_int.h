@@ -55,7 +55,8 @@ typedef struct {
     /* leader only */
     dc_xfer *xfer;       /* disaggregated mode: the KV-transfer plane of this formation */
     void **peer_regions; /* (tp) rank r > 0: its pool region mapped here */
-    size_t region_bytes;
+    size_t *peer_bytes;  /* (tp) bytes of each rank's region (they differ where ranks hold
+                          * different numbers of KV heads, common/td_tp.h) */
     td_ctrl_server *srv;
     dc_sched *sched;
     dc_route *routes; /* (n_routes) indexed by scheduler id */

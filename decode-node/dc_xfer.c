@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 
 #include "kvx_conn.h"
+#include "td_tp.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -38,13 +39,14 @@ struct dc_xfer {
 int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
 {
     *out = NULL;
-    if (p->tp < 1 || p->tp > KVX_MAX_RANKS || !p->regions) return TD_EINVAL;
+    if (p->tp < 1 || p->tp > KVX_MAX_RANKS || !p->regions || !p->region_bytes) return TD_EINVAL;
     dc_xfer *x = calloc(1, sizeof *x);
     if (!x) return TD_ENOMEM;
     x->p = *p;
     snprintf(x->instance, sizeof x->instance, "%s", p->instance ? p->instance : "?");
     x->p.instance = x->instance;
     x->p.regions = NULL; /* borrowed only during create: the connectors keep them */
+    x->p.region_bytes = NULL;
     x->conn = calloc((size_t)p->tp, sizeof *x->conn);
     if (!x->conn) {
         free(x);
@@ -59,12 +61,14 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
                         .head_dim = p->head_dim,
                         .dtype_size = p->dtype_size,
                         .n_blocks = p->n_blocks};
-        if ((rc = kvx_layout_heads_of_rank(p->n_kv_heads, (uint32_t)p->tp, (uint32_t)r, &l.head0,
-                                           &l.n_heads)) ||
-            kvx_layout_bytes(&l) != p->region_bytes) {
+        td_tp_heads h = {0};
+        rc = td_tp_heads_of_rank((int)p->n_heads, (int)p->n_kv_heads, p->tp, r, &h);
+        l.head0 = (uint32_t)h.kv0;
+        l.n_heads = (uint32_t)h.n_kv;
+        if (rc || kvx_layout_bytes(&l) != p->region_bytes[r]) {
             TD_LOG_ERR("decode %s: rank %d's KV pool (%zu bytes) does not match its kvxfer layout "
                        "(%zu bytes)",
-                       x->instance, r, p->region_bytes, kvx_layout_bytes(&l));
+                       x->instance, r, p->region_bytes[r], kvx_layout_bytes(&l));
             rc = TD_EINVAL;
             break;
         }
@@ -78,7 +82,7 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
          * to progress while the engine computes, and the leader loop must not spin */
         kvx_conn_params cp = {.timeout_ms = p->timeout_ms, .progress_thread = true};
         if ((rc = kvx_conn_create(pipe, &cp, &x->conn[r]))) break;
-        rc = kvx_dec_register(x->conn[r], p->regions[r], p->region_bytes, &l);
+        rc = kvx_dec_register(x->conn[r], p->regions[r], p->region_bytes[r], &l);
     }
     if (rc) {
         dc_xfer_destroy(x);

@@ -52,12 +52,13 @@
 #include <stdint.h>
 
 typedef struct {
-    const char *instance; /* for logs */
-    int tp;               /* ranks (1 .. KVX_MAX_RANKS) */
-    void *const *regions; /* (tp) rank r's KV pool region as mapped in this process */
-    size_t region_bytes;  /* bytes of each region (the same on every rank) */
-    uint32_t n_layers;    /* layers of the model (every rank holds all) */
-    uint32_t n_kv_heads;  /* KV heads of the model (rank r holds its tp slice) */
+    const char *instance;       /* for logs */
+    int tp;                     /* ranks (1 .. KVX_MAX_RANKS) */
+    void *const *regions;       /* (tp) rank r's KV pool region as mapped in this process */
+    const size_t *region_bytes; /* (tp) bytes of each region (borrowed during create) */
+    uint32_t n_layers;          /* layers of the model (every rank holds all) */
+    uint32_t n_heads;           /* query heads of the model */
+    uint32_t n_kv_heads;        /* KV heads of the model (rank r holds those of td_tp.h's rule) */
     uint32_t head_dim, block_size, dtype_size, n_blocks;
     const char *tls; /* UCX_TLS of the KV plane (cfg kvxfer.ucx_tls) */
     int timeout_ms;  /* deadline of a transfer, from dc_xfer_start (cfg kvxfer) */

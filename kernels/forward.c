@@ -73,7 +73,7 @@ static int reserve(kn_engine *e, int64_t n)
     free_scratch(e);
     const kn_model *m = e->m;
     int64_t E = m->hp.n_embd, HD = m->hp.head_dim;
-    int64_t nq = m->n_head_local * HD, nkv = m->n_head_kv_local * HD, F = m->n_ff_local;
+    int64_t nq = m->heads.n_q * HD, nkv = m->heads.n_kv * HD, F = m->n_ff_local;
     size_t fl = sizeof(float);
     e->x = malloc((size_t)(n * E) * fl);
     e->h = malloc((size_t)(n * E) * fl);
@@ -136,7 +136,7 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
         TD_LOG_ERR("batch lacks %s for this stage", m->first ? "tokens" : "input hidden states");
         return TD_EINVAL;
     }
-    if (kv->n_layers != m->shard.l1 - m->shard.l0 || kv->n_kv_heads != m->n_head_kv_local ||
+    if (kv->n_layers != m->shard.l1 - m->shard.l0 || kv->n_kv_heads != m->heads.n_kv ||
         kv->head_dim != m->hp.head_dim) {
         TD_LOG_ERR("kv pool shape (%d layers, %d heads, dim %d) does not match the shard",
                    kv->n_layers, kv->n_kv_heads, kv->head_dim);
@@ -206,7 +206,7 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     const kn_backend_ops *ops = e->be.ops;
     void *c = e->be.ctx;
     const int64_t n = b->n_tokens, solo = b->n_solo, E = hp->n_embd, HD = hp->head_dim;
-    const int nh = m->n_head_local, nkv = m->n_head_kv_local;
+    const int nh = m->heads.n_q, nkv = m->heads.n_kv;
     int rc;
 
     /* attention */
@@ -225,8 +225,9 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
     ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, nkv, (int)HD, e->k, e->v, n,
                   b->pos, b->seq_of, b->seqs);
-    ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, (int)HD,
-                   hp->attn_scale, swa ? hp->swa_window : 0, n, b->pos, b->seq_of, b->seqs, e->att);
+    ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, m->heads.group,
+                   m->heads.phase, (int)HD, hp->attn_scale, swa ? hp->swa_window : 0, n, b->pos,
+                   b->seq_of, b->seqs, e->att);
     if ((rc = matmul(e, &ly->wo, e->att, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
     /* gemma3 normalizes the (whole, reduced) attention output before the residual add */

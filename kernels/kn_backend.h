@@ -82,11 +82,14 @@ typedef struct {
      * attends to positions [0, pos[i]] of its sequence, or with window > 0 (sliding-window
      * layers) to the window positions [max(0, pos[i] - window + 1), pos[i]] only.
      * q (m, n_heads, head_dim), out (m, n_heads, head_dim). Head h reads KV head
-     * h / (n_heads / n_kv_heads). */
+     * (phase + h) / group of the n_kv_heads in the pool (common/td_tp.h: group is the
+     * model's query heads per KV head, phase the rank's offset into its first group; an
+     * unsplit model has group n_heads / n_kv_heads and phase 0). */
     void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
-                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int head_dim,
-                      float scale, int window, int64_t m, const int32_t *pos, const int32_t *seq_of,
-                      const kn_seq_view *seqs, float *out);
+                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
+                      int phase, int head_dim, float scale, int window, int64_t m,
+                      const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
+                      float *out);
 
     /* out (m, n_cols) = rows ids[i] of W (any supported type), dequantized. */
     int (*get_rows)(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);

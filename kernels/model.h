@@ -4,20 +4,21 @@
  * Purpose: the one compute path shared by prefill stages, decode ranks and the CLI.
  * A shard is layers [l0, l1) x TP slice (rank, size): the first stage (l0 == 0) embeds
  * tokens, the last stage (l1 == n_layer) applies the final norm and the LM head; middle
- * stages take and return hidden states. TP slices hold heads [rank*h/size, ...) of
- * Q/K/V, rows of gate/up, and the matching input columns of attn_output/ffn_down; the
+ * stages take and return hidden states. TP slices hold the query heads and KV heads
+ * common/td_tp.h assigns to the rank (Q/K/V rows), rows of gate/up, and the matching
+ * input columns of attn_output/ffn_down; the
  * engine calls the collective's allreduce_sum twice per layer so ranks stay identical.
  * Splitting is exact: PP stages and TP slices compose to the unsplit model's logits up to
  * float reassociation.
- * TP needs tp to divide the head and KV-head counts; the FFN is split evenly when tp
- * divides it into whole 32-weight blocks, else in whole 32-blocks with ranks differing by
- * one block (n_ff_local is per rank). A row-parallel slice that cuts through a quant block
- * (256-weight K types) is re-quantized to Q8_0 at load (docs/architecture.md: effect).
- * Invariants: weights are views into the GGUF mapping (never copied, except small 1-D
- * tensors converted to float32 and re-quantized slices); a loaded model is read-only.
- * Threading: a kn_model may be shared by engines; a kn_engine is driven by one thread.
- * Ownership: kn_model borrows the td_gguf (keep it open until kn_model_destroy);
- * kn_engine borrows the model, the backend and the collective.
+ * TP needs tp to divide the head count; KV heads shared by the query heads of several
+ * ranks are replicated (td_tp.h), so tp may exceed the KV-head count. The FFN is split evenly when
+ * tp divides it into whole 32-weight blocks, else in whole 32-blocks with ranks differing by one
+ * block (n_ff_local is per rank). A row-parallel slice that cuts through a quant block (256-weight
+ * K types) is re-quantized to Q8_0 at load (docs/architecture.md: effect). Invariants: weights are
+ * views into the GGUF mapping (never copied, except small 1-D tensors converted to float32 and
+ * re-quantized slices); a loaded model is read-only. Threading: a kn_model may be shared by
+ * engines; a kn_engine is driven by one thread. Ownership: kn_model borrows the td_gguf (keep it
+ * open until kn_model_destroy); kn_engine borrows the model, the backend and the collective.
  */
 #ifndef KN_MODEL_H
 #define KN_MODEL_H
@@ -26,6 +27,7 @@
 #include <stdint.h>
 
 #include "gguf.h"
+#include "td_tp.h"
 #include "kn_backend.h"
 #include "kv_pool.h"
 
@@ -74,7 +76,7 @@ typedef struct {
 typedef struct {
     kn_hparams hp;
     kn_shard shard;
-    int n_head_local, n_head_kv_local;
+    td_tp_heads heads;   /* this rank's query and KV heads (td_tp.h) */
     int n_ff_local, ff0; /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
     bool first, last;
     kn_mat tok_embd;      /* (n_vocab, n_embd); first stage, or last when tied */

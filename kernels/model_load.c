@@ -355,15 +355,6 @@ static int check_split(const kn_hparams *hp, const kn_shard *s)
         TD_LOG_ERR("tp %d does not divide the %d attention heads", s->tp_size, hp->n_head);
         return TD_EUNSUPP;
     }
-    /* replicating KV heads (tp > kv heads) would need the attention, the KV pool and the
-     * prefill -> decode head slicing to map a rank's query heads onto the KV heads it
-     * holds; not done (issue 13 item 3) */
-    if (hp->n_head_kv % s->tp_size) {
-        TD_LOG_ERR("tp %d does not divide the %d kv heads (replicating kv heads for tp > kv "
-                   "heads is not implemented)",
-                   s->tp_size, hp->n_head_kv);
-        return TD_EUNSUPP;
-    }
     if (hp->n_ff % s->tp_size && (hp->n_ff % TD_QK || hp->n_ff / TD_QK < s->tp_size)) {
         TD_LOG_ERR("tp %d splits neither the ffn width %d evenly nor into whole %d-blocks",
                    s->tp_size, hp->n_ff, TD_QK);
@@ -414,8 +405,9 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     m->shard = s;
     m->first = s.l0 == 0;
     m->last = s.l1 == hp->n_layer;
-    m->n_head_local = hp->n_head / s.tp_size;
-    m->n_head_kv_local = hp->n_head_kv / s.tp_size;
+    /* kn_hparams_read checked that n_head_kv divides n_head, check_split that tp does */
+    if ((rc = td_tp_heads_of_rank(hp->n_head, hp->n_head_kv, s.tp_size, s.tp_rank, &m->heads)))
+        goto fail;
     ffn_split(hp, &s, &m->ff0, &m->n_ff_local);
     const char *name;
     size_t name_len;
@@ -424,8 +416,8 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
 
     loader L = {.g = g, .m = m};
     const int64_t E = hp->n_embd, HD = hp->head_dim;
-    const int64_t nq = (int64_t)m->n_head_local * HD, nkv = (int64_t)m->n_head_kv_local * HD;
-    const int64_t q0 = s.tp_rank * nq, kv0 = s.tp_rank * nkv;
+    const int64_t nq = (int64_t)m->heads.n_q * HD, nkv = (int64_t)m->heads.n_kv * HD;
+    const int64_t q0 = (int64_t)m->heads.q0 * HD, kv0 = (int64_t)m->heads.kv0 * HD;
     const int64_t F = m->n_ff_local, f0 = m->ff0;
     const int64_t QT = (int64_t)hp->n_head * HD, KVT = (int64_t)hp->n_head_kv * HD;
 
@@ -527,7 +519,7 @@ kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_
 {
     return (kn_kv_pool_params){
         .n_layers = m->shard.l1 - m->shard.l0,
-        .n_kv_heads = m->n_head_kv_local,
+        .n_kv_heads = m->heads.n_kv,
         .head_dim = m->hp.head_dim,
         .block_size = block_size,
         .n_blocks = n_blocks,

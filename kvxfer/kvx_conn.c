@@ -30,15 +30,6 @@ size_t kvx_layout_bytes(const kvx_layout *l)
     return b > ((unsigned __int128)1 << 46) ? 0 : (size_t)b;
 }
 
-int kvx_layout_heads_of_rank(uint32_t n_kv_heads, uint32_t tp, uint32_t rank, uint32_t *head0,
-                             uint32_t *n_heads)
-{
-    if (!tp || rank >= tp || n_kv_heads % tp) return TD_EINVAL;
-    *n_heads = n_kv_heads / tp;
-    *head0 = rank * *n_heads;
-    return 0;
-}
-
 /* --- peers ---------------------------------------------------------------------------- */
 
 static int peer_find(kvx_conn *c, uint64_t uid)

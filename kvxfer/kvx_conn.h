@@ -100,7 +100,10 @@
 typedef struct {
     uint32_t layer0, n_layers; /* global layers held: [layer0, layer0 + n_layers) */
     uint32_t n_kv_heads;       /* the model's KV heads (all TP ranks together) */
-    uint32_t head0, n_heads;   /* heads held: [head0, head0 + n_heads) */
+    uint32_t head0, n_heads;   /* heads held: [head0, head0 + n_heads); a decode rank's
+                                * range follows common/td_tp.h, so ranges of different
+                                * ranks may overlap (replicated KV heads): each target
+                                * gets every head of its range */
     uint32_t block_size;       /* tokens per block */
     uint32_t head_dim;         /* elements */
     uint32_t dtype_size;       /* bytes per element */
@@ -109,9 +112,6 @@ typedef struct {
 
 /* Bytes of a region with this layout (0 if the layout is invalid). */
 size_t kvx_layout_bytes(const kvx_layout *l);
-/* The head range of rank `rank` of `tp` (n_kv_heads divisible by tp). */
-int kvx_layout_heads_of_rank(uint32_t n_kv_heads, uint32_t tp, uint32_t rank, uint32_t *head0,
-                             uint32_t *n_heads);
 
 typedef struct {
     int timeout_ms;       /* default request deadline; 0: 30000 */

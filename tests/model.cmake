@@ -21,21 +21,38 @@ if(TANDEM_PYTHON)
 endif()
 
 # The split shapes issue 13 added: an FFN width TP 2/4 do not cut into whole 32-blocks
-# (uneven split), and K-type row-parallel tensors whose TP slices are re-quantized.
+# (uneven split), K-type row-parallel tensors whose TP slices are re-quantized, and KV
+# heads shared between ranks (common/td_tp.h): 6 query heads over 2 KV heads at tp 2, 3
+# (rank 1 holds both KV heads) and 6 (each KV head on three ranks), and the default 8
+# over 4 at tp 8.
 if(TANDEM_PYTHON)
-  foreach(var odd kquant)
+  foreach(var odd kquant gqa)
+    set(tp_arg "")
     if(var STREQUAL "odd")
       set(args --arch llama --types mixed --n-ff 544 --seed 12)
-    else()
+      set(tp_arg --tp 2,4,8)
+    elseif(var STREQUAL "kquant")
       set(args --arch qwen2 --types kquant --n-ff 768 --seed 13)
+    else()
+      set(args --arch qwen2 --types mixed --n-head 6 --n-head-kv 2 --seed 14)
+      set(tp_arg --tp 2,3,6)
     endif()
     add_test(NAME model_split_synth_${var}
              COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/make_synth.py
                      --out ${TANDEM_TEST_DATA}/split-${var}.gguf ${args})
     set_tests_properties(model_split_synth_${var} PROPERTIES FIXTURES_SETUP split_${var})
     add_test(NAME model_split_${var}
-             COMMAND test_model_split ${TANDEM_TEST_DATA}/split-${var}.gguf)
+             COMMAND test_model_split ${TANDEM_TEST_DATA}/split-${var}.gguf ${tp_arg})
     set_tests_properties(model_split_${var} PROPERTIES FIXTURES_REQUIRED split_${var}
                          TIMEOUT 600)
   endforeach()
+endif()
+
+# The same checks on a real file: Qwen2.5-Coder 0.5B Q4_K_M (14 heads over 2 KV heads,
+# FFN 4864) at pp 2/3 and tp 2/7 (tp 7: rank 3 holds both KV heads, the FFN splits
+# unevenly, ffn_down's K-type slices are re-quantized). ~40 s on 2 cores.
+if(TANDEM_MODEL_QWEN05)
+  add_test(NAME model_split_qwen05
+           COMMAND test_model_split ${TANDEM_MODEL_QWEN05} --tp 2,7)
+  set_tests_properties(model_split_qwen05 PROPERTIES TIMEOUT 600 LABELS models)
 endif()

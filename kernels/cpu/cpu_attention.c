@@ -4,10 +4,11 @@
  * tile).
  *
  * Attention work is cut into items (token, KV head, chunk of up to ATT_MAX_REP of the q
- * heads sharing that KV head): an item reads each K/V tile once for all its q heads and
- * keeps an online softmax state (running max, running sum, unnormalized accumulator) per
- * q head. The items are laid end to end on a cost line (an item costs its number of keys
- * plus a fixed overhead) and the line is cut into equal parts, one per thread. That keeps
+ * heads sharing that KV head; on a TP rank the KV heads at the ends of its range may serve
+ * fewer q heads than the model's group, common/td_tp.h): an item reads each K/V tile once for all
+ * its q heads and keeps an online softmax state (running max, running sum, unnormalized
+ * accumulator) per q head. The items are laid end to end on a cost line (an item costs its number
+ * of keys plus a fixed overhead) and the line is cut into equal parts, one per thread. That keeps
  * causal prefill balanced (later tokens see more keys) and, for decode with few items,
  * cuts single items across threads by key range; a cut item's partial softmax states are
  * merged by the caller after the join.
@@ -302,12 +303,13 @@ typedef struct {
     const void *kpool, *vpool; /* (n_blocks, n_kv_heads, block_size, head_dim) */
     td_dtype kv_type;
     int block_size, n_heads, n_kv_heads, head_dim;
+    int group, phase; /* q head h reads KV head (phase + h) / group */
     float scale;
     int window;                  /* > 0: token at p sees keys [p - window + 1, p] only */
     const int32_t *pos, *seq_of; /* (m) */
     const kn_seq_view *seqs;
     float *out;        /* (m, n_heads, head_dim) */
-    int n_rep;         /* q heads per KV head */
+    int n_rep;         /* most q heads of one KV head: min(group, n_heads) */
     int n_chunk;       /* q-head chunks per KV head: ceil(n_rep / ATT_MAX_REP) */
     int items_per_tok; /* n_kv_heads * n_chunk */
     int64_t m;
@@ -326,16 +328,18 @@ static int64_t key_lo(const att_job *J, int64_t t)
     return lo > 0 ? lo : 0;
 }
 
-/* The q heads [h0, h0 + nr) of item j, and its token. */
+/* The q heads [h0, h0 + nr) of item j (nr may be 0: a chunk past the end of a KV head
+ * that serves fewer than n_rep q heads), and its token. */
 static void item_heads(const att_job *J, int64_t j, int64_t *tok, int *g, int *h0, int *nr)
 {
     *tok = j / J->items_per_tok;
     int rem = (int)(j % J->items_per_tok);
     *g = rem / J->n_chunk;
     int c = rem % J->n_chunk;
-    *h0 = *g * J->n_rep + c * ATT_MAX_REP;
-    int left = J->n_rep - c * ATT_MAX_REP;
-    *nr = left < ATT_MAX_REP ? left : ATT_MAX_REP;
+    const int lo = *g * J->group - J->phase, hi = (*g + 1) * J->group - J->phase;
+    *h0 = (lo > 0 ? lo : 0) + c * ATT_MAX_REP;
+    const int left = (hi < J->n_heads ? hi : J->n_heads) - *h0;
+    *nr = left < 0 ? 0 : (left < ATT_MAX_REP ? left : ATT_MAX_REP);
 }
 
 /* Fold keys [k0, k1) of item j into st (freshly initialized here). */
@@ -356,6 +360,7 @@ static void item_run(const att_job *J, int64_t j, int64_t k0, int64_t k1, att_st
         st->l[r] = 0.0f;
         memset(st->acc[r], 0, (size_t)hd * sizeof(float));
     }
+    if (nr == 0) return;
     for (int64_t b = k0 / bs; b * bs < k1; b++) {
         const int64_t blk = sv->block_table[b];
         assert(blk >= 0);
@@ -507,13 +512,15 @@ static void merge_parts(const att_job *J)
 }
 
 void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
-                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int head_dim,
-                      float scale, int window, int64_t m, const int32_t *pos, const int32_t *seq_of,
-                      const kn_seq_view *seqs, float *out)
+                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
+                      int phase, int head_dim, float scale, int window, int64_t m,
+                      const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
+                      float *out)
 {
     assert(kv_type == TD_F32 || kv_type == TD_F16);
     assert(block_size > 0 && (block_size & (block_size - 1)) == 0);
-    assert(n_kv_heads > 0 && n_heads % n_kv_heads == 0);
+    assert(group > 0 && phase >= 0 && phase < group && n_heads > 0);
+    assert(n_kv_heads == (phase + n_heads - 1) / group + 1);
     assert(head_dim > 0 && head_dim <= ATT_MAX_HEAD_DIM);
     if (m <= 0) return;
     kn_cpu *c = ctx;
@@ -524,6 +531,8 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
                  .block_size = block_size,
                  .n_heads = n_heads,
                  .n_kv_heads = n_kv_heads,
+                 .group = group,
+                 .phase = phase,
                  .head_dim = head_dim,
                  .scale = scale,
                  .window = window,
@@ -532,7 +541,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
                  .seqs = seqs,
                  .out = out,
                  .m = m};
-    J.n_rep = n_heads / n_kv_heads;
+    J.n_rep = group < n_heads ? group : n_heads;
     J.n_chunk = (J.n_rep + ATT_MAX_REP - 1) / ATT_MAX_REP;
     J.items_per_tok = n_kv_heads * J.n_chunk;
     for (int64_t t = 0; t < m; t++)

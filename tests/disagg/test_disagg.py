@@ -5,6 +5,7 @@ tandem-prefill stages and tandem-decode ranks as real processes on loopback.
 Cases (--case NAME runs one):
   synth    greedy output equals `tandem generate` token for token on the synthetic llama,
            for prefill pp 1/2/3 x decode tp 1/2, prompts from 1 token to several chunks;
+           and on a model whose decode ranks share KV heads (6 over 2 at tp 3);
   default  the same on the default model: pp 2 x tp 1 and pp 2 x tp 3;
   retry    a prefill stage killed mid-prompt with a second prefill instance up: the request
            is retried there and still equals `tandem generate`; the killed stage restarts,
@@ -78,6 +79,12 @@ def case_synth(args):
                 codes = c.stop()
                 check(all(v == 0 for v in codes.values()),
                       f"synth pp{pp} tp{tp}: SIGTERM, every process exits 0 ({codes})")
+    # decode ranks that share KV heads (6 query heads over 2 KV heads at tp 3: rank 1 holds
+    # both, ranks 0 and 2 one each): the transfer fills every copy, and pools differ in size
+    model = os.path.join(args.synth_dir, "gqa.gguf")
+    with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 3}]) as c:
+        equal_outputs(c, args, model, prompts, "synth-gqa pp2 tp3")
+        idle(c, "synth-gqa pp2 tp3")
 
 
 def case_default(args):

@@ -38,7 +38,15 @@ static const int seq_lens[] = {1, 15, 16, 17, 100, 600};
 typedef struct {
     int block_size, n_heads, n_kv_heads, head_dim;
     td_dtype kv_type;
+    /* q head h reads KV head (phase + h) / group (common/td_tp.h); group 0: the unsplit
+     * mapping, n_heads / n_kv_heads and phase 0 */
+    int group, phase;
 } att_case;
+
+static int case_group(const att_case *c)
+{
+    return c->group ? c->group : c->n_heads / c->n_kv_heads;
+}
 
 typedef struct {
     att_case c;
@@ -106,7 +114,7 @@ static void fixture_init(fixture *F, att_case c)
         double *w = malloc(sizeof(double) * len);
         for (int p = 0; p < len; p++)
             for (int h = 0; h < nh; h++) {
-                const int g = h / (nh / nkv);
+                const int g = (c.phase + h) / case_group(&c);
                 const float *qr = F->q[s] + ((size_t)p * nh + h) * hd;
                 double mx = -INFINITY, sum = 0;
                 for (int j = 0; j <= p; j++) {
@@ -216,8 +224,9 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
             views[s] = (kn_seq_view){.block_table = F->tables[s], .n_ctx = done[s]};
         kn_cpu_kv_write(c, F->kpool, F->vpool, C.kv_type, bs, nkv, hd, B.k, B.v, B.m, B.pos,
                         B.seq_of, views);
-        kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, nh, nkv, hd,
-                         1.0f / sqrtf((float)hd), 0, B.m, B.pos, B.seq_of, views, B.out);
+        kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, nh, nkv, case_group(&C),
+                         C.phase, hd, 1.0f / sqrtf((float)hd), 0, B.m, B.pos, B.seq_of, views,
+                         B.out);
         for (int64_t i = 0; i < B.m; i++) {
             const int s = B.seq_of[i], p = B.pos[i];
             const float *ref = F->ref[s] + (size_t)p * nh * hd;
@@ -248,9 +257,21 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
 static void test_paged_attention(void)
 {
     static const att_case cases[] = {
-        {16, 4, 4, 32, TD_F32},  {32, 4, 4, 64, TD_F16}, {16, 9, 3, 64, TD_F32},
-        {32, 9, 3, 64, TD_F16},  {16, 8, 2, 64, TD_F16}, {32, 12, 3, 32, TD_F32},
-        {16, 16, 1, 32, TD_F32}, /* 16 q heads per KV head: two q-head chunks */
+        {16, 4, 4, 32, TD_F32, 0, 0},
+        {32, 4, 4, 64, TD_F16, 0, 0},
+        {16, 9, 3, 64, TD_F32, 0, 0},
+        {32, 9, 3, 64, TD_F16, 0, 0},
+        {16, 8, 2, 64, TD_F16, 0, 0},
+        {32, 12, 3, 32, TD_F32, 0, 0},
+        {16, 16, 1, 32, TD_F32, 0, 0}, /* 16 q heads per KV head: two q-head chunks */
+        /* TP ranks whose KV heads are shared with neighbours (td_tp.h): Qwen2.5 0.5B (14
+         * heads, 2 KV heads) at tp 7, rank 3 (heads 6, 7 read KV heads 0, 1) and rank 0 */
+        {16, 2, 2, 64, TD_F32, 7, 6},
+        {32, 2, 1, 64, TD_F16, 7, 0},
+        /* 12 heads over 6 KV heads at tp 4: rank 1 holds heads 3-5, KV heads 1-2 */
+        {16, 3, 2, 32, TD_F32, 2, 1},
+        /* groups of 12 entered at phase 4: each KV head's second q-head chunk is empty */
+        {16, 16, 2, 32, TD_F32, 12, 4},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         fixture F;
@@ -347,8 +368,8 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         double t0 = now_s();
-        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, hd, 0.125f, 0, m, pos + ctx - m, seq_of,
-                         &view, out);
+        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, m, pos + ctx - m,
+                         seq_of, &view, out);
         double dt = now_s() - t0;
         best = dt < best ? dt : best;
     }

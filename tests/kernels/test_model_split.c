@@ -30,8 +30,13 @@
 
 static const char *model_path;
 static td_gguf *gguf;
-static int n_vocab, n_embd, n_layer, n_ff;
+static int n_vocab, n_embd, n_layer, n_ff, n_head;
 static bool requant_ref; /* row-parallel tensors have blocks wider than 32: compare requantized */
+/* --tp: the TP sizes test_tp_splits runs (test_pp_x_tp takes the first and the last) */
+static int tp_sizes[8] = {2, 4}, n_tp_sizes = 2;
+/* the largest logit difference a split may show: float reassociation only (the real
+ * Qwen2.5 0.5B file at tp 7 stays near 1e-5) */
+static const float split_tol = 1e-4f;
 
 /* ---- a "stage x rank" grid of shards running one sequence ---- */
 
@@ -297,27 +302,28 @@ static void test_reference_is_sane(void)
 
 static void test_pp_splits(void)
 {
-    compare_config(2, 1, PROMPT_LEN, TD_F32, 1e-4f);
-    compare_config(3, 1, PROMPT_LEN, TD_F32, 1e-4f);
+    compare_config(2, 1, PROMPT_LEN, TD_F32, split_tol);
+    compare_config(3, 1, PROMPT_LEN, TD_F32, split_tol);
 }
 
+/* tp sizes beyond the KV-head count, or not dividing it, replicate KV heads (td_tp.h) */
 static void test_tp_splits(void)
 {
-    compare_config(1, 2, PROMPT_LEN, TD_F32, 1e-4f);
-    compare_config(1, 4, PROMPT_LEN, TD_F32, 1e-4f);
+    for (int i = 0; i < n_tp_sizes; i++)
+        compare_config(1, tp_sizes[i], PROMPT_LEN, TD_F32, split_tol);
 }
 
 static void test_pp_x_tp(void)
 {
-    compare_config(2, 2, PROMPT_LEN, TD_F32, 1e-4f);
-    compare_config(3, 2, 7, TD_F32, 1e-4f);
+    compare_config(2, tp_sizes[0], PROMPT_LEN, TD_F32, split_tol);
+    compare_config(3, tp_sizes[n_tp_sizes - 1], 7, TD_F32, split_tol);
 }
 
 static void test_chunking(void)
 {
-    compare_config(1, 1, 1, TD_F32, 1e-4f);
-    compare_config(1, 1, 7, TD_F32, 1e-4f);
-    compare_config(1, 1, 64, TD_F32, 1e-4f);
+    compare_config(1, 1, 1, TD_F32, split_tol);
+    compare_config(1, 1, 7, TD_F32, split_tol);
+    compare_config(1, 1, 64, TD_F32, split_tol);
 }
 
 static void test_two_sequences_in_one_batch(void)
@@ -339,7 +345,7 @@ static void test_two_sequences_in_one_batch(void)
     TH_CHECKF(rc == 0, "%s", td_strerror(rc));
     float d = max_abs_diff(ref_logits, logits, (size_t)n_vocab);
     fprintf(stderr, "  two sequences: max |dlogit| of seq 0 %.3g\n", d);
-    TH_CHECK(d < 1e-4f);
+    TH_CHECK(d < split_tol);
     TH_CHECK(max_abs_diff(ref_logits, logits + n_vocab, (size_t)n_vocab) > 1e-3f);
     free(logits);
     grid_close(&g);
@@ -347,8 +353,12 @@ static void test_two_sequences_in_one_batch(void)
 
 static void test_f16_kv_close(void)
 {
-    /* f16 KV rounds K and V: close to f32, not equal */
-    compare_config(1, 1, 16, TD_F16, 2e-2f);
+    /* f16 KV rounds K and V (relative 5e-4): close to f32, not equal; the logits move in
+     * proportion to their size (a real model's reach 20-30) */
+    float mx = 0;
+    for (int v = 0; v < n_vocab; v++)
+        mx = fmaxf(mx, fabsf(ref_logits[v]));
+    compare_config(1, 1, 16, TD_F16, fmaxf(2e-2f, 4e-3f * mx));
 }
 
 static void test_bad_batches(void)
@@ -397,7 +407,7 @@ static void test_bad_batches(void)
     kn_model *m = NULL;
     kn_shard s1 = {.l0 = 2, .l1 = 1};
     TH_CHECK(kn_model_load(gguf, &s1, &m) == TD_EINVAL && !m);
-    kn_shard s2 = {.tp_rank = 0, .tp_size = 3};
+    kn_shard s2 = {.tp_rank = 0, .tp_size = n_head + 1}; /* does not divide the heads */
     TH_CHECK(kn_model_load(gguf, &s2, &m) == TD_EUNSUPP && !m);
     kn_shard s3 = {.l0 = 0, .l1 = n_layer + 1};
     TH_CHECK(kn_model_load(gguf, &s3, &m) == TD_EINVAL && !m);
@@ -410,7 +420,8 @@ static void test_bad_batches(void)
  * match (test_tp_splits ran them). */
 static void test_ffn_split_tiles(void)
 {
-    for (int tp = 2; tp <= 4; tp *= 2) {
+    for (int i = 0; i < n_tp_sizes; i++) {
+        const int tp = tp_sizes[i];
         int next = 0;
         bool uneven = false;
         for (int r = 0; r < tp; r++) {
@@ -440,19 +451,40 @@ static double rel_l2(const float *a, const float *ref, size_t n)
     return den > 0 ? sqrt(num / den) : INFINITY;
 }
 
-/* K-type row-parallel tensors: a cut slice loads as Q8_0 (and a whole one keeps its
- * type); the re-quantized reference differs from the original model a little, not zero. */
+/* Whether the gguf type of tensor blk.L.NAME.weight has blocks wider than 32 weights and
+ * a TP slice of `cols` input columns cuts through them (then it loads as Q8_0). */
+static bool cut_needs_requant(int layer, const char *name, int64_t cols, td_dtype *orig)
+{
+    char full[96];
+    snprintf(full, sizeof full, "blk.%d.%s.weight", layer, name);
+    const td_gguf_tensor *t = td_gguf_find_tensor(gguf, full);
+    const td_dtype_info *di = t ? td_dtype_get(t->type) : NULL;
+    *orig = t ? (td_dtype)t->type : TD_F32;
+    return di && di->blck > 32 && cols % di->blck != 0;
+}
+
+/* K-type row-parallel tensors: a cut slice loads as Q8_0 (and a whole one, or one of
+ * 32-weight blocks, keeps its type); the re-quantized reference differs from the original
+ * model a little, not zero. */
 static void test_requant(void)
 {
     kn_model *m = NULL;
-    kn_shard whole = {0}, half = {.tp_rank = 1, .tp_size = 2};
-    TH_REQUIRE(kn_model_load(gguf, &whole, &m) == 0);
-    td_dtype orig = m->layers[0].w_down.type;
-    TH_CHECK(orig != TD_Q8_0 && m->n_owned == 0);
-    kn_model_destroy(m);
+    kn_shard half = {.tp_rank = 1, .tp_size = 2};
     TH_REQUIRE(kn_model_load(gguf, &half, &m) == 0);
-    TH_CHECK(m->layers[0].w_down.type == TD_Q8_0 && m->layers[0].wo.type == TD_Q8_0);
-    TH_CHECK(m->layers[0].w_down.n_cols == n_ff / 2 && m->n_owned == 2 * n_layer);
+    int want_owned = 0;
+    for (int l = 0; l < n_layer; l++) {
+        const kn_layer *ly = &m->layers[l];
+        td_dtype od, oo;
+        bool rd = cut_needs_requant(l, "ffn_down", ly->w_down.n_cols, &od);
+        bool ro = cut_needs_requant(l, "attn_output", ly->wo.n_cols, &oo);
+        TH_CHECKF(ly->w_down.type == (rd ? TD_Q8_0 : od) && ly->wo.type == (ro ? TD_Q8_0 : oo),
+                  "layer %d: ffn_down %s -> %s, attn_output %s -> %s", l, td_dtype_name(od),
+                  td_dtype_name(ly->w_down.type), td_dtype_name(oo), td_dtype_name(ly->wo.type));
+        want_owned += rd + ro;
+    }
+    TH_CHECK(want_owned > 0 && m->n_owned == want_owned);
+    td_dtype orig;
+    cut_needs_requant(0, "ffn_down", m->layers[0].w_down.n_cols, &orig);
     kn_model_destroy(m);
     /* the original, unsplit and not re-quantized, against the re-quantized reference */
     requant_ref = false;
@@ -499,10 +531,33 @@ static void test_kv_pool_exhaustion(void)
     kn_kv_pool_destroy(kv);
 }
 
+/* "2,4,8" into tp_sizes; false if malformed */
+static bool parse_tp_sizes(const char *s)
+{
+    n_tp_sizes = 0;
+    while (*s && n_tp_sizes < 8) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > 8 || (*end && *end != ',')) return false;
+        tp_sizes[n_tp_sizes++] = (int)v;
+        s = *end ? end + 1 : end;
+    }
+    return n_tp_sizes > 0 && !*s;
+}
+
 int main(int argc, char **argv)
 {
-    if (argc != 2) {
-        fprintf(stderr, "usage: test_model_split MODEL.gguf\n");
+    for (int i = 2; i < argc; i++) {
+        if (strcmp(argv[i], "--tp") == 0 && i + 1 < argc && parse_tp_sizes(argv[i + 1])) {
+            i++;
+        } else {
+            argc = 0; /* usage */
+            break;
+        }
+    }
+    if (argc < 2) {
+        fprintf(stderr, "usage: test_model_split MODEL.gguf [--tp N,N...]\n"
+                        "  --tp   TP sizes to compare (1-8; default 2,4)\n");
         return 2;
     }
     model_path = argv[1];
@@ -517,6 +572,7 @@ int main(int argc, char **argv)
     n_embd = hp.n_embd;
     n_layer = hp.n_layer;
     n_ff = hp.n_ff;
+    n_head = hp.n_head;
     const td_gguf_tensor *down = td_gguf_find_tensor(gguf, "blk.0.ffn_down.weight");
     requant_ref = down && td_dtype_get(down->type) && td_dtype_get(down->type)->blck > 32;
     fprintf(stderr, "model %s: %s, %d layers, embd %d, heads %d/%d, ff %d, vocab %d\n", model_path,

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kvx_conn.h"
+#include "td_tp.h"
 
 static inline uint16_t sc_value(uint32_t salt, uint32_t layer, uint32_t kv, uint32_t head,
                                 uint32_t tok, uint32_t d)
@@ -127,8 +128,11 @@ static inline int sc_src_init(sc_src *s, kvx_pipe *pipe, const kvx_conn_params *
                         .head_dim = head_dim,
                         .dtype_size = 2,
                         .n_blocks = n_blocks};
-    if (kvx_layout_heads_of_rank(n_kv_heads, src_tp, src_rank, &s->l.head0, &s->l.n_heads))
+    td_tp_heads h; /* one query head per KV head */
+    if (td_tp_heads_of_rank((int)n_kv_heads, (int)n_kv_heads, (int)src_tp, (int)src_rank, &h))
         return TD_EINVAL;
+    s->l.head0 = (uint32_t)h.kv0;
+    s->l.n_heads = (uint32_t)h.n_kv;
     s->stage = stage;
     s->src_rank = src_rank;
     s->src_tp = src_tp;

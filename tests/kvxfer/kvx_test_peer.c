@@ -66,7 +66,10 @@ static int run_decode(const opts *o, kvx_pipe *pipe)
                     .head_dim = o->head_dim,
                     .dtype_size = 2,
                     .n_blocks = o->blocks};
-    if (kvx_layout_heads_of_rank(o->heads, o->tp, o->rank, &l.head0, &l.n_heads)) return 1;
+    td_tp_heads h; /* one query head per KV head */
+    if (td_tp_heads_of_rank((int)o->heads, (int)o->heads, (int)o->tp, (int)o->rank, &h)) return 1;
+    l.head0 = (uint32_t)h.kv0;
+    l.n_heads = (uint32_t)h.n_kv;
     uint8_t *region = calloc(1, kvx_layout_bytes(&l));
     if (!region || kvx_dec_register(c, region, kvx_layout_bytes(&l), &l)) return 1;
     printf("READY\n");

@@ -10,6 +10,7 @@
 #include "kvx_conn.h"
 #include "kvx_scenario.h"
 #include "td_clock.h"
+#include "td_tp.h"
 #include "tharness.h"
 
 #define MAXC 16
@@ -26,6 +27,7 @@ typedef struct {
 
 typedef struct {
     uint32_t n_kv_heads, head_dim, block_size, n_layers;
+    uint32_t n_q_heads; /* query heads (td_tp.h's rule); 0: as many as KV heads */
     uint32_t src_tp, dst_tp, pp;
     uint32_t layer_split[4]; /* stage s holds [split[s], split[s+1]); split[pp] = n_layers */
     uint32_t n_blocks;       /* per region */
@@ -33,6 +35,16 @@ typedef struct {
     size_t lookup_budget;
     bool progress_thread;
 } wcfg;
+
+/* The KV heads rank r of tp holds (common/td_tp.h), into l. */
+static void layout_heads(const wcfg *c, uint32_t tp, uint32_t r, kvx_layout *l)
+{
+    td_tp_heads h;
+    int nq = (int)(c->n_q_heads ? c->n_q_heads : c->n_kv_heads);
+    if (td_tp_heads_of_rank(nq, (int)c->n_kv_heads, (int)tp, (int)r, &h)) abort();
+    l->head0 = (uint32_t)h.kv0;
+    l->n_heads = (uint32_t)h.n_kv;
+}
 
 static void world_init(world *w, const wcfg *c)
 {
@@ -52,7 +64,7 @@ static void world_init(world *w, const wcfg *c)
                           .head_dim = c->head_dim,
                           .dtype_size = 2,
                           .n_blocks = c->n_blocks};
-        kvx_layout_heads_of_rank(c->n_kv_heads, c->dst_tp, r, &l->head0, &l->n_heads);
+        layout_heads(c, c->dst_tp, r, l);
         w->dreg[r] = calloc(1, kvx_layout_bytes(l));
         if (kvx_pipe_fake_create(w->fab, NULL, &w->dec_pipe[r])) abort();
         if (kvx_conn_create(w->dec_pipe[r], &cp, &w->dec[r])) abort();
@@ -71,7 +83,7 @@ static void world_init(world *w, const wcfg *c)
                               .head_dim = c->head_dim,
                               .dtype_size = 2,
                               .n_blocks = c->n_blocks};
-            kvx_layout_heads_of_rank(c->n_kv_heads, c->src_tp, r, &l->head0, &l->n_heads);
+            layout_heads(c, c->src_tp, r, l);
             w->sreg[i] = calloc(1, kvx_layout_bytes(l));
             w->src_stage[i] = s;
             w->src_rank[i] = r;
@@ -294,6 +306,34 @@ static void test_tp_pairs(void)
         run_xfer(&w, &c, &x, &puts, &pieces);
         fprintf(stderr, "  tp %u->%u: %llu pieces, %llu puts\n", pairs[p][0], pairs[p][1],
                 (unsigned long long)pieces, (unsigned long long)puts);
+        world_fini(&w);
+    }
+}
+
+/* Decode ranks that share KV heads (td_tp.h): 14 query heads over 2 KV heads (Qwen2.5
+ * 0.5B) to tp 7, where rank 3 holds both KV heads and the others one, and 4 query heads
+ * over 2 KV heads to tp 4 (each KV head on two ranks). Every rank gets all heads of its
+ * range, byte-exact, from a prefill stage that holds them all and from two split stages. */
+static void test_tp_replicated_heads(void)
+{
+    static const uint32_t shapes[][4] = {{14, 2, 1, 7}, {4, 2, 1, 4}, {14, 2, 2, 7}};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        wcfg c = base_cfg(shapes[k][2], shapes[k][3]);
+        c.n_q_heads = shapes[k][0];
+        c.n_kv_heads = shapes[k][1];
+        world w;
+        world_init(&w, &c);
+        xfer x = {.req = 40 + k,
+                  .n_tokens = 90,
+                  .chunk = 33,
+                  .salt = 13 + (uint32_t)k,
+                  .dst_run = 2,
+                  .order = (int)k};
+        uint64_t puts, pieces;
+        run_xfer(&w, &c, &x, &puts, &pieces);
+        fprintf(stderr, "  %u/%u heads, tp %u->%u: %llu pieces, %llu puts\n", shapes[k][0],
+                shapes[k][1], shapes[k][2], shapes[k][3], (unsigned long long)pieces,
+                (unsigned long long)puts);
         world_fini(&w);
     }
 }
@@ -898,6 +938,7 @@ static void test_soak(void)
 int main(void)
 {
     TH_RUN(test_tp_pairs);
+    TH_RUN(test_tp_replicated_heads);
     TH_RUN(test_pp_stages);
     TH_RUN(test_late_target);
     TH_RUN(test_coalescing);

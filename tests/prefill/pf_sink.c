@@ -22,6 +22,7 @@
 
 #include "ctrl.h"
 #include "kvx_conn.h"
+#include "td_tp.h"
 #include "pf_profile.h"
 #include "sampler.h"
 #include "td_clock.h"
@@ -143,9 +144,9 @@ int main(int argc, char **argv)
         if (kvx_pipe_ucx_create(&pp, &pipe)) return 2;
         kvx_conn_params cp = {.timeout_ms = timeout, .progress_thread = true};
         if (kvx_conn_create(pipe, &cp, &conn[r])) return 2;
-        uint32_t h0, nh;
-        if (kvx_layout_heads_of_rank((uint32_t)hp->n_head_kv, (uint32_t)tp, (uint32_t)r, &h0, &nh))
-            return 2;
+        td_tp_heads th;
+        if (td_tp_heads_of_rank(hp->n_head, hp->n_head_kv, tp, r, &th)) return 2;
+        uint32_t h0 = (uint32_t)th.kv0, nh = (uint32_t)th.n_kv;
         lay[r] = (kvx_layout){.layer0 = 0,
                               .n_layers = (uint32_t)hp->n_layer,
                               .n_kv_heads = (uint32_t)hp->n_head_kv,

@@ -318,6 +318,9 @@ SUITE = {
     # untied: with the tied head and the sqrt(n_embd) embedding scale, random weights make
     # every greedy step repeat the current token (the real gemma3 file tests the tied head)
     "gemma3.gguf": dict(arch="gemma3", tied=False, types="mixed", seed=1, head_dim=64),
+    # 6 query heads over 2 KV heads: decode tp 3 gives rank 1 both KV heads (common/td_tp.h)
+    "gqa.gguf": dict(arch="qwen2", tied=False, types="mixed", seed=2,
+                     shapes=dict(DEFAULT_SHAPES, n_head=6, n_head_kv=2)),
 }
 
 
@@ -340,6 +343,8 @@ def main():
     ap.add_argument("--types", choices=["mixed", "f32", "kquant"], default="mixed",
                     help="kquant: mixed, with attn_output and ffn_down in Q6_K")
     ap.add_argument("--n-ff", type=int, default=None, help="FFN width (default 512)")
+    ap.add_argument("--n-head", type=int, default=None, help="query heads (default 8)")
+    ap.add_argument("--n-head-kv", type=int, default=None, help="KV heads (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=None,
                     help="per-head dim (default 32; qwen3 defaults to 64 != n_embd/n_head)")
@@ -354,8 +359,9 @@ def main():
     if head_dim is None and a.arch in ("qwen3", "gemma3") and not a.tiny:
         head_dim = 64
     shapes = dict(TINY_SHAPES if a.tiny else DEFAULT_SHAPES)
-    if a.n_ff is not None:
-        shapes["n_ff"] = a.n_ff
+    for k in ("n_ff", "n_head", "n_head_kv"):
+        if getattr(a, k) is not None:
+            shapes[k] = getattr(a, k)
     make_model(a.out, a.arch, rope_freqs=a.rope_freqs, tied=a.tied, types=a.types,
                seed=a.seed, shapes=shapes, head_dim=head_dim)
     print(a.out)
