@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # test.sh: everything CI runs: setup, the sanitizer build and its ctest suite, the GGUF fuzzer.
 #
-#   setup         scripts/setup.sh, then the qwen0.5b model (scripts/fetch_model.py; kept and
-#                 only re-verified once in the cache) for the models_* tests
+#   setup         scripts/setup.sh, then the qwen0.5b and gemma3 models (scripts/fetch_model.py;
+#                 kept and only re-verified once in the cache) for the models_* and
+#                 model_split_* real-file tests
 #   build-asan/   -DTANDEM_SANITIZE=ON RelWithDebInfo build; ctest with a per-test timeout
 #   build-fuzz/   clang libFuzzer build of tests/fuzz/fuzz_gguf.c, seeded with the malformed
 #                 corpus (tests/ref/make_malformed.py), run for TANDEM_FUZZ_SECONDS; the
@@ -42,10 +43,18 @@ if ! QWEN05=$("$PY" scripts/fetch_model.py --dir "${TANDEM_MODELS:-$HOME/.cache/
   QWEN05=""
   step_failed "fetch of the qwen0.5b model failed (scripts/fetch_model.py): models_* tests not run"
 fi
+# Gemma 3 270M Q4_K_M (253 MB): its one KV head replicated across TP ranks (model_split_gemma3_270m)
+GEMMA3=""
+if ! GEMMA3=$("$PY" scripts/fetch_model.py --dir "${TANDEM_MODELS:-$HOME/.cache/tandem/models}" \
+               gemma3); then
+  GEMMA3=""
+  step_failed "fetch of the gemma3 model failed (scripts/fetch_model.py): model_split_gemma3_270m not run"
+fi
 
 # --- sanitizer build and ctest -------------------------------------------------------------
 if cmake -S . -B build-asan -DTANDEM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-     -DTANDEM_PYTHON="$PY" -DTANDEM_MODEL="$MODEL" -DTANDEM_MODEL_QWEN05="$QWEN05"; then
+     -DTANDEM_PYTHON="$PY" -DTANDEM_MODEL="$MODEL" -DTANDEM_MODEL_QWEN05="$QWEN05" \
+     -DTANDEM_MODEL_GEMMA3="$GEMMA3"; then
   # -k: build every target that can be built, so one broken target does not hide the rest
   if ! cmake --build build-asan -j "$JOBS" -- -k; then
     step_failed "build-asan: build errors (tests of the broken targets fail below)"

@@ -56,3 +56,12 @@ if(TANDEM_MODEL_QWEN05)
            COMMAND test_model_split ${TANDEM_MODEL_QWEN05} --tp 2,7)
   set_tests_properties(model_split_qwen05 PROPERTIES TIMEOUT 600 LABELS models)
 endif()
+
+# Gemma 3 270M Q4_K_M: 4 heads over 1 KV head, so tp 2 and 4 replicate the KV head on every
+# rank (no row-parallel slice is cut: 1024-wide attn_output and ffn_down halves are whole
+# 256-blocks). ~11 s on 2 cores.
+if(TANDEM_MODEL_GEMMA3)
+  add_test(NAME model_split_gemma3_270m
+           COMMAND test_model_split ${TANDEM_MODEL_GEMMA3} --tp 2,4)
+  set_tests_properties(model_split_gemma3_270m PROPERTIES TIMEOUT 600 LABELS models)
+endif()

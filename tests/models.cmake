@@ -13,11 +13,11 @@
 # Measured (ASan RelWithDebInfo, 2 cores shared with other builds, load ~4.3):
 # models_qwen05_colocated_pd 180 s wall, 42 + 70 + 68 s per shape; CPU seconds of the
 # cluster processes 69 + 69 + 66 (the test prints both for every run).
+set(TANDEM_MODELS_ARGS "")
+if(TANDEM_SANITIZE)
+  set(TANDEM_MODELS_ARGS --asan)
+endif()
 if(TANDEM_PYTHON AND TANDEM_MODEL_QWEN05)
-  set(TANDEM_MODELS_ARGS "")
-  if(TANDEM_SANITIZE)
-    set(TANDEM_MODELS_ARGS --asan)
-  endif()
   foreach(case colocated_pd tp2)
     set(shapes colocated,pd,pd_pp2)
     if(case STREQUAL "tp2")
@@ -31,4 +31,20 @@ if(TANDEM_PYTHON AND TANDEM_MODEL_QWEN05)
     set_tests_properties(models_qwen05_${case} PROPERTIES TIMEOUT 900 RUN_SERIAL TRUE
                          LABELS models ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
   endforeach()
+endif()
+
+# Gemma 3 270M Q4_K_M (TANDEM_MODEL_GEMMA3; a base model without a chat template, so the
+# router renders with the gemma family and no answer is checked for "Paris"): 4 heads over
+# 1 KV head, so decode tp 2 replicates the KV head on both ranks and the KV transfer fills
+# both copies (common/td_tp.h). colocated tp 1 (reference), colocated tp 2, prefill pp 1 ->
+# decode tp 2, prefill pp 2 -> decode tp 1. Release: 17 s.
+if(TANDEM_PYTHON AND TANDEM_MODEL_GEMMA3)
+  add_test(NAME models_gemma3_tp2
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/models/test_real_models.py
+                   --tandem $<TARGET_FILE:tandem> --decode $<TARGET_FILE:tandem-decode>
+                   --prefill $<TARGET_FILE:tandem-prefill> --router $<TARGET_FILE:tandem-router>
+                   --model ${TANDEM_MODEL_GEMMA3} --chat-template gemma --base
+                   --shapes colocated,colocated_tp2,pd_tp2,pd_pp2 ${TANDEM_MODELS_ARGS})
+  set_tests_properties(models_gemma3_tp2 PROPERTIES TIMEOUT 900 RUN_SERIAL TRUE
+                       LABELS models ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 endif()
