@@ -96,32 +96,65 @@ KN_ALWAYS_INLINE void kq_scale_min(const uint8_t *s, int sc[8], int mn[8])
     }
 }
 
+/* ds[g] = d * s[g] for the 16 int8 scales s (exact products), vectorized: unpacking 16
+ * scales one by one is a large part of the dot time of the 16-group types. */
+KN_ALWAYS_INLINE void kq_scale16(const int8_t *s, float d, float *ds)
+{
+#if KN_VL == 16
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s));
+    _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d)));
+#elif KN_VL == 8
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+    const __m256 vd = _mm256_set1_ps(d);
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), vd));
+    _mm256_storeu_ps(
+        ds + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), vd));
+#else
+    for (int g = 0; g < 16; g++)
+        ds[g] = d * (float)s[g];
+#endif
+}
+
+/* The 16 six-bit scales of a Q3_K super-block minus 32, from scales[12] (ggml's kmask
+ * shuffle: word k of the result holds groups 4 k .. 4 k + 3). */
+KN_ALWAYS_INLINE void kq_q3_scales(const uint8_t *s, int8_t sc[16])
+{
+    uint32_t a[3], o[4];
+    memcpy(a, s, 12);
+    const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    o[0] = (a[0] & m4) | ((a[2] & m2) << 4);
+    o[1] = (a[1] & m4) | (((a[2] >> 2) & m2) << 4);
+    o[2] = ((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4);
+    o[3] = ((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4);
+    /* each byte b (0..63) becomes b - 32 as int8: b | 0x80 minus 32 never borrows from the
+     * next byte, and flipping the top bit back gives (b - 32) mod 256 */
+    for (int k = 0; k < 4; k++)
+        o[k] = ((o[k] | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+    memcpy(sc, o, 16);
+}
+
 /* ds = d * scale per chunk (8: Q4_K, Q5_K, IQ4_XS) or group (16: Q2_K, Q3_K, Q6_K), dm =
  * dmin * min likewise (Q2_K, Q4_K, Q5_K); all exact products. */
 KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float *dm)
 {
     if (t == TD_Q6_K) {
-        const float d = kn_h2f(blk + 208);
-        for (int g = 0; g < 16; g++)
-            ds[g] = d * (float)(int8_t)blk[192 + g];
+        kq_scale16((const int8_t *)(blk + 192), kn_h2f(blk + 208), ds);
         return;
     }
     if (t == TD_Q3_K) {
-        const uint8_t *s = blk + 96;
-        const float d = kn_h2f(blk + 108);
-        for (int g = 0; g < 16; g++) {
-            const int sc =
-                ((s[g % 8] >> (4 * (g / 8))) & 15) | ((s[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
-            ds[g] = d * (float)(sc - 32);
-        }
+        int8_t sc[16];
+        kq_q3_scales(blk + 96, sc);
+        kq_scale16(sc, kn_h2f(blk + 108), ds);
         return;
     }
     if (t == TD_Q2_K) {
-        const float d = kn_h2f(blk + 80), dmin = kn_h2f(blk + 82);
+        int8_t sc[16], mn[16];
         for (int g = 0; g < 16; g++) {
-            ds[g] = d * (float)(blk[g] & 15);
-            dm[g] = dmin * (float)(blk[g] >> 4);
+            sc[g] = (int8_t)(blk[g] & 15);
+            mn[g] = (int8_t)(blk[g] >> 4);
         }
+        kq_scale16(sc, kn_h2f(blk + 80), ds);
+        kq_scale16(mn, kn_h2f(blk + 82), dm);
         return;
     }
     if (t == TD_IQ4_XS) {
