@@ -29,6 +29,8 @@ typedef enum {
     TD_Q5_K = 13,
     TD_Q6_K = 14,
     TD_Q8_K = 15,
+    TD_IQ4_NL = 20,
+    TD_IQ4_XS = 23,
     TD_I8 = 24,
     TD_I16 = 25,
     TD_I32 = 26,

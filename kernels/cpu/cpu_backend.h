@@ -31,7 +31,7 @@ int kn_cpu_n_threads(const kn_cpu *c);
 const char *kn_cpu_isa(void);
 
 /* ---- implemented in cpu_quant.c / cpu_matmul.c ---- */
-/* F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K */
+/* F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_XS */
 bool kn_cpu_type_supported(td_dtype t);
 /* dst (n) = dequantized src; n a multiple of the block size. */
 int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n);

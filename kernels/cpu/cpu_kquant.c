@@ -1,27 +1,37 @@
-/* cpu_kquant.c: Q4_K, Q5_K and Q6_K weights: the dequantizer and the decode dot products.
+/* cpu_kquant.c: the 256-weight super-block types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS):
+ * the dequantizer and the decode dot products.
  *
- * Layouts (bytes of one 256-weight super-block; element e = 32 c + l, chunk c < 8, l < 32):
- *   Q4_K (144): d f16 | dmin f16 | scales[12] | qs[128]
- *       q = (qs[32 (c / 2) + l] >> 4 (c % 2)) & 15;  w = d sc[c] q - dmin mn[c]
- *   Q5_K (176): d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
- *       q = the Q4_K nibble | ((qh[l] >> c) & 1) << 4;  w = d sc[c] q - dmin mn[c]
- *   Q6_K (210): ql[128] | qh[64] | scales[16] int8 | d f16;  with c = 4 h + k:
- *       q = ((ql[64 h + 32 (k % 2) + l] >> 4 (k / 2)) & 15
- *           | ((qh[32 h + l] >> 2 k) & 3) << 4) - 32;  w = d scales[e / 16] q
- * sc and mn are 6-bit values packed in scales[12] (kq_scale_min, gguf's get_scale_min).
+ * Layouts (bytes of one 256-weight super-block; element e = 32 c + l, chunk c < 8, l < 32;
+ * group g = e / 16):
+ *   Q2_K (84): scales[16] | qs[64] | d f16 | dmin f16
+ *       q = (qs[32 (c / 4) + l] >> 2 (c % 4)) & 3;  w = d (scales[g] & 15) q - dmin (scales[g] >>
+ * 4) Q3_K (110): hmask[32] | qs[64] | scales[12] | d f16 q = the Q2_K crumb | ((hmask[l] >> c) & 1)
+ * << 2, minus 4;  w = d (sc[g] - 32) q sc[g] = (scales[g % 8] >> 4 (g / 8)) & 15 | ((scales[8 + g %
+ * 4] >> 2 (g / 4)) & 3) << 4 Q4_K (144): d f16 | dmin f16 | scales[12] | qs[128] q = (qs[32 (c / 2)
+ * + l] >> 4 (c % 2)) & 15;  w = d sc[c] q - dmin mn[c] Q5_K (176): d f16 | dmin f16 | scales[12] |
+ * qh[32] | qs[128] q = the Q4_K nibble | ((qh[l] >> c) & 1) << 4;  w = d sc[c] q - dmin mn[c] Q6_K
+ * (210): ql[128] | qh[64] | scales[16] int8 | d f16;  with c = 4 h + k: q = ((ql[64 h + 32 (k % 2)
+ * + l] >> 4 (k / 2)) & 15 | ((qh[32 h + l] >> 2 k) & 3) << 4) - 32;  w = d scales[g] q IQ4_XS
+ * (136): d f16 | scales_h u16 | scales_l[4] | qs[128] n = qs[16 c + l % 16] >> 4 (l / 16) & 15;  w
+ * = d (ls[c] - 32) kvalues_iq4nl[n] ls[c] = (scales_l[c / 2] >> 4 (c % 2)) & 15 | ((scales_h >> 2
+ * c) & 3) << 4 Q4_K/Q5_K's sc and mn are 6-bit values packed in scales[12] (kq_scale_min, gguf's
+ * get_scale_min).
  *
- * Exactness: d (fp16, 11 significant bits) times sc (6 bits) times q (5 bits) needs at
- * most 22 bits and Q6_K's d * scale (7 bits + sign) * q (5 bits + sign) at most 23, so
- * every product is exact in float32 in any order and fused or not; Q4_K/Q5_K then round
- * once when subtracting dmin * mn (itself exact). The result is therefore bit-identical
- * to gguf.quants' numpy (which rounds the same single step) for every finite d and dmin,
+ * Exactness: every product d * scale * q is exact in float32 (24 significant bits) in any
+ * order and fused or not, since d (fp16) has at most 11 significant bits and the integer
+ * factors at most: Q2_K 4 + 2 (17 bits), Q3_K |sc - 32| <= 32 (5) + |q| <= 4 (3) (19),
+ * Q4_K/Q5_K 6 + 5 (22), Q6_K 7 + 5 plus signs (23), IQ4_XS |ls - 32| <= 32 (5) + |level|
+ * <= 127 (7) (23); the mins dmin * mn are exact too (11 + 6 bits). Q2_K/Q4_K/Q5_K then
+ * round once when subtracting the min. The result is therefore bit-identical to
+ * gguf.quants' numpy (which rounds the same single step) for every finite d and dmin,
  * subnormal halves included: the bound is 0 ulp, unlike Q4_1's.
  *
- * Dot path: per chunk of 32 (Q6_K: per group of 16) the raw quants are dotted with x
- * unscaled, then scaled once by d * sc; the mins contribute dmin * mn * sum(x over the
- * chunk) from the block sums cpu_matmul.c computes. Tiling as in cpu_matmul.c's qdot:
- * four rows of W at a time for m == 1 (independent chains, prefetch), two rows of W times
- * up to four rows of x otherwise, every row of x with the arithmetic of m == 1.
+ * Dot path: per chunk of 32 (Q2_K/Q3_K/Q6_K: per group of 16) the raw quants (IQ4_XS: the
+ * levels) are dotted with x unscaled, then scaled once by d * sc; the mins contribute
+ * dmin * mn * sum(x over the chunk or group) from the block sums cpu_matmul.c computes
+ * (over 32, Q2_K: over 16). Tiling as in cpu_matmul.c's qdot: four rows of W at a time
+ * for m == 1 (independent chains, prefetch), two rows of W times up to four rows of x
+ * otherwise, every row of x with the arithmetic of m == 1.
  */
 #include "cpu_kquant_internal.h"
 
@@ -34,17 +44,43 @@
 
 bool kn_kq_is_ktype(td_dtype t)
 {
-    return t == TD_Q4_K || t == TD_Q5_K || t == TD_Q6_K;
+    return t == TD_Q2_K || t == TD_Q3_K || t == TD_Q4_K || t == TD_Q5_K || t == TD_Q6_K ||
+           t == TD_IQ4_XS;
 }
 
-bool kn_kq_needs_xsum(td_dtype t)
+/* The types with a min per chunk or group (w = d sc q - dmin mn). */
+KN_ALWAYS_INLINE bool kq_has_min(td_dtype t)
 {
-    return t == TD_Q4_K || t == TD_Q5_K;
+    return t == TD_Q2_K || t == TD_Q4_K || t == TD_Q5_K;
+}
+
+/* The types with a scale per group of 16 rather than per chunk of 32. */
+KN_ALWAYS_INLINE bool kq_g16(td_dtype t)
+{
+    return t == TD_Q2_K || t == TD_Q3_K || t == TD_Q6_K;
+}
+
+int kn_kq_xsum_group(td_dtype t)
+{
+    return !kq_has_min(t) ? 0 : kq_g16(t) ? 16 : 32;
 }
 
 KN_ALWAYS_INLINE size_t kq_block_bytes(td_dtype t)
 {
-    return t == TD_Q4_K ? 144 : t == TD_Q5_K ? 176 : 210;
+    switch (t) {
+    case TD_Q2_K:
+        return 84;
+    case TD_Q3_K:
+        return 110;
+    case TD_Q4_K:
+        return 144;
+    case TD_Q5_K:
+        return 176;
+    case TD_IQ4_XS:
+        return 136;
+    default:
+        return 210;
+    }
 }
 
 /* The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, from scales[12]:
@@ -60,14 +96,74 @@ KN_ALWAYS_INLINE void kq_scale_min(const uint8_t *s, int sc[8], int mn[8])
     }
 }
 
-/* ds (8 for Q4_K/Q5_K, 16 for Q6_K) = d * scale per chunk (group), dm (8) = dmin * min;
- * all exact products. */
+/* ds[g] = d * s[g] for the 16 int8 scales s (exact products), vectorized: unpacking 16
+ * scales one by one is a large part of the dot time of the 16-group types. */
+KN_ALWAYS_INLINE void kq_scale16(const int8_t *s, float d, float *ds)
+{
+#if KN_VL == 16
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s));
+    _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d)));
+#elif KN_VL == 8
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+    const __m256 vd = _mm256_set1_ps(d);
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), vd));
+    _mm256_storeu_ps(
+        ds + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), vd));
+#else
+    for (int g = 0; g < 16; g++)
+        ds[g] = d * (float)s[g];
+#endif
+}
+
+/* The 16 six-bit scales of a Q3_K super-block minus 32, from scales[12] (ggml's kmask
+ * shuffle: word k of the result holds groups 4 k .. 4 k + 3). */
+KN_ALWAYS_INLINE void kq_q3_scales(const uint8_t *s, int8_t sc[16])
+{
+    uint32_t a[3], o[4];
+    memcpy(a, s, 12);
+    const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    o[0] = (a[0] & m4) | ((a[2] & m2) << 4);
+    o[1] = (a[1] & m4) | (((a[2] >> 2) & m2) << 4);
+    o[2] = ((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4);
+    o[3] = ((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4);
+    /* each byte b (0..63) becomes b - 32 as int8: b | 0x80 minus 32 never borrows from the
+     * next byte, and flipping the top bit back gives (b - 32) mod 256 */
+    for (int k = 0; k < 4; k++)
+        o[k] = ((o[k] | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+    memcpy(sc, o, 16);
+}
+
+/* ds = d * scale per chunk (8: Q4_K, Q5_K, IQ4_XS) or group (16: Q2_K, Q3_K, Q6_K), dm =
+ * dmin * min likewise (Q2_K, Q4_K, Q5_K); all exact products. */
 KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float *dm)
 {
     if (t == TD_Q6_K) {
-        const float d = kn_h2f(blk + 208);
-        for (int g = 0; g < 16; g++)
-            ds[g] = d * (float)(int8_t)blk[192 + g];
+        kq_scale16((const int8_t *)(blk + 192), kn_h2f(blk + 208), ds);
+        return;
+    }
+    if (t == TD_Q3_K) {
+        int8_t sc[16];
+        kq_q3_scales(blk + 96, sc);
+        kq_scale16(sc, kn_h2f(blk + 108), ds);
+        return;
+    }
+    if (t == TD_Q2_K) {
+        int8_t sc[16], mn[16];
+        for (int g = 0; g < 16; g++) {
+            sc[g] = (int8_t)(blk[g] & 15);
+            mn[g] = (int8_t)(blk[g] >> 4);
+        }
+        kq_scale16(sc, kn_h2f(blk + 80), ds);
+        kq_scale16(mn, kn_h2f(blk + 82), dm);
+        return;
+    }
+    if (t == TD_IQ4_XS) {
+        const float d = kn_h2f(blk);
+        const unsigned sh = blk[2] | (unsigned)blk[3] << 8;
+        for (int c = 0; c < 8; c++) {
+            const int ls = ((blk[4 + c / 2] >> (4 * (c % 2))) & 15) | ((sh >> (2 * c)) & 3) << 4;
+            ds[c] = d * (float)(ls - 32);
+        }
         return;
     }
     int sc[8], mn[8];
@@ -79,18 +175,19 @@ KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float
     }
 }
 
-/* q (KN_NV vectors, elements 0..31 in order) = ((lo[i] >> ls) & 15 | ((hi[i] >> hs) & hm)
- * << 4) - off as floats, for i < 32; hi NULL: no high bits. */
-KN_ALWAYS_INLINE void kq_bits(const uint8_t *lo, int ls, const uint8_t *hi, int hs, int hm, int off,
-                              kn_vf q[KN_NV])
+/* q (KN_NV vectors, elements 0..31 in order) = ((lo[i] >> ls) & lm | ((hi[i] >> hs) & hm)
+ * << hp) - off as floats, for i < 32; hi NULL: no high bits. */
+KN_ALWAYS_INLINE void kq_bits(const uint8_t *lo, int ls, int lm, const uint8_t *hi, int hs, int hm,
+                              int hp, int off, kn_vf q[KN_NV])
 {
 #if KN_VL > 1
     __m256i a = _mm256_loadu_si256((const __m256i *)lo);
-    a = _mm256_and_si256(_mm256_srli_epi16(a, ls), _mm256_set1_epi8(0x0f));
+    a = _mm256_and_si256(_mm256_srli_epi16(a, ls), _mm256_set1_epi8((char)lm));
     if (hi) {
         __m256i b = _mm256_loadu_si256((const __m256i *)hi);
         b = _mm256_and_si256(_mm256_srli_epi16(b, hs), _mm256_set1_epi8((char)hm));
-        a = _mm256_or_si256(a, _mm256_slli_epi16(b, 4)); /* b < 16: no carry between bytes */
+        /* b << hp < 64: no carry between bytes */
+        a = _mm256_or_si256(a, _mm256_slli_epi16(b, hp));
     }
     if (off) a = _mm256_sub_epi8(a, _mm256_set1_epi8((char)off));
     const __m128i a0 = _mm256_castsi256_si128(a), a1 = _mm256_extracti128_si256(a, 1);
@@ -105,44 +202,51 @@ KN_ALWAYS_INLINE void kq_bits(const uint8_t *lo, int ls, const uint8_t *hi, int 
 #endif
 #else
     for (int i = 0; i < 32; i++) {
-        int v = (lo[i] >> ls) & 15;
-        if (hi) v |= ((hi[i] >> hs) & hm) << 4;
+        int v = (lo[i] >> ls) & lm;
+        if (hi) v |= ((hi[i] >> hs) & hm) << hp;
         q[i] = (float)(v - off);
     }
 #endif
 }
 
-/* q = the raw quants of chunk c (elements 32 c .. 32 c + 31) of the super-block blk. */
+/* q = the raw quants (IQ4_XS: their levels) of chunk c (elements 32 c .. 32 c + 31) of
+ * the super-block blk. */
 KN_ALWAYS_INLINE void kq_load(td_dtype t, const uint8_t *blk, int c, kn_vf q[KN_NV])
 {
-    if (t == TD_Q4_K)
-        kq_bits(blk + 16 + 32 * (c / 2), 4 * (c % 2), NULL, 0, 0, 0, q);
+    if (t == TD_Q2_K)
+        kq_bits(blk + 16 + 32 * (c / 4), 2 * (c % 4), 3, NULL, 0, 0, 0, 0, q);
+    else if (t == TD_Q3_K)
+        kq_bits(blk + 32 + 32 * (c / 4), 2 * (c % 4), 3, blk, c, 1, 2, 4, q);
+    else if (t == TD_Q4_K)
+        kq_bits(blk + 16 + 32 * (c / 2), 4 * (c % 2), 15, NULL, 0, 0, 0, 0, q);
     else if (t == TD_Q5_K)
-        kq_bits(blk + 48 + 32 * (c / 2), 4 * (c % 2), blk + 16, c, 1, 0, q);
+        kq_bits(blk + 48 + 32 * (c / 2), 4 * (c % 2), 15, blk + 16, c, 1, 4, 0, q);
+    else if (t == TD_IQ4_XS)
+        kn_nl_load(blk + 8 + 16 * c, q);
     else
-        kq_bits(blk + 64 * (c / 4) + 32 * (c % 2), 4 * ((c % 4) / 2), blk + 128 + 32 * (c / 4),
-                2 * (c % 4), 3, 32, q);
+        kq_bits(blk + 64 * (c / 4) + 32 * (c % 2), 4 * ((c % 4) / 2), 15, blk + 128 + 32 * (c / 4),
+                2 * (c % 4), 3, 4, 32, q);
 }
 
-/* Vector k of a chunk covers elements k KN_VL ..; Q6_K's group of 16 it falls in. */
+/* Vector k of chunk c covers elements 32 c + k KN_VL ..; the group of 16 it falls in. */
 #define KQ_GROUP(c, k) (2 * (c) + (k)*KN_VL / 16)
 
 static void kq_dequant_t(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
 {
     const size_t bs = kq_block_bytes(t);
     for (int64_t b = 0; b < nsb; b++, src += bs) {
-        float ds[16], dm[8];
+        float ds[16], dm[16];
         kq_scales(t, src, ds, dm);
         for (int c = 0; c < 8; c++, dst += 32) {
             kn_vf q[KN_NV];
             kq_load(t, src, c, q);
             for (int k = 0; k < KN_NV; k++) {
-                if (t == TD_Q6_K)
-                    kn_vstore(dst + k * KN_VL, kn_vmul(q[k], kn_vset1(ds[KQ_GROUP(c, k)])));
-                else /* the product is exact, so fusing it with the add changes nothing;
-                      * p + (-dm) is p - dm bit for bit */
-                    kn_vstore(dst + k * KN_VL,
-                              kn_vadd(kn_vmul(q[k], kn_vset1(ds[c])), kn_vset1(-dm[c])));
+                const int g = kq_g16(t) ? KQ_GROUP(c, k) : c;
+                kn_vf v = kn_vmul(q[k], kn_vset1(ds[g]));
+                /* the product is exact, so fusing it with the add changes nothing;
+                 * p + (-dm) is p - dm bit for bit */
+                if (kq_has_min(t)) v = kn_vadd(v, kn_vset1(-dm[g]));
+                kn_vstore(dst + k * KN_VL, v);
             }
         }
     }
@@ -150,21 +254,38 @@ static void kq_dequant_t(td_dtype t, const uint8_t *src, float *dst, int64_t nsb
 
 void kn_kq_dequant(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
 {
-    if (t == TD_Q4_K)
+    switch (t) {
+    case TD_Q2_K:
+        kq_dequant_t(TD_Q2_K, src, dst, nsb);
+        break;
+    case TD_Q3_K:
+        kq_dequant_t(TD_Q3_K, src, dst, nsb);
+        break;
+    case TD_Q4_K:
         kq_dequant_t(TD_Q4_K, src, dst, nsb);
-    else if (t == TD_Q5_K)
+        break;
+    case TD_Q5_K:
         kq_dequant_t(TD_Q5_K, src, dst, nsb);
-    else if (t == TD_Q6_K)
+        break;
+    case TD_Q6_K:
         kq_dequant_t(TD_Q6_K, src, dst, nsb);
+        break;
+    case TD_IQ4_XS:
+        kq_dequant_t(TD_IQ4_XS, src, dst, nsb);
+        break;
+    default:
+        break;
+    }
 }
 
 /* y[j * ldy + r] = dot(row r of W, row j of x) for R rows of W at w (row stride ws) and
- * M rows of x (row stride ldx), nsb super-blocks per row; xs: block sums of x over 32,
- * row stride 8 nsb (Q4_K/Q5_K). */
+ * M rows of x (row stride ldx), nsb super-blocks per row; xs: block sums of x over the
+ * min groups (Q4_K/Q5_K: 32, row stride 8 nsb; Q2_K: 16, row stride 16 nsb). */
 KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
                              const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
 {
     const size_t bs = kq_block_bytes(t);
+    const int ng = kq_g16(t) ? 16 : 8; /* scale (and min) groups per super-block */
     kn_vf acc[4][4];
     float macc[4][4];
 #pragma GCC unroll 4
@@ -182,7 +303,7 @@ KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t 
             for (size_t o = 0; o < bs; o += 64)
                 __builtin_prefetch(blk + KQ_PREFETCH + o);
 #endif
-            float ds[16], dm[8];
+            float ds[16], dm[16];
             kq_scales(t, blk, ds, dm);
             for (int c = 0; c < 8; c++) {
                 kn_vf q[KN_NV];
@@ -190,7 +311,7 @@ KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t 
 #pragma GCC unroll 4
                 for (int j = 0; j < M; j++) {
                     const float *xj = x + j * ldx + b * KN_QK_K + c * 32;
-                    if (t == TD_Q6_K) {
+                    if (kq_g16(t)) {
                         /* two groups of 16, each with its own scale */
 #pragma GCC unroll 2
                         for (int g = 0; g < 2; g++) {
@@ -210,11 +331,11 @@ KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t 
                     }
                 }
             }
-            if (t != TD_Q6_K)
+            if (kq_has_min(t))
 #pragma GCC unroll 4
                 for (int j = 0; j < M; j++)
-                    for (int c = 0; c < 8; c++)
-                        macc[r][j] = kn_fmaf(dm[c], xs[j * 8 * nsb + 8 * b + c], macc[r][j]);
+                    for (int g = 0; g < ng; g++)
+                        macc[r][j] = kn_fmaf(dm[g], xs[j * ng * nsb + ng * b + g], macc[r][j]);
         }
     }
 #pragma GCC unroll 4
@@ -228,9 +349,9 @@ KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t 
 KN_ALWAYS_INLINE void kq_tile(td_dtype t, int R, int M, const kn_mat *w, const float *x,
                               const float *xs, float *y, int64_t r, int64_t i)
 {
-    const int64_t nsb = w->n_cols / KN_QK_K;
+    const int64_t nsb = w->n_cols / KN_QK_K, ng = kq_g16(t) ? 16 : 8;
     kq_dot(t, R, M, (const uint8_t *)w->data + (size_t)r * w->row_stride, w->row_stride, nsb,
-           x + i * w->n_cols, w->n_cols, xs ? xs + i * 8 * nsb : NULL, y + i * w->n_rows + r,
+           x + i * w->n_cols, w->n_cols, xs ? xs + i * ng * nsb : NULL, y + i * w->n_rows + r,
            w->n_rows);
 }
 
@@ -274,29 +395,42 @@ KN_ALWAYS_INLINE void kq_range(td_dtype t, const kn_mat *w, const float *x, cons
 }
 
 /* One specialised copy per type, so every inner loop is branch-free. */
-static void kq_range_q4_k(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,
-                          int64_t r0, int64_t r1)
-{
-    kq_range(TD_Q4_K, w, x, xs, m, y, r0, r1);
-}
-static void kq_range_q5_k(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,
-                          int64_t r0, int64_t r1)
-{
-    kq_range(TD_Q5_K, w, x, xs, m, y, r0, r1);
-}
-static void kq_range_q6_k(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,
-                          int64_t r0, int64_t r1)
-{
-    kq_range(TD_Q6_K, w, x, xs, m, y, r0, r1);
-}
+#define KQ_RANGE(name, T)                                                                          \
+    static void name(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,        \
+                     int64_t r0, int64_t r1)                                                       \
+    {                                                                                              \
+        kq_range(T, w, x, xs, m, y, r0, r1);                                                       \
+    }
+KQ_RANGE(kq_range_q2_k, TD_Q2_K)
+KQ_RANGE(kq_range_q3_k, TD_Q3_K)
+KQ_RANGE(kq_range_q4_k, TD_Q4_K)
+KQ_RANGE(kq_range_q5_k, TD_Q5_K)
+KQ_RANGE(kq_range_q6_k, TD_Q6_K)
+KQ_RANGE(kq_range_iq4_xs, TD_IQ4_XS)
 
 void kn_kq_dot(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y, int64_t r0,
                int64_t r1)
 {
-    if (w->type == TD_Q4_K)
+    switch (w->type) {
+    case TD_Q2_K:
+        kq_range_q2_k(w, x, xs, m, y, r0, r1);
+        break;
+    case TD_Q3_K:
+        kq_range_q3_k(w, x, xs, m, y, r0, r1);
+        break;
+    case TD_Q4_K:
         kq_range_q4_k(w, x, xs, m, y, r0, r1);
-    else if (w->type == TD_Q5_K)
+        break;
+    case TD_Q5_K:
         kq_range_q5_k(w, x, xs, m, y, r0, r1);
-    else if (w->type == TD_Q6_K)
+        break;
+    case TD_Q6_K:
         kq_range_q6_k(w, x, xs, m, y, r0, r1);
+        break;
+    case TD_IQ4_XS:
+        kq_range_iq4_xs(w, x, xs, m, y, r0, r1);
+        break;
+    default:
+        break;
+    }
 }

@@ -58,7 +58,8 @@ typedef struct {
     const kn_mat *w;
     /* dot path rows */
     const float *x;    /* (m, n_cols) */
-    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q5_1, Q4_K, Q5_K, else NULL */
+    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q5_1, Q4_K, Q5_K; Q2_K:
+                        * (m, n_cols / 16); else NULL */
     int64_t m;         /* 0: none */
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
@@ -178,7 +179,8 @@ KN_ALWAYS_INLINE void dot_tile(td_dtype t, int R, int M, const mm_job *j, int64_
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * w->row_stride;
     const float *x = j->x + i * w->n_cols;
     float *y = j->y + i * w->n_rows + r;
-    if (t == TD_Q8_0 || t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q5_0 || t == TD_Q5_1)
+    if (t == TD_Q8_0 || t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q5_0 || t == TD_Q5_1 ||
+        t == TD_IQ4_NL)
         qdot(t, R, M, wr, w->row_stride, w->n_cols / TD_QK, x, w->n_cols,
              j->xsum ? j->xsum + i * (w->n_cols / TD_QK) : NULL, y, w->n_rows);
     else
@@ -255,6 +257,10 @@ static void dot_q5_1(const mm_job *j, int64_t r0, int64_t r1)
 {
     dot_range(TD_Q5_1, j, r0, r1);
 }
+static void dot_iq4_nl(const mm_job *j, int64_t r0, int64_t r1)
+{
+    dot_range(TD_IQ4_NL, j, r0, r1);
+}
 
 static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
 {
@@ -284,9 +290,15 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
     case TD_Q5_1:
         dot_q5_1(j, r0, r1);
         break;
+    case TD_IQ4_NL:
+        dot_iq4_nl(j, r0, r1);
+        break;
+    case TD_Q2_K:
+    case TD_Q3_K:
     case TD_Q4_K:
     case TD_Q5_K:
     case TD_Q6_K:
+    case TD_IQ4_XS:
         kn_kq_dot(j->w, j->x, j->xsum, j->m, j->y, r0, r1);
         break;
     default:
@@ -294,13 +306,14 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
     }
 }
 
-/* xs (m, nb) = sums of x (m, nb * 32) over each block of 32. */
-static void block_sums(const float *x, int64_t m, int64_t nb, float *xs)
+/* xs (n / g) = sums of x (n floats) over each group of g (32, or Q2_K's 16; a multiple of
+ * KN_VL). */
+static void block_sums(const float *x, int64_t n, int g, float *xs)
 {
-    for (int64_t i = 0; i < m * nb; i++) {
-        const float *xb = x + i * TD_QK;
+    for (int64_t i = 0; i < n / g; i++) {
+        const float *xb = x + i * g;
         kn_vf s = kn_vload(xb);
-        for (int k = 1; k < KN_NV; k++)
+        for (int k = 1; k < g / KN_VL; k++)
             s = kn_vadd(s, kn_vload(xb + k * KN_VL));
         xs[i] = kn_vsum(s);
     }
@@ -395,14 +408,15 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                 .gm = gm,
                 .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
-    if (j.m && (kn_q_has_min(w->type) || kn_kq_needs_xsum(w->type))) {
-        const int64_t nb = w->n_cols / TD_QK;
+    const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
+    if (j.m && sg) {
+        const int64_t nb = w->n_cols / sg;
         float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
         if (!xs) {
             TD_LOG_ERR("matmul: out of memory for %lld block sums", (long long)(j.m * nb));
             return TD_ENOMEM;
         }
-        block_sums(x, j.m, nb, xs);
+        block_sums(x, j.m * w->n_cols, sg, xs);
         j.xsum = xs;
     }
     if (gm) {

@@ -20,9 +20,13 @@ bool kn_cpu_type_supported(td_dtype t)
     case TD_Q4_1:
     case TD_Q5_0:
     case TD_Q5_1:
+    case TD_IQ4_NL:
+    case TD_Q2_K:
+    case TD_Q3_K:
     case TD_Q4_K:
     case TD_Q5_K:
     case TD_Q6_K:
+    case TD_IQ4_XS:
         return true;
     default:
         return false;

@@ -7,8 +7,9 @@
  * Invariants: a quantized block holds TD_QK = 32 weights; element i < 16 is the low
  * nibble of qs[i], element 16 + i the high nibble (Q4_0/Q4_1/Q5_0/Q5_1), and for Q5_0/Q5_1
  * bit i of the 32-bit qh is the 5th bit of element i; loaders return the raw quants as
- * floats (Q8_0: q, Q4_0: q - 8, Q4_1: q, Q5_0: q - 16, Q5_1: q), unscaled, in KN_NV
- * vectors covering elements 0..31 in order. Every block starts with its fp16 scale d;
+ * floats (Q8_0: q, Q4_0: q - 8, Q4_1: q, Q5_0: q - 16, Q5_1: q, IQ4_NL: the level
+ * kvalues_iq4nl[q] of its non-linear table), unscaled, in KN_NV vectors covering elements
+ * 0..31 in order; IQ4_NL stores its nibbles as Q4_0 does. Every block starts with its fp16 scale d;
  * Q4_1/Q5_1 follow it with the fp16 min m. All loads are unaligned-safe.
  * Threading: pure functions.
  */
@@ -183,6 +184,8 @@ KN_ALWAYS_INLINE size_t kn_q_block_bytes(td_dtype t)
         return sizeof(td_block_q4_1);
     case TD_Q5_0:
         return sizeof(td_block_q5_0);
+    case TD_IQ4_NL:
+        return 18;
     default:
         return sizeof(td_block_q5_1);
     }
@@ -213,11 +216,50 @@ KN_ALWAYS_INLINE uint32_t kn_q5_qh(td_dtype t, const uint8_t *blk)
     return qh;
 }
 
+/* IQ4_NL's 16 non-linear levels (ggml's kvalues_iq4nl, gguf.quants.IQ4_NL.kvalues); IQ4_XS
+ * shares them. */
+#define KN_IQ4NL_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+
+/* q (KN_NV vectors) = the 32 levels the nibbles of qs[16] pick (element i < 16: low nibble
+ * of qs[i], 16 + i: its high nibble), as floats. */
+KN_ALWAYS_INLINE void kn_nl_load(const uint8_t *qs, kn_vf q[KN_NV])
+{
+#if KN_VL == 16
+    /* vpermps reads only the low 4 bits of each index */
+    static const float lv[16] = {KN_IQ4NL_VALUES};
+    const __m512 tbl = _mm512_loadu_ps(lv);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    q[0] = _mm512_permutexvar_ps(v, tbl);
+    q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
+#elif KN_VL == 8
+    /* pshufb looks the nibbles up as int8 levels */
+    static const int8_t lv[16] = {KN_IQ4NL_VALUES};
+    const __m128i tbl = _mm_loadu_si128((const __m128i *)lv), m4 = _mm_set1_epi8(0x0f);
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i lo = _mm_shuffle_epi8(tbl, _mm_and_si128(v, m4));
+    const __m128i hi = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+#else
+    static const int8_t tbl[16] = {KN_IQ4NL_VALUES};
+    for (int k = 0; k < TD_QK / 2; k++) {
+        q[k] = (float)tbl[qs[k] & 0x0f];
+        q[k + TD_QK / 2] = (float)tbl[qs[k] >> 4];
+    }
+#endif
+}
+
 /* q (KN_NV vectors) = the 32 quants of the block at blk as unscaled floats (see the
  * header comment). */
 KN_ALWAYS_INLINE void kn_q_load(td_dtype t, const uint8_t *blk, kn_vf q[KN_NV])
 {
     const uint8_t *qs = blk + kn_q_quant_offset(t);
+    if (t == TD_IQ4_NL) {
+        kn_nl_load(qs, q);
+        return;
+    }
 #if KN_VL == 16
     if (t == TD_Q8_0) {
         q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));

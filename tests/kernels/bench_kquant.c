@@ -1,4 +1,5 @@
-/* bench_kquant.c: K-quant matmul speed next to Q4_1's on the same shape, in the same run.
+/* bench_kquant.c: K-quant and IQ4 matmul speed next to Q4_1's on the same shape, in the
+ * same run.
  *
  * Usage: bench_kquant [threads [rows cols]]   (default: 1 thread, 8960 x 1536, the FFN
  * gate/up shape of Qwen2.5-1.5B)
@@ -49,9 +50,15 @@ static uint8_t *make_weights(td_dtype t, int64_t rows, int64_t cols)
     for (size_t b = 0; b < bytes / bs; b++) {
         if (t == TD_Q6_K) {
             memcpy(p + b * bs + 208, &s, 2);
+        } else if (t == TD_Q3_K) {
+            memcpy(p + b * bs + 108, &s, 2);
+        } else if (t == TD_Q2_K) {
+            memcpy(p + b * bs + 80, &s, 2);
+            memcpy(p + b * bs + 82, &s, 2);
         } else {
             memcpy(p + b * bs, &s, 2);
-            if (t != TD_Q4_0 && t != TD_Q8_0) memcpy(p + b * bs + 2, &s, 2);
+            if (t != TD_Q4_0 && t != TD_Q8_0 && t != TD_IQ4_NL && t != TD_IQ4_XS)
+                memcpy(p + b * bs + 2, &s, 2);
         }
     }
     return p;
@@ -94,8 +101,9 @@ int main(int argc, char **argv)
         x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
     printf("isa %s, %d thread(s), %lld x %lld\n", kn_cpu_isa(), threads, (long long)rows,
            (long long)cols);
-    const td_dtype types[] = {TD_Q4_1, TD_Q4_K, TD_Q5_K, TD_Q6_K, TD_Q8_0};
-    for (int ti = 0; ti < 5; ti++) {
+    const td_dtype types[] = {TD_Q4_1, TD_Q2_K, TD_Q3_K,   TD_Q4_K,  TD_Q5_K,
+                              TD_Q6_K, TD_Q8_0, TD_IQ4_NL, TD_IQ4_XS};
+    for (int ti = 0; ti < (int)(sizeof types / sizeof *types); ti++) {
         const td_dtype t = types[ti];
         const size_t mb = td_dtype_row_bytes(t, cols) * (size_t)rows;
         int n = (int)(COLD_BYTES / mb) + 1;

@@ -1,5 +1,6 @@
-/* test_kquant.c: the CPU backend's K-quant types (Q4_K, Q5_K, Q6_K): dequantization bit
- * for bit against a scalar transcription of gguf.quants' numpy dequantizers (the numpy
+/* test_kquant.c: the CPU backend's K-quant and IQ4 types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+ * IQ4_NL, IQ4_XS): dequantization bit for bit against a scalar transcription of
+ * gguf.quants' numpy dequantizers (the numpy
  * code itself is compared in tests/ref/test_kquant_ref.py), matmul on both paths against
  * a float64 reference over the dequantized weights (1, a few and many rows; several
  * super-blocks per row; strided row-slice views; 1, 2 and 3 threads), thread and batch
@@ -14,9 +15,14 @@
 #include "td_err.h"
 #include "tharness.h"
 
-static const td_dtype ktypes[] = {TD_Q4_K, TD_Q5_K, TD_Q6_K};
-#define N_KTYPES 3
+static const td_dtype ktypes[] = {TD_Q2_K, TD_Q3_K,   TD_Q4_K,  TD_Q5_K,
+                                  TD_Q6_K, TD_IQ4_NL, TD_IQ4_XS};
+#define N_KTYPES 7
 #define QK_K     256
+
+/* IQ4_NL's levels (gguf.quants.IQ4_NL.kvalues) */
+static const int kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 
@@ -38,14 +44,38 @@ static size_t block_bytes(td_dtype t)
     return td_dtype_get((uint32_t)t)->type_size;
 }
 
-/* Byte offsets of the fp16 scales d and dmin (-1: none) inside a super-block. */
+static int64_t block_len(td_dtype t)
+{
+    return td_dtype_get((uint32_t)t)->blck;
+}
+
+/* Byte offsets of the fp16 scales d and dmin (-1: none) inside a block. */
 static int d_offset(td_dtype t)
 {
-    return t == TD_Q6_K ? 208 : 0;
+    return t == TD_Q6_K ? 208 : t == TD_Q3_K ? 108 : t == TD_Q2_K ? 80 : 0;
 }
 static int dmin_offset(td_dtype t)
 {
-    return t == TD_Q6_K ? -1 : 2;
+    return t == TD_Q2_K ? 82 : t == TD_Q4_K || t == TD_Q5_K ? 2 : -1;
+}
+
+/* The largest |w| / |d| of a block (dmin taken equal to d). */
+static float max_weight_per_d(td_dtype t)
+{
+    switch (t) {
+    case TD_Q2_K:
+        return 15.0f * 3.0f + 15.0f;
+    case TD_Q3_K:
+        return 32.0f * 4.0f;
+    case TD_Q6_K:
+        return 128.0f * 32.0f;
+    case TD_IQ4_NL:
+        return 127.0f;
+    case TD_IQ4_XS:
+        return 32.0f * 127.0f;
+    default:
+        return 63.0f * 31.0f;
+    }
 }
 
 static void put_half(uint8_t *p, uint16_t h)
@@ -72,10 +102,9 @@ static void random_blocks(td_dtype t, uint8_t *dst, int64_t nb, int wide)
                 if (b % 5 == 1) h &= 0x03ff;        /* subnormal */
                 if (rng_u32() & 1) h |= 0x8000;
             } else {
-                /* |w| <= |d| 63 31 (Q4_K/Q5_K) or |d| 128 32 (Q6_K): d about 2^-11 */
-                float mag = t == TD_Q6_K ? 1.0f / 4096.0f : 1.0f / 2048.0f;
-                h = td_fp32_to_fp16(rng_uniform(0.25f, 1.0f) * mag);
-                if (t == TD_Q6_K && (rng_u32() & 1)) h |= 0x8000;
+                /* |w| <= 1 or so; the types without mins get either sign */
+                h = td_fp32_to_fp16(rng_uniform(0.25f, 1.0f) / max_weight_per_d(t));
+                if (dmin_offset(t) < 0 && (rng_u32() & 1)) h |= 0x8000;
             }
             put_half(blk + off, h);
         }
@@ -89,10 +118,43 @@ static float get_half(const uint8_t *p)
     return td_fp16_to_fp32(h);
 }
 
+/* Element e of a row of Q2_K, Q3_K, IQ4_NL or IQ4_XS blocks (ref_dequant_one's order). */
+static float ref_dequant_low(td_dtype t, const uint8_t *row, int64_t e)
+{
+    const uint8_t *blk = row + (size_t)(e / block_len(t)) * block_bytes(t);
+    const int i = (int)(e % block_len(t)), c = i / 32, l = i % 32, g = i / 16;
+    if (t == TD_IQ4_NL) {
+        const int n = (blk[2 + i % 16] >> (4 * (i / 16))) & 15;
+        return get_half(blk) * (float)kvalues_iq4nl[n];
+    }
+    if (t == TD_IQ4_XS) {
+        const int sh = blk[2] | blk[3] << 8;
+        const int ls = ((blk[4 + c / 2] >> (4 * (c % 2))) & 15) | (((sh >> (2 * c)) & 3) << 4);
+        const int n = (blk[8 + 16 * c + l % 16] >> (4 * (l / 16))) & 15;
+        volatile float dl = get_half(blk) * (float)(ls - 32);
+        return dl * (float)kvalues_iq4nl[n];
+    }
+    const int ql = (blk[(t == TD_Q2_K ? 16 : 32) + 32 * (c / 4) + l] >> (2 * (c % 4))) & 3;
+    if (t == TD_Q3_K) {
+        const uint8_t *s = blk + 96;
+        const int sc =
+            ((s[g % 8] >> (4 * (g / 8))) & 15) | (((s[8 + g % 4] >> (2 * (g / 4))) & 3) << 4);
+        const int q = ql - (((blk[l] >> c) & 1) ? 0 : 4);
+        volatile float dl = get_half(blk + 108) * (float)(sc - 32);
+        return dl * (float)q;
+    }
+    volatile float dl = get_half(blk + 80) * (float)(blk[g] & 15);
+    volatile float ml = get_half(blk + 82) * (float)(blk[g] >> 4);
+    volatile float p = dl * (float)ql;
+    return p - ml;
+}
+
 /* Element e of a row of K blocks, written out the way gguf.quants computes it (numpy's
  * float32 order: d * sc first, then times q, then minus dmin * m). */
 static float ref_dequant_one(td_dtype t, const uint8_t *row, int64_t e)
 {
+    if (t == TD_Q2_K || t == TD_Q3_K || t == TD_IQ4_NL || t == TD_IQ4_XS)
+        return ref_dequant_low(t, row, e);
     const uint8_t *blk = row + (size_t)(e / QK_K) * block_bytes(t);
     const int i = (int)(e % QK_K), c = i / 32, l = i % 32;
     if (t == TD_Q6_K) {
@@ -125,14 +187,14 @@ static void test_dequant_bit_exact(void)
 {
     for (int ti = 0; ti < N_KTYPES; ti++) {
         const td_dtype t = ktypes[ti];
-        const int nb = 41;
+        const int64_t ne = 41 * QK_K, nb = ne / block_len(t);
         uint8_t *row = malloc((size_t)nb * block_bytes(t));
-        float *out = malloc((size_t)nb * QK_K * sizeof *out);
+        float *out = malloc((size_t)ne * sizeof *out);
         TH_REQUIRE(row && out);
         random_blocks(t, row, nb, 1);
-        TH_REQUIRE(kn_dequant_row(t, row, out, nb * QK_K) == 0);
+        TH_REQUIRE(kn_dequant_row(t, row, out, ne) == 0);
         int bad = 0, n_nonzero = 0;
-        for (int64_t e = 0; e < nb * QK_K; e++) {
+        for (int64_t e = 0; e < ne; e++) {
             const float want = ref_dequant_one(t, row, e);
             n_nonzero += want != 0.0f;
             if (td_fp32_to_bits(out[e]) != td_fp32_to_bits(want) && bad++ < 5)
@@ -140,8 +202,7 @@ static void test_dequant_bit_exact(void)
                         out[e], want);
         }
         TH_CHECKF(bad == 0, "%s: %d mismatches", td_dtype_name(t), bad);
-        TH_CHECKF(n_nonzero > nb * QK_K / 2, "%s: only %d nonzero values", td_dtype_name(t),
-                  n_nonzero);
+        TH_CHECKF(n_nonzero > ne / 2, "%s: only %d nonzero values", td_dtype_name(t), n_nonzero);
         free(row);
         free(out);
     }
@@ -193,7 +254,7 @@ static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, kq_mat *m)
     if (!m->buf || !m->deq) return -1;
     memset(m->buf, 0xff, stride * (size_t)n_rows + bs);
     for (int64_t r = 0; r < n_rows; r++)
-        random_blocks(t, m->buf + bs + (size_t)r * stride, n_cols / QK_K, 0);
+        random_blocks(t, m->buf + bs + (size_t)r * stride, n_cols / block_len(t), 0);
     m->w = (kn_mat){
         .type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = stride, .data = m->buf + bs};
     for (int64_t r = 0; r < n_rows; r++)
@@ -341,11 +402,13 @@ static void test_get_rows_and_errors(void)
         for (int i = 0; i < 4; i++)
             TH_CHECKF(memcmp(out + i * 512, tm.deq + ids[i] * 512, 512 * sizeof(float)) == 0,
                       "%s row %d", td_dtype_name(t), ids[i]);
-        /* whole super-blocks only: 288 columns are 9 blocks of 32 but not of 256 */
+        /* whole blocks only: 288 columns are 9 blocks of 32 but not of 256, 272 not even
+         * of 32 */
+        const int64_t bad_cols = block_len(t) == QK_K ? 288 : 272;
         kn_mat w = tm.w;
-        w.n_cols = 288;
+        w.n_cols = bad_cols;
         TH_CHECK(kn_cpu_matmul(cpus[0], &w, x, 1, y) == TD_EINVAL);
-        TH_CHECK(kn_dequant_row(t, tm.w.data, out, 288) == TD_EINVAL);
+        TH_CHECK(kn_dequant_row(t, tm.w.data, out, bad_cols) == TD_EINVAL);
         w.n_cols = 512;
         w.row_stride = td_dtype_row_bytes(t, 512) - 1;
         TH_CHECK(kn_cpu_matmul(cpus[0], &w, x, 1, y) == TD_EINVAL);

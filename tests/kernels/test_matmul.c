@@ -606,7 +606,7 @@ static void test_errors(void)
 {
     uint8_t data[4096] = {0};
     float x[256] = {0}, y[256];
-    const td_dtype unsupported[] = {TD_Q8_1, TD_Q2_K, TD_Q8_K, TD_I32};
+    const td_dtype unsupported[] = {TD_Q8_1, TD_I16, TD_Q8_K, TD_I32};
     for (int i = 0; i < 4; i++) {
         kn_mat w = {
             .type = unsupported[i], .n_rows = 2, .n_cols = 256, .row_stride = 1024, .data = data};

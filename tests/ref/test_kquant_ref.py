@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""test_kquant_ref.py: the engine's K-quant dequantization against the gguf package's.
+"""test_kquant_ref.py: the engine's K-quant and IQ4 dequantization against the gguf package's.
 
-Writes a GGUF file holding random Q4_K, Q5_K and Q6_K tensors (random bytes, with the
-fp16 scales d and dmin replaced by random finite halves: either sign, subnormal ones,
-the largest ones), runs `tandem dequant` on each and compares with
-gguf.quants.dequantize on the same bytes, bit for bit. The bound is 0 ulp: every product
-d * scale * q is exact in float32 (at most 23 significant bits), so the only rounding is
-Q4_K/Q5_K's subtraction of dmin * min, the same single step in numpy and in C whatever
-the compiler fuses (kernels/cpu/cpu_kquant.c explains).
+Writes a GGUF file holding random Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS tensors
+(random bytes, so every scale, min and quant value occurs, with the fp16 scales d and dmin
+replaced by random finite halves: either sign, subnormal ones, the largest ones), runs
+`tandem dequant` on each and compares with gguf.quants.dequantize on the same bytes, bit
+for bit. The bound is 0 ulp: every product d * scale * q is exact in float32 (at most 23
+significant bits), so the only rounding is Q2_K/Q4_K/Q5_K's subtraction of dmin * min,
+the same single step in numpy and in C whatever the compiler fuses
+(kernels/cpu/cpu_kquant.c explains).
 
 Usage: test_kquant_ref.py --tandem BIN [--seed N]
 """
@@ -22,8 +23,11 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 
 QK_K = 256
-# bytes per super-block and the offsets of the fp16 scales inside it
-LAYOUT = {QT.Q4_K: (144, (0, 2)), QT.Q5_K: (176, (0, 2)), QT.Q6_K: (210, (208,))}
+# weights and bytes per block and the offsets of the fp16 scales inside it
+LAYOUT = {QT.Q2_K: (QK_K, 84, (80, 82)), QT.Q3_K: (QK_K, 110, (108,)),
+          QT.Q4_K: (QK_K, 144, (0, 2)), QT.Q5_K: (QK_K, 176, (0, 2)),
+          QT.Q6_K: (QK_K, 210, (208,)), QT.IQ4_NL: (32, 18, (0,)),
+          QT.IQ4_XS: (QK_K, 136, (0,))}
 
 
 def random_halves(rng, n):
@@ -36,13 +40,13 @@ def random_halves(rng, n):
 
 
 def random_tensor(rng, qtype, rows, cols):
-    """(rows, cols / 256 * block bytes) uint8: random super-blocks with finite scales."""
-    bs, offs = LAYOUT[qtype]
-    nb = rows * cols // QK_K
+    """(rows, cols / block * block bytes) uint8: random blocks with finite scales."""
+    qk, bs, offs = LAYOUT[qtype]
+    nb = rows * cols // qk
     blocks = rng.integers(0, 256, size=(nb, bs), dtype=np.uint8)
     for o in offs:
         blocks[:, o:o + 2] = random_halves(rng, nb).view(np.uint8).reshape(nb, 2)
-    return blocks.reshape(rows, cols // QK_K * bs)
+    return blocks.reshape(rows, cols // qk * bs)
 
 
 def main():
