@@ -21,11 +21,12 @@ if(TANDEM_PYTHON)
 endif()
 
 # The split shapes issue 13 added: an FFN width TP 2/4 do not cut into whole 32-blocks
-# (uneven split), and K-type row-parallel tensors whose TP slices are re-quantized.
+# (uneven split) with an odd, tied vocabulary (uneven vocab-parallel LM head over
+# token_embd's rows), and K-type row-parallel tensors whose TP slices are re-quantized.
 if(TANDEM_PYTHON)
   foreach(var odd kquant)
     if(var STREQUAL "odd")
-      set(args --arch llama --types mixed --n-ff 544 --seed 12)
+      set(args --arch llama --types mixed --n-ff 544 --n-vocab 509 --tied --seed 12)
     else()
       set(args --arch qwen2 --types kquant --n-ff 768 --seed 13)
     endif()

@@ -340,6 +340,8 @@ def main():
     ap.add_argument("--types", choices=["mixed", "f32", "kquant"], default="mixed",
                     help="kquant: mixed, with attn_output and ffn_down in Q6_K")
     ap.add_argument("--n-ff", type=int, default=None, help="FFN width (default 512)")
+    ap.add_argument("--n-vocab", type=int, default=None,
+                    help="vocabulary size (default 512; odd: uneven vocab-parallel LM head)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=None,
                     help="per-head dim (default 32; qwen3 defaults to 64 != n_embd/n_head)")
@@ -356,6 +358,8 @@ def main():
     shapes = dict(TINY_SHAPES if a.tiny else DEFAULT_SHAPES)
     if a.n_ff is not None:
         shapes["n_ff"] = a.n_ff
+    if a.n_vocab is not None:
+        shapes["n_vocab"] = a.n_vocab
     make_model(a.out, a.arch, rope_freqs=a.rope_freqs, tied=a.tied, types=a.types,
                seed=a.seed, shapes=shapes, head_dim=head_dim)
     print(a.out)
