@@ -100,10 +100,13 @@ def compare():
                 procs, url, d = start(args.tp, 1, port, decode=decode)
                 run(url, 1, 8)  # warm-up
                 s = run(url, b, 128)
-                m = re.search(STEP_RE, stop(procs, d))
+                log = stop(procs, d)
+                m = re.search(STEP_RE, log)
+                g = re.search(r"logit gather (\d+) x ([0-9.]+) us", log)
                 res.setdefault((b, label), []).append((s["tok_per_s"], float(m.group(1))))
+                gather = f", logit gather {g.group(2)} us" if g else ""
                 print(f"tp{args.tp} batch {b:2d} round {k} {label:6s}: {s['tok_per_s']:7.1f} tok/s, "
-                      f"mean step {m.group(1)} ms", flush=True)
+                      f"mean step {m.group(1)} ms{gather}", flush=True)
     for b in args.batch:
         med = {}
         for label, _ in builds:
