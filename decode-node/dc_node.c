@@ -57,6 +57,13 @@ static int node_allreduce(void *ctx, float *buf, int64_t n_floats)
     return n->shm ? dc_shm_allreduce(n->shm, buf, n_floats) : TD_ESTATE;
 }
 
+/* The LM head's logit slices to the leader, which samples (followers pass out NULL). */
+static int node_gather_cols(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
+{
+    dc_node *n = ctx;
+    return n->shm ? dc_shm_gather_cols(n->shm, part, rows, n_cols, out) : TD_ESTATE;
+}
+
 static int setup(dc_node *n)
 {
     const dc_node_params *p = n->p;
@@ -93,10 +100,11 @@ static int setup(dc_node *n)
 
     int32_t max_ctx = n->model->hp.n_ctx_train;
     int bpseq = (max_ctx + n->dcfg->block_size - 1) / n->dcfg->block_size;
-    /* a step holds the prefill budget plus one token per running request */
+    /* a step holds the prefill budget plus one token per running request, and at most one
+     * logit row per running request */
     int64_t max_step = (int64_t)n->dcfg->step_tokens + n->dcfg->max_batch;
     size_t max_plan =
-        64 + (size_t)max_step * 12 + (size_t)n->dcfg->max_batch * (4 + (size_t)bpseq * 4);
+        64 + (size_t)max_step * 12 + (size_t)n->dcfg->max_batch * (8 + (size_t)bpseq * 4);
     n->shmp = (dc_shm_params){
         .instance = p->instance,
         .token = n->token,
@@ -107,7 +115,8 @@ static int setup(dc_node *n)
         .timeout_ms = p->cfg->kvxfer.timeout_ms,
         .interrupt = p->stop,
     };
-    kn_collective coll = {.ctx = n, .allreduce_sum = node_allreduce};
+    kn_collective coll = {
+        .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
     if ((rc = kn_engine_create(n->model, kn_cpu_backend(n->cpu), &coll, &n->engine))) return rc;
     TD_LOG_INFO("decode %s rank %d/%d: %s layers, %d heads/%d kv heads local, %d kv blocks of %d "
                 "(%s), %d threads",
@@ -126,6 +135,8 @@ static void close_shm(dc_node *n)
     dc_shm_get_stats(n->shm, &st);
     n->shm_done.n_allreduce += st.n_allreduce;
     n->shm_done.ns_allreduce += st.ns_allreduce;
+    n->shm_done.n_gather += st.n_gather;
+    n->shm_done.ns_gather += st.ns_gather;
     n->shm_done.n_plans += st.n_plans;
     n->shm_done.n_sleeps += st.n_sleeps;
     dc_shm_close(n->shm);
@@ -591,15 +602,20 @@ static void leader_stop(dc_node *n)
         dc_shm_get_stats(n->shm, &cur);
         ss.n_allreduce += cur.n_allreduce;
         ss.ns_allreduce += cur.ns_allreduce;
+        ss.n_gather += cur.n_gather;
+        ss.ns_gather += cur.ns_gather;
     }
     dc_sched_stats st = dc_sched_get_stats(n->sched);
     TD_LOG_INFO("decode %s: %llu steps, %lld tokens, mean step %.3f ms, allreduce %llu x "
-                "%.2f us (%.1f%% of step time), %llu preemptions, %d formations",
+                "%.2f us (%.1f%% of step time), logit gather %llu x %.2f us, %llu preemptions, "
+                "%d formations",
                 n->p->instance, (unsigned long long)n->step, (long long)n->step_tokens,
                 n->step ? (double)n->step_ns / (double)n->step / 1e6 : 0.0,
                 (unsigned long long)ss.n_allreduce,
                 ss.n_allreduce ? (double)ss.ns_allreduce / (double)ss.n_allreduce / 1e3 : 0.0,
                 n->step_ns ? 100.0 * (double)ss.ns_allreduce / (double)n->step_ns : 0.0,
+                (unsigned long long)ss.n_gather,
+                ss.n_gather ? (double)ss.ns_gather / (double)ss.n_gather / 1e3 : 0.0,
                 (unsigned long long)st.preemptions, n->formations);
     if (n->xfer) {
         /* leak check of the tests: every transfer released on every rank */

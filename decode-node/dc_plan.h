@@ -2,8 +2,8 @@
  *
  * Purpose: every rank must run exactly the batch the leader scheduled (same tokens,
  * positions and block ids), or the all-reduces would mix different computations. The
- * plan is a flat little-endian byte image of a kn_batch (without logit rows: only rank 0
- * samples, so followers skip the LM head).
+ * plan is a flat little-endian byte image of a kn_batch, logit rows included: every rank
+ * computes its vocab slice of the LM head for them (only rank 0 samples).
  * Invariants: dc_plan_decode checks every count and block id against the buffer length
  * and the pool before it returns a batch; a bad plan is TD_EFORMAT, never a crash.
  * Ownership: the decoded batch points into the plan buffer and into dc_plan_view's
@@ -29,7 +29,7 @@ int dc_plan_encode(const kn_batch *b, int block_size, uint64_t step, void *buf, 
 typedef struct {
     uint32_t kind; /* DC_PLAN_RUN or DC_PLAN_SHUTDOWN */
     uint64_t step;
-    kn_batch batch;     /* n_logits 0 */
+    kn_batch batch;     /* logit rows as the leader's (their range is the engine's to check) */
     kn_seq_view *views; /* (cap_views) */
     int cap_views;
     int32_t *scratch; /* (cap_scratch) aligned copies of the arrays */

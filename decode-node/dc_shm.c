@@ -8,7 +8,8 @@
  *   plan[2][plan_stride] bytes      plan slots, seq q uses slot q & 1
  * Allreduce k uses parity k & 1. A rank can start writing parity p again (allreduce k + 2)
  * only after passing the first barrier of allreduce k + 1, i.e. after every rank finished
- * allreduce k; so the one-barrier scheme needs no second barrier.
+ * allreduce k; so the one-barrier scheme needs no second barrier. Each piece of a column
+ * gather is one such operation (it takes the next parity), so the same holds across both.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -280,6 +281,24 @@ static int check_usable(dc_shm *s, const char *what)
     return 0;
 }
 
+/* After the barrier of operation ar_k (parity par): every rank published the same size
+ * word (an allreduce's n, or gather_word of a gather), else the instance breaks. */
+static int check_sizes(dc_shm *s, int par, int64_t word)
+{
+    for (int r = 0; r < s->tp; r++) {
+        int64_t wr = atomic_load_explicit(&s->h->ranks[r].n[par], memory_order_relaxed);
+        if (wr != word) {
+            TD_LOG_ERR("dc_shm %s rank %d: collective %llu size mismatch: rank %d has %lld "
+                       "(%s), rank %d has %lld (%s)",
+                       s->inst, s->rank, (unsigned long long)s->ar_k, s->rank, (long long)word,
+                       word < 0 ? "gather" : "allreduce floats", r, (long long)wr,
+                       wr < 0 ? "gather" : "allreduce floats");
+            return dc_shm_fail(s, TD_EINVAL);
+        }
+    }
+    return 0;
+}
+
 int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
 {
     int rc = check_usable(s, "allreduce");
@@ -298,16 +317,7 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
     if (n > 0) memcpy(part + (size_t)s->rank * s->stride, buf, (size_t)n * sizeof(float));
     atomic_store_explicit(&h->ranks[s->rank].n[par], n, memory_order_relaxed);
     if ((rc = barrier(s))) return rc;
-    for (int r = 0; r < s->tp; r++) {
-        int64_t nr = atomic_load_explicit(&h->ranks[r].n[par], memory_order_relaxed);
-        if (nr != n) {
-            TD_LOG_ERR("dc_shm %s rank %d: allreduce %llu size mismatch: rank %d has %lld "
-                       "floats, rank %d has %lld",
-                       s->inst, s->rank, (unsigned long long)s->ar_k, s->rank, (long long)n, r,
-                       (long long)nr);
-            return dc_shm_fail(s, TD_EINVAL);
-        }
-    }
+    if ((rc = check_sizes(s, par, n))) return rc;
     const float *src[DC_SHM_MAX_TP];
     if (s->tp >= 3 && n >= TWO_PHASE_MIN) {
         /* reduce-scatter: rank r sums slice r (64-byte aligned) into result; then gather */
@@ -326,6 +336,78 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
         reduce(buf, src, s->tp, n);
     }
     s->st.ns_allreduce += (uint64_t)(td_now_ns() - t0);
+    return 0;
+}
+
+/* ---- column gather ---- */
+
+/* The size word of a gather of a (rows, n_cols) matrix: negative, so it never equals an
+ * allreduce's n and a gather paired with an allreduce is a size mismatch. */
+static int64_t gather_word(int64_t rows, int64_t n_cols)
+{
+    return -1 - rows * n_cols;
+}
+
+/* Floats [f0, f1) of a part (rows, nc) row-major into columns [c0, c0 + nc) of out
+ * (rows, n_cols); src holds float f0 of the part. */
+static void place(float *out, int64_t n_cols, int64_t c0, int64_t nc, const float *src, int64_t f0,
+                  int64_t f1)
+{
+    while (f0 < f1) {
+        int64_t row = f0 / nc, col = f0 % nc;
+        int64_t len = nc - col < f1 - f0 ? nc - col : f1 - f0;
+        memcpy(out + row * n_cols + c0 + col, src, (size_t)len * sizeof(float));
+        src += len;
+        f0 += len;
+    }
+}
+
+static int bad_gather(dc_shm *s, int64_t rows, int64_t n_cols, const float *part, const float *out)
+{
+    int64_t c0 = (int64_t)s->rank * n_cols / s->tp, c1 = (int64_t)(s->rank + 1) * n_cols / s->tp;
+    if (rows >= 0 && n_cols >= s->tp && rows <= INT64_MAX / n_cols &&
+        (rows * (c1 - c0) == 0 || part) && (s->rank != 0 || rows == 0 || out))
+        return 0;
+    TD_LOG_ERR("dc_shm %s rank %d: gather of (%lld, %lld) floats%s%s", s->inst, s->rank,
+               (long long)rows, (long long)n_cols, part ? "" : " without input",
+               s->rank || out ? "" : " without output");
+    return dc_shm_fail(s, TD_EINVAL);
+}
+
+int dc_shm_gather_cols(dc_shm *s, const float *part, int64_t rows, int64_t n_cols, float *out)
+{
+    int rc = check_usable(s, "gather");
+    if (rc || (rc = bad_gather(s, rows, n_cols, part, out))) return rc;
+    s->st.n_gather++;
+    if (s->tp == 1) {
+        if (rows > 0) memcpy(out, part, (size_t)(rows * n_cols) * sizeof(float));
+        return 0;
+    }
+    int64_t t0 = td_now_ns();
+    const int64_t S = (int64_t)s->stride, word = gather_word(rows, n_cols);
+    const int64_t most = rows * ((n_cols + s->tp - 1) / s->tp); /* the largest part */
+    const int64_t mine =
+        rows * ((int64_t)(s->rank + 1) * n_cols / s->tp - (int64_t)s->rank * n_cols / s->tp);
+    const int64_t pieces = most > S ? (most + S - 1) / S : 1;
+    for (int64_t k = 0; k < pieces; k++) {
+        int par = (int)(s->ar_k++ & 1);
+        const int64_t f0 = k * S;
+        int64_t f1 = f0 + S < mine ? f0 + S : mine;
+        /* rank 0 reads its own part in place */
+        if (s->rank > 0 && f1 > f0)
+            memcpy(s->partial[par] + (size_t)s->rank * s->stride, part + f0,
+                   (size_t)(f1 - f0) * sizeof(float));
+        atomic_store_explicit(&s->h->ranks[s->rank].n[par], word, memory_order_relaxed);
+        if ((rc = barrier(s)) || (rc = check_sizes(s, par, word))) return rc;
+        if (s->rank != 0) continue;
+        for (int r = 0; r < s->tp; r++) {
+            int64_t c0 = (int64_t)r * n_cols / s->tp, nc = (int64_t)(r + 1) * n_cols / s->tp - c0;
+            int64_t g1 = f0 + S < rows * nc ? f0 + S : rows * nc;
+            const float *src = r ? s->partial[par] + (size_t)r * s->stride : part + f0;
+            if (g1 > f0) place(out, n_cols, c0, nc, src, f0, g1);
+        }
+    }
+    s->st.ns_gather += (uint64_t)(td_now_ns() - t0);
     return 0;
 }
 

@@ -5,13 +5,16 @@
  * calls dc_shm_open with the same instance name, token, tp and sizes; the call returns when
  * all tp ranks are present. Then, per decode step, rank 0 (the leader) publishes the step's
  * batch plan (an opaque byte blob) and every rank runs its forward pass, in which the engine
- * calls dc_shm_allreduce (through the decode node's kn_collective) twice per layer.
+ * calls dc_shm_allreduce (through the decode node's kn_collective) twice per layer, and
+ * dc_shm_gather_cols once per step for the vocab-parallel LM head's logits.
  *
  * Invariants.
  *   - All ranks call the collectives in the same order with the same n: allreduce k of rank
- *     a pairs with allreduce k of rank b. A size mismatch is detected and breaks the instance.
+ *     a pairs with allreduce k of rank b (a gather with a gather of the same shape). A size
+ *     mismatch (or a gather against an allreduce) is detected and breaks the instance.
  *   - dc_shm_allreduce is deterministic: the sum of element i is ((p0 + p1) + p2) + ...
  *     in rank order on every rank, so results are bit-identical across ranks.
+ *     dc_shm_gather_cols only copies: rank 0's matrix is the ranks' parts, bit for bit.
  *   - Every wait is bounded (rendezvous: timeout_ms, or the wait_ms of dc_shm_gather;
  *     collectives: op_timeout_ms; only a caller that asks for it, with a negative wait to
  *     dc_shm_gather or dc_shm_plan_wait, waits for its event, a failure or the interrupt),
@@ -109,6 +112,8 @@ enum {
 typedef struct {
     uint64_t n_allreduce;  /* allreduces done */
     uint64_t ns_allreduce; /* wall time inside dc_shm_allreduce (ns) */
+    uint64_t n_gather;     /* column gathers done */
+    uint64_t ns_gather;    /* wall time inside dc_shm_gather_cols (ns) */
     uint64_t n_plans;      /* plans published (leader) or received (followers) */
     uint64_t n_sleeps;     /* waits that went to sleep on the futex (spin was not enough) */
 } dc_shm_stats;
@@ -146,6 +151,16 @@ void dc_shm_close(dc_shm *s);
  * bit-identical sum. Returns 0 or a negative td_err (logged where detected); any error
  * breaks the instance. tp == 1: no-op. */
 int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n);
+
+/* Column gather (the vocab-parallel LM head's logits): rank r passes part (rows, c1 - c0)
+ * row-major, columns [c0, c1) = [r * n_cols / tp, (r + 1) * n_cols / tp) of a
+ * (rows, n_cols) matrix (kn_split_even in kernels/model.h); rank 0 gets the whole matrix
+ * in out (rows, n_cols); the other ranks' out is neither read nor written (may be NULL).
+ * Needs n_cols >= tp. A part larger than max_floats travels in pieces of the slot size,
+ * one barrier each, so the segment (sized by max_floats) does not grow with the
+ * vocabulary. Returns 0 or a negative td_err (logged where detected); any error breaks the
+ * instance, as for the allreduce. tp == 1: rank 0 copies part into out. */
+int dc_shm_gather_cols(dc_shm *s, const float *part, int64_t rows, int64_t n_cols, float *out);
 
 /* Leader (rank 0) only. Publish the next step's plan: copies len <= max_plan bytes into
  * the segment and wakes the followers. Returns 0 or a negative td_err: TD_EINVAL for a plan

@@ -28,8 +28,9 @@ typedef struct {
     _Atomic uint64_t start;                       /* its start time (/proc/pid/stat field 22) */
     _Atomic uint64_t joined_epoch;                /* == hdr.epoch once joined (release) */
     _Atomic uint64_t arrived;                     /* last barrier index it arrived at */
-    _Atomic int64_t n[2];                         /* n of its allreduce of each parity */
-    _Atomic uint32_t plan_taken;                  /* followers: last plan seq taken */
+    _Atomic int64_t n[2];        /* size word of its collective of each parity: an allreduce's n,
+                                    or -1 - rows * n_cols for a gather piece */
+    _Atomic uint32_t plan_taken; /* followers: last plan seq taken */
 } dc_shm_slot;
 
 typedef struct {

@@ -10,6 +10,7 @@
  *     h = rmsnorm(x) ; x += [post-norm] allreduce((act(h Wg) * h Wu) Wd)
  *       act: silu, or gelu (tanh) for gemma3
  *   last stage: logits = rmsnorm(x[rows]) Wout ; else out = x
+ *     TP: each rank's Wout holds a vocab slice; gather_cols joins the slices on rank 0
  * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
  * backend's matmul_mixed, or row by row when the backend has none.
  */
@@ -27,11 +28,13 @@ struct kn_engine {
     int64_t cap;  /* tokens the scratch below holds */
     float *x;     /* (cap, n_embd) residual stream */
     float *h;     /* (cap, n_embd) normed input / projection output */
-    float *q;     /* (cap, n_head_local * head_dim) */
-    float *k, *v; /* (cap, n_head_kv_local * head_dim) */
-    float *att;   /* (cap, n_head_local * head_dim) */
+    float *q;     /* (cap, heads.n_q * head_dim) */
+    float *k, *v; /* (cap, heads.n_kv * head_dim) */
+    float *att;   /* (cap, heads.n_q * head_dim) */
     float *g, *u; /* (cap, n_ff_local) */
     float *sel;   /* (cap, n_embd) rows that need logits */
+    int cap_lg;   /* logit rows lg holds */
+    float *lg;    /* (cap_lg, n_vocab_local) this rank's logit slice; tp > 1 only */
 };
 
 int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll, kn_engine **out)
@@ -39,6 +42,10 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
     *out = NULL;
     if (m->shard.tp_size > 1 && (!coll || !coll->allreduce_sum)) {
         TD_LOG_ERR("tp %d needs an allreduce", m->shard.tp_size);
+        return TD_EINVAL;
+    }
+    if (m->shard.tp_size > 1 && m->last && !coll->gather_cols) {
+        TD_LOG_ERR("tp %d: the vocab-parallel LM head needs a gather", m->shard.tp_size);
         return TD_EINVAL;
     }
     kn_engine *e = calloc(1, sizeof *e);
@@ -64,6 +71,7 @@ void kn_engine_destroy(kn_engine *e)
 {
     if (!e) return;
     free_scratch(e);
+    free(e->lg);
     free(e);
 }
 
@@ -249,6 +257,29 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     return 0;
 }
 
+/* logits (n_logits, n_vocab) = sel Wout on one rank; with tp > 1 each rank computes its
+ * vocab slice (n_logits, n_vocab_local) and gather_cols joins them in rank 0's out. */
+static int lm_head(kn_engine *e, const kn_batch *b, float *out)
+{
+    const kn_model *m = e->m;
+    const int nl = b->n_logits;
+    if (m->shard.tp_size == 1) return matmul(e, &m->output, e->sel, nl, solo_logits(b), out);
+    if (nl > e->cap_lg) {
+        free(e->lg);
+        e->cap_lg = 0;
+        e->lg = malloc((size_t)nl * (size_t)m->n_vocab_local * sizeof(float));
+        if (!e->lg) {
+            TD_LOG_ERR("cannot allocate the logit slice of %d rows", nl);
+            return TD_ENOMEM;
+        }
+        e->cap_lg = nl;
+    }
+    int rc = matmul(e, &m->output, e->sel, nl, solo_logits(b), e->lg);
+    if (rc) return rc;
+    return e->coll.gather_cols(e->coll.ctx, e->lg, nl, m->hp.n_vocab,
+                               m->shard.tp_rank == 0 ? out : NULL);
+}
+
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)
 {
     const kn_model *m = e->m;
@@ -257,6 +288,11 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
     const int64_t n = b->n_tokens, E = m->hp.n_embd;
     int rc = validate(e, kv, b);
     if (rc) return rc;
+    bool wants_out = m->last ? b->n_logits > 0 && m->shard.tp_rank == 0 : true;
+    if (wants_out && !out) {
+        TD_LOG_ERR("no output buffer for the %s", m->last ? "logits" : "hidden states");
+        return TD_EINVAL;
+    }
     if ((rc = reserve(e, n))) return rc;
 
     if (m->first) {
@@ -275,5 +311,5 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
     if (b->n_logits == 0) return 0;
     ops->copy_rows(c, e->x, b->logit_rows, b->n_logits, E, e->sel);
     ops->rmsnorm(c, e->sel, m->output_norm, e->sel, b->n_logits, E, m->hp.rms_eps);
-    return matmul(e, &m->output, e->sel, b->n_logits, solo_logits(b), out);
+    return lm_head(e, b, out);
 }

@@ -8,6 +8,10 @@
  * common/td_tp.h assigns to the rank (Q/K/V rows), rows of gate/up, and the matching
  * input columns of attn_output/ffn_down; the
  * engine calls the collective's allreduce_sum twice per layer so ranks stay identical.
+ * The last stage's LM head is vocab-parallel: rank r holds output rows [v0, v1) with
+ * v0 = r * n_vocab / tp (the even split, kn_split_even), computes that slice of the logits
+ * and the collective's gather_cols assembles the whole logits on rank 0, the rank that
+ * samples (the other ranks get none). token_embd stays whole for the first stage's lookup.
  * Splitting is exact: PP stages and TP slices compose to the unsplit model's logits up to
  * float reassociation.
  * TP needs tp to divide the head count; KV heads shared by the query heads of several
@@ -79,14 +83,15 @@ typedef struct {
     td_tp_heads heads;   /* this rank's query and KV heads (td_tp.h) */
     int n_ff_local, ff0; /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
     bool first, last;
-    kn_mat tok_embd;      /* (n_vocab, n_embd); first stage, or last when tied */
-    kn_mat output;        /* (n_vocab, n_embd); last stage */
-    float *output_norm;   /* (n_embd); last stage */
-    kn_layer *layers;     /* (l1 - l0) */
-    float *rope_freq;     /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
-    float *rope_freq_swa; /* (n_rot / 2) the same for sliding-window layers, or NULL */
-    char name[128];       /* general.name (truncated) or "" */
-    void **owned;         /* (n_owned) re-quantized slices the views above point into */
+    kn_mat tok_embd; /* (n_vocab, n_embd) whole; first stage */
+    kn_mat output;   /* (n_vocab_local, n_embd) rows [vocab0, +n_vocab_local); last stage */
+    int vocab0, n_vocab_local; /* this rank's LM head rows (the whole vocab when tp is 1) */
+    float *output_norm;        /* (n_embd); last stage */
+    kn_layer *layers;          /* (l1 - l0) */
+    float *rope_freq;          /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
+    float *rope_freq_swa;      /* (n_rot / 2) the same for sliding-window layers, or NULL */
+    char name[128];            /* general.name (truncated) or "" */
+    void **owned;              /* (n_owned) re-quantized slices the views above point into */
     int n_owned;
 } kn_model;
 
@@ -103,11 +108,25 @@ const char *kn_arch_name(kn_arch a);
 kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_size,
                                      td_dtype type);
 
-/* Tensor-parallel reduction: sum buf (n floats) across the instance's ranks in place;
- * every rank gets the sum. Return 0 or a negative td_err. */
+/* Rank r's part of n split evenly across parts ranks: [r * n / parts, (r + 1) * n / parts)
+ * (sizes differ by at most one). The LM head's vocab rows and gather_cols use it. */
+static inline void kn_split_even(int64_t n, int parts, int r, int64_t *lo, int64_t *hi)
+{
+    *lo = (int64_t)r * n / parts;
+    *hi = (int64_t)(r + 1) * n / parts;
+}
+
+/* The tensor-parallel collectives of one instance's ranks. Every rank calls them in the
+ * same order with the same sizes. Both return 0 or a negative td_err.
+ *   allreduce_sum: sum buf (n floats) across the ranks in place; every rank gets the sum.
+ *   gather_cols:   rank r passes part (rows, c1 - c0) row-major, columns [c0, c1) of a
+ *                  (rows, n_cols) matrix (kn_split_even(n_cols, tp, r)); rank 0 gets the
+ *                  whole matrix in out (rows, n_cols); the other ranks' out is neither read
+ *                  nor written (may be NULL). Needed by a last stage with tp > 1. */
 typedef struct {
     void *ctx;
     int (*allreduce_sum)(void *ctx, float *buf, int64_t n);
+    int (*gather_cols)(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out);
 } kn_collective;
 
 /* One forward batch: tokens of several sequences at arbitrary positions. Tokens of one
@@ -138,8 +157,11 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
 void kn_engine_destroy(kn_engine *e);
 
 /* Run the shard over the batch. Writes K/V of its layers into kv. out:
- *   last stage: (n_logits, n_vocab) logits of the requested rows;
- *   other stages: (n_tokens, n_embd) hidden states for the next stage.
+ *   last stage, rank 0 (or tp 1): (n_logits, n_vocab) logits of the requested rows;
+ *   last stage, rank > 0: not used (may be NULL): the rank computes its vocab slice,
+ *     which the collective's gather_cols hands to rank 0; every rank must get the same
+ *     n_logits and logit_rows;
+ *   other stages: (n_tokens, n_embd) hidden states for the next stage (every rank).
  * Bad input (token id out of range, position past the block table, missing tokens or
  * embd) is TD_EINVAL / TD_ERANGE with a logged message, never a crash. */
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out);

@@ -355,6 +355,10 @@ static int check_split(const kn_hparams *hp, const kn_shard *s)
         TD_LOG_ERR("tp %d does not divide the %d attention heads", s->tp_size, hp->n_head);
         return TD_EUNSUPP;
     }
+    if (hp->n_vocab < s->tp_size) {
+        TD_LOG_ERR("tp %d exceeds the %d vocabulary rows of the LM head", s->tp_size, hp->n_vocab);
+        return TD_EUNSUPP;
+    }
     if (hp->n_ff % s->tp_size && (hp->n_ff % TD_QK || hp->n_ff / TD_QK < s->tp_size)) {
         TD_LOG_ERR("tp %d splits neither the ffn width %d evenly nor into whole %d-blocks",
                    s->tp_size, hp->n_ff, TD_QK);
@@ -421,11 +425,15 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     const int64_t F = m->n_ff_local, f0 = m->ff0;
     const int64_t QT = (int64_t)hp->n_head * HD, KVT = (int64_t)hp->n_head_kv * HD;
 
-    if (m->first || (m->last && hp->tied_embd))
-        m->tok_embd = view(&L, "token_embd.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
+    if (m->first) m->tok_embd = view(&L, "token_embd.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
     if (m->last) {
-        m->output = hp->tied_embd ? m->tok_embd
-                                  : view(&L, "output.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
+        /* vocab-parallel LM head: this rank's rows (whole vectors, so no block is cut) */
+        int64_t v0, v1;
+        kn_split_even(hp->n_vocab, s.tp_size, s.tp_rank, &v0, &v1);
+        m->vocab0 = (int)v0;
+        m->n_vocab_local = (int)(v1 - v0);
+        m->output = view(&L, hp->tied_embd ? "token_embd.weight" : "output.weight", E, hp->n_vocab,
+                         v0, v1 - v0, 0, E);
         m->output_norm = vec(&L, "output_norm.weight", E, 0, E, false);
     }
     int n_local = s.l1 - s.l0;

@@ -21,7 +21,8 @@ if(TANDEM_PYTHON)
 endif()
 
 # The split shapes issue 13 added: an FFN width TP 2/4 do not cut into whole 32-blocks
-# (uneven split), K-type row-parallel tensors whose TP slices are re-quantized, and KV
+# (uneven split) with an odd, tied vocabulary (uneven vocab-parallel LM head over
+# token_embd's rows), K-type row-parallel tensors whose TP slices are re-quantized, and KV
 # heads shared between ranks (common/td_tp.h): 6 query heads over 2 KV heads at tp 2, 3
 # (rank 1 holds both KV heads) and 6 (each KV head on three ranks), and the default 8
 # over 4 at tp 8.
@@ -29,7 +30,7 @@ if(TANDEM_PYTHON)
   foreach(var odd kquant gqa)
     set(tp_arg "")
     if(var STREQUAL "odd")
-      set(args --arch llama --types mixed --n-ff 544 --seed 12)
+      set(args --arch llama --types mixed --n-ff 544 --n-vocab 509 --tied --seed 12)
       set(tp_arg --tp 2,4,8)
     elseif(var STREQUAL "kquant")
       set(args --arch qwen2 --types kquant --n-ff 768 --seed 13)

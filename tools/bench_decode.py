@@ -13,6 +13,11 @@
      prompt's time to first token).
 
 usage: tools/bench_decode.py [--build build] [--model PATH]
+       tools/bench_decode.py --compare BEFORE_BUILD [--build build] [--model PATH] --tp N
+                             [--batch B ...] [--rounds R]
+  --compare: only the tensor-parallel decode at tp N x 1 thread, the build under test
+  against BEFORE_BUILD (e.g. main), alternated R times per batch size in one run (the
+  vocab-parallel LM head's figures in BENCHMARKS.md).
 """
 import argparse
 import os
@@ -27,20 +32,24 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--build", default="build")
 ap.add_argument("--model", default=os.path.expanduser(
     "~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+ap.add_argument("--compare", metavar="BEFORE_BUILD")
+ap.add_argument("--tp", type=int, default=3)
+ap.add_argument("--batch", type=int, nargs="+", default=[4, 16])
+ap.add_argument("--rounds", type=int, default=3)
 args = ap.parse_args()
 TANDEM = os.path.join(args.build, "bin", "tandem")
 DECODE = os.path.join(args.build, "bin", "tandem-decode")
 rnd = random.Random(1)
 
 
-def start(tp, threads, port, step_tokens=256):
+def start(tp, threads, port, step_tokens=256, decode=None):
     d = tempfile.mkdtemp(prefix="tandem-bench-")
     cfg = os.path.join(d, "c.yaml")
     with open(cfg, "w") as f:
         f.write(f"model: {args.model}\ndecode:\n  - name: b{port}\n    tp: {tp}\n"
                 f"    threads: {threads}\n    kv_blocks: 4096\n    max_batch: 64\n"
                 f"    step_tokens: {step_tokens}\n    port: {port}\n")
-    procs = [subprocess.Popen([DECODE, "--config", cfg, "--instance", f"b{port}", "--rank", str(r)],
+    procs = [subprocess.Popen([decode or DECODE, "--config", cfg, "--instance", f"b{port}", "--rank", str(r)],
                               stderr=open(os.path.join(d, f"r{r}.log"), "w")) for r in range(tp)]
     url = f"tcp://127.0.0.1:{port}"
     for _ in range(300):
@@ -53,10 +62,12 @@ def start(tp, threads, port, step_tokens=256):
 
 
 def stop(procs, d):
-    # the leader first: it publishes the stop plan, the followers then exit on their own
+    # the leader first: it publishes the stop plan; the followers then wait for it to form
+    # the instance again (restart and rejoin), so they are stopped too
     procs[0].send_signal(signal.SIGTERM)
     procs[0].wait(timeout=30)
     for p in procs[1:]:
+        p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
     with open(os.path.join(d, "r0.log")) as f:
         return f.read()
@@ -73,6 +84,47 @@ def run(url, n, max_tokens, prompt_len=16):
     line = [l for l in r.stdout.splitlines() if l.startswith("stats:")][0].split()[1:]
     return {line[i]: float(line[i + 1]) for i in range(0, len(line), 2)}
 
+
+STEP_RE = r"mean step ([0-9.]+) ms, allreduce (\d+) x ([0-9.]+) us \(([0-9.]+)% of step"
+
+
+def compare():
+    """tp N x 1 thread, this build against the BEFORE build, alternated per batch size."""
+    builds = (("before", os.path.join(args.compare, "bin", "tandem-decode")), ("after", DECODE))
+    res = {}
+    port = 9740
+    for b in args.batch:
+        for k in range(args.rounds):
+            for label, decode in builds:
+                port += 1
+                procs, url, d = start(args.tp, 1, port, decode=decode)
+                run(url, 1, 8)  # warm-up
+                s = run(url, b, 128)
+                log = stop(procs, d)
+                m = re.search(STEP_RE, log)
+                g = re.search(r"logit gather (\d+) x ([0-9.]+) us", log)
+                res.setdefault((b, label), []).append((s["tok_per_s"], float(m.group(1))))
+                gather = f", logit gather {g.group(2)} us" if g else ""
+                print(f"tp{args.tp} batch {b:2d} round {k} {label:6s}: {s['tok_per_s']:7.1f} tok/s, "
+                      f"mean step {m.group(1)} ms{gather}", flush=True)
+    for b in args.batch:
+        med = {}
+        for label, _ in builds:
+            tps = sorted(x[0] for x in res[(b, label)])
+            step = sorted(x[1] for x in res[(b, label)])
+            med[label] = (tps[len(tps) // 2], step[len(step) // 2])
+        # each round's after/before pair ran back to back: its ratio is the least noisy
+        pair = sorted(a[0] / p[0] for a, p in zip(res[(b, "after")], res[(b, "before")]))
+        print(f"tp{args.tp} batch {b:2d}: median before {med['before'][0]:.1f} tok/s "
+              f"({med['before'][1]:.2f} ms/step), after {med['after'][0]:.1f} tok/s "
+              f"({med['after'][1]:.2f} ms/step), ratio of medians "
+              f"{med['after'][0] / med['before'][0]:.3f}, median of paired ratios "
+              f"{pair[len(pair) // 2]:.3f} (range {pair[0]:.3f}-{pair[-1]:.3f})")
+
+
+if args.compare:
+    compare()
+    raise SystemExit(0)
 
 engine = subprocess.run([TANDEM, "bench-engine", "--model", args.model, "--threads", "2",
                          "--reps", "1", "--json"], capture_output=True, text=True).stdout
@@ -93,7 +145,7 @@ for tp, threads in ((1, 3), (3, 1)):
     procs, url, d = start(tp, threads, 9710 + tp)
     s = run(url, 4, 128)
     log = stop(procs, d)
-    m = re.search(r"mean step ([0-9.]+) ms, allreduce (\d+) x ([0-9.]+) us \(([0-9.]+)% of step", log)
+    m = re.search(STEP_RE, log)
     print(f"tp{tp} x {threads} threads, batch 4: {s['tok_per_s']:6.1f} tok/s, step {m.group(1)} ms, "
           f"allreduce {m.group(3)} us each, {m.group(4)}% of step time")
 

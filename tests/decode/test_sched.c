@@ -256,8 +256,11 @@ static void test_plan_round_trip(void)
         TH_REQUIRE(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0);
         const kn_batch *a = &st.batch, *b = &v.batch;
         TH_CHECK(v.kind == DC_PLAN_RUN && v.step == (uint64_t)step);
-        TH_CHECK(a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs && b->n_logits == 0);
+        TH_CHECK(a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs);
         TH_CHECK(a->n_solo == b->n_solo);
+        /* the logit rows travel too: every rank computes its vocab slice of them */
+        TH_CHECK(a->n_logits > 0 && a->n_logits == b->n_logits);
+        TH_CHECK(!memcmp(a->logit_rows, b->logit_rows, 4 * (size_t)a->n_logits));
         TH_CHECK(!memcmp(a->tokens, b->tokens, 4 * a->n_tokens));
         TH_CHECK(!memcmp(a->pos, b->pos, 4 * a->n_tokens));
         TH_CHECK(!memcmp(a->seq_of, b->seq_of, 4 * a->n_tokens));

@@ -11,7 +11,10 @@
  * re-forming: the rendezvous in slices (dc_shm_begin/gather) stays intact, a rank that
  * joined and died is noticed, its restarted process waits for and joins the next segment,
  * a follower waiting without limit ends when rank 0 gives the segment up or dies (and
- * then removes the name rank 0 left behind).
+ * then removes the name rank 0 left behind); the column gather of the vocab-parallel LM
+ * head: rank 0 gets every rank's columns bit for bit (uneven parts, parts larger than the
+ * slot in pieces, interleaved with allreduces), the others' output is left alone, and a
+ * gather paired with an allreduce breaks the instance.
  * usage: test_shm            run the tests
  *        test_shm --bench    allreduce latency (tp 2, n = 576 and 576 * 64)
  */
@@ -577,6 +580,115 @@ static void test_bad_sizes(void)
     TH_CHECK(td_now_ns() - t0 < 3000000000ll);
 }
 
+/* ---- column gather ---- */
+
+typedef struct {
+    char token[64];
+    int tp;
+    bool mismatch; /* rank 1 calls an allreduce where the others gather */
+} gather_ctx;
+
+/* (rows, n_cols): decode-sized; odd widths (uneven parts); parts of several slots (pieces);
+ * no rows */
+static const int64_t gshapes[][2] = {
+    {1, 49152}, {3, 509}, {5, 49152 + 7}, {0, 100}, {24, 151936 / 2 + 3}};
+#define GMAX (24 * (151936 / 2 + 3))
+
+static float gval(int it, int64_t i, int64_t j)
+{
+    return (float)((it * 7919 + i * 1000003 + j) % 16777213);
+}
+
+static int gather_one(dc_shm *s, int rank, int tp, int it, float *part, float *out)
+{
+    const int64_t rows = gshapes[it % 5][0], nc = gshapes[it % 5][1];
+    const int64_t c0 = rank * nc / tp, c1 = (rank + 1) * nc / tp;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = c0; j < c1; j++)
+            part[i * (c1 - c0) + j - c0] = gval(it, i, j);
+    const uint32_t sentinel = 0x7fc0beefu;
+    for (int64_t k = 0; k < rows * nc; k++)
+        memcpy(&out[k], &sentinel, 4);
+    /* rank 1 passes no output at all, as the decode node's followers do */
+    int rc = dc_shm_gather_cols(s, part, rows, nc, rank == 1 ? NULL : out);
+    if (rc) {
+        fprintf(stderr, "rank %d: gather %d: %s\n", rank, it, td_strerror(rc));
+        return 1;
+    }
+    for (int64_t k = 0; k < rows * nc && rank > 1; k++)
+        if (memcmp(&out[k], &sentinel, 4)) {
+            fprintf(stderr, "rank %d: gather %d wrote its output at %lld\n", rank, it,
+                    (long long)k);
+            return 1;
+        }
+    for (int64_t k = 0; k < rows * nc && rank == 0; k++)
+        if (out[k] != gval(it, k / nc, k % nc)) {
+            fprintf(stderr, "rank 0: gather %d (%lld x %lld, tp %d): [%lld] %g\n", it,
+                    (long long)rows, (long long)nc, tp, (long long)k, out[k]);
+            return 1;
+        }
+    return 0;
+}
+
+static int body_gather(int rank, void *vctx)
+{
+    const gather_ctx *c = vctx;
+    dc_shm_params p = params(c->token, rank, c->tp);
+    dc_shm *s;
+    if (dc_shm_open(&p, &s)) return 1;
+    float *part = malloc(GMAX * sizeof *part), *out = malloc(GMAX * sizeof *out);
+    float ar[576];
+    int fails = 0;
+    if (c->mismatch) {
+        outs[rank].rc =
+            rank == 1 ? dc_shm_allreduce(s, ar, 8) : dc_shm_gather_cols(s, part, 1, 509, out);
+        fails += dc_shm_check(s) != outs[rank].rc;
+    }
+    for (int it = 0; it < 20 && !c->mismatch && !fails; it++) {
+        fails += gather_one(s, rank, c->tp, it, part, out);
+        /* an allreduce between gathers: the parities stay paired */
+        for (int i = 0; i < 576; i++)
+            ar[i] = (float)(rank + i);
+        if (dc_shm_allreduce(s, ar, 576)) fails++;
+        for (int i = 0; i < 576 && !fails; i++)
+            fails += ar[i] != (float)(c->tp * i + c->tp * (c->tp - 1) / 2);
+        outs[rank].iters++;
+    }
+    dc_shm_get_stats(s, &outs[rank].stats);
+    if (!c->mismatch && rank == 0) fails += dc_shm_plan_stop(s) != 0;
+    if (!c->mismatch && rank > 0) {
+        const void *got;
+        size_t glen;
+        fails += dc_shm_plan_wait(s, 5000, &got, &glen) != DC_SHM_STOP;
+    }
+    dc_shm_close(s);
+    free(part);
+    free(out);
+    return fails;
+}
+
+static void test_gather_cols(void)
+{
+    for (int tp = 1; tp <= 4; tp++) {
+        gather_ctx c = {.tp = tp};
+        new_token(c.token, sizeof c.token);
+        reset_outs();
+        int64_t t0 = td_now_ns();
+        TH_CHECK((tp == 3 ? run_procs(tp, body_gather, &c, NULL, 60000)
+                          : run_threads(tp, body_gather, &c, NULL)) == 0);
+        for (int r = 0; r < tp; r++)
+            TH_CHECK(outs[r].iters == 20 && outs[r].stats.n_gather == 20);
+        fprintf(stderr, "  %s tp %d: 20 gathers + allreduces in %.0f ms\n",
+                tp == 3 ? "procs" : "threads", tp, (td_now_ns() - t0) / 1e6);
+    }
+    /* a gather against an allreduce is a size mismatch: both fail, the instance breaks */
+    gather_ctx c = {.tp = 2, .mismatch = true};
+    new_token(c.token, sizeof c.token);
+    reset_outs();
+    TH_CHECK(run_threads(2, body_gather, &c, NULL) == 0);
+    TH_CHECK(outs[0].rc == TD_EINVAL && outs[1].rc == TD_EINVAL);
+}
+
 static void test_kill_mid_allreduce(void)
 {
     for (int victim = 0; victim < 3; victim++) {
@@ -1013,6 +1125,7 @@ int main(int argc, char **argv)
     RUN(test_missing_rank);
     RUN(test_bad_open);
     RUN(test_bad_sizes);
+    RUN(test_gather_cols);
     RUN(test_kill_mid_allreduce);
     RUN(test_not_answering);
     RUN(test_idle_follower_cpu);

@@ -3,7 +3,9 @@
  * The unsplit model (one shard, all layers) is the reference. Against it:
  *   - PP into 2 and 3 stages (hidden states handed from stage to stage),
  *   - TP 2 and 4 (ranks run concurrently on threads, summing partials through a
- *     barrier-based allreduce, as the decode node's shared-memory collective will),
+ *     barrier-based allreduce and gathering the vocab-parallel LM head's logit slices on
+ *     rank 0, as the decode node's shared-memory collective does; the other ranks' output
+ *     buffer must stay untouched, or be NULL),
  *   - PP 2 x TP 2,
  *   - prefill in chunks of 1, 7, 64 and all at once, then greedy decode from that KV,
  *   - two sequences in one batch vs each alone (no cross-sequence attention),
@@ -42,7 +44,8 @@ static const float split_tol = 1e-4f;
 
 typedef struct {
     pthread_barrier_t bar;
-    float **slots; /* (tp) pointers to each rank's buffer */
+    float **slots;       /* (tp) pointers to each rank's buffer */
+    const float **parts; /* (tp) each rank's logit slice (gather_cols) */
     int tp;
 } allreduce_ctx;
 
@@ -69,6 +72,23 @@ static int allreduce_sum(void *ctx, float *buf, int64_t n)
     pthread_barrier_wait(&ar->bar); /* nobody overwrites buf before all have read it */
     memcpy(buf, mine, (size_t)n * sizeof *mine);
     free(mine);
+    return 0;
+}
+
+/* Rank r's part is columns [r * n_cols / tp, (r + 1) * n_cols / tp) (model.h); rank 0
+ * copies every part into out, the others leave theirs alone. */
+static int gather_cols(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
+{
+    rank_coll *rc = ctx;
+    allreduce_ctx *ar = rc->ar;
+    ar->parts[rc->rank] = part;
+    pthread_barrier_wait(&ar->bar);
+    for (int r = 0; r < ar->tp && rc->rank == 0; r++) {
+        int64_t c0 = r * n_cols / ar->tp, nc = (r + 1) * n_cols / ar->tp - c0;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(out + i * n_cols + c0, ar->parts[r] + i * nc, (size_t)nc * sizeof *out);
+    }
+    pthread_barrier_wait(&ar->bar); /* the parts stay valid until rank 0 has copied them */
     return 0;
 }
 
@@ -99,6 +119,7 @@ static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
     for (int s = 0; s < pp; s++) {
         g->ars[s].tp = tp;
         g->ars[s].slots = calloc((size_t)tp, sizeof(float *));
+        g->ars[s].parts = calloc((size_t)tp, sizeof(float *));
         pthread_barrier_init(&g->ars[s].bar, NULL, (unsigned)tp);
         /* later stages get the extra layers, as the prefill node does */
         int l0 = n_layer * s / pp, l1 = n_layer * (s + 1) / pp;
@@ -110,7 +131,8 @@ static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
             if (rc) return rc;
             if ((rc = kn_cpu_create(1 + (r % 2), &x->cpu))) return rc; /* mixed thread counts */
             x->coll = (rank_coll){.ar = &g->ars[s], .rank = r};
-            kn_collective coll = {.ctx = &x->coll, .allreduce_sum = allreduce_sum};
+            kn_collective coll = {
+                .ctx = &x->coll, .allreduce_sum = allreduce_sum, .gather_cols = gather_cols};
             if ((rc = kn_engine_create(x->model, kn_cpu_backend(x->cpu), &coll, &x->engine)))
                 return rc;
             kn_kv_pool_params kp = kn_model_kv_params(x->model, 64, BLOCK, kv_type);
@@ -137,6 +159,7 @@ static void grid_close(grid *g)
     }
     for (int s = 0; s < g->pp && g->ars; s++) {
         free(g->ars[s].slots);
+        free(g->ars[s].parts);
         pthread_barrier_destroy(&g->ars[s].bar);
     }
     free(g->rt);
@@ -156,6 +179,25 @@ static void *rank_main(void *v)
     rank_job *j = v;
     j->rc = kn_engine_forward(j->x->engine, j->x->kv, &j->b, j->out);
     return NULL;
+}
+
+#define SENTINEL 0x7fc0beefu /* a NaN no kernel writes */
+
+static float *sentinels(int n_rows)
+{
+    size_t cnt = (size_t)n_rows * (size_t)n_vocab;
+    uint32_t *p = malloc(cnt * sizeof *p);
+    for (size_t i = 0; i < cnt; i++)
+        p[i] = SENTINEL;
+    return (float *)p;
+}
+
+static bool untouched(const float *buf, int n_rows)
+{
+    const uint32_t *p = (const uint32_t *)buf;
+    for (size_t i = 0; i < (size_t)n_rows * (size_t)n_vocab; i++)
+        if (p[i] != SENTINEL) return false;
+    return true;
 }
 
 /* Runs tokens (of up to two sequences, given by seq_of) through every stage; logits of
@@ -179,9 +221,12 @@ static int grid_forward(grid *g, const int32_t *tokens, const int32_t *pos, cons
                 views[r][q] =
                     (kn_seq_view){.block_table = x->seqs[q].blocks, .n_ctx = ctx_after[q]};
             }
-            /* ranks other than 0 write their logits to a private buffer; rank 0's is kept */
-            float *out = last ? (r == 0 ? logits : malloc((size_t)n_rows * n_vocab * 4))
-                              : (r == 0 ? h_out : malloc((size_t)(n * n_embd) * 4));
+            /* ranks other than 0 write their hidden states to a private buffer; the last
+             * stage's logits are rank 0's only: rank 1 passes NULL, the others a buffer of
+             * sentinels that must stay untouched */
+            float *out = r == 0 ? (last ? logits : h_out)
+                         : last ? (r == 1 ? NULL : sentinels(n_rows))
+                                : malloc((size_t)(n * n_embd) * 4);
             jobs[r] = (rank_job){
                 .x = x,
                 .b = {.n_tokens = n,
@@ -202,13 +247,10 @@ static int grid_forward(grid *g, const int32_t *tokens, const int32_t *pos, cons
             pthread_join(th[r], NULL);
         for (int r = 0; r < g->tp && !rc; r++) {
             if (jobs[r].rc) rc = jobs[r].rc;
-            if (r > 0) {
-                /* TP ranks must agree exactly after the allreduces */
-                float *ref = last ? logits : h_out;
-                size_t cnt = last ? (size_t)n_rows * (size_t)n_vocab : (size_t)(n * n_embd);
-                TH_CHECK(memcmp(ref, jobs[r].out, cnt * sizeof(float)) == 0);
-                free(jobs[r].out);
-            }
+            if (r > 0 && !last) /* TP ranks must agree exactly after the allreduces */
+                TH_CHECK(memcmp(h_out, jobs[r].out, (size_t)(n * n_embd) * sizeof(float)) == 0);
+            if (r > 0 && last && jobs[r].out) TH_CHECK(untouched(jobs[r].out, n_rows));
+            if (r > 0) free(jobs[r].out);
         }
         if (!last) {
             free(h_in);
@@ -441,6 +483,37 @@ static void test_ffn_split_tiles(void)
     }
 }
 
+/* The vocab-parallel LM head: rank r's output view is rows [r * n / tp, (r + 1) * n / tp)
+ * of the LM head tensor (zero-copy: it points into rank 0's view at vocab0 rows), the
+ * ranks tile the vocabulary, and the first stage keeps the whole token_embd. */
+static void test_lm_head_tiles(void)
+{
+    for (int i = 0; i < n_tp_sizes; i++) {
+        const int tp = tp_sizes[i];
+        int next = 0;
+        bool uneven = false;
+        kn_mat whole = {0};
+        for (int r = 0; r < tp; r++) {
+            kn_model *m = NULL;
+            kn_shard sh = {.tp_rank = r, .tp_size = tp};
+            TH_REQUIRE(kn_model_load(gguf, &sh, &m) == 0);
+            if (r == 0) whole = m->output;
+            TH_CHECK(m->vocab0 == next && m->output.n_rows == m->n_vocab_local);
+            TH_CHECK(m->n_vocab_local == n_vocab / tp || m->n_vocab_local == n_vocab / tp + 1);
+            TH_CHECK(m->output.data ==
+                     (const char *)whole.data + (size_t)m->vocab0 * whole.row_stride);
+            TH_CHECK(m->tok_embd.n_rows == n_vocab);
+            uneven |= m->n_vocab_local != n_vocab / tp;
+            next = m->vocab0 + m->n_vocab_local;
+            kn_model_destroy(m);
+        }
+        TH_CHECK(next == n_vocab);
+        if (n_vocab % tp) TH_CHECKF(uneven, "tp %d: vocab %d split evenly", tp, n_vocab);
+        fprintf(stderr, "  tp %d: LM head rows of vocab %d tiled%s\n", tp, n_vocab,
+                uneven ? " unevenly" : "");
+    }
+}
+
 static double rel_l2(const float *a, const float *ref, size_t n)
 {
     double num = 0, den = 0;
@@ -600,6 +673,7 @@ int main(int argc, char **argv)
     TH_RUN(test_bad_batches);
     TH_RUN(test_kv_pool_exhaustion);
     TH_RUN(test_ffn_split_tiles);
+    TH_RUN(test_lm_head_tiles);
     if (requant_ref) TH_RUN(test_requant);
     free(ref_logits);
     td_gguf_close(gguf);

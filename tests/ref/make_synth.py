@@ -345,6 +345,8 @@ def main():
     ap.add_argument("--n-ff", type=int, default=None, help="FFN width (default 512)")
     ap.add_argument("--n-head", type=int, default=None, help="query heads (default 8)")
     ap.add_argument("--n-head-kv", type=int, default=None, help="KV heads (default 4)")
+    ap.add_argument("--n-vocab", type=int, default=None,
+                    help="vocabulary size (default 512; odd: uneven vocab-parallel LM head)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=None,
                     help="per-head dim (default 32; qwen3 defaults to 64 != n_embd/n_head)")
@@ -359,7 +361,7 @@ def main():
     if head_dim is None and a.arch in ("qwen3", "gemma3") and not a.tiny:
         head_dim = 64
     shapes = dict(TINY_SHAPES if a.tiny else DEFAULT_SHAPES)
-    for k in ("n_ff", "n_head", "n_head_kv"):
+    for k in ("n_ff", "n_head", "n_head_kv", "n_vocab"):
         if getattr(a, k) is not None:
             shapes[k] = getattr(a, k)
     make_model(a.out, a.arch, rope_freqs=a.rope_freqs, tied=a.tied, types=a.types,
