@@ -4,13 +4,18 @@
  * Purpose: the forward pass (kernels/model_*.c) never calls a CPU or CUDA kernel by name;
  * it calls backend->ops->x(backend->ctx, ...), so a CUDA backend slots in without touching
  * the model code.
- * Invariants: all buffers passed to ops live in the backend's memory (host memory for cpu)
- * and are row-major float32 unless stated; shapes are in the comments. Ops are
- * synchronous from the caller's point of view (the cpu backend fans out to its thread
- * pool and returns when all threads are done).
+ * Invariants: all buffers passed to ops live in the backend's memory (host memory for cpu,
+ * from ops->alloc for a device backend) and are row-major float32 unless stated; shapes are
+ * in the comments. A device backend queues its ops in order on one stream: an op's result
+ * is visible to the next op at once, and to the host after download or synchronize (the
+ * cpu backend fans out to its thread pool and returns when all threads are done, so for it
+ * every op is synchronous).
+ * Construction: kn_backend_create(name, options) is the one constructor ("cpu", "cuda");
+ * a backend that is not built in, or has no usable device, is a clear error at start-up
+ * (TD_EUNSUPP, the reason logged), never a silent fall-back to another backend.
  * Threading: one thread drives a backend at a time (the process's engine loop).
  * Ownership: a kn_mat borrows its data (usually the GGUF mapping); the backend owns its
- * thread pool and scratch.
+ * thread pool, streams, scratch and every buffer it allocated; kn_backend_destroy frees it.
  */
 #ifndef KN_BACKEND_H
 #define KN_BACKEND_H
@@ -41,6 +46,36 @@ typedef struct {
 
 typedef struct {
     const char *name;
+
+    /* ---- lifetime and memory ---- */
+    /* Frees the backend (ctx) and everything it allocated. */
+    void (*destroy)(void *ctx);
+    /* One line for logs: "cpu avx512, 2 threads", "cuda NVIDIA H100 (sm_90, 79 GiB)". */
+    void (*describe)(void *ctx, char *buf, size_t cap);
+    /* true: the backend computes on host memory, so host arrays (batch inputs, model
+     * weights) may be passed to ops as they are, and alloc/upload/download are malloc and
+     * memcpy. false: the caller stages host data through alloc + upload. */
+    bool host_memory;
+    /* bytes of backend memory, 64-byte aligned, or NULL (out of memory). free(NULL) is a
+     * no-op. */
+    void *(*alloc)(void *ctx, size_t bytes);
+    void (*free)(void *ctx, void *p);
+    /* dst (backend memory) = src (host), bytes; ordered after the ops queued before it, and
+     * src may be reused when it returns. */
+    int (*upload)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* dst (host) = src (backend memory), bytes; waits for the ops queued before it. */
+    int (*download)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* Waits until every queued op finished; returns the first asynchronous error, if any. */
+    int (*synchronize)(void *ctx);
+    /* Device backends (host_memory false) only, NULL otherwise: make the backend's own copy
+     * of a model's read-only host data, once, before the first op that reads it (the engine
+     * calls these for every weight matrix and vector of its shard at kn_engine_create).
+     * From then on ops take the host pointer (w->data, a norm's weight, a bias, the rope
+     * frequencies) and read the copy, so the model code passes the same pointers to every
+     * backend. map_matrix may repack a strided slice (row-parallel TP views) compactly;
+     * map_vector copies n floats. Mapping the same pointer again is a no-op. */
+    int (*map_matrix)(void *ctx, const kn_mat *w);
+    int (*map_vector)(void *ctx, const float *v, int64_t n);
 
     /* y (m, w->n_rows) = x (m, w->n_cols) * W^T. */
     int (*matmul)(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y);
@@ -109,5 +144,19 @@ typedef struct {
     const kn_backend_ops *ops;
     void *ctx;
 } kn_backend;
+
+typedef struct {
+    int n_threads; /* cpu: compute threads (<= 0: one per core) */
+    int device;    /* cuda: device ordinal (< 0: device 0) */
+} kn_backend_options;
+
+/* The names kn_backend_create knows, for messages: "cpu, cuda" (cuda only when built in). */
+const char *kn_backend_names(void);
+/* Create backend `name` ("cpu" or "cuda"; NULL means "cpu"). Errors: TD_EINVAL for an unknown
+ * name, TD_EUNSUPP (reason logged: not built in, no device, driver too old) when it
+ * cannot run here, TD_ENOMEM. *out is zeroed on failure. */
+int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend *out);
+/* Frees it (safe on a zeroed backend) and zeroes *b. */
+void kn_backend_destroy(kn_backend *b);
 
 #endif

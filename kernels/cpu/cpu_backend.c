@@ -1,14 +1,63 @@
 /* cpu_backend.c: the CPU backend object and its ops table. */
 #include "cpu_backend.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "cpu_internal.h"
 #include "td_err.h"
 
+/* ---- memory: host memory, so staging is a copy ---- */
+
+static void *cpu_alloc(void *ctx, size_t bytes)
+{
+    (void)ctx;
+    return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+}
+
+static void cpu_free(void *ctx, void *p)
+{
+    (void)ctx;
+    free(p);
+}
+
+static int cpu_copy(void *ctx, void *dst, const void *src, size_t bytes)
+{
+    (void)ctx;
+    if (bytes) memcpy(dst, src, bytes);
+    return 0;
+}
+
+static int cpu_synchronize(void *ctx)
+{
+    (void)ctx;
+    return 0; /* every op returned when its threads were done */
+}
+
+static void cpu_destroy(void *ctx)
+{
+    kn_cpu_destroy(ctx);
+}
+
+static void cpu_describe(void *ctx, char *buf, size_t cap)
+{
+    const kn_cpu *c = ctx;
+    snprintf(buf, cap, "cpu %s, %d thread%s", kn_cpu_isa(), c->n_threads,
+             c->n_threads == 1 ? "" : "s");
+}
+
 static const kn_backend_ops cpu_ops = {
     .name = "cpu",
+    .destroy = cpu_destroy,
+    .describe = cpu_describe,
+    .host_memory = true,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .synchronize = cpu_synchronize,
     .matmul = kn_cpu_matmul,
     .matmul_mixed = kn_cpu_matmul_mixed,
     .rmsnorm = kn_cpu_rmsnorm,

@@ -1,0 +1,49 @@
+/* kn_backend.c: the one backend constructor (kn_backend.h). */
+#include "kn_backend.h"
+
+#include <string.h>
+
+#include "cpu_backend.h"
+#include "td_err.h"
+#ifdef TANDEM_HAVE_CUDA
+#include "cuda_backend.h"
+#endif
+
+const char *kn_backend_names(void)
+{
+#ifdef TANDEM_HAVE_CUDA
+    return "cpu, cuda";
+#else
+    return "cpu";
+#endif
+}
+
+int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend *out)
+{
+    memset(out, 0, sizeof *out);
+    kn_backend_options def = {.n_threads = 0, .device = -1};
+    if (!o) o = &def;
+    if (!name || !strcmp(name, "cpu")) {
+        kn_cpu *c;
+        int rc = kn_cpu_create(o->n_threads, &c);
+        if (!rc) *out = kn_cpu_backend(c);
+        return rc;
+    }
+    if (!strcmp(name, "cuda")) {
+#ifdef TANDEM_HAVE_CUDA
+        return kn_cuda_create(o->device < 0 ? 0 : o->device, out);
+#else
+        TD_LOG_ERR("backend 'cuda': this build has no CUDA backend (it is built when CMake finds "
+                   "nvcc, or with -DTANDEM_CUDA=ON); use backend 'cpu'");
+        return TD_EUNSUPP;
+#endif
+    }
+    TD_LOG_ERR("unknown backend '%s' (known: %s)", name, kn_backend_names());
+    return TD_EINVAL;
+}
+
+void kn_backend_destroy(kn_backend *b)
+{
+    if (b && b->ops && b->ops->destroy) b->ops->destroy(b->ctx);
+    if (b) memset(b, 0, sizeof *b);
+}
