@@ -18,28 +18,29 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model.h"
+#include "engine_int.h"
 #include "td_err.h"
 
-struct kn_engine {
-    const kn_model *m;
-    kn_backend be;
-    kn_collective coll;
-    int64_t cap;  /* tokens the scratch below holds */
-    float *x;     /* (cap, n_embd) residual stream */
-    float *h;     /* (cap, n_embd) normed input / projection output */
-    float *q;     /* (cap, heads.n_q * head_dim) */
-    float *k, *v; /* (cap, heads.n_kv * head_dim) */
-    float *att;   /* (cap, heads.n_q * head_dim) */
-    float *g, *u; /* (cap, n_ff_local) */
-    float *sel;   /* (cap, n_embd) rows that need logits */
-    int cap_lg;   /* logit rows lg holds */
-    float *lg;    /* (cap_lg, n_vocab_local) this rank's logit slice; tp > 1 only */
-};
+/* The ops every backend must have, and the memory ops a device backend needs on top. */
+static int check_ops(const kn_backend_ops *o)
+{
+    const void *need[] = {o->matmul,    o->rmsnorm,  o->rope,   o->swiglu,  o->geglu, o->kv_write,
+                          o->attention, o->get_rows, o->add,    o->add_row, o->scale, o->copy_rows,
+                          o->alloc,     o->free,     o->upload, o->download};
+    for (size_t i = 0; i < sizeof need / sizeof *need; i++)
+        if (!need[i]) return TD_EINVAL;
+    if (!o->host_memory && (!o->map_matrix || !o->map_vector || !o->synchronize))
+        return TD_EINVAL;
+    return 0;
+}
 
 int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll, kn_engine **out)
 {
     *out = NULL;
+    if (!be.ops || check_ops(be.ops)) {
+        TD_LOG_ERR("backend '%s' lacks ops the engine needs", be.ops ? be.ops->name : "(none)");
+        return TD_EINVAL;
+    }
     if (m->shard.tp_size > 1 && (!coll || !coll->allreduce_sum)) {
         TD_LOG_ERR("tp %d needs an allreduce", m->shard.tp_size);
         return TD_EINVAL;
@@ -48,11 +49,23 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
         TD_LOG_ERR("tp %d: the vocab-parallel LM head needs a gather", m->shard.tp_size);
         return TD_EINVAL;
     }
+    if (m->shard.tp_size > 1 && !be.ops->host_memory) {
+        TD_LOG_ERR("tp %d on backend '%s': tensor parallelism in device memory needs the NCCL "
+                   "collective, not built yet",
+                   m->shard.tp_size, be.ops->name);
+        return TD_EUNSUPP;
+    }
     kn_engine *e = calloc(1, sizeof *e);
     if (!e) return TD_ENOMEM;
     e->m = m;
     e->be = be;
+    e->dev = !be.ops->host_memory;
     if (coll) e->coll = *coll;
+    int rc = e->dev ? kn_engine_map_model(e) : 0;
+    if (rc) {
+        kn_engine_destroy(e);
+        return rc;
+    }
     *out = e;
     return 0;
 }
@@ -61,7 +74,7 @@ static void free_scratch(kn_engine *e)
 {
     float **bufs[] = {&e->x, &e->h, &e->q, &e->k, &e->v, &e->att, &e->g, &e->u, &e->sel};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) {
-        free(*bufs[i]);
+        if (*bufs[i]) e->be.ops->free(e->be.ctx, *bufs[i]);
         *bufs[i] = NULL;
     }
     e->cap = 0;
@@ -71,10 +84,12 @@ void kn_engine_destroy(kn_engine *e)
 {
     if (!e) return;
     free_scratch(e);
-    free(e->lg);
+    if (e->lg) e->be.ops->free(e->be.ctx, e->lg);
+    kn_engine_stage_free(e);
     free(e);
 }
 
+/* The activations of n tokens, in the backend's memory. */
 static int reserve(kn_engine *e, int64_t n)
 {
     if (n <= e->cap) return 0;
@@ -82,20 +97,18 @@ static int reserve(kn_engine *e, int64_t n)
     const kn_model *m = e->m;
     int64_t E = m->hp.n_embd, HD = m->hp.head_dim;
     int64_t nq = m->heads.n_q * HD, nkv = m->heads.n_kv * HD, F = m->n_ff_local;
-    size_t fl = sizeof(float);
-    e->x = malloc((size_t)(n * E) * fl);
-    e->h = malloc((size_t)(n * E) * fl);
-    e->q = malloc((size_t)(n * nq) * fl);
-    e->k = malloc((size_t)(n * nkv) * fl);
-    e->v = malloc((size_t)(n * nkv) * fl);
-    e->att = malloc((size_t)(n * nq) * fl);
-    e->g = malloc((size_t)(n * F) * fl);
-    e->u = malloc((size_t)(n * F) * fl);
-    e->sel = malloc((size_t)(n * E) * fl);
-    if (!e->x || !e->h || !e->q || !e->k || !e->v || !e->att || !e->g || !e->u || !e->sel) {
-        free_scratch(e);
-        TD_LOG_ERR("cannot allocate activations for %lld tokens", (long long)n);
-        return TD_ENOMEM;
+    struct {
+        float **buf;
+        int64_t width;
+    } want[] = {{&e->x, E},    {&e->h, E}, {&e->q, nq}, {&e->k, nkv}, {&e->v, nkv},
+                {&e->att, nq}, {&e->g, F}, {&e->u, F},  {&e->sel, E}};
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+        *want[i].buf = e->be.ops->alloc(e->be.ctx, (size_t)(n * want[i].width) * sizeof(float));
+        if (!*want[i].buf) {
+            free_scratch(e);
+            TD_LOG_ERR("cannot allocate activations for %lld tokens", (long long)n);
+            return TD_ENOMEM;
+        }
     }
     e->cap = n;
     return 0;
@@ -258,16 +271,24 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
 }
 
 /* logits (n_logits, n_vocab) = sel Wout on one rank; with tp > 1 each rank computes its
- * vocab slice (n_logits, n_vocab_local) and gather_cols joins them in rank 0's out. */
+ * vocab slice (n_logits, n_vocab_local) and gather_cols joins them in rank 0's out. A device
+ * backend computes into its own memory and downloads (tp 1 only: kn_engine_create). */
 static int lm_head(kn_engine *e, const kn_batch *b, float *out)
 {
     const kn_model *m = e->m;
     const int nl = b->n_logits;
+    if (e->dev) {
+        const int64_t n = (int64_t)nl * m->hp.n_vocab;
+        float *d = kn_engine_stage_out(e, n);
+        if (!d) return TD_ENOMEM;
+        int rc = matmul(e, &m->output, e->sel, nl, solo_logits(b), d);
+        return rc ? rc : e->be.ops->download(e->be.ctx, out, d, (size_t)n * sizeof(float));
+    }
     if (m->shard.tp_size == 1) return matmul(e, &m->output, e->sel, nl, solo_logits(b), out);
     if (nl > e->cap_lg) {
-        free(e->lg);
+        if (e->lg) e->be.ops->free(e->be.ctx, e->lg);
         e->cap_lg = 0;
-        e->lg = malloc((size_t)nl * (size_t)m->n_vocab_local * sizeof(float));
+        e->lg = e->be.ops->alloc(e->be.ctx, (size_t)nl * (size_t)m->n_vocab_local * sizeof(float));
         if (!e->lg) {
             TD_LOG_ERR("cannot allocate the logit slice of %d rows", nl);
             return TD_ENOMEM;
@@ -294,22 +315,25 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
         return TD_EINVAL;
     }
     if ((rc = reserve(e, n))) return rc;
+    kn_batch staged; /* b's arrays in the backend's memory (a device backend's only) */
+    const kn_batch *db = b;
+    if (e->dev) {
+        if ((rc = kn_engine_stage_batch(e, kv, b, &staged))) return rc;
+        db = &staged;
+    }
 
     if (m->first) {
-        if ((rc = ops->get_rows(c, &m->tok_embd, b->tokens, n, e->x))) return rc;
+        if ((rc = ops->get_rows(c, &m->tok_embd, db->tokens, n, e->x))) return rc;
         if (m->hp.embd_scale != 1.0f) ops->scale(c, e->x, n * E, m->hp.embd_scale);
-    } else {
-        memcpy(e->x, b->embd, (size_t)(n * E) * sizeof(float));
+    } else if ((rc = ops->upload(c, e->x, b->embd, (size_t)(n * E) * sizeof(float)))) {
+        return rc;
     }
     for (int li = 0; li < m->shard.l1 - m->shard.l0; li++)
-        if ((rc = layer_forward(e, kv, b, li))) return rc;
+        if ((rc = layer_forward(e, kv, db, li))) return rc;
 
-    if (!m->last) {
-        memcpy(out, e->x, (size_t)(n * E) * sizeof(float));
-        return 0;
-    }
-    if (b->n_logits == 0) return 0;
-    ops->copy_rows(c, e->x, b->logit_rows, b->n_logits, E, e->sel);
+    if (!m->last) return ops->download(c, out, e->x, (size_t)(n * E) * sizeof(float));
+    if (b->n_logits == 0) return e->dev ? ops->synchronize(c) : 0;
+    ops->copy_rows(c, e->x, db->logit_rows, b->n_logits, E, e->sel);
     ops->rmsnorm(c, e->sel, m->output_norm, e->sel, b->n_logits, E, m->hp.rms_eps);
     return lm_head(e, b, out);
 }

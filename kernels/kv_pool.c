@@ -87,6 +87,12 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         TD_LOG_ERR("kv pool: bad shared memory name '%s'", p->shm_name);
         return TD_EINVAL;
     }
+    const bool device = p->backend && p->backend->ops && !p->backend->ops->host_memory;
+    if (device && p->shm_name) {
+        TD_LOG_ERR("kv pool: a shared pool in %s memory (for the KV transfer) is not built yet",
+                   p->backend->ops->name);
+        return TD_EUNSUPP;
+    }
     kn_kv_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return TD_ENOMEM;
     pool->n_layers = p->n_layers;
@@ -107,7 +113,16 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         return TD_ENOMEM;
     }
     void *r = MAP_FAILED;
-    if (p->shm_name) {
+    if (device) {
+        pool->dev = *p->backend;
+        r = pool->dev.ops->alloc(pool->dev.ctx, region_bytes);
+        if (!r) {
+            TD_LOG_ERR("cannot allocate a kv pool of %zu bytes in %s memory", region_bytes,
+                       pool->dev.ops->name);
+            kn_kv_pool_destroy(pool);
+            return TD_ENOMEM;
+        }
+    } else if (p->shm_name) {
         rc = shm_create(p->shm_name, region_bytes, &r);
         if (rc) {
             free(pool->shm_name); /* not ours: creation failed (maybe someone else's name) */
@@ -141,7 +156,10 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
 void kn_kv_pool_destroy(kn_kv_pool *pool)
 {
     if (!pool) return;
-    if (pool->region) munmap(pool->region, pool->region_bytes);
+    if (pool->region && pool->dev.ops)
+        pool->dev.ops->free(pool->dev.ctx, pool->region);
+    else if (pool->region)
+        munmap(pool->region, pool->region_bytes);
     /* the mapper usually unlinked it already (ENOENT); the name carries our pid, so it
      * cannot be another process's segment */
     if (pool->shm_name) shm_unlink(pool->shm_name);

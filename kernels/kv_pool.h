@@ -28,6 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kn_backend.h"
 #include "td_dtype.h"
 
 typedef struct {
@@ -36,10 +37,12 @@ typedef struct {
     int head_dim;
     int block_size; /* tokens per block, power of two; 0: 16 */
     int n_blocks;
-    td_dtype type;        /* TD_F16 (the default of the nodes) or TD_F32 (exactness checks) */
-    const char *shm_name; /* NULL: private memory; else "/NAME" (< 200 bytes, no other
-                             '/'): back the region with a new POSIX shared-memory segment of
-                             this name (created exclusively: an existing one is TD_ESTATE) */
+    td_dtype type;             /* TD_F16 (the default of the nodes) or TD_F32 (exactness checks) */
+    const char *shm_name;      /* NULL: private memory; else "/NAME" (< 200 bytes, no other
+                                  '/'): back the region with a new POSIX shared-memory segment of
+                                  this name (created exclusively: an existing one is TD_ESTATE) */
+    const kn_backend *backend; /* NULL or host memory: as above; a device backend: the
+                                  region is its memory (borrowed: outlive the pool) */
 } kn_kv_pool_params;
 
 typedef struct {
@@ -52,6 +55,7 @@ typedef struct {
     int32_t *free_ids;  /* stack of free block ids */
     int n_free;
     char *shm_name; /* the segment's name while this pool may still have to unlink it, or NULL */
+    kn_backend dev; /* the device backend whose memory region is, or zeroed (host memory) */
 } kn_kv_pool;
 
 /* Errors: TD_EINVAL bad shape or name; TD_ENOMEM no memory (or /dev/shm full); TD_ESTATE

@@ -66,3 +66,14 @@ if(TANDEM_MODEL_GEMMA3)
            COMMAND test_model_split ${TANDEM_MODEL_GEMMA3} --tp 2,4)
   set_tests_properties(model_split_gemma3_270m PROPERTIES TIMEOUT 600 LABELS models)
 endif()
+
+# The engine on a device-style backend (host_memory false): every op gets backend memory or
+# mapped weights, never a host pointer, and the logits equal the CPU backend's bit for bit
+# (tests/kernels/test_engine_device.c); also the clear refusals (cuda without a GPU, a
+# shared pool in device memory).
+add_executable(test_engine_device ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_engine_device.c)
+target_link_libraries(test_engine_device PRIVATE td_kernels td_common)
+if(TANDEM_PYTHON)
+  add_test(NAME engine_device COMMAND test_engine_device ${TANDEM_TEST_DATA}/split-qwen2.gguf)
+  set_tests_properties(engine_device PROPERTIES FIXTURES_REQUIRED split_qwen2 TIMEOUT 300)
+endif()

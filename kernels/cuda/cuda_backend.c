@@ -26,10 +26,10 @@ static int cuda_fail(cudaError_t e, const char *what)
     return e == cudaErrorMemoryAllocation ? TD_ENOMEM : TD_EIO;
 }
 
-#define CU_TRY(call)                                                                              \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) return cuda_fail(e_, #call);                                      \
+#define CU_TRY(call)                                                                               \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) return cuda_fail(e_, #call);                                        \
     } while (0)
 
 int kn_cuda_device_count(char *reason, size_t cap)
@@ -127,10 +127,10 @@ static void missing_ops(const kn_backend_ops *o, char *buf, size_t cap)
     struct {
         const char *name;
         bool have;
-    } req[] = {{"matmul", o->matmul},         {"rmsnorm", o->rmsnorm},     {"rope", o->rope},
-               {"swiglu", o->swiglu},         {"geglu", o->geglu},         {"kv_write", o->kv_write},
-               {"attention", o->attention},   {"get_rows", o->get_rows},   {"add", o->add},
-               {"add_row", o->add_row},       {"scale", o->scale},         {"copy_rows", o->copy_rows}};
+    } req[] = {{"matmul", o->matmul},       {"rmsnorm", o->rmsnorm},   {"rope", o->rope},
+               {"swiglu", o->swiglu},       {"geglu", o->geglu},       {"kv_write", o->kv_write},
+               {"attention", o->attention}, {"get_rows", o->get_rows}, {"add", o->add},
+               {"add_row", o->add_row},     {"scale", o->scale},       {"copy_rows", o->copy_rows}};
     size_t len = 0;
     buf[0] = 0;
     for (size_t i = 0; i < sizeof req / sizeof req[0]; i++)

@@ -1,0 +1,51 @@
+/* engine_int.h: the kn_engine object, shared by forward.c (the forward pass) and
+ * engine_stage.c (device backends: the model's weights mapped once, each batch's inputs
+ * staged into backend memory). Private to kernels/. */
+#ifndef KN_ENGINE_INT_H
+#define KN_ENGINE_INT_H
+
+#include "model.h"
+
+/* A batch's host arrays as a device backend reads them: copies in backend memory, grown on
+ * demand. h_seqs / h_tables are the host-side packing buffers of the seq views. */
+typedef struct {
+    int64_t cap_tok;
+    int32_t *tokens, *pos, *seq_of; /* (cap_tok) */
+    int cap_rows;
+    int32_t *rows; /* (cap_rows) logit rows */
+    int cap_seqs;
+    kn_seq_view *seqs, *h_seqs; /* (cap_seqs) device copy (pointing into tables), host pack */
+    int64_t cap_tab;
+    int32_t *tables, *h_tables; /* (cap_tab) every sequence's block table, end to end */
+    int64_t cap_out;
+    float *out; /* (cap_out) logits before they are downloaded */
+} kn_engine_stage;
+
+struct kn_engine {
+    const kn_model *m;
+    kn_backend be;
+    bool dev; /* the backend computes on its own memory (kn_backend.h: host_memory false) */
+    kn_collective coll;
+    int64_t cap;  /* tokens the scratch below holds (backend memory) */
+    float *x;     /* (cap, n_embd) residual stream */
+    float *h;     /* (cap, n_embd) normed input / projection output */
+    float *q;     /* (cap, heads.n_q * head_dim) */
+    float *k, *v; /* (cap, heads.n_kv * head_dim) */
+    float *att;   /* (cap, heads.n_q * head_dim) */
+    float *g, *u; /* (cap, n_ff_local) */
+    float *sel;   /* (cap, n_embd) rows that need logits */
+    int cap_lg;   /* logit rows lg holds */
+    float *lg;    /* (cap_lg, n_vocab_local) this rank's logit slice; tp > 1 only */
+    kn_engine_stage st;
+};
+
+/* Every weight matrix and vector of the shard, mapped into the device backend
+ * (ops->map_matrix / map_vector). */
+int kn_engine_map_model(kn_engine *e);
+/* db = b with every array in backend memory (b already validated against kv). */
+int kn_engine_stage_batch(kn_engine *e, const kn_kv_pool *kv, const kn_batch *b, kn_batch *db);
+/* A device buffer for n floats of logits (grown on demand), or NULL. */
+float *kn_engine_stage_out(kn_engine *e, int64_t n);
+void kn_engine_stage_free(kn_engine *e);
+
+#endif
