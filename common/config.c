@@ -855,3 +855,8 @@ int td_cfg_ctrl_url(const char *host, int port, char *buf, size_t cap)
     int n = snprintf(buf, cap, v6 ? "tcp://[%s]:%d" : "tcp://%s:%d", host, port);
     return n < 0 || (size_t)n >= cap ? TD_ERANGE : 0;
 }
+
+const char *td_cfg_backend_name(td_cfg_backend b)
+{
+    return b == TD_CFG_BACKEND_CUDA ? "cuda" : "cpu";
+}

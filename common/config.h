@@ -26,6 +26,8 @@
 #define TD_CFG_MAX_PARALLEL 64 /* pp and tp */
 
 typedef enum { TD_CFG_BACKEND_CPU = 0, TD_CFG_BACKEND_CUDA = 1 } td_cfg_backend;
+/* "cpu", "cuda": the name kn_backend_create takes. */
+const char *td_cfg_backend_name(td_cfg_backend b);
 
 typedef struct {
     char *listen;               /* "127.0.0.1:8000" (host:port of the HTTP API) */

@@ -39,8 +39,9 @@ static int kv_blocks_of(const dc_node *n)
         return (int)(n->dcfg->kv_blocks > (1 << 30) ? 1 << 30 : n->dcfg->kv_blocks);
     /* every rank sizes its blocks for the rank that holds the most KV heads, so that all
      * ranks get the same number of blocks (the leader's block ids index every pool) */
-    const kn_hparams *hp = &n->model->hp;
-    kn_kv_pool_params kp = kn_model_kv_params(n->model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
+    const kn_hparams *hp = &n->rt.model->hp;
+    kn_kv_pool_params kp =
+        kn_model_kv_params(n->rt.model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
     size_t es = kp.type == TD_F16 ? 2 : 4;
     size_t per_block = 2 * (size_t)kp.n_layers *
                        (size_t)td_tp_max_kv_heads(hp->n_head, hp->n_head_kv, n->dcfg->tp) *
@@ -67,15 +68,18 @@ static int node_gather_cols(void *ctx, const float *part, int64_t rows, int64_t 
 static int setup(dc_node *n)
 {
     const dc_node_params *p = n->p;
-    char err[512];
-    int rc = td_gguf_open(p->cfg->model, &n->gguf, err, sizeof err);
-    if (rc) {
-        TD_LOG_ERR("decode %s rank %d: %s", p->instance, p->rank, err);
-        return rc;
-    }
-    kn_shard shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp};
-    if ((rc = kn_model_load(n->gguf, &shard, &n->model))) return rc;
-    if ((rc = kn_cpu_create(n->dcfg->threads, &n->cpu))) return rc;
+    char who[96];
+    snprintf(who, sizeof who, "decode %s rank %d", p->instance, p->rank);
+    kn_collective coll = {
+        .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
+    kn_runtime_params rp = {.model_path = p->cfg->model,
+                            .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp},
+                            .backend = td_cfg_backend_name(p->cfg->backend),
+                            .backend_opts = {.n_threads = n->dcfg->threads, .device = -1},
+                            .coll = &coll,
+                            .who = who};
+    int rc = kn_runtime_open(&n->rt, &rp);
+    if (rc) return rc;
     int n_blocks = kv_blocks_of(n);
     if (n_blocks < 1) {
         TD_LOG_ERR("decode %s: kv_memory %lld bytes holds no block", p->instance,
@@ -83,12 +87,19 @@ static int setup(dc_node *n)
         return TD_EINVAL;
     }
     td_dtype kv_type = n->dcfg->kv_dtype;
-    n->kvp = kn_model_kv_params(n->model, n_blocks, n->dcfg->block_size, kv_type);
+    n->kvp = kn_model_kv_params(n->rt.model, n_blocks, n->dcfg->block_size, kv_type);
+    n->kvp.backend = &n->rt.be;
     snprintf(n->token, sizeof n->token, "p%d", n->dcfg->port);
     /* disaggregated: the leader receives every rank's KV (dc_xfer.h), so a follower's pool
      * is shared memory the leader maps after each rendezvous (it is created before, so it
      * exists once the rendezvous completes) */
     n->disagg = p->cfg->n_prefill > 0;
+    if (n->disagg && !n->rt.be.ops->host_memory) {
+        TD_LOG_ERR("decode %s: backend '%s' with prefill instances: the KV transfer into device "
+                   "memory is not built yet (issue 14 item 5); serve colocated, or use 'cpu'",
+                   p->instance, n->rt.be.ops->name);
+        return TD_EUNSUPP;
+    }
     if (n->disagg && p->rank > 0) {
         dc_xfer_kv_shm_sweep(p->instance, n->token);
         if ((rc = dc_xfer_kv_shm_name(p->instance, n->token, p->rank, (int)getpid(), n->kv_shm_name,
@@ -98,7 +109,7 @@ static int setup(dc_node *n)
     }
     if ((rc = kn_kv_pool_create(&n->kvp, &n->kv))) return rc;
 
-    int32_t max_ctx = n->model->hp.n_ctx_train;
+    int32_t max_ctx = n->rt.model->hp.n_ctx_train;
     int bpseq = (max_ctx + n->dcfg->block_size - 1) / n->dcfg->block_size;
     /* a step holds the prefill budget plus one token per running request, and at most one
      * logit row per running request */
@@ -110,19 +121,18 @@ static int setup(dc_node *n)
         .token = n->token,
         .rank = p->rank,
         .tp = n->dcfg->tp,
-        .max_floats = max_step * n->model->hp.n_embd,
+        .max_floats = max_step * n->rt.model->hp.n_embd,
         .max_plan = max_plan,
         .timeout_ms = p->cfg->kvxfer.timeout_ms,
         .interrupt = p->stop,
     };
-    kn_collective coll = {
-        .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
-    if ((rc = kn_engine_create(n->model, kn_cpu_backend(n->cpu), &coll, &n->engine))) return rc;
+    char be[160];
+    n->rt.be.ops->describe(n->rt.be.ctx, be, sizeof be);
     TD_LOG_INFO("decode %s rank %d/%d: %s layers, %d heads/%d kv heads local, %d kv blocks of %d "
-                "(%s), %d threads",
-                p->instance, p->rank, n->dcfg->tp, kn_arch_name(n->model->hp.arch),
-                n->model->heads.n_q, n->model->heads.n_kv, n_blocks, n->dcfg->block_size,
-                td_dtype_name(kv_type), kn_cpu_n_threads(n->cpu));
+                "(%s), %s",
+                p->instance, p->rank, n->dcfg->tp, kn_arch_name(n->rt.model->hp.arch),
+                n->rt.model->heads.n_q, n->rt.model->heads.n_kv, n_blocks, n->dcfg->block_size,
+                td_dtype_name(kv_type), be);
     return 0;
 }
 
@@ -165,12 +175,9 @@ static void teardown(dc_node *n)
     td_ctrl_server_destroy(n->srv);
     free(n->routes);
     free(n->logits);
-    kn_engine_destroy(n->engine);
     close_shm(n);
-    kn_kv_pool_destroy(n->kv);
-    kn_cpu_destroy(n->cpu);
-    kn_model_destroy(n->model);
-    td_gguf_close(n->gguf);
+    kn_kv_pool_destroy(n->kv); /* before the backend whose memory it may be */
+    kn_runtime_close(&n->rt);
 }
 
 /* Drop the pool's content after a failed formation: every block is free already, and
@@ -180,7 +187,7 @@ static void teardown(dc_node *n)
  * disaggregated follower gets a new segment instead (renew_pool). */
 static void drop_kv(dc_node *n)
 {
-    if (n->kvp.shm_name) return;
+    if (n->kvp.shm_name || !n->rt.be.ops->host_memory) return;
     if (madvise(n->kv->region, n->kv->region_bytes, MADV_DONTNEED))
         TD_LOG_WARN("decode %s rank %d: cannot drop the KV pool's pages: %s", n->p->instance,
                     n->p->rank, strerror(errno));
@@ -209,7 +216,7 @@ static int follower_steps(dc_node *n)
             rc = DC_SHM_STOP;
             break;
         }
-        if ((rc = kn_engine_forward(n->engine, n->kv, &v.batch, NULL))) {
+        if ((rc = kn_engine_forward(n->rt.engine, n->kv, &v.batch, NULL))) {
             if (!*n->p->stop)
                 TD_LOG_ERR("decode %s rank %d: step %llu failed: %s", n->p->instance, n->p->rank,
                            (unsigned long long)v.step, td_strerror(rc));
@@ -294,9 +301,9 @@ static int follower_run(dc_node *n)
 static int xfer_setup(dc_node *n)
 {
     int tp = n->dcfg->tp;
-    const kn_hparams *hp = &n->model->hp;
+    const kn_hparams *hp = &n->rt.model->hp;
     kn_kv_pool_params kp =
-        kn_model_kv_params(n->model, n->kv->n_blocks, n->kv->block_size, n->kv->type);
+        kn_model_kv_params(n->rt.model, n->kv->n_blocks, n->kv->block_size, n->kv->type);
     n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
     n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
     if (!n->peer_regions || !n->peer_bytes) return TD_ENOMEM;
@@ -343,7 +350,7 @@ static int leader_setup(dc_node *n)
     int32_t *eog = NULL;
     int n_eog = 0;
     /* end-of-generation ids come from the tokenizer metadata (absent: no EOG ids) */
-    if (td_tok_create(n->gguf, &tok) == 0) {
+    if (td_tok_create(n->rt.gguf, &tok) == 0) {
         int32_t nv = td_tok_n_vocab(tok);
         eog = malloc((size_t)nv * sizeof *eog);
         for (int32_t i = 0; eog && i < nv; i++)
@@ -355,11 +362,12 @@ static int leader_setup(dc_node *n)
                           .deterministic = n->dcfg->deterministic,
                           .eog_ids = eog,
                           .n_eog = n_eog};
-    rc = dc_sched_create(&sp, n->model, n->kv, (dc_sink){.ctx = n, .on_tokens = dc_serve_on_tokens},
-                         &n->sched);
+    rc = dc_sched_create(&sp, n->rt.model, n->kv,
+                         (dc_sink){.ctx = n, .on_tokens = dc_serve_on_tokens}, &n->sched);
     free(eog);
     if (rc) return rc;
-    n->logits = malloc((size_t)n->dcfg->max_batch * (size_t)n->model->hp.n_vocab * sizeof(float));
+    n->logits =
+        malloc((size_t)n->dcfg->max_batch * (size_t)n->rt.model->hp.n_vocab * sizeof(float));
     if (!n->logits) return TD_ENOMEM;
     td_ctrl_opts opts = {0};
     if ((rc = td_ctrl_server_create(&opts, &n->srv))) return rc;
@@ -494,7 +502,7 @@ static int run_step(dc_node *n)
     int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
     if (!rc) rc = dc_plan_encode(&st.batch, n->kv->block_size, n->step, buf, cap, &len);
     if (!rc) rc = dc_shm_plan_commit(n->shm, len);
-    if (!rc) rc = kn_engine_forward(n->engine, n->kv, &st.batch, n->logits);
+    if (!rc) rc = kn_engine_forward(n->rt.engine, n->kv, &st.batch, n->logits);
     n->step++;
     /* the step's requests fail in the commit: their error events say why */
     if (rc)

@@ -25,6 +25,7 @@
 #include "dc_shm.h"
 #include "dc_xfer.h"
 #include "gguf.h"
+#include "kn_runtime.h"
 #include "kv_pool.h"
 #include "model.h"
 
@@ -40,10 +41,7 @@ typedef struct {
 typedef struct {
     const dc_node_params *p;
     const td_cfg_decode *dcfg;
-    td_gguf *gguf;
-    kn_model *model;
-    kn_cpu *cpu;
-    kn_engine *engine;
+    kn_runtime rt; /* model file, this rank's shard, backend, engine */
     kn_kv_pool *kv;
     kn_kv_pool_params kvp; /* the pool's shape (a follower makes a fresh pool from it) */
     char kv_shm_name[256]; /* disaggregated follower: its pool's segment name */

@@ -29,8 +29,7 @@ static int check_ops(const kn_backend_ops *o)
                           o->alloc,     o->free,     o->upload, o->download};
     for (size_t i = 0; i < sizeof need / sizeof *need; i++)
         if (!need[i]) return TD_EINVAL;
-    if (!o->host_memory && (!o->map_matrix || !o->map_vector || !o->synchronize))
-        return TD_EINVAL;
+    if (!o->host_memory && (!o->map_matrix || !o->map_vector || !o->synchronize)) return TD_EINVAL;
     return 0;
 }
 

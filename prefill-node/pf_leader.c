@@ -410,7 +410,7 @@ static void handle_prefill(pf_leader *ld, const td_ctrl_server_in *in)
                                    "%d prefill requests already waiting", waiting);
         return;
     }
-    int max_ctx = ld->st->shard.model->hp.n_ctx_train;
+    int max_ctx = ld->st->shard.rt.model->hp.n_ctx_train;
     int cap = ld->st->shard.kv->n_blocks * ld->st->shard.kv->block_size;
     if (p->n_token_ids > (size_t)(cap < max_ctx ? cap : max_ctx)) {
         td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_NO_SPACE,

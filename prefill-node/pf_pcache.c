@@ -51,7 +51,7 @@ static uint64_t fnv_f32(uint64_t h, float v)
 /* The model's shape: file size, hyper-parameters, tensor table (not the weights). */
 static uint64_t model_hash(const pf_shard *r, int64_t size)
 {
-    const kn_hparams *hp = &r->model->hp;
+    const kn_hparams *hp = &r->rt.model->hp;
     uint64_t h = fnv_i64(FNV_OFFSET, size);
     int64_t ints[] = {hp->arch,        hp->n_layer,   hp->n_embd,    hp->n_ff,
                       hp->n_head,      hp->n_head_kv, hp->head_dim,  hp->n_vocab,
@@ -61,9 +61,9 @@ static uint64_t model_hash(const pf_shard *r, int64_t size)
     h = fnv_f32(h, hp->rope_base);
     h = fnv_f32(h, hp->rope_scale);
     h = fnv_f32(h, hp->rms_eps);
-    size_t nt = td_gguf_n_tensors(r->gguf);
+    size_t nt = td_gguf_n_tensors(r->rt.gguf);
     for (size_t i = 0; i < nt; i++) {
-        const td_gguf_tensor *t = td_gguf_tensor_at(r->gguf, i);
+        const td_gguf_tensor *t = td_gguf_tensor_at(r->rt.gguf, i);
         h = fnv(h, t->name, strlen(t->name) + 1);
         h = fnv_i64(h, t->type);
         h = fnv_i64(h, t->n_dims);
@@ -206,9 +206,11 @@ int pf_pcache_key_make(const pf_shard *r, const char *model_path, const pf_profi
     int rc = 0;
     rc |= desc_add(k, &off, "model %016llx (%lld bytes, %s, %zu tensors)\n",
                    (unsigned long long)model_hash(r, (int64_t)st.st_size), (long long)st.st_size,
-                   kn_arch_name(r->model->hp.arch), td_gguf_n_tensors(r->gguf));
-    rc |= desc_add(k, &off, "layers [%d, %d) of %d\n", r->l0, r->l1, r->model->hp.n_layer);
-    rc |= desc_add(k, &off, "threads %d\n", r->threads);
+                   kn_arch_name(r->rt.model->hp.arch), td_gguf_n_tensors(r->rt.gguf));
+    rc |= desc_add(k, &off, "layers [%d, %d) of %d\n", r->l0, r->l1, r->rt.model->hp.n_layer);
+    char be[160]; /* a profile measured on one backend says nothing about another */
+    r->rt.be.ops->describe(r->rt.be.ctx, be, sizeof be);
+    rc |= desc_add(k, &off, "backend %s; threads %d\n", be, r->threads);
     rc |= desc_add(k, &off, "kv %s block %d\n", td_dtype_name(r->kv->type), r->kv->block_size);
     rc |= desc_add(
         k, &off, "profile chunk %d max_len %d lengths %d reps %d budget_ms %d seed %llu\n",

@@ -80,7 +80,7 @@ static int forward(pf_shard *sh, pf_stage_io *io, kn_kv_seq *seq, int64_t start,
     for (int64_t i = 0; i < len; i++)
         io->pos[i] = (int32_t)(start + i);
     kn_seq_view view = {.block_table = seq->blocks, .n_ctx = (int32_t)(start + len)};
-    size_t E = (size_t)sh->model->hp.n_embd;
+    size_t E = (size_t)sh->rt.model->hp.n_embd;
     kn_batch b = {
         .n_tokens = len,
         .tokens = io->ids ? io->ids + start : NULL,
@@ -92,7 +92,7 @@ static int forward(pf_shard *sh, pf_stage_io *io, kn_kv_seq *seq, int64_t start,
         .n_logits = 0,
         .logit_rows = NULL,
     };
-    return kn_engine_forward(sh->engine, sh->kv, &b, io->out);
+    return kn_engine_forward(sh->rt.engine, sh->kv, &b, io->out);
 }
 
 /* ---- profile ---- */
@@ -161,7 +161,7 @@ int pf_profile_stage(pf_shard *sh, const pf_profile_params *p_in, pf_profile_res
     pf_stage_io io;
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
-    int rc = tm ? io_alloc(&io, sh->model, hi, p->seed) : TD_ENOMEM;
+    int rc = tm ? io_alloc(&io, sh->rt.model, hi, p->seed) : TD_ENOMEM;
     if (rc) {
         free(tm);
         return rc;
@@ -229,7 +229,7 @@ int pf_profile_run_plan(pf_shard *sh, const int32_t *chunks, int64_t n, uint64_t
         return TD_ERANGE;
     }
     pf_stage_io io;
-    int rc = io_alloc(&io, sh->model, total, seed);
+    int rc = io_alloc(&io, sh->rt.model, total, seed);
     if (rc) return rc;
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);

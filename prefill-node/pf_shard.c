@@ -1,6 +1,7 @@
 /* pf_shard.c: opening one pipeline stage's shard of the model (see pf_shard.h). */
 #include "pf_shard.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "pf_chunk.h"
@@ -9,38 +10,42 @@
 int pf_shard_open(pf_shard *s, const pf_shard_params *p)
 {
     memset(s, 0, sizeof *s);
+    s->pp = p->pp ? p->pp : 1;
+    s->stage = p->stage;
+    if (s->pp > PF_MAX_STAGES) {
+        TD_LOG_ERR("pp %d: at most %d stages", s->pp, PF_MAX_STAGES);
+        return TD_EINVAL;
+    }
+    /* the layer count decides the stage's range: read the header before loading the shard */
     char err[512];
-    int rc = td_gguf_open(p->model_path, &s->gguf, err, sizeof err);
+    td_gguf *g;
+    int rc = td_gguf_open(p->model_path, &g, err, sizeof err);
     if (rc) {
         TD_LOG_ERR("%s", err);
         return rc;
     }
     kn_hparams hp;
-    if ((rc = kn_hparams_read(s->gguf, &hp))) goto fail;
-    s->pp = p->pp ? p->pp : 1;
-    s->stage = p->stage;
+    rc = kn_hparams_read(g, &hp);
+    td_gguf_close(g);
+    if (rc) return rc;
     int counts[PF_MAX_STAGES];
-    if (s->pp > PF_MAX_STAGES) {
-        TD_LOG_ERR("pp %d: at most %d stages", s->pp, PF_MAX_STAGES);
-        rc = TD_EINVAL;
-        goto fail;
-    }
     if ((rc =
              pf_layer_partition(hp.n_layer, s->pp, p->partition, p->partition ? s->pp : 0, counts)))
-        goto fail;
-    if ((rc = pf_stage_range(counts, s->pp, s->stage, &s->l0, &s->l1))) goto fail;
-    kn_shard shard = {.l0 = s->l0, .l1 = s->l1};
-    if ((rc = kn_model_load(s->gguf, &shard, &s->model))) {
-        TD_LOG_ERR("cannot load layers [%d, %d) of '%s': %s", s->l0, s->l1, p->model_path,
-                   td_strerror(rc));
-        goto fail;
-    }
+        return rc;
+    if ((rc = pf_stage_range(counts, s->pp, s->stage, &s->l0, &s->l1))) return rc;
     s->threads = p->threads > 0 ? p->threads : 1;
-    if ((rc = kn_cpu_create(s->threads, &s->cpu))) goto fail;
-    if ((rc = kn_engine_create(s->model, kn_cpu_backend(s->cpu), NULL, &s->engine))) goto fail;
+    char who[64];
+    snprintf(who, sizeof who, "prefill stage %d/%d", s->stage, s->pp);
+    kn_runtime_params rp = {.model_path = p->model_path,
+                            .shard = {.l0 = s->l0, .l1 = s->l1},
+                            .backend = p->backend,
+                            .backend_opts = {.n_threads = s->threads, .device = -1},
+                            .who = who};
+    if ((rc = kn_runtime_open(&s->rt, &rp))) goto fail;
     s->ctx = p->ctx > 0 ? p->ctx : 8192;
     int bs = p->block_size > 0 ? p->block_size : 16;
-    kn_kv_pool_params kp = kn_model_kv_params(s->model, (s->ctx + bs - 1) / bs, bs, p->kv_type);
+    kn_kv_pool_params kp = kn_model_kv_params(s->rt.model, (s->ctx + bs - 1) / bs, bs, p->kv_type);
+    kp.backend = &s->rt.be;
     if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
     return 0;
 fail:
@@ -51,9 +56,6 @@ fail:
 void pf_shard_close(pf_shard *s)
 {
     kn_kv_pool_destroy(s->kv);
-    kn_engine_destroy(s->engine);
-    kn_cpu_destroy(s->cpu);
-    kn_model_destroy(s->model);
-    td_gguf_close(s->gguf);
+    kn_runtime_close(&s->rt);
     memset(s, 0, sizeof *s);
 }

@@ -7,7 +7,8 @@
  * The layer range comes from the partition (pf_layer_partition: equal shares, the extra
  * layers on the later stages, or the YAML's explicit layer_partition).
  * Invariants: after pf_shard_open, model holds layers [l0, l1) and kv holds ctx tokens of
- * one sequence (ceil(ctx / block_size) blocks); the backend is CPU, TP 1.
+ * one sequence (ceil(ctx / block_size) blocks); TP 1. The backend is the one the params
+ * name (kernels/kn_runtime.h opens file, model, backend and engine).
  * Threading: the engine and pool are driven by one thread at a time (the stage's main
  * thread, or the profiler before the stage serves).
  * Ownership: the shard owns everything it points to; pf_shard_close frees it all.
@@ -17,15 +18,13 @@
 
 #include "cpu_backend.h"
 #include "gguf.h"
+#include "kn_runtime.h"
 #include "kv_pool.h"
 #include "model.h"
 #include "td_dtype.h"
 
 typedef struct {
-    td_gguf *gguf;
-    kn_model *model; /* layers [l0, l1) */
-    kn_cpu *cpu;
-    kn_engine *engine;
+    kn_runtime rt; /* file, model (layers [l0, l1)), backend, engine */
     kn_kv_pool *kv;
     int l0, l1;  /* the stage's layer range */
     int ctx;     /* tokens of KV the pool holds for one sequence */
@@ -38,6 +37,7 @@ typedef struct {
     int pp, stage;        /* pp 0 means 1 */
     const int *partition; /* (pp) explicit layer partition or NULL (pf_layer_partition) */
     int threads;          /* 0: 1 (one thread per stage process) */
+    const char *backend;  /* "cpu" (NULL) or "cuda" (the YAML's backend) */
     int ctx;              /* KV capacity, tokens; 0: 8192 */
     int block_size;       /* 0: 16 */
     td_dtype kv_type;     /* TD_F32 (0) or TD_F16 */

@@ -21,7 +21,7 @@ static int open_connector(pf_stage *st)
     if (rc) return rc;
     kvx_conn_params cp = {.timeout_ms = st->timeout_ms, .progress_thread = true};
     if ((rc = kvx_conn_create(pipe, &cp, &st->kvx))) return rc;
-    const kn_model *m = st->shard.model;
+    const kn_model *m = st->shard.rt.model;
     const kn_kv_pool *kv = st->shard.kv;
     kvx_layout lay = {
         .layer0 = (uint32_t)st->shard.l0,
@@ -63,13 +63,21 @@ int pf_stage_setup(pf_stage *st)
         .stage = st->stage,
         .partition = st->cfg->layer_partition,
         .threads = st->cfg->threads,
+        .backend = td_cfg_backend_name(cfg->backend),
         .ctx = st->cfg->kv_tokens,
         .block_size = d0->block_size,
         .kv_type = kv_type,
     };
     int rc = pf_shard_open(&st->shard, &sp);
     if (rc) return rc;
-    const kn_model *m = st->shard.model;
+    if (!st->shard.rt.be.ops->host_memory) {
+        /* every prefill stage pushes its KV through kvxfer, which reads host memory today */
+        TD_LOG_ERR("prefill stage %d: backend '%s': the KV transfer from device memory is not "
+                   "built yet (issue 14 item 5); use backend 'cpu'",
+                   st->stage, st->shard.rt.be.ops->name);
+        return TD_EUNSUPP;
+    }
+    const kn_model *m = st->shard.rt.model;
     st->first = m->first;
     st->last = m->last;
     st->n_embd = m->hp.n_embd;
@@ -477,7 +485,7 @@ static void forward(pf_stage *st, pf_batch *bt, const float *embd, float *out)
                   .seqs = bt->views,
                   .n_logits = bt->n_logits,
                   .logit_rows = bt->logit_rows};
-    int rc = kn_engine_forward(st->shard.engine, st->shard.kv, &b, out);
+    int rc = kn_engine_forward(st->shard.rt.engine, st->shard.kv, &b, out);
     if (!rc) return;
     TD_LOG_ERR("prefill %s stage %d: forward of %lld tokens failed: %s", st->p->instance, st->stage,
                (long long)bt->rows, td_strerror(rc));

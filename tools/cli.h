@@ -1,6 +1,6 @@
 /* cli.h: shared pieces of the `tandem` command-line tool: argument parsing helpers and a
- * single-process "session" (model file, full shard, CPU backend, engine, KV pool,
- * tokenizer) that generate, logits and bench build on.
+ * single-process "session" (model file, full shard, backend, engine: a kn_runtime; KV
+ * pool, tokenizer) that generate, logits and bench build on.
  *
  * Ownership: cli_session_open/close own everything inside the session.
  * Errors: every failure is printed to stderr once, as "tandem: ..." and returned as a
@@ -15,24 +15,23 @@
 
 #include "cpu_backend.h"
 #include "gguf.h"
+#include "kn_runtime.h"
 #include "kv_pool.h"
 #include "model.h"
 #include "tokenizer.h"
 
 typedef struct {
     const char *model_path;
-    int threads;      /* 0: all cores */
-    td_dtype kv_type; /* TD_F16 default */
-    int ctx;          /* context length of the session; 0: min(model's, 8192) */
-    int block_size;   /* 0: 16 */
+    int threads;         /* 0: all cores */
+    const char *backend; /* --backend: "cpu" (NULL) or "cuda" */
+    td_dtype kv_type;    /* TD_F16 default */
+    int ctx;             /* context length of the session; 0: min(model's, 8192) */
+    int block_size;      /* 0: 16 */
     bool need_tokenizer;
 } cli_session_params;
 
 typedef struct {
-    td_gguf *gguf;
-    kn_model *model;
-    kn_cpu *cpu;
-    kn_engine *engine;
+    kn_runtime rt; /* file, model, backend, engine */
     kn_kv_pool *kv;
     td_tokenizer *tok; /* NULL when not needed and absent */
     int ctx;

@@ -10,18 +10,12 @@
 int cli_session_open(cli_session *s, const cli_session_params *p)
 {
     memset(s, 0, sizeof *s);
-    char err[512];
-    int rc = td_gguf_open(p->model_path, &s->gguf, err, sizeof err);
-    if (rc) {
-        fprintf(stderr, "tandem: %s\n", err);
-        return rc;
-    }
-    kn_shard shard = {0};
-    if ((rc = kn_model_load(s->gguf, &shard, &s->model))) {
-        fprintf(stderr, "tandem: cannot load model '%s': %s\n", p->model_path, td_strerror(rc));
-        goto fail;
-    }
-    if ((rc = td_tok_create(s->gguf, &s->tok))) {
+    kn_runtime_params rp = {.model_path = p->model_path,
+                            .backend = p->backend,
+                            .backend_opts = {.n_threads = p->threads, .device = -1}};
+    int rc = kn_runtime_open(&s->rt, &rp);
+    if (rc) return rc;
+    if ((rc = td_tok_create(s->rt.gguf, &s->tok))) {
         if (p->need_tokenizer) {
             fprintf(stderr, "tandem: cannot build the tokenizer of '%s': %s\n", p->model_path,
                     td_strerror(rc));
@@ -29,13 +23,12 @@ int cli_session_open(cli_session *s, const cli_session_params *p)
         }
         s->tok = NULL;
     }
-    if ((rc = kn_cpu_create(p->threads, &s->cpu))) goto fail;
-    if ((rc = kn_engine_create(s->model, kn_cpu_backend(s->cpu), NULL, &s->engine))) goto fail;
-    s->ctx = p->ctx ? p->ctx : s->model->hp.n_ctx_train;
+    s->ctx = p->ctx ? p->ctx : s->rt.model->hp.n_ctx_train;
     if (!p->ctx && s->ctx > 8192) s->ctx = 8192;
     int bs = p->block_size ? p->block_size : 16;
     int n_blocks = (s->ctx + bs - 1) / bs;
-    kn_kv_pool_params kp = kn_model_kv_params(s->model, n_blocks, bs, p->kv_type);
+    kn_kv_pool_params kp = kn_model_kv_params(s->rt.model, n_blocks, bs, p->kv_type);
+    kp.backend = &s->rt.be;
     if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
     return 0;
 fail:
@@ -46,11 +39,8 @@ fail:
 void cli_session_close(cli_session *s)
 {
     kn_kv_pool_destroy(s->kv);
-    kn_engine_destroy(s->engine);
-    kn_cpu_destroy(s->cpu);
     if (s->tok) td_tok_destroy(s->tok);
-    kn_model_destroy(s->model);
-    td_gguf_close(s->gguf);
+    kn_runtime_close(&s->rt);
     memset(s, 0, sizeof *s);
 }
 
@@ -85,7 +75,7 @@ int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, i
             .n_logits = final ? 1 : 0,
             .logit_rows = &last,
         };
-        rc = kn_engine_forward(s->engine, s->kv, &b, logits);
+        rc = kn_engine_forward(s->rt.engine, s->kv, &b, logits);
         done += len;
     }
     free(pos);

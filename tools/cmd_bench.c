@@ -42,7 +42,7 @@ static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, dou
         kn_kv_seq_init(&seqs[i]);
         seq_of[i] = rows[i] = i;
     }
-    if (!rc) fill_ids(tok, n_seq, s->model->hp.n_vocab, 7);
+    if (!rc) fill_ids(tok, n_seq, s->rt.model->hp.n_vocab, 7);
     double t0 = now_s();
     for (int step = 0; step < n_steps && !rc; step++) {
         for (int i = 0; i < n_seq && !rc; i++) {
@@ -59,12 +59,12 @@ static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, dou
                       .seqs = views,
                       .n_logits = n_seq,
                       .logit_rows = rows};
-        rc = kn_engine_forward(s->engine, s->kv, &b, logits);
+        rc = kn_engine_forward(s->rt.engine, s->kv, &b, logits);
         /* greedy next tokens, as a real generation loop would feed them */
         for (int i = 0; i < n_seq && !rc; i++) {
-            const float *l = logits + (size_t)i * (size_t)s->model->hp.n_vocab;
+            const float *l = logits + (size_t)i * (size_t)s->rt.model->hp.n_vocab;
             int32_t best = 0;
-            for (int32_t v = 1; v < s->model->hp.n_vocab; v++)
+            for (int32_t v = 1; v < s->rt.model->hp.n_vocab; v++)
                 if (l[v] > l[best]) best = v;
             tok[i] = best;
         }
@@ -85,7 +85,7 @@ static int run_prefill(cli_session *s, int n, float *logits, double *secs)
 {
     int32_t *ids = malloc((size_t)n * sizeof *ids);
     if (!ids) return TD_ENOMEM;
-    fill_ids(ids, n, s->model->hp.n_vocab, 3);
+    fill_ids(ids, n, s->rt.model->hp.n_vocab, 3);
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
     double t0 = now_s();
@@ -103,10 +103,10 @@ static void model_weights(const cli_session *s, double *bytes, double *params)
 {
     *bytes = 0;
     *params = 0;
-    for (size_t i = 0; i < td_gguf_n_tensors(s->gguf); i++) {
-        const td_gguf_tensor *t = td_gguf_tensor_at(s->gguf, i);
+    for (size_t i = 0; i < td_gguf_n_tensors(s->rt.gguf); i++) {
+        const td_gguf_tensor *t = td_gguf_tensor_at(s->rt.gguf, i);
         bool embd = !strcmp(t->name, "token_embd.weight");
-        if (embd && !s->model->hp.tied_embd) continue;
+        if (embd && !s->rt.model->hp.tied_embd) continue;
         *bytes += (double)t->nbytes;
         if (t->n_dims >= 2) *params += (double)t->ne[0] * (double)t->ne[1];
     }
@@ -150,7 +150,7 @@ int cmd_bench_engine(int argc, char **argv)
     cli_session s;
     if ((rc = cli_session_open(&s, &sp))) return rc;
     const int n_prefill = 512, n_gen = 128, batch = 8;
-    float *logits = malloc((size_t)batch * (size_t)s.model->hp.n_vocab * sizeof *logits);
+    float *logits = malloc((size_t)batch * (size_t)s.rt.model->hp.n_vocab * sizeof *logits);
     double *t_pp = calloc((size_t)reps, sizeof(double)),
            *t_tg = calloc((size_t)reps, sizeof(double));
     double *t_b8 = calloc((size_t)reps, sizeof(double));
@@ -171,12 +171,13 @@ int cmd_bench_engine(int argc, char **argv)
         double pp = n_prefill / td_stats_median(t_pp, (size_t)reps),
                tg = n_gen / td_stats_median(t_tg, (size_t)reps);
         double b8 = batch * n_gen / td_stats_median(t_b8, (size_t)reps);
-        double mem = kn_cpu_mem_read_gbps(s.cpu, 0, 5);
-        double gemm = kn_cpu_sgemm_gflops(s.cpu, 2048, 3);
+        kn_cpu *cpu = kn_cpu_of(s.rt.be); /* bench-engine opens the cpu backend */
+        double mem = kn_cpu_mem_read_gbps(cpu, 0, 5);
+        double gemm = kn_cpu_sgemm_gflops(cpu, 2048, 3);
         double wbytes, params;
         model_weights(&s, &wbytes, &params);
         double tg_roof = mem * 1e9 / wbytes, pp_roof = gemm * 1e9 / (2 * params);
-        int th = kn_cpu_n_threads(s.cpu);
+        int th = kn_cpu_n_threads(cpu);
         if (json) {
             printf(
                 "{\"threads\": %d, \"isa\": \"%s\", \"prefill_tps\": %.2f, \"decode_tps\": %.2f, "

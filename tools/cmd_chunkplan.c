@@ -265,8 +265,10 @@ int cmd_chunk_plan(int argc, char **argv)
                 td_strerror(rc));
         return rc;
     }
-    printf("model %s, stage %d of %d: layers [%d, %d), %d thread(s), isa %s\n", o.rp.model_path,
-           rig.stage, rig.pp, rig.l0, rig.l1, kn_cpu_n_threads(rig.cpu), kn_cpu_isa());
+    char be[160];
+    rig.rt.be.ops->describe(rig.rt.be.ctx, be, sizeof be);
+    printf("model %s, stage %d of %d: layers [%d, %d), %s\n", o.rp.model_path, rig.stage, rig.pp,
+           rig.l0, rig.l1, be);
     pf_profile_result pr;
     if ((rc = pf_profile_stage(&rig, &o.pp, &pr))) {
         fprintf(stderr, "tandem: profile failed: %s\n", td_strerror(rc));

@@ -16,7 +16,7 @@ static void usage(void)
         "usage: tandem generate --model PATH (--prompt TEXT | --chat TEXT | --prompt-ids IDS)\n"
         "         --max-tokens N [--temperature T] [--top-p P] [--top-k K] [--min-p P]\n"
         "         [--repeat-penalty R] [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
-        "         [--ctx N] [--chunk N] [--ignore-eos]\n"
+        "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda]\n"
         "  --prompt TEXT      raw text, tokenized as llama.cpp does (BOS if the model says so)\n"
         "  --chat TEXT        one user message rendered with the model's chat template\n"
         "  --prompt-ids IDS   token ids, e.g. 1,2,3\n"
@@ -74,6 +74,8 @@ static int parse_args(int argc, char **argv, gen_args *a)
             a->seed_set = true;
         } else if (!strcmp(f, "--threads"))
             rc = cli_parse_int(f, v, 1, 256, &a->sess.threads);
+        else if (!strcmp(f, "--backend"))
+            a->sess.backend = v;
         else if (!strcmp(f, "--kv-type"))
             rc = cli_parse_kv_type(v, &a->sess.kv_type);
         else if (!strcmp(f, "--ctx"))
@@ -122,9 +124,9 @@ static int prompt_tokens(cli_session *s, const gen_args *a, int32_t **ids, int64
         int rc = cli_parse_ids(a->prompt_ids, ids, n);
         if (rc) return rc;
         for (int64_t i = 0; i < *n; i++)
-            if ((*ids)[i] >= s->model->hp.n_vocab) {
+            if ((*ids)[i] >= s->rt.model->hp.n_vocab) {
                 fprintf(stderr, "tandem: token id %d is outside the vocabulary (%d)\n", (*ids)[i],
-                        s->model->hp.n_vocab);
+                        s->rt.model->hp.n_vocab);
                 free(*ids);
                 *ids = NULL;
                 return TD_ERANGE;
@@ -136,7 +138,7 @@ static int prompt_tokens(cli_session *s, const gen_args *a, int32_t **ids, int64
     if (a->chat) {
         const char *tmpl;
         size_t tlen;
-        if (td_gguf_get_str(s->gguf, "tokenizer.chat_template", &tmpl, &tlen)) {
+        if (td_gguf_get_str(s->rt.gguf, "tokenizer.chat_template", &tmpl, &tlen)) {
             fprintf(stderr, "tandem: --chat: the model has no chat template\n");
             return TD_EUNSUPP;
         }
@@ -203,7 +205,7 @@ int cmd_generate(int argc, char **argv)
         rc = TD_ERANGE;
         goto out;
     }
-    int32_t n_vocab = s.model->hp.n_vocab;
+    int32_t n_vocab = s.rt.model->hp.n_vocab;
     logits = malloc((size_t)n_vocab * sizeof *logits);
     hist = malloc((size_t)(n + a.max_tokens + 1) * sizeof *hist);
     if (!logits || !hist) {

@@ -40,6 +40,8 @@ int cmd_logits(int argc, char **argv)
             rc = cli_parse_kv_type(v, &sp.kv_type);
         else if (!strcmp(f, "--threads"))
             rc = cli_parse_int(f, v, 1, 256, &sp.threads);
+        else if (!strcmp(f, "--backend"))
+            sp.backend = v;
         else if (!strcmp(f, "--chunk"))
             rc = cli_parse_int(f, v, 1, 1 << 20, &chunk);
         else {
@@ -50,7 +52,7 @@ int cmd_logits(int argc, char **argv)
     if (rc) return rc;
     if (argc % 2 || !sp.model_path || !ids_s || !out) {
         fprintf(stderr, "usage: tandem logits --model PATH --prompt-ids IDS --out FILE "
-                        "[--kv-type f16|f32] [--threads N] [--chunk N]\n");
+                        "[--kv-type f16|f32] [--threads N] [--chunk N] [--backend cpu|cuda]\n");
         return TD_EINVAL;
     }
     int32_t *ids;
@@ -63,7 +65,7 @@ int cmd_logits(int argc, char **argv)
     }
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
-    float *logits = malloc((size_t)s.model->hp.n_vocab * sizeof *logits);
+    float *logits = malloc((size_t)s.rt.model->hp.n_vocab * sizeof *logits);
     if (!logits)
         rc = TD_ENOMEM;
     else if (n > s.ctx) {
@@ -72,7 +74,7 @@ int cmd_logits(int argc, char **argv)
     } else if ((rc = cli_prefill(&s, &seq, ids, n, 0, chunk, logits)))
         fprintf(stderr, "tandem: forward failed: %s\n", td_strerror(rc));
     else
-        rc = write_f32(out, logits, (size_t)s.model->hp.n_vocab);
+        rc = write_f32(out, logits, (size_t)s.rt.model->hp.n_vocab);
     free(logits);
     free(ids);
     kn_kv_seq_fini(s.kv, &seq);

@@ -105,6 +105,11 @@ kn_backend kn_cpu_backend(kn_cpu *c)
 {
     return (kn_backend){.ops = &cpu_ops, .ctx = c};
 }
+kn_cpu *kn_cpu_of(kn_backend b)
+{
+    return b.ops == &cpu_ops ? b.ctx : NULL;
+}
+
 kn_pool *kn_cpu_pool(kn_cpu *c)
 {
     return c->pool;

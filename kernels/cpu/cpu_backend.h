@@ -24,6 +24,9 @@ typedef struct kn_cpu kn_cpu;
 int kn_cpu_create(int n_threads, kn_cpu **out); /* n_threads <= 0: number of cores */
 void kn_cpu_destroy(kn_cpu *c);
 kn_backend kn_cpu_backend(kn_cpu *c);
+/* The kn_cpu behind a backend made by kn_cpu_backend or kn_backend_create("cpu"), or NULL
+ * for any other backend (for CPU-only tools: the ceilings, the pool). */
+kn_cpu *kn_cpu_of(kn_backend b);
 kn_pool *kn_cpu_pool(kn_cpu *c);
 int kn_cpu_n_threads(const kn_cpu *c);
 

@@ -360,8 +360,14 @@ static int run(rig *r, float *lg)
             rc = kn_kv_seq_reserve(r->kv, &r->seq[s], done[s]);
             v[s] = (kn_seq_view){.block_table = r->seq[s].blocks, .n_ctx = done[s]};
         }
-        kn_batch b = {.n_tokens = n, .tokens = t, .pos = pos, .seq_of = so, .n_seqs = 2,
-                      .seqs = v, .n_logits = nl, .logit_rows = rows};
+        kn_batch b = {.n_tokens = n,
+                      .tokens = t,
+                      .pos = pos,
+                      .seq_of = so,
+                      .n_seqs = 2,
+                      .seqs = v,
+                      .n_logits = nl,
+                      .logit_rows = rows};
         float tmp[2 * 512];
         if (!rc) rc = kn_engine_forward(r->eng, r->kv, &b, nl ? tmp : NULL);
         for (int i = 0; i < nl && !rc; i++) {
@@ -382,8 +388,15 @@ static int run(rig *r, float *lg)
             rc = kn_kv_seq_reserve(r->kv, &r->seq[s], pos[s] + 1);
             v[s] = (kn_seq_view){.block_table = r->seq[s].blocks, .n_ctx = pos[s] + 1};
         }
-        kn_batch b = {.n_tokens = 2, .n_solo = 2, .tokens = t, .pos = pos, .seq_of = so,
-                      .n_seqs = 2, .seqs = v, .n_logits = 2, .logit_rows = rows};
+        kn_batch b = {.n_tokens = 2,
+                      .n_solo = 2,
+                      .tokens = t,
+                      .pos = pos,
+                      .seq_of = so,
+                      .n_seqs = 2,
+                      .seqs = v,
+                      .n_logits = 2,
+                      .logit_rows = rows};
         if (!rc) rc = kn_engine_forward(r->eng, r->kv, &b, lg + (size_t)(step + 1) * 2 * nv);
     }
     return rc;

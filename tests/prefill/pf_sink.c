@@ -98,7 +98,7 @@ int main(int argc, char **argv)
     pf_shard_params rp = {
         .model_path = model, .pp = 1, .ctx = n_tok + 64, .block_size = 16, .kv_type = TD_F16};
     if (pf_shard_open(&shard, &rp)) return 2;
-    const kn_hparams *hp = &shard.model->hp;
+    const kn_hparams *hp = &shard.rt.model->hp;
     int32_t *prompt = malloc((size_t)n_tok * sizeof *prompt), *pos = malloc((size_t)n_tok * 4);
     int32_t *seq0 = calloc((size_t)n_tok, 4);
     for (int i = 0; i < n_tok; i++) {
@@ -121,7 +121,7 @@ int main(int argc, char **argv)
                   .logit_rows = &last};
     int32_t expect_tok = -1;
     if (!no_check) {
-        if (kn_engine_forward(shard.engine, shard.kv, &b, logits)) return 2;
+        if (kn_engine_forward(shard.rt.engine, shard.kv, &b, logits)) return 2;
         kn_sampler smp;
         td_sampling sp = {0};
         kn_sampler_init(&smp, &sp, hp->n_vocab);

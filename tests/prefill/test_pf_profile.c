@@ -43,7 +43,7 @@ static void profile_stage(int pp, int stage)
     pf_shard shard;
     pf_shard_params rp = {.model_path = model_path, .pp = pp, .stage = stage, .ctx = 1024};
     TH_REQUIRE(pf_shard_open(&shard, &rp) == 0);
-    TH_CHECK(shard.model->first == (stage == 0) && shard.model->last == (stage == pp - 1));
+    TH_CHECK(shard.rt.model->first == (stage == 0) && shard.rt.model->last == (stage == pp - 1));
     pf_profile_params pp_ = {.chunk_size = CHUNK, .n_lengths = 8, .reps = 2, .budget_ms = BUDGET};
     pf_profile_result pr;
     int rc = pf_profile_stage(&shard, &pp_, &pr);
@@ -122,8 +122,8 @@ static void test_shard_errors(void)
     memset(&shard, 0x5a, sizeof shard);
     pf_shard_params rp = {.model_path = model_path, .pp = 2, .stage = 2};
     TH_CHECK(pf_shard_open(&shard, &rp) == TD_EINVAL);
-    TH_CHECK(shard.model == NULL && shard.gguf == NULL); /* zeroed on failure */
-    int bad_part[2] = {1, 1};                        /* the model has more layers */
+    TH_CHECK(shard.rt.model == NULL && shard.rt.gguf == NULL); /* zeroed on failure */
+    int bad_part[2] = {1, 1};                                  /* the model has more layers */
     rp = (pf_shard_params){.model_path = model_path, .pp = 2, .partition = bad_part};
     TH_CHECK(pf_shard_open(&shard, &rp) == TD_EINVAL);
     rp = (pf_shard_params){.model_path = model_path, .pp = 100};

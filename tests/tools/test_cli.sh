@@ -34,6 +34,12 @@ expect_error "two prompt sources" "exactly one" -- generate --model "$SYNTH" --p
 expect_error "unknown option" "unknown option" -- generate --model "$SYNTH" --prompt hi --max-tokens 4 --frobnicate
 expect_error "unknown command" "unknown command" -- frobnicate
 expect_error "bad kv type" "kv-type" -- generate --model "$SYNTH" --prompt hi --max-tokens 4 --kv-type f8
+expect_error "unknown backend" "unknown backend 'tpu'" -- generate --model "$SYNTH" --prompt hi --max-tokens 4 --backend tpu
+# backend cuda where no GPU is usable: refused with the reason, never run on the CPU instead
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  expect_error "cuda without a GPU" "backend 'cuda': (no usable GPU|this build has no CUDA)" -- \
+    generate --model "$SYNTH" --prompt hi --max-tokens 4 --backend cuda
+fi
 
 # same seed, same output; the text and the ids agree in length of work done
 run() { "$BIN" generate --model "$SYNTH" --prompt "hello world" --max-tokens 12 --ignore-eos "$@" 2>"$TMP/err"; }
