@@ -10,7 +10,7 @@
  * is visible to the next op at once, and to the host after download or synchronize (the
  * cpu backend fans out to its thread pool and returns when all threads are done, so for it
  * every op is synchronous).
- * Construction: kn_backend_create(name, options) is the one constructor ("cpu", "cuda");
+ * Construction: kn_backend_create(name, options) (kn_backends.h) is the one constructor;
  * a backend that is not built in, or has no usable device, is a clear error at start-up
  * (TD_EUNSUPP, the reason logged), never a silent fall-back to another backend.
  * Threading: one thread drives a backend at a time (the process's engine loop).
@@ -144,19 +144,5 @@ typedef struct {
     const kn_backend_ops *ops;
     void *ctx;
 } kn_backend;
-
-typedef struct {
-    int n_threads; /* cpu: compute threads (<= 0: one per core) */
-    int device;    /* cuda: device ordinal (< 0: device 0) */
-} kn_backend_options;
-
-/* The names kn_backend_create knows, for messages: "cpu, cuda" (cuda only when built in). */
-const char *kn_backend_names(void);
-/* Create backend `name` ("cpu" or "cuda"; NULL means "cpu"). Errors: TD_EINVAL for an unknown
- * name, TD_EUNSUPP (reason logged: not built in, no device, driver too old) when it
- * cannot run here, TD_ENOMEM. *out is zeroed on failure. */
-int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend *out);
-/* Frees it (safe on a zeroed backend) and zeroes *b. */
-void kn_backend_destroy(kn_backend *b);
 
 #endif

@@ -15,7 +15,7 @@
 #define KN_RUNTIME_H
 
 #include "gguf.h"
-#include "kn_backend.h"
+#include "kn_backends.h"
 #include "model.h"
 
 typedef struct {

@@ -18,6 +18,7 @@
 
 #include "../tharness.h"
 #include "cpu_backend.h"
+#include "kn_backends.h"
 #include "model.h"
 #include "td_err.h"
 

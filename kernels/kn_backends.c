@@ -1,5 +1,5 @@
-/* kn_backend.c: the one backend constructor (kn_backend.h). */
-#include "kn_backend.h"
+/* kn_backends.c: the one backend constructor (kn_backends.h). */
+#include "kn_backends.h"
 
 #include <string.h>
 

@@ -1,0 +1,28 @@
+/* kn_backends.h: the backends this build has, and the one constructor that picks one by
+ * name (kn_backend.h is the ops table they implement).
+ *
+ * Purpose: every process opens its backend here (through kn_runtime.h): the YAML's
+ * `backend:` and the CLI's --backend name one. A backend that is not built in, or cannot
+ * run on this machine, is a start-up error with its reason, never a silent fall-back.
+ * Ownership: kn_backend_create fills *out, kn_backend_destroy frees it.
+ */
+#ifndef KN_BACKENDS_H
+#define KN_BACKENDS_H
+
+#include "kn_backend.h"
+
+typedef struct {
+    int n_threads; /* cpu: compute threads (<= 0: one per core) */
+    int device;    /* cuda: device ordinal (< 0: device 0) */
+} kn_backend_options;
+
+/* The names kn_backend_create knows, for messages: "cpu, cuda" (cuda only when built in). */
+const char *kn_backend_names(void);
+/* Create backend `name` ("cpu" or "cuda"; NULL means "cpu"). Errors: TD_EINVAL for an unknown
+ * name, TD_EUNSUPP (reason logged: not built in, no device, driver too old) when it
+ * cannot run here, TD_ENOMEM. *out is zeroed on failure. */
+int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend *out);
+/* Frees it (safe on a zeroed backend) and zeroes *b. */
+void kn_backend_destroy(kn_backend *b);
+
+#endif
