@@ -9,20 +9,21 @@ int kn_runtime_open(kn_runtime *rt, const kn_runtime_params *p)
 {
     memset(rt, 0, sizeof *rt);
     const char *who = p->who ? p->who : "tandem";
-    char err[512];
-    int rc = td_gguf_open(p->model_path, &rt->gguf, err, sizeof err);
+    /* the backend first: a backend that cannot run here fails before the model is read */
+    int rc = kn_backend_create(p->backend, &p->backend_opts, &rt->be);
     if (rc) {
-        TD_LOG_ERR("%s: %s", who, err);
+        TD_LOG_ERR("%s: cannot start backend '%s': %s", who, p->backend ? p->backend : "cpu",
+                   td_strerror(rc));
         return rc;
+    }
+    char err[512];
+    if ((rc = td_gguf_open(p->model_path, &rt->gguf, err, sizeof err))) {
+        TD_LOG_ERR("%s: %s", who, err);
+        goto fail;
     }
     if ((rc = kn_model_load(rt->gguf, &p->shard, &rt->model))) {
         TD_LOG_ERR("%s: cannot load layers [%d, %d) tp %d/%d of '%s': %s", who, p->shard.l0,
                    p->shard.l1, p->shard.tp_rank, p->shard.tp_size, p->model_path, td_strerror(rc));
-        goto fail;
-    }
-    if ((rc = kn_backend_create(p->backend, &p->backend_opts, &rt->be))) {
-        TD_LOG_ERR("%s: cannot start backend '%s': %s", who, p->backend ? p->backend : "cpu",
-                   td_strerror(rc));
         goto fail;
     }
     if ((rc = kn_engine_create(rt->model, rt->be, p->coll, &rt->engine))) {
