@@ -2,7 +2,8 @@
 # processes (tests/deploy/test_deploy.py; synthetic model, random ports, temp run dirs).
 #   deploy_up_down     up -d -> status running -> HTTP request -> down -> status stopped
 #   deploy_foreground  foreground up stopped by SIGTERM; a killed rank stops the cluster
-#   deploy_bad_model   a decode instance that cannot start: up -d fails, nothing left behind
+#   deploy_bad_model   a decode instance that cannot start (missing model, backend cuda without
+#                      a GPU): up -d fails naming the reason, nothing left behind
 #   deploy_bench       tandem bench --json (plain and --stream) against the cluster
 #   deploy_netns       router and decode instance in two network namespaces (needs root;
 #                      skipped otherwise)

@@ -82,7 +82,7 @@ class Env(UpCluster):
         self.model = os.path.join(args.synth_dir, "llama.gguf")  # 6 layers: pp 2 = 3 + 3
 
     def yaml(self, name, decodes, model=None, listen_host="127.0.0.1", decode_host=None,
-             prefills=()):
+             prefills=(), backend=None):
         """decodes: list of (name, tp); prefills: list of (name, pp[, {more fields}]).
         Returns (path, router port); the prefill instances' ports are in self.pf_port."""
         port = free_port()
@@ -93,6 +93,8 @@ class Env(UpCluster):
                                 "step_tokens": 128, "port": port + 1 + i},
                                **({"host": decode_host} if decode_host else {}))
                           for i, (dname, tp) in enumerate(decodes)]}
+        if backend:
+            doc["backend"] = backend
         self.pf_port = {}
         for i, (pname, pp, *extra) in enumerate(prefills):
             self.pf_port[pname] = port + 50 + i
@@ -278,6 +280,14 @@ def case_bad_model(e):
     check(r.returncode != 0 and "cannot run" in r.stderr,
           f"missing binaries: clear error ({r.stderr.strip()[:200]})")
     check(not e.leftovers(), "no process left behind (missing binaries)")
+    # backend: cuda where no GPU is usable: the decode rank refuses at start with the reason
+    # (never a silent CPU run); skipped where a GPU is present
+    if subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True).returncode != 0:
+        cfg, _ = e.yaml("cuda", [("d0", 1)], backend="cuda")
+        r = e.tandem("up", "-d", cfg, "--timeout", "60", timeout=180)
+        check(r.returncode != 0 and "backend 'cuda'" in r.stderr,
+              f"backend cuda without a GPU: up fails naming it ({r.stderr.strip()[-300:]})")
+        check(not e.leftovers(), "no process left behind (backend cuda)")
 
 
 def case_bench(e):
