@@ -24,3 +24,10 @@ target_link_libraries(bench_kquant PRIVATE td_kernels td_common)
 # ctest): bin/bench_qtypes [threads [rows cols]]
 add_executable(bench_qtypes ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_qtypes.c)
 target_link_libraries(bench_qtypes PRIVATE td_kernels td_common)
+
+# kernels/kn_elem.h (the per-element math the CUDA kernels share with the CPU): its
+# dequantizers bit for bit against kn_dequant_row, fp16 conversions, silu/GELU/rope.
+add_executable(test_elem ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_elem.c)
+target_include_directories(test_elem PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_elem PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_elem COMMAND test_elem)
