@@ -1,4 +1,5 @@
-/* cuda_backend.c: the CUDA backend's device probe, context and memory ops (cuda_backend.h).
+/* cuda_backend.c: the CUDA backend's device probe, context, memory ops, error reporting and
+ * ops table (cuda_backend.h; the compute ops are in cuda_*.cu, the weight map in cuda_map.c).
  * Host code only (the CUDA runtime and cuBLAS APIs); compiled by the C compiler. */
 #include "cuda_backend.h"
 
@@ -288,16 +289,16 @@ int kn_cuda_create(int device, kn_backend *out)
     if (missing[0]) {
         char desc[320];
         cu_describe(c, desc, sizeof desc);
-        TD_LOG_ERR("backend 'cuda': found %s, but the CUDA backend's compute ops are not built "
-                   "yet (missing: %s); use backend 'cpu'",
+        TD_LOG_ERR("backend 'cuda': found %s, but the CUDA backend lacks compute ops "
+                   "(missing: %s); use backend 'cpu'",
                    desc, missing);
         cu_destroy(c);
         return TD_EUNSUPP;
     }
     char desc[320];
     cu_describe(c, desc, sizeof desc);
-    TD_LOG_INFO("backend 'cuda': %s; weight types %s (others are refused at load); none of "
-                "its kernels has been run on a GPU by its authors yet",
+    TD_LOG_INFO("backend 'cuda': %s; weight types %s (others are refused at load); its "
+                "kernels are untested on a GPU (cuda_backend.h)",
                 desc, KN_ELEM_TYPES);
     *out = (kn_backend){.ops = &cuda_ops, .ctx = c};
     return 0;

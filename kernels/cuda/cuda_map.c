@@ -8,7 +8,9 @@
  * back to back. Copies are made once, synchronously (model load), and live until the
  * backend is destroyed. A pointer not in the table is taken as device memory already
  * (activations from ops->alloc), so the lookup never fails; mapping every weight is the
- * engine's job (kn_backend.h).
+ * engine's job (kn_backend.h). The key is the host address alone: a mapped host buffer
+ * must outlive the backend (model weights do: the GGUF mapping), or a later allocation at
+ * the same address would be taken for it.
  * Only types the CUDA kernels compute with (kn_elem.h) are accepted: an unsupported
  * weight type fails at load, not at the first step.
  */
