@@ -74,8 +74,10 @@ __global__ void k_gemv(const uint8_t *w, size_t stride, int64_t n_rows, int64_t 
             if (j >= m) break;
             const float *xj = x + (int64_t)j * n_cols + u * 32;
             float a = acc[j];
-            for (int k = 0; k < kmax; k++)
-                a = fmaf(wq[k], __ldg(xj + k), a);
+            /* unrolled with a guard: wq stays in registers (a loop to kmax indexes it) */
+#pragma unroll
+            for (int k = 0; k < 32; k++)
+                if (k < kmax) a = fmaf(wq[k], __ldg(xj + k), a);
             acc[j] = a;
         }
     }
@@ -100,8 +102,9 @@ __global__ void k_dequant_rows(const uint8_t *w, size_t stride, int64_t r0, int6
         load_chunk<T>(w + (size_t)(r0 + r) * stride, u, n_cols, wq);
         float *o = out + r * n_cols + u * 32;
         const int kmax = n_cols - u * 32 < 32 ? (int)(n_cols - u * 32) : 32;
-        for (int k = 0; k < kmax; k++)
-            o[k] = wq[k];
+#pragma unroll
+        for (int k = 0; k < 32; k++)
+            if (k < kmax) o[k] = wq[k];
     }
 }
 
@@ -124,8 +127,9 @@ __global__ void k_get_rows(const uint8_t *w, size_t stride, int64_t n_rows, int6
         float wq[32];
         load_chunk<T>(w + (size_t)id * stride, u, n_cols, wq);
         const int kmax = n_cols - u * 32 < 32 ? (int)(n_cols - u * 32) : 32;
-        for (int k = 0; k < kmax; k++)
-            o[u * 32 + k] = wq[k];
+#pragma unroll
+        for (int k = 0; k < 32; k++)
+            if (k < kmax) o[u * 32 + k] = wq[k];
     }
 }
 
