@@ -24,3 +24,19 @@ target_link_libraries(bench_kquant PRIVATE td_kernels td_common)
 # ctest): bin/bench_qtypes [threads [rows cols]]
 add_executable(bench_qtypes ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_qtypes.c)
 target_link_libraries(bench_qtypes PRIVATE td_kernels td_common)
+
+# kernels/kn_elem.h (the per-element math the CUDA kernels share with the CPU): its
+# dequantizers bit for bit against kn_dequant_row, fp16 conversions, silu/GELU/rope.
+add_executable(test_elem ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_elem.c)
+target_include_directories(test_elem PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_elem PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_elem COMMAND test_elem)
+
+# The CUDA backend against the CPU backend (matmul on both paths, matmul_mixed's solo
+# rows, get_rows, rmsnorm, swiglu); without a GPU only its clear refusal is checked.
+if(TANDEM_CUDA)
+  add_executable(test_cuda ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_cuda.c)
+  target_include_directories(test_cuda PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_cuda PRIVATE td_kernels td_common)
+  add_test(NAME kernels.test_cuda COMMAND test_cuda)
+endif()

@@ -1,6 +1,10 @@
-/* cuda_backend.c: the CUDA backend's device probe, context and memory ops (cuda_backend.h).
+/* cuda_backend.c: the CUDA backend's device probe, context, memory ops, error reporting and
+ * ops table (cuda_backend.h; the compute ops are in cuda_*.cu, the weight map in cuda_map.c).
  * Host code only (the CUDA runtime and cuBLAS APIs); compiled by the C compiler. */
 #include "cuda_backend.h"
+
+#include "cuda_internal.h"
+#include "kn_elem.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -10,26 +14,58 @@
 
 #include "td_err.h"
 
-typedef struct {
-    int device;
-    cudaStream_t stream;
-    cublasHandle_t blas;
-    char name[256];
-    int cc_major, cc_minor;
-    size_t mem_bytes;
-} kn_cuda;
-
 /* A failed CUDA call: logged with the call's text, mapped to a td_err. */
-static int cuda_fail(cudaError_t e, const char *what)
+int kn_cu_error(cudaError_t e, const char *what)
 {
     TD_LOG_ERR("cuda: %s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
     return e == cudaErrorMemoryAllocation ? TD_ENOMEM : TD_EIO;
 }
 
+void kn_cu_fail(kn_cuda *c, int rc, const char *op)
+{
+    if (c->err) return;
+    c->err = rc;
+    snprintf(c->err_op, sizeof c->err_op, "%s", op);
+}
+
+int kn_cu_check(kn_cuda *c, const char *op)
+{
+    c->last_op = op;
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess && c->sync_each) e = cudaStreamSynchronize(c->stream);
+    if (e == cudaSuccess) return 0;
+    char what[96];
+    snprintf(what, sizeof what, "%s (%s)", op, c->sync_each ? "run" : "launch");
+    int rc = kn_cu_error(e, what);
+    kn_cu_fail(c, rc, op);
+    return rc;
+}
+
+void *kn_cu_scratch(kn_cuda *c, size_t bytes)
+{
+    if (bytes <= c->scratch_cap) return c->scratch;
+    if (c->scratch) {
+        /* queued kernels may still read the old scratch */
+        cudaStreamSynchronize(c->stream);
+        cudaFree(c->scratch);
+        c->scratch = NULL;
+        c->scratch_cap = 0;
+    }
+    size_t cap = bytes + bytes / 4;
+    cudaError_t e = cudaMalloc(&c->scratch, cap);
+    if (e != cudaSuccess) {
+        kn_cu_error(e, "scratch: cudaMalloc");
+        c->scratch = NULL;
+        return NULL;
+    }
+    c->scratch_cap = cap;
+    return c->scratch;
+}
+
 #define CU_TRY(call)                                                                               \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) return cuda_fail(e_, #call);                                        \
+        if (e_ != cudaSuccess) return kn_cu_error(e_, #call);                                      \
     } while (0)
 
 int kn_cuda_device_count(char *reason, size_t cap)
@@ -54,7 +90,7 @@ static void *cu_alloc(void *ctx, size_t bytes)
     /* cudaMalloc is 256-byte aligned */
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
-        cuda_fail(e, "cudaMalloc");
+        kn_cu_error(e, "cudaMalloc");
         return NULL;
     }
     return p;
@@ -77,19 +113,59 @@ static int cu_upload(void *ctx, void *dst, const void *src, size_t bytes)
     return 0;
 }
 
+/* After the stream drained (e: its status): an asynchronous kernel error (naming the last
+ * op queued, which ran at or after the failing kernel), the first failure of a void op,
+ * or bad input a kernel flagged; each reported once. */
+static int drain_status(kn_cuda *c, cudaError_t e)
+{
+    if (e != cudaSuccess) {
+        char what[128];
+        snprintf(what, sizeof what,
+                 "a kernel failed (last op queued: %s; TANDEM_CUDA_SYNC=1 "
+                 "names the failing op)",
+                 c->last_op ? c->last_op : "none");
+        return kn_cu_error(e, what);
+    }
+    if (c->err) {
+        int rc = c->err;
+        TD_LOG_ERR("cuda: op %s failed earlier (its error was logged then)", c->err_op);
+        c->err = 0;
+        return rc;
+    }
+    if (c->host_flag[0] != -1 || c->host_flag[1] != -1) {
+        if (c->host_flag[0] != -1)
+            TD_LOG_ERR("cuda get_rows: row id %d out of range (its output row was zeroed)",
+                       (int)c->host_flag[0]);
+        if (c->host_flag[1] != -1)
+            TD_LOG_ERR("cuda kv_write/attention: position %d outside its sequence view, or a "
+                       "negative block id (that token was skipped)",
+                       (int)c->host_flag[1]);
+        c->host_flag[0] = c->host_flag[1] = -1;
+        CU_TRY(cudaMemsetAsync(c->dev_flag, 0xff, 2 * sizeof(int32_t), c->stream));
+        return TD_ERANGE;
+    }
+    return 0;
+}
+
+/* Drain the stream, reading the kernels' bad-input flag on the way. */
+static int drain(kn_cuda *c)
+{
+    cudaError_t e = cudaMemcpyAsync(c->host_flag, c->dev_flag, 2 * sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, c->stream);
+    cudaError_t s = cudaStreamSynchronize(c->stream);
+    return drain_status(c, e != cudaSuccess ? e : s);
+}
+
 static int cu_download(void *ctx, void *dst, const void *src, size_t bytes)
 {
     kn_cuda *c = ctx;
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-    CU_TRY(cudaStreamSynchronize(c->stream));
-    return 0;
+    return drain(c);
 }
 
 static int cu_synchronize(void *ctx)
 {
-    kn_cuda *c = ctx;
-    CU_TRY(cudaStreamSynchronize(c->stream));
-    return 0;
+    return drain(ctx);
 }
 
 static void cu_destroy(void *ctx)
@@ -97,6 +173,11 @@ static void cu_destroy(void *ctx)
     kn_cuda *c = ctx;
     if (!c) return;
     cudaSetDevice(c->device);
+    if (c->stream) cudaStreamSynchronize(c->stream);
+    kn_cu_map_free(c);
+    cudaFree(c->scratch);
+    cudaFree(c->dev_flag);
+    cudaFreeHost(c->host_flag);
     if (c->blas) cublasDestroy(c->blas);
     if (c->stream) cudaStreamDestroy(c->stream);
     free(c);
@@ -119,6 +200,21 @@ static const kn_backend_ops cuda_ops = {
     .upload = cu_upload,
     .download = cu_download,
     .synchronize = cu_synchronize,
+    .map_matrix = kn_cu_map_matrix,
+    .map_vector = kn_cu_map_vector,
+    .matmul = kn_cu_matmul,
+    .matmul_mixed = kn_cu_matmul_mixed,
+    .rmsnorm = kn_cu_rmsnorm,
+    .rope = kn_cu_rope,
+    .swiglu = kn_cu_swiglu,
+    .geglu = kn_cu_geglu,
+    .kv_write = kn_cu_kv_write,
+    .attention = kn_cu_attention,
+    .get_rows = kn_cu_get_rows,
+    .add = kn_cu_add,
+    .add_row = kn_cu_add_row,
+    .scale = kn_cu_scale,
+    .copy_rows = kn_cu_copy_rows,
 };
 
 /* The compute ops the engine needs and this table lacks, comma-separated ("" if none). */
@@ -159,6 +255,9 @@ static int open_device(kn_cuda *c, int device)
     c->cc_major = prop.major;
     c->cc_minor = prop.minor;
     c->mem_bytes = prop.totalGlobalMem;
+    c->n_sm = prop.multiProcessorCount;
+    const char *sync = getenv("TANDEM_CUDA_SYNC");
+    c->sync_each = sync && strcmp(sync, "1") == 0;
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     cublasStatus_t bs = cublasCreate(&c->blas);
     if (bs != CUBLAS_STATUS_SUCCESS) {
@@ -166,6 +265,12 @@ static int open_device(kn_cuda *c, int device)
         return TD_EIO;
     }
     if (cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS) return TD_EIO;
+    /* plain fp32 GEMMs: no TF32 tensor-core rounding of the inputs */
+    if (cublasSetMathMode(c->blas, CUBLAS_PEDANTIC_MATH) != CUBLAS_STATUS_SUCCESS) return TD_EIO;
+    CU_TRY(cudaMalloc((void **)&c->dev_flag, 2 * sizeof(int32_t)));
+    CU_TRY(cudaMemset(c->dev_flag, 0xff, 2 * sizeof(int32_t)));
+    CU_TRY(cudaMallocHost((void **)&c->host_flag, 2 * sizeof(int32_t)));
+    c->host_flag[0] = c->host_flag[1] = -1;
     return 0;
 }
 
@@ -184,12 +289,17 @@ int kn_cuda_create(int device, kn_backend *out)
     if (missing[0]) {
         char desc[320];
         cu_describe(c, desc, sizeof desc);
-        TD_LOG_ERR("backend 'cuda': found %s, but the CUDA backend's compute ops are not built "
-                   "yet (missing: %s); use backend 'cpu'",
+        TD_LOG_ERR("backend 'cuda': found %s, but the CUDA backend lacks compute ops "
+                   "(missing: %s); use backend 'cpu'",
                    desc, missing);
         cu_destroy(c);
         return TD_EUNSUPP;
     }
+    char desc[320];
+    cu_describe(c, desc, sizeof desc);
+    TD_LOG_INFO("backend 'cuda': %s; weight types %s (others are refused at load); its "
+                "kernels are untested on a GPU (cuda_backend.h)",
+                desc, KN_ELEM_TYPES);
     *out = (kn_backend){.ops = &cuda_ops, .ctx = c};
     return 0;
 }
