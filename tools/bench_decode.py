@@ -12,7 +12,12 @@
      per-step token budget of 256 and of 32 (the budget trades TPOT against the long
      prompt's time to first token).
 
+With --tp CONFIGS (e.g. 1x1,2x1,1x2: tp x threads per rank) only part 2 runs, for those
+configurations, at each batch of --batches with --max-tokens per request, and prints each
+configuration's throughput against the first one's (strong scaling: tp2 x 1 against tp1 x 1).
+
 usage: tools/bench_decode.py [--build build] [--model PATH]
+                             [--tp 1x1,2x1 [--batches 1,4] [--max-tokens 128]]
 """
 import argparse
 import os
@@ -27,6 +32,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--build", default="build")
 ap.add_argument("--model", default=os.path.expanduser(
     "~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+ap.add_argument("--tp", help="only part 2, these configurations: TPxTHREADS,...")
+ap.add_argument("--batches", default="4", help="with --tp: batches to run")
+ap.add_argument("--max-tokens", type=int, default=128, help="with --tp: tokens per request")
 args = ap.parse_args()
 TANDEM = os.path.join(args.build, "bin", "tandem")
 DECODE = os.path.join(args.build, "bin", "tandem-decode")
@@ -57,7 +65,12 @@ def stop(procs, d):
     procs[0].send_signal(signal.SIGTERM)
     procs[0].wait(timeout=30)
     for p in procs[1:]:
-        p.wait(timeout=30)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:  # seen: a follower waiting to rejoin a gone leader
+            print(f"  (follower pid {p.pid} still running 15 s after the leader stopped: SIGTERM)")
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=30)
     with open(os.path.join(d, "r0.log")) as f:
         return f.read()
 
@@ -74,6 +87,29 @@ def run(url, n, max_tokens, prompt_len=16):
     return {line[i]: float(line[i + 1]) for i in range(0, len(line), 2)}
 
 
+def tp_part(configs, batches, max_tokens):
+    """Part 2: one instance per configuration and batch; throughput against the first one."""
+    for b in batches:
+        base = None
+        for i, (tp, threads) in enumerate(configs):
+            procs, url, d = start(tp, threads, 9710 + 10 * i + tp)
+            run(url, 1, 4)  # warm-up
+            s = run(url, b, max_tokens)
+            log = stop(procs, d)
+            m = re.search(r"mean step ([0-9.]+) ms, allreduce (\d+) x ([0-9.]+) us \(([0-9.]+)% of step",
+                          log)
+            base = base or s["tok_per_s"]
+            print(f"tp{tp} x {threads} threads, batch {b}: {s['tok_per_s']:6.2f} tok/s "
+                  f"({s['tok_per_s'] / base:.2f} x tp{configs[0][0]} x {configs[0][1]}), "
+                  f"tpot {s['tpot_ms']:.1f} ms, step {m.group(1)} ms, allreduce {m.group(3)} us "
+                  f"each, {m.group(4)}% of step time", flush=True)
+
+
+if args.tp:
+    tp_part([tuple(int(x) for x in c.split("x")) for c in args.tp.split(",")],
+            [int(x) for x in args.batches.split(",")], args.max_tokens)
+    raise SystemExit(0)
+
 engine = subprocess.run([TANDEM, "bench-engine", "--model", args.model, "--threads", "2",
                          "--reps", "1", "--json"], capture_output=True, text=True).stdout
 m = re.search(r'"decode_tps": ([0-9.]+)', engine)
@@ -89,13 +125,7 @@ for b in (1, 4, 16, 64):
           f"tpot {s['tpot_ms']:.2f} ms{extra}")
 stop(procs, d)
 
-for tp, threads in ((1, 3), (3, 1)):
-    procs, url, d = start(tp, threads, 9710 + tp)
-    s = run(url, 4, 128)
-    log = stop(procs, d)
-    m = re.search(r"mean step ([0-9.]+) ms, allreduce (\d+) x ([0-9.]+) us \(([0-9.]+)% of step", log)
-    print(f"tp{tp} x {threads} threads, batch 4: {s['tok_per_s']:6.1f} tok/s, step {m.group(1)} ms, "
-          f"allreduce {m.group(3)} us each, {m.group(4)}% of step time")
+tp_part(((1, 3), (3, 1)), (4,), 128)
 
 for step_tokens in (256, 16):
     for label, with_prefill in (("without", False), ("with", True)):
