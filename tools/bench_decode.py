@@ -12,9 +12,14 @@
      per-step token budget of 256 and of 32 (the budget trades TPOT against the long
      prompt's time to first token).
 
+With --tp CONFIGS (e.g. 1x1,2x1,1x2: tp x threads per rank) only part 2 runs, for those
+configurations, at each batch of --batches with --max-tokens per request, and prints each
+configuration's throughput against the first one's (strong scaling: tp2 x 1 against tp1 x 1).
+
 usage: tools/bench_decode.py [--build build] [--model PATH]
+                             [--tp 1x1,2x1 [--batches 1,4] [--max-tokens 128]]
        tools/bench_decode.py --compare BEFORE_BUILD [--build build] [--model PATH] --tp N
-                             [--batch B ...] [--rounds R]
+                             [--batches 4,16] [--rounds R]
   --compare: only the tensor-parallel decode at tp N x 1 thread, the build under test
   against BEFORE_BUILD (e.g. main), alternated R times per batch size in one run (the
   vocab-parallel LM head's figures in BENCHMARKS.md).
@@ -32,10 +37,13 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--build", default="build")
 ap.add_argument("--model", default=os.path.expanduser(
     "~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-ap.add_argument("--compare", metavar="BEFORE_BUILD")
-ap.add_argument("--tp", type=int, default=3)
-ap.add_argument("--batch", type=int, nargs="+", default=[4, 16])
-ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--compare", metavar="BEFORE_BUILD",
+                help="tp N x 1 thread, this build against BEFORE_BUILD, alternated")
+ap.add_argument("--tp", help="only part 2, these configurations: TPxTHREADS,... "
+                "(with --compare: one tp size)")
+ap.add_argument("--batches", default=None, help="with --tp: batches to run (4; --compare: 4,16)")
+ap.add_argument("--max-tokens", type=int, default=128, help="with --tp: tokens per request")
+ap.add_argument("--rounds", type=int, default=3, help="with --compare: rounds per batch size")
 args = ap.parse_args()
 TANDEM = os.path.join(args.build, "bin", "tandem")
 DECODE = os.path.join(args.build, "bin", "tandem-decode")
@@ -62,8 +70,8 @@ def start(tp, threads, port, step_tokens=256, decode=None):
 
 
 def stop(procs, d):
-    # the leader first: it publishes the stop plan; the followers then wait for it to form
-    # the instance again (restart and rejoin), so they are stopped too
+    # the leader first: it publishes the stop plan; the followers then leave the instance and
+    # wait for their leader to form it again (rejoin), so each gets its own SIGTERM
     procs[0].send_signal(signal.SIGTERM)
     procs[0].wait(timeout=30)
     for p in procs[1:]:
@@ -88,16 +96,16 @@ def run(url, n, max_tokens, prompt_len=16):
 STEP_RE = r"mean step ([0-9.]+) ms, allreduce (\d+) x ([0-9.]+) us \(([0-9.]+)% of step"
 
 
-def compare():
+def compare(tp, batches):
     """tp N x 1 thread, this build against the BEFORE build, alternated per batch size."""
     builds = (("before", os.path.join(args.compare, "bin", "tandem-decode")), ("after", DECODE))
     res = {}
     port = 9740
-    for b in args.batch:
+    for b in batches:
         for k in range(args.rounds):
             for label, decode in builds:
                 port += 1
-                procs, url, d = start(args.tp, 1, port, decode=decode)
+                procs, url, d = start(tp, 1, port, decode=decode)
                 run(url, 1, 8)  # warm-up
                 s = run(url, b, 128)
                 log = stop(procs, d)
@@ -105,9 +113,9 @@ def compare():
                 g = re.search(r"logit gather (\d+) x ([0-9.]+) us", log)
                 res.setdefault((b, label), []).append((s["tok_per_s"], float(m.group(1))))
                 gather = f", logit gather {g.group(2)} us" if g else ""
-                print(f"tp{args.tp} batch {b:2d} round {k} {label:6s}: {s['tok_per_s']:7.1f} tok/s, "
+                print(f"tp{tp} batch {b:2d} round {k} {label:6s}: {s['tok_per_s']:7.1f} tok/s, "
                       f"mean step {m.group(1)} ms{gather}", flush=True)
-    for b in args.batch:
+    for b in batches:
         med = {}
         for label, _ in builds:
             tps = sorted(x[0] for x in res[(b, label)])
@@ -115,15 +123,39 @@ def compare():
             med[label] = (tps[len(tps) // 2], step[len(step) // 2])
         # each round's after/before pair ran back to back: its ratio is the least noisy
         pair = sorted(a[0] / p[0] for a, p in zip(res[(b, "after")], res[(b, "before")]))
-        print(f"tp{args.tp} batch {b:2d}: median before {med['before'][0]:.1f} tok/s "
+        print(f"tp{tp} batch {b:2d}: median before {med['before'][0]:.1f} tok/s "
               f"({med['before'][1]:.2f} ms/step), after {med['after'][0]:.1f} tok/s "
               f"({med['after'][1]:.2f} ms/step), ratio of medians "
               f"{med['after'][0] / med['before'][0]:.3f}, median of paired ratios "
               f"{pair[len(pair) // 2]:.3f} (range {pair[0]:.3f}-{pair[-1]:.3f})")
 
 
+
+
+def tp_part(configs, batches, max_tokens):
+    """Part 2: one instance per configuration and batch; throughput against the first one."""
+    for b in batches:
+        base = None
+        for i, (tp, threads) in enumerate(configs):
+            procs, url, d = start(tp, threads, 9710 + 10 * i + tp)
+            run(url, 1, 4)  # warm-up
+            s = run(url, b, max_tokens)
+            log = stop(procs, d)
+            m = re.search(r"mean step ([0-9.]+) ms, allreduce (\d+) x ([0-9.]+) us \(([0-9.]+)% of step",
+                          log)
+            base = base or s["tok_per_s"]
+            print(f"tp{tp} x {threads} threads, batch {b}: {s['tok_per_s']:6.2f} tok/s "
+                  f"({s['tok_per_s'] / base:.2f} x tp{configs[0][0]} x {configs[0][1]}), "
+                  f"tpot {s['tpot_ms']:.1f} ms, step {m.group(1)} ms, allreduce {m.group(3)} us "
+                  f"each, {m.group(4)}% of step time", flush=True)
+
+
 if args.compare:
-    compare()
+    compare(int(args.tp or 3), [int(x) for x in (args.batches or "4,16").split(",")])
+    raise SystemExit(0)
+if args.tp:
+    tp_part([tuple(int(x) for x in c.split("x")) for c in args.tp.split(",")],
+            [int(x) for x in (args.batches or "4").split(",")], args.max_tokens)
     raise SystemExit(0)
 
 engine = subprocess.run([TANDEM, "bench-engine", "--model", args.model, "--threads", "2",
@@ -141,13 +173,7 @@ for b in (1, 4, 16, 64):
           f"tpot {s['tpot_ms']:.2f} ms{extra}")
 stop(procs, d)
 
-for tp, threads in ((1, 3), (3, 1)):
-    procs, url, d = start(tp, threads, 9710 + tp)
-    s = run(url, 4, 128)
-    log = stop(procs, d)
-    m = re.search(STEP_RE, log)
-    print(f"tp{tp} x {threads} threads, batch 4: {s['tok_per_s']:6.1f} tok/s, step {m.group(1)} ms, "
-          f"allreduce {m.group(3)} us each, {m.group(4)}% of step time")
+tp_part(((1, 3), (3, 1)), (4,), 128)
 
 for step_tokens in (256, 16):
     for label, with_prefill in (("without", False), ("with", True)):

@@ -14,6 +14,7 @@ Prefill to the PrefillDone event (every stage's KV has landed and been flushed).
      0.75) (target: dynamic >= 3 % faster than the best fixed size).
 
 usage: tools/bench_prefill.py [--build build] [--model PATH] [--reps N] [--quick]
+                              [--lengths N,N] [--only-dynamic]
 """
 import argparse
 import os
@@ -32,6 +33,8 @@ ap.add_argument("--model", default=os.path.expanduser(
 ap.add_argument("--reps", type=int, default=1)
 ap.add_argument("--quick", action="store_true", help="2K only (smoke run)")
 ap.add_argument("--only-dynamic", action="store_true", help="part 2 only")
+ap.add_argument("--lengths", help="comma-separated prompt lengths of part 1 (strong scaling "
+                "only, part 2 skipped), e.g. 1024 for a larger model")
 args = ap.parse_args()
 BIN = os.path.join(args.build, "bin")
 
@@ -104,7 +107,10 @@ def measure(inst, n):
     return statistics.median(ts), chunks
 
 
-lengths = [] if args.only_dynamic else [2048] if args.quick else [2048, 4096, 8192 - 64]
+if args.lengths:
+    lengths = [int(x) for x in args.lengths.split(",")]
+else:
+    lengths = [] if args.only_dynamic else [2048] if args.quick else [2048, 4096, 8192 - 64]
 print("## strong scaling (fixed chunks of 512)")
 res = {}
 for pp in (1, 2) if lengths else ():
@@ -119,7 +125,7 @@ for n in lengths:
     print(f"  {n:5d} tokens: efficiency T(pp1) / (2 T(pp2)) = "
           f"{res[(1, n)] / (2 * res[(2, n)]):.3f}")
 
-if not args.quick:
+if not args.quick and not args.lengths:
     n = 8192 - 64
     print(f"## dynamic against fixed chunks, pp 2, {n} tokens")
     fixed = {}
