@@ -125,7 +125,7 @@ int main(int argc, char **argv)
         kn_sampler smp;
         td_sampling sp = {0};
         kn_sampler_init(&smp, &sp, hp->n_vocab);
-        expect_tok = kn_sample(&smp, logits, prompt, n_tok);
+        expect_tok = kn_sample(&smp, logits, prompt, n_tok, 0);
         kn_sampler_fini(&smp);
     }
 
