@@ -83,6 +83,13 @@ int rt_error_set(rt_error *e, int status, const char *param, const char *code, c
     return status;
 }
 
+int rt_error_own_param(rt_error *e, const char *name)
+{
+    snprintf(e->param_own, sizeof e->param_own, "%s", name);
+    e->param = e->param_own;
+    return e->status;
+}
+
 char *rt_error_json(const rt_error *e)
 {
     /* fuzz_openai found: a message cut inside a UTF-8 sequence (jansson's error text quotes
