@@ -252,8 +252,7 @@ static int check_model(const rt_model *r, json_t *o, rt_error *e)
     if (absent(v)) return 0;
     if (!json_is_string(v)) return bad(e, "model", "'%s' must be a string%s", "");
     const char *m = json_string_value(v);
-    size_t ml = strlen(r->name);
-    if (!strcmp(m, r->name) || (!strncmp(m, r->name, ml) && !strcmp(m + ml, ".gguf"))) return 0;
+    if (rt_openai_model_is(r, m)) return 0;
     return rt_error_set(e, 404, "model", "model_not_found", "The model '%.200s' does not exist", m);
 }
 
@@ -474,11 +473,30 @@ int rt_openai_parse(const rt_model *r, rt_endpoint ep, const char *body, size_t 
     return rc;
 }
 
+bool rt_openai_model_is(const rt_model *r, const char *id)
+{
+    size_t ml = strlen(r->name);
+    return !strcmp(id, r->name) || (!strncmp(id, r->name, ml) && !strcmp(id + ml, ".gguf"));
+}
+
+static json_t *model_obj(const rt_model *r)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", r->name, "object", "model", "created",
+                     (json_int_t)0, "owned_by", "tandem", "max_model_len", (int)r->n_ctx);
+}
+
+char *rt_openai_model(const rt_model *r)
+{
+    json_t *o = model_obj(r);
+    if (!o) return NULL;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
 char *rt_openai_models(const rt_model *r)
 {
-    json_t *o = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
-                          r->name, "object", "model", "created", (json_int_t)0, "owned_by",
-                          "tandem", "max_model_len", (int)r->n_ctx);
+    json_t *o = json_pack("{s:s, s:[o]}", "object", "list", "data", model_obj(r));
     if (!o) return NULL;
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);

@@ -102,6 +102,17 @@ def run_model(args, model, name, prompts, chats, n_tok):
         ids = [m.id for m in client.models.list().data]
         check(len(ids) == 1, f"{name}: /v1/models lists one model ({ids})")
         mid = ids[0]
+        m = client.models.retrieve(mid)
+        check(m.id == mid and m.object == "model" and m.owned_by == "tandem",
+              f"{name}: /v1/models/{{id}} answers the model object ({m})")
+        try:
+            client.models.retrieve("no-such-model")
+            check(False, f"{name}: an unknown model id is 404")
+        except openai.NotFoundError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            check(e.status_code == 404 and body.get("code") == "model_not_found" and
+                  "no-such-model" in body.get("message", ""),
+                  f"{name}: an unknown model id is 404 model_not_found ({body})")
         for p in prompts:
             want = gen(args, model, p, n_tok)
             r = client.completions.create(model=mid, prompt=p, max_tokens=n_tok, temperature=0)
