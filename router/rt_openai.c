@@ -128,6 +128,12 @@ static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
     if (json_is_array(v) && json_array_size(v) == 1 &&
         (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
         v = json_array_get(v, 0); /* a batch of one */
+    if (json_is_array(v) && json_array_size(v) > 1 &&
+        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
+        return rt_error_set(e, 400, "prompt", "unsupported_parameter",
+                            "'prompt' holds %zu prompts: Tandem serves one prompt per request "
+                            "(a string, or an array of token ids); send one request per prompt",
+                            json_array_size(v));
     if (json_is_string(v))
         return tokenize(r, json_string_value(v), json_string_length(v), true, p, e);
     if (!json_is_array(v))

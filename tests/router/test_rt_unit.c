@@ -764,6 +764,7 @@ static void test_stream(void)
          "max_completion_tokens", 0, 0, 0},
         {"{\"prompt\": [1], \"stream_options\": {\"x\": 1}}", RT_EP_COMPLETIONS, 400,
          "stream_options", 0, 0, 0},
+        {"{\"prompt\": [\"a\", \"b\"]}", RT_EP_COMPLETIONS, 400, "prompt", 0, 0, 0},
         {"{\"prompt\": [1], \"user\": \"u-1\"}", RT_EP_COMPLETIONS, 0, NULL, 0, 0, 1.0f},
         {"{\"prompt\": [1], \"user\": 5}", RT_EP_COMPLETIONS, 400, "user", 0, 0, 0},
         {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": "
