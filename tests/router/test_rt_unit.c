@@ -765,6 +765,11 @@ static void test_stream(void)
         {"{\"prompt\": [1], \"stream_options\": {\"x\": 1}}", RT_EP_COMPLETIONS, 400,
          "stream_options", 0, 0, 0},
         {"{\"prompt\": [\"a\", \"b\"]}", RT_EP_COMPLETIONS, 400, "prompt", 0, 0, 0},
+        /* a cut inside a UTF-8 character drops it (the error JSON must stay valid) */
+        {"{\"prompt\": [1], "
+         "\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\\u00e9x\": 1}",
+         RT_EP_COMPLETIONS, 400, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+         0, 0, 0},
         {"{\"prompt\": [1], \"user\": \"u-1\"}", RT_EP_COMPLETIONS, 0, NULL, 0, 0, 1.0f},
         {"{\"prompt\": [1], \"user\": 5}", RT_EP_COMPLETIONS, 400, "user", 0, 0, 0},
         {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": "
@@ -785,6 +790,9 @@ static void test_stream(void)
         int st =
             rt_openai_parse(&r.model, pcases[i].ep, pcases[i].body, strlen(pcases[i].body), &p, &e);
         TH_CHECKF(st == pcases[i].status, "%s: status %d (%s)", pcases[i].body, st, e.message);
+        char *ej = st ? rt_error_json(&e) : NULL;
+        TH_CHECKF(!st || ej, "%s: the error has a JSON body", pcases[i].body);
+        free(ej);
         if (st)
             TH_CHECKF(e.param && !strcmp(e.param, pcases[i].param), "%s: param %s", pcases[i].body,
                       e.param ? e.param : "(none)");
