@@ -130,6 +130,8 @@ void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb)
     pb->repeat_last_n = s->repeat_last_n;
     pb->seed = s->seed;
     pb->skip_samples = s->skip_samples;
+    pb->presence_penalty = s->presence_penalty;
+    pb->frequency_penalty = s->frequency_penalty;
 }
 
 td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
@@ -142,7 +144,9 @@ td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
                          .repeat_penalty = pb->repeat_penalty,
                          .repeat_last_n = pb->repeat_last_n,
                          .seed = pb->seed,
-                         .skip_samples = pb->skip_samples};
+                         .skip_samples = pb->skip_samples,
+                         .presence_penalty = pb->presence_penalty,
+                         .frequency_penalty = pb->frequency_penalty};
 }
 
 /* n_prompt: the request's prompt tokens (skip_samples counts tokens among them). */
@@ -153,7 +157,8 @@ static int check_sampling(vctx *v, const Td__Sampling *s, size_t n_prompt)
         return bad(v, TD_EINVAL, "sampling: skip_samples %u of a %zu-token prompt", s->skip_samples,
                    n_prompt);
     if (!isfinite(s->temperature) || !isfinite(s->top_p) || !isfinite(s->min_p) ||
-        !isfinite(s->repeat_penalty))
+        !isfinite(s->repeat_penalty) || !isfinite(s->presence_penalty) ||
+        !isfinite(s->frequency_penalty))
         return bad(v, TD_EINVAL, "sampling: non-finite parameter");
     if (s->repeat_last_n < 0)
         return bad(v, TD_EINVAL, "sampling: negative repeat_last_n %d", s->repeat_last_n);

@@ -5,7 +5,7 @@
  * conversion); the prefill chain's wire format carries them to the last stage; the decode
  * scheduler and the last prefill stage hand them to kn_sampler_init unchanged.
  * Semantics (kernels/sampler.h applies them, in llama.cpp's order): repetition penalty ->
- * top-k -> top-p -> min-p -> temperature -> draw.
+ * presence and frequency penalties -> top-k -> top-p -> min-p -> temperature -> draw.
  */
 #ifndef TD_SAMPLING_H
 #define TD_SAMPLING_H
@@ -19,6 +19,10 @@ typedef struct {
     float min_p;           /* <= 0: off */
     float repeat_penalty;  /* 1 or 0: off; > 1 penalizes tokens in the recent history */
     int32_t repeat_last_n; /* history window for the penalty; 0: 64 */
+    /* OpenAI's penalties, over the tokens generated for this request only (as vLLM):
+     * logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0). 0: off */
+    float presence_penalty;
+    float frequency_penalty;
     uint64_t seed;
     /* Draws already made for this request elsewhere (a moved request, or the first token that
      * the last prefill stage sampled): kn_sampler_init advances the sampler past them, so a

@@ -11,6 +11,8 @@ typedef struct {
     int32_t *tokens; /* (cap) prompt then generated */
     int32_t n_tokens, cap;
     int32_t n_prompt;
+    int32_t out_from;   /* tokens[out_from..n_tokens): generated for the request (a moved
+                           request's earlier tokens end its prompt: sampling.skip_samples) */
     int32_t n_computed; /* tokens with KV in the pool */
     int32_t n_generated;
     int32_t max_tokens;
@@ -164,6 +166,11 @@ static int check_params(dc_sched *s, const dc_request_params *p)
                    (unsigned long long)p->id);
         return TD_EINVAL;
     }
+    if (p->sampling.skip_samples >= (uint32_t)p->n_prompt) {
+        TD_LOG_ERR("req %llu: skip_samples %u of a %d-token prompt", (unsigned long long)p->id,
+                   p->sampling.skip_samples, p->n_prompt);
+        return TD_EINVAL;
+    }
     if (find(s, p->id, NULL, NULL)) {
         TD_LOG_ERR("req %llu: id already in use", (unsigned long long)p->id);
         return TD_EINVAL;
@@ -214,6 +221,7 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof *r->tokens);
     if (p->n_stop) memcpy(r->stop_ids, p->stop_ids, (size_t)p->n_stop * sizeof *r->stop_ids);
     r->n_tokens = r->n_prompt = p->n_prompt;
+    r->out_from = p->n_prompt - (int32_t)p->sampling.skip_samples;
     r->n_stop = p->n_stop;
     r->max_tokens = p->max_tokens;
     r->ignore_eos = p->ignore_eos;
@@ -486,7 +494,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         r->chunk = 0;
         if (r->logit_row < 0) continue;
         int32_t id = kn_sample(&r->smp, logits + (size_t)r->logit_row * (size_t)n_vocab, r->tokens,
-                               r->n_tokens);
+                               r->n_tokens, r->n_tokens - r->out_from);
         r->logit_row = -1;
         if (id < 0) {
             TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id, td_strerror(id));

@@ -54,7 +54,9 @@ int kn_sampler_init(kn_sampler *s, const td_sampling *p, int32_t n_vocab)
     s->n_vocab = n_vocab;
     s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
     s->cand2 = malloc((size_t)n_vocab * sizeof *s->cand2);
-    if (!s->cand || !s->cand2) {
+    bool counts = s->p.presence_penalty != 0 || s->p.frequency_penalty != 0;
+    if (counts) s->count = calloc((size_t)n_vocab, sizeof *s->count);
+    if (!s->cand || !s->cand2 || (counts && !s->count)) {
         kn_sampler_fini(s);
         return TD_ENOMEM;
     }
@@ -70,7 +72,9 @@ void kn_sampler_fini(kn_sampler *s)
 {
     free(s->cand);
     free(s->cand2);
+    free(s->count);
     s->cand = s->cand2 = NULL;
+    s->count = NULL;
 }
 
 static int by_logit_desc(const void *a, const void *b)
@@ -156,28 +160,52 @@ static int32_t nucleus(struct kn_cand *c, int32_t k, struct kn_cand *out, double
     return m;
 }
 
-int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist)
+/* llama.cpp's repetition penalty: each distinct token of the last repeat_last_n once. */
+static void repeat_penalty(const td_sampling *p, struct kn_cand *c, int32_t n,
+                           const int32_t *history, int64_t n_hist)
+{
+    int64_t from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
+    for (int64_t i = from; i < n_hist; i++) {
+        int32_t id = history[i];
+        if (id < 0 || id >= n) continue;
+        bool seen = false;
+        for (int64_t j = from; j < i && !seen; j++)
+            seen = history[j] == id;
+        if (seen) continue;
+        float *l = &c[id].logit;
+        *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
+    }
+}
+
+/* OpenAI's presence and frequency penalties over out (n_out generated tokens), in O(n_out):
+ * count each id in the zeroed count array, then penalize and re-zero it at each id's first
+ * visit. */
+static void openai_penalties(const td_sampling *p, int32_t *count, struct kn_cand *c, int32_t n,
+                             const int32_t *out, int64_t n_out)
+{
+    for (int64_t i = 0; i < n_out; i++)
+        if (out[i] >= 0 && out[i] < n) count[out[i]]++;
+    for (int64_t i = 0; i < n_out; i++) {
+        int32_t id = out[i];
+        if (id < 0 || id >= n || !count[id]) continue;
+        c[id].logit -= p->frequency_penalty * (float)count[id] + p->presence_penalty;
+        count[id] = 0;
+    }
+}
+
+int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist,
+                  int64_t n_out)
 {
     const td_sampling *p = &s->p;
     int32_t n = s->n_vocab;
     struct kn_cand *c = s->cand;
+    if (n_out < 0 || n_out > n_hist || (n_out && !history)) return TD_EINVAL;
     for (int32_t i = 0; i < n; i++)
         c[i] = (struct kn_cand){.id = i, .logit = logits[i]};
 
-    if (p->repeat_penalty > 0 && p->repeat_penalty != 1.0f && history) {
-        int64_t from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
-        /* penalize each distinct token once, as llama.cpp does */
-        for (int64_t i = from; i < n_hist; i++) {
-            int32_t id = history[i];
-            if (id < 0 || id >= n) continue;
-            bool seen = false;
-            for (int64_t j = from; j < i && !seen; j++)
-                seen = history[j] == id;
-            if (seen) continue;
-            float *l = &c[id].logit;
-            *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
-        }
-    }
+    if (p->repeat_penalty > 0 && p->repeat_penalty != 1.0f && history)
+        repeat_penalty(p, c, n, history, n_hist);
+    if (s->count && n_out) openai_penalties(p, s->count, c, n, history + (n_hist - n_out), n_out);
     if (p->temperature <= 0) {
         int32_t best = 0;
         for (int32_t i = 1; i < n; i++)

@@ -1,9 +1,13 @@
 /* sampler.h: next-token sampling from logits.
  *
  * Purpose: the one sampler used by the CLI, the prefill last stage and decode rank 0.
- * Order (as llama.cpp's default chain): repetition penalty -> top-k -> top-p -> min-p ->
- * temperature -> draw. temperature <= 0 is greedy (argmax after the penalty; ties go to
- * the lowest id).
+ * Order (as llama.cpp's default chain): repetition penalty -> presence and frequency
+ * penalties -> top-k -> top-p -> min-p -> temperature -> draw. temperature <= 0 is greedy
+ * (argmax after the penalties; ties go to the lowest id).
+ * Penalties: repeat_penalty divides a positive logit (multiplies a negative one) of each
+ * distinct token among the last repeat_last_n of the history, prompt included (llama.cpp);
+ * presence and frequency penalties count only the request's generated tokens (OpenAI and
+ * vLLM): logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0).
  * Invariants: the same params, seed, logits and history give the same token, on every
  * machine (the RNG is a counter-free xoshiro256** seeded with splitmix64).
  * Threading: a kn_sampler belongs to one sequence and one thread.
@@ -22,15 +26,21 @@ typedef struct {
     uint64_t rng[4];
     struct kn_cand *cand;  /* (n_vocab) scratch */
     struct kn_cand *cand2; /* (n_vocab) scratch: the top-p nucleus */
+    int32_t *count;        /* (n_vocab) zeroed scratch for the presence and frequency
+                              penalties; NULL when both are 0 */
 } kn_sampler;
 
 /* Seeds the sampler from p and advances it past p->skip_samples draws (kn_sampler_skip). */
 int kn_sampler_init(kn_sampler *s, const td_sampling *p, int32_t n_vocab);
 void kn_sampler_fini(kn_sampler *s);
 
-/* Sample from logits (n_vocab). history (n_hist) are the sequence's previous tokens,
- * used by the repetition penalty. Returns the token id (>= 0) or a negative td_err. */
-int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist);
+/* Sample from logits (n_vocab). history (n_hist) are the sequence's previous tokens, used by
+ * the repetition penalty; its last n_out (0 <= n_out <= n_hist) are the tokens generated for
+ * this request so far (a moved request's included), which alone count for the presence and
+ * frequency penalties. Returns the token id (>= 0) or a negative td_err (TD_EINVAL for an
+ * n_out out of range). */
+int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist,
+                  int64_t n_out);
 
 /* Advance the sampler exactly as one successful kn_sample call does, without logits: a
  * token sampled elsewhere with the same params and seed (the last prefill stage samples

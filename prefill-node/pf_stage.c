@@ -540,11 +540,12 @@ static void sample_first_tokens(pf_stage *st, pf_batch *bt)
         off += g->t1 - g->t0;
         if (!(g->flags & PF_SEG_LAST)) continue;
         kn_sampler s;
-        /* a moved request's sampler skips the draws made before it moved */
+        /* a moved request's sampler skips the draws made before it moved, and its prompt
+         * ends with them: they are its generated tokens for the penalties */
         int rc = kn_sampler_init(&s, &g->sampling, st->n_vocab);
-        int32_t tok =
-            rc ? rc
-               : kn_sample(&s, st->logits + (size_t)li * (size_t)st->n_vocab, r->hist, r->n_prompt);
+        int32_t tok = rc ? rc
+                         : kn_sample(&s, st->logits + (size_t)li * (size_t)st->n_vocab, r->hist,
+                                     r->n_prompt, g->sampling.skip_samples);
         if (!rc) kn_sampler_fini(&s);
         li++;
         if (tok < 0)

@@ -7,7 +7,7 @@
 #include "td_err.h"
 
 #define HDR_BYTES 32
-#define SEG_BYTES 72 /* 68 used: 8-byte aligned records */
+#define SEG_BYTES 80 /* 76 used: 8-byte aligned records */
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -99,7 +99,9 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         put32(s + 52, (uint32_t)g->sampling.repeat_last_n);
         put64(s + 56, g->sampling.seed);
         put32(s + 64, g->sampling.skip_samples);
-        put32(s + 68, 0);
+        putf(s + 68, g->sampling.presence_penalty);
+        putf(s + 72, g->sampling.frequency_penalty);
+        put32(s + 76, 0);
     }
     if (rows) memcpy(b + HDR_BYTES + (size_t)n_segs * SEG_BYTES, ids, (size_t)rows * 4);
     return (int64_t)need;
@@ -149,6 +151,8 @@ int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, in
             g->sampling.repeat_last_n = (int32_t)get32(s + 52);
             g->sampling.seed = get64(s + 56);
             g->sampling.skip_samples = get32(s + 64);
+            g->sampling.presence_penalty = getf(s + 68);
+            g->sampling.frequency_penalty = getf(s + 72);
             if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
                 g->sampling.skip_samples >= g->n_prompt || g->n_dst > PF_MAX_TARGETS ||
                 (g->flags & ~7u) || !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||

@@ -25,7 +25,7 @@
 #include "td_sampling.h"
 
 #define PF_WIRE_MAGIC   0x46504454u /* "TDPF" */
-#define PF_WIRE_VERSION 2u
+#define PF_WIRE_VERSION 3u
 #define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
 #define PF_MAX_TARGETS  64 /* decode ranks of one request */
 

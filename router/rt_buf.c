@@ -83,6 +83,22 @@ int rt_error_set(rt_error *e, int status, const char *param, const char *code, c
     return status;
 }
 
+int rt_error_own_param(rt_error *e, const char *name)
+{
+    /* fuzz_openai found: a long key cut inside a UTF-8 sequence made the error JSON invalid
+     * (tests/fuzz/regress/openai-error-param-utf8): a cut drops the partial character */
+    size_t n = strlen(name), cap = sizeof e->param_own - 1;
+    if (n > cap) {
+        n = cap;
+        while (n > 0 && ((unsigned char)name[n] & 0xc0) == 0x80) /* name[n]: the first byte cut */
+            n--;
+    }
+    memcpy(e->param_own, name, n);
+    e->param_own[n] = 0;
+    e->param = e->param_own;
+    return e->status;
+}
+
 char *rt_error_json(const rt_error *e)
 {
     /* fuzz_openai found: a message cut inside a UTF-8 sequence (jansson's error text quotes

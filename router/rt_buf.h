@@ -28,14 +28,18 @@ void rt_buf_free(rt_buf *b);
 typedef struct {
     int status; /* HTTP status: 400, 401, 404, 405, 413, 429, 500, 503, 504 */
     char message[512];
-    const char *type;  /* "invalid_request_error", ... */
-    const char *param; /* the offending field or NULL */
-    const char *code;  /* a machine-readable code or NULL */
+    const char *type;   /* "invalid_request_error", ... */
+    const char *param;  /* the offending field or NULL: static, or param_own */
+    const char *code;   /* a machine-readable code or NULL */
+    char param_own[64]; /* a field name taken from the request (rt_error_own_param) */
 } rt_error;
 
 /* Fill e and return e->status. type NULL: derived from the status. */
 int rt_error_set(rt_error *e, int status, const char *param, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
+/* Point e->param at a copy of name (cut at 63 bytes): for a name that lives in the request,
+ * which is freed before the error is written. Returns e->status. */
+int rt_error_own_param(rt_error *e, const char *name);
 /* {"error": {...}} as a malloc'd NUL-terminated string (NULL on allocation failure). */
 char *rt_error_json(const rt_error *e);
 

@@ -47,6 +47,7 @@ typedef struct {
     rt_error err; /* err.status != 0: answer this once the body is read */
     rt_buf body;  /* (<= r->max_body) */
     bool too_large;
+    bool one_model;     /* K_MODELS: GET /v1/models/{id} of the served model */
     uint64_t client;    /* fairness key (rt_client_key) */
     int64_t timeout_ms; /* X-Tandem-Timeout-Ms, 0: not given */
     rt_req *q;          /* after the hand-off */
@@ -290,6 +291,18 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
         }
         break;
     }
+    if (c->kind == K_NONE && !strncmp(url, "/v1/models/", 11)) {
+        c->kind = K_MODELS;
+        if (strcmp(method, "GET") && !head) {
+            rt_error_set(&c->err, 405, NULL, "method_not_allowed",
+                         "%s is not allowed on %.200s (use GET)", method, url);
+            return;
+        }
+        c->one_model = rt_openai_model_is(&r->model, url + 11);
+        if (!c->one_model)
+            rt_error_set(&c->err, 404, "model", "model_not_found",
+                         "The model '%.200s' does not exist", url + 11);
+    }
     if (c->kind == K_NONE) {
         rt_error_set(&c->err, 404, NULL, "not_found", "no such endpoint: %s %.200s", method, url);
         return;
@@ -315,7 +328,7 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
     enum MHD_Result ok;
     switch (kind) {
     case K_MODELS:
-        s = rt_openai_models(&r->model);
+        s = c->one_model ? rt_openai_model(&r->model) : rt_openai_models(&r->model);
         if (!s) break;
         ok = respond(r, conn, kind, 200, s, strlen(s), "application/json");
         free(s);

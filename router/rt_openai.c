@@ -128,6 +128,12 @@ static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
     if (json_is_array(v) && json_array_size(v) == 1 &&
         (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
         v = json_array_get(v, 0); /* a batch of one */
+    if (json_is_array(v) && json_array_size(v) > 1 &&
+        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
+        return rt_error_set(e, 400, "prompt", "unsupported_parameter",
+                            "'prompt' holds %zu prompts: Tandem serves one prompt per request "
+                            "(a string, or an array of token ids); send one request per prompt",
+                            json_array_size(v));
     if (json_is_string(v))
         return tokenize(r, json_string_value(v), json_string_length(v), true, p, e);
     if (!json_is_array(v))
@@ -153,6 +159,23 @@ static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
     return 0;
 }
 
+/* A message carries role and content; an empty tool_calls asks for nothing. Any other field
+ * (name, tool_calls, tool_call_id, ...) would be dropped by the template, so it is refused. */
+static int message_fields(json_t *m, size_t i, rt_error *e)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach(m, key, v)
+    {
+        if (!strcmp(key, "role") || !strcmp(key, "content")) continue;
+        if (!strcmp(key, "tool_calls") && (absent(v) || (json_is_array(v) && !json_array_size(v))))
+            continue;
+        return rt_error_set(e, 400, "messages", "unsupported_parameter",
+                            "messages[%zu].%.100s is not supported by Tandem", i, key);
+    }
+    return 0;
+}
+
 static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
     json_t *v = json_object_get(o, "messages");
@@ -172,6 +195,7 @@ static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *
                               "messages[%zu] must be an object with a string 'role'", i);
             break;
         }
+        if ((rc = message_fields(m, i, e))) break;
         const char *rs = json_string_value(role);
         if (!strcmp(rs, "developer")) rs = "system";
         if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant")) {
@@ -234,9 +258,74 @@ static int check_model(const rt_model *r, json_t *o, rt_error *e)
     if (absent(v)) return 0;
     if (!json_is_string(v)) return bad(e, "model", "'%s' must be a string%s", "");
     const char *m = json_string_value(v);
-    size_t ml = strlen(r->name);
-    if (!strcmp(m, r->name) || (!strncmp(m, r->name, ml) && !strcmp(m + ml, ".gguf"))) return 0;
+    if (rt_openai_model_is(r, m)) return 0;
     return rt_error_set(e, 404, "model", "model_not_found", "The model '%.200s' does not exist", m);
+}
+
+/* Every top-level field a request may carry, and on which endpoint. A field not listed is
+ * refused with a 400 that names it: nothing is accepted and then ignored. Listed fields that
+ * Tandem implements only in part are checked by unsupported() below. */
+enum { EP_C = 1 << RT_EP_COMPLETIONS, EP_CH = 1 << RT_EP_CHAT, EP_ALL = EP_C | EP_CH };
+static const struct {
+    const char *key;
+    int eps;
+} known[] = {
+    {"model", EP_ALL},
+    {"prompt", EP_C},
+    {"messages", EP_CH},
+    {"stream", EP_ALL},
+    {"stream_options", EP_ALL},
+    {"max_tokens", EP_ALL},
+    {"max_completion_tokens", EP_CH},
+    {"temperature", EP_ALL},
+    {"top_p", EP_ALL},
+    {"top_k", EP_ALL},
+    {"min_p", EP_ALL},
+    {"repetition_penalty", EP_ALL},
+    {"presence_penalty", EP_ALL},
+    {"frequency_penalty", EP_ALL},
+    {"seed", EP_ALL},
+    {"stop", EP_ALL},
+    {"ignore_eos", EP_ALL},
+    {"migrate", EP_ALL},
+    {"timeout", EP_ALL},
+    {"user", EP_ALL}, /* an end-user id for the caller's own monitoring: no effect, as OpenAI */
+    /* the ones below are accepted only with the value that asks for nothing (unsupported) */
+    {"n", EP_ALL},
+    {"best_of", EP_C},
+    {"echo", EP_C},
+    {"suffix", EP_C},
+    {"logprobs", EP_ALL},
+    {"top_logprobs", EP_ALL},
+    {"logit_bias", EP_ALL},
+    {"response_format", EP_ALL},
+    {"tools", EP_CH},
+    {"tool_choice", EP_CH},
+};
+
+static int unknown_fields(json_t *o, rt_endpoint ep, rt_error *e)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v)
+    {
+        size_t i = 0, n = sizeof known / sizeof known[0];
+        while (i < n && strcmp(known[i].key, key))
+            i++;
+        if (i < n && (known[i].eps & (1 << ep))) continue;
+        rt_error_set(
+            e, 400, NULL, "unsupported_parameter", "'%.100s' is not supported by Tandem%s", key,
+            i < n ? (ep == RT_EP_CHAT ? " in /v1/chat/completions" : " in /v1/completions") : "");
+        return rt_error_own_param(e, key);
+    }
+    json_t *so = json_object_get(o, "stream_options");
+    if (json_is_object(so)) json_object_foreach(so, key, v)
+        {
+            if (strcmp(key, "include_usage"))
+                return rt_error_set(e, 400, "stream_options", "unsupported_parameter",
+                                    "'stream_options.%.100s' is not supported by Tandem", key);
+        }
+    return 0;
 }
 
 static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
@@ -244,10 +333,11 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     json_t *v;
     long long n = 1;
     int rc;
+    if ((rc = unknown_fields(o, ep, e))) return rc;
     if ((rc = get_int(o, "n", 1, 1 << 20, &n, e))) return rc;
     if (n != 1) return rt_error_set(e, 400, "n", NULL, "only n = 1 is supported, got %lld", n);
     if ((rc = get_int(o, "best_of", 1, 1, &n, e))) return rc;
-    if ((v = json_object_get(o, "echo")) && json_is_true(v))
+    if ((v = json_object_get(o, "echo")) && !absent(v) && !json_is_false(v))
         return rt_error_set(e, 400, "echo", NULL, "'echo' is not supported");
     v = json_object_get(o, "logprobs");
     if (!absent(v) && !json_is_false(v))
@@ -260,6 +350,12 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     v = json_object_get(o, "tools");
     if (!absent(v) && !(json_is_array(v) && json_array_size(v) == 0))
         return rt_error_set(e, 400, "tools", NULL, "'tools' is not supported");
+    /* without tools, "none" and "auto" both mean plain text: nothing is left undone */
+    v = json_object_get(o, "tool_choice");
+    if (!absent(v) && !(json_is_string(v) && (!strcmp(json_string_value(v), "none") ||
+                                              !strcmp(json_string_value(v), "auto"))))
+        return rt_error_set(e, 400, "tool_choice", NULL,
+                            "'tool_choice' must be \"none\" or \"auto\": tools are not supported");
     v = json_object_get(o, "logit_bias");
     if (!absent(v) && !(json_is_object(v) && json_object_size(v) == 0))
         return rt_error_set(e, 400, "logit_bias", NULL, "'logit_bias' is not supported");
@@ -270,6 +366,8 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
             return rt_error_set(e, 400, "response_format", NULL,
                                 "only response_format {\"type\": \"text\"} is supported");
     }
+    v = json_object_get(o, "user");
+    if (!absent(v) && !json_is_string(v)) return bad(e, "user", "'%s' must be a string%s", "");
     return 0;
 }
 
@@ -278,7 +376,7 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     int rc;
     const td_cfg_router *rc_cfg = r->limits;
     if ((rc = check_model(r, o, e)) || (rc = unsupported(o, ep, e))) return rc;
-    double temperature = 1.0, top_p = 1.0, min_p = 0.0, rep = 1.0, ignored = 0, timeout = 0;
+    double temperature = 1.0, top_p = 1.0, min_p = 0.0, rep = 1.0, pres = 0, freq = 0, timeout = 0;
     bool migrate = true; /* a Tandem extension: false ends the stream if its instance dies */
     long long top_k = -1, seed = -1, max_tokens = -1, mct = -1;
     bool seeded = json_object_get(o, "seed") && !json_is_null(json_object_get(o, "seed"));
@@ -286,8 +384,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
         (rc = get_number(o, "top_p", 0, 1, &top_p, e)) ||
         (rc = get_number(o, "min_p", 0, 1, &min_p, e)) ||
         (rc = get_number(o, "repetition_penalty", 0.01, 10, &rep, e)) ||
-        (rc = get_number(o, "presence_penalty", -2, 2, &ignored, e)) ||
-        (rc = get_number(o, "frequency_penalty", -2, 2, &ignored, e)) ||
+        (rc = get_number(o, "presence_penalty", -2, 2, &pres, e)) ||
+        (rc = get_number(o, "frequency_penalty", -2, 2, &freq, e)) ||
         (rc = get_int(o, "top_k", -1, 1 << 30, &top_k, e)) ||
         (rc = get_int(o, "seed", INT64_MIN, INT64_MAX, &seed, e)) ||
         (rc = get_int(o, "max_tokens", 1, rc_cfg->max_tokens, &max_tokens, e)) ||
@@ -348,6 +446,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     sp->min_p = (float)min_p;
     sp->top_k = top_k < 0 ? 0 : (int32_t)top_k;
     sp->repeat_penalty = (float)rep;
+    sp->presence_penalty = (float)pres;
+    sp->frequency_penalty = (float)freq;
     if (seeded)
         sp->seed = (uint64_t)seed;
     else {
@@ -379,11 +479,30 @@ int rt_openai_parse(const rt_model *r, rt_endpoint ep, const char *body, size_t 
     return rc;
 }
 
+bool rt_openai_model_is(const rt_model *r, const char *id)
+{
+    size_t ml = strlen(r->name);
+    return !strcmp(id, r->name) || (!strncmp(id, r->name, ml) && !strcmp(id + ml, ".gguf"));
+}
+
+static json_t *model_obj(const rt_model *r)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", r->name, "object", "model", "created",
+                     (json_int_t)0, "owned_by", "tandem", "max_model_len", (int)r->n_ctx);
+}
+
+char *rt_openai_model(const rt_model *r)
+{
+    json_t *o = model_obj(r);
+    if (!o) return NULL;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
 char *rt_openai_models(const rt_model *r)
 {
-    json_t *o = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
-                          r->name, "object", "model", "created", (json_int_t)0, "owned_by",
-                          "tandem", "max_model_len", (int)r->n_ctx);
+    json_t *o = json_pack("{s:s, s:[o]}", "object", "list", "data", model_obj(r));
     if (!o) return NULL;
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);

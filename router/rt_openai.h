@@ -64,5 +64,9 @@ int rt_openai_parse(const rt_model *m, rt_endpoint ep, const char *body, size_t 
 
 /* /v1/models body (malloc'd). */
 char *rt_openai_models(const rt_model *m);
+/* GET /v1/models/{id}: true when id names the served model (its name, or with .gguf). */
+bool rt_openai_model_is(const rt_model *m, const char *id);
+/* GET /v1/models/{id} of the served model: the model object, malloc'd JSON (NULL: no memory). */
+char *rt_openai_model(const rt_model *m);
 
 #endif

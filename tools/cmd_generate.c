@@ -15,7 +15,8 @@ static void usage(void)
         stderr,
         "usage: tandem generate --model PATH (--prompt TEXT | --chat TEXT | --prompt-ids IDS)\n"
         "         --max-tokens N [--temperature T] [--top-p P] [--top-k K] [--min-p P]\n"
-        "         [--repeat-penalty R] [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
+        "         [--repeat-penalty R] [--presence-penalty P] [--frequency-penalty F]\n"
+        "         [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
         "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda]\n"
         "  --prompt TEXT      raw text, tokenized as llama.cpp does (BOS if the model says so)\n"
         "  --chat TEXT        one user message rendered with the model's chat template\n"
@@ -69,6 +70,10 @@ static int parse_args(int argc, char **argv, gen_args *a)
             rc = cli_parse_float(f, v, &a->sp.min_p);
         else if (!strcmp(f, "--repeat-penalty"))
             rc = cli_parse_float(f, v, &a->sp.repeat_penalty);
+        else if (!strcmp(f, "--presence-penalty"))
+            rc = cli_parse_float(f, v, &a->sp.presence_penalty);
+        else if (!strcmp(f, "--frequency-penalty"))
+            rc = cli_parse_float(f, v, &a->sp.frequency_penalty);
         else if (!strcmp(f, "--seed")) {
             rc = cli_parse_u64(f, v, &a->sp.seed);
             a->seed_set = true;
@@ -221,7 +226,7 @@ int cmd_generate(int argc, char **argv)
     int64_t len = n;
     bool first = true;
     for (int t = 0; t < a.max_tokens; t++) {
-        int32_t id = kn_sample(&smp, logits, hist, len);
+        int32_t id = kn_sample(&smp, logits, hist, len, len - n);
         if (id < 0) {
             rc = id;
             goto out;

@@ -15,6 +15,9 @@ instance, the decode instance prefills), on the synthetic model or --model. Case
               Measured: kill -> next token (the migration time).
   seeded      the same sampled (temperature 0.9, seed 11): the text equals the
               uninterrupted seeded run's (the sampler skips the draws made before the move)
+  penalized   greedy with frequency_penalty 1.5 and presence_penalty 0.5, killed the same way:
+              the text equals the uninterrupted penalized run's, which differs from the plain
+              greedy one (the tokens generated before the move keep counting)
   nonstream   the same without streaming: kill -9 while it generates; the JSON answer equals
               the reference
   opt-out     "migrate": false, killed the same way: an SSE error event and [DONE] within
@@ -199,6 +202,25 @@ def case_seeded(cl, args, base, ref, ref_text, figures):
           "restarted and serving again")
 
 
+def case_penalized(cl, args, base, ref, ref_text, figures):
+    """Presence and frequency penalties across a move: the new instance counts the tokens
+    generated before it (they end the resumed prompt, Sampling.skip_samples of them)."""
+    body = dict(base, stream=True, frequency_penalty=1.5, presence_penalty=0.5)
+    pref = Stream(cl.host, cl.port, body, args.deadline).start().join()
+    again = Stream(cl.host, cl.port, body, args.deadline).start().join()
+    check(pref.done and again.done and pref.text == again.text and pref.text != ref.text,
+          "penalized reference: two runs agree and differ from the plain greedy one")
+    s = Stream(cl.host, cl.port, body, args.deadline).start()
+    check(wait_tokens(s, args.kill_after, 60), "penalized: tokens before the kill")
+    old, _ = kill(cl, "decode-d0-0")
+    s.join()
+    check(s.done and not s.error and s.text == pref.text,
+          f"penalized stream killed mid-way: the text equals the uninterrupted penalized run "
+          f"(ended {s.ended}, error {s.error}, {len(s.text)} vs {len(pref.text)} chars)")
+    check(cl.wait_restarted("decode-d0-0", old, 60) is not None and wait_serving(cl, 60),
+          "restarted and serving again")
+
+
 def case_nonstream(cl, args, base, ref, ref_text, figures):
     """Not streamed: killed mid-way, the answer is still whole."""
     res = {}
@@ -261,7 +283,8 @@ def case_prefill(cl, args, base, ref, ref_text, figures):
     check(cl.wait_restarted("prefill-p0-0", old, 60) is not None, "prefill restarted")
 
 
-CASES = {"decode": case_decode, "seeded": case_seeded, "nonstream": case_nonstream,
+CASES = {"decode": case_decode, "seeded": case_seeded, "penalized": case_penalized,
+         "nonstream": case_nonstream,
          "optout": case_optout, "prefill": case_prefill}
 
 
@@ -280,7 +303,7 @@ def main():
     ap.add_argument("--asan", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--cases", default="decode,seeded,nonstream,optout,prefill")
+    ap.add_argument("--cases", default="decode,seeded,penalized,nonstream,optout,prefill")
     args = ap.parse_args()
     args.model = args.model or os.path.join(args.synth_dir, "llama.gguf")
     env_extra = {}

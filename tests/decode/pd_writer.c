@@ -234,7 +234,7 @@ int main(int argc, char **argv)
     kn_sampler smp;
     int32_t first = -1;
     if (!rc && !(rc = kn_sampler_init(&smp, &o.sp, m->hp.n_vocab))) {
-        first = kn_sample(&smp, logits, ids, n_prompt);
+        first = kn_sample(&smp, logits, ids, n_prompt, o.sp.skip_samples);
         kn_sampler_fini(&smp);
     }
     printf("FIRST %d\n", first);

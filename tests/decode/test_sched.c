@@ -388,7 +388,7 @@ static int32_t fake_prefill(kn_kv_pool *kv, int i, const int32_t *blocks, int n_
     dc_request_params p = params_of(i);
     kn_sampler smp;
     if ((rc = kn_sampler_init(&smp, &p.sampling, model->hp.n_vocab))) return rc;
-    int32_t first = kn_sample(&smp, logits_buf, specs[i].prompt, n);
+    int32_t first = kn_sample(&smp, logits_buf, specs[i].prompt, n, p.sampling.skip_samples);
     kn_sampler_fini(&smp);
     return first;
 }

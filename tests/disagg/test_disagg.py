@@ -24,6 +24,7 @@ usage: test_disagg.py --router BIN --prefill BIN --decode BIN --tandem BIN --syn
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -63,6 +64,23 @@ def equal_outputs(c, args, model, prompts, label, n=16):
               + ("" if got == w else f" (status {st}: {str(body)[:300]!r} vs {w!r})"))
 
 
+def penalized_output(c, args, model, prompt, label, n=24):
+    """frequency/presence penalties through the disaggregated path: the text equals
+    `tandem generate` with the same penalties, and differs from plain greedy."""
+    flags = ["--frequency-penalty", "1.5", "--presence-penalty", "0.5"]
+    r = subprocess.run([args.tandem, "generate", "--model", model, "--prompt", prompt,
+                        "--max-tokens", str(n), "--temperature", "0", "--threads", "1",
+                        "--ignore-eos"] + flags, capture_output=True, timeout=300)
+    want = r.stdout.decode("utf-8", errors="replace").removesuffix("\n")
+    st, body = c.complete(prompt, n, frequency_penalty=1.5, presence_penalty=0.5,
+                          ignore_eos=True)
+    got = body.get("choices", [{}])[0].get("text") if st == 200 else None
+    st0, body0 = c.complete(prompt, n, ignore_eos=True)
+    plain = body0.get("choices", [{}])[0].get("text") if st0 == 200 else None
+    check(r.returncode == 0 and st == 200 and got == want and got != plain,
+          f"{label}: penalties: equal to generate with them, unlike plain greedy (status {st})")
+
+
 def idle(c, label):
     ok, hs = c.wait_idle()
     check(ok, f"{label}: every instance idle, no KV block held: {hs}")
@@ -75,6 +93,7 @@ def case_synth(args):
         for tp in (1, 2):
             with Cluster(args, model, [{"pp": pp, "chunk": 64}], [{"tp": tp}]) as c:
                 equal_outputs(c, args, model, prompts, f"synth pp{pp} tp{tp}")
+                penalized_output(c, args, model, prompts[1], f"synth pp{pp} tp{tp}")
                 idle(c, f"synth pp{pp} tp{tp}")
                 codes = c.stop()
                 check(all(v == 0 for v in codes.values()),
@@ -92,6 +111,7 @@ def case_default(args):
     for pp, tp in ((2, 1), (2, 3)):
         with Cluster(args, args.model, [{"pp": pp, "chunk": 128}], [{"tp": tp}]) as c:
             equal_outputs(c, args, args.model, prompts, f"default pp{pp} tp{tp}", n=24)
+            penalized_output(c, args, args.model, prompts[0], f"default pp{pp} tp{tp}")
             idle(c, f"default pp{pp} tp{tp}")
 
 

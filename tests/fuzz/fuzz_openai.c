@@ -64,7 +64,8 @@ static void check_ok(const rt_model *r, rt_endpoint ep, const rt_params *p)
     if (!(sp->temperature >= 0 && sp->temperature <= 2) || !(sp->top_p >= 0 && sp->top_p <= 1) ||
         !(sp->min_p >= 0 && sp->min_p <= 1) ||
         !(sp->repeat_penalty > 0 && sp->repeat_penalty <= 10) || sp->top_k < 0 ||
-        sp->skip_samples != 0)
+        !(sp->presence_penalty >= -2 && sp->presence_penalty <= 2) ||
+        !(sp->frequency_penalty >= -2 && sp->frequency_penalty <= 2) || sp->skip_samples != 0)
         abort();
     if (p->n_stop < 0 || p->n_stop > RT_MAX_STOP) abort();
     for (int i = 0; i < p->n_stop; i++)

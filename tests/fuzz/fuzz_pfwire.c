@@ -106,6 +106,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                         (dead ? PF_SEG_DEAD : 0);
         segs[n].sampling.seed = (uint64_t)r[5] << 40 | r[4];
         segs[n].sampling.skip_samples = r[2] % segs[n].n_prompt; /* < n_prompt */
+        segs[n].sampling.presence_penalty = (float)(r[3] >> 1) / 32 - 2;
+        segs[n].sampling.frequency_penalty = (float)r[5] / 64 - 2;
         for (uint32_t k = 0; !dead && k < l; k++)
             ids[rows + k] = (int32_t)(r[4] * 31 + k);
         if (!dead) rows += l;
@@ -122,7 +124,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int i = 0; i < n; i++)
         if (m.segs[i].req_id != segs[i].req_id || m.segs[i].t1 != segs[i].t1 ||
             m.segs[i].flags != segs[i].flags || m.segs[i].sampling.seed != segs[i].sampling.seed ||
-            m.segs[i].sampling.skip_samples != segs[i].sampling.skip_samples)
+            m.segs[i].sampling.skip_samples != segs[i].sampling.skip_samples ||
+            m.segs[i].sampling.presence_penalty != segs[i].sampling.presence_penalty ||
+            m.segs[i].sampling.frequency_penalty != segs[i].sampling.frequency_penalty)
             abort();
     pf_msg_fini(&m);
     /* the rest of the input: (offset u16, xor u8) flips, and maybe a truncation */

@@ -11,7 +11,7 @@
 
 static int32_t draw(kn_sampler *s, const float *logits)
 {
-    return kn_sample(s, logits, NULL, 0);
+    return kn_sample(s, logits, NULL, 0, 0);
 }
 
 static void test_greedy(void)
@@ -111,9 +111,83 @@ static void test_repetition_penalty(void)
     TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
     float l[V] = {2.0f, 1.5f, 0.0f, -1.0f, 0.0f, 0.0f};
     int32_t hist[] = {0, 0, 0};
-    TH_CHECK(kn_sample(&s, l, hist, 3) == 1); /* 2.0 / 2 = 1.0 < 1.5 */
-    int32_t old[] = {0, 3, 3, 3, 3};          /* token 0 fell out of the window */
-    TH_CHECK(kn_sample(&s, l, old, 5) == 0);
+    TH_CHECK(kn_sample(&s, l, hist, 3, 0) == 1); /* 2.0 / 2 = 1.0 < 1.5 */
+    int32_t old[] = {0, 3, 3, 3, 3};             /* token 0 fell out of the window */
+    TH_CHECK(kn_sample(&s, l, old, 5, 0) == 0);
+    kn_sampler_fini(&s);
+}
+
+/* Greedy over {logit of token 0 after the penalties, x}: 0 on a tie (lowest id), 1 when x is
+ * above. Probing x at the exact expected value and one ulp-ish step above pins the arithmetic. */
+static int32_t probe(const td_sampling *p, float l0, float x, const int32_t *hist, int64_t n_hist,
+                     int64_t n_out)
+{
+    kn_sampler s;
+    if (kn_sampler_init(&s, p, V)) return -1000;
+    float l[V] = {l0, x, -100.0f, -100.0f, -100.0f, -100.0f};
+    int32_t id = kn_sample(&s, l, hist, n_hist, n_out);
+    kn_sampler_fini(&s);
+    return id;
+}
+
+/* OpenAI's penalties: logit[t] -= frequency * count(t) + presence * (count(t) > 0), counted over
+ * the last n_out tokens of the history only (the generated ones), exact in float here. */
+static void test_presence_frequency_penalties(void)
+{
+    const float up = 1.0f / 1024; /* exact in float near these values */
+    td_sampling p = {.temperature = 0, .frequency_penalty = 0.5f, .presence_penalty = 0.25f};
+    /* prompt {0, 0}, then generated {0, 0, 0, 2}: token 0 counts 3, not 5 */
+    int32_t hist[] = {0, 0, 0, 0, 0, 2};
+    TH_CHECK(probe(&p, 10.0f, 8.25f, hist, 6, 4) == 0);      /* 10 - 1.5 - 0.25 = 8.25: tie */
+    TH_CHECK(probe(&p, 10.0f, 8.25f + up, hist, 6, 4) == 1); /* just above */
+    /* token 1 (the probe) appears once among the generated too:
+     * 10 - 1.75 = 8.25 against 9 - 0.75 = 8.25, a tie (token 0) */
+    int32_t hist1[] = {0, 0, 0, 1};
+    TH_CHECK(probe(&p, 10.0f, 9.0f, hist1, 4, 4) == 0);
+    TH_CHECK(probe(&p, 10.0f, 9.0f + up, hist1, 4, 4) == 1);
+    /* no generated tokens (the first token): no penalty, whatever the prompt holds */
+    TH_CHECK(probe(&p, 10.0f, 10.0f - up, hist, 6, 0) == 0);
+    /* only presence: once per distinct token, whatever the count */
+    td_sampling pp = {.temperature = 0, .presence_penalty = 1.5f};
+    TH_CHECK(probe(&pp, 10.0f, 8.5f, hist, 6, 4) == 0);
+    TH_CHECK(probe(&pp, 10.0f, 8.5f + up, hist, 6, 4) == 1);
+    /* negative penalties favour repetition */
+    td_sampling neg = {.temperature = 0, .frequency_penalty = -2.0f};
+    int32_t h1[] = {1, 1};
+    TH_CHECK(probe(&neg, 10.0f, 6.0f + up, h1, 2, 2) == 1); /* 6 + 4 > 10 */
+    TH_CHECK(probe(&neg, 10.0f, 6.0f, h1, 2, 2) == 0);      /* 6 + 4 == 10: tie */
+    /* with the repetition penalty first (llama.cpp's and vLLM's order): 10 / 2 - 0.5 * 3 */
+    td_sampling both = {.temperature = 0, .repeat_penalty = 2.0f, .frequency_penalty = 0.5f};
+    TH_CHECK(probe(&both, 10.0f, 3.5f, hist, 6, 4) == 0);
+    TH_CHECK(probe(&both, 10.0f, 3.5f + up, hist, 6, 4) == 1);
+    /* n_out outside [0, n_hist] is a caller bug, refused */
+    kn_sampler s;
+    TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
+    float l[V] = {0};
+    TH_CHECK(kn_sample(&s, l, hist, 6, 7) == TD_EINVAL);
+    TH_CHECK(kn_sample(&s, l, hist, 6, -1) == TD_EINVAL);
+    kn_sampler_fini(&s);
+}
+
+/* With temperature 1 the penalty shifts the odds by exactly exp(-penalty). */
+static void test_penalty_distribution(void)
+{
+    kn_sampler s;
+    td_sampling p = {
+        .temperature = 1.0f, .frequency_penalty = 0.5f, .presence_penalty = 0.193147f, .seed = 5};
+    TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
+    /* token 0 generated twice: its logit falls by 1 + 0.193 = ln 2 + 0.5; equal logits for 0
+     * and 1 otherwise, so p0 / p1 = exp(-(1.193147)) = 0.3033 */
+    float l[V] = {0.0f, 0.0f, -100.0f, -100.0f, -100.0f, -100.0f};
+    int32_t hist[] = {0, 0};
+    int c[V] = {0}, n = 20000;
+    for (int i = 0; i < n; i++) {
+        int32_t id = kn_sample(&s, l, hist, 2, 2);
+        TH_REQUIRE(id >= 0 && id < V);
+        c[id]++;
+    }
+    double r = c[0] / (double)c[1];
+    TH_CHECKF(fabs(r - exp(-1.193147)) < 0.03, "p0/p1 %g, expected %g", r, exp(-1.193147));
     kn_sampler_fini(&s);
 }
 
@@ -140,6 +214,7 @@ static void test_skip_equals_one_sample(void)
         {.temperature = 1.0f, .top_p = 0.7f, .seed = 13},
         {.temperature = 1.0f, .top_k = 4, .top_p = 0.9f, .min_p = 0.05f, .seed = 14},
         {.temperature = 1.3f, .repeat_penalty = 1.5f, .repeat_last_n = 3, .seed = 15},
+        {.temperature = 1.1f, .presence_penalty = 0.7f, .frequency_penalty = 0.4f, .seed = 16},
     };
     float first[V] = {0.3f, 1.0f, 0.2f, 0.9f, -0.5f, 0.8f};
     for (size_t k = 0; k < sizeof ps / sizeof ps[0]; k++) {
@@ -148,15 +223,16 @@ static void test_skip_equals_one_sample(void)
                    kn_sampler_init(&fresh, &ps[k], V) == 0);
         int32_t hist[64] = {1, 2, 3};
         int64_t n = 3;
-        TH_CHECK(kn_sample(&a, first, hist, n) >= 0);
+        TH_CHECK(kn_sample(&a, first, hist, n, 0) >= 0);
         kn_sampler_skip(&b);
         int differ_fresh = 0;
         for (int i = 0; i < 40; i++) {
             float l[V];
             for (int j = 0; j < V; j++)
                 l[j] = 0.1f * (float)((i * 7 + j * 3) % 11);
-            int32_t x = kn_sample(&a, l, hist, n), y = kn_sample(&b, l, hist, n),
-                    z = kn_sample(&fresh, l, hist, n);
+            /* hist[0..3) is the prompt, the rest the generated tokens */
+            int32_t x = kn_sample(&a, l, hist, n, n - 3), y = kn_sample(&b, l, hist, n, n - 3),
+                    z = kn_sample(&fresh, l, hist, n, n - 3);
             TH_CHECKF(x == y, "params %zu draw %d: sampled %d, skipped %d", k, i, x, y);
             differ_fresh += x != z;
             if (n < 64) hist[n++] = x;
@@ -190,7 +266,7 @@ static void test_init_skips(void)
         float l[V];
         for (int j = 0; j < V; j++)
             l[j] = 0.1f * (float)((i * 5 + j * 7) % 13);
-        int32_t x = kn_sample(&a, l, hist, 1), y = kn_sample(&b, l, hist, 1);
+        int32_t x = kn_sample(&a, l, hist, 1, 0), y = kn_sample(&b, l, hist, 1, 0);
         differ += x != y;
     }
     TH_CHECKF(differ == 0, "%d of 40 draws differ", differ);
@@ -215,6 +291,8 @@ int main(void)
     TH_RUN(test_filters);
     TH_RUN(test_top_p_paths_agree);
     TH_RUN(test_repetition_penalty);
+    TH_RUN(test_presence_frequency_penalties);
+    TH_RUN(test_penalty_distribution);
     TH_RUN(test_bad_input);
     TH_RUN(test_skip_equals_one_sample);
     TH_RUN(test_init_skips);

@@ -9,6 +9,10 @@
  *
  * usage: pf_sink --model M --url URL --tokens N [--tp K] [--tls T] [--late-targets]
  *                [--no-targets] [--expect-error] [--id R] [--timeout MS] [--no-check]
+ * --penalties sends greedy sampling with presence and frequency penalties of -2 and
+ * skip_samples = N/2 (a moved request: the last N/2 prompt tokens are its output), which the
+ * last stage must count; the reference samples the same way and must differ from the plain
+ * greedy token (else the run could not tell a stage that ignores them).
  * --no-check skips the reference (benchmarks: tools/bench_prefill.py); the line then
  * reports the time from sending Prefill to PrefillDone and to the last rank's KV.
  * Prints one line "ok ..." or "error CODE ..." and exits 0 when the outcome is the one
@@ -58,7 +62,7 @@ int main(int argc, char **argv)
 {
     const char *model = NULL, *url = NULL, *tls = "sm,tcp,self";
     int n_tok = 0, tp = 1, timeout = 20000;
-    int late = 0, never = 0, expect_error = 0, no_check = 0;
+    int late = 0, never = 0, expect_error = 0, no_check = 0, penalties = 0;
     uint64_t id = 77;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -84,6 +88,8 @@ int main(int argc, char **argv)
             expect_error = 1;
         else if (!strcmp(a, "--no-check"))
             no_check = 1;
+        else if (!strcmp(a, "--penalties"))
+            penalties = 1;
         else {
             fprintf(stderr, "pf_sink: unknown option %s\n", a);
             return 2;
@@ -120,13 +126,26 @@ int main(int argc, char **argv)
                   .n_logits = 1,
                   .logit_rows = &last};
     int32_t expect_tok = -1;
+    td_sampling sp = {0};
+    if (penalties)
+        sp = (td_sampling){
+            .presence_penalty = -2, .frequency_penalty = -2, .skip_samples = (uint32_t)n_tok / 2};
     if (!no_check) {
         if (kn_engine_forward(shard.rt.engine, shard.kv, &b, logits)) return 2;
-        kn_sampler smp;
-        td_sampling sp = {0};
+        kn_sampler smp, plain;
+        td_sampling sp0 = {0};
         kn_sampler_init(&smp, &sp, hp->n_vocab);
-        expect_tok = kn_sample(&smp, logits, prompt, n_tok);
+        kn_sampler_init(&plain, &sp0, hp->n_vocab);
+        expect_tok = kn_sample(&smp, logits, prompt, n_tok, sp.skip_samples);
+        int32_t plain_tok = kn_sample(&plain, logits, prompt, n_tok, 0);
         kn_sampler_fini(&smp);
+        kn_sampler_fini(&plain);
+        if (penalties && expect_tok == plain_tok) {
+            printf("error: the penalties do not change the first token (%d): pick another "
+                   "--tokens\n",
+                   plain_tok);
+            return 1;
+        }
     }
 
     /* the decode ranks */
@@ -181,7 +200,8 @@ int main(int argc, char **argv)
     td_ctrl_client *cli;
     td_ctrl_opts co = {0};
     if (td_ctrl_client_create(url, &co, &cli)) return 2;
-    Td__Sampling samp = TD__SAMPLING__INIT;
+    Td__Sampling samp;
+    td_ctrl_sampling_to_pb(&sp, &samp);
     Td__Prefill pf = TD__PREFILL__INIT;
     pf.request_id = id;
     pf.n_token_ids = (size_t)n_tok;

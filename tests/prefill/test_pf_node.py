@@ -232,6 +232,10 @@ def basic(args):
                 rc, out = sink(args, pf, n, rid)
                 check(rc == 0 and out.startswith("ok"), f"pp{pp} tp1 {n} tokens: {out}")
             rid += 1
+            rc, out = sink(args, pf, 50, rid, extra=["--penalties"])
+            check(rc == 0 and out.startswith("ok"),
+                  f"pp{pp} presence/frequency penalties over a moved request's tokens: {out}")
+            rid += 1
             rc, out = sink(args, pf, 150, rid, tp=2, extra=["--late-targets"])
             check(rc == 0 and out.startswith("ok"), f"pp{pp} tp2 150 tokens, late targets: {out}")
             if pp == 2:

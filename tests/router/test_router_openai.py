@@ -8,6 +8,7 @@ usage: test_router_openai.py --router BIN --decode BIN --tandem BIN --synth GGUF
 """
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -21,6 +22,64 @@ from tdtest.checks import FAILS, check  # noqa: E402
 def gen(args, model, prompt, n, chat=False):
     t = generate_text(args, model, prompt, n, chat)
     return t[:-1] if t.endswith("\n") else t
+
+
+def cli_ids(args, model, prompt, n, extra):
+    """`tandem generate --temperature 0 --ignore-eos --ids` plus extra flags: the token ids."""
+    r = subprocess.run([args.tandem, "generate", "--model", model, "--prompt", prompt,
+                        "--max-tokens", str(n), "--temperature", "0", "--threads", "1",
+                        "--ignore-eos", "--ids"] + extra, capture_output=True, timeout=300)
+    if r.returncode:
+        raise RuntimeError("generate failed: " + r.stderr.decode(errors="replace"))
+    return [int(t) for t in r.stdout.decode().replace(",", " ").split()]
+
+
+def cli_text(args, model, prompt, n, extra):
+    r = subprocess.run([args.tandem, "generate", "--model", model, "--prompt", prompt,
+                        "--max-tokens", str(n), "--temperature", "0", "--threads", "1",
+                        "--ignore-eos"] + extra, capture_output=True, timeout=300)
+    if r.returncode:
+        raise RuntimeError("generate failed: " + r.stderr.decode(errors="replace"))
+    out = r.stdout.decode("utf-8", errors="replace")
+    return out[:-1] if out.endswith("\n") else out
+
+
+def check_penalties(args, client, mid, model, name, prompt):
+    """presence/frequency penalties change a greedy output, exactly as the sampler's CLI does,
+    and make it less repetitive (more distinct tokens among the same number generated)."""
+    n = 32
+    plain = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    pen = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                    frequency_penalty=2.0, extra_body={"ignore_eos": True})
+    pen = pen.choices[0].text
+    check(pen != plain, f"{name}: frequency_penalty 2.0 changes the greedy output")
+    want = cli_text(args, model, prompt, n, ["--frequency-penalty", "2"])
+    check(pen == want, f"{name}: frequency_penalty 2.0 == tandem generate --frequency-penalty 2")
+    a = cli_ids(args, model, prompt, n, [])
+    b = cli_ids(args, model, prompt, n, ["--frequency-penalty", "2"])
+    check(len(a) == n and len(b) == n and len(set(b)) > len(set(a)),
+          f"{name}: frequency_penalty 2.0 is less repetitive: {len(set(b))} distinct of {n} "
+          f"tokens against {len(set(a))}")
+    pres = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                     presence_penalty=2.0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    got = "".join(c.choices[0].text for c in pres if c.choices)
+    want = cli_text(args, model, prompt, n, ["--presence-penalty", "2"])
+    check(got == want and got != plain,
+          f"{name}: streamed presence_penalty 2.0 == tandem generate --presence-penalty 2, "
+          f"and differs from plain greedy")
+    for extra, param in (({"guided_json": {"type": "object"}}, "guided_json"),
+                         ({"logit_bias": {"5": 10}}, "logit_bias"),
+                         ({"stream_options": {"continuous_usage_stats": True}},
+                          "stream_options")):
+        try:
+            client.completions.create(model=mid, prompt=prompt, max_tokens=2, extra_body=extra)
+            check(False, f"{name}: {param} is refused")
+        except openai.BadRequestError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            check(e.status_code == 400 and body.get("param") == param and param in str(e),
+                  f"{name}: {param} is refused with a 400 naming it ({body})")
 
 
 def stream_text(stream, chat):
@@ -43,6 +102,17 @@ def run_model(args, model, name, prompts, chats, n_tok):
         ids = [m.id for m in client.models.list().data]
         check(len(ids) == 1, f"{name}: /v1/models lists one model ({ids})")
         mid = ids[0]
+        m = client.models.retrieve(mid)
+        check(m.id == mid and m.object == "model" and m.owned_by == "tandem",
+              f"{name}: /v1/models/{{id}} answers the model object ({m})")
+        try:
+            client.models.retrieve("no-such-model")
+            check(False, f"{name}: an unknown model id is 404")
+        except openai.NotFoundError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            check(e.status_code == 404 and body.get("code") == "model_not_found" and
+                  "no-such-model" in body.get("message", ""),
+                  f"{name}: an unknown model id is 404 model_not_found ({body})")
         for p in prompts:
             want = gen(args, model, p, n_tok)
             r = client.completions.create(model=mid, prompt=p, max_tokens=n_tok, temperature=0)
@@ -110,6 +180,7 @@ def run_model(args, model, name, prompts, chats, n_tok):
             check(False, f"{name}: n=2 is refused")
         except openai.BadRequestError as e:
             check(e.status_code == 400 and "n" in str(e), f"{name}: n=2 is refused with 400")
+        check_penalties(args, client, mid, model, name, prompts[0])
         rc = cl.stop()
         check(rc == 0, f"{name}: router exits 0 on SIGTERM (got {rc})")
 

@@ -741,6 +741,69 @@ static void test_stream(void)
         if (st) TH_CHECK(e.param && !strcmp(e.param, "timeout"));
         rt_params_fini(&p);
     }
+    /* the penalties reach td_sampling; fields Tandem does not implement are named in a 400
+     * (chat bodies that parse need a chat template, which this model lacks: the end-to-end
+     * tests cover them) */
+    static const struct {
+        const char *body;
+        rt_endpoint ep;
+        int status;
+        const char *param;
+        float pres, freq, rep;
+    } pcases[] = {
+        {"{\"prompt\": [1], \"presence_penalty\": 1.5, \"frequency_penalty\": -0.5}",
+         RT_EP_COMPLETIONS, 0, NULL, 1.5f, -0.5f, 1.0f},
+        {"{\"prompt\": [1], \"repetition_penalty\": 1.25}", RT_EP_COMPLETIONS, 0, NULL, 0, 0,
+         1.25f},
+        {"{\"prompt\": [1], \"frequency_penalty\": 2.5}", RT_EP_COMPLETIONS, 400,
+         "frequency_penalty", 0, 0, 0},
+        {"{\"prompt\": [1], \"presence_penalty\": \"1\"}", RT_EP_COMPLETIONS, 400,
+         "presence_penalty", 0, 0, 0},
+        {"{\"prompt\": [1], \"min_tokens\": 3}", RT_EP_COMPLETIONS, 400, "min_tokens", 0, 0, 0},
+        {"{\"prompt\": [1], \"max_completion_tokens\": 3}", RT_EP_COMPLETIONS, 400,
+         "max_completion_tokens", 0, 0, 0},
+        {"{\"prompt\": [1], \"stream_options\": {\"x\": 1}}", RT_EP_COMPLETIONS, 400,
+         "stream_options", 0, 0, 0},
+        {"{\"prompt\": [\"a\", \"b\"]}", RT_EP_COMPLETIONS, 400, "prompt", 0, 0, 0},
+        /* a cut inside a UTF-8 character drops it (the error JSON must stay valid) */
+        {"{\"prompt\": [1], "
+         "\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\\u00e9x\": 1}",
+         RT_EP_COMPLETIONS, 400, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+         0, 0, 0},
+        {"{\"prompt\": [1], \"user\": \"u-1\"}", RT_EP_COMPLETIONS, 0, NULL, 0, 0, 1.0f},
+        {"{\"prompt\": [1], \"user\": 5}", RT_EP_COMPLETIONS, 400, "user", 0, 0, 0},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": "
+         "\"required\"}",
+         RT_EP_CHAT, 400, "tool_choice", 0, 0, 0},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\", \"name\": \"bob\"}]}",
+         RT_EP_CHAT, 400, "messages", 0, 0, 0},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"echo\": false}", RT_EP_CHAT,
+         400, "echo", 0, 0, 0},
+        {"{\"prompt\": [1], \"a_field_name_longer_than_the_copy_kept_in_the_error_object_"
+         "so_that_it_is_cut\": 1}",
+         RT_EP_COMPLETIONS, 400, "a_field_name_longer_than_the_copy_kept_in_the_error_object_so_t",
+         0, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof pcases / sizeof pcases[0]; i++) {
+        rt_params p;
+        rt_error e = {0};
+        int st =
+            rt_openai_parse(&r.model, pcases[i].ep, pcases[i].body, strlen(pcases[i].body), &p, &e);
+        TH_CHECKF(st == pcases[i].status, "%s: status %d (%s)", pcases[i].body, st, e.message);
+        char *ej = st ? rt_error_json(&e) : NULL;
+        TH_CHECKF(!st || ej, "%s: the error has a JSON body", pcases[i].body);
+        free(ej);
+        if (st)
+            TH_CHECKF(e.param && !strcmp(e.param, pcases[i].param), "%s: param %s", pcases[i].body,
+                      e.param ? e.param : "(none)");
+        else
+            TH_CHECKF(p.sampling.presence_penalty == pcases[i].pres &&
+                          p.sampling.frequency_penalty == pcases[i].freq &&
+                          p.sampling.repeat_penalty == pcases[i].rep,
+                      "%s: %g %g %g", pcases[i].body, p.sampling.presence_penalty,
+                      p.sampling.frequency_penalty, p.sampling.repeat_penalty);
+        rt_params_fini(&p);
+    }
     td_tok_destroy(r.model.tok);
     td_gguf_close(g);
 }
