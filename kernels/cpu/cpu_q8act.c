@@ -125,8 +125,8 @@ KN_ALWAYS_INLINE float hsum_ps(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-#define Q8_ACC __m256
-#define Q8_ACC_ZERO _mm256_setzero_ps()
+#define Q8_ACC        __m256
+#define Q8_ACC_ZERO   _mm256_setzero_ps()
 #define Q8_ACC_SUM(a) hsum_ps(a)
 
 /* acc += xd d sum_c sc[c] dot(q_c, x_c); returns xd dmin sum_c mn[c] bsum_c. */
@@ -168,18 +168,20 @@ KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *a
         __m256i q[4];
         q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4),
                                _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+        q[1] =
+            _mm256_or_si256(_mm256_and_si256(l1, m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
+        q[2] =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
+        q[3] =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
         for (int k = 0; k < 4; k++) {
             const int c = 4 * h + k;
-            const __m256i p =
-                dot_us(q[k], _mm256_loadu_si256((const __m256i *)(xb->qs + 32 * c)));
-            const __m256i s = _mm256_set_m128i(_mm_set1_epi32(sc[2 * c + 1]),
-                                               _mm_set1_epi32(sc[2 * c]));
+            const __m256i p = dot_us(q[k], _mm256_loadu_si256((const __m256i *)(xb->qs + 32 * c)));
+            const __m256i s =
+                _mm256_set_m128i(_mm_set1_epi32(sc[2 * c + 1]), _mm_set1_epi32(sc[2 * c]));
             a = _mm256_add_epi32(a, _mm256_mullo_epi32(p, s));
         }
     }
@@ -212,16 +214,16 @@ KN_ALWAYS_INLINE __m256i q5_0_quants(const uint8_t *blk)
 /* acc += xd d dot(w, x) for one 32-block of Q5_0 or Q8_0. */
 KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb, __m256 *acc)
 {
-    const __m256i w = t == TD_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))
-                                   : q5_0_quants(blk);
+    const __m256i w =
+        t == TD_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : q5_0_quants(blk);
     const __m256i p = dot_ss(w, _mm256_loadu_si256((const __m256i *)xb->qs));
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xb->d * kn_h2f(blk)), *acc);
 }
 
 #else /* scalar: the same integer sums, one float accumulator */
 
-#define Q8_ACC float
-#define Q8_ACC_ZERO 0.0f
+#define Q8_ACC        float
+#define Q8_ACC_ZERO   0.0f
 #define Q8_ACC_SUM(a) (a)
 
 KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
@@ -269,10 +271,10 @@ KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb
     memcpy(&qh, blk + 2, 4);
     int s = 0;
     for (int l = 0; l < 32; l++) {
-        const int q = t == TD_Q8_0 ? (int8_t)blk[2 + l]
-                                   : (((blk[6 + l % 16] >> (4 * (l / 16))) & 15) |
-                                      (int)((qh >> l) & 1) << 4) -
-                                         16;
+        const int q =
+            t == TD_Q8_0
+                ? (int8_t)blk[2 + l]
+                : (((blk[6 + l % 16] >> (4 * (l / 16))) & 15) | (int)((qh >> l) & 1) << 4) - 16;
         s += q * xb->qs[l];
     }
     *acc = fmaf((float)s, xb->d * kn_h2f(blk), *acc);
@@ -304,7 +306,7 @@ KN_ALWAYS_INLINE float q8_row(td_dtype t, const uint8_t *w, const void *xq, int6
 }
 
 KN_ALWAYS_INLINE void q8_range(td_dtype t, const kn_mat *w, const void *xq, int64_t m, float *y,
-                            int64_t r0, int64_t r1)
+                               int64_t r0, int64_t r1)
 {
     const int64_t nb = w->n_cols / (q8_is_k(t) ? KN_QK_K : TD_QK);
     const size_t xrow = kn_q8_row_bytes(t, w->n_cols);
