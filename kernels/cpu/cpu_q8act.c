@@ -79,6 +79,8 @@ void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq
                     s += b->qs[16 * g + k];
                 b->bsums[g] = (int16_t)s;
             }
+            for (int c = 0; c < 8; c++)
+                b->csums[c] = (int16_t)(b->bsums[2 * c] + b->bsums[2 * c + 1]);
         }
         return;
     }
@@ -128,6 +130,99 @@ KN_ALWAYS_INLINE float hsum_ps(__m256 v)
 #define Q8_ACC        __m256
 #define Q8_ACC_ZERO   _mm256_setzero_ps()
 #define Q8_ACC_SUM(a) hsum_ps(a)
+
+KN_ALWAYS_INLINE int hsum_epi32(__m128i v)
+{
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1));
+    return _mm_cvtsi128_si32(v);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* 512-bit K-type dots: maddubs (u8 x s8 pairs to int16, no saturation: 63 * 127 * 2 <
+ * 2^15) then dpwssd against the scales as int16 (pairs to int32, accumulated). */
+#define KQ_ACC        __m512
+#define KQ_ACC_ZERO   _mm512_setzero_ps()
+#define KQ_ACC_SUM(a) _mm512_reduce_add_ps(a)
+
+/* Q4_K's scales (bytes 0-7) and mins (bytes 8-15) from scales[12] (ggml's kmask
+ * shuffle, the same values as q4k_scale_min). */
+KN_ALWAYS_INLINE void q4k_scale_min8(const uint8_t *s, uint32_t u[4])
+{
+    memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mn_lo = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mn_lo;
+    u[0] &= 0x3f3f3f3f;
+}
+
+/* int16 lane l of the result = lane l / g + first of s, for the 32 lanes (g 16 or 8). */
+KN_ALWAYS_INLINE __m512i bcast_scales(__m512i s, int g, int first)
+{
+    const __m512i lane =
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                         12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i idx =
+        _mm512_add_epi16(g == 16 ? _mm512_srli_epi16(lane, 4) : _mm512_srli_epi16(lane, 3),
+                         _mm512_set1_epi16((short)first));
+    return _mm512_permutexvar_epi16(idx, s);
+}
+
+KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, __m512 *acc)
+{
+    uint32_t u[4];
+    q4k_scale_min8(blk + 4, u);
+    const __m512i sc =
+        _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)u)));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i a = _mm512_setzero_si512();
+    for (int c2 = 0; c2 < 4; c2++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c2));
+        const __m512i q = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+        const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xb->qs + 64 * c2));
+        a = _mm512_dpwssd_epi32(a, p, bcast_scales(sc, 16, 2 * c2));
+    }
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xb->d * kn_h2f(blk)), *acc);
+    const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(u + 2)));
+    const int msum = hsum_epi32(_mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)xb->csums)));
+    return xb->d * kn_h2f(blk + 2) * (float)msum;
+}
+
+KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m512 *acc)
+{
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    const __m512i sc = _mm512_castsi256_si512(sc16);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m3 = _mm512_set1_epi8(3);
+    __m512i a = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m512i hx =
+            _mm512_inserti64x4(_mm512_castsi256_si512(hb), _mm256_srli_epi16(hb, 2), 1);
+        /* chunks 4h, 4h + 1 and 4h + 2, 4h + 3 */
+        const __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4),
+                                            _mm512_slli_epi16(_mm512_and_si512(hx, m3), 4));
+        const __m512i q23 =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hx, 4), m3), 4));
+        const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xb->qs + 128 * h));
+        const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xb->qs + 128 * h + 64));
+        a = _mm512_dpwssd_epi32(a, p01, bcast_scales(sc, 8, 8 * h));
+        a = _mm512_dpwssd_epi32(a, p23, bcast_scales(sc, 8, 8 * h + 4));
+    }
+    const float xdd = xb->d * kn_h2f(blk + 208);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xdd), *acc);
+    const __m256i o = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xb->bsums));
+    const int osum =
+        hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1)));
+    return xdd * (float)(32 * osum);
+}
+#else
+#define KQ_ACC        __m256
+#define KQ_ACC_ZERO   _mm256_setzero_ps()
+#define KQ_ACC_SUM(a) hsum_ps(a)
 
 /* acc += xd d sum_c sc[c] dot(q_c, x_c); returns xd dmin sum_c mn[c] bsum_c. */
 KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *acc)
@@ -193,6 +288,8 @@ KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *a
     return xdd * (float)(32 * osum);
 }
 
+#endif /* 512-bit K-types */
+
 /* Q5_0's 32 quants minus 16 as int8 (elements 0..15 the low nibbles, 16..31 the high). */
 KN_ALWAYS_INLINE __m256i q5_0_quants(const uint8_t *blk)
 {
@@ -225,6 +322,9 @@ KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb
 #define Q8_ACC        float
 #define Q8_ACC_ZERO   0.0f
 #define Q8_ACC_SUM(a) (a)
+#define KQ_ACC        float
+#define KQ_ACC_ZERO   0.0f
+#define KQ_ACC_SUM(a) (a)
 
 KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
 {
@@ -284,17 +384,20 @@ KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb
 /* dot(one row of W at w, one quantized row of x), nb blocks of type t. */
 KN_ALWAYS_INLINE float q8_row(td_dtype t, const uint8_t *w, const void *xq, int64_t nb)
 {
-    Q8_ACC acc = Q8_ACC_ZERO;
-    float off = 0.0f;
     if (t == TD_Q4_K || t == TD_Q6_K) {
         const size_t bs = t == TD_Q4_K ? 144 : 210;
         const kn_q8k *xb = xq;
+        KQ_ACC acc = KQ_ACC_ZERO;
+        float off = 0.0f;
         for (int64_t b = 0; b < nb; b++, w += bs, xb++) {
             for (size_t o = 0; o < bs; o += 64)
                 __builtin_prefetch(w + Q8_PREFETCH + o);
             off += t == TD_Q4_K ? q4k_block(w, xb, &acc) : q6k_block(w, xb, &acc);
         }
-    } else {
+        return KQ_ACC_SUM(acc) - off;
+    }
+    Q8_ACC acc = Q8_ACC_ZERO;
+    {
         const size_t bs = t == TD_Q8_0 ? 34 : 22;
         const kn_q8b *xb = xq;
         for (int64_t b = 0; b < nb; b++, w += bs, xb++) {
@@ -302,7 +405,7 @@ KN_ALWAYS_INLINE float q8_row(td_dtype t, const uint8_t *w, const void *xq, int6
             q32_block(t, w, xb, &acc);
         }
     }
-    return Q8_ACC_SUM(acc) - off;
+    return Q8_ACC_SUM(acc);
 }
 
 KN_ALWAYS_INLINE void q8_range(td_dtype t, const kn_mat *w, const void *xq, int64_t m, float *y,

@@ -28,6 +28,7 @@
 typedef struct {
     float d;           /* scale: x ~ d * q */
     int16_t bsums[16]; /* sums of q over each group of 16 */
+    int16_t csums[8];  /* sums of q over each chunk of 32 */
     int8_t qs[256];
 } kn_q8k;
 
