@@ -169,33 +169,50 @@ KN_ALWAYS_INLINE __m512i bcast_scales(__m512i s, int g, int first)
     return _mm512_permutexvar_epi16(idx, s);
 }
 
-KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, __m512 *acc)
+/* For the M rows of x at xb (xs blocks apart): acc[j] += xd d sum_c sc[c] dot(q_c, x_c),
+ * off[j] += xd dmin sum_c mn[c] csums[c]; the weights decoded once for all M. */
+KN_ALWAYS_INLINE void q4k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
+                                 __m512 *acc, float *off)
 {
     uint32_t u[4];
     q4k_scale_min8(blk + 4, u);
     const __m512i sc =
         _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)u)));
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m512i a = _mm512_setzero_si512();
+    __m512i a[4];
+    for (int j = 0; j < M; j++)
+        a[j] = _mm512_setzero_si512();
     for (int c2 = 0; c2 < 4; c2++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c2));
         const __m512i q = _mm512_and_si512(
             _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
-        const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xb->qs + 64 * c2));
-        a = _mm512_dpwssd_epi32(a, p, bcast_scales(sc, 16, 2 * c2));
+        const __m512i s = bcast_scales(sc, 16, 2 * c2);
+        for (int j = 0; j < M; j++) {
+            const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xb[j * xs].qs + 64 * c2));
+            a[j] = _mm512_dpwssd_epi32(a[j], p, s);
+        }
     }
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xb->d * kn_h2f(blk)), *acc);
+    const float d = kn_h2f(blk), dmin = kn_h2f(blk + 2);
     const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(u + 2)));
-    const int msum = hsum_epi32(_mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)xb->csums)));
-    return xb->d * kn_h2f(blk + 2) * (float)msum;
+    for (int j = 0; j < M; j++) {
+        const kn_q8k *x = xb + j * xs;
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j]), _mm512_set1_ps(x->d * d), acc[j]);
+        const int msum = hsum_epi32(_mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)x->csums)));
+        off[j] += x->d * dmin * (float)msum;
+    }
 }
 
-KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m512 *acc)
+/* For the M rows of x at xb (xs blocks apart): acc[j] += xd d sum_g sc[g] dot(q_g, x_g),
+ * off[j] += xd d 32 sum_g sc[g] bsums[g]. */
+KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
+                                 __m512 *acc, float *off)
 {
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
     const __m512i sc = _mm512_castsi256_si512(sc16);
     const __m512i m4 = _mm512_set1_epi8(0x0f), m3 = _mm512_set1_epi8(3);
-    __m512i a = _mm512_setzero_si512();
+    __m512i a[4];
+    for (int j = 0; j < M; j++)
+        a[j] = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {
         const __m512i l = _mm512_loadu_si512(blk + 64 * h);
         const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
@@ -207,17 +224,25 @@ KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m512 *a
         const __m512i q23 =
             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hx, 4), m3), 4));
-        const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xb->qs + 128 * h));
-        const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xb->qs + 128 * h + 64));
-        a = _mm512_dpwssd_epi32(a, p01, bcast_scales(sc, 8, 8 * h));
-        a = _mm512_dpwssd_epi32(a, p23, bcast_scales(sc, 8, 8 * h + 4));
+        const __m512i s01 = bcast_scales(sc, 8, 8 * h), s23 = bcast_scales(sc, 8, 8 * h + 4);
+        for (int j = 0; j < M; j++) {
+            const int8_t *xq = xb[j * xs].qs + 128 * h;
+            const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xq));
+            const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xq + 64));
+            a[j] = _mm512_dpwssd_epi32(a[j], p01, s01);
+            a[j] = _mm512_dpwssd_epi32(a[j], p23, s23);
+        }
     }
-    const float xdd = xb->d * kn_h2f(blk + 208);
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xdd), *acc);
-    const __m256i o = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xb->bsums));
-    const int osum =
-        hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1)));
-    return xdd * (float)(32 * osum);
+    const float d = kn_h2f(blk + 208);
+    for (int j = 0; j < M; j++) {
+        const kn_q8k *x = xb + j * xs;
+        const float xdd = x->d * d;
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j]), _mm512_set1_ps(xdd), acc[j]);
+        const __m256i o = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums));
+        const int osum =
+            hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1)));
+        off[j] += xdd * (float)(32 * osum);
+    }
 }
 #else
 #define KQ_ACC        __m256
@@ -288,6 +313,19 @@ KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *a
     return xdd * (float)(32 * osum);
 }
 
+/* The M-row forms of the two above, one row of x after the other. */
+KN_ALWAYS_INLINE void q4k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
+                                 KQ_ACC *acc, float *off)
+{
+    for (int j = 0; j < M; j++)
+        off[j] += q4k_block(blk, xb + j * xs, &acc[j]);
+}
+KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
+                                 KQ_ACC *acc, float *off)
+{
+    for (int j = 0; j < M; j++)
+        off[j] += q6k_block(blk, xb + j * xs, &acc[j]);
+}
 #endif /* 512-bit K-types */
 
 /* Q5_0's 32 quants minus 16 as int8 (elements 0..15 the low nibbles, 16..31 the high). */
@@ -365,6 +403,20 @@ KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, float *ac
     return xdd * (float)(32 * osum);
 }
 
+/* The M-row forms of the two above, one row of x after the other. */
+KN_ALWAYS_INLINE void q4k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
+                                 KQ_ACC *acc, float *off)
+{
+    for (int j = 0; j < M; j++)
+        off[j] += q4k_block(blk, xb + j * xs, &acc[j]);
+}
+KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
+                                 KQ_ACC *acc, float *off)
+{
+    for (int j = 0; j < M; j++)
+        off[j] += q6k_block(blk, xb + j * xs, &acc[j]);
+}
+
 KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb, float *acc)
 {
     uint32_t qh;
@@ -381,33 +433,48 @@ KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb
 }
 #endif
 
-/* dot(one row of W at w, one quantized row of x), nb blocks of type t. */
-KN_ALWAYS_INLINE float q8_row(td_dtype t, const uint8_t *w, const void *xq, int64_t nb)
+/* y[j * ldy] = dot(one row of W at w, row j of the quantized x at xq) for j < M (rows
+ * xrow bytes apart), nb blocks of type t; each weight block is decoded once for all M
+ * rows, and every row gets the arithmetic of M == 1. */
+KN_ALWAYS_INLINE void q8_tile(td_dtype t, int M, const uint8_t *w, const uint8_t *xq, size_t xrow,
+                              int64_t nb, float *y, int64_t ldy)
 {
     if (t == TD_Q4_K || t == TD_Q6_K) {
         const size_t bs = t == TD_Q4_K ? 144 : 210;
-        const kn_q8k *xb = xq;
-        KQ_ACC acc = KQ_ACC_ZERO;
-        float off = 0.0f;
+        const int64_t xs = (int64_t)(xrow / sizeof(kn_q8k));
+        const kn_q8k *xb = (const kn_q8k *)(const void *)xq;
+        KQ_ACC acc[4];
+        float off[4] = {0};
+        for (int j = 0; j < M; j++)
+            acc[j] = KQ_ACC_ZERO;
         for (int64_t b = 0; b < nb; b++, w += bs, xb++) {
             for (size_t o = 0; o < bs; o += 64)
                 __builtin_prefetch(w + Q8_PREFETCH + o);
-            off += t == TD_Q4_K ? q4k_block(w, xb, &acc) : q6k_block(w, xb, &acc);
+            if (t == TD_Q4_K)
+                q4k_blocks(w, xb, xs, M, acc, off);
+            else
+                q6k_blocks(w, xb, xs, M, acc, off);
         }
-        return KQ_ACC_SUM(acc) - off;
+        for (int j = 0; j < M; j++)
+            y[j * ldy] = KQ_ACC_SUM(acc[j]) - off[j];
+        return;
     }
-    Q8_ACC acc = Q8_ACC_ZERO;
-    {
-        const size_t bs = t == TD_Q8_0 ? 34 : 22;
-        const kn_q8b *xb = xq;
-        for (int64_t b = 0; b < nb; b++, w += bs, xb++) {
-            if (b % 2 == 0) __builtin_prefetch(w + Q8_PREFETCH);
-            q32_block(t, w, xb, &acc);
-        }
+    const size_t bs = t == TD_Q8_0 ? 34 : 22;
+    const int64_t xs = (int64_t)(xrow / sizeof(kn_q8b));
+    const kn_q8b *xb = (const kn_q8b *)(const void *)xq;
+    Q8_ACC acc[4];
+    for (int j = 0; j < M; j++)
+        acc[j] = Q8_ACC_ZERO;
+    for (int64_t b = 0; b < nb; b++, w += bs, xb++) {
+        if (b % 2 == 0) __builtin_prefetch(w + Q8_PREFETCH);
+        for (int j = 0; j < M; j++)
+            q32_block(t, w, xb + j * xs, &acc[j]);
     }
-    return Q8_ACC_SUM(acc);
+    for (int j = 0; j < M; j++)
+        y[j * ldy] = Q8_ACC_SUM(acc[j]);
 }
 
+/* Rows [r0, r1) of W against all m rows of x, four rows of x at a time. */
 KN_ALWAYS_INLINE void q8_range(td_dtype t, const kn_mat *w, const void *xq, int64_t m, float *y,
                                int64_t r0, int64_t r1)
 {
@@ -415,8 +482,23 @@ KN_ALWAYS_INLINE void q8_range(td_dtype t, const kn_mat *w, const void *xq, int6
     const size_t xrow = kn_q8_row_bytes(t, w->n_cols);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * w->row_stride;
-        for (int64_t i = 0; i < m; i++)
-            y[i * w->n_rows + r] = q8_row(t, wr, (const uint8_t *)xq + (size_t)i * xrow, nb);
+        const uint8_t *x = xq;
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            q8_tile(t, 4, wr, x + i * xrow, xrow, nb, y + i * w->n_rows + r, w->n_rows);
+        switch (m - i) {
+        case 3:
+            q8_tile(t, 3, wr, x + i * xrow, xrow, nb, y + i * w->n_rows + r, w->n_rows);
+            break;
+        case 2:
+            q8_tile(t, 2, wr, x + i * xrow, xrow, nb, y + i * w->n_rows + r, w->n_rows);
+            break;
+        case 1:
+            q8_tile(t, 1, wr, x + i * xrow, xrow, nb, y + i * w->n_rows + r, w->n_rows);
+            break;
+        default:
+            break;
+        }
     }
 }
 
