@@ -3,8 +3,9 @@
  * Purpose: run the engine on x86-64 CPUs. Decode-shaped products (few rows of x) use
  * SIMD dot products that dequantize weights on the fly; prefill-shaped products (many
  * rows) dequantize weight slices to float32 and call OpenBLAS sgemm per thread.
- * Invariants: activations are float32; every kernel gives the same result for any thread
- * count up to float reassociation inside a dot product.
+ * Invariants: activations are float32 (the opt-in q8 mode, kn_cpu_set_act_q8, quantizes
+ * them to 8 bits inside the decode dot path only); every kernel gives the same result for
+ * any thread count up to float reassociation inside a dot product.
  * Threading: one caller at a time (see cpu_pool.h).
  * Ownership: kn_cpu_create/kn_cpu_destroy; the ops table returned by kn_cpu_backend
  * borrows the kn_cpu.
