@@ -2,18 +2,20 @@
  * mode of the decode dot path; see cpu_q8act.h for the formats and the contract).
  *
  * Per weight block the raw quants (unsigned where the type has an offset) are dotted with
- * the int8 activations into int32 lanes: dot_us(u, s) = sums of 4 adjacent u8 * s8
- * products, by dpbusd (AVX512-VNNI + VL) or maddubs + madd (AVX2). maddubs adds two
- * products into int16 without saturating here: |u| <= 128 (Q8_0's |w|), |s| <= 127.
- *   Q4_K: y += xd (d sum_c sc[c] dot(q_c, x_c)) - xd dmin sum_c mn[c] bsum_c
+ * the int8 activations in integer lanes. K-types on AVX512-VNNI: 64 bytes at a time,
+ * maddubs (u8 x s8 pairs to int16) then vpdpwssd by the sub-block scales as int16 (pairs
+ * to int32, accumulated); elsewhere 32 bytes at a time, dot_us(u, s) = sums of 4 adjacent
+ * u8 * s8 products (vpdpbusd with VNNI + VL, else maddubs + madd), times the scales.
+ * maddubs never saturates here: |u| <= 128 (Q8_0's |w|), |s| <= 127, two products.
+ *   Q4_K: y += xd (d sum_c sc[c] dot(q_c, x_c)) - xd dmin sum_c mn[c] csum_c
  *   Q6_K: y += xd d (sum_g sc[g] dot(q_g, x_g) - 32 sum_g sc[g] bsums[g]),  q_g in [0, 64)
  *   Q5_0: y += xd d dot(q - 16, x), signed quants by the sign trick (|w|, sign(x, w))
  *   Q8_0: y += xd d dot(q, x), likewise
- * The int32 lanes (scaled by the sub-block scales) are converted to float and accumulated
- * with one fma per block by xd d into 8 float lanes, summed once per row at the end; the
- * mins (Q4_K) and offsets (Q6_K) go to a scalar accumulator. Bounds: a Q4_K block's lanes
- * stay below 8 * 63 * 15 * 127 * 4 < 2^24 (exact in float), Q6_K's below
- * 8 * 128 * 63 * 127 * 4 < 2^31 (no overflow; the conversion to float may round).
+ * The int32 lanes are converted to float and accumulated with one fma per block by xd d
+ * into float lanes, summed once per row at the end; the mins (Q4_K) and offsets (Q6_K) go
+ * to a scalar accumulator. The lanes stay below 2^24 (exact in float) for Q4_K and below
+ * 2^31 for Q6_K (the conversion may round). Up to four rows of x share each decoded
+ * weight block, every row with the arithmetic of one.
  */
 #include "cpu_q8act.h"
 
