@@ -40,3 +40,11 @@ if(TANDEM_CUDA)
   target_link_libraries(test_cuda PRIVATE td_kernels td_common)
   add_test(NAME kernels.test_cuda COMMAND test_cuda)
 endif()
+
+# The opt-in 8-bit activation mode (Q4_K, Q6_K, Q5_0, Q8_0): against float64 of the
+# quantized math and the float32 path, batch invariance, the mode off bit for bit.
+add_executable(test_q8act ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_q8act.c)
+target_include_directories(test_q8act PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                              ${PROJECT_SOURCE_DIR}/kernels/cpu)
+target_link_libraries(test_q8act PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_q8act COMMAND test_q8act)

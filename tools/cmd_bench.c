@@ -115,7 +115,7 @@ static void model_weights(const cli_session *s, double *bytes, double *params)
 int cmd_bench_engine(int argc, char **argv)
 {
     cli_session_params sp = {.kv_type = TD_F16, .ctx = 4096}; /* 8 x 129 tokens fit */
-    bool json = false;
+    bool json = false, act_q8 = false, act_set = false;
     int reps = 3, rc = 0;
     for (int i = 0; i < argc && !rc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -131,9 +131,16 @@ int cmd_bench_engine(int argc, char **argv)
             rc = cli_parse_int(f, v, 1, 100, &reps);
         else if (!strcmp(f, "--kv-type"))
             rc = cli_parse_kv_type(v, &sp.kv_type);
-        else {
+        else if (!strcmp(f, "--act")) {
+            if (v && strcmp(v, "q8") && strcmp(v, "f32")) {
+                fprintf(stderr, "tandem: --act %s: expected q8 or f32\n", v);
+                return TD_EINVAL;
+            }
+            act_q8 = v && !strcmp(v, "q8");
+            act_set = true;
+        } else {
             fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
-                            "[--kv-type f16|f32] [--json]\n");
+                            "[--kv-type f16|f32] [--act q8|f32] [--json]\n");
             return TD_EINVAL;
         }
         if (!v) {
@@ -149,6 +156,8 @@ int cmd_bench_engine(int argc, char **argv)
     }
     cli_session s;
     if ((rc = cli_session_open(&s, &sp))) return rc;
+    /* --act overrides TANDEM_CPU_ACT only when given */
+    if (act_set) kn_cpu_set_act_q8(kn_cpu_of(s.rt.be), act_q8);
     const int n_prefill = 512, n_gen = 128, batch = 8;
     float *logits = malloc((size_t)batch * (size_t)s.rt.model->hp.n_vocab * sizeof *logits);
     double *t_pp = calloc((size_t)reps, sizeof(double)),
@@ -179,17 +188,17 @@ int cmd_bench_engine(int argc, char **argv)
         double tg_roof = mem * 1e9 / wbytes, pp_roof = gemm * 1e9 / (2 * params);
         int th = kn_cpu_n_threads(cpu);
         if (json) {
-            printf(
-                "{\"threads\": %d, \"isa\": \"%s\", \"prefill_tps\": %.2f, \"decode_tps\": %.2f, "
-                "\"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, \"gemm_gflops\": %.2f, "
-                "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
-                "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
-                "\"prefill_ratio\": %.3f}\n",
-                th, kn_cpu_isa(), pp, tg, b8, mem, gemm, wbytes, params, tg_roof, pp_roof,
-                tg / tg_roof, pp / pp_roof);
+            printf("{\"threads\": %d, \"isa\": \"%s\", \"act\": \"%s\", \"prefill_tps\": %.2f, "
+                   "\"decode_tps\": %.2f, "
+                   "\"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, \"gemm_gflops\": %.2f, "
+                   "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
+                   "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
+                   "\"prefill_ratio\": %.3f}\n",
+                   th, kn_cpu_isa(), kn_cpu_act_q8(cpu) ? "q8" : "f32", pp, tg, b8, mem, gemm,
+                   wbytes, params, tg_roof, pp_roof, tg / tg_roof, pp / pp_roof);
         } else {
-            printf("model %s, %d threads, isa %s, kv %s\n", sp.model_path, th, kn_cpu_isa(),
-                   td_dtype_name(sp.kv_type));
+            printf("model %s, %d threads, isa %s, kv %s, act %s\n", sp.model_path, th, kn_cpu_isa(),
+                   td_dtype_name(sp.kv_type), kn_cpu_act_q8(cpu) ? "q8" : "f32");
             printf("ceilings: memory read %.1f GB/s, sgemm %.1f GFLOP/s\n", mem, gemm);
             printf("weights read per decode step %.1f MB, %.1f M params in matrix products\n",
                    wbytes / 1e6, params / 1e6);

@@ -80,8 +80,14 @@ int kn_cpu_create(int n_threads, kn_cpu **out)
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         n_threads = n > 0 ? (int)n : 1;
     }
+    const char *act = getenv("TANDEM_CPU_ACT");
+    if (act && strcmp(act, "q8") && strcmp(act, "f32")) {
+        TD_LOG_ERR("cpu backend: TANDEM_CPU_ACT=%s: expected q8 or f32", act);
+        return TD_EINVAL;
+    }
     kn_cpu *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
+    c->act_q8 = act && !strcmp(act, "q8");
     int rc = kn_pool_create(n_threads, &c->pool);
     if (rc) {
         free(c);
@@ -117,6 +123,15 @@ kn_pool *kn_cpu_pool(kn_cpu *c)
 int kn_cpu_n_threads(const kn_cpu *c)
 {
     return c->n_threads;
+}
+
+void kn_cpu_set_act_q8(kn_cpu *c, bool on)
+{
+    c->act_q8 = on;
+}
+bool kn_cpu_act_q8(const kn_cpu *c)
+{
+    return c->act_q8;
 }
 
 const char *kn_cpu_isa(void)

@@ -3,8 +3,9 @@
  * Purpose: run the engine on x86-64 CPUs. Decode-shaped products (few rows of x) use
  * SIMD dot products that dequantize weights on the fly; prefill-shaped products (many
  * rows) dequantize weight slices to float32 and call OpenBLAS sgemm per thread.
- * Invariants: activations are float32; every kernel gives the same result for any thread
- * count up to float reassociation inside a dot product.
+ * Invariants: activations are float32 (the opt-in q8 mode, kn_cpu_set_act_q8, quantizes
+ * them to 8 bits inside the decode dot path only); every kernel gives the same result for
+ * any thread count up to float reassociation inside a dot product.
  * Threading: one caller at a time (see cpu_pool.h).
  * Ownership: kn_cpu_create/kn_cpu_destroy; the ops table returned by kn_cpu_backend
  * borrows the kn_cpu.
@@ -29,6 +30,18 @@ kn_backend kn_cpu_backend(kn_cpu *c);
 kn_cpu *kn_cpu_of(kn_backend b);
 kn_pool *kn_cpu_pool(kn_cpu *c);
 int kn_cpu_n_threads(const kn_cpu *c);
+
+/* The 8-bit activation mode of the decode dot path (off by default). When on, matmul rows
+ * that take the dot path (m below the gemm threshold, and matmul_mixed's solo rows) are
+ * quantized to 8 bits once per call (Q8_K-style 256-blocks for Q4_K and Q6_K weights,
+ * 32-blocks for Q5_0 and Q8_0) and dotted in integer arithmetic (cpu_q8act.h); other
+ * weight types and the gemm path stay float32. Results are deterministic and
+ * batch-invariant but no longer equal the float32 path's: they differ by the rounding of
+ * x to 8 bits (|x - d q| <= d / 2 with d = max|x| / 127 over the block). kn_cpu_create
+ * reads TANDEM_CPU_ACT once: unset or "f32" off, "q8" on, anything else an error
+ * (TD_EINVAL). Not to be called while an op runs. */
+void kn_cpu_set_act_q8(kn_cpu *c, bool on);
+bool kn_cpu_act_q8(const kn_cpu *c);
 
 /* Which ISA the SIMD kernels use on this machine ("avx512", "avx2", "scalar"). */
 const char *kn_cpu_isa(void);

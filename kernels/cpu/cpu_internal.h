@@ -2,6 +2,7 @@
 #ifndef KN_CPU_INTERNAL_H
 #define KN_CPU_INTERNAL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "cpu_backend.h"
@@ -13,6 +14,7 @@
 struct kn_cpu {
     kn_pool *pool;
     int n_threads;
+    bool act_q8; /* quantize x to 8 bits on the dot path (kn_cpu_set_act_q8) */
     float *scratch[KN_CPU_MAX_THREADS + 1];     /* per-thread float scratch, grown on demand;
                                                    the last slot is KN_CPU_CALLER's */
     size_t scratch_cap[KN_CPU_MAX_THREADS + 1]; /* floats */

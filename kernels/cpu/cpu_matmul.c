@@ -15,6 +15,8 @@
  *    scratch and hands them to single-threaded OpenBLAS sgemm, which writes the matching
  *    columns of y. Dequantization is O(n_rows * n_cols), amortized over m rows of x.
  *    sgemm's rounding depends on the batch, so a row's result may change with m.
+ * In the q8 mode (kn_cpu_set_act_q8) the dot path of Q4_K, Q6_K, Q5_0 and Q8_0 weights
+ * quantizes its rows of x to 8 bits once per call and runs cpu_q8act.c's integer dots.
  * matmul_mixed (solo rows first, then batch rows): when the batch rows take the gemm path,
  * each thread runs the dot path for the solo rows over a slice of W's rows just before it
  * dequantizes that slice for sgemm, so the slice is read from memory once.
@@ -26,6 +28,7 @@
 #include "cpu_backend.h"
 #include "cpu_internal.h"
 #include "cpu_kquant_internal.h"
+#include "cpu_q8act.h"
 #include "cpu_quant.h"
 #include "td_err.h"
 
@@ -60,6 +63,7 @@ typedef struct {
     const float *x;    /* (m, n_cols) */
     const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q5_1, Q4_K, Q5_K; Q2_K:
                         * (m, n_cols / 16); else NULL */
+    const void *xq;    /* (m, kn_q8_row_bytes) x quantized to 8 bits (q8 mode); else NULL */
     int64_t m;         /* 0: none */
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
@@ -265,6 +269,10 @@ static void dot_iq4_nl(const mm_job *j, int64_t r0, int64_t r1)
 static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
 {
     const mm_job *j = arg;
+    if (j->xq) {
+        kn_q8_dot(j->w, j->xq, j->m, j->y, r0, r1);
+        return;
+    }
     switch (j->w->type) {
     case TD_F32:
         dot_f32(j, r0, r1);
@@ -409,7 +417,16 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                 .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
     const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
-    if (j.m && sg) {
+    if (j.m && c->act_q8 && kn_q8_supported(w->type)) {
+        const size_t bytes = (size_t)j.m * kn_q8_row_bytes(w->type, w->n_cols);
+        void *xq = kn_cpu_scratch(c, KN_CPU_CALLER, (bytes + 3) / sizeof(float));
+        if (!xq) {
+            TD_LOG_ERR("matmul: out of memory for %zu bytes of quantized x", bytes);
+            return TD_ENOMEM;
+        }
+        kn_q8_quant_rows(w->type, x, j.m, w->n_cols, xq);
+        j.xq = xq;
+    } else if (j.m && sg) {
         const int64_t nb = w->n_cols / sg;
         float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
         if (!xs) {

@@ -1,0 +1,54 @@
+/* cpu_q8act.h: the CPU backend's opt-in 8-bit activation mode for the decode dot path
+ * (kn_cpu_set_act_q8, TANDEM_CPU_ACT=q8): each row of x is quantized to 8 bits once per
+ * matmul and dotted with the raw weight quants in integer arithmetic, as llama.cpp does.
+ *
+ * Purpose: the float32 dot path unpacks every weight to float32 and is compute-bound at
+ * batch 1; integer dots (AVX2 maddubs + madd, or AVX512-VNNI dpbusd on 256-bit vectors
+ * where the CPU has it) do the same work in a fraction of the instructions.
+ * Formats of a quantized row of x (n columns):
+ *   K-types (Q4_K, Q6_K): n / 256 kn_q8k blocks, d = max|x| / 127, q = round(x / d) in
+ *     [-127, 127], bsums[g] = sum of q over group g of 16;
+ *   32-block types (Q5_0, Q8_0): n / 32 kn_q8b blocks, the same rule per 32.
+ * Invariants: the integer part of every dot is exact; the float part is a fixed sequence
+ * per row of x (no dependence on the other rows, the thread count or the ISA beyond
+ * float reassociation), so results are deterministic and batch-invariant (the
+ * matmul_mixed contract of kn_backend.h). Other weight types keep the float32 path.
+ * Threading: pure functions; kn_q8_dot is called from pool jobs on disjoint row ranges.
+ */
+#ifndef KN_CPU_Q8ACT_H
+#define KN_CPU_Q8ACT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kn_backend.h"
+#include "td_dtype.h"
+
+typedef struct {
+    float d;           /* scale: x ~ d * q */
+    int16_t bsums[16]; /* sums of q over each group of 16 */
+    int16_t csums[8];  /* sums of q over each chunk of 32 */
+    int8_t qs[256];
+} kn_q8k;
+
+typedef struct {
+    float d; /* scale: x ~ d * q */
+    int8_t qs[32];
+} kn_q8b;
+
+/* Whether the q8 mode has integer dots for weight type t (Q4_K, Q6_K, Q5_0, Q8_0). */
+bool kn_q8_supported(td_dtype t);
+
+/* Bytes of one row of n columns of x quantized for weights of type t (supported). */
+size_t kn_q8_row_bytes(td_dtype t, int64_t n);
+
+/* xq (m rows of kn_q8_row_bytes(t, n) bytes) = the m rows of x (m, n) quantized for
+ * weights of type t; n a multiple of t's block size. Non-finite rows get d = NaN. */
+void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq);
+
+/* y[i * w->n_rows + r] = dot(row r of W, row i of xq) for r in [r0, r1) and i < m;
+ * xq from kn_q8_quant_rows(w->type, x, m, w->n_cols, xq). */
+void kn_q8_dot(const kn_mat *w, const void *xq, int64_t m, float *y, int64_t r0, int64_t r1);
+
+#endif

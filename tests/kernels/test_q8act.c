@@ -1,0 +1,323 @@
+/* test_q8act.c: the CPU backend's 8-bit activation mode (kn_cpu_set_act_q8, cpu_q8act.c)
+ * for Q4_K, Q6_K, Q5_0 and Q8_0 weights: the quantization of x, the integer dots against a
+ * float64 reference of the same quantized math, the distance to the float32 path within
+ * the bound the rounding of x allows, determinism over thread counts, batch invariance
+ * (matmul and matmul_mixed), the mode off giving the float32 path bit for bit, the
+ * types the mode leaves to the float32 path, and TANDEM_CPU_ACT. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_backend.h"
+#include "cpu_q8act.h"
+#include "td_dtype.h"
+#include "td_err.h"
+#include "tharness.h"
+
+static const td_dtype qtypes[] = {TD_Q4_K, TD_Q6_K, TD_Q5_0, TD_Q8_0};
+#define N_QTYPES 4
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rng_u32(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+static float rng_uniform(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)(rng_u32() & 0xffffff) / 16777216.0f;
+}
+
+/* Byte offsets of d and dmin (-1: none) in a block; the largest |quant * scale| per d. */
+static int d_off(td_dtype t)
+{
+    return t == TD_Q6_K ? 208 : 0;
+}
+static int dmin_off(td_dtype t)
+{
+    return t == TD_Q4_K ? 2 : -1;
+}
+static float wmax_per_d(td_dtype t)
+{
+    return t == TD_Q4_K ? 63 * 15 : t == TD_Q6_K ? 128 * 32 : t == TD_Q5_0 ? 16 : 128;
+}
+
+typedef struct {
+    uint8_t *buf;
+    kn_mat w;
+    double *a, *b; /* (n_rows, n_cols) exact weights w = a + b: a = d-part, b = min part */
+} q_mat;
+
+static void put_half(uint8_t *p, float v)
+{
+    uint16_t h = td_fp32_to_fp16(v);
+    memcpy(p, &h, 2);
+}
+
+/* Random blocks with weights of magnitude ~1; rows one block apart, gaps 0xff. a and b
+ * come from dequantizing with dmin zeroed and with d zeroed (each part exact). */
+static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, q_mat *m)
+{
+    const td_dtype_info *info = td_dtype_get((uint32_t)t);
+    const size_t bs = info->type_size, rb = td_dtype_row_bytes(t, n_cols), stride = rb + bs;
+    m->buf = malloc(stride * (size_t)n_rows);
+    m->a = malloc((size_t)(n_rows * n_cols) * sizeof(double));
+    m->b = malloc((size_t)(n_rows * n_cols) * sizeof(double));
+    float *tmp = malloc((size_t)n_cols * sizeof(float));
+    uint8_t *row = malloc(rb);
+    if (!m->buf || !m->a || !m->b || !tmp || !row) return -1;
+    memset(m->buf, 0xff, stride * (size_t)n_rows);
+    for (int64_t r = 0; r < n_rows; r++) {
+        uint8_t *p = m->buf + (size_t)r * stride;
+        for (size_t i = 0; i < rb; i++)
+            p[i] = (uint8_t)rng_u32();
+        for (int64_t b = 0; b < n_cols / info->blck; b++) {
+            uint8_t *blk = p + (size_t)b * bs;
+            float d = rng_uniform(0.25f, 1.0f) / wmax_per_d(t);
+            put_half(blk + d_off(t), (rng_u32() & 1) && dmin_off(t) < 0 ? -d : d);
+            if (dmin_off(t) >= 0) put_half(blk + dmin_off(t), rng_uniform(0.0f, 1.0f) / 63);
+        }
+        for (int part = 0; part < 2; part++) {
+            double *dst = (part ? m->b : m->a) + r * n_cols;
+            if (part && dmin_off(t) < 0) {
+                memset(dst, 0, (size_t)n_cols * sizeof(double));
+                continue;
+            }
+            memcpy(row, p, rb);
+            const int zero_off = part ? d_off(t) : dmin_off(t); /* the part left out */
+            for (int64_t b = 0; zero_off >= 0 && b < n_cols / info->blck; b++)
+                put_half(row + (size_t)b * bs + zero_off, 0.0f);
+            if (kn_dequant_row(t, row, tmp, n_cols)) return -1;
+            for (int64_t e = 0; e < n_cols; e++)
+                dst[e] = tmp[e];
+        }
+    }
+    free(tmp);
+    free(row);
+    m->w = (kn_mat){
+        .type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = stride, .data = m->buf};
+    return 0;
+}
+
+static void free_mat(q_mat *m)
+{
+    free(m->buf);
+    free(m->a);
+    free(m->b);
+}
+
+/* x (m, n): uniform in [-s, s] with s varying by row and block, row 0's first 32 zero
+ * (the d = 0 case). */
+static float *make_x(int64_t m, int64_t n)
+{
+    float *x = malloc((size_t)(m * n) * sizeof(float));
+    if (!x) return NULL;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t e = 0; e < n; e++) {
+            const float s = (float)(1 + i % 3) * (e % 512 < 256 ? 1.0f : 0.01f);
+            x[i * n + e] = i == 0 && e < 32 ? 0.0f : rng_uniform(-s, s);
+        }
+    return x;
+}
+
+/* xd, q (m, n): the scale and the quant of every element of the quantized rows xq; checks
+ * the quantization rule (|q| <= 127, |x - d q| <= d / 2, the bsums). Returns failures. */
+static int64_t unpack_x(td_dtype t, const float *x, const uint8_t *xq, int64_t m, int64_t n,
+                        double *xd, int *q)
+{
+    const int is_k = t == TD_Q4_K || t == TD_Q6_K, bl = is_k ? 256 : 32;
+    const size_t bsz = is_k ? sizeof(kn_q8k) : sizeof(kn_q8b);
+    int64_t fails = 0;
+    for (int64_t b = 0; b < m * n / bl; b++) {
+        const uint8_t *blk = xq + (size_t)b * bsz;
+        const float d = is_k ? ((const kn_q8k *)blk)->d : ((const kn_q8b *)blk)->d;
+        const int8_t *qs = is_k ? ((const kn_q8k *)blk)->qs : ((const kn_q8b *)blk)->qs;
+        for (int k = 0; k < bl; k++) {
+            const int64_t e = b * bl + k;
+            xd[e] = d;
+            q[e] = qs[k];
+            if (q[e] < -127 || fabs((double)x[e] - (double)d * q[e]) > d * 0.5 * (1 + 1e-6))
+                fails++;
+        }
+        for (int g = 0; is_k && g < 16; g++) {
+            int s = 0;
+            for (int k = 0; k < 16; k++)
+                s += qs[16 * g + k];
+            fails += s != ((const kn_q8k *)blk)->bsums[g];
+        }
+    }
+    return fails;
+}
+
+static kn_cpu *cpus[3]; /* 1, 2 and 3 threads */
+
+static int matmul_act(kn_cpu *c, bool q8, const kn_mat *w, const float *x, int64_t m,
+                      int64_t m_solo, float *y)
+{
+    kn_cpu_set_act_q8(c, q8);
+    int rc = kn_cpu_matmul_mixed(c, w, x, m, m_solo, y);
+    kn_cpu_set_act_q8(c, false);
+    return rc;
+}
+
+/* The q8 path of type t on an (n_rows, n_cols) W and m rows of x: against float64 of the
+ * quantized math, within (blocks + 16) 2^-23 sum |xd q| (|a| + |b|) (float rounding of
+ * the scaling and accumulation); against the float32 path within the rounding of x,
+ * sum |w| d / 2, plus 1e-5 sum |w x| (the float32 path's own rounding). Then the same
+ * bits for 1, 2 and 3 threads and for each row of x alone. */
+static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
+{
+    q_mat W;
+    TH_REQUIRE(make_mat(t, n_rows, n_cols, &W) == 0);
+    float *x = make_x(m, n_cols), *y = malloc((size_t)(m * n_rows) * sizeof(float));
+    float *y32 = malloc((size_t)(m * n_rows) * sizeof(float));
+    float *yt = malloc((size_t)(m * n_rows) * sizeof(float));
+    uint8_t *xq = malloc((size_t)m * kn_q8_row_bytes(t, n_cols));
+    double *xd = malloc((size_t)(m * n_cols) * sizeof(double));
+    int *q = malloc((size_t)(m * n_cols) * sizeof(int));
+    TH_REQUIRE(x && y && y32 && yt && xq && xd && q);
+    kn_q8_quant_rows(t, x, m, n_cols, xq);
+    TH_CHECK(unpack_x(t, x, xq, m, n_cols, xd, q) == 0);
+    TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x, m, 0, y) == 0);
+    TH_REQUIRE(matmul_act(cpus[0], false, &W.w, x, m, 0, y32) == 0);
+    const int64_t nblk = n_cols / td_dtype_get((uint32_t)t)->blck;
+    int64_t fails = 0;
+    double worst_ref = 0, worst_f32 = 0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n_rows; r++) {
+            double ref = 0, s = 0, dx = 0, wx = 0;
+            for (int64_t e = 0; e < n_cols; e++) {
+                const double a = W.a[r * n_cols + e], b = W.b[r * n_cols + e];
+                const double xv = xd[i * n_cols + e] * q[i * n_cols + e];
+                ref += (a + b) * xv;
+                s += (fabs(a) + fabs(b)) * fabs(xv);
+                dx += fabs(a + b) * xd[i * n_cols + e] * 0.5;
+                wx += fabs((a + b) * x[i * n_cols + e]);
+            }
+            const double b1 = (double)(nblk + 16) * 0x1p-23 * s + 1e-30, b2 = dx + 1e-5 * wx + b1;
+            const double e1 = fabs(y[i * n_rows + r] - ref),
+                         e2 = fabs((double)y[i * n_rows + r] - y32[i * n_rows + r]);
+            fails += !(e1 <= b1) + !(e2 <= b2);
+            if (e1 / b1 > worst_ref) worst_ref = e1 / b1;
+            if (wx > 0 && e2 / wx > worst_f32) worst_f32 = e2 / wx;
+        }
+    fprintf(
+        stderr, "%s %lldx%lld m %lld: error / bound vs float64 %.3g, |q8 - f32| / sum|w x| %.3g\n",
+        td_dtype_name(t), (long long)n_rows, (long long)n_cols, (long long)m, worst_ref, worst_f32);
+    TH_CHECKF(fails == 0, "%s: %lld outputs out of bounds", td_dtype_name(t), (long long)fails);
+    for (int k = 1; k < 3; k++) {
+        TH_REQUIRE(matmul_act(cpus[k], true, &W.w, x, m, 0, yt) == 0);
+        TH_CHECK(memcmp(y, yt, (size_t)(m * n_rows) * sizeof(float)) == 0);
+    }
+    for (int64_t i = 0; i < m; i++) {
+        TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x + i * n_cols, 1, 0, yt) == 0);
+        TH_CHECK(memcmp(y + i * n_rows, yt, (size_t)n_rows * sizeof(float)) == 0);
+    }
+    free(x), free(y), free(y32), free(yt), free(xq), free(xd), free(q);
+    free_mat(&W);
+}
+
+static void test_q8_dots(void)
+{
+    for (int k = 0; k < N_QTYPES; k++) {
+        const td_dtype t = qtypes[k];
+        const int64_t bl = td_dtype_get((uint32_t)t)->blck;
+        check_type(t, 37, 5 * 256, 1);
+        check_type(t, 37, 5 * 256, 6);
+        check_type(t, 9, bl == 32 ? 96 : 256, 3);
+    }
+}
+
+/* matmul_mixed with the batch rows on the gemm path: the solo rows get the bits of m == 1
+ * in q8, the batch rows the float32 path's bits; the mode off gives the float32 bits of a
+ * backend that never had it on; a type without integer dots (Q4_1) keeps float32. */
+static void test_mixed_and_off(void)
+{
+    const td_dtype types[] = {TD_Q4_K, TD_Q5_0, TD_Q4_1};
+    for (int k = 0; k < 3; k++) {
+        const td_dtype t = types[k];
+        const int64_t n_rows = 24, n_cols = 512, m = 70, solo = 3;
+        q_mat W;
+        if (t == TD_Q4_1) {
+            /* random quants, d and m halves 0.01 */
+            const size_t rb = td_dtype_row_bytes(t, n_cols);
+            W.buf = malloc(rb * (size_t)n_rows), W.a = W.b = NULL;
+            TH_REQUIRE(W.buf);
+            for (size_t i = 0; i < rb * (size_t)n_rows; i++)
+                W.buf[i] = (uint8_t)rng_u32();
+            for (size_t b = 0; b < rb * (size_t)n_rows / 20; b++)
+                put_half(W.buf + 20 * b, 0.01f), put_half(W.buf + 20 * b + 2, 0.01f);
+            W.w = (kn_mat){
+                .type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = rb, .data = W.buf};
+        } else {
+            TH_REQUIRE(make_mat(t, n_rows, n_cols, &W) == 0);
+        }
+        float *x = make_x(m, n_cols), *y = malloc((size_t)(m * n_rows) * sizeof(float));
+        float *y32 = malloc((size_t)(m * n_rows) * sizeof(float)), *y1 = malloc(n_rows * 4);
+        kn_cpu *fresh = NULL;
+        TH_REQUIRE(x && y && y32 && y1 && kn_cpu_create(2, &fresh) == 0);
+        TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x, m, solo, y) == 0);
+        TH_REQUIRE(kn_cpu_matmul_mixed(fresh, &W.w, x, m, solo, y32) == 0);
+        for (int64_t i = 0; i < solo; i++) {
+            TH_REQUIRE(matmul_act(cpus[2], true, &W.w, x + i * n_cols, 1, 0, y1) == 0);
+            TH_CHECK(memcmp(y + i * n_rows, y1, (size_t)n_rows * sizeof(float)) == 0);
+        }
+        const size_t nb = (size_t)((m - solo) * n_rows) * sizeof(float);
+        TH_CHECK(memcmp(y + solo * n_rows, y32 + solo * n_rows, nb) == 0);
+        TH_CHECK((t == TD_Q4_1) == !memcmp(y, y32, (size_t)(solo * n_rows) * sizeof(float)));
+        /* on, then off again: the float32 bits, dot and gemm paths */
+        TH_REQUIRE(matmul_act(cpus[1], false, &W.w, x, m, solo, y) == 0);
+        TH_CHECK(memcmp(y, y32, (size_t)(m * n_rows) * sizeof(float)) == 0);
+        TH_REQUIRE(kn_cpu_matmul(cpus[1], &W.w, x, 5, y) == 0);
+        TH_REQUIRE(kn_cpu_matmul(fresh, &W.w, x, 5, y32) == 0);
+        TH_CHECK(memcmp(y, y32, (size_t)(5 * n_rows) * sizeof(float)) == 0);
+        kn_cpu_destroy(fresh);
+        free(x), free(y), free(y32), free(y1), free(W.buf), free(W.a);
+        if (W.b != W.a) free(W.b);
+    }
+}
+
+static void test_env(void)
+{
+    kn_cpu *c = NULL;
+    TH_REQUIRE(setenv("TANDEM_CPU_ACT", "q8", 1) == 0);
+    TH_REQUIRE(kn_cpu_create(1, &c) == 0);
+    TH_CHECK(kn_cpu_act_q8(c));
+    kn_cpu_set_act_q8(c, false);
+    TH_CHECK(!kn_cpu_act_q8(c));
+    kn_cpu_destroy(c);
+    TH_REQUIRE(setenv("TANDEM_CPU_ACT", "f32", 1) == 0);
+    TH_REQUIRE(kn_cpu_create(1, &c) == 0);
+    TH_CHECK(!kn_cpu_act_q8(c));
+    kn_cpu_destroy(c);
+    TH_REQUIRE(setenv("TANDEM_CPU_ACT", "q4", 1) == 0);
+    c = NULL;
+    TH_CHECK(kn_cpu_create(1, &c) == TD_EINVAL && c == NULL);
+    unsetenv("TANDEM_CPU_ACT");
+    TH_REQUIRE(kn_cpu_create(1, &c) == 0);
+    TH_CHECK(!kn_cpu_act_q8(c));
+    kn_cpu_destroy(c);
+}
+
+int main(void)
+{
+    unsetenv("TANDEM_CPU_ACT");
+    for (int i = 0; i < 3; i++)
+        if (kn_cpu_create(i + 1, &cpus[i])) {
+            fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);
+            return 1;
+        }
+    fprintf(stderr, "isa %s\n", kn_cpu_isa());
+    TH_RUN(test_q8_dots);
+    TH_RUN(test_mixed_and_off);
+    TH_RUN(test_env);
+    for (int i = 0; i < 3; i++)
+        kn_cpu_destroy(cpus[i]);
+    TH_EXIT();
+}
