@@ -362,6 +362,7 @@ void dc_serve_health(dc_node *n)
     h.kv_blocks_free = (uint32_t)st.kv_blocks_free;
     h.kv_block_size = (uint32_t)n->kv->block_size;
     h.uptime_ms = (uint64_t)(td_now_ms() - n->started_ms);
+    h.num_preemptions = st.preemptions;
     /* alive but not ready while forming: the router keeps polling and sends nothing */
     h.ready = !n->forming && !n->stopping && !n->draining;
     td_ctrl_server_set_health(n->srv, &h);

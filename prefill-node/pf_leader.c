@@ -36,7 +36,9 @@ typedef struct pf_job {
     int fail_stage;
     int32_t first_token;
     int64_t t_submit_ms, t_start_ms, t_end_ms;
-    int32_t *chunk_sizes; /* (cap_chunks) tokens of each chunk so far */
+    uint64_t kv_bytes;                  /* the stages' reports summed */
+    uint32_t kv_xfer_us, kv_exposed_us; /* the largest of the stages' reports */
+    int32_t *chunk_sizes;               /* (cap_chunks) tokens of each chunk so far */
     uint32_t cap_chunks;
     struct pf_job *next;
 } pf_job;
@@ -127,6 +129,9 @@ static void finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
         pd.chunk_sizes = (uint32_t *)j->chunk_sizes;
         pd.queued_ms = (uint64_t)(j->t_start_ms - j->t_submit_ms);
         pd.prefill_ms = (uint64_t)(j->t_end_ms - j->t_start_ms);
+        pd.kv_bytes = j->kv_bytes;
+        pd.kv_transfer_us = j->kv_xfer_us;
+        pd.kv_exposed_us = j->kv_exposed_us;
         char sizes[256];
         int off = 0;
         for (uint32_t i = 0; i < j->n_chunks && off < (int)sizeof sizes - 16; i++)
@@ -178,8 +183,11 @@ static void on_report(pf_leader *ld, const pf_report *r)
         return; /* an old formation's */
     pf_job *j = find_job(ld, r->req_id);
     if (!j || !j->emitted) return;
+    if (!(j->reported & 1ull << r->stage)) j->kv_bytes += r->kv_bytes; /* once per stage */
     j->reported |= 1ull << r->stage;
     if (r->end_ms > j->t_end_ms) j->t_end_ms = r->end_ms;
+    if (r->kv_xfer_us > j->kv_xfer_us) j->kv_xfer_us = r->kv_xfer_us;
+    if (r->kv_exposed_us > j->kv_exposed_us) j->kv_exposed_us = r->kv_exposed_us;
     if (r->status && !j->err) {
         j->err = r->status;
         j->fail_reason = r->reason;

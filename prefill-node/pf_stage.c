@@ -284,20 +284,36 @@ bool pf_stage_take_report(pf_stage *st, pf_report *out)
     return true;
 }
 
+static uint32_t us_of(int64_t ns)
+{
+    return ns <= 0 ? 0 : ns / 1000 > UINT32_MAX ? UINT32_MAX : (uint32_t)(ns / 1000);
+}
+
 /* One line per request (debug: one per chunk) about its KV transfer: how much of the
  * transfer time (from a chunk handed to kvxfer to its KV landed in every decode rank)
  * passed while this stage was still computing the request's later chunks, i.e. was hidden
  * behind compute. The chunk lines are what tests/prefill checks chunk-by-chunk transfer
- * with: chunk k landed before chunk k + 1's compute ended. */
-static void log_transfer(pf_stage *st, const pf_req *r, const kvx_pf_status *s)
+ * with: chunk k landed before chunk k + 1's compute ended. Fills rep's KV figures (the
+ * router's metrics): bytes, the union of the chunks' in-flight intervals [issued, landed]
+ * (chunks are issued in order, so one sweep merges them), and the exposed tail from the
+ * last chunk's compute end to the last landing. */
+static void log_transfer(pf_stage *st, const pf_req *r, const kvx_pf_status *s, pf_report *rep)
 {
+    rep->kv_bytes = s->bytes;
     uint32_t nc = r->n_chunks < r->cap_chunks ? r->n_chunks : r->cap_chunks;
     if (!nc) return;
     int64_t last_end = r->comp_end_ns[nc - 1];
     double total = 0, hidden = 0;
+    int64_t busy = 0, cover = 0, last_landed = 0; /* ns */
     for (uint32_t k = 0; k < nc; k++) {
         kvx_chunk_times t;
         if (kvx_pf_chunk_times(st->kvx, r->id, k, &t) || !t.landed_ns) continue;
+        int64_t from = (int64_t)(t.issued_ns ? t.issued_ns : t.handed_ns),
+                to = (int64_t)t.landed_ns;
+        if (from < cover) from = cover;
+        if (to > from) busy += to - from;
+        if (to > cover) cover = to;
+        if (to > last_landed) last_landed = to;
         double span = (double)(t.landed_ns - t.handed_ns);
         double before = (double)last_end - (double)t.handed_ns;
         total += span;
@@ -313,6 +329,8 @@ static void log_transfer(pf_stage *st, const pf_req *r, const kvx_pf_status *s)
                 st->p->instance, st->stage, (unsigned long long)r->id, r->n_prompt, r->n_chunks,
                 (double)s->bytes / (1 << 20), (unsigned long long)s->puts, total / 1e6,
                 total > 0 ? 100.0 * hidden / total : 0.0);
+    rep->kv_xfer_us = us_of(busy);
+    rep->kv_exposed_us = us_of(last_landed - last_end);
 }
 
 /* A request's KV transfer passed its deadline on this stage: say where the time went. The
@@ -356,7 +374,7 @@ static bool req_over(pf_stage *st, pf_req *r, pf_report *rep)
         rep->status = r->fail_err ? r->fail_err : s.err ? s.err : TD_EIO;
         rep->reason = (uint32_t)s.reason;
     } else
-        log_transfer(st, r, &s);
+        log_transfer(st, r, &s, rep);
     kvx_pf_release(st->kvx, r->id);
     return true;
 }

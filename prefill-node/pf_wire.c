@@ -256,6 +256,9 @@ void pf_wire_report_write(uint8_t b[PF_REPORT_BYTES], const pf_report *r)
     put32(b + 32, (uint32_t)r->first_token);
     put32(b + 36, r->reason);
     put64(b + 40, (uint64_t)r->end_ms);
+    put64(b + 48, r->kv_bytes);
+    put32(b + 56, r->kv_xfer_us);
+    put32(b + 60, r->kv_exposed_us);
 }
 
 int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
@@ -271,5 +274,8 @@ int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
     out->first_token = (int32_t)get32(b + 32);
     out->reason = get32(b + 36);
     out->end_ms = (int64_t)get64(b + 40);
+    out->kv_bytes = get64(b + 48);
+    out->kv_xfer_us = get32(b + 56);
+    out->kv_exposed_us = get32(b + 60);
     return 0;
 }

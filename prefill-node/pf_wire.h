@@ -25,7 +25,7 @@
 #include "td_sampling.h"
 
 #define PF_WIRE_MAGIC   0x46504454u /* "TDPF" */
-#define PF_WIRE_VERSION 3u
+#define PF_WIRE_VERSION 4u
 #define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
 #define PF_MAX_TARGETS  64 /* decode ranks of one request */
 
@@ -95,9 +95,13 @@ typedef struct {
     int32_t first_token; /* last stage: the sampled first token; else -1 */
     uint32_t reason;     /* kvx_fail_reason when status != 0 */
     int64_t end_ms;      /* td_now_ms when the transfer ended */
+    /* the stage's KV push, for the router's metrics (0 when the transfer failed) */
+    uint64_t kv_bytes;      /* bytes put to the decode ranks */
+    uint32_t kv_xfer_us;    /* time some of its puts were in flight (issued to landed) */
+    uint32_t kv_exposed_us; /* its last chunk's compute end to its last chunk landing */
 } pf_report;
 
-#define PF_REPORT_BYTES 48
+#define PF_REPORT_BYTES 64 /* <= PF_LINK_REPORT_MAX */
 void pf_wire_report_write(uint8_t buf[PF_REPORT_BYTES], const pf_report *r);
 int pf_wire_report_parse(const void *buf, size_t len, pf_report *out);
 

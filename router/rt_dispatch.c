@@ -215,6 +215,7 @@ static int submit(rt_router *r, rt_req *q, int i)
     if (rc) return rc;
     q->loop.inst = i;
     q->loop.state = RT_ST_SUBMITTED;
+    if (!q->loop.t_dispatch_ms) q->loop.t_dispatch_ms = td_now_ms();
     s->active++;
     return 0;
 }

@@ -208,6 +208,10 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
     if (t->n_token_ids) {
         if (!q->loop.t_first_ms) q->loop.t_first_ms = now;
         q->loop.t_last_ms = now;
+        int64_t ns = td_now_ns();
+        if (q->loop.t_tok_ns)
+            rt_metrics_itl(&r->metrics, (double)(ns - q->loop.t_tok_ns) / 1e9, (int)t->n_token_ids);
+        q->loop.t_tok_ns = ns;
         if (q->loop.lost_ms) {
             TD_LOG_INFO("router: %s: moved: the stream goes on %lld ms after its decode side "
                         "was lost",
@@ -434,11 +438,13 @@ static void publish_metrics(rt_router *r)
     pthread_mutex_lock(&m->mu);
     for (int i = 0; i < r->reg.n && i < m->n_inst; i++) {
         const rt_inst *s = &r->reg.inst[i];
-        m->inst[i] = (rt_inst_gauge){.running = s->running,
-                                     .waiting = s->waiting,
-                                     .kv_used = s->kv_used,
-                                     .kv_free = s->kv_free,
-                                     .alive = s->alive};
+        rt_metrics_publish_inst(m, i,
+                                &(rt_inst_gauge){.running = s->running,
+                                                 .waiting = s->waiting,
+                                                 .kv_used = s->kv_used,
+                                                 .kv_free = s->kv_free,
+                                                 .preemptions = s->preemptions,
+                                                 .alive = s->alive});
     }
     for (int j = 0; j < r->reg.n_pf && j < m->n_pf; j++) {
         const rt_inst *s = &r->reg.pf[j];

@@ -184,6 +184,7 @@ int main(int argc, char **argv)
     if (!rc) r->max_body = rt_max_body(r->cfg);
     if (!rc) rc = load_model(r);
     if (!rc) rc = rt_metrics_init(&r->metrics, r->cfg->n_decode, r->cfg->n_prefill);
+    if (!rc) rt_metrics_set_model(&r->metrics, r->model.name, r->model.n_ctx);
     if (!rc) rc = rt_loop_start(r);
     if (!rc) rc = rt_http_start(r, host, port);
     if (!rc) {

@@ -11,6 +11,7 @@
  * failures{reason},busy{side}}_total, the histograms tandem_router_prefill_chunk_size_tokens,
  * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds, and per prefill
  * instance tandem_prefill_instance_{up,queued_prompt_tokens,running,waiting,requests}.
+ * The vLLM- and SGLang-named series are rt_metrics_vllm.c's.
  * Threading: every function takes m->mu; any thread may call them. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,15 +22,18 @@
 #include "td_err.h"
 
 /* upper bounds in seconds; the last bucket is +Inf */
-static const double LAT_BOUNDS[RT_HIST_BUCKETS] = {0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,
-                                                   0.5,   0.75, 1.0,  2.5,  5.0,  10.0, 30.0, 60.0};
-static const double TPOT_BOUNDS[RT_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.015, 0.02,
-                                                    0.025, 0.03,   0.04,  0.05, 0.075, 0.1,
-                                                    0.15,  0.2,    0.5,   1.0};
+static const double LAT_LE[RT_HIST_BUCKETS] = {0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,
+                                               0.5,   0.75, 1.0,  2.5,  5.0,  10.0, 30.0, 60.0};
+static const double TPOT_LE[RT_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.015, 0.02,
+                                                0.025, 0.03,   0.04,  0.05, 0.075, 0.1,
+                                                0.15,  0.2,    0.5,   1.0};
 
 /* tokens; chunk sizes are aligned to max(block size, 64) by the prefill planner */
-static const double CHUNK_BOUNDS[RT_HIST_BUCKETS] = {
-    16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192, 16384};
+static const double CHUNK_LE[RT_HIST_BUCKETS] = {16,  32,   64,   128,  192,  256,  384,  512,
+                                                 768, 1024, 1536, 2048, 3072, 4096, 8192, 16384};
+#define LAT_BOUNDS   ((rt_bounds){LAT_LE, RT_HIST_BUCKETS})
+#define TPOT_BOUNDS  ((rt_bounds){TPOT_LE, RT_HIST_BUCKETS})
+#define CHUNK_BOUNDS ((rt_bounds){CHUNK_LE, RT_HIST_BUCKETS})
 
 int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
 {
@@ -38,7 +42,11 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
     m->inst = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->inst);
     m->pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->pf);
     m->http = calloc((size_t)RT_PATH_N * 600, sizeof *m->http);
-    if (!m->inst || !m->pf || !m->http) return TD_ENOMEM;
+    m->v.preempt_total = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_total);
+    m->v.preempt_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_last);
+    rt_metrics_set_model(m, "", 0);
+    if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last)
+        return TD_ENOMEM;
     m->n_inst = n_inst;
     m->n_pf = n_pf;
     return 0;
@@ -49,6 +57,9 @@ void rt_metrics_fini(rt_metrics *m)
     free(m->inst);
     free(m->pf);
     free(m->http);
+    free(m->v.preempt_total);
+    free(m->v.preempt_last);
+    m->v.preempt_total = m->v.preempt_last = NULL;
     m->inst = NULL;
     m->pf = NULL;
     m->http = NULL;
@@ -71,20 +82,22 @@ void rt_metrics_http(rt_metrics *m, rt_path path, int status)
     pthread_mutex_unlock(&m->mu);
 }
 
-static void observe(rt_hist *h, const double *bounds, double v)
+void rt_hist_observe(rt_hist *h, rt_bounds bd, double v)
 {
     int b = 0;
-    while (b < RT_HIST_BUCKETS && v > bounds[b])
+    while (b < bd.n && v > bd.le[b])
         b++;
     h->counts[b]++;
     h->sum += v;
     h->n++;
 }
+#define observe rt_hist_observe
 
 /* Router overhead on the token path: tens of microseconds when healthy. */
-static const double WRITE_BOUNDS[RT_HIST_BUCKETS] = {
+static const double WRITE_LE[RT_HIST_BUCKETS] = {
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
     0.005,   0.01,     0.025,   0.05,   0.1,     0.25,   0.5,   1.0};
+#define WRITE_BOUNDS ((rt_bounds){WRITE_LE, RT_HIST_BUCKETS})
 
 void rt_metrics_write_delay(rt_metrics *m, double seconds)
 {
@@ -100,6 +113,7 @@ void rt_metrics_prefill_done(rt_metrics *m, const Td__PrefillDone *d)
         observe(&m->chunk, CHUNK_BOUNDS, (double)d->chunk_sizes[k]);
     observe(&m->pf_time, LAT_BOUNDS, (double)d->prefill_ms / 1000.0);
     observe(&m->pf_queued, LAT_BOUNDS, (double)d->queued_ms / 1000.0);
+    rt_metrics_vllm_kv(m, d);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -172,11 +186,10 @@ static void record_finished(rt_metrics *m, const rt_req *q, int64_t now_ms)
 void rt_metrics_request_end(rt_metrics *m, const td_cfg *cfg, const rt_req *q, int64_t now_ms,
                             int status, const char *outcome)
 {
-    if (status == 200) {
-        pthread_mutex_lock(&m->mu);
-        record_finished(m, q, now_ms);
-        pthread_mutex_unlock(&m->mu);
-    }
+    pthread_mutex_lock(&m->mu);
+    if (status == 200) record_finished(m, q, now_ms);
+    rt_metrics_vllm_end(m, q, now_ms, status, outcome);
+    pthread_mutex_unlock(&m->mu);
     /* q->p, oid and the times are immutable or loop-owned: no lock needed on the loop */
     char ttft[24] = "-", where[160] = "";
     if (q->loop.t_first_ms)
@@ -198,28 +211,35 @@ void rt_metrics_request_end(rt_metrics *m, const td_cfg *cfg, const rt_req *q, i
                 (long long)(now_ms - q->t_arrive_ms), where);
 }
 
-static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist *h,
-                    const double *bounds)
+int rt_hist_render(rt_buf *b, const char *name, const char *help, const char *labels,
+                   const rt_hist *h, rt_bounds bd, double scale)
 {
-    char line[256];
+    char line[1024];
+    const char *sep = labels[0] ? "," : "";
     int rc = 0;
     snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     rc |= rt_buf_puts(b, line);
     uint64_t cum = 0;
-    for (int i = 0; i <= RT_HIST_BUCKETS; i++) {
+    for (int i = 0; i <= bd.n; i++) {
         cum += h->counts[i];
-        if (i < RT_HIST_BUCKETS)
-            snprintf(line, sizeof line, "%s_bucket{le=\"%g\"} %llu\n", name, bounds[i],
-                     (unsigned long long)cum);
+        if (i < bd.n)
+            snprintf(line, sizeof line, "%s_bucket{%s%sle=\"%.15g\"} %llu\n", name, labels, sep,
+                     bd.le[i] * scale, (unsigned long long)cum);
         else
-            snprintf(line, sizeof line, "%s_bucket{le=\"+Inf\"} %llu\n", name,
+            snprintf(line, sizeof line, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep,
                      (unsigned long long)cum);
         rc |= rt_buf_puts(b, line);
     }
-    snprintf(line, sizeof line, "%s_sum %.6f\n%s_count %llu\n", name, h->sum, name,
-             (unsigned long long)h->n);
+    const char *lb = labels[0] ? "{" : "", *rb = labels[0] ? "}" : "";
+    snprintf(line, sizeof line, "%s_sum%s%s%s %.15g\n%s_count%s%s%s %llu\n", name, lb, labels, rb,
+             h->sum * scale, name, lb, labels, rb, (unsigned long long)h->n);
     rc |= rt_buf_puts(b, line);
     return rc;
+}
+
+static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist *h, rt_bounds bd)
+{
+    return rt_hist_render(b, name, help, "", h, bd, 1.0);
 }
 
 /* The disaggregated-mode series (caller holds m->mu). */
@@ -446,6 +466,7 @@ char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg)
     rc |= render_counters(&b, m);
     rc |= render_decode(&b, m, cfg);
     if (m->n_pf > 0) rc |= render_prefill(&b, m, cfg);
+    rc |= rt_metrics_vllm_render(&b, m, cfg);
     pthread_mutex_unlock(&m->mu);
     if (rc) {
         rt_buf_free(&b);

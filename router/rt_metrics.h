@@ -8,6 +8,8 @@
  * Threading: every function takes rt_metrics.mu; any thread may call them
  * (rt_metrics_request_end: the loop thread, before the request is retired).
  * Ownership: rt_metrics owns its gauge arrays (rt_metrics_fini).
+ * Names: tandem_* (rt_metrics.c) and the vLLM / SGLang names that stock dashboards query
+ * (rt_metrics_vllm.c; docs/api.md has the mapping).
  */
 #ifndef RT_METRICS_H
 #define RT_METRICS_H
@@ -20,18 +22,46 @@
 #include "ctrl.h"
 #include "rt_req.h"
 
-#define RT_HIST_BUCKETS 16
+#define RT_HIST_BUCKETS 16 /* the tandem_* histograms' */
+#define RT_HIST_MAX     24 /* the most finite buckets of any histogram */
 
 typedef struct {
-    uint64_t counts[RT_HIST_BUCKETS + 1]; /* per bucket, last: +Inf */
+    uint64_t counts[RT_HIST_MAX + 1]; /* per bucket, the one after the last bound: +Inf */
     double sum;
     uint64_t n;
 } rt_hist;
 
+/* A histogram's finite upper bounds, ascending (n <= RT_HIST_MAX). */
+typedef struct {
+    const double *le;
+    int n;
+} rt_bounds;
+
 typedef struct {
     uint32_t running, waiting, kv_used, kv_free;
+    uint64_t preemptions; /* as the instance last reported it (Health.num_preemptions) */
     bool alive;
 } rt_inst_gauge;
+
+/* vllm:request_success_total's finished_reason label. */
+typedef enum { RT_FR_STOP = 0, RT_FR_LENGTH, RT_FR_ABORT, RT_FR_N } rt_fin_reason;
+
+/* The series named after vLLM's and SGLang's (rt_metrics_vllm.c). */
+typedef struct {
+    char model[520];            /* model_name="...", escaped (rt_metrics_set_model) */
+    double tok_le[RT_HIST_MAX]; /* tokens: vLLM's 1-2-5 bounds up to the context length */
+    int n_tok_le;
+    rt_hist ttft, itl, e2e;         /* seconds; itl: one observation per token after the first */
+    rt_hist queue, prefill, decode; /* seconds: arrival -> dispatch -> first token -> last */
+    rt_hist inference, tpot_req;    /* seconds: prefill + decode; per request (last-first)/(n-1) */
+    rt_hist prompt, gen;            /* tokens per finished request */
+    uint64_t success[RT_FR_N];      /* ended requests by finish reason */
+    uint64_t prompt_tokens, gen_tokens; /* every request's (prefilled prompts, received tokens) */
+    uint64_t *preempt_total;            /* (n_inst) preemptions seen, across instance restarts */
+    uint64_t *preempt_last;             /* (n_inst) the last reported count */
+    rt_hist kv_s, kv_exposed_s;         /* seconds: PrefillDone.kv_transfer_us, kv_exposed_us */
+    rt_hist kv_bytes, kv_bw;            /* bytes; bytes per second (bytes / kv_transfer_us) */
+} rt_vmetrics;
 
 typedef struct {
     uint64_t queued_tokens;
@@ -83,10 +113,14 @@ typedef struct {
     int n_pf;
     uint64_t *http; /* (RT_PATH_N, 600) responses to non-generation requests by path and
                       status (rt_metrics_http) */
+    rt_vmetrics v;
 } rt_metrics;
 
 int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf);
 void rt_metrics_fini(rt_metrics *m);
+/* The served model: the model_name label, and the token histograms' bounds (1, 2, 5, 10, ...
+ * up to n_ctx). Before the loop starts. */
+void rt_metrics_set_model(rt_metrics *m, const char *name, int32_t n_ctx);
 void rt_metrics_status(rt_metrics *m, int status);
 void rt_metrics_write_delay(rt_metrics *m, double seconds);
 void rt_metrics_prefill_done(rt_metrics *m, const Td__PrefillDone *d);
@@ -103,6 +137,24 @@ void rt_metrics_eviction(rt_metrics *m);
 /* A request moved (rt_loop_lose); a moved request's next token came `pause` s after. */
 void rt_metrics_migration(rt_metrics *m);
 void rt_metrics_migrated(rt_metrics *m, double pause);
+/* Tokens arrived: k of them, `gap` seconds after the request's previous tokens (its first
+ * tokens are not reported): k inter-token latencies of gap / k each. */
+void rt_metrics_itl(rt_metrics *m, double gap, int k);
+/* Decode instance i's figures from the loop (caller holds m->mu): stores g and counts the
+ * preemptions it reports since the last call (a smaller count: the instance restarted). */
+void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g);
+/* Histogram helpers shared by rt_metrics.c and rt_metrics_vllm.c. rt_hist_render writes
+ * one histogram series (labels: "" or `k="v",...`), bounds and sum multiplied by scale (a
+ * unit change: 1000 renders seconds as milliseconds). 0 or TD_ENOMEM. */
+void rt_hist_observe(rt_hist *h, rt_bounds bd, double v);
+int rt_hist_render(rt_buf *b, const char *name, const char *help, const char *labels,
+                   const rt_hist *h, rt_bounds bd, double scale);
+/* rt_metrics_vllm.c, caller holds m->mu: a request ended (as rt_metrics_request_end); a
+ * PrefillDone's KV figures; the vLLM/SGLang-named series. */
+void rt_metrics_vllm_end(rt_metrics *m, const rt_req *q, int64_t now_ms, int status,
+                         const char *outcome);
+void rt_metrics_vllm_kv(rt_metrics *m, const Td__PrefillDone *d);
+int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg);
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg);
 /* Non-generation paths, counted apart from the API (generation) requests. */

@@ -307,6 +307,7 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     q->pair.attempts++;
     q->loop.inst = d;
     q->loop.state = RT_ST_SUBMITTED;
+    if (!q->loop.t_dispatch_ms) q->loop.t_dispatch_ms = now;
     q->loop.call_id = acall;
     ds->active++;
     q->pair.pinst = p;

@@ -96,6 +96,7 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         s->kv_used = h->kv_blocks_used;
         s->kv_free = h->kv_blocks_free;
         s->queued_tokens = h->queued_prompt_tokens;
+        s->preemptions = h->num_preemptions;
     }
     s->alive = s->ready;
     return s->alive && !was;

@@ -79,6 +79,8 @@ typedef struct {
     bool stop_hit;  /* a stop string matched: the rest of the text is dropped */
     int n_gen;      /* tokens received */
     int64_t t_first_ms, t_last_ms;
+    int64_t t_dispatch_ms; /* first sent to an instance (metrics: queue time), 0 not yet */
+    int64_t t_tok_ns;      /* td_now_ns of its latest tokens (metrics: inter-token latency) */
 
     /* migration (rt_dispatch.c, "lost"): a request whose decode side was lost continues on
        another attempt from the prompt plus the tokens already received */

@@ -7,6 +7,9 @@
 #   router_http      raw HTTP: SSE bytes, keep-alive, 256 concurrent streams, the bad-request
 #                    table, API key, bounded fuzz (TANDEM_HTTP_FUZZ_SECONDS, default 20)
 #   router_faults    client disconnect frees KV blocks; decode instance killed and restarted
+#   router_metrics   /metrics after real requests, colocated and disaggregated: the Prometheus
+#                    text format, vLLM/SGLang names and counts, finish reasons, model_name,
+#                    KV-transfer histograms, the scrape cost
 #   router_limits    request deadlines (504), per-client fairness, header/body limits, no
 #                    prompt or key in the log, drain on SIGTERM (decode paused by SIGSTOP)
 #   test_rt_pair     disaggregated mode against scripted fake prefill/decode leaders (C):
@@ -43,6 +46,9 @@ if(TANDEM_PYTHON)
   add_test(NAME router_limits
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_limits.py
                    ${RT_TEST_BINS})
-  set_tests_properties(router_openai router_http router_faults router_limits PROPERTIES
-                       FIXTURES_REQUIRED synth_models TIMEOUT 600)
+  add_test(NAME router_metrics
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_metrics.py
+                   ${RT_TEST_BINS} --prefill $<TARGET_FILE:tandem-prefill>)
+  set_tests_properties(router_openai router_http router_faults router_limits router_metrics
+                       PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
 endif()
