@@ -15,7 +15,8 @@ and by "length" (max_tokens), streamed and not, then scrapes /metrics and checks
   - every vllm:/sglang: series carries model_name = the served model; the per-instance
     gauges carry instance = the decode instance;
   - disaggregated: the KV-transfer histograms count one transfer per request, bytes > 0;
-  - the older tandem_* series are still there;
+  - the older tandem_* series are still there; every series the Grafana dashboard
+    (deploy/grafana/tandem.json) queries is exported (disaggregated);
   - the scrape cost: sequential scrapes' latency (p50/p99) and a streamed request's time
     alone, beside 100 scrapes/s and beside a scraper flat out (printed; coarse bounds).
 
@@ -290,6 +291,14 @@ def check_metrics(tag, text, served, got, usage, decode_names, disagg):
     check(value(samples, "tandem_router_e2e_request_latency_seconds_count") == n and
           value(samples, "tandem_router_requests_total", status="200") == n,
           f"{tag}: the tandem_router_* series are still there and agree")
+    dash = os.path.join(HERE, "..", "..", "deploy", "grafana", "tandem.json")
+    exprs = [t["expr"] for p in json.load(open(dash))["panels"] for t in p["targets"]]
+    used = {family_of(n, types) for e in exprs
+            for n in re.findall(r"(?:vllm:|tandem_|sglang:)[a-zA-Z0-9_:]*", e)}
+    absent = sorted(u for u in used if u not in types)
+    if disagg:  # the dashboard shows both modes; colocated has no KV-transfer series
+        check(not absent, f"{tag}: every series deploy/grafana/tandem.json queries is exported "
+                          f"({len(used)}; absent: {absent})")
     if disagg:
         c = {h: value(samples, h + "_count") for h in KV_HISTS}
         check(all(v == n for v in c.values()), f"{tag}: KV-transfer histograms count the {n} "
