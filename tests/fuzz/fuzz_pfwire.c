@@ -114,7 +114,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         n++;
     }
     if (!n) return 0;
-    size_t cap = pf_wire_chunk_size(n, rows, rows, N_EMBD);
+    size_t cap = pf_wire_chunk_size(segs, n, rows, rows, N_EMBD);
     uint8_t *buf = calloc(1, cap);
     int64_t len = pf_wire_chunk_write(buf, cap, 1, segs, n, ids, N_EMBD);
     if (len < 0 || (size_t)len != cap) abort();
