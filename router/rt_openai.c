@@ -111,6 +111,12 @@ static int parse_stop(json_t *o, rt_params *p, rt_error *e)
 static int tokenize(const rt_model *r, const char *text, size_t len, bool add_special, rt_params *p,
                     rt_error *e)
 {
+    return rt_openai_tokenize(r, text, len, add_special, p, e);
+}
+
+int rt_openai_tokenize(const rt_model *r, const char *text, size_t len, bool add_special,
+                       rt_params *p, rt_error *e)
+{
     int32_t *ids = NULL;
     size_t n = 0;
     int rc = td_tok_encode(r->tok, text, len, add_special, true, &ids, &n);
@@ -178,6 +184,12 @@ static int message_fields(json_t *m, size_t i, rt_error *e)
 
 static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
+    return rt_openai_messages(r, o, true, p, e);
+}
+
+int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt, rt_params *p,
+                       rt_error *e)
+{
     json_t *v = json_object_get(o, "messages");
     if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required");
     if (!json_is_array(v) || json_array_size(v) == 0)
@@ -236,7 +248,7 @@ static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *
     }
     char *text = NULL;
     if (!rc) {
-        int err = td_chat_render(r->tmpl, r->tmpl_len, msgs, n, true, &text);
+        int err = td_chat_render(r->tmpl, r->tmpl_len, msgs, n, add_generation_prompt, &text);
         if (err)
             rc = rt_error_set(e, 500, NULL, NULL, "cannot render the chat template: %s",
                               td_strerror(err));

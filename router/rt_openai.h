@@ -67,6 +67,17 @@ void rt_params_fini(rt_params *p);
 int rt_openai_parse(const rt_model *m, rt_endpoint ep, const char *body, size_t len, rt_params *p,
                     rt_error *e);
 
+/* The parts /tokenize shares with the generation endpoints. Both fill p->prompt and
+ * p->n_prompt (malloc'd; rt_params_fini frees it) or return the HTTP status with e filled.
+ * rt_openai_messages renders o's "messages" with the model's chat template (the template
+ * writes BOS where the model wants one); rt_openai_tokenize encodes text, with control-token
+ * text recognised and, if add_special, BOS/EOS as the model's metadata says. */
+struct json_t;
+int rt_openai_messages(const rt_model *m, struct json_t *o, bool add_generation_prompt,
+                       rt_params *p, rt_error *e);
+int rt_openai_tokenize(const rt_model *m, const char *text, size_t len, bool add_special,
+                       rt_params *p, rt_error *e);
+
 /* /v1/models body (malloc'd). */
 char *rt_openai_models(const rt_model *m);
 /* GET /v1/models/{id}: true when id names the served model (its name, or with .gguf). */
