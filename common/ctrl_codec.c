@@ -132,21 +132,48 @@ void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb)
     pb->skip_samples = s->skip_samples;
     pb->presence_penalty = s->presence_penalty;
     pb->frequency_penalty = s->frequency_penalty;
+    /* the lists are borrowed from s: the proto's repeated fields point into it */
+    if (s->n_logit_bias > 0) {
+        pb->n_logit_bias_ids = pb->n_logit_bias_values = (size_t)s->n_logit_bias;
+        pb->logit_bias_ids = (int32_t *)s->logit_bias_ids;
+        pb->logit_bias_values = (float *)s->logit_bias_values;
+    }
+    pb->min_tokens = (uint32_t)s->min_tokens;
+    if (s->min_tokens > 0 && s->n_min_tokens_ids > 0) {
+        pb->n_min_tokens_ids = (size_t)s->n_min_tokens_ids;
+        pb->min_tokens_ids = (int32_t *)s->min_tokens_ids;
+    }
 }
 
 td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
 {
-    if (!pb) return (td_sampling){0};
-    return (td_sampling){.temperature = pb->temperature,
-                         .top_k = pb->top_k,
-                         .top_p = pb->top_p,
-                         .min_p = pb->min_p,
-                         .repeat_penalty = pb->repeat_penalty,
-                         .repeat_last_n = pb->repeat_last_n,
-                         .seed = pb->seed,
-                         .skip_samples = pb->skip_samples,
-                         .presence_penalty = pb->presence_penalty,
-                         .frequency_penalty = pb->frequency_penalty};
+    td_sampling s = {0};
+    if (!pb) return s;
+    s = (td_sampling){.temperature = pb->temperature,
+                      .top_k = pb->top_k,
+                      .top_p = pb->top_p,
+                      .min_p = pb->min_p,
+                      .repeat_penalty = pb->repeat_penalty,
+                      .repeat_last_n = pb->repeat_last_n,
+                      .seed = pb->seed,
+                      .skip_samples = pb->skip_samples,
+                      .presence_penalty = pb->presence_penalty,
+                      .frequency_penalty = pb->frequency_penalty,
+                      .min_tokens = (int32_t)pb->min_tokens};
+    /* check_sampling bounded the counts; the clamps keep an unchecked message in bounds */
+    size_t nb = pb->n_logit_bias_ids < pb->n_logit_bias_values ? pb->n_logit_bias_ids
+                                                               : pb->n_logit_bias_values;
+    if (nb > TD_MAX_LOGIT_BIAS) nb = TD_MAX_LOGIT_BIAS;
+    if (nb) {
+        memcpy(s.logit_bias_ids, pb->logit_bias_ids, nb * sizeof *s.logit_bias_ids);
+        memcpy(s.logit_bias_values, pb->logit_bias_values, nb * sizeof *s.logit_bias_values);
+    }
+    s.n_logit_bias = (int32_t)nb;
+    size_t nm =
+        pb->n_min_tokens_ids > TD_MAX_MIN_TOKENS_IDS ? TD_MAX_MIN_TOKENS_IDS : pb->n_min_tokens_ids;
+    if (nm) memcpy(s.min_tokens_ids, pb->min_tokens_ids, nm * sizeof *s.min_tokens_ids);
+    s.n_min_tokens_ids = (int32_t)nm;
+    return s;
 }
 
 /* n_prompt: the request's prompt tokens (skip_samples counts tokens among them). */
@@ -162,6 +189,18 @@ static int check_sampling(vctx *v, const Td__Sampling *s, size_t n_prompt)
         return bad(v, TD_EINVAL, "sampling: non-finite parameter");
     if (s->repeat_last_n < 0)
         return bad(v, TD_EINVAL, "sampling: negative repeat_last_n %d", s->repeat_last_n);
+    if (s->n_logit_bias_ids != s->n_logit_bias_values || s->n_logit_bias_ids > TD_MAX_LOGIT_BIAS)
+        return bad(v, TD_ERANGE, "sampling: %zu logit bias ids and %zu values (at most %d)",
+                   s->n_logit_bias_ids, s->n_logit_bias_values, TD_MAX_LOGIT_BIAS);
+    for (size_t i = 0; i < s->n_logit_bias_ids; i++)
+        if (s->logit_bias_ids[i] < 0 || !isfinite(s->logit_bias_values[i]))
+            return bad(v, TD_EINVAL, "sampling: logit bias entry %zu is invalid", i);
+    if (s->n_min_tokens_ids > TD_MAX_MIN_TOKENS_IDS || s->min_tokens > INT32_MAX)
+        return bad(v, TD_ERANGE, "sampling: %zu min_tokens ids (at most %d)", s->n_min_tokens_ids,
+                   TD_MAX_MIN_TOKENS_IDS);
+    for (size_t i = 0; i < s->n_min_tokens_ids; i++)
+        if (s->min_tokens_ids[i] < 0)
+            return bad(v, TD_EINVAL, "sampling: negative min_tokens id %d", s->min_tokens_ids[i]);
     return 0;
 }
 

@@ -4,13 +4,19 @@
  * carries them as proto Sampling (td_ctrl_sampling_to_pb / _from_pb in ctrl.h, the only
  * conversion); the prefill chain's wire format carries them to the last stage; the decode
  * scheduler and the last prefill stage hand them to kn_sampler_init unchanged.
- * Semantics (kernels/sampler.h applies them, in llama.cpp's order): repetition penalty ->
- * presence and frequency penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+ * Semantics (kernels/sampler.h applies them): logit bias and the min_tokens mask (as vLLM,
+ * before everything else) -> repetition penalty -> presence and frequency penalties (llama.cpp's
+ * order from here on) -> top-k -> top-p -> min-p -> temperature -> draw.
+ * Size: the logit bias and the min_tokens ids live inline (fixed caps) so that the struct copies
+ * by value everywhere; the wire formats carry only the entries in use.
  */
 #ifndef TD_SAMPLING_H
 #define TD_SAMPLING_H
 
 #include <stdint.h>
+
+#define TD_MAX_LOGIT_BIAS     300 /* entries of logit_bias (OpenAI's cap) */
+#define TD_MAX_MIN_TOKENS_IDS 96  /* ids masked by min_tokens: stop_token_ids + EOG ids */
 
 typedef struct {
     float temperature;     /* <= 0: greedy */
@@ -28,6 +34,18 @@ typedef struct {
      * the last prefill stage sampled): kn_sampler_init advances the sampler past them, so a
      * seeded request gives the same tokens wherever it runs. */
     uint32_t skip_samples;
+    /* vLLM's min_tokens: while fewer than min_tokens tokens have been generated for the request
+     * (kn_sample's n_out, a moved request's earlier ones included), min_tokens_ids (the
+     * request's stop_token_ids, and the model's end-of-generation ids unless ignore_eos) are
+     * masked to -inf. 0: off (the ids are then not carried). */
+    int32_t min_tokens;
+    int32_t n_min_tokens_ids; /* 0 .. TD_MAX_MIN_TOKENS_IDS */
+    int32_t min_tokens_ids[TD_MAX_MIN_TOKENS_IDS];
+    /* OpenAI's logit_bias: logit_bias_values[i] (in [-100, 100] from the router) is added to
+     * the raw logit of logit_bias_ids[i] before anything else; distinct ids. */
+    int32_t n_logit_bias; /* 0 .. TD_MAX_LOGIT_BIAS */
+    int32_t logit_bias_ids[TD_MAX_LOGIT_BIAS];
+    float logit_bias_values[TD_MAX_LOGIT_BIAS];
 } td_sampling;
 
 #endif

@@ -45,10 +45,33 @@ static double uniform(uint64_t *s)
     return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53;
 }
 
+/* The logit bias and the min_tokens ids come from the network: every id must be in the
+ * vocabulary and every bias finite, the counts within their caps. */
+static int check_lists(const td_sampling *p, int32_t n_vocab)
+{
+    if (p->n_logit_bias < 0 || p->n_logit_bias > TD_MAX_LOGIT_BIAS || p->n_min_tokens_ids < 0 ||
+        p->n_min_tokens_ids > TD_MAX_MIN_TOKENS_IDS || p->min_tokens < 0) {
+        TD_LOG_ERR("sampler: logit bias or min_tokens list out of range");
+        return TD_EINVAL;
+    }
+    for (int32_t i = 0; i < p->n_logit_bias; i++)
+        if (p->logit_bias_ids[i] < 0 || p->logit_bias_ids[i] >= n_vocab ||
+            !isfinite(p->logit_bias_values[i])) {
+            TD_LOG_ERR("sampler: logit bias entry %d (id %d) is invalid", i, p->logit_bias_ids[i]);
+            return TD_EINVAL;
+        }
+    for (int32_t i = 0; i < p->n_min_tokens_ids; i++)
+        if (p->min_tokens_ids[i] < 0 || p->min_tokens_ids[i] >= n_vocab) {
+            TD_LOG_ERR("sampler: min_tokens id %d is outside the vocabulary", p->min_tokens_ids[i]);
+            return TD_EINVAL;
+        }
+    return 0;
+}
+
 int kn_sampler_init(kn_sampler *s, const td_sampling *p, int32_t n_vocab)
 {
     memset(s, 0, sizeof *s);
-    if (n_vocab < 1) return TD_EINVAL;
+    if (n_vocab < 1 || check_lists(p, n_vocab)) return TD_EINVAL;
     s->p = *p;
     if (s->p.repeat_last_n <= 0) s->p.repeat_last_n = 64;
     s->n_vocab = n_vocab;
@@ -56,7 +79,9 @@ int kn_sampler_init(kn_sampler *s, const td_sampling *p, int32_t n_vocab)
     s->cand2 = malloc((size_t)n_vocab * sizeof *s->cand2);
     bool counts = s->p.presence_penalty != 0 || s->p.frequency_penalty != 0;
     if (counts) s->count = calloc((size_t)n_vocab, sizeof *s->count);
-    if (!s->cand || !s->cand2 || (counts && !s->count)) {
+    bool rep = s->p.repeat_penalty > 0 && s->p.repeat_penalty != 1.0f;
+    if (rep) s->seen = calloc((size_t)n_vocab, sizeof *s->seen);
+    if (!s->cand || !s->cand2 || (counts && !s->count) || (rep && !s->seen)) {
         kn_sampler_fini(s);
         return TD_ENOMEM;
     }
@@ -73,8 +98,10 @@ void kn_sampler_fini(kn_sampler *s)
     free(s->cand);
     free(s->cand2);
     free(s->count);
+    free(s->seen);
     s->cand = s->cand2 = NULL;
     s->count = NULL;
+    s->seen = NULL;
 }
 
 static int by_logit_desc(const void *a, const void *b)
@@ -160,21 +187,33 @@ static int32_t nucleus(struct kn_cand *c, int32_t k, struct kn_cand *out, double
     return m;
 }
 
-/* llama.cpp's repetition penalty: each distinct token of the last repeat_last_n once. */
-static void repeat_penalty(const td_sampling *p, struct kn_cand *c, int32_t n,
+/* llama.cpp's repetition penalty: each distinct token of the last repeat_last_n once, in
+ * O(window) (seen: the zeroed scratch, marked at each id's first visit and cleared after; the
+ * router's window is the whole history, vLLM's repetition_penalty). */
+static void repeat_penalty(const td_sampling *p, uint8_t *seen, struct kn_cand *c, int32_t n,
                            const int32_t *history, int64_t n_hist)
 {
     int64_t from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
     for (int64_t i = from; i < n_hist; i++) {
         int32_t id = history[i];
-        if (id < 0 || id >= n) continue;
-        bool seen = false;
-        for (int64_t j = from; j < i && !seen; j++)
-            seen = history[j] == id;
-        if (seen) continue;
+        if (id < 0 || id >= n || seen[id]) continue;
+        seen[id] = 1;
         float *l = &c[id].logit;
         *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
     }
+    for (int64_t i = from; i < n_hist; i++)
+        if (history[i] >= 0 && history[i] < n) seen[history[i]] = 0;
+}
+
+/* vLLM's logits processors, before everything else: the logit bias is added, then the
+ * min_tokens ids are masked while fewer than min_tokens tokens were generated. */
+static void bias_and_mask(const td_sampling *p, struct kn_cand *c, int64_t n_out)
+{
+    for (int32_t i = 0; i < p->n_logit_bias; i++)
+        c[p->logit_bias_ids[i]].logit += p->logit_bias_values[i];
+    if (n_out < p->min_tokens)
+        for (int32_t i = 0; i < p->n_min_tokens_ids; i++)
+            c[p->min_tokens_ids[i]].logit = -INFINITY;
 }
 
 /* OpenAI's presence and frequency penalties over out (n_out generated tokens), in O(n_out):
@@ -203,8 +242,8 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
     for (int32_t i = 0; i < n; i++)
         c[i] = (struct kn_cand){.id = i, .logit = logits[i]};
 
-    if (p->repeat_penalty > 0 && p->repeat_penalty != 1.0f && history)
-        repeat_penalty(p, c, n, history, n_hist);
+    bias_and_mask(p, c, n_out);
+    if (s->seen && history) repeat_penalty(p, s->seen, c, n, history, n_hist);
     if (s->count && n_out) openai_penalties(p, s->count, c, n, history + (n_hist - n_out), n_out);
     if (p->temperature <= 0) {
         int32_t best = 0;

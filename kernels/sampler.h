@@ -1,9 +1,10 @@
 /* sampler.h: next-token sampling from logits.
  *
  * Purpose: the one sampler used by the CLI, the prefill last stage and decode rank 0.
- * Order (as llama.cpp's default chain): repetition penalty -> presence and frequency
- * penalties -> top-k -> top-p -> min-p -> temperature -> draw. temperature <= 0 is greedy
- * (argmax after the penalties; ties go to the lowest id).
+ * Order: logit bias and the min_tokens mask first (vLLM's logits processors), then as
+ * llama.cpp's default chain: repetition penalty -> presence and frequency penalties -> top-k ->
+ * top-p -> min-p -> temperature -> draw. temperature <= 0 is greedy (argmax after the
+ * penalties; ties go to the lowest id). A masked token (-inf) is never drawn.
  * Penalties: repeat_penalty divides a positive logit (multiplies a negative one) of each
  * distinct token among the last repeat_last_n of the history, prompt included (llama.cpp);
  * presence and frequency penalties count only the request's generated tokens (OpenAI and
@@ -28,9 +29,12 @@ typedef struct {
     struct kn_cand *cand2; /* (n_vocab) scratch: the top-p nucleus */
     int32_t *count;        /* (n_vocab) zeroed scratch for the presence and frequency
                               penalties; NULL when both are 0 */
+    uint8_t *seen;         /* (n_vocab) zeroed scratch for the repetition penalty; NULL when off */
 } kn_sampler;
 
-/* Seeds the sampler from p and advances it past p->skip_samples draws (kn_sampler_skip). */
+/* Seeds the sampler from p and advances it past p->skip_samples draws (kn_sampler_skip).
+ * TD_EINVAL (logged) when a logit-bias or min_tokens id is outside [0, n_vocab), a bias is not
+ * finite or a count is out of range; TD_ENOMEM. */
 int kn_sampler_init(kn_sampler *s, const td_sampling *p, int32_t n_vocab);
 void kn_sampler_fini(kn_sampler *s);
 

@@ -39,7 +39,7 @@ static int open_connector(pf_stage *st)
 
 static int open_chain(pf_stage *st)
 {
-    size_t chunk_bytes = pf_wire_chunk_size(PF_MAX_SEGS, st->chunk_max, st->chunk_max, st->n_embd);
+    size_t chunk_bytes = pf_wire_chunk_max_size(st->chunk_max, st->chunk_max, st->n_embd);
     size_t target_bytes = TD_CTRL_MAX_BLOB + 28 + 4 * PF_MAX_TARGETS;
     pf_chain_params cp = {.instance = st->p->instance,
                           .stage = st->stage,
@@ -589,7 +589,7 @@ int pf_stage_chunk(pf_stage *st, pf_seg *segs, int n_segs, const int32_t *ids_in
     if (!st->last) {
         sb = pf_chain_free_send(&st->chain, st->timeout_ms);
         if (!sb) return TD_EIO;
-        out = (float *)(sb->buf + pf_wire_chunk_payload_off(n_segs, bt.rows));
+        out = (float *)(sb->buf + pf_wire_chunk_payload_off(segs, n_segs, bt.rows));
     }
     int64_t t0 = td_now_ms();
     forward(st, &bt, embd, out);

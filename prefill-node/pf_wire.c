@@ -1,13 +1,14 @@
 /* pf_wire.c: encoding and bounds-checked parsing of the stage-chain messages. */
 #include "pf_wire.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "td_err.h"
 
 #define HDR_BYTES 32
-#define SEG_BYTES 80 /* 76 used: 8-byte aligned records */
+#define SEG_BYTES 88 /* 8-byte aligned records */
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -49,15 +50,48 @@ static void header(uint8_t *b, uint32_t kind, uint64_t seq)
     put64(b + 8, seq);
 }
 
-size_t pf_wire_chunk_payload_off(int n_segs, int64_t n_ids)
+/* The sampler's variable-length lists travel only with the segment that samples (LAST; a
+ * DEAD one too, so that the layout never depends on which requests failed): the logit bias
+ * ids and values, then the min_tokens ids, 4 bytes each. */
+static bool has_lists(const pf_seg *g)
 {
-    size_t off = HDR_BYTES + (size_t)n_segs * SEG_BYTES + (size_t)n_ids * 4;
+    return (g->flags & PF_SEG_LAST) != 0;
+}
+
+static size_t list_bytes(const pf_seg *g)
+{
+    if (!has_lists(g)) return 0;
+    return (size_t)g->sampling.n_logit_bias * 8 + (size_t)g->sampling.n_min_tokens_ids * 4;
+}
+
+static size_t payload_off(size_t lists, int n_segs, int64_t n_ids)
+{
+    size_t off = HDR_BYTES + (size_t)n_segs * SEG_BYTES + lists + (size_t)n_ids * 4;
     return (off + 63) & ~(size_t)63;
 }
 
-size_t pf_wire_chunk_size(int n_segs, int64_t n_ids, int64_t rows, int n_embd)
+static size_t lists_bytes(const pf_seg *segs, int n_segs)
 {
-    return pf_wire_chunk_payload_off(n_segs, n_ids) + (size_t)rows * (size_t)n_embd * 4;
+    size_t b = 0;
+    for (int i = 0; i < n_segs; i++)
+        b += list_bytes(&segs[i]);
+    return b;
+}
+
+size_t pf_wire_chunk_payload_off(const pf_seg *segs, int n_segs, int64_t n_ids)
+{
+    return payload_off(lists_bytes(segs, n_segs), n_segs, n_ids);
+}
+
+size_t pf_wire_chunk_size(const pf_seg *segs, int n_segs, int64_t n_ids, int64_t rows, int n_embd)
+{
+    return pf_wire_chunk_payload_off(segs, n_segs, n_ids) + (size_t)rows * (size_t)n_embd * 4;
+}
+
+size_t pf_wire_chunk_max_size(int64_t n_ids, int64_t rows, int n_embd)
+{
+    size_t lists = (size_t)PF_MAX_SEGS * (TD_MAX_LOGIT_BIAS * 8 + TD_MAX_MIN_TOKENS_IDS * 4);
+    return payload_off(lists, PF_MAX_SEGS, n_ids) + (size_t)rows * (size_t)n_embd * 4;
 }
 
 static int64_t live_rows(const pf_seg *segs, int n)
@@ -72,8 +106,14 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
                             const int32_t *ids, int n_embd)
 {
     if (n_segs < 1 || n_segs > PF_MAX_SEGS) return TD_EINVAL;
+    for (int i = 0; i < n_segs; i++)
+        if (segs[i].sampling.n_logit_bias < 0 ||
+            segs[i].sampling.n_logit_bias > TD_MAX_LOGIT_BIAS ||
+            segs[i].sampling.n_min_tokens_ids < 0 ||
+            segs[i].sampling.n_min_tokens_ids > TD_MAX_MIN_TOKENS_IDS)
+            return TD_EINVAL;
     int64_t rows = live_rows(segs, n_segs);
-    size_t need = pf_wire_chunk_size(n_segs, rows, n_embd > 0 ? rows : 0, n_embd);
+    size_t need = pf_wire_chunk_size(segs, n_segs, rows, n_embd > 0 ? rows : 0, n_embd);
     if (need > cap) return TD_ERANGE;
     uint8_t *b = buf;
     header(b, PF_MSG_CHUNK, seq);
@@ -101,9 +141,22 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         put32(s + 64, g->sampling.skip_samples);
         putf(s + 68, g->sampling.presence_penalty);
         putf(s + 72, g->sampling.frequency_penalty);
-        put32(s + 76, 0);
+        put32(s + 76, (uint32_t)g->sampling.min_tokens);
+        put32(s + 80, has_lists(g) ? (uint32_t)g->sampling.n_logit_bias : 0);
+        put32(s + 84, has_lists(g) ? (uint32_t)g->sampling.n_min_tokens_ids : 0);
     }
-    if (rows) memcpy(b + HDR_BYTES + (size_t)n_segs * SEG_BYTES, ids, (size_t)rows * 4);
+    uint8_t *l = b + HDR_BYTES + (size_t)n_segs * SEG_BYTES;
+    for (int i = 0; i < n_segs; i++) {
+        if (!has_lists(&segs[i])) continue;
+        const td_sampling *sp = &segs[i].sampling;
+        memcpy(l, sp->logit_bias_ids, (size_t)sp->n_logit_bias * 4);
+        l += (size_t)sp->n_logit_bias * 4;
+        memcpy(l, sp->logit_bias_values, (size_t)sp->n_logit_bias * 4);
+        l += (size_t)sp->n_logit_bias * 4;
+        memcpy(l, sp->min_tokens_ids, (size_t)sp->n_min_tokens_ids * 4);
+        l += (size_t)sp->n_min_tokens_ids * 4;
+    }
+    if (rows) memcpy(l, ids, (size_t)rows * 4);
     return (int64_t)need;
 }
 
@@ -111,6 +164,86 @@ static int bad(const char *why)
 {
     TD_LOG_WARN("stage message rejected: %s", why);
     return TD_EFORMAT;
+}
+
+/* One segment record; the counts of its lists are checked against the caps. */
+static int parse_seg(const uint8_t *s, pf_seg *g)
+{
+    g->req_id = get64(s);
+    g->t0 = get32(s + 8);
+    g->t1 = get32(s + 12);
+    g->n_prompt = get32(s + 16);
+    g->flags = get32(s + 20);
+    g->chunk = get32(s + 24);
+    g->n_dst = get32(s + 28);
+    g->sampling.temperature = getf(s + 32);
+    g->sampling.top_p = getf(s + 36);
+    g->sampling.min_p = getf(s + 40);
+    g->sampling.repeat_penalty = getf(s + 44);
+    g->sampling.top_k = (int32_t)get32(s + 48);
+    g->sampling.repeat_last_n = (int32_t)get32(s + 52);
+    g->sampling.seed = get64(s + 56);
+    g->sampling.skip_samples = get32(s + 64);
+    g->sampling.presence_penalty = getf(s + 68);
+    g->sampling.frequency_penalty = getf(s + 72);
+    uint32_t min_tokens = get32(s + 76), nb = get32(s + 80), nm = get32(s + 84);
+    if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
+        g->sampling.skip_samples >= g->n_prompt || g->n_dst > PF_MAX_TARGETS || (g->flags & ~7u) ||
+        !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||
+        !!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt))
+        return bad("inconsistent segment");
+    if (min_tokens > INT32_MAX || nb > TD_MAX_LOGIT_BIAS || nm > TD_MAX_MIN_TOKENS_IDS ||
+        (!has_lists(g) && (nb || nm)))
+        return bad("sampling lists out of range");
+    g->sampling.min_tokens = (int32_t)min_tokens;
+    g->sampling.n_logit_bias = (int32_t)nb;
+    g->sampling.n_min_tokens_ids = (int32_t)nm;
+    return 0;
+}
+
+static int parse_chunk(const uint8_t *b, size_t len, int n_embd, int embd_expected, int max_tokens,
+                       pf_msg *out)
+{
+    if (len < HDR_BYTES) return bad("short chunk header");
+    uint32_t n_segs = get32(b + 16), rows = get32(b + 20), embd = get32(b + 24);
+    if (n_segs < 1 || n_segs > PF_MAX_SEGS) return bad("segment count");
+    if (rows > (uint32_t)max_tokens) return bad("too many rows");
+    if (embd_expected ? embd != (uint32_t)n_embd : embd != 0)
+        return bad("hidden-state width differs from the model's");
+    if (len < HDR_BYTES + (size_t)n_segs * SEG_BYTES) return bad("short segment table");
+    int64_t sum = 0;
+    for (uint32_t i = 0; i < n_segs; i++) {
+        pf_seg *g = &out->segs[i];
+        if (parse_seg(b + HDR_BYTES + (size_t)i * SEG_BYTES, g)) return TD_EFORMAT;
+        if (!(g->flags & PF_SEG_DEAD)) sum += g->t1 - g->t0;
+    }
+    if (sum != rows) return bad("rows do not add up");
+    size_t lists = lists_bytes(out->segs, (int)n_segs);
+    size_t need = payload_off(lists, (int)n_segs, rows) + (size_t)(embd ? rows : 0) * embd * 4;
+    if (need != len) return bad("length does not match the counts");
+    const uint8_t *l = b + HDR_BYTES + (size_t)n_segs * SEG_BYTES;
+    for (uint32_t i = 0; i < n_segs; i++) {
+        td_sampling *sp = &out->segs[i].sampling;
+        memcpy(sp->logit_bias_ids, l, (size_t)sp->n_logit_bias * 4);
+        l += (size_t)sp->n_logit_bias * 4;
+        memcpy(sp->logit_bias_values, l, (size_t)sp->n_logit_bias * 4);
+        l += (size_t)sp->n_logit_bias * 4;
+        memcpy(sp->min_tokens_ids, l, (size_t)sp->n_min_tokens_ids * 4);
+        l += (size_t)sp->n_min_tokens_ids * 4;
+    }
+    out->n_segs = (int)n_segs;
+    out->n_rows = rows;
+    out->ids = malloc((rows ? rows : 1) * sizeof *out->ids);
+    if (!out->ids) return TD_ENOMEM;
+    memcpy(out->ids, l, (size_t)rows * 4);
+    const int32_t *ids = out->ids;
+    for (uint32_t i = 0; i < n_segs; i++)
+        if (!(out->segs[i].flags & PF_SEG_DEAD)) {
+            out->segs[i].tokens = ids;
+            ids += out->segs[i].t1 - out->segs[i].t0;
+        }
+    out->embd = embd ? (const float *)(b + payload_off(lists, (int)n_segs, rows)) : NULL;
+    return 0;
 }
 
 int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, int max_tokens,
@@ -123,58 +256,8 @@ int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, in
     out->kind = get32(b + 4) >> 16;
     out->seq = get64(b + 8);
     switch (out->kind) {
-    case PF_MSG_CHUNK: {
-        if (len < HDR_BYTES) return bad("short chunk header");
-        uint32_t n_segs = get32(b + 16), rows = get32(b + 20), embd = get32(b + 24);
-        if (n_segs < 1 || n_segs > PF_MAX_SEGS) return bad("segment count");
-        if (rows > (uint32_t)max_tokens) return bad("too many rows");
-        if (embd_expected ? embd != (uint32_t)n_embd : embd != 0)
-            return bad("hidden-state width differs from the model's");
-        size_t need = pf_wire_chunk_size((int)n_segs, rows, embd ? rows : 0, (int)embd);
-        if (need != len) return bad("length does not match the counts");
-        int64_t sum = 0;
-        for (uint32_t i = 0; i < n_segs; i++) {
-            const uint8_t *s = b + HDR_BYTES + (size_t)i * SEG_BYTES;
-            pf_seg *g = &out->segs[i];
-            g->req_id = get64(s);
-            g->t0 = get32(s + 8);
-            g->t1 = get32(s + 12);
-            g->n_prompt = get32(s + 16);
-            g->flags = get32(s + 20);
-            g->chunk = get32(s + 24);
-            g->n_dst = get32(s + 28);
-            g->sampling.temperature = getf(s + 32);
-            g->sampling.top_p = getf(s + 36);
-            g->sampling.min_p = getf(s + 40);
-            g->sampling.repeat_penalty = getf(s + 44);
-            g->sampling.top_k = (int32_t)get32(s + 48);
-            g->sampling.repeat_last_n = (int32_t)get32(s + 52);
-            g->sampling.seed = get64(s + 56);
-            g->sampling.skip_samples = get32(s + 64);
-            g->sampling.presence_penalty = getf(s + 68);
-            g->sampling.frequency_penalty = getf(s + 72);
-            if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
-                g->sampling.skip_samples >= g->n_prompt || g->n_dst > PF_MAX_TARGETS ||
-                (g->flags & ~7u) || !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||
-                !!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt))
-                return bad("inconsistent segment");
-            if (!(g->flags & PF_SEG_DEAD)) sum += g->t1 - g->t0;
-        }
-        if (sum != rows) return bad("rows do not add up");
-        out->n_segs = (int)n_segs;
-        out->n_rows = rows;
-        out->ids = malloc((rows ? rows : 1) * sizeof *out->ids);
-        if (!out->ids) return TD_ENOMEM;
-        memcpy(out->ids, b + HDR_BYTES + (size_t)n_segs * SEG_BYTES, (size_t)rows * 4);
-        const int32_t *ids = out->ids;
-        for (uint32_t i = 0; i < n_segs; i++)
-            if (!(out->segs[i].flags & PF_SEG_DEAD)) {
-                out->segs[i].tokens = ids;
-                ids += out->segs[i].t1 - out->segs[i].t0;
-            }
-        out->embd = embd ? (const float *)(b + pf_wire_chunk_payload_off((int)n_segs, rows)) : NULL;
-        return 0;
-    }
+    case PF_MSG_CHUNK:
+        return parse_chunk(b, len, n_embd, embd_expected, max_tokens, out);
     case PF_MSG_TARGETS: {
         if (len < 28) return bad("short targets message");
         out->req_id = get64(b + 16);

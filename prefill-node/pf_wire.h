@@ -11,7 +11,10 @@
  *   ABORT    stop a request (cancel, deadline, a failed stage).
  * Each stage s > 0 also sends REPORTs back to stage 0 (one per request it finished or
  * failed), as active messages.
- * Format: little-endian, fixed-size header and segment records, 64-byte aligned payload.
+ * Format: little-endian, fixed-size header and segment records, then the sampler's lists
+ * (logit bias, min_tokens ids) of the segments that end a prompt (LAST) only, then the
+ * token ids, then the 64-byte aligned payload. Other segments carry no lists (their
+ * sampling.n_logit_bias and n_min_tokens_ids parse as 0): a request's bias travels once.
  * Invariants: pf_wire_parse_* check every count and offset against the received length
  * and the limits given; a malformed message is TD_EFORMAT (never a crash).
  * Threading: pure functions. Ownership: parsed views point into the caller's buffer.
@@ -48,13 +51,16 @@ typedef struct {
 } pf_seg;
 
 /* Bytes of a chunk message with these segments (rows = live rows, embd floats each). */
-size_t pf_wire_chunk_size(int n_segs, int64_t n_ids, int64_t rows, int n_embd);
+size_t pf_wire_chunk_size(const pf_seg *segs, int n_segs, int64_t n_ids, int64_t rows, int n_embd);
+/* The largest chunk message of n_ids ids and rows rows (PF_MAX_SEGS segments, full lists). */
+size_t pf_wire_chunk_max_size(int64_t n_ids, int64_t rows, int n_embd);
 /* Offset of the payload (hidden states) inside a chunk message (64-byte aligned). */
-size_t pf_wire_chunk_payload_off(int n_segs, int64_t n_ids);
+size_t pf_wire_chunk_payload_off(const pf_seg *segs, int n_segs, int64_t n_ids);
 
 /* Write the header, segments and token ids of a chunk into buf (cap bytes); the caller
  * writes rows * n_embd floats at pf_wire_chunk_payload_off. ids: the concatenated token
- * ids of the live segments in order. Returns bytes of the whole message or TD_ERANGE. */
+ * ids of the live segments in order. Returns bytes of the whole message, TD_ERANGE (cap), or
+ * TD_EINVAL (a list count outside its cap). */
 int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *segs, int n_segs,
                             const int32_t *ids, int n_embd);
 

@@ -12,7 +12,8 @@
  * answered here, each logged at info in one line without the body (the request's status,
  * method, path, error type, param and code; the message, which may quote the body, at
  * debug). Counting: responses to generation requests go to tandem_router_requests_total,
- * the others (health and metrics polls, /v1/models, unknown paths) to
+ * the others (health and metrics polls, /v1/models, unknown paths; /tokenize, /detokenize and
+ * /version count as "other") to
  * tandem_router_http_requests_total{path}. Limits: request line + headers RT_MAX_HEADERS (MHD's
  * per-connection memory pool: MHD itself answers 431), bodies r->max_body (413). While the router
  * drains every response carries "Connection: close", so keep-alive clients go elsewhere. */
@@ -30,6 +31,7 @@
 #include "rt.h"
 #include "rt_http.h"
 #include "rt_loop.h"
+#include "rt_tokenize.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -40,6 +42,9 @@ typedef enum {
     K_MODELS,
     K_HEALTH,
     K_METRICS,
+    K_TOKENIZE,   /* POST /tokenize (rt_tokenize.h) */
+    K_DETOKENIZE, /* POST /detokenize */
+    K_VERSION,    /* GET /version */
 } conn_kind;
 
 typedef struct {
@@ -61,6 +66,12 @@ static uint64_t g_salt;
 static bool is_generation(conn_kind kind)
 {
     return kind == K_COMPLETIONS || kind == K_CHAT;
+}
+
+/* Requests whose body is read (up to r->max_body). */
+static bool has_body(conn_kind kind)
+{
+    return is_generation(kind) || kind == K_TOKENIZE || kind == K_DETOKENIZE;
 }
 
 /* Count a response to a request of that kind. */
@@ -279,6 +290,9 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
         {"/v1/models", "GET", K_MODELS},
         {"/health", "GET", K_HEALTH},
         {"/metrics", "GET", K_METRICS},
+        {"/tokenize", "POST", K_TOKENIZE},
+        {"/detokenize", "POST", K_DETOKENIZE},
+        {"/version", "GET", K_VERSION},
     };
     bool head = !strcmp(method, "HEAD");
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
@@ -307,7 +321,8 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
         rt_error_set(&c->err, 404, NULL, "not_found", "no such endpoint: %s %.200s", method, url);
         return;
     }
-    if (r->api_key_hdr[0] && !strncmp(url, "/v1/", 4)) {
+    bool keyed = !strncmp(url, "/v1/", 4) || c->kind == K_TOKENIZE || c->kind == K_DETOKENIZE;
+    if (r->api_key_hdr[0] && keyed) {
         const char *auth =
             MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         if (!auth || !rt_key_equal(auth, r->api_key_hdr))
@@ -355,12 +370,32 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
         ok = respond(r, conn, kind, 200, s, strlen(s), "text/plain; version=0.0.4");
         free(s);
         return ok;
+    case K_VERSION:
+        if (!(s = rt_version_json())) break;
+        ok = respond(r, conn, kind, 200, s, strlen(s), "application/json");
+        free(s);
+        return ok;
     default:
         break;
     }
     rt_error e;
     rt_error_set(&e, 500, NULL, NULL, "out of memory");
     return respond_error(r, conn, c, &e);
+}
+
+/* POST /tokenize and /detokenize, answered here on the HTTP thread (no instance involved). */
+static enum MHD_Result token_endpoint(rt_router *r, struct MHD_Connection *conn, conn_ctx *c)
+{
+    rt_error e;
+    char *out = NULL;
+    const char *body = c->body.buf ? c->body.buf : "";
+    int status = c->kind == K_TOKENIZE ? rt_tokenize(&r->model, body, c->body.len, &out, &e)
+                                       : rt_detokenize(&r->model, body, c->body.len, &out, &e);
+    rt_buf_free(&c->body);
+    if (status != 200) return respond_error(r, conn, c, &e);
+    enum MHD_Result ok = respond(r, conn, c->kind, 200, out, strlen(out), "application/json");
+    free(out);
+    return ok;
 }
 
 /* Body complete: parse, then hand off (suspending the connection). */
@@ -452,7 +487,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         return MHD_YES;
     }
     if (*upload_size) {
-        bool keep = !c->err.status && (c->kind == K_COMPLETIONS || c->kind == K_CHAT);
+        bool keep = !c->err.status && has_body(c->kind);
         if (keep && !c->too_large && c->body.len + *upload_size <= r->max_body) {
             if (rt_buf_append(&c->body, upload, *upload_size)) return MHD_NO;
         } else if (keep) {
@@ -464,13 +499,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     }
     if (c->q) return continue_generation(r, conn, c);
     if (c->err.status) return respond_error(r, conn, c, &c->err);
-    if (c->kind == K_COMPLETIONS || c->kind == K_CHAT) {
+    if (has_body(c->kind)) {
         rt_error e;
         if (c->too_large) {
             rt_error_set(&e, 413, NULL, "request_too_large",
                          "the request body is larger than %zu bytes", r->max_body);
             return respond_error(r, conn, c, &e);
         }
+        if (!is_generation(c->kind)) return token_endpoint(r, conn, c);
         if (atomic_load(&r->draining)) {
             rt_error_set(&e, 503, NULL, "shutting_down",
                          "the router is shutting down (draining): retry on another one");

@@ -111,6 +111,12 @@ static int parse_stop(json_t *o, rt_params *p, rt_error *e)
 static int tokenize(const rt_model *r, const char *text, size_t len, bool add_special, rt_params *p,
                     rt_error *e)
 {
+    return rt_openai_tokenize(r, text, len, add_special, p, e);
+}
+
+int rt_openai_tokenize(const rt_model *r, const char *text, size_t len, bool add_special,
+                       rt_params *p, rt_error *e)
+{
     int32_t *ids = NULL;
     size_t n = 0;
     int rc = td_tok_encode(r->tok, text, len, add_special, true, &ids, &n);
@@ -178,6 +184,12 @@ static int message_fields(json_t *m, size_t i, rt_error *e)
 
 static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
+    return rt_openai_messages(r, o, true, p, e);
+}
+
+int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt, rt_params *p,
+                       rt_error *e)
+{
     json_t *v = json_object_get(o, "messages");
     if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required");
     if (!json_is_array(v) || json_array_size(v) == 0)
@@ -236,7 +248,7 @@ static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *
     }
     char *text = NULL;
     if (!rc) {
-        int err = td_chat_render(r->tmpl, r->tmpl_len, msgs, n, true, &text);
+        int err = td_chat_render(r->tmpl, r->tmpl_len, msgs, n, add_generation_prompt, &text);
         if (err)
             rc = rt_error_set(e, 500, NULL, NULL, "cannot render the chat template: %s",
                               td_strerror(err));
@@ -250,6 +262,89 @@ static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *
     free(owned);
     free(msgs);
     return rc;
+}
+
+/* OpenAI's logit_bias: {"token id": bias in [-100, 100]}, at most TD_MAX_LOGIT_BIAS entries. */
+static int parse_logit_bias(const rt_model *r, json_t *o, td_sampling *sp, rt_error *e)
+{
+    json_t *v = json_object_get(o, "logit_bias"), *b;
+    if (absent(v)) return 0;
+    if (!json_is_object(v))
+        return bad(e, "logit_bias", "'%s' must be an object mapping token ids to biases%s", "");
+    if (json_object_size(v) > TD_MAX_LOGIT_BIAS)
+        return rt_error_set(e, 400, "logit_bias", NULL,
+                            "'logit_bias' takes at most %d entries, got %zu", TD_MAX_LOGIT_BIAS,
+                            json_object_size(v));
+    int32_t nv = td_tok_n_vocab(r->tok);
+    const char *key;
+    json_object_foreach(v, key, b)
+    {
+        char *end;
+        errno = 0;
+        long id = strtol(key, &end, 10);
+        if (!*key || *end || errno || id < 0 || id >= nv || (key[0] == '0' && key[1]))
+            return rt_error_set(e, 400, "logit_bias", NULL,
+                                "'logit_bias' keys must be token ids in [0, %d); '%.40s' is not",
+                                nv, key);
+        double d = json_is_number(b) ? json_number_value(b) : NAN;
+        if (!(d >= -100 && d <= 100))
+            return rt_error_set(e, 400, "logit_bias", NULL,
+                                "'logit_bias' values must be numbers in [-100, 100]; token %ld's "
+                                "is not",
+                                id);
+        sp->logit_bias_ids[sp->n_logit_bias] = (int32_t)id;
+        sp->logit_bias_values[sp->n_logit_bias++] = (float)d;
+    }
+    return 0;
+}
+
+/* vLLM's stop_token_ids: token ids that end the request, as an end-of-generation id does. */
+static int parse_stop_ids(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
+{
+    json_t *v = json_object_get(o, "stop_token_ids");
+    if (absent(v)) return 0;
+    if (!json_is_array(v))
+        return bad(e, "stop_token_ids", "'%s' must be an array of token ids%s", "");
+    if (json_array_size(v) > RT_MAX_STOP_IDS)
+        return rt_error_set(e, 400, "stop_token_ids", NULL,
+                            "'stop_token_ids' takes at most %d ids, got %zu", RT_MAX_STOP_IDS,
+                            json_array_size(v));
+    int32_t nv = td_tok_n_vocab(r->tok);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *t = json_array_get(v, i);
+        if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= nv)
+            return rt_error_set(e, 400, "stop_token_ids", NULL,
+                                "'stop_token_ids' must be integers in [0, %d); element %zu is not",
+                                nv, i);
+        p->stop_ids[p->n_stop_ids++] = (int32_t)json_integer_value(t);
+    }
+    return 0;
+}
+
+/* vLLM's min_tokens: the stop ids and (unless ignore_eos) the model's end-of-generation ids are
+ * masked in the sampler until min_tokens tokens were generated. */
+static int set_min_tokens(const rt_model *r, long long min_tokens, rt_params *p, rt_error *e)
+{
+    td_sampling *sp = &p->sampling;
+    if (min_tokens > p->max_tokens)
+        return rt_error_set(e, 400, "min_tokens", NULL,
+                            "'min_tokens' (%lld) must not exceed max_tokens (%d)", min_tokens,
+                            p->max_tokens);
+    if (min_tokens <= 0) return 0;
+    sp->min_tokens = (int32_t)min_tokens;
+    for (int i = 0; i < p->n_stop_ids; i++)
+        sp->min_tokens_ids[sp->n_min_tokens_ids++] = p->stop_ids[i];
+    int32_t nv = td_tok_n_vocab(r->tok);
+    for (int32_t id = 0; id < nv && !p->ignore_eos; id++) {
+        if (!td_tok_is_eog(r->tok, id)) continue;
+        if (sp->n_min_tokens_ids == TD_MAX_MIN_TOKENS_IDS)
+            return rt_error_set(e, 400, "min_tokens", NULL,
+                                "'min_tokens' would mask more than %d stop and end-of-generation "
+                                "ids; send fewer stop_token_ids",
+                                TD_MAX_MIN_TOKENS_IDS);
+        sp->min_tokens_ids[sp->n_min_tokens_ids++] = id;
+    }
+    return 0;
 }
 
 static int check_model(const rt_model *r, json_t *o, rt_error *e)
@@ -287,6 +382,11 @@ static const struct {
     {"seed", EP_ALL},
     {"stop", EP_ALL},
     {"ignore_eos", EP_ALL},
+    {"logit_bias", EP_ALL},
+    {"min_tokens", EP_ALL},
+    {"stop_token_ids", EP_ALL},
+    {"skip_special_tokens", EP_ALL},
+    {"spaces_between_special_tokens", EP_ALL},
     {"migrate", EP_ALL},
     {"timeout", EP_ALL},
     {"user", EP_ALL}, /* an end-user id for the caller's own monitoring: no effect, as OpenAI */
@@ -297,7 +397,6 @@ static const struct {
     {"suffix", EP_C},
     {"logprobs", EP_ALL},
     {"top_logprobs", EP_ALL},
-    {"logit_bias", EP_ALL},
     {"response_format", EP_ALL},
     {"tools", EP_CH},
     {"tool_choice", EP_CH},
@@ -356,9 +455,11 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
                                               !strcmp(json_string_value(v), "auto"))))
         return rt_error_set(e, 400, "tool_choice", NULL,
                             "'tool_choice' must be \"none\" or \"auto\": tools are not supported");
-    v = json_object_get(o, "logit_bias");
-    if (!absent(v) && !(json_is_object(v) && json_object_size(v) == 0))
-        return rt_error_set(e, 400, "logit_bias", NULL, "'logit_bias' is not supported");
+    /* the detokenizer joins special tokens' text without spaces (llama.cpp), vLLM's false */
+    v = json_object_get(o, "spaces_between_special_tokens");
+    if (!absent(v) && !json_is_false(v))
+        return rt_error_set(e, 400, "spaces_between_special_tokens", "unsupported_parameter",
+                            "only 'spaces_between_special_tokens': false is supported");
     v = json_object_get(o, "response_format");
     if (!absent(v)) {
         json_t *t = json_object_get(v, "type");
@@ -378,7 +479,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     if ((rc = check_model(r, o, e)) || (rc = unsupported(o, ep, e))) return rc;
     double temperature = 1.0, top_p = 1.0, min_p = 0.0, rep = 1.0, pres = 0, freq = 0, timeout = 0;
     bool migrate = true; /* a Tandem extension: false ends the stream if its instance dies */
-    long long top_k = -1, seed = -1, max_tokens = -1, mct = -1;
+    p->skip_special = true;
+    long long top_k = -1, seed = -1, max_tokens = -1, mct = -1, min_tokens = 0;
     bool seeded = json_object_get(o, "seed") && !json_is_null(json_object_get(o, "seed"));
     if ((rc = get_number(o, "temperature", 0, 2, &temperature, e)) ||
         (rc = get_number(o, "top_p", 0, 1, &top_p, e)) ||
@@ -391,6 +493,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
         (rc = get_int(o, "max_tokens", 1, rc_cfg->max_tokens, &max_tokens, e)) ||
         (rc = get_bool(o, "stream", &p->stream, e)) ||
         (rc = get_bool(o, "ignore_eos", &p->ignore_eos, e)) ||
+        (rc = get_bool(o, "skip_special_tokens", &p->skip_special, e)) ||
+        (rc = get_int(o, "min_tokens", 0, rc_cfg->max_tokens, &min_tokens, e)) ||
         (rc = get_bool(o, "migrate", &migrate, e)) ||
         (rc =
              get_number(o, "timeout", 0.001, rc_cfg->max_request_timeout_ms / 1000.0, &timeout, e)))
@@ -409,7 +513,9 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
         if ((rc = get_bool(so, "include_usage", &p->include_usage, e))) return rc;
     }
     if (!p->stream) p->include_usage = false;
-    if ((rc = parse_stop(o, p, e))) return rc;
+    if ((rc = parse_stop(o, p, e)) || (rc = parse_stop_ids(r, o, p, e)) ||
+        (rc = parse_logit_bias(r, o, &p->sampling, e)))
+        return rc;
     if (ep == RT_EP_COMPLETIONS)
         rc = parse_prompt(r, o, p, e);
     else
@@ -446,6 +552,7 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     sp->min_p = (float)min_p;
     sp->top_k = top_k < 0 ? 0 : (int32_t)top_k;
     sp->repeat_penalty = (float)rep;
+    sp->repeat_last_n = INT32_MAX; /* vLLM's repetition_penalty: the whole prompt and output */
     sp->presence_penalty = (float)pres;
     sp->frequency_penalty = (float)freq;
     if (seeded)
@@ -456,7 +563,7 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     }
     if (temperature > 0 && top_p <= 0)
         return rt_error_set(e, 400, "top_p", NULL, "'top_p' must be in (0, 1]");
-    return 0;
+    return set_min_tokens(r, min_tokens, p, e);
 }
 
 int rt_openai_parse(const rt_model *r, rt_endpoint ep, const char *body, size_t len, rt_params *p,

@@ -4,8 +4,9 @@
  * the prompt, rendering the chat template) into rt_params, refusing bad input with a 400 or
  * 404 rt_error that names the field; the /v1/models body.
  * Invariants: a parsed rt_params has 1 <= n_prompt <= router.max_prompt_tokens, n_stop <=
- * RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES, and sampling values the
- * sampler accepts.
+ * RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES, at most RT_MAX_STOP_IDS
+ * stop ids, and sampling values the sampler accepts (logit bias and min_tokens ids in the
+ * vocabulary, min_tokens <= max_tokens).
  * Threading: called on the HTTP threads; reads only the router's read-only state (config,
  * tokenizer, chat template).
  * Ownership: rt_params owns its prompt and stop strings (rt_params_fini); it belongs to its
@@ -25,6 +26,7 @@
 
 #define RT_MAX_STOP       4    /* stop strings per request */
 #define RT_MAX_STOP_BYTES 1024 /* bytes of one stop string */
+#define RT_MAX_STOP_IDS   64   /* stop_token_ids (TD_CTRL_MAX_STOP_IDS) */
 
 /* The served model as the API sees it: what parsing a request, streaming its text and
  * answering /v1/models need. Set up once at start (rt_main.c), read-only after, so any
@@ -47,6 +49,9 @@ typedef struct {
     int max_tokens;
     td_sampling sampling; /* .skip_samples is set per attempt (rt_req_submit_msg) */
     bool ignore_eos;
+    int32_t stop_ids[RT_MAX_STOP_IDS]; /* stop_token_ids: each ends the request (not sent) */
+    int n_stop_ids;
+    bool skip_special;       /* skip_special_tokens (default true): control tokens render empty */
     char *stop[RT_MAX_STOP]; /* NUL-terminated, malloc'd, non-empty */
     size_t stop_len[RT_MAX_STOP];
     int n_stop;
@@ -61,6 +66,17 @@ void rt_params_fini(rt_params *p);
  * status with e filled (p is then empty). */
 int rt_openai_parse(const rt_model *m, rt_endpoint ep, const char *body, size_t len, rt_params *p,
                     rt_error *e);
+
+/* The parts /tokenize shares with the generation endpoints. Both fill p->prompt and
+ * p->n_prompt (malloc'd; rt_params_fini frees it) or return the HTTP status with e filled.
+ * rt_openai_messages renders o's "messages" with the model's chat template (the template
+ * writes BOS where the model wants one); rt_openai_tokenize encodes text, with control-token
+ * text recognised and, if add_special, BOS/EOS as the model's metadata says. */
+struct json_t;
+int rt_openai_messages(const rt_model *m, struct json_t *o, bool add_generation_prompt,
+                       rt_params *p, rt_error *e);
+int rt_openai_tokenize(const rt_model *m, const char *text, size_t len, bool add_special,
+                       rt_params *p, rt_error *e);
 
 /* /v1/models body (malloc'd). */
 char *rt_openai_models(const rt_model *m);

@@ -69,15 +69,17 @@ int32_t *rt_req_prompt(const rt_req *q, size_t *n)
 
 void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
 {
-    td_sampling s = q->p.sampling;
-    s.skip_samples = (uint32_t)q->loop.gen_base; /* a moved request: the draws already made */
-    td_ctrl_sampling_to_pb(&s, sm);
+    /* sm borrows the request's lists (logit bias, min_tokens ids): q outlives the message */
+    td_ctrl_sampling_to_pb(&q->p.sampling, sm);
+    sm->skip_samples = (uint32_t)q->loop.gen_base; /* a moved request: the draws already made */
     td__submit__init(sub);
     sub->request_id = q->loop.rid;
     sub->token_ids = rt_req_prompt(q, &sub->n_token_ids);
     sub->sampling = sm;
     sub->max_tokens = (uint32_t)(q->p.max_tokens - q->loop.gen_base);
     sub->ignore_eos = q->p.ignore_eos;
+    sub->n_stop_token_ids = (size_t)q->p.n_stop_ids;
+    sub->stop_token_ids = q->p.n_stop_ids ? (int32_t *)q->p.stop_ids : NULL;
 }
 
 bool rt_code_lost(int code)

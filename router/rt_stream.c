@@ -136,6 +136,7 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
 {
     if (!q->loop.dt_init) {
         td_detok_init(&q->loop.dt, r->model.tok);
+        q->loop.dt.special = !q->p.skip_special; /* skip_special_tokens: false keeps their text */
         q->loop.dt_init = true;
     }
     int rc = 0;

@@ -17,11 +17,12 @@ static void usage(void)
         "         --max-tokens N [--temperature T] [--top-p P] [--top-k K] [--min-p P]\n"
         "         [--repeat-penalty R] [--presence-penalty P] [--frequency-penalty F]\n"
         "         [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
-        "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda]\n"
+        "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda] [--tokenize]\n"
         "  --prompt TEXT      raw text, tokenized as llama.cpp does (BOS if the model says so)\n"
         "  --chat TEXT        one user message rendered with the model's chat template\n"
         "  --prompt-ids IDS   token ids, e.g. 1,2,3\n"
         "  --ids              print generated token ids instead of text\n"
+        "  --tokenize         print the prompt's token ids and exit (no --max-tokens needed)\n"
         "  --temperature 0    greedy decoding (default 0.8, top-k 40, top-p 0.95, min-p 0.05)\n");
 }
 
@@ -29,7 +30,7 @@ typedef struct {
     const char *prompt, *chat, *prompt_ids;
     int max_tokens;
     td_sampling sp;
-    bool seed_set, print_ids, ignore_eos;
+    bool seed_set, print_ids, ignore_eos, tokenize;
     int chunk;
     cli_session_params sess;
 } gen_args;
@@ -90,6 +91,9 @@ static int parse_args(int argc, char **argv, gen_args *a)
         else if (!strcmp(f, "--ids")) {
             a->print_ids = true;
             takes = false;
+        } else if (!strcmp(f, "--tokenize")) {
+            a->tokenize = true;
+            takes = false;
         } else if (!strcmp(f, "--ignore-eos")) {
             a->ignore_eos = true;
             takes = false;
@@ -111,6 +115,7 @@ static int parse_args(int argc, char **argv, gen_args *a)
         }
     }
     int n_src = !!a->prompt + !!a->chat + !!a->prompt_ids;
+    if (a->tokenize && a->max_tokens < 0) a->max_tokens = 0;
     if (!a->sess.model_path || n_src != 1 || a->max_tokens < 0) {
         fprintf(stderr, "tandem: generate needs --model, exactly one of --prompt/--chat/"
                         "--prompt-ids, and --max-tokens\n");
@@ -204,6 +209,12 @@ int cmd_generate(int argc, char **argv)
     bool detok = !a.print_ids && s.tok;
     if (detok) td_detok_init(&dt, s.tok);
     if ((rc = prompt_tokens(&s, &a, &ids, &n))) goto out;
+    if (a.tokenize) {
+        for (int64_t i = 0; i < n; i++)
+            printf(i ? ",%d" : "%d", ids[i]);
+        printf("\n");
+        goto out;
+    }
     if (n >= s.ctx) {
         fprintf(stderr, "tandem: the prompt has %lld tokens; the context holds %d\n", (long long)n,
                 s.ctx);

@@ -7,6 +7,7 @@
  * 999 is held without a reply for 400 ms (deadline test); request id 777 makes the node
  * queue all its tokens at once, one event per token (burst test).
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -178,6 +179,70 @@ static void test_roundtrip_requests(void)
     TH_CHECK(d && d->stage_hello->stage == 1 && d->stage_hello->pp == 2 &&
              d->stage_hello->pipe_address.len == 4 && d->stage_hello->boot_id == 99);
     td_ctrl_envelope_free(d);
+}
+
+/* The sampler's lists (logit bias, min_tokens ids) through td_ctrl_sampling_to_pb, the wire
+ * and td_ctrl_sampling_from_pb; bad lists are refused by the decoder. */
+static void test_sampling_lists(void)
+{
+    int32_t prompt[] = {1, 2};
+    td_sampling in = {
+        .temperature = 0.5f, .min_tokens = 3, .n_min_tokens_ids = 2, .n_logit_bias = 2};
+    in.min_tokens_ids[0] = 7;
+    in.min_tokens_ids[1] = 2;
+    in.logit_bias_ids[0] = 5;
+    in.logit_bias_values[0] = -100.0f;
+    in.logit_bias_ids[1] = 9;
+    in.logit_bias_values[1] = 2.5f;
+    Td__Sampling sp;
+    td_ctrl_sampling_to_pb(&in, &sp);
+    Td__Submit sub = TD__SUBMIT__INIT;
+    sub.request_id = 1;
+    sub.n_token_ids = 2;
+    sub.token_ids = prompt;
+    sub.sampling = &sp;
+    sub.max_tokens = 4;
+    Td__Envelope e = TD__ENVELOPE__INIT;
+    e.client_id = 1;
+    e.body_case = TD__ENVELOPE__BODY_SUBMIT;
+    e.submit = &sub;
+    Td__Envelope *d = roundtrip(&e);
+    TH_REQUIRE(d);
+    td_sampling out = td_ctrl_sampling_from_pb(d->submit->sampling);
+    td_ctrl_envelope_free(d);
+    TH_CHECK(out.temperature == 0.5f && out.min_tokens == 3 && out.n_min_tokens_ids == 2 &&
+             out.min_tokens_ids[0] == 7 && out.min_tokens_ids[1] == 2 && out.n_logit_bias == 2 &&
+             out.logit_bias_ids[0] == 5 && out.logit_bias_values[0] == -100.0f &&
+             out.logit_bias_ids[1] == 9 && out.logit_bias_values[1] == 2.5f);
+    /* no lists: nothing on the wire, nothing back */
+    td_sampling none = {.temperature = 1.0f};
+    td_ctrl_sampling_to_pb(&none, &sp);
+    TH_CHECK(sp.n_logit_bias_ids == 0 && sp.n_min_tokens_ids == 0);
+    /* refused: ids and values of different lengths, a NaN bias, a negative id */
+    float vals[2] = {1.0f, NAN};
+    int32_t ids[2] = {3, -1};
+    for (int k = 0; k < 3; k++) {
+        td_ctrl_sampling_to_pb(&none, &sp);
+        sp.logit_bias_ids = ids;
+        sp.logit_bias_values = vals;
+        sp.n_logit_bias_ids = k == 0 ? 2 : 1;
+        sp.n_logit_bias_values = k == 0 ? 1 : 1;
+        if (k == 1) vals[0] = NAN;
+        if (k == 2) {
+            vals[0] = 1.0f;
+            sp.n_logit_bias_ids = sp.n_logit_bias_values = 0;
+            sp.n_min_tokens_ids = 2;
+            sp.min_tokens_ids = ids;
+        }
+        uint8_t *buf;
+        size_t len;
+        TH_REQUIRE(td_ctrl_encode(&e, NULL, &buf, &len) == 0);
+        Td__Envelope *bad = NULL;
+        TH_CHECKF(td_ctrl_decode(buf, len, NULL, &bad, NULL, 0) == (k == 0 ? TD_ERANGE : TD_EINVAL),
+                  "bad sampling list %d is refused", k);
+        td_ctrl_envelope_free(bad);
+        free(buf);
+    }
 }
 
 static void test_roundtrip_replies(void)
@@ -992,6 +1057,7 @@ int main(int argc, char **argv)
     }
     TH_RUN(test_roundtrip_requests);
     TH_RUN(test_roundtrip_replies);
+    TH_RUN(test_sampling_lists);
     TH_RUN(test_decode_rejects);
     TH_RUN(test_exchange_ipc);
     TH_RUN(test_exchange_tcp);

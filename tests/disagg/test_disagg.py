@@ -22,6 +22,8 @@ usage: test_disagg.py --router BIN --prefill BIN --decode BIN --tandem BIN --syn
                       [--model GGUF] [--case NAME]
 """
 import argparse
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -81,6 +83,64 @@ def penalized_output(c, args, model, prompt, label, n=24):
           f"{label}: penalties: equal to generate with them, unlike plain greedy (status {st})")
 
 
+def token_post(c, path, body):
+    h = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+    h.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    out = json.loads(h.getresponse().read())
+    h.close()
+    return out
+
+
+def eos_id(model):
+    import gguf
+    f = gguf.GGUFReader(model).fields.get("tokenizer.ggml.eos_token_id")
+    return int(f.parts[f.data[0]][0]) if f else None
+
+
+def params_output(c, tandem, model, prompt, label):
+    """logit_bias and min_tokens (with stop_token_ids) through the disaggregated path, with the
+    official client. The first token is sampled by the last prefill stage, so these break there
+    if the prefill wire does not carry the parameters."""
+    import openai
+    cl = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    t = token_post(c, "/tokenize", {"prompt": " the", "add_special_tokens": False})["tokens"][-1]
+    forced = token_post(c, "/detokenize", {"tokens": [t] * 3})["prompt"]
+    kw = dict(model=os.path.basename(model), prompt=prompt, temperature=0)
+    r = cl.completions.create(**kw, max_tokens=3, logit_bias={str(t): 100},
+                              extra_body={"ignore_eos": True})
+    check(r.choices[0].text == forced,
+          f"{label}: logit_bias +100 forces the first token too ({r.choices[0].text!r})")
+    # -100 on the greedy first token: listed as a stop id too, it would end the request at once
+    # ("stop") if the prefill stage ignored the bias; banned, another token comes ("length")
+    first = int(subprocess.run([tandem, "generate", "--model", model, "--prompt", prompt,
+                                "--max-tokens", "1", "--temperature", "0", "--threads", "1",
+                                "--ignore-eos", "--ids"], capture_output=True,
+                               timeout=300).stdout.split()[0])
+    sb = {"stop_token_ids": [first], "ignore_eos": True}
+    r0 = cl.completions.create(**kw, max_tokens=1, extra_body=sb)
+    r = cl.completions.create(**kw, max_tokens=1, logit_bias={str(first): -100}, extra_body=sb)
+    check(r0.choices[0].finish_reason == "stop" and r.choices[0].finish_reason == "length",
+          f"{label}: logit_bias -100 bans the greedy first token {first} "
+          f"({r0.choices[0].finish_reason}, {r.choices[0].finish_reason})")
+    eos = eos_id(model)
+    if eos is not None:
+        r0 = cl.completions.create(**kw, max_tokens=8, logit_bias={str(eos): 100})
+        r = cl.completions.create(**kw, max_tokens=8, logit_bias={str(eos): 100},
+                                  extra_body={"min_tokens": 3})
+        check(r0.usage.completion_tokens == 1 and r0.choices[0].finish_reason == "stop" and
+              r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop",
+              f"{label}: min_tokens 3 masks EOS on the first token too ({r0.usage}, {r.usage})")
+    # stop_token_ids are masked by min_tokens as well (they travel in the min_tokens list)
+    sb = {"stop_token_ids": [t], "ignore_eos": True}
+    r0 = cl.completions.create(**kw, max_tokens=8, logit_bias={str(t): 100}, extra_body=sb)
+    r = cl.completions.create(**kw, max_tokens=8, logit_bias={str(t): 100},
+                              extra_body=dict(sb, min_tokens=2))
+    check(r0.usage.completion_tokens == 1 and r0.choices[0].finish_reason == "stop" and
+          r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "stop",
+          f"{label}: stop_token_ids end at once, min_tokens 2 holds them off ({r0.usage}, "
+          f"{r.usage})")
+
+
 def idle(c, label):
     ok, hs = c.wait_idle()
     check(ok, f"{label}: every instance idle, no KV block held: {hs}")
@@ -94,6 +154,8 @@ def case_synth(args):
             with Cluster(args, model, [{"pp": pp, "chunk": 64}], [{"tp": tp}]) as c:
                 equal_outputs(c, args, model, prompts, f"synth pp{pp} tp{tp}")
                 penalized_output(c, args, model, prompts[1], f"synth pp{pp} tp{tp}")
+                for p in (prompts[0], prompts[2]):  # one chunk, several chunks
+                    params_output(c, args.tandem, model, p, f"synth pp{pp} tp{tp}")
                 idle(c, f"synth pp{pp} tp{tp}")
                 codes = c.stop()
                 check(all(v == 0 for v in codes.values()),
@@ -112,6 +174,7 @@ def case_default(args):
         with Cluster(args, args.model, [{"pp": pp, "chunk": 128}], [{"tp": tp}]) as c:
             equal_outputs(c, args, args.model, prompts, f"default pp{pp} tp{tp}", n=24)
             penalized_output(c, args, args.model, prompts[0], f"default pp{pp} tp{tp}")
+            params_output(c, args.tandem, args.model, prompts[0], f"default pp{pp} tp{tp}")
             idle(c, f"default pp{pp} tp{tp}")
 
 

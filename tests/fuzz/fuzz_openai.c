@@ -14,7 +14,9 @@
  * leaves the parameters empty, and its error JSON renders; an acceptance keeps every limit:
  * 1 <= prompt tokens <= max_prompt_tokens, every id in [0, n_vocab), 1 <= max_tokens <=
  * router.max_tokens, prompt + max_tokens <= the context, sampling values in their ranges,
- * at most RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES. A 500 is only
+ * at most RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES, logit bias,
+ * min_tokens and stop ids within their caps and the vocabulary, min_tokens <= max_tokens,
+ * biases in [-100, 100]. A 500 is only
  * acceptable for "out of memory".
  */
 #include <stdint.h>
@@ -73,6 +75,21 @@ static void check_ok(const rt_model *r, rt_endpoint ep, const rt_params *p)
             p->stop[i][p->stop_len[i]])
             abort();
     if (p->include_usage && !p->stream) abort();
+    /* logit bias, min_tokens, stop ids: counts within their caps, ids in the vocabulary */
+    if (sp->n_logit_bias < 0 || sp->n_logit_bias > TD_MAX_LOGIT_BIAS || sp->min_tokens < 0 ||
+        sp->min_tokens > p->max_tokens || sp->n_min_tokens_ids < 0 ||
+        sp->n_min_tokens_ids > TD_MAX_MIN_TOKENS_IDS ||
+        (sp->min_tokens == 0 && sp->n_min_tokens_ids) || p->n_stop_ids < 0 ||
+        p->n_stop_ids > RT_MAX_STOP_IDS)
+        abort();
+    for (int i = 0; i < sp->n_logit_bias; i++)
+        if (sp->logit_bias_ids[i] < 0 || sp->logit_bias_ids[i] >= nv ||
+            !(sp->logit_bias_values[i] >= -100 && sp->logit_bias_values[i] <= 100))
+            abort();
+    for (int i = 0; i < sp->n_min_tokens_ids; i++)
+        if (sp->min_tokens_ids[i] < 0 || sp->min_tokens_ids[i] >= nv) abort();
+    for (int i = 0; i < p->n_stop_ids; i++)
+        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= nv) abort();
 }
 
 static void check_err(rt_endpoint ep, const rt_params *p, const rt_error *e, int rc)

@@ -12,7 +12,7 @@
  * Oracle: no crash, leak or out-of-bounds access; a parsed CHUNK's segments are consistent
  * (t0 < t1 <= n_prompt, FIRST/LAST flags agree, live rows add up, every token pointer and
  * the payload lie inside the buffer); a message the harness built and did not mutate
- * parses back to the same segments.
+ * parses back to the same segments (the sampler's lists on the LAST segments only).
  */
 #include <stdbool.h>
 #include <stdint.h>
@@ -47,6 +47,23 @@ static void check_chunk(const pf_msg *m, const uint8_t *buf, size_t len)
             sink += m->embd[i]; /* ASan: every payload float is readable */
         (void)sink;
     }
+}
+
+/* A parsed segment's lists: its sent ones when it ends a prompt, none otherwise. */
+static bool lists_equal(const pf_seg *got, const pf_seg *sent)
+{
+    const td_sampling *a = &got->sampling, *b = &sent->sampling;
+    bool last = sent->flags & PF_SEG_LAST;
+    if (a->min_tokens != b->min_tokens) return false;
+    if (a->n_logit_bias != (last ? b->n_logit_bias : 0)) return false;
+    if (a->n_min_tokens_ids != (last ? b->n_min_tokens_ids : 0)) return false;
+    for (int k = 0; k < a->n_logit_bias; k++)
+        if (a->logit_bias_ids[k] != b->logit_bias_ids[k] ||
+            a->logit_bias_values[k] != b->logit_bias_values[k])
+            return false;
+    for (int k = 0; k < a->n_min_tokens_ids; k++)
+        if (a->min_tokens_ids[k] != b->min_tokens_ids[k]) return false;
+    return true;
 }
 
 static void parse_all(const uint8_t *buf, size_t len)
@@ -108,13 +125,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         segs[n].sampling.skip_samples = r[2] % segs[n].n_prompt; /* < n_prompt */
         segs[n].sampling.presence_penalty = (float)(r[3] >> 1) / 32 - 2;
         segs[n].sampling.frequency_penalty = (float)r[5] / 64 - 2;
+        /* the sampler's lists: written for LAST segments only, parsed back as they were */
+        segs[n].sampling.min_tokens = r[1] % 5;
+        segs[n].sampling.n_logit_bias = r[0] % 3;
+        segs[n].sampling.n_min_tokens_ids = r[4] % 3;
+        for (int k = 0; k < 3; k++) {
+            segs[n].sampling.logit_bias_ids[k] = r[k] + k;
+            segs[n].sampling.logit_bias_values[k] = (float)r[5 - k] - 100;
+            segs[n].sampling.min_tokens_ids[k] = r[5 - k];
+        }
         for (uint32_t k = 0; !dead && k < l; k++)
             ids[rows + k] = (int32_t)(r[4] * 31 + k);
         if (!dead) rows += l;
         n++;
     }
     if (!n) return 0;
-    size_t cap = pf_wire_chunk_size(n, rows, rows, N_EMBD);
+    size_t cap = pf_wire_chunk_size(segs, n, rows, rows, N_EMBD);
     uint8_t *buf = calloc(1, cap);
     int64_t len = pf_wire_chunk_write(buf, cap, 1, segs, n, ids, N_EMBD);
     if (len < 0 || (size_t)len != cap) abort();
@@ -126,7 +152,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             m.segs[i].flags != segs[i].flags || m.segs[i].sampling.seed != segs[i].sampling.seed ||
             m.segs[i].sampling.skip_samples != segs[i].sampling.skip_samples ||
             m.segs[i].sampling.presence_penalty != segs[i].sampling.presence_penalty ||
-            m.segs[i].sampling.frequency_penalty != segs[i].sampling.frequency_penalty)
+            m.segs[i].sampling.frequency_penalty != segs[i].sampling.frequency_penalty ||
+            !lists_equal(&m.segs[i], &segs[i]))
             abort();
     pf_msg_fini(&m);
     /* the rest of the input: (offset u16, xor u8) flips, and maybe a truncation */

@@ -283,6 +283,111 @@ static void test_min_p_above_one(void)
     TH_CHECK(c[2] == n);
 }
 
+/* logit_bias: added to the raw logits before the penalties; +100 forces a token, -100 bans it
+ * (greedy and sampled). */
+static void test_logit_bias(void)
+{
+    const float up = 1.0f / 1024;
+    td_sampling p = {.temperature = 0, .n_logit_bias = 1};
+    p.logit_bias_ids[0] = 0;
+    p.logit_bias_values[0] = 0.5f;
+    TH_CHECK(probe(&p, 1.0f, 1.5f, NULL, 0, 0) == 0); /* 1 + 0.5 = 1.5: tie */
+    TH_CHECK(probe(&p, 1.0f, 1.5f + up, NULL, 0, 0) == 1);
+    p.logit_bias_ids[0] = 4;
+    p.logit_bias_values[0] = 100.0f; /* -100 + 100 = 0 > ... */
+    TH_CHECK(probe(&p, -1.0f, -0.5f, NULL, 0, 0) == 4);
+    p.logit_bias_ids[0] = 1;
+    p.logit_bias_values[0] = -100.0f;
+    TH_CHECK(probe(&p, 1.0f, 30.0f, NULL, 0, 0) == 0); /* the greedy token is banned */
+    /* before the repetition penalty: (2 + 2) / 2 = 2 against 2: a tie */
+    td_sampling rp = {.temperature = 0, .repeat_penalty = 2.0f, .n_logit_bias = 1};
+    rp.logit_bias_ids[0] = 0;
+    rp.logit_bias_values[0] = 2.0f;
+    int32_t hist[] = {0};
+    TH_CHECK(probe(&rp, 2.0f, 2.0f, hist, 1, 0) == 0);
+    TH_CHECK(probe(&rp, 2.0f, 2.0f + up, hist, 1, 0) == 1);
+    /* sampled: a banned token is never drawn, a forced one always */
+    float l[V] = {1.0f, 1.1f, 0.9f, 1.05f, 0.95f, 1.0f};
+    int c[V], n = 300;
+    td_sampling ban = {.temperature = 1.0f, .seed = 5, .n_logit_bias = 2};
+    ban.logit_bias_ids[0] = 1;
+    ban.logit_bias_values[0] = -100.0f;
+    ban.logit_bias_ids[1] = 3;
+    ban.logit_bias_values[1] = -100.0f;
+    histogram(ban, l, n, c);
+    TH_CHECKF(c[1] == 0 && c[3] == 0 && c[0] > 0, "banned drawn %d, %d times", c[1], c[3]);
+    td_sampling force = {.temperature = 1.0f, .seed = 5, .n_logit_bias = 1};
+    force.logit_bias_ids[0] = 2;
+    force.logit_bias_values[0] = 100.0f;
+    histogram(force, l, n, c);
+    TH_CHECKF(c[2] == n, "forced token drawn %d of %d times", c[2], n);
+}
+
+/* min_tokens: the listed ids are masked while fewer than min_tokens were generated (n_out),
+ * whatever their logits; after that they compete again. */
+static void test_min_tokens(void)
+{
+    td_sampling p = {.temperature = 0, .min_tokens = 2, .n_min_tokens_ids = 2};
+    p.min_tokens_ids[0] = 1;
+    p.min_tokens_ids[1] = 3;
+    kn_sampler s;
+    TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
+    float l[V] = {0.1f, 9.0f, -1.0f, 8.0f, 0.5f, 0.2f};
+    int32_t hist[] = {5, 4, 4, 4};
+    TH_CHECK(kn_sample(&s, l, hist, 2, 0) == 4); /* first token: 1 and 3 masked */
+    TH_CHECK(kn_sample(&s, l, hist, 3, 1) == 4);
+    TH_CHECK(kn_sample(&s, l, hist, 4, 2) == 1); /* two generated: unmasked */
+    kn_sampler_fini(&s);
+    /* a moved request's earlier tokens count (n_out includes them) */
+    p.temperature = 1.0f;
+    p.seed = 9;
+    TH_REQUIRE(kn_sampler_init(&s, &p, V) == 0);
+    int drawn = 0;
+    for (int i = 0; i < 200; i++) {
+        int32_t id = kn_sample(&s, l, hist, 3, 1);
+        drawn += id == 1 || id == 3;
+    }
+    TH_CHECKF(drawn == 0, "a masked id was drawn %d times", drawn);
+    kn_sampler_fini(&s);
+}
+
+/* The repetition penalty over a window as long as the history (the router's
+ * repetition_penalty): a token far back counts, and each distinct token once. */
+static void test_repetition_whole_history(void)
+{
+    enum { N = 5000 };
+    static int32_t hist[N];
+    for (int i = 0; i < N; i++)
+        hist[i] = i == 0 ? 0 : 2; /* token 0 only at the very start */
+    td_sampling p = {.temperature = 0, .repeat_penalty = 2.0f, .repeat_last_n = 1 << 30};
+    TH_CHECK(probe(&p, 4.0f, 2.0f, hist, N, 0) == 0); /* 4 / 2 = 2: tie, once only */
+    TH_CHECK(probe(&p, 4.0f, 2.0f + 1.0f / 1024, hist, N, 0) == 1);
+    p.repeat_last_n = 64; /* the CLI's default window no longer sees it */
+    TH_CHECK(probe(&p, 4.0f, 3.0f, hist, N, 0) == 0);
+}
+
+/* Lists from the network are checked at init. */
+static void test_bad_lists(void)
+{
+    kn_sampler s;
+    td_sampling p = {.n_logit_bias = 1};
+    p.logit_bias_ids[0] = V;
+    p.logit_bias_values[0] = 1.0f;
+    TH_CHECK(kn_sampler_init(&s, &p, V) == TD_EINVAL);
+    p.logit_bias_ids[0] = 1;
+    p.logit_bias_values[0] = NAN;
+    TH_CHECK(kn_sampler_init(&s, &p, V) == TD_EINVAL);
+    p.logit_bias_values[0] = 1.0f;
+    p.n_logit_bias = TD_MAX_LOGIT_BIAS + 1;
+    TH_CHECK(kn_sampler_init(&s, &p, V) == TD_EINVAL);
+    td_sampling m = {.min_tokens = 1, .n_min_tokens_ids = 1};
+    m.min_tokens_ids[0] = -1;
+    TH_CHECK(kn_sampler_init(&s, &m, V) == TD_EINVAL);
+    m.min_tokens_ids[0] = 2;
+    TH_CHECK(kn_sampler_init(&s, &m, V) == 0);
+    kn_sampler_fini(&s);
+}
+
 int main(void)
 {
     TH_RUN(test_greedy);
@@ -297,5 +402,9 @@ int main(void)
     TH_RUN(test_skip_equals_one_sample);
     TH_RUN(test_init_skips);
     TH_RUN(test_min_p_above_one);
+    TH_RUN(test_logit_bias);
+    TH_RUN(test_min_tokens);
+    TH_RUN(test_repetition_whole_history);
+    TH_RUN(test_bad_lists);
     TH_EXIT();
 }

@@ -7,14 +7,17 @@ synthetic model and, with --model, on the default model too.
 usage: test_router_openai.py --router BIN --decode BIN --tandem BIN --synth GGUF [--model GGUF]
 """
 import argparse
+import http.client
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
 import openai  # noqa: E402
-from rtlib import Cluster, generate_text  # noqa: E402
+from rtlib import Cluster, generate_text, post  # noqa: E402
 from tdtest.checks import FAILS, check  # noqa: E402
 
 
@@ -70,7 +73,8 @@ def check_penalties(args, client, mid, model, name, prompt):
           f"{name}: streamed presence_penalty 2.0 == tandem generate --presence-penalty 2, "
           f"and differs from plain greedy")
     for extra, param in (({"guided_json": {"type": "object"}}, "guided_json"),
-                         ({"logit_bias": {"5": 10}}, "logit_bias"),
+                         ({"spaces_between_special_tokens": True},
+                          "spaces_between_special_tokens"),
                          ({"stream_options": {"continuous_usage_stats": True}},
                           "stream_options")):
         try:
@@ -80,6 +84,160 @@ def check_penalties(args, client, mid, model, name, prompt):
             body = e.body if isinstance(e.body, dict) else {}
             check(e.status_code == 400 and body.get("param") == param and param in str(e),
                   f"{name}: {param} is refused with a 400 naming it ({body})")
+
+
+def eos_id(model):
+    """The model's EOS id from its GGUF metadata, or None."""
+    import gguf
+    f = gguf.GGUFReader(model).fields.get("tokenizer.ggml.eos_token_id")
+    return int(f.parts[f.data[0]][0]) if f else None
+
+
+def jpost(cl, path, body):
+    status, _, out = post(cl.http_port, path, body)
+    return status, json.loads(out)
+
+
+def refused(client, mid, name, extra, param, what):
+    try:
+        client.completions.create(model=mid, prompt="Hi", max_tokens=4, extra_body=extra)
+        check(False, f"{name}: {what} is refused")
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        check(e.status_code == 400 and body.get("param") == param,
+              f"{name}: {what} is a 400 naming {param} ({body.get('message')})")
+
+
+def check_token_endpoints(args, cl, model, name, prompt):
+    """/tokenize equals `tandem generate --tokenize` and the prompt a completion sees;
+    /detokenize gives the text back; /version answers the project version."""
+    mid = os.path.basename(model)
+    st, tk = jpost(cl, "/tokenize", {"model": mid, "prompt": prompt})
+    r = subprocess.run([args.tandem, "generate", "--model", model, "--prompt", prompt,
+                        "--tokenize", "--threads", "1"], capture_output=True, timeout=300)
+    want = [int(t) for t in r.stdout.decode().strip().split(",")]
+    check(st == 200 and tk["tokens"] == want and tk["count"] == len(want) and
+          tk["max_model_len"] > 0, f"{name}: /tokenize == tandem generate --tokenize ({tk})")
+    st, raw = jpost(cl, "/tokenize", {"prompt": prompt, "add_special_tokens": False})
+    st2, dt = jpost(cl, "/detokenize", {"model": mid, "tokens": raw["tokens"]})
+    check(st == 200 and st2 == 200 and dt["prompt"] == prompt,
+          f"{name}: /detokenize(/tokenize(p)) == p ({dt})")
+    msgs = [{"role": "user", "content": prompt}]
+    st, ch = jpost(cl, "/tokenize", {"model": mid, "messages": msgs})
+    client = openai.OpenAI(base_url=cl.url + "/v1", api_key="unused", max_retries=0)
+    u = client.chat.completions.create(model=mid, messages=msgs, max_tokens=1).usage
+    check(st == 200 and ch["count"] == u.prompt_tokens,
+          f"{name}: /tokenize of messages counts the chat's prompt tokens ({ch['count']} vs "
+          f"{u.prompt_tokens})")
+    st, ng = jpost(cl, "/tokenize", {"messages": msgs, "add_generation_prompt": False})
+    check(st == 200 and ng["count"] < ch["count"],
+          f"{name}: add_generation_prompt false leaves out the assistant header")
+    for path, body, param in (("/tokenize", {"prompt": prompt, "foo": 1}, "foo"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": prompt, "messages": msgs}, "prompt"),
+                              ("/detokenize", {"tokens": [1 << 30]}, "tokens"),
+                              ("/detokenize", {"tokens": "12"}, "tokens")):
+        st, err = jpost(cl, path, body)
+        check(st == 400 and err["error"]["param"] == param,
+              f"{name}: {path} {body} is a 400 naming {param} ({err})")
+    st, err = jpost(cl, "/tokenize", {"model": "nope", "prompt": "x"})
+    check(st == 404, f"{name}: /tokenize of an unknown model is 404")
+    c = http.client.HTTPConnection("127.0.0.1", cl.http_port, timeout=30)
+    c.request("GET", "/version")
+    v = json.loads(c.getresponse().read())
+    cm = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../CMakeLists.txt")).read()
+    want_v = re.search(r"project\(tandem VERSION ([0-9.]+)", cm).group(1)
+    check(v.get("version") == want_v, f"{name}: /version is the CMake project version ({v})")
+    return want
+
+
+def check_params(args, cl, client, mid, model, name, prompt):
+    """logit_bias, min_tokens, stop_token_ids, repetition_penalty, skip_special_tokens."""
+    n = 8
+    plain = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    a = cli_ids(args, model, prompt, n, [])
+    # logit_bias +100 forces a token (greedy: every step), on both endpoints, streamed too
+    _, tk = jpost(cl, "/tokenize", {"prompt": " the", "add_special_tokens": False})
+    t = tk["tokens"][-1]
+    _, forced = jpost(cl, "/detokenize", {"tokens": [t] * 4})
+    r = client.completions.create(model=mid, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(t): 100}, extra_body={"ignore_eos": True})
+    check(r.choices[0].text == forced["prompt"],
+          f"{name}: logit_bias +100 forces token {t} ({r.choices[0].text!r})")
+    s = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=4, temperature=0.7, seed=3, stream=True,
+                                       logit_bias={str(t): 100}, extra_body={"ignore_eos": True})
+    text, _, _, _ = stream_text(s, True)
+    check(text == forced["prompt"], f"{name}: streamed chat with logit_bias +100 ({text!r})")
+    r = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                  logit_bias={str(a[0]): -100}, extra_body={"ignore_eos": True})
+    check(r.choices[0].text != plain,
+          f"{name}: logit_bias -100 on the greedy token {a[0]} changes the output")
+    # stop_token_ids: the request ends at the first listed id (not sent), finish "stop"
+    k = next((i for i in range(1, n) if a[i] not in a[:i]), None)
+    if k is not None:
+        r = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True, "stop_token_ids": [a[k]]})
+        short = client.completions.create(model=mid, prompt=prompt, max_tokens=k, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+        check(r.choices[0].text == short and r.choices[0].finish_reason == "stop" and
+              r.usage.completion_tokens == k + 1,
+              f"{name}: stop_token_ids [{a[k]}] stops after {k} tokens with finish_reason "
+              f"stop ({r.choices[0].text!r}, {r.choices[0].finish_reason}, {r.usage})")
+    # min_tokens: EOS forced by logit_bias ends at once; min_tokens masks it for 3 tokens
+    eos = eos_id(model)
+    if eos is not None:
+        for stream in (False, True):
+            kw = dict(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                      logit_bias={str(eos): 100})
+            r0 = client.completions.create(**kw)
+            check(r0.choices[0].finish_reason == "stop" and r0.choices[0].text == "",
+                  f"{name}: EOS at +100 ends the request at once")
+            if not stream:
+                r = client.completions.create(**kw, extra_body={"min_tokens": 3})
+                got, fin, used = r.choices[0].text, r.choices[0].finish_reason, r.usage
+            else:
+                sr = client.completions.create(**kw, extra_body={"min_tokens": 3}, stream=True,
+                                               stream_options={"include_usage": True})
+                got, fins, used, _ = stream_text(sr, False)
+                fin = fins[-1]
+            check(fin == "stop" and used.completion_tokens == 4 and got != "",
+                  f"{name}: min_tokens 3 masks EOS until 3 tokens (stream {stream}: {got!r}, "
+                  f"{fin}, {used})")
+    # repetition_penalty: vLLM's (whole history); the CLI's --repeat-penalty with its 64-token
+    # window sees the same history for a prompt this short
+    rp = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                   extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
+    want = cli_text(args, model, prompt, n, ["--repeat-penalty", "1.5"])
+    check(rp.choices[0].text == want and want != plain,
+          f"{name}: repetition_penalty 1.5 changes the output, == tandem generate "
+          f"--repeat-penalty 1.5 ({rp.choices[0].text!r} vs {want!r})")
+    # skip_special_tokens: a control token (not an EOG one) forced into the output
+    _, im = jpost(cl, "/tokenize", {"prompt": "<|im_start|>", "add_special_tokens": False})
+    if len(im["tokens"]) == 1:
+        ctl = im["tokens"][0]
+        kw = dict(model=mid, prompt=prompt, max_tokens=2, temperature=0,
+                  logit_bias={str(ctl): 100})
+        hid = client.completions.create(**kw).choices[0].text
+        shown = client.completions.create(**kw, extra_body={"skip_special_tokens": False})
+        check(hid == "" and shown.choices[0].text == "<|im_start|><|im_start|>",
+              f"{name}: skip_special_tokens false keeps special tokens' text ({hid!r}, "
+              f"{shown.choices[0].text!r})")
+    nv = cl_vocab(model)
+    refused(client, mid, name, {"logit_bias": {"abc": 1}}, "logit_bias", "a non-id key")
+    refused(client, mid, name, {"logit_bias": {str(nv): 1}}, "logit_bias", "an id past the vocab")
+    refused(client, mid, name, {"logit_bias": {"3": 100.5}}, "logit_bias", "a bias over 100")
+    refused(client, mid, name, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias",
+            "301 entries")
+    refused(client, mid, name, {"min_tokens": 5}, "min_tokens", "min_tokens > max_tokens")
+    refused(client, mid, name, {"stop_token_ids": [-1]}, "stop_token_ids", "a negative stop id")
+
+
+def cl_vocab(model):
+    import gguf
+    f = gguf.GGUFReader(model).fields["tokenizer.ggml.tokens"]
+    return len(f.data)
 
 
 def stream_text(stream, chat):
@@ -181,6 +339,8 @@ def run_model(args, model, name, prompts, chats, n_tok):
         except openai.BadRequestError as e:
             check(e.status_code == 400 and "n" in str(e), f"{name}: n=2 is refused with 400")
         check_penalties(args, client, mid, model, name, prompts[0])
+        check_token_endpoints(args, cl, model, name, prompts[0])
+        check_params(args, cl, client, mid, model, name, prompts[0])
         rc = cl.stop()
         check(rc == 0, f"{name}: router exits 0 on SIGTERM (got {rc})")
 
