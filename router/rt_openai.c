@@ -437,7 +437,7 @@ static int parse_n(json_t *o, rt_endpoint ep, const td_cfg_router *cfg, rt_param
     long long n = 1, best_of = -1;
     int rc;
     if ((rc = get_int(o, "n", 1, 1 << 30, &n, e))) return rc;
-    if (n > cfg->max_n)
+    if (n > 1 && n > cfg->max_n)
         return rt_error_set(e, 400, "n", NULL,
                             "'n' is %lld; at most %d choices per prompt (router.max_n)", n,
                             cfg->max_n);
