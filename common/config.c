@@ -411,7 +411,9 @@ static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key
     F(R_MAX_REQ_TIMEOUT, "max_request_timeout_ms", F_INT, max_request_timeout_ms, 1, 86400000)     \
     F(R_DRAIN, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000)                            \
     F(R_MAX_MIGRATIONS, "max_migrations", F_INT, max_migrations, 0, 100)                           \
-    F(R_MIGRATE_WAIT, "migrate_wait_ms", F_INT, migrate_wait_ms, 0, 3600000)
+    F(R_MIGRATE_WAIT, "migrate_wait_ms", F_INT, migrate_wait_ms, 0, 3600000)                       \
+    F(R_MAX_N, "max_n", F_INT, max_n, 1, 1024)                                                     \
+    F(R_MAX_BATCH, "max_batch_prompts", F_INT, max_batch_prompts, 1, 4096)
 enum { ROUTER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) R_N };
 #define SECT td_cfg_router
 static const field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
@@ -516,6 +518,8 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     r->drain_timeout_ms = 30000;
     r->max_migrations = 3;
     r->migrate_wait_ms = 15000;
+    r->max_n = 16;
+    r->max_batch_prompts = 64;
 }
 
 static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)

@@ -45,6 +45,8 @@ typedef struct {
     int max_migrations;         /* 3: times a request may move to another decode instance after
                                    its instance died (0: never; it fails instead) */
     int migrate_wait_ms;        /* 15000: how long a moving request waits for a live instance */
+    int max_n;                  /* 16: choices per prompt a request may ask for ("n") */
+    int max_batch_prompts;      /* 64: prompts in one batched /v1/completions request */
 } td_cfg_router;
 
 typedef struct {

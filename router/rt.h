@@ -12,6 +12,7 @@
  *   rt_loop.{h,c}              the loop thread: inbox, instances' input, liveness, deadlines,
  *                              stop (rt_loop_int.h: private to rt_loop.c and rt_dispatch.c)
  *   rt_dispatch.c              admission, dispatch, request endings, migration
+ *   rt_choices.{h,c}           n > 1 and batched prompts: child requests, their join
  *   rt_pair.{h,c}              disaggregated mode: pairing, KV target relay, prefill failures
  *   rt_stream.{h,c}            per-request output: detokenizer, stop strings, chunks
  *   rt_registry.{h,c}          decode and prefill instances: heartbeats, liveness, choice

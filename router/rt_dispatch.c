@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "rt_choices.h"
 #include "rt_loop_int.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -49,6 +50,7 @@ void rt_loop_retire(rt_router *r, rt_req *q)
     if (q->loop.inst >= 0 && (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING))
         r->reg.inst[q->loop.inst].active--;
     q->loop.state = RT_ST_DONE;
+    if (q->ch.parent) rt_choices_retired(r, q);
     rt_req_release(q);
 }
 
@@ -174,6 +176,10 @@ void rt_loop_admit(rt_router *r, rt_req *q)
         refuse(r, q, &e);
         return;
     }
+    if (rt_choices_many(q)) { /* n > 1 or several prompts: its children are queued instead */
+        if (rt_choices_admit(r, q, &e)) refuse(r, q, &e);
+        return;
+    }
     int max = r->cfg->router.max_queue;
     if (r->fair.len >= max) {
         /* full: the client holding the most queued requests gives one up, unless that
@@ -248,6 +254,7 @@ void rt_loop_dispatch(rt_router *r, int64_t now)
             TD_LOG_ERR("router: %s: %s", q->oid, e.message);
             rt_stream_fail(q, &e);
             rt_metrics_request_end(&r->metrics, r->cfg, q, now, 500, NULL);
+            if (q->ch.parent) rt_choices_retired(r, q);
             rt_req_release(q);
         }
     }

@@ -29,6 +29,7 @@
 
 #include <microhttpd.h>
 
+#include "rt_choices.h"
 #include "rt_loop.h"
 #include "rt_loop_int.h"
 #include "td_clock.h"
@@ -478,7 +479,9 @@ static void take_inbox(rt_router *r)
     }
     while (gone) {
         rt_req *next = gone->loop.gone_next;
-        if (gone->loop.state == RT_ST_SUBMITTED || gone->loop.state == RT_ST_RUNNING) {
+        if (rt_choices_many(gone)) {
+            rt_choices_abort(r, gone, 499, "client_closed", "the client closed the connection");
+        } else if (gone->loop.state == RT_ST_SUBMITTED || gone->loop.state == RT_ST_RUNNING) {
             rt_loop_cancel(r, gone);
             rt_metrics_request_end(&r->metrics, r->cfg, gone, td_now_ms(), 499, "client_closed");
             rt_loop_retire(r, gone);
@@ -515,6 +518,14 @@ static void poke(rt_router *r)
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
         if (!q) continue;
+        if (q->ch.parent) { /* a choice: its parent holds the connection */
+            if (client_closed(q->ch.parent))
+                rt_choices_abort(r, q->ch.parent, 499, "client_closed",
+                                 "the client closed the connection");
+            else
+                rt_req_wake(q->ch.parent);
+            continue;
+        }
         if (client_closed(q)) {
             TD_LOG_DEBUG("router: %s: the client closed its connection: cancelled", q->oid);
             if (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING)
@@ -584,11 +595,15 @@ static void stop_all(rt_router *r, struct pollfd *fds)
     int n_all = r->reg.n + r->reg.n_pf;
     bool *told = calloc((size_t)n_all + 1, sizeof *told);
     take_inbox(r);
+    /* who is told first: a failing choice retires its siblings (rt_choices.h) at once */
+    for (uint32_t k = 0; k < r->table.cap && told; k++) {
+        rt_req *q = r->table.slots[k];
+        if (q && q->loop.inst >= 0) told[q->loop.inst] = true;
+        if (q && q->pair.pf_busy && q->pair.pinst >= 0) told[r->reg.n + q->pair.pinst] = true;
+    }
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
         if (!q) continue;
-        if (told && q->loop.inst >= 0) told[q->loop.inst] = true;
-        if (told && q->pair.pf_busy && q->pair.pinst >= 0) told[r->reg.n + q->pair.pinst] = true;
         rt_loop_cancel(r, q);
         rt_loop_fail(r, q, 503, "shutting_down", "the router is shutting down");
     }

@@ -1,5 +1,5 @@
-/* rt_loop_int.h: private to the loop's files (rt_loop.c, rt_dispatch.c) and their unit
- * tests: how the loop starts, moves and ends requests (rt_dispatch.c).
+/* rt_loop_int.h: private to the loop's files (rt_loop.c, rt_dispatch.c, rt_choices.c) and
+ * their unit tests: how the loop starts, moves and ends requests (rt_dispatch.c).
  *
  * Invariants: a request leaves the loop only through rt_loop_retire (directly or via
  * rt_loop_finish / rt_loop_fail), which takes it out of the queue, the table and its

@@ -18,6 +18,9 @@
 void rt_params_fini(rt_params *p)
 {
     free(p->prompt);
+    for (int i = 0; i < p->n_more; i++)
+        free(p->more[i].ids);
+    free(p->more);
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
     *p = (rt_params){0};
@@ -108,44 +111,33 @@ static int parse_stop(json_t *o, rt_params *p, rt_error *e)
     return 0;
 }
 
-static int tokenize(const rt_model *r, const char *text, size_t len, bool add_special, rt_params *p,
-                    rt_error *e)
+static int tokenize(const rt_model *r, const char *text, size_t len, bool add_special,
+                    int32_t **ids, size_t *n, rt_error *e)
 {
-    return rt_openai_tokenize(r, text, len, add_special, p, e);
+    int rc = td_tok_encode(r->tok, text, len, add_special, true, ids, n);
+    if (rc)
+        return rt_error_set(e, 500, NULL, NULL, "cannot tokenize the prompt: %s", td_strerror(rc));
+    return 0;
 }
 
 int rt_openai_tokenize(const rt_model *r, const char *text, size_t len, bool add_special,
                        rt_params *p, rt_error *e)
 {
-    int32_t *ids = NULL;
-    size_t n = 0;
-    int rc = td_tok_encode(r->tok, text, len, add_special, true, &ids, &n);
-    if (rc)
-        return rt_error_set(e, 500, NULL, NULL, "cannot tokenize the prompt: %s", td_strerror(rc));
-    p->prompt = ids;
-    p->n_prompt = n;
-    return 0;
+    return tokenize(r, text, len, add_special, &p->prompt, &p->n_prompt, e);
 }
 
-static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
+/* One prompt, a string or an array of token ids, into (ids, n); `what` names it in errors
+ * ("prompt", or "prompt[i]" in a batch). */
+static int parse_one(const rt_model *r, json_t *v, const char *what, int32_t **out, size_t *n_out,
+                     rt_error *e)
 {
-    json_t *v = json_object_get(o, "prompt");
-    if (absent(v)) return rt_error_set(e, 400, "prompt", NULL, "'prompt' is required");
-    if (json_is_array(v) && json_array_size(v) == 1 &&
-        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
-        v = json_array_get(v, 0); /* a batch of one */
-    if (json_is_array(v) && json_array_size(v) > 1 &&
-        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
-        return rt_error_set(e, 400, "prompt", "unsupported_parameter",
-                            "'prompt' holds %zu prompts: Tandem serves one prompt per request "
-                            "(a string, or an array of token ids); send one request per prompt",
-                            json_array_size(v));
     if (json_is_string(v))
-        return tokenize(r, json_string_value(v), json_string_length(v), true, p, e);
+        return tokenize(r, json_string_value(v), json_string_length(v), true, out, n_out, e);
     if (!json_is_array(v))
-        return bad(e, "prompt", "'%s' must be a string or an array of token ids%s", "");
+        return rt_error_set(e, 400, "prompt", NULL,
+                            "'%s' must be a string or an array of token ids", what);
     size_t n = json_array_size(v);
-    if (n == 0) return rt_error_set(e, 400, "prompt", NULL, "'prompt' is empty");
+    if (n == 0) return rt_error_set(e, 400, "prompt", NULL, "'%s' is empty", what);
     if (n > (size_t)r->limits->max_prompt_tokens) n = (size_t)r->limits->max_prompt_tokens + 1;
     int32_t *ids = malloc(n * sizeof *ids);
     if (!ids) return rt_error_set(e, 500, NULL, NULL, "out of memory");
@@ -154,14 +146,49 @@ static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
         json_t *t = json_array_get(v, i);
         if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= nv) {
             free(ids);
-            return rt_error_set(
-                e, 400, "prompt", NULL,
-                "'prompt' token ids must be integers in [0, %d); element %zu is not", nv, i);
+            return rt_error_set(e, 400, "prompt", NULL,
+                                "'%s' token ids must be integers in [0, %d); element %zu is not",
+                                what, nv, i);
         }
         ids[i] = (int32_t)json_integer_value(t);
     }
-    p->prompt = ids;
-    p->n_prompt = n;
+    *out = ids;
+    *n_out = n;
+    return 0;
+}
+
+/* "prompt": one prompt, or a batch (an array of strings / token-id arrays): the first goes to
+ * p->prompt, the others to p->more (their max_tokens are set by parse_obj). */
+static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
+{
+    json_t *v = json_object_get(o, "prompt");
+    if (absent(v)) return rt_error_set(e, 400, "prompt", NULL, "'prompt' is required");
+    bool batch = json_is_array(v) && json_array_size(v) > 0 &&
+                 (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0)));
+    if (!batch) return parse_one(r, v, "prompt", &p->prompt, &p->n_prompt, e);
+    size_t n = json_array_size(v);
+    int cap = r->limits->max_batch_prompts > 0 ? r->limits->max_batch_prompts : 1;
+    if (n > (size_t)cap)
+        return rt_error_set(e, 400, "prompt", NULL,
+                            "'prompt' holds %zu prompts; at most %d "
+                            "(router.max_batch_prompts) may be sent in one request",
+                            n, cap);
+    if (n > 1 && !(p->more = calloc(n - 1, sizeof *p->more)))
+        return rt_error_set(e, 500, NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "prompt[%zu]", i);
+        json_t *el = json_array_get(v, i);
+        if (!json_is_string(el) && !json_is_array(el))
+            return rt_error_set(e, 400, "prompt", NULL,
+                                "'%s' must be a string or an array of token ids (a batch holds "
+                                "prompts of either kind)",
+                                what);
+        int rc = i == 0 ? parse_one(r, el, what, &p->prompt, &p->n_prompt, e)
+                        : parse_one(r, el, what, &p->more[i - 1].ids, &p->more[i - 1].n, e);
+        if (rc) return rc;
+        if (i > 0) p->n_more = (int)i;
+    }
     return 0;
 }
 
@@ -254,7 +281,7 @@ int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt,
                               td_strerror(err));
     }
     /* the template writes BOS itself where the model wants one */
-    if (!rc) rc = tokenize(r, text, strlen(text), false, p, e);
+    if (!rc) rc = tokenize(r, text, strlen(text), false, &p->prompt, &p->n_prompt, e);
     free(text);
     if (owned)
         for (size_t i = 0; i < n; i++)
@@ -430,12 +457,8 @@ static int unknown_fields(json_t *o, rt_endpoint ep, rt_error *e)
 static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
 {
     json_t *v;
-    long long n = 1;
     int rc;
     if ((rc = unknown_fields(o, ep, e))) return rc;
-    if ((rc = get_int(o, "n", 1, 1 << 20, &n, e))) return rc;
-    if (n != 1) return rt_error_set(e, 400, "n", NULL, "only n = 1 is supported, got %lld", n);
-    if ((rc = get_int(o, "best_of", 1, 1, &n, e))) return rc;
     if ((v = json_object_get(o, "echo")) && !absent(v) && !json_is_false(v))
         return rt_error_set(e, 400, "echo", NULL, "'echo' is not supported");
     v = json_object_get(o, "logprobs");
@@ -469,6 +492,71 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     }
     v = json_object_get(o, "user");
     if (!absent(v) && !json_is_string(v)) return bad(e, "user", "'%s' must be a string%s", "");
+    return 0;
+}
+
+/* A prompt of n_prompt tokens against the limits, and its max_tokens: the request's
+ * (max_tokens >= 1), else the endpoint's default cut to the room left. batch_i: its index in a
+ * batch (named in errors), -1 for a single prompt. */
+static int fit_prompt(const rt_model *r, rt_endpoint ep, size_t n_prompt, long long max_tokens,
+                      int batch_i, int *out, rt_error *e)
+{
+    const td_cfg_router *rc_cfg = r->limits;
+    const char *param = ep == RT_EP_CHAT ? "messages" : "prompt";
+    char which[48] = "";
+    if (batch_i >= 0) snprintf(which, sizeof which, " (prompt[%d])", batch_i);
+    if (n_prompt == 0) return rt_error_set(e, 400, "prompt", NULL, "the prompt is empty%s", which);
+    if (n_prompt > (size_t)rc_cfg->max_prompt_tokens)
+        return rt_error_set(e, 400, param, "context_length_exceeded",
+                            "the prompt%s is longer than router.max_prompt_tokens (%d tokens)",
+                            which, rc_cfg->max_prompt_tokens);
+    long long room = (long long)r->n_ctx - (long long)n_prompt;
+    if (room < 1)
+        return rt_error_set(
+            e, 400, param, "context_length_exceeded",
+            "This model's maximum context length is %d tokens; the prompt%s has %zu", r->n_ctx,
+            which, n_prompt);
+    if (max_tokens < 0) {
+        max_tokens = ep == RT_EP_COMPLETIONS ? 16 : rc_cfg->max_tokens;
+        /* fuzz_openai found: the completions default (16) ignored a smaller
+         * router.max_tokens cap (tests/fuzz/regress/openai-default-over-cap) */
+        if (max_tokens > rc_cfg->max_tokens) max_tokens = rc_cfg->max_tokens;
+        if (max_tokens > room) max_tokens = room;
+    } else if (max_tokens > room) {
+        return rt_error_set(e, 400, "max_tokens", "context_length_exceeded",
+                            "This model's maximum context length is %d tokens; the prompt%s has "
+                            "%zu and max_tokens is %lld",
+                            r->n_ctx, which, n_prompt, max_tokens);
+    }
+    *out = (int)max_tokens;
+    return 0;
+}
+
+/* "n" (choices per prompt) and "best_of", against router.max_n and the router queue. */
+static int parse_n(json_t *o, rt_endpoint ep, const td_cfg_router *cfg, rt_params *p, rt_error *e)
+{
+    long long n = 1, best_of = -1;
+    int rc;
+    if ((rc = get_int(o, "n", 1, 1 << 30, &n, e))) return rc;
+    if (n > 1 && n > cfg->max_n)
+        return rt_error_set(e, 400, "n", NULL,
+                            "'n' is %lld; at most %d choices per prompt (router.max_n)", n,
+                            cfg->max_n);
+    if (ep == RT_EP_COMPLETIONS && (rc = get_int(o, "best_of", 1, 1 << 30, &best_of, e))) return rc;
+    /* best_of > n returns the n best of best_of choices by cumulative log-probability: a
+       ranking Tandem does not do (docs/api.md), so only best_of == n (no ranking) is served */
+    if (best_of >= 0 && best_of != n)
+        return rt_error_set(e, 400, "best_of", NULL,
+                            "'best_of' (%lld) must equal 'n' (%lld): Tandem does not rank "
+                            "choices by log-probability",
+                            best_of, n);
+    long long total = n * (1 + (long long)p->n_more);
+    if (total > 1 && total > cfg->max_queue)
+        return rt_error_set(e, 400, p->n_more ? "prompt" : "n", NULL,
+                            "%lld choices (n = %lld for each of %d prompts) exceed the router "
+                            "queue (router.max_queue = %d)",
+                            total, n, 1 + p->n_more, cfg->max_queue);
+    p->n = (int)n;
     return 0;
 }
 
@@ -521,31 +609,10 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     else
         rc = parse_messages(r, o, p, e);
     if (rc) return rc;
-    if (p->n_prompt == 0) return rt_error_set(e, 400, "prompt", NULL, "the prompt is empty");
-    if (p->n_prompt > (size_t)rc_cfg->max_prompt_tokens)
-        return rt_error_set(e, 400, ep == RT_EP_CHAT ? "messages" : "prompt",
-                            "context_length_exceeded",
-                            "the prompt is longer than router.max_prompt_tokens (%d tokens)",
-                            rc_cfg->max_prompt_tokens);
-    long long room = (long long)r->n_ctx - (long long)p->n_prompt;
-    if (room < 1)
-        return rt_error_set(e, 400, ep == RT_EP_CHAT ? "messages" : "prompt",
-                            "context_length_exceeded",
-                            "This model's maximum context length is %d tokens; the prompt has %zu",
-                            r->n_ctx, p->n_prompt);
-    if (max_tokens < 0) {
-        max_tokens = ep == RT_EP_COMPLETIONS ? 16 : rc_cfg->max_tokens;
-        /* fuzz_openai found: the completions default (16) ignored a smaller
-         * router.max_tokens cap (tests/fuzz/regress/openai-default-over-cap) */
-        if (max_tokens > rc_cfg->max_tokens) max_tokens = rc_cfg->max_tokens;
-        if (max_tokens > room) max_tokens = room;
-    } else if (max_tokens > room) {
-        return rt_error_set(e, 400, "max_tokens", "context_length_exceeded",
-                            "This model's maximum context length is %d tokens; the prompt has %zu "
-                            "and max_tokens is %lld",
-                            r->n_ctx, p->n_prompt, max_tokens);
-    }
-    p->max_tokens = (int)max_tokens;
+    if ((rc = fit_prompt(r, ep, p->n_prompt, max_tokens, -1, &p->max_tokens, e))) return rc;
+    for (int i = 0; i < p->n_more && !rc; i++)
+        rc = fit_prompt(r, ep, p->more[i].n, max_tokens, i + 1, &p->more[i].max_tokens, e);
+    if (rc || (rc = parse_n(o, ep, rc_cfg, p, e))) return rc;
     td_sampling *sp = &p->sampling;
     sp->temperature = (float)temperature;
     sp->top_p = top_p >= 1.0 ? 0.0f : (float)top_p;

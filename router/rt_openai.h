@@ -3,10 +3,11 @@
  * Purpose: parse and validate /v1/completions and /v1/chat/completions bodies (tokenizing
  * the prompt, rendering the chat template) into rt_params, refusing bad input with a 400 or
  * 404 rt_error that names the field; the /v1/models body.
- * Invariants: a parsed rt_params has 1 <= n_prompt <= router.max_prompt_tokens, n_stop <=
- * RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES, at most RT_MAX_STOP_IDS
- * stop ids, and sampling values the sampler accepts (logit bias and min_tokens ids in the
- * vocabulary, min_tokens <= max_tokens).
+ * Invariants: a parsed rt_params has 1 <= n_prompt <= router.max_prompt_tokens (so has every
+ * prompt of a batch, 1 + n_more <= router.max_batch_prompts), 1 <= n <= router.max_n with
+ * n * (1 + n_more) <= router.max_queue, n_stop <= RT_MAX_STOP non-empty stop strings of at
+ * most RT_MAX_STOP_BYTES, at most RT_MAX_STOP_IDS stop ids, and sampling values the sampler
+ * accepts (logit bias and min_tokens ids in the vocabulary, min_tokens <= max_tokens).
  * Threading: called on the HTTP threads; reads only the router's read-only state (config,
  * tokenizer, chat template).
  * Ownership: rt_params owns its prompt and stop strings (rt_params_fini); it belongs to its
@@ -37,10 +38,18 @@ typedef struct {
     size_t tmpl_len;
     int32_t n_ctx;               /* model context length */
     char name[256];              /* the model id clients send and see */
-    const td_cfg_router *limits; /* max_prompt_tokens, max_tokens, request timeouts */
+    const td_cfg_router *limits; /* max_prompt_tokens, max_tokens, request timeouts, max_n,
+                                    max_batch_prompts, max_queue */
 } rt_model;
 
 typedef enum { RT_EP_COMPLETIONS = 0, RT_EP_CHAT = 1 } rt_endpoint;
+
+/* One more prompt of a batched /v1/completions request (the first is rt_params.prompt). */
+typedef struct {
+    int32_t *ids; /* (n) token ids, malloc'd */
+    size_t n;
+    int max_tokens; /* its own: the default and the context check depend on its length */
+} rt_prompt;
 
 typedef struct {
     rt_endpoint ep;
@@ -58,6 +67,9 @@ typedef struct {
     bool stream, include_usage;
     int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
     bool no_migrate;    /* the body's "migrate": false: fail rather than move mid-stream */
+    int n;              /* choices per prompt, 1..router.max_n */
+    rt_prompt *more;    /* (n_more) a batch's prompts after the first, malloc'd; NULL: one */
+    int n_more;         /* n > 1 or n_more > 0: the request fans out (rt_choices.h) */
 } rt_params;
 
 void rt_params_fini(rt_params *p);

@@ -34,7 +34,10 @@ void rt_req_release(rt_req *q)
     int left = --q->refs;
     pthread_mutex_unlock(&q->mu);
     if (left) return;
-    rt_params_fini(&q->p);
+    for (int i = 0; i < q->ch.n_kids; i++)
+        rt_req_release(q->ch.kids[i]);
+    free(q->ch.kids);
+    if (!q->ch.parent) rt_params_fini(&q->p); /* a child's p is its parent's (borrowed) */
     if (q->loop.dt_init) td_detok_fini(&q->loop.dt);
     rt_buf_free(&q->loop.held);
     rt_buf_free(&q->loop.text);

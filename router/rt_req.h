@@ -19,7 +19,9 @@
  *  - gen_ids[0..n_gen) are the tokens received; gen_base of them came before the current
  *    attempt, whose prompt is rt_req_prompt (the prompt followed by those gen_base tokens).
  * Threading: rt_req_create/retain/release/wake on any thread; the rest as its group says.
- * Ownership: the request owns p, the buffers, gen_ids, resume and the relayed targets.
+ * Ownership: the request owns p, the buffers, gen_ids, resume and the relayed targets; a
+ * parent owns its children (ch.kids); a child borrows its parent's p (its own copy of the
+ * struct points into the parent's prompts, stop strings, ...) and frees none of it.
  */
 #ifndef RT_REQ_H
 #define RT_REQ_H
@@ -119,6 +121,22 @@ typedef struct {
     char pf_fail[320]; /* the first prefill failure, for the client's error message */
 } rt_req_pair;
 
+/* Choices (rt_choices.h): a request with n > 1 or several prompts is a parent that holds the
+ * HTTP connection, and never goes to an instance; its children, one per prompt x choice, go
+ * through the loop as plain requests and write into the parent's http (rt_stream.c). Set by
+ * rt_choices_admit on the loop thread; loop-owned after. */
+typedef struct {
+    struct rt_req *parent; /* child: its parent (borrowed: a parent outlives its children) */
+    int index;             /* child: the choice's index, prompt * n + choice; else 0 */
+    bool finished;         /* child: ended normally (rt_stream_finish wrote its finish) */
+    int fin;               /* child, finished: its rt_finish (rt_stream.h) */
+    struct rt_req **kids;  /* parent: (n_kids) its children, one reference each; else NULL */
+    int n_kids;
+    int n_live;    /* parent: children in the loop (admitted, not retired) */
+    bool failed;   /* parent: a child failed or the client left: the others are cancelled */
+    bool sweeping; /* parent: rt_choices is retiring the children still live */
+} rt_req_choices;
+
 typedef struct rt_req {
     /* immutable once posted to the loop */
     char oid[48];        /* "cmpl-..." / "chatcmpl-..." */
@@ -133,6 +151,7 @@ typedef struct rt_req {
     rt_req_http http;
     rt_req_loop loop;
     rt_req_pair pair;
+    rt_req_choices ch;
 } rt_req;
 
 /* A new request with one reference (the caller's), on no instance; NULL out of memory. */

@@ -46,11 +46,29 @@ long rt_stop_find(const char *text, size_t len, char *const *stop, const size_t 
 
 /* ---- JSON pieces ---- */
 
+/* Where q's bytes go: its parent's http for a choice of a fanned-out request (rt_choices.h),
+ * else its own. */
+static rt_req *out_of(rt_req *q)
+{
+    return q->ch.parent ? q->ch.parent : q;
+}
+
+/* Usage as vLLM reports it: every prompt's tokens once (not once per choice), the completion
+ * tokens of every choice. */
 static json_t *usage_obj(const rt_req *q)
 {
-    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)q->p.n_prompt,
-                     "completion_tokens", (json_int_t)q->loop.n_gen, "total_tokens",
-                     (json_int_t)(q->p.n_prompt + (size_t)q->loop.n_gen));
+    size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen;
+    if (q->ch.kids) {
+        int n = q->p.n > 1 ? q->p.n : 1;
+        prompt = gen = 0;
+        for (int i = 0; i < q->ch.n_kids; i++) {
+            const rt_req *k = q->ch.kids[i];
+            if (k->ch.index % n == 0) prompt += k->p.n_prompt;
+            gen += (size_t)k->loop.n_gen;
+        }
+    }
+    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
+                     (json_int_t)gen, "total_tokens", (json_int_t)(prompt + gen));
 }
 
 static const char *finish_name(rt_finish f)
@@ -58,10 +76,11 @@ static const char *finish_name(rt_finish f)
     return f == RT_FIN_STOP ? "stop" : "length";
 }
 
-/* One SSE event "data: {chunk}\n\n" appended to q->http.out (caller holds q->mu). choice NULL:
- * an empty choices array (the usage chunk). Steals choice and usage. */
+/* One SSE event "data: {chunk}\n\n" appended to out_of(q)->http.out (caller holds its mu).
+ * choice NULL: an empty choices array (the usage chunk). Steals choice and usage. */
 static int sse_chunk(const rt_router *r, rt_req *q, json_t *choice, json_t *usage)
 {
+    rt_req *to = out_of(q);
     bool chat = q->p.ep == RT_EP_CHAT;
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[]}", "id", q->oid, "object",
                           chat ? "chat.completion.chunk" : "text_completion", "created",
@@ -79,13 +98,13 @@ static int sse_chunk(const rt_router *r, rt_req *q, json_t *choice, json_t *usag
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     if (!s) return TD_ENOMEM;
-    if (q->http.out.len == 0 && !q->http.t_pending_ns)
-        q->http.t_pending_ns = r->t_events_ns ? r->t_events_ns : td_now_ns();
-    int rc = rt_buf_puts(&q->http.out, "data: ");
-    if (!rc) rc = rt_buf_puts(&q->http.out, s);
-    if (!rc) rc = rt_buf_puts(&q->http.out, "\n\n");
+    if (to->http.out.len == 0 && !to->http.t_pending_ns)
+        to->http.t_pending_ns = r->t_events_ns ? r->t_events_ns : td_now_ns();
+    int rc = rt_buf_puts(&to->http.out, "data: ");
+    if (!rc) rc = rt_buf_puts(&to->http.out, s);
+    if (!rc) rc = rt_buf_puts(&to->http.out, "\n\n");
     free(s);
-    q->http.sse = true;
+    to->http.sse = true;
     return rc;
 }
 
@@ -94,14 +113,14 @@ static json_t *text_choice(const rt_req *q, const char *text, size_t len, const 
     json_t *fin = finish ? json_string(finish) : json_null();
     if (q->p.ep == RT_EP_CHAT) {
         json_t *delta = len || !finish ? json_pack("{s:s%}", "content", text, len) : json_object();
-        return json_pack("{s:i, s:o, s:n, s:o}", "index", 0, "delta", delta, "logprobs",
+        return json_pack("{s:i, s:o, s:n, s:o}", "index", q->ch.index, "delta", delta, "logprobs",
                          "finish_reason", fin);
     }
-    return json_pack("{s:i, s:s%, s:n, s:o}", "index", 0, "text", text, len, "logprobs",
+    return json_pack("{s:i, s:s%, s:n, s:o}", "index", q->ch.index, "text", text, len, "logprobs",
                      "finish_reason", fin);
 }
 
-/* Send len bytes of text (finish NULL: more follows). Caller holds q->mu. */
+/* Send len bytes of text (finish NULL: more follows). Caller holds out_of(q)->mu. */
 static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char *finish)
 {
     if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
@@ -110,8 +129,8 @@ static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, con
     if (q->p.ep == RT_EP_CHAT && !q->loop.role_sent) {
         q->loop.role_sent = true;
         rc = sse_chunk(r, q,
-                       json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", 0, "delta", "role",
-                                 "assistant", "content", "", "logprobs", "finish_reason"),
+                       json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", q->ch.index, "delta",
+                                 "role", "assistant", "content", "", "logprobs", "finish_reason"),
                        NULL);
     }
     if (!rc) rc = sse_chunk(r, q, text_choice(q, text, len, finish), NULL);
@@ -156,53 +175,60 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
         rt_stop_holdback(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
     size_t send = q->loop.held.len - keep;
     if (!send) return 0;
-    pthread_mutex_lock(&q->mu);
+    rt_req *o = out_of(q);
+    pthread_mutex_lock(&o->mu);
     rc = emit(r, q, q->loop.held.buf, send, NULL);
-    pthread_mutex_unlock(&q->mu);
+    pthread_mutex_unlock(&o->mu);
     rt_buf_consume(&q->loop.held, send);
-    if (q->p.stream) rt_req_wake(q);
+    if (q->p.stream) rt_req_wake(o);
     return rc;
 }
 
-static char *final_body(const rt_router *r, rt_req *q, const char *finish)
+static const char *finish_str(const rt_req *q, rt_finish fin)
 {
-    json_t *choice;
+    return finish_name(q->loop.stop_hit ? RT_FIN_STOP : fin);
+}
+
+/* The choice object of a non-streamed response. */
+static json_t *final_choice(const rt_req *q, const char *finish)
+{
     const char *text = q->loop.text.buf ? q->loop.text.buf : "";
     if (q->p.ep == RT_EP_CHAT)
-        choice =
-            json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", 0, "message", "role", "assistant",
-                      "content", text, q->loop.text.len, "logprobs", "finish_reason", finish);
-    else
-        choice = json_pack("{s:i, s:s%, s:n, s:s}", "index", 0, "text", text, q->loop.text.len,
-                           "logprobs", "finish_reason", finish);
-    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", q->oid, "object",
+        return json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", q->ch.index, "message", "role",
+                         "assistant", "content", text, q->loop.text.len, "logprobs",
+                         "finish_reason", finish);
+    return json_pack("{s:i, s:s%, s:n, s:s}", "index", q->ch.index, "text", text, q->loop.text.len,
+                     "logprobs", "finish_reason", finish);
+}
+
+/* The whole non-streamed body of q: its one choice, or its children's in index order. */
+static char *final_body(const rt_router *r, rt_req *q, const char *finish)
+{
+    json_t *choices = json_array();
+    if (!choices) return NULL;
+    if (!q->ch.kids) json_array_append_new(choices, final_choice(q, finish));
+    for (int i = 0; i < q->ch.n_kids; i++) {
+        const rt_req *k = q->ch.kids[i];
+        json_array_append_new(choices, final_choice(k, finish_str(k, k->ch.fin)));
+    }
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", q->oid, "object",
                           q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
-                          (json_int_t)q->created, "model", r->model.name, "choices", choice,
+                          (json_int_t)q->created, "model", r->model.name, "choices", choices,
                           "usage", usage_obj(q));
-    if (!o) return NULL;
+    if (!o || json_array_size(choices) != (size_t)(q->ch.kids ? q->ch.n_kids : 1)) {
+        json_decref(o);
+        return NULL;
+    }
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     return s;
 }
 
-int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
+/* The end of q's response: the usage chunk and [DONE], or the JSON body; marks it done. rc:
+ * an error so far (out of memory), or one while closing: the response ends as best it can.
+ * Caller holds q->mu. */
+static int close_response(const rt_router *r, rt_req *q, const char *finish, int rc)
 {
-    int rc = 0;
-    if (!q->loop.stop_hit && q->loop.dt_init) {
-        char buf[64];
-        int k = td_detok_flush(&q->loop.dt, buf, sizeof buf);
-        if (k > 0) rc = rt_buf_append(&q->loop.held, buf, (size_t)k);
-        long at =
-            rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
-        if (at >= 0) {
-            q->loop.held.len = (size_t)at;
-            q->loop.stop_hit = true;
-        }
-    }
-    if (q->loop.stop_hit) fin = RT_FIN_STOP;
-    const char *finish = finish_name(fin);
-    pthread_mutex_lock(&q->mu);
-    if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, finish);
     if (!rc && q->p.stream) {
         if (q->p.include_usage) rc = sse_chunk(r, q, NULL, usage_obj(q));
         if (!rc) rc = rt_buf_puts(&q->http.out, "data: [DONE]\n\n");
@@ -222,8 +248,45 @@ int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
             q->http.status = 500;
     }
     q->http.done = true;
-    pthread_mutex_unlock(&q->mu);
+    return rc;
+}
+
+int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
+{
+    int rc = 0;
+    if (!q->loop.stop_hit && q->loop.dt_init) {
+        char buf[64];
+        int k = td_detok_flush(&q->loop.dt, buf, sizeof buf);
+        if (k > 0) rc = rt_buf_append(&q->loop.held, buf, (size_t)k);
+        long at =
+            rt_stop_find(q->loop.held.buf, q->loop.held.len, q->p.stop, q->p.stop_len, q->p.n_stop);
+        if (at >= 0) {
+            q->loop.held.len = (size_t)at;
+            q->loop.stop_hit = true;
+        }
+    }
+    const char *finish = finish_str(q, fin);
+    rt_req *o = out_of(q);
+    pthread_mutex_lock(&o->mu);
+    if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, finish);
+    if (o != q) {
+        /* a choice: its parent's response ends with the last choice (rt_stream_close) */
+        q->ch.fin = q->loop.stop_hit ? RT_FIN_STOP : fin;
+        q->ch.finished = !rc;
+    } else {
+        rc = close_response(r, q, finish, rc);
+    }
+    pthread_mutex_unlock(&o->mu);
     rt_buf_consume(&q->loop.held, q->loop.held.len);
+    rt_req_wake(o);
+    return rc;
+}
+
+int rt_stream_close(const rt_router *r, rt_req *q)
+{
+    pthread_mutex_lock(&q->mu);
+    int rc = q->http.done ? 0 : close_response(r, q, NULL, 0);
+    pthread_mutex_unlock(&q->mu);
     rt_req_wake(q);
     return rc;
 }
@@ -231,8 +294,11 @@ int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
 void rt_stream_fail(rt_req *q, const rt_error *e)
 {
     char *err = rt_error_json(e);
+    q = out_of(q);
     pthread_mutex_lock(&q->mu);
-    if (q->http.sse) {
+    if (q->http.done) {
+        /* complete already (a choice failing after its parent's response ended) */
+    } else if (q->http.sse) {
         rt_buf_puts(&q->http.out, "data: ");
         rt_buf_puts(&q->http.out, err ? err : "{\"error\":{\"message\":\"internal error\"}}");
         rt_buf_puts(&q->http.out, "\n\ndata: [DONE]\n\n");

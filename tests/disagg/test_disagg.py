@@ -5,7 +5,8 @@ tandem-prefill stages and tandem-decode ranks as real processes on loopback.
 Cases (--case NAME runs one):
   synth    greedy output equals `tandem generate` token for token on the synthetic llama,
            for prefill pp 1/2/3 x decode tp 1/2, prompts from 1 token to several chunks;
-           and on a model whose decode ranks share KV heads (6 over 2 at tp 3);
+           and on a model whose decode ranks share KV heads (6 over 2 at tp 3); n > 1 and
+           batched prompts (pp 2 x tp 2), with a client leaving an n=4 stream;
   default  the same on the default model: pp 2 x tp 1 and pp 2 x tp 3;
   retry    a prefill stage killed mid-prompt with a second prefill instance up: the request
            is retried there and still equals `tandem generate`; the killed stage restarts,
@@ -139,6 +140,49 @@ def params_output(c, tandem, model, prompt, label):
           r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "stop",
           f"{label}: stop_token_ids end at once, min_tokens 2 holds them off ({r0.usage}, "
           f"{r.usage})")
+def choices_output(c, args, model, label, n=8):
+    """n > 1 and batched prompts through the disaggregated path (official openai client): every
+    choice is its own pairing; greedy choices equal `tandem generate`, seeded ones are
+    reproducible and choice 0 equals the n=1 request, streamed == non-streamed, a batch equals
+    its prompts' own requests, and a client that leaves mid-stream leaves nothing behind."""
+    import openai
+    cl = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    mid = cl.models.list().data[0].id
+    kw = dict(model=mid, max_tokens=n, extra_body={"ignore_eos": True})
+    want = expect(args, model, ["a"], n)[0]
+    g = cl.completions.create(prompt="a", n=2, temperature=0, **kw)
+    check([x.text for x in g.choices] == [want, want],
+          f"{label}: n=2 greedy: both choices equal generate")
+    r = cl.completions.create(prompt="a", n=3, seed=9, temperature=1.0, **kw)
+    texts = [x.text for x in r.choices]
+    one = cl.completions.create(prompt="a", seed=9, temperature=1.0, **kw).choices[0].text
+    check([x.index for x in r.choices] == [0, 1, 2] and len(set(texts)) > 1 and one == texts[0],
+          f"{label}: n=3 seeded: 3 choices, not all equal, choice 0 == the n=1 request")
+    per = {}
+    for ch in cl.completions.create(prompt="a", n=3, seed=9, temperature=1.0, stream=True, **kw):
+        for x in ch.choices:
+            per[x.index] = per.get(x.index, "") + x.text
+    check([per.get(i) for i in range(3)] == texts, f"{label}: n=3 streamed == non-streamed")
+    b = cl.completions.create(prompt=["a", "b"], n=2, seed=4, temperature=1.0, **kw)
+    single = [x.text for p in ("a", "b")
+              for x in cl.completions.create(prompt=p, n=2, seed=4, temperature=1.0,
+                                             **kw).choices]
+    check([x.index for x in b.choices] == [0, 1, 2, 3] and [x.text for x in b.choices] == single,
+          f"{label}: prompts [a, b] with n=2 == the single requests, in order")
+    s = cl.completions.create(prompt=text(30), n=4, max_tokens=400, temperature=1.0, stream=True,
+                              extra_body={"ignore_eos": True}, model=mid)
+    seen, oid = set(), None
+    for ch in s:
+        oid = ch.id
+        seen.update(x.index for x in ch.choices)
+        if len(seen) == 4:
+            break
+    s.close()
+    check(seen == {0, 1, 2, 3}, f"{label}: n=4 stream: every choice streams before the close")
+    gone = lambda: [ln for ln in c.log("router").splitlines()  # noqa: E731
+                    if f"request {oid} " in ln and "status 499" in ln]
+    check(wait_for(lambda: len(gone()) == 4, 20),
+          f"{label}: n=4 stream closed: its 4 choices were cancelled ({len(gone())} of 4)")
 
 
 def idle(c, label):
@@ -156,6 +200,8 @@ def case_synth(args):
                 penalized_output(c, args, model, prompts[1], f"synth pp{pp} tp{tp}")
                 for p in (prompts[0], prompts[2]):  # one chunk, several chunks
                     params_output(c, args.tandem, model, p, f"synth pp{pp} tp{tp}")
+                if (pp, tp) == (2, 2):
+                    choices_output(c, args, model, f"synth pp{pp} tp{tp}")
                 idle(c, f"synth pp{pp} tp{tp}")
                 codes = c.stop()
                 check(all(v == 0 for v in codes.values()),

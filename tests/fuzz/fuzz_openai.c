@@ -16,7 +16,8 @@
  * router.max_tokens, prompt + max_tokens <= the context, sampling values in their ranges,
  * at most RT_MAX_STOP non-empty stop strings of at most RT_MAX_STOP_BYTES, logit bias,
  * min_tokens and stop ids within their caps and the vocabulary, min_tokens <= max_tokens,
- * biases in [-100, 100]. A 500 is only
+ * biases in [-100, 100]; n and a batch's prompts within router.max_n, max_batch_prompts and
+ * max_queue, each prompt of a batch held to the same limits as the first. A 500 is only
  * acceptable for "out of memory".
  */
 #include <stdint.h>
@@ -90,6 +91,20 @@ static void check_ok(const rt_model *r, rt_endpoint ep, const rt_params *p)
         if (sp->min_tokens_ids[i] < 0 || sp->min_tokens_ids[i] >= nv) abort();
     for (int i = 0; i < p->n_stop_ids; i++)
         if (p->stop_ids[i] < 0 || p->stop_ids[i] >= nv) abort();
+    /* n and batches (router/rt_choices.h): within router.max_n, max_batch_prompts and the
+       queue, every prompt of a batch within the limits as the first one is */
+    if (p->n < 1 || p->n > rc->max_n || p->n_more < 0 || p->n_more + 1 > rc->max_batch_prompts ||
+        (long long)p->n * (1 + p->n_more) > (p->n * (1 + p->n_more) > 1 ? rc->max_queue : 1) ||
+        (p->n_more > 0) != (p->more != NULL))
+        abort();
+    for (int k = 0; k < p->n_more; k++) {
+        const rt_prompt *m = &p->more[k];
+        if (!m->ids || m->n < 1 || m->n > (size_t)rc->max_prompt_tokens || m->max_tokens < 1 ||
+            m->max_tokens > rc->max_tokens || (long long)m->n + m->max_tokens > r->n_ctx)
+            abort();
+        for (size_t i = 0; i < m->n; i++)
+            if (m->ids[i] < 0 || m->ids[i] >= nv) abort();
+    }
 }
 
 static void check_err(rt_endpoint ep, const rt_params *p, const rt_error *e, int rc)
@@ -99,7 +114,8 @@ static void check_err(rt_endpoint ep, const rt_params *p, const rt_error *e, int
     if (rc < 400 || rc > 499) {
         if (rc != 500) abort();
     }
-    if (p->ep != ep || p->prompt || p->n_prompt || p->n_stop) abort(); /* nothing left */
+    if (p->ep != ep || p->prompt || p->n_prompt || p->n_stop || p->more || p->n_more)
+        abort(); /* nothing left */
     char *j = rt_error_json(e);
     if (!j) abort();
     free(j);
@@ -120,6 +136,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     cfg.router.max_tokens = tok_max[(sel >> 3) & 3];
     cfg.router.request_timeout_ms = 600000; /* the defaults: a "timeout" field can be valid */
     cfg.router.max_request_timeout_ms = (sel & 0x80) ? 1000 : 3600000;
+    cfg.router.max_n = 4; /* n and batches at their edges: 4 x 3 prompts > max_queue */
+    cfg.router.max_batch_prompts = 3;
+    cfg.router.max_queue = 8;
     rt_model r = {.tok = g_tok, .limits = &cfg.router};
     unsigned t = (sel >> 1) & 3;
     r.tmpl = t == 0 ? g_tmpl : builtin[t - 1];

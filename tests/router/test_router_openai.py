@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """test_router_openai.py: the official `openai` Python client against tandem-router + one tp1
-decode instance: completions and chat, streaming and not, stop strings, seeds, /v1/models;
+decode instance: completions and chat, streaming and not, stop strings, seeds, /v1/models,
+n > 1 and batched prompts (indices, seeds, usage, limits, a disconnect that frees every choice);
 greedy text equals `tandem generate --temperature 0` for the same prompt. Runs on the
 synthetic model and, with --model, on the default model too.
 
@@ -19,6 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import openai  # noqa: E402
 from rtlib import Cluster, generate_text, post  # noqa: E402
 from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.cluster import client_health, parse_metrics  # noqa: E402
+from tdtest.waits import get_status, wait_for  # noqa: E402
 
 
 
@@ -253,6 +256,133 @@ def stream_text(stream, chat):
     return text, finishes, usage, n_chunks
 
 
+def stream_choices(stream, chat):
+    """Per choice index: (text, finish reasons in order), and the usage chunk's usage."""
+    out, usage = {}, None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            t, f = out.get(c.index, ("", []))
+            out[c.index] = (t + ((c.delta.content or "") if chat else c.text),
+                            f + [c.finish_reason])
+    return out, usage
+
+
+def sse_events(port, body, path="/v1/completions"):
+    """A raw streamed request: (connection, a generator of parsed SSE payloads)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", path, json.dumps(dict(body, stream=True)),
+              {"Content-Type": "application/json"})
+    r = c.getresponse()
+
+    def events():
+        while True:
+            line = r.readline()
+            if not line or line.strip() == b"data: [DONE]":
+                return
+            if line.startswith(b"data: "):
+                yield json.loads(line[6:])
+    return c, events()
+
+
+def check_choices(args, cl, client, mid, name, prompt, n_tok):
+    """n > 1 and batched prompts (router/rt_choices.h): indices, seeds, greedy, streaming,
+    usage, batches of strings and of token ids, limits, and a disconnect that frees all."""
+    kw = dict(model=mid, max_tokens=n_tok, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=prompt, n=3, seed=11, **kw)
+    texts = [c.text for c in r.choices]
+    check([c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1,
+          f"{name}: n=3 seeded: choices 0..2, not all equal ({texts})")
+    r2 = client.completions.create(prompt=prompt, n=3, seed=11, **kw)
+    check([c.text for c in r2.choices] == texts, f"{name}: n=3: the same seed, the same choices")
+    one = client.completions.create(prompt=prompt, seed=11, **kw).choices[0].text
+    check(one == texts[0], f"{name}: choice 0 of n=3 == the n=1 request with the seed")
+    single = client.completions.create(prompt=prompt, **dict(kw, max_tokens=1))
+    ptok = single.usage.prompt_tokens
+    check(r.usage.prompt_tokens == ptok and r.usage.completion_tokens == 3 * n_tok and
+          r.usage.total_tokens == ptok + 3 * n_tok,
+          f"{name}: n=3 usage: the prompt once, every choice's tokens ({r.usage})")
+    s = client.completions.create(prompt=prompt, n=3, seed=11, stream=True,
+                                  stream_options={"include_usage": True}, **kw)
+    per, usage = stream_choices(s, False)
+    check(sorted(per) == [0, 1, 2] and [per[i][0] for i in range(3)] == texts and
+          all(f[-1] == "length" and all(x is None for x in f[:-1]) for _, f in per.values()),
+          f"{name}: n=3 streamed == non-streamed, each choice ends with its own finish_reason")
+    check(usage is not None and usage.completion_tokens == 3 * n_tok and
+          usage.prompt_tokens == ptok, f"{name}: n=3 streamed usage chunk ({usage})")
+    g = client.completions.create(model=mid, prompt=prompt, max_tokens=n_tok, temperature=0, n=2)
+    check(len(g.choices) == 2 and g.choices[0].text == g.choices[1].text,
+          f"{name}: n=2 greedy: identical choices")
+    # chat: non-streamed == streamed
+    msgs = [{"role": "user", "content": prompt}]
+    ckw = dict(model=mid, messages=msgs, max_tokens=n_tok, temperature=1.0, seed=5, n=2)
+    cr = client.chat.completions.create(**ckw)
+    cs, _ = stream_choices(client.chat.completions.create(stream=True, **ckw), True)
+    check([c.index for c in cr.choices] == [0, 1] and
+          [cs[i][0] for i in (0, 1)] == [c.message.content for c in cr.choices] and
+          [cs[i][1][-1] for i in (0, 1)] == [c.finish_reason for c in cr.choices],
+          f"{name}: chat n=2 streamed == non-streamed")
+    # a batch of prompts: 2 x 2 choices in order, each equal to its prompt's own request
+    b = client.completions.create(prompt=["a", "b"], n=2, seed=3, **kw)
+    want = [c.text for p in ("a", "b")
+            for c in client.completions.create(prompt=p, n=2, seed=3, **kw).choices]
+    pa = client.completions.create(prompt="a", **dict(kw, max_tokens=1)).usage.prompt_tokens
+    pb = client.completions.create(prompt="b", **dict(kw, max_tokens=1)).usage.prompt_tokens
+    check([c.index for c in b.choices] == [0, 1, 2, 3] and [c.text for c in b.choices] == want,
+          f"{name}: prompts [a, b] with n=2: 4 choices in order, as the single requests")
+    check(b.usage.prompt_tokens == pa + pb and b.usage.completion_tokens == 4 * n_tok,
+          f"{name}: batch usage: each prompt once ({b.usage}; {pa} + {pb})")
+    bs, busage = stream_choices(client.completions.create(
+        prompt=["a", "b"], n=2, seed=3, stream=True, stream_options={"include_usage": True},
+        **kw), False)
+    check([bs[i][0] for i in range(4)] == want and busage.prompt_tokens == pa + pb,
+          f"{name}: streamed batch == non-streamed")
+    ids = client.completions.create(prompt=[[1, 2, 3], [4, 5]], **dict(kw, max_tokens=2))
+    check(len(ids.choices) == 2 and ids.usage.prompt_tokens == 5,
+          f"{name}: a batch of token-id lists ({ids.usage})")
+    # limits: refused before anything runs, with a 400 naming the parameter
+    for extra, param in (({"n": 17}, "n"), ({"n": 2, "best_of": 3}, "best_of"),
+                         ({"prompt": ["x"] * 65}, "prompt")):
+        try:
+            client.completions.create(**dict(dict(model=mid, prompt=prompt, max_tokens=2),
+                                             **extra))
+            check(False, f"{name}: {extra} is refused")
+        except openai.BadRequestError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            check(e.status_code == 400 and body.get("param") == param,
+                  f"{name}: {list(extra)} over the limit: 400 naming {param} ({body})")
+    r = client.completions.create(model=mid, prompt=prompt, max_tokens=2, n=2, best_of=2)
+    check(len(r.choices) == 2, f"{name}: best_of == n is served")
+    # a client that leaves mid-stream: every choice is cancelled, nothing stays behind
+    conn, ev = sse_events(cl.http_port, {"prompt": prompt, "n": 4, "max_tokens": 400,
+                                         "temperature": 1.0, "ignore_eos": True})
+    seen, oid = set(), None
+    for e in ev:
+        oid = e.get("id")
+        seen.update(c["index"] for c in e.get("choices", []))
+        if len(seen) == 4:
+            break
+    check(seen == {0, 1, 2, 3}, f"{name}: n=4 stream: every choice streams ({seen})")
+    conn.sock.close()
+    conn.close()
+    idle = {}
+
+    def freed():
+        idle["decode"] = client_health(args.tandem, f"tcp://127.0.0.1:{cl.decode_ports[0]}",
+                                       timeout=60)
+        idle["router"] = parse_metrics(get_status(cl.http_port, "/metrics")[1].decode())
+        return (idle["decode"].get("running") == "0" and idle["decode"].get("kv_used") == "0"
+                and idle["router"].get(("tandem_router_requests_running", ())) == 0
+                and idle["router"].get(("tandem_router_queue_length", ())) == 0)
+    check(wait_for(freed, 20), f"{name}: n=4 stream closed mid-way: decode running 0, kv_used 0, "
+          f"router running 0 ({idle.get('decode')})")
+    closed = [ln for ln in cl.log().splitlines() if f"request {oid} " in ln]
+    check(len(closed) == 4 and all("status 499" in ln for ln in closed),
+          f"{name}: n=4 stream closed mid-way: its 4 choices were cancelled, not finished "
+          f"({closed})")
+
+
 def run_model(args, model, name, prompts, chats, n_tok):
     with Cluster(args, model) as cl:
         client = openai.OpenAI(base_url=cl.url + "/v1", api_key="unused", max_retries=0,
@@ -333,11 +463,7 @@ def run_model(args, model, name, prompts, chats, n_tok):
         r = client.completions.create(model=mid, prompt=p, max_tokens=3, temperature=0)
         check(r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 3,
               f"{name}: max_tokens bounds the output")
-        try:
-            client.completions.create(model=mid, prompt=p, max_tokens=4, n=2)
-            check(False, f"{name}: n=2 is refused")
-        except openai.BadRequestError as e:
-            check(e.status_code == 400 and "n" in str(e), f"{name}: n=2 is refused with 400")
+        check_choices(args, cl, client, mid, name, p, 6)
         check_penalties(args, client, mid, model, name, prompts[0])
         check_token_endpoints(args, cl, model, name, prompts[0])
         check_params(args, cl, client, mid, model, name, prompts[0])
