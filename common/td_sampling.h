@@ -10,6 +10,7 @@
 #ifndef TD_SAMPLING_H
 #define TD_SAMPLING_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 typedef struct {
@@ -28,6 +29,25 @@ typedef struct {
      * the last prefill stage sampled): kn_sampler_init advances the sampler past them, so a
      * seeded request gives the same tokens wherever it runs. */
     uint32_t skip_samples;
+    /* OpenAI logprobs, log-softmax of the raw logits (kn_logprobs): 0 off; else each
+     * generated token's logprob and its logprobs - 1 (0..20) most likely alternatives */
+    uint32_t logprobs;
+    bool prompt_logprobs; /* and every prompt token's from the second on (echo); logprobs > 0 */
 } td_sampling;
+
+#define TD_MAX_TOP_LOGPROBS 20 /* OpenAI's limit on top_logprobs */
+
+typedef struct {
+    int32_t id;
+    float logprob;
+} td_logprob;
+
+/* One position's logprob (kernels/sampler.h kn_logprobs): the token's and its n_top most
+ * likely alternatives, most likely first. */
+typedef struct {
+    float logprob;
+    int32_t n_top;
+    td_logprob top[TD_MAX_TOP_LOGPROBS];
+} td_logprob_entry;
 
 #endif

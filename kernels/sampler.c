@@ -276,3 +276,65 @@ void kn_sampler_skip(kn_sampler *s)
     /* mirrors kn_sample: greedy returns before the draw; otherwise exactly one uniform() */
     if (s->p.temperature > 0) (void)xoshiro_next(s->rng);
 }
+
+/* a before b in the top-k order: larger logit first, then lower id */
+static bool lp_before(float la, int32_t ia, float lb, int32_t ib)
+{
+    return la > lb || (la == lb && ia < ib);
+}
+
+/* sift the heap root down; heap[0] is the entry that comes last in the top-k order */
+static void lp_sift(td_logprob *h, int n, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, w = i;
+        if (l < n && lp_before(h[w].logprob, h[w].id, h[l].logprob, h[l].id)) w = l;
+        if (r < n && lp_before(h[w].logprob, h[w].id, h[r].logprob, h[r].id)) w = r;
+        if (w == i) return;
+        td_logprob t = h[i];
+        h[i] = h[w];
+        h[w] = t;
+        i = w;
+    }
+}
+
+int kn_logprobs(const float *logits, int32_t n_vocab, int32_t chosen, int k, td_logprob_entry *out)
+{
+    td_logprob *top = out->top;
+    if (n_vocab < 1 || chosen < 0 || chosen >= n_vocab || k < 0 || k > TD_MAX_TOP_LOGPROBS ||
+        k > n_vocab)
+        return TD_EINVAL;
+    float mx = logits[0];
+    for (int32_t i = 1; i < n_vocab; i++)
+        if (logits[i] > mx) mx = logits[i];
+    double sum = 0;
+    for (int32_t i = 0; i < n_vocab; i++)
+        sum += exp((double)logits[i] - (double)mx);
+    double lse = (double)mx + log(sum);
+    out->logprob = (float)((double)logits[chosen] - lse);
+    out->n_top = k;
+    if (k == 0) return 0;
+    /* heap of the k best seen so far, holding logits; its root is the worst of them */
+    int n = 0;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        float x = logits[i];
+        if (n < k) {
+            top[n++] = (td_logprob){.id = i, .logprob = x};
+            for (int j = n / 2 - 1; n == k && j >= 0; j--)
+                lp_sift(top, n, j);
+        } else if (lp_before(x, i, top[0].logprob, top[0].id)) {
+            top[0] = (td_logprob){.id = i, .logprob = x};
+            lp_sift(top, n, 0);
+        }
+    }
+    /* heap order -> best first: repeatedly move the worst to the end */
+    for (int m = n; m > 1; m--) {
+        td_logprob t = top[0];
+        top[0] = top[m - 1];
+        top[m - 1] = t;
+        lp_sift(top, m - 1, 0);
+    }
+    for (int j = 0; j < n; j++)
+        top[j].logprob = (float)((double)top[j].logprob - lse);
+    return 0;
+}
