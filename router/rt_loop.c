@@ -198,6 +198,29 @@ static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
     return 0;
 }
 
+/* The event's logprobs into q (lps beside gen_ids; the prompt's into plps). TD_EINVAL: the
+ * instance sent tokens without the logprobs the request asked for. */
+static int keep_logprobs(rt_req *q, const Td__TokenEvent *t)
+{
+    if (!q->p.sampling.logprobs) return 0;
+    for (size_t k = 0; k < t->n_prompt_logprobs; k++) {
+        size_t pos = (size_t)t->prompt_from + k;
+        if (!q->loop.plps && !(q->loop.plps = calloc(q->p.n_prompt, sizeof *q->loop.plps)))
+            return TD_ENOMEM;
+        if (pos >= 1 && pos < q->p.n_prompt)
+            td_ctrl_logprob_from_pb(t->prompt_logprobs[k], &q->loop.plps[pos]);
+    }
+    if (!t->n_token_ids || q->p.gen_none) return 0;
+    if (t->n_logprobs != t->n_token_ids) return TD_EINVAL;
+    if (q->loop.n_lps + (int)t->n_token_ids > q->loop.cap_gen) return TD_ESTATE;
+    td_logprob_entry *l = realloc(q->loop.lps, (size_t)q->loop.cap_gen * sizeof *l);
+    if (!l) return TD_ENOMEM;
+    q->loop.lps = l;
+    for (size_t k = 0; k < t->n_token_ids; k++)
+        td_ctrl_logprob_from_pb(t->logprobs[k], &q->loop.lps[q->loop.n_lps++]);
+    return 0;
+}
+
 static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
 {
     rt_req *q = rt_table_get(&r->table, t->request_id);
@@ -217,6 +240,7 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         }
     }
     int rc = keep_ids(q, t->token_ids, t->n_token_ids);
+    if (!rc) rc = keep_logprobs(q, t);
     if (!rc) rc = rt_stream_tokens(r, q, t->token_ids, t->n_token_ids);
     if (rc < 0) {
         TD_LOG_ERR("router: %s: cannot process tokens: %s", q->oid, td_strerror(rc));
@@ -234,7 +258,8 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         return;
     case TD__FINISH_REASON__FINISH_STOP:
         /* the instance does not send the end-of-generation token but counts it */
-        if (t->usage && (int64_t)t->usage->completion_tokens + q->loop.gen_base > q->loop.n_gen)
+        if (t->usage && !q->p.gen_none &&
+            (int64_t)t->usage->completion_tokens + q->loop.gen_base > q->loop.n_gen)
             q->loop.n_gen = (int)t->usage->completion_tokens + q->loop.gen_base;
         rt_loop_finish(r, q, RT_FIN_STOP);
         return;

@@ -293,10 +293,10 @@ static const struct {
     /* the ones below are accepted only with the value that asks for nothing (unsupported) */
     {"n", EP_ALL},
     {"best_of", EP_C},
-    {"echo", EP_C},
     {"suffix", EP_C},
-    {"logprobs", EP_ALL},
-    {"top_logprobs", EP_ALL},
+    {"logprobs", EP_ALL},    /* chat: a bool; completions: 0..20 alternatives */
+    {"top_logprobs", EP_CH}, /* 0..20, with logprobs: true */
+    {"echo", EP_C},
     {"logit_bias", EP_ALL},
     {"response_format", EP_ALL},
     {"tools", EP_CH},
@@ -337,14 +337,6 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     if ((rc = get_int(o, "n", 1, 1 << 20, &n, e))) return rc;
     if (n != 1) return rt_error_set(e, 400, "n", NULL, "only n = 1 is supported, got %lld", n);
     if ((rc = get_int(o, "best_of", 1, 1, &n, e))) return rc;
-    if ((v = json_object_get(o, "echo")) && !absent(v) && !json_is_false(v))
-        return rt_error_set(e, 400, "echo", NULL, "'echo' is not supported");
-    v = json_object_get(o, "logprobs");
-    if (!absent(v) && !json_is_false(v))
-        return rt_error_set(e, 400, "logprobs", NULL, "'logprobs' is not supported");
-    v = json_object_get(o, "top_logprobs");
-    if (!absent(v))
-        return rt_error_set(e, 400, "top_logprobs", NULL, "'top_logprobs' is not supported");
     v = json_object_get(o, "suffix");
     if (!absent(v)) return rt_error_set(e, 400, "suffix", NULL, "'suffix' is not supported");
     v = json_object_get(o, "tools");
@@ -371,6 +363,37 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     return 0;
 }
 
+/* logprobs, top_logprobs and echo into p (sampling.logprobs, prompt_logprobs, echo). */
+static int parse_logprobs(rt_endpoint ep, json_t *o, rt_params *p, rt_error *e)
+{
+    int rc;
+    long long top = -1;
+    bool want = false;
+    if (ep == RT_EP_CHAT) {
+        if ((rc = get_bool(o, "logprobs", &want, e)) ||
+            (rc = get_int(o, "top_logprobs", 0, TD_MAX_TOP_LOGPROBS, &top, e)))
+            return rc;
+        if (top >= 0 && !want)
+            return rt_error_set(e, 400, "top_logprobs", NULL,
+                                "'top_logprobs' needs 'logprobs': true");
+        if (want) p->sampling.logprobs = 1 + (uint32_t)(top < 0 ? 0 : top);
+        return 0;
+    }
+    json_t *v = json_object_get(o, "logprobs");
+    if (json_is_false(v)) v = NULL;
+    if ((rc = get_bool(o, "echo", &p->echo, e))) return rc;
+    if (!absent(v)) {
+        if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+            json_integer_value(v) > TD_MAX_TOP_LOGPROBS)
+            return rt_error_set(e, 400, "logprobs", NULL,
+                                "'logprobs' must be an integer in [0, %d] on /v1/completions",
+                                TD_MAX_TOP_LOGPROBS);
+        p->sampling.logprobs = 1 + (uint32_t)json_integer_value(v);
+        p->sampling.prompt_logprobs = p->echo;
+    }
+    return 0;
+}
+
 static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p, rt_error *e)
 {
     int rc;
@@ -388,7 +411,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
         (rc = get_number(o, "frequency_penalty", -2, 2, &freq, e)) ||
         (rc = get_int(o, "top_k", -1, 1 << 30, &top_k, e)) ||
         (rc = get_int(o, "seed", INT64_MIN, INT64_MAX, &seed, e)) ||
-        (rc = get_int(o, "max_tokens", 1, rc_cfg->max_tokens, &max_tokens, e)) ||
+        (rc = parse_logprobs(ep, o, p, e)) ||
+        (rc = get_int(o, "max_tokens", p->echo ? 0 : 1, rc_cfg->max_tokens, &max_tokens, e)) ||
         (rc = get_bool(o, "stream", &p->stream, e)) ||
         (rc = get_bool(o, "ignore_eos", &p->ignore_eos, e)) ||
         (rc = get_bool(o, "migrate", &migrate, e)) ||
@@ -439,7 +463,10 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
                             "and max_tokens is %lld",
                             r->n_ctx, p->n_prompt, max_tokens);
     }
-    p->max_tokens = (int)max_tokens;
+    /* echo with max_tokens 0 (lm-evaluation-harness's loglikelihood): the decode side
+       always generates one token; the router drops it */
+    p->gen_none = max_tokens == 0;
+    p->max_tokens = max_tokens == 0 ? 1 : (int)max_tokens;
     td_sampling *sp = &p->sampling;
     sp->temperature = (float)temperature;
     sp->top_p = top_p >= 1.0 ? 0.0f : (float)top_p;

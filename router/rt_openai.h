@@ -53,6 +53,10 @@ typedef struct {
     bool stream, include_usage;
     int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
     bool no_migrate;    /* the body's "migrate": false: fail rather than move mid-stream */
+    /* logprobs (sampling.logprobs = 1 + top alternatives when asked; docs/api.md) */
+    bool echo;     /* completions: the prompt's text (and logprobs) before the output */
+    bool gen_none; /* completions "max_tokens": 0 with echo: the one token the decode
+                      side generates (max_tokens 1) is dropped; only the prompt is answered */
 } rt_params;
 
 void rt_params_fini(rt_params *p);

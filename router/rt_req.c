@@ -40,6 +40,8 @@ void rt_req_release(rt_req *q)
     rt_buf_free(&q->loop.text);
     rt_buf_free(&q->http.out);
     free(q->loop.gen_ids);
+    free(q->loop.lps);
+    free(q->loop.plps);
     free(q->loop.resume);
     for (size_t i = 0; i < q->pair.n_targets; i++)
         free(q->pair.targets[i].data);
@@ -71,6 +73,9 @@ void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
 {
     td_sampling s = q->p.sampling;
     s.skip_samples = (uint32_t)q->loop.gen_base; /* a moved request: the draws already made */
+    /* a moved request's prompt logprobs came with its first attempt (every one of them
+       precedes its first token) */
+    s.prompt_logprobs = s.prompt_logprobs && q->loop.gen_base == 0;
     td_ctrl_sampling_to_pb(&s, sm);
     td__submit__init(sub);
     sub->request_id = q->loop.rid;

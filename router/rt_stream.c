@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "rt.h"
+#include "rt_logprobs.h"
 #include "rt_stream.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -101,12 +102,38 @@ static json_t *text_choice(const rt_req *q, const char *text, size_t len, const 
                      "finish_reason", fin);
 }
 
-/* Send len bytes of text (finish NULL: more follows). Caller holds q->mu. */
+/* echo: the prompt's text (malloc'd, *len bytes; NULL: no memory) */
+static char *prompt_text(const rt_router *r, const rt_req *q, size_t *len)
+{
+    long n = td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, NULL, 0);
+    char *t = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (!t) return NULL;
+    td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, t, (size_t)n);
+    *len = (size_t)n;
+    return t;
+}
+
+/* stream, echo: the prompt's chunk (text and logprobs) before any other. Caller holds q->mu. */
+static int emit_echo(const rt_router *r, rt_req *q)
+{
+    q->loop.echo_sent = true;
+    size_t len = 0;
+    char *t = prompt_text(r, q, &len);
+    if (!t) return TD_ENOMEM;
+    json_t *c = text_choice(q, t, len, NULL);
+    free(t);
+    if (c) json_object_set_new(c, "logprobs", rt_logprobs_json(r->model.tok, q, true, 0));
+    return sse_chunk(r, q, c, NULL);
+}
+
+/* Send len bytes of text (finish NULL: more follows) with the logprobs received so far.
+ * Caller holds q->mu. */
 static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char *finish)
 {
     if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
     if (!len && !finish) return 0;
     int rc = 0;
+    if (q->p.echo && !q->loop.echo_sent && (rc = emit_echo(r, q))) return rc;
     if (q->p.ep == RT_EP_CHAT && !q->loop.role_sent) {
         q->loop.role_sent = true;
         rc = sse_chunk(r, q,
@@ -114,7 +141,10 @@ static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, con
                                  "assistant", "content", "", "logprobs", "finish_reason"),
                        NULL);
     }
-    if (!rc) rc = sse_chunk(r, q, text_choice(q, text, len, finish), NULL);
+    json_t *c = rc ? NULL : text_choice(q, text, len, finish);
+    if (c && q->p.sampling.logprobs)
+        json_object_set_new(c, "logprobs", rt_logprobs_json(r->model.tok, q, false, q->loop.n_lps));
+    if (!rc) rc = sse_chunk(r, q, c, NULL);
     return rc;
 }
 
@@ -134,6 +164,7 @@ static int push_id(rt_req *q, int32_t id, const td_tokenizer *tok)
 
 int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n)
 {
+    if (q->p.gen_none) return 0; /* echo, max_tokens 0: the one generated token is dropped */
     if (!q->loop.dt_init) {
         td_detok_init(&q->loop.dt, r->model.tok);
         q->loop.dt_init = true;
@@ -166,14 +197,29 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
 static char *final_body(const rt_router *r, rt_req *q, const char *finish)
 {
     json_t *choice;
+    if (q->p.echo) { /* the prompt's text goes first */
+        size_t len = 0;
+        char *t = prompt_text(r, q, &len);
+        rt_buf echo = {0};
+        int rc = t ? rt_buf_append(&echo, t, len) : TD_ENOMEM;
+        if (!rc && q->loop.text.len) rc = rt_buf_append(&echo, q->loop.text.buf, q->loop.text.len);
+        free(t);
+        if (rc) {
+            rt_buf_free(&echo);
+            return NULL;
+        }
+        rt_buf_free(&q->loop.text);
+        q->loop.text = echo;
+    }
     const char *text = q->loop.text.buf ? q->loop.text.buf : "";
+    json_t *lp = rt_logprobs_json(r->model.tok, q, q->p.echo, q->loop.n_lps);
     if (q->p.ep == RT_EP_CHAT)
         choice =
-            json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", 0, "message", "role", "assistant",
-                      "content", text, q->loop.text.len, "logprobs", "finish_reason", finish);
+            json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", 0, "message", "role", "assistant",
+                      "content", text, q->loop.text.len, "logprobs", lp, "finish_reason", finish);
     else
-        choice = json_pack("{s:i, s:s%, s:n, s:s}", "index", 0, "text", text, q->loop.text.len,
-                           "logprobs", "finish_reason", finish);
+        choice = json_pack("{s:i, s:s%, s:o, s:s}", "index", 0, "text", text, q->loop.text.len,
+                           "logprobs", lp, "finish_reason", finish);
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", q->oid, "object",
                           q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
                           (json_int_t)q->created, "model", r->model.name, "choices", choice,
@@ -199,6 +245,7 @@ int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
         }
     }
     if (q->loop.stop_hit) fin = RT_FIN_STOP;
+    if (q->p.gen_none) fin = RT_FIN_LENGTH; /* max_tokens 0 */
     const char *finish = finish_name(fin);
     pthread_mutex_lock(&q->mu);
     if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, finish);

@@ -1,0 +1,111 @@
+/* rt_logprobs.c: the logprobs object of a choice (chat and legacy completions shapes). */
+#include "rt_logprobs.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* Whether s[0..n) is valid UTF-8 (jansson refuses strings that are not). */
+static bool utf8_ok(const unsigned char *s, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        unsigned c = s[i];
+        size_t k = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        if (!k || i + k > n || (k == 2 && c < 0xc2)) return false;
+        for (size_t j = 1; j < k; j++)
+            if ((s[i + j] & 0xc0) != 0x80) return false;
+        i += k;
+    }
+    return true;
+}
+
+/* The token's text (json string) and, into *len, its byte length. */
+static json_t *token_str(const td_tokenizer *tok, int32_t id, size_t *len)
+{
+    size_t n = 0;
+    const char *b = td_tok_piece(tok, id, &n);
+    if (!b) b = "", n = 0;
+    *len = n;
+    if (utf8_ok((const unsigned char *)b, n)) return json_stringn(b, n);
+    char out[6 + 4 * 64 + 1];
+    size_t o = (size_t)snprintf(out, sizeof out, "bytes:");
+    for (size_t i = 0; i < n && o + 4 < sizeof out; i++)
+        o += (size_t)snprintf(out + o, sizeof out - o, "\\x%02x", (unsigned char)b[i]);
+    return json_stringn(out, o);
+}
+
+static json_t *token_bytes(const td_tokenizer *tok, int32_t id)
+{
+    size_t n = 0;
+    const char *b = td_tok_piece(tok, id, &n);
+    json_t *a = json_array();
+    for (size_t i = 0; a && b && i < n; i++)
+        json_array_append_new(a, json_integer((unsigned char)b[i]));
+    return a;
+}
+
+/* chat: {token, logprob, bytes} (+ top_logprobs when top) */
+static json_t *chat_item(const td_tokenizer *tok, int32_t id, float lp, const td_logprob_entry *top)
+{
+    size_t len;
+    json_t *o = json_pack("{s:o, s:f, s:o}", "token", token_str(tok, id, &len), "logprob",
+                          (double)lp, "bytes", token_bytes(tok, id));
+    if (!o || !top) return o;
+    json_t *a = json_array();
+    for (int j = 0; a && j < top->n_top; j++)
+        json_array_append_new(a, chat_item(tok, top->top[j].id, top->top[j].logprob, NULL));
+    json_object_set_new(o, "top_logprobs", a ? a : json_null());
+    return o;
+}
+
+static json_t *chat_json(const td_tokenizer *tok, rt_req *q, int to)
+{
+    json_t *c = json_array();
+    for (int i = q->loop.lp_sent; c && i < to; i++) {
+        const td_logprob_entry *e = &q->loop.lps[i];
+        json_array_append_new(c, chat_item(tok, q->loop.gen_ids[i], e->logprob, e));
+    }
+    return json_pack("{s:o}", "content", c);
+}
+
+/* one position of the legacy shape; e NULL: the first prompt token (null logprobs) */
+static void legacy_add(const td_tokenizer *tok, rt_req *q, json_t *o, int32_t id,
+                       const td_logprob_entry *e)
+{
+    size_t len;
+    json_array_append_new(json_object_get(o, "tokens"), token_str(tok, id, &len));
+    json_array_append_new(json_object_get(o, "token_logprobs"),
+                          e ? json_real((double)e->logprob) : json_null());
+    json_t *top = e ? json_object() : json_null();
+    for (int j = 0; e && top && j < e->n_top; j++) {
+        size_t l;
+        json_t *k = token_str(tok, e->top[j].id, &l);
+        if (k) json_object_set_new(top, json_string_value(k), json_real(e->top[j].logprob));
+        json_decref(k);
+    }
+    json_array_append_new(json_object_get(o, "top_logprobs"), top);
+    json_array_append_new(json_object_get(o, "text_offset"),
+                          json_integer((json_int_t)q->loop.lp_off));
+    q->loop.lp_off += len;
+}
+
+static json_t *legacy_json(const td_tokenizer *tok, rt_req *q, bool prompt, int to)
+{
+    json_t *o = json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs",
+                          "text_offset");
+    if (!o) return NULL;
+    for (size_t p = 0; prompt && p < q->p.n_prompt; p++)
+        legacy_add(tok, q, o, q->p.prompt[p], p && q->loop.plps ? &q->loop.plps[p] : NULL);
+    for (int i = q->loop.lp_sent; i < to; i++)
+        legacy_add(tok, q, o, q->loop.gen_ids[i], &q->loop.lps[i]);
+    return o;
+}
+
+json_t *rt_logprobs_json(const td_tokenizer *tok, rt_req *q, bool prompt, int to)
+{
+    if (!q->p.sampling.logprobs) return json_null();
+    if (to > q->loop.n_lps) to = q->loop.n_lps;
+    if (to < q->loop.lp_sent) to = q->loop.lp_sent;
+    json_t *o = q->p.ep == RT_EP_CHAT ? chat_json(tok, q, to) : legacy_json(tok, q, prompt, to);
+    if (o) q->loop.lp_sent = to;
+    return o;
+}
