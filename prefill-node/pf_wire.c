@@ -1,13 +1,14 @@
 /* pf_wire.c: encoding and bounds-checked parsing of the stage-chain messages. */
 #include "pf_wire.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "td_err.h"
 
 #define HDR_BYTES 32
-#define SEG_BYTES 80 /* 76 used: 8-byte aligned records */
+#define SEG_BYTES 80 /* 8-byte aligned records; 76: logprobs (u8), 77: prompt_logprobs (u8) */
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -101,7 +102,7 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         put32(s + 64, g->sampling.skip_samples);
         putf(s + 68, g->sampling.presence_penalty);
         putf(s + 72, g->sampling.frequency_penalty);
-        put32(s + 76, 0);
+        put32(s + 76, (g->sampling.logprobs & 0xffu) | (uint32_t)g->sampling.prompt_logprobs << 8);
     }
     if (rows) memcpy(b + HDR_BYTES + (size_t)n_segs * SEG_BYTES, ids, (size_t)rows * 4);
     return (int64_t)need;
@@ -153,6 +154,12 @@ int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, in
             g->sampling.skip_samples = get32(s + 64);
             g->sampling.presence_penalty = getf(s + 68);
             g->sampling.frequency_penalty = getf(s + 72);
+            uint32_t lp = get32(s + 76);
+            g->sampling.logprobs = lp & 0xffu;
+            g->sampling.prompt_logprobs = (lp >> 8) & 1u;
+            if ((lp >> 9) || g->sampling.logprobs > TD_MAX_TOP_LOGPROBS + 1 ||
+                (g->sampling.prompt_logprobs && !g->sampling.logprobs))
+                return bad("segment logprobs");
             if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
                 g->sampling.skip_samples >= g->n_prompt || g->n_dst > PF_MAX_TARGETS ||
                 (g->flags & ~7u) || !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||
@@ -256,6 +263,21 @@ void pf_wire_report_write(uint8_t b[PF_REPORT_BYTES], const pf_report *r)
     put32(b + 32, (uint32_t)r->first_token);
     put32(b + 36, r->reason);
     put64(b + 40, (uint64_t)r->end_ms);
+    memset(b + 48, 0, PF_REPORT_BYTES - 48);
+    if (!r->has_lp) return;
+    put32(b + 48, 1);
+    put32(b + 52, (uint32_t)r->first_lp.n_top);
+    putf(b + 56, r->first_lp.logprob);
+    for (int j = 0; j < r->first_lp.n_top && j < TD_MAX_TOP_LOGPROBS; j++) {
+        put32(b + 64 + 8 * j, (uint32_t)r->first_lp.top[j].id);
+        putf(b + 68 + 8 * j, r->first_lp.top[j].logprob);
+    }
+}
+
+/* A logprob as the router's control codec accepts it: not NaN, <= 0 (or -inf). */
+static bool lp_ok(float x)
+{
+    return !isnan(x) && x <= 0;
 }
 
 int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
@@ -271,5 +293,97 @@ int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
     out->first_token = (int32_t)get32(b + 32);
     out->reason = get32(b + 36);
     out->end_ms = (int64_t)get64(b + 40);
+    out->has_lp = get32(b + 48) != 0;
+    uint32_t k = get32(b + 52);
+    if (get32(b + 48) > 1 || k > TD_MAX_TOP_LOGPROBS) return bad("report logprob");
+    out->first_lp.n_top = (int32_t)k;
+    out->first_lp.logprob = getf(b + 56);
+    if (out->has_lp && !lp_ok(out->first_lp.logprob)) return bad("report logprob value");
+    for (uint32_t j = 0; j < k; j++) {
+        out->first_lp.top[j].id = (int32_t)get32(b + 64 + 8 * j);
+        out->first_lp.top[j].logprob = getf(b + 68 + 8 * j);
+        if (out->first_lp.top[j].id < 0 || !lp_ok(out->first_lp.top[j].logprob))
+            return bad("report logprob alternative");
+    }
     return 0;
+}
+
+/* ---- LOGPROBS: header 16, req_id 8, from 4, n 4, k 4, spare 4; entries ---- */
+
+#define LP_HDR 40
+
+int pf_wire_lp_max_entries(int k)
+{
+    return (PF_LP_MAX_BYTES - LP_HDR) / (4 + 8 * k);
+}
+
+int64_t pf_wire_lp_write(void *buf, size_t cap, uint64_t epoch, uint64_t req_id, uint32_t from,
+                         const td_logprob_entry *e, int n, int k)
+{
+    if (n < 1 || k < 0 || k > TD_MAX_TOP_LOGPROBS || n > pf_wire_lp_max_entries(k))
+        return TD_EINVAL;
+    size_t need = LP_HDR + (size_t)n * (4 + 8 * (size_t)k);
+    if (need > cap) return TD_ERANGE;
+    uint8_t *b = buf;
+    header(b, PF_MSG_LOGPROBS, epoch);
+    put64(b + 16, req_id);
+    put32(b + 24, from);
+    put32(b + 28, (uint32_t)n);
+    put32(b + 32, (uint32_t)k);
+    put32(b + 36, 0);
+    uint8_t *p = b + LP_HDR;
+    for (int i = 0; i < n; i++) {
+        if (e[i].n_top != k) return TD_EINVAL;
+        putf(p, e[i].logprob);
+        p += 4;
+        for (int j = 0; j < k; j++, p += 8) {
+            put32(p, (uint32_t)e[i].top[j].id);
+            putf(p + 4, e[i].top[j].logprob);
+        }
+    }
+    return (int64_t)need;
+}
+
+int pf_wire_lp_parse(const void *buf, size_t len, pf_lp_msg *out)
+{
+    const uint8_t *b = buf;
+    if (len < LP_HDR || len > PF_LP_MAX_BYTES || pf_wire_kind(buf, len) != PF_MSG_LOGPROBS)
+        return bad("bad logprobs message");
+    out->epoch = get64(b + 8);
+    out->req_id = get64(b + 16);
+    out->from = get32(b + 24);
+    uint32_t n = get32(b + 28), k = get32(b + 32);
+    if (k > TD_MAX_TOP_LOGPROBS || n < 1 || n > (uint32_t)pf_wire_lp_max_entries((int)k) ||
+        len != LP_HDR + (size_t)n * (4 + 8 * (size_t)k))
+        return bad("logprobs message counts");
+    out->n = (int)n;
+    out->k = (int)k;
+    out->entries = b + LP_HDR;
+    const uint8_t *p = out->entries;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!lp_ok(getf(p))) return bad("logprobs message value");
+        p += 4;
+        for (uint32_t j = 0; j < k; j++, p += 8)
+            if ((int32_t)get32(p) < 0 || !lp_ok(getf(p + 4)))
+                return bad("logprobs message alternative");
+    }
+    return 0;
+}
+
+void pf_wire_lp_entry(const pf_lp_msg *m, int i, td_logprob_entry *e)
+{
+    const uint8_t *p = m->entries + (size_t)i * (4 + 8 * (size_t)m->k);
+    e->logprob = getf(p);
+    e->n_top = m->k;
+    for (int j = 0; j < m->k; j++)
+        e->top[j] =
+            (td_logprob){.id = (int32_t)get32(p + 4 + 8 * j), .logprob = getf(p + 8 + 8 * j)};
+}
+
+uint32_t pf_wire_kind(const void *buf, size_t len)
+{
+    const uint8_t *b = buf;
+    if (len < 16 || get32(b) != PF_WIRE_MAGIC || (get32(b + 4) & 0xffff) != PF_WIRE_VERSION)
+        return 0;
+    return get32(b + 4) >> 16;
 }

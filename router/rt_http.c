@@ -378,14 +378,6 @@ static enum MHD_Result start_generation(rt_router *r, struct MHD_Connection *con
         rt_req_release(q);
         return respond_error(r, conn, c, &e);
     }
-    if (r->disagg && q->p.sampling.logprobs) {
-        /* the last prefill stage does not compute the first token's logprob yet */
-        rt_error_set(&e, 400, "logprobs", "unsupported_parameter",
-                     "'logprobs' is not supported by a cluster with prefill instances yet "
-                     "(only colocated serving computes them)");
-        rt_req_release(q);
-        return respond_error(r, conn, c, &e);
-    }
     rt_buf_free(&c->body);
     /* the body's "timeout" and the header both ask for an earlier end: the smaller wins */
     int64_t timeout = r->cfg->router.request_timeout_ms;

@@ -2,7 +2,10 @@
 #include "rt_logprobs.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "td_err.h"
 
 /* Whether s[0..n) is valid UTF-8 (jansson refuses strings that are not). */
 static bool utf8_ok(const unsigned char *s, size_t n)
@@ -108,4 +111,32 @@ json_t *rt_logprobs_json(const td_tokenizer *tok, rt_req *q, bool prompt, int to
     json_t *o = q->p.ep == RT_EP_CHAT ? chat_json(tok, q, to) : legacy_json(tok, q, prompt, to);
     if (o) q->loop.lp_sent = to;
     return o;
+}
+
+int rt_logprobs_keep(rt_req *q, const Td__TokenEvent *t)
+{
+    if (!q->p.sampling.logprobs) return 0;
+    for (size_t k = 0; k < t->n_prompt_logprobs; k++) {
+        size_t pos = (size_t)t->prompt_from + k;
+        if (!q->loop.plps && !(q->loop.plps = calloc(q->p.n_prompt, sizeof *q->loop.plps)))
+            return TD_ENOMEM;
+        if (pos >= 1 && pos < q->p.n_prompt)
+            td_ctrl_logprob_from_pb(t->prompt_logprobs[k], &q->loop.plps[pos]);
+    }
+    if (!t->n_token_ids || q->p.gen_none) return 0;
+    /* a disaggregated attempt's first token: its logprob came in PrefillDone */
+    bool first = !t->n_logprobs && t->n_token_ids == 1 && q->loop.first_lp_set;
+    if (!first && t->n_logprobs != t->n_token_ids) return TD_EINVAL;
+    if (q->loop.n_lps + (int)t->n_token_ids > q->loop.cap_gen) return TD_ESTATE;
+    td_logprob_entry *l = realloc(q->loop.lps, (size_t)q->loop.cap_gen * sizeof *l);
+    if (!l) return TD_ENOMEM;
+    q->loop.lps = l;
+    if (first) {
+        q->loop.lps[q->loop.n_lps++] = q->loop.first_lp;
+        q->loop.first_lp_set = false;
+        return 0;
+    }
+    for (size_t k = 0; k < t->n_token_ids; k++)
+        td_ctrl_logprob_from_pb(t->logprobs[k], &q->loop.lps[q->loop.n_lps++]);
+    return 0;
 }

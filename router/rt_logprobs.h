@@ -13,6 +13,7 @@
 #include <jansson.h>
 #include <stdbool.h>
 
+#include "ctrl.h"
 #include "rt_req.h"
 #include "tokenizer.h"
 
@@ -20,5 +21,12 @@
  * when prompt is set (echo), as a new JSON value; marks them sent. json null when q did not
  * ask for logprobs; NULL when out of memory. */
 json_t *rt_logprobs_json(const td_tokenizer *tok, rt_req *q, bool prompt, int to);
+
+/* The event's logprobs into q: the prompt's (TokenEvent.prompt_logprobs: from the decode
+ * instance when colocated, from the prefill instance when disaggregated) into plps; the
+ * tokens' beside gen_ids (a token without one: the first of a disaggregated attempt, whose
+ * logprob came in PrefillDone, q->loop.first_lp). 0; TD_EINVAL: tokens without the
+ * logprobs the request asked for; TD_ENOMEM. */
+int rt_logprobs_keep(rt_req *q, const Td__TokenEvent *t);
 
 #endif

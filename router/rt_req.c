@@ -42,6 +42,7 @@ void rt_req_release(rt_req *q)
     free(q->loop.gen_ids);
     free(q->loop.lps);
     free(q->loop.plps);
+    rt_buf_free(&q->loop.lp_hold);
     free(q->loop.resume);
     for (size_t i = 0; i < q->pair.n_targets; i++)
         free(q->pair.targets[i].data);

@@ -98,7 +98,13 @@ typedef struct {
     int n_lps, lp_sent;     /* entries received; streamed (their chunk went out) */
     td_logprob_entry *plps; /* (p.n_prompt), NULL until the first arrives */
     bool echo_sent;         /* stream: the echoed prompt's chunk went out */
-    size_t lp_off;          /* completions: text_offset of the next token (bytes) */
+    size_t lp_off;          /* completions: text_offset of the next token (characters) */
+    /* disaggregated: the attempt's first token has its logprob in the prefill's
+       PrefillDone, which may come after the decode side's first TokenEvents: those wait in
+       lp_hold (each a u32 length and the packed event) until PrefillDone is in (pd_seen) */
+    bool pd_seen, first_lp_set;
+    td_logprob_entry first_lp;
+    rt_buf lp_hold;
 
     /* links */
     struct rt_req *next;      /* inbox / queue link */
