@@ -298,19 +298,69 @@ static void lp_sift(td_logprob *h, int n, int i)
     }
 }
 
+/* exp(x) for x <= 0 in float, branch-free so the loops below vectorize: 2^n * p(r) with
+ * n = round(x / ln 2) (the 1.5 * 2^23 trick), r = x - n ln 2 (ln 2 split in two), p
+ * Cephes' degree-6 expf polynomial (relative error ~2e-7); x below -87 gives ~2^-126. */
+static inline float lp_expf(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#define LP_LANES 16
+
+/* log(sum exp(l[i])) over n: the maximum subtracted, exp in float (lp_expf) summed in
+ * LP_LANES float lanes per block of 1024 (vectorized without reassociation flags), the
+ * blocks' sums in double. */
+static double lp_logsumexp(const float *l, int32_t n)
+{
+    float mxl[LP_LANES];
+    for (int j = 0; j < LP_LANES; j++)
+        mxl[j] = l[0];
+    int32_t n16 = n - n % LP_LANES;
+    for (int32_t i = 0; i < n16; i += LP_LANES)
+        for (int j = 0; j < LP_LANES; j++)
+            mxl[j] = l[i + j] > mxl[j] ? l[i + j] : mxl[j];
+    float mx = mxl[0];
+    for (int j = 1; j < LP_LANES; j++)
+        mx = mxl[j] > mx ? mxl[j] : mx;
+    for (int32_t i = n16; i < n; i++)
+        mx = l[i] > mx ? l[i] : mx;
+    double sum = 0;
+    for (int32_t b = 0; b < n16; b += 1024) {
+        int32_t e = n16 - b < 1024 ? n16 : b + 1024;
+        float acc[LP_LANES] = {0};
+        for (int32_t i = b; i < e; i += LP_LANES)
+            for (int j = 0; j < LP_LANES; j++)
+                acc[j] += lp_expf(l[i + j] - mx);
+        for (int j = 0; j < LP_LANES; j++)
+            sum += (double)acc[j];
+    }
+    for (int32_t i = n16; i < n; i++)
+        sum += (double)lp_expf(l[i] - mx);
+    return (double)mx + log(sum);
+}
+
 int kn_logprobs(const float *logits, int32_t n_vocab, int32_t chosen, int k, td_logprob_entry *out)
 {
     td_logprob *top = out->top;
     if (n_vocab < 1 || chosen < 0 || chosen >= n_vocab || k < 0 || k > TD_MAX_TOP_LOGPROBS ||
         k > n_vocab)
         return TD_EINVAL;
-    float mx = logits[0];
-    for (int32_t i = 1; i < n_vocab; i++)
-        if (logits[i] > mx) mx = logits[i];
-    double sum = 0;
-    for (int32_t i = 0; i < n_vocab; i++)
-        sum += exp((double)logits[i] - (double)mx);
-    double lse = (double)mx + log(sum);
+    double lse = lp_logsumexp(logits, n_vocab);
     out->logprob = (float)((double)logits[chosen] - lse);
     out->n_top = k;
     if (k == 0) return 0;

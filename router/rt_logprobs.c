@@ -21,13 +21,17 @@ static bool utf8_ok(const unsigned char *s, size_t n)
     return true;
 }
 
-/* The token's text (json string) and, into *len, its byte length. */
+/* The token's text (json string) and, into *len, its length in characters (as vLLM's
+ * text_offset, a Python str's length): the bytes that start a UTF-8 character, so a
+ * character split over two tokens counts once, at the token holding its first byte. */
 static json_t *token_str(const td_tokenizer *tok, int32_t id, size_t *len)
 {
     size_t n = 0;
     const char *b = td_tok_piece(tok, id, &n);
     if (!b) b = "", n = 0;
-    *len = n;
+    *len = 0;
+    for (size_t i = 0; i < n; i++)
+        *len += ((unsigned char)b[i] & 0xc0) != 0x80;
     if (utf8_ok((const unsigned char *)b, n)) return json_stringn(b, n);
     char out[6 + 4 * 64 + 1];
     size_t o = (size_t)snprintf(out, sizeof out, "bytes:");

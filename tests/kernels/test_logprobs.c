@@ -1,7 +1,9 @@
 /* test_logprobs.c: td_logprobs against a brute-force log-softmax and full sort: values,
  * order and ties, large logits (no overflow), and bad arguments. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "../tharness.h"
 #include "sampler.h"
@@ -83,6 +85,43 @@ static void test_large_logits(void)
     TH_CHECKF(fabs(s - 1) < 1e-6, "sum %.9g", s);
 }
 
+/* A real vocabulary's size and spread (logits ~ N(0, 3) plus a few peaks): every
+ * logprob above -30 within 1e-5 of a double-precision log-softmax; the time per call. */
+static void test_vocab(void)
+{
+    enum { N = 49152 };
+    float *l = malloc(N * sizeof *l);
+    srand(11);
+    for (int i = 0; i < N; i++) {
+        double u1 = (rand() + 1.0) / (RAND_MAX + 2.0), u2 = (rand() + 1.0) / (RAND_MAX + 2.0);
+        l[i] = (float)(3.0 * sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
+    }
+    l[123] = 25, l[4567] = 24.5f, l[40000] = 22;
+    double mx = l[0], sum = 0, worst = 0;
+    for (int i = 1; i < N; i++)
+        mx = l[i] > mx ? l[i] : mx;
+    for (int i = 0; i < N; i++)
+        sum += exp((double)l[i] - mx);
+    double lse = mx + log(sum);
+    td_logprob_entry e;
+    for (int i = 0; i < N; i += 7) {
+        TH_REQUIRE(kn_logprobs(l, N, i, 0, &e) == 0);
+        double want = (double)l[i] - lse;
+        if (want > -30 && fabs(e.logprob - want) > worst) worst = fabs(e.logprob - want);
+    }
+    TH_CHECKF(worst < 1e-5, "worst |error| %.3g", worst);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int reps = 200;
+    for (int r = 0; r < reps; r++)
+        kn_logprobs(l, N, r, 20, &e);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double us =
+        ((double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec)) / 1e3 / reps;
+    printf("kn_logprobs: vocabulary %d, k 20: %.1f us per call, worst error %.2g\n", N, us, worst);
+    free(l);
+}
+
 static void test_bad_args(void)
 {
     float l[4] = {0, 1, 2, 3};
@@ -98,6 +137,7 @@ int main(void)
 {
     TH_RUN(test_random);
     TH_RUN(test_large_logits);
+    TH_RUN(test_vocab);
     TH_RUN(test_bad_args);
     TH_EXIT();
 }
