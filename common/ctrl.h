@@ -53,6 +53,7 @@
 #define TD_CTRL_MAX_BLOB     (1u << 20) /* bytes of kv_target */
 #define TD_CTRL_MAX_CHUNKS   65536u     /* PrefillDone.chunk_sizes */
 #define TD_CTRL_MAX_BATCH    4096u      /* events per Events reply */
+#define TD_CTRL_MAX_LOGPROBS 20u        /* top alternatives per Logprob (OpenAI's limit) */
 
 /* Options; zero means the default shown. */
 typedef struct {
@@ -94,6 +95,12 @@ const char *td_ctrl_err_name(Td__ErrorCode code);
  * Sampling message is all-zero: greedy). to_pb initializes pb. */
 void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb);
 td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb);
+
+/* Logprob entries (n) to the wire: one malloc'd block holding n message pointers, the
+ * messages and their arrays; free() it. NULL when n == 0 or on allocation failure. */
+Td__Logprob **td_ctrl_logprobs_to_pb(const td_logprob_entry *e, size_t n);
+/* One entry from the wire (a checked message: at most TD_MAX_TOP_LOGPROBS alternatives). */
+void td_ctrl_logprob_from_pb(const Td__Logprob *pb, td_logprob_entry *e);
 const char *td_ctrl_body_name(Td__Envelope__BodyCase body);
 
 /* ---- server (decode rank 0, prefill stage 0) ------------------------------------------ */

@@ -143,6 +143,8 @@ void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb)
         pb->n_min_tokens_ids = (size_t)s->n_min_tokens_ids;
         pb->min_tokens_ids = (int32_t *)s->min_tokens_ids;
     }
+    pb->logprobs = s->logprobs;
+    pb->prompt_logprobs = s->prompt_logprobs;
 }
 
 td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
@@ -159,7 +161,9 @@ td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
                       .skip_samples = pb->skip_samples,
                       .presence_penalty = pb->presence_penalty,
                       .frequency_penalty = pb->frequency_penalty,
-                      .min_tokens = (int32_t)pb->min_tokens};
+                      .min_tokens = (int32_t)pb->min_tokens,
+                      .logprobs = pb->logprobs,
+                      .prompt_logprobs = pb->prompt_logprobs};
     /* check_sampling bounded the counts; the clamps keep an unchecked message in bounds */
     size_t nb = pb->n_logit_bias_ids < pb->n_logit_bias_values ? pb->n_logit_bias_ids
                                                                : pb->n_logit_bias_values;
@@ -174,6 +178,44 @@ td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
     if (nm) memcpy(s.min_tokens_ids, pb->min_tokens_ids, nm * sizeof *s.min_tokens_ids);
     s.n_min_tokens_ids = (int32_t)nm;
     return s;
+}
+
+Td__Logprob **td_ctrl_logprobs_to_pb(const td_logprob_entry *e, size_t n)
+{
+    if (!n) return NULL;
+    size_t n_top = 0;
+    for (size_t i = 0; i < n; i++)
+        n_top += (size_t)e[i].n_top;
+    /* pointers, then messages, then ids and values (all 4- or 8-byte aligned) */
+    size_t bytes = n * (sizeof(Td__Logprob *) + sizeof(Td__Logprob)) + n_top * 8;
+    Td__Logprob **v = malloc(bytes);
+    if (!v) return NULL;
+    Td__Logprob *m = (Td__Logprob *)(v + n);
+    int32_t *ids = (int32_t *)(m + n);
+    float *vals = (float *)(ids + n_top);
+    for (size_t i = 0; i < n; i++) {
+        td__logprob__init(&m[i]);
+        m[i].logprob = e[i].logprob;
+        m[i].n_top_ids = m[i].n_top_logprobs = (size_t)e[i].n_top;
+        m[i].top_ids = ids;
+        m[i].top_logprobs = vals;
+        for (int32_t j = 0; j < e[i].n_top; j++) {
+            *ids++ = e[i].top[j].id;
+            *vals++ = e[i].top[j].logprob;
+        }
+        v[i] = &m[i];
+    }
+    return v;
+}
+
+void td_ctrl_logprob_from_pb(const Td__Logprob *pb, td_logprob_entry *e)
+{
+    size_t k = pb->n_top_ids < pb->n_top_logprobs ? pb->n_top_ids : pb->n_top_logprobs;
+    if (k > TD_MAX_TOP_LOGPROBS) k = TD_MAX_TOP_LOGPROBS;
+    e->logprob = pb->logprob;
+    e->n_top = (int32_t)k;
+    for (size_t j = 0; j < k; j++)
+        e->top[j] = (td_logprob){.id = pb->top_ids[j], .logprob = pb->top_logprobs[j]};
 }
 
 /* n_prompt: the request's prompt tokens (skip_samples counts tokens among them). */
@@ -201,7 +243,48 @@ static int check_sampling(vctx *v, const Td__Sampling *s, size_t n_prompt)
     for (size_t i = 0; i < s->n_min_tokens_ids; i++)
         if (s->min_tokens_ids[i] < 0)
             return bad(v, TD_EINVAL, "sampling: negative min_tokens id %d", s->min_tokens_ids[i]);
+    if (s->logprobs > TD_CTRL_MAX_LOGPROBS + 1)
+        return bad(v, TD_EINVAL, "sampling: logprobs %u over %u", s->logprobs,
+                   TD_CTRL_MAX_LOGPROBS + 1);
+    if (s->prompt_logprobs && !s->logprobs)
+        return bad(v, TD_EINVAL, "sampling: prompt_logprobs without logprobs");
     return 0;
+}
+
+/* Logprob entries (n): at most TD_CTRL_MAX_LOGPROBS alternatives, as many ids as values,
+ * ids >= 0, values finite or -inf (a token the model rules out). */
+static int check_logprobs(vctx *v, const char *what, Td__Logprob *const *e, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!e[i]) return bad(v, TD_EINVAL, "%s[%zu]: missing", what, i);
+        if (e[i]->n_top_ids != e[i]->n_top_logprobs || e[i]->n_top_ids > TD_CTRL_MAX_LOGPROBS)
+            return bad(v, TD_EINVAL, "%s[%zu]: %zu ids, %zu values (at most %u)", what, i,
+                       e[i]->n_top_ids, e[i]->n_top_logprobs, TD_CTRL_MAX_LOGPROBS);
+        if (isnan(e[i]->logprob) || e[i]->logprob > 0)
+            return bad(v, TD_EINVAL, "%s[%zu]: logprob %g", what, i, e[i]->logprob);
+        for (size_t j = 0; j < e[i]->n_top_ids; j++)
+            if (e[i]->top_ids[j] < 0 || isnan(e[i]->top_logprobs[j]) || e[i]->top_logprobs[j] > 0)
+                return bad(v, TD_EINVAL, "%s[%zu]: top %zu: id %d logprob %g", what, i, j,
+                           e[i]->top_ids[j], e[i]->top_logprobs[j]);
+    }
+    return 0;
+}
+
+static int check_token_event(vctx *v, const Td__TokenEvent *t)
+{
+    int rc;
+    if (!t->request_id) return bad(v, TD_EINVAL, "token event: request_id 0");
+    if ((unsigned)t->finish > TD__FINISH_REASON__FINISH_ERROR)
+        return bad(v, TD_EINVAL, "token event: unknown finish reason %d", t->finish);
+    if (t->n_logprobs && t->n_logprobs != t->n_token_ids)
+        return bad(v, TD_EINVAL, "token event: %zu logprobs for %zu tokens", t->n_logprobs,
+                   t->n_token_ids);
+    if (t->n_prompt_logprobs > v->o->max_tokens)
+        return bad(v, TD_ERANGE, "token event: %zu prompt logprobs", t->n_prompt_logprobs);
+    if ((rc = check_logprobs(v, "token.logprobs", t->logprobs, t->n_logprobs)) ||
+        (rc = check_logprobs(v, "token.prompt_logprobs", t->prompt_logprobs, t->n_prompt_logprobs)))
+        return rc;
+    return check_tokens(v, "token.token_ids", t->token_ids, t->n_token_ids, v->o->max_tokens);
 }
 
 static int check_submit(vctx *v, const Td__Submit *m)
@@ -225,11 +308,7 @@ static int check_event(vctx *v, const Td__Event *e)
     int rc;
     switch (e->body_case) {
     case TD__EVENT__BODY_TOKEN:
-        if (!e->token->request_id) return bad(v, TD_EINVAL, "token event: request_id 0");
-        if ((unsigned)e->token->finish > TD__FINISH_REASON__FINISH_ERROR)
-            return bad(v, TD_EINVAL, "token event: unknown finish reason %d", e->token->finish);
-        return check_tokens(v, "token.token_ids", e->token->token_ids, e->token->n_token_ids,
-                            v->o->max_tokens);
+        return check_token_event(v, e->token);
     case TD__EVENT__BODY_ERROR:
         return check_str(v, "error.message", e->error->message, TD_CTRL_MAX_STRING);
     case TD__EVENT__BODY_PREFILL_DONE:
@@ -238,7 +317,15 @@ static int check_event(vctx *v, const Td__Event *e)
         if (e->prefill_done->n_chunk_sizes > TD_CTRL_MAX_CHUNKS)
             return bad(v, TD_ERANGE, "prefill_done: %zu chunk sizes",
                        e->prefill_done->n_chunk_sizes);
-        return 0;
+        if (e->prefill_done->n_prompt_logprobs > v->o->max_tokens)
+            return bad(v, TD_ERANGE, "prefill_done: %zu prompt logprobs",
+                       e->prefill_done->n_prompt_logprobs);
+        if (e->prefill_done->first_logprob &&
+            (rc = check_logprobs(v, "prefill_done.first_logprob", &e->prefill_done->first_logprob,
+                                 1)))
+            return rc;
+        return check_logprobs(v, "prefill_done.prompt_logprobs", e->prefill_done->prompt_logprobs,
+                              e->prefill_done->n_prompt_logprobs);
     default:
         rc = bad(v, TD_EINVAL, "event %llu without a body", (unsigned long long)e->seq);
     }

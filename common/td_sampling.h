@@ -13,6 +13,7 @@
 #ifndef TD_SAMPLING_H
 #define TD_SAMPLING_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #define TD_MAX_LOGIT_BIAS     300 /* entries of logit_bias (OpenAI's cap) */
@@ -46,6 +47,25 @@ typedef struct {
     int32_t n_logit_bias; /* 0 .. TD_MAX_LOGIT_BIAS */
     int32_t logit_bias_ids[TD_MAX_LOGIT_BIAS];
     float logit_bias_values[TD_MAX_LOGIT_BIAS];
+    /* OpenAI logprobs, log-softmax of the raw logits (kn_logprobs): 0 off; else each
+     * generated token's logprob and its logprobs - 1 (0..20) most likely alternatives */
+    uint32_t logprobs;
+    bool prompt_logprobs; /* and every prompt token's from the second on (echo); logprobs > 0 */
 } td_sampling;
+
+#define TD_MAX_TOP_LOGPROBS 20 /* OpenAI's limit on top_logprobs */
+
+typedef struct {
+    int32_t id;
+    float logprob;
+} td_logprob;
+
+/* One position's logprob (kernels/sampler.h kn_logprobs): the token's and its n_top most
+ * likely alternatives, most likely first. */
+typedef struct {
+    float logprob;
+    int32_t n_top;
+    td_logprob top[TD_MAX_TOP_LOGPROBS];
+} td_logprob_entry;
 
 #endif

@@ -363,12 +363,16 @@ static int leader_setup(dc_node *n)
                           .eog_ids = eog,
                           .n_eog = n_eog};
     rc = dc_sched_create(&sp, n->rt.model, n->kv,
-                         (dc_sink){.ctx = n, .on_tokens = dc_serve_on_tokens}, &n->sched);
+                         (dc_sink){.ctx = n,
+                                   .on_tokens = dc_serve_on_tokens,
+                                   .on_prompt_logprobs = dc_serve_on_prompt_logprobs},
+                         &n->sched);
     free(eog);
     if (rc) return rc;
     n->logits =
         malloc((size_t)n->dcfg->max_batch * (size_t)n->rt.model->hp.n_vocab * sizeof(float));
     if (!n->logits) return TD_ENOMEM;
+    n->logit_rows = n->dcfg->max_batch;
     td_ctrl_opts opts = {0};
     if ((rc = td_ctrl_server_create(&opts, &n->srv))) return rc;
     char url[256], bound[256];
@@ -491,6 +495,16 @@ static int form(dc_node *n)
     return 0;
 }
 
+/* Room for rows logit rows: more than one per request only for prompt logprobs. */
+static int grow_logits(dc_node *n, int rows)
+{
+    float *l = realloc(n->logits, (size_t)rows * (size_t)n->rt.model->hp.n_vocab * sizeof(float));
+    if (!l) return TD_ENOMEM;
+    n->logits = l;
+    n->logit_rows = rows;
+    return 0;
+}
+
 static int run_step(dc_node *n)
 {
     dc_step st;
@@ -501,6 +515,7 @@ static int run_step(dc_node *n)
     size_t cap, len;
     int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
     if (!rc) rc = dc_plan_encode(&st.batch, n->kv->block_size, n->step, buf, cap, &len);
+    if (!rc && st.batch.n_logits > n->logit_rows) rc = grow_logits(n, st.batch.n_logits);
     if (!rc) rc = dc_shm_plan_commit(n->shm, len);
     if (!rc) rc = kn_engine_forward(n->rt.engine, n->kv, &st.batch, n->logits);
     n->step++;

@@ -71,12 +71,16 @@ typedef struct {
     char forming_why[160]; /* the ERR_BUSY text while forming: "re-forming (waiting for
                               rank 1)" */
     char fail_why[192];    /* while a failure fails every request: why, for their events */
-    float *logits;         /* (max_batch, n_vocab) */
+    float *logits;         /* (logit_rows, n_vocab) */
+    int logit_rows;        /* max_batch; grown on demand for prompt logprobs (a row per token) */
 } dc_node;
 
 /* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
-void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids, dc_finish finish,
-                        int32_t n_prompt, int32_t n_gen);
+void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
+                        const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
+                        int32_t n_gen);
+void dc_serve_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
+                                 int n_e);
 /* Drain the inbox: wait up to timeout_ms for the first message, then take all pending.
  * Answers polls and health on the way. Returns 0, or the control server's failure. */
 int dc_serve_inbox(dc_node *n, int timeout_ms);

@@ -26,6 +26,9 @@ typedef struct {
     uint64_t admitted; /* admission order; preemption takes the largest */
     int32_t chunk;     /* tokens of this step (0: not in the step) */
     int32_t logit_row; /* row in this step's logits, -1: none */
+    /* prompt logprobs (sampling.prompt_logprobs): the next prompt position owed (n_prompt:
+     * none), and this step's rows: position plp_pos0 + j is scored by row plp_row0 + j */
+    int32_t plp_next, plp_row0, plp_pos0, plp_n;
 } dc_req;
 
 /* A growable array of request pointers. */
@@ -110,7 +113,7 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     s->tok = malloc((size_t)s->cap_tokens * sizeof *s->tok);
     s->pos = malloc((size_t)s->cap_tokens * sizeof *s->pos);
     s->seq_of = malloc((size_t)s->cap_tokens * sizeof *s->seq_of);
-    s->rows = malloc((size_t)s->cap_seqs * sizeof *s->rows);
+    s->rows = malloc((size_t)s->cap_tokens * sizeof *s->rows); /* prompt logprobs: a row each */
     s->views = malloc((size_t)s->cap_seqs * sizeof *s->views);
     s->in_step = malloc((size_t)s->cap_seqs * sizeof *s->in_step);
     if (!s->eog || !s->tok || !s->pos || !s->seq_of || !s->rows || !s->views || !s->in_step) {
@@ -226,6 +229,7 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     r->max_tokens = p->max_tokens;
     r->ignore_eos = p->ignore_eos;
     r->logit_row = -1;
+    r->plp_next = p->sampling.prompt_logprobs ? 1 : p->n_prompt;
     kn_kv_seq_init(&r->seq);
     *out = r;
     return 0;
@@ -284,7 +288,7 @@ static void finish(dc_sched *s, req_list *l, int i, dc_finish why)
     dc_req *r = l->v[i];
     list_remove_at(l, i);
     if (s->sink.on_tokens)
-        s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, why, r->n_prompt, r->n_generated);
+        s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, NULL, why, r->n_prompt, r->n_generated);
     req_free(s, r);
 }
 
@@ -303,7 +307,7 @@ static void preempt(dc_sched *s, int i)
         /* cannot fail: the waiting list had room for it before it was admitted... but a
          * realloc may; then the request ends with an error rather than leaking */
         if (s->sink.on_tokens)
-            s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, DC_FINISH_ERROR, r->n_prompt,
+            s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, NULL, DC_FINISH_ERROR, r->n_prompt,
                               r->n_generated);
         req_free(s, r);
     }
@@ -438,11 +442,19 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
             dc_req *r = s->running.v[i];
             bool decode = r->chunk == 1 && r->n_computed + 1 == r->n_tokens;
             if (!r->chunk || decode != (pass == 0)) continue;
+            r->plp_n = 0;
             for (int32_t j = 0; j < r->chunk; j++) {
-                s->tok[n] = r->tokens[r->n_computed + j];
-                s->pos[n] = r->n_computed + j;
+                int32_t q = r->n_computed + j;
+                s->tok[n] = r->tokens[q];
+                s->pos[n] = q;
                 s->seq_of[n] = nseq;
                 n++;
+                /* this row's logits score prompt token q + 1, if still owed */
+                if (q + 1 >= r->plp_next && q + 1 < r->n_prompt) {
+                    if (!r->plp_n) r->plp_row0 = nrows, r->plp_pos0 = q + 1;
+                    r->plp_n++;
+                    s->rows[nrows++] = n - 1;
+                }
             }
             s->views[nseq] =
                 (kn_seq_view){.block_table = r->seq.blocks, .n_ctx = r->n_computed + r->chunk};
@@ -478,6 +490,24 @@ static bool is_stop(const dc_sched *s, const dc_req *r, int32_t id)
     return false;
 }
 
+/* The step's prompt-logprob rows of r to the sink; 0 or a negative td_err. */
+static int prompt_logprobs(dc_sched *s, dc_req *r, const float *logits)
+{
+    int32_t n_vocab = s->m->hp.n_vocab, k = (int32_t)r->smp.p.logprobs - 1;
+    td_logprob_entry *e = malloc((size_t)r->plp_n * sizeof *e);
+    if (!e) return TD_ENOMEM;
+    int rc = 0;
+    for (int32_t j = 0; j < r->plp_n && !rc; j++)
+        rc = kn_logprobs(logits + (size_t)(r->plp_row0 + j) * (size_t)n_vocab, n_vocab,
+                         r->tokens[r->plp_pos0 + j], k, &e[j]);
+    if (!rc && s->sink.on_prompt_logprobs)
+        s->sink.on_prompt_logprobs(s->sink.ctx, r->id, r->plp_pos0, e, r->plp_n);
+    free(e);
+    if (!rc) r->plp_next = r->plp_pos0 + r->plp_n;
+    r->plp_n = 0;
+    return rc;
+}
+
 int dc_sched_commit(dc_sched *s, const float *logits, int rc)
 {
     if (!s->planned) return TD_ESTATE;
@@ -492,10 +522,19 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         }
         r->n_computed += r->chunk;
         r->chunk = 0;
+        if (r->plp_n && prompt_logprobs(s, r, logits)) {
+            finish(s, &s->running, i, DC_FINISH_ERROR);
+            continue;
+        }
         if (r->logit_row < 0) continue;
-        int32_t id = kn_sample(&r->smp, logits + (size_t)r->logit_row * (size_t)n_vocab, r->tokens,
-                               r->n_tokens, r->n_tokens - r->out_from);
+        const float *row = logits + (size_t)r->logit_row * (size_t)n_vocab;
+        int32_t id = kn_sample(&r->smp, row, r->tokens, r->n_tokens, r->n_tokens - r->out_from);
         r->logit_row = -1;
+        td_logprob_entry lp, *lpp = NULL;
+        if (id >= 0 && r->smp.p.logprobs) {
+            id = kn_logprobs(row, n_vocab, id, (int)r->smp.p.logprobs - 1, &lp) ? TD_EINVAL : id;
+            lpp = &lp;
+        }
         if (id < 0) {
             TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id, td_strerror(id));
             finish(s, &s->running, i, DC_FINISH_ERROR);
@@ -512,7 +551,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         dc_finish why = DC_FINISH_NONE;
         if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
         if (s->sink.on_tokens)
-            s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, why, r->n_prompt, r->n_generated);
+            s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, lpp, why, r->n_prompt, r->n_generated);
         if (why != DC_FINISH_NONE) {
             list_remove_at(&s->running, i);
             req_free(s, r);
@@ -566,7 +605,8 @@ int dc_sched_transfer_done(dc_sched *s, uint64_t id, int32_t first_token)
     dc_finish why = DC_FINISH_NONE;
     if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
     if (s->sink.on_tokens)
-        s->sink.on_tokens(s->sink.ctx, r->id, &first_token, 1, why, r->n_prompt, r->n_generated);
+        s->sink.on_tokens(s->sink.ctx, r->id, &first_token, 1, NULL, why, r->n_prompt,
+                          r->n_generated);
     if (why != DC_FINISH_NONE) {
         list_remove_at(&s->xfer, i);
         req_free(s, r);

@@ -28,7 +28,9 @@
  * A running request holds tokens [0, n_tokens) (prompt, then generated ones) of which
  * [0, n_computed) have KV in the pool. Each step computes a range [n_computed, +chunk);
  * when that reaches n_tokens the last row's logits are sampled and the new token is
- * appended. Prefill and decode are thus the same thing with chunk > 1 or == 1.
+ * appended. Prefill and decode are thus the same thing with chunk > 1 or == 1. A request
+ * that asks for prompt logprobs also gets a logit row for every prompt row of its chunks
+ * (once per position: not again after a preemption); others get none.
  * Invariants: a request is in exactly one of the waiting, running or transferring lists;
  * blocks held = blocks for n_computed (+ this step's chunk between plan and commit);
  * a request that could never fit the whole pool (prompt + max_tokens) is refused at
@@ -71,9 +73,16 @@ typedef struct {
 typedef struct {
     void *ctx;
     /* New tokens of request id (n may be 0 on a final event); finish != NONE marks the
-     * last event of the request; usage counts travel with every event. */
-    void (*on_tokens)(void *ctx, uint64_t id, const int32_t *ids, int n, dc_finish finish,
-                      int32_t n_prompt, int32_t n_generated);
+     * last event of the request; usage counts travel with every event. lps (n): the tokens'
+     * logprobs when the request asked (sampling.logprobs) and this node sampled them, else
+     * NULL (the first token of a transfer: the prefill reports its logprob). */
+    void (*on_tokens)(void *ctx, uint64_t id, const int32_t *ids, int n,
+                      const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
+                      int32_t n_generated);
+    /* sampling.prompt_logprobs: the logprobs of prompt positions from .. from + n - 1 (from
+     * >= 1), in order, each position once, all before the request's first token; optional. */
+    void (*on_prompt_logprobs)(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
+                               int n);
 } dc_sink;
 
 typedef struct {

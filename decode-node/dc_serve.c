@@ -31,8 +31,49 @@ static Td__FinishReason wire_finish(dc_finish f)
     }
 }
 
-void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids, dc_finish finish,
-                        int32_t n_prompt, int32_t n_gen)
+/* A TokenEvent with logprobs (generated tokens' or the prompt's) to the route's client. */
+static void send_logprobs(dc_node *n, dc_route *r, const int32_t *ids, int n_ids,
+                          const td_logprob_entry *lps, int32_t prompt_from,
+                          const td_logprob_entry *plps, int n_plps, dc_finish finish,
+                          int32_t n_prompt, int32_t n_gen)
+{
+    Td__Usage u = TD__USAGE__INIT;
+    u.prompt_tokens = (uint32_t)n_prompt;
+    u.completion_tokens = (uint32_t)n_gen;
+    Td__TokenEvent t = TD__TOKEN_EVENT__INIT;
+    t.request_id = r->request_id;
+    t.seq = r->seq++;
+    t.n_token_ids = (size_t)n_ids;
+    t.token_ids = (int32_t *)ids;
+    t.finish = wire_finish(finish);
+    t.usage = &u;
+    t.logprobs = td_ctrl_logprobs_to_pb(lps, lps ? (size_t)n_ids : 0);
+    t.n_logprobs = t.logprobs ? (size_t)n_ids : 0;
+    t.prompt_logprobs = td_ctrl_logprobs_to_pb(plps, (size_t)n_plps);
+    t.n_prompt_logprobs = t.prompt_logprobs ? (size_t)n_plps : 0;
+    t.prompt_from = (uint32_t)prompt_from;
+    if ((lps && n_ids && !t.logprobs) || (n_plps && !t.prompt_logprobs))
+        TD_LOG_ERR("req %llu: no memory for its logprobs; the event goes without them",
+                   (unsigned long long)r->request_id);
+    Td__Event ev = TD__EVENT__INIT;
+    ev.body_case = TD__EVENT__BODY_TOKEN;
+    ev.token = &t;
+    td_ctrl_server_send_event(n->srv, r->client_id, &ev);
+    free(t.logprobs);
+    free(t.prompt_logprobs);
+}
+
+void dc_serve_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
+                                 int n_e)
+{
+    dc_node *n = ctx;
+    if (id >= n->n_routes || !n->routes[id].used) return;
+    send_logprobs(n, &n->routes[id], NULL, 0, NULL, from, e, n_e, DC_FINISH_NONE, 0, 0);
+}
+
+void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
+                        const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
+                        int32_t n_gen)
 {
     dc_node *n = ctx;
     if (id >= n->n_routes || !n->routes[id].used) return;
@@ -54,8 +95,12 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids, d
                                       n->fail_why[0] ? ": " : "", n->fail_why);
     }
     /* TD_ENOENT: the client is gone; the request is finishing or will be cancelled */
-    td_ctrl_server_send_tokens(n->srv, r->client_id, r->request_id, r->seq++, ids, (size_t)n_ids,
-                               wire_finish(finish), (uint32_t)n_prompt, (uint32_t)n_gen);
+    if (lps && n_ids)
+        send_logprobs(n, r, ids, n_ids, lps, 0, NULL, 0, finish, n_prompt, n_gen);
+    else
+        td_ctrl_server_send_tokens(n->srv, r->client_id, r->request_id, r->seq++, ids,
+                                   (size_t)n_ids, wire_finish(finish), (uint32_t)n_prompt,
+                                   (uint32_t)n_gen);
     if (finish != DC_FINISH_NONE) r->used = false;
 }
 

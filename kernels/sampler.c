@@ -315,3 +315,115 @@ void kn_sampler_skip(kn_sampler *s)
     /* mirrors kn_sample: greedy returns before the draw; otherwise exactly one uniform() */
     if (s->p.temperature > 0) (void)xoshiro_next(s->rng);
 }
+
+/* a before b in the top-k order: larger logit first, then lower id */
+static bool lp_before(float la, int32_t ia, float lb, int32_t ib)
+{
+    return la > lb || (la == lb && ia < ib);
+}
+
+/* sift the heap root down; heap[0] is the entry that comes last in the top-k order */
+static void lp_sift(td_logprob *h, int n, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, w = i;
+        if (l < n && lp_before(h[w].logprob, h[w].id, h[l].logprob, h[l].id)) w = l;
+        if (r < n && lp_before(h[w].logprob, h[w].id, h[r].logprob, h[r].id)) w = r;
+        if (w == i) return;
+        td_logprob t = h[i];
+        h[i] = h[w];
+        h[w] = t;
+        i = w;
+    }
+}
+
+/* exp(x) for x <= 0 in float, branch-free so the loops below vectorize: 2^n * p(r) with
+ * n = round(x / ln 2) (the 1.5 * 2^23 trick), r = x - n ln 2 (ln 2 split in two), p
+ * Cephes' degree-6 expf polynomial (relative error ~2e-7); x below -87 gives ~2^-126. */
+static inline float lp_expf(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#define LP_LANES 16
+
+/* log(sum exp(l[i])) over n: the maximum subtracted, exp in float (lp_expf) summed in
+ * LP_LANES float lanes per block of 1024 (vectorized without reassociation flags), the
+ * blocks' sums in double. */
+static double lp_logsumexp(const float *l, int32_t n)
+{
+    float mxl[LP_LANES];
+    for (int j = 0; j < LP_LANES; j++)
+        mxl[j] = l[0];
+    int32_t n16 = n - n % LP_LANES;
+    for (int32_t i = 0; i < n16; i += LP_LANES)
+        for (int j = 0; j < LP_LANES; j++)
+            mxl[j] = l[i + j] > mxl[j] ? l[i + j] : mxl[j];
+    float mx = mxl[0];
+    for (int j = 1; j < LP_LANES; j++)
+        mx = mxl[j] > mx ? mxl[j] : mx;
+    for (int32_t i = n16; i < n; i++)
+        mx = l[i] > mx ? l[i] : mx;
+    double sum = 0;
+    for (int32_t b = 0; b < n16; b += 1024) {
+        int32_t e = n16 - b < 1024 ? n16 : b + 1024;
+        float acc[LP_LANES] = {0};
+        for (int32_t i = b; i < e; i += LP_LANES)
+            for (int j = 0; j < LP_LANES; j++)
+                acc[j] += lp_expf(l[i + j] - mx);
+        for (int j = 0; j < LP_LANES; j++)
+            sum += (double)acc[j];
+    }
+    for (int32_t i = n16; i < n; i++)
+        sum += (double)lp_expf(l[i] - mx);
+    return (double)mx + log(sum);
+}
+
+int kn_logprobs(const float *logits, int32_t n_vocab, int32_t chosen, int k, td_logprob_entry *out)
+{
+    td_logprob *top = out->top;
+    if (n_vocab < 1 || chosen < 0 || chosen >= n_vocab || k < 0 || k > TD_MAX_TOP_LOGPROBS ||
+        k > n_vocab)
+        return TD_EINVAL;
+    double lse = lp_logsumexp(logits, n_vocab);
+    out->logprob = (float)((double)logits[chosen] - lse);
+    out->n_top = k;
+    if (k == 0) return 0;
+    /* heap of the k best seen so far, holding logits; its root is the worst of them */
+    int n = 0;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        float x = logits[i];
+        if (n < k) {
+            top[n++] = (td_logprob){.id = i, .logprob = x};
+            for (int j = n / 2 - 1; n == k && j >= 0; j--)
+                lp_sift(top, n, j);
+        } else if (lp_before(x, i, top[0].logprob, top[0].id)) {
+            top[0] = (td_logprob){.id = i, .logprob = x};
+            lp_sift(top, n, 0);
+        }
+    }
+    /* heap order -> best first: repeatedly move the worst to the end */
+    for (int m = n; m > 1; m--) {
+        td_logprob t = top[0];
+        top[0] = top[m - 1];
+        top[m - 1] = t;
+        lp_sift(top, m - 1, 0);
+    }
+    for (int j = 0; j < n; j++)
+        top[j].logprob = (float)((double)top[j].logprob - lse);
+    return 0;
+}

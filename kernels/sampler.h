@@ -53,4 +53,13 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
  * number per call when temperature > 0 and none when greedy; so does this. */
 void kn_sampler_skip(kn_sampler *s);
 
+/* Log-probabilities, as OpenAI's logprobs and vLLM's default "raw_logprobs": log-softmax of
+ * the model's raw logits, before every penalty, top-k/p, min-p and temperature.
+ * The log-probability of token chosen under logits (n_vocab) into out->logprob, and the k
+ * (0 <= k <= TD_MAX_TOP_LOGPROBS, k <= n_vocab) most likely tokens into out->top, most
+ * likely first (ties: lowest id first). log-sum-exp in double with the maximum subtracted;
+ * the top k by a partial selection (a k-element heap, O(n_vocab log k)), no sort of the
+ * vocabulary. Returns 0, or TD_EINVAL for chosen or k out of range. */
+int kn_logprobs(const float *logits, int32_t n_vocab, int32_t chosen, int k, td_logprob_entry *out);
+
 #endif

@@ -271,12 +271,24 @@ void pf_chain_report(pf_chain *c, const pf_report *r)
     if (pf_link_report(c->link, c->lead_peer, b, sizeof b)) c->broken = true;
 }
 
-bool pf_chain_take_report(pf_chain *c, pf_report *out)
+void pf_chain_report_msg(pf_chain *c, const void *msg, size_t len)
 {
-    if (!c->link) return false;
-    uint8_t b[PF_LINK_REPORT_MAX];
+    if (!c->link || c->lead_peer < 0) return;
+    if (pf_link_report(c->link, c->lead_peer, msg, len)) c->broken = true;
+}
+
+uint32_t pf_chain_take_report(pf_chain *c, pf_report *rep, uint8_t *lp, size_t *lp_len)
+{
+    if (!c->link) return 0;
     size_t len;
-    while (pf_link_take_report(c->link, b, &len))
-        if (!pf_wire_report_parse(b, len, out)) return true;
-    return false;
+    while (pf_link_take_report(c->link, lp, &len)) {
+        uint32_t kind = pf_wire_kind(lp, len);
+        if (kind == PF_MSG_REPORT && !pf_wire_report_parse(lp, len, rep)) return kind;
+        if (kind == PF_MSG_LOGPROBS) {
+            *lp_len = len;
+            return kind;
+        }
+        if (kind != PF_MSG_REPORT) TD_LOG_WARN("prefill chain: unknown report dropped");
+    }
+    return 0;
 }

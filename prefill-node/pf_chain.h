@@ -120,7 +120,11 @@ int pf_chain_recv_done(pf_chain *c, pf_buf *b, int err);
 /* ---- reports ---- */
 /* Stages > 0: send a report to stage 0 (fire and forget; nothing without a chain). */
 void pf_chain_report(pf_chain *c, const pf_report *r);
-/* Stage 0: take the next well-formed report the other stages sent; false if none. */
-bool pf_chain_take_report(pf_chain *c, pf_report *out);
+/* The last stage (> 0): a LOGPROBS message (pf_wire) to stage 0, as a report. */
+void pf_chain_report_msg(pf_chain *c, const void *msg, size_t len);
+/* Stage 0: the next well-formed message the other stages sent, in arrival order (a
+ * stage's messages arrive in the order it sent them): PF_MSG_REPORT into *rep, or
+ * PF_MSG_LOGPROBS copied into lp (PF_LINK_REPORT_MAX bytes), *lp_len bytes; 0 if none. */
+uint32_t pf_chain_take_report(pf_chain *c, pf_report *rep, uint8_t *lp, size_t *lp_len);
 
 #endif

@@ -41,10 +41,16 @@ typedef struct pf_req {
     int32_t n_sent;     /* tokens whose KV went to the connector */
     int32_t n_computed; /* tokens computed */
     int32_t first_token;
-    bool opened;          /* kvx_pf_open done */
-    bool finished;        /* kvx_pf_finish done */
-    bool failed;          /* no more work; waiting for the connector's final state */
-    int fail_err;         /* td_err of a local failure */
+    bool opened;   /* kvx_pf_open done */
+    bool finished; /* kvx_pf_finish done */
+    bool failed;   /* no more work; waiting for the connector's final state */
+    int fail_err;  /* td_err of a local failure */
+    /* last stage, sampling.logprobs: the first token's logprob; prompt_logprobs: the
+     * logits of the previous chunk's last row (they score this chunk's first token) */
+    bool has_first_lp;
+    td_logprob_entry first_lp;
+    float *plp_row; /* (n_vocab) */
+    bool plp_row_set;
     int64_t t_first_ms;   /* first chunk computed here */
     int64_t *comp_end_ns; /* (cap_chunks) td_now_ns when chunk k's compute ended */
     uint32_t cap_chunks;
@@ -74,7 +80,12 @@ typedef struct {
     /* scratch of one chunk */
     int32_t *pos, *seq_of; /* (chunk_max) per row */
     int32_t *ids;          /* (chunk_max) the chunk's live token ids, compacted */
-    float *logits;         /* last stage: (PF_MAX_SEGS, n_vocab) */
+    float *logits;         /* last stage: (logit_cap, n_vocab) */
+    int32_t *lrows;        /* last stage: (chunk_max + PF_MAX_SEGS) the chunk's logit rows */
+    int logit_cap;         /* PF_MAX_SEGS; more for prompt logprobs (a row per token) */
+
+    /* stage 0 as the last stage: LOGPROBS messages waiting for the leader's loop, a FIFO */
+    struct pf_lp_blob *lp_head, *lp_tail;
 
     /* stage 0: reports waiting for the leader's loop, a FIFO */
     pf_report *reports; /* (cap_reports) */
@@ -105,6 +116,19 @@ bool pf_stage_take_report(pf_stage *st, pf_report *out);
 /* Process the next received chain message in order (stages > 0): 1 if one was handled,
  * 0 if none waits, or a negative td_err (the chain is broken). */
 int pf_stage_recv(pf_stage *st);
+
+/* pf_lp.c: the last stage's logprobs (sampling.logprobs, kn_logprobs on the raw logits).
+ * The first token's (into r->first_lp, for its report); 0 or TD_EINVAL. */
+int pf_lp_first(pf_stage *st, pf_req *r, const float *row, int32_t token);
+/* The prompt logprobs that segment g's rows give (rows: (g->t1 - g->t0, n_vocab), row t
+ * scores prompt token t + 1; the prompt's ids up to g->t1 in r->hist): positions
+ * max(t0, 1) .. t1 - 1 (t0's from the previous chunk's saved row) as LOGPROBS messages to
+ * stage 0; the last row is kept for the next chunk. 0 or a negative td_err. */
+int pf_lp_prompt(pf_stage *st, pf_req *r, const pf_seg *g, const float *rows);
+/* Stage 0: the next LOGPROBS message of its own stage (pp 1), copied into buf
+ * (PF_LP_MAX_BYTES); false if none. */
+bool pf_stage_take_lp(pf_stage *st, uint8_t *buf, size_t *len);
+void pf_lp_drop_all(pf_stage *st);
 
 /* pf_chunking.c: stage 0's chunking, fixed or dynamic over the stage profile (cached or
  * measured; *st->p->profiling is 1 while it measures). Returns 0 (a profile that failed

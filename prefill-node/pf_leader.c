@@ -35,6 +35,8 @@ typedef struct pf_job {
     uint32_t fail_reason;
     int fail_stage;
     int32_t first_token;
+    bool has_first_lp; /* sampling.logprobs: the last stage's report carried first_lp */
+    td_logprob_entry first_lp;
     int64_t t_submit_ms, t_start_ms, t_end_ms;
     uint64_t kv_bytes;                  /* the stages' reports summed */
     uint32_t kv_xfer_us, kv_exposed_us; /* the largest of the stages' reports */
@@ -124,6 +126,8 @@ static void finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
         Td__PrefillDone pd = TD__PREFILL_DONE__INIT;
         pd.request_id = j->request_id;
         pd.first_token = j->first_token;
+        Td__Logprob **first_lp = j->has_first_lp ? td_ctrl_logprobs_to_pb(&j->first_lp, 1) : NULL;
+        if (first_lp) pd.first_logprob = first_lp[0];
         pd.n_prompt_tokens = (uint32_t)j->n_prompt;
         pd.n_chunk_sizes = j->n_chunks;
         pd.chunk_sizes = (uint32_t *)j->chunk_sizes;
@@ -146,6 +150,7 @@ static void finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
         ev.body_case = TD__EVENT__BODY_PREFILL_DONE;
         ev.prefill_done = &pd;
         td_ctrl_server_send_event(ld->srv, j->client_id, &ev);
+        free(first_lp);
     }
     job_free(j);
 }
@@ -198,7 +203,11 @@ static void on_report(pf_leader *ld, const pf_report *r)
         int64_t len = pf_wire_abort_write(msg, sizeof msg, 0, j->request_id, r->status);
         if (len > 0) pf_chain_send_msg(&ld->st->chain, msg, (size_t)len);
     }
-    if (r->stage == (uint32_t)ld->st->pp - 1) j->first_token = r->first_token;
+    if (r->stage == (uint32_t)ld->st->pp - 1) {
+        j->first_token = r->first_token;
+        j->has_first_lp = r->has_lp;
+        if (r->has_lp) j->first_lp = r->first_lp;
+    }
     uint64_t all = ld->st->pp == 64 ? ~0ull : (1ull << ld->st->pp) - 1;
     if ((j->reported & all) != all) return;
     if (j->err) {
@@ -208,6 +217,52 @@ static void on_report(pf_leader *ld, const pf_report *r)
         finish_job(ld, j, j->err, why);
     } else
         finish_job(ld, j, 0, NULL);
+}
+
+/* A LOGPROBS message of the last stage: the prompt logprobs go to the job's client as a
+ * TokenEvent without tokens (TokenEvent.prompt_logprobs, prompt_from), each a few KB, so no
+ * event nears the control plane's message limit whatever the prompt's length; they precede
+ * the job's PrefillDone (the last stage sends them before its report). */
+static void on_lp(pf_leader *ld, const uint8_t *buf, size_t len)
+{
+    pf_lp_msg m;
+    if (pf_wire_lp_parse(buf, len, &m) || m.epoch != ld->st->epoch) return;
+    pf_job *j = find_job(ld, m.req_id);
+    if (!j || !j->emitted || j->cancelled || !j->sampling.prompt_logprobs) return;
+    if (m.from < 1 || m.from + (uint32_t)m.n > (uint32_t)j->n_prompt) return;
+    td_logprob_entry *e = malloc((size_t)m.n * sizeof *e);
+    for (int i = 0; e && i < m.n; i++)
+        pf_wire_lp_entry(&m, i, &e[i]);
+    Td__TokenEvent t = TD__TOKEN_EVENT__INIT;
+    t.request_id = j->request_id;
+    t.prompt_logprobs = e ? td_ctrl_logprobs_to_pb(e, (size_t)m.n) : NULL;
+    free(e);
+    if (!t.prompt_logprobs) {
+        TD_LOG_ERR("prefill %s: request %llu: no memory for its prompt logprobs",
+                   ld->st->p->instance, (unsigned long long)j->request_id);
+        return;
+    }
+    t.n_prompt_logprobs = (size_t)m.n;
+    t.prompt_from = m.from;
+    Td__Event ev = TD__EVENT__INIT;
+    ev.body_case = TD__EVENT__BODY_TOKEN;
+    ev.token = &t;
+    td_ctrl_server_send_event(ld->srv, j->client_id, &ev);
+    free(t.prompt_logprobs);
+}
+
+/* The other stages' reports and LOGPROBS messages, in their order. */
+static void take_chain_reports(pf_leader *ld)
+{
+    pf_report r;
+    uint8_t lp[PF_LINK_REPORT_MAX];
+    size_t len = 0;
+    uint32_t kind;
+    while ((kind = pf_chain_take_report(&ld->st->chain, &r, lp, &len)))
+        if (kind == PF_MSG_REPORT)
+            on_report(ld, &r);
+        else
+            on_lp(ld, lp, len);
 }
 
 /* ---- membership ---- */
@@ -703,12 +758,15 @@ static int lead(pf_leader *ld)
     while (!*ld->st->p->stop) {
         if ((rc = serve_inbox(ld, 0))) break;
         check_members(ld);
-        pf_report r;
-        while (pf_chain_take_report(&ld->st->chain, &r)) /* the other stages' */
-            on_report(ld, &r);
+        take_chain_reports(ld); /* the other stages' */
         if (ld->st->chain.link && pf_chain_flush(&ld->st->chain)) ld->st->chain.broken = true;
         pf_stage_poll(ld->st);
-        while (pf_stage_take_report(ld->st, &r)) /* this stage's */
+        pf_report r;
+        uint8_t lp[PF_LP_MAX_BYTES];
+        size_t lp_len;
+        while (pf_stage_take_lp(ld->st, lp, &lp_len)) /* this stage's (pp 1), then */
+            on_lp(ld, lp, lp_len);
+        while (pf_stage_take_report(ld->st, &r)) /* its reports */
             on_report(ld, &r);
         expire_jobs(ld);
         int ran = 0;

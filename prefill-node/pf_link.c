@@ -22,7 +22,7 @@ struct pf_link {
     int peer_err[MAX_PEERS];
     bool connected[MAX_PEERS]; /* endpoints made by pf_link_connect */
     /* received reports, a ring */
-    uint8_t reports[PF_LINK_MAX_REPORTS][PF_LINK_REPORT_MAX];
+    uint8_t *reports[PF_LINK_MAX_REPORTS]; /* malloc'd copies (up to PF_LINK_REPORT_MAX) */
     size_t report_len[PF_LINK_MAX_REPORTS];
     int r_head, r_count;
 };
@@ -58,6 +58,10 @@ static void on_report(void *arg, const void *data, size_t len)
         return;
     }
     int i = (l->r_head + l->r_count) % PF_LINK_MAX_REPORTS;
+    if (!(l->reports[i] = malloc(len ? len : 1))) {
+        TD_LOG_WARN("prefill link: report dropped (%zu bytes): out of memory", len);
+        return;
+    }
     memcpy(l->reports[i], data, len);
     l->report_len[i] = len;
     l->r_count++;
@@ -130,6 +134,8 @@ void pf_link_destroy(pf_link *l)
     for (int i = 0; l->pipe && i < MAX_PEERS; i++)
         if (l->connected[i]) kvx_pipe_disconnect(l->pipe, i, true);
     kvx_pipe_destroy(l->pipe); /* completes pending ops with an error */
+    for (int k = 0; k < l->r_count; k++)
+        free(l->reports[(l->r_head + k) % PF_LINK_MAX_REPORTS]);
     if (l->wake_fd >= 0) close(l->wake_fd);
     pthread_mutex_destroy(&l->mu);
     free(l);
@@ -185,6 +191,8 @@ bool pf_link_take_report(pf_link *l, void *buf, size_t *len)
     bool got = l->r_count > 0;
     if (got) {
         memcpy(buf, l->reports[l->r_head], l->report_len[l->r_head]);
+        free(l->reports[l->r_head]);
+        l->reports[l->r_head] = NULL;
         *len = l->report_len[l->r_head];
         l->r_head = (l->r_head + 1) % PF_LINK_MAX_REPORTS;
         l->r_count--;

@@ -34,8 +34,8 @@ typedef struct {
     pf_link *link;
 } pf_op;
 
-#define PF_LINK_MAX_REPORTS 1024
-#define PF_LINK_REPORT_MAX  64
+#define PF_LINK_MAX_REPORTS 4096
+#define PF_LINK_REPORT_MAX  KVX_AM_MAX /* a report or a prompt-logprobs message */
 
 /* tls: UCX transports (the YAML's kvxfer.ucx_tls). */
 int pf_link_create(const char *tls, pf_link **out);
@@ -46,7 +46,8 @@ int pf_link_connect(pf_link *l, const void *addr, size_t len, kvx_peer *out);
 
 int pf_link_send(pf_link *l, kvx_peer peer, uint64_t tag, const void *buf, size_t len, pf_op *op);
 int pf_link_recv(pf_link *l, uint64_t tag, void *buf, size_t cap, pf_op *op);
-/* A small report (<= PF_LINK_REPORT_MAX bytes, copied) to a peer, fire and forget. */
+/* A small report (<= PF_LINK_REPORT_MAX bytes, copied) to a peer, fire and forget; reports
+ * to one peer arrive in order. */
 int pf_link_report(pf_link *l, kvx_peer peer, const void *buf, size_t len);
 /* Take the next received report (copied into buf); false if there is none. */
 bool pf_link_take_report(pf_link *l, void *buf, size_t *len);

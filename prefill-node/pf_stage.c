@@ -93,8 +93,10 @@ int pf_stage_setup(pf_stage *st)
     st->ids = malloc(C * sizeof *st->ids);
     if (!st->pos || !st->seq_of || !st->ids) return TD_ENOMEM;
     if (st->last) {
+        st->logit_cap = PF_MAX_SEGS;
         st->logits = malloc((size_t)PF_MAX_SEGS * (size_t)st->n_vocab * sizeof *st->logits);
-        if (!st->logits) return TD_ENOMEM;
+        st->lrows = malloc((C + PF_MAX_SEGS) * sizeof *st->lrows);
+        if (!st->logits || !st->lrows) return TD_ENOMEM;
     }
     if ((rc = open_chain(st))) return rc;
     const kn_kv_pool *kv = st->shard.kv;
@@ -109,6 +111,7 @@ static void req_free(pf_stage *st, pf_req *r)
 {
     kn_kv_seq_fini(st->shard.kv, &r->kv);
     free(r->hist);
+    free(r->plp_row);
     free(r->comp_end_ns);
     free(r);
 }
@@ -127,7 +130,9 @@ void pf_stage_teardown(pf_stage *st)
     free(st->seq_of);
     free(st->ids);
     free(st->logits);
+    free(st->lrows);
     free(st->reports);
+    pf_lp_drop_all(st);
     pf_shard_close(&st->shard);
 }
 
@@ -389,7 +394,9 @@ void pf_stage_poll(pf_stage *st)
                          .req_id = r->id,
                          .stage = (uint32_t)st->stage,
                          .first_token = st->last ? r->first_token : -1,
-                         .end_ms = td_now_ms()};
+                         .end_ms = td_now_ms(),
+                         .has_lp = st->last && r->has_first_lp};
+        if (rep.has_lp) rep.first_lp = r->first_lp;
         if (!req_over(st, r, &rep)) {
             pp = &r->next;
             continue;
@@ -412,7 +419,11 @@ typedef struct {
     int64_t rows_in;            /* rows that arrived */
     int64_t rows;               /* rows computed here (live segments) */
     kn_seq_view views[PF_MAX_SEGS];
-    int32_t logit_rows[PF_MAX_SEGS]; /* last stage: the rows of the segments that end */
+    int32_t *logit_rows;       /* last stage: the rows of the segments that end, and every row
+                                  of the segments that want prompt logprobs (st->lrows) */
+    int32_t srow[PF_MAX_SEGS]; /* (n_segs) the sampled logit row of a LAST segment, or -1 */
+    int32_t prow[PF_MAX_SEGS]; /* (n_segs) the first of its rows' logit rows (prompt
+                                  logprobs), or -1 */
     int n_views, n_logits;
 } pf_batch;
 
@@ -476,17 +487,25 @@ static void build_batch(pf_stage *st, pf_batch *bt)
 {
     int64_t row = 0;
     bt->n_views = bt->n_logits = 0;
+    bt->logit_rows = st->lrows;
     for (int i = 0; i < bt->n_segs; i++) {
         const pf_seg *g = &bt->segs[i];
+        bt->srow[i] = bt->prow[i] = -1;
         if (g->flags & PF_SEG_DEAD) continue;
+        /* prompt logprobs: every row's logits (the LAST segment's last row is sampled) */
+        bool all = st->last && g->sampling.prompt_logprobs;
+        if (all) bt->prow[i] = bt->n_logits;
         for (uint32_t t = g->t0; t < g->t1; t++, row++) {
             st->pos[row] = (int32_t)t;
             st->seq_of[row] = bt->n_views;
+            if (all) bt->logit_rows[bt->n_logits++] = (int32_t)row;
         }
         bt->views[bt->n_views++] =
             (kn_seq_view){.block_table = bt->rq[i]->kv.blocks, .n_ctx = (int32_t)g->t1};
-        if (st->last && (g->flags & PF_SEG_LAST))
-            bt->logit_rows[bt->n_logits++] = (int32_t)(row - 1);
+        if (st->last && (g->flags & PF_SEG_LAST)) {
+            if (!all) bt->logit_rows[bt->n_logits++] = (int32_t)(row - 1);
+            bt->srow[i] = bt->n_logits - 1;
+        }
     }
 }
 
@@ -549,23 +568,29 @@ static void record_compute(pf_stage *st, pf_batch *bt, int64_t t0, int64_t t1, i
 static void sample_first_tokens(pf_stage *st, pf_batch *bt)
 {
     int64_t off = 0;
-    int li = 0;
+    size_t V = (size_t)st->n_vocab;
     for (int i = 0; i < bt->n_segs; i++) {
         const pf_seg *g = &bt->segs[i];
         if (g->flags & PF_SEG_DEAD) continue;
         pf_req *r = bt->rq[i];
         memcpy(r->hist + g->t0, st->ids + off, (size_t)(g->t1 - g->t0) * sizeof *st->ids);
         off += g->t1 - g->t0;
+        int rc = bt->prow[i] < 0 ? 0 : pf_lp_prompt(st, r, g, st->logits + (size_t)bt->prow[i] * V);
+        if (rc) {
+            TD_LOG_ERR("prefill %s: request %llu: prompt logprobs: %s", st->p->instance,
+                       (unsigned long long)r->id, td_strerror(rc));
+            fail_req(st, r, rc);
+            continue;
+        }
         if (!(g->flags & PF_SEG_LAST)) continue;
+        const float *row = st->logits + (size_t)bt->srow[i] * V;
         kn_sampler s;
         /* a moved request's sampler skips the draws made before it moved, and its prompt
          * ends with them: they are its generated tokens for the penalties */
-        int rc = kn_sampler_init(&s, &g->sampling, st->n_vocab);
-        int32_t tok = rc ? rc
-                         : kn_sample(&s, st->logits + (size_t)li * (size_t)st->n_vocab, r->hist,
-                                     r->n_prompt, g->sampling.skip_samples);
+        rc = kn_sampler_init(&s, &g->sampling, st->n_vocab);
+        int32_t tok = rc ? rc : kn_sample(&s, row, r->hist, r->n_prompt, g->sampling.skip_samples);
         if (!rc) kn_sampler_fini(&s);
-        li++;
+        if (tok >= 0 && g->sampling.logprobs && pf_lp_first(st, r, row, tok)) tok = TD_EINVAL;
         if (tok < 0)
             fail_req(st, r, tok);
         else
@@ -582,6 +607,12 @@ int pf_stage_chunk(pf_stage *st, pf_seg *segs, int n_segs, const int32_t *ids_in
     memcpy(st->ids, ids_in, (size_t)bt.rows_in * sizeof *st->ids);
     compact(st, &bt, embd);
     build_batch(st, &bt);
+    if (bt.n_logits > st->logit_cap) { /* prompt logprobs: a logit row per token */
+        float *l = realloc(st->logits, (size_t)bt.n_logits * (size_t)st->n_vocab * sizeof *l);
+        if (!l) return TD_ENOMEM;
+        st->logits = l;
+        st->logit_cap = bt.n_logits;
+    }
 
     /* the output goes straight into a send buffer (the last stage: the logits) */
     pf_buf *sb = NULL;

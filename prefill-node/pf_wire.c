@@ -1,6 +1,7 @@
 /* pf_wire.c: encoding and bounds-checked parsing of the stage-chain messages. */
 #include "pf_wire.h"
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,7 +9,7 @@
 #include "td_err.h"
 
 #define HDR_BYTES 32
-#define SEG_BYTES 88 /* 8-byte aligned records */
+#define SEG_BYTES 96 /* 8-byte aligned records; 88: logprobs (u8), 89: prompt_logprobs (u8) */
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -144,6 +145,8 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         put32(s + 76, (uint32_t)g->sampling.min_tokens);
         put32(s + 80, has_lists(g) ? (uint32_t)g->sampling.n_logit_bias : 0);
         put32(s + 84, has_lists(g) ? (uint32_t)g->sampling.n_min_tokens_ids : 0);
+        put32(s + 88, (g->sampling.logprobs & 0xffu) | (uint32_t)g->sampling.prompt_logprobs << 8);
+        put32(s + 92, 0);
     }
     uint8_t *l = b + HDR_BYTES + (size_t)n_segs * SEG_BYTES;
     for (int i = 0; i < n_segs; i++) {
@@ -198,6 +201,12 @@ static int parse_seg(const uint8_t *s, pf_seg *g)
     g->sampling.min_tokens = (int32_t)min_tokens;
     g->sampling.n_logit_bias = (int32_t)nb;
     g->sampling.n_min_tokens_ids = (int32_t)nm;
+    uint32_t lp = get32(s + 88);
+    g->sampling.logprobs = lp & 0xffu;
+    g->sampling.prompt_logprobs = (lp >> 8) & 1u;
+    if ((lp >> 9) || get32(s + 92) || g->sampling.logprobs > TD_MAX_TOP_LOGPROBS + 1 ||
+        (g->sampling.prompt_logprobs && !g->sampling.logprobs))
+        return bad("segment logprobs");
     return 0;
 }
 
@@ -342,6 +351,21 @@ void pf_wire_report_write(uint8_t b[PF_REPORT_BYTES], const pf_report *r)
     put64(b + 48, r->kv_bytes);
     put32(b + 56, r->kv_xfer_us);
     put32(b + 60, r->kv_exposed_us);
+    memset(b + 64, 0, PF_REPORT_BYTES - 64);
+    if (!r->has_lp) return;
+    put32(b + 64, 1);
+    put32(b + 68, (uint32_t)r->first_lp.n_top);
+    putf(b + 72, r->first_lp.logprob);
+    for (int j = 0; j < r->first_lp.n_top && j < TD_MAX_TOP_LOGPROBS; j++) {
+        put32(b + 80 + 8 * j, (uint32_t)r->first_lp.top[j].id);
+        putf(b + 84 + 8 * j, r->first_lp.top[j].logprob);
+    }
+}
+
+/* A logprob as the router's control codec accepts it: not NaN, <= 0 (or -inf). */
+static bool lp_ok(float x)
+{
+    return !isnan(x) && x <= 0;
 }
 
 int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
@@ -360,5 +384,97 @@ int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
     out->kv_bytes = get64(b + 48);
     out->kv_xfer_us = get32(b + 56);
     out->kv_exposed_us = get32(b + 60);
+    out->has_lp = get32(b + 64) != 0;
+    uint32_t k = get32(b + 68);
+    if (get32(b + 64) > 1 || k > TD_MAX_TOP_LOGPROBS) return bad("report logprob");
+    out->first_lp.n_top = (int32_t)k;
+    out->first_lp.logprob = getf(b + 72);
+    if (out->has_lp && !lp_ok(out->first_lp.logprob)) return bad("report logprob value");
+    for (uint32_t j = 0; j < k; j++) {
+        out->first_lp.top[j].id = (int32_t)get32(b + 80 + 8 * j);
+        out->first_lp.top[j].logprob = getf(b + 84 + 8 * j);
+        if (out->first_lp.top[j].id < 0 || !lp_ok(out->first_lp.top[j].logprob))
+            return bad("report logprob alternative");
+    }
     return 0;
+}
+
+/* ---- LOGPROBS: header 16, req_id 8, from 4, n 4, k 4, spare 4; entries ---- */
+
+#define LP_HDR 40
+
+int pf_wire_lp_max_entries(int k)
+{
+    return (PF_LP_MAX_BYTES - LP_HDR) / (4 + 8 * k);
+}
+
+int64_t pf_wire_lp_write(void *buf, size_t cap, uint64_t epoch, uint64_t req_id, uint32_t from,
+                         const td_logprob_entry *e, int n, int k)
+{
+    if (n < 1 || k < 0 || k > TD_MAX_TOP_LOGPROBS || n > pf_wire_lp_max_entries(k))
+        return TD_EINVAL;
+    size_t need = LP_HDR + (size_t)n * (4 + 8 * (size_t)k);
+    if (need > cap) return TD_ERANGE;
+    uint8_t *b = buf;
+    header(b, PF_MSG_LOGPROBS, epoch);
+    put64(b + 16, req_id);
+    put32(b + 24, from);
+    put32(b + 28, (uint32_t)n);
+    put32(b + 32, (uint32_t)k);
+    put32(b + 36, 0);
+    uint8_t *p = b + LP_HDR;
+    for (int i = 0; i < n; i++) {
+        if (e[i].n_top != k) return TD_EINVAL;
+        putf(p, e[i].logprob);
+        p += 4;
+        for (int j = 0; j < k; j++, p += 8) {
+            put32(p, (uint32_t)e[i].top[j].id);
+            putf(p + 4, e[i].top[j].logprob);
+        }
+    }
+    return (int64_t)need;
+}
+
+int pf_wire_lp_parse(const void *buf, size_t len, pf_lp_msg *out)
+{
+    const uint8_t *b = buf;
+    if (len < LP_HDR || len > PF_LP_MAX_BYTES || pf_wire_kind(buf, len) != PF_MSG_LOGPROBS)
+        return bad("bad logprobs message");
+    out->epoch = get64(b + 8);
+    out->req_id = get64(b + 16);
+    out->from = get32(b + 24);
+    uint32_t n = get32(b + 28), k = get32(b + 32);
+    if (k > TD_MAX_TOP_LOGPROBS || n < 1 || n > (uint32_t)pf_wire_lp_max_entries((int)k) ||
+        len != LP_HDR + (size_t)n * (4 + 8 * (size_t)k))
+        return bad("logprobs message counts");
+    out->n = (int)n;
+    out->k = (int)k;
+    out->entries = b + LP_HDR;
+    const uint8_t *p = out->entries;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!lp_ok(getf(p))) return bad("logprobs message value");
+        p += 4;
+        for (uint32_t j = 0; j < k; j++, p += 8)
+            if ((int32_t)get32(p) < 0 || !lp_ok(getf(p + 4)))
+                return bad("logprobs message alternative");
+    }
+    return 0;
+}
+
+void pf_wire_lp_entry(const pf_lp_msg *m, int i, td_logprob_entry *e)
+{
+    const uint8_t *p = m->entries + (size_t)i * (4 + 8 * (size_t)m->k);
+    e->logprob = getf(p);
+    e->n_top = m->k;
+    for (int j = 0; j < m->k; j++)
+        e->top[j] =
+            (td_logprob){.id = (int32_t)get32(p + 4 + 8 * j), .logprob = getf(p + 8 + 8 * j)};
+}
+
+uint32_t pf_wire_kind(const void *buf, size_t len)
+{
+    const uint8_t *b = buf;
+    if (len < 16 || get32(b) != PF_WIRE_MAGIC || (get32(b + 4) & 0xffff) != PF_WIRE_VERSION)
+        return 0;
+    return get32(b + 4) >> 16;
 }

@@ -10,7 +10,10 @@
  *   TARGETS  the decode ranks' kvxfer targets of a request (sent after its first chunk);
  *   ABORT    stop a request (cancel, deadline, a failed stage).
  * Each stage s > 0 also sends REPORTs back to stage 0 (one per request it finished or
- * failed), as active messages.
+ * failed), as active messages; the last stage's report carries the first token's logprob
+ * (sampling.logprobs), and before it the last stage sends LOGPROBS messages with the prompt
+ * tokens' logprobs (sampling.prompt_logprobs), each at most PF_LP_MAX_BYTES (an active
+ * message), in prompt order.
  * Format: little-endian, fixed-size header and segment records, then the sampler's lists
  * (logit bias, min_tokens ids) of the segments that end a prompt (LAST) only, then the
  * token ids, then the 64-byte aligned payload. Other segments carry no lists (their
@@ -22,6 +25,7 @@
 #ifndef PF_WIRE_H
 #define PF_WIRE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -32,7 +36,13 @@
 #define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
 #define PF_MAX_TARGETS  64 /* decode ranks of one request */
 
-enum { PF_MSG_CHUNK = 1, PF_MSG_TARGETS = 2, PF_MSG_ABORT = 3, PF_MSG_REPORT = 4 };
+enum {
+    PF_MSG_CHUNK = 1,
+    PF_MSG_TARGETS = 2,
+    PF_MSG_ABORT = 3,
+    PF_MSG_REPORT = 4,
+    PF_MSG_LOGPROBS = 5, /* last stage -> stage 0: prompt logprobs of a request */
+};
 
 enum {
     PF_SEG_FIRST = 1, /* t0 == 0: the stage opens the request */
@@ -105,10 +115,35 @@ typedef struct {
     uint64_t kv_bytes;      /* bytes put to the decode ranks */
     uint32_t kv_xfer_us;    /* time some of its puts were in flight (issued to landed) */
     uint32_t kv_exposed_us; /* its last chunk's compute end to its last chunk landing */
+    bool has_lp;            /* last stage, sampling.logprobs: first_lp is the first token's */
+    td_logprob_entry first_lp;
 } pf_report;
 
-#define PF_REPORT_BYTES 64 /* <= PF_LINK_REPORT_MAX */
+/* 64 bytes (ids, status, KV push figures), then the logprob: has_lp, n_top, logprob, 4 spare,
+ * 20 (id, logprob) pairs; <= PF_LINK_REPORT_MAX */
+#define PF_REPORT_BYTES (80 + 8 * TD_MAX_TOP_LOGPROBS)
 void pf_wire_report_write(uint8_t buf[PF_REPORT_BYTES], const pf_report *r);
 int pf_wire_report_parse(const void *buf, size_t len, pf_report *out);
+
+/* Prompt logprobs (last stage -> stage 0): entries e (n) of prompt positions from .. from+n-1
+ * of request req_id, k alternatives each (sampling.logprobs - 1; every entry has n_top k).
+ * A message is at most PF_LP_MAX_BYTES: pf_wire_lp_max_entries(k) entries. */
+#define PF_LP_MAX_BYTES 4096 /* KVX_AM_MAX */
+int pf_wire_lp_max_entries(int k);
+int64_t pf_wire_lp_write(void *buf, size_t cap, uint64_t epoch, uint64_t req_id, uint32_t from,
+                         const td_logprob_entry *e, int n, int k);
+typedef struct {
+    uint64_t epoch, req_id;
+    uint32_t from;
+    int n, k;
+    const uint8_t *entries; /* n * (4 + 8 k) bytes: logprob, then k (id, logprob) */
+} pf_lp_msg;
+/* TD_EFORMAT unless buf is a well-formed LOGPROBS message (k <= TD_MAX_TOP_LOGPROBS, ids
+ * >= 0, logprobs not NaN and <= 0). */
+int pf_wire_lp_parse(const void *buf, size_t len, pf_lp_msg *out);
+/* Entry i of a parsed message. */
+void pf_wire_lp_entry(const pf_lp_msg *m, int i, td_logprob_entry *e);
+/* The kind of a chain or report message (its header), or 0 if it has no valid header. */
+uint32_t pf_wire_kind(const void *buf, size_t len);
 
 #endif

@@ -31,6 +31,7 @@
 
 #include "rt_choices.h"
 #include "rt_loop.h"
+#include "rt_logprobs.h"
 #include "rt_loop_int.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -199,12 +200,35 @@ static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
     return 0;
 }
 
+/* Disaggregated with logprobs: keep the decode side's events (a packed copy) until the
+ * prefill's PrefillDone brought the first token's logprob (rt_loop_prefill_done). */
+static bool hold_event(rt_router *r, rt_req *q, const Td__TokenEvent *t)
+{
+    if (!r->disagg || !q->p.sampling.logprobs || q->loop.pd_seen) return false;
+    size_t n = td__token_event__get_packed_size(t);
+    uint8_t *b = malloc(n + 4);
+    uint32_t n32 = (uint32_t)n;
+    int rc = b ? 0 : TD_ENOMEM;
+    if (b) {
+        memcpy(b, &n32, 4);
+        td__token_event__pack(t, b + 4);
+        rc = rt_buf_append(&q->loop.lp_hold, b, n + 4);
+        free(b);
+    }
+    if (rc) {
+        rt_loop_cancel(r, q);
+        rt_loop_fail(r, q, 500, NULL, "out of memory while holding tokens");
+    }
+    return true;
+}
+
 static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
 {
     rt_req *q = rt_table_get(&r->table, t->request_id);
     if (!q || q->loop.inst != i ||
         (q->loop.state != RT_ST_SUBMITTED && q->loop.state != RT_ST_RUNNING))
         return;
+    if (hold_event(r, q, t)) return;
     q->loop.state = RT_ST_RUNNING;
     if (t->n_token_ids) {
         if (!q->loop.t_first_ms) q->loop.t_first_ms = now;
@@ -222,6 +246,7 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         }
     }
     int rc = keep_ids(q, t->token_ids, t->n_token_ids);
+    if (!rc) rc = rt_logprobs_keep(q, t);
     if (!rc) rc = rt_stream_tokens(r, q, t->token_ids, t->n_token_ids);
     if (rc < 0) {
         TD_LOG_ERR("router: %s: cannot process tokens: %s", q->oid, td_strerror(rc));
@@ -239,7 +264,8 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         return;
     case TD__FINISH_REASON__FINISH_STOP:
         /* the instance does not send the end-of-generation token but counts it */
-        if (t->usage && (int64_t)t->usage->completion_tokens + q->loop.gen_base > q->loop.n_gen)
+        if (t->usage && !q->p.gen_none &&
+            (int64_t)t->usage->completion_tokens + q->loop.gen_base > q->loop.n_gen)
             q->loop.n_gen = (int)t->usage->completion_tokens + q->loop.gen_base;
         rt_loop_finish(r, q, RT_FIN_STOP);
         return;
@@ -308,14 +334,48 @@ static void on_pf_reply(rt_router *r, int j, const td_ctrl_client_in *in, int64_
     rt_loop_act(r, &o, now);
 }
 
+/* PrefillDone of q's attempt is in (its first token's logprob in q->loop.first_lp): the
+ * decode side's events held meanwhile go through, in order. */
+static void prefill_done(rt_router *r, rt_req *q, int64_t now)
+{
+    q->loop.pd_seen = true;
+    rt_buf held = q->loop.lp_hold;
+    q->loop.lp_hold = (rt_buf){0};
+    int inst = q->loop.inst; /* q may be over after any of them: not touched again */
+    for (size_t off = 0; off + 4 <= held.len;) {
+        uint32_t n;
+        memcpy(&n, held.buf + off, 4);
+        Td__TokenEvent *t = td__token_event__unpack(NULL, n, (const uint8_t *)held.buf + off + 4);
+        off += 4 + (size_t)n;
+        if (!t) continue; /* packed here: cannot fail but for memory */
+        on_token(r, inst, t, now);
+        td__token_event__free_unpacked(t, NULL);
+    }
+    rt_buf_free(&held);
+}
+
 static void on_pf_events(rt_router *r, int j, const td_ctrl_client_in *in, int64_t now)
 {
     rt_inst *s = &r->reg.pf[j];
     if (rt_reg_seen(s, in->health, now))
         TD_LOG_INFO("router: prefill instance %s (%s) is serving", s->name, s->url);
     for (size_t k = 0; k < in->n_events; k++) {
-        rt_pair_out o = rt_pair_on_event(r, j, in->events[k]);
+        const Td__Event *ev = in->events[k];
+        rt_pair_out o = rt_pair_on_event(r, j, ev);
         rt_loop_act(r, &o, now);
+        if (ev->body_case == TD__EVENT__BODY_TOKEN) { /* its prompt logprobs */
+            rt_req *q = rt_table_get(&r->table, ev->token->request_id);
+            if (q && q->pair.pinst == j && rt_logprobs_keep(q, ev->token))
+                TD_LOG_WARN("router: %s: prompt logprobs from prefill instance %s dropped", q->oid,
+                            s->name);
+        }
+        if (ev->body_case != TD__EVENT__BODY_PREFILL_DONE) continue;
+        const Td__PrefillDone *d = ev->prefill_done;
+        rt_req *q = rt_table_get(&r->table, d->request_id);
+        if (!q || q->pair.pinst != j || !q->p.sampling.logprobs || q->loop.pd_seen) continue;
+        if (d->first_logprob) td_ctrl_logprob_from_pb(d->first_logprob, &q->loop.first_lp);
+        q->loop.first_lp_set = d->first_logprob != NULL;
+        prefill_done(r, q, now);
     }
 }
 

@@ -417,13 +417,13 @@ static const struct {
     {"migrate", EP_ALL},
     {"timeout", EP_ALL},
     {"user", EP_ALL}, /* an end-user id for the caller's own monitoring: no effect, as OpenAI */
-    /* the ones below are accepted only with the value that asks for nothing (unsupported) */
     {"n", EP_ALL},
     {"best_of", EP_C},
+    {"logprobs", EP_ALL},    /* chat: a bool; completions: 0..20 alternatives */
+    {"top_logprobs", EP_CH}, /* 0..20, with logprobs: true */
     {"echo", EP_C},
+    /* the ones below are accepted only with the value that asks for nothing (unsupported) */
     {"suffix", EP_C},
-    {"logprobs", EP_ALL},
-    {"top_logprobs", EP_ALL},
     {"response_format", EP_ALL},
     {"tools", EP_CH},
     {"tool_choice", EP_CH},
@@ -459,14 +459,6 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     json_t *v;
     int rc;
     if ((rc = unknown_fields(o, ep, e))) return rc;
-    if ((v = json_object_get(o, "echo")) && !absent(v) && !json_is_false(v))
-        return rt_error_set(e, 400, "echo", NULL, "'echo' is not supported");
-    v = json_object_get(o, "logprobs");
-    if (!absent(v) && !json_is_false(v))
-        return rt_error_set(e, 400, "logprobs", NULL, "'logprobs' is not supported");
-    v = json_object_get(o, "top_logprobs");
-    if (!absent(v))
-        return rt_error_set(e, 400, "top_logprobs", NULL, "'top_logprobs' is not supported");
     v = json_object_get(o, "suffix");
     if (!absent(v)) return rt_error_set(e, 400, "suffix", NULL, "'suffix' is not supported");
     v = json_object_get(o, "tools");
@@ -560,6 +552,37 @@ static int parse_n(json_t *o, rt_endpoint ep, const td_cfg_router *cfg, rt_param
     return 0;
 }
 
+/* logprobs, top_logprobs and echo into p (sampling.logprobs, prompt_logprobs, echo). */
+static int parse_logprobs(rt_endpoint ep, json_t *o, rt_params *p, rt_error *e)
+{
+    int rc;
+    long long top = -1;
+    bool want = false;
+    if (ep == RT_EP_CHAT) {
+        if ((rc = get_bool(o, "logprobs", &want, e)) ||
+            (rc = get_int(o, "top_logprobs", 0, TD_MAX_TOP_LOGPROBS, &top, e)))
+            return rc;
+        if (top >= 0 && !want)
+            return rt_error_set(e, 400, "top_logprobs", NULL,
+                                "'top_logprobs' needs 'logprobs': true");
+        if (want) p->sampling.logprobs = 1 + (uint32_t)(top < 0 ? 0 : top);
+        return 0;
+    }
+    json_t *v = json_object_get(o, "logprobs");
+    if (json_is_false(v)) v = NULL;
+    if ((rc = get_bool(o, "echo", &p->echo, e))) return rc;
+    if (!absent(v)) {
+        if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+            json_integer_value(v) > TD_MAX_TOP_LOGPROBS)
+            return rt_error_set(e, 400, "logprobs", NULL,
+                                "'logprobs' must be an integer in [0, %d] on /v1/completions",
+                                TD_MAX_TOP_LOGPROBS);
+        p->sampling.logprobs = 1 + (uint32_t)json_integer_value(v);
+        p->sampling.prompt_logprobs = p->echo;
+    }
+    return 0;
+}
+
 static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p, rt_error *e)
 {
     int rc;
@@ -578,7 +601,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
         (rc = get_number(o, "frequency_penalty", -2, 2, &freq, e)) ||
         (rc = get_int(o, "top_k", -1, 1 << 30, &top_k, e)) ||
         (rc = get_int(o, "seed", INT64_MIN, INT64_MAX, &seed, e)) ||
-        (rc = get_int(o, "max_tokens", 1, rc_cfg->max_tokens, &max_tokens, e)) ||
+        (rc = parse_logprobs(ep, o, p, e)) ||
+        (rc = get_int(o, "max_tokens", p->echo ? 0 : 1, rc_cfg->max_tokens, &max_tokens, e)) ||
         (rc = get_bool(o, "stream", &p->stream, e)) ||
         (rc = get_bool(o, "ignore_eos", &p->ignore_eos, e)) ||
         (rc = get_bool(o, "skip_special_tokens", &p->skip_special, e)) ||
@@ -613,6 +637,14 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     for (int i = 0; i < p->n_more && !rc; i++)
         rc = fit_prompt(r, ep, p->more[i].n, max_tokens, i + 1, &p->more[i].max_tokens, e);
     if (rc || (rc = parse_n(o, ep, rc_cfg, p, e))) return rc;
+    if (p->echo && max_tokens == 0) {
+        /* echo with max_tokens 0 (lm-evaluation-harness's loglikelihood): the decode side
+           always generates one token; the router drops it (every prompt of a batch) */
+        p->gen_none = true;
+        p->max_tokens = 1;
+        for (int i = 0; i < p->n_more; i++)
+            p->more[i].max_tokens = 1;
+    }
     td_sampling *sp = &p->sampling;
     sp->temperature = (float)temperature;
     sp->top_p = top_p >= 1.0 ? 0.0f : (float)top_p;

@@ -276,9 +276,16 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
         if (rc) return rc;
     }
     rt_inst *ds = &r->reg.inst[d], *ps = &r->reg.pf[p];
-    Td__Sampling sm;
+    Td__Sampling sm, dsm;
     Td__Submit sub;
     rt_req_submit_msg(q, &sm, &sub);
+    /* the prefill computes the prompt's logprobs and the first token's (PrefillDone); the
+       decode side the later tokens' (a decode-side recompute must not send them again) */
+    dsm = sm;
+    dsm.prompt_logprobs = false;
+    sub.sampling = &dsm;
+    q->loop.pd_seen = q->loop.first_lp_set = false;
+    rt_buf_free(&q->loop.lp_hold);
     Td__Alloc al = TD__ALLOC__INIT;
     al.request = &sub;
     al.n_stages = (uint32_t)ps->pcfg->pp;

@@ -43,6 +43,9 @@ void rt_req_release(rt_req *q)
     rt_buf_free(&q->loop.text);
     rt_buf_free(&q->http.out);
     free(q->loop.gen_ids);
+    free(q->loop.lps);
+    free(q->loop.plps);
+    rt_buf_free(&q->loop.lp_hold);
     free(q->loop.resume);
     for (size_t i = 0; i < q->pair.n_targets; i++)
         free(q->pair.targets[i].data);
@@ -75,6 +78,9 @@ void rt_req_submit_msg(const rt_req *q, Td__Sampling *sm, Td__Submit *sub)
     /* sm borrows the request's lists (logit bias, min_tokens ids): q outlives the message */
     td_ctrl_sampling_to_pb(&q->p.sampling, sm);
     sm->skip_samples = (uint32_t)q->loop.gen_base; /* a moved request: the draws already made */
+    /* a moved request's prompt logprobs came with its first attempt (every one of them
+       precedes its first token) */
+    sm->prompt_logprobs = sm->prompt_logprobs && q->loop.gen_base == 0;
     td__submit__init(sub);
     sub->request_id = q->loop.rid;
     sub->token_ids = rt_req_prompt(q, &sub->n_token_ids);

@@ -96,6 +96,20 @@ typedef struct {
     int migrations;  /* times its decode side was lost and it moved (router.max_migrations) */
     int64_t lost_ms; /* when its decode side was lost; 0 once the next token arrived */
 
+    /* logprobs (p.sampling.logprobs): lps[i] belongs to gen_ids[i]; plps[q] to prompt
+       position q (1 <= q < n_prompt, from the first attempt's TokenEvents) */
+    td_logprob_entry *lps;  /* (cap_gen) */
+    int n_lps, lp_sent;     /* entries received; streamed (their chunk went out) */
+    td_logprob_entry *plps; /* (p.n_prompt), NULL until the first arrives */
+    bool echo_sent;         /* stream: the echoed prompt's chunk went out */
+    size_t lp_off;          /* completions: text_offset of the next token (characters) */
+    /* disaggregated: the attempt's first token has its logprob in the prefill's
+       PrefillDone, which may come after the decode side's first TokenEvents: those wait in
+       lp_hold (each a u32 length and the packed event) until PrefillDone is in (pd_seen) */
+    bool pd_seen, first_lp_set;
+    td_logprob_entry first_lp;
+    rt_buf lp_hold;
+
     /* links */
     struct rt_req *next;      /* inbox / queue link */
     struct rt_req *qprev;     /* queue: the previous request of the same client */

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "rt.h"
+#include "rt_logprobs.h"
 #include "rt_stream.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -120,12 +121,39 @@ static json_t *text_choice(const rt_req *q, const char *text, size_t len, const 
                      "finish_reason", fin);
 }
 
-/* Send len bytes of text (finish NULL: more follows). Caller holds out_of(q)->mu. */
+/* echo: the prompt's text (malloc'd, *len bytes; NULL: no memory) */
+static char *prompt_text(const rt_router *r, const rt_req *q, size_t *len)
+{
+    long n = td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, NULL, 0);
+    char *t = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (!t) return NULL;
+    td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, t, (size_t)n);
+    *len = (size_t)n;
+    return t;
+}
+
+/* stream, echo: the prompt's chunk (text and logprobs) before any other. Caller holds
+ * out_of(q)->mu. */
+static int emit_echo(const rt_router *r, rt_req *q)
+{
+    q->loop.echo_sent = true;
+    size_t len = 0;
+    char *t = prompt_text(r, q, &len);
+    if (!t) return TD_ENOMEM;
+    json_t *c = text_choice(q, t, len, NULL);
+    free(t);
+    if (c) json_object_set_new(c, "logprobs", rt_logprobs_json(r->model.tok, q, true, 0));
+    return sse_chunk(r, q, c, NULL);
+}
+
+/* Send len bytes of text (finish NULL: more follows) with the logprobs received so far.
+ * Caller holds out_of(q)->mu. */
 static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char *finish)
 {
     if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
     if (!len && !finish) return 0;
     int rc = 0;
+    if (q->p.echo && !q->loop.echo_sent && (rc = emit_echo(r, q))) return rc;
     if (q->p.ep == RT_EP_CHAT && !q->loop.role_sent) {
         q->loop.role_sent = true;
         rc = sse_chunk(r, q,
@@ -133,7 +161,10 @@ static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, con
                                  "role", "assistant", "content", "", "logprobs", "finish_reason"),
                        NULL);
     }
-    if (!rc) rc = sse_chunk(r, q, text_choice(q, text, len, finish), NULL);
+    json_t *c = rc ? NULL : text_choice(q, text, len, finish);
+    if (c && q->p.sampling.logprobs)
+        json_object_set_new(c, "logprobs", rt_logprobs_json(r->model.tok, q, false, q->loop.n_lps));
+    if (!rc) rc = sse_chunk(r, q, c, NULL);
     return rc;
 }
 
@@ -153,6 +184,7 @@ static int push_id(rt_req *q, int32_t id, const td_tokenizer *tok)
 
 int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n)
 {
+    if (q->p.gen_none) return 0; /* echo, max_tokens 0: the one generated token is dropped */
     if (!q->loop.dt_init) {
         td_detok_init(&q->loop.dt, r->model.tok);
         q->loop.dt.special = !q->p.skip_special; /* skip_special_tokens: false keeps their text */
@@ -189,16 +221,35 @@ static const char *finish_str(const rt_req *q, rt_finish fin)
     return finish_name(q->loop.stop_hit ? RT_FIN_STOP : fin);
 }
 
-/* The choice object of a non-streamed response. */
-static json_t *final_choice(const rt_req *q, const char *finish)
+/* The choice object of a non-streamed response (with echo, the prompt's text first). */
+static json_t *final_choice(const rt_router *r, rt_req *q, const char *finish)
 {
+    rt_buf echo = {0};
     const char *text = q->loop.text.buf ? q->loop.text.buf : "";
+    size_t len = q->loop.text.len;
+    if (q->p.echo) {
+        size_t plen = 0;
+        char *t = prompt_text(r, q, &plen);
+        int rc = t ? rt_buf_append(&echo, t, plen) : TD_ENOMEM;
+        if (!rc && len) rc = rt_buf_append(&echo, text, len);
+        free(t);
+        if (rc) {
+            rt_buf_free(&echo);
+            return NULL;
+        }
+        text = echo.buf ? echo.buf : "";
+        len = echo.len;
+    }
+    json_t *lp = rt_logprobs_json(r->model.tok, q, q->p.echo, q->loop.n_lps);
+    json_t *c;
     if (q->p.ep == RT_EP_CHAT)
-        return json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", q->ch.index, "message", "role",
-                         "assistant", "content", text, q->loop.text.len, "logprobs",
-                         "finish_reason", finish);
-    return json_pack("{s:i, s:s%, s:n, s:s}", "index", q->ch.index, "text", text, q->loop.text.len,
-                     "logprobs", "finish_reason", finish);
+        c = json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", q->ch.index, "message", "role",
+                      "assistant", "content", text, len, "logprobs", lp, "finish_reason", finish);
+    else
+        c = json_pack("{s:i, s:s%, s:o, s:s}", "index", q->ch.index, "text", text, len, "logprobs",
+                      lp, "finish_reason", finish);
+    rt_buf_free(&echo);
+    return c;
 }
 
 /* The whole non-streamed body of q: its one choice, or its children's in index order. */
@@ -206,10 +257,10 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
 {
     json_t *choices = json_array();
     if (!choices) return NULL;
-    if (!q->ch.kids) json_array_append_new(choices, final_choice(q, finish));
+    if (!q->ch.kids) json_array_append_new(choices, final_choice(r, q, finish));
     for (int i = 0; i < q->ch.n_kids; i++) {
-        const rt_req *k = q->ch.kids[i];
-        json_array_append_new(choices, final_choice(k, finish_str(k, k->ch.fin)));
+        rt_req *k = q->ch.kids[i];
+        json_array_append_new(choices, final_choice(r, k, finish_str(k, k->ch.fin)));
     }
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", q->oid, "object",
                           q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
@@ -265,6 +316,7 @@ int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
             q->loop.stop_hit = true;
         }
     }
+    if (q->p.gen_none) fin = RT_FIN_LENGTH; /* echo with max_tokens 0 */
     const char *finish = finish_str(q, fin);
     rt_req *o = out_of(q);
     pthread_mutex_lock(&o->mu);

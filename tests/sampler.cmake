@@ -1,3 +1,7 @@
 add_executable(test_sampler ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_sampler.c)
 target_link_libraries(test_sampler PRIVATE td_kernels td_common)
 add_test(NAME sampler COMMAND test_sampler)
+
+add_executable(test_logprobs ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_logprobs.c)
+target_link_libraries(test_logprobs PRIVATE td_kernels td_common m)
+add_test(NAME logprobs COMMAND test_logprobs)

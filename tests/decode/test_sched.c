@@ -29,10 +29,12 @@ typedef struct {
     int finals[MAX_REQ];
 } outputs;
 
-static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n, dc_finish finish,
-                      int32_t n_prompt, int32_t n_gen)
+static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n,
+                      const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
+                      int32_t n_gen)
 {
     outputs *o = ctx;
+    (void)lps;
     for (int i = 0; i < n && o->n[id] < MAX_OUT; i++)
         o->ids[id][o->n[id]++] = ids[i];
     if (finish != DC_FINISH_NONE) {

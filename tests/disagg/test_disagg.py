@@ -14,6 +14,10 @@ Cases (--case NAME runs one):
   decode_dies  the decode rank killed mid-transfer: the client gets a clear error quickly,
            the prefill instance ends its transfer (no request, no KV block left), the
            restarted rank serves again;
+  logprobs completions logprobs (top 5) with echo (prompt logprobs) and chat logprobs
+           (top_logprobs 3), greedy: colocated and disaggregated (pp 1 and pp 2, prompts of one
+           and of several chunks) agree within 1e-4; streamed == non-streamed; the
+           synthetic llama and the default model;
   stalled  prefill stage 0 stopped (SIGSTOP) after taking a prompt, so its KV never comes:
            the decode side's deadline ends the request with an error, nothing leaks, and
            after SIGCONT the cluster serves again.
@@ -311,8 +315,94 @@ def case_stalled(args):
         idle(c, "stalled")
 
 
+def post(c, path, body, timeout=300):
+    h = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=timeout)
+    h.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    r = h.getresponse()
+    data = r.read().decode(errors="replace")
+    h.close()
+    if not body.get("stream"):
+        return r.status, json.loads(data)
+    chunks = [json.loads(line[6:]) for line in data.split("\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    return r.status, chunks
+
+
+def lp_requests(prompt, n):
+    comp = {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5, "echo": True,
+            "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n,
+            "temperature": 0, "logprobs": True, "top_logprobs": 3, "ignore_eos": True}
+    return comp, chat
+
+
+def lp_fetch(c, prompt, n):
+    """(completions logprobs, chat logprobs content), non-streamed and streamed-joined."""
+    comp, chat = lp_requests(prompt, n)
+    st1, b1 = post(c, "/v1/completions", comp)
+    st2, b2 = post(c, "/v1/chat/completions", chat)
+    st3, ch3 = post(c, "/v1/completions", dict(comp, stream=True))
+    st4, ch4 = post(c, "/v1/chat/completions", dict(chat, stream=True))
+    if (st1, st2, st3, st4) != (200, 200, 200, 200):
+        raise RuntimeError(f"status {st1} {st2} {st3} {st4}: {str(b1)[:300]} {str(b2)[:300]}")
+    lp1 = b1["choices"][0]["logprobs"]
+    lp2 = b2["choices"][0]["logprobs"]["content"]
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for ch in ch3:
+        lp = ch["choices"][0].get("logprobs") if ch.get("choices") else None
+        for k in joined:
+            joined[k] += (lp or {}).get(k, [])
+    content = []
+    for ch in ch4:
+        lp = ch["choices"][0].get("logprobs") if ch.get("choices") else None
+        content += (lp or {}).get("content") or []
+    return lp1, lp2, joined, content
+
+
+def lp_close(a, b, tol=1e-4):
+    """Two logprobs values (lists / dicts / numbers / None) equal up to tol."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(lp_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(lp_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+    return a == b
+
+
+def case_logprobs(args):
+    models = [("synth", os.path.join(args.synth_dir, "llama.gguf"), 64)]
+    if args.model and os.path.exists(args.model):
+        models.append(("default", args.model, 64))  # chunks as the decode steps
+    for name, model, chunk in models:
+        prompts = [text(6), text(3 * chunk // 2 + 17)]  # one chunk; several
+        with Cluster(args, model, [], [{"tp": 1}]) as c:
+            ref = [lp_fetch(c, p, 6) for p in prompts]
+        for pp in ((1, 2) if name == "synth" else (2,)):
+            label = f"logprobs {name} pp{pp}"
+            with Cluster(args, model, [{"pp": pp, "chunk": chunk}], [{"tp": 1}]) as c:
+                for p, want in zip(prompts, ref):
+                    got = lp_fetch(c, p, 6)
+                    n_prompt = len(got[0]["tokens"]) - 6
+                    check(got[0]["token_logprobs"][0] is None and
+                          all(isinstance(x, float) for x in got[0]["token_logprobs"][1:]),
+                          f"{label}: {n_prompt} prompt tokens: echo gives every prompt "
+                          "token's logprob but the first's")
+                    check(lp_close(got[0], want[0]), f"{label}: {n_prompt} prompt tokens: "
+                          "completions echo logprobs equal colocated within 1e-4"
+                          + ("" if lp_close(got[0], want[0]) else
+                             f" ({str(got[0])[:400]} vs {str(want[0])[:400]})"))
+                    check(lp_close(got[1], want[1]), f"{label}: {n_prompt} prompt tokens: "
+                          "chat logprobs equal colocated within 1e-4"
+                          + ("" if lp_close(got[1], want[1]) else
+                             f" ({str(got[1])[:400]} vs {str(want[1])[:400]})"))
+                    check(lp_close(got[2], got[0], 0) and lp_close(got[3], got[1], 0),
+                          f"{label}: {n_prompt} prompt tokens: streamed == non-streamed")
+                idle(c, label)
+
+
 CASES = {"synth": case_synth, "default": case_default, "retry": case_retry,
-         "decode_dies": case_decode_dies, "stalled": case_stalled}
+         "decode_dies": case_decode_dies, "stalled": case_stalled, "logprobs": case_logprobs}
 
 
 def main():
@@ -325,7 +415,7 @@ def main():
     for name, fn in CASES.items():
         if args.case and name != args.case:
             continue
-        if name != "synth" and not (args.model and os.path.exists(args.model)):
+        if name not in ("synth", "logprobs") and not (args.model and os.path.exists(args.model)):
             print(f"skip {name}: no default model")
             continue
         print(f"== {name}", flush=True)

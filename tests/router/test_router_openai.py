@@ -383,6 +383,96 @@ def check_choices(args, cl, client, mid, name, prompt, n_tok):
           f"({closed})")
 
 
+def check_logprobs(client, mid, name, prompt, chat):
+    """logprobs/top_logprobs (chat), logprobs (completions), echo with prompt logprobs and
+    max_tokens 0; streamed == non-streamed; the greedy token's logprob is the best of its
+    top_logprobs; the top alternatives' probabilities sum to at most 1."""
+    import math
+    n = 8
+    msgs = [{"role": "user", "content": chat}]
+    r = client.chat.completions.create(model=mid, messages=msgs, max_tokens=n, temperature=0,
+                                       logprobs=True, top_logprobs=5,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    text = "".join(c.token for c in content)
+    # control tokens (<|im_end|> under ignore_eos) show in logprobs, not in the content
+    check(len(content) == r.usage.completion_tokens and
+          (text == r.choices[0].message.content or "<|" in text or "bytes:" in text),
+          f"{name}: chat logprobs: one entry per token, tokens spell the text "
+          f"({len(content)} vs {r.usage.completion_tokens}: {text!r})")
+    bad = [c for c in content if not (
+        len(c.top_logprobs) == 5 and c.top_logprobs[0].token == c.token and
+        abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6 and
+        all(c.top_logprobs[j].logprob >= c.top_logprobs[j + 1].logprob for j in range(4)) and
+        sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1 + 1e-5 and c.logprob <= 0 and
+        (c.token.startswith("bytes:") or bytes(c.bytes) == c.token.encode()))]
+    check(not bad, f"{name}: greedy token == the best of top_logprobs, sorted, sum of p <= 1 "
+          f"({bad[:1]})")
+    s = client.chat.completions.create(model=mid, messages=msgs, max_tokens=n, temperature=0,
+                                       logprobs=True, top_logprobs=5, stream=True,
+                                       extra_body={"ignore_eos": True})
+    sc = [c for ch in s if ch.choices and ch.choices[0].logprobs
+          for c in ch.choices[0].logprobs.content]
+    check([(c.token, round(c.logprob, 5)) for c in sc] ==
+          [(c.token, round(c.logprob, 5)) for c in content],
+          f"{name}: streamed chat logprobs == non-streamed")
+    r0 = client.chat.completions.create(model=mid, messages=msgs, max_tokens=2, temperature=0,
+                                        logprobs=True)
+    check(all(c.top_logprobs == [] for c in r0.choices[0].logprobs.content),
+          f"{name}: logprobs without top_logprobs: no alternatives")
+    # completions: the legacy shape
+    c = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    check(len(lp.tokens) == n and "".join(lp.tokens) == c.choices[0].text and
+          len(lp.top_logprobs) == n and all(len(t) <= 3 for t in lp.top_logprobs) and
+          all(abs(max(t.values()) - v) < 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+          and lp.text_offset[0] == 0,
+          f"{name}: completions logprobs (tokens, token_logprobs, top_logprobs, text_offset)")
+    sc = client.completions.create(model=mid, prompt=prompt, max_tokens=n, temperature=0,
+                                   logprobs=3, stream=True, extra_body={"ignore_eos": True})
+    toks, vals = [], []
+    for ch in sc:
+        if ch.choices and ch.choices[0].logprobs:
+            toks += ch.choices[0].logprobs.tokens
+            vals += ch.choices[0].logprobs.token_logprobs
+    check(toks == lp.tokens and all(abs(a - b) < 1e-6 for a, b in zip(vals, lp.token_logprobs)),
+          f"{name}: streamed completions logprobs == non-streamed")
+    # echo: the prompt first, its first token's logprob null; max_tokens 0 answers the prompt
+    e = client.completions.create(model=mid, prompt=prompt, max_tokens=1, temperature=0,
+                                  logprobs=1, echo=True)
+    el = e.choices[0].logprobs
+    n_p = e.usage.prompt_tokens
+    check(e.choices[0].text.startswith(prompt) and len(el.tokens) == n_p + 1 and
+          el.token_logprobs[0] is None and el.top_logprobs[0] is None and
+          all(v is not None and v <= 0 for v in el.token_logprobs[1:]),
+          f"{name}: echo returns the prompt and its logprobs ({el.token_logprobs[:3]})")
+    z = client.completions.create(model=mid, prompt=prompt, max_tokens=0, temperature=0,
+                                  logprobs=1, echo=True)
+    zl = z.choices[0].logprobs
+    check(z.choices[0].text == e.choices[0].text[:len(z.choices[0].text)] and
+          len(zl.tokens) == n_p and z.usage.completion_tokens == 0 and
+          all(a == b or abs(a - b) < 1e-5 for a, b in zip(zl.token_logprobs[1:],
+                                                          el.token_logprobs[1:n_p])),
+          f"{name}: echo with max_tokens 0: the prompt only, same logprobs")
+    zs = client.completions.create(model=mid, prompt=prompt, max_tokens=0, temperature=0,
+                                   logprobs=1, echo=True, stream=True)
+    st, sv = "", []
+    for ch in zs:
+        if ch.choices:
+            st += ch.choices[0].text
+            if ch.choices[0].logprobs:
+                sv += ch.choices[0].logprobs.token_logprobs
+    check(st == z.choices[0].text and len(sv) == n_p, f"{name}: streamed echo == non-streamed")
+    for bad in ({"logprobs": 21}, {"logprobs": -1}):
+        try:
+            client.completions.create(model=mid, prompt=prompt, max_tokens=1, **bad)
+            check(False, f"{name}: {bad} is refused")
+        except openai.BadRequestError as ex:
+            check("logprobs" in str(ex), f"{name}: {bad} is refused with a 400 naming logprobs")
+    return el
+
+
 def run_model(args, model, name, prompts, chats, n_tok):
     with Cluster(args, model) as cl:
         client = openai.OpenAI(base_url=cl.url + "/v1", api_key="unused", max_retries=0,
@@ -467,6 +557,7 @@ def run_model(args, model, name, prompts, chats, n_tok):
         check_penalties(args, client, mid, model, name, prompts[0])
         check_token_endpoints(args, cl, model, name, prompts[0])
         check_params(args, cl, client, mid, model, name, prompts[0])
+        check_logprobs(client, mid, name, prompts[0], chats[0])
         rc = cl.stop()
         check(rc == 0, f"{name}: router exits 0 on SIGTERM (got {rc})")
 
