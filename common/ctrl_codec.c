@@ -317,15 +317,10 @@ static int check_event(vctx *v, const Td__Event *e)
         if (e->prefill_done->n_chunk_sizes > TD_CTRL_MAX_CHUNKS)
             return bad(v, TD_ERANGE, "prefill_done: %zu chunk sizes",
                        e->prefill_done->n_chunk_sizes);
-        if (e->prefill_done->n_prompt_logprobs > v->o->max_tokens)
-            return bad(v, TD_ERANGE, "prefill_done: %zu prompt logprobs",
-                       e->prefill_done->n_prompt_logprobs);
-        if (e->prefill_done->first_logprob &&
-            (rc = check_logprobs(v, "prefill_done.first_logprob", &e->prefill_done->first_logprob,
-                                 1)))
-            return rc;
-        return check_logprobs(v, "prefill_done.prompt_logprobs", e->prefill_done->prompt_logprobs,
-                              e->prefill_done->n_prompt_logprobs);
+        if (e->prefill_done->first_logprob)
+            return check_logprobs(v, "prefill_done.first_logprob", &e->prefill_done->first_logprob,
+                                  1);
+        return 0;
     default:
         rc = bad(v, TD_EINVAL, "event %llu without a body", (unsigned long long)e->seq);
     }
