@@ -28,6 +28,20 @@ typedef struct {
      * the last prefill stage sampled): kn_sampler_init advances the sampler past them, so a
      * seeded request gives the same tokens wherever it runs. */
     uint32_t skip_samples;
+    /* Structured output (grammar/gr_grammar.h): TD_GRAMMAR_*; for the JSON_SCHEMA kinds
+     * `grammar` is the schema's JSON text (NUL-terminated, borrowed from whoever filled the
+     * struct: rt_params, a decoded proto message, a prefill wire buffer), else NULL. The
+     * sampler itself never reads them: the decode scheduler and the last prefill stage
+     * compile them into a token mask (kn_sampler_set_mask). */
+    int32_t grammar_kind;
+    const char *grammar;
 } td_sampling;
+
+enum {
+    TD_GRAMMAR_NONE = 0,
+    TD_GRAMMAR_JSON_OBJECT = 1,        /* response_format json_object: any JSON object */
+    TD_GRAMMAR_JSON_SCHEMA = 2,        /* json_schema, strict false */
+    TD_GRAMMAR_JSON_SCHEMA_STRICT = 3, /* json_schema, strict true: every property required */
+};
 
 #endif
