@@ -132,6 +132,8 @@ void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb)
     pb->skip_samples = s->skip_samples;
     pb->presence_penalty = s->presence_penalty;
     pb->frequency_penalty = s->frequency_penalty;
+    pb->grammar_kind = (uint32_t)s->grammar_kind;
+    if (s->grammar) pb->grammar = (char *)s->grammar; /* borrowed: packed before s goes */
 }
 
 td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
@@ -146,7 +148,10 @@ td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
                          .seed = pb->seed,
                          .skip_samples = pb->skip_samples,
                          .presence_penalty = pb->presence_penalty,
-                         .frequency_penalty = pb->frequency_penalty};
+                         .frequency_penalty = pb->frequency_penalty,
+                         .grammar_kind = (int32_t)pb->grammar_kind,
+                         /* borrowed from the message; "" (proto3's default) is none */
+                         .grammar = pb->grammar && pb->grammar[0] ? pb->grammar : NULL};
 }
 
 /* n_prompt: the request's prompt tokens (skip_samples counts tokens among them). */
@@ -162,6 +167,15 @@ static int check_sampling(vctx *v, const Td__Sampling *s, size_t n_prompt)
         return bad(v, TD_EINVAL, "sampling: non-finite parameter");
     if (s->repeat_last_n < 0)
         return bad(v, TD_EINVAL, "sampling: negative repeat_last_n %d", s->repeat_last_n);
+    if (s->grammar_kind > TD_GRAMMAR_JSON_SCHEMA_STRICT)
+        return bad(v, TD_EINVAL, "sampling: unknown grammar_kind %u", s->grammar_kind);
+    size_t glen = s->grammar ? strlen(s->grammar) : 0;
+    if (glen > TD_CTRL_MAX_GRAMMAR)
+        return bad(v, TD_ERANGE, "sampling: grammar of %zu bytes, more than %u", glen,
+                   TD_CTRL_MAX_GRAMMAR);
+    if ((s->grammar_kind >= TD_GRAMMAR_JSON_SCHEMA) != (glen > 0))
+        return bad(v, TD_EINVAL, "sampling: grammar_kind %u with %s schema text", s->grammar_kind,
+                   glen ? "a" : "no");
     return 0;
 }
 

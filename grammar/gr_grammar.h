@@ -49,6 +49,7 @@
 #include <stdint.h>
 
 #include "td_sampling.h"
+#include "tokenizer.h"
 
 #define GR_MAX_STACK     32        /* nested rule calls (JSON nesting of generic values) */
 #define GR_MAX_TEXT      (1 << 16) /* bytes of a schema's text on the wire */
@@ -90,6 +91,9 @@ int32_t gr_grammar_n_states(const gr_grammar *g);
  * document is complete. Returns 0, TD_EINVAL, TD_ENOMEM. */
 int gr_vocab_create(int32_t n_vocab, const char *(*piece)(void *ctx, int32_t id, size_t *len),
                     void *ctx, const int32_t *eog, int n_eog, gr_vocab **out);
+/* The vocabulary of a model's tokenizer: text tokens as td_tok_piece_render shows them,
+ * control and unknown tokens never, EOG tokens (td_tok_is_eog) at the end. */
+int gr_vocab_from_tok(const td_tokenizer *t, gr_vocab **out);
 void gr_vocab_destroy(gr_vocab *v); /* NULL is fine */
 int32_t gr_vocab_n_vocab(const gr_vocab *v);
 

@@ -12,12 +12,14 @@
 
 #include "chat_template.h"
 #include "rt_openai.h"
+#include "rt_format.h"
 #include "td_clock.h"
 #include "td_err.h"
 
 void rt_params_fini(rt_params *p)
 {
     free(p->prompt);
+    free(p->grammar);
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
     *p = (rt_params){0};
@@ -289,6 +291,7 @@ static const struct {
     {"ignore_eos", EP_ALL},
     {"migrate", EP_ALL},
     {"timeout", EP_ALL},
+    {"response_format", EP_ALL}, /* structured output: rt_format.h */
     {"user", EP_ALL}, /* an end-user id for the caller's own monitoring: no effect, as OpenAI */
     /* the ones below are accepted only with the value that asks for nothing (unsupported) */
     {"n", EP_ALL},
@@ -298,7 +301,6 @@ static const struct {
     {"logprobs", EP_ALL},
     {"top_logprobs", EP_ALL},
     {"logit_bias", EP_ALL},
-    {"response_format", EP_ALL},
     {"tools", EP_CH},
     {"tool_choice", EP_CH},
 };
@@ -359,13 +361,6 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     v = json_object_get(o, "logit_bias");
     if (!absent(v) && !(json_is_object(v) && json_object_size(v) == 0))
         return rt_error_set(e, 400, "logit_bias", NULL, "'logit_bias' is not supported");
-    v = json_object_get(o, "response_format");
-    if (!absent(v)) {
-        json_t *t = json_object_get(v, "type");
-        if (!json_is_string(t) || strcmp(json_string_value(t), "text"))
-            return rt_error_set(e, 400, "response_format", NULL,
-                                "only response_format {\"type\": \"text\"} is supported");
-    }
     v = json_object_get(o, "user");
     if (!absent(v) && !json_is_string(v)) return bad(e, "user", "'%s' must be a string%s", "");
     return 0;
@@ -409,7 +404,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
         if ((rc = get_bool(so, "include_usage", &p->include_usage, e))) return rc;
     }
     if (!p->stream) p->include_usage = false;
-    if ((rc = parse_stop(o, p, e))) return rc;
+    if ((rc = parse_stop(o, p, e)) || (rc = rt_format_parse(o, &p->sampling, &p->grammar, e)))
+        return rc;
     if (ep == RT_EP_COMPLETIONS)
         rc = parse_prompt(r, o, p, e);
     else

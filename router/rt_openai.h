@@ -45,7 +45,9 @@ typedef struct {
     int32_t *prompt; /* (n_prompt) token ids, malloc'd */
     size_t n_prompt;
     int max_tokens;
-    td_sampling sampling; /* .skip_samples is set per attempt (rt_req_submit_msg) */
+    td_sampling sampling; /* .skip_samples is set per attempt (rt_req_submit_msg);
+                             .grammar points at grammar */
+    char *grammar;        /* response_format's schema text, malloc'd (rt_format.h); or NULL */
     bool ignore_eos;
     char *stop[RT_MAX_STOP]; /* NUL-terminated, malloc'd, non-empty */
     size_t stop_len[RT_MAX_STOP];
