@@ -49,7 +49,8 @@
 
 /* Hard limits checked by the decoder on top of td_ctrl_opts. */
 #define TD_CTRL_MAX_STOP_IDS 64u
-#define TD_CTRL_MAX_STRING   4096u      /* bytes of any string field */
+#define TD_CTRL_MAX_STRING   4096u      /* bytes of any string field but Sampling.grammar */
+#define TD_CTRL_MAX_GRAMMAR  65536u     /* bytes of Sampling.grammar (GR_MAX_TEXT) */
 #define TD_CTRL_MAX_BLOB     (1u << 20) /* bytes of kv_target */
 #define TD_CTRL_MAX_CHUNKS   65536u     /* PrefillDone.chunk_sizes */
 #define TD_CTRL_MAX_BATCH    4096u      /* events per Events reply */

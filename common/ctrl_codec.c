@@ -145,6 +145,8 @@ void td_ctrl_sampling_to_pb(const td_sampling *s, Td__Sampling *pb)
     }
     pb->logprobs = s->logprobs;
     pb->prompt_logprobs = s->prompt_logprobs;
+    pb->grammar_kind = (uint32_t)s->grammar_kind;
+    if (s->grammar) pb->grammar = (char *)s->grammar; /* borrowed: packed before s goes */
 }
 
 td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
@@ -163,7 +165,10 @@ td_sampling td_ctrl_sampling_from_pb(const Td__Sampling *pb)
                       .frequency_penalty = pb->frequency_penalty,
                       .min_tokens = (int32_t)pb->min_tokens,
                       .logprobs = pb->logprobs,
-                      .prompt_logprobs = pb->prompt_logprobs};
+                      .prompt_logprobs = pb->prompt_logprobs,
+                      .grammar_kind = (int32_t)pb->grammar_kind,
+                      /* borrowed from the message; "" (proto3's default) is none */
+                      .grammar = pb->grammar && pb->grammar[0] ? pb->grammar : NULL};
     /* check_sampling bounded the counts; the clamps keep an unchecked message in bounds */
     size_t nb = pb->n_logit_bias_ids < pb->n_logit_bias_values ? pb->n_logit_bias_ids
                                                                : pb->n_logit_bias_values;
@@ -248,6 +253,15 @@ static int check_sampling(vctx *v, const Td__Sampling *s, size_t n_prompt)
                    TD_CTRL_MAX_LOGPROBS + 1);
     if (s->prompt_logprobs && !s->logprobs)
         return bad(v, TD_EINVAL, "sampling: prompt_logprobs without logprobs");
+    if (s->grammar_kind > TD_GRAMMAR_JSON_SCHEMA_STRICT)
+        return bad(v, TD_EINVAL, "sampling: unknown grammar_kind %u", s->grammar_kind);
+    size_t glen = s->grammar ? strlen(s->grammar) : 0;
+    if (glen > TD_CTRL_MAX_GRAMMAR)
+        return bad(v, TD_ERANGE, "sampling: grammar of %zu bytes, more than %u", glen,
+                   TD_CTRL_MAX_GRAMMAR);
+    if ((s->grammar_kind >= TD_GRAMMAR_JSON_SCHEMA) != (glen > 0))
+        return bad(v, TD_EINVAL, "sampling: grammar_kind %u with %s schema text", s->grammar_kind,
+                   glen ? "a" : "no");
     return 0;
 }
 

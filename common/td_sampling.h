@@ -51,7 +51,21 @@ typedef struct {
      * generated token's logprob and its logprobs - 1 (0..20) most likely alternatives */
     uint32_t logprobs;
     bool prompt_logprobs; /* and every prompt token's from the second on (echo); logprobs > 0 */
+    /* Structured output (grammar/gr_grammar.h): TD_GRAMMAR_*; for the JSON_SCHEMA kinds
+     * `grammar` is the schema's JSON text (NUL-terminated, borrowed from whoever filled the
+     * struct: rt_params, a decoded proto message, a prefill wire buffer), else NULL. The
+     * sampler itself never reads them: the decode scheduler and the last prefill stage
+     * compile them into a token mask (kn_sampler_set_mask). */
+    int32_t grammar_kind;
+    const char *grammar;
 } td_sampling;
+
+enum {
+    TD_GRAMMAR_NONE = 0,
+    TD_GRAMMAR_JSON_OBJECT = 1,        /* response_format json_object: any JSON object */
+    TD_GRAMMAR_JSON_SCHEMA = 2,        /* json_schema, strict false */
+    TD_GRAMMAR_JSON_SCHEMA_STRICT = 3, /* json_schema, strict true: every property required */
+};
 
 #define TD_MAX_TOP_LOGPROBS 20 /* OpenAI's limit on top_logprobs */
 

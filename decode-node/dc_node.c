@@ -172,6 +172,8 @@ static void teardown(dc_node *n)
 {
     xfer_teardown(n);
     dc_sched_destroy(n->sched);
+    gr_cache_destroy(n->grammars);
+    gr_vocab_destroy(n->gvocab);
     td_ctrl_server_destroy(n->srv);
     free(n->routes);
     free(n->logits);
@@ -345,7 +347,7 @@ static int xfer_setup(dc_node *n)
 
 static int leader_setup(dc_node *n)
 {
-    int rc;
+    int rc = 0;
     td_tokenizer *tok = NULL;
     int32_t *eog = NULL;
     int n_eog = 0;
@@ -355,13 +357,22 @@ static int leader_setup(dc_node *n)
         eog = malloc((size_t)nv * sizeof *eog);
         for (int32_t i = 0; eog && i < nv; i++)
             if (td_tok_is_eog(tok, i)) eog[n_eog++] = i;
+        /* structured output needs the token strings; without them it is refused */
+        if (nv == n->rt.model->hp.n_vocab && (rc = gr_vocab_from_tok(tok, &n->gvocab)) == 0)
+            rc = gr_cache_create(0, &n->grammars);
         td_tok_destroy(tok);
+        if (rc) {
+            free(eog);
+            return rc;
+        }
     }
     dc_sched_params sp = {.max_running = n->dcfg->max_batch,
                           .step_tokens = n->dcfg->step_tokens,
                           .deterministic = n->dcfg->deterministic,
                           .eog_ids = eog,
-                          .n_eog = n_eog};
+                          .n_eog = n_eog,
+                          .vocab = n->gvocab,
+                          .grammars = n->grammars};
     rc = dc_sched_create(&sp, n->rt.model, n->kv,
                          (dc_sink){.ctx = n,
                                    .on_tokens = dc_serve_on_tokens,

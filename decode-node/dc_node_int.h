@@ -22,6 +22,7 @@
 #include "ctrl.h"
 #include "dc_node.h"
 #include "dc_sched.h"
+#include "gr_grammar.h"
 #include "dc_shm.h"
 #include "dc_xfer.h"
 #include "gguf.h"
@@ -73,6 +74,8 @@ typedef struct {
     char fail_why[192];    /* while a failure fails every request: why, for their events */
     float *logits;         /* (logit_rows, n_vocab) */
     int logit_rows;        /* max_batch; grown on demand for prompt logprobs (a row per token) */
+    gr_vocab *gvocab;      /* structured output: the vocabulary's trie (leader) */
+    gr_cache *grammars;    /* compiled grammars by schema text (leader) */
 } dc_node;
 
 /* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */

@@ -23,6 +23,7 @@ typedef struct {
     bool arrived; /* transferring: the KV and the first token are in; runnable */
     kn_kv_seq seq;
     kn_sampler smp;
+    gr_matcher *gm;    /* structured output: the generated tokens so far; NULL: none */
     uint64_t admitted; /* admission order; preemption takes the largest */
     int32_t chunk;     /* tokens of this step (0: not in the step) */
     int32_t logit_row; /* row in this step's logits, -1: none */
@@ -88,6 +89,7 @@ static void req_free(dc_sched *s, dc_req *r)
 {
     kn_kv_seq_fini(s->kv, &r->seq);
     kn_sampler_fini(&r->smp);
+    gr_matcher_destroy(r->gm);
     free(r->tokens);
     free(r->stop_ids);
     free(r);
@@ -178,6 +180,11 @@ static int check_params(dc_sched *s, const dc_request_params *p)
         TD_LOG_ERR("req %llu: id already in use", (unsigned long long)p->id);
         return TD_EINVAL;
     }
+    if (p->sampling.grammar_kind && (!s->p.vocab || !s->p.grammars)) {
+        TD_LOG_ERR("req %llu: structured output without the model's vocabulary",
+                   (unsigned long long)p->id);
+        return TD_EUNSUPP;
+    }
     if (p->n_prompt >= s->p.max_ctx) {
         TD_LOG_ERR("req %llu: prompt of %d tokens does not fit the context (%d)",
                    (unsigned long long)p->id, p->n_prompt, s->p.max_ctx);
@@ -200,6 +207,31 @@ static int check_params(dc_sched *s, const dc_request_params *p)
     return 0;
 }
 
+/* The matcher of a request with a grammar, fed the tokens it generated before it moved
+ * (the last skip_samples of its prompt). */
+static int req_grammar(dc_sched *s, const dc_request_params *p, dc_req *r)
+{
+    if (!p->sampling.grammar_kind) return 0;
+    char err[256];
+    gr_grammar *g = NULL;
+    int rc = gr_cache_get(s->p.grammars, p->sampling.grammar_kind, p->sampling.grammar, &g, err,
+                          sizeof err);
+    if (rc) {
+        TD_LOG_ERR("req %llu: grammar: %s", (unsigned long long)p->id, err);
+        return rc == TD_ENOMEM ? rc : TD_EINVAL;
+    }
+    rc = gr_matcher_create(g, s->p.vocab, &r->gm);
+    gr_grammar_unref(g);
+    if (rc) return rc;
+    int32_t from = p->n_prompt - (int32_t)p->sampling.skip_samples;
+    if ((rc = gr_matcher_accept_tokens(r->gm, p->prompt + from, p->n_prompt - from))) {
+        TD_LOG_ERR("req %llu: its %u generated tokens leave the grammar", (unsigned long long)p->id,
+                   p->sampling.skip_samples);
+        return TD_EINVAL;
+    }
+    return 0;
+}
+
 /* A new request record (checked parameters), holding no blocks. */
 static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
 {
@@ -214,7 +246,9 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     int rc = (!r->tokens || !r->stop_ids) ? TD_ENOMEM : 0;
     /* a moved request's sampler skips the draws made before it moved */
     if (!rc) rc = kn_sampler_init(&r->smp, &p->sampling, s->m->hp.n_vocab);
+    if (!rc) rc = req_grammar(s, p, r);
     if (rc) {
+        gr_matcher_destroy(r->gm);
         kn_sampler_fini(&r->smp);
         free(r->tokens);
         free(r->stop_ids);
@@ -480,6 +514,16 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
     return n;
 }
 
+/* Advance r's matcher by the token it sampled: id, or TD_EINVAL if the grammar refuses it
+ * (a masked sample cannot be refused: that is a bug, reported as an error). */
+static int32_t grammar_accept(dc_req *r, int32_t id)
+{
+    int rc = gr_matcher_accept_token(r->gm, id);
+    if (!rc) return id;
+    TD_LOG_ERR("req %llu: token %d leaves the grammar", (unsigned long long)r->id, id);
+    return rc;
+}
+
 static bool is_stop(const dc_sched *s, const dc_req *r, int32_t id)
 {
     for (int i = 0; i < r->n_stop; i++)
@@ -528,10 +572,16 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         }
         if (r->logit_row < 0) continue;
         const float *row = logits + (size_t)r->logit_row * (size_t)n_vocab;
-        int32_t id = kn_sample(&r->smp, row, r->tokens, r->n_tokens, r->n_tokens - r->out_from);
+        const uint32_t *mask = NULL;
+        int32_t id = r->gm ? gr_matcher_mask(r->gm, &mask) : 0;
+        kn_sampler_set_mask(&r->smp, mask);
+        if (id == 0)
+            id = kn_sample(&r->smp, row, r->tokens, r->n_tokens, r->n_tokens - r->out_from);
         r->logit_row = -1;
+        if (id >= 0 && r->gm && !is_stop(s, r, id)) id = grammar_accept(r, id);
         td_logprob_entry lp, *lpp = NULL;
         if (id >= 0 && r->smp.p.logprobs) {
+            /* the raw model distribution (vLLM's raw_logprobs): before the grammar's mask too */
             id = kn_logprobs(row, n_vocab, id, (int)r->smp.p.logprobs - 1, &lp) ? TD_EINVAL : id;
             lpp = &lp;
         }
@@ -550,6 +600,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         r->n_generated++;
         dc_finish why = DC_FINISH_NONE;
         if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
+        if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP; /* the document is whole */
         if (s->sink.on_tokens)
             s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, lpp, why, r->n_prompt, r->n_generated);
         if (why != DC_FINISH_NONE) {
@@ -601,9 +652,14 @@ int dc_sched_transfer_done(dc_sched *s, uint64_t id, int32_t first_token)
         finish(s, &s->xfer, i, DC_FINISH_STOP);
         return 0;
     }
+    if (r->gm && grammar_accept(r, first_token) < 0) {
+        finish(s, &s->xfer, i, DC_FINISH_ERROR);
+        return 0;
+    }
     r->tokens[r->n_tokens++] = first_token;
     dc_finish why = DC_FINISH_NONE;
     if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
+    if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP;
     if (s->sink.on_tokens)
         s->sink.on_tokens(s->sink.ctx, r->id, &first_token, 1, NULL, why, r->n_prompt,
                           r->n_generated);

@@ -36,6 +36,10 @@
  * a request that could never fit the whole pool (prompt + max_tokens) is refused at
  * submit; the oldest running request can always progress (preemption takes the most
  * recently admitted first), so the scheduler cannot deadlock.
+ * Structured output: a request with a grammar (td_sampling.grammar_kind) has a matcher that
+ * has seen every generated token (a moved request's are replayed at submit, a transfer's
+ * first token at transfer_done); each sample is masked by it, and a token that completes
+ * the document finishes the request STOP (the token is sent).
  * Threading: not thread-safe; the node's single engine loop calls everything.
  * Ownership: dc_sched_submit copies its inputs; the dc_step returned by dc_sched_plan
  * points into the scheduler and is valid until the next dc_sched_commit/plan.
@@ -46,6 +50,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "gr_grammar.h"
 #include "kv_pool.h"
 #include "model.h"
 #include "sampler.h"
@@ -93,6 +98,11 @@ typedef struct {
     int32_t max_ctx;        /* per-request context limit (prompt + generated); 0: model's */
     const int32_t *eog_ids; /* tokens that end generation unless ignore_eos */
     int n_eog;
+    /* structured output (grammar/gr_grammar.h), borrowed for the scheduler's life: the
+     * model's vocabulary and the process's compiled grammars. NULL: a request with a
+     * grammar is refused (TD_EUNSUPP). */
+    gr_vocab *vocab;
+    gr_cache *grammars;
 } dc_sched_params;
 
 typedef struct dc_sched dc_sched;
@@ -114,9 +124,11 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
                     dc_sched **out);
 void dc_sched_destroy(dc_sched *s); /* frees every request's blocks */
 
-/* Queue a request. TD_EINVAL: bad parameters or a duplicate id; TD_ENOSPC: it could never
- * fit the pool (prompt + max_tokens); TD_ERANGE: prompt past the context limit or a token
- * id outside the vocabulary. */
+/* Queue a request. TD_EINVAL: bad parameters or a duplicate id, or a grammar that does not
+ * compile or that a moved request's generated tokens leave; TD_EUNSUPP: a grammar without
+ * a vocabulary (dc_sched_params.vocab); TD_ENOSPC: it could never fit the pool (prompt +
+ * max_tokens); TD_ERANGE: prompt past the context limit or a token id outside the
+ * vocabulary. */
 int dc_sched_submit(dc_sched *s, const dc_request_params *p);
 /* Cancel: the request finishes (DC_FINISH_CANCELLED) and its blocks are freed at the
  * next dc_sched_plan. TD_ENOENT if no such request. A request still transferring is only

@@ -232,6 +232,29 @@ static void openai_penalties(const td_sampling *p, int32_t *count, struct kn_can
     }
 }
 
+void kn_sampler_set_mask(kn_sampler *s, const uint32_t *mask)
+{
+    s->mask = mask;
+}
+
+/* Structured output: -inf on every token the mask leaves out (then cleared: one call). 0, or
+ * TD_EINVAL when it allows none. */
+static int apply_mask(kn_sampler *s, struct kn_cand *c, int32_t n)
+{
+    const uint32_t *m = s->mask;
+    s->mask = NULL;
+    int32_t n_ok = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (m[i >> 5] >> (i & 31) & 1)
+            n_ok++;
+        else
+            c[i].logit = -INFINITY;
+    }
+    if (n_ok) return 0;
+    TD_LOG_ERR("the token mask allows no token");
+    return TD_EINVAL;
+}
+
 int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist,
                   int64_t n_out)
 {
@@ -241,6 +264,7 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
     if (n_out < 0 || n_out > n_hist || (n_out && !history)) return TD_EINVAL;
     for (int32_t i = 0; i < n; i++)
         c[i] = (struct kn_cand){.id = i, .logit = logits[i]};
+    if (s->mask && apply_mask(s, c, n)) return TD_EINVAL;
 
     bias_and_mask(p, c, n_out);
     if (s->seen && history) repeat_penalty(p, s->seen, c, n, history, n_hist);

@@ -9,6 +9,8 @@
  * distinct token among the last repeat_last_n of the history, prompt included (llama.cpp);
  * presence and frequency penalties count only the request's generated tokens (OpenAI and
  * vLLM): logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0).
+ * Mask: a token mask set with kn_sampler_set_mask (structured output) is applied before
+ * anything else: masked tokens get logit -inf and can never be drawn.
  * Invariants: the same params, seed, logits and history give the same token, on every
  * machine (the RNG is a counter-free xoshiro256** seeded with splitmix64).
  * Threading: a kn_sampler belongs to one sequence and one thread.
@@ -30,6 +32,8 @@ typedef struct {
     int32_t *count;        /* (n_vocab) zeroed scratch for the presence and frequency
                               penalties; NULL when both are 0 */
     uint8_t *seen;         /* (n_vocab) zeroed scratch for the repetition penalty; NULL when off */
+    const uint32_t *mask;  /* borrowed, for the next kn_sample only: bit (id & 31) of word
+                              id >> 5 set = allowed; NULL: every token */
 } kn_sampler;
 
 /* Seeds the sampler from p and advances it past p->skip_samples draws (kn_sampler_skip).
@@ -45,6 +49,11 @@ void kn_sampler_fini(kn_sampler *s);
  * n_out out of range). */
 int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist,
                   int64_t n_out);
+
+/* Restrict the next kn_sample call to the tokens whose bit is set in mask ((n_vocab + 31)
+ * / 32 words, borrowed until that call, which clears it). NULL: no restriction. A mask that
+ * allows no token makes kn_sample return TD_EINVAL. */
+void kn_sampler_set_mask(kn_sampler *s, const uint32_t *mask);
 
 /* Advance the sampler exactly as one successful kn_sample call does, without logits: a
  * token sampled elsewhere with the same params and seed (the last prefill stage samples

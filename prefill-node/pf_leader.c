@@ -488,6 +488,13 @@ static void handle_prefill(pf_leader *ld, const td_ctrl_server_in *in)
                                        "token id %d outside the vocabulary", p->token_ids[i]);
             return;
         }
+    if (p->sampling && p->sampling->grammar_kind) {
+        /* the last stage would sample the first token without the grammar's mask */
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_UNSUPPORTED,
+                                   "structured output (response_format) is not supported by "
+                                   "prefill instances yet");
+        return;
+    }
     uint32_t n_dst = p->n_decode_ranks ? p->n_decode_ranks : (uint32_t)p->n_kv_targets;
     if (n_dst < 1 || n_dst > PF_MAX_TARGETS) {
         td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,

@@ -12,6 +12,7 @@
 
 #include "chat_template.h"
 #include "rt_openai.h"
+#include "rt_format.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -21,6 +22,7 @@ void rt_params_fini(rt_params *p)
     for (int i = 0; i < p->n_more; i++)
         free(p->more[i].ids);
     free(p->more);
+    free(p->grammar);
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
     *p = (rt_params){0};
@@ -416,6 +418,7 @@ static const struct {
     {"spaces_between_special_tokens", EP_ALL},
     {"migrate", EP_ALL},
     {"timeout", EP_ALL},
+    {"response_format", EP_ALL}, /* structured output: rt_format.h */
     {"user", EP_ALL}, /* an end-user id for the caller's own monitoring: no effect, as OpenAI */
     {"n", EP_ALL},
     {"best_of", EP_C},
@@ -424,7 +427,6 @@ static const struct {
     {"echo", EP_C},
     /* the ones below are accepted only with the value that asks for nothing (unsupported) */
     {"suffix", EP_C},
-    {"response_format", EP_ALL},
     {"tools", EP_CH},
     {"tool_choice", EP_CH},
 };
@@ -475,13 +477,6 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     if (!absent(v) && !json_is_false(v))
         return rt_error_set(e, 400, "spaces_between_special_tokens", "unsupported_parameter",
                             "only 'spaces_between_special_tokens': false is supported");
-    v = json_object_get(o, "response_format");
-    if (!absent(v)) {
-        json_t *t = json_object_get(v, "type");
-        if (!json_is_string(t) || strcmp(json_string_value(t), "text"))
-            return rt_error_set(e, 400, "response_format", NULL,
-                                "only response_format {\"type\": \"text\"} is supported");
-    }
     v = json_object_get(o, "user");
     if (!absent(v) && !json_is_string(v)) return bad(e, "user", "'%s' must be a string%s", "");
     return 0;
@@ -626,7 +621,8 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     }
     if (!p->stream) p->include_usage = false;
     if ((rc = parse_stop(o, p, e)) || (rc = parse_stop_ids(r, o, p, e)) ||
-        (rc = parse_logit_bias(r, o, &p->sampling, e)))
+        (rc = parse_logit_bias(r, o, &p->sampling, e)) ||
+        (rc = rt_format_parse(o, &p->sampling, &p->grammar, e)))
         return rc;
     if (ep == RT_EP_COMPLETIONS)
         rc = parse_prompt(r, o, p, e);

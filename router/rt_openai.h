@@ -56,7 +56,9 @@ typedef struct {
     int32_t *prompt; /* (n_prompt) token ids, malloc'd */
     size_t n_prompt;
     int max_tokens;
-    td_sampling sampling; /* .skip_samples is set per attempt (rt_req_submit_msg) */
+    td_sampling sampling; /* .skip_samples is set per attempt (rt_req_submit_msg);
+                             .grammar points at grammar */
+    char *grammar;        /* response_format's schema text, malloc'd (rt_format.h); or NULL */
     bool ignore_eos;
     int32_t stop_ids[RT_MAX_STOP_IDS]; /* stop_token_ids: each ends the request (not sent) */
     int n_stop_ids;

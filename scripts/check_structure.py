@@ -51,6 +51,7 @@ PREFIXES = {
     "prefill-node": ("pf_",),
     "router": ("rt_",),
     "tools": ("cli_", "up_"),
+    "grammar": ("gr_",),
 }
 
 # Exported names every program defines once (one per binary, so several modules have one).

@@ -48,7 +48,7 @@ APT_PACKAGES=(
 # models' bytes: keep them pinned).
 PY_PACKAGES=(
   numpy==2.4.6 gguf==0.19.0 tokenizers==0.23.3 transformers==5.23.0
-  sentencepiece==0.2.3 jinja2==3.1.6 openai==3.54.0
+  sentencepiece==0.2.3 jinja2==3.1.6 openai==3.54.0 jsonschema==4.26.0
 )
 
 log() { echo "setup: $*" >&2; }

@@ -154,7 +154,8 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
            kvxfer/kvx_lookup.c kvxfer/kvx_pipe.c kvxfer/kvx_pipe_fake.c)
   TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/tok_vocab.c common/chat_template.c
            common/gguf.c common/td_dtype.c)
-  mkdir -p build-fuzz/config-corpus build-fuzz/config-seeds build-fuzz/kvx-corpus \
+  GR_SRC=(grammar/gr_schema.c grammar/gr_match.c grammar/gr_vocab.c grammar/gr_tok.c)
+  mkdir -p build-fuzz/grammar-corpus build-fuzz/config-corpus build-fuzz/config-seeds build-fuzz/kvx-corpus \
            build-fuzz/openai-corpus build-fuzz/pfwire-corpus build-fuzz/ctrl-gen
   built=()
   # two compilers at a time: fuzz_kvx in the background, the other two meanwhile
@@ -168,14 +169,20 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
     step_failed "fuzz_config: build failed"
   fi
   if protoc-c --c_out=build-fuzz/ctrl-gen -Iproto proto/tandem_ctrl.proto &&
-     "${FZ_CC[@]}" -Icommon -Irouter -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
-       router/rt_openai.c router/rt_buf.c "${TOK_SRC[@]}" common/td_err.c common/td_clock.c -ljansson -lpthread -lm \
+     "${FZ_CC[@]}" -Icommon -Irouter -Igrammar -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
+       router/rt_openai.c router/rt_format.c router/rt_buf.c "${GR_SRC[@]}" "${TOK_SRC[@]}" common/td_err.c common/td_clock.c -ljansson -lpthread -lm \
        -o build-fuzz/fuzz_openai &&
      "$PY" tests/ref/make_synth.py --out build-fuzz/tiny.gguf --arch llama --tiny >/dev/null; then
     built+=(openai)
     export TD_FUZZ_MODEL=$PWD/build-fuzz/tiny.gguf # the tokenizer and chat template
   else
     step_failed "fuzz_openai: build or model generation failed"
+  fi
+  if "${FZ_CC[@]}" -Icommon -Igrammar tests/fuzz/fuzz_grammar.c "${GR_SRC[@]}" "${TOK_SRC[@]}" \
+       common/td_err.c common/td_clock.c -ljansson -lpthread -lm -o build-fuzz/fuzz_grammar; then
+    built+=(grammar)
+  else
+    step_failed "fuzz_grammar: build failed"
   fi
   if "${FZ_CC[@]}" -Icommon -Iprefill-node tests/fuzz/fuzz_pfwire.c prefill-node/pf_wire.c \
        common/td_err.c common/td_clock.c -lpthread -lm -o build-fuzz/fuzz_pfwire; then

@@ -37,6 +37,12 @@ if(TANDEM_PYTHON)
   add_test(NAME router_openai
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_openai.py
                    ${RT_TEST_BINS} --model "${TANDEM_MODEL}")
+  if(TANDEM_MODEL)
+    add_test(NAME router_grammar
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_grammar.py
+                     ${RT_TEST_BINS} --model "${TANDEM_MODEL}")
+    set_tests_properties(router_grammar PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+  endif()
   add_test(NAME router_http
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_http.py
                    ${RT_TEST_BINS})

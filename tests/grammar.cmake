@@ -1,0 +1,5 @@
+# grammar/: the schema compiler, matcher and token masks; the mask cost bench is a tool.
+add_executable(test_grammar ${CMAKE_CURRENT_SOURCE_DIR}/grammar/test_grammar.c)
+target_include_directories(test_grammar PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_grammar PRIVATE td_grammar td_common)
+add_test(NAME grammar COMMAND test_grammar)
