@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "chat_template.h"
+#include "rt_chat.h"
 #include "rt_openai.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -20,6 +20,9 @@ void rt_params_fini(rt_params *p)
     free(p->prompt);
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
+    for (size_t i = 0; i < p->n_tool_names; i++)
+        free(p->tool_names[i]);
+    free(p->tool_names);
     *p = (rt_params){0};
 }
 
@@ -159,96 +162,14 @@ static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
     return 0;
 }
 
-/* A message carries role and content; an empty tool_calls asks for nothing. Any other field
- * (name, tool_calls, tool_call_id, ...) would be dropped by the template, so it is refused. */
-static int message_fields(json_t *m, size_t i, rt_error *e)
-{
-    const char *key;
-    json_t *v;
-    json_object_foreach(m, key, v)
-    {
-        if (!strcmp(key, "role") || !strcmp(key, "content")) continue;
-        if (!strcmp(key, "tool_calls") && (absent(v) || (json_is_array(v) && !json_array_size(v))))
-            continue;
-        return rt_error_set(e, 400, "messages", "unsupported_parameter",
-                            "messages[%zu].%.100s is not supported by Tandem", i, key);
-    }
-    return 0;
-}
-
+/* The messages (and tools) rendered with the model's template (rt_chat.c), tokenized. */
 static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
-    json_t *v = json_object_get(o, "messages");
-    if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required");
-    if (!json_is_array(v) || json_array_size(v) == 0)
-        return bad(e, "messages", "'%s' must be a non-empty array of messages%s", "");
-    size_t n = json_array_size(v);
-    td_chat_msg *msgs = calloc(n, sizeof *msgs);
-    char **owned = calloc(n, sizeof *owned);
-    int rc = 0;
-    if (!msgs || !owned) rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-    for (size_t i = 0; i < n && !rc; i++) {
-        json_t *m = json_array_get(v, i);
-        json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content");
-        if (!json_is_object(m) || !json_is_string(role)) {
-            rc = rt_error_set(e, 400, "messages", NULL,
-                              "messages[%zu] must be an object with a string 'role'", i);
-            break;
-        }
-        if ((rc = message_fields(m, i, e))) break;
-        const char *rs = json_string_value(role);
-        if (!strcmp(rs, "developer")) rs = "system";
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant")) {
-            rc = rt_error_set(e, 400, "messages", NULL,
-                              "messages[%zu].role must be system, user or assistant", i);
-            break;
-        }
-        msgs[i].role = rs;
-        if (json_is_string(content)) {
-            msgs[i].content = json_string_value(content);
-        } else if (absent(content) && !strcmp(rs, "assistant")) {
-            msgs[i].content = "";
-        } else if (json_is_array(content)) {
-            rt_buf b = {0};
-            for (size_t k = 0; k < json_array_size(content) && !rc; k++) {
-                json_t *part = json_array_get(content, k);
-                json_t *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
-                if (!json_is_string(type) || strcmp(json_string_value(type), "text") ||
-                    !json_is_string(text)) {
-                    rc = rt_error_set(e, 400, "messages", NULL,
-                                      "messages[%zu].content[%zu]: only {\"type\": \"text\", "
-                                      "\"text\": ...} parts are supported",
-                                      i, k);
-                    break;
-                }
-                if (rt_buf_append(&b, json_string_value(text), json_string_length(text)))
-                    rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-            }
-            if (!rc && rt_buf_append(&b, "", 0))
-                rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-            owned[i] = b.buf;
-            msgs[i].content = b.buf ? b.buf : "";
-        } else {
-            rc =
-                rt_error_set(e, 400, "messages", NULL,
-                             "messages[%zu].content must be a string or an array of text parts", i);
-        }
-    }
     char *text = NULL;
-    if (!rc) {
-        int err = td_chat_render(r->tmpl, r->tmpl_len, msgs, n, true, &text);
-        if (err)
-            rc = rt_error_set(e, 500, NULL, NULL, "cannot render the chat template: %s",
-                              td_strerror(err));
-    }
+    int rc = rt_chat_prompt(r, o, p, &text, e);
     /* the template writes BOS itself where the model wants one */
     if (!rc) rc = tokenize(r, text, strlen(text), false, p, e);
     free(text);
-    if (owned)
-        for (size_t i = 0; i < n; i++)
-            free(owned[i]);
-    free(owned);
-    free(msgs);
     return rc;
 }
 
@@ -301,6 +222,7 @@ static const struct {
     {"response_format", EP_ALL},
     {"tools", EP_CH},
     {"tool_choice", EP_CH},
+    {"parallel_tool_calls", EP_CH},
 };
 
 static int unknown_fields(json_t *o, rt_endpoint ep, rt_error *e)
@@ -347,15 +269,6 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
         return rt_error_set(e, 400, "top_logprobs", NULL, "'top_logprobs' is not supported");
     v = json_object_get(o, "suffix");
     if (!absent(v)) return rt_error_set(e, 400, "suffix", NULL, "'suffix' is not supported");
-    v = json_object_get(o, "tools");
-    if (!absent(v) && !(json_is_array(v) && json_array_size(v) == 0))
-        return rt_error_set(e, 400, "tools", NULL, "'tools' is not supported");
-    /* without tools, "none" and "auto" both mean plain text: nothing is left undone */
-    v = json_object_get(o, "tool_choice");
-    if (!absent(v) && !(json_is_string(v) && (!strcmp(json_string_value(v), "none") ||
-                                              !strcmp(json_string_value(v), "auto"))))
-        return rt_error_set(e, 400, "tool_choice", NULL,
-                            "'tool_choice' must be \"none\" or \"auto\": tools are not supported");
     v = json_object_get(o, "logit_bias");
     if (!absent(v) && !(json_is_object(v) && json_object_size(v) == 0))
         return rt_error_set(e, 400, "logit_bias", NULL, "'logit_bias' is not supported");

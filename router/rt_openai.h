@@ -53,6 +53,11 @@ typedef struct {
     bool stream, include_usage;
     int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
     bool no_migrate;    /* the body's "migrate": false: fail rather than move mid-stream */
+    bool tool_parse;    /* chat with tools and tool_choice "auto": the output is parsed into
+                           tool_calls (rt_tools.h) */
+    bool tool_parallel; /* parallel_tool_calls (default true); false: the first call only */
+    char **tool_names;  /* (n_tool_names) with tool_parse: the declared tools, malloc'd */
+    size_t n_tool_names;
 } rt_params;
 
 void rt_params_fini(rt_params *p);

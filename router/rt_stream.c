@@ -14,6 +14,7 @@
 
 #include "rt.h"
 #include "rt_stream.h"
+#include "rt_tools.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -101,20 +102,66 @@ static json_t *text_choice(const rt_req *q, const char *text, size_t len, const 
                      "finish_reason", fin);
 }
 
-/* Send len bytes of text (finish NULL: more follows). Caller holds q->mu. */
-static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char *finish)
+static int role_chunk(const rt_router *r, rt_req *q)
 {
-    if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
-    if (!len && !finish) return 0;
-    int rc = 0;
-    if (q->p.ep == RT_EP_CHAT && !q->loop.role_sent) {
-        q->loop.role_sent = true;
-        rc = sse_chunk(r, q,
-                       json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", 0, "delta", "role",
-                                 "assistant", "content", "", "logprobs", "finish_reason"),
-                       NULL);
+    if (q->p.ep != RT_EP_CHAT || q->loop.role_sent) return 0;
+    q->loop.role_sent = true;
+    return sse_chunk(r, q,
+                     json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", 0, "delta", "role",
+                               "assistant", "content", "", "logprobs", "finish_reason"),
+                     NULL);
+}
+
+/* A tool parser event as a chunk (stream) */
+typedef struct {
+    const rt_router *r;
+    rt_req *q;
+} rt_tool_sink;
+
+static int tool_chunk(void *ctx, const rt_tool_ev *ev)
+{
+    rt_tool_sink *k = ctx;
+    int rc = role_chunk(k->r, k->q);
+    json_t *d = rt_tool_ev_delta(ev);
+    if (rc || !d) {
+        json_decref(d);
+        return rc ? rc : TD_ENOMEM;
     }
-    if (!rc) rc = sse_chunk(r, q, text_choice(q, text, len, finish), NULL);
+    return sse_chunk(
+        k->r, k->q,
+        json_pack("{s:i, s:o, s:n, s:n}", "index", 0, "delta", d, "logprobs", "finish_reason"),
+        NULL);
+}
+
+/* Chat with tool parsing: the text goes through the parser; finish also ends it, and
+ * "stop" becomes "tool_calls" when a call was made. */
+static int emit_tools(const rt_router *r, rt_req *q, const char *text, size_t len,
+                      const char **finish)
+{
+    if (!q->loop.toolp &&
+        !(q->loop.toolp = rt_toolp_create(q->oid, q->p.tool_parallel,
+                                          (const char *const *)q->p.tool_names, q->p.n_tool_names)))
+        return TD_ENOMEM;
+    rt_tool_sink k = {r, q};
+    rt_tool_ev_fn fn = q->p.stream ? tool_chunk : NULL;
+    int rc = rt_toolp_feed(q->loop.toolp, text, len, fn, &k);
+    if (rc || !*finish) return rc;
+    if ((rc = rt_toolp_finish(q->loop.toolp, fn, &k))) return rc;
+    if (rt_toolp_n_calls(q->loop.toolp) && !strcmp(*finish, "stop")) *finish = "tool_calls";
+    if (!q->p.stream) return 0;
+    if ((rc = role_chunk(r, q))) return rc;
+    return sse_chunk(r, q, text_choice(q, "", 0, *finish), NULL);
+}
+
+/* Send len bytes of text (finish NULL: more follows; a tool-call answer may change it).
+ * Caller holds q->mu. */
+static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char **finish)
+{
+    if (q->p.tool_parse) return emit_tools(r, q, text, len, finish);
+    if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
+    if (!len && !*finish) return 0;
+    int rc = role_chunk(r, q);
+    if (!rc) rc = sse_chunk(r, q, text_choice(q, text, len, *finish), NULL);
     return rc;
 }
 
@@ -156,18 +203,35 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
     size_t send = q->loop.held.len - keep;
     if (!send) return 0;
     pthread_mutex_lock(&q->mu);
-    rc = emit(r, q, q->loop.held.buf, send, NULL);
+    const char *more = NULL;
+    rc = emit(r, q, q->loop.held.buf, send, &more);
     pthread_mutex_unlock(&q->mu);
     rt_buf_consume(&q->loop.held, send);
     if (q->p.stream) rt_req_wake(q);
     return rc;
 }
 
+/* The message of a chat answer with tool parsing: content (null if none) and tool_calls
+ * (left out if none). */
+static json_t *tool_message(const rt_req *q)
+{
+    size_t len = 0;
+    const char *c = q->loop.toolp ? rt_toolp_content(q->loop.toolp, &len) : NULL;
+    json_t *m = json_pack("{s:s, s:o}", "role", "assistant", "content",
+                          c ? json_stringn(c, len) : json_null());
+    if (m && q->loop.toolp && rt_toolp_n_calls(q->loop.toolp))
+        json_object_set_new(m, "tool_calls", rt_toolp_calls_json(q->loop.toolp));
+    return m;
+}
+
 static char *final_body(const rt_router *r, rt_req *q, const char *finish)
 {
     json_t *choice;
     const char *text = q->loop.text.buf ? q->loop.text.buf : "";
-    if (q->p.ep == RT_EP_CHAT)
+    if (q->p.tool_parse)
+        choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "message", tool_message(q),
+                           "logprobs", "finish_reason", finish);
+    else if (q->p.ep == RT_EP_CHAT)
         choice =
             json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", 0, "message", "role", "assistant",
                       "content", text, q->loop.text.len, "logprobs", "finish_reason", finish);
@@ -201,7 +265,7 @@ int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
     if (q->loop.stop_hit) fin = RT_FIN_STOP;
     const char *finish = finish_name(fin);
     pthread_mutex_lock(&q->mu);
-    if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, finish);
+    if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, &finish);
     if (!rc && q->p.stream) {
         if (q->p.include_usage) rc = sse_chunk(r, q, NULL, usage_obj(q));
         if (!rc) rc = rt_buf_puts(&q->http.out, "data: [DONE]\n\n");

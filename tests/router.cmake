@@ -18,7 +18,22 @@ target_link_libraries(test_rt_unit PRIVATE rt_core)
 add_test(NAME test_rt_unit COMMAND test_rt_unit)
 set_tests_properties(test_rt_unit PROPERTIES TIMEOUT 60)
 
+add_executable(test_rt_tools ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_tools.c)
+target_include_directories(test_rt_tools PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_rt_tools PRIVATE rt_core)
+add_test(NAME test_rt_tools COMMAND test_rt_tools)
+set_tests_properties(test_rt_tools PROPERTIES TIMEOUT 60)
+add_executable(test_rt_chat ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_chat.c)
+target_link_libraries(test_rt_chat PRIVATE rt_core)
+
 if(TANDEM_PYTHON)
+  # tools rendered byte-exact against the Qwen2.5 template under jinja2 (as transformers)
+  add_test(NAME router_chat_tools
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_chat_tools.py
+                   --bin $<TARGET_FILE:test_rt_chat>
+                   --template ${CMAKE_CURRENT_SOURCE_DIR}/router/data/qwen2.5-chat-template.jinja
+                   --gguf "${TANDEM_MODEL_QWEN05}" --smollm "${TANDEM_MODEL}")
+  set_tests_properties(router_chat_tools PROPERTIES TIMEOUT 120)
   add_test(NAME test_rt_unit_tok COMMAND test_rt_unit ${TANDEM_TEST_DATA}/synth/llama.gguf)
   set_tests_properties(test_rt_unit_tok PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 60)
 
