@@ -194,14 +194,14 @@ static int keep(rt_chat_st *st, char *s, rt_error *e)
     return 0;
 }
 
-static int parse_tools(const rt_model *r, json_t *o, rt_chat_st *st, rt_error *e)
+static int parse_tools(const char *tmpl, size_t tmpl_len, json_t *o, rt_chat_st *st, rt_error *e)
 {
     json_t *v = json_object_get(o, "tools");
     if (absent(v)) return 0;
     if (!json_is_array(v))
         return rt_error_set(e, 400, "tools", NULL, "'tools' must be an array of tools");
     size_t n = json_array_size(v);
-    if (n && !td_chat_has_tools(r->tmpl, r->tmpl_len))
+    if (n && !td_chat_has_tools(tmpl, tmpl_len))
         return rt_error_set(e, 400, "tools", "unsupported_parameter",
                             "'tools' needs a chat template that renders tools (Qwen2.5's "
                             "tools block); this model's template has none");
@@ -233,14 +233,14 @@ static int parse_tools(const rt_model *r, json_t *o, rt_chat_st *st, rt_error *e
     return 0;
 }
 
-static int parse_choice(json_t *o, size_t n_tools, rt_params *p, rt_error *e)
+static int parse_choice(json_t *o, size_t n_tools, rt_chat_tools *p, rt_error *e)
 {
     json_t *v = json_object_get(o, "tool_choice"), *par = json_object_get(o, "parallel_tool_calls");
     bool auto_ = true;
     if (!absent(par) && !json_is_boolean(par))
         return rt_error_set(e, 400, "parallel_tool_calls", NULL,
                             "'parallel_tool_calls' must be a boolean");
-    p->tool_parallel = absent(par) || json_is_true(par);
+    p->parallel = absent(par) || json_is_true(par);
     if (json_is_string(v) && !strcmp(json_string_value(v), "none")) {
         auto_ = false;
     } else if (json_is_string(v) && !strcmp(json_string_value(v), "required")) {
@@ -258,22 +258,22 @@ static int parse_choice(json_t *o, size_t n_tools, rt_params *p, rt_error *e)
                             "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                             "{\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
-    p->tool_parse = auto_ && n_tools > 0;
+    p->parse = auto_ && n_tools > 0;
     return 0;
 }
 
 /* The declared tools' names, for the output parser (rt_tools.h). */
-static int tool_names(json_t *o, rt_params *p, rt_error *e)
+static int tool_names(json_t *o, rt_chat_tools *p, rt_error *e)
 {
     json_t *v = json_object_get(o, "tools");
     size_t n = json_array_size(v);
-    p->tool_names = calloc(n, sizeof *p->tool_names);
-    if (!p->tool_names) return rt_error_set(e, 500, NULL, NULL, "out of memory");
+    p->names = calloc(n, sizeof *p->names);
+    if (!p->names) return rt_error_set(e, 500, NULL, NULL, "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *name = json_object_get(json_object_get(json_array_get(v, i), "function"), "name");
-        if (!(p->tool_names[i] = strdup(json_string_value(name))))
+        if (!(p->names[i] = strdup(json_string_value(name))))
             return rt_error_set(e, 500, NULL, NULL, "out of memory");
-        p->n_tool_names++;
+        p->n_names++;
     }
     return 0;
 }
@@ -430,7 +430,16 @@ static void chat_st_fini(rt_chat_st *st)
     free(st->msgs);
 }
 
-int rt_chat_prompt(const rt_model *r, json_t *o, rt_params *p, char **text, rt_error *e)
+void rt_chat_tools_fini(rt_chat_tools *t)
+{
+    for (size_t i = 0; i < t->n_names; i++)
+        free(t->names[i]);
+    free(t->names);
+    *t = (rt_chat_tools){0};
+}
+
+int rt_chat_prompt(const char *tmpl, size_t tmpl_len, json_t *o, rt_chat_tools *p, char **text,
+                   rt_error *e)
 {
     *text = NULL;
     json_t *v = json_object_get(o, "messages");
@@ -443,15 +452,15 @@ int rt_chat_prompt(const rt_model *r, json_t *o, rt_params *p, char **text, rt_e
     st.calls = calloc(st.n, sizeof *st.calls);
     int rc = 0;
     if (!st.msgs || !st.calls) rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-    if (!rc) rc = parse_tools(r, o, &st, e);
+    if (!rc) rc = parse_tools(tmpl, tmpl_len, o, &st, e);
     if (!rc) rc = parse_choice(o, st.n_tools, p, e);
-    if (!rc && p->tool_parse) rc = tool_names(o, p, e);
-    bool tools_ok = td_chat_has_tools(r->tmpl, r->tmpl_len);
+    if (!rc && p->parse) rc = tool_names(o, p, e);
+    bool tools_ok = td_chat_has_tools(tmpl, tmpl_len);
     for (size_t i = 0; i < st.n && !rc; i++)
         rc = parse_message(json_array_get(v, i), i, tools_ok, &st, e);
     if (!rc) {
-        int err = td_chat_render_tools(r->tmpl, r->tmpl_len, st.msgs, st.n,
-                                       (const char *const *)st.tools, st.n_tools, true, text);
+        int err = td_chat_render_tools(tmpl, tmpl_len, st.msgs, st.n, (const char *const *)st.tools,
+                                       st.n_tools, true, text);
         if (err)
             rc = rt_error_set(e, 500, NULL, NULL, "cannot render the chat template: %s",
                               td_strerror(err));

@@ -13,20 +13,33 @@
  * (rt_tools.h); "none" keeps the tools in the prompt (as vLLM does) and returns text;
  * "required" and a named function need arguments constrained to the schema and answer 400
  * until the grammar engine is wired in; `strict: true` likewise.
- * Threading: HTTP threads; reads only the read-only rt_model.
+ * Threading: HTTP threads; reads only the template text and the body.
  * Ownership: *text is malloc'd (the caller frees it); body is only read.
  */
 #ifndef RT_CHAT_H
 #define RT_CHAT_H
 
 #include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
 
-#include "rt_openai.h"
+#include "rt_buf.h"
 
-/* Validate the chat body's messages and tool fields, set p->tool_parse and
- * p->tool_parallel, and render the prompt into *text. Returns 0, or the HTTP status with e
- * filled. */
-int rt_chat_prompt(const rt_model *r, json_t *body, rt_params *p, char **text, rt_error *e);
+/* What the output side needs to know of a request's tools. */
+typedef struct {
+    bool parse;    /* tools with tool_choice "auto": the output is parsed into tool_calls */
+    bool parallel; /* parallel_tool_calls (default true); false: the first call only */
+    char **names;  /* (n_names) with parse: the declared tools' names, malloc'd */
+    size_t n_names;
+} rt_chat_tools;
+
+void rt_chat_tools_fini(rt_chat_tools *t);
+
+/* Validate the chat body's messages and tool fields, fill *t, and render the prompt with
+ * the template tmpl[0..tmpl_len) into *text. Returns 0, or the HTTP status with e filled
+ * (*t may then hold names: rt_chat_tools_fini). */
+int rt_chat_prompt(const char *tmpl, size_t tmpl_len, json_t *body, rt_chat_tools *t, char **text,
+                   rt_error *e);
 
 /* v written as Python's json.dumps(v, ensure_ascii=False) writes it (Jinja's tojson under
  * transformers): malloc'd, NULL out of memory. */

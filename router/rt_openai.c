@@ -10,7 +10,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "rt_chat.h"
 #include "rt_openai.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -20,9 +19,7 @@ void rt_params_fini(rt_params *p)
     free(p->prompt);
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
-    for (size_t i = 0; i < p->n_tool_names; i++)
-        free(p->tool_names[i]);
-    free(p->tool_names);
+    rt_chat_tools_fini(&p->tools);
     *p = (rt_params){0};
 }
 
@@ -166,7 +163,7 @@ static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
     char *text = NULL;
-    int rc = rt_chat_prompt(r, o, p, &text, e);
+    int rc = rt_chat_prompt(r->tmpl, r->tmpl_len, o, &p->tools, &text, e);
     /* the template writes BOS itself where the model wants one */
     if (!rc) rc = tokenize(r, text, strlen(text), false, p, e);
     free(text);

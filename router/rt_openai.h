@@ -20,6 +20,7 @@
 
 #include "config.h"
 #include "rt_buf.h"
+#include "rt_chat.h"
 #include "td_sampling.h"
 #include "tokenizer.h"
 
@@ -51,13 +52,9 @@ typedef struct {
     size_t stop_len[RT_MAX_STOP];
     int n_stop;
     bool stream, include_usage;
-    int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
-    bool no_migrate;    /* the body's "migrate": false: fail rather than move mid-stream */
-    bool tool_parse;    /* chat with tools and tool_choice "auto": the output is parsed into
-                           tool_calls (rt_tools.h) */
-    bool tool_parallel; /* parallel_tool_calls (default true); false: the first call only */
-    char **tool_names;  /* (n_tool_names) with tool_parse: the declared tools, malloc'd */
-    size_t n_tool_names;
+    int64_t timeout_ms;  /* the body's "timeout" (seconds) in ms; 0: not given */
+    bool no_migrate;     /* the body's "migrate": false: fail rather than move mid-stream */
+    rt_chat_tools tools; /* chat: tools, tool_choice, parallel_tool_calls (rt_chat.h) */
 } rt_params;
 
 void rt_params_fini(rt_params *p);

@@ -138,9 +138,9 @@ static int tool_chunk(void *ctx, const rt_tool_ev *ev)
 static int emit_tools(const rt_router *r, rt_req *q, const char *text, size_t len,
                       const char **finish)
 {
-    if (!q->loop.toolp &&
-        !(q->loop.toolp = rt_toolp_create(q->oid, q->p.tool_parallel,
-                                          (const char *const *)q->p.tool_names, q->p.n_tool_names)))
+    if (!q->loop.toolp && !(q->loop.toolp = rt_toolp_create(q->oid, q->p.tools.parallel,
+                                                            (const char *const *)q->p.tools.names,
+                                                            q->p.tools.n_names)))
         return TD_ENOMEM;
     rt_tool_sink k = {r, q};
     rt_tool_ev_fn fn = q->p.stream ? tool_chunk : NULL;
@@ -157,7 +157,7 @@ static int emit_tools(const rt_router *r, rt_req *q, const char *text, size_t le
  * Caller holds q->mu. */
 static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char **finish)
 {
-    if (q->p.tool_parse) return emit_tools(r, q, text, len, finish);
+    if (q->p.tools.parse) return emit_tools(r, q, text, len, finish);
     if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
     if (!len && !*finish) return 0;
     int rc = role_chunk(r, q);
@@ -228,7 +228,7 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
 {
     json_t *choice;
     const char *text = q->loop.text.buf ? q->loop.text.buf : "";
-    if (q->p.tool_parse)
+    if (q->p.tools.parse)
         choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "message", tool_message(q),
                            "logprobs", "finish_reason", finish);
     else if (q->p.ep == RT_EP_CHAT)

@@ -40,18 +40,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot read %s or %s\n", argv[1], argv[2]);
         return 2;
     }
-    rt_model m = {.tmpl = tmpl, .tmpl_len = tlen};
-    rt_params p = {0};
+    rt_chat_tools p = {0};
     rt_error e = {0};
     char *text = NULL;
-    int rc = rt_chat_prompt(&m, body, &p, &text, &e);
+    int rc = rt_chat_prompt(tmpl, tlen, body, &p, &text, &e);
     if (rc) {
         printf("{\"status\": %d, \"message\": \"%s\"}\n", e.status, e.message);
     } else {
         fwrite(text, 1, strlen(text), stdout);
-        fprintf(stderr, "tool_parse %d parallel %d\n", p.tool_parse, p.tool_parallel);
+        fprintf(stderr, "tool_parse %d parallel %d\n", p.parse, p.parallel);
     }
     free(text);
+    rt_chat_tools_fini(&p);
     json_decref(body);
     free(tmpl);
     return rc ? 3 : 0;
