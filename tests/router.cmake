@@ -61,3 +61,16 @@ if(TANDEM_PYTHON)
   set_tests_properties(router_openai router_http router_faults router_limits PROPERTIES
                        FIXTURES_REQUIRED synth_models TIMEOUT 600)
 endif()
+
+# router_tools: tool calling with the `openai` client on the real Qwen2.5-Coder 0.5B model
+# (TANDEM_MODEL_QWEN05), colocated and disaggregated: a parsed call, streaming == not,
+# tool_choice none, a history with the tool result. Release, 2 busy cores: 20 + 16 s.
+if(TANDEM_PYTHON AND TANDEM_MODEL_QWEN05)
+  add_test(NAME router_tools
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_tools.py
+                   --router $<TARGET_FILE:tandem-router> --decode $<TARGET_FILE:tandem-decode>
+                   --prefill $<TARGET_FILE:tandem-prefill> --tandem $<TARGET_FILE:tandem>
+                   --model ${TANDEM_MODEL_QWEN05})
+  set_tests_properties(router_tools PROPERTIES TIMEOUT 600 RUN_SERIAL TRUE LABELS models
+                       ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+endif()
