@@ -5,6 +5,7 @@
  * that answer must be the expected one whatever the split. */
 #define _GNU_SOURCE /* memmem */
 #include <jansson.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -204,6 +205,78 @@ static void test_bare(void)
     n_names = sizeof names / sizeof names[0];
 }
 
+/* Random texts from the format's pieces, fed in random splits: the stream always
+ * assembles to the parser's own answer (and nothing crashes: run it under ASan). */
+static void test_random(void)
+{
+    static const char *const bits[] = {"<tool_call>",
+                                       "</tool_call>",
+                                       "<tool_",
+                                       "{",
+                                       "}",
+                                       "[",
+                                       "]",
+                                       "\"name\"",
+                                       ": ",
+                                       ", ",
+                                       "\"arguments\"",
+                                       "\"f\"",
+                                       "\"get_weather\"",
+                                       "\"x\\\"\"",
+                                       "\n",
+                                       " ",
+                                       "```json\n",
+                                       "```",
+                                       "text",
+                                       "1.5",
+                                       "<",
+                                       "\\"};
+    uint64_t r = 42;
+    for (int it = 0; it < 3000; it++) {
+        char text[512];
+        size_t n = 0;
+        int k = 1 + (int)((r = r * 6364136223846793005ull + 1442695040888963407ull) >> 60);
+        for (int j = 0; j < k * 3; j++) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            const char *b = bits[(r >> 33) % (sizeof bits / sizeof bits[0])];
+            size_t l = strlen(b);
+            if (n + l >= sizeof text) break;
+            memcpy(text + n, b, l);
+            n += l;
+        }
+        text[n] = 0;
+        rt_toolp *p = rt_toolp_create("seed", (r >> 20) & 1, names, (r >> 21) & 1 ? n_names : 0);
+        TH_REQUIRE(p != NULL);
+        asm_t a = {.order_ok = true};
+        for (size_t i = 0; i < n;) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            size_t step = 1 + (r >> 40) % 9;
+            if (step > n - i) step = n - i;
+            TH_CHECK(rt_toolp_feed(p, text + i, step, on_ev, &a) == 0);
+            i += step;
+        }
+        TH_CHECK(rt_toolp_finish(p, on_ev, &a) == 0);
+        size_t clen = 0;
+        const char *c = rt_toolp_content(p, &clen);
+        json_t *calls = rt_toolp_calls_json(p);
+        bool same = a.has_content == (c != NULL) && a.content.len == clen &&
+                    (!clen || !memcmp(a.content.buf, c, clen)) && a.order_ok &&
+                    a.n_calls == (rt_toolp_n_calls(p) < MAXC ? rt_toolp_n_calls(p) : MAXC);
+        for (int q = 0; same && q < a.n_calls; q++) {
+            json_t *f = json_object_get(json_array_get(calls, q), "function");
+            const char *args = json_string_value(json_object_get(f, "arguments"));
+            same = args && strlen(args) == a.args[q].len &&
+                   !memcmp(args, a.args[q].buf, a.args[q].len);
+        }
+        TH_CHECKF(same, "random %d: the stream differs from the answer for '%s'", it, text);
+        json_decref(calls);
+        rt_buf_free(&a.content);
+        for (int q = 0; q < MAXC; q++)
+            rt_buf_free(&a.args[q]);
+        rt_toolp_destroy(p);
+    }
+}
+
 int main(void)
 {
     TH_RUN(test_complete);
@@ -211,5 +284,6 @@ int main(void)
     TH_RUN(test_partial);
     TH_RUN(test_malformed);
     TH_RUN(test_bare);
+    TH_RUN(test_random);
     TH_EXIT();
 }
