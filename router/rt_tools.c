@@ -8,6 +8,10 @@
  *    +--"</tool_call>"---- RAW (held whole, parsed as JSON at the end tag)                |
  *    +--"</tool_call>" (or text that cannot belong to the tail) ---------------------------+
  *
+ * BARE (the start when tools are declared, and after a call without tags): pend holds the
+ * text that may still be {"name": <declared>, "arguments": { (or a ```json fence of it);
+ * such a call goes to ARGS and its tail ends at its "}" (or the closing fence), back to
+ * BARE; anything else is fed again from OUT.
  * OUT: pend holds outside text not yet emitted (whitespace only, or a partial tag).
  * HEAD, RAW: pend holds the call's text after "<tool_call>". TAIL: pend holds the text
  * after the arguments. ARGS: nothing is held; the scanner tracks strings and brackets. */
