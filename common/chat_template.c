@@ -170,17 +170,181 @@ static void render_gemma(td_sbuf *b, const td_chat_msg *msgs, size_t n, bool add
     if (add_generation_prompt) sb_str(b, "<start_of_turn>model\n");
 }
 
-int td_chat_render(const char *tmpl, size_t tmpl_len, const td_chat_msg *msgs, size_t n,
-                   bool add_generation_prompt, char **out)
+/* ---- tools: chatml templates with Qwen2.5's (Hermes-style) tools block ---- */
+
+/* The template's literal pieces, as its source spells them (inside Jinja string literals:
+ * \n and \" escaped). A template has tools when it holds every one of them; the rendered
+ * text is each piece unescaped. */
+enum {
+    TK_PRE,
+    TK_POST,
+    TK_CALL_OPEN,
+    TK_CALL_MID,
+    TK_CALL_CLOSE,
+    TK_RESP_OPEN,
+    TK_RESP_CLOSE,
+    TK_N
+};
+static const char *const tools_src[TK_N] = {
+    [TK_PRE] = "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user "
+               "query.\\n\\nYou are provided with function signatures within <tools></tools> "
+               "XML tags:\\n<tools>",
+    [TK_POST] = "\\n</tools>\\n\\nFor each function call, return a json object with function "
+                "name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+                "{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n"
+                "</tool_call><|im_end|>\\n",
+    [TK_CALL_OPEN] = "\\n<tool_call>\\n{\"name\": \"",
+    [TK_CALL_MID] = "\", \"arguments\": ",
+    [TK_CALL_CLOSE] = "}\\n</tool_call>",
+    [TK_RESP_OPEN] = "\\n<tool_response>\\n",
+    [TK_RESP_CLOSE] = "\\n</tool_response>",
+};
+
+/* Unescape a Jinja literal's \n, \t and \" (and \\) into b. */
+static void sb_unescaped(td_sbuf *b, const char *s, const char *end)
 {
-    if (!out) return TD_EINVAL;
-    *out = NULL;
-    if (!tmpl || (!msgs && n)) return TD_EINVAL;
+    for (const char *c = s; c < end; c++) {
+        if (*c == '\\' && c + 1 < end) {
+            c++;
+            char x = *c == 'n' ? '\n' : *c == 't' ? '\t' : *c;
+            sb_add(b, &x, 1);
+        } else {
+            sb_add(b, c, 1);
+        }
+    }
+}
+
+static void sb_piece(td_sbuf *b, int k)
+{
+    sb_unescaped(b, tools_src[k], tools_src[k] + strlen(tools_src[k]));
+}
+
+bool td_chat_has_tools(const char *tmpl, size_t tmpl_len)
+{
+    if (!tmpl || detect(tmpl, tmpl_len, NULL) != TD_CHAT_CHATML) return false;
+    for (int k = 0; k < TK_N; k++)
+        if (!contains(tmpl, tmpl_len, tools_src[k])) return false;
+    bool oom = false;
+    char *sys = default_system(tmpl, tmpl_len, &oom);
+    free(sys);
+    return sys != NULL;
+}
+
+static bool needs_tools(const td_chat_msg *msgs, size_t n, size_t n_tools)
+{
+    if (n_tools) return true;
     for (size_t i = 0; i < n; i++)
-        if (!msgs[i].role || !msgs[i].content) {
+        if (msgs[i].n_tool_calls || !strcmp(msgs[i].role, "tool")) return true;
+    return false;
+}
+
+/* Qwen2.5's template: the system turn (the first system message, else the default) with the
+ * tools block when there are tools; assistant tool calls as <tool_call> blocks; runs of
+ * "tool" messages as one user turn of <tool_response> blocks. */
+static void render_qwen_tools(td_sbuf *b, const char *dflt, const td_chat_msg *msgs, size_t n,
+                              const char *const *tools, size_t n_tools, bool gen)
+{
+    bool first_sys = n > 0 && !strcmp(msgs[0].role, "system");
+    sb_str(b, "<|im_start|>system\n");
+    sb_str(b, first_sys ? msgs[0].content : dflt);
+    if (n_tools) {
+        sb_piece(b, TK_PRE);
+        for (size_t t = 0; t < n_tools; t++) {
+            sb_str(b, "\n");
+            sb_str(b, tools[t]);
+        }
+        sb_piece(b, TK_POST);
+    } else {
+        sb_str(b, "<|im_end|>\n");
+    }
+    for (size_t i = 0; i < n; i++) {
+        const td_chat_msg *m = &msgs[i];
+        bool asst = !strcmp(m->role, "assistant"), tool = !strcmp(m->role, "tool");
+        if (!tool && !(asst && m->n_tool_calls)) {
+            if (i == 0 && first_sys) continue;
+            sb_str(b, "<|im_start|>");
+            sb_str(b, m->role);
+            sb_str(b, "\n");
+            sb_str(b, m->content);
+            sb_str(b, "<|im_end|>\n");
+        } else if (asst) {
+            sb_str(b, "<|im_start|>assistant");
+            if (m->content && *m->content) {
+                sb_str(b, "\n");
+                sb_str(b, m->content);
+            }
+            for (size_t k = 0; k < m->n_tool_calls; k++) {
+                sb_piece(b, TK_CALL_OPEN);
+                sb_str(b, m->tool_calls[k].name);
+                sb_piece(b, TK_CALL_MID);
+                sb_str(b, m->tool_calls[k].arguments);
+                sb_piece(b, TK_CALL_CLOSE);
+            }
+            sb_str(b, "<|im_end|>\n");
+        } else {
+            if (i == 0 || strcmp(msgs[i - 1].role, "tool")) sb_str(b, "<|im_start|>user");
+            sb_piece(b, TK_RESP_OPEN);
+            sb_str(b, m->content);
+            sb_piece(b, TK_RESP_CLOSE);
+            if (i + 1 == n || strcmp(msgs[i + 1].role, "tool")) sb_str(b, "<|im_end|>\n");
+        }
+    }
+    if (gen) sb_str(b, "<|im_start|>assistant\n");
+}
+
+static int check_msgs(const td_chat_msg *msgs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        const td_chat_msg *m = &msgs[i];
+        bool calls = m->n_tool_calls && !strcmp(m->role ? m->role : "", "assistant");
+        if (!m->role || (!m->content && !calls) || (m->n_tool_calls && !m->tool_calls)) {
             TD_LOG_ERR("chat: message %zu has no role or content", i);
             return TD_EINVAL;
         }
+        for (size_t k = 0; k < m->n_tool_calls; k++)
+            if (!m->tool_calls[k].name || !m->tool_calls[k].arguments) {
+                TD_LOG_ERR("chat: message %zu tool call %zu has no name or arguments", i, k);
+                return TD_EINVAL;
+            }
+    }
+    return 0;
+}
+
+int td_chat_render(const char *tmpl, size_t tmpl_len, const td_chat_msg *msgs, size_t n,
+                   bool add_generation_prompt, char **out)
+{
+    return td_chat_render_tools(tmpl, tmpl_len, msgs, n, NULL, 0, add_generation_prompt, out);
+}
+
+int td_chat_render_tools(const char *tmpl, size_t tmpl_len, const td_chat_msg *msgs, size_t n,
+                         const char *const *tools, size_t n_tools, bool add_generation_prompt,
+                         char **out)
+{
+    if (!out) return TD_EINVAL;
+    *out = NULL;
+    if (!tmpl || (!msgs && n) || (!tools && n_tools)) return TD_EINVAL;
+    int crc = check_msgs(msgs, n);
+    if (crc) return crc;
+    if (needs_tools(msgs, n, n_tools)) {
+        if (!td_chat_has_tools(tmpl, tmpl_len)) {
+            TD_LOG_ERR("chat: the chat template does not render tools, tool calls or tool "
+                       "messages");
+            return TD_EUNSUPP;
+        }
+        bool oom = false;
+        char *dflt = default_system(tmpl, tmpl_len, &oom);
+        if (!dflt) return TD_ENOMEM;
+        td_sbuf b = {0};
+        sb_add(&b, "", 0);
+        render_qwen_tools(&b, dflt, msgs, n, tools, n_tools, add_generation_prompt);
+        free(dflt);
+        if (b.oom) {
+            free(b.v);
+            return TD_ENOMEM;
+        }
+        *out = b.v;
+        return 0;
+    }
     td_llama2_variant v = {0};
     td_chat_family fam = detect(tmpl, tmpl_len, &v);
     td_sbuf b = {0};

@@ -10,7 +10,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "chat_template.h"
 #include "rt_openai.h"
 #include "rt_format.h"
 #include "td_clock.h"
@@ -25,6 +24,7 @@ void rt_params_fini(rt_params *p)
     free(p->grammar);
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
+    rt_chat_tools_fini(&p->tools);
     *p = (rt_params){0};
 }
 
@@ -194,23 +194,7 @@ static int parse_prompt(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
     return 0;
 }
 
-/* A message carries role and content; an empty tool_calls asks for nothing. Any other field
- * (name, tool_calls, tool_call_id, ...) would be dropped by the template, so it is refused. */
-static int message_fields(json_t *m, size_t i, rt_error *e)
-{
-    const char *key;
-    json_t *v;
-    json_object_foreach(m, key, v)
-    {
-        if (!strcmp(key, "role") || !strcmp(key, "content")) continue;
-        if (!strcmp(key, "tool_calls") && (absent(v) || (json_is_array(v) && !json_array_size(v))))
-            continue;
-        return rt_error_set(e, 400, "messages", "unsupported_parameter",
-                            "messages[%zu].%.100s is not supported by Tandem", i, key);
-    }
-    return 0;
-}
-
+/* The messages (and tools) rendered with the model's template (rt_chat.c), tokenized. */
 static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *e)
 {
     return rt_openai_messages(r, o, true, p, e);
@@ -219,77 +203,11 @@ static int parse_messages(const rt_model *r, json_t *o, rt_params *p, rt_error *
 int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt, rt_params *p,
                        rt_error *e)
 {
-    json_t *v = json_object_get(o, "messages");
-    if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required");
-    if (!json_is_array(v) || json_array_size(v) == 0)
-        return bad(e, "messages", "'%s' must be a non-empty array of messages%s", "");
-    size_t n = json_array_size(v);
-    td_chat_msg *msgs = calloc(n, sizeof *msgs);
-    char **owned = calloc(n, sizeof *owned);
-    int rc = 0;
-    if (!msgs || !owned) rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-    for (size_t i = 0; i < n && !rc; i++) {
-        json_t *m = json_array_get(v, i);
-        json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content");
-        if (!json_is_object(m) || !json_is_string(role)) {
-            rc = rt_error_set(e, 400, "messages", NULL,
-                              "messages[%zu] must be an object with a string 'role'", i);
-            break;
-        }
-        if ((rc = message_fields(m, i, e))) break;
-        const char *rs = json_string_value(role);
-        if (!strcmp(rs, "developer")) rs = "system";
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant")) {
-            rc = rt_error_set(e, 400, "messages", NULL,
-                              "messages[%zu].role must be system, user or assistant", i);
-            break;
-        }
-        msgs[i].role = rs;
-        if (json_is_string(content)) {
-            msgs[i].content = json_string_value(content);
-        } else if (absent(content) && !strcmp(rs, "assistant")) {
-            msgs[i].content = "";
-        } else if (json_is_array(content)) {
-            rt_buf b = {0};
-            for (size_t k = 0; k < json_array_size(content) && !rc; k++) {
-                json_t *part = json_array_get(content, k);
-                json_t *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
-                if (!json_is_string(type) || strcmp(json_string_value(type), "text") ||
-                    !json_is_string(text)) {
-                    rc = rt_error_set(e, 400, "messages", NULL,
-                                      "messages[%zu].content[%zu]: only {\"type\": \"text\", "
-                                      "\"text\": ...} parts are supported",
-                                      i, k);
-                    break;
-                }
-                if (rt_buf_append(&b, json_string_value(text), json_string_length(text)))
-                    rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-            }
-            if (!rc && rt_buf_append(&b, "", 0))
-                rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-            owned[i] = b.buf;
-            msgs[i].content = b.buf ? b.buf : "";
-        } else {
-            rc =
-                rt_error_set(e, 400, "messages", NULL,
-                             "messages[%zu].content must be a string or an array of text parts", i);
-        }
-    }
     char *text = NULL;
-    if (!rc) {
-        int err = td_chat_render(r->tmpl, r->tmpl_len, msgs, n, add_generation_prompt, &text);
-        if (err)
-            rc = rt_error_set(e, 500, NULL, NULL, "cannot render the chat template: %s",
-                              td_strerror(err));
-    }
+    int rc = rt_chat_prompt(r->tmpl, r->tmpl_len, o, add_generation_prompt, &p->tools, &text, e);
     /* the template writes BOS itself where the model wants one */
     if (!rc) rc = tokenize(r, text, strlen(text), false, &p->prompt, &p->n_prompt, e);
     free(text);
-    if (owned)
-        for (size_t i = 0; i < n; i++)
-            free(owned[i]);
-    free(owned);
-    free(msgs);
     return rc;
 }
 
@@ -429,6 +347,7 @@ static const struct {
     {"suffix", EP_C},
     {"tools", EP_CH},
     {"tool_choice", EP_CH},
+    {"parallel_tool_calls", EP_CH},
 };
 
 static int unknown_fields(json_t *o, rt_endpoint ep, rt_error *e)
@@ -463,15 +382,6 @@ static int unsupported(json_t *o, rt_endpoint ep, rt_error *e)
     if ((rc = unknown_fields(o, ep, e))) return rc;
     v = json_object_get(o, "suffix");
     if (!absent(v)) return rt_error_set(e, 400, "suffix", NULL, "'suffix' is not supported");
-    v = json_object_get(o, "tools");
-    if (!absent(v) && !(json_is_array(v) && json_array_size(v) == 0))
-        return rt_error_set(e, 400, "tools", NULL, "'tools' is not supported");
-    /* without tools, "none" and "auto" both mean plain text: nothing is left undone */
-    v = json_object_get(o, "tool_choice");
-    if (!absent(v) && !(json_is_string(v) && (!strcmp(json_string_value(v), "none") ||
-                                              !strcmp(json_string_value(v), "auto"))))
-        return rt_error_set(e, 400, "tool_choice", NULL,
-                            "'tool_choice' must be \"none\" or \"auto\": tools are not supported");
     /* the detokenizer joins special tokens' text without spaces (llama.cpp), vLLM's false */
     v = json_object_get(o, "spaces_between_special_tokens");
     if (!absent(v) && !json_is_false(v))
@@ -629,6 +539,12 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
     else
         rc = parse_messages(r, o, p, e);
     if (rc) return rc;
+    /* a tool-call answer's text is parsed into calls: which token's logprob belongs where is
+       not defined by OpenAI's shapes, so the pair is refused rather than half answered */
+    if (p->tools.parse && p->sampling.logprobs)
+        return rt_error_set(e, 400, "logprobs", "unsupported_parameter",
+                            "'logprobs' together with 'tools' (tool_choice \"auto\") is not "
+                            "supported");
     if ((rc = fit_prompt(r, ep, p->n_prompt, max_tokens, -1, &p->max_tokens, e))) return rc;
     for (int i = 0; i < p->n_more && !rc; i++)
         rc = fit_prompt(r, ep, p->more[i].n, max_tokens, i + 1, &p->more[i].max_tokens, e);

@@ -22,6 +22,7 @@
 
 #include "config.h"
 #include "rt_buf.h"
+#include "rt_chat.h"
 #include "td_sampling.h"
 #include "tokenizer.h"
 
@@ -73,9 +74,10 @@ typedef struct {
     rt_prompt *more;    /* (n_more) a batch's prompts after the first, malloc'd; NULL: one */
     int n_more;         /* n > 1 or n_more > 0: the request fans out (rt_choices.h) */
     /* logprobs (sampling.logprobs = 1 + top alternatives when asked; docs/api.md) */
-    bool echo;     /* completions: the prompt's text (and logprobs) before the output */
-    bool gen_none; /* completions "max_tokens": 0 with echo: the one token the decode
-                      side generates (max_tokens 1) is dropped; only the prompt is answered */
+    bool echo;           /* completions: the prompt's text (and logprobs) before the output */
+    bool gen_none;       /* completions "max_tokens": 0 with echo: the one token the decode
+                            side generates (max_tokens 1) is dropped; only the prompt is answered */
+    rt_chat_tools tools; /* chat: tools, tool_choice, parallel_tool_calls (rt_chat.h) */
 } rt_params;
 
 void rt_params_fini(rt_params *p);

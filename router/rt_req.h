@@ -75,11 +75,12 @@ typedef struct {
     /* output (rt_stream.c) */
     td_detok dt;
     bool dt_init;
-    rt_buf held;    /* detokenized text not yet emitted (possible stop prefix) */
-    rt_buf text;    /* non-stream: emitted text */
-    bool role_sent; /* chat stream: the role chunk went out */
-    bool stop_hit;  /* a stop string matched: the rest of the text is dropped */
-    int n_gen;      /* tokens received */
+    rt_buf held;            /* detokenized text not yet emitted (possible stop prefix) */
+    rt_buf text;            /* non-stream: emitted text */
+    bool role_sent;         /* chat stream: the role chunk went out */
+    bool stop_hit;          /* a stop string matched: the rest of the text is dropped */
+    struct rt_toolp *toolp; /* p.tool_parse: the tool-call parser (rt_tools.h), else NULL */
+    int n_gen;              /* tokens received */
     int64_t t_first_ms, t_last_ms;
     int64_t t_dispatch_ms; /* first sent to an instance (metrics: queue time), 0 not yet */
     int64_t t_tok_ns;      /* td_now_ns of its latest tokens (metrics: inter-token latency) */

@@ -15,6 +15,7 @@
 #include "rt.h"
 #include "rt_logprobs.h"
 #include "rt_stream.h"
+#include "rt_tools.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -146,22 +147,68 @@ static int emit_echo(const rt_router *r, rt_req *q)
     return sse_chunk(r, q, c, NULL);
 }
 
-/* Send len bytes of text (finish NULL: more follows) with the logprobs received so far.
- * Caller holds out_of(q)->mu. */
-static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char *finish)
+static int role_chunk(const rt_router *r, rt_req *q)
 {
+    if (q->p.ep != RT_EP_CHAT || q->loop.role_sent) return 0;
+    q->loop.role_sent = true;
+    return sse_chunk(r, q,
+                     json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", q->ch.index, "delta",
+                               "role", "assistant", "content", "", "logprobs", "finish_reason"),
+                     NULL);
+}
+
+/* A tool parser event as a chunk (stream) */
+typedef struct {
+    const rt_router *r;
+    rt_req *q;
+} rt_tool_sink;
+
+static int tool_chunk(void *ctx, const rt_tool_ev *ev)
+{
+    rt_tool_sink *k = ctx;
+    int rc = role_chunk(k->r, k->q);
+    json_t *d = rt_tool_ev_delta(ev);
+    if (rc || !d) {
+        json_decref(d);
+        return rc ? rc : TD_ENOMEM;
+    }
+    return sse_chunk(k->r, k->q,
+                     json_pack("{s:i, s:o, s:n, s:n}", "index", k->q->ch.index, "delta", d,
+                               "logprobs", "finish_reason"),
+                     NULL);
+}
+
+/* Chat with tool parsing: the text goes through the parser; finish also ends it, and
+ * "stop" becomes "tool_calls" when a call was made. */
+static int emit_tools(const rt_router *r, rt_req *q, const char *text, size_t len,
+                      const char **finish)
+{
+    if (!q->loop.toolp && !(q->loop.toolp = rt_toolp_create(q->oid, q->p.tools.parallel,
+                                                            (const char *const *)q->p.tools.names,
+                                                            q->p.tools.n_names)))
+        return TD_ENOMEM;
+    rt_tool_sink k = {r, q};
+    rt_tool_ev_fn fn = q->p.stream ? tool_chunk : NULL;
+    int rc = rt_toolp_feed(q->loop.toolp, text, len, fn, &k);
+    if (rc || !*finish) return rc;
+    if ((rc = rt_toolp_finish(q->loop.toolp, fn, &k))) return rc;
+    if (rt_toolp_n_calls(q->loop.toolp) && !strcmp(*finish, "stop")) *finish = "tool_calls";
+    if (!q->p.stream) return 0;
+    if ((rc = role_chunk(r, q))) return rc;
+    return sse_chunk(r, q, text_choice(q, "", 0, *finish), NULL);
+}
+
+/* Send len bytes of text (finish NULL: more follows; a tool-call answer may change it) with
+ * the logprobs received so far. Caller holds out_of(q)->mu. */
+static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char **finish)
+{
+    if (q->p.tools.parse) return emit_tools(r, q, text, len, finish);
     if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
-    if (!len && !finish) return 0;
+    if (!len && !*finish) return 0;
     int rc = 0;
     if (q->p.echo && !q->loop.echo_sent && (rc = emit_echo(r, q))) return rc;
-    if (q->p.ep == RT_EP_CHAT && !q->loop.role_sent) {
-        q->loop.role_sent = true;
-        rc = sse_chunk(r, q,
-                       json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", q->ch.index, "delta",
-                                 "role", "assistant", "content", "", "logprobs", "finish_reason"),
-                       NULL);
-    }
-    json_t *c = rc ? NULL : text_choice(q, text, len, finish);
+    rc = role_chunk(r, q);
+    json_t *c = rc ? NULL : text_choice(q, text, len, *finish);
     if (c && q->p.sampling.logprobs)
         json_object_set_new(c, "logprobs", rt_logprobs_json(r->model.tok, q, false, q->loop.n_lps));
     if (!rc) rc = sse_chunk(r, q, c, NULL);
@@ -209,7 +256,8 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
     if (!send) return 0;
     rt_req *o = out_of(q);
     pthread_mutex_lock(&o->mu);
-    rc = emit(r, q, q->loop.held.buf, send, NULL);
+    const char *more = NULL;
+    rc = emit(r, q, q->loop.held.buf, send, &more);
     pthread_mutex_unlock(&o->mu);
     rt_buf_consume(&q->loop.held, send);
     if (q->p.stream) rt_req_wake(o);
@@ -219,6 +267,19 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
 static const char *finish_str(const rt_req *q, rt_finish fin)
 {
     return finish_name(q->loop.stop_hit ? RT_FIN_STOP : fin);
+}
+
+/* The message of a chat answer with tool parsing: content (null if none) and tool_calls
+ * (left out if none). */
+static json_t *tool_message(const rt_req *q)
+{
+    size_t len = 0;
+    const char *c = q->loop.toolp ? rt_toolp_content(q->loop.toolp, &len) : NULL;
+    json_t *m = json_pack("{s:s, s:o}", "role", "assistant", "content",
+                          c ? json_stringn(c, len) : json_null());
+    if (m && q->loop.toolp && rt_toolp_n_calls(q->loop.toolp))
+        json_object_set_new(m, "tool_calls", rt_toolp_calls_json(q->loop.toolp));
+    return m;
 }
 
 /* The choice object of a non-streamed response (with echo, the prompt's text first). */
@@ -242,7 +303,13 @@ static json_t *final_choice(const rt_router *r, rt_req *q, const char *finish)
     }
     json_t *lp = rt_logprobs_json(r->model.tok, q, q->p.echo, q->loop.n_lps);
     json_t *c;
-    if (q->p.ep == RT_EP_CHAT)
+    if (q->p.tools.parse) {
+        /* a choice of several ends with its rt_finish: "tool_calls" is the parser's word */
+        if (q->loop.toolp && rt_toolp_n_calls(q->loop.toolp) && !strcmp(finish, "stop"))
+            finish = "tool_calls";
+        c = json_pack("{s:i, s:o, s:o, s:s}", "index", q->ch.index, "message", tool_message(q),
+                      "logprobs", lp, "finish_reason", finish);
+    } else if (q->p.ep == RT_EP_CHAT)
         c = json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", q->ch.index, "message", "role",
                       "assistant", "content", text, len, "logprobs", lp, "finish_reason", finish);
     else
@@ -320,7 +387,7 @@ int rt_stream_finish(const rt_router *r, rt_req *q, rt_finish fin)
     const char *finish = finish_str(q, fin);
     rt_req *o = out_of(q);
     pthread_mutex_lock(&o->mu);
-    if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, finish);
+    if (!rc) rc = emit(r, q, q->loop.held.buf ? q->loop.held.buf : "", q->loop.held.len, &finish);
     if (o != q) {
         /* a choice: its parent's response ends with the last choice (rt_stream_close) */
         q->ch.fin = q->loop.stop_hit ? RT_FIN_STOP : fin;

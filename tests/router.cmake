@@ -21,7 +21,22 @@ target_link_libraries(test_rt_unit PRIVATE rt_core)
 add_test(NAME test_rt_unit COMMAND test_rt_unit)
 set_tests_properties(test_rt_unit PROPERTIES TIMEOUT 60)
 
+add_executable(test_rt_tools ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_tools.c)
+target_include_directories(test_rt_tools PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_rt_tools PRIVATE rt_core)
+add_test(NAME test_rt_tools COMMAND test_rt_tools)
+set_tests_properties(test_rt_tools PROPERTIES TIMEOUT 60)
+add_executable(test_rt_chat ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_chat.c)
+target_link_libraries(test_rt_chat PRIVATE rt_core)
+
 if(TANDEM_PYTHON)
+  # tools rendered byte-exact against the Qwen2.5 template under jinja2 (as transformers)
+  add_test(NAME router_chat_tools
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_chat_tools.py
+                   --bin $<TARGET_FILE:test_rt_chat>
+                   --template ${CMAKE_CURRENT_SOURCE_DIR}/router/data/qwen2.5-chat-template.jinja
+                   --gguf "${TANDEM_MODEL_QWEN05}" --smollm "${TANDEM_MODEL}")
+  set_tests_properties(router_chat_tools PROPERTIES TIMEOUT 120)
   add_test(NAME test_rt_unit_tok COMMAND test_rt_unit ${TANDEM_TEST_DATA}/synth/llama.gguf)
   set_tests_properties(test_rt_unit_tok PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 60)
 
@@ -57,4 +72,17 @@ if(TANDEM_PYTHON)
                    ${RT_TEST_BINS} --prefill $<TARGET_FILE:tandem-prefill>)
   set_tests_properties(router_openai router_http router_faults router_limits router_metrics
                        PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+endif()
+
+# router_tools: tool calling with the `openai` client on the real Qwen2.5-Coder 0.5B model
+# (TANDEM_MODEL_QWEN05), colocated and disaggregated: a parsed call, streaming == not,
+# tool_choice none, a history with the tool result. Release, 2 busy cores: 20 + 16 s.
+if(TANDEM_PYTHON AND TANDEM_MODEL_QWEN05)
+  add_test(NAME router_tools
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_tools.py
+                   --router $<TARGET_FILE:tandem-router> --decode $<TARGET_FILE:tandem-decode>
+                   --prefill $<TARGET_FILE:tandem-prefill> --tandem $<TARGET_FILE:tandem>
+                   --model ${TANDEM_MODEL_QWEN05})
+  set_tests_properties(router_tools PROPERTIES TIMEOUT 600 RUN_SERIAL TRUE LABELS models
+                       ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 endif()

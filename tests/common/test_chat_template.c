@@ -16,12 +16,15 @@
 #include "tharness.h"
 
 /* Conversations shared with tok_reference.py (keep in sync: CHAT_CASES there). */
-static const td_chat_msg conv1[] = {{"user", "hi"}};
-static const td_chat_msg conv2[] = {
-    {"system", "S"}, {"user", "A"}, {"assistant", "B"}, {"user", "C"}};
-static const td_chat_msg conv3[] = {{"user", "What is 2+2?"},
-                                    {"assistant", "4"},
-                                    {"user", "  and \xe4\xb8\xad\xe6\x96\x87 \xf0\x9f\x98\x80 "}};
+static const td_chat_msg conv1[] = {{"user", "hi", NULL, 0}};
+static const td_chat_msg conv2[] = {{"system", "S", NULL, 0},
+                                    {"user", "A", NULL, 0},
+                                    {"assistant", "B", NULL, 0},
+                                    {"user", "C", NULL, 0}};
+static const td_chat_msg conv3[] = {
+    {"user", "What is 2+2?", NULL, 0},
+    {"assistant", "4", NULL, 0},
+    {"user", "  and \xe4\xb8\xad\xe6\x96\x87 \xf0\x9f\x98\x80 ", NULL, 0}};
 static const struct {
     const td_chat_msg *m;
     size_t n;
@@ -88,7 +91,7 @@ static void test_llama3(void)
 {
     const char *t = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}";
     TH_CHECK(td_chat_detect(t, strlen(t)) == TD_CHAT_LLAMA3);
-    const td_chat_msg m[] = {{"system", " S "}, {"user", "A\n"}};
+    const td_chat_msg m[] = {{"system", " S ", NULL, 0}, {"user", "A\n", NULL, 0}};
     check_render(t, m, 2, true,
                  "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
                  "<|start_header_id|>user<|end_header_id|>\n\nA<|eot_id|>"
@@ -107,7 +110,7 @@ static void test_llama2(void)
     const char *plain = "{{ '[INST] ' + message['content'] + ' [/INST]' }}";
     check_render(plain, conv2, 4, false, "[INST] S\nA [/INST]B</s>[INST] C [/INST]");
     const char *strip = "{{ '[INST] ' + message.content.strip() }} <<SYS>>";
-    const td_chat_msg m[] = {{"user", "  A  "}};
+    const td_chat_msg m[] = {{"user", "  A  ", NULL, 0}};
     check_render(strip, m, 1, true, "[INST] A [/INST]");
 }
 
@@ -121,7 +124,7 @@ static void test_gemma(void)
     check_render(t, conv2, 4, true,
                  "<start_of_turn>user\nS\n\nA<end_of_turn>\n<start_of_turn>model\nB<end_of_turn>\n"
                  "<start_of_turn>user\nC<end_of_turn>\n<start_of_turn>model\n");
-    const td_chat_msg m[] = {{"user", " hi \n"}};
+    const td_chat_msg m[] = {{"user", " hi \n", NULL, 0}};
     check_render(t, m, 1, false, "<start_of_turn>user\nhi<end_of_turn>\n");
 }
 
@@ -136,7 +139,7 @@ static void test_errors(void)
     TH_CHECK(td_chat_render(mistral7, strlen(mistral7), conv1, 1, true, &out) == TD_EUNSUPP);
     TH_CHECK(td_chat_render(NULL, 0, conv1, 1, true, &out) == TD_EINVAL);
     TH_CHECK(td_chat_render(smollm_tmpl, strlen(smollm_tmpl), NULL, 1, true, &out) == TD_EINVAL);
-    const td_chat_msg bad[] = {{"user", NULL}};
+    const td_chat_msg bad[] = {{"user", NULL, NULL, 0}};
     TH_CHECK(td_chat_render(smollm_tmpl, strlen(smollm_tmpl), bad, 1, true, &out) == TD_EINVAL);
     TH_CHECK(td_chat_render(smollm_tmpl, strlen(smollm_tmpl), conv1, 1, true, NULL) == TD_EINVAL);
     /* no messages: nothing but the generation prompt */

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""test_router_tools.py: tool calling through the official `openai` client on the real
+Qwen2.5-Coder-0.5B-Instruct model, colocated (one decode instance) and disaggregated
+(prefill pp 1 -> decode tp 1), greedy:
+  - a weather question with a get_weather tool gets a parsed tool call (finish_reason
+    "tool_calls", content null, arguments a JSON text naming Paris);
+  - the same streamed assembles to the same call, with index and id/name in the first
+    tool_calls delta, the arguments in pieces, and no call text in the content deltas;
+  - tool_choice "none" gives text and no tool_calls;
+  - a history with the call and its result gets a text answer that uses the result;
+  - tool_choice "required" is refused with a 400 that says why.
+This model writes its calls as bare JSON (no <tool_call> tags), which the parser accepts for
+declared tools (router/rt_tools.h).
+
+usage: test_router_tools.py --router BIN --decode BIN --prefill BIN --tandem BIN --model GGUF
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))  # tdtest
+sys.path.insert(0, os.path.join(HERE, "..", "disagg"))  # pdlib
+import openai  # noqa: E402
+import pdlib  # noqa: E402
+import rtlib  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "description": "The city name"}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+HISTORY = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 18 degrees Celsius"},
+    {"role": "user", "content": "Thanks. Describe the weather in Paris in one sentence."}]
+MAX_TOKENS = 40
+
+
+def check_call(name, msg, finish):
+    calls = msg.tool_calls or []
+    check(finish == "tool_calls", f"{name}: finish_reason tool_calls (got {finish})")
+    check(msg.content is None, f"{name}: content null (got {msg.content!r})")
+    check(len(calls) == 1, f"{name}: one tool call (got {len(calls)})")
+    if not calls:
+        return None
+    c = calls[0]
+    try:
+        args = json.loads(c.function.arguments)
+    except ValueError:
+        args = None
+    check(c.type == "function" and c.function.name == "get_weather" and
+          c.id.startswith("call_"), f"{name}: get_weather, id {c.id}")
+    check(isinstance(args, dict) and "paris" in str(args.get("city", "")).lower(),
+          f"{name}: arguments {c.function.arguments!r} name Paris")
+    return c
+
+
+def streamed(client, mid, **kw):
+    """(content, calls {index: [id, name, args, n_arg_pieces]}, finish, first_deltas)."""
+    content, calls, finish, first = "", {}, None, {}
+    for ch in client.chat.completions.create(model=mid, stream=True, **kw):
+        for c in ch.choices:
+            d = c.delta
+            content += d.content or ""
+            for t in d.tool_calls or []:
+                if t.index not in calls:
+                    calls[t.index] = [t.id, t.function.name if t.function else None, "", 0]
+                    first[t.index] = t
+                if t.function and t.function.arguments:
+                    calls[t.index][2] += t.function.arguments
+                    calls[t.index][3] += 1
+            finish = c.finish_reason or finish
+    return content, calls, finish, first
+
+
+def run_shape(name, client):
+    mid = client.models.list().data[0].id
+    kw = dict(model=mid, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=MAX_TOKENS)
+    t0 = time.time()
+    r = client.chat.completions.create(**kw)
+    call = check_call(f"{name} call", r.choices[0].message, r.choices[0].finish_reason)
+
+    content, calls, finish, first = streamed(client, mid, messages=ASK, tools=[WEATHER],
+                                             temperature=0, max_tokens=MAX_TOKENS)
+    check(finish == "tool_calls", f"{name} stream: finish_reason tool_calls (got {finish})")
+    check(content == "", f"{name} stream: no content text (got {content!r})")
+    check(list(calls) == [0], f"{name} stream: one call at index 0 (got {list(calls)})")
+    if call and 0 in calls:
+        cid, cname, cargs, pieces = calls[0]
+        check(cid and cid.startswith("call_") and cname == "get_weather" and
+              first[0].type == "function", f"{name} stream: id and name in the first delta")
+        check(cargs == call.function.arguments,
+              f"{name} stream: arguments assemble to the non-streamed ones ({cargs!r})")
+        check(pieces > 1, f"{name} stream: arguments arrive in pieces ({pieces})")
+
+    r = client.chat.completions.create(**dict(kw, tool_choice="none"))
+    m = r.choices[0].message
+    check(not m.tool_calls and r.choices[0].finish_reason in ("stop", "length") and m.content,
+          f"{name} tool_choice none: text, no tool_calls ({r.choices[0].finish_reason})")
+
+    r = client.chat.completions.create(**dict(kw, messages=HISTORY))
+    m = r.choices[0].message
+    check(not m.tool_calls and r.choices[0].finish_reason == "stop" and m.content and
+          "18" in m.content, f"{name} history with the tool result: text answer {m.content!r}")
+
+    try:
+        client.chat.completions.create(**dict(kw, tool_choice="required"))
+        check(False, f"{name} tool_choice required: refused")
+    except openai.BadRequestError as e:
+        check("grammar engine" in str(e), f"{name} tool_choice required: 400 ({e})")
+    print(f"{name}: {time.time() - t0:.1f} s", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for k in ("router", "decode", "prefill", "tandem"):
+        ap.add_argument("--" + k, required=True)
+    ap.add_argument("--model", default="")
+    args = ap.parse_args()
+    if not (args.model and os.path.exists(args.model)):
+        print("SKIP: no Qwen2.5-Coder-0.5B-Instruct model file (set TANDEM_MODEL_QWEN05; "
+              "scripts/setup.sh --models qwen0.5b)")
+        print("0 passed, 0 failed, 1 skipped")
+        return 0
+    for name in ("colocated", "disaggregated"):
+        try:
+            if name == "colocated":
+                with rtlib.Cluster(args, args.model) as c:
+                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"))
+            else:
+                with pdlib.Cluster(args, args.model, [{"pp": 1}], [{"tp": 1}]) as c:
+                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"))
+        except Exception as e:  # a crashed shape is a failure; the other still runs
+            check(False, f"{name}: {type(e).__name__}: {e}")
+    print(f"{len(FAILS)} failed")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
