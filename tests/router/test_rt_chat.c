@@ -43,7 +43,7 @@ int main(int argc, char **argv)
     rt_chat_tools p = {0};
     rt_error e = {0};
     char *text = NULL;
-    int rc = rt_chat_prompt(tmpl, tlen, body, &p, &text, &e);
+    int rc = rt_chat_prompt(tmpl, tlen, body, true, &p, &text, &e);
     if (rc) {
         printf("{\"status\": %d, \"message\": \"%s\"}\n", e.status, e.message);
     } else {
