@@ -170,7 +170,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   fi
   if protoc-c --c_out=build-fuzz/ctrl-gen -Iproto proto/tandem_ctrl.proto &&
      "${FZ_CC[@]}" -Icommon -Irouter -Igrammar -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
-       router/rt_openai.c router/rt_format.c router/rt_buf.c "${GR_SRC[@]}" "${TOK_SRC[@]}" common/td_err.c common/td_clock.c -ljansson -lpthread -lm \
+       router/rt_openai.c router/rt_format.c router/rt_chat.c router/rt_buf.c "${GR_SRC[@]}" "${TOK_SRC[@]}" common/td_err.c common/td_clock.c -ljansson -lpthread -lm \
        -o build-fuzz/fuzz_openai &&
      "$PY" tests/ref/make_synth.py --out build-fuzz/tiny.gguf --arch llama --tiny >/dev/null; then
     built+=(openai)
