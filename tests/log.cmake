@@ -16,3 +16,10 @@ target_include_directories(test_clock_stats PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_clock_stats PRIVATE td_common)
 add_test(NAME clock_stats COMMAND test_clock_stats)
 set_tests_properties(clock_stats PROPERTIES TIMEOUT 60)
+
+# Block ids for prefix caching (common/td_blockhash.c): chaining, order, pinned values.
+add_executable(test_blockhash common/test_blockhash.c)
+target_include_directories(test_blockhash PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_blockhash PRIVATE td_common)
+add_test(NAME blockhash COMMAND test_blockhash)
+set_tests_properties(blockhash PROPERTIES TIMEOUT 60)
