@@ -230,5 +230,8 @@ void td_ctrl_client_in_free(td_ctrl_client_in *in); /* zeroed in is fine */
 
 /* Readable while td_ctrl_client_recv has something (a router polls many clients). */
 int td_ctrl_client_fd(const td_ctrl_client *c);
+/* The server process's event epoch last seen by the event poll (0: none yet); a server
+ * reports the same value as Health.boot_id. */
+uint64_t td_ctrl_client_epoch(td_ctrl_client *c);
 
 #endif

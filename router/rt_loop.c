@@ -324,7 +324,7 @@ static void instance_restarted(rt_router *r, int i, int64_t now)
     TD_LOG_WARN("router: decode instance %s (%s) restarted: moving its requests", s->name, s->url);
     char why[300];
     snprintf(why, sizeof why, "decode instance %s restarted", s->name);
-    rt_reg_forget(s, "restarted (new event epoch)");
+    rt_reg_restarted(s, td_ctrl_client_epoch(s->c));
     lose_all(r, i, why, now);
 }
 
@@ -409,7 +409,7 @@ static void prefill_restarted(rt_router *r, int j, int64_t now)
     rt_inst *s = &r->reg.pf[j];
     TD_LOG_WARN("router: prefill instance %s (%s) restarted: its prompts start again", s->name,
                 s->url);
-    rt_reg_forget(s, "restarted (new event epoch)");
+    rt_reg_restarted(s, td_ctrl_client_epoch(s->c));
     prefill_lost(r, j, true, now);
 }
 

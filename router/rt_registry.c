@@ -87,6 +87,14 @@ void rt_reg_forget(rt_inst *s, const char *why)
     s->cst.blocks = 0;
 }
 
+void rt_reg_restarted(rt_inst *s, uint64_t epoch)
+{
+    if (epoch && epoch == s->boot_id) return; /* seen in its Health already: dropped then */
+    rt_reg_forget(s, "restarted (new event epoch)");
+    s->boot_id = epoch; /* its Health will carry it: not a second restart */
+    s->uptime_ms = 0;
+}
+
 /* Health figures for the prefix index: a new process forgets, the sizes follow. */
 static void seen_cache(rt_inst *s, const Td__Health *h)
 {

@@ -77,6 +77,10 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now);
 /* What the router knew of s's prefix cache is stale (a restart, marked dead): drop it.
  * why is logged (an index that was empty is dropped silently). */
 void rt_reg_forget(rt_inst *s, const char *why);
+/* The control client reports a new server process with event epoch `epoch` (its boot id):
+ * the index is dropped unless a Health of that same process already told (then what was
+ * learnt since is about the new process and stays). */
+void rt_reg_restarted(rt_inst *s, uint64_t epoch);
 /* Send heartbeats that are due (decode and prefill instances). */
 void rt_reg_heartbeat(rt_registry *g, const td_cfg_router *rc, int64_t now);
 /* Index of the best decode instance for a new request, or -1 (none alive with room):

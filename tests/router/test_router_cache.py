@@ -74,7 +74,7 @@ def served_by(cl, rid, timeout=20):
 
 
 def one(cl, conv, turn, out):
-    body = {"prompt": prompt(conv, turn), "max_tokens": 96, "temperature": 0,
+    body = {"prompt": prompt(conv, turn), "max_tokens": 160, "temperature": 0,
             "ignore_eos": True}
     st, _, data = post(cl.http_port, "/v1/completions", body)
     out[conv] = json.loads(data)["id"] if st == 200 else None
@@ -82,23 +82,39 @@ def one(cl, conv, turn, out):
 
 
 def run_round(cl, turn, order):
-    """Turn `turn` of every conversation at once (threads started 20 ms apart in `order`,
-    so the load order sees the earlier ones on their instances); {conv: instance}."""
+    """Turn `turn` of every conversation at once (released together, posted in `order` a
+    millisecond apart: the load order spreads them by the router's own counts, the health
+    figures being the same); {conv: instance}."""
     ids = {}
     ths = []
-    for conv in order:
-        th = threading.Thread(target=one, args=(cl, conv, turn, ids))
+    start = threading.Barrier(len(order))
+    def post_at(conv, delay):
+        start.wait(30)
+        time.sleep(delay)
+        one(cl, conv, turn, ids)
+    for k, conv in enumerate(order):
+        th = threading.Thread(target=post_at, args=(conv, 0.002 * k))
         th.start()
         ths.append(th)
-        time.sleep(0.02)
     for th in ths:
         th.join(120)
     return {c: served_by(cl, ids[c]) if ids.get(c) else None for c in order}
 
 
+def kv_free(cl):
+    m = metrics(cl)
+    return [m.get(("tandem_instance_kv_blocks_free", (("instance", i),)), -1) for i in ("d0", "d1")]
+
+
 def workload(cl):
     """{conv: [instance of turn 1, turn 2, ...]}; each round starts one conversation later
     (under the load order a conversation then changes place in the sequence)."""
+    # the load order compares the free KV blocks of the last health answers first: wait
+    # until both idle instances report the same, so the first round spreads by the
+    # router's own counts
+    same = wait_for(lambda: len(set(kv_free(cl))) == 1 and kv_free(cl)[0] > 0, 30)
+    print("kv_blocks_free before the first round:", kv_free(cl), flush=True)
+    check(same, "both instances report the same free KV blocks before the first round")
     where = {c: [] for c in range(N_CONV)}
     for turn in range(1, N_TURNS + 1):
         order = [(turn - 1 + k) % N_CONV for k in range(N_CONV)]

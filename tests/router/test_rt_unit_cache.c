@@ -247,10 +247,20 @@ static void test_route(void)
     h = health(99, 6000);
     rt_reg_seen(&d[1], &h, 0);
     TH_CHECK(d[1].cidx.n == 8);
-    /* a node that sends no boot id: an uptime that went back */
-    h = health(0, 100);
-    rt_reg_seen(&d[1], &h, 0);
+    /* the control client's restart notice of that same process (epoch == boot id): kept */
+    rt_reg_restarted(&d[1], 99);
+    TH_CHECK(d[1].cidx.n == 8 && d[1].cst.drops == 1);
+    /* a notice before the new process's Health: dropped once, not again by the Health */
+    rt_reg_restarted(&d[1], 123);
     TH_CHECK(d[1].cidx.n == 0 && d[1].cst.drops == 2);
+    route(&g, &rc, third, 32, &pk);
+    h = health(123, 50);
+    rt_reg_seen(&d[1], &h, 0);
+    TH_CHECK(d[1].cidx.n == 8 && d[1].cst.drops == 2);
+    /* a node that sends no boot id: an uptime that went back */
+    h = health(0, 10);
+    rt_reg_seen(&d[1], &h, 0);
+    TH_CHECK(d[1].cidx.n == 0 && d[1].cst.drops == 3);
     /* stale knowledge is not used: `third` no longer matches on d1 (the load order's) */
     TH_CHECK(route(&g, &rc, third, 32, &pk) == 1 && pk.why == RT_ROUTE_BY_LOAD);
     /* rt_reg_forget (restart by event epoch, marked dead) */
