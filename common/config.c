@@ -413,10 +413,22 @@ static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key
     F(R_MAX_MIGRATIONS, "max_migrations", F_INT, max_migrations, 0, 100)                           \
     F(R_MIGRATE_WAIT, "migrate_wait_ms", F_INT, migrate_wait_ms, 0, 3600000)                       \
     F(R_MAX_N, "max_n", F_INT, max_n, 1, 1024)                                                     \
-    F(R_MAX_BATCH, "max_batch_prompts", F_INT, max_batch_prompts, 1, 4096)
+    F(R_MAX_BATCH, "max_batch_prompts", F_INT, max_batch_prompts, 1, 4096)                         \
+    N(R_ROUTING, "routing")                                                                        \
+    N(R_CACHE_AWARE, "cache_aware")
 enum { ROUTER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) R_N };
 #define SECT td_cfg_router
 static const field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
+#undef SECT
+
+/* router.cache_aware (SGLang's cache-aware router: its names and defaults) */
+#define CACHE_AWARE_FIELDS(F, L, N)                                                                \
+    F(C_THRESHOLD, "cache_threshold", F_FLOAT, cache_threshold, 0, 1)                              \
+    F(C_ABS, "balance_abs_threshold", F_INT, balance_abs_threshold, 0, 1 << 20)                    \
+    F(C_REL, "balance_rel_threshold", F_FLOAT, balance_rel_threshold, 1, 1000)
+enum { CACHE_AWARE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) C_N };
+#define SECT td_cfg_cache_aware
+static const field cache_aware_fields[C_N] = FIELD_TABLE(CACHE_AWARE_FIELDS);
 #undef SECT
 
 #define PREFILL_FIELDS(F, L, N)                                                                    \
@@ -520,6 +532,23 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     r->migrate_wait_ms = 15000;
     r->max_n = 16;
     r->max_batch_prompts = 64;
+    r->routing = TD_CFG_ROUTING_LOAD;
+    r->cache_aware = (td_cfg_cache_aware){
+        .cache_threshold = 0.5, .balance_abs_threshold = 32, .balance_rel_threshold = 1.1};
+}
+
+/* router.routing and router.cache_aware */
+static int parse_routing(pctx *p, yaml_node_t *routing, yaml_node_t *ca, td_cfg_router *r)
+{
+    const char *s;
+    if (routing && get_str(p, routing, &s)) return p->rc;
+    if (routing && strcmp(s, "load") && strcmp(s, "cache_aware"))
+        return fail(p, routing, "unknown routing '%s' (known: load, cache_aware)", s);
+    if (routing) r->routing = strcmp(s, "load") ? TD_CFG_ROUTING_CACHE_AWARE : TD_CFG_ROUTING_LOAD;
+    yaml_node_t *seen[C_N], *keys[C_N];
+    if (!ca) return 0;
+    return parse_map(p, ca, "router.cache_aware", cache_aware_fields, C_N, &r->cache_aware, seen,
+                     keys);
 }
 
 static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
@@ -527,6 +556,7 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
     yaml_node_t *seen[R_N], *keys[R_N];
     if (parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
     if (seen[R_LISTEN] && check_listen(p, seen[R_LISTEN], r->listen)) return p->rc;
+    if (parse_routing(p, seen[R_ROUTING], seen[R_CACHE_AWARE], r)) return p->rc;
     const char *t = r->chat_template;
     if (*t && strcmp(t, "chatml") && strcmp(t, "llama3") && strcmp(t, "llama2") &&
         strcmp(t, "gemma"))

@@ -29,6 +29,19 @@ typedef enum { TD_CFG_BACKEND_CPU = 0, TD_CFG_BACKEND_CUDA = 1 } td_cfg_backend;
 /* "cpu", "cuda": the name kn_backend_create takes. */
 const char *td_cfg_backend_name(td_cfg_backend b);
 
+/* router.routing: how a request's instance is chosen (router/rt_route.h). */
+typedef enum {
+    TD_CFG_ROUTING_LOAD = 0,    /* "load": the least loaded instance (default) */
+    TD_CFG_ROUTING_CACHE_AWARE, /* "cache_aware": the longest cached prefix unless overloaded */
+} td_cfg_routing;
+
+/* router.cache_aware: SGLang's cache-aware policy knobs (its names and defaults). */
+typedef struct {
+    double cache_threshold;       /* 0.5: matched / prompt tokens must exceed this, in [0, 1] */
+    int balance_abs_threshold;    /* 32: the match's instance is overloaded when its load exceeds */
+    double balance_rel_threshold; /* 1.1: the least loaded's by more than abs AND more than rel x */
+} td_cfg_cache_aware;
+
 typedef struct {
     char *listen;               /* "127.0.0.1:8000" (host:port of the HTTP API) */
     char *api_key;              /* "": no key required */
@@ -47,6 +60,8 @@ typedef struct {
     int migrate_wait_ms;        /* 15000: how long a moving request waits for a live instance */
     int max_n;                  /* 16: choices per prompt a request may ask for ("n") */
     int max_batch_prompts;      /* 64: prompts in one batched /v1/completions request */
+    td_cfg_routing routing;     /* load (default) | cache_aware */
+    td_cfg_cache_aware cache_aware;
 } td_cfg_router;
 
 typedef struct {

@@ -119,7 +119,9 @@ int td_ctrl_server_listen(td_ctrl_server *s, const char *url, char *bound, size_
 
 /* The load figures answered to HealthRequest and attached to every Events reply
  * (copied). Call whenever they change (e.g. once per step). HealthRequest is answered on
- * NNG's thread with the last figures set here, even while the owner is busy computing. */
+ * NNG's thread with the last figures set here, even while the owner is busy computing.
+ * boot_id is set here to the server's event epoch (random per process): whatever the caller
+ * put there is replaced. */
 int td_ctrl_server_set_health(td_ctrl_server *s, const Td__Health *h);
 
 typedef enum {
@@ -228,5 +230,8 @@ void td_ctrl_client_in_free(td_ctrl_client_in *in); /* zeroed in is fine */
 
 /* Readable while td_ctrl_client_recv has something (a router polls many clients). */
 int td_ctrl_client_fd(const td_ctrl_client *c);
+/* The server process's event epoch last seen by the event poll (0: none yet); a server
+ * reports the same value as Health.boot_id. */
+uint64_t td_ctrl_client_epoch(td_ctrl_client *c);
 
 #endif

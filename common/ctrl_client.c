@@ -469,6 +469,14 @@ int td_ctrl_client_fd(const td_ctrl_client *c)
     return c->ib.efd;
 }
 
+uint64_t td_ctrl_client_epoch(td_ctrl_client *c)
+{
+    pthread_mutex_lock(&c->mu);
+    uint64_t e = c->epoch;
+    pthread_mutex_unlock(&c->mu);
+    return e;
+}
+
 /* ---- lifetime ------------------------------------------------------------------------ */
 
 int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_client **out)

@@ -609,6 +609,7 @@ int td_ctrl_server_set_health(td_ctrl_server *s, const Td__Health *h)
 {
     Td__Health *copy = copy_msg(&h->base, &td__health__descriptor);
     if (!copy) return TD_ENOMEM;
+    copy->boot_id = s->epoch; /* the process's identity: the router drops its prefix index */
     pthread_mutex_lock(&s->health_mu);
     Td__Health *old = s->health;
     s->health = copy;

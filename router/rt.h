@@ -15,7 +15,9 @@
  *   rt_choices.{h,c}           n > 1 and batched prompts: child requests, their join
  *   rt_pair.{h,c}              disaggregated mode: pairing, KV target relay, prefill failures
  *   rt_stream.{h,c}            per-request output: detokenizer, stop strings, chunks
+ *   rt_route.{h,c}             router.routing: load order or cache-aware choice
  *   rt_registry.{h,c}          decode and prefill instances: heartbeats, liveness, choice
+ *   rt_cache.{h,c}             per-instance prefix index (block ids), SGLang's choice
  *   rt_fair.{h,c}              the router queue: one FIFO per client, served round robin
  *   rt_table.{h,c}             request table (router request id -> request)
  *   rt_metrics.{h,c}           Prometheus counters, gauges and histograms

@@ -6,14 +6,16 @@
  * Admission (rt_loop_admit): no live instance -> 503 no_instance; queue full
  * (router.max_queue) -> 429 to the newcomer or to the newest queued request of the client
  * holding the most (rt_fair_victim); else QUEUED. Dispatch (rt_loop_dispatch) takes the
- * queue's next request (round robin over clients) while rt_reg_pick (and, disaggregated,
- * rt_pair_pick) find an instance with room. */
+ * queue's next request (round robin over clients) while rt_route_decode (and,
+ * disaggregated, rt_pair_pick) find an instance with room, by router.routing (rt_route.h);
+ * rt_route_commit records where its prefix went. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "rt_choices.h"
 #include "rt_loop_int.h"
+#include "rt_route.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -230,11 +232,14 @@ void rt_loop_dispatch(rt_router *r, int64_t now)
 {
     rt_req *q;
     while ((q = rt_fair_peek(&r->fair))) {
-        int i = rt_reg_pick(&r->reg, now);
+        size_t np;
+        const int32_t *prompt = rt_req_prompt(q, &np);
+        rt_route_pick dpk, ppk;
+        int i = rt_route_decode(&r->reg, &r->cfg->router, prompt, np, now, &dpk);
         if (i < 0) return;
         int p = -1;
         if (r->disagg) {
-            p = rt_pair_pick(r, q, now);
+            p = rt_pair_pick(r, q, now, &ppk);
             if (p < 0) {
                 rt_pair_out o = rt_pair_unservable(r, q);
                 if (o.verdict == RT_PAIR_OK) return;
@@ -246,17 +251,20 @@ void rt_loop_dispatch(rt_router *r, int64_t now)
         atomic_fetch_sub(&r->queued, 1);
         q->loop.state = RT_ST_INBOX; /* off the queue, not yet submitted */
         int rc = r->disagg ? rt_pair_start(r, q, i, p, now) : submit(r, q, i);
-        if (rc) {
-            q->loop.state = RT_ST_DONE;
-            rt_table_remove(&r->table, q);
-            rt_error e;
-            rt_error_set(&e, 500, NULL, NULL, "cannot send the request: %s", td_strerror(rc));
-            TD_LOG_ERR("router: %s: %s", q->oid, e.message);
-            rt_stream_fail(q, &e);
-            rt_metrics_request_end(&r->metrics, r->cfg, q, now, 500, NULL);
-            if (q->ch.parent) rt_choices_retired(r, q);
-            rt_req_release(q);
+        if (!rc) { /* q is on its instance(s): they now hold (or compute) its prefix */
+            rt_route_commit(&r->reg, r->reg.inst, prompt, np, &dpk);
+            if (r->disagg) rt_route_commit(&r->reg, r->reg.pf, prompt, np, &ppk);
+            continue;
         }
+        q->loop.state = RT_ST_DONE;
+        rt_table_remove(&r->table, q);
+        rt_error e;
+        rt_error_set(&e, 500, NULL, NULL, "cannot send the request: %s", td_strerror(rc));
+        TD_LOG_ERR("router: %s: %s", q->oid, e.message);
+        rt_stream_fail(q, &e);
+        rt_metrics_request_end(&r->metrics, r->cfg, q, now, 500, NULL);
+        if (q->ch.parent) rt_choices_retired(r, q);
+        rt_req_release(q);
     }
 }
 

@@ -313,6 +313,7 @@ static void instance_died(rt_router *r, int i, int64_t now)
                 r->cfg->router.instance_timeout_ms);
     char why[300];
     snprintf(why, sizeof why, "decode instance %s stopped answering", s->name);
+    rt_reg_forget(s, "marked dead"); /* whatever comes back may be a new process */
     lose_all(r, i, why, now);
 }
 
@@ -323,6 +324,7 @@ static void instance_restarted(rt_router *r, int i, int64_t now)
     TD_LOG_WARN("router: decode instance %s (%s) restarted: moving its requests", s->name, s->url);
     char why[300];
     snprintf(why, sizeof why, "decode instance %s restarted", s->name);
+    rt_reg_restarted(s, td_ctrl_client_epoch(s->c));
     lose_all(r, i, why, now);
 }
 
@@ -398,6 +400,7 @@ static void prefill_died(rt_router *r, int j)
     rt_inst *s = &r->reg.pf[j];
     TD_LOG_WARN("router: prefill instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
                 r->cfg->router.instance_timeout_ms);
+    rt_reg_forget(s, "marked dead");
     prefill_lost(r, j, false, 0);
 }
 
@@ -406,6 +409,7 @@ static void prefill_restarted(rt_router *r, int j, int64_t now)
     rt_inst *s = &r->reg.pf[j];
     TD_LOG_WARN("router: prefill instance %s (%s) restarted: its prompts start again", s->name,
                 s->url);
+    rt_reg_restarted(s, td_ctrl_client_epoch(s->c));
     prefill_lost(r, j, true, now);
 }
 
@@ -506,6 +510,7 @@ static void publish_metrics(rt_router *r)
                                                  .kv_free = s->kv_free,
                                                  .preemptions = s->preemptions,
                                                  .alive = s->alive});
+        m->cache_dec[i] = s->cst;
     }
     for (int j = 0; j < r->reg.n_pf && j < m->n_pf; j++) {
         const rt_inst *s = &r->reg.pf[j];
@@ -514,6 +519,7 @@ static void publish_metrics(rt_router *r)
                                  .waiting = s->waiting,
                                  .active = s->active,
                                  .alive = s->alive};
+        m->cache_pf[j] = s->cst;
     }
     m->queue = atomic_load(&r->queued);
     m->active = (int)r->table.count - r->fair.len;

@@ -11,7 +11,8 @@
  * failures{reason},busy{side}}_total, the histograms tandem_router_prefill_chunk_size_tokens,
  * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds, and per prefill
  * instance tandem_prefill_instance_{up,queued_prompt_tokens,running,waiting,requests}.
- * The vLLM- and SGLang-named series are rt_metrics_vllm.c's.
+ * The vLLM- and SGLang-named series are rt_metrics_vllm.c's; tandem_router_cache_route_*
+ * (cache-aware routing) rt_metrics_cache.c's.
  * Threading: every function takes m->mu; any thread may call them. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,8 +45,11 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
     m->http = calloc((size_t)RT_PATH_N * 600, sizeof *m->http);
     m->v.preempt_total = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_total);
     m->v.preempt_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_last);
+    m->cache_dec = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->cache_dec);
+    m->cache_pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->cache_pf);
     rt_metrics_set_model(m, "", 0);
-    if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last)
+    if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last ||
+        !m->cache_dec || !m->cache_pf)
         return TD_ENOMEM;
     m->n_inst = n_inst;
     m->n_pf = n_pf;
@@ -59,6 +63,9 @@ void rt_metrics_fini(rt_metrics *m)
     free(m->http);
     free(m->v.preempt_total);
     free(m->v.preempt_last);
+    free(m->cache_dec);
+    free(m->cache_pf);
+    m->cache_dec = m->cache_pf = NULL;
     m->v.preempt_total = m->v.preempt_last = NULL;
     m->inst = NULL;
     m->pf = NULL;
@@ -467,6 +474,8 @@ char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg)
     rc |= render_decode(&b, m, cfg);
     if (m->n_pf > 0) rc |= render_prefill(&b, m, cfg);
     rc |= rt_metrics_vllm_render(&b, m, cfg);
+    if (cfg->router.routing == TD_CFG_ROUTING_CACHE_AWARE)
+        rc |= rt_metrics_cache_render(&b, m, cfg);
     pthread_mutex_unlock(&m->mu);
     if (rc) {
         rt_buf_free(&b);

@@ -20,6 +20,7 @@
 
 #include "config.h"
 #include "ctrl.h"
+#include "rt_cache.h"
 #include "rt_req.h"
 
 #define RT_HIST_BUCKETS 16 /* the tandem_* histograms' */
@@ -114,6 +115,8 @@ typedef struct {
     uint64_t *http; /* (RT_PATH_N, 600) responses to non-generation requests by path and
                       status (rt_metrics_http) */
     rt_vmetrics v;
+    rt_cache_stats *cache_dec; /* (n_inst) cache-aware routing, as the loop last published */
+    rt_cache_stats *cache_pf;  /* (n_pf) */
 } rt_metrics;
 
 int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf);
@@ -155,6 +158,9 @@ void rt_metrics_vllm_end(rt_metrics *m, const rt_req *q, int64_t now_ms, int sta
                          const char *outcome);
 void rt_metrics_vllm_kv(rt_metrics *m, const Td__PrefillDone *d);
 int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg);
+/* rt_metrics_cache.c, caller holds m->mu: the tandem_router_cache_route_* series (only
+ * with router.routing: cache_aware). */
+int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg);
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg);
 /* Non-generation paths, counted apart from the API (generation) requests. */

@@ -247,12 +247,15 @@ static rt_pair_out pair_failed(rt_router *r, rt_req *q, rt_pf_fail why, bool tim
 
 /* ---- starting an attempt ---- */
 
-int rt_pair_pick(rt_router *r, const rt_req *q, int64_t now)
+int rt_pair_pick(rt_router *r, const rt_req *q, int64_t now, rt_route_pick *pk)
 {
     int avoid = q->pair.pf_avoid;
-    int p = rt_reg_pick_prefill(&r->reg, now, avoid);
+    size_t n;
+    const int32_t *prompt = rt_req_prompt(q, &n);
+    const td_cfg_router *rc = &r->cfg->router;
+    int p = rt_route_prefill(&r->reg, rc, prompt, n, now, avoid, pk);
     if (p < 0 && avoid >= 0 && q->pair.pf_same_ok && !rt_reg_n_pf_alive(&r->reg, avoid))
-        p = rt_reg_pick_prefill(&r->reg, now, -1); /* a timeout: the same one may retry */
+        p = rt_route_prefill(&r->reg, rc, prompt, n, now, -1, pk); /* a timeout: may retry */
     return p;
 }
 

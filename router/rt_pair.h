@@ -22,6 +22,7 @@
 #include "config.h"
 #include "ctrl.h"
 #include "rt_req.h"
+#include "rt_route.h"
 
 struct rt_router;
 
@@ -47,8 +48,9 @@ typedef struct {
  * request id. 0, or a td_err (nothing is left on either instance; the caller fails q). */
 int rt_pair_start(struct rt_router *r, rt_req *q, int d, int p, int64_t now);
 /* The prefill instance for q's next attempt (never the one its retry must avoid, unless
- * that failure was a timeout and no other is alive), or -1: none can take it now. */
-int rt_pair_pick(struct rt_router *r, const rt_req *q, int64_t now);
+ * that failure was a timeout and no other is alive), or -1: none can take it now; chosen
+ * by router.routing (rt_route_prefill, which fills *pk for rt_route_commit). */
+int rt_pair_pick(struct rt_router *r, const rt_req *q, int64_t now, rt_route_pick *pk);
 /* q heads the queue and rt_pair_pick found nothing: RT_PAIR_FAILED when it can never be
  * served (its retry must avoid the only alive instance), else RT_PAIR_OK (it waits). */
 rt_pair_out rt_pair_unservable(struct rt_router *r, rt_req *q);

@@ -59,6 +59,7 @@ int rt_reg_init(rt_registry *g, const td_cfg *cfg)
 
 static void inst_fini(rt_inst *s)
 {
+    rt_cidx_fini(&s->cidx);
     td_ctrl_client_in_free(&s->in);
     td_ctrl_client_destroy(s->c);
     free(s->orphans);
@@ -72,7 +73,40 @@ void rt_reg_fini(rt_registry *g)
         inst_fini(&g->pf[j]);
     free(g->inst);
     free(g->pf);
+    rt_cache_ids_fini(&g->ids);
     *g = (rt_registry){0};
+}
+
+void rt_reg_forget(rt_inst *s, const char *why)
+{
+    if (s->cidx.n)
+        TD_LOG_INFO("router: %s instance %s: prefix index dropped (%u blocks): %s",
+                    s->pcfg ? "prefill" : "decode", s->name, s->cidx.n, why);
+    if (s->cidx.n) s->cst.drops++;
+    rt_cidx_clear(&s->cidx);
+    s->cst.blocks = 0;
+}
+
+void rt_reg_restarted(rt_inst *s, uint64_t epoch)
+{
+    if (epoch && epoch == s->boot_id) return; /* seen in its Health already: dropped then */
+    rt_reg_forget(s, "restarted (new event epoch)");
+    s->boot_id = epoch; /* its Health will carry it: not a second restart */
+    s->uptime_ms = 0;
+}
+
+/* Health figures for the prefix index: a new process forgets, the sizes follow. */
+static void seen_cache(rt_inst *s, const Td__Health *h)
+{
+    bool new_boot = h->boot_id && s->boot_id && h->boot_id != s->boot_id;
+    bool went_back = h->uptime_ms < s->uptime_ms;
+    if (new_boot || went_back)
+        rt_reg_forget(s, new_boot ? "a new process answers (boot id)" : "its uptime went back");
+    if (h->boot_id) s->boot_id = h->boot_id;
+    s->uptime_ms = h->uptime_ms;
+    uint64_t pool = (uint64_t)h->kv_blocks_used + h->kv_blocks_free;
+    rt_cidx_configure(&s->cidx, h->kv_block_size, pool > UINT32_MAX ? UINT32_MAX : (uint32_t)pool);
+    s->cst.blocks = s->cidx.n;
 }
 
 bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
@@ -97,6 +131,7 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         s->kv_free = h->kv_blocks_free;
         s->queued_tokens = h->queued_prompt_tokens;
         s->preemptions = h->num_preemptions;
+        seen_cache(s, h);
     }
     s->alive = s->ready;
     return s->alive && !was;

@@ -18,6 +18,7 @@
 
 #include "config.h"
 #include "ctrl.h"
+#include "rt_cache.h"
 
 typedef struct {
     uint64_t call_id;
@@ -49,6 +50,11 @@ typedef struct {
     rt_call *orphans;         /* prefill: (n_orphans) Prefill calls of abandoned attempts:
                                  their Ack is answered with a Cancel */
     int n_orphans, cap_orphans;
+    /* cache-aware routing (rt_route.h): what the router sent here, and the process it went to */
+    rt_cidx cidx;       /* block ids of the prompts sent here (router.routing: cache_aware) */
+    uint64_t boot_id;   /* Health.boot_id last seen; 0 none yet (or a node that sends none) */
+    uint64_t uptime_ms; /* Health.uptime_ms last seen */
+    rt_cache_stats cst; /* published to /metrics */
 } rt_inst;
 
 typedef struct {
@@ -56,14 +62,25 @@ typedef struct {
     int n;
     rt_inst *pf; /* (n_pf) prefill instances, YAML order; none: colocated mode */
     int n_pf;
-    unsigned pf_rr; /* round-robin start among equally loaded prefill instances */
+    unsigned pf_rr;   /* round-robin start among equally loaded prefill instances */
+    rt_cache_ids ids; /* the block ids of the request being routed (rt_route.c) */
 } rt_registry;
 
 int rt_reg_init(rt_registry *g, const td_cfg *cfg);
 void rt_reg_fini(rt_registry *g);
 /* Record a sign of life and health figures (h may be NULL) of s. A prefill instance must
- * say ROLE_PREFILL to count as ready. Returns true if the instance just came (back) up. */
+ * say ROLE_PREFILL to count as ready. A new boot_id or an uptime that went back means a
+ * new process: its prefix index is dropped (rt_reg_forget). The index takes the block
+ * size and pool size (kv_blocks_used + kv_blocks_free) reported. Returns true if the
+ * instance just came (back) up. */
 bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now);
+/* What the router knew of s's prefix cache is stale (a restart, marked dead): drop it.
+ * why is logged (an index that was empty is dropped silently). */
+void rt_reg_forget(rt_inst *s, const char *why);
+/* The control client reports a new server process with event epoch `epoch` (its boot id):
+ * the index is dropped unless a Health of that same process already told (then what was
+ * learnt since is about the new process and stays). */
+void rt_reg_restarted(rt_inst *s, uint64_t epoch);
 /* Send heartbeats that are due (decode and prefill instances). */
 void rt_reg_heartbeat(rt_registry *g, const td_cfg_router *rc, int64_t now);
 /* Index of the best decode instance for a new request, or -1 (none alive with room):

@@ -2,6 +2,11 @@
 # router on random loopback ports and kills them when it ends.
 #   test_rt_unit     stop-string hold-back, request table, fair queue, key comparison,
 #                    rt_stream and the "timeout" field over a tokenizer
+#   test_rt_unit_cache  cache-aware routing: prefix index (matches, LRU, removal), SGLang's
+#                    choice (threshold, balance), routing over a registry, drop on restart
+#   router_cache     cache-aware routing end to end, two decode instances (colocated): a
+#                    conversation stays on one instance (spreads with load routing); a
+#                    restarted instance is not preferred by stale knowledge
 #   router_openai    the `openai` client: completions/chat, streaming, stops, seeds, greedy ==
 #                    `tandem generate` (synthetic model; also the default model with TANDEM_MODEL)
 #   router_http      raw HTTP: SSE bytes, keep-alive, 256 concurrent streams, the bad-request
@@ -20,6 +25,12 @@ target_include_directories(test_rt_unit PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_rt_unit PRIVATE rt_core)
 add_test(NAME test_rt_unit COMMAND test_rt_unit)
 set_tests_properties(test_rt_unit PROPERTIES TIMEOUT 60)
+# cache-aware routing: the prefix index, SGLang's choice, routing over a registry
+add_executable(test_rt_unit_cache ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_unit_cache.c)
+target_include_directories(test_rt_unit_cache PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_rt_unit_cache PRIVATE rt_core)
+add_test(NAME test_rt_unit_cache COMMAND test_rt_unit_cache)
+set_tests_properties(test_rt_unit_cache PROPERTIES TIMEOUT 60)
 
 add_executable(test_rt_tools ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_tools.c)
 target_include_directories(test_rt_tools PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
@@ -67,11 +78,14 @@ if(TANDEM_PYTHON)
   add_test(NAME router_limits
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_limits.py
                    ${RT_TEST_BINS})
+  add_test(NAME router_cache
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_cache.py
+                   ${RT_TEST_BINS})
   add_test(NAME router_metrics
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_metrics.py
                    ${RT_TEST_BINS} --prefill $<TARGET_FILE:tandem-prefill>)
   set_tests_properties(router_openai router_http router_faults router_limits router_metrics
-                       PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+                       router_cache PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
 endif()
 
 # router_tools: tool calling with the `openai` client on the real Qwen2.5-Coder 0.5B model

@@ -66,6 +66,14 @@ static const bad_case bad_cases[] = {
      "0 is out of range [1, 86400000]"},
     {"router_drain_neg", MIN "router:\n  drain_timeout_ms: -1\n", 5, 21,
      "-1 is out of range [0, 3600000]"},
+    {"router_routing", MIN "router:\n  routing: prefix\n", 5, 12,
+     "unknown routing 'prefix' (known: load, cache_aware)"},
+    {"router_cache_key", MIN "router:\n  cache_aware:\n    threshold: 0.5\n", 6, 5,
+     "unknown key 'threshold' in router.cache_aware"},
+    {"router_cache_rel", MIN "router:\n  cache_aware:\n    balance_rel_threshold: 0.5\n", 6, 28,
+     "0.5 is out of range [1, 1000]"},
+    {"router_cache_thr", MIN "router:\n  cache_aware:\n    cache_threshold: 1.5\n", 6, 22,
+     "1.5 is out of range [0, 1]"},
     {"decode_not_list", "model: /m\ndecode:\n  name: d0\n", 3, 3,
      "decode: expected a list of instances, got a mapping"},
     {"decode_no_name", "model: /m\ndecode:\n  - tp: 2\n", 3, 5,
@@ -156,6 +164,11 @@ static void test_good_file(void)
                        "  request_timeout_ms: 5000\n"
                        "  max_request_timeout_ms: 60000\n"
                        "  drain_timeout_ms: 0\n"
+                       "  routing: cache_aware\n"
+                       "  cache_aware:\n"
+                       "    cache_threshold: 0.25\n"
+                       "    balance_abs_threshold: 8\n"
+                       "    balance_rel_threshold: 1.5\n"
                        "prefill:\n"
                        "  - name: p0\n"
                        "    pp: 2\n"
@@ -203,6 +216,10 @@ static void test_good_file(void)
              c->router.heartbeat_ms == 250 && c->router.instance_timeout_ms == 1000);
     TH_CHECK(c->router.request_timeout_ms == 5000 && c->router.max_request_timeout_ms == 60000 &&
              c->router.drain_timeout_ms == 0);
+    TH_CHECK(c->router.routing == TD_CFG_ROUTING_CACHE_AWARE &&
+             c->router.cache_aware.cache_threshold == 0.25 &&
+             c->router.cache_aware.balance_abs_threshold == 8 &&
+             c->router.cache_aware.balance_rel_threshold == 1.5);
     TH_REQUIRE(c->n_prefill == 2 && c->n_decode == 2);
     const td_cfg_prefill *p = td_cfg_find_prefill(c, "p0");
     TH_REQUIRE(p);
@@ -245,6 +262,10 @@ static void test_good_file(void)
              c->router.max_request_timeout_ms == 3600000 && c->router.drain_timeout_ms == 30000 &&
              c->n_prefill == 0 && !strcmp(c->kvxfer.ucx_tls, "sm,tcp,self") &&
              c->kvxfer.timeout_ms == 120000 && strstr(c->run_dir, ".cache/tandem/run"));
+    TH_CHECK(c->router.routing == TD_CFG_ROUTING_LOAD &&
+             c->router.cache_aware.cache_threshold == 0.5 &&
+             c->router.cache_aware.balance_abs_threshold == 32 &&
+             c->router.cache_aware.balance_rel_threshold == 1.1);
     td_cfg_free(c);
 
     /* a smaller maximum alone lowers the default deadline with it */

@@ -1,0 +1,115 @@
+/* rt_cache.h: the router's per-instance index of cached prefixes and SGLang's cache-aware
+ * choice (prefix rt_cidx_ / rt_cache_).
+ *
+ * Purpose: cache-aware routing (router.routing: cache_aware; docs/prefix-cache.md,
+ * "Routing"). For each instance the router keeps the ids of the KV blocks
+ * (common/td_blockhash.h, with the instance's block size) of the prompts it sent there: an
+ * approximation of what the instance's prefix cache holds, learned without any message
+ * from the node (SGLang's approximate tree). Block ids are chained, so "the first k blocks
+ * of a prompt are indexed" means "the instance was sent a prompt starting with those
+ * k * block_size tokens"; rt_cidx_match counts them. The index forgets the least recently
+ * used blocks beyond the instance's pool size (Health kv_blocks_used + kv_blocks_free), as
+ * the node would; blocks of one prompt are touched from the last to the first, so a
+ * prefix outlives its extensions (leaves go first, as in a radix tree).
+ * Events: insert and remove take block ids, so KV events from the nodes (vLLM's
+ * BlockStored / BlockRemoved, Dynamo's) could feed the same index instead of the guess;
+ * rt_cidx_clear is what a node restart (or "AllCleared") does.
+ * Invariants: n <= capacity; every indexed id is in the hash table exactly once and in the
+ * LRU list exactly once; block_size 0 or capacity 0: nothing is indexed.
+ * Threading: the loop thread only (no locks).
+ * Ownership: an rt_cidx owns its arrays (rt_cidx_fini); rt_cache_ids owns its buffer.
+ */
+#ifndef RT_CACHE_H
+#define RT_CACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+
+#define RT_CIDX_NIL UINT32_MAX
+
+typedef struct {
+    uint64_t id;         /* td_block_hash id */
+    uint32_t prev, next; /* LRU list: prev is more recent; RT_CIDX_NIL at the ends */
+} rt_cidx_node;
+
+typedef struct {
+    uint32_t block_size; /* tokens per block of the instance; 0: unknown */
+    uint32_t capacity;   /* most blocks indexed: the instance's pool */
+    uint32_t n;          /* blocks indexed */
+    rt_cidx_node *node;  /* (cap_nodes) node[0..n) in use, in no particular order */
+    uint32_t cap_nodes;
+    uint32_t *slot;      /* (n_slots) open addressing, linear probing: node index + 1, 0 empty */
+    uint32_t n_slots;    /* a power of two > 2 * cap_nodes, or 0 */
+    uint32_t head, tail; /* most / least recently used node, RT_CIDX_NIL when empty */
+} rt_cidx;
+
+/* Set the block size and capacity from an instance's health figures. A different block
+ * size clears the index (the ids mean other blocks); a smaller capacity evicts the least
+ * recently used blocks. Allocates nothing (rt_cidx_insert grows the arrays). */
+void rt_cidx_configure(rt_cidx *x, uint32_t block_size, uint32_t capacity);
+/* Forget everything (the instance restarted or was marked dead); frees the arrays. */
+void rt_cidx_clear(rt_cidx *x);
+void rt_cidx_fini(rt_cidx *x);
+/* ids[0..n): the chained block ids of one prompt. Each is added or made most recently
+ * used, from ids[n-1] to ids[0] (ids[0] ends most recent); beyond capacity the least
+ * recently used blocks go. 0 or TD_ENOMEM (what was indexed stays consistent). */
+int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n);
+/* Forget one block (an eviction event); false if it was not indexed. */
+bool rt_cidx_remove(rt_cidx *x, uint64_t id);
+/* How many of ids[0..n) are indexed, counted from ids[0] up to the first missing one. */
+size_t rt_cidx_match(const rt_cidx *x, const uint64_t *ids, size_t n);
+
+/* The block ids of one prompt for one block size, kept while the same prompt is asked
+ * for again (the instances of a cluster usually share one block size). */
+typedef struct {
+    uint64_t *ids; /* (cap) */
+    size_t cap, n;
+    const int32_t *tokens; /* the prompt they were computed for (borrowed, compared only) */
+    size_t n_tokens;
+    uint32_t block_size;
+} rt_cache_ids;
+
+/* The ids of tokens[0..n_tokens) with block_size (n_tokens / block_size of them), or NULL
+ * (out of memory); valid until the next call. */
+const uint64_t *rt_cache_ids_get(rt_cache_ids *c, const int32_t *tokens, size_t n_tokens,
+                                 uint32_t block_size, size_t *n);
+void rt_cache_ids_fini(rt_cache_ids *c);
+
+/* Per instance, for /metrics (rt_metrics_cache.c): loop-owned, published with the gauges. */
+typedef struct {
+    uint64_t by_cache;       /* requests sent here for their prefix match (RT_ROUTE_BY_CACHE) */
+    uint64_t by_load;        /* requests sent here by the load order (no match above threshold,
+                                or the match's instance was overloaded) */
+    uint64_t overloaded;     /* times this instance had the longest match but was overloaded */
+    uint64_t matched_tokens; /* prompt tokens matched here, over the requests sent here */
+    uint64_t drops;          /* times its index was dropped (restart, marked dead) */
+    uint32_t blocks;         /* blocks indexed now */
+} rt_cache_stats;
+
+/* One instance that can take the request now. */
+typedef struct {
+    int inst;         /* its index (decode or prefill array) */
+    uint32_t load;    /* the router's requests on it (rt_inst.active) */
+    uint32_t matched; /* prompt tokens in whole indexed blocks (rt_cidx_match * block size) */
+} rt_cache_cand;
+
+/* Why the choice fell where it did (metric labels). */
+typedef enum {
+    RT_ROUTE_BY_LOAD = 0, /* no match above cache_threshold: the load order's choice */
+    RT_ROUTE_BY_CACHE,    /* the longest match */
+    RT_ROUTE_OVERLOADED,  /* the longest match's instance was overloaded: the least loaded */
+} rt_route_why;
+
+/* SGLang's cache-aware choice among c[0..n) (n >= 1), c[0] being what routing: load would
+ * pick. best = the longest match (ties: the lower load, then the earlier candidate). If
+ * best.matched / n_prompt <= cache_threshold (or nothing matched): c[0], BY_LOAD. Else if
+ * best.load - min_load > balance_abs_threshold and best.load > min_load *
+ * balance_rel_threshold: the least loaded candidate (c[0] among equals), OVERLOADED, and
+ * *skipped = best's position. Else best, BY_CACHE. Returns a position in c. */
+int rt_cache_choose(const rt_cache_cand *c, int n, size_t n_prompt, const td_cfg_cache_aware *p,
+                    rt_route_why *why, int *skipped);
+
+#endif

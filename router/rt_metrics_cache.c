@@ -1,0 +1,73 @@
+/* rt_metrics_cache.c: the cache-aware routing series (router.routing: cache_aware), per
+ * instance with labels role="decode"|"prefill" and instance="NAME":
+ *   tandem_router_cache_route_hits_total            requests sent there for their prefix match
+ *   tandem_router_cache_route_load_total            requests sent there by the load order (no
+ *                                                   match above cache_threshold, or the match's
+ *                                                   instance overloaded)
+ *   tandem_router_cache_route_overloaded_total      times it had the longest match but was
+ *                                                   overloaded (the request went elsewhere)
+ *   tandem_router_cache_route_matched_tokens_total  prompt tokens matched there, over the
+ *                                                   requests sent there
+ *   tandem_router_cache_route_index_drops_total     times its index was dropped (restart, dead)
+ *   tandem_router_cache_route_index_blocks          blocks in its index now (gauge)
+ * The caller holds m->mu (rt_metrics_render). */
+#include <stdio.h>
+
+#include "rt_metrics.h"
+
+typedef enum { S_HITS = 0, S_LOAD, S_OVER, S_TOKENS, S_DROPS, S_BLOCKS, S_N } series;
+
+static double value(const rt_cache_stats *c, series k)
+{
+    switch (k) {
+    case S_HITS:
+        return (double)c->by_cache;
+    case S_LOAD:
+        return (double)c->by_load;
+    case S_OVER:
+        return (double)c->overloaded;
+    case S_TOKENS:
+        return (double)c->matched_tokens;
+    case S_DROPS:
+        return (double)c->drops;
+    default:
+        return (double)c->blocks;
+    }
+}
+
+int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
+{
+    static const char *const names[S_N] = {"hits_total",        "load_total",
+                                           "overloaded_total",  "matched_tokens_total",
+                                           "index_drops_total", "index_blocks"};
+    static const char *const helps[S_N] = {
+        "Requests sent to the instance because their prompt's prefix matched there the most.",
+        "Requests sent to the instance by the load order (no match above "
+        "router.cache_aware.cache_threshold, or the matching instance was overloaded).",
+        "Times the instance had the longest prefix match but was overloaded against the least "
+        "loaded one (the request went there instead).",
+        "Prompt tokens of the requests sent to the instance that its prefix index matched.",
+        "Times the instance's prefix index was dropped (restart, marked dead).",
+        "KV blocks in the router's prefix index of the instance."};
+    char line[512];
+    int rc = 0;
+    for (int k = 0; k < S_N; k++) {
+        snprintf(line, sizeof line,
+                 "# HELP tandem_router_cache_route_%s %s\n# TYPE tandem_router_cache_route_%s %s\n",
+                 names[k], helps[k], names[k], k == S_BLOCKS ? "gauge" : "counter");
+        rc |= rt_buf_puts(b, line);
+        for (int i = 0; i < m->n_inst; i++) {
+            snprintf(line, sizeof line,
+                     "tandem_router_cache_route_%s{role=\"decode\",instance=\"%s\"} %.17g\n",
+                     names[k], cfg->decode[i].name, value(&m->cache_dec[i], (series)k));
+            rc |= rt_buf_puts(b, line);
+        }
+        for (int j = 0; j < m->n_pf; j++) {
+            snprintf(line, sizeof line,
+                     "tandem_router_cache_route_%s{role=\"prefill\",instance=\"%s\"} %.17g\n",
+                     names[k], cfg->prefill[j].name, value(&m->cache_pf[j], (series)k));
+            rc |= rt_buf_puts(b, line);
+        }
+    }
+    return rc;
+}

@@ -1,0 +1,324 @@
+/* test_rt_unit_cache.c: cache-aware routing without processes: the per-instance prefix
+ * index (matches of chained block ids, LRU eviction bounded by the pool with prefixes
+ * outliving their extensions, removal by id as a KV event would do, a random workload
+ * against a reference model), SGLang's choice (longest match, cache_threshold, the
+ * balance thresholds), and the routing over a hand-made registry: a conversation stays
+ * where its prefix is, load routing ignores it, and a restart (new boot id, uptime going
+ * back) or a death drops the instance's index. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "rt_cache.h"
+#include "rt_registry.h"
+#include "rt_route.h"
+#include "td_blockhash.h"
+#include "tharness.h"
+
+#define BS 4 /* tokens per block in these tests */
+
+/* tokens[0..n) = base + k (k = 0..n) */
+static void fill(int32_t *t, size_t n, int32_t base)
+{
+    for (size_t k = 0; k < n; k++)
+        t[k] = base + (int32_t)k;
+}
+
+static void test_index_match(void)
+{
+    rt_cidx x = {0};
+    int32_t a[40], b[40];
+    uint64_t ia[10], ib[10];
+    fill(a, 40, 100);
+    memcpy(b, a, sizeof b);
+    b[21] = -1; /* b shares a's first 5 blocks (tokens 0..19) and differs in block 5 */
+    TH_CHECK(td_block_hashes(a, 40, BS, ia) == 10 && td_block_hashes(b, 40, BS, ib) == 10);
+    TH_CHECK(rt_cidx_insert(&x, ia, 10) == 0 && x.n == 0); /* unconfigured: nothing kept */
+    rt_cidx_configure(&x, BS, 100);
+    TH_CHECK(rt_cidx_match(&x, ia, 10) == 0);
+    TH_CHECK(rt_cidx_insert(&x, ia, 6) == 0 && x.n == 6);
+    TH_CHECK(rt_cidx_match(&x, ia, 10) == 6); /* a longer prompt: its first 6 blocks */
+    TH_CHECK(rt_cidx_match(&x, ib, 10) == 5); /* a sibling: the shared part */
+    TH_CHECK(rt_cidx_insert(&x, ia, 10) == 0 && x.n == 10);
+    TH_CHECK(rt_cidx_insert(&x, ib, 10) == 0 && x.n == 15);
+    TH_CHECK(rt_cidx_match(&x, ib, 10) == 10 && rt_cidx_match(&x, ia, 10) == 10);
+    /* an event: block 2 gone, so nothing after it matches (ids are chained) */
+    TH_CHECK(rt_cidx_remove(&x, ia[2]) && !rt_cidx_remove(&x, ia[2]));
+    TH_CHECK(rt_cidx_match(&x, ia, 10) == 2 && rt_cidx_match(&x, ib, 10) == 2 && x.n == 14);
+    /* another block size: other ids, the index starts over */
+    rt_cidx_configure(&x, 2 * BS, 100);
+    TH_CHECK(x.n == 0 && rt_cidx_match(&x, ia, 10) == 0);
+    rt_cidx_fini(&x);
+}
+
+static void test_index_lru(void)
+{
+    rt_cidx x = {0};
+    rt_cidx_configure(&x, BS, 8);
+    int32_t a[32], b[32];
+    uint64_t ia[8], ib[8];
+    fill(a, 32, 0);
+    fill(b, 32, 1000);
+    td_block_hashes(a, 32, BS, ia);
+    td_block_hashes(b, 32, BS, ib);
+    rt_cidx_insert(&x, ia, 6);
+    rt_cidx_insert(&x, ib, 4); /* 10 > 8: a's 2 deepest blocks go, its prefix stays */
+    TH_CHECK(x.n == 8);
+    TH_CHECK(rt_cidx_match(&x, ia, 8) == 4 && rt_cidx_match(&x, ib, 8) == 4);
+    rt_cidx_insert(&x, ia, 2); /* a[0..1] most recent; a[2..3] now the least recent */
+    rt_cidx_insert(&x, ia, 5); /* a[4], a[3], a[2] come back in place of a[3], a[2], b[3] */
+    TH_CHECK(rt_cidx_match(&x, ia, 8) == 5 && rt_cidx_match(&x, ib, 8) == 3);
+    /* a smaller pool (the instance restarted smaller, or reports so): LRU first */
+    rt_cidx_configure(&x, BS, 5);
+    TH_CHECK(x.n == 5 && rt_cidx_match(&x, ia, 8) == 5 && rt_cidx_match(&x, ib, 8) == 0);
+    /* a prompt longer than the pool keeps its first blocks */
+    rt_cidx_insert(&x, ib, 8);
+    TH_CHECK(x.n == 5 && rt_cidx_match(&x, ib, 8) == 5 && rt_cidx_match(&x, ia, 8) == 0);
+    rt_cidx_clear(&x);
+    TH_CHECK(x.n == 0 && rt_cidx_match(&x, ib, 8) == 0);
+    rt_cidx_insert(&x, ib, 3); /* usable after a clear: block size and capacity kept */
+    TH_CHECK(rt_cidx_match(&x, ib, 8) == 3);
+    rt_cidx_fini(&x);
+}
+
+/* Random inserts and removes against a reference (an array in LRU order, most recent
+ * first): the table's probing and backward-shift deletion, the node moves, the list. */
+static void test_index_random(void)
+{
+    enum { CAP = 300, IDS = 1000, OPS = 20000 };
+    rt_cidx x = {0};
+    rt_cidx_configure(&x, BS, CAP);
+    uint64_t *ref = calloc(CAP + 1, sizeof *ref);
+    int n_ref = 0;
+    srand(7);
+    int bad = 0;
+    for (int op = 0; op < OPS && !bad; op++) {
+        /* few distinct ids: hits, evictions and removals all happen often; some ids share
+           their low bits, so probe runs form */
+        uint64_t id = (uint64_t)(rand() % IDS) * (rand() % 2 ? 1 : (1ull << 40));
+        int at = -1;
+        for (int k = 0; k < n_ref; k++)
+            if (ref[k] == id) at = k;
+        if (rand() % 4 == 0) {
+            bool had = rt_cidx_remove(&x, id);
+            bad |= had != (at >= 0);
+            if (at >= 0) memmove(ref + at, ref + at + 1, (size_t)(n_ref - at - 1) * sizeof *ref);
+            if (at >= 0) n_ref--;
+        } else {
+            rt_cidx_insert(&x, &id, 1);
+            if (at >= 0) {
+                memmove(ref + 1, ref, (size_t)at * sizeof *ref);
+            } else {
+                memmove(ref + 1, ref, (size_t)(n_ref < CAP ? n_ref : CAP - 1) * sizeof *ref);
+                if (n_ref < CAP) n_ref++;
+            }
+            ref[0] = id;
+        }
+        bad |= (int)x.n != n_ref;
+        if (op % 97 == 0) /* the whole content, and the LRU order */
+            for (int k = 0; k < n_ref; k++)
+                bad |= rt_cidx_match(&x, &ref[k], 1) != 1;
+    }
+    TH_CHECKF(!bad, "index and reference disagree");
+    uint32_t k = x.head;
+    for (int i = 0; i < n_ref && k != RT_CIDX_NIL; i++, k = x.node[k].next)
+        bad |= x.node[k].id != ref[i];
+    TH_CHECKF(!bad && x.n == (uint32_t)n_ref, "LRU order differs from the reference");
+    free(ref);
+    rt_cidx_fini(&x);
+}
+
+static void test_choose(void)
+{
+    td_cfg_cache_aware p = {
+        .cache_threshold = 0.5, .balance_abs_threshold = 32, .balance_rel_threshold = 1.1};
+    rt_route_why why;
+    int sk;
+    /* c[0] is the load order's choice */
+    rt_cache_cand c[3] = {{0, 5, 0}, {1, 6, 80}, {2, 2, 40}};
+    TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE &&
+             sk == -1);
+    /* a match at or below the threshold: the load order */
+    TH_CHECK(rt_cache_choose(c, 3, 160, &p, &why, &sk) == 0 && why == RT_ROUTE_BY_LOAD);
+    p.cache_threshold = 0;
+    TH_CHECK(rt_cache_choose(c, 3, 160, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE);
+    c[1].matched = c[2].matched = 0; /* nothing matches anywhere: the load order */
+    TH_CHECK(rt_cache_choose(c, 3, 160, &p, &why, &sk) == 0 && why == RT_ROUTE_BY_LOAD);
+    /* equal matches: the less loaded */
+    c[1].matched = c[2].matched = 40;
+    TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 2);
+    /* overloaded: more than abs AND more than rel x the least loaded */
+    c[2].matched = 0;
+    c[1].load = 2 + 33; /* 33 more than c[2]'s 2, and 17.5 x: overloaded */
+    TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 2 && why == RT_ROUTE_OVERLOADED &&
+             sk == 1);
+    c[1].load = 2 + 32; /* exactly abs more: not overloaded */
+    TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE);
+    p.balance_abs_threshold = 2;
+    c[1].load = 300;
+    c[0].load = c[2].load = 280; /* 20 more but only 1.07 x: not overloaded */
+    TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE);
+    c[2].load = 200; /* 1.5 x the least loaded (c[2]); c[0] is not: c[2] takes it */
+    TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 2 && why == RT_ROUTE_OVERLOADED);
+    c[0].load = 200; /* equally least loaded: the load order's choice */
+    TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 0 && why == RT_ROUTE_OVERLOADED);
+    /* one candidate */
+    TH_CHECK(rt_cache_choose(&c[1], 1, 100, &p, &why, &sk) == 0 && why == RT_ROUTE_BY_CACHE);
+}
+
+/* A health report of a decode instance with a pool of 64 blocks of BS tokens. */
+static Td__Health health(uint64_t boot, uint64_t uptime)
+{
+    Td__Health h = TD__HEALTH__INIT;
+    h.ready = true;
+    h.role = TD__ROLE__ROLE_DECODE;
+    h.kv_block_size = BS;
+    h.kv_blocks_free = 60;
+    h.kv_blocks_used = 4;
+    h.boot_id = boot;
+    h.uptime_ms = uptime;
+    return h;
+}
+
+/* Route a prompt to a decode instance and commit it, as rt_loop_dispatch does. */
+static int route(rt_registry *g, const td_cfg_router *rc, const int32_t *t, size_t n,
+                 rt_route_pick *pk)
+{
+    int i = rt_route_decode(g, rc, t, n, 0, pk);
+    if (i >= 0) rt_route_commit(g, g->inst, t, n, pk);
+    return i;
+}
+
+static void test_route(void)
+{
+    rt_inst d[2] = {0};
+    rt_registry g = {.inst = d, .n = 2};
+    td_cfg_router rc = {.routing = TD_CFG_ROUTING_CACHE_AWARE,
+                        .cache_aware = {.cache_threshold = 0.5,
+                                        .balance_abs_threshold = 32,
+                                        .balance_rel_threshold = 1.1}};
+    for (int i = 0; i < 2; i++) {
+        d[i].cap = 100;
+        d[i].name = i ? "d1" : "d0";
+        Td__Health h = health(10 + (uint64_t)i, 1000);
+        rt_reg_seen(&d[i], &h, 0);
+        TH_CHECK(d[i].alive && d[i].cidx.block_size == BS && d[i].cidx.capacity == 64);
+    }
+    d[1].kv_free = 70; /* the load order prefers d1 */
+    int32_t conv[64];
+    fill(conv, 64, 7);
+    rt_route_pick pk;
+    /* turn 1 (16 tokens): nothing cached anywhere, the load order */
+    TH_CHECK(route(&g, &rc, conv, 16, &pk) == 1 && pk.why == RT_ROUTE_BY_LOAD);
+    TH_CHECK(d[1].cidx.n == 4 && d[0].cidx.n == 0 && d[1].cst.by_load == 1);
+    /* turns 2.. grow the prefix: they stay on d1 even when the load order says d0 */
+    d[0].kv_free = 90;
+    d[1].active = 3;
+    TH_CHECK(route(&g, &rc, conv, 24, &pk) == 1 && pk.why == RT_ROUTE_BY_CACHE && pk.matched == 16);
+    TH_CHECK(route(&g, &rc, conv, 40, &pk) == 1 && pk.matched == 24);
+    TH_CHECK(d[1].cst.by_cache == 2 && d[1].cst.matched_tokens == 40 && d[1].cst.blocks == 10);
+    /* another conversation: no match, the load order (d0) */
+    int32_t other[24];
+    fill(other, 24, 5000);
+    TH_CHECK(route(&g, &rc, other, 24, &pk) == 0 && pk.why == RT_ROUTE_BY_LOAD);
+    /* d1 overloaded: the least loaded takes the turn, counted against d1 */
+    d[1].active = 40;
+    TH_CHECK(route(&g, &rc, conv, 48, &pk) == 0 && pk.why == RT_ROUTE_OVERLOADED &&
+             pk.skipped == 1 && d[1].cst.overloaded == 1);
+    d[1].active = 0;
+    /* routing: load ignores the index and leaves it alone */
+    rc.routing = TD_CFG_ROUTING_LOAD;
+    uint32_t n0 = d[0].cidx.n;
+    TH_CHECK(route(&g, &rc, conv, 56, &pk) == 0 && !pk.cache_aware && d[0].cidx.n == n0);
+    rc.routing = TD_CFG_ROUTING_CACHE_AWARE;
+    /* both hold 12 blocks of conv now (d0 from the overloaded turn): the longer match */
+    TH_CHECK(route(&g, &rc, conv, 64, &pk) == 0 && pk.matched == 48);
+
+    /* a restart seen in Health: a new boot id drops the index */
+    TH_CHECK(d[1].cidx.n > 0);
+    Td__Health h = health(99, 5000);
+    rt_reg_seen(&d[1], &h, 0);
+    TH_CHECK(d[1].cidx.n == 0 && d[1].cst.drops == 1 && d[1].boot_id == 99);
+    /* the same process again: kept */
+    route(&g, &rc, other, 24, &pk); /* on d0 (it matches there) */
+    d[0].kv_free = 10;              /* the load order now prefers d1 */
+    int32_t third[32];
+    fill(third, 32, 9000);
+    TH_CHECK(route(&g, &rc, third, 32, &pk) == 1 && d[1].cidx.n == 8);
+    h = health(99, 6000);
+    rt_reg_seen(&d[1], &h, 0);
+    TH_CHECK(d[1].cidx.n == 8);
+    /* the control client's restart notice of that same process (epoch == boot id): kept */
+    rt_reg_restarted(&d[1], 99);
+    TH_CHECK(d[1].cidx.n == 8 && d[1].cst.drops == 1);
+    /* a notice before the new process's Health: dropped once, not again by the Health */
+    rt_reg_restarted(&d[1], 123);
+    TH_CHECK(d[1].cidx.n == 0 && d[1].cst.drops == 2);
+    route(&g, &rc, third, 32, &pk);
+    h = health(123, 50);
+    rt_reg_seen(&d[1], &h, 0);
+    TH_CHECK(d[1].cidx.n == 8 && d[1].cst.drops == 2);
+    /* a node that sends no boot id: an uptime that went back */
+    h = health(0, 10);
+    rt_reg_seen(&d[1], &h, 0);
+    TH_CHECK(d[1].cidx.n == 0 && d[1].cst.drops == 3);
+    /* stale knowledge is not used: `third` no longer matches on d1 (the load order's) */
+    TH_CHECK(route(&g, &rc, third, 32, &pk) == 1 && pk.why == RT_ROUTE_BY_LOAD);
+    /* rt_reg_forget (restart by event epoch, marked dead) */
+    rt_reg_forget(&d[0], "test");
+    TH_CHECK(d[0].cidx.n == 0 && d[0].cst.drops == 1 && d[0].cst.blocks == 0);
+    TH_CHECK(route(&g, &rc, conv, 64, &pk) == 1 && pk.why == RT_ROUTE_BY_LOAD);
+    /* a dead or full instance is never chosen for its match */
+    TH_CHECK(route(&g, &rc, conv, 64, &pk) == 1 && pk.why == RT_ROUTE_BY_CACHE);
+    d[1].active = d[1].cap;
+    TH_CHECK(route(&g, &rc, conv, 64, &pk) == 0 && pk.why == RT_ROUTE_BY_LOAD);
+    d[1].active = 0;
+    d[1].alive = false;
+    TH_CHECK(rt_route_decode(&g, &rc, conv, 64, 0, &pk) == 0);
+    d[0].alive = false;
+    TH_CHECK(rt_route_decode(&g, &rc, conv, 64, 0, &pk) == -1);
+    for (int i = 0; i < 2; i++)
+        rt_cidx_fini(&d[i].cidx);
+    rt_cache_ids_fini(&g.ids);
+}
+
+/* Prefill instances: the same policy, never the instance to avoid. */
+static void test_route_prefill(void)
+{
+    rt_inst p[2] = {0};
+    td_cfg_prefill pc = {0};
+    rt_registry g = {.pf = p, .n_pf = 2};
+    td_cfg_router rc = {.routing = TD_CFG_ROUTING_CACHE_AWARE,
+                        .cache_aware = {.cache_threshold = 0.5,
+                                        .balance_abs_threshold = 32,
+                                        .balance_rel_threshold = 1.1}};
+    for (int j = 0; j < 2; j++) {
+        p[j].cap = 10;
+        p[j].pcfg = &pc;
+        Td__Health h = health(1 + (uint64_t)j, 10);
+        h.role = TD__ROLE__ROLE_PREFILL;
+        rt_reg_seen(&p[j], &h, 0);
+    }
+    int32_t t[32];
+    fill(t, 32, 3);
+    rt_route_pick pk;
+    int j = rt_route_prefill(&g, &rc, t, 32, 0, -1, &pk);
+    TH_REQUIRE(j >= 0);
+    rt_route_commit(&g, g.pf, t, 32, &pk);
+    for (int k = 0; k < 4; k++) /* idle instances alternate in the load order: the match wins */
+        TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, -1, &pk) == j && pk.why == RT_ROUTE_BY_CACHE);
+    TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, j, &pk) == 1 - j && pk.matched == 0);
+    for (int k = 0; k < 2; k++)
+        rt_cidx_fini(&p[k].cidx);
+    rt_cache_ids_fini(&g.ids);
+}
+
+int main(void)
+{
+    TH_RUN(test_index_match);
+    TH_RUN(test_index_lru);
+    TH_RUN(test_index_random);
+    TH_RUN(test_choose);
+    TH_RUN(test_route);
+    TH_RUN(test_route_prefill);
+    TH_EXIT();
+}
