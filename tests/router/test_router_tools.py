@@ -151,7 +151,8 @@ def forced_calls(name, client, mid):
             check(True, f"{label}: arguments {fn.arguments} validate against {fn.name}'s schema")
         except (TypeError, ValueError, jsonschema.ValidationError) as e:
             check(False, f"{label}: arguments validate ({fn.name}, {fn.arguments!r}: {e})")
-        content, scalls, sfin, _ = streamed(client, mid, **dict(kw, tool_choice=choice))
+        skw = {k: v for k, v in kw.items() if k != "model"}
+        content, scalls, sfin, _ = streamed(client, mid, **dict(skw, tool_choice=choice))
         check(sfin == fin and content == "" and list(scalls) == [0] and
               scalls[0][1] == fn.name and scalls[0][2] == fn.arguments,
               f"{label}: streamed == non-streamed ({sfin}, {content!r}, {scalls})")
