@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "ctrl.h"
+#include "gr_grammar.h"
 #include "kvx_conn.h"
 #include "pf_chain.h"
 #include "pf_chunk.h"
@@ -33,9 +34,9 @@ typedef struct pf_req {
     uint64_t id;
     int32_t n_prompt;
     uint32_t n_dst;
-    td_sampling sampling;
-    kn_kv_seq kv;  /* this stage's blocks for the whole prompt */
-    int32_t *hist; /* (n_prompt) last stage: the prompt's ids (for the repetition penalty) */
+    td_sampling sampling; /* .grammar NULL: the text lives in the chunk that samples */
+    kn_kv_seq kv;         /* this stage's blocks for the whole prompt */
+    int32_t *hist;        /* (n_prompt) last stage: the prompt's ids (for the repetition penalty) */
     int32_t n_hist;
     uint32_t n_chunks;  /* chunks computed */
     int32_t n_sent;     /* tokens whose KV went to the connector */
@@ -83,6 +84,10 @@ typedef struct {
     float *logits;         /* last stage: (logit_cap, n_vocab) */
     int32_t *lrows;        /* last stage: (chunk_max + PF_MAX_SEGS) the chunk's logit rows */
     int logit_cap;         /* PF_MAX_SEGS; more for prompt logprobs (a row per token) */
+    /* last stage, structured output: the vocabulary's trie and the compiled grammars; NULL
+     * when the model has no usable tokenizer (a request with a grammar then fails) */
+    gr_vocab *gvocab;
+    gr_cache *grammars;
 
     /* stage 0 as the last stage: LOGPROBS messages waiting for the leader's loop, a FIFO */
     struct pf_lp_blob *lp_head, *lp_tail;

@@ -23,7 +23,8 @@ typedef struct pf_job {
     int32_t done; /* tokens scheduled into chunks */
     uint32_t n_chunks;
     uint32_t n_dst;
-    td_sampling sampling;
+    td_sampling sampling;             /* .grammar: the job's own copy (grammar) */
+    char *grammar;                    /* structured output: the schema's text, NULL if none */
     uint8_t *targets[PF_MAX_TARGETS]; /* (n_targets) the decode ranks' kvxfer targets */
     size_t target_len[PF_MAX_TARGETS];
     int n_targets;
@@ -75,6 +76,7 @@ typedef struct {
 static void job_free(pf_job *j)
 {
     free(j->prompt);
+    free(j->grammar);
     for (int i = 0; i < j->n_targets; i++)
         free(j->targets[i]);
     free(j->chunk_sizes);
@@ -488,13 +490,6 @@ static void handle_prefill(pf_leader *ld, const td_ctrl_server_in *in)
                                        "token id %d outside the vocabulary", p->token_ids[i]);
             return;
         }
-    if (p->sampling && p->sampling->grammar_kind) {
-        /* the last stage would sample the first token without the grammar's mask */
-        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_UNSUPPORTED,
-                                   "structured output (response_format) is not supported by "
-                                   "prefill instances yet");
-        return;
-    }
     uint32_t n_dst = p->n_decode_ranks ? p->n_decode_ranks : (uint32_t)p->n_kv_targets;
     if (n_dst < 1 || n_dst > PF_MAX_TARGETS) {
         td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
@@ -517,6 +512,13 @@ static void handle_prefill(pf_leader *ld, const td_ctrl_server_in *in)
     j->first_token = -1;
     j->t_submit_ms = td_now_ms();
     j->sampling = td_ctrl_sampling_from_pb(p->sampling);
+    /* the decoded message's schema text is gone after this call: the job keeps a copy */
+    if (j->sampling.grammar && !(j->sampling.grammar = j->grammar = strdup(j->sampling.grammar))) {
+        job_free(j);
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INTERNAL,
+                                   "out of memory");
+        return;
+    }
     if (set_targets(j, p->kv_targets, p->n_kv_targets)) {
         job_free(j);
         td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_INVALID,
@@ -661,6 +663,7 @@ static int run_chunk(pf_leader *ld)
     int n_segs = 0;
     int32_t budget = ld->st->chunk_max;
     int64_t promised = 0;
+    size_t gbytes = 0; /* schema texts in the chunk (pf_wire: PF_WIRE_GRAMMAR_BUDGET) */
     int32_t *ids = ld->ids;
     int64_t n_ids = 0;
     for (pf_job *j = ld->jobs; j && budget > 0 && n_segs < PF_MAX_SEGS; j = j->next) {
@@ -686,6 +689,9 @@ static int run_chunk(pf_leader *ld)
                       .n_dst = j->n_dst,
                       .sampling = j->sampling};
         g->flags = (g->t0 == 0 ? PF_SEG_FIRST : 0) | (g->t1 == g->n_prompt ? PF_SEG_LAST : 0);
+        size_t gb = pf_wire_seg_grammar_bytes(g);
+        if (gbytes + gb > PF_WIRE_GRAMMAR_BUDGET) break; /* its schema goes in a later chunk */
+        gbytes += gb;
         memcpy(ids + n_ids, j->prompt + j->done, (size_t)size * sizeof *ids);
         g->tokens = ids + n_ids;
         n_ids += size;

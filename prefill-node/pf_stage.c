@@ -52,6 +52,23 @@ static int open_chain(pf_stage *st)
     return pf_chain_init(&st->chain, &cp);
 }
 
+/* Last stage: the vocabulary trie for structured output (the first token obeys the grammar),
+ * as the decode node builds it. A model without token strings serves without it. */
+static int open_grammar(pf_stage *st)
+{
+    td_tokenizer *tok = NULL;
+    if (td_tok_create(st->shard.rt.gguf, &tok)) {
+        TD_LOG_WARN("prefill %s stage %d: no tokenizer: requests with a grammar will fail",
+                    st->p->instance, st->stage);
+        return 0;
+    }
+    int rc = 0;
+    if (td_tok_n_vocab(tok) == st->n_vocab && (rc = gr_vocab_from_tok(tok, &st->gvocab)) == 0)
+        rc = gr_cache_create(0, &st->grammars);
+    td_tok_destroy(tok);
+    return rc;
+}
+
 int pf_stage_setup(pf_stage *st)
 {
     const td_cfg *cfg = st->p->cfg;
@@ -92,6 +109,7 @@ int pf_stage_setup(pf_stage *st)
     st->seq_of = malloc(C * sizeof *st->seq_of);
     st->ids = malloc(C * sizeof *st->ids);
     if (!st->pos || !st->seq_of || !st->ids) return TD_ENOMEM;
+    if (st->last && (rc = open_grammar(st))) return rc;
     if (st->last) {
         st->logit_cap = PF_MAX_SEGS;
         st->logits = malloc((size_t)PF_MAX_SEGS * (size_t)st->n_vocab * sizeof *st->logits);
@@ -132,6 +150,8 @@ void pf_stage_teardown(pf_stage *st)
     free(st->logits);
     free(st->lrows);
     free(st->reports);
+    gr_cache_destroy(st->grammars);
+    gr_vocab_destroy(st->gvocab);
     pf_lp_drop_all(st);
     pf_shard_close(&st->shard);
 }
@@ -168,6 +188,7 @@ static pf_req *new_req(pf_stage *st, const pf_seg *g)
     r->n_prompt = (int32_t)g->n_prompt;
     r->n_dst = g->n_dst;
     r->sampling = g->sampling;
+    r->sampling.grammar = NULL; /* it points into the message: sampling reads the segment's */
     r->first_token = -1;
     kn_kv_seq_init(&r->kv);
     r->next = st->reqs;
@@ -563,6 +584,54 @@ static void record_compute(pf_stage *st, pf_batch *bt, int64_t t0, int64_t t1, i
     }
 }
 
+/* The matcher of segment g's grammar at the document's start (a moved request: after the
+ * tokens it generated before, the end of its prompt), or NULL with *rc set. */
+static gr_matcher *first_matcher(pf_stage *st, const pf_req *r, const pf_seg *g, int *rc)
+{
+    gr_matcher *m = NULL;
+    gr_grammar *gg = NULL;
+    char err[256] = "";
+    if (!st->gvocab) {
+        *rc = TD_EUNSUPP;
+        snprintf(err, sizeof err, "structured output needs the model's tokenizer");
+    } else if (!(*rc = gr_cache_get(st->grammars, g->sampling.grammar_kind, g->sampling.grammar,
+                                    &gg, err, sizeof err))) {
+        *rc = gr_matcher_create(gg, st->gvocab, &m);
+        gr_grammar_unref(gg);
+        uint32_t n = g->sampling.skip_samples; /* a moved request's generated tokens */
+        if (!*rc && (*rc = gr_matcher_accept_tokens(m, r->hist + r->n_prompt - n, n)))
+            snprintf(err, sizeof err, "its %u generated tokens leave the grammar", n);
+    }
+    if (!*rc) return m;
+    gr_matcher_destroy(m);
+    TD_LOG_ERR("prefill %s: request %llu: grammar: %s", st->p->instance, (unsigned long long)r->id,
+               err[0] ? err : td_strerror(*rc));
+    return NULL;
+}
+
+/* The first token of a request whose prompt segment g ends, from its logits row (n_vocab):
+ * the token id, or a negative td_err. A grammar's mask applies (structured output). */
+static int32_t sample_first(pf_stage *st, pf_req *r, const pf_seg *g, const float *row)
+{
+    gr_matcher *m = NULL;
+    const uint32_t *mask = NULL;
+    int rc = 0;
+    if (g->sampling.grammar_kind &&
+        (!(m = first_matcher(st, r, g, &rc)) || (rc = gr_matcher_mask(m, &mask)))) {
+        gr_matcher_destroy(m);
+        return rc;
+    }
+    kn_sampler s;
+    /* a moved request's sampler skips the draws made before it moved, and its prompt
+     * ends with them: they are its generated tokens for the penalties */
+    rc = kn_sampler_init(&s, &g->sampling, st->n_vocab);
+    if (!rc) kn_sampler_set_mask(&s, mask);
+    int32_t tok = rc ? rc : kn_sample(&s, row, r->hist, r->n_prompt, g->sampling.skip_samples);
+    if (!rc) kn_sampler_fini(&s);
+    gr_matcher_destroy(m);
+    return tok;
+}
+
 /* Last stage: keep the prompt's ids for the repetition penalty, then sample the first
  * token of every segment that ends a prompt. */
 static void sample_first_tokens(pf_stage *st, pf_batch *bt)
@@ -583,14 +652,10 @@ static void sample_first_tokens(pf_stage *st, pf_batch *bt)
             continue;
         }
         if (!(g->flags & PF_SEG_LAST)) continue;
-        const float *row = st->logits + (size_t)bt->srow[i] * V;
-        kn_sampler s;
-        /* a moved request's sampler skips the draws made before it moved, and its prompt
-         * ends with them: they are its generated tokens for the penalties */
-        rc = kn_sampler_init(&s, &g->sampling, st->n_vocab);
-        int32_t tok = rc ? rc : kn_sample(&s, row, r->hist, r->n_prompt, g->sampling.skip_samples);
-        if (!rc) kn_sampler_fini(&s);
-        if (tok >= 0 && g->sampling.logprobs && pf_lp_first(st, r, row, tok)) tok = TD_EINVAL;
+        int32_t tok = sample_first(st, r, g, st->logits + (size_t)bt->srow[i] * V);
+        if (tok >= 0 && g->sampling.logprobs &&
+            pf_lp_first(st, r, st->logits + (size_t)bt->srow[i] * V, tok))
+            tok = TD_EINVAL;
         if (tok < 0)
             fail_req(st, r, tok);
         else

@@ -9,7 +9,9 @@
 #include "td_err.h"
 
 #define HDR_BYTES 32
-#define SEG_BYTES 96 /* 8-byte aligned records; 88: logprobs (u8), 89: prompt_logprobs (u8) */
+/* 8-byte aligned records; 88: logprobs (u8), 89: prompt_logprobs (bit 0), 90: grammar_kind
+ * (u8); 92: bytes of the schema text (NUL included) */
+#define SEG_BYTES 96
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -53,16 +55,31 @@ static void header(uint8_t *b, uint32_t kind, uint64_t seq)
 
 /* The sampler's variable-length lists travel only with the segment that samples (LAST; a
  * DEAD one too, so that the layout never depends on which requests failed): the logit bias
- * ids and values, then the min_tokens ids, 4 bytes each. */
+ * ids and values, then the min_tokens ids, 4 bytes each, then the grammar's schema text
+ * (NUL-terminated, padded with zeros to 4 bytes). */
 static bool has_lists(const pf_seg *g)
 {
     return (g->flags & PF_SEG_LAST) != 0;
 }
 
+/* Bytes of the schema text with its NUL, 0 without one (none, or json_object). */
+static size_t text_len(const pf_seg *g)
+{
+    if (!has_lists(g) || g->sampling.grammar_kind < TD_GRAMMAR_JSON_SCHEMA || !g->sampling.grammar)
+        return 0;
+    return strlen(g->sampling.grammar) + 1;
+}
+
+size_t pf_wire_seg_grammar_bytes(const pf_seg *g)
+{
+    return (text_len(g) + 3) & ~(size_t)3;
+}
+
 static size_t list_bytes(const pf_seg *g)
 {
     if (!has_lists(g)) return 0;
-    return (size_t)g->sampling.n_logit_bias * 8 + (size_t)g->sampling.n_min_tokens_ids * 4;
+    return (size_t)g->sampling.n_logit_bias * 8 + (size_t)g->sampling.n_min_tokens_ids * 4 +
+           pf_wire_seg_grammar_bytes(g);
 }
 
 static size_t payload_off(size_t lists, int n_segs, int64_t n_ids)
@@ -91,7 +108,8 @@ size_t pf_wire_chunk_size(const pf_seg *segs, int n_segs, int64_t n_ids, int64_t
 
 size_t pf_wire_chunk_max_size(int64_t n_ids, int64_t rows, int n_embd)
 {
-    size_t lists = (size_t)PF_MAX_SEGS * (TD_MAX_LOGIT_BIAS * 8 + TD_MAX_MIN_TOKENS_IDS * 4);
+    size_t lists = (size_t)PF_MAX_SEGS * (TD_MAX_LOGIT_BIAS * 8 + TD_MAX_MIN_TOKENS_IDS * 4) +
+                   PF_WIRE_GRAMMAR_BUDGET;
     return payload_off(lists, PF_MAX_SEGS, n_ids) + (size_t)rows * (size_t)n_embd * 4;
 }
 
@@ -107,12 +125,18 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
                             const int32_t *ids, int n_embd)
 {
     if (n_segs < 1 || n_segs > PF_MAX_SEGS) return TD_EINVAL;
-    for (int i = 0; i < n_segs; i++)
-        if (segs[i].sampling.n_logit_bias < 0 ||
-            segs[i].sampling.n_logit_bias > TD_MAX_LOGIT_BIAS ||
-            segs[i].sampling.n_min_tokens_ids < 0 ||
-            segs[i].sampling.n_min_tokens_ids > TD_MAX_MIN_TOKENS_IDS)
+    size_t gbytes = 0;
+    for (int i = 0; i < n_segs; i++) {
+        const td_sampling *sp = &segs[i].sampling;
+        if (sp->n_logit_bias < 0 || sp->n_logit_bias > TD_MAX_LOGIT_BIAS ||
+            sp->n_min_tokens_ids < 0 || sp->n_min_tokens_ids > TD_MAX_MIN_TOKENS_IDS ||
+            sp->grammar_kind < 0 || sp->grammar_kind > TD_GRAMMAR_JSON_SCHEMA_STRICT ||
+            text_len(&segs[i]) > PF_MAX_GRAMMAR_TEXT + 1 ||
+            (has_lists(&segs[i]) && sp->grammar_kind >= TD_GRAMMAR_JSON_SCHEMA && !sp->grammar))
             return TD_EINVAL;
+        gbytes += pf_wire_seg_grammar_bytes(&segs[i]);
+    }
+    if (gbytes > PF_WIRE_GRAMMAR_BUDGET) return TD_EINVAL;
     int64_t rows = live_rows(segs, n_segs);
     size_t need = pf_wire_chunk_size(segs, n_segs, rows, n_embd > 0 ? rows : 0, n_embd);
     if (need > cap) return TD_ERANGE;
@@ -145,8 +169,9 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         put32(s + 76, (uint32_t)g->sampling.min_tokens);
         put32(s + 80, has_lists(g) ? (uint32_t)g->sampling.n_logit_bias : 0);
         put32(s + 84, has_lists(g) ? (uint32_t)g->sampling.n_min_tokens_ids : 0);
-        put32(s + 88, (g->sampling.logprobs & 0xffu) | (uint32_t)g->sampling.prompt_logprobs << 8);
-        put32(s + 92, 0);
+        put32(s + 88, (g->sampling.logprobs & 0xffu) | (uint32_t)g->sampling.prompt_logprobs << 8 |
+                          (uint32_t)g->sampling.grammar_kind << 16);
+        put32(s + 92, (uint32_t)text_len(g));
     }
     uint8_t *l = b + HDR_BYTES + (size_t)n_segs * SEG_BYTES;
     for (int i = 0; i < n_segs; i++) {
@@ -158,6 +183,10 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         l += (size_t)sp->n_logit_bias * 4;
         memcpy(l, sp->min_tokens_ids, (size_t)sp->n_min_tokens_ids * 4);
         l += (size_t)sp->n_min_tokens_ids * 4;
+        size_t tl = text_len(&segs[i]), pad = pf_wire_seg_grammar_bytes(&segs[i]);
+        if (tl) memcpy(l, sp->grammar, tl);
+        memset(l + tl, 0, pad - tl);
+        l += pad;
     }
     if (rows) memcpy(l, ids, (size_t)rows * 4);
     return (int64_t)need;
@@ -201,12 +230,22 @@ static int parse_seg(const uint8_t *s, pf_seg *g)
     g->sampling.min_tokens = (int32_t)min_tokens;
     g->sampling.n_logit_bias = (int32_t)nb;
     g->sampling.n_min_tokens_ids = (int32_t)nm;
-    uint32_t lp = get32(s + 88);
+    uint32_t lp = get32(s + 88), tl = get32(s + 92);
     g->sampling.logprobs = lp & 0xffu;
     g->sampling.prompt_logprobs = (lp >> 8) & 1u;
-    if ((lp >> 9) || get32(s + 92) || g->sampling.logprobs > TD_MAX_TOP_LOGPROBS + 1 ||
+    if ((lp & 0xfe00u) || g->sampling.logprobs > TD_MAX_TOP_LOGPROBS + 1 ||
         (g->sampling.prompt_logprobs && !g->sampling.logprobs))
         return bad("segment logprobs");
+    /* a schema text comes with a LAST segment of a schema kind, and only then (parse_chunk
+     * reads it) */
+    uint32_t kind = lp >> 16;
+    bool schema = kind == TD_GRAMMAR_JSON_SCHEMA || kind == TD_GRAMMAR_JSON_SCHEMA_STRICT;
+    if (kind > TD_GRAMMAR_JSON_SCHEMA_STRICT || tl > PF_MAX_GRAMMAR_TEXT + 1 ||
+        (tl != 0) != (schema && has_lists(g)))
+        return bad("segment grammar");
+    g->sampling.grammar_kind = (int32_t)kind;
+    g->sampling.grammar = NULL;
+    g->grammar_len = tl;
     return 0;
 }
 
@@ -227,7 +266,16 @@ static int parse_chunk(const uint8_t *b, size_t len, int n_embd, int embd_expect
         if (!(g->flags & PF_SEG_DEAD)) sum += g->t1 - g->t0;
     }
     if (sum != rows) return bad("rows do not add up");
-    size_t lists = lists_bytes(out->segs, (int)n_segs);
+    size_t lists = 0, gbytes = 0;
+    for (uint32_t i = 0; i < n_segs; i++) {
+        const pf_seg *g = &out->segs[i];
+        size_t pad = ((size_t)g->grammar_len + 3) & ~(size_t)3;
+        gbytes += pad;
+        if (has_lists(g))
+            lists += (size_t)g->sampling.n_logit_bias * 8 +
+                     (size_t)g->sampling.n_min_tokens_ids * 4 + pad;
+    }
+    if (gbytes > PF_WIRE_GRAMMAR_BUDGET) return bad("schema texts over the budget");
     size_t need = payload_off(lists, (int)n_segs, rows) + (size_t)(embd ? rows : 0) * embd * 4;
     if (need != len) return bad("length does not match the counts");
     const uint8_t *l = b + HDR_BYTES + (size_t)n_segs * SEG_BYTES;
@@ -239,6 +287,15 @@ static int parse_chunk(const uint8_t *b, size_t len, int n_embd, int embd_expect
         l += (size_t)sp->n_logit_bias * 4;
         memcpy(sp->min_tokens_ids, l, (size_t)sp->n_min_tokens_ids * 4);
         l += (size_t)sp->n_min_tokens_ids * 4;
+        uint32_t tl = out->segs[i].grammar_len;
+        if (tl) {
+            /* one NUL, at the end; the padding is zeros */
+            if (l[tl - 1] || memchr(l, 0, tl - 1)) return bad("schema text not NUL-terminated");
+            sp->grammar = (const char *)l;
+            for (uint32_t k = tl; k < ((tl + 3) & ~3u); k++)
+                if (l[k]) return bad("schema text padding");
+            l += (tl + 3) & ~3u;
+        }
     }
     out->n_segs = (int)n_segs;
     out->n_rows = rows;

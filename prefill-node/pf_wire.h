@@ -15,9 +15,12 @@
  * tokens' logprobs (sampling.prompt_logprobs), each at most PF_LP_MAX_BYTES (an active
  * message), in prompt order.
  * Format: little-endian, fixed-size header and segment records, then the sampler's lists
- * (logit bias, min_tokens ids) of the segments that end a prompt (LAST) only, then the
- * token ids, then the 64-byte aligned payload. Other segments carry no lists (their
- * sampling.n_logit_bias and n_min_tokens_ids parse as 0): a request's bias travels once.
+ * (logit bias, min_tokens ids, the grammar's schema text) of the segments that end a prompt
+ * (LAST) only, then the token ids, then the 64-byte aligned payload. Other segments carry
+ * no lists (their sampling.n_logit_bias and n_min_tokens_ids parse as 0, their
+ * sampling.grammar as NULL; grammar_kind travels with every segment): a request's bias and
+ * schema travel once. The schema texts of one chunk message add up to at most
+ * PF_WIRE_GRAMMAR_BUDGET bytes (stage 0's planner keeps to it: pf_wire_seg_grammar_bytes).
  * Invariants: pf_wire_parse_* check every count and offset against the received length
  * and the limits given; a malformed message is TD_EFORMAT (never a crash).
  * Threading: pure functions. Ownership: parsed views point into the caller's buffer.
@@ -32,9 +35,13 @@
 #include "td_sampling.h"
 
 #define PF_WIRE_MAGIC   0x46504454u /* "TDPF" */
-#define PF_WIRE_VERSION 4u
+#define PF_WIRE_VERSION 5u
 #define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
 #define PF_MAX_TARGETS  64 /* decode ranks of one request */
+/* A schema's text, without its NUL (grammar/gr_grammar.h GR_MAX_TEXT), and the schema bytes
+ * (padded, NULs included) of one chunk message: a few of the largest */
+#define PF_MAX_GRAMMAR_TEXT    (1 << 16)
+#define PF_WIRE_GRAMMAR_BUDGET (4 * (PF_MAX_GRAMMAR_TEXT + 4))
 
 enum {
     PF_MSG_CHUNK = 1,
@@ -56,7 +63,8 @@ typedef struct {
     uint32_t flags;
     uint32_t chunk;        /* index of this chunk within the request: 0, 1, ... */
     uint32_t n_dst;        /* decode ranks of the request */
-    td_sampling sampling;  /* .skip_samples < n_prompt */
+    td_sampling sampling;  /* .skip_samples < n_prompt; parse: .grammar into the buffer */
+    uint32_t grammar_len;  /* parse: bytes of sampling.grammar with its NUL, 0: none */
     const int32_t *tokens; /* parse: (t1 - t0) ids, unaligned-safe copy made by the parser */
 } pf_seg;
 
@@ -64,13 +72,16 @@ typedef struct {
 size_t pf_wire_chunk_size(const pf_seg *segs, int n_segs, int64_t n_ids, int64_t rows, int n_embd);
 /* The largest chunk message of n_ids ids and rows rows (PF_MAX_SEGS segments, full lists). */
 size_t pf_wire_chunk_max_size(int64_t n_ids, int64_t rows, int n_embd);
+/* Bytes that segment g's schema text adds to a chunk message (0 unless LAST with one). */
+size_t pf_wire_seg_grammar_bytes(const pf_seg *g);
 /* Offset of the payload (hidden states) inside a chunk message (64-byte aligned). */
 size_t pf_wire_chunk_payload_off(const pf_seg *segs, int n_segs, int64_t n_ids);
 
 /* Write the header, segments and token ids of a chunk into buf (cap bytes); the caller
  * writes rows * n_embd floats at pf_wire_chunk_payload_off. ids: the concatenated token
  * ids of the live segments in order. Returns bytes of the whole message, TD_ERANGE (cap), or
- * TD_EINVAL (a list count outside its cap). */
+ * TD_EINVAL (a list count outside its cap; a LAST segment's schema kind without its text, or
+ * a text over PF_MAX_GRAMMAR_TEXT; the texts over PF_WIRE_GRAMMAR_BUDGET). */
 int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *segs, int n_segs,
                             const int32_t *ids, int n_embd);
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "chat_template.h"
+#include "gr_grammar.h"
 #include "td_err.h"
 
 /* ---- Python's json.dumps(ensure_ascii=False) ---- */
@@ -221,11 +222,9 @@ static int parse_tools(const char *tmpl, size_t tmpl_len, json_t *o, rt_chat_st 
         if (!absent(params) && !json_is_object(params))
             return rt_error_set(e, 400, "tools", NULL,
                                 "tools[%zu].function.parameters must be a JSON schema object", i);
-        if (json_is_true(strict))
-            return rt_error_set(e, 400, "tools", "unsupported_parameter",
-                                "tools[%zu].function.strict: arguments constrained to the "
-                                "schema come with Tandem's grammar engine, not yet available",
-                                i);
+        if (!absent(strict) && !json_is_boolean(strict))
+            return rt_error_set(e, 400, "tools", NULL,
+                                "tools[%zu].function.strict must be a boolean", i);
         int rc = keep(st, rt_chat_pyjson(t), e);
         if (rc) return rc;
         st->tools[st->n_tools++] = st->owned[st->owned_n - 1];
@@ -233,32 +232,118 @@ static int parse_tools(const char *tmpl, size_t tmpl_len, json_t *o, rt_chat_st 
     return 0;
 }
 
-static int parse_choice(json_t *o, size_t n_tools, rt_chat_tools *p, rt_error *e)
+/* tool_choice: none, auto (the default), required or {"type": "function", "function":
+ * {"name": ...}}; a forced call (required, named) sets p->forced and *named (the name, or
+ * NULL for any of the tools). */
+static int parse_choice(json_t *o, size_t n_tools, rt_chat_tools *p, const char **named,
+                        rt_error *e)
 {
     json_t *v = json_object_get(o, "tool_choice"), *par = json_object_get(o, "parallel_tool_calls");
     bool auto_ = true;
+    *named = NULL;
     if (!absent(par) && !json_is_boolean(par))
         return rt_error_set(e, 400, "parallel_tool_calls", NULL,
                             "'parallel_tool_calls' must be a boolean");
     p->parallel = absent(par) || json_is_true(par);
+    json_t *type = json_object_get(v, "type"), *f = json_object_get(v, "function");
     if (json_is_string(v) && !strcmp(json_string_value(v), "none")) {
         auto_ = false;
     } else if (json_is_string(v) && !strcmp(json_string_value(v), "required")) {
-        return rt_error_set(e, 400, "tool_choice", "unsupported_parameter",
-                            "tool_choice \"required\" needs arguments constrained to the tool's "
-                            "schema: it comes with Tandem's grammar engine, not yet available; "
-                            "use \"auto\" or \"none\"");
-    } else if (json_is_object(v)) {
-        return rt_error_set(e, 400, "tool_choice", "unsupported_parameter",
-                            "a named tool_choice needs arguments constrained to the function's "
-                            "schema: it comes with Tandem's grammar engine, not yet available; "
-                            "use \"auto\" or \"none\"");
+        p->forced = true;
+    } else if (json_is_object(v) && json_is_string(type) &&
+               !strcmp(json_string_value(type), "function") && json_is_object(f) &&
+               json_is_string(json_object_get(f, "name"))) {
+        p->forced = true;
+        *named = json_string_value(json_object_get(f, "name"));
     } else if (!absent(v) && !(json_is_string(v) && !strcmp(json_string_value(v), "auto"))) {
         return rt_error_set(e, 400, "tool_choice", NULL,
                             "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                             "{\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
+    if (p->forced && !n_tools)
+        return rt_error_set(e, 400, "tool_choice", NULL,
+                            "tool_choice \"required\" or a named function needs 'tools'");
     p->parse = auto_ && n_tools > 0;
+    return 0;
+}
+
+/* One call of tool t as the forced output: {"name": <its name>, "arguments": <an object
+ * valid under its parameters>}; NULL out of memory. */
+static json_t *call_schema(json_t *t)
+{
+    json_t *f = json_object_get(t, "function"), *params = json_object_get(f, "parameters");
+    json_t *args = absent(params)
+                       ? json_pack("{s:s, s:b}", "type", "object", "additionalProperties", 0)
+                       : json_incref(params);
+    return json_pack("{s:s, s:{s:{s:O}, s:o}, s:[s, s], s:b}", "type", "object", "properties",
+                     "name", "const", json_object_get(f, "name"), "arguments", args, "required",
+                     "name", "arguments", "additionalProperties", 0);
+}
+
+/* tool_choice required or named: the output is one call as a JSON document (the tools'
+ * schemas compiled by the grammar engine; the router parses it back into tool_calls, see
+ * rt_tools.h's untagged calls). Compiled here so a schema it cannot take is a 400; *text is
+ * the schema's JSON for the request's grammar. */
+static int forced_grammar(json_t *o, const char *named, rt_chat_tools *p, rt_error *e)
+{
+    json_t *tools = json_object_get(o, "tools"), *any = json_array(), *t;
+    size_t i;
+    bool found = false;
+    if (!any) return rt_error_set(e, 500, NULL, NULL, "out of memory");
+    json_array_foreach(tools, i, t)
+    {
+        json_t *f = json_object_get(t, "function");
+        if (named && strcmp(named, json_string_value(json_object_get(f, "name")))) continue;
+        found = true;
+        p->strict |= json_is_true(json_object_get(f, "strict"));
+        if (json_array_append_new(any, call_schema(t))) {
+            json_decref(any);
+            return rt_error_set(e, 500, NULL, NULL, "out of memory");
+        }
+    }
+    if (!found) {
+        json_decref(any);
+        return rt_error_set(e, 400, "tool_choice", NULL,
+                            "tool_choice names function '%.64s', which 'tools' does not declare",
+                            named);
+    }
+    json_t *schema = json_array_size(any) == 1 ? json_incref(json_array_get(any, 0))
+                                               : json_pack("{s:O}", "anyOf", any);
+    json_decref(any);
+    char err[256];
+    gr_grammar *g = NULL;
+    int rc = schema ? gr_compile_schema(schema, p->strict, &g, err, sizeof err) : TD_ENOMEM;
+    gr_grammar_unref(g);
+    if (!rc && !(p->grammar = json_dumps(schema, JSON_COMPACT))) rc = TD_ENOMEM;
+    json_decref(schema);
+    if (rc == TD_ENOMEM) return rt_error_set(e, 500, NULL, NULL, "out of memory");
+    if (rc)
+        return rt_error_set(e, 400, "tools", rc == TD_EUNSUPP ? "unsupported_parameter" : NULL,
+                            "the tools' parameters (as one call's schema): %s", err);
+    if (strlen(p->grammar) > GR_MAX_TEXT)
+        return rt_error_set(e, 400, "tools", NULL,
+                            "the tools' parameters are longer than %d bytes as one schema",
+                            GR_MAX_TEXT);
+    p->parse = true;
+    return 0;
+}
+
+/* function.strict with tool_choice auto: the model may answer in text, and only a forced call
+ * (required, named) is constrained, so it is refused rather than ignored. */
+static int strict_needs_forced(json_t *o, const rt_chat_tools *p, rt_error *e)
+{
+    json_t *t;
+    size_t i;
+    if (p->forced || !p->parse) return 0; /* none: no call to constrain */
+    json_array_foreach(json_object_get(o, "tools"), i, t)
+    {
+        if (json_is_true(json_object_get(json_object_get(t, "function"), "strict")))
+            return rt_error_set(e, 400, "tools", "unsupported_parameter",
+                                "tools[%zu].function.strict needs tool_choice \"required\" or "
+                                "a named function (with \"auto\" the model may answer in "
+                                "text, which is not constrained)",
+                                i);
+    }
     return 0;
 }
 
@@ -435,6 +520,7 @@ void rt_chat_tools_fini(rt_chat_tools *t)
     for (size_t i = 0; i < t->n_names; i++)
         free(t->names[i]);
     free(t->names);
+    free(t->grammar);
     *t = (rt_chat_tools){0};
 }
 
@@ -453,7 +539,10 @@ int rt_chat_prompt(const char *tmpl, size_t tmpl_len, json_t *o, bool add_genera
     int rc = 0;
     if (!st.msgs || !st.calls) rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
     if (!rc) rc = parse_tools(tmpl, tmpl_len, o, &st, e);
-    if (!rc) rc = parse_choice(o, st.n_tools, p, e);
+    const char *named = NULL;
+    if (!rc) rc = parse_choice(o, st.n_tools, p, &named, e);
+    if (!rc && p->forced) rc = forced_grammar(o, named, p, e);
+    if (!rc) rc = strict_needs_forced(o, p, e);
     if (!rc && p->parse) rc = tool_names(o, p, e);
     bool tools_ok = td_chat_has_tools(tmpl, tmpl_len);
     for (size_t i = 0; i < st.n && !rc; i++)

@@ -11,8 +11,12 @@
  * (td_chat_has_tools); any other template answers them with a 400 that says so.
  * tool_choice "auto" (the default with tools) parses the output into tool_calls
  * (rt_tools.h); "none" keeps the tools in the prompt (as vLLM does) and returns text;
- * "required" and a named function need arguments constrained to the schema and answer 400
- * until the grammar engine is wired in; `strict: true` likewise.
+ * "required" and a named function force one call: t->grammar is a JSON schema of
+ * {"name": <a declared name, or the named one>, "arguments": <valid under its parameters>}
+ * (anyOf over the tools), which becomes the request's grammar (rt_openai.c), and the
+ * output, that bare JSON call, is parsed into tool_calls as with "auto". `strict: true`
+ * compiles the schema in strict mode (every listed property required); with "auto" it is a
+ * 400 (a text answer could not be constrained).
  * Threading: HTTP threads; reads only the template text and the body.
  * Ownership: *text is malloc'd (the caller frees it); body is only read.
  */
@@ -31,6 +35,9 @@ typedef struct {
     bool parallel; /* parallel_tool_calls (default true); false: the first call only */
     char **names;  /* (n_names) with parse: the declared tools' names, malloc'd */
     size_t n_names;
+    bool forced;   /* tool_choice required or a named function */
+    bool strict;   /* forced: a chosen function has strict true */
+    char *grammar; /* forced: the call's JSON schema (malloc'd), for the request's grammar */
 } rt_chat_tools;
 
 void rt_chat_tools_fini(rt_chat_tools *t);

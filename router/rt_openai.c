@@ -211,6 +211,23 @@ int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt,
     return rc;
 }
 
+/* tool_choice required or a named function (rt_chat.h): the call's schema becomes the
+ * request's grammar. */
+static int forced_call(rt_params *p, rt_error *e)
+{
+    if (!p->tools.grammar) return 0;
+    if (p->sampling.grammar_kind)
+        return rt_error_set(e, 400, "response_format", NULL,
+                            "'response_format' cannot be combined with tool_choice \"required\" "
+                            "or a named function (the output is the call)");
+    p->grammar = p->tools.grammar;
+    p->tools.grammar = NULL;
+    p->sampling.grammar_kind =
+        p->tools.strict ? TD_GRAMMAR_JSON_SCHEMA_STRICT : TD_GRAMMAR_JSON_SCHEMA;
+    p->sampling.grammar = p->grammar;
+    return 0;
+}
+
 /* OpenAI's logit_bias: {"token id": bias in [-100, 100]}, at most TD_MAX_LOGIT_BIAS entries. */
 static int parse_logit_bias(const rt_model *r, json_t *o, td_sampling *sp, rt_error *e)
 {
@@ -538,7 +555,7 @@ static int parse_obj(const rt_model *r, rt_endpoint ep, json_t *o, rt_params *p,
         rc = parse_prompt(r, o, p, e);
     else
         rc = parse_messages(r, o, p, e);
-    if (rc) return rc;
+    if (rc || (rc = forced_call(p, e))) return rc;
     /* a tool-call answer's text is parsed into calls: which token's logprob belongs where is
        not defined by OpenAI's shapes, so the pair is refused rather than half answered */
     if (p->tools.parse && p->sampling.logprobs)

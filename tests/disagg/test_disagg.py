@@ -18,6 +18,9 @@ Cases (--case NAME runs one):
            (top_logprobs 3), greedy: colocated and disaggregated (pp 1 and pp 2, prompts of one
            and of several chunks) agree within 1e-4; streamed == non-streamed; the
            synthetic llama and the default model;
+  grammar  structured output (response_format) at prefill pp 2 -> decode tp 3: seeded
+           temperature-1.0 json_schema outputs validate, json_object parses, the first token
+           (the last prefill stage's) obeys the mask against a logit_bias of +100;
   stalled  prefill stage 0 stopped (SIGSTOP) after taking a prompt, so its KV never comes:
            the decode side's deadline ends the request with an error, nothing leaks, and
            after SIGCONT the cluster serves again.
@@ -401,8 +404,74 @@ def case_logprobs(args):
                 idle(c, label)
 
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+    "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+
+
+def case_grammar(args):
+    """Structured output through the disaggregated path: the last prefill stage samples the
+    first token under the grammar's mask (prefill pp 2 -> decode tp 3: the
+    default model's 9 heads do not split in 2), the decode side the
+    rest. Prompts of one chunk and of several (the schema travels with the LAST segment)."""
+    import jsonschema
+    import openai
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    with Cluster(args, args.model, [{"pp": 2, "chunk": 64}], [{"tp": 3}]) as c:
+        cl = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        mid = os.path.basename(args.model)
+        bad = []
+        for i in range(10):
+            kw = dict(model=mid, max_tokens=160, temperature=1.0, seed=100 + i)
+            if i % 2:
+                r = cl.chat.completions.create(
+                    messages=[{"role": "user", "content": "Describe a person as JSON."}],
+                    response_format=rf, **kw)
+                out = r.choices[0].message.content
+            else:  # a prompt of several chunks
+                r = cl.completions.create(prompt=text(120) + " A JSON record:",
+                                          extra_body={"response_format": rf}, **kw)
+                out = r.choices[0].text
+            try:
+                jsonschema.validate(json.loads(out), PERSON)
+                if r.choices[0].finish_reason != "stop":
+                    bad.append((i, r.choices[0].finish_reason, out))
+            except (ValueError, jsonschema.ValidationError) as e:
+                bad.append((i, str(e)[:80], out))
+        check(not bad, "grammar pp2 tp3: 10 seeded temperature-1.0 json_schema outputs parse "
+              "and validate" + ("" if not bad else f": {bad[:2]}"))
+        r = cl.chat.completions.create(model=mid, max_tokens=200, temperature=1.0, seed=7,
+                                       messages=[{"role": "user", "content": "A JSON object."}],
+                                       response_format={"type": "json_object"})
+        out = r.choices[0].message.content
+        try:
+            ok = isinstance(json.loads(out), dict) and r.choices[0].finish_reason == "stop"
+        except ValueError:
+            ok = False
+        check(ok, f"grammar pp2 tp3: a json_object output parses ({out!r})")
+        # the first token is the prefill stage's: +100 on " the" would make it " the" without
+        # the mask (checked), and the output would not start with "{"
+        t = token_post(c, "/tokenize", {"prompt": " the", "add_special_tokens": False})["tokens"][-1]
+        kw = dict(model=mid, prompt="A JSON record:", max_tokens=1, temperature=0,
+                  logit_bias={str(t): 100})
+        r0 = cl.completions.create(**kw)
+        r = cl.completions.create(**dict(kw, max_tokens=120), extra_body={"response_format": rf})
+        check(r0.choices[0].text == " the" and r.choices[0].text.startswith("{"),
+              f"grammar pp2 tp3: the first token obeys the mask against logit_bias +100 "
+              f"({r0.choices[0].text!r}, {r.choices[0].text[:20]!r})")
+        try:
+            jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+            check(True, "grammar pp2 tp3: ... and the output validates")
+        except (ValueError, jsonschema.ValidationError) as e:
+            check(False, f"grammar pp2 tp3: ... and the output validates ({e})")
+        idle(c, "grammar pp2 tp3")
+
+
 CASES = {"synth": case_synth, "default": case_default, "retry": case_retry,
-         "decode_dies": case_decode_dies, "stalled": case_stalled, "logprobs": case_logprobs}
+         "decode_dies": case_decode_dies, "stalled": case_stalled, "logprobs": case_logprobs,
+         "grammar": case_grammar}
 
 
 def main():

@@ -63,6 +63,10 @@ static bool lists_equal(const pf_seg *got, const pf_seg *sent)
             return false;
     for (int k = 0; k < a->n_min_tokens_ids; k++)
         if (a->min_tokens_ids[k] != b->min_tokens_ids[k]) return false;
+    /* the grammar: its kind everywhere, a schema's text with the LAST segment only */
+    if (a->grammar_kind != b->grammar_kind) return false;
+    bool text = last && b->grammar_kind >= TD_GRAMMAR_JSON_SCHEMA;
+    if (text ? !a->grammar || strcmp(a->grammar, b->grammar) : a->grammar != NULL) return false;
     return true;
 }
 
@@ -134,6 +138,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             segs[n].sampling.logit_bias_values[k] = (float)r[5 - k] - 100;
             segs[n].sampling.min_tokens_ids[k] = r[5 - k];
         }
+        /* a grammar: none, json_object, or a schema text of 0..6 bytes (+ NUL: padding) */
+        static const char *texts[] = {"{}", "{\"a\":1}", "true", "[1,2]", "{\"b\":[]}", "x"};
+        segs[n].sampling.grammar_kind = r[2] % 4;
+        if (segs[n].sampling.grammar_kind >= TD_GRAMMAR_JSON_SCHEMA)
+            segs[n].sampling.grammar = texts[r[3] % 6];
         for (uint32_t k = 0; !dead && k < l; k++)
             ids[rows + k] = (int32_t)(r[4] * 31 + k);
         if (!dead) rows += l;

@@ -148,7 +148,8 @@ def main():
         if name == "tool_choice_none":
             check("tool_parse 0" in err, f"{name}: none does not parse tool calls")
 
-    # refusals: a template without tools, strict schemas, required / named choice, bad args
+    # refusals: a template without tools, strict with auto, forced calls without a tool or with
+    # a schema the grammar engine does not take, bad args
     plain = os.path.join(d, "plain.jinja")
     with open(plain, "w") as f:
         f.write(gguf_template(a.smollm) if a.smollm and os.path.exists(a.smollm) else
@@ -160,10 +161,14 @@ def main():
         (plain, CASES[4][1], "tool_calls need a chat template"),
         (plain, {"messages": user + [{"role": "tool", "tool_call_id": "x", "content": "r"}]},
          "tool messages need a chat template"),
-        (a.template, {"messages": user, "tools": [WEATHER], "tool_choice": "required"},
-         "grammar engine"),
+        (a.template, {"messages": user, "tool_choice": "required"}, "needs 'tools'"),
         (a.template, {"messages": user, "tools": [WEATHER], "tool_choice":
-                      {"type": "function", "function": {"name": "get_weather"}}}, "grammar engine"),
+                      {"type": "function", "function": {"name": "get_time"}}},
+         "function 'get_time', which 'tools' does not declare"),
+        (a.template, {"messages": user, "tools": [dict(WEATHER, function=dict(
+            WEATHER["function"], parameters={"type": "object", "properties": {
+                "city": {"type": "string", "pattern": "^P"}}}))], "tool_choice": "required"},
+         "unsupported JSON schema keyword 'pattern'"),
         (a.template, {"messages": user, "tools": [dict(WEATHER, function=dict(
             WEATHER["function"], strict=True))]}, "strict"),
         (a.template, {"messages": user, "tools": [{"type": "retrieval"}]}, "tools[0] must be"),
@@ -177,6 +182,30 @@ def main():
          "tool_call_id is not supported"),
         (a.template, {"messages": [{"role": "robot", "content": "x"}]}, "role must be"),
     ]
+    # forced calls: the call's schema, one tool or anyOf over them; strict from the function
+    time_tool = {"type": "function", "function": {"name": "get_time", "strict": True,
+                 "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+    for choice, want, strict in [
+            ("required", {"anyOf": [
+                {"type": "object", "properties": {"name": {"const": "get_weather"},
+                 "arguments": WEATHER["function"]["parameters"]},
+                 "required": ["name", "arguments"], "additionalProperties": False},
+                {"type": "object", "properties": {"name": {"const": "get_time"},
+                 "arguments": time_tool["function"]["parameters"]},
+                 "required": ["name", "arguments"], "additionalProperties": False}]}, 1),
+            ({"type": "function", "function": {"name": "get_weather"}},
+             {"type": "object", "properties": {"name": {"const": "get_weather"},
+              "arguments": WEATHER["function"]["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False}, 0)]:
+        rc, _, err = ours(a.bin, a.template, {"messages": user, "tools": [WEATHER, time_tool],
+                                              "tool_choice": choice}, d)
+        line = [x for x in err.splitlines() if x.startswith("forced ")]
+        got = json.loads(line[0].split(" grammar ", 1)[1]) if line else None
+        check(rc == 0 and "tool_parse 1" in err and got == want and
+              line[0].startswith(f"forced strict {strict} "),
+              f"tool_choice {json.dumps(choice)}: the call's schema, strict {strict}"
+              + ("" if got == want else f" ({err.strip()[:300]})"))
+
     for k, (t, body, want) in enumerate(bad):
         rc, got, _ = ours(a.bin, t, body, d)
         ok = rc == 3 and '"status": 400' in got and want in got

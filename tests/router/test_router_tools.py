@@ -8,7 +8,10 @@ Qwen2.5-Coder-0.5B-Instruct model, colocated (one decode instance) and disaggreg
     tool_calls delta, the arguments in pieces, and no call text in the content deltas;
   - tool_choice "none" gives text and no tool_calls;
   - a history with the call and its result gets a text answer that uses the result;
-  - tool_choice "required" is refused with a 400 that says why.
+  - a greeting (text with "auto") gets one call with tool_choice "required", and the named
+    function with a named tool_choice, the arguments valid under its schema (constrained by
+    the grammar engine), streamed == non-streamed; strict makes every property present;
+    strict with "auto", an undeclared name and response_format with a forced call are 400s.
 This model writes its calls as bare JSON (no <tool_call> tags), which the parser accepts for
 declared tools (router/rt_tools.h).
 
@@ -23,6 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # tdtest
 sys.path.insert(0, os.path.join(HERE, "..", "disagg"))  # pdlib
+import jsonschema  # noqa: E402
 import openai  # noqa: E402
 import pdlib  # noqa: E402
 import rtlib  # noqa: E402
@@ -33,7 +37,14 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object",
                    "properties": {"city": {"type": "string", "description": "The city name"}},
                    "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a time zone",
+    "parameters": {"type": "object",
+                   "properties": {"timezone": {"type": "string", "maxLength": 40},
+                                  "format": {"enum": ["12h", "24h"]}},
+                   "required": ["timezone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+HELLO = [{"role": "user", "content": "Hello! How are you?"}]
 HISTORY = ASK + [
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
@@ -110,12 +121,59 @@ def run_shape(name, client):
     check(not m.tool_calls and r.choices[0].finish_reason == "stop" and m.content and
           "18" in m.content, f"{name} history with the tool result: text answer {m.content!r}")
 
-    try:
-        client.chat.completions.create(**dict(kw, tool_choice="required"))
-        check(False, f"{name} tool_choice required: refused")
-    except openai.BadRequestError as e:
-        check("grammar engine" in str(e), f"{name} tool_choice required: 400 ({e})")
+    forced_calls(name, client, mid)
     print(f"{name}: {time.time() - t0:.1f} s", flush=True)
+
+
+def forced_calls(name, client, mid):
+    """tool_choice required and a named function: the output is constrained to one call."""
+    # a greeting: with "auto" the model answers in text; "required" makes it call a tool
+    kw = dict(model=mid, messages=HELLO, tools=[WEATHER, TIME], temperature=0,
+              max_tokens=MAX_TOKENS)
+    r = client.chat.completions.create(**kw)
+    check(not r.choices[0].message.tool_calls and r.choices[0].message.content,
+          f"{name} greeting, auto: a text answer ({r.choices[0].message.content!r})")
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        label = f"{name} greeting, tool_choice {json.dumps(choice)}"
+        r = client.chat.completions.create(**dict(kw, tool_choice=choice))
+        m, fin = r.choices[0].message, r.choices[0].finish_reason
+        calls = m.tool_calls or []
+        check(fin == "tool_calls" and m.content is None and len(calls) == 1,
+              f"{label}: one tool call ({fin}, {m.content!r}, {len(calls)})")
+        if not calls:
+            continue
+        fn = calls[0].function
+        want = {"get_weather": WEATHER, "get_time": TIME}.get(fn.name)
+        if choice != "required":
+            check(fn.name == "get_time", f"{label}: the named function ({fn.name})")
+        try:
+            jsonschema.validate(json.loads(fn.arguments), want["function"]["parameters"])
+            check(True, f"{label}: arguments {fn.arguments} validate against {fn.name}'s schema")
+        except (TypeError, ValueError, jsonschema.ValidationError) as e:
+            check(False, f"{label}: arguments validate ({fn.name}, {fn.arguments!r}: {e})")
+        skw = {k: v for k, v in kw.items() if k != "model"}
+        content, scalls, sfin, _ = streamed(client, mid, **dict(skw, tool_choice=choice))
+        check(sfin == fin and content == "" and list(scalls) == [0] and
+              scalls[0][1] == fn.name and scalls[0][2] == fn.arguments,
+              f"{label}: streamed == non-streamed ({sfin}, {content!r}, {scalls})")
+    # strict: every property of the arguments required (OpenAI's strict mode)
+    strict = {"type": "function", "function": dict(TIME["function"], strict=True)}
+    r = client.chat.completions.create(**dict(kw, tools=[WEATHER, strict], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}))
+    calls = r.choices[0].message.tool_calls or []
+    args = json.loads(calls[0].function.arguments) if calls else {}
+    check(calls and set(args) == {"timezone", "format"},
+          f"{name} strict: every property present ({args})")
+    for bad, word in [(dict(kw, tools=[strict]), "strict"),
+                      (dict(kw, tool_choice={"type": "function", "function": {"name": "nope"}}),
+                       "nope"),
+                      (dict(kw, tool_choice="required", response_format={"type": "json_object"}),
+                       "response_format")]:
+        try:
+            client.chat.completions.create(**bad)
+            check(False, f"{name}: 400 naming {word}")
+        except openai.BadRequestError as e:
+            check(word in str(e), f"{name}: 400 naming {word} ({e})")
 
 
 def main():

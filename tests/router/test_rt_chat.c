@@ -49,6 +49,7 @@ int main(int argc, char **argv)
     } else {
         fwrite(text, 1, strlen(text), stdout);
         fprintf(stderr, "tool_parse %d parallel %d\n", p.parse, p.parallel);
+        if (p.forced) fprintf(stderr, "forced strict %d grammar %s\n", p.strict, p.grammar);
     }
     free(text);
     rt_chat_tools_fini(&p);
