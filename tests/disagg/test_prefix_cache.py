@@ -158,10 +158,10 @@ def case_restart(args):
 def case_abort(args):
     model = os.path.join(args.synth_dir, "llama.gguf")
     label = "abort synth pp2"
-    t1, t2 = conversation(150, 150)
+    t1, t2 = conversation(70, 50)
     with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 1}]) as c:
         exact(c, args, model, t1, label + " turn 1", hit=False)
-        for delay in (0.05, 0.15, 0.3):
+        for delay in (0.02, 0.05, 0.1, 0.2):
             h = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
             h.request("POST", "/v1/completions",
                       json.dumps({"prompt": t2, "max_tokens": 64, "temperature": 0,
@@ -170,6 +170,8 @@ def case_abort(args):
             time.sleep(delay)
             h.close()  # the client leaves: the router cancels on both sides
         idle(c, label + " after the aborts")
+        hits = int(health(c).get("prefix_cache_hit_tokens_s1", 0))
+        check(hits > 0, f"{label}: the aborted requests took cached blocks ({hits} tokens)")
         exact(c, args, model, t2, label + " the same request afterwards", hit=True)
         idle(c, label)
 
