@@ -199,7 +199,8 @@ static int parse_seg(const uint8_t *s, pf_seg *g)
     if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
         g->sampling.skip_samples >= g->n_prompt || g->n_dst > PF_MAX_TARGETS || (g->flags & ~7u) ||
         !!(g->flags & PF_SEG_FIRST) != (g->t0 == g->n_cached) || get64(s + 104) ||
-        (!g->n_cached && g->cached_id) || !!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt))
+        (!g->n_cached && g->cached_id) || (!(g->flags & PF_SEG_FIRST) && g->n_cached) ||
+        !!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt))
         return bad("inconsistent segment");
     if (min_tokens > INT32_MAX || nb > TD_MAX_LOGIT_BIAS || nm > TD_MAX_MIN_TOKENS_IDS ||
         (!has_lists(g) && (nb || nm)))
