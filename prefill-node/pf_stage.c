@@ -181,6 +181,10 @@ void pf_stage_leave_chain(pf_stage *st, int err)
     /* a new chain starts with empty caches on every stage (a restarted stage has none): what
      * the running requests still use goes back to the pool when they end */
     free_retired(st);
+    for (pf_req *r = st->reqs; r; r = r->next) { /* no RELEASE comes for them: free at their end */
+        if (r->n_hit && !r->unrefd) pf_kvc_unref(st->kvc, r->hit, r->n_hit);
+        r->unrefd = r->released = true;
+    }
     if (st->kvc) pf_kvc_flush(st->kvc);
 }
 

@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
 from pdlib import Cluster, generate_text  # noqa: E402
 from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.waits import wait_for  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over the lazy dog while seven wise owls count stars "
          "above a quiet river that winds through old hills and green fields").split()
@@ -98,8 +99,13 @@ def case_hit(args):
                 again = exact(c, args, model, t2, label + " turn 2 again", hit=True)
                 check(again and cached and again > cached,
                       f"{label}: the repeated prompt hits turn 2's blocks too ({cached}, {again})")
-                h = health(c)
-                hits = [int(h.get(f"prefix_cache_hit_tokens_s{s}", -1)) for s in range(pp)]
+                hits = []
+
+                def counted():  # Health is republished every 100 ms
+                    h = health(c)
+                    hits[:] = [int(h.get(f"prefix_cache_hit_tokens_s{s}", -1)) for s in range(pp)]
+                    return all(x == cached + again for x in hits)
+                wait_for(counted, 5, step=0.2)
                 check(all(x == cached + again for x in hits),
                       f"{label}: every stage's Health counts the hit tokens ({hits})")
                 idle(c, label)
