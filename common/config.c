@@ -443,7 +443,9 @@ static const field cache_aware_fields[C_N] = FIELD_TABLE(CACHE_AWARE_FIELDS);
     F(P_PORT, "port", F_INT, port, 1, 65535)                                                       \
     F(P_KVTOK, "kv_tokens", F_INT, kv_tokens, 64, 1 << 26)                                         \
     F(P_QUEUE, "max_queue", F_INT, max_queue, 1, 1 << 20)                                          \
-    F(P_PROFILE, "profile_budget_ms", F_INT, profile_budget_ms, 0, 3600000)
+    F(P_PROFILE, "profile_budget_ms", F_INT, profile_budget_ms, 0, 3600000)                        \
+    F(P_PCACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                        \
+    F(P_PCACHE_MB, "prefix_cache_mb", F_INT, prefix_cache_mb, 1, 1 << 20)
 enum { PREFILL_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) P_N };
 #define SECT td_cfg_prefill
 static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
@@ -595,6 +597,8 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     x->kv_tokens = 32768;
     x->max_queue = 64;
     x->profile_budget_ms = 20000;
+    x->prefix_cache = true;
+    x->prefix_cache_mb = 256;
     if (n->type != YAML_MAPPING_NODE)
         return fail(p, n, "prefill[%d]: expected a mapping, got %s", idx, kind_name(n));
     char what[64];

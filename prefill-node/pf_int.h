@@ -24,6 +24,7 @@
 #include "kvx_conn.h"
 #include "pf_chain.h"
 #include "pf_chunk.h"
+#include "pf_kvcache.h"
 #include "pf_node.h"
 #include "pf_shard.h"
 #include "pf_wire.h"
@@ -35,8 +36,15 @@ typedef struct pf_req {
     int32_t n_prompt;
     uint32_t n_dst;
     td_sampling sampling; /* .grammar NULL: the text lives in the chunk that samples */
-    kn_kv_seq kv;         /* this stage's blocks for the whole prompt */
-    int32_t *hist;        /* (n_prompt) last stage: the prompt's ids (for the repetition penalty) */
+    kn_kv_seq kv;     /* this stage's blocks for the whole prompt; the first n_hit are the prefix
+                         cache's (held through hit), the others the request's own */
+    pf_kvc_ent **hit; /* (n_hit) the cached prefix blocks it holds */
+    int n_hit;
+    bool unrefd;   /* its stream references on hit were dropped (RELEASE) */
+    bool released; /* stage 0's RELEASE came while it was still running: no insert */
+    bool ok;       /* its transfer completed (a retired request: its blocks may be cached) */
+    int32_t *hist; /* (n_prompt) the prompt's ids: last stage (the repetition penalty), and
+                      every stage with a prefix cache (the blocks' tokens) */
     int32_t n_hist;
     uint32_t n_chunks;  /* chunks computed */
     int32_t n_sent;     /* tokens whose KV went to the connector */
@@ -77,6 +85,10 @@ typedef struct {
     /* requests of this stage */
     pf_req *reqs;
     int n_reqs;
+    /* prefix cache (NULL: off) and the requests whose transfer ended but whose RELEASE has
+     * not come yet (their blocks wait for the decision to cache them) */
+    pf_kvc *kvc;
+    pf_req *retired;
 
     /* scratch of one chunk */
     int32_t *pos, *seq_of; /* (chunk_max) per row */
@@ -114,6 +126,13 @@ void pf_stage_targets(pf_stage *st, uint64_t req_id, const uint8_t *const *t, co
                       int n_t);
 void pf_stage_abort(pf_stage *st, uint64_t req_id, int err);
 void pf_stage_abort_all(pf_stage *st, int err);
+/* Stage 0's RELEASE of a request (every stage runs it at the same point of the stream): its
+ * hold on the cached prefix ends; insert: its whole blocks go into the prefix cache. */
+void pf_stage_release(pf_stage *st, uint64_t req_id, bool insert);
+/* Stage 0: tokens of the prompt's prefix in the cache (whole blocks, < n, so the last token
+ * is computed; 0 when the cache is off) and the last cached block's id. */
+int32_t pf_stage_cached_prefix(const pf_stage *st, const int32_t *prompt, int32_t n, uint64_t *id);
+void pf_stage_cache_stats(const pf_stage *st, uint64_t *hit_tokens, uint64_t *evicted);
 /* Poll the connector for this stage's requests; report the finished ones. */
 void pf_stage_poll(pf_stage *st);
 /* Stage 0: the next report of its own stage (queued by pf_stage_poll); false if none. */

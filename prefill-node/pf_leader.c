@@ -20,7 +20,10 @@ typedef struct pf_job {
     uint64_t client_id, request_id;
     int32_t *prompt; /* (n_prompt) token ids */
     int32_t n_prompt;
-    int32_t done; /* tokens scheduled into chunks */
+    int32_t done;       /* tokens scheduled into chunks */
+    int32_t n_cached;   /* tokens taken from the prefix cache (decided at its first chunk) */
+    uint64_t cached_id; /* the last cached block's id */
+    uint64_t epoch;     /* the stage chain its first chunk went down */
     uint32_t n_chunks;
     uint32_t n_dst;
     td_sampling sampling;             /* .grammar: the job's own copy (grammar) */
@@ -68,6 +71,7 @@ typedef struct {
     bool running;                     /* every stage joined (the table is complete) */
     int64_t started_ms;
     uint64_t n_done, n_failed;
+    uint64_t cache_hits[PF_MAX_STAGES], cache_evicted[PF_MAX_STAGES]; /* stages' reports */
     int32_t *ids; /* (chunk_max) the token ids of the chunk being planned */
 } pf_leader;
 
@@ -108,10 +112,25 @@ static Td__ErrorCode wire_code(int err, uint32_t reason)
     return TD__ERROR_CODE__ERR_PEER_FAILED;
 }
 
+/* Every stage's hold on j's cached prefix ends, at this point of the stage stream; when it
+ * succeeded everywhere its whole blocks go into every stage's prefix cache. Nothing to do
+ * on a chain that was re-formed since (the stages flushed their caches). */
+static void release_job(pf_leader *ld, pf_job *j, bool ok)
+{
+    pf_stage *st = ld->st;
+    if (!j->emitted || !st->kvc || !st->epoch || j->epoch != st->epoch) return;
+    bool insert = ok && !j->err && !j->cancelled;
+    pf_stage_release(st, j->request_id, insert);
+    uint8_t msg[28];
+    int64_t len = pf_wire_release_write(msg, sizeof msg, 0, j->request_id, insert);
+    if (len > 0) pf_chain_send_msg(&st->chain, msg, (size_t)len);
+}
+
 /* End a job: tell its client (unless it cancelled) and forget it. */
 static void finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
 {
     unlink_job(ld, j);
+    release_job(ld, j, !err);
     if (j->cancelled) {
         job_free(j);
         return;
@@ -138,15 +157,16 @@ static void finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
         pd.kv_bytes = j->kv_bytes;
         pd.kv_transfer_us = j->kv_xfer_us;
         pd.kv_exposed_us = j->kv_exposed_us;
+        pd.cached_tokens = (uint32_t)j->n_cached;
         char sizes[256];
         int off = 0;
         for (uint32_t i = 0; i < j->n_chunks && off < (int)sizeof sizes - 16; i++)
             off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "",
                             j->chunk_sizes[i]);
-        TD_LOG_INFO("prefill %s: request %llu: %d tokens in %u chunks [%s], queued %llu ms, "
-                    "prefill %llu ms",
+        TD_LOG_INFO("prefill %s: request %llu: %d tokens (%d from the prefix cache) in %u chunks "
+                    "[%s], queued %llu ms, prefill %llu ms",
                     ld->st->p->instance, (unsigned long long)j->request_id, j->n_prompt,
-                    j->n_chunks, sizes, (unsigned long long)pd.queued_ms,
+                    j->n_cached, j->n_chunks, sizes, (unsigned long long)pd.queued_ms,
                     (unsigned long long)pd.prefill_ms);
         Td__Event ev = TD__EVENT__INIT;
         ev.body_case = TD__EVENT__BODY_PREFILL_DONE;
@@ -190,6 +210,8 @@ static void on_report(pf_leader *ld, const pf_report *r)
         return; /* an old formation's */
     pf_job *j = find_job(ld, r->req_id);
     if (!j || !j->emitted) return;
+    ld->cache_hits[r->stage] = r->cache_hit_blocks; /* (tokens) the stage's totals so far */
+    ld->cache_evicted[r->stage] = r->cache_evicted;
     if (!(j->reported & 1ull << r->stage)) j->kv_bytes += r->kv_bytes; /* once per stage */
     j->reported |= 1ull << r->stage;
     if (r->end_ms > j->t_end_ms) j->t_end_ms = r->end_ms;
@@ -278,11 +300,11 @@ static void reset_formation(pf_leader *ld, const char *why)
             "prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
             "the stages to rejoin",
             ld->st->p->instance, why, ld->n_jobs);
+    pf_stage_leave_chain(ld->st, TD_EIO); /* first: no RELEASE goes down the old chain */
     for (pf_job *j = ld->jobs, *nx; j; j = nx) {
         nx = j->next;
         if (j->emitted) finish_job(ld, j, TD_EIO, "a prefill stage failed or restarted");
     }
-    pf_stage_leave_chain(ld->st, TD_EIO);
     if (logged)
         TD_LOG_INFO("prefill %s: the old stage chain closed in %lld ms", ld->st->p->instance,
                     (long long)(td_now_ms() - t0));
@@ -668,8 +690,15 @@ static int run_chunk(pf_leader *ld)
     int64_t n_ids = 0;
     for (pf_job *j = ld->jobs; j && budget > 0 && n_segs < PF_MAX_SEGS; j = j->next) {
         if (j->done >= j->n_prompt || j->cancelled || j->err) continue;
-        if (!j->emitted) {
-            int64_t need = kn_kv_blocks_for(ld->st->shard.kv, j->n_prompt);
+        if (!j->emitted) { /* the plan starts after the cached prefix (never prompt logprobs:
+                              the last stage needs every position's logits for them) */
+            j->n_cached =
+                j->sampling.prompt_logprobs
+                    ? 0
+                    : pf_stage_cached_prefix(ld->st, j->prompt, j->n_prompt, &j->cached_id);
+            j->done = j->n_cached;
+            int64_t need = kn_kv_blocks_for(ld->st->shard.kv, j->n_prompt) -
+                           j->n_cached / ld->st->shard.kv->block_size;
             if (ld->st->shard.kv->n_free - promised < need) break; /* in order: wait for room */
             promised += need;
         }
@@ -688,7 +717,11 @@ static int run_chunk(pf_leader *ld)
                       .chunk = j->n_chunks,
                       .n_dst = j->n_dst,
                       .sampling = j->sampling};
-        g->flags = (g->t0 == 0 ? PF_SEG_FIRST : 0) | (g->t1 == g->n_prompt ? PF_SEG_LAST : 0);
+        if (!j->emitted) {
+            g->n_cached = (uint32_t)j->n_cached;
+            g->cached_id = j->n_cached ? j->cached_id : 0;
+        }
+        g->flags = (!j->emitted ? PF_SEG_FIRST : 0) | (g->t1 == g->n_prompt ? PF_SEG_LAST : 0);
         size_t gb = pf_wire_seg_grammar_bytes(g);
         if (gbytes + gb > PF_WIRE_GRAMMAR_BUDGET) break; /* its schema goes in a later chunk */
         gbytes += gb;
@@ -703,7 +736,10 @@ static int run_chunk(pf_leader *ld)
     int64_t now = td_now_ms();
     for (int i = 0; i < n_segs; i++) {
         pf_job *j = js[i];
-        if (!j->emitted) j->t_start_ms = now;
+        if (!j->emitted) {
+            j->t_start_ms = now;
+            j->epoch = ld->st->epoch;
+        }
         j->emitted = true;
         j->done = (int32_t)segs[i].t1;
         record_chunk(j, (int32_t)(segs[i].t1 - segs[i].t0));
@@ -731,11 +767,26 @@ static void publish_health(pf_leader *ld)
         queued += (uint64_t)(j->n_prompt - j->done);
     }
     h.queued_prompt_tokens = queued;
-    h.kv_blocks_used = (uint32_t)(ld->st->shard.kv->n_blocks - ld->st->shard.kv->n_free);
-    h.kv_blocks_free = (uint32_t)ld->st->shard.kv->n_free;
+    /* the requests' share of the pool: the prefix cache's blocks are its own budget */
+    const kn_kv_pool *kv = ld->st->shard.kv;
+    pf_kvc_stats cs = {0};
+    if (ld->st->kvc) pf_kvc_get_stats(ld->st->kvc, &cs);
+    int used = kv->n_blocks - kv->n_free - cs.n_indexed - cs.n_detached;
+    h.kv_blocks_used = (uint32_t)(used > 0 ? used : 0);
+    int n_free = kv->n_blocks - ld->st->shard.cache_blocks - (int)h.kv_blocks_used;
+    h.kv_blocks_free = (uint32_t)(n_free > 0 ? n_free : 0);
     h.kv_block_size = (uint32_t)ld->st->shard.kv->block_size;
     h.uptime_ms = (uint64_t)(td_now_ms() - ld->started_ms);
     h.ready = ld->running;
+    uint64_t hits[PF_MAX_STAGES], evicted[PF_MAX_STAGES];
+    if (ld->st->kvc) { /* stage 0's own figures now, the others' from their last reports */
+        memcpy(hits, ld->cache_hits, sizeof hits);
+        memcpy(evicted, ld->cache_evicted, sizeof evicted);
+        pf_stage_cache_stats(ld->st, &hits[0], &evicted[0]);
+        h.n_prefix_cache_hit_tokens = h.n_prefix_cache_evicted_blocks = (size_t)ld->st->pp;
+        h.prefix_cache_hit_tokens = hits;
+        h.prefix_cache_evicted_blocks = evicted;
+    }
     td_ctrl_server_set_health(ld->srv, &h);
 }
 

@@ -45,6 +45,16 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
     s->ctx = p->ctx > 0 ? p->ctx : 8192;
     int bs = p->block_size > 0 ? p->block_size : 16;
     kn_kv_pool_params kp = kn_model_kv_params(s->rt.model, (s->ctx + bs - 1) / bs, bs, p->kv_type);
+    /* the prefix cache's blocks come on top, as many on every stage: its bytes over the
+     * largest stage's block (K and V of its layers) */
+    int most = 0;
+    for (int i = 0; i < s->pp; i++)
+        if (counts[i] > most) most = counts[i];
+    size_t block = 2 * (size_t)most * (size_t)kp.n_kv_heads * (size_t)kp.head_dim * (size_t)bs *
+                   (kp.type == TD_F16 ? 2 : 4);
+    size_t extra = p->cache_bytes / block;
+    s->cache_blocks = extra > (1u << 24) ? 1 << 24 : (int)extra;
+    kp.n_blocks += s->cache_blocks;
     kp.backend = &s->rt.be;
     if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
     return 0;

@@ -26,9 +26,10 @@
 typedef struct {
     kn_runtime rt; /* file, model (layers [l0, l1)), backend, engine */
     kn_kv_pool *kv;
-    int l0, l1;  /* the stage's layer range */
-    int ctx;     /* tokens of KV the pool holds for one sequence */
-    int threads; /* compute threads of the backend */
+    int l0, l1;       /* the stage's layer range */
+    int ctx;          /* tokens of KV the pool holds for one sequence */
+    int cache_blocks; /* blocks on top of ctx for the prefix cache (the same on every stage) */
+    int threads;      /* compute threads of the backend */
     int pp, stage;
 } pf_shard;
 
@@ -41,6 +42,9 @@ typedef struct {
     int ctx;              /* KV capacity, tokens; 0: 8192 */
     int block_size;       /* 0: 16 */
     td_dtype kv_type;     /* TD_F32 (0) or TD_F16 */
+    size_t cache_bytes;   /* prefix cache budget: cache_blocks = this over the block bytes of the
+                             largest stage (K and V of its layers), so every stage of an
+                             instance gets the same count; 0: none */
 } pf_shard_params;
 
 /* Load the stage and build its engine and KV pool. Errors are logged; returns 0 or a

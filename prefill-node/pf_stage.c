@@ -84,9 +84,13 @@ int pf_stage_setup(pf_stage *st)
         .ctx = st->cfg->kv_tokens,
         .block_size = d0->block_size,
         .kv_type = kv_type,
+        .cache_bytes = st->cfg->prefix_cache ? (size_t)st->cfg->prefix_cache_mb << 20 : 0,
     };
     int rc = pf_shard_open(&st->shard, &sp);
     if (rc) return rc;
+    if (st->shard.cache_blocks > 0 &&
+        (rc = pf_kvc_create(st->shard.kv, st->shard.cache_blocks, &st->kvc)))
+        return rc;
     if (!st->shard.rt.be.ops->host_memory) {
         /* every prefill stage pushes its KV through kvxfer, which reads host memory today */
         TD_LOG_ERR("prefill stage %d: backend '%s': the KV transfer from device memory is not "
@@ -118,20 +122,51 @@ int pf_stage_setup(pf_stage *st)
     }
     if ((rc = open_chain(st))) return rc;
     const kn_kv_pool *kv = st->shard.kv;
-    TD_LOG_INFO("prefill %s stage %d/%d: layers [%d, %d), %d threads, KV %d blocks of %d (%s), "
-                "chunks up to %d tokens",
+    TD_LOG_INFO("prefill %s stage %d/%d: layers [%d, %d), %d threads, KV %d blocks of %d (%s, "
+                "%d of them for the prefix cache), chunks up to %d tokens",
                 st->p->instance, st->stage, st->pp, st->shard.l0, st->shard.l1, st->cfg->threads,
-                kv->n_blocks, kv->block_size, td_dtype_name(kv->type), st->chunk_max);
+                kv->n_blocks, kv->block_size, td_dtype_name(kv->type), st->shard.cache_blocks,
+                st->chunk_max);
     return 0;
+}
+
+/* Give back r's blocks: its own ones to the prefix cache (insert: the whole blocks) or to
+ * the pool, its hold on the cached prefix to the cache. */
+static void release_blocks(pf_stage *st, pf_req *r, bool insert)
+{
+    int nb = r->kv.n_blocks, nh = r->n_hit, bs = st->shard.kv->block_size;
+    int nf = r->n_prompt / bs; /* whole blocks (>= nh: the last token is never cached) */
+    if (insert && st->kvc && r->hist && nf <= nb) {
+        pf_kvc_insert(st->kvc, r->hist, nf, r->kv.blocks, nh);
+        kn_kv_free(st->shard.kv, nb - nf, r->kv.blocks + nf);
+    } else if (nb > nh)
+        kn_kv_free(st->shard.kv, nb - nh, r->kv.blocks + nh);
+    if (nh) {
+        if (!r->unrefd) pf_kvc_unref(st->kvc, r->hit, nh);
+        pf_kvc_unuse(st->kvc, r->hit, nh);
+    }
+    r->n_hit = 0;
+    r->kv.n_blocks = 0;
+    kn_kv_seq_fini(st->shard.kv, &r->kv);
 }
 
 static void req_free(pf_stage *st, pf_req *r)
 {
-    kn_kv_seq_fini(st->shard.kv, &r->kv);
+    release_blocks(st, r, false);
+    free(r->hit);
     free(r->hist);
     free(r->plp_row);
     free(r->comp_end_ns);
     free(r);
+}
+
+static void free_retired(pf_stage *st)
+{
+    while (st->retired) {
+        pf_req *r = st->retired;
+        st->retired = r->next;
+        req_free(st, r);
+    }
 }
 
 void pf_stage_teardown(pf_stage *st)
@@ -143,6 +178,8 @@ void pf_stage_teardown(pf_stage *st)
         st->reqs = r->next;
         req_free(st, r);
     }
+    free_retired(st);
+    pf_kvc_destroy(st->kvc);
     pf_chain_fini(&st->chain);
     free(st->pos);
     free(st->seq_of);
@@ -161,6 +198,14 @@ void pf_stage_leave_chain(pf_stage *st, int err)
     pf_stage_abort_all(st, err);
     pf_chain_close(&st->chain);
     st->epoch = 0;
+    /* a new chain starts with empty caches on every stage (a restarted stage has none): what
+     * the running requests still use goes back to the pool when they end */
+    free_retired(st);
+    for (pf_req *r = st->reqs; r; r = r->next) { /* no RELEASE comes for them: free at their end */
+        if (r->n_hit && !r->unrefd) pf_kvc_unref(st->kvc, r->hit, r->n_hit);
+        r->unrefd = r->released = true;
+    }
+    if (st->kvc) pf_kvc_flush(st->kvc);
 }
 
 /* ---- requests ---- */
@@ -197,18 +242,45 @@ static pf_req *new_req(pf_stage *st, const pf_seg *g)
     return r;
 }
 
-/* Open the request on this stage: blocks for the whole prompt, the kvxfer request. */
-static int open_req(pf_stage *st, pf_req *r)
+/* r's block table: the cached prefix's blocks (n_cached tokens ending in block cached_id,
+ * as stage 0 decided), then its own blocks for the rest of the prompt. */
+static int open_blocks(pf_stage *st, pf_req *r, const pf_seg *g)
 {
-    int rc = kn_kv_seq_reserve(st->shard.kv, &r->kv, r->n_prompt);
+    kn_kv_pool *kv = st->shard.kv;
+    int nb = kn_kv_blocks_for(kv, r->n_prompt), nh = (int)g->n_cached / kv->block_size;
+    if ((st->kvc || st->last) && !(r->hist = malloc((size_t)r->n_prompt * sizeof *r->hist)))
+        return TD_ENOMEM;
+    if (!(r->kv.blocks = malloc((size_t)nb * sizeof *r->kv.blocks))) return TD_ENOMEM;
+    r->kv.cap = nb;
+    if (nh) {
+        if (!st->kvc || (int64_t)nh * kv->block_size != g->n_cached) return TD_EINVAL;
+        if (!(r->hit = malloc((size_t)nh * sizeof *r->hit))) return TD_ENOMEM;
+        if (pf_kvc_acquire(st->kvc, g->cached_id, nh, r->kv.blocks, r->hit, r->hist)) {
+            TD_LOG_WARN("prefill %s stage %d: request %llu: stage 0 took %u tokens from the "
+                        "prefix cache, which this stage does not hold (its cache differs)",
+                        st->p->instance, st->stage, (unsigned long long)r->id, g->n_cached);
+            return TD_ENOENT;
+        }
+        r->n_hit = r->kv.n_blocks = nh;
+        r->n_computed = (int32_t)g->n_cached; /* pushed with the first computed chunk */
+    }
+    int rc = kn_kv_alloc(kv, nb - nh, r->kv.blocks + nh);
     if (rc) {
         TD_LOG_WARN("prefill %s stage %d: request %llu: no KV room for %d tokens (%d blocks "
                     "free)",
-                    st->p->instance, st->stage, (unsigned long long)r->id, r->n_prompt,
-                    st->shard.kv->n_free);
+                    st->p->instance, st->stage, (unsigned long long)r->id,
+                    r->n_prompt - nh * kv->block_size, kv->n_free);
         return rc;
     }
-    if (st->last && !(r->hist = malloc((size_t)r->n_prompt * sizeof *r->hist))) return TD_ENOMEM;
+    r->kv.n_blocks = nb;
+    return 0;
+}
+
+/* Open the request on this stage: blocks for the whole prompt, the kvxfer request. */
+static int open_req(pf_stage *st, pf_req *r, const pf_seg *g)
+{
+    int rc = open_blocks(st, r, g);
+    if (rc) return rc;
     kvx_pf_req_params kp = {.stage = (uint32_t)st->stage,
                             .src_rank = 0,
                             .src_tp = 1,
@@ -418,6 +490,7 @@ void pf_stage_poll(pf_stage *st)
                          .end_ms = td_now_ms(),
                          .has_lp = st->last && r->has_first_lp};
         if (rep.has_lp) rep.first_lp = r->first_lp;
+        pf_stage_cache_stats(st, &rep.cache_hit_blocks, &rep.cache_evicted);
         if (!req_over(st, r, &rep)) {
             pp = &r->next;
             continue;
@@ -425,8 +498,48 @@ void pf_stage_poll(pf_stage *st)
         report_out(st, &rep);
         *pp = r->next;
         st->n_reqs--;
-        req_free(st, r); /* the connector is final: nothing reads our blocks any more */
+        if (st->kvc && !r->released) { /* its blocks wait for stage 0's RELEASE */
+            r->ok = rep.status == 0;
+            r->next = st->retired;
+            st->retired = r;
+        } else
+            req_free(st, r); /* the connector is final: nothing reads our blocks any more */
     }
+}
+
+void pf_stage_release(pf_stage *st, uint64_t req_id, bool insert)
+{
+    for (pf_req **pp = &st->retired; *pp; pp = &(*pp)->next) {
+        pf_req *r = *pp;
+        if (r->id != req_id) continue;
+        *pp = r->next;
+        release_blocks(st, r, insert && r->ok);
+        req_free(st, r);
+        return;
+    }
+    pf_req *r = find_req(st, req_id); /* still running here (stage 0 gave up on it) */
+    if (!r) return;
+    if (r->n_hit && !r->unrefd) pf_kvc_unref(st->kvc, r->hit, r->n_hit);
+    r->unrefd = r->released = true;
+}
+
+int32_t pf_stage_cached_prefix(const pf_stage *st, const int32_t *prompt, int32_t n, uint64_t *id)
+{
+    *id = 0;
+    if (!st->kvc || n < 2) return 0;
+    int bs = st->shard.kv->block_size;
+    uint64_t last;
+    int k = pf_kvc_match(st->kvc, prompt, n - 1, (n - 1) / bs, &last);
+    if (k) *id = last;
+    return k * bs;
+}
+
+void pf_stage_cache_stats(const pf_stage *st, uint64_t *hit_tokens, uint64_t *evicted)
+{
+    pf_kvc_stats s = {0};
+    if (st->kvc) pf_kvc_get_stats(st->kvc, &s);
+    *hit_tokens = s.hit_blocks * (uint64_t)st->shard.kv->block_size;
+    *evicted = s.evicted;
 }
 
 /* ---- one chunk ---- */
@@ -469,7 +582,7 @@ static int admit_segs(pf_stage *st, pf_batch *bt)
             if (!live)
                 fail_req(st, r, TD_EIO);
             else {
-                int rc = open_req(st, r);
+                int rc = open_req(st, r, g);
                 if (rc) fail_req(st, r, rc);
             }
         } else if (r && !r->failed && (!live || (int32_t)g->t0 != r->n_computed)) {
@@ -501,6 +614,20 @@ static void compact(pf_stage *st, pf_batch *bt, float *embd)
         src += len;
     }
     bt->rows = dst;
+}
+
+/* The live segments' ids into their requests' prompt copies (hist). */
+static void keep_ids(pf_stage *st, const pf_batch *bt)
+{
+    int64_t off = 0;
+    for (int i = 0; i < bt->n_segs; i++) {
+        const pf_seg *g = &bt->segs[i];
+        if (g->flags & PF_SEG_DEAD) continue;
+        if (bt->rq[i]->hist)
+            memcpy(bt->rq[i]->hist + g->t0, st->ids + off,
+                   (size_t)(g->t1 - g->t0) * sizeof *st->ids);
+        off += g->t1 - g->t0;
+    }
 }
 
 /* Positions, sequences and logit rows of the live segments. */
@@ -636,14 +763,11 @@ static int32_t sample_first(pf_stage *st, pf_req *r, const pf_seg *g, const floa
  * token of every segment that ends a prompt. */
 static void sample_first_tokens(pf_stage *st, pf_batch *bt)
 {
-    int64_t off = 0;
     size_t V = (size_t)st->n_vocab;
     for (int i = 0; i < bt->n_segs; i++) {
         const pf_seg *g = &bt->segs[i];
         if (g->flags & PF_SEG_DEAD) continue;
         pf_req *r = bt->rq[i];
-        memcpy(r->hist + g->t0, st->ids + off, (size_t)(g->t1 - g->t0) * sizeof *st->ids);
-        off += g->t1 - g->t0;
         int rc = bt->prow[i] < 0 ? 0 : pf_lp_prompt(st, r, g, st->logits + (size_t)bt->prow[i] * V);
         if (rc) {
             TD_LOG_ERR("prefill %s: request %llu: prompt logprobs: %s", st->p->instance,
@@ -671,6 +795,7 @@ int pf_stage_chunk(pf_stage *st, pf_seg *segs, int n_segs, const int32_t *ids_in
     if (bt.rows_in > st->chunk_max) return TD_ERANGE;
     memcpy(st->ids, ids_in, (size_t)bt.rows_in * sizeof *st->ids);
     compact(st, &bt, embd);
+    keep_ids(st, &bt);
     build_batch(st, &bt);
     if (bt.n_logits > st->logit_cap) { /* prompt logprobs: a logit row per token */
         float *l = realloc(st->logits, (size_t)bt.n_logits * (size_t)st->n_vocab * sizeof *l);
@@ -717,6 +842,10 @@ static int handle_msg(pf_stage *st, pf_buf *b)
         break;
     case PF_MSG_ABORT:
         pf_stage_abort(st, m.req_id, m.code ? m.code : TD_EIO);
+        rc = pf_chain_send_msg(&st->chain, b->buf, b->op.len);
+        break;
+    case PF_MSG_RELEASE:
+        pf_stage_release(st, m.req_id, m.code == 1);
         rc = pf_chain_send_msg(&st->chain, b->buf, b->op.len);
         break;
     default:

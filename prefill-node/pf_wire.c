@@ -10,8 +10,8 @@
 
 #define HDR_BYTES 32
 /* 8-byte aligned records; 88: logprobs (u8), 89: prompt_logprobs (bit 0), 90: grammar_kind
- * (u8); 92: bytes of the schema text (NUL included) */
-#define SEG_BYTES 96
+ * (u8); 92: bytes of the schema text (NUL included); 96: n_cached; 100: spare; 104: cached_id */
+#define SEG_BYTES 112
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -172,6 +172,9 @@ int64_t pf_wire_chunk_write(void *buf, size_t cap, uint64_t seq, const pf_seg *s
         put32(s + 88, (g->sampling.logprobs & 0xffu) | (uint32_t)g->sampling.prompt_logprobs << 8 |
                           (uint32_t)g->sampling.grammar_kind << 16);
         put32(s + 92, (uint32_t)text_len(g));
+        put32(s + 96, g->n_cached);
+        put32(s + 100, 0);
+        put64(s + 104, g->cached_id);
     }
     uint8_t *l = b + HDR_BYTES + (size_t)n_segs * SEG_BYTES;
     for (int i = 0; i < n_segs; i++) {
@@ -219,9 +222,12 @@ static int parse_seg(const uint8_t *s, pf_seg *g)
     g->sampling.presence_penalty = getf(s + 68);
     g->sampling.frequency_penalty = getf(s + 72);
     uint32_t min_tokens = get32(s + 76), nb = get32(s + 80), nm = get32(s + 84);
+    g->n_cached = get32(s + 96);
+    g->cached_id = get64(s + 104);
     if (!g->req_id || g->t0 >= g->t1 || g->t1 > g->n_prompt || g->n_dst < 1 ||
         g->sampling.skip_samples >= g->n_prompt || g->n_dst > PF_MAX_TARGETS || (g->flags & ~7u) ||
-        !!(g->flags & PF_SEG_FIRST) != (g->t0 == 0) ||
+        !!(g->flags & PF_SEG_FIRST) != (g->t0 == g->n_cached) || get32(s + 100) ||
+        (!g->n_cached && g->cached_id) || (!(g->flags & PF_SEG_FIRST) && g->n_cached) ||
         !!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt))
         return bad("inconsistent segment");
     if (min_tokens > INT32_MAX || nb > TD_MAX_LOGIT_BIAS || nm > TD_MAX_MIN_TOKENS_IDS ||
@@ -344,9 +350,11 @@ int pf_wire_parse(const void *buf, size_t len, int n_embd, int embd_expected, in
         return 0;
     }
     case PF_MSG_ABORT:
+    case PF_MSG_RELEASE:
         if (len != 28) return bad("abort message length");
         out->req_id = get64(b + 16);
         out->code = (int32_t)get32(b + 24);
+        if (out->kind == PF_MSG_RELEASE && (uint32_t)out->code > 1) return bad("release code");
         return 0;
     default:
         return bad("unknown message kind");
@@ -396,6 +404,13 @@ int64_t pf_wire_abort_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id
     return 28;
 }
 
+int64_t pf_wire_release_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id, bool insert)
+{
+    int64_t n = pf_wire_abort_write(buf, cap, seq, req_id, insert);
+    if (n > 0) header(buf, PF_MSG_RELEASE, seq);
+    return n;
+}
+
 void pf_wire_report_write(uint8_t b[PF_REPORT_BYTES], const pf_report *r)
 {
     header(b, PF_MSG_REPORT, r->epoch);
@@ -409,13 +424,15 @@ void pf_wire_report_write(uint8_t b[PF_REPORT_BYTES], const pf_report *r)
     put32(b + 56, r->kv_xfer_us);
     put32(b + 60, r->kv_exposed_us);
     memset(b + 64, 0, PF_REPORT_BYTES - 64);
+    put64(b + 80, r->cache_hit_blocks);
+    put64(b + 88, r->cache_evicted);
     if (!r->has_lp) return;
     put32(b + 64, 1);
     put32(b + 68, (uint32_t)r->first_lp.n_top);
     putf(b + 72, r->first_lp.logprob);
     for (int j = 0; j < r->first_lp.n_top && j < TD_MAX_TOP_LOGPROBS; j++) {
-        put32(b + 80 + 8 * j, (uint32_t)r->first_lp.top[j].id);
-        putf(b + 84 + 8 * j, r->first_lp.top[j].logprob);
+        put32(b + 96 + 8 * j, (uint32_t)r->first_lp.top[j].id);
+        putf(b + 100 + 8 * j, r->first_lp.top[j].logprob);
     }
 }
 
@@ -441,6 +458,8 @@ int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
     out->kv_bytes = get64(b + 48);
     out->kv_xfer_us = get32(b + 56);
     out->kv_exposed_us = get32(b + 60);
+    out->cache_hit_blocks = get64(b + 80);
+    out->cache_evicted = get64(b + 88);
     out->has_lp = get32(b + 64) != 0;
     uint32_t k = get32(b + 68);
     if (get32(b + 64) > 1 || k > TD_MAX_TOP_LOGPROBS) return bad("report logprob");
@@ -448,8 +467,8 @@ int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
     out->first_lp.logprob = getf(b + 72);
     if (out->has_lp && !lp_ok(out->first_lp.logprob)) return bad("report logprob value");
     for (uint32_t j = 0; j < k; j++) {
-        out->first_lp.top[j].id = (int32_t)get32(b + 80 + 8 * j);
-        out->first_lp.top[j].logprob = getf(b + 84 + 8 * j);
+        out->first_lp.top[j].id = (int32_t)get32(b + 96 + 8 * j);
+        out->first_lp.top[j].logprob = getf(b + 100 + 8 * j);
         if (out->first_lp.top[j].id < 0 || !lp_ok(out->first_lp.top[j].logprob))
             return bad("report logprob alternative");
     }

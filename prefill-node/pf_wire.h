@@ -8,7 +8,12 @@
  *            parameters) with their token ids and, after stage 0, the hidden states of
  *            every live row (rows of DEAD segments are left out);
  *   TARGETS  the decode ranks' kvxfer targets of a request (sent after its first chunk);
- *   ABORT    stop a request (cancel, deadline, a failed stage).
+ *   ABORT    stop a request (cancel, deadline, a failed stage);
+ *   RELEASE  stage 0 is done with a request (every stage reported, or it gave up): each
+ *            stage drops its hold on the request's cached prefix blocks and, when the
+ *            code is 1 (it succeeded on every stage), inserts its whole blocks into its
+ *            prefix cache (pf_kvcache.h). Sent at the same point of the stream to every
+ *            stage, so their caches stay identical.
  * Each stage s > 0 also sends REPORTs back to stage 0 (one per request it finished or
  * failed), as active messages; the last stage's report carries the first token's logprob
  * (sampling.logprobs), and before it the last stage sends LOGPROBS messages with the prompt
@@ -35,7 +40,7 @@
 #include "td_sampling.h"
 
 #define PF_WIRE_MAGIC   0x46504454u /* "TDPF" */
-#define PF_WIRE_VERSION 5u
+#define PF_WIRE_VERSION 6u
 #define PF_MAX_SEGS     64 /* segments (requests) in one chunk */
 #define PF_MAX_TARGETS  64 /* decode ranks of one request */
 /* A schema's text, without its NUL (grammar/gr_grammar.h GR_MAX_TEXT), and the schema bytes
@@ -49,10 +54,11 @@ enum {
     PF_MSG_ABORT = 3,
     PF_MSG_REPORT = 4,
     PF_MSG_LOGPROBS = 5, /* last stage -> stage 0: prompt logprobs of a request */
+    PF_MSG_RELEASE = 6,  /* stage 0 -> down the chain: a request's cache hold ends */
 };
 
 enum {
-    PF_SEG_FIRST = 1, /* t0 == 0: the stage opens the request */
+    PF_SEG_FIRST = 1, /* t0 == n_cached: the stage opens the request */
     PF_SEG_LAST = 2,  /* t1 == n_prompt: the stage finishes it (last stage samples) */
     PF_SEG_DEAD = 4,  /* failed on an earlier stage: no rows, the stage aborts it */
 };
@@ -63,6 +69,9 @@ typedef struct {
     uint32_t flags;
     uint32_t chunk;        /* index of this chunk within the request: 0, 1, ... */
     uint32_t n_dst;        /* decode ranks of the request */
+    uint32_t n_cached;     /* FIRST: tokens [0, n_cached) come from the prefix cache (whole
+                              blocks, < n_prompt); 0 on other segments */
+    uint64_t cached_id;    /* n_cached > 0: td_block_hash id of the last cached block */
     td_sampling sampling;  /* .skip_samples < n_prompt; parse: .grammar into the buffer */
     uint32_t grammar_len;  /* parse: bytes of sampling.grammar with its NUL, 0: none */
     const int32_t *tokens; /* parse: (t1 - t0) ids, unaligned-safe copy made by the parser */
@@ -112,6 +121,8 @@ int64_t pf_wire_targets_write(void *buf, size_t cap, uint64_t seq, uint64_t req_
                               const uint8_t *const *targets, const size_t *lens, int n);
 size_t pf_wire_targets_size(const size_t *lens, int n);
 int64_t pf_wire_abort_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id, int32_t code);
+/* RELEASE: the ABORT layout, code = insert (0 or 1); parsed into pf_msg.code. */
+int64_t pf_wire_release_write(void *buf, size_t cap, uint64_t seq, uint64_t req_id, bool insert);
 
 /* A stage's report to stage 0 about one request it is done with. */
 typedef struct {
@@ -126,13 +137,15 @@ typedef struct {
     uint64_t kv_bytes;      /* bytes put to the decode ranks */
     uint32_t kv_xfer_us;    /* time some of its puts were in flight (issued to landed) */
     uint32_t kv_exposed_us; /* its last chunk's compute end to its last chunk landing */
-    bool has_lp;            /* last stage, sampling.logprobs: first_lp is the first token's */
+    uint64_t cache_hit_blocks, cache_evicted; /* the stage's prefix cache so far */
+    bool has_lp; /* last stage, sampling.logprobs: first_lp is the first token's */
     td_logprob_entry first_lp;
 } pf_report;
 
 /* 64 bytes (ids, status, KV push figures), then the logprob: has_lp, n_top, logprob, 4 spare,
- * 20 (id, logprob) pairs; <= PF_LINK_REPORT_MAX */
-#define PF_REPORT_BYTES (80 + 8 * TD_MAX_TOP_LOGPROBS)
+ * the prefix cache's hit blocks and evictions (8 each), 20 (id, logprob) pairs;
+ * <= PF_LINK_REPORT_MAX */
+#define PF_REPORT_BYTES (96 + 8 * TD_MAX_TOP_LOGPROBS)
 void pf_wire_report_write(uint8_t buf[PF_REPORT_BYTES], const pf_report *r);
 int pf_wire_report_parse(const void *buf, size_t len, pf_report *out);
 

@@ -573,6 +573,9 @@ rt_pair_out rt_pair_on_event(rt_router *r, int j, const Td__Event *ev)
         /* a late notice of an ended attempt still describes work the instance did */
         rt_metrics_prefill_done(&r->metrics, d);
         log_done(r, live ? q : NULL, j, d);
+        /* usage.prompt_tokens_details: the notice can come after the decode side started
+         * (pf_busy already false), so any notice of the request's current attempt counts */
+        if (q && q->pair.pinst == j) q->pair.pf_cached = d->cached_tokens;
         if (live) pf_release(r, q);
     } else if (ev->body_case == TD__EVENT__BODY_ERROR && ev->error->request_id) {
         const Td__ErrorEvent *e = ev->error;

@@ -133,7 +133,8 @@ typedef struct {
     int64_t deadline_ms;          /* the attempt's first token is due by then, 0 none */
     ProtobufCBinaryData *targets; /* (n_targets) AllocReply's targets until relayed */
     size_t n_targets;
-    char pf_fail[320]; /* the first prefill failure, for the client's error message */
+    char pf_fail[320];  /* the first prefill failure, for the client's error message */
+    uint32_t pf_cached; /* PrefillDone.cached_tokens of the attempt that served the prompt */
 } rt_req_pair;
 
 /* Choices (rt_choices.h): a request with n > 1 or several prompts is a parent that holds the

@@ -59,18 +59,21 @@ static rt_req *out_of(rt_req *q)
  * tokens of every choice. */
 static json_t *usage_obj(const rt_req *q)
 {
-    size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen;
+    size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen, cached = q->pair.pf_cached;
     if (q->ch.kids) {
         int n = q->p.n > 1 ? q->p.n : 1;
-        prompt = gen = 0;
+        prompt = gen = cached = 0;
         for (int i = 0; i < q->ch.n_kids; i++) {
             const rt_req *k = q->ch.kids[i];
             if (k->ch.index % n == 0) prompt += k->p.n_prompt;
+            if (k->ch.index % n == 0) cached += k->pair.pf_cached;
             gen += (size_t)k->loop.n_gen;
         }
     }
-    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
-                     (json_int_t)gen, "total_tokens", (json_int_t)(prompt + gen));
+    return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)prompt,
+                     "completion_tokens", (json_int_t)gen, "total_tokens",
+                     (json_int_t)(prompt + gen), "prompt_tokens_details", "cached_tokens",
+                     (json_int_t)cached);
 }
 
 static const char *finish_name(rt_finish f)

@@ -218,6 +218,12 @@ static int client_health(client_run *r)
         printf("instance %s rank %u ready %d running %u waiting %u kv_used %u kv_free %u\n",
                h->instance, h->rank, h->ready, h->running, h->waiting, h->kv_blocks_used,
                h->kv_blocks_free);
+        for (size_t s = 0; s < h->n_prefix_cache_hit_tokens; s++)
+            printf("prefix_cache_hit_tokens_s%zu %llu prefix_cache_evicted_blocks_s%zu %llu\n", s,
+                   (unsigned long long)h->prefix_cache_hit_tokens[s], s,
+                   s < h->n_prefix_cache_evicted_blocks
+                       ? (unsigned long long)h->prefix_cache_evicted_blocks[s]
+                       : 0ull);
         return 0;
     }
     fprintf(stderr, "tandem: no health reply: %s\n", td_strerror(err ? err : TD_EIO));

@@ -31,7 +31,8 @@ class Cluster:
                        "instance_timeout_ms": instance_timeout_ms},
             "prefill": [{"name": f"p{i}", "pp": p.get("pp", 1), "chunk_size": p.get("chunk", 64),
                          "threads": 1, "port": p["port"], "kv_tokens": p.get("kv_tokens", 4096),
-                         "profile_budget_ms": p.get("profile_ms", 0)}
+                         "profile_budget_ms": p.get("profile_ms", 0),
+                         **{k: p[k] for k in ("prefix_cache", "prefix_cache_mb") if k in p}}
                         for i, p in enumerate(prefill)],
             "decode": [{"name": f"d{i}", "tp": d.get("tp", 1), "threads": 1,
                         "kv_blocks": d.get("kv_blocks", 512), "port": d["port"],

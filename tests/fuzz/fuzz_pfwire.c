@@ -31,7 +31,9 @@ static void check_chunk(const pf_msg *m, const uint8_t *buf, size_t len)
     for (int i = 0; i < m->n_segs; i++) {
         const pf_seg *g = &m->segs[i];
         if (!(g->t0 < g->t1 && g->t1 <= g->n_prompt)) abort();
-        if (!!(g->flags & PF_SEG_FIRST) != (g->t0 == 0)) abort();
+        if (!!(g->flags & PF_SEG_FIRST) != (g->t0 == g->n_cached)) abort();
+        if (!(g->flags & PF_SEG_FIRST) && g->n_cached) abort();
+        if (!g->n_cached && g->cached_id) abort();
         if (!!(g->flags & PF_SEG_LAST) != (g->t1 == g->n_prompt)) abort();
         if (!(g->flags & PF_SEG_DEAD)) {
             if (g->tokens < m->ids || g->tokens + (g->t1 - g->t0) > m->ids + m->n_rows) abort();
@@ -123,8 +125,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                            .n_prompt = t0 + l + extra,
                            .chunk = r[5],
                            .n_dst = 1 + r[5] % 4};
-        segs[n].flags = (t0 == 0 ? PF_SEG_FIRST : 0) | (extra == 0 ? PF_SEG_LAST : 0) |
-                        (dead ? PF_SEG_DEAD : 0);
+        bool first = t0 == 0 || (r[3] & 2); /* after a cached prefix of t0 tokens */
+        segs[n].flags =
+            (first ? PF_SEG_FIRST : 0) | (extra == 0 ? PF_SEG_LAST : 0) | (dead ? PF_SEG_DEAD : 0);
+        segs[n].n_cached = first ? t0 : 0;
+        segs[n].cached_id = first && t0 ? (uint64_t)r[4] << 32 | r[5] | 1 : 0;
         segs[n].sampling.seed = (uint64_t)r[5] << 40 | r[4];
         segs[n].sampling.skip_samples = r[2] % segs[n].n_prompt; /* < n_prompt */
         segs[n].sampling.presence_penalty = (float)(r[3] >> 1) / 32 - 2;
@@ -158,7 +163,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (m.n_segs != n || m.n_rows != rows) abort();
     for (int i = 0; i < n; i++)
         if (m.segs[i].req_id != segs[i].req_id || m.segs[i].t1 != segs[i].t1 ||
-            m.segs[i].flags != segs[i].flags || m.segs[i].sampling.seed != segs[i].sampling.seed ||
+            m.segs[i].flags != segs[i].flags || m.segs[i].n_cached != segs[i].n_cached ||
+            m.segs[i].cached_id != segs[i].cached_id ||
+            m.segs[i].sampling.seed != segs[i].sampling.seed ||
             m.segs[i].sampling.skip_samples != segs[i].sampling.skip_samples ||
             m.segs[i].sampling.presence_penalty != segs[i].sampling.presence_penalty ||
             m.segs[i].sampling.frequency_penalty != segs[i].sampling.frequency_penalty ||

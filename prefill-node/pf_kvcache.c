@@ -1,0 +1,242 @@
+/* pf_kvcache.c: a prefill stage's prefix cache (see pf_kvcache.h): a hash table of block
+ * ids (chained buckets), an LRU list of the indexed blocks, and the blocks' tokens. */
+#include "pf_kvcache.h"
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_blockhash.h"
+#include "td_err.h"
+
+struct pf_kvc_ent {
+    uint64_t id, parent; /* td_block_hash ids */
+    int32_t block;       /* pool block id */
+    int depth;           /* block index in its prompt (0: the first) */
+    int ref, users;
+    bool indexed;
+    struct pf_kvc_ent *hnext;       /* bucket chain */
+    struct pf_kvc_ent *prev, *next; /* LRU list: head = least recently used */
+    int32_t tokens[];               /* (block_size) */
+};
+
+struct pf_kvc {
+    kn_kv_pool *pool;
+    int bs, max_blocks;
+    pf_kvc_ent **buckets; /* (mask + 1) */
+    uint64_t mask;
+    pf_kvc_ent *head, *tail;
+    pf_kvc_stats stats;
+};
+
+int pf_kvc_create(kn_kv_pool *pool, int max_blocks, pf_kvc **out)
+{
+    *out = NULL;
+    if (!pool || max_blocks < 1) return TD_EINVAL;
+    pf_kvc *c = calloc(1, sizeof *c);
+    if (!c) return TD_ENOMEM;
+    uint64_t n = 16;
+    while (n < 2 * (uint64_t)max_blocks)
+        n <<= 1;
+    c->buckets = calloc(n, sizeof *c->buckets);
+    if (!c->buckets) {
+        free(c);
+        return TD_ENOMEM;
+    }
+    c->mask = n - 1;
+    c->pool = pool;
+    c->bs = pool->block_size;
+    c->max_blocks = max_blocks;
+    *out = c;
+    return 0;
+}
+
+static pf_kvc_ent *find(const pf_kvc *c, uint64_t id)
+{
+    for (pf_kvc_ent *e = c->buckets[id & c->mask]; e; e = e->hnext)
+        if (e->id == id) return e;
+    return NULL;
+}
+
+static void lru_unlink(pf_kvc *c, pf_kvc_ent *e)
+{
+    if (e->prev)
+        e->prev->next = e->next;
+    else
+        c->head = e->next;
+    if (e->next)
+        e->next->prev = e->prev;
+    else
+        c->tail = e->prev;
+    e->prev = e->next = NULL;
+}
+
+static void lru_push(pf_kvc *c, pf_kvc_ent *e) /* most recently used */
+{
+    e->prev = c->tail;
+    e->next = NULL;
+    if (c->tail)
+        c->tail->next = e;
+    else
+        c->head = e;
+    c->tail = e;
+}
+
+static void drop_block(pf_kvc *c, pf_kvc_ent *e)
+{
+    kn_kv_free(c->pool, 1, &e->block);
+    free(e);
+}
+
+/* Take e out of the index; its block goes back to the pool unless a request still uses it. */
+static void detach(pf_kvc *c, pf_kvc_ent *e)
+{
+    pf_kvc_ent **pp = &c->buckets[e->id & c->mask];
+    while (*pp != e)
+        pp = &(*pp)->hnext;
+    *pp = e->hnext;
+    lru_unlink(c, e);
+    e->indexed = false;
+    c->stats.n_indexed--;
+    if (e->users)
+        c->stats.n_detached++;
+    else
+        drop_block(c, e);
+}
+
+void pf_kvc_destroy(pf_kvc *c)
+{
+    if (!c) return;
+    pf_kvc_flush(c);
+    free(c->buckets);
+    free(c);
+}
+
+int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, uint64_t *last_id)
+{
+    uint64_t id = TD_BLOCK_HASH_ROOT;
+    int k = 0;
+    for (; k < max_blocks && (int64_t)(k + 1) * c->bs <= n; k++) {
+        const int32_t *t = tokens + (size_t)k * (size_t)c->bs;
+        uint64_t nid = td_block_hash(id, t, (size_t)c->bs);
+        const pf_kvc_ent *e = find(c, nid);
+        if (!e || e->parent != id || e->depth != k ||
+            memcmp(e->tokens, t, (size_t)c->bs * sizeof *t))
+            break;
+        id = nid;
+    }
+    *last_id = id;
+    return k;
+}
+
+int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_ent **ents,
+                   int32_t *tokens)
+{
+    uint64_t id = last_id;
+    for (int i = n - 1; i >= 0; i--) { /* from the leaf back to the root */
+        pf_kvc_ent *e = find(c, id);
+        if (!e || e->depth != i) return TD_ENOENT;
+        ents[i] = e;
+        id = e->parent;
+    }
+    if (id != TD_BLOCK_HASH_ROOT) return TD_ENOENT;
+    for (int i = n - 1; i >= 0; i--) { /* the root ends most recent: evicted last */
+        pf_kvc_ent *e = ents[i];
+        e->ref++;
+        e->users++;
+        lru_unlink(c, e);
+        lru_push(c, e);
+        blocks[i] = e->block;
+        if (tokens) memcpy(tokens + (size_t)i * (size_t)c->bs, e->tokens, (size_t)c->bs * 4);
+    }
+    c->stats.hit_blocks += (uint64_t)n;
+    return 0;
+}
+
+void pf_kvc_unref(pf_kvc *c, pf_kvc_ent *const *ents, int n)
+{
+    (void)c;
+    for (int i = 0; i < n; i++)
+        if (ents[i]->ref > 0) ents[i]->ref--;
+}
+
+void pf_kvc_unuse(pf_kvc *c, pf_kvc_ent *const *ents, int n)
+{
+    for (int i = 0; i < n; i++) {
+        pf_kvc_ent *e = ents[i];
+        if (--e->users > 0 || e->indexed) continue;
+        c->stats.n_detached--;
+        drop_block(c, e);
+    }
+}
+
+/* Make room for one more indexed block: evict the least recently used unreferenced one. */
+static bool make_room(pf_kvc *c)
+{
+    if (c->stats.n_indexed < c->max_blocks) return true;
+    for (pf_kvc_ent *e = c->head; e; e = e->next)
+        if (!e->ref) {
+            detach(c, e);
+            c->stats.evicted++;
+            return true;
+        }
+    return false;
+}
+
+int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, const int32_t *blocks, int from)
+{
+    uint64_t id = TD_BLOCK_HASH_ROOT;
+    for (int i = 0; i < from; i++)
+        id = td_block_hash(id, tokens + (size_t)i * (size_t)c->bs, (size_t)c->bs);
+    pf_kvc_ent **added = n > from ? malloc((size_t)(n - from) * sizeof *added) : NULL;
+    int n_added = 0, i = from;
+    size_t tb = (size_t)c->bs * sizeof *tokens;
+    for (; added && i < n; i++) {
+        const int32_t *t = tokens + (size_t)i * (size_t)c->bs;
+        uint64_t nid = td_block_hash(id, t, (size_t)c->bs);
+        pf_kvc_ent *e = find(c, nid);
+        if (e && (e->parent != id || e->depth != i || memcmp(e->tokens, t, tb)))
+            break; /* a collision: keep the older block, insert nothing after it */
+        if (e) {   /* another request inserted the same block meanwhile */
+            kn_kv_free(c->pool, 1, &blocks[i]);
+            id = nid;
+            continue;
+        }
+        if (!make_room(c)) break;
+        e = malloc(sizeof *e + tb);
+        if (!e) break;
+        /* ref 1 while this prompt is inserted: its own blocks are not evicted for it */
+        *e = (pf_kvc_ent){
+            .id = nid, .parent = id, .block = blocks[i], .depth = i, .ref = 1, .indexed = true};
+        memcpy(e->tokens, t, tb);
+        e->hnext = c->buckets[nid & c->mask];
+        c->buckets[nid & c->mask] = e;
+        lru_push(c, e);
+        c->stats.n_indexed++;
+        c->stats.inserted++;
+        added[n_added++] = e;
+        id = nid;
+    }
+    if (i < n) kn_kv_free(c->pool, n - i, blocks + i);
+    /* parents more recent than their children: a prefix outlives its extensions */
+    for (int k = n_added - 1; k >= 0; k--) {
+        added[k]->ref = 0;
+        lru_unlink(c, added[k]);
+        lru_push(c, added[k]);
+    }
+    free(added);
+    return n_added;
+}
+
+void pf_kvc_flush(pf_kvc *c)
+{
+    while (c->head) {
+        c->stats.flushed++;
+        detach(c, c->head);
+    }
+}
+
+void pf_kvc_get_stats(const pf_kvc *c, pf_kvc_stats *out)
+{
+    *out = c->stats;
+}

@@ -1,0 +1,68 @@
+/* pf_kvcache.h: a prefill stage's prefix cache: whole KV blocks of recent prompts, for the
+ * stage's layers, in the stage's own KV pool (pf_shard: cache_blocks on top of kv_tokens).
+ *
+ * Purpose: a request whose prompt starts with a cached prefix takes those blocks instead of
+ * computing them (and pushes them to the decode ranks from here). A block is identified by
+ * its td_block_hash id (its tokens chained with its prefix's id); the cache keeps its
+ * tokens too and compares them on lookup, so a 64-bit collision is a miss, never a wrong
+ * block. Only whole blocks are cached (the last partial block of a prompt never is).
+ * Interface (kept close to the decode side's block cache): match (how many leading blocks of
+ * a prompt are here), acquire / unref / unuse (a request's hold), insert (a finished
+ * request's blocks), LRU eviction of unreferenced blocks under max_blocks, flush.
+ *
+ * Two counts per block. `ref` is the *stream* reference: taken when a request opens with the
+ * block and dropped when stage 0's RELEASE of that request is processed; only blocks with
+ * ref 0 may be evicted. Every stage applies acquire / unref / insert / evict at the same
+ * points of the ordered stage stream (pf_wire.h), so the indexes of all stages of an
+ * instance stay identical and stage 0 can decide for all of them. `users` is the physical
+ * hold (a request whose connector may still read the block): an evicted or flushed block
+ * leaves the index at once but goes back to the pool only when its last user drops it.
+ * Ownership: the cache owns the pool blocks it indexes or keeps for users; the pool is
+ * borrowed (outlives the cache). Threading: the stage's main thread only.
+ */
+#ifndef PF_KVCACHE_H
+#define PF_KVCACHE_H
+
+#include <stdint.h>
+
+#include "kv_pool.h"
+
+typedef struct pf_kvc pf_kvc;
+typedef struct pf_kvc_ent pf_kvc_ent;
+
+typedef struct {
+    uint64_t hit_blocks;       /* blocks acquired by requests */
+    uint64_t inserted;         /* blocks inserted */
+    uint64_t evicted;          /* blocks evicted (LRU, to stay under max_blocks) */
+    uint64_t flushed;          /* blocks dropped by pf_kvc_flush */
+    int n_indexed, n_detached; /* blocks in the index / out of it but still used */
+} pf_kvc_stats;
+
+/* max_blocks >= 1 blocks of pool->block_size tokens. TD_EINVAL, TD_ENOMEM. */
+int pf_kvc_create(kn_kv_pool *pool, int max_blocks, pf_kvc **out);
+/* Returns every block to the pool; no request may hold one any more. NULL is fine. */
+void pf_kvc_destroy(pf_kvc *c);
+
+/* How many leading whole blocks of tokens[0..n) are indexed (ids and tokens equal), at
+ * most max_blocks; *last_id gets the last matched block's id. No state change. */
+int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, uint64_t *last_id);
+/* Take the n blocks of the chain ending in last_id (n blocks back to the root): ref and users
+ * + 1, most recently used. blocks (n) gets their pool ids, ents (n) the handles, tokens
+ * (n * block_size, or NULL) their tokens. TD_ENOENT (nothing taken) if the index does not
+ * hold exactly that chain. */
+int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_ent **ents,
+                   int32_t *tokens);
+void pf_kvc_unref(pf_kvc *c, pf_kvc_ent *const *ents, int n); /* stream ref - 1 */
+void pf_kvc_unuse(pf_kvc *c, pf_kvc_ent *const *ents, int n); /* users - 1 */
+/* Insert blocks[from..n) of a prompt (tokens: n * block_size ids; blocks[i] holds tokens
+ * [i bs, (i + 1) bs), blocks before `from` are already the cache's). Ownership of every one
+ * of blocks[from..n) passes to the cache: indexed, or back to the pool when its id is
+ * already indexed, the ids collide (different tokens: the rest is not inserted either), or
+ * no unreferenced block can be evicted to stay under max_blocks. Returns blocks indexed. */
+int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, const int32_t *blocks, int from);
+/* Empty the index (a new stage chain): unused blocks go back to the pool now, used ones
+ * when their last user drops them. */
+void pf_kvc_flush(pf_kvc *c);
+void pf_kvc_get_stats(const pf_kvc *c, pf_kvc_stats *out);
+
+#endif

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""test_prefix_cache.py: the prefill stages' prefix cache (issue 16 item 3) end to end:
+tandem-router, tandem-prefill stages and tandem-decode ranks as real processes on loopback.
+
+Cases (--case NAME runs one):
+  hit      turn 2 of a conversation (its prompt extends turn 1's) takes turn 1's whole blocks
+           from every stage's cache (usage.prompt_tokens_details.cached_tokens > 0) and its
+           greedy output equals `tandem generate` (a cold run) token for token: synthetic
+           llama at prefill pp 1/2/3 x decode tp 1/2; the default model at pp 2; a repeated
+           prompt hits too; with prefix_cache: false nothing is cached;
+  evict    a 1 MiB cache (21 blocks of the synthetic llama at pp 1): conversations that do
+           not fit evict each other (Health counts evictions), every output stays exact;
+  restart  a prefill stage killed and restarted (its cache is gone): the chain re-forms, the
+           stages start with empty caches, the next turn is exact (a miss), the one after
+           hits again;
+  abort    a client leaves while its cached prefix is being pushed (a long prompt hitting a
+           cached prefix): no block stays held, and the same request afterwards hits and is
+           exact.
+After every case every instance reports no request and no KV block in use.
+
+usage: test_prefix_cache.py --router BIN --prefill BIN --decode BIN --tandem BIN
+                            --synth-dir DIR [--model GGUF] [--case NAME]
+"""
+import argparse
+import http.client
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from pdlib import Cluster, generate_text  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.waits import wait_for  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over the lazy dog while seven wise owls count stars "
+         "above a quiet river that winds through old hills and green fields").split()
+OTHER = ("a small red boat sails past the harbour wall as gulls circle over fishing nets "
+         "and children run along the sandy shore").split()
+
+
+def text(n_words, words=WORDS):
+    return " ".join(words[i % len(words)] for i in range(n_words))
+
+
+_WANT = {}
+
+
+def want(args, model, prompt, n=12):
+    if (model, prompt, n) not in _WANT:
+        _WANT[(model, prompt, n)] = generate_text(args, model, prompt, n)
+    return _WANT[(model, prompt, n)]
+
+
+def ask(c, prompt, n=12):
+    st, body = c.complete(prompt, n)
+    if st != 200:
+        return None, None, f"status {st}: {str(body)[:300]}"
+    u = body.get("usage", {})
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return body["choices"][0]["text"], cached, u.get("prompt_tokens")
+
+
+def exact(c, args, model, prompt, label, hit=None, n=12):
+    """The output equals generate's; hit True: some cached tokens, False: none."""
+    got, cached, ptok = ask(c, prompt, n)
+    w = want(args, model, prompt, n)
+    ok = got == w and (hit is None or (hit and cached and cached > 0) or
+                       (hit is False and cached == 0))
+    check(ok, f"{label}: {ptok} prompt tokens, {cached} cached: equal to generate"
+          + ("" if got == w else f" ({got!r} vs {w!r})"))
+    return cached
+
+
+def idle(c, label):
+    ok, hs = c.wait_idle()
+    check(ok, f"{label}: every instance idle, no KV block held: {hs}")
+
+
+def health(c):
+    h = c.prefill_health()
+    return h
+
+
+def conversation(n1, n2, words=WORDS):
+    t1 = text(n1, words)
+    return t1, t1 + " " + text(n2, OTHER)
+
+
+def case_hit(args):
+    model = os.path.join(args.synth_dir, "llama.gguf")
+    t1, t2 = conversation(90, 40)
+    for pp in (1, 2, 3):
+        for tp in (1, 2):
+            label = f"hit synth pp{pp} tp{tp}"
+            with Cluster(args, model, [{"pp": pp, "chunk": 64}], [{"tp": tp}]) as c:
+                exact(c, args, model, t1, label + " turn 1", hit=False)
+                cached = exact(c, args, model, t2, label + " turn 2", hit=True)
+                again = exact(c, args, model, t2, label + " turn 2 again", hit=True)
+                check(again and cached and again > cached,
+                      f"{label}: the repeated prompt hits turn 2's blocks too ({cached}, {again})")
+                hits = []
+
+                def counted():  # Health is republished every 100 ms
+                    h = health(c)
+                    hits[:] = [int(h.get(f"prefix_cache_hit_tokens_s{s}", -1)) for s in range(pp)]
+                    return all(x == cached + again for x in hits)
+                wait_for(counted, 5, step=0.2)
+                check(all(x == cached + again for x in hits),
+                      f"{label}: every stage's Health counts the hit tokens ({hits})")
+                idle(c, label)
+    label = "hit synth prefix_cache off"
+    with Cluster(args, model, [{"pp": 2, "chunk": 64, "prefix_cache": False}],
+                 [{"tp": 1}]) as c:
+        exact(c, args, model, t1, label + " turn 1", hit=False)
+        exact(c, args, model, t2, label + " turn 2", hit=False)
+        idle(c, label)
+    if args.model and os.path.exists(args.model):
+        label = "hit default pp2"
+        t1, t2 = conversation(120, 30)
+        with Cluster(args, args.model, [{"pp": 2, "chunk": 64}], [{"tp": 1}]) as c:
+            exact(c, args, args.model, t1, label + " turn 1", hit=False)
+            exact(c, args, args.model, t2, label + " turn 2", hit=True)
+            idle(c, label)
+
+
+def case_evict(args):
+    model = os.path.join(args.synth_dir, "llama.gguf")
+    label = "evict synth pp1 1 MiB"
+    a1, a2 = conversation(110, 20)
+    b1, b2 = conversation(110, 20, OTHER)
+    with Cluster(args, model, [{"pp": 1, "chunk": 64, "prefix_cache_mb": 1}],
+                 [{"tp": 1}]) as c:
+        exact(c, args, model, a1, label + " A turn 1", hit=False)
+        exact(c, args, model, a2, label + " A turn 2", hit=True)
+        exact(c, args, model, b1, label + " B turn 1", hit=False)
+        exact(c, args, model, b2, label + " B turn 2", hit=True)
+        exact(c, args, model, a2, label + " A turn 2 again (evicted in part)")
+        h = health(c)
+        ev = int(h.get("prefix_cache_evicted_blocks_s0", 0))
+        check(ev > 0, f"{label}: Health counts evictions ({ev})")
+        idle(c, label)
+
+
+def case_restart(args):
+    model = os.path.join(args.synth_dir, "llama.gguf")
+    label = "restart synth pp2"
+    t1, t2 = conversation(90, 30)
+    t3 = t2 + " " + text(20)
+    with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 1}]) as c:
+        exact(c, args, model, t1, label + " turn 1", hit=False)
+        exact(c, args, model, t2, label + " turn 2", hit=True)
+        c.kill("p0s1")
+        c.start_stage(0, 1)
+        deadline = time.time() + 60
+        while time.time() < deadline and health(c).get("ready") != "1":
+            time.sleep(0.2)
+        time.sleep(1.0)  # the router sees the instance ready again
+        exact(c, args, model, t3, label + " turn 3 after the restart", hit=False)
+        exact(c, args, model, t3 + " " + text(5, OTHER), label + " turn 4", hit=True)
+        idle(c, label)
+
+
+def case_abort(args):
+    model = os.path.join(args.synth_dir, "llama.gguf")
+    label = "abort synth pp2"
+    t1, t2 = conversation(70, 50)
+    with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 1}]) as c:
+        exact(c, args, model, t1, label + " turn 1", hit=False)
+        for delay in (0.02, 0.05, 0.1, 0.2):
+            h = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+            h.request("POST", "/v1/completions",
+                      json.dumps({"prompt": t2, "max_tokens": 64, "temperature": 0,
+                                  "stream": True}).encode(),
+                      {"Content-Type": "application/json"})
+            time.sleep(delay)
+            h.close()  # the client leaves: the router cancels on both sides
+        idle(c, label + " after the aborts")
+        hits = int(health(c).get("prefix_cache_hit_tokens_s1", 0))
+        check(hits > 0, f"{label}: the aborted requests took cached blocks ({hits} tokens)")
+        exact(c, args, model, t2, label + " the same request afterwards", hit=True)
+        idle(c, label)
+
+
+CASES = {"hit": case_hit, "evict": case_evict, "restart": case_restart, "abort": case_abort}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for k in ("router", "prefill", "decode", "tandem", "synth-dir"):
+        ap.add_argument("--" + k, required=True)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--case", default="")
+    args = ap.parse_args()
+    for name, fn in CASES.items():
+        if args.case and name != args.case:
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            fn(args)
+        except Exception as e:  # a crashed case is a failure, the others still run
+            check(False, f"{name}: {type(e).__name__}: {e}")
+    print(f"{len(FAILS)} failed")
+    sys.exit(1 if FAILS else 0)
+
+
+if __name__ == "__main__":
+    main()
