@@ -200,11 +200,17 @@ static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
     return 0;
 }
 
-/* Disaggregated with logprobs: keep the decode side's events (a packed copy) until the
- * prefill's PrefillDone brought the first token's logprob (rt_loop_prefill_done). */
+/* Disaggregated: keep decode-side events (a packed copy) until the prefill's PrefillDone of
+ * the attempt is in (prefill_done): with logprobs all of them (PrefillDone brings the first
+ * token's logprob), otherwise only the last one, so that the response's usage has the
+ * prefill's cached_tokens (the decode side can finish a short answer before the prefill
+ * instance's notice arrives). A prefill instance lost meanwhile releases them (prefill_lost). */
 static bool hold_event(rt_router *r, rt_req *q, const Td__TokenEvent *t)
 {
-    if (!r->disagg || !q->p.sampling.logprobs || q->loop.pd_seen) return false;
+    if (!r->disagg || q->pair.pinst < 0 || q->loop.pd_seen) return false;
+    if (!q->p.sampling.logprobs && t->finish == TD__FINISH_REASON__FINISH_NONE &&
+        !q->loop.lp_hold.len)
+        return false;
     size_t n = td__token_event__get_packed_size(t);
     uint8_t *b = malloc(n + 4);
     uint32_t n32 = (uint32_t)n;
@@ -374,7 +380,7 @@ static void on_pf_events(rt_router *r, int j, const td_ctrl_client_in *in, int64
         if (ev->body_case != TD__EVENT__BODY_PREFILL_DONE) continue;
         const Td__PrefillDone *d = ev->prefill_done;
         rt_req *q = rt_table_get(&r->table, d->request_id);
-        if (!q || q->pair.pinst != j || !q->p.sampling.logprobs || q->loop.pd_seen) continue;
+        if (!q || q->pair.pinst != j || q->loop.pd_seen) continue;
         if (d->first_logprob) td_ctrl_logprob_from_pb(d->first_logprob, &q->loop.first_lp);
         q->loop.first_lp_set = d->first_logprob != NULL;
         prefill_done(r, q, now);
@@ -390,6 +396,13 @@ static void prefill_lost(rt_router *r, int j, bool restarted, int64_t now)
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
         if (!q) continue;
+        /* a last event held for PrefillDone's cached_tokens: the notice will not come, the
+           answer is complete without it (with logprobs it is not: the attempt fails over) */
+        if (q->pair.pinst == j && !q->loop.pd_seen && !q->p.sampling.logprobs &&
+            q->loop.lp_hold.len) {
+            prefill_done(r, q, now);
+            if (r->table.slots[k] != q) continue; /* it ended */
+        }
         rt_pair_out o = rt_pair_prefill_lost(r, q, j, restarted);
         rt_loop_act(r, &o, now);
     }
