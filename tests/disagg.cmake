@@ -8,4 +8,13 @@ if(TANDEM_PYTHON)
                    --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
   set_tests_properties(disagg PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
                        LABELS disagg)
+  # the prefill stages' prefix cache (tests/disagg/test_prefix_cache.py): hits exact against a
+  # cold run at pp 1/2/3 x tp 1/2, eviction, a stage restart, aborts while cached blocks move
+  add_test(NAME disagg_prefix_cache
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_prefix_cache.py
+                   --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
+                   --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
+                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
+  set_tests_properties(disagg_prefix_cache PROPERTIES FIXTURES_REQUIRED synth_models
+                       TIMEOUT 1200 LABELS disagg)
 endif()
