@@ -475,6 +475,43 @@ static void admit_arrived(dc_sched *s)
     }
 }
 
+/* Admit waiting requests (FIFO) while the prefill budget, the batch and the pool allow;
+ * each shares its cached prefix and gets its first chunk. Returns the budget left. */
+static int admit_waiting(dc_sched *s, int budget)
+{
+    while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
+        dc_req *r = s->waiting.v[0];
+        int m = pc_match(s, r); /* cached leading blocks: shared, not computed again */
+        int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
+        int32_t left = r->n_tokens - r->n_computed;
+        int32_t chunk = left < budget ? left : budget;
+        if (pc_defer(s, r, m) ||
+            (kn_kv_available(s->kv) - promised_blocks(s) < need && s->running.n > 0) ||
+            kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) {
+            pc_unmatch(s, r);
+            break;
+        }
+        list_remove_at(&s->waiting, 0);
+        if (list_push(&s->running, r)) {
+            pc_unmatch(s, r);
+            list_push_front(&s->waiting, r); /* cannot fail: we just removed it */
+            break;
+        }
+        if (s->cache) {
+            s->pc_queried += (uint64_t)r->n_tokens;
+            s->pc_hits += (uint64_t)r->n_computed;
+        }
+        if (!r->admitted_once)
+            r->n_cached = r->n_computed < r->n_prompt ? r->n_computed : r->n_prompt;
+        r->admitted_once = true;
+        r->admitted = ++s->admit_counter;
+        r->chunk = chunk;
+        r->logit_row = -1;
+        budget -= chunk;
+    }
+    return budget;
+}
+
 int dc_sched_plan(dc_sched *s, dc_step *step)
 {
     memset(step, 0, sizeof *step);
@@ -521,37 +558,7 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
     /* 3. admit waiting requests while the budget, the batch and the pool allow; not in a
      * step that had to preempt (the pool is short: re-admitting the victim at once would
      * only have it preempted again) */
-    bool preempted = s->preemptions != preemptions_before;
-    while (!preempted && s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
-        dc_req *r = s->waiting.v[0];
-        int m = pc_match(s, r); /* cached leading blocks: shared, not computed again */
-        int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
-        int32_t left = r->n_tokens - r->n_computed;
-        int32_t chunk = left < budget ? left : budget;
-        if (pc_defer(s, r, m) ||
-            (kn_kv_available(s->kv) - promised_blocks(s) < need && s->running.n > 0) ||
-            kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) {
-            pc_unmatch(s, r);
-            break;
-        }
-        list_remove_at(&s->waiting, 0);
-        if (list_push(&s->running, r)) {
-            pc_unmatch(s, r);
-            list_push_front(&s->waiting, r); /* cannot fail: we just removed it */
-            break;
-        }
-        if (s->cache) {
-            s->pc_queried += (uint64_t)r->n_tokens;
-            s->pc_hits += (uint64_t)r->n_computed;
-        }
-        if (!r->admitted_once)
-            r->n_cached = r->n_computed < r->n_prompt ? r->n_computed : r->n_prompt;
-        r->admitted_once = true;
-        r->admitted = ++s->admit_counter;
-        r->chunk = chunk;
-        r->logit_row = -1;
-        budget -= chunk;
-    }
+    if (s->preemptions == preemptions_before) budget = admit_waiting(s, budget);
     /* lay out the batch: requests in running order, each its chunk of tokens; first the
      * one-token decode rows, then the prefill chunks. The decode rows are solo rows
      * (computed as if each were alone), so a running request's next token does not depend

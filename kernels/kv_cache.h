@@ -77,13 +77,6 @@ bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *token
 
 kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c);
 
-/* ---- for kv_pool.c only ---- */
-int kn_kv_cache_idle(const kn_kv_cache *c);
-/* Evict the least recently idle block: it leaves the index; returns its id (refs 0, to be
- * put on the free list by the pool), -1 if none is idle. */
-int32_t kn_kv_cache_evict(kn_kv_cache *c);
-/* block's last reference just went: if it is cached it becomes idle (most recent) and this
- * returns true; false: not cached (the pool frees it). */
-bool kn_kv_cache_park(kn_kv_cache *c, int32_t block);
+#include "kv_cache_int.h" /* the pool's hooks */
 
 #endif

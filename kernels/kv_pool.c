@@ -3,7 +3,7 @@
  * attached prefix cache (kv_cache.c) keeps unreferenced cached blocks until evicted. */
 #include "kv_pool.h"
 
-#include "kv_cache.h"
+#include "kv_cache_int.h"
 
 #include <errno.h>
 #include <fcntl.h>
