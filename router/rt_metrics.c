@@ -44,8 +44,11 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
     m->http = calloc((size_t)RT_PATH_N * 600, sizeof *m->http);
     m->v.preempt_total = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_total);
     m->v.preempt_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_last);
+    m->v.pc_total = calloc((size_t)(n_inst > 0 ? n_inst : 1) * 3, sizeof *m->v.pc_total);
+    m->v.pc_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * 3, sizeof *m->v.pc_last);
     rt_metrics_set_model(m, "", 0);
-    if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last)
+    if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last ||
+        !m->v.pc_total || !m->v.pc_last)
         return TD_ENOMEM;
     m->n_inst = n_inst;
     m->n_pf = n_pf;
@@ -60,6 +63,9 @@ void rt_metrics_fini(rt_metrics *m)
     free(m->v.preempt_total);
     free(m->v.preempt_last);
     m->v.preempt_total = m->v.preempt_last = NULL;
+    free(m->v.pc_total);
+    free(m->v.pc_last);
+    m->v.pc_total = m->v.pc_last = NULL;
     m->inst = NULL;
     m->pf = NULL;
     m->http = NULL;

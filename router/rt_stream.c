@@ -56,21 +56,28 @@ static rt_req *out_of(rt_req *q)
 }
 
 /* Usage as vLLM reports it: every prompt's tokens once (not once per choice), the completion
- * tokens of every choice. */
+ * tokens of every choice; prompt_tokens_details.cached_tokens (OpenAI's field): the prompt
+ * tokens whose KV the decode node's prefix cache supplied, per prompt the most any of its
+ * choices got (n > 1: the first choice computes what the others share). */
 static json_t *usage_obj(const rt_req *q)
 {
-    size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen;
+    size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen, cached = (size_t)q->loop.n_cached;
     if (q->ch.kids) {
         int n = q->p.n > 1 ? q->p.n : 1;
-        prompt = gen = 0;
+        prompt = gen = cached = 0;
+        size_t most = 0;
         for (int i = 0; i < q->ch.n_kids; i++) {
             const rt_req *k = q->ch.kids[i];
             if (k->ch.index % n == 0) prompt += k->p.n_prompt;
             gen += (size_t)k->loop.n_gen;
+            if ((size_t)k->loop.n_cached > most) most = (size_t)k->loop.n_cached;
+            if (k->ch.index % n == n - 1) cached += most, most = 0; /* the prompt's last choice */
         }
     }
-    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
-                     (json_int_t)gen, "total_tokens", (json_int_t)(prompt + gen));
+    return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)prompt,
+                     "completion_tokens", (json_int_t)gen, "total_tokens",
+                     (json_int_t)(prompt + gen), "prompt_tokens_details", "cached_tokens",
+                     (json_int_t)cached);
 }
 
 static const char *finish_name(rt_finish f)
