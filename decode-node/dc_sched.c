@@ -720,6 +720,8 @@ void dc_sched_fail_all(dc_sched *s)
         finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
     while (s->xfer.n)
         finish(s, &s->xfer, s->xfer.n - 1, DC_FINISH_ERROR);
+    /* the instance re-forms or stops: the other ranks' pools start empty */
+    if (s->cache) kn_kv_cache_clear(s->cache);
 }
 
 static int xfer_index(const dc_sched *s, uint64_t id)

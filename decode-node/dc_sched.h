@@ -176,7 +176,8 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc);
 /* Fail every request (e.g. a rank died); each gets a final DC_FINISH_ERROR event.
  * Transferring ones too: their blocks go back to the pool at once, so the caller must not
  * allocate again before every aborted transfer is final (the node stops, or re-forms and
- * admits nothing until then). Afterwards no block is in use. */
+ * admits nothing until then). Afterwards no block is in use and the prefix cache is empty
+ * (the other ranks' pools start empty when the instance re-forms). */
 void dc_sched_fail_all(dc_sched *s);
 
 bool dc_sched_idle(const dc_sched *s); /* no request at all (transferring ones count) */

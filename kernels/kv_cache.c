@@ -158,6 +158,18 @@ static void entry_drop(kn_kv_cache *c, int32_t b)
     c->n_cached--;
 }
 
+void kn_kv_cache_clear(kn_kv_cache *c)
+{
+    while (c->idle_head >= 0) {
+        int32_t b = c->idle_head;
+        idle_unlink(c, b);
+        c->pool->free_ids[c->pool->n_free++] = b;
+    }
+    memset(c->slots, 0xff, (size_t)(c->mask + 1) * sizeof *c->slots);
+    memset(c->serial, 0, (size_t)c->pool->n_blocks * sizeof *c->serial);
+    c->n_cached = 0;
+}
+
 int kn_kv_cache_match(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
                       int32_t *blocks, kn_kv_chain *chain)
 {

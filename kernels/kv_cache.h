@@ -59,6 +59,11 @@ typedef struct {
 int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out);
 void kn_kv_cache_destroy(kn_kv_cache *c); /* NULL is fine */
 
+/* Forget every entry (the KV they name is gone: a TP instance re-forms with fresh follower
+ * pools): idle blocks go back to the free list, referenced ones stay with their owners as
+ * private blocks. Not counted as evictions. */
+void kn_kv_cache_clear(kn_kv_cache *c);
+
 /* The chain of an empty sequence. */
 kn_kv_chain kn_kv_cache_root(void);
 

@@ -64,6 +64,10 @@ static void test_share_and_refcount(void)
     /* and match again from idle */
     TH_CHECK(kn_kv_cache_match(c, tok, 8, 2, got, &ch) == 2 && kn_kv_cache_get_stats(c).idle == 0);
     kn_kv_free(pool, 2, got);
+    /* clear: every entry forgotten, idle blocks free again */
+    kn_kv_cache_clear(c);
+    TH_CHECK(pool->n_free == 8 && kn_kv_cache_get_stats(c).cached == 0);
+    TH_CHECK(kn_kv_cache_match(c, tok, 8, 2, got, &ch) == 0);
     kn_kv_cache_destroy(c);
     TH_CHECK(pool->n_free == 8 && !pool->cache);
     kn_kv_pool_destroy(pool);
