@@ -463,7 +463,8 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_STEP, "step_tokens", F_INT, step_tokens, 1, 1 << 20)                                       \
     F(D_DTYPE, "kv_dtype", F_KV_DTYPE, kv_dtype, 0, 0)                                             \
     F(D_PORT, "port", F_INT, port, 1, 65535)                                                       \
-    F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)
+    F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \
+    F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)
 enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
 #define SECT td_cfg_decode
 static const field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
@@ -643,6 +644,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     x->step_tokens = 512;
     x->kv_dtype = TD_F16;
     x->port = 9000 + idx;
+    x->prefix_cache = true;
     if (p->rc) return p->rc;
     if (n->type != YAML_MAPPING_NODE)
         return fail(p, n, "decode[%d]: expected a mapping, got %s", idx, kind_name(n));

@@ -95,6 +95,7 @@ typedef struct {
     int step_tokens;    /* 512: prefill tokens per step (colocated), besides the decodes */
     bool deterministic; /* false: prefill rows of a step may take the faster batched path;
                            true: every row is computed as if alone (docs/config.md) */
+    bool prefix_cache;  /* true: reuse the KV of cached prompt prefixes (docs/prefix-cache.md) */
     td_dtype kv_dtype;  /* TD_F16 ("f16", default) | TD_F32 ("f32") */
     int port;           /* control port of rank 0; default 9000 + index */
 } td_cfg_decode;

@@ -159,7 +159,7 @@ int td_ctrl_server_send_event(td_ctrl_server *s, uint64_t client_id, const Td__E
 int td_ctrl_server_send_tokens(td_ctrl_server *s, uint64_t client_id, uint64_t request_id,
                                uint32_t seq, const int32_t *tokens, size_t n_tokens,
                                Td__FinishReason finish, uint32_t prompt_tokens,
-                               uint32_t completion_tokens);
+                               uint32_t completion_tokens, uint32_t cached_tokens);
 int td_ctrl_server_send_error(td_ctrl_server *s, uint64_t client_id, uint64_t request_id,
                               Td__ErrorCode code, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));

@@ -569,11 +569,12 @@ int td_ctrl_server_send_event(td_ctrl_server *s, uint64_t client_id, const Td__E
 int td_ctrl_server_send_tokens(td_ctrl_server *s, uint64_t client_id, uint64_t request_id,
                                uint32_t seq, const int32_t *tokens, size_t n_tokens,
                                Td__FinishReason finish, uint32_t prompt_tokens,
-                               uint32_t completion_tokens)
+                               uint32_t completion_tokens, uint32_t cached_tokens)
 {
     Td__Usage u = TD__USAGE__INIT;
     u.prompt_tokens = prompt_tokens;
     u.completion_tokens = completion_tokens;
+    u.cached_tokens = cached_tokens;
     Td__TokenEvent t = TD__TOKEN_EVENT__INIT;
     t.request_id = request_id;
     t.seq = seq;

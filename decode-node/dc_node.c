@@ -372,7 +372,8 @@ static int leader_setup(dc_node *n)
                           .eog_ids = eog,
                           .n_eog = n_eog,
                           .vocab = n->gvocab,
-                          .grammars = n->grammars};
+                          .grammars = n->grammars,
+                          .prefix_cache = n->dcfg->prefix_cache};
     rc = dc_sched_create(&sp, n->rt.model, n->kv,
                          (dc_sink){.ctx = n,
                                    .on_tokens = dc_serve_on_tokens,

@@ -81,7 +81,7 @@ typedef struct {
 /* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
 void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                         const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
-                        int32_t n_gen);
+                        int32_t n_gen, int32_t n_cached);
 void dc_serve_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
                                  int n_e);
 /* Drain the inbox: wait up to timeout_ms for the first message, then take all pending.

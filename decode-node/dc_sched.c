@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_cache.h"
 #include "td_err.h"
 
 typedef struct {
@@ -30,6 +31,13 @@ typedef struct {
     /* prompt logprobs (sampling.prompt_logprobs): the next prompt position owed (n_prompt:
      * none), and this step's rows: position plp_pos0 + j is scored by row plp_row0 + j */
     int32_t plp_next, plp_row0, plp_pos0, plp_n;
+    /* prefix cache: prompt tokens found cached at the first admission (usage), whether it
+     * was admitted before, and its chain: its first pc_blocks blocks are entered (or were
+     * matched) and pc is where it stands */
+    int32_t n_cached;
+    bool admitted_once;
+    int32_t pc_blocks;
+    kn_kv_chain pc;
 } dc_req;
 
 /* A growable array of request pointers. */
@@ -49,6 +57,8 @@ struct dc_sched {
     req_list xfer;    /* transferring (disaggregated): prompt blocks held, in Alloc order */
     uint64_t admit_counter;
     uint64_t preemptions;
+    kn_kv_cache *cache;           /* p.prefix_cache: the pool's prefix cache, else NULL */
+    uint64_t pc_queried, pc_hits; /* tokens looked up / found at admissions */
     /* the current step's arrays, (cap_tokens) / (cap_seqs) */
     int32_t *tok, *pos, *seq_of, *rows;
     kn_seq_view *views;
@@ -124,6 +134,12 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     }
     if (p->n_eog) memcpy(s->eog, p->eog_ids, (size_t)p->n_eog * sizeof *s->eog);
     s->p.eog_ids = s->eog;
+    int rc = p->prefix_cache ? kn_kv_cache_create(kv, &s->cache) : 0;
+    if (rc) {
+        TD_LOG_ERR("cannot create the prefix cache: %s", td_strerror(rc));
+        dc_sched_destroy(s);
+        return rc;
+    }
     *out = s;
     return 0;
 }
@@ -137,6 +153,7 @@ void dc_sched_destroy(dc_sched *s)
         req_free(s, s->running.v[i]);
     for (int i = 0; i < s->xfer.n; i++)
         req_free(s, s->xfer.v[i]);
+    kn_kv_cache_destroy(s->cache); /* after the requests: their blocks are back */
     free(s->waiting.v);
     free(s->running.v);
     free(s->xfer.v);
@@ -264,6 +281,7 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     r->ignore_eos = p->ignore_eos;
     r->logit_row = -1;
     r->plp_next = p->sampling.prompt_logprobs ? 1 : p->n_prompt;
+    r->pc = kn_kv_cache_root();
     kn_kv_seq_init(&r->seq);
     *out = r;
     return 0;
@@ -290,10 +308,10 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
     if (rc) return rc;
     /* blocks promised to running prompts stay theirs: taking them would only preempt */
     int need = kn_kv_blocks_for(s->kv, p->n_prompt);
-    if (s->kv->n_free - promised_blocks(s) < need) {
+    if (kn_kv_available(s->kv) - promised_blocks(s) < need) {
         TD_LOG_DEBUG("req %llu: the pool cannot hold %d blocks for the prompt now (%d free, %d "
                      "promised)",
-                     (unsigned long long)p->id, need, s->kv->n_free, promised_blocks(s));
+                     (unsigned long long)p->id, need, kn_kv_available(s->kv), promised_blocks(s));
         return TD_ESTATE;
     }
     dc_req *r;
@@ -322,7 +340,8 @@ static void finish(dc_sched *s, req_list *l, int i, dc_finish why)
     dc_req *r = l->v[i];
     list_remove_at(l, i);
     if (s->sink.on_tokens)
-        s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, NULL, why, r->n_prompt, r->n_generated);
+        s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, NULL, why, r->n_prompt, r->n_generated,
+                          r->n_cached);
     req_free(s, r);
 }
 
@@ -333,16 +352,19 @@ static void preempt(dc_sched *s, int i)
     TD_LOG_INFO("req %llu: preempted (kv pool full); %d tokens will be recomputed",
                 (unsigned long long)r->id, r->n_computed);
     list_remove_at(&s->running, i);
-    kn_kv_seq_release(s->kv, &r->seq);
+    kn_kv_seq_release(s->kv,
+                      &r->seq); /* its cached blocks stay cached: a re-admission finds them */
     r->n_computed = 0;
     r->chunk = 0;
+    r->pc_blocks = 0;
+    r->pc = kn_kv_cache_root();
     s->preemptions++;
     if (list_push_front(&s->waiting, r)) {
         /* cannot fail: the waiting list had room for it before it was admitted... but a
          * realloc may; then the request ends with an error rather than leaking */
         if (s->sink.on_tokens)
             s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, NULL, DC_FINISH_ERROR, r->n_prompt,
-                              r->n_generated);
+                              r->n_generated, r->n_cached);
         req_free(s, r);
     }
 }
@@ -367,6 +389,62 @@ static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
         preempt(s, victim);
         if (self) return false;
     }
+}
+
+/* Prefix cache, at admission: share the cached leading whole blocks of r's tokens (never
+ * all of them: the last token is always computed, so its logits exist and no shared block is
+ * written) and start computing after them. Requests that want prompt logprobs compute every
+ * prompt row, so they match nothing. Returns the blocks matched. */
+static int pc_match(dc_sched *s, dc_req *r)
+{
+    int most = (r->n_tokens - 1) / s->kv->block_size;
+    if (!s->cache || r->plp_next < r->n_prompt || most < 1 || r->seq.n_blocks) return 0;
+    if (r->seq.cap < most) { /* room in the table without allocating blocks */
+        int32_t *b = realloc(r->seq.blocks, (size_t)most * sizeof *b);
+        if (!b) return 0;
+        r->seq.blocks = b;
+        r->seq.cap = most;
+    }
+    int m = kn_kv_cache_match(s->cache, r->tokens, r->n_tokens, most, r->seq.blocks, &r->pc);
+    r->seq.n_blocks = m;
+    r->pc_blocks = m;
+    r->n_computed = m * s->kv->block_size;
+    return m;
+}
+
+/* Prefix cache: whether r should wait for a running request that is computing r's next
+ * whole block (a common prefix submitted at once: n>1 choices, a burst of the same system
+ * prompt), so that r shares it a step later instead of computing it too. */
+static bool pc_defer(const dc_sched *s, const dc_req *r, int m)
+{
+    int64_t want = (int64_t)(m + 1) * s->kv->block_size; /* tokens through r's next block */
+    if (!s->cache || r->plp_next < r->n_prompt || want > r->n_tokens - 1) return false;
+    for (int i = 0; i < s->running.n; i++) {
+        const dc_req *q = s->running.v[i];
+        if (q->n_computed < want && q->n_tokens >= want && q->pc.serial &&
+            !memcmp(q->tokens, r->tokens, (size_t)want * sizeof *r->tokens))
+            return true;
+    }
+    return false;
+}
+
+/* Undo pc_match (admission did not happen). */
+static void pc_unmatch(dc_sched *s, dc_req *r)
+{
+    kn_kv_seq_release(s->kv, &r->seq);
+    r->n_computed = 0;
+    r->pc_blocks = 0;
+    r->pc = kn_kv_cache_root();
+}
+
+/* Prefix cache: enter r's whole blocks whose KV is now computed. */
+static void pc_insert(dc_sched *s, dc_req *r)
+{
+    int bs = s->kv->block_size;
+    if (!s->cache) return;
+    for (; (r->pc_blocks + 1) * bs <= r->n_computed && r->pc.serial; r->pc_blocks++)
+        kn_kv_cache_insert(s->cache, &r->pc, r->tokens + (size_t)r->pc_blocks * (size_t)bs,
+                           r->seq.blocks[r->pc_blocks]);
 }
 
 static int promised_blocks(const dc_sched *s)
@@ -395,6 +473,43 @@ static void admit_arrived(dc_sched *s)
         r->chunk = 0;
         r->logit_row = -1;
     }
+}
+
+/* Admit waiting requests (FIFO) while the prefill budget, the batch and the pool allow;
+ * each shares its cached prefix and gets its first chunk. Returns the budget left. */
+static int admit_waiting(dc_sched *s, int budget)
+{
+    while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
+        dc_req *r = s->waiting.v[0];
+        int m = pc_match(s, r); /* cached leading blocks: shared, not computed again */
+        int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
+        int32_t left = r->n_tokens - r->n_computed;
+        int32_t chunk = left < budget ? left : budget;
+        if (pc_defer(s, r, m) ||
+            (kn_kv_available(s->kv) - promised_blocks(s) < need && s->running.n > 0) ||
+            kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) {
+            pc_unmatch(s, r);
+            break;
+        }
+        list_remove_at(&s->waiting, 0);
+        if (list_push(&s->running, r)) {
+            pc_unmatch(s, r);
+            list_push_front(&s->waiting, r); /* cannot fail: we just removed it */
+            break;
+        }
+        if (s->cache) {
+            s->pc_queried += (uint64_t)r->n_tokens;
+            s->pc_hits += (uint64_t)r->n_computed;
+        }
+        if (!r->admitted_once)
+            r->n_cached = r->n_computed < r->n_prompt ? r->n_computed : r->n_prompt;
+        r->admitted_once = true;
+        r->admitted = ++s->admit_counter;
+        r->chunk = chunk;
+        r->logit_row = -1;
+        budget -= chunk;
+    }
+    return budget;
 }
 
 int dc_sched_plan(dc_sched *s, dc_step *step)
@@ -443,24 +558,7 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
     /* 3. admit waiting requests while the budget, the batch and the pool allow; not in a
      * step that had to preempt (the pool is short: re-admitting the victim at once would
      * only have it preempted again) */
-    bool preempted = s->preemptions != preemptions_before;
-    while (!preempted && s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
-        dc_req *r = s->waiting.v[0];
-        int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1);
-        if (s->kv->n_free - promised_blocks(s) < need && s->running.n > 0) break;
-        int32_t chunk = r->n_tokens < budget ? r->n_tokens : budget;
-        if (kn_kv_seq_reserve(s->kv, &r->seq, chunk)) break;
-        list_remove_at(&s->waiting, 0);
-        if (list_push(&s->running, r)) {
-            kn_kv_seq_release(s->kv, &r->seq);
-            list_push_front(&s->waiting, r); /* cannot fail: we just removed it */
-            break;
-        }
-        r->admitted = ++s->admit_counter;
-        r->chunk = chunk;
-        r->logit_row = -1;
-        budget -= chunk;
-    }
+    if (s->preemptions == preemptions_before) budget = admit_waiting(s, budget);
     /* lay out the batch: requests in running order, each its chunk of tokens; first the
      * one-token decode rows, then the prefill chunks. The decode rows are solo rows
      * (computed as if each were alone), so a running request's next token does not depend
@@ -566,6 +664,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         }
         r->n_computed += r->chunk;
         r->chunk = 0;
+        pc_insert(s, r);
         if (r->plp_n && prompt_logprobs(s, r, logits)) {
             finish(s, &s->running, i, DC_FINISH_ERROR);
             continue;
@@ -602,7 +701,8 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
         if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP; /* the document is whole */
         if (s->sink.on_tokens)
-            s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, lpp, why, r->n_prompt, r->n_generated);
+            s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, lpp, why, r->n_prompt, r->n_generated,
+                              r->n_cached);
         if (why != DC_FINISH_NONE) {
             list_remove_at(&s->running, i);
             req_free(s, r);
@@ -620,6 +720,8 @@ void dc_sched_fail_all(dc_sched *s)
         finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
     while (s->xfer.n)
         finish(s, &s->xfer, s->xfer.n - 1, DC_FINISH_ERROR);
+    /* the instance re-forms or stops: the other ranks' pools start empty */
+    if (s->cache) kn_kv_cache_clear(s->cache);
 }
 
 static int xfer_index(const dc_sched *s, uint64_t id)
@@ -646,6 +748,7 @@ int dc_sched_transfer_done(dc_sched *s, uint64_t id, int32_t first_token)
     /* the KV of the whole prompt is in the blocks: as if this node had prefilled it and
      * sampled first_token with the request's sampler, which therefore skips one draw */
     r->n_computed = r->n_prompt;
+    pc_insert(s, r); /* a later request on this instance may share the prompt's blocks */
     kn_sampler_skip(&r->smp);
     r->n_generated++;
     if (is_stop(s, r, first_token)) {
@@ -662,7 +765,7 @@ int dc_sched_transfer_done(dc_sched *s, uint64_t id, int32_t first_token)
     if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP;
     if (s->sink.on_tokens)
         s->sink.on_tokens(s->sink.ctx, r->id, &first_token, 1, NULL, why, r->n_prompt,
-                          r->n_generated);
+                          r->n_generated, r->n_cached);
     if (why != DC_FINISH_NONE) {
         list_remove_at(&s->xfer, i);
         req_free(s, r);
@@ -701,8 +804,11 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
         .running = s->running.n,
         .waiting = s->waiting.n + arrived,
         .transferring = s->xfer.n - arrived,
-        .kv_blocks_used = s->kv->n_blocks - s->kv->n_free,
-        .kv_blocks_free = s->kv->n_free,
+        .kv_blocks_used = s->kv->n_blocks - kn_kv_available(s->kv),
+        .kv_blocks_free = kn_kv_available(s->kv), /* idle cached blocks are evictable */
         .preemptions = s->preemptions,
+        .prefix_queried = s->pc_queried,
+        .prefix_hits = s->pc_hits,
+        .prefix_evictions = s->cache ? kn_kv_cache_get_stats(s->cache).evictions : 0,
     };
 }

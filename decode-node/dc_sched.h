@@ -36,6 +36,13 @@
  * a request that could never fit the whole pool (prompt + max_tokens) is refused at
  * submit; the oldest running request can always progress (preemption takes the most
  * recently admitted first), so the scheduler cannot deadlock.
+ * Prefix cache (p.prefix_cache, kernels/kv_cache.h): at admission a request shares the
+ * cached leading whole blocks of its tokens (never the block of its last token, which is
+ * always computed) and n_computed starts after them; each whole block enters the cache as
+ * soon as its KV is computed (an arrived transfer's prompt blocks too), so concurrent
+ * requests with a common prefix and later turns of a conversation share it. Freeing or
+ * preempting drops references; cached blocks stay until an allocation evicts them (least
+ * recently idle first). The other ranks follow through the plan's block tables.
  * Structured output: a request with a grammar (td_sampling.grammar_kind) has a matcher that
  * has seen every generated token (a moved request's are replayed at submit, a transfer's
  * first token at transfer_done); each sample is masked by it, and a token that completes
@@ -80,10 +87,11 @@ typedef struct {
     /* New tokens of request id (n may be 0 on a final event); finish != NONE marks the
      * last event of the request; usage counts travel with every event. lps (n): the tokens'
      * logprobs when the request asked (sampling.logprobs) and this node sampled them, else
-     * NULL (the first token of a transfer: the prefill reports its logprob). */
+     * NULL (the first token of a transfer: the prefill reports its logprob). n_cached: prompt
+     * tokens whose KV came from the prefix cache at its first admission (usage). */
     void (*on_tokens)(void *ctx, uint64_t id, const int32_t *ids, int n,
                       const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
-                      int32_t n_generated);
+                      int32_t n_generated, int32_t n_cached);
     /* sampling.prompt_logprobs: the logprobs of prompt positions from .. from + n - 1 (from
      * >= 1), in order, each position once, all before the request's first token; optional. */
     void (*on_prompt_logprobs)(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
@@ -103,6 +111,8 @@ typedef struct {
      * grammar is refused (TD_EUNSUPP). */
     gr_vocab *vocab;
     gr_cache *grammars;
+    /* prefix cache (kernels/kv_cache.h) on the pool, created and owned by the scheduler */
+    bool prefix_cache;
 } dc_sched_params;
 
 typedef struct dc_sched dc_sched;
@@ -118,6 +128,9 @@ typedef struct {
     int transferring;     /* KV transfers in flight (their blocks count as used) */
     int kv_blocks_used, kv_blocks_free;
     uint64_t preemptions;
+    uint64_t prefix_queried;   /* tokens of admitted requests looked up in the prefix cache */
+    uint64_t prefix_hits;      /* of which found cached (not computed again) */
+    uint64_t prefix_evictions; /* cached blocks evicted to make room */
 } dc_sched_stats;
 
 int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv, dc_sink sink,
@@ -163,7 +176,8 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc);
 /* Fail every request (e.g. a rank died); each gets a final DC_FINISH_ERROR event.
  * Transferring ones too: their blocks go back to the pool at once, so the caller must not
  * allocate again before every aborted transfer is final (the node stops, or re-forms and
- * admits nothing until then). Afterwards no block is in use. */
+ * admits nothing until then). Afterwards no block is in use and the prefix cache is empty
+ * (the other ranks' pools start empty when the instance re-forms). */
 void dc_sched_fail_all(dc_sched *s);
 
 bool dc_sched_idle(const dc_sched *s); /* no request at all (transferring ones count) */

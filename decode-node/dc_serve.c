@@ -35,11 +35,12 @@ static Td__FinishReason wire_finish(dc_finish f)
 static void send_logprobs(dc_node *n, dc_route *r, const int32_t *ids, int n_ids,
                           const td_logprob_entry *lps, int32_t prompt_from,
                           const td_logprob_entry *plps, int n_plps, dc_finish finish,
-                          int32_t n_prompt, int32_t n_gen)
+                          int32_t n_prompt, int32_t n_gen, int32_t n_cached)
 {
     Td__Usage u = TD__USAGE__INIT;
     u.prompt_tokens = (uint32_t)n_prompt;
     u.completion_tokens = (uint32_t)n_gen;
+    u.cached_tokens = (uint32_t)n_cached;
     Td__TokenEvent t = TD__TOKEN_EVENT__INIT;
     t.request_id = r->request_id;
     t.seq = r->seq++;
@@ -68,12 +69,12 @@ void dc_serve_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_
 {
     dc_node *n = ctx;
     if (id >= n->n_routes || !n->routes[id].used) return;
-    send_logprobs(n, &n->routes[id], NULL, 0, NULL, from, e, n_e, DC_FINISH_NONE, 0, 0);
+    send_logprobs(n, &n->routes[id], NULL, 0, NULL, from, e, n_e, DC_FINISH_NONE, 0, 0, 0);
 }
 
 void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                         const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
-                        int32_t n_gen)
+                        int32_t n_gen, int32_t n_cached)
 {
     dc_node *n = ctx;
     if (id >= n->n_routes || !n->routes[id].used) return;
@@ -96,11 +97,11 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
     }
     /* TD_ENOENT: the client is gone; the request is finishing or will be cancelled */
     if (lps && n_ids)
-        send_logprobs(n, r, ids, n_ids, lps, 0, NULL, 0, finish, n_prompt, n_gen);
+        send_logprobs(n, r, ids, n_ids, lps, 0, NULL, 0, finish, n_prompt, n_gen, n_cached);
     else
         td_ctrl_server_send_tokens(n->srv, r->client_id, r->request_id, r->seq++, ids,
                                    (size_t)n_ids, wire_finish(finish), (uint32_t)n_prompt,
-                                   (uint32_t)n_gen);
+                                   (uint32_t)n_gen, (uint32_t)n_cached);
     if (finish != DC_FINISH_NONE) r->used = false;
 }
 
@@ -301,7 +302,7 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
         td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
                                    "the KV pool cannot hold the prompt's %d blocks now (%d of %d "
                                    "free)",
-                                   kn_kv_blocks_for(n->kv, rp.n_prompt), n->kv->n_free,
+                                   kn_kv_blocks_for(n->kv, rp.n_prompt), kn_kv_available(n->kv),
                                    n->kv->n_blocks);
         return;
     }
@@ -408,6 +409,9 @@ void dc_serve_health(dc_node *n)
     h.kv_block_size = (uint32_t)n->kv->block_size;
     h.uptime_ms = (uint64_t)(td_now_ms() - n->started_ms);
     h.num_preemptions = st.preemptions;
+    h.prefix_queried_tokens = st.prefix_queried;
+    h.prefix_hit_tokens = st.prefix_hits;
+    h.prefix_evictions = st.prefix_evictions;
     /* alive but not ready while forming: the router keeps polling and sends nothing */
     h.ready = !n->forming && !n->stopping && !n->draining;
     td_ctrl_server_set_health(n->srv, &h);

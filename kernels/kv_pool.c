@@ -1,6 +1,9 @@
-/* kv_pool.c: one-region paged KV pool with a free-list allocator; the region is private
- * anonymous memory or a named POSIX shared-memory segment. */
+/* kv_pool.c: one-region paged KV pool with a free-list allocator and per-block reference
+ * counts; the region is private anonymous memory or a named POSIX shared-memory segment. An
+ * attached prefix cache (kv_cache.c) keeps unreferenced cached blocks until evicted. */
 #include "kv_pool.h"
+
+#include "kv_cache_int.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -106,8 +109,10 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     pool->k = calloc((size_t)p->n_layers, sizeof *pool->k);
     pool->v = calloc((size_t)p->n_layers, sizeof *pool->v);
     pool->free_ids = malloc((size_t)p->n_blocks * sizeof *pool->free_ids);
+    pool->refs = calloc((size_t)p->n_blocks, sizeof *pool->refs);
     if (p->shm_name) pool->shm_name = strdup(p->shm_name);
-    if (!pool->k || !pool->v || !pool->free_ids || (p->shm_name && !pool->shm_name)) {
+    if (!pool->k || !pool->v || !pool->free_ids || !pool->refs ||
+        (p->shm_name && !pool->shm_name)) {
         TD_LOG_ERR("cannot allocate kv pool bookkeeping");
         kn_kv_pool_destroy(pool);
         return TD_ENOMEM;
@@ -167,6 +172,7 @@ void kn_kv_pool_destroy(kn_kv_pool *pool)
     free(pool->k);
     free(pool->v);
     free(pool->free_ids);
+    free(pool->refs);
     free(pool);
 }
 
@@ -215,24 +221,36 @@ void kn_kv_region_unmap(void *region, size_t bytes)
     if (region) munmap(region, bytes);
 }
 
+int kn_kv_available(const kn_kv_pool *pool)
+{
+    return pool->n_free + (pool->cache ? kn_kv_cache_idle(pool->cache) : 0);
+}
+
 int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)
 {
     if (n < 0) return TD_EINVAL;
-    if (n > pool->n_free) return TD_ENOSPC;
-    for (int i = 0; i < n; i++)
+    if (n > kn_kv_available(pool)) return TD_ENOSPC;
+    while (pool->n_free < n) /* the free list is short: evict idle cached blocks, oldest first */
+        pool->free_ids[pool->n_free++] = kn_kv_cache_evict(pool->cache);
+    for (int i = 0; i < n; i++) {
         ids[i] = pool->free_ids[--pool->n_free];
+        pool->refs[ids[i]] = 1;
+    }
     return 0;
 }
 
 void kn_kv_free(kn_kv_pool *pool, int n, const int32_t *ids)
 {
-    for (int i = 0; i < n; i++) {
+    for (int i = n - 1; i >= 0; i--) {
+        int32_t b = ids[i];
         /* a double free is a bug in the caller; the stack cannot overflow otherwise */
-        if (pool->n_free >= pool->n_blocks || ids[i] < 0 || ids[i] >= pool->n_blocks) {
-            TD_LOG_ERR("kv block %d freed twice or out of range (bug)", ids[i]);
+        if (b < 0 || b >= pool->n_blocks || pool->refs[b] < 1 || pool->n_free >= pool->n_blocks) {
+            TD_LOG_ERR("kv block %d freed twice or out of range (bug)", b);
             abort();
         }
-        pool->free_ids[pool->n_free++] = ids[i];
+        if (--pool->refs[b]) continue;
+        if (pool->cache && kn_kv_cache_park(pool->cache, b)) continue;
+        pool->free_ids[pool->n_free++] = b;
     }
 }
 

@@ -6,8 +6,11 @@
  * Layout: one contiguous region. For local layer l, K then V, each
  *   (n_blocks, n_kv_heads, block_size, head_dim) of `type`
  * (head-major inside a block: one head's slice of a block is one contiguous range).
- * Invariants: block_size is a power of two; a block id is either on the free list or
- * owned by exactly one kn_kv_seq; kn_kv_alloc is all-or-nothing.
+ * Invariants: block_size is a power of two; a block id is either on the free list, or
+ * referenced by refs[id] >= 1 sequences (more than one only through a prefix cache,
+ * kv_cache.h), or (refs 0) kept idle by the pool's prefix cache; kn_kv_alloc is
+ * all-or-nothing and evicts idle cached blocks (least recently used first) only when the
+ * free list alone is short.
  * Memory: private anonymous memory (zero-filled lazily), or, with params.shm_name, a
  * POSIX shared-memory segment the pool's process creates and another process maps with
  * kn_kv_region_map (a decode instance's leader maps its followers' pools to receive their
@@ -54,6 +57,8 @@ typedef struct {
     void **k, **v;      /* (n_layers) pointers into region */
     int32_t *free_ids;  /* stack of free block ids */
     int n_free;
+    int32_t *refs;             /* (n_blocks) sequences referencing each block */
+    struct kn_kv_cache *cache; /* the attached prefix cache (kv_cache.h), or NULL */
     char *shm_name; /* the segment's name while this pool may still have to unlink it, or NULL */
     kn_backend dev; /* the device backend whose memory region is, or zeroed (host memory) */
 } kn_kv_pool;
@@ -75,9 +80,17 @@ size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p);
 int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes);
 void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */
 
-/* Take n free blocks into ids; TD_ENOSPC (and nothing taken) if fewer are free. */
+/* Take n blocks into ids (each with one reference), evicting idle cached blocks (least
+ * recently used first) when the free list is short; TD_ENOSPC (and nothing taken, nothing
+ * evicted) if fewer than n are free or idle. */
 int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids);
+/* Drop one reference to each of ids, last first (so a sequence's deepest blocks are the
+ * least recently used of its cached ones: evicted before the prefix they extend); a block
+ * whose last reference goes returns to the free list, or stays idle in the cache if it is
+ * cached. A block with no reference is a bug (abort). */
 void kn_kv_free(kn_kv_pool *pool, int n, const int32_t *ids);
+/* Blocks an allocation can take now: free plus idle cached ones. */
+int kn_kv_available(const kn_kv_pool *pool);
 
 /* Blocks needed for n_ctx positions. */
 static inline int kn_kv_blocks_for(const kn_kv_pool *pool, int64_t n_ctx)

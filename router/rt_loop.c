@@ -236,6 +236,9 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         return;
     if (hold_event(r, q, t)) return;
     q->loop.state = RT_ST_RUNNING;
+    if (t->usage) /* the current attempt's figure (a moved request's prompt is longer) */
+        q->loop.n_cached = t->usage->cached_tokens < q->p.n_prompt ? (int)t->usage->cached_tokens
+                                                                   : (int)q->p.n_prompt;
     if (t->n_token_ids) {
         if (!q->loop.t_first_ms) q->loop.t_first_ms = now;
         q->loop.t_last_ms = now;
@@ -522,6 +525,7 @@ static void publish_metrics(rt_router *r)
                                                  .kv_used = s->kv_used,
                                                  .kv_free = s->kv_free,
                                                  .preemptions = s->preemptions,
+                                                 .pc = {s->pc[0], s->pc[1], s->pc[2]},
                                                  .alive = s->alive});
         m->cache_dec[i] = s->cst;
     }

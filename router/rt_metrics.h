@@ -41,6 +41,8 @@ typedef struct {
 typedef struct {
     uint32_t running, waiting, kv_used, kv_free;
     uint64_t preemptions; /* as the instance last reported it (Health.num_preemptions) */
+    uint64_t
+        pc[3]; /* likewise: prefix cache queried tokens, hit tokens, evictions (Health 13-15) */
     bool alive;
 } rt_inst_gauge;
 
@@ -60,6 +62,7 @@ typedef struct {
     uint64_t prompt_tokens, gen_tokens; /* every request's (prefilled prompts, received tokens) */
     uint64_t *preempt_total;            /* (n_inst) preemptions seen, across instance restarts */
     uint64_t *preempt_last;             /* (n_inst) the last reported count */
+    uint64_t *pc_total, *pc_last;       /* (n_inst, 3) the same for rt_inst_gauge.pc */
     rt_hist kv_s, kv_exposed_s;         /* seconds: PrefillDone.kv_transfer_us, kv_exposed_us */
     rt_hist kv_bytes, kv_bw;            /* bytes; bytes per second (bytes / kv_transfer_us) */
 } rt_vmetrics;

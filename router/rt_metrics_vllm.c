@@ -72,6 +72,11 @@ void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g)
     uint64_t last = m->v.preempt_last[i];
     m->v.preempt_total[i] += g->preemptions >= last ? g->preemptions - last : g->preemptions;
     m->v.preempt_last[i] = g->preemptions;
+    for (int k = 0; k < 3; k++) {
+        uint64_t *t = &m->v.pc_total[3 * i + k], *l = &m->v.pc_last[3 * i + k];
+        *t += g->pc[k] >= *l ? g->pc[k] - *l : g->pc[k];
+        *l = g->pc[k];
+    }
     m->inst[i] = *g;
 }
 
@@ -113,7 +118,8 @@ void rt_metrics_vllm_kv(rt_metrics *m, const Td__PrefillDone *d)
 }
 
 /* One family with a value per decode instance: what 0 running, 1 waiting, 2 KV usage (alive
- * instances only), 3 preemptions (every instance). */
+ * instances only), 3 preemptions, 4-6 prefix cache queried tokens, hit tokens, evictions
+ * (counters: every instance). */
 static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const char *name,
                     const char *type, const char *help, int what)
 {
@@ -123,8 +129,10 @@ static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const cha
     for (int i = 0; i < m->n_inst; i++) {
         const rt_inst_gauge *g = &m->inst[i];
         double val;
-        if (what == 3) /* the counter: every configured instance, dead or alive */
+        if (what == 3) /* the counters: every configured instance, dead or alive */
             val = (double)m->v.preempt_total[i];
+        else if (what >= 4)
+            val = (double)m->v.pc_total[3 * i + what - 4];
         else if (!g->alive)
             continue; /* a dead instance's last figures would sum into the cluster's */
         else
@@ -263,6 +271,13 @@ int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                    "Fraction (0-1) of the decode instance's KV blocks in use.", 2);
     rc |= put_inst(b, m, cfg, "vllm:num_preemptions_total", "counter",
                    "Requests the decode instance preempted (KV pool full), across restarts.", 3);
+    rc |= put_inst(b, m, cfg, "vllm:prefix_cache_queries_total", "counter",
+                   "Tokens the decode instance looked up in its prefix cache (admitted requests).",
+                   4);
+    rc |= put_inst(b, m, cfg, "vllm:prefix_cache_hits_total", "counter",
+                   "Of those, tokens found cached (their KV was not computed again).", 5);
+    rc |= put_inst(b, m, cfg, "tandem_prefix_cache_evictions_total", "counter",
+                   "Cached KV blocks the decode instance evicted to make room.", 6);
     if (m->n_pf > 0) rc |= render_kv(b, m);
     return rc;
 }

@@ -132,6 +132,9 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         s->queued_tokens = h->queued_prompt_tokens;
         s->preemptions = h->num_preemptions;
         seen_cache(s, h);
+        s->pc[0] = h->prefix_queried_tokens;
+        s->pc[1] = h->prefix_hit_tokens;
+        s->pc[2] = h->prefix_evictions;
     }
     s->alive = s->ready;
     return s->alive && !was;

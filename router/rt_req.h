@@ -81,6 +81,8 @@ typedef struct {
     bool stop_hit;          /* a stop string matched: the rest of the text is dropped */
     struct rt_toolp *toolp; /* p.tool_parse: the tool-call parser (rt_tools.h), else NULL */
     int n_gen;              /* tokens received */
+    int n_cached;           /* prompt tokens the decode node found in its prefix cache (usage
+                               prompt_tokens_details.cached_tokens; <= p.n_prompt) */
     int64_t t_first_ms, t_last_ms;
     int64_t t_dispatch_ms; /* first sent to an instance (metrics: queue time), 0 not yet */
     int64_t t_tok_ns;      /* td_now_ns of its latest tokens (metrics: inter-token latency) */

@@ -55,19 +55,31 @@ static rt_req *out_of(rt_req *q)
     return q->ch.parent ? q->ch.parent : q;
 }
 
+/* The prompt tokens of q whose KV came from a prefix cache: the prefill stages' (disaggregated,
+ * PrefillDone) or the decode node's (colocated, its TokenEvents' usage). */
+static size_t req_cached(const rt_req *q)
+{
+    size_t d = q->loop.n_cached > 0 ? (size_t)q->loop.n_cached : 0;
+    return q->pair.pf_cached > d ? q->pair.pf_cached : d;
+}
+
 /* Usage as vLLM reports it: every prompt's tokens once (not once per choice), the completion
- * tokens of every choice. */
+ * tokens of every choice; prompt_tokens_details.cached_tokens (OpenAI's field): the prompt
+ * tokens whose KV a prefix cache supplied (req_cached), per prompt the most any of its
+ * choices got (n > 1: the first choice computes what the others share). */
 static json_t *usage_obj(const rt_req *q)
 {
-    size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen, cached = q->pair.pf_cached;
+    size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen, cached = req_cached(q);
     if (q->ch.kids) {
         int n = q->p.n > 1 ? q->p.n : 1;
         prompt = gen = cached = 0;
+        size_t most = 0;
         for (int i = 0; i < q->ch.n_kids; i++) {
             const rt_req *k = q->ch.kids[i];
             if (k->ch.index % n == 0) prompt += k->p.n_prompt;
-            if (k->ch.index % n == 0) cached += k->pair.pf_cached;
             gen += (size_t)k->loop.n_gen;
+            if (req_cached(k) > most) most = req_cached(k);
+            if (k->ch.index % n == n - 1) cached += most, most = 0; /* the prompt's last choice */
         }
     }
     return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)prompt,

@@ -100,3 +100,21 @@ if(TANDEM_PYTHON AND TANDEM_MODEL_QWEN05)
   set_tests_properties(router_tools PROPERTIES TIMEOUT 600 RUN_SERIAL TRUE LABELS models
                        ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 endif()
+
+# router_prefix_cache: the decode node's prefix cache through the router (tests/router/
+# test_prefix_cache.py): a conversation's 2nd turn with a cache hit == a cold cluster, n=4
+# sharing, eviction under a small pool, cached_tokens and the /metrics counters; synthetic
+# model tp 1 and 2, the default model tp 1, Qwen2.5-Coder 0.5B tp 2 (when given).
+if(TANDEM_PYTHON)
+  set(RT_PC_ARGS)
+  if(TANDEM_MODEL)
+    list(APPEND RT_PC_ARGS --model "${TANDEM_MODEL}")
+  endif()
+  if(TANDEM_MODEL_QWEN05)
+    list(APPEND RT_PC_ARGS --model-tp2 "${TANDEM_MODEL_QWEN05}")
+  endif()
+  add_test(NAME router_prefix_cache
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_prefix_cache.py
+                   ${RT_TEST_BINS} ${RT_PC_ARGS})
+  set_tests_properties(router_prefix_cache PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+endif()

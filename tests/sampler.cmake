@@ -5,3 +5,7 @@ add_test(NAME sampler COMMAND test_sampler)
 add_executable(test_logprobs ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_logprobs.c)
 target_link_libraries(test_logprobs PRIVATE td_kernels td_common m)
 add_test(NAME logprobs COMMAND test_logprobs)
+
+add_executable(test_kv_cache ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_cache.c)
+target_link_libraries(test_kv_cache PRIVATE td_kernels td_common)
+add_test(NAME kv_cache COMMAND test_kv_cache)

@@ -560,7 +560,7 @@ static void node_handle(fake_node *n, td_ctrl_server_in *in)
                 td_ctrl_server_send_tokens(n->s, r->client, r->rid, r->seq++, &t, 1,
                                            last ? TD__FINISH_REASON__FINISH_LENGTH
                                                 : TD__FINISH_REASON__FINISH_NONE,
-                                           r->prompt, r->produced + 1);
+                                           r->prompt, r->produced + 1, 0);
             }
             r->active = false;
         }
@@ -574,7 +574,7 @@ static void node_handle(fake_node *n, td_ctrl_server_in *in)
         }
         td_ctrl_server_reply_ack(n->s, in->req, r->rid);
         td_ctrl_server_send_tokens(n->s, r->client, r->rid, r->seq++, NULL, 0,
-                                   TD__FINISH_REASON__FINISH_CANCELLED, r->prompt, r->produced);
+                                   TD__FINISH_REASON__FINISH_CANCELLED, r->prompt, r->produced, 0);
         r->active = false;
     } else {
         td_ctrl_server_reply_error(n->s, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
@@ -611,7 +611,7 @@ static void *node_main(void *arg)
             td_ctrl_server_send_tokens(n->s, r->client, r->rid, r->seq++, &t, 1,
                                        last ? TD__FINISH_REASON__FINISH_LENGTH
                                             : TD__FINISH_REASON__FINISH_NONE,
-                                       r->prompt, r->produced);
+                                       r->prompt, r->produced, 0);
             if (last) r->active = false;
         }
     }

@@ -27,12 +27,14 @@ typedef struct {
     int n[MAX_REQ];
     dc_finish finish[MAX_REQ];
     int finals[MAX_REQ];
+    int32_t cached[MAX_REQ]; /* usage: prompt tokens from the prefix cache */
 } outputs;
 
 static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n,
                       const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
-                      int32_t n_gen)
+                      int32_t n_gen, int32_t n_cached)
 {
+    ((outputs *)ctx)->cached[id] = n_cached;
     outputs *o = ctx;
     (void)lps;
     for (int i = 0; i < n && o->n[id] < MAX_OUT; i++)
@@ -88,6 +90,8 @@ static int drive(dc_sched *s, kn_kv_pool *kv, int max_steps, float *logits)
 }
 
 static float *logits_buf;
+static bool pc_on;         /* run(): with the prefix cache */
+static bool pc_one_by_one; /* run(): each request to its end before the next is submitted */
 
 static int run(const int *which, int n_which, int n_blocks, int step_tokens, outputs *o,
                dc_sched_stats *stats)
@@ -97,15 +101,17 @@ static int run(const int *which, int n_which, int n_blocks, int step_tokens, out
     kn_kv_pool_params kp = kn_model_kv_params(model, n_blocks, 16, TD_F32);
     if (kn_kv_pool_create(&kp, &kv)) return -1;
     dc_sched *s;
-    dc_sched_params sp = {.max_running = 16, .step_tokens = step_tokens};
+    dc_sched_params sp = {.max_running = 16, .step_tokens = step_tokens, .prefix_cache = pc_on};
     if (dc_sched_create(&sp, model, kv, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s)) return -1;
+    int steps = 0;
     for (int i = 0; i < n_which; i++) {
         dc_request_params p = params_of(which[i]);
         if (dc_sched_submit(s, &p)) return -1;
+        if (pc_one_by_one) steps += drive(s, kv, 100000, logits_buf);
     }
-    int steps = drive(s, kv, 100000, logits_buf);
+    steps += drive(s, kv, 100000, logits_buf);
     if (stats) *stats = dc_sched_get_stats(s);
-    int leaked = kv->n_blocks - kv->n_free;
+    int leaked = kv->n_blocks - kn_kv_available(kv); /* idle cached blocks are not leaks */
     dc_sched_destroy(s);
     TH_CHECKF(leaked == 0, "%d blocks still in use after all requests finished", leaked);
     kn_kv_pool_destroy(kv);
@@ -532,6 +538,68 @@ static void test_transfer_edges(void)
     kn_kv_pool_destroy(kv);
 }
 
+/* Prefix cache: the 2nd turn of a conversation (turn 1's prompt + its answer + more) run
+ * right after turn 1 on a cached scheduler gives the tokens it gives cold, reports cached
+ * tokens, and so do identical prompts submitted at once (they wait for the first to compute
+ * the shared blocks) and a small pool that must evict. */
+static void test_prefix_cache(void)
+{
+    enum { T = N_REQ }; /* specs T + k: turn 2 of request k */
+    int idx[8];
+    for (int k = 0; k < 4; k++) {
+        req_spec *t2 = &specs[T + k];
+        *t2 = specs[k];
+        memcpy(t2->prompt + t2->n_prompt, alone.ids[k], sizeof(int32_t) * alone.n[k]);
+        t2->n_prompt += alone.n[k];
+        for (int j = 0; j < 5; j++)
+            t2->prompt[t2->n_prompt++] = (7 * j + k) % model->hp.n_vocab;
+        t2->temperature = 0;
+        t2->max_tokens = 8;
+    }
+    outputs cold[4], o;
+    for (int k = 0; k < 4; k++) {
+        int i = T + k;
+        run(&i, 1, 256, 64, &cold[k], NULL);
+        TH_CHECK(cold[k].cached[i] == 0);
+    }
+    pc_on = pc_one_by_one = true;
+    for (int k = 0; k < 4; k++)
+        idx[2 * k] = k, idx[2 * k + 1] = T + k;
+    dc_sched_stats st;
+    run(idx, 8, 256, 64, &o, &st);
+    for (int k = 0; k < 4; k++) {
+        int i = T + k;
+        TH_CHECKF(o.n[i] == cold[k].n[i] && !memcmp(o.ids[i], cold[k].ids[i], 4 * (size_t)o.n[i]),
+                  "turn 2 of %d: %d tokens with the cache, %d cold", k, o.n[i], cold[k].n[i]);
+        int whole = (specs[k].n_prompt + alone.n[k] - 1) / 16 * 16; /* turn 1's computed blocks */
+        TH_CHECKF(o.cached[i] == whole, "turn 2 of %d: %d cached tokens, expected %d", k,
+                  o.cached[i], whole);
+    }
+    TH_CHECK(st.prefix_hits > 0 && st.prefix_hits <= st.prefix_queried);
+    /* four identical greedy prompts at once: the first computes, the others share */
+    pc_one_by_one = false;
+    for (int k = 0; k < 4; k++)
+        specs[T + 4 + k] = specs[T], idx[k] = T + 4 + k;
+    run(idx, 4, 256, 64, &o, &st);
+    int shared = (specs[T].n_prompt - 1) / 16 * 16;
+    for (int k = 0; k < 4; k++) {
+        int i = T + 4 + k;
+        TH_CHECK(o.n[i] == cold[0].n[T] && !memcmp(o.ids[i], cold[0].ids[T], 4 * (size_t)o.n[i]));
+        TH_CHECKF(o.cached[i] == (k ? shared : 0), "copy %d: %d cached tokens", k, o.cached[i]);
+    }
+    /* a small pool: evictions, outputs unchanged */
+    int all[N_REQ];
+    for (int i = 0; i < N_REQ; i++)
+        all[i] = i;
+    run(all, N_REQ, 14, 48, &o, &st);
+    fprintf(stderr, "  small pool with the cache: %llu evictions, %llu of %llu tokens hit\n",
+            (unsigned long long)st.prefix_evictions, (unsigned long long)st.prefix_hits,
+            (unsigned long long)st.prefix_queried);
+    TH_CHECK(st.prefix_evictions > 0);
+    check_same_as_alone(&o, N_REQ, "small pool, cache");
+    pc_on = false;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -566,6 +634,7 @@ int main(int argc, char **argv)
     TH_RUN(test_solo_rows);
     TH_RUN(test_transfer_equals_colocated);
     TH_RUN(test_transfer_edges);
+    TH_RUN(test_prefix_cache);
     free(logits_buf);
     kn_engine_destroy(engine);
     kn_cpu_destroy(cpu);

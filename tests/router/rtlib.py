@@ -33,8 +33,10 @@ signal.signal(signal.SIGTERM, lambda *a: (_kill_all(), os._exit(1)))
 class Cluster:
     def __init__(self, args, model, n_decode=1, api_key="", max_queue=256, max_batch=64,
                  kv_blocks=1024, heartbeat_ms=200, instance_timeout_ms=6000, router_extra=None,
-                 router_env=None):
-        """router_extra: more router fields ({name: value}, after the others)."""
+                 router_env=None, tp=1, decode_extra=None):
+        """router_extra: more router fields ({name: value}, after the others); decode_extra:
+        more fields of every decode instance; tp: ranks per decode instance (all started)."""
+        self.tp = tp
         self.router_env = router_env
         self.args = args
         self.model = model
@@ -46,11 +48,13 @@ class Cluster:
             "router": {"listen": f"127.0.0.1:{self.http_port}", "api_key": json.dumps(api_key),
                        "max_queue": max_queue, "heartbeat_ms": heartbeat_ms,
                        "instance_timeout_ms": instance_timeout_ms, **(router_extra or {})},
-            "decode": [{"name": f"d{i}", "tp": 1, "threads": 1, "kv_blocks": kv_blocks,
-                        "max_batch": max_batch, "step_tokens": 64, "port": port}
+            "decode": [{"name": f"d{i}", "tp": tp, "threads": 1, "kv_blocks": kv_blocks,
+                        "max_batch": max_batch, "step_tokens": 64, "port": port,
+                        **(decode_extra or {})}
                        for i, port in enumerate(self.decode_ports)]})
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.decode = {}
+        self.followers = []  # ranks 1.. of every instance (tp > 1)
         self.router = None
 
     def __enter__(self):
@@ -70,6 +74,10 @@ class Cluster:
         return p
 
     def start_decode(self, i):
+        for r in range(1, self.tp):
+            self.followers.append(self._spawn([self.args.decode, "--config", self.cfg,
+                                               "--instance", f"d{i}", "--rank", str(r)],
+                                              f"d{i}.r{r}.log"))
         self.decode[i] = self._spawn([self.args.decode, "--config", self.cfg, "--instance", f"d{i}",
                                       "--rank", "0"], f"d{i}.log")
 
@@ -103,7 +111,8 @@ class Cluster:
         return int(d.get("kv_used", -1))
 
     def stop(self):
-        procs = ([self.router] if self.router else []) + list(self.decode.values())
+        procs = ([self.router] if self.router else []) + list(self.decode.values()) + \
+            self.followers
         stop(procs, timeout=30)
         rc = self.router.returncode if self.router else 0
         return rc

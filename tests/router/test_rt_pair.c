@@ -141,17 +141,17 @@ static void kv_arrived(fake *d, uint64_t rid, int32_t first)
             d->pend[d->n_pend++] = (pend_req){rid, client, max};
             if (d->mode == M_FIRST_HANG)
                 td_ctrl_server_send_tokens(d->s, client, rid, 0, &first, 1,
-                                           TD__FINISH_REASON__FINISH_NONE, 3, 1);
+                                           TD__FINISH_REASON__FINISH_NONE, 3, 1, 0);
             return;
         }
         if (d->mode == M_FIRST_FAIL_ONCE) {
             d->mode = M_OK;
             td_ctrl_server_send_tokens(d->s, client, rid, 0, &first, 1,
-                                       TD__FINISH_REASON__FINISH_NONE, 3, 1);
+                                       TD__FINISH_REASON__FINISH_NONE, 3, 1, 0);
             td_ctrl_server_send_error(d->s, client, rid, TD__ERROR_CODE__ERR_PEER_FAILED,
                                       "rank 1 died (fake)");
             td_ctrl_server_send_tokens(d->s, client, rid, 1, NULL, 0,
-                                       TD__FINISH_REASON__FINISH_ERROR, 3, 1);
+                                       TD__FINISH_REASON__FINISH_ERROR, 3, 1, 0);
             return;
         }
         if (d->mode == M_XFER_FAIL_ONCE) {
@@ -159,16 +159,16 @@ static void kv_arrived(fake *d, uint64_t rid, int32_t first)
             td_ctrl_server_send_error(d->s, client, rid, TD__ERROR_CODE__ERR_PEER_FAILED,
                                       "kv transfer failed (fake)");
             td_ctrl_server_send_tokens(d->s, client, rid, 0, NULL, 0,
-                                       TD__FINISH_REASON__FINISH_ERROR, 3, 0);
+                                       TD__FINISH_REASON__FINISH_ERROR, 3, 0, 0);
             return;
         }
         int32_t toks[64];
         for (uint32_t i = 0; i < max && i < 64; i++)
             toks[i] = first + (int32_t)i;
         td_ctrl_server_send_tokens(d->s, client, rid, 0, toks, 1, TD__FINISH_REASON__FINISH_NONE, 3,
-                                   1);
+                                   1, 0);
         td_ctrl_server_send_tokens(d->s, client, rid, 1, toks + 1, max - 1,
-                                   TD__FINISH_REASON__FINISH_LENGTH, 3, max);
+                                   TD__FINISH_REASON__FINISH_LENGTH, 3, max, 0);
         return;
     }
 }
@@ -286,7 +286,7 @@ static void on_decode_req(fake *f, td_ctrl_server_in *in)
         for (int k = 0; k < f->n_pend; k++)
             if (f->pend[k].rid == rid) {
                 td_ctrl_server_send_tokens(f->s, f->pend[k].client, rid, 0, NULL, 0,
-                                           TD__FINISH_REASON__FINISH_CANCELLED, 3, 0);
+                                           TD__FINISH_REASON__FINISH_CANCELLED, 3, 0, 0);
                 f->pend[k] = f->pend[--f->n_pend];
                 break;
             }

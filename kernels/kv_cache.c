@@ -1,0 +1,262 @@
+/* kv_cache.c: the prefix cache of a KV pool (kv_cache.h): an open-addressing index from block
+ * id to pool block, per-block entries (id, serial, parent serial, tokens), and a doubly
+ * linked list of idle cached blocks in the order they became idle. */
+#include "kv_cache.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_blockhash.h"
+#include "td_err.h"
+
+#define ROOT_SERIAL 1u /* the root's "entry"; real entries start at 2 */
+
+struct kn_kv_cache {
+    kn_kv_pool *pool;
+    int bs;               /* tokens per block */
+    uint64_t *id;         /* (n_blocks) block id of the entry */
+    uint64_t *serial;     /* (n_blocks) 0: not cached */
+    uint64_t *parent;     /* (n_blocks) serial of the entry before it */
+    int32_t *tok;         /* (n_blocks, bs) the entry's tokens */
+    int32_t *prev, *next; /* (n_blocks) idle list links, -1 ends */
+    int32_t idle_head;    /* least recently idle, -1: none */
+    int32_t idle_tail;    /* most recently idle */
+    int n_idle, n_cached;
+    int32_t *slots; /* (mask + 1) block of each index slot, -1: empty */
+    uint64_t mask;
+    uint64_t next_serial;
+    uint64_t inserts, evictions;
+};
+
+int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
+{
+    *out = NULL;
+    if (pool->cache) return TD_ESTATE;
+    kn_kv_cache *c = calloc(1, sizeof *c);
+    if (!c) return TD_ENOMEM;
+    size_t nb = (size_t)pool->n_blocks, cap = 16;
+    while (cap < 2 * nb)
+        cap *= 2;
+    c->pool = pool;
+    c->bs = pool->block_size;
+    c->id = calloc(nb, sizeof *c->id);
+    c->serial = calloc(nb, sizeof *c->serial);
+    c->parent = calloc(nb, sizeof *c->parent);
+    c->tok = malloc(nb * (size_t)c->bs * sizeof *c->tok);
+    c->prev = malloc(nb * sizeof *c->prev);
+    c->next = malloc(nb * sizeof *c->next);
+    c->slots = malloc(cap * sizeof *c->slots);
+    if (!c->id || !c->serial || !c->parent || !c->tok || !c->prev || !c->next || !c->slots) {
+        kn_kv_cache_destroy(c);
+        return TD_ENOMEM;
+    }
+    memset(c->slots, 0xff, cap * sizeof *c->slots);
+    c->mask = cap - 1;
+    c->idle_head = c->idle_tail = -1;
+    c->next_serial = ROOT_SERIAL + 1;
+    pool->cache = c;
+    *out = c;
+    return 0;
+}
+
+void kn_kv_cache_destroy(kn_kv_cache *c)
+{
+    if (!c) return;
+    if (c->pool && c->pool->cache == c) {
+        /* idle blocks are nobody's: back to the free list */
+        for (int32_t b = c->idle_head; b >= 0; b = c->next[b])
+            c->pool->free_ids[c->pool->n_free++] = b;
+        c->pool->cache = NULL;
+    }
+    free(c->id);
+    free(c->serial);
+    free(c->parent);
+    free(c->tok);
+    free(c->prev);
+    free(c->next);
+    free(c->slots);
+    free(c);
+}
+
+kn_kv_chain kn_kv_cache_root(void)
+{
+    return (kn_kv_chain){.id = TD_BLOCK_HASH_ROOT, .serial = ROOT_SERIAL};
+}
+
+/* ---- index: linear probing keyed by block id, deletion by backward shift ---- */
+
+static uint64_t slot_of(const kn_kv_cache *c, uint64_t id)
+{
+    return (id ^ (id >> 29)) & c->mask;
+}
+
+static int32_t index_find(const kn_kv_cache *c, uint64_t id)
+{
+    for (uint64_t i = slot_of(c, id);; i = (i + 1) & c->mask) {
+        int32_t b = c->slots[i];
+        if (b < 0 || c->id[b] == id) return b;
+    }
+}
+
+static void index_add(kn_kv_cache *c, int32_t b)
+{
+    uint64_t i = slot_of(c, c->id[b]);
+    while (c->slots[i] >= 0)
+        i = (i + 1) & c->mask;
+    c->slots[i] = b;
+}
+
+static void index_del(kn_kv_cache *c, int32_t b)
+{
+    uint64_t i = slot_of(c, c->id[b]);
+    while (c->slots[i] != b)
+        i = (i + 1) & c->mask;
+    /* shift later members of the probe run back into the hole */
+    for (uint64_t j = (i + 1) & c->mask; c->slots[j] >= 0; j = (j + 1) & c->mask) {
+        uint64_t home = slot_of(c, c->id[c->slots[j]]);
+        /* j's entry may move to i unless its home lies cyclically in (i, j] */
+        bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (stays) continue;
+        c->slots[i] = c->slots[j];
+        i = j;
+    }
+    c->slots[i] = -1;
+}
+
+/* ---- idle list ---- */
+
+static void idle_unlink(kn_kv_cache *c, int32_t b)
+{
+    if (c->prev[b] >= 0)
+        c->next[c->prev[b]] = c->next[b];
+    else
+        c->idle_head = c->next[b];
+    if (c->next[b] >= 0)
+        c->prev[c->next[b]] = c->prev[b];
+    else
+        c->idle_tail = c->prev[b];
+    c->n_idle--;
+}
+
+static void idle_append(kn_kv_cache *c, int32_t b)
+{
+    c->prev[b] = c->idle_tail;
+    c->next[b] = -1;
+    if (c->idle_tail >= 0)
+        c->next[c->idle_tail] = b;
+    else
+        c->idle_head = b;
+    c->idle_tail = b;
+    c->n_idle++;
+}
+
+/* Drop entry b from the index (its block keeps its references or is idle: the caller says) */
+static void entry_drop(kn_kv_cache *c, int32_t b)
+{
+    index_del(c, b);
+    c->serial[b] = 0;
+    c->n_cached--;
+}
+
+void kn_kv_cache_clear(kn_kv_cache *c)
+{
+    while (c->idle_head >= 0) {
+        int32_t b = c->idle_head;
+        idle_unlink(c, b);
+        c->pool->free_ids[c->pool->n_free++] = b;
+    }
+    memset(c->slots, 0xff, (size_t)(c->mask + 1) * sizeof *c->slots);
+    memset(c->serial, 0, (size_t)c->pool->n_blocks * sizeof *c->serial);
+    c->n_cached = 0;
+}
+
+int kn_kv_cache_match(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
+                      int32_t *blocks, kn_kv_chain *chain)
+{
+    kn_kv_chain ch = kn_kv_cache_root();
+    int n = 0;
+    while (n < max_blocks && (int64_t)(n + 1) * c->bs <= n_tokens) {
+        const int32_t *t = tokens + (size_t)n * (size_t)c->bs;
+        uint64_t id = td_block_hash(ch.id, t, (size_t)c->bs);
+        int32_t b = index_find(c, id);
+        if (b < 0 || c->parent[b] != ch.serial ||
+            memcmp(c->tok + (size_t)b * (size_t)c->bs, t, (size_t)c->bs * sizeof *t))
+            break;
+        if (c->pool->refs[b]++ == 0) idle_unlink(c, b);
+        blocks[n++] = b;
+        ch = (kn_kv_chain){.id = id, .serial = c->serial[b]};
+    }
+    *chain = ch;
+    return n;
+}
+
+bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *tokens, int32_t block)
+{
+    if (!chain->serial) return false;
+    if (block < 0 || block >= c->pool->n_blocks || c->pool->refs[block] < 1) {
+        /* the caller's bug: an unreferenced block; stop its chain */
+        TD_LOG_ERR("kv cache: block %d entered while free (bug)", block);
+        chain->serial = 0;
+        return false;
+    }
+    uint64_t id = td_block_hash(chain->id, tokens, (size_t)c->bs);
+    int32_t e = index_find(c, id);
+    if (e >= 0) {
+        bool same =
+            c->parent[e] == chain->serial &&
+            !memcmp(c->tok + (size_t)e * (size_t)c->bs, tokens, (size_t)c->bs * sizeof *tokens);
+        if (same) { /* entered already (maybe by someone else): go on through it */
+            *chain = (kn_kv_chain){.id = id, .serial = c->serial[e]};
+            return false;
+        }
+        if (c->pool->refs[e] > 0) { /* a collision or a stale parent, still in use */
+            chain->serial = 0;
+            return false;
+        }
+        /* idle and useless to this chain: it gives way (its block becomes free) */
+        idle_unlink(c, e);
+        entry_drop(c, e);
+        c->pool->free_ids[c->pool->n_free++] = e;
+    }
+    if (c->serial[block]) { /* cached under another prefix: it cannot hold this one */
+        chain->serial = 0;
+        return false;
+    }
+    c->id[block] = id;
+    c->serial[block] = c->next_serial++;
+    c->parent[block] = chain->serial;
+    memcpy(c->tok + (size_t)block * (size_t)c->bs, tokens, (size_t)c->bs * sizeof *tokens);
+    index_add(c, block);
+    c->n_cached++;
+    c->inserts++;
+    *chain = (kn_kv_chain){.id = id, .serial = c->serial[block]};
+    return true;
+}
+
+kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c)
+{
+    return (kn_kv_cache_stats){
+        .cached = c->n_cached, .idle = c->n_idle, .inserts = c->inserts, .evictions = c->evictions};
+}
+
+int kn_kv_cache_idle(const kn_kv_cache *c)
+{
+    return c->n_idle;
+}
+
+int32_t kn_kv_cache_evict(kn_kv_cache *c)
+{
+    int32_t b = c->idle_head;
+    if (b < 0) return -1;
+    idle_unlink(c, b);
+    entry_drop(c, b);
+    c->evictions++;
+    return b;
+}
+
+bool kn_kv_cache_park(kn_kv_cache *c, int32_t block)
+{
+    if (!c->serial[block]) return false;
+    idle_append(c, block);
+    return true;
+}

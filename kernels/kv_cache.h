@@ -1,0 +1,87 @@
+/* kv_cache.h: the prefix cache of a paged KV pool: content-addressed, shared, LRU-evicted blocks.
+ *
+ * Purpose: a request whose prompt starts like an earlier one (a system prompt, the previous
+ * turns of a conversation, the other choices of an n>1 request) reuses the KV of those
+ * leading whole blocks instead of computing it again. A full block whose KV is computed is
+ * entered under its block id (common/td_blockhash.h: its tokens chained with its prefix's id)
+ * with its tokens kept beside it; a later sequence finds its leading blocks by id, compares
+ * the tokens, takes a reference on each and computes only the rest.
+ * Exactness: an id is a 64-bit hash, never trusted alone. An entry records its tokens and
+ * the serial number of the entry of the block before it (its parent); a match checks both,
+ * so entry i is taken only if its tokens are the query's block i and it was computed after
+ * the very entry that matched block i - 1 (by induction: after the query's whole prefix).
+ * A collision, or an entry whose parent was evicted and re-entered since, is a miss.
+ * Serial numbers are never reused (an evicted and re-entered block gets a new one).
+ * States of a pool block (refs = kn_kv_pool.refs):
+ *
+ *     free ──kn_kv_alloc──> private (refs >= 1) ──kn_kv_cache_insert──> cached, refs >= 1
+ *      ^                       │ kn_kv_free to 0                        │ ^ kn_kv_cache_match
+ *      └───────────────────────┘                         kn_kv_free to 0 v │ (refs 1)
+ *      └────── kn_kv_alloc evicts it (least recently idle first) ── cached idle (refs 0)
+ *
+ * Only whole blocks are entered (the last partial block of a sequence is never shared) and
+ * only once their KV is computed; a cached block is never written again (its owners only
+ * append past it), so sharing needs no copy. A block entered by one sequence while another
+ * computed the same prefix privately stays private in the second (no swap).
+ * Invariants: an entry's block is referenced or on the idle list, never free; the idle list
+ * holds exactly the cached blocks with refs 0, oldest first; kn_kv_available counts them.
+ * Threading: not thread-safe; the owner of the pool calls everything.
+ * Ownership: the cache attaches itself to the pool at create (kn_kv_pool.cache) and detaches
+ * at destroy (idle blocks go back to the free list; referenced ones stay with their owners);
+ * destroy it before the pool.
+ */
+#ifndef KN_KV_CACHE_H
+#define KN_KV_CACHE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kv_pool.h"
+
+typedef struct kn_kv_cache kn_kv_cache;
+
+/* Where a sequence stands in the cache's chains: the id of its last entered (or matched)
+ * block and that entry's serial. serial 0: the chain is broken (a collision or a block
+ * someone else entered differently): the sequence enters no more blocks. */
+typedef struct {
+    uint64_t id;
+    uint64_t serial;
+} kn_kv_chain;
+
+typedef struct {
+    int cached;         /* blocks entered in the index now */
+    int idle;           /* of which unreferenced (evictable) */
+    uint64_t inserts;   /* blocks entered since create */
+    uint64_t evictions; /* cached blocks evicted to make room since create */
+} kn_kv_cache_stats;
+
+/* Attach a cache to pool. TD_ESTATE: the pool has one; TD_ENOMEM. */
+int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out);
+void kn_kv_cache_destroy(kn_kv_cache *c); /* NULL is fine */
+
+/* Forget every entry (the KV they name is gone: a TP instance re-forms with fresh follower
+ * pools): idle blocks go back to the free list, referenced ones stay with their owners as
+ * private blocks. Not counted as evictions. */
+void kn_kv_cache_clear(kn_kv_cache *c);
+
+/* The chain of an empty sequence. */
+kn_kv_chain kn_kv_cache_root(void);
+
+/* The leading whole blocks of tokens[0..n_tokens), at most max_blocks of them, that the
+ * cache holds: takes one reference on each, writes their pool ids to blocks and returns how
+ * many; *chain is where the sequence stands after them (for kn_kv_cache_insert). */
+int kn_kv_cache_match(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
+                      int32_t *blocks, kn_kv_chain *chain);
+
+/* Block (referenced by the caller, its KV computed) holds tokens[0..block_size) following
+ * the prefix *chain ends at: enter it, or continue the chain through an equal entry that is
+ * there already; an idle entry of the same id that does not match (a collision or a stale
+ * parent) is dropped for it. *chain advances (or breaks: serial 0; nothing is entered while
+ * it is broken). Returns true if block itself was entered. */
+bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *tokens, int32_t block);
+
+kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c);
+
+#include "kv_cache_int.h" /* the pool's hooks */
+
+#endif
