@@ -162,7 +162,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   "${FZ_CC[@]}" -Icommon -Ikvxfer tests/fuzz/fuzz_kvx.c "${KVX_SRC[@]}" common/td_err.c common/td_clock.c \
     -lpthread -lm -o build-fuzz/fuzz_kvx &
   kvx_build=$!
-  if "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_config.c common/config.c common/td_err.c common/td_clock.c \
+  if "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_config.c common/config.c common/config_util.c common/td_err.c common/td_clock.c \
        -lyaml -lpthread -lm -o build-fuzz/fuzz_config; then
     built+=(config)
   else

@@ -1,0 +1,71 @@
+/* config_util.c: the small public helpers of config.h that do not parse YAML: sizes with units,
+ * instance look-ups by name, control URLs, backend names. */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "td_err.h"
+
+int td_cfg_parse_size(const char *s, int64_t *out)
+{
+    char *end;
+    errno = 0;
+    if (!s || !isdigit((unsigned char)*s)) return TD_EINVAL;
+    double v = strtod(s, &end);
+    if (end == s || errno || !isfinite(v)) return TD_EINVAL;
+    while (*end == ' ')
+        end++;
+    static const struct {
+        const char *unit;
+        double mul;
+    } units[] = {{"", 1},
+                 {"B", 1},
+                 {"KiB", 1024.0},
+                 {"MiB", 1048576.0},
+                 {"GiB", 1073741824.0},
+                 {"TiB", 1099511627776.0},
+                 {"KB", 1e3},
+                 {"MB", 1e6},
+                 {"GB", 1e9},
+                 {"TB", 1e12}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcmp(end, units[i].unit)) continue;
+        double b = v * units[i].mul;
+        if (b >= 9.2e18) return TD_ERANGE;
+        if (b != floor(b)) return TD_EINVAL; /* fractional bytes */
+        *out = (int64_t)b;
+        return 0;
+    }
+    return TD_EINVAL;
+}
+
+const td_cfg_decode *td_cfg_find_decode(const td_cfg *c, const char *name)
+{
+    for (int i = 0; c && name && i < c->n_decode; i++)
+        if (!strcmp(c->decode[i].name, name)) return &c->decode[i];
+    return NULL;
+}
+
+const td_cfg_prefill *td_cfg_find_prefill(const td_cfg *c, const char *name)
+{
+    for (int i = 0; c && name && i < c->n_prefill; i++)
+        if (!strcmp(c->prefill[i].name, name)) return &c->prefill[i];
+    return NULL;
+}
+
+int td_cfg_ctrl_url(const char *host, int port, char *buf, size_t cap)
+{
+    bool v6 = strchr(host, ':') != NULL;
+    int n = snprintf(buf, cap, v6 ? "tcp://[%s]:%d" : "tcp://%s:%d", host, port);
+    return n < 0 || (size_t)n >= cap ? TD_ERANGE : 0;
+}
+
+const char *td_cfg_backend_name(td_cfg_backend b)
+{
+    return b == TD_CFG_BACKEND_CUDA ? "cuda" : "cpu";
+}
