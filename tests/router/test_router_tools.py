@@ -8,7 +8,9 @@ Qwen2.5-Coder-0.5B-Instruct model, colocated (one decode instance) and disaggreg
     tool_calls delta, the arguments in pieces, and no call text in the content deltas;
   - tool_choice "none" gives text and no tool_calls;
   - a history with the call and its result gets a text answer that uses the result;
-  - tool_choice "required" is refused with a 400 that says why.
+  - tool_choice "required" is refused with a 400 that says why;
+  - /metrics counts the two tool-call answers as vllm:request_success_total{finished_reason=
+    "tool_calls"} and the two text answers as "stop" (or "length").
 This model writes its calls as bare JSON (no <tool_call> tags), which the parser accepts for
 declared tools (router/rt_tools.h).
 
@@ -17,8 +19,10 @@ usage: test_router_tools.py --router BIN --decode BIN --prefill BIN --tandem BIN
 import argparse
 import json
 import os
+import re
 import sys
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # tdtest
@@ -80,7 +84,14 @@ def streamed(client, mid, **kw):
     return content, calls, finish, first
 
 
-def run_shape(name, client):
+def success_counts(url):
+    """vllm:request_success_total by finished_reason, from the router's /metrics."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^vllm:request_success_total\{[^}]*finished_reason="([a-z_]+)"\} (\S+)$', text, re.M)}
+
+
+def run_shape(name, client, url):
     mid = client.models.list().data[0].id
     kw = dict(model=mid, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=MAX_TOKENS)
     t0 = time.time()
@@ -115,6 +126,9 @@ def run_shape(name, client):
         check(False, f"{name} tool_choice required: refused")
     except openai.BadRequestError as e:
         check("grammar engine" in str(e), f"{name} tool_choice required: 400 ({e})")
+    fr = success_counts(url)
+    check(fr.get("tool_calls") == 2 and fr.get("stop", 0) + fr.get("length", 0) == 2,
+          f"{name} metrics: 2 tool_calls and 2 stop/length answers counted (got {fr})")
     print(f"{name}: {time.time() - t0:.1f} s", flush=True)
 
 
@@ -133,10 +147,10 @@ def main():
         try:
             if name == "colocated":
                 with rtlib.Cluster(args, args.model) as c:
-                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"))
+                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"), c.url)
             else:
                 with pdlib.Cluster(args, args.model, [{"pp": 1}], [{"tp": 1}]) as c:
-                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"))
+                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"), c.url)
         except Exception as e:  # a crashed shape is a failure; the other still runs
             check(False, f"{name}: {type(e).__name__}: {e}")
     print(f"{len(FAILS)} failed")
