@@ -125,12 +125,38 @@ static json_t *text_choice(const rt_req *q, const char *text, size_t len, const 
 /* echo: the prompt's text (malloc'd, *len bytes; NULL: no memory) */
 static char *prompt_text(const rt_router *r, const rt_req *q, size_t *len)
 {
-    long n = td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, NULL, 0);
-    char *t = n >= 0 ? malloc((size_t)n + 1) : NULL;
-    if (!t) return NULL;
-    td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, t, (size_t)n);
-    *len = (size_t)n;
-    return t;
+    /* through the incremental detokenizer, as generated text is: bytes that are not UTF-8
+       (a prompt of token ids may cut a character) become U+FFFD, which a JSON string can
+       carry (td_tok_decode's raw bytes made the response a 500) */
+    rt_buf b = {0};
+    td_detok d;
+    td_detok_init(&d, r->model.tok);
+    char *piece = NULL;
+    size_t cap = 0;
+    int rc = 0;
+    for (size_t i = 0; i < q->p.n_prompt && !rc; i++) {
+        size_t plen = 0;
+        if (!td_tok_piece(r->model.tok, q->p.prompt[i], &plen)) rc = TD_EINVAL;
+        if (!rc && 4 * plen + 8 > cap) {
+            char *np = realloc(piece, 4 * plen + 8);
+            rc = np ? 0 : TD_ENOMEM;
+            if (np) piece = np, cap = 4 * plen + 8;
+        }
+        int k = rc ? rc : td_detok_push(&d, q->p.prompt[i], piece, cap);
+        rc = k < 0 ? k : rt_buf_append(&b, piece, (size_t)k);
+    }
+    char tail[16];
+    int k = rc ? rc : td_detok_flush(&d, tail, sizeof tail);
+    rc = k < 0 ? k : rt_buf_append(&b, tail, (size_t)k);
+    td_detok_fini(&d);
+    free(piece);
+    if (!rc && !b.buf) rc = rt_buf_append(&b, "", 0);
+    if (rc || !b.buf) {
+        rt_buf_free(&b);
+        return NULL;
+    }
+    *len = b.len;
+    return b.buf;
 }
 
 /* stream, echo: the prompt's chunk (text and logprobs) before any other. Caller holds
