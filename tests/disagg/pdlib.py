@@ -35,7 +35,9 @@ class Cluster:
                         for i, p in enumerate(prefill)],
             "decode": [{"name": f"d{i}", "tp": d.get("tp", 1), "threads": 1,
                         "kv_blocks": d.get("kv_blocks", 512), "port": d["port"],
-                        "step_tokens": 64} for i, d in enumerate(decode)],
+                        "step_tokens": 64,
+                        **({"kv_dtype": d["kv_dtype"]} if "kv_dtype" in d else {})}
+                       for i, d in enumerate(decode)],
             "kvxfer": {"ucx_tls": ucx_tls, "timeout_ms": timeout_ms}})
         self.ps = Procs(self.dir)
         self.procs = self.ps.procs

@@ -33,8 +33,9 @@ signal.signal(signal.SIGTERM, lambda *a: (_kill_all(), os._exit(1)))
 class Cluster:
     def __init__(self, args, model, n_decode=1, api_key="", max_queue=256, max_batch=64,
                  kv_blocks=1024, heartbeat_ms=200, instance_timeout_ms=6000, router_extra=None,
-                 router_env=None):
-        """router_extra: more router fields ({name: value}, after the others)."""
+                 router_env=None, decode_extra=None):
+        """router_extra: more router fields ({name: value}, after the others); decode_extra:
+        more fields of every decode instance."""
         self.router_env = router_env
         self.args = args
         self.model = model
@@ -47,7 +48,8 @@ class Cluster:
                        "max_queue": max_queue, "heartbeat_ms": heartbeat_ms,
                        "instance_timeout_ms": instance_timeout_ms, **(router_extra or {})},
             "decode": [{"name": f"d{i}", "tp": 1, "threads": 1, "kv_blocks": kv_blocks,
-                        "max_batch": max_batch, "step_tokens": 64, "port": port}
+                        "max_batch": max_batch, "step_tokens": 64, "port": port,
+                        **(decode_extra or {})}
                        for i, port in enumerate(self.decode_ports)]})
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.decode = {}
