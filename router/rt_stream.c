@@ -61,13 +61,13 @@ static json_t *usage_obj(const rt_req *q)
 {
     size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen;
     if (q->ch.kids) {
-        int n = q->p.n > 1 ? q->p.n : 1;
-        prompt = gen = 0;
-        for (int i = 0; i < q->ch.n_kids; i++) {
-            const rt_req *k = q->ch.kids[i];
-            if (k->ch.index % n == 0) prompt += k->p.n_prompt;
-            gen += (size_t)k->loop.n_gen;
-        }
+        /* every prompt once; every child's generated tokens (best_of's unanswered candidates
+           too: the work was done) */
+        gen = 0;
+        for (int i = 0; i < q->p.n_more; i++)
+            prompt += q->p.more[i].n;
+        for (int i = 0; i < q->ch.n_kids; i++)
+            gen += (size_t)q->ch.kids[i]->loop.n_gen;
     }
     return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
                      (json_int_t)gen, "total_tokens", (json_int_t)(prompt + gen));
@@ -351,7 +351,7 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
     json_t *choices = json_array();
     if (!choices) return NULL;
     if (!q->ch.kids) json_array_append_new(choices, final_choice(r, q, finish));
-    for (int i = 0; i < q->ch.n_kids; i++) {
+    for (int i = 0; i < q->ch.n_out; i++) {
         rt_req *k = q->ch.kids[i];
         json_array_append_new(choices, final_choice(r, k, finish_str(k, k->ch.fin)));
     }
@@ -359,7 +359,7 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
                           q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
                           (json_int_t)q->created, "model", r->model.name, "choices", choices,
                           "usage", usage_obj(q));
-    if (!o || json_array_size(choices) != (size_t)(q->ch.kids ? q->ch.n_kids : 1)) {
+    if (!o || json_array_size(choices) != (size_t)(q->ch.kids ? q->ch.n_out : 1)) {
         json_decref(o);
         return NULL;
     }
