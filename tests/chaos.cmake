@@ -12,7 +12,8 @@
 #   chaos_migrate    (tests/chaos/test_migrate.py) pp 1 prefill + tp 1 decode: the only decode
 #                    process killed mid-stream (restarted within a second): the stream goes on
 #                    where it stopped and equals an uninterrupted greedy run (and a seeded one,
-#                    and one with presence/frequency penalties); "migrate": false
+#                    and one with presence/frequency penalties; with logprobs, they equal
+#                    the uninterrupted run's within 1e-4); "migrate": false
 #                    ends with an SSE error at once; prefill stage 0 killed mid-prompt
 #   chaos_migrate_colocated  the same with a colocated tp 1 decode instance (synthetic model;
 #                    chaos_migrate runs the default model when TANDEM_MODEL is set)

@@ -18,6 +18,9 @@ instance, the decode instance prefills), on the synthetic model or --model. Case
   penalized   greedy with frequency_penalty 1.5 and presence_penalty 0.5, killed the same way:
               the text equals the uninterrupted penalized run's, which differs from the plain
               greedy one (the tokens generated before the move keep counting)
+  logprobs    the same greedy stream with logprobs 3, killed the same way: its tokens and
+              their logprobs (and top-3 alternatives) equal the uninterrupted run's within
+              1e-4 (the new instance re-prefills the prompt and the tokens before the move)
   nonstream   the same without streaming: kill -9 while it generates; the JSON answer equals
               the reference
   opt-out     "migrate": false, killed the same way: an SSE error event and [DONE] within
@@ -56,6 +59,7 @@ class Stream:
         self.host, self.port, self.body, self.deadline_s = host, port, body, deadline_s
         self.text, self.times, self.finish, self.usage = "", [], None, None
         self.error, self.done, self.status, self.ended = None, False, None, None
+        self.lp_tokens, self.lps, self.tops = [], [], []  # the chunks' logprobs, in order
         self.t = threading.Thread(target=self.run, daemon=True)
 
     def start(self):
@@ -96,6 +100,10 @@ class Stream:
                 if ev.get("usage"):
                     self.usage = ev["usage"]
                 for ch in ev.get("choices", []):
+                    lp = ch.get("logprobs") or {}
+                    self.lp_tokens += lp.get("tokens", [])
+                    self.lps += lp.get("token_logprobs", [])
+                    self.tops += lp.get("top_logprobs", [])
                     if ch.get("text"):
                         self.text += ch["text"]
                         self.times.append(time.time())
@@ -221,6 +229,42 @@ def case_penalized(cl, args, base, ref, ref_text, figures):
           "restarted and serving again")
 
 
+def lp_diff(a, b):
+    """The largest |logprob difference| between two streams' tokens and top alternatives;
+    None when their tokens or alternatives differ."""
+    if a.lp_tokens != b.lp_tokens or len(a.lps) != len(b.lps) or len(a.tops) != len(b.tops):
+        return None
+    d = max((abs(x - y) for x, y in zip(a.lps, b.lps)), default=0.0)
+    for ta, tb in zip(a.tops, b.tops):
+        if set(ta) != set(tb):
+            return None
+        d = max([d] + [abs(ta[k] - tb[k]) for k in ta])
+    return d
+
+
+def case_logprobs(cl, args, base, ref, ref_text, figures):
+    """Logprobs across a move: the tokens generated after it carry the logprobs (and top
+    alternatives) of an uninterrupted run, within 1e-4."""
+    body = dict(base, stream=True, logprobs=3)
+    lref = Stream(cl.host, cl.port, body, args.deadline).start().join()
+    check(lref.done and lref.text == ref.text and len(lref.lps) == args.tokens and
+          all(len(t) == 3 for t in lref.tops),
+          f"logprobs reference: the greedy text, {len(lref.lps)} logprobs with 3 alternatives")
+    s = Stream(cl.host, cl.port, body, args.deadline).start()
+    check(wait_tokens(s, args.kill_after, 60), "logprobs: tokens before the kill")
+    n_before = len(s.lps)
+    old, _ = kill(cl, "decode-d0-0")
+    s.join()
+    d = lp_diff(s, lref)
+    figures["logprobs_max_diff_after_move"] = d
+    check(s.done and not s.error and s.text == lref.text and d is not None and d <= 1e-4,
+          f"logprobs stream killed mid-way ({n_before} before the kill): the same tokens and "
+          f"alternatives, logprobs within 1e-4 of the uninterrupted run (max diff {d}; ended "
+          f"{s.ended}, error {s.error})")
+    check(cl.wait_restarted("decode-d0-0", old, 60) is not None and wait_serving(cl, 60),
+          "restarted and serving again")
+
+
 def case_nonstream(cl, args, base, ref, ref_text, figures):
     """Not streamed: killed mid-way, the answer is still whole."""
     res = {}
@@ -284,7 +328,7 @@ def case_prefill(cl, args, base, ref, ref_text, figures):
 
 
 CASES = {"decode": case_decode, "seeded": case_seeded, "penalized": case_penalized,
-         "nonstream": case_nonstream,
+         "logprobs": case_logprobs, "nonstream": case_nonstream,
          "optout": case_optout, "prefill": case_prefill}
 
 
@@ -303,7 +347,8 @@ def main():
     ap.add_argument("--asan", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--cases", default="decode,seeded,penalized,nonstream,optout,prefill")
+    ap.add_argument("--cases",
+                    default="decode,seeded,penalized,logprobs,nonstream,optout,prefill")
     args = ap.parse_args()
     args.model = args.model or os.path.join(args.synth_dir, "llama.gguf")
     env_extra = {}
