@@ -44,6 +44,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -65,6 +66,7 @@ class Stream:
         self.text, self.times, self.finish, self.usage = "", [], None, None
         self.error, self.done, self.status, self.ended = None, False, None, None
         self.lp_tokens, self.lps, self.tops = [], [], []  # the chunks' logprobs, in order
+        self.oid = None
         self.t = threading.Thread(target=self.run, daemon=True)
 
     def start(self):
@@ -104,6 +106,7 @@ class Stream:
                     continue
                 if ev.get("usage"):
                     self.usage = ev["usage"]
+                self.oid = self.oid or ev.get("id")
                 for ch in ev.get("choices", []):
                     lp = ch.get("logprobs") or {}
                     self.lp_tokens += lp.get("tokens", [])
@@ -265,9 +268,16 @@ def case_logprobs(cl, args, base, ref, ref_text, figures):
         check(cl.wait_restarted("decode-d0-0", old, 60) is not None and wait_serving(cl, 60),
               "restarted and serving again")
         moved = (cl.metrics() or {}).get(("tandem_router_migrations_total", ()), 0) > moves0
-        if moved:
+        # how many tokens the router held when it moved the request (rt_dispatch.c's log):
+        # the rest were generated, with their logprobs, after the move
+        at = re.findall(rf"{re.escape(s.oid or '-')}: .* after (\d+) tokens: moving it",
+                        "".join(cl.logs().values()))
+        after = args.tokens - int(at[0]) if moved and at else 0
+        if after > 0:
             break
-    check(moved, f"logprobs: the stream moved (migrations_total grew; {attempt + 1} tries)")
+    figures["logprobs_tokens_after_move"] = after
+    check(after > 0, f"logprobs: the stream moved with {after} of {args.tokens} tokens still to "
+                     f"generate ({attempt + 1} tries)")
     d = lp_diff(s, lref)
     tol = 1e-4 if args.kv_dtype == "f32" else 1e-3
     figures["logprobs_max_diff_after_move"] = d
