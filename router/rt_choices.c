@@ -12,7 +12,13 @@
 
 bool rt_choices_many(const rt_req *q)
 {
-    return !q->ch.parent && (q->p.n > 1 || q->p.n_more > 0);
+    return !q->ch.parent && (q->p.n > 1 || q->p.best_of > 1 || q->p.n_more > 0);
+}
+
+/* Children per prompt: best_of candidates, or n choices. */
+static int per_prompt(const rt_params *p)
+{
+    return p->best_of > p->n ? p->best_of : p->n > 1 ? p->n : 1;
 }
 
 /* Child (prompt i, choice c) of parent q: a plain request that borrows q's parameters. */
@@ -34,16 +40,17 @@ static rt_req *make_child(const rt_req *q, int i, int c)
     k->p.more = NULL;
     k->p.n_more = 0;
     k->p.n = 1;
+    k->p.best_of = 0;
     k->p.sampling.seed = q->p.sampling.seed + (uint64_t)c;
     k->ch.parent = (rt_req *)q;
-    k->ch.index = i * (q->p.n > 1 ? q->p.n : 1) + c;
+    k->ch.index = i * per_prompt(&q->p) + c;
     k->loop.state = RT_ST_DONE; /* in the loop once admitted */
     return k;
 }
 
 static int make_children(rt_req *q, rt_error *e)
 {
-    int n = q->p.n > 1 ? q->p.n : 1, total = n * (1 + q->p.n_more);
+    int n = per_prompt(&q->p), total = n * (1 + q->p.n_more);
     q->ch.kids = calloc((size_t)total, sizeof *q->ch.kids);
     if (!q->ch.kids) return rt_error_set(e, 500, NULL, NULL, "out of memory");
     for (int i = 0; i <= q->p.n_more; i++)
@@ -52,6 +59,7 @@ static int make_children(rt_req *q, rt_error *e)
             if (!k) return rt_error_set(e, 500, NULL, NULL, "out of memory");
             q->ch.kids[q->ch.n_kids++] = k;
         }
+    q->ch.n_out = q->ch.n_kids;
     return 0;
 }
 
@@ -102,10 +110,49 @@ static void sweep(rt_router *r, rt_req *q, int status, const char *code)
     q->ch.sweeping = false;
 }
 
+/* The cumulative logprob of k's generated tokens (those it received; vLLM's
+ * cumulative_logprob less the end-of-generation token, which is not answered). */
+static double cumulative_logprob(const rt_req *k)
+{
+    double s = 0;
+    for (int i = 0; i < k->loop.n_lps; i++)
+        s += k->loop.lps[i].logprob;
+    return s;
+}
+
+static int by_prompt_then_logprob(const void *a, const void *b)
+{
+    const rt_req *x = *(rt_req *const *)a, *y = *(rt_req *const *)b;
+    int per = per_prompt(&x->ch.parent->p);
+    int px = x->ch.index / per, py = y->ch.index / per;
+    if (px != py) return px < py ? -1 : 1;
+    double lx = cumulative_logprob(x), ly = cumulative_logprob(y);
+    if (lx != ly) return lx > ly ? -1 : 1;
+    return x->ch.index < y->ch.index ? -1 : 1; /* ties: the lower candidate first */
+}
+
+/* best_of: each prompt's candidates in decreasing cumulative logprob; its n first are the
+ * answer, indexed prompt * n + rank, in kids[0 .. n_out); the others follow, unanswered. */
+static void rank(rt_req *q)
+{
+    int per = per_prompt(&q->p), n = q->p.n > 1 ? q->p.n : 1, out = 0;
+    qsort(q->ch.kids, (size_t)q->ch.n_kids, sizeof *q->ch.kids, by_prompt_then_logprob);
+    for (int i = 0; i < q->ch.n_kids; i++) {
+        if (i % per >= n) continue;
+        /* a stable partition in place (a few dozen children): kids[out] <- kids[i] */
+        rt_req *k = q->ch.kids[i];
+        memmove(q->ch.kids + out + 1, q->ch.kids + out, (size_t)(i - out) * sizeof *q->ch.kids);
+        k->ch.index = (i / per) * n + i % per;
+        q->ch.kids[out++] = k;
+    }
+    q->ch.n_out = out;
+}
+
 /* q's last child left: end the response if every child finished, drop the loop's
  * reference (q may be freed). */
 static void end(rt_router *r, rt_req *q)
 {
+    if (!q->ch.failed && q->p.best_of > q->p.n) rank(q);
     if (!q->ch.failed) {
         int rc = rt_stream_close(r, q);
         if (rc) TD_LOG_ERR("router: %s: cannot write the response: %s", q->oid, td_strerror(rc));

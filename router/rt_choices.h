@@ -14,7 +14,8 @@
  *         the queue cannot take them all now, and the caller refuses the parent)
  *   OPEN --a child retires finished (rt_choices_retired)--> OPEN, n_live - 1
  *   OPEN --the last child retires finished--> DONE (rt_stream_close: usage and [DONE], or the
- *         JSON body with every choice in index order)
+ *         JSON body with every choice in index order; with best_of, each prompt's candidates
+ *         ranked first and only its n best answered)
  *   OPEN --a child retires unfinished (its error is the response, rt_stream_fail) or
  *         rt_choices_abort (the client left)--> FAILED: every other child is cancelled on its
  *         instances and retired at once --> DONE
@@ -23,6 +24,12 @@
  *  - child (prompt i, choice c): index i * n + c; its p is the parent's with the prompt i, its
  *    max_tokens, n = 1 and seed + c (vLLM's rule: the choices differ, the request stays
  *    reproducible; greedy choices are equal, and choice 0 equals the request with n = 1).
+ *  - best_of > n (completions, never streamed): best_of children per prompt, candidate c at
+ *    index i * best_of + c with seed + c (so candidate c equals choice c of n = best_of);
+ *    they carry sampling.logprobs (p.lp_hidden when the client did not ask for them). When
+ *    the last one retires, each prompt's candidates are sorted by the sum of their
+ *    generated tokens' logprobs (highest first, ties: lower candidate), the n first get the
+ *    indexes i * n + rank and kids[0 .. ch.n_out); usage counts every candidate's tokens.
  *  - The loop holds one reference to the parent from rt_loop_post until its last child
  *    retires (or until it is refused); a child retiring never outlives the call that drops it.
  * Threading: the loop thread only.

@@ -16,6 +16,7 @@
 #include "rt_choices.h"
 #include "rt_loop_int.h"
 #include "rt_route.h"
+#include "rt_tools.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -60,8 +61,12 @@ void rt_loop_finish(rt_router *r, rt_req *q, rt_finish fin)
 {
     int rc = rt_stream_finish(r, q, fin);
     if (rc) TD_LOG_ERR("router: %s: cannot write the response: %s", q->oid, td_strerror(rc));
+    const char *outcome = fin == RT_FIN_LENGTH && !q->loop.stop_hit ? "length" : "stop";
+    /* as the answer says it (rt_stream.c): a stop whose text was parsed into tool calls */
+    if (!strcmp(outcome, "stop") && q->loop.toolp && rt_toolp_n_calls(q->loop.toolp))
+        outcome = "tool_calls";
     rt_metrics_request_end(&r->metrics, r->cfg, q, td_now_ms(), rc && !q->p.stream ? 500 : 200,
-                           fin == RT_FIN_LENGTH && !q->loop.stop_hit ? "length" : "stop");
+                           outcome);
     rt_loop_retire(r, q);
 }
 

@@ -109,7 +109,7 @@ static json_t *legacy_json(const td_tokenizer *tok, rt_req *q, bool prompt, int 
 
 json_t *rt_logprobs_json(const td_tokenizer *tok, rt_req *q, bool prompt, int to)
 {
-    if (!q->p.sampling.logprobs) return json_null();
+    if (!q->p.sampling.logprobs || q->p.lp_hidden) return json_null();
     if (to > q->loop.n_lps) to = q->loop.n_lps;
     if (to < q->loop.lp_sent) to = q->loop.lp_sent;
     json_t *o = q->p.ep == RT_EP_CHAT ? chat_json(tok, q, to) : legacy_json(tok, q, prompt, to);

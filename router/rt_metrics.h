@@ -47,7 +47,13 @@ typedef struct {
 } rt_inst_gauge;
 
 /* vllm:request_success_total's finished_reason label. */
-typedef enum { RT_FR_STOP = 0, RT_FR_LENGTH, RT_FR_ABORT, RT_FR_N } rt_fin_reason;
+typedef enum {
+    RT_FR_STOP = 0,
+    RT_FR_LENGTH,
+    RT_FR_ABORT,
+    RT_FR_TOOL_CALLS, /* "stop" whose answer was parsed into tool calls (rt_tools.h) */
+    RT_FR_N
+} rt_fin_reason;
 
 /* The series named after vLLM's and SGLang's (rt_metrics_vllm.c). */
 typedef struct {

@@ -89,7 +89,10 @@ void rt_metrics_vllm_end(rt_metrics *m, const rt_req *q, int64_t now_ms, int sta
     if (l->t_first_ms) v->prompt_tokens += q->p.n_prompt; /* its prompt was prefilled */
     if (status == 499) v->success[RT_FR_ABORT]++;
     if (status != 200) return;
-    v->success[outcome && !strcmp(outcome, "length") ? RT_FR_LENGTH : RT_FR_STOP]++;
+    rt_fin_reason fr = RT_FR_STOP;
+    if (outcome && !strcmp(outcome, "length")) fr = RT_FR_LENGTH;
+    if (outcome && !strcmp(outcome, "tool_calls")) fr = RT_FR_TOOL_CALLS;
+    v->success[fr]++;
     rt_hist_observe(&v->e2e, BOUNDS(REQ_LE), (double)(now_ms - q->t_arrive_ms) / 1000.0);
     rt_hist_observe(&v->prompt, TOK_BOUNDS, (double)q->p.n_prompt);
     rt_hist_observe(&v->gen, TOK_BOUNDS, (double)(l->n_gen > 0 ? l->n_gen : 0));
@@ -191,11 +194,12 @@ static int render_requests(rt_buf *b, const rt_metrics *m)
 static int render_counters(rt_buf *b, const rt_metrics *m)
 {
     const rt_vmetrics *v = &m->v;
-    static const char *const fr[RT_FR_N] = {"stop", "length", "abort"};
+    static const char *const fr[RT_FR_N] = {"stop", "length", "abort", "tool_calls"};
     char line[2048];
-    int rc = rt_buf_puts(b, "# HELP vllm:request_success_total Ended requests by finish reason "
-                            "(abort: the client went away).\n"
-                            "# TYPE vllm:request_success_total counter\n");
+    int rc = rt_buf_puts(
+        b, "# HELP vllm:request_success_total Ended requests by finish reason "
+           "(abort: the client went away; tool_calls: a stop whose answer was tool calls).\n"
+           "# TYPE vllm:request_success_total counter\n");
     for (int k = 0; k < RT_FR_N; k++) {
         snprintf(line, sizeof line, "vllm:request_success_total{%s,finished_reason=\"%s\"} %llu\n",
                  v->model, fr[k], (unsigned long long)v->success[k]);

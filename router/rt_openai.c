@@ -457,19 +457,31 @@ static int parse_n(json_t *o, rt_endpoint ep, const td_cfg_router *cfg, rt_param
                             "'n' is %lld; at most %d choices per prompt (router.max_n)", n,
                             cfg->max_n);
     if (ep == RT_EP_COMPLETIONS && (rc = get_int(o, "best_of", 1, 1 << 30, &best_of, e))) return rc;
-    /* best_of > n returns the n best of best_of choices by cumulative log-probability: a
-       ranking Tandem does not do (docs/api.md), so only best_of == n (no ranking) is served */
-    if (best_of >= 0 && best_of != n)
-        return rt_error_set(e, 400, "best_of", NULL,
-                            "'best_of' (%lld) must equal 'n' (%lld): Tandem does not rank "
-                            "choices by log-probability",
+    if (best_of >= 0 && best_of < n)
+        return rt_error_set(e, 400, "best_of", NULL, "'best_of' (%lld) must be at least 'n' (%lld)",
                             best_of, n);
-    long long total = n * (1 + (long long)p->n_more);
+    if (best_of > n) {
+        /* vLLM's best_of: best_of candidates, the n with the highest cumulative logprob of
+           their generated tokens answered (rt_choices.h); ranked only once all have ended */
+        if (p->stream)
+            return rt_error_set(e, 400, "best_of", NULL,
+                                "'best_of' (%lld) > 'n' cannot be streamed: the best choices "
+                                "are known only when every candidate has ended",
+                                best_of);
+        if (best_of > cfg->max_n)
+            return rt_error_set(e, 400, "best_of", NULL,
+                                "'best_of' is %lld; at most %d candidates per prompt "
+                                "(router.max_n)",
+                                best_of, cfg->max_n);
+        p->best_of = (int)best_of;
+        if (!p->sampling.logprobs) p->sampling.logprobs = 1, p->lp_hidden = true;
+    }
+    long long total = (best_of > n ? best_of : n) * (1 + (long long)p->n_more);
     if (total > 1 && total > cfg->max_queue)
         return rt_error_set(e, 400, p->n_more ? "prompt" : "n", NULL,
-                            "%lld choices (n = %lld for each of %d prompts) exceed the router "
-                            "queue (router.max_queue = %d)",
-                            total, n, 1 + p->n_more, cfg->max_queue);
+                            "%lld choices (n = %lld, best_of %lld, for each of %d prompts) "
+                            "exceed the router queue (router.max_queue = %d)",
+                            total, n, best_of > n ? best_of : n, 1 + p->n_more, cfg->max_queue);
     p->n = (int)n;
     return 0;
 }

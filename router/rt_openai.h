@@ -71,6 +71,9 @@ typedef struct {
     int64_t timeout_ms; /* the body's "timeout" (seconds) in ms; 0: not given */
     bool no_migrate;    /* the body's "migrate": false: fail rather than move mid-stream */
     int n;              /* choices per prompt, 1..router.max_n */
+    int best_of;        /* completions best_of > n: candidates per prompt (<= router.max_n),
+                           the n with the highest cumulative logprob answered; else 0 */
+    bool lp_hidden;     /* sampling.logprobs set for best_of's ranking only: not answered */
     rt_prompt *more;    /* (n_more) a batch's prompts after the first, malloc'd; NULL: one */
     int n_more;         /* n > 1 or n_more > 0: the request fans out (rt_choices.h) */
     /* logprobs (sampling.logprobs = 1 + top alternatives when asked; docs/api.md) */

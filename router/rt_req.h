@@ -145,11 +145,14 @@ typedef struct {
  * rt_choices_admit on the loop thread; loop-owned after. */
 typedef struct {
     struct rt_req *parent; /* child: its parent (borrowed: a parent outlives its children) */
-    int index;             /* child: the choice's index, prompt * n + choice; else 0 */
+    int index;             /* child: the choice's index, prompt * n + choice (best_of: prompt *
+                              best_of + candidate until rt_choices ranks them); else 0 */
     bool finished;         /* child: ended normally (rt_stream_finish wrote its finish) */
     int fin;               /* child, finished: its rt_finish (rt_stream.h) */
     struct rt_req **kids;  /* parent: (n_kids) its children, one reference each; else NULL */
     int n_kids;
+    int n_out;     /* parent: the choices answered, kids[0 .. n_out) in index order: n_kids,
+                      or with best_of the n best of each prompt (rt_choices.c rank) */
     int n_live;    /* parent: children in the loop (admitted, not retired) */
     bool failed;   /* parent: a child failed or the client left: the others are cancelled */
     bool sweeping; /* parent: rt_choices is retiring the children still live */

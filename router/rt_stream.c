@@ -71,16 +71,21 @@ static json_t *usage_obj(const rt_req *q)
 {
     size_t prompt = q->p.n_prompt, gen = (size_t)q->loop.n_gen, cached = req_cached(q);
     if (q->ch.kids) {
-        int n = q->p.n > 1 ? q->p.n : 1;
-        prompt = gen = cached = 0;
-        size_t most = 0;
-        for (int i = 0; i < q->ch.n_kids; i++) {
-            const rt_req *k = q->ch.kids[i];
-            if (k->ch.index % n == 0) prompt += k->p.n_prompt;
-            gen += (size_t)k->loop.n_gen;
-            if (req_cached(k) > most) most = req_cached(k);
-            if (k->ch.index % n == n - 1) cached += most, most = 0; /* the prompt's last choice */
+        /* every prompt once; every child's generated tokens (best_of's unanswered candidates
+           too: the work was done); cached: per prompt (a child's p.prompt names it) the most
+           any of its children got */
+        gen = cached = 0;
+        for (int i = 0; i <= q->p.n_more; i++) {
+            const int32_t *ids = i ? q->p.more[i - 1].ids : q->p.prompt;
+            if (i) prompt += q->p.more[i - 1].n;
+            size_t most = 0;
+            for (int j = 0; j < q->ch.n_kids; j++)
+                if (q->ch.kids[j]->p.prompt == ids && req_cached(q->ch.kids[j]) > most)
+                    most = req_cached(q->ch.kids[j]);
+            cached += most;
         }
+        for (int i = 0; i < q->ch.n_kids; i++)
+            gen += (size_t)q->ch.kids[i]->loop.n_gen;
     }
     return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)prompt,
                      "completion_tokens", (json_int_t)gen, "total_tokens",
@@ -140,12 +145,38 @@ static json_t *text_choice(const rt_req *q, const char *text, size_t len, const 
 /* echo: the prompt's text (malloc'd, *len bytes; NULL: no memory) */
 static char *prompt_text(const rt_router *r, const rt_req *q, size_t *len)
 {
-    long n = td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, NULL, 0);
-    char *t = n >= 0 ? malloc((size_t)n + 1) : NULL;
-    if (!t) return NULL;
-    td_tok_decode(r->model.tok, q->p.prompt, q->p.n_prompt, false, t, (size_t)n);
-    *len = (size_t)n;
-    return t;
+    /* through the incremental detokenizer, as generated text is: bytes that are not UTF-8
+       (a prompt of token ids may cut a character) become U+FFFD, which a JSON string can
+       carry (td_tok_decode's raw bytes made the response a 500) */
+    rt_buf b = {0};
+    td_detok d;
+    td_detok_init(&d, r->model.tok);
+    char *piece = NULL;
+    size_t cap = 0;
+    int rc = 0;
+    for (size_t i = 0; i < q->p.n_prompt && !rc; i++) {
+        size_t plen = 0;
+        if (!td_tok_piece(r->model.tok, q->p.prompt[i], &plen)) rc = TD_EINVAL;
+        if (!rc && 4 * plen + 8 > cap) {
+            char *np = realloc(piece, 4 * plen + 8);
+            rc = np ? 0 : TD_ENOMEM;
+            if (np) piece = np, cap = 4 * plen + 8;
+        }
+        int k = rc ? rc : td_detok_push(&d, q->p.prompt[i], piece, cap);
+        rc = k < 0 ? k : rt_buf_append(&b, piece, (size_t)k);
+    }
+    char tail[16];
+    int k = rc ? rc : td_detok_flush(&d, tail, sizeof tail);
+    rc = k < 0 ? k : rt_buf_append(&b, tail, (size_t)k);
+    td_detok_fini(&d);
+    free(piece);
+    if (!rc && !b.buf) rc = rt_buf_append(&b, "", 0);
+    if (rc || !b.buf) {
+        rt_buf_free(&b);
+        return NULL;
+    }
+    *len = b.len;
+    return b.buf;
 }
 
 /* stream, echo: the prompt's chunk (text and logprobs) before any other. Caller holds
@@ -340,7 +371,7 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
     json_t *choices = json_array();
     if (!choices) return NULL;
     if (!q->ch.kids) json_array_append_new(choices, final_choice(r, q, finish));
-    for (int i = 0; i < q->ch.n_kids; i++) {
+    for (int i = 0; i < q->ch.n_out; i++) {
         rt_req *k = q->ch.kids[i];
         json_array_append_new(choices, final_choice(r, k, finish_str(k, k->ch.fin)));
     }
@@ -348,7 +379,7 @@ static char *final_body(const rt_router *r, rt_req *q, const char *finish)
                           q->p.ep == RT_EP_CHAT ? "chat.completion" : "text_completion", "created",
                           (json_int_t)q->created, "model", r->model.name, "choices", choices,
                           "usage", usage_obj(q));
-    if (!o || json_array_size(choices) != (size_t)(q->ch.kids ? q->ch.n_kids : 1)) {
+    if (!o || json_array_size(choices) != (size_t)(q->ch.kids ? q->ch.n_out : 1)) {
         json_decref(o);
         return NULL;
     }

@@ -71,3 +71,16 @@ if(TANDEM_MODEL_QWEN05)
             --model ${TANDEM_MODEL_QWEN05} --label qwen0.5b --prompts 0,1,6)
   set_tests_properties(reference_qwen05 PROPERTIES TIMEOUT 1800 ENVIRONMENT "${TANDEM_PY_ENV}")
 endif()
+
+# prompt_logprobs: /v1/completions echo + logprobs + max_tokens 0 (prompt logprobs) on the
+# synthetic llama model against log_softmax of ref_forward.py's logits, colocated and
+# disaggregated (prefill pp 2), f32 KV (test_prompt_logprobs.py: the tolerance and why).
+if(TARGET tandem-router AND TARGET tandem-decode AND TARGET tandem-prefill)
+  add_test(NAME prompt_logprobs
+    COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_prompt_logprobs.py
+            --router $<TARGET_FILE:tandem-router> --decode $<TARGET_FILE:tandem-decode>
+            --prefill $<TARGET_FILE:tandem-prefill> --tandem ${TANDEM_BIN}
+            --model ${TANDEM_SYNTH_DIR}/llama.gguf)
+  set_tests_properties(prompt_logprobs PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
+                       ENVIRONMENT "${TANDEM_PY_ENV}")
+endif()

@@ -42,11 +42,11 @@ OK, ERROR, REFUSED, CUT, HUNG, BAD, DROPPED = ("ok", "error", "refused", "cut", 
 
 def chaos_yaml(model, run_dir, listen, router_port, pf_hosts, pf_port, dc_host, dc_port, tp,
                ucx_tls, xfer_timeout_ms, instance_timeout_ms=2000, pp=2, request_timeout_ms=30000,
-               colocated=False):
+               colocated=False, kv_dtype=None):
     """The cluster YAML: the router's own deadline per request (request_timeout_ms, 504 past
     it) is below the clients' (--deadline), so a request that hangs inside the cluster is
     the router's failure to answer, not the client's impatience. colocated: no prefill
-    instance (the decode instance prefills)."""
+    instance (the decode instance prefills). kv_dtype: decode[].kv_dtype (None: the default)."""
     doc = {"model": model, "run_dir": run_dir,
            "router": {"listen": f"{listen}:{router_port}", "heartbeat_ms": 100,
                       "instance_timeout_ms": instance_timeout_ms,
@@ -57,6 +57,8 @@ def chaos_yaml(model, run_dir, listen, router_port, pf_hosts, pf_port, dc_host, 
                            "profile_budget_ms": 0}]
     doc["decode"] = [{"name": "d0", "tp": tp, "threads": 1, "host": dc_host, "port": dc_port,
                       "kv_blocks": 256, "max_batch": 16}]
+    if kv_dtype:
+        doc["decode"][0]["kv_dtype"] = kv_dtype
     doc["kvxfer"] = {"ucx_tls": ucx_tls, "timeout_ms": xfer_timeout_ms}
     return yaml_text(doc)
 
@@ -67,7 +69,7 @@ class ChaosCluster(UpCluster):
     temp dir of symlinks, so every process's command line names the temp dir (leftovers)."""
 
     def __init__(self, args, model, tp=2, xfer_timeout_ms=10000, env_extra=None, pp=2,
-                 colocated=False, request_timeout_ms=30000):
+                 colocated=False, request_timeout_ms=30000, kv_dtype=None):
         super().__init__(args.tandem, "tandem-chaos-",
                          {"decode": args.decode, "prefill": args.prefill,
                           "router": args.router}, exclude="test_chaos", env_extra=env_extra)
@@ -83,7 +85,8 @@ class ChaosCluster(UpCluster):
             f.write(chaos_yaml(model, f"{self.dir}/run", "127.0.0.1", self.port,
                                ["127.0.0.1", "127.0.0.1"], self.pf_port, "127.0.0.1",
                                self.dc_port, tp, "posix,cma,self", xfer_timeout_ms, pp=pp,
-                               colocated=colocated, request_timeout_ms=request_timeout_ms))
+                               colocated=colocated, request_timeout_ms=request_timeout_ms,
+                               kv_dtype=kv_dtype))
         self.rdir = self.run_dir("chaos")
 
     # --- processes, from the pid files ("PID STARTTIME RESTARTS", docs/deploy.md) -----------

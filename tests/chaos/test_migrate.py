@@ -18,6 +18,13 @@ instance, the decode instance prefills), on the synthetic model or --model. Case
   penalized   greedy with frequency_penalty 1.5 and presence_penalty 0.5, killed the same way:
               the text equals the uninterrupted penalized run's, which differs from the plain
               greedy one (the tokens generated before the move keep counting)
+  logprobs    the same greedy stream with logprobs 3, killed the same way: its tokens and
+              their logprobs (and top-3 alternatives) equal the uninterrupted run's within
+              1e-4 with --kv-dtype f32, 1e-3 with f16 KV: the new instance re-prefills the
+              prompt and the tokens before the move, and a prefill attends to its own
+              chunk's K/V before their rounding to f16 while decode read them back rounded
+              (measured on the synthetic model, the same move without a kill: 4.7e-4 with
+              f16 KV, 2.5e-6 with f32)
   nonstream   the same without streaming: kill -9 while it generates; the JSON answer equals
               the reference
   opt-out     "migrate": false, killed the same way: an SSE error event and [DONE] within
@@ -31,11 +38,13 @@ process runs, `tandem down` leaves nothing behind, no sanitizer report in any lo
 
 usage: test_migrate.py --tandem BIN --decode BIN --prefill BIN --router BIN --synth-dir DIR
                        [--model GGUF] [--colocated] [--tokens N] [--kill-after K] [--asan]
+                       [--kv-dtype f16|f32]
 """
 import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -56,6 +65,8 @@ class Stream:
         self.host, self.port, self.body, self.deadline_s = host, port, body, deadline_s
         self.text, self.times, self.finish, self.usage = "", [], None, None
         self.error, self.done, self.status, self.ended = None, False, None, None
+        self.lp_tokens, self.lps, self.tops = [], [], []  # the chunks' logprobs, in order
+        self.oid = None
         self.t = threading.Thread(target=self.run, daemon=True)
 
     def start(self):
@@ -95,7 +106,12 @@ class Stream:
                     continue
                 if ev.get("usage"):
                     self.usage = ev["usage"]
+                self.oid = self.oid or ev.get("id")
                 for ch in ev.get("choices", []):
+                    lp = ch.get("logprobs") or {}
+                    self.lp_tokens += lp.get("tokens", [])
+                    self.lps += lp.get("token_logprobs", [])
+                    self.tops += lp.get("top_logprobs", [])
                     if ch.get("text"):
                         self.text += ch["text"]
                         self.times.append(time.time())
@@ -221,6 +237,56 @@ def case_penalized(cl, args, base, ref, ref_text, figures):
           "restarted and serving again")
 
 
+def lp_diff(a, b):
+    """The largest |logprob difference| between two streams' tokens and top alternatives;
+    None when their tokens or alternatives differ."""
+    if a.lp_tokens != b.lp_tokens or len(a.lps) != len(b.lps) or len(a.tops) != len(b.tops):
+        return None
+    d = max((abs(x - y) for x, y in zip(a.lps, b.lps)), default=0.0)
+    for ta, tb in zip(a.tops, b.tops):
+        if set(ta) != set(tb):
+            return None
+        d = max([d] + [abs(ta[k] - tb[k]) for k in ta])
+    return d
+
+
+def case_logprobs(cl, args, base, ref, ref_text, figures):
+    """Logprobs across a move: the tokens generated after it carry the logprobs (and top
+    alternatives) of an uninterrupted run, within 1e-4 with f32 KV, 1e-3 with f16 (above)."""
+    body = dict(base, stream=True, logprobs=3)
+    lref = Stream(cl.host, cl.port, body, args.deadline).start().join()
+    check(lref.done and lref.text == ref.text and len(lref.lps) == args.tokens and
+          all(len(t) == 3 for t in lref.tops),
+          f"logprobs reference: the greedy text, {len(lref.lps)} logprobs with 3 alternatives")
+    for attempt in range(3):  # a stream that ended before the kill landed moved nothing
+        moves0 = (cl.metrics() or {}).get(("tandem_router_migrations_total", ()), 0)
+        s = Stream(cl.host, cl.port, body, args.deadline).start()
+        check(wait_tokens(s, args.kill_after, 60), "logprobs: tokens before the kill")
+        n_before = len(s.lps)
+        old, _ = kill(cl, "decode-d0-0")
+        s.join()
+        check(cl.wait_restarted("decode-d0-0", old, 60) is not None and wait_serving(cl, 60),
+              "restarted and serving again")
+        moved = (cl.metrics() or {}).get(("tandem_router_migrations_total", ()), 0) > moves0
+        # how many tokens the router held when it moved the request (rt_dispatch.c's log):
+        # the rest were generated, with their logprobs, after the move
+        at = re.findall(rf"{re.escape(s.oid or '-')}: .* after (\d+) tokens: moving it",
+                        "".join(cl.logs().values()))
+        after = args.tokens - int(at[0]) if moved and at else 0
+        if after > 0:
+            break
+    figures["logprobs_tokens_after_move"] = after
+    check(after > 0, f"logprobs: the stream moved with {after} of {args.tokens} tokens still to "
+                     f"generate ({attempt + 1} tries)")
+    d = lp_diff(s, lref)
+    tol = 1e-4 if args.kv_dtype == "f32" else 1e-3
+    figures["logprobs_max_diff_after_move"] = d
+    check(s.done and not s.error and s.text == lref.text and d is not None and d <= tol,
+          f"logprobs stream killed mid-way ({n_before} before the kill): the same tokens and "
+          f"alternatives, logprobs within {tol} of the uninterrupted run ({args.kv_dtype} KV; "
+          f"max diff {d}; ended {s.ended}, error {s.error})")
+
+
 def case_nonstream(cl, args, base, ref, ref_text, figures):
     """Not streamed: killed mid-way, the answer is still whole."""
     res = {}
@@ -284,7 +350,7 @@ def case_prefill(cl, args, base, ref, ref_text, figures):
 
 
 CASES = {"decode": case_decode, "seeded": case_seeded, "penalized": case_penalized,
-         "nonstream": case_nonstream,
+         "logprobs": case_logprobs, "nonstream": case_nonstream,
          "optout": case_optout, "prefill": case_prefill}
 
 
@@ -301,9 +367,12 @@ def main():
     ap.add_argument("--end-within", type=float, default=10.0, help="opt-out: seconds")
     ap.add_argument("--deadline", type=float, default=120.0, help="client side, seconds")
     ap.add_argument("--asan", action="store_true")
+    ap.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16",
+                    help="decode[].kv_dtype (the logprobs case's tolerance depends on it)")
     ap.add_argument("--json", default="")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--cases", default="decode,seeded,penalized,nonstream,optout,prefill")
+    ap.add_argument("--cases",
+                    default="decode,seeded,penalized,logprobs,nonstream,optout,prefill")
     args = ap.parse_args()
     args.model = args.model or os.path.join(args.synth_dir, "llama.gguf")
     env_extra = {}
@@ -317,8 +386,10 @@ def main():
     # and the router's deadline per request room for a whole stream of the default model
     # under ASan (~0.15 s a token on a busy machine) plus a move
     cl = ChaosCluster(args, args.model, tp=1, pp=1, colocated=args.colocated,
-                      env_extra=env_extra, xfer_timeout_ms=60000, request_timeout_ms=120000)
-    shape = "colocated tp 1" if args.colocated else "pp 1 prefill + tp 1 decode"
+                      env_extra=env_extra, xfer_timeout_ms=60000, request_timeout_ms=120000,
+                      kv_dtype=args.kv_dtype)
+    shape = ("colocated tp 1" if args.colocated else "pp 1 prefill + tp 1 decode") + \
+        f", {args.kv_dtype} KV"
     print(f"migrate: {shape}, model {args.model}", flush=True)
     figures = {"shape": shape}
     try:

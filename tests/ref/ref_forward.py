@@ -152,10 +152,10 @@ class RefModel:
             x[..., 1:self.n_rot:2] = x0 * sin + x1 * cos
         return x
 
-    def forward(self, ids, cache):
+    def forward(self, ids, cache, all_rows=False):
         """Runs tokens ids (T,) after the cache's positions; returns the last row's logits
-        (n_vocab,) and appends K/V to cache (a list with one (K, V) per layer, each
-        (n_head_kv, S, head_dim))."""
+        (n_vocab,), or with all_rows every row's (T, n_vocab), and appends K/V to cache (a
+        list with one (K, V) per layer, each (n_head_kv, S, head_dim))."""
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
         past = cache[0][0].shape[1] if cache else 0
@@ -225,12 +225,17 @@ class RefModel:
             if self.gemma:
                 f = self.rmsnorm(f, L["post_ffw_norm"])
             x = x + f
-        last = self.rmsnorm(x[-1:], self.output_norm)                    # (1, n_embd)
-        return (last @ self.output.T)[0].astype(np.float32)              # (n_vocab,)
+        rows = self.rmsnorm(x if all_rows else x[-1:], self.output_norm)  # (T or 1, n_embd)
+        out = (rows @ self.output.T).astype(np.float32)                  # (T or 1, n_vocab)
+        return out if all_rows else out[0]
 
     # -- API ------------------------------------------------------------------------
     def logits_last(self, ids):
         return self.forward(ids, [])
+
+    def logits_all(self, ids):
+        """(T, n_vocab): row i is the distribution of the token after ids[:i + 1]."""
+        return self.forward(ids, [], all_rows=True)
 
     def generate(self, ids, n):
         """Greedy decoding of n tokens (never stops early). Returns (tokens, logits), where

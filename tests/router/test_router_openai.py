@@ -286,6 +286,35 @@ def sse_events(port, body, path="/v1/completions"):
     return c, events()
 
 
+def check_best_of(client, kw, name, prompt, n_tok):
+    """best_of 4, n 2: the 2 of the 4 candidates (= the choices of n 4 with the same seed)
+    whose generated tokens have the highest cumulative logprob, highest first; logprobs only
+    when asked; usage counts the 4 candidates; a batch ranks each prompt's own."""
+    def cum(c):
+        return sum(c.logprobs.token_logprobs)
+    four = client.completions.create(prompt=prompt, n=4, seed=21, logprobs=0, **kw).choices
+    best = sorted(four, key=lambda c: (-cum(c), c.index))[:2]
+    r = client.completions.create(prompt=prompt, n=2, best_of=4, seed=21, logprobs=0, **kw)
+    got = [(c.index, c.text, round(cum(c), 4)) for c in r.choices]
+    want = [(i, c.text, round(cum(c), 4)) for i, c in enumerate(best)]
+    check(len({c.text for c in four}) > 2 and got == want,
+          f"{name}: best_of 4 n 2: the 2 highest cumulative logprobs of the 4, highest first "
+          f"(got {got}; the 4: {[(c.text, round(cum(c), 4)) for c in four]})")
+    r = client.completions.create(prompt=prompt, n=2, best_of=4, seed=21, **kw)
+    check([c.text for c in r.choices] == [w[1] for w in want] and
+          all(c.logprobs is None for c in r.choices) and r.usage.completion_tokens == 4 * n_tok,
+          f"{name}: best_of without logprobs: the same choices, no logprobs, usage counts the "
+          f"4 candidates ({r.usage})")
+    b = client.completions.create(prompt=[prompt, "b"], n=1, best_of=3, seed=21, logprobs=0,
+                                  **kw)
+    want_b = []
+    for p in (prompt, "b"):
+        three = client.completions.create(prompt=p, n=3, seed=21, logprobs=0, **kw).choices
+        want_b.append(max(three, key=lambda c: (cum(c), -c.index)).text)
+    check([c.index for c in b.choices] == [0, 1] and [c.text for c in b.choices] == want_b,
+          f"{name}: a batch with best_of 3: each prompt's best, indexes 0 and 1")
+
+
 def check_choices(args, cl, client, mid, name, prompt, n_tok):
     """n > 1 and batched prompts (router/rt_choices.h): indices, seeds, greedy, streaming,
     usage, batches of strings and of token ids, limits, and a disconnect that frees all."""
@@ -342,7 +371,8 @@ def check_choices(args, cl, client, mid, name, prompt, n_tok):
     check(len(ids.choices) == 2 and ids.usage.prompt_tokens == 5,
           f"{name}: a batch of token-id lists ({ids.usage})")
     # limits: refused before anything runs, with a 400 naming the parameter
-    for extra, param in (({"n": 17}, "n"), ({"n": 2, "best_of": 3}, "best_of"),
+    for extra, param in (({"n": 17}, "n"), ({"n": 3, "best_of": 2}, "best_of"),
+                         ({"best_of": 17}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
                          ({"prompt": ["x"] * 65}, "prompt")):
         try:
             client.completions.create(**dict(dict(model=mid, prompt=prompt, max_tokens=2),
@@ -354,6 +384,7 @@ def check_choices(args, cl, client, mid, name, prompt, n_tok):
                   f"{name}: {list(extra)} over the limit: 400 naming {param} ({body})")
     r = client.completions.create(model=mid, prompt=prompt, max_tokens=2, n=2, best_of=2)
     check(len(r.choices) == 2, f"{name}: best_of == n is served")
+    check_best_of(client, kw, name, prompt, n_tok)
     # a client that leaves mid-stream: every choice is cancelled, nothing stays behind
     conn, ev = sse_events(cl.http_port, {"prompt": prompt, "n": 4, "max_tokens": 400,
                                          "temperature": 1.0, "ignore_eos": True})

@@ -12,6 +12,8 @@ Qwen2.5-Coder-0.5B-Instruct model, colocated (one decode instance) and disaggreg
     function with a named tool_choice, the arguments valid under its schema (constrained by
     the grammar engine), streamed == non-streamed; strict makes every property present;
     strict with "auto", an undeclared name and response_format with a forced call are 400s.
+  - /metrics counts the tool-call answers as vllm:request_success_total{finished_reason=
+    "tool_calls"} and the text answers as "stop" (or "length").
 This model writes its calls as bare JSON (no <tool_call> tags), which the parser accepts for
 declared tools (router/rt_tools.h).
 
@@ -20,8 +22,10 @@ usage: test_router_tools.py --router BIN --decode BIN --prefill BIN --tandem BIN
 import argparse
 import json
 import os
+import re
 import sys
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # tdtest
@@ -91,7 +95,14 @@ def streamed(client, mid, **kw):
     return content, calls, finish, first
 
 
-def run_shape(name, client):
+def success_counts(url):
+    """vllm:request_success_total by finished_reason, from the router's /metrics."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^vllm:request_success_total\{[^}]*finished_reason="([a-z_]+)"\} (\S+)$', text, re.M)}
+
+
+def run_shape(name, client, url):
     mid = client.models.list().data[0].id
     kw = dict(model=mid, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=MAX_TOKENS)
     t0 = time.time()
@@ -122,6 +133,9 @@ def run_shape(name, client):
           "18" in m.content, f"{name} history with the tool result: text answer {m.content!r}")
 
     forced_calls(name, client, mid)
+    fr = success_counts(url)
+    check(fr.get("tool_calls", 0) >= 2 and fr.get("stop", 0) + fr.get("length", 0) >= 2,
+          f"{name} metrics: the tool_calls and stop/length answers counted (got {fr})")
     print(f"{name}: {time.time() - t0:.1f} s", flush=True)
 
 
@@ -191,10 +205,10 @@ def main():
         try:
             if name == "colocated":
                 with rtlib.Cluster(args, args.model) as c:
-                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"))
+                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"), c.url)
             else:
                 with pdlib.Cluster(args, args.model, [{"pp": 1}], [{"tp": 1}]) as c:
-                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"))
+                    run_shape(name, openai.OpenAI(base_url=c.url + "/v1", api_key="x"), c.url)
         except Exception as e:  # a crashed shape is a failure; the other still runs
             check(False, f"{name}: {type(e).__name__}: {e}")
     print(f"{len(FAILS)} failed")
