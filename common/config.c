@@ -431,10 +431,20 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_DTYPE, "kv_dtype", F_KV_DTYPE, kv_dtype, 0, 0)                                             \
     F(D_PORT, "port", F_INT, port, 1, 65535)                                                       \
     F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \
-    F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)
+    F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
+    N(D_TIER, "prefix_cache_tier")
 enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
 #define SECT td_cfg_decode
 static const field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
+#undef SECT
+
+/* decode[].prefix_cache_tier */
+#define TIER_FIELDS(F, L, N)                                                                       \
+    F(TI_PATH, "path", F_PATH, path, 0, 0)                                                         \
+    F(TI_SIZE, "size", F_SIZE, bytes, 1 << 20, 0)
+enum { TIER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) TI_N };
+#define SECT td_cfg_tier
+static const field tier_fields[TI_N] = FIELD_TABLE(TIER_FIELDS);
 #undef SECT
 
 #define KVXFER_FIELDS(F, L, N)                                                                     \
@@ -599,6 +609,27 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     return 0;
 }
 
+/* decode[].prefix_cache_tier: {path, size}, both required; needs the prefix cache and tp 1
+ * (each rank would need its tier's copies in the step plan: not built yet). */
+static int parse_tier(pctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *x)
+{
+    yaml_node_t *seen[TI_N], *keys[TI_N];
+    char what[96];
+    snprintf(what, sizeof what, "%s.prefix_cache_tier", inst);
+    if (parse_map(p, n, what, tier_fields, TI_N, &x->tier, seen, keys)) return p->rc;
+    if (require(p, n, seen[TI_PATH], "path", what) || require(p, n, seen[TI_SIZE], "size", what))
+        return p->rc;
+    if (!x->prefix_cache)
+        return fail(
+            p, n, "%s: the tier holds blocks the prefix cache evicts; prefix_cache is false", what);
+    if (x->tp > 1)
+        return fail(p, n,
+                    "%s: not built for tp > 1 yet (tp %d): each rank would need its own tier "
+                    "and the leader's copies in the step plan",
+                    what, x->tp);
+    return 0;
+}
+
 static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst_ref *ref)
 {
     yaml_node_t *seen[D_N], *keys[D_N];
@@ -630,6 +661,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     if (seen[D_KVM]) x->kv_blocks = 0;
     if (seen[D_DTYPE] && kv_dtype_of(sval(seen[D_DTYPE])) < 0)
         return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", sval(seen[D_DTYPE]));
+    if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port,
                       seen[D_PORT] ? seen[D_PORT] : seen[D_NAME]};
     return 0;
@@ -757,6 +789,7 @@ void td_cfg_free(td_cfg *c)
     for (int i = 0; i < c->n_decode; i++) {
         free(c->decode[i].name);
         free(c->decode[i].host);
+        free(c->decode[i].tier.path);
     }
     free(c->decode);
     free(c->kvxfer.ucx_tls);

@@ -83,6 +83,12 @@ typedef struct {
     int prefix_cache_mb;   /* 256: its budget per stage (MiB, on top of kv_tokens) */
 } td_cfg_prefill;
 
+/* decode[].prefix_cache_tier: where blocks evicted from the prefix cache go. */
+typedef struct {
+    char *path;    /* a file on a local disk (~ expanded; rank r uses PATH.rR), NULL: no tier */
+    int64_t bytes; /* "size": the file's size per rank */
+} td_cfg_tier;
+
 typedef struct {
     char *name;
     int tp;             /* 1: tensor-parallel ranks (same host) */
@@ -96,6 +102,7 @@ typedef struct {
     bool deterministic; /* false: prefill rows of a step may take the faster batched path;
                            true: every row is computed as if alone (docs/config.md) */
     bool prefix_cache;  /* true: reuse the KV of cached prompt prefixes (docs/prefix-cache.md) */
+    td_cfg_tier tier;   /* prefix_cache_tier: the cache's second tier; off unless given */
     td_dtype kv_dtype;  /* TD_F16 ("f16", default) | TD_F32 ("f32") */
     int port;           /* control port of rank 0; default 9000 + index */
 } td_cfg_decode;

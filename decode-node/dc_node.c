@@ -345,6 +345,27 @@ static int xfer_setup(dc_node *n)
     return dc_xfer_create(&xp, &n->xfer);
 }
 
+/* decode[].prefix_cache_tier of this rank (rank 0: the config refuses a tier at tp > 1):
+ * the file PATH.r0 on the CPU backend. A device backend's tier would be host memory
+ * (kn_kv_tier_params.path NULL; kv_tier.c copies with the backend's download/upload), which
+ * no test covers here: refused until it is. */
+static int tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *out)
+{
+    *out = (kn_kv_tier_params){0};
+    if (!n->dcfg->tier.path) return 0;
+    if (n->kv->dev.ops) {
+        TD_LOG_ERR("decode %s: prefix_cache_tier with the %s backend (a host-memory tier) is not "
+                   "built yet",
+                   n->p->instance, n->kv->dev.ops->name);
+        return TD_EUNSUPP;
+    }
+    if ((size_t)snprintf(path, cap, "%s.r0", n->dcfg->tier.path) >= cap) return TD_EINVAL;
+    *out = (kn_kv_tier_params){.path = path, .bytes = (size_t)n->dcfg->tier.bytes};
+    TD_LOG_INFO("decode %s: prefix cache tier %s, %lld bytes", n->p->instance, path,
+                (long long)n->dcfg->tier.bytes);
+    return 0;
+}
+
 static int leader_setup(dc_node *n)
 {
     int rc = 0;
@@ -374,11 +395,14 @@ static int leader_setup(dc_node *n)
                           .vocab = n->gvocab,
                           .grammars = n->grammars,
                           .prefix_cache = n->dcfg->prefix_cache};
-    rc = dc_sched_create(&sp, n->rt.model, n->kv,
-                         (dc_sink){.ctx = n,
-                                   .on_tokens = dc_serve_on_tokens,
-                                   .on_prompt_logprobs = dc_serve_on_prompt_logprobs},
-                         &n->sched);
+    char tier_path[4096];
+    rc = tier_params(n, tier_path, sizeof tier_path, &sp.tier);
+    if (!rc)
+        rc = dc_sched_create(&sp, n->rt.model, n->kv,
+                             (dc_sink){.ctx = n,
+                                       .on_tokens = dc_serve_on_tokens,
+                                       .on_prompt_logprobs = dc_serve_on_prompt_logprobs},
+                             &n->sched);
     free(eog);
     if (rc) return rc;
     n->logits =

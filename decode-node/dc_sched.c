@@ -59,6 +59,9 @@ struct dc_sched {
     uint64_t preemptions;
     kn_kv_cache *cache;           /* p.prefix_cache: the pool's prefix cache, else NULL */
     uint64_t pc_queried, pc_hits; /* tokens looked up / found at admissions */
+    kn_kv_tier *tier;             /* p.tier: the cache's second tier, else NULL */
+    int tier_left;                /* copies from the tier this step may still make */
+    uint64_t tier_hits;           /* tokens admitted from blocks read back from the tier */
     /* the current step's arrays, (cap_tokens) / (cap_seqs) */
     int32_t *tok, *pos, *seq_of, *rows;
     kn_seq_view *views;
@@ -134,12 +137,21 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     }
     if (p->n_eog) memcpy(s->eog, p->eog_ids, (size_t)p->n_eog * sizeof *s->eog);
     s->p.eog_ids = s->eog;
+    if (s->p.tier_blocks_per_step <= 0) s->p.tier_blocks_per_step = 32;
+    if (p->tier.bytes && !p->prefix_cache) {
+        TD_LOG_ERR("a prefix cache tier needs the prefix cache");
+        dc_sched_destroy(s);
+        return TD_EINVAL;
+    }
     int rc = p->prefix_cache ? kn_kv_cache_create(kv, &s->cache) : 0;
+    if (rc) TD_LOG_ERR("cannot create the prefix cache: %s", td_strerror(rc));
+    if (!rc && p->tier.bytes && !(rc = kn_kv_tier_create(&p->tier, kv, &s->tier)))
+        kn_kv_cache_set_tier(s->cache, s->tier);
     if (rc) {
-        TD_LOG_ERR("cannot create the prefix cache: %s", td_strerror(rc));
         dc_sched_destroy(s);
         return rc;
     }
+    s->p.tier.path = NULL; /* borrowed for create only */
     *out = s;
     return 0;
 }
@@ -154,6 +166,7 @@ void dc_sched_destroy(dc_sched *s)
     for (int i = 0; i < s->xfer.n; i++)
         req_free(s, s->xfer.v[i]);
     kn_kv_cache_destroy(s->cache); /* after the requests: their blocks are back */
+    kn_kv_tier_destroy(s->tier);
     free(s->waiting.v);
     free(s->running.v);
     free(s->xfer.v);
@@ -393,10 +406,14 @@ static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
 
 /* Prefix cache, at admission: share the cached leading whole blocks of r's tokens (never
  * all of them: the last token is always computed, so its logits exist and no shared block is
- * written) and start computing after them. Requests that want prompt logprobs compute every
- * prompt row, so they match nothing. Returns the blocks matched. */
-static int pc_match(dc_sched *s, dc_req *r)
+ * written) and start computing after them; blocks only the tier holds are copied back into
+ * the pool first, within the step's copy budget and the pool's unpromised room. Requests
+ * that want prompt logprobs compute every prompt row, so they match nothing. Returns the
+ * blocks matched; *wait: the step's copy budget ran out before r's prefix was whole (r
+ * waits for the next step rather than compute what the tier holds). */
+static int pc_match(dc_sched *s, dc_req *r, bool *wait)
 {
+    *wait = false;
     int most = (r->n_tokens - 1) / s->kv->block_size;
     if (!s->cache || r->plp_next < r->n_prompt || most < 1 || r->seq.n_blocks) return 0;
     if (r->seq.cap < most) { /* room in the table without allocating blocks */
@@ -405,7 +422,12 @@ static int pc_match(dc_sched *s, dc_req *r)
         r->seq.blocks = b;
         r->seq.cap = most;
     }
-    int m = kn_kv_cache_match(s->cache, r->tokens, r->n_tokens, most, r->seq.blocks, &r->pc);
+    int room = kn_kv_available(s->kv) - promised_blocks(s);
+    kn_kv_tier_budget tb = {.copies_left = s->tier_left < room ? s->tier_left : room};
+    int m = kn_kv_cache_match_tier(s->cache, r->tokens, r->n_tokens, most, r->seq.blocks, &r->pc,
+                                   s->tier ? &tb : NULL);
+    s->tier_left -= tb.copied;
+    *wait = tb.more && s->tier_left <= 0; /* not for want of room: that may never come */
     r->seq.n_blocks = m;
     r->pc_blocks = m;
     r->n_computed = m * s->kv->block_size;
@@ -481,11 +503,12 @@ static int admit_waiting(dc_sched *s, int budget)
 {
     while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
         dc_req *r = s->waiting.v[0];
-        int m = pc_match(s, r); /* cached leading blocks: shared, not computed again */
+        bool wait;
+        int m = pc_match(s, r, &wait); /* cached leading blocks: shared, not computed again */
         int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
         int32_t left = r->n_tokens - r->n_computed;
         int32_t chunk = left < budget ? left : budget;
-        if (pc_defer(s, r, m) ||
+        if (wait || pc_defer(s, r, m) ||
             (kn_kv_available(s->kv) - promised_blocks(s) < need && s->running.n > 0) ||
             kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) {
             pc_unmatch(s, r);
@@ -500,6 +523,8 @@ static int admit_waiting(dc_sched *s, int budget)
         if (s->cache) {
             s->pc_queried += (uint64_t)r->n_tokens;
             s->pc_hits += (uint64_t)r->n_computed;
+            s->tier_hits += (uint64_t)kn_kv_cache_claim_restored(s->cache, r->seq.blocks, m) *
+                            (uint64_t)s->kv->block_size;
         }
         if (!r->admitted_once)
             r->n_cached = r->n_computed < r->n_prompt ? r->n_computed : r->n_prompt;
@@ -529,6 +554,7 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
     admit_arrived(s);
 
     int budget = s->p.step_tokens;
+    s->tier_left = s->p.tier_blocks_per_step;
     uint64_t preemptions_before = s->preemptions;
     for (int i = 0; i < s->running.n; i++) {
         s->running.v[i]->chunk = 0;
@@ -800,6 +826,7 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
     int arrived = 0;
     for (int i = 0; i < s->xfer.n; i++)
         arrived += s->xfer.v[i]->arrived;
+    kn_kv_tier_stats ts = s->tier ? kn_kv_tier_get_stats(s->tier) : (kn_kv_tier_stats){0};
     return (dc_sched_stats){
         .running = s->running.n,
         .waiting = s->waiting.n + arrived,
@@ -810,5 +837,9 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
         .prefix_queried = s->pc_queried,
         .prefix_hits = s->pc_hits,
         .prefix_evictions = s->cache ? kn_kv_cache_get_stats(s->cache).evictions : 0,
+        .tier_writes = ts.writes,
+        .tier_reads = ts.reads,
+        .tier_hits = s->tier_hits,
+        .tier_errors = ts.errors,
     };
 }

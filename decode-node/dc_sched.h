@@ -43,6 +43,10 @@
  * requests with a common prefix and later turns of a conversation share it. Freeing or
  * preempting drops references; cached blocks stay until an allocation evicts them (least
  * recently idle first). The other ranks follow through the plan's block tables.
+ * Second tier (p.tier): an evicted cached block is written to the tier; at admission a
+ * prompt's leading blocks found only there are copied into free pool blocks (bounded work
+ * per step, see dc_sched_params) before the request's first chunk is planned. Rank 0's pool
+ * only: the node refuses a tier with tp > 1 (the copies would have to travel in the plan).
  * Structured output: a request with a grammar (td_sampling.grammar_kind) has a matcher that
  * has seen every generated token (a moved request's are replayed at submit, a transfer's
  * first token at transfer_done); each sample is masked by it, and a token that completes
@@ -59,6 +63,7 @@
 
 #include "gr_grammar.h"
 #include "kv_pool.h"
+#include "kv_tier.h"
 #include "model.h"
 #include "sampler.h"
 
@@ -113,6 +118,13 @@ typedef struct {
     gr_cache *grammars;
     /* prefix cache (kernels/kv_cache.h) on the pool, created and owned by the scheduler */
     bool prefix_cache;
+    /* its second tier (kernels/kv_tier.h), created and owned by the scheduler when
+     * tier.bytes > 0 (needs prefix_cache): evicted cached blocks go there, and a prompt's
+     * blocks found there are copied back at admission, at most tier_blocks_per_step per step
+     * (0: 32); a request whose prefix needs more waits at the head of the queue and goes on
+     * the next step (running requests decode meanwhile) */
+    kn_kv_tier_params tier;
+    int tier_blocks_per_step;
 } dc_sched_params;
 
 typedef struct dc_sched dc_sched;
@@ -131,6 +143,9 @@ typedef struct {
     uint64_t prefix_queried;   /* tokens of admitted requests looked up in the prefix cache */
     uint64_t prefix_hits;      /* of which found cached (not computed again) */
     uint64_t prefix_evictions; /* cached blocks evicted to make room */
+    /* the second tier: blocks written to it, blocks read back, prompt tokens of admitted
+     * requests whose KV came from blocks read back, tier errors (all 0 without a tier) */
+    uint64_t tier_writes, tier_reads, tier_hits, tier_errors;
 } dc_sched_stats;
 
 int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv, dc_sink sink,

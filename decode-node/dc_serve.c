@@ -412,6 +412,11 @@ void dc_serve_health(dc_node *n)
     h.prefix_queried_tokens = st.prefix_queried;
     h.prefix_hit_tokens = st.prefix_hits;
     h.prefix_evictions = st.prefix_evictions;
+    uint64_t tier[4] = {st.tier_writes, st.tier_reads, st.tier_hits, st.tier_errors};
+    if (n->dcfg->tier.path) {
+        h.n_prefix_tier = 4;
+        h.prefix_tier = tier;
+    }
     /* alive but not ready while forming: the router keeps polling and sends nothing */
     h.ready = !n->forming && !n->stopping && !n->draining;
     td_ctrl_server_set_health(n->srv, &h);

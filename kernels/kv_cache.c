@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_tier.h"
 #include "td_blockhash.h"
 #include "td_err.h"
 
@@ -26,6 +27,8 @@ struct kn_kv_cache {
     uint64_t mask;
     uint64_t next_serial;
     uint64_t inserts, evictions;
+    struct kn_kv_tier *tier; /* the second tier, or NULL */
+    bool *restored;          /* (n_blocks) copied in from the tier, not claimed yet */
 };
 
 int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
@@ -46,7 +49,9 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
     c->prev = malloc(nb * sizeof *c->prev);
     c->next = malloc(nb * sizeof *c->next);
     c->slots = malloc(cap * sizeof *c->slots);
-    if (!c->id || !c->serial || !c->parent || !c->tok || !c->prev || !c->next || !c->slots) {
+    c->restored = calloc(nb, sizeof *c->restored);
+    if (!c->id || !c->serial || !c->parent || !c->tok || !c->prev || !c->next || !c->slots ||
+        !c->restored) {
         kn_kv_cache_destroy(c);
         return TD_ENOMEM;
     }
@@ -75,6 +80,7 @@ void kn_kv_cache_destroy(kn_kv_cache *c)
     free(c->prev);
     free(c->next);
     free(c->slots);
+    free(c->restored);
     free(c);
 }
 
@@ -155,6 +161,7 @@ static void entry_drop(kn_kv_cache *c, int32_t b)
 {
     index_del(c, b);
     c->serial[b] = 0;
+    c->restored[b] = false;
     c->n_cached--;
 }
 
@@ -167,11 +174,52 @@ void kn_kv_cache_clear(kn_kv_cache *c)
     }
     memset(c->slots, 0xff, (size_t)(c->mask + 1) * sizeof *c->slots);
     memset(c->serial, 0, (size_t)c->pool->n_blocks * sizeof *c->serial);
+    memset(c->restored, 0, (size_t)c->pool->n_blocks * sizeof *c->restored);
     c->n_cached = 0;
+    if (c->tier) kn_kv_tier_clear(c->tier);
 }
 
-int kn_kv_cache_match(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
-                      int32_t *blocks, kn_kv_chain *chain)
+/* Enter pool block b (held by the caller) as the entry (id, serial) after chain ch. */
+static void entry_add(kn_kv_cache *c, int32_t b, uint64_t id, uint64_t serial, uint64_t parent,
+                      const int32_t *tokens)
+{
+    c->id[b] = id;
+    c->serial[b] = serial;
+    c->parent[b] = parent;
+    memcpy(c->tok + (size_t)b * (size_t)c->bs, tokens, (size_t)c->bs * sizeof *tokens);
+    index_add(c, b);
+    c->n_cached++;
+}
+
+/* The query's next block (id, tokens t, after chain ch) is not in the pool as it should be
+ * (existing: the pool's entry of that id that does not fit, or -1): copy it in from the
+ * tier into a new block, entered under the tier entry's serial. The block, or -1. */
+static int32_t restore(kn_kv_cache *c, uint64_t id, const kn_kv_chain *ch, const int32_t *t,
+                       int32_t existing)
+{
+    uint64_t serial;
+    if (kn_kv_tier_find(c->tier, id, ch->serial, t, &serial) < 0) return -1;
+    if (existing >= 0) { /* a stale or colliding entry: it gives way if nobody holds it */
+        if (c->pool->refs[existing] > 0) return -1;
+        idle_unlink(c, existing);
+        entry_drop(c, existing);
+        c->pool->free_ids[c->pool->n_free++] = existing;
+    }
+    int32_t b;
+    if (kn_kv_alloc(c->pool, 1, &b)) return -1;
+    /* the allocation may have evicted blocks into a full tier, dropping this entry */
+    int slot = kn_kv_tier_find(c->tier, id, ch->serial, t, &serial);
+    if (slot < 0 || kn_kv_tier_get(c->tier, slot, c->pool, b)) {
+        kn_kv_free(c->pool, 1, &b);
+        return -1;
+    }
+    entry_add(c, b, id, serial, ch->serial, t);
+    c->restored[b] = true;
+    return b;
+}
+
+int kn_kv_cache_match_tier(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
+                           int32_t *blocks, kn_kv_chain *chain, kn_kv_tier_budget *tb)
 {
     kn_kv_chain ch = kn_kv_cache_root();
     int n = 0;
@@ -179,15 +227,48 @@ int kn_kv_cache_match(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, i
         const int32_t *t = tokens + (size_t)n * (size_t)c->bs;
         uint64_t id = td_block_hash(ch.id, t, (size_t)c->bs);
         int32_t b = index_find(c, id);
-        if (b < 0 || c->parent[b] != ch.serial ||
-            memcmp(c->tok + (size_t)b * (size_t)c->bs, t, (size_t)c->bs * sizeof *t))
-            break;
-        if (c->pool->refs[b]++ == 0) idle_unlink(c, b);
+        bool hit = b >= 0 && c->parent[b] == ch.serial &&
+                   !memcmp(c->tok + (size_t)b * (size_t)c->bs, t, (size_t)c->bs * sizeof *t);
+        if (hit) {
+            if (c->pool->refs[b]++ == 0) idle_unlink(c, b);
+        } else {
+            if (!tb || !c->tier) break;
+            if (tb->copies_left <= 0) {
+                uint64_t serial;
+                tb->more = kn_kv_tier_find(c->tier, id, ch.serial, t, &serial) >= 0;
+                break;
+            }
+            if ((b = restore(c, id, &ch, t, b)) < 0) break;
+            tb->copies_left--;
+            tb->copied++;
+        }
         blocks[n++] = b;
         ch = (kn_kv_chain){.id = id, .serial = c->serial[b]};
     }
     *chain = ch;
     return n;
+}
+
+int kn_kv_cache_match(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
+                      int32_t *blocks, kn_kv_chain *chain)
+{
+    return kn_kv_cache_match_tier(c, tokens, n_tokens, max_blocks, blocks, chain, NULL);
+}
+
+void kn_kv_cache_set_tier(kn_kv_cache *c, struct kn_kv_tier *tier)
+{
+    c->tier = tier;
+}
+
+int kn_kv_cache_claim_restored(kn_kv_cache *c, const int32_t *blocks, int n)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (c->restored[blocks[i]]) {
+            c->restored[blocks[i]] = false;
+            k++;
+        }
+    return k;
 }
 
 bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *tokens, int32_t block)
@@ -222,12 +303,7 @@ bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *token
         chain->serial = 0;
         return false;
     }
-    c->id[block] = id;
-    c->serial[block] = c->next_serial++;
-    c->parent[block] = chain->serial;
-    memcpy(c->tok + (size_t)block * (size_t)c->bs, tokens, (size_t)c->bs * sizeof *tokens);
-    index_add(c, block);
-    c->n_cached++;
+    entry_add(c, block, id, c->next_serial++, chain->serial, tokens);
     c->inserts++;
     *chain = (kn_kv_chain){.id = id, .serial = c->serial[block]};
     return true;
@@ -249,6 +325,10 @@ int32_t kn_kv_cache_evict(kn_kv_cache *c)
     int32_t b = c->idle_head;
     if (b < 0) return -1;
     idle_unlink(c, b);
+    /* to the second tier first (a failure is the tier's error: the block is only lost) */
+    if (c->tier)
+        kn_kv_tier_put(c->tier, c->pool, b, c->id[b], c->serial[b], c->parent[b],
+                       c->tok + (size_t)b * (size_t)c->bs);
     entry_drop(c, b);
     c->evictions++;
     return b;

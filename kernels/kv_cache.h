@@ -82,6 +82,32 @@ bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *token
 
 kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c);
 
+/* ---- the second tier (kv_tier.h) ----
+ * With a tier attached, a block the pool evicts is written to the tier first (an entry the
+ * tier holds already, with the same serial, costs no write), and a match that finds a
+ * block only in the tier copies it into a newly allocated pool block, where it is entered
+ * again under its old serial (the same entry: its children, in the pool or the tier, still
+ * follow it), so exactness is the cache's own argument. The copies a match may make are
+ * bounded by the caller (the scheduler spreads a long prefix over several steps). */
+struct kn_kv_tier;
+
+typedef struct {
+    int copies_left; /* in: tier blocks this match may copy into the pool; decremented */
+    int copied;      /* out: blocks copied in by this match */
+    bool more;       /* out: the match stopped at a block the tier holds, copies_left 0 */
+} kn_kv_tier_budget;
+
+/* Attach tier (borrowed until detached with NULL or the cache is destroyed); NULL detaches.
+ * Clearing the cache clears the tier too. */
+void kn_kv_cache_set_tier(kn_kv_cache *c, struct kn_kv_tier *tier);
+/* kn_kv_cache_match, also taking blocks from the tier within tb's budget (tb NULL or no
+ * tier: the pool only). A block copied in is held by the caller like a matched one. */
+int kn_kv_cache_match_tier(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
+                           int32_t *blocks, kn_kv_chain *chain, kn_kv_tier_budget *tb);
+/* How many of blocks[0..n) came from the tier since they were last claimed; clears their
+ * mark (the scheduler counts a tier hit once, when a request is admitted with them). */
+int kn_kv_cache_claim_restored(kn_kv_cache *c, const int32_t *blocks, int n);
+
 #include "kv_cache_int.h" /* the pool's hooks */
 
 #endif

@@ -47,8 +47,8 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
     m->v.preempt_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_last);
     m->cache_dec = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->cache_dec);
     m->cache_pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->cache_pf);
-    m->v.pc_total = calloc((size_t)(n_inst > 0 ? n_inst : 1) * 3, sizeof *m->v.pc_total);
-    m->v.pc_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * 3, sizeof *m->v.pc_last);
+    m->v.pc_total = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_PC_N, sizeof *m->v.pc_total);
+    m->v.pc_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_PC_N, sizeof *m->v.pc_last);
     rt_metrics_set_model(m, "", 0);
     if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last ||
         !m->cache_dec || !m->cache_pf || !m->v.pc_total || !m->v.pc_last)

@@ -38,11 +38,14 @@ typedef struct {
     int n;
 } rt_bounds;
 
+#define RT_PC_N 6 /* rt_inst_gauge.pc */
+
 typedef struct {
     uint32_t running, waiting, kv_used, kv_free;
     uint64_t preemptions; /* as the instance last reported it (Health.num_preemptions) */
-    uint64_t
-        pc[3]; /* likewise: prefix cache queried tokens, hit tokens, evictions (Health 13-15) */
+    /* likewise: prefix cache queried tokens, hit tokens, evictions (Health 13-15), then its
+     * second tier's blocks written, blocks read back, hit tokens (Health.prefix_tier 0-2) */
+    uint64_t pc[RT_PC_N];
     bool alive;
 } rt_inst_gauge;
 
@@ -68,7 +71,7 @@ typedef struct {
     uint64_t prompt_tokens, gen_tokens; /* every request's (prefilled prompts, received tokens) */
     uint64_t *preempt_total;            /* (n_inst) preemptions seen, across instance restarts */
     uint64_t *preempt_last;             /* (n_inst) the last reported count */
-    uint64_t *pc_total, *pc_last;       /* (n_inst, 3) the same for rt_inst_gauge.pc */
+    uint64_t *pc_total, *pc_last;       /* (n_inst, RT_PC_N) the same for .pc */
     rt_hist kv_s, kv_exposed_s;         /* seconds: PrefillDone.kv_transfer_us, kv_exposed_us */
     rt_hist kv_bytes, kv_bw;            /* bytes; bytes per second (bytes / kv_transfer_us) */
 } rt_vmetrics;

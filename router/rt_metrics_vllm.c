@@ -72,8 +72,8 @@ void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g)
     uint64_t last = m->v.preempt_last[i];
     m->v.preempt_total[i] += g->preemptions >= last ? g->preemptions - last : g->preemptions;
     m->v.preempt_last[i] = g->preemptions;
-    for (int k = 0; k < 3; k++) {
-        uint64_t *t = &m->v.pc_total[3 * i + k], *l = &m->v.pc_last[3 * i + k];
+    for (int k = 0; k < RT_PC_N; k++) {
+        uint64_t *t = &m->v.pc_total[RT_PC_N * i + k], *l = &m->v.pc_last[RT_PC_N * i + k];
         *t += g->pc[k] >= *l ? g->pc[k] - *l : g->pc[k];
         *l = g->pc[k];
     }
@@ -135,7 +135,7 @@ static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const cha
         if (what == 3) /* the counters: every configured instance, dead or alive */
             val = (double)m->v.preempt_total[i];
         else if (what >= 4)
-            val = (double)m->v.pc_total[3 * i + what - 4];
+            val = (double)m->v.pc_total[RT_PC_N * i + what - 4];
         else if (!g->alive)
             continue; /* a dead instance's last figures would sum into the cluster's */
         else
@@ -282,6 +282,17 @@ int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                    "Of those, tokens found cached (their KV was not computed again).", 5);
     rc |= put_inst(b, m, cfg, "tandem_prefix_cache_evictions_total", "counter",
                    "Cached KV blocks the decode instance evicted to make room.", 6);
+    rc |= put_inst(b, m, cfg, "tandem_prefix_cache_tier_writes_total", "counter",
+                   "Evicted cached KV blocks the decode instance wrote to its second tier "
+                   "(decode[].prefix_cache_tier).",
+                   7);
+    rc |=
+        put_inst(b, m, cfg, "tandem_prefix_cache_tier_reads_total", "counter",
+                 "KV blocks the decode instance read back from its second tier into the pool.", 8);
+    rc |= put_inst(b, m, cfg, "tandem_prefix_cache_tier_hits_total", "counter",
+                   "Prompt tokens of admitted requests whose KV came from blocks read back from "
+                   "the second tier (part of vllm:prefix_cache_hits_total).",
+                   9);
     if (m->n_pf > 0) rc |= render_kv(b, m);
     return rc;
 }

@@ -135,6 +135,8 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         s->pc[0] = h->prefix_queried_tokens;
         s->pc[1] = h->prefix_hit_tokens;
         s->pc[2] = h->prefix_evictions;
+        for (int k = 0; k < 3; k++)
+            s->pc[3 + k] = (size_t)k < h->n_prefix_tier ? h->prefix_tier[k] : 0;
     }
     s->alive = s->ready;
     return s->alive && !was;

@@ -45,7 +45,8 @@ typedef struct {
     int cap;                /* most requests the router gives it at once */
     uint64_t queued_tokens; /* prefill: Health.queued_prompt_tokens */
     uint64_t preemptions;   /* decode: Health.num_preemptions (since the instance started) */
-    uint64_t pc[3];         /* decode: Health.prefix_{queried_tokens,hit_tokens,evictions} */
+    uint64_t pc[6];         /* decode: Health.prefix_{queried_tokens,hit_tokens,evictions}, then
+                               Health.prefix_tier[0..2] (tier writes, reads, hit tokens) */
     uint64_t inflight_tokens; /* prefill: prompt tokens of the router's attempts on it */
     bool role_warned;         /* prefill: logged once that it does not say ROLE_PREFILL */
     rt_call *orphans;         /* prefill: (n_orphans) Prefill calls of abandoned attempts:

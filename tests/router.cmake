@@ -118,3 +118,17 @@ if(TANDEM_PYTHON)
                    ${RT_TEST_BINS} ${RT_PC_ARGS})
   set_tests_properties(router_prefix_cache PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
 endif()
+
+# router_prefix_tier: the decode prefix cache's second tier (tests/router/test_prefix_tier.py):
+# a conversation evicted from a small pool into a file tier comes back (cached_tokens, tier
+# metrics) and its greedy text == a cold cluster's; a tier at tp 2 is refused.
+if(TANDEM_PYTHON)
+  set(RT_TIER_ARGS)
+  if(TANDEM_MODEL)
+    list(APPEND RT_TIER_ARGS --model "${TANDEM_MODEL}")
+  endif()
+  add_test(NAME router_prefix_tier
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_prefix_tier.py
+                   ${RT_TEST_BINS} ${RT_TIER_ARGS})
+  set_tests_properties(router_prefix_tier PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+endif()

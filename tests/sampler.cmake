@@ -9,3 +9,7 @@ add_test(NAME logprobs COMMAND test_logprobs)
 add_executable(test_kv_cache ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_cache.c)
 target_link_libraries(test_kv_cache PRIVATE td_kernels td_common)
 add_test(NAME kv_cache COMMAND test_kv_cache)
+
+add_executable(test_kv_tier ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_tier.c)
+target_link_libraries(test_kv_tier PRIVATE td_kernels td_common)
+add_test(NAME kv_tier COMMAND test_kv_tier)

@@ -224,6 +224,9 @@ static int client_health(client_run *r)
                    s < h->n_prefix_cache_evicted_blocks
                        ? (unsigned long long)h->prefix_cache_evicted_blocks[s]
                        : 0ull);
+        static const char *const tier[] = {"writes", "reads", "hit_tokens", "errors"};
+        for (size_t k = 0; k < h->n_prefix_tier && k < 4; k++)
+            printf("prefix_tier_%s %llu\n", tier[k], (unsigned long long)h->prefix_tier[k]);
         return 0;
     }
     fprintf(stderr, "tandem: no health reply: %s\n", td_strerror(err ? err : TD_EIO));

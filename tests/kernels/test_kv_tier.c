@@ -1,0 +1,263 @@
+/* test_kv_tier.c: the prefix cache's second tier (kernels/kv_tier.h): bit-exact round trips
+ * (file and host memory), its LRU, a full tier, refused and broken files (a foreign file, a
+ * locked one, a corrupt slot, a file truncated under the tier: errors, never a crash), and
+ * the cache with a tier attached (evicted blocks come back by a match, under a budget). */
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../tharness.h"
+#include "kv_cache.h"
+#include "kv_tier.h"
+#include "td_blockhash.h"
+#include "td_err.h"
+
+#define BS 4
+
+static char dir[] = "/tmp/tandem-kvtier-XXXXXX";
+
+static kn_kv_pool *pool_of(int n_blocks)
+{
+    kn_kv_pool_params p = {.n_layers = 2,
+                           .n_kv_heads = 2,
+                           .head_dim = 4,
+                           .block_size = BS,
+                           .n_blocks = n_blocks,
+                           .type = TD_F32};
+    kn_kv_pool *pool = NULL;
+    return kn_kv_pool_create(&p, &pool) ? NULL : pool;
+}
+
+/* Fill block b of every layer's K and V with values derived from seed. */
+static void fill(kn_kv_pool *pool, int32_t b, unsigned seed)
+{
+    for (int l = 0; l < pool->n_layers; l++) {
+        float *k = (float *)((char *)pool->k[l] + (size_t)b * pool->block_bytes);
+        float *v = (float *)((char *)pool->v[l] + (size_t)b * pool->block_bytes);
+        for (size_t i = 0; i < pool->block_bytes / 4; i++) {
+            seed = seed * 1103515245u + 12345u;
+            k[i] = (float)(seed >> 8) / 7.0f;
+            v[i] = -(float)(seed >> 9) / 3.0f;
+        }
+    }
+}
+
+static bool same(const kn_kv_pool *pool, int32_t a, int32_t b)
+{
+    for (int l = 0; l < pool->n_layers; l++)
+        if (memcmp((char *)pool->k[l] + (size_t)a * pool->block_bytes,
+                   (char *)pool->k[l] + (size_t)b * pool->block_bytes, pool->block_bytes) ||
+            memcmp((char *)pool->v[l] + (size_t)a * pool->block_bytes,
+                   (char *)pool->v[l] + (size_t)b * pool->block_bytes, pool->block_bytes))
+            return false;
+    return true;
+}
+
+static kn_kv_tier *tier_of(const kn_kv_pool *pool, const char *path, int slots)
+{
+    kn_kv_tier_params p = {.path = path,
+                           .bytes = 4096 + (size_t)slots * kn_kv_tier_block_bytes(pool)};
+    kn_kv_tier *t = NULL;
+    return kn_kv_tier_create(&p, pool, &t) ? NULL : t;
+}
+
+static void test_round_trip(const char *path)
+{
+    kn_kv_pool *pool = pool_of(4);
+    kn_kv_tier *t = tier_of(pool, path, 2);
+    TH_REQUIRE(pool && t && kn_kv_tier_get_stats(t).slots == 2);
+    int32_t tok[BS] = {1, 2, 3, 4}, other[BS] = {1, 2, 3, 5};
+    fill(pool, 0, 7);
+    TH_CHECK(kn_kv_tier_put(t, pool, 0, 42, 5, 1, tok) == 0);
+    uint64_t serial = 0;
+    int slot = kn_kv_tier_find(t, 42, 1, tok, &serial);
+    TH_CHECK(slot >= 0 && serial == 5);
+    TH_CHECK(kn_kv_tier_find(t, 42, 2, tok, &serial) < 0);   /* another parent */
+    TH_CHECK(kn_kv_tier_find(t, 42, 1, other, &serial) < 0); /* other tokens: a collision */
+    TH_CHECK(kn_kv_tier_find(t, 43, 1, tok, &serial) < 0);
+    fill(pool, 1, 99);
+    TH_CHECK(!same(pool, 0, 1));
+    TH_CHECK(kn_kv_tier_get(t, slot, pool, 1) == 0);
+    TH_CHECK(same(pool, 0, 1)); /* bit-exact */
+    /* the same entry leaving the pool again costs no write */
+    TH_CHECK(kn_kv_tier_put(t, pool, 1, 42, 5, 1, tok) == 0);
+    kn_kv_tier_stats st = kn_kv_tier_get_stats(t);
+    TH_CHECK(st.writes == 1 && st.reads == 1 && st.used == 1 && st.errors == 0);
+    kn_kv_tier_destroy(t);
+    kn_kv_pool_destroy(pool);
+}
+
+static const char *round_trip_path;
+static void test_round_trip_file(void)
+{
+    test_round_trip(round_trip_path);
+}
+static void test_round_trip_memory(void)
+{
+    test_round_trip(NULL);
+}
+
+static void test_lru_and_full(void)
+{
+    kn_kv_pool *pool = pool_of(4);
+    kn_kv_tier *t = tier_of(pool, NULL, 3);
+    TH_REQUIRE(pool && t);
+    int32_t tok[BS] = {1, 2, 3, 4};
+    uint64_t s;
+    for (int i = 0; i < 3; i++) {
+        fill(pool, i, (unsigned)i);
+        TH_CHECK(kn_kv_tier_put(t, pool, i, 100 + (uint64_t)i, 10 + (uint64_t)i, 1, tok) == 0);
+    }
+    /* touch entry 100 by reading it: 101 is now the least recently used */
+    TH_CHECK(kn_kv_tier_get(t, kn_kv_tier_find(t, 100, 1, tok, &s), pool, 3) == 0);
+    TH_CHECK(kn_kv_tier_put(t, pool, 3, 103, 13, 1, tok) == 0); /* full: drops 101 */
+    TH_CHECK(kn_kv_tier_find(t, 101, 1, tok, &s) < 0);
+    TH_CHECK(kn_kv_tier_find(t, 100, 1, tok, &s) >= 0 && kn_kv_tier_find(t, 102, 1, tok, &s) >= 0);
+    /* a put touches too: 102 goes next, after 100 was touched */
+    TH_CHECK(kn_kv_tier_put(t, pool, 0, 104, 14, 1, tok) == 0);
+    TH_CHECK(kn_kv_tier_find(t, 102, 1, tok, &s) < 0 && kn_kv_tier_find(t, 100, 1, tok, &s) >= 0);
+    /* the same id under a new serial replaces the old entry (no drop counted) */
+    TH_CHECK(kn_kv_tier_put(t, pool, 1, 100, 20, 1, tok) == 0);
+    TH_CHECK(kn_kv_tier_find(t, 100, 1, tok, &s) >= 0 && s == 20);
+    kn_kv_tier_stats st = kn_kv_tier_get_stats(t);
+    TH_CHECK(st.used == 3 && st.dropped == 2 && st.writes == 6);
+    kn_kv_tier_clear(t);
+    TH_CHECK(kn_kv_tier_get_stats(t).used == 0 && kn_kv_tier_find(t, 100, 1, tok, &s) < 0);
+    kn_kv_tier_destroy(t);
+    kn_kv_pool_destroy(pool);
+}
+
+static void test_bad_files(void)
+{
+    kn_kv_pool *pool = pool_of(4);
+    TH_REQUIRE(pool);
+    char path[128];
+    snprintf(path, sizeof path, "%s/foreign", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0600);
+    TH_REQUIRE(fd >= 0 && write(fd, "not a tier file", 15) == 15);
+    close(fd);
+    kn_kv_tier *t = NULL;
+    kn_kv_tier_params p = {.path = path, .bytes = 1 << 20};
+    TH_CHECK(kn_kv_tier_create(&p, pool, &t) == TD_EFORMAT && !t);
+    p.bytes = 4096 + kn_kv_tier_block_bytes(pool) - 1; /* no block fits */
+    snprintf(path, sizeof path, "%s/tier", dir);
+    TH_CHECK(kn_kv_tier_create(&p, pool, &t) == TD_EINVAL && !t);
+    t = tier_of(pool, path, 2);
+    TH_REQUIRE(t);
+    kn_kv_tier *t2 = tier_of(pool, path, 2); /* locked by t */
+    TH_CHECK(!t2);
+    int32_t tok[BS] = {1, 2, 3, 4};
+    uint64_t s;
+    fill(pool, 0, 3);
+    TH_CHECK(kn_kv_tier_put(t, pool, 0, 7, 9, 1, tok) == 0);
+    TH_CHECK(kn_kv_tier_put(t, pool, 0, 8, 10, 1, tok) == 0);
+    /* someone writes into the file: the slot is corrupt, an error and a miss after */
+    fd = open(path, O_RDWR);
+    TH_REQUIRE(fd >= 0 && pwrite(fd, "garbage!", 8, 4096 + 16) == 8);
+    int slot7 = kn_kv_tier_find(t, 7, 1, tok, &s), slot8 = kn_kv_tier_find(t, 8, 1, tok, &s);
+    TH_CHECK(slot7 == 0 && slot8 == 1); /* slots are taken from 0 up */
+    TH_CHECK(kn_kv_tier_get(t, slot7, pool, 1) == TD_EFORMAT);
+    TH_CHECK(kn_kv_tier_find(t, 7, 1, tok, &s) < 0);
+    TH_CHECK(kn_kv_tier_get(t, slot8, pool, 1) == 0);
+    TH_CHECK(kn_kv_tier_get_stats(t).errors == 1 && kn_kv_tier_get_stats(t).used == 1);
+    /* the file shrinks under the tier: an error, not a SIGBUS; the tier stops */
+    TH_REQUIRE(ftruncate(fd, 100) == 0);
+    close(fd);
+    TH_CHECK(kn_kv_tier_get(t, slot8, pool, 1) == TD_EIO);
+    TH_CHECK(kn_kv_tier_put(t, pool, 0, 11, 12, 1, tok) == TD_EIO);
+    TH_CHECK(kn_kv_tier_find(t, 8, 1, tok, &s) < 0);
+    kn_kv_tier_destroy(t);
+    /* the tier file of a gone process is a tier file: reused */
+    t = tier_of(pool, path, 3);
+    TH_CHECK(t && kn_kv_tier_get_stats(t).used == 0);
+    kn_kv_tier_destroy(t);
+    kn_kv_pool_destroy(pool);
+}
+
+/* The cache with a tier: a sequence's blocks evicted from a small pool come back bit-exact
+ * by a match, within the copy budget; the restored entries keep their serials, so a child
+ * that stayed in the pool still follows them. */
+static void test_cache_with_tier(void)
+{
+    kn_kv_pool *pool = pool_of(4);
+    kn_kv_cache *c;
+    TH_REQUIRE(pool && kn_kv_cache_create(pool, &c) == 0);
+    kn_kv_tier *t = tier_of(pool, NULL, 8);
+    TH_REQUIRE(t);
+    kn_kv_cache_set_tier(c, t);
+    int32_t tok[3 * BS] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    kn_kv_seq a;
+    kn_kv_seq_init(&a);
+    TH_REQUIRE(kn_kv_seq_reserve(pool, &a, 3 * BS) == 0);
+    kn_kv_chain ch = kn_kv_cache_root();
+    for (int b = 0; b < 3; b++) {
+        fill(pool, a.blocks[b], 50u + (unsigned)b);
+        kn_kv_cache_insert(c, &ch, tok + b * BS, a.blocks[b]);
+    }
+    int32_t orig[3];
+    memcpy(orig, a.blocks, sizeof orig);
+    kn_kv_seq_release(pool, &a); /* idle: block 2 least recently, then 1, then 0 */
+    /* take the whole pool: every idle block is evicted into the tier */
+    int32_t all[4];
+    TH_REQUIRE(kn_kv_alloc(pool, 4, all) == 0);
+    TH_CHECK(kn_kv_tier_get_stats(t).writes == 3 && kn_kv_cache_get_stats(c).cached == 0);
+    /* remember what the blocks held, then overwrite them */
+    kn_kv_pool *ref = pool_of(4);
+    TH_REQUIRE(ref);
+    for (int b = 0; b < 3; b++)
+        fill(ref, b, 50u + (unsigned)b);
+    for (int b = 0; b < 4; b++)
+        fill(pool, all[b], 1000u + (unsigned)b);
+    kn_kv_free(pool, 4, all);
+    /* budget 2 of 3: two blocks come back, the match says there is more */
+    int32_t got[3];
+    kn_kv_tier_budget tb = {.copies_left = 2};
+    int m = kn_kv_cache_match_tier(c, tok, 3 * BS, 3, got, &ch, &tb);
+    TH_CHECK(m == 2 && tb.copied == 2 && tb.more && tb.copies_left == 0);
+    TH_CHECK(kn_kv_tier_get_stats(t).reads == 2);
+    for (int b = 0; b < m; b++)
+        for (int l = 0; l < pool->n_layers; l++)
+            TH_CHECK(!memcmp((char *)pool->k[l] + (size_t)got[b] * pool->block_bytes,
+                             (char *)ref->k[l] + (size_t)b * ref->block_bytes, pool->block_bytes) &&
+                     !memcmp((char *)pool->v[l] + (size_t)got[b] * pool->block_bytes,
+                             (char *)ref->v[l] + (size_t)b * ref->block_bytes, pool->block_bytes));
+    TH_CHECK(kn_kv_cache_claim_restored(c, got, m) == 2 &&
+             kn_kv_cache_claim_restored(c, got, m) == 0);
+    kn_kv_free(pool, m, got);
+    /* next time: two from the pool, the third from the tier, nothing more */
+    tb = (kn_kv_tier_budget){.copies_left = 4};
+    m = kn_kv_cache_match_tier(c, tok, 3 * BS, 3, got, &ch, &tb);
+    TH_CHECK(m == 3 && tb.copied == 1 && !tb.more);
+    for (int l = 0; l < pool->n_layers; l++)
+        TH_CHECK(!memcmp((char *)pool->k[l] + (size_t)got[2] * pool->block_bytes,
+                         (char *)ref->k[l] + 2 * ref->block_bytes, pool->block_bytes));
+    /* without a budget the match is the pool's only */
+    int32_t g2[3];
+    kn_kv_chain ch2;
+    TH_CHECK(kn_kv_cache_match(c, tok, 3 * BS, 3, g2, &ch2) == 3 && ch2.serial == ch.serial);
+    kn_kv_free(pool, 3, g2);
+    kn_kv_free(pool, m, got);
+    (void)orig;
+    kn_kv_cache_destroy(c);
+    kn_kv_tier_destroy(t);
+    kn_kv_pool_destroy(ref);
+    kn_kv_pool_destroy(pool);
+}
+
+int main(void)
+{
+    if (!mkdtemp(dir)) return 1;
+    static char path[128];
+    snprintf(path, sizeof path, "%s/rt", dir);
+    round_trip_path = path;
+    TH_RUN(test_round_trip_file);
+    TH_RUN(test_round_trip_memory);
+    TH_RUN(test_lru_and_full);
+    TH_RUN(test_bad_files);
+    TH_RUN(test_cache_with_tier);
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd)) fprintf(stderr, "cannot remove %s\n", dir);
+    TH_EXIT();
+}

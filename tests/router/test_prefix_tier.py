@@ -1,0 +1,148 @@
+"""test_prefix_tier.py: the decode prefix cache's second tier (decode[].prefix_cache_tier,
+docs/prefix-cache.md "Second tier") end to end, colocated, real processes, the official
+`openai` client, on the synthetic model (and the default model with --model):
+  - a small pool (24 blocks) plus a file tier: conversation A's turn 1, then enough other
+    prompts to evict A's blocks from the pool into the tier, then A's turn 2: its prefix is
+    found in the tier (usage cached_tokens > 0, tandem_prefix_cache_tier_hits_total > 0,
+    tier writes and reads counted) and its greedy text equals a cold cluster's
+    (prefix_cache: false), with decode[].deterministic: true on both;
+  - the same run without the tier shows the prefix was really gone from the pool (A's turn 2
+    hits at most the shared head of the prompt there);
+  - a tier at tp 2 is refused at start with a clear message (not built yet).
+
+usage: test_prefix_tier.py --router BIN --decode BIN --tandem BIN --synth GGUF [--model GGUF]
+"""
+import argparse
+import http.client
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import openai  # noqa: E402
+from rtlib import Cluster  # noqa: E402
+from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.cluster import parse_metrics  # noqa: E402
+
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely, in plain words, and say "
+          "so when you do not know. Keep every answer under three sentences.")
+TURN1 = "Name three colours of the rainbow."
+TURN2 = "Now name two more."
+N_TOK = 12
+KV_BLOCKS = 24
+
+
+def client_of(cl):
+    return openai.OpenAI(base_url=cl.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def cached(usage):
+    d = usage.prompt_tokens_details
+    return d.cached_tokens if d is not None else None
+
+
+def chat(client, mid, msgs):
+    return client.chat.completions.create(model=mid, messages=msgs, max_tokens=N_TOK,
+                                          temperature=0)
+
+
+def other_prompt(i):
+    return (f"Story {i}: once upon a time there was a small village by a river, where the "
+            f"people kept bees and grew apples, and every autumn number {i} they held a fair.")
+
+
+def metrics(cl):
+    c = http.client.HTTPConnection("127.0.0.1", cl.http_port, timeout=30)
+    c.request("GET", "/metrics")
+    m = parse_metrics(c.getresponse().read().decode())
+    c.close()
+    return lambda name: sum(v for (n, _), v in m.items() if n == name)
+
+
+def run(client, mid, n_other):
+    """A's turn 1, n_other other prompts, A's turn 2: (turn 1, turn 2) responses."""
+    m1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURN1}]
+    r1 = chat(client, mid, m1)
+    for i in range(n_other):
+        client.completions.create(model=mid, prompt=other_prompt(i), max_tokens=N_TOK,
+                                  temperature=0)
+    m2 = m1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+               {"role": "user", "content": TURN2}]
+    return r1, chat(client, mid, m2)
+
+
+def run_model(args, model, name):
+    base = {"deterministic": True}
+    with Cluster(args, model, kv_blocks=KV_BLOCKS,
+                 decode_extra=dict(base, prefix_cache=False)) as cold:
+        client = client_of(cold)
+        mid = client.models.list().data[0].id
+        c1, c2 = run(client, mid, 0)
+    want = c2.choices[0].message.content
+    # without a tier: the other prompts push A out of the pool
+    with Cluster(args, model, kv_blocks=KV_BLOCKS, decode_extra=dict(base)) as pool_only:
+        _, p2 = run(client_of(pool_only), mid, 12)
+        base_hit = cached(p2.usage)
+        check(p2.choices[0].message.content == want, f"{name}: pool only: turn 2 == cold")
+    tdir = tempfile.mkdtemp(prefix="tandem-tier-")
+    tier = f"{{path: {tdir}/tier, size: 64MiB}}"
+    with Cluster(args, model, kv_blocks=KV_BLOCKS,
+                 decode_extra=dict(base, prefix_cache_tier=tier)) as cl:
+        client = client_of(cl)
+        w1, w2 = run(client, mid, 12)
+        check(w1.choices[0].message.content == c1.choices[0].message.content,
+              f"{name}: turn 1 with a tier == cold")
+        got = w2.choices[0].message.content
+        check(got == want, f"{name}: turn 2 from the tier == cold"
+              + ("" if got == want else f": {got!r} != {want!r}"))
+        k = cached(w2.usage)
+        check(k is not None and k > (base_hit or 0) and k < w2.usage.prompt_tokens,
+              f"{name}: turn 2 cached_tokens {k} > {base_hit} (pool only) of "
+              f"{w2.usage.prompt_tokens}")
+        time.sleep(0.6)  # a heartbeat brings the counters
+        m = metrics(cl)
+        writes = m("tandem_prefix_cache_tier_writes_total")
+        reads = m("tandem_prefix_cache_tier_reads_total")
+        hits = m("tandem_prefix_cache_tier_hits_total")
+        check(writes > 0 and reads > 0 and hits > 0 and hits <= k,
+              f"{name}: tier writes {writes}, reads {reads}, hit tokens {hits} (<= {k})")
+        size = os.path.getsize(f"{tdir}/tier.r0") if os.path.exists(f"{tdir}/tier.r0") else 0
+        check(0 < size <= 64 << 20, f"{name}: the tier file {tdir}/tier.r0 ({size} bytes)")
+    shutil.rmtree(tdir, ignore_errors=True)
+
+
+def run_refusals(args):
+    with tempfile.TemporaryDirectory() as d:
+        cfg = os.path.join(d, "c.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"model: {args.synth}\ndecode:\n  - name: d0\n    tp: 2\n"
+                    f"    prefix_cache_tier: {{path: {d}/t, size: 8MiB}}\n")
+        p = subprocess.run([args.decode, "--config", cfg, "--instance", "d0", "--rank", "0"],
+                           capture_output=True, text=True, timeout=60)
+        out = p.stdout + p.stderr
+        check(p.returncode != 0 and "not built for tp > 1" in out,
+              f"tp 2 with a tier refused ({p.returncode}: {out.strip()[-200:]!r})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--router", required=True)
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--tandem", required=True)
+    ap.add_argument("--synth", required=True)
+    ap.add_argument("--model", default="")
+    args = ap.parse_args()
+    t0 = time.time()
+    run_refusals(args)
+    run_model(args, args.synth, "synth")
+    if args.model:
+        run_model(args, args.model, "default")
+    print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
