@@ -16,6 +16,10 @@ compute thread per process, the same model file, the same workload):
   co_load   the same with router.routing load (the most free KV blocks, then the fewest
             requests: conversations move between the instances, round robin-like)
   co_off    colocated, routing load, decode prefix cache off (not in the default set)
+  co_aware_b1  co_aware with router.cache_aware.balance_abs_threshold 1 (not in the default
+            set): the shared system prompt is more than cache_threshold of a turn's prompt, so
+            with the default threshold (32) every conversation follows the first one's
+            instance; 1 lets the balance test spread them
 Rounds alternate the configurations (A B C D, A B C D, ...), so drift hits all of them.
 
 Per configuration and round: TTFT p50/p99 of turns 2+ (seconds), output tok/s (completion
@@ -62,6 +66,7 @@ CONFIGS = {
     "co_aware": dict(disagg=False, cache=True, routing="cache_aware"),
     "co_load": dict(disagg=False, cache=True, routing="load"),
     "co_off": dict(disagg=False, cache=False, routing="load"),
+    "co_aware_b1": dict(disagg=False, cache=True, routing="cache_aware", balance_abs=1),
 }
 
 
@@ -94,7 +99,10 @@ class Cluster:
         a, on = self.args, "true" if c["cache"] else "false"
         y = [f"model: {a.model}", f"run_dir: {self.dir}/run", "router:",
              f"  listen: 127.0.0.1:{self.port}", f"  routing: {c['routing']}",
-             "  max_prompt_tokens: 16384", "decode:"]
+             "  max_prompt_tokens: 16384"]
+        if "balance_abs" in c:
+            y += ["  cache_aware:", f"    balance_abs_threshold: {c['balance_abs']}"]
+        y.append("decode:")
         for i in range(2):
             y += [f"  - name: d{i}", "    tp: 1", "    threads: 1", f"    kv_blocks: {a.kv_blocks}",
                   "    max_batch: 16", "    step_tokens: 256", f"    prefix_cache: {on}",
@@ -282,7 +290,8 @@ def main():
     for n in names:
         print(f"  {n:9s} ttft p50 {med(n, 'ttft_p50'):.3f} s  p99 {med(n, 'ttft_p99'):.3f} s  "
               f"out {med(n, 'out_tok_s'):.1f} tok/s  hit {100 * med(n, 'hit_rate'):.1f} %")
-    for a, b in (("pd_off", "pd_on"), ("co_load", "co_aware"), ("co_off", "co_load")):
+    for a, b in (("pd_off", "pd_on"), ("co_load", "co_aware"), ("co_off", "co_load"),
+                 ("co_load", "co_aware_b1"), ("co_aware", "co_aware_b1")):
         if a in results and b in results:
             r50 = [x["ttft_p50"] / y["ttft_p50"] for x, y in zip(results[a], results[b])]
             r99 = [x["ttft_p99"] / y["ttft_p99"] for x, y in zip(results[a], results[b])]
