@@ -19,6 +19,11 @@
 #                      and --reprofile, Ctrl-C, nothing left. Needs TANDEM_MODEL (setup.sh
 #                      has fetched the model and the venv); RUN_SERIAL: it builds and runs a
 #                      whole cluster (about 1.5 min on 2 cores)
+#   deploy_bench_multiturn_smoke  tools/bench_multiturn.py --smoke (the issue 16 multi-turn
+#                      benchmark, kept out of CI, so that it cannot rot): one round of its five
+#                      clusters (`tandem up -d`) on the synthetic model, 2 conversations x 3
+#                      turns; every turn answered, cached_tokens 0 with the caches off and > 0
+#                      on turns 2+ with them on (about 15 s)
 if(TANDEM_PYTHON)
   foreach(case up_down foreground bad_model bench netns prefill_up_down prefill_foreground
                prefill_scripts)
@@ -31,6 +36,15 @@ if(TANDEM_PYTHON)
     set_tests_properties(deploy_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 400
                          SKIP_RETURN_CODE 77)
   endforeach()
+endif()
+
+if(TANDEM_PYTHON)
+  add_test(NAME deploy_bench_multiturn_smoke
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_SOURCE_DIR}/tools/bench_multiturn.py --smoke
+                   --build ${CMAKE_BINARY_DIR} --model ${TANDEM_TEST_DATA}/synth/llama.gguf
+                   --configs pd_on,pd_off,co_aware,co_load,co_off)
+  set_tests_properties(deploy_bench_multiturn_smoke PROPERTIES FIXTURES_REQUIRED synth_models
+                       TIMEOUT 300)
 endif()
 
 if(TANDEM_PYTHON AND TANDEM_MODEL)
