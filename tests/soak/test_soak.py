@@ -19,7 +19,7 @@ connection, for --seconds (default $TANDEM_SOAK_SECONDS, else 30):
   - ~10% of requests are streams the client cancels by closing the connection at a random
     point: right after sending the request, or after k SSE events (half by FIN, half by
     RST via SO_LINGER 0);
-  - ~2% deliberately invalid requests (malformed JSON, out-of-range fields, n=2, unsupported
+  - ~2% deliberately invalid requests (malformed JSON, out-of-range fields, n over router.max_n, unsupported
     fields, a prompt over router.max_prompt_tokens, an unknown model): the expected 4xx with
     an OpenAI error object.
 Every answer is checked (status, JSON shape, SSE framing, [DONE], finish_reason,
@@ -125,12 +125,12 @@ INVALID = [
     ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
     ("max_tokens -1 stream", "/v1/completions",
      {"prompt": "hi", "max_tokens": -1, "stream": True}, 400),
-    ("n 2", "/v1/completions", {"prompt": "hi", "n": 2}, 400),
+    ("n over router.max_n", "/v1/completions", {"prompt": "hi", "n": 17}, 400),
     ("temperature 5", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400),
-    ("logprobs", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400),
+    ("logprobs 21", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400),
     ("prompt over max_prompt_tokens", "/v1/completions",
      {"prompt": [150] * 9000, "max_tokens": 4}, 400),
     ("not an object", "/v1/completions", b"[1, 2, 3]", 400),
