@@ -50,6 +50,10 @@ class SoakCluster(UpCluster):
         if prefills:
             doc["prefill"] = [{"name": name, "pp": pp, "threads": threads, "chunk_size": 128,
                                "kv_tokens": 8192, "max_queue": 64, "profile_budget_ms": 0,
+                               # the prefix cache touches its pages as it fills up to its
+                               # budget: a small one is full within the warm-up, so growth
+                               # after it is a leak, not the cache filling
+                               "prefix_cache_mb": 8,
                                "port": self.prefill_ports[i]}
                               for i, (name, pp) in enumerate(self.prefills)]
             # one host: shared memory only, as deploy/local.yaml
