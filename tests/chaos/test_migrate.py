@@ -328,12 +328,16 @@ def case_prefill(cl, args, base, ref, ref_text, figures):
     """Prefill stage 0 killed while it prefills a long prompt: the request completes."""
     if args.colocated:
         return
-    long_body = dict(base, prompt=[(7 * k) % 400 + 20 for k in range(args.long_prompt)],
-                     max_tokens=16, stream=True)
-    ref_long = Stream(cl.host, cl.port, long_body, args.deadline).start().join()
-    check(ref_long.done and not ref_long.error,
-          f"long prompt, uninterrupted: {ref_long.ended} {ref_long.error}")
-    ttft = ref_long.times[0] - ref_long.t0 if ref_long.times else 1.0
+    # two long prompts of the same length: A times a cold prefill, B is the one killed. B must
+    # be cold too (A's blocks would be in the stages' prefix cache: a hit prefills in no
+    # time), and its reference runs after the kill (the restarted stage's cache is empty)
+    timing_body = dict(base, prompt=[(7 * k) % 400 + 20 for k in range(args.long_prompt)],
+                       max_tokens=16, stream=True)
+    long_body = dict(timing_body, prompt=[(11 * k) % 400 + 20 for k in range(args.long_prompt)])
+    timing = Stream(cl.host, cl.port, timing_body, args.deadline).start().join()
+    check(timing.done and not timing.error,
+          f"long prompt, uninterrupted: {timing.ended} {timing.error}")
+    ttft = timing.times[0] - timing.t0 if timing.times else 1.0
     figures["long_prompt_ttft_s"] = round(ttft, 3)
     s = Stream(cl.host, cl.port, long_body, args.deadline).start()
     time.sleep(max(0.05, ttft / 3))  # about a third into the prefill
@@ -341,12 +345,15 @@ def case_prefill(cl, args, base, ref, ref_text, figures):
     first = not s.times
     s.join()
     check(first, "the prefill stage was killed before the first token")
+    check(cl.wait_restarted("prefill-p0-0", old, 60) is not None, "prefill restarted")
+    ref_long = Stream(cl.host, cl.port, long_body, args.deadline).start().join()
+    check(ref_long.done and not ref_long.error,
+          f"long prompt B, uninterrupted: {ref_long.ended} {ref_long.error}")
     check(s.done and not s.error and s.text == ref_long.text,
           f"prefill stage killed mid-prompt: the request completed with the same text "
           f"(ended {s.ended}, error {s.error}, equal {s.text == ref_long.text})")
     if s.times:
         figures["prefill_kill_to_first_token_s"] = round(s.times[0] - t_kill, 3)
-    check(cl.wait_restarted("prefill-p0-0", old, 60) is not None, "prefill restarted")
 
 
 CASES = {"decode": case_decode, "seeded": case_seeded, "penalized": case_penalized,
