@@ -133,6 +133,12 @@ def run_shape(name, client, url):
           "18" in m.content, f"{name} history with the tool result: text answer {m.content!r}")
 
     forced_calls(name, client, mid)
+    try:  # logprobs of an answer parsed into calls: not defined, refused (docs/api.md)
+        client.chat.completions.create(**dict(kw, logprobs=True))
+        check(False, f"{name} logprobs with tools: refused")
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        check(body.get("param") == "logprobs", f"{name} logprobs with tools: 400 naming it ({e})")
     fr = success_counts(url)
     check(fr.get("tool_calls", 0) >= 2 and fr.get("stop", 0) + fr.get("length", 0) >= 2,
           f"{name} metrics: the tool_calls and stop/length answers counted (got {fr})")
