@@ -246,8 +246,8 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, nkv, (int)HD, e->k, e->v, n,
                   b->pos, b->seq_of, b->seqs);
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, m->heads.group,
-                   m->heads.phase, (int)HD, hp->attn_scale, swa ? hp->swa_window : 0, n, b->pos,
-                   b->seq_of, b->seqs, e->att);
+                   m->heads.phase, (int)HD, hp->attn_scale, swa ? hp->swa_window : 0, n, solo,
+                   b->pos, b->seq_of, b->seqs, e->att);
     if ((rc = matmul(e, &ly->wo, e->att, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
     /* gemma3 normalizes the (whole, reduced) attention output before the residual add */

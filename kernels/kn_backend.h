@@ -119,10 +119,15 @@ typedef struct {
      * q (m, n_heads, head_dim), out (m, n_heads, head_dim). Head h reads KV head
      * (phase + h) / group of the n_kv_heads in the pool (common/td_tp.h: group is the
      * model's query heads per KV head, phase the rank's offset into its first group; an
-     * unsplit model has group n_heads / n_kv_heads and phase 0). */
+     * unsplit model has group n_heads / n_kv_heads and phase 0).
+     * Rows [0, m_solo) are the batch's solo rows (model.h: one-token decode rows): a
+     * backend that picks its kernel by the row count must compute them as it would a batch
+     * of that one row, so their results never depend on the batch (cuda does). The cpu
+     * backend computes all m rows in one pass (m_solo unused): its thread cut of a long
+     * row can differ between batch shapes, a known gap (docs/gpu.md). */
     void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
-                      int phase, int head_dim, float scale, int window, int64_t m,
+                      int phase, int head_dim, float scale, int window, int64_t m, int64_t m_solo,
                       const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
                       float *out);
 

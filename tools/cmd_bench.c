@@ -3,6 +3,10 @@
  * ceilings measured in the same run, each figure reported as a ratio of its roofline:
  *   decode roofline  = read bandwidth / weight bytes read per step (tokens/s)
  *   prefill roofline = sgemm rate / (2 x parameters) (tokens/s)
+ * With --backend cuda the same workloads run on the GPU and are reported in absolute
+ * figures (a GPU's clocks are stable enough), with the weight bytes a decode step reads
+ * per second beside them, to compare with the device's memory bandwidth; this machine's
+ * CPU ceilings say nothing about the GPU and are not measured then.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,7 +55,9 @@ static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, dou
             pos[i] = step;
         }
         if (rc) break;
+        /* one-token decode rows are the batch's solo rows, as the decode node makes them */
         kn_batch b = {.n_tokens = n_seq,
+                      .n_solo = n_seq,
                       .tokens = tok,
                       .pos = pos,
                       .seq_of = seq_of,
@@ -112,11 +118,49 @@ static void model_weights(const cli_session *s, double *bytes, double *params)
     }
 }
 
+/* The figures of a device backend: absolute, with the weight bytes read per second by
+ * batch-1 decode (one read of every weight per step) for a comparison with the device's
+ * memory bandwidth. */
+static void report_device(const cli_session *s, bool json, double pp, double tg, double bn,
+                          int batch, int n_gen)
+{
+    char desc[320];
+    s->rt.be.ops->describe(s->rt.be.ctx, desc, sizeof desc);
+    double wbytes, params;
+    model_weights(s, &wbytes, &params);
+    if (json) {
+        printf("{\"backend\": \"%s\", \"device\": \"%s\", \"prefill_tps\": %.2f, "
+               "\"decode_tps\": %.2f, \"decode_batch\": %d, \"decode_batch_tps\": %.2f, "
+               "\"gen\": %d, \"weight_bytes\": %.0f, \"params\": %.0f, "
+               "\"decode_weight_gbps\": %.2f}\n",
+               s->rt.be.ops->name, desc, pp, tg, batch, bn, n_gen, wbytes, params,
+               tg * wbytes / 1e9);
+        return;
+    }
+    printf("backend %s: %s\n", s->rt.be.ops->name, desc);
+    printf("weights read per decode step %.1f MB, %.1f M params in matrix products\n", wbytes / 1e6,
+           params / 1e6);
+    printf("prefill pp512 : %9.1f tok/s  (%.2f TFLOP/s in matrix products)\n", pp,
+           pp * 2 * params / 1e12);
+    printf("decode  tg%d : %9.1f tok/s  %.3f ms/token, weights read at %.1f GB/s\n", n_gen, tg,
+           1e3 / tg, tg * wbytes / 1e9);
+    printf("decode  b%d   : %9.1f tok/s  (%.2fx batch 1), %.3f ms/step\n", batch, bn, bn / tg,
+           1e3 * batch / bn);
+}
+
+static int bench_usage(void)
+{
+    fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
+                    "[--kv-type f16|f32] [--act q8|f32] [--batch B] [--gen N] "
+                    "[--backend cpu|cuda] [--json]\n");
+    return TD_EINVAL;
+}
+
 int cmd_bench_engine(int argc, char **argv)
 {
-    cli_session_params sp = {.kv_type = TD_F16, .ctx = 4096}; /* 8 x 129 tokens fit */
+    cli_session_params sp = {.kv_type = TD_F16};
     bool json = false, act_q8 = false, act_set = false;
-    int reps = 3, rc = 0;
+    int reps = 3, rc = 0, batch = 8, n_gen = 128;
     for (int i = 0; i < argc && !rc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--json")) {
@@ -129,6 +173,12 @@ int cmd_bench_engine(int argc, char **argv)
             rc = cli_parse_int(f, v, 1, 256, &sp.threads);
         else if (!strcmp(f, "--reps"))
             rc = cli_parse_int(f, v, 1, 100, &reps);
+        else if (!strcmp(f, "--batch"))
+            rc = cli_parse_int(f, v, 1, 1024, &batch);
+        else if (!strcmp(f, "--gen"))
+            rc = cli_parse_int(f, v, 1, 8192, &n_gen);
+        else if (!strcmp(f, "--backend"))
+            sp.backend = v;
         else if (!strcmp(f, "--kv-type"))
             rc = cli_parse_kv_type(v, &sp.kv_type);
         else if (!strcmp(f, "--act")) {
@@ -139,9 +189,7 @@ int cmd_bench_engine(int argc, char **argv)
             act_q8 = v && !strcmp(v, "q8");
             act_set = true;
         } else {
-            fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
-                            "[--kv-type f16|f32] [--act q8|f32] [--json]\n");
-            return TD_EINVAL;
+            return bench_usage();
         }
         if (!v) {
             fprintf(stderr, "tandem: %s needs a value\n", f);
@@ -154,11 +202,19 @@ int cmd_bench_engine(int argc, char **argv)
         fprintf(stderr, "tandem: bench-engine needs --model\n");
         return TD_EINVAL;
     }
+    const int n_prefill = 512;
+    sp.ctx = batch * (n_gen + 1) > n_prefill ? batch * (n_gen + 1) : n_prefill; /* KV room */
+    if (sp.ctx < 4096) sp.ctx = 4096;
     cli_session s;
     if ((rc = cli_session_open(&s, &sp))) return rc;
+    kn_cpu *cpu = kn_cpu_of(s.rt.be); /* NULL on another backend */
+    if (act_set && !cpu) {
+        fprintf(stderr, "tandem: --act applies to the cpu backend only\n");
+        cli_session_close(&s);
+        return TD_EINVAL;
+    }
     /* --act overrides TANDEM_CPU_ACT only when given */
-    if (act_set) kn_cpu_set_act_q8(kn_cpu_of(s.rt.be), act_q8);
-    const int n_prefill = 512, n_gen = 128, batch = 8;
+    if (act_set) kn_cpu_set_act_q8(cpu, act_q8);
     float *logits = malloc((size_t)batch * (size_t)s.rt.model->hp.n_vocab * sizeof *logits);
     double *t_pp = calloc((size_t)reps, sizeof(double)),
            *t_tg = calloc((size_t)reps, sizeof(double));
@@ -180,7 +236,10 @@ int cmd_bench_engine(int argc, char **argv)
         double pp = n_prefill / td_stats_median(t_pp, (size_t)reps),
                tg = n_gen / td_stats_median(t_tg, (size_t)reps);
         double b8 = batch * n_gen / td_stats_median(t_b8, (size_t)reps);
-        kn_cpu *cpu = kn_cpu_of(s.rt.be); /* bench-engine opens the cpu backend */
+        if (!cpu) {
+            report_device(&s, json, pp, tg, b8, batch, n_gen);
+            goto done;
+        }
         double mem = kn_cpu_mem_read_gbps(cpu, 0, 5);
         double gemm = kn_cpu_sgemm_gflops(cpu, 2048, 3);
         double wbytes, params;
@@ -190,12 +249,13 @@ int cmd_bench_engine(int argc, char **argv)
         if (json) {
             printf("{\"threads\": %d, \"isa\": \"%s\", \"act\": \"%s\", \"prefill_tps\": %.2f, "
                    "\"decode_tps\": %.2f, "
-                   "\"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, \"gemm_gflops\": %.2f, "
+                   "\"decode_batch\": %d, \"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, "
+                   "\"gemm_gflops\": %.2f, "
                    "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
                    "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
                    "\"prefill_ratio\": %.3f}\n",
-                   th, kn_cpu_isa(), kn_cpu_act_q8(cpu) ? "q8" : "f32", pp, tg, b8, mem, gemm,
-                   wbytes, params, tg_roof, pp_roof, tg / tg_roof, pp / pp_roof);
+                   th, kn_cpu_isa(), kn_cpu_act_q8(cpu) ? "q8" : "f32", pp, tg, batch, b8, mem,
+                   gemm, wbytes, params, tg_roof, pp_roof, tg / tg_roof, pp / pp_roof);
         } else {
             printf("model %s, %d threads, isa %s, kv %s, act %s\n", sp.model_path, th, kn_cpu_isa(),
                    td_dtype_name(sp.kv_type), kn_cpu_act_q8(cpu) ? "q8" : "f32");
@@ -209,6 +269,7 @@ int cmd_bench_engine(int argc, char **argv)
             printf("decode  b%d  : %8.1f tok/s  (%.2fx batch 1)\n", batch, b8, b8 / tg);
         }
     }
+done:
     free(logits);
     free(t_pp);
     free(t_tg);

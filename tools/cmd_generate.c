@@ -7,6 +7,7 @@
 #include "chat_template.h"
 #include "cli.h"
 #include "sampler.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 static void usage(void)
@@ -17,11 +18,13 @@ static void usage(void)
         "         --max-tokens N [--temperature T] [--top-p P] [--top-k K] [--min-p P]\n"
         "         [--repeat-penalty R] [--presence-penalty P] [--frequency-penalty F]\n"
         "         [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
-        "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda] [--tokenize]\n"
+        "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda] [--tokenize] "
+        "[--timing]\n"
         "  --prompt TEXT      raw text, tokenized as llama.cpp does (BOS if the model says so)\n"
         "  --chat TEXT        one user message rendered with the model's chat template\n"
         "  --prompt-ids IDS   token ids, e.g. 1,2,3\n"
         "  --ids              print generated token ids instead of text\n"
+        "  --timing           prefill and decode wall times on stderr\n"
         "  --tokenize         print the prompt's token ids and exit (no --max-tokens needed)\n"
         "  --temperature 0    greedy decoding (default 0.8, top-k 40, top-p 0.95, min-p 0.05)\n");
 }
@@ -30,7 +33,7 @@ typedef struct {
     const char *prompt, *chat, *prompt_ids;
     int max_tokens;
     td_sampling sp;
-    bool seed_set, print_ids, ignore_eos, tokenize;
+    bool seed_set, print_ids, ignore_eos, tokenize, timing;
     int chunk;
     cli_session_params sess;
 } gen_args;
@@ -93,6 +96,9 @@ static int parse_args(int argc, char **argv, gen_args *a)
             takes = false;
         } else if (!strcmp(f, "--tokenize")) {
             a->tokenize = true;
+            takes = false;
+        } else if (!strcmp(f, "--timing")) {
+            a->timing = true;
             takes = false;
         } else if (!strcmp(f, "--ignore-eos")) {
             a->ignore_eos = true;
@@ -178,6 +184,19 @@ static int prompt_tokens(cli_session *s, const gen_args *a, int32_t **ids, int64
     return 0;
 }
 
+/* --timing: prefill and decode wall times on stderr (the logits of each step reach the
+ * host, so a device backend's figures include its synchronization and copy back). */
+static void print_timing(int64_t n_prompt, int64_t prefill_ns, int64_t n_decode, int64_t decode_ns)
+{
+    fprintf(stderr, "timing: prefill %lld tokens %.3f ms (%.1f tok/s)", (long long)n_prompt,
+            prefill_ns / 1e6, n_prompt / (prefill_ns / 1e9));
+    if (n_decode > 0)
+        fprintf(stderr, "; decode %lld steps %.3f ms (%.3f ms/token, %.1f tok/s)",
+                (long long)n_decode, decode_ns / 1e6, decode_ns / 1e6 / n_decode,
+                n_decode / (decode_ns / 1e9));
+    fputc('\n', stderr);
+}
+
 static int emit(cli_session *s, td_detok *dt, const gen_args *a, int32_t id, bool *first)
 {
     if (a->print_ids) {
@@ -230,10 +249,12 @@ int cmd_generate(int argc, char **argv)
     }
     memcpy(hist, ids, (size_t)n * sizeof *hist);
     if ((rc = kn_sampler_init(&smp, &a.sp, n_vocab))) goto out;
+    const int64_t t0 = td_now_ns();
     if ((rc = cli_prefill(&s, &seq, ids, n, 0, a.chunk, logits))) {
         fprintf(stderr, "tandem: prefill failed: %s\n", td_strerror(rc));
         goto out;
     }
+    const int64_t t1 = td_now_ns();
     int64_t len = n;
     bool first = true;
     for (int t = 0; t < a.max_tokens; t++) {
@@ -263,6 +284,7 @@ int cmd_generate(int argc, char **argv)
     }
     fputc('\n', stdout);
     fflush(stdout);
+    if (a.timing) print_timing(n, t1 - t0, len - n, td_now_ns() - t1);
 out:
     if (detok) td_detok_fini(&dt);
     kn_sampler_fini(&smp);

@@ -8,13 +8,14 @@
  * with q head h reading KV head (phase + h) / group, sliding window (window > 0: keys
  * [pos - window + 1, pos]), head_dim up to 256 (each lane of a warp holds dims lane,
  * lane + 32, ...; a score is a warp-wide sum). Two kernels:
- *   decode (m <= ATT_DECODE_MAX_M rows): split-K. Block (split s, q head h, token i) of 4
+ *   decode (the solo rows, any number: kn_backend.h; the other rows when at most
+ *     ATT_DECODE_MAX_M): split-K. Block (split s, q head h, token i) of 4
  *     warps takes the s-th of n_split equal slices of the token's key range (the split
  *     count is fixed from the head count and the SM count only, never from m, so a token's
- *     result does not depend on the batch size while the batch stays in this kernel); the
+ *     result does not depend on the batch size, and a solo row always comes here); the
  *     warps take keys round-robin, merge their states in shared memory and write a partial
  *     (max, sum, accumulator) to scratch; k_att_combine merges the splits.
- *   prefill (more rows): block (tile of ATT_QT consecutive tokens, q head h), 4 warps of
+ *   prefill (more non-solo rows): block (tile of ATT_QT consecutive tokens, q head h), 4 warps of
  *     ATT_QT / 4 tokens each. The tile is cut into runs of tokens of one sequence; for each
  *     run, K/V tiles of ATT_KT keys covering the union of the run's key ranges are staged
  *     in shared memory (converted to float) and every warp scores its tokens against them,
@@ -23,7 +24,7 @@
  * position outside [0, n_ctx) or a negative block id raises the backend's flag (reported
  * by the next synchronize/download, TD_ERANGE) and that token's write or output is skipped
  * (attention writes zeros).
- * State: compiled for sm_80..sm_100; never run on a GPU by its authors (cuda_backend.h).
+ * State: compiled for sm_80..sm_100; run on an NVIDIA H200 (sm_90) (cuda_backend.h).
  */
 #include <cuda_fp16.h>
 
@@ -380,42 +381,64 @@ static int att_splits(const kn_cuda *c, int n_heads)
     return s < 1 ? 1 : s > ATT_MAX_SPLIT ? ATT_MAX_SPLIT : s;
 }
 
-extern "C" void kn_cu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
-                                td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
-                                int group, int phase, int head_dim, float scale, int window,
-                                int64_t m, const int32_t *pos, const int32_t *seq_of,
-                                const kn_seq_view *seqs, float *out)
+/* Rows [r0, r1) of a through one kernel: the split-K decode kernel or the tiled prefill
+ * kernel. */
+static void att_launch(kn_cuda *c, att_args a, int64_t r0, int64_t r1, bool decode, bool f16)
 {
-    kn_cuda *c = (kn_cuda *)ctx;
-    if (att_bad_args(c, kv_type, block_size, n_heads, n_kv_heads, group, phase, head_dim, m))
-        return;
-    if (m == 0) return;
-    att_args a = {kpool,    vpool,  block_size, n_heads, n_kv_heads, group, phase,
-                  head_dim, window, 1,          scale,   m,          pos,   seq_of,
-                  seqs,     q,      out,        NULL,    c->dev_flag};
-    const bool f16 = kv_type == TD_F16;
-    if (m <= ATT_DECODE_MAX_M) {
-        a.n_split = att_splits(c, n_heads);
-        const size_t bytes = (size_t)m * n_heads * a.n_split * (head_dim + 2) * sizeof(float);
+    const int64_t qoff = r0 * a.n_heads * a.hd;
+    a.q += qoff;
+    a.out += qoff;
+    a.pos += r0;
+    a.seq_of += r0;
+    a.m = r1 - r0;
+    if (decode) {
+        a.n_split = att_splits(c, a.n_heads);
+        const size_t bytes = (size_t)a.m * a.n_heads * a.n_split * (a.hd + 2) * sizeof(float);
         a.part = (float *)kn_cu_scratch(c, bytes);
         if (!a.part) {
             kn_cu_fail(c, TD_ENOMEM, "attention (split scratch)");
             return;
         }
-        const dim3 grid((unsigned)a.n_split, (unsigned)n_heads, (unsigned)m);
+        const dim3 grid((unsigned)a.n_split, (unsigned)a.n_heads, (unsigned)a.m);
         if (f16)
             k_att_decode<1><<<grid, ATT_WARPS * KN_WARP, 0, c->stream>>>(a);
         else
             k_att_decode<0><<<grid, ATT_WARPS * KN_WARP, 0, c->stream>>>(a);
         if (kn_cu_check(c, "attention (decode)")) return;
-        k_att_combine<<<(unsigned)(m * n_heads), 128, 0, c->stream>>>(a);
+        k_att_combine<<<(unsigned)(a.m * a.n_heads), 128, 0, c->stream>>>(a);
         kn_cu_check(c, "attention (combine)");
         return;
     }
-    const dim3 grid((unsigned)((m + ATT_QT - 1) / ATT_QT), (unsigned)n_heads);
+    const dim3 grid((unsigned)((a.m + ATT_QT - 1) / ATT_QT), (unsigned)a.n_heads);
     if (f16)
         k_att_prefill<1><<<grid, ATT_WARPS * KN_WARP, 0, c->stream>>>(a);
     else
         k_att_prefill<0><<<grid, ATT_WARPS * KN_WARP, 0, c->stream>>>(a);
     kn_cu_check(c, "attention (prefill)");
+}
+
+/* The solo rows (one-token decode rows) always take the decode kernel, whatever their
+ * count: their results never depend on the batch. The other rows take the decode kernel
+ * when they are few, the prefill kernel (K/V tiles shared by a run's tokens) otherwise. */
+extern "C" void kn_cu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
+                                td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
+                                int group, int phase, int head_dim, float scale, int window,
+                                int64_t m, int64_t m_solo, const int32_t *pos,
+                                const int32_t *seq_of, const kn_seq_view *seqs, float *out)
+{
+    kn_cuda *c = (kn_cuda *)ctx;
+    if (att_bad_args(c, kv_type, block_size, n_heads, n_kv_heads, group, phase, head_dim, m))
+        return;
+    if (m_solo < 0 || m_solo > m) {
+        TD_LOG_ERR("cuda attention: %lld solo rows of %lld", (long long)m_solo, (long long)m);
+        kn_cu_fail(c, TD_EINVAL, "attention");
+        return;
+    }
+    if (m == 0) return;
+    const att_args a = {kpool,    vpool,  block_size, n_heads, n_kv_heads, group, phase,
+                        head_dim, window, 1,          scale,   m,          pos,   seq_of,
+                        seqs,     q,      out,        NULL,    c->dev_flag};
+    const bool f16 = kv_type == TD_F16;
+    if (m_solo) att_launch(c, a, 0, m_solo, true, f16);
+    if (m > m_solo) att_launch(c, a, m_solo, m, m - m_solo <= ATT_DECODE_MAX_M, f16);
 }

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_clock.h"
 #include "td_err.h"
 
 /* A failed CUDA call: logged with the call's text, mapped to a td_err. */
@@ -28,11 +29,46 @@ void kn_cu_fail(kn_cuda *c, int rc, const char *op)
     snprintf(c->err_op, sizeof c->err_op, "%s", op);
 }
 
+/* TANDEM_CUDA_PROFILE: the time since the last op or copy, charged to op. */
+static void prof_add(kn_cuda *c, const char *op)
+{
+    const int64_t now = td_now_ns();
+    int i = 0;
+    while (i < c->n_prof && strcmp(c->prof[i].op, op))
+        i++;
+    if (i == c->n_prof && c->n_prof < KN_CU_PROF_MAX) c->prof[c->n_prof++].op = op;
+    if (i < c->n_prof) {
+        c->prof[i].ms += (double)(now - c->prof_t) / 1e6;
+        c->prof[i].calls++;
+    }
+    c->prof_t = now;
+}
+
+static void prof_print(const kn_cuda *c)
+{
+    double total = 0;
+    for (int i = 0; i < c->n_prof; i++)
+        total += c->prof[i].ms;
+    if (c->n_prof == 0 || total <= 0) return;
+    fprintf(stderr, "cuda profile (TANDEM_CUDA_PROFILE=1; each op synchronized): %.1f ms\n", total);
+    bool done[KN_CU_PROF_MAX] = {false};
+    for (int k = 0; k < c->n_prof; k++) {
+        int best = -1;
+        for (int i = 0; i < c->n_prof; i++)
+            if (!done[i] && (best < 0 || c->prof[i].ms > c->prof[best].ms)) best = i;
+        done[best] = true;
+        fprintf(stderr, "  %-22s %10.2f ms %5.1f %% %9ld calls %8.1f us/call\n", c->prof[best].op,
+                c->prof[best].ms, 100.0 * c->prof[best].ms / total, c->prof[best].calls,
+                1000.0 * c->prof[best].ms / (double)c->prof[best].calls);
+    }
+}
+
 int kn_cu_check(kn_cuda *c, const char *op)
 {
     c->last_op = op;
     cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess && c->sync_each) e = cudaStreamSynchronize(c->stream);
+    if (e == cudaSuccess && (c->sync_each || c->profile)) e = cudaStreamSynchronize(c->stream);
+    if (c->profile) prof_add(c, op);
     if (e == cudaSuccess) return 0;
     char what[96];
     snprintf(what, sizeof what, "%s (%s)", op, c->sync_each ? "run" : "launch");
@@ -110,6 +146,7 @@ static int cu_upload(void *ctx, void *dst, const void *src, size_t bytes)
     kn_cuda *c = ctx;
     /* from pageable memory, cudaMemcpyAsync returns once src was staged: src is reusable */
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+    if (c->profile) c->prof_t = td_now_ns();
     return 0;
 }
 
@@ -153,6 +190,7 @@ static int drain(kn_cuda *c)
     cudaError_t e = cudaMemcpyAsync(c->host_flag, c->dev_flag, 2 * sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, c->stream);
     cudaError_t s = cudaStreamSynchronize(c->stream);
+    if (c->profile) c->prof_t = td_now_ns();
     return drain_status(c, e != cudaSuccess ? e : s);
 }
 
@@ -174,6 +212,7 @@ static void cu_destroy(void *ctx)
     if (!c) return;
     cudaSetDevice(c->device);
     if (c->stream) cudaStreamSynchronize(c->stream);
+    if (c->profile) prof_print(c);
     kn_cu_map_free(c);
     cudaFree(c->scratch);
     cudaFree(c->dev_flag);
@@ -258,6 +297,13 @@ static int open_device(kn_cuda *c, int device)
     c->n_sm = prop.multiProcessorCount;
     const char *sync = getenv("TANDEM_CUDA_SYNC");
     c->sync_each = sync && strcmp(sync, "1") == 0;
+    /* float32 copies of quantized weights for the GEMM path (cuda_matmul.cu): by default
+     * up to 40 % of the device's memory; TANDEM_CUDA_F32_CACHE_MB sets it (0: none) */
+    const char *cache = getenv("TANDEM_CUDA_F32_CACHE_MB");
+    c->map.f32_budget = cache ? (size_t)strtoull(cache, NULL, 10) << 20 : c->mem_bytes / 5 * 2;
+    const char *prof = getenv("TANDEM_CUDA_PROFILE");
+    c->profile = prof && strcmp(prof, "1") == 0;
+    c->prof_t = td_now_ns();
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     cublasStatus_t bs = cublasCreate(&c->blas);
     if (bs != CUBLAS_STATUS_SUCCESS) {
@@ -297,9 +343,8 @@ int kn_cuda_create(int device, kn_backend *out)
     }
     char desc[320];
     cu_describe(c, desc, sizeof desc);
-    TD_LOG_INFO("backend 'cuda': %s; weight types %s (others are refused at load); its "
-                "kernels are untested on a GPU (cuda_backend.h)",
-                desc, KN_ELEM_TYPES);
+    TD_LOG_INFO("backend 'cuda': %s; weight types %s (others are refused at load)", desc,
+                KN_ELEM_TYPES);
     *out = (kn_backend){.ops = &cuda_ops, .ctx = c};
     return 0;
 }

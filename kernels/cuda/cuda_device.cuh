@@ -1,6 +1,6 @@
 /* cuda_device.cuh: device helpers the CUDA backend's .cu files share (warp reductions,
  * launch geometry) and the one way they include the project's C headers.
- * Included only by nvcc (C++). Never run on a GPU by its authors yet (cuda_backend.h).
+ * Included only by nvcc (C++). Run on an NVIDIA H200 (cuda_backend.h).
  */
 #ifndef KN_CUDA_DEVICE_CUH
 #define KN_CUDA_DEVICE_CUH

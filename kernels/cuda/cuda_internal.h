@@ -37,13 +37,19 @@ typedef struct {
     td_dtype type;
     int64_t n_rows, n_cols; /* a vector: n_rows 1, type F32 */
     size_t dev_stride;
+    float *f32; /* the matrix dequantized to float32 for the GEMM path, made at its first
+                 * GEMM while the cache budget lasts (NULL: not made, or over budget) */
 } kn_cu_map_entry;
 
 typedef struct {
     kn_cu_map_entry *slots; /* open addressing, linear probing; cap a power of 2 */
     size_t cap, used;
-    size_t bytes; /* device bytes held by the copies */
+    size_t bytes;      /* device bytes held by the copies */
+    size_t f32_bytes;  /* of them, by float32 copies of quantized matrices */
+    size_t f32_budget; /* most bytes the float32 copies may take (TANDEM_CUDA_F32_CACHE_MB) */
 } kn_cu_map;
+
+#define KN_CU_PROF_MAX 32
 
 typedef struct {
     int device;
@@ -65,6 +71,18 @@ typedef struct {
     char err_op[160]; /* what failed */
     const char *last_op;
     bool sync_each; /* TANDEM_CUDA_SYNC=1 */
+    /* TANDEM_CUDA_PROFILE=1: every op synchronizes and its wall time (launches and run,
+     * from the end of the previous op or copy) is summed per op name; the table goes to
+     * stderr when the backend is destroyed. Slows the ops down (no overlap of launches
+     * with work): a breakdown, not a throughput figure. */
+    bool profile;
+    int64_t prof_t;
+    struct {
+        const char *op;
+        double ms;
+        long calls;
+    } prof[KN_CU_PROF_MAX];
+    int n_prof;
 } kn_cuda;
 
 /* ---- errors ---- */
@@ -87,6 +105,8 @@ void *kn_cu_scratch(kn_cuda *c, size_t bytes);
 void kn_cu_map_free(kn_cuda *c);
 int kn_cu_map_matrix(void *ctx, const kn_mat *w);
 int kn_cu_map_vector(void *ctx, const float *v, int64_t n);
+/* The map entry of host pointer p, NULL when p is not mapped. */
+kn_cu_map_entry *kn_cu_map_entry_of(kn_cuda *c, const void *p);
 /* The device copy of host pointer p, or p itself when it is not mapped (then it is taken
  * as device memory already: an activation from ops->alloc). */
 const void *kn_cu_ptr(const kn_cuda *c, const void *p);
@@ -115,7 +135,7 @@ void kn_cu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int b
                     const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs);
 void kn_cu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
-                     int phase, int head_dim, float scale, int window, int64_t m,
+                     int phase, int head_dim, float scale, int window, int64_t m, int64_t m_solo,
                      const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
                      float *out);
 

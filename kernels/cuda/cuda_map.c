@@ -13,6 +13,8 @@
  * the same address would be taken for it.
  * Only types the CUDA kernels compute with (kn_elem.h) are accepted: an unsupported
  * weight type fails at load, not at the first step.
+ * A quantized matrix may also get a float32 copy for the GEMM path (cuda_matmul.cu), made
+ * at its first GEMM and kept while the total stays within map.f32_budget.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,9 +77,14 @@ static int map_insert(kn_cu_map *m, const kn_cu_map_entry *e)
 void kn_cu_map_free(kn_cuda *c)
 {
     for (size_t i = 0; i < c->map.cap; i++)
-        if (c->map.slots[i].host) cudaFree(c->map.slots[i].dev);
+        if (c->map.slots[i].host) {
+            cudaFree(c->map.slots[i].dev);
+            cudaFree(c->map.slots[i].f32);
+        }
     free(c->map.slots);
+    const size_t budget = c->map.f32_budget;
     memset(&c->map, 0, sizeof c->map);
+    c->map.f32_budget = budget;
 }
 
 int kn_cu_map_matrix(void *ctx, const kn_mat *w)
@@ -171,6 +178,11 @@ int kn_cu_map_vector(void *ctx, const float *v, int64_t n)
     }
     c->map.bytes += bytes;
     return 0;
+}
+
+kn_cu_map_entry *kn_cu_map_entry_of(kn_cuda *c, const void *p)
+{
+    return map_find(&c->map, p);
 }
 
 const void *kn_cu_ptr(const kn_cuda *c, const void *p)

@@ -7,29 +7,39 @@
  *     them with kn_elem.h (the CPU's exact values) and accumulates w * x with fmaf into
  *     one sum per row of x; the lanes' sums are joined by a fixed xor butterfly. Every row
  *     of x gets the same operations in the same order whatever m is, so a row's result is
- *     bit-identical to matmul of that row alone: matmul_mixed relies on it.
- *   m > 8 (prefill-shaped): W is dequantized to float32 tiles of rows in device scratch
- *     (at most MM_TILE_BYTES per tile) and multiplied with cublasSgemm on the backend's
- *     stream (pedantic math: no TF32), y = x W^T. F32 weights skip the dequantization.
+ *     bit-identical to matmul of that row alone: matmul_mixed relies on it, and sends its
+ *     solo rows (a decode batch) here in launches of up to 32 rows (kernel instances for
+ *     8, 16 and 32 rows). Measured on an H200 (SmolLM2-135M, 64 solo rows per step): 70 ms
+ *     a step with launches of 8 rows, 67 ms with launches of 32 (each warp then does 4x
+ *     the FMAs: the kernel is bound by its per-warp arithmetic, not by reading W), 38 ms
+ *     through the GEMM. A batched kernel that keeps rows' order of operations is the next
+ *     step (docs/gpu.md).
+ *   m > 8 (prefill-shaped): cublasSgemm on the backend's stream (pedantic math: no
+ *     TF32), y = x W^T, on a float32 copy of W made at its first GEMM and kept (map
+ *     entry f32, within the budget TANDEM_CUDA_F32_CACHE_MB); past the budget W is
+ *     dequantized per call into float32 tiles of rows in device scratch (at most
+ *     MM_TILE_BYTES per tile). F32 weights are used as they are. Measured on an H200
+ *     (SmolLM2-135M, batch 64): per-call dequantization took 17 % of the step.
  * Why 8: the GEMV reads W once per call whatever m is, and its cost grows with m only in
  * the FMAs; past a handful of rows a GEMM that reuses each weight across rows from shared
- * memory/registers wins. 8 is where llama.cpp's CUDA backend stops its "mmvq" kernels; it
- * is a starting point that has NOT been measured here (no GPU). float32 tiles rather than
+ * memory/registers wins. 8 is where llama.cpp's CUDA backend stops its "mmvq" kernels; not
+ * tuned yet. float32 tiles rather than
  * fp16 keep the prefill result within float32 rounding of the CPU's (BF16 weights and
  * K-quant values do not all fit fp16); fp16/TF32 tensor cores are the obvious next step
- * once a GPU can measure them.
+ * (prefill 512 tokens on an H200 runs its GEMMs at 5.3 TFLOP/s in pedantic fp32).
  * Types: kn_elem.h's (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K);
  * others are refused with TD_EUNSUPP (map_matrix refuses them already at load).
  * W is found through the weight map (cuda_map.c); x, y and get_rows' ids are device memory.
  * get_rows cannot return a bad id it finds on the device: it zeroes that output row and
  * raises the backend's flag, which the next synchronize/download reports (TD_ERANGE).
- * State: compiled for sm_80..sm_100; never run on a GPU by its authors (cuda_backend.h).
+ * State: compiled for sm_80..sm_100; run on an NVIDIA H200 (sm_90) (cuda_backend.h).
  */
 #include "cuda_device.cuh"
 
-#define MM_GEMV_MAX_M 8
-#define MM_GEMV_WARPS 4 /* output rows per block */
-#define MM_TILE_BYTES ((size_t)256 << 20)
+#define MM_GEMV_MAX_M  8  /* more non-solo rows than this take the GEMM */
+#define MM_GEMV_SOLO_M 32 /* solo rows per GEMV launch (kernel tiers 8, 16, 32) */
+#define MM_GEMV_WARPS  4  /* output rows per block */
+#define MM_TILE_BYTES  ((size_t)256 << 20)
 
 /* The 32 weights of chunk u of a row at row (float types: elements 32 u .., zero past
  * n_cols). */
@@ -52,7 +62,10 @@ __device__ __forceinline__ void load_chunk(const uint8_t *row, int64_t u, int64_
     }
 }
 
-template <int T>
+/* MAXM: the most rows of x one launch takes (8, 16 or 32: the solo rows of a decode batch
+ * go through here, in launches of up to 32 rows, each reading W once). A row's operations
+ * do not depend on MAXM or m. */
+template <int T, int MAXM>
 __global__ void k_gemv(const uint8_t *w, size_t stride, int64_t n_rows, int64_t n_cols,
                        const float *x, int m, float *y)
 {
@@ -61,16 +74,16 @@ __global__ void k_gemv(const uint8_t *w, size_t stride, int64_t n_rows, int64_t 
     if (r >= n_rows) return;
     const uint8_t *row = w + (size_t)r * stride;
     const int64_t n_units = (n_cols + 31) / 32;
-    float acc[MM_GEMV_MAX_M];
+    float acc[MAXM];
 #pragma unroll
-    for (int j = 0; j < MM_GEMV_MAX_M; j++)
+    for (int j = 0; j < MAXM; j++)
         acc[j] = 0.0f;
     for (int64_t u = lane; u < n_units; u += KN_WARP) {
         float wq[32];
         load_chunk<T>(row, u, n_cols, wq);
         const int kmax = n_cols - u * 32 < 32 ? (int)(n_cols - u * 32) : 32;
 #pragma unroll
-        for (int j = 0; j < MM_GEMV_MAX_M; j++) {
+        for (int j = 0; j < MAXM; j++) {
             if (j >= m) break;
             const float *xj = x + (int64_t)j * n_cols + u * 32;
             float a = acc[j];
@@ -82,7 +95,7 @@ __global__ void k_gemv(const uint8_t *w, size_t stride, int64_t n_rows, int64_t 
         }
     }
 #pragma unroll
-    for (int j = 0; j < MM_GEMV_MAX_M; j++) {
+    for (int j = 0; j < MAXM; j++) {
         if (j >= m) break;
         const float s = kn_cu_warp_sum(acc[j]);
         if (lane == 0) y[(int64_t)j * n_rows + r] = s;
@@ -179,8 +192,16 @@ template <int T>
 static void launch_gemv(cudaStream_t s, const kn_mat *w, const float *x, int m, float *y)
 {
     const unsigned blocks = (unsigned)((w->n_rows + MM_GEMV_WARPS - 1) / MM_GEMV_WARPS);
-    k_gemv<T><<<blocks, MM_GEMV_WARPS * KN_WARP, 0, s>>>((const uint8_t *)w->data, w->row_stride,
-                                                         w->n_rows, w->n_cols, x, m, y);
+    const uint8_t *d = (const uint8_t *)w->data;
+    if (m <= MM_GEMV_MAX_M)
+        k_gemv<T, MM_GEMV_MAX_M><<<blocks, MM_GEMV_WARPS * KN_WARP, 0, s>>>(
+            d, w->row_stride, w->n_rows, w->n_cols, x, m, y);
+    else if (m <= 2 * MM_GEMV_MAX_M)
+        k_gemv<T, 2 * MM_GEMV_MAX_M><<<blocks, MM_GEMV_WARPS * KN_WARP, 0, s>>>(
+            d, w->row_stride, w->n_rows, w->n_cols, x, m, y);
+    else
+        k_gemv<T, MM_GEMV_SOLO_M><<<blocks, MM_GEMV_WARPS * KN_WARP, 0, s>>>(
+            d, w->row_stride, w->n_rows, w->n_cols, x, m, y);
 }
 
 template <int T>
@@ -217,11 +238,54 @@ static int mm_check(const kn_mat *w, const char *op)
     return 0;
 }
 
-/* y (m, n_rows) = x W^T by dequantized tiles and cublasSgemm (dw: the device view). */
-static int mm_gemm(kn_cuda *c, const kn_mat *dw, const float *x, int64_t m, float *y)
+/* The float32 copy of quantized matrix w (its map entry e), made now if the budget
+ * allows; NULL otherwise (the caller dequantizes tiles per call). The copy holds the
+ * entry's rows, dequantized by the same kernel as the tiles: the same values. */
+static const float *mm_f32_copy(kn_cuda *c, kn_cu_map_entry *e)
+{
+    if (!e || e->type == TD_F32 || e->n_rows <= 1) return NULL;
+    if (e->f32) return e->f32;
+    const size_t bytes = (size_t)e->n_rows * (size_t)e->n_cols * sizeof(float);
+    if (c->map.f32_bytes + bytes > c->map.f32_budget) return NULL;
+    float *p = NULL;
+    if (cudaMalloc((void **)&p, bytes) != cudaSuccess) {
+        cudaGetLastError(); /* out of memory here is not an error: tiles work too */
+        c->map.f32_budget = c->map.f32_bytes; /* stop trying */
+        return NULL;
+    }
+    kn_mat src = {.type = e->type,
+                  .n_rows = e->n_rows,
+                  .n_cols = e->n_cols,
+                  .row_stride = e->dev_stride,
+                  .data = e->dev};
+    MM_DISPATCH(src.type, launch_dequant, c->stream, &src, 0, src.n_rows, p);
+    if (kn_cu_check(c, "matmul (dequantize once)")) {
+        cudaStreamSynchronize(c->stream);
+        cudaFree(p);
+        return NULL;
+    }
+    e->f32 = p;
+    c->map.f32_bytes += bytes;
+    return p;
+}
+
+/* y (m, n_rows) = x W^T by cublasSgemm on W's float32 copy, or on dequantized tiles when
+ * it has none (dw: the device view; e: W's map entry). */
+static int mm_gemm(kn_cuda *c, kn_cu_map_entry *e, const kn_mat *dw, const float *x, int64_t m,
+                   float *y)
 {
     const int64_t K = dw->n_cols, N = dw->n_rows;
     const float one = 1.0f, zero = 0.0f;
+    const float *f32 = mm_f32_copy(c, e);
+    if (f32) {
+        cublasStatus_t st = cublasSgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)m, (int)K,
+                                        &one, f32, (int)K, x, (int)K, &zero, y, (int)N);
+        if (st != CUBLAS_STATUS_SUCCESS) {
+            TD_LOG_ERR("cuda matmul: cublasSgemm failed (status %d)", (int)st);
+            return TD_EIO;
+        }
+        return kn_cu_check(c, "matmul (sgemm)");
+    }
     if (dw->type == TD_F32 && dw->row_stride % 4 == 0) {
         cublasStatus_t st = cublasSgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)m, (int)K,
                                         &one, (const float *)dw->data, (int)(dw->row_stride / 4), x,
@@ -253,11 +317,11 @@ static int mm_gemm(kn_cuda *c, const kn_mat *dw, const float *x, int64_t m, floa
     return 0;
 }
 
-/* Rows of x through the GEMV, MM_GEMV_MAX_M at a time. */
+/* Rows of x through the GEMV, up to MM_GEMV_SOLO_M at a time. */
 static int mm_gemv_rows(kn_cuda *c, const kn_mat *dw, const float *x, int64_t m, float *y)
 {
-    for (int64_t i = 0; i < m; i += MM_GEMV_MAX_M) {
-        const int mi = (int)(m - i < MM_GEMV_MAX_M ? m - i : MM_GEMV_MAX_M);
+    for (int64_t i = 0; i < m; i += MM_GEMV_SOLO_M) {
+        const int mi = (int)(m - i < MM_GEMV_SOLO_M ? m - i : MM_GEMV_SOLO_M);
         MM_DISPATCH(dw->type, launch_gemv, c->stream, dw, x + i * dw->n_cols, mi,
                     y + i * dw->n_rows);
         int rc = kn_cu_check(c, "matmul (gemv)");
@@ -286,7 +350,8 @@ extern "C" int kn_cu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, in
     if (mb == 0) return 0;
     const float *xb = x + m_solo * w->n_cols;
     float *yb = y + m_solo * w->n_rows;
-    return mb <= MM_GEMV_MAX_M ? mm_gemv_rows(c, &dw, xb, mb, yb) : mm_gemm(c, &dw, xb, mb, yb);
+    return mb <= MM_GEMV_MAX_M ? mm_gemv_rows(c, &dw, xb, mb, yb)
+                               : mm_gemm(c, kn_cu_map_entry_of(c, w->data), &dw, xb, mb, yb);
 }
 
 extern "C" int kn_cu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y)

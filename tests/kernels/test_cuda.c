@@ -1,10 +1,12 @@
 /* test_cuda.c: the CUDA backend against the CPU backend. Without a usable GPU (this
  * project's CI machines) it checks only that kn_backend_create("cuda") refuses clearly
  * (TD_EUNSUPP, *out zeroed). With one it compares, for every weight type the CUDA backend
- * has: matmul at m = 1, 5 (GEMV) and 20 (dequantize + GEMM) within float rounding of the
- * CPU, matmul_mixed's solo rows bit for bit against m == 1, get_rows bit for bit; and
- * rmsnorm and swiglu within a few ulps. Attention and kv_write are not covered here yet.
- * This file has never run with a GPU (none was at hand when it was written). */
+ * has: matmul at m = 1, 5 (GEMV) and 20, 40 (GEMM) within float rounding of the CPU,
+ * matmul_mixed's solo rows (3 of them, and all 40) bit for bit against m == 1, get_rows bit for
+ * bit; and rmsnorm and swiglu within a few ulps; kv_write + attention over a paged f16 pool (two
+ * one-token decode rows of long contexts as the solo rows, a 30-token prefill run of a
+ * third sequence) within float rounding of the CPU, and the solo rows bit-identical when
+ * computed alone. First run on an NVIDIA H200 on 2026-11-27 (docs/gpu.md). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -97,8 +99,8 @@ static void check_matmul(kn_backend *cpu, kn_backend *g, const kn_mat *w, int64_
         bad += !(fabsf(got[i] - ref[i]) <= tol);
     TH_CHECKF(bad == 0, "%s m %lld: %d of %lld outside %g of the cpu", td_dtype_name(w->type),
               (long long)m, bad, (long long)(m * N), tol);
-    /* solo rows: bit-identical to m == 1 */
-    const int64_t solo = m < 3 ? m : 3;
+    /* solo rows: bit-identical to m == 1 (at m 40 all rows: GEMV launches of 32 + 8) */
+    const int64_t solo = m >= 40 ? m : m < 3 ? m : 3;
     TH_CHECK(g->ops->matmul_mixed(g->ctx, w, dx, m, solo, dy) == 0);
     TH_CHECK(g->ops->download(g->ctx, got, dy, sizeof(float) * m * N) == 0);
     for (int64_t i = 0; i < solo; i++) {
@@ -149,6 +151,7 @@ static void check_types(kn_backend *cpu, kn_backend *g)
         check_matmul(cpu, g, &w, 1);
         check_matmul(cpu, g, &w, 5);
         check_matmul(cpu, g, &w, 20);
+        check_matmul(cpu, g, &w, 40);
         check_get_rows(cpu, g, &w);
     }
     for (size_t k = 0; k < NT; k++)
@@ -187,6 +190,113 @@ static void check_elementwise(kn_backend *cpu, kn_backend *g)
     g->ops->free(g->ctx, dy);
 }
 
+/* kv_write + attention: cuda against cpu; solo rows alone == solo rows in the batch. */
+static void check_attention(kn_backend *cpu, kn_backend *g)
+{
+    enum { BS = 16, NKV = 2, NH = 6, HD = 64, NB = 16, NSEQ = 3, M = 32, SOLO = 2 };
+    static const int32_t ctx[NSEQ] = {40, 70, 30}, first_blk[NSEQ] = {0, 3, 8};
+    const size_t pool_bytes = (size_t)NB * NKV * BS * HD * 2; /* f16 */
+    void *kc = calloc(1, pool_bytes), *vc = calloc(1, pool_bytes);
+    /* both pools start zeroed (cudaMalloc does not clear: the slots past a sequence's
+     * last position are never written) */
+    void *kg = up(g, kc, pool_bytes), *vg = up(g, vc, pool_bytes);
+    int32_t tables[NSEQ][8];
+    kn_seq_view views[NSEQ], dviews[NSEQ];
+    for (int s = 0; s < NSEQ; s++) {
+        for (int b = 0; b < 8; b++)
+            tables[s][b] = first_blk[s] + b;
+        views[s] = (kn_seq_view){.block_table = tables[s], .n_ctx = ctx[s]};
+        dviews[s] =
+            (kn_seq_view){.block_table = up(g, tables[s], sizeof tables[s]), .n_ctx = ctx[s]};
+    }
+    kn_seq_view *dv = up(g, dviews, sizeof dviews);
+    TH_REQUIRE(kc && vc && kg && vg && dv);
+    /* every position of every sequence written, one sequence at a time */
+    for (int s = 0; s < NSEQ; s++) {
+        const int n = ctx[s];
+        float *k = malloc(sizeof(float) * n * NKV * HD), *v = malloc(sizeof(float) * n * NKV * HD);
+        int32_t *pos = malloc(sizeof(int32_t) * n), *so = malloc(sizeof(int32_t) * n);
+        for (int i = 0; i < n * NKV * HD; i++) {
+            k[i] = frand(-1, 1);
+            v[i] = frand(-1, 1);
+        }
+        for (int i = 0; i < n; i++) {
+            pos[i] = i;
+            so[i] = s;
+        }
+        cpu->ops->kv_write(cpu->ctx, kc, vc, TD_F16, BS, NKV, HD, k, v, n, pos, so, views);
+        float *dk = up(g, k, sizeof(float) * n * NKV * HD),
+              *dvv = up(g, v, sizeof(float) * n * NKV * HD);
+        int32_t *dp = up(g, pos, sizeof(int32_t) * n), *ds = up(g, so, sizeof(int32_t) * n);
+        g->ops->kv_write(g->ctx, kg, vg, TD_F16, BS, NKV, HD, dk, dvv, n, dp, ds, dv);
+        TH_CHECK(g->ops->synchronize(g->ctx) == 0);
+        g->ops->free(g->ctx, dk);
+        g->ops->free(g->ctx, dvv);
+        g->ops->free(g->ctx, dp);
+        g->ops->free(g->ctx, ds);
+        free(k);
+        free(v);
+        free(pos);
+        free(so);
+    }
+    /* the pools hold the same bits */
+    void *back = malloc(pool_bytes);
+    TH_CHECK(g->ops->download(g->ctx, back, kg, pool_bytes) == 0);
+    TH_CHECKF(memcmp(back, kc, pool_bytes) == 0,
+              "kv_write: the cuda K pool differs from the cpu's");
+    TH_CHECK(g->ops->download(g->ctx, back, vg, pool_bytes) == 0);
+    TH_CHECKF(memcmp(back, vc, pool_bytes) == 0,
+              "kv_write: the cuda V pool differs from the cpu's");
+    free(back);
+    /* the batch: 2 solo decode rows (last positions of sequences 0 and 1), then sequence
+     * 2's 30 positions */
+    int32_t pos[M], so[M];
+    pos[0] = ctx[0] - 1;
+    so[0] = 0;
+    pos[1] = ctx[1] - 1;
+    so[1] = 1;
+    for (int i = SOLO; i < M; i++) {
+        pos[i] = i - SOLO;
+        so[i] = 2;
+    }
+    static float q[M * NH * HD], ref[M * NH * HD], got[M * NH * HD], one[NH * HD];
+    for (int i = 0; i < M * NH * HD; i++)
+        q[i] = frand(-1, 1);
+    const float scale = 0.125f;
+    cpu->ops->attention(cpu->ctx, q, kc, vc, TD_F16, BS, NH, NKV, NH / NKV, 0, HD, scale, 0, M,
+                        SOLO, pos, so, views, ref);
+    float *dq = up(g, q, sizeof q), *dout = g->ops->alloc(g->ctx, sizeof got);
+    int32_t *dp = up(g, pos, sizeof pos), *ds = up(g, so, sizeof so);
+    TH_REQUIRE(dq && dout && dp && ds);
+    g->ops->attention(g->ctx, dq, kg, vg, TD_F16, BS, NH, NKV, NH / NKV, 0, HD, scale, 0, M, SOLO,
+                      dp, ds, dv, dout);
+    TH_CHECK(g->ops->download(g->ctx, got, dout, sizeof got) == 0);
+    int bad = 0;
+    for (int i = 0; i < M * NH * HD; i++)
+        bad += !(fabsf(got[i] - ref[i]) <= 2e-5f * fmaxf(fabsf(ref[i]), 1.0f));
+    TH_CHECKF(bad == 0, "attention: %d of %d values outside float rounding of the cpu", bad,
+              M * NH * HD);
+    /* each solo row alone: the same bits as in the batch */
+    for (int r = 0; r < SOLO; r++) {
+        g->ops->attention(g->ctx, dq + (size_t)r * NH * HD, kg, vg, TD_F16, BS, NH, NKV, NH / NKV,
+                          0, HD, scale, 0, 1, 1, dp + r, ds + r, dv, dout);
+        TH_CHECK(g->ops->download(g->ctx, one, dout, sizeof one) == 0);
+        TH_CHECKF(memcmp(one, got + (size_t)r * NH * HD, sizeof one) == 0,
+                  "attention: solo row %d alone differs from the batch", r);
+    }
+    g->ops->free(g->ctx, dq);
+    g->ops->free(g->ctx, dout);
+    g->ops->free(g->ctx, dp);
+    g->ops->free(g->ctx, ds);
+    for (int s = 0; s < NSEQ; s++)
+        g->ops->free(g->ctx, (void *)dviews[s].block_table);
+    g->ops->free(g->ctx, dv);
+    g->ops->free(g->ctx, kg);
+    g->ops->free(g->ctx, vg);
+    free(kc);
+    free(vc);
+}
+
 static void test_cuda(void)
 {
     char why[256];
@@ -204,6 +314,7 @@ static void test_cuda(void)
     TH_REQUIRE(kn_backend_create("cuda", &o, &g) == 0);
     check_types(&cpu, &g);
     check_elementwise(&cpu, &g);
+    check_attention(&cpu, &g);
     TH_CHECK(g.ops->synchronize(g.ctx) == 0);
     kn_backend_destroy(&g);
     kn_backend_destroy(&cpu);

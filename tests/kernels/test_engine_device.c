@@ -219,8 +219,8 @@ static void sh_kv_write(void *ctx, void *kp, void *vp, td_dtype t, int bs, int n
 
 static void sh_attention(void *ctx, const float *q, const void *kp, const void *vp, td_dtype t,
                          int bs, int nh, int nkv, int group, int phase, int hd, float scale,
-                         int window, int64_t m, const int32_t *pos, const int32_t *seq_of,
-                         const kn_seq_view *seqs, float *out)
+                         int window, int64_t m, int64_t m_solo, const int32_t *pos,
+                         const int32_t *seq_of, const kn_seq_view *seqs, float *out)
 {
     dev(ctx, "attention", "q", q, FL(m * nh * hd));
     dev(ctx, "attention", "kpool", kp, 1);
@@ -229,8 +229,8 @@ static void sh_attention(void *ctx, const float *q, const void *kp, const void *
     dev(ctx, "attention", "seq_of", seq_of, (size_t)m * 4);
     dev(ctx, "attention", "out", out, FL(m * nh * hd));
     seqs_ok(ctx, "attention", seqs, seq_of, m);
-    CPU.ops->attention(CPU.ctx, q, kp, vp, t, bs, nh, nkv, group, phase, hd, scale, window, m, pos,
-                       seq_of, seqs, out);
+    CPU.ops->attention(CPU.ctx, q, kp, vp, t, bs, nh, nkv, group, phase, hd, scale, window, m,
+                       m_solo, pos, seq_of, seqs, out);
 }
 
 static int sh_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out)

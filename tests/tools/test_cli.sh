@@ -51,6 +51,16 @@ c=$(run --seed 43 --temperature 0.9 --ids)
 g1=$(run --temperature 0 --ids) g2=$(run --temperature 0 --ids --threads 1 --chunk 3)
 [ "$g1" = "$g2" ] && echo "ok   greedy ids independent of threads and chunking" || fail "greedy '$g1' vs '$g2'"
 
+# --timing: the two wall times on stderr, the output unchanged
+t=$(run --temperature 0 --ids --timing)
+[ "$t" = "$g1" ] && grep -Eq "^timing: prefill [0-9]+ tokens .*; decode 11 steps" "$TMP/err" &&
+  echo "ok   --timing: $(cat "$TMP/err")" || fail "--timing: '$t' / $(cat "$TMP/err")"
+# bench-engine: the batch and generation length it was given, in its JSON
+j=$("$BIN" bench-engine --model "$SYNTH" --reps 1 --batch 4 --gen 8 --json 2>"$TMP/err")
+echo "$j" | grep -q '"decode_batch": 4' && echo "ok   bench-engine --batch 4 --gen 8" ||
+  fail "bench-engine: '$j' $(cat "$TMP/err")"
+expect_error "bench-engine --act on cuda" "cuda|--act" -- bench-engine --model "$SYNTH" --backend cuda --act q8
+
 if [ -n "$MODEL" ]; then
   out=$("$BIN" generate --model "$MODEL" --chat "What is the capital of France?" --max-tokens 16 --temperature 0 2>"$TMP/err")
   if echo "$out" | grep -q "Paris"; then echo "ok   chat answer: $out"; else fail "chat answer '$out'"; cat "$TMP/err" >&2; fi
