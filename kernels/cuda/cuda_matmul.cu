@@ -23,10 +23,10 @@
  * Why 8: the GEMV reads W once per call whatever m is, and its cost grows with m only in
  * the FMAs; past a handful of rows a GEMM that reuses each weight across rows from shared
  * memory/registers wins. 8 is where llama.cpp's CUDA backend stops its "mmvq" kernels; not
- * tuned yet. float32 tiles rather than
- * fp16 keep the prefill result within float32 rounding of the CPU's (BF16 weights and
- * K-quant values do not all fit fp16); fp16/TF32 tensor cores are the obvious next step
- * (prefill 512 tokens on an H200 runs its GEMMs at 5.3 TFLOP/s in pedantic fp32).
+ * tuned yet. float32 rather than fp16 copies keep the prefill result within float32
+ * rounding of the CPU's (BF16 weights and K-quant values do not all fit fp16); fp16/TF32
+ * tensor cores are the obvious next step (prefill 512 tokens on an H200 runs its GEMMs at
+ * 5.3 TFLOP/s in pedantic fp32).
  * Types: kn_elem.h's (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K);
  * others are refused with TD_EUNSUPP (map_matrix refuses them already at load).
  * W is found through the weight map (cuda_map.c); x, y and get_rows' ids are device memory.
