@@ -428,6 +428,7 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_KVM, "kv_memory", F_SIZE, kv_memory, 4096, 0)                                              \
     F(D_BATCH, "max_batch", F_INT, max_batch, 1, 1 << 16)                                          \
     F(D_STEP, "step_tokens", F_INT, step_tokens, 1, 1 << 20)                                       \
+    F(D_ITL, "itl_target_ms", F_FLOAT, itl_target_ms, 0, 600000)                                   \
     F(D_DTYPE, "kv_dtype", F_KV_DTYPE, kv_dtype, 0, 0)                                             \
     F(D_PORT, "port", F_INT, port, 1, 65535)                                                       \
     F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \

@@ -105,6 +105,10 @@ typedef struct {
     td_cfg_tier tier;   /* prefix_cache_tier: the cache's second tier; off unless given */
     td_dtype kv_dtype;  /* TD_F16 ("f16", default) | TD_F32 ("f32") */
     int port;           /* control port of rank 0; default 9000 + index */
+
+    /* 0 (off): colocated, the step time (ms) within which a step with running decodes keeps
+     * its prefill share (docs/config.md) */
+    double itl_target_ms;
 } td_cfg_decode;
 
 typedef struct {

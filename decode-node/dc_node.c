@@ -394,7 +394,8 @@ static int leader_setup(dc_node *n)
                           .n_eog = n_eog,
                           .vocab = n->gvocab,
                           .grammars = n->grammars,
-                          .prefix_cache = n->dcfg->prefix_cache};
+                          .prefix_cache = n->dcfg->prefix_cache,
+                          .itl_target_ms = n->dcfg->itl_target_ms};
     char tier_path[4096];
     rc = tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)
@@ -544,6 +545,7 @@ static int grow_logits(dc_node *n, int rows)
 static int run_step(dc_node *n)
 {
     dc_step st;
+    int64_t t_plan = td_now_ns();
     int k = dc_sched_plan(n->sched, &st);
     if (k <= 0) return k;
     int64_t t0 = td_now_ns();
@@ -560,7 +562,10 @@ static int run_step(dc_node *n)
         snprintf(n->fail_why, sizeof n->fail_why, "%s",
                  dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm) : td_strerror(rc));
     dc_sched_commit(n->sched, n->logits, rc);
-    n->step_ns += td_now_ns() - t0;
+    int64_t t1 = td_now_ns();
+    /* the whole step, as its decodes wait for it: the cost model behind itl_target_ms */
+    if (!rc) dc_sched_observe(n->sched, (double)(t1 - t_plan) / 1e6);
+    n->step_ns += t1 - t0;
     n->step_tokens += k;
     return rc ? rc : k;
 }

@@ -159,3 +159,110 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
                           .logit_rows = nl ? rows : NULL};
     return 0;
 }
+
+/* The step cost model. Features are scaled to about 1 for a typical step so that one prior
+ * variance suits every coefficient: decode rows / 8, prefill tokens / 128, attention pairs
+ * / 65536. */
+static const double FEAT_SCALE[4] = {1, 8, 128, 65536};
+#define COST_FORGET 0.98 /* per step: the fit looks back about 50 steps */
+#define COST_P0     1e4  /* prior variance of a coefficient (ms^2): weak, data wins fast */
+#define COST_P_MAX  1e5  /* trace of P above which forgetting pauses (no windup while a */
+                         /* feature is absent for many steps, e.g. decode-only stretches) */
+#define COST_CLIP   5.0  /* residuals beyond this many mean absolute residuals are clipped */
+#define COST_GFLOPS 50.0 /* the start's assumed rate (GFLOP/s): conservative for a CPU */
+
+static void features(const dc_step_shape *s, double x[4])
+{
+    x[0] = 1;
+    x[1] = s->n_decode / FEAT_SCALE[1];
+    x[2] = s->n_prefill / FEAT_SCALE[2];
+    x[3] = s->attn / FEAT_SCALE[3];
+}
+
+void dc_cost_init(dc_cost *c, const kn_hparams *hp)
+{
+    memset(c, 0, sizeof *c);
+    /* matmul weights per layer: q and o, k and v, the three FFN matrices */
+    double d = hp->n_embd, qd = (double)hp->n_head * hp->head_dim,
+           kvd = (double)hp->n_head_kv * hp->head_dim;
+    double flops_tok = 2.0 * hp->n_layer * (2 * d * qd + 2 * d * kvd + 3 * d * hp->n_ff);
+    double flops_pair = 4.0 * hp->n_layer * qd; /* q.k and p.v per (row, position) */
+    double ms_per_flop = 1e3 / (COST_GFLOPS * 1e9);
+    c->theta[0] = 1.0;
+    c->theta[1] = 2 * flops_tok * ms_per_flop * FEAT_SCALE[1]; /* plus a logit row each */
+    c->theta[2] = flops_tok * ms_per_flop * FEAT_SCALE[2];
+    c->theta[3] = flops_pair * ms_per_flop * FEAT_SCALE[3];
+    for (int i = 0; i < 4; i++)
+        c->P[i][i] = COST_P0;
+}
+
+/* Coefficients as used: never negative (a noisy fit must not make work look free). */
+static double coef(const dc_cost *c, int i)
+{
+    return c->theta[i] > 0 ? c->theta[i] : 0;
+}
+
+double dc_cost_predict(const dc_cost *c, const dc_step_shape *s)
+{
+    double x[4], t = 0;
+    features(s, x);
+    for (int i = 0; i < 4; i++)
+        t += coef(c, i) * x[i];
+    return t;
+}
+
+void dc_cost_observe(dc_cost *c, const dc_step_shape *s, double ms)
+{
+    if (!(ms > 0)) return;
+    double x[4], px[4], xpx = 0, e = ms;
+    features(s, x);
+    for (int i = 0; i < 4; i++)
+        e -= c->theta[i] * x[i];
+    double lim = COST_CLIP * (c->err_ms > 0.5 ? c->err_ms : 0.5);
+    if (c->n_obs >= 16 && (e > lim || e < -lim)) e = e > 0 ? lim : -lim;
+    c->err_ms += ((e < 0 ? -e : e) - c->err_ms) * (c->n_obs < 16 ? 0.25 : 0.05);
+    for (int i = 0; i < 4; i++) {
+        px[i] = 0;
+        for (int j = 0; j < 4; j++)
+            px[i] += c->P[i][j] * x[j];
+        xpx += x[i] * px[i];
+    }
+    double trace = 0, den = COST_FORGET + xpx;
+    for (int i = 0; i < 4; i++)
+        c->theta[i] += px[i] / den * e;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++)
+            c->P[i][j] -= px[i] * px[j] / den;
+    for (int i = 0; i < 4; i++)
+        trace += c->P[i][i];
+    if (trace < COST_P_MAX)
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++)
+                c->P[i][j] /= COST_FORGET;
+    c->n_obs++;
+}
+
+double dc_cost_chunk_attn(int32_t pos0, int32_t n)
+{
+    /* row pos0 + j attends to pos0 + j + 1 positions */
+    return (double)n * pos0 + (double)n * (n + 1) / 2;
+}
+
+double dc_cost_chunk_ms(const dc_cost *c, int32_t pos0, int32_t n)
+{
+    return coef(c, 2) * n / FEAT_SCALE[2] +
+           coef(c, 3) * dc_cost_chunk_attn(pos0, n) / FEAT_SCALE[3];
+}
+
+int32_t dc_cost_fit_chunk(const dc_cost *c, double ms_left, int32_t pos0, int32_t max_n)
+{
+    int32_t lo = 0, hi = max_n; /* chunk_ms grows with n: the largest n that fits */
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo + 1) / 2;
+        if (dc_cost_chunk_ms(c, pos0, mid) <= ms_left)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}

@@ -8,6 +8,10 @@
  * and the pool before it returns a batch; a bad plan is TD_EFORMAT, never a crash.
  * Ownership: the decoded batch points into the plan buffer and into dc_plan_view's
  * arrays; valid until the next decode into the same view or dc_plan_view_fini.
+ *
+ * The step cost model (dc_cost, below) sizes a plan's prefill share in colocated mode: the
+ * wall time of a step predicted from its shape, fitted online from the times the node
+ * measures. Not thread-safe; rank 0's engine loop owns it (inside the scheduler).
  */
 #ifndef DC_PLAN_H
 #define DC_PLAN_H
@@ -41,5 +45,36 @@ void dc_plan_view_fini(dc_plan_view *v);
 /* Decode a plan; block ids are checked against n_blocks and the tables' lengths against
  * block_size. */
 int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc_plan_view *v);
+
+/* A step's shape: what its wall time depends on. */
+typedef struct {
+    int n_decode;  /* one-token decode rows */
+    int n_prefill; /* prefill tokens (rows of chunks) */
+    double attn;   /* attention work: (query row, context position) pairs over all rows */
+} dc_step_shape;
+
+/* The step cost model: t = c0 + c1 * decode rows + c2 * prefill tokens + c3 * attention
+ * pairs (milliseconds), the coefficients fitted by recursive least squares with forgetting
+ * (recent steps weigh most; a step far off the fit is clipped before it moves it). The start
+ * is a rough estimate from the model's size (a conservative CPU rate); the first steps the
+ * node measures replace it. */
+typedef struct {
+    double theta[4]; /* coefficients, in ms per scaled feature (dc_plan.c: FEAT_SCALE) */
+    double P[4][4];  /* their covariance (up to the noise scale) */
+    double err_ms;   /* running mean absolute residual (outlier clipping) */
+    uint64_t n_obs;  /* steps observed */
+} dc_cost;
+
+void dc_cost_init(dc_cost *c, const kn_hparams *hp);
+/* Predicted wall time of a step of shape s, in ms (>= 0). */
+double dc_cost_predict(const dc_cost *c, const dc_step_shape *s);
+/* Fold a measured step (ms > 0) into the fit. */
+void dc_cost_observe(dc_cost *c, const dc_step_shape *s, double ms);
+/* The attention pairs of a prefill chunk of n tokens at positions [pos0, pos0 + n). */
+double dc_cost_chunk_attn(int32_t pos0, int32_t n);
+/* Predicted extra ms of adding a chunk of n prefill tokens at pos0 to a step. */
+double dc_cost_chunk_ms(const dc_cost *c, int32_t pos0, int32_t n);
+/* The largest n <= max_n whose chunk at pos0 adds at most ms_left (0 if none). */
+int32_t dc_cost_fit_chunk(const dc_cost *c, double ms_left, int32_t pos0, int32_t max_n);
 
 #endif

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dc_plan.h"
 #include "kv_cache.h"
 #include "td_err.h"
 
@@ -67,7 +68,12 @@ struct dc_sched {
     kn_seq_view *views;
     dc_req **in_step; /* (cap_seqs) requests of this step, index = seq index */
     int cap_tokens, cap_seqs;
-    bool planned; /* a step was planned and not committed yet */
+    bool planned;                          /* a step was planned and not committed yet */
+    dc_cost cost;                          /* p.itl_target_ms: the step cost model */
+    dc_step_shape shape;                   /* of the step last planned (dc_sched_observe) */
+    bool capping, prefill_planned, capped; /* planning a capped step, with ms_left */
+    double ms_left;                        /* ms its prefill may still take */
+    uint64_t prefill_capped;
 };
 
 static int list_push(req_list *l, dc_req *r)
@@ -121,6 +127,7 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
 
     s->m = m;
     s->kv = kv;
+    dc_cost_init(&s->cost, &m->hp);
     s->sink = sink;
     s->cap_tokens = s->p.step_tokens + s->p.max_running; /* prefill budget + one per decode */
     s->cap_seqs = s->p.max_running;
@@ -480,6 +487,20 @@ static int promised_blocks(const dc_sched *s)
     return n;
 }
 
+/* p.itl_target_ms: cut a prefill chunk of a step with decodes to the time the step has left;
+ * the step's first chunk keeps min(DC_SCHED_MIN_PREFILL, chunk) so prompts always progress. */
+static int32_t cap_chunk(dc_sched *s, int32_t pos0, int32_t chunk)
+{
+    if (!s->capping) return chunk;
+    int32_t n = dc_cost_fit_chunk(&s->cost, s->ms_left, pos0, chunk);
+    int32_t least = chunk < DC_SCHED_MIN_PREFILL ? chunk : DC_SCHED_MIN_PREFILL;
+    if (!s->prefill_planned && n < least) n = least;
+    s->ms_left -= dc_cost_chunk_ms(&s->cost, pos0, n);
+    s->prefill_planned |= n > 0;
+    s->capped |= n < chunk;
+    return n;
+}
+
 /* Arrived transfers join the running batch (oldest first) while it has room: they hold
  * their prompt's KV already, so they go before waiting requests. */
 static void admit_arrived(dc_sched *s)
@@ -507,8 +528,8 @@ static int admit_waiting(dc_sched *s, int budget)
         int m = pc_match(s, r, &wait); /* cached leading blocks: shared, not computed again */
         int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
         int32_t left = r->n_tokens - r->n_computed;
-        int32_t chunk = left < budget ? left : budget;
-        if (wait || pc_defer(s, r, m) ||
+        int32_t chunk = cap_chunk(s, r->n_computed, left < budget ? left : budget);
+        if (wait || !chunk || pc_defer(s, r, m) ||
             (kn_kv_available(s->kv) - promised_blocks(s) < need && s->running.n > 0) ||
             kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) {
             pc_unmatch(s, r);
@@ -537,6 +558,34 @@ static int admit_waiting(dc_sched *s, int budget)
     return budget;
 }
 
+/* 1. decoding requests: one token each, oldest first, always (the budget is for prefill
+ * tokens only, so a small budget never starves running decodes). Then, with
+ * p.itl_target_ms, the time the step's prefill may take beside them. */
+static void plan_decodes(dc_sched *s)
+{
+    for (int i = 0; i < s->running.n; i++) {
+        s->running.v[i]->chunk = 0;
+        s->running.v[i]->logit_row = -1;
+    }
+    for (int i = 0; i < s->running.n; i++) {
+        dc_req *r = s->running.v[i];
+        if (r->n_tokens - r->n_computed != 1 || r->chunk) continue;
+        if (!reserve_or_preempt(s, r, 1)) {
+            i = -1; /* the list changed: rescan (requests with chunk set are skipped) */
+            continue;
+        }
+        r->chunk = 1;
+    }
+    dc_step_shape d = {0};
+    for (int i = 0; i < s->running.n; i++)
+        if (s->running.v[i]->chunk) d.n_decode++, d.attn += s->running.v[i]->n_computed + 1;
+    s->capping = s->p.itl_target_ms > 0 && d.n_decode > 0;
+    s->prefill_planned = s->capped = false;
+    s->ms_left = s->p.itl_target_ms - dc_cost_predict(&s->cost, &d);
+}
+
+static int lay_out(dc_sched *s, dc_step *step);
+
 int dc_sched_plan(dc_sched *s, dc_step *step)
 {
     memset(step, 0, sizeof *step);
@@ -556,28 +605,15 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
     int budget = s->p.step_tokens;
     s->tier_left = s->p.tier_blocks_per_step;
     uint64_t preemptions_before = s->preemptions;
-    for (int i = 0; i < s->running.n; i++) {
-        s->running.v[i]->chunk = 0;
-        s->running.v[i]->logit_row = -1;
-    }
-    /* 1. decoding requests: one token each, oldest first, always (the budget below is
-     * for prefill tokens only, so a small budget never starves running decodes) */
-    for (int i = 0; i < s->running.n; i++) {
-        dc_req *r = s->running.v[i];
-        if (r->n_tokens - r->n_computed != 1 || r->chunk) continue;
-        if (!reserve_or_preempt(s, r, 1)) {
-            i = -1; /* the list changed: rescan (requests with chunk set are skipped) */
-            continue;
-        }
-        r->chunk = 1;
-    }
-    /* 2. prefill chunks of admitted requests, in admission order */
+    plan_decodes(s);
+    /* 2. prefill chunks of admitted requests, in admission order (capped: within the time
+     * the step has left) */
     for (int i = 0; i < s->running.n && budget > 0; i++) {
         dc_req *r = s->running.v[i];
         int32_t left = r->n_tokens - r->n_computed;
         if (r->chunk || left <= 1) continue;
-        int32_t chunk = left < budget ? left : budget;
-        if (kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) break; /* wait */
+        int32_t chunk = cap_chunk(s, r->n_computed, left < budget ? left : budget);
+        if (!chunk || kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) break; /* wait */
         r->chunk = chunk;
         budget -= chunk;
     }
@@ -585,6 +621,13 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
      * step that had to preempt (the pool is short: re-admitting the victim at once would
      * only have it preempted again) */
     if (s->preemptions == preemptions_before) budget = admit_waiting(s, budget);
+    s->prefill_capped += s->capped;
+    return lay_out(s, step);
+}
+
+/* The planned chunks as the step's batch (see the comment inside); returns its tokens. */
+static int lay_out(dc_sched *s, dc_step *step)
+{
     /* lay out the batch: requests in running order, each its chunk of tokens; first the
      * one-token decode rows, then the prefill chunks. The decode rows are solo rows
      * (computed as if each were alone), so a running request's next token does not depend
@@ -623,6 +666,9 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
             s->in_step[nseq++] = r;
         }
     }
+    s->shape = (dc_step_shape){.n_decode = n_decode, .n_prefill = n - n_decode};
+    for (int i = 0; i < n; i++)
+        s->shape.attn += s->pos[i] + 1;
     if (n == 0) return 0;
     step->batch = (kn_batch){.n_tokens = n,
                              .n_solo = s->p.deterministic ? n : n_decode,
@@ -737,6 +783,11 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
     return rc;
 }
 
+void dc_sched_observe(dc_sched *s, double ms)
+{
+    if (s->shape.n_decode + s->shape.n_prefill) dc_cost_observe(&s->cost, &s->shape, ms);
+}
+
 void dc_sched_fail_all(dc_sched *s)
 {
     s->planned = false;
@@ -841,5 +892,6 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
         .tier_reads = ts.reads,
         .tier_hits = s->tier_hits,
         .tier_errors = ts.errors,
+        .prefill_capped = s->prefill_capped,
     };
 }

@@ -125,7 +125,15 @@ typedef struct {
      * the next step (running requests decode meanwhile) */
     kn_kv_tier_params tier;
     int tier_blocks_per_step;
+    /* colocated scheduling with bounded decode stalls: while requests decode, a step takes
+     * only the prefill tokens that the step cost model (dc_plan.h, fitted from
+     * dc_sched_observe) predicts keep the step's time within itl_target_ms; the step's first
+     * chunk still gets min(DC_SCHED_MIN_PREFILL, what its prompt has left), so prompts always
+     * progress. 0: no cap (step_tokens alone bounds the prefill share). */
+    double itl_target_ms;
 } dc_sched_params;
+
+enum { DC_SCHED_MIN_PREFILL = 32 }; /* prefill tokens a capped step still takes */
 
 typedef struct dc_sched dc_sched;
 
@@ -146,6 +154,7 @@ typedef struct {
     /* the second tier: blocks written to it, blocks read back, prompt tokens of admitted
      * requests whose KV came from blocks read back, tier errors (all 0 without a tier) */
     uint64_t tier_writes, tier_reads, tier_hits, tier_errors;
+    uint64_t prefill_capped; /* steps whose prefill share itl_target_ms cut */
 } dc_sched_stats;
 
 int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv, dc_sink sink,
@@ -187,6 +196,9 @@ int dc_sched_plan(dc_sched *s, dc_step *step);
 /* Apply the step's logits ((batch.n_logits, n_vocab)): sample, append, report, finish.
  * rc != 0 means the forward pass failed: every request of the step is failed. */
 int dc_sched_commit(dc_sched *s, const float *logits, int rc);
+/* The measured wall time of the step last committed (ms), for the step cost model that
+ * sizes capped steps (p.itl_target_ms); steps never observed leave the model at its start. */
+void dc_sched_observe(dc_sched *s, double ms);
 
 /* Fail every request (e.g. a rank died); each gets a final DC_FINISH_ERROR event.
  * Transferring ones too: their blocks go back to the pool at once, so the caller must not

@@ -12,11 +12,20 @@
      per-step token budget of 256 and of 32 (the budget trades TPOT against the long
      prompt's time to first token).
 
+With --itl TARGETS (e.g. 0,60: decode[].itl_target_ms, 0 = no cap) only the bounded-stall
+comparison runs: a colocated cluster (`tandem up -d`: router + one tp1 x 2-thread decode
+instance, step_tokens 512, prefix cache off) per target, alternated --rounds times; in each,
+--decoders streamed requests (32-token prompts, 160 output tokens, ignore EOS) decode while
+--long prompts of 1024-2048 random token ids (16 output tokens) arrive 1.5 s apart. Printed:
+the decoders' inter-token latency p50/p99 (every gap between two streamed chunks), the long
+prompts' TTFT p50/p99, and the output tokens/s of the whole run.
+
 With --tp CONFIGS (e.g. 1x1,2x1,1x2: tp x threads per rank) only part 2 runs, for those
 configurations, at each batch of --batches with --max-tokens per request, and prints each
 configuration's throughput against the first one's (strong scaling: tp2 x 1 against tp1 x 1).
 
 usage: tools/bench_decode.py [--build build] [--model PATH]
+       tools/bench_decode.py --itl 0,60 [--rounds R] [--decoders 12] [--long 6]
                              [--tp 1x1,2x1 [--batches 1,4] [--max-tokens 128]]
        tools/bench_decode.py --compare BEFORE_BUILD [--build build] [--model PATH] --tp N
                              [--batches 4,16] [--rounds R]
@@ -25,7 +34,12 @@ usage: tools/bench_decode.py [--build build] [--model PATH]
   vocab-parallel LM head's figures in BENCHMARKS.md).
 """
 import argparse
+import http.client
+import json
 import os
+import shutil
+import socket
+import threading
 import random
 import re
 import signal
@@ -44,6 +58,9 @@ ap.add_argument("--tp", help="only part 2, these configurations: TPxTHREADS,... 
 ap.add_argument("--batches", default=None, help="with --tp: batches to run (4; --compare: 4,16)")
 ap.add_argument("--max-tokens", type=int, default=128, help="with --tp: tokens per request")
 ap.add_argument("--rounds", type=int, default=3, help="with --compare: rounds per batch size")
+ap.add_argument("--itl", help="only the bounded-stall comparison: itl_target_ms values, e.g. 0,60")
+ap.add_argument("--decoders", type=int, default=12, help="with --itl: requests decoding")
+ap.add_argument("--long", type=int, default=6, help="with --itl: long prompts arriving")
 args = ap.parse_args()
 TANDEM = os.path.join(args.build, "bin", "tandem")
 DECODE = os.path.join(args.build, "bin", "tandem-decode")
@@ -150,6 +167,99 @@ def tp_part(configs, batches, max_tokens):
                   f"each, {m.group(4)}% of step time", flush=True)
 
 
+def free_port():
+    so = socket.socket()
+    so.bind(("127.0.0.1", 0))
+    port = so.getsockname()[1]
+    so.close()
+    return port
+
+
+def stream(port, prompt, max_tokens, out):
+    """One streamed completion: out gets (submit time, [arrival time of every chunk])."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+    times = []
+    for line in r:
+        if line.startswith(b"data: {") and b'"text"' in line:
+            times.append(time.perf_counter())
+    c.close()
+    out.append((t0, times))
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def itl_round(target, seed):
+    """One cluster with itl_target_ms = target; the decoders' gaps, the long prompts' TTFTs."""
+    d = tempfile.mkdtemp(prefix="tandem-bench-itl-")
+    port, cfg = free_port(), os.path.join(d, "c.yaml")
+    with open(cfg, "w") as f:
+        f.write(f"model: {args.model}\nrun_dir: {d}/run\nrouter:\n  listen: 127.0.0.1:{port}\n"
+                f"  max_prompt_tokens: 8192\ndecode:\n  - name: d0\n    tp: 1\n    threads: 2\n"
+                f"    kv_blocks: 4096\n    max_batch: 64\n    step_tokens: 512\n"
+                f"    prefix_cache: false\n    itl_target_ms: {target}\n    port: {free_port()}\n")
+    env = dict(os.environ, TANDEM_BIN=os.path.abspath(os.path.join(args.build, "bin")))
+    r = subprocess.run([TANDEM, "up", "-d", cfg, "--timeout", "120"], env=env, capture_output=True,
+                       text=True)
+    if r.returncode:
+        raise RuntimeError(f"tandem up: {r.stderr[-500:]}")
+    try:
+        g = random.Random(seed)
+        ids = lambda n: [g.randrange(1000, 40000) for _ in range(n)]
+        stream(port, ids(16), 4, [])  # warm-up
+        dec, lng, ths = [], [], []
+        t_start = time.perf_counter()
+        for _ in range(args.decoders):
+            ths.append(threading.Thread(target=stream, args=(port, ids(32), 160, dec)))
+            ths[-1].start()
+        time.sleep(1.0)
+        for _ in range(args.long):
+            ths.append(threading.Thread(target=stream,
+                                        args=(port, ids(g.randrange(1024, 2049)), 16, lng)))
+            ths[-1].start()
+            time.sleep(1.5)
+        for t in ths:
+            t.join()
+        wall = time.perf_counter() - t_start
+    finally:
+        subprocess.run([TANDEM, "down", cfg], env=env, capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)
+    gaps = [(b - a) * 1e3 for _, ts in dec for a, b in zip(ts, ts[1:])]
+    ttft = [(ts[0] - t0) for t0, ts in lng]
+    n_out = sum(len(ts) for _, ts in dec + lng)
+    return gaps, ttft, n_out / wall
+
+
+def itl_part(targets):
+    res = {t: ([], [], []) for t in targets}
+    for k in range(args.rounds):
+        for t in targets:  # alternated: each round runs every target once, back to back
+            gaps, ttft, tps = itl_round(t, 100 + k)
+            res[t][0].extend(gaps)
+            res[t][1].extend(ttft)
+            res[t][2].append(tps)
+            print(f"round {k} itl_target_ms {t}: ITL p50 {pct(gaps, .5):.1f} p99 "
+                  f"{pct(gaps, .99):.1f} ms, long TTFT p50 {pct(ttft, .5):.2f} p99 "
+                  f"{pct(ttft, .99):.2f} s, output {tps:.1f} tok/s", flush=True)
+    for t in targets:
+        gaps, ttft, tps = res[t]
+        print(f"all rounds, itl_target_ms {t}: ITL p50 {pct(gaps, .5):.1f} p99 {pct(gaps, .99):.1f} "
+              f"max {max(gaps):.0f} ms ({len(gaps)} gaps), long TTFT p50 {pct(ttft, .5):.2f} p99 "
+              f"{pct(ttft, .99):.2f} s, output {sum(tps) / len(tps):.1f} tok/s (mean of rounds)")
+
+
+if args.itl:
+    itl_part([float(x) for x in args.itl.split(",")])
+    raise SystemExit(0)
 if args.compare:
     compare(int(args.tp or 3), [int(x) for x in (args.batches or "4,16").split(",")])
     raise SystemExit(0)

@@ -5,7 +5,10 @@
  * the trip to follower ranks (and malformed plans are rejected), and requests whose KV
  * arrives from a prefill (TRANSFERRING: simulated here by prefilling into the reserved
  * blocks) give the same tokens as colocated ones, also under pool pressure; a decode row
- * batched with a prefill chunk past the gemm threshold gives the bits of the row alone.
+ * batched with a prefill chunk past the gemm threshold gives the bits of the row alone;
+ * with itl_target_ms a long prompt arriving beside running decodes is cut into chunks
+ * that keep every step within the target (under a synthetic step time the scheduler
+ * learns from dc_sched_observe), yet always progresses, with the same tokens.
  * usage: test_sched MODEL.gguf
  */
 #include <stdlib.h>
@@ -600,6 +603,92 @@ static void test_prefix_cache(void)
     pc_on = false;
 }
 
+/* The step time the ITL test pretends to measure (ms): 2 + 1 per decode row + 0.1 per
+ * prefill token (decode rows are the batch's solo rows). */
+static double fake_ms(const kn_batch *b)
+{
+    return 2.0 + 1.0 * b->n_solo + 0.1 * (b->n_tokens - b->n_solo);
+}
+
+typedef struct {
+    int mixed;          /* steps with decode rows and prefill tokens */
+    double max_ms;      /* the slowest of them after the first three (the fit warming up) */
+    int min_pf, max_pf; /* their prefill tokens */
+    uint64_t capped;    /* stats.prefill_capped */
+} itl_result;
+
+/* Four short requests (greedy) start one step apart; at step 12, while they decode, a
+ * 190-token prompt arrives. Every step's fake time is observed. */
+static void run_itl(double target, outputs *o, itl_result *res)
+{
+    memset(o, 0, sizeof *o);
+    *res = (itl_result){.min_pf = 1 << 30};
+    static int32_t prompts[5][190];
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 256, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    dc_sched *s;
+    dc_sched_params sp = {.max_running = 16, .step_tokens = 512, .itl_target_ms = target};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s) ==
+               0);
+    for (int step = 0; step < 1000 && (step < 13 || !dc_sched_idle(s)); step++) {
+        if (step < 4 || step == 12) {
+            int i = step < 4 ? step : 4;
+            dc_request_params p = {.id = (uint64_t)i,
+                                   .prompt = prompts[i],
+                                   .n_prompt = i < 4 ? 8 + 20 * i : 190,
+                                   .max_tokens = i < 4 ? 40 : 4};
+            for (int j = 0; j < p.n_prompt; j++)
+                prompts[i][j] = (int32_t)((j * 7919 + i * 104729) % model->hp.n_vocab);
+            TH_REQUIRE(dc_sched_submit(s, &p) == 0);
+        }
+        dc_step st;
+        int n = dc_sched_plan(s, &st);
+        TH_REQUIRE(n >= 0);
+        if (n == 0) continue;
+        dc_sched_commit(s, logits_buf, kn_engine_forward(engine, kv, &st.batch, logits_buf));
+        double ms = fake_ms(&st.batch);
+        dc_sched_observe(s, ms);
+        int pf = st.batch.n_tokens - st.batch.n_solo;
+        if (!st.batch.n_solo || !pf) continue;
+        if (++res->mixed > 3 && ms > res->max_ms) res->max_ms = ms;
+        if (pf < res->min_pf) res->min_pf = pf;
+        if (pf > res->max_pf) res->max_pf = pf;
+    }
+    res->capped = dc_sched_get_stats(s).prefill_capped;
+    TH_CHECK(dc_sched_idle(s));
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
+}
+
+static void test_itl_target(void)
+{
+    outputs free_run, capped, least;
+    itl_result rf, rc, rl;
+    run_itl(0, &free_run, &rf);
+    run_itl(12, &capped, &rc);
+    run_itl(0.5, &least, &rl); /* below the decode-only step: the minimum chunk */
+    fprintf(stderr,
+            "  uncapped: %d mixed steps, prefill %d..%d, slowest %.1f ms; target 12 ms: %d, "
+            "%d..%d, %.1f ms; target 0.5 ms: %d, %d..%d\n",
+            rf.mixed, rf.min_pf, rf.max_pf, rf.max_ms, rc.mixed, rc.min_pf, rc.max_pf, rc.max_ms,
+            rl.mixed, rl.min_pf, rl.max_pf);
+    TH_CHECKF(rf.max_pf >= 190 && rf.capped == 0, "uncapped: the prompt in one step (%d)",
+              rf.max_pf);
+    TH_CHECKF(rc.max_ms <= 12 * 1.1, "target 12 ms: a step took %.1f ms", rc.max_ms);
+    TH_CHECKF(rc.min_pf >= 1 && rc.max_pf < 190 && rc.capped > 0,
+              "target 12 ms: prefill %d..%d per step", rc.min_pf, rc.max_pf);
+    TH_CHECKF(rl.max_pf == DC_SCHED_MIN_PREFILL && rl.mixed >= 190 / DC_SCHED_MIN_PREFILL,
+              "target 0.5 ms: prefill at most %d per step, %d steps", rl.max_pf, rl.mixed);
+    for (int i = 0; i < 5; i++) {
+        TH_CHECKF(capped.finals[i] == 1 && least.finals[i] == 1, "req %d: final events", i);
+        TH_CHECKF(capped.n[i] == free_run.n[i] && least.n[i] == free_run.n[i] &&
+                      !memcmp(capped.ids[i], free_run.ids[i], sizeof(int32_t) * capped.n[i]) &&
+                      !memcmp(least.ids[i], free_run.ids[i], sizeof(int32_t) * least.n[i]),
+                  "req %d: other tokens with the cap", i);
+    }
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -635,6 +724,7 @@ int main(int argc, char **argv)
     TH_RUN(test_transfer_equals_colocated);
     TH_RUN(test_transfer_edges);
     TH_RUN(test_prefix_cache);
+    TH_RUN(test_itl_target);
     free(logits_buf);
     kn_engine_destroy(engine);
     kn_cpu_destroy(cpu);
