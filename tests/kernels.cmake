@@ -48,3 +48,10 @@ target_include_directories(test_q8act PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
                                               ${PROJECT_SOURCE_DIR}/kernels/cpu)
 target_link_libraries(test_q8act PRIVATE td_kernels td_common)
 add_test(NAME kernels.test_q8act COMMAND test_q8act)
+
+# The CPU backend's thread pool: every item once in its static part, idle workers and a
+# waiting caller sleep (CPU time), the spin budget's environment variable (~1 s).
+add_executable(test_pool ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_pool.c)
+target_include_directories(test_pool PRIVATE ${PROJECT_SOURCE_DIR}/kernels/cpu)
+target_link_libraries(test_pool PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_pool COMMAND test_pool)

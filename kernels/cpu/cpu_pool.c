@@ -1,22 +1,41 @@
-/* cpu_pool.c: spin-then-sleep fork-join pool (see cpu_pool.h for the contract). */
+/* cpu_pool.c: spin-then-futex fork-join pool with part stealing (contract in cpu_pool.h).
+ *
+ * Job protocol. The caller writes the job (fn, arg, n, n_active), marks each worker part
+ * t in [1, n_active) available (slot[t] = 2*job, even), then bumps gen (the futex word the
+ * idle workers wait on). A part is claimed by whoever moves slot[t] from 2*job to 2*job+1
+ * first: its worker, or the caller once it finished part 0. The job's fields stay unchanged
+ * until every part was claimed and finished (`pending` counts the parts workers claimed and
+ * have not finished), so a worker that claimed a part reads the job it claimed. Workers
+ * never check in for jobs they take no part in.
+ *
+ * Waits (both spin for spin_ns, pausing and yielding now and then, then block):
+ *   worker: gen unchanged        -> futex_wait(gen);     woken by kn_pool_run if sleeping > 0
+ *   caller: pending > 0          -> futex_wait(pending); woken by the worker that ends it
+ * Each side announces it may sleep (sleeping / caller_waits) before it re-checks its
+ * condition, and the other side publishes before it reads that announcement (all seq_cst),
+ * so a wake-up is never lost; futex_wait returns at once if the word already changed. */
+#define _GNU_SOURCE
 #include "cpu_pool.h"
 
+#include <errno.h>
 #include <immintrin.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include "td_clock.h"
 #include "td_err.h"
 
-/* Spin iterations (each a pause, ~10-40 ns) before a worker sleeps: long enough to cover
- * the gap between two ops of a decode step and between two steps (waking a sleeping vCPU
- * costs tens to hundreds of microseconds), short enough that an idle server sleeps. */
-#define POOL_SPIN 100000
-/* While spinning, yield the core this often: when the machine is oversubscribed, the
- * thread we wait for may need our core to finish its part. */
+/* While spinning, yield the core this often (pauses): when the machine is oversubscribed,
+ * the thread we wait for may need our core. The clock is read every POOL_CLOCK_EVERY. */
 #define POOL_YIELD_EVERY 1024
+#define POOL_CLOCK_EVERY 64
 
 typedef struct {
     kn_pool *pool;
@@ -25,20 +44,49 @@ typedef struct {
 
 struct kn_pool {
     int n_threads;
+    int64_t spin_ns; /* spinning before a wait blocks */
     pthread_t *threads;
     worker_arg *args;
+    _Atomic uint64_t *slot; /* (n_threads) part t of job j: 2j available, 2j+1 claimed */
     /* the current job: written by the caller before gen is bumped */
     kn_pool_fn fn;
     void *arg;
     int64_t n;
-    int n_active;        /* threads taking part in this job (<= n_threads) */
-    atomic_uint gen;     /* job generation; workers wait for it to change */
-    atomic_int pending;  /* workers of this job not finished yet */
-    atomic_int sleeping; /* workers blocked (or about to block) on cv */
+    int n_active;            /* parts of this job (<= n_threads) */
+    uint64_t job;            /* job number, from 1 */
+    atomic_uint gen;         /* futex word: bumped per job and at stop */
+    atomic_uint pending;     /* futex word: parts workers claimed and have not finished */
+    atomic_int sleeping;     /* workers blocked (or about to block) on gen */
+    atomic_int caller_waits; /* the caller blocked (or about to block) on pending */
     atomic_bool stop;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
 };
+
+static void futex_wait(atomic_uint *w, unsigned expect)
+{
+    syscall(SYS_futex, (unsigned *)w, FUTEX_WAIT_PRIVATE, expect, NULL, NULL, 0);
+}
+
+static void futex_wake(atomic_uint *w, int n)
+{
+    syscall(SYS_futex, (unsigned *)w, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+}
+
+/* One step of a spin: pause, or yield now and then. False once spin_ns passed since
+ * *t0 (set on the first call, *t0 == 0). */
+static bool spin_step(const kn_pool *p, unsigned *i, int64_t *t0)
+{
+    ++*i;
+    if (*i % POOL_CLOCK_EVERY == 0) {
+        int64_t now = td_now_ns();
+        if (!*t0) *t0 = now;
+        if (now - *t0 >= p->spin_ns) return false;
+    }
+    if (*i % POOL_YIELD_EVERY == 0)
+        sched_yield();
+    else
+        _mm_pause();
+    return true;
+}
 
 static void run_part(kn_pool *p, int tid)
 {
@@ -47,55 +95,87 @@ static void run_part(kn_pool *p, int tid)
     if (i0 < i1) p->fn(p->arg, i0, i1, tid);
 }
 
+/* Claim part tid if it is available: true if this thread now owns it. */
+static bool claim(kn_pool *p, int tid)
+{
+    uint64_t v = atomic_load(&p->slot[tid]);
+    return !(v & 1) && atomic_compare_exchange_strong(&p->slot[tid], &v, v | 1);
+}
+
+/* Worker: wait until gen differs from last (or stop); returns the gen seen. */
+static unsigned worker_wait(kn_pool *p, unsigned last)
+{
+    unsigned g, i = 0;
+    int64_t t0 = 0;
+    if (p->spin_ns > 0)
+        while ((g = atomic_load(&p->gen)) == last)
+            if (!spin_step(p, &i, &t0)) break;
+    atomic_fetch_add(&p->sleeping, 1);
+    while ((g = atomic_load(&p->gen)) == last)
+        futex_wait(&p->gen, last);
+    atomic_fetch_sub(&p->sleeping, 1);
+    return g;
+}
+
+static void part_done(kn_pool *p)
+{
+    if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_waits))
+        futex_wake(&p->pending, 1);
+}
+
 static void *worker_main(void *v)
 {
     worker_arg *wa = v;
     kn_pool *p = wa->pool;
     unsigned last = 0;
     for (;;) {
-        unsigned g;
-        int spins = 0;
-        while ((g = atomic_load(&p->gen)) == last && !atomic_load(&p->stop)) {
-            if (++spins < POOL_SPIN) {
-                if (spins % POOL_YIELD_EVERY == 0)
-                    sched_yield();
-                else
-                    _mm_pause();
-                continue;
-            }
-            pthread_mutex_lock(&p->mu);
-            atomic_fetch_add(&p->sleeping, 1);
-            while (atomic_load(&p->gen) == last && !atomic_load(&p->stop))
-                pthread_cond_wait(&p->cv, &p->mu);
-            atomic_fetch_sub(&p->sleeping, 1);
-            pthread_mutex_unlock(&p->mu);
-            spins = 0;
-        }
+        last = worker_wait(p, last);
         if (atomic_load(&p->stop)) break;
-        last = g;
-        /* every worker checks in for every job, active or not: the caller waits for all,
-         * so no worker can still be reading this job's fields when the next is posted */
-        if (wa->tid < p->n_active) run_part(p, wa->tid);
-        atomic_fetch_sub_explicit(&p->pending, 1, memory_order_release);
+        if (claim(p, wa->tid)) {
+            run_part(p, wa->tid);
+            part_done(p);
+        }
     }
     return NULL;
+}
+
+/* Parse TANDEM_POOL_SPIN_US; TD_EINVAL if set and not a number in [0, 1e6]. */
+static int spin_budget(int64_t *ns)
+{
+    const char *s = getenv("TANDEM_POOL_SPIN_US");
+    *ns = (int64_t)KN_POOL_SPIN_US_DEFAULT * 1000;
+    if (!s || !*s) return 0;
+    char *end;
+    errno = 0;
+    long us = strtol(s, &end, 10);
+    if (errno || *end || us < 0 || us > 1000000) {
+        TD_LOG_ERR("TANDEM_POOL_SPIN_US='%s': expected microseconds in [0, 1000000]", s);
+        return TD_EINVAL;
+    }
+    *ns = (int64_t)us * 1000;
+    return 0;
 }
 
 int kn_pool_create(int n_threads, kn_pool **out)
 {
     *out = NULL;
     if (n_threads < 1) return TD_EINVAL;
+    int64_t spin_ns;
+    int rc = spin_budget(&spin_ns);
+    if (rc) return rc;
     kn_pool *p = calloc(1, sizeof *p);
     if (!p) return TD_ENOMEM;
     p->n_threads = n_threads;
-    pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
+    p->spin_ns = spin_ns;
     p->threads = calloc((size_t)n_threads, sizeof *p->threads);
     p->args = calloc((size_t)n_threads, sizeof *p->args);
-    if (!p->threads || !p->args) {
+    p->slot = calloc((size_t)n_threads, sizeof *p->slot);
+    if (!p->threads || !p->args || !p->slot) {
         kn_pool_destroy(p);
         return TD_ENOMEM;
     }
+    for (int t = 0; t < n_threads; t++)
+        atomic_store(&p->slot[t], 1); /* job 0, claimed: nothing to take */
     for (int t = 1; t < n_threads; t++) {
         p->args[t] = (worker_arg){.pool = p, .tid = t};
         if (pthread_create(&p->threads[t], NULL, worker_main, &p->args[t])) {
@@ -113,18 +193,30 @@ void kn_pool_destroy(kn_pool *p)
 {
     if (!p) return;
     if (p->threads) {
-        pthread_mutex_lock(&p->mu);
         atomic_store(&p->stop, true);
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
+        atomic_fetch_add(&p->gen, 1);
+        futex_wake(&p->gen, INT_MAX);
         for (int t = 1; t < p->n_threads; t++)
             if (p->threads[t]) pthread_join(p->threads[t], NULL);
     }
-    pthread_mutex_destroy(&p->mu);
-    pthread_cond_destroy(&p->cv);
     free(p->threads);
     free(p->args);
+    free((void *)p->slot);
     free(p);
+}
+
+/* Caller: wait until the parts workers claimed are finished. */
+static void caller_wait(kn_pool *p)
+{
+    unsigned v, i = 0;
+    int64_t t0 = 0;
+    if (p->spin_ns > 0)
+        while (atomic_load(&p->pending) > 0)
+            if (!spin_step(p, &i, &t0)) break;
+    atomic_store(&p->caller_waits, 1);
+    while ((v = atomic_load(&p->pending)) > 0)
+        futex_wait(&p->pending, v);
+    atomic_store(&p->caller_waits, 0);
 }
 
 void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg)
@@ -141,18 +233,17 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
     p->arg = arg;
     p->n = n;
     p->n_active = active;
-    atomic_store(&p->pending, p->n_threads - 1);
+    p->job++;
+    atomic_store(&p->pending, (unsigned)(active - 1));
+    for (int t = 1; t < active; t++)
+        atomic_store(&p->slot[t], 2 * p->job);
     atomic_fetch_add(&p->gen, 1);
-    if (atomic_load(&p->sleeping) > 0) {
-        pthread_mutex_lock(&p->mu);
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
-    }
+    if (atomic_load(&p->sleeping) > 0) futex_wake(&p->gen, INT_MAX);
     run_part(p, 0);
-    for (unsigned spins = 1; atomic_load_explicit(&p->pending, memory_order_acquire) > 0; spins++) {
-        if (spins % POOL_YIELD_EVERY == 0)
-            sched_yield();
-        else
-            _mm_pause();
-    }
+    for (int t = 1; t < active; t++)
+        if (claim(p, t)) { /* its worker has not started: run it here */
+            run_part(p, t);
+            atomic_fetch_sub(&p->pending, 1);
+        }
+    caller_wait(p);
 }

@@ -1,11 +1,18 @@
 /* cpu_pool.h: a fork-join thread pool for the CPU backend's data-parallel kernels.
  *
  * Purpose: decode runs ~300 small ops per token; the fork/join cost must be a few
- * hundred nanoseconds, so idle workers spin briefly on a generation counter before they
- * sleep on a condition variable.
- * Invariants: kn_pool_run returns only after every thread finished its part; the caller
- * thread is thread 0 and does its share. Work is split statically: thread t of T gets
- * items [n*t/T, n*(t+1)/T).
+ * hundred nanoseconds on a quiet machine, and the pool must not collapse when it shares
+ * its cores with other busy processes (prefill stages, decode ranks, builds). So every wait
+ * spins briefly and then blocks on a futex: idle workers wait for the next job, the caller
+ * waits for the parts workers took. A part whose worker has not claimed it by the time the
+ * caller finished its own is run by the caller (a descheduled or sleeping worker does not
+ * hold the job up).
+ * Invariants: kn_pool_run returns only after every part ran; each part [n*t/T, n*(t+1)/T)
+ * of T active parts runs exactly once, as fn(arg, i0, i1, t), on one thread (its worker, or
+ * the caller, which always runs part 0); no two parts with the same t of one job exist, so
+ * scratch indexed by t is never shared. Spin budget: TANDEM_POOL_SPIN_US (microseconds of
+ * spinning before a wait blocks; 0 blocks at once), read at kn_pool_create; default
+ * KN_POOL_SPIN_US_DEFAULT (see BENCHMARKS.md "Engine" for how it was chosen).
  * Threading: one thread at a time calls kn_pool_run (the engine loop); fn must not call
  * kn_pool_run itself.
  * Ownership: kn_pool_create/kn_pool_destroy; destroy joins the workers.
@@ -15,13 +22,17 @@
 
 #include <stdint.h>
 
+#define KN_POOL_SPIN_US_DEFAULT 200
+
 typedef struct kn_pool kn_pool;
 
-/* fn handles items [i0, i1) on thread tid (0..n_threads-1). */
+/* fn handles items [i0, i1) as part tid (0..n_threads-1). */
 typedef void (*kn_pool_fn)(void *arg, int64_t i0, int64_t i1, int tid);
 
-int kn_pool_create(int n_threads, kn_pool **out); /* n_threads >= 1 */
-void kn_pool_destroy(kn_pool *p);                 /* NULL is fine */
+/* n_threads >= 1. TD_EINVAL for a bad n_threads or a TANDEM_POOL_SPIN_US that is not a
+ * number in [0, 1000000]. */
+int kn_pool_create(int n_threads, kn_pool **out);
+void kn_pool_destroy(kn_pool *p); /* NULL is fine */
 
 /* Run fn over [0, n) split across the threads. With n small (< n_threads * min_per_thread)
  * fewer threads take part, so tiny ops do not pay for waking everyone. */

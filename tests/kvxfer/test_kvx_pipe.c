@@ -1,8 +1,11 @@
 /* test_kvx_pipe.c: the pipe's contract, run on the fake and on UCX (two workers in one
  * process, over tcp and over shared memory): exported bytes, puts + flush, active
  * messages, tagged messages, malformed input, injected faults, an idle wait that sleeps. */
+#include <pthread.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "kvx_pipe.h"
 #include "td_clock.h"
@@ -65,6 +68,58 @@ static double cpu_seconds(void)
     getrusage(RUSAGE_SELF, &ru);
     return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
            (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+/* A sender thread for the wake-on-arrival check: after 50 ms, one active message from a,
+ * then a's progress until it completed (the pipes are distinct, so two threads may each
+ * drive one). */
+typedef struct {
+    kvx_pipe *a;
+    kvx_peer ab;
+    done_rec sent;
+    int64_t sent_ns;
+} late_send;
+
+static void *late_send_main(void *v)
+{
+    late_send *s = v;
+    usleep(50000);
+    s->sent_ns = td_now_ns();
+    if (kvx_pipe_am_send(s->a, s->ab, 3, "late", 4, on_done, &s->sent)) return NULL;
+    int64_t end = td_now_ms() + 5000;
+    while (!s->sent.n && td_now_ms() < end)
+        kvx_pipe_wait(s->a, 10);
+    return NULL;
+}
+
+static double thread_cpu_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* A sleeping wait wakes when a message arrives, long before its timeout, and costs next to
+ * no CPU time meanwhile. */
+static void check_wake_on_arrival(kvx_pipe *a, kvx_pipe *b, kvx_peer ab, am_rec *am)
+{
+    int before = am->n;
+    late_send s = {.a = a, .ab = ab};
+    pthread_t th;
+    TH_REQUIRE(pthread_create(&th, NULL, late_send_main, &s) == 0);
+    double c0 = thread_cpu_ms();
+    int64_t end = td_now_ms() + 3000;
+    while (am->n == before && td_now_ms() < end)
+        kvx_pipe_wait(b, 2000);
+    int64_t woke = td_now_ns();
+    double used = thread_cpu_ms() - c0;
+    pthread_join(th, NULL);
+    TH_CHECKF(am->n == before + 1 && !strcmp(am->last, "late"), "the late message not received");
+    double lat_ms = (woke - s.sent_ns) / 1e6;
+    printf("  wake on arrival: %.3f ms after the send, %.2f ms of CPU while waiting\n", lat_ms,
+           used);
+    TH_CHECKF(lat_ms < 500, "a wait woke %.1f ms after the message was sent", lat_ms);
+    TH_CHECKF(used < 20, "a sleeping wait used %.1f ms of CPU time", used);
 }
 
 typedef int (*make_fn)(const kvx_pipe_params *, kvx_pipe **);
@@ -188,6 +243,8 @@ static void contract(make_fn make, const char *what)
         TH_CHECK(kvx_pipe_wait(a, 100) >= 0);
     double used = cpu_seconds() - c0;
     TH_CHECKF(used < 0.1, "idle wait used %.3f s of CPU in 0.3 s", used);
+
+    check_wake_on_arrival(a, b, ab, &am);
 
     /* a signal wakes a waiter at once */
     kvx_pipe_signal(a);
