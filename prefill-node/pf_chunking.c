@@ -1,6 +1,7 @@
 /* pf_chunking.c: stage 0's chunk planner set-up at start: fixed chunks, or dynamic chunking
  * over the stage profile, loaded from the profile cache (pf_pcache.h) or measured on the
- * stage's shard (pf_profile.h) and stored. */
+ * stage's shard (pf_profile.h) and stored, fitted robustly and then refitted online from the
+ * chunks served (pf_tune.h). */
 #include <stdio.h>
 #include <string.h>
 
@@ -67,14 +68,15 @@ static int get_profile(pf_stage *st, const pf_profile_params *pp, pf_profile_res
     return 0;
 }
 
-int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunking)
+int pf_chunking_setup(pf_stage *st, pf_tune *tune, pf_chunk_params *chunking)
 {
+    pf_cost_model none = {0}, *model = &none;
+    pf_tune_init(tune, &none, NULL, NULL, 0, 0);
     *chunking = (pf_chunk_params){.chunk_size = st->chunk_max,
                                   .smooth = st->cfg->smooth_factor,
                                   .page_size = st->shard.kv->block_size,
                                   .max_batch_tokens = st->chunk_max,
                                   .dynamic = false};
-    memset(model, 0, sizeof *model);
     bool dynamic = st->cfg->dynamic_chunking && st->cfg->smooth_factor != 0;
     if (!dynamic || st->cfg->profile_budget_ms <= 0) {
         if (!dynamic)
@@ -95,6 +97,14 @@ int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunk
     pf_profile_result res;
     int rc = get_profile(st, &pp, &res);
     if (rc == TD_ESTATE) return rc;
+    double xs[PF_PROFILE_MAX_LENGTHS];
+    int n_rej = 0;
+    for (int i = 0; !rc && i < res.n_lengths; i++)
+        xs[i] = res.len[i];
+    if (!rc) pf_fit_robust(xs, res.ms, res.n_lengths, &res.fit, &n_rej); /* a cached one too */
+    if (n_rej)
+        TD_LOG_WARN("prefill %s: %d of %d profile lengths rejected as outliers (a busy moment?)",
+                    st->p->instance, n_rej, res.n_lengths);
     if (rc || !res.fit.dynamic) {
         TD_LOG_WARN("prefill %s: the stage profile gave no usable cost model (%s; a=%g b=%g "
                     "over %d lengths): fixed chunks of %d tokens",
@@ -102,7 +112,8 @@ int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunk
                     res.n_lengths, st->chunk_max);
         return 0;
     }
-    *model = res.fit;
+    pf_tune_init(tune, &res.fit, xs, res.ms, res.n_lengths, 0);
+    model = &tune->prior;
     chunking->dynamic = true;
     int64_t example = 8 * (int64_t)st->chunk_max < st->shard.ctx ? 8 * (int64_t)st->chunk_max
                                                                  : (int64_t)st->shard.ctx;
@@ -114,8 +125,28 @@ int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunk
     for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
         off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);
     TD_LOG_INFO("prefill %s: dynamic chunking: f(l) = %.3g l^2 + %.3g l + %.3g ms (r2 %.4f, %d "
-                "lengths), smoothing %.2f; a %lld-token prompt goes as [%s]",
+                "lengths), smoothing %.2f; a %lld-token prompt goes as [%s]; refitted online",
                 st->p->instance, model->a, model->b, model->c, model->r2, res.n_lengths,
                 st->cfg->smooth_factor, (long long)example, sizes);
     return 0;
+}
+
+void pf_chunking_observe(pf_stage *st, pf_tune *tune, const pf_seg *segs, int n_segs, double ms)
+{
+    int64_t L[PF_MAX_SEGS], x[PF_MAX_SEGS];
+    if (!tune->prior.dynamic || n_segs > PF_MAX_SEGS) return;
+    for (int i = 0; i < n_segs; i++) {
+        if (segs[i].flags & PF_SEG_DEAD) return;
+        L[i] = segs[i].t0; /* a cached prefix is attended to like a computed one */
+        x[i] = (int64_t)segs[i].t1 - segs[i].t0;
+    }
+    bool was = tune->online;
+    if (pf_tune_observe(tune, L, x, n_segs, ms)) return;
+    const pf_cost_model *m = pf_tune_model(tune);
+    if (tune->online != was || tune->n_seen % 64 == 0)
+        TD_LOG_INFO("prefill %s: cost model after %llu chunks: %s, f(l) = %.3g l^2 + %.3g l ms, "
+                    "chunk constant %.3g ms (start-up a %.3g b %.3g; %llu refits refused)",
+                    st->p->instance, (unsigned long long)tune->n_seen,
+                    tune->online ? "online refit" : "start-up fit", m->a, m->b, tune->c_online,
+                    tune->prior.a, tune->prior.b, (unsigned long long)tune->n_kept_prior);
 }

@@ -24,6 +24,7 @@
 #include "kvx_conn.h"
 #include "pf_chain.h"
 #include "pf_chunk.h"
+#include "pf_tune.h"
 #include "pf_kvcache.h"
 #include "pf_node.h"
 #include "pf_shard.h"
@@ -158,7 +159,12 @@ void pf_lp_drop_all(pf_stage *st);
  * measured; *st->p->profiling is 1 while it measures). Returns 0 (a profile that failed
  * means fixed chunks, with a warning), or TD_ESTATE when *stop ended the profile (the
  * caller shuts down). */
-int pf_chunking_setup(pf_stage *st, pf_cost_model *model, pf_chunk_params *chunking);
+int pf_chunking_setup(pf_stage *st, pf_tune *tune, pf_chunk_params *chunking);
+
+/* Feed the chunk of segs (n_segs) that stage 0 computed in ms to the online refit of the cost
+ * model (dynamic chunking only; a chunk with a failed segment is not a sample). Logs the
+ * model when the refit takes over or gives way, and every 64 chunks. */
+void pf_chunking_observe(pf_stage *st, pf_tune *tune, const pf_seg *segs, int n_segs, double ms);
 
 /* pf_leader.c */
 int pf_leader_run(pf_stage *st);

@@ -1,7 +1,8 @@
 /* pf_leader.c: stage 0 of a prefill instance: the control socket (Prefill, KvTarget,
  * Cancel from the router; StageHello from the other stages), the request queue, the chunk
- * planner (dynamic chunking over the start-up profile, pf_chunking.c), the membership of the stage
- * chain and the completion events (PrefillDone / ErrorEvent) once every stage reported. */
+ * planner (dynamic chunking over the start-up profile, refitted online, pf_chunking.c), the
+ * membership of the stage chain and the completion events (PrefillDone / ErrorEvent) once every
+ * stage reported. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,7 +66,7 @@ typedef struct {
     td_ctrl_server *srv;
     pf_job *jobs; /* FIFO: emitted first, then queued */
     int n_jobs;
-    pf_cost_model model;
+    pf_tune tune; /* the cost model, refitted from every chunk stage 0 computes (pf_tune.h) */
     pf_chunk_params chunking;
     pf_member members[PF_MAX_STAGES]; /* (pp) the current formation */
     bool running;                     /* every stage joined (the table is complete) */
@@ -704,7 +705,7 @@ static int run_chunk(pf_leader *ld)
         }
         int32_t rem = j->n_prompt - j->done, size;
         if (n_segs == 0) {
-            int64_t x = pf_next_chunk(&ld->model, &ld->chunking, j->done, rem);
+            int64_t x = pf_next_chunk(pf_tune_model(&ld->tune), &ld->chunking, j->done, rem);
             size = x > 0 ? (int32_t)x : (rem < budget ? rem : budget);
         } else
             size = rem; /* packing after a request's last chunk: the rest of the budget */
@@ -744,7 +745,9 @@ static int run_chunk(pf_leader *ld)
         j->done = (int32_t)segs[i].t1;
         record_chunk(j, (int32_t)(segs[i].t1 - segs[i].t0));
     }
+    int64_t t0_ns = td_now_ns();
     int rc = pf_stage_chunk(ld->st, segs, n_segs, ids, NULL);
+    if (!rc) pf_chunking_observe(ld->st, &ld->tune, segs, n_segs, (td_now_ns() - t0_ns) * 1e-6);
     for (int i = 0; i < n_segs; i++)
         push_targets(ld, js[i]);
     return rc ? rc : 1;
@@ -809,7 +812,7 @@ static int lead(pf_leader *ld)
     }
     ld->started_ms = td_now_ms();
     publish_health(ld);
-    if (pf_chunking_setup(ld->st, &ld->model, &ld->chunking) == TD_ESTATE) {
+    if (pf_chunking_setup(ld->st, &ld->tune, &ld->chunking) == TD_ESTATE) {
         td_ctrl_server_destroy(ld->srv);
         ld->srv = NULL;
         return 0; /* SIGTERM while profiling: a normal stop, nothing was in flight */

@@ -9,6 +9,7 @@
 #include "td_clock.h"
 #include "td_err.h"
 #include "td_stats.h"
+#include "pf_tune.h"
 
 #define PF_MAX_REPS 16
 
@@ -211,7 +212,7 @@ int pf_profile_stage(pf_shard *sh, const pf_profile_params *p_in, pf_profile_res
         xs[k] = lens[i];
     }
     free(tm);
-    pf_fit_quadratic(xs, out->ms, out->n_lengths, &out->fit);
+    pf_fit_robust(xs, out->ms, out->n_lengths, &out->fit, NULL); /* outliers: a busy moment */
     return 0;
 }
 

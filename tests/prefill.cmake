@@ -1,5 +1,6 @@
 # prefill.cmake: the prefill node's planning pieces (prefill-node/pf_chunk.h, pf_profile.h).
 #   test_pf_chunk    partition, quadratic fit and chunk planner against hand-computed cases
+#   test_pf_tune     robust profile fit, online refit, model-chosen initial chunk (pf_tune.h)
 #   test_pf_profile  stage profile + fit on the engine with the synthetic llama model
 #                    (fixture synth_models, reference.cmake; needs TANDEM_PYTHON)
 #   test_pf_pcache   the on-disk profile cache: key, round trip, corrupt files, store
@@ -17,6 +18,12 @@ if(TARGET pf_core)
   target_link_libraries(test_pf_chunk PRIVATE pf_core td_common)
   add_test(NAME test_pf_chunk COMMAND test_pf_chunk)
   set_tests_properties(test_pf_chunk PROPERTIES TIMEOUT 30 LABELS prefill)
+
+  add_executable(test_pf_tune ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_tune.c)
+  target_include_directories(test_pf_tune PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_pf_tune PRIVATE pf_core td_common)
+  add_test(NAME test_pf_tune COMMAND test_pf_tune)
+  set_tests_properties(test_pf_tune PROPERTIES TIMEOUT 30 LABELS prefill)
 
   add_executable(test_pf_profile ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_profile.c)
   target_include_directories(test_pf_profile PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
