@@ -69,7 +69,10 @@ static void profile_stage(int pp, int stage)
     TH_CHECK(pr.fit.valid); /* 3+ distinct lengths always give a solvable system */
     TH_CHECK(isfinite(pr.fit.a) && isfinite(pr.fit.b) && isfinite(pr.fit.c));
     TH_CHECK(isfinite(pr.fit.r2) && pr.fit.r2 <= 1 + 1e-9 && pr.fit.b >= 0);
-    TH_CHECK(pr.fit.n_samples == pr.n_lengths);
+    /* the robust fit may drop outlying lengths (a busy moment), at most a quarter of them */
+    TH_CHECKF(pr.fit.n_samples <= pr.n_lengths &&
+                  pr.fit.n_samples >= pr.n_lengths - pr.n_lengths / 4,
+              "%d of %d lengths fitted", pr.fit.n_samples, pr.n_lengths);
 
     pf_chunk_params cp = {.chunk_size = CHUNK, .smooth = 0.75, .page_size = 16, .dynamic = true};
     int64_t cap = pf_plan_max_chunks(&cp, PROMPT);
