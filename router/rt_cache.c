@@ -1,7 +1,8 @@
 /* rt_cache.c: the per-instance index of the block ids the router sent to an instance (a
- * hash table over an LRU list, bounded by the instance's pool) and SGLang's cache-aware
- * choice. Loop thread only. The nodes are kept dense (node[0..n)): removing one moves the
- * last into its place, so the arrays never hold holes and growth is a plain doubling. */
+ * hash table over an LRU list, bounded by the instance's pool, each block with a successor
+ * seen after it) and the cache-aware choice by distinguishing match. Loop thread only.
+ * The nodes are kept dense (node[0..n)): removing one moves the last into its place, so
+ * the arrays never hold holes and growth is a plain doubling. */
 #include <stdlib.h>
 #include <string.h>
 
