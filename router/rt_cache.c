@@ -1,7 +1,8 @@
 /* rt_cache.c: the per-instance index of the block ids the router sent to an instance (a
- * hash table over an LRU list, bounded by the instance's pool) and SGLang's cache-aware
- * choice. Loop thread only. The nodes are kept dense (node[0..n)): removing one moves the
- * last into its place, so the arrays never hold holes and growth is a plain doubling. */
+ * hash table over an LRU list, bounded by the instance's pool, each block with a successor
+ * seen after it) and the cache-aware choice by distinguishing match. Loop thread only.
+ * The nodes are kept dense (node[0..n)): removing one moves the last into its place, so
+ * the arrays never hold holes and growth is a plain doubling. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -140,6 +141,17 @@ void rt_cidx_configure(rt_cidx *x, uint32_t block_size, uint32_t capacity)
     if (!x->n && x->cap_nodes > capacity) rt_cidx_clear(x); /* no larger arrays than needed */
 }
 
+/* Node k was seen followed by block succ in a prompt. */
+static void note_succ(rt_cidx_node *d, uint64_t succ)
+{
+    if (!d->n_succ) {
+        d->succ = succ;
+        d->n_succ = 1;
+    } else if (d->succ != succ) {
+        d->n_succ = 2;
+    }
+}
+
 int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n)
 {
     if (!x->block_size || !x->capacity) return 0;
@@ -149,15 +161,16 @@ int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n)
         if (k != RT_CIDX_NIL) {
             lru_unlink(x, k);
             lru_push_head(x, k);
-            continue;
+        } else {
+            if (x->n >= x->capacity) remove_node(x, x->tail);
+            int rc = grow(x);
+            if (rc) return rc;
+            k = x->n++;
+            x->node[k] = (rt_cidx_node){.id = ids[i]};
+            x->slot[probe(x, ids[i])] = k + 1;
+            lru_push_head(x, k);
         }
-        if (x->n >= x->capacity) remove_node(x, x->tail);
-        int rc = grow(x);
-        if (rc) return rc;
-        k = x->n++;
-        x->node[k].id = ids[i];
-        x->slot[probe(x, ids[i])] = k + 1;
-        lru_push_head(x, k);
+        if (i + 1 < n) note_succ(&x->node[k], ids[i + 1]);
     }
     return 0;
 }
@@ -176,6 +189,15 @@ size_t rt_cidx_match(const rt_cidx *x, const uint64_t *ids, size_t n)
     while (k < n && find(x, ids[k]) != RT_CIDX_NIL)
         k++;
     return k;
+}
+
+bool rt_cidx_forks(const rt_cidx *x, const uint64_t *ids, size_t n, size_t m)
+{
+    if (!m || m >= n) return false;
+    uint32_t k = find(x, ids[m - 1]);
+    if (k == RT_CIDX_NIL) return false;
+    const rt_cidx_node *d = &x->node[k];
+    return d->n_succ >= 2 || (d->n_succ == 1 && find(x, d->succ) != RT_CIDX_NIL);
 }
 
 const uint64_t *rt_cache_ids_get(rt_cache_ids *c, const int32_t *tokens, size_t n_tokens,
@@ -208,19 +230,29 @@ void rt_cache_ids_fini(rt_cache_ids *c)
     *c = (rt_cache_ids){0};
 }
 
+/* The candidate's distinguishing match: beyond what every candidate holds, 0 at a fork. */
+static uint32_t distinct(const rt_cache_cand *c, uint32_t shared)
+{
+    return c->fork ? 0 : c->matched - shared;
+}
+
 int rt_cache_choose(const rt_cache_cand *c, int n, size_t n_prompt, const td_cfg_cache_aware *p,
                     rt_route_why *why, int *skipped)
 {
+    uint32_t shared = c[0].matched;
+    for (int k = 1; k < n; k++)
+        if (c[k].matched < shared) shared = c[k].matched;
     int best = 0, least = 0;
     for (int k = 1; k < n; k++) {
-        if (c[k].matched > c[best].matched ||
-            (c[k].matched == c[best].matched && c[k].load < c[best].load))
-            best = k;
+        uint32_t dk = distinct(&c[k], shared), db = distinct(&c[best], shared);
+        if (dk > db || (dk == db && c[k].load < c[best].load)) best = k;
         if (c[k].load < c[least].load) least = k;
     }
     *skipped = -1;
-    double rate = n_prompt ? (double)c[best].matched / (double)n_prompt : 0.0;
-    if (!c[best].matched || rate <= p->cache_threshold) {
+    uint32_t d = distinct(&c[best], shared);
+    size_t rest = n_prompt > shared ? n_prompt - shared : 0; /* the part not held everywhere */
+    double rate = rest ? (double)d / (double)rest : 0.0;
+    if (!d || rate <= p->cache_threshold) {
         *why = RT_ROUTE_BY_LOAD;
         return 0;
     }

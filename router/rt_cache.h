@@ -32,7 +32,9 @@
 
 typedef struct {
     uint64_t id;         /* td_block_hash id */
+    uint64_t succ;       /* the id of a block indexed after this one in a prompt; 0: none yet */
     uint32_t prev, next; /* LRU list: prev is more recent; RT_CIDX_NIL at the ends */
+    uint32_t n_succ;     /* distinct successors seen: 0, 1 (succ) or 2 (two or more) */
 } rt_cidx_node;
 
 typedef struct {
@@ -61,6 +63,12 @@ int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n);
 bool rt_cidx_remove(rt_cidx *x, uint64_t id);
 /* How many of ids[0..n) are indexed, counted from ids[0] up to the first missing one. */
 size_t rt_cidx_match(const rt_cidx *x, const uint64_t *ids, size_t n);
+/* Given m = rt_cidx_match(x, ids, n) with 0 < m < n: does the match end at a fork, that is,
+ * was a prompt indexed here that continues ids[0..m) with another block than ids[m] (its
+ * successor still indexed, or two successors seen)? Then the matched part is a prefix this
+ * prompt shares with another one (a system prompt), not one it extends (its own history,
+ * whose last indexed block has no successor). False when m is 0 or n (a whole match). */
+bool rt_cidx_forks(const rt_cidx *x, const uint64_t *ids, size_t n, size_t m);
 
 /* The block ids of one prompt for one block size, kept while the same prompt is asked
  * for again (the instances of a cluster usually share one block size). */
@@ -94,19 +102,25 @@ typedef struct {
     int inst;         /* its index (decode or prefill array) */
     uint32_t load;    /* the router's requests on it (rt_inst.active) */
     uint32_t matched; /* prompt tokens in whole indexed blocks (rt_cidx_match * block size) */
+    bool fork;        /* the match ends where another prompt sent there went on (rt_cidx_forks) */
 } rt_cache_cand;
 
 /* Why the choice fell where it did (metric labels). */
 typedef enum {
-    RT_ROUTE_BY_LOAD = 0, /* no match above cache_threshold: the load order's choice */
+    RT_ROUTE_BY_LOAD = 0, /* no distinguishing match above cache_threshold: the load order's */
     RT_ROUTE_BY_CACHE,    /* the longest match */
     RT_ROUTE_OVERLOADED,  /* the longest match's instance was overloaded: the least loaded */
 } rt_route_why;
 
-/* SGLang's cache-aware choice among c[0..n) (n >= 1), c[0] being what routing: load would
- * pick. best = the longest match (ties: the lower load, then the earlier candidate). If
- * best.matched / n_prompt <= cache_threshold (or nothing matched): c[0], BY_LOAD. Else if
- * best.load - min_load > balance_abs_threshold and best.load > min_load *
+/* The cache-aware choice among c[0..n) (n >= 1), c[0] being what routing: load would pick.
+ * SGLang's rule (the longest match unless overloaded) scored by the *distinguishing* match:
+ * shared = the shortest match among the candidates (what every one of them holds, such as
+ * a system prompt); a candidate's distinguishing match is matched - shared, or 0 when its
+ * match ends at a fork (a prefix another prompt sent there continues differently: a new
+ * conversation matching an old one's system prompt, not its own history). best = the
+ * longest distinguishing match (ties: the lower load, then the earlier candidate). If it
+ * is 0 or not more than cache_threshold of the prompt's part beyond shared: c[0], BY_LOAD.
+ * Else if best.load - min_load > balance_abs_threshold and best.load > min_load *
  * balance_rel_threshold: the least loaded candidate (c[0] among equals), OVERLOADED, and
  * *skipped = best's position. Else best, BY_CACHE. Returns a position in c. */
 int rt_cache_choose(const rt_cache_cand *c, int n, size_t n_prompt, const td_cfg_cache_aware *p,

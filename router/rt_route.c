@@ -1,5 +1,6 @@
 /* rt_route.c: the instance for a request, by router.routing (rt_route.h): the load order,
- * or SGLang's cache-aware choice over the instances that can take it now. Loop thread. */
+ * or the cache-aware choice (rt_cache_choose) over the instances that can take it now.
+ * Loop thread. */
 #include <stdlib.h>
 
 #include "rt_route.h"
@@ -29,7 +30,8 @@ static int choose(rt_registry *g, const td_cfg_router *rc, rt_inst *insts, int n
         size_t blocks = ids ? rt_cidx_match(&s->cidx, ids, n_ids) : 0;
         c[m++] = (rt_cache_cand){.inst = i,
                                  .load = (uint32_t)s->active,
-                                 .matched = (uint32_t)(blocks * s->cidx.block_size)};
+                                 .matched = (uint32_t)(blocks * s->cidx.block_size),
+                                 .fork = ids && rt_cidx_forks(&s->cidx, ids, n_ids, blocks)};
     }
     int skipped;
     int pos = rt_cache_choose(c, m, n_prompt, &rc->cache_aware, &out->why, &skipped);

@@ -11,15 +11,17 @@ compute thread per process, the same model file, the same workload):
   pd_on     disaggregated: router (routing load) + prefill p0 (pp 2) + decode d0, d1 (tp 1),
             prefill[].prefix_cache and decode[].prefix_cache true
   pd_off    the same with both caches off
+  pd_aware  pd_on with router.routing cache_aware (decode and prefill instances chosen by
+            prefix; with one prefill instance only the decode choice can differ)
   co_aware  colocated: router + decode d0, d1 (tp 1), decode prefix cache on,
             router.routing cache_aware
   co_load   the same with router.routing load (the most free KV blocks, then the fewest
             requests: conversations move between the instances, round robin-like)
   co_off    colocated, routing load, decode prefix cache off (not in the default set)
   co_aware_b1  co_aware with router.cache_aware.balance_abs_threshold 1 (not in the default
-            set): the shared system prompt is more than cache_threshold of a turn's prompt, so
-            with the default threshold (32) every conversation follows the first one's
-            instance; 1 lets the balance test spread them
+            set): the balance test at 1 request of difference instead of 32
+--prefill-instances N gives the pd_* clusters N prefill instances (p0.., pp 2 each), so
+that prefill routing matters too.
 Rounds alternate the configurations (A B C D, A B C D, ...), so drift hits all of them.
 
 Per configuration and round: TTFT p50/p99 of turns 2+ (seconds), output tok/s (completion
@@ -30,7 +32,8 @@ medians of the per-round ratios).
 
 usage: tools/bench_multiturn.py [--build build] [--model GGUF] [--rounds 2] [--convs 4]
          [--turns 6] [--system-words 300] [--user-words 20] [--max-tokens 24]
-         [--configs pd_on,pd_off,co_aware,co_load] [--json FILE] [--keep]
+         [--configs pd_on,pd_off,co_aware,co_load] [--prefill-instances 1] [--json FILE]
+         [--keep]
        tools/bench_multiturn.py --smoke --build build --model SYNTH.gguf
          (one round, 2 conversations x 3 turns, short prompts; checks that every request
           succeeds, that cached_tokens is 0 with the caches off and > 0 on turns 2+ with them
@@ -63,6 +66,7 @@ WORDS = ("time year people way day man thing woman life child world school state
 CONFIGS = {
     "pd_on": dict(disagg=True, cache=True, routing="load"),
     "pd_off": dict(disagg=True, cache=False, routing="load"),
+    "pd_aware": dict(disagg=True, cache=True, routing="cache_aware"),
     "co_aware": dict(disagg=False, cache=True, routing="cache_aware"),
     "co_load": dict(disagg=False, cache=True, routing="load"),
     "co_off": dict(disagg=False, cache=False, routing="load"),
@@ -108,11 +112,13 @@ class Cluster:
                   "    max_batch: 16", "    step_tokens: 256", f"    prefix_cache: {on}",
                   f"    port: {free_port()}"]
         if c["disagg"]:
-            y += ["prefill:", "  - name: p0", "    pp: 2", "    threads: 1", "    chunk_size: 256",
-                  "    dynamic_chunking: false", "    profile_budget_ms: 0", "    kv_tokens: 8192",
-                  f"    prefix_cache: {on}", f"    prefix_cache_mb: {a.prefix_cache_mb}",
-                  f"    port: {free_port()}",
-                  "kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 120000"]
+            y.append("prefill:")
+            for j in range(a.prefill_instances):
+                y += [f"  - name: p{j}", "    pp: 2", "    threads: 1", "    chunk_size: 256",
+                      "    dynamic_chunking: false", "    profile_budget_ms: 0",
+                      "    kv_tokens: 8192", f"    prefix_cache: {on}",
+                      f"    prefix_cache_mb: {a.prefix_cache_mb}", f"    port: {free_port()}"]
+            y += ["kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 120000"]
         return "\n".join(y) + "\n"
 
     def up(self):
@@ -240,6 +246,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--kv-blocks", type=int, default=512)
     ap.add_argument("--prefix-cache-mb", type=int, default=128)
+    ap.add_argument("--prefill-instances", type=int, default=1)
     ap.add_argument("--configs", default="pd_on,pd_off,co_aware,co_load")
     ap.add_argument("--json", help="write every request's figures here")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (logs)")
@@ -253,7 +260,8 @@ def main():
     unknown = [c for c in names if c not in CONFIGS]
     if unknown or not names:
         ap.error(f"unknown configuration(s) {unknown} (known: {', '.join(CONFIGS)})")
-    for v in ("rounds", "convs", "turns", "max_tokens", "kv_blocks", "prefix_cache_mb"):
+    for v in ("rounds", "convs", "turns", "max_tokens", "kv_blocks", "prefix_cache_mb",
+              "prefill_instances"):
         if getattr(args, v) < 1:
             ap.error(f"--{v.replace('_', '-')} must be >= 1")
     if args.turns < 2:
@@ -290,7 +298,8 @@ def main():
     for n in names:
         print(f"  {n:9s} ttft p50 {med(n, 'ttft_p50'):.3f} s  p99 {med(n, 'ttft_p99'):.3f} s  "
               f"out {med(n, 'out_tok_s'):.1f} tok/s  hit {100 * med(n, 'hit_rate'):.1f} %")
-    for a, b in (("pd_off", "pd_on"), ("co_load", "co_aware"), ("co_off", "co_load"),
+    for a, b in (("pd_off", "pd_on"), ("pd_on", "pd_aware"), ("co_load", "co_aware"),
+                 ("co_off", "co_load"),
                  ("co_load", "co_aware_b1"), ("co_aware", "co_aware_b1")):
         if a in results and b in results:
             r50 = [x["ttft_p50"] / y["ttft_p50"] for x, y in zip(results[a], results[b])]

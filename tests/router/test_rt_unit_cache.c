@@ -2,9 +2,11 @@
  * index (matches of chained block ids, LRU eviction bounded by the pool with prefixes
  * outliving their extensions, removal by id as a KV event would do, a random workload
  * against a reference model), SGLang's choice (longest match, cache_threshold, the
- * balance thresholds), and the routing over a hand-made registry: a conversation stays
- * where its prefix is, load routing ignores it, and a restart (new boot id, uptime going
- * back) or a death drops the instance's index. */
+ * balance thresholds, the distinguishing match beyond a shared prefix and forks), and the
+ * routing over a hand-made registry: a conversation stays where its prefix is, new
+ * conversations sharing a system prompt spread by load instead of following the first one,
+ * load routing ignores it, and a restart (new boot id, uptime going back) or a death drops
+ * the instance's index. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -134,7 +136,7 @@ static void test_choose(void)
     rt_route_why why;
     int sk;
     /* c[0] is the load order's choice */
-    rt_cache_cand c[3] = {{0, 5, 0}, {1, 6, 80}, {2, 2, 40}};
+    rt_cache_cand c[3] = {{0, 5, 0, false}, {1, 6, 80, false}, {2, 2, 40, false}};
     TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE &&
              sk == -1);
     /* a match at or below the threshold: the load order */
@@ -161,8 +163,38 @@ static void test_choose(void)
     TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 2 && why == RT_ROUTE_OVERLOADED);
     c[0].load = 200; /* equally least loaded: the load order's choice */
     TH_CHECK(rt_cache_choose(c, 3, 100, &p, &why, &sk) == 0 && why == RT_ROUTE_OVERLOADED);
-    /* one candidate */
-    TH_CHECK(rt_cache_choose(&c[1], 1, 100, &p, &why, &sk) == 0 && why == RT_ROUTE_BY_CACHE);
+    /* one candidate: it holds everything any candidate holds, nothing distinguishes it */
+    TH_CHECK(rt_cache_choose(&c[1], 1, 100, &p, &why, &sk) == 0 && why == RT_ROUTE_BY_LOAD);
+}
+
+/* The old policy's mistake: a match that is a prefix shared by all conversations (a system
+ * prompt) decided. The choice scores the match beyond what every candidate holds, and a
+ * match ending at a fork (another prompt went on differently there) counts for nothing. */
+static void test_choose_shared(void)
+{
+    td_cfg_cache_aware p = {
+        .cache_threshold = 0.5, .balance_abs_threshold = 32, .balance_rel_threshold = 1.1};
+    rt_route_why why;
+    int sk;
+    /* a new conversation: d1 (c[1]) got another one with the same 64-token system prompt,
+       which its match ends at (a fork); the old policy sent it to d1 (64 of 80 > 0.5) */
+    rt_cache_cand c[2] = {{0, 0, 0, false}, {1, 1, 64, true}};
+    TH_CHECK(rt_cache_choose(c, 2, 80, &p, &why, &sk) == 0 && why == RT_ROUTE_BY_LOAD);
+    c[1].fork = false; /* the same match as the end of a prompt sent there: its history */
+    TH_CHECK(rt_cache_choose(c, 2, 80, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE);
+    /* both hold the system prompt (64); d1 also this conversation's history (32 more) */
+    c[0].matched = 64;
+    c[1].matched = 96;
+    TH_CHECK(rt_cache_choose(c, 2, 112, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE);
+    /* a history short against the rest of the prompt beyond the shared part (16 of 48) */
+    c[1].matched = 80;
+    TH_CHECK(rt_cache_choose(c, 2, 112, &p, &why, &sk) == 0 && why == RT_ROUTE_BY_LOAD);
+    /* the old policy's pick in this case was d1 (80 of 112 > 0.5): the shared part decided */
+    p.cache_threshold = 0.3; /* 16 / 48 = 0.33 > 0.3 */
+    TH_CHECK(rt_cache_choose(c, 2, 112, &p, &why, &sk) == 1 && why == RT_ROUTE_BY_CACHE);
+    /* the longer distinguishing match wins over a longer total match that forks */
+    rt_cache_cand e[3] = {{0, 0, 64, false}, {1, 0, 128, true}, {2, 3, 96, false}};
+    TH_CHECK(rt_cache_choose(e, 3, 140, &p, &why, &sk) == 2 && why == RT_ROUTE_BY_CACHE);
 }
 
 /* A health report of a decode instance with a pool of 64 blocks of BS tokens. */
@@ -281,6 +313,52 @@ static void test_route(void)
     rt_cache_ids_fini(&g.ids);
 }
 
+/* Conversations with one system prompt on two instances: the first turns spread by load,
+ * each conversation then stays where its history is (the old policy sent them all to the
+ * instance that took the first one, and kept them there). */
+static void test_route_shared(void)
+{
+    rt_inst d[2] = {0};
+    rt_registry g = {.inst = d, .n = 2};
+    td_cfg_router rc = {.routing = TD_CFG_ROUTING_CACHE_AWARE,
+                        .cache_aware = {.cache_threshold = 0.5,
+                                        .balance_abs_threshold = 32,
+                                        .balance_rel_threshold = 1.1}};
+    for (int i = 0; i < 2; i++) {
+        d[i].cap = 100;
+        d[i].name = i ? "d1" : "d0";
+        Td__Health h = health(20 + (uint64_t)i, 1000);
+        rt_reg_seen(&d[i], &h, 0);
+    }
+    enum { SYS = 40, T1 = 64, NC = 4, LEN = 128 };
+    int32_t conv[NC][LEN];
+    for (int k = 0; k < NC; k++) {
+        fill(conv[k], LEN, 1000 * (k + 1));
+        fill(conv[k], SYS, 7); /* the shared system prompt: 10 blocks */
+    }
+    rt_route_pick pk;
+    int home[NC];
+    for (int k = 0; k < NC; k++) { /* turn 1 of each, the others still running */
+        home[k] = route(&g, &rc, conv[k], T1, &pk);
+        TH_CHECKF(pk.why == RT_ROUTE_BY_LOAD, "conversation %d turn 1 routed by cache", k);
+        d[home[k]].active++;
+    }
+    TH_CHECK(d[0].active == 2 && d[1].active == 2); /* spread, not all on one instance */
+    for (int turn = 2; turn <= 6; turn++) {
+        for (int k = 0; k < NC; k++) { /* the load order now always prefers the other one */
+            d[home[k]].kv_free = 10;
+            d[1 - home[k]].kv_free = 50;
+            int i = route(&g, &rc, conv[k], T1 + 12 * (size_t)(turn - 1), &pk);
+            TH_CHECKF(i == home[k] && pk.why == RT_ROUTE_BY_CACHE,
+                      "conversation %d turn %d went to d%d (%d), not its home d%d", k, turn, i,
+                      (int)pk.why, home[k]);
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        rt_cidx_fini(&d[i].cidx);
+    rt_cache_ids_fini(&g.ids);
+}
+
 /* Prefill instances: the same policy, never the instance to avoid. */
 static void test_route_prefill(void)
 {
@@ -318,7 +396,9 @@ int main(void)
     TH_RUN(test_index_lru);
     TH_RUN(test_index_random);
     TH_RUN(test_choose);
+    TH_RUN(test_choose_shared);
     TH_RUN(test_route);
+    TH_RUN(test_route_shared);
     TH_RUN(test_route_prefill);
     TH_EXIT();
 }
