@@ -37,7 +37,8 @@ typedef enum {
 
 /* router.cache_aware: SGLang's cache-aware policy knobs (its names and defaults). */
 typedef struct {
-    double cache_threshold;       /* 0.5: matched / prompt tokens must exceed this, in [0, 1] */
+    double cache_threshold;       /* 0.5: the match beyond the prefix all instances hold, over the
+                                   * prompt beyond it, must exceed this, in [0, 1] */
     int balance_abs_threshold;    /* 32: the match's instance is overloaded when its load exceeds */
     double balance_rel_threshold; /* 1.1: the least loaded's by more than abs AND more than rel x */
 } td_cfg_cache_aware;
