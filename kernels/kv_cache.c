@@ -29,7 +29,52 @@ struct kn_kv_cache {
     uint64_t inserts, evictions;
     struct kn_kv_tier *tier; /* the second tier, or NULL */
     bool *restored;          /* (n_blocks) copied in from the tier, not claimed yet */
+    kn_kv_event *ev;         /* (ev_cap) ring of the latest events: seq s at (s - 1) % ev_cap */
+    int ev_cap;
+    uint64_t ev_next; /* seq of the next event */
+    uint64_t ev_skip; /* events before this seq were dropped with the previous log */
 };
+
+/* Log one event (a no-op without a log). */
+static void ev_log(kn_kv_cache *c, uint8_t kind, uint64_t id)
+{
+    if (c->ev_cap)
+        c->ev[(c->ev_next - 1) % (uint64_t)c->ev_cap] = (kn_kv_event){.id = id, .kind = kind};
+    c->ev_next++;
+}
+
+int kn_kv_cache_set_event_log(kn_kv_cache *c, int capacity)
+{
+    if (capacity < 0) return TD_EINVAL;
+    kn_kv_event *ev = NULL;
+    if (capacity && !(ev = calloc((size_t)capacity, sizeof *ev))) return TD_ENOMEM;
+    free(c->ev);
+    c->ev = ev;
+    c->ev_cap = capacity;
+    c->ev_skip = c->ev_next; /* what was logged is gone */
+    return 0;
+}
+
+uint64_t kn_kv_cache_event_next(const kn_kv_cache *c)
+{
+    return c->ev_next;
+}
+
+int kn_kv_cache_events(const kn_kv_cache *c, uint64_t since, kn_kv_event *out, int max,
+                       uint64_t *first)
+{
+    /* the oldest kept: the ring's capacity back from the next, and not before the log was
+       (re)made */
+    uint64_t oldest = c->ev_next > (uint64_t)c->ev_cap ? c->ev_next - (uint64_t)c->ev_cap : 1;
+    if (oldest < c->ev_skip) oldest = c->ev_skip;
+    uint64_t s = since < oldest ? oldest : since;
+    if (s > c->ev_next) s = c->ev_next;
+    *first = s;
+    int n = 0;
+    for (; n < max && s + (uint64_t)n < c->ev_next; n++)
+        out[n] = c->ev[(s + (uint64_t)n - 1) % (uint64_t)c->ev_cap];
+    return n;
+}
 
 int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
 {
@@ -59,6 +104,11 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
     c->mask = cap - 1;
     c->idle_head = c->idle_tail = -1;
     c->next_serial = ROOT_SERIAL + 1;
+    c->ev_next = c->ev_skip = 1;
+    if (kn_kv_cache_set_event_log(c, KN_KV_EVENT_LOG_DEFAULT)) {
+        kn_kv_cache_destroy(c);
+        return TD_ENOMEM;
+    }
     pool->cache = c;
     *out = c;
     return 0;
@@ -81,6 +131,7 @@ void kn_kv_cache_destroy(kn_kv_cache *c)
     free(c->next);
     free(c->slots);
     free(c->restored);
+    free(c->ev);
     free(c);
 }
 
@@ -159,6 +210,7 @@ static void idle_append(kn_kv_cache *c, int32_t b)
 /* Drop entry b from the index (its block keeps its references or is idle: the caller says) */
 static void entry_drop(kn_kv_cache *c, int32_t b)
 {
+    ev_log(c, KN_KV_EV_REMOVED, c->id[b]);
     index_del(c, b);
     c->serial[b] = 0;
     c->restored[b] = false;
@@ -177,15 +229,18 @@ void kn_kv_cache_clear(kn_kv_cache *c)
     memset(c->restored, 0, (size_t)c->pool->n_blocks * sizeof *c->restored);
     c->n_cached = 0;
     if (c->tier) kn_kv_tier_clear(c->tier);
+    ev_log(c, KN_KV_EV_CLEARED, 0);
 }
 
-/* Enter pool block b (held by the caller) as the entry (id, serial) after chain ch. */
-static void entry_add(kn_kv_cache *c, int32_t b, uint64_t id, uint64_t serial, uint64_t parent,
-                      const int32_t *tokens)
+/* Enter pool block b (held by the caller) as the entry (id, serial) after the entry (its
+ * id and serial) of the block before it. */
+static void entry_add(kn_kv_cache *c, int32_t b, uint64_t id, uint64_t serial,
+                      const kn_kv_chain *parent, const int32_t *tokens)
 {
+    ev_log(c, KN_KV_EV_STORED, id);
     c->id[b] = id;
     c->serial[b] = serial;
-    c->parent[b] = parent;
+    c->parent[b] = parent->serial;
     memcpy(c->tok + (size_t)b * (size_t)c->bs, tokens, (size_t)c->bs * sizeof *tokens);
     index_add(c, b);
     c->n_cached++;
@@ -213,7 +268,7 @@ static int32_t restore(kn_kv_cache *c, uint64_t id, const kn_kv_chain *ch, const
         kn_kv_free(c->pool, 1, &b);
         return -1;
     }
-    entry_add(c, b, id, serial, ch->serial, t);
+    entry_add(c, b, id, serial, ch, t);
     c->restored[b] = true;
     return b;
 }
@@ -303,7 +358,7 @@ bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *token
         chain->serial = 0;
         return false;
     }
-    entry_add(c, block, id, c->next_serial++, chain->serial, tokens);
+    entry_add(c, block, id, c->next_serial++, chain, tokens);
     c->inserts++;
     *chain = (kn_kv_chain){.id = id, .serial = c->serial[block]};
     return true;

@@ -82,6 +82,36 @@ bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *token
 
 kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c);
 
+/* ---- KV events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, Dynamo's) ----
+ * The cache logs what enters and leaves its index, so that the decode node can tell the
+ * router which blocks it holds (docs/prefix-cache.md, "KV events"). A bounded ring of the
+ * latest events, numbered from 1 (seq) in the order they happened; an older event is
+ * overwritten when the ring is full: a reader that asks for it learns so (the first event
+ * it gets has a later seq than it asked for) and must treat what it knew as lost.
+ * STORED: a block entered the index (inserted, or read back from the tier). REMOVED: a block left
+ * the index (evicted, written to the tier, or dropped for a colliding entry). CLEARED: every entry
+ * was forgotten (kn_kv_cache_clear). Blocks in the second tier only are not in the index: the
+ * events describe the pool. */
+#define KN_KV_EVENT_LOG_DEFAULT 512 /* events a new cache keeps */
+
+typedef enum { KN_KV_EV_STORED = 1, KN_KV_EV_REMOVED = 2, KN_KV_EV_CLEARED = 3 } kn_kv_event_kind;
+
+typedef struct {
+    uint64_t id;  /* the block's id (0 for CLEARED) */
+    uint8_t kind; /* kn_kv_event_kind */
+} kn_kv_event;
+
+/* Keep the latest capacity events (0: log nothing); the events logged so far are dropped
+ * (a reader sees a gap), numbering goes on. TD_EINVAL (capacity < 0), TD_ENOMEM. */
+int kn_kv_cache_set_event_log(kn_kv_cache *c, int capacity);
+/* The seq the next event will get (1 + events logged since create). */
+uint64_t kn_kv_cache_event_next(const kn_kv_cache *c);
+/* The events from seq since on, oldest first, at most max of them, into out; *first is the
+ * seq of out[0] (of the next event when none): *first > since means events were lost (the
+ * ring overwrote them, or since is 0). Returns how many were written. */
+int kn_kv_cache_events(const kn_kv_cache *c, uint64_t since, kn_kv_event *out, int max,
+                       uint64_t *first);
+
 /* ---- the second tier (kv_tier.h) ----
  * With a tier attached, a block the pool evicts is written to the tier first (an entry the
  * tier holds already, with the same serial, costs no write), and a match that finds a

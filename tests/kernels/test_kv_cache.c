@@ -185,11 +185,78 @@ static void test_collision_compares_tokens(void)
     kn_kv_pool_destroy(pool);
 }
 
+/* The event log: stored, removed on eviction, cleared; numbering,
+ * the bound, and a reader that fell behind the ring learning that it lost events. */
+static void test_event_log(void)
+{
+    kn_kv_pool *pool = pool_of(4);
+    kn_kv_cache *c;
+    TH_REQUIRE(pool && kn_kv_cache_create(pool, &c) == 0);
+    TH_CHECK(kn_kv_cache_set_event_log(c, -1) == TD_EINVAL);
+    kn_kv_event ev[8];
+    uint64_t first;
+    TH_CHECK(kn_kv_cache_event_next(c) == 1 && kn_kv_cache_events(c, 1, ev, 8, &first) == 0);
+    TH_CHECK(first == 1);
+    int32_t x[8] = {1, 1, 1, 1, 2, 2, 2, 2};
+    uint64_t h[2];
+    TH_REQUIRE(td_block_hashes(x, 8, BS, h) == 2);
+    kn_kv_seq a;
+    enter(c, &a, pool, x, 8);
+    TH_CHECK(kn_kv_cache_event_next(c) == 3);
+    TH_CHECK(kn_kv_cache_events(c, 1, ev, 8, &first) == 2 && first == 1);
+    TH_CHECK(ev[0].kind == KN_KV_EV_STORED && ev[0].id == h[0]);
+    TH_CHECK(ev[1].kind == KN_KV_EV_STORED && ev[1].id == h[1]);
+    /* entering the same blocks again (another sequence sharing them) logs nothing */
+    kn_kv_chain ch = kn_kv_cache_root();
+    kn_kv_cache_insert(c, &ch, x, a.blocks[0]);
+    TH_CHECK(kn_kv_cache_event_next(c) == 3);
+    /* since is inclusive; max bounds the answer */
+    TH_CHECK(kn_kv_cache_events(c, 2, ev, 8, &first) == 1 && first == 2 && ev[0].id == h[1]);
+    TH_CHECK(kn_kv_cache_events(c, 1, ev, 1, &first) == 1 && ev[0].id == h[0]);
+    kn_kv_seq_fini(pool, &a); /* idle: x1 then x0 */
+    int32_t ids[3];
+    TH_REQUIRE(kn_kv_alloc(pool, 3, ids) == 0); /* 2 free + evicts x1 (deepest first) */
+    TH_CHECK(kn_kv_cache_events(c, 3, ev, 8, &first) == 1 && first == 3);
+    TH_CHECK(ev[0].kind == KN_KV_EV_REMOVED && ev[0].id == h[1]);
+    kn_kv_cache_clear(c);
+    TH_CHECK(kn_kv_cache_events(c, 4, ev, 8, &first) == 1 && ev[0].kind == KN_KV_EV_CLEARED);
+    kn_kv_free(pool, 3, ids);
+    /* overflow: a ring of 3; 6 events (3 prompts of one block, then their evictions) */
+    TH_REQUIRE(kn_kv_cache_set_event_log(c, 3) == 0);
+    TH_CHECK(kn_kv_cache_events(c, 4, ev, 8, &first) == 0 && first == 5); /* dropped */
+    uint64_t ids3[3];
+    for (int k = 0; k < 3; k++) {
+        int32_t t[BS] = {10 + k, 10 + k, 10 + k, 10 + k};
+        TH_REQUIRE(td_block_hashes(t, BS, BS, &ids3[k]) == 1);
+        kn_kv_seq s;
+        enter(c, &s, pool, t, BS);
+        kn_kv_seq_fini(pool, &s);
+    }
+    int32_t all[4];
+    TH_REQUIRE(kn_kv_alloc(pool, 4, all) == 0); /* 1 free + evicts all 3 */
+    TH_CHECK(kn_kv_cache_event_next(c) == 11);
+    /* a reader at 5 lost 5..7: it gets the 3 kept, from 8, and sees first > since */
+    TH_CHECK(kn_kv_cache_events(c, 5, ev, 8, &first) == 3 && first == 8);
+    for (int k = 0; k < 3; k++)
+        TH_CHECK(ev[k].kind == KN_KV_EV_REMOVED && ev[k].id == ids3[k]);
+    /* a reader that is up to date gets nothing, and first is the next seq */
+    TH_CHECK(kn_kv_cache_events(c, 11, ev, 8, &first) == 0 && first == 11);
+    /* no log: nothing kept, numbering goes on */
+    kn_kv_free(pool, 4, all);
+    TH_REQUIRE(kn_kv_cache_set_event_log(c, 0) == 0);
+    kn_kv_cache_clear(c);
+    TH_CHECK(kn_kv_cache_event_next(c) == 12);
+    TH_CHECK(kn_kv_cache_events(c, 11, ev, 8, &first) == 0 && first == 12);
+    kn_kv_cache_destroy(c);
+    kn_kv_pool_destroy(pool);
+}
+
 int main(void)
 {
     TH_RUN(test_share_and_refcount);
     TH_RUN(test_eviction_order_and_all_or_nothing);
     TH_RUN(test_stale_parent);
     TH_RUN(test_collision_compares_tokens);
+    TH_RUN(test_event_log);
     TH_EXIT();
 }
