@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "dc_node_int.h"
+#include "kv_cache.h"
 #include "kvx_conn.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -395,6 +396,30 @@ void dc_serve_transfers(dc_node *n)
     }
 }
 
+/* Health's KV events (docs/prefix-cache.md, "KV events"): the latest events of rank 0's
+ * prefix cache, all the log keeps (the ranks' caches are identical: rank 0's scheduler
+ * decides every block table), so that a router that polls at any moment sees those since
+ * its last poll, or learns from kv_event_seq that it missed some. ids and kind have room
+ * for KN_KV_EVENT_LOG_DEFAULT events. No cache: no events (seq 0). */
+static void health_events(dc_node *n, Td__Health *h, uint64_t *ids, uint8_t *kind)
+{
+    const kn_kv_cache *c = n->kv->cache;
+    if (!c) return;
+    kn_kv_event ev[KN_KV_EVENT_LOG_DEFAULT];
+    uint64_t next = kn_kv_cache_event_next(c), first;
+    uint64_t since = next > KN_KV_EVENT_LOG_DEFAULT ? next - KN_KV_EVENT_LOG_DEFAULT : 1;
+    int k = kn_kv_cache_events(c, since, ev, KN_KV_EVENT_LOG_DEFAULT, &first);
+    size_t m = 0;
+    for (int i = 0; i < k; i++) {
+        kind[i] = ev[i].kind;
+        if (ev[i].kind != KN_KV_EV_CLEARED) ids[m++] = ev[i].id;
+    }
+    h->kv_event_seq = first;
+    h->kv_event_kind = (ProtobufCBinaryData){.len = (size_t)k, .data = kind};
+    h->n_kv_event_ids = m;
+    h->kv_event_ids = ids;
+}
+
 void dc_serve_health(dc_node *n)
 {
     dc_sched_stats st = dc_sched_get_stats(n->sched);
@@ -419,6 +444,9 @@ void dc_serve_health(dc_node *n)
     }
     /* alive but not ready while forming: the router keeps polling and sends nothing */
     h.ready = !n->forming && !n->stopping && !n->draining;
+    uint64_t ev_ids[KN_KV_EVENT_LOG_DEFAULT];
+    uint8_t ev_kind[KN_KV_EVENT_LOG_DEFAULT];
+    health_events(n, &h, ev_ids, ev_kind);
     td_ctrl_server_set_health(n->srv, &h);
 }
 

@@ -115,7 +115,8 @@ static int grow(rt_cidx *x)
     return 0;
 }
 
-void rt_cidx_clear(rt_cidx *x)
+/* Forget every block (the events' state stays). */
+static void drop_all(rt_cidx *x)
 {
     free(x->node);
     free(x->slot);
@@ -123,6 +124,13 @@ void rt_cidx_clear(rt_cidx *x)
     x->slot = NULL;
     x->n = x->cap_nodes = x->n_slots = 0;
     x->head = x->tail = RT_CIDX_NIL;
+}
+
+void rt_cidx_clear(rt_cidx *x)
+{
+    drop_all(x);
+    x->exact = false;
+    x->ev_next = 0;
 }
 
 void rt_cidx_fini(rt_cidx *x)
@@ -152,7 +160,7 @@ static void note_succ(rt_cidx_node *d, uint64_t succ)
     }
 }
 
-int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n)
+static int insert_ids(rt_cidx *x, const uint64_t *ids, size_t n)
 {
     if (!x->block_size || !x->capacity) return 0;
     if (!x->node) x->head = x->tail = RT_CIDX_NIL;
@@ -175,12 +183,87 @@ int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n)
     return 0;
 }
 
+int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n)
+{
+    if (!x->exact) return insert_ids(x, ids, n);
+    /* the node says what it holds: only which block follows which in a prompt sent here */
+    for (size_t i = 0; i + 1 < n; i++) {
+        uint32_t k = find(x, ids[i]);
+        if (k != RT_CIDX_NIL) note_succ(&x->node[k], ids[i + 1]);
+    }
+    return 0;
+}
+
 bool rt_cidx_remove(rt_cidx *x, uint64_t id)
 {
     uint32_t k = find(x, id);
     if (k == RT_CIDX_NIL) return false;
     remove_node(x, k);
     return true;
+}
+
+/* The ids each of kind[0..n_ev) takes; -1: an unknown kind. */
+static int ev_ids(uint8_t kind)
+{
+    return kind == 1 || kind == 2 ? 1 : kind == 3 ? 0 : -1;
+}
+
+/* Apply one event whose ids start at id. */
+static int apply_one(rt_cidx *x, uint8_t kind, const uint64_t *id)
+{
+    if (kind == 2) {
+        rt_cidx_remove(x, id[0]);
+        return 0;
+    }
+    if (kind == 3) {
+        drop_all(x);
+        return 0;
+    }
+    return insert_ids(x, id, 1);
+}
+
+int rt_cidx_events(rt_cidx *x, uint64_t first, const uint8_t *kind, size_t n_ev,
+                   const uint64_t *ids, size_t n_ids, rt_cidx_ev_result *r)
+{
+    *r = (rt_cidx_ev_result){0};
+    if (!first) { /* a node without events: the estimate from now on */
+        x->exact = false;
+        x->ev_next = 0;
+        return 0;
+    }
+    size_t need = 0;
+    for (size_t k = 0; k < n_ev; k++) {
+        if (ev_ids(kind[k]) < 0) return TD_EINVAL;
+        need += (size_t)ev_ids(kind[k]);
+    }
+    if (need != n_ids || first > UINT64_MAX - n_ev) return TD_EINVAL;
+    uint64_t end = first + n_ev;
+    bool back = x->ev_next && end < x->ev_next; /* numbering went back: a new process */
+    if (!x->ev_next || first > x->ev_next || back) {
+        if (first == 1) { /* the whole history: the index is exactly what it says */
+            drop_all(x);
+            x->exact = true;
+        } else {
+            if (x->ev_next) { /* lost events, removals maybe: what the index holds may be
+                                 gone; the estimate again, corrected by the events */
+                drop_all(x);
+                r->gap = true;
+            }
+            x->exact = false;
+        }
+        x->ev_next = first;
+    }
+    const uint64_t *id = ids;
+    for (size_t k = 0; k < n_ev; k++) {
+        if (first + k >= x->ev_next) {
+            int rc = apply_one(x, kind[k], id);
+            if (rc) return rc;
+            r->applied++;
+            x->ev_next = first + k + 1;
+        }
+        id += ev_ids(kind[k]);
+    }
+    return 0;
 }
 
 size_t rt_cidx_match(const rt_cidx *x, const uint64_t *ids, size_t n)

@@ -11,9 +11,16 @@
  * used blocks beyond the instance's pool size (Health kv_blocks_used + kv_blocks_free), as
  * the node would; blocks of one prompt are touched from the last to the first, so a
  * prefix outlives its extensions (leaves go first, as in a radix tree).
- * Events: insert and remove take block ids, so KV events from the nodes (vLLM's
- * BlockStored / BlockRemoved, Dynamo's) could feed the same index instead of the guess;
- * rt_cidx_clear is what a node restart (or "AllCleared") does.
+ * KV events: a decode node reports which blocks its cache stored and removed
+ * (Health.kv_event_*, kernels/kv_cache.h; vLLM's BlockStored / BlockRemoved, Dynamo's);
+ * rt_cidx_events applies them. While the router has seen every event of the node's
+ * process from the first on, the index is *exact*: it holds what the node's pool holds
+ * and routing adds no block (rt_cidx_insert only notes which block follows which in the
+ * prompts sent there, the successors rt_cidx_forks reads: a node's blocks also hold what
+ * it generated, which the next prompt may not repeat, and that is no fork). A node that sends no
+ * events (an older one, a prefill instance) keeps the estimate; after a gap (the node's log
+ * overwrote events the router had not seen, or the router started late) the index is the
+ * estimate corrected by the events that follow, until the node restarts.
  * Invariants: n <= capacity; every indexed id is in the hash table exactly once and in the
  * LRU list exactly once; block_size 0 or capacity 0: nothing is indexed.
  * Threading: the loop thread only (no locks).
@@ -46,21 +53,43 @@ typedef struct {
     uint32_t *slot;      /* (n_slots) open addressing, linear probing: node index + 1, 0 empty */
     uint32_t n_slots;    /* a power of two > 2 * cap_nodes, or 0 */
     uint32_t head, tail; /* most / least recently used node, RT_CIDX_NIL when empty */
+    bool exact;          /* fed by events with no gap since the node's first (see above) */
+    uint64_t ev_next;    /* the seq of the next event expected; 0: no events seen */
 } rt_cidx;
 
 /* Set the block size and capacity from an instance's health figures. A different block
  * size clears the index (the ids mean other blocks); a smaller capacity evicts the least
  * recently used blocks. Allocates nothing (rt_cidx_insert grows the arrays). */
 void rt_cidx_configure(rt_cidx *x, uint32_t block_size, uint32_t capacity);
-/* Forget everything (the instance restarted or was marked dead); frees the arrays. */
+/* Forget everything (the instance restarted or was marked dead), events seen included;
+ * frees the arrays. */
 void rt_cidx_clear(rt_cidx *x);
 void rt_cidx_fini(rt_cidx *x);
-/* ids[0..n): the chained block ids of one prompt. Each is added or made most recently
- * used, from ids[n-1] to ids[0] (ids[0] ends most recent); beyond capacity the least
- * recently used blocks go. 0 or TD_ENOMEM (what was indexed stays consistent). */
+/* ids[0..n): the chained block ids of one prompt sent here (the estimate; when the index
+ * is exact only the successors of the blocks it holds are noted, nothing is added). Each is added
+ * or made most recently used, from ids[n-1] to ids[0] (ids[0] ends most recent); beyond capacity
+ * the least recently used blocks go. 0 or TD_ENOMEM (what was indexed stays consistent). */
 int rt_cidx_insert(rt_cidx *x, const uint64_t *ids, size_t n);
 /* Forget one block (an eviction event); false if it was not indexed. */
 bool rt_cidx_remove(rt_cidx *x, uint64_t id);
+
+/* What one Health's events did to the index. */
+typedef struct {
+    uint32_t applied; /* events applied (new ones; those seen before are skipped) */
+    bool gap;         /* events were lost since the last report: the index was dropped */
+} rt_cidx_ev_result;
+
+/* Apply one Health's KV events (proto/tandem_ctrl.proto, Health 21-23): first is
+ * kv_event_seq (0: the node sends none: the index goes back to the estimate), kind[0..n_ev)
+ * one byte per event (1 stored, 2 removed, 3 cleared), ids[0..n_ids) the blocks of the
+ * stored and removed ones, in order. A stored block is added (most recently used), a
+ * removed one forgotten, a clear forgets all. Events before ev_next are skipped. If
+ * first > ev_next (events lost) the index is dropped and stops being exact, unless first is
+ * 1 (the node's whole history is here: the index is rebuilt exact from it). TD_EINVAL (ids
+ * do not fit the kinds, an unknown kind; nothing applied, the index unchanged) or
+ * TD_ENOMEM; *r says what was done. */
+int rt_cidx_events(rt_cidx *x, uint64_t first, const uint8_t *kind, size_t n_ev,
+                   const uint64_t *ids, size_t n_ids, rt_cidx_ev_result *r);
 /* How many of ids[0..n) are indexed, counted from ids[0] up to the first missing one. */
 size_t rt_cidx_match(const rt_cidx *x, const uint64_t *ids, size_t n);
 /* Given m = rt_cidx_match(x, ids, n) with 0 < m < n: does the match end at a fork, that is,
@@ -95,6 +124,9 @@ typedef struct {
     uint64_t matched_tokens; /* prompt tokens matched here, over the requests sent here */
     uint64_t drops;          /* times its index was dropped (restart, marked dead) */
     uint32_t blocks;         /* blocks indexed now */
+    uint64_t events;         /* KV events applied to its index */
+    uint64_t event_gaps;     /* times events were lost (the index dropped, estimate again) */
+    bool exact;              /* its index is fed by events without a gap (rt_cidx.exact) */
 } rt_cache_stats;
 
 /* One instance that can take the request now. */

@@ -10,12 +10,27 @@
  *                                                   requests sent there
  *   tandem_router_cache_route_index_drops_total     times its index was dropped (restart, dead)
  *   tandem_router_cache_route_index_blocks          blocks in its index now (gauge)
+ *   tandem_router_cache_route_events_total          KV events from the node applied to it
+ *   tandem_router_cache_route_event_gaps_total      times KV events were lost (index dropped)
+ *   tandem_router_cache_route_index_exact           1: its index is fed by KV events without a
+ *                                                   gap (what the node holds), 0: an estimate
  * The caller holds m->mu (rt_metrics_render). */
 #include <stdio.h>
 
 #include "rt_metrics.h"
 
-typedef enum { S_HITS = 0, S_LOAD, S_OVER, S_TOKENS, S_DROPS, S_BLOCKS, S_N } series;
+typedef enum {
+    S_HITS = 0,
+    S_LOAD,
+    S_OVER,
+    S_TOKENS,
+    S_DROPS,
+    S_BLOCKS,
+    S_EVENTS,
+    S_GAPS,
+    S_EXACT,
+    S_N
+} series;
 
 static double value(const rt_cache_stats *c, series k)
 {
@@ -30,6 +45,12 @@ static double value(const rt_cache_stats *c, series k)
         return (double)c->matched_tokens;
     case S_DROPS:
         return (double)c->drops;
+    case S_EVENTS:
+        return (double)c->events;
+    case S_GAPS:
+        return (double)c->event_gaps;
+    case S_EXACT:
+        return c->exact ? 1.0 : 0.0;
     default:
         return (double)c->blocks;
     }
@@ -37,9 +58,10 @@ static double value(const rt_cache_stats *c, series k)
 
 int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
 {
-    static const char *const names[S_N] = {"hits_total",        "load_total",
-                                           "overloaded_total",  "matched_tokens_total",
-                                           "index_drops_total", "index_blocks"};
+    static const char *const names[S_N] = {
+        "hits_total",           "load_total",        "overloaded_total",
+        "matched_tokens_total", "index_drops_total", "index_blocks",
+        "events_total",         "event_gaps_total",  "index_exact"};
     static const char *const helps[S_N] = {
         "Requests sent to the instance because their prompt's prefix matched there the most.",
         "Requests sent to the instance by the load order (no match above "
@@ -48,13 +70,17 @@ int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
         "loaded one (the request went there instead).",
         "Prompt tokens of the requests sent to the instance that its prefix index matched.",
         "Times the instance's prefix index was dropped (restart, marked dead).",
-        "KV blocks in the router's prefix index of the instance."};
+        "KV blocks in the router's prefix index of the instance.",
+        "KV events (blocks stored, removed, all cleared) from the instance applied to its index.",
+        "Times KV events of the instance were lost (its index dropped, estimated again).",
+        "1 if the instance's index is fed by its KV events without a gap (exact), 0 if it is "
+        "an estimate."};
     char line[512];
     int rc = 0;
     for (int k = 0; k < S_N; k++) {
         snprintf(line, sizeof line,
                  "# HELP tandem_router_cache_route_%s %s\n# TYPE tandem_router_cache_route_%s %s\n",
-                 names[k], helps[k], names[k], k == S_BLOCKS ? "gauge" : "counter");
+                 names[k], helps[k], names[k], k == S_BLOCKS || k == S_EXACT ? "gauge" : "counter");
         rc |= rt_buf_puts(b, line);
         for (int i = 0; i < m->n_inst; i++) {
             snprintf(line, sizeof line,

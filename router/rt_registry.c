@@ -95,6 +95,33 @@ void rt_reg_restarted(rt_inst *s, uint64_t epoch)
     s->uptime_ms = 0;
 }
 
+/* The KV events of a Health (decode nodes: docs/prefix-cache.md, "KV events"). Every
+ * Health carries the node's latest events, so the router needs no acknowledgement: it
+ * applies those past the last it applied (rt_cidx.ev_next); if it polled too seldom to
+ * see them all, the report shows a gap and the index falls back to the estimate. */
+static void seen_events(rt_inst *s, const Td__Health *h)
+{
+    rt_cidx_ev_result r;
+    int rc = rt_cidx_events(&s->cidx, h->kv_event_seq, h->kv_event_kind.data, h->kv_event_kind.len,
+                            h->kv_event_ids, h->n_kv_event_ids, &r);
+    if (rc) {
+        if (!s->ev_warned)
+            TD_LOG_ERR("router: instance %s: bad KV events in its health (%s): the prefix "
+                       "index estimates",
+                       s->name, td_strerror(rc));
+        s->ev_warned = true;
+        rt_cidx_events(&s->cidx, 0, NULL, 0, NULL, 0, &r); /* the estimate from now on */
+        return;
+    }
+    s->cst.events += r.applied;
+    if (r.gap) {
+        s->cst.event_gaps++;
+        TD_LOG_INFO("router: %s instance %s: KV events lost (its report starts at %llu): its "
+                    "prefix index was dropped and estimates again",
+                    s->pcfg ? "prefill" : "decode", s->name, (unsigned long long)h->kv_event_seq);
+    }
+}
+
 /* Health figures for the prefix index: a new process forgets, the sizes follow. */
 static void seen_cache(rt_inst *s, const Td__Health *h)
 {
@@ -106,7 +133,9 @@ static void seen_cache(rt_inst *s, const Td__Health *h)
     s->uptime_ms = h->uptime_ms;
     uint64_t pool = (uint64_t)h->kv_blocks_used + h->kv_blocks_free;
     rt_cidx_configure(&s->cidx, h->kv_block_size, pool > UINT32_MAX ? UINT32_MAX : (uint32_t)pool);
+    seen_events(s, h);
     s->cst.blocks = s->cidx.n;
+    s->cst.exact = s->cidx.exact;
 }
 
 bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)

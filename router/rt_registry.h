@@ -49,6 +49,7 @@ typedef struct {
                                Health.prefix_tier[0..2] (tier writes, reads, hit tokens) */
     uint64_t inflight_tokens; /* prefill: prompt tokens of the router's attempts on it */
     bool role_warned;         /* prefill: logged once that it does not say ROLE_PREFILL */
+    bool ev_warned;           /* logged once that its Health's KV events were malformed */
     rt_call *orphans;         /* prefill: (n_orphans) Prefill calls of abandoned attempts:
                                  their Ack is answered with a Cancel */
     int n_orphans, cap_orphans;

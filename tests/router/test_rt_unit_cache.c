@@ -6,7 +6,7 @@
  * routing over a hand-made registry: a conversation stays where its prefix is, new
  * conversations sharing a system prompt spread by load instead of following the first one,
  * load routing ignores it, and a restart (new boot id, uptime going back) or a death drops
- * the instance's index. */
+ * the instance's index; the index fed by KV events (exact, gaps, bad reports, restarts). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,6 +14,7 @@
 #include "rt_registry.h"
 #include "rt_route.h"
 #include "td_blockhash.h"
+#include "td_err.h"
 #include "tharness.h"
 
 #define BS 4 /* tokens per block in these tests */
@@ -220,6 +221,102 @@ static int route(rt_registry *g, const td_cfg_router *rc, const int32_t *t, size
     return i;
 }
 
+/* A Health's events, built as the decode node does (dc_serve.c health_events). */
+typedef struct {
+    uint64_t ids[64];
+    uint8_t kind[32];
+    size_t n_ids, n_ev;
+} evs;
+
+static void ev_stored(evs *e, uint64_t id)
+{
+    e->kind[e->n_ev++] = 1;
+    e->ids[e->n_ids++] = id;
+}
+
+static void ev_removed(evs *e, uint64_t id)
+{
+    e->kind[e->n_ev++] = 2;
+    e->ids[e->n_ids++] = id;
+}
+
+static int apply(rt_cidx *x, uint64_t first, const evs *e, size_t from, rt_cidx_ev_result *r)
+{
+    size_t skip_ids = 0;
+    for (size_t k = 0; k < from; k++)
+        skip_ids += e->kind[k] != 3;
+    return rt_cidx_events(x, first, e->kind + from, e->n_ev - from, e->ids + skip_ids,
+                          e->n_ids - skip_ids, r);
+}
+
+/* The index fed by KV events: exact from the node's first event, a repeated window applied
+ * once, removal and clear, forks from the parents, a gap (dropped, the estimate again), bad
+ * reports refused whole, a node without events. */
+static void test_index_events(void)
+{
+    rt_cidx x = {0};
+    rt_cidx_configure(&x, BS, 64);
+    int32_t a[16], b[16];
+    uint64_t ia[4], ib[4];
+    fill(a, 16, 300);
+    memcpy(b, a, sizeof b);
+    b[9] = -1; /* b forks from a after 2 blocks */
+    TH_REQUIRE(td_block_hashes(a, 16, BS, ia) == 4 && td_block_hashes(b, 16, BS, ib) == 4);
+    evs e = {0};
+    ev_stored(&e, ia[0]);
+    ev_stored(&e, ia[1]);
+    ev_stored(&e, ia[2]);
+    rt_cidx_ev_result r;
+    TH_CHECK(apply(&x, 1, &e, 0, &r) == 0 && r.applied == 3 && !r.gap);
+    TH_CHECK(x.exact && x.ev_next == 4 && x.n == 3 && rt_cidx_match(&x, ia, 4) == 3);
+    /* exact: what the router sends adds nothing (the node says what it stored), but which
+       block follows which in it is noted */
+    TH_CHECK(rt_cidx_insert(&x, ib, 4) == 0 && x.n == 3);
+    TH_CHECK(!rt_cidx_forks(&x, ia, 4, 2)); /* b's third block is not on the node yet */
+    /* the same window again, then longer: only the new events count */
+    TH_CHECK(apply(&x, 1, &e, 0, &r) == 0 && r.applied == 0 && x.n == 3);
+    ev_stored(&e, ib[2]); /* b's third block, there now: a's second block forks */
+    ev_removed(&e, ia[2]);
+    TH_CHECK(apply(&x, 1, &e, 0, &r) == 0 && r.applied == 2 && x.ev_next == 6);
+    TH_CHECK(x.n == 3 && rt_cidx_match(&x, ia, 4) == 2 && rt_cidx_match(&x, ib, 4) == 3);
+    TH_CHECK(rt_cidx_forks(&x, ia, 4, 2)); /* b continued a[0..8) with another block than a */
+    /* a window that slid (starts at 3): still contiguous, nothing lost */
+    e.kind[e.n_ev++] = 3; /* cleared */
+    TH_CHECK(apply(&x, 3, &e, 2, &r) == 0 && r.applied == 1 && x.n == 0 && x.exact);
+    /* refused whole: ids that do not fit the kinds, an unknown kind */
+    evs bad = {0};
+    ev_stored(&bad, ia[0]);
+    bad.n_ids = 0;
+    TH_CHECK(apply(&x, 7, &bad, 0, &r) == TD_EINVAL && x.n == 0 && x.ev_next == 7);
+    bad.n_ids = 1;
+    bad.kind[0] = 9;
+    TH_CHECK(apply(&x, 7, &bad, 0, &r) == TD_EINVAL && x.ev_next == 7);
+    /* a gap: the report starts at 9, event 7..8 were lost: dropped, the estimate again */
+    evs g = {0};
+    ev_stored(&g, ia[0]);
+    TH_CHECK(apply(&x, 7, &g, 0, &r) == 0 && x.n == 1 && x.ev_next == 8);
+    evs g2 = {0};
+    ev_stored(&g2, ib[0]);
+    ev_stored(&g2, ib[1]);
+    TH_CHECK(apply(&x, 9, &g2, 0, &r) == 0 && r.gap && r.applied == 2 && !x.exact);
+    TH_CHECK(x.n == 2 && rt_cidx_match(&x, ia, 4) == 2 && x.ev_next == 11);
+    /* not exact: the prompts sent here count again, corrected by later events */
+    TH_CHECK(rt_cidx_insert(&x, ia, 4) == 0 && rt_cidx_match(&x, ia, 4) == 4);
+    evs g3 = {0};
+    ev_removed(&g3, ia[3]);
+    TH_CHECK(apply(&x, 11, &g3, 0, &r) == 0 && !r.gap && rt_cidx_match(&x, ia, 4) == 3);
+    /* a node that sends no events: the estimate, the index kept */
+    TH_CHECK(rt_cidx_events(&x, 0, NULL, 0, NULL, 0, &r) == 0 && !x.exact && x.ev_next == 0);
+    TH_CHECK(x.n == 3);
+    /* a new process's whole history (seq 1): exact again, from nothing */
+    TH_CHECK(apply(&x, 1, &g2, 0, &r) == 0 && !r.gap && x.exact && x.n == 2);
+    TH_CHECK(rt_cidx_match(&x, ia, 4) == 2 && rt_cidx_match(&x, ib, 4) == 2);
+    /* numbering that went back without a restart seen: dropped (a gap), not exact */
+    TH_CHECK(apply(&x, 3, &g3, 0, &r) == 0 && x.ev_next == 4 && x.n == 2);
+    TH_CHECK(apply(&x, 2, &g3, 0, &r) == 0 && r.gap && !x.exact && x.n == 0);
+    rt_cidx_fini(&x);
+}
+
 static void test_route(void)
 {
     rt_inst d[2] = {0};
@@ -313,6 +410,70 @@ static void test_route(void)
     rt_cache_ids_fini(&g.ids);
 }
 
+/* A decode instance whose Health carries KV events: its index is what the node reported
+ * (not what was routed there), matched by the next turn; a gap is counted and the prompts
+ * sent there count again; a restart starts over from the new process's events. */
+static void test_route_events(void)
+{
+    rt_inst d[1] = {0};
+    rt_registry g = {.inst = d, .n = 1};
+    td_cfg_router rc = {.routing = TD_CFG_ROUTING_CACHE_AWARE,
+                        .cache_aware = {.cache_threshold = 0.5,
+                                        .balance_abs_threshold = 32,
+                                        .balance_rel_threshold = 1.1}};
+    d[0].cap = 100;
+    d[0].name = "d0";
+    Td__Health h = health(7, 100);
+    h.kv_event_seq = 1; /* a node with events, none yet */
+    rt_reg_seen(&d[0], &h, 0);
+    TH_CHECK(d[0].alive && d[0].cst.exact && d[0].cidx.n == 0);
+    int32_t conv[24];
+    fill(conv, 24, 40);
+    uint64_t ids[6];
+    TH_REQUIRE(td_block_hashes(conv, 24, BS, ids) == 6);
+    rt_route_pick pk;
+    TH_CHECK(route(&g, &rc, conv, 16, &pk) == 0 && d[0].cidx.n == 0); /* no guess */
+    /* the node computed the prompt and 4 generated tokens: 5 blocks */
+    evs e = {0};
+    for (int k = 0; k < 5; k++)
+        ev_stored(&e, ids[k]);
+    h.kv_event_seq = 1;
+    h.kv_event_kind = (ProtobufCBinaryData){.len = e.n_ev, .data = e.kind};
+    h.kv_event_ids = e.ids;
+    h.n_kv_event_ids = e.n_ids;
+    rt_reg_seen(&d[0], &h, 0);
+    TH_CHECK(d[0].cidx.n == 5 && d[0].cst.blocks == 5 && d[0].cst.events == 5);
+    rt_reg_seen(&d[0], &h, 0); /* the same report again (a poll's piggy-backed Health) */
+    TH_CHECK(d[0].cst.events == 5);
+    TH_CHECK(route(&g, &rc, conv, 24, &pk) == 0 && pk.matched == 20);
+    /* a report from seq 20: 6..19 lost */
+    evs e2 = {0};
+    ev_removed(&e2, ids[4]);
+    h.kv_event_seq = 20;
+    h.kv_event_kind = (ProtobufCBinaryData){.len = e2.n_ev, .data = e2.kind};
+    h.kv_event_ids = e2.ids;
+    h.n_kv_event_ids = e2.n_ids;
+    rt_reg_seen(&d[0], &h, 0);
+    TH_CHECK(d[0].cst.event_gaps == 1 && !d[0].cst.exact && d[0].cidx.n == 0);
+    route(&g, &rc, conv, 24, &pk); /* the estimate again */
+    TH_CHECK(d[0].cidx.n == 6);
+    /* malformed: refused, the estimate kept */
+    h.kv_event_seq = 21;
+    h.n_kv_event_ids = 0;
+    rt_reg_seen(&d[0], &h, 0);
+    TH_CHECK(d[0].ev_warned && d[0].cidx.n == 6 && d[0].cidx.ev_next == 0);
+    /* a restart: the new process's history from seq 1, exact again */
+    h = health(8, 10);
+    h.kv_event_seq = 1;
+    h.kv_event_kind = (ProtobufCBinaryData){.len = 2, .data = e.kind};
+    h.kv_event_ids = e.ids;
+    h.n_kv_event_ids = 2;
+    rt_reg_seen(&d[0], &h, 0);
+    TH_CHECK(d[0].cst.exact && d[0].cidx.n == 2 && d[0].cst.drops == 1);
+    rt_cidx_fini(&d[0].cidx);
+    rt_cache_ids_fini(&g.ids);
+}
+
 /* Conversations with one system prompt on two instances: the first turns spread by load,
  * each conversation then stays where its history is (the old policy sent them all to the
  * instance that took the first one, and kept them there). */
@@ -395,9 +556,11 @@ int main(void)
     TH_RUN(test_index_match);
     TH_RUN(test_index_lru);
     TH_RUN(test_index_random);
+    TH_RUN(test_index_events);
     TH_RUN(test_choose);
     TH_RUN(test_choose_shared);
     TH_RUN(test_route);
+    TH_RUN(test_route_events);
     TH_RUN(test_route_shared);
     TH_RUN(test_route_prefill);
     TH_EXIT();
