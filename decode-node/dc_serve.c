@@ -96,6 +96,9 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                                       "request failed on decode instance %s%s%s", n->p->instance,
                                       n->fail_why[0] ? ": " : "", n->fail_why);
     }
+    /* the blocks this request stored reach the router before its end does (KV events: the
+       router routes the conversation's next turn by them) */
+    if (finish != DC_FINISH_NONE && n->kv->cache) dc_serve_health(n);
     /* TD_ENOENT: the client is gone; the request is finishing or will be cancelled */
     if (lps && n_ids)
         send_logprobs(n, r, ids, n_ids, lps, 0, NULL, 0, finish, n_prompt, n_gen, n_cached);

@@ -12,6 +12,12 @@ synthetic model (colocated).
            death): its index is dropped (index_drops_total, index_blocks 0) and the next turn
            is routed by load, not by the stale match; the turn after goes by cache to
            wherever that one went
+  KV events (stick, restart): the decode nodes report the blocks their caches store and
+           evict (Health.kv_event_*): each instance's index is exact
+           (tandem_router_cache_route_index_exact 1, events applied, no gap), and after one
+           request it holds exactly the whole blocks the node computed, prompt and
+           generated tokens ((prompt + completion - 1) // block_size: the estimate would
+           hold the prompt's only); after the restart, exact again from the new process
 
 usage: test_router_cache.py --router BIN --decode BIN --tandem BIN --synth GGUF [--case C]
 """
@@ -73,11 +79,17 @@ def served_by(cl, rid, timeout=20):
     return found.get("i")
 
 
+BLOCK = 16  # the decode instances' block_size (the default)
+USAGE = {}  # request id -> its usage
+
+
 def one(cl, conv, turn, out):
     body = {"prompt": prompt(conv, turn), "max_tokens": 160, "temperature": 0,
             "ignore_eos": True}
     st, _, data = post(cl.http_port, "/v1/completions", body)
     out[conv] = json.loads(data)["id"] if st == 200 else None
+    if st == 200:
+        USAGE[out[conv]] = json.loads(data)["usage"]
     check(st == 200, f"conversation {conv} turn {turn}: status {st}")
 
 
@@ -140,6 +152,10 @@ def case_stick(args):
               f"stick: {hits:g} requests routed by cache, {load:g} by load")
         check(toks > 0 and all(cache_series(m, "index_blocks", i) > 0 for i in ("d0", "d1")),
               f"stick: matched tokens counted ({toks:g}), both indexes hold blocks")
+        ev = [(cache_series(m, "index_exact", i), cache_series(m, "events_total", i),
+               cache_series(m, "event_gaps_total", i)) for i in ("d0", "d1")]
+        check(all(x == 1 and n > 0 and g == 0 for x, n, g in ev),
+              f"stick: both indexes fed by KV events, exact, no gap ((exact, events, gaps): {ev})")
         check(cl.stop() == 0, "stick: router exits 0")
 
 
@@ -156,17 +172,42 @@ def case_spread(args):
         check(cl.stop() == 0, "spread: router exits 0")
 
 
-def turn(cl, conv, k):
-    out = {}
+def turn(cl, conv, k, out=None):
+    out = {} if out is None else out
     one(cl, conv, k, out)
     return served_by(cl, out[conv]) if out.get(conv) else None
+
+
+def check_exact(cl, inst, other, rid, what):
+    """After request rid alone on inst, a fresh process: the router's index of inst holds
+    exactly the whole blocks the node computed (prompt and generated tokens but the last),
+    as its KV events said; the other instance's is exact and empty."""
+    u = USAGE.get(rid, {})
+    want = (u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) - 1) // BLOCK
+    est = u.get("prompt_tokens", 0) // BLOCK  # what the router's estimate would hold
+    got = {}
+
+    def settled():  # the events come with the node's next Health
+        m = metrics(cl)
+        got["v"] = [(cache_series(m, "index_blocks", i), cache_series(m, "index_exact", i),
+                     cache_series(m, "event_gaps_total", i)) for i in (inst, other)]
+        return got["v"][0] == (want, 1.0, 0.0)
+    ok = wait_for(settled, 10)
+    print(f"{what}: usage {u}, index (blocks, exact, gaps) of {inst}, {other}: {got.get('v')}",
+          flush=True)
+    check(ok and want > est and got["v"][1][:2] == (0.0, 1.0),
+          f"{what}: {inst}'s index holds exactly the {want} blocks its node stored "
+          f"(the estimate: {est}), {other}'s is exact and empty ({got.get('v')})")
 
 
 def case_restart(args):
     # a long instance timeout: the restart is noticed by the new boot id / event epoch
     with Cluster(args, args.synth, n_decode=2, instance_timeout_ms=60000,
                  router_extra={"routing": "cache_aware"}) as cl:
-        first = turn(cl, 0, 1)
+        out = {}
+        first = turn(cl, 0, 1, out)
+        if first:
+            check_exact(cl, first, "d1" if first == "d0" else "d0", out[0], "restart: turn 1")
         check(turn(cl, 0, 2) == first and turn(cl, 0, 3) == first,
               f"restart: conversation 0 stays on {first}")
         h = int(first[1])
@@ -188,6 +229,9 @@ def case_restart(args):
                 for i in ("d0", "d1")]
         load = [cache_series(m2, "load_total", i) - cache_series(m1, "load_total", i)
                 for i in ("d0", "d1")]
+        m_ev = metrics(cl)
+        check(cache_series(m_ev, "index_exact", first) == 1.0,
+              f"restart: {first}'s index is exact again, from the new process's events")
         check(nxt is not None and hits == [0, 0] and sum(load) == 1,
               f"restart: the next turn went by load to {nxt}, not by stale knowledge "
               f"(hits {hits}, load {load})")
