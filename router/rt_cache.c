@@ -215,8 +215,9 @@ static int apply_one(rt_cidx *x, uint8_t kind, const uint64_t *id)
         rt_cidx_remove(x, id[0]);
         return 0;
     }
-    if (kind == 3) {
+    if (kind == 3) { /* the node's cache is empty: what follows describes it whole */
         drop_all(x);
+        x->exact = true;
         return 0;
     }
     return insert_ids(x, id, 1);

@@ -20,7 +20,8 @@
  * it generated, which the next prompt may not repeat, and that is no fork). A node that sends no
  * events (an older one, a prefill instance) keeps the estimate; after a gap (the node's log
  * overwrote events the router had not seen, or the router started late) the index is the
- * estimate corrected by the events that follow, until the node restarts.
+ * estimate corrected by the events that follow, until the node restarts or clears its
+ * cache (an "all cleared" event: what follows it describes the cache whole).
  * Invariants: n <= capacity; every indexed id is in the hash table exactly once and in the
  * LRU list exactly once; block_size 0 or capacity 0: nothing is indexed.
  * Threading: the loop thread only (no locks).
@@ -83,9 +84,9 @@ typedef struct {
  * kv_event_seq (0: the node sends none: the index goes back to the estimate), kind[0..n_ev)
  * one byte per event (1 stored, 2 removed, 3 cleared), ids[0..n_ids) the blocks of the
  * stored and removed ones, in order. A stored block is added (most recently used), a
- * removed one forgotten, a clear forgets all. Events before ev_next are skipped. If
- * first > ev_next (events lost) the index is dropped and stops being exact, unless first is
- * 1 (the node's whole history is here: the index is rebuilt exact from it). TD_EINVAL (ids
+ * removed one forgotten, a clear forgets all (and makes the index exact). Events before ev_next are
+ * skipped. If first > ev_next (events lost) the index is dropped and stops being exact, unless
+ * first is 1 (the node's whole history is here: the index is rebuilt exact from it). TD_EINVAL (ids
  * do not fit the kinds, an unknown kind; nothing applied, the index unchanged) or
  * TD_ENOMEM; *r says what was done. */
 int rt_cidx_events(rt_cidx *x, uint64_t first, const uint8_t *kind, size_t n_ev,

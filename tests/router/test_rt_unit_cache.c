@@ -314,6 +314,10 @@ static void test_index_events(void)
     /* numbering that went back without a restart seen: dropped (a gap), not exact */
     TH_CHECK(apply(&x, 3, &g3, 0, &r) == 0 && x.ev_next == 4 && x.n == 2);
     TH_CHECK(apply(&x, 2, &g3, 0, &r) == 0 && r.gap && !x.exact && x.n == 0);
+    /* the node cleared its cache: exact again from there */
+    TH_CHECK(rt_cidx_insert(&x, ia, 2) == 0 && x.n == 2); /* the estimate meanwhile */
+    evs cl = {.kind = {3}, .n_ev = 1};
+    TH_CHECK(apply(&x, 3, &cl, 0, &r) == 0 && r.applied == 1 && x.exact && x.n == 0);
     rt_cidx_fini(&x);
 }
 
