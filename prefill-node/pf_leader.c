@@ -708,10 +708,9 @@ static int run_chunk(pf_leader *ld)
                                                 j->n_cached, j->n_prompt);
         }
         int32_t rem = j->n_prompt - j->done, size;
-        if (n_segs == 0) { /* the request's own chunk parameters; its C bounds the chunk */
+        if (n_segs == 0) { /* the request's own C (pf_chunking_initial) also bounds the chunk */
             pf_chunk_params cp = ld->chunking;
-            cp.chunk_size = j->chunk0 > 0 ? j->chunk0 : cp.chunk_size;
-            budget = cp.chunk_size < budget ? cp.chunk_size : budget;
+            cp.chunk_size = budget = j->chunk0 > 0 && j->chunk0 < budget ? j->chunk0 : budget;
             int64_t x = pf_next_chunk(pf_tune_model(&ld->tune), &cp, j->done, rem);
             size = x > 0 ? (int32_t)x : (rem < budget ? rem : budget);
         } else
@@ -821,8 +820,7 @@ static int lead(pf_leader *ld)
     publish_health(ld);
     if ((rc = pf_chunking_setup(ld->st, &ld->tune, &ld->chunking))) {
         td_ctrl_server_destroy(ld->srv);
-        ld->srv = NULL; /* TD_ESTATE: SIGTERM while profiling: a normal stop, nothing was in
-                           flight; else a bad setting, logged */
+        ld->srv = NULL; /* TD_ESTATE: SIGTERM while profiling, a normal stop; else logged */
         return rc == TD_ESTATE ? 0 : rc;
     }
     TD_LOG_INFO("prefill %s: serving on %s (pp %d)", ld->st->p->instance, bound, ld->st->pp);
