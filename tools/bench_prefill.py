@@ -16,13 +16,15 @@ Prefill to the PrefillDone event (every stage's KV has landed and been flushed).
   3. --planner (alone): the chunk planner at pp 2 on a 6K-token prompt (--planner-tokens):
      fixed chunks of 256 / 512 / 1024 (dynamic off), dynamic from an initial 1024
      (--dyn-chunk) with the start-up fit only (TANDEM_PF_ONLINE_REFIT=0) and self-tuning
-     (online refit), and chunk_size left out (the model picks each request's initial chunk,
-     self-tuning); --rounds rounds, the order reversed every other round, one fresh instance
-     per measurement; TTFT medians as ratios to the best fixed size, with the load average.
+     (online refit), and chunk_size left out (the model picks each request's initial
+     chunk), start-up fit only and self-tuning; --only picks plans; --rounds rounds, the
+     order reversed every other round, one fresh instance per measurement; TTFT medians as
+     ratios to the best fixed size, with the load average.
 
 usage: tools/bench_prefill.py [--build build] [--model PATH] [--reps N] [--quick]
                               [--lengths N,N] [--only-dynamic]
-                              [--planner [--rounds N] [--planner-tokens N] [--dyn-chunk C]]
+                              [--planner [--rounds N] [--planner-tokens N] [--dyn-chunk C]
+                                         [--only WORD,WORD]]
 """
 import argparse
 import os
@@ -46,6 +48,8 @@ ap.add_argument("--lengths", help="comma-separated prompt lengths of part 1 (str
 ap.add_argument("--planner", action="store_true", help="part 3 only (chunk planner)")
 ap.add_argument("--rounds", type=int, default=2, help="part 3: rounds (alternated)")
 ap.add_argument("--planner-tokens", type=int, default=6144, help="part 3: prompt tokens")
+ap.add_argument("--only", help="part 3: plans whose name contains one of these "
+                "comma-separated words, e.g. 'fixed 512,start-up'")
 ap.add_argument("--dyn-chunk", type=int, default=1024, help="part 3: dynamic initial chunk")
 args = ap.parse_args()
 BIN = os.path.join(args.build, "bin")
@@ -132,7 +136,13 @@ def planner():
     configs = [(f"fixed {c}", c, False, None) for c in (256, 512, 1024)]
     configs += [(f"dynamic {dc}, start-up fit only", dc, True, {"TANDEM_PF_ONLINE_REFIT": "0"}),
                 (f"dynamic {dc}, self-tuning", dc, True, None),
+                ("chunk_size left out (model-chosen), start-up fit only", None, True,
+                 {"TANDEM_PF_ONLINE_REFIT": "0"}),
                 ("chunk_size left out (model-chosen), self-tuning", None, True, None)]
+    if args.only:
+        configs = [c for c in configs if any(w in c[0] for w in args.only.split(","))]
+        if not any(c[0].startswith("fixed") for c in configs):
+            raise SystemExit("--only: keep at least one fixed size (the reference)")
     print(f"## chunk planner, pp 2, {n} tokens, {args.rounds} rounds alternated; "
           f"load average at start {os.getloadavg()} ({os.cpu_count()} CPUs)", flush=True)
     ts = {name: [] for name, *_ in configs}
