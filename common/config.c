@@ -568,7 +568,7 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
 {
     yaml_node_t *seen[P_N], *keys[P_N];
     x->pp = 1;
-    x->chunk_size = 512;
+    x->chunk_size = 0; /* left out: chosen per request by stage 0 (prefill-node/pf_tune.h) */
     x->dynamic_chunking = true;
     x->smooth_factor = 0.75;
     x->threads = 1;

@@ -70,7 +70,7 @@ typedef struct {
     int pp;               /* 1: pipeline stages */
     int *layer_partition; /* (pp) layers per stage, or NULL: equal, extra to later stages */
     int n_layer_partition;
-    int chunk_size;        /* 512: initial chunk size (tokens) */
+    int chunk_size;        /* initial chunk size (tokens); 0 (left out): chosen per request */
     bool dynamic_chunking; /* true */
     double smooth_factor;  /* 0.75, in [0, 1] */
     int threads;           /* 1: per stage */

@@ -3,6 +3,7 @@
  * stage's shard (pf_profile.h) and stored, fitted robustly and then refitted online from the
  * chunks served (pf_tune.h). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pf_int.h"
@@ -68,11 +69,53 @@ static int get_profile(pf_stage *st, const pf_profile_params *pp, pf_profile_res
     return 0;
 }
 
+/* TANDEM_PF_ONLINE_REFIT=0 turns the online refit off (benchmarks: the start-up fit only);
+ * unset or 1 keeps it. Another value is an error. */
+static int online_refit_env(const char *inst, bool *on)
+{
+    const char *e = getenv("TANDEM_PF_ONLINE_REFIT");
+    *on = true;
+    if (!e || !strcmp(e, "1")) return 0;
+    if (!strcmp(e, "0")) {
+        *on = false;
+        TD_LOG_INFO("prefill %s: TANDEM_PF_ONLINE_REFIT=0: no online refit, the start-up fit "
+                    "only",
+                    inst);
+        return 0;
+    }
+    TD_LOG_ERR("prefill %s: TANDEM_PF_ONLINE_REFIT is '%s': expected 0 or 1", inst, e);
+    return TD_EINVAL;
+}
+
+/* chunk_size left out of the YAML and no usable model: fixed chunks of PF_TUNE_AUTO_FIXED */
+static int fixed_size(const pf_stage *st)
+{
+    if (st->cfg->chunk_size > 0 || st->chunk_max < PF_TUNE_AUTO_FIXED) return st->chunk_max;
+    return PF_TUNE_AUTO_FIXED;
+}
+
+int pf_chunking_initial(const pf_stage *st, const pf_tune *tune, const pf_chunk_params *chunking,
+                        uint64_t request_id, int64_t n_cached, int64_t n_prompt)
+{
+    if (st->cfg->chunk_size > 0 || !chunking->dynamic || n_prompt - n_cached < 1)
+        return chunking->chunk_size;
+    int align = pf_chunk_align(chunking);
+    int c = pf_tune_initial_chunk(tune, n_prompt - n_cached, st->pp, align, st->chunk_max);
+    TD_LOG_INFO("prefill %s: request %llu: %lld tokens (%lld cached), pp %d: initial chunk %d "
+                "(%s, chunk constant %.3g ms)",
+                st->p->instance, (unsigned long long)request_id, (long long)n_prompt,
+                (long long)n_cached, st->pp, c, tune->online ? "online refit" : "start-up fit",
+                tune->online ? tune->c_online : tune->cur.c);
+    return c;
+}
+
 int pf_chunking_setup(pf_stage *st, pf_tune *tune, pf_chunk_params *chunking)
 {
     pf_cost_model none = {0}, *model = &none;
     pf_tune_init(tune, &none, NULL, NULL, 0, 0);
-    *chunking = (pf_chunk_params){.chunk_size = st->chunk_max,
+    bool refit = true;
+    if (online_refit_env(st->p->instance, &refit)) return TD_EINVAL;
+    *chunking = (pf_chunk_params){.chunk_size = fixed_size(st),
                                   .smooth = st->cfg->smooth_factor,
                                   .page_size = st->shard.kv->block_size,
                                   .max_batch_tokens = st->chunk_max,
@@ -80,11 +123,12 @@ int pf_chunking_setup(pf_stage *st, pf_tune *tune, pf_chunk_params *chunking)
     bool dynamic = st->cfg->dynamic_chunking && st->cfg->smooth_factor != 0;
     if (!dynamic || st->cfg->profile_budget_ms <= 0) {
         if (!dynamic)
-            TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", st->p->instance, st->chunk_max);
+            TD_LOG_INFO("prefill %s: fixed chunks of %d tokens", st->p->instance,
+                        chunking->chunk_size);
         else
             TD_LOG_WARN("prefill %s: dynamic chunking without a profile (profile_budget_ms 0): "
                         "fixed chunks of %d tokens",
-                        st->p->instance, st->chunk_max);
+                        st->p->instance, chunking->chunk_size);
         if (st->p->reprofile)
             TD_LOG_INFO("prefill %s: --reprofile: nothing to profile with fixed chunks",
                         st->p->instance);
@@ -109,32 +153,43 @@ int pf_chunking_setup(pf_stage *st, pf_tune *tune, pf_chunk_params *chunking)
         TD_LOG_WARN("prefill %s: the stage profile gave no usable cost model (%s; a=%g b=%g "
                     "over %d lengths): fixed chunks of %d tokens",
                     st->p->instance, rc ? td_strerror(rc) : "not convex", res.fit.a, res.fit.b_fit,
-                    res.n_lengths, st->chunk_max);
+                    res.n_lengths, chunking->chunk_size);
         return 0;
     }
     pf_tune_init(tune, &res.fit, xs, res.ms, res.n_lengths, 0);
+    tune->frozen = !refit;
     model = &tune->prior;
     chunking->dynamic = true;
+    chunking->chunk_size = st->chunk_max;
     int64_t example = 8 * (int64_t)st->chunk_max < st->shard.ctx ? 8 * (int64_t)st->chunk_max
                                                                  : (int64_t)st->shard.ctx;
     int32_t plan[64];
     int64_t np = 0;
     if (pf_plan_chunks(model, chunking, example, plan, 64, &np)) np = 0;
+    if (st->cfg->chunk_size == 0) {
+        chunking->chunk_size =
+            pf_tune_initial_chunk(tune, example, st->pp, pf_chunk_align(chunking), st->chunk_max);
+        if (pf_plan_chunks(model, chunking, example, plan, 64, &np)) np = 0;
+    }
     char sizes[200] = "";
     int off = 0;
     for (int64_t i = 0; i < np && off < (int)sizeof sizes - 16; i++)
         off += snprintf(sizes + off, sizeof sizes - (size_t)off, "%s%d", i ? "," : "", plan[i]);
     TD_LOG_INFO("prefill %s: dynamic chunking: f(l) = %.3g l^2 + %.3g l + %.3g ms (r2 %.4f, %d "
-                "lengths), smoothing %.2f; a %lld-token prompt goes as [%s]; refitted online",
+                "lengths), smoothing %.2f; initial chunk %s%d; a %lld-token prompt goes as [%s]; "
+                "%s",
                 st->p->instance, model->a, model->b, model->c, model->r2, res.n_lengths,
-                st->cfg->smooth_factor, (long long)example, sizes);
+                st->cfg->smooth_factor, st->cfg->chunk_size ? "" : "chosen per request, e.g. ",
+                chunking->chunk_size, (long long)example, sizes,
+                refit ? "refitted online" : "no online refit");
+    chunking->chunk_size = st->chunk_max;
     return 0;
 }
 
 void pf_chunking_observe(pf_stage *st, pf_tune *tune, const pf_seg *segs, int n_segs, double ms)
 {
     int64_t L[PF_MAX_SEGS], x[PF_MAX_SEGS];
-    if (!tune->prior.dynamic || n_segs > PF_MAX_SEGS) return;
+    if (!tune->prior.dynamic || tune->frozen || n_segs > PF_MAX_SEGS) return;
     for (int i = 0; i < n_segs; i++) {
         if (segs[i].flags & PF_SEG_DEAD) return;
         L[i] = segs[i].t0; /* a cached prefix is attended to like a computed one */

@@ -161,6 +161,13 @@ void pf_lp_drop_all(pf_stage *st);
  * caller shuts down). */
 int pf_chunking_setup(pf_stage *st, pf_tune *tune, pf_chunk_params *chunking);
 
+/* The initial chunk size of a request with n_cached of its n_prompt tokens in the prefix
+ * cache: chunking->chunk_size, unless the YAML left chunk_size out and chunking is dynamic;
+ * then the model's choice for its n_prompt - n_cached tokens (pf_tune_initial_chunk, within
+ * [alignment, chunk_max]), logged. */
+int pf_chunking_initial(const pf_stage *st, const pf_tune *tune, const pf_chunk_params *chunking,
+                        uint64_t request_id, int64_t n_cached, int64_t n_prompt);
+
 /* Feed the chunk of segs (n_segs) that stage 0 computed in ms to the online refit of the cost
  * model (dynamic chunking only; a chunk with a failed segment is not a sample). Logs the
  * model when the refit takes over or gives way, and every 64 chunks. */

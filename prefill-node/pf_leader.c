@@ -45,6 +45,7 @@ typedef struct pf_job {
     int64_t t_submit_ms, t_start_ms, t_end_ms;
     uint64_t kv_bytes;                  /* the stages' reports summed */
     uint32_t kv_xfer_us, kv_exposed_us; /* the largest of the stages' reports */
+    int32_t chunk0;                     /* its initial chunk size (pf_chunking_initial); 0 */
     int32_t *chunk_sizes;               /* (cap_chunks) tokens of each chunk so far */
     uint32_t cap_chunks;
     struct pf_job *next;
@@ -702,10 +703,15 @@ static int run_chunk(pf_leader *ld)
                            j->n_cached / ld->st->shard.kv->block_size;
             if (ld->st->shard.kv->n_free - promised < need) break; /* in order: wait for room */
             promised += need;
+            if (!j->chunk0)
+                j->chunk0 = pf_chunking_initial(ld->st, &ld->tune, &ld->chunking, j->request_id,
+                                                j->n_cached, j->n_prompt);
         }
         int32_t rem = j->n_prompt - j->done, size;
-        if (n_segs == 0) {
-            int64_t x = pf_next_chunk(pf_tune_model(&ld->tune), &ld->chunking, j->done, rem);
+        if (n_segs == 0) { /* the request's own C (pf_chunking_initial) also bounds the chunk */
+            pf_chunk_params cp = ld->chunking;
+            cp.chunk_size = budget = j->chunk0 > 0 && j->chunk0 < budget ? j->chunk0 : budget;
+            int64_t x = pf_next_chunk(pf_tune_model(&ld->tune), &cp, j->done, rem);
             size = x > 0 ? (int32_t)x : (rem < budget ? rem : budget);
         } else
             size = rem; /* packing after a request's last chunk: the rest of the budget */
@@ -812,10 +818,10 @@ static int lead(pf_leader *ld)
     }
     ld->started_ms = td_now_ms();
     publish_health(ld);
-    if (pf_chunking_setup(ld->st, &ld->tune, &ld->chunking) == TD_ESTATE) {
+    if ((rc = pf_chunking_setup(ld->st, &ld->tune, &ld->chunking))) {
         td_ctrl_server_destroy(ld->srv);
-        ld->srv = NULL;
-        return 0; /* SIGTERM while profiling: a normal stop, nothing was in flight */
+        ld->srv = NULL; /* TD_ESTATE: SIGTERM while profiling, a normal stop; else logged */
+        return rc == TD_ESTATE ? 0 : rc;
     }
     TD_LOG_INFO("prefill %s: serving on %s (pp %d)", ld->st->p->instance, bound, ld->st->pp);
     ld->members[0].boot_id = ld->st->boot_id;

@@ -103,7 +103,7 @@ int pf_stage_setup(pf_stage *st)
     st->last = m->last;
     st->n_embd = m->hp.n_embd;
     st->n_vocab = m->hp.n_vocab;
-    st->chunk_max = st->cfg->chunk_size;
+    st->chunk_max = st->cfg->chunk_size > 0 ? st->cfg->chunk_size : PF_TUNE_AUTO_CAP;
     if (st->chunk_max > st->cfg->kv_tokens) st->chunk_max = st->cfg->kv_tokens;
     st->timeout_ms = cfg->kvxfer.timeout_ms;
     if ((rc = open_connector(st))) return rc;

@@ -246,7 +246,10 @@ int pf_tune_initial_chunk(const pf_tune *tu, int64_t n, int pp, int align, int c
     if (cap < align) return cap;
     const pf_cost_model *m = &tu->cur;
     double c = tu->online ? tu->c_online : m->c;
-    if (pp <= 1 || !m->valid || !(c > 0) || !(m->a >= 0) || n < 1) return cap;
+    if (pp <= 1 || !m->valid || !(m->a >= 0) || !(m->b >= 0) || n < 1) return cap;
+    double c_min = PF_TUNE_C_FLOOR * (m->a * align * (double)align + m->b * align);
+    if (!(c >= c_min)) c = c_min; /* also a NaN */
+    if (!(c > 0)) return cap;
     double nd = (double)n, F = m->a * nd * nd + m->b * nd;
     if (!(F > 0)) return cap;
     double nk = sqrt(F * (pp - 1) / c);

@@ -36,11 +36,14 @@
 
 #include "pf_chunk.h"
 
-#define PF_TUNE_CAP          256 /* chunks kept for the online fit */
-#define PF_TUNE_MAX_PROFILE  64  /* profile points kept (as PF_PROFILE_MAX_LENGTHS) */
-#define PF_TUNE_PRIOR_WEIGHT 0.5 /* total weight of the profile points, in chunks */
-#define PF_TUNE_MIN_CHUNKS   8   /* chunks before the online fit may be used */
-#define PF_TUNE_MAX_RATIO    8.0 /* the online a stays within [a0 / 8, 8 a0] */
+#define PF_TUNE_CAP          256  /* chunks kept for the online fit */
+#define PF_TUNE_MAX_PROFILE  64   /* profile points kept (as PF_PROFILE_MAX_LENGTHS) */
+#define PF_TUNE_PRIOR_WEIGHT 0.5  /* total weight of the profile points, in chunks */
+#define PF_TUNE_MIN_CHUNKS   8    /* chunks before the online fit may be used */
+#define PF_TUNE_MAX_RATIO    8.0  /* the online a stays within [a0 / 8, 8 a0] */
+#define PF_TUNE_AUTO_CAP     2048 /* chunk_size left out: chunk buffers, profile up to 1.25 x */
+#define PF_TUNE_AUTO_FIXED   512  /* chunk_size left out, no usable model: fixed chunks */
+#define PF_TUNE_C_FLOOR      1.0  /* c is at least this x the marginal cost of `align` tokens */
 
 /* Robust quadratic fit of a profile: pf_fit_quadratic with outlier rejection (above).
  * *n_rejected (may be NULL) receives the number of points dropped. Returns as
@@ -63,6 +66,7 @@ typedef struct {
     double c_online;                         /* fitted per-forward constant of a chunk, ms */
     uint64_t n_seen, n_refits, n_kept_prior; /* chunks observed; refits used; refits refused */
     bool online;                             /* cur is the online fit */
+    bool frozen; /* TANDEM_PF_ONLINE_REFIT=0: stage 0 feeds no chunks (start-up fit only) */
 } pf_tune;
 
 /* Start from the start-up fit `prior` and its profile points (len, ms; n <= 64 kept).
@@ -83,8 +87,14 @@ const pf_cost_model *pf_tune_model(const pf_tune *tu);
  * about (n_k + pp - 1) chunk times, so the makespan (F + n_k c)(1 + (pp - 1) / n_k) is least
  * at n_k = sqrt(F (pp - 1) / c). The first chunk then costs (F + n_k c) / n_k - c:
  * C solves a C^2 + b C = F / n_k. Rounded down to the alignment, within [align, cap].
- * c is the online constant when the online fit is in use, else the profile's; a c <= 0
- * (an intercept lost in noise) or pp 1 gives cap. */
+ * c is the online constant when the online fit is in use, else the profile's, floored at
+ * PF_TUNE_C_FLOOR x (a align^2 + b align), the model's cost of the smallest chunk: the
+ * intercept is extrapolated to l = 0 from long lengths, where a forward's cost per token is
+ * lowest, and misses what a small served chunk costs besides (weights streamed per forward,
+ * staging, the hand-off); it came out -16 ms where the online refit then found 220 ms
+ * (docs/prefill.md). The makespan is flat near its optimum (c off by 3x moves n_k by 1.7x
+ * and the makespan ~1 %).
+ * pp 1, n < 1 or a model without a valid fit gives cap. */
 int pf_tune_initial_chunk(const pf_tune *tu, int64_t n, int pp, int align, int cap);
 
 #endif

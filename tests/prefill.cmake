@@ -1,6 +1,7 @@
 # prefill.cmake: the prefill node's planning pieces (prefill-node/pf_chunk.h, pf_profile.h).
 #   test_pf_chunk    partition, quadratic fit and chunk planner against hand-computed cases
 #   test_pf_tune     robust profile fit, online refit, model-chosen initial chunk (pf_tune.h)
+#   test_pf_chunking stage 0's chunking set-up and per-request initial chunk (pf_chunking.c)
 #   test_pf_profile  stage profile + fit on the engine with the synthetic llama model
 #                    (fixture synth_models, reference.cmake; needs TANDEM_PYTHON)
 #   test_pf_pcache   the on-disk profile cache: key, round trip, corrupt files, store
@@ -24,6 +25,14 @@ if(TARGET pf_core)
   target_link_libraries(test_pf_tune PRIVATE pf_core td_common)
   add_test(NAME test_pf_tune COMMAND test_pf_tune)
   set_tests_properties(test_pf_tune PROPERTIES TIMEOUT 30 LABELS prefill)
+
+  add_executable(test_pf_chunking ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_chunking.c
+                                  ${PROJECT_SOURCE_DIR}/prefill-node/pf_chunking.c)
+  target_include_directories(test_pf_chunking PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_pf_chunking PRIVATE pf_core td_grammar td_kvxfer td_ctrl td_config
+                                                 td_common)
+  add_test(NAME test_pf_chunking COMMAND test_pf_chunking)
+  set_tests_properties(test_pf_chunking PROPERTIES TIMEOUT 30 LABELS prefill)
 
   add_executable(test_pf_profile ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_profile.c)
   target_include_directories(test_pf_profile PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})

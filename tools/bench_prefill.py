@@ -13,8 +13,18 @@ Prefill to the PrefillDone event (every stage's KV has landed and been flushed).
      then dynamic chunking with an initial size of 2-3x the best fixed one (smoothing
      0.75) (target: dynamic >= 3 % faster than the best fixed size).
 
+  3. --planner (alone): the chunk planner at pp 2 on a 6K-token prompt (--planner-tokens):
+     fixed chunks of 256 / 512 / 1024 (dynamic off), dynamic from an initial 1024
+     (--dyn-chunk) with the start-up fit only (TANDEM_PF_ONLINE_REFIT=0) and self-tuning
+     (online refit), and chunk_size left out (the model picks each request's initial
+     chunk), start-up fit only and self-tuning; --only picks plans; --rounds rounds, the
+     order reversed every other round, one fresh instance per measurement; TTFT medians as
+     ratios to the best fixed size, with the load average.
+
 usage: tools/bench_prefill.py [--build build] [--model PATH] [--reps N] [--quick]
                               [--lengths N,N] [--only-dynamic]
+                              [--planner [--rounds N] [--planner-tokens N] [--dyn-chunk C]
+                                         [--only WORD,WORD]]
 """
 import argparse
 import os
@@ -35,6 +45,12 @@ ap.add_argument("--quick", action="store_true", help="2K only (smoke run)")
 ap.add_argument("--only-dynamic", action="store_true", help="part 2 only")
 ap.add_argument("--lengths", help="comma-separated prompt lengths of part 1 (strong scaling "
                 "only, part 2 skipped), e.g. 1024 for a larger model")
+ap.add_argument("--planner", action="store_true", help="part 3 only (chunk planner)")
+ap.add_argument("--rounds", type=int, default=2, help="part 3: rounds (alternated)")
+ap.add_argument("--planner-tokens", type=int, default=6144, help="part 3: prompt tokens")
+ap.add_argument("--only", help="part 3: plans whose name contains one of these "
+                "comma-separated words, e.g. 'fixed 512,start-up'")
+ap.add_argument("--dyn-chunk", type=int, default=1024, help="part 3: dynamic initial chunk")
 args = ap.parse_args()
 BIN = os.path.join(args.build, "bin")
 
@@ -48,21 +64,24 @@ def free_port():
 
 
 class Instance:
-    def __init__(self, pp, chunk, dynamic, smooth=0.75):
+    def __init__(self, pp, chunk, dynamic, smooth=0.75, env=None):
+        """chunk None: chunk_size left out (the model picks it per request)."""
         self.pp = pp
         self.dir = tempfile.mkdtemp(prefix="tandem-bench-pf-")
         self.port = free_port()
         cfg = os.path.join(self.dir, "c.yaml")
+        chunk_line = "" if chunk is None else f"    chunk_size: {chunk}\n"
         with open(cfg, "w") as f:
             f.write(f"model: {args.model}\nprefill:\n  - name: b\n    pp: {pp}\n"
-                    f"    chunk_size: {chunk}\n    dynamic_chunking: {str(dynamic).lower()}\n"
+                    f"{chunk_line}    dynamic_chunking: {str(dynamic).lower()}\n"
                     f"    smooth_factor: {smooth}\n    threads: 1\n    port: {self.port}\n"
                     f"    kv_tokens: 8448\n    profile_budget_ms: 30000\n"
                     f"decode:\n  - name: d\n    port: {free_port()}\n"
                     f"kvxfer:\n  ucx_tls: posix,cma,self\n  timeout_ms: 300000\n")
         self.procs = [subprocess.Popen([os.path.join(BIN, "tandem-prefill"), "--config", cfg,
                                         "--instance", "b", "--stage", str(s)],
-                                       stderr=open(os.path.join(self.dir, f"s{s}.log"), "w"))
+                                       stderr=open(os.path.join(self.dir, f"s{s}.log"), "w"),
+                                       env=dict(os.environ, **(env or {})))
                       for s in range(pp)]
         self.url = f"tcp://127.0.0.1:{self.port}"
         for _ in range(1200):
@@ -88,6 +107,10 @@ class Instance:
             raise RuntimeError(f"pf_sink: {r.stdout} {r.stderr[-500:]}")
         return int(m.group(1)), m.group(3).strip()
 
+    def log_lines(self, pattern):
+        log = open(os.path.join(self.dir, "s0.log"), errors="replace").read()
+        return re.findall(pattern, log)
+
     def stop(self):
         for p in self.procs:
             p.send_signal(signal.SIGTERM)
@@ -106,6 +129,48 @@ def measure(inst, n):
         ts.append(t)
     return statistics.median(ts), chunks
 
+
+def planner():
+    n = args.planner_tokens
+    dc = args.dyn_chunk
+    configs = [(f"fixed {c}", c, False, None) for c in (256, 512, 1024)]
+    configs += [(f"dynamic {dc}, start-up fit only", dc, True, {"TANDEM_PF_ONLINE_REFIT": "0"}),
+                (f"dynamic {dc}, self-tuning", dc, True, None),
+                ("chunk_size left out (model-chosen), start-up fit only", None, True,
+                 {"TANDEM_PF_ONLINE_REFIT": "0"}),
+                ("chunk_size left out (model-chosen), self-tuning", None, True, None)]
+    if args.only:
+        configs = [c for c in configs if any(w in c[0] for w in args.only.split(","))]
+        if not any(c[0].startswith("fixed") for c in configs):
+            raise SystemExit("--only: keep at least one fixed size (the reference)")
+    print(f"## chunk planner, pp 2, {n} tokens, {args.rounds} rounds alternated; "
+          f"load average at start {os.getloadavg()} ({os.cpu_count()} CPUs)", flush=True)
+    ts = {name: [] for name, *_ in configs}
+    for r in range(args.rounds):
+        for name, chunk, dyn, env in configs if r % 2 == 0 else configs[::-1]:
+            inst = Instance(2, chunk, dyn, 0.75, env)
+            rid[0] += 1
+            t, chunks = inst.ttft(n, rid[0])
+            ts[name].append(t)
+            chosen = inst.log_lines(r"initial chunk (\d+) \(")
+            models = inst.log_lines(r"cost model after (\d+) chunks: ([a-z -]+)")
+            print(f"  round {r + 1} {name}: TTFT {t} ms; chunks [{chunks[:120]}]"
+                  f"{'; initial chunk ' + chosen[-1] if chosen else ''}"
+                  f"{'; last model: ' + ' '.join(models[-1]) if models else ''}; "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+            inst.stop()
+    med = {k: statistics.median(v) for k, v in ts.items()}
+    best = min((k for k in med if k.startswith("fixed")), key=med.get)
+    print(f"## medians, ratio TTFT / TTFT({best}) (< 1: faster); load average at end "
+          f"{os.getloadavg()}")
+    for k, v in ts.items():
+        print(f"  {k:50s} {med[k]:8.0f} ms  ratio {med[k] / med[best]:.3f}  "
+              f"rounds {v}")
+
+
+if args.planner:
+    planner()
+    raise SystemExit(0)
 
 if args.lengths:
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -233,7 +233,7 @@ static void test_good_file(void)
              p->max_queue == 8 && p->profile_budget_ms == 0);
     p = td_cfg_find_prefill(c, "p1"); /* all defaults */
     TH_REQUIRE(p);
-    TH_CHECK(p->pp == 1 && !p->layer_partition && p->chunk_size == 512 && p->dynamic_chunking &&
+    TH_CHECK(p->pp == 1 && !p->layer_partition && p->chunk_size == 0 && p->dynamic_chunking &&
              p->smooth_factor == 0.75 && p->threads == 1 && p->n_hosts == 1 &&
              !strcmp(p->hosts[0], "127.0.0.1") && p->port == 9101 && p->kv_tokens == 32768 &&
              p->max_queue == 64 && p->profile_budget_ms == 20000);

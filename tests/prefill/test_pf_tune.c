@@ -152,26 +152,33 @@ static void test_online_forgets(void)
 
 static void test_initial_chunk(void)
 {
-    pf_cost_model m = {.a = 1e-3, .b = 2, .c = 50, .valid = true, .dynamic = true};
+    pf_cost_model m = {.a = 1e-3, .b = 2, .c = 200, .valid = true, .dynamic = true};
     pf_tune tu;
     pf_tune_init(&tu, &m, NULL, NULL, 0, 0);
-    /* n = 6144, pp 2: F = 1e-3 n^2 + 2 n = 50036.7; n_k = sqrt(F / 50) = 31.63;
-     * T = 1581.7; C = 2T / (2 + sqrt(4 + 4e-3 T)) = 606.8 -> 576 at alignment 64 */
-    TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 2, 64, 2048) == 576);
+    /* n = 6144, pp 2: F = 1e-3 n^2 + 2 n = 50036.7; n_k = sqrt(F / 200) = 15.82;
+     * T = 3163.4; C = 2T / (2 + sqrt(4 + 4e-3 T)) = 1040.5 -> 1024 at alignment 64 */
+    TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 2, 64, 2048) == 1024);
     /* more stages: more chunks, smaller ones */
-    TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 4, 64, 2048) < 576);
-    /* pp 1, or no usable constant: the cap */
+    TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 4, 64, 2048) < 1024);
+    /* pp 1: the cap */
     TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 1, 64, 2048) == 2048);
-    m.c = -3;
-    pf_tune_init(&tu, &m, NULL, NULL, 0, 0);
-    TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 2, 64, 2048) == 2048);
-    /* a big constant: a few big chunks, within the cap; a tiny one: the alignment */
+    /* a constant <= 0 (an intercept lost in noise), a small one or none is floored at the
+     * marginal cost of 64 tokens, 1e-3 64^2 + 2 64 = 132.1 ms: n_k = 19.46, T = 2570.9,
+     * C = 889.7 -> 832 */
+    double cs[] = {-3, 1e-6, 50, NAN};
+    for (int i = 0; i < 4; i++) {
+        m.c = cs[i];
+        pf_tune_init(&tu, &m, NULL, NULL, 0, 0);
+        TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 2, 64, 2048) == 832);
+    }
+    /* a big constant: a few big chunks, within the cap */
     m.c = 1e6;
     pf_tune_init(&tu, &m, NULL, NULL, 0, 0);
     TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 2, 64, 2048) == 2048);
-    m.c = 1e-6;
+    /* no valid model: the cap */
+    m.valid = false;
     pf_tune_init(&tu, &m, NULL, NULL, 0, 0);
-    TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 2, 64, 2048) == 64);
+    TH_CHECK(pf_tune_initial_chunk(&tu, 6144, 2, 64, 2048) == 2048);
 }
 
 int main(void)
