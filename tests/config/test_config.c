@@ -13,7 +13,7 @@
 #include "td_err.h"
 #include "tharness.h"
 
-static const char *dir = ".";
+static const char *dir; /* where the test's YAML files are written (main) */
 
 static const char *write_file(const char *name, const char *text)
 {
@@ -312,7 +312,15 @@ static void test_examples(void)
 
 int main(int argc, char **argv)
 {
-    if (argc > 1) dir = argv[1];
+    /* the YAML files go to argv[1], or to a fresh temporary directory: never the current
+     * one (a run by hand from the repository root left them there to be committed) */
+    static char tmp[] = "/tmp/tandem-test-config-XXXXXX";
+    if (argc > 1)
+        dir = argv[1];
+    else if (!(dir = mkdtemp(tmp))) {
+        perror("mkdtemp");
+        return 1;
+    }
     mkdir(dir, 0755);
     examples = argv + 2;
     n_examples = argc > 2 ? argc - 2 : 0;
