@@ -69,17 +69,20 @@ static int get_profile(pf_stage *st, const pf_profile_params *pp, pf_profile_res
     return 0;
 }
 
-/* TANDEM_PF_ONLINE_REFIT=0 turns the online refit off (benchmarks: the start-up fit only);
- * unset or 1 keeps it. Another value is an error. */
+/* TANDEM_PF_ONLINE_REFIT=1 turns the online refit on; unset or 0 keeps the start-up fit
+ * only. Off by default: measured at pp 2 on a 6K prompt (BENCHMARKS.md, "Prefill chunk
+ * planner"), the refit's fit took in stage 0's waits as a per-chunk constant that the
+ * equal-cost planner ignores, and its plans were 1.3-1.7x slower than the start-up fit's;
+ * it stays until the planner weighs that constant. Another value is an error. */
 static int online_refit_env(const char *inst, bool *on)
 {
     const char *e = getenv("TANDEM_PF_ONLINE_REFIT");
-    *on = true;
-    if (!e || !strcmp(e, "1")) return 0;
-    if (!strcmp(e, "0")) {
-        *on = false;
-        TD_LOG_INFO("prefill %s: TANDEM_PF_ONLINE_REFIT=0: no online refit, the start-up fit "
-                    "only",
+    *on = false;
+    if (!e || !strcmp(e, "0")) return 0;
+    if (!strcmp(e, "1")) {
+        *on = true;
+        TD_LOG_INFO("prefill %s: TANDEM_PF_ONLINE_REFIT=1: the cost model is refitted online "
+                    "from the chunks' stage times",
                     inst);
         return 0;
     }

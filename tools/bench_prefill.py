@@ -135,10 +135,11 @@ def planner():
     dc = args.dyn_chunk
     configs = [(f"fixed {c}", c, False, None) for c in (256, 512, 1024)]
     configs += [(f"dynamic {dc}, start-up fit only", dc, True, {"TANDEM_PF_ONLINE_REFIT": "0"}),
-                (f"dynamic {dc}, self-tuning", dc, True, None),
+                (f"dynamic {dc}, self-tuning", dc, True, {"TANDEM_PF_ONLINE_REFIT": "1"}),
                 ("chunk_size left out (model-chosen), start-up fit only", None, True,
                  {"TANDEM_PF_ONLINE_REFIT": "0"}),
-                ("chunk_size left out (model-chosen), self-tuning", None, True, None)]
+                ("chunk_size left out (model-chosen), self-tuning", None, True,
+                 {"TANDEM_PF_ONLINE_REFIT": "1"})]
     if args.only:
         configs = [c for c in configs if any(w in c[0] for w in args.only.split(","))]
         if not any(c[0].startswith("fixed") for c in configs):
