@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "pf_tune.h"
 #include "td_err.h"
 
 #define MAGIC        "tandem stage profile 1\n"
@@ -369,7 +370,8 @@ static int parse(char *text, const pf_pcache_key *k, pf_profile_result *out, cha
     if (c.p != text + body || !(l = next_line(&c)) || strncmp(l, "end ", 4))
         return refuse(why, cap, "line %d: no end line", c.line - 1);
     if (strcmp(l, want)) return refuse(why, cap, "checksum mismatch (the file was altered)");
-    pf_fit_quadratic(xs, out->ms, out->n_lengths, &out->fit);
+    /* the same robust fit the profiler made (pf_profile.c), so a loaded fit equals it */
+    pf_fit_robust(xs, out->ms, out->n_lengths, &out->fit, NULL);
     return 0;
 }
 
