@@ -148,6 +148,14 @@ static void report_device(const cli_session *s, bool json, double pp, double tg,
            1e3 * batch / bn);
 }
 
+/* KV room (tokens) for the workloads: batch sequences of n_gen + 1 tokens, the prefill, and
+ * at least 4096. */
+static int bench_ctx(int batch, int n_gen, int n_prefill)
+{
+    int ctx = batch * (n_gen + 1) > n_prefill ? batch * (n_gen + 1) : n_prefill;
+    return ctx < 4096 ? 4096 : ctx;
+}
+
 static int bench_usage(void)
 {
     fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
@@ -203,8 +211,7 @@ int cmd_bench_engine(int argc, char **argv)
         return TD_EINVAL;
     }
     const int n_prefill = 512;
-    sp.ctx = batch * (n_gen + 1) > n_prefill ? batch * (n_gen + 1) : n_prefill; /* KV room */
-    if (sp.ctx < 4096) sp.ctx = 4096;
+    sp.ctx = bench_ctx(batch, n_gen, n_prefill);
     cli_session s;
     if ((rc = cli_session_open(&s, &sp))) return rc;
     kn_cpu *cpu = kn_cpu_of(s.rt.be); /* NULL on another backend */

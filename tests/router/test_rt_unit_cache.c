@@ -321,21 +321,29 @@ static void test_index_events(void)
     rt_cidx_fini(&x);
 }
 
+/* Two live instances d0, d1 (boot ids boot, boot + 1) seen once; the cache-aware config
+ * the route tests use. */
+static td_cfg_router two_instances(rt_inst d[2], uint64_t boot)
+{
+    for (int i = 0; i < 2; i++) {
+        d[i].cap = 100;
+        d[i].name = i ? "d1" : "d0";
+        Td__Health h = health(boot + (uint64_t)i, 1000);
+        rt_reg_seen(&d[i], &h, 0);
+    }
+    return (td_cfg_router){.routing = TD_CFG_ROUTING_CACHE_AWARE,
+                           .cache_aware = {.cache_threshold = 0.5,
+                                           .balance_abs_threshold = 32,
+                                           .balance_rel_threshold = 1.1}};
+}
+
 static void test_route(void)
 {
     rt_inst d[2] = {0};
     rt_registry g = {.inst = d, .n = 2};
-    td_cfg_router rc = {.routing = TD_CFG_ROUTING_CACHE_AWARE,
-                        .cache_aware = {.cache_threshold = 0.5,
-                                        .balance_abs_threshold = 32,
-                                        .balance_rel_threshold = 1.1}};
-    for (int i = 0; i < 2; i++) {
-        d[i].cap = 100;
-        d[i].name = i ? "d1" : "d0";
-        Td__Health h = health(10 + (uint64_t)i, 1000);
-        rt_reg_seen(&d[i], &h, 0);
+    td_cfg_router rc = two_instances(d, 10);
+    for (int i = 0; i < 2; i++)
         TH_CHECK(d[i].alive && d[i].cidx.block_size == BS && d[i].cidx.capacity == 64);
-    }
     d[1].kv_free = 70; /* the load order prefers d1 */
     int32_t conv[64];
     fill(conv, 64, 7);
@@ -485,16 +493,7 @@ static void test_route_shared(void)
 {
     rt_inst d[2] = {0};
     rt_registry g = {.inst = d, .n = 2};
-    td_cfg_router rc = {.routing = TD_CFG_ROUTING_CACHE_AWARE,
-                        .cache_aware = {.cache_threshold = 0.5,
-                                        .balance_abs_threshold = 32,
-                                        .balance_rel_threshold = 1.1}};
-    for (int i = 0; i < 2; i++) {
-        d[i].cap = 100;
-        d[i].name = i ? "d1" : "d0";
-        Td__Health h = health(20 + (uint64_t)i, 1000);
-        rt_reg_seen(&d[i], &h, 0);
-    }
+    td_cfg_router rc = two_instances(d, 20);
     enum { SYS = 40, T1 = 64, NC = 4, LEN = 128 };
     int32_t conv[NC][LEN];
     for (int k = 0; k < NC; k++) {
