@@ -523,9 +523,17 @@ static int parse_routing(pctx *p, yaml_node_t *routing, yaml_node_t *ca, td_cfg_
 {
     const char *s;
     if (routing && get_str(p, routing, &s)) return p->rc;
-    if (routing && strcmp(s, "load") && strcmp(s, "cache_aware"))
-        return fail(p, routing, "unknown routing '%s' (known: load, cache_aware)", s);
-    if (routing) r->routing = strcmp(s, "load") ? TD_CFG_ROUTING_CACHE_AWARE : TD_CFG_ROUTING_LOAD;
+    if (routing) {
+        if (!strcmp(s, "load"))
+            r->routing = TD_CFG_ROUTING_LOAD;
+        else if (!strcmp(s, "cache_aware"))
+            r->routing = TD_CFG_ROUTING_CACHE_AWARE;
+        else if (!strcmp(s, "round_robin"))
+            r->routing = TD_CFG_ROUTING_ROUND_ROBIN;
+        else
+            return fail(p, routing, "unknown routing '%s' (known: load, cache_aware, round_robin)",
+                        s);
+    }
     yaml_node_t *seen[C_N], *keys[C_N];
     if (!ca) return 0;
     return parse_map(p, ca, "router.cache_aware", cache_aware_fields, C_N, &r->cache_aware, seen,

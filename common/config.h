@@ -33,6 +33,7 @@ const char *td_cfg_backend_name(td_cfg_backend b);
 typedef enum {
     TD_CFG_ROUTING_LOAD = 0,    /* "load": the least loaded instance (default) */
     TD_CFG_ROUTING_CACHE_AWARE, /* "cache_aware": the longest cached prefix unless overloaded */
+    TD_CFG_ROUTING_ROUND_ROBIN, /* "round_robin": the next instance in turn that has room */
 } td_cfg_routing;
 
 /* router.cache_aware: SGLang's cache-aware policy knobs (its names and defaults). */

@@ -65,8 +65,9 @@ typedef struct {
     int n;
     rt_inst *pf; /* (n_pf) prefill instances, YAML order; none: colocated mode */
     int n_pf;
-    unsigned pf_rr;   /* round-robin start among equally loaded prefill instances */
-    rt_cache_ids ids; /* the block ids of the request being routed (rt_route.c) */
+    unsigned pf_rr;               /* round-robin start among equally loaded prefill instances */
+    unsigned rr_next, pf_rr_next; /* routing: round_robin: the next decode / prefill turn */
+    rt_cache_ids ids;             /* the block ids of the request being routed (rt_route.c) */
 } rt_registry;
 
 int rt_reg_init(rt_registry *g, const td_cfg *cfg);

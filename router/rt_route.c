@@ -1,5 +1,5 @@
 /* rt_route.c: the instance for a request, by router.routing (rt_route.h): the load order,
- * or the cache-aware choice (rt_cache_choose) over the instances that can take it now.
+ * round robin, or the cache-aware choice (rt_cache_choose) over the instances that can take it now.
  * Loop thread. */
 #include <stdlib.h>
 
@@ -47,11 +47,27 @@ static void pick_init(rt_route_pick *out, int inst)
     *out = (rt_route_pick){.inst = inst, .why = RT_ROUTE_BY_LOAD, .skipped = -1};
 }
 
+/* routing: round_robin: the first instance from *next on (wrapping) that can take a request
+ * now and is not `avoid`; *next moves past it. Ignores load and cache: the baseline the
+ * cache-aware policy is measured against (issue 16), as a user of a plain L4 balancer has. */
+static int round_robin(rt_inst *insts, int n, unsigned *next, int avoid, int64_t now)
+{
+    for (int k = 0; k < n; k++) {
+        int i = (int)((*next + (unsigned)k) % (unsigned)n);
+        if (i == avoid || !can_take(&insts[i], now)) continue;
+        *next = (unsigned)i + 1;
+        return i;
+    }
+    return -1;
+}
+
 int rt_route_decode(rt_registry *g, const td_cfg_router *rc, const int32_t *prompt, size_t n,
                     int64_t now, rt_route_pick *out)
 {
     g->ids.tokens = NULL; /* a new request: the ids of the last one (its buffer may be gone) */
-    int i = rt_reg_pick(g, now);
+    int i = rc->routing == TD_CFG_ROUTING_ROUND_ROBIN
+                ? round_robin(g->inst, g->n, &g->rr_next, -1, now)
+                : rt_reg_pick(g, now);
     pick_init(out, i);
     if (i < 0 || rc->routing != TD_CFG_ROUTING_CACHE_AWARE) return i;
     out->cache_aware = true;
@@ -62,7 +78,9 @@ int rt_route_decode(rt_registry *g, const td_cfg_router *rc, const int32_t *prom
 int rt_route_prefill(rt_registry *g, const td_cfg_router *rc, const int32_t *prompt, size_t n,
                      int64_t now, int avoid, rt_route_pick *out)
 {
-    int j = rt_reg_pick_prefill(g, now, avoid);
+    int j = rc->routing == TD_CFG_ROUTING_ROUND_ROBIN
+                ? round_robin(g->pf, g->n_pf, &g->pf_rr_next, avoid, now)
+                : rt_reg_pick_prefill(g, now, avoid);
     pick_init(out, j);
     if (j < 0 || rc->routing != TD_CFG_ROUTING_CACHE_AWARE) return j;
     out->cache_aware = true;

@@ -2,7 +2,8 @@
  *
  * Purpose: `load` (the default) is the registry's load order (rt_reg_pick: most free KV
  * blocks, then fewest running; rt_reg_pick_prefill: fewest queued prompt tokens, round
- * robin among equals). `cache_aware` is SGLang's cache-aware policy over the instances
+ * robin among equals). `round_robin` takes the instances in turn, skipping those that cannot
+ * take a request now (dead, full, paused): the plain balancer baseline. `cache_aware` is SGLang's cache-aware policy over the instances
  * that can take the request now, scored by the distinguishing match (rt_cache_choose: the
  * match beyond what every candidate holds, nothing for a match ending at a fork, so a
  * shared system prompt does not decide), unless it is too short (router.cache_aware.

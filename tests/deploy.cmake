@@ -42,7 +42,7 @@ if(TANDEM_PYTHON)
   add_test(NAME deploy_bench_multiturn_smoke
            COMMAND ${TANDEM_PYTHON} ${CMAKE_SOURCE_DIR}/tools/bench_multiturn.py --smoke
                    --build ${CMAKE_BINARY_DIR} --model ${TANDEM_TEST_DATA}/synth/llama.gguf
-                   --configs pd_on,pd_off,co_aware,co_load,co_off)
+                   --configs pd_on,pd_off,co_aware,co_load,co_off,co_rr)
   set_tests_properties(deploy_bench_multiturn_smoke PROPERTIES FIXTURES_REQUIRED synth_models
                        TIMEOUT 300)
 endif()

@@ -18,8 +18,12 @@ compute thread per process, the same model file, the same workload):
   co_load   the same with router.routing load (the most free KV blocks, then the fewest
             requests: conversations move between the instances, round robin-like)
   co_off    colocated, routing load, decode prefix cache off (not in the default set)
+  co_rr     colocated, decode prefix cache on, router.routing round_robin (instances in
+            turn: the plain balancer the issue measures cache-aware routing against)
+  pd_rr     pd_on with router.routing round_robin
   co_aware_b1  co_aware with router.cache_aware.balance_abs_threshold 1 (not in the default
             set): the balance test at 1 request of difference instead of 32
+--decode-instances N (default 2) sets the number of decode instances of every configuration.
 --prefill-instances N gives the pd_* clusters N prefill instances (p0.., pp 2 each), so
 that prefill routing matters too.
 Rounds alternate the configurations (A B C D, A B C D, ...), so drift hits all of them.
@@ -70,6 +74,8 @@ CONFIGS = {
     "co_aware": dict(disagg=False, cache=True, routing="cache_aware"),
     "co_load": dict(disagg=False, cache=True, routing="load"),
     "co_off": dict(disagg=False, cache=False, routing="load"),
+    "co_rr": dict(disagg=False, cache=True, routing="round_robin"),
+    "pd_rr": dict(disagg=True, cache=True, routing="round_robin"),
     "co_aware_b1": dict(disagg=False, cache=True, routing="cache_aware", balance_abs=1),
 }
 
@@ -107,7 +113,7 @@ class Cluster:
         if "balance_abs" in c:
             y += ["  cache_aware:", f"    balance_abs_threshold: {c['balance_abs']}"]
         y.append("decode:")
-        for i in range(2):
+        for i in range(a.decode_instances):
             y += [f"  - name: d{i}", "    tp: 1", "    threads: 1", f"    kv_blocks: {a.kv_blocks}",
                   "    max_batch: 16", "    step_tokens: 256", f"    prefix_cache: {on}",
                   f"    port: {free_port()}"]
@@ -247,6 +253,7 @@ def main():
     ap.add_argument("--kv-blocks", type=int, default=512)
     ap.add_argument("--prefix-cache-mb", type=int, default=128)
     ap.add_argument("--prefill-instances", type=int, default=1)
+    ap.add_argument("--decode-instances", type=int, default=2)
     ap.add_argument("--configs", default="pd_on,pd_off,co_aware,co_load")
     ap.add_argument("--json", help="write every request's figures here")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (logs)")
@@ -299,7 +306,7 @@ def main():
         print(f"  {n:9s} ttft p50 {med(n, 'ttft_p50'):.3f} s  p99 {med(n, 'ttft_p99'):.3f} s  "
               f"out {med(n, 'out_tok_s'):.1f} tok/s  hit {100 * med(n, 'hit_rate'):.1f} %")
     for a, b in (("pd_off", "pd_on"), ("pd_on", "pd_aware"), ("co_load", "co_aware"),
-                 ("co_off", "co_load"),
+                 ("co_off", "co_load"), ("co_rr", "co_aware"), ("pd_rr", "pd_aware"),
                  ("co_load", "co_aware_b1"), ("co_aware", "co_aware_b1")):
         if a in results and b in results:
             r50 = [x["ttft_p50"] / y["ttft_p50"] for x, y in zip(results[a], results[b])]

@@ -67,7 +67,7 @@ static const bad_case bad_cases[] = {
     {"router_drain_neg", MIN "router:\n  drain_timeout_ms: -1\n", 5, 21,
      "-1 is out of range [0, 3600000]"},
     {"router_routing", MIN "router:\n  routing: prefix\n", 5, 12,
-     "unknown routing 'prefix' (known: load, cache_aware)"},
+     "unknown routing 'prefix' (known: load, cache_aware, round_robin)"},
     {"router_cache_key", MIN "router:\n  cache_aware:\n    threshold: 0.5\n", 6, 5,
      "unknown key 'threshold' in router.cache_aware"},
     {"router_cache_rel", MIN "router:\n  cache_aware:\n    balance_rel_threshold: 0.5\n", 6, 28,

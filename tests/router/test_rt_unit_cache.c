@@ -554,6 +554,47 @@ static void test_route_prefill(void)
     rt_cache_ids_fini(&g.ids);
 }
 
+/* routing: round_robin: instances in turn whatever their load or cache, skipping one that
+ * cannot take a request (full) and the prefill attempt's `avoid`. */
+static void test_route_round_robin(void)
+{
+    rt_inst d[3] = {0}, p[3] = {0};
+    td_cfg_prefill pc = {0};
+    rt_registry g = {.inst = d, .n = 3, .pf = p, .n_pf = 3};
+    td_cfg_router rc = {.routing = TD_CFG_ROUTING_ROUND_ROBIN};
+    for (int i = 0; i < 3; i++) {
+        d[i].cap = p[i].cap = 10;
+        p[i].pcfg = &pc;
+        Td__Health h = health(1 + (uint64_t)i, 10);
+        h.kv_blocks_free = 10 + 10 * (uint32_t)i; /* the load order would always take d2 */
+        rt_reg_seen(&d[i], &h, 0);
+        h.role = TD__ROLE__ROLE_PREFILL;
+        rt_reg_seen(&p[i], &h, 0);
+    }
+    int32_t t[32];
+    fill(t, 32, 5);
+    rt_route_pick pk;
+    for (int k = 0; k < 6; k++) /* the same prompt: no stickiness either */
+        TH_CHECK(route(&g, &rc, t, 32, &pk) == k % 3 && !pk.cache_aware);
+    d[1].active = d[1].cap; /* full: skipped */
+    TH_CHECK(route(&g, &rc, t, 32, &pk) == 0);
+    TH_CHECK(route(&g, &rc, t, 32, &pk) == 2);
+    TH_CHECK(route(&g, &rc, t, 32, &pk) == 0);
+    for (int k = 0; k < 3; k++)
+        d[k].active = d[k].cap;
+    TH_CHECK(route(&g, &rc, t, 32, &pk) == -1);
+    TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, -1, &pk) == 0);
+    TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, 1, &pk) == 2); /* 1 avoided */
+    TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, -1, &pk) == 0);
+    TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, -1, &pk) == 1);
+    for (int k = 0; k < 3; k++) {
+        TH_CHECK(d[k].cidx.n == 0); /* round robin indexes nothing */
+        rt_cidx_fini(&d[k].cidx);
+        rt_cidx_fini(&p[k].cidx);
+    }
+    rt_cache_ids_fini(&g.ids);
+}
+
 int main(void)
 {
     TH_RUN(test_index_match);
@@ -566,5 +607,6 @@ int main(void)
     TH_RUN(test_route_events);
     TH_RUN(test_route_shared);
     TH_RUN(test_route_prefill);
+    TH_RUN(test_route_round_robin);
     TH_EXIT();
 }
