@@ -197,7 +197,7 @@ static int do_reproduce(const plan_opts *o)
                    i ? ", " : "", r->what, r->unit, r->published, r->simulated,
                    r->simulated / r->published);
         else
-            printf("%-56s %9.3g%s %9.3g%s %7.3f\n", r->what, r->published, r->unit, r->simulated,
+            printf("%-56s %9.4g%s %9.4g%s %7.3f\n", r->what, r->published, r->unit, r->simulated,
                    r->unit, r->simulated / r->published);
     }
     if (o->json) printf("]}\n");
