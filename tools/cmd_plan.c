@@ -91,7 +91,7 @@ static int plan_flag(plan_opts *o, const char *f, const char *v)
         return cli_parse_u64(f, v, &o->w.seed);
     else if (!strcmp(f, "--ttft-ms") || !strcmp(f, "--tpot-ms")) {
         if ((rc = cli_parse_float(f, v, &x)) || !(x > 0)) return rc ? rc : plan_usage();
-        bool t = f[4] == 't' && f[5] == 't';
+        bool t = !strcmp(f, "--ttft-ms");
         *(t ? &o->sp.ttft_ms : &o->sp.tpot_ms) = x;
         *(t ? &o->have_ttft : &o->have_tpot) = true;
     } else if (!strcmp(f, "--chunk"))
