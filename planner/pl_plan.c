@@ -51,6 +51,7 @@ int pl_search(const pl_model *m, const pl_hw *hw, const pl_request *reqs, int n,
 {
     static const int par[] = {1, 2, 4, 8};
     int mi = p->max_instances > 0 ? p->max_instances : 4;
+    int max_tpp = p->max_prefill_tp > 0 ? p->max_prefill_tp : 1;
     int total = mi * mi * 4 * 4 * 4, k = 0, rc = 0;
     pl_candidate *c = calloc((size_t)total, sizeof *c);
     if (!c) return TD_ENOMEM;
@@ -60,7 +61,7 @@ int pl_search(const pl_model *m, const pl_hw *hw, const pl_request *reqs, int n,
                 for (int nd = 1; nd <= mi && !rc; nd++)
                     for (int d = 0; d < 4 && !rc; d++) {
                         int pp = par[a], tpp = par[b], tpd = par[d];
-                        if (pp > m->n_layer || tpp > hw->devices_per_node ||
+                        if (pp > m->n_layer || tpp > hw->devices_per_node || tpp > max_tpp ||
                             tpd > hw->devices_per_node)
                             continue;
                         pl_candidate *x = &c[k];

@@ -31,6 +31,8 @@ typedef struct {
     int max_instances;       /* per role, 1..max; 0: 4 */
     pl_prefill_cfg pf;       /* chunk, chunk_max, smooth, page (pp and tp are searched) */
     int max_batch;           /* decode; 0: 256 */
+    int max_prefill_tp;      /* 0: 1, Tandem's prefill node has no tensor parallelism (yet);
+                              * more plans clusters of engines that have it */
 } pl_search_params;
 
 typedef struct {
@@ -40,9 +42,9 @@ typedef struct {
 } pl_candidate;
 
 /* Simulate every configuration (instances 1..max per role, pp in 1, 2, 4, 8, tp in 1, 2, 4,
- * 8 up to devices_per_node) over reqs. *out (n_out) in order of devices then output
- * throughput (descending); *best the index of the cheapest that meets the targets, -1 if
- * none. Returns 0 or a td_err from the simulator. */
+ * 8 up to devices_per_node, prefill tp up to max_prefill_tp) over reqs. *out (n_out) in order of
+ * devices then output throughput (descending); *best the index of the cheapest that meets the
+ * targets, -1 if none. Returns 0 or a td_err from the simulator. */
 int pl_search(const pl_model *m, const pl_hw *hw, const pl_request *reqs, int n,
               const pl_search_params *p, pl_candidate **out, int *n_out, int *best);
 

@@ -26,7 +26,8 @@ static int plan_usage(void)
             "            (1024) --output L[:H] (128) --seed S\n"
             "  prefill: --chunk C (0: chosen per request as the prefill node does)\n"
             "           --chunk-max C (2048) --smooth S (0.75; 0 fixed chunks)\n"
-            "  search:  --max-instances N (4) --max-batch B (256) --all (every configuration)\n");
+            "  search:  --max-instances N (4) --max-batch B (256) --all (every configuration)\n"
+            "           --max-prefill-tp N (1: Tandem's prefill node has no tensor parallelism)\n");
     return TD_EINVAL;
 }
 

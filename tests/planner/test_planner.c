@@ -161,6 +161,11 @@ static void test_search_meets(void)
     TH_REQUIRE(pl_search(&m, &hw, reqs, 32, &sp, &c, &n, &best) == 0);
     TH_CHECK(best == -1);
     free(c);
+    sp.max_prefill_tp = 0; /* as Tandem: no prefill tp */
+    TH_REQUIRE(pl_search(&m, &hw, reqs, 32, &sp, &c, &n, &best) == 0);
+    for (int i = 0; i < n; i++)
+        TH_CHECK(c[i].cl.pf.tp == 1);
+    free(c);
 }
 
 static void expect_error(const char *text, const char *needle)
