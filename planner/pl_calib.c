@@ -9,6 +9,7 @@
 #include "cpu_backend.h"
 #include "pf_profile.h"
 #include "pf_shard.h"
+#include "pf_tune.h"
 #include "td_err.h"
 #include "td_stats.h"
 
@@ -78,7 +79,7 @@ static void fill_hw(pl_calib_result *r, int threads)
 int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
 {
     memset(r, 0, sizeof *r);
-    int threads = p->threads > 0 ? p->threads : 1, chunk = p->chunk > 0 ? p->chunk : 512;
+    int threads = p->threads > 0 ? p->threads : 1, chunk = p->chunk > 0 ? p->chunk : 1024;
     int steps = p->decode_steps > 0 ? p->decode_steps : 32;
     int rc = pl_model_gguf(p->model_path, &r->model);
     if (rc) return rc;
@@ -104,6 +105,16 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     if (!rc) rc = measure_decode(&sh, steps, &r->decode_ms);
     pf_shard_close(&sh);
     if (rc) return rc;
+    /* robustly, as the prefill node fits its profile (pf_chunking.c): a busy moment is an
+     * outlier, not a change of the model */
+    double len[PF_PROFILE_MAX_LENGTHS];
+    for (int i = 0; i < pr.n_lengths; i++)
+        len[i] = pr.len[i];
+    int n_rej = 0;
+    pf_fit_robust(len, pr.ms, pr.n_lengths, &pr.fit, &n_rej);
+    if (n_rej)
+        TD_LOG_WARN("calibrate: %d of %d profile lengths rejected as outliers", n_rej,
+                    pr.n_lengths);
     r->fit_a = pr.fit.a;
     r->fit_b = pr.fit.b;
     r->fit_c = pr.fit.c;

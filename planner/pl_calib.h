@@ -26,7 +26,7 @@
 typedef struct {
     const char *model_path; /* GGUF */
     int threads;            /* per device; 0: 1 */
-    int chunk;              /* profile lengths up to 1.25 x this; 0: 512 */
+    int chunk;              /* profile lengths up to 1.25 x this; 0: 1024 */
     int budget_ms;          /* the profile's time bound; 0: 20000 */
     int decode_steps;       /* batch-1 decode steps timed; 0: 32 */
 } pl_calib_params;

@@ -205,7 +205,7 @@ static int do_reproduce(const plan_opts *o)
     return 0;
 }
 
-static void print_cand(const pl_candidate *c, bool json, bool first)
+static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
 {
     const pl_cluster *k = &c->cl;
     const pl_result *r = &c->r;
@@ -224,9 +224,10 @@ static void print_cand(const pl_candidate *c, bool json, bool first)
                k->pf.tp, k->n_decode, k->dc.tp, r->why);
         return;
     }
-    printf("%7d  %dx%dx%-4d %dx%-4d %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s\n", r->devices,
+    printf("%7d  %dx%dx%-4d %dx%-4d %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s%s\n", r->devices,
            k->n_prefill, k->pf.pp, k->pf.tp, k->n_decode, k->dc.tp, r->ttft_p50, r->ttft_p90,
-           r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps, c->meets ? "yes" : "no");
+           r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps, c->meets ? "yes" : "no",
+           best ? "  <- cheapest that meets the targets" : "");
 }
 
 static void print_head(const plan_opts *o, const pl_model *m, const pl_hw *hw)
@@ -265,11 +266,11 @@ static int do_plan(const plan_opts *o, const pl_model *m, const pl_hw *hw, pl_re
         print_head(o, m, hw);
     for (int i = 0, shown = 0; i < n; i++)
         if (o->json || o->all || o->have_cfg || (c[i].r.fits && shown < 12) || i == best)
-            print_cand(&c[i], o->json, !shown++);
+            print_cand(&c[i], o->json, !shown++, i == best && !o->json);
     if (o->json) {
         printf("], \"best\": ");
         if (best >= 0)
-            print_cand(&c[best], true, true);
+            print_cand(&c[best], true, true, false);
         else
             printf("null");
         printf("}\n");
