@@ -256,7 +256,7 @@ int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
             hw->nvlink_bw / 1e9, hw->net_bw / 1e9);
     fprintf(f, "latency_us: {nvlink: %.6g, net: %.6g}\n", hw->nvlink_lat * 1e6, hw->net_lat * 1e6);
     fprintf(f,
-            "efficiency: {matmul: %.4f, attention: %.4f, memory: %.4f, nvlink: %.4f, net: %.4f}\n",
+            "efficiency: {matmul: %.6g, attention: %.6g, memory: %.6g, nvlink: %.6g, net: %.6g}\n",
             hw->eff_matmul, hw->eff_attn, hw->eff_mem, hw->eff_nvlink, hw->eff_net);
     fprintf(f, "overhead_ms: {chunk: %.6g, step: %.6g}\n", hw->chunk_overhead * 1e3,
             hw->step_overhead * 1e3);

@@ -30,7 +30,8 @@ def main():
     prompts = [int(x) for x in sys.argv[3:]] or [1024, 2048]
     tandem = os.path.join(build, "bin", "tandem")
     hw = os.path.join(tempfile.mkdtemp(), "this.yaml")
-    run([tandem, "calibrate", "--model", model, "--out", hw, "--threads", "1", "--chunk", "1024"])
+    print(run([tandem, "calibrate", "--model", model, "--out", hw, "--threads", "1",
+               "--chunk", "1024", "--budget-ms", "60000"]), end="")
     rows = []
     for L in prompts:
         out = run([tandem, "chunk-plan", "--model", model, "--pp", "1", "--chunk", "512",
