@@ -5,7 +5,8 @@
 #                  loader's errors, the named model shapes
 #   planner_cli    `tandem plan --reproduce --json` with the shipped H20 profile, `tandem
 #                  calibrate` on the synthetic llama model and a plan over the profile it
-#                  wrote (fixture synth_models), in < 30 s
+#                  wrote (fixture synth_models), and one measured prefill (chunk-plan) predicted
+#                  from that profile within [0.5, 2] x, in < 30 s
 if(TARGET td_planner)
   add_executable(test_planner ${CMAKE_CURRENT_SOURCE_DIR}/planner/test_planner.c)
   target_include_directories(test_planner PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
