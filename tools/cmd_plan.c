@@ -298,7 +298,10 @@ int cmd_plan(int argc, char **argv)
     pl_model m;
     pl_hw hw;
     if ((rc = pl_model_load(o.model, &m))) {
-        fprintf(stderr, "tandem: no model shape from '%s'\n", o.model);
+        fprintf(stderr, "tandem: no model shape from '%s': a GGUF file or one of", o.model);
+        for (int i = 0; pl_model_names[i]; i++)
+            fprintf(stderr, " %s", pl_model_names[i]);
+        fprintf(stderr, "\n");
         return rc;
     }
     if ((rc = load_hw(o.hw, &hw))) return rc;
