@@ -52,6 +52,7 @@ PREFIXES = {
     "router": ("rt_",),
     "tools": ("cli_", "up_"),
     "grammar": ("gr_",),
+    "planner": ("pl_",),
 }
 
 # Exported names every program defines once (one per binary, so several modules have one).

@@ -64,5 +64,7 @@ int cmd_down(int argc, char **argv);       /* tandem down FILE */
 int cmd_status(int argc, char **argv);     /* tandem status FILE [--json] */
 int cmd_bench(int argc, char **argv);      /* tandem bench: HTTP load generator (cmd_loadgen.c) */
 int cmd_chunk_plan(int argc, char **argv); /* tandem chunk-plan (cmd_chunkplan.c) */
+int cmd_plan(int argc, char **argv);       /* tandem plan (cmd_plan.c, planner/) */
+int cmd_calibrate(int argc, char **argv);  /* tandem calibrate (cmd_plan.c, planner/) */
 
 #endif

@@ -19,6 +19,8 @@ static void usage(void)
                     "  status        the processes of a cluster and their state\n"
                     "  bench         load generator against the OpenAI HTTP API\n"
                     "  chunk-plan    profile a prefill stage, fit the dynamic-chunking cost model\n"
+                    "  plan          simulate a cluster, pick the cheapest config meeting targets\n"
+                    "  calibrate     measure this machine into a hardware profile for plan\n"
                     "run 'tandem <command> --help' for its options\n");
 }
 
@@ -55,6 +57,10 @@ int main(int argc, char **argv)
         rc = cmd_bench(argc - 2, argv + 2);
     else if (!strcmp(cmd, "chunk-plan"))
         rc = cmd_chunk_plan(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "plan"))
+        rc = cmd_plan(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "calibrate"))
+        rc = cmd_calibrate(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         rc = 0;

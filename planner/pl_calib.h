@@ -1,0 +1,52 @@
+/* pl_calib.h: `tandem calibrate`: measure this machine's costs for a model through the
+ * engine's own code paths and express them as a hardware profile (pl_hw.h), so that the
+ * simulator's predictions for this machine rest on measured figures.
+ *
+ * What is measured (CPU backend; one "device" = the given number of threads):
+ *   - the sgemm rate and the memory read bandwidth: the kernels' ceiling probes
+ *     (kn_cpu_sgemm_gflops, kn_cpu_mem_read_gbps, as `tandem bench-engine` uses them);
+ *   - the model's prefill cost by length: the prefill node's stage profile over the whole
+ *     model (pf_profile_stage: single-request forwards of many lengths, fitted as
+ *     f(l) = a l^2 + b l + c); b gives the matrix-product rate on the model's own shapes and
+ *     types, a the attention rate, c the per-forward overhead;
+ *   - batch-1 decode steps (one-token forwards, pf_profile_run_plan): the weights' read rate.
+ * What is not measured, and where its figure comes from (stated in the written file):
+ *   - the decode node's shared-memory all-reduce needs several rank processes and is not
+ *     callable from one: BENCHMARKS.md's figure (~0.8 us for 576 floats, `test_shm --bench`);
+ *   - kvxfer loopback needs a UCX receiver process: BENCHMARKS.md's kvxfer figures (shared
+ *     memory 8.33 GB/s, 40 us for one block; TCP 0.9 GB/s, 635 us).
+ * Threading: runs on the caller's thread plus the backend's pool. Ownership: none kept.
+ */
+#ifndef PL_CALIB_H
+#define PL_CALIB_H
+
+#include "pl_hw.h"
+#include "pl_model.h"
+
+typedef struct {
+    const char *model_path; /* GGUF */
+    int threads;            /* per device; 0: 1 */
+    int chunk;              /* profile lengths up to 1.25 x this; 0: 1024 */
+    int budget_ms;          /* the profile's time bound; 0: 20000 */
+    int decode_steps;       /* batch-1 decode steps timed; 0: 32 */
+} pl_calib_params;
+
+typedef struct {
+    pl_hw hw;       /* the profile */
+    pl_model model; /* the model's shape */
+    double sgemm_gflops, mem_gbps;
+    double fit_a, fit_b, fit_c, fit_r2; /* the prefill profile's fit, ms */
+    double decode_ms;                   /* median batch-1 decode step */
+    double matmul_gflops;               /* the model's matrix products, from b */
+    double attn_gflops;                 /* attention, from a */
+    double decode_gbps;                 /* weights read per second by decode */
+} pl_calib_result;
+
+/* Measure; returns 0 or a td_err (logged). */
+int pl_calibrate(const pl_calib_params *p, pl_calib_result *out);
+
+/* The '#' comment block that pl_hw_write puts on top of a calibrated profile: the
+ * measurements and the sources of what was not measured. Into buf (cap). */
+void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap);
+
+#endif

@@ -1,0 +1,52 @@
+/* pl_hw.h: a hardware profile for the planner: what one device (a GPU, or on a CPU machine
+ * one group of cores) can do, the links between devices, and the efficiency factors that
+ * turn peaks into what a serving engine gets.
+ *
+ * Purpose: the simulator (pl_sim.h) prices every forward, collective and transfer from it.
+ * Shipped profiles (deploy/hw/, one YAML file each) hold published peaks with their sources and
+ * stated efficiencies; `tandem calibrate` measures this machine and writes the same schema.
+ *
+ * Schema (YAML, every figure per device; keys not listed here are errors):
+ *   name: h100                 devices_per_node: 8          memory_gib: 80
+ *   peak_tflops: {fp8: 1979, bf16: 989, f32: 67}   (dense; at least the two types below)
+ *   matmul_type: fp8           attention_type: bf16         (keys of peak_tflops)
+ *   hbm_gbps: 3350             nvlink_gbps: 450             net_gbps: 50   (one direction)
+ *   latency_us: {nvlink: 3, net: 10}
+ *   efficiency: {matmul: 0.6, attention: 0.5, memory: 0.8, nvlink: 0.7, net: 0.8}  in (0, 1]
+ *   overhead_ms: {chunk: 2, step: 1}      fixed cost of a prefill forward, a decode step
+ *   kv_transfer: {gbps: 40, latency_us: 20}   optional; left out: the network's figures
+ * Invariants: a loaded profile has every figure > 0 (overheads and latencies >= 0).
+ * Threading: none. Ownership: plain values.
+ */
+#ifndef PL_HW_H
+#define PL_HW_H
+
+#include <stddef.h>
+
+typedef struct {
+    char name[64];
+    int devices_per_node;
+    double mem_bytes;                     /* per device */
+    double peak_fp8, peak_bf16, peak_f32; /* dense FLOP/s; 0: not given */
+    char matmul_type[8], attention_type[8];
+    double matmul_flops, attn_flops;  /* the peaks of those types, FLOP/s */
+    double hbm_bw, nvlink_bw, net_bw; /* bytes/s, one direction */
+    double nvlink_lat, net_lat;       /* s */
+    double eff_matmul, eff_attn, eff_mem, eff_nvlink, eff_net; /* (0, 1] */
+    double chunk_overhead, step_overhead;                      /* s */
+    double kvx_bw, kvx_lat; /* KV transfer bytes/s and s per transfer */
+} pl_hw;
+
+/* Load a profile. Errors are FILE:LINE:COLUMN: reason, into err (and logged); returns 0,
+ * TD_EIO (cannot open), TD_EFORMAT (not YAML) or TD_EINVAL (bad schema or value). */
+int pl_hw_load(const char *path, pl_hw *hw, char *err, size_t errcap);
+
+/* The same from a string (tests). `what` names it in errors. */
+int pl_hw_parse(const char *text, size_t len, const char *what, pl_hw *hw, char *err,
+                size_t errcap);
+
+/* Write hw in the schema above, with `comment` (may be NULL; '#' lines) on top, to path.
+ * Returns 0 or TD_EIO (logged). */
+int pl_hw_write(const pl_hw *hw, const char *comment, const char *path);
+
+#endif

@@ -1,0 +1,149 @@
+/* pl_model.c: model shapes for the planner: named architectures and GGUF headers. */
+#include "pl_model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "gguf.h"
+#include "model.h"
+#include "td_err.h"
+
+const char *const pl_model_names[] = {"llama3-8b", "llama3-70b", "qwen2.5-7b", "deepseek-v3", NULL};
+
+/* A dense GQA transformer (Llama/Qwen layout): Q and O n_embd x n_head hd, K and V
+ * n_embd x n_kv hd, a SwiGLU FFN (3 n_embd n_ff), untied embeddings. */
+static void dense_shape(pl_model *m, const char *name, int n_layer, int n_embd, int n_head,
+                        int n_kv, int hd, int n_ff, int n_vocab, double bytes_per_weight)
+{
+    memset(m, 0, sizeof *m);
+    snprintf(m->name, sizeof m->name, "%s", name);
+    m->n_layer = n_layer;
+    m->n_embd = n_embd;
+    m->n_head = n_head;
+    m->n_head_kv = n_kv;
+    double attn = (double)n_embd * hd * (2.0 * n_head + 2.0 * n_kv);
+    m->layer_params = attn + 3.0 * n_embd * n_ff;
+    m->head_params = (double)n_vocab * n_embd;
+    m->weight_bytes = (n_layer * m->layer_params + 2 * m->head_params) * bytes_per_weight;
+    m->embd_bytes = m->head_params * bytes_per_weight;
+    m->kv_bytes_token = 2.0 * n_layer * n_kv * hd * 2; /* K and V, bf16 */
+    m->attn_flops_pair = 2.0 * 2.0 * n_head * hd;      /* q.k and p.v, a multiply-add each */
+    m->act_bytes = 2;
+}
+
+/* DeepSeek-V3 (and V3.1, the same shape): 61 layers, hidden 7168, 128 heads with MLA
+ * (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64 per head, v_head_dim 128),
+ * the first 3 layers dense (intermediate 18432), the other 58 MoE with 256 routed experts
+ * of intermediate 2048, 8 per token, plus 1 shared expert; vocab 129280; FP8 weights.
+ * Source: deepseek-ai/DeepSeek-V3 config.json on Hugging Face and the technical report
+ * (arXiv 2412.19437: 671B total, 37B activated per token). The sums below give 671.0B total
+ * and 37.5B activated (with the embedding row). Prefill attention runs MLA in its
+ * non-absorbed (MHA) form: per pair 2 x 128 x 192 (q.k) + 2 x 128 x 128 (p.v) FLOPs; the KV
+ * cache holds the 512 + 64 latent values per layer, bf16 (SGLang's default). */
+static void deepseek_v3(pl_model *m)
+{
+    memset(m, 0, sizeof *m);
+    snprintf(m->name, sizeof m->name, "deepseek-v3");
+    const double h = 7168, nh = 128, qk = 192, v = 128;
+    m->n_layer = 61;
+    m->n_embd = 7168;
+    m->n_head = 128;
+    m->n_head_kv = 128;
+    double attn = h * 1536 + 1536 * nh * qk + h * (512 + 64) + 512 * nh * (128 + v) + nh * v * h;
+    double dense_ffn = 3 * h * 18432, expert = 3 * h * 2048;
+    double per_token = 61 * attn + 3 * dense_ffn + 58 * (9 * expert + h * 256);
+    m->layer_params = per_token / 61;
+    m->head_params = 129280 * h;
+    m->n_expert = 256;
+    m->n_expert_used = 8;
+    m->moe_expert_bytes = 58 * 256 * expert; /* FP8: a byte a weight */
+    double all = 61 * attn + 3 * dense_ffn + 58 * (expert + h * 256) + 2 * m->head_params;
+    m->weight_bytes = all + m->moe_expert_bytes;
+    m->embd_bytes = m->head_params;
+    m->kv_bytes_token = 61.0 * (512 + 64) * 2;
+    m->attn_flops_pair = 2 * nh * qk + 2 * nh * v;
+    m->act_bytes = 2;
+}
+
+int pl_model_named(const char *name, pl_model *m)
+{
+    /* Llama 3: meta-llama/Meta-Llama-3-8B and -70B config.json (Hugging Face), bf16 */
+    if (!strcmp(name, "llama3-8b"))
+        dense_shape(m, name, 32, 4096, 32, 8, 128, 14336, 128256, 2);
+    else if (!strcmp(name, "llama3-70b"))
+        dense_shape(m, name, 80, 8192, 64, 8, 128, 28672, 128256, 2);
+    else if (!strcmp(name, "qwen2.5-7b")) /* Qwen/Qwen2.5-7B-Instruct config.json, bf16 */
+        dense_shape(m, name, 28, 3584, 28, 4, 128, 18944, 152064, 2);
+    else if (!strcmp(name, "deepseek-v3"))
+        deepseek_v3(m);
+    else {
+        char known[256] = "";
+        for (int i = 0; pl_model_names[i]; i++)
+            snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", i ? ", " : "",
+                     pl_model_names[i]);
+        TD_LOG_ERR("planner: unknown model shape '%s' (known: %s; or a .gguf path)", name, known);
+        return TD_ENOENT;
+    }
+    return 0;
+}
+
+int pl_model_gguf(const char *path, pl_model *m)
+{
+    td_gguf *g = NULL;
+    char err[256] = "";
+    int rc = td_gguf_open(path, &g, err, sizeof err);
+    if (rc) {
+        TD_LOG_ERR("planner: cannot read '%s': %s", path, err[0] ? err : td_strerror(rc));
+        return rc;
+    }
+    kn_hparams hp;
+    if ((rc = kn_hparams_read(g, &hp))) {
+        TD_LOG_ERR("planner: '%s': no usable model header: %s", path, td_strerror(rc));
+        td_gguf_close(g);
+        return rc;
+    }
+    memset(m, 0, sizeof *m);
+    const char *base = strrchr(path, '/');
+    snprintf(m->name, sizeof m->name, "%s", base ? base + 1 : path);
+    m->n_layer = hp.n_layer;
+    m->n_embd = hp.n_embd;
+    m->n_head = hp.n_head;
+    m->n_head_kv = hp.n_head_kv;
+    double layers = 0;
+    for (size_t i = 0; i < td_gguf_n_tensors(g); i++) {
+        const td_gguf_tensor *t = td_gguf_tensor_at(g, i);
+        m->weight_bytes += (double)t->nbytes;
+        if (!strcmp(t->name, "token_embd.weight") && !hp.tied_embd)
+            m->embd_bytes = (double)t->nbytes;
+        if (t->n_dims >= 2 && !strncmp(t->name, "blk.", 4))
+            layers += (double)t->ne[0] * (double)t->ne[1];
+    }
+    td_gguf_close(g);
+    m->layer_params = layers / hp.n_layer;
+    m->head_params = (double)hp.n_vocab * hp.n_embd; /* the LM head, tied or not */
+    m->kv_bytes_token = 2.0 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2; /* f16 */
+    m->attn_flops_pair = 4.0 * hp.n_head * hp.head_dim;
+    m->act_bytes = 4; /* Tandem sends float32 hidden states and sums float32 */
+    return 0;
+}
+
+int pl_model_load(const char *name_or_path, pl_model *m)
+{
+    for (int i = 0; pl_model_names[i]; i++)
+        if (!strcmp(name_or_path, pl_model_names[i])) return pl_model_named(name_or_path, m);
+    return pl_model_gguf(name_or_path, m);
+}
+
+double pl_model_weights_read(const pl_model *m, double tokens)
+{
+    double all = m->weight_bytes - m->embd_bytes;
+    if (m->n_expert <= 0 || tokens <= 0) return all;
+    double miss = pow(1.0 - (double)m->n_expert_used / m->n_expert, tokens);
+    return all - m->moe_expert_bytes * miss;
+}
+
+double pl_model_active_params(const pl_model *m)
+{
+    return m->n_layer * m->layer_params + m->head_params;
+}

@@ -1,0 +1,217 @@
+/* pl_sim.c: the cluster simulator (pl_sim.h): stage and step costs, the chunked pipeline of a
+ * prefill instance, continuous batching on decode instances. */
+#include "pl_sim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pf_tune.h"
+#include "td_err.h"
+
+#define MEM_USABLE 0.9 /* share of device memory for weights + KV (activations, runtime) */
+
+double pl_allreduce_ms(const pl_hw *hw, int tp, double bytes)
+{
+    if (tp <= 1) return 0;
+    bool net = tp > hw->devices_per_node;
+    double bw = net ? hw->net_bw * hw->eff_net : hw->nvlink_bw * hw->eff_nvlink;
+    double lat = net ? hw->net_lat : hw->nvlink_lat;
+    return 1e3 * (2.0 * (tp - 1) / tp * bytes / bw + 2.0 * (tp - 1) * lat);
+}
+
+/* The per-token and per-call parts of 2 n_l all-reduces of x n_embd act_bytes. */
+static void allreduce_parts(const pl_model *m, const pl_hw *hw, int n_layers, int tp,
+                            double *per_token, double *fixed)
+{
+    double one = pl_allreduce_ms(hw, tp, (double)m->n_embd * m->act_bytes);
+    double zero = pl_allreduce_ms(hw, tp, 0);
+    *per_token = 2.0 * n_layers * (one - zero);
+    *fixed = 2.0 * n_layers * zero;
+}
+
+int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool pp_cross,
+                  pl_stage *st)
+{
+    if (n_layers < 1 || n_layers > m->n_layer || tp < 1) return TD_EINVAL;
+    memset(st, 0, sizeof *st);
+    st->n_layers = n_layers;
+    st->tp = tp;
+    double mm = tp * hw->matmul_flops * hw->eff_matmul, att = tp * hw->attn_flops * hw->eff_attn;
+    /* attention over a chunk: A n_l x (L + x/2) = a x (2L + x) with a = A n_l / 2 */
+    st->a = 1e3 * m->attn_flops_pair * n_layers / (2.0 * att);
+    st->b_comp = 1e3 * 2.0 * m->layer_params * n_layers / mm;
+    double ar_fixed;
+    allreduce_parts(m, hw, n_layers, tp, &st->b_comm, &ar_fixed);
+    st->c = hw->chunk_overhead * 1e3 + ar_fixed;
+    st->weight_frac = (double)n_layers / m->n_layer;
+    st->weight_ms_full =
+        1e3 * (m->weight_bytes - m->embd_bytes) * st->weight_frac / (tp * hw->hbm_bw * hw->eff_mem);
+    double bw = pp_cross ? hw->net_bw * hw->eff_net : hw->nvlink_bw * hw->eff_nvlink;
+    st->send_ms_token = 1e3 * m->n_embd * m->act_bytes / bw;
+    st->send_ms = 1e3 * (pp_cross ? hw->net_lat : hw->nvlink_lat);
+    /* every device of the stage sends its own heads' KV on its own link */
+    st->kv_ms_token = 1e3 * m->kv_bytes_token * st->weight_frac / (tp * hw->kvx_bw);
+    st->kv_ms = 1e3 * hw->kvx_lat;
+    st->fit = (pf_cost_model){.a = st->a,
+                              .b = st->b_comp + st->b_comm,
+                              .b_fit = st->b_comp + st->b_comm,
+                              .c = st->c,
+                              .r2 = 1,
+                              .n_samples = 0,
+                              .valid = true,
+                              .dynamic = st->a > 0};
+    return 0;
+}
+
+double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
+{
+    double comp = st->a * (double)x * (2.0 * L + x) + st->b_comp * (double)x;
+    double wread = st->weight_ms_full;
+    if (m->n_expert > 0) /* only the experts x tokens touch are read */
+        wread *= pl_model_weights_read(m, (double)x) / (m->weight_bytes - m->embd_bytes);
+    return (comp > wread ? comp : wread) + st->b_comm * (double)x + st->c;
+}
+
+double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, double S)
+{
+    double mem =
+        (pl_model_weights_read(m, B) + S * m->kv_bytes_token) / tp / (hw->hbm_bw * hw->eff_mem);
+    double comp = 2.0 * pl_model_active_params(m) * B / (tp * hw->matmul_flops * hw->eff_matmul) +
+                  m->n_layer * m->attn_flops_pair * S / (tp * hw->attn_flops * hw->eff_attn);
+    double ar = 2.0 * m->n_layer * pl_allreduce_ms(hw, tp, (double)B * m->n_embd * m->act_bytes);
+    return 1e3 * (mem > comp ? mem : comp) + ar + hw->step_overhead * 1e3;
+}
+
+/* ---- prefill ---- */
+
+typedef struct {
+    pl_stage st[PF_MAX_STAGES];
+    double free_at[PF_MAX_STAGES]; /* stage busy until */
+    double kv_free[PF_MAX_STAGES]; /* its KV link busy until */
+    double *last_done;             /* (pp) ring: when the last pp chunks left the last stage */
+    int64_t n_chunks;
+    int pp;
+} pl_inst;
+
+/* The chunk sizes of one request, planned as stage 0 plans them. */
+static int plan_request(const pl_inst *in, const pl_prefill_cfg *pf, int64_t n, int32_t **buf,
+                        int64_t *cap, int64_t *nc)
+{
+    int chunk_max = pf->chunk_max > 0 ? pf->chunk_max : PF_TUNE_AUTO_CAP;
+    pf_chunk_params cp = {.chunk_size = pf->chunk > 0 ? pf->chunk : chunk_max,
+                          .smooth = pf->smooth,
+                          .page_size = pf->page > 0 ? pf->page : 16,
+                          .max_batch_tokens = chunk_max > pf->chunk ? chunk_max : pf->chunk,
+                          .dynamic = pf->smooth > 0};
+    const pf_cost_model *fit = &in->st[0].fit;
+    if (pf->chunk <= 0 && cp.dynamic) {
+        pf_tune tu;
+        pf_tune_init(&tu, fit, NULL, NULL, 0, 0);
+        cp.chunk_size = pf_tune_initial_chunk(&tu, n, in->pp, pf_chunk_align(&cp), chunk_max);
+    }
+    int64_t need = pf_plan_max_chunks(&cp, n);
+    if (need < 1) return TD_EINVAL;
+    if (need > *cap) {
+        int32_t *nb = realloc(*buf, (size_t)need * sizeof *nb);
+        if (!nb) return TD_ENOMEM;
+        *buf = nb;
+        *cap = need;
+    }
+    return pf_plan_chunks(fit, &cp, n, *buf, *cap, nc);
+}
+
+/* Run one request's chunks through instance in from time t0; returns when its KV landed. */
+static double run_request(const pl_model *m, pl_inst *in, const int32_t *chunks, int64_t nc,
+                          double t0)
+{
+    int pp = in->pp;
+    double landed = t0;
+    int64_t L = 0;
+    for (int64_t k = 0; k < nc; k++) {
+        int64_t x = chunks[k];
+        int64_t slot = in->n_chunks % pp;
+        double ready = t0 > in->last_done[slot] ? t0 : in->last_done[slot];
+        for (int s = 0; s < pp; s++) {
+            const pl_stage *st = &in->st[s];
+            double start = ready > in->free_at[s] ? ready : in->free_at[s];
+            double done = start + pl_stage_ms(m, st, L, x);
+            in->free_at[s] = done;
+            double ks = done > in->kv_free[s] ? done : in->kv_free[s];
+            in->kv_free[s] = ks + st->kv_ms + st->kv_ms_token * (double)x;
+            if (k == nc - 1 && in->kv_free[s] > landed) landed = in->kv_free[s];
+            ready = done + (s < pp - 1 ? st->send_ms + st->send_ms_token * (double)x : 0);
+            if (s == pp - 1) {
+                in->last_done[slot] = done;
+                if (done > landed) landed = done;
+            }
+        }
+        in->n_chunks++;
+        L += x;
+    }
+    return landed;
+}
+
+static int key_cmp(const void *a, const void *b)
+{
+    const pl_key *x = a, *y = b;
+    return x->t < y->t ? -1 : x->t > y->t ? 1 : x->i - y->i;
+}
+
+void pl_sort_keys(pl_key *k, int n)
+{
+    qsort(k, (size_t)n, sizeof *k, key_cmp);
+}
+
+static int inst_init(const pl_model *m, const pl_hw *hw, const pl_prefill_cfg *pf, pl_inst *in)
+{
+    int counts[PF_MAX_STAGES];
+    memset(in, 0, sizeof *in);
+    in->pp = pf->pp;
+    int rc = pf_layer_partition(m->n_layer, pf->pp, NULL, 0, counts);
+    bool cross = pf->pp * pf->tp > hw->devices_per_node;
+    for (int s = 0; s < pf->pp && !rc; s++)
+        rc = pl_stage_make(m, hw, counts[s], pf->tp, cross, &in->st[s]);
+    if (rc) return rc;
+    in->last_done = calloc((size_t)pf->pp, sizeof *in->last_done);
+    return in->last_done ? 0 : TD_ENOMEM;
+}
+
+int pl_sim_prefill(const pl_model *m, const pl_hw *hw, const pl_prefill_cfg *pf, int n_prefill,
+                   const pl_request *reqs, int n, double *ttft, int64_t *n_chunks)
+{
+    if (n_prefill < 1 || pf->pp < 1 || pf->pp > PF_MAX_STAGES || pf->pp > m->n_layer ||
+        pf->tp < 1 || pf->smooth < 0 || pf->smooth > 1 || n < 0)
+        return TD_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (reqs[i].prompt < 1 || reqs[i].output < 1 || !(reqs[i].arrival_ms >= 0))
+            return TD_EINVAL;
+    pl_inst *in = calloc((size_t)n_prefill, sizeof *in);
+    pl_key *order = malloc((size_t)(n ? n : 1) * sizeof *order);
+    int32_t *buf = NULL;
+    int64_t cap = 0, nc = 0;
+    int rc = in && order ? 0 : TD_ENOMEM;
+    for (int i = 0; i < n_prefill && !rc; i++)
+        rc = inst_init(m, hw, pf, &in[i]);
+    for (int i = 0; i < n && !rc; i++)
+        order[i] = (pl_key){.t = reqs[i].arrival_ms, .i = i};
+    if (!rc) pl_sort_keys(order, n);
+    for (int j = 0; j < n && !rc; j++) {
+        const pl_request *r = &reqs[order[j].i];
+        int best = 0;
+        for (int i = 1; i < n_prefill; i++)
+            if (in[i].free_at[0] < in[best].free_at[0]) best = i;
+        rc = plan_request(&in[best], pf, r->prompt, &buf, &cap, &nc);
+        if (!rc)
+            ttft[order[j].i] = run_request(m, &in[best], buf, nc, r->arrival_ms) - r->arrival_ms;
+    }
+    *n_chunks = 0;
+    for (int i = 0; in && i < n_prefill; i++) {
+        *n_chunks += in[i].n_chunks;
+        free(in[i].last_done);
+    }
+    free(in);
+    free(order);
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,24 @@
+# planner.cmake: the calibrated simulator and planner (planner/, docs/planner.md).
+#   test_planner   simulator against hand computations (one request through pp stages, a
+#                  decode step), more stages never lower a request's compute, the search
+#                  picks the cheapest configuration meeting the targets, the hardware-profile
+#                  loader's errors, the named model shapes
+#   planner_cli    `tandem plan --reproduce --json` with the shipped H20 profile, `tandem
+#                  calibrate` on the synthetic llama model and a plan over the profile it
+#                  wrote (fixture synth_models), and one measured prefill (chunk-plan) predicted
+#                  from that profile within [0.5, 2] x, in < 30 s
+if(TARGET td_planner)
+  add_executable(test_planner ${CMAKE_CURRENT_SOURCE_DIR}/planner/test_planner.c)
+  target_include_directories(test_planner PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_planner PRIVATE td_planner)
+  add_test(NAME test_planner COMMAND test_planner)
+  set_tests_properties(test_planner PROPERTIES TIMEOUT 30 LABELS planner)
+endif()
+if(TARGET td_planner AND TANDEM_PYTHON)
+  add_test(NAME planner_cli
+           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/planner/test_plan_cli.sh $<TARGET_FILE:tandem>
+                   ${TANDEM_TEST_DATA}/synth/llama.gguf ${PROJECT_SOURCE_DIR}/deploy/hw
+                   ${TANDEM_PYTHON})
+  set_tests_properties(planner_cli PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 30
+                                              LABELS planner)
+endif()

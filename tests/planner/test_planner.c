@@ -1,0 +1,249 @@
+/* test_planner.c: the planner's simulator, search, model shapes and hardware-profile loader
+ * (planner/pl_sim.h, pl_plan.h, pl_model.h, pl_hw.h) against hand computations. */
+#include <math.h>
+#include <string.h>
+
+#include "pl_plan.h"
+#include "td_err.h"
+#include "tharness.h"
+
+/* Round figures: 1 TFLOP/s at efficiency 1, links fast enough to vanish except where set. */
+static const char *HW_TEXT = "name: test\n"
+                             "devices_per_node: 8\n"
+                             "memory_gib: 64\n"
+                             "peak_tflops: {bf16: 1, f32: 0.5}\n"
+                             "matmul_type: bf16\n"
+                             "attention_type: f32\n"
+                             "hbm_gbps: 1000000\n"
+                             "nvlink_gbps: 1000000\n"
+                             "net_gbps: 1000000\n"
+                             "latency_us: {nvlink: 0, net: 0}\n"
+                             "efficiency: {matmul: 1, attention: 1, memory: 1, nvlink: 1, net: 1}\n"
+                             "overhead_ms: {chunk: 2, step: 0.5}\n"
+                             "kv_transfer: {gbps: 1000000, latency_us: 0}\n";
+
+static pl_hw test_hw(void)
+{
+    pl_hw hw;
+    char err[256];
+    int rc = pl_hw_parse(HW_TEXT, strlen(HW_TEXT), "test", &hw, err, sizeof err);
+    if (rc) fprintf(stderr, "test profile: %s\n", err);
+    return hw;
+}
+
+/* 8 layers of 1e6 matrix weights: 2e6 FLOPs a token a layer = 2 us at 1 TFLOP/s, so
+ * b = 0.016 ms a token for the whole model; attention 1e4 FLOPs a pair a layer at
+ * 0.5 TFLOP/s = 20 ns, so a = 8 x 2e-8 s / 2 = 8e-5 ms. */
+static pl_model test_model(void)
+{
+    pl_model m = {.n_layer = 8,
+                  .n_embd = 64,
+                  .n_head = 4,
+                  .n_head_kv = 4,
+                  .layer_params = 1e6,
+                  .head_params = 1e5,
+                  .weight_bytes = 1.7e7,
+                  .kv_bytes_token = 1024,
+                  .attn_flops_pair = 1e4,
+                  .act_bytes = 2};
+    snprintf(m.name, sizeof m.name, "test");
+    return m;
+}
+
+static void test_single_request_pp1(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    pl_prefill_cfg pf = {.pp = 1, .tp = 1, .chunk = 256, .chunk_max = 256};
+    pl_request r = {.arrival_ms = 5, .prompt = 1024, .output = 1};
+    double ttft;
+    int64_t nc;
+    TH_REQUIRE(pl_sim_prefill(&m, &hw, &pf, 1, &r, 1, &ttft, &nc) == 0);
+    TH_CHECK(nc == 4);
+    /* chunk k of 256 after L = 256 k: a x (2L + x) + b x + c, a = 8e-5, b = 0.016, c = 2 */
+    double want = 0;
+    for (int k = 0; k < 4; k++)
+        want += 8e-5 * 256 * (2.0 * 256 * k + 256) + 0.016 * 256 + 2;
+    TH_CHECKF(fabs(ttft - want) < 1e-6 * want, "ttft %.6f want %.6f", ttft, want);
+}
+
+static void test_single_request_pp2(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    pl_prefill_cfg pf = {.pp = 2, .tp = 1, .chunk = 512, .chunk_max = 512};
+    pl_request r = {.arrival_ms = 0, .prompt = 1024, .output = 1};
+    double ttft;
+    int64_t nc;
+    TH_REQUIRE(pl_sim_prefill(&m, &hw, &pf, 1, &r, 1, &ttft, &nc) == 0);
+    TH_CHECK(nc == 2);
+    /* stages of 4 layers: a = 4e-5, b = 0.008. chunk 0: s0 [0, t00], s1 [t00, t00 + t10];
+     * chunk 1: s0 [t00, t00 + t01], s1 starts at max(t00 + t10, t00 + t01) */
+    double t0 = 4e-5 * 512 * 512 + 0.008 * 512 + 2;               /* L 0 */
+    double t1 = 4e-5 * 512 * (2.0 * 512 + 512) + 0.008 * 512 + 2; /* L 512 */
+    double want = t0 + fmax(t0, t1) + t1;
+    TH_CHECKF(fabs(ttft - want) < 1e-6 * want, "ttft %.6f want %.6f", ttft, want);
+}
+
+/* More stages never lower a single request's compute: the stages' summed busy time over the
+ * same chunks is at least the one-stage time, and the TTFT at pp is at least the one-stage
+ * TTFT over pp. */
+static void test_more_stages(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    pl_request r = {.arrival_ms = 0, .prompt = 4096, .output = 1};
+    double t1 = 0, busy1 = 0, ttft;
+    int64_t nc;
+    for (int pp = 1; pp <= 8; pp *= 2) {
+        pl_prefill_cfg pf = {.pp = pp, .tp = 1, .chunk = 512, .chunk_max = 512, .smooth = 0.75};
+        TH_REQUIRE(pl_sim_prefill(&m, &hw, &pf, 1, &r, 1, &ttft, &nc) == 0);
+        if (pp == 1) t1 = ttft;
+        TH_CHECKF(ttft >= t1 / pp - 1e-9, "pp %d ttft %.3f < %.3f / pp", pp, ttft, t1);
+        int counts[8];
+        TH_REQUIRE(pf_layer_partition(m.n_layer, pp, NULL, 0, counts) == 0);
+        double busy = 0;
+        for (int s = 0; s < pp; s++) {
+            pl_stage st;
+            TH_REQUIRE(pl_stage_make(&m, &hw, counts[s], 1, false, &st) == 0);
+            for (int64_t L = 0; L < 4096; L += 512)
+                busy += pl_stage_ms(&m, &st, L, 512);
+        }
+        if (pp == 1) busy1 = busy;
+        TH_CHECKF(busy >= busy1 - 1e-9, "pp %d busy %.3f < %.3f", pp, busy, busy1);
+    }
+}
+
+/* Decode: one request alone makes output - 1 steps of the hand-computed step time. */
+static void test_decode_alone(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    pl_cluster cl = {
+        .n_prefill = 1, .n_decode = 1, .pf = {.pp = 1, .tp = 1, .chunk = 256}, .dc = {.tp = 1}};
+    pl_request r = {.arrival_ms = 0, .prompt = 100, .output = 3};
+    pl_result res;
+    TH_REQUIRE(pl_simulate(&m, &hw, &cl, &r, 1, &res) == 0);
+    TH_REQUIRE(res.fits);
+    /* step with context S: max(memory ~0, 2 x 8.1e6 FLOPs / 1e12 + 8 x 1e4 S / 5e11) + 0.5 */
+    double s1 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 101 / 5e11) + 0.5;
+    double s2 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 102 / 5e11) + 0.5;
+    TH_CHECKF(fabs(res.tpot_p50 - (s1 + s2) / 2) < 1e-6, "tpot %.6f want %.6f", res.tpot_p50,
+              (s1 + s2) / 2);
+}
+
+static void test_search_meets(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    pl_workload w = {.n_requests = 32,
+                     .rate = 20,
+                     .prompt_lo = 512,
+                     .prompt_hi = 2048,
+                     .output_lo = 16,
+                     .output_hi = 64,
+                     .seed = 1};
+    pl_request reqs[32];
+    TH_REQUIRE(pl_workload_make(&w, reqs) == 0);
+    pl_search_params sp = {
+        .ttft_ms = 400, .tpot_ms = 2, .max_instances = 2, .pf = {.chunk_max = 512, .smooth = 0.75}};
+    pl_candidate *c = NULL;
+    int n = 0, best = -1;
+    TH_REQUIRE(pl_search(&m, &hw, reqs, 32, &sp, &c, &n, &best) == 0);
+    TH_REQUIRE(best >= 0);
+    TH_CHECK(c[best].r.fits && c[best].r.ttft_p90 <= 400 && c[best].r.tpot_p90 <= 2);
+    for (int i = 0; i < n; i++) /* nothing cheaper meets them */
+        if (c[i].r.devices < c[best].r.devices) TH_CHECK(!c[i].meets);
+    /* the smallest cluster misses the TTFT target at this rate: the search had to grow */
+    TH_CHECK(c[best].r.devices > 2);
+    free(c);
+    sp.ttft_ms = 1e-3; /* impossible */
+    TH_REQUIRE(pl_search(&m, &hw, reqs, 32, &sp, &c, &n, &best) == 0);
+    TH_CHECK(best == -1);
+    free(c);
+    sp.max_prefill_tp = 0; /* as Tandem: no prefill tp */
+    TH_REQUIRE(pl_search(&m, &hw, reqs, 32, &sp, &c, &n, &best) == 0);
+    for (int i = 0; i < n; i++)
+        TH_CHECK(c[i].cl.pf.tp == 1);
+    free(c);
+}
+
+static void expect_error(const char *text, const char *needle)
+{
+    pl_hw hw;
+    char err[256] = "";
+    int rc = pl_hw_parse(text, strlen(text), "bad.yaml", &hw, err, sizeof err);
+    TH_CHECKF(rc != 0 && strstr(err, needle), "error '%s' lacks '%s'", err, needle);
+}
+
+static void replace(char *out, size_t cap, const char *from, const char *to)
+{
+    const char *p = strstr(HW_TEXT, from);
+    snprintf(out, cap, "%.*s%s%s", (int)(p - HW_TEXT), HW_TEXT, to, p + strlen(from));
+}
+
+static void test_hw_errors(void)
+{
+    char t[2048];
+    replace(t, sizeof t, "hbm_gbps: 1000000\n", "");
+    expect_error(t, "missing key 'hbm_gbps'");
+    replace(t, sizeof t, "hbm_gbps:", "hbm_gbs:");
+    expect_error(t, "bad.yaml:7:1: unknown key 'hbm_gbs'");
+    replace(t, sizeof t, "matmul: 1,", "matmul: 1.5,");
+    expect_error(t, "efficiency.matmul: 1.5 is outside");
+    replace(t, sizeof t, "memory_gib: 64", "memory_gib: lots");
+    expect_error(t, "memory_gib: 'lots' is not a number");
+    replace(t, sizeof t, "matmul_type: bf16", "matmul_type: fp8");
+    expect_error(t, "matmul_type fp8 has no peak_tflops.fp8");
+    replace(t, sizeof t, "matmul_type: bf16", "matmul_type: int4");
+    expect_error(t, "expected fp8, bf16 or f32");
+    replace(t, sizeof t, "devices_per_node: 8", "devices_per_node: 2.5");
+    expect_error(t, "not a whole number");
+    expect_error("name: [unclosed\n", "not YAML");
+    expect_error("- a\n- b\n", "expected a mapping");
+    pl_hw hw = test_hw();
+    TH_CHECK(hw.kvx_bw == 1e15 && hw.chunk_overhead == 2e-3 && hw.attn_flops == 0.5e12);
+}
+
+static void test_named_shapes(void)
+{
+    pl_model m;
+    TH_REQUIRE(pl_model_named("deepseek-v3", &m) == 0);
+    TH_CHECKF(fabs(m.weight_bytes / 671e9 - 1) < 0.01, "total %.4g", m.weight_bytes);
+    TH_CHECKF(fabs((pl_model_active_params(&m) + 129280 * 7168.0) / 37e9 - 1) < 0.03, "active %.4g",
+              pl_model_active_params(&m));
+    TH_CHECK(m.kv_bytes_token == 61 * 576 * 2);
+    TH_REQUIRE(pl_model_named("llama3-8b", &m) == 0);
+    TH_CHECKF(fabs(m.weight_bytes / 2 / 8.03e9 - 1) < 0.01, "params %.4g", m.weight_bytes / 2);
+    TH_REQUIRE(pl_model_named("llama3-70b", &m) == 0);
+    TH_CHECK(m.kv_bytes_token == 327680);
+    TH_CHECK(pl_model_named("gpt-5", &m) == TD_ENOENT);
+    /* MoE decode reads more experts as the batch grows, never more than all of them */
+    TH_REQUIRE(pl_model_named("deepseek-v3", &m) == 0);
+    double w1 = pl_model_weights_read(&m, 1), w64 = pl_model_weights_read(&m, 64);
+    TH_CHECK(w1 < w64 && w64 <= m.weight_bytes - m.embd_bytes);
+}
+
+static void test_reproduce_runs(void)
+{
+    pl_hw hw = test_hw();
+    pl_repro_row rows[PL_REPRO_ROWS];
+    TH_REQUIRE(pl_reproduce(&hw, 4, rows) == 0);
+    for (int i = 0; i < PL_REPRO_ROWS; i++)
+        TH_CHECKF(rows[i].simulated > 0 && isfinite(rows[i].simulated), "%s", rows[i].what);
+    /* four stages cannot go faster than four times one stage */
+    TH_CHECK(rows[0].simulated <= 4.0 + 1e-9);
+}
+
+int main(void)
+{
+    TH_RUN(test_single_request_pp1);
+    TH_RUN(test_single_request_pp2);
+    TH_RUN(test_more_stages);
+    TH_RUN(test_decode_alone);
+    TH_RUN(test_search_meets);
+    TH_RUN(test_hw_errors);
+    TH_RUN(test_named_shapes);
+    TH_RUN(test_reproduce_runs);
+    TH_EXIT();
+}
