@@ -72,12 +72,13 @@ static int setup(dc_node *n)
     snprintf(who, sizeof who, "decode %s rank %d", p->instance, p->rank);
     kn_collective coll = {
         .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
-    kn_runtime_params rp = {.model_path = p->cfg->model,
-                            .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp},
-                            .backend = td_cfg_backend_name(p->cfg->backend),
-                            .backend_opts = {.n_threads = n->dcfg->threads, .device = -1},
-                            .coll = &coll,
-                            .who = who};
+    kn_runtime_params rp = {
+        .model_path = p->cfg->model,
+        .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp},
+        .backend = td_cfg_backend_name(p->cfg->backend),
+        .backend_opts = {.n_threads = n->dcfg->threads, .device = -1, .rank = p->rank},
+        .coll = &coll,
+        .who = who};
     int rc = kn_runtime_open(&n->rt, &rp);
     if (rc) return rc;
     int n_blocks = kv_blocks_of(n);
