@@ -93,14 +93,11 @@ static int setup(dc_node *n)
     snprintf(n->token, sizeof n->token, "p%d", n->dcfg->port);
     /* disaggregated: the leader receives every rank's KV (dc_xfer.h), so a follower's pool
      * is shared memory the leader maps after each rendezvous (it is created before, so it
-     * exists once the rendezvous completes) */
+     * exists once the rendezvous completes). On a device backend the KV lands in the pool's
+     * host staging copy, and each rank's engine uploads a request's received blocks before
+     * its first step reads them (kv_pool.h) */
     n->disagg = p->cfg->n_prefill > 0;
-    if (n->disagg && !n->rt.be.ops->host_memory) {
-        TD_LOG_ERR("decode %s: backend '%s' with prefill instances: the KV transfer into device "
-                   "memory is not built yet (issue 14 item 5); serve colocated, or use 'cpu'",
-                   p->instance, n->rt.be.ops->name);
-        return TD_EUNSUPP;
-    }
+    n->kvp.host_stage = n->disagg;
     if (n->disagg && p->rank > 0) {
         dc_xfer_kv_shm_sweep(p->instance, n->token);
         if ((rc = dc_xfer_kv_shm_name(p->instance, n->token, p->rank, (int)getpid(), n->kv_shm_name,
@@ -310,7 +307,7 @@ static int xfer_setup(dc_node *n)
     n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
     n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
     if (!n->peer_regions || !n->peer_bytes) return TD_ENOMEM;
-    n->peer_regions[0] = n->kv->region;
+    n->peer_regions[0] = kn_kv_xfer_region(n->kv);
     n->peer_bytes[0] = n->kv->region_bytes;
     for (int r = 1; r < tp; r++) {
         char name[256];
