@@ -304,11 +304,13 @@ static int xfer_setup(dc_node *n)
     const kn_hparams *hp = &n->rt.model->hp;
     kn_kv_pool_params kp =
         kn_model_kv_params(n->rt.model, n->kv->n_blocks, n->kv->block_size, n->kv->type);
+    kp.backend = &n->rt.be; /* a device's pools are host copies with flags (kv_pool.h) */
+    kp.host_stage = true;
     n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
     n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
     if (!n->peer_regions || !n->peer_bytes) return TD_ENOMEM;
     n->peer_regions[0] = kn_kv_xfer_region(n->kv);
-    n->peer_bytes[0] = n->kv->region_bytes;
+    n->peer_bytes[0] = n->kv->region_bytes + (n->kv->host ? (size_t)n->kv->n_blocks : 0);
     for (int r = 1; r < tp; r++) {
         char name[256];
         int rc = dc_xfer_kv_shm_name(n->p->instance, n->token, r, dc_shm_rank_pid(n->shm, r), name,
@@ -339,6 +341,7 @@ static int xfer_setup(dc_node *n)
         .n_blocks = (uint32_t)n->kv->n_blocks,
         .tls = n->p->cfg->kvxfer.ucx_tls,
         .timeout_ms = n->p->cfg->kvxfer.timeout_ms,
+        .staged = n->kv->host != NULL,
     };
     return dc_xfer_create(&xp, &n->xfer);
 }

@@ -41,6 +41,12 @@ static int pool_shape(const kn_kv_pool_params *p, size_t *block_bytes, size_t *r
     return 0;
 }
 
+/* A device pool with host staging: its host copy ends in n_blocks on_dev flags. */
+static bool staged(const kn_kv_pool_params *p)
+{
+    return p->host_stage && p->backend && p->backend->ops && !p->backend->ops->host_memory;
+}
+
 size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p)
 {
     size_t bb, rb;
@@ -81,22 +87,21 @@ static int shm_create(const char *name, size_t bytes, void **out)
     return 0;
 }
 
-/* Host memory of pool->region_bytes: the shared segment `name`, or private anonymous
- * memory (page-aligned, registrable for RDMA, zero-filled lazily). */
-static int host_region(kn_kv_pool *pool, const char *name, void **out)
+/* Host memory of `bytes`: the shared segment `name`, or private anonymous memory
+ * (page-aligned, registrable for RDMA, zero-filled lazily). */
+static int host_region(kn_kv_pool *pool, const char *name, size_t bytes, void **out)
 {
     if (name) {
-        int rc = shm_create(name, pool->region_bytes, out);
+        int rc = shm_create(name, bytes, out);
         if (rc) {
             free(pool->shm_name); /* not ours: creation failed (maybe someone else's name) */
             pool->shm_name = NULL;
         }
         return rc;
     }
-    void *r =
-        mmap(NULL, pool->region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *r = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (r == MAP_FAILED) {
-        TD_LOG_ERR("cannot allocate kv pool of %zu bytes", pool->region_bytes);
+        TD_LOG_ERR("cannot allocate kv pool of %zu bytes", bytes);
         return TD_ENOMEM;
     }
     *out = r;
@@ -114,7 +119,7 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         return TD_EINVAL;
     }
     const bool device = p->backend && p->backend->ops && !p->backend->ops->host_memory;
-    if (device && p->shm_name && !p->host_stage) {
+    if (device && p->shm_name && !staged(p)) {
         TD_LOG_ERR("kv pool: a shared pool in %s memory needs host staging (host_stage)",
                    p->backend->ops->name);
         return TD_EINVAL;
@@ -134,9 +139,8 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     pool->free_ids = malloc((size_t)p->n_blocks * sizeof *pool->free_ids);
     pool->refs = calloc((size_t)p->n_blocks, sizeof *pool->refs);
     if (p->shm_name) pool->shm_name = strdup(p->shm_name);
-    if (device && p->host_stage) pool->on_dev = calloc((size_t)p->n_blocks, 1);
     if (!pool->k || !pool->v || !pool->free_ids || !pool->refs ||
-        (p->shm_name && !pool->shm_name) || (device && p->host_stage && !pool->on_dev)) {
+        (p->shm_name && !pool->shm_name)) {
         TD_LOG_ERR("cannot allocate kv pool bookkeeping");
         kn_kv_pool_destroy(pool);
         return TD_ENOMEM;
@@ -152,11 +156,13 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
             return TD_ENOMEM;
         }
         pool->region = r;
-        if (p->host_stage && (rc = host_region(pool, p->shm_name, &pool->host))) {
+        if (p->host_stage && (rc = host_region(pool, p->shm_name,
+                                               region_bytes + (size_t)p->n_blocks, &pool->host))) {
             kn_kv_pool_destroy(pool);
             return rc;
         }
-    } else if ((rc = host_region(pool, p->shm_name, &r))) {
+        if (pool->host) pool->on_dev = (uint8_t *)pool->host + region_bytes;
+    } else if ((rc = host_region(pool, p->shm_name, region_bytes, &r))) {
         kn_kv_pool_destroy(pool);
         return rc;
     }
@@ -181,8 +187,7 @@ void kn_kv_pool_destroy(kn_kv_pool *pool)
         pool->dev.ops->free(pool->dev.ctx, pool->region);
     else if (pool->region)
         munmap(pool->region, pool->region_bytes);
-    if (pool->host) munmap(pool->host, pool->region_bytes);
-    free(pool->on_dev);
+    if (pool->host) munmap(pool->host, pool->region_bytes + (size_t)pool->n_blocks);
     /* the mapper usually unlinked it already (ENOENT); the name carries our pid, so it
      * cannot be another process's segment */
     if (pool->shm_name) shm_unlink(pool->shm_name);
@@ -201,6 +206,7 @@ int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, siz
     size_t block_bytes, region_bytes;
     int rc = pool_shape(p, &block_bytes, &region_bytes);
     if (rc) return rc;
+    if (staged(p)) region_bytes += (size_t)p->n_blocks; /* the on_dev flags */
     if (!p->shm_name || !shm_name_ok(p->shm_name)) {
         TD_LOG_ERR("kv pool: bad shared memory name '%s'", p->shm_name ? p->shm_name : "(null)");
         return TD_EINVAL;

@@ -23,7 +23,11 @@
  * reads it (the engine asks with kn_kv_stage_upload; on_dev says which blocks' device copy
  * is current), and a prefill stage downloads each chunk's blocks before it pushes them
  * (kn_kv_stage_download). A block handed out by kn_kv_alloc is not current until uploaded
- * or written by the engine.
+ * or written by the engine. The on_dev flags (n_blocks bytes) follow the region in the host
+ * copy, so in shared memory the process that maps it (the decode leader, which allocates
+ * the blocks of every rank) can clear them for blocks it hands to a transfer
+ * (dc_xfer.h); kn_kv_region_map of such a pool (params.backend a device, host_stage) maps
+ * region_bytes + n_blocks.
  * Threading: not thread-safe; the process's engine loop owns the pool (a process that maps
  * the region shares the memory, not the allocator).
  * Ownership: kn_kv_pool_create/destroy own the region; kn_kv_seq_init/fini are for an
@@ -74,8 +78,9 @@ typedef struct {
     kn_backend dev;  /* the device backend whose memory region is, or zeroed (host memory) */
     void *host;      /* device pool with host_stage: the staging copy (region_bytes, same
                         layout; shm when shm_name), else NULL */
-    uint8_t *on_dev; /* (n_blocks) with host: the block's device copy is current (1) or its
-                        host copy holds newer KV (0: received, not yet uploaded) */
+    uint8_t *on_dev; /* (n_blocks) with host, at host + region_bytes: the block's device copy
+                        is current (1) or its host copy holds newer KV (0: received, not
+                        yet uploaded) */
     uint64_t n_stage_up, n_stage_down; /* blocks staged each way (all layers' K and V) */
 } kn_kv_pool;
 
@@ -103,8 +108,9 @@ size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p);
 
 /* Map the region of a shared pool another process created with the same params
  * (p->shm_name set): *region (read-write, shared), *bytes. The segment's size must be the
- * region size of p (else TD_EFORMAT). unlink: remove the name once mapped (the memory
- * lives on while any process maps it). TD_ENOENT if there is no such segment. Unmap
+ * region size of p (else TD_EFORMAT), plus n_blocks on_dev flags for a staged device pool
+ * (params.backend a device, host_stage): *bytes counts them. unlink: remove the name once mapped
+ * (the memory lives on while any process maps it). TD_ENOENT if there is no such segment. Unmap
  * with kn_kv_region_unmap. */
 int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes);
 void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */

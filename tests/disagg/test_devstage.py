@@ -9,9 +9,11 @@ with real processes through `tandem up`:
               before the push) + a decode instance of tp 2 (KV received into the host copy,
               uploaded before the first step reads it)
 
-Each cluster runs once on backend cpu and once on cpu-dev: 6 prompts sent at once, greedy,
-16 tokens; every cpu-dev answer must equal the cpu answer, and the decode log must name
-cpu-dev (the backend really ran).
+Each cluster runs once on backend cpu and once on cpu-dev: 6 prompts in two waves of 3 sent
+at once (the second wave's KV lands in blocks the first freed), greedy, 16 tokens; every
+cpu-dev answer must equal the cpu answer, the decode log must name cpu-dev (the backend
+really ran), and in the disaggregated cluster every request's KV must have arrived by
+transfer.
 
 usage: test_devstage.py --tandem BIN --model GGUF
 """
@@ -95,9 +97,12 @@ def serve(args, backend, disagg):
             return None
         try:
             url = f"http://127.0.0.1:{port}/v1/completions"
-            with ThreadPoolExecutor(len(PROMPTS)) as ex:
-                got = list(ex.map(lambda p: post(url, {"prompt": p, "max_tokens": 16,
-                                                       "temperature": 0}), PROMPTS))
+            got = []
+            # two waves: the second reuses the KV blocks the first freed, on every rank
+            for wave in (PROMPTS[:3], PROMPTS[3:]):
+                with ThreadPoolExecutor(len(wave)) as ex:
+                    got += list(ex.map(lambda p: post(url, {"prompt": p, "max_tokens": 16,
+                                                            "temperature": 0}), wave))
             texts = [b["choices"][0]["text"] if st == 200 else None for st, b in got]
             check(all(t is not None for t in texts),
                   f"{shape} on {backend}: every prompt answered ({[st for st, _ in got]})")

@@ -438,7 +438,9 @@ static void test_staged_pool(void)
     TH_CHECK(kv->host && kn_kv_xfer_region(kv) == kv->host && kv->host != kv->region);
     void *mapped;
     size_t mb;
-    TH_CHECK(kn_kv_region_map(&kp, true, &mapped, &mb) == 0 && mb == kv->region_bytes);
+    TH_CHECK(kn_kv_region_map(&kp, true, &mapped, &mb) == 0 &&
+             mb == kv->region_bytes + (size_t)kv->n_blocks); /* the on_dev flags follow */
+    const uint8_t *flags = (const uint8_t *)mapped + kv->region_bytes;
     int32_t ids[2];
     TH_REQUIRE(kn_kv_alloc(kv, 2, ids) == 0);
     TH_CHECK(!kv->on_dev[ids[0]] && !kv->on_dev[ids[1]]);
@@ -453,6 +455,7 @@ static void test_staged_pool(void)
     }
     TH_CHECK(kn_kv_stage_upload(kv, &ids[1], 1) == 0);
     TH_CHECK(kv->on_dev[ids[1]] && !kv->on_dev[ids[0]] && kv->n_stage_up == 1);
+    TH_CHECK(flags[ids[1]] == 1 && flags[ids[0]] == 0); /* the mapper sees them */
     int same = 0;
     for (int l = 0; l < kv->n_layers; l++) {
         TH_CHECK(be.ops->download(be.ctx, back, (char *)kv->v[l] + (size_t)ids[1] * bb, bb) == 0);
