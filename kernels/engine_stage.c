@@ -198,14 +198,24 @@ float *kn_engine_stage_out(kn_engine *e, int64_t n)
     return grow_dev(e, (void **)&e->st.out, &e->st.cap_out, n, sizeof(float)) ? NULL : e->st.out;
 }
 
+static void free_host(kn_engine *e)
+{
+    kn_engine_stage *st = &e->st;
+    if (st->host && e->be.ops->host_free)
+        e->be.ops->host_free(e->be.ctx, st->host);
+    else
+        free(st->host);
+    st->host = NULL;
+    st->cap_host = 0;
+}
+
 /* Host staging for n floats (grown on demand, contents lost), or NULL. */
 static float *stage_host(kn_engine *e, int64_t n)
 {
     kn_engine_stage *st = &e->st;
     if (n <= st->cap_host) return st->host;
     const kn_backend_ops *o = e->be.ops;
-    if (st->host) o->host_alloc ? o->host_free(e->be.ctx, st->host) : free(st->host);
-    st->cap_host = 0;
+    free_host(e);
     size_t bytes = (size_t)n * sizeof(float);
     st->host = o->host_alloc ? o->host_alloc(e->be.ctx, bytes) : malloc(bytes);
     if (!st->host) {
@@ -241,8 +251,7 @@ int kn_engine_gather_staged(kn_engine *e, const float *part, int64_t rows, float
 void kn_engine_stage_free(kn_engine *e)
 {
     kn_engine_stage *st = &e->st;
-    if (st->host)
-        e->be.ops->host_alloc ? e->be.ops->host_free(e->be.ctx, st->host) : free(st->host);
+    free_host(e);
     void *dev[] = {st->tokens, st->pos, st->seq_of, st->rows, st->seqs, st->tables, st->out};
     for (size_t i = 0; i < sizeof dev / sizeof *dev; i++)
         if (dev[i]) e->be.ops->free(e->be.ctx, dev[i]);
