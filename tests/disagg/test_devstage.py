@@ -3,7 +3,7 @@
 cpu-dev backend (the cpu kernels behind a device backend's contract, kernels/cpu/cpu_dev.h)
 with real processes through `tandem up`:
 
-  colocated   one decode instance of tp 2 (its all-reduces and the LM head's gather staged
+  colocated   one decode instance of tp 2 (--tp N) (its all-reduces and the LM head's gather staged
               through host memory, engine_stage.c)
   disagg      a prefill instance of pp 2 (each chunk's KV downloaded to the pool's host copy
               before the push) + a decode instance of tp 2 (KV received into the host copy,
@@ -15,7 +15,7 @@ cpu-dev answer must equal the cpu answer, the decode log must name cpu-dev (the 
 really ran), and in the disaggregated cluster every request's KV must have arrived by
 transfer.
 
-usage: test_devstage.py --tandem BIN --model GGUF
+usage: test_devstage.py --tandem BIN --model GGUF [--tp N]
 """
 import argparse
 import glob
@@ -59,13 +59,13 @@ def post(url, body, timeout=120):
 PROMPTS = [[1] + [(k * 97 + i * 31 + 7) % 400 + 3 for i in range(6 + 23 * k)] for k in range(6)]
 
 
-def config(d, model, backend, disagg, port):
+def config(d, model, backend, disagg, port, tp):
     y = (f"model: {model}\nbackend: {backend}\nrun_dir: {d}/run\n"
          f"router:\n  listen: 127.0.0.1:{port}\n  heartbeat_ms: 200\n")
     if disagg:
         y += (f"prefill:\n  - name: p0\n    pp: 2\n    chunk_size: 32\n    threads: 1\n"
               f"    port: {free_port()}\n    kv_tokens: 2048\n")
-    y += (f"decode:\n  - name: d0\n    tp: 2\n    port: {free_port()}\n    threads: 1\n"
+    y += (f"decode:\n  - name: d0\n    tp: {tp}\n    port: {free_port()}\n    threads: 1\n"
           f"    kv_memory: 16MiB\n    max_batch: 16\n")
     y += "kvxfer:\n  ucx_tls: posix,cma,self\n  timeout_ms: 30000\n"
     path = os.path.join(d, f"{backend}.yaml")
@@ -85,11 +85,11 @@ def serve(args, backend, disagg):
     """The answers of one cluster, or None."""
     with tempfile.TemporaryDirectory(prefix="tandem-devstage-") as d:
         port = free_port()
-        cfg = config(d, args.model, backend, disagg, port)
+        cfg = config(d, args.model, backend, disagg, port, args.tp)
         t0 = time.time()
         r = subprocess.run([args.tandem, "up", "-d", cfg, "--timeout", "60"],
                            capture_output=True, text=True, timeout=120)
-        shape = "pp 2 + tp 2" if disagg else "colocated tp 2"
+        shape = f"pp 2 + tp {args.tp}" if disagg else f"colocated tp {args.tp}"
         if not check(r.returncode == 0, f"{shape} on {backend}: up in {time.time() - t0:.1f} s "
                                         f"({r.stderr.strip()[-400:]})"):
             print(logs(d))
@@ -123,11 +123,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=2, help="decode ranks (must divide the heads)")
     args = ap.parse_args()
     for disagg in (False, True):
         want = serve(args, "cpu", disagg)
         got = serve(args, "cpu-dev", disagg)
-        shape = "pp 2 + tp 2" if disagg else "colocated tp 2"
+        shape = f"pp 2 + tp {args.tp}" if disagg else f"colocated tp {args.tp}"
         for k, p in enumerate(PROMPTS):
             a = want[k] if want else None
             b = got[k] if got else None
