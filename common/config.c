@@ -726,8 +726,10 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
             c->backend = TD_CFG_BACKEND_CPU;
         else if (!strcmp(b, "cuda"))
             c->backend = TD_CFG_BACKEND_CUDA;
+        else if (!strcmp(b, "cpu-dev"))
+            c->backend = TD_CFG_BACKEND_CPU_DEV;
         else
-            return fail(p, seen[T_BACKEND], "unknown backend '%s' (known: cpu, cuda)", b);
+            return fail(p, seen[T_BACKEND], "unknown backend '%s' (known: cpu, cuda, cpu-dev)", b);
     }
     if (seen[T_ROUTER] && parse_router(p, seen[T_ROUTER], &c->router)) return p->rc;
     if (seen[T_KVXFER]) {

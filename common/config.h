@@ -25,8 +25,12 @@
 #define TD_CFG_NAME_MAX     63 /* instance names: [A-Za-z0-9_.-], 1..63 bytes */
 #define TD_CFG_MAX_PARALLEL 64 /* pp and tp */
 
-typedef enum { TD_CFG_BACKEND_CPU = 0, TD_CFG_BACKEND_CUDA = 1 } td_cfg_backend;
-/* "cpu", "cuda": the name kn_backend_create takes. */
+typedef enum {
+    TD_CFG_BACKEND_CPU = 0,
+    TD_CFG_BACKEND_CUDA = 1,
+    TD_CFG_BACKEND_CPU_DEV = 2, /* the cpu kernels behind a device's contract: for tests */
+} td_cfg_backend;
+/* "cpu", "cuda", "cpu-dev": the name kn_backend_create takes. */
 const char *td_cfg_backend_name(td_cfg_backend b);
 
 /* router.routing: how a request's instance is chosen (router/rt_route.h). */

@@ -67,5 +67,5 @@ int td_cfg_ctrl_url(const char *host, int port, char *buf, size_t cap)
 
 const char *td_cfg_backend_name(td_cfg_backend b)
 {
-    return b == TD_CFG_BACKEND_CUDA ? "cuda" : "cpu";
+    return b == TD_CFG_BACKEND_CUDA ? "cuda" : b == TD_CFG_BACKEND_CPU_DEV ? "cpu-dev" : "cpu";
 }

@@ -72,12 +72,13 @@ static int setup(dc_node *n)
     snprintf(who, sizeof who, "decode %s rank %d", p->instance, p->rank);
     kn_collective coll = {
         .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
-    kn_runtime_params rp = {.model_path = p->cfg->model,
-                            .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp},
-                            .backend = td_cfg_backend_name(p->cfg->backend),
-                            .backend_opts = {.n_threads = n->dcfg->threads, .device = -1},
-                            .coll = &coll,
-                            .who = who};
+    kn_runtime_params rp = {
+        .model_path = p->cfg->model,
+        .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp},
+        .backend = td_cfg_backend_name(p->cfg->backend),
+        .backend_opts = {.n_threads = n->dcfg->threads, .device = -1, .rank = p->rank},
+        .coll = &coll,
+        .who = who};
     int rc = kn_runtime_open(&n->rt, &rp);
     if (rc) return rc;
     int n_blocks = kv_blocks_of(n);
@@ -92,14 +93,11 @@ static int setup(dc_node *n)
     snprintf(n->token, sizeof n->token, "p%d", n->dcfg->port);
     /* disaggregated: the leader receives every rank's KV (dc_xfer.h), so a follower's pool
      * is shared memory the leader maps after each rendezvous (it is created before, so it
-     * exists once the rendezvous completes) */
+     * exists once the rendezvous completes). On a device backend the KV lands in the pool's
+     * host staging copy, and each rank's engine uploads a request's received blocks before
+     * its first step reads them (kv_pool.h) */
     n->disagg = p->cfg->n_prefill > 0;
-    if (n->disagg && !n->rt.be.ops->host_memory) {
-        TD_LOG_ERR("decode %s: backend '%s' with prefill instances: the KV transfer into device "
-                   "memory is not built yet (issue 14 item 5); serve colocated, or use 'cpu'",
-                   p->instance, n->rt.be.ops->name);
-        return TD_EUNSUPP;
-    }
+    n->kvp.host_stage = n->disagg;
     if (n->disagg && p->rank > 0) {
         dc_xfer_kv_shm_sweep(p->instance, n->token);
         if ((rc = dc_xfer_kv_shm_name(p->instance, n->token, p->rank, (int)getpid(), n->kv_shm_name,
@@ -306,11 +304,13 @@ static int xfer_setup(dc_node *n)
     const kn_hparams *hp = &n->rt.model->hp;
     kn_kv_pool_params kp =
         kn_model_kv_params(n->rt.model, n->kv->n_blocks, n->kv->block_size, n->kv->type);
+    kp.backend = &n->rt.be; /* a device's pools are host copies with flags (kv_pool.h) */
+    kp.host_stage = true;
     n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
     n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
     if (!n->peer_regions || !n->peer_bytes) return TD_ENOMEM;
-    n->peer_regions[0] = n->kv->region;
-    n->peer_bytes[0] = n->kv->region_bytes;
+    n->peer_regions[0] = kn_kv_xfer_region(n->kv);
+    n->peer_bytes[0] = n->kv->region_bytes + (n->kv->host ? (size_t)n->kv->n_blocks : 0);
     for (int r = 1; r < tp; r++) {
         char name[256];
         int rc = dc_xfer_kv_shm_name(n->p->instance, n->token, r, dc_shm_rank_pid(n->shm, r), name,
@@ -341,6 +341,7 @@ static int xfer_setup(dc_node *n)
         .n_blocks = (uint32_t)n->kv->n_blocks,
         .tls = n->p->cfg->kvxfer.ucx_tls,
         .timeout_ms = n->p->cfg->kvxfer.timeout_ms,
+        .staged = n->kv->host != NULL,
     };
     return dc_xfer_create(&xp, &n->xfer);
 }

@@ -31,8 +31,9 @@ typedef struct {
 struct dc_xfer {
     dc_xfer_params p;
     char instance[64];
-    kvx_conn **conn; /* (tp) */
-    xfer *v;         /* (n, cap) live transfers */
+    kvx_conn **conn;  /* (tp) */
+    uint8_t **on_dev; /* (tp) staged: rank r's on_dev flags (n_blocks), else NULL */
+    xfer *v;          /* (n, cap) live transfers */
     int n, cap;
 };
 
@@ -48,7 +49,9 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
     x->p.regions = NULL; /* borrowed only during create: the connectors keep them */
     x->p.region_bytes = NULL;
     x->conn = calloc((size_t)p->tp, sizeof *x->conn);
-    if (!x->conn) {
+    if (p->staged) x->on_dev = calloc((size_t)p->tp, sizeof *x->on_dev);
+    if (!x->conn || (p->staged && !x->on_dev)) {
+        free(x->conn);
         free(x);
         return TD_ENOMEM;
     }
@@ -65,13 +68,17 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
         rc = td_tp_heads_of_rank((int)p->n_heads, (int)p->n_kv_heads, p->tp, r, &h);
         l.head0 = (uint32_t)h.kv0;
         l.n_heads = (uint32_t)h.n_kv;
-        if (rc || kvx_layout_bytes(&l) != p->region_bytes[r]) {
+        const size_t kv_bytes = kvx_layout_bytes(&l);
+        const size_t flags = p->staged ? p->n_blocks : 0;
+        if (rc || kv_bytes + flags != p->region_bytes[r]) {
             TD_LOG_ERR("decode %s: rank %d's KV pool (%zu bytes) does not match its kvxfer layout "
-                       "(%zu bytes)",
-                       x->instance, r, p->region_bytes[r], kvx_layout_bytes(&l));
+                       "(%zu bytes%s)",
+                       x->instance, r, p->region_bytes[r], kv_bytes,
+                       p->staged ? " and a flag a block" : "");
             rc = TD_EINVAL;
             break;
         }
+        if (p->staged) x->on_dev[r] = (uint8_t *)p->regions[r] + kv_bytes;
         kvx_pipe *pipe;
         if ((rc = kvx_pipe_ucx_create(&(kvx_pipe_params){.tls = p->tls}, &pipe))) {
             TD_LOG_ERR("decode %s: cannot start UCX (tls '%s') for rank %d's KV: %s", x->instance,
@@ -82,7 +89,7 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
          * to progress while the engine computes, and the leader loop must not spin */
         kvx_conn_params cp = {.timeout_ms = p->timeout_ms, .progress_thread = true};
         if ((rc = kvx_conn_create(pipe, &cp, &x->conn[r]))) break;
-        rc = kvx_dec_register(x->conn[r], p->regions[r], p->region_bytes[r], &l);
+        rc = kvx_dec_register(x->conn[r], p->regions[r], kv_bytes, &l);
     }
     if (rc) {
         dc_xfer_destroy(x);
@@ -110,6 +117,7 @@ void dc_xfer_destroy(dc_xfer *x)
     for (int r = 0; x->conn && r < x->p.tp; r++)
         kvx_conn_destroy(x->conn[r]);
     free(x->conn);
+    free(x->on_dev);
     free(x->v);
     free(x);
 }
@@ -205,6 +213,11 @@ int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, 
         xfer_free(x, &t);
         return rc == TD_ESTATE ? TD_EIO : rc; /* TD_ESTATE means "alive" to the caller */
     }
+    /* staged pools: the blocks' host copies get the KV, so no rank's device copy is current
+     * (no step reads these blocks before the event ARRIVED, and no target is out yet) */
+    for (int r = 0; x->on_dev && r < x->p.tp; r++)
+        for (int i = 0; i < n_blocks; i++)
+            if (blocks[i] >= 0 && (uint32_t)blocks[i] < x->p.n_blocks) x->on_dev[r][blocks[i]] = 0;
     x->v[x->n++] = t;
     return 0;
 }

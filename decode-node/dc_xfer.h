@@ -62,6 +62,10 @@ typedef struct {
     uint32_t head_dim, block_size, dtype_size, n_blocks;
     const char *tls; /* UCX_TLS of the KV plane (cfg kvxfer.ucx_tls) */
     int timeout_ms;  /* deadline of a transfer, from dc_xfer_start (cfg kvxfer) */
+    bool staged;     /* device pools (kv_pool.h): each region is the host copy, followed by
+                        its n_blocks on_dev flags (counted in region_bytes), which
+                        dc_xfer_start clears for the transfer's blocks on every rank, so each
+                        rank's engine uploads them before it first reads them */
 } dc_xfer_params;
 
 typedef struct dc_xfer dc_xfer;

@@ -19,6 +19,12 @@ typedef struct {
     int32_t *tables, *h_tables; /* (cap_tab) every sequence's block table, end to end */
     int64_t cap_out;
     float *out; /* (cap_out) logits before they are downloaded */
+    int64_t cap_host;
+    float *host; /* (cap_host) host memory the tp collectives run on (host_alloc if offered) */
+    int cap_first;
+    int32_t *first; /* (cap_first) each sequence's first position in the batch (staged pools) */
+    int64_t cap_up;
+    int32_t *up; /* (cap_up) blocks to upload from a staged pool's host copy */
 } kn_engine_stage;
 
 struct kn_engine {
@@ -42,10 +48,21 @@ struct kn_engine {
 /* Every weight matrix and vector of the shard, mapped into the device backend
  * (ops->map_matrix / map_vector). */
 int kn_engine_map_model(kn_engine *e);
-/* db = b with every array in backend memory (b already validated against kv). */
-int kn_engine_stage_batch(kn_engine *e, const kn_kv_pool *kv, const kn_batch *b, kn_batch *db);
+/* db = b with every array in backend memory (b already validated against kv). A staged
+ * pool (kv_pool.h: host copy for the KV transfer) first gets every block the batch reads
+ * but does not write uploaded, unless its device copy is current (on_dev); the blocks the
+ * batch writes are current after it. */
+int kn_engine_stage_batch(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, kn_batch *db);
 /* A device buffer for n floats of logits (grown on demand), or NULL. */
 float *kn_engine_stage_out(kn_engine *e, int64_t n);
 void kn_engine_stage_free(kn_engine *e);
+/* Tensor parallelism on a device backend, through host memory (tp > 1 only):
+ * allreduce: buf (n floats, backend memory) downloaded, summed across the ranks by the
+ * host collective, uploaded back. gather: each rank's logit slice part (rows, its
+ * n_vocab_local columns, backend memory) downloaded and gathered into rank 0's host out
+ * (rows, n_vocab); other ranks pass out NULL. Each moves 4 bytes a float each way per
+ * rank over the host link (docs/gpu.md has the sums). */
+int kn_engine_allreduce_staged(kn_engine *e, float *buf, int64_t n);
+int kn_engine_gather_staged(kn_engine *e, const float *part, int64_t rows, float *out);
 
 #endif

@@ -1,7 +1,9 @@
 /* engine_stage.c: what a device backend (kn_backend.h: host_memory false) needs from the
- * engine beyond the forward pass itself: the shard's weights mapped once, and each batch's
+ * engine beyond the forward pass itself: the shard's weights mapped once, each batch's
  * host arrays (tokens, positions, sequence indices, logit rows, block tables and the seq
- * views that point at them) copied into backend memory before the first op reads them.
+ * views that point at them) copied into backend memory before the first op reads them, and
+ * with tp > 1 the collectives staged through host memory (the process's host collective,
+ * the decode node's shared-memory all-reduce, sums what each rank downloads).
  * Host-memory backends (cpu) never come here: they read the caller's arrays directly. */
 #include <stdlib.h>
 #include <string.h>
@@ -103,12 +105,63 @@ static int stage_seqs(kn_engine *e, const kn_kv_pool *kv, const kn_batch *b, kn_
     return rc;
 }
 
-int kn_engine_stage_batch(kn_engine *e, const kn_kv_pool *kv, const kn_batch *b, kn_batch *db)
+/* *buf holds at least n elements of size es in host memory (grown, contents lost). */
+static int grow_host(void **buf, int64_t *cap, int64_t n, size_t es)
+{
+    if (n <= *cap) return 0;
+    free(*buf);
+    *cap = 0;
+    *buf = malloc((size_t)n * es);
+    if (!*buf) return TD_ENOMEM;
+    *cap = n;
+    return 0;
+}
+
+/* A staged pool: sequence s's positions before its first one in this batch were written
+ * elsewhere (KV received into the host copy, or earlier batches); the blocks holding them
+ * are uploaded unless current. The blocks from the first position on are written by this
+ * batch's kv_write, so they are current after it. */
+static int stage_kv(kn_engine *e, kn_kv_pool *kv, const kn_batch *b)
+{
+    kn_engine_stage *st = &e->st;
+    int64_t cap_first = st->cap_first, total = 0;
+    int rc = grow_host((void **)&st->first, &cap_first, b->n_seqs, sizeof *st->first);
+    st->cap_first = (int)cap_first;
+    for (int s = 0; s < b->n_seqs; s++)
+        total += kn_kv_blocks_for(kv, b->seqs[s].n_ctx);
+    if (!rc) rc = grow_host((void **)&st->up, &st->cap_up, total ? total : 1, sizeof *st->up);
+    if (rc) return rc;
+    for (int s = 0; s < b->n_seqs; s++)
+        st->first[s] = b->seqs[s].n_ctx;
+    for (int64_t i = 0; i < b->n_tokens; i++)
+        if (b->pos[i] < st->first[b->seq_of[i]]) st->first[b->seq_of[i]] = b->pos[i];
+    int n_up = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const int32_t *t = b->seqs[s].block_table;
+        const int old = kn_kv_blocks_for(kv, st->first[s]),
+                  nb = kn_kv_blocks_for(kv, b->seqs[s].n_ctx);
+        for (int j = 0; j < old; j++)
+            if (!kv->on_dev[t[j]]) {
+                kv->on_dev[t[j]] = 1; /* listed once, even when sequences share it */
+                st->up[n_up++] = t[j];
+            }
+        for (int j = st->first[s] / kv->block_size; j < nb; j++)
+            kv->on_dev[t[j]] = 1;
+    }
+    rc = n_up ? kn_kv_stage_upload(kv, st->up, n_up) : 0;
+    for (int i = 0; rc && i < n_up; i++)
+        kv->on_dev[st->up[i]] = 0;
+    if (rc) TD_LOG_ERR("cannot upload %d received kv blocks: %s", n_up, td_strerror(rc));
+    return rc;
+}
+
+int kn_engine_stage_batch(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, kn_batch *db)
 {
     kn_engine_stage *st = &e->st;
     const int64_t n = b->n_tokens;
     *db = *b;
-    int rc = 0;
+    int rc = kv->host ? stage_kv(e, kv, b) : 0;
+    if (rc) return rc;
     if (n > st->cap_tok) {
         int64_t c1 = 0, c2 = 0, c3 = 0;
         e->be.ops->free(e->be.ctx, st->tokens);
@@ -145,13 +198,66 @@ float *kn_engine_stage_out(kn_engine *e, int64_t n)
     return grow_dev(e, (void **)&e->st.out, &e->st.cap_out, n, sizeof(float)) ? NULL : e->st.out;
 }
 
+static void free_host(kn_engine *e)
+{
+    kn_engine_stage *st = &e->st;
+    if (st->host && e->be.ops->host_free)
+        e->be.ops->host_free(e->be.ctx, st->host);
+    else
+        free(st->host);
+    st->host = NULL;
+    st->cap_host = 0;
+}
+
+/* Host staging for n floats (grown on demand, contents lost), or NULL. */
+static float *stage_host(kn_engine *e, int64_t n)
+{
+    kn_engine_stage *st = &e->st;
+    if (n <= st->cap_host) return st->host;
+    const kn_backend_ops *o = e->be.ops;
+    free_host(e);
+    size_t bytes = (size_t)n * sizeof(float);
+    st->host = o->host_alloc ? o->host_alloc(e->be.ctx, bytes) : malloc(bytes);
+    if (!st->host) {
+        TD_LOG_ERR("cannot allocate %zu bytes of host staging for the tp collectives", bytes);
+        return NULL;
+    }
+    st->cap_host = n;
+    return st->host;
+}
+
+int kn_engine_allreduce_staged(kn_engine *e, float *buf, int64_t n)
+{
+    float *h = stage_host(e, n);
+    if (!h) return TD_ENOMEM;
+    const size_t bytes = (size_t)n * sizeof(float);
+    int rc = e->be.ops->download(e->be.ctx, h, buf, bytes);
+    if (!rc) rc = e->coll.allreduce_sum(e->coll.ctx, h, n);
+    if (!rc) rc = e->be.ops->upload(e->be.ctx, buf, h, bytes);
+    return rc;
+}
+
+int kn_engine_gather_staged(kn_engine *e, const float *part, int64_t rows, float *out)
+{
+    const kn_model *m = e->m;
+    const int64_t n = rows * m->n_vocab_local;
+    float *h = stage_host(e, n ? n : 1);
+    if (!h) return TD_ENOMEM;
+    int rc = e->be.ops->download(e->be.ctx, h, part, (size_t)n * sizeof(float));
+    if (!rc) rc = e->coll.gather_cols(e->coll.ctx, h, rows, m->hp.n_vocab, out);
+    return rc;
+}
+
 void kn_engine_stage_free(kn_engine *e)
 {
     kn_engine_stage *st = &e->st;
+    free_host(e);
     void *dev[] = {st->tokens, st->pos, st->seq_of, st->rows, st->seqs, st->tables, st->out};
     for (size_t i = 0; i < sizeof dev / sizeof *dev; i++)
         if (dev[i]) e->be.ops->free(e->be.ctx, dev[i]);
     free(st->h_seqs);
     free(st->h_tables);
+    free(st->first);
+    free(st->up);
     memset(st, 0, sizeof *st);
 }

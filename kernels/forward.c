@@ -30,6 +30,7 @@ static int check_ops(const kn_backend_ops *o)
     for (size_t i = 0; i < sizeof need / sizeof *need; i++)
         if (!need[i]) return TD_EINVAL;
     if (!o->host_memory && (!o->map_matrix || !o->map_vector || !o->synchronize)) return TD_EINVAL;
+    if (!o->host_alloc != !o->host_free) return TD_EINVAL;
     return 0;
 }
 
@@ -47,12 +48,6 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
     if (m->shard.tp_size > 1 && m->last && !coll->gather_cols) {
         TD_LOG_ERR("tp %d: the vocab-parallel LM head needs a gather", m->shard.tp_size);
         return TD_EINVAL;
-    }
-    if (m->shard.tp_size > 1 && !be.ops->host_memory) {
-        TD_LOG_ERR("tp %d on backend '%s': tensor parallelism in device memory needs the NCCL "
-                   "collective, not built yet",
-                   m->shard.tp_size, be.ops->name);
-        return TD_EUNSUPP;
     }
     kn_engine *e = calloc(1, sizeof *e);
     if (!e) return TD_ENOMEM;
@@ -212,9 +207,11 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
     return 0;
 }
 
+/* buf (n floats) summed across the TP ranks; on a device backend through host memory. */
 static int allreduce(kn_engine *e, float *buf, int64_t n)
 {
     if (e->m->shard.tp_size == 1) return 0;
+    if (e->dev) return kn_engine_allreduce_staged(e, buf, n);
     return e->coll.allreduce_sum(e->coll.ctx, buf, n);
 }
 
@@ -271,17 +268,21 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
 
 /* logits (n_logits, n_vocab) = sel Wout on one rank; with tp > 1 each rank computes its
  * vocab slice (n_logits, n_vocab_local) and gather_cols joins them in rank 0's out. A device
- * backend computes into its own memory and downloads (tp 1 only: kn_engine_create). */
+ * backend computes into its own memory and downloads (with tp > 1, its slice, which the
+ * host gather joins). */
 static int lm_head(kn_engine *e, const kn_batch *b, float *out)
 {
     const kn_model *m = e->m;
     const int nl = b->n_logits;
     if (e->dev) {
-        const int64_t n = (int64_t)nl * m->hp.n_vocab;
+        const bool tp = m->shard.tp_size > 1;
+        const int64_t n = (int64_t)nl * (tp ? m->n_vocab_local : m->hp.n_vocab);
         float *d = kn_engine_stage_out(e, n);
         if (!d) return TD_ENOMEM;
         int rc = matmul(e, &m->output, e->sel, nl, solo_logits(b), d);
-        return rc ? rc : e->be.ops->download(e->be.ctx, out, d, (size_t)n * sizeof(float));
+        if (rc) return rc;
+        if (tp) return kn_engine_gather_staged(e, d, nl, m->shard.tp_rank == 0 ? out : NULL);
+        return e->be.ops->download(e->be.ctx, out, d, (size_t)n * sizeof(float));
     }
     if (m->shard.tp_size == 1) return matmul(e, &m->output, e->sel, nl, solo_logits(b), out);
     if (nl > e->cap_lg) {

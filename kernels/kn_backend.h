@@ -67,6 +67,13 @@ typedef struct {
     int (*download)(void *ctx, void *dst, const void *src, size_t bytes);
     /* Waits until every queued op finished; returns the first asynchronous error, if any. */
     int (*synchronize)(void *ctx);
+    /* Optional (NULL: the caller stages through malloc'ed memory): bytes of host memory the
+     * device copies to and from fastest (page-locked: cudaMallocHost), 64-byte aligned, or
+     * NULL. An upload from it may still be reading it when upload returns: the caller
+     * rewrites it only after a later download or synchronize. host_free(NULL) is a no-op.
+     * The engine stages its tensor-parallel collectives through it (engine_stage.c). */
+    void *(*host_alloc)(void *ctx, size_t bytes);
+    void (*host_free)(void *ctx, void *p);
     /* Device backends (host_memory false) only, NULL otherwise: make the backend's own copy
      * of a model's read-only host data, once, before the first op that reads it (the engine
      * calls these for every weight matrix and vector of its shard at kn_engine_create).

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "cpu_dev.h"
 #include "td_err.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "cuda_backend.h"
@@ -12,16 +13,16 @@
 const char *kn_backend_names(void)
 {
 #ifdef TANDEM_HAVE_CUDA
-    return "cpu, cuda";
+    return "cpu, cpu-dev, cuda";
 #else
-    return "cpu";
+    return "cpu, cpu-dev";
 #endif
 }
 
 int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend *out)
 {
     memset(out, 0, sizeof *out);
-    kn_backend_options def = {.n_threads = 0, .device = -1};
+    kn_backend_options def = {.n_threads = 0, .device = -1, .rank = 0};
     if (!o) o = &def;
     if (!name || !strcmp(name, "cpu")) {
         kn_cpu *c;
@@ -29,9 +30,10 @@ int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend 
         if (!rc) *out = kn_cpu_backend(c);
         return rc;
     }
+    if (!strcmp(name, "cpu-dev")) return kn_cpudev_create(o->n_threads, out);
     if (!strcmp(name, "cuda")) {
 #ifdef TANDEM_HAVE_CUDA
-        return kn_cuda_create(o->device < 0 ? 0 : o->device, out);
+        return kn_cuda_create(o->device, o->rank, out);
 #else
         TD_LOG_ERR("backend 'cuda': this build has no CUDA backend (it is built when CMake finds "
                    "nvcc, or with -DTANDEM_CUDA=ON); use backend 'cpu'");

@@ -13,14 +13,18 @@
 
 typedef struct {
     int n_threads; /* cpu: compute threads (<= 0: one per core) */
-    int device;    /* cuda: device ordinal (< 0: device 0) */
+    int device;    /* cuda: device ordinal (< 0: rank % the devices this process sees) */
+    int rank;      /* the process's TP rank (>= 0), for the default device: two ranks of one
+                    * instance on a one-GPU machine share device 0 */
 } kn_backend_options;
 
-/* The names kn_backend_create knows, for messages: "cpu, cuda" (cuda only when built in). */
+/* The names kn_backend_create knows, for messages: "cpu, cpu-dev, cuda" (cuda only when
+ * built in). cpu-dev (cpu/cpu_dev.h) is the cpu backend behind a device backend's contract,
+ * for testing the device paths (staging, collectives, KV upload) on machines without a GPU. */
 const char *kn_backend_names(void);
-/* Create backend `name` ("cpu" or "cuda"; NULL means "cpu"). Errors: TD_EINVAL for an unknown
- * name, TD_EUNSUPP (reason logged: not built in, no device, driver too old) when it
- * cannot run here, TD_ENOMEM. *out is zeroed on failure. */
+/* Create backend `name` ("cpu", "cpu-dev" or "cuda"; NULL means "cpu"). Errors: TD_EINVAL for an
+ * unknown name, TD_EUNSUPP (reason logged: not built in, no device, driver too old) when it cannot
+ * run here, TD_ENOMEM. *out is zeroed on failure. */
 int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend *out);
 /* Frees it (safe on a zeroed backend) and zeroes *b. */
 void kn_backend_destroy(kn_backend *b);

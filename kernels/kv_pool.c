@@ -1,5 +1,6 @@
 /* kv_pool.c: one-region paged KV pool with a free-list allocator and per-block reference
- * counts; the region is private anonymous memory or a named POSIX shared-memory segment. An
+ * counts; the region is private anonymous memory, a named POSIX shared-memory segment, or
+ * a device backend's memory (then optionally with a host staging copy for kvxfer). An
  * attached prefix cache (kv_cache.c) keeps unreferenced cached blocks until evicted. */
 #include "kv_pool.h"
 
@@ -38,6 +39,12 @@ static int pool_shape(const kn_kv_pool_params *p, size_t *block_bytes, size_t *r
     *block_bytes = bb;
     *region_bytes = layer_bytes * 2 * (size_t)p->n_layers;
     return 0;
+}
+
+/* A device pool with host staging: its host copy ends in n_blocks on_dev flags. */
+static bool staged(const kn_kv_pool_params *p)
+{
+    return p->host_stage && p->backend && p->backend->ops && !p->backend->ops->host_memory;
 }
 
 size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p)
@@ -80,6 +87,27 @@ static int shm_create(const char *name, size_t bytes, void **out)
     return 0;
 }
 
+/* Host memory of `bytes`: the shared segment `name`, or private anonymous memory
+ * (page-aligned, registrable for RDMA, zero-filled lazily). */
+static int host_region(kn_kv_pool *pool, const char *name, size_t bytes, void **out)
+{
+    if (name) {
+        int rc = shm_create(name, bytes, out);
+        if (rc) {
+            free(pool->shm_name); /* not ours: creation failed (maybe someone else's name) */
+            pool->shm_name = NULL;
+        }
+        return rc;
+    }
+    void *r = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) {
+        TD_LOG_ERR("cannot allocate kv pool of %zu bytes", bytes);
+        return TD_ENOMEM;
+    }
+    *out = r;
+    return 0;
+}
+
 int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
 {
     *out = NULL;
@@ -91,10 +119,10 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         return TD_EINVAL;
     }
     const bool device = p->backend && p->backend->ops && !p->backend->ops->host_memory;
-    if (device && p->shm_name) {
-        TD_LOG_ERR("kv pool: a shared pool in %s memory (for the KV transfer) is not built yet",
+    if (device && p->shm_name && !staged(p)) {
+        TD_LOG_ERR("kv pool: a shared pool in %s memory needs host staging (host_stage)",
                    p->backend->ops->name);
-        return TD_EUNSUPP;
+        return TD_EINVAL;
     }
     kn_kv_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return TD_ENOMEM;
@@ -117,7 +145,7 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         kn_kv_pool_destroy(pool);
         return TD_ENOMEM;
     }
-    void *r = MAP_FAILED;
+    void *r = NULL;
     if (device) {
         pool->dev = *p->backend;
         r = pool->dev.ops->alloc(pool->dev.ctx, region_bytes);
@@ -127,22 +155,16 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
             kn_kv_pool_destroy(pool);
             return TD_ENOMEM;
         }
-    } else if (p->shm_name) {
-        rc = shm_create(p->shm_name, region_bytes, &r);
-        if (rc) {
-            free(pool->shm_name); /* not ours: creation failed (maybe someone else's name) */
-            pool->shm_name = NULL;
+        pool->region = r;
+        if (p->host_stage && (rc = host_region(pool, p->shm_name,
+                                               region_bytes + (size_t)p->n_blocks, &pool->host))) {
             kn_kv_pool_destroy(pool);
             return rc;
         }
-    } else {
-        /* anonymous mapping: page-aligned (registrable for RDMA later), zero-filled lazily */
-        r = mmap(NULL, region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (r == MAP_FAILED) {
-            TD_LOG_ERR("cannot allocate kv pool of %zu bytes", region_bytes);
-            kn_kv_pool_destroy(pool);
-            return TD_ENOMEM;
-        }
+        if (pool->host) pool->on_dev = (uint8_t *)pool->host + region_bytes;
+    } else if ((rc = host_region(pool, p->shm_name, region_bytes, &r))) {
+        kn_kv_pool_destroy(pool);
+        return rc;
     }
     pool->region = r;
     size_t layer_bytes = block_bytes * (size_t)p->n_blocks;
@@ -165,6 +187,7 @@ void kn_kv_pool_destroy(kn_kv_pool *pool)
         pool->dev.ops->free(pool->dev.ctx, pool->region);
     else if (pool->region)
         munmap(pool->region, pool->region_bytes);
+    if (pool->host) munmap(pool->host, pool->region_bytes + (size_t)pool->n_blocks);
     /* the mapper usually unlinked it already (ENOENT); the name carries our pid, so it
      * cannot be another process's segment */
     if (pool->shm_name) shm_unlink(pool->shm_name);
@@ -183,6 +206,7 @@ int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, siz
     size_t block_bytes, region_bytes;
     int rc = pool_shape(p, &block_bytes, &region_bytes);
     if (rc) return rc;
+    if (staged(p)) region_bytes += (size_t)p->n_blocks; /* the on_dev flags */
     if (!p->shm_name || !shm_name_ok(p->shm_name)) {
         TD_LOG_ERR("kv pool: bad shared memory name '%s'", p->shm_name ? p->shm_name : "(null)");
         return TD_EINVAL;
@@ -235,8 +259,42 @@ int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)
     for (int i = 0; i < n; i++) {
         ids[i] = pool->free_ids[--pool->n_free];
         pool->refs[ids[i]] = 1;
+        if (pool->on_dev) pool->on_dev[ids[i]] = 0;
     }
     return 0;
+}
+
+/* Every layer's K and V of blocks ids between the staging and the device. */
+static int stage_blocks(kn_kv_pool *p, const int32_t *ids, int n, bool up)
+{
+    if (!p->host) return TD_EINVAL;
+    const kn_backend_ops *o = p->dev.ops;
+    const size_t bb = p->block_bytes;
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= p->n_blocks) return TD_ERANGE;
+        for (int l = 0; l < 2 * p->n_layers; l++) {
+            char *d = (char *)(l & 1 ? p->v[l / 2] : p->k[l / 2]) + (size_t)ids[i] * bb;
+            char *h = (char *)p->host + (d - (char *)p->region); /* the same offset */
+            int rc = up ? o->upload(p->dev.ctx, d, h, bb) : o->download(p->dev.ctx, h, d, bb);
+            if (rc) return rc;
+        }
+        if (up) p->on_dev[ids[i]] = 1;
+    }
+    if (up)
+        p->n_stage_up += (uint64_t)n;
+    else
+        p->n_stage_down += (uint64_t)n;
+    return 0;
+}
+
+int kn_kv_stage_upload(kn_kv_pool *p, const int32_t *ids, int n)
+{
+    return stage_blocks(p, ids, n, true);
+}
+
+int kn_kv_stage_download(kn_kv_pool *p, const int32_t *ids, int n)
+{
+    return stage_blocks(p, ids, n, false);
 }
 
 void kn_kv_free(kn_kv_pool *pool, int n, const int32_t *ids)

@@ -16,6 +16,18 @@
  * kn_kv_region_map (a decode instance's leader maps its followers' pools to receive their
  * KV through kvxfer). The segment is reserved with posix_fallocate at create, so a full
  * /dev/shm is a clean TD_ENOMEM there rather than a SIGBUS at the first write.
+ * Device pools (params.backend with host_memory false): the region is the backend's memory.
+ * With params.host_stage they also keep a host copy of the same layout (the "staging",
+ * shared memory when shm_name is set), which kvxfer reads and writes instead
+ * (kn_kv_xfer_region): KV received into it is uploaded block by block before the engine
+ * reads it (the engine asks with kn_kv_stage_upload; on_dev says which blocks' device copy
+ * is current), and a prefill stage downloads each chunk's blocks before it pushes them
+ * (kn_kv_stage_download). A block handed out by kn_kv_alloc is not current until uploaded
+ * or written by the engine. The on_dev flags (n_blocks bytes) follow the region in the host
+ * copy, so in shared memory the process that maps it (the decode leader, which allocates
+ * the blocks of every rank) can clear them for blocks it hands to a transfer
+ * (dc_xfer.h); kn_kv_region_map of such a pool (params.backend a device, host_stage) maps
+ * region_bytes + n_blocks.
  * Threading: not thread-safe; the process's engine loop owns the pool (a process that maps
  * the region shares the memory, not the allocator).
  * Ownership: kn_kv_pool_create/destroy own the region; kn_kv_seq_init/fini are for an
@@ -46,6 +58,9 @@ typedef struct {
                                   this name (created exclusively: an existing one is TD_ESTATE) */
     const kn_backend *backend; /* NULL or host memory: as above; a device backend: the
                                   region is its memory (borrowed: outlive the pool) */
+    bool host_stage;           /* the KV must be reachable in host memory (kvxfer): a device
+                                  pool keeps a host copy (staging, shm_name applies to it);
+                                  a host pool is reachable already */
 } kn_kv_pool_params;
 
 typedef struct {
@@ -59,9 +74,28 @@ typedef struct {
     int n_free;
     int32_t *refs;             /* (n_blocks) sequences referencing each block */
     struct kn_kv_cache *cache; /* the attached prefix cache (kv_cache.h), or NULL */
-    char *shm_name; /* the segment's name while this pool may still have to unlink it, or NULL */
-    kn_backend dev; /* the device backend whose memory region is, or zeroed (host memory) */
+    char *shm_name;  /* the segment's name while this pool may still have to unlink it, or NULL */
+    kn_backend dev;  /* the device backend whose memory region is, or zeroed (host memory) */
+    void *host;      /* device pool with host_stage: the staging copy (region_bytes, same
+                        layout; shm when shm_name), else NULL */
+    uint8_t *on_dev; /* (n_blocks) with host, at host + region_bytes: the block's device copy
+                        is current (1) or its host copy holds newer KV (0: received, not
+                        yet uploaded) */
+    uint64_t n_stage_up, n_stage_down; /* blocks staged each way (all layers' K and V) */
 } kn_kv_pool;
+
+/* The memory kvxfer registers: the staging of a staged device pool, else the region. */
+static inline void *kn_kv_xfer_region(const kn_kv_pool *p)
+{
+    return p->host ? p->host : p->region;
+}
+
+/* Staged device pools: copy blocks ids (n) host -> device, every layer's K and V, and mark
+ * them current (kn_kv_stage_upload), or device -> host (kn_kv_stage_download, waits for
+ * the backend's queued ops). 2 * n_layers * block_bytes bytes a block. A pool without
+ * staging: TD_EINVAL. Errors of the backend's upload/download are returned. */
+int kn_kv_stage_upload(kn_kv_pool *p, const int32_t *ids, int n);
+int kn_kv_stage_download(kn_kv_pool *p, const int32_t *ids, int n);
 
 /* Errors: TD_EINVAL bad shape or name; TD_ENOMEM no memory (or /dev/shm full); TD_ESTATE
  * the shm name already exists; TD_EIO another shm failure (logged with errno). */
@@ -74,8 +108,9 @@ size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p);
 
 /* Map the region of a shared pool another process created with the same params
  * (p->shm_name set): *region (read-write, shared), *bytes. The segment's size must be the
- * region size of p (else TD_EFORMAT). unlink: remove the name once mapped (the memory
- * lives on while any process maps it). TD_ENOENT if there is no such segment. Unmap
+ * region size of p (else TD_EFORMAT), plus n_blocks on_dev flags for a staged device pool
+ * (params.backend a device, host_stage): *bytes counts them. unlink: remove the name once mapped
+ * (the memory lives on while any process maps it). TD_ENOENT if there is no such segment. Unmap
  * with kn_kv_region_unmap. */
 int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes);
 void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */

@@ -56,6 +56,7 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
     s->cache_blocks = extra > (1u << 24) ? 1 << 24 : (int)extra;
     kp.n_blocks += s->cache_blocks;
     kp.backend = &s->rt.be;
+    kp.host_stage = true; /* kvxfer pushes the KV from host memory */
     if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
     return 0;
 fail:

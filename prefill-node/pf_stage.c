@@ -34,7 +34,8 @@ static int open_connector(pf_stage *st)
         .dtype_size = kv->type == TD_F16 ? 2 : 4,
         .n_blocks = (uint32_t)kv->n_blocks,
     };
-    return kvx_pf_register_source(st->kvx, kv->region, kv->region_bytes, &lay);
+    /* a device pool's host staging copy: each chunk's blocks are downloaded there (forward) */
+    return kvx_pf_register_source(st->kvx, kn_kv_xfer_region(kv), kv->region_bytes, &lay);
 }
 
 static int open_chain(pf_stage *st)
@@ -91,13 +92,6 @@ int pf_stage_setup(pf_stage *st)
     if (st->shard.cache_blocks > 0 &&
         (rc = pf_kvc_create(st->shard.kv, st->shard.cache_blocks, &st->kvc)))
         return rc;
-    if (!st->shard.rt.be.ops->host_memory) {
-        /* every prefill stage pushes its KV through kvxfer, which reads host memory today */
-        TD_LOG_ERR("prefill stage %d: backend '%s': the KV transfer from device memory is not "
-                   "built yet (issue 14 item 5); use backend 'cpu'",
-                   st->stage, st->shard.rt.be.ops->name);
-        return TD_EUNSUPP;
-    }
     const kn_model *m = st->shard.rt.model;
     st->first = m->first;
     st->last = m->last;
@@ -657,6 +651,21 @@ static void build_batch(pf_stage *st, pf_batch *bt)
     }
 }
 
+/* A device pool: the blocks this chunk wrote, into the host copy kvxfer pushes from (a block
+ * the previous chunk ended in again: its earlier positions are unchanged). */
+static int download_kv(pf_stage *st, const pf_batch *bt)
+{
+    kn_kv_pool *kv = st->shard.kv;
+    for (int i = 0; i < bt->n_segs; i++) {
+        const pf_seg *g = &bt->segs[i];
+        if (g->flags & PF_SEG_DEAD) continue;
+        const int j0 = (int)(g->t0 / (uint32_t)kv->block_size), j1 = kn_kv_blocks_for(kv, g->t1);
+        int rc = kn_kv_stage_download(kv, bt->rq[i]->kv.blocks + j0, j1 - j0);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /* The forward pass over the stage's layers into out; a failure fails every live segment. */
 static void forward(pf_stage *st, pf_batch *bt, const float *embd, float *out)
 {
@@ -671,6 +680,7 @@ static void forward(pf_stage *st, pf_batch *bt, const float *embd, float *out)
                   .n_logits = bt->n_logits,
                   .logit_rows = bt->logit_rows};
     int rc = kn_engine_forward(st->shard.rt.engine, st->shard.kv, &b, out);
+    if (!rc && st->shard.kv->host) rc = download_kv(st, bt);
     if (!rc) return;
     TD_LOG_ERR("prefill %s stage %d: forward of %lld tokens failed: %s", st->p->instance, st->stage,
                (long long)bt->rows, td_strerror(rc));

@@ -18,3 +18,12 @@ if(TANDEM_PYTHON)
   set_tests_properties(disagg_prefix_cache PROPERTIES FIXTURES_REQUIRED synth_models
                        TIMEOUT 1200 LABELS disagg)
 endif()
+if(TANDEM_PYTHON)
+  # the device paths on cpu-dev (tests/disagg/test_devstage.py): colocated tp 2 and prefill
+  # pp 2 + decode tp 2 through `tandem up`, answers equal to backend cpu's
+  add_test(NAME disagg_devstage
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_devstage.py
+                   --tandem $<TARGET_FILE:tandem> --model ${TANDEM_TEST_DATA}/synth/qwen2.gguf)
+  set_tests_properties(disagg_devstage PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300
+                       LABELS disagg)
+endif()

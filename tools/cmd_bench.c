@@ -160,7 +160,7 @@ static int bench_usage(void)
 {
     fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
                     "[--kv-type f16|f32] [--act q8|f32] [--batch B] [--gen N] "
-                    "[--backend cpu|cuda] [--json]\n");
+                    "[--backend cpu|cuda|cpu-dev] [--json]\n");
     return TD_EINVAL;
 }
 

@@ -18,7 +18,7 @@ static void usage(void)
         "         --max-tokens N [--temperature T] [--top-p P] [--top-k K] [--min-p P]\n"
         "         [--repeat-penalty R] [--presence-penalty P] [--frequency-penalty F]\n"
         "         [--seed S] [--ids] [--threads N] [--kv-type f16|f32]\n"
-        "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda] [--tokenize] "
+        "         [--ctx N] [--chunk N] [--ignore-eos] [--backend cpu|cuda|cpu-dev] [--tokenize] "
         "[--timing]\n"
         "  --prompt TEXT      raw text, tokenized as llama.cpp does (BOS if the model says so)\n"
         "  --chat TEXT        one user message rendered with the model's chat template\n"

@@ -51,8 +51,9 @@ int cmd_logits(int argc, char **argv)
     }
     if (rc) return rc;
     if (argc % 2 || !sp.model_path || !ids_s || !out) {
-        fprintf(stderr, "usage: tandem logits --model PATH --prompt-ids IDS --out FILE "
-                        "[--kv-type f16|f32] [--threads N] [--chunk N] [--backend cpu|cuda]\n");
+        fprintf(stderr,
+                "usage: tandem logits --model PATH --prompt-ids IDS --out FILE "
+                "[--kv-type f16|f32] [--threads N] [--chunk N] [--backend cpu|cuda|cpu-dev]\n");
         return TD_EINVAL;
     }
     int32_t *ids;

@@ -141,6 +141,28 @@ static void cu_free(void *ctx, void *p)
     cudaFree(p);
 }
 
+/* page-locked host memory: the engine's staging buffers for host collectives */
+static void *cu_host_alloc(void *ctx, size_t bytes)
+{
+    kn_cuda *c = ctx;
+    void *p = NULL;
+    if (cudaSetDevice(c->device) != cudaSuccess) return NULL;
+    cudaError_t e = cudaMallocHost(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        kn_cu_error(e, "cudaMallocHost");
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_host_free(void *ctx, void *p)
+{
+    kn_cuda *c = ctx;
+    if (!p) return;
+    cudaStreamSynchronize(c->stream); /* an upload from p may still be reading it */
+    cudaFreeHost(p);
+}
+
 static int cu_upload(void *ctx, void *dst, const void *src, size_t bytes)
 {
     kn_cuda *c = ctx;
@@ -237,6 +259,8 @@ static const kn_backend_ops cuda_ops = {
     .alloc = cu_alloc,
     .free = cu_free,
     .upload = cu_upload,
+    .host_alloc = cu_host_alloc,
+    .host_free = cu_host_free,
     .download = cu_download,
     .synchronize = cu_synchronize,
     .map_matrix = kn_cu_map_matrix,
@@ -273,7 +297,7 @@ static void missing_ops(const kn_backend_ops *o, char *buf, size_t cap)
             len += (size_t)snprintf(buf + len, cap - len, "%s%s", len ? ", " : "", req[i].name);
 }
 
-static int open_device(kn_cuda *c, int device)
+static int open_device(kn_cuda *c, int device, int rank)
 {
     char why[256];
     int n = kn_cuda_device_count(why, sizeof why);
@@ -281,6 +305,7 @@ static int open_device(kn_cuda *c, int device)
         TD_LOG_ERR("backend 'cuda': no usable GPU: %s", why);
         return TD_EUNSUPP;
     }
+    if (device < 0) device = (rank < 0 ? 0 : rank) % n;
     if (device >= n) {
         TD_LOG_ERR("backend 'cuda': device %d asked for, this process sees %d device%s", device, n,
                    n == 1 ? "" : "s");
@@ -320,12 +345,12 @@ static int open_device(kn_cuda *c, int device)
     return 0;
 }
 
-int kn_cuda_create(int device, kn_backend *out)
+int kn_cuda_create(int device, int rank, kn_backend *out)
 {
     memset(out, 0, sizeof *out);
     kn_cuda *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
-    int rc = open_device(c, device);
+    int rc = open_device(c, device, rank);
     if (rc) {
         cu_destroy(c);
         return rc;

@@ -6,13 +6,13 @@
  * sm_80/86/89/90/100 + compute_90 PTX, warnings as errors) and ran on an NVIDIA H200
  * (sm_90) on 2026-11-27: tests/kernels/test_cuda.c, the parity and serving tests of
  * tests/gpu/ and compute-sanitizer memcheck passed there (docs/gpu.md has what ran and
- * the figures); no other GPU has run it. What exists: the device probe, the context (device, stream,
- * cuBLAS handle in pedantic fp32 math), the memory ops (alloc, free, upload, download,
+ * the figures); no other GPU has run it. What exists: the device probe, the context (device,
+ * stream, cuBLAS handle in pedantic fp32 math), the memory ops (alloc, free, upload, download,
  * synchronize), the weight map (map_matrix / map_vector, cuda_map.c), and every compute op
  * of kn_backend_ops: matmul and matmul_mixed (dequantizing GEMV for m <= 8 and for the
- * solo rows, cublasSgemm on a cached fp32 copy above; cuda_matmul.cu), get_rows, rmsnorm, rope, swiglu, geglu,
- * add, add_row, scale, copy_rows (cuda_ops.cu), kv_write and attention (split-K decode
- * kernel, shared-memory tiled prefill kernel; cuda_attention.cu). Weight types: F32, F16,
+ * solo rows, cublasSgemm on a cached fp32 copy above; cuda_matmul.cu), get_rows, rmsnorm, rope,
+ * swiglu, geglu, add, add_row, scale, copy_rows (cuda_ops.cu), kv_write and attention (split-K
+ * decode kernel, shared-memory tiled prefill kernel; cuda_attention.cu). Weight types: F32, F16,
  * BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (kn_elem.h, whose dequantizers
  * tests/kernels/test_elem.c checks bit for bit against the CPU's on the host); others
  * (IQ4_NL, Q2_K, Q3_K, IQ4_XS) are refused at map_matrix and by the ops with TD_EUNSUPP.
@@ -40,9 +40,11 @@
 
 #include "kn_backend.h"
 
-/* Probe device `device` and create the backend on it. TD_EUNSUPP with the reason logged
- * (no driver, no device, an ordinal out of range, a compute op missing from the table). */
-int kn_cuda_create(int device, kn_backend *out);
+/* Probe device `device` (< 0: rank % the devices this process sees, so the TP ranks of an
+ * instance spread over the GPUs, and share one on a one-GPU machine) and create the backend
+ * on it. TD_EUNSUPP with the reason logged (no driver, no device, an ordinal out of range, a
+ * compute op missing from the table). */
+int kn_cuda_create(int device, int rank, kn_backend *out);
 
 /* The number of CUDA devices this process can use (0 when there is no driver or no
  * device); reason (may be NULL) gets why there are none. */

@@ -1,298 +1,29 @@
 /* test_engine_device.c: the engine drives a device backend (kn_backend.h: host_memory
  * false) without ever handing it host memory, and gets the same logits.
  *
- * The "shadow" backend below is the CPU backend behind a device-style contract: alloc
- * returns memory it tracks, map_matrix / map_vector keep private copies of the weights,
- * and every op checks each pointer it is given: activations, batch arrays, seq views and
- * the block tables they point to must be its own allocations, weights must be mapped host
- * pointers (which it swaps for its copies, as a GPU backend does). Any other pointer is a
- * violation (counted, named). The KV pool is created in the shadow's memory too. The
- * engine then runs a chunked prefill, greedy decode and a two-sequence batch on a
- * synthetic model, once on the plain CPU backend and once on the shadow: the logits must
- * be bit-identical (same kernels, same thread count) and the violations zero. This is the
- * CPU-side proof of the staging a CUDA backend relies on (engine_stage.c).
+ * The device is "cpu-dev" (kernels/cpu/cpu_dev.h): the CPU backend behind a device
+ * contract, checking every pointer each op is given (its own allocations, or weights it
+ * mapped). The KV pool is created in its memory too. The engine runs a chunked prefill,
+ * greedy decode and a two-sequence batch on a synthetic model, once on the plain CPU
+ * backend and once on cpu-dev: the logits must be bit-identical (same kernels, same thread
+ * count) and the violations zero. Then the same at tp 2 (two ranks in two threads, a
+ * barrier collective as test_model_split's): cpu-dev's collectives go through host staging
+ * (engine_stage.c) and must give cpu's tp 2 logits bit for bit; the bytes staged are
+ * counted against what the engine should move. This is the CPU-side proof of the staging a
+ * CUDA backend relies on.
  * usage: test_engine_device MODEL.gguf
  */
+#include <pthread.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "../tharness.h"
 #include "cpu_backend.h"
+#include "cpu_dev.h"
 #include "kn_backends.h"
 #include "model.h"
 #include "td_err.h"
-
-#define MAX_BUFS 4096
-
-typedef struct {
-    const char *p;
-    size_t n;
-    const char *host; /* mapped weights: the host range this copy stands for, else NULL */
-} sh_buf;
-
-typedef struct {
-    kn_backend cpu;
-    sh_buf bufs[MAX_BUFS];
-    int n_bufs;
-    int violations;
-    char first[160]; /* the first violation */
-} shadow;
-
-static void violation(shadow *s, const char *op, const char *arg, const void *p)
-{
-    if (!s->violations++)
-        snprintf(s->first, sizeof s->first, "%s: %s %p is not backend memory", op, arg, p);
-}
-
-/* p in the shadow's own memory (n bytes from p)? */
-static bool is_dev(const shadow *s, const void *p, size_t n)
-{
-    const char *c = p;
-    for (int i = 0; i < s->n_bufs; i++)
-        if (!s->bufs[i].host && c >= s->bufs[i].p && c + n <= s->bufs[i].p + s->bufs[i].n)
-            return true;
-    return false;
-}
-
-static const void *dev(shadow *s, const char *op, const char *arg, const void *p, size_t n)
-{
-    if (p && !is_dev(s, p, n)) violation(s, op, arg, p);
-    return p;
-}
-
-/* The copy of mapped host data at p, or p itself (counted) when unmapped. */
-static const void *weight(shadow *s, const char *op, const void *p)
-{
-    const char *c = p;
-    for (int i = 0; i < s->n_bufs; i++)
-        if (s->bufs[i].host && c >= s->bufs[i].host && c < s->bufs[i].host + s->bufs[i].n)
-            return s->bufs[i].p + (c - s->bufs[i].host);
-    if (p) violation(s, op, "weight", p);
-    return p;
-}
-
-static kn_mat mat(shadow *s, const char *op, const kn_mat *w)
-{
-    kn_mat d = *w;
-    d.data = weight(s, op, w->data);
-    return d;
-}
-
-static void seqs_ok(shadow *s, const char *op, const kn_seq_view *v, const int32_t *seq_of,
-                    int64_t m)
-{
-    int n = 0;
-    for (int64_t i = 0; i < m; i++)
-        n = seq_of[i] + 1 > n ? seq_of[i] + 1 : n;
-    dev(s, op, "seqs", v, (size_t)n * sizeof *v);
-    for (int i = 0; i < n; i++)
-        dev(s, op, "block_table", v[i].block_table, 4);
-}
-
-static void *sh_alloc(void *ctx, size_t bytes)
-{
-    shadow *s = ctx;
-    if (s->n_bufs == MAX_BUFS) return NULL;
-    char *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-    if (p) s->bufs[s->n_bufs++] = (sh_buf){.p = p, .n = bytes};
-    return p;
-}
-
-static void sh_free(void *ctx, void *p)
-{
-    shadow *s = ctx;
-    for (int i = 0; i < s->n_bufs; i++)
-        if (s->bufs[i].p == p && !s->bufs[i].host) {
-            free(p);
-            s->bufs[i] = s->bufs[--s->n_bufs];
-            return;
-        }
-    if (p) violation(s, "free", "p", p);
-}
-
-static int sh_upload(void *ctx, void *dst, const void *src, size_t n)
-{
-    memcpy((void *)dev(ctx, "upload", "dst", dst, n), src, n);
-    return 0;
-}
-
-static int sh_download(void *ctx, void *dst, const void *src, size_t n)
-{
-    memcpy(dst, dev(ctx, "download", "src", src, n), n);
-    return 0;
-}
-
-static int sh_sync(void *ctx)
-{
-    return 0;
-}
-
-static int sh_map(shadow *s, const void *host, size_t n)
-{
-    for (int i = 0; i < s->n_bufs; i++)
-        if (s->bufs[i].host == host) return 0;
-    if (s->n_bufs == MAX_BUFS) return TD_ENOMEM;
-    char *p = malloc(n);
-    if (!p) return TD_ENOMEM;
-    memcpy(p, host, n);
-    s->bufs[s->n_bufs++] = (sh_buf){.p = p, .n = n, .host = host};
-    return 0;
-}
-
-static int sh_map_matrix(void *ctx, const kn_mat *w)
-{
-    const td_dtype_info *ti = td_dtype_get(w->type);
-    size_t row = (size_t)w->n_cols / ti->blck * ti->type_size;
-    return sh_map(ctx, w->data, (size_t)(w->n_rows - 1) * w->row_stride + row);
-}
-
-static int sh_map_vector(void *ctx, const float *v, int64_t n)
-{
-    return sh_map(ctx, v, (size_t)n * sizeof *v);
-}
-
-#define FL(n) ((size_t)(n) * sizeof(float))
-#define CPU   (((shadow *)ctx)->cpu)
-
-static int sh_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y)
-{
-    kn_mat d = mat(ctx, "matmul", w);
-    dev(ctx, "matmul", "x", x, FL(m * w->n_cols));
-    dev(ctx, "matmul", "y", y, FL(m * w->n_rows));
-    return CPU.ops->matmul(CPU.ctx, &d, x, m, y);
-}
-
-static int sh_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t solo,
-                           float *y)
-{
-    kn_mat d = mat(ctx, "matmul_mixed", w);
-    dev(ctx, "matmul_mixed", "x", x, FL(m * w->n_cols));
-    dev(ctx, "matmul_mixed", "y", y, FL(m * w->n_rows));
-    return CPU.ops->matmul_mixed(CPU.ctx, &d, x, m, solo, y);
-}
-
-static void sh_rmsnorm(void *ctx, const float *x, const float *wt, float *y, int64_t m, int64_t n,
-                       float eps)
-{
-    dev(ctx, "rmsnorm", "x", x, FL(m * n));
-    dev(ctx, "rmsnorm", "y", y, FL(m * n));
-    CPU.ops->rmsnorm(CPU.ctx, x, weight(ctx, "rmsnorm", wt), y, m, n, eps);
-}
-
-static void sh_rope(void *ctx, float *x, int64_t m, int nh, int hd, int n_rot, const int32_t *pos,
-                    const float *freq, bool neox)
-{
-    dev(ctx, "rope", "x", x, FL(m * nh * hd));
-    dev(ctx, "rope", "pos", pos, (size_t)m * 4);
-    CPU.ops->rope(CPU.ctx, x, m, nh, hd, n_rot, pos, weight(ctx, "rope", freq), neox);
-}
-
-static void sh_swiglu(void *ctx, const float *g, const float *u, float *o, int64_t m, int64_t n)
-{
-    dev(ctx, "swiglu", "gate", g, FL(m * n));
-    dev(ctx, "swiglu", "up", u, FL(m * n));
-    dev(ctx, "swiglu", "out", o, FL(m * n));
-    CPU.ops->swiglu(CPU.ctx, g, u, o, m, n);
-}
-
-static void sh_geglu(void *ctx, const float *g, const float *u, float *o, int64_t m, int64_t n)
-{
-    dev(ctx, "geglu", "gate", g, FL(m * n));
-    dev(ctx, "geglu", "up", u, FL(m * n));
-    dev(ctx, "geglu", "out", o, FL(m * n));
-    CPU.ops->geglu(CPU.ctx, g, u, o, m, n);
-}
-
-static void sh_kv_write(void *ctx, void *kp, void *vp, td_dtype t, int bs, int nkv, int hd,
-                        const float *k, const float *v, int64_t m, const int32_t *pos,
-                        const int32_t *seq_of, const kn_seq_view *seqs)
-{
-    dev(ctx, "kv_write", "kpool", kp, 1);
-    dev(ctx, "kv_write", "vpool", vp, 1);
-    dev(ctx, "kv_write", "k", k, FL(m * nkv * hd));
-    dev(ctx, "kv_write", "v", v, FL(m * nkv * hd));
-    dev(ctx, "kv_write", "pos", pos, (size_t)m * 4);
-    dev(ctx, "kv_write", "seq_of", seq_of, (size_t)m * 4);
-    seqs_ok(ctx, "kv_write", seqs, seq_of, m);
-    CPU.ops->kv_write(CPU.ctx, kp, vp, t, bs, nkv, hd, k, v, m, pos, seq_of, seqs);
-}
-
-static void sh_attention(void *ctx, const float *q, const void *kp, const void *vp, td_dtype t,
-                         int bs, int nh, int nkv, int group, int phase, int hd, float scale,
-                         int window, int64_t m, int64_t m_solo, const int32_t *pos,
-                         const int32_t *seq_of, const kn_seq_view *seqs, float *out)
-{
-    dev(ctx, "attention", "q", q, FL(m * nh * hd));
-    dev(ctx, "attention", "kpool", kp, 1);
-    dev(ctx, "attention", "vpool", vp, 1);
-    dev(ctx, "attention", "pos", pos, (size_t)m * 4);
-    dev(ctx, "attention", "seq_of", seq_of, (size_t)m * 4);
-    dev(ctx, "attention", "out", out, FL(m * nh * hd));
-    seqs_ok(ctx, "attention", seqs, seq_of, m);
-    CPU.ops->attention(CPU.ctx, q, kp, vp, t, bs, nh, nkv, group, phase, hd, scale, window, m,
-                       m_solo, pos, seq_of, seqs, out);
-}
-
-static int sh_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out)
-{
-    kn_mat d = mat(ctx, "get_rows", w);
-    dev(ctx, "get_rows", "ids", ids, (size_t)m * 4);
-    dev(ctx, "get_rows", "out", out, FL(m * w->n_cols));
-    return CPU.ops->get_rows(CPU.ctx, &d, ids, m, out);
-}
-
-static void sh_add(void *ctx, float *y, const float *x, int64_t m, int64_t n)
-{
-    dev(ctx, "add", "y", y, FL(m * n));
-    dev(ctx, "add", "x", x, FL(m * n));
-    CPU.ops->add(CPU.ctx, y, x, m, n);
-}
-
-static void sh_add_row(void *ctx, float *y, const float *b, int64_t m, int64_t n)
-{
-    dev(ctx, "add_row", "y", y, FL(m * n));
-    CPU.ops->add_row(CPU.ctx, y, weight(ctx, "add_row", b), m, n);
-}
-
-static void sh_scale(void *ctx, float *x, int64_t n, float f)
-{
-    dev(ctx, "scale", "x", x, FL(n));
-    CPU.ops->scale(CPU.ctx, x, n, f);
-}
-
-static void sh_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
-                         float *dst)
-{
-    dev(ctx, "copy_rows", "src", src, FL(n));
-    dev(ctx, "copy_rows", "rows", rows, (size_t)m * 4);
-    dev(ctx, "copy_rows", "dst", dst, FL(m * n));
-    CPU.ops->copy_rows(CPU.ctx, src, rows, m, n, dst);
-}
-
-static const kn_backend_ops shadow_ops = {
-    .name = "shadow",
-    .host_memory = false,
-    .alloc = sh_alloc,
-    .free = sh_free,
-    .upload = sh_upload,
-    .download = sh_download,
-    .synchronize = sh_sync,
-    .map_matrix = sh_map_matrix,
-    .map_vector = sh_map_vector,
-    .matmul = sh_matmul,
-    .matmul_mixed = sh_matmul_mixed,
-    .rmsnorm = sh_rmsnorm,
-    .rope = sh_rope,
-    .swiglu = sh_swiglu,
-    .geglu = sh_geglu,
-    .kv_write = sh_kv_write,
-    .attention = sh_attention,
-    .get_rows = sh_get_rows,
-    .add = sh_add,
-    .add_row = sh_add_row,
-    .scale = sh_scale,
-    .copy_rows = sh_copy_rows,
-};
 
 /* ---- one engine + pool on a backend, and the run both backends must agree on ---- */
 
@@ -303,20 +34,78 @@ static const kn_backend_ops shadow_ops = {
 static td_gguf *gguf;
 static kn_model *model;
 
+/* tp ranks in threads: a barrier collective (test_model_split.c's), every rank summing in
+ * rank order so all get bit-identical sums */
 typedef struct {
+    pthread_barrier_t bar;
+    float *slots[2];
+    const float *parts[2];
+    int tp;
+} coll_ctx;
+
+typedef struct {
+    coll_ctx *cc;
+    int rank;
+} rank_coll;
+
+static int allreduce_sum(void *ctx, float *buf, int64_t n)
+{
+    rank_coll *rc = ctx;
+    coll_ctx *cc = rc->cc;
+    float *mine = malloc((size_t)n * sizeof *mine);
+    if (!mine) return TD_ENOMEM;
+    cc->slots[rc->rank] = buf;
+    pthread_barrier_wait(&cc->bar);
+    for (int64_t i = 0; i < n; i++) {
+        float s = 0;
+        for (int r = 0; r < cc->tp; r++)
+            s += cc->slots[r][i];
+        mine[i] = s;
+    }
+    pthread_barrier_wait(&cc->bar);
+    memcpy(buf, mine, (size_t)n * sizeof *mine);
+    free(mine);
+    return 0;
+}
+
+static int gather_cols(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
+{
+    rank_coll *rc = ctx;
+    coll_ctx *cc = rc->cc;
+    cc->parts[rc->rank] = part;
+    pthread_barrier_wait(&cc->bar);
+    for (int r = 0; r < cc->tp && rc->rank == 0; r++) {
+        int64_t c0 = r * n_cols / cc->tp, nc = (r + 1) * n_cols / cc->tp - c0;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(out + i * n_cols + c0, cc->parts[r] + i * nc, (size_t)nc * sizeof *out);
+    }
+    pthread_barrier_wait(&cc->bar);
+    return 0;
+}
+
+typedef struct {
+    const kn_model *m;
     kn_backend be;
     kn_engine *eng;
     kn_kv_pool *kv;
     kn_kv_seq seq[2];
+    rank_coll coll;         /* tp > 1 */
+    pthread_barrier_t *bar; /* tp > 1: the ranks meet after each forward */
 } rig;
 
-static int rig_open(rig *r, kn_backend be)
+/* An engine and pool for model m (a shard when cc is not NULL: rank `rank` of cc->tp). */
+static int rig_open(rig *r, const kn_model *m, kn_backend be, coll_ctx *cc, int rank)
 {
     memset(r, 0, sizeof *r);
+    r->m = m;
     r->be = be;
-    int rc = kn_engine_create(model, be, NULL, &r->eng);
+    r->coll = (rank_coll){.cc = cc, .rank = rank};
+    r->bar = cc ? &cc->bar : NULL;
+    kn_collective coll = {
+        .ctx = &r->coll, .allreduce_sum = allreduce_sum, .gather_cols = gather_cols};
+    int rc = kn_engine_create(m, be, cc ? &coll : NULL, &r->eng);
     if (rc) return rc;
-    kn_kv_pool_params kp = kn_model_kv_params(model, 32, BLOCK, TD_F16);
+    kn_kv_pool_params kp = kn_model_kv_params(m, 32, BLOCK, TD_F16);
     kp.backend = &r->be;
     if ((rc = kn_kv_pool_create(&kp, &r->kv))) return rc;
     kn_kv_seq_init(&r->seq[0]);
@@ -334,13 +123,25 @@ static void rig_close(rig *r)
     kn_engine_destroy(r->eng);
 }
 
+/* tp > 1: every rank waits until rank 0 has written the logits the next step reads */
+static void meet(const rig *r)
+{
+    if (r->bar) pthread_barrier_wait(r->bar);
+}
+
 /* Sequence 0 prefilled in chunks of 9 with sequence 1 (a shorter prompt) in the same
  * batches, then STEPS greedy steps of both together (decode rows solo); logits of every
- * step of both sequences into lg ((1 + STEPS) * 2 rows of n_vocab). */
+ * step of both sequences into lg ((1 + STEPS) * 2 rows of n_vocab), written by rank 0 and
+ * read by every rank. */
+static const int32_t len[2] = {PROMPT, PROMPT / 3}; /* the two prompts */
+
+static int decode(rig *r, float *lg);
+
 static int run(rig *r, float *lg)
 {
-    const int nv = model->hp.n_vocab;
-    int32_t tok[2][PROMPT + STEPS], len[2] = {PROMPT, PROMPT / 3};
+    const int nv = r->m->hp.n_vocab;
+    const bool writer = r->coll.rank == 0;
+    int32_t tok[2][PROMPT];
     for (int i = 0; i < PROMPT; i++) {
         tok[0][i] = (i * 131 + 7) % nv;
         tok[1][i] = (i * 71 + 3) % nv;
@@ -371,11 +172,21 @@ static int run(rig *r, float *lg)
                       .logit_rows = rows};
         float tmp[2 * 512];
         if (!rc) rc = kn_engine_forward(r->eng, r->kv, &b, nl ? tmp : NULL);
-        for (int i = 0; i < nl && !rc; i++) {
+        for (int i = 0; i < nl && !rc && writer; i++) {
             int s = so[rows[i]];
             memcpy(lg + (size_t)s * nv, tmp + (size_t)i * nv, (size_t)nv * 4);
         }
+        meet(r);
     }
+    return rc ? rc : decode(r, lg);
+}
+
+/* STEPS greedy steps of both sequences after their prompts (in the pool), from the logits
+ * of lg's first two rows on. */
+static int decode(rig *r, float *lg)
+{
+    const int nv = r->m->hp.n_vocab;
+    int rc = 0;
     for (int step = 0; step < STEPS && !rc; step++) {
         int32_t t[2], pos[2], so[2] = {0, 1}, rows[2] = {0, 1};
         kn_seq_view v[2];
@@ -399,65 +210,282 @@ static int run(rig *r, float *lg)
                       .n_logits = 2,
                       .logit_rows = rows};
         if (!rc) rc = kn_engine_forward(r->eng, r->kv, &b, lg + (size_t)(step + 1) * 2 * nv);
+        meet(r);
     }
     return rc;
 }
 
-static void test_shadow_equals_cpu(void)
+static bool not_degenerate(const float *lg, int nv)
+{
+    float spread = 0;
+    for (int i = 1; i < nv; i++)
+        spread = fmaxf(spread, fabsf(lg[i] - lg[0]));
+    return spread > 0.1f; /* the comparison means something */
+}
+
+static void test_cpudev_equals_cpu(void)
 {
     const int nv = model->hp.n_vocab;
     TH_REQUIRE(nv <= 512);
     size_t n = (size_t)(1 + STEPS) * 2 * nv;
     float *a = calloc(n, 4), *b = calloc(n, 4);
-    kn_backend cpu;
+    kn_backend cpu, dv;
     TH_REQUIRE(kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &cpu) == 0);
-    shadow *sh = calloc(1, sizeof *sh);
-    TH_REQUIRE(kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &sh->cpu) == 0);
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 2}, &dv) == 0);
+    TH_CHECK(!dv.ops->host_memory && !strcmp(dv.ops->name, "cpu-dev"));
     rig r1, r2;
-    TH_REQUIRE(rig_open(&r1, cpu) == 0);
-    TH_REQUIRE(rig_open(&r2, (kn_backend){.ops = &shadow_ops, .ctx = sh}) == 0);
-    TH_CHECK(is_dev(sh, r2.kv->region, r2.kv->region_bytes)); /* the pool is device memory */
+    TH_REQUIRE(rig_open(&r1, model, cpu, NULL, 0) == 0);
+    TH_REQUIRE(rig_open(&r2, model, dv, NULL, 0) == 0);
+    kn_cpudev_stats st;
+    char probe[64];
+    /* the pool is device memory: reading its last bytes back is no violation */
+    TH_CHECK(
+        dv.ops->download(dv.ctx, probe, (char *)r2.kv->region + r2.kv->region_bytes - 64, 64) == 0);
     TH_CHECK(run(&r1, a) == 0);
     TH_CHECK(run(&r2, b) == 0);
-    TH_CHECKF(sh->violations == 0, "%d host pointers given to the device backend; first: %s",
-              sh->violations, sh->first);
+    TH_REQUIRE(kn_cpudev_stats_of(dv, &st) == 0);
+    TH_CHECKF(st.n_violations == 0, "%lld host pointers given to the device backend; first: %s",
+              (long long)st.n_violations, st.first);
     TH_CHECK(memcmp(a, b, n * 4) == 0);
-    float spread = 0;
-    for (int i = 1; i < nv; i++)
-        spread = fmaxf(spread, fabsf(a[i] - a[0]));
-    TH_CHECK(spread > 0.1f); /* not a degenerate model: the comparison means something */
+    TH_CHECK(not_degenerate(a, nv));
     rig_close(&r1);
     rig_close(&r2);
-    TH_CHECKF(sh->n_bufs > 0, "weights stay mapped until the backend is destroyed");
-    int left = 0;
-    for (int i = 0; i < sh->n_bufs; i++)
-        left += !sh->bufs[i].host;
-    TH_CHECKF(left == 0, "%d device buffers not freed by engine and pool", left);
-    for (int i = 0; i < sh->n_bufs; i++)
-        free((void *)sh->bufs[i].p);
-    kn_backend_destroy(&sh->cpu);
+    TH_REQUIRE(kn_cpudev_stats_of(dv, &st) == 0);
+    TH_CHECKF(st.n_mapped > 0, "weights stay mapped until the backend is destroyed");
+    TH_CHECKF(st.n_live == 0, "%d device buffers not freed by engine and pool", st.n_live);
+    TH_CHECK(kn_cpudev_stats_of(cpu, &st) == TD_EINVAL);
+    kn_backend_destroy(&dv);
     kn_backend_destroy(&cpu);
-    free(sh);
     free(a);
     free(b);
 }
 
-/* Device backends get tp 1 only until the NCCL collective exists; a shared (kvxfer) pool
- * cannot live in device memory yet: both are refused clearly, not run wrongly. */
-static void test_refusals(void)
+/* The checker itself: a host pointer handed to an op is a violation, reported as the
+ * asynchronous error of the next synchronize and download. */
+static void test_cpudev_catches_host_pointers(void)
 {
-    shadow *sh = calloc(1, sizeof *sh);
-    TH_REQUIRE(kn_backend_create("cpu", NULL, &sh->cpu) == 0);
-    kn_backend be = {.ops = &shadow_ops, .ctx = sh};
-    kn_kv_pool_params kp = kn_model_kv_params(model, 4, BLOCK, TD_F16);
+    kn_backend dv;
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 1}, &dv) == 0);
+    float host[8] = {0}, back[8];
+    float *d = dv.ops->alloc(dv.ctx, sizeof host);
+    TH_REQUIRE(d);
+    TH_CHECK(dv.ops->upload(dv.ctx, d, host, sizeof host) == 0);
+    dv.ops->add(dv.ctx, d, d, 1, 8);
+    TH_CHECK(dv.ops->synchronize(dv.ctx) == 0);
+    dv.ops->add(dv.ctx, d, host, 1, 8); /* host x */
+    dv.ops->add(dv.ctx, d, d, 1, 9);    /* runs past the allocation's end */
+    kn_cpudev_stats st;
+    TH_REQUIRE(kn_cpudev_stats_of(dv, &st) == 0);
+    TH_CHECKF(st.n_violations == 3 && strstr(st.first, "add: x"), "%lld violations, first %s",
+              (long long)st.n_violations, st.first);
+    TH_CHECK(dv.ops->synchronize(dv.ctx) == TD_ESTATE);
+    TH_CHECK(dv.ops->download(dv.ctx, back, d, sizeof back) == TD_ESTATE);
+    TH_CHECK(st.n_live == 1 && st.n_upload == 1 && st.bytes_upload == sizeof host);
+    dv.ops->free(dv.ctx, d);
+    kn_backend_destroy(&dv);
+}
+
+/* The KV transfer's path on a device: the prompts' KV computed elsewhere (the cpu rig) lands
+ * in a staged pool's host copy, block by block, as kvxfer puts it there; the device engine
+ * then decodes from it: the engine uploads exactly the received blocks, once, and the
+ * logits equal the cpu run's bit for bit. */
+static void test_received_kv_decodes(void)
+{
+    const int nv = model->hp.n_vocab;
+    size_t n = (size_t)(1 + STEPS) * 2 * nv;
+    float *a = calloc(n, 4), *b = calloc(n, 4);
+    kn_backend cpu, dv;
+    TH_REQUIRE(kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &cpu) == 0);
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 2}, &dv) == 0);
+    rig r1, r2;
+    TH_REQUIRE(rig_open(&r1, model, cpu, NULL, 0) == 0);
+    TH_REQUIRE(run(&r1, a) == 0);
+    memset(&r2, 0, sizeof r2);
+    r2.m = model;
+    r2.be = dv;
+    TH_REQUIRE(kn_engine_create(model, dv, NULL, &r2.eng) == 0);
+    kn_kv_pool_params kp = kn_model_kv_params(model, 32, BLOCK, TD_F16);
+    kp.backend = &r2.be;
+    kp.host_stage = true;
+    TH_REQUIRE(kn_kv_pool_create(&kp, &r2.kv) == 0);
+    int n_blocks = 0;
+    const size_t bb = r1.kv->block_bytes;
+    for (int s = 0; s < 2; s++) {
+        kn_kv_seq_init(&r2.seq[s]);
+        TH_REQUIRE(kn_kv_seq_reserve(r2.kv, &r2.seq[s], len[s]) == 0);
+        for (int j = 0; j < r2.seq[s].n_blocks; j++, n_blocks++)
+            for (int l = 0; l < 2 * model->hp.n_layer; l++) {
+                const char *src = (char *)(l & 1 ? r1.kv->v[l / 2] : r1.kv->k[l / 2]) +
+                                  (size_t)r1.seq[s].blocks[j] * bb;
+                size_t off = (size_t)((char *)(l & 1 ? r2.kv->v[l / 2] : r2.kv->k[l / 2]) -
+                                      (char *)r2.kv->region);
+                memcpy((char *)r2.kv->host + off + (size_t)r2.seq[s].blocks[j] * bb, src, bb);
+            }
+    }
+    memcpy(b, a, (size_t)2 * nv * 4); /* the prompts' last logits: the prefill's answer */
+    TH_CHECK(decode(&r2, b) == 0);
+    TH_CHECK(memcmp(a, b, n * 4) == 0);
+    TH_CHECKF(r2.kv->n_stage_up == (uint64_t)n_blocks, "%llu blocks uploaded, %d received",
+              (unsigned long long)r2.kv->n_stage_up, n_blocks);
+    kn_cpudev_stats st;
+    TH_CHECK(kn_cpudev_stats_of(dv, &st) == 0 && st.n_violations == 0);
+    rig_close(&r1);
+    rig_close(&r2);
+    kn_backend_destroy(&dv);
+    kn_backend_destroy(&cpu);
+    free(a);
+    free(b);
+}
+
+/* ---- tp 2: two ranks in two threads ---- */
+
+typedef struct {
+    rig r;
+    kn_model *m;
+    float *lg;
+    int rc;
+} rank_job;
+
+static void *rank_main(void *v)
+{
+    rank_job *j = v;
+    j->rc = run(&j->r, j->lg);
+    return NULL;
+}
+
+/* The run at tp 2 on backend `name`: logits into lg (rank 0's), the cpu-dev stats of rank
+ * 0 into st when name is cpu-dev. */
+static int run_tp2(const char *name, float *lg, kn_cpudev_stats *st)
+{
+    coll_ctx cc = {.tp = 2};
+    pthread_barrier_init(&cc.bar, NULL, 2);
+    rank_job jobs[2] = {0};
+    kn_backend be[2] = {0};
+    int rc = 0;
+    for (int r = 0; r < 2 && !rc; r++) {
+        kn_shard sh = {.l0 = 0, .l1 = model->hp.n_layer, .tp_rank = r, .tp_size = 2};
+        rc = kn_model_load(gguf, &sh, &jobs[r].m);
+        if (!rc) rc = kn_backend_create(name, &(kn_backend_options){.n_threads = 1}, &be[r]);
+        if (!rc) rc = rig_open(&jobs[r].r, jobs[r].m, be[r], &cc, r);
+        jobs[r].lg = lg;
+    }
+    pthread_t th[2];
+    for (int r = 0; r < 2 && !rc; r++)
+        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+    for (int r = 0; r < 2 && !rc; r++)
+        pthread_join(th[r], NULL);
+    if (!rc) rc = jobs[0].rc ? jobs[0].rc : jobs[1].rc;
+    for (int r = 0; r < 2; r++) {
+        rig_close(&jobs[r].r);
+        if (r == 0 && st && !rc) rc = kn_cpudev_stats_of(be[0], st); /* engine gone */
+        kn_backend_destroy(&be[r]);
+        kn_model_destroy(jobs[r].m);
+    }
+    pthread_barrier_destroy(&cc.bar);
+    return rc;
+}
+
+/* tp 2 on cpu-dev (collectives staged through host memory) equals tp 2 on cpu bit for bit,
+ * and rank 0 downloads exactly what the engine should: per forward and layer, two
+ * all-reduces of (tokens, n_embd), plus its logit slices; it uploads as much for the
+ * all-reduces, plus the batches' arrays. */
+static void test_tp2_cpudev_equals_cpu(void)
+{
+    const int nv = model->hp.n_vocab;
+    size_t n = (size_t)(1 + STEPS) * 2 * nv;
+    float *a = calloc(n, 4), *b = calloc(n, 4);
+    kn_cpudev_stats st;
+    TH_REQUIRE(run_tp2("cpu", a, NULL) == 0);
+    TH_REQUIRE(run_tp2("cpu-dev", b, &st) == 0);
+    TH_CHECKF(st.n_violations == 0, "first violation: %s", st.first);
+    TH_CHECK(memcmp(a, b, n * 4) == 0);
+    TH_CHECK(not_degenerate(a, nv));
+    const int64_t tokens = PROMPT + PROMPT / 3 + 2 * STEPS, logit_rows = 2 + 2 * STEPS;
+    const int64_t vloc = nv / 2; /* kn_split_even: rank 0 holds [0, nv / 2) */
+    const int64_t ar = tokens * model->hp.n_layer * 2 * model->hp.n_embd;
+    uint64_t want = (uint64_t)(ar + logit_rows * vloc) * 4;
+    TH_CHECKF(st.bytes_download == want, "rank 0 downloaded %llu bytes, expected %llu",
+              (unsigned long long)st.bytes_download, (unsigned long long)want);
+    TH_CHECK(st.bytes_upload > (uint64_t)ar * 4);
+    TH_CHECKF(st.n_host_live == 0, "%d staging buffers left", st.n_host_live);
+    fprintf(stderr,
+            "tp 2 cpu-dev rank 0: %llu bytes down, %llu up (%llu of them all-reduces) for %lld "
+            "tokens (%d layers, n_embd %d, vocab slice %lld)\n",
+            (unsigned long long)st.bytes_download, (unsigned long long)st.bytes_upload,
+            (unsigned long long)ar * 4, (long long)tokens, model->hp.n_layer, model->hp.n_embd,
+            (long long)vloc);
+    free(a);
+    free(b);
+}
+
+/* A device pool with host staging (the KV transfer's): kvxfer sees the host copy (shared
+ * memory here), blocks move between it and the device on request, a fresh block is not
+ * current on the device until uploaded. A shared pool in device memory without staging
+ * and an unknown backend name are refused. */
+static void test_staged_pool(void)
+{
+    kn_backend be;
+    TH_REQUIRE(kn_backend_create("cpu-dev", NULL, &be) == 0);
+    kn_kv_pool_params kp = kn_model_kv_params(model, 4, BLOCK, TD_F32);
     kp.backend = &be;
-    kp.shm_name = "/tandem-test-device-pool";
+    char name[64];
+    snprintf(name, sizeof name, "/tandem-test-device-pool-%d", (int)getpid());
+    kp.shm_name = name;
     kn_kv_pool *kv = NULL;
-    TH_CHECK(kn_kv_pool_create(&kp, &kv) == TD_EUNSUPP && !kv);
+    TH_CHECK(kn_kv_pool_create(&kp, &kv) == TD_EINVAL && !kv);
+    kp.host_stage = true;
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_CHECK(kv->host && kn_kv_xfer_region(kv) == kv->host && kv->host != kv->region);
+    void *mapped;
+    size_t mb;
+    TH_CHECK(kn_kv_region_map(&kp, true, &mapped, &mb) == 0 &&
+             mb == kv->region_bytes + (size_t)kv->n_blocks); /* the on_dev flags follow */
+    const uint8_t *flags = (const uint8_t *)mapped + kv->region_bytes;
+    int32_t ids[2];
+    TH_REQUIRE(kn_kv_alloc(kv, 2, ids) == 0);
+    TH_CHECK(!kv->on_dev[ids[0]] && !kv->on_dev[ids[1]]);
+    /* "received" KV: a pattern in block ids[1] of every layer, through the other mapping */
+    const size_t bb = kv->block_bytes;
+    float *pat = malloc(bb), *back = malloc(bb);
+    for (size_t i = 0; i < bb / 4; i++)
+        pat[i] = (float)i * 0.5f;
+    for (int l = 0; l < 2 * kv->n_layers; l++) {
+        size_t off = (size_t)((char *)(l & 1 ? kv->v[l / 2] : kv->k[l / 2]) - (char *)kv->region);
+        memcpy((char *)mapped + off + (size_t)ids[1] * bb, pat, bb);
+    }
+    TH_CHECK(kn_kv_stage_upload(kv, &ids[1], 1) == 0);
+    TH_CHECK(kv->on_dev[ids[1]] && !kv->on_dev[ids[0]] && kv->n_stage_up == 1);
+    TH_CHECK(flags[ids[1]] == 1 && flags[ids[0]] == 0); /* the mapper sees them */
+    int same = 0;
+    for (int l = 0; l < kv->n_layers; l++) {
+        TH_CHECK(be.ops->download(be.ctx, back, (char *)kv->v[l] + (size_t)ids[1] * bb, bb) == 0);
+        same += !memcmp(back, pat, bb);
+    }
+    TH_CHECK(same == kv->n_layers);
+    /* the other way: what the device holds in block ids[0] reaches the host copy */
+    for (int l = 0; l < kv->n_layers; l++)
+        TH_CHECK(be.ops->upload(be.ctx, (char *)kv->k[l] + (size_t)ids[0] * bb, pat, bb) == 0);
+    TH_CHECK(kn_kv_stage_download(kv, &ids[0], 1) == 0);
+    size_t off0 = (size_t)((char *)kv->k[kv->n_layers - 1] - (char *)kv->region);
+    TH_CHECK(!memcmp((char *)mapped + off0 + (size_t)ids[0] * bb, pat, bb));
+    int32_t bad = kv->n_blocks;
+    TH_CHECK(kn_kv_stage_upload(kv, &bad, 1) == TD_ERANGE);
+    kn_cpudev_stats st;
+    TH_CHECK(kn_cpudev_stats_of(be, &st) == 0 && st.n_violations == 0);
+    kn_kv_free(kv, 2, ids);
+    kn_kv_region_unmap(mapped, mb);
+    kn_kv_pool_destroy(kv);
+    free(pat);
+    free(back);
+    /* a host pool has nothing to stage */
+    kn_kv_pool_params hp = kn_model_kv_params(model, 4, BLOCK, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&hp, &kv) == 0);
+    TH_CHECK(!kv->host && kn_kv_xfer_region(kv) == kv->region);
+    TH_CHECK(kn_kv_stage_upload(kv, ids, 0) == TD_EINVAL);
+    kn_kv_pool_destroy(kv);
     kn_backend x;
     TH_CHECK(kn_backend_create("nope", NULL, &x) == TD_EINVAL && !x.ops);
-    kn_backend_destroy(&sh->cpu);
-    free(sh);
+    kn_backend_destroy(&be);
 }
 
 /* backend 'cuda' where it cannot run: a clear TD_EUNSUPP, never a CPU run in disguise */
@@ -484,8 +512,11 @@ int main(int argc, char **argv)
         return 1;
     }
     if (kn_model_load(gguf, &(kn_shard){0}, &model)) return 1;
-    TH_RUN(test_shadow_equals_cpu);
-    TH_RUN(test_refusals);
+    TH_RUN(test_cpudev_equals_cpu);
+    TH_RUN(test_cpudev_catches_host_pointers);
+    TH_RUN(test_tp2_cpudev_equals_cpu);
+    TH_RUN(test_received_kv_decodes);
+    TH_RUN(test_staged_pool);
     TH_RUN(test_cuda_refused_without_gpu);
     kn_model_destroy(model);
     td_gguf_close(gguf);
