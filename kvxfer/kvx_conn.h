@@ -192,8 +192,8 @@ typedef struct {
     uint32_t first_pos; /* positions [0, first_pos) are held already (a prefix this rank's
                          * pool shares with other requests): the writers never put them, so
                          * their blocks are never written by this request. 0: every position
-                         * (the target then has the version-1 layout old writers read; with
-                         * first_pos > 0 an old writer refuses the target as malformed
+                         * (the target then has the layout writers older than first_pos read;
+                         * with first_pos > 0 such a writer refuses the target as malformed
                          * instead of writing the shared blocks) */
 } kvx_dec_req_params;
 
