@@ -318,32 +318,33 @@ int dc_sched_submit(dc_sched *s, const dc_request_params *p)
 
 /* Blocks the running requests still need to finish their prompts (promised capacity). */
 static int promised_blocks(const dc_sched *s);
+static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait);
 
 int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int32_t **blocks,
-                             int *n_blocks)
+                             int *n_blocks, int32_t *n_cached)
 {
-    *blocks = NULL;
-    *n_blocks = 0;
+    dc_req *r = NULL;
     int rc = check_params(s, p);
+    if (!rc) rc = req_new(s, p, &r);
     if (rc) return rc;
-    /* blocks promised to running prompts stay theirs: taking them would only preempt */
-    int need = kn_kv_blocks_for(s->kv, p->n_prompt);
-    if (kn_kv_available(s->kv) - promised_blocks(s) < need) {
-        TD_LOG_DEBUG("req %llu: the pool cannot hold %d blocks for the prompt now (%d free, %d "
-                     "promised)",
-                     (unsigned long long)p->id, need, kn_kv_available(s->kv), promised_blocks(s));
-        return TD_ESTATE;
-    }
-    dc_req *r;
-    if ((rc = req_new(s, p, &r))) return rc;
-    rc = kn_kv_seq_reserve(s->kv, &r->seq, p->n_prompt);
+    /* the pool's cached prefix is shared, never transferred (not the tier's: copies are a
+     * step's budget); blocks promised to running prompts stay theirs (else: preemption) */
+    bool wait;
+    int m = pc_match(s, r, false, &wait), need = kn_kv_blocks_for(s->kv, p->n_prompt) - m;
+    if (kn_kv_available(s->kv) - promised_blocks(s) < need) rc = TD_ESTATE;
+    if (!rc) rc = kn_kv_seq_reserve(s->kv, &r->seq, p->n_prompt);
     if (!rc) rc = list_push(&s->xfer, r);
     if (rc) {
-        req_free(s, r);
+        req_free(s, r); /* drops the matched blocks' references */
         return rc == TD_ENOSPC ? TD_ESTATE : rc;
     }
+    s->pc_queried += s->cache ? (uint64_t)p->n_prompt : 0;
+    s->pc_hits += (uint64_t)r->n_computed;
+    r->n_cached = r->n_computed;
+    r->admitted_once = true; /* usage keeps this figure if it is preempted later */
     *blocks = r->seq.blocks;
     *n_blocks = r->seq.n_blocks;
+    *n_cached = r->n_cached;
     return 0;
 }
 
@@ -415,10 +416,11 @@ static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
  * all of them: the last token is always computed, so its logits exist and no shared block is
  * written) and start computing after them; blocks only the tier holds are copied back into
  * the pool first, within the step's copy budget and the pool's unpromised room. Requests
- * that want prompt logprobs compute every prompt row, so they match nothing. Returns the
- * blocks matched; *wait: the step's copy budget ran out before r's prefix was whole (r
- * waits for the next step rather than compute what the tier holds). */
-static int pc_match(dc_sched *s, dc_req *r, bool *wait)
+ * that want prompt logprobs compute every prompt row, so they match nothing. Without tier,
+ * blocks only the tier holds are not matched. Returns the blocks matched; *wait: the
+ * step's copy budget ran out before r's prefix was whole (r waits for the next step rather
+ * than compute what the tier holds). */
+static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait)
 {
     *wait = false;
     int most = (r->n_tokens - 1) / s->kv->block_size;
@@ -432,7 +434,7 @@ static int pc_match(dc_sched *s, dc_req *r, bool *wait)
     int room = kn_kv_available(s->kv) - promised_blocks(s);
     kn_kv_tier_budget tb = {.copies_left = s->tier_left < room ? s->tier_left : room};
     int m = kn_kv_cache_match_tier(s->cache, r->tokens, r->n_tokens, most, r->seq.blocks, &r->pc,
-                                   s->tier ? &tb : NULL);
+                                   s->tier && tier ? &tb : NULL);
     s->tier_left -= tb.copied;
     *wait = tb.more && s->tier_left <= 0; /* not for want of room: that may never come */
     r->seq.n_blocks = m;
@@ -525,7 +527,7 @@ static int admit_waiting(dc_sched *s, int budget)
     while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
         dc_req *r = s->waiting.v[0];
         bool wait;
-        int m = pc_match(s, r, &wait); /* cached leading blocks: shared, not computed again */
+        int m = pc_match(s, r, true, &wait); /* cached leading blocks: shared, not computed again */
         int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
         int32_t left = r->n_tokens - r->n_computed;
         int32_t chunk = cap_chunk(s, r->n_computed, left < budget ? left : budget);

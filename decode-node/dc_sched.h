@@ -173,12 +173,16 @@ int dc_sched_submit(dc_sched *s, const dc_request_params *p);
 int dc_sched_cancel(dc_sched *s, uint64_t id);
 
 /* Disaggregated mode: check p like dc_sched_submit (same errors) and reserve blocks for
- * the whole prompt now; the request is TRANSFERRING. *blocks (n_blocks ids: position q in
- * blocks[q / block_size]) stays valid until the next call into the scheduler. TD_ESTATE:
- * the pool cannot hold the prompt right now (blocks promised to running prompts count as
- * taken); retry later. */
+ * the whole prompt now; the request is TRANSFERRING. With the prefix cache, the prompt's
+ * leading whole blocks found in the pool are shared (as at admission: never the block of
+ * the last prompt token, nothing with prompt logprobs, not from the tier) and *n_cached
+ * (a multiple of the block size) says how many positions they hold: the transfer must
+ * write only [*n_cached, n_prompt), never the shared blocks. *blocks (n_blocks ids:
+ * position q in blocks[q / block_size], the shared ones first) stays valid until the next
+ * call into the scheduler. TD_ESTATE: the pool cannot hold the prompt right now (blocks
+ * promised to running prompts count as taken); retry later. */
 int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int32_t **blocks,
-                             int *n_blocks);
+                             int *n_blocks, int32_t *n_cached);
 /* The KV of [0, n_prompt) arrived and the prefill sampled first_token: report it (a
  * generated token; a stop token or max_tokens 1 finishes the request here) and make the
  * request runnable. A request cancelled meanwhile finishes CANCELLED. TD_ENOENT: not

@@ -215,7 +215,8 @@ static void reply_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uin
 {
     const uint8_t *const *tg;
     const size_t *len;
-    if (dc_xfer_targets(n->xfer, id, &tg, &len)) {
+    int32_t n_cached;
+    if (dc_xfer_targets(n->xfer, id, &tg, &len, &n_cached)) {
         td_ctrl_server_reply_error(n->srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
                                    "no KV targets for request %llu (bug)",
                                    (unsigned long long)request_id);
@@ -228,14 +229,16 @@ static void reply_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uin
     ar.request_id = request_id;
     ar.n_kv_targets = (size_t)n->dcfg->tp;
     ar.kv_targets = bins;
+    ar.n_cached = (uint32_t)n_cached;
     Td__Envelope env = TD__ENVELOPE__INIT;
     env.body_case = TD__ENVELOPE__BODY_ALLOC_REPLY;
     env.alloc_reply = &ar;
     td_ctrl_server_reply(n->srv, req, &env);
 }
 
-/* Alloc (disaggregated mode): reserve the prompt's blocks, make every rank's KV target and
- * answer them; the request waits TRANSFERRING until the prefill stages' KV is in. */
+/* Alloc (disaggregated mode): reserve the prompt's blocks (sharing the prefix this pool
+ * holds), make every rank's KV target and answer them with the count of positions held
+ * (not transferred); the request waits TRANSFERRING until the prefill stages' KV is in. */
 static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
 {
     const Td__Alloc *a = in->env->alloc;
@@ -300,7 +303,8 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
     dc_request_params rp = request_params(s, (uint64_t)id);
     const int32_t *blocks;
     int n_blocks;
-    int rc = dc_sched_submit_transfer(n->sched, &rp, &blocks, &n_blocks);
+    int32_t n_cached;
+    int rc = dc_sched_submit_transfer(n->sched, &rp, &blocks, &n_blocks, &n_cached);
     if (rc == TD_ESTATE) {
         n->routes[id].used = false;
         td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
@@ -315,7 +319,8 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
         reply_refused(n, in->req, rid, rc);
         return;
     }
-    rc = dc_xfer_start(n->xfer, (uint64_t)id, rid, a->n_stages, rp.n_prompt, blocks, n_blocks);
+    rc = dc_xfer_start(n->xfer, (uint64_t)id, rid, a->n_stages, rp.n_prompt, n_cached, blocks,
+                       n_blocks);
     if (rc) {
         /* no target went out: the blocks are safe to free; no event (the reply says it) */
         n->routes[id].used = false;

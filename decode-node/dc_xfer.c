@@ -20,6 +20,7 @@ typedef struct {
     uint64_t key, kvx_id;
     uint32_t n_stages;
     int32_t n_prompt;
+    int32_t n_cached; /* positions every rank holds already: not transferred */
     int64_t t_start_ns;
     bool ending;      /* aborted on every rank; waiting for all to be final */
     dc_xfer_end why;  /* ending: the first reason */
@@ -157,10 +158,12 @@ static void drop_rank(dc_xfer *x, int r, uint64_t kvx_id)
 }
 
 int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, int32_t n_prompt,
-                  const int32_t *blocks, int n_blocks)
+                  int32_t n_cached, const int32_t *blocks, int n_blocks)
 {
     if (find_key(x, key) || dc_xfer_kvx_live(x, kvx_id)) return TD_ESTATE;
-    if (n_stages < 1 || n_stages > KVX_MAX_STAGES || n_prompt < 1 || n_blocks < 1) return TD_EINVAL;
+    if (n_stages < 1 || n_stages > KVX_MAX_STAGES || n_prompt < 1 || n_blocks < 1 || n_cached < 0 ||
+        n_cached >= n_prompt)
+        return TD_EINVAL;
     if (x->n == x->cap) {
         int cap = x->cap ? 2 * x->cap : 16;
         xfer *v = realloc(x->v, (size_t)cap * sizeof *v);
@@ -172,6 +175,7 @@ int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, 
               .kvx_id = kvx_id,
               .n_stages = n_stages,
               .n_prompt = n_prompt,
+              .n_cached = n_cached,
               .t_start_ns = td_now_ns()};
     t.target = calloc((size_t)x->p.tp, sizeof *t.target);
     t.target_len = calloc((size_t)x->p.tp, sizeof *t.target_len);
@@ -186,7 +190,8 @@ int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, 
                                  .tp = (uint32_t)x->p.tp,
                                  .blocks = blocks,
                                  .n_blocks = (uint32_t)n_blocks,
-                                 .timeout_ms = x->p.timeout_ms};
+                                 .timeout_ms = x->p.timeout_ms,
+                                 .first_pos = (uint32_t)n_cached};
         /* addresses, key, layout and block ids: the exact size is known after a try */
         size_t cap = 1024 + KVX_ADDR_MAX + KVX_RKEY_MAX + 4 * (size_t)n_blocks, len = 0;
         for (int attempt = 0; attempt < 2; attempt++) {
@@ -223,10 +228,11 @@ int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, 
 }
 
 int dc_xfer_targets(const dc_xfer *x, uint64_t key, const uint8_t *const **targets,
-                    const size_t **lens)
+                    const size_t **lens, int32_t *n_cached)
 {
     const xfer *t = find_key(x, key);
     if (!t) return TD_ENOENT;
+    *n_cached = t->n_cached;
     *targets = (const uint8_t *const *)t->target;
     *lens = t->target_len;
     return 0;
@@ -372,10 +378,10 @@ static int step(dc_xfer *x, int i, dc_xfer_event *ev)
     if (!t->ending && n_done == x->p.tp) {
         int32_t first;
         if (check_meta(x, t, st, &first) == 0) {
-            TD_LOG_INFO("decode %s: request %llu: KV of %d tokens from %u stages arrived (transfer "
-                        "%.1f ms after Alloc)",
+            TD_LOG_INFO("decode %s: request %llu: KV of %d tokens from %u stages arrived (%d "
+                        "held here, not transferred; transfer %.1f ms after Alloc)",
                         x->instance, (unsigned long long)t->kvx_id, t->n_prompt, t->n_stages,
-                        (double)(td_now_ns() - t->t_start_ns) / 1e6);
+                        t->n_cached, (double)(td_now_ns() - t->t_start_ns) / 1e6);
             release_all(x, t);
             ev->kind = DC_XFER_ARRIVED;
             ev->first_token = first;

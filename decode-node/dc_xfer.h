@@ -77,14 +77,18 @@ void dc_xfer_destroy(dc_xfer *x);
 
 /* Start the transfer of the request the caller knows as key (unique among live
  * transfers), kvxfer id kvx_id, written by n_stages prefill stages, prompt of n_prompt
- * tokens in blocks (n_blocks ids, position q in blocks[q / block_size]). TD_ESTATE: a
- * transfer with that kvx_id (or key) is alive; other errors are logged. On failure nothing
- * stays alive and no target was handed out, so the blocks are free to reuse. */
+ * tokens in blocks (n_blocks ids, position q in blocks[q / block_size]), of which every
+ * rank holds [0, n_cached) already (the prefix cache's shared blocks, 0 <= n_cached <
+ * n_prompt): the targets say so (kvx_dec_req_params.first_pos) and the writers put only
+ * the rest. TD_ESTATE: a transfer with that kvx_id (or key) is alive; other errors are
+ * logged. On failure nothing stays alive and no target was handed out, so the blocks are
+ * free to reuse. */
 int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, int32_t n_prompt,
-                  const int32_t *blocks, int n_blocks);
-/* The tp target byte strings of a live transfer (rank order). TD_ENOENT if none. */
+                  int32_t n_cached, const int32_t *blocks, int n_blocks);
+/* The tp target byte strings of a live transfer (rank order) and its n_cached. TD_ENOENT
+ * if none. */
 int dc_xfer_targets(const dc_xfer *x, uint64_t key, const uint8_t *const **targets,
-                    const size_t **lens);
+                    const size_t **lens, int32_t *n_cached);
 bool dc_xfer_live(const dc_xfer *x, uint64_t key); /* started, event not yet returned */
 bool dc_xfer_kvx_live(const dc_xfer *x, uint64_t kvx_id);
 int dc_xfer_pending(const dc_xfer *x); /* live transfers */

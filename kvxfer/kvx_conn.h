@@ -25,6 +25,10 @@
  * both sides merge into one put; small pieces contiguous only at the destination (a head
  * slice of consecutive blocks when the source holds more heads) are gathered into a
  * staging buffer (kept until the chunk's flush of that rank completed) and go as one put.
+ * A target may hold a prefix already (kvx_dec_req_params.first_pos, the decode side's
+ * prefix cache): its positions below first_pos are cut from every chunk at issue time, so a
+ * chunk queued before the target arrived is cut too; a chunk with nothing left for a rank
+ * sends that rank no put and no flush (it still lands, and finish still notifies).
  *
  * Chunk times (CLOCK_MONOTONIC ns, td_now_ns: comparable between the processes of one
  * host): handed = kvx_pf_send_chunk accepted the chunk; issued = its puts started (the
@@ -184,7 +188,13 @@ typedef struct {
     uint32_t rank, tp;     /* this decode rank and the decode TP size */
     const int32_t *blocks; /* (n_blocks) block ids: position p lives in blocks[p / bs] */
     uint32_t n_blocks;
-    int timeout_ms; /* 0: the connector's */
+    int timeout_ms;     /* 0: the connector's */
+    uint32_t first_pos; /* positions [0, first_pos) are held already (a prefix this rank's
+                         * pool shares with other requests): the writers never put them, so
+                         * their blocks are never written by this request. 0: every position
+                         * (the target then has the layout writers older than first_pos read;
+                         * with first_pos > 0 such a writer refuses the target as malformed
+                         * instead of writing the shared blocks) */
 } kvx_dec_req_params;
 
 /* Start a request and write its KV target bytes (at most cap; *len gets the size, also

@@ -223,6 +223,10 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
     } else if (kvxi_dec_find(c, req_id)) {
         TD_LOG_ERR("kvx conn: req %llu: already alive", (unsigned long long)req_id);
         err = TD_ESTATE;
+    } else if ((uint64_t)p->first_pos >= (uint64_t)p->n_blocks * c->dec_layout.block_size) {
+        TD_LOG_ERR("kvx conn: req %llu: first position %u is not inside its %u blocks",
+                   (unsigned long long)req_id, p->first_pos, p->n_blocks);
+        err = TD_EINVAL;
     }
     for (uint32_t i = 0; !err && i < p->n_blocks; i++)
         if (p->blocks[i] < 0 || (uint32_t)p->blocks[i] >= c->dec_layout.n_blocks) {
@@ -242,7 +246,7 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
     r->state = KVX_REQ_WAITING;
     r->deadline = td_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
 
-    size_t pl_cap = 128 + c->addr_len + c->rkey_len + (size_t)p->n_blocks * 4;
+    size_t pl_cap = 132 + c->addr_len + c->rkey_len + (size_t)p->n_blocks * 4;
     uint8_t *pl = malloc(pl_cap);
     if (!pl) {
         free(r);
@@ -267,6 +271,7 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
     kvx_wr_u32(&w, p->n_blocks);
     for (uint32_t i = 0; i < p->n_blocks; i++)
         kvx_wr_u32(&w, (uint32_t)p->blocks[i]);
+    if (p->first_pos) kvx_wr_u32(&w, p->first_pos); /* optional tail: see kvx_dec_req_params */
     if (!w.ok || !kvx_frame_write(buf, cap, KVX_MAGIC_TARGET, KVX_KIND_UCX, pl, w.len, len)) {
         err = TD_ERANGE;
         free(r);

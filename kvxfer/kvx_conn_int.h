@@ -65,6 +65,7 @@ typedef struct {
     uint64_t base, region_bytes;
     uint32_t n_blocks;
     uint32_t *blocks;
+    uint32_t first_pos; /* positions below are held by the decode rank: never put */
 } kvxi_pf_target;
 
 /* One chunk of a prefill request (indexed by its chunk number): its times and the rank
@@ -221,7 +222,8 @@ void kvxi_pf_on_msg(kvx_conn *c, const kvxi_msg *m); /* ACCEPT, REFUSE, ABORT */
 
 /* kvx_conn_put.c */
 /* Put tokens [t0, t1) of the source (region src with layout sl, logical block b in
- * block id sblk[b - sfirst]) into target t: its heads only. *arena gets the staging
+ * block id sblk[b - sfirst]) into target t: its heads only, and only positions at or after
+ * t->first_pos (a chunk entirely below puts nothing). *arena gets the staging
  * buffer the puts read (NULL if none): it must live until a flush of t completed. */
 int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint8_t *src,
                       const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,

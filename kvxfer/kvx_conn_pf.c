@@ -554,7 +554,11 @@ static int target_decode(const void *buf, size_t len, kvxi_pf_target *t, const u
             return TD_EFORMAT;
         }
     }
-    if (r.off != n) {
+    /* optional tail (kvx_dec_req_params.first_pos): absent means 0, a 0 written is invalid */
+    if (r.off < n && ((t->first_pos = kvx_rd_u32(&r)) == 0 ||
+                      (uint64_t)t->first_pos >= (uint64_t)t->n_blocks * t->layout.block_size))
+        r.ok = false;
+    if (!r.ok || r.off != n) {
         free(t->blocks);
         t->blocks = NULL;
         return TD_EFORMAT;

@@ -112,7 +112,8 @@ int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint
     uint32_t e0 = sl->head0 + sl->n_heads, e1 = dl->head0 + dl->n_heads;
     uint32_t i1 = e0 < e1 ? e0 : e1;
     *arena = NULL;
-    if (i0 >= i1) return 0; /* no common heads */
+    if (t0 < t->first_pos) t0 = t->first_pos; /* the decode rank holds those positions */
+    if (i0 >= i1 || t0 >= t1) return 0;       /* no common heads, or nothing to put */
     uint32_t bs = sl->block_size;
     size_t tokb = (size_t)sl->head_dim * sl->dtype_size;
     coalescer co = {.c = c, .r = r, .t = t};

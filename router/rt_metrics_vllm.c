@@ -276,10 +276,13 @@ int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
     rc |= put_inst(b, m, cfg, "vllm:num_preemptions_total", "counter",
                    "Requests the decode instance preempted (KV pool full), across restarts.", 3);
     rc |= put_inst(b, m, cfg, "vllm:prefix_cache_queries_total", "counter",
-                   "Tokens the decode instance looked up in its prefix cache (admitted requests).",
+                   "Tokens the decode instance looked up in its prefix cache (admitted requests, "
+                   "and KV transfers at Alloc).",
                    4);
     rc |= put_inst(b, m, cfg, "vllm:prefix_cache_hits_total", "counter",
-                   "Of those, tokens found cached (their KV was not computed again).", 5);
+                   "Of those, tokens found cached (their KV was not computed or not transferred "
+                   "again).",
+                   5);
     rc |= put_inst(b, m, cfg, "tandem_prefix_cache_evictions_total", "counter",
                    "Cached KV blocks the decode instance evicted to make room.", 6);
     rc |= put_inst(b, m, cfg, "tandem_prefix_cache_tier_writes_total", "counter",

@@ -325,6 +325,7 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     q->pair.pf_busy = true;
     q->pair.pf_acked = false;
     q->pair.kvt_sent = false;
+    q->pair.dc_cached = 0;
     ps->active++;
     ps->inflight_tokens += pf.n_token_ids;
     q->pair.deadline_ms = rt_pair_deadline(r->cfg, now);
@@ -412,6 +413,11 @@ rt_pair_out rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_clien
             return failed(q, 500, NULL, msg);
         }
         q->loop.state = RT_ST_RUNNING;
+        q->pair.dc_cached = ar->n_cached < q->p.n_prompt ? ar->n_cached : 0; /* else bogus */
+        if (ar->n_cached)
+            TD_LOG_DEBUG("router: %s req %llu: decode instance %s holds %u prompt tokens: not "
+                         "pushed",
+                         q->oid, (unsigned long long)q->loop.rid, s->name, ar->n_cached);
         if (keep_targets(q, ar)) {
             abandon(r, q);
             return failed(q, 500, NULL, "out of memory while relaying the KV targets");

@@ -137,6 +137,8 @@ typedef struct {
     size_t n_targets;
     char pf_fail[320];  /* the first prefill failure, for the client's error message */
     uint32_t pf_cached; /* PrefillDone.cached_tokens of the attempt that served the prompt */
+    uint32_t dc_cached; /* AllocReply.n_cached of the attempt: prompt positions the decode
+                           instance held (its targets say so; not pushed) */
 } rt_req_pair;
 
 /* Choices (rt_choices.h): a request with n > 1 or several prompts is a parent that holds the

@@ -55,11 +55,14 @@ static rt_req *out_of(rt_req *q)
     return q->ch.parent ? q->ch.parent : q;
 }
 
-/* The prompt tokens of q whose KV came from a prefix cache: the prefill stages' (disaggregated,
- * PrefillDone) or the decode node's (colocated, its TokenEvents' usage). */
+/* The prompt tokens of q whose KV came from a prefix cache: the decode node's (its
+ * TokenEvents' usage; in disaggregated mode also AllocReply.n_cached, the positions it held
+ * and the prefill stages did not push) or the prefill stages' (PrefillDone), the larger:
+ * the prompt's leading part that was not computed or not moved (docs/prefix-cache.md). */
 static size_t req_cached(const rt_req *q)
 {
     size_t d = q->loop.n_cached > 0 ? (size_t)q->loop.n_cached : 0;
+    if (q->pair.dc_cached > d) d = q->pair.dc_cached;
     return q->pair.pf_cached > d ? q->pair.pf_cached : d;
 }
 

@@ -9,7 +9,8 @@ if(TANDEM_PYTHON)
   set_tests_properties(disagg PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
                        LABELS disagg)
   # the prefill stages' prefix cache (tests/disagg/test_prefix_cache.py): hits exact against a
-  # cold run at pp 1/2/3 x tp 1/2, eviction, a stage restart, aborts while cached blocks move
+  # cold run at pp 1/2/3 x tp 1/2, eviction, a stage restart, aborts while cached blocks move;
+  # the decode side's: turn 2 pushes only what the decode instance lacks, a decode restart
   add_test(NAME disagg_prefix_cache
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_prefix_cache.py
                    --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>

@@ -30,7 +30,9 @@ Rounds alternate the configurations (A B C D, A B C D, ...), so drift hits all o
 
 Per configuration and round: TTFT p50/p99 of turns 2+ (seconds), output tok/s (completion
 tokens over the round's wall time), hit rate (cached_tokens / prompt_tokens over turns 2+,
-from usage.prompt_tokens_details), mean prompt tokens of turn 1 and of the last turn. At the
+from usage.prompt_tokens_details), mean prompt tokens of turn 1 and of the last turn, and
+(disaggregated) the KV bytes the prefill stages pushed per request (all turns, from the
+router's tandem_kv_transfer_bytes). At the
 end: the medians over rounds and the ratios pd_off/pd_on and co_load/co_aware (TTFT p50,
 medians of the per-round ratios).
 
@@ -221,6 +223,21 @@ def workload(args, port):
             "wall_s": wall, "requests": out}
 
 
+def kv_bytes_per_request(port):
+    """The router's tandem_kv_transfer_bytes sum / count (KV bytes the prefill stages pushed
+    per request; disaggregated only), or None."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode(errors="replace")
+    c.close()
+    got = {}
+    for line in text.splitlines():
+        for k in ("sum", "count"):
+            if line.startswith(f"tandem_kv_transfer_bytes_{k}"):
+                got[k] = float(line.rsplit(" ", 1)[1])
+    return got["sum"] / got["count"] if got.get("count") else None
+
+
 def smoke_check(name, res):
     """The smoke mode's checks: every turn answered; cached_tokens 0 with the caches off, > 0
     on every turn 2+ with them on."""
@@ -287,6 +304,7 @@ def main():
             cl.up()
             try:
                 res = workload(args, cl.port)
+                res["kv_bytes_req"] = kv_bytes_per_request(cl.port)
             finally:
                 cl.down()
             results[n].append(res)
@@ -294,7 +312,9 @@ def main():
                   f"{res['ttft_p99']:.3f} s (turn 1 p50 {res['ttft1_p50']:.3f} s)  out "
                   f"{res['out_tok_s']:.1f} tok/s  hit {100 * res['hit_rate']:.1f} %  prompt "
                   f"{res['prompt_t1']:.0f}..{res['prompt_last']:.0f} tok  workload "
-                  f"{res['wall_s']:.1f} s (with start/stop {time.time() - t0:.1f} s)", flush=True)
+                  f"{res['wall_s']:.1f} s (with start/stop {time.time() - t0:.1f} s)"
+                  + (f"  KV pushed {res['kv_bytes_req'] / 1e6:.2f} MB/request"
+                     if res["kv_bytes_req"] else ""), flush=True)
             if args.smoke:
                 failures += smoke_check(n, res)
 

@@ -373,21 +373,23 @@ static void test_solo_rows(void)
     kn_kv_pool_destroy(kv);
 }
 
-/* What a prefill instance does for request i: compute the prompt's KV into the blocks the
- * scheduler reserved (as kvxfer would put it there) and sample the first token with the
- * request's sampler. Returns the token or a negative td_err. */
-static int32_t fake_prefill(kn_kv_pool *kv, int i, const int32_t *blocks, int n_blocks)
+/* What a prefill instance does for request i: compute the prompt's KV from position `from`
+ * on (the blocks before it hold the prefix already: the decode side's cache) into the
+ * blocks the scheduler reserved (as kvxfer would put it there), never writing below it, and
+ * sample the first token with the request's sampler. Returns the token or a negative td_err. */
+static int32_t fake_prefill_from(kn_kv_pool *kv, int i, const int32_t *blocks, int n_blocks,
+                                 int from)
 {
     int32_t table[16], pos[200], seq_of[200] = {0};
     if (n_blocks > 16) return TD_ERANGE;
     memcpy(table, blocks, (size_t)n_blocks * sizeof *table); /* the scheduler may move them */
     int n = specs[i].n_prompt;
-    for (int t = 0; t < n; t++)
-        pos[t] = t;
+    for (int t = from; t < n; t++)
+        pos[t - from] = t;
     kn_seq_view view = {.block_table = table, .n_ctx = n};
-    int32_t last = n - 1;
-    kn_batch b = {.n_tokens = n,
-                  .tokens = specs[i].prompt,
+    int32_t last = n - from - 1;
+    kn_batch b = {.n_tokens = n - from,
+                  .tokens = specs[i].prompt + from,
                   .pos = pos,
                   .seq_of = seq_of,
                   .n_seqs = 1,
@@ -402,6 +404,11 @@ static int32_t fake_prefill(kn_kv_pool *kv, int i, const int32_t *blocks, int n_
     int32_t first = kn_sample(&smp, logits_buf, specs[i].prompt, n, p.sampling.skip_samples);
     kn_sampler_fini(&smp);
     return first;
+}
+
+static int32_t fake_prefill(kn_kv_pool *kv, int i, const int32_t *blocks, int n_blocks)
+{
+    return fake_prefill_from(kv, i, blocks, n_blocks, 0);
 }
 
 /* One scheduler step; returns its tokens (0: nothing runnable). */
@@ -430,8 +437,10 @@ static void transfer_all(int n_blocks, const char *what)
         dc_request_params p = params_of(i);
         const int32_t *blocks;
         int nb, rc, guard = 0;
+        int32_t nc;
         /* the pool has no room for the prompt now: the running requests make some */
-        while ((rc = dc_sched_submit_transfer(s, &p, &blocks, &nb)) == TD_ESTATE && guard++ < 1000)
+        while ((rc = dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc)) == TD_ESTATE &&
+               guard++ < 1000)
             if (one_step(s, kv) <= 0) break;
         TH_REQUIRE(rc == 0);
         TH_CHECK(nb == kn_kv_blocks_for(kv, specs[i].n_prompt));
@@ -473,14 +482,15 @@ static void test_transfer_edges(void)
                0);
     const int32_t *blocks;
     int nb;
+    int32_t nc;
     /* same errors as submit */
     dc_request_params big = params_of(0);
     big.max_tokens = 16 * 16;
-    TH_CHECK(dc_sched_submit_transfer(s, &big, &blocks, &nb) == TD_ENOSPC);
+    TH_CHECK(dc_sched_submit_transfer(s, &big, &blocks, &nb, &nc) == TD_ENOSPC);
     /* a transferring request holds its blocks and is not runnable */
     dc_request_params p = params_of(5); /* 3 + 5 * 37 % 90 = 8 tokens: 1 block */
-    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0 && nb == 1);
-    TH_CHECK(dc_sched_submit_transfer(s, &p, &blocks, &nb) == TD_EINVAL); /* duplicate id */
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0 && nb == 1);
+    TH_CHECK(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == TD_EINVAL); /* duplicate id */
     TH_CHECK(kv->n_free == 15 && !dc_sched_idle(s));
     dc_step st;
     TH_CHECK(dc_sched_plan(s, &st) == 0);
@@ -496,10 +506,10 @@ static void test_transfer_edges(void)
     int held = 0;
     for (uint64_t id = 20; id < 25; id++, held++) { /* 5 x 3 of 16 blocks */
         q.id = id;
-        TH_REQUIRE(dc_sched_submit_transfer(s, &q, &blocks, &nb) == 0);
+        TH_REQUIRE(dc_sched_submit_transfer(s, &q, &blocks, &nb, &nc) == 0);
     }
     q.id = 25;
-    TH_CHECK(dc_sched_submit_transfer(s, &q, &blocks, &nb) == TD_ESTATE);
+    TH_CHECK(dc_sched_submit_transfer(s, &q, &blocks, &nb, &nc) == TD_ESTATE);
     TH_CHECK(dc_sched_get_stats(s).transferring == held && kv->n_free == 16 - 3 * held);
     /* a first token outside the vocabulary changes nothing */
     TH_CHECK(dc_sched_transfer_done(s, 20, model->hp.n_vocab) == TD_EINVAL);
@@ -516,7 +526,7 @@ static void test_transfer_edges(void)
                0);
     p = params_of(5);
     p.max_tokens = 1;
-    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0);
     TH_CHECK(dc_sched_transfer_done(s, 5, 7) == 0);
     TH_CHECK(o.n[5] == 1 && o.ids[5][0] == 7 && o.finish[5] == DC_FINISH_LENGTH);
     /* a stop token: counted, not sent, finish STOP */
@@ -524,17 +534,17 @@ static void test_transfer_edges(void)
     p = params_of(6);
     p.stop_ids = &stop;
     p.n_stop = 1;
-    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0);
     TH_CHECK(dc_sched_transfer_done(s, 6, 9) == 0);
     TH_CHECK(o.n[6] == 0 && o.finish[6] == DC_FINISH_STOP);
     /* cancelled while transferring, then the KV arrives anyway: it ends cancelled */
     p = params_of(7);
-    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0);
     TH_CHECK(dc_sched_cancel(s, 7) == 0 && dc_sched_transfer_done(s, 7, 3) == 0);
     TH_CHECK(o.n[7] == 0 && o.finish[7] == DC_FINISH_CANCELLED);
     /* fail_all ends transferring requests too and frees their blocks */
     p = params_of(8);
-    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb) == 0);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0);
     dc_sched_fail_all(s);
     TH_CHECK(o.finish[8] == DC_FINISH_ERROR && kv->n_free == kv->n_blocks && dc_sched_idle(s));
     dc_sched_destroy(s);
@@ -601,6 +611,64 @@ static void test_prefix_cache(void)
     TH_CHECK(st.prefix_evictions > 0);
     check_same_as_alone(&o, N_REQ, "small pool, cache");
     pc_on = false;
+}
+
+/* Prefix cache in disaggregated mode: turn 1 arrives by transfer and decodes; turn 2's
+ * Alloc shares the blocks turn 1 left (n_cached = the whole blocks of turn 1's computed
+ * tokens), the prefill writes only the rest and turn 2 gives the cold tokens; a transfer
+ * cancelled after sharing drops its references once (nothing held, nothing double-freed);
+ * no sharing with prompt logprobs. Needs test_prefix_cache's specs (turn 2 of k at N_REQ + k). */
+static void test_transfer_prefix(void)
+{
+    enum { K = 3, T = N_REQ + K }; /* turn 1: request 3 (greedy, 24 tokens); T: its turn 2 */
+    outputs cold, o;
+    int i2 = T;
+    run(&i2, 1, 256, 64, &cold, NULL);
+    kn_kv_pool *kv;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    memset(&o, 0, sizeof o);
+    dc_sched *s;
+    dc_sched_params sp = {.max_running = 16, .step_tokens = 64, .prefix_cache = true};
+    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
+    const int32_t *blocks;
+    int nb;
+    int32_t nc;
+    dc_request_params p = params_of(K); /* turn 1, its answer is alone.ids[K] */
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0 && nc == 0);
+    TH_REQUIRE(dc_sched_transfer_done(s, K, fake_prefill(kv, K, blocks, nb)) == 0);
+    drive(s, kv, 100000, logits_buf);
+    TH_CHECK(o.n[K] == alone.n[K] && !memcmp(o.ids[K], alone.ids[K], 4 * (size_t)o.n[K]));
+    int whole = (specs[K].n_prompt + alone.n[K] - 1) / 16 * 16;
+    p = params_of(T);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0);
+    TH_CHECKF(nc == whole && nc > 0, "turn 2: %d positions shared, expected %d", nc, whole);
+    for (int b = 0; b < nc / 16; b++)
+        TH_CHECK(kv->refs[blocks[b]] == 1);
+    int32_t first = fake_prefill_from(kv, T, blocks, nb, nc);
+    TH_REQUIRE(first >= 0 && dc_sched_transfer_done(s, T, first) == 0);
+    drive(s, kv, 100000, logits_buf);
+    TH_CHECKF(o.n[T] == cold.n[T] && !memcmp(o.ids[T], cold.ids[T], 4 * (size_t)o.n[T]),
+              "turn 2 with %d shared positions differs from cold", nc);
+    TH_CHECK(o.cached[T] == nc);
+    /* the same prompt again, cancelled during its transfer: its shared references go */
+    specs[T + 1] = specs[T];
+    p = params_of(T + 1);
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0 && nc >= whole);
+    int32_t shared0 = blocks[0];
+    TH_CHECK(kv->refs[shared0] == 1 && dc_sched_cancel(s, T + 1) == 0);
+    TH_CHECK(dc_sched_transfer_end(s, T + 1, DC_FINISH_CANCELLED) == 0);
+    TH_CHECK(kv->refs[shared0] == 0 && kn_kv_available(kv) == kv->n_blocks);
+    /* prompt logprobs: nothing shared */
+    p.sampling.prompt_logprobs = true;
+    p.sampling.logprobs = 1;
+    TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0 && nc == 0);
+    TH_CHECK(dc_sched_transfer_end(s, T + 1, DC_FINISH_CANCELLED) == 0);
+    TH_CHECK(dc_sched_get_stats(s).prefix_hits >= (uint64_t)whole);
+    TH_CHECK(kn_kv_available(kv) == kv->n_blocks && dc_sched_idle(s));
+    dc_sched_destroy(s);
+    kn_kv_pool_destroy(kv);
 }
 
 /* The step time the ITL test pretends to measure (ms): 2 + 1 per decode row + 0.1 per
@@ -724,6 +792,7 @@ int main(int argc, char **argv)
     TH_RUN(test_transfer_equals_colocated);
     TH_RUN(test_transfer_edges);
     TH_RUN(test_prefix_cache);
+    TH_RUN(test_transfer_prefix);
     TH_RUN(test_itl_target);
     free(logits_buf);
     kn_engine_destroy(engine);

@@ -386,11 +386,12 @@ def case_logprobs(args):
             ref = [lp_fetch(c, p, 6) for p in prompts]
         for pp in ((1, 2) if name == "synth" else (2,)):
             label = f"logprobs {name} pp{pp}"
-            # the prefix cache off: a hit (the chat prompts share their template's first blocks)
-            # moves the chunk boundaries, which moves logprobs by ~1.5e-4 against colocated
-            # (greedy tokens stay equal: tests/disagg/test_prefix_cache.py)
+            # the prefix caches off (prefill and decode): a hit (the chat prompts share their
+            # template's first blocks; the decode side holds the previous request's) moves the
+            # chunk boundaries, which moves logprobs by ~1.5e-4 against colocated (greedy tokens
+            # stay equal: tests/disagg/test_prefix_cache.py)
             with Cluster(args, model, [{"pp": pp, "chunk": chunk, "prefix_cache": False}],
-                         [{"tp": 1}]) as c:
+                         [{"tp": 1, "prefix_cache": False}]) as c:
                 for p, want in zip(prompts, ref):
                     got = lp_fetch(c, p, 6)
                     n_prompt = len(got[0]["tokens"]) - 6

@@ -7,15 +7,20 @@ Cases (--case NAME runs one):
            from every stage's cache (usage.prompt_tokens_details.cached_tokens > 0) and its
            greedy output equals `tandem generate` (a cold run) token for token: synthetic
            llama at prefill pp 1/2/3 x decode tp 1/2; the default model at pp 2; a repeated
-           prompt hits too; with prefix_cache: false nothing is cached;
+           prompt hits too; with prefix_cache: false on both nothing is cached; and the decode
+           instance, which decoded turn 1, holds its blocks: turn 2's Alloc shares them and the
+           stages push only the rest (the decode log's "N held here", the router's
+           tandem_kv_transfer_bytes: exactly the rest's share of the bytes a whole push moves);
   evict    a 1 MiB cache (21 blocks of the synthetic llama at pp 1): conversations that do
            not fit evict each other (Health counts evictions), every output stays exact;
   restart  a prefill stage killed and restarted (its cache is gone): the chain re-forms, the
-           stages start with empty caches, the next turn is exact (a miss), the one after
-           hits again;
+           stages start with empty caches, the next turn is exact (a miss on the stages; its
+           cached_tokens are what the decode side held), the one after hits again;
   abort    a client leaves while its cached prefix is being pushed (a long prompt hitting a
-           cached prefix): no block stays held, and the same request afterwards hits and is
-           exact.
+           cached prefix, whose Alloc shares the decode side's blocks): no block stays held,
+           and the same request afterwards hits and is exact;
+  dcrestart the decode rank killed and restarted (its cache is gone): the next turn's Alloc
+           holds nothing (the whole prompt is pushed) and is exact, the one after holds again.
 After every case every instance reports no request and no KV block in use.
 
 usage: test_prefix_cache.py --router BIN --prefill BIN --decode BIN --tandem BIN
@@ -25,6 +30,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import sys
 import time
 
@@ -82,6 +88,64 @@ def health(c):
     return h
 
 
+def kv_bytes(c):
+    """(sum, count) of the router's tandem_kv_transfer_bytes: KV bytes pushed per prefill."""
+    m = c.metrics()
+    got = [re.search(rf"^tandem_kv_transfer_bytes_{k}\S* (\S+)$", m, re.M) for k in ("sum", "count")]
+    return (float(got[0].group(1)), int(got[1].group(1))) if all(got) else (0.0, 0)
+
+
+def arrivals(c, key="d0r0"):
+    """(prompt tokens, positions held) of each transfer the decode leader saw arrive."""
+    return [(int(a), int(b)) for a, b in
+            re.findall(r"KV of (\d+) tokens from \d+ stages arrived \((\d+) held here", c.log(key))]
+
+
+def pushed(c, n):
+    """Wait until n prefills reported their bytes; their sum."""
+    got = []
+
+    def done():
+        got[:] = [kv_bytes(c)]
+        return got[0][1] >= n
+    wait_for(done, 10, step=0.2)
+    return got[0][0]
+
+
+def check_partial(c, label, before, n_done):
+    """The last transfer (the n_done-th) held a prefix and pushed exactly the rest's share of
+    the bytes per token the first (turn 1, nothing held) pushed. before: bytes until then."""
+    arr = arrivals(c)
+    total = pushed(c, n_done)
+    if not check(len(arr) >= n_done, f"{label}: {len(arr)} transfers arrived, {n_done} expected"):
+        return 0
+    (n1, h1), (n, h) = arr[0], arr[n_done - 1]
+    first = kv_bytes_first[id(c)]
+    got = total - before
+    check(h1 == 0 and h > 0 and abs(got * n1 - first * (n - h)) < 1e-6 * first * n,
+          f"{label}: {h} of {n} positions held by the decode instance, {got:.0f} bytes pushed "
+          f"(turn 1: {first:.0f} for {n1}; a whole push: {first * n / n1:.0f})")
+    return h
+
+
+kv_bytes_first = {}
+
+
+def partial_turns(c, args, model, t1, t2, label):
+    """Turn 1, turn 2 (a hit on both sides, the push partial), turn 2 again (more held)."""
+    exact(c, args, model, t1, label + " turn 1", hit=False)
+    kv_bytes_first[id(c)] = pushed(c, 1)
+    cached = exact(c, args, model, t2, label + " turn 2", hit=True)
+    h2 = check_partial(c, label + " turn 2", kv_bytes_first[id(c)], 2)
+    check(cached is not None and cached >= h2,
+          f"{label}: turn 2's cached_tokens {cached} >= the {h2} the decode side held")
+    before = pushed(c, 2)
+    again = exact(c, args, model, t2, label + " turn 2 again", hit=True)
+    h3 = check_partial(c, label + " turn 2 again", before, 3)
+    check(h3 > h2, f"{label}: turn 2 again holds more (turn 2's answer too): {h3} > {h2}")
+    return cached, again
+
+
 def conversation(n1, n2, words=WORDS):
     t1 = text(n1, words)
     return t1, t1 + " " + text(n2, OTHER)
@@ -94,9 +158,7 @@ def case_hit(args):
         for tp in (1, 2):
             label = f"hit synth pp{pp} tp{tp}"
             with Cluster(args, model, [{"pp": pp, "chunk": 64}], [{"tp": tp}]) as c:
-                exact(c, args, model, t1, label + " turn 1", hit=False)
-                cached = exact(c, args, model, t2, label + " turn 2", hit=True)
-                again = exact(c, args, model, t2, label + " turn 2 again", hit=True)
+                cached, again = partial_turns(c, args, model, t1, t2, label)
                 check(again and cached and again > cached,
                       f"{label}: the repeated prompt hits turn 2's blocks too ({cached}, {again})")
                 hits = []
@@ -111,16 +173,22 @@ def case_hit(args):
                 idle(c, label)
     label = "hit synth prefix_cache off"
     with Cluster(args, model, [{"pp": 2, "chunk": 64, "prefix_cache": False}],
-                 [{"tp": 1}]) as c:
+                 [{"tp": 1, "prefix_cache": False}]) as c:
         exact(c, args, model, t1, label + " turn 1", hit=False)
         exact(c, args, model, t2, label + " turn 2", hit=False)
+        check([h for _, h in arrivals(c)] == [0, 0], f"{label}: nothing held: {arrivals(c)}")
+        idle(c, label)
+    # the stages compute the whole prompt (no cache there), the decode side holds turn 1
+    label = "hit synth prefill cache off, decode on"
+    with Cluster(args, model, [{"pp": 2, "chunk": 64, "prefix_cache": False}],
+                 [{"tp": 2}]) as c:
+        partial_turns(c, args, model, t1, t2, label)
         idle(c, label)
     if args.model and os.path.exists(args.model):
         label = "hit default pp2"
         t1, t2 = conversation(120, 30)
         with Cluster(args, args.model, [{"pp": 2, "chunk": 64}], [{"tp": 1}]) as c:
-            exact(c, args, args.model, t1, label + " turn 1", hit=False)
-            exact(c, args, args.model, t2, label + " turn 2", hit=True)
+            partial_turns(c, args, args.model, t1, t2, label)
             idle(c, label)
 
 
@@ -156,7 +224,11 @@ def case_restart(args):
         while time.time() < deadline and health(c).get("ready") != "1":
             time.sleep(0.2)
         time.sleep(1.0)  # the router sees the instance ready again
-        exact(c, args, model, t3, label + " turn 3 after the restart", hit=False)
+        # a miss on the stages; the decode instance still holds turn 2 (usage reports that)
+        cached = exact(c, args, model, t3, label + " turn 3 after the restart")
+        held = arrivals(c)[-1][1]
+        check(held > 0 and cached == held,
+              f"{label}: turn 3's cached_tokens {cached} are the decode side's {held}")
         exact(c, args, model, t3 + " " + text(5, OTHER), label + " turn 4", hit=True)
         idle(c, label)
 
@@ -167,6 +239,7 @@ def case_abort(args):
     t1, t2 = conversation(70, 50)
     with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 1}]) as c:
         exact(c, args, model, t1, label + " turn 1", hit=False)
+        dc_hits = dc_hit_tokens(c)
         for delay in (0.02, 0.05, 0.1, 0.2):
             h = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
             h.request("POST", "/v1/completions",
@@ -178,11 +251,49 @@ def case_abort(args):
         idle(c, label + " after the aborts")
         hits = int(health(c).get("prefix_cache_hit_tokens_s1", 0))
         check(hits > 0, f"{label}: the aborted requests took cached blocks ({hits} tokens)")
+        more = []
+        wait_for(lambda: more.append(dc_hit_tokens(c)) or more[-1] > dc_hits, 5, step=0.2)
+        check(more and more[-1] > dc_hits,
+              f"{label}: the aborted requests' Allocs shared the decode side's blocks "
+              f"({dc_hits} -> {more[-1] if more else None} hit tokens)")
         exact(c, args, model, t2, label + " the same request afterwards", hit=True)
         idle(c, label)
 
 
-CASES = {"hit": case_hit, "evict": case_evict, "restart": case_restart, "abort": case_abort}
+def dc_hit_tokens(c):
+    m = re.search(r'^vllm:prefix_cache_hits_total\{.*instance="d0"\} (\S+)$', c.metrics(), re.M)
+    return float(m.group(1)) if m else -1.0
+
+
+def case_dcrestart(args):
+    model = os.path.join(args.synth_dir, "llama.gguf")
+    label = "dcrestart synth pp2"
+    t1, t2 = conversation(90, 30)
+    t3 = t2 + " " + text(20)
+    with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 1}]) as c:
+        exact(c, args, model, t1, label + " turn 1", hit=False)
+        exact(c, args, model, t2, label + " turn 2", hit=True)
+        n_before = len(arrivals(c))
+        check(n_before == 2 and arrivals(c)[1][1] > 0, f"{label}: turn 2 held a prefix: "
+              f"{arrivals(c)}")
+        c.kill("d0r0")
+        c.start_rank(0, 0)
+        deadline = time.time() + 60
+        while time.time() < deadline and c.decode_health().get("ready") != "1":
+            time.sleep(0.2)
+        time.sleep(1.0)  # the router sees the instance ready again
+        exact(c, args, model, t3, label + " turn 3 after the restart", hit=True)  # prefill hits
+        arr = arrivals(c)[n_before:]  # the log goes on across the restart
+        check(len(arr) == 1 and arr[0][1] == 0,
+              f"{label}: the restarted decode rank held nothing for turn 3: {arr}")
+        exact(c, args, model, t3 + " " + text(5, OTHER), label + " turn 4", hit=True)
+        arr = arrivals(c)[n_before:]
+        check(len(arr) == 2 and arr[1][1] > 0, f"{label}: turn 4 held a prefix again: {arr}")
+        idle(c, label)
+
+
+CASES = {"hit": case_hit, "evict": case_evict, "restart": case_restart, "abort": case_abort,
+         "dcrestart": case_dcrestart}
 
 
 def main():

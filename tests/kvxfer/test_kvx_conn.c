@@ -140,8 +140,9 @@ typedef struct {
     int order; /* 0 in order, 1 reversed, 2 interleaved odd/even */
     bool late; /* targets arrive after the chunks */
     uint32_t salt;
-    uint32_t dst_run; /* decode block runs */
-    bool aligned_src; /* source blocks contiguous (else reversed) */
+    uint32_t dst_run;   /* decode block runs */
+    bool aligned_src;   /* source blocks contiguous (else reversed) */
+    uint32_t first_pos; /* the decode ranks hold [0, first_pos) already (never written) */
 } xfer;
 
 typedef struct {
@@ -196,7 +197,8 @@ static void xfer_setup(world *w, const wcfg *c, const xfer *x, xstate *s)
                                  .rank = (uint32_t)i,
                                  .tp = c->dst_tp,
                                  .blocks = s->dblk[i],
-                                 .n_blocks = s->nb};
+                                 .n_blocks = s->nb,
+                                 .first_pos = x->first_pos};
         TH_CHECK(kvx_dec_make_target(w->dec[i], x->req, &dp, s->tgt[i], sizeof(s->tgt[i]),
                                      &s->tgt_len[i]) == 0);
     }
@@ -241,6 +243,29 @@ static void xfer_finish(world *w, const wcfg *c, const xfer *x, xstate *s)
     }
 }
 
+/* Wrong elements of rank d's blocks with a held prefix: positions below first_pos still 0
+ * (never written: xfer_setup zeroed the region), the others the pattern. */
+static size_t verify_cut(const world *w, int d, const xstate *s, const xfer *x, uint32_t layers)
+{
+    const kvx_layout *l = &w->dl[d];
+    size_t bad = 0;
+    for (uint32_t ll = 0; ll < layers; ll++)
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t p = 0; p < x->n_tokens; p++)
+                for (uint32_t h = 0; h < l->n_heads; h++)
+                    for (uint32_t e = 0; e < l->head_dim; e++) {
+                        uint16_t got =
+                            *sc_elem(w->dreg[d], l, ll, kv, (uint32_t)s->dblk[d][p / l->block_size],
+                                     h, p % l->block_size, e);
+                        bad +=
+                            got !=
+                            (p < x->first_pos ? 0 : sc_value(x->salt, ll, kv, l->head0 + h, p, e));
+                    }
+    return bad;
+}
+
+static uint64_t last_bytes; /* run_xfer: bytes the sources put */
+
 /* Full transfer; returns the total puts and pieces of the sources. */
 static void run_xfer(world *w, const wcfg *c, const xfer *x, uint64_t *puts, uint64_t *pieces)
 {
@@ -254,13 +279,14 @@ static void run_xfer(world *w, const wcfg *c, const xfer *x, uint64_t *puts, uin
     }
     xfer_finish(w, c, x, s);
     TH_CHECK(pump_final(w, x->req, 5000));
-    *puts = *pieces = 0;
+    *puts = *pieces = last_bytes = 0;
     for (int i = 0; i < w->n_src; i++) {
         kvx_pf_status ps;
         TH_CHECK(kvx_pf_poll(w->src[i], x->req, &ps) == 0);
         TH_CHECKF(ps.state == KVX_REQ_DONE, "source %d: %s", i, kvx_req_state_name(ps.state));
         *puts += ps.puts;
         *pieces += ps.pieces;
+        last_bytes += ps.bytes;
     }
     for (int d = 0; d < w->n_dec; d++) {
         kvx_dec_status ds;
@@ -268,8 +294,9 @@ static void run_xfer(world *w, const wcfg *c, const xfer *x, uint64_t *puts, uin
         TH_CHECKF(ds.state == KVX_REQ_DONE, "rank %d: %s", d, kvx_req_state_name(ds.state));
         TH_CHECK(ds.stages_done == (1ull << c->pp) - 1);
         TH_CHECK(ds.meta[c->pp - 1].first_token == 4242 && ds.meta[0].n_tokens == x->n_tokens);
-        size_t bad = sc_verify(w->dreg[d], &w->dl[d], s->dblk[d], s->nb, x->n_tokens, 0,
-                               c->n_layers, x->salt, 1);
+        size_t bad = x->first_pos ? verify_cut(w, d, s, x, c->n_layers)
+                                  : sc_verify(w->dreg[d], &w->dl[d], s->dblk[d], s->nb, x->n_tokens,
+                                              0, c->n_layers, x->salt, 1);
         TH_CHECKF(bad == 0, "rank %d: %zu wrong elements", d, bad);
     }
     release_all(w, x->req);
@@ -369,6 +396,59 @@ static void test_late_target(void)
     xfer x = {
         .req = 3, .n_tokens = 130, .chunk = 20, .order = 2, .late = true, .salt = 9, .dst_run = 3};
     run_xfer(&w, &c, &x, &puts, &pieces);
+    world_fini(&w);
+}
+
+/* A decode rank that holds a prefix (first_pos): two stages at tp 2 -> 2 put only the
+ * positions at and after it, chunks queued before the target (late) included, and a chunk
+ * entirely below it puts nothing but still lands; the bytes are exactly the rest's share;
+ * a block-aligned and a mid-block first_pos; a target without one keeps the old size. */
+static void test_first_pos(void)
+{
+    wcfg c = base_cfg(2, 2);
+    c.pp = 2;
+    c.layer_split[1] = 1;
+    c.layer_split[2] = 3;
+    static const uint32_t cuts[] = {32, 45};
+    for (int late = 0; late < 2; late++)
+        for (size_t k = 0; k < sizeof cuts / sizeof cuts[0]; k++) {
+            world w;
+            world_init(&w, &c);
+            uint64_t puts, pieces, full;
+            xfer x = {.req = 60 + (uint64_t)(2 * late + (int)k),
+                      .n_tokens = 100,
+                      .chunk = 20,
+                      .late = late,
+                      .salt = 5,
+                      .dst_run = 2};
+            run_xfer(&w, &c, &x, &puts, &pieces);
+            full = last_bytes;
+            x.req += 100;
+            x.first_pos = cuts[k];
+            run_xfer(&w, &c, &x, &puts, &pieces);
+            TH_CHECKF(last_bytes * x.n_tokens == full * (x.n_tokens - x.first_pos),
+                      "first_pos %u: %llu of %llu bytes", x.first_pos,
+                      (unsigned long long)last_bytes, (unsigned long long)full);
+            world_fini(&w);
+        }
+    /* the optional tail: 4 bytes more, and a first position outside the blocks is refused */
+    world w;
+    wcfg c1 = base_cfg(1, 1);
+    world_init(&w, &c1);
+    int32_t blocks[4] = {1, 2, 3, 4};
+    kvx_dec_req_params dp = {.n_stages = 1, .tp = 1, .blocks = blocks, .n_blocks = 4};
+    uint8_t buf[4096];
+    size_t len0, len1;
+    TH_REQUIRE(kvx_dec_make_target(w.dec[0], 70, &dp, buf, sizeof(buf), &len0) == 0);
+    dp.first_pos = 16;
+    TH_REQUIRE(kvx_dec_make_target(w.dec[0], 71, &dp, buf, sizeof(buf), &len1) == 0);
+    TH_CHECK(len1 == len0 + 4);
+    dp.first_pos = 64;
+    TH_CHECK(kvx_dec_make_target(w.dec[0], 72, &dp, buf, sizeof(buf), &len1) == TD_EINVAL);
+    for (uint64_t id = 70; id < 72; id++) {
+        kvx_dec_abort(w.dec[0], id);
+        kvx_dec_release(w.dec[0], id);
+    }
     world_fini(&w);
 }
 
@@ -941,6 +1021,7 @@ int main(void)
     TH_RUN(test_tp_replicated_heads);
     TH_RUN(test_pp_stages);
     TH_RUN(test_late_target);
+    TH_RUN(test_first_pos);
     TH_RUN(test_coalescing);
     TH_RUN(test_chunk_times);
     TH_RUN(test_chunk_times_late);
