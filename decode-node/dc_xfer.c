@@ -218,10 +218,13 @@ int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, 
         xfer_free(x, &t);
         return rc == TD_ESTATE ? TD_EIO : rc; /* TD_ESTATE means "alive" to the caller */
     }
-    /* staged pools: the blocks' host copies get the KV, so no rank's device copy is current
-     * (no step reads these blocks before the event ARRIVED, and no target is out yet) */
+    /* staged pools: the transferred blocks' host copies get the KV, so no rank's device copy
+     * of them is current (no step reads these blocks before the event ARRIVED, and no target
+     * is out yet). The blocks before n_cached (whole blocks, shared from the prefix cache) are
+     * not written: their device copies may be the only current ones (KV computed on the
+     * device, e.g. a previous answer's), so their flags stay. */
     for (int r = 0; x->on_dev && r < x->p.tp; r++)
-        for (int i = 0; i < n_blocks; i++)
+        for (int i = n_cached / (int32_t)x->p.block_size; i < n_blocks; i++)
             if (blocks[i] >= 0 && (uint32_t)blocks[i] < x->p.n_blocks) x->on_dev[r][blocks[i]] = 0;
     x->v[x->n++] = t;
     return 0;

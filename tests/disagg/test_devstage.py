@@ -10,7 +10,9 @@ with real processes through `tandem up`:
               uploaded before the first step reads it)
 
 Each cluster runs once on backend cpu and once on cpu-dev: 6 prompts in two waves of 3 sent
-at once (the second wave's KV lands in blocks the first freed), greedy, 16 tokens; every
+at once (the second wave's KV lands in blocks the first freed), then 2 prompts extending the
+second wave's (the decode side's prefix cache holds their first blocks: in the disaggregated
+cluster only the rest is transferred), greedy, 16 tokens; every
 cpu-dev answer must equal the cpu answer, the decode log must name cpu-dev (the backend
 really ran), and in the disaggregated cluster every request's KV must have arrived by
 transfer.
@@ -21,6 +23,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -57,6 +60,7 @@ def post(url, body, timeout=120):
 
 
 PROMPTS = [[1] + [(k * 97 + i * 31 + 7) % 400 + 3 for i in range(6 + 23 * k)] for k in range(6)]
+EXTENDED = [p + [(i * 13 + 5) % 400 + 3 for i in range(40)] for p in PROMPTS[4:]]
 
 
 def config(d, model, backend, disagg, port, tp):
@@ -98,8 +102,10 @@ def serve(args, backend, disagg):
         try:
             url = f"http://127.0.0.1:{port}/v1/completions"
             got = []
-            # two waves: the second reuses the KV blocks the first freed, on every rank
-            for wave in (PROMPTS[:3], PROMPTS[3:]):
+            # two waves: the second reuses the KV blocks the first freed, on every rank; a
+            # third extends the second's prompts: the decode side shares the blocks it holds
+            # (whose device copies are current) and only the rest is transferred
+            for wave in (PROMPTS[:3], PROMPTS[3:], EXTENDED):
                 with ThreadPoolExecutor(len(wave)) as ex:
                     got += list(ex.map(lambda p: post(url, {"prompt": p, "max_tokens": 16,
                                                             "temperature": 0}), wave))
@@ -111,9 +117,11 @@ def serve(args, backend, disagg):
             check(backend != "cpu-dev" or "cpu-dev" in dlog,
                   f"{shape} on {backend}: the decode log names the backend")
             if disagg:  # the decode ranks computed from received KV, not their own prefill
-                arrived = dlog.count(" arrived (transfer")
-                check(arrived == len(PROMPTS),
-                      f"{shape} on {backend}: KV of {arrived} of {len(PROMPTS)} requests arrived")
+                arrived, n = dlog.count(" arrived ("), len(PROMPTS) + len(EXTENDED)
+                check(arrived == n, f"{shape} on {backend}: KV of {arrived} of {n} requests arrived")
+                held = sum(int(m) > 0 for m in re.findall(r"\((\d+) held here", dlog))
+                check(held >= len(EXTENDED), f"{shape} on {backend}: {held} requests found "
+                                             f"blocks held on the decode side (>= {len(EXTENDED)})")
             return texts
         finally:
             subprocess.run([args.tandem, "down", cfg], capture_output=True, timeout=60)
@@ -129,7 +137,7 @@ def main():
         want = serve(args, "cpu", disagg)
         got = serve(args, "cpu-dev", disagg)
         shape = f"pp 2 + tp {args.tp}" if disagg else f"colocated tp {args.tp}"
-        for k, p in enumerate(PROMPTS):
+        for k, p in enumerate(PROMPTS + EXTENDED):
             a = want[k] if want else None
             b = got[k] if got else None
             check(a is not None and a == b,
