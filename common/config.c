@@ -433,6 +433,7 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_PORT, "port", F_INT, port, 1, 65535)                                                       \
     F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \
     F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
+    F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
     N(D_TIER, "prefix_cache_tier")
 enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
 #define SECT td_cfg_decode
@@ -644,6 +645,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     x->kv_dtype = TD_F16;
     x->port = 9000 + idx;
     x->prefix_cache = true;
+    x->overlap = true;
     if (p->rc) return p->rc;
     if (n->type != YAML_MAPPING_NODE)
         return fail(p, n, "decode[%d]: expected a mapping, got %s", idx, kind_name(n));
