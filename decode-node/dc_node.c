@@ -703,6 +703,7 @@ static int serve_overlap(dc_node *n, bool *fatal)
             }
         }
         n->hold_events = false;
+        if (!flying) dc_async_flush(n); /* no pass to hide them behind */
         rc = 0;
         if (k > 0 && !flying && dc_sched_idle(n->sched)) dc_serve_health(n); /* load 0 */
         if (!flying && k == 0 && (rc = dc_shm_check(n->shm))) break;
