@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "dc_node_int.h"
+#include "td_clock.h"
 #include "td_err.h"
 
 enum { FWD_IDLE, FWD_JOB, FWD_DONE, FWD_STOP };
@@ -20,6 +21,7 @@ struct dc_fwd {
     int state; /* FWD_*: the node thread posts JOB or STOP, the thread answers DONE */
     const kn_batch *b;
     int rc;
+    int64_t t_post, t_start, t_end; /* job posted, pass began, pass ended (ns) */
     dc_node *n;
 };
 
@@ -118,8 +120,12 @@ static void *fwd_main(void *arg)
         if (f->state == FWD_STOP) break;
         const kn_batch *b = f->b;
         pthread_mutex_unlock(&f->mu);
+        int64_t t_start = td_now_ns();
         int rc = kn_engine_forward(f->n->rt.engine, f->n->kv, b, f->n->logits);
+        int64_t t_end = td_now_ns();
         pthread_mutex_lock(&f->mu);
+        f->t_start = t_start;
+        f->t_end = t_end;
         f->rc = rc;
         f->state = FWD_DONE;
         pthread_cond_broadcast(&f->cv);
@@ -158,6 +164,7 @@ void dc_async_launch(dc_node *n, const kn_batch *b)
     pthread_mutex_lock(&f->mu);
     f->b = b;
     f->state = FWD_JOB;
+    f->t_post = td_now_ns();
     pthread_cond_broadcast(&f->cv);
     pthread_mutex_unlock(&f->mu);
 }
@@ -165,12 +172,23 @@ void dc_async_launch(dc_node *n, const kn_batch *b)
 int dc_async_join(dc_node *n)
 {
     dc_fwd *f = n->fwd;
+    int64_t t_enter = td_now_ns();
     pthread_mutex_lock(&f->mu);
     while (f->state == FWD_JOB)
         pthread_cond_wait(&f->cv, &f->mu);
     int rc = f->state == FWD_DONE ? f->rc : TD_ESTATE;
     f->state = FWD_IDLE;
     pthread_mutex_unlock(&f->mu);
+    if (rc == TD_ESTATE) return rc;
+    int64_t t_back = td_now_ns();
+    /* the hand-offs: the thread waking for the job, this one waking for its end; or, when
+     * the pass ended before this thread came to join it, its own work was longer */
+    n->ns_handoff += f->t_start - f->t_post;
+    if (t_enter < f->t_end)
+        n->ns_handoff += t_back - f->t_end;
+    else
+        n->ns_io_over += t_enter - f->t_end;
+    n->ns_pass += f->t_end - f->t_start;
     return rc;
 }
 

@@ -771,6 +771,11 @@ static void log_phases(const dc_node *n)
                 ov ? "waiting for the pass" : "forward", (double)mid / per, (double)mid / all,
                 (double)n->ns_commit / per, (double)n->ns_commit / all, (double)n->ns_stream / per,
                 (double)n->ns_stream / all, ov ? "inbox" : "commit", (double)n->ns_forward / per);
+    if (ov)
+        TD_LOG_INFO("decode %s: overlap per step (ms): pass %.3f, thread hand-offs %.3f, the "
+                    "node thread's work outlasting the pass %.3f",
+                    n->p->instance, (double)n->ns_pass / per, (double)n->ns_handoff / per,
+                    (double)n->ns_io_over / per);
 }
 
 /* SIGTERM: requests still in flight end with ERR_SHUTDOWN; a formed instance gets the stop

@@ -83,8 +83,12 @@ typedef struct {
      * pass; the commit (sampling, stop rules, grammar, logprobs); the token events
      * (dc_serve_on_tokens: inside the commit, or with overlap inside the inbox's time) */
     int64_t ns_inbox, ns_plan, ns_encode, ns_forward, ns_commit, ns_stream, ns_serve;
-    int64_t ns_join;       /* overlap: waiting for the pass after the inbox (ns_forward is then
-                              from its launch to its join, the inbox's time included) */
+    int64_t ns_join; /* overlap: waiting for the pass after the inbox (ns_forward is then
+                        from its launch to its join, the inbox's time included) */
+    /* overlap: the pass itself (on its thread), the two hand-offs between the threads
+     * (waking for the job, waking for its end), and the time the node thread's own work
+     * outlasted the pass (dc_async_join) */
+    int64_t ns_pass, ns_handoff, ns_io_over;
     bool stopping;         /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
     bool draining;         /* after the loop: new requests are refused */
     bool load_changed;     /* an Alloc or a transfer event: publish the health now */

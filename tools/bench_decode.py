@@ -293,11 +293,13 @@ def overlap_part(threads_list, batches):
                     s = run(url, b, 128)
                     log = stop(procs, d)
                     ph = re.search(PHASES_RE, log)
+                    ho = re.search(r"overlap per step \(ms\): (.*)", log)
                     res.setdefault((ov, threads, b), []).append(s["tok_per_s"])
                     print(f"round {k} overlap {'on ' if ov else 'off'} {threads} threads batch "
                           f"{b:2d}: {s['tok_per_s']:7.1f} tok/s, tpot {s['tpot_ms']:.2f} ms"
                           f"{' (' + str(round(s['tok_per_s'] / e, 3)) + ' x engine)' if b == 1 else ''}"
-                          f"\n    {ph.group(1) if ph else ''}", flush=True)
+                          f"\n    {ph.group(1) if ph else ''}"
+                          f"{chr(10) + '    ' + ho.group(1) if ho else ''}", flush=True)
     med = lambda xs: sorted(xs)[len(xs) // 2]
     for threads in threads_list:
         e = med(res[("engine", threads, 1)])
