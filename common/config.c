@@ -645,7 +645,6 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     x->kv_dtype = TD_F16;
     x->port = 9000 + idx;
     x->prefix_cache = true;
-    x->overlap = true;
     if (p->rc) return p->rc;
     if (n->type != YAML_MAPPING_NODE)
         return fail(p, n, "decode[%d]: expected a mapping, got %s", idx, kind_name(n));

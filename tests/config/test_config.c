@@ -196,7 +196,7 @@ static void test_good_file(void)
                        "    max_batch: 16\n"
                        "    step_tokens: 128\n"
                        "    itl_target_ms: 75.5\n"
-                       "    overlap: false\n"
+                       "    overlap: true\n"
                        "    kv_dtype: f32\n"
                        "    port: 7000\n"
                        "  - name: d1\n"
@@ -245,13 +245,13 @@ static void test_good_file(void)
     TH_CHECK(d->tp == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 && d->block_size == 32 &&
              d->kv_memory == (1ll << 30) && d->kv_blocks == 0 && d->max_batch == 16 &&
              d->step_tokens == 128 && d->itl_target_ms == 75.5 && d->kv_dtype == TD_F32 &&
-             d->port == 7000 && !d->overlap);
+             d->port == 7000 && d->overlap);
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
              d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
              d->max_batch == 64 && d->step_tokens == 512 && d->itl_target_ms == 0 &&
-             d->kv_dtype == TD_F32 && d->port == 9001 && d->overlap);
+             d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap);
     TH_CHECK(!td_cfg_find_decode(c, "p0") && !td_cfg_find_prefill(c, "d0") &&
              !td_cfg_find_decode(c, "nope"));
     TH_CHECK(!strcmp(c->kvxfer.ucx_tls, "tcp") && c->kvxfer.timeout_ms == 5000);
