@@ -433,6 +433,7 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_PORT, "port", F_INT, port, 1, 65535)                                                       \
     F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \
     F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
+    F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
     N(D_TIER, "prefix_cache_tier")
 enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
 #define SECT td_cfg_decode

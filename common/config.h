@@ -115,6 +115,9 @@ typedef struct {
     /* 0 (off): colocated, the step time (ms) within which a step with running decodes keeps
      * its prefill share (docs/config.md) */
     double itl_target_ms;
+    /* false: one thing after another; true: rank 0 streams a step's tokens and serves its
+     * inbox while the next step computes (docs/config.md) */
+    bool overlap;
 } td_cfg_decode;
 
 typedef struct {

@@ -168,6 +168,7 @@ static void xfer_teardown(dc_node *n)
 
 static void teardown(dc_node *n)
 {
+    dc_async_stop(n); /* no pass in flight any more: the serving loop joined it */
     xfer_teardown(n);
     dc_sched_destroy(n->sched);
     gr_cache_destroy(n->grammars);
@@ -402,8 +403,8 @@ static int leader_setup(dc_node *n)
     if (!rc)
         rc = dc_sched_create(&sp, n->rt.model, n->kv,
                              (dc_sink){.ctx = n,
-                                       .on_tokens = dc_serve_on_tokens,
-                                       .on_prompt_logprobs = dc_serve_on_prompt_logprobs},
+                                       .on_tokens = dc_async_on_tokens,
+                                       .on_prompt_logprobs = dc_async_on_prompt_logprobs},
                              &n->sched);
     free(eog);
     if (rc) return rc;
@@ -411,6 +412,7 @@ static int leader_setup(dc_node *n)
         malloc((size_t)n->dcfg->max_batch * (size_t)n->rt.model->hp.n_vocab * sizeof(float));
     if (!n->logits) return TD_ENOMEM;
     n->logit_rows = n->dcfg->max_batch;
+    if (n->dcfg->overlap && (rc = dc_async_start(n))) return rc;
     td_ctrl_opts opts = {0};
     if ((rc = td_ctrl_server_create(&opts, &n->srv))) return rc;
     char url[256], bound[256];
@@ -543,20 +545,41 @@ static int grow_logits(dc_node *n, int rows)
     return 0;
 }
 
-static int run_step(dc_node *n)
-{
+/* A step between its plan and its commit. */
+typedef struct {
     dc_step st;
-    int64_t t_plan = td_now_ns();
-    int k = dc_sched_plan(n->sched, &st);
-    if (k <= 0) return k;
+    int k;          /* its tokens */
+    int rc;         /* publishing the plan failed: the step's requests fail in the commit */
+    int64_t t_plan; /* when its planning began */
+    int64_t t_fwd;  /* when its forward pass began */
+} step_run;
+
+/* Plan the next step and publish it to the other ranks: its tokens (0: nothing runnable)
+ * or a negative td_err of the planning. */
+static int step_begin(dc_node *n, step_run *sr)
+{
+    sr->t_plan = td_now_ns();
+    int k = sr->k = dc_sched_plan(n->sched, &sr->st);
     int64_t t0 = td_now_ns();
+    if (k <= 0) return k;
+    n->ns_plan += t0 - sr->t_plan;
     void *buf;
     size_t cap, len;
     int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
-    if (!rc) rc = dc_plan_encode(&st.batch, n->kv->block_size, n->step, buf, cap, &len);
-    if (!rc && st.batch.n_logits > n->logit_rows) rc = grow_logits(n, st.batch.n_logits);
+    if (!rc) rc = dc_plan_encode(&sr->st.batch, n->kv->block_size, n->step, buf, cap, &len);
+    if (!rc && sr->st.batch.n_logits > n->logit_rows) rc = grow_logits(n, sr->st.batch.n_logits);
     if (!rc) rc = dc_shm_plan_commit(n->shm, len);
-    if (!rc) rc = kn_engine_forward(n->rt.engine, n->kv, &st.batch, n->logits);
+    sr->rc = rc;
+    sr->t_fwd = td_now_ns();
+    n->ns_encode += sr->t_fwd - t0;
+    return k;
+}
+
+/* The step's forward pass ended with rc: commit it (sample, stop rules, events). Its
+ * tokens, or rc. */
+static int step_end(dc_node *n, step_run *sr, int rc)
+{
+    int64_t t_commit = td_now_ns();
     n->step++;
     /* the step's requests fail in the commit: their error events say why */
     if (rc)
@@ -564,39 +587,65 @@ static int run_step(dc_node *n)
                  dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm) : td_strerror(rc));
     dc_sched_commit(n->sched, n->logits, rc);
     int64_t t1 = td_now_ns();
+    n->ns_forward += t_commit - sr->t_fwd;
+    n->ns_commit += t1 - t_commit;
     /* the whole step, as its decodes wait for it: the cost model behind itl_target_ms */
-    if (!rc) dc_sched_observe(n->sched, (double)(t1 - t_plan) / 1e6);
-    n->step_ns += t1 - t0;
-    n->step_tokens += k;
-    return rc ? rc : k;
+    if (!rc) dc_sched_observe(n->sched, (double)(t1 - sr->t_plan) / 1e6);
+    n->step_ns += t1 - sr->t_fwd + (sr->t_fwd - sr->t_plan);
+    n->step_tokens += sr->k;
+    return rc ? rc : sr->k;
 }
 
-/* SERVING: the step loop. Returns 0 when *stop was set, a failure of the instance (a rank
- * died or is silent, a step failed: the caller re-forms), or, with *fatal, a failure of
- * the control server. */
-static int serve(dc_node *n, bool *fatal)
+static int run_step(dc_node *n)
+{
+    step_run sr;
+    int k = step_begin(n, &sr);
+    if (k <= 0) return k;
+    int rc = sr.rc;
+    if (!rc) rc = kn_engine_forward(n->rt.engine, n->kv, &sr.st.batch, n->logits);
+    return step_end(n, &sr, rc);
+}
+
+/* The inbox, the transfers and the health, before a step: wait ms for the first message. */
+static int serve_io(dc_node *n, int wait, int64_t *last_health)
+{
+    int rc = dc_serve_inbox(n, wait);
+    if (rc) return rc;
+    dc_serve_transfers(n);
+    if (n->load_changed || td_now_ms() - *last_health >= 100) {
+        dc_serve_health(n);
+        *last_health = td_now_ms();
+        n->load_changed = false;
+    }
+    return 0;
+}
+
+/* The inbox wait before a step: none after a step that ran (there is more work); a short
+ * one while only KV transfers are in flight (their completion is polled: react in ~2 ms,
+ * never spin); a long one when idle. */
+static int inbox_wait(const dc_node *n, int k)
+{
+    int pending = dc_xfer_pending(n->xfer);
+    return dc_sched_idle(n->sched) && !pending ? IDLE_WAIT_MS
+           : k > 0 || !pending                 ? 0
+                                               : XFER_WAIT_MS;
+}
+
+/* SERVING, one step after another. Returns 0 when *stop was set, a failure of the instance
+ * (a rank died or is silent, a step failed: the caller re-forms), or, with *fatal, a
+ * failure of the control server. */
+static int serve_sequential(dc_node *n, bool *fatal)
 {
     int64_t last_health = 0;
     int k = 0; /* tokens of the last step */
     int rc = 0;
     while (!*n->p->stop) {
-        /* no wait after a step that ran (there is more work); a short one while only KV
-         * transfers are in flight (their completion is polled: react in ~2 ms, never
-         * spin); a long one when idle */
-        int pending = dc_xfer_pending(n->xfer);
-        int wait = dc_sched_idle(n->sched) && !pending ? IDLE_WAIT_MS
-                   : k > 0 || !pending                 ? 0
-                                                       : XFER_WAIT_MS;
-        if ((rc = dc_serve_inbox(n, wait))) {
+        int64_t t_loop = td_now_ns();
+        if ((rc = serve_io(n, inbox_wait(n, k), &last_health))) {
             *fatal = true;
             return rc;
         }
-        dc_serve_transfers(n);
-        if (n->load_changed || td_now_ms() - last_health >= 100) {
-            dc_serve_health(n);
-            last_health = td_now_ms();
-            n->load_changed = false;
-        }
+        int64_t t_in = td_now_ns();
         k = 0;
         if (!dc_sched_idle(n->sched)) {
             if ((rc = run_step(n)) < 0) return rc;
@@ -606,8 +655,76 @@ static int serve(dc_node *n, bool *fatal)
         /* no step ran (idle, or only transfers): notice a dead rank now, not at the next
          * step */
         if (k == 0 && (rc = dc_shm_check(n->shm))) return rc;
+        if (k > 0) { /* only the loops that ran a step */
+            n->ns_inbox += t_in - t_loop;
+            n->ns_serve += td_now_ns() - t_loop;
+        }
     }
     return 0;
+}
+
+/* SERVING with overlap (decode[].overlap): step N's forward pass runs on the forward thread
+ * while this thread sends step N-1's token events and serves the inbox, the transfers and
+ * the health; then it joins the pass, commits it (sampling must see step N's logits before
+ * step N + 1 embeds its tokens) and plans and launches step N + 1, holding the events back
+ * meanwhile. Every request's tokens are the sequential path's: the scheduler runs the same
+ * calls in the same order per request, only the inbox is read while the pass computes.
+ * Returns as serve_sequential, with no pass in flight and no event held. */
+static int serve_overlap(dc_node *n, bool *fatal)
+{
+    int64_t last_health = 0;
+    step_run sr;
+    bool flying = false; /* sr's forward pass runs */
+    int k = 0, rc = 0;
+    while (!*n->p->stop) {
+        int64_t t_loop = td_now_ns();
+        dc_async_flush(n); /* the last step's events */
+        if ((rc = serve_io(n, flying ? 0 : inbox_wait(n, k), &last_health))) {
+            *fatal = true;
+            break;
+        }
+        int64_t t_in = td_now_ns();
+        k = 0;
+        n->hold_events = true;
+        if (flying) {
+            flying = false;
+            int64_t t_join = td_now_ns();
+            int rc_fwd = dc_async_join(n);
+            n->ns_join += td_now_ns() - t_join;
+            if ((rc = step_end(n, &sr, rc_fwd)) < 0) break;
+            k = rc;
+        }
+        if (!dc_sched_idle(n->sched)) {
+            if ((rc = step_begin(n, &sr)) < 0) break;
+            if (rc > 0 && !sr.rc) {
+                dc_async_launch(n, &sr.st.batch);
+                flying = true;
+            } else if (rc > 0 && (rc = step_end(n, &sr, sr.rc)) < 0) {
+                break;
+            }
+        }
+        n->hold_events = false;
+        if (!flying) dc_async_flush(n); /* no pass to hide them behind */
+        rc = 0;
+        if (k > 0 && !flying && dc_sched_idle(n->sched)) dc_serve_health(n); /* load 0 */
+        if (!flying && k == 0 && (rc = dc_shm_check(n->shm))) break;
+        if (k > 0) {
+            n->ns_inbox += t_in - t_loop;
+            n->ns_serve += td_now_ns() - t_loop;
+        }
+    }
+    n->hold_events = false;
+    if (flying) { /* stopping, or the control server failed: the pass ends first */
+        int rc2 = step_end(n, &sr, dc_async_join(n));
+        if (rc2 < 0 && !rc && !*n->p->stop) rc = rc2;
+    }
+    dc_async_flush(n);
+    return rc;
+}
+
+static int serve(dc_node *n, bool *fatal)
+{
+    return n->fwd ? serve_overlap(n, fatal) : serve_sequential(n, fatal);
 }
 
 /* The instance failed: every request in flight ends with an error event (the forming loop
@@ -633,6 +750,33 @@ static void fail_in_flight(dc_node *n, int rc)
                    n->p->instance, st.kv_blocks_used);
     close_shm(n);
     dc_serve_health(n);
+}
+
+/* Where the serving loop's time went, per step that ran (the decode benchmark reads it):
+ * sequential, the loop is inbox + plan + encode + forward + commit (token events inside it);
+ * with overlap, inbox (token events inside it) + waiting for the pass + commit + plan +
+ * encode, the pass computing from its launch to the join. */
+static void log_phases(const dc_node *n)
+{
+    if (!n->step || !n->ns_serve) return;
+    double per = 1e6 * (double)n->step, all = (double)n->ns_serve / 100.0;
+    bool ov = n->dcfg->overlap;
+    int64_t mid = ov ? n->ns_join : n->ns_forward;
+    TD_LOG_INFO("decode %s: per step (ms, %% of the loop): loop %.3f, inbox+transfers+health "
+                "%.3f (%.1f%%), plan %.3f (%.1f%%), plan encode %.3f (%.1f%%), %s %.3f (%.1f%%), "
+                "commit %.3f (%.1f%%), token events %.3f (%.1f%%, inside the %s), forward pass "
+                "%.3f",
+                n->p->instance, (double)n->ns_serve / per, (double)n->ns_inbox / per,
+                (double)n->ns_inbox / all, (double)n->ns_plan / per, (double)n->ns_plan / all,
+                (double)n->ns_encode / per, (double)n->ns_encode / all,
+                ov ? "waiting for the pass" : "forward", (double)mid / per, (double)mid / all,
+                (double)n->ns_commit / per, (double)n->ns_commit / all, (double)n->ns_stream / per,
+                (double)n->ns_stream / all, ov ? "inbox" : "commit", (double)n->ns_forward / per);
+    if (ov)
+        TD_LOG_INFO("decode %s: overlap per step (ms): pass %.3f, thread hand-offs %.3f, the "
+                    "node thread's work outlasting the pass %.3f",
+                    n->p->instance, (double)n->ns_pass / per, (double)n->ns_handoff / per,
+                    (double)n->ns_io_over / per);
 }
 
 /* SIGTERM: requests still in flight end with ERR_SHUTDOWN; a formed instance gets the stop
@@ -682,6 +826,7 @@ static void leader_stop(dc_node *n)
                 (unsigned long long)ss.n_gather,
                 ss.n_gather ? (double)ss.ns_gather / (double)ss.n_gather / 1e3 : 0.0,
                 (unsigned long long)st.preemptions, n->formations);
+    log_phases(n);
     if (n->xfer) {
         /* leak check of the tests: every transfer released on every rank */
         char per_rank[256] = "";

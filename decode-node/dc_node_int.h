@@ -30,6 +30,20 @@
 #include "kv_pool.h"
 #include "model.h"
 
+/* overlap (decode[].overlap): an event of the scheduler's sink held back while the step's
+ * commit and the next plan run, sent once the next forward pass computes (dc_async.c) */
+typedef struct {
+    uint64_t id;
+    bool prompt_lps;       /* on_prompt_logprobs (from, lps[n]) rather than on_tokens */
+    int32_t *ids;          /* (n) on_tokens */
+    td_logprob_entry *lps; /* (n) or NULL */
+    int n;
+    dc_finish finish;
+    int32_t n_prompt, n_gen, n_cached, from;
+} dc_held_event;
+
+typedef struct dc_fwd dc_fwd; /* the forward thread (dc_async.c) */
+
 /* Where a scheduler request came from: events go back to (client, request id). */
 typedef struct {
     uint64_t client_id, request_id;
@@ -62,8 +76,19 @@ typedef struct {
     size_t n_routes;
     int64_t started_ms;
     uint64_t step;
-    int64_t step_ns;       /* wall time of all steps */
-    int64_t step_tokens;   /* tokens of all steps */
+    int64_t step_ns;     /* wall time of all steps */
+    int64_t step_tokens; /* tokens of all steps */
+    /* where the serving loop's time goes (ns, SERVING only; logged at the stop): the inbox,
+     * transfers and health; planning; the plan's encoding and publication; the forward
+     * pass; the commit (sampling, stop rules, grammar, logprobs); the token events
+     * (dc_serve_on_tokens: inside the commit, or with overlap inside the inbox's time) */
+    int64_t ns_inbox, ns_plan, ns_encode, ns_forward, ns_commit, ns_stream, ns_serve;
+    int64_t ns_join; /* overlap: waiting for the pass after the inbox (ns_forward is then
+                        from its launch to its join, the inbox's time included) */
+    /* overlap: the pass itself (on its thread), the two hand-offs between the threads
+     * (waking for the job, waking for its end), and the time the node thread's own work
+     * outlasted the pass (dc_async_join) */
+    int64_t ns_pass, ns_handoff, ns_io_over;
     bool stopping;         /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
     bool draining;         /* after the loop: new requests are refused */
     bool load_changed;     /* an Alloc or a transfer event: publish the health now */
@@ -76,6 +101,12 @@ typedef struct {
     int logit_rows;        /* max_batch; grown on demand for prompt logprobs (a row per token) */
     gr_vocab *gvocab;      /* structured output: the vocabulary's trie (leader) */
     gr_cache *grammars;    /* compiled grammars by schema text (leader) */
+    /* overlap (leader, decode[].overlap): the thread that runs forward passes while this
+     * one serves; the sink's events held back while hold_events is set */
+    dc_fwd *fwd;
+    bool hold_events;
+    dc_held_event *held;
+    int n_held, cap_held;
 } dc_node;
 
 /* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
@@ -92,5 +123,21 @@ int dc_serve_inbox(dc_node *n, int timeout_ms);
 void dc_serve_transfers(dc_node *n);
 /* Publish Health (ready unless forming, stopping or draining). */
 void dc_serve_health(dc_node *n);
+
+/* dc_async.c. The scheduler's sink as the leader installs it: straight to dc_serve_on_* or,
+ * while n->hold_events, held in order until dc_async_flush. */
+void dc_async_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
+                        const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
+                        int32_t n_gen, int32_t n_cached);
+void dc_async_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
+                                 int n_e);
+/* Send the held events, in the order the scheduler reported them. */
+void dc_async_flush(dc_node *n);
+/* The forward thread: start (n->fwd), run one batch on it (the batch and n->logits stay
+ * untouched until the join), wait for that pass (its td_err), stop it. */
+int dc_async_start(dc_node *n);
+void dc_async_launch(dc_node *n, const kn_batch *b);
+int dc_async_join(dc_node *n);
+void dc_async_stop(dc_node *n);
 
 #endif

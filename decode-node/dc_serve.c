@@ -79,6 +79,7 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
 {
     dc_node *n = ctx;
     if (id >= n->n_routes || !n->routes[id].used) return;
+    int64_t t0 = td_now_ns();
     dc_route *r = &n->routes[id];
     if (finish == DC_FINISH_ERROR) {
         if (r->err_code != TD__ERROR_CODE__ERR_NONE)
@@ -107,6 +108,7 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                                    (size_t)n_ids, wire_finish(finish), (uint32_t)n_prompt,
                                    (uint32_t)n_gen, (uint32_t)n_cached);
     if (finish != DC_FINISH_NONE) r->used = false;
+    n->ns_stream += td_now_ns() - t0;
 }
 
 /* ---- leader: requests in ---- */

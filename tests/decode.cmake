@@ -26,6 +26,15 @@ if(TANDEM_PYTHON)
   set_tests_properties(decode_node PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1200)
 endif()
 
+# ---- decode[].overlap: the same tokens as the sequential path (two colocated clusters).
+if(TANDEM_PYTHON AND TANDEM_MODEL)
+  add_test(NAME decode_overlap
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_overlap.py
+                   --tandem $<TARGET_FILE:tandem> --decode $<TARGET_FILE:tandem-decode>
+                   --router $<TARGET_FILE:tandem-router> --model "${TANDEM_MODEL}")
+  set_tests_properties(decode_overlap PROPERTIES TIMEOUT 300 LABELS decode)
+endif()
+
 # ---- KV pools in shared memory (the followers' pools in disaggregated mode) and the
 # ---- segment names / stale sweep of dc_xfer.
 add_executable(test_kv_shm ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_kv_shm.c)

@@ -20,6 +20,12 @@ instance, step_tokens 512, prefix cache off) per target, alternated --rounds tim
 the decoders' inter-token latency p50/p99 (every gap between two streamed chunks), the long
 prompts' TTFT p50/p99, and the output tokens/s of the whole run.
 
+With --overlap THREADS (e.g. 1,2) only the overlap comparison runs: a tp1 instance with
+decode[].overlap true, then false, per thread count and batch (--batches, 1,16), alternated
+--rounds times, next to `tandem bench-engine` at the same thread count in each round; it
+prints each run's tokens/s and the leader's per-step breakdown (inbox, plan, encode,
+forward, commit, token events), then the medians and the paired on/off ratios.
+
 With --tp CONFIGS (e.g. 1x1,2x1,1x2: tp x threads per rank) only part 2 runs, for those
 configurations, at each batch of --batches with --max-tokens per request, and prints each
 configuration's throughput against the first one's (strong scaling: tp2 x 1 against tp1 x 1).
@@ -27,6 +33,7 @@ configuration's throughput against the first one's (strong scaling: tp2 x 1 agai
 usage: tools/bench_decode.py [--build build] [--model PATH]
        tools/bench_decode.py --itl 0,60 [--rounds R] [--decoders 12] [--long 6]
                              [--tp 1x1,2x1 [--batches 1,4] [--max-tokens 128]]
+       tools/bench_decode.py --overlap 1,2 [--batches 1,16] [--rounds R]
        tools/bench_decode.py --compare BEFORE_BUILD [--build build] [--model PATH] --tp N
                              [--batches 4,16] [--rounds R]
   --compare: only the tensor-parallel decode at tp N x 1 thread, the build under test
@@ -58,6 +65,9 @@ ap.add_argument("--tp", help="only part 2, these configurations: TPxTHREADS,... 
 ap.add_argument("--batches", default=None, help="with --tp: batches to run (4; --compare: 4,16)")
 ap.add_argument("--max-tokens", type=int, default=128, help="with --tp: tokens per request")
 ap.add_argument("--rounds", type=int, default=3, help="with --compare: rounds per batch size")
+ap.add_argument("--overlap", metavar="THREADS",
+                help="only decode[].overlap on against off (and bench-engine), alternated "
+                "--rounds times, for these thread counts (e.g. 1,2) at --batches (1,16)")
 ap.add_argument("--itl", help="only the bounded-stall comparison: itl_target_ms values, e.g. 0,60")
 ap.add_argument("--decoders", type=int, default=12, help="with --itl: requests decoding")
 ap.add_argument("--long", type=int, default=6, help="with --itl: long prompts arriving")
@@ -67,13 +77,15 @@ DECODE = os.path.join(args.build, "bin", "tandem-decode")
 rnd = random.Random(1)
 
 
-def start(tp, threads, port, step_tokens=256, decode=None):
+def start(tp, threads, port, step_tokens=256, decode=None, overlap=None):
     d = tempfile.mkdtemp(prefix="tandem-bench-")
     cfg = os.path.join(d, "c.yaml")
     with open(cfg, "w") as f:
         f.write(f"model: {args.model}\ndecode:\n  - name: b{port}\n    tp: {tp}\n"
                 f"    threads: {threads}\n    kv_blocks: 4096\n    max_batch: 64\n"
                 f"    step_tokens: {step_tokens}\n    port: {port}\n")
+        if overlap is not None:
+            f.write(f"    overlap: {'true' if overlap else 'false'}\n")
     procs = [subprocess.Popen([decode or DECODE, "--config", cfg, "--instance", f"b{port}", "--rank", str(r)],
                               stderr=open(os.path.join(d, f"r{r}.log"), "w")) for r in range(tp)]
     url = f"tcp://127.0.0.1:{port}"
@@ -257,6 +269,54 @@ def itl_part(targets):
               f"{pct(ttft, .99):.2f} s, output {sum(tps) / len(tps):.1f} tok/s (mean of rounds)")
 
 
+PHASES_RE = r"per step \(ms, % of the loop\): (.*)"
+
+
+def overlap_part(threads_list, batches):
+    """decode[].overlap on against off, alternated per round, next to bench-engine's batch-1
+    decode measured in each round (the ratio to the bare engine)."""
+    res = {}
+    port = 9760
+    for k in range(args.rounds):
+        for threads in threads_list:
+            eng = subprocess.run([TANDEM, "bench-engine", "--model", args.model, "--threads",
+                                  str(threads), "--reps", "1", "--json"], capture_output=True,
+                                 text=True).stdout
+            e = float(re.search(r'"decode_tps": ([0-9.]+)', eng).group(1))
+            res.setdefault(("engine", threads, 1), []).append(e)
+            print(f"round {k} engine {threads} threads batch 1: {e:.1f} tok/s", flush=True)
+            for b in batches:
+                for ov in (True, False):
+                    port += 1
+                    procs, url, d = start(1, threads, port, overlap=ov)
+                    run(url, 1, 8)  # warm-up
+                    s = run(url, b, 128)
+                    log = stop(procs, d)
+                    ph = re.search(PHASES_RE, log)
+                    ho = re.search(r"overlap per step \(ms\): (.*)", log)
+                    res.setdefault((ov, threads, b), []).append(s["tok_per_s"])
+                    print(f"round {k} overlap {'on ' if ov else 'off'} {threads} threads batch "
+                          f"{b:2d}: {s['tok_per_s']:7.1f} tok/s, tpot {s['tpot_ms']:.2f} ms"
+                          f"{' (' + str(round(s['tok_per_s'] / e, 3)) + ' x engine)' if b == 1 else ''}"
+                          f"\n    {ph.group(1) if ph else ''}"
+                          f"{chr(10) + '    ' + ho.group(1) if ho else ''}", flush=True)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    for threads in threads_list:
+        e = med(res[("engine", threads, 1)])
+        for b in batches:
+            on, off = res[(True, threads, b)], res[(False, threads, b)]
+            pair = sorted(a / o for a, o in zip(on, off))
+            print(f"{threads} threads batch {b:2d}: overlap on {med(on):.1f}, off {med(off):.1f} "
+                  f"tok/s (medians); on/off paired ratio median {med(pair):.3f} (range "
+                  f"{pair[0]:.3f}-{pair[-1]:.3f})"
+                  + (f"; x engine ({e:.1f}): on {med(on) / e:.3f}, off {med(off) / e:.3f}"
+                     if b == 1 else ""))
+
+
+if args.overlap:
+    overlap_part([int(x) for x in args.overlap.split(",")],
+                 [int(x) for x in (args.batches or "1,16").split(",")])
+    raise SystemExit(0)
 if args.itl:
     itl_part([float(x) for x in args.itl.split(",")])
     raise SystemExit(0)

@@ -84,6 +84,8 @@ static const bad_case bad_cases[] = {
     {"decode_tp_list", MIN "    tp: [1]\n", 4, 9, "expected an integer, got a list"},
     {"decode_itl_neg", MIN "    itl_target_ms: -5\n", 4, 20, "-5 is out of range [0, 600000]"},
     {"decode_itl_text", MIN "    itl_target_ms: fast\n", 4, 20, "expected a number, got 'fast'"},
+    {"decode_overlap_text", MIN "    overlap: sometimes\n", 4, 14,
+     "expected true or false, got 'sometimes'"},
     {"pd_block_mismatch",
      "model: /m\nprefill:\n  - name: p0\ndecode:\n  - name: d0\n  - name: d1\n    block_size: 32\n",
      6, 5, "with prefill instances every decode instance needs the same"},
@@ -194,6 +196,7 @@ static void test_good_file(void)
                        "    max_batch: 16\n"
                        "    step_tokens: 128\n"
                        "    itl_target_ms: 75.5\n"
+                       "    overlap: true\n"
                        "    kv_dtype: f32\n"
                        "    port: 7000\n"
                        "  - name: d1\n"
@@ -242,13 +245,13 @@ static void test_good_file(void)
     TH_CHECK(d->tp == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 && d->block_size == 32 &&
              d->kv_memory == (1ll << 30) && d->kv_blocks == 0 && d->max_batch == 16 &&
              d->step_tokens == 128 && d->itl_target_ms == 75.5 && d->kv_dtype == TD_F32 &&
-             d->port == 7000);
+             d->port == 7000 && d->overlap);
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
              d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
              d->max_batch == 64 && d->step_tokens == 512 && d->itl_target_ms == 0 &&
-             d->kv_dtype == TD_F32 && d->port == 9001);
+             d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap);
     TH_CHECK(!td_cfg_find_decode(c, "p0") && !td_cfg_find_prefill(c, "d0") &&
              !td_cfg_find_decode(c, "nope"));
     TH_CHECK(!strcmp(c->kvxfer.ucx_tls, "tcp") && c->kvxfer.timeout_ms == 5000);
