@@ -29,7 +29,8 @@
 
 bool kn_q8_supported(td_dtype t)
 {
-    return t == TD_Q4_K || t == TD_Q6_K || t == TD_Q5_0 || t == TD_Q8_0;
+    return t == TD_Q4_K || t == TD_Q6_K || t == TD_Q5_0 || t == TD_Q8_0 || t == TD_Q4_0 ||
+           t == TD_Q4_1;
 }
 
 KN_ALWAYS_INLINE bool q8_is_k(td_dtype t)
@@ -87,8 +88,13 @@ void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq
         return;
     }
     kn_q8b *b = xq;
-    for (int64_t i = 0; i < m * (n / TD_QK); i++, b++)
+    for (int64_t i = 0; i < m * (n / TD_QK); i++, b++) {
         b->d = q8_quant(x + i * TD_QK, TD_QK, b->qs);
+        int s = 0;
+        for (int k = 0; k < TD_QK; k++)
+            s += b->qs[k];
+        b->sum = (int16_t)s;
+    }
 }
 
 /* Q4_K's 8 six-bit scales and mins from scales[12] (gguf's get_scale_min). */
