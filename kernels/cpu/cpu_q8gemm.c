@@ -112,12 +112,17 @@ Q8G_I512 __m512i spread16(__m512i v)
     return _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x01010101)), 4);
 }
 
-Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t nb, uint8_t *panel)
+Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t nb, size_t next,
+                      uint8_t *panel)
 {
     const __m512i vi = _mm512_loadu_si512(idx), m4 = _mm512_set1_epi8(0x0f);
     const size_t bs = q8g_bs(t);
+    const int64_t pf_every = 64 / (int64_t)bs;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + (size_t)b * bs;
+        if (b % pf_every == 0)
+            for (int r = 0; r < 16; r++)
+                __builtin_prefetch(p + idx[r] + next);
         uint8_t *o = panel + (size_t)b * 10 * 64;
         __m512i T[4], V[8];
         tr16(p, idx, q8g_qoff(t), T);
@@ -217,7 +222,8 @@ Q8G_I512 void groups512(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t m
         int32_t idx[16];
         for (int r = 0; r < 16; r++)
             idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
-        pack512(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb, panel);
+        pack512(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
+                16 * w->row_stride, panel);
         rows512(t, panel, xq, m, nb, y + r0, w->n_rows, nr);
     }
 }
@@ -265,12 +271,16 @@ KN_ALWAYS_INLINE __m256i spread8(__m256i v)
 }
 
 KN_ALWAYS_INLINE void pack256(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t nb,
-                              uint8_t *panel)
+                              size_t next, uint8_t *panel)
 {
     const __m256i vi = _mm256_loadu_si256((const void *)idx), m4 = _mm256_set1_epi8(0x0f);
     const size_t bs = q8g_bs(t);
+    const int64_t pf_every = 64 / (int64_t)bs;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + (size_t)b * bs;
+        if (b % pf_every == 0)
+            for (int r = 0; r < 8; r++)
+                __builtin_prefetch(p + idx[r] + next);
         uint8_t *o = panel + (size_t)b * 10 * 32;
         __m256i T[4], V[8];
         tr8(p, idx, q8g_qoff(t), T);
@@ -360,7 +370,8 @@ KN_ALWAYS_INLINE void groups256(td_dtype t, const kn_mat *w, const kn_q8b *xq, i
         int32_t idx[8];
         for (int r = 0; r < 8; r++)
             idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
-        pack256(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb, panel);
+        pack256(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
+                16 * w->row_stride, panel);
         int64_t i = 0;
         for (; i + 4 <= m; i += 4)
             tile256(t, 4, panel, xq + i * nb, nb, nb, y + i * w->n_rows + r0, w->n_rows, nr);
