@@ -75,6 +75,7 @@ static float q8_quant(const float *x, int len, int8_t *q)
 static void q8b_quant(const float *x, kn_q8b *b)
 {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q8_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
     const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16), z = _mm512_setzero_ps();
     const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), z, _CMP_NEQ_UQ) |
                           _mm512_cmp_ps_mask(_mm512_sub_ps(c, c), z, _CMP_NEQ_UQ);
@@ -87,11 +88,10 @@ static void q8b_quant(const float *x, kn_q8b *b)
         }
         const __m512 id = _mm512_set1_ps(127.0f / amax), hi = _mm512_set1_ps(127.0f),
                      lo = _mm512_set1_ps(-127.0f);
-        const int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        const __m512i qa = _mm512_cvtps_epi32(
-            _mm512_max_ps(_mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, id), r), hi), lo));
-        const __m512i qc = _mm512_cvtps_epi32(
-            _mm512_max_ps(_mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(c, id), r), hi), lo));
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_max_ps(
+            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, id), Q8_RNE), hi), lo));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_max_ps(
+            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(c, id), Q8_RNE), hi), lo));
         _mm_storeu_si128((__m128i *)(void *)b->qs, _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(void *)(b->qs + 16), _mm512_cvtepi32_epi8(qc));
         b->d = amax / 127.0f;
