@@ -1,6 +1,8 @@
-/* cpu_q8act.h: the CPU backend's opt-in 8-bit activation mode for the decode dot path
- * (kn_cpu_set_act_q8, TANDEM_CPU_ACT=q8): each row of x is quantized to 8 bits once per
- * matmul and dotted with the raw weight quants in integer arithmetic, as llama.cpp does.
+/* cpu_q8act.h: the CPU backend's opt-in 8-bit activation mode (kn_cpu_set_act_q8,
+ * TANDEM_CPU_ACT=q8): each row of x is quantized to 8 bits once per matmul and dotted with
+ * the raw weight quants in integer arithmetic, as llama.cpp does. K-types (Q4_K, Q6_K) on the
+ * decode dot path (kn_q8_dot, m < 64 and solo rows); 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
+ * at every m through the integer GEMM of cpu_q8gemm.c (kn_q8_gemm).
  *
  * Purpose: the float32 dot path unpacks every weight to float32 and is compute-bound at
  * batch 1; integer dots (AVX2 maddubs + madd, or AVX512-VNNI dpbusd on 256-bit vectors
