@@ -1,10 +1,11 @@
 #!/bin/bash
-# tools/q8act_accuracy.sh: greedy agreement over 32 tokens and last-position logits, act f32 against q8
+# tools/q8act_accuracy.sh: greedy agreement over 32 tokens and last-position logits, act f32 against q8,
+# on the default model (SmolLM2 Q4_1) and the 0.5B Qwen (Q4_K_M); extra gguf names as arguments
 cd "$(dirname "$0")/.."
 PY=$HOME/.cache/tandem/venv/bin/python
 T=./build/bin/tandem
 mkdir -p /tmp/q8acc
-for M in Qwen2.5-Coder-0.5B-Instruct.Q4_K_M Qwen2.5-Coder-1.5B-Instruct.Q4_K_M; do
+for M in SmolLM2-135M-Instruct.Q4_1 Qwen2.5-Coder-0.5B-Instruct.Q4_K_M "$@"; do
   MP=~/.cache/tandem/models/$M.gguf
   i=0
   for P in "def fibonacci(n):" "The capital of France is" "import numpy as np

@@ -15,8 +15,10 @@
  *    scratch and hands them to single-threaded OpenBLAS sgemm, which writes the matching
  *    columns of y. Dequantization is O(n_rows * n_cols), amortized over m rows of x.
  *    sgemm's rounding depends on the batch, so a row's result may change with m.
- * In the q8 mode (kn_cpu_set_act_q8) the dot path of Q4_K, Q6_K, Q5_0 and Q8_0 weights
- * quantizes its rows of x to 8 bits once per call and runs cpu_q8act.c's integer dots.
+ * In the q8 mode (kn_cpu_set_act_q8) the dot path of Q4_K and Q6_K weights quantizes its rows
+ * of x to 8 bits once per call and runs cpu_q8act.c's integer dots; Q4_0, Q4_1, Q5_0 and Q8_0
+ * weights send every row (solo and batch, any m) through cpu_q8gemm.c's integer GEMM, whose
+ * per-row bits do not depend on m, so matmul_mixed's contract holds for all rows.
  * matmul_mixed (solo rows first, then batch rows): when the batch rows take the gemm path,
  * each thread runs the dot path for the solo rows over a slice of W's rows just before it
  * dequantizes that slice for sgemm, so the slice is read from memory once.
@@ -364,6 +366,51 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
     }
 }
 
+/* ---- q8 integer GEMM (32-block weights) ---- */
+
+typedef struct {
+    kn_cpu *c;
+    const kn_mat *w;
+    const void *xq;
+    int64_t m;
+    float *y;
+    int G;
+    atomic_int err;
+} q8g_job;
+
+static void mm_q8g_part(void *arg, int64_t g0, int64_t g1, int tid)
+{
+    q8g_job *j = arg;
+    const size_t bytes = kn_q8_gemm_panel_bytes(j->w->n_cols);
+    void *panel = kn_cpu_scratch(j->c, tid, (bytes + 3) / sizeof(float));
+    if (!panel) {
+        atomic_store(&j->err, TD_ENOMEM);
+        return;
+    }
+    kn_q8_gemm(j->w, j->xq, j->m, j->y, j->G, g0, g1, panel);
+}
+
+static int mm_q8_gemm(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, float *y)
+{
+    const size_t bytes = (size_t)m * kn_q8_row_bytes(w->type, w->n_cols);
+    void *xq = kn_cpu_scratch(c, KN_CPU_CALLER, (bytes + 3) / sizeof(float));
+    if (!xq) {
+        TD_LOG_ERR("matmul: out of memory for %zu bytes of quantized x", bytes);
+        return TD_ENOMEM;
+    }
+    kn_q8_quant_rows(w->type, x, m, w->n_cols, xq);
+    q8g_job j = {.c = c, .w = w, .xq = xq, .m = m, .y = y, .G = kn_q8_gemm_group_rows()};
+    atomic_init(&j.err, 0);
+    const int64_t groups = (w->n_rows + j.G - 1) / j.G;
+    /* as the dot path: at least MM_DOT_MIN_BYTES of W per thread (a fork-join's cost) */
+    int64_t min_groups = MM_DOT_MIN_BYTES / (j.G * (int64_t)w->row_stride * (m < 4 ? 1 : m / 4));
+    if (min_groups < 1) min_groups = 1;
+    kn_pool_run(c->pool, groups, min_groups, mm_q8g_part, &j);
+    const int err = atomic_load(&j.err);
+    if (err) TD_LOG_ERR("matmul: out of memory for the q8 weight panels");
+    return err;
+}
+
 /* ---- entry points ---- */
 
 static int mm_check(const kn_mat *w, const char *op)
@@ -404,6 +451,7 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
         return TD_EINVAL;
     }
     if (m == 0 || w->n_rows == 0) return 0;
+    if (c->act_q8 && kn_q8_gemm_supported(w)) return mm_q8_gemm(c, w, x, m, y);
     /* the batch rows take the gemm path when there are enough of them; the dot path gives
      * every row the same bits in either role, so below that all m rows share it */
     const int64_t gm = m - m_solo >= MM_GEMM_MIN_M ? m - m_solo : 0;

@@ -29,7 +29,8 @@
 
 bool kn_q8_supported(td_dtype t)
 {
-    return t == TD_Q4_K || t == TD_Q6_K || t == TD_Q5_0 || t == TD_Q8_0;
+    return t == TD_Q4_K || t == TD_Q6_K || t == TD_Q5_0 || t == TD_Q8_0 || t == TD_Q4_0 ||
+           t == TD_Q4_1;
 }
 
 KN_ALWAYS_INLINE bool q8_is_k(td_dtype t)
@@ -69,6 +70,42 @@ static float q8_quant(const float *x, int len, int8_t *q)
     return amax / 127.0f;
 }
 
+/* One 32-block: q8_quant's rule and the sum of q. With AVX-512 the same operations on
+ * two vectors (finite blocks; the others take q8_quant), so the same bits. */
+static void q8b_quant(const float *x, kn_q8b *b)
+{
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q8_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+    const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16), z = _mm512_setzero_ps();
+    const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), z, _CMP_NEQ_UQ) |
+                          _mm512_cmp_ps_mask(_mm512_sub_ps(c, c), z, _CMP_NEQ_UQ);
+    if (!bad) {
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        if (amax == 0.0f) {
+            memset(b->qs, 0, sizeof b->qs);
+            b->d = 0.0f, b->sum = 0;
+            return;
+        }
+        const __m512 id = _mm512_set1_ps(127.0f / amax), hi = _mm512_set1_ps(127.0f),
+                     lo = _mm512_set1_ps(-127.0f);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_max_ps(
+            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, id), Q8_RNE), hi), lo));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_max_ps(
+            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(c, id), Q8_RNE), hi), lo));
+        _mm_storeu_si128((__m128i *)(void *)b->qs, _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(void *)(b->qs + 16), _mm512_cvtepi32_epi8(qc));
+        b->d = amax / 127.0f;
+        b->sum = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+        return;
+    }
+#endif
+    b->d = q8_quant(x, TD_QK, b->qs);
+    int s = 0;
+    for (int k = 0; k < TD_QK; k++)
+        s += b->qs[k];
+    b->sum = (int16_t)s;
+}
+
 void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq)
 {
     if (q8_is_k(t)) {
@@ -88,7 +125,7 @@ void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq
     }
     kn_q8b *b = xq;
     for (int64_t i = 0; i < m * (n / TD_QK); i++, b++)
-        b->d = q8_quant(x + i * TD_QK, TD_QK, b->qs);
+        q8b_quant(x + i * TD_QK, b);
 }
 
 /* Q4_K's 8 six-bit scales and mins from scales[12] (gguf's get_scale_min). */

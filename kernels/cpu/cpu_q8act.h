@@ -1,6 +1,8 @@
-/* cpu_q8act.h: the CPU backend's opt-in 8-bit activation mode for the decode dot path
- * (kn_cpu_set_act_q8, TANDEM_CPU_ACT=q8): each row of x is quantized to 8 bits once per
- * matmul and dotted with the raw weight quants in integer arithmetic, as llama.cpp does.
+/* cpu_q8act.h: the CPU backend's opt-in 8-bit activation mode (kn_cpu_set_act_q8,
+ * TANDEM_CPU_ACT=q8): each row of x is quantized to 8 bits once per matmul and dotted with
+ * the raw weight quants in integer arithmetic, as llama.cpp does. K-types (Q4_K, Q6_K) on the
+ * decode dot path (kn_q8_dot, m < 64 and solo rows); 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
+ * at every m through the integer GEMM of cpu_q8gemm.c (kn_q8_gemm).
  *
  * Purpose: the float32 dot path unpacks every weight to float32 and is compute-bound at
  * batch 1; integer dots (AVX2 maddubs + madd, or AVX512-VNNI dpbusd on 256-bit vectors
@@ -8,7 +10,8 @@
  * Formats of a quantized row of x (n columns):
  *   K-types (Q4_K, Q6_K): n / 256 kn_q8k blocks, d = max|x| / 127, q = round(x / d) in
  *     [-127, 127], bsums[g] = sum of q over group g of 16;
- *   32-block types (Q5_0, Q8_0): n / 32 kn_q8b blocks, the same rule per 32.
+ *   32-block types (Q4_0, Q4_1, Q5_0, Q8_0): n / 32 kn_q8b blocks, the same rule per 32,
+ *     sum = sum of the 32 q (for the offsets and Q4_1's min).
  * Invariants: the integer part of every dot is exact; the float part is a fixed sequence
  * per row of x (no dependence on the other rows, the thread count or the ISA beyond
  * float reassociation), so results are deterministic and batch-invariant (the
@@ -33,11 +36,13 @@ typedef struct {
 } kn_q8k;
 
 typedef struct {
-    float d; /* scale: x ~ d * q */
+    float d;     /* scale: x ~ d * q */
+    int16_t sum; /* sum of qs (offsets and Q4_1's min) */
     int8_t qs[32];
 } kn_q8b;
 
-/* Whether the q8 mode has integer dots for weight type t (Q4_K, Q6_K, Q5_0, Q8_0). */
+/* Whether the q8 mode has integer dots for weight type t (Q4_K, Q6_K: kn_q8_dot;
+ * Q4_0, Q4_1, Q5_0, Q8_0: kn_q8_gemm). */
 bool kn_q8_supported(td_dtype t);
 
 /* Bytes of one row of n columns of x quantized for weights of type t (supported). */
@@ -50,5 +55,26 @@ void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq
 /* y[i * w->n_rows + r] = dot(row r of W, row i of xq) for r in [r0, r1) and i < m;
  * xq from kn_q8_quant_rows(w->type, x, m, w->n_cols, xq). */
 void kn_q8_dot(const kn_mat *w, const void *xq, int64_t m, float *y, int64_t r0, int64_t r1);
+
+/* ---- cpu_q8gemm.c: 32-block weights, every m ----
+ * Whether kn_q8_gemm takes W (Q4_0, Q4_1, Q5_0, Q8_0, row stride <= INT32_MAX / 16). */
+bool kn_q8_gemm_supported(const kn_mat *w);
+
+/* Rows of W per group (16 with AVX512-VNNI, 8 with AVX2): chosen by cpuid at first use,
+ * AVX2 when kn_q8_gemm_force_avx2(true) (a test hook). */
+int kn_q8_gemm_group_rows(void);
+void kn_q8_gemm_force_avx2(bool on);
+const char *kn_q8_gemm_isa(void);
+
+/* Scratch bytes of one thread's panel for W of n_cols columns (enough for either ISA). */
+size_t kn_q8_gemm_panel_bytes(int64_t n_cols);
+
+/* y[i * w->n_rows + r] = dot(row r of W, row i of xq) for i < m and the rows r of groups
+ * [g0, g1) of G = kn_q8_gemm_group_rows() rows (the last group may be partial); xq from
+ * kn_q8_quant_rows(w->type, ...); panel: kn_q8_gemm_panel_bytes(w->n_cols) of scratch
+ * owned by the calling thread. A row's result depends only on that row of x and of W
+ * (not on m, the other rows, G or the thread split): bit-identical across all of them. */
+void kn_q8_gemm(const kn_mat *w, const void *xq, int64_t m, float *y, int G, int64_t g0, int64_t g1,
+                void *panel);
 
 #endif

@@ -1,9 +1,10 @@
-/* test_q8act.c: the CPU backend's 8-bit activation mode (kn_cpu_set_act_q8, cpu_q8act.c)
- * for Q4_K, Q6_K, Q5_0 and Q8_0 weights: the quantization of x, the integer dots against a
- * float64 reference of the same quantized math, the distance to the float32 path within
- * the bound the rounding of x allows, determinism over thread counts, batch invariance
- * (matmul and matmul_mixed), the mode off giving the float32 path bit for bit, the
- * types the mode leaves to the float32 path, and TANDEM_CPU_ACT. */
+/* test_q8act.c: the CPU backend's 8-bit activation mode (kn_cpu_set_act_q8, cpu_q8act.c and
+ * cpu_q8gemm.c) for Q4_K, Q6_K, Q5_0, Q8_0, Q4_0 and Q4_1 weights, m from 1 to 512: the
+ * quantization of x, the integer dots against a float64 reference of the same quantized math, the
+ * distance to the float32 path within the bound the rounding of x allows, determinism over thread
+ * counts, batch invariance (matmul and matmul_mixed), the AVX2 form of the GEMM forced (the same
+ * bits), the mode off giving the float32 path bit for bit, the types the mode leaves to the float32
+ * path, and TANDEM_CPU_ACT. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,8 +17,8 @@
 #include "td_err.h"
 #include "tharness.h"
 
-static const td_dtype qtypes[] = {TD_Q4_K, TD_Q6_K, TD_Q5_0, TD_Q8_0};
-#define N_QTYPES 4
+static const td_dtype qtypes[] = {TD_Q4_K, TD_Q6_K, TD_Q5_0, TD_Q8_0, TD_Q4_0, TD_Q4_1};
+#define N_QTYPES 6
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
@@ -41,11 +42,16 @@ static int d_off(td_dtype t)
 }
 static int dmin_off(td_dtype t)
 {
-    return t == TD_Q4_K ? 2 : -1;
+    return t == TD_Q4_K || t == TD_Q4_1 ? 2 : -1;
 }
 static float wmax_per_d(td_dtype t)
 {
-    return t == TD_Q4_K ? 63 * 15 : t == TD_Q6_K ? 128 * 32 : t == TD_Q5_0 ? 16 : 128;
+    return t == TD_Q4_K   ? 63 * 15
+           : t == TD_Q6_K ? 128 * 32
+           : t == TD_Q5_0 ? 16
+           : t == TD_Q4_0 ? 8
+           : t == TD_Q4_1 ? 15
+                          : 128;
 }
 
 typedef struct {
@@ -127,7 +133,8 @@ static float *make_x(int64_t m, int64_t n)
 }
 
 /* xd, q (m, n): the scale and the quant of every element of the quantized rows xq; checks
- * the quantization rule (|q| <= 127, |x - d q| <= d / 2, the bsums). Returns failures. */
+ * the quantization rule (|q| <= 127, |x - d q| <= d / 2 up to the float rounding of x / d, the
+ * bsums and the 32-block sums). Returns failures. */
 static int64_t unpack_x(td_dtype t, const float *x, const uint8_t *xq, int64_t m, int64_t n,
                         double *xd, int *q)
 {
@@ -142,8 +149,14 @@ static int64_t unpack_x(td_dtype t, const float *x, const uint8_t *xq, int64_t m
             const int64_t e = b * bl + k;
             xd[e] = d;
             q[e] = qs[k];
-            if (q[e] < -127 || fabs((double)x[e] - (double)d * q[e]) > d * 0.5 * (1 + 1e-6))
+            if (q[e] < -127 || fabs((double)x[e] - (double)d * q[e]) > d * (0.5 + 256 * 0x1p-24))
                 fails++;
+        }
+        if (!is_k) {
+            int sum = 0;
+            for (int k = 0; k < bl; k++)
+                sum += qs[k];
+            fails += sum != ((const kn_q8b *)blk)->sum;
         }
         for (int g = 0; is_k && g < 16; g++) {
             int s = 0;
@@ -184,8 +197,10 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     TH_REQUIRE(x && y && y32 && yt && xq && xd && q);
     kn_q8_quant_rows(t, x, m, n_cols, xq);
     TH_CHECK(unpack_x(t, x, xq, m, n_cols, xd, q) == 0);
-    TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x, m, 0, y) == 0);
-    TH_REQUIRE(matmul_act(cpus[0], false, &W.w, x, m, 0, y32) == 0);
+    /* K-types have no integer GEMM: their m >= 64 rows run as solo rows (the q8 dot path) */
+    const int64_t solo = (t == TD_Q4_K || t == TD_Q6_K) ? m : 0;
+    TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x, m, solo, y) == 0);
+    TH_REQUIRE(matmul_act(cpus[0], false, &W.w, x, m, solo, y32) == 0);
     const int64_t nblk = n_cols / td_dtype_get((uint32_t)t)->blck;
     int64_t fails = 0;
     double worst_ref = 0, worst_f32 = 0;
@@ -212,12 +227,22 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
         td_dtype_name(t), (long long)n_rows, (long long)n_cols, (long long)m, worst_ref, worst_f32);
     TH_CHECKF(fails == 0, "%s: %lld outputs out of bounds", td_dtype_name(t), (long long)fails);
     for (int k = 1; k < 3; k++) {
-        TH_REQUIRE(matmul_act(cpus[k], true, &W.w, x, m, 0, yt) == 0);
+        TH_REQUIRE(matmul_act(cpus[k], true, &W.w, x, m, solo, yt) == 0);
         TH_CHECK(memcmp(y, yt, (size_t)(m * n_rows) * sizeof(float)) == 0);
     }
     for (int64_t i = 0; i < m; i++) {
         TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x + i * n_cols, 1, 0, yt) == 0);
         TH_CHECK(memcmp(y + i * n_rows, yt, (size_t)n_rows * sizeof(float)) == 0);
+    }
+    if (kn_q8_gemm_supported(&W.w)) {
+        /* the AVX2 form (groups of 8, maddubs) gives the same bits as VNNI's */
+        kn_q8_gemm_force_avx2(true);
+        TH_CHECK(!strcmp(kn_q8_gemm_isa(), "avx2"));
+        TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x, m, solo, yt) == 0);
+        kn_q8_gemm_force_avx2(false);
+        TH_CHECKF(memcmp(y, yt, (size_t)(m * n_rows) * sizeof(float)) == 0,
+                  "%s m %lld: avx2 and %s differ", td_dtype_name(t), (long long)m,
+                  kn_q8_gemm_isa());
     }
     free(x), free(y), free(y32), free(yt), free(xq), free(xd), free(q);
     free_mat(&W);
@@ -228,31 +253,33 @@ static void test_q8_dots(void)
     for (int k = 0; k < N_QTYPES; k++) {
         const td_dtype t = qtypes[k];
         const int64_t bl = td_dtype_get((uint32_t)t)->blck;
-        check_type(t, 37, 5 * 256, 1);
-        check_type(t, 37, 5 * 256, 6);
+        static const int64_t ms[] = {1, 8, 33, 64, 200, 512};
+        for (int i = 0; i < 6; i++)
+            check_type(t, 37, 5 * 256, ms[i]);
         check_type(t, 9, bl == 32 ? 96 : 256, 3);
     }
 }
 
-/* matmul_mixed with the batch rows on the gemm path: the solo rows get the bits of m == 1
- * in q8, the batch rows the float32 path's bits; the mode off gives the float32 bits of a
- * backend that never had it on; a type without integer dots (Q4_1) keeps float32. */
+/* matmul_mixed with m - solo >= 64 batch rows: Q4_K's solo rows get the bits of m == 1 in q8
+ * and its batch rows the float32 gemm path's bits; Q5_0 and Q4_1 (the integer GEMM) give
+ * every row, solo or batch, the bits of that row alone; Q5_1 (no integer dots) keeps the
+ * float32 bits. The mode off again gives the float32 bits of a backend that never had it. */
 static void test_mixed_and_off(void)
 {
-    const td_dtype types[] = {TD_Q4_K, TD_Q5_0, TD_Q4_1};
-    for (int k = 0; k < 3; k++) {
+    const td_dtype types[] = {TD_Q4_K, TD_Q5_0, TD_Q4_1, TD_Q5_1};
+    for (int k = 0; k < 4; k++) {
         const td_dtype t = types[k];
         const int64_t n_rows = 24, n_cols = 512, m = 70, solo = 3;
         q_mat W;
-        if (t == TD_Q4_1) {
+        if (t == TD_Q5_1) {
             /* random quants, d and m halves 0.01 */
-            const size_t rb = td_dtype_row_bytes(t, n_cols);
+            const size_t rb = td_dtype_row_bytes(t, n_cols), bs = 24;
             W.buf = malloc(rb * (size_t)n_rows), W.a = W.b = NULL;
             TH_REQUIRE(W.buf);
             for (size_t i = 0; i < rb * (size_t)n_rows; i++)
                 W.buf[i] = (uint8_t)rng_u32();
-            for (size_t b = 0; b < rb * (size_t)n_rows / 20; b++)
-                put_half(W.buf + 20 * b, 0.01f), put_half(W.buf + 20 * b + 2, 0.01f);
+            for (size_t b = 0; b < rb * (size_t)n_rows / bs; b++)
+                put_half(W.buf + bs * b, 0.01f), put_half(W.buf + bs * b + 2, 0.01f);
             W.w = (kn_mat){
                 .type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = rb, .data = W.buf};
         } else {
@@ -264,13 +291,15 @@ static void test_mixed_and_off(void)
         TH_REQUIRE(x && y && y32 && y1 && kn_cpu_create(2, &fresh) == 0);
         TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x, m, solo, y) == 0);
         TH_REQUIRE(kn_cpu_matmul_mixed(fresh, &W.w, x, m, solo, y32) == 0);
-        for (int64_t i = 0; i < solo; i++) {
+        const bool gemm = kn_q8_gemm_supported(&W.w);
+        TH_CHECK(gemm == (t == TD_Q5_0 || t == TD_Q4_1));
+        for (int64_t i = 0; i < (gemm ? m : solo); i++) {
             TH_REQUIRE(matmul_act(cpus[2], true, &W.w, x + i * n_cols, 1, 0, y1) == 0);
             TH_CHECK(memcmp(y + i * n_rows, y1, (size_t)n_rows * sizeof(float)) == 0);
         }
         const size_t nb = (size_t)((m - solo) * n_rows) * sizeof(float);
-        TH_CHECK(memcmp(y + solo * n_rows, y32 + solo * n_rows, nb) == 0);
-        TH_CHECK((t == TD_Q4_1) == !memcmp(y, y32, (size_t)(solo * n_rows) * sizeof(float)));
+        TH_CHECK(gemm == !!memcmp(y + solo * n_rows, y32 + solo * n_rows, nb));
+        TH_CHECK((t == TD_Q5_1) == !memcmp(y, y32, (size_t)(solo * n_rows) * sizeof(float)));
         /* on, then off again: the float32 bits, dot and gemm paths */
         TH_REQUIRE(matmul_act(cpus[1], false, &W.w, x, m, solo, y) == 0);
         TH_CHECK(memcmp(y, y32, (size_t)(m * n_rows) * sizeof(float)) == 0);
@@ -313,7 +342,7 @@ int main(void)
             fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);
             return 1;
         }
-    fprintf(stderr, "isa %s\n", kn_cpu_isa());
+    fprintf(stderr, "isa %s, q8 gemm %s\n", kn_cpu_isa(), kn_q8_gemm_isa());
     TH_RUN(test_q8_dots);
     TH_RUN(test_mixed_and_off);
     TH_RUN(test_env);

@@ -1,0 +1,409 @@
+/* cpu_q8gemm.c: the q8 mode's integer GEMM for 32-block weights (Q4_0, Q4_1, Q5_0, Q8_0),
+ * every m (decode, batched decode, prefill); see cpu_q8act.h for the contract.
+ *
+ * Per group of G rows of W (16 with AVX512-VNNI, 8 with AVX2) the raw blocks are unpacked
+ * once per call into a panel in the thread's scratch: per block 8 vectors of G int32 lanes,
+ * lane r of vector t holding elements 4t..4t+3 of row r as unsigned bytes (q plus a bias:
+ * Q4_0 8, Q5_0 16, Q8_0 128 with VNNI; AVX2 keeps Q8_0 signed), then G float d and G float
+ * mins (Q4_1). The unpack is a 4x4 dword transpose of 16-byte row loads per 128-bit lane.
+ * The microkernel runs up to four rows of x against the panel: per block and row of x,
+ * 8 vpdpbusd (or maddubs + madd) of the panel vectors with the broadcast dwords of x give
+ * the G exact int32 dots, then per lane, i.e. per row r of W and row j of x:
+ *   s    = dot(u, xq) - bias * xsum        (exact integer, |s| < 2^24)
+ *   acc  = fma((float)s, d_r * xd_j, acc)  (d_r * xd_j rounded once)
+ *   acc  = fma(min_r, xd_j * (float)xsum, acc)   (Q4_1 only)
+ * in block order; y = acc. Every operation is elementwise in (r, j), so a row's result
+ * does not depend on the other rows of x or W, on the tile it falls in, the thread count,
+ * or the ISA (the AVX2 and VNNI paths give the same bits).
+ */
+#include <immintrin.h>
+#include <stdatomic.h>
+
+#include "cpu_q8act.h"
+#include "cpu_quant.h"
+
+#define Q8G_VEC_BYTES(g) ((size_t)(g)*4)
+
+/* Bias added to the quants in the panel (subtracted again through the x block sums). */
+KN_ALWAYS_INLINE int q8g_bias(td_dtype t, bool vnni)
+{
+    return t == TD_Q4_0 ? 8 : t == TD_Q5_0 ? 16 : t == TD_Q8_0 && vnni ? 128 : 0;
+}
+
+KN_ALWAYS_INLINE size_t q8g_bs(td_dtype t)
+{
+    return t == TD_Q8_0 ? 34 : t == TD_Q4_1 ? 20 : t == TD_Q5_0 ? 22 : 18;
+}
+
+KN_ALWAYS_INLINE int q8g_qoff(td_dtype t)
+{
+    return t == TD_Q4_1 ? 4 : t == TD_Q5_0 ? 6 : 2;
+}
+
+size_t kn_q8_gemm_panel_bytes(int64_t n_cols)
+{
+    return (size_t)(n_cols / TD_QK) * 10 * Q8G_VEC_BYTES(16);
+}
+
+bool kn_q8_gemm_supported(const kn_mat *w)
+{
+    const td_dtype t = w->type;
+    return (t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q5_0 || t == TD_Q8_0) &&
+           w->row_stride <= INT32_MAX / 16;
+}
+
+static atomic_int q8g_isa_sel = -1; /* -1 not chosen, 0 AVX2, 1 VNNI */
+static atomic_bool q8g_force_avx2;
+
+static bool q8g_vnni(void)
+{
+    int s = atomic_load_explicit(&q8g_isa_sel, memory_order_relaxed);
+    if (s < 0) {
+        __builtin_cpu_init();
+        s = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        atomic_store_explicit(&q8g_isa_sel, s, memory_order_relaxed);
+    }
+    return s && !atomic_load_explicit(&q8g_force_avx2, memory_order_relaxed);
+}
+
+void kn_q8_gemm_force_avx2(bool on)
+{
+    atomic_store(&q8g_force_avx2, on);
+}
+
+const char *kn_q8_gemm_isa(void)
+{
+    return q8g_vnni() ? "avx512vnni" : "avx2";
+}
+
+int kn_q8_gemm_group_rows(void)
+{
+    return q8g_vnni() ? 16 : 8;
+}
+
+/* ---- AVX512-VNNI: groups of 16 rows ---- */
+
+#define Q8G_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define Q8G_I512 static inline __attribute__((always_inline)) Q8G_T512
+
+/* T[u] lane r = dword u of the 16 bytes at p + off of row r (rows at p + idx[r]). */
+Q8G_I512 void tr16(const uint8_t *p, const int32_t *idx, int off, __m512i T[4])
+{
+    __m512i Z[4];
+    for (int k = 0; k < 4; k++) {
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const void *)(p + idx[k] + off)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const void *)(p + idx[4 + k] + off)), 1);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const void *)(p + idx[8 + k] + off)), 2);
+        Z[k] = _mm512_inserti32x4(z, _mm_loadu_si128((const void *)(p + idx[12 + k] + off)), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(Z[0], Z[1]), t1 = _mm512_unpacklo_epi32(Z[2], Z[3]);
+    const __m512i t2 = _mm512_unpackhi_epi32(Z[0], Z[1]), t3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
+    T[0] = _mm512_unpacklo_epi64(t0, t1);
+    T[1] = _mm512_unpackhi_epi64(t0, t1);
+    T[2] = _mm512_unpacklo_epi64(t2, t3);
+    T[3] = _mm512_unpackhi_epi64(t2, t3);
+}
+
+/* Bits 0..3 of each lane of v to bit 4 of bytes 0..3. */
+Q8G_I512 __m512i spread16(__m512i v)
+{
+    v = _mm512_mullo_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_set1_epi32(0x204081));
+    return _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x01010101)), 4);
+}
+
+Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t nb, size_t next,
+                      uint8_t *panel)
+{
+    const __m512i vi = _mm512_loadu_si512(idx), m4 = _mm512_set1_epi8(0x0f);
+    const size_t bs = q8g_bs(t);
+    const int64_t pf_every = 64 / (int64_t)bs;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + (size_t)b * bs;
+        if (b % pf_every == 0)
+            for (int r = 0; r < 16; r++)
+                __builtin_prefetch(p + idx[r] + next);
+        uint8_t *o = panel + (size_t)b * 10 * 64;
+        __m512i T[4], V[8];
+        tr16(p, idx, q8g_qoff(t), T);
+        if (t == TD_Q8_0) {
+            __m512i U[4];
+            tr16(p, idx, 18, U);
+            for (int u = 0; u < 4; u++) {
+                V[u] = _mm512_xor_si512(T[u], _mm512_set1_epi8((char)0x80));
+                V[4 + u] = _mm512_xor_si512(U[u], _mm512_set1_epi8((char)0x80));
+            }
+        } else {
+            for (int u = 0; u < 4; u++) {
+                V[u] = _mm512_and_si512(T[u], m4);
+                V[4 + u] = _mm512_and_si512(_mm512_srli_epi32(T[u], 4), m4);
+            }
+        }
+        if (t == TD_Q5_0) {
+            const __m512i h = _mm512_i32gather_epi32(vi, (const void *)(p + 2), 1);
+            for (int u = 0; u < 8; u++)
+                V[u] = _mm512_or_si512(V[u], spread16(_mm512_srli_epi32(h, 4 * u)));
+        }
+        for (int u = 0; u < 8; u++)
+            _mm512_storeu_si512(o + 64 * u, V[u]);
+        const __m512i g = _mm512_i32gather_epi32(vi, (const void *)p, 1);
+        _mm512_storeu_ps(o + 512, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+        if (t == TD_Q4_1)
+            _mm512_storeu_ps(o + 576,
+                             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
+    }
+}
+
+/* y[j * ldy + r] for j < M, r < nr: the panel against M rows of x (xs blocks apart). */
+Q8G_I512 void tile512(td_dtype t, int M, const uint8_t *panel, const kn_q8b *xb, int64_t xs,
+                      int64_t nb, float *y, int64_t ldy, int nr)
+{
+    const int bias = q8g_bias(t, true);
+    __m512 acc[4];
+    for (int j = 0; j < M; j++)
+        acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = panel + (size_t)b * 10 * 64;
+        __m512i ia[4];
+        for (int j = 0; j < M; j++)
+            ia[j] = _mm512_setzero_si512();
+        for (int u = 0; u < 8; u++) {
+            const __m512i wv = _mm512_loadu_si512(o + 64 * u);
+            for (int j = 0; j < M; j++) {
+                int32_t xd4;
+                memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
+                ia[j] = _mm512_dpbusd_epi32(ia[j], wv, _mm512_set1_epi32(xd4));
+            }
+        }
+        const __m512 dv = _mm512_loadu_ps(o + 512);
+        for (int j = 0; j < M; j++) {
+            const kn_q8b *x = &xb[j * xs + b];
+            if (bias) ia[j] = _mm512_sub_epi32(ia[j], _mm512_set1_epi32(bias * x->sum));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j]),
+                                     _mm512_mul_ps(dv, _mm512_set1_ps(x->d)), acc[j]);
+            if (t == TD_Q4_1)
+                acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(o + 576),
+                                         _mm512_set1_ps(x->d * (float)x->sum), acc[j]);
+        }
+    }
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    for (int j = 0; j < M; j++)
+        _mm512_mask_storeu_ps(y + j * ldy, k, acc[j]);
+}
+
+Q8G_I512 void rows512(td_dtype t, const uint8_t *panel, const kn_q8b *xq, int64_t m, int64_t nb,
+                      float *y, int64_t ldy, int nr)
+{
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4)
+        tile512(t, 4, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
+    switch (m - i) {
+    case 3:
+        tile512(t, 3, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
+        break;
+    case 2:
+        tile512(t, 2, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
+        break;
+    case 1:
+        tile512(t, 1, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
+        break;
+    default:
+        break;
+    }
+}
+
+Q8G_I512 void groups512(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t m, float *y,
+                        int64_t g0, int64_t g1, uint8_t *panel)
+{
+    const int64_t nb = w->n_cols / TD_QK;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t r0 = 16 * g;
+        const int nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
+        int32_t idx[16];
+        for (int r = 0; r < 16; r++)
+            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        pack512(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
+                16 * w->row_stride, panel);
+        rows512(t, panel, xq, m, nb, y + r0, w->n_rows, nr);
+    }
+}
+
+static Q8G_T512 void gemm512(const kn_mat *w, const kn_q8b *xq, int64_t m, float *y, int64_t g0,
+                             int64_t g1, uint8_t *panel)
+{
+    switch (w->type) {
+    case TD_Q4_0:
+        groups512(TD_Q4_0, w, xq, m, y, g0, g1, panel);
+        break;
+    case TD_Q4_1:
+        groups512(TD_Q4_1, w, xq, m, y, g0, g1, panel);
+        break;
+    case TD_Q5_0:
+        groups512(TD_Q5_0, w, xq, m, y, g0, g1, panel);
+        break;
+    default:
+        groups512(TD_Q8_0, w, xq, m, y, g0, g1, panel);
+        break;
+    }
+}
+
+/* ---- AVX2: groups of 8 rows, maddubs + madd ---- */
+
+/* T[u] lane r = dword u of the 16 bytes at p + off of row r. */
+KN_ALWAYS_INLINE void tr8(const uint8_t *p, const int32_t *idx, int off, __m256i T[4])
+{
+    __m256i Z[4];
+    for (int k = 0; k < 4; k++)
+        Z[k] = _mm256_loadu2_m128i((const void *)(p + idx[4 + k] + off),
+                                   (const void *)(p + idx[k] + off));
+    const __m256i t0 = _mm256_unpacklo_epi32(Z[0], Z[1]), t1 = _mm256_unpacklo_epi32(Z[2], Z[3]);
+    const __m256i t2 = _mm256_unpackhi_epi32(Z[0], Z[1]), t3 = _mm256_unpackhi_epi32(Z[2], Z[3]);
+    T[0] = _mm256_unpacklo_epi64(t0, t1);
+    T[1] = _mm256_unpackhi_epi64(t0, t1);
+    T[2] = _mm256_unpacklo_epi64(t2, t3);
+    T[3] = _mm256_unpackhi_epi64(t2, t3);
+}
+
+KN_ALWAYS_INLINE __m256i spread8(__m256i v)
+{
+    v = _mm256_mullo_epi32(_mm256_and_si256(v, _mm256_set1_epi32(15)), _mm256_set1_epi32(0x204081));
+    return _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x01010101)), 4);
+}
+
+KN_ALWAYS_INLINE void pack256(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t nb,
+                              size_t next, uint8_t *panel)
+{
+    const __m256i vi = _mm256_loadu_si256((const void *)idx), m4 = _mm256_set1_epi8(0x0f);
+    const size_t bs = q8g_bs(t);
+    const int64_t pf_every = 64 / (int64_t)bs;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + (size_t)b * bs;
+        if (b % pf_every == 0)
+            for (int r = 0; r < 8; r++)
+                __builtin_prefetch(p + idx[r] + next);
+        uint8_t *o = panel + (size_t)b * 10 * 32;
+        __m256i T[4], V[8];
+        tr8(p, idx, q8g_qoff(t), T);
+        if (t == TD_Q8_0) {
+            __m256i U[4];
+            tr8(p, idx, 18, U);
+            for (int u = 0; u < 4; u++)
+                V[u] = T[u], V[4 + u] = U[u];
+        } else {
+            for (int u = 0; u < 4; u++) {
+                V[u] = _mm256_and_si256(T[u], m4);
+                V[4 + u] = _mm256_and_si256(_mm256_srli_epi32(T[u], 4), m4);
+            }
+        }
+        if (t == TD_Q5_0) {
+            const __m256i h = _mm256_i32gather_epi32((const void *)(p + 2), vi, 1);
+            for (int u = 0; u < 8; u++)
+                V[u] = _mm256_or_si256(V[u], spread8(_mm256_srli_epi32(h, 4 * u)));
+        }
+        for (int u = 0; u < 8; u++)
+            _mm256_storeu_si256((void *)(o + 32 * u), V[u]);
+        const __m256i g = _mm256_i32gather_epi32((const void *)p, vi, 1);
+        const __m256i lo = _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
+        const __m128i d16 =
+            _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+        _mm256_storeu_ps((float *)(void *)(o + 256), _mm256_cvtph_ps(d16));
+        if (t == TD_Q4_1) {
+            const __m256i hi = _mm256_srli_epi32(g, 16);
+            const __m128i m16 =
+                _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+            _mm256_storeu_ps((float *)(void *)(o + 288), _mm256_cvtph_ps(m16));
+        }
+    }
+}
+
+KN_ALWAYS_INLINE void tile256(td_dtype t, int M, const uint8_t *panel, const kn_q8b *xb, int64_t xs,
+                              int64_t nb, float *y, int64_t ldy, int nr)
+{
+    const int bias = q8g_bias(t, false);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int j = 0; j < M; j++)
+        acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = panel + (size_t)b * 10 * 32;
+        __m256i ia[4];
+        for (int j = 0; j < M; j++)
+            ia[j] = _mm256_setzero_si256();
+        for (int u = 0; u < 8; u++) {
+            const __m256i wv = _mm256_loadu_si256((const void *)(o + 32 * u));
+            /* Q8_0: |w| and x with w's signs, so the pair sums stay below 2^15 */
+            const __m256i wa = t == TD_Q8_0 ? _mm256_sign_epi8(wv, wv) : wv;
+            for (int j = 0; j < M; j++) {
+                int32_t xd4;
+                memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
+                __m256i xv = _mm256_set1_epi32(xd4);
+                if (t == TD_Q8_0) xv = _mm256_sign_epi8(xv, wv);
+                ia[j] =
+                    _mm256_add_epi32(ia[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), ones));
+            }
+        }
+        const __m256 dv = _mm256_loadu_ps((const float *)(const void *)(o + 256));
+        for (int j = 0; j < M; j++) {
+            const kn_q8b *x = &xb[j * xs + b];
+            if (bias) ia[j] = _mm256_sub_epi32(ia[j], _mm256_set1_epi32(bias * x->sum));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[j]),
+                                     _mm256_mul_ps(dv, _mm256_set1_ps(x->d)), acc[j]);
+            if (t == TD_Q4_1)
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(const void *)(o + 288)),
+                                         _mm256_set1_ps(x->d * (float)x->sum), acc[j]);
+        }
+    }
+    for (int j = 0; j < M; j++) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, acc[j]);
+        memcpy(y + j * ldy, tmp, (size_t)nr * sizeof(float));
+    }
+}
+
+KN_ALWAYS_INLINE void groups256(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t m, float *y,
+                                int64_t g0, int64_t g1, uint8_t *panel)
+{
+    const int64_t nb = w->n_cols / TD_QK;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t r0 = 8 * g;
+        const int nr = (int)(w->n_rows - r0 < 8 ? w->n_rows - r0 : 8);
+        int32_t idx[8];
+        for (int r = 0; r < 8; r++)
+            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        pack256(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
+                16 * w->row_stride, panel);
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            tile256(t, 4, panel, xq + i * nb, nb, nb, y + i * w->n_rows + r0, w->n_rows, nr);
+        for (; i < m; i++)
+            tile256(t, 1, panel, xq + i * nb, nb, nb, y + i * w->n_rows + r0, w->n_rows, nr);
+    }
+}
+
+static void gemm256(const kn_mat *w, const kn_q8b *xq, int64_t m, float *y, int64_t g0, int64_t g1,
+                    uint8_t *panel)
+{
+    switch (w->type) {
+    case TD_Q4_0:
+        groups256(TD_Q4_0, w, xq, m, y, g0, g1, panel);
+        break;
+    case TD_Q4_1:
+        groups256(TD_Q4_1, w, xq, m, y, g0, g1, panel);
+        break;
+    case TD_Q5_0:
+        groups256(TD_Q5_0, w, xq, m, y, g0, g1, panel);
+        break;
+    default:
+        groups256(TD_Q8_0, w, xq, m, y, g0, g1, panel);
+        break;
+    }
+}
+
+void kn_q8_gemm(const kn_mat *w, const void *xq, int64_t m, float *y, int G, int64_t g0, int64_t g1,
+                void *panel)
+{
+    if (G == 16)
+        gemm512(w, xq, m, y, g0, g1, panel);
+    else
+        gemm256(w, xq, m, y, g0, g1, panel);
+}
