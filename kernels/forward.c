@@ -12,7 +12,9 @@
  *   last stage: logits = rmsnorm(x[rows]) Wout ; else out = x
  *     TP: each rank's Wout holds a vocab slice; gather_cols joins the slices on rank 0
  * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
- * backend's matmul_mixed, or row by row when the backend has none.
+ * backend's matmul_mixed, or row by row when the backend has none. Where the backend has
+ * the optional fused ops (kn_backend.h), q, k, v are one matmul_multi and gate, up and the
+ * activation one glu_ffn, with the same bits as the sequences they replace.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -212,6 +214,38 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
     return 0;
 }
 
+/* q, k, v = h Wq, h Wk, h Wv: one fused op when the backend has it. */
+static int qkv(const kn_engine *e, const kn_layer *ly, int64_t n, int64_t solo)
+{
+    if (e->be.ops->matmul_multi) {
+        const kn_mat *w[3] = {&ly->wq, &ly->wk, &ly->wv};
+        float *const y[3] = {e->q, e->k, e->v};
+        return e->be.ops->matmul_multi(e->be.ctx, 3, w, e->h, n, solo, y);
+    }
+    int rc;
+    if ((rc = matmul(e, &ly->wq, e->h, n, solo, e->q))) return rc;
+    if ((rc = matmul(e, &ly->wk, e->h, n, solo, e->k))) return rc;
+    return matmul(e, &ly->wv, e->h, n, solo, e->v);
+}
+
+/* g = act(h Wg) * (h Wu), act silu or gelu (tanh): one fused op when the backend has it. */
+static int glu(const kn_engine *e, const kn_layer *ly, int64_t n, int64_t solo)
+{
+    const kn_backend_ops *ops = e->be.ops;
+    const bool gelu = e->m->hp.gelu_ffn;
+    if (ops->glu_ffn)
+        return ops->glu_ffn(e->be.ctx, &ly->w_gate, &ly->w_up, e->h, n, solo, gelu, e->g, e->u,
+                            e->g);
+    int rc;
+    if ((rc = matmul(e, &ly->w_gate, e->h, n, solo, e->g))) return rc;
+    if ((rc = matmul(e, &ly->w_up, e->h, n, solo, e->u))) return rc;
+    if (gelu)
+        ops->geglu(e->be.ctx, e->g, e->u, e->g, n, e->m->n_ff_local);
+    else
+        ops->swiglu(e->be.ctx, e->g, e->u, e->g, n, e->m->n_ff_local);
+    return 0;
+}
+
 static int allreduce(kn_engine *e, float *buf, int64_t n)
 {
     if (e->m->shard.tp_size == 1) return 0;
@@ -233,9 +267,7 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     const bool swa = kn_layer_is_swa(hp, m->shard.l0 + li);
     const float *freq = swa ? m->rope_freq_swa : m->rope_freq;
     ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = matmul(e, &ly->wq, e->h, n, solo, e->q))) return rc;
-    if ((rc = matmul(e, &ly->wk, e->h, n, solo, e->k))) return rc;
-    if ((rc = matmul(e, &ly->wv, e->h, n, solo, e->v))) return rc;
+    if ((rc = qkv(e, ly, n, solo))) return rc;
     if (ly->bq) ops->add_row(c, e->q, ly->bq, n, nh * HD);
     if (ly->bk) ops->add_row(c, e->k, ly->bk, n, nkv * HD);
     if (ly->bv) ops->add_row(c, e->v, ly->bv, n, nkv * HD);
@@ -256,12 +288,7 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
 
     /* feed-forward */
     ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = matmul(e, &ly->w_gate, e->h, n, solo, e->g))) return rc;
-    if ((rc = matmul(e, &ly->w_up, e->h, n, solo, e->u))) return rc;
-    if (hp->gelu_ffn)
-        ops->geglu(c, e->g, e->u, e->g, n, m->n_ff_local);
-    else
-        ops->swiglu(c, e->g, e->u, e->g, n, m->n_ff_local);
+    if ((rc = glu(e, ly, n, solo))) return rc;
     if ((rc = matmul(e, &ly->w_down, e->g, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
     if (ly->ffn_post_norm) ops->rmsnorm(c, e->h, ly->ffn_post_norm, e->h, n, E, hp->rms_eps);

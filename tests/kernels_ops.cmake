@@ -5,3 +5,21 @@ foreach(t test_ops test_attention)
   target_link_libraries(${t} PRIVATE td_kernels)
   add_test(NAME kernels.${t} COMMAND ${t})
 endforeach()
+
+# The fused ops (kernels/cpu/cpu_fused.c) against the unfused sequences, bit for bit; with a
+# model, the engine's logits with and without them (TANDEM_CPU_FUSED=0): a synthetic qwen2
+# (silu, mixed types), gemma3 (gelu) and the default model.
+add_executable(test_fused ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_fused.c)
+target_link_libraries(test_fused PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_fused COMMAND test_fused)
+if(TANDEM_PYTHON)
+  foreach(arch qwen2 gemma3)
+    add_test(NAME engine_fused_${arch} COMMAND test_fused ${TANDEM_TEST_DATA}/split-${arch}.gguf)
+    set_tests_properties(engine_fused_${arch} PROPERTIES FIXTURES_REQUIRED split_${arch}
+                         TIMEOUT 300)
+  endforeach()
+endif()
+if(TANDEM_MODEL)
+  add_test(NAME engine_fused_default COMMAND test_fused ${TANDEM_MODEL})
+  set_tests_properties(engine_fused_default PROPERTIES TIMEOUT 300)
+endif()
