@@ -13,8 +13,9 @@
  *     TP: each rank's Wout holds a vocab slice; gather_cols joins the slices on rank 0
  * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
  * backend's matmul_mixed, or row by row when the backend has none. Where the backend has
- * the optional fused ops (kn_backend.h), q, k, v are one matmul_multi and gate, up and the
- * activation one glu_ffn, with the same bits as the sequences they replace.
+ * the optional fused ops (kn_backend.h), q, k, v are one matmul_multi, gate, up and the
+ * activation one glu_ffn, and each output projection with its residual add one matmul_add
+ * (tp 1 without post-norm), with the same bits as the sequences they replace.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -252,6 +253,24 @@ static int allreduce(kn_engine *e, float *buf, int64_t n)
     return e->coll.allreduce_sum(e->coll.ctx, buf, n);
 }
 
+/* x += [post_norm] allreduce(in W): one fused op where nothing comes between the product and
+ * the add (tp 1, no post-norm) and the backend has it. */
+static int project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
+                       int64_t n, int64_t solo)
+{
+    const kn_backend_ops *ops = e->be.ops;
+    const int64_t E = e->m->hp.n_embd;
+    if (ops->matmul_add && e->m->shard.tp_size == 1 && !post_norm)
+        return ops->matmul_add(e->be.ctx, w, in, n, solo, e->h, e->x);
+    int rc;
+    if ((rc = matmul(e, w, in, n, solo, e->h))) return rc;
+    if ((rc = allreduce(e, e->h, n * E))) return rc;
+    /* gemma3 normalizes the (whole, reduced) output before the residual add */
+    if (post_norm) ops->rmsnorm(e->be.ctx, e->h, post_norm, e->h, n, E, e->m->hp.rms_eps);
+    ops->add(e->be.ctx, e->x, e->h, n, E);
+    return 0;
+}
+
 static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
 {
     const kn_model *m = e->m;
@@ -280,19 +299,12 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, m->heads.group,
                    m->heads.phase, (int)HD, hp->attn_scale, swa ? hp->swa_window : 0, n, solo,
                    b->pos, b->seq_of, b->seqs, e->att);
-    if ((rc = matmul(e, &ly->wo, e->att, n, solo, e->h))) return rc;
-    if ((rc = allreduce(e, e->h, n * E))) return rc;
-    /* gemma3 normalizes the (whole, reduced) attention output before the residual add */
-    if (ly->attn_post_norm) ops->rmsnorm(c, e->h, ly->attn_post_norm, e->h, n, E, hp->rms_eps);
-    ops->add(c, e->x, e->h, n, E);
+    if ((rc = project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo))) return rc;
 
     /* feed-forward */
     ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
     if ((rc = glu(e, ly, n, solo))) return rc;
-    if ((rc = matmul(e, &ly->w_down, e->g, n, solo, e->h))) return rc;
-    if ((rc = allreduce(e, e->h, n * E))) return rc;
-    if (ly->ffn_post_norm) ops->rmsnorm(c, e->h, ly->ffn_post_norm, e->h, n, E, hp->rms_eps);
-    ops->add(c, e->x, e->h, n, E);
+    if ((rc = project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo))) return rc;
     return 0;
 }
 

@@ -106,6 +106,11 @@ typedef struct {
      * swiglu or geglu(gate, up, out, m, F). */
     int (*glu_ffn)(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
                    int64_t m_solo, bool gelu, float *gate, float *up, float *out);
+    /* acc (m, w->n_rows) += x (m, w->n_cols) * W^T, with y (m, n_rows) holding the product:
+     * the sequence matmul_mixed(w, x, m, m_solo, y), add(acc, y, m, n_rows) (an output
+     * projection and its residual add). */
+    int (*matmul_add)(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                      float *y, float *acc);
 
     /* y (m, n) = x / rms(x) * weight (n); y may equal x. */
     void (*rmsnorm)(void *ctx, const float *x, const float *weight, float *y, int64_t m, int64_t n,

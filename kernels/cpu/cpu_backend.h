@@ -64,6 +64,8 @@ int kn_cpu_matmul_multi(void *ctx, int n_w, const kn_mat *const *w, const float 
                         int64_t m_solo, float *const *y);
 int kn_cpu_glu_ffn(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
                    int64_t m_solo, bool gelu, float *gate, float *up, float *out);
+int kn_cpu_matmul_add(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                      float *y, float *acc);
 /* Whether kn_cpu_backend's table carries the fused ops: on unless TANDEM_CPU_FUSED=0 at
  * kn_cpu_create (the same binary then runs the unfused sequences, for A/B measurements);
  * any other value than 0 or 1 is an error (TD_EINVAL). */

@@ -1,19 +1,21 @@
 /* cpu_fused.c: the CPU backend's fused ops (kn_backend.h, optional members): several products
  * of one x in one pool dispatch (q, k, v), and the FFN's gate and up products with their
- * GLU activation in one.
+ * GLU activation in one, and a product with the residual add that follows it.
  *
  * Why: at batch 1 a layer of a small model is a handful of products of a few hundred KiB
  * each, and every op is a fork-join of the pool (wake the workers, wait for the slowest).
  * Fusing cuts the dispatches per layer from 8 (q, k, v, attention, o, gate, up, down) to 5,
  * and the parts of a fused dispatch write disjoint outputs, so the one join at its end is
- * the only barrier.
+ * the only barrier. The threads claim chunks of rows (kn_pool_run_dyn) rather than fixed
+ * halves: on a busy machine a worker often wakes late, and then still takes what is left.
  * Exactness: every row of W is computed by the dot path of cpu_matmul.c (kn_cpu_dot_rows),
  * which gives a row the same bits whichever thread computes it and whichever rows it is
  * grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. When matmul_mixed would send
  * the batch rows to the gemm path (prefill), the fused ops run the unfused sequence instead.
  * The activation runs per part on whole 8-element groups of the part's columns, with the
  * element loop of kn_cpu_swiglu/geglu (cpu_internal.h), so its bits match too; a row width
- * that is not a multiple of 8 runs the unfused activation after the dispatch.
+ * that is not a multiple of 8 runs the unfused activation after the dispatch. The residual
+ * add is the float add of kn_cpu_add, element by element.
  * TANDEM_CPU_FUSED=0 at kn_cpu_create leaves these ops out of the table (cpu_backend.c), so the
  * engine runs the unfused sequence in the same binary.
  */
@@ -27,7 +29,11 @@
 /* Each thread gets at least this many weight bytes (as the dot path of cpu_matmul.c): a
  * fork-join costs about what one thread needs to stream 8 KiB. */
 #define FUSED_MIN_BYTES (16 * 1024)
-/* Columns of the GLU per item: the activation's SIMD width, so parts split on whole groups. */
+/* Weight bytes per chunk the threads claim one at a time (kn_pool_run_dyn): small enough that
+ * a worker that wakes late still finds work, large enough that claiming (an atomic add) and
+ * the 4-row tiles' tails stay cheap. */
+#define FUSED_CHUNK_BYTES (8 * 1024)
+/* Columns of the GLU per item: the activation's SIMD width, so chunks split on whole groups. */
 #define GLU_GROUP 8
 
 typedef struct {
@@ -47,10 +53,22 @@ static void multi_part(void *arg, int64_t r0, int64_t r1, int tid)
     (void)tid;
 }
 
-static int64_t min_rows_for(const kn_mat *w)
+static int64_t row_bytes(const kn_mat *w)
 {
     const int64_t rb = (int64_t)td_dtype_row_bytes(w->type, w->n_cols);
-    const int64_t r = FUSED_MIN_BYTES / (rb > 0 ? rb : 1);
+    return rb > 0 ? rb : 1;
+}
+
+static int64_t min_rows_for(const kn_mat *w)
+{
+    const int64_t r = FUSED_MIN_BYTES / row_bytes(w);
+    return r < 4 ? 4 : r;
+}
+
+/* Rows per chunk: a multiple of the dot path's 4-row tiles. */
+static int64_t chunk_rows_for(const kn_mat *w)
+{
+    const int64_t r = FUSED_CHUNK_BYTES / row_bytes(w) / 4 * 4;
     return r < 4 ? 4 : r;
 }
 
@@ -106,13 +124,13 @@ int kn_cpu_matmul_multi(void *ctx, int n_w, const kn_mat *const *w, const float 
             if ((rc = kn_cpu_matmul_mixed(ctx, w[i], x, m, m_solo, y[i]))) return rc;
         return 0;
     }
-    int64_t min_rows = 0;
+    int64_t min_rows = 0, chunk = INT64_MAX;
     for (int i = 0; i < n_w; i++) {
         J.start[i + 1] = J.start[i] + w[i]->n_rows;
-        const int64_t r = min_rows_for(w[i]);
-        if (r > min_rows) min_rows = r;
+        if (min_rows_for(w[i]) > min_rows) min_rows = min_rows_for(w[i]);
+        if (chunk_rows_for(w[i]) < chunk) chunk = chunk_rows_for(w[i]);
     }
-    kn_pool_run(kn_cpu_pool(c), J.start[n_w], min_rows, multi_part, &J);
+    kn_pool_run_dyn(kn_cpu_pool(c), J.start[n_w], chunk, min_rows, multi_part, &J);
     return 0;
 }
 
@@ -178,7 +196,48 @@ int kn_cpu_glu_ffn(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x
     J.act = gelu || F % GLU_GROUP == 0;
     const int64_t r = min_rows_for(wg) > min_rows_for(wu) ? min_rows_for(wg) : min_rows_for(wu);
     const int64_t groups = (F + GLU_GROUP - 1) / GLU_GROUP;
-    kn_pool_run(kn_cpu_pool(c), groups, (r + GLU_GROUP - 1) / GLU_GROUP, glu_part, &J);
+    /* a group is 8 rows of gate and 8 of up */
+    const int64_t chunk = FUSED_CHUNK_BYTES / (GLU_GROUP * (row_bytes(wg) + row_bytes(wu)));
+    kn_pool_run_dyn(kn_cpu_pool(c), groups, chunk > 1 ? chunk : 1, (r + GLU_GROUP - 1) / GLU_GROUP,
+                    glu_part, &J);
     if (!J.act) glu_unfused_act(ctx, &J);
+    return 0;
+}
+
+typedef struct {
+    kn_cpu_dot d;
+    float *acc; /* (m, n_rows) */
+} add_job;
+
+static void add_part(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    const add_job *J = arg;
+    kn_cpu_dot_rows(&J->d, r0, r1);
+    const int64_t N = J->d.w->n_rows;
+    for (int64_t i = 0; i < J->d.m; i++) {
+        float *a = J->acc + i * N;
+        const float *y = J->d.y + i * N;
+        for (int64_t r = r0; r < r1; r++)
+            a[r] += y[r];
+    }
+    (void)tid;
+}
+
+int kn_cpu_matmul_add(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                      float *y, float *acc)
+{
+    kn_cpu *c = ctx;
+    if (m == 0) return 0;
+    add_job J = {.acc = acc};
+    const kn_mat *wp[1] = {w};
+    float *const yp[1] = {y};
+    int rc = prepare(c, 1, wp, x, m, m_solo, yp, &J.d);
+    if (rc < 0) return rc;
+    if (rc == 1) { /* the batch rows take the gemm path: the unfused sequence */
+        if ((rc = kn_cpu_matmul_mixed(ctx, w, x, m, m_solo, y))) return rc;
+        kn_cpu_add(ctx, acc, y, m, w->n_rows);
+        return 0;
+    }
+    kn_pool_run_dyn(kn_cpu_pool(c), w->n_rows, chunk_rows_for(w), min_rows_for(w), add_part, &J);
     return 0;
 }

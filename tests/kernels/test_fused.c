@@ -1,6 +1,7 @@
 /* test_fused.c: the CPU backend's fused ops (kernels/cpu/cpu_fused.c) against the sequences of
  * unfused ops they replace, bit for bit: matmul_multi against one matmul_mixed per matrix,
- * glu_ffn against gate and up matmul_mixed and swiglu/geglu; weight types with and without
+ * glu_ffn against gate and up matmul_mixed and swiglu/geglu, matmul_add against matmul_mixed
+ * and add; weight types with and without
  * block sums, mixed types in one call, the q8 activation mode, solo and batch rows, the gemm
  * path, 1-3 threads; bad arguments. With a model file (argv[1]), the engine's logits with the
  * fused ops equal those with TANDEM_CPU_FUSED=0 over prefills (dot and gemm path), decode
@@ -184,6 +185,38 @@ static void test_glu(void)
     kn_cpu_set_act_q8(cpus[1], false);
 }
 
+/* One matmul_add case: bits equal to matmul_mixed and add. */
+static void check_add(kn_cpu *c, td_dtype t, int64_t N, int64_t k, int64_t m, int64_t solo)
+{
+    kn_mat w = make_mat(t, N, k);
+    float *x = make_x(m * k), *acc1 = make_x(m * N);
+    const size_t n = (size_t)(m * N);
+    float *acc2 = malloc(n * 4), *y1 = calloc(n, 4), *y2 = calloc(n, 4);
+    memcpy(acc2, acc1, n * 4);
+    TH_CHECK(kn_cpu_matmul_add(c, &w, x, m, solo, y1, acc1) == 0);
+    TH_CHECK(kn_cpu_matmul_mixed(c, &w, x, m, solo, y2) == 0);
+    kn_cpu_add(c, acc2, y2, m, N);
+    TH_CHECKF(!memcmp(acc1, acc2, n * 4) && !memcmp(y1, y2, n * 4),
+              "add %s N %lld m %lld solo %lld threads %d differs", td_dtype_name(t), (long long)N,
+              (long long)m, (long long)solo, kn_cpu_n_threads(c));
+    free((void *)w.data);
+    free(x);
+    free(acc1);
+    free(acc2);
+    free(y1);
+    free(y2);
+}
+
+static void test_add(void)
+{
+    const td_dtype types[] = {TD_Q4_1, TD_Q8_0, TD_Q4_K, TD_Q6_K, TD_F16};
+    const int64_t ms[][2] = {{1, 1}, {1, 0}, {4, 4}, {9, 2}, {70, 0}, {70, 5}};
+    for (int t = 0; t < 3; t++)
+        for (size_t i = 0; i < sizeof types / sizeof *types; i++)
+            for (size_t j = 0; j < sizeof ms / sizeof *ms; j++)
+                check_add(cpus[t], types[i], 301, 512, ms[j][0], ms[j][1]);
+}
+
 static void test_errors(void)
 {
     kn_mat a = make_mat(TD_Q4_1, 64, 256), b = make_mat(TD_Q4_1, 32, 512);
@@ -299,8 +332,8 @@ static void test_engine_fused_equals_unfused(void)
     TH_REQUIRE(rig_open(&r1, "1") == 0);
     TH_REQUIRE(rig_open(&r2, "0") == 0);
     TH_CHECK(kn_cpu_fused(kn_cpu_of(r1.be)) && !kn_cpu_fused(kn_cpu_of(r2.be)));
-    TH_CHECK(r1.be.ops->matmul_multi && r1.be.ops->glu_ffn);
-    TH_CHECK(!r2.be.ops->matmul_multi && !r2.be.ops->glu_ffn);
+    TH_CHECK(r1.be.ops->matmul_multi && r1.be.ops->glu_ffn && r1.be.ops->matmul_add);
+    TH_CHECK(!r2.be.ops->matmul_multi && !r2.be.ops->glu_ffn && !r2.be.ops->matmul_add);
     int na = 0, nb = 0;
     TH_CHECK(run(&r1, a, &na) == 0);
     TH_CHECK(run(&r2, b, &nb) == 0);
@@ -323,6 +356,7 @@ int main(int argc, char **argv)
         if (kn_cpu_create(t + 1, &cpus[t])) return 1;
     TH_RUN(test_multi);
     TH_RUN(test_glu);
+    TH_RUN(test_add);
     TH_RUN(test_errors);
     for (int t = 0; t < 3; t++)
         kn_cpu_destroy(cpus[t]);
