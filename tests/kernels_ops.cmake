@@ -23,3 +23,7 @@ if(TANDEM_MODEL)
   add_test(NAME engine_fused_default COMMAND test_fused ${TANDEM_MODEL})
   set_tests_properties(engine_fused_default PROPERTIES TIMEOUT 300)
 endif()
+# Not a test: batch-1 decode fused vs TANDEM_CPU_FUSED=0, alternated in one process
+#   bin/bench_fused MODEL [THREADS [ROUNDS [TOKENS]]]
+add_executable(bench_fused ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_fused.c)
+target_link_libraries(bench_fused PRIVATE td_kernels td_common)

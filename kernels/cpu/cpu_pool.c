@@ -309,8 +309,7 @@ void kn_pool_run_dyn(kn_pool *p, int64_t n, int64_t chunk, int64_t min_per_threa
     if (p->profile) p->stats.runs++;
     if (chunk < 1) chunk = 1;
     if (active == 1) {
-        for (int64_t i0 = 0; i0 < n; i0 += chunk)
-            fn(arg, i0, i0 + chunk < n ? i0 + chunk : n, 0);
+        fn(arg, 0, n, 0);
         return;
     }
     p->fn = fn;

@@ -4,6 +4,7 @@
  * worker blocks instead of spinning, the spin budget's environment variable. */
 #define _GNU_SOURCE
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,7 +98,7 @@ typedef struct {
     atomic_int *hits; /* (n) */
     int64_t n, chunk;
     int active;
-    atomic_int bad;       /* a call that is not one whole chunk, or a bad tid */
+    atomic_int bad;       /* a call not on one whole chunk ([0, n) on one thread) */
     atomic_int calls[16]; /* chunks per tid */
     atomic_int busy[16];  /* calls of one tid running at once (must stay <= 1) */
     int slow_tid;         /* a tid that sleeps in its first chunk, or -1 */
@@ -106,9 +107,10 @@ typedef struct {
 static void dyn_fn(void *arg, int64_t i0, int64_t i1, int tid)
 {
     dyn_job *j = arg;
-    if (tid < 0 || tid >= j->active || i0 % j->chunk ||
-        i1 != (i0 + j->chunk < j->n ? i0 + j->chunk : j->n))
-        atomic_fetch_add(&j->bad, 1);
+    const bool whole =
+        j->active == 1 ? i0 == 0 && i1 == j->n
+                       : i0 % j->chunk == 0 && i1 == (i0 + j->chunk < j->n ? i0 + j->chunk : j->n);
+    if (tid < 0 || tid >= j->active || !whole) atomic_fetch_add(&j->bad, 1);
     if (tid < 0 || tid >= 16) return;
     if (atomic_fetch_add(&j->busy[tid], 1) != 0) atomic_fetch_add(&j->bad, 1);
     if (tid == j->slow_tid && atomic_fetch_add(&j->calls[tid], 1) == 0)
