@@ -6,8 +6,8 @@
  * each, and every op is a fork-join of the pool (wake the workers, wait for the slowest).
  * Fusing cuts the dispatches per layer from 8 (q, k, v, attention, o, gate, up, down) to 5,
  * and the parts of a fused dispatch write disjoint outputs, so the one join at its end is
- * the only barrier. The threads claim chunks of rows (kn_pool_run_dyn) rather than fixed
- * halves: on a busy machine a worker often wakes late, and then still takes what is left.
+ * the only barrier. (Parts that claim chunks of rows from a shared counter instead of fixed
+ * halves were tried and measured slower on a busy machine: BENCHMARKS.md "Engine".)
  * Exactness: every row of W is computed by the dot path of cpu_matmul.c (kn_cpu_dot_rows),
  * which gives a row the same bits whichever thread computes it and whichever rows it is
  * grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. When matmul_mixed would send
@@ -29,11 +29,7 @@
 /* Each thread gets at least this many weight bytes (as the dot path of cpu_matmul.c): a
  * fork-join costs about what one thread needs to stream 8 KiB. */
 #define FUSED_MIN_BYTES (16 * 1024)
-/* Weight bytes per chunk the threads claim one at a time (kn_pool_run_dyn): small enough that
- * a worker that wakes late still finds work, large enough that claiming it (an atomic add on
- * a line both threads write, ~0.1 us) stays a few percent of streaming it (~3 us). */
-#define FUSED_CHUNK_BYTES (32 * 1024)
-/* Columns of the GLU per item: the activation's SIMD width, so chunks split on whole groups. */
+/* Columns of the GLU per item: the activation's SIMD width, so parts split on whole groups. */
 #define GLU_GROUP 8
 
 typedef struct {
@@ -62,13 +58,6 @@ static int64_t row_bytes(const kn_mat *w)
 static int64_t min_rows_for(const kn_mat *w)
 {
     const int64_t r = FUSED_MIN_BYTES / row_bytes(w);
-    return r < 4 ? 4 : r;
-}
-
-/* Rows per chunk: a multiple of the dot path's 4-row tiles. */
-static int64_t chunk_rows_for(const kn_mat *w)
-{
-    const int64_t r = FUSED_CHUNK_BYTES / row_bytes(w) / 4 * 4;
     return r < 4 ? 4 : r;
 }
 
@@ -124,13 +113,12 @@ int kn_cpu_matmul_multi(void *ctx, int n_w, const kn_mat *const *w, const float 
             if ((rc = kn_cpu_matmul_mixed(ctx, w[i], x, m, m_solo, y[i]))) return rc;
         return 0;
     }
-    int64_t min_rows = 0, chunk = INT64_MAX;
+    int64_t min_rows = 0;
     for (int i = 0; i < n_w; i++) {
         J.start[i + 1] = J.start[i] + w[i]->n_rows;
         if (min_rows_for(w[i]) > min_rows) min_rows = min_rows_for(w[i]);
-        if (chunk_rows_for(w[i]) < chunk) chunk = chunk_rows_for(w[i]);
     }
-    kn_pool_run_dyn(kn_cpu_pool(c), J.start[n_w], chunk, min_rows, multi_part, &J);
+    kn_pool_run(kn_cpu_pool(c), J.start[n_w], min_rows, multi_part, &J);
     return 0;
 }
 
@@ -196,10 +184,7 @@ int kn_cpu_glu_ffn(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x
     J.act = gelu || F % GLU_GROUP == 0;
     const int64_t r = min_rows_for(wg) > min_rows_for(wu) ? min_rows_for(wg) : min_rows_for(wu);
     const int64_t groups = (F + GLU_GROUP - 1) / GLU_GROUP;
-    /* a group is 8 rows of gate and 8 of up */
-    const int64_t chunk = FUSED_CHUNK_BYTES / (GLU_GROUP * (row_bytes(wg) + row_bytes(wu)));
-    kn_pool_run_dyn(kn_cpu_pool(c), groups, chunk > 1 ? chunk : 1, (r + GLU_GROUP - 1) / GLU_GROUP,
-                    glu_part, &J);
+    kn_pool_run(kn_cpu_pool(c), groups, (r + GLU_GROUP - 1) / GLU_GROUP, glu_part, &J);
     if (!J.act) glu_unfused_act(ctx, &J);
     return 0;
 }
@@ -238,6 +223,6 @@ int kn_cpu_matmul_add(void *ctx, const kn_mat *w, const float *x, int64_t m, int
         kn_cpu_add(ctx, acc, y, m, w->n_rows);
         return 0;
     }
-    kn_pool_run_dyn(kn_cpu_pool(c), w->n_rows, chunk_rows_for(w), min_rows_for(w), add_part, &J);
+    kn_pool_run(kn_cpu_pool(c), w->n_rows, min_rows_for(w), add_part, &J);
     return 0;
 }

@@ -1,15 +1,12 @@
 /* cpu_pool.c: spin-then-futex fork-join pool with part stealing (contract in cpu_pool.h).
  *
- * Job protocol. The caller writes the job (fn, arg, n, n_active, chunk), marks each worker part
+ * Job protocol. The caller writes the job (fn, arg, n, n_active), marks each worker part
  * t in [1, n_active) available (slot[t] = 2*job, even), then bumps gen (the futex word the
  * idle workers wait on). A part is claimed by whoever moves slot[t] from 2*job to 2*job+1
  * first: its worker, or the caller once it finished part 0. The job's fields stay unchanged
  * until every part was claimed and finished (`pending` counts the parts workers claimed and
  * have not finished), so a worker that claimed a part reads the job it claimed. Workers
- * never check in for jobs they take no part in. A dyn job (kn_pool_run_dyn) uses the same
- * parts, but a part's owner claims chunks from `next` until none are left instead of running a
- * fixed range; the caller's part ends only when every chunk was claimed, so a part it takes
- * from an absent worker finds nothing left.
+ * never check in for jobs they take no part in.
  *
  * Waits (both spin for spin_ns, pausing and yielding now and then, then block):
  *   worker: gen unchanged        -> futex_wait(gen);     woken by kn_pool_run if sleeping > 0
@@ -58,8 +55,6 @@ struct kn_pool {
     void *arg;
     int64_t n;
     int n_active;            /* parts of this job (<= n_threads) */
-    int64_t chunk;           /* > 0: a kn_pool_run_dyn job, parts claim chunks from next */
-    _Atomic int64_t next;    /* first unclaimed item of a dyn job */
     uint64_t job;            /* job number, from 1 */
     atomic_uint gen;         /* futex word: bumped per job and at stop */
     atomic_uint pending;     /* futex word: parts workers claimed and have not finished */
@@ -99,12 +94,6 @@ static bool spin_step(const kn_pool *p, unsigned *i, int64_t *t0)
 
 static void run_part(kn_pool *p, int tid)
 {
-    if (p->chunk > 0) {
-        int64_t i0;
-        while ((i0 = atomic_fetch_add(&p->next, p->chunk)) < p->n)
-            p->fn(p->arg, i0, i0 + p->chunk < p->n ? i0 + p->chunk : p->n, tid);
-        return;
-    }
     int64_t T = p->n_active;
     int64_t i0 = p->n * tid / T, i1 = p->n * (tid + 1) / T;
     if (i0 < i1) p->fn(p->arg, i0, i1, tid);
@@ -249,10 +238,21 @@ static void caller_wait(kn_pool *p)
     atomic_store(&p->caller_waits, 0);
 }
 
-/* Runs the job set up in p (fn, arg, n, chunk) on `active` threads and returns when done. */
-static void run_job(kn_pool *p, int active)
+void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg)
 {
+    if (n <= 0) return;
+    if (min_per_thread < 1) min_per_thread = 1;
+    int64_t want = n / min_per_thread;
+    int active = want < 1 ? 1 : (want < p->n_threads ? (int)want : p->n_threads);
+    if (p->profile) p->stats.runs++;
+    if (active == 1) {
+        fn(arg, 0, n, 0);
+        return;
+    }
     const int64_t t0 = p->profile ? td_now_ns() : 0;
+    p->fn = fn;
+    p->arg = arg;
+    p->n = n;
     p->n_active = active;
     p->job++;
     atomic_store(&p->pending, (unsigned)(active - 1));
@@ -275,47 +275,4 @@ static void run_job(kn_pool *p, int active)
         p->stats.run_ns += (uint64_t)(t2 - t0);
         p->stats.wait_ns += (uint64_t)(t2 - t1);
     }
-}
-
-/* Threads for n items at min_per_thread each, at most n_threads. */
-static int active_for(const kn_pool *p, int64_t n, int64_t min_per_thread)
-{
-    if (min_per_thread < 1) min_per_thread = 1;
-    int64_t want = n / min_per_thread;
-    return want < 1 ? 1 : (want < p->n_threads ? (int)want : p->n_threads);
-}
-
-void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg)
-{
-    if (n <= 0) return;
-    const int active = active_for(p, n, min_per_thread);
-    if (p->profile) p->stats.runs++;
-    if (active == 1) {
-        fn(arg, 0, n, 0);
-        return;
-    }
-    p->fn = fn;
-    p->arg = arg;
-    p->n = n;
-    p->chunk = 0;
-    run_job(p, active);
-}
-
-void kn_pool_run_dyn(kn_pool *p, int64_t n, int64_t chunk, int64_t min_per_thread, kn_pool_fn fn,
-                     void *arg)
-{
-    if (n <= 0) return;
-    const int active = active_for(p, n, min_per_thread);
-    if (p->profile) p->stats.runs++;
-    if (chunk < 1) chunk = 1;
-    if (active == 1) {
-        fn(arg, 0, n, 0);
-        return;
-    }
-    p->fn = fn;
-    p->arg = arg;
-    p->n = n;
-    p->chunk = chunk;
-    atomic_store(&p->next, 0);
-    run_job(p, active);
 }

@@ -38,18 +38,6 @@ void kn_pool_destroy(kn_pool *p); /* NULL is fine */
  * fewer threads take part, so tiny ops do not pay for waking everyone. */
 void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg);
 
-/* Like kn_pool_run, but [0, n) is cut into chunks of `chunk` items (the last one shorter)
- * that the threads taking part claim one at a time from a shared counter: a worker that wakes
- * late still takes the chunks left, an early one takes more, and a worker that never wakes
- * leaves them all to the caller. fn(arg, i0, i1, tid) runs once per claimed chunk on the
- * thread that claimed it (tid 0 the caller), so i0 is a multiple of chunk and i1 one too or
- * n; with one thread taking part, it runs once on all of [0, n). One tid's calls run one
- * after another, so scratch indexed by tid is never shared, but which thread runs which
- * chunk varies from run to run: fn's results must not depend on it. The number of threads
- * taking part is chosen as in kn_pool_run from min_per_thread. */
-void kn_pool_run_dyn(kn_pool *p, int64_t n, int64_t chunk, int64_t min_per_thread, kn_pool_fn fn,
-                     void *arg);
-
 /* Counters for profiling, kept only when TANDEM_CPU_PROFILE is set (non-empty, not "0") at
  * kn_pool_create; all zero otherwise. With it set, kn_pool_destroy prints them to stderr. */
 typedef struct {

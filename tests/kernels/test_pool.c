@@ -1,11 +1,8 @@
 /* test_pool.c: the CPU backend's fork-join pool (kernels/cpu/cpu_pool.h): every item runs
- * exactly once in its static part (kn_pool_run) or in whole chunks (kn_pool_run_dyn, where the
- * caller takes over a slow worker's share), idle workers sleep, a caller waiting for a slow
- * worker blocks instead of spinning, the spin budget's environment variable. */
+ * exactly once in its static part, idle workers sleep, a caller waiting for a slow worker
+ * blocks instead of spinning, the spin budget's environment variable. */
 #define _GNU_SOURCE
 #include <stdatomic.h>
-#include <stdbool.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,74 +88,6 @@ static void test_cover(int threads, const char *spin_us)
     unsetenv("TANDEM_POOL_SPIN_US");
 }
 
-/* --- kn_pool_run_dyn: every item once, in whole chunks, tids in range; a slow worker's
- * share goes to the caller --------------------------------------------------------------- */
-
-typedef struct {
-    atomic_int *hits; /* (n) */
-    int64_t n, chunk;
-    int active;
-    atomic_int bad;       /* a call not on one whole chunk ([0, n) on one thread) */
-    atomic_int calls[16]; /* chunks per tid */
-    atomic_int busy[16];  /* calls of one tid running at once (must stay <= 1) */
-    int slow_tid;         /* a tid that sleeps in its first chunk, or -1 */
-} dyn_job;
-
-static void dyn_fn(void *arg, int64_t i0, int64_t i1, int tid)
-{
-    dyn_job *j = arg;
-    const bool whole =
-        j->active == 1 ? i0 == 0 && i1 == j->n
-                       : i0 % j->chunk == 0 && i1 == (i0 + j->chunk < j->n ? i0 + j->chunk : j->n);
-    if (tid < 0 || tid >= j->active || !whole) atomic_fetch_add(&j->bad, 1);
-    if (tid < 0 || tid >= 16) return;
-    if (atomic_fetch_add(&j->busy[tid], 1) != 0) atomic_fetch_add(&j->bad, 1);
-    if (tid == j->slow_tid && atomic_fetch_add(&j->calls[tid], 1) == 0)
-        usleep(20000);
-    else if (tid != j->slow_tid)
-        atomic_fetch_add(&j->calls[tid], 1);
-    for (int64_t i = i0; i < i1; i++)
-        atomic_fetch_add(&j->hits[i], 1);
-    atomic_fetch_sub(&j->busy[tid], 1);
-}
-
-static void test_dyn(int threads, const char *spin_us)
-{
-    setenv("TANDEM_POOL_SPIN_US", spin_us, 1);
-    kn_pool *p;
-    CHECK(kn_pool_create(threads, &p) == 0, "create %d threads", threads);
-    unsigned x = 777;
-    enum { MAXN = 3000 };
-    atomic_int *hits = calloc(MAXN, sizeof *hits);
-    for (int it = 0; it < 2000 && !g_fail; it++) {
-        x = x * 1103515245u + 12345u;
-        int64_t n = 1 + (x >> 8) % MAXN, mpt = (int64_t[]){1, 16, 700}[(x >> 4) % 3];
-        int64_t want = n / mpt;
-        dyn_job j = {.hits = hits, .n = n, .chunk = 1 + (x >> 3) % 97, .slow_tid = -1};
-        j.active = want < 1 ? 1 : (want < threads ? (int)want : threads);
-        if (it % 200 == 0 && j.active > 1) j.slow_tid = 1; /* a worker stuck in a chunk */
-        for (int64_t i = 0; i < n; i++)
-            atomic_store(&hits[i], 0);
-        kn_pool_run_dyn(p, n, j.chunk, mpt, dyn_fn, &j);
-        CHECK(atomic_load(&j.bad) == 0, "dyn t%d n %lld chunk %lld: a bad call", threads,
-              (long long)n, (long long)j.chunk);
-        for (int64_t i = 0; i < n; i++)
-            if (atomic_load(&hits[i]) != 1) {
-                CHECK(0, "dyn t%d n %lld item %lld ran %d times", threads, (long long)n,
-                      (long long)i, atomic_load(&hits[i]));
-                break;
-            }
-        if (j.slow_tid == 1 && j.active == 2 && n / j.chunk >= 4) /* the caller took the rest */
-            CHECK(atomic_load(&j.calls[0]) >= 2,
-                  "dyn: the caller took %d chunks beside a slow "
-                  "worker",
-                  atomic_load(&j.calls[0]));
-    }
-    free(hits);
-    kn_pool_destroy(p);
-    unsetenv("TANDEM_POOL_SPIN_US");
-}
-
 /* --- waits block -------------------------------------------------------------------- */
 
 static void noop_fn(void *arg, int64_t i0, int64_t i1, int tid)
@@ -229,8 +158,6 @@ int main(void)
     for (int t = 1; t <= 4; t++) {
         test_cover(t, "200");
         test_cover(t, "0"); /* every wait blocks at once */
-        test_dyn(t, "200");
-        test_dyn(t, "0");
     }
     test_idle();
     test_caller_blocks();
