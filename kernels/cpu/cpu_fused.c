@@ -4,16 +4,16 @@
  *
  * Why: at batch 1 a layer of a small model is a handful of products of a few hundred KiB
  * each, and every op is a fork-join of the pool (wake the workers, wait for the slowest).
- * Fusing cuts the dispatches per layer from 8 (q, k, v, attention, o, gate, up, down) to 5,
- * and the parts of a fused dispatch write disjoint outputs, so the one join at its end is
- * the only barrier. (Parts that claim chunks of rows from a shared counter instead of fixed
- * halves were tried and measured slower on a busy machine: BENCHMARKS.md "Engine".)
- * Exactness: every row of W is computed by the dot path of cpu_matmul.c (kn_cpu_dot_rows),
- * which gives a row the same bits whichever thread computes it and whichever rows it is
- * grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. When matmul_mixed would send
- * the batch rows to the gemm path (prefill), the fused ops run the unfused sequence instead.
- * The activation runs per part on whole 8-element groups of the part's columns, with the
- * element loop of kn_cpu_swiglu/geglu (cpu_internal.h), so its bits match too; a row width
+ * Fusing cuts the products' dispatches per layer from 7 (q, k, v, o, gate, up, down) to 4
+ * (plus attention's, where its context is long enough to split), and the parts of a fused dispatch
+ * write disjoint outputs, so the one join at its end is the only barrier. (Parts that claim chunks
+ * of rows from a shared counter instead of fixed halves were tried and measured slower on a busy
+ * machine: BENCHMARKS.md "Engine".) Exactness: every row of W is computed by the dot path of
+ * cpu_matmul.c (kn_cpu_dot_rows), which gives a row the same bits whichever thread computes it and
+ * whichever rows it is grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. When
+ * matmul_mixed would send the batch rows to the gemm path (prefill), the fused ops run the unfused
+ * sequence instead. The activation runs per part on whole 8-element groups of the part's columns,
+ * with the element loop of kn_cpu_swiglu/geglu (cpu_internal.h), so its bits match too; a row width
  * that is not a multiple of 8 runs the unfused activation after the dispatch. The residual
  * add is the float add of kn_cpu_add, element by element.
  * TANDEM_CPU_FUSED=0 at kn_cpu_create leaves these ops out of the table (cpu_backend.c), so the
