@@ -12,7 +12,10 @@
  *   last stage: logits = rmsnorm(x[rows]) Wout ; else out = x
  *     TP: each rank's Wout holds a vocab slice; gather_cols joins the slices on rank 0
  * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
- * backend's matmul_mixed, or row by row when the backend has none.
+ * backend's matmul_mixed, or row by row when the backend has none. Where the backend has
+ * the optional fused ops (kn_backend.h), q, k, v are one matmul_multi, gate, up and the
+ * activation one glu_ffn, and each output projection with its residual add one matmul_add
+ * (tp 1 without post-norm), with the same bits as the sequences they replace.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -207,12 +210,62 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
     return 0;
 }
 
+/* q, k, v = h Wq, h Wk, h Wv: one fused op when the backend has it. */
+static int qkv(const kn_engine *e, const kn_layer *ly, int64_t n, int64_t solo)
+{
+    if (e->be.ops->matmul_multi) {
+        const kn_mat *w[3] = {&ly->wq, &ly->wk, &ly->wv};
+        float *const y[3] = {e->q, e->k, e->v};
+        return e->be.ops->matmul_multi(e->be.ctx, 3, w, e->h, n, solo, y);
+    }
+    int rc;
+    if ((rc = matmul(e, &ly->wq, e->h, n, solo, e->q))) return rc;
+    if ((rc = matmul(e, &ly->wk, e->h, n, solo, e->k))) return rc;
+    return matmul(e, &ly->wv, e->h, n, solo, e->v);
+}
+
+/* g = act(h Wg) * (h Wu), act silu or gelu (tanh): one fused op when the backend has it. */
+static int glu(const kn_engine *e, const kn_layer *ly, int64_t n, int64_t solo)
+{
+    const kn_backend_ops *ops = e->be.ops;
+    const bool gelu = e->m->hp.gelu_ffn;
+    if (ops->glu_ffn)
+        return ops->glu_ffn(e->be.ctx, &ly->w_gate, &ly->w_up, e->h, n, solo, gelu, e->g, e->u,
+                            e->g);
+    int rc;
+    if ((rc = matmul(e, &ly->w_gate, e->h, n, solo, e->g))) return rc;
+    if ((rc = matmul(e, &ly->w_up, e->h, n, solo, e->u))) return rc;
+    if (gelu)
+        ops->geglu(e->be.ctx, e->g, e->u, e->g, n, e->m->n_ff_local);
+    else
+        ops->swiglu(e->be.ctx, e->g, e->u, e->g, n, e->m->n_ff_local);
+    return 0;
+}
+
 /* buf (n floats) summed across the TP ranks; on a device backend through host memory. */
 static int allreduce(kn_engine *e, float *buf, int64_t n)
 {
     if (e->m->shard.tp_size == 1) return 0;
     if (e->dev) return kn_engine_allreduce_staged(e, buf, n);
     return e->coll.allreduce_sum(e->coll.ctx, buf, n);
+}
+
+/* x += [post_norm] allreduce(in W): one fused op where nothing comes between the product and
+ * the add (tp 1, no post-norm) and the backend has it. */
+static int project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
+                       int64_t n, int64_t solo)
+{
+    const kn_backend_ops *ops = e->be.ops;
+    const int64_t E = e->m->hp.n_embd;
+    if (ops->matmul_add && e->m->shard.tp_size == 1 && !post_norm)
+        return ops->matmul_add(e->be.ctx, w, in, n, solo, e->h, e->x);
+    int rc;
+    if ((rc = matmul(e, w, in, n, solo, e->h))) return rc;
+    if ((rc = allreduce(e, e->h, n * E))) return rc;
+    /* gemma3 normalizes the (whole, reduced) output before the residual add */
+    if (post_norm) ops->rmsnorm(e->be.ctx, e->h, post_norm, e->h, n, E, e->m->hp.rms_eps);
+    ops->add(e->be.ctx, e->x, e->h, n, E);
+    return 0;
 }
 
 static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
@@ -230,9 +283,7 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     const bool swa = kn_layer_is_swa(hp, m->shard.l0 + li);
     const float *freq = swa ? m->rope_freq_swa : m->rope_freq;
     ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = matmul(e, &ly->wq, e->h, n, solo, e->q))) return rc;
-    if ((rc = matmul(e, &ly->wk, e->h, n, solo, e->k))) return rc;
-    if ((rc = matmul(e, &ly->wv, e->h, n, solo, e->v))) return rc;
+    if ((rc = qkv(e, ly, n, solo))) return rc;
     if (ly->bq) ops->add_row(c, e->q, ly->bq, n, nh * HD);
     if (ly->bk) ops->add_row(c, e->k, ly->bk, n, nkv * HD);
     if (ly->bv) ops->add_row(c, e->v, ly->bv, n, nkv * HD);
@@ -245,24 +296,12 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, m->heads.group,
                    m->heads.phase, (int)HD, hp->attn_scale, swa ? hp->swa_window : 0, n, solo,
                    b->pos, b->seq_of, b->seqs, e->att);
-    if ((rc = matmul(e, &ly->wo, e->att, n, solo, e->h))) return rc;
-    if ((rc = allreduce(e, e->h, n * E))) return rc;
-    /* gemma3 normalizes the (whole, reduced) attention output before the residual add */
-    if (ly->attn_post_norm) ops->rmsnorm(c, e->h, ly->attn_post_norm, e->h, n, E, hp->rms_eps);
-    ops->add(c, e->x, e->h, n, E);
+    if ((rc = project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo))) return rc;
 
     /* feed-forward */
     ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = matmul(e, &ly->w_gate, e->h, n, solo, e->g))) return rc;
-    if ((rc = matmul(e, &ly->w_up, e->h, n, solo, e->u))) return rc;
-    if (hp->gelu_ffn)
-        ops->geglu(c, e->g, e->u, e->g, n, m->n_ff_local);
-    else
-        ops->swiglu(c, e->g, e->u, e->g, n, m->n_ff_local);
-    if ((rc = matmul(e, &ly->w_down, e->g, n, solo, e->h))) return rc;
-    if ((rc = allreduce(e, e->h, n * E))) return rc;
-    if (ly->ffn_post_norm) ops->rmsnorm(c, e->h, ly->ffn_post_norm, e->h, n, E, hp->rms_eps);
-    ops->add(c, e->x, e->h, n, E);
+    if ((rc = glu(e, ly, n, solo))) return rc;
+    if ((rc = project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo))) return rc;
     return 0;
 }
 

@@ -44,6 +44,9 @@ typedef struct {
     int32_t n_ctx;              /* positions [0, n_ctx) are valid in the pool */
 } kn_seq_view;
 
+/* Most matrices one matmul_multi call takes (q, k and v). */
+#define KN_MULTI_MAX 3
+
 typedef struct {
     const char *name;
 
@@ -96,6 +99,25 @@ typedef struct {
      * not depend on what else is batched with it, while prefill rows keep batch kernels. */
     int (*matmul_mixed)(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
                         float *y);
+
+    /* ---- optional fused ops: NULL, and the engine runs the sequence each one names. A
+     * backend's fused op gives the bits of that sequence on its own ops, on every row. ---- */
+    /* y[i] (m, w[i]->n_rows) = x (m, n_cols) * W_i^T for i < n_w (1..KN_MULTI_MAX), all W_i
+     * of n_cols columns, rows [0, m_solo) solo: the sequence matmul_mixed(w[i], x, m, m_solo,
+     * y[i]) for each i (matmul when m_solo is 0), in one pass over the threads (q, k, v). */
+    int (*matmul_multi)(void *ctx, int n_w, const kn_mat *const *w, const float *x, int64_t m,
+                        int64_t m_solo, float *const *y);
+    /* out (m, F) = act(x Wg^T) * (x Wu^T), act silu (gelu false) or gelu (tanh), with gate
+     * and up (m, F) holding the two products (F = wg->n_rows = wu->n_rows); out may equal
+     * gate. The sequence: matmul_mixed(wg, x, m, m_solo, gate), matmul_mixed(wu, ..., up),
+     * swiglu or geglu(gate, up, out, m, F). */
+    int (*glu_ffn)(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
+                   int64_t m_solo, bool gelu, float *gate, float *up, float *out);
+    /* acc (m, w->n_rows) += x (m, w->n_cols) * W^T, with y (m, n_rows) holding the product:
+     * the sequence matmul_mixed(w, x, m, m_solo, y), add(acc, y, m, n_rows) (an output
+     * projection and its residual add). */
+    int (*matmul_add)(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                      float *y, float *acc);
 
     /* y (m, n) = x / rms(x) * weight (n); y may equal x. */
     void (*rmsnorm)(void *ctx, const float *x, const float *weight, float *y, int64_t m, int64_t n,

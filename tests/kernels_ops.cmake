@@ -5,3 +5,34 @@ foreach(t test_ops test_attention)
   target_link_libraries(${t} PRIVATE td_kernels)
   add_test(NAME kernels.${t} COMMAND ${t})
 endforeach()
+
+# The fused ops (kernels/cpu/cpu_fused.c) against the unfused sequences, bit for bit; with a
+# model, the engine's logits with and without them (TANDEM_CPU_FUSED=0): a synthetic qwen2
+# (silu, mixed types), gemma3 (gelu), the default model and the real K-quant files if set.
+add_executable(test_fused ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_fused.c)
+target_link_libraries(test_fused PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_fused COMMAND test_fused)
+if(TANDEM_PYTHON)
+  foreach(arch qwen2 gemma3)
+    add_test(NAME engine_fused_${arch} COMMAND test_fused ${TANDEM_TEST_DATA}/split-${arch}.gguf)
+    set_tests_properties(engine_fused_${arch} PROPERTIES FIXTURES_REQUIRED split_${arch}
+                         TIMEOUT 300)
+  endforeach()
+endif()
+if(TANDEM_MODEL)
+  add_test(NAME engine_fused_default COMMAND test_fused ${TANDEM_MODEL})
+  set_tests_properties(engine_fused_default PROPERTIES TIMEOUT 300)
+endif()
+# real K-quant files: mixed q/k/v types and biases (Qwen2.5 0.5B), gelu (Gemma 3 270M)
+if(TANDEM_MODEL_QWEN05)
+  add_test(NAME engine_fused_qwen05 COMMAND test_fused ${TANDEM_MODEL_QWEN05})
+  set_tests_properties(engine_fused_qwen05 PROPERTIES TIMEOUT 300 LABELS models)
+endif()
+if(TANDEM_MODEL_GEMMA3)
+  add_test(NAME engine_fused_gemma3_270m COMMAND test_fused ${TANDEM_MODEL_GEMMA3})
+  set_tests_properties(engine_fused_gemma3_270m PROPERTIES TIMEOUT 300 LABELS models)
+endif()
+# Not a test: batch-1 decode fused vs TANDEM_CPU_FUSED=0, alternated in one process
+#   bin/bench_fused MODEL [THREADS [ROUNDS [TOKENS]]]
+add_executable(bench_fused ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_fused.c)
+target_link_libraries(bench_fused PRIVATE td_kernels td_common)

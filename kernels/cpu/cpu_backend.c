@@ -60,30 +60,19 @@ static void cpu_attention_op(void *ctx, const float *q, const void *kpool, const
                      head_dim, scale, window, m, pos, seq_of, seqs, out);
 }
 
-static const kn_backend_ops cpu_ops = {
-    .name = "cpu",
-    .destroy = cpu_destroy,
-    .describe = cpu_describe,
-    .host_memory = true,
-    .alloc = cpu_alloc,
-    .free = cpu_free,
-    .upload = cpu_copy,
-    .download = cpu_copy,
-    .synchronize = cpu_synchronize,
-    .matmul = kn_cpu_matmul,
-    .matmul_mixed = kn_cpu_matmul_mixed,
-    .rmsnorm = kn_cpu_rmsnorm,
-    .rope = kn_cpu_rope,
-    .swiglu = kn_cpu_swiglu,
-    .geglu = kn_cpu_geglu,
-    .kv_write = kn_cpu_kv_write,
-    .attention = cpu_attention_op,
-    .get_rows = kn_cpu_get_rows,
-    .add = kn_cpu_add,
-    .add_row = kn_cpu_add_row,
-    .scale = kn_cpu_scale,
-    .copy_rows = kn_cpu_copy_rows,
-};
+#define CPU_OPS_COMMON                                                                             \
+    .name = "cpu", .destroy = cpu_destroy, .describe = cpu_describe, .host_memory = true,          \
+    .alloc = cpu_alloc, .free = cpu_free, .upload = cpu_copy, .download = cpu_copy,                \
+    .synchronize = cpu_synchronize, .matmul = kn_cpu_matmul, .matmul_mixed = kn_cpu_matmul_mixed,  \
+    .rmsnorm = kn_cpu_rmsnorm, .rope = kn_cpu_rope, .swiglu = kn_cpu_swiglu,                       \
+    .geglu = kn_cpu_geglu, .kv_write = kn_cpu_kv_write, .attention = cpu_attention_op,             \
+    .get_rows = kn_cpu_get_rows, .add = kn_cpu_add, .add_row = kn_cpu_add_row,                     \
+    .scale = kn_cpu_scale, .copy_rows = kn_cpu_copy_rows
+
+/* The table, with the fused ops (cpu_fused.c) and without them (TANDEM_CPU_FUSED=0). */
+static const kn_backend_ops cpu_ops = {CPU_OPS_COMMON, .matmul_multi = kn_cpu_matmul_multi,
+                                       .glu_ffn = kn_cpu_glu_ffn, .matmul_add = kn_cpu_matmul_add};
+static const kn_backend_ops cpu_ops_unfused = {CPU_OPS_COMMON};
 
 int kn_cpu_create(int n_threads, kn_cpu **out)
 {
@@ -97,9 +86,15 @@ int kn_cpu_create(int n_threads, kn_cpu **out)
         TD_LOG_ERR("cpu backend: TANDEM_CPU_ACT=%s: expected q8 or f32", act);
         return TD_EINVAL;
     }
+    const char *fused = getenv("TANDEM_CPU_FUSED");
+    if (fused && *fused && strcmp(fused, "0") && strcmp(fused, "1")) {
+        TD_LOG_ERR("cpu backend: TANDEM_CPU_FUSED=%s: expected 0 or 1", fused);
+        return TD_EINVAL;
+    }
     kn_cpu *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
     c->act_q8 = act && !strcmp(act, "q8");
+    c->fused = !(fused && !strcmp(fused, "0"));
     int rc = kn_pool_create(n_threads, &c->pool);
     if (rc) {
         free(c);
@@ -121,11 +116,15 @@ void kn_cpu_destroy(kn_cpu *c)
 
 kn_backend kn_cpu_backend(kn_cpu *c)
 {
-    return (kn_backend){.ops = &cpu_ops, .ctx = c};
+    return (kn_backend){.ops = c->fused ? &cpu_ops : &cpu_ops_unfused, .ctx = c};
 }
 kn_cpu *kn_cpu_of(kn_backend b)
 {
-    return b.ops == &cpu_ops ? b.ctx : NULL;
+    return b.ops == &cpu_ops || b.ops == &cpu_ops_unfused ? b.ctx : NULL;
+}
+bool kn_cpu_fused(const kn_cpu *c)
+{
+    return c->fused;
 }
 
 kn_pool *kn_cpu_pool(kn_cpu *c)

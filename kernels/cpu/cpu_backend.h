@@ -59,6 +59,18 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                         float *y);
 int kn_cpu_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);
 
+/* ---- implemented in cpu_fused.c (kn_backend.h's fused ops) ---- */
+int kn_cpu_matmul_multi(void *ctx, int n_w, const kn_mat *const *w, const float *x, int64_t m,
+                        int64_t m_solo, float *const *y);
+int kn_cpu_glu_ffn(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
+                   int64_t m_solo, bool gelu, float *gate, float *up, float *out);
+int kn_cpu_matmul_add(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                      float *y, float *acc);
+/* Whether kn_cpu_backend's table carries the fused ops: on unless TANDEM_CPU_FUSED=0 at
+ * kn_cpu_create (the same binary then runs the unfused sequences, for A/B measurements);
+ * any other value than 0 or 1 is an error (TD_EINVAL). */
+bool kn_cpu_fused(const kn_cpu *c);
+
 /* ---- implemented in cpu_ops.c / cpu_attention.c ---- */
 void kn_cpu_rmsnorm(void *ctx, const float *x, const float *weight, float *y, int64_t m, int64_t n,
                     float eps);

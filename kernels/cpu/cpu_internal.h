@@ -15,6 +15,7 @@ struct kn_cpu {
     kn_pool *pool;
     int n_threads;
     bool act_q8; /* quantize x to 8 bits on the dot path (kn_cpu_set_act_q8) */
+    bool fused;  /* the ops table carries the fused ops (TANDEM_CPU_FUSED) */
     float *scratch[KN_CPU_MAX_THREADS + 1];     /* per-thread float scratch, grown on demand;
                                                    the last slot is KN_CPU_CALLER's */
     size_t scratch_cap[KN_CPU_MAX_THREADS + 1]; /* floats */
@@ -24,5 +25,34 @@ struct kn_cpu {
  * with the same tid. NULL on allocation failure. Called from inside pool jobs: thread tid
  * only touches its own slot; tid KN_CPU_CALLER is the calling thread's, outside jobs. */
 float *kn_cpu_scratch(kn_cpu *c, int tid, size_t n_floats);
+
+/* The dot path of matmul (cpu_matmul.c) in pieces, for fused ops (cpu_fused.c): a product
+ * y (m, w->n_rows) = x (m, w->n_cols) W^T whose rows of W any thread may compute, any
+ * subset at a time, with the bits of kn_cpu_matmul_mixed. */
+typedef struct {
+    kn_cpu *c;
+    const kn_mat *w;
+    const float *x;    /* (m, n_cols) */
+    const float *xsum; /* block sums of x, in the caller's side buffer, or NULL */
+    const void *xq;    /* x in 8 bits (q8 mode), in the side buffer, or NULL */
+    int64_t m;
+    float *y; /* (m, n_rows) */
+} kn_cpu_dot;
+/* Floats of side buffer kn_cpu_dot_init needs for w and m rows of x (0: none). */
+size_t kn_cpu_dot_side_floats(const kn_cpu *c, const kn_mat *w, int64_t m);
+/* Prepares d (fills side, kn_cpu_dot_side_floats(c, w, m) floats): 0; 1 when matmul_mixed
+ * would send rows [m_solo, m) to the gemm path (the caller must use it instead); a
+ * negative TD_ error for a bad w or row count (logged). */
+int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                    float *side, float *y, kn_cpu_dot *d);
+/* Rows [r0, r1) of W into d->y: from any thread, in a pool part. */
+void kn_cpu_dot_rows(const kn_cpu_dot *d, int64_t r0, int64_t r1);
+
+/* The element loops of swiglu and geglu (cpu_ops.c) over the flat element range [e0, e1) of
+ * gate, up and out. kn_cpu_swiglu runs the span over whole rows; an element gets the same
+ * bits from any two spans that both send it through the 8-wide SIMD loop (both of length a
+ * multiple of 8) or both through the scalar tail. geglu is scalar: any spans agree. */
+void kn_cpu_swiglu_span(const float *g, const float *u, float *o, int64_t e0, int64_t e1);
+void kn_cpu_geglu_span(const float *g, const float *u, float *o, int64_t e0, int64_t e1);
 
 #endif

@@ -517,3 +517,42 @@ int kn_cpu_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, f
     }
     return 0;
 }
+
+/* ---- the dot path in pieces, for fused ops (cpu_internal.h) ---- */
+
+size_t kn_cpu_dot_side_floats(const kn_cpu *c, const kn_mat *w, int64_t m)
+{
+    if (c->act_q8 && kn_q8_supported(w->type))
+        return ((size_t)m * kn_q8_row_bytes(w->type, w->n_cols) + 3) / sizeof(float);
+    const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
+    return sg ? (size_t)(m * (w->n_cols / sg)) : 0;
+}
+
+int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                    float *side, float *y, kn_cpu_dot *d)
+{
+    int rc = mm_check(w, "matmul");
+    if (rc) return rc;
+    if (m < 1 || m > INT32_MAX || m_solo < 0 || m_solo > m) {
+        TD_LOG_ERR("matmul: bad row counts m %lld, solo %lld", (long long)m, (long long)m_solo);
+        return TD_EINVAL;
+    }
+    if (m - m_solo >= MM_GEMM_MIN_M) return 1; /* the batch rows take the gemm path */
+    *d = (kn_cpu_dot){.c = c, .w = w, .x = x, .m = m, .y = y};
+    const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
+    if (c->act_q8 && kn_q8_supported(w->type)) {
+        kn_q8_quant_rows(w->type, x, m, w->n_cols, side);
+        d->xq = side;
+    } else if (sg) {
+        block_sums(x, m * w->n_cols, sg, side);
+        d->xsum = side;
+    }
+    return 0;
+}
+
+void kn_cpu_dot_rows(const kn_cpu_dot *d, int64_t r0, int64_t r1)
+{
+    const mm_job j = {
+        .c = d->c, .w = d->w, .x = d->x, .xsum = d->xsum, .xq = d->xq, .m = d->m, .y = d->y};
+    mm_dot_part((void *)&j, r0, r1, 0);
+}

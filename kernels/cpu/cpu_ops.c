@@ -154,13 +154,8 @@ typedef struct {
     int64_t n;
 } swiglu_job;
 
-static void swiglu_rows(void *arg, int64_t i0, int64_t i1, int tid)
+void kn_cpu_swiglu_span(const float *g, const float *u, float *o, int64_t e0, int64_t e1)
 {
-    const swiglu_job *J = arg;
-    /* rows are contiguous, so the row range is one flat element range */
-    const int64_t e0 = i0 * J->n, e1 = i1 * J->n;
-    const float *g = J->gate, *u = J->up;
-    float *o = J->out;
     int64_t j = e0;
 #ifdef OPS_SIMD
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
@@ -174,6 +169,13 @@ static void swiglu_rows(void *arg, int64_t i0, int64_t i1, int tid)
         o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }
 
+static void swiglu_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    const swiglu_job *J = arg;
+    /* rows are contiguous, so the row range is one flat element range */
+    kn_cpu_swiglu_span(J->gate, J->up, J->out, i0 * J->n, i1 * J->n);
+}
+
 void kn_cpu_swiglu(void *ctx, const float *gate, const float *up, float *out, int64_t m, int64_t n)
 {
     assert(m >= 0 && n > 0);
@@ -185,16 +187,19 @@ void kn_cpu_swiglu(void *ctx, const float *gate, const float *up, float *out, in
 
 /* GELU with the tanh approximation, as ggml_gelu and Hugging Face's gelu_pytorch_tanh that
  * gemma uses: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
-static void geglu_rows(void *arg, int64_t i0, int64_t i1, int tid)
+void kn_cpu_geglu_span(const float *g, const float *u, float *o, int64_t e0, int64_t e1)
 {
-    const swiglu_job *J = arg;
     const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
-    const float *g = J->gate, *u = J->up;
-    float *o = J->out;
-    for (int64_t j = i0 * J->n; j < i1 * J->n; j++) {
+    for (int64_t j = e0; j < e1; j++) {
         const float x = g[j];
         o[j] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * u[j];
     }
+}
+
+static void geglu_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    const swiglu_job *J = arg;
+    kn_cpu_geglu_span(J->gate, J->up, J->out, i0 * J->n, i1 * J->n);
     (void)tid;
 }
 

@@ -25,7 +25,9 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -59,6 +61,8 @@ struct kn_pool {
     atomic_int sleeping;     /* workers blocked (or about to block) on gen */
     atomic_int caller_waits; /* the caller blocked (or about to block) on pending */
     atomic_bool stop;
+    bool profile;        /* TANDEM_CPU_PROFILE: keep stats */
+    kn_pool_stats stats; /* caller-side only */
 };
 
 static void futex_wait(atomic_uint *w, unsigned expect)
@@ -167,6 +171,8 @@ int kn_pool_create(int n_threads, kn_pool **out)
     if (!p) return TD_ENOMEM;
     p->n_threads = n_threads;
     p->spin_ns = spin_ns;
+    const char *prof = getenv("TANDEM_CPU_PROFILE");
+    p->profile = prof && *prof && strcmp(prof, "0");
     p->threads = calloc((size_t)n_threads, sizeof *p->threads);
     p->args = calloc((size_t)n_threads, sizeof *p->args);
     p->slot = calloc((size_t)n_threads, sizeof *p->slot);
@@ -189,9 +195,22 @@ int kn_pool_create(int n_threads, kn_pool **out)
     return 0;
 }
 
+void kn_pool_get_stats(const kn_pool *p, kn_pool_stats *out)
+{
+    *out = p->stats;
+}
+
 void kn_pool_destroy(kn_pool *p)
 {
     if (!p) return;
+    if (p->profile) {
+        const kn_pool_stats *st = &p->stats;
+        fprintf(stderr,
+                "cpu pool profile (%d threads): %llu runs, %llu dispatches, %llu parts stolen, "
+                "%.1f ms in dispatches, %.1f ms of it waiting for workers\n",
+                p->n_threads, (unsigned long long)st->runs, (unsigned long long)st->dispatches,
+                (unsigned long long)st->stolen, st->run_ns / 1e6, st->wait_ns / 1e6);
+    }
     if (p->threads) {
         atomic_store(&p->stop, true);
         atomic_fetch_add(&p->gen, 1);
@@ -225,10 +244,12 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
     if (min_per_thread < 1) min_per_thread = 1;
     int64_t want = n / min_per_thread;
     int active = want < 1 ? 1 : (want < p->n_threads ? (int)want : p->n_threads);
+    if (p->profile) p->stats.runs++;
     if (active == 1) {
         fn(arg, 0, n, 0);
         return;
     }
+    const int64_t t0 = p->profile ? td_now_ns() : 0;
     p->fn = fn;
     p->arg = arg;
     p->n = n;
@@ -244,6 +265,14 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
         if (claim(p, t)) { /* its worker has not started: run it here */
             run_part(p, t);
             atomic_fetch_sub(&p->pending, 1);
+            if (p->profile) p->stats.stolen++;
         }
+    const int64_t t1 = p->profile ? td_now_ns() : 0;
     caller_wait(p);
+    if (p->profile) {
+        const int64_t t2 = td_now_ns();
+        p->stats.dispatches++;
+        p->stats.run_ns += (uint64_t)(t2 - t0);
+        p->stats.wait_ns += (uint64_t)(t2 - t1);
+    }
 }

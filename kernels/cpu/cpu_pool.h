@@ -38,4 +38,15 @@ void kn_pool_destroy(kn_pool *p); /* NULL is fine */
  * fewer threads take part, so tiny ops do not pay for waking everyone. */
 void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg);
 
+/* Counters for profiling, kept only when TANDEM_CPU_PROFILE is set (non-empty, not "0") at
+ * kn_pool_create; all zero otherwise. With it set, kn_pool_destroy prints them to stderr. */
+typedef struct {
+    uint64_t runs;       /* kn_pool_run calls with n > 0 */
+    uint64_t dispatches; /* of those, the ones that woke workers (more than one part) */
+    uint64_t stolen;     /* worker parts the caller ran itself */
+    uint64_t run_ns;     /* wall time inside dispatching runs, caller's view */
+    uint64_t wait_ns;    /* of that, the caller waiting for workers after its own parts */
+} kn_pool_stats;
+void kn_pool_get_stats(const kn_pool *p, kn_pool_stats *out);
+
 #endif

@@ -1,0 +1,228 @@
+/* cpu_fused.c: the CPU backend's fused ops (kn_backend.h, optional members): several products
+ * of one x in one pool dispatch (q, k, v), and the FFN's gate and up products with their
+ * GLU activation in one, and a product with the residual add that follows it.
+ *
+ * Why: at batch 1 a layer of a small model is a handful of products of a few hundred KiB
+ * each, and every op is a fork-join of the pool (wake the workers, wait for the slowest).
+ * Fusing cuts the products' dispatches per layer from 7 (q, k, v, o, gate, up, down) to 4
+ * (plus attention's, where its context is long enough to split), and the parts of a fused dispatch
+ * write disjoint outputs, so the one join at its end is the only barrier. (Parts that claim chunks
+ * of rows from a shared counter instead of fixed halves were tried and measured slower on a busy
+ * machine: BENCHMARKS.md "Engine".) Exactness: every row of W is computed by the dot path of
+ * cpu_matmul.c (kn_cpu_dot_rows), which gives a row the same bits whichever thread computes it and
+ * whichever rows it is grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. When
+ * matmul_mixed would send the batch rows to the gemm path (prefill), the fused ops run the unfused
+ * sequence instead. The activation runs per part on whole 8-element groups of the part's columns,
+ * with the element loop of kn_cpu_swiglu/geglu (cpu_internal.h), so its bits match too; a row width
+ * that is not a multiple of 8 runs the unfused activation after the dispatch. The residual
+ * add is the float add of kn_cpu_add, element by element.
+ * TANDEM_CPU_FUSED=0 at kn_cpu_create leaves these ops out of the table (cpu_backend.c), so the
+ * engine runs the unfused sequence in the same binary.
+ */
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "cpu_backend.h"
+#include "cpu_internal.h"
+#include "td_err.h"
+
+/* Each thread gets at least this many weight bytes (as the dot path of cpu_matmul.c): a
+ * fork-join costs about what one thread needs to stream 8 KiB. */
+#define FUSED_MIN_BYTES (16 * 1024)
+/* Columns of the GLU per item: the activation's SIMD width, so parts split on whole groups. */
+#define GLU_GROUP 8
+
+typedef struct {
+    int n_w;
+    kn_cpu_dot d[KN_MULTI_MAX];
+    int64_t start[KN_MULTI_MAX + 1]; /* row offsets of each W in the concatenated rows */
+} multi_job;
+
+static void multi_part(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    const multi_job *J = arg;
+    for (int i = 0; i < J->n_w; i++) {
+        const int64_t a = r0 > J->start[i] ? r0 : J->start[i];
+        const int64_t b = r1 < J->start[i + 1] ? r1 : J->start[i + 1];
+        if (a < b) kn_cpu_dot_rows(&J->d[i], a - J->start[i], b - J->start[i]);
+    }
+    (void)tid;
+}
+
+static int64_t row_bytes(const kn_mat *w)
+{
+    const int64_t rb = (int64_t)td_dtype_row_bytes(w->type, w->n_cols);
+    return rb > 0 ? rb : 1;
+}
+
+static int64_t min_rows_for(const kn_mat *w)
+{
+    const int64_t r = FUSED_MIN_BYTES / row_bytes(w);
+    return r < 4 ? 4 : r;
+}
+
+/* Prepares d[i] for y[i] = x W_i^T, i < n, sharing x's side data between matrices of one
+ * type. 0, 1 (the gemm path: run the unfused sequence) or a TD_ error. */
+static int prepare(kn_cpu *c, int n, const kn_mat *const *w, const float *x, int64_t m,
+                   int64_t m_solo, float *const *y, kn_cpu_dot *d)
+{
+    size_t side_total = 0;
+    for (int i = 0; i < n; i++)
+        side_total += kn_cpu_dot_side_floats(c, w[i], m);
+    float *side = kn_cpu_scratch(c, KN_CPU_CALLER, side_total ? side_total : 1);
+    if (!side) {
+        TD_LOG_ERR("fused matmul: out of memory for %zu floats of side data", side_total);
+        return TD_ENOMEM;
+    }
+    for (int i = 0; i < n; i++) {
+        if (w[i]->n_cols != w[0]->n_cols) {
+            TD_LOG_ERR("fused matmul: matrix %d has %lld columns, matrix 0 %lld", i,
+                       (long long)w[i]->n_cols, (long long)w[0]->n_cols);
+            return TD_EINVAL;
+        }
+        int same = -1;
+        for (int k = 0; k < i && same < 0; k++)
+            if (w[k]->type == w[i]->type) same = k;
+        if (same >= 0) { /* same type and x: the same side data */
+            d[i] = d[same];
+            d[i].w = w[i];
+            d[i].y = y[i];
+            continue;
+        }
+        int rc = kn_cpu_dot_init(c, w[i], x, m, m_solo, side, y[i], &d[i]);
+        if (rc) return rc;
+        side += kn_cpu_dot_side_floats(c, w[i], m);
+    }
+    return 0;
+}
+
+int kn_cpu_matmul_multi(void *ctx, int n_w, const kn_mat *const *w, const float *x, int64_t m,
+                        int64_t m_solo, float *const *y)
+{
+    kn_cpu *c = ctx;
+    if (n_w < 1 || n_w > KN_MULTI_MAX) {
+        TD_LOG_ERR("fused matmul: %d matrices (1..%d)", n_w, KN_MULTI_MAX);
+        return TD_EINVAL;
+    }
+    if (m == 0) return 0;
+    multi_job J = {.n_w = n_w};
+    int rc = prepare(c, n_w, w, x, m, m_solo, y, J.d);
+    if (rc < 0) return rc;
+    if (rc == 1) { /* the batch rows take the gemm path */
+        for (int i = 0; i < n_w; i++)
+            if ((rc = kn_cpu_matmul_mixed(ctx, w[i], x, m, m_solo, y[i]))) return rc;
+        return 0;
+    }
+    int64_t min_rows = 0;
+    for (int i = 0; i < n_w; i++) {
+        J.start[i + 1] = J.start[i] + w[i]->n_rows;
+        if (min_rows_for(w[i]) > min_rows) min_rows = min_rows_for(w[i]);
+    }
+    kn_pool_run(kn_cpu_pool(c), J.start[n_w], min_rows, multi_part, &J);
+    return 0;
+}
+
+typedef struct {
+    kn_cpu_dot g, u;
+    const float *gate, *up; /* (m, F) */
+    float *out;             /* (m, F) */
+    int64_t m, F;
+    bool gelu, act; /* act: the parts run the activation */
+} glu_job;
+
+static void glu_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    const glu_job *J = arg;
+    const int64_t r0 = i0 * GLU_GROUP, r1 = i1 * GLU_GROUP < J->F ? i1 * GLU_GROUP : J->F;
+    kn_cpu_dot_rows(&J->g, r0, r1);
+    kn_cpu_dot_rows(&J->u, r0, r1);
+    if (!J->act) return;
+    for (int64_t i = 0; i < J->m; i++) {
+        const int64_t e0 = i * J->F + r0, e1 = i * J->F + r1;
+        if (J->gelu)
+            kn_cpu_geglu_span(J->gate, J->up, J->out, e0, e1);
+        else
+            kn_cpu_swiglu_span(J->gate, J->up, J->out, e0, e1);
+    }
+    (void)tid;
+}
+
+static void glu_unfused_act(void *ctx, const glu_job *J)
+{
+    if (J->gelu)
+        kn_cpu_geglu(ctx, J->gate, J->up, J->out, J->m, J->F);
+    else
+        kn_cpu_swiglu(ctx, J->gate, J->up, J->out, J->m, J->F);
+}
+
+int kn_cpu_glu_ffn(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
+                   int64_t m_solo, bool gelu, float *gate, float *up, float *out)
+{
+    kn_cpu *c = ctx;
+    if (wg->n_rows != wu->n_rows) {
+        TD_LOG_ERR("fused glu: gate has %lld rows, up %lld", (long long)wg->n_rows,
+                   (long long)wu->n_rows);
+        return TD_EINVAL;
+    }
+    if (m == 0) return 0;
+    const int64_t F = wg->n_rows;
+    glu_job J = {.gate = gate, .up = up, .out = out, .m = m, .F = F, .gelu = gelu};
+    const kn_mat *w[2] = {wg, wu};
+    float *const y[2] = {gate, up};
+    kn_cpu_dot d[2];
+    int rc = prepare(c, 2, w, x, m, m_solo, y, d);
+    if (rc < 0) return rc;
+    if (rc == 1) { /* the batch rows take the gemm path: the unfused sequence */
+        if ((rc = kn_cpu_matmul_mixed(ctx, wg, x, m, m_solo, gate))) return rc;
+        if ((rc = kn_cpu_matmul_mixed(ctx, wu, x, m, m_solo, up))) return rc;
+        glu_unfused_act(ctx, &J);
+        return 0;
+    }
+    J.g = d[0];
+    J.u = d[1];
+    /* swiglu's flat spans keep every element on its SIMD loop only for widths of whole groups */
+    J.act = gelu || F % GLU_GROUP == 0;
+    const int64_t r = min_rows_for(wg) > min_rows_for(wu) ? min_rows_for(wg) : min_rows_for(wu);
+    const int64_t groups = (F + GLU_GROUP - 1) / GLU_GROUP;
+    kn_pool_run(kn_cpu_pool(c), groups, (r + GLU_GROUP - 1) / GLU_GROUP, glu_part, &J);
+    if (!J.act) glu_unfused_act(ctx, &J);
+    return 0;
+}
+
+typedef struct {
+    kn_cpu_dot d;
+    float *acc; /* (m, n_rows) */
+} add_job;
+
+static void add_part(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    const add_job *J = arg;
+    kn_cpu_dot_rows(&J->d, r0, r1);
+    const int64_t N = J->d.w->n_rows;
+    for (int64_t i = 0; i < J->d.m; i++) {
+        float *a = J->acc + i * N;
+        const float *y = J->d.y + i * N;
+        for (int64_t r = r0; r < r1; r++)
+            a[r] += y[r];
+    }
+    (void)tid;
+}
+
+int kn_cpu_matmul_add(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
+                      float *y, float *acc)
+{
+    kn_cpu *c = ctx;
+    if (m == 0) return 0;
+    add_job J = {.acc = acc};
+    const kn_mat *wp[1] = {w};
+    float *const yp[1] = {y};
+    int rc = prepare(c, 1, wp, x, m, m_solo, yp, &J.d);
+    if (rc < 0) return rc;
+    if (rc == 1) { /* the batch rows take the gemm path: the unfused sequence */
+        if ((rc = kn_cpu_matmul_mixed(ctx, w, x, m, m_solo, y))) return rc;
+        kn_cpu_add(ctx, acc, y, m, w->n_rows);
+        return 0;
+    }
+    kn_pool_run(kn_cpu_pool(c), w->n_rows, min_rows_for(w), add_part, &J);
+    return 0;
+}

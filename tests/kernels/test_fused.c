@@ -1,0 +1,379 @@
+/* test_fused.c: the CPU backend's fused ops (kernels/cpu/cpu_fused.c) against the sequences of
+ * unfused ops they replace, bit for bit: matmul_multi against one matmul_mixed per matrix,
+ * glu_ffn against gate and up matmul_mixed and swiglu/geglu, matmul_add against matmul_mixed
+ * and add; weight types with and without
+ * block sums, mixed types in one call, the q8 activation mode, solo and batch rows, the gemm
+ * path, 1-3 threads; bad arguments. With a model file (argv[1]), the engine's logits with the
+ * fused ops equal those with TANDEM_CPU_FUSED=0 over prefills (dot and gemm path), decode
+ * steps and a mixed step. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../tharness.h"
+#include "cpu_backend.h"
+#include "kn_backends.h"
+#include "model.h"
+#include "td_err.h"
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+static uint32_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 16);
+}
+
+/* A half with |value| < 1 (exponent below 15), or a small positive scale. */
+static uint16_t half_small(void)
+{
+    return (uint16_t)((rnd() & 0x83ff) | ((8 + rnd() % 6) << 10));
+}
+static uint16_t half_scale(void)
+{
+    return (uint16_t)(((4 + rnd() % 4) << 10) | (rnd() & 0x3ff));
+}
+
+static void put16(uint8_t *p, uint16_t h)
+{
+    memcpy(p, &h, 2);
+}
+
+/* n_rows x n_cols of type t, random quants with sane fp16 scales (rows padded by 16 bytes,
+ * so the row stride is not the row size). */
+static kn_mat make_mat(td_dtype t, int64_t n_rows, int64_t n_cols)
+{
+    const td_dtype_info *info = td_dtype_get((uint32_t)t);
+    const size_t rb = td_dtype_row_bytes(t, n_cols), stride = rb + 16;
+    uint8_t *d = malloc(stride * (size_t)n_rows);
+    for (size_t i = 0; i < stride * (size_t)n_rows; i++)
+        d[i] = (uint8_t)rnd();
+    for (int64_t r = 0; r < n_rows; r++) {
+        uint8_t *row = d + (size_t)r * stride;
+        for (int64_t b = 0; b < n_cols / info->blck; b++) {
+            uint8_t *blk = row + (size_t)b * info->type_size;
+            if (t == TD_Q4_1 || t == TD_Q4_K) {
+                put16(blk, half_scale());
+                put16(blk + 2, half_scale());
+            } else if (t == TD_Q8_0) {
+                put16(blk, half_scale());
+            } else if (t == TD_Q6_K) {
+                put16(blk + info->type_size - 2, half_scale());
+            }
+        }
+        if (t == TD_F16)
+            for (int64_t i = 0; i < n_cols; i++)
+                put16(row + 2 * i, half_small());
+        if (t == TD_F32)
+            for (int64_t i = 0; i < n_cols; i++) {
+                float f = (float)((int)(rnd() % 2001) - 1000) / 1000.0f;
+                memcpy(row + 4 * i, &f, 4);
+            }
+    }
+    return (kn_mat){.type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = stride, .data = d};
+}
+
+static float *make_x(int64_t n)
+{
+    float *x = malloc((size_t)n * sizeof *x);
+    for (int64_t i = 0; i < n; i++)
+        x[i] = (float)((int)(rnd() % 4001) - 2000) / 1000.0f;
+    return x;
+}
+
+static kn_cpu *cpus[3]; /* 1, 2 and 3 threads */
+
+/* One matmul_multi case: bits equal to one matmul_mixed per matrix. */
+static void check_multi(kn_cpu *c, int n_w, const td_dtype *types, const int64_t *rows, int64_t k,
+                        int64_t m, int64_t solo)
+{
+    kn_mat w[KN_MULTI_MAX];
+    const kn_mat *wp[KN_MULTI_MAX];
+    float *a[KN_MULTI_MAX], *b[KN_MULTI_MAX];
+    float *x = make_x(m * k);
+    for (int i = 0; i < n_w; i++) {
+        w[i] = make_mat(types[i], rows[i], k);
+        wp[i] = &w[i];
+        a[i] = calloc((size_t)(m * rows[i]), sizeof(float));
+        b[i] = calloc((size_t)(m * rows[i]), sizeof(float));
+    }
+    TH_CHECK(kn_cpu_matmul_multi(c, n_w, wp, x, m, solo, a) == 0);
+    for (int i = 0; i < n_w; i++)
+        TH_CHECK(kn_cpu_matmul_mixed(c, &w[i], x, m, solo, b[i]) == 0);
+    for (int i = 0; i < n_w; i++) {
+        TH_CHECKF(!memcmp(a[i], b[i], (size_t)(m * rows[i]) * sizeof(float)),
+                  "multi: matrix %d (%s) m %lld solo %lld threads %d differs", i,
+                  td_dtype_name(types[i]), (long long)m, (long long)solo, kn_cpu_n_threads(c));
+        free((void *)w[i].data);
+        free(a[i]);
+        free(b[i]);
+    }
+    free(x);
+}
+
+static void test_multi(void)
+{
+    const td_dtype same[][3] = {{TD_Q4_1, TD_Q4_1, TD_Q4_1},
+                                {TD_Q8_0, TD_Q8_0, TD_Q8_0},
+                                {TD_Q4_K, TD_Q4_K, TD_Q6_K},
+                                {TD_F16, TD_F32, TD_Q4_1},
+                                {TD_Q6_K, TD_Q4_K, TD_Q4_K}};
+    const int64_t rows[3] = {150, 46, 46}; /* rows not a multiple of 4 */
+    const int64_t ms[][2] = {{1, 1}, {1, 0}, {3, 3}, {5, 2}, {6, 0}, {70, 0}, {70, 4}};
+    for (int t = 0; t < 3; t++)
+        for (size_t s = 0; s < sizeof same / sizeof *same; s++)
+            for (size_t i = 0; i < sizeof ms / sizeof *ms; i++)
+                check_multi(cpus[t], 3, same[s], rows, 512, ms[i][0], ms[i][1]);
+    /* one and two matrices */
+    check_multi(cpus[1], 1, same[0], rows, 256, 1, 1);
+    check_multi(cpus[1], 2, same[2], rows, 256, 2, 2);
+    /* the q8 activation mode: x quantized once per type, shared */
+    for (int t = 0; t < 3; t++) {
+        kn_cpu_set_act_q8(cpus[t], true);
+        check_multi(cpus[t], 3, same[2], rows, 512, 1, 1);
+        check_multi(cpus[t], 3, same[1], rows, 512, 4, 2);
+        kn_cpu_set_act_q8(cpus[t], false);
+    }
+}
+
+/* One glu_ffn case: bits equal to gate, up (matmul_mixed) and swiglu/geglu; out == gate
+ * as the engine calls it. */
+static void check_glu(kn_cpu *c, td_dtype tg, td_dtype tu, int64_t F, int64_t k, int64_t m,
+                      int64_t solo, bool gelu)
+{
+    kn_mat wg = make_mat(tg, F, k), wu = make_mat(tu, F, k);
+    float *x = make_x(m * k);
+    const size_t n = (size_t)(m * F);
+    float *g1 = calloc(n, 4), *u1 = calloc(n, 4), *g2 = calloc(n, 4), *u2 = calloc(n, 4);
+    TH_CHECK(kn_cpu_glu_ffn(c, &wg, &wu, x, m, solo, gelu, g1, u1, g1) == 0);
+    TH_CHECK(kn_cpu_matmul_mixed(c, &wg, x, m, solo, g2) == 0);
+    TH_CHECK(kn_cpu_matmul_mixed(c, &wu, x, m, solo, u2) == 0);
+    if (gelu)
+        kn_cpu_geglu(c, g2, u2, g2, m, F);
+    else
+        kn_cpu_swiglu(c, g2, u2, g2, m, F);
+    TH_CHECKF(!memcmp(g1, g2, n * 4) && !memcmp(u1, u2, n * 4),
+              "glu %s/%s F %lld m %lld solo %lld gelu %d threads %d differs", td_dtype_name(tg),
+              td_dtype_name(tu), (long long)F, (long long)m, (long long)solo, gelu,
+              kn_cpu_n_threads(c));
+    free((void *)wg.data);
+    free((void *)wu.data);
+    free(x);
+    free(g1);
+    free(u1);
+    free(g2);
+    free(u2);
+}
+
+static void test_glu(void)
+{
+    const int64_t ms[][2] = {{1, 1}, {2, 0}, {5, 5}, {7, 3}, {66, 0}, {66, 3}};
+    /* F 392: whole 8-groups; F 100: not (the activation runs after the dispatch) */
+    const int64_t Fs[] = {392, 100, 8};
+    for (int t = 0; t < 3; t++)
+        for (size_t f = 0; f < sizeof Fs / sizeof *Fs; f++)
+            for (size_t i = 0; i < sizeof ms / sizeof *ms; i++)
+                for (int gelu = 0; gelu < 2; gelu++) {
+                    check_glu(cpus[t], TD_Q4_1, TD_Q4_1, Fs[f], 256, ms[i][0], ms[i][1], gelu);
+                    check_glu(cpus[t], TD_Q4_K, TD_Q6_K, Fs[f], 256, ms[i][0], ms[i][1], gelu);
+                }
+    kn_cpu_set_act_q8(cpus[1], true);
+    check_glu(cpus[1], TD_Q4_K, TD_Q4_K, 392, 512, 1, 1, false);
+    check_glu(cpus[1], TD_Q8_0, TD_Q8_0, 392, 512, 3, 3, false);
+    kn_cpu_set_act_q8(cpus[1], false);
+}
+
+/* One matmul_add case: bits equal to matmul_mixed and add. */
+static void check_add(kn_cpu *c, td_dtype t, int64_t N, int64_t k, int64_t m, int64_t solo)
+{
+    kn_mat w = make_mat(t, N, k);
+    float *x = make_x(m * k), *acc1 = make_x(m * N);
+    const size_t n = (size_t)(m * N);
+    float *acc2 = malloc(n * 4), *y1 = calloc(n, 4), *y2 = calloc(n, 4);
+    memcpy(acc2, acc1, n * 4);
+    TH_CHECK(kn_cpu_matmul_add(c, &w, x, m, solo, y1, acc1) == 0);
+    TH_CHECK(kn_cpu_matmul_mixed(c, &w, x, m, solo, y2) == 0);
+    kn_cpu_add(c, acc2, y2, m, N);
+    TH_CHECKF(!memcmp(acc1, acc2, n * 4) && !memcmp(y1, y2, n * 4),
+              "add %s N %lld m %lld solo %lld threads %d differs", td_dtype_name(t), (long long)N,
+              (long long)m, (long long)solo, kn_cpu_n_threads(c));
+    free((void *)w.data);
+    free(x);
+    free(acc1);
+    free(acc2);
+    free(y1);
+    free(y2);
+}
+
+static void test_add(void)
+{
+    const td_dtype types[] = {TD_Q4_1, TD_Q8_0, TD_Q4_K, TD_Q6_K, TD_F16};
+    const int64_t ms[][2] = {{1, 1}, {1, 0}, {4, 4}, {9, 2}, {70, 0}, {70, 5}};
+    for (int t = 0; t < 3; t++)
+        for (size_t i = 0; i < sizeof types / sizeof *types; i++)
+            for (size_t j = 0; j < sizeof ms / sizeof *ms; j++)
+                check_add(cpus[t], types[i], 301, 512, ms[j][0], ms[j][1]);
+}
+
+static void test_errors(void)
+{
+    kn_mat a = make_mat(TD_Q4_1, 64, 256), b = make_mat(TD_Q4_1, 32, 512);
+    const kn_mat *w[4] = {&a, &a, &a, &a};
+    float x[512] = {0}, y[4][64];
+    float *const yp[4] = {y[0], y[1], y[2], y[3]};
+    TH_CHECK(kn_cpu_matmul_multi(cpus[1], 0, w, x, 1, 1, yp) == TD_EINVAL);
+    TH_CHECK(kn_cpu_matmul_multi(cpus[1], 4, w, x, 1, 1, yp) == TD_EINVAL);
+    const kn_mat *wb[2] = {&a, &b}; /* different widths */
+    TH_CHECK(kn_cpu_matmul_multi(cpus[1], 2, wb, x, 1, 1, yp) == TD_EINVAL);
+    TH_CHECK(kn_cpu_matmul_multi(cpus[1], 1, w, x, 2, 3, yp) == TD_EINVAL); /* solo > m */
+    kn_mat c = make_mat(TD_Q4_1, 32, 256);
+    TH_CHECK(kn_cpu_glu_ffn(cpus[1], &a, &c, x, 1, 1, false, y[0], y[1], y[0]) == TD_EINVAL);
+    kn_mat bad = a;
+    bad.type = TD_Q4_0 + 100; /* not a type */
+    const kn_mat *wbad[1] = {&bad};
+    TH_CHECK(kn_cpu_matmul_multi(cpus[1], 1, wbad, x, 1, 1, yp) < 0);
+    free((void *)a.data);
+    free((void *)b.data);
+    free((void *)c.data);
+}
+
+/* ---- the engine: fused against TANDEM_CPU_FUSED=0 ---- */
+
+static kn_model *model;
+
+typedef struct {
+    kn_backend be;
+    kn_engine *eng;
+    kn_kv_pool *kv;
+    kn_kv_seq seq[3];
+} rig;
+
+static int rig_open(rig *r, const char *fused)
+{
+    memset(r, 0, sizeof *r);
+    setenv("TANDEM_CPU_FUSED", fused, 1);
+    int rc = kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &r->be);
+    unsetenv("TANDEM_CPU_FUSED");
+    if (rc) return rc;
+    if ((rc = kn_engine_create(model, r->be, NULL, &r->eng))) return rc;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F16);
+    if ((rc = kn_kv_pool_create(&kp, &r->kv))) return rc;
+    for (int s = 0; s < 3; s++)
+        kn_kv_seq_init(&r->seq[s]);
+    return 0;
+}
+
+static void rig_close(rig *r)
+{
+    for (int s = 0; s < 3 && r->kv; s++)
+        kn_kv_seq_fini(r->kv, &r->seq[s]);
+    kn_kv_pool_destroy(r->kv);
+    kn_engine_destroy(r->eng);
+    kn_backend_destroy(&r->be);
+}
+
+/* One batch: sequence s gets cnt[s] tokens from position done[s]; the first `solo` rows of
+ * the batch are solo. Logits of each sequence's last token into lg (a row of n_vocab per
+ * sequence with tokens). */
+static int step(rig *r, const int *cnt, int solo, int *done, float *lg)
+{
+    const int nv = model->hp.n_vocab;
+    int32_t t[160], pos[160], so[160], rows[3];
+    int n = 0, nl = 0, rc = 0;
+    kn_seq_view v[3];
+    for (int s = 0; s < 3; s++) {
+        for (int k = 0; k < cnt[s]; k++, n++) {
+            t[n] = (int32_t)(((done[s] + k) * 131 + s * 17 + 7) % nv);
+            pos[n] = done[s] + k;
+            so[n] = s;
+        }
+        if (cnt[s]) rows[nl++] = n - 1;
+        done[s] += cnt[s];
+        if (cnt[s] && !rc) rc = kn_kv_seq_reserve(r->kv, &r->seq[s], done[s]);
+        v[s] = (kn_seq_view){.block_table = r->seq[s].blocks, .n_ctx = done[s]};
+    }
+    kn_batch b = {.n_tokens = n,
+                  .n_solo = solo,
+                  .tokens = t,
+                  .pos = pos,
+                  .seq_of = so,
+                  .n_seqs = 3,
+                  .seqs = v,
+                  .n_logits = nl,
+                  .logit_rows = rows};
+    return rc ? rc : kn_engine_forward(r->eng, r->kv, &b, lg);
+}
+
+/* The steps: prefill 37 tokens (dot path) then 90 (gemm path) then decode rows (solo) and a
+ * step of 2 decode rows with 20 prompt rows of a third sequence. */
+static int run(rig *r, float *lg, int *n_rows)
+{
+    const int nv = model->hp.n_vocab;
+    int done[3] = {0, 0, 0}, rc = 0, k = 0;
+    const int plan[][4] = {{37, 0, 0, 0}, {0, 90, 0, 0}, {1, 1, 0, 2},
+                           {1, 1, 0, 2},  {1, 1, 20, 2}, {1, 1, 1, 3}};
+    for (size_t i = 0; i < sizeof plan / sizeof *plan && !rc; i++) {
+        rc = step(r, plan[i], plan[i][3], done, lg + (size_t)k * nv);
+        for (int s = 0; s < 3; s++)
+            k += plan[i][s] > 0;
+    }
+    *n_rows = k;
+    return rc;
+}
+
+static void test_engine_fused_equals_unfused(void)
+{
+    const int nv = model->hp.n_vocab;
+    const size_t n = (size_t)32 * nv;
+    float *a = calloc(n, 4), *b = calloc(n, 4);
+    rig r1, r2;
+    TH_REQUIRE(rig_open(&r1, "1") == 0);
+    TH_REQUIRE(rig_open(&r2, "0") == 0);
+    TH_CHECK(kn_cpu_fused(kn_cpu_of(r1.be)) && !kn_cpu_fused(kn_cpu_of(r2.be)));
+    TH_CHECK(r1.be.ops->matmul_multi && r1.be.ops->glu_ffn && r1.be.ops->matmul_add);
+    TH_CHECK(!r2.be.ops->matmul_multi && !r2.be.ops->glu_ffn && !r2.be.ops->matmul_add);
+    int na = 0, nb = 0;
+    TH_CHECK(run(&r1, a, &na) == 0);
+    TH_CHECK(run(&r2, b, &nb) == 0);
+    TH_CHECK(na == nb && na > 0);
+    TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "fused logits differ from unfused");
+    rig_close(&r1);
+    rig_close(&r2);
+    free(a);
+    free(b);
+    /* a bad knob is an error, not silently ignored */
+    setenv("TANDEM_CPU_FUSED", "yes", 1);
+    kn_backend be;
+    TH_CHECK(kn_backend_create("cpu", NULL, &be) == TD_EINVAL);
+    unsetenv("TANDEM_CPU_FUSED");
+}
+
+int main(int argc, char **argv)
+{
+    for (int t = 0; t < 3; t++)
+        if (kn_cpu_create(t + 1, &cpus[t])) return 1;
+    TH_RUN(test_multi);
+    TH_RUN(test_glu);
+    TH_RUN(test_add);
+    TH_RUN(test_errors);
+    for (int t = 0; t < 3; t++)
+        kn_cpu_destroy(cpus[t]);
+    if (argc > 1) {
+        td_gguf *g;
+        char err[256];
+        if (td_gguf_open(argv[1], &g, err, sizeof err)) {
+            fprintf(stderr, "cannot open %s: %s\n", argv[1], err);
+            return 1;
+        }
+        if (kn_model_load(g, &(kn_shard){0}, &model)) {
+            fprintf(stderr, "cannot load %s\n", argv[1]);
+            return 1;
+        }
+        TH_RUN(test_engine_fused_equals_unfused);
+        kn_model_destroy(model);
+        td_gguf_close(g);
+    }
+    TH_EXIT();
+}
