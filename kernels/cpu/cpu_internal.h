@@ -41,7 +41,8 @@ typedef struct {
 /* Floats of side buffer kn_cpu_dot_init needs for w and m rows of x (0: none). */
 size_t kn_cpu_dot_side_floats(const kn_cpu *c, const kn_mat *w, int64_t m);
 /* Prepares d (fills side, kn_cpu_dot_side_floats(c, w, m) floats): 0; 1 when matmul_mixed
- * would send rows [m_solo, m) to the gemm path (the caller must use it instead); a
+ * would send rows [m_solo, m) to the gemm path, or the q8 mode every row to the integer
+ * GEMM (the caller must use matmul_mixed instead); a
  * negative TD_ error for a bad w or row count (logged). */
 int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
                     float *side, float *y, kn_cpu_dot *d);

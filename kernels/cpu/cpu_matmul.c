@@ -538,6 +538,8 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
         return TD_EINVAL;
     }
     if (m - m_solo >= MM_GEMM_MIN_M) return 1; /* the batch rows take the gemm path */
+    /* in the q8 mode these weights take the integer GEMM at every m, never the dot path */
+    if (c->act_q8 && kn_q8_gemm_supported(w)) return 1;
     *d = (kn_cpu_dot){.c = c, .w = w, .x = x, .m = m, .y = y};
     const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
     if (c->act_q8 && kn_q8_supported(w->type)) {
