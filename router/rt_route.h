@@ -3,21 +3,20 @@
  * Purpose: `load` (the default) is the registry's load order (rt_reg_pick: most free KV
  * blocks, then fewest running; rt_reg_pick_prefill: fewest queued prompt tokens, round
  * robin among equals). `round_robin` takes the instances in turn, skipping those that cannot
- * take a request now (dead, full, paused): the plain balancer baseline. `cache_aware` is SGLang's cache-aware policy over the instances
- * that can take the request now, scored by the distinguishing match (rt_cache_choose: the
- * match beyond what every candidate holds, nothing for a match ending at a fork, so a
- * shared system prompt does not decide), unless it is too short (router.cache_aware.
- * cache_threshold of the prompt beyond the shared part) or that instance is overloaded
- * against the least loaded one (balance_abs_threshold and balance_rel_threshold, in requests
- * the router has on each); otherwise the load order's choice. Decode instances in colocated
- * mode; decode and prefill instances, each chosen this way, in disaggregated mode. rt_route_commit
- * then records the prompt's blocks in the chosen instances' indexes, so the next turn of a
- * conversation (the same prefix, longer) finds them there.
- * Invariants: a pick only names an instance rt_reg_pick / rt_reg_pick_prefill could have
- * named (alive, with room, not paused, not `avoid`); the indexes change only in
- * rt_route_commit and rt_reg_seen / rt_reg_forget (restarts, deaths).
- * Threading: the loop thread only.
- * Ownership: borrows the registry, the config and the prompt (only during the call).
+ * take a request now (dead, full, paused): the plain balancer baseline. `cache_aware` is SGLang's
+ * cache-aware policy over the instances that can take the request now, scored by the distinguishing
+ * match (rt_cache_choose: the match beyond what every candidate holds, nothing for a match ending
+ * at a fork, so a shared system prompt does not decide), unless it is too short
+ * (router.cache_aware. cache_threshold of the prompt beyond the shared part) or that instance is
+ * overloaded against the least loaded one (balance_abs_threshold and balance_rel_threshold, in
+ * requests the router has on each); otherwise the load order's choice. Decode instances in
+ * colocated mode; decode and prefill instances, each chosen this way, in disaggregated mode.
+ * rt_route_commit then records the prompt's blocks in the chosen instances' indexes, so the next
+ * turn of a conversation (the same prefix, longer) finds them there. Invariants: a pick only names
+ * an instance rt_reg_pick / rt_reg_pick_prefill could have named (alive, with room, not paused, not
+ * `avoid`); the indexes change only in rt_route_commit and rt_reg_seen / rt_reg_forget (restarts,
+ * deaths). Threading: the loop thread only. Ownership: borrows the registry, the config and the
+ * prompt (only during the call).
  */
 #ifndef RT_ROUTE_H
 #define RT_ROUTE_H
