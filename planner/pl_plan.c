@@ -62,7 +62,8 @@ int pl_search(const pl_model *m, const pl_hw *hw, const pl_request *reqs, int n,
                     for (int d = 0; d < 4 && !rc; d++) {
                         int pp = par[a], tpp = par[b], tpd = par[d];
                         if (pp > m->n_layer || tpp > hw->devices_per_node || tpp > max_tpp ||
-                            tpd > hw->devices_per_node)
+                            tpd > hw->devices_per_node ||
+                            (p->max_devices > 0 && np * pp * tpp + nd * tpd > p->max_devices))
                             continue;
                         pl_candidate *x = &c[k];
                         x->cl = (pl_cluster){.n_prefill = np,

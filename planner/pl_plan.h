@@ -33,6 +33,8 @@ typedef struct {
     int max_batch;           /* decode; 0: 256 */
     int max_prefill_tp;      /* 0: 1, Tandem's prefill node has no tensor parallelism (yet);
                               * more plans clusters of engines that have it */
+    int max_devices;         /* 0: no cap; else configurations using more devices (the
+                              * machine's cores or GPUs) are not considered */
 } pl_search_params;
 
 typedef struct {

@@ -17,17 +17,20 @@
 
 static int plan_usage(void)
 {
-    fprintf(stderr,
-            "usage: tandem plan --model M --hw H.yaml --ttft-ms T --tpot-ms T [workload] [--json]\n"
-            "       tandem plan --model M --hw H.yaml --prefill NxPPxTP --decode NxTP [workload]\n"
-            "       tandem plan --reproduce [--hw H20.yaml] [--batch N] [--json]\n"
-            "  M: a GGUF file or a named shape (llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3)\n"
-            "  workload: --requests N (64) --rate R req/s (1; 0: all at once) --prompt L[:H]\n"
-            "            (1024) --output L[:H] (128) --seed S\n"
-            "  prefill: --chunk C (0: chosen per request as the prefill node does)\n"
-            "           --chunk-max C (2048) --smooth S (0.75; 0 fixed chunks)\n"
-            "  search:  --max-instances N (4) --max-batch B (256) --all (every configuration)\n"
-            "           --max-prefill-tp N (1: Tandem's prefill node has no tensor parallelism)\n");
+    fprintf(
+        stderr,
+        "usage: tandem plan --model M --hw H.yaml --ttft-ms T --tpot-ms T [workload] [--json]\n"
+        "       tandem plan --model M --hw H.yaml --prefill NxPPxTP --decode NxTP [workload]\n"
+        "       tandem plan --reproduce [--hw H20.yaml] [--batch N] [--json]\n"
+        "  M: a GGUF file or a named shape (llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3)\n"
+        "  workload: --requests N (64) --rate R req/s (1; 0: all at once) --prompt L[:H]\n"
+        "            (1024) --output L[:H] (128) --seed S\n"
+        "  prefill: --chunk C (0: chosen per request as the prefill node does)\n"
+        "           --chunk-max C (2048) --smooth S (0.75; 0 fixed chunks)\n"
+        "  search:  --max-instances N (4) --max-devices N (no cap: devices = prefill instances x\n"
+        "           pp x tp + decode instances x tp) --max-batch B (256) --all (every "
+        "configuration)\n"
+        "           --max-prefill-tp N (1: Tandem's prefill node has no tensor parallelism)\n");
     return TD_EINVAL;
 }
 
@@ -104,6 +107,8 @@ static int plan_flag(plan_opts *o, const char *f, const char *v)
         o->sp.pf.smooth = x;
     } else if (!strcmp(f, "--max-instances"))
         return cli_parse_int(f, v, 1, 16, &o->sp.max_instances);
+    else if (!strcmp(f, "--max-devices"))
+        return cli_parse_int(f, v, 1, 1 << 20, &o->sp.max_devices);
     else if (!strcmp(f, "--max-batch"))
         return cli_parse_int(f, v, 1, 65536, &o->sp.max_batch);
     else if (!strcmp(f, "--batch"))

@@ -166,6 +166,12 @@ static void test_search_meets(void)
     for (int i = 0; i < n; i++)
         TH_CHECK(c[i].cl.pf.tp == 1);
     free(c);
+    sp.max_devices = 3; /* a machine with 3 cores or GPUs */
+    TH_REQUIRE(pl_search(&m, &hw, reqs, 32, &sp, &c, &n, &best) == 0);
+    TH_CHECK(n > 0);
+    for (int i = 0; i < n; i++)
+        TH_CHECKF(c[i].r.devices <= 3, "a %d-device configuration past the cap", c[i].r.devices);
+    free(c);
 }
 
 static void expect_error(const char *text, const char *needle)
