@@ -24,7 +24,6 @@ import glob
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,21 +32,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
-    return ok
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
+from tdtest.checks import check, summary  # noqa: E402
+from tdtest.ports import free_port  # noqa: E402
 
 def post(url, body, timeout=120):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
@@ -142,8 +129,7 @@ def main():
             b = got[k] if got else None
             check(a is not None and a == b,
                   f"{shape}: prompt {k} ({len(p)} tokens) on cpu-dev equals cpu ({b!r} vs {a!r})")
-    print(f"{len(failures)} failed")
-    return 1 if failures else 0
+    return summary()
 
 
 if __name__ == "__main__":
