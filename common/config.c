@@ -30,6 +30,7 @@ typedef struct {
     char *err;
     size_t errcap;
     int rc;
+    td_cfg_backend backend; /* the root's, parsed before the sections */
 } pctx;
 
 static int fail(pctx *p, const yaml_node_t *n, const char *fmt, ...)
@@ -412,7 +413,8 @@ static const field cache_aware_fields[C_N] = FIELD_TABLE(CACHE_AWARE_FIELDS);
     F(P_QUEUE, "max_queue", F_INT, max_queue, 1, 1 << 20)                                          \
     F(P_PROFILE, "profile_budget_ms", F_INT, profile_budget_ms, 0, 3600000)                        \
     F(P_PCACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                        \
-    F(P_PCACHE_MB, "prefix_cache_mb", F_INT, prefix_cache_mb, 1, 1 << 20)
+    F(P_PCACHE_MB, "prefix_cache_mb", F_INT, prefix_cache_mb, 1, 1 << 20)                          \
+    L(P_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)
 enum { PREFILL_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) P_N };
 #define SECT td_cfg_prefill
 static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
@@ -434,6 +436,7 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \
     F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
     F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
+    L(D_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)                                   \
     N(D_TIER, "prefix_cache_tier")
 enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
 #define SECT td_cfg_decode
@@ -573,6 +576,18 @@ typedef struct {
     yaml_node_t *port_node; /* where to point for a port clash */
 } inst_ref;
 
+/* devices: one GPU index per stage (prefill) or rank (decode); only a GPU backend has them */
+static int check_devices(pctx *p, yaml_node_t *n, int n_devices, int want, const char *per)
+{
+    if (!n) return 0;
+    if (p->backend != TD_CFG_BACKEND_CUDA)
+        return fail(p, n, "devices: only for backend cuda (GPU indices)");
+    if (n_devices != want)
+        return fail(p, n, "devices has %d entries but %s is %d (one per %s)", n_devices,
+                    per[0] == 's' ? "pp" : "tp", want, per);
+    return 0;
+}
+
 static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, inst_ref *ref)
 {
     yaml_node_t *seen[P_N], *keys[P_N];
@@ -599,6 +614,7 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     if (x->layer_partition && x->n_layer_partition != x->pp)
         return fail(p, seen[P_PART], "layer_partition has %d entries but pp is %d",
                     x->n_layer_partition, x->pp);
+    if (check_devices(p, seen[P_DEVICES], x->n_devices, x->pp, "stage")) return p->rc;
     if (x->hosts) {
         if (x->n_hosts != x->pp)
             return fail(p, seen[P_HOSTS], "hosts has %d entries but pp is %d (one per stage)",
@@ -671,6 +687,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     if (seen[D_KVM]) x->kv_blocks = 0;
     if (seen[D_DTYPE] && kv_dtype_of(sval(seen[D_DTYPE])) < 0)
         return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", sval(seen[D_DTYPE]));
+    if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port,
                       seen[D_PORT] ? seen[D_PORT] : seen[D_NAME]};
@@ -732,6 +749,7 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
         else
             return fail(p, seen[T_BACKEND], "unknown backend '%s' (known: cpu, cuda, cpu-dev)", b);
     }
+    p->backend = c->backend;
     if (seen[T_ROUTER] && parse_router(p, seen[T_ROUTER], &c->router)) return p->rc;
     if (seen[T_KVXFER]) {
         yaml_node_t *s2[K_N], *k2[K_N];
@@ -779,34 +797,6 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
 }
 
 /* ---- entry points -------------------------------------------------------------------- */
-
-void td_cfg_free(td_cfg *c)
-{
-    if (!c) return;
-    free(c->path);
-    free(c->model);
-    free(c->run_dir);
-    free(c->router.listen);
-    free(c->router.api_key);
-    free(c->router.chat_template);
-    for (int i = 0; i < c->n_prefill; i++) {
-        td_cfg_prefill *x = &c->prefill[i];
-        free(x->name);
-        free(x->layer_partition);
-        for (int h = 0; x->hosts && h < x->n_hosts; h++)
-            free(x->hosts[h]);
-        free(x->hosts);
-    }
-    free(c->prefill);
-    for (int i = 0; i < c->n_decode; i++) {
-        free(c->decode[i].name);
-        free(c->decode[i].host);
-        free(c->decode[i].tier.path);
-    }
-    free(c->decode);
-    free(c->kvxfer.ucx_tls);
-    free(c);
-}
 
 int td_cfg_parse(const char *text, size_t len, const char *name, td_cfg **out, char *err,
                  size_t errcap)

@@ -87,6 +87,8 @@ typedef struct {
     int profile_budget_ms; /* 20000: bound on stage 0's start-up profile (0: no profile) */
     bool prefix_cache;     /* true: each stage keeps the KV of recent prompts' whole blocks */
     int prefix_cache_mb;   /* 256: its budget per stage (MiB, on top of kv_tokens) */
+    int *devices;          /* (pp) GPU index of each stage, or NULL: stage % visible GPUs */
+    int n_devices;
 } td_cfg_prefill;
 
 /* decode[].prefix_cache_tier: where blocks evicted from the prefix cache go. */
@@ -118,6 +120,8 @@ typedef struct {
     /* false: one thing after another; true: rank 0 streams a step's tokens and serves its
      * inbox while the next step computes (docs/config.md) */
     bool overlap;
+    int *devices; /* (tp) GPU index of each rank, or NULL: rank % visible GPUs */
+    int n_devices;
 } td_cfg_decode;
 
 typedef struct {

@@ -1,5 +1,5 @@
 /* config_util.c: the small public helpers of config.h that do not parse YAML: sizes with units,
- * instance look-ups by name, control URLs, backend names. */
+ * instance look-ups by name, control URLs, backend names, freeing a configuration. */
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
@@ -68,4 +68,34 @@ int td_cfg_ctrl_url(const char *host, int port, char *buf, size_t cap)
 const char *td_cfg_backend_name(td_cfg_backend b)
 {
     return b == TD_CFG_BACKEND_CUDA ? "cuda" : b == TD_CFG_BACKEND_CPU_DEV ? "cpu-dev" : "cpu";
+}
+
+void td_cfg_free(td_cfg *c)
+{
+    if (!c) return;
+    free(c->path);
+    free(c->model);
+    free(c->run_dir);
+    free(c->router.listen);
+    free(c->router.api_key);
+    free(c->router.chat_template);
+    for (int i = 0; i < c->n_prefill; i++) {
+        td_cfg_prefill *x = &c->prefill[i];
+        free(x->name);
+        free(x->layer_partition);
+        free(x->devices);
+        for (int h = 0; x->hosts && h < x->n_hosts; h++)
+            free(x->hosts[h]);
+        free(x->hosts);
+    }
+    free(c->prefill);
+    for (int i = 0; i < c->n_decode; i++) {
+        free(c->decode[i].name);
+        free(c->decode[i].host);
+        free(c->decode[i].tier.path);
+        free(c->decode[i].devices);
+    }
+    free(c->decode);
+    free(c->kvxfer.ucx_tls);
+    free(c);
 }

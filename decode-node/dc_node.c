@@ -76,7 +76,9 @@ static int setup(dc_node *n)
         .model_path = p->cfg->model,
         .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp},
         .backend = td_cfg_backend_name(p->cfg->backend),
-        .backend_opts = {.n_threads = n->dcfg->threads, .device = -1, .rank = p->rank},
+        .backend_opts = {.n_threads = n->dcfg->threads,
+                         .device = n->dcfg->devices ? n->dcfg->devices[p->rank] : -1,
+                         .rank = p->rank},
         .coll = &coll,
         .who = who};
     int rc = kn_runtime_open(&n->rt, &rp);

@@ -39,7 +39,9 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
     kn_runtime_params rp = {.model_path = p->model_path,
                             .shard = {.l0 = s->l0, .l1 = s->l1},
                             .backend = p->backend,
-                            .backend_opts = {.n_threads = s->threads, .device = -1},
+                            .backend_opts = {.n_threads = s->threads,
+                                             .device = p->devices ? p->devices[s->stage] : -1,
+                                             .rank = s->stage},
                             .who = who};
     if ((rc = kn_runtime_open(&s->rt, &rp))) goto fail;
     s->ctx = p->ctx > 0 ? p->ctx : 8192;

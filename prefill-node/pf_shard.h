@@ -39,6 +39,8 @@ typedef struct {
     const int *partition; /* (pp) explicit layer partition or NULL (pf_layer_partition) */
     int threads;          /* 0: 1 (one thread per stage process) */
     const char *backend;  /* "cpu" (NULL) or "cuda" (the YAML's backend) */
+    const int *devices;   /* (pp) GPU index of each stage (prefill[].devices), or NULL: the
+                             stage's number modulo the GPUs the process sees */
     int ctx;              /* KV capacity, tokens; 0: 8192 */
     int block_size;       /* 0: 16 */
     td_dtype kv_type;     /* TD_F32 (0) or TD_F16 */

@@ -82,6 +82,7 @@ int pf_stage_setup(pf_stage *st)
         .partition = st->cfg->layer_partition,
         .threads = st->cfg->threads,
         .backend = td_cfg_backend_name(cfg->backend),
+        .devices = st->cfg->devices,
         .ctx = st->cfg->kv_tokens,
         .block_size = d0->block_size,
         .kv_type = kv_type,

@@ -119,6 +119,16 @@ static const bad_case bad_cases[] = {
     {"prefill_dyn", MIN "prefill:\n  - name: p0\n    dynamic_chunking: maybe\n", 6, 23,
      "expected true or false, got 'maybe'"},
     {"prefill_item", MIN "prefill:\n  - p0\n", 5, 5, "prefill[0]: expected a mapping"},
+    {"devices_cpu", MIN "    devices: [0]\n", 4, 14, "devices: only for backend cuda"},
+    {"devices_count",
+     "model: /m\nbackend: cuda\ndecode:\n  - name: d0\n    tp: 2\n    devices: [0]\n", 6, 14,
+     "devices has 1 entries but tp is 2 (one per rank)"},
+    {"devices_range", "model: /m\nbackend: cuda\ndecode:\n  - name: d0\n    devices: [-1]\n", 5, 15,
+     "-1 is out of range [0, 1023]"},
+    {"prefill_devices",
+     "model: /m\nbackend: cuda\nprefill:\n  - name: p0\n    pp: 2\n    devices: [1, 2, 3]\n"
+     "decode:\n  - name: d0\n",
+     6, 14, "devices has 3 entries but pp is 2 (one per stage)"},
     {"kvxfer_unknown", MIN "kvxfer:\n  tls: tcp\n", 5, 3, "unknown key 'tls' in kvxfer"},
     {"kvxfer_timeout", MIN "kvxfer:\n  timeout_ms: 0\n", 5, 15, "0 is out of range"},
     {"two_docs", MIN "---\nmodel: /x\n", 5, 1, "more than one YAML document"},
@@ -185,6 +195,7 @@ static void test_good_file(void)
                        "    kv_tokens: 4096\n"
                        "    max_queue: 8\n"
                        "    profile_budget_ms: 0\n"
+                       "    devices: [0, 1]\n"
                        "  - name: p1\n"
                        "decode:\n"
                        "  - name: d0\n"
@@ -199,6 +210,7 @@ static void test_good_file(void)
                        "    overlap: true\n"
                        "    kv_dtype: f32\n"
                        "    port: 7000\n"
+                       "    devices: [2, 3, 4]\n"
                        "  - name: d1\n"
                        "    block_size: 32\n"
                        "    kv_dtype: f32\n"
@@ -233,7 +245,8 @@ static void test_good_file(void)
              p->layer_partition[1] == 16 && p->chunk_size == 256 && !p->dynamic_chunking &&
              p->smooth_factor == 0.6 && p->threads == 2 && p->n_hosts == 2 &&
              !strcmp(p->hosts[1], "10.0.0.2") && p->port == 9100 && p->kv_tokens == 4096 &&
-             p->max_queue == 8 && p->profile_budget_ms == 0);
+             p->max_queue == 8 && p->profile_budget_ms == 0 && p->n_devices == 2 &&
+             p->devices[0] == 0 && p->devices[1] == 1);
     p = td_cfg_find_prefill(c, "p1"); /* all defaults */
     TH_REQUIRE(p);
     TH_CHECK(p->pp == 1 && !p->layer_partition && p->chunk_size == 0 && p->dynamic_chunking &&
@@ -245,13 +258,13 @@ static void test_good_file(void)
     TH_CHECK(d->tp == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 && d->block_size == 32 &&
              d->kv_memory == (1ll << 30) && d->kv_blocks == 0 && d->max_batch == 16 &&
              d->step_tokens == 128 && d->itl_target_ms == 75.5 && d->kv_dtype == TD_F32 &&
-             d->port == 7000 && d->overlap);
+             d->port == 7000 && d->overlap && d->n_devices == 3 && d->devices[2] == 4);
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
              d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
              d->max_batch == 64 && d->step_tokens == 512 && d->itl_target_ms == 0 &&
-             d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap);
+             d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap && !d->devices);
     TH_CHECK(!td_cfg_find_decode(c, "p0") && !td_cfg_find_prefill(c, "d0") &&
              !td_cfg_find_decode(c, "nope"));
     TH_CHECK(!strcmp(c->kvxfer.ucx_tls, "tcp") && c->kvxfer.timeout_ms == 5000);
