@@ -110,8 +110,10 @@ typedef struct {
     int rep_head, n_reports, cap_reports;
 
     /* this stage's compute */
-    uint64_t n_chunks;    /* chunks computed */
-    double slow_chunk_ms; /* recent longest chunk compute (decays) */
+    uint64_t n_chunks;      /* chunks computed */
+    double slow_chunk_ms;   /* recent longest chunk compute (decays) */
+    double last_forward_ms; /* the last chunk's forward pass alone (no waits: the cost model's
+                               refit learns from it, pf_chunking_observe) */
 } pf_stage;
 
 /* pf_stage.c */

@@ -751,9 +751,9 @@ static int run_chunk(pf_leader *ld)
         j->done = (int32_t)segs[i].t1;
         record_chunk(j, (int32_t)(segs[i].t1 - segs[i].t0));
     }
-    int64_t t0_ns = td_now_ns();
+    /* the refit learns the forward's time, not the wait for a free send buffer (pf_int.h) */
     int rc = pf_stage_chunk(ld->st, segs, n_segs, ids, NULL);
-    if (!rc) pf_chunking_observe(ld->st, &ld->tune, segs, n_segs, (td_now_ns() - t0_ns) * 1e-6);
+    if (!rc) pf_chunking_observe(ld->st, &ld->tune, segs, n_segs, ld->st->last_forward_ms);
     for (int i = 0; i < n_segs; i++)
         push_targets(ld, js[i]);
     return rc ? rc : 1;

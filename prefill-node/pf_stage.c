@@ -823,10 +823,11 @@ int pf_stage_chunk(pf_stage *st, pf_seg *segs, int n_segs, const int32_t *ids_in
         if (!sb) return TD_EIO;
         out = (float *)(sb->buf + pf_wire_chunk_payload_off(segs, n_segs, bt.rows));
     }
-    int64_t t0 = td_now_ms();
+    int64_t t0 = td_now_ms(), t0_ns = td_now_ns();
     forward(st, &bt, embd, out);
-    int64_t t1 = td_now_ms();
-    record_compute(st, &bt, t0, t1, td_now_ns());
+    int64_t t1 = td_now_ms(), t1_ns = td_now_ns();
+    st->last_forward_ms = (double)(t1_ns - t0_ns) * 1e-6;
+    record_compute(st, &bt, t0, t1, t1_ns);
     if (st->last) sample_first_tokens(st, &bt);
     for (int i = 0; i < n_segs; i++)
         if (!(segs[i].flags & PF_SEG_DEAD)) try_send_and_finish(st, bt.rq[i]);
