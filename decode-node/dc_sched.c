@@ -62,7 +62,7 @@ struct dc_sched {
     uint64_t pc_queried, pc_hits; /* tokens looked up / found at admissions */
     kn_kv_tier *tier;             /* p.tier: the cache's second tier, else NULL */
     int tier_left;                /* copies from the tier this step may still make */
-    uint64_t tier_hits;           /* tokens admitted from blocks read back from the tier */
+    uint64_t tier_hits;           /* tokens admitted from blocks the tier gave back */
     /* the current step's arrays, (cap_tokens) / (cap_seqs) */
     int32_t *tok, *pos, *seq_of, *rows;
     kn_seq_view *views;
@@ -145,13 +145,12 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     if (p->n_eog) memcpy(s->eog, p->eog_ids, (size_t)p->n_eog * sizeof *s->eog);
     s->p.eog_ids = s->eog;
     if (s->p.tier_blocks_per_step <= 0) s->p.tier_blocks_per_step = 32;
-    if (p->tier.bytes && !p->prefix_cache) {
-        TD_LOG_ERR("a prefix cache tier needs the prefix cache");
-        dc_sched_destroy(s);
-        return TD_EINVAL;
-    }
     int rc = p->prefix_cache ? kn_kv_cache_create(kv, &s->cache) : 0;
     if (rc) TD_LOG_ERR("cannot create the prefix cache: %s", td_strerror(rc));
+    if (!rc && p->tier.bytes && !p->prefix_cache) {
+        TD_LOG_ERR("a prefix cache tier needs the prefix cache");
+        rc = TD_EINVAL;
+    }
     if (!rc && p->tier.bytes && !(rc = kn_kv_tier_create(&p->tier, kv, &s->tier)))
         kn_kv_cache_set_tier(s->cache, s->tier);
     if (rc) {
@@ -412,14 +411,11 @@ static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
     }
 }
 
-/* Prefix cache, at admission: share the cached leading whole blocks of r's tokens (never
- * all of them: the last token is always computed, so its logits exist and no shared block is
- * written) and start computing after them; blocks only the tier holds are copied back into
- * the pool first, within the step's copy budget and the pool's unpromised room. Requests
- * that want prompt logprobs compute every prompt row, so they match nothing. Without tier,
- * blocks only the tier holds are not matched. Returns the blocks matched; *wait: the
- * step's copy budget ran out before r's prefix was whole (r waits for the next step rather
- * than compute what the tier holds). */
+/* Prefix cache, at admission: share r's cached leading whole blocks (never the last
+ * token's: its logits are needed, and a shared block is never written) and compute after
+ * them; with tier, blocks only the tier holds are copied back first, within the step's copy
+ * budget and the unpromised room. Prompt logprobs match nothing. Returns the blocks matched;
+ * *wait: the copy budget ran out first (r waits a step rather than compute them). */
 static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait)
 {
     *wait = false;
@@ -867,6 +863,11 @@ bool dc_sched_transferring(const dc_sched *s, uint64_t id)
 {
     int i = xfer_index(s, id);
     return i >= 0 && !s->xfer.v[i]->arrived;
+}
+
+kn_kv_tier *dc_sched_tier(dc_sched *s)
+{
+    return s->tier;
 }
 
 bool dc_sched_idle(const dc_sched *s)

@@ -45,8 +45,9 @@
  * recently idle first). The other ranks follow through the plan's block tables.
  * Second tier (p.tier): an evicted cached block is written to the tier; at admission a
  * prompt's leading blocks found only there are copied into free pool blocks (bounded work
- * per step, see dc_sched_params) before the request's first chunk is planned. Rank 0's pool
- * only: the node refuses a tier with tp > 1 (the copies would have to travel in the plan).
+ * per step, see dc_sched_params) before the request's first chunk is planned. At tp > 1 the
+ * tier (params.tier.log) records its copies; the node sends them in the step plan and the
+ * other ranks repeat them on their pools (dc_tier.c, kv_tier.h "tensor parallelism").
  * Structured output: a request with a grammar (td_sampling.grammar_kind) has a matcher that
  * has seen every generated token (a moved request's are replayed at submit, a transfer's
  * first token at transfer_done); each sample is masked by it, and a token that completes
@@ -211,7 +212,8 @@ void dc_sched_observe(dc_sched *s, double ms);
  * (the other ranks' pools start empty when the instance re-forms). */
 void dc_sched_fail_all(dc_sched *s);
 
-bool dc_sched_idle(const dc_sched *s); /* no request at all (transferring ones count) */
+bool dc_sched_idle(const dc_sched *s);  /* no request at all (transferring ones count) */
+kn_kv_tier *dc_sched_tier(dc_sched *s); /* the cache's second tier, or NULL */
 dc_sched_stats dc_sched_get_stats(const dc_sched *s);
 
 #endif

@@ -262,11 +262,17 @@ static void test_plan_round_trip(void)
         dc_step st;
         TH_REQUIRE(dc_sched_plan(s, &st) > 0);
         size_t len;
-        TH_REQUIRE(dc_plan_encode(&st.batch, 16, (uint64_t)step, buf, sizeof buf, &len) == 0);
-        TH_CHECK(len == dc_plan_size(&st.batch, 16));
+        /* odd steps carry tier copies (a TP leader's tier: kv_tier.h), made before the step */
+        const kn_kv_tier_op cp[3] = {
+            {KN_KV_TIER_OP_PUT, 7, 1}, {KN_KV_TIER_OP_GET, 2, 1}, {KN_KV_TIER_OP_GET, 7, 3}};
+        int nc = step % 2 ? 3 : 0;
+        TH_REQUIRE(dc_plan_encode(&st.batch, cp, nc, 16, (uint64_t)step, buf, sizeof buf, &len) ==
+                   0);
+        TH_CHECK(len == dc_plan_size(&st.batch, nc, 16));
         TH_REQUIRE(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0);
         const kn_batch *a = &st.batch, *b = &v.batch;
         TH_CHECK(v.kind == DC_PLAN_RUN && v.step == (uint64_t)step);
+        TH_CHECK(v.n_copies == nc && (!nc || !memcmp(v.copies, cp, sizeof cp)));
         TH_CHECK(a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs);
         TH_CHECK(a->n_solo == b->n_solo);
         /* the logit rows travel too: every rank computes its vocab slice of them */
@@ -288,7 +294,20 @@ static void test_plan_round_trip(void)
         dc_sched_commit(s, logits_buf, rc);
     }
     size_t len;
-    TH_CHECK(dc_plan_encode(NULL, 16, 9, buf, sizeof buf, &len) == 0);
+    /* copies alone (a planning that scheduled nothing): DC_PLAN_COPY; bad copies refused */
+    kn_kv_tier_op cp[2] = {{KN_KV_TIER_OP_PUT, 0, 5}, {KN_KV_TIER_OP_GET, 0, 6}};
+    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, buf, sizeof buf, &len) == 0);
+    TH_CHECK(len == dc_plan_size(NULL, 2, 16));
+    TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0 && v.kind == DC_PLAN_COPY &&
+             v.n_copies == 2 && v.copies[1].kind == KN_KV_TIER_OP_GET && v.copies[1].block == 6 &&
+             v.batch.n_tokens == 0);
+    for (size_t cut = 0; cut < len; cut += 5)
+        TH_CHECK(dc_plan_decode(buf, cut, 16, kv->n_blocks, &v) == TD_EFORMAT);
+    TH_CHECK(dc_plan_decode(buf, len, 16, 6, &v) == TD_EFORMAT); /* block 6 outside the pool */
+    cp[0].kind = 9;
+    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, buf, sizeof buf, &len) == 0);
+    TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
+    TH_CHECK(dc_plan_encode(NULL, NULL, 0, 16, 9, buf, sizeof buf, &len) == 0);
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0 && v.kind == DC_PLAN_SHUTDOWN);
     buf[0] ^= 1;
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);

@@ -1,7 +1,8 @@
 /* test_kv_tier.c: the prefix cache's second tier (kernels/kv_tier.h): bit-exact round trips
  * (file and host memory), its LRU, a full tier, refused and broken files (a foreign file, a
  * locked one, a corrupt slot, a file truncated under the tier: errors, never a crash), and
- * the cache with a tier attached (evicted blocks come back by a match, under a budget). */
+ * the cache with a tier attached (evicted blocks come back by a match, under a budget), and
+ * tensor parallelism (a follower rank repeats the leader tier's logged copies exactly). */
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,16 +18,21 @@
 
 static char dir[] = "/tmp/tandem-kvtier-XXXXXX";
 
-static kn_kv_pool *pool_of(int n_blocks)
+static kn_kv_pool *pool_heads(int n_blocks, int n_kv_heads)
 {
     kn_kv_pool_params p = {.n_layers = 2,
-                           .n_kv_heads = 2,
+                           .n_kv_heads = n_kv_heads,
                            .head_dim = 4,
                            .block_size = BS,
                            .n_blocks = n_blocks,
                            .type = TD_F32};
     kn_kv_pool *pool = NULL;
     return kn_kv_pool_create(&p, &pool) ? NULL : pool;
+}
+
+static kn_kv_pool *pool_of(int n_blocks)
+{
+    return pool_heads(n_blocks, 2);
 }
 
 /* Fill block b of every layer's K and V with values derived from seed. */
@@ -242,6 +248,113 @@ static void test_cache_with_tier(void)
     kn_kv_pool_destroy(pool);
 }
 
+/* Whether block b of every layer holds what fill(pool, b, seed) wrote. */
+static bool holds(const kn_kv_pool *pool, int32_t b, unsigned seed)
+{
+    for (int l = 0; l < pool->n_layers; l++) {
+        const float *k = (const float *)((char *)pool->k[l] + (size_t)b * pool->block_bytes);
+        const float *v = (const float *)((char *)pool->v[l] + (size_t)b * pool->block_bytes);
+        for (size_t i = 0; i < pool->block_bytes / 4; i++) {
+            seed = seed * 1103515245u + 12345u;
+            if (k[i] != (float)(seed >> 8) / 7.0f || v[i] != -(float)(seed >> 9) / 3.0f)
+                return false;
+        }
+    }
+    return true;
+}
+
+/* Tensor parallelism: rank 0's cache and logging tier decide; rank 1 (another number of KV
+ * heads, so other slot bytes, the same slot count) repeats the logged copies on its own pool
+ * and tier before each "step" computes. Many sequences through a 4-block pool and a 3-slot
+ * tier (evictions, LRU drops, restores): every block a match hands out holds on each rank
+ * exactly that rank's KV of that entry. */
+static void test_tp_replay(void)
+{
+    enum { NSEQ = 5, NB = 2 };
+    kn_kv_pool *p0 = pool_heads(4, 2), *p1 = pool_heads(4, 1);
+    kn_kv_cache *c;
+    TH_REQUIRE(p0 && p1 && kn_kv_cache_create(p0, &c) == 0);
+    char path0[128], path1[128];
+    snprintf(path0, sizeof path0, "%s/tp.r0", dir);
+    snprintf(path1, sizeof path1, "%s/tp.r1", dir);
+    size_t big = kn_kv_tier_block_bytes(p0);
+    kn_kv_tier_params tp0 = {.path = path0, .bytes = 4096 + 3 * big, .slots = 3, .log = true};
+    kn_kv_tier_params tp1 = {.path = path1, .bytes = 4096 + 3 * big, .slots = 3};
+    kn_kv_tier *t0 = NULL, *t1 = NULL;
+    TH_REQUIRE(kn_kv_tier_create(&tp0, p0, &t0) == 0 && kn_kv_tier_create(&tp1, p1, &t1) == 0);
+    TH_CHECK(kn_kv_tier_get_stats(t1).slots == 3); /* not the 6 its bytes would hold */
+    kn_kv_cache_set_tier(c, t0);
+    unsigned rnd = 12345;
+    int hits = 0, restored = 0;
+    for (int it = 0; it < 200; it++) {
+        rnd = rnd * 1103515245u + 12345u;
+        int q = (int)(rnd >> 16) % NSEQ;
+        int32_t tok[NB * BS], blocks[NB];
+        for (int j = 0; j < NB * BS; j++)
+            tok[j] = 100 * q + j;
+        kn_kv_tier_budget tb = {.copies_left = NB};
+        kn_kv_chain ch;
+        int m = kn_kv_cache_match_tier(c, tok, NB * BS, NB, blocks, &ch, &tb);
+        bool ok = kn_kv_alloc(p0, NB - m, blocks + m) == 0;
+        TH_CHECK(ok);
+        if (!ok) break;
+        /* the step plan: rank 1 makes rank 0's copies first */
+        int n_ops;
+        const kn_kv_tier_op *ops = kn_kv_tier_ops(t0, &n_ops);
+        for (int i = 0; i < n_ops; i++)
+            TH_CHECK(kn_kv_tier_apply(t1, p1, &ops[i]) == 0);
+        kn_kv_tier_ops_clear(t0);
+        hits += m;
+        restored += tb.copied;
+        for (int b = 0; b < m; b++) { /* what it matched is each rank's KV of that block */
+            unsigned seed = 1000u * (unsigned)q + 10u * (unsigned)b;
+            TH_CHECK(holds(p0, blocks[b], seed) && holds(p1, blocks[b], seed + 1));
+        }
+        for (int b = m; b < NB; b++) { /* "compute" the rest on both ranks, enter it */
+            unsigned seed = 1000u * (unsigned)q + 10u * (unsigned)b;
+            fill(p0, blocks[b], seed);
+            fill(p1, blocks[b], seed + 1);
+            kn_kv_cache_insert(c, &ch, tok + b * BS, blocks[b]);
+        }
+        kn_kv_free(p0, NB, blocks);
+    }
+    kn_kv_tier_stats s0 = kn_kv_tier_get_stats(t0), s1 = kn_kv_tier_get_stats(t1);
+    TH_CHECK(restored > 20 && hits > restored && s0.dropped > 0);
+    TH_CHECK(s1.writes == s0.writes && s1.reads == s0.reads && s0.errors == 0 && s1.errors == 0);
+    /* a follower refuses what it cannot do exactly: never-written, out of range, corrupt */
+    kn_kv_tier_clear(t1);
+    kn_kv_tier_op get0 = {KN_KV_TIER_OP_GET, 0, 1}, put0 = {KN_KV_TIER_OP_PUT, 0, 1};
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &get0) == TD_ENOENT);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){KN_KV_TIER_OP_GET, 3, 1}) == TD_EINVAL);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){KN_KV_TIER_OP_PUT, 0, 4}) == TD_EINVAL);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){7, 0, 1}) == TD_EINVAL);
+    fill(p1, 1, 77);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &put0) == 0);
+    fill(p1, 2, 78);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){KN_KV_TIER_OP_GET, 0, 2}) == 0 &&
+             holds(p1, 2, 77));
+    int fd = open(path1, O_RDWR);
+    TH_REQUIRE(fd >= 0 && pwrite(fd, "garbage!", 8, 4096 + 8) == 8);
+    close(fd);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &get0) == TD_EFORMAT);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &get0) == TD_ENOENT); /* dropped */
+    /* a put that only touches an entry copies nothing: nothing to repeat */
+    kn_kv_tier_ops_clear(t0);
+    int32_t tk[BS] = {9, 9, 9, 9};
+    TH_CHECK(kn_kv_tier_put(t0, p0, 0, 555, 99, 1, tk) == 0);
+    TH_CHECK(kn_kv_tier_put(t0, p0, 1, 555, 99, 1, tk) == 0);
+    int n_ops;
+    const kn_kv_tier_op *ops = kn_kv_tier_ops(t0, &n_ops);
+    TH_CHECK(n_ops == 1 && ops[0].kind == KN_KV_TIER_OP_PUT && ops[0].block == 0);
+    kn_kv_tier_clear(t0);
+    TH_CHECK((kn_kv_tier_ops(t0, &n_ops), n_ops == 0));
+    kn_kv_cache_destroy(c);
+    kn_kv_tier_destroy(t0);
+    kn_kv_tier_destroy(t1);
+    kn_kv_pool_destroy(p0);
+    kn_kv_pool_destroy(p1);
+}
+
 int main(void)
 {
     if (!mkdtemp(dir)) return 1;
@@ -253,6 +366,7 @@ int main(void)
     TH_RUN(test_lru_and_full);
     TH_RUN(test_bad_files);
     TH_RUN(test_cache_with_tier);
+    TH_RUN(test_tp_replay);
     char cmd[160];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd)) fprintf(stderr, "cannot remove %s\n", dir);

@@ -8,7 +8,11 @@ docs/prefix-cache.md "Second tier") end to end, colocated, real processes, the o
     (prefix_cache: false), with decode[].deterministic: true on both;
   - the same run without the tier shows the prefix was really gone from the pool (A's turn 2
     hits at most the shared head of the prompt there);
-  - a tier at tp 2 is refused at start with a clear message (not built yet).
+  - the same scenario at tp 2 on the synthetic model (two ranks, each with its own tier file PATH.r0 / PATH.r1, the
+    leader's copies repeated by rank 1 from the step plan): turn 2 hits in the tier with the
+    same cached_tokens as at tp 1, both ranks' tiers are written, and its greedy text equals
+    a cold tp 2 cluster's;
+  - a tier at tp 2 in disaggregated mode is refused at start with a clear message.
 
 usage: test_prefix_tier.py --router BIN --decode BIN --tandem BIN --synth GGUF [--model GGUF]
 """
@@ -74,22 +78,26 @@ def run(client, mid, n_other):
     return r1, chat(client, mid, m2)
 
 
-def run_model(args, model, name):
+def run_model(args, model, name, tp=1, want_cached=None):
+    """The scenario at tp ranks; want_cached: turn 2's cached_tokens must equal it (tp 1's).
+    Returns turn 2's cached_tokens with the tier."""
     base = {"deterministic": True}
-    with Cluster(args, model, kv_blocks=KV_BLOCKS,
+    name = f"{name} tp {tp}"
+    with Cluster(args, model, kv_blocks=KV_BLOCKS, tp=tp,
                  decode_extra=dict(base, prefix_cache=False)) as cold:
         client = client_of(cold)
         mid = client.models.list().data[0].id
         c1, c2 = run(client, mid, 0)
     want = c2.choices[0].message.content
-    # without a tier: the other prompts push A out of the pool
-    with Cluster(args, model, kv_blocks=KV_BLOCKS, decode_extra=dict(base)) as pool_only:
-        _, p2 = run(client_of(pool_only), mid, 12)
-        base_hit = cached(p2.usage)
-        check(p2.choices[0].message.content == want, f"{name}: pool only: turn 2 == cold")
+    base_hit = 0
+    if tp == 1:  # without a tier: the other prompts push A out of the pool
+        with Cluster(args, model, kv_blocks=KV_BLOCKS, decode_extra=dict(base)) as pool_only:
+            _, p2 = run(client_of(pool_only), mid, 12)
+            base_hit = cached(p2.usage)
+            check(p2.choices[0].message.content == want, f"{name}: pool only: turn 2 == cold")
     tdir = tempfile.mkdtemp(prefix="tandem-tier-")
     tier = f"{{path: {tdir}/tier, size: 64MiB}}"
-    with Cluster(args, model, kv_blocks=KV_BLOCKS,
+    with Cluster(args, model, kv_blocks=KV_BLOCKS, tp=tp,
                  decode_extra=dict(base, prefix_cache_tier=tier)) as cl:
         client = client_of(cl)
         w1, w2 = run(client, mid, 12)
@@ -102,6 +110,8 @@ def run_model(args, model, name):
         check(k is not None and k > (base_hit or 0) and k < w2.usage.prompt_tokens,
               f"{name}: turn 2 cached_tokens {k} > {base_hit} (pool only) of "
               f"{w2.usage.prompt_tokens}")
+        if want_cached is not None:
+            check(k == want_cached, f"{name}: turn 2 cached_tokens {k} == {want_cached} (tp 1)")
         time.sleep(0.6)  # a heartbeat brings the counters
         m = metrics(cl)
         writes = m("tandem_prefix_cache_tier_writes_total")
@@ -109,22 +119,31 @@ def run_model(args, model, name):
         hits = m("tandem_prefix_cache_tier_hits_total")
         check(writes > 0 and reads > 0 and hits > 0 and hits <= k,
               f"{name}: tier writes {writes}, reads {reads}, hit tokens {hits} (<= {k})")
-        size = os.path.getsize(f"{tdir}/tier.r0") if os.path.exists(f"{tdir}/tier.r0") else 0
-        check(0 < size <= 64 << 20, f"{name}: the tier file {tdir}/tier.r0 ({size} bytes)")
+        for r in range(tp):
+            f = f"{tdir}/tier.r{r}"
+            size = os.path.getsize(f) if os.path.exists(f) else 0
+            check(0 < size <= 64 << 20, f"{name}: the tier file {f} ({size} bytes)")
+            # rank r's tier was written: some slot past the 4 KiB header is not all zeros
+            with open(f, "rb") as fh:
+                fh.seek(4096)
+                data = fh.read(4 << 20)
+            check(data.count(0) < len(data), f"{name}: rank {r}'s tier holds KV")
     shutil.rmtree(tdir, ignore_errors=True)
+    return k
 
 
 def run_refusals(args):
     with tempfile.TemporaryDirectory() as d:
         cfg = os.path.join(d, "c.yaml")
         with open(cfg, "w") as f:
-            f.write(f"model: {args.synth}\ndecode:\n  - name: d0\n    tp: 2\n"
-                    f"    prefix_cache_tier: {{path: {d}/t, size: 8MiB}}\n")
+            f.write(f"model: {args.synth}\nprefill:\n  - name: p0\ndecode:\n  - name: d0\n"
+                    f"    tp: 2\n    prefix_cache_tier: {{path: {d}/t, size: 8MiB}}\n")
         p = subprocess.run([args.decode, "--config", cfg, "--instance", "d0", "--rank", "0"],
                            capture_output=True, text=True, timeout=60)
         out = p.stdout + p.stderr
-        check(p.returncode != 0 and "not built for tp > 1" in out,
-              f"tp 2 with a tier refused ({p.returncode}: {out.strip()[-200:]!r})")
+        check(p.returncode != 0 and "built for colocated mode only" in out,
+              f"tp 2 with a tier in disaggregated mode refused ({p.returncode}: "
+              f"{out.strip()[-200:]!r})")
 
 
 def main():
@@ -137,8 +156,9 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     run_refusals(args)
-    run_model(args, args.synth, "synth")
-    if args.model:
+    k1 = run_model(args, args.synth, "synth")
+    run_model(args, args.synth, "synth", tp=2, want_cached=k1)
+    if args.model:  # tp 1 only: the default model's 9 heads do not split over 2 ranks
         run_model(args, args.model, "default")
     print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
     return 1 if FAILS else 0
