@@ -9,10 +9,14 @@
  * plans a step, and the follower makes them before that step's compute; a planning that
  * schedules nothing still sends its copies at once (a DC_PLAN_COPY plan). A put therefore
  * reads a block's KV before anything overwrites it, and a get lands before a step reads it.
+ * The store is the file at path on every backend (memory-mapped host memory); a device
+ * pool's blocks are copied through the backend's download/upload (kv_tier.c), tested with
+ * the cpu-dev backend only: other device backends are refused until they ran.
  * Disaggregated mode at tp > 1 is refused: a KV transfer writes a follower's blocks at any
  * time, so a block the leader evicted to the tier at Alloc could be overwritten before the
  * follower copied it. */
 #include <stdio.h>
+#include <string.h>
 
 #include "dc_node_int.h"
 #include "kv_tier.h"
@@ -24,10 +28,13 @@ int dc_tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *
     *out = (kn_kv_tier_params){0};
     const td_cfg_decode *d = n->dcfg;
     if (!d->tier.path) return 0;
-    if (n->kv->dev.ops) {
-        TD_LOG_ERR("decode %s: prefix_cache_tier with the %s backend (a host-memory tier) is not "
-                   "built yet",
-                   n->p->instance, n->kv->dev.ops->name);
+    /* a device pool's copies go through the backend's download/upload: tested with cpu-dev
+       (the CPU kernels behind a device backend's contract) in colocated mode only */
+    const char *dev = n->kv->dev.ops ? n->kv->dev.ops->name : NULL;
+    if (dev && (strcmp(dev, "cpu-dev") || n->disagg)) {
+        TD_LOG_ERR("decode %s: prefix_cache_tier with the %s backend%s is not supported yet (a "
+                   "device pool's tier is tested with cpu-dev in colocated mode only)",
+                   n->p->instance, dev, n->disagg ? " in disaggregated mode" : "");
         return TD_EUNSUPP;
     }
     if (d->tp > 1 && n->disagg) {

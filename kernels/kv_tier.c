@@ -323,15 +323,22 @@ static void entry_drop(kn_kv_tier *t, int32_t s)
 
 /* ---- copies between a pool block and a slot ---- */
 
+/* A device pool with host staging (kv_pool.h) holds a block's newest KV in its host copy
+ * while on_dev is 0 (received, not uploaded yet): the copy out reads it there; a copy in
+ * writes the device copy and marks it current, so the engine does not upload the older host
+ * copy over it. */
 static int copy_out(const kn_kv_pool *pool, int32_t block, uint8_t *dst)
 {
     size_t bb = pool->block_bytes;
+    bool host = !pool->dev.ops || (pool->host && !pool->on_dev[block]);
     for (int l = 0; l < pool->n_layers; l++)
         for (int kv = 0; kv < 2; kv++) {
             const uint8_t *src =
                 (const uint8_t *)(kv ? pool->v[l] : pool->k[l]) + (size_t)block * bb;
             uint8_t *d = dst + (size_t)(2 * l + kv) * bb;
-            if (!pool->dev.ops)
+            if (pool->dev.ops && host) /* the staging copy: the same offset */
+                memcpy(d, (const uint8_t *)pool->host + (src - (const uint8_t *)pool->region), bb);
+            else if (!pool->dev.ops)
                 memcpy(d, src, bb);
             else if (pool->dev.ops->download(pool->dev.ctx, d, src, bb))
                 return TD_EIO;
@@ -351,6 +358,7 @@ static int copy_in(kn_kv_pool *pool, int32_t block, const uint8_t *src)
             else if (pool->dev.ops->upload(pool->dev.ctx, d, s, bb))
                 return TD_EIO;
         }
+    if (pool->host) pool->on_dev[block] = 1;
     return 0;
 }
 

@@ -12,9 +12,11 @@
  *     disk fails here, not at a write) and memory-mapped; the CPU backend's tier. The file
  *     is a scratch space of this process: it is (re)initialised at create and locked
  *     (flock) while the tier lives; an existing file that is not a tier file is refused.
- *   - params.path NULL: anonymous host memory; the tier of a pool in device memory (the
- *     copies then go through the backend's download/upload). Only the host-pool copy path
- *     is exercised by this repository's tests (no device here).
+ *   - params.path NULL: anonymous host memory.
+ * A pool in device memory is copied through the backend's download/upload (either store);
+ * a staged device pool's block whose newest KV is in its host copy is read there, and a
+ * block copied in is marked current on the device (kv_pool.h on_dev). Tested with the
+ * cpu-dev backend (kernels/cpu/cpu_dev.h); never run on a GPU here.
  * Integrity: every slot's data has a 64-bit checksum kept in memory; a slot whose data no
  * longer matches (the file was written by someone else) is an error (TD_EFORMAT, the entry
  * dropped), never KV handed to the model; a file that shrank under the tier is TD_EIO before

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include "../tharness.h"
+#include "cpu_dev.h"
+#include "kn_backends.h"
 #include "kv_cache.h"
 #include "kv_tier.h"
 #include "td_blockhash.h"
@@ -355,6 +357,140 @@ static void test_tp_replay(void)
     kn_kv_pool_destroy(p1);
 }
 
+/* Copy host pool h's block hb to device pool d's block db (every layer's K and V), or back. */
+static bool dev_copy(const kn_backend *be, kn_kv_pool *d, int32_t db, kn_kv_pool *h, int32_t hb,
+                     bool up)
+{
+    for (int l = 0; l < d->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++) {
+            char *dp = (char *)(kv ? d->v[l] : d->k[l]) + (size_t)db * d->block_bytes;
+            char *hp = (char *)(kv ? h->v[l] : h->k[l]) + (size_t)hb * h->block_bytes;
+            if (up ? be->ops->upload(be->ctx, dp, hp, d->block_bytes)
+                   : be->ops->download(be->ctx, hp, dp, d->block_bytes))
+                return false;
+        }
+    return true;
+}
+
+/* A pool in device memory (backend cpu-dev: the CPU kernels behind a device backend's
+ * contract, which counts any host pointer handed to it as a violation): blocks go to the
+ * tier (file or host memory) through the backend's download and come back through its
+ * upload, bit-exact, with no violation; a TP follower's replay works the same way. */
+static void test_device_pool(const char *path)
+{
+    kn_backend be;
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 1}, &be) == 0);
+    TH_REQUIRE(!be.ops->host_memory);
+    kn_kv_pool_params pp = {.n_layers = 2,
+                            .n_kv_heads = 2,
+                            .head_dim = 4,
+                            .block_size = BS,
+                            .n_blocks = 4,
+                            .type = TD_F32,
+                            .backend = &be};
+    kn_kv_pool *d = NULL, *d1 = NULL, *h = pool_of(4);
+    TH_REQUIRE(kn_kv_pool_create(&pp, &d) == 0 && kn_kv_pool_create(&pp, &d1) == 0 && h);
+    TH_REQUIRE(d->dev.ops && !d->host);
+    kn_cpudev_stats st0, st;
+    TH_REQUIRE(kn_cpudev_stats_of(be, &st0) == 0);
+    kn_kv_tier_params tp = {
+        .path = path, .bytes = 4096 + 2 * kn_kv_tier_block_bytes(d), .log = true};
+    kn_kv_tier *t = NULL, *t1 = NULL;
+    kn_kv_tier_params tp1 = {.path = NULL, .bytes = tp.bytes};
+    TH_REQUIRE(kn_kv_tier_create(&tp, d, &t) == 0 && kn_kv_tier_create(&tp1, d1, &t1) == 0);
+    int32_t tok[BS] = {1, 2, 3, 4};
+    fill(h, 0, 7);
+    fill(h, 1, 99);
+    TH_CHECK(dev_copy(&be, d, 2, h, 0, true) && dev_copy(&be, d, 3, h, 1, true));
+    TH_CHECK(dev_copy(&be, d1, 2, h, 1, true)); /* rank 1's KV of the block: other values */
+    TH_CHECK(kn_kv_tier_put(t, d, 2, 42, 5, 1, tok) == 0);
+    uint64_t serial;
+    int slot = kn_kv_tier_find(t, 42, 1, tok, &serial);
+    TH_CHECK(slot >= 0 && kn_kv_tier_get(t, slot, d, 3) == 0);
+    fill(h, 2, 1234);
+    TH_CHECK(dev_copy(&be, d, 3, h, 2, false) && holds(h, 2, 7)); /* bit-exact, via download */
+    /* rank 1 repeats the copies: its block 2 goes to its slot, comes back into its block 3 */
+    int n_ops;
+    const kn_kv_tier_op *ops = kn_kv_tier_ops(t, &n_ops);
+    TH_CHECK(n_ops == 2);
+    for (int i = 0; i < n_ops; i++)
+        TH_CHECK(kn_kv_tier_apply(t1, d1, &ops[i]) == 0);
+    TH_CHECK(dev_copy(&be, d1, 3, h, 2, false) && holds(h, 2, 99));
+    TH_REQUIRE(kn_cpudev_stats_of(be, &st) == 0);
+    TH_CHECKF(st.n_violations == 0, "%lld violations; first: %s", (long long)st.n_violations,
+              st.first);
+    size_t blk = kn_kv_tier_block_bytes(d);
+    /* two puts downloaded a block each, two gets uploaded one, plus the test's own copies */
+    TH_CHECK(st.bytes_download - st0.bytes_download == 2 * blk + 2 * blk);
+    TH_CHECK(st.bytes_upload - st0.bytes_upload == 2 * blk + 3 * blk);
+    kn_kv_tier_destroy(t);
+    kn_kv_tier_destroy(t1);
+    kn_kv_pool_destroy(d);
+    kn_kv_pool_destroy(d1);
+    kn_kv_pool_destroy(h);
+    kn_backend_destroy(&be);
+}
+
+/* A staged device pool (kvxfer's KV lands in its host copy, kv_pool.h): a block whose newest
+ * KV is in the host copy (on_dev 0) goes to the tier from there, and a block copied back is
+ * marked current on the device, so the engine's upload does not put the stale host copy over
+ * it. */
+static void test_staged_device_pool(void)
+{
+    kn_backend be;
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 1}, &be) == 0);
+    kn_kv_pool_params pp = {.n_layers = 2,
+                            .n_kv_heads = 2,
+                            .head_dim = 4,
+                            .block_size = BS,
+                            .n_blocks = 4,
+                            .type = TD_F32,
+                            .backend = &be,
+                            .host_stage = true};
+    kn_kv_pool *d = NULL, *h = pool_of(4);
+    TH_REQUIRE(kn_kv_pool_create(&pp, &d) == 0 && h && d->host && d->on_dev);
+    kn_kv_tier *t = tier_of(d, NULL, 2);
+    TH_REQUIRE(t);
+    int32_t ids[2], tok[BS] = {1, 2, 3, 4};
+    TH_REQUIRE(kn_kv_alloc(d, 2, ids) == 0 && !d->on_dev[ids[0]] && !d->on_dev[ids[1]]);
+    /* block ids[0]: KV received into the host copy (the device copy is older) */
+    fill(h, 0, 5);
+    fill(h, 1, 6);
+    TH_CHECK(dev_copy(&be, d, ids[0], h, 1, true)); /* the device copy: other values */
+    d->on_dev[ids[0]] = 0;
+    for (int l = 0; l < d->n_layers; l++) {
+        size_t off = (size_t)ids[0] * d->block_bytes;
+        memcpy((char *)d->host + ((char *)d->k[l] - (char *)d->region) + off,
+               (char *)h->k[l] + 0 * h->block_bytes, d->block_bytes);
+        memcpy((char *)d->host + ((char *)d->v[l] - (char *)d->region) + off,
+               (char *)h->v[l] + 0 * h->block_bytes, d->block_bytes);
+    }
+    TH_CHECK(kn_kv_tier_put(t, d, ids[0], 42, 5, 1, tok) == 0);
+    uint64_t serial;
+    int slot = kn_kv_tier_find(t, 42, 1, tok, &serial);
+    TH_CHECK(slot >= 0 && kn_kv_tier_get(t, slot, d, ids[1]) == 0);
+    TH_CHECK(d->on_dev[ids[1]] == 1); /* current on the device: no stale upload over it */
+    fill(h, 2, 999);
+    TH_CHECK(dev_copy(&be, d, ids[1], h, 2, false) && holds(h, 2, 5)); /* the host copy's KV */
+    kn_kv_free(d, 2, ids);
+    kn_kv_tier_destroy(t);
+    kn_kv_pool_destroy(d);
+    kn_kv_pool_destroy(h);
+    kn_backend_destroy(&be);
+}
+
+static void test_device_pool_memory(void)
+{
+    test_device_pool(NULL);
+}
+
+static void test_device_pool_file(void)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/dev", dir);
+    test_device_pool(path);
+}
+
 int main(void)
 {
     if (!mkdtemp(dir)) return 1;
@@ -367,6 +503,9 @@ int main(void)
     TH_RUN(test_bad_files);
     TH_RUN(test_cache_with_tier);
     TH_RUN(test_tp_replay);
+    TH_RUN(test_device_pool_memory);
+    TH_RUN(test_device_pool_file);
+    TH_RUN(test_staged_device_pool);
     char cmd[160];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd)) fprintf(stderr, "cannot remove %s\n", dir);

@@ -12,6 +12,9 @@ docs/prefix-cache.md "Second tier") end to end, colocated, real processes, the o
     leader's copies repeated by rank 1 from the step plan): turn 2 hits in the tier with the
     same cached_tokens as at tp 1, both ranks' tiers are written, and its greedy text equals
     a cold tp 2 cluster's;
+  - the tp 1 and tp 2 scenarios with `backend: cpu-dev` (pools in device memory, copied to
+    the tiers through the backend's download/upload): the same text and cached_tokens as on
+    cpu;
   - a tier at tp 2 in disaggregated mode is refused at start with a clear message.
 
 usage: test_prefix_tier.py --router BIN --decode BIN --tandem BIN --synth GGUF [--model GGUF]
@@ -78,31 +81,43 @@ def run(client, mid, n_other):
     return r1, chat(client, mid, m2)
 
 
-def run_model(args, model, name, tp=1, want_cached=None):
-    """The scenario at tp ranks; want_cached: turn 2's cached_tokens must equal it (tp 1's).
-    Returns turn 2's cached_tokens with the tier."""
+def cluster(args, model, tp, decode_extra, backend):
+    cl = Cluster(args, model, kv_blocks=KV_BLOCKS, tp=tp, decode_extra=decode_extra)
+    if backend:
+        with open(cl.cfg, "a") as f:
+            f.write(f"backend: {backend}\n")
+    return cl
+
+
+def run_model(args, model, name, tp=1, want_cached=None, backend=None, cold_text=None):
+    """The scenario at tp ranks on backend (None: the default, cpu); want_cached: turn 2's
+    cached_tokens must equal it (tp 1's); cold_text: (turn 1, turn 2) of a cold cluster run
+    before (else one runs here). Returns (turn 2's cached_tokens with the tier, cold_text)."""
     base = {"deterministic": True}
-    name = f"{name} tp {tp}"
-    with Cluster(args, model, kv_blocks=KV_BLOCKS, tp=tp,
-                 decode_extra=dict(base, prefix_cache=False)) as cold:
-        client = client_of(cold)
-        mid = client.models.list().data[0].id
-        c1, c2 = run(client, mid, 0)
-    want = c2.choices[0].message.content
+    name = f"{name} tp {tp}" + (f" {backend}" if backend else "")
+    if cold_text is None:
+        with cluster(args, model, tp, dict(base, prefix_cache=False), None) as cold:
+            client = client_of(cold)
+            mid = client.models.list().data[0].id
+            c1, c2 = run(client, mid, 0)
+        cold_text = (c1.choices[0].message.content, c2.choices[0].message.content)
+    want = cold_text[1]
     base_hit = 0
-    if tp == 1:  # without a tier: the other prompts push A out of the pool
-        with Cluster(args, model, kv_blocks=KV_BLOCKS, decode_extra=dict(base)) as pool_only:
+    if tp == 1 and not backend:  # without a tier: the other prompts push A out of the pool
+        with cluster(args, model, 1, dict(base), None) as pool_only:
             _, p2 = run(client_of(pool_only), mid, 12)
             base_hit = cached(p2.usage)
             check(p2.choices[0].message.content == want, f"{name}: pool only: turn 2 == cold")
     tdir = tempfile.mkdtemp(prefix="tandem-tier-")
     tier = f"{{path: {tdir}/tier, size: 64MiB}}"
-    with Cluster(args, model, kv_blocks=KV_BLOCKS, tp=tp,
-                 decode_extra=dict(base, prefix_cache_tier=tier)) as cl:
+    with cluster(args, model, tp, dict(base, prefix_cache_tier=tier), backend) as cl:
         client = client_of(cl)
+        mid = client.models.list().data[0].id
         w1, w2 = run(client, mid, 12)
-        check(w1.choices[0].message.content == c1.choices[0].message.content,
-              f"{name}: turn 1 with a tier == cold")
+        check(w1.choices[0].message.content == cold_text[0], f"{name}: turn 1 with a tier == cold")
+        if backend:
+            with open(os.path.join(cl.dir, "d0.log"), errors="replace") as f:
+                check(backend in f.read(), f"{name}: the decode node runs on {backend}")
         got = w2.choices[0].message.content
         check(got == want, f"{name}: turn 2 from the tier == cold"
               + ("" if got == want else f": {got!r} != {want!r}"))
@@ -129,7 +144,7 @@ def run_model(args, model, name, tp=1, want_cached=None):
                 data = fh.read(4 << 20)
             check(data.count(0) < len(data), f"{name}: rank {r}'s tier holds KV")
     shutil.rmtree(tdir, ignore_errors=True)
-    return k
+    return k, cold_text
 
 
 def run_refusals(args):
@@ -156,8 +171,12 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     run_refusals(args)
-    k1 = run_model(args, args.synth, "synth")
-    run_model(args, args.synth, "synth", tp=2, want_cached=k1)
+    k1, cold = run_model(args, args.synth, "synth")
+    # a pool in device memory (cpu-dev: the cpu kernels behind a device backend's contract,
+    # bit-identical to cpu): the same answers and hits as on cpu
+    run_model(args, args.synth, "synth", want_cached=k1, backend="cpu-dev", cold_text=cold)
+    _, cold2 = run_model(args, args.synth, "synth", tp=2, want_cached=k1)
+    run_model(args, args.synth, "synth", tp=2, want_cached=k1, backend="cpu-dev", cold_text=cold2)
     if args.model:  # tp 1 only: the default model's 9 heads do not split over 2 ranks
         run_model(args, args.model, "default")
     print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
