@@ -317,7 +317,7 @@ int dc_sched_submit(dc_sched *s, const dc_request_params *p)
 
 /* Blocks the running requests still need to finish their prompts (promised capacity). */
 static int promised_blocks(const dc_sched *s);
-static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait);
+static int pc_match(dc_sched *s, dc_req *r, bool *wait);
 
 int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int32_t **blocks,
                              int *n_blocks, int32_t *n_cached)
@@ -326,10 +326,10 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
     int rc = check_params(s, p);
     if (!rc) rc = req_new(s, p, &r);
     if (rc) return rc;
-    /* the pool's cached prefix is shared, never transferred (not the tier's: copies are a
-     * step's budget); blocks promised to running prompts stay theirs (else: preemption) */
+    /* the cached prefix (the tier's within the step's copy budget, never waiting for more)
+     * is shared, not transferred; blocks promised to running prompts stay theirs */
     bool wait;
-    int m = pc_match(s, r, false, &wait), need = kn_kv_blocks_for(s->kv, p->n_prompt) - m;
+    int m = pc_match(s, r, &wait), need = kn_kv_blocks_for(s->kv, p->n_prompt) - m;
     if (kn_kv_available(s->kv) - promised_blocks(s) < need) rc = TD_ESTATE;
     if (!rc) rc = kn_kv_seq_reserve(s->kv, &r->seq, p->n_prompt);
     if (!rc) rc = list_push(&s->xfer, r);
@@ -339,6 +339,9 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
     }
     s->pc_queried += s->cache ? (uint64_t)p->n_prompt : 0;
     s->pc_hits += (uint64_t)r->n_computed;
+    if (s->cache)
+        s->tier_hits += (uint64_t)kn_kv_cache_claim_restored(s->cache, r->seq.blocks, m) *
+                        (uint64_t)s->kv->block_size;
     r->n_cached = r->n_computed;
     r->admitted_once = true; /* usage keeps this figure if it is preempted later */
     *blocks = r->seq.blocks;
@@ -411,12 +414,12 @@ static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
     }
 }
 
-/* Prefix cache, at admission: share r's cached leading whole blocks (never the last
+/* Prefix cache, at admission and Alloc: share r's cached leading whole blocks (never the last
  * token's: its logits are needed, and a shared block is never written) and compute after
- * them; with tier, blocks only the tier holds are copied back first, within the step's copy
+ * them; blocks only the second tier holds are copied back first, within the step's copy
  * budget and the unpromised room. Prompt logprobs match nothing. Returns the blocks matched;
  * *wait: the copy budget ran out first (r waits a step rather than compute them). */
-static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait)
+static int pc_match(dc_sched *s, dc_req *r, bool *wait)
 {
     *wait = false;
     int most = (r->n_tokens - 1) / s->kv->block_size;
@@ -430,7 +433,7 @@ static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait)
     int room = kn_kv_available(s->kv) - promised_blocks(s);
     kn_kv_tier_budget tb = {.copies_left = s->tier_left < room ? s->tier_left : room};
     int m = kn_kv_cache_match_tier(s->cache, r->tokens, r->n_tokens, most, r->seq.blocks, &r->pc,
-                                   s->tier && tier ? &tb : NULL);
+                                   s->tier ? &tb : NULL);
     s->tier_left -= tb.copied;
     *wait = tb.more && s->tier_left <= 0; /* not for want of room: that may never come */
     r->seq.n_blocks = m;
@@ -523,7 +526,7 @@ static int admit_waiting(dc_sched *s, int budget)
     while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
         dc_req *r = s->waiting.v[0];
         bool wait;
-        int m = pc_match(s, r, true, &wait); /* cached leading blocks: shared, not computed again */
+        int m = pc_match(s, r, &wait); /* cached leading blocks: shared, not computed again */
         int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
         int32_t left = r->n_tokens - r->n_computed;
         int32_t chunk = cap_chunk(s, r->n_computed, left < budget ? left : budget);
@@ -863,11 +866,6 @@ bool dc_sched_transferring(const dc_sched *s, uint64_t id)
 {
     int i = xfer_index(s, id);
     return i >= 0 && !s->xfer.v[i]->arrived;
-}
-
-kn_kv_tier *dc_sched_tier(dc_sched *s)
-{
-    return s->tier;
 }
 
 bool dc_sched_idle(const dc_sched *s)

@@ -176,9 +176,11 @@ int dc_sched_cancel(dc_sched *s, uint64_t id);
 /* Disaggregated mode: check p like dc_sched_submit (same errors) and reserve blocks for
  * the whole prompt now; the request is TRANSFERRING. With the prefix cache, the prompt's
  * leading whole blocks found in the pool are shared (as at admission: never the block of
- * the last prompt token, nothing with prompt logprobs, not from the tier) and *n_cached
- * (a multiple of the block size) says how many positions they hold: the transfer must
- * write only [*n_cached, n_prompt), never the shared blocks. *blocks (n_blocks ids:
+ * the last prompt token, nothing with prompt logprobs; blocks only the second tier holds
+ * are copied back within what is left of the step's copy budget, never waiting for more:
+ * the rest is transferred) and *n_cached (a multiple of the block size) says how many
+ * positions they hold: the transfer must write only [*n_cached, n_prompt), never the
+ * shared blocks. *blocks (n_blocks ids:
  * position q in blocks[q / block_size], the shared ones first) stays valid until the next
  * call into the scheduler. TD_ESTATE: the pool cannot hold the prompt right now (blocks
  * promised to running prompts count as taken); retry later. */
@@ -212,8 +214,7 @@ void dc_sched_observe(dc_sched *s, double ms);
  * (the other ranks' pools start empty when the instance re-forms). */
 void dc_sched_fail_all(dc_sched *s);
 
-bool dc_sched_idle(const dc_sched *s);  /* no request at all (transferring ones count) */
-kn_kv_tier *dc_sched_tier(dc_sched *s); /* the cache's second tier, or NULL */
+bool dc_sched_idle(const dc_sched *s); /* no request at all (transferring ones count) */
 dc_sched_stats dc_sched_get_stats(const dc_sched *s);
 
 #endif

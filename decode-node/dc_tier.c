@@ -2,7 +2,8 @@
  * (decode[].prefix_cache_tier, docs/prefix-cache.md "Second tier"): its parameters, and at
  * tp > 1 the copies the leader's tier made, sent with the step plan (dc_plan.h) and repeated
  * by every other rank on its own pool and tier before the step computes (kv_tier.h "tensor
- * parallelism"). The leader's scheduler owns its tier (dc_sched); a follower's is the node's.
+ * parallelism"). The leader's scheduler owns its tier (dc_sched, attached to the pool's cache); a
+ * follower's is the node's.
  *
  * Why the copies cannot come late: a follower's pool is written only by the steps it runs
  * (colocated mode: no KV arrives from outside), every copy the leader makes happens while it
@@ -19,6 +20,7 @@
 #include <string.h>
 
 #include "dc_node_int.h"
+#include "kv_cache.h"
 #include "kv_tier.h"
 #include "td_err.h"
 #include "td_tp.h"
@@ -103,14 +105,14 @@ int dc_tier_apply(dc_node *n, const dc_plan_view *v)
 
 const kn_kv_tier_op *dc_tier_pending(dc_node *n, int *n_ops)
 {
-    kn_kv_tier *t = n->dcfg->tp > 1 ? dc_sched_tier(n->sched) : NULL;
+    kn_kv_tier *t = n->dcfg->tp > 1 && n->kv->cache ? kn_kv_cache_tier(n->kv->cache) : NULL;
     *n_ops = 0;
     return t ? kn_kv_tier_ops(t, n_ops) : NULL;
 }
 
 void dc_tier_sent(dc_node *n)
 {
-    kn_kv_tier *t = dc_sched_tier(n->sched);
+    kn_kv_tier *t = n->kv->cache ? kn_kv_cache_tier(n->kv->cache) : NULL;
     if (t) kn_kv_tier_ops_clear(t);
 }
 
