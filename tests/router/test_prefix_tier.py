@@ -14,7 +14,7 @@ docs/prefix-cache.md "Second tier") end to end, colocated, real processes, the o
     a cold tp 2 cluster's;
   - the tp 1 and tp 2 scenarios with `backend: cpu-dev` (pools in device memory, copied to
     the tiers through the backend's download/upload): the same text and cached_tokens as on
-    cpu;
+    cpu; tp 2 with decode[].overlap too;
   - a tier at tp 2 in disaggregated mode is refused at start with a clear message.
 
 usage: test_prefix_tier.py --router BIN --decode BIN --tandem BIN --synth GGUF [--model GGUF]
@@ -89,12 +89,14 @@ def cluster(args, model, tp, decode_extra, backend):
     return cl
 
 
-def run_model(args, model, name, tp=1, want_cached=None, backend=None, cold_text=None):
+def run_model(args, model, name, tp=1, want_cached=None, backend=None, cold_text=None,
+              overlap=False):
     """The scenario at tp ranks on backend (None: the default, cpu); want_cached: turn 2's
     cached_tokens must equal it (tp 1's); cold_text: (turn 1, turn 2) of a cold cluster run
-    before (else one runs here). Returns (turn 2's cached_tokens with the tier, cold_text)."""
+    before (else one runs here); overlap: decode[].overlap on the tier's cluster. Returns
+    (turn 2's cached_tokens with the tier, cold_text)."""
     base = {"deterministic": True}
-    name = f"{name} tp {tp}" + (f" {backend}" if backend else "")
+    name = f"{name} tp {tp}" + (f" {backend}" if backend else "") + (" overlap" if overlap else "")
     if cold_text is None:
         with cluster(args, model, tp, dict(base, prefix_cache=False), None) as cold:
             client = client_of(cold)
@@ -110,7 +112,8 @@ def run_model(args, model, name, tp=1, want_cached=None, backend=None, cold_text
             check(p2.choices[0].message.content == want, f"{name}: pool only: turn 2 == cold")
     tdir = tempfile.mkdtemp(prefix="tandem-tier-")
     tier = f"{{path: {tdir}/tier, size: 64MiB}}"
-    with cluster(args, model, tp, dict(base, prefix_cache_tier=tier), backend) as cl:
+    with cluster(args, model, tp, dict(base, prefix_cache_tier=tier, overlap=overlap),
+                 backend) as cl:
         client = client_of(cl)
         mid = client.models.list().data[0].id
         w1, w2 = run(client, mid, 12)
@@ -177,6 +180,8 @@ def main():
     run_model(args, args.synth, "synth", want_cached=k1, backend="cpu-dev", cold_text=cold)
     _, cold2 = run_model(args, args.synth, "synth", tp=2, want_cached=k1)
     run_model(args, args.synth, "synth", tp=2, want_cached=k1, backend="cpu-dev", cold_text=cold2)
+    # overlap: the next step is planned (and its copies made) while no pass is in flight
+    run_model(args, args.synth, "synth", tp=2, want_cached=k1, cold_text=cold2, overlap=True)
     if args.model:  # tp 1 only: the default model's 9 heads do not split over 2 ranks
         run_model(args, args.model, "default")
     print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
