@@ -635,8 +635,8 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     return 0;
 }
 
-/* decode[].prefix_cache_tier: {path, size}, both required; needs the prefix cache and tp 1
- * (each rank would need its tier's copies in the step plan: not built yet). */
+/* decode[].prefix_cache_tier: {path, size}, both required; needs the prefix cache (at tp > 1
+ * each rank has its own tier PATH.rR; the node refuses tp > 1 in disaggregated mode). */
 static int parse_tier(pctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *x)
 {
     yaml_node_t *seen[TI_N], *keys[TI_N];
@@ -648,11 +648,6 @@ static int parse_tier(pctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *
     if (!x->prefix_cache)
         return fail(
             p, n, "%s: the tier holds blocks the prefix cache evicts; prefix_cache is false", what);
-    if (x->tp > 1)
-        return fail(p, n,
-                    "%s: not built for tp > 1 yet (tp %d): each rank would need its own tier "
-                    "and the leader's copies in the step plan",
-                    what, x->tp);
     return 0;
 }
 

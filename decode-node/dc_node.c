@@ -108,14 +108,15 @@ static int setup(dc_node *n)
         n->kvp.shm_name = n->kv_shm_name;
     }
     if ((rc = kn_kv_pool_create(&n->kvp, &n->kv))) return rc;
+    if (p->rank > 0 && (rc = dc_tier_follower_open(n))) return rc;
 
     int32_t max_ctx = n->rt.model->hp.n_ctx_train;
     int bpseq = (max_ctx + n->dcfg->block_size - 1) / n->dcfg->block_size;
     /* a step holds the prefill budget plus one token per running request, and at most one
      * logit row per running request */
     int64_t max_step = (int64_t)n->dcfg->step_tokens + n->dcfg->max_batch;
-    size_t max_plan =
-        64 + (size_t)max_step * 12 + (size_t)n->dcfg->max_batch * (8 + (size_t)bpseq * 4);
+    size_t max_plan = 64 + (size_t)max_step * 12 +
+                      (size_t)n->dcfg->max_batch * (8 + (size_t)bpseq * 4) + dc_tier_plan_room(n);
     n->shmp = (dc_shm_params){
         .instance = p->instance,
         .token = n->token,
@@ -179,6 +180,7 @@ static void teardown(dc_node *n)
     free(n->routes);
     free(n->logits);
     close_shm(n);
+    kn_kv_tier_destroy(n->tier);
     kn_kv_pool_destroy(n->kv); /* before the backend whose memory it may be */
     kn_runtime_close(&n->rt);
 }
@@ -218,6 +220,10 @@ static int follower_steps(dc_node *n)
         if (v.kind == DC_PLAN_SHUTDOWN) {
             rc = DC_SHM_STOP;
             break;
+        }
+        if ((rc = dc_tier_apply(n, &v)) || v.kind == DC_PLAN_COPY) {
+            if (rc) break;
+            continue;
         }
         if ((rc = kn_engine_forward(n->rt.engine, n->kv, &v.batch, NULL))) {
             if (!*n->p->stop)
@@ -274,6 +280,7 @@ static int follower_run(dc_node *n)
             continue;
         }
         pool_used = true;
+        if (n->tier) kn_kv_tier_clear(n->tier); /* the leader's tier starts empty too */
         if (t_left)
             TD_LOG_INFO("decode %s rank %d: joined the instance again (%.1f s after leaving it)",
                         p->instance, p->rank, (double)(td_now_ms() - t_left) / 1e3);
@@ -349,27 +356,6 @@ static int xfer_setup(dc_node *n)
     return dc_xfer_create(&xp, &n->xfer);
 }
 
-/* decode[].prefix_cache_tier of this rank (rank 0: the config refuses a tier at tp > 1):
- * the file PATH.r0 on the CPU backend. A device backend's tier would be host memory
- * (kn_kv_tier_params.path NULL; kv_tier.c copies with the backend's download/upload), which
- * no test covers here: refused until it is. */
-static int tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *out)
-{
-    *out = (kn_kv_tier_params){0};
-    if (!n->dcfg->tier.path) return 0;
-    if (n->kv->dev.ops) {
-        TD_LOG_ERR("decode %s: prefix_cache_tier with the %s backend (a host-memory tier) is not "
-                   "built yet",
-                   n->p->instance, n->kv->dev.ops->name);
-        return TD_EUNSUPP;
-    }
-    if ((size_t)snprintf(path, cap, "%s.r0", n->dcfg->tier.path) >= cap) return TD_EINVAL;
-    *out = (kn_kv_tier_params){.path = path, .bytes = (size_t)n->dcfg->tier.bytes};
-    TD_LOG_INFO("decode %s: prefix cache tier %s, %lld bytes", n->p->instance, path,
-                (long long)n->dcfg->tier.bytes);
-    return 0;
-}
-
 static int leader_setup(dc_node *n)
 {
     int rc = 0;
@@ -401,7 +387,7 @@ static int leader_setup(dc_node *n)
                           .prefix_cache = n->dcfg->prefix_cache,
                           .itl_target_ms = n->dcfg->itl_target_ms};
     char tier_path[4096];
-    rc = tier_params(n, tier_path, sizeof tier_path, &sp.tier);
+    rc = dc_tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)
         rc = dc_sched_create(&sp, n->rt.model, n->kv,
                              (dc_sink){.ctx = n,
@@ -563,14 +549,18 @@ static int step_begin(dc_node *n, step_run *sr)
     sr->t_plan = td_now_ns();
     int k = sr->k = dc_sched_plan(n->sched, &sr->st);
     int64_t t0 = td_now_ns();
+    if (k == 0 && (sr->rc = dc_tier_flush(n))) return sr->rc; /* copies of an empty step */
     if (k <= 0) return k;
     n->ns_plan += t0 - sr->t_plan;
     void *buf;
     size_t cap, len;
-    int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
-    if (!rc) rc = dc_plan_encode(&sr->st.batch, n->kv->block_size, n->step, buf, cap, &len);
+    int nc, rc = dc_shm_plan_begin(n->shm, &buf, &cap);
+    const kn_kv_tier_op *copies = dc_tier_pending(n, &nc);
+    if (!rc)
+        rc = dc_plan_encode(&sr->st.batch, copies, nc, n->kv->block_size, n->step, buf, cap, &len);
     if (!rc && sr->st.batch.n_logits > n->logit_rows) rc = grow_logits(n, sr->st.batch.n_logits);
     if (!rc) rc = dc_shm_plan_commit(n->shm, len);
+    if (!rc) dc_tier_sent(n);
     sr->rc = rc;
     sr->t_fwd = td_now_ns();
     n->ns_encode += sr->t_fwd - t0;

@@ -21,6 +21,7 @@
 #include "cpu_backend.h"
 #include "ctrl.h"
 #include "dc_node.h"
+#include "dc_plan.h"
 #include "dc_sched.h"
 #include "gr_grammar.h"
 #include "dc_shm.h"
@@ -107,6 +108,7 @@ typedef struct {
     bool hold_events;
     dc_held_event *held;
     int n_held, cap_held;
+    kn_kv_tier *tier; /* follower at tp > 1: its own second tier (the leader's is dc_sched's) */
 } dc_node;
 
 /* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
@@ -139,5 +141,23 @@ int dc_async_start(dc_node *n);
 void dc_async_launch(dc_node *n, const kn_batch *b);
 int dc_async_join(dc_node *n);
 void dc_async_stop(dc_node *n);
+
+/* dc_tier.c. The prefix cache's second tier of this rank (decode[].prefix_cache_tier):
+ * its parameters (the file PATH.rR; at tp > 1 the slot count every rank shares, and the
+ * leader's copy log); out->bytes 0: no tier. path is cap bytes and backs out->path. */
+int dc_tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *out);
+/* Plan-area bytes the tier copies of one step may need (0 without a tier at tp > 1). */
+size_t dc_tier_plan_room(const dc_node *n);
+/* Follower: open its own tier (n->tier; none without a tier). */
+int dc_tier_follower_open(dc_node *n);
+/* Follower: make the plan's tier copies on this rank, in order, before its compute. A
+ * failure means this rank's KV would differ from the leader's: the formation must end. */
+int dc_tier_apply(dc_node *n, const dc_plan_view *v);
+/* Leader at tp > 1: the copies its tier made since they were last sent (NULL, 0: none);
+ * dc_tier_sent once a plan carrying them is published; dc_tier_flush publishes them alone
+ * (a DC_PLAN_COPY plan) when the step plans nothing to compute. */
+const kn_kv_tier_op *dc_tier_pending(dc_node *n, int *n_ops);
+void dc_tier_sent(dc_node *n);
+int dc_tier_flush(dc_node *n);
 
 #endif

@@ -1,5 +1,6 @@
 /* dc_plan.c: flat encoding of a step's batch:
  *   u32 magic 'TDPL', u32 kind, u64 step, i32 n_tokens, i32 n_seqs, i32 n_solo, i32 n_logits,
+ *   i32 n_copies, n_copies x (i32 kind, i32 slot, i32 block) (the tier copies, in order),
  *   i32 tokens[n_tokens], i32 pos[n_tokens], i32 seq_of[n_tokens], i32 logit_rows[n_logits],
  *   per sequence: i32 n_ctx, then i32 blocks[ceil(n_ctx / block_size)]
  * The ranks of an instance share a host, so byte order is the host's. */
@@ -11,18 +12,19 @@
 #include "td_err.h"
 
 #define PLAN_MAGIC   0x4c504454u /* "TDPL" */
-#define HEADER_BYTES 32
+#define HEADER_BYTES 36
+#define COPY_BYTES   12
 
 static int blocks_for(int32_t n_ctx, int block_size)
 {
     return (int)((n_ctx + block_size - 1) / block_size);
 }
 
-size_t dc_plan_size(const kn_batch *b, int block_size)
+size_t dc_plan_size(const kn_batch *b, int n_copies, int block_size)
 {
-    if (!b) return HEADER_BYTES;
-    size_t n =
-        HEADER_BYTES + (size_t)b->n_tokens * 12 + (size_t)b->n_logits * 4 + (size_t)b->n_seqs * 4;
+    size_t c = HEADER_BYTES + (size_t)n_copies * COPY_BYTES;
+    if (!b) return c;
+    size_t n = c + (size_t)b->n_tokens * 12 + (size_t)b->n_logits * 4 + (size_t)b->n_seqs * 4;
     for (int s = 0; s < b->n_seqs; s++)
         n += (size_t)blocks_for(b->seqs[s].n_ctx, block_size) * 4;
     return n;
@@ -34,17 +36,20 @@ static void put(uint8_t **p, const void *src, size_t n)
     *p += n;
 }
 
-int dc_plan_encode(const kn_batch *b, int block_size, uint64_t step, void *buf, size_t cap,
-                   size_t *len)
+int dc_plan_encode(const kn_batch *b, const kn_kv_tier_op *copies, int n_copies, int block_size,
+                   uint64_t step, void *buf, size_t cap, size_t *len)
 {
-    size_t need = dc_plan_size(b, block_size);
+    size_t need = dc_plan_size(b, n_copies, block_size);
     if (need > cap) {
         TD_LOG_ERR("step %llu: plan of %zu bytes exceeds the plan area (%zu)",
                    (unsigned long long)step, need, cap);
         return TD_ERANGE;
     }
     uint8_t *p = buf;
-    uint32_t magic = PLAN_MAGIC, kind = b ? DC_PLAN_RUN : DC_PLAN_SHUTDOWN;
+    uint32_t magic = PLAN_MAGIC, kind = b          ? DC_PLAN_RUN
+                                        : n_copies ? DC_PLAN_COPY
+                                                   : DC_PLAN_SHUTDOWN;
+    int32_t nc = n_copies;
     int32_t nt = b ? (int32_t)b->n_tokens : 0, ns = b ? b->n_seqs : 0;
     int32_t solo = b ? (int32_t)b->n_solo : 0, nl = b ? b->n_logits : 0;
     put(&p, &magic, 4);
@@ -54,6 +59,12 @@ int dc_plan_encode(const kn_batch *b, int block_size, uint64_t step, void *buf, 
     put(&p, &ns, 4);
     put(&p, &solo, 4);
     put(&p, &nl, 4);
+    put(&p, &nc, 4);
+    for (int i = 0; i < nc; i++) {
+        put(&p, &copies[i].kind, 4);
+        put(&p, &copies[i].slot, 4);
+        put(&p, &copies[i].block, 4);
+    }
     if (b) {
         put(&p, b->tokens, (size_t)nt * 4);
         put(&p, b->pos, (size_t)nt * 4);
@@ -90,7 +101,7 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
 {
     const uint8_t *p = buf, *end = p + len;
     uint32_t magic, kind;
-    int32_t nt, ns, solo, nl;
+    int32_t nt, ns, solo, nl, nc;
     if (len < HEADER_BYTES) return bad("shorter than its header");
     memcpy(&magic, p, 4);
     memcpy(&kind, p + 4, 4);
@@ -99,19 +110,26 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
     memcpy(&ns, p + 20, 4);
     memcpy(&solo, p + 24, 4);
     memcpy(&nl, p + 28, 4);
+    memcpy(&nc, p + 32, 4);
     p += HEADER_BYTES;
     if (magic != PLAN_MAGIC) return bad("bad magic");
+    v->n_copies = 0;
+    v->copies = NULL;
     if (kind == DC_PLAN_SHUTDOWN) {
         v->kind = kind;
         memset(&v->batch, 0, sizeof v->batch);
         return 0;
     }
-    if (kind != DC_PLAN_RUN || nt < 1 || ns < 1 || ns > nt || solo < 0 || solo > nt || nl < 0 ||
-        nl > nt)
+    if (nc < 0 || (size_t)nc > (size_t)(end - p) / COPY_BYTES) return bad("copies past the end");
+    if (kind == DC_PLAN_COPY && (nt || ns || solo || nl || nc < 1))
+        return bad("a copy plan with a batch or without copies");
+    if (kind != DC_PLAN_COPY && (kind != DC_PLAN_RUN || nt < 1 || ns < 1 || ns > nt || solo < 0 ||
+                                 solo > nt || nl < 0 || nl > nt))
         return bad("bad kind or counts");
     /* the arrays and the tables must fit what is left; copy them into aligned scratch */
     size_t left = (size_t)(end - p);
-    if ((size_t)nt * 12 + (size_t)nl * 4 > left) return bad("token arrays past the end");
+    if ((size_t)nc * COPY_BYTES + (size_t)nt * 12 + (size_t)nl * 4 > left)
+        return bad("token arrays past the end");
     size_t words = left / 4;
     if (v->cap_scratch < words) {
         free(v->scratch);
@@ -132,7 +150,21 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
         v->cap_views = ns;
     }
     memcpy(v->scratch, p, words * 4);
-    int32_t *tok = v->scratch, *pos = tok + nt, *seq_of = pos + nt, *rows = seq_of + nt;
+    for (int i = 0; i < nc; i++) {
+        const int32_t *c = v->scratch + 3 * i;
+        if ((c[0] != KN_KV_TIER_OP_PUT && c[0] != KN_KV_TIER_OP_GET) || c[1] < 0 || c[2] < 0 ||
+            c[2] >= n_blocks)
+            return bad("tier copy of an unknown kind or outside the pool");
+    }
+    v->copies = (const kn_kv_tier_op *)v->scratch;
+    v->n_copies = nc;
+    if (kind == DC_PLAN_COPY) {
+        if ((size_t)nc * COPY_BYTES != left) return bad("trailing bytes");
+        v->kind = kind;
+        memset(&v->batch, 0, sizeof v->batch);
+        return 0;
+    }
+    int32_t *tok = v->scratch + 3 * nc, *pos = tok + nt, *seq_of = pos + nt, *rows = seq_of + nt;
     int32_t *q = rows + nl;
     int32_t *qend = v->scratch + words;
     for (int s = 0; s < ns; s++) {

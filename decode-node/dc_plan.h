@@ -19,20 +19,30 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kv_tier.h"
 #include "model.h"
 
-enum { DC_PLAN_RUN = 1, DC_PLAN_SHUTDOWN = 2 };
+/* DC_PLAN_COPY: the prefix cache tier's copies only (kv_tier.h "tensor parallelism"):
+ * the leader made copies in a planning that scheduled nothing to compute; the other ranks
+ * make them at once, so no copy waits for a later step. */
+enum { DC_PLAN_RUN = 1, DC_PLAN_SHUTDOWN = 2, DC_PLAN_COPY = 3 };
 
-/* Bytes needed to encode b (NULL: a shutdown plan) with the pool's block size. */
-size_t dc_plan_size(const kn_batch *b, int block_size);
-/* Encode b (kind DC_PLAN_RUN) or a shutdown (b NULL) into buf; *len = bytes used.
- * TD_ERANGE if cap is too small. */
-int dc_plan_encode(const kn_batch *b, int block_size, uint64_t step, void *buf, size_t cap,
-                   size_t *len);
+/* Bytes needed to encode b (NULL: no batch) and n_copies tier copies with the pool's block
+ * size. */
+size_t dc_plan_size(const kn_batch *b, int n_copies, int block_size);
+/* Encode b with the leader's tier copies (kind DC_PLAN_RUN: every rank makes the copies, in
+ * order, before it computes b), or the copies alone (b NULL, n_copies > 0: DC_PLAN_COPY), or
+ * a shutdown (b NULL, no copies) into buf; *len = bytes used. TD_ERANGE if cap is too
+ * small. */
+int dc_plan_encode(const kn_batch *b, const kn_kv_tier_op *copies, int n_copies, int block_size,
+                   uint64_t step, void *buf, size_t cap, size_t *len);
 
 typedef struct {
-    uint32_t kind; /* DC_PLAN_RUN or DC_PLAN_SHUTDOWN */
+    uint32_t kind; /* DC_PLAN_RUN, DC_PLAN_COPY or DC_PLAN_SHUTDOWN */
     uint64_t step;
+    const kn_kv_tier_op *copies; /* (n_copies) the tier copies to make first (kinds and
+                                    blocks checked; slots are the tier's to check) */
+    int n_copies;
     kn_batch batch;     /* logit rows as the leader's (their range is the engine's to check) */
     kn_seq_view *views; /* (cap_views) */
     int cap_views;

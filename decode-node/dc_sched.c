@@ -62,7 +62,7 @@ struct dc_sched {
     uint64_t pc_queried, pc_hits; /* tokens looked up / found at admissions */
     kn_kv_tier *tier;             /* p.tier: the cache's second tier, else NULL */
     int tier_left;                /* copies from the tier this step may still make */
-    uint64_t tier_hits;           /* tokens admitted from blocks read back from the tier */
+    uint64_t tier_hits;           /* tokens admitted from blocks the tier gave back */
     /* the current step's arrays, (cap_tokens) / (cap_seqs) */
     int32_t *tok, *pos, *seq_of, *rows;
     kn_seq_view *views;
@@ -145,13 +145,12 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     if (p->n_eog) memcpy(s->eog, p->eog_ids, (size_t)p->n_eog * sizeof *s->eog);
     s->p.eog_ids = s->eog;
     if (s->p.tier_blocks_per_step <= 0) s->p.tier_blocks_per_step = 32;
-    if (p->tier.bytes && !p->prefix_cache) {
-        TD_LOG_ERR("a prefix cache tier needs the prefix cache");
-        dc_sched_destroy(s);
-        return TD_EINVAL;
-    }
     int rc = p->prefix_cache ? kn_kv_cache_create(kv, &s->cache) : 0;
     if (rc) TD_LOG_ERR("cannot create the prefix cache: %s", td_strerror(rc));
+    if (!rc && p->tier.bytes && !p->prefix_cache) {
+        TD_LOG_ERR("a prefix cache tier needs the prefix cache");
+        rc = TD_EINVAL;
+    }
     if (!rc && p->tier.bytes && !(rc = kn_kv_tier_create(&p->tier, kv, &s->tier)))
         kn_kv_cache_set_tier(s->cache, s->tier);
     if (rc) {
@@ -318,7 +317,7 @@ int dc_sched_submit(dc_sched *s, const dc_request_params *p)
 
 /* Blocks the running requests still need to finish their prompts (promised capacity). */
 static int promised_blocks(const dc_sched *s);
-static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait);
+static int pc_match(dc_sched *s, dc_req *r, bool *wait);
 
 int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int32_t **blocks,
                              int *n_blocks, int32_t *n_cached)
@@ -327,10 +326,10 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
     int rc = check_params(s, p);
     if (!rc) rc = req_new(s, p, &r);
     if (rc) return rc;
-    /* the pool's cached prefix is shared, never transferred (not the tier's: copies are a
-     * step's budget); blocks promised to running prompts stay theirs (else: preemption) */
+    /* the cached prefix (the tier's within the step's copy budget, never waiting for more)
+     * is shared, not transferred; blocks promised to running prompts stay theirs */
     bool wait;
-    int m = pc_match(s, r, false, &wait), need = kn_kv_blocks_for(s->kv, p->n_prompt) - m;
+    int m = pc_match(s, r, &wait), need = kn_kv_blocks_for(s->kv, p->n_prompt) - m;
     if (kn_kv_available(s->kv) - promised_blocks(s) < need) rc = TD_ESTATE;
     if (!rc) rc = kn_kv_seq_reserve(s->kv, &r->seq, p->n_prompt);
     if (!rc) rc = list_push(&s->xfer, r);
@@ -340,6 +339,9 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
     }
     s->pc_queried += s->cache ? (uint64_t)p->n_prompt : 0;
     s->pc_hits += (uint64_t)r->n_computed;
+    if (s->cache)
+        s->tier_hits += (uint64_t)kn_kv_cache_claim_restored(s->cache, r->seq.blocks, m) *
+                        (uint64_t)s->kv->block_size;
     r->n_cached = r->n_computed;
     r->admitted_once = true; /* usage keeps this figure if it is preempted later */
     *blocks = r->seq.blocks;
@@ -412,15 +414,12 @@ static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
     }
 }
 
-/* Prefix cache, at admission: share the cached leading whole blocks of r's tokens (never
- * all of them: the last token is always computed, so its logits exist and no shared block is
- * written) and start computing after them; blocks only the tier holds are copied back into
- * the pool first, within the step's copy budget and the pool's unpromised room. Requests
- * that want prompt logprobs compute every prompt row, so they match nothing. Without tier,
- * blocks only the tier holds are not matched. Returns the blocks matched; *wait: the
- * step's copy budget ran out before r's prefix was whole (r waits for the next step rather
- * than compute what the tier holds). */
-static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait)
+/* Prefix cache, at admission and Alloc: share r's cached leading whole blocks (never the last
+ * token's: its logits are needed, and a shared block is never written) and compute after
+ * them; blocks only the second tier holds are copied back first, within the step's copy
+ * budget and the unpromised room. Prompt logprobs match nothing. Returns the blocks matched;
+ * *wait: the copy budget ran out first (r waits a step rather than compute them). */
+static int pc_match(dc_sched *s, dc_req *r, bool *wait)
 {
     *wait = false;
     int most = (r->n_tokens - 1) / s->kv->block_size;
@@ -434,7 +433,7 @@ static int pc_match(dc_sched *s, dc_req *r, bool tier, bool *wait)
     int room = kn_kv_available(s->kv) - promised_blocks(s);
     kn_kv_tier_budget tb = {.copies_left = s->tier_left < room ? s->tier_left : room};
     int m = kn_kv_cache_match_tier(s->cache, r->tokens, r->n_tokens, most, r->seq.blocks, &r->pc,
-                                   s->tier && tier ? &tb : NULL);
+                                   s->tier ? &tb : NULL);
     s->tier_left -= tb.copied;
     *wait = tb.more && s->tier_left <= 0; /* not for want of room: that may never come */
     r->seq.n_blocks = m;
@@ -527,7 +526,7 @@ static int admit_waiting(dc_sched *s, int budget)
     while (s->waiting.n && budget > 0 && s->running.n < s->p.max_running) {
         dc_req *r = s->waiting.v[0];
         bool wait;
-        int m = pc_match(s, r, true, &wait); /* cached leading blocks: shared, not computed again */
+        int m = pc_match(s, r, &wait); /* cached leading blocks: shared, not computed again */
         int need = kn_kv_blocks_for(s->kv, r->n_tokens + 1) - m;
         int32_t left = r->n_tokens - r->n_computed;
         int32_t chunk = cap_chunk(s, r->n_computed, left < budget ? left : budget);

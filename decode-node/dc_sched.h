@@ -45,8 +45,9 @@
  * recently idle first). The other ranks follow through the plan's block tables.
  * Second tier (p.tier): an evicted cached block is written to the tier; at admission a
  * prompt's leading blocks found only there are copied into free pool blocks (bounded work
- * per step, see dc_sched_params) before the request's first chunk is planned. Rank 0's pool
- * only: the node refuses a tier with tp > 1 (the copies would have to travel in the plan).
+ * per step, see dc_sched_params) before the request's first chunk is planned. At tp > 1 the
+ * tier (params.tier.log) records its copies; the node sends them in the step plan and the
+ * other ranks repeat them on their pools (dc_tier.c, kv_tier.h "tensor parallelism").
  * Structured output: a request with a grammar (td_sampling.grammar_kind) has a matcher that
  * has seen every generated token (a moved request's are replayed at submit, a transfer's
  * first token at transfer_done); each sample is masked by it, and a token that completes
@@ -175,9 +176,11 @@ int dc_sched_cancel(dc_sched *s, uint64_t id);
 /* Disaggregated mode: check p like dc_sched_submit (same errors) and reserve blocks for
  * the whole prompt now; the request is TRANSFERRING. With the prefix cache, the prompt's
  * leading whole blocks found in the pool are shared (as at admission: never the block of
- * the last prompt token, nothing with prompt logprobs, not from the tier) and *n_cached
- * (a multiple of the block size) says how many positions they hold: the transfer must
- * write only [*n_cached, n_prompt), never the shared blocks. *blocks (n_blocks ids:
+ * the last prompt token, nothing with prompt logprobs; blocks only the second tier holds
+ * are copied back within what is left of the step's copy budget, never waiting for more:
+ * the rest is transferred) and *n_cached (a multiple of the block size) says how many
+ * positions they hold: the transfer must write only [*n_cached, n_prompt), never the
+ * shared blocks. *blocks (n_blocks ids:
  * position q in blocks[q / block_size], the shared ones first) stays valid until the next
  * call into the scheduler. TD_ESTATE: the pool cannot hold the prompt right now (blocks
  * promised to running prompts count as taken); retry later. */

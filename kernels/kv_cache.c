@@ -315,6 +315,11 @@ void kn_kv_cache_set_tier(kn_kv_cache *c, struct kn_kv_tier *tier)
     c->tier = tier;
 }
 
+struct kn_kv_tier *kn_kv_cache_tier(const kn_kv_cache *c)
+{
+    return c->tier;
+}
+
 int kn_kv_cache_claim_restored(kn_kv_cache *c, const int32_t *blocks, int n)
 {
     int k = 0;

@@ -130,6 +130,7 @@ typedef struct {
 /* Attach tier (borrowed until detached with NULL or the cache is destroyed); NULL detaches.
  * Clearing the cache clears the tier too. */
 void kn_kv_cache_set_tier(kn_kv_cache *c, struct kn_kv_tier *tier);
+struct kn_kv_tier *kn_kv_cache_tier(const kn_kv_cache *c); /* the attached tier, or NULL */
 /* kn_kv_cache_match, also taking blocks from the tier within tb's budget (tb NULL or no
  * tier: the pool only). A block copied in is held by the caller like a matched one. */
 int kn_kv_cache_match_tier(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,

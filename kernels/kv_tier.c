@@ -44,6 +44,9 @@ struct kn_kv_tier {
     uint64_t mask;
     bool broken; /* the file shrank: every call misses from then on */
     uint64_t writes, reads, dropped, errors;
+    bool log;           /* record copies (a TP leader's tier) */
+    kn_kv_tier_op *ops; /* (cap_ops) the copies since the last kn_kv_tier_ops_clear */
+    int n_ops, cap_ops;
 };
 
 size_t kn_kv_tier_block_bytes(const kn_kv_pool *pool)
@@ -149,9 +152,16 @@ int kn_kv_tier_create(const kn_kv_tier_params *p, const kn_kv_pool *pool, kn_kv_
     }
     size_t n = (p->bytes - HEADER_BYTES) / sb;
     if (n > INT32_MAX / 4) n = INT32_MAX / 4;
+    if (p->slots < 0 || (size_t)p->slots > n) {
+        TD_LOG_ERR("kv tier: %zu bytes hold %zu blocks of %zu bytes, not the %d asked for",
+                   p->bytes, n, sb, p->slots);
+        return TD_EINVAL;
+    }
+    if (p->slots) n = (size_t)p->slots;
     kn_kv_tier *t = calloc(1, sizeof *t);
     if (!t) return TD_ENOMEM;
     t->fd = -1;
+    t->log = p->log;
     t->bs = pool->block_size;
     t->n_slots = (int)n;
     t->slot_bytes = sb;
@@ -207,6 +217,7 @@ void kn_kv_tier_destroy(kn_kv_tier *t)
     free(t->next);
     free(t->free_slots);
     free(t->index);
+    free(t->ops);
     free(t);
 }
 
@@ -218,6 +229,27 @@ void kn_kv_tier_clear(kn_kv_tier *t)
         t->free_slots[i] = t->n_slots - 1 - i;
     t->n_free = t->n_slots;
     t->lru_head = t->lru_tail = -1;
+    t->n_ops = 0;
+}
+
+/* Record a copy (a TP leader's tier). false: no memory (the caller undoes the copy, so the
+ * other ranks never need it). */
+static bool log_op(kn_kv_tier *t, int32_t kind, int32_t slot, int32_t block)
+{
+    if (!t->log) return true;
+    if (t->n_ops == t->cap_ops) {
+        int cap = t->cap_ops ? 2 * t->cap_ops : 64;
+        kn_kv_tier_op *v = realloc(t->ops, (size_t)cap * sizeof *v);
+        if (!v) {
+            TD_LOG_ERR("kv tier: no memory to record a copy for the other ranks");
+            t->errors++;
+            return false;
+        }
+        t->ops = v;
+        t->cap_ops = cap;
+    }
+    t->ops[t->n_ops++] = (kn_kv_tier_op){.kind = kind, .slot = slot, .block = block};
+    return true;
 }
 
 /* ---- index (linear probing by id, deletion by backward shift) and LRU ---- */
@@ -291,15 +323,22 @@ static void entry_drop(kn_kv_tier *t, int32_t s)
 
 /* ---- copies between a pool block and a slot ---- */
 
+/* A device pool with host staging (kv_pool.h) holds a block's newest KV in its host copy
+ * while on_dev is 0 (received, not uploaded yet): the copy out reads it there; a copy in
+ * writes the device copy and marks it current, so the engine does not upload the older host
+ * copy over it. */
 static int copy_out(const kn_kv_pool *pool, int32_t block, uint8_t *dst)
 {
     size_t bb = pool->block_bytes;
+    bool host = !pool->dev.ops || (pool->host && !pool->on_dev[block]);
     for (int l = 0; l < pool->n_layers; l++)
         for (int kv = 0; kv < 2; kv++) {
             const uint8_t *src =
                 (const uint8_t *)(kv ? pool->v[l] : pool->k[l]) + (size_t)block * bb;
             uint8_t *d = dst + (size_t)(2 * l + kv) * bb;
-            if (!pool->dev.ops)
+            if (pool->dev.ops && host) /* the staging copy: the same offset */
+                memcpy(d, (const uint8_t *)pool->host + (src - (const uint8_t *)pool->region), bb);
+            else if (!pool->dev.ops)
                 memcpy(d, src, bb);
             else if (pool->dev.ops->download(pool->dev.ctx, d, src, bb))
                 return TD_EIO;
@@ -319,6 +358,7 @@ static int copy_in(kn_kv_pool *pool, int32_t block, const uint8_t *src)
             else if (pool->dev.ops->upload(pool->dev.ctx, d, s, bb))
                 return TD_EIO;
         }
+    if (pool->host) pool->on_dev[block] = 1;
     return 0;
 }
 
@@ -352,6 +392,10 @@ int kn_kv_tier_put(kn_kv_tier *t, const kn_kv_pool *pool, int32_t block, uint64_
     memcpy(t->tok + (size_t)s * (size_t)t->bs, tokens, (size_t)t->bs * sizeof *tokens);
     index_add(t, s);
     lru_append(t, s);
+    if (!log_op(t, KN_KV_TIER_OP_PUT, s, block)) {
+        entry_drop(t, s); /* the other ranks would not have it */
+        return TD_ENOMEM;
+    }
     t->writes++;
     return 0;
 }
@@ -387,6 +431,8 @@ int kn_kv_tier_get(kn_kv_tier *t, int slot, kn_kv_pool *pool, int32_t block)
         t->errors++;
         return TD_EIO;
     }
+    if (!log_op(t, KN_KV_TIER_OP_GET, slot, block))
+        return TD_ENOMEM; /* the block is the caller's */
     lru_unlink(t, slot);
     lru_append(t, slot);
     t->reads++;
@@ -401,4 +447,64 @@ kn_kv_tier_stats kn_kv_tier_get_stats(const kn_kv_tier *t)
                               .reads = t->reads,
                               .dropped = t->dropped,
                               .errors = t->errors};
+}
+
+const kn_kv_tier_op *kn_kv_tier_ops(const kn_kv_tier *t, int *n)
+{
+    *n = t->n_ops;
+    return t->ops;
+}
+
+void kn_kv_tier_ops_clear(kn_kv_tier *t)
+{
+    t->n_ops = 0;
+}
+
+/* A follower's slot s holds data when serial[s] is non-zero (it has no index: the leader's
+ * tier decides which slot holds what). */
+int kn_kv_tier_apply(kn_kv_tier *t, kn_kv_pool *pool, const kn_kv_tier_op *op)
+{
+    if (op->slot < 0 || op->slot >= t->n_slots || op->block < 0 || op->block >= pool->n_blocks ||
+        (op->kind != KN_KV_TIER_OP_PUT && op->kind != KN_KV_TIER_OP_GET)) {
+        TD_LOG_ERR("kv tier: copy op (kind %d, slot %d, block %d) out of range (%d slots, %d "
+                   "blocks)",
+                   op->kind, op->slot, op->block, t->n_slots, pool->n_blocks);
+        return TD_EINVAL;
+    }
+    if (!store_ok(t)) return TD_EIO;
+    uint8_t *d = slot_data(t, op->slot);
+    if (op->kind == KN_KV_TIER_OP_PUT) {
+        t->serial[op->slot] = 0;
+        if (copy_out(pool, op->block, d)) {
+            TD_LOG_ERR("kv tier: copying block %d out of the pool failed", op->block);
+            t->errors++;
+            return TD_EIO;
+        }
+        t->sum[op->slot] = checksum(d, t->slot_bytes);
+        t->serial[op->slot] = 1;
+        t->writes++;
+        return 0;
+    }
+    if (!t->serial[op->slot]) {
+        TD_LOG_ERR("kv tier: slot %d was never written here (the leader's tier holds it)",
+                   op->slot);
+        t->errors++;
+        return TD_ENOENT;
+    }
+    if (checksum(d, t->slot_bytes) != t->sum[op->slot]) {
+        TD_LOG_ERR("kv tier: slot %d of %s is corrupt", op->slot,
+                   t->path ? t->path : "host memory");
+        t->serial[op->slot] = 0;
+        t->errors++;
+        return TD_EFORMAT;
+    }
+    if (copy_in(pool, op->block, d)) {
+        TD_LOG_ERR("kv tier: copying slot %d into pool block %d failed: the tier stops", op->slot,
+                   op->block);
+        t->broken = true;
+        t->errors++;
+        return TD_EIO;
+    }
+    t->reads++;
+    return 0;
 }

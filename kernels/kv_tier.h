@@ -12,9 +12,11 @@
  *     disk fails here, not at a write) and memory-mapped; the CPU backend's tier. The file
  *     is a scratch space of this process: it is (re)initialised at create and locked
  *     (flock) while the tier lives; an existing file that is not a tier file is refused.
- *   - params.path NULL: anonymous host memory; the tier of a pool in device memory (the
- *     copies then go through the backend's download/upload). Only the host-pool copy path
- *     is exercised by this repository's tests (no device here).
+ *   - params.path NULL: anonymous host memory.
+ * A pool in device memory is copied through the backend's download/upload (either store);
+ * a staged device pool's block whose newest KV is in its host copy is read there, and a
+ * block copied in is marked current on the device (kv_pool.h on_dev). Tested with the
+ * cpu-dev backend (kernels/cpu/cpu_dev.h); never run on a GPU here.
  * Integrity: every slot's data has a 64-bit checksum kept in memory; a slot whose data no
  * longer matches (the file was written by someone else) is an error (TD_EFORMAT, the entry
  * dropped), never KV handed to the model; a file that shrank under the tier is TD_EIO before
@@ -28,6 +30,7 @@
 #ifndef KN_KV_TIER_H
 #define KN_KV_TIER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -38,7 +41,19 @@ typedef struct kn_kv_tier kn_kv_tier;
 typedef struct {
     const char *path; /* a file on a local disk, or NULL: anonymous host memory */
     size_t bytes;     /* the store's size, header included; must hold at least one block */
+    int slots;        /* 0: as many blocks as bytes hold; else exactly this many (bytes must
+                         hold them): the ranks of a TP instance use the same count */
+    bool log;         /* record every copy (kn_kv_tier_ops): a TP leader's tier, whose copies
+                         the other ranks repeat on their own shards (kn_kv_tier_apply) */
 } kn_kv_tier_params;
+
+/* One copy between a pool block and a slot, as the leader's tier made it. */
+enum { KN_KV_TIER_OP_PUT = 1, KN_KV_TIER_OP_GET = 2 };
+typedef struct {
+    int32_t kind;  /* KN_KV_TIER_OP_PUT: block -> slot; KN_KV_TIER_OP_GET: slot -> block */
+    int32_t slot;  /* the tier slot */
+    int32_t block; /* the pool block */
+} kn_kv_tier_op;
 
 typedef struct {
     int slots;        /* blocks the tier holds */
@@ -80,5 +95,25 @@ int kn_kv_tier_get(kn_kv_tier *t, int slot, kn_kv_pool *pool, int32_t block);
 void kn_kv_tier_clear(kn_kv_tier *t);
 
 kn_kv_tier_stats kn_kv_tier_get_stats(const kn_kv_tier *t);
+
+/* ---- tensor parallelism ----
+ * Each rank of a TP instance holds its own pool (its KV heads) and its own tier (PATH.rR)
+ * of the same slot count. Only the leader's tier has an index and an LRU (it decides, as it
+ * owns the cache): with params.log it records every copy it makes, in order (a put that
+ * only touches an entry copies nothing and is not recorded). The leader sends them with
+ * the next step plan and every other rank repeats them on its own shard with
+ * kn_kv_tier_apply before the step computes: same slots, same blocks, same order, so each
+ * rank's slot s holds its heads of the leader's entry in s. A follower's tier keeps only a
+ * checksum per slot (its own data's), so a corrupt or never-written slot is an error there
+ * too, never KV handed to the model. Clearing a tier empties its log. */
+
+/* The copies recorded since the last kn_kv_tier_ops_clear, oldest first (*n of them). */
+const kn_kv_tier_op *kn_kv_tier_ops(const kn_kv_tier *t, int *n);
+void kn_kv_tier_ops_clear(kn_kv_tier *t);
+/* Repeat the leader's copy op on this rank's pool and tier. 0; TD_EINVAL: a slot or block
+ * out of range or an unknown kind; TD_ENOENT: a get from a slot never written (or whose put
+ * failed); TD_EFORMAT: the slot's data is corrupt; TD_EIO: the file shrank or a device copy
+ * failed. Any error means this rank's KV would differ from the leader's: the caller stops. */
+int kn_kv_tier_apply(kn_kv_tier *t, kn_kv_pool *pool, const kn_kv_tier_op *op);
 
 #endif

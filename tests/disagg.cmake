@@ -18,6 +18,15 @@ if(TANDEM_PYTHON)
                    --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
   set_tests_properties(disagg_prefix_cache PROPERTIES FIXTURES_REQUIRED synth_models
                        TIMEOUT 1200 LABELS disagg)
+  # the decode prefix cache's second tier searched at Alloc (tests/disagg/test_prefix_tier_pd.py):
+  # turn 2 of a conversation the pool lost is held from the tier, pushed only in part, exact
+  add_test(NAME disagg_prefix_tier
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_prefix_tier_pd.py
+                   --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
+                   --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
+                   --synth-dir ${TANDEM_TEST_DATA}/synth)
+  set_tests_properties(disagg_prefix_tier PROPERTIES FIXTURES_REQUIRED synth_models
+                       TIMEOUT 600 LABELS disagg)
 endif()
 if(TANDEM_PYTHON)
   # the device paths on cpu-dev (tests/disagg/test_devstage.py): colocated tp 2 and prefill

@@ -121,7 +121,7 @@ endif()
 
 # router_prefix_tier: the decode prefix cache's second tier (tests/router/test_prefix_tier.py):
 # a conversation evicted from a small pool into a file tier comes back (cached_tokens, tier
-# metrics) and its greedy text == a cold cluster's; a tier at tp 2 is refused.
+# metrics) and its greedy text == a cold cluster's, at tp 1 and tp 2; disaggregated tp 2 refused.
 if(TANDEM_PYTHON)
   set(RT_TIER_ARGS)
   if(TANDEM_MODEL)

@@ -17,6 +17,7 @@
 #include "../tharness.h"
 #include "cpu_backend.h"
 #include "dc_plan.h"
+#include "kv_cache.h"
 #include "dc_sched.h"
 #include "model.h"
 #include "sampler.h"
@@ -262,11 +263,17 @@ static void test_plan_round_trip(void)
         dc_step st;
         TH_REQUIRE(dc_sched_plan(s, &st) > 0);
         size_t len;
-        TH_REQUIRE(dc_plan_encode(&st.batch, 16, (uint64_t)step, buf, sizeof buf, &len) == 0);
-        TH_CHECK(len == dc_plan_size(&st.batch, 16));
+        /* odd steps carry tier copies (a TP leader's tier: kv_tier.h), made before the step */
+        const kn_kv_tier_op cp[3] = {
+            {KN_KV_TIER_OP_PUT, 7, 1}, {KN_KV_TIER_OP_GET, 2, 1}, {KN_KV_TIER_OP_GET, 7, 3}};
+        int nc = step % 2 ? 3 : 0;
+        TH_REQUIRE(dc_plan_encode(&st.batch, cp, nc, 16, (uint64_t)step, buf, sizeof buf, &len) ==
+                   0);
+        TH_CHECK(len == dc_plan_size(&st.batch, nc, 16));
         TH_REQUIRE(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0);
         const kn_batch *a = &st.batch, *b = &v.batch;
         TH_CHECK(v.kind == DC_PLAN_RUN && v.step == (uint64_t)step);
+        TH_CHECK(v.n_copies == nc && (!nc || !memcmp(v.copies, cp, sizeof cp)));
         TH_CHECK(a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs);
         TH_CHECK(a->n_solo == b->n_solo);
         /* the logit rows travel too: every rank computes its vocab slice of them */
@@ -288,7 +295,20 @@ static void test_plan_round_trip(void)
         dc_sched_commit(s, logits_buf, rc);
     }
     size_t len;
-    TH_CHECK(dc_plan_encode(NULL, 16, 9, buf, sizeof buf, &len) == 0);
+    /* copies alone (a planning that scheduled nothing): DC_PLAN_COPY; bad copies refused */
+    kn_kv_tier_op cp[2] = {{KN_KV_TIER_OP_PUT, 0, 5}, {KN_KV_TIER_OP_GET, 0, 6}};
+    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, buf, sizeof buf, &len) == 0);
+    TH_CHECK(len == dc_plan_size(NULL, 2, 16));
+    TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0 && v.kind == DC_PLAN_COPY &&
+             v.n_copies == 2 && v.copies[1].kind == KN_KV_TIER_OP_GET && v.copies[1].block == 6 &&
+             v.batch.n_tokens == 0);
+    for (size_t cut = 0; cut < len; cut += 5)
+        TH_CHECK(dc_plan_decode(buf, cut, 16, kv->n_blocks, &v) == TD_EFORMAT);
+    TH_CHECK(dc_plan_decode(buf, len, 16, 6, &v) == TD_EFORMAT); /* block 6 outside the pool */
+    cp[0].kind = 9;
+    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, buf, sizeof buf, &len) == 0);
+    TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
+    TH_CHECK(dc_plan_encode(NULL, NULL, 0, 16, 9, buf, sizeof buf, &len) == 0);
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0 && v.kind == DC_PLAN_SHUTDOWN);
     buf[0] ^= 1;
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
@@ -671,6 +691,71 @@ static void test_transfer_prefix(void)
     kn_kv_pool_destroy(kv);
 }
 
+/* The second tier at Alloc (disaggregated mode): turn 1 arrives by transfer and decodes,
+ * the whole pool is then taken and given back (every idle cached block goes to the tier),
+ * and turn 2's Alloc finds its prefix in the tier: the blocks are copied back (n_cached as
+ * with the pool, tier reads and hits counted), the prefill writes only the rest, and turn 2
+ * gives the cold tokens. Without the tier the same Alloc shares nothing. */
+static void test_transfer_tier(void)
+{
+    enum { K = 3, T = N_REQ + K };
+    outputs cold;
+    int i2 = T;
+    run(&i2, 1, 256, 64, &cold, NULL);
+    int whole = 0;
+    for (int with_tier = 1; with_tier >= 0; with_tier--) {
+        kn_kv_pool *kv;
+        kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
+        TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+        outputs o;
+        memset(&o, 0, sizeof o);
+        dc_sched *s;
+        dc_sched_params sp = {.max_running = 16, .step_tokens = 64, .prefix_cache = true};
+        if (with_tier)
+            sp.tier = (kn_kv_tier_params){.bytes = 4096 + 64 * kn_kv_tier_block_bytes(kv)};
+        TH_REQUIRE(
+            dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+        const int32_t *blocks;
+        int nb;
+        int32_t nc;
+        specs[T + 1] = specs[T];
+        dc_request_params p = params_of(K);
+        TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0 && nc == 0);
+        TH_REQUIRE(dc_sched_transfer_done(s, K, fake_prefill(kv, K, blocks, nb)) == 0);
+        drive(s, kv, 100000, logits_buf);
+        if (with_tier) whole = (specs[K].n_prompt + o.n[K] - 1) / 16 * 16;
+        /* another user takes the whole pool: the cached blocks leave it */
+        int n_all = kn_kv_available(kv);
+        int32_t *all = malloc((size_t)n_all * sizeof *all);
+        TH_REQUIRE(all && kn_kv_alloc(kv, n_all, all) == 0);
+        TH_CHECK(kn_kv_cache_get_stats(kv->cache).cached == 0);
+        for (int i = 0; i < n_all; i++) /* scribble: only the tier still holds turn 1's KV */
+            memset((char *)kv->k[0] + (size_t)all[i] * kv->block_bytes, 0x7f, kv->block_bytes);
+        kn_kv_free(kv, n_all, all);
+        free(all);
+        p = params_of(T);
+        TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0);
+        dc_sched_stats st = dc_sched_get_stats(s);
+        if (!with_tier) {
+            TH_CHECKF(nc == 0, "no tier: %d positions shared", nc);
+            TH_CHECK(dc_sched_transfer_end(s, T, DC_FINISH_CANCELLED) == 0);
+        } else {
+            TH_CHECKF(nc == whole && nc > 0, "turn 2 from the tier: %d positions, expected %d", nc,
+                      whole);
+            TH_CHECK(st.tier_reads == (uint64_t)nc / 16 && st.tier_hits == (uint64_t)nc);
+            int32_t first = fake_prefill_from(kv, T, blocks, nb, nc);
+            TH_REQUIRE(first >= 0 && dc_sched_transfer_done(s, T, first) == 0);
+            drive(s, kv, 100000, logits_buf);
+            TH_CHECKF(o.n[T] == cold.n[T] && !memcmp(o.ids[T], cold.ids[T], 4 * (size_t)o.n[T]),
+                      "turn 2 with %d positions from the tier differs from cold", nc);
+            TH_CHECK(o.cached[T] == nc);
+        }
+        TH_CHECK(kn_kv_available(kv) == kv->n_blocks && dc_sched_idle(s));
+        dc_sched_destroy(s);
+        kn_kv_pool_destroy(kv);
+    }
+}
+
 /* The step time the ITL test pretends to measure (ms): 2 + 1 per decode row + 0.1 per
  * prefill token (decode rows are the batch's solo rows). */
 static double fake_ms(const kn_batch *b)
@@ -793,6 +878,7 @@ int main(int argc, char **argv)
     TH_RUN(test_transfer_edges);
     TH_RUN(test_prefix_cache);
     TH_RUN(test_transfer_prefix);
+    TH_RUN(test_transfer_tier);
     TH_RUN(test_itl_target);
     free(logits_buf);
     kn_engine_destroy(engine);

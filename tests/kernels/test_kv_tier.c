@@ -1,13 +1,16 @@
 /* test_kv_tier.c: the prefix cache's second tier (kernels/kv_tier.h): bit-exact round trips
  * (file and host memory), its LRU, a full tier, refused and broken files (a foreign file, a
  * locked one, a corrupt slot, a file truncated under the tier: errors, never a crash), and
- * the cache with a tier attached (evicted blocks come back by a match, under a budget). */
+ * the cache with a tier attached (evicted blocks come back by a match, under a budget), and
+ * tensor parallelism (a follower rank repeats the leader tier's logged copies exactly). */
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "../tharness.h"
+#include "cpu_dev.h"
+#include "kn_backends.h"
 #include "kv_cache.h"
 #include "kv_tier.h"
 #include "td_blockhash.h"
@@ -17,16 +20,21 @@
 
 static char dir[] = "/tmp/tandem-kvtier-XXXXXX";
 
-static kn_kv_pool *pool_of(int n_blocks)
+static kn_kv_pool *pool_heads(int n_blocks, int n_kv_heads)
 {
     kn_kv_pool_params p = {.n_layers = 2,
-                           .n_kv_heads = 2,
+                           .n_kv_heads = n_kv_heads,
                            .head_dim = 4,
                            .block_size = BS,
                            .n_blocks = n_blocks,
                            .type = TD_F32};
     kn_kv_pool *pool = NULL;
     return kn_kv_pool_create(&p, &pool) ? NULL : pool;
+}
+
+static kn_kv_pool *pool_of(int n_blocks)
+{
+    return pool_heads(n_blocks, 2);
 }
 
 /* Fill block b of every layer's K and V with values derived from seed. */
@@ -242,6 +250,247 @@ static void test_cache_with_tier(void)
     kn_kv_pool_destroy(pool);
 }
 
+/* Whether block b of every layer holds what fill(pool, b, seed) wrote. */
+static bool holds(const kn_kv_pool *pool, int32_t b, unsigned seed)
+{
+    for (int l = 0; l < pool->n_layers; l++) {
+        const float *k = (const float *)((char *)pool->k[l] + (size_t)b * pool->block_bytes);
+        const float *v = (const float *)((char *)pool->v[l] + (size_t)b * pool->block_bytes);
+        for (size_t i = 0; i < pool->block_bytes / 4; i++) {
+            seed = seed * 1103515245u + 12345u;
+            if (k[i] != (float)(seed >> 8) / 7.0f || v[i] != -(float)(seed >> 9) / 3.0f)
+                return false;
+        }
+    }
+    return true;
+}
+
+/* Tensor parallelism: rank 0's cache and logging tier decide; rank 1 (another number of KV
+ * heads, so other slot bytes, the same slot count) repeats the logged copies on its own pool
+ * and tier before each "step" computes. Many sequences through a 4-block pool and a 3-slot
+ * tier (evictions, LRU drops, restores): every block a match hands out holds on each rank
+ * exactly that rank's KV of that entry. */
+static void test_tp_replay(void)
+{
+    enum { NSEQ = 5, NB = 2 };
+    kn_kv_pool *p0 = pool_heads(4, 2), *p1 = pool_heads(4, 1);
+    kn_kv_cache *c;
+    TH_REQUIRE(p0 && p1 && kn_kv_cache_create(p0, &c) == 0);
+    char path0[128], path1[128];
+    snprintf(path0, sizeof path0, "%s/tp.r0", dir);
+    snprintf(path1, sizeof path1, "%s/tp.r1", dir);
+    size_t big = kn_kv_tier_block_bytes(p0);
+    kn_kv_tier_params tp0 = {.path = path0, .bytes = 4096 + 3 * big, .slots = 3, .log = true};
+    kn_kv_tier_params tp1 = {.path = path1, .bytes = 4096 + 3 * big, .slots = 3};
+    kn_kv_tier *t0 = NULL, *t1 = NULL;
+    TH_REQUIRE(kn_kv_tier_create(&tp0, p0, &t0) == 0 && kn_kv_tier_create(&tp1, p1, &t1) == 0);
+    TH_CHECK(kn_kv_tier_get_stats(t1).slots == 3); /* not the 6 its bytes would hold */
+    kn_kv_cache_set_tier(c, t0);
+    unsigned rnd = 12345;
+    int hits = 0, restored = 0;
+    for (int it = 0; it < 200; it++) {
+        rnd = rnd * 1103515245u + 12345u;
+        int q = (int)(rnd >> 16) % NSEQ;
+        int32_t tok[NB * BS], blocks[NB];
+        for (int j = 0; j < NB * BS; j++)
+            tok[j] = 100 * q + j;
+        kn_kv_tier_budget tb = {.copies_left = NB};
+        kn_kv_chain ch;
+        int m = kn_kv_cache_match_tier(c, tok, NB * BS, NB, blocks, &ch, &tb);
+        bool ok = kn_kv_alloc(p0, NB - m, blocks + m) == 0;
+        TH_CHECK(ok);
+        if (!ok) break;
+        /* the step plan: rank 1 makes rank 0's copies first */
+        int n_ops;
+        const kn_kv_tier_op *ops = kn_kv_tier_ops(t0, &n_ops);
+        for (int i = 0; i < n_ops; i++)
+            TH_CHECK(kn_kv_tier_apply(t1, p1, &ops[i]) == 0);
+        kn_kv_tier_ops_clear(t0);
+        hits += m;
+        restored += tb.copied;
+        for (int b = 0; b < m; b++) { /* what it matched is each rank's KV of that block */
+            unsigned seed = 1000u * (unsigned)q + 10u * (unsigned)b;
+            TH_CHECK(holds(p0, blocks[b], seed) && holds(p1, blocks[b], seed + 1));
+        }
+        for (int b = m; b < NB; b++) { /* "compute" the rest on both ranks, enter it */
+            unsigned seed = 1000u * (unsigned)q + 10u * (unsigned)b;
+            fill(p0, blocks[b], seed);
+            fill(p1, blocks[b], seed + 1);
+            kn_kv_cache_insert(c, &ch, tok + b * BS, blocks[b]);
+        }
+        kn_kv_free(p0, NB, blocks);
+    }
+    kn_kv_tier_stats s0 = kn_kv_tier_get_stats(t0), s1 = kn_kv_tier_get_stats(t1);
+    TH_CHECK(restored > 20 && hits > restored && s0.dropped > 0);
+    TH_CHECK(s1.writes == s0.writes && s1.reads == s0.reads && s0.errors == 0 && s1.errors == 0);
+    /* a follower refuses what it cannot do exactly: never-written, out of range, corrupt */
+    kn_kv_tier_clear(t1);
+    kn_kv_tier_op get0 = {KN_KV_TIER_OP_GET, 0, 1}, put0 = {KN_KV_TIER_OP_PUT, 0, 1};
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &get0) == TD_ENOENT);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){KN_KV_TIER_OP_GET, 3, 1}) == TD_EINVAL);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){KN_KV_TIER_OP_PUT, 0, 4}) == TD_EINVAL);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){7, 0, 1}) == TD_EINVAL);
+    fill(p1, 1, 77);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &put0) == 0);
+    fill(p1, 2, 78);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &(kn_kv_tier_op){KN_KV_TIER_OP_GET, 0, 2}) == 0 &&
+             holds(p1, 2, 77));
+    int fd = open(path1, O_RDWR);
+    TH_REQUIRE(fd >= 0 && pwrite(fd, "garbage!", 8, 4096 + 8) == 8);
+    close(fd);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &get0) == TD_EFORMAT);
+    TH_CHECK(kn_kv_tier_apply(t1, p1, &get0) == TD_ENOENT); /* dropped */
+    /* a put that only touches an entry copies nothing: nothing to repeat */
+    kn_kv_tier_ops_clear(t0);
+    int32_t tk[BS] = {9, 9, 9, 9};
+    TH_CHECK(kn_kv_tier_put(t0, p0, 0, 555, 99, 1, tk) == 0);
+    TH_CHECK(kn_kv_tier_put(t0, p0, 1, 555, 99, 1, tk) == 0);
+    int n_ops;
+    const kn_kv_tier_op *ops = kn_kv_tier_ops(t0, &n_ops);
+    TH_CHECK(n_ops == 1 && ops[0].kind == KN_KV_TIER_OP_PUT && ops[0].block == 0);
+    kn_kv_tier_clear(t0);
+    TH_CHECK((kn_kv_tier_ops(t0, &n_ops), n_ops == 0));
+    kn_kv_cache_destroy(c);
+    kn_kv_tier_destroy(t0);
+    kn_kv_tier_destroy(t1);
+    kn_kv_pool_destroy(p0);
+    kn_kv_pool_destroy(p1);
+}
+
+/* Copy host pool h's block hb to device pool d's block db (every layer's K and V), or back. */
+static bool dev_copy(const kn_backend *be, kn_kv_pool *d, int32_t db, kn_kv_pool *h, int32_t hb,
+                     bool up)
+{
+    for (int l = 0; l < d->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++) {
+            char *dp = (char *)(kv ? d->v[l] : d->k[l]) + (size_t)db * d->block_bytes;
+            char *hp = (char *)(kv ? h->v[l] : h->k[l]) + (size_t)hb * h->block_bytes;
+            if (up ? be->ops->upload(be->ctx, dp, hp, d->block_bytes)
+                   : be->ops->download(be->ctx, hp, dp, d->block_bytes))
+                return false;
+        }
+    return true;
+}
+
+/* A pool in device memory (backend cpu-dev: the CPU kernels behind a device backend's
+ * contract, which counts any host pointer handed to it as a violation): blocks go to the
+ * tier (file or host memory) through the backend's download and come back through its
+ * upload, bit-exact, with no violation; a TP follower's replay works the same way. */
+static void test_device_pool(const char *path)
+{
+    kn_backend be;
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 1}, &be) == 0);
+    TH_REQUIRE(!be.ops->host_memory);
+    kn_kv_pool_params pp = {.n_layers = 2,
+                            .n_kv_heads = 2,
+                            .head_dim = 4,
+                            .block_size = BS,
+                            .n_blocks = 4,
+                            .type = TD_F32,
+                            .backend = &be};
+    kn_kv_pool *d = NULL, *d1 = NULL, *h = pool_of(4);
+    TH_REQUIRE(kn_kv_pool_create(&pp, &d) == 0 && kn_kv_pool_create(&pp, &d1) == 0 && h);
+    TH_REQUIRE(d->dev.ops && !d->host);
+    kn_cpudev_stats st0, st;
+    TH_REQUIRE(kn_cpudev_stats_of(be, &st0) == 0);
+    kn_kv_tier_params tp = {
+        .path = path, .bytes = 4096 + 2 * kn_kv_tier_block_bytes(d), .log = true};
+    kn_kv_tier *t = NULL, *t1 = NULL;
+    kn_kv_tier_params tp1 = {.path = NULL, .bytes = tp.bytes};
+    TH_REQUIRE(kn_kv_tier_create(&tp, d, &t) == 0 && kn_kv_tier_create(&tp1, d1, &t1) == 0);
+    int32_t tok[BS] = {1, 2, 3, 4};
+    fill(h, 0, 7);
+    fill(h, 1, 99);
+    TH_CHECK(dev_copy(&be, d, 2, h, 0, true) && dev_copy(&be, d, 3, h, 1, true));
+    TH_CHECK(dev_copy(&be, d1, 2, h, 1, true)); /* rank 1's KV of the block: other values */
+    TH_CHECK(kn_kv_tier_put(t, d, 2, 42, 5, 1, tok) == 0);
+    uint64_t serial;
+    int slot = kn_kv_tier_find(t, 42, 1, tok, &serial);
+    TH_CHECK(slot >= 0 && kn_kv_tier_get(t, slot, d, 3) == 0);
+    fill(h, 2, 1234);
+    TH_CHECK(dev_copy(&be, d, 3, h, 2, false) && holds(h, 2, 7)); /* bit-exact, via download */
+    /* rank 1 repeats the copies: its block 2 goes to its slot, comes back into its block 3 */
+    int n_ops;
+    const kn_kv_tier_op *ops = kn_kv_tier_ops(t, &n_ops);
+    TH_CHECK(n_ops == 2);
+    for (int i = 0; i < n_ops; i++)
+        TH_CHECK(kn_kv_tier_apply(t1, d1, &ops[i]) == 0);
+    TH_CHECK(dev_copy(&be, d1, 3, h, 2, false) && holds(h, 2, 99));
+    TH_REQUIRE(kn_cpudev_stats_of(be, &st) == 0);
+    TH_CHECKF(st.n_violations == 0, "%lld violations; first: %s", (long long)st.n_violations,
+              st.first);
+    size_t blk = kn_kv_tier_block_bytes(d);
+    /* two puts downloaded a block each, two gets uploaded one, plus the test's own copies */
+    TH_CHECK(st.bytes_download - st0.bytes_download == 2 * blk + 2 * blk);
+    TH_CHECK(st.bytes_upload - st0.bytes_upload == 2 * blk + 3 * blk);
+    kn_kv_tier_destroy(t);
+    kn_kv_tier_destroy(t1);
+    kn_kv_pool_destroy(d);
+    kn_kv_pool_destroy(d1);
+    kn_kv_pool_destroy(h);
+    kn_backend_destroy(&be);
+}
+
+/* A staged device pool (kvxfer's KV lands in its host copy, kv_pool.h): a block whose newest
+ * KV is in the host copy (on_dev 0) goes to the tier from there, and a block copied back is
+ * marked current on the device, so the engine's upload does not put the stale host copy over
+ * it. */
+static void test_staged_device_pool(void)
+{
+    kn_backend be;
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 1}, &be) == 0);
+    kn_kv_pool_params pp = {.n_layers = 2,
+                            .n_kv_heads = 2,
+                            .head_dim = 4,
+                            .block_size = BS,
+                            .n_blocks = 4,
+                            .type = TD_F32,
+                            .backend = &be,
+                            .host_stage = true};
+    kn_kv_pool *d = NULL, *h = pool_of(4);
+    TH_REQUIRE(kn_kv_pool_create(&pp, &d) == 0 && h && d->host && d->on_dev);
+    kn_kv_tier *t = tier_of(d, NULL, 2);
+    TH_REQUIRE(t);
+    int32_t ids[2], tok[BS] = {1, 2, 3, 4};
+    TH_REQUIRE(kn_kv_alloc(d, 2, ids) == 0 && !d->on_dev[ids[0]] && !d->on_dev[ids[1]]);
+    /* block ids[0]: KV received into the host copy (the device copy is older) */
+    fill(h, 0, 5);
+    fill(h, 1, 6);
+    TH_CHECK(dev_copy(&be, d, ids[0], h, 1, true)); /* the device copy: other values */
+    d->on_dev[ids[0]] = 0;
+    for (int l = 0; l < d->n_layers; l++) {
+        size_t off = (size_t)ids[0] * d->block_bytes;
+        memcpy((char *)d->host + ((char *)d->k[l] - (char *)d->region) + off,
+               (char *)h->k[l] + 0 * h->block_bytes, d->block_bytes);
+        memcpy((char *)d->host + ((char *)d->v[l] - (char *)d->region) + off,
+               (char *)h->v[l] + 0 * h->block_bytes, d->block_bytes);
+    }
+    TH_CHECK(kn_kv_tier_put(t, d, ids[0], 42, 5, 1, tok) == 0);
+    uint64_t serial;
+    int slot = kn_kv_tier_find(t, 42, 1, tok, &serial);
+    TH_CHECK(slot >= 0 && kn_kv_tier_get(t, slot, d, ids[1]) == 0);
+    TH_CHECK(d->on_dev[ids[1]] == 1); /* current on the device: no stale upload over it */
+    fill(h, 2, 999);
+    TH_CHECK(dev_copy(&be, d, ids[1], h, 2, false) && holds(h, 2, 5)); /* the host copy's KV */
+    kn_kv_free(d, 2, ids);
+    kn_kv_tier_destroy(t);
+    kn_kv_pool_destroy(d);
+    kn_kv_pool_destroy(h);
+    kn_backend_destroy(&be);
+}
+
+static void test_device_pool_memory(void)
+{
+    test_device_pool(NULL);
+}
+
+static void test_device_pool_file(void)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/dev", dir);
+    test_device_pool(path);
+}
+
 int main(void)
 {
     if (!mkdtemp(dir)) return 1;
@@ -253,6 +502,10 @@ int main(void)
     TH_RUN(test_lru_and_full);
     TH_RUN(test_bad_files);
     TH_RUN(test_cache_with_tier);
+    TH_RUN(test_tp_replay);
+    TH_RUN(test_device_pool_memory);
+    TH_RUN(test_device_pool_file);
+    TH_RUN(test_staged_device_pool);
     char cmd[160];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd)) fprintf(stderr, "cannot remove %s\n", dir);

@@ -8,7 +8,14 @@ docs/prefix-cache.md "Second tier") end to end, colocated, real processes, the o
     (prefix_cache: false), with decode[].deterministic: true on both;
   - the same run without the tier shows the prefix was really gone from the pool (A's turn 2
     hits at most the shared head of the prompt there);
-  - a tier at tp 2 is refused at start with a clear message (not built yet).
+  - the same scenario at tp 2 on the synthetic model (two ranks, each with its own tier file PATH.r0 / PATH.r1, the
+    leader's copies repeated by rank 1 from the step plan): turn 2 hits in the tier with the
+    same cached_tokens as at tp 1, both ranks' tiers are written, and its greedy text equals
+    a cold tp 2 cluster's;
+  - the tp 1 and tp 2 scenarios with `backend: cpu-dev` (pools in device memory, copied to
+    the tiers through the backend's download/upload): the same text and cached_tokens as on
+    cpu; tp 2 with decode[].overlap too;
+  - a tier at tp 2 in disaggregated mode is refused at start with a clear message.
 
 usage: test_prefix_tier.py --router BIN --decode BIN --tandem BIN --synth GGUF [--model GGUF]
 """
@@ -74,27 +81,46 @@ def run(client, mid, n_other):
     return r1, chat(client, mid, m2)
 
 
-def run_model(args, model, name):
+def cluster(args, model, tp, decode_extra, backend):
+    cl = Cluster(args, model, kv_blocks=KV_BLOCKS, tp=tp, decode_extra=decode_extra)
+    if backend:
+        with open(cl.cfg, "a") as f:
+            f.write(f"backend: {backend}\n")
+    return cl
+
+
+def run_model(args, model, name, tp=1, want_cached=None, backend=None, cold_text=None,
+              overlap=False):
+    """The scenario at tp ranks on backend (None: the default, cpu); want_cached: turn 2's
+    cached_tokens must equal it (tp 1's); cold_text: (turn 1, turn 2) of a cold cluster run
+    before (else one runs here); overlap: decode[].overlap on the tier's cluster. Returns
+    (turn 2's cached_tokens with the tier, cold_text)."""
     base = {"deterministic": True}
-    with Cluster(args, model, kv_blocks=KV_BLOCKS,
-                 decode_extra=dict(base, prefix_cache=False)) as cold:
-        client = client_of(cold)
-        mid = client.models.list().data[0].id
-        c1, c2 = run(client, mid, 0)
-    want = c2.choices[0].message.content
-    # without a tier: the other prompts push A out of the pool
-    with Cluster(args, model, kv_blocks=KV_BLOCKS, decode_extra=dict(base)) as pool_only:
-        _, p2 = run(client_of(pool_only), mid, 12)
-        base_hit = cached(p2.usage)
-        check(p2.choices[0].message.content == want, f"{name}: pool only: turn 2 == cold")
+    name = f"{name} tp {tp}" + (f" {backend}" if backend else "") + (" overlap" if overlap else "")
+    if cold_text is None:
+        with cluster(args, model, tp, dict(base, prefix_cache=False), None) as cold:
+            client = client_of(cold)
+            mid = client.models.list().data[0].id
+            c1, c2 = run(client, mid, 0)
+        cold_text = (c1.choices[0].message.content, c2.choices[0].message.content)
+    want = cold_text[1]
+    base_hit = 0
+    if tp == 1 and not backend:  # without a tier: the other prompts push A out of the pool
+        with cluster(args, model, 1, dict(base), None) as pool_only:
+            _, p2 = run(client_of(pool_only), mid, 12)
+            base_hit = cached(p2.usage)
+            check(p2.choices[0].message.content == want, f"{name}: pool only: turn 2 == cold")
     tdir = tempfile.mkdtemp(prefix="tandem-tier-")
     tier = f"{{path: {tdir}/tier, size: 64MiB}}"
-    with Cluster(args, model, kv_blocks=KV_BLOCKS,
-                 decode_extra=dict(base, prefix_cache_tier=tier)) as cl:
+    with cluster(args, model, tp, dict(base, prefix_cache_tier=tier, overlap=overlap),
+                 backend) as cl:
         client = client_of(cl)
+        mid = client.models.list().data[0].id
         w1, w2 = run(client, mid, 12)
-        check(w1.choices[0].message.content == c1.choices[0].message.content,
-              f"{name}: turn 1 with a tier == cold")
+        check(w1.choices[0].message.content == cold_text[0], f"{name}: turn 1 with a tier == cold")
+        if backend:
+            with open(os.path.join(cl.dir, "d0.log"), errors="replace") as f:
+                check(backend in f.read(), f"{name}: the decode node runs on {backend}")
         got = w2.choices[0].message.content
         check(got == want, f"{name}: turn 2 from the tier == cold"
               + ("" if got == want else f": {got!r} != {want!r}"))
@@ -102,6 +128,8 @@ def run_model(args, model, name):
         check(k is not None and k > (base_hit or 0) and k < w2.usage.prompt_tokens,
               f"{name}: turn 2 cached_tokens {k} > {base_hit} (pool only) of "
               f"{w2.usage.prompt_tokens}")
+        if want_cached is not None:
+            check(k == want_cached, f"{name}: turn 2 cached_tokens {k} == {want_cached} (tp 1)")
         time.sleep(0.6)  # a heartbeat brings the counters
         m = metrics(cl)
         writes = m("tandem_prefix_cache_tier_writes_total")
@@ -109,22 +137,31 @@ def run_model(args, model, name):
         hits = m("tandem_prefix_cache_tier_hits_total")
         check(writes > 0 and reads > 0 and hits > 0 and hits <= k,
               f"{name}: tier writes {writes}, reads {reads}, hit tokens {hits} (<= {k})")
-        size = os.path.getsize(f"{tdir}/tier.r0") if os.path.exists(f"{tdir}/tier.r0") else 0
-        check(0 < size <= 64 << 20, f"{name}: the tier file {tdir}/tier.r0 ({size} bytes)")
+        for r in range(tp):
+            f = f"{tdir}/tier.r{r}"
+            size = os.path.getsize(f) if os.path.exists(f) else 0
+            check(0 < size <= 64 << 20, f"{name}: the tier file {f} ({size} bytes)")
+            # rank r's tier was written: some slot past the 4 KiB header is not all zeros
+            with open(f, "rb") as fh:
+                fh.seek(4096)
+                data = fh.read(4 << 20)
+            check(data.count(0) < len(data), f"{name}: rank {r}'s tier holds KV")
     shutil.rmtree(tdir, ignore_errors=True)
+    return k, cold_text
 
 
 def run_refusals(args):
     with tempfile.TemporaryDirectory() as d:
         cfg = os.path.join(d, "c.yaml")
         with open(cfg, "w") as f:
-            f.write(f"model: {args.synth}\ndecode:\n  - name: d0\n    tp: 2\n"
-                    f"    prefix_cache_tier: {{path: {d}/t, size: 8MiB}}\n")
+            f.write(f"model: {args.synth}\nprefill:\n  - name: p0\ndecode:\n  - name: d0\n"
+                    f"    tp: 2\n    prefix_cache_tier: {{path: {d}/t, size: 8MiB}}\n")
         p = subprocess.run([args.decode, "--config", cfg, "--instance", "d0", "--rank", "0"],
                            capture_output=True, text=True, timeout=60)
         out = p.stdout + p.stderr
-        check(p.returncode != 0 and "not built for tp > 1" in out,
-              f"tp 2 with a tier refused ({p.returncode}: {out.strip()[-200:]!r})")
+        check(p.returncode != 0 and "built for colocated mode only" in out,
+              f"tp 2 with a tier in disaggregated mode refused ({p.returncode}: "
+              f"{out.strip()[-200:]!r})")
 
 
 def main():
@@ -137,8 +174,15 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     run_refusals(args)
-    run_model(args, args.synth, "synth")
-    if args.model:
+    k1, cold = run_model(args, args.synth, "synth")
+    # a pool in device memory (cpu-dev: the cpu kernels behind a device backend's contract,
+    # bit-identical to cpu): the same answers and hits as on cpu
+    run_model(args, args.synth, "synth", want_cached=k1, backend="cpu-dev", cold_text=cold)
+    _, cold2 = run_model(args, args.synth, "synth", tp=2, want_cached=k1)
+    run_model(args, args.synth, "synth", tp=2, want_cached=k1, backend="cpu-dev", cold_text=cold2)
+    # overlap: the next step is planned (and its copies made) while no pass is in flight
+    run_model(args, args.synth, "synth", tp=2, want_cached=k1, cold_text=cold2, overlap=True)
+    if args.model:  # tp 1 only: the default model's 9 heads do not split over 2 ranks
         run_model(args, args.model, "default")
     print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")
     return 1 if FAILS else 0
