@@ -280,7 +280,8 @@ int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
     return 0;
 }
 
-int pl_hw_parallel(const pl_hw *hw, int n)
+double pl_hw_parallel(const pl_hw *hw, int n)
 {
-    return hw->one_node && n > hw->devices_per_node ? hw->devices_per_node : n;
+    int c = hw->devices_per_node;
+    return hw->one_node && n > c ? (double)n / ((n + c - 1) / c) : n;
 }

@@ -48,9 +48,11 @@ typedef struct {
     double ar_lat[PL_HW_MAX_AR_TP + 1]; /* [tp]: measured all-reduce latency, s; 0: none */
 } pl_hw;
 
-/* The devices that run at once for a group of n: n, or devices_per_node on a one_node
- * profile (the rest time-share them). */
-int pl_hw_parallel(const pl_hw *hw, int n);
+/* The speed-up of a group of n devices that work in lock step (a tp group: an all-reduce
+ * after every slice of work): n, or on a one_node profile with n > c = devices_per_node,
+ * n / ceil(n / c): c of the n slices run at once, and every all-reduce waits for the last
+ * round (tp 3 on 2 cores: 1.5, not 2). */
+double pl_hw_parallel(const pl_hw *hw, int n);
 
 /* Load a profile. Errors are FILE:LINE:COLUMN: reason, into err (and logged); returns 0,
  * TD_EIO (cannot open), TD_EFORMAT (not YAML) or TD_EINVAL (bad schema or value). */

@@ -39,7 +39,7 @@ int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool
     memset(st, 0, sizeof *st);
     st->n_layers = n_layers;
     st->tp = tp;
-    int par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's devices time-shares */
+    double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
     double mm = par * hw->matmul_flops * hw->eff_matmul, att = par * hw->attn_flops * hw->eff_attn;
     /* attention over a chunk: A n_l x (L + x/2) = a x (2L + x) with a = A n_l / 2 */
     st->a = 1e3 * m->attn_flops_pair * n_layers / (2.0 * att);
@@ -78,7 +78,7 @@ double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
 
 double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, double S)
 {
-    int par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's devices time-shares */
+    double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
     double mem =
         (pl_model_weights_read(m, B) + S * m->kv_bytes_token) / par / (hw->hbm_bw * hw->eff_mem);
     double comp = 2.0 * pl_model_active_params(m) * B / (par * hw->matmul_flops * hw->eff_matmul) +

@@ -7,12 +7,14 @@
 #                  calibrate` on the synthetic llama model and a plan over the profile it
 #                  wrote (fixture synth_models), and one measured prefill (chunk-plan) predicted
 #                  from that profile within [0.5, 2] x, in < 30 s
-#   planner_live   validate_live.py --quick on the synthetic llama model: calibrate, then three
-#                  live clusters (`tandem up`: colocated tp 1, pp 2 + tp 1, pp 1 + tp 2), a few
+#   planner_live   validate_live.py --quick on the default model (TANDEM_MODEL; the synthetic
+#                  models' steps of ~0.1 ms are below what a client over HTTP can time
+#                  apart from the serving path): calibrate, then three
+#                  live clusters (`tandem up`: colocated tp 1, pp 2 + tp 1, pp 1 + tp 3), a few
 #                  sequential requests each through the router, TTFT and TPOT p50 against
 #                  `tandem plan --sequential` from that profile within [0.5, 2] x (a loaded CI
 #                  machine: catches a broken model, not noise; the 15 % figures are in
-#                  BENCHMARKS.md "Planner")
+#                  BENCHMARKS.md "Planner"); ~60 s on a loaded 2-core machine
 if(TARGET td_planner)
   add_executable(test_planner ${CMAKE_CURRENT_SOURCE_DIR}/planner/test_planner.c)
   target_include_directories(test_planner PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
@@ -28,10 +30,9 @@ if(TARGET td_planner AND TANDEM_PYTHON)
   set_tests_properties(planner_cli PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 30
                                               LABELS planner)
 endif()
-if(TARGET td_planner AND TANDEM_PYTHON)
+if(TARGET td_planner AND TANDEM_PYTHON AND TANDEM_MODEL)
   add_test(NAME planner_live
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/planner/validate_live.py
-                   ${CMAKE_BINARY_DIR} ${TANDEM_TEST_DATA}/synth/llama.gguf --quick --bound 2)
-  set_tests_properties(planner_live PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 120
-                                               LABELS planner RUN_SERIAL TRUE)
+                   ${CMAKE_BINARY_DIR} ${TANDEM_MODEL} --quick --bound 2)
+  set_tests_properties(planner_live PROPERTIES TIMEOUT 150 LABELS planner RUN_SERIAL TRUE)
 endif()

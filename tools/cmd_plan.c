@@ -246,9 +246,14 @@ static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
                k->pf.tp, k->n_decode, k->dc.tp, r->why);
         return;
     }
-    printf("%7d  %dx%dx%-4d %dx%-4d %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s%s\n", r->devices,
-           k->n_prefill, k->pf.pp, k->pf.tp, k->n_decode, k->dc.tp, r->ttft_p50, r->ttft_p90,
-           r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps, c->meets ? "yes" : "no",
+    char pf[16];
+    if (k->n_prefill)
+        snprintf(pf, sizeof pf, "%dx%dx%d", k->n_prefill, k->pf.pp, k->pf.tp);
+    else
+        snprintf(pf, sizeof pf, "colocated");
+    printf("%7d  %-10s %dx%-4d %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s%s\n", r->devices, pf,
+           k->n_decode, k->dc.tp, r->ttft_p50, r->ttft_p90, r->tpot_p50, r->tpot_p90, r->output_tps,
+           r->prefill_tps, c->meets ? "yes" : "no",
            best ? "  <- cheapest that meets the targets" : "");
 }
 

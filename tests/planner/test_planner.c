@@ -181,8 +181,9 @@ static void test_one_node(void)
     double shared_net = pl_decode_step_ms(&m, &hw, 3, 1, 100);
     TH_CHECK(pl_allreduce_ms(&hw, 3, 0) > 3.9); /* 2 x 2 x 1 ms over the network */
     hw.one_node = 1;
-    TH_CHECK(pl_hw_parallel(&hw, 3) == 2 && pl_hw_parallel(&hw, 2) == 2);
-    double comp2 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 100 / 5e11) / 2;
+    TH_CHECK(pl_hw_parallel(&hw, 3) == 1.5 && pl_hw_parallel(&hw, 2) == 2 &&
+             pl_hw_parallel(&hw, 4) == 2);
+    double comp2 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 100 / 5e11) / 1.5;
     TH_CHECKF(fabs(pl_decode_step_ms(&m, &hw, 3, 1, 100) - (comp2 + 0.5)) < 1e-6, "step %.6f",
               pl_decode_step_ms(&m, &hw, 3, 1, 100));
     TH_CHECK(shared_net > pl_decode_step_ms(&m, &hw, 3, 1, 100));
