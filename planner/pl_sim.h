@@ -20,9 +20,9 @@
  *   each new one on the instance whose stage 0 frees first.
  *   KV transfer: each stage sends its layers' KV of a chunk once computed, on its own link,
  *   overlapped with later chunks; a request's TTFT ends when its last chunk's KV has landed.
- *   Decode step of B requests with a summed context S on tp devices:
- *     max(weights read for B tokens / tp + S kv_bytes / tp over B_hbm e_mem,
- *         2 P_active B / (tp F_mm e_mm) + n_layer A S / (tp F_att e_att))
+ *   Decode step of B requests with a summed context S on tp devices, a roofline per phase:
+ *     max(weights read for B tokens / tp / (B_hbm e_mem), 2 P_active B / (tp F_mm e_mm))
+ *     + max(S kv_bytes / tp / (B_hbm e_mem), n_layer A S / (tp F_att e_att))
  *     + 2 n_layer all-reduces of B n_embd act_bytes + step overhead;
  *   requests join a running batch at step boundaries (continuous batching) on the decode
  *   instance with the fewest requests, if its KV memory holds prompt + output.

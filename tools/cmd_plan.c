@@ -43,6 +43,7 @@ typedef struct {
     pl_workload w;
     pl_search_params sp;
     bool json, all, reproduce, have_cfg, have_ttft, have_tpot, sequential;
+    bool pf_flag; /* --chunk, --chunk-max or --smooth given (prefill instances only) */
     int batch;
     pl_cluster cfg;
     int cfg_parts;
@@ -82,6 +83,8 @@ static int plan_flag(plan_opts *o, const char *f, const char *v)
 {
     float x;
     int rc, s[3];
+    if (!strcmp(f, "--chunk") || !strcmp(f, "--chunk-max") || !strcmp(f, "--smooth"))
+        o->pf_flag = true;
     if (!strcmp(f, "--model"))
         o->model = v;
     else if (!strcmp(f, "--hw"))
@@ -173,6 +176,11 @@ static int plan_parse(int argc, char **argv, plan_opts *o)
         fprintf(stderr, "tandem: plan needs --model and --hw, and either --ttft-ms and "
                         "--tpot-ms, both --prefill and --decode, or --colocated\n");
         return plan_usage();
+    }
+    if (o->pf_flag && o->cfg_parts == 4) {
+        fprintf(stderr, "tandem: --chunk, --chunk-max and --smooth are a prefill instance's; "
+                        "a colocated decode instance takes --step-tokens\n");
+        return TD_EINVAL;
     }
     if (o->cfg.dc.step_tokens && o->cfg_parts != 4) {
         fprintf(stderr, "tandem: --step-tokens is for --colocated (the decode instance's prompt "

@@ -124,10 +124,10 @@ def median(v):
 def predict(tandem, model, hw, cfg):
     name, pp, tp, prompt, out, n = cfg
     shape = ["--colocated", "1x%d" % tp, "--step-tokens", str(CHUNK)] if not pp else \
-        ["--prefill", "1x%dx1" % pp, "--decode", "1x%d" % tp]
+        ["--prefill", "1x%dx1" % pp, "--decode", "1x%d" % tp, "--chunk", str(CHUNK),
+         "--chunk-max", str(CHUNK), "--smooth", "0"]
     o = run([tandem, "plan", "--model", model, "--hw", hw, "--requests", str(n), "--sequential",
-             "--prompt", str(prompt), "--output", str(out), "--chunk", str(CHUNK),
-             "--chunk-max", str(CHUNK), "--smooth", "0", "--json"] + shape)
+             "--prompt", str(prompt), "--output", str(out), "--json"] + shape)
     c = json.loads(o)["configs"][0]
     return c["ttft_ms"]["p50"], c["tpot_ms"]["p50"]
 
