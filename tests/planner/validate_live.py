@@ -17,8 +17,11 @@ BENCHMARKS.md "Planner"; docs/planner.md "Validation against live clusters").
 Fixed 512-token chunks everywhere (prefill chunk_size with smoothing 0, colocated step_tokens)
 so that both sides chunk alike. Exit 1 when a ratio leaves [1/B, B] (default B 1.15).
 --quick: three configurations (colocated tp 1, pp 2 + tp 1, pp 1 + tp 3), short prompts, few
-requests (the ctest planner_live, with a generous bound)."""
-import argparse, http.client, json, os, random, signal, subprocess, sys, tempfile, time
+requests (the ctest planner_live, with a generous bound). --hw F: use that profile instead of
+calibrating; --only: a comma-separated subset of the configurations' names.
+The decode tp must divide the model's attention heads: the configurations use tp 1 and 3
+(SmolLM2-135M has 9 heads; tp 2 needs another model)."""
+import argparse, http.client, json, os, random, subprocess, sys, tempfile, time
 
 FULL = [  # name, pp (0: colocated), decode tp, prompt, output, requests
     ("colocated tp1, 256", 0, 1, 256, 32, 4),
