@@ -10,27 +10,48 @@
 #include "pf_profile.h"
 #include "pf_shard.h"
 #include "pf_tune.h"
+#include "td_clock.h"
 #include "td_err.h"
 #include "td_stats.h"
 
 /* BENCHMARKS.md figures for what one process cannot measure (pl_calib.h) */
-#define SHM_ALLREDUCE_US 0.8 /* 576 floats, 2 ranks on separate cores, test_shm --bench */
-#define KVX_SM_GBPS      8.33
-#define KVX_SM_LAT_US    40.0
-#define KVX_TCP_GBPS     0.9
-#define KVX_TCP_LAT_US   635.0
+#define KVX_SM_GBPS    8.33
+#define KVX_SM_LAT_US  40.0
+#define KVX_TCP_GBPS   0.9
+#define KVX_TCP_LAT_US 635.0
 
+/* Batch-1 decode steps as the decode node runs them: one token a forward, a solo row, with
+ * its logits (the LM head is part of every step; the prefill profile's forwards skip it).
+ * steps warm-up steps, then steps timed; *ms their median. */
 static int measure_decode(pf_shard *sh, int steps, double *ms)
 {
-    int32_t *ones = malloc((size_t)steps * sizeof *ones);
+    const kn_model *m = sh->rt.model;
+    float *logits = malloc((size_t)m->hp.n_vocab * sizeof *logits);
     double *t = malloc((size_t)steps * sizeof *t);
-    int rc = ones && t ? 0 : TD_ENOMEM;
-    for (int i = 0; i < steps && !rc; i++)
-        ones[i] = 1;
-    if (!rc) rc = pf_profile_run_plan(sh, ones, steps, 11, t); /* warm-up */
-    if (!rc) rc = pf_profile_run_plan(sh, ones, steps, 12, t);
+    kn_kv_seq seq;
+    kn_kv_seq_init(&seq);
+    int rc = logits && t ? 0 : TD_ENOMEM;
+    int32_t row = 0, seq_of = 0;
+    for (int i = 0; i < 2 * steps && !rc; i++) {
+        int32_t tok = (int32_t)((i * 7919u + 17) % (uint32_t)m->hp.n_vocab), pos = i;
+        double s = (double)td_now_ns() / 1e6;
+        rc = kn_kv_seq_reserve(sh->kv, &seq, i + 1);
+        kn_seq_view view = {.block_table = seq.blocks, .n_ctx = i + 1};
+        kn_batch b = {.n_tokens = 1,
+                      .n_solo = 1,
+                      .tokens = &tok,
+                      .pos = &pos,
+                      .seq_of = &seq_of,
+                      .n_seqs = 1,
+                      .seqs = &view,
+                      .n_logits = 1,
+                      .logit_rows = &row};
+        if (!rc) rc = kn_engine_forward(sh->rt.engine, sh->kv, &b, logits);
+        if (i >= steps) t[i - steps] = (double)td_now_ns() / 1e6 - s;
+    }
     if (!rc) *ms = td_stats_median(t, (size_t)steps);
-    free(ones);
+    kn_kv_seq_fini(sh->kv, &seq);
+    free(logits);
     free(t);
     return rc;
 }
@@ -62,7 +83,7 @@ static void fill_hw(pl_calib_result *r, int threads)
     rate_to_hw(r->decode_gbps * 1e9, r->mem_gbps * 1e9, &hw->hbm_bw, &hw->eff_mem);
     /* devices talk through shared memory (nvlink's role) or loopback TCP (the network's) */
     hw->nvlink_bw = KVX_SM_GBPS * 1e9;
-    hw->nvlink_lat = SHM_ALLREDUCE_US / 2 * 1e-6; /* tp 2: 2 (tp - 1) latencies */
+    hw->nvlink_lat = r->allreduce_us[2] / 2 * 1e-6; /* tp 2: 2 (tp - 1) latencies */
     hw->net_bw = KVX_TCP_GBPS * 1e9;
     hw->net_lat = KVX_TCP_LAT_US * 1e-6;
     hw->eff_nvlink = hw->eff_net = 1; /* the figures are effective ones */
@@ -70,6 +91,9 @@ static void fill_hw(pl_calib_result *r, int threads)
     hw->step_overhead = 0; /* folded into the memory efficiency (one decode figure) */
     hw->kvx_bw = KVX_SM_GBPS * 1e9;
     hw->kvx_lat = KVX_SM_LAT_US * 1e-6;
+    hw->one_node = 1; /* more devices than cores time-share them */
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++)
+        hw->ar_lat[tp] = r->allreduce_us[tp] * 1e-6;
 }
 
 int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
@@ -84,7 +108,7 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     pf_shard_params sp = {.model_path = p->model_path,
                           .pp = 1,
                           .threads = threads,
-                          .ctx = chunk + chunk / 4 + steps + 64,
+                          .ctx = chunk + chunk / 4 + 2 * steps + 64,
                           .kv_type = TD_F16};
     if ((rc = pf_shard_open(&sh, &sp))) return rc;
     kn_cpu *cpu = kn_cpu_of(sh.rt.be);
@@ -99,7 +123,10 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     pf_profile_result pr;
     rc = pf_profile_stage(&sh, &pp, &pr);
     if (!rc) rc = measure_decode(&sh, steps, &r->decode_ms);
+    int n_embd = sh.rt.model->hp.n_embd;
     pf_shard_close(&sh);
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
+        rc = pl_calib_allreduce(tp, n_embd, 2000, &r->allreduce_us[tp]);
     if (rc) return rc;
     /* robustly, as the prefill node fits its profile (pf_chunking.c): a busy moment is an
      * outlier, not a change of the model */
@@ -131,20 +158,22 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
 
 void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
 {
-    snprintf(buf, cap,
-             "# written by `tandem calibrate` for %s (%d layers, %.1f MB of weights)\n"
-             "# measured: sgemm %.2f GFLOP/s, memory read %.2f GB/s (kernels' ceiling probes);\n"
-             "#   prefill profile f(l) = %.4g l^2 + %.4g l + %.4g ms (R^2 %.4f): the model's\n"
-             "#   matrix products at %.2f GFLOP/s, attention at %.2f GFLOP/s;\n"
-             "#   batch-1 decode step %.3f ms: weights read at %.2f GB/s.\n"
-             "# peak_tflops.f32 is the faster of sgemm and the matrix-product rate; efficiencies\n"
-             "#   are measured / peak (attention clamped at 1).\n"
-             "# not measured here (BENCHMARKS.md): nvlink = shared memory between processes,\n"
-             "#   kvxfer sm %.2f GB/s and the decode node's shm all-reduce (%.1f us for 576\n"
-             "#   floats, test_shm --bench); net = loopback TCP, kvxfer %.2f GB/s, %.0f us;\n"
-             "#   kv_transfer = kvxfer sm, 1 rank, %.0f us a chunk.\n",
-             r->model.name, r->model.n_layer, r->model.weight_bytes / 1e6, r->sgemm_gflops,
-             r->mem_gbps, r->fit_a, r->fit_b, r->fit_c, r->fit_r2, r->matmul_gflops, r->attn_gflops,
-             r->decode_ms, r->decode_gbps, KVX_SM_GBPS, SHM_ALLREDUCE_US, KVX_TCP_GBPS,
-             KVX_TCP_LAT_US, KVX_SM_LAT_US);
+    snprintf(
+        buf, cap,
+        "# written by `tandem calibrate` for %s (%d layers, %.1f MB of weights)\n"
+        "# measured: sgemm %.2f GFLOP/s, memory read %.2f GB/s (kernels' ceiling probes);\n"
+        "#   prefill profile f(l) = %.4g l^2 + %.4g l + %.4g ms (R^2 %.4f): the model's\n"
+        "#   matrix products at %.2f GFLOP/s, attention at %.2f GFLOP/s;\n"
+        "#   batch-1 decode step with its logits %.3f ms: weights read at %.2f GB/s;\n"
+        "#   decode all-reduce of %d floats (dc_shm, one-thread rank processes): tp 2 %.1f us,\n"
+        "#   tp 3 %.1f us, tp 4 %.1f us.\n"
+        "# peak_tflops.f32 is the faster of sgemm and the matrix-product rate; efficiencies\n"
+        "#   are measured / peak (attention clamped at 1).\n"
+        "# not measured here (BENCHMARKS.md): nvlink bandwidth = shared memory between\n"
+        "#   processes, kvxfer sm %.2f GB/s; net = loopback TCP, kvxfer %.2f GB/s, %.0f us;\n"
+        "#   kv_transfer = kvxfer sm, 1 rank, %.0f us a chunk.\n",
+        r->model.name, r->model.n_layer, r->model.weight_bytes / 1e6, r->sgemm_gflops, r->mem_gbps,
+        r->fit_a, r->fit_b, r->fit_c, r->fit_r2, r->matmul_gflops, r->attn_gflops, r->decode_ms,
+        r->decode_gbps, r->model.n_embd, r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4],
+        KVX_SM_GBPS, KVX_TCP_GBPS, KVX_TCP_LAT_US, KVX_SM_LAT_US);
 }

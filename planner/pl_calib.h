@@ -9,10 +9,12 @@
  *     model (pf_profile_stage: single-request forwards of many lengths, fitted as
  *     f(l) = a l^2 + b l + c); b gives the matrix-product rate on the model's own shapes and
  *     types, a the attention rate, c the per-forward overhead;
- *   - batch-1 decode steps (one-token forwards, pf_profile_run_plan): the weights' read rate.
+ *   - batch-1 decode steps (one-token forwards with their logits, as the decode node steps):
+ *     the weights' read rate, the LM head included;
+ *   - the decode node's shared-memory all-reduce (dc_shm) of one token's hidden state at tp 2,
+ *     3 and 4: that many forked rank processes of one thread (pl_calib_allreduce), so a tp
+ *     larger than the cores pays the time-sharing it meets in a decode instance.
  * What is not measured, and where its figure comes from (stated in the written file):
- *   - the decode node's shared-memory all-reduce needs several rank processes and is not
- *     callable from one: BENCHMARKS.md's figure (~0.8 us for 576 floats, `test_shm --bench`);
  *   - kvxfer loopback needs a UCX receiver process: BENCHMARKS.md's kvxfer figures (shared
  *     memory 8.33 GB/s, 40 us for one block; TCP 0.9 GB/s, 635 us).
  * Threading: runs on the caller's thread plus the backend's pool. Ownership: none kept.
@@ -35,12 +37,17 @@ typedef struct {
     pl_hw hw;       /* the profile */
     pl_model model; /* the model's shape */
     double sgemm_gflops, mem_gbps;
-    double fit_a, fit_b, fit_c, fit_r2; /* the prefill profile's fit, ms */
-    double decode_ms;                   /* median batch-1 decode step */
-    double matmul_gflops;               /* the model's matrix products, from b */
-    double attn_gflops;                 /* attention, from a */
-    double decode_gbps;                 /* weights read per second by decode */
+    double fit_a, fit_b, fit_c, fit_r2;       /* the prefill profile's fit, ms */
+    double decode_ms;                         /* median batch-1 decode step */
+    double matmul_gflops;                     /* the model's matrix products, from b */
+    double attn_gflops;                       /* attention, from a */
+    double decode_gbps;                       /* weights read per second by decode */
+    double allreduce_us[PL_HW_MAX_AR_TP + 1]; /* [tp]: one all-reduce of n_embd floats */
 } pl_calib_result;
+
+/* Mean time of one dc_shm all-reduce of n_floats over tp forked rank processes (one thread
+ * each), iters timed after a warm-up, into *us. Returns 0, TD_EINVAL or TD_EIO (logged). */
+int pl_calib_allreduce(int tp, int n_floats, int iters, double *us);
 
 /* Measure; returns 0 or a td_err (logged). */
 int pl_calibrate(const pl_calib_params *p, pl_calib_result *out);

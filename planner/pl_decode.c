@@ -1,5 +1,6 @@
 /* pl_decode.c: the decode side of the simulator (continuous batching on tp devices per
- * instance) and pl_simulate, which runs prefill then decode over a workload (pl_sim.h). */
+ * instance; colocated: the instance also prefills its prompts, a chunk of at most step_tokens
+ * a step) and pl_simulate, which runs prefill then decode over a workload (pl_sim.h). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,9 +12,11 @@
 #define MEM_USABLE 0.9 /* as pl_sim.c: share of device memory for weights + KV */
 
 typedef struct {
-    double ready;             /* first token out (KV landed), ms */
+    double ready;             /* at the decode instance: KV landed (colocated: arrival), ms */
+    double first;             /* first token out, ms */
     double finish;            /* last token, ms */
     int prompt, output, made; /* made: tokens out so far (the first from prefill) */
+    int pf_left;              /* colocated: prompt tokens not yet prefilled */
 } dreq;
 
 typedef struct {
@@ -21,6 +24,7 @@ typedef struct {
     int *queue, q0, q1; /* (n) waiting, FIFO [q0, q1) */
     double kv_used;     /* tokens reserved */
     double step_end;
+    int pf_req, pf_x; /* the request whose chunk of pf_x tokens this step prefills; -1: none */
     bool stepping;
 } dinst;
 
@@ -30,6 +34,9 @@ typedef struct {
     int tp, max_batch;
     double kv_cap; /* tokens of KV an instance holds */
     dreq *r;
+    bool colocated;
+    int step_tokens;
+    pl_stage whole; /* colocated: the whole model on tp devices, a prompt chunk's cost */
 } dsim;
 
 static void admit(dsim *d, dinst *in)
@@ -43,15 +50,34 @@ static void admit(dsim *d, dinst *in)
     }
 }
 
+/* A step: one token for every running request past its prompt and (colocated) a chunk of
+ * the first running request still prefilling, priced as a forward of the whole model. */
 static void start_step(dsim *d, dinst *in, double now)
 {
     admit(d, in);
     in->stepping = in->n_run > 0;
     if (!in->stepping) return;
     double S = 0;
-    for (int i = 0; i < in->n_run; i++)
-        S += d->r[in->run[i]].prompt + d->r[in->run[i]].made;
-    in->step_end = now + pl_decode_step_ms(d->m, d->hw, d->tp, in->n_run, S);
+    int B = 0;
+    in->pf_req = -1;
+    for (int i = 0; i < in->n_run; i++) {
+        const dreq *q = &d->r[in->run[i]];
+        if (q->pf_left > 0) {
+            if (in->pf_req < 0) in->pf_req = in->run[i];
+            continue;
+        }
+        S += q->prompt + q->made;
+        B++;
+    }
+    double ms = B ? pl_decode_step_ms(d->m, d->hw, d->tp, B, S) : 0;
+    if (in->pf_req >= 0) {
+        const dreq *q = &d->r[in->pf_req];
+        in->pf_x = q->pf_left < d->step_tokens ? q->pf_left : d->step_tokens;
+        /* the step's fixed cost once: the chunk's forward carries it */
+        ms += pl_stage_ms(d->m, &d->whole, q->prompt - q->pf_left, in->pf_x) -
+              (B ? d->hw->step_overhead * 1e3 : 0);
+    }
+    in->step_end = now + ms;
 }
 
 static void end_step(dsim *d, dinst *in)
@@ -59,7 +85,15 @@ static void end_step(dsim *d, dinst *in)
     int keep = 0;
     for (int i = 0; i < in->n_run; i++) {
         dreq *q = &d->r[in->run[i]];
-        if (++q->made >= q->output) {
+        bool done = false;
+        if (q->pf_left == 0) {
+            done = ++q->made >= q->output;
+        } else if (in->run[i] == in->pf_req && (q->pf_left -= in->pf_x) == 0) {
+            q->first = in->step_end; /* the prompt's last chunk samples the first token */
+            q->made = 1;
+            done = q->output <= 1;
+        }
+        if (done) {
             q->finish = in->step_end;
             in->kv_used -= (double)q->prompt + q->output;
         } else {
@@ -123,7 +157,7 @@ static bool check_fit(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, 
     double mem = hw->mem_bytes * MEM_USABLE;
     int pd = cl->pf.pp * cl->pf.tp;
     double pf_need = (m->weight_bytes + (double)max_tokens * m->kv_bytes_token) / pd;
-    if (pf_need > mem) {
+    if (cl->n_prefill > 0 && pf_need > mem) {
         snprintf(why, cap, "prefill needs %.1f GiB a device", pf_need / 1073741824.0);
         return false;
     }
@@ -141,17 +175,17 @@ static void summarize(const pl_request *reqs, const dreq *r, int n, double *tmp,
     double t0 = INFINITY, pend = 0, end = 0, in_tok = 0, out_tok = 0;
     for (int i = 0; i < n; i++) {
         t0 = fmin(t0, reqs[i].arrival_ms);
-        pend = fmax(pend, r[i].ready);
+        pend = fmax(pend, r[i].first);
         end = fmax(end, r[i].finish);
         in_tok += reqs[i].prompt;
         out_tok += reqs[i].output;
-        tmp[i] = r[i].ready - reqs[i].arrival_ms;
+        tmp[i] = r[i].first - reqs[i].arrival_ms;
     }
     res->ttft_p50 = pct(tmp, n, 0.5, &res->ttft_mean);
     res->ttft_p90 = pct(tmp, n, 0.9, &res->ttft_mean);
     int k = 0;
     for (int i = 0; i < n; i++)
-        if (reqs[i].output > 1) tmp[k++] = (r[i].finish - r[i].ready) / (reqs[i].output - 1);
+        if (reqs[i].output > 1) tmp[k++] = (r[i].finish - r[i].first) / (reqs[i].output - 1);
     res->tpot_p50 = pct(tmp, k, 0.5, &res->tpot_mean);
     res->tpot_p90 = pct(tmp, k, 0.9, &res->tpot_mean);
     res->makespan_ms = end - t0;
@@ -164,15 +198,22 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
                 int n, pl_result *res)
 {
     memset(res, 0, sizeof *res);
-    if (cl->n_prefill < 1 || cl->n_decode < 1 || cl->dc.tp < 1 || cl->dc.max_batch < 0 || n < 1)
+    if (cl->n_prefill < 0 || cl->n_decode < 1 || cl->dc.tp < 1 || cl->dc.max_batch < 0 ||
+        cl->dc.step_tokens < 0 || n < 1)
         return TD_EINVAL;
     res->devices = cl->n_prefill * cl->pf.pp * cl->pf.tp + cl->n_decode * cl->dc.tp;
     int max_tokens = 0;
     for (int i = 0; i < n; i++)
         if (reqs[i].prompt + reqs[i].output > max_tokens)
             max_tokens = reqs[i].prompt + reqs[i].output;
-    dsim d = {
-        .m = m, .hw = hw, .tp = cl->dc.tp, .max_batch = cl->dc.max_batch ? cl->dc.max_batch : 256};
+    dsim d = {.m = m,
+              .hw = hw,
+              .tp = cl->dc.tp,
+              .max_batch = cl->dc.max_batch ? cl->dc.max_batch : 256,
+              .colocated = cl->n_prefill == 0,
+              .step_tokens = cl->dc.step_tokens ? cl->dc.step_tokens : 512};
+    if (d.colocated && pl_stage_make(m, hw, m->n_layer, cl->dc.tp, false, &d.whole))
+        return TD_EINVAL;
     res->fits = check_fit(m, hw, cl, max_tokens, &d.kv_cap, res->why, sizeof res->why);
     if (!res->fits) return 0;
     double *tmp = malloc((size_t)n * sizeof *tmp);
@@ -181,17 +222,23 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
     d.r = calloc((size_t)n, sizeof *d.r);
     dinst *in = calloc((size_t)cl->n_decode, sizeof *in);
     int rc = tmp && keys && order && d.r && in ? 0 : TD_ENOMEM;
-    if (!rc) rc = pl_sim_prefill(m, hw, &cl->pf, cl->n_prefill, reqs, n, tmp, &res->n_chunks);
+    if (!rc && d.colocated)
+        memset(tmp, 0, (size_t)n * sizeof *tmp); /* prompts go straight to decode */
+    else if (!rc)
+        rc = pl_sim_prefill(m, hw, &cl->pf, cl->n_prefill, reqs, n, tmp, &res->n_chunks);
     for (int i = 0; i < cl->n_decode && !rc; i++) {
         in[i].run = malloc((size_t)d.max_batch * sizeof *in[i].run);
         in[i].queue = malloc((size_t)n * sizeof *in[i].queue);
         if (!in[i].run || !in[i].queue) rc = TD_ENOMEM;
     }
     for (int i = 0; i < n && !rc; i++) {
-        d.r[i] = (dreq){.ready = reqs[i].arrival_ms + tmp[i],
+        double ready = reqs[i].arrival_ms + tmp[i];
+        d.r[i] = (dreq){.ready = ready,
+                        .first = d.colocated ? INFINITY : ready,
                         .prompt = reqs[i].prompt,
                         .output = reqs[i].output,
-                        .made = 1};
+                        .made = d.colocated ? 0 : 1,
+                        .pf_left = d.colocated ? reqs[i].prompt : 0};
         keys[i] = (pl_key){.t = d.r[i].ready, .i = i};
     }
     if (!rc) {
@@ -210,5 +257,43 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
     free(order);
     free(keys);
     free(tmp);
+    return rc;
+}
+
+int pl_simulate_sequential(const pl_model *m, const pl_hw *hw, const pl_cluster *cl,
+                           const pl_request *reqs, int n, pl_result *res)
+{
+    memset(res, 0, sizeof *res);
+    if (n < 1) return TD_EINVAL;
+    double *ttft = malloc((size_t)n * sizeof *ttft), *tpot = malloc((size_t)n * sizeof *tpot);
+    int rc = ttft && tpot ? 0 : TD_ENOMEM, k = 0;
+    double span = 0, pspan = 0, in_tok = 0, out_tok = 0;
+    int64_t chunks = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        pl_request one = reqs[i];
+        one.arrival_ms = 0; /* alone: the cluster is idle when it arrives */
+        rc = pl_simulate(m, hw, cl, &one, 1, res);
+        if (rc || !res->fits) break;
+        ttft[i] = res->ttft_p50;
+        if (one.output > 1) tpot[k++] = res->tpot_p50;
+        span += res->makespan_ms;
+        pspan += res->prefill_end_ms;
+        in_tok += one.prompt;
+        out_tok += one.output;
+        chunks += res->n_chunks;
+    }
+    if (!rc && res->fits) {
+        res->ttft_p50 = pct(ttft, n, 0.5, &res->ttft_mean);
+        res->ttft_p90 = pct(ttft, n, 0.9, &res->ttft_mean);
+        res->tpot_p50 = pct(tpot, k, 0.5, &res->tpot_mean);
+        res->tpot_p90 = pct(tpot, k, 0.9, &res->tpot_mean);
+        res->makespan_ms = span;
+        res->prefill_end_ms = pspan;
+        res->prefill_tps = pspan > 0 ? in_tok / (pspan * 1e-3) : 0;
+        res->output_tps = span > 0 ? out_tok / (span * 1e-3) : 0;
+        res->n_chunks = chunks;
+    }
+    free(ttft);
+    free(tpot);
     return rc;
 }

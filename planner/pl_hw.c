@@ -48,6 +48,10 @@ static const hw_field fields[] = {
     {"overhead_ms.step", F_NUM, OFF(step_overhead), 0, 1e6, 1e-3, 1},
     {"kv_transfer.gbps", F_NUM, OFF(kvx_bw), 1e-6, 1e6, 1e9, 0},
     {"kv_transfer.latency_us", F_NUM, OFF(kvx_lat), 0, 1e6, 1e-6, 0},
+    {"one_node", F_INT, OFF(one_node), 0, 1, 1, 0},
+    {"allreduce_us.tp2", F_NUM, OFF(ar_lat[2]), 0, 1e7, 1e-6, 0},
+    {"allreduce_us.tp3", F_NUM, OFF(ar_lat[3]), 0, 1e7, 1e-6, 0},
+    {"allreduce_us.tp4", F_NUM, OFF(ar_lat[4]), 0, 1e7, 1e-6, 0},
 };
 #define N_FIELDS (sizeof fields / sizeof fields[0])
 
@@ -262,9 +266,22 @@ int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
             hw->step_overhead * 1e3);
     fprintf(f, "kv_transfer: {gbps: %.6g, latency_us: %.6g}\n", hw->kvx_bw / 1e9,
             hw->kvx_lat * 1e6);
+    if (hw->one_node) fprintf(f, "one_node: 1\n");
+    for (int tp = 2, first = 1; tp <= PL_HW_MAX_AR_TP; tp++)
+        if (hw->ar_lat[tp] > 0) {
+            fprintf(f, "%stp%d: %.6g", first ? "allreduce_us: {" : ", ", tp, hw->ar_lat[tp] * 1e6);
+            first = 0;
+            if (tp == PL_HW_MAX_AR_TP || !(hw->ar_lat[tp + 1] > 0)) fprintf(f, "}\n");
+        }
     if (fclose(f)) {
         TD_LOG_ERR("planner: cannot write %s: %s", path, strerror(errno));
         return TD_EIO;
     }
     return 0;
+}
+
+double pl_hw_parallel(const pl_hw *hw, int n)
+{
+    int c = hw->devices_per_node;
+    return hw->one_node && n > c ? (double)n / ((n + c - 1) / c) : n;
 }

@@ -15,6 +15,13 @@
  *   efficiency: {matmul: 0.6, attention: 0.5, memory: 0.8, nvlink: 0.7, net: 0.8}  in (0, 1]
  *   overhead_ms: {chunk: 2, step: 1}      fixed cost of a prefill forward, a decode step
  *   kv_transfer: {gbps: 40, latency_us: 20}   optional; left out: the network's figures
+ *   allreduce_us: {tp2: 12, tp3: 40, tp4: 60}   optional: a measured small all-reduce (one
+ *                   token's hidden state) at that tp on one node, in place of
+ *                   2 (tp - 1) x latency_us.nvlink (`tandem calibrate` writes it)
+ *   one_node: 1     optional (0): every device is on this one node, as the core groups of a
+ *                   CPU machine are: a group of more than devices_per_node devices does not
+ *                   span nodes (its collectives stay on the node's links), it time-shares the
+ *                   node's devices_per_node (`tandem calibrate` writes it)
  * Invariants: a loaded profile has every figure > 0 (overheads and latencies >= 0).
  * Threading: none. Ownership: plain values.
  */
@@ -22,6 +29,8 @@
 #define PL_HW_H
 
 #include <stddef.h>
+
+#define PL_HW_MAX_AR_TP 4 /* allreduce_us.tpN keys: N in 2..this */
 
 typedef struct {
     char name[64];
@@ -34,8 +43,16 @@ typedef struct {
     double nvlink_lat, net_lat;       /* s */
     double eff_matmul, eff_attn, eff_mem, eff_nvlink, eff_net; /* (0, 1] */
     double chunk_overhead, step_overhead;                      /* s */
-    double kvx_bw, kvx_lat; /* KV transfer bytes/s and s per transfer */
+    double kvx_bw, kvx_lat;             /* KV transfer bytes/s and s per transfer */
+    int one_node;                       /* 1: all devices on one node, extra ones time-share it */
+    double ar_lat[PL_HW_MAX_AR_TP + 1]; /* [tp]: measured all-reduce latency, s; 0: none */
 } pl_hw;
+
+/* The speed-up of a group of n devices that work in lock step (a tp group: an all-reduce
+ * after every slice of work): n, or on a one_node profile with n > c = devices_per_node,
+ * n / ceil(n / c): c of the n slices run at once, and every all-reduce waits for the last
+ * round (tp 3 on 2 cores: 1.5, not 2). */
+double pl_hw_parallel(const pl_hw *hw, int n);
 
 /* Load a profile. Errors are FILE:LINE:COLUMN: reason, into err (and logged); returns 0,
  * TD_EIO (cannot open), TD_EFORMAT (not YAML) or TD_EINVAL (bad schema or value). */

@@ -14,10 +14,12 @@
 double pl_allreduce_ms(const pl_hw *hw, int tp, double bytes)
 {
     if (tp <= 1) return 0;
-    bool net = tp > hw->devices_per_node;
+    bool net = tp > hw->devices_per_node && !hw->one_node;
     double bw = net ? hw->net_bw * hw->eff_net : hw->nvlink_bw * hw->eff_nvlink;
     double lat = net ? hw->net_lat : hw->nvlink_lat;
-    return 1e3 * (2.0 * (tp - 1) / tp * bytes / bw + 2.0 * (tp - 1) * lat);
+    double fixed = 2.0 * (tp - 1) * lat;
+    if (!net && tp <= PL_HW_MAX_AR_TP && hw->ar_lat[tp] > 0) fixed = hw->ar_lat[tp]; /* measured */
+    return 1e3 * (2.0 * (tp - 1) / tp * bytes / bw + fixed);
 }
 
 /* The per-token and per-call parts of 2 n_l all-reduces of x n_embd act_bytes. */
@@ -37,7 +39,8 @@ int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool
     memset(st, 0, sizeof *st);
     st->n_layers = n_layers;
     st->tp = tp;
-    double mm = tp * hw->matmul_flops * hw->eff_matmul, att = tp * hw->attn_flops * hw->eff_attn;
+    double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
+    double mm = par * hw->matmul_flops * hw->eff_matmul, att = par * hw->attn_flops * hw->eff_attn;
     /* attention over a chunk: A n_l x (L + x/2) = a x (2L + x) with a = A n_l / 2 */
     st->a = 1e3 * m->attn_flops_pair * n_layers / (2.0 * att);
     st->b_comp = 1e3 * 2.0 * m->layer_params * n_layers / mm;
@@ -45,8 +48,8 @@ int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool
     allreduce_parts(m, hw, n_layers, tp, &st->b_comm, &ar_fixed);
     st->c = hw->chunk_overhead * 1e3 + ar_fixed;
     st->weight_frac = (double)n_layers / m->n_layer;
-    st->weight_ms_full =
-        1e3 * (m->weight_bytes - m->embd_bytes) * st->weight_frac / (tp * hw->hbm_bw * hw->eff_mem);
+    st->weight_ms_full = 1e3 * (m->weight_bytes - m->embd_bytes) * st->weight_frac /
+                         (par * hw->hbm_bw * hw->eff_mem);
     double bw = pp_cross ? hw->net_bw * hw->eff_net : hw->nvlink_bw * hw->eff_nvlink;
     st->send_ms_token = 1e3 * m->n_embd * m->act_bytes / bw;
     st->send_ms = 1e3 * (pp_cross ? hw->net_lat : hw->nvlink_lat);
@@ -75,12 +78,16 @@ double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
 
 double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, double S)
 {
-    double mem =
-        (pl_model_weights_read(m, B) + S * m->kv_bytes_token) / tp / (hw->hbm_bw * hw->eff_mem);
-    double comp = 2.0 * pl_model_active_params(m) * B / (tp * hw->matmul_flops * hw->eff_matmul) +
-                  m->n_layer * m->attn_flops_pair * S / (tp * hw->attn_flops * hw->eff_attn);
+    double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
+    double bw = par * hw->hbm_bw * hw->eff_mem;
+    /* a roofline per phase: the weight products and the attention over the KV are separate
+     * kernels, one after the other, each bound by its own memory or compute */
+    double w_mem = pl_model_weights_read(m, B) / bw;
+    double w_comp = 2.0 * pl_model_active_params(m) * B / (par * hw->matmul_flops * hw->eff_matmul);
+    double a_mem = S * m->kv_bytes_token / bw;
+    double a_comp = m->n_layer * m->attn_flops_pair * S / (par * hw->attn_flops * hw->eff_attn);
     double ar = 2.0 * m->n_layer * pl_allreduce_ms(hw, tp, (double)B * m->n_embd * m->act_bytes);
-    return 1e3 * (mem > comp ? mem : comp) + ar + hw->step_overhead * 1e3;
+    return 1e3 * (fmax(w_mem, w_comp) + fmax(a_mem, a_comp)) + ar + hw->step_overhead * 1e3;
 }
 
 /* ---- prefill ---- */
@@ -169,7 +176,7 @@ static int inst_init(const pl_model *m, const pl_hw *hw, const pl_prefill_cfg *p
     memset(in, 0, sizeof *in);
     in->pp = pf->pp;
     int rc = pf_layer_partition(m->n_layer, pf->pp, NULL, 0, counts);
-    bool cross = pf->pp * pf->tp > hw->devices_per_node;
+    bool cross = pf->pp * pf->tp > hw->devices_per_node && !hw->one_node;
     for (int s = 0; s < pf->pp && !rc; s++)
         rc = pl_stage_make(m, hw, counts[s], pf->tp, cross, &in->st[s]);
     if (rc) return rc;

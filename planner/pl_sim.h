@@ -20,9 +20,9 @@
  *   each new one on the instance whose stage 0 frees first.
  *   KV transfer: each stage sends its layers' KV of a chunk once computed, on its own link,
  *   overlapped with later chunks; a request's TTFT ends when its last chunk's KV has landed.
- *   Decode step of B requests with a summed context S on tp devices:
- *     max(weights read for B tokens / tp + S kv_bytes / tp over B_hbm e_mem,
- *         2 P_active B / (tp F_mm e_mm) + n_layer A S / (tp F_att e_att))
+ *   Decode step of B requests with a summed context S on tp devices, a roofline per phase:
+ *     max(weights read for B tokens / tp / (B_hbm e_mem), 2 P_active B / (tp F_mm e_mm))
+ *     + max(S kv_bytes / tp / (B_hbm e_mem), n_layer A S / (tp F_att e_att))
  *     + 2 n_layer all-reduces of B n_embd act_bytes + step overhead;
  *   requests join a running batch at step boundaries (continuous batching) on the decode
  *   instance with the fewest requests, if its KV memory holds prompt + output.
@@ -60,12 +60,14 @@ typedef struct {
 } pl_prefill_cfg;
 
 typedef struct {
-    int tp;        /* per decode instance */
-    int max_batch; /* requests in a step; 0: 256 */
+    int tp;          /* per decode instance */
+    int max_batch;   /* requests in a step; 0: 256 */
+    int step_tokens; /* colocated: prompt tokens a step at most (decode[].step_tokens); 0: 512 */
 } pl_decode_cfg;
 
 typedef struct {
-    int n_prefill, n_decode;
+    int n_prefill; /* 0: colocated, the decode instances prefill their own prompts */
+    int n_decode;
     pl_prefill_cfg pf;
     pl_decode_cfg dc;
 } pl_cluster;
@@ -106,6 +108,12 @@ double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, doub
  * for a bad configuration or request, TD_ENOMEM. */
 int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const pl_request *reqs,
                 int n, pl_result *r);
+
+/* The same for a closed loop of one client: request i + 1 arrives when request i's last token
+ * is out (reqs' arrival times are ignored), so no two requests overlap; TTFT and TPOT
+ * percentiles over the requests, throughput over the summed spans. */
+int pl_simulate_sequential(const pl_model *m, const pl_hw *hw, const pl_cluster *cl,
+                           const pl_request *reqs, int n, pl_result *r);
 
 /* Times with their request index, sorted by time then index (deterministic ties). */
 typedef struct {

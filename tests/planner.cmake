@@ -7,6 +7,15 @@
 #                  calibrate` on the synthetic llama model and a plan over the profile it
 #                  wrote (fixture synth_models), and one measured prefill (chunk-plan) predicted
 #                  from that profile within [0.5, 2] x, in < 30 s
+#   planner_live   validate_live.py --quick on the default model (TANDEM_MODEL; the synthetic
+#                  models' steps of ~0.1 ms are below what a client over HTTP can time
+#                  apart from the serving path): calibrate, then three
+#                  live clusters (`tandem up`: colocated tp 1, pp 2 + tp 1, pp 1 + tp 3), a few
+#                  sequential requests each through the router, TTFT and TPOT p50 against
+#                  `tandem plan --sequential` from that profile within [0.4, 2.5] x (a loaded CI
+#                  machine: catches a broken model, not noise; the 15 % figures are in
+#                  BENCHMARKS.md "Planner"; 2.5, not 2: a disaggregated TPOT measured 1.97x
+#                  low once, tokens released in a burst behind the first); ~60 s loaded
 if(TARGET td_planner)
   add_executable(test_planner ${CMAKE_CURRENT_SOURCE_DIR}/planner/test_planner.c)
   target_include_directories(test_planner PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
@@ -21,4 +30,10 @@ if(TARGET td_planner AND TANDEM_PYTHON)
                    ${TANDEM_PYTHON})
   set_tests_properties(planner_cli PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 30
                                               LABELS planner)
+endif()
+if(TARGET td_planner AND TANDEM_PYTHON AND TANDEM_MODEL)
+  add_test(NAME planner_live
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/planner/validate_live.py
+                   ${CMAKE_BINARY_DIR} ${TANDEM_MODEL} --quick --bound 2.5)
+  set_tests_properties(planner_live PROPERTIES TIMEOUT 150 LABELS planner RUN_SERIAL TRUE)
 endif()

@@ -21,12 +21,16 @@ static int plan_usage(void)
         stderr,
         "usage: tandem plan --model M --hw H.yaml --ttft-ms T --tpot-ms T [workload] [--json]\n"
         "       tandem plan --model M --hw H.yaml --prefill NxPPxTP --decode NxTP [workload]\n"
+        "       tandem plan --model M --hw H.yaml --colocated NxTP [workload]\n"
         "       tandem plan --reproduce [--hw H20.yaml] [--batch N] [--json]\n"
         "  M: a GGUF file or a named shape (llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3)\n"
         "  workload: --requests N (64) --rate R req/s (1; 0: all at once) --prompt L[:H]\n"
         "            (1024) --output L[:H] (128) --seed S\n"
+        "            --sequential (one client: each request when the last one finished)\n"
         "  prefill: --chunk C (0: chosen per request as the prefill node does)\n"
         "           --chunk-max C (2048) --smooth S (0.75; 0 fixed chunks)\n"
+        "  colocated (N decode instances of tp TP prefill their own prompts):\n"
+        "           --step-tokens T (512: prompt tokens a step, decode[].step_tokens)\n"
         "  search:  --max-instances N (4) --max-devices N (no cap: devices = prefill instances x\n"
         "           pp x tp + decode instances x tp) --max-batch B (256) --all (every "
         "configuration)\n"
@@ -38,7 +42,8 @@ typedef struct {
     const char *model, *hw;
     pl_workload w;
     pl_search_params sp;
-    bool json, all, reproduce, have_cfg, have_ttft, have_tpot;
+    bool json, all, reproduce, have_cfg, have_ttft, have_tpot, sequential;
+    bool pf_flag; /* --chunk, --chunk-max or --smooth given (prefill instances only) */
     int batch;
     pl_cluster cfg;
     int cfg_parts;
@@ -78,6 +83,8 @@ static int plan_flag(plan_opts *o, const char *f, const char *v)
 {
     float x;
     int rc, s[3];
+    if (!strcmp(f, "--chunk") || !strcmp(f, "--chunk-max") || !strcmp(f, "--smooth"))
+        o->pf_flag = true;
     if (!strcmp(f, "--model"))
         o->model = v;
     else if (!strcmp(f, "--hw"))
@@ -117,11 +124,13 @@ static int plan_flag(plan_opts *o, const char *f, const char *v)
         if ((rc = parse_shape(f, v, 3, s))) return rc;
         o->cfg.n_prefill = s[0], o->cfg.pf.pp = s[1], o->cfg.pf.tp = s[2];
         o->cfg_parts |= 1;
-    } else if (!strcmp(f, "--decode")) {
+    } else if (!strcmp(f, "--decode") || !strcmp(f, "--colocated")) {
         if ((rc = parse_shape(f, v, 2, s))) return rc;
         o->cfg.n_decode = s[0], o->cfg.dc.tp = s[1];
-        o->cfg_parts |= 2;
-    } else
+        o->cfg_parts |= !strcmp(f, "--decode") ? 2 : 4;
+    } else if (!strcmp(f, "--step-tokens"))
+        return cli_parse_int(f, v, 1, 1 << 20, &o->cfg.dc.step_tokens);
+    else
         return plan_usage();
     return 0;
 }
@@ -143,10 +152,11 @@ static int plan_parse(int argc, char **argv, plan_opts *o)
             plan_usage();
             return 1;
         }
-        bool *flag = !strcmp(f, "--json")        ? &o->json
-                     : !strcmp(f, "--all")       ? &o->all
-                     : !strcmp(f, "--reproduce") ? &o->reproduce
-                                                 : NULL;
+        bool *flag = !strcmp(f, "--json")         ? &o->json
+                     : !strcmp(f, "--all")        ? &o->all
+                     : !strcmp(f, "--reproduce")  ? &o->reproduce
+                     : !strcmp(f, "--sequential") ? &o->sequential
+                                                  : NULL;
         if (flag) {
             *flag = true;
             continue;
@@ -160,12 +170,27 @@ static int plan_parse(int argc, char **argv, plan_opts *o)
         i++;
     }
     if (o->reproduce) return 0;
-    o->have_cfg = o->cfg_parts == 3;
+    o->have_cfg = o->cfg_parts == 3 || o->cfg_parts == 4; /* colocated: no prefill */
     if (!o->model || !o->hw || (o->cfg_parts && !o->have_cfg) ||
         (!o->have_cfg && (!o->have_ttft || !o->have_tpot))) {
         fprintf(stderr, "tandem: plan needs --model and --hw, and either --ttft-ms and "
-                        "--tpot-ms or both --prefill and --decode\n");
+                        "--tpot-ms, both --prefill and --decode, or --colocated\n");
         return plan_usage();
+    }
+    if (o->pf_flag && o->cfg_parts == 4) {
+        fprintf(stderr, "tandem: --chunk, --chunk-max and --smooth are a prefill instance's; "
+                        "a colocated decode instance takes --step-tokens\n");
+        return TD_EINVAL;
+    }
+    if (o->cfg.dc.step_tokens && o->cfg_parts != 4) {
+        fprintf(stderr, "tandem: --step-tokens is for --colocated (the decode instance's prompt "
+                        "chunks)\n");
+        return TD_EINVAL;
+    }
+    if (o->sequential && !o->have_cfg) {
+        fprintf(stderr, "tandem: --sequential simulates one configuration (--prefill and "
+                        "--decode, or --colocated), not a search\n");
+        return TD_EINVAL;
     }
     return 0;
 }
@@ -229,9 +254,14 @@ static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
                k->pf.tp, k->n_decode, k->dc.tp, r->why);
         return;
     }
-    printf("%7d  %dx%dx%-4d %dx%-4d %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s%s\n", r->devices,
-           k->n_prefill, k->pf.pp, k->pf.tp, k->n_decode, k->dc.tp, r->ttft_p50, r->ttft_p90,
-           r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps, c->meets ? "yes" : "no",
+    char pf[16];
+    if (k->n_prefill)
+        snprintf(pf, sizeof pf, "%dx%dx%d", k->n_prefill, k->pf.pp, k->pf.tp);
+    else
+        snprintf(pf, sizeof pf, "colocated");
+    printf("%7d  %-10s %dx%-4d %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s%s\n", r->devices, pf,
+           k->n_decode, k->dc.tp, r->ttft_p50, r->ttft_p90, r->tpot_p50, r->tpot_p90, r->output_tps,
+           r->prefill_tps, c->meets ? "yes" : "no",
            best ? "  <- cheapest that meets the targets" : "");
 }
 
@@ -255,7 +285,8 @@ static int do_plan(const plan_opts *o, const pl_model *m, const pl_hw *hw, pl_re
         one.cl.pf.pp = o->cfg.pf.pp;
         one.cl.pf.tp = o->cfg.pf.tp;
         one.cl.dc.max_batch = o->sp.max_batch;
-        rc = pl_simulate(m, hw, &one.cl, reqs, o->w.n_requests, &one.r);
+        rc = (o->sequential ? pl_simulate_sequential : pl_simulate)(m, hw, &one.cl, reqs,
+                                                                    o->w.n_requests, &one.r);
         one.meets = one.r.fits && (!o->have_ttft || one.r.ttft_p90 <= o->sp.ttft_ms) &&
                     (!o->have_tpot || one.r.tpot_p90 <= o->sp.tpot_ms);
     } else {

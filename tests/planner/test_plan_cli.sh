@@ -24,6 +24,18 @@ for f in "$hw"/*.yaml; do
     --prompt 512 --output 8 > /dev/null
 done
 
+# colocated, one client: valid JSON, no prefill instance; a prefill flag with it is an error
+"$tandem" plan --model llama3-8b --hw "$hw/h100.yaml" --colocated 1x2 --step-tokens 256 \
+  --sequential --requests 3 --prompt 1000 --output 8 --json > "$dir/coloc.json"
+"$py" -c "import json,sys; c=json.load(open(sys.argv[1]))['configs'][0]; \
+assert c['prefill']['instances'] == 0 and c['devices'] == 2 and c['ttft_ms']['p50'] > 0 \
+and c['ttft_ms']['p50'] == c['ttft_ms']['p90'], c; print('colocated: ok')" "$dir/coloc.json"
+if "$tandem" plan --model llama3-8b --hw "$hw/h100.yaml" --colocated 1x1 --smooth 0 \
+     2> "$dir/err.txt"; then
+  echo "--smooth with --colocated was accepted"; exit 1
+fi
+grep -q "a colocated decode instance takes --step-tokens" "$dir/err.txt"
+
 # a bad profile is a clear error, exit 1
 printf 'name: x\nhbm_gbps: fast\n' > "$dir/bad.yaml"
 if "$tandem" plan --model llama3-8b --hw "$dir/bad.yaml" --prefill 1x1x1 --decode 1x1 \

@@ -132,6 +132,79 @@ static void test_decode_alone(void)
               (s1 + s2) / 2);
 }
 
+/* Colocated: the decode instance prefills the prompt in chunks of step_tokens (each a forward
+ * of the whole model: a x (2L + x) + b x + c) and then steps as in test_decode_alone. */
+static void test_colocated(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    pl_cluster cl = {.n_prefill = 0, .n_decode = 1, .dc = {.tp = 1, .step_tokens = 64}};
+    pl_request r = {.arrival_ms = 0, .prompt = 100, .output = 3};
+    pl_result res;
+    TH_REQUIRE(pl_simulate(&m, &hw, &cl, &r, 1, &res) == 0);
+    TH_REQUIRE(res.fits);
+    TH_CHECK(res.devices == 1);
+    double want = 8e-5 * 64 * 64 + 0.016 * 64 + 2 + 8e-5 * 36 * (2.0 * 64 + 36) + 0.016 * 36 + 2;
+    TH_CHECKF(fabs(res.ttft_p50 - want) < 1e-6, "ttft %.6f want %.6f", res.ttft_p50, want);
+    double s1 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 101 / 5e11) + 0.5;
+    double s2 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 102 / 5e11) + 0.5;
+    TH_CHECKF(fabs(res.tpot_p50 - (s1 + s2) / 2) < 1e-6, "tpot %.6f want %.6f", res.tpot_p50,
+              (s1 + s2) / 2);
+}
+
+/* Sequential: two requests that would overlap if they arrived together get the TTFT each
+ * has alone; simulated together at time 0 the second one waits. */
+static void test_sequential(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    pl_cluster cl = {.n_prefill = 0, .n_decode = 1, .dc = {.tp = 1, .step_tokens = 512}};
+    pl_request r[2] = {{.prompt = 256, .output = 4}, {.prompt = 256, .output = 4}};
+    pl_result seq, one, both;
+    TH_REQUIRE(pl_simulate_sequential(&m, &hw, &cl, r, 2, &seq) == 0);
+    TH_REQUIRE(pl_simulate(&m, &hw, &cl, r, 1, &one) == 0);
+    TH_REQUIRE(pl_simulate(&m, &hw, &cl, r, 2, &both) == 0);
+    TH_CHECKF(fabs(seq.ttft_p90 - one.ttft_p50) < 1e-9, "seq %.6f alone %.6f", seq.ttft_p90,
+              one.ttft_p50);
+    TH_CHECK(both.ttft_p90 > one.ttft_p50 * 1.5);
+    TH_CHECKF(fabs(seq.makespan_ms - 2 * one.makespan_ms) < 1e-9, "span %.6f", seq.makespan_ms);
+}
+
+/* one_node: tp beyond devices_per_node time-shares (compute over devices_per_node, not tp) and
+ * its all-reduces stay on the node's links; a measured allreduce_us replaces the latency term. */
+static void test_one_node(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    hw.devices_per_node = 2;
+    hw.net_lat = 1e-3;
+    double shared_net = pl_decode_step_ms(&m, &hw, 3, 1, 100);
+    TH_CHECK(pl_allreduce_ms(&hw, 3, 0) > 3.9); /* 2 x 2 x 1 ms over the network */
+    hw.one_node = 1;
+    TH_CHECK(pl_hw_parallel(&hw, 3) == 1.5 && pl_hw_parallel(&hw, 2) == 2 &&
+             pl_hw_parallel(&hw, 4) == 2);
+    double comp2 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 100 / 5e11) / 1.5;
+    TH_CHECKF(fabs(pl_decode_step_ms(&m, &hw, 3, 1, 100) - (comp2 + 0.5)) < 1e-6, "step %.6f",
+              pl_decode_step_ms(&m, &hw, 3, 1, 100));
+    TH_CHECK(shared_net > pl_decode_step_ms(&m, &hw, 3, 1, 100));
+    hw.ar_lat[3] = 50e-6;
+    TH_CHECKF(fabs(pl_allreduce_ms(&hw, 3, 0) - 0.05) < 1e-9, "ar %.6f",
+              pl_allreduce_ms(&hw, 3, 0));
+    const char *t =
+        "name: x\ndevices_per_node: 2\nmemory_gib: 1\npeak_tflops: {f32: 1}\n"
+        "matmul_type: f32\nattention_type: f32\nhbm_gbps: 1\nnvlink_gbps: 1\n"
+        "net_gbps: 1\nlatency_us: {nvlink: 1, net: 1}\nefficiency: {matmul: 1, "
+        "attention: 1, memory: 1, nvlink: 1, net: 1}\noverhead_ms: {chunk: 0, step: 0}\n"
+        "one_node: 1\nallreduce_us: {tp2: 10, tp3: 40}\n";
+    pl_hw h2;
+    char err[256];
+    TH_REQUIRE(pl_hw_parse(t, strlen(t), "t", &h2, err, sizeof err) == 0);
+    TH_CHECK(h2.one_node == 1 && fabs(h2.ar_lat[3] - 40e-6) < 1e-12 && h2.ar_lat[4] == 0);
+    const char *bad = "name: x\none_node: 2\n";
+    TH_CHECK(pl_hw_parse(bad, strlen(bad), "t", &h2, err, sizeof err) == TD_EINVAL);
+    TH_CHECKF(strstr(err, "one_node: 2 is outside [0, 1]") != NULL, "%s", err);
+}
+
 static void test_search_meets(void)
 {
     pl_hw hw = test_hw();
@@ -247,6 +320,9 @@ int main(void)
     TH_RUN(test_single_request_pp2);
     TH_RUN(test_more_stages);
     TH_RUN(test_decode_alone);
+    TH_RUN(test_colocated);
+    TH_RUN(test_sequential);
+    TH_RUN(test_one_node);
     TH_RUN(test_search_meets);
     TH_RUN(test_hw_errors);
     TH_RUN(test_named_shapes);
