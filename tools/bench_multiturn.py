@@ -24,8 +24,14 @@ compute thread per process, the same model file, the same workload):
   co_aware_b1  co_aware with router.cache_aware.balance_abs_threshold 1 (not in the default
             set): the balance test at 1 request of difference instead of 32
 --decode-instances N (default 2) sets the number of decode instances of every configuration.
---prefill-instances N gives the pd_* clusters N prefill instances (p0.., pp 2 each), so
-that prefill routing matters too.
+--prefill-instances N gives the pd_* clusters N prefill instances (p0.., pp --prefill-pp
+each, default 2), so that prefill routing matters too (pd_aware: by the prefill leaders' KV
+events, docs/prefix-cache.md "KV events").
+--think-ms MEAN: independent arrivals: before each of its turns after the first, a
+conversation waits a think time drawn from an exponential distribution of mean MEAN ms
+(seeded per conversation: the same waits in every configuration; --seed changes them), so
+the conversations drift apart and round robin is not locked in step with them (0: none, the
+next turn goes as soon as the answer is in).
 Rounds alternate the configurations (A B C D, A B C D, ...), so drift hits all of them.
 
 Per configuration and round: TTFT p50/p99 of turns 2+ (seconds), output tok/s (completion
@@ -38,8 +44,8 @@ medians of the per-round ratios).
 
 usage: tools/bench_multiturn.py [--build build] [--model GGUF] [--rounds 2] [--convs 4]
          [--turns 6] [--system-words 300] [--user-words 20] [--max-tokens 24]
-         [--configs pd_on,pd_off,co_aware,co_load] [--prefill-instances 1] [--json FILE]
-         [--keep]
+         [--configs pd_on,pd_off,co_aware,co_load] [--prefill-instances 1] [--prefill-pp 2]
+         [--think-ms 0] [--seed 0] [--json FILE] [--keep]
        tools/bench_multiturn.py --smoke --build build --model SYNTH.gguf
          (one round, 2 conversations x 3 turns, short prompts; checks that every request
           succeeds, that cached_tokens is 0 with the caches off and > 0 on turns 2+ with them
@@ -122,7 +128,8 @@ class Cluster:
         if c["disagg"]:
             y.append("prefill:")
             for j in range(a.prefill_instances):
-                y += [f"  - name: p{j}", "    pp: 2", "    threads: 1", "    chunk_size: 256",
+                y += [f"  - name: p{j}", f"    pp: {a.prefill_pp}", "    threads: 1",
+                      "    chunk_size: 256",
                       "    dynamic_chunking: false", "    profile_budget_ms: 0",
                       "    kv_tokens: 8192", f"    prefix_cache: {on}",
                       f"    prefix_cache_mb: {a.prefix_cache_mb}", f"    port: {free_port()}"]
@@ -177,8 +184,11 @@ def chat(port, messages, max_tokens):
 
 def conversation(args, port, system, k, out):
     rng = random.Random(1000 + k)
+    think = random.Random(args.seed * 7919 + 5000 + k)  # apart from the text: same prompts
     msgs = [{"role": "system", "content": system}]
     for turn in range(args.turns):
+        if turn and args.think_ms > 0:
+            time.sleep(think.expovariate(1000.0 / args.think_ms))
         msgs.append({"role": "user", "content": f"Question {turn + 1}: {text(rng, args.user_words)}?"})
         ttft, total, answer, usage = chat(port, msgs, args.max_tokens)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -271,6 +281,10 @@ def main():
     ap.add_argument("--prefix-cache-mb", type=int, default=128)
     ap.add_argument("--prefill-instances", type=int, default=1)
     ap.add_argument("--decode-instances", type=int, default=2)
+    ap.add_argument("--prefill-pp", type=int, default=2, help="pp of each prefill instance")
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="mean exponential think time before each turn after the first")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the think times")
     ap.add_argument("--configs", default="pd_on,pd_off,co_aware,co_load")
     ap.add_argument("--json", help="write every request's figures here")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (logs)")
@@ -285,9 +299,11 @@ def main():
     if unknown or not names:
         ap.error(f"unknown configuration(s) {unknown} (known: {', '.join(CONFIGS)})")
     for v in ("rounds", "convs", "turns", "max_tokens", "kv_blocks", "prefix_cache_mb",
-              "prefill_instances"):
+              "prefill_instances", "prefill_pp"):
         if getattr(args, v) < 1:
             ap.error(f"--{v.replace('_', '-')} must be >= 1")
+    if args.think_ms < 0:
+        ap.error("--think-ms must be >= 0")
     if args.turns < 2:
         ap.error("--turns must be >= 2 (the figures are of turns 2+)")
     if not os.access(os.path.join(args.build, "bin", "tandem"), os.X_OK):
