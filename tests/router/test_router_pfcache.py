@@ -106,7 +106,13 @@ def turn2_sticks(c, label, prompt1, prompt2):
     check(p2 == p and c.series("hits_total", p) == hits0 + 1,
           f"{label}: turn 2 goes to {p} for its match (went to {p2}, hits "
           f"{hits0} -> {c.series('hits_total', p)})")
-    hit_tok = int(c.pf_health(p).get("prefix_cache_hit_tokens_s0", 0))
+    got = {}
+
+    def served():  # the leader's Health is a snapshot of the last 100 ms
+        got["t"] = int(c.pf_health(p).get("prefix_cache_hit_tokens_s0", 0))
+        return got["t"] > hit_tok0
+    wait_for(served, 10, step=0.1)
+    hit_tok = got.get("t", 0)
     check(hit_tok > hit_tok0, f"{label}: {p}'s stage cache served turn 2 ({hit_tok0} -> {hit_tok})")
     return p
 
