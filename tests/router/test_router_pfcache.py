@@ -17,6 +17,9 @@ instances and one decode instance on the synthetic model, router.routing: cache_
            goes by load, not by the stale match; turn 4 goes for its match to wherever turn
            3 went. Without the events the router would keep P's blocks (the leader did not
            restart) and send turn 3 to P for a prefix P no longer holds.
+  leader   pp 1: P's stage 0 (the leader) is killed and restarted: a new process (new boot
+           id, events from 1): the router drops P's index (index_drops_total + 1), which is
+           exact again from the new events, and turn 3 is not sent to P by a stale match.
 
 usage: test_router_pfcache.py --router BIN --prefill BIN --decode BIN --tandem BIN
        --synth GGUF [--case C]
@@ -175,7 +178,33 @@ def case_restart(args):
                   f"{label}: turn 4 follows turn 3 to {p3} for its match (went to {p4})")
 
 
-CASES = {"stick": case_stick, "evict": case_evict, "restart": case_restart}
+def case_leader(args):
+    label = "leader"
+    with PfCluster(args, [{"pp": 1}, {"pp": 1}]) as c:
+        p = turn2_sticks(c, label, conv(0, 1), conv(0, 2))
+        if p is None:
+            return
+        drops0 = c.series("index_drops_total", p)
+        c.kill(f"{p}s0")
+        c.start_stage(int(p[1:]), 0)
+        ok = wait_for(lambda: c.pf_health(p).get("ready") == "1", 90, step=0.2)
+        check(ok, f"{label}: {p} ready again after its leader restarted")
+        ok = wait_for(lambda: c.series("index_drops_total", p) > drops0 and
+                      c.series("index_exact", p) == 1 and c.series("index_blocks", p) == 0,
+                      20, step=0.1)
+        check(ok, f"{label}: a new leader process (boot id): {p}'s index dropped "
+              f"({drops0} -> {c.series('index_drops_total', p)}), exact again from its new "
+              f"events (exact {c.series('index_exact', p)}, blocks "
+              f"{c.series('index_blocks', p)})")
+        time.sleep(0.5)
+        hits0 = c.series("hits_total", p)
+        p3 = c.ask(conv(0, 3), label + " turn 3")
+        check(c.series("hits_total", p) == hits0,
+              f"{label}: turn 3 not sent to {p} by stale knowledge (went to {p3})")
+
+
+CASES = {"stick": case_stick, "evict": case_evict, "restart": case_restart,
+         "leader": case_leader}
 
 
 def main():
