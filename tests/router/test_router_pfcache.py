@@ -64,9 +64,18 @@ class PfCluster(Cluster):
         return m.get((f"tandem_router_cache_route_{name}",
                       (("instance", inst), ("role", "prefill"))), 0.0)
 
+    def routed(self):
+        """Prefill choices the router counted (for a match or by load), over the instances."""
+        return sum(self.series(k, f"p{j}") for k in ("hits_total", "load_total")
+                   for j in range(len(self.pf)))
+
     def ask(self, prompt, label):
-        """Send prompt; the prefill instance that served it (router log), or None."""
+        """Send prompt; the prefill instance that served it (router log), or None. Returns
+        once /metrics (published by the router's loop now and then) counts its choice."""
+        before = self.routed()
         st, body = self.complete(prompt, n=4)
+        check(wait_for(lambda: self.routed() >= before + 1, 10, step=0.05),
+              f"{label}: the router's metrics count the choice")
         check(st == 200, f"{label}: status {st} {str(body)[:200]}")
         rid = body.get("id", "")
         found = {}
