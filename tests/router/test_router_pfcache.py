@@ -4,9 +4,9 @@ leaders' KV events (docs/prefix-cache.md, "KV events"): real processes, two pref
 instances and one decode instance on the synthetic model, router.routing: cache_aware.
   stick    turn 1 of a conversation goes to some prefill instance P (by load); the router's
            index of P becomes exact from P's events (index_exact 1, events applied, no gap,
-           index_blocks > 0); turn 2 goes to P *for its
-           match* (cache_route_hits_total{role="prefill"} of P + 1) and P's stage cache
-           serves it (prefix_cache_hit_tokens_s0 grows)
+           index_blocks > 0); turn 2 goes to P *for its match*
+           (cache_route_hits_total{role="prefill"} of P + 1) and P's stage cache serves it
+           (prefix_cache_hit_tokens_s0 grows)
   evict    prefix_cache_mb 1 (21 blocks): after turn 1 on P, distinct prompts evict P's
            blocks (Health prefix_cache_evicted_blocks_s0 > 0; removed events applied: the
            router's index of P holds at most the 21 blocks P can); turn 2 of the first
