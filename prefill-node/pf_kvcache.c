@@ -27,7 +27,39 @@ struct pf_kvc {
     uint64_t mask;
     pf_kvc_ent *head, *tail;
     pf_kvc_stats stats;
+    uint64_t ev_id[PF_KVC_EVENT_LOG]; /* ring of the latest events: seq s at (s - 1) % LOG */
+    uint8_t ev_kind[PF_KVC_EVENT_LOG];
+    uint64_t ev_next; /* seq of the next event */
 };
+
+static void log_event(pf_kvc *c, uint8_t kind, uint64_t id)
+{
+    size_t at = (size_t)((c->ev_next - 1) % PF_KVC_EVENT_LOG);
+    c->ev_id[at] = id;
+    c->ev_kind[at] = kind;
+    c->ev_next++;
+}
+
+uint64_t pf_kvc_event_next(const pf_kvc *c)
+{
+    return c->ev_next;
+}
+
+int pf_kvc_events(const pf_kvc *c, int max, uint8_t *kind, uint64_t *ids, int *n_ids,
+                  uint64_t *first)
+{
+    uint64_t n = c->ev_next - 1, lim = max < 0 ? 0 : (uint64_t)max;
+    if (n > PF_KVC_EVENT_LOG) n = PF_KVC_EVENT_LOG;
+    if (n > lim) n = lim;
+    *first = c->ev_next - n;
+    *n_ids = 0;
+    for (uint64_t k = 0; k < n; k++) {
+        size_t at = (size_t)((*first + k - 1) % PF_KVC_EVENT_LOG);
+        kind[k] = c->ev_kind[at];
+        if (kind[k] != PF_KVC_EV_CLEARED) ids[(*n_ids)++] = c->ev_id[at];
+    }
+    return (int)n;
+}
 
 int pf_kvc_create(kn_kv_pool *pool, int max_blocks, pf_kvc **out)
 {
@@ -47,6 +79,7 @@ int pf_kvc_create(kn_kv_pool *pool, int max_blocks, pf_kvc **out)
     c->pool = pool;
     c->bs = pool->block_size;
     c->max_blocks = max_blocks;
+    c->ev_next = 1;
     *out = c;
     return 0;
 }
@@ -176,6 +209,7 @@ static bool make_room(pf_kvc *c)
     if (c->stats.n_indexed < c->max_blocks) return true;
     for (pf_kvc_ent *e = c->head; e; e = e->next)
         if (!e->ref) {
+            log_event(c, PF_KVC_EV_REMOVED, e->id);
             detach(c, e);
             c->stats.evicted++;
             return true;
@@ -214,6 +248,7 @@ int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, const int32_t *blocks
         lru_push(c, e);
         c->stats.n_indexed++;
         c->stats.inserted++;
+        log_event(c, PF_KVC_EV_STORED, nid);
         added[n_added++] = e;
         id = nid;
     }
@@ -234,6 +269,7 @@ void pf_kvc_flush(pf_kvc *c)
         c->stats.flushed++;
         detach(c, c->head);
     }
+    log_event(c, PF_KVC_EV_CLEARED, 0); /* what follows describes the cache whole */
 }
 
 void pf_kvc_get_stats(const pf_kvc *c, pf_kvc_stats *out)

@@ -65,4 +65,22 @@ int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, const int32_t *blocks
 void pf_kvc_flush(pf_kvc *c);
 void pf_kvc_get_stats(const pf_kvc *c, pf_kvc_stats *out);
 
+/* ---- KV events (docs/prefix-cache.md, "KV events"; the decode side's kv_cache.h) ----
+ * The cache logs what enters and leaves its index in a ring of the latest
+ * PF_KVC_EVENT_LOG events, numbered from 1 per cache: STORED (a block was inserted),
+ * REMOVED (evicted by LRU), CLEARED (pf_kvc_flush emptied it: a new stage chain). The kinds
+ * and numbering are the decode side's (kn_kv_event_kind), so the router reads both alike.
+ * Stage 0's cache describes its instance: every stage applies the same decisions. */
+#define PF_KVC_EVENT_LOG 512
+
+enum { PF_KVC_EV_STORED = 1, PF_KVC_EV_REMOVED = 2, PF_KVC_EV_CLEARED = 3 };
+
+/* The seq the next event will get (1 + events logged so far). */
+uint64_t pf_kvc_event_next(const pf_kvc *c);
+/* The latest events the ring holds (at most max), oldest first: kind[k] per event, and
+ * ids[] the block id of each STORED / REMOVED one (*n_ids of them, CLEARED has none).
+ * *first gets the seq of the first one (of the next event when none). Returns how many. */
+int pf_kvc_events(const pf_kvc *c, int max, uint8_t *kind, uint64_t *ids, int *n_ids,
+                  uint64_t *first);
+
 #endif

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pf_health.h"
 #include "pf_int.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -776,15 +777,8 @@ static void publish_health(pf_leader *ld)
         queued += (uint64_t)(j->n_prompt - j->done);
     }
     h.queued_prompt_tokens = queued;
-    /* the requests' share of the pool: the prefix cache's blocks are its own budget */
-    const kn_kv_pool *kv = ld->st->shard.kv;
-    pf_kvc_stats cs = {0};
-    if (ld->st->kvc) pf_kvc_get_stats(ld->st->kvc, &cs);
-    int used = kv->n_blocks - kv->n_free - cs.n_indexed - cs.n_detached;
-    h.kv_blocks_used = (uint32_t)(used > 0 ? used : 0);
-    int n_free = kv->n_blocks - ld->st->shard.cache_blocks - (int)h.kv_blocks_used;
-    h.kv_blocks_free = (uint32_t)(n_free > 0 ? n_free : 0);
-    h.kv_block_size = (uint32_t)ld->st->shard.kv->block_size;
+    pf_health_buf hb; /* the pool's share, the cache's budget and KV events */
+    pf_health_cache(ld->st, &h, &hb);
     h.uptime_ms = (uint64_t)(td_now_ms() - ld->started_ms);
     h.ready = ld->running;
     uint64_t hits[PF_MAX_STAGES], evicted[PF_MAX_STAGES];

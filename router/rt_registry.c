@@ -95,10 +95,10 @@ void rt_reg_restarted(rt_inst *s, uint64_t epoch)
     s->uptime_ms = 0;
 }
 
-/* The KV events of a Health (decode nodes: docs/prefix-cache.md, "KV events"). Every
- * Health carries the node's latest events, so the router needs no acknowledgement: it
- * applies those past the last it applied (rt_cidx.ev_next); if it polled too seldom to
- * see them all, the report shows a gap and the index falls back to the estimate. */
+/* The KV events of a Health (decode nodes, prefill leaders: docs/prefix-cache.md, "KV events").
+ * Every Health carries the node's latest events, so the router needs no acknowledgement: it applies
+ * those past the last it applied (rt_cidx.ev_next); if it polled too seldom to see them all, the
+ * report shows a gap and the index falls back to the estimate. */
 static void seen_events(rt_inst *s, const Td__Health *h)
 {
     rt_cidx_ev_result r;
@@ -132,6 +132,9 @@ static void seen_cache(rt_inst *s, const Td__Health *h)
     if (h->boot_id) s->boot_id = h->boot_id;
     s->uptime_ms = h->uptime_ms;
     uint64_t pool = (uint64_t)h->kv_blocks_used + h->kv_blocks_free;
+    /* a prefill instance's cache is its own budget beside the requests' pool: the bound of
+     * what it can hold (and of the index, exact or estimated) */
+    if (s->pcfg && h->prefix_cache_blocks) pool = h->prefix_cache_blocks;
     rt_cidx_configure(&s->cidx, h->kv_block_size, pool > UINT32_MAX ? UINT32_MAX : (uint32_t)pool);
     seen_events(s, h);
     s->cst.blocks = s->cidx.n;

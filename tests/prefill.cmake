@@ -1,6 +1,8 @@
 # prefill.cmake: the prefill node's planning pieces (prefill-node/pf_chunk.h, pf_profile.h).
 #   test_pf_chunk    partition, quadratic fit and chunk planner against hand-computed cases
 #   test_pf_tune     robust profile fit, online refit, model-chosen initial chunk (pf_tune.h)
+#   test_pf_kvcache  the stage cache's KV events replay to exactly its index (evictions,
+#                    flush, ring wrap; pf_kvcache.h)
 #   test_pf_chunking stage 0's chunking set-up and per-request initial chunk (pf_chunking.c)
 #   test_pf_profile  stage profile + fit on the engine with the synthetic llama model
 #                    (fixture synth_models, reference.cmake; needs TANDEM_PYTHON)
@@ -19,6 +21,12 @@ if(TARGET pf_core)
   target_link_libraries(test_pf_chunk PRIVATE pf_core td_common)
   add_test(NAME test_pf_chunk COMMAND test_pf_chunk)
   set_tests_properties(test_pf_chunk PROPERTIES TIMEOUT 30 LABELS prefill)
+
+  add_executable(test_pf_kvcache ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_kvcache.c)
+  target_include_directories(test_pf_kvcache PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(test_pf_kvcache PRIVATE pf_core td_common)
+  add_test(NAME test_pf_kvcache COMMAND test_pf_kvcache)
+  set_tests_properties(test_pf_kvcache PROPERTIES TIMEOUT 30 LABELS prefill)
 
   add_executable(test_pf_tune ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_tune.c)
   target_include_directories(test_pf_tune PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})

@@ -7,6 +7,8 @@
 #   router_cache     cache-aware routing end to end, two decode instances (colocated): a
 #                    conversation stays on one instance (spreads with load routing); a
 #                    restarted instance is not preferred by stale knowledge
+#   router_pfcache   cache-aware choice of the prefill instance from the prefill leaders' KV
+#                    events: turn 2 follows turn 1, evictions and a restarted stage stop it
 #   router_openai    the `openai` client: completions/chat, streaming, stops, seeds, greedy ==
 #                    `tandem generate` (synthetic model; also the default model with TANDEM_MODEL)
 #   router_http      raw HTTP: SSE bytes, keep-alive, 256 concurrent streams, the bad-request
@@ -81,11 +83,14 @@ if(TANDEM_PYTHON)
   add_test(NAME router_cache
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_cache.py
                    ${RT_TEST_BINS})
+  add_test(NAME router_pfcache
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_pfcache.py
+                   ${RT_TEST_BINS} --prefill $<TARGET_FILE:tandem-prefill>)
   add_test(NAME router_metrics
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_metrics.py
                    ${RT_TEST_BINS} --prefill $<TARGET_FILE:tandem-prefill>)
   set_tests_properties(router_openai router_http router_faults router_limits router_metrics
-                       router_cache PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+                       router_cache router_pfcache PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
 endif()
 
 # router_tools: tool calling with the `openai` client on the real Qwen2.5-Coder 0.5B model

@@ -24,13 +24,21 @@ compute thread per process, the same model file, the same workload):
   co_aware_b1  co_aware with router.cache_aware.balance_abs_threshold 1 (not in the default
             set): the balance test at 1 request of difference instead of 32
 --decode-instances N (default 2) sets the number of decode instances of every configuration.
---prefill-instances N gives the pd_* clusters N prefill instances (p0.., pp 2 each), so
-that prefill routing matters too.
+--prefill-instances N gives the pd_* clusters N prefill instances (p0.., pp --prefill-pp
+each, default 2), so that prefill routing matters too (pd_aware: by the prefill leaders' KV
+events, docs/prefix-cache.md "KV events").
+--think-ms MEAN: independent arrivals: before each of its turns after the first, a
+conversation waits a think time drawn from an exponential distribution of mean MEAN ms
+(seeded per conversation: the same waits in every configuration; --seed changes them), so
+the conversations drift apart and round robin is not locked in step with them (0: none, the
+next turn goes as soon as the answer is in).
 Rounds alternate the configurations (A B C D, A B C D, ...), so drift hits all of them.
 
 Per configuration and round: TTFT p50/p99 of turns 2+ (seconds), output tok/s (completion
 tokens over the round's wall time), hit rate (cached_tokens / prompt_tokens over turns 2+,
-from usage.prompt_tokens_details), mean prompt tokens of turn 1 and of the last turn, and
+from usage.prompt_tokens_details), (disaggregated) the prefill hit rate (prompt tokens the
+prefill instances' stage caches served, from their Health, over the prompt tokens of turns
+2+: what the choice of the prefill instance saves), mean prompt tokens of turn 1 and of the last turn, and
 (disaggregated) the KV bytes the prefill stages pushed per request (all turns, from the
 router's tandem_kv_transfer_bytes). At the
 end: the medians over rounds and the ratios pd_off/pd_on and co_load/co_aware (TTFT p50,
@@ -38,8 +46,8 @@ medians of the per-round ratios).
 
 usage: tools/bench_multiturn.py [--build build] [--model GGUF] [--rounds 2] [--convs 4]
          [--turns 6] [--system-words 300] [--user-words 20] [--max-tokens 24]
-         [--configs pd_on,pd_off,co_aware,co_load] [--prefill-instances 1] [--json FILE]
-         [--keep]
+         [--configs pd_on,pd_off,co_aware,co_load] [--prefill-instances 1] [--prefill-pp 2]
+         [--think-ms 0] [--seed 0] [--json FILE] [--keep]
        tools/bench_multiturn.py --smoke --build build --model SYNTH.gguf
          (one round, 2 conversations x 3 turns, short prompts; checks that every request
           succeeds, that cached_tokens is 0 with the caches off and > 0 on turns 2+ with them
@@ -50,6 +58,7 @@ import http.client
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -107,8 +116,20 @@ class Cluster:
         self.env = dict(os.environ, TANDEM_BIN=os.path.abspath(os.path.join(args.build, "bin")))
         self.tandem = os.path.join(args.build, "bin", "tandem")
 
+    def prefill_hit_tokens(self):
+        """Prompt tokens the prefill instances' stage 0 caches served (Health), or None."""
+        total = None
+        for port in self.pf_ports:
+            r = subprocess.run([self.tandem, "client", "--url", f"tcp://127.0.0.1:{port}",
+                                "--health"], capture_output=True, text=True, timeout=30)
+            m = re.search(r"prefix_cache_hit_tokens_s0 (\d+)", r.stdout)
+            if m:
+                total = (total or 0) + int(m.group(1))
+        return total
+
     def yaml(self, c):
         a, on = self.args, "true" if c["cache"] else "false"
+        self.pf_ports = []
         y = [f"model: {a.model}", f"run_dir: {self.dir}/run", "router:",
              f"  listen: 127.0.0.1:{self.port}", f"  routing: {c['routing']}",
              "  max_prompt_tokens: 16384"]
@@ -122,10 +143,12 @@ class Cluster:
         if c["disagg"]:
             y.append("prefill:")
             for j in range(a.prefill_instances):
-                y += [f"  - name: p{j}", "    pp: 2", "    threads: 1", "    chunk_size: 256",
+                self.pf_ports.append(free_port())
+                y += [f"  - name: p{j}", f"    pp: {a.prefill_pp}", "    threads: 1",
+                      "    chunk_size: 256",
                       "    dynamic_chunking: false", "    profile_budget_ms: 0",
                       "    kv_tokens: 8192", f"    prefix_cache: {on}",
-                      f"    prefix_cache_mb: {a.prefix_cache_mb}", f"    port: {free_port()}"]
+                      f"    prefix_cache_mb: {a.prefix_cache_mb}", f"    port: {self.pf_ports[-1]}"]
             y += ["kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 120000"]
         return "\n".join(y) + "\n"
 
@@ -177,8 +200,11 @@ def chat(port, messages, max_tokens):
 
 def conversation(args, port, system, k, out):
     rng = random.Random(1000 + k)
+    think = random.Random(args.seed * 7919 + 5000 + k)  # apart from the text: same prompts
     msgs = [{"role": "system", "content": system}]
     for turn in range(args.turns):
+        if turn and args.think_ms > 0:
+            time.sleep(think.expovariate(1000.0 / args.think_ms))
         msgs.append({"role": "user", "content": f"Question {turn + 1}: {text(rng, args.user_words)}?"})
         ttft, total, answer, usage = chat(port, msgs, args.max_tokens)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -238,9 +264,10 @@ def kv_bytes_per_request(port):
     return got["sum"] / got["count"] if got.get("count") else None
 
 
-def smoke_check(name, res):
+def smoke_check(args, name, res):
     """The smoke mode's checks: every turn answered; cached_tokens 0 with the caches off, > 0
-    on every turn 2+ with them on."""
+    on every turn 2+ with them on where a hit is certain (cache-aware routing, or one prefill
+    instance: blind routing over several may send a turn where nothing of it is yet)."""
     bad = []
     conf = CONFIGS[name]
     for r in res["requests"]:
@@ -249,8 +276,8 @@ def smoke_check(name, res):
         if not conf["cache"] and r["cached"]:
             bad.append(f"{name} conv {r['conv']} turn {r['turn']}: cached_tokens {r['cached']} "
                        f"with the caches off")
-        if conf["cache"] and r["turn"] >= 2 and (conf["disagg"] or conf["routing"] == "cache_aware") \
-                and not 0 < r["cached"] < r["prompt"]:
+        sure = conf["routing"] == "cache_aware" or (conf["disagg"] and args.prefill_instances == 1)
+        if conf["cache"] and r["turn"] >= 2 and sure and not 0 < r["cached"] < r["prompt"]:
             bad.append(f"{name} conv {r['conv']} turn {r['turn']}: cached_tokens {r['cached']} of "
                        f"{r['prompt']} with the cache on")
     return bad
@@ -271,6 +298,10 @@ def main():
     ap.add_argument("--prefix-cache-mb", type=int, default=128)
     ap.add_argument("--prefill-instances", type=int, default=1)
     ap.add_argument("--decode-instances", type=int, default=2)
+    ap.add_argument("--prefill-pp", type=int, default=2, help="pp of each prefill instance")
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="mean exponential think time before each turn after the first")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the think times")
     ap.add_argument("--configs", default="pd_on,pd_off,co_aware,co_load")
     ap.add_argument("--json", help="write every request's figures here")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (logs)")
@@ -285,9 +316,11 @@ def main():
     if unknown or not names:
         ap.error(f"unknown configuration(s) {unknown} (known: {', '.join(CONFIGS)})")
     for v in ("rounds", "convs", "turns", "max_tokens", "kv_blocks", "prefix_cache_mb",
-              "prefill_instances"):
+              "prefill_instances", "prefill_pp"):
         if getattr(args, v) < 1:
             ap.error(f"--{v.replace('_', '-')} must be >= 1")
+    if args.think_ms < 0:
+        ap.error("--think-ms must be >= 0")
     if args.turns < 2:
         ap.error("--turns must be >= 2 (the figures are of turns 2+)")
     if not os.access(os.path.join(args.build, "bin", "tandem"), os.X_OK):
@@ -305,6 +338,9 @@ def main():
             try:
                 res = workload(args, cl.port)
                 res["kv_bytes_req"] = kv_bytes_per_request(cl.port)
+                pf_hit = cl.prefill_hit_tokens()
+                res["pf_hit_rate"] = None if pf_hit is None else \
+                    pf_hit / max(1, sum(r["prompt"] for r in res["requests"] if r["turn"] >= 2))
             finally:
                 cl.down()
             results[n].append(res)
@@ -314,9 +350,11 @@ def main():
                   f"{res['prompt_t1']:.0f}..{res['prompt_last']:.0f} tok  workload "
                   f"{res['wall_s']:.1f} s (with start/stop {time.time() - t0:.1f} s)"
                   + (f"  KV pushed {res['kv_bytes_req'] / 1e6:.2f} MB/request"
-                     if res["kv_bytes_req"] else ""), flush=True)
+                     if res["kv_bytes_req"] else "")
+                  + (f"  prefill hit {100 * res['pf_hit_rate']:.1f} %"
+                     if res["pf_hit_rate"] is not None else ""), flush=True)
             if args.smoke:
-                failures += smoke_check(n, res)
+                failures += smoke_check(args, n, res)
 
     def med(n, k):
         return statistics.median(r[k] for r in results[n])

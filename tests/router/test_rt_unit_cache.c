@@ -554,6 +554,71 @@ static void test_route_prefill(void)
     rt_cache_ids_fini(&g.ids);
 }
 
+/* Prefill leaders' KV events (stage 0's cache): the index is bounded by the cache's budget
+ * (Health.prefix_cache_blocks), not the requests' pool; it is exact from the events; a stage
+ * chain re-formed (same leader process, same boot id) clears it by a CLEARED event, and the
+ * next request goes by load, not by the stale match. */
+static void test_route_prefill_events(void)
+{
+    rt_inst p[2] = {0};
+    td_cfg_prefill pc = {0};
+    rt_registry g = {.pf = p, .n_pf = 2};
+    td_cfg_router rc = {.routing = TD_CFG_ROUTING_CACHE_AWARE,
+                        .cache_aware = {.cache_threshold = 0.5,
+                                        .balance_abs_threshold = 32,
+                                        .balance_rel_threshold = 1.1}};
+    int32_t t[32];
+    fill(t, 32, 5);
+    uint64_t ids[8];
+    TH_REQUIRE(td_block_hashes(t, 32, BS, ids) == 8);
+    evs e = {0};
+    e.kind[e.n_ev++] = 3; /* the start-up formation's flush */
+    for (int k = 0; k < 6; k++)
+        ev_stored(&e, ids[k]);
+    Td__Health h[2];
+    for (int j = 0; j < 2; j++) {
+        p[j].cap = 10;
+        p[j].pcfg = &pc;
+        h[j] = health(1 + (uint64_t)j, 10);
+        h[j].role = TD__ROLE__ROLE_PREFILL;
+        h[j].prefix_cache_blocks = 6;
+        h[j].kv_event_seq = 1; /* events, none yet */
+        rt_reg_seen(&p[j], &h[j], 0);
+        TH_CHECK(p[j].cidx.capacity == 6 && p[j].cst.exact);
+    }
+    h[0].prefix_cache_blocks = 0; /* a leader without a cache: the requests' pool bounds it */
+    rt_reg_seen(&p[0], &h[0], 0);
+    TH_CHECK(p[0].cidx.capacity == 64);
+    h[0].prefix_cache_blocks = 6;
+    /* p1 stored the prompt's first 6 blocks (its whole budget) */
+    h[1].kv_event_kind = (ProtobufCBinaryData){.len = e.n_ev, .data = e.kind};
+    h[1].kv_event_ids = e.ids;
+    h[1].n_kv_event_ids = e.n_ids;
+    rt_reg_seen(&p[1], &h[1], 0);
+    TH_CHECK(p[1].cst.exact && p[1].cidx.n == 6 && p[1].cst.events == 7);
+    rt_route_pick pk;
+    for (int k = 0; k < 2; k++) /* idle instances alternate in the load order: the match wins */
+        TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, -1, &pk) == 1 && pk.why == RT_ROUTE_BY_CACHE &&
+                 pk.matched == 6 * BS);
+    rt_route_commit(&g, g.pf, t, 32, &pk);
+    TH_CHECK(p[1].cidx.n == 6); /* exact: a prompt sent there adds no block */
+    /* stage 1 restarted: the leader re-formed the chain and flushed (seq 8), same boot id */
+    evs c = {0};
+    c.kind[c.n_ev++] = 3;
+    h[1].kv_event_seq = 8;
+    h[1].kv_event_kind = (ProtobufCBinaryData){.len = c.n_ev, .data = c.kind};
+    h[1].n_kv_event_ids = 0;
+    rt_reg_seen(&p[1], &h[1], 0);
+    TH_CHECK(p[1].cidx.n == 0 && p[1].cst.exact && p[1].cst.drops == 0 && p[1].cst.event_gaps == 0);
+    for (int k = 0; k < 2; k++) {
+        TH_CHECK(rt_route_prefill(&g, &rc, t, 32, 0, -1, &pk) >= 0 && pk.why == RT_ROUTE_BY_LOAD &&
+                 pk.matched == 0);
+    }
+    for (int k = 0; k < 2; k++)
+        rt_cidx_fini(&p[k].cidx);
+    rt_cache_ids_fini(&g.ids);
+}
+
 /* routing: round_robin: instances in turn whatever their load or cache, skipping one that
  * cannot take a request (full) and the prefill attempt's `avoid`. */
 static void test_route_round_robin(void)
@@ -607,6 +672,7 @@ int main(void)
     TH_RUN(test_route_events);
     TH_RUN(test_route_shared);
     TH_RUN(test_route_prefill);
+    TH_RUN(test_route_prefill_events);
     TH_RUN(test_route_round_robin);
     TH_EXIT();
 }

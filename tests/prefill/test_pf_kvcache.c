@@ -1,0 +1,163 @@
+/* test_pf_kvcache.c: the prefill stage cache's KV events (prefill-node/pf_kvcache.h): a
+ * reader that replays them holds exactly the blocks the cache indexes (a random workload
+ * with shared prefixes and LRU evictions under a small budget, checked after every insert
+ * against pf_kvc_match), ids are the chained block hashes the router computes, a flush is
+ * one CLEARED event after which the replayed set is empty, and the ring keeps the latest
+ * PF_KVC_EVENT_LOG events (first > 1 once it wrapped, seqs contiguous).
+ * usage: test_pf_kvcache
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../tharness.h"
+#include "kv_pool.h"
+#include "pf_kvcache.h"
+#include "td_blockhash.h"
+
+#define BS      4
+#define MAXB    8
+#define NSET    512 /* a replayed set of ids: linear search is enough here */
+#define PROMPTS 200
+
+typedef struct {
+    uint64_t id[NSET];
+    int n;
+    uint64_t next; /* seq of the next event to apply */
+    int gaps;
+} replay;
+
+static int find(const replay *r, uint64_t id)
+{
+    for (int k = 0; k < r->n; k++)
+        if (r->id[k] == id) return k;
+    return -1;
+}
+
+/* Apply the cache's window past r->next, as the router does. */
+static void apply(replay *r, const pf_kvc *c)
+{
+    uint8_t kind[PF_KVC_EVENT_LOG];
+    uint64_t ids[PF_KVC_EVENT_LOG], first;
+    int n_ids, n = pf_kvc_events(c, PF_KVC_EVENT_LOG, kind, ids, &n_ids, &first);
+    if (first > r->next) r->gaps++;
+    int j = 0;
+    for (int k = 0; k < n; k++) {
+        uint64_t seq = first + (uint64_t)k, id = kind[k] == PF_KVC_EV_CLEARED ? 0 : ids[j++];
+        if (seq < r->next) continue;
+        r->next = seq + 1;
+        int at = find(r, id);
+        if (kind[k] == PF_KVC_EV_STORED) {
+            TH_CHECK(at < 0); /* stored once until removed */
+            if (at < 0 && r->n < NSET) r->id[r->n++] = id;
+        } else if (kind[k] == PF_KVC_EV_REMOVED) {
+            TH_CHECK(at >= 0 || r->gaps); /* after a gap: stored before the window */
+            if (at >= 0) r->id[at] = r->id[--r->n];
+        } else {
+            TH_CHECK(kind[k] == PF_KVC_EV_CLEARED);
+            r->n = 0;
+        }
+    }
+    TH_CHECK(j == n_ids);
+}
+
+static kn_kv_pool *make_pool(void)
+{
+    kn_kv_pool_params p = {.n_layers = 1,
+                           .n_kv_heads = 1,
+                           .head_dim = 4,
+                           .block_size = BS,
+                           .n_blocks = 64,
+                           .type = TD_F32};
+    kn_kv_pool *pool = NULL;
+    return kn_kv_pool_create(&p, &pool) ? NULL : pool;
+}
+
+/* A prompt of n_blocks whole blocks: a common first block, then a branch chosen from few. */
+static void make_prompt(int32_t *t, int n_blocks, unsigned *seed)
+{
+    for (int i = 0; i < n_blocks * BS; i++)
+        t[i] = i < BS ? 7 : (int32_t)(rand_r(seed) % 2 + (i / BS) * 3);
+}
+
+static void insert(pf_kvc *c, kn_kv_pool *pool, const int32_t *t, int n_blocks)
+{
+    int32_t blocks[16];
+    TH_REQUIRE(kn_kv_alloc(pool, n_blocks, blocks) == 0);
+    pf_kvc_insert(c, t, n_blocks, blocks, 0);
+}
+
+static void test_replay_equals_index(void)
+{
+    kn_kv_pool *pool = make_pool();
+    TH_REQUIRE(pool);
+    pf_kvc *c = NULL;
+    TH_REQUIRE(pf_kvc_create(pool, MAXB, &c) == 0);
+    TH_CHECK(pf_kvc_event_next(c) == 1);
+    replay r = {.next = 1};
+    unsigned seed = 12345;
+    int32_t t[16 * BS];
+    uint64_t ids[16], last;
+    for (int p = 0; p < PROMPTS; p++) {
+        int nb = 1 + (int)(rand_r(&seed) % 4);
+        make_prompt(t, nb, &seed);
+        insert(c, pool, t, nb);
+        apply(&r, c);
+        /* every prompt seen: the cache's match equals the replayed set's leading run */
+        size_t n = td_block_hashes(t, (size_t)nb * BS, BS, ids);
+        int lead = 0;
+        while (lead < (int)n && find(&r, ids[lead]) >= 0)
+            lead++;
+        TH_CHECK(pf_kvc_match(c, t, nb * BS, nb, &last) == lead);
+        pf_kvc_stats s;
+        pf_kvc_get_stats(c, &s);
+        TH_CHECK(s.n_indexed == r.n);
+    }
+    pf_kvc_stats s;
+    pf_kvc_get_stats(c, &s);
+    TH_CHECK(s.evicted > 0); /* the budget was exceeded: removals were replayed */
+    TH_CHECK(r.gaps == 0);
+    uint64_t before = pf_kvc_event_next(c);
+    pf_kvc_flush(c);
+    TH_CHECK(pf_kvc_event_next(c) == before + 1); /* one CLEARED, not one event a block */
+    apply(&r, c);
+    TH_CHECK(r.n == 0);
+    pf_kvc_destroy(c);
+    kn_kv_pool_destroy(pool);
+}
+
+static void test_ring_wraps(void)
+{
+    kn_kv_pool *pool = make_pool();
+    TH_REQUIRE(pool);
+    pf_kvc *c = NULL;
+    TH_REQUIRE(pf_kvc_create(pool, MAXB, &c) == 0);
+    int32_t t[BS];
+    for (int p = 0; p < 400; p++) { /* one block each, all different: stored + removed */
+        for (int i = 0; i < BS; i++)
+            t[i] = p * 10 + i;
+        insert(c, pool, t, 1);
+    }
+    uint64_t next = pf_kvc_event_next(c);
+    TH_CHECK(next > PF_KVC_EVENT_LOG + 1);
+    uint8_t kind[PF_KVC_EVENT_LOG];
+    uint64_t ids[PF_KVC_EVENT_LOG], first;
+    int n_ids, n = pf_kvc_events(c, PF_KVC_EVENT_LOG, kind, ids, &n_ids, &first);
+    TH_CHECK(n == PF_KVC_EVENT_LOG && first == next - PF_KVC_EVENT_LOG && n_ids == n);
+    /* the last event: the last block stored, with the router's id for it */
+    uint64_t want = td_block_hash(TD_BLOCK_HASH_ROOT, t, BS);
+    TH_CHECK(kind[n - 1] == PF_KVC_EV_STORED && ids[n_ids - 1] == want);
+    replay r = {.next = 1};
+    apply(&r, c);
+    TH_CHECK(r.gaps == 1);                              /* a reader from 1 learns it lost events */
+    n = pf_kvc_events(c, 3, kind, ids, &n_ids, &first); /* at most max, the latest */
+    TH_CHECK(n == 3 && first == next - 3);
+    pf_kvc_destroy(c);
+    kn_kv_pool_destroy(pool);
+}
+
+int main(void)
+{
+    TH_RUN(test_replay_equals_index);
+    TH_RUN(test_ring_wraps);
+    TH_EXIT();
+}
