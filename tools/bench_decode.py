@@ -348,14 +348,16 @@ def node_part(threads_list, batches, before):
                     run(url, 1, 8)  # warm-up
                     s = run(url, b, 128)
                     log = stop(procs, d)
-                    ph = re.search(r"per step \(ms, % of the loop\): loop ([0-9.]+).*"
+                    ph = re.search(r"per step \(ms, % of the loop\): loop ([0-9.]+), "
+                                   r"inbox\+transfers\+health ([0-9.]+) \(([0-9.]+)%.*"
                                    r"commit ([0-9.]+) \(([0-9.]+)%", log)
                     res.setdefault((label, threads, b), []).append(s["tok_per_s"])
                     if b == 1:
                         res.setdefault((label + "/engine", threads), []).append(s["tok_per_s"] / e)
                     x_eng = f" ({s['tok_per_s'] / e:.3f} x engine)" if b == 1 else ""
-                    phases = (f", loop {ph.group(1)} ms/step, commit {ph.group(2)} ms "
-                              f"({ph.group(3)}%)" if ph else "")
+                    phases = (f", loop {ph.group(1)} ms/step, inbox {ph.group(2)} ms "
+                              f"({ph.group(3)}%), commit {ph.group(4)} ms ({ph.group(5)}%)"
+                              if ph else "")
                     print(f"round {k} {label:6s} {threads} threads batch {b:2d}: "
                           f"{s['tok_per_s']:7.1f} tok/s{x_eng}{phases}", flush=True)
     for threads in threads_list:
