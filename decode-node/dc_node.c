@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cpu_backend.h"
 #include "dc_node_int.h"
 #include "dc_plan.h"
 #include "td_clock.h"
@@ -385,7 +386,9 @@ static int leader_setup(dc_node *n)
                           .vocab = n->gvocab,
                           .grammars = n->grammars,
                           .prefix_cache = n->dcfg->prefix_cache,
-                          .itl_target_ms = n->dcfg->itl_target_ms};
+                          .itl_target_ms = n->dcfg->itl_target_ms,
+                          .sample_pool =
+                              kn_cpu_of(n->rt.be) ? kn_cpu_pool(kn_cpu_of(n->rt.be)) : NULL};
     char tier_path[4096];
     rc = dc_tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)

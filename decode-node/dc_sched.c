@@ -282,6 +282,7 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     int rc = (!r->tokens || !r->stop_ids) ? TD_ENOMEM : 0;
     /* a moved request's sampler skips the draws made before it moved */
     if (!rc) rc = kn_sampler_init(&r->smp, &p->sampling, s->m->hp.n_vocab);
+    if (!rc) kn_sampler_set_pool(&r->smp, s->p.sample_pool);
     if (!rc) rc = req_grammar(s, p, r);
     if (rc) {
         gr_matcher_destroy(r->gm);

@@ -132,6 +132,10 @@ typedef struct {
      * chunk still gets min(DC_SCHED_MIN_PREFILL, what its prompt has left), so prompts always
      * progress. 0: no cap (step_tokens alone bounds the prefill share). */
     double itl_target_ms;
+    /* the CPU pool every request's sampler spreads its per-token passes over
+     * (kn_sampler_set_pool: the same tokens), borrowed for the scheduler's life; the caller
+     * never runs it during dc_sched_commit; NULL: the calling thread alone */
+    struct kn_pool *sample_pool;
 } dc_sched_params;
 
 enum { DC_SCHED_MIN_PREFILL = 32 }; /* prefill tokens a capped step still takes */

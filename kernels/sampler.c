@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_pool.h"
 #include "td_err.h"
 
 struct kn_cand {
@@ -237,22 +238,233 @@ void kn_sampler_set_mask(kn_sampler *s, const uint32_t *mask)
     s->mask = mask;
 }
 
-/* Structured output: -inf on every token the mask leaves out (then cleared: one call). 0, or
- * TD_EINVAL when it allows none. */
-static int apply_mask(kn_sampler *s, struct kn_cand *c, int32_t n)
+/* ---- per-token passes, split in parts over the pool ----
+ * Each part [i0, i1) of a pass writes only its own tokens and its own smp_part slot; the
+ * slots are read back in part order, so every result (the first argmax, the maximum, each
+ * token's p) is the one-thread pass's, bit for bit. Sums stay on the calling thread. */
+#define SMP_MAX_PARTS 64
+#define SMP_MIN_PART  4096 /* tokens: a smaller part costs more to hand out than to run */
+
+typedef struct {
+    int32_t best; /* first index of the part's largest logit; -1: the part did not run */
+    int32_t n_ok; /* tokens the mask allows */
+    float max;    /* the part's largest logit (meaningless if nan) */
+    bool nan;     /* a logit is nan */
+    char pad[48]; /* one cache line per part: parts run on different cores */
+} smp_part;
+
+typedef struct {
+    struct kn_cand *c;   /* (n) the candidates */
+    const float *logits; /* (n) */
+    const uint32_t *mask;
+    double maxl, temp; /* the exp pass: p = exp((logit - maxl) / temp) */
+    smp_part part[SMP_MAX_PARTS];
+} smp_job;
+
+/* Run fn over [0, n): on the pool when the sampler has one and n is large enough, else as
+ * one part here. Every slot starts "not run". */
+static void smp_run(const kn_sampler *s, smp_job *J, int32_t n, kn_pool_fn fn)
 {
-    const uint32_t *m = s->mask;
-    s->mask = NULL;
+    for (int t = 0; t < SMP_MAX_PARTS; t++)
+        J->part[t].best = -1;
+    int64_t min = (n + SMP_MAX_PARTS - 1) / SMP_MAX_PARTS; /* at most SMP_MAX_PARTS parts */
+    if (min < SMP_MIN_PART) min = SMP_MIN_PART;
+    if (s->pool)
+        kn_pool_run(s->pool, n, min, fn, J);
+    else if (n > 0)
+        fn(J, 0, n, 0);
+}
+
+/* c[i] = (i, logits[i]), the structured-output mask applied (-inf where it says no) */
+static void fill_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    smp_job *J = arg;
+    struct kn_cand *c = J->c;
+    for (int64_t i = i0; i < i1; i++)
+        c[i] = (struct kn_cand){.id = (int32_t)i, .logit = J->logits[i]};
     int32_t n_ok = 0;
-    for (int32_t i = 0; i < n; i++) {
-        if (m[i >> 5] >> (i & 31) & 1)
-            n_ok++;
-        else
-            c[i].logit = -INFINITY;
+    if (J->mask)
+        for (int64_t i = i0; i < i1; i++) {
+            if (J->mask[i >> 5] >> (i & 31) & 1)
+                n_ok++;
+            else
+                c[i].logit = -INFINITY;
+        }
+    J->part[tid].n_ok = n_ok;
+    J->part[tid].best = (int32_t)i0;
+}
+
+/* nan, the largest logit and its first index */
+static void scan_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    smp_job *J = arg;
+    const struct kn_cand *c = J->c;
+    float mx = c[i0].logit;
+    int32_t best = (int32_t)i0;
+    bool nan = false;
+    for (int64_t i = i0; i < i1; i++) {
+        float x = c[i].logit;
+        nan |= isnan(x);
+        if (x > mx) {
+            mx = x;
+            best = (int32_t)i;
+        }
     }
+    J->part[tid] = (smp_part){.best = best, .max = mx, .nan = nan};
+}
+
+/* 2^(j/32), j = 0..31, each within an ulp */
+static const double exp2_32[32] = {
+    0x1.0000000000000p+0, 0x1.059b0d3158574p+0, 0x1.0b5586cf9890fp+0, 0x1.11301d0125b51p+0,
+    0x1.172b83c7d517bp+0, 0x1.1d4873168b9aap+0, 0x1.2387a6e756238p+0, 0x1.29e9df51fdee1p+0,
+    0x1.306fe0a31b715p+0, 0x1.371a7373aa9cbp+0, 0x1.3dea64c123422p+0, 0x1.44e086061892dp+0,
+    0x1.4bfdad5362a27p+0, 0x1.5342b569d4f82p+0, 0x1.5ab07dd485429p+0, 0x1.6247eb03a5585p+0,
+    0x1.6a09e667f3bcdp+0, 0x1.71f75e8ec5f74p+0, 0x1.7a11473eb0187p+0, 0x1.82589994cce13p+0,
+    0x1.8ace5422aa0dbp+0, 0x1.93737b0cdc5e5p+0, 0x1.9c49182a3f090p+0, 0x1.a5503b23e255dp+0,
+    0x1.ae89f995ad3adp+0, 0x1.b7f76f2fb5e47p+0, 0x1.c199bdd85529cp+0, 0x1.cb720dcef9069p+0,
+    0x1.d5818dcfba487p+0, 0x1.dfc97337b9b5fp+0, 0x1.ea4afa2a490dap+0, 0x1.f50765b6e4540p+0};
+
+/* exp(x) for x in [-104, 0] within 1e-15 (relative), branch-free so that loops over it
+ * vectorize: x = (32 m + j) ln2 / 32 + r, |r| <= ln2 / 64 (k = 32 m + j read from the low
+ * bits of the 1.5 * 2^52 rounding; fdlibm's split of ln 2, over 32: k ln2_hi / 32 is exact
+ * for |k| < 2^16), exp(x) = 2^m 2^(j/32) exp(r), exp(r) by its Taylor series to r^6
+ * (truncation < 4e-18). */
+static inline double exp_near(double x)
+{
+    double t = x * (32.0 * 1.4426950408889634) + 0x1.8p52, kd = t - 0x1.8p52;
+    double r =
+        (x - kd * (6.93147180369123816490e-01 / 32)) - kd * (1.90821492927058770002e-10 / 32);
+    uint64_t tb;
+    memcpy(&tb, &t, sizeof tb);
+    int64_t k = (int32_t)(uint32_t)tb; /* in [-4802, 0] */
+    double q = r * (1.0 / 720.0) + 1.0 / 120.0;
+    q = q * r + 1.0 / 24.0;
+    q = q * r + 1.0 / 6.0;
+    q = q * r + 0.5;
+    q = q * r + 1.0;
+    q = q * r + 1.0;
+    uint64_t sb = (uint64_t)((k >> 5) + 1023) << 52; /* 2^m, m = floor(k / 32) in [-151, 0] */
+    double scale;
+    memcpy(&scale, &sb, sizeof scale);
+    return q * exp2_32[k & 31] * scale;
+}
+
+/* The float of y ~ exp(x) (exp_near): y is within 1e-15 of exp(x), libm's exp within 1 ulp,
+ * so when the window y (1 +- 1e-13) rounds to one float, libm's exp(x) rounds to it too;
+ * else (about once in 10^6), and outside [-104, 0], libm decides. */
+static inline float exp_round(double x, double y)
+{
+    if (!(x >= -104.0 && x <= 0.0)) /* below -104, exp(x) < 2^-150 rounds to 0 in float */
+        return x < -104.0 ? 0.0f : (float)exp(x);
+    float lo = (float)(y * (1.0 - 1e-13)), hi = (float)(y * (1.0 + 1e-13));
+    return lo == hi ? lo : (float)exp(x);
+}
+
+float kn_exp_to_float(double x)
+{
+    double xc = x < -104.0 ? -104.0 : (x > 0.0 ? 0.0 : x);
+    return exp_round(x, exp_near(xc == xc ? xc : 0.0));
+}
+
+#define EXP_BLOCK 256
+
+/* c[i].p = (float)exp((c[i].logit - maxl) / temp), as libm would give it: blocks of
+ * EXP_BLOCK through the vectorized exp_near, then the rounding check */
+static void exp_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    smp_job *J = arg;
+    struct kn_cand *c = J->c;
+    double x[EXP_BLOCK], y[EXP_BLOCK];
+    for (int64_t b = i0; b < i1; b += EXP_BLOCK) {
+        int64_t m = i1 - b < EXP_BLOCK ? i1 - b : EXP_BLOCK;
+        for (int64_t i = 0; i < m; i++)
+            x[i] = ((double)c[b + i].logit - J->maxl) / J->temp;
+        for (int64_t i = m; i < EXP_BLOCK; i++)
+            x[i] = 0;
+        for (int i = 0; i < EXP_BLOCK; i++) { /* a fixed count: vectorized at -O2 */
+            double xc = x[i] < -104.0 ? -104.0 : (x[i] > 0.0 ? 0.0 : x[i]);
+            y[i] = exp_near(xc);
+        }
+        for (int64_t i = 0; i < m; i++)
+            c[b + i].p = exp_round(x[i], y[i]);
+    }
+    J->part[tid].best = (int32_t)i0;
+}
+
+/* The candidates with the mask applied; 0, or TD_EINVAL when the mask allows no token. */
+static int fill(kn_sampler *s, smp_job *J, const float *logits)
+{
+    J->c = s->cand;
+    J->logits = logits;
+    J->mask = s->mask;
+    s->mask = NULL; /* one call */
+    smp_run(s, J, s->n_vocab, fill_part);
+    if (!J->mask) return 0;
+    int64_t n_ok = 0;
+    for (int t = 0; t < SMP_MAX_PARTS; t++)
+        if (J->part[t].best >= 0) n_ok += J->part[t].n_ok;
     if (n_ok) return 0;
     TD_LOG_ERR("the token mask allows no token");
     return TD_EINVAL;
+}
+
+/* The scan over c[0..n): true if a logit is nan; else *best (first argmax) and *max. */
+static bool scan(const kn_sampler *s, smp_job *J, int32_t n, int32_t *best, float *max)
+{
+    smp_run(s, J, n, scan_part);
+    int32_t b = -1;
+    for (int t = 0; t < SMP_MAX_PARTS; t++) {
+        const smp_part *q = &J->part[t];
+        if (q->best < 0) continue;
+        if (q->nan) return true;
+        if (b < 0 || q->max > J->c[b].logit) b = q->best;
+    }
+    *best = b;
+    *max = J->c[b].logit;
+    return false;
+}
+
+/* Greedy: the first index of the largest logit; the one-thread scan when a logit is nan
+ * (its answer then depends on where the nan is). */
+static int32_t argmax(const kn_sampler *s, smp_job *J)
+{
+    int32_t best;
+    float mx;
+    if (!scan(s, J, s->n_vocab, &best, &mx)) return best;
+    const struct kn_cand *c = J->c;
+    best = 0;
+    for (int32_t i = 1; i < s->n_vocab; i++)
+        if (c[i].logit > c[best].logit) best = i;
+    return best;
+}
+
+/* The draw from c[0..k) by weight p: the first i whose running sum exceeds r = u * sum,
+ * by binary search over the running sums (cum, k doubles; the sums of a linear walk, so
+ * the same token). */
+static int32_t draw_token(kn_sampler *s, const struct kn_cand *c, int32_t k, double *cum)
+{
+    if (k < 1) { /* only with an infinite logit: its p is nan and fails min_p */
+        TD_LOG_ERR("logits contain inf: no token left to draw");
+        return TD_EINVAL;
+    }
+    double acc = 0;
+    for (int32_t i = 0; i < k; i++)
+        cum[i] = acc += c[i].p;
+    double r = uniform(s->rng) * acc;
+    int32_t lo = 0, hi = k;
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (r < cum[mid])
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return c[lo < k ? lo : k - 1].id;
+}
+
+void kn_sampler_set_pool(kn_sampler *s, struct kn_pool *pool)
+{
+    s->pool = pool;
 }
 
 int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist,
@@ -262,43 +474,39 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
     int32_t n = s->n_vocab;
     struct kn_cand *c = s->cand;
     if (n_out < 0 || n_out > n_hist || (n_out && !history)) return TD_EINVAL;
-    for (int32_t i = 0; i < n; i++)
-        c[i] = (struct kn_cand){.id = i, .logit = logits[i]};
-    if (s->mask && apply_mask(s, c, n)) return TD_EINVAL;
+    smp_job J;
+    if (fill(s, &J, logits)) return TD_EINVAL;
 
     bias_and_mask(p, c, n_out);
     if (s->seen && history) repeat_penalty(p, s->seen, c, n, history, n_hist);
     if (s->count && n_out) openai_penalties(p, s->count, c, n, history + (n_hist - n_out), n_out);
-    if (p->temperature <= 0) {
-        int32_t best = 0;
-        for (int32_t i = 1; i < n; i++)
-            if (c[i].logit > c[best].logit) best = i;
-        return best;
+    if (p->temperature <= 0) return argmax(s, &J);
+    int32_t best;
+    float mx;
+    if (scan(s, &J, n, &best, &mx)) {
+        TD_LOG_ERR("logits contain nan");
+        return TD_EINVAL;
     }
-    for (int32_t i = 0; i < n; i++)
-        if (isnan(c[i].logit)) {
-            TD_LOG_ERR("logits contain nan");
-            return TD_EINVAL;
-        }
     /* top-k: the k best, sorted by logit. Without top-k the list stays in id order and is
      * never sorted whole (a 50k-entry sort costs more than a small model's decode step):
      * top-p then extracts the nucleus with a heap, min-p is a threshold. */
     int32_t k = n;
     bool sorted = false;
+    double maxl = mx;
     if (p->top_k > 0 && p->top_k < n) {
         k = p->top_k;
         select_top(c, n, k);
         qsort(c, (size_t)k, sizeof *c, by_logit_desc);
         sorted = true;
+        maxl = c[0].logit;
     }
-    double maxl = c[0].logit, sum = 0;
-    for (int32_t i = 1; i < k; i++)
-        if (c[i].logit > maxl) maxl = c[i].logit;
-    for (int32_t i = 0; i < k; i++) {
-        c[i].p = (float)exp(((double)c[i].logit - maxl) / p->temperature);
-        sum += c[i].p;
-    }
+    J.maxl = maxl;
+    J.temp = p->temperature;
+    smp_run(s, &J, k, exp_part);
     if (p->top_p > 0 && p->top_p < 1) {
+        double sum = 0; /* in id (or top-k) order, as the nucleus' mass is defined */
+        for (int32_t i = 0; i < k; i++)
+            sum += c[i].p;
         if (!sorted) {
             k = nucleus(c, k, s->cand2, p->top_p * sum);
         } else {
@@ -323,15 +531,8 @@ int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, in
             if (c[i].p >= min_p) c[keep++] = c[i];
         k = keep;
     }
-    sum = 0;
-    for (int32_t i = 0; i < k; i++)
-        sum += c[i].p;
-    double r = uniform(s->rng) * sum, acc = 0;
-    for (int32_t i = 0; i < k; i++) {
-        acc += c[i].p;
-        if (r < acc) return c[i].id;
-    }
-    return c[k - 1].id;
+    /* cand2 is free again (the nucleus went back to c): it holds the running sums */
+    return draw_token(s, c, k, (double *)(void *)s->cand2);
 }
 
 void kn_sampler_skip(kn_sampler *s)

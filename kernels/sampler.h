@@ -13,8 +13,12 @@
  * anything else: masked tokens get logit -inf and can never be drawn.
  * Invariants: the same params, seed, logits and history give the same token, on every
  * machine (the RNG is a counter-free xoshiro256** seeded with splitmix64).
- * Threading: a kn_sampler belongs to one sequence and one thread.
- * Ownership: kn_sampler_init/fini (embedded); scratch is owned by the sampler.
+ * Threading: a kn_sampler belongs to one sequence and one thread. With a pool
+ * (kn_sampler_set_pool), kn_sample spreads its per-token passes over the pool's threads
+ * and returns the token the one-thread path returns, bit for bit: each token's value is
+ * computed alone, and every sum keeps its order on the calling thread.
+ * Ownership: kn_sampler_init/fini (embedded); scratch is owned by the sampler; the pool is
+ * borrowed.
  */
 #ifndef KN_SAMPLER_H
 #define KN_SAMPLER_H
@@ -34,6 +38,7 @@ typedef struct {
     uint8_t *seen;         /* (n_vocab) zeroed scratch for the repetition penalty; NULL when off */
     const uint32_t *mask;  /* borrowed, for the next kn_sample only: bit (id & 31) of word
                               id >> 5 set = allowed; NULL: every token */
+    struct kn_pool *pool;  /* borrowed (kn_sampler_set_pool); NULL: the calling thread only */
 } kn_sampler;
 
 /* Seeds the sampler from p and advances it past p->skip_samples draws (kn_sampler_skip).
@@ -49,6 +54,12 @@ void kn_sampler_fini(kn_sampler *s);
  * n_out out of range). */
 int32_t kn_sample(kn_sampler *s, const float *logits, const int32_t *history, int64_t n_hist,
                   int64_t n_out);
+
+/* Run kn_sample's per-token passes (copy, mask, argmax, max, exp) on pool's threads from
+ * now on (NULL: on the calling thread only). The pool is borrowed until the sampler's fini
+ * or the next set; kn_sample then calls kn_pool_run, so it must not run while another
+ * thread uses the pool (the decode node samples between forward passes). */
+void kn_sampler_set_pool(kn_sampler *s, struct kn_pool *pool);
 
 /* Restrict the next kn_sample call to the tokens whose bit is set in mask ((n_vocab + 31)
  * / 32 words, borrowed until that call, which clears it). NULL: no restriction. A mask that
@@ -70,5 +81,11 @@ void kn_sampler_skip(kn_sampler *s);
  * the top k by a partial selection (a k-element heap, O(n_vocab log k)), no sort of the
  * vocabulary. Returns 0, or TD_EINVAL for chosen or k out of range. */
 int kn_logprobs(const float *logits, int32_t n_vocab, int32_t chosen, int k, td_logprob_entry *out);
+
+/* (float)exp(x), bit for bit, without libm's call for x in [-104, 0] (the sampler's
+ * exp((logit - max) / temperature)): a polynomial within 1e-15 of exp, kept only when every
+ * value within 1e-13 of it rounds to the same float (else libm's exp decides, about once
+ * in 10^6 calls). Exposed for its test. */
+float kn_exp_to_float(double x);
 
 #endif

@@ -13,3 +13,9 @@ add_test(NAME kv_cache COMMAND test_kv_cache)
 add_executable(test_kv_tier ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_tier.c)
 target_link_libraries(test_kv_tier PRIVATE td_kernels td_common)
 add_test(NAME kv_tier COMMAND test_kv_tier)
+
+# kn_sample over a CPU pool draws the one-thread sampler's tokens, and both a plain
+# reference's (49152-token vocabulary: several parts per pass)
+add_executable(test_sampler_pool ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_sampler_pool.c)
+target_link_libraries(test_sampler_pool PRIVATE td_kernels td_common m)
+add_test(NAME sampler_pool COMMAND test_sampler_pool)

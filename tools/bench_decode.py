@@ -30,10 +30,18 @@ With --tp CONFIGS (e.g. 1x1,2x1,1x2: tp x threads per rank) only part 2 runs, fo
 configurations, at each batch of --batches with --max-tokens per request, and prints each
 configuration's throughput against the first one's (strong scaling: tp2 x 1 against tp1 x 1).
 
+With --node THREADS (e.g. 1,2) only the node against the bare engine runs: per round and
+thread count, `tandem bench-engine`'s batch-1 decode, then a tp1 instance (sequential loop)
+at each batch of --batches (1,16); with --compare BEFORE_BUILD the BEFORE build's instance
+runs next to this build's in each round, the order swapped every round. It prints each run's
+tokens/s (x engine at batch 1) and the leader's per-step commit time (sampling, stop rules,
+events), then the medians, each build's node/engine ratio and the after/before paired ratios.
+
 usage: tools/bench_decode.py [--build build] [--model PATH]
        tools/bench_decode.py --itl 0,60 [--rounds R] [--decoders 12] [--long 6]
                              [--tp 1x1,2x1 [--batches 1,4] [--max-tokens 128]]
        tools/bench_decode.py --overlap 1,2 [--batches 1,16] [--rounds R]
+       tools/bench_decode.py --node 1,2 [--compare BEFORE_BUILD] [--batches 1,16] [--rounds R]
        tools/bench_decode.py --compare BEFORE_BUILD [--build build] [--model PATH] --tp N
                              [--batches 4,16] [--rounds R]
   --compare: only the tensor-parallel decode at tp N x 1 thread, the build under test
@@ -68,6 +76,9 @@ ap.add_argument("--rounds", type=int, default=3, help="with --compare: rounds pe
 ap.add_argument("--overlap", metavar="THREADS",
                 help="only decode[].overlap on against off (and bench-engine), alternated "
                 "--rounds times, for these thread counts (e.g. 1,2) at --batches (1,16)")
+ap.add_argument("--node", metavar="THREADS",
+                help="only the tp1 node against bench-engine (with --compare: and the BEFORE "
+                "build's node), alternated --rounds times, for these thread counts at --batches")
 ap.add_argument("--itl", help="only the bounded-stall comparison: itl_target_ms values, e.g. 0,60")
 ap.add_argument("--decoders", type=int, default=12, help="with --itl: requests decoding")
 ap.add_argument("--long", type=int, default=6, help="with --itl: long prompts arriving")
@@ -313,6 +324,61 @@ def overlap_part(threads_list, batches):
                      if b == 1 else ""))
 
 
+def node_part(threads_list, batches, before):
+    """The tp1 node (sequential loop) against bench-engine's batch-1 decode in each round;
+    with before, that build's node too, alternated (order swapped every round)."""
+    builds = [("after", DECODE)]
+    if before:
+        builds.insert(0, ("before", os.path.join(before, "bin", "tandem-decode")))
+    res = {}
+    port = 9800
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    for k in range(args.rounds):
+        for threads in threads_list:
+            eng = subprocess.run([TANDEM, "bench-engine", "--model", args.model, "--threads",
+                                  str(threads), "--reps", "1", "--json"], capture_output=True,
+                                 text=True).stdout
+            e = float(re.search(r'"decode_tps": ([0-9.]+)', eng).group(1))
+            res.setdefault(("engine", threads), []).append(e)
+            print(f"round {k} engine {threads} threads batch 1: {e:.1f} tok/s", flush=True)
+            for b in batches:
+                for label, decode in (builds if k % 2 == 0 else builds[::-1]):
+                    port += 1
+                    procs, url, d = start(1, threads, port, decode=decode, overlap=False)
+                    run(url, 1, 8)  # warm-up
+                    s = run(url, b, 128)
+                    log = stop(procs, d)
+                    ph = re.search(r"per step \(ms, % of the loop\): loop ([0-9.]+), "
+                                   r"inbox\+transfers\+health ([0-9.]+) \(([0-9.]+)%.*"
+                                   r"commit ([0-9.]+) \(([0-9.]+)%", log)
+                    res.setdefault((label, threads, b), []).append(s["tok_per_s"])
+                    if b == 1:
+                        res.setdefault((label + "/engine", threads), []).append(s["tok_per_s"] / e)
+                    x_eng = f" ({s['tok_per_s'] / e:.3f} x engine)" if b == 1 else ""
+                    phases = (f", loop {ph.group(1)} ms/step, inbox {ph.group(2)} ms "
+                              f"({ph.group(3)}%), commit {ph.group(4)} ms ({ph.group(5)}%)"
+                              if ph else "")
+                    print(f"round {k} {label:6s} {threads} threads batch {b:2d}: "
+                          f"{s['tok_per_s']:7.1f} tok/s{x_eng}{phases}", flush=True)
+    for threads in threads_list:
+        for b in batches:
+            line = f"{threads} threads batch {b:2d}:"
+            for label, _ in builds:
+                line += f" {label} {med(res[(label, threads, b)]):.1f} tok/s"
+                if b == 1:
+                    line += f" ({med(res[(label + '/engine', threads)]):.3f} x engine)"
+            if before:
+                pair = sorted(a / o for a, o in zip(res[("after", threads, b)],
+                                                    res[("before", threads, b)]))
+                line += (f"; after/before paired median {med(pair):.3f} "
+                         f"(range {pair[0]:.3f}-{pair[-1]:.3f})")
+            print(line, flush=True)
+
+
+if args.node:
+    node_part([int(x) for x in args.node.split(",")],
+              [int(x) for x in (args.batches or "1,16").split(",")], args.compare)
+    raise SystemExit(0)
 if args.overlap:
     overlap_part([int(x) for x in args.overlap.split(",")],
                  [int(x) for x in (args.batches or "1,16").split(",")])
