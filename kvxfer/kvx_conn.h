@@ -99,23 +99,50 @@
 #define KVX_MAX_RANKS  64
 #define KVX_MAX_CHUNKS 16384 /* chunk numbers per prefill request: 0 .. KVX_MAX_CHUNKS - 1 */
 
+#define KVX_MAX_SLICES 16 /* head slices of a sliced source region */
+
 /* A KV region: for each local layer, K then V, each
- * (n_blocks, n_heads, block_size, head_dim) elements of dtype_size bytes. */
+ * (n_blocks, n_heads, block_size, head_dim) elements of dtype_size bytes (head-major blocks:
+ * one head's part of a block is contiguous, a run of heads too, but a head range narrower
+ * than n_heads is strided from block to block).
+ * Sliced (a prefill stage's source region only; n_slices > 1): the held heads are cut into
+ * n_slices consecutive slices of slice_heads[i] heads (summing to n_heads), and each layer's
+ * K (then V) holds slice 0's (n_blocks, slice_heads[0], block_size, head_dim), then slice
+ * 1's, ...: a slice's part of a run of consecutive blocks is one contiguous range, so a
+ * decode rank whose heads are a union of slices gets one put per slice and run, without
+ * staging. With one slice this is the head-major layout. Decode regions and targets are
+ * never sliced (their pool is the kernels' head-major pool). */
 typedef struct {
-    uint32_t layer0, n_layers; /* global layers held: [layer0, layer0 + n_layers) */
-    uint32_t n_kv_heads;       /* the model's KV heads (all TP ranks together) */
-    uint32_t head0, n_heads;   /* heads held: [head0, head0 + n_heads); a decode rank's
-                                * range follows common/td_tp.h, so ranges of different
-                                * ranks may overlap (replicated KV heads): each target
-                                * gets every head of its range */
-    uint32_t block_size;       /* tokens per block */
-    uint32_t head_dim;         /* elements */
-    uint32_t dtype_size;       /* bytes per element */
-    uint32_t n_blocks;         /* blocks per layer array */
+    uint32_t layer0, n_layers;            /* global layers held: [layer0, layer0 + n_layers) */
+    uint32_t n_kv_heads;                  /* the model's KV heads (all TP ranks together) */
+    uint32_t head0, n_heads;              /* heads held: [head0, head0 + n_heads); a decode rank's
+                                           * range follows common/td_tp.h, so ranges of different
+                                           * ranks may overlap (replicated KV heads): each target
+                                           * gets every head of its range */
+    uint32_t block_size;                  /* tokens per block */
+    uint32_t head_dim;                    /* elements */
+    uint32_t dtype_size;                  /* bytes per element */
+    uint32_t n_blocks;                    /* blocks per layer array */
+    uint32_t n_slices;                    /* 0 or 1: head-major blocks; > 1: sliced (above) */
+    uint32_t slice_heads[KVX_MAX_SLICES]; /* heads of each slice (n_slices > 1) */
 } kvx_layout;
 
-/* Bytes of a region with this layout (0 if the layout is invalid). */
+/* Bytes of a region with this layout (0 if the layout is invalid: a sliced one also needs
+ * n_slices <= KVX_MAX_SLICES and slices of >= 1 head summing to n_heads). */
 size_t kvx_layout_bytes(const kvx_layout *l);
+
+/* Byte offset in a region of layout l (valid) of local layer ll, kv (0 K, 1 V), block blk,
+ * local head h (0 .. n_heads - 1), token tok: where that head's tokens of the block start
+ * (its tokens of the block are contiguous in every layout). */
+size_t kvx_layout_off(const kvx_layout *l, uint32_t ll, uint32_t kv, uint32_t blk, uint32_t h,
+                      uint32_t tok);
+
+/* Slice l (held heads [head0, head0 + n_heads)) for destinations holding the global head
+ * ranges [ranges[2i], ranges[2i+1]), i < n: the coarsest cut of the held heads in which each
+ * range's held part is a union of slices (n_slices 1 when none cuts them). TD_EINVAL for an
+ * empty or reversed range or n == 0, TD_ERANGE when more than KVX_MAX_SLICES slices would be
+ * needed (l unchanged on error). */
+int kvx_layout_slice(kvx_layout *l, const uint32_t *ranges, uint32_t n);
 
 typedef struct {
     int timeout_ms;       /* default request deadline; 0: 30000 */
