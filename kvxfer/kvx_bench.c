@@ -4,7 +4,8 @@
  *
  *   kvx-bench [--tls tcp|sm|<UCX_TLS>] [--dst-ranks N] [--iters K] [--tokens T]
  *             [--chunk C] [--layers L] [--heads H] [--head-dim D] [--block B] [--run R]
- *             [--port P] [--src-layout heads|sliced] [--spin] [--no-perftest]
+ *             [--port P] [--src-layout heads|sliced] [--spin] [--spin-us U] [--fifo F]
+ *             [--no-perftest]
  *
  * Defaults: the default model's KV shapes (30 layers, 3 KV heads, head_dim 64, f16,
  * 16-token blocks), one 4096-token request sent as one chunk (--chunk C: chunks of C
@@ -18,6 +19,9 @@
  * (kvx_layout.n_slices: one slice per rank, each rank's part of a run of blocks contiguous).
  * The sender waits for progress on the UCX worker's event fd (kvx_conn_progress with a 1 ms
  * timeout); --spin polls without sleeping instead (what it did before, for comparison).
+ * --spin-us U: kvx_conn_params.spin_us of every connector (sender and decode ranks; 0: the
+ * default, -1: sleep as soon as a progress pass finds nothing). --fifo F: the shared-memory
+ * receive FIFO's elements (kvx_pipe_params.shm_fifo_size; 0: the pipe's default).
  * Internal: `kvx-bench --receiver ...` is the decode-rank child. KVX_BENCH_DEBUG=1 prints
  * the time of each chunk's puts and of its flush + notices.
  */
@@ -44,6 +48,8 @@ typedef struct {
     bool perftest;
     bool sliced;   /* --src-layout sliced */
     bool spin;     /* --spin: the sender polls progress without sleeping */
+    int spin_us;   /* kvx_conn_params.spin_us of every connector */
+    int fifo;      /* kvx_pipe_params.shm_fifo_size of every pipe */
     uint32_t rank; /* receiver */
 } bopts;
 
@@ -135,11 +141,11 @@ static size_t hexdec(const char *s, uint8_t *b, size_t cap)
 
 static int receiver(const bopts *o)
 {
-    kvx_pipe_params pp = {.tls = ucx_tls_of(o->tls)};
+    kvx_pipe_params pp = {.tls = ucx_tls_of(o->tls), .shm_fifo_size = o->fifo};
     kvx_pipe *pipe;
     kvx_conn *c;
     if (kvx_pipe_ucx_create(&pp, &pipe)) return 1;
-    kvx_conn_params cp = {.timeout_ms = 60000, .progress_thread = true};
+    kvx_conn_params cp = {.timeout_ms = 60000, .progress_thread = true, .spin_us = o->spin_us};
     if (kvx_conn_create(pipe, &cp, &c)) return 1;
     uint32_t h0, nh, nb = (o->tokens + o->block - 1) / o->block;
     rank_heads(o, o->rank, &h0, &nh);
@@ -454,7 +460,7 @@ static uint8_t *make_source(const kvx_layout *sl, size_t bytes)
 static bool start_receivers(const bopts *o, const char *self)
 {
     char a_tls[64], a_rank[16], a_ranks[16], a_tok[16], a_lay[16], a_h[16], a_hd[16], a_b[16],
-        a_run[16];
+        a_run[16], a_spin[16], a_fifo[16];
     snprintf(a_tls, sizeof(a_tls), "%s", o->tls);
     snprintf(a_ranks, sizeof(a_ranks), "%u", o->ranks);
     snprintf(a_tok, sizeof(a_tok), "%u", o->tokens);
@@ -463,12 +469,15 @@ static bool start_receivers(const bopts *o, const char *self)
     snprintf(a_hd, sizeof(a_hd), "%u", o->head_dim);
     snprintf(a_b, sizeof(a_b), "%u", o->block);
     snprintf(a_run, sizeof(a_run), "%u", o->run);
+    snprintf(a_spin, sizeof(a_spin), "%d", o->spin_us);
+    snprintf(a_fifo, sizeof(a_fifo), "%d", o->fifo);
+    snprintf(a_fifo, sizeof(a_fifo), "%d", o->fifo);
     for (uint32_t d = 0; d < o->ranks; d++) {
         snprintf(a_rank, sizeof(a_rank), "%u", d);
-        char *argv[] = {(char *)self,  "--receiver", a_rank,     "--tls",      a_tls,
-                        "--dst-ranks", a_ranks,      "--tokens", a_tok,        "--layers",
-                        a_lay,         "--heads",    a_h,        "--head-dim", a_hd,
-                        "--block",     a_b,          "--run",    a_run,        NULL};
+        char *argv[] = {(char *)self, "--receiver", a_rank, "--tls",    a_tls,  "--dst-ranks",
+                        a_ranks,      "--tokens",   a_tok,  "--layers", a_lay,  "--heads",
+                        a_h,          "--head-dim", a_hd,   "--block",  a_b,    "--run",
+                        a_run,        "--spin-us",  a_spin, "--fifo",   a_fifo, NULL};
         g_ch[d].pid = spawn(argv, NULL, &g_ch[d].in, &g_ch[d].out);
         char r[64];
         if (g_ch[d].pid < 0 || !ch_line(&g_ch[d], r, sizeof(r), 60000) || strcmp(r, "READY")) {
@@ -626,9 +635,9 @@ static int bench(const bopts *o, const char *self)
     for (uint32_t i = 0; i < nb; i++)
         s.src_blocks[i] = (int32_t)i; /* a fresh request */
     if (!start_receivers(o, self)) return 1;
-    kvx_pipe_params pp = {.tls = ucx_tls};
+    kvx_pipe_params pp = {.tls = ucx_tls, .shm_fifo_size = o->fifo};
     kvx_pipe *pipe;
-    kvx_conn_params cp = {.timeout_ms = 60000};
+    kvx_conn_params cp = {.timeout_ms = 60000, .spin_us = o->spin_us};
     if (kvx_pipe_ucx_create(&pp, &pipe) || kvx_conn_create(pipe, &cp, &s.c) ||
         kvx_pf_register_source(s.c, src, src_bytes, &sl)) {
         fprintf(stderr, "kvx-bench: UCX setup failed\n");
@@ -637,10 +646,11 @@ static int bench(const bopts *o, const char *self)
     size_t chunk_bytes = (size_t)o->layers * 2 * o->tokens * o->heads * o->head_dim * 2;
     printf("kvx-bench: UCX_TLS=%s, %u layers x %u KV heads x head_dim %u f16, block %u, "
            "%u-token chunk = %.1f MiB, %u decode rank(s), decode blocks in runs of %u, source %s "
-           "(%u slice(s)), sender %s\n",
+           "(%u slice(s)), sender %s, spin_us %d, shm FIFO %d\n",
            ucx_tls, o->layers, o->heads, o->head_dim, o->block, o->tokens, chunk_bytes / 1048576.0,
            o->ranks, o->run, o->sliced ? "sliced" : "head-major", sl.n_slices ? sl.n_slices : 1,
-           o->spin ? "spins" : "sleeps on the event fd");
+           o->spin ? "spins" : "sleeps on the event fd", o->spin_us,
+           o->fifo ? o->fifo : KVX_SHM_FIFO_DEFAULT);
     size_t put_size;
     if (!first_transfer(&s, src, &sl, &put_size)) return 1;
     double med = measure_bandwidth(&s, chunk_bytes);
@@ -712,7 +722,11 @@ int main(int argc, char **argv)
                 return 2;
             }
             o.sliced = v[0] == 's';
-        } else if (!strcmp(k, "--port"))
+        } else if (!strcmp(k, "--spin-us"))
+            o.spin_us = (int)strtol(v, NULL, 10);
+        else if (!strcmp(k, "--fifo"))
+            o.fifo = (int)u;
+        else if (!strcmp(k, "--port"))
             o.port = (int)u;
         else if (!strcmp(k, "--receiver")) {
             recv = true;

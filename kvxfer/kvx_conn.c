@@ -315,7 +315,9 @@ int kvx_conn_progress(kvx_conn *c, int timeout_ms)
 {
     pthread_mutex_lock(&c->mu);
     int n = progress_locked(c);
-    if (n != 0 || timeout_ms <= 0) {
+    int64_t now_ns = td_now_ns();
+    if (n != 0) c->active_ns = now_ns;
+    if (n != 0 || timeout_ms <= 0 || now_ns - c->active_ns < (int64_t)c->params.spin_us * 1000) {
         pthread_mutex_unlock(&c->mu);
         return n;
     }
@@ -367,6 +369,8 @@ int kvx_conn_create(kvx_pipe *pipe, const kvx_conn_params *params, kvx_conn **ou
     if (params) c->params = *params;
     if (c->params.timeout_ms <= 0) c->params.timeout_ms = 30000;
     if (c->params.abort_timeout_ms <= 0) c->params.abort_timeout_ms = 2000;
+    if (c->params.spin_us == 0) c->params.spin_us = KVX_SPIN_US_DEFAULT;
+    if (c->params.spin_us < 0) c->params.spin_us = 0;
     pthread_mutex_init(&c->mu, NULL);
     c->uid = new_uid(c);
     c->next_epoch = c->uid ^ 0x5555;

@@ -149,7 +149,13 @@ typedef struct {
     int abort_timeout_ms; /* wait for a writer's STOPPED before closing it; 0: 2000 */
     size_t lookup_budget; /* bytes of queued chunks; 0: 256 MiB */
     bool progress_thread; /* run progress in an internal thread */
+    int spin_us;          /* after progress that did something (data moved included), keep
+                           * polling this long before sleeping on the event fd: a wake-up
+                           * per message costs a scheduling round on a loaded machine.
+                           * 0: KVX_SPIN_US_DEFAULT; < 0: sleep at once */
 } kvx_conn_params;
+
+#define KVX_SPIN_US_DEFAULT 200
 
 typedef struct kvx_conn kvx_conn;
 
@@ -157,8 +163,9 @@ typedef struct kvx_conn kvx_conn;
 int kvx_conn_create(kvx_pipe *pipe, const kvx_conn_params *params, kvx_conn **out);
 /* Closes every endpoint, fails and frees every request and queued chunk. NULL is fine. */
 void kvx_conn_destroy(kvx_conn *c);
-/* Make progress; sleep up to timeout_ms when idle (0: do not sleep). Returns >= 0 or a
- * negative td_err. Not needed (but harmless) with params.progress_thread. */
+/* Make progress; sleep up to timeout_ms when idle (0: do not sleep): idle is no activity for
+ * params.spin_us (until then it returns 0 at once: the caller's loop polls). Returns >= 0
+ * or a negative td_err. Not needed (but harmless) with params.progress_thread. */
 int kvx_conn_progress(kvx_conn *c, int timeout_ms);
 
 typedef struct {

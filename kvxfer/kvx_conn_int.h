@@ -158,6 +158,7 @@ struct kvx_conn {
     /* progress thread */
     pthread_t thread;
     bool thread_on, stop;
+    int64_t active_ns; /* last progress that did something (spin_us) */
 };
 
 typedef struct {
