@@ -516,6 +516,9 @@ static bool first_transfer(sender *s, const uint8_t *src, const kvx_layout *sl, 
            (unsigned long long)ps.pieces, (unsigned long long)ps.puts,
            ps.bytes / 1024.0 / (double)(ps.puts ? ps.puts : 1));
     *put_size = ps.bytes / (ps.puts ? ps.puts : 1);
+    kvx_conn_stats st;
+    kvx_conn_stats_get(s->c, &st); /* staging arenas go back to the pool once flushed */
+    printf("staging buffers after the chunk: %.1f MiB\n", st.pooled_bytes / 1048576.0);
     return true;
 }
 

@@ -113,18 +113,20 @@
  * staging. With one slice this is the head-major layout. Decode regions and targets are
  * never sliced (their pool is the kernels' head-major pool). */
 typedef struct {
-    uint32_t layer0, n_layers;            /* global layers held: [layer0, layer0 + n_layers) */
-    uint32_t n_kv_heads;                  /* the model's KV heads (all TP ranks together) */
-    uint32_t head0, n_heads;              /* heads held: [head0, head0 + n_heads); a decode rank's
-                                           * range follows common/td_tp.h, so ranges of different
-                                           * ranks may overlap (replicated KV heads): each target
-                                           * gets every head of its range */
-    uint32_t block_size;                  /* tokens per block */
-    uint32_t head_dim;                    /* elements */
-    uint32_t dtype_size;                  /* bytes per element */
-    uint32_t n_blocks;                    /* blocks per layer array */
-    uint32_t n_slices;                    /* 0 or 1: head-major blocks; > 1: sliced (above) */
-    uint32_t slice_heads[KVX_MAX_SLICES]; /* heads of each slice (n_slices > 1) */
+    uint32_t layer0, n_layers; /* global layers held: [layer0, layer0 + n_layers) */
+    uint32_t n_kv_heads;       /* the model's KV heads (all TP ranks together) */
+    uint32_t head0, n_heads;   /* heads held: [head0, head0 + n_heads); a decode rank's
+                                * range follows common/td_tp.h, so ranges of different
+                                * ranks may overlap (replicated KV heads): each target
+                                * gets every head of its range */
+    uint32_t block_size;       /* tokens per block */
+    uint32_t head_dim;         /* elements */
+    uint32_t dtype_size;       /* bytes per element */
+    uint32_t n_blocks;         /* blocks per layer array */
+
+    /* sliced sources (above): 0 or 1 slice is head-major; slice_heads[i] for i < n_slices */
+    uint32_t n_slices;
+    uint32_t slice_heads[KVX_MAX_SLICES];
 } kvx_layout;
 
 /* Bytes of a region with this layout (0 if the layout is invalid: a sliced one also needs

@@ -81,11 +81,13 @@ typedef struct {
      * one 8 KiB fragment; puts into memory UCX did not allocate travel as such fragments).
      * 0: KVX_SHM_FIFO_DEFAULT, unless UCX_POSIX_FIFO_SIZE / UCX_SYSV_FIFO_SIZE is set in the
      * environment (UCX's own default is 64: on a loaded machine a sender then stalls every
-     * 512 KiB until the receiver is scheduled again) */
+     * 512 KiB until the receiver is scheduled again; 4096 costs ~17 MB more resident memory
+     * per process than 64, 1024 ~4 MB, and moved a chunk 1.4-2.4x faster than 1024 under
+     * load, BENCHMARKS.md) */
     int shm_fifo_size;
 } kvx_pipe_params;
 
-#define KVX_SHM_FIFO_DEFAULT 1024
+#define KVX_SHM_FIFO_DEFAULT 4096
 
 /* Statistics for leak checks: what is alive right now. */
 typedef struct {

@@ -35,6 +35,7 @@ typedef struct {
     size_t lookup_budget;
     bool progress_thread;
     bool sliced; /* sources sliced for the decode ranks' head ranges (kvx_layout_slice) */
+    int spin_us; /* kvx_conn_params.spin_us (0: the default) */
 } wcfg;
 
 /* The KV heads rank r of tp holds (common/td_tp.h), into l. */
@@ -54,7 +55,8 @@ static void world_init(world *w, const wcfg *c)
     kvx_conn_params cp = {.timeout_ms = c->timeout_ms ? c->timeout_ms : 5000,
                           .abort_timeout_ms = 500,
                           .lookup_budget = c->lookup_budget,
-                          .progress_thread = c->progress_thread};
+                          .progress_thread = c->progress_thread,
+                          .spin_us = c->spin_us};
     w->n_dec = (int)c->dst_tp;
     for (uint32_t r = 0; r < c->dst_tp; r++) {
         kvx_layout *l = &w->dl[r];
@@ -1121,6 +1123,43 @@ static void test_progress_thread(void)
 /* Soak: back-to-back requests on one set of connectors, each finishing normally, aborted by
  * either side mid-way, or with a late target; every finished one is byte-exact and nothing
  * leaks. Duration: KVX_SOAK_SECONDS (default 1). */
+/* kvx_conn_params.spin_us: right after progress that did something (a BEGIN handled),
+ * kvx_conn_progress returns at once for spin_us (the caller's loop polls) instead of
+ * sleeping its timeout; with spin_us < 0 an idle call sleeps at once. */
+static void test_spin_window(void)
+{
+    for (int spin = 0; spin < 2; spin++) {
+        wcfg c = base_cfg(1, 1);
+        c.spin_us = spin ? 5000000 : -1;
+        world w;
+        world_init(&w, &c);
+        xfer x = {.req = 90, .n_tokens = 32, .chunk = 32, .salt = 3, .dst_run = 2};
+        xstate *s = calloc(1, sizeof(*s));
+        xfer_setup(&w, &c, &x, s);
+        int n = 0;
+        int64_t end = td_now_ms() + 2000;
+        while (n == 0 && td_now_ms() < end) {
+            kvx_conn_progress(w.src[0], 0); /* sends BEGIN */
+            n = kvx_conn_progress(w.dec[0], 0);
+        }
+        TH_REQUIRE(n > 0);
+        int64_t t0 = td_now_ms();
+        for (int k = 0; k < 3; k++)
+            kvx_conn_progress(w.dec[0], 200); /* nothing new for it */
+        int64_t took = td_now_ms() - t0;
+        if (spin)
+            TH_CHECKF(took < 150, "3 calls took %lld ms inside the spin window", (long long)took);
+        else
+            TH_CHECKF(took >= 150, "3 idle calls took %lld ms without spinning", (long long)took);
+        kvx_dec_abort(w.dec[0], x.req);
+        kvx_pf_abort(w.src[0], x.req);
+        TH_CHECK(pump_final(&w, x.req, 5000));
+        release_all(&w, x.req);
+        free(s);
+        world_fini(&w);
+    }
+}
+
 static void test_soak(void)
 {
     const char *env = getenv("KVX_SOAK_SECONDS");
@@ -1197,6 +1236,7 @@ int main(void)
     TH_RUN(test_bad_targets);
     TH_RUN(test_lookup_full);
     TH_RUN(test_progress_thread);
+    TH_RUN(test_spin_window);
     TH_RUN(test_soak);
     TH_EXIT();
 }
