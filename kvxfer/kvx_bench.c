@@ -4,7 +4,8 @@
  *
  *   kvx-bench [--tls tcp|sm|<UCX_TLS>] [--dst-ranks N] [--iters K] [--tokens T]
  *             [--chunk C] [--layers L] [--heads H] [--head-dim D] [--block B] [--run R]
- *             [--port P] [--no-perftest]
+ *             [--port P] [--src-layout heads|sliced] [--spin] [--spin-us U] [--fifo F]
+ *             [--no-perftest]
  *
  * Defaults: the default model's KV shapes (30 layers, 3 KV heads, head_dim 64, f16,
  * 16-token blocks), one 4096-token request sent as one chunk (--chunk C: chunks of C
@@ -13,6 +14,14 @@
  * notices sent). With several chunks it also prints each chunk's send_chunk -> landed
  * time (the connector's per-chunk times). Ranks get head ranges [r*H/N, (r+1)*H/N)
  * (uneven splits allowed here).
+ * --src-layout: the source region's layout: `heads` (default; head-major blocks, the prefill
+ * node's pool today: with 2+ ranks each rank's slice is strided and gets staged) or `sliced`
+ * (kvx_layout.n_slices: one slice per rank, each rank's part of a run of blocks contiguous).
+ * The sender waits for progress on the UCX worker's event fd (kvx_conn_progress with a 1 ms
+ * timeout); --spin polls without sleeping instead (what it did before, for comparison).
+ * --spin-us U: kvx_conn_params.spin_us of every connector (sender and decode ranks; 0: the
+ * default, -1: sleep as soon as a progress pass finds nothing). --fifo F: the shared-memory
+ * receive FIFO's elements (kvx_pipe_params.shm_fifo_size; 0: the pipe's default).
  * Internal: `kvx-bench --receiver ...` is the decode-rank child. KVX_BENCH_DEBUG=1 prints
  * the time of each chunk's puts and of its flush + notices.
  */
@@ -37,6 +46,10 @@ typedef struct {
     uint32_t ranks, iters, tokens, chunk, layers, heads, head_dim, block, run, lat_iters;
     int port;
     bool perftest;
+    bool sliced;   /* --src-layout sliced */
+    bool spin;     /* --spin: the sender polls progress without sleeping */
+    int spin_us;   /* kvx_conn_params.spin_us of every connector */
+    int fifo;      /* kvx_pipe_params.shm_fifo_size of every pipe */
     uint32_t rank; /* receiver */
 } bopts;
 
@@ -72,16 +85,14 @@ static uint64_t kv_sum(const uint8_t *reg, const kvx_layout *l, const int32_t *b
                        uint32_t n_tokens, uint32_t h0, uint32_t nh)
 {
     uint64_t h = 1469598103934665603ull;
-    size_t tokb = (size_t)l->head_dim * l->dtype_size, hb = tokb * l->block_size;
+    size_t tokb = (size_t)l->head_dim * l->dtype_size;
     for (uint32_t ll = 0; ll < l->n_layers; ll++)
         for (uint32_t kv = 0; kv < 2; kv++)
             for (uint32_t p0 = 0; p0 < n_tokens; p0 += l->block_size) {
                 uint32_t b = (uint32_t)blocks[p0 / l->block_size];
                 uint32_t nt = n_tokens - p0 < l->block_size ? n_tokens - p0 : l->block_size;
                 for (uint32_t hh = h0; hh < h0 + nh; hh++) {
-                    const uint8_t *p = reg +
-                                       (((size_t)ll * 2 + kv) * l->n_blocks + b) * l->n_heads * hb +
-                                       (size_t)(hh - l->head0) * hb;
+                    const uint8_t *p = reg + kvx_layout_off(l, ll, kv, b, hh - l->head0, 0);
                     for (size_t i = 0; i < nt * tokb; i++)
                         h = (h ^ p[i]) * 1099511628211ull;
                 }
@@ -130,11 +141,11 @@ static size_t hexdec(const char *s, uint8_t *b, size_t cap)
 
 static int receiver(const bopts *o)
 {
-    kvx_pipe_params pp = {.tls = ucx_tls_of(o->tls)};
+    kvx_pipe_params pp = {.tls = ucx_tls_of(o->tls), .shm_fifo_size = o->fifo};
     kvx_pipe *pipe;
     kvx_conn *c;
     if (kvx_pipe_ucx_create(&pp, &pipe)) return 1;
-    kvx_conn_params cp = {.timeout_ms = 60000, .progress_thread = true};
+    kvx_conn_params cp = {.timeout_ms = 60000, .progress_thread = true, .spin_us = o->spin_us};
     if (kvx_conn_create(pipe, &cp, &c)) return 1;
     uint32_t h0, nh, nb = (o->tokens + o->block - 1) / o->block;
     rank_heads(o, o->rank, &h0, &nh);
@@ -392,7 +403,7 @@ static double timed_send(sender *s, uint64_t req, uint32_t ntok, uint32_t chunk,
     for (uint32_t k = 0; k < nch; k++) {
         uint32_t t1 = (k + 1) * chunk < ntok ? (k + 1) * chunk : ntok;
         if (kvx_pf_send_chunk(s->c, req, k, k * chunk, t1, s->src_blocks, nb)) return -1;
-        kvx_conn_progress(s->c, 0);
+        kvx_conn_progress(s->c, 0); /* issue what is ready, never sleep between chunks */
     }
     int64_t a1 = td_now_ns();
     kvx_meta m = {.first_token = 1, .n_tokens = ntok};
@@ -400,7 +411,7 @@ static double timed_send(sender *s, uint64_t req, uint32_t ntok, uint32_t chunk,
     kvx_pf_status ps;
     while (kvx_pf_poll(s->c, req, &ps) == 0 && ps.state != KVX_REQ_DONE &&
            ps.state != KVX_REQ_FAILED && td_now_ms() < t_end)
-        kvx_conn_progress(s->c, 0);
+        kvx_conn_progress(s->c, s->o->spin ? 0 : 1);
     int64_t b = td_now_ns();
     for (uint32_t k = 0; landed_us && k < nch; k++) {
         kvx_chunk_times ct = {0};
@@ -449,7 +460,7 @@ static uint8_t *make_source(const kvx_layout *sl, size_t bytes)
 static bool start_receivers(const bopts *o, const char *self)
 {
     char a_tls[64], a_rank[16], a_ranks[16], a_tok[16], a_lay[16], a_h[16], a_hd[16], a_b[16],
-        a_run[16];
+        a_run[16], a_spin[16], a_fifo[16];
     snprintf(a_tls, sizeof(a_tls), "%s", o->tls);
     snprintf(a_ranks, sizeof(a_ranks), "%u", o->ranks);
     snprintf(a_tok, sizeof(a_tok), "%u", o->tokens);
@@ -458,12 +469,15 @@ static bool start_receivers(const bopts *o, const char *self)
     snprintf(a_hd, sizeof(a_hd), "%u", o->head_dim);
     snprintf(a_b, sizeof(a_b), "%u", o->block);
     snprintf(a_run, sizeof(a_run), "%u", o->run);
+    snprintf(a_spin, sizeof(a_spin), "%d", o->spin_us);
+    snprintf(a_fifo, sizeof(a_fifo), "%d", o->fifo);
+    snprintf(a_fifo, sizeof(a_fifo), "%d", o->fifo);
     for (uint32_t d = 0; d < o->ranks; d++) {
         snprintf(a_rank, sizeof(a_rank), "%u", d);
-        char *argv[] = {(char *)self,  "--receiver", a_rank,     "--tls",      a_tls,
-                        "--dst-ranks", a_ranks,      "--tokens", a_tok,        "--layers",
-                        a_lay,         "--heads",    a_h,        "--head-dim", a_hd,
-                        "--block",     a_b,          "--run",    a_run,        NULL};
+        char *argv[] = {(char *)self, "--receiver", a_rank, "--tls",    a_tls,  "--dst-ranks",
+                        a_ranks,      "--tokens",   a_tok,  "--layers", a_lay,  "--heads",
+                        a_h,          "--head-dim", a_hd,   "--block",  a_b,    "--run",
+                        a_run,        "--spin-us",  a_spin, "--fifo",   a_fifo, NULL};
         g_ch[d].pid = spawn(argv, NULL, &g_ch[d].in, &g_ch[d].out);
         char r[64];
         if (g_ch[d].pid < 0 || !ch_line(&g_ch[d], r, sizeof(r), 60000) || strcmp(r, "READY")) {
@@ -502,6 +516,9 @@ static bool first_transfer(sender *s, const uint8_t *src, const kvx_layout *sl, 
            (unsigned long long)ps.pieces, (unsigned long long)ps.puts,
            ps.bytes / 1024.0 / (double)(ps.puts ? ps.puts : 1));
     *put_size = ps.bytes / (ps.puts ? ps.puts : 1);
+    kvx_conn_stats st;
+    kvx_conn_stats_get(s->c, &st); /* staging arenas go back to the pool once flushed */
+    printf("staging buffers after the chunk: %.1f MiB\n", st.pooled_bytes / 1048576.0);
     return true;
 }
 
@@ -602,6 +619,17 @@ static int bench(const bopts *o, const char *self)
     const char *ucx_tls = ucx_tls_of(o->tls);
     uint32_t nb = (o->tokens + o->block - 1) / o->block;
     kvx_layout sl = layout_of(o, 0, o->heads, nb + 1);
+    if (o->sliced) {
+        uint32_t rg[2 * MAXCH];
+        for (uint32_t d = 0; d < o->ranks; d++) {
+            rank_heads(o, d, &rg[2 * d], &rg[2 * d + 1]);
+            rg[2 * d + 1] += rg[2 * d];
+        }
+        if (kvx_layout_slice(&sl, rg, o->ranks)) {
+            fprintf(stderr, "kvx-bench: cannot slice the source for %u ranks\n", o->ranks);
+            return 1;
+        }
+    }
     size_t src_bytes = kvx_layout_bytes(&sl);
     uint8_t *src = make_source(&sl, src_bytes);
     if (!src) return 1;
@@ -610,9 +638,9 @@ static int bench(const bopts *o, const char *self)
     for (uint32_t i = 0; i < nb; i++)
         s.src_blocks[i] = (int32_t)i; /* a fresh request */
     if (!start_receivers(o, self)) return 1;
-    kvx_pipe_params pp = {.tls = ucx_tls};
+    kvx_pipe_params pp = {.tls = ucx_tls, .shm_fifo_size = o->fifo};
     kvx_pipe *pipe;
-    kvx_conn_params cp = {.timeout_ms = 60000};
+    kvx_conn_params cp = {.timeout_ms = 60000, .spin_us = o->spin_us};
     if (kvx_pipe_ucx_create(&pp, &pipe) || kvx_conn_create(pipe, &cp, &s.c) ||
         kvx_pf_register_source(s.c, src, src_bytes, &sl)) {
         fprintf(stderr, "kvx-bench: UCX setup failed\n");
@@ -620,9 +648,12 @@ static int bench(const bopts *o, const char *self)
     }
     size_t chunk_bytes = (size_t)o->layers * 2 * o->tokens * o->heads * o->head_dim * 2;
     printf("kvx-bench: UCX_TLS=%s, %u layers x %u KV heads x head_dim %u f16, block %u, "
-           "%u-token chunk = %.1f MiB, %u decode rank(s), decode blocks in runs of %u\n",
+           "%u-token chunk = %.1f MiB, %u decode rank(s), decode blocks in runs of %u, source %s "
+           "(%u slice(s)), sender %s, spin_us %d, shm FIFO %d\n",
            ucx_tls, o->layers, o->heads, o->head_dim, o->block, o->tokens, chunk_bytes / 1048576.0,
-           o->ranks, o->run);
+           o->ranks, o->run, o->sliced ? "sliced" : "head-major", sl.n_slices ? sl.n_slices : 1,
+           o->spin ? "spins" : "sleeps on the event fd", o->spin_us,
+           o->fifo ? o->fifo : KVX_SHM_FIFO_DEFAULT);
     size_t put_size;
     if (!first_transfer(&s, src, &sl, &put_size)) return 1;
     double med = measure_bandwidth(&s, chunk_bytes);
@@ -656,8 +687,11 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         unsigned u = v ? (unsigned)strtoul(v, NULL, 10) : 0;
-        if (!strcmp(k, "--no-perftest")) {
-            o.perftest = false;
+        if (!strcmp(k, "--no-perftest") || !strcmp(k, "--spin")) {
+            if (k[2] == 'n')
+                o.perftest = false;
+            else
+                o.spin = true;
             continue;
         }
         if (!v) {
@@ -685,6 +719,16 @@ int main(int argc, char **argv)
             o.block = u;
         else if (!strcmp(k, "--run"))
             o.run = u;
+        else if (!strcmp(k, "--src-layout")) {
+            if (strcmp(v, "heads") && strcmp(v, "sliced")) {
+                fprintf(stderr, "kvx-bench: --src-layout is heads or sliced, not %s\n", v);
+                return 2;
+            }
+            o.sliced = v[0] == 's';
+        } else if (!strcmp(k, "--spin-us"))
+            o.spin_us = (int)strtol(v, NULL, 10);
+        else if (!strcmp(k, "--fifo"))
+            o.fifo = (int)u;
         else if (!strcmp(k, "--port"))
             o.port = (int)u;
         else if (!strcmp(k, "--receiver")) {

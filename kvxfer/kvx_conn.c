@@ -25,9 +25,49 @@ size_t kvx_layout_bytes(const kvx_layout *l)
         l->n_heads > l->n_kv_heads - l->head0 || l->n_layers > 65536 || l->layer0 > 65536 ||
         l->block_size > 65536 || l->head_dim > 65536 || l->dtype_size > 16 || l->n_heads > 4096)
         return 0;
+    if (l->n_slices > 1) {
+        if (l->n_slices > KVX_MAX_SLICES) return 0;
+        uint32_t sum = 0;
+        for (uint32_t s = 0; s < l->n_slices; s++) {
+            if (!l->slice_heads[s] || l->slice_heads[s] > l->n_heads) return 0;
+            sum += l->slice_heads[s];
+        }
+        if (sum != l->n_heads) return 0;
+    }
     unsigned __int128 b = (unsigned __int128)l->n_layers * 2 * l->n_blocks * l->n_heads *
                           l->block_size * l->head_dim * l->dtype_size;
     return b > ((unsigned __int128)1 << 46) ? 0 : (size_t)b;
+}
+
+size_t kvx_layout_off(const kvx_layout *l, uint32_t ll, uint32_t kv, uint32_t blk, uint32_t h,
+                      uint32_t tok)
+{
+    return kvxi_kv_off(l, ll, kv, blk, h, tok);
+}
+
+int kvx_layout_slice(kvx_layout *l, const uint32_t *ranges, uint32_t n)
+{
+    if (!l || !ranges || !n) return TD_EINVAL;
+    uint32_t h0 = l->head0, h1 = l->head0 + l->n_heads;
+    bool cut[4097] = {false}; /* cut[i]: a slice starts at local head i */
+    if (l->n_heads > 4096) return TD_EINVAL;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t a = ranges[2 * i], b = ranges[2 * i + 1];
+        if (a >= b) return TD_EINVAL;
+        if (a > h0 && a < h1) cut[a - h0] = true;
+        if (b > h0 && b < h1) cut[b - h0] = true;
+    }
+    uint32_t heads[KVX_MAX_SLICES], ns = 0, start = 0;
+    for (uint32_t i = 1; i <= l->n_heads; i++) {
+        if (i < l->n_heads && !cut[i]) continue;
+        if (ns == KVX_MAX_SLICES) return TD_ERANGE;
+        heads[ns++] = i - start;
+        start = i;
+    }
+    l->n_slices = ns;
+    memset(l->slice_heads, 0, sizeof(l->slice_heads));
+    if (ns > 1) memcpy(l->slice_heads, heads, ns * sizeof(heads[0]));
+    return 0;
 }
 
 /* --- peers ---------------------------------------------------------------------------- */
@@ -275,7 +315,9 @@ int kvx_conn_progress(kvx_conn *c, int timeout_ms)
 {
     pthread_mutex_lock(&c->mu);
     int n = progress_locked(c);
-    if (n != 0 || timeout_ms <= 0) {
+    int64_t now_ns = td_now_ns();
+    if (n != 0) c->active_ns = now_ns;
+    if (n != 0 || timeout_ms <= 0 || now_ns - c->active_ns < (int64_t)c->params.spin_us * 1000) {
         pthread_mutex_unlock(&c->mu);
         return n;
     }
@@ -327,6 +369,8 @@ int kvx_conn_create(kvx_pipe *pipe, const kvx_conn_params *params, kvx_conn **ou
     if (params) c->params = *params;
     if (c->params.timeout_ms <= 0) c->params.timeout_ms = 30000;
     if (c->params.abort_timeout_ms <= 0) c->params.abort_timeout_ms = 2000;
+    if (c->params.spin_us == 0) c->params.spin_us = KVX_SPIN_US_DEFAULT;
+    if (c->params.spin_us < 0) c->params.spin_us = 0;
     pthread_mutex_init(&c->mu, NULL);
     c->uid = new_uid(c);
     c->next_epoch = c->uid ^ 0x5555;
@@ -461,4 +505,6 @@ void kvxi_rd_layout(kvx_rd *r, kvx_layout *l)
     l->head_dim = kvx_rd_u32(r);
     l->dtype_size = kvx_rd_u32(r);
     l->n_blocks = kvx_rd_u32(r);
+    l->n_slices = 0; /* never sliced on the wire */
+    memset(l->slice_heads, 0, sizeof(l->slice_heads));
 }

@@ -99,8 +99,19 @@
 #define KVX_MAX_RANKS  64
 #define KVX_MAX_CHUNKS 16384 /* chunk numbers per prefill request: 0 .. KVX_MAX_CHUNKS - 1 */
 
+#define KVX_MAX_SLICES 16 /* head slices of a sliced source region */
+
 /* A KV region: for each local layer, K then V, each
- * (n_blocks, n_heads, block_size, head_dim) elements of dtype_size bytes. */
+ * (n_blocks, n_heads, block_size, head_dim) elements of dtype_size bytes (head-major blocks:
+ * one head's part of a block is contiguous, a run of heads too, but a head range narrower
+ * than n_heads is strided from block to block).
+ * Sliced (a prefill stage's source region only; n_slices > 1): the held heads are cut into
+ * n_slices consecutive slices of slice_heads[i] heads (summing to n_heads), and each layer's
+ * K (then V) holds slice 0's (n_blocks, slice_heads[0], block_size, head_dim), then slice
+ * 1's, ...: a slice's part of a run of consecutive blocks is one contiguous range, so a
+ * decode rank whose heads are a union of slices gets one put per slice and run, without
+ * staging. With one slice this is the head-major layout. Decode regions and targets are
+ * never sliced (their pool is the kernels' head-major pool). */
 typedef struct {
     uint32_t layer0, n_layers; /* global layers held: [layer0, layer0 + n_layers) */
     uint32_t n_kv_heads;       /* the model's KV heads (all TP ranks together) */
@@ -112,17 +123,41 @@ typedef struct {
     uint32_t head_dim;         /* elements */
     uint32_t dtype_size;       /* bytes per element */
     uint32_t n_blocks;         /* blocks per layer array */
+
+    /* sliced sources (above): 0 or 1 slice is head-major; slice_heads[i] for i < n_slices */
+    uint32_t n_slices;
+    uint32_t slice_heads[KVX_MAX_SLICES];
 } kvx_layout;
 
-/* Bytes of a region with this layout (0 if the layout is invalid). */
+/* Bytes of a region with this layout (0 if the layout is invalid: a sliced one also needs
+ * n_slices <= KVX_MAX_SLICES and slices of >= 1 head summing to n_heads). */
 size_t kvx_layout_bytes(const kvx_layout *l);
+
+/* Byte offset in a region of layout l (valid) of local layer ll, kv (0 K, 1 V), block blk,
+ * local head h (0 .. n_heads - 1), token tok: where that head's tokens of the block start
+ * (its tokens of the block are contiguous in every layout). */
+size_t kvx_layout_off(const kvx_layout *l, uint32_t ll, uint32_t kv, uint32_t blk, uint32_t h,
+                      uint32_t tok);
+
+/* Slice l (held heads [head0, head0 + n_heads)) for destinations holding the global head
+ * ranges [ranges[2i], ranges[2i+1]), i < n: the coarsest cut of the held heads in which each
+ * range's held part is a union of slices (n_slices 1 when none cuts them). TD_EINVAL for an
+ * empty or reversed range or n == 0, TD_ERANGE when more than KVX_MAX_SLICES slices would be
+ * needed (l unchanged on error). */
+int kvx_layout_slice(kvx_layout *l, const uint32_t *ranges, uint32_t n);
 
 typedef struct {
     int timeout_ms;       /* default request deadline; 0: 30000 */
     int abort_timeout_ms; /* wait for a writer's STOPPED before closing it; 0: 2000 */
     size_t lookup_budget; /* bytes of queued chunks; 0: 256 MiB */
     bool progress_thread; /* run progress in an internal thread */
+    int spin_us;          /* after progress that did something (data moved included), keep
+                           * polling this long before sleeping on the event fd: a wake-up
+                           * per message costs a scheduling round on a loaded machine.
+                           * 0: KVX_SPIN_US_DEFAULT; < 0: sleep at once */
 } kvx_conn_params;
+
+#define KVX_SPIN_US_DEFAULT 200
 
 typedef struct kvx_conn kvx_conn;
 
@@ -130,8 +165,9 @@ typedef struct kvx_conn kvx_conn;
 int kvx_conn_create(kvx_pipe *pipe, const kvx_conn_params *params, kvx_conn **out);
 /* Closes every endpoint, fails and frees every request and queued chunk. NULL is fine. */
 void kvx_conn_destroy(kvx_conn *c);
-/* Make progress; sleep up to timeout_ms when idle (0: do not sleep). Returns >= 0 or a
- * negative td_err. Not needed (but harmless) with params.progress_thread. */
+/* Make progress; sleep up to timeout_ms when idle (0: do not sleep): idle is no activity for
+ * params.spin_us (until then it returns 0 at once: the caller's loop polls). Returns >= 0
+ * or a negative td_err. Not needed (but harmless) with params.progress_thread. */
 int kvx_conn_progress(kvx_conn *c, int timeout_ms);
 
 typedef struct {

@@ -187,6 +187,11 @@ void kvxi_dec_on_msg(kvx_conn *c, const kvxi_msg *m)
 int kvx_dec_register(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout)
 {
     size_t need = kvx_layout_bytes(layout);
+    if (need && layout->n_slices > 1) {
+        TD_LOG_ERR("kvx conn: register: a decode region is never sliced (%u slices)",
+                   layout->n_slices);
+        return TD_EINVAL;
+    }
     if (!region || !need || bytes < need) {
         TD_LOG_ERR("kvx conn: register: invalid layout or region (%zu bytes, layout needs %zu)",
                    bytes, need);

@@ -158,6 +158,7 @@ struct kvx_conn {
     /* progress thread */
     pthread_t thread;
     bool thread_on, stop;
+    int64_t active_ns; /* last progress that did something (spin_us) */
 };
 
 typedef struct {
@@ -189,9 +190,14 @@ static inline size_t kvxi_head_bytes(const kvx_layout *l)
 static inline size_t kvxi_kv_off(const kvx_layout *l, uint32_t ll, uint32_t kv, uint32_t blk,
                                  uint32_t h, uint32_t tok)
 {
-    size_t hb = kvxi_head_bytes(l);
-    return (((size_t)ll * 2 + kv) * l->n_blocks + blk) * l->n_heads * hb + (size_t)h * hb +
-           (size_t)tok * l->head_dim * l->dtype_size;
+    size_t hb = kvxi_head_bytes(l), tokb = (size_t)l->head_dim * l->dtype_size;
+    size_t arr = ((size_t)ll * 2 + kv) * l->n_blocks * l->n_heads * hb;
+    if (l->n_slices <= 1) return arr + ((size_t)blk * l->n_heads + h) * hb + (size_t)tok * tokb;
+    uint32_t s0 = 0, s = 0;
+    while (s + 1 < l->n_slices && h >= s0 + l->slice_heads[s])
+        s0 += l->slice_heads[s++];
+    return arr + ((size_t)s0 * l->n_blocks + (size_t)blk * l->slice_heads[s] + (h - s0)) * hb +
+           (size_t)tok * tokb;
 }
 
 static inline bool kvxi_pf_final(const kvxi_pf_req *r)

@@ -635,6 +635,23 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
     return err;
 }
 
+/* Copy blocks ids[0 .. pl->n_blocks) (every layer, K and V, all held heads) of the source
+ * (layout sl) into dst, blocks 0 .. n_blocks - 1 of layout pl (sl's shape and slices). */
+static void copy_blocks(uint8_t *dst, const kvx_layout *pl, const uint8_t *src,
+                        const kvx_layout *sl, const int32_t *ids)
+{
+    uint32_t n_sl = sl->n_slices > 1 ? sl->n_slices : 1;
+    for (uint32_t ll = 0; ll < sl->n_layers; ll++)
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t s = 0, h = 0; s<n_sl; h += n_sl> 1 ? sl->slice_heads[s] : 0, s++) {
+                uint32_t nh = n_sl > 1 ? sl->slice_heads[s] : sl->n_heads;
+                for (uint32_t i = 0; i < pl->n_blocks; i++)
+                    memcpy(dst + kvxi_kv_off(pl, ll, kv, i, h, 0),
+                           src + kvxi_kv_off(sl, ll, kv, (uint32_t)ids[i], h, 0),
+                           (size_t)nh * kvxi_head_bytes(sl));
+            }
+}
+
 int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0, uint32_t t1,
                       const int32_t *src_blocks, uint32_t n_src_blocks)
 {
@@ -698,13 +715,7 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
                 .chunk = chunk, .t0 = t0, .t1 = t1, .b_first = b_first, .nb = nb, .bytes = bytes};
             kvx_layout pl = *sl;
             pl.n_blocks = nb;
-            for (uint32_t ll = 0; ll < sl->n_layers; ll++)
-                for (uint32_t kv = 0; kv < 2; kv++)
-                    for (uint32_t i = 0; i < nb; i++)
-                        memcpy(cc->data + kvxi_kv_off(&pl, ll, kv, i, 0, 0),
-                               c->src +
-                                   kvxi_kv_off(sl, ll, kv, (uint32_t)src_blocks[b_first + i], 0, 0),
-                               blk);
+            copy_blocks(cc->data, &pl, c->src, sl, src_blocks + b_first);
             kvx_lb_key k = {.req_id = req_id,
                             .chunk = chunk,
                             .layer0 = sl->layer0,

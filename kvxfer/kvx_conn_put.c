@@ -1,6 +1,7 @@
 /* kvx_conn_put.c: the prefill side's puts: head slicing (each decode rank gets the heads it
- * holds), coalescing of contiguous pieces into single puts, and the staging arenas that
- * gather small pieces contiguous only at the destination. */
+ * holds; a sliced source gives one piece per slice), coalescing of contiguous pieces into
+ * single puts, and the staging arenas that gather small pieces contiguous only at the
+ * destination (a head-major source with more heads than the destination). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -103,6 +104,25 @@ static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
     co->len = len;
 }
 
+/* A whole block's common heads [i0, i1) (global ids): one piece per source slice they
+ * touch (one piece in a head-major source). */
+static void put_block(coalescer *co, const uint8_t *src, const kvx_layout *sl, uint32_t ll,
+                      uint32_t kv, uint32_t sb, const kvxi_pf_target *t, uint32_t dll, uint32_t db,
+                      uint32_t i0, uint32_t i1)
+{
+    const kvx_layout *dl = &t->layout;
+    uint32_t n_sl = sl->n_slices > 1 ? sl->n_slices : 1, s0 = sl->head0;
+    for (uint32_t s = 0; s < n_sl && s0 < i1; s++) {
+        uint32_t s1 = n_sl > 1 ? s0 + sl->slice_heads[s] : sl->head0 + sl->n_heads;
+        uint32_t a = s0 > i0 ? s0 : i0, b = s1 < i1 ? s1 : i1;
+        if (a < b)
+            co_add(co, src + kvxi_kv_off(sl, ll, kv, sb, a - sl->head0, 0),
+                   t->base + kvxi_kv_off(dl, dll, kv, db, a - dl->head0, 0),
+                   (size_t)(b - a) * kvxi_head_bytes(sl));
+        s0 = s1;
+    }
+}
+
 int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint8_t *src,
                       const kvx_layout *sl, const uint32_t *sblk, uint32_t sfirst, uint32_t t0,
                       uint32_t t1, kvxi_chunk_copy **arena)
@@ -126,10 +146,8 @@ int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint
                 uint32_t a = b * bs > t0 ? 0 : t0 - b * bs;
                 uint32_t e = (b + 1) * bs < t1 ? bs : t1 - b * bs;
                 uint32_t sb = sblk[b - sfirst], db = t->blocks[b];
-                if (a == 0 && e == bs) { /* whole block: the common heads are contiguous */
-                    co_add(&co, src + kvxi_kv_off(sl, ll, kv, sb, i0 - sl->head0, 0),
-                           t->base + kvxi_kv_off(dl, dll, kv, db, i0 - dl->head0, 0),
-                           (size_t)(i1 - i0) * kvxi_head_bytes(sl));
+                if (a == 0 && e == bs) { /* whole block: common heads contiguous per slice */
+                    put_block(&co, src, sl, ll, kv, sb, t, dll, db, i0, i1);
                     continue;
                 }
                 for (uint32_t h = i0; h < i1; h++)

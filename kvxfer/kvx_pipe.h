@@ -77,7 +77,17 @@ typedef struct {
      * be in the same mode (connect says TD_EUNSUPP otherwise). */
     const char *tls;
     int keepalive_ms;
+    /* UCX only: elements of the posix and sysv transports' receive FIFO (each carries up to
+     * one 8 KiB fragment; puts into memory UCX did not allocate travel as such fragments).
+     * 0: KVX_SHM_FIFO_DEFAULT, unless UCX_POSIX_FIFO_SIZE / UCX_SYSV_FIFO_SIZE is set in the
+     * environment (UCX's own default is 64: on a loaded machine a sender then stalls every
+     * 512 KiB until the receiver is scheduled again; 4096 costs ~17 MB more resident memory
+     * per process than 64, 1024 ~4 MB, and moved a chunk 1.4-2.4x faster than 1024 under
+     * load, BENCHMARKS.md) */
+    int shm_fifo_size;
 } kvx_pipe_params;
+
+#define KVX_SHM_FIFO_DEFAULT 4096
 
 /* Statistics for leak checks: what is alive right now. */
 typedef struct {
@@ -226,7 +236,9 @@ static inline int kvx_pipe_tag_recv(kvx_pipe *p, uint64_t tag, void *buf, size_t
 {
     return p->ops->tag_recv(p, tag, buf, cap, cb, arg);
 }
-/* Run pending completions and handlers without blocking; returns how many ran (>= 0). */
+/* Run pending completions and handlers without blocking; returns how many ran (>= 0), plus
+ * one when the transport moved data that completes nothing here (a put arriving, a queued
+ * fragment sent): a caller that sleeps only after a 0 stays awake while data flows. */
 static inline int kvx_pipe_progress(kvx_pipe *p)
 {
     return p->ops->progress(p);

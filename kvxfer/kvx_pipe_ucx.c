@@ -61,9 +61,9 @@ ucs_status_t kvxi_ucx_worker_open(kvxi_ucx_pipe *p, ucp_worker_h *w, int *efd)
 static int ucx_progress(kvx_pipe *base)
 {
     kvxi_ucx_pipe *p = (kvxi_ucx_pipe *)base;
-    while (ucp_worker_progress(p->worker)) {
-    }
     int n = 0;
+    while (ucp_worker_progress(p->worker))
+        n = 1; /* data moved (kvx_pipe_progress) */
     if (p->shm) {
         kvxi_ucx_check_pids(p);
         kvxi_ucx_probe_step(p);
@@ -240,6 +240,37 @@ static bool tls_shm_only(const char *tls)
     return true;
 }
 
+/* The list can open a posix or sysv interface: it names one (or sm/shm/mm), or it is
+ * UCX's default list ("", "all"). */
+static bool tls_has_mm(const char *tls)
+{
+    static const char *mm[] = {"sm", "shm", "mm", "posix", "sysv", "all"};
+    if (!tls || !tls[0]) return true;
+    if (tls[0] == '^') return false;
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", tls);
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
+        for (size_t i = 0; i < sizeof(mm) / sizeof(mm[0]); i++)
+            if (!strcmp(t, mm[i])) return true;
+    return false;
+}
+
+/* kvx_pipe_params.shm_fifo_size. The key is the mm transports' own (posix and sysv share
+ * it): UCX 1.13 applies "MM_FIFO_SIZE" to their interfaces, warns (on stdout) about
+ * "POSIX_FIFO_SIZE" as an unknown key, and about any key no interface of the list used:
+ * lists without posix/sysv (tcp) get nothing set. */
+static ucs_status_t set_fifo_size(ucp_config_t *cfg, const char *tls, int n)
+{
+    if (!tls_has_mm(tls)) return UCS_OK;
+    if (n <= 0 && (getenv("UCX_POSIX_FIFO_SIZE") || getenv("UCX_SYSV_FIFO_SIZE") ||
+                   getenv("UCX_MM_FIFO_SIZE")))
+        return UCS_OK; /* the environment's */
+    char v[16];
+    snprintf(v, sizeof(v), "%d", n > 0 ? n : KVX_SHM_FIFO_DEFAULT);
+    return ucp_config_modify(cfg, "MM_FIFO_SIZE", v);
+}
+
 int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
 {
     kvxi_ucx_pipe *p = calloc(1, sizeof(*p));
@@ -262,6 +293,7 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
     int ka_ms = params && params->keepalive_ms > 0 ? params->keepalive_ms : 1000;
     snprintf(ka, sizeof(ka), "%dms", ka_ms);
     if (st == UCS_OK) st = ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", ka);
+    if (st == UCS_OK) st = set_fifo_size(cfg, tls, params ? params->shm_fifo_size : 0);
     if (st != UCS_OK) {
         TD_LOG_ERR("kvx ucx: config: %s", ucs_status_string(st));
         ucp_config_release(cfg);

@@ -29,10 +29,7 @@ static inline uint16_t sc_value(uint32_t salt, uint32_t layer, uint32_t kv, uint
 static inline uint16_t *sc_elem(uint8_t *region, const kvx_layout *l, uint32_t ll, uint32_t kv,
                                 uint32_t blk, uint32_t h, uint32_t tok, uint32_t d)
 {
-    size_t hb = (size_t)l->block_size * l->head_dim;
-    size_t i = (((size_t)ll * 2 + kv) * l->n_blocks + blk) * l->n_heads * hb + (size_t)h * hb +
-               (size_t)tok * l->head_dim + d;
-    return (uint16_t *)region + i;
+    return (uint16_t *)(region + kvx_layout_off(l, ll, kv, blk, h, tok)) + d; /* sliced too */
 }
 
 /* Fill positions [0, n_tokens) of a request (block table blocks) in a source region. */

@@ -34,6 +34,8 @@ typedef struct {
     int timeout_ms;
     size_t lookup_budget;
     bool progress_thread;
+    bool sliced; /* sources sliced for the decode ranks' head ranges (kvx_layout_slice) */
+    int spin_us; /* kvx_conn_params.spin_us (0: the default) */
 } wcfg;
 
 /* The KV heads rank r of tp holds (common/td_tp.h), into l. */
@@ -53,7 +55,8 @@ static void world_init(world *w, const wcfg *c)
     kvx_conn_params cp = {.timeout_ms = c->timeout_ms ? c->timeout_ms : 5000,
                           .abort_timeout_ms = 500,
                           .lookup_budget = c->lookup_budget,
-                          .progress_thread = c->progress_thread};
+                          .progress_thread = c->progress_thread,
+                          .spin_us = c->spin_us};
     w->n_dec = (int)c->dst_tp;
     for (uint32_t r = 0; r < c->dst_tp; r++) {
         kvx_layout *l = &w->dl[r];
@@ -84,6 +87,14 @@ static void world_init(world *w, const wcfg *c)
                               .dtype_size = 2,
                               .n_blocks = c->n_blocks};
             layout_heads(c, c->src_tp, r, l);
+            if (c->sliced) {
+                uint32_t rg[2 * MAXC];
+                for (uint32_t d = 0; d < c->dst_tp; d++) {
+                    rg[2 * d] = w->dl[d].head0;
+                    rg[2 * d + 1] = w->dl[d].head0 + w->dl[d].n_heads;
+                }
+                if (kvx_layout_slice(l, rg, c->dst_tp)) abort();
+            }
             w->sreg[i] = calloc(1, kvx_layout_bytes(l));
             w->src_stage[i] = s;
             w->src_rank[i] = r;
@@ -471,6 +482,158 @@ static void test_coalescing(void)
     TH_CHECKF(pieces == 3 * 2 * 16 && puts == 3 * 2 * 4, "pieces %llu puts %llu",
               (unsigned long long)pieces, (unsigned long long)puts);
     world_fini(&w);
+}
+
+/* Sliced sources (kvx_layout.n_slices): byte-exact for even, uneven and overlapping
+ * (replicated) decode head ranges, from one and from two source TP ranks, chunks in and out
+ * of order, queued chunks (late targets) too. Each shape runs head-major, then sliced: where
+ * every decode rank's heads are one slice of each source, the sliced transfer needs the
+ * same number of puts (whole-block chunks, contiguous source blocks) and no staging buffer,
+ * where the head-major one stages; a rank spanning several slices (overlapping ranges) is
+ * contiguous at the destination only across slices, so its pieces still stage (exactness
+ * only). */
+static void test_sliced_source(void)
+{
+    /* q heads, kv heads, src tp, dst tp, late */
+    static const uint32_t shapes[][5] = {{4, 4, 1, 2, 0}, {4, 4, 1, 4, 1}, {4, 4, 2, 4, 0},
+                                         {6, 3, 1, 3, 0}, {6, 3, 1, 2, 1}, {14, 2, 1, 7, 0}};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        uint64_t hm_puts = 0;
+        for (int sliced = 0; sliced < 2; sliced++) {
+            wcfg c = base_cfg(shapes[k][2], shapes[k][3]);
+            c.n_q_heads = shapes[k][0];
+            c.n_kv_heads = shapes[k][1];
+            c.sliced = sliced;
+            world w;
+            world_init(&w, &c);
+            xfer x = {.req = 80 + k,
+                      .n_tokens = 128,
+                      .chunk = 64,
+                      .order = (int)(k % 2),
+                      .late = shapes[k][4],
+                      .salt = 21 + (uint32_t)k,
+                      .dst_run = 0,
+                      .aligned_src = true};
+            uint64_t puts, pieces;
+            run_xfer(&w, &c, &x, &puts, &pieces);
+            size_t pooled = 0;
+            bool one_slice = true; /* every rank's heads are one slice of every source */
+            for (int i = 0; i < w.n_src; i++) {
+                kvx_conn_stats st;
+                kvx_conn_stats_get(w.src[i], &st);
+                pooled += st.pooled_bytes;
+                const kvx_layout *sl = &w.sl[i];
+                for (int d = 0; d < w.n_dec; d++) {
+                    uint32_t a = w.dl[d].head0, b = a + w.dl[d].n_heads, h = sl->head0, n = 0;
+                    uint32_t ns = sl->n_slices > 1 ? sl->n_slices : 1;
+                    for (uint32_t j = 0; j < ns; j++) {
+                        uint32_t e = h + (ns > 1 ? sl->slice_heads[j] : sl->n_heads);
+                        n += h < b && e > a;
+                        h = e;
+                    }
+                    one_slice = one_slice && n <= 1;
+                }
+            }
+            fprintf(stderr,
+                    "  %u/%u heads, tp %u->%u, %s source (%u slices): %llu pieces, "
+                    "%llu puts, %zu staging bytes pooled\n",
+                    shapes[k][0], shapes[k][1], shapes[k][2], shapes[k][3],
+                    sliced ? "sliced" : "head-major", w.sl[0].n_slices, (unsigned long long)pieces,
+                    (unsigned long long)puts, pooled);
+            if (!sliced) {
+                hm_puts = puts;
+                TH_CHECK(shapes[k][3] <= shapes[k][2] || pooled > 0);
+            } else if (one_slice) {
+                TH_CHECKF(pooled == 0 && puts == hm_puts, "%zu bytes staged, %llu puts (%llu)",
+                          pooled, (unsigned long long)puts, (unsigned long long)hm_puts);
+            }
+            world_fini(&w);
+        }
+    }
+}
+
+/* kvx_layout_slice cuts, the validation of sliced layouts, and kvx_layout_off: every
+ * element of a sliced region has its own offset inside the region, and a slice's run of
+ * consecutive blocks is contiguous. Decode regions are never sliced. */
+static void test_slice_layout(void)
+{
+    kvx_layout l = {.n_layers = 2,
+                    .n_kv_heads = 6,
+                    .head0 = 1,
+                    .n_heads = 4,
+                    .block_size = 4,
+                    .head_dim = 2,
+                    .dtype_size = 2,
+                    .n_blocks = 5};
+    uint32_t r1[] = {0, 2, 2, 4, 4, 6}; /* held 1..4: cuts at 2 and 4 */
+    TH_REQUIRE(kvx_layout_slice(&l, r1, 3) == 0);
+    TH_CHECK(l.n_slices == 3 && l.slice_heads[0] == 1 && l.slice_heads[1] == 2 &&
+             l.slice_heads[2] == 1);
+    uint32_t r2[] = {0, 6}; /* one range over everything: no cut */
+    TH_REQUIRE(kvx_layout_slice(&l, r2, 1) == 0);
+    TH_CHECK(l.n_slices == 1 && l.slice_heads[0] == 0);
+    uint32_t r3[] = {0, 3, 2, 5}; /* overlapping ranges: cuts at 2, 3 (and 5 is the end) */
+    TH_REQUIRE(kvx_layout_slice(&l, r3, 2) == 0);
+    TH_CHECK(l.n_slices == 3 && l.slice_heads[0] == 1 && l.slice_heads[1] == 1 &&
+             l.slice_heads[2] == 2);
+    uint32_t bad[] = {3, 3};
+    kvx_layout keep = l;
+    TH_CHECK(kvx_layout_slice(&l, bad, 1) == TD_EINVAL && !memcmp(&l, &keep, sizeof(l)));
+    TH_CHECK(kvx_layout_slice(&l, r1, 0) == TD_EINVAL);
+    /* offsets: a permutation of the region's elements, slices contiguous across blocks */
+    size_t bytes = kvx_layout_bytes(&l), n = 0, tokb = 4;
+    TH_REQUIRE(bytes == 2 * 2 * 5 * 4 * 4 * tokb);
+    uint8_t *seen = calloc(bytes, 1);
+    for (uint32_t ll = 0; ll < 2; ll++)
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t b = 0; b < 5; b++)
+                for (uint32_t h = 0; h < 4; h++)
+                    for (uint32_t t = 0; t < 4; t++) {
+                        size_t o = kvx_layout_off(&l, ll, kv, b, h, t);
+                        if (o + tokb <= bytes && !seen[o]) n++;
+                        if (o < bytes) seen[o] = 1;
+                    }
+    free(seen);
+    TH_CHECK(n == bytes / tokb);
+    size_t hb = 4 * tokb; /* slice 2 (heads 2, 3): block b+1 follows block b */
+    TH_CHECK(kvx_layout_off(&l, 1, 1, 3, 2, 0) + 2 * hb == kvx_layout_off(&l, 1, 1, 4, 2, 0));
+    TH_CHECK(kvx_layout_off(&l, 0, 0, 0, 3, 0) == kvx_layout_off(&l, 0, 0, 0, 2, 0) + hb);
+    /* invalid slices */
+    kvx_layout v = l;
+    v.slice_heads[2] = 1; /* sums to 3 of 4 */
+    TH_CHECK(kvx_layout_bytes(&v) == 0);
+    v = l;
+    v.n_slices = KVX_MAX_SLICES + 1;
+    TH_CHECK(kvx_layout_bytes(&v) == 0);
+    v = l;
+    v.slice_heads[1] = 0;
+    v.slice_heads[2] = 3;
+    TH_CHECK(kvx_layout_bytes(&v) == 0);
+    /* too many slices */
+    kvx_layout m = {.n_layers = 1,
+                    .n_kv_heads = 40,
+                    .n_heads = 40,
+                    .block_size = 4,
+                    .head_dim = 2,
+                    .dtype_size = 2,
+                    .n_blocks = 2};
+    uint32_t many[2 * 20];
+    for (uint32_t i = 0; i < 20; i++) {
+        many[2 * i] = 2 * i;
+        many[2 * i + 1] = 2 * i + 2;
+    }
+    TH_CHECK(kvx_layout_slice(&m, many, 20) == TD_ERANGE && m.n_slices == 0);
+    /* a decode region is never sliced */
+    kvx_fake_fabric *fab;
+    kvx_pipe *p;
+    kvx_conn *c;
+    TH_REQUIRE(kvx_fake_fabric_create(&fab) == 0 && kvx_pipe_fake_create(fab, NULL, &p) == 0 &&
+               kvx_conn_create(p, NULL, &c) == 0);
+    uint8_t *reg = calloc(1, bytes);
+    TH_CHECK(kvx_dec_register(c, reg, bytes, &l) == TD_EINVAL);
+    kvx_conn_destroy(c);
+    kvx_fake_fabric_destroy(fab);
+    free(reg);
 }
 
 static kvx_req_state dec_state(world *w, int d, uint64_t req, kvx_dec_status *ds)
@@ -960,6 +1123,43 @@ static void test_progress_thread(void)
 /* Soak: back-to-back requests on one set of connectors, each finishing normally, aborted by
  * either side mid-way, or with a late target; every finished one is byte-exact and nothing
  * leaks. Duration: KVX_SOAK_SECONDS (default 1). */
+/* kvx_conn_params.spin_us: right after progress that did something (a BEGIN handled),
+ * kvx_conn_progress returns at once for spin_us (the caller's loop polls) instead of
+ * sleeping its timeout; with spin_us < 0 an idle call sleeps at once. */
+static void test_spin_window(void)
+{
+    for (int spin = 0; spin < 2; spin++) {
+        wcfg c = base_cfg(1, 1);
+        c.spin_us = spin ? 5000000 : -1;
+        world w;
+        world_init(&w, &c);
+        xfer x = {.req = 90, .n_tokens = 32, .chunk = 32, .salt = 3, .dst_run = 2};
+        xstate *s = calloc(1, sizeof(*s));
+        xfer_setup(&w, &c, &x, s);
+        int n = 0;
+        int64_t end = td_now_ms() + 2000;
+        while (n == 0 && td_now_ms() < end) {
+            kvx_conn_progress(w.src[0], 0); /* sends BEGIN */
+            n = kvx_conn_progress(w.dec[0], 0);
+        }
+        TH_REQUIRE(n > 0);
+        int64_t t0 = td_now_ms();
+        for (int k = 0; k < 3; k++)
+            kvx_conn_progress(w.dec[0], 200); /* nothing new for it */
+        int64_t took = td_now_ms() - t0;
+        if (spin)
+            TH_CHECKF(took < 150, "3 calls took %lld ms inside the spin window", (long long)took);
+        else
+            TH_CHECKF(took >= 150, "3 idle calls took %lld ms without spinning", (long long)took);
+        kvx_dec_abort(w.dec[0], x.req);
+        kvx_pf_abort(w.src[0], x.req);
+        TH_CHECK(pump_final(&w, x.req, 5000));
+        release_all(&w, x.req);
+        free(s);
+        world_fini(&w);
+    }
+}
+
 static void test_soak(void)
 {
     const char *env = getenv("KVX_SOAK_SECONDS");
@@ -1023,6 +1223,8 @@ int main(void)
     TH_RUN(test_late_target);
     TH_RUN(test_first_pos);
     TH_RUN(test_coalescing);
+    TH_RUN(test_sliced_source);
+    TH_RUN(test_slice_layout);
     TH_RUN(test_chunk_times);
     TH_RUN(test_chunk_times_late);
     TH_RUN(test_chunk_put_fails);
@@ -1034,6 +1236,7 @@ int main(void)
     TH_RUN(test_bad_targets);
     TH_RUN(test_lookup_full);
     TH_RUN(test_progress_thread);
+    TH_RUN(test_spin_window);
     TH_RUN(test_soak);
     TH_EXIT();
 }
