@@ -20,23 +20,23 @@
 #define KVX_TCP_GBPS   0.9
 #define KVX_TCP_LAT_US 635.0
 
-/* Batch-1 decode steps as the decode node runs them: one token a forward, a solo row, with
- * its logits (the LM head is part of every step; the prefill profile's forwards skip it).
- * steps warm-up steps, then steps timed; *ms their median. */
-static int measure_decode(pf_shard *sh, int steps, double *ms)
+int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0, int steps,
+                          double *ms)
 {
-    const kn_model *m = sh->rt.model;
-    float *logits = malloc((size_t)m->hp.n_vocab * sizeof *logits);
+    float *logits = malloc((size_t)n_vocab * sizeof *logits);
     double *t = malloc((size_t)steps * sizeof *t);
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
     int rc = logits && t ? 0 : TD_ENOMEM;
     int32_t row = 0, seq_of = 0;
+    /* KV pages never written are the kernel's zero page: attention would read one cached
+     * page, not ctx0 tokens of memory. 0x3c3c is a finite f16 (1.06). */
+    if (ctx0 > 0) memset(kv->region, 0x3c, kv->region_bytes);
     for (int i = 0; i < 2 * steps && !rc; i++) {
-        int32_t tok = (int32_t)((i * 7919u + 17) % (uint32_t)m->hp.n_vocab), pos = i;
+        int32_t tok = (int32_t)((i * 7919u + 17) % (uint32_t)n_vocab), pos = ctx0 + i;
         double s = (double)td_now_ns() / 1e6;
-        rc = kn_kv_seq_reserve(sh->kv, &seq, i + 1);
-        kn_seq_view view = {.block_table = seq.blocks, .n_ctx = i + 1};
+        rc = kn_kv_seq_reserve(kv, &seq, pos + 1);
+        kn_seq_view view = {.block_table = seq.blocks, .n_ctx = pos + 1};
         kn_batch b = {.n_tokens = 1,
                       .n_solo = 1,
                       .tokens = &tok,
@@ -46,11 +46,11 @@ static int measure_decode(pf_shard *sh, int steps, double *ms)
                       .seqs = &view,
                       .n_logits = 1,
                       .logit_rows = &row};
-        if (!rc) rc = kn_engine_forward(sh->rt.engine, sh->kv, &b, logits);
+        if (!rc) rc = kn_engine_forward(eng, kv, &b, logits);
         if (i >= steps) t[i - steps] = (double)td_now_ns() / 1e6 - s;
     }
     if (!rc) *ms = td_stats_median(t, (size_t)steps);
-    kn_kv_seq_fini(sh->kv, &seq);
+    kn_kv_seq_fini(kv, &seq);
     free(logits);
     free(t);
     return rc;
@@ -92,8 +92,10 @@ static void fill_hw(pl_calib_result *r, int threads)
     hw->kvx_bw = KVX_SM_GBPS * 1e9;
     hw->kvx_lat = KVX_SM_LAT_US * 1e-6;
     hw->one_node = 1; /* more devices than cores time-share them */
-    for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++)
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++) {
         hw->ar_lat[tp] = r->allreduce_us[tp] * 1e-6;
+        hw->decode_speedup[tp] = r->decode_speedup[tp];
+    }
 }
 
 int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
@@ -105,11 +107,13 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     if (rc) return rc;
     pf_shard sh;
     memset(&sh, 0, sizeof sh);
-    pf_shard_params sp = {.model_path = p->model_path,
-                          .pp = 1,
-                          .threads = threads,
-                          .ctx = chunk + chunk / 4 + 2 * steps + 64,
-                          .kv_type = TD_F16};
+    pf_shard_params sp = {
+        .model_path = p->model_path,
+        .pp = 1,
+        .threads = threads,
+        .ctx = (chunk + chunk / 4 > PL_CALIB_LONG_CTX ? chunk + chunk / 4 : PL_CALIB_LONG_CTX) +
+               2 * steps + 64,
+        .kv_type = TD_F16};
     if ((rc = pf_shard_open(&sh, &sp))) return rc;
     kn_cpu *cpu = kn_cpu_of(sh.rt.be);
     if (!cpu) {
@@ -122,11 +126,22 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     pf_profile_params pp = {.chunk_size = chunk, .budget_ms = p->budget_ms ? p->budget_ms : 20000};
     pf_profile_result pr;
     rc = pf_profile_stage(&sh, &pp, &pr);
-    if (!rc) rc = measure_decode(&sh, steps, &r->decode_ms);
+    pl_calib_chunk ch[4];
+    if (!rc) rc = pl_calib_chunks(&sh, 512, 4, 2, ch);
+    int n_vocab = sh.rt.model->hp.n_vocab;
+    if (!rc) rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, 0, steps, &r->decode_ms);
+    if (!rc)
+        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, PL_CALIB_LONG_CTX, steps,
+                                   &r->decode_long_ms);
     int n_embd = sh.rt.model->hp.n_embd;
     pf_shard_close(&sh);
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
         rc = pl_calib_allreduce(tp, n_embd, 2000, &r->allreduce_us[tp]);
+    /* the whole tp step where the model splits (heads divide): its speed-up over tp 1 */
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
+        if (r->model.n_head % tp == 0 && r->model.n_head_kv % tp == 0 &&
+            !(rc = pl_calib_decode_tp(p->model_path, tp, threads, steps, &r->decode_tp_ms[tp])))
+            r->decode_speedup[tp] = r->decode_ms / r->decode_tp_ms[tp];
     if (rc) return rc;
     /* robustly, as the prefill node fits its profile (pf_chunking.c): a busy moment is an
      * outlier, not a change of the model */
@@ -142,6 +157,17 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     r->fit_b = pr.fit.b;
     r->fit_c = pr.fit.c;
     r->fit_r2 = pr.fit.r2;
+    /* the chunks after long prefixes pin the attention term a that forwards from an empty
+     * context of at most 1.25 x chunk leave loose (a and b trade off there) */
+    pf_cost_model joint = pr.fit;
+    if (!pl_calib_fit_joint(len, pr.ms, pr.n_lengths, ch, 4, &joint)) {
+        r->joint = 1;
+        pr.fit.a = r->fit_a = joint.a;
+        pr.fit.b = r->fit_b = joint.b;
+        pr.fit.c = r->fit_c = joint.c;
+    }
+    for (int k = 0; k < 4; k++)
+        r->chunk_ms[k] = ch[k].ms;
     if (!pr.fit.dynamic || pr.fit.b <= 0) {
         TD_LOG_ERR("calibrate: the prefill profile gave no convex fit (a %g, b %g): the machine "
                    "was too noisy; run again",
@@ -153,6 +179,9 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     r->attn_gflops = m->attn_flops_pair * m->n_layer / (2.0 * pr.fit.a * 1e-3) / 1e9;
     r->decode_gbps = pl_model_weights_read(m, 1) / (r->decode_ms * 1e-3) / 1e9;
     fill_hw(r, threads);
+    /* a step that got faster with 4K more context is noise: then the roofline stays */
+    if (r->decode_long_ms > r->decode_ms)
+        r->hw.decode_attn = (r->decode_long_ms - r->decode_ms) * 1e-3 / PL_CALIB_LONG_CTX;
     return 0;
 }
 
@@ -162,18 +191,27 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         buf, cap,
         "# written by `tandem calibrate` for %s (%d layers, %.1f MB of weights)\n"
         "# measured: sgemm %.2f GFLOP/s, memory read %.2f GB/s (kernels' ceiling probes);\n"
-        "#   prefill profile f(l) = %.4g l^2 + %.4g l + %.4g ms (R^2 %.4f): the model's\n"
+        "#   512-token prefill chunks after 0/1K/2K/3K tokens: %.1f / %.1f / %.1f / %.1f ms;\n"
+        "#   prefill fit (%s):\n"
+        "#   f(l) = %.4g l^2 + %.4g l + %.4g ms (the profile's own fit: R^2 %.4f); the model's\n"
         "#   matrix products at %.2f GFLOP/s, attention at %.2f GFLOP/s;\n"
         "#   batch-1 decode step with its logits %.3f ms: weights read at %.2f GB/s;\n"
+        "#   the same after %d more tokens of context %.3f ms: attention %.3f us a token;\n"
         "#   decode all-reduce of %d floats (dc_shm, one-thread rank processes): tp 2 %.1f us,\n"
-        "#   tp 3 %.1f us, tp 4 %.1f us.\n"
+        "#   tp 3 %.1f us, tp 4 %.1f us;\n"
+        "#   the batch-1 decode step at tp 2/3/4 (forked ranks, dc_shm, 0: the model's heads do\n"
+        "#   not split): %.3f / %.3f / %.3f ms.\n"
         "# peak_tflops.f32 is the faster of sgemm and the matrix-product rate; efficiencies\n"
         "#   are measured / peak (attention clamped at 1).\n"
         "# not measured here (BENCHMARKS.md): nvlink bandwidth = shared memory between\n"
         "#   processes, kvxfer sm %.2f GB/s; net = loopback TCP, kvxfer %.2f GB/s, %.0f us;\n"
         "#   kv_transfer = kvxfer sm, 1 rank, %.0f us a chunk.\n",
         r->model.name, r->model.n_layer, r->model.weight_bytes / 1e6, r->sgemm_gflops, r->mem_gbps,
-        r->fit_a, r->fit_b, r->fit_c, r->fit_r2, r->matmul_gflops, r->attn_gflops, r->decode_ms,
-        r->decode_gbps, r->model.n_embd, r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4],
-        KVX_SM_GBPS, KVX_TCP_GBPS, KVX_TCP_LAT_US, KVX_SM_LAT_US);
+        r->chunk_ms[0], r->chunk_ms[1], r->chunk_ms[2], r->chunk_ms[3],
+        r->joint ? "the profile and those chunks" : "the profile alone", r->fit_a, r->fit_b,
+        r->fit_c, r->fit_r2, r->matmul_gflops, r->attn_gflops, r->decode_ms, r->decode_gbps,
+        PL_CALIB_LONG_CTX, r->decode_long_ms, r->hw.decode_attn * 1e6, r->model.n_embd,
+        r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4], r->decode_tp_ms[2],
+        r->decode_tp_ms[3], r->decode_tp_ms[4], KVX_SM_GBPS, KVX_TCP_GBPS, KVX_TCP_LAT_US,
+        KVX_SM_LAT_US);
 }

@@ -22,8 +22,16 @@
 #ifndef PL_CALIB_H
 #define PL_CALIB_H
 
+#include "kv_pool.h"
+#include "model.h"
+#include "pf_chunk.h"
+#include "pf_shard.h"
 #include "pl_hw.h"
 #include "pl_model.h"
+
+/* The context of the long decode steps: their time over the short ones' gives the attention's
+ * cost per token of context (pl_hw.decode_attn) */
+#define PL_CALIB_LONG_CTX 4096
 
 typedef struct {
     const char *model_path; /* GGUF */
@@ -37,17 +45,48 @@ typedef struct {
     pl_hw hw;       /* the profile */
     pl_model model; /* the model's shape */
     double sgemm_gflops, mem_gbps;
-    double fit_a, fit_b, fit_c, fit_r2;       /* the prefill profile's fit, ms */
-    double decode_ms;                         /* median batch-1 decode step */
-    double matmul_gflops;                     /* the model's matrix products, from b */
-    double attn_gflops;                       /* attention, from a */
-    double decode_gbps;                       /* weights read per second by decode */
-    double allreduce_us[PL_HW_MAX_AR_TP + 1]; /* [tp]: one all-reduce of n_embd floats */
+    double fit_a, fit_b, fit_c, fit_r2; /* the prefill profile's fit, ms */
+    double decode_ms;                   /* median batch-1 decode step */
+    double chunk_ms[4];                 /* 512-token chunks after 0, 1K, 2K, 3K tokens of prefix */
+    int joint;             /* 1: fit_* are the joint fit of the profile and those chunks */
+    double decode_long_ms; /* the same PL_CALIB_LONG_CTX tokens later */
+    double matmul_gflops;  /* the model's matrix products, from b */
+    double attn_gflops;    /* attention, from a */
+    double decode_gbps;    /* weights read per second by decode */
+    double allreduce_us[PL_HW_MAX_AR_TP + 1];   /* [tp]: one all-reduce of n_embd floats */
+    double decode_tp_ms[PL_HW_MAX_AR_TP + 1];   /* [tp]: the batch-1 decode step; 0: not measured */
+    double decode_speedup[PL_HW_MAX_AR_TP + 1]; /* [tp]: decode_ms / decode_tp_ms[tp] */
 } pl_calib_result;
 
 /* Mean time of one dc_shm all-reduce of n_floats over tp forked rank processes (one thread
  * each), iters timed after a warm-up, into *us. Returns 0, TD_EINVAL or TD_EIO (logged). */
 int pl_calib_allreduce(int tp, int n_floats, int iters, double *us);
+
+/* Batch-1 decode steps as the decode node runs them: one token a forward, a solo row, with
+ * its logits (the LM head is part of every step; the prefill profile's forwards skip it),
+ * after a context of ctx0 tokens (reserved, not computed: attention's time does not depend
+ * on the values it reads). steps warm-up steps, then steps timed; *ms their median. */
+int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0, int steps,
+                          double *ms);
+
+/* The same at tp ranks: tp forked processes, each the model's rank shard (threads threads)
+ * with the decode node's dc_shm collective; *ms rank 0's median step. Returns 0 or a td_err
+ * (logged). */
+int pl_calib_decode_tp(const char *model_path, int tp, int threads, int steps, double *ms);
+
+/* Prefill chunks of x tokens after prefixes of k PL_CALIB_LONG_CTX / n tokens, k = 0..n-1
+ * (the prefix reserved and filled, not computed), each the median of reps forwards. */
+#define PL_CALIB_MAX_CHUNKS 16
+typedef struct {
+    double L, x, ms;
+} pl_calib_chunk;
+int pl_calib_chunks(pf_shard *sh, int x, int n, int reps, pl_calib_chunk *out);
+
+/* Least squares of the chunk cost model t = a q + b l + c over profile forwards (q = l^2,
+ * l tokens from an empty context) and chunks (q = x (2L + x), l = x), equal weights.
+ * Sets fit's a, b, b_fit, c; TD_ERANGE (fit untouched) when singular or not convex. */
+int pl_calib_fit_joint(const double *len, const double *t, int n_prof, const pl_calib_chunk *ch,
+                       int n_ch, pf_cost_model *fit);
 
 /* Measure; returns 0 or a td_err (logged). */
 int pl_calibrate(const pl_calib_params *p, pl_calib_result *out);

@@ -1,6 +1,7 @@
-/* pl_calib_ar.c: `tandem calibrate`'s all-reduce measurement (pl_calib.h): tp rank processes
- * of the decode node's own shared-memory collective (dc_shm), each one thread, timing
- * all-reduces of one token's hidden state, as a decode step of batch 1 makes 2 a layer. */
+/* pl_calib_ar.c: `tandem calibrate`'s measurements across processes (pl_calib.h): tp rank
+ * processes of the decode node's own shared-memory collective (dc_shm), each one thread,
+ * timing all-reduces of one token's hidden state (a decode step of batch 1 makes 2 a
+ * layer), and whole batch-1 decode steps of the model's tp shards. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,8 @@
 #include <unistd.h>
 
 #include "dc_shm.h"
+#include "kn_runtime.h"
+#include "kv_pool.h"
 #include "pl_calib.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -71,5 +74,86 @@ int pl_calib_allreduce(int tp, int n_floats, int iters, double *us)
     if (!rc && *res <= 0) rc = TD_EIO;
     munmap(res, sizeof *res);
     if (rc) TD_LOG_ERR("calibrate: the tp %d all-reduce measurement failed", tp);
+    return rc;
+}
+
+/* ---- the whole decode step at tp ---- */
+
+typedef struct {
+    dc_shm *shm;
+} tp_coll;
+
+static int tp_allreduce(void *ctx, float *buf, int64_t n)
+{
+    return dc_shm_allreduce(((tp_coll *)ctx)->shm, buf, n);
+}
+
+static int tp_gather(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
+{
+    return dc_shm_gather_cols(((tp_coll *)ctx)->shm, part, rows, n_cols, out);
+}
+
+/* One rank: its shard, a small pool, the steps; rank 0 stores the median (ms). */
+static int tp_rank(const char *token, const char *model, int rank, int tp, int threads, int steps,
+                   double *out)
+{
+    kn_runtime rt;
+    memset(&rt, 0, sizeof rt);
+    tp_coll c = {0};
+    kn_collective coll = {.ctx = &c, .allreduce_sum = tp_allreduce, .gather_cols = tp_gather};
+    kn_runtime_params rp = {.model_path = model,
+                            .shard = {.tp_rank = rank, .tp_size = tp},
+                            .backend_opts = {.n_threads = threads, .device = -1, .rank = rank},
+                            .coll = &coll,
+                            .who = "calibrate"};
+    int rc = kn_runtime_open(&rt, &rp);
+    if (rc) return rc;
+    const kn_hparams *hp = &rt.model->hp;
+    dc_shm_params sp = {.instance = "calibtp",
+                        .token = token,
+                        .rank = rank,
+                        .tp = tp,
+                        .max_floats = (int64_t)hp->n_embd > hp->n_vocab ? hp->n_embd : hp->n_vocab,
+                        .timeout_ms = 30000,
+                        .op_timeout_ms = 30000};
+    kn_kv_pool *kv = NULL;
+    if (!(rc = dc_shm_open(&sp, &c.shm))) {
+        kn_kv_pool_params kp = kn_model_kv_params(rt.model, (2 * steps + 64) / 16 + 1, 16, TD_F16);
+        rc = kn_kv_pool_create(&kp, &kv);
+    }
+    if (!rc) rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, steps, out + rank);
+    kn_kv_pool_destroy(kv);
+    if (c.shm) dc_shm_close(c.shm);
+    kn_runtime_close(&rt);
+    return rc;
+}
+
+int pl_calib_decode_tp(const char *model_path, int tp, int threads, int steps, double *ms)
+{
+    if (tp < 2 || tp > DC_SHM_MAX_TP || steps < 1) return TD_EINVAL;
+    size_t bytes = (size_t)tp * sizeof(double);
+    double *res = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (res == MAP_FAILED) return TD_ENOMEM;
+    char token[64];
+    snprintf(token, sizeof token, "calibtp%ld", (long)getpid());
+    pid_t pids[DC_SHM_MAX_TP];
+    int started = 0, rc = 0;
+    fflush(NULL);
+    for (int r = 0; r < tp; r++, started++) {
+        pids[r] = fork();
+        if (pids[r] < 0) {
+            rc = TD_EIO;
+            break;
+        }
+        if (pids[r] == 0) _exit(tp_rank(token, model_path, r, tp, threads, steps, res) ? 1 : 0);
+    }
+    for (int r = 0; r < started; r++) {
+        int st;
+        if (rc) kill(pids[r], SIGKILL);
+        if (waitpid(pids[r], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) rc = TD_EIO;
+    }
+    if (!rc) *ms = res[0];
+    munmap(res, bytes);
+    if (rc) TD_LOG_ERR("calibrate: the tp %d decode step measurement failed", tp);
     return rc;
 }

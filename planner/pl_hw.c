@@ -52,6 +52,10 @@ static const hw_field fields[] = {
     {"allreduce_us.tp2", F_NUM, OFF(ar_lat[2]), 0, 1e7, 1e-6, 0},
     {"allreduce_us.tp3", F_NUM, OFF(ar_lat[3]), 0, 1e7, 1e-6, 0},
     {"allreduce_us.tp4", F_NUM, OFF(ar_lat[4]), 0, 1e7, 1e-6, 0},
+    {"decode_speedup.tp2", F_NUM, OFF(decode_speedup[2]), 0, 1e3, 1, 0},
+    {"decode_speedup.tp3", F_NUM, OFF(decode_speedup[3]), 0, 1e3, 1, 0},
+    {"decode_speedup.tp4", F_NUM, OFF(decode_speedup[4]), 0, 1e3, 1, 0},
+    {"decode_attention_us_per_token", F_NUM, OFF(decode_attn), 0, 1e6, 1e-6, 0},
 };
 #define N_FIELDS (sizeof fields / sizeof fields[0])
 
@@ -267,6 +271,19 @@ int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
     fprintf(f, "kv_transfer: {gbps: %.6g, latency_us: %.6g}\n", hw->kvx_bw / 1e9,
             hw->kvx_lat * 1e6);
     if (hw->one_node) fprintf(f, "one_node: 1\n");
+    for (int tp = 2, first = 1; tp <= PL_HW_MAX_AR_TP; tp++)
+        if (hw->decode_speedup[tp] > 0) {
+            fprintf(f, "%stp%d: %.6g", first ? "decode_speedup: {" : ", ", tp,
+                    hw->decode_speedup[tp]);
+            first = 0;
+        }
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++)
+        if (hw->decode_speedup[tp] > 0) {
+            fprintf(f, "}\n");
+            break;
+        }
+    if (hw->decode_attn > 0)
+        fprintf(f, "decode_attention_us_per_token: %.6g\n", hw->decode_attn * 1e6);
     for (int tp = 2, first = 1; tp <= PL_HW_MAX_AR_TP; tp++)
         if (hw->ar_lat[tp] > 0) {
             fprintf(f, "%stp%d: %.6g", first ? "allreduce_us: {" : ", ", tp, hw->ar_lat[tp] * 1e6);

@@ -22,6 +22,12 @@
  *                   CPU machine are: a group of more than devices_per_node devices does not
  *                   span nodes (its collectives stay on the node's links), it time-shares the
  *                   node's devices_per_node (`tandem calibrate` writes it)
+ *   decode_speedup: {tp3: 1.1}   optional: the batch-1 decode step at that tp, measured, as a
+ *                   speed-up over tp 1 with its all-reduces, in place of pl_hw_parallel and
+ *                   allreduce_us for decode steps (`tandem calibrate` writes it)
+ *   decode_attention_us_per_token: 3.5   optional: a decode step's attention, measured, per
+ *                   token of context it reads (all layers, one device), in place of the
+ *                   roofline of the KV bytes and FLOPs (`tandem calibrate` writes it)
  * Invariants: a loaded profile has every figure > 0 (overheads and latencies >= 0).
  * Threading: none. Ownership: plain values.
  */
@@ -46,6 +52,10 @@ typedef struct {
     double kvx_bw, kvx_lat;             /* KV transfer bytes/s and s per transfer */
     int one_node;                       /* 1: all devices on one node, extra ones time-share it */
     double ar_lat[PL_HW_MAX_AR_TP + 1]; /* [tp]: measured all-reduce latency, s; 0: none */
+    double decode_speedup[PL_HW_MAX_AR_TP + 1]; /* [tp]: a measured batch-1 decode step's
+                                                   speed-up over tp 1, all-reduces included */
+    double decode_attn; /* s per KV token a decode step attends to (all layers,
+                           one device); 0: the memory/compute roofline */
 } pl_hw;
 
 /* The speed-up of a group of n devices that work in lock step (a tp group: an all-reduce

@@ -79,6 +79,9 @@ double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
 double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, double S)
 {
     double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
+    /* measured: the speed-up with the all-reduces of a batch-1 step in it */
+    bool meas = tp > 1 && tp <= PL_HW_MAX_AR_TP && hw->decode_speedup[tp] > 0;
+    if (meas) par = hw->decode_speedup[tp];
     double bw = par * hw->hbm_bw * hw->eff_mem;
     /* a roofline per phase: the weight products and the attention over the KV are separate
      * kernels, one after the other, each bound by its own memory or compute */
@@ -86,7 +89,9 @@ double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, doub
     double w_comp = 2.0 * pl_model_active_params(m) * B / (par * hw->matmul_flops * hw->eff_matmul);
     double a_mem = S * m->kv_bytes_token / bw;
     double a_comp = m->n_layer * m->attn_flops_pair * S / (par * hw->attn_flops * hw->eff_attn);
-    double ar = 2.0 * m->n_layer * pl_allreduce_ms(hw, tp, (double)B * m->n_embd * m->act_bytes);
+    if (hw->decode_attn > 0) a_mem = a_comp = S * hw->decode_attn / par; /* measured */
+    double ar =
+        meas ? 0 : 2.0 * m->n_layer * pl_allreduce_ms(hw, tp, (double)B * m->n_embd * m->act_bytes);
     return 1e3 * (fmax(w_mem, w_comp) + fmax(a_mem, a_comp)) + ar + hw->step_overhead * 1e3;
 }
 

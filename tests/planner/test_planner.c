@@ -3,6 +3,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "pl_calib.h"
 #include "pl_plan.h"
 #include "td_err.h"
 #include "tharness.h"
@@ -314,6 +315,67 @@ static void test_reproduce_runs(void)
     TH_CHECK(rows[0].simulated <= 4.0 + 1e-9);
 }
 
+/* Measured decode terms: decode_speedup replaces the lock-step rounds and the all-reduces of a
+ * decode step, decode_attention_us_per_token the KV roofline; both load and write back. */
+static void test_measured_decode(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    hw.devices_per_node = 2;
+    hw.one_node = 1;
+    hw.ar_lat[3] = 50e-6;
+    double w = 1e3 * 2 * 8.1e6 / 1e12; /* weights, compute-bound as in test_one_node */
+    hw.decode_speedup[3] = 1.25;
+    hw.decode_attn = 2e-6; /* 2 us a token of context */
+    double want = (w + 100 * 2e-6 * 1e3) / 1.25 + 0.5;
+    TH_CHECKF(fabs(pl_decode_step_ms(&m, &hw, 3, 1, 100) - want) < 1e-9, "step %.6f want %.6f",
+              pl_decode_step_ms(&m, &hw, 3, 1, 100), want);
+    /* tp 1 takes the measured attention, not the speed-up */
+    TH_CHECK(fabs(pl_decode_step_ms(&m, &hw, 1, 1, 100) - (w + 0.2 + 0.5)) < 1e-9);
+    const char *t =
+        "name: x\ndevices_per_node: 2\nmemory_gib: 1\npeak_tflops: {f32: 1}\n"
+        "matmul_type: f32\nattention_type: f32\nhbm_gbps: 1\nnvlink_gbps: 1\n"
+        "net_gbps: 1\nlatency_us: {nvlink: 1, net: 1}\nefficiency: {matmul: 1, "
+        "attention: 1, memory: 1, nvlink: 1, net: 1}\noverhead_ms: {chunk: 0, step: 0}\n"
+        "decode_speedup: {tp3: 1.05}\ndecode_attention_us_per_token: 3.5\n";
+    pl_hw h2;
+    char err[256];
+    TH_REQUIRE(pl_hw_parse(t, strlen(t), "t", &h2, err, sizeof err) == 0);
+    TH_CHECK(fabs(h2.decode_speedup[3] - 1.05) < 1e-12 && h2.decode_speedup[2] == 0 &&
+             fabs(h2.decode_attn - 3.5e-6) < 1e-15);
+    const char *bad = "name: x\ndecode_speedup: {tp3: -1}\n";
+    TH_CHECK(pl_hw_parse(bad, strlen(bad), "t", &h2, err, sizeof err) == TD_EINVAL);
+}
+
+/* The joint fit of profile forwards and chunks after a prefix recovers the model that made
+ * them; a set that is not convex is refused and leaves the fit alone. */
+static void test_joint_fit(void)
+{
+    const double a = 9e-4, b = 2.2, c = 30;
+    double len[6], t[6];
+    for (int i = 0; i < 6; i++) {
+        len[i] = 128.0 * (i + 1);
+        t[i] = a * len[i] * len[i] + b * len[i] + c;
+    }
+    pl_calib_chunk ch[4];
+    for (int k = 0; k < 4; k++) {
+        ch[k].L = 1024.0 * k;
+        ch[k].x = 512;
+        ch[k].ms = a * 512 * (2 * ch[k].L + 512) + b * 512 + c;
+    }
+    pf_cost_model f = {0};
+    TH_REQUIRE(pl_calib_fit_joint(len, t, 6, ch, 4, &f) == 0);
+    TH_CHECKF(fabs(f.a - a) < 1e-9 && fabs(f.b - b) < 1e-6 && fabs(f.c - c) < 1e-3,
+              "a %g b %g c %g", f.a, f.b, f.c);
+    for (int k = 0; k < 4; k++)
+        ch[k].ms = 100; /* longer prefixes no slower: no convex model */
+    for (int i = 0; i < 6; i++)
+        t[i] = 100;
+    f.a = 7;
+    TH_CHECK(pl_calib_fit_joint(len, t, 6, ch, 4, &f) == TD_ERANGE && f.a == 7);
+    TH_CHECK(pl_calib_fit_joint(len, t, 1, ch, 1, &f) == TD_ERANGE);
+}
+
 int main(void)
 {
     TH_RUN(test_single_request_pp1);
@@ -323,6 +385,8 @@ int main(void)
     TH_RUN(test_colocated);
     TH_RUN(test_sequential);
     TH_RUN(test_one_node);
+    TH_RUN(test_measured_decode);
+    TH_RUN(test_joint_fit);
     TH_RUN(test_search_meets);
     TH_RUN(test_hw_errors);
     TH_RUN(test_named_shapes);
