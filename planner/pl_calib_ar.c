@@ -45,36 +45,59 @@ static int ar_rank(const char *token, int rank, int tp, int n, int iters, double
     return rc;
 }
 
-int pl_calib_allreduce(int tp, int n_floats, int iters, double *us)
+/* What every rank process runs; rank 0 leaves its figure in res[0] (shared memory). */
+typedef struct {
+    const char *model; /* decode steps: the GGUF; all-reduces: NULL */
+    int tp, threads, n_floats, iters;
+} rank_job;
+
+static int tp_rank(const char *token, const char *model, int rank, int tp, int threads, int steps,
+                   double *out);
+
+static int run_rank(const rank_job *j, const char *token, int rank, double *res)
 {
-    if (tp < 2 || tp > DC_SHM_MAX_TP || n_floats < 1 || iters < 1) return TD_EINVAL;
+    return j->model ? tp_rank(token, j->model, rank, j->tp, j->threads, j->iters, res)
+                    : ar_rank(token, rank, j->tp, j->n_floats, j->iters, res);
+}
+
+/* Fork j->tp rank processes, wait for all; *out rank 0's figure. A rank that fails kills the
+ * measurement (TD_EIO, logged by the caller). */
+static int fork_ranks(const rank_job *j, const char *what, double *out)
+{
     double *res =
         mmap(NULL, sizeof *res, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (res == MAP_FAILED) return TD_ENOMEM;
     *res = -1;
     char token[64];
-    snprintf(token, sizeof token, "calib%ld", (long)getpid());
+    snprintf(token, sizeof token, "%s%ld", what, (long)getpid());
     pid_t pids[DC_SHM_MAX_TP];
     int started = 0, rc = 0;
     fflush(NULL);
-    for (int r = 0; r < tp; r++, started++) {
+    for (int r = 0; r < j->tp; r++, started++) {
         pids[r] = fork();
         if (pids[r] < 0) {
             rc = TD_EIO;
             break;
         }
-        if (pids[r] == 0) _exit(ar_rank(token, r, tp, n_floats, iters, res) ? 1 : 0);
+        if (pids[r] == 0) _exit(run_rank(j, token, r, res) ? 1 : 0);
     }
     for (int r = 0; r < started; r++) {
         int st;
         if (rc) kill(pids[r], SIGKILL);
         if (waitpid(pids[r], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) rc = TD_EIO;
     }
-    if (!rc && *res > 0) *us = *res;
+    if (!rc && *res > 0) *out = *res;
     if (!rc && *res <= 0) rc = TD_EIO;
     munmap(res, sizeof *res);
-    if (rc) TD_LOG_ERR("calibrate: the tp %d all-reduce measurement failed", tp);
+    if (rc) TD_LOG_ERR("calibrate: the tp %d %s measurement failed", j->tp, what);
     return rc;
+}
+
+int pl_calib_allreduce(int tp, int n_floats, int iters, double *us)
+{
+    if (tp < 2 || tp > DC_SHM_MAX_TP || n_floats < 1 || iters < 1) return TD_EINVAL;
+    rank_job j = {.tp = tp, .n_floats = n_floats, .iters = iters};
+    return fork_ranks(&j, "allreduce", us);
 }
 
 /* ---- the whole decode step at tp ---- */
@@ -121,7 +144,9 @@ static int tp_rank(const char *token, const char *model, int rank, int tp, int t
         kn_kv_pool_params kp = kn_model_kv_params(rt.model, (2 * steps + 64) / 16 + 1, 16, TD_F16);
         rc = kn_kv_pool_create(&kp, &kv);
     }
-    if (!rc) rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, steps, out + rank);
+    double ms = 0;
+    if (!rc) rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, steps, &ms);
+    if (!rc && rank == 0) *out = ms;
     kn_kv_pool_destroy(kv);
     if (c.shm) dc_shm_close(c.shm);
     kn_runtime_close(&rt);
@@ -130,30 +155,7 @@ static int tp_rank(const char *token, const char *model, int rank, int tp, int t
 
 int pl_calib_decode_tp(const char *model_path, int tp, int threads, int steps, double *ms)
 {
-    if (tp < 2 || tp > DC_SHM_MAX_TP || steps < 1) return TD_EINVAL;
-    size_t bytes = (size_t)tp * sizeof(double);
-    double *res = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (res == MAP_FAILED) return TD_ENOMEM;
-    char token[64];
-    snprintf(token, sizeof token, "calibtp%ld", (long)getpid());
-    pid_t pids[DC_SHM_MAX_TP];
-    int started = 0, rc = 0;
-    fflush(NULL);
-    for (int r = 0; r < tp; r++, started++) {
-        pids[r] = fork();
-        if (pids[r] < 0) {
-            rc = TD_EIO;
-            break;
-        }
-        if (pids[r] == 0) _exit(tp_rank(token, model_path, r, tp, threads, steps, res) ? 1 : 0);
-    }
-    for (int r = 0; r < started; r++) {
-        int st;
-        if (rc) kill(pids[r], SIGKILL);
-        if (waitpid(pids[r], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) rc = TD_EIO;
-    }
-    if (!rc) *ms = res[0];
-    munmap(res, bytes);
-    if (rc) TD_LOG_ERR("calibrate: the tp %d decode step measurement failed", tp);
-    return rc;
+    if (tp < 2 || tp > DC_SHM_MAX_TP || steps < 1 || !model_path) return TD_EINVAL;
+    rank_job j = {.model = model_path, .tp = tp, .threads = threads, .iters = steps};
+    return fork_ranks(&j, "decodestep", ms);
 }
