@@ -102,18 +102,18 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
 {
     memset(r, 0, sizeof *r);
     int threads = p->threads > 0 ? p->threads : 1, chunk = p->chunk > 0 ? p->chunk : 1024;
+    int lc = r->long_ctx = p->long_ctx > 0 ? p->long_ctx : PL_CALIB_LONG_CTX;
     int steps = p->decode_steps > 0 ? p->decode_steps : 32;
     int rc = pl_model_gguf(p->model_path, &r->model);
     if (rc) return rc;
     pf_shard sh;
     memset(&sh, 0, sizeof sh);
-    pf_shard_params sp = {
-        .model_path = p->model_path,
-        .pp = 1,
-        .threads = threads,
-        .ctx = (chunk + chunk / 4 > PL_CALIB_LONG_CTX ? chunk + chunk / 4 : PL_CALIB_LONG_CTX) +
-               2 * steps + 64,
-        .kv_type = TD_F16};
+    pf_shard_params sp = {.model_path = p->model_path,
+                          .pp = 1,
+                          .threads = threads,
+                          .ctx = (chunk + chunk / 4 > lc + 512 ? chunk + chunk / 4 : lc + 512) +
+                                 2 * steps + 64,
+                          .kv_type = TD_F16};
     if ((rc = pf_shard_open(&sh, &sp))) return rc;
     kn_cpu *cpu = kn_cpu_of(sh.rt.be);
     if (!cpu) {
@@ -127,12 +127,12 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     pf_profile_result pr;
     rc = pf_profile_stage(&sh, &pp, &pr);
     pl_calib_chunk ch[4];
-    if (!rc) rc = pl_calib_chunks(&sh, 512, 4, 2, ch);
+    r->chunk_x = chunk < 512 ? chunk : 512;
+    if (!rc) rc = pl_calib_chunks(&sh, lc, r->chunk_x, 4, 2, ch);
     int n_vocab = sh.rt.model->hp.n_vocab;
     if (!rc) rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, 0, steps, &r->decode_ms);
     if (!rc)
-        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, PL_CALIB_LONG_CTX, steps,
-                                   &r->decode_long_ms);
+        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, lc, steps, &r->decode_long_ms);
     int n_embd = sh.rt.model->hp.n_embd;
     pf_shard_close(&sh);
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
@@ -181,7 +181,7 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     fill_hw(r, threads);
     /* a step that got faster with 4K more context is noise: then the roofline stays */
     if (r->decode_long_ms > r->decode_ms)
-        r->hw.decode_attn = (r->decode_long_ms - r->decode_ms) * 1e-3 / PL_CALIB_LONG_CTX;
+        r->hw.decode_attn = (r->decode_long_ms - r->decode_ms) * 1e-3 / lc;
     return 0;
 }
 
@@ -191,7 +191,8 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         buf, cap,
         "# written by `tandem calibrate` for %s (%d layers, %.1f MB of weights)\n"
         "# measured: sgemm %.2f GFLOP/s, memory read %.2f GB/s (kernels' ceiling probes);\n"
-        "#   512-token prefill chunks after 0/1K/2K/3K tokens: %.1f / %.1f / %.1f / %.1f ms;\n"
+        "#   %d-token prefill chunks after 0, 1/4, 1/2, 3/4 of %d tokens: %.1f / %.1f / %.1f /\n"
+        "#   %.1f ms;\n"
         "#   prefill fit (%s):\n"
         "#   f(l) = %.4g l^2 + %.4g l + %.4g ms (the profile's own fit: R^2 %.4f); the model's\n"
         "#   matrix products at %.2f GFLOP/s, attention at %.2f GFLOP/s;\n"
@@ -207,10 +208,10 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         "#   processes, kvxfer sm %.2f GB/s; net = loopback TCP, kvxfer %.2f GB/s, %.0f us;\n"
         "#   kv_transfer = kvxfer sm, 1 rank, %.0f us a chunk.\n",
         r->model.name, r->model.n_layer, r->model.weight_bytes / 1e6, r->sgemm_gflops, r->mem_gbps,
-        r->chunk_ms[0], r->chunk_ms[1], r->chunk_ms[2], r->chunk_ms[3],
+        r->chunk_x, r->long_ctx, r->chunk_ms[0], r->chunk_ms[1], r->chunk_ms[2], r->chunk_ms[3],
         r->joint ? "the profile and those chunks" : "the profile alone", r->fit_a, r->fit_b,
         r->fit_c, r->fit_r2, r->matmul_gflops, r->attn_gflops, r->decode_ms, r->decode_gbps,
-        PL_CALIB_LONG_CTX, r->decode_long_ms, r->hw.decode_attn * 1e6, r->model.n_embd,
+        r->long_ctx, r->decode_long_ms, r->hw.decode_attn * 1e6, r->model.n_embd,
         r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4], r->decode_tp_ms[2],
         r->decode_tp_ms[3], r->decode_tp_ms[4], KVX_SM_GBPS, KVX_TCP_GBPS, KVX_TCP_LAT_US,
         KVX_SM_LAT_US);

@@ -29,8 +29,9 @@
 #include "pl_hw.h"
 #include "pl_model.h"
 
-/* The context of the long decode steps: their time over the short ones' gives the attention's
- * cost per token of context (pl_hw.decode_attn) */
+/* The default context of the long decode steps (their time over the short ones' gives the
+ * attention's cost per token of context, pl_hw.decode_attn) and of the longest prefix of the
+ * measured prefill chunks */
 #define PL_CALIB_LONG_CTX 4096
 
 typedef struct {
@@ -39,6 +40,8 @@ typedef struct {
     int chunk;              /* profile lengths up to 1.25 x this; 0: 1024 */
     int budget_ms;          /* the profile's time bound; 0: 20000 */
     int decode_steps;       /* batch-1 decode steps timed; 0: 32 */
+    int long_ctx;           /* 0: PL_CALIB_LONG_CTX (the prompts the profile is for: shorter
+                               is faster to calibrate, longer extrapolates less) */
 } pl_calib_params;
 
 typedef struct {
@@ -47,9 +50,11 @@ typedef struct {
     double sgemm_gflops, mem_gbps;
     double fit_a, fit_b, fit_c, fit_r2; /* the prefill profile's fit, ms */
     double decode_ms;                   /* median batch-1 decode step */
-    double chunk_ms[4];                 /* 512-token chunks after 0, 1K, 2K, 3K tokens of prefix */
+    int long_ctx;                       /* the long context of the measurements below */
+    int chunk_x;                        /* tokens of the chunks below: min(512, chunk) */
+    double chunk_ms[4];                 /* chunks after 0, 1/4, 2/4, 3/4 long_ctx of prefix */
     int joint;             /* 1: fit_* are the joint fit of the profile and those chunks */
-    double decode_long_ms; /* the same PL_CALIB_LONG_CTX tokens later */
+    double decode_long_ms; /* the same long_ctx tokens later */
     double matmul_gflops;  /* the model's matrix products, from b */
     double attn_gflops;    /* attention, from a */
     double decode_gbps;    /* weights read per second by decode */
@@ -74,13 +79,13 @@ int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0,
  * (logged). */
 int pl_calib_decode_tp(const char *model_path, int tp, int threads, int steps, double *ms);
 
-/* Prefill chunks of x tokens after prefixes of k PL_CALIB_LONG_CTX / n tokens, k = 0..n-1
- * (the prefix reserved and filled, not computed), each the median of reps forwards. */
+/* Prefill chunks of x tokens after prefixes of k long_ctx / n tokens, k = 0..n-1 (the prefix
+ * reserved and filled, not computed), each the median of reps forwards. */
 #define PL_CALIB_MAX_CHUNKS 16
 typedef struct {
     double L, x, ms;
 } pl_calib_chunk;
-int pl_calib_chunks(pf_shard *sh, int x, int n, int reps, pl_calib_chunk *out);
+int pl_calib_chunks(pf_shard *sh, int long_ctx, int x, int n, int reps, pl_calib_chunk *out);
 
 /* Least squares of the chunk cost model t = a q + b l + c over profile forwards (q = l^2,
  * l tokens from an empty context) and chunks (q = x (2L + x), l = x), equal weights.

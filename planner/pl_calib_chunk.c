@@ -37,7 +37,7 @@ static int chunk_once(pf_shard *sh, int L, int x, double *ms)
     return rc;
 }
 
-int pl_calib_chunks(pf_shard *sh, int x, int n, int reps, pl_calib_chunk *out)
+int pl_calib_chunks(pf_shard *sh, int long_ctx, int x, int n, int reps, pl_calib_chunk *out)
 {
     if (x < 1 || n < 1 || n > PL_CALIB_MAX_CHUNKS || reps < 1 || reps > 16) return TD_EINVAL;
     /* KV pages never written are the kernel's zero page (pl_calib_decode_steps) */
@@ -45,7 +45,7 @@ int pl_calib_chunks(pf_shard *sh, int x, int n, int reps, pl_calib_chunk *out)
     int rc = 0;
     for (int k = 0; k < n && !rc; k++) {
         double t[16];
-        out[k].L = (double)k * PL_CALIB_LONG_CTX / n;
+        out[k].L = (double)k * long_ctx / n;
         out[k].x = x;
         for (int r = 0; r < reps && !rc; r++)
             rc = chunk_once(sh, (int)out[k].L, x, &t[r]);

@@ -360,9 +360,9 @@ int cmd_calibrate(int argc, char **argv)
     for (int i = 0; i < argc && !rc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v || (strcmp(f, "--model") && strcmp(f, "--out") && strcmp(f, "--threads") &&
-                   strcmp(f, "--chunk") && strcmp(f, "--budget-ms"))) {
+                   strcmp(f, "--chunk") && strcmp(f, "--budget-ms") && strcmp(f, "--long-ctx"))) {
             fprintf(stderr, "usage: tandem calibrate --model M.gguf [--out F.yaml] [--threads N] "
-                            "[--chunk C] [--budget-ms MS]\n");
+                            "[--chunk C] [--budget-ms MS] [--long-ctx T]\n");
             return TD_EINVAL;
         }
         if (!strcmp(f, "--model"))
@@ -373,6 +373,8 @@ int cmd_calibrate(int argc, char **argv)
             rc = cli_parse_int(f, v, 1, 256, &p.threads);
         else if (!strcmp(f, "--chunk"))
             rc = cli_parse_int(f, v, 16, 1 << 16, &p.chunk);
+        else if (!strcmp(f, "--long-ctx"))
+            rc = cli_parse_int(f, v, 256, 1 << 17, &p.long_ctx);
         else
             rc = cli_parse_int(f, v, 100, 3600000, &p.budget_ms);
         i++;

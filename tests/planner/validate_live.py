@@ -176,7 +176,7 @@ def main():
     print("# validate_live.py %s, %s, load average %s" % (
         " ".join(sys.argv[1:]), time.strftime("%Y-%m-%d %H:%M"), loadavg()))
     if not a.hw:
-        cal = ["--chunk", "512", "--budget-ms", "6000"] if a.quick else \
+        cal = ["--chunk", "512", "--budget-ms", "6000", "--long-ctx", "1024"] if a.quick else \
               ["--chunk", "1024", "--budget-ms", "30000"]
         cmd = [tandem, "calibrate", "--model", a.model, "--out", hw, "--threads", "1"] + cal
         for attempt in range(3):  # a loaded machine's profile may give no convex fit
