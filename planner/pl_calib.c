@@ -82,15 +82,15 @@ static void fill_hw(pl_calib_result *r, int threads)
     hw->matmul_flops = hw->attn_flops = hw->peak_f32;
     rate_to_hw(r->decode_gbps * 1e9, r->mem_gbps * 1e9, &hw->hbm_bw, &hw->eff_mem);
     /* devices talk through shared memory (nvlink's role) or loopback TCP (the network's) */
-    hw->nvlink_bw = KVX_SM_GBPS * 1e9;
+    hw->nvlink_bw = r->kvx_gbps[0] * 1e9;
     hw->nvlink_lat = r->allreduce_us[2] / 2 * 1e-6; /* tp 2: 2 (tp - 1) latencies */
-    hw->net_bw = KVX_TCP_GBPS * 1e9;
-    hw->net_lat = KVX_TCP_LAT_US * 1e-6;
+    hw->net_bw = r->kvx_gbps[1] * 1e9;
+    hw->net_lat = r->kvx_lat_us[1] * 1e-6;
     hw->eff_nvlink = hw->eff_net = 1; /* the figures are effective ones */
     hw->chunk_overhead = r->fit_c > 0 ? r->fit_c * 1e-3 : 0;
     hw->step_overhead = 0; /* folded into the memory efficiency (one decode figure) */
-    hw->kvx_bw = KVX_SM_GBPS * 1e9;
-    hw->kvx_lat = KVX_SM_LAT_US * 1e-6;
+    hw->kvx_bw = r->kvx_gbps[0] * 1e9;
+    hw->kvx_lat = r->kvx_lat_us[0] * 1e-6;
     hw->one_node = 1; /* more devices than cores time-share them */
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++) {
         hw->ar_lat[tp] = r->allreduce_us[tp] * 1e-6;
@@ -134,6 +134,9 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     if (!rc)
         rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, lc, steps, &r->decode_long_ms);
     int n_embd = sh.rt.model->hp.n_embd;
+    r->kvx_gbps[0] = KVX_SM_GBPS, r->kvx_lat_us[0] = KVX_SM_LAT_US;
+    r->kvx_gbps[1] = KVX_TCP_GBPS, r->kvx_lat_us[1] = KVX_TCP_LAT_US;
+    if (!rc) pl_calib_kvx(&sh.rt.model->hp, r); /* keeps those where it cannot measure */
     pf_shard_close(&sh);
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
         rc = pl_calib_allreduce(tp, n_embd, 2000, &r->allreduce_us[tp]);
@@ -204,15 +207,18 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         "#   not split): %.3f / %.3f / %.3f ms.\n"
         "# peak_tflops.f32 is the faster of sgemm and the matrix-product rate; efficiencies\n"
         "#   are measured / peak (attention clamped at 1).\n"
-        "# not measured here (BENCHMARKS.md): nvlink bandwidth = shared memory between\n"
-        "#   processes, kvxfer sm %.2f GB/s; net = loopback TCP, kvxfer %.2f GB/s, %.0f us;\n"
-        "#   kv_transfer = kvxfer sm, 1 rank, %.0f us a chunk.\n",
+        "# KV transfer, %s:\n"
+        "#   nvlink = shared memory between processes, kvxfer sm %.2f GB/s; net = loopback\n"
+        "#   TCP, kvxfer %.2f GB/s, %.0f us; kv_transfer = kvxfer sm, 1 rank, %.0f us a\n"
+        "#   one-block chunk.\n",
         r->model.name, r->model.n_layer, r->model.weight_bytes / 1e6, r->sgemm_gflops, r->mem_gbps,
         r->chunk_x, r->long_ctx, r->chunk_ms[0], r->chunk_ms[1], r->chunk_ms[2], r->chunk_ms[3],
         r->joint ? "the profile and those chunks" : "the profile alone", r->fit_a, r->fit_b,
         r->fit_c, r->fit_r2, r->matmul_gflops, r->attn_gflops, r->decode_ms, r->decode_gbps,
         r->long_ctx, r->decode_long_ms, r->hw.decode_attn * 1e6, r->model.n_embd,
         r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4], r->decode_tp_ms[2],
-        r->decode_tp_ms[3], r->decode_tp_ms[4], KVX_SM_GBPS, KVX_TCP_GBPS, KVX_TCP_LAT_US,
-        KVX_SM_LAT_US);
+        r->decode_tp_ms[3], r->decode_tp_ms[4],
+        r->kvx_measured ? "measured (kvx-bench, the model's KV shape)"
+                        : "not measured here (BENCHMARKS.md)",
+        r->kvx_gbps[0], r->kvx_gbps[1], r->kvx_lat_us[1], r->kvx_lat_us[0]);
 }

@@ -61,6 +61,10 @@ typedef struct {
     double allreduce_us[PL_HW_MAX_AR_TP + 1];   /* [tp]: one all-reduce of n_embd floats */
     double decode_tp_ms[PL_HW_MAX_AR_TP + 1];   /* [tp]: the batch-1 decode step; 0: not measured */
     double decode_speedup[PL_HW_MAX_AR_TP + 1]; /* [tp]: decode_ms / decode_tp_ms[tp] */
+    /* KV transfer, [0] shared memory, [1] TCP: kvx-bench's medians in the model's KV shape
+     * (GB/s of a 4096-token chunk, us of a one-block chunk), or BENCHMARKS.md's figures */
+    double kvx_gbps[2], kvx_lat_us[2];
+    int kvx_measured; /* 1: measured here */
 } pl_calib_result;
 
 /* Mean time of one dc_shm all-reduce of n_floats over tp forked rank processes (one thread
@@ -92,6 +96,11 @@ int pl_calib_chunks(pf_shard *sh, int long_ctx, int x, int n, int reps, pl_calib
  * Sets fit's a, b, b_fit, c; TD_ERANGE (fit untouched) when singular or not convex. */
 int pl_calib_fit_joint(const double *len, const double *t, int n_prof, const pl_calib_chunk *ch,
                        int n_ch, pf_cost_model *fit);
+
+/* kvx-bench (built beside the running binary) over shared memory and TCP in the model's KV
+ * shape, one decode rank: fills r's kvx_* and sets kvx_measured. TD_ENOENT (no kvx-bench) or
+ * TD_EIO (it failed): r is left alone; a warning is logged. */
+int pl_calib_kvx(const kn_hparams *hp, pl_calib_result *r);
 
 /* Measure; returns 0 or a td_err (logged). */
 int pl_calibrate(const pl_calib_params *p, pl_calib_result *out);

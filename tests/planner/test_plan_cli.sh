@@ -53,6 +53,9 @@ if ! "$tandem" calibrate --model "$model" --out "$dir/this.yaml" --chunk 512 --b
   "$tandem" calibrate --model "$model" --out "$dir/this.yaml" --chunk 512 --budget-ms 4000
 fi
 grep -q "^matmul_type: f32" "$dir/this.yaml"
+# the KV transfer figures were measured by kvx-bench (built beside tandem) and written
+grep -q "^# KV transfer, measured (kvx-bench" "$dir/this.yaml" || { head -30 "$dir/this.yaml"; exit 1; }
+grep -qE "^kv_transfer: \{gbps: [0-9.e+-]+, latency_us: [0-9.e+-]+\}" "$dir/this.yaml"
 "$tandem" plan --model "$model" --hw "$dir/this.yaml" --prefill 1x1x1 --decode 1x1 \
   --requests 8 --prompt 64:128 --output 4:8 --json > "$dir/plan.json"
 "$py" -c "import json,sys; c=json.load(open(sys.argv[1]))['configs'][0]; \
