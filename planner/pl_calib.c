@@ -21,7 +21,7 @@
 #define KVX_TCP_LAT_US 635.0
 
 int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0, int steps,
-                          double *ms)
+                          const pl_calib_step_hook *hook, double *ms)
 {
     float *logits = malloc((size_t)n_vocab * sizeof *logits);
     double *t = malloc((size_t)steps * sizeof *t);
@@ -35,7 +35,8 @@ int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0,
     for (int i = 0; i < 2 * steps && !rc; i++) {
         int32_t tok = (int32_t)((i * 7919u + 17) % (uint32_t)n_vocab), pos = ctx0 + i;
         double s = (double)td_now_ns() / 1e6;
-        rc = kn_kv_seq_reserve(kv, &seq, pos + 1);
+        rc = hook ? hook->fn(hook->ctx) : 0;
+        if (!rc) rc = kn_kv_seq_reserve(kv, &seq, pos + 1);
         kn_seq_view view = {.block_table = seq.blocks, .n_ctx = pos + 1};
         kn_batch b = {.n_tokens = 1,
                       .n_solo = 1,
@@ -130,9 +131,11 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     r->chunk_x = chunk < 512 ? chunk : 512;
     if (!rc) rc = pl_calib_chunks(&sh, lc, r->chunk_x, 4, 2, ch);
     int n_vocab = sh.rt.model->hp.n_vocab;
-    if (!rc) rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, 0, steps, &r->decode_ms);
     if (!rc)
-        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, lc, steps, &r->decode_long_ms);
+        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, 0, steps, NULL, &r->decode_ms);
+    if (!rc)
+        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, lc, steps, NULL,
+                                   &r->decode_long_ms);
     int n_embd = sh.rt.model->hp.n_embd;
     r->kvx_gbps[0] = KVX_SM_GBPS, r->kvx_lat_us[0] = KVX_SM_LAT_US;
     r->kvx_gbps[1] = KVX_TCP_GBPS, r->kvx_lat_us[1] = KVX_TCP_LAT_US;
@@ -165,6 +168,7 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     pf_cost_model joint = pr.fit;
     if (!pl_calib_fit_joint(len, pr.ms, pr.n_lengths, ch, 4, &joint)) {
         r->joint = 1;
+        pr.fit.dynamic = true; /* convex: pl_calib_fit_joint checked a > 0 and b > 0 */
         pr.fit.a = r->fit_a = joint.a;
         pr.fit.b = r->fit_b = joint.b;
         pr.fit.c = r->fit_c = joint.c;
@@ -182,7 +186,7 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     r->attn_gflops = m->attn_flops_pair * m->n_layer / (2.0 * pr.fit.a * 1e-3) / 1e9;
     r->decode_gbps = pl_model_weights_read(m, 1) / (r->decode_ms * 1e-3) / 1e9;
     fill_hw(r, threads);
-    /* a step that got faster with 4K more context is noise: then the roofline stays */
+    /* a step that got faster with more context is noise: then the roofline stays */
     if (r->decode_long_ms > r->decode_ms)
         r->hw.decode_attn = (r->decode_long_ms - r->decode_ms) * 1e-3 / lc;
     return 0;

@@ -74,9 +74,14 @@ int pl_calib_allreduce(int tp, int n_floats, int iters, double *us);
 /* Batch-1 decode steps as the decode node runs them: one token a forward, a solo row, with
  * its logits (the LM head is part of every step; the prefill profile's forwards skip it),
  * after a context of ctx0 tokens (reserved, not computed: attention's time does not depend
- * on the values it reads). steps warm-up steps, then steps timed; *ms their median. */
+ * on the values it reads). steps warm-up steps, then steps timed; *ms their median. hook
+ * (may be NULL) runs before each step, inside its time. */
+typedef struct {
+    int (*fn)(void *ctx); /* before every step (the tp ranks' plan hand-off); nonzero stops */
+    void *ctx;
+} pl_calib_step_hook;
 int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0, int steps,
-                          double *ms);
+                          const pl_calib_step_hook *hook, double *ms);
 
 /* The same at tp ranks: tp forked processes, each the model's rank shard (threads threads)
  * with the decode node's dc_shm collective; *ms rank 0's median step. Returns 0 or a td_err

@@ -104,7 +104,24 @@ int pl_calib_allreduce(int tp, int n_floats, int iters, double *us)
 
 typedef struct {
     dc_shm *shm;
+    int rank;
+    uint64_t step;
 } tp_coll;
+
+/* The decode node's hand-off before each step: the leader publishes a plan, the followers
+ * wait for it (futex wake-ups of processes that may not be running) */
+static int tp_plan(void *ctx)
+{
+    tp_coll *c = ctx;
+    if (c->rank == 0) {
+        c->step++;
+        return dc_shm_plan_publish(c->shm, &c->step, sizeof c->step);
+    }
+    const void *plan;
+    size_t len;
+    int rc = dc_shm_plan_wait(c->shm, 30000, &plan, &len);
+    return rc ? rc : len == sizeof c->step ? 0 : TD_EIO;
+}
 
 static int tp_allreduce(void *ctx, float *buf, int64_t n)
 {
@@ -122,7 +139,7 @@ static int tp_rank(const char *token, const char *model, int rank, int tp, int t
 {
     kn_runtime rt;
     memset(&rt, 0, sizeof rt);
-    tp_coll c = {0};
+    tp_coll c = {.rank = rank};
     kn_collective coll = {.ctx = &c, .allreduce_sum = tp_allreduce, .gather_cols = tp_gather};
     kn_runtime_params rp = {.model_path = model,
                             .shard = {.tp_rank = rank, .tp_size = tp},
@@ -145,7 +162,8 @@ static int tp_rank(const char *token, const char *model, int rank, int tp, int t
         rc = kn_kv_pool_create(&kp, &kv);
     }
     double ms = 0;
-    if (!rc) rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, steps, &ms);
+    pl_calib_step_hook hook = {.fn = tp_plan, .ctx = &c};
+    if (!rc) rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, steps, &hook, &ms);
     if (!rc && rank == 0) *out = ms;
     kn_kv_pool_destroy(kv);
     if (c.shm) dc_shm_close(c.shm);

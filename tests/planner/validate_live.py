@@ -28,8 +28,8 @@ FULL = [  # name, pp (0: colocated), decode tp, prompt, output, requests
     ("disagg pp1+tp1, 256", 1, 1, 256, 32, 4),
     ("disagg pp1+tp3, 256", 1, 3, 256, 32, 4),
     ("disagg pp2+tp3, 256", 2, 3, 256, 32, 4),
-    ("disagg pp2+tp1, 4096", 2, 1, 4096, 16, 2),
-    ("colocated tp1, 4096", 0, 1, 4096, 16, 2),
+    ("disagg pp2+tp1, 4096", 2, 1, 4096, 48, 2),
+    ("colocated tp1, 4096", 0, 1, 4096, 48, 2),
 ]
 QUICK = [
     ("colocated tp1, 128", 0, 1, 128, 12, 2),
