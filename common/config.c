@@ -577,14 +577,15 @@ typedef struct {
 } inst_ref;
 
 /* devices: one GPU index per stage (prefill) or rank (decode); only a GPU backend has them */
-static int check_devices(pctx *p, yaml_node_t *n, int n_devices, int want, const char *per)
+static int check_devices(pctx *p, yaml_node_t *n, int n_devices, int want, const char *count,
+                         const char *per)
 {
     if (!n) return 0;
     if (p->backend != TD_CFG_BACKEND_CUDA)
         return fail(p, n, "devices: only for backend cuda (GPU indices)");
     if (n_devices != want)
-        return fail(p, n, "devices has %d entries but %s is %d (one per %s)", n_devices,
-                    per[0] == 's' ? "pp" : "tp", want, per);
+        return fail(p, n, "devices has %d entries but %s is %d (one per %s)", n_devices, count,
+                    want, per);
     return 0;
 }
 
@@ -614,7 +615,7 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     if (x->layer_partition && x->n_layer_partition != x->pp)
         return fail(p, seen[P_PART], "layer_partition has %d entries but pp is %d",
                     x->n_layer_partition, x->pp);
-    if (check_devices(p, seen[P_DEVICES], x->n_devices, x->pp, "stage")) return p->rc;
+    if (check_devices(p, seen[P_DEVICES], x->n_devices, x->pp, "pp", "stage")) return p->rc;
     if (x->hosts) {
         if (x->n_hosts != x->pp)
             return fail(p, seen[P_HOSTS], "hosts has %d entries but pp is %d (one per stage)",
@@ -682,7 +683,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     if (seen[D_KVM]) x->kv_blocks = 0;
     if (seen[D_DTYPE] && kv_dtype_of(sval(seen[D_DTYPE])) < 0)
         return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", sval(seen[D_DTYPE]));
-    if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "rank")) return p->rc;
+    if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port,
                       seen[D_PORT] ? seen[D_PORT] : seen[D_NAME]};

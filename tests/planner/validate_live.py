@@ -23,6 +23,9 @@ The decode tp must divide the model's attention heads: the configurations use tp
 (SmolLM2-135M has 9 heads; tp 2 needs another model)."""
 import argparse, http.client, json, os, random, subprocess, sys, tempfile, time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tdtest.ports import free_port  # noqa: E402
+
 FULL = [  # name, pp (0: colocated), decode tp, prompt, output, requests
     ("colocated tp1, 256", 0, 1, 256, 32, 4),
     ("disagg pp1+tp1, 256", 1, 1, 256, 32, 4),
@@ -135,23 +138,6 @@ def predict(tandem, model, hw, cfg):
     return c["ttft_ms"]["p50"], c["tpot_ms"]["p50"]
 
 
-def free_port(span=6):
-    """A port N with N..N+span-1 free (the router on N, control ports N+1...), below the
-    ephemeral range."""
-    import socket
-    rnd = random.Random()
-    for _ in range(100):
-        n = rnd.randrange(20000, 30000)
-        try:
-            for p in range(n, n + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return n
-        except OSError:
-            continue
-    sys.exit("no free port range")
-
-
 def loadavg():
     return "%.2f %.2f %.2f" % os.getloadavg()
 
@@ -191,7 +177,7 @@ def main():
                       if "profile written" not in l), end="")
     rows = []
     for cfg in cfgs:
-        ttft, tpot = measure(tandem, a.model, tmp, cfg, a.port or free_port())
+        ttft, tpot = measure(tandem, a.model, tmp, cfg, a.port or free_port(6))
         pt, pp = predict(tandem, a.model, hw, cfg)
         rows.append((cfg, median(ttft), pt, median(tpot), pp))
         print("# %s: TTFT %s ms, TPOT %s ms (load %s)" % (
