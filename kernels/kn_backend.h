@@ -151,9 +151,9 @@ typedef struct {
      * unsplit model has group n_heads / n_kv_heads and phase 0).
      * Rows [0, m_solo) are the batch's solo rows (model.h: one-token decode rows): a
      * backend that picks its kernel by the row count must compute them as it would a batch
-     * of that one row, so their results never depend on the batch (cuda does). The cpu
-     * backend computes all m rows in one pass (m_solo unused): its thread cut of a long
-     * row can differ between batch shapes, a known gap (docs/gpu.md). */
+     * of that one row, so their results never depend on the batch (cuda and cpu do: the
+     * cpu backend cuts each solo row's keys across threads as it would cut that row alone,
+     * and only the rows [m_solo, m) share one cut). */
     void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
                       int phase, int head_dim, float scale, int window, int64_t m, int64_t m_solo,

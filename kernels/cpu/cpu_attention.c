@@ -8,10 +8,17 @@
  * fewer q heads than the model's group, common/td_tp.h): an item reads each K/V tile once for all
  * its q heads and keeps an online softmax state (running max, running sum, unnormalized
  * accumulator) per q head. The items are laid end to end on a cost line (an item costs its number
- * of keys plus a fixed overhead) and the line is cut into equal parts, one per thread. That keeps
- * causal prefill balanced (later tokens see more keys) and, for decode with few items,
- * cuts single items across threads by key range; a cut item's partial softmax states are
- * merged by the caller after the join.
+ * of keys plus a fixed overhead) and the line is cut into equal parts, at most one per thread.
+ * That keeps causal prefill balanced (later tokens see more keys) and, for decode with few
+ * items, cuts single items across threads by key range; a cut item's partial softmax states
+ * are merged by the caller after the join, in key order.
+ *
+ * Batch invariance: where a cut falls decides the order of the float sums, so a row's result
+ * depends on its line. Each solo row (rows [0, m_solo): one-token decode rows, or every row
+ * of a deterministic step) is a line of its own, cut exactly as a batch of that row alone
+ * would cut it, so its output is bit-identical whatever shares its step; the other rows
+ * share one line. The parts of all lines are then spread over the threads by cost (which
+ * thread runs a part does not change its result).
  */
 #include <assert.h>
 #include <math.h>
@@ -288,7 +295,7 @@ __attribute__((noinline)) static void tile_softmax(float *sc, int n, float scale
 #endif
 }
 
-/* ---- attention: items, parts and softmax states ---- */
+/* ---- attention: items, lines, parts and softmax states ---- */
 
 /* Online softmax state of up to ATT_MAX_REP q heads: out = acc / l, where acc and l are
  * taken relative to the running max mx. */
@@ -297,6 +304,16 @@ typedef struct {
     float l[ATT_MAX_REP];                                  /* sum of exp(score - mx) */
     _Alignas(32) float acc[ATT_MAX_REP][ATT_MAX_HEAD_DIM]; /* sum of exp(score - mx) v */
 } att_state;
+
+/* A cost line: the items of tokens [t0, t1) laid end to end, cut into n_parts equal parts.
+ * Each solo row is a line of its own, cut exactly as a batch of that one row would be; the
+ * batch rows after them share one line. */
+typedef struct {
+    int64_t t0, t1; /* tokens */
+    int64_t total;  /* length of the line */
+    int n_parts;    /* equal cuts of the line */
+    int64_t v0;     /* index of its first part among the job's parts */
+} att_line;
 
 typedef struct {
     const float *q;            /* (m, n_heads, head_dim) */
@@ -313,11 +330,16 @@ typedef struct {
     int n_chunk;       /* q-head chunks per KV head: ceil(n_rep / ATT_MAX_REP) */
     int items_per_tok; /* n_kv_heads * n_chunk */
     int64_t m;
-    int64_t total;      /* length of the cost line */
-    int n_parts;        /* equal cuts of the cost line (one per thread) */
-    int64_t *part_item; /* (n_parts, 2) item of each partial slot, -1 if unused */
-    float *part_state;  /* (n_parts, 2, slot_floats) */
+    att_line *lines; /* (n_lines) */
+    int64_t n_lines;
+    int64_t n_vparts;   /* parts of all lines together */
+    int32_t *vline;     /* (n_vparts) line of each part */
+    int64_t *vcost;     /* (n_vparts + 1) running cost at each part's start */
+    int64_t *part_item; /* (n_vparts, 2) item of each partial slot, -1 if unused */
+    int64_t *part_slot; /* (n_vparts) first of its two state slots, -1: a line of one part */
+    float *part_state;  /* (slots with states, slot_floats) */
     size_t slot_floats; /* 2 * rep + rep * head_dim, rep = min(n_rep, ATT_MAX_REP) */
+    int n_threads;      /* threads the parts are spread over */
 } att_job;
 
 /* First key token t attends to: 0, or the start of its sliding window. Keys before it are
@@ -403,9 +425,10 @@ static void state_write_out(const att_job *J, int64_t j, const att_state *st)
 }
 
 /* slot layout: mx (rep), l (rep), acc (rep, head_dim) */
-static float *slot_at(const att_job *J, int part, int slot)
+static float *slot_at(const att_job *J, int64_t v, int slot)
 {
-    return J->part_state + ((size_t)part * 2 + (size_t)slot) * J->slot_floats;
+    assert(J->part_slot[v] >= 0);
+    return J->part_state + (size_t)(J->part_slot[v] + slot) * J->slot_floats;
 }
 
 static void state_save(const att_job *J, int nr, const att_state *st, float *dst)
@@ -436,64 +459,99 @@ static void state_merge(const att_job *J, int nr, att_state *st, const float *sr
     }
 }
 
-/* Part p covers [total * p / P, total * (p + 1) / P) of the cost line. On the line, item j
- * is ATT_ITEM_COST of overhead followed by one unit per key; a part processes the keys
- * that fall in its range. Items it covers whole are written out; the (at most two) cut
- * ones at its ends are saved to its partial slots. */
-static void att_parts(void *arg, int64_t p0, int64_t p1, int tid)
+/* Length of token t's items on a cost line: each is ATT_ITEM_COST of overhead followed by
+ * one unit per key. */
+static int64_t tok_cost(const att_job *J, int64_t t)
 {
-    const att_job *J = arg;
-    att_state st;
-    for (int64_t p = p0; p < p1; p++) {
-        const int64_t c0 = J->total * p / J->n_parts, c1 = J->total * (p + 1) / J->n_parts;
-        int used = 0;
-        int64_t start = 0; /* line offset of the current token's first item */
-        for (int64_t t = 0; t < J->m && start < c1; t++) {
-            /* the item's keys are [lo, lo + nk); the line counts them from lo */
-            const int64_t lo = key_lo(J, t);
-            const int64_t nk = (int64_t)J->pos[t] + 1 - lo, cost = nk + ATT_ITEM_COST;
-            assert(J->pos[t] >= 0 && J->pos[t] < J->seqs[J->seq_of[t]].n_ctx);
-            if (start + cost * J->items_per_tok <= c0) {
-                start += cost * J->items_per_tok;
+    return ((int64_t)J->pos[t] + 1 - key_lo(J, t) + ATT_ITEM_COST) * J->items_per_tok;
+}
+
+/* Part v covers [total * p / P, total * (p + 1) / P) of its line (p its index there, P the
+ * line's parts) and processes the keys that fall in its range. Items it covers whole are
+ * written out; the (at most two) cut ones at its ends are saved to its partial slots. */
+static void run_part(const att_job *J, int64_t v, att_state *st)
+{
+    const att_line *L = &J->lines[J->vline[v]];
+    const int64_t p = v - L->v0;
+    const int64_t c0 = L->total * p / L->n_parts, c1 = L->total * (p + 1) / L->n_parts;
+    int used = 0;
+    int64_t start = 0; /* line offset of the current token's first item */
+    for (int64_t t = L->t0; t < L->t1 && start < c1; t++) {
+        /* the item's keys are [lo, lo + nk); the line counts them from lo */
+        const int64_t lo = key_lo(J, t);
+        const int64_t nk = (int64_t)J->pos[t] + 1 - lo, cost = nk + ATT_ITEM_COST;
+        assert(J->pos[t] >= 0 && J->pos[t] < J->seqs[J->seq_of[t]].n_ctx);
+        if (start + cost * J->items_per_tok <= c0) {
+            start += cost * J->items_per_tok;
+            continue;
+        }
+        for (int64_t c = 0; c < J->items_per_tok; c++, start += cost) {
+            if (start + cost <= c0 || start >= c1) continue;
+            int64_t ka = c0 - start - ATT_ITEM_COST, kb = c1 - start - ATT_ITEM_COST;
+            ka = ka < 0 ? 0 : (ka > nk ? nk : ka);
+            kb = kb < 0 ? 0 : (kb > nk ? nk : kb);
+            if (ka >= kb) continue;
+            const int64_t j = t * J->items_per_tok + c;
+            item_run(J, j, lo + ka, lo + kb, st);
+            if (ka == 0 && kb == nk) {
+                state_write_out(J, j, st);
                 continue;
             }
-            for (int64_t c = 0; c < J->items_per_tok; c++, start += cost) {
-                if (start + cost <= c0 || start >= c1) continue;
-                int64_t ka = c0 - start - ATT_ITEM_COST, kb = c1 - start - ATT_ITEM_COST;
-                ka = ka < 0 ? 0 : (ka > nk ? nk : ka);
-                kb = kb < 0 ? 0 : (kb > nk ? nk : kb);
-                if (ka >= kb) continue;
-                const int64_t j = t * J->items_per_tok + c;
-                item_run(J, j, lo + ka, lo + kb, &st);
-                if (ka == 0 && kb == nk) {
-                    state_write_out(J, j, &st);
-                    continue;
-                }
-                assert(used < 2 && J->part_state);
-                int64_t tok;
-                int g, h0, nr;
-                item_heads(J, j, &tok, &g, &h0, &nr);
-                state_save(J, nr, &st, slot_at(J, (int)p, used));
-                J->part_item[p * 2 + used] = j;
-                used++;
-            }
+            assert(used < 2);
+            int64_t tok;
+            int g, h0, nr;
+            item_heads(J, j, &tok, &g, &h0, &nr);
+            state_save(J, nr, st, slot_at(J, v, used));
+            J->part_item[v * 2 + used] = j;
+            used++;
         }
-        for (; used < 2; used++)
-            if (J->part_item) J->part_item[p * 2 + used] = -1;
+    }
+    for (; used < 2; used++)
+        J->part_item[v * 2 + used] = -1;
+}
+
+/* First part whose running cost at its start is >= c (n_vparts if none). */
+static int64_t part_at_cost(const att_job *J, int64_t c)
+{
+    int64_t lo = 0, hi = J->n_vparts;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (J->vcost[mid] < c)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Thread slice i of n_threads takes the parts that start in its equal share of the summed
+ * cost of all lines. Which thread runs a part never changes its result. */
+static void att_threads(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    (void)tid;
+    const att_job *J = arg;
+    const int64_t total = J->vcost[J->n_vparts];
+    att_state st;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t v0 = part_at_cost(J, total * i / J->n_threads);
+        const int64_t v1 =
+            i + 1 == J->n_threads ? J->n_vparts : part_at_cost(J, total * (i + 1) / J->n_threads);
+        for (int64_t v = v0; v < v1; v++)
+            run_part(J, v, &st);
     }
 }
 
 /* Merge the cut items' partial states; slots of one item are adjacent in (part, slot)
- * order because parts are consecutive ranges of the line. */
+ * order because a line's parts are consecutive ranges of it. */
 static void merge_parts(const att_job *J)
 {
     att_state st;
     int64_t cur = -1;
     int nr = 0;
-    for (int s = 0; s < J->n_parts * 2; s++) {
+    for (int64_t s = 0; s < J->n_vparts * 2; s++) {
         const int64_t j = J->part_item[s];
         if (j < 0) continue;
-        const float *src = slot_at(J, s / 2, s % 2);
+        const float *src = slot_at(J, s / 2, (int)(s % 2));
         if (j != cur) {
             if (cur >= 0) state_write_out(J, cur, &st);
             int64_t tok;
@@ -511,9 +569,76 @@ static void merge_parts(const att_job *J)
     if (cur >= 0) state_write_out(J, cur, &st);
 }
 
+/* Parts of a line of this length: one per ATT_MIN_PART_WORK of work, 1 to max_parts. */
+static int line_parts(const att_job *J, int64_t total, int max_parts)
+{
+    const int rep = J->n_rep < ATT_MAX_REP ? J->n_rep : ATT_MAX_REP;
+    const int64_t want = total * rep * J->head_dim / ATT_MIN_PART_WORK;
+    return want < 1 ? 1 : (want < max_parts ? (int)want : max_parts);
+}
+
+/* Line k of the job: solo rows [0, n_solo) one each, then the other rows together. */
+static att_line line_of(const att_job *J, int64_t k, int64_t n_solo)
+{
+    att_line L = {.t0 = k, .t1 = k < n_solo ? k + 1 : J->m};
+    for (int64_t t = L.t0; t < L.t1; t++)
+        L.total += tok_cost(J, t);
+    return L;
+}
+
+/* Sizes of the job's tables; returns the bytes they take together (64-byte aligned each). */
+static size_t plan_size(const att_job *J, int64_t n_solo, int max_parts, int64_t *n_vparts,
+                        int64_t *n_slots)
+{
+    *n_vparts = *n_slots = 0;
+    for (int64_t k = 0; k < J->n_lines; k++) {
+        const int np = line_parts(J, line_of(J, k, n_solo).total, max_parts);
+        *n_vparts += np;
+        if (np > 1) *n_slots += 2 * (int64_t)np;
+    }
+#define ATT_AL(b) (((size_t)(b) + 63) & ~(size_t)63)
+    return ATT_AL(J->n_lines * sizeof(att_line)) + ATT_AL(*n_vparts * sizeof(int32_t)) +
+           ATT_AL((*n_vparts + 1) * sizeof(int64_t)) + ATT_AL(*n_vparts * 2 * sizeof(int64_t)) +
+           ATT_AL(*n_vparts * sizeof(int64_t)) +
+           ATT_AL((size_t)*n_slots * J->slot_floats * sizeof(float));
+}
+
+/* Carve the tables out of buf (plan_size bytes) and fill them. */
+static void plan_fill(att_job *J, char *buf, int64_t n_solo, int max_parts, int64_t n_vparts)
+{
+    J->lines = (att_line *)buf;
+    buf += ATT_AL(J->n_lines * sizeof(att_line));
+    J->vline = (int32_t *)buf;
+    buf += ATT_AL(n_vparts * sizeof(int32_t));
+    J->vcost = (int64_t *)buf;
+    buf += ATT_AL((n_vparts + 1) * sizeof(int64_t));
+    J->part_item = (int64_t *)buf;
+    buf += ATT_AL(n_vparts * 2 * sizeof(int64_t));
+    J->part_slot = (int64_t *)buf;
+    buf += ATT_AL(n_vparts * sizeof(int64_t));
+    J->part_state = (float *)buf;
+#undef ATT_AL
+    J->n_vparts = n_vparts;
+    int64_t v = 0, cum = 0, slot = 0;
+    for (int64_t k = 0; k < J->n_lines; k++) {
+        att_line *L = &J->lines[k];
+        *L = line_of(J, k, n_solo);
+        L->n_parts = line_parts(J, L->total, max_parts);
+        L->v0 = v;
+        for (int p = 0; p < L->n_parts; p++, v++) {
+            J->vline[v] = (int32_t)k;
+            J->vcost[v] = cum;
+            cum += L->total * (p + 1) / L->n_parts - L->total * p / L->n_parts;
+            J->part_slot[v] = L->n_parts > 1 ? slot : -1;
+            if (L->n_parts > 1) slot += 2;
+        }
+    }
+    J->vcost[v] = cum;
+}
+
 void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
-                      int phase, int head_dim, float scale, int window, int64_t m,
+                      int phase, int head_dim, float scale, int window, int64_t m, int64_t m_solo,
                       const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
                       float *out)
 {
@@ -522,6 +647,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
     assert(group > 0 && phase >= 0 && phase < group && n_heads > 0);
     assert(n_kv_heads == (phase + n_heads - 1) / group + 1);
     assert(head_dim > 0 && head_dim <= ATT_MAX_HEAD_DIM);
+    assert(m_solo >= 0 && m_solo <= m);
     if (m <= 0) return;
     kn_cpu *c = ctx;
     att_job J = {.q = q,
@@ -544,27 +670,39 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
     J.n_rep = group < n_heads ? group : n_heads;
     J.n_chunk = (J.n_rep + ATT_MAX_REP - 1) / ATT_MAX_REP;
     J.items_per_tok = n_kv_heads * J.n_chunk;
-    for (int64_t t = 0; t < m; t++)
-        J.total += ((int64_t)pos[t] + 1 - key_lo(&J, t) + ATT_ITEM_COST) * J.items_per_tok;
-
     const int rep = J.n_rep < ATT_MAX_REP ? J.n_rep : ATT_MAX_REP;
-    const int64_t work = J.total * rep * head_dim;
-    const int64_t want = work / ATT_MIN_PART_WORK;
-    const int n_threads = kn_cpu_n_threads(c);
-    J.n_parts = want < 1 ? 1 : (want < n_threads ? (int)want : n_threads);
-    if (J.n_parts > 1) {
-        /* partial slots live in thread 0's scratch: thread 0 takes no scratch inside the
-         * job (its tiles are on the stack) */
-        J.slot_floats = (size_t)rep * (2 + (size_t)head_dim);
-        const size_t ids = (size_t)J.n_parts * 2 * sizeof(int64_t) / sizeof(float);
-        float *buf = kn_cpu_scratch(c, 0, ids + (size_t)J.n_parts * 2 * J.slot_floats + 16);
-        if (buf) {
-            J.part_item = (int64_t *)buf;
-            J.part_state = buf + ((ids + 15) & ~(size_t)15);
-        } else {
-            J.n_parts = 1; /* no room for partials: run uncut on one thread */
-        }
+    J.slot_floats = (size_t)rep * (2 + (size_t)head_dim);
+    const int64_t n_solo = m_solo < 0 ? 0 : (m_solo > m ? m : m_solo);
+    J.n_lines = n_solo + (m > n_solo);
+
+    /* the tables live in thread 0's scratch: thread 0 takes no scratch inside the job (its
+     * tiles are on the stack) */
+    const int max_parts = kn_cpu_n_threads(c);
+    int64_t n_vparts, n_slots;
+    const size_t bytes = plan_size(&J, n_solo, max_parts, &n_vparts, &n_slots);
+    char *buf = (char *)kn_cpu_scratch(c, 0, bytes / sizeof(float) + 16);
+    att_line one;
+    int32_t one_line = 0;
+    int64_t one_cost[2], one_item[2], one_slot = -1;
+    if (buf) {
+        plan_fill(&J, buf, n_solo, max_parts, n_vparts);
+    } else {
+        /* no room for the tables: every row on one uncut line, run by one thread */
+        one = line_of(&J, 0, 0);
+        one.n_parts = 1;
+        one_cost[0] = 0;
+        one_cost[1] = one.total;
+        J.lines = &one;
+        J.n_lines = 1;
+        J.n_vparts = 1;
+        J.vline = &one_line;
+        J.vcost = one_cost;
+        J.part_item = one_item;
+        J.part_slot = &one_slot;
     }
-    kn_pool_run(kn_cpu_pool(c), J.n_parts, 1, att_parts, &J);
-    if (J.n_parts > 1) merge_parts(&J);
+    const int64_t work = J.vcost[J.n_vparts] * rep * head_dim / ATT_MIN_PART_WORK;
+    const int64_t most = J.n_vparts < max_parts ? J.n_vparts : max_parts;
+    J.n_threads = work < 1 ? 1 : (int)(work < most ? work : most);
+    kn_pool_run(kn_cpu_pool(c), J.n_threads, 1, att_threads, &J);
+    merge_parts(&J);
 }

@@ -48,16 +48,15 @@ static void cpu_describe(void *ctx, char *buf, size_t cap)
              c->n_threads == 1 ? "" : "s");
 }
 
-/* The ops-table form of attention: all m rows in one pass (kn_backend.h on m_solo). */
+/* The ops-table form of attention (kn_backend.h): solo rows each cut as if alone. */
 static void cpu_attention_op(void *ctx, const float *q, const void *kpool, const void *vpool,
                              td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
                              int group, int phase, int head_dim, float scale, int window, int64_t m,
                              int64_t m_solo, const int32_t *pos, const int32_t *seq_of,
                              const kn_seq_view *seqs, float *out)
 {
-    (void)m_solo;
     kn_cpu_attention(ctx, q, kpool, vpool, kv_type, block_size, n_heads, n_kv_heads, group, phase,
-                     head_dim, scale, window, m, pos, seq_of, seqs, out);
+                     head_dim, scale, window, m, m_solo, pos, seq_of, seqs, out);
 }
 
 #define CPU_OPS_COMMON                                                                             \

@@ -225,7 +225,7 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
         kn_cpu_kv_write(c, F->kpool, F->vpool, C.kv_type, bs, nkv, hd, B.k, B.v, B.m, B.pos,
                         B.seq_of, views);
         kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, nh, nkv, case_group(&C),
-                         C.phase, hd, 1.0f / sqrtf((float)hd), 0, B.m, B.pos, B.seq_of, views,
+                         C.phase, hd, 1.0f / sqrtf((float)hd), 0, B.m, 0, B.pos, B.seq_of, views,
                          B.out);
         for (int64_t i = 0; i < B.m; i++) {
             const int s = B.seq_of[i], p = B.pos[i];
@@ -290,6 +290,117 @@ static void test_paged_attention(void)
         }
         fixture_fini(&F);
     }
+}
+
+/* Attention of rows (s[i], p[i]) of F's sequences, whose KV is all written; rows [0, m_solo)
+ * solo. out (m, n_heads, head_dim). */
+static void attend_rows(const fixture *F, kn_cpu *c, int window, int m, int m_solo,
+                        const int32_t *s, const int32_t *p, float *out)
+{
+    const att_case C = F->c;
+    const int hd = C.head_dim, nh = C.n_heads;
+    kn_seq_view views[N_SEQ];
+    for (int k = 0; k < N_SEQ; k++)
+        views[k] = (kn_seq_view){.block_table = F->tables[k], .n_ctx = seq_lens[k]};
+    float *q = malloc(sizeof(float) * (size_t)m * nh * hd);
+    for (int i = 0; i < m; i++)
+        memcpy(q + (size_t)i * nh * hd, F->q[s[i]] + (size_t)p[i] * nh * hd,
+               sizeof(float) * nh * hd);
+    kn_cpu_attention(c, q, F->kpool, F->vpool, C.kv_type, C.block_size, nh, C.n_kv_heads,
+                     case_group(&C), C.phase, hd, 1.0f / sqrtf((float)hd), window, m, m_solo, p, s,
+                     views, out);
+    free(q);
+}
+
+/* Solo rows are batch-invariant: each solo row's output is bit-identical to the same row
+ * attended alone, whatever other solo and batch rows share the call (the decode node's
+ * promise that a running request's tokens do not depend on its batch). Long rows are cut
+ * across threads, so the old single-line cut fails this at 2+ threads. */
+static void test_solo_rows_batch_invariant(void)
+{
+    static const att_case cases[] = {
+        {16, 9, 3, 64, TD_F16, 0, 0},
+        {16, 16, 1, 32, TD_F32, 0, 0},
+        {32, 2, 1, 64, TD_F16, 7, 0},
+    };
+    enum { MAXM = 200 };
+    int32_t s[MAXM], p[MAXM];
+    float *out = malloc(sizeof(float) * MAXM * 16 * 64), *alone = malloc(sizeof(float) * 16 * 64);
+    int old_differs = 0, checked = 0;
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        fixture F;
+        fixture_init(&F, cases[k]);
+        const att_case C = F.c;
+        const int row = C.n_heads * C.head_dim;
+        kn_cpu *c1;
+        TH_REQUIRE(kn_cpu_create(1, &c1) == 0);
+        for (int q = 0; q < N_SEQ; q++) { /* write every sequence's KV */
+            int32_t *pos = malloc(sizeof(int32_t) * seq_lens[q]), *so = malloc(4 * seq_lens[q]);
+            kn_seq_view v[N_SEQ] = {0};
+            v[q] = (kn_seq_view){.block_table = F.tables[q], .n_ctx = seq_lens[q]};
+            for (int i = 0; i < seq_lens[q]; i++)
+                pos[i] = i, so[i] = q;
+            kn_cpu_kv_write(c1, F.kpool, F.vpool, C.kv_type, C.block_size, C.n_kv_heads, C.head_dim,
+                            F.kin[q], F.vin[q], seq_lens[q], pos, so, v);
+            free(pos);
+            free(so);
+        }
+        kn_cpu_destroy(c1);
+        for (int nt = 1; nt <= 4; nt++) {
+            kn_cpu *c;
+            TH_REQUIRE(kn_cpu_create(nt, &c) == 0);
+            for (int round = 0; round < 24; round++) {
+                const int window = round % 4 == 3 ? 64 : 0;
+                const int n_solo = 1 + (int)(urand() * 8);
+                const int n_batch = round % 3 == 0 ? 0 : 1 + (int)(urand() * 120);
+                for (int i = 0; i < n_solo + n_batch; i++) {
+                    /* solo rows lean to the longest sequence: its rows are cut */
+                    s[i] = urand() < 0.5 ? N_SEQ - 1 : (int)(urand() * N_SEQ);
+                    p[i] = (int)(urand() * seq_lens[s[i]]);
+                    if (i < n_solo && urand() < 0.5) p[i] = seq_lens[s[i]] - 1;
+                }
+                for (int pass = 0; pass < 2; pass++) { /* pass 1: the single-line cut */
+                    const int m_solo = pass ? 0 : n_solo;
+                    attend_rows(&F, c, window, n_solo + n_batch, m_solo, s, p, out);
+                    for (int i = 0; i < n_solo; i++) {
+                        attend_rows(&F, c, window, 1, 1, s + i, p + i, alone);
+                        const bool same =
+                            !memcmp(out + (size_t)i * row, alone, sizeof(float) * row);
+                        if (pass) {
+                            old_differs += !same;
+                            continue;
+                        }
+                        checked++;
+                        TH_CHECKF(same,
+                                  "case %zu threads %d round %d: solo row %d (seq %d pos %d) "
+                                  "differs from the row alone",
+                                  k, nt, round, i, s[i], p[i]);
+                        /* a lone row is the same whether called solo or not */
+                        float *again = out + (size_t)(MAXM - 1) * row;
+                        attend_rows(&F, c, window, 1, 0, s + i, p + i, again);
+                        TH_CHECK(!memcmp(again, alone, sizeof(float) * row));
+                    }
+                    if (pass || window) continue;
+                    for (int i = 0; i < n_solo + n_batch; i++) { /* and every row is right */
+                        const float *ref = F.ref[s[i]] + (size_t)p[i] * row;
+                        double worst = 0;
+                        for (int e = 0; e < row; e++) {
+                            double err =
+                                fabs(out[(size_t)i * row + e] - ref[e]) / (1.0 + fabs(ref[e]));
+                            if (isnan(err) || err > worst) worst = err;
+                        }
+                        TH_CHECKF(worst < 1e-5, "case %zu row %d: err %g", k, i, worst);
+                    }
+                }
+            }
+            kn_cpu_destroy(c);
+        }
+        fixture_fini(&F);
+    }
+    printf("solo rows: %d checked bit for bit; with one shared cut %d of them would differ\n",
+           checked, old_differs);
+    free(out);
+    free(alone);
 }
 
 /* fp32 -> fp16 in kv_write rounds like td_fp32_to_fp16 at the awkward values: ties,
@@ -368,8 +479,8 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         double t0 = now_s();
-        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, m, pos + ctx - m,
-                         seq_of, &view, out);
+        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, m, 0,
+                         pos + ctx - m, seq_of, &view, out);
         double dt = now_s() - t0;
         best = dt < best ? dt : best;
     }
@@ -386,6 +497,57 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     free(seq_of);
 }
 
+/* A decode step's attention: n rows, one per sequence of ctx positions, as solo rows (each cut
+ * as if alone) against one shared cut (m_solo 0, the cut before solo rows had their own),
+ * alternated; best of reps each. */
+static void bench_solo(kn_cpu *c, int n, int ctx)
+{
+    const int bs = 16, nh = 9, nkv = 3, hd = 64, nb = (ctx + bs - 1) / bs;
+    const size_t pool = (size_t)n * nb * nkv * bs * hd;
+    void *kp = calloc(pool, 2), *vp = calloc(pool, 2);
+    float *q = malloc(sizeof(float) * (size_t)n * nh * hd);
+    float *out = malloc(sizeof(float) * (size_t)n * nh * hd);
+    float *k = malloc(sizeof(float) * (size_t)ctx * nkv * hd);
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)n * nb), *pos = malloc(sizeof(int32_t) * ctx);
+    int32_t *seq_of = malloc(sizeof(int32_t) * (size_t)(ctx > n ? ctx : n));
+    kn_seq_view *views = malloc(sizeof(kn_seq_view) * n);
+    for (size_t i = 0; i < (size_t)ctx * nkv * hd; i++)
+        k[i] = frand(-1, 1);
+    for (size_t i = 0; i < (size_t)n * nh * hd; i++)
+        q[i] = frand(-1, 1);
+    for (int s = 0; s < n; s++) {
+        for (int b = 0; b < nb; b++)
+            table[s * nb + b] = s * nb + (b * 7) % nb; /* scattered within the sequence */
+        views[s] = (kn_seq_view){.block_table = table + s * nb, .n_ctx = ctx};
+        for (int i = 0; i < ctx; i++)
+            pos[i] = i, seq_of[i] = s;
+        kn_cpu_kv_write(c, kp, vp, TD_F16, bs, nkv, hd, k, k, ctx, pos, seq_of, views);
+    }
+    for (int s = 0; s < n; s++)
+        pos[s] = ctx - 1, seq_of[s] = s;
+    double best[2] = {1e30, 1e30};
+    for (int r = 0; r < 400; r++)
+        for (int solo = 0; solo < 2; solo++) {
+            double t0 = now_s();
+            kn_cpu_attention(c, q, kp, vp, TD_F16, bs, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, n,
+                             solo ? n : 0, pos, seq_of, views, out);
+            double dt = now_s() - t0;
+            best[solo] = dt < best[solo] ? dt : best[solo];
+        }
+    printf("decode attention f16 threads %d rows %d ctx %d: solo rows %.1f us, one shared cut "
+           "%.1f us (x%.3f)\n",
+           kn_cpu_n_threads(c), n, ctx, best[1] * 1e6, best[0] * 1e6, best[1] / best[0]);
+    free(kp);
+    free(vp);
+    free(q);
+    free(out);
+    free(k);
+    free(table);
+    free(pos);
+    free(seq_of);
+    free(views);
+}
+
 static int bench(void)
 {
     for (int nt = 1; nt <= 2; nt++) {
@@ -396,6 +558,9 @@ static int bench(void)
             bench_one(c, t, 1, 512, 9, 3, 64);
             bench_one(c, t, 512, 512, 9, 3, 64);
         }
+        for (int n = 1; n <= 64; n *= 4)
+            for (int ctx = 256; ctx <= 4096; ctx *= 4)
+                bench_solo(c, n, ctx);
         kn_cpu_destroy(c);
     }
     return 0;
@@ -406,5 +571,6 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "bench") == 0) return bench();
     TH_RUN(test_kv_write_f16_rounding);
     TH_RUN(test_paged_attention);
+    TH_RUN(test_solo_rows_batch_invariant);
     TH_EXIT();
 }
