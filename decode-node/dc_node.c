@@ -650,9 +650,9 @@ static int serve_sequential(dc_node *n, bool *fatal)
         /* no step ran (idle, or only transfers): notice a dead rank now, not at the next
          * step */
         if (k == 0 && (rc = dc_shm_check(n->shm))) return rc;
-        if (k > 0) { /* only the loops that ran a step */
-            n->ns_inbox += t_in - t_loop;
-            n->ns_serve += td_now_ns() - t_loop;
+        if (k > 0) { /* only the loops that ran a step, without an idle wait before it */
+            n->ns_inbox += t_in - t_loop - n->ns_inbox_wait;
+            n->ns_serve += td_now_ns() - t_loop - n->ns_inbox_wait;
         }
     }
     return 0;
@@ -703,9 +703,9 @@ static int serve_overlap(dc_node *n, bool *fatal)
         rc = 0;
         if (k > 0 && !flying && dc_sched_idle(n->sched)) dc_serve_health(n); /* load 0 */
         if (!flying && k == 0 && (rc = dc_shm_check(n->shm))) break;
-        if (k > 0) {
-            n->ns_inbox += t_in - t_loop;
-            n->ns_serve += td_now_ns() - t_loop;
+        if (k > 0) { /* as in serve_sequential */
+            n->ns_inbox += t_in - t_loop - n->ns_inbox_wait;
+            n->ns_serve += td_now_ns() - t_loop - n->ns_inbox_wait;
         }
     }
     n->hold_events = false;

@@ -84,6 +84,10 @@ typedef struct {
      * pass; the commit (sampling, stop rules, grammar, logprobs); the token events
      * (dc_serve_on_tokens: inside the commit, or with overlap inside the inbox's time) */
     int64_t ns_inbox, ns_plan, ns_encode, ns_forward, ns_commit, ns_stream, ns_serve;
+    /* the last dc_serve_inbox's wait for its first message (ns; 0 without a timeout): the
+     * loops leave it out, so an idle wait that ended with a new request is not counted as
+     * the first step's inbox time */
+    int64_t ns_inbox_wait;
     int64_t ns_join; /* overlap: waiting for the pass after the inbox (ns_forward is then
                         from its launch to its join, the inbox's time included) */
     /* overlap: the pass itself (on its thread), the two hand-offs between the threads

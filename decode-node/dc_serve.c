@@ -462,9 +462,12 @@ void dc_serve_health(dc_node *n)
 
 int dc_serve_inbox(dc_node *n, int timeout_ms)
 {
+    n->ns_inbox_wait = 0;
     for (;;) {
         td_ctrl_server_in in;
+        int64_t t_wait = timeout_ms > 0 ? td_now_ns() : 0;
         int rc = td_ctrl_server_recv(n->srv, &in, timeout_ms);
+        if (timeout_ms > 0) n->ns_inbox_wait = td_now_ns() - t_wait;
         if (rc == TD_ETIMEDOUT) return 0;
         if (rc) return rc;
         if (in.kind == TD_CTRL_IN_REQUEST)

@@ -34,8 +34,10 @@ With --node THREADS (e.g. 1,2) only the node against the bare engine runs: per r
 thread count, `tandem bench-engine`'s batch-1 decode, then a tp1 instance (sequential loop)
 at each batch of --batches (1,16); with --compare BEFORE_BUILD the BEFORE build's instance
 runs next to this build's in each round, the order swapped every round. It prints each run's
-tokens/s (x engine at batch 1) and the leader's per-step commit time (sampling, stop rules,
-events), then the medians, each build's node/engine ratio and the after/before paired ratios.
+tokens/s (x engine at batch 1: from the submit to the last token, and from its decode steps
+alone, 1 / time per output token, the engine's own measure) and the leader's per-step commit
+time (sampling, stop rules, events), then the medians, each build's node/engine ratio and the
+after/before paired ratios.
 
 usage: tools/bench_decode.py [--build build] [--model PATH]
        tools/bench_decode.py --itl 0,60 [--rounds R] [--decoders 12] [--long 6]
@@ -352,9 +354,16 @@ def node_part(threads_list, batches, before):
                                    r"inbox\+transfers\+health ([0-9.]+) \(([0-9.]+)%.*"
                                    r"commit ([0-9.]+) \(([0-9.]+)%", log)
                     res.setdefault((label, threads, b), []).append(s["tok_per_s"])
+                    # the engine's figure is decode steps only (no prefill), so the node's
+                    # is its time per output token after the first; tok_per_s (from the
+                    # submit to the last token) also holds the connect and the prefill
+                    dec = 1000.0 / s["tpot_ms"] if s.get("tpot_ms") else 0.0
                     if b == 1:
-                        res.setdefault((label + "/engine", threads), []).append(s["tok_per_s"] / e)
-                    x_eng = f" ({s['tok_per_s'] / e:.3f} x engine)" if b == 1 else ""
+                        res.setdefault((label + "/engine", threads), []).append(dec / e)
+                        res.setdefault((label + "/engine wall", threads), []).append(s["tok_per_s"] / e)
+                    x_eng = (f" ({s['tok_per_s'] / e:.3f} x engine; decode steps {dec:.1f} tok/s, "
+                             f"{dec / e:.3f} x engine; ttft {s.get('ttft_ms', 0):.0f} ms)"
+                             if b == 1 else "")
                     phases = (f", loop {ph.group(1)} ms/step, inbox {ph.group(2)} ms "
                               f"({ph.group(3)}%), commit {ph.group(4)} ms ({ph.group(5)}%)"
                               if ph else "")
@@ -366,7 +375,8 @@ def node_part(threads_list, batches, before):
             for label, _ in builds:
                 line += f" {label} {med(res[(label, threads, b)]):.1f} tok/s"
                 if b == 1:
-                    line += f" ({med(res[(label + '/engine', threads)]):.3f} x engine)"
+                    line += (f" ({med(res[(label + '/engine wall', threads)]):.3f} x engine; "
+                             f"decode steps {med(res[(label + '/engine', threads)]):.3f} x engine)")
             if before:
                 pair = sorted(a / o for a, o in zip(res[("after", threads, b)],
                                                     res[("before", threads, b)]))
