@@ -87,11 +87,13 @@ static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
             if (!co->arena) co->arena = arena_get(co->c, co->arena_need);
             if (co->arena && !co->staged && co->used + co->len + len <= co->arena->bytes) {
                 memcpy(co->arena->data + co->used, co->src, co->len);
+                co->r->staged += co->len;
                 co->src = co->arena->data + co->used;
                 co->staged = true;
             }
             if (co->staged && co->used + co->len + len <= co->arena->bytes) {
                 memcpy(co->arena->data + co->used + co->len, src, len);
+                co->r->staged += len;
                 co->len += len;
                 return;
             }
