@@ -8,6 +8,8 @@ Cases (--case NAME runs one):
            and on a model whose decode ranks share KV heads (6 over 2 at tp 3); n > 1 and
            batched prompts (pp 2 x tp 2), with a client leaving an n=4 stream;
   default  the same on the default model: pp 2 x tp 1 and pp 2 x tp 3;
+  (synth tp 1/2 and default) every prefill stage's KV pool is sliced for the decode
+           ranks' heads and no transfer stages a byte (the stages' transfer log lines);
   retry    a prefill stage killed mid-prompt with a second prefill instance up: the request
            is retried there and still equals `tandem generate`; the killed stage restarts,
            rejoins, and its instance serves again;
@@ -33,6 +35,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +195,19 @@ def choices_output(c, args, model, label, n=8):
           f"{label}: n=4 stream closed: its 4 choices were cancelled ({len(gone())} of 4)")
 
 
+def kv_unstaged(c, pp, label, slices):
+    """Every stage's KV pool is cut into `slices` head slices (one: head-major), and every
+    request's KV went to the decode ranks without a staging pass (the stage's transfer log
+    line says how many MiB of its puts were gathered into a staging buffer first)."""
+    for s in range(pp):
+        log = c.log(f"p0s{s}")
+        check(f"{slices} head slice" in log,
+              f"{label}: stage {s}'s KV pool has {slices} head slice(s)")
+        staged = re.findall(r"puts \(([0-9.]+) MiB staged\)", log)
+        check(staged and all(float(x) == 0 for x in staged),
+              f"{label}: stage {s}: {len(staged)} transfers, none staged ({staged[:8]})")
+
+
 def idle(c, label):
     ok, hs = c.wait_idle()
     check(ok, f"{label}: every instance idle, no KV block held: {hs}")
@@ -210,6 +226,8 @@ def case_synth(args):
                 if (pp, tp) == (2, 2):
                     choices_output(c, args, model, f"synth pp{pp} tp{tp}")
                 idle(c, f"synth pp{pp} tp{tp}")
+                # 4 KV heads: tp 2's ranks hold 2 each, one slice of a stage's sliced pool
+                kv_unstaged(c, pp, f"synth pp{pp} tp{tp}", tp)
                 codes = c.stop()
                 check(all(v == 0 for v in codes.values()),
                       f"synth pp{pp} tp{tp}: SIGTERM, every process exits 0 ({codes})")
@@ -229,6 +247,8 @@ def case_default(args):
             penalized_output(c, args, args.model, prompts[0], f"default pp{pp} tp{tp}")
             params_output(c, args.tandem, args.model, prompts[0], f"default pp{pp} tp{tp}")
             idle(c, f"default pp{pp} tp{tp}")
+            # 3 KV heads, one per rank at tp 3: the stages' pools are sliced 1/1/1
+            kv_unstaged(c, pp, f"default pp{pp} tp{tp}", tp)
 
 
 def background_complete(c, prompt, n, out):
