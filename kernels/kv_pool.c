@@ -302,6 +302,19 @@ int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)
     return 0;
 }
 
+static int id_cmp(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+int kn_kv_alloc_ascending(kn_kv_pool *pool, int n, int32_t *ids)
+{
+    int rc = kn_kv_alloc(pool, n, ids);
+    if (!rc && n > 1) qsort(ids, (size_t)n, sizeof *ids, id_cmp);
+    return rc;
+}
+
 /* Every layer's K and V of blocks ids between the staging and the device (a sliced pool's
  * block piece by piece). */
 static int stage_blocks(kn_kv_pool *p, const int32_t *ids, int n, bool up)

@@ -149,6 +149,11 @@ void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */
  * recently used first) when the free list is short; TD_ENOSPC (and nothing taken, nothing
  * evicted) if fewer than n are free or idle. */
 int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids);
+/* kn_kv_alloc with ids in ascending order: blocks freed together come back as runs of
+ * consecutive ids (the free list hands them out in the reverse of their freeing order, which
+ * a prefix cache's oldest-first eviction makes descending), so a prefill stage's request
+ * holds long runs, each one contiguous piece per slice of a sliced pool for kvxfer. */
+int kn_kv_alloc_ascending(kn_kv_pool *pool, int n, int32_t *ids);
 /* Drop one reference to each of ids, last first (so a sequence's deepest blocks are the
  * least recently used of its cached ones: evicted before the prefix they extend); a block
  * whose last reference goes returns to the free list, or stays idle in the cache if it is

@@ -265,7 +265,7 @@ static int open_blocks(pf_stage *st, pf_req *r, const pf_seg *g)
         r->n_hit = r->kv.n_blocks = nh;
         r->n_computed = (int32_t)g->n_cached; /* pushed with the first computed chunk */
     }
-    int rc = kn_kv_alloc(kv, nb - nh, r->kv.blocks + nh);
+    int rc = kn_kv_alloc_ascending(kv, nb - nh, r->kv.blocks + nh); /* runs: kvxfer's puts */
     if (rc) {
         TD_LOG_WARN("prefill %s stage %d: request %llu: no KV room for %d tokens (%d blocks "
                     "free)",

@@ -7,6 +7,7 @@
  *   - kv_write and attention on a sliced pool give bit for bit the head-major results
  *     (F16 and F32, GQA with a TP rank's phase, 1 and 2 threads, scattered block tables);
  *   - the tier's block copies carry the same bytes out of and into either layout;
+ *   - kn_kv_alloc_ascending turns blocks freed oldest first into an ascending run;
  *   - with a model file argument: the engine's logits on a sliced pool equal the
  *     head-major ones bit for bit (cpu), and on cpu-dev the staged download of a sliced
  *     device pool gives the KV the cpu computed.
@@ -160,6 +161,28 @@ static void test_refused(void)
     TH_CHECK(kn_kv_pool_create(&p, &pool) == TD_EUNSUPP && !pool);
     p.backend = NULL;
     TH_CHECK(kn_kv_pool_create(&p, &pool) == 0 && pool && pool->slicing.n_slices == 2);
+    kn_kv_pool_destroy(pool);
+}
+
+/* Blocks a prefix cache frees one by one, oldest first, come back from the pool's stack
+ * newest first: kn_kv_alloc_ascending hands them out as one ascending run. */
+static void test_alloc_ascending(void)
+{
+    kn_kv_pool_params p = {.n_layers = 1, .n_kv_heads = 2, .head_dim = 4, .n_blocks = 12};
+    kn_kv_pool *pool = NULL;
+    TH_REQUIRE(kn_kv_pool_create(&p, &pool) == 0);
+    int32_t a[12], b[5];
+    TH_REQUIRE(kn_kv_alloc(pool, 12, a) == 0);
+    for (int i = 3; i < 8; i++) /* blocks 3..7, oldest first */
+        kn_kv_free(pool, 1, &a[i]);
+    TH_REQUIRE(kn_kv_alloc_ascending(pool, 5, b) == 0);
+    for (int i = 0; i < 5; i++)
+        TH_CHECKF(b[i] == 3 + i, "block %d: id %d", i, b[i]);
+    for (int i = 0; i < 5; i++) /* oldest first again */
+        kn_kv_free(pool, 1, &b[i]);
+    TH_REQUIRE(kn_kv_alloc(pool, 5, b) == 0);
+    TH_CHECK(b[0] == 7 && b[4] == 3); /* the plain allocator: the stack's order */
+    TH_CHECK(kn_kv_alloc_ascending(pool, 1, b) == TD_ENOSPC);
     kn_kv_pool_destroy(pool);
 }
 
@@ -441,6 +464,7 @@ int main(int argc, char **argv)
 {
     TH_RUN(test_addressing);
     TH_RUN(test_refused);
+    TH_RUN(test_alloc_ascending);
     TH_RUN(test_kernels_identical);
     TH_RUN(test_tier_copies);
     if (argc > 1) {
