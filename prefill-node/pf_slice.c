@@ -2,7 +2,10 @@
  * decode instances it pushes to: the router may pair a prefill instance with any decode
  * instance of the cluster, so the cut is kvx_layout_slice's over the KV head range of every
  * rank of every decode instance (common/td_tp.h): each rank's heads are then a union of
- * slices, and a rank whose heads are one slice gets its KV without a staging pass. */
+ * slices, and a rank whose heads are one slice gets its KV without a staging pass. A rank
+ * spanning several slices (a tp 1 instance next to a tp 3 one, or ranks sharing replicated
+ * KV heads) still has its pieces gathered per block: one layout cannot serve both without
+ * staging, and the cut favours the split ranks (a head-major pool favoured the tp 1 ones). */
 #include <stdlib.h>
 
 #include "gguf.h"
