@@ -291,11 +291,11 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     if (ly->k_norm) ops->rmsnorm(c, e->k, ly->k_norm, e->k, n * nkv, HD, hp->rms_eps);
     ops->rope(c, e->q, n, nh, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
     ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
-    ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, nkv, (int)HD, e->k, e->v, n,
-                  b->pos, b->seq_of, b->seqs);
-    ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, nh, nkv, m->heads.group,
-                   m->heads.phase, (int)HD, hp->attn_scale, swa ? hp->swa_window : 0, n, solo,
-                   b->pos, b->seq_of, b->seqs, e->att);
+    ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, nkv, (int)HD,
+                  e->k, e->v, n, b->pos, b->seq_of, b->seqs);
+    ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, nh, nkv,
+                   m->heads.group, m->heads.phase, (int)HD, hp->attn_scale,
+                   swa ? hp->swa_window : 0, n, solo, b->pos, b->seq_of, b->seqs, e->att);
     if ((rc = project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo))) return rc;
 
     /* feed-forward */

@@ -44,6 +44,35 @@ typedef struct {
     int32_t n_ctx;              /* positions [0, n_ctx) are valid in the pool */
 } kn_seq_view;
 
+/* How one layer's K (or V) array of a paged KV pool lays out its tiles: a tile is one
+ * (block, KV head) pair's (block_size, head_dim) elements, contiguous in every layout.
+ * Head-major (NULL, or n_slices 0 or 1; the default): (n_blocks, n_kv_heads, block_size,
+ * head_dim). Sliced (n_slices > 1, a prefill stage's pool whose decode ranks hold parts of
+ * its heads): the KV heads are cut into n_slices consecutive slices of slice_heads[s]
+ * heads (summing to n_kv_heads), and the array holds slice 0's (n_blocks, slice_heads[0],
+ * block_size, head_dim), then slice 1's, ...: kvxfer's sliced source layout
+ * (kvxfer/kvx_conn.h, kvx_layout_off), so a slice's part of a run of consecutive blocks is
+ * one contiguous range. */
+#define KN_KV_MAX_SLICES 16
+typedef struct {
+    int32_t n_blocks; /* blocks per layer array (needed only when sliced) */
+    int32_t n_slices; /* 0 or 1: head-major */
+    int32_t slice_heads[KN_KV_MAX_SLICES];
+} kn_kv_slicing;
+
+/* The tile of (block blk, KV head h, 0 <= h < n_kv_heads) in a layer array laid out by s
+ * (NULL: head-major): its elements start at tile * block_size * head_dim. The one place a
+ * (block, head) becomes an offset: every kernel and block copy addresses the pool through
+ * it. For head-major pools it is blk * n_kv_heads + h, as before slicing existed. */
+static inline int64_t kn_kv_tile(const kn_kv_slicing *s, int n_kv_heads, int64_t blk, int h)
+{
+    if (!s || s->n_slices <= 1) return blk * n_kv_heads + h;
+    int s0 = 0, i = 0; /* slice i holds heads [s0, s0 + slice_heads[i]) */
+    while (i + 1 < s->n_slices && h >= s0 + s->slice_heads[i])
+        s0 += s->slice_heads[i++];
+    return (int64_t)s0 * s->n_blocks + blk * s->slice_heads[i] + (h - s0);
+}
+
 /* Most matrices one matmul_multi call takes (q, k and v). */
 #define KN_MULTI_MAX 3
 
@@ -59,6 +88,9 @@ typedef struct {
      * weights) may be passed to ops as they are, and alloc/upload/download are malloc and
      * memcpy. false: the caller stages host data through alloc + upload. */
     bool host_memory;
+    /* true: kv_write and attention address a sliced pool (kn_kv_slicing); false: they take
+     * head-major pools only (kn_kv_pool_create refuses a sliced pool on this backend). */
+    bool kv_sliced;
     /* bytes of backend memory, 64-byte aligned, or NULL (out of memory). free(NULL) is a
      * no-op. */
     void *(*alloc)(void *ctx, size_t bytes);
@@ -136,11 +168,13 @@ typedef struct {
     void (*geglu)(void *ctx, const float *gate, const float *up, float *out, int64_t m, int64_t n);
 
     /* Write k, v (m, n_kv_heads, head_dim) of tokens at positions pos into the paged pool
-     * layer (kpool/vpool: (n_blocks, n_kv_heads, block_size, head_dim), kv_type F32/F16)
-     * through each token's sequence view seq[seq_of[i]]. */
+     * layer (kpool/vpool: tiles of (block_size, head_dim) laid out by slicing, NULL
+     * head-major (n_blocks, n_kv_heads, block_size, head_dim); kv_type F32/F16) through
+     * each token's sequence view seq[seq_of[i]]. */
     void (*kv_write)(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int block_size,
-                     int n_kv_heads, int head_dim, const float *k, const float *v, int64_t m,
-                     const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs);
+                     const kn_kv_slicing *slicing, int n_kv_heads, int head_dim, const float *k,
+                     const float *v, int64_t m, const int32_t *pos, const int32_t *seq_of,
+                     const kn_seq_view *seqs);
 
     /* Causal attention with an online softmax: token i (at pos[i], sequence seq_of[i])
      * attends to positions [0, pos[i]] of its sequence, or with window > 0 (sliding-window
@@ -153,12 +187,13 @@ typedef struct {
      * backend that picks its kernel by the row count must compute them as it would a batch
      * of that one row, so their results never depend on the batch (cuda and cpu do: the
      * cpu backend cuts each solo row's keys across threads as it would cut that row alone,
-     * and only the rows [m_solo, m) share one cut). */
+     * and only the rows [m_solo, m) share one cut). The pool's layout (slicing) as in
+     * kv_write. */
     void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
-                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
-                      int phase, int head_dim, float scale, int window, int64_t m, int64_t m_solo,
-                      const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
-                      float *out);
+                      td_dtype kv_type, int block_size, const kn_kv_slicing *slicing, int n_heads,
+                      int n_kv_heads, int group, int phase, int head_dim, float scale, int window,
+                      int64_t m, int64_t m_solo, const int32_t *pos, const int32_t *seq_of,
+                      const kn_seq_view *seqs, float *out);
 
     /* out (m, n_cols) = rows ids[i] of W (any supported type), dequantized. */
     int (*get_rows)(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);

@@ -36,9 +36,40 @@ static int pool_shape(const kn_kv_pool_params *p, size_t *block_bytes, size_t *r
         TD_LOG_ERR("kv pool size overflows");
         return TD_EINVAL;
     }
+    if (p->n_slices < 0 || p->n_slices > KN_KV_MAX_SLICES) {
+        TD_LOG_ERR("bad kv pool slicing: %d slices (at most %d)", p->n_slices, KN_KV_MAX_SLICES);
+        return TD_EINVAL;
+    }
+    if (p->n_slices > 1) {
+        int sum = 0;
+        for (int i = 0; i < p->n_slices; i++) {
+            if (p->slice_heads[i] < 1 || p->slice_heads[i] > p->n_kv_heads) {
+                TD_LOG_ERR("bad kv pool slicing: slice %d has %d heads", i, p->slice_heads[i]);
+                return TD_EINVAL;
+            }
+            sum += p->slice_heads[i];
+        }
+        if (sum != p->n_kv_heads) {
+            TD_LOG_ERR("bad kv pool slicing: %d slices of %d heads in all, the pool has %d",
+                       p->n_slices, sum, p->n_kv_heads);
+            return TD_EINVAL;
+        }
+    }
     *block_bytes = bb;
     *region_bytes = layer_bytes * 2 * (size_t)p->n_layers;
     return 0;
+}
+
+/* The layout of params p (valid): n_slices 1 for head-major. */
+static kn_kv_slicing pool_slicing(const kn_kv_pool_params *p)
+{
+    kn_kv_slicing s = {.n_blocks = p->n_blocks, .n_slices = 1};
+    if (p->n_slices > 1) {
+        s.n_slices = p->n_slices;
+        for (int i = 0; i < p->n_slices; i++)
+            s.slice_heads[i] = p->slice_heads[i];
+    }
+    return s;
 }
 
 /* A device pool with host staging: its host copy ends in n_blocks on_dev flags. */
@@ -124,6 +155,12 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
                    p->backend->ops->name);
         return TD_EINVAL;
     }
+    if (p->n_slices > 1 && p->backend && p->backend->ops && !p->backend->ops->kv_sliced) {
+        TD_LOG_ERR("kv pool: the %s backend's kernels take head-major KV pools only, not one "
+                   "sliced into %d head slices",
+                   p->backend->ops->name, p->n_slices);
+        return TD_EUNSUPP;
+    }
     kn_kv_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return TD_ENOMEM;
     pool->n_layers = p->n_layers;
@@ -133,6 +170,7 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     pool->n_blocks = p->n_blocks;
     pool->type = p->type;
     pool->block_bytes = block_bytes;
+    pool->slicing = pool_slicing(p);
     pool->region_bytes = region_bytes;
     pool->k = calloc((size_t)p->n_layers, sizeof *pool->k);
     pool->v = calloc((size_t)p->n_layers, sizeof *pool->v);
@@ -264,20 +302,36 @@ int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)
     return 0;
 }
 
-/* Every layer's K and V of blocks ids between the staging and the device. */
+static int id_cmp(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+int kn_kv_alloc_ascending(kn_kv_pool *pool, int n, int32_t *ids)
+{
+    int rc = kn_kv_alloc(pool, n, ids);
+    if (!rc && n > 1) qsort(ids, (size_t)n, sizeof *ids, id_cmp);
+    return rc;
+}
+
+/* Every layer's K and V of blocks ids between the staging and the device (a sliced pool's
+ * block piece by piece). */
 static int stage_blocks(kn_kv_pool *p, const int32_t *ids, int n, bool up)
 {
     if (!p->host) return TD_EINVAL;
     const kn_backend_ops *o = p->dev.ops;
-    const size_t bb = p->block_bytes;
     for (int i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= p->n_blocks) return TD_ERANGE;
-        for (int l = 0; l < 2 * p->n_layers; l++) {
-            char *d = (char *)(l & 1 ? p->v[l / 2] : p->k[l / 2]) + (size_t)ids[i] * bb;
-            char *h = (char *)p->host + (d - (char *)p->region); /* the same offset */
-            int rc = up ? o->upload(p->dev.ctx, d, h, bb) : o->download(p->dev.ctx, h, d, bb);
-            if (rc) return rc;
-        }
+        for (int l = 0; l < 2 * p->n_layers; l++)
+            for (int s = 0; s < p->slicing.n_slices; s++) {
+                size_t bytes, off = kn_kv_block_piece(p, ids[i], s, NULL, &bytes);
+                char *d = (char *)(l & 1 ? p->v[l / 2] : p->k[l / 2]) + off;
+                char *h = (char *)p->host + (d - (char *)p->region); /* the same offset */
+                int rc =
+                    up ? o->upload(p->dev.ctx, d, h, bytes) : o->download(p->dev.ctx, h, d, bytes);
+                if (rc) return rc;
+            }
         if (up) p->on_dev[ids[i]] = 1;
     }
     if (up)

@@ -3,9 +3,18 @@
  * Purpose: hold K and V of every (local) layer in fixed-size blocks that sequences own
  * through block tables, so sequences grow without copying and KV can be shipped block by
  * block (kvxfer registers the whole pool as one memory region).
- * Layout: one contiguous region. For local layer l, K then V, each
- *   (n_blocks, n_kv_heads, block_size, head_dim) of `type`
- * (head-major inside a block: one head's slice of a block is one contiguous range).
+ * Layout: one contiguous region. For local layer l, K then V, each an array of tiles (one
+ * (block, head) pair's (block_size, head_dim) elements of `type`, contiguous) laid out by
+ * the pool's slicing (kn_backend.h, kn_kv_tile): head-major by default,
+ *   (n_blocks, n_kv_heads, block_size, head_dim)
+ * (one block's heads are one contiguous range), or, with params.n_slices > 1 (a prefill
+ * stage whose decode ranks each hold a part of its heads), slice by slice,
+ *   (slice, n_blocks, slice_heads[slice], block_size, head_dim)
+ * (one slice's part of a run of consecutive blocks is one contiguous range: kvxfer puts it
+ * without staging; kvx_conn.h's sliced source layout). A block of a layer's K is then
+ * n_slices contiguous pieces (kn_kv_block_piece), one in a head-major pool; the pieces in
+ * order are the block's heads in order, so block copies (kv_tier.h's file, staging
+ * uploads) carry the same bytes in every layout.
  * Invariants: block_size is a power of two; a block id is either on the free list, or
  * referenced by refs[id] >= 1 sequences (more than one only through a prefix cache,
  * kv_cache.h), or (refs 0) kept idle by the pool's prefix cache; kn_kv_alloc is
@@ -61,6 +70,10 @@ typedef struct {
     bool host_stage;           /* the KV must be reachable in host memory (kvxfer): a device
                                   pool keeps a host copy (staging, shm_name applies to it);
                                   a host pool is reachable already */
+    int n_slices;              /* 0 or 1: head-major; 2 .. KN_KV_MAX_SLICES: sliced, the KV
+                                  heads cut into slices of slice_heads[i] >= 1 heads summing
+                                  to n_kv_heads (a backend without kv_sliced refuses it) */
+    int slice_heads[KN_KV_MAX_SLICES];
 } kn_kv_pool_params;
 
 typedef struct {
@@ -68,9 +81,10 @@ typedef struct {
     td_dtype type;
     void *region; /* the whole pool */
     size_t region_bytes;
-    size_t block_bytes; /* bytes of one block of one layer's K (or V): all heads */
-    void **k, **v;      /* (n_layers) pointers into region */
-    int32_t *free_ids;  /* stack of free block ids */
+    size_t block_bytes;    /* bytes of one block of one layer's K (or V): all heads */
+    kn_kv_slicing slicing; /* the layer arrays' layout (n_slices 1: head-major) */
+    void **k, **v;         /* (n_layers) pointers into region */
+    int32_t *free_ids;     /* stack of free block ids */
     int n_free;
     int32_t *refs;             /* (n_blocks) sequences referencing each block */
     struct kn_kv_cache *cache; /* the attached prefix cache (kv_cache.h), or NULL */
@@ -83,6 +97,22 @@ typedef struct {
                         yet uploaded) */
     uint64_t n_stage_up, n_stage_down; /* blocks staged each way (all layers' K and V) */
 } kn_kv_pool;
+
+/* Piece i (0 <= i < slicing.n_slices) of block blk of a layer's K (or V) array: returns its
+ * byte offset in the array and sets *bytes; heads [*h0, *h0 + heads) of the block, in
+ * order (one piece, every head, in a head-major pool). */
+static inline size_t kn_kv_block_piece(const kn_kv_pool *p, int32_t blk, int i, int *h0,
+                                       size_t *bytes)
+{
+    const size_t tile = (size_t)p->block_size * (size_t)p->head_dim * (p->type == TD_F16 ? 2 : 4);
+    int first = 0;
+    for (int j = 0; j < i; j++)
+        first += p->slicing.slice_heads[j];
+    const int heads = p->slicing.n_slices > 1 ? p->slicing.slice_heads[i] : p->n_kv_heads;
+    if (h0) *h0 = first;
+    *bytes = (size_t)heads * tile;
+    return (size_t)kn_kv_tile(&p->slicing, p->n_kv_heads, blk, first) * tile;
+}
 
 /* The memory kvxfer registers: the staging of a staged device pool, else the region. */
 static inline void *kn_kv_xfer_region(const kn_kv_pool *p)
@@ -119,6 +149,11 @@ void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */
  * recently used first) when the free list is short; TD_ENOSPC (and nothing taken, nothing
  * evicted) if fewer than n are free or idle. */
 int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids);
+/* kn_kv_alloc with ids in ascending order: blocks freed together come back as runs of
+ * consecutive ids (the free list hands them out in the reverse of their freeing order, which
+ * a prefix cache's oldest-first eviction makes descending), so a prefill stage's request
+ * holds long runs, each one contiguous piece per slice of a sliced pool for kvxfer. */
+int kn_kv_alloc_ascending(kn_kv_pool *pool, int n, int32_t *ids);
 /* Drop one reference to each of ids, last first (so a sequence's deepest blocks are the
  * least recently used of its cached ones: evicted before the prefix they extend); a block
  * whose last reference goes returns to the free list, or stays idle in the cache if it is

@@ -326,23 +326,27 @@ static void entry_drop(kn_kv_tier *t, int32_t s)
 /* A device pool with host staging (kv_pool.h) holds a block's newest KV in its host copy
  * while on_dev is 0 (received, not uploaded yet): the copy out reads it there; a copy in
  * writes the device copy and marks it current, so the engine does not upload the older host
- * copy over it. */
+ * copy over it. A slot holds each layer's K and V block with its heads in order, whatever
+ * the pool's slicing (a sliced pool's block is copied piece by piece, kn_kv_block_piece). */
 static int copy_out(const kn_kv_pool *pool, int32_t block, uint8_t *dst)
 {
     size_t bb = pool->block_bytes;
     bool host = !pool->dev.ops || (pool->host && !pool->on_dev[block]);
     for (int l = 0; l < pool->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++) {
-            const uint8_t *src =
-                (const uint8_t *)(kv ? pool->v[l] : pool->k[l]) + (size_t)block * bb;
-            uint8_t *d = dst + (size_t)(2 * l + kv) * bb;
-            if (pool->dev.ops && host) /* the staging copy: the same offset */
-                memcpy(d, (const uint8_t *)pool->host + (src - (const uint8_t *)pool->region), bb);
-            else if (!pool->dev.ops)
-                memcpy(d, src, bb);
-            else if (pool->dev.ops->download(pool->dev.ctx, d, src, bb))
-                return TD_EIO;
-        }
+        for (int kv = 0; kv < 2; kv++)
+            for (int s = 0; s < pool->slicing.n_slices; s++) { /* the block's heads in order */
+                int h0;
+                size_t n, off = kn_kv_block_piece(pool, block, s, &h0, &n);
+                const uint8_t *src = (const uint8_t *)(kv ? pool->v[l] : pool->k[l]) + off;
+                uint8_t *d = dst + (size_t)(2 * l + kv) * bb + (size_t)h0 * (bb / pool->n_kv_heads);
+                if (pool->dev.ops && host) /* the staging copy: the same offset */
+                    memcpy(d, (const uint8_t *)pool->host + (src - (const uint8_t *)pool->region),
+                           n);
+                else if (!pool->dev.ops)
+                    memcpy(d, src, n);
+                else if (pool->dev.ops->download(pool->dev.ctx, d, src, n))
+                    return TD_EIO;
+            }
     return 0;
 }
 
@@ -350,14 +354,18 @@ static int copy_in(kn_kv_pool *pool, int32_t block, const uint8_t *src)
 {
     size_t bb = pool->block_bytes;
     for (int l = 0; l < pool->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++) {
-            uint8_t *d = (uint8_t *)(kv ? pool->v[l] : pool->k[l]) + (size_t)block * bb;
-            const uint8_t *s = src + (size_t)(2 * l + kv) * bb;
-            if (!pool->dev.ops)
-                memcpy(d, s, bb);
-            else if (pool->dev.ops->upload(pool->dev.ctx, d, s, bb))
-                return TD_EIO;
-        }
+        for (int kv = 0; kv < 2; kv++)
+            for (int s = 0; s < pool->slicing.n_slices; s++) {
+                int h0;
+                size_t n, off = kn_kv_block_piece(pool, block, s, &h0, &n);
+                uint8_t *d = (uint8_t *)(kv ? pool->v[l] : pool->k[l]) + off;
+                const uint8_t *sp =
+                    src + (size_t)(2 * l + kv) * bb + (size_t)h0 * (bb / pool->n_kv_heads);
+                if (!pool->dev.ops)
+                    memcpy(d, sp, n);
+                else if (pool->dev.ops->upload(pool->dev.ctx, d, sp, n))
+                    return TD_EIO;
+            }
     if (pool->host) pool->on_dev[block] = 1;
     return 0;
 }

@@ -512,9 +512,10 @@ static bool first_transfer(sender *s, const uint8_t *src, const kvx_layout *sl, 
     }
     finish_req(s, 1);
     printf("byte-exact check of every rank's heads: %s\n", exact ? "ok" : "FAILED");
-    printf("puts per chunk: %llu before coalescing, %llu after (%.1f KiB per put)\n",
+    printf("puts per chunk: %llu before coalescing, %llu after (%.1f KiB per put, %.1f KiB "
+           "staged)\n",
            (unsigned long long)ps.pieces, (unsigned long long)ps.puts,
-           ps.bytes / 1024.0 / (double)(ps.puts ? ps.puts : 1));
+           ps.bytes / 1024.0 / (double)(ps.puts ? ps.puts : 1), ps.staged / 1024.0);
     *put_size = ps.bytes / (ps.puts ? ps.puts : 1);
     kvx_conn_stats st;
     kvx_conn_stats_get(s->c, &st); /* staging arenas go back to the pool once flushed */

@@ -288,6 +288,9 @@ typedef struct {
     uint64_t pieces; /* puts before coalescing (contiguous pieces) */
     uint64_t puts;   /* puts issued after coalescing */
     uint64_t bytes;  /* bytes put */
+    uint64_t staged; /* bytes of them gathered into a staging buffer first (pieces of a
+                      * head-major source strided from block to block; 0 when every decode
+                      * rank's heads are one slice of a sliced source) */
 } kvx_pf_status;
 int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out);
 

@@ -98,6 +98,7 @@ typedef struct kvxi_pf_req {
         *chunks; /* (n_chunks) by chunk number, grown as chunks come (<= KVX_MAX_CHUNKS) */
     uint32_t n_chunks;
     uint64_t pieces, puts, bytes;
+    uint64_t staged; /* bytes of them gathered into staging arenas first */
     struct kvxi_pf_req *next;
 } kvxi_pf_req;
 

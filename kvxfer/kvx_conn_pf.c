@@ -781,6 +781,7 @@ int kvx_pf_poll(kvx_conn *c, uint64_t req_id, kvx_pf_status *out)
         out->pieces = r->pieces;
         out->puts = r->puts;
         out->bytes = r->bytes;
+        out->staged = r->staged;
     }
     pthread_mutex_unlock(&c->mu);
     return r ? 0 : TD_ENOENT;

@@ -10,7 +10,11 @@
 /* Coalescer: pieces contiguous on both sides become one put. Small pieces that are
  * contiguous at the destination only (a head slice of consecutive blocks when the source
  * holds more heads than the destination) are gathered into a staging buffer and go as one
- * put; the buffer lives until the chunk's flush of that target completed. */
+ * put; the buffer lives until the chunk's flush of that target completed. Only isolated
+ * pieces are staged: a run of source-contiguous pieces (a sliced source's run of blocks)
+ * goes as it is where the source's run breaks, and a staged run ends where the source's
+ * pieces become contiguous again, so a sliced source whose block table has gaps copies at
+ * most the isolated blocks around them. */
 #define STAGE_PIECE_MAX (64u << 10)         /* bytes: larger pieces go directly */
 #define STAGE_MAX       (1u << 20)          /* bytes per staged put */
 #define STAGE_POOL_MAX  ((size_t)512 << 20) /* bytes of idle arenas kept for reuse */
@@ -23,6 +27,8 @@ typedef struct {
     uint64_t dst;
     size_t len;
     bool staged;            /* the current run lives in the arena */
+    int n_run;              /* pieces in the current run */
+    const uint8_t *last;    /* end of the last piece's source bytes */
     kvxi_chunk_copy *arena; /* staging bytes of this call (one target), taken on first use */
     size_t arena_need;      /* upper bound of what this call can stage */
     size_t used;            /* arena bytes used (the current staged run ends here) */
@@ -78,21 +84,28 @@ void kvxi_arena_put(kvx_conn *c, kvxi_chunk_copy *a)
 static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
 {
     co->r->pieces++;
+    const bool resumes = co->last == src; /* the source's pieces are contiguous again */
+    co->last = src + len;
     if (co->len && co->dst + co->len == dst) {
         if (!co->staged && co->src + co->len == src) {
             co->len += len;
+            co->n_run++;
             return;
         }
-        if (len <= STAGE_PIECE_MAX && co->len + len <= STAGE_MAX) {
+        if (len <= STAGE_PIECE_MAX && co->len + len <= STAGE_MAX &&
+            (co->staged ? !resumes : co->n_run == 1)) {
             if (!co->arena) co->arena = arena_get(co->c, co->arena_need);
             if (co->arena && !co->staged && co->used + co->len + len <= co->arena->bytes) {
                 memcpy(co->arena->data + co->used, co->src, co->len);
+                co->r->staged += co->len;
                 co->src = co->arena->data + co->used;
                 co->staged = true;
             }
             if (co->staged && co->used + co->len + len <= co->arena->bytes) {
                 memcpy(co->arena->data + co->used + co->len, src, len);
+                co->r->staged += len;
                 co->len += len;
+                co->n_run++;
                 return;
             }
         }
@@ -102,6 +115,7 @@ static void co_add(coalescer *co, const uint8_t *src, uint64_t dst, size_t len)
     co->src = src;
     co->dst = dst;
     co->len = len;
+    co->n_run = 1;
 }
 
 /* A whole block's common heads [i0, i1) (global ids): one piece per source slice they

@@ -118,6 +118,9 @@ typedef struct {
 
 /* pf_stage.c */
 int pf_stage_setup(pf_stage *st); /* shard, connector, chain buffers, scratch */
+/* pf_slice.c: the head slicing of the stage's KV pool for the cluster's decode instances
+ * (*n_slices 0: head-major; else slice_heads[0 .. *n_slices)); who names the stage in logs. */
+int pf_stage_slicing(const td_cfg *cfg, const char *who, int *n_slices, int *slice_heads);
 void pf_stage_teardown(pf_stage *st);
 /* Leave the chain (close it, epoch 0) after failing every request with err. */
 void pf_stage_leave_chain(pf_stage *st, int err);

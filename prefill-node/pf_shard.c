@@ -59,6 +59,14 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
     kp.n_blocks += s->cache_blocks;
     kp.backend = &s->rt.be;
     kp.host_stage = true; /* kvxfer pushes the KV from host memory */
+    if (p->n_slices > 1 && !s->rt.be.ops->kv_sliced) {
+        TD_LOG_INFO("%s: the %s backend's kernels take head-major KV pools only: the pool stays "
+                    "head-major (kvxfer stages the pieces of decode ranks holding part of it)",
+                    who, s->rt.be.ops->name);
+    } else if (p->n_slices > 1) {
+        kp.n_slices = p->n_slices;
+        memcpy(kp.slice_heads, p->slice_heads, sizeof kp.slice_heads);
+    }
     if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
     return 0;
 fail:

@@ -7,7 +7,8 @@
  * The layer range comes from the partition (pf_layer_partition: equal shares, the extra
  * layers on the later stages, or the YAML's explicit layer_partition).
  * Invariants: after pf_shard_open, model holds layers [l0, l1) and kv holds ctx tokens of
- * one sequence (ceil(ctx / block_size) blocks); TP 1. The backend is the one the params
+ * one sequence (ceil(ctx / block_size) blocks), head-major or sliced as the params ask
+ * (kv->slicing says which); TP 1. The backend is the one the params
  * name (kernels/kn_runtime.h opens file, model, backend and engine).
  * Threading: the engine and pool are driven by one thread at a time (the stage's main
  * thread, or the profiler before the stage serves).
@@ -47,6 +48,11 @@ typedef struct {
     size_t cache_bytes;   /* prefix cache budget: cache_blocks = this over the block bytes of the
                              largest stage (K and V of its layers), so every stage of an
                              instance gets the same count; 0: none */
+    int n_slices;         /* the KV pool's head slicing (kv_pool.h; pf_stage_slicing picks it
+                             for the decode ranks): 0 or 1 head-major, else slices of
+                             slice_heads[i] heads; a backend whose kernels take head-major
+                             pools only (cuda) keeps head-major, logged */
+    int slice_heads[KN_KV_MAX_SLICES];
 } pf_shard_params;
 
 /* Load the stage and build its engine and KV pool. Errors are logged; returns 0 or a

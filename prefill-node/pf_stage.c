@@ -33,7 +33,10 @@ static int open_connector(pf_stage *st)
         .head_dim = (uint32_t)kv->head_dim,
         .dtype_size = kv->type == TD_F16 ? 2 : 4,
         .n_blocks = (uint32_t)kv->n_blocks,
+        .n_slices = (uint32_t)kv->slicing.n_slices, /* the pool's layout is the source's */
     };
+    for (int s = 0; s < kv->slicing.n_slices && kv->slicing.n_slices > 1; s++)
+        lay.slice_heads[s] = (uint32_t)kv->slicing.slice_heads[s];
     /* a device pool's host staging copy: each chunk's blocks are downloaded there (forward) */
     return kvx_pf_register_source(st->kvx, kn_kv_xfer_region(kv), kv->region_bytes, &lay);
 }
@@ -88,7 +91,10 @@ int pf_stage_setup(pf_stage *st)
         .kv_type = kv_type,
         .cache_bytes = st->cfg->prefix_cache ? (size_t)st->cfg->prefix_cache_mb << 20 : 0,
     };
-    int rc = pf_shard_open(&st->shard, &sp);
+    char who[96];
+    snprintf(who, sizeof who, "prefill %s stage %d", st->p->instance, st->stage);
+    int rc = pf_stage_slicing(cfg, who, &sp.n_slices, sp.slice_heads);
+    if (!rc) rc = pf_shard_open(&st->shard, &sp);
     if (rc) return rc;
     if (st->shard.cache_blocks > 0 &&
         (rc = pf_kvc_create(st->shard.kv, st->shard.cache_blocks, &st->kvc)))
@@ -118,10 +124,10 @@ int pf_stage_setup(pf_stage *st)
     if ((rc = open_chain(st))) return rc;
     const kn_kv_pool *kv = st->shard.kv;
     TD_LOG_INFO("prefill %s stage %d/%d: layers [%d, %d), %d threads, KV %d blocks of %d (%s, "
-                "%d of them for the prefix cache), chunks up to %d tokens",
+                "%d of them for the prefix cache, %d head slice%s), chunks up to %d tokens",
                 st->p->instance, st->stage, st->pp, st->shard.l0, st->shard.l1, st->cfg->threads,
                 kv->n_blocks, kv->block_size, td_dtype_name(kv->type), st->shard.cache_blocks,
-                st->chunk_max);
+                kv->slicing.n_slices, kv->slicing.n_slices > 1 ? "s" : "", st->chunk_max);
     return 0;
 }
 
@@ -259,7 +265,7 @@ static int open_blocks(pf_stage *st, pf_req *r, const pf_seg *g)
         r->n_hit = r->kv.n_blocks = nh;
         r->n_computed = (int32_t)g->n_cached; /* pushed with the first computed chunk */
     }
-    int rc = kn_kv_alloc(kv, nb - nh, r->kv.blocks + nh);
+    int rc = kn_kv_alloc_ascending(kv, nb - nh, r->kv.blocks + nh); /* runs: kvxfer's puts */
     if (rc) {
         TD_LOG_WARN("prefill %s stage %d: request %llu: no KV room for %d tokens (%d blocks "
                     "free)",
@@ -418,9 +424,11 @@ static void log_transfer(pf_stage *st, const pf_req *r, const kvx_pf_status *s, 
                      (long long)t.issued_ns);
     }
     TD_LOG_INFO("prefill %s stage %d: request %llu: KV of %d tokens in %u chunks, %.1f MiB in "
-                "%llu puts; transfer %.1f ms, %.0f %% of it hidden behind compute",
+                "%llu puts (%.1f MiB staged); transfer %.1f ms, %.0f %% of it hidden behind "
+                "compute",
                 st->p->instance, st->stage, (unsigned long long)r->id, r->n_prompt, r->n_chunks,
-                (double)s->bytes / (1 << 20), (unsigned long long)s->puts, total / 1e6,
+                (double)s->bytes / (1 << 20), (unsigned long long)s->puts,
+                (double)s->staged / (1 << 20), total / 1e6,
                 total > 0 ? 100.0 * hidden / total : 0.0);
     rep->kv_xfer_us = us_of(busy);
     rep->kv_exposed_us = us_of(last_landed - last_end);

@@ -36,3 +36,16 @@ endif()
 #   bin/bench_fused MODEL [THREADS [ROUNDS [TOKENS]]]
 add_executable(bench_fused ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_fused.c)
 target_link_libraries(bench_fused PRIVATE td_kernels td_common)
+
+# The KV pool's sliced layout (kernels/kv_pool.h): every tile where kvxfer's kvx_layout_off
+# puts it, refusals, kv_write/attention and the tier's copies bit for bit against the
+# head-major pool; with the default model, the engine's logits (cpu, and cpu-dev with the
+# staged download of a sliced device pool).
+add_executable(test_kv_slicing ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_slicing.c)
+target_include_directories(test_kv_slicing PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_kv_slicing PRIVATE td_kernels td_kvxfer td_common)
+add_test(NAME kernels.test_kv_slicing COMMAND test_kv_slicing)
+if(TANDEM_MODEL)
+  add_test(NAME kv_slicing_default COMMAND test_kv_slicing ${TANDEM_MODEL})
+  set_tests_properties(kv_slicing_default PROPERTIES TIMEOUT 300)
+endif()

@@ -1,7 +1,7 @@
 /* cpu_attention.c: the CPU backend's paged KV writes and causal attention through block
- * tables (pool layout in ARCHITECTURE.md section 4: (n_blocks, n_kv_heads, block_size,
- * head_dim), so one block's keys of one KV head are a contiguous (block_size, head_dim)
- * tile).
+ * tables (pool layout in ARCHITECTURE.md section 4: one block's keys of one KV head are a
+ * contiguous (block_size, head_dim) tile, found by kn_kv_tile: head-major (n_blocks,
+ * n_kv_heads, block_size, head_dim), or a prefill stage's sliced pool, kn_backend.h).
  *
  * Attention work is cut into items (token, KV head, chunk of up to ATT_MAX_REP of the q
  * heads sharing that KV head; on a TP rank the KV heads at the ends of its range may serve
@@ -76,12 +76,13 @@ static void f32_to_f16(const float *src, uint16_t *dst, int64_t n)
 /* ---- kv_write ---- */
 
 typedef struct {
-    void *kpool, *vpool; /* (n_blocks, n_kv_heads, block_size, head_dim) of kv_type */
+    void *kpool, *vpool; /* tiles of (block_size, head_dim) of kv_type, laid out by slicing */
     td_dtype kv_type;
     int block_size, n_kv_heads, head_dim;
-    const float *k, *v;    /* (m, n_kv_heads, head_dim) */
-    const int32_t *pos;    /* (m) */
-    const int32_t *seq_of; /* (m) */
+    const kn_kv_slicing *slicing; /* NULL: head-major */
+    const float *k, *v;           /* (m, n_kv_heads, head_dim) */
+    const int32_t *pos;           /* (m) */
+    const int32_t *seq_of;        /* (m) */
     const kn_seq_view *seqs;
 } kvw_job;
 
@@ -96,7 +97,8 @@ static void kvw_rows(void *arg, int64_t i0, int64_t i1, int tid)
         const int64_t blk = sv->block_table[p / bs], slot = p % bs;
         assert(blk >= 0);
         for (int64_t h = 0; h < nkv; h++) {
-            const int64_t dst = ((blk * nkv + h) * bs + slot) * hd, src = (i * nkv + h) * hd;
+            const int64_t dst = (kn_kv_tile(J->slicing, (int)nkv, blk, (int)h) * bs + slot) * hd;
+            const int64_t src = (i * nkv + h) * hd;
             if (J->kv_type == TD_F16) {
                 f32_to_f16(J->k + src, (uint16_t *)J->kpool + dst, hd);
                 f32_to_f16(J->v + src, (uint16_t *)J->vpool + dst, hd);
@@ -109,8 +111,9 @@ static void kvw_rows(void *arg, int64_t i0, int64_t i1, int tid)
 }
 
 void kn_cpu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int block_size,
-                     int n_kv_heads, int head_dim, const float *k, const float *v, int64_t m,
-                     const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs)
+                     const kn_kv_slicing *slicing, int n_kv_heads, int head_dim, const float *k,
+                     const float *v, int64_t m, const int32_t *pos, const int32_t *seq_of,
+                     const kn_seq_view *seqs)
 {
     assert(kv_type == TD_F32 || kv_type == TD_F16);
     assert(block_size > 0 && (block_size & (block_size - 1)) == 0);
@@ -120,6 +123,7 @@ void kn_cpu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int 
                  .block_size = block_size,
                  .n_kv_heads = n_kv_heads,
                  .head_dim = head_dim,
+                 .slicing = slicing,
                  .k = k,
                  .v = v,
                  .pos = pos,
@@ -316,8 +320,9 @@ typedef struct {
 } att_line;
 
 typedef struct {
-    const float *q;            /* (m, n_heads, head_dim) */
-    const void *kpool, *vpool; /* (n_blocks, n_kv_heads, block_size, head_dim) */
+    const float *q;               /* (m, n_heads, head_dim) */
+    const void *kpool, *vpool;    /* tiles of (block_size, head_dim), laid out by slicing */
+    const kn_kv_slicing *slicing; /* NULL: head-major */
     td_dtype kv_type;
     int block_size, n_heads, n_kv_heads, head_dim;
     int group, phase; /* q head h reads KV head (phase + h) / group */
@@ -386,7 +391,7 @@ static void item_run(const att_job *J, int64_t j, int64_t k0, int64_t k1, att_st
     for (int64_t b = k0 / bs; b * bs < k1; b++) {
         const int64_t blk = sv->block_table[b];
         assert(blk >= 0);
-        const int64_t tile0 = (blk * nkv + g) * bs * hd; /* element offset of (blk, g, 0, 0) */
+        const int64_t tile0 = kn_kv_tile(J->slicing, (int)nkv, blk, g) * bs * hd; /* (blk, g) */
         const int64_t s1 = (k1 < (b + 1) * bs ? k1 : (b + 1) * bs) - b * bs;
         for (int64_t s = (k0 > b * bs ? k0 : b * bs) - b * bs; s < s1; s += ATT_TILE) {
             const int n = (int)(s1 - s < ATT_TILE ? s1 - s : ATT_TILE);
@@ -637,10 +642,10 @@ static void plan_fill(att_job *J, char *buf, int64_t n_solo, int max_parts, int6
 }
 
 void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
-                      td_dtype kv_type, int block_size, int n_heads, int n_kv_heads, int group,
-                      int phase, int head_dim, float scale, int window, int64_t m, int64_t m_solo,
-                      const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
-                      float *out)
+                      td_dtype kv_type, int block_size, const kn_kv_slicing *slicing, int n_heads,
+                      int n_kv_heads, int group, int phase, int head_dim, float scale, int window,
+                      int64_t m, int64_t m_solo, const int32_t *pos, const int32_t *seq_of,
+                      const kn_seq_view *seqs, float *out)
 {
     assert(kv_type == TD_F32 || kv_type == TD_F16);
     assert(block_size > 0 && (block_size & (block_size - 1)) == 0);
@@ -653,6 +658,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
     att_job J = {.q = q,
                  .kpool = kpool,
                  .vpool = vpool,
+                 .slicing = slicing,
                  .kv_type = kv_type,
                  .block_size = block_size,
                  .n_heads = n_heads,

@@ -50,13 +50,13 @@ static void cpu_describe(void *ctx, char *buf, size_t cap)
 
 /* The ops-table form of attention (kn_backend.h): solo rows each cut as if alone. */
 static void cpu_attention_op(void *ctx, const float *q, const void *kpool, const void *vpool,
-                             td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
-                             int group, int phase, int head_dim, float scale, int window, int64_t m,
-                             int64_t m_solo, const int32_t *pos, const int32_t *seq_of,
-                             const kn_seq_view *seqs, float *out)
+                             td_dtype kv_type, int block_size, const kn_kv_slicing *slicing,
+                             int n_heads, int n_kv_heads, int group, int phase, int head_dim,
+                             float scale, int window, int64_t m, int64_t m_solo, const int32_t *pos,
+                             const int32_t *seq_of, const kn_seq_view *seqs, float *out)
 {
-    kn_cpu_attention(ctx, q, kpool, vpool, kv_type, block_size, n_heads, n_kv_heads, group, phase,
-                     head_dim, scale, window, m, m_solo, pos, seq_of, seqs, out);
+    kn_cpu_attention(ctx, q, kpool, vpool, kv_type, block_size, slicing, n_heads, n_kv_heads, group,
+                     phase, head_dim, scale, window, m, m_solo, pos, seq_of, seqs, out);
 }
 
 #define CPU_OPS_COMMON                                                                             \
@@ -66,7 +66,7 @@ static void cpu_attention_op(void *ctx, const float *q, const void *kpool, const
     .rmsnorm = kn_cpu_rmsnorm, .rope = kn_cpu_rope, .swiglu = kn_cpu_swiglu,                       \
     .geglu = kn_cpu_geglu, .kv_write = kn_cpu_kv_write, .attention = cpu_attention_op,             \
     .get_rows = kn_cpu_get_rows, .add = kn_cpu_add, .add_row = kn_cpu_add_row,                     \
-    .scale = kn_cpu_scale, .copy_rows = kn_cpu_copy_rows
+    .scale = kn_cpu_scale, .copy_rows = kn_cpu_copy_rows, .kv_sliced = true
 
 /* The table, with the fused ops (cpu_fused.c) and without them (TANDEM_CPU_FUSED=0). */
 static const kn_backend_ops cpu_ops = {CPU_OPS_COMMON, .matmul_multi = kn_cpu_matmul_multi,

@@ -297,9 +297,9 @@ static void cd_geglu(void *ctx, const float *g, const float *u, float *o, int64_
     CPU.ops->geglu(CPU.ctx, g, u, o, m, n);
 }
 
-static void cd_kv_write(void *ctx, void *kp, void *vp, td_dtype t, int bs, int nkv, int hd,
-                        const float *k, const float *v, int64_t m, const int32_t *pos,
-                        const int32_t *seq_of, const kn_seq_view *seqs)
+static void cd_kv_write(void *ctx, void *kp, void *vp, td_dtype t, int bs, const kn_kv_slicing *sl,
+                        int nkv, int hd, const float *k, const float *v, int64_t m,
+                        const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs)
 {
     dev(ctx, "kv_write", "kpool", kp, 1);
     dev(ctx, "kv_write", "vpool", vp, 1);
@@ -308,13 +308,14 @@ static void cd_kv_write(void *ctx, void *kp, void *vp, td_dtype t, int bs, int n
     dev(ctx, "kv_write", "pos", pos, (size_t)m * 4);
     dev(ctx, "kv_write", "seq_of", seq_of, (size_t)m * 4);
     seqs_ok(ctx, "kv_write", seqs, seq_of, m);
-    CPU.ops->kv_write(CPU.ctx, kp, vp, t, bs, nkv, hd, k, v, m, pos, seq_of, seqs);
+    CPU.ops->kv_write(CPU.ctx, kp, vp, t, bs, sl, nkv, hd, k, v, m, pos, seq_of, seqs);
 }
 
 static void cd_attention(void *ctx, const float *q, const void *kp, const void *vp, td_dtype t,
-                         int bs, int nh, int nkv, int group, int phase, int hd, float scale,
-                         int window, int64_t m, int64_t m_solo, const int32_t *pos,
-                         const int32_t *seq_of, const kn_seq_view *seqs, float *out)
+                         int bs, const kn_kv_slicing *sl, int nh, int nkv, int group, int phase,
+                         int hd, float scale, int window, int64_t m, int64_t m_solo,
+                         const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
+                         float *out)
 {
     dev(ctx, "attention", "q", q, FL(m * nh * hd));
     dev(ctx, "attention", "kpool", kp, 1);
@@ -323,7 +324,7 @@ static void cd_attention(void *ctx, const float *q, const void *kp, const void *
     dev(ctx, "attention", "seq_of", seq_of, (size_t)m * 4);
     dev(ctx, "attention", "out", out, FL(m * nh * hd));
     seqs_ok(ctx, "attention", seqs, seq_of, m);
-    CPU.ops->attention(CPU.ctx, q, kp, vp, t, bs, nh, nkv, group, phase, hd, scale, window, m,
+    CPU.ops->attention(CPU.ctx, q, kp, vp, t, bs, sl, nh, nkv, group, phase, hd, scale, window, m,
                        m_solo, pos, seq_of, seqs, out);
 }
 
@@ -368,6 +369,7 @@ static const kn_backend_ops cpudev_ops = {
     .destroy = cd_destroy,
     .describe = cd_describe,
     .host_memory = false,
+    .kv_sliced = true, /* the CPU kernels */
     .alloc = cd_alloc,
     .free = cd_free,
     .upload = cd_upload,

@@ -74,10 +74,22 @@ __global__ void k_kv_write(void *kpool, void *vpool, int bs, int nkv, int hd, co
     }
 }
 
+/* The kernels here address head-major pools only (kv_sliced false in the ops table, so
+ * kn_kv_pool_create refuses a sliced pool on cuda): a sliced layout reaching an op is a
+ * caller's bug, failed clearly rather than written to the wrong tiles. */
+static bool sliced_refused(kn_cuda *c, const kn_kv_slicing *slicing, const char *op)
+{
+    if (!slicing || slicing->n_slices <= 1) return false;
+    TD_LOG_ERR("cuda %s: a sliced KV pool (%d slices) is not supported on cuda", op,
+               slicing->n_slices);
+    kn_cu_fail(c, TD_EUNSUPP, op);
+    return true;
+}
+
 extern "C" void kn_cu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type,
-                               int block_size, int n_kv_heads, int head_dim, const float *k,
-                               const float *v, int64_t m, const int32_t *pos, const int32_t *seq_of,
-                               const kn_seq_view *seqs)
+                               int block_size, const kn_kv_slicing *slicing, int n_kv_heads,
+                               int head_dim, const float *k, const float *v, int64_t m,
+                               const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs)
 {
     kn_cuda *c = (kn_cuda *)ctx;
     if ((kv_type != TD_F32 && kv_type != TD_F16) || block_size <= 0 || n_kv_heads <= 0 ||
@@ -89,6 +101,7 @@ extern "C" void kn_cu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_
         kn_cu_fail(c, TD_EINVAL, "kv_write");
         return;
     }
+    if (sliced_refused(c, slicing, "kv_write")) return;
     if (m == 0) return;
     const int64_t n = m * n_kv_heads * head_dim;
     if (kv_type == TD_F16)
@@ -421,14 +434,16 @@ static void att_launch(kn_cuda *c, att_args a, int64_t r0, int64_t r1, bool deco
  * count: their results never depend on the batch. The other rows take the decode kernel
  * when they are few, the prefill kernel (K/V tiles shared by a run's tokens) otherwise. */
 extern "C" void kn_cu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
-                                td_dtype kv_type, int block_size, int n_heads, int n_kv_heads,
-                                int group, int phase, int head_dim, float scale, int window,
-                                int64_t m, int64_t m_solo, const int32_t *pos,
-                                const int32_t *seq_of, const kn_seq_view *seqs, float *out)
+                                td_dtype kv_type, int block_size, const kn_kv_slicing *slicing,
+                                int n_heads, int n_kv_heads, int group, int phase, int head_dim,
+                                float scale, int window, int64_t m, int64_t m_solo,
+                                const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
+                                float *out)
 {
     kn_cuda *c = (kn_cuda *)ctx;
     if (att_bad_args(c, kv_type, block_size, n_heads, n_kv_heads, group, phase, head_dim, m))
         return;
+    if (sliced_refused(c, slicing, "attention")) return;
     if (m_solo < 0 || m_solo > m) {
         TD_LOG_ERR("cuda attention: %lld solo rows of %lld", (long long)m_solo, (long long)m);
         kn_cu_fail(c, TD_EINVAL, "attention");

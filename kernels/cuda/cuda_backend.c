@@ -256,6 +256,7 @@ static const kn_backend_ops cuda_ops = {
     .destroy = cu_destroy,
     .describe = cu_describe,
     .host_memory = false,
+    .kv_sliced = false, /* cuda_attention.cu addresses head-major pools only */
     .alloc = cu_alloc,
     .free = cu_free,
     .upload = cu_upload,

@@ -18,7 +18,7 @@ class Cluster:
     """prefill: list of dicts (pp, chunk, ...); decode: list of dicts (tp, ...)."""
 
     def __init__(self, args, model, prefill, decode, timeout_ms=60000, heartbeat_ms=100,
-                 instance_timeout_ms=4000, ucx_tls="sm,tcp,self"):
+                 instance_timeout_ms=4000, ucx_tls="sm,tcp,self", routing=None):
         self.args, self.model = args, model
         self.dir = tempfile.mkdtemp(prefix="tandem-pd-")
         self.http_port = free_port()
@@ -28,7 +28,8 @@ class Cluster:
         self.cfg = write_yaml(os.path.join(self.dir, "cluster.yaml"), {
             "model": model,
             "router": {"listen": f"127.0.0.1:{self.http_port}", "heartbeat_ms": heartbeat_ms,
-                       "instance_timeout_ms": instance_timeout_ms},
+                       "instance_timeout_ms": instance_timeout_ms,
+                       **({"routing": routing} if routing else {})},
             "prefill": [{"name": f"p{i}", "pp": p.get("pp", 1), "chunk_size": p.get("chunk", 64),
                          "threads": 1, "port": p["port"], "kv_tokens": p.get("kv_tokens", 4096),
                          "profile_budget_ms": p.get("profile_ms", 0),

@@ -15,7 +15,8 @@ second wave's (the decode side's prefix cache holds their first blocks: in the d
 cluster only the rest is transferred), greedy, 16 tokens; every
 cpu-dev answer must equal the cpu answer, the decode log must name cpu-dev (the backend
 really ran), and in the disaggregated cluster every request's KV must have arrived by
-transfer.
+transfer, from prefill stages whose KV pools are sliced for the decode ranks (no byte
+staged).
 
 usage: test_devstage.py --tandem BIN --model GGUF [--tp N]
 """
@@ -109,6 +110,16 @@ def serve(args, backend, disagg):
                 held = sum(int(m) > 0 for m in re.findall(r"\((\d+) held here", dlog))
                 check(held >= len(EXTENDED), f"{shape} on {backend}: {held} requests found "
                                              f"blocks held on the decode side (>= {len(EXTENDED)})")
+                # the stages' pools are sliced for the decode ranks (the device pool and its
+                # host copy alike), so every rank's heads were put without staging
+                plog = "".join(open(p, errors="replace").read()
+                               for p in glob.glob(f"{d}/run/**/*p0*.log", recursive=True))
+                slices = [int(m) for m in re.findall(r"(\d+) head slices?\)", plog)]
+                staged = re.findall(r"puts \(([0-9.]+) MiB staged\)", plog)
+                check(len(slices) == 2 and all(n > 1 for n in slices) == (args.tp > 1),
+                      f"{shape} on {backend}: the stages' KV pools have {slices} head slices")
+                check(staged and all(float(x) == 0 for x in staged),
+                      f"{shape} on {backend}: {len(staged)} stage transfers, none staged")
             return texts
         finally:
             subprocess.run([args.tandem, "down", cfg], capture_output=True, timeout=60)

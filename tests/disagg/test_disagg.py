@@ -7,7 +7,10 @@ Cases (--case NAME runs one):
            for prefill pp 1/2/3 x decode tp 1/2, prompts from 1 token to several chunks;
            and on a model whose decode ranks share KV heads (6 over 2 at tp 3); n > 1 and
            batched prompts (pp 2 x tp 2), with a client leaving an n=4 stream;
-  default  the same on the default model: pp 2 x tp 1 and pp 2 x tp 3;
+  default  the same on the default model: pp 2 x tp 1 and pp 2 x tp 3; then one prefill
+           instance pushing in turn to a tp 1 and a tp 3 decode instance;
+  (synth tp 1/2 and default) every prefill stage's KV pool is sliced for the decode
+           ranks' heads and no transfer stages a byte (the stages' transfer log lines);
   retry    a prefill stage killed mid-prompt with a second prefill instance up: the request
            is retried there and still equals `tandem generate`; the killed stage restarts,
            rejoins, and its instance serves again;
@@ -33,6 +36,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +196,19 @@ def choices_output(c, args, model, label, n=8):
           f"{label}: n=4 stream closed: its 4 choices were cancelled ({len(gone())} of 4)")
 
 
+def kv_unstaged(c, pp, label, slices):
+    """Every stage's KV pool is cut into `slices` head slices (one: head-major), and every
+    request's KV went to the decode ranks without a staging pass (the stage's transfer log
+    line says how many MiB of its puts were gathered into a staging buffer first)."""
+    for s in range(pp):
+        log = c.log(f"p0s{s}")
+        check(f"{slices} head slice" in log,
+              f"{label}: stage {s}'s KV pool has {slices} head slice(s)")
+        staged = re.findall(r"puts \(([0-9.]+) MiB staged\)", log)
+        check(staged and all(float(x) == 0 for x in staged),
+              f"{label}: stage {s}: {len(staged)} transfers, none staged ({staged[:8]})")
+
+
 def idle(c, label):
     ok, hs = c.wait_idle()
     check(ok, f"{label}: every instance idle, no KV block held: {hs}")
@@ -210,6 +227,8 @@ def case_synth(args):
                 if (pp, tp) == (2, 2):
                     choices_output(c, args, model, f"synth pp{pp} tp{tp}")
                 idle(c, f"synth pp{pp} tp{tp}")
+                # 4 KV heads: tp 2's ranks hold 2 each, one slice of a stage's sliced pool
+                kv_unstaged(c, pp, f"synth pp{pp} tp{tp}", tp)
                 codes = c.stop()
                 check(all(v == 0 for v in codes.values()),
                       f"synth pp{pp} tp{tp}: SIGTERM, every process exits 0 ({codes})")
@@ -229,6 +248,37 @@ def case_default(args):
             penalized_output(c, args, args.model, prompts[0], f"default pp{pp} tp{tp}")
             params_output(c, args.tandem, args.model, prompts[0], f"default pp{pp} tp{tp}")
             idle(c, f"default pp{pp} tp{tp}")
+            # 3 KV heads, one per rank at tp 3: the stages' pools are sliced 1/1/1
+            kv_unstaged(c, pp, f"default pp{pp} tp{tp}", tp)
+    # two decode instances, tp 1 and tp 3, taking requests in turn from one prefill instance:
+    # its pool is cut for both (3 slices; tp 1's rank takes all three per run of blocks)
+    with Cluster(args, args.model, [{"pp": 1, "chunk": 128}], [{"tp": 1}, {"tp": 3}],
+                 routing="round_robin") as c:
+        for _ in range(2):  # 3 prompts in turn over 2 instances: each serves every prompt
+            equal_outputs(c, args, args.model, prompts + [text(100)], "default pp1 -> tp1 + tp3",
+                          n=24)
+        for i, d in enumerate(c.dc):
+            arrived = c.log(f"d{i}r0").count(" arrived (")
+            check(arrived >= 2, f"default pp1 -> tp1 + tp3: d{i} (tp {d['tp']}) took the KV of "
+                                f"{arrived} requests")
+        idle(c, "default pp1 -> tp1 + tp3")
+        # the tp 3 ranks' heads are one slice each: nothing staged for them; the tp 1 rank
+        # spans the 3 slices, so its pieces are gathered per block (as a head-major pool's
+        # were for tp 3): the layout serves one of the two without staging, not both
+        log = c.log("p0s0")
+        check("3 head slices" in log, "default pp1 -> tp1 + tp3: the stage's pool has 3 slices")
+        staged = {int(r): (int(n), float(x)) for r, n, x in re.findall(
+            r"request (\d+): KV of (\d+) tokens in \d+ chunks, [0-9.]+ MiB in \d+ puts "
+            r"\(([0-9.]+) MiB staged\)", log)}
+        for i, d in enumerate(c.dc):
+            ids = [int(r) for r in re.findall(r"request (\d+): KV of \d+ tokens from \d+ stages "
+                                              r"arrived", c.log(f"d{i}r0"))]
+            got = [staged.get(r) for r in ids]  # (tokens, staged MiB)
+            # tp 1: every prompt with a whole block (16 tokens) staged its whole blocks
+            ok = all(g is not None and (g[1] == 0 if d["tp"] == 3 else (g[1] > 0) == (g[0] >= 16))
+                     for g in got)
+            check(ids and ok, f"default pp1 -> tp1 + tp3: d{i} (tp {d['tp']}): (tokens, staged "
+                              f"MiB) per request {got}")
 
 
 def background_complete(c, prompt, n, out):

@@ -222,9 +222,9 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
         if (B.m == 0) continue;
         for (int s = 0; s < N_SEQ; s++)
             views[s] = (kn_seq_view){.block_table = F->tables[s], .n_ctx = done[s]};
-        kn_cpu_kv_write(c, F->kpool, F->vpool, C.kv_type, bs, nkv, hd, B.k, B.v, B.m, B.pos,
+        kn_cpu_kv_write(c, F->kpool, F->vpool, C.kv_type, bs, NULL, nkv, hd, B.k, B.v, B.m, B.pos,
                         B.seq_of, views);
-        kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, nh, nkv, case_group(&C),
+        kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, NULL, nh, nkv, case_group(&C),
                          C.phase, hd, 1.0f / sqrtf((float)hd), 0, B.m, 0, B.pos, B.seq_of, views,
                          B.out);
         for (int64_t i = 0; i < B.m; i++) {
@@ -306,7 +306,7 @@ static void attend_rows(const fixture *F, kn_cpu *c, int window, int m, int m_so
     for (int i = 0; i < m; i++)
         memcpy(q + (size_t)i * nh * hd, F->q[s[i]] + (size_t)p[i] * nh * hd,
                sizeof(float) * nh * hd);
-    kn_cpu_attention(c, q, F->kpool, F->vpool, C.kv_type, C.block_size, nh, C.n_kv_heads,
+    kn_cpu_attention(c, q, F->kpool, F->vpool, C.kv_type, C.block_size, NULL, nh, C.n_kv_heads,
                      case_group(&C), C.phase, hd, 1.0f / sqrtf((float)hd), window, m, m_solo, p, s,
                      views, out);
     free(q);
@@ -340,8 +340,8 @@ static void test_solo_rows_batch_invariant(void)
             v[q] = (kn_seq_view){.block_table = F.tables[q], .n_ctx = seq_lens[q]};
             for (int i = 0; i < seq_lens[q]; i++)
                 pos[i] = i, so[i] = q;
-            kn_cpu_kv_write(c1, F.kpool, F.vpool, C.kv_type, C.block_size, C.n_kv_heads, C.head_dim,
-                            F.kin[q], F.vin[q], seq_lens[q], pos, so, v);
+            kn_cpu_kv_write(c1, F.kpool, F.vpool, C.kv_type, C.block_size, NULL, C.n_kv_heads,
+                            C.head_dim, F.kin[q], F.vin[q], seq_lens[q], pos, so, v);
             free(pos);
             free(so);
         }
@@ -435,7 +435,7 @@ static void test_kv_write_f16_rounding(void)
         kn_seq_view view = {.block_table = table, .n_ctx = 1};
         kn_cpu *c;
         TH_REQUIRE(kn_cpu_create(1, &c) == 0);
-        kn_cpu_kv_write(c, kp, vp, TD_F16, 1, 1, hd, k, v, 1, pos, seq_of, &view);
+        kn_cpu_kv_write(c, kp, vp, TD_F16, 1, NULL, 1, hd, k, v, 1, pos, seq_of, &view);
         int bad = 0;
         for (int d = 0; d < hd; d++)
             bad += kp[hd + d] != td_fp32_to_fp16(k[d]) || vp[hd + d] != td_fp32_to_fp16(v[d]);
@@ -474,12 +474,12 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     for (size_t i = 0; i < (size_t)m * nh * hd; i++)
         q[i] = frand(-1, 1);
     kn_seq_view view = {.block_table = table, .n_ctx = ctx};
-    kn_cpu_kv_write(c, kp, vp, t, bs, nkv, hd, k, v, ctx, pos, seq_of, &view);
+    kn_cpu_kv_write(c, kp, vp, t, bs, NULL, nkv, hd, k, v, ctx, pos, seq_of, &view);
     const int reps = m == 1 ? 2000 : 20;
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         double t0 = now_s();
-        kn_cpu_attention(c, q, kp, vp, t, bs, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, m, 0,
+        kn_cpu_attention(c, q, kp, vp, t, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, m, 0,
                          pos + ctx - m, seq_of, &view, out);
         double dt = now_s() - t0;
         best = dt < best ? dt : best;
@@ -521,7 +521,7 @@ static void bench_solo(kn_cpu *c, int n, int ctx)
         views[s] = (kn_seq_view){.block_table = table + s * nb, .n_ctx = ctx};
         for (int i = 0; i < ctx; i++)
             pos[i] = i, seq_of[i] = s;
-        kn_cpu_kv_write(c, kp, vp, TD_F16, bs, nkv, hd, k, k, ctx, pos, seq_of, views);
+        kn_cpu_kv_write(c, kp, vp, TD_F16, bs, NULL, nkv, hd, k, k, ctx, pos, seq_of, views);
     }
     for (int s = 0; s < n; s++)
         pos[s] = ctx - 1, seq_of[s] = s;
@@ -529,7 +529,7 @@ static void bench_solo(kn_cpu *c, int n, int ctx)
     for (int r = 0; r < 400; r++)
         for (int solo = 0; solo < 2; solo++) {
             double t0 = now_s();
-            kn_cpu_attention(c, q, kp, vp, TD_F16, bs, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, n,
+            kn_cpu_attention(c, q, kp, vp, TD_F16, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, n,
                              solo ? n : 0, pos, seq_of, views, out);
             double dt = now_s() - t0;
             best[solo] = dt < best[solo] ? dt : best[solo];

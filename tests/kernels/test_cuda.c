@@ -224,11 +224,11 @@ static void check_attention(kn_backend *cpu, kn_backend *g)
             pos[i] = i;
             so[i] = s;
         }
-        cpu->ops->kv_write(cpu->ctx, kc, vc, TD_F16, BS, NKV, HD, k, v, n, pos, so, views);
+        cpu->ops->kv_write(cpu->ctx, kc, vc, TD_F16, BS, NULL, NKV, HD, k, v, n, pos, so, views);
         float *dk = up(g, k, sizeof(float) * n * NKV * HD),
               *dvv = up(g, v, sizeof(float) * n * NKV * HD);
         int32_t *dp = up(g, pos, sizeof(int32_t) * n), *ds = up(g, so, sizeof(int32_t) * n);
-        g->ops->kv_write(g->ctx, kg, vg, TD_F16, BS, NKV, HD, dk, dvv, n, dp, ds, dv);
+        g->ops->kv_write(g->ctx, kg, vg, TD_F16, BS, NULL, NKV, HD, dk, dvv, n, dp, ds, dv);
         TH_CHECK(g->ops->synchronize(g->ctx) == 0);
         g->ops->free(g->ctx, dk);
         g->ops->free(g->ctx, dvv);
@@ -263,13 +263,13 @@ static void check_attention(kn_backend *cpu, kn_backend *g)
     for (int i = 0; i < M * NH * HD; i++)
         q[i] = frand(-1, 1);
     const float scale = 0.125f;
-    cpu->ops->attention(cpu->ctx, q, kc, vc, TD_F16, BS, NH, NKV, NH / NKV, 0, HD, scale, 0, M,
-                        SOLO, pos, so, views, ref);
+    cpu->ops->attention(cpu->ctx, q, kc, vc, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0,
+                        M, SOLO, pos, so, views, ref);
     float *dq = up(g, q, sizeof q), *dout = g->ops->alloc(g->ctx, sizeof got);
     int32_t *dp = up(g, pos, sizeof pos), *ds = up(g, so, sizeof so);
     TH_REQUIRE(dq && dout && dp && ds);
-    g->ops->attention(g->ctx, dq, kg, vg, TD_F16, BS, NH, NKV, NH / NKV, 0, HD, scale, 0, M, SOLO,
-                      dp, ds, dv, dout);
+    g->ops->attention(g->ctx, dq, kg, vg, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0, M,
+                      SOLO, dp, ds, dv, dout);
     TH_CHECK(g->ops->download(g->ctx, got, dout, sizeof got) == 0);
     int bad = 0;
     for (int i = 0; i < M * NH * HD; i++)
@@ -278,8 +278,8 @@ static void check_attention(kn_backend *cpu, kn_backend *g)
               M * NH * HD);
     /* each solo row alone: the same bits as in the batch */
     for (int r = 0; r < SOLO; r++) {
-        g->ops->attention(g->ctx, dq + (size_t)r * NH * HD, kg, vg, TD_F16, BS, NH, NKV, NH / NKV,
-                          0, HD, scale, 0, 1, 1, dp + r, ds + r, dv, dout);
+        g->ops->attention(g->ctx, dq + (size_t)r * NH * HD, kg, vg, TD_F16, BS, NULL, NH, NKV,
+                          NH / NKV, 0, HD, scale, 0, 1, 1, dp + r, ds + r, dv, dout);
         TH_CHECK(g->ops->download(g->ctx, one, dout, sizeof one) == 0);
         TH_CHECKF(memcmp(one, got + (size_t)r * NH * HD, sizeof one) == 0,
                   "attention: solo row %d alone differs from the batch", r);

@@ -153,6 +153,9 @@ typedef struct {
     uint32_t salt;
     uint32_t dst_run;   /* decode block runs */
     bool aligned_src;   /* source blocks contiguous (else reversed) */
+    uint32_t src_gap;   /* with aligned_src: an id skipped after every src_gap blocks (0: none) */
+    bool ready;         /* chunks only once every source is READY: put from the source region
+                           itself (else the first chunks may wait as copies) */
     uint32_t first_pos; /* the decode ranks hold [0, first_pos) already (never written) */
 } xfer;
 
@@ -215,7 +218,8 @@ static void xfer_setup(world *w, const wcfg *c, const xfer *x, xstate *s)
     }
     for (int i = 0; i < w->n_src; i++) {
         for (uint32_t b = 0; b < s->nb; b++)
-            s->sblk[i][b] = x->aligned_src ? (int32_t)(b + 1) : (int32_t)(c->n_blocks - 1 - b);
+            s->sblk[i][b] = x->aligned_src ? (int32_t)(b + 1 + (x->src_gap ? b / x->src_gap : 0))
+                                           : (int32_t)(c->n_blocks - 1 - b);
         sc_fill(w->sreg[i], &w->sl[i], s->sblk[i], x->n_tokens, x->salt);
         kvx_pf_req_params pp = {
             .stage = w->src_stage[i], .src_rank = w->src_rank[i], .src_tp = w->src_tp};
@@ -275,13 +279,23 @@ static size_t verify_cut(const world *w, int d, const xstate *s, const xfer *x, 
     return bad;
 }
 
-static uint64_t last_bytes; /* run_xfer: bytes the sources put */
+static uint64_t last_bytes;  /* run_xfer: bytes the sources put */
+static uint64_t last_staged; /* run_xfer: bytes of them staged first (kvx_pf_status.staged) */
 
 /* Full transfer; returns the total puts and pieces of the sources. */
 static void run_xfer(world *w, const wcfg *c, const xfer *x, uint64_t *puts, uint64_t *pieces)
 {
     xstate *s = calloc(1, sizeof(*s));
     xfer_setup(w, c, x, s);
+    for (int64_t end = td_now_ms() + 5000; x->ready && td_now_ms() < end;) {
+        bool all = true;
+        for (int i = 0; i < w->n_src; i++) {
+            kvx_pf_status ps;
+            all = all && kvx_pf_poll(w->src[i], x->req, &ps) == 0 && ps.state == KVX_REQ_READY;
+        }
+        if (all) break;
+        progress_all(w, 1);
+    }
     xfer_chunks(w, x, s, 0, 1000);
     if (x->late) {
         kvx_conn_stats st;
@@ -290,7 +304,7 @@ static void run_xfer(world *w, const wcfg *c, const xfer *x, uint64_t *puts, uin
     }
     xfer_finish(w, c, x, s);
     TH_CHECK(pump_final(w, x->req, 5000));
-    *puts = *pieces = last_bytes = 0;
+    *puts = *pieces = last_bytes = last_staged = 0;
     for (int i = 0; i < w->n_src; i++) {
         kvx_pf_status ps;
         TH_CHECK(kvx_pf_poll(w->src[i], x->req, &ps) == 0);
@@ -298,6 +312,8 @@ static void run_xfer(world *w, const wcfg *c, const xfer *x, uint64_t *puts, uin
         *puts += ps.puts;
         *pieces += ps.pieces;
         last_bytes += ps.bytes;
+        last_staged += ps.staged;
+        TH_CHECK(ps.staged <= ps.bytes);
     }
     for (int d = 0; d < w->n_dec; d++) {
         kvx_dec_status ds;
@@ -536,17 +552,63 @@ static void test_sliced_source(void)
             }
             fprintf(stderr,
                     "  %u/%u heads, tp %u->%u, %s source (%u slices): %llu pieces, "
-                    "%llu puts, %zu staging bytes pooled\n",
+                    "%llu puts, %zu staging bytes pooled, %llu bytes staged\n",
                     shapes[k][0], shapes[k][1], shapes[k][2], shapes[k][3],
                     sliced ? "sliced" : "head-major", w.sl[0].n_slices, (unsigned long long)pieces,
-                    (unsigned long long)puts, pooled);
+                    (unsigned long long)puts, pooled, (unsigned long long)last_staged);
             if (!sliced) {
                 hm_puts = puts;
-                TH_CHECK(shapes[k][3] <= shapes[k][2] || pooled > 0);
+                TH_CHECK(shapes[k][3] <= shapes[k][2] || (pooled > 0 && last_staged > 0));
             } else if (one_slice) {
-                TH_CHECKF(pooled == 0 && puts == hm_puts, "%zu bytes staged, %llu puts (%llu)",
-                          pooled, (unsigned long long)puts, (unsigned long long)hm_puts);
+                TH_CHECKF(pooled == 0 && last_staged == 0 && puts == hm_puts,
+                          "%zu bytes pooled, %llu staged, %llu puts (%llu)", pooled,
+                          (unsigned long long)last_staged, (unsigned long long)puts,
+                          (unsigned long long)hm_puts);
             }
+            world_fini(&w);
+        }
+    }
+}
+
+/* A sliced source whose block table has gaps (a prefill pool after its prefix cache evicted
+ * and freed blocks): runs of source blocks go as they are where the run breaks (one more
+ * put per gap, nothing copied), an isolated block is still gathered (with the piece after
+ * it); byte-exact. The head-major source stages everything either way. */
+static void test_sliced_gaps(void)
+{
+    uint64_t aligned_puts = 0;
+    for (uint32_t gap = 0; gap < 4; gap += gap ? 2 : 1) { /* 0 (none), 1 (isolated), 3 */
+        for (int sliced = 0; sliced < 2; sliced++) {
+            wcfg c = base_cfg(1, 4);
+            c.sliced = sliced;
+            world w;
+            world_init(&w, &c);
+            xfer x = {.req = 90 + gap * 2 + (uint64_t)sliced,
+                      .n_tokens = 192,
+                      .chunk = 64,
+                      .salt = 31 + gap,
+                      .aligned_src = true,
+                      .src_gap = gap,
+                      .ready = true};
+            uint64_t puts, pieces;
+            run_xfer(&w, &c, &x, &puts, &pieces);
+            fprintf(stderr,
+                    "  gap %u, %s source: %llu pieces, %llu puts, %llu of %llu bytes staged\n", gap,
+                    sliced ? "sliced" : "head-major", (unsigned long long)pieces,
+                    (unsigned long long)puts, (unsigned long long)last_staged,
+                    (unsigned long long)last_bytes);
+            if (!sliced)
+                TH_CHECK(last_staged == last_bytes); /* every piece strided in the source */
+            else if (gap == 0)
+                aligned_puts = puts;
+            else if (gap == 1)
+                TH_CHECK(last_staged == last_bytes); /* isolated blocks: gathered as before */
+            else /* chunks of 4 blocks over runs of 3: blocks 1-3 | 5, 6-7 | 9-10, 11 | 13-15:
+                  * only chunk 2's isolated first block is gathered, with the next one */
+                TH_CHECKF(last_staged * 6 == last_bytes && puts == 2 * aligned_puts,
+                          "runs of %u blocks: %llu bytes staged, %llu puts (%llu without gaps)",
+                          gap, (unsigned long long)last_staged, (unsigned long long)puts,
+                          (unsigned long long)aligned_puts);
             world_fini(&w);
         }
     }
@@ -1224,6 +1286,7 @@ int main(void)
     TH_RUN(test_first_pos);
     TH_RUN(test_coalescing);
     TH_RUN(test_sliced_source);
+    TH_RUN(test_sliced_gaps);
     TH_RUN(test_slice_layout);
     TH_RUN(test_chunk_times);
     TH_RUN(test_chunk_times_late);

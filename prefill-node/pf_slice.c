@@ -1,0 +1,74 @@
+/* pf_slice.c: how a prefill stage slices its KV pool's heads (kernels/kv_pool.h) for the
+ * decode instances it pushes to: the router may pair a prefill instance with any decode
+ * instance of the cluster, so the cut is kvx_layout_slice's over the KV head range of every
+ * rank of every decode instance (common/td_tp.h): each rank's heads are then a union of
+ * slices, and a rank whose heads are one slice gets its KV without a staging pass. A rank
+ * spanning several slices (a tp 1 instance next to a tp 3 one, or ranks sharing replicated
+ * KV heads) still has its pieces gathered per block: one layout cannot serve both without
+ * staging, and the cut favours the split ranks (a head-major pool favoured the tp 1 ones). */
+#include <stdlib.h>
+
+#include "gguf.h"
+#include "model.h"
+#include "pf_int.h"
+#include "td_err.h"
+#include "td_tp.h"
+
+_Static_assert(KN_KV_MAX_SLICES == KVX_MAX_SLICES, "kv pool slices are kvxfer's source slices");
+
+/* The model's query and KV head counts, from the GGUF header. */
+static int model_heads(const char *path, int *n_head, int *n_head_kv)
+{
+    char err[512];
+    td_gguf *g;
+    int rc = td_gguf_open(path, &g, err, sizeof err);
+    if (rc) {
+        TD_LOG_ERR("%s", err);
+        return rc;
+    }
+    kn_hparams hp;
+    rc = kn_hparams_read(g, &hp);
+    td_gguf_close(g);
+    if (rc) return rc;
+    *n_head = hp.n_head;
+    *n_head_kv = hp.n_head_kv;
+    return 0;
+}
+
+int pf_stage_slicing(const td_cfg *cfg, const char *who, int *n_slices, int *slice_heads)
+{
+    *n_slices = 0; /* head-major unless a decode rank holds a part of the heads */
+    int n_head, n_kv, rc = model_heads(cfg->model, &n_head, &n_kv);
+    if (rc) return rc;
+    int n = 0;
+    for (int i = 0; i < cfg->n_decode; i++)
+        n += cfg->decode[i].tp;
+    uint32_t *ranges = malloc((size_t)n * 2 * sizeof *ranges);
+    if (!ranges) return TD_ENOMEM;
+    n = 0;
+    for (int i = 0; i < cfg->n_decode && !rc; i++)
+        for (int r = 0; r < cfg->decode[i].tp && !rc; r++) {
+            td_tp_heads h;
+            if ((rc = td_tp_heads_of_rank(n_head, n_kv, cfg->decode[i].tp, r, &h))) {
+                TD_LOG_ERR("%s: decode instance %s: tp %d does not divide the model's %d heads",
+                           who, cfg->decode[i].name, cfg->decode[i].tp, n_head);
+                break;
+            }
+            ranges[2 * n] = (uint32_t)h.kv0;
+            ranges[2 * n + 1] = (uint32_t)(h.kv0 + h.n_kv);
+            n++;
+        }
+    kvx_layout l = {.n_kv_heads = (uint32_t)n_kv, .head0 = 0, .n_heads = (uint32_t)n_kv};
+    if (!rc && (rc = kvx_layout_slice(&l, ranges, (uint32_t)n)) == TD_ERANGE) {
+        TD_LOG_INFO("%s: the decode ranks' head ranges need more than %d slices: the KV pool "
+                    "stays head-major (kvxfer stages the pieces of tp > 1 ranks)",
+                    who, KVX_MAX_SLICES);
+        rc = 0;
+    } else if (!rc && l.n_slices > 1) {
+        *n_slices = (int)l.n_slices;
+        for (uint32_t s = 0; s < l.n_slices; s++)
+            slice_heads[s] = (int)l.slice_heads[s];
+    }
+    free(ranges);
+    return rc;
+}
