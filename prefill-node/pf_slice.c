@@ -5,8 +5,11 @@
  * slices, and a rank whose heads are one slice gets its KV without a staging pass. A rank
  * spanning several slices (a tp 1 instance next to a tp 3 one, or ranks sharing replicated
  * KV heads) still has its pieces gathered per block: one layout cannot serve both without
- * staging, and the cut favours the split ranks (a head-major pool favoured the tp 1 ones). */
+ * staging, and the cut favours the split ranks (a head-major pool favoured the tp 1 ones).
+ * TANDEM_PF_KV_SLICED=0 keeps the pool head-major whatever the ranks (for A/B runs of the
+ * two layouts in one build, tools/bench_disagg.py --head-major); unset or 1: sliced. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "gguf.h"
 #include "model.h"
@@ -38,6 +41,15 @@ static int model_heads(const char *path, int *n_head, int *n_head_kv)
 int pf_stage_slicing(const td_cfg *cfg, const char *who, int *n_slices, int *slice_heads)
 {
     *n_slices = 0; /* head-major unless a decode rank holds a part of the heads */
+    const char *env = getenv("TANDEM_PF_KV_SLICED");
+    if (env && strcmp(env, "1")) {
+        if (strcmp(env, "0")) {
+            TD_LOG_ERR("%s: TANDEM_PF_KV_SLICED must be 0 or 1, not '%s'", who, env);
+            return TD_EINVAL;
+        }
+        TD_LOG_INFO("%s: TANDEM_PF_KV_SLICED=0: the KV pool stays head-major", who);
+        return 0;
+    }
     int n_head, n_kv, rc = model_heads(cfg->model, &n_head, &n_kv);
     if (rc) return rc;
     int n = 0;

@@ -16,9 +16,11 @@ BUILD's binaries (NAME: its label, default "old"), alternated request by request
 cluster up at once, one serving at a time, the order rotated per repetition); besides TTFT
 each request's KV transfer as the prefill stage logs it (its chunks' handed -> landed times
 summed, and the MiB its puts staged first when the build reports it).
+--head-major: (with or without --compare) one more cluster of the build under test whose prefill stage
+keeps its KV pool head-major (TANDEM_PF_KV_SLICED=0), labelled "headmajor": the layout alone.
 
 usage: tools/bench_disagg.py [--build build] [--model PATH] [--reps N] [--lengths L,...]
-                             [--decode-tp N] [--compare [NAME=]BUILD,...]
+                             [--decode-tp N] [--compare [NAME=]BUILD,... [--head-major]]
 """
 import argparse
 import http.client
@@ -40,6 +42,7 @@ ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--lengths", default="512,2048,4096")
 ap.add_argument("--decode-tp", type=int, default=1)
 ap.add_argument("--compare", default="")
+ap.add_argument("--head-major", action="store_true")
 args = ap.parse_args()
 BIN = os.path.join(args.build, "bin")
 WORDS = ("the quick brown fox jumps over the lazy dog while seven wise owls count stars "
@@ -54,7 +57,7 @@ def free_port():
     return p
 
 
-def cluster(disagg, bin_dir=BIN):
+def cluster(disagg, bin_dir=BIN, env=None):
     d = tempfile.mkdtemp(prefix="tandem-bench-pd-")
     http_port = free_port()
     cfg = os.path.join(d, "c.yaml")
@@ -75,7 +78,8 @@ def cluster(disagg, bin_dir=BIN):
         argv.append([os.path.join(bin_dir, "tandem-prefill"), "--config", cfg, "--instance",
                      "p0", "--stage", "0"])
     argv.append([os.path.join(bin_dir, "tandem-router"), "--config", cfg])
-    procs = [subprocess.Popen(a, stderr=open(os.path.join(d, f"{i}.log"), "w"))
+    procs = [subprocess.Popen(a, stderr=open(os.path.join(d, f"{i}.log"), "w"),
+                              env={**os.environ, **(env or {})})
              for i, a in enumerate(argv)]
     for _ in range(600):
         try:
@@ -136,20 +140,22 @@ def next_transfer(log, seen):
 
 def compare():
     """The build under test against args.compare, alternated request by request."""
-    builds = [("new", BIN)]
-    for i, c in enumerate(args.compare.split(",")):
+    builds = [("new", BIN, None)]
+    for i, c in enumerate(c for c in args.compare.split(",") if c):
         name, _, path = c.rpartition("=")
-        builds.append((name or ("old" if i == 0 else f"old{i}"), os.path.join(path, "bin")))
+        builds.append((name or ("old" if i == 0 else f"old{i}"), os.path.join(path, "bin"), None))
+    if args.head_major:
+        builds.append(("headmajor", BIN, {"TANDEM_PF_KV_SLICED": "0"}))
     up = {}
-    for name, b in builds:
-        procs, port = cluster(True, b)
+    for name, b, env in builds:
+        procs, port = cluster(True, b, env)
         up[name] = (procs, port, cluster.prefill_log)
         ttft(port, prompt_of(50, f"warm-up {name}"))
         next_transfer(cluster.prefill_log, 0)
     rows = {}
     for n in [int(x) for x in args.lengths.split(",")]:
         for k in range(args.reps):
-            for name, _ in builds[k % len(builds):] + builds[:k % len(builds)]:
+            for name, _, _ in builds[k % len(builds):] + builds[:k % len(builds)]:
                 procs, port, log = up[name]
                 seen = len(transfers(log))
                 t = ttft(port, prompt_of(int(n * 0.75), f"run {k} of {n}"))
@@ -160,7 +166,7 @@ def compare():
                       f"transfer {ms:.1f} ms", flush=True)
         w = rows[("new", n)]
         med = lambda v, i: statistics.median(x[i] for x in v)  # noqa: E731
-        for name, _ in builds[1:]:
+        for name, _, _ in builds[1:]:
             o = rows[(name, n)]
             print(f"~{n} tokens, decode tp {args.decode_tp}: new / {name} TTFT median "
                   f"{med(w, 0) / med(o, 0):.3f}, transfer median {med(w, 1):.1f} / "
@@ -174,7 +180,7 @@ def compare():
             p.wait(timeout=60)
 
 
-if args.compare:
+if args.compare or args.head_major:
     compare()
     raise SystemExit(0)
 lengths = [int(x) for x in args.lengths.split(",")]
