@@ -7,6 +7,20 @@
 #include "pf_chunk.h"
 #include "td_err.h"
 
+int pf_model_hparams(const char *path, kn_hparams *hp)
+{
+    char err[512];
+    td_gguf *g;
+    int rc = td_gguf_open(path, &g, err, sizeof err);
+    if (rc) {
+        TD_LOG_ERR("%s", err);
+        return rc;
+    }
+    rc = kn_hparams_read(g, hp);
+    td_gguf_close(g);
+    return rc;
+}
+
 int pf_shard_open(pf_shard *s, const pf_shard_params *p)
 {
     memset(s, 0, sizeof *s);
@@ -17,16 +31,8 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
         return TD_EINVAL;
     }
     /* the layer count decides the stage's range: read the header before loading the shard */
-    char err[512];
-    td_gguf *g;
-    int rc = td_gguf_open(p->model_path, &g, err, sizeof err);
-    if (rc) {
-        TD_LOG_ERR("%s", err);
-        return rc;
-    }
     kn_hparams hp;
-    rc = kn_hparams_read(g, &hp);
-    td_gguf_close(g);
+    int rc = pf_model_hparams(p->model_path, &hp);
     if (rc) return rc;
     int counts[PF_MAX_STAGES];
     if ((rc =

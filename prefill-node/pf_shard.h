@@ -61,4 +61,9 @@ typedef struct {
 int pf_shard_open(pf_shard *s, const pf_shard_params *p);
 void pf_shard_close(pf_shard *s); /* safe on a zeroed shard */
 
+/* The model's hyperparameters from the GGUF header at path, without loading a tensor (the
+ * layer count decides a stage's range, the head counts its pool's slicing). 0 or a negative
+ * td_err, logged. */
+int pf_model_hparams(const char *path, kn_hparams *hp);
+
 #endif

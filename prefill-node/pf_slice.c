@@ -11,32 +11,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gguf.h"
-#include "model.h"
 #include "pf_int.h"
 #include "td_err.h"
 #include "td_tp.h"
 
 _Static_assert(KN_KV_MAX_SLICES == KVX_MAX_SLICES, "kv pool slices are kvxfer's source slices");
-
-/* The model's query and KV head counts, from the GGUF header. */
-static int model_heads(const char *path, int *n_head, int *n_head_kv)
-{
-    char err[512];
-    td_gguf *g;
-    int rc = td_gguf_open(path, &g, err, sizeof err);
-    if (rc) {
-        TD_LOG_ERR("%s", err);
-        return rc;
-    }
-    kn_hparams hp;
-    rc = kn_hparams_read(g, &hp);
-    td_gguf_close(g);
-    if (rc) return rc;
-    *n_head = hp.n_head;
-    *n_head_kv = hp.n_head_kv;
-    return 0;
-}
 
 int pf_stage_slicing(const td_cfg *cfg, const char *who, int *n_slices, int *slice_heads)
 {
@@ -50,8 +29,10 @@ int pf_stage_slicing(const td_cfg *cfg, const char *who, int *n_slices, int *sli
         TD_LOG_INFO("%s: TANDEM_PF_KV_SLICED=0: the KV pool stays head-major", who);
         return 0;
     }
-    int n_head, n_kv, rc = model_heads(cfg->model, &n_head, &n_kv);
+    kn_hparams hp;
+    int rc = pf_model_hparams(cfg->model, &hp);
     if (rc) return rc;
+    const int n_head = hp.n_head, n_kv = hp.n_head_kv;
     int n = 0;
     for (int i = 0; i < cfg->n_decode; i++)
         n += cfg->decode[i].tp;
