@@ -637,7 +637,7 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
 }
 
 /* decode[].prefix_cache_tier: {path, size}, both required; needs the prefix cache (at tp > 1
- * each rank has its own tier PATH.rR; the node refuses tp > 1 in disaggregated mode). */
+ * each rank has its own tier PATH.rR). */
 static int parse_tier(pctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *x)
 {
     yaml_node_t *seen[TI_N], *keys[TI_N];

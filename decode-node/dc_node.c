@@ -179,6 +179,7 @@ static void teardown(dc_node *n)
     gr_vocab_destroy(n->gvocab);
     td_ctrl_server_destroy(n->srv);
     free(n->routes);
+    free(n->held_allocs);
     free(n->logits);
     close_shm(n);
     kn_kv_tier_destroy(n->tier);
@@ -223,7 +224,7 @@ static int follower_steps(dc_node *n)
             break;
         }
         if ((rc = dc_tier_apply(n, &v)) || v.kind == DC_PLAN_COPY) {
-            if (rc) break;
+            if (rc || (rc = dc_tier_copy_barrier(n))) break;
             continue;
         }
         if ((rc = kn_engine_forward(n->rt.engine, n->kv, &v.batch, NULL))) {
@@ -642,6 +643,7 @@ static int serve_sequential(dc_node *n, bool *fatal)
         }
         int64_t t_in = td_now_ns();
         k = 0;
+        if ((rc = dc_serve_sync_allocs(n))) return rc; /* no pass in flight here */
         if (!dc_sched_idle(n->sched)) {
             if ((rc = run_step(n)) < 0) return rc;
             k = rc;
@@ -689,6 +691,7 @@ static int serve_overlap(dc_node *n, bool *fatal)
             if ((rc = step_end(n, &sr, rc_fwd)) < 0) break;
             k = rc;
         }
+        if ((rc = dc_serve_sync_allocs(n))) break; /* joined: no pass in flight */
         if (!dc_sched_idle(n->sched)) {
             if ((rc = step_begin(n, &sr)) < 0) break;
             if (rc > 0 && !sr.rc) {
@@ -848,6 +851,7 @@ static int leader_run(dc_node *n)
         }
         if (*n->p->stop) break;
         rc = serve(n, &fatal);
+        dc_serve_fail_allocs(n); /* held replies of a formation that ended */
         if (fatal || *n->p->stop) break;
         fail_in_flight(n, rc);
     }

@@ -43,6 +43,13 @@ typedef struct {
     int32_t n_prompt, n_gen, n_cached, from;
 } dc_held_event;
 
+/* an Alloc whose KV targets wait for the ranks' tier copies (dc_serve_sync_allocs) */
+typedef struct {
+    td_ctrl_req *req;    /* the control request to answer (owned until answered) */
+    uint64_t request_id; /* the client's */
+    uint64_t id;         /* the scheduler's */
+} dc_held_alloc;
+
 typedef struct dc_fwd dc_fwd; /* the forward thread (dc_async.c) */
 
 /* Where a scheduler request came from: events go back to (client, request id). */
@@ -113,6 +120,10 @@ typedef struct {
     dc_held_event *held;
     int n_held, cap_held;
     kn_kv_tier *tier; /* follower at tp > 1: its own second tier (the leader's is dc_sched's) */
+    /* leader, disaggregated at tp > 1 with a tier: Alloc replies held until every rank made
+     * the tier copies the allocation logged (dc_serve_sync_allocs; dc_tier.c says why) */
+    dc_held_alloc *held_allocs;
+    int n_held_allocs, cap_held_allocs;
 } dc_node;
 
 /* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
@@ -129,6 +140,12 @@ int dc_serve_inbox(dc_node *n, int timeout_ms);
 void dc_serve_transfers(dc_node *n);
 /* Publish Health (ready unless forming, stopping or draining). */
 void dc_serve_health(dc_node *n);
+/* Send the held Alloc replies once every rank has made the pending tier copies (a copy plan
+ * and a barrier, dc_tier_flush), at a point where no forward pass is in flight. 0, or the
+ * segment's failure (the held requests are then answered with an error). */
+int dc_serve_sync_allocs(dc_node *n);
+/* Answer every held Alloc with an error (the formation ends). */
+void dc_serve_fail_allocs(dc_node *n);
 
 /* dc_async.c. The scheduler's sink as the leader installs it: straight to dc_serve_on_* or,
  * while n->hold_events, held in order until dc_async_flush. */
@@ -159,9 +176,14 @@ int dc_tier_follower_open(dc_node *n);
 int dc_tier_apply(dc_node *n, const dc_plan_view *v);
 /* Leader at tp > 1: the copies its tier made since they were last sent (NULL, 0: none);
  * dc_tier_sent once a plan carrying them is published; dc_tier_flush publishes them alone
- * (a DC_PLAN_COPY plan) when the step plans nothing to compute. */
+ * (a DC_PLAN_COPY plan) when the step plans nothing to compute, or before held Alloc
+ * replies go out; in disaggregated mode it returns only once every rank made them (the
+ * barrier below). Only where no forward pass is in flight. */
 const kn_kv_tier_op *dc_tier_pending(dc_node *n, int *n_ops);
 void dc_tier_sent(dc_node *n);
 int dc_tier_flush(dc_node *n);
+/* Any rank, after a DC_PLAN_COPY plan in disaggregated mode: a one-float allreduce, so the
+ * leader knows every rank's copies are done (0 in colocated mode, which needs none). */
+int dc_tier_copy_barrier(dc_node *n);
 
 #endif

@@ -238,6 +238,79 @@ static void reply_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uin
     td_ctrl_server_reply(n->srv, req, &env);
 }
 
+/* Whether an Alloc reply must wait for the other ranks' tier copies: at tp > 1 every rank
+ * repeats the leader's tier copies when it reads the next plan, and a block the allocation
+ * evicted to the tier must be copied out on every rank before the prefill stages, which
+ * write the targets' blocks at once, can overwrite it. */
+static bool must_hold(dc_node *n)
+{
+    int nc = 0;
+    if (n->dcfg->tp > 1) dc_tier_pending(n, &nc);
+    return nc > 0 || n->n_held_allocs > 0;
+}
+
+static void answer_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uint64_t id)
+{
+    if (!must_hold(n)) {
+        reply_targets(n, req, request_id, id);
+        return;
+    }
+    if (n->n_held_allocs == n->cap_held_allocs) {
+        int cap = n->cap_held_allocs ? 2 * n->cap_held_allocs : 16;
+        dc_held_alloc *h = realloc(n->held_allocs, (size_t)cap * sizeof *h);
+        if (!h) {
+            /* no room to wait: fail it (its blocks return when the transfer ends) */
+            dc_xfer_abort(n->xfer, id, DC_XFER_END_FAILED);
+            td_ctrl_server_reply_error(n->srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
+                                       "out of memory");
+            return;
+        }
+        n->held_allocs = h;
+        n->cap_held_allocs = cap;
+    }
+    n->held_allocs[n->n_held_allocs++] =
+        (dc_held_alloc){.req = req, .request_id = request_id, .id = id};
+}
+
+int dc_serve_sync_allocs(dc_node *n)
+{
+    if (!n->n_held_allocs) return 0;
+    int nc;
+    dc_tier_pending(n, &nc);
+    int64_t t0 = td_now_ns();
+    int rc = dc_tier_flush(n);
+    if (!rc)
+        TD_LOG_INFO("decode %s: %d Alloc replies held until every rank made %d tier copies "
+                    "(%.2f ms)",
+                    n->p->instance, n->n_held_allocs, nc, (double)(td_now_ns() - t0) / 1e6);
+    for (int i = 0; i < n->n_held_allocs; i++) {
+        dc_held_alloc *h = &n->held_allocs[i];
+        if (!rc && dc_xfer_live(n->xfer, h->id))
+            reply_targets(n, h->req, h->request_id, h->id);
+        else
+            td_ctrl_server_reply_error(n->srv, h->req, h->request_id,
+                                       rc ? TD__ERROR_CODE__ERR_PEER_FAILED
+                                          : TD__ERROR_CODE__ERR_NOT_FOUND,
+                                       rc ? "decode instance %s failed before the KV targets "
+                                            "were ready: %s"
+                                          : "request cancelled on %s before its KV targets "
+                                            "went out%s",
+                                       n->p->instance, rc ? td_strerror(rc) : "");
+    }
+    n->n_held_allocs = 0;
+    return rc;
+}
+
+void dc_serve_fail_allocs(dc_node *n)
+{
+    for (int i = 0; i < n->n_held_allocs; i++)
+        td_ctrl_server_reply_error(n->srv, n->held_allocs[i].req, n->held_allocs[i].request_id,
+                                   TD__ERROR_CODE__ERR_PEER_FAILED,
+                                   "decode instance %s stopped before the KV targets were ready",
+                                   n->p->instance);
+    n->n_held_allocs = 0;
+}
+
 /* Alloc (disaggregated mode): reserve the prompt's blocks (sharing the prefix this pool
  * holds), make every rank's KV target and answer them with the count of positions held
  * (not transferred); the request waits TRANSFERRING until the prefill stages' KV is in. */
@@ -257,7 +330,7 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
     if (id >= 0) {
         /* a retry of the call (the control layer re-sends after a connection drop) */
         if (n->xfer && dc_xfer_live(n->xfer, (uint64_t)id))
-            reply_targets(n, in->req, rid, (uint64_t)id);
+            answer_targets(n, in->req, rid, (uint64_t)id);
         else
             td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
                                        "request %llu is already running", (unsigned long long)rid);
@@ -331,7 +404,7 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
                                    "cannot make the KV targets: %s", td_strerror(rc));
         return;
     }
-    reply_targets(n, in->req, rid, (uint64_t)id);
+    answer_targets(n, in->req, rid, (uint64_t)id);
     n->load_changed = true; /* blocks are held now: a router picking instances sees it */
 }
 

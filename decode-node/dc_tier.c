@@ -13,9 +13,15 @@
  * The store is the file at path on every backend (memory-mapped host memory); a device
  * pool's blocks are copied through the backend's download/upload (kv_tier.c), tested with
  * the cpu-dev backend only: other device backends are refused until they ran.
- * Disaggregated mode at tp > 1 is refused: a KV transfer writes a follower's blocks at any
- * time, so a block the leader evicted to the tier at Alloc could be overwritten before the
- * follower copied it. */
+ * Disaggregated mode at tp > 1: a KV transfer writes a follower's blocks as soon as the
+ * prefill stages have the targets, so a block the leader evicted to the tier at Alloc could
+ * be overwritten before the follower copied it out. So there the leader holds an Alloc's
+ * reply while its allocation's copies are pending (dc_serve.c must_hold) and, at the next
+ * point where no pass is in flight, publishes them in a copy plan that every rank ends
+ * with a barrier (dc_tier_copy_barrier: a one-float allreduce), then sends the targets: no
+ * writer can reach a block before every rank copied it out. Copies that ride on a step's
+ * plan need no barrier: the blocks they free go to the step's own rows, which only the
+ * step writes. */
 #include <stdio.h>
 #include <string.h>
 
@@ -37,12 +43,6 @@ int dc_tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *
         TD_LOG_ERR("decode %s: prefix_cache_tier with the %s backend%s is not supported yet (a "
                    "device pool's tier is tested with cpu-dev in colocated mode only)",
                    n->p->instance, dev, n->disagg ? " in disaggregated mode" : "");
-        return TD_EUNSUPP;
-    }
-    if (d->tp > 1 && n->disagg) {
-        TD_LOG_ERR("decode %s: prefix_cache_tier at tp %d is built for colocated mode only (a KV "
-                   "transfer could overwrite a follower's block before it copied it to its tier)",
-                   n->p->instance, d->tp);
         return TD_EUNSUPP;
     }
     if ((size_t)snprintf(path, cap, "%s.r%d", d->tier.path, n->p->rank) >= cap) return TD_EINVAL;
@@ -127,5 +127,13 @@ int dc_tier_flush(dc_node *n)
     if (!rc) rc = dc_plan_encode(NULL, ops, nc, n->kv->block_size, n->step, buf, cap, &len);
     if (!rc) rc = dc_shm_plan_commit(n->shm, len);
     if (!rc) dc_tier_sent(n);
+    if (!rc) rc = dc_tier_copy_barrier(n);
     return rc;
+}
+
+int dc_tier_copy_barrier(dc_node *n)
+{
+    if (!n->disagg) return 0;
+    float none = 0.0f; /* the sum is not the point: every rank is past its copies */
+    return dc_shm_allreduce(n->shm, &none, 1);
 }

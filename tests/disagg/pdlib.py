@@ -38,8 +38,7 @@ class Cluster:
             "decode": [{"name": f"d{i}", "tp": d.get("tp", 1), "threads": 1,
                         "kv_blocks": d.get("kv_blocks", 512), "port": d["port"],
                         "step_tokens": 64,
-                        **({"prefix_cache": d["prefix_cache"]} if "prefix_cache" in d else {}),
-                        **({"kv_dtype": d["kv_dtype"]} if "kv_dtype" in d else {})}
+                        **{k: d[k] for k in ("prefix_cache", "kv_dtype", "overlap") if k in d}}
                        for i, d in enumerate(decode)],
             "kvxfer": {"ucx_tls": ucx_tls, "timeout_ms": timeout_ms}})
         self.ps = Procs(self.dir)

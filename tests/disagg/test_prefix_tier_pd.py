@@ -8,8 +8,10 @@ evict its blocks from the pool (into the tier), then turn 2: its Alloc finds tur
 in the tier, copies them back and holds them (the decode log's "N held here" > 0: the
 stages push only the rest), the tier's reads and hits are counted, and the output equals
 `tandem generate` (a cold run). The same run without the tier holds nothing for turn 2 (the
-prefix really left the pool). A tier at tp 2 in disaggregated mode is refused (the router
-test covers that at start). After each run every instance is idle.
+prefix really left the pool). The tier run again at decode tp 2: each rank has its own tier
+file, the leader holds an Alloc's KV targets until every rank copied out the blocks that
+allocation evicted (a copy plan and a barrier, decode-node/dc_tier.c), and the output is
+still the cold one; and at tp 2 with decode[].overlap. After each run every instance is idle.
 
 usage: test_prefix_tier_pd.py --router BIN --prefill BIN --decode BIN --tandem BIN
                               --synth-dir DIR
@@ -49,14 +51,15 @@ def tier_counters(c):
             get("tandem_prefix_cache_tier_hits_total"))
 
 
-def run(args, tier):
+def run(args, tier, tp=1, overlap=False):
     model = os.path.join(args.synth_dir, "llama.gguf")
-    label = "tier" if tier else "no tier"
+    label = (("tier" if tier else "no tier") + (f" tp {tp}" if tp > 1 else "") +
+             (" overlap" if overlap else ""))
     t1, t2 = pc.conversation(90, 30)
     # distinct from their first token on: together they need the whole pool
     others = [f"story {i}: " + pc.text(90, pc.OTHER[i:] + pc.OTHER[:i]) for i in range(4)]
     c = Cluster(args, model, [{"pp": 1, "chunk": 64, "prefix_cache": False}],
-                [{"tp": 1, "kv_blocks": KV_BLOCKS}])
+                [{"tp": tp, "kv_blocks": KV_BLOCKS, "overlap": overlap}])
     tdir = tempfile.mkdtemp(prefix="tandem-pdtier-")
     if tier:
         with_tier(c, f"{tdir}/tier")
@@ -76,6 +79,11 @@ def run(args, tier):
             reads, hits = tier_counters(c)
             check(reads > 0 and 0 < hits <= held,
                   f"{label}: tier reads {reads}, hit tokens {hits} (<= {held})")
+            if tp > 1:  # the other prompts' Allocs evicted turn 1's blocks: their replies waited
+                waits = re.findall(r"(\d+) Alloc replies held until every rank made (\d+) tier "
+                                   r"copies", c.log("d0r0"))
+                check(waits and sum(int(b) for _, b in waits) > 0,
+                      f"{label}: Alloc replies held for the ranks' tier copies: {waits}")
         else:
             check(held == 0, f"{label}: turn 2's Alloc held nothing (the pool lost turn 1): {arr}")
         pc.idle(c, label)
@@ -87,11 +95,13 @@ def main():
     for k in ("router", "prefill", "decode", "tandem", "synth-dir"):
         ap.add_argument("--" + k, required=True)
     args = ap.parse_args()
-    for tier in (False, True):
+    # overlap: the Allocs arrive while a pass computes; their replies wait for the join
+    for tier, tp, overlap in ((False, 1, False), (True, 1, False), (True, 2, False),
+                              (True, 2, True)):
         try:
-            run(args, tier)
-        except Exception as e:  # a crashed run is a failure, the other still runs
-            check(False, f"tier {tier}: {type(e).__name__}: {e}")
+            run(args, tier, tp, overlap)
+        except Exception as e:  # a crashed run is a failure, the others still run
+            check(False, f"tier {tier} tp {tp}: {type(e).__name__}: {e}")
     print(f"{len(FAILS)} failed")
     sys.exit(1 if FAILS else 0)
 
