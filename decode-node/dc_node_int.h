@@ -46,8 +46,9 @@ typedef struct {
 /* an Alloc whose KV targets wait for the ranks' tier copies (dc_serve_sync_allocs) */
 typedef struct {
     td_ctrl_req *req;    /* the control request to answer (owned until answered) */
+    uint64_t client_id;  /* whose */
     uint64_t request_id; /* the client's */
-    uint64_t id;         /* the scheduler's */
+    uint64_t id;         /* the scheduler's (its route's index: reused once it ends) */
 } dc_held_alloc;
 
 typedef struct dc_fwd dc_fwd; /* the forward thread (dc_async.c) */

@@ -249,7 +249,8 @@ static bool must_hold(dc_node *n)
     return nc > 0 || n->n_held_allocs > 0;
 }
 
-static void answer_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uint64_t id)
+static void answer_targets(dc_node *n, td_ctrl_req *req, uint64_t client_id, uint64_t request_id,
+                           uint64_t id)
 {
     if (!must_hold(n)) {
         reply_targets(n, req, request_id, id);
@@ -269,7 +270,7 @@ static void answer_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, ui
         n->cap_held_allocs = cap;
     }
     n->held_allocs[n->n_held_allocs++] =
-        (dc_held_alloc){.req = req, .request_id = request_id, .id = id};
+        (dc_held_alloc){.req = req, .client_id = client_id, .request_id = request_id, .id = id};
 }
 
 int dc_serve_sync_allocs(dc_node *n)
@@ -285,7 +286,10 @@ int dc_serve_sync_allocs(dc_node *n)
                     n->p->instance, n->n_held_allocs, nc, (double)(td_now_ns() - t0) / 1e6);
     for (int i = 0; i < n->n_held_allocs; i++) {
         dc_held_alloc *h = &n->held_allocs[i];
-        if (!rc && dc_xfer_live(n->xfer, h->id))
+        /* still the same request: a cancelled one's route (and id) may be taken again */
+        const dc_route *r = h->id < n->n_routes ? &n->routes[h->id] : NULL;
+        bool same = r && r->used && r->client_id == h->client_id && r->request_id == h->request_id;
+        if (!rc && same && dc_xfer_live(n->xfer, h->id))
             reply_targets(n, h->req, h->request_id, h->id);
         else
             td_ctrl_server_reply_error(n->srv, h->req, h->request_id,
@@ -330,7 +334,7 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
     if (id >= 0) {
         /* a retry of the call (the control layer re-sends after a connection drop) */
         if (n->xfer && dc_xfer_live(n->xfer, (uint64_t)id))
-            answer_targets(n, in->req, rid, (uint64_t)id);
+            answer_targets(n, in->req, in->client_id, rid, (uint64_t)id);
         else
             td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
                                        "request %llu is already running", (unsigned long long)rid);
@@ -404,7 +408,7 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
                                    "cannot make the KV targets: %s", td_strerror(rc));
         return;
     }
-    answer_targets(n, in->req, rid, (uint64_t)id);
+    answer_targets(n, in->req, in->client_id, rid, (uint64_t)id);
     n->load_changed = true; /* blocks are held now: a router picking instances sees it */
 }
 
