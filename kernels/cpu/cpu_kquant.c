@@ -31,7 +31,8 @@
  * dmin * mn * sum(x over the chunk or group) from the block sums cpu_matmul.c computes
  * (over 32, Q2_K: over 16). Tiling as in cpu_matmul.c's qdot: four rows of W at a time
  * for m == 1 (independent chains, prefetch), two rows of W times up to four rows of x
- * otherwise, every row of x with the arithmetic of m == 1.
+ * otherwise, every row of x with the arithmetic of m == 1. Q4_K on AVX-512 has a loop of its
+ * own (kq4_dot): the dequantized weights from a per-chunk table, no block sums.
  */
 #include "cpu_kquant_internal.h"
 
@@ -60,8 +61,17 @@ KN_ALWAYS_INLINE bool kq_g16(td_dtype t)
     return t == TD_Q2_K || t == TD_Q3_K || t == TD_Q6_K;
 }
 
+/* Q4_K's AVX-512 dot (kq4_dot) folds each chunk's min into its weights, so it needs no
+ * block sums of x. */
+#if KN_VL == 16
+#define KQ4_TABLE 1
+#else
+#define KQ4_TABLE 0
+#endif
+
 int kn_kq_xsum_group(td_dtype t)
 {
+    if (KQ4_TABLE && t == TD_Q4_K) return 0;
     return !kq_has_min(t) ? 0 : kq_g16(t) ? 16 : 32;
 }
 
@@ -278,12 +288,117 @@ void kn_kq_dequant(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
     }
 }
 
+#if KQ4_TABLE
+/* Q4_K on AVX-512, the dot of kq_dot's contract without xs: per chunk c a 16-entry table
+ * T_c[q] = d sc[c] q - dmin mn[c] (one fma, rounded once: the dequantized weight, bit for
+ * bit), looked up by the nibbles themselves (vpermps reads an index's low 4 bits, so the
+ * low nibble needs no mask), then one fma per 16 weights and row of x. Against the generic
+ * loop (shift, mask, widen, convert, multiply by x, then scale the chunk's sum, and the
+ * mins from block sums of x) this is about half the vector operations per weight; the
+ * weights it multiplies are exactly the dequantizer's, so the gemm path's x W^T is the same
+ * sum in another order. Every (row of W, row of x) pair runs the same operations in the
+ * same order for any R and M (batch invariance). */
+/* sm[c] = d sc[c] and sm[8 + c] = -(dmin mn[c]) of a Q4_K super-block, c < 8: the bytes of
+ * kq_scale_min's unpacking four at a time (scales bytes 0-3 a, 4-7 b, 8-11 c: sc[0..3] =
+ * a & 63, mn[0..3] = b & 63, sc[4..7] = c's low nibbles | a's top two bits << 4, mn[4..7] =
+ * c's high nibbles | b's top two bits << 4), widened and scaled in one vector. */
+KN_ALWAYS_INLINE void kq4_scales(const uint8_t *blk, float sm[16])
+{
+    /* lanes a, b, c (and 4 bytes of qs) of scales; built in registers, since scalar words
+     * stored and read back as one vector stall on store forwarding */
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4));
+    const __m128i lo = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)),
+                                      _mm_setr_epi32(0, 0, 0, 4)); /* a, c, b, c >> 4 */
+    const __m128i hi = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6);
+    const __m128i u = _mm_or_si128(
+        _mm_and_si128(lo, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+        _mm_slli_epi32(_mm_and_si128(hi, _mm_setr_epi32(0, 0x03030303, 0, 0x03030303)), 4));
+    const __m512 f = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(kn_h2f(blk)),
+                                          _mm512_set1_ps(-kn_h2f(blk + 2)));
+    _mm512_storeu_ps(sm, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)), f));
+}
+
+/* *p in every lane, as a broadcast from memory (a load-port operation): left to itself
+ * the compiler keeps sm in a register and broadcasts with vpermd, on the shuffle port the
+ * table lookups already saturate. */
+KN_ALWAYS_INLINE __m512 kq4_bcast(const float *p)
+{
+    __m512 v;
+    __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+}
+
+KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
+                              const float *x, int64_t ldx, float *y, int64_t ldy)
+{
+    const __m512 levels =
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + (size_t)r * ws + (size_t)b * 144;
+#if KQ_PREFETCH
+            __builtin_prefetch(blk + KQ_PREFETCH);
+            __builtin_prefetch(blk + KQ_PREFETCH + 64);
+            __builtin_prefetch(blk + KQ_PREFETCH + 128);
+#endif
+            /* sm[c] = d sc[c], sm[8 + c] = -dmin mn[c] (exact products), vectorized: the
+             * scalar unpacking of kq_scales costs as much as the chunks' dots here */
+            float sm[16];
+            kq4_scales(blk, sm);
+            /* 32 bytes of qs hold chunk 2 p (low nibbles) and 2 p + 1 (high nibbles) */
+#pragma GCC unroll 4
+            for (int p = 0; p < 4; p++) {
+                const uint8_t *qs = blk + 16 + 32 * p;
+                const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+                const __m512i b1 =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+                const __m512 tl = _mm512_fmadd_ps(levels, kq4_bcast(&sm[2 * p]),
+                                                  kq4_bcast(&sm[8 + 2 * p]));
+                const __m512 th = _mm512_fmadd_ps(levels, kq4_bcast(&sm[2 * p + 1]),
+                                                  kq4_bcast(&sm[8 + 2 * p + 1]));
+                const __m512 w0 = _mm512_permutexvar_ps(b0, tl);
+                const __m512 w1 = _mm512_permutexvar_ps(b1, tl);
+                const __m512 w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), th);
+                const __m512 w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), th);
+#pragma GCC unroll 4
+                for (int j = 0; j < M; j++) {
+                    const float *xj = x + j * ldx + b * KN_QK_K + 64 * p;
+                    __m512 a = acc[r][j];
+                    a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xj), a);
+                    a = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xj + 16), a);
+                    a = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xj + 32), a);
+                    acc[r][j] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xj + 48), a);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++)
+            y[j * ldy + r] = kn_vsum(acc[r][j]);
+}
+#endif
+
 /* y[j * ldy + r] = dot(row r of W, row j of x) for R rows of W at w (row stride ws) and
  * M rows of x (row stride ldx), nsb super-blocks per row; xs: block sums of x over the
  * min groups (Q4_K/Q5_K: 32, row stride 8 nsb; Q2_K: 16, row stride 16 nsb). */
 KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
                              const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
 {
+#if KQ4_TABLE
+    if (t == TD_Q4_K) {
+        kq4_dot(R, M, w, ws, nsb, x, ldx, y, ldy);
+        return;
+    }
+#endif
     const size_t bs = kq_block_bytes(t);
     const int ng = kq_g16(t) ? 16 : 8; /* scale (and min) groups per super-block */
     kn_vf acc[4][4];
