@@ -125,6 +125,14 @@ KN_ALWAYS_INLINE void kq_scale16(const int8_t *s, float d, float *ds)
 #endif
 }
 
+#if KN_VL == 16
+/* kq_scale16 of 16 int8 scales already in a register. */
+KN_ALWAYS_INLINE void kq_scale16v(__m128i s, float d, float *ds)
+{
+    _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)), _mm512_set1_ps(d)));
+}
+#endif
+
 /* The 16 six-bit scales of a Q3_K super-block minus 32, from scales[12] (ggml's kmask
  * shuffle: word k of the result holds groups 4 k .. 4 k + 3). */
 KN_ALWAYS_INLINE void kq_q3_scales(const uint8_t *s, int8_t sc[16])
@@ -143,6 +151,28 @@ KN_ALWAYS_INLINE void kq_q3_scales(const uint8_t *s, int8_t sc[16])
     memcpy(sc, o, 16);
 }
 
+#if KN_VL == 16
+/* sm[c] = d sc[c] and sm[8 + c] = dmin mn[c] of a Q4_K/Q5_K super-block, c < 8 (exact
+ * products, as kq_scales): the bytes of kq_scale_min's unpacking four at a time (scales bytes 0-3 a, 4-7 b, 8-11 c: sc[0..3] =
+ * a & 63, mn[0..3] = b & 63, sc[4..7] = c's low nibbles | a's top two bits << 4, mn[4..7] =
+ * c's high nibbles | b's top two bits << 4), widened and scaled in one vector. */
+KN_ALWAYS_INLINE void kq4_scales(const uint8_t *blk, float sm[16])
+{
+    /* lanes a, b, c (and 4 bytes of qs) of scales; built in registers, since scalar words
+     * stored and read back as one vector stall on store forwarding */
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4));
+    const __m128i lo = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)),
+                                      _mm_setr_epi32(0, 0, 0, 4)); /* a, c, b, c >> 4 */
+    const __m128i hi = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6);
+    const __m128i u = _mm_or_si128(
+        _mm_and_si128(lo, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+        _mm_slli_epi32(_mm_and_si128(hi, _mm_setr_epi32(0, 0x03030303, 0, 0x03030303)), 4));
+    const __m512 f = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(kn_h2f(blk)),
+                                          _mm512_set1_ps(kn_h2f(blk + 2)));
+    _mm512_storeu_ps(sm, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)), f));
+}
+#endif
+
 /* ds = d * scale per chunk (8: Q4_K, Q5_K, IQ4_XS) or group (16: Q2_K, Q3_K, Q6_K), dm =
  * dmin * min likewise (Q2_K, Q4_K, Q5_K); all exact products. */
 KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float *dm)
@@ -151,6 +181,31 @@ KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float
         kq_scale16((const int8_t *)(blk + 192), kn_h2f(blk + 208), ds);
         return;
     }
+#if KN_VL == 16
+    /* the 16-group types' scales unpacked in registers (bytes stored one by one and read
+     * back as a vector stall on store forwarding) */
+    if (t == TD_Q3_K) {
+        /* scales[12] (a mask load: 16 bytes would pass the end of the last block) */
+        const __m128i v = _mm_maskz_loadu_epi8(0x0fff, blk + 96);
+        const __m128i lo = _mm_and_si128(
+            _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4)),
+            _mm_set1_epi8(0x0f));
+        const __m128i hi = _mm_and_si128(
+            _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 2, 4, 6)),
+            _mm_set1_epi8(0x03));
+        const __m128i sc =
+            _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
+        kq_scale16v(sc, kn_h2f(blk + 108), ds);
+        return;
+    }
+    if (t == TD_Q2_K) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)blk);
+        kq_scale16v(_mm_and_si128(v, _mm_set1_epi8(0x0f)), kn_h2f(blk + 80), ds);
+        kq_scale16v(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f)), kn_h2f(blk + 82),
+                    dm);
+        return;
+    }
+#endif
     if (t == TD_Q3_K) {
         int8_t sc[16];
         kq_q3_scales(blk + 96, sc);
@@ -176,6 +231,13 @@ KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float
         }
         return;
     }
+#if KN_VL == 16
+    float sm[16];
+    kq4_scales(blk, sm);
+    memcpy(ds, sm, 8 * sizeof(float));
+    memcpy(dm, sm + 8, 8 * sizeof(float));
+    return;
+#endif
     int sc[8], mn[8];
     kq_scale_min(blk + 4, sc, mn);
     const float d = kn_h2f(blk), dmin = kn_h2f(blk + 2);
@@ -298,26 +360,6 @@ void kn_kq_dequant(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
  * weights it multiplies are exactly the dequantizer's, so the gemm path's x W^T is the same
  * sum in another order. Every (row of W, row of x) pair runs the same operations in the
  * same order for any R and M (batch invariance). */
-/* sm[c] = d sc[c] and sm[8 + c] = -(dmin mn[c]) of a Q4_K super-block, c < 8: the bytes of
- * kq_scale_min's unpacking four at a time (scales bytes 0-3 a, 4-7 b, 8-11 c: sc[0..3] =
- * a & 63, mn[0..3] = b & 63, sc[4..7] = c's low nibbles | a's top two bits << 4, mn[4..7] =
- * c's high nibbles | b's top two bits << 4), widened and scaled in one vector. */
-KN_ALWAYS_INLINE void kq4_scales(const uint8_t *blk, float sm[16])
-{
-    /* lanes a, b, c (and 4 bytes of qs) of scales; built in registers, since scalar words
-     * stored and read back as one vector stall on store forwarding */
-    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4));
-    const __m128i lo = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)),
-                                      _mm_setr_epi32(0, 0, 0, 4)); /* a, c, b, c >> 4 */
-    const __m128i hi = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6);
-    const __m128i u = _mm_or_si128(
-        _mm_and_si128(lo, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
-        _mm_slli_epi32(_mm_and_si128(hi, _mm_setr_epi32(0, 0x03030303, 0, 0x03030303)), 4));
-    const __m512 f = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(kn_h2f(blk)),
-                                          _mm512_set1_ps(-kn_h2f(blk + 2)));
-    _mm512_storeu_ps(sm, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)), f));
-}
-
 /* *p in every lane, as a broadcast from memory (a load-port operation): left to itself
  * the compiler keeps sm in a register and broadcasts with vpermd, on the shuffle port the
  * table lookups already saturate. */
@@ -348,8 +390,7 @@ KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
             __builtin_prefetch(blk + KQ_PREFETCH + 64);
             __builtin_prefetch(blk + KQ_PREFETCH + 128);
 #endif
-            /* sm[c] = d sc[c], sm[8 + c] = -dmin mn[c] (exact products), vectorized: the
-             * scalar unpacking of kq_scales costs as much as the chunks' dots here */
+            /* sm[c] = d sc[c], sm[8 + c] = dmin mn[c] */
             float sm[16];
             kq4_scales(blk, sm);
             /* 32 bytes of qs hold chunk 2 p (low nibbles) and 2 p + 1 (high nibbles) */
@@ -359,9 +400,9 @@ KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
                 const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
                 const __m512i b1 =
                     _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
-                const __m512 tl = _mm512_fmadd_ps(levels, kq4_bcast(&sm[2 * p]),
+                const __m512 tl = _mm512_fmsub_ps(levels, kq4_bcast(&sm[2 * p]),
                                                   kq4_bcast(&sm[8 + 2 * p]));
-                const __m512 th = _mm512_fmadd_ps(levels, kq4_bcast(&sm[2 * p + 1]),
+                const __m512 th = _mm512_fmsub_ps(levels, kq4_bcast(&sm[2 * p + 1]),
                                                   kq4_bcast(&sm[8 + 2 * p + 1]));
                 const __m512 w0 = _mm512_permutexvar_ps(b0, tl);
                 const __m512 w1 = _mm512_permutexvar_ps(b1, tl);
