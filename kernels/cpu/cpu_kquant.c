@@ -428,6 +428,85 @@ KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
 }
 #endif
 
+#if KN_VL == 16
+/* Q6_K on AVX-512, kq_dot's contract: per half h of the super-block (128 weights) the 64
+ * bytes of ql and 32 of qh are widened to dwords once; each vector of 16 quants is then
+ * nibble | high bits (one ternary-logic op), converted, and made the dequantized weight
+ * d sc[g] (q - 32) = fma(q, d sc[g], -32 d sc[g]) (exact: the products have at most 23
+ * significant bits), then one fma per row of x. Against the generic loop (byte-domain
+ * unpacking, two widenings and an extract per 32 quants) fewer shuffle-port operations,
+ * and at m > 1 the weights are built once for up to four rows of x. The same operations
+ * in the same order for every (row of W, row of x) pair, any R and M. */
+KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
+                              const float *x, int64_t ldx, float *y, int64_t ldy)
+{
+    const __m512i m15 = _mm512_set1_epi32(15), m48 = _mm512_set1_epi32(0x30);
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + (size_t)r * ws + (size_t)b * 210;
+#if KQ_PREFETCH
+            for (size_t o = 0; o < 210; o += 64)
+                __builtin_prefetch(blk + KQ_PREFETCH + o);
+#endif
+            /* ds[g] = d sc[g], ds[16 + g] = -32 d sc[g] */
+            float ds[32];
+            const __m512 vds = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))),
+                _mm512_set1_ps(kn_h2f(blk + 208)));
+            _mm512_storeu_ps(ds, vds);
+            _mm512_storeu_ps(ds + 16, _mm512_mul_ps(vds, _mm512_set1_ps(-32.0f)));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m512i L[4], H[2];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++)
+                    L[i] = _mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(blk + 64 * h + 16 * i)));
+#pragma GCC unroll 2
+                for (int i = 0; i < 2; i++)
+                    H[i] = _mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(blk + 128 + 32 * h + 16 * i)));
+                /* chunk c = 4 h + k, its two groups of 16 (i): elements 32 c + 16 i .. */
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+#pragma GCC unroll 2
+                    for (int i = 0; i < 2; i++) {
+                        const __m512i l = L[2 * (k % 2) + i];
+                        const __m512i nib =
+                            k < 2 ? _mm512_and_si512(l, m15) : _mm512_srli_epi32(l, 4);
+                        /* the two high bits (qh >> 2 k) & 3 moved to bits 4-5 */
+                        const __m512i hs = k == 0   ? _mm512_slli_epi32(H[i], 4)
+                                           : k == 1 ? _mm512_slli_epi32(H[i], 2)
+                                           : k == 2 ? H[i]
+                                                    : _mm512_srli_epi32(H[i], 2);
+                        /* nib | (hs & 0x30) */
+                        const __m512i q = _mm512_ternarylogic_epi32(nib, hs, m48, 0xf8);
+                        const int g = 2 * (4 * h + k) + i;
+                        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q),
+                                                          kq4_bcast(&ds[g]), kq4_bcast(&ds[16 + g]));
+#pragma GCC unroll 4
+                        for (int j = 0; j < M; j++)
+                            acc[r][j] = _mm512_fmadd_ps(
+                                wv, _mm512_loadu_ps(x + j * ldx + b * KN_QK_K + 16 * g), acc[r][j]);
+                    }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++)
+            y[j * ldy + r] = kn_vsum(acc[r][j]);
+}
+#endif
+
 /* y[j * ldy + r] = dot(row r of W, row j of x) for R rows of W at w (row stride ws) and
  * M rows of x (row stride ldx), nsb super-blocks per row; xs: block sums of x over the
  * min groups (Q4_K/Q5_K: 32, row stride 8 nsb; Q2_K: 16, row stride 16 nsb). */
@@ -437,6 +516,10 @@ KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t 
 #if KQ4_TABLE
     if (t == TD_Q4_K) {
         kq4_dot(R, M, w, ws, nsb, x, ldx, y, ldy);
+        return;
+    }
+    if (t == TD_Q6_K) {
+        kq6_dot(R, M, w, ws, nsb, x, ldx, y, ldy);
         return;
     }
 #endif
