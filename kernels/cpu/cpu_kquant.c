@@ -31,8 +31,10 @@
  * dmin * mn * sum(x over the chunk or group) from the block sums cpu_matmul.c computes
  * (over 32, Q2_K: over 16). Tiling as in cpu_matmul.c's qdot: four rows of W at a time
  * for m == 1 (independent chains, prefetch), two rows of W times up to four rows of x
- * otherwise, every row of x with the arithmetic of m == 1. Q4_K on AVX-512 has a loop of its
- * own (kq4_dot): the dequantized weights from a per-chunk table, no block sums.
+ * otherwise, every row of x with the arithmetic of m == 1. On AVX-512 Q4_K and Q6_K have
+ * loops of their own (kq4_dot: the dequantized weights from a per-chunk table, no block
+ * sums; kq6_dot: the weights built in the dword domain), and the Q2_K-Q5_K scales are
+ * unpacked in registers: scalar stores read back as vectors stalled on store forwarding.
  */
 #include "cpu_kquant_internal.h"
 
@@ -129,7 +131,8 @@ KN_ALWAYS_INLINE void kq_scale16(const int8_t *s, float d, float *ds)
 /* kq_scale16 of 16 int8 scales already in a register. */
 KN_ALWAYS_INLINE void kq_scale16v(__m128i s, float d, float *ds)
 {
-    _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)), _mm512_set1_ps(d)));
+    _mm512_storeu_ps(ds,
+                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)), _mm512_set1_ps(d)));
 }
 #endif
 
@@ -153,9 +156,10 @@ KN_ALWAYS_INLINE void kq_q3_scales(const uint8_t *s, int8_t sc[16])
 
 #if KN_VL == 16
 /* sm[c] = d sc[c] and sm[8 + c] = dmin mn[c] of a Q4_K/Q5_K super-block, c < 8 (exact
- * products, as kq_scales): the bytes of kq_scale_min's unpacking four at a time (scales bytes 0-3 a, 4-7 b, 8-11 c: sc[0..3] =
- * a & 63, mn[0..3] = b & 63, sc[4..7] = c's low nibbles | a's top two bits << 4, mn[4..7] =
- * c's high nibbles | b's top two bits << 4), widened and scaled in one vector. */
+ * products, as kq_scales): the bytes of kq_scale_min's unpacking four at a time (scales bytes 0-3
+ * a, 4-7 b, 8-11 c: sc[0..3] = a & 63, mn[0..3] = b & 63, sc[4..7] = c's low nibbles | a's top two
+ * bits << 4, mn[4..7] = c's high nibbles | b's top two bits << 4), widened and scaled in one
+ * vector. */
 KN_ALWAYS_INLINE void kq4_scales(const uint8_t *blk, float sm[16])
 {
     /* lanes a, b, c (and 4 bytes of qs) of scales; built in registers, since scalar words
@@ -167,8 +171,8 @@ KN_ALWAYS_INLINE void kq4_scales(const uint8_t *blk, float sm[16])
     const __m128i u = _mm_or_si128(
         _mm_and_si128(lo, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
         _mm_slli_epi32(_mm_and_si128(hi, _mm_setr_epi32(0, 0x03030303, 0, 0x03030303)), 4));
-    const __m512 f = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(kn_h2f(blk)),
-                                          _mm512_set1_ps(kn_h2f(blk + 2)));
+    const __m512 f =
+        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(kn_h2f(blk)), _mm512_set1_ps(kn_h2f(blk + 2)));
     _mm512_storeu_ps(sm, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)), f));
 }
 #endif
@@ -187,22 +191,22 @@ KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float
     if (t == TD_Q3_K) {
         /* scales[12] (a mask load: 16 bytes would pass the end of the last block) */
         const __m128i v = _mm_maskz_loadu_epi8(0x0fff, blk + 96);
-        const __m128i lo = _mm_and_si128(
-            _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4)),
-            _mm_set1_epi8(0x0f));
-        const __m128i hi = _mm_and_si128(
-            _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 2, 4, 6)),
-            _mm_set1_epi8(0x03));
-        const __m128i sc =
-            _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
+        const __m128i lo =
+            _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm_setr_epi32(0, 0, 4, 4)),
+                          _mm_set1_epi8(0x0f));
+        const __m128i hi =
+            _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2)),
+                                         _mm_setr_epi32(0, 2, 4, 6)),
+                          _mm_set1_epi8(0x03));
+        const __m128i sc = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
         kq_scale16v(sc, kn_h2f(blk + 108), ds);
         return;
     }
     if (t == TD_Q2_K) {
         const __m128i v = _mm_loadu_si128((const __m128i *)blk);
         kq_scale16v(_mm_and_si128(v, _mm_set1_epi8(0x0f)), kn_h2f(blk + 80), ds);
-        kq_scale16v(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f)), kn_h2f(blk + 82),
-                    dm);
+        kq_scale16v(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f)), kn_h2f(blk + 82), dm);
         return;
     }
 #endif
@@ -373,8 +377,7 @@ KN_ALWAYS_INLINE __m512 kq4_bcast(const float *p)
 KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
                               const float *x, int64_t ldx, float *y, int64_t ldy)
 {
-    const __m512 levels =
-        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -400,8 +403,8 @@ KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
                 const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
                 const __m512i b1 =
                     _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
-                const __m512 tl = _mm512_fmsub_ps(levels, kq4_bcast(&sm[2 * p]),
-                                                  kq4_bcast(&sm[8 + 2 * p]));
+                const __m512 tl =
+                    _mm512_fmsub_ps(levels, kq4_bcast(&sm[2 * p]), kq4_bcast(&sm[8 + 2 * p]));
                 const __m512 th = _mm512_fmsub_ps(levels, kq4_bcast(&sm[2 * p + 1]),
                                                   kq4_bcast(&sm[8 + 2 * p + 1]));
                 const __m512 w0 = _mm512_permutexvar_ps(b0, tl);
@@ -457,9 +460,9 @@ KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
 #endif
             /* ds[g] = d sc[g], ds[16 + g] = -32 d sc[g] */
             float ds[32];
-            const __m512 vds = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))),
-                _mm512_set1_ps(kn_h2f(blk + 208)));
+            const __m512 vds = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                 _mm_loadu_si128((const __m128i *)(blk + 192)))),
+                                             _mm512_set1_ps(kn_h2f(blk + 208)));
             _mm512_storeu_ps(ds, vds);
             _mm512_storeu_ps(ds + 16, _mm512_mul_ps(vds, _mm512_set1_ps(-32.0f)));
 #pragma GCC unroll 2
@@ -473,7 +476,7 @@ KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
                 for (int i = 0; i < 2; i++)
                     H[i] = _mm512_cvtepu8_epi32(
                         _mm_loadu_si128((const __m128i *)(blk + 128 + 32 * h + 16 * i)));
-                /* chunk c = 4 h + k, its two groups of 16 (i): elements 32 c + 16 i .. */
+                    /* chunk c = 4 h + k, its two groups of 16 (i): elements 32 c + 16 i .. */
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++)
 #pragma GCC unroll 2
@@ -489,8 +492,8 @@ KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
                         /* nib | (hs & 0x30) */
                         const __m512i q = _mm512_ternarylogic_epi32(nib, hs, m48, 0xf8);
                         const int g = 2 * (4 * h + k) + i;
-                        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q),
-                                                          kq4_bcast(&ds[g]), kq4_bcast(&ds[16 + g]));
+                        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), kq4_bcast(&ds[g]),
+                                                          kq4_bcast(&ds[16 + g]));
 #pragma GCC unroll 4
                         for (int j = 0; j < M; j++)
                             acc[r][j] = _mm512_fmadd_ps(
