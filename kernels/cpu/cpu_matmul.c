@@ -51,10 +51,18 @@
 #ifndef MM_PREFETCH
 #define MM_PREFETCH 8192
 #endif
-/* The gemm path dequantizes at most this many bytes of float32 weights per sgemm call, so
- * the slice stays in L2 (256 KiB to 4 MiB measured within noise of each other). */
+/* The gemm path dequantizes a slice of W's rows to float32 per sgemm call: at least
+ * MM_GEMM_SLICE_MIN_ROWS rows, more while they fit in MM_GEMM_SLICE_BYTES. Each call
+ * packs all of x again (m x k floats), so a slice of few rows makes the packing as costly as
+ * the multiply: with the 1 MiB bound alone ffn_down of Qwen2.5 1.5B (k = 8960) got 29 rows
+ * per call and prefill ran at 0.66 of the sgemm rate; 512 rows: 0.88 (pp512 1.36x on the
+ * 1.5B, 1.16x on the 0.5B, 1.03x on the default model, BENCHMARKS.md "Engine"). The cost is
+ * scratch: up to 512 k floats per thread (18 MiB at k = 8960). */
 #ifndef MM_GEMM_SLICE_BYTES
 #define MM_GEMM_SLICE_BYTES (1024 * 1024)
+#endif
+#ifndef MM_GEMM_SLICE_MIN_ROWS
+#define MM_GEMM_SLICE_MIN_ROWS 512
 #endif
 #define MM_GEMM_MIN_ROWS 16 /* per thread and per sgemm call */
 
@@ -349,7 +357,7 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
         return;
     }
     int64_t slice = MM_GEMM_SLICE_BYTES / (k * (int64_t)sizeof(float));
-    if (slice < MM_GEMM_MIN_ROWS) slice = MM_GEMM_MIN_ROWS;
+    if (slice < MM_GEMM_SLICE_MIN_ROWS) slice = MM_GEMM_SLICE_MIN_ROWS;
     if (slice > r1 - r0) slice = r1 - r0;
     float *buf = kn_cpu_scratch(j->c, tid, (size_t)(slice * k)); /* (slice, k) */
     if (!buf) {
