@@ -355,15 +355,6 @@ void kn_kq_dequant(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
 }
 
 #if KQ4_TABLE
-/* Q4_K on AVX-512, the dot of kq_dot's contract without xs: per chunk c a 16-entry table
- * T_c[q] = d sc[c] q - dmin mn[c] (one fma, rounded once: the dequantized weight, bit for
- * bit), looked up by the nibbles themselves (vpermps reads an index's low 4 bits, so the
- * low nibble needs no mask), then one fma per 16 weights and row of x. Against the generic
- * loop (shift, mask, widen, convert, multiply by x, then scale the chunk's sum, and the
- * mins from block sums of x) this is about half the vector operations per weight; the
- * weights it multiplies are exactly the dequantizer's, so the gemm path's x W^T is the same
- * sum in another order. Every (row of W, row of x) pair runs the same operations in the
- * same order for any R and M (batch invariance). */
 /* *p in every lane, as a broadcast from memory (a load-port operation): left to itself
  * the compiler keeps sm in a register and broadcasts with vpermd, on the shuffle port the
  * table lookups already saturate. */
@@ -374,6 +365,15 @@ KN_ALWAYS_INLINE __m512 kq4_bcast(const float *p)
     return v;
 }
 
+/* Q4_K on AVX-512, the dot of kq_dot's contract without xs: per chunk c a 16-entry table
+ * T_c[q] = d sc[c] q - dmin mn[c] (one fma, rounded once: the dequantized weight, bit for
+ * bit), looked up by the nibbles themselves (vpermps reads an index's low 4 bits, so the
+ * low nibble needs no mask), then one fma per 16 weights and row of x. Against the generic
+ * loop (shift, mask, widen, convert, multiply by x, then scale the chunk's sum, and the
+ * mins from block sums of x) this is about half the vector operations per weight; the
+ * weights it multiplies are exactly the dequantizer's, so the gemm path's x W^T is the same
+ * sum in another order. Every (row of W, row of x) pair runs the same operations in the
+ * same order for any R and M (batch invariance). */
 KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
                               const float *x, int64_t ldx, float *y, int64_t ldy)
 {
