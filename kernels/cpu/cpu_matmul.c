@@ -56,8 +56,9 @@
  * packs all of x again (m x k floats), so a slice of few rows makes the packing as costly as
  * the multiply: with the 1 MiB bound alone ffn_down of Qwen2.5 1.5B (k = 8960) got 29 rows
  * per call and prefill ran at 0.66 of the sgemm rate; 512 rows: 0.88 (pp512 1.36x on the
- * 1.5B, 1.16x on the 0.5B, 1.03x on the default model, BENCHMARKS.md "Engine"). The cost is
- * scratch: up to 512 k floats per thread (18 MiB at k = 8960). */
+ * 1.5B, 1.16x on the 0.5B, 1.03x on the default model: BENCHMARKS.md, "Against llama.cpp
+ * on a quiet machine"). The cost is scratch: up to 512 k floats per thread (18 MiB at
+ * k = 8960). */
 #ifndef MM_GEMM_SLICE_BYTES
 #define MM_GEMM_SLICE_BYTES (1024 * 1024)
 #endif
