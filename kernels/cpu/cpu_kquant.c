@@ -63,17 +63,17 @@ KN_ALWAYS_INLINE bool kq_g16(td_dtype t)
     return t == TD_Q2_K || t == TD_Q3_K || t == TD_Q6_K;
 }
 
-/* Q4_K's AVX-512 dot (kq4_dot) folds each chunk's min into its weights, so it needs no
- * block sums of x. */
+/* On AVX-512 Q4_K and Q6_K take loops of their own (kq4_dot, kq6_dot); kq4_dot folds each
+ * chunk's min into its weights, so Q4_K needs no block sums of x there. */
 #if KN_VL == 16
-#define KQ4_TABLE 1
+#define KQ_AVX512_LOOPS 1
 #else
-#define KQ4_TABLE 0
+#define KQ_AVX512_LOOPS 0
 #endif
 
 int kn_kq_xsum_group(td_dtype t)
 {
-    if (KQ4_TABLE && t == TD_Q4_K) return 0;
+    if (KQ_AVX512_LOOPS && t == TD_Q4_K) return 0;
     return !kq_has_min(t) ? 0 : kq_g16(t) ? 16 : 32;
 }
 
@@ -354,11 +354,11 @@ void kn_kq_dequant(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
     }
 }
 
-#if KQ4_TABLE
+#if KQ_AVX512_LOOPS
 /* *p in every lane, as a broadcast from memory (a load-port operation): left to itself
  * the compiler keeps sm in a register and broadcasts with vpermd, on the shuffle port the
  * table lookups already saturate. */
-KN_ALWAYS_INLINE __m512 kq4_bcast(const float *p)
+KN_ALWAYS_INLINE __m512 kq_bcast(const float *p)
 {
     __m512 v;
     __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
@@ -404,9 +404,9 @@ KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
                 const __m512i b1 =
                     _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
                 const __m512 tl =
-                    _mm512_fmsub_ps(levels, kq4_bcast(&sm[2 * p]), kq4_bcast(&sm[8 + 2 * p]));
-                const __m512 th = _mm512_fmsub_ps(levels, kq4_bcast(&sm[2 * p + 1]),
-                                                  kq4_bcast(&sm[8 + 2 * p + 1]));
+                    _mm512_fmsub_ps(levels, kq_bcast(&sm[2 * p]), kq_bcast(&sm[8 + 2 * p]));
+                const __m512 th =
+                    _mm512_fmsub_ps(levels, kq_bcast(&sm[2 * p + 1]), kq_bcast(&sm[8 + 2 * p + 1]));
                 const __m512 w0 = _mm512_permutexvar_ps(b0, tl);
                 const __m512 w1 = _mm512_permutexvar_ps(b1, tl);
                 const __m512 w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), th);
@@ -429,9 +429,7 @@ KN_ALWAYS_INLINE void kq4_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
         for (int j = 0; j < M; j++)
             y[j * ldy + r] = kn_vsum(acc[r][j]);
 }
-#endif
 
-#if KN_VL == 16
 /* Q6_K on AVX-512, kq_dot's contract: per half h of the super-block (128 weights) the 64
  * bytes of ql and 32 of qh are widened to dwords once; each vector of 16 quants is then
  * nibble | high bits (one ternary-logic op), converted, and made the dequantized weight
@@ -473,10 +471,11 @@ KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
                     L[i] = _mm512_cvtepu8_epi32(
                         _mm_loadu_si128((const __m128i *)(blk + 64 * h + 16 * i)));
 #pragma GCC unroll 2
-                for (int i = 0; i < 2; i++)
+                for (int i = 0; i < 2; i++) {
                     H[i] = _mm512_cvtepu8_epi32(
                         _mm_loadu_si128((const __m128i *)(blk + 128 + 32 * h + 16 * i)));
-                    /* chunk c = 4 h + k, its two groups of 16 (i): elements 32 c + 16 i .. */
+                }
+                /* chunk c = 4 h + k, its two groups of 16 (i): elements 32 c + 16 i .. */
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++)
 #pragma GCC unroll 2
@@ -492,8 +491,8 @@ KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
                         /* nib | (hs & 0x30) */
                         const __m512i q = _mm512_ternarylogic_epi32(nib, hs, m48, 0xf8);
                         const int g = 2 * (4 * h + k) + i;
-                        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), kq4_bcast(&ds[g]),
-                                                          kq4_bcast(&ds[16 + g]));
+                        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), kq_bcast(&ds[g]),
+                                                          kq_bcast(&ds[16 + g]));
 #pragma GCC unroll 4
                         for (int j = 0; j < M; j++)
                             acc[r][j] = _mm512_fmadd_ps(
@@ -516,7 +515,7 @@ KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
 KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
                              const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
 {
-#if KQ4_TABLE
+#if KQ_AVX512_LOOPS
     if (t == TD_Q4_K) {
         kq4_dot(R, M, w, ws, nsb, x, ldx, y, ldy);
         return;
