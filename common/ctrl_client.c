@@ -14,6 +14,13 @@
  * Submit/Cancel of the same (client_id, request_id) as idempotent. DONE calls are freed
  * by the owner in td_ctrl_client_recv.
  *
+ * NNG 1.5.2's req0 can complete a send with success while the message is still attached
+ * to the aio (seen when a Poll's send to an instance whose server had gone timed out:
+ * the send "succeeded" at its deadline, the receive that followed failed NNG_ESTATE, and
+ * the next send's nng_aio_set_msg dropped the old message, a leak per dead instance).
+ * A send that reports success but left its message with us was not sent: it is handled
+ * as a failed send (the message is freed, the call retried or timed out).
+ *
  * The Poll is one persistent call that never reaches DONE: its callback decodes the
  * Events reply, pushes the new events (seq > last_seq) into the inbox and posts the next
  * Poll acknowledging them. It pauses (poll_paused) while the owner has more than
@@ -252,6 +259,8 @@ static void poll_cb(call *k, int rv)
         poll_start(c);
         return;
     }
+    if (k->state == CALL_SEND && rv == 0 && nng_aio_get_msg(k->aio))
+        rv = NNG_ETIMEDOUT; /* not sent after all (see the top of this file): ask again at once */
     if (k->state == CALL_SEND && rv == 0) {
         int64_t left = k->deadline - td_now_ms();
         k->state = CALL_RECV;
@@ -293,6 +302,8 @@ static void call_cb(void *arg)
         return;
     }
     int64_t left = k->deadline - td_now_ms();
+    if (k->state == CALL_SEND && rv == 0 && nng_aio_get_msg(k->aio))
+        rv = left > RETRY_MS ? NNG_ECONNSHUT : NNG_ETIMEDOUT; /* not sent after all */
     if (k->state == CALL_SLEEP) {
         if (rv == 0 && call_send(k) == 0) return;
         if (rv == 0) rv = NNG_ENOMEM;

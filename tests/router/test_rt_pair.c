@@ -26,8 +26,10 @@
  *                 streamed, after its first token (X-Tandem-Timeout-Ms) -> the text, an SSE
  *                 error event and [DONE], the decode side cancelled; the timeouts metric
  *   drain         SIGTERM with a stream open after its first token: new requests 503,
- *                 /health 503; after drain_timeout_ms (1 s) the stream ends with an SSE
- *                 error event and [DONE], the decode side is cancelled, exit 0 within 3 s
+ *                 /health 503; after drain_timeout_ms (2 s: a loaded machine needs more
+ *                 than 1 s for the requests made while draining) the stream ends with an
+ *                 SSE error event and [DONE], the decode side is cancelled, exit 0 within 4 s
+ *                 with no leak (the Polls to the instances killed earlier included)
  * The fakes run on one thread (fake_main); the main thread drives HTTP and reads the fakes'
  * records under g_mu. */
 #define _GNU_SOURCE
@@ -550,7 +552,7 @@ static int start_router(const char *bin, const char *model)
     fprintf(f,
             "model: %s\n"
             "router:\n  listen: 127.0.0.1:%d\n  heartbeat_ms: 100\n  instance_timeout_ms: 1500\n"
-            "  max_queue: 16\n  drain_timeout_ms: 1000\n"
+            "  max_queue: 16\n  drain_timeout_ms: 2000\n"
             "prefill:\n  - name: p0\n    pp: 2\n    port: %d\n  - name: p1\n    port: %d\n"
             "decode:\n  - name: d0\n    port: %d\n  - name: d1\n    port: %d\n"
             "kvxfer:\n  timeout_ms: 1000\n",
@@ -948,13 +950,13 @@ static void test_drain(void)
     char *err = strstr(g_resp, "data: {\"error\"");
     TH_CHECKF(err && strstr(err, "\"code\":\"shutting_down\"") && strstr(err, "data: [DONE]"), "%s",
               g_resp);
-    TH_CHECKF(took >= 950, "the stream ended %lld ms after SIGTERM", (long long)took);
+    TH_CHECKF(took >= 1950, "the stream ended %lld ms after SIGTERM", (long long)took);
     int ws = 0;
     waitpid(g_router, &ws, 0);
     g_router = 0;
     took = now_ms() - t0;
     g_drain_exit = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
-    TH_CHECKF(took < 3000, "exit %lld ms after SIGTERM (drain 1 s)", (long long)took);
+    TH_CHECKF(took < 4000, "exit %lld ms after SIGTERM (drain 2 s)", (long long)took);
     TH_CHECK(wait_count(D1, "cancel ", 1, 2000));
 }
 
