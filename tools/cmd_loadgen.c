@@ -2,10 +2,15 @@
  *
  *   tandem bench --url URL --concurrency C --requests N --prompt-tokens P --max-tokens M
  *                [--stream] [--json] [--model NAME] [--temperature T] [--timeout-ms MS]
+ *                [--prompt-seed S] [--ignore-eos]
  *
  * C threads, each a blocking client on its own connection, send N POST /v1/completions in
  * all; the prompt is an array of P token ids (pseudo-random in [100, 500), valid for the
- * default and the synthetic models). The model name is asked from GET /v1/models unless
+ * default and the synthetic models), a function of the request's index and --prompt-seed
+ * only: a run with the seed of an earlier run repeats its prompts (what a prefix cache
+ * serves), a new seed gives fresh ones. --ignore-eos asks the server to generate all M
+ * tokens (vLLM's and llama-server's `ignore_eos`), so that two servers are compared on the
+ * same amount of output. The model name is asked from GET /v1/models unless
  * --model is given. The report follows the established serving benchmarks: requests/s,
  * output tokens/s (completion tokens from `usage`), and with --stream time to first token
  * (TTFT), time per output token after the first (TPOT = (last - first) / (tokens - 1)) and
@@ -54,7 +59,8 @@ typedef struct {
     const char *model;
     int concurrency, requests, prompt_tokens, max_tokens, timeout_ms;
     double temperature;
-    bool stream;
+    bool stream, ignore_eos;
+    uint32_t prompt_seed;
     atomic_int next;                 /* next request index to send */
     atomic_int done, errors, tokens; /* finished requests, failures, completion tokens */
     bench_result *res;               /* (requests) */
@@ -193,7 +199,8 @@ static int on_plain_body(void *ctx, const char *data, size_t n)
 static char *request_body(const bench *b, int idx)
 {
     json_t *ids = json_array();
-    uint32_t x = 2463534242u ^ (uint32_t)(idx * 2654435761u);
+    uint32_t x = 2463534242u ^ (uint32_t)(idx * 2654435761u) ^ (b->prompt_seed * 0x9e3779b9u);
+    if (!x) x = 1; /* xorshift's one fixed point */
     for (int i = 0; i < b->prompt_tokens; i++) {
         x ^= x << 13;
         x ^= x >> 17;
@@ -206,6 +213,7 @@ static char *request_body(const bench *b, int idx)
     json_object_set_new(o, "max_tokens", json_integer(b->max_tokens));
     json_object_set_new(o, "temperature", json_real(b->temperature));
     json_object_set_new(o, "seed", json_integer(idx + 1));
+    if (b->ignore_eos) json_object_set_new(o, "ignore_eos", json_true());
     if (b->stream) {
         json_object_set_new(o, "stream", json_true());
         json_object_set_new(o, "stream_options", json_pack("{s:b}", "include_usage", 1));
@@ -341,9 +349,11 @@ static void usage_bench(void)
     fprintf(stderr,
             "usage: tandem bench --url URL [--concurrency C] [--requests N] [--prompt-tokens P]\n"
             "                    [--max-tokens M] [--stream] [--json] [--model NAME]\n"
-            "                    [--temperature T] [--timeout-ms MS]\n"
+            "                    [--temperature T] [--timeout-ms MS] [--prompt-seed S]\n"
+            "                    [--ignore-eos]\n"
             "  URL: http://HOST:PORT of the router (POST /v1/completions)\n"
-            "  defaults: C 1, N 16, P 32, M 32, T 0 (greedy), timeout 300000 per request\n");
+            "  defaults: C 1, N 16, P 32, M 32, T 0 (greedy), timeout 300000 per request,\n"
+            "  S 0 (prompts depend on the request index and S only)\n");
 }
 
 /* The command line into b, *url and *as_json. Returns 0, 1 (--help: done) or a negative
@@ -362,6 +372,9 @@ static int bench_parse_args(int argc, char **argv, bench *b, const char **url, b
         } else if (!strcmp(f, "--json")) {
             *as_json = true;
             continue;
+        } else if (!strcmp(f, "--ignore-eos")) {
+            b->ignore_eos = true;
+            continue;
         } else if (!v) {
             fprintf(stderr, "tandem: %s needs a value\n", f);
             return TD_EINVAL;
@@ -377,7 +390,11 @@ static int bench_parse_args(int argc, char **argv, bench *b, const char **url, b
             rc = cli_parse_int(f, v, 1, 1 << 20, &b->prompt_tokens);
         else if (!strcmp(f, "--max-tokens"))
             rc = cli_parse_int(f, v, 1, 1 << 20, &b->max_tokens);
-        else if (!strcmp(f, "--timeout-ms"))
+        else if (!strcmp(f, "--prompt-seed")) {
+            int seed;
+            rc = cli_parse_int(f, v, 0, 1 << 30, &seed);
+            b->prompt_seed = (uint32_t)seed;
+        } else if (!strcmp(f, "--timeout-ms"))
             rc = cli_parse_int(f, v, 1, 86400000, &b->timeout_ms);
         else if (!strcmp(f, "--temperature")) {
             float t;

@@ -326,6 +326,16 @@ def case_bench(e):
                       f"itl p50 {s['itl_ms_p50']}")
             else:
                 check(s["ttft_ms_p50"] is None, f"{label}: no TTFT without streaming")
+        # fresh prompts (another seed) and every requested token (the server ignores EOS)
+        f = e.tandem("bench", "--url", url, "--requests", "4", "--max-tokens", "8", "--json",
+                     "--prompt-seed", "7", "--ignore-eos", timeout=300)
+        try:
+            fs = json.loads(f.stdout)
+        except ValueError:
+            fs = {}
+        check(f.returncode == 0 and fs.get("total_output_tokens") == 32,
+              f"bench --ignore-eos --prompt-seed: 4 x 8 tokens ({fs.get('total_output_tokens')}, "
+              f"{f.stderr.strip()[-300:]})")
         t = e.tandem("bench", "--url", url, "--requests", "2", "--max-tokens", "4", timeout=300)
         check(t.returncode == 0 and "output throughput" in t.stdout,
               f"bench text report ({t.stdout.strip()[:300]})")
