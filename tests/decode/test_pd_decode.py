@@ -57,6 +57,7 @@ class Transfer:
 
     def __init__(self, args, inst, model, ids, n, rid, stages, tls, sampling=(), delay_ms=0,
                  no_writer=False, client_extra=()):
+        self.inst = inst
         self.client = subprocess.Popen(
             [args.client, "--url", inst.url, "--prompt-ids", ",".join(map(str, ids)),
              "--max-tokens", str(n), "--request-id", str(rid), "--stages", str(stages),
@@ -81,7 +82,20 @@ class Transfer:
         if self.writer:
             rest, _ = self.writer.communicate(timeout=timeout)
             wout = rest.split("\n")
-        out, _ = self.client.communicate(timeout=timeout)
+        # the client waits for the leader's events: if the leader died meanwhile, say so now
+        # (UCX 1.13's tcp put emulation can abort it when a writer is killed: kvxfer/README)
+        end = time.time() + timeout
+        while self.client.poll() is None and time.time() < end:
+            leader = self.inst.rank_proc(0)
+            if leader.poll() is not None and leader.returncode != 0:  # 0: a SIGTERM's stop
+                self.client.kill()
+                self.client.communicate()
+                tail = [l for l in self.inst.log(0).splitlines() if l.strip()][-3:]
+                check(False, f"the decode leader died (exit {leader.returncode}) during the "
+                             f"request: {' | '.join(tail)[-400:]}")
+                raise RuntimeError("the decode leader died")
+            time.sleep(0.1)
+        out, _ = self.client.communicate(timeout=max(1, end - time.time()))
         lines = [l for l in out.split("\n") if l]
         errors = [l for l in lines if l.startswith("ERROR")]
         final = lines[-1].split() if lines else []
