@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -39,15 +40,22 @@ ucs_status_t kvxi_ucx_worker_open(kvxi_ucx_pipe *p, ucp_worker_h *w, int *efd)
     ucs_status_t st = ucp_worker_create(p->ctx, &wp, w);
     if (st != UCS_OK) return st;
     if (efd) st = ucp_worker_get_efd(*w, efd);
-    for (unsigned id = 0; efd && st == UCS_OK && id <= KVX_AM_IDS; id++) {
-        bool probe = id == KVXI_UCX_PROBE_AM_ID;
-        if (!probe && !p->am[id].cb) continue;
+    for (unsigned id = 0; efd && st == UCS_OK && id <= KVXI_UCX_AMACK_ID; id++) {
+        /* the users' ids, then the pipe's own: the probe and (on every network pipe, since a
+           peer may send them whatever this pipe does) the active-message puts */
+        ucp_am_recv_callback_t cb = id < KVX_AM_IDS                ? kvxi_ucx_am_recv
+                                    : id == KVXI_UCX_PROBE_AM_ID ? kvxi_ucx_probe_recv
+                                    : id == KVXI_UCX_AMPUT_ID    ? kvxi_ucx_amput_recv
+                                    : id == KVXI_UCX_AMFLUSH_ID  ? kvxi_ucx_amflush_recv
+                                                                 : kvxi_ucx_amack_recv;
+        if (id < KVX_AM_IDS && !p->am[id].cb) continue;
+        if (id > KVXI_UCX_PROBE_AM_ID && p->shm) continue;
         ucp_am_handler_param_t hp = {
             .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                           UCP_AM_HANDLER_PARAM_FIELD_ARG,
             .id = id,
-            .cb = probe ? kvxi_ucx_probe_recv : kvxi_ucx_am_recv,
-            .arg = probe ? (void *)p : (void *)&p->am[id],
+            .cb = cb,
+            .arg = id < KVX_AM_IDS ? (void *)&p->am[id] : (void *)p,
         };
         st = ucp_worker_set_am_recv_handler(*w, &hp);
     }
@@ -152,6 +160,9 @@ static void ucx_destroy(kvx_pipe *base)
         /* receives nobody will match are cancelled (their callbacks report it) */
         for (kvxi_ucx_op *op = p->ops; op; op = op->next)
             if (op->req && !op->done) ucp_request_cancel(p->worker, op->req);
+        /* active-message flushes: no ACK can come through the closed endpoints */
+        for (kvxi_ucx_op *op = p->ops; op; op = op->next)
+            if (op->ack_wait && !op->req && !op->done) kvxi_ucx_op_complete(op, TD_EIO, 0);
         /* deliver (with their errors) the completions the closes produced */
         int64_t end = td_now_ms() + 1000;
         while (p->ops && td_now_ms() < end)
@@ -240,6 +251,36 @@ static bool tls_shm_only(const char *tls)
     return true;
 }
 
+/* Whether puts go as our own active messages (kvx_pipe_ucx_amput.c): on network pipes whose
+ * transports have no remote memory access, i.e. tcp, where UCX 1.13 would emulate them in a
+ * way that can abort the receiver. A list naming an RDMA transport keeps UCX's puts; UCX's
+ * default list ("", "all", "^...") does when this host has an RDMA device. KVX_UCX_PUTS=am
+ * or rma in the environment decides instead (for measurements). */
+static bool want_am_puts(const char *tls, bool shm)
+{
+    static const char *rdma[] = {"rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x",
+                                 "dc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "ib"};
+    const char *env = getenv("KVX_UCX_PUTS");
+    if (shm) return false;
+    if (env && !strcmp(env, "am")) return true;
+    if (env && !strcmp(env, "rma")) return false;
+    if (!tls || !tls[0] || tls[0] == '^' || !strcmp(tls, "all")) {
+        DIR *d = opendir("/sys/class/infiniband");
+        bool dev = false;
+        for (struct dirent *e; d && (e = readdir(d));)
+            dev = dev || e->d_name[0] != '.';
+        if (d) closedir(d);
+        return !dev;
+    }
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", tls);
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
+        for (size_t i = 0; i < sizeof(rdma) / sizeof(rdma[0]); i++)
+            if (!strcmp(t, rdma[i])) return false;
+    return true;
+}
+
 /* The list can open a posix or sysv interface: it names one (or sm/shm/mm), or it is
  * UCX's default list ("", "all"). */
 static bool tls_has_mm(const char *tls)
@@ -281,6 +322,7 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
 
     const char *tls = params && params->tls && params->tls[0] ? params->tls : getenv("UCX_TLS");
     p->shm = tls_shm_only(tls);
+    p->am_puts = want_am_puts(tls, p->shm);
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {

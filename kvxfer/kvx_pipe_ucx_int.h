@@ -6,6 +6,8 @@
  *   kvx_pipe_ucx_op.c     operations (put, flush, active messages, tagged messages), their
  *                         completion, and the zombies of failed peers
  *   kvx_pipe_ucx_probe.c  the shared-memory receive FIFO's wedge probe and the worker reset
+ *   kvx_pipe_ucx_amput.c  puts and flushes as our own active messages where the transports
+ *                         have no remote memory access (tcp): see the top of that file
  *
  * Zombies: operations on a peer that failed (or was force-closed) complete with an error in
  * the next progress even when UCX itself never completes them (over shared memory, with
@@ -65,13 +67,28 @@ typedef struct kvxi_ucx_op {
     kvx_peer peer; /* the endpoint it runs on; -1: none (receives), or no longer tracked */
     void *copy;    /* am_send: the copied payload */
     void *req;     /* the UCX request while in flight (freed by the callback) */
+    uint64_t hdr;  /* active-message puts and flushes: the message header (raddr, seq) */
+    uint64_t ack_seq; /* an active-message flush: the ACK it waits for */
+    bool ack_wait;    /* ... not in yet */
+    bool acked;       /* ... in (with ack_status) before the FLUSH send completed */
+    int ack_status;
     struct kvxi_ucx_op *next, *prev;
 } kvxi_ucx_op;
 
 #define KVXI_UCX_PROBE_AM_ID                                                                       \
     KVX_AM_IDS                  /* the wedge probe's active message id (users have 0..7)           \
                                  */
+#define KVXI_UCX_AMPUT_ID   (KVX_AM_IDS + 1) /* kvx_pipe_ucx_amput.c: PUT, FLUSH, ACK */
+#define KVXI_UCX_AMFLUSH_ID (KVX_AM_IDS + 2)
+#define KVXI_UCX_AMACK_ID   (KVX_AM_IDS + 3)
+#define KVXI_UCX_BAD_MAX    64 /* senders whose puts outside the registrations are counted */
 #define KVXI_UCX_PEER_GONE (-2) /* kvxi_ucx_op.peer: its endpoint was force-closed */
+
+/* A sender of active-message puts that fell outside every registration (amput.c). */
+typedef struct {
+    ucp_ep_h ep; /* its reply endpoint */
+    uint32_t n;  /* bad puts since its last flush */
+} kvxi_ucx_bad;
 
 /* A user's active message handler (kvx_pipe_set_am_handler). */
 typedef struct {
@@ -100,6 +117,10 @@ struct kvxi_ucx_pipe {
     int efd;          /* the worker's event fd */
     int epfd;         /* what sleepers wait on: efd + the peers' pidfds */
     bool shm;         /* shared-memory transports only: liveness by pidfd, not by UCX */
+    bool am_puts;     /* puts and flushes as our own active messages (amput.c) */
+    uint64_t amflush_seq;                 /* last active-message flush sent */
+    kvxi_ucx_bad bad[KVXI_UCX_BAD_MAX];   /* receiver: senders with bad puts */
+    int n_bad;
     void **closing;   /* (n_closing) endpoint close requests still in progress */
     int n_closing;
     kvx_pipe_params params;
@@ -163,6 +184,13 @@ int kvxi_ucx_tag_recv(kvx_pipe *base, uint64_t tag, void *buf, size_t cap, kvx_d
 /* The UCX receive handler of a user's active message id (arg: its kvxi_ucx_am). */
 ucs_status_t kvxi_ucx_am_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                               const ucp_am_recv_param_t *prm);
+/* A new operation on the pipe's list (cb may be NULL: nobody is told). */
+kvxi_ucx_op *kvxi_ucx_op_new(kvxi_ucx_pipe *p, kvx_peer peer, kvx_done_cb cb, void *arg);
+/* Mark an operation done (its callback runs in the next kvxi_ucx_deliver_done). */
+void kvxi_ucx_op_complete(kvxi_ucx_op *op, int status, size_t len);
+/* Finish an nbx call: NULL (done at once), an error (op freed, error returned), or a
+ * request that calls back later (kept in op->req). */
+int kvxi_ucx_op_started(kvxi_ucx_op *op, ucs_status_ptr_t sp, const char *what);
 /* Take an operation off its list and free it (and its am_send payload). */
 void kvxi_ucx_op_unlink(kvxi_ucx_op *op);
 /* Report an operation in flight as failed with status (its callback runs now) and keep it
@@ -173,6 +201,20 @@ int kvxi_ucx_deliver_done(kvxi_ucx_pipe *p);
 /* Report the operations still in flight on failed or force-closed endpoints; returns how
  * many were reported. */
 int kvxi_ucx_orphan_ops(kvxi_ucx_pipe *p);
+
+/* --- kvx_pipe_ucx_amput.c -------------------------------------------------------------- */
+
+/* A put / a flush of peer as active messages (p->am_puts). */
+int kvxi_ucx_amput(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, const void *src, size_t len,
+                   uint64_t raddr);
+int kvxi_ucx_amflush(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, kvx_done_cb cb, void *arg);
+/* The UCX receive handlers of PUT, FLUSH and ACK (arg: the pipe). */
+ucs_status_t kvxi_ucx_amput_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                                 const ucp_am_recv_param_t *prm);
+ucs_status_t kvxi_ucx_amflush_recv(void *arg, const void *hdr, size_t hlen, void *data,
+                                   size_t len, const ucp_am_recv_param_t *prm);
+ucs_status_t kvxi_ucx_amack_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                                 const ucp_am_recv_param_t *prm);
 
 /* --- kvx_pipe_ucx_probe.c -------------------------------------------------------------- */
 

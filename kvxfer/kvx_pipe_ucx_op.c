@@ -7,7 +7,7 @@
 
 #include "kvx_pipe_ucx_int.h"
 
-static kvxi_ucx_op *op_new(kvxi_ucx_pipe *p, kvx_peer peer, kvx_done_cb cb, void *arg)
+kvxi_ucx_op *kvxi_ucx_op_new(kvxi_ucx_pipe *p, kvx_peer peer, kvx_done_cb cb, void *arg)
 {
     kvxi_ucx_op *op = calloc(1, sizeof(*op));
     if (!op) return NULL;
@@ -42,7 +42,7 @@ void kvxi_ucx_op_unlink(kvxi_ucx_op *op)
     free(op);
 }
 
-static void op_complete(kvxi_ucx_op *op, int status, size_t len)
+void kvxi_ucx_op_complete(kvxi_ucx_op *op, int status, size_t len)
 {
     op->done = true;
     op->status = status;
@@ -50,11 +50,10 @@ static void op_complete(kvxi_ucx_op *op, int status, size_t len)
     op->pipe->any_done = true;
 }
 
-/* Finish an nbx call: NULL (done at once), an error, or a request that calls back later. */
-static int op_started(kvxi_ucx_op *op, ucs_status_ptr_t sp, const char *what)
+int kvxi_ucx_op_started(kvxi_ucx_op *op, ucs_status_ptr_t sp, const char *what)
 {
     if (sp == NULL) {
-        op_complete(op, 0, op->len);
+        kvxi_ucx_op_complete(op, 0, op->len);
         return 0;
     }
     if (UCS_PTR_IS_ERR(sp)) {
@@ -76,7 +75,7 @@ static void send_cb(void *req, ucs_status_t st, void *user)
         return;
     }
     op->req = NULL;
-    op_complete(op, kvxi_ucx_err(st), 0);
+    kvxi_ucx_op_complete(op, kvxi_ucx_err(st), 0);
     ucp_request_free(req);
 }
 
@@ -89,7 +88,7 @@ static void recv_cb(void *req, ucs_status_t st, const ucp_tag_recv_info_t *info,
         return;
     }
     op->req = NULL;
-    op_complete(op, kvxi_ucx_err(st), st == UCS_OK ? info->length : 0);
+    kvxi_ucx_op_complete(op, kvxi_ucx_err(st), st == UCS_OK ? info->length : 0);
     ucp_request_free(req);
 }
 
@@ -137,14 +136,17 @@ int kvxi_ucx_orphan_ops(kvxi_ucx_pipe *p)
     int n = 0;
     for (kvxi_ucx_op *op = p->ops, *next; op; op = next) {
         next = op->next;
-        if (op->done || !op->req || op->peer == -1) continue;
+        if (op->done || (!op->req && !op->ack_wait) || op->peer == -1) continue;
         int st = TD_EIO;
         if (op->peer >= 0) {
             kvxi_ucx_peer *pr = op->peer < p->n_peers ? p->peers[op->peer] : NULL;
             if (!pr || !pr->status || pr->ep) continue; /* healthy, or not closed yet */
             st = pr->status;
         }
-        kvxi_ucx_op_zombify(op, st);
+        if (op->req)
+            kvxi_ucx_op_zombify(op, st);
+        else /* an active-message flush whose ACK cannot come any more */
+            kvxi_ucx_op_complete(op, st, 0);
         n++;
         next = p->ops; /* the callback may have changed the list */
     }
@@ -173,6 +175,7 @@ int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uin
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
     if (!rk || rk->peer != peer) return TD_EINVAL;
+    if (p->am_puts) return kvxi_ucx_amput(p, peer, ep, src, len, raddr);
     ucp_request_param_t prm = {.op_attr_mask = 0};
     ucs_status_ptr_t sp = ucp_put_nbx(ep, src, len, raddr, rk->rkey, &prm);
     if (UCS_PTR_IS_ERR(sp)) {
@@ -189,13 +192,14 @@ int kvxi_ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg)
     int err;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
-    kvxi_ucx_op *op = op_new(p, peer, cb, arg);
+    if (p->am_puts) return kvxi_ucx_amflush(p, peer, ep, cb, arg);
+    kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                                .cb.send = send_cb,
                                .user_data = op};
-    return op_started(op, ucp_ep_flush_nbx(ep, &prm), "flush");
+    return kvxi_ucx_op_started(op, ucp_ep_flush_nbx(ep, &prm), "flush");
 }
 
 ucs_status_t kvxi_ucx_am_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
@@ -239,7 +243,7 @@ int kvxi_ucx_am_send(kvx_pipe *base, kvx_peer peer, unsigned id, const void *buf
     if (id >= KVX_AM_IDS || len > KVX_AM_MAX) return TD_EINVAL;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
-    kvxi_ucx_op *op = op_new(p, peer, cb, arg);
+    kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     op->copy = malloc(len ? len : 1);
     if (!op->copy) {
@@ -253,7 +257,7 @@ int kvxi_ucx_am_send(kvx_pipe *base, kvx_peer peer, unsigned id, const void *buf
                                .cb.send = send_cb,
                                .user_data = op,
                                .flags = UCP_AM_SEND_FLAG_EAGER};
-    return op_started(op, ucp_am_send_nbx(ep, id, NULL, 0, op->copy, len, &prm), "am send");
+    return kvxi_ucx_op_started(op, ucp_am_send_nbx(ep, id, NULL, 0, op->copy, len, &prm), "am send");
 }
 
 int kvxi_ucx_tag_send(kvx_pipe *base, kvx_peer peer, uint64_t tag, const void *buf, size_t len,
@@ -263,20 +267,20 @@ int kvxi_ucx_tag_send(kvx_pipe *base, kvx_peer peer, uint64_t tag, const void *b
     int err;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
-    kvxi_ucx_op *op = op_new(p, peer, cb, arg);
+    kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                                .cb.send = send_cb,
                                .user_data = op};
-    return op_started(op, ucp_tag_send_nbx(ep, buf, len, tag, &prm), "tag send");
+    return kvxi_ucx_op_started(op, ucp_tag_send_nbx(ep, buf, len, tag, &prm), "tag send");
 }
 
 int kvxi_ucx_tag_recv(kvx_pipe *base, uint64_t tag, void *buf, size_t cap, kvx_done_cb cb,
                       void *arg)
 {
     kvxi_ucx_pipe *p = (kvxi_ucx_pipe *)base;
-    kvxi_ucx_op *op = op_new(p, -1, cb, arg);
+    kvxi_ucx_op *op = kvxi_ucx_op_new(p, -1, cb, arg);
     if (!op) return TD_ENOMEM;
     op->len = 0;
     /* no immediate completion: the length is reported by the callback */
@@ -285,5 +289,5 @@ int kvxi_ucx_tag_recv(kvx_pipe *base, uint64_t tag, void *buf, size_t cap, kvx_d
                                                UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
                                .cb.recv = recv_cb,
                                .user_data = op};
-    return op_started(op, ucp_tag_recv_nbx(p->worker, buf, cap, tag, UINT64_MAX, &prm), "tag recv");
+    return kvxi_ucx_op_started(op, ucp_tag_recv_nbx(p->worker, buf, cap, tag, UINT64_MAX, &prm), "tag recv");
 }

@@ -83,7 +83,7 @@ class Transfer:
             rest, _ = self.writer.communicate(timeout=timeout)
             wout = rest.split("\n")
         # the client waits for the leader's events: if the leader died meanwhile, say so now
-        # (UCX 1.13's tcp put emulation can abort it when a writer is killed: kvxfer/README)
+        # (UCX 1.13 aborted it that way when its tcp put emulation lost a writer: kvxfer/README)
         end = time.time() + timeout
         while self.client.poll() is None and time.time() < end:
             leader = self.inst.rank_proc(0)

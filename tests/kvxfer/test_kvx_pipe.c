@@ -2,6 +2,7 @@
  * process, over tcp and over shared memory): exported bytes, puts + flush, active
  * messages, tagged messages, malformed input, injected faults, an idle wait that sleeps. */
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
@@ -387,6 +388,108 @@ static void test_ucx_peer_gone(void)
     kvx_pipe_destroy(a);
 }
 
+/* Two tcp pipes, a connected to b, b holding a registered region whose rkey a unpacked. */
+typedef struct {
+    kvx_pipe *a, *b;
+    kvx_peer ab;
+    uint8_t *region;
+    size_t len;
+    kvx_mem *mem;
+    kvx_rkey *rk;
+    err_rec ea;
+} tcp_pair;
+
+static int tcp_pair_open(tcp_pair *t, size_t len)
+{
+    memset(t, 0, sizeof(*t));
+    kvx_pipe_params pa = {.peer_err_cb = on_peer_err, .peer_err_arg = &t->ea, .tls = "tcp"};
+    kvx_pipe_params pb = {.tls = "tcp"};
+    uint8_t buf[KVX_ADDR_MAX];
+    size_t n;
+    t->len = len;
+    t->region = calloc(1, len);
+    if (!t->region || kvx_pipe_ucx_create(&pa, &t->a) || kvx_pipe_ucx_create(&pb, &t->b)) return -1;
+    if (kvx_pipe_address(t->b, buf, sizeof(buf), &n) || kvx_pipe_connect(t->a, buf, n, &t->ab))
+        return -1;
+    if (kvx_pipe_mem_reg(t->b, t->region, len, &t->mem) ||
+        kvx_pipe_rkey_pack(t->b, t->mem, buf, sizeof(buf), &n) ||
+        kvx_pipe_rkey_unpack(t->a, t->ab, buf, n, &t->rk))
+        return -1;
+    return 0;
+}
+
+/* Over tcp puts are the pipe's own active messages (kvx_pipe_ucx_amput.c): one that falls
+ * outside b's registrations is dropped and fails the next flush with TD_EINVAL; the flush
+ * after it succeeds again. */
+static void test_ucx_tcp_put_outside(void)
+{
+    tcp_pair t;
+    TH_REQUIRE(tcp_pair_open(&t, 64 << 10) == 0);
+    uint8_t src[4096];
+    memset(src, 0xab, sizeof(src));
+    uint64_t base = (uint64_t)(uintptr_t)t.region;
+    /* the last byte one past the end, then wholly past it */
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, sizeof(src), base + t.len - sizeof(src) + 1, t.rk) == 0);
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, 16, base + t.len, t.rk) == 0);
+    done_rec fl = {0};
+    TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl) == 0);
+    TH_CHECK(pump(t.a, t.b, &fl.n, 1));
+    TH_CHECKF(fl.status == TD_EINVAL, "flush after a put outside the region: %d", fl.status);
+    size_t zero = 0;
+    for (size_t i = 0; i < t.len; i++)
+        zero += t.region[i] == 0;
+    TH_CHECKF(zero == t.len, "a put outside the region wrote %zu bytes of it", t.len - zero);
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, sizeof(src), base + t.len - sizeof(src), t.rk) == 0);
+    done_rec fl2 = {0};
+    TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl2) == 0);
+    TH_CHECK(pump(t.a, t.b, &fl2.n, 1) && fl2.status == 0);
+    TH_CHECK(memcmp(t.region + t.len - sizeof(src), src, sizeof(src)) == 0);
+    TH_CHECK(kvx_pipe_peer_status(t.a, t.ab) == 0);
+    kvx_pipe_rkey_destroy(t.a, t.rk);
+    kvx_pipe_disconnect(t.a, t.ab, false);
+    kvx_pipe_destroy(t.a);
+    kvx_pipe_destroy(t.b);
+    free(t.region);
+}
+
+/* A flush waiting for its ACK when the receiver goes away fails (it does not hang), and
+ * nothing stays pending. */
+static void test_ucx_tcp_flush_peer_gone(void)
+{
+    tcp_pair t;
+    TH_REQUIRE(tcp_pair_open(&t, 1 << 20) == 0);
+    static uint8_t src[1 << 20];
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, sizeof(src), (uint64_t)(uintptr_t)t.region, t.rk) == 0);
+    done_rec fl = {0};
+    int rc = kvx_pipe_flush(t.a, t.ab, on_done, &fl);
+    kvx_pipe_mem_dereg(t.b, t.mem);
+    kvx_pipe_destroy(t.b); /* before it ever progressed: nothing was received */
+    int64_t end = td_now_ms() + 10000;
+    while (rc == 0 && !fl.n && td_now_ms() < end)
+        kvx_pipe_wait(t.a, 50);
+    TH_CHECKF(rc < 0 || (fl.n == 1 && fl.status < 0), "flush to a dead peer: rc %d, %d callbacks, "
+              "status %d", rc, fl.n, fl.status);
+    kvx_pipe_rkey_destroy(t.a, t.rk);
+    kvx_pipe_disconnect(t.a, t.ab, false);
+    for (int i = 0; i < 20; i++)
+        kvx_pipe_progress(t.a);
+    kvx_pipe_stats st;
+    kvx_pipe_stats_get(t.a, &st);
+    TH_CHECKF(st.peers == 0 && st.pending_ops == 0, "left: %d peers, %d operations", st.peers,
+              st.pending_ops);
+    kvx_pipe_destroy(t.a);
+    free(t.region);
+}
+
+/* The contract over tcp with UCX's own (emulated) puts, as on a host with RDMA transports. */
+static void test_ucx_contract_tcp_rma(void)
+{
+    setenv("KVX_UCX_PUTS", "rma", 1);
+    g_tls = "tcp";
+    contract(make_ucx, "ucx tcp, UCX's puts");
+    unsetenv("KVX_UCX_PUTS");
+}
+
 int main(void)
 {
     TH_RUN(test_fake_contract);
@@ -394,5 +497,8 @@ int main(void)
     TH_RUN(test_ucx_contract_tcp);
     TH_RUN(test_ucx_contract_sm);
     TH_RUN(test_ucx_peer_gone);
+    TH_RUN(test_ucx_tcp_put_outside);
+    TH_RUN(test_ucx_tcp_flush_peer_gone);
+    TH_RUN(test_ucx_contract_tcp_rma);
     TH_EXIT();
 }
