@@ -74,7 +74,10 @@ typedef struct {
      * peer). Shared-memory-only lists (sm, posix, sysv, cma, knem, xpmem, self): UCX 1.13
      * has no peer-failure support there, so endpoints use mode NONE and a peer's death is
      * seen through a pidfd of its process (the address carries the pid). Both peers must
-     * be in the same mode (connect says TD_EUNSUPP otherwise). */
+     * be in the same mode (connect says TD_EUNSUPP otherwise). Network pipes without an
+     * RDMA transport (tcp) carry puts and flushes as their own active messages, not UCX's
+     * puts (kvx_pipe_ucx_amput.c says why; KVX_UCX_PUTS=am|rma in the environment
+     * decides instead). */
     const char *tls;
     int keepalive_ms;
     /* UCX only: elements of the posix and sysv transports' receive FIFO (each carries up to
