@@ -139,19 +139,6 @@ ucs_status_t kvxi_ucx_amack_recv(void *arg, const void *hdr, size_t hlen, void *
     return UCS_OK;
 }
 
-/* The PUT message is out: its op (no user callback) is done. */
-static void piece_sent(void *req, ucs_status_t st, void *user)
-{
-    kvxi_ucx_op *op = user;
-    ucp_request_free(req);
-    if (op->zombie) {
-        kvxi_ucx_op_unlink(op);
-        return;
-    }
-    op->req = NULL;
-    kvxi_ucx_op_complete(op, kvxi_ucx_err(st), 0);
-}
-
 int kvxi_ucx_amput(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, const void *src, size_t len,
                    uint64_t raddr)
 {
@@ -163,7 +150,7 @@ int kvxi_ucx_amput(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, const void *src
         ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                    UCP_OP_ATTR_FIELD_USER_DATA |
                                                    UCP_OP_ATTR_FIELD_FLAGS,
-                                   .cb.send = piece_sent,
+                                   .cb.send = kvxi_ucx_send_cb, /* the op has no user callback */
                                    .user_data = op,
                                    .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};
         ucs_status_ptr_t sp = ucp_am_send_nbx(ep, KVXI_UCX_AMPUT_ID, &op->hdr, sizeof(op->hdr),
@@ -199,7 +186,8 @@ int kvxi_ucx_amflush(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, kvx_done_cb c
     op->ack_seq = op->hdr;
     op->ack_wait = true;
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                               UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
+                                               UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FIELD_FLAGS,
                                .cb.send = flush_sent,
                                .user_data = op,
                                .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};

@@ -191,6 +191,8 @@ void kvxi_ucx_op_complete(kvxi_ucx_op *op, int status, size_t len);
 /* Finish an nbx call: NULL (done at once), an error (op freed, error returned), or a
  * request that calls back later (kept in op->req). */
 int kvxi_ucx_op_started(kvxi_ucx_op *op, ucs_status_ptr_t sp, const char *what);
+/* UCX's send callback of an operation (user data: the op): done with the send's status. */
+void kvxi_ucx_send_cb(void *req, ucs_status_t st, void *user);
 /* Take an operation off its list and free it (and its am_send payload). */
 void kvxi_ucx_op_unlink(kvxi_ucx_op *op);
 /* Report an operation in flight as failed with status (its callback runs now) and keep it

@@ -66,7 +66,7 @@ int kvxi_ucx_op_started(kvxi_ucx_op *op, ucs_status_ptr_t sp, const char *what)
     return 0;
 }
 
-static void send_cb(void *req, ucs_status_t st, void *user)
+void kvxi_ucx_send_cb(void *req, ucs_status_t st, void *user)
 {
     kvxi_ucx_op *op = user;
     if (op->zombie) { /* its owner heard about it long ago */
@@ -197,7 +197,7 @@ int kvxi_ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg)
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                               .cb.send = send_cb,
+                               .cb.send = kvxi_ucx_send_cb,
                                .user_data = op};
     return kvxi_ucx_op_started(op, ucp_ep_flush_nbx(ep, &prm), "flush");
 }
@@ -254,7 +254,7 @@ int kvxi_ucx_am_send(kvx_pipe *base, kvx_peer peer, unsigned id, const void *buf
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
-                               .cb.send = send_cb,
+                               .cb.send = kvxi_ucx_send_cb,
                                .user_data = op,
                                .flags = UCP_AM_SEND_FLAG_EAGER};
     return kvxi_ucx_op_started(op, ucp_am_send_nbx(ep, id, NULL, 0, op->copy, len, &prm), "am send");
@@ -271,7 +271,7 @@ int kvxi_ucx_tag_send(kvx_pipe *base, kvx_peer peer, uint64_t tag, const void *b
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                               .cb.send = send_cb,
+                               .cb.send = kvxi_ucx_send_cb,
                                .user_data = op};
     return kvxi_ucx_op_started(op, ucp_tag_send_nbx(ep, buf, len, tag, &prm), "tag send");
 }
