@@ -234,67 +234,79 @@ static const kvx_pipe_ops ucx_ops = {
     .generation = ucx_generation,
 };
 
-/* True when every transport of a UCX_TLS list works on one host only (shared memory). */
-static bool tls_shm_only(const char *tls)
+/* How many transports of a UCX_TLS list are among names[0..n) (*total: how many it has). */
+static int tls_count(const char *tls, const char *const *names, size_t n, int *total)
 {
-    static const char *shm[] = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self"};
-    if (!tls || !tls[0] || tls[0] == '^') return false;
     char buf[256];
     snprintf(buf, sizeof(buf), "%s", tls);
     char *save = NULL;
+    int hits = 0;
+    *total = 0;
     for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        bool ok = false;
-        for (size_t i = 0; i < sizeof(shm) / sizeof(shm[0]); i++)
-            ok = ok || !strcmp(t, shm[i]);
-        if (!ok) return false;
+        ++*total;
+        for (size_t i = 0; i < n; i++)
+            if (!strcmp(t, names[i])) {
+                hits++;
+                break;
+            }
     }
-    return true;
+    return hits;
+}
+
+#define TLS_COUNT(tls, names, total) tls_count(tls, names, sizeof(names) / sizeof(names[0]), total)
+
+/* True when every transport of a UCX_TLS list works on one host only (shared memory). */
+static bool tls_shm_only(const char *tls)
+{
+    static const char *const shm[] = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self"};
+    if (!tls || !tls[0] || tls[0] == '^') return false;
+    int total;
+    return TLS_COUNT(tls, shm, &total) == total;
 }
 
 /* Whether puts go as our own active messages (kvx_pipe_ucx_amput.c): on network pipes whose
  * transports have no remote memory access, i.e. tcp, where UCX 1.13 would emulate them in a
  * way that can abort the receiver. A list naming an RDMA transport keeps UCX's puts; UCX's
  * default list ("", "all", "^...") does when this host has an RDMA device. KVX_UCX_PUTS=am
- * or rma in the environment decides instead (for measurements). */
-static bool want_am_puts(const char *tls, bool shm)
+ * or rma in the environment decides instead (for measurements); another value is
+ * TD_EINVAL. */
+static int want_am_puts(const char *tls, bool shm, bool *out)
 {
-    static const char *rdma[] = {"rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x",
-                                 "dc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "ib"};
+    static const char *const rdma[] = {"rc",   "rc_v",     "rc_x",    "rc_verbs", "rc_mlx5",
+                                       "dc",   "dc_x",     "dc_mlx5", "ud",       "ud_v",
+                                       "ud_x", "ud_verbs", "ud_mlx5", "ib"};
     const char *env = getenv("KVX_UCX_PUTS");
-    if (shm) return false;
-    if (env && !strcmp(env, "am")) return true;
-    if (env && !strcmp(env, "rma")) return false;
+    if (env && env[0] && strcmp(env, "am") && strcmp(env, "rma")) {
+        TD_LOG_ERR("kvx ucx: KVX_UCX_PUTS is '%s': am, rma or unset", env);
+        return TD_EINVAL;
+    }
+    if (shm || (env && env[0])) {
+        *out = !shm && !strcmp(env, "am");
+        return 0;
+    }
     if (!tls || !tls[0] || tls[0] == '^' || !strcmp(tls, "all")) {
         DIR *d = opendir("/sys/class/infiniband");
         bool dev = false;
         for (struct dirent *e; d && (e = readdir(d));)
             dev = dev || e->d_name[0] != '.';
         if (d) closedir(d);
-        return !dev;
+        *out = !dev;
+        return 0;
     }
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s", tls);
-    char *save = NULL;
-    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
-        for (size_t i = 0; i < sizeof(rdma) / sizeof(rdma[0]); i++)
-            if (!strcmp(t, rdma[i])) return false;
-    return true;
+    int total;
+    *out = TLS_COUNT(tls, rdma, &total) == 0;
+    return 0;
 }
 
 /* The list can open a posix or sysv interface: it names one (or sm/shm/mm), or it is
  * UCX's default list ("", "all"). */
 static bool tls_has_mm(const char *tls)
 {
-    static const char *mm[] = {"sm", "shm", "mm", "posix", "sysv", "all"};
+    static const char *const mm[] = {"sm", "shm", "mm", "posix", "sysv", "all"};
     if (!tls || !tls[0]) return true;
     if (tls[0] == '^') return false;
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s", tls);
-    char *save = NULL;
-    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
-        for (size_t i = 0; i < sizeof(mm) / sizeof(mm[0]); i++)
-            if (!strcmp(t, mm[i])) return true;
-    return false;
+    int total;
+    return TLS_COUNT(tls, mm, &total) > 0;
 }
 
 /* kvx_pipe_params.shm_fifo_size. The key is the mm transports' own (posix and sysv share
@@ -322,7 +334,10 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
 
     const char *tls = params && params->tls && params->tls[0] ? params->tls : getenv("UCX_TLS");
     p->shm = tls_shm_only(tls);
-    p->am_puts = want_am_puts(tls, p->shm);
+    if (want_am_puts(tls, p->shm, &p->am_puts)) {
+        free(p);
+        return TD_EINVAL;
+    }
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {

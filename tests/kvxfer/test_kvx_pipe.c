@@ -487,6 +487,10 @@ static void test_ucx_contract_tcp_rma(void)
     setenv("KVX_UCX_PUTS", "rma", 1);
     g_tls = "tcp";
     contract(make_ucx, "ucx tcp, UCX's puts");
+    setenv("KVX_UCX_PUTS", "fast", 1); /* neither am nor rma: refused, not ignored */
+    kvx_pipe_params pp = {.tls = "tcp"};
+    kvx_pipe *p = NULL;
+    TH_CHECK(kvx_pipe_ucx_create(&pp, &p) == TD_EINVAL && !p);
     unsetenv("KVX_UCX_PUTS");
 }
 
