@@ -341,6 +341,29 @@ static int stage_blocks(kn_kv_pool *p, const int32_t *ids, int n, bool up)
     return 0;
 }
 
+int kn_kv_block_copy(kn_kv_pool *p, int32_t src, int32_t dst)
+{
+    if (src < 0 || src >= p->n_blocks || dst < 0 || dst >= p->n_blocks || src == dst)
+        return TD_ERANGE;
+    const kn_backend_ops *o = p->dev.ops;
+    const bool device = o && !o->host_memory;
+    void *tmp = NULL;
+    if (device && !(tmp = malloc(p->block_bytes))) return TD_ENOMEM;
+    int rc = 0;
+    for (int l = 0; l < 2 * p->n_layers && !rc; l++)
+        for (int s = 0; s < p->slicing.n_slices && !rc; s++) {
+            size_t bytes, off_s = kn_kv_block_piece(p, src, s, NULL, &bytes);
+            size_t off_d = kn_kv_block_piece(p, dst, s, NULL, &bytes);
+            char *base = l & 1 ? p->v[l / 2] : p->k[l / 2];
+            if (!device)
+                memcpy(base + off_d, base + off_s, bytes);
+            else if (!(rc = o->download(p->dev.ctx, tmp, base + off_s, bytes)))
+                rc = o->upload(p->dev.ctx, base + off_d, tmp, bytes);
+        }
+    free(tmp);
+    return rc;
+}
+
 int kn_kv_stage_upload(kn_kv_pool *p, const int32_t *ids, int n)
 {
     return stage_blocks(p, ids, n, true);

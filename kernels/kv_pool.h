@@ -127,6 +127,13 @@ static inline void *kn_kv_xfer_region(const kn_kv_pool *p)
 int kn_kv_stage_upload(kn_kv_pool *p, const int32_t *ids, int n);
 int kn_kv_stage_download(kn_kv_pool *p, const int32_t *ids, int n);
 
+/* dst's KV = src's, every layer's K and V (copy on write: a request that must write into
+ * a block it shares takes a private copy first). On the pool's own memory: memcpy, or the
+ * backend's download + upload for a device pool (its staging, if any, is not touched:
+ * download the block before kvxfer pushes it). TD_ERANGE (nothing copied) for an id out of
+ * range or src == dst, TD_ENOMEM, or the backend's error. */
+int kn_kv_block_copy(kn_kv_pool *p, int32_t src, int32_t dst);
+
 /* Errors: TD_EINVAL bad shape or name; TD_ENOMEM no memory (or /dev/shm full); TD_ESTATE
  * the shm name already exists; TD_EIO another shm failure (logged with errno). */
 int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out);

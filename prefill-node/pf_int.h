@@ -90,6 +90,7 @@ typedef struct {
      * not come yet (their blocks wait for the decision to cache them) */
     pf_kvc *kvc;
     pf_req *retired;
+    uint64_t cache_hit_tokens; /* prompt tokens taken from the cache (not computed) so far */
 
     /* scratch of one chunk */
     int32_t *pos, *seq_of; /* (chunk_max) per row */

@@ -136,7 +136,7 @@ int pf_stage_setup(pf_stage *st)
 static void release_blocks(pf_stage *st, pf_req *r, bool insert)
 {
     int nb = r->kv.n_blocks, nh = r->n_hit, bs = st->shard.kv->block_size;
-    int nf = r->n_prompt / bs; /* whole blocks (>= nh: the last token is never cached) */
+    int nf = r->n_prompt / bs; /* whole blocks (>= nh; nh + 1 with a copied last block) */
     if (insert && st->kvc && r->hist && nf <= nb) {
         pf_kvc_insert(st->kvc, r->hist, nf, r->kv.blocks, nh);
         kn_kv_free(st->shard.kv, nb - nf, r->kv.blocks + nf);
@@ -244,36 +244,57 @@ static pf_req *new_req(pf_stage *st, const pf_seg *g)
 }
 
 /* r's block table: the cached prefix's blocks (n_cached tokens ending in block cached_id,
- * as stage 0 decided), then its own blocks for the rest of the prompt. */
+ * as stage 0 decided), then its own blocks for the rest of the prompt. A prompt cached to
+ * its last whole block has n_cached = n_prompt - 1 (pf_stage_cached_prefix): that last
+ * block is copied into one of r's own (the last token's KV is written again, and a cached
+ * block is never written) and the cache's is let go at once. */
 static int open_blocks(pf_stage *st, pf_req *r, const pf_seg *g)
 {
     kn_kv_pool *kv = st->shard.kv;
-    int nb = kn_kv_blocks_for(kv, r->n_prompt), nh = (int)g->n_cached / kv->block_size;
+    const int bs = kv->block_size;
+    int nb = kn_kv_blocks_for(kv, r->n_prompt), nh = (int)g->n_cached / bs;
+    const bool copy_last = g->n_cached % (uint32_t)bs != 0;
     if ((st->kvc || st->last) && !(r->hist = malloc((size_t)r->n_prompt * sizeof *r->hist)))
         return TD_ENOMEM;
     if (!(r->kv.blocks = malloc((size_t)nb * sizeof *r->kv.blocks))) return TD_ENOMEM;
     r->kv.cap = nb;
-    if (nh) {
-        if (!st->kvc || (int64_t)nh * kv->block_size != g->n_cached) return TD_EINVAL;
-        if (!(r->hit = malloc((size_t)nh * sizeof *r->hit))) return TD_ENOMEM;
-        if (pf_kvc_acquire(st->kvc, g->cached_id, nh, r->kv.blocks, r->hit, r->hist)) {
+    int32_t src = -1; /* copy_last: the cached block copied */
+    if (g->n_cached) {
+        const int na = nh + copy_last; /* blocks taken from the cache */
+        if (!st->kvc || (copy_last && (r->n_prompt % bs || (int)g->n_cached != r->n_prompt - 1)))
+            return TD_EINVAL;
+        if (!(r->hit = malloc((size_t)na * sizeof *r->hit))) return TD_ENOMEM;
+        if (pf_kvc_acquire(st->kvc, g->cached_id, na, r->kv.blocks, r->hit, r->hist)) {
             TD_LOG_WARN("prefill %s stage %d: request %llu: stage 0 took %u tokens from the "
                         "prefix cache, which this stage does not hold (its cache differs)",
                         st->p->instance, st->stage, (unsigned long long)r->id, g->n_cached);
             return TD_ENOENT;
         }
+        if (copy_last) src = r->kv.blocks[nh];
         r->n_hit = r->kv.n_blocks = nh;
         r->n_computed = (int32_t)g->n_cached; /* pushed with the first computed chunk */
     }
     int rc = kn_kv_alloc_ascending(kv, nb - nh, r->kv.blocks + nh); /* runs: kvxfer's puts */
+    if (!rc && copy_last) rc = kn_kv_block_copy(kv, src, r->kv.blocks[nh]);
+    if (copy_last) { /* every stage lets it go here, at the same point of the stream */
+        pf_kvc_unref(st->kvc, r->hit + nh, 1);
+        pf_kvc_unuse(st->kvc, r->hit + nh, 1);
+    }
     if (rc) {
-        TD_LOG_WARN("prefill %s stage %d: request %llu: no KV room for %d tokens (%d blocks "
-                    "free)",
-                    st->p->instance, st->stage, (unsigned long long)r->id,
-                    r->n_prompt - nh * kv->block_size, kv->n_free);
+        if (rc == TD_ENOSPC)
+            TD_LOG_WARN("prefill %s stage %d: request %llu: no KV room for %d tokens (%d "
+                        "blocks free)",
+                        st->p->instance, st->stage, (unsigned long long)r->id,
+                        r->n_prompt - nh * bs, kv->n_free);
+        else
+            TD_LOG_WARN("prefill %s stage %d: request %llu: copying cached block %d: %s",
+                        st->p->instance, st->stage, (unsigned long long)r->id, src,
+                        td_strerror(rc));
+        if (rc != TD_ENOSPC) kn_kv_free(kv, nb - nh, r->kv.blocks + nh);
         return rc;
     }
     r->kv.n_blocks = nb;
+    st->cache_hit_tokens += g->n_cached;
     return 0;
 }
 
@@ -532,16 +553,18 @@ int32_t pf_stage_cached_prefix(const pf_stage *st, const int32_t *prompt, int32_
     if (!st->kvc || n < 2) return 0;
     int bs = st->shard.kv->block_size;
     uint64_t last;
-    int k = pf_kvc_match(st->kvc, prompt, n - 1, (n - 1) / bs, &last);
+    int k = pf_kvc_match(st->kvc, prompt, n, n / bs, &last);
     if (k) *id = last;
-    return k * bs;
+    /* the whole prompt is cached: compute its last token again (the last stage samples from
+     * its logits) in a copy of the last block (open_blocks), not the whole block */
+    return k * bs == n ? n - 1 : k * bs;
 }
 
 void pf_stage_cache_stats(const pf_stage *st, uint64_t *hit_tokens, uint64_t *evicted)
 {
     pf_kvc_stats s = {0};
     if (st->kvc) pf_kvc_get_stats(st->kvc, &s);
-    *hit_tokens = s.hit_blocks * (uint64_t)st->shard.kv->block_size;
+    *hit_tokens = st->cache_hit_tokens;
     *evicted = s.evicted;
 }
 

@@ -470,6 +470,16 @@ static void test_staged_pool(void)
     TH_CHECK(!memcmp((char *)mapped + off0 + (size_t)ids[0] * bb, pat, bb));
     int32_t bad = kv->n_blocks;
     TH_CHECK(kn_kv_stage_upload(kv, &bad, 1) == TD_ERANGE);
+    /* a block copy on the device (a prefill stage's copy of a cached last block): ids[1]'s
+     * KV, uploaded above, into ids[0], through the backend's own calls */
+    TH_CHECK(kn_kv_block_copy(kv, ids[1], ids[0]) == 0);
+    same = 0;
+    for (int l = 0; l < kv->n_layers; l++) {
+        TH_CHECK(be.ops->download(be.ctx, back, (char *)kv->v[l] + (size_t)ids[0] * bb, bb) == 0);
+        same += !memcmp(back, pat, bb);
+    }
+    TH_CHECKF(same == kv->n_layers, "%d of %d layers' V copied on the device", same,
+              kv->n_layers);
     kn_cpudev_stats st;
     TH_CHECK(kn_cpudev_stats_of(be, &st) == 0 && st.n_violations == 0);
     kn_kv_free(kv, 2, ids);

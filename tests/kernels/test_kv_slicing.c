@@ -339,6 +339,56 @@ static void test_tier_copies(void)
     kn_kv_pool_destroy(sl);
 }
 
+/* kn_kv_block_copy (a prefill stage's copy of a cached last block): every tile of the
+ * source block, in a head-major and a sliced pool, and nothing else changes. */
+static void test_block_copy(void)
+{
+    for (int sliced = 0; sliced < 2; sliced++) {
+        kn_kv_pool_params p = {.n_layers = 2,
+                               .n_kv_heads = 3,
+                               .head_dim = 4,
+                               .block_size = 4,
+                               .n_blocks = 6,
+                               .type = TD_F16};
+        if (sliced) {
+            p.n_slices = 2;
+            p.slice_heads[0] = 2;
+            p.slice_heads[1] = 1;
+        }
+        kn_kv_pool *pool = NULL;
+        TH_REQUIRE(kn_kv_pool_create(&p, &pool) == 0);
+        for (size_t i = 0; i < pool->region_bytes; i++)
+            ((unsigned char *)pool->region)[i] = (unsigned char)(frand() * 255.0f);
+        unsigned char *before = malloc(pool->region_bytes);
+        TH_REQUIRE(before);
+        memcpy(before, pool->region, pool->region_bytes);
+        TH_CHECK(kn_kv_block_copy(pool, 4, 1) == 0);
+        const size_t tile = 4 * 4 * 2;
+        int bad = 0, moved = 0;
+        for (int l = 0; l < 2; l++)
+            for (int kv = 0; kv < 2; kv++)
+                for (int b = 0; b < 6; b++)
+                    for (int h = 0; h < 3; h++) {
+                        const char *A = (const char *)(kv ? pool->v[l] : pool->k[l]);
+                        size_t off = (size_t)(A - (const char *)pool->region);
+                        size_t t = kn_kv_tile(&pool->slicing, 3, b, h) * tile;
+                        size_t t4 = kn_kv_tile(&pool->slicing, 3, 4, h) * tile;
+                        const unsigned char *want = before + off + (b == 1 ? t4 : t);
+                        bad += memcmp(A + t, want, tile) != 0;
+                        moved += b == 1 && memcmp(A + t, before + off + t, tile) != 0;
+                    }
+        TH_CHECKF(bad == 0 && moved == 2 * 2 * 3, "%s pool: %d tiles wrong, %d of 12 changed",
+                  sliced ? "sliced" : "head-major", bad, moved);
+        memcpy(before, pool->region, pool->region_bytes); /* refused copies change nothing */
+        TH_CHECK(kn_kv_block_copy(pool, 2, 2) == TD_ERANGE);
+        TH_CHECK(kn_kv_block_copy(pool, 6, 1) == TD_ERANGE);
+        TH_CHECK(kn_kv_block_copy(pool, 0, -1) == TD_ERANGE);
+        TH_CHECK(!memcmp(pool->region, before, pool->region_bytes));
+        free(before);
+        kn_kv_pool_destroy(pool);
+    }
+}
+
 /* ---- the engine on a sliced pool ---- */
 
 static kn_model *model;
@@ -468,6 +518,7 @@ int main(int argc, char **argv)
     TH_RUN(test_alloc_ascending);
     TH_RUN(test_kernels_identical);
     TH_RUN(test_tier_copies);
+    TH_RUN(test_block_copy);
     if (argc > 1) {
         td_gguf *g;
         char err[256];
