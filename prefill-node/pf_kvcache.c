@@ -13,11 +13,12 @@ struct pf_kvc_ent {
     uint64_t id, parent; /* td_block_hash ids */
     int32_t block;       /* pool block id */
     int depth;           /* block index in its prompt (0: the first) */
+    int n_tok;           /* tokens held: block_size, or fewer for a prompt's tail */
     int ref, users;
     bool indexed;
     struct pf_kvc_ent *hnext;       /* bucket chain */
     struct pf_kvc_ent *prev, *next; /* LRU list: head = least recently used */
-    int32_t tokens[];               /* (block_size) */
+    int32_t tokens[];               /* (n_tok) */
 };
 
 struct pf_kvc {
@@ -153,7 +154,7 @@ int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, 
         const int32_t *t = tokens + (size_t)k * (size_t)c->bs;
         uint64_t nid = td_block_hash(id, t, (size_t)c->bs);
         const pf_kvc_ent *e = find(c, nid);
-        if (!e || e->parent != id || e->depth != k ||
+        if (!e || e->parent != id || e->depth != k || e->n_tok != c->bs ||
             memcmp(e->tokens, t, (size_t)c->bs * sizeof *t))
             break;
         id = nid;
@@ -162,13 +163,26 @@ int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, 
     return k;
 }
 
+bool pf_kvc_match_tail(const pf_kvc *c, uint64_t parent, int depth, const int32_t *tokens, int n,
+                       uint64_t *id)
+{
+    if (n < 1 || n >= c->bs) return false;
+    uint64_t nid = td_block_hash(parent, tokens, (size_t)n);
+    const pf_kvc_ent *e = find(c, nid);
+    if (!e || e->parent != parent || e->depth != depth || e->n_tok != n ||
+        memcmp(e->tokens, tokens, (size_t)n * sizeof *tokens))
+        return false;
+    *id = nid;
+    return true;
+}
+
 int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_ent **ents,
                    int32_t *tokens)
 {
     uint64_t id = last_id;
     for (int i = n - 1; i >= 0; i--) { /* from the leaf back to the root */
         pf_kvc_ent *e = find(c, id);
-        if (!e || e->depth != i) return TD_ENOENT;
+        if (!e || e->depth != i || (i < n - 1 && e->n_tok != c->bs)) return TD_ENOENT;
         ents[i] = e;
         id = e->parent;
     }
@@ -180,7 +194,7 @@ int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_e
         lru_unlink(c, e);
         lru_push(c, e);
         blocks[i] = e->block;
-        if (tokens) memcpy(tokens + (size_t)i * (size_t)c->bs, e->tokens, (size_t)c->bs * 4);
+        if (tokens) memcpy(tokens + (size_t)i * (size_t)c->bs, e->tokens, (size_t)e->n_tok * 4);
     }
     c->stats.hit_blocks += (uint64_t)n;
     return 0;
@@ -209,7 +223,7 @@ static bool make_room(pf_kvc *c)
     if (c->stats.n_indexed < c->max_blocks) return true;
     for (pf_kvc_ent *e = c->head; e; e = e->next)
         if (!e->ref) {
-            log_event(c, PF_KVC_EV_REMOVED, e->id);
+            if (e->n_tok == c->bs) log_event(c, PF_KVC_EV_REMOVED, e->id); /* tails: none */
             detach(c, e);
             c->stats.evicted++;
             return true;
@@ -217,19 +231,23 @@ static bool make_room(pf_kvc *c)
     return false;
 }
 
-int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, const int32_t *blocks, int from)
+int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, int n_tail, const int32_t *blocks,
+                  int from)
 {
     uint64_t id = TD_BLOCK_HASH_ROOT;
     for (int i = 0; i < from; i++)
         id = td_block_hash(id, tokens + (size_t)i * (size_t)c->bs, (size_t)c->bs);
-    pf_kvc_ent **added = n > from ? malloc((size_t)(n - from) * sizeof *added) : NULL;
+    if (n_tail < 0 || n_tail >= c->bs) n_tail = 0;
+    const int end = n + (n_tail > 0); /* blocks[n]: the tail's */
+    pf_kvc_ent **added = end > from ? malloc((size_t)(end - from) * sizeof *added) : NULL;
     int n_added = 0, i = from;
-    size_t tb = (size_t)c->bs * sizeof *tokens;
-    for (; added && i < n; i++) {
+    for (; added && i < end; i++) {
+        const int nt = i < n ? c->bs : n_tail;
+        const size_t tb = (size_t)nt * sizeof *tokens;
         const int32_t *t = tokens + (size_t)i * (size_t)c->bs;
-        uint64_t nid = td_block_hash(id, t, (size_t)c->bs);
+        uint64_t nid = td_block_hash(id, t, (size_t)nt);
         pf_kvc_ent *e = find(c, nid);
-        if (e && (e->parent != id || e->depth != i || memcmp(e->tokens, t, tb)))
+        if (e && (e->parent != id || e->depth != i || e->n_tok != nt || memcmp(e->tokens, t, tb)))
             break; /* a collision: keep the older block, insert nothing after it */
         if (e) {   /* another request inserted the same block meanwhile */
             kn_kv_free(c->pool, 1, &blocks[i]);
@@ -240,19 +258,24 @@ int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, const int32_t *blocks
         e = malloc(sizeof *e + tb);
         if (!e) break;
         /* ref 1 while this prompt is inserted: its own blocks are not evicted for it */
-        *e = (pf_kvc_ent){
-            .id = nid, .parent = id, .block = blocks[i], .depth = i, .ref = 1, .indexed = true};
+        *e = (pf_kvc_ent){.id = nid,
+                          .parent = id,
+                          .block = blocks[i],
+                          .depth = i,
+                          .n_tok = nt,
+                          .ref = 1,
+                          .indexed = true};
         memcpy(e->tokens, t, tb);
         e->hnext = c->buckets[nid & c->mask];
         c->buckets[nid & c->mask] = e;
         lru_push(c, e);
         c->stats.n_indexed++;
         c->stats.inserted++;
-        log_event(c, PF_KVC_EV_STORED, nid);
+        if (nt == c->bs) log_event(c, PF_KVC_EV_STORED, nid); /* the router knows whole blocks */
         added[n_added++] = e;
         id = nid;
     }
-    if (i < n) kn_kv_free(c->pool, n - i, blocks + i);
+    if (i < end) kn_kv_free(c->pool, end - i, blocks + i);
     /* parents more recent than their children: a prefix outlives its extensions */
     for (int k = n_added - 1; k >= 0; k--) {
         added[k]->ref = 0;

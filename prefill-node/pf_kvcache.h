@@ -5,7 +5,10 @@
  * computing them (and pushes them to the decode ranks from here). A block is identified by
  * its td_block_hash id (its tokens chained with its prefix's id); the cache keeps its
  * tokens too and compares them on lookup, so a 64-bit collision is a miss, never a wrong
- * block. Only whole blocks are cached (the last partial block of a prompt never is).
+ * block. Whole blocks are cached, and the *tail* of a prompt (its last partial block, of
+ * 2 .. block_size - 1 tokens): a request whose whole prompt is here copies its last block,
+ * whole or tail, and computes only its last token (pf_stage.c open_blocks). A tail is a
+ * leaf: nothing chains after it, no KV event names it (the router indexes whole blocks).
  * Interface (kept close to the decode side's block cache): match (how many leading blocks of
  * a prompt are here), acquire / unref / unuse (a request's hold), insert (a finished
  * request's blocks), LRU eviction of unreferenced blocks under max_blocks, flush.
@@ -23,6 +26,7 @@
 #ifndef PF_KVCACHE_H
 #define PF_KVCACHE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "kv_pool.h"
@@ -46,20 +50,26 @@ void pf_kvc_destroy(pf_kvc *c);
 /* How many leading whole blocks of tokens[0..n) are indexed (ids and tokens equal), at
  * most max_blocks; *last_id gets the last matched block's id. No state change. */
 int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, uint64_t *last_id);
-/* Take the n blocks of the chain ending in last_id (n blocks back to the root): ref and users
+/* Whether the n tokens after the chain ending in parent (depth blocks long), 1 <= n <
+ * block_size, are a cached tail; *id gets its id (an acquire's last_id). No state change. */
+bool pf_kvc_match_tail(const pf_kvc *c, uint64_t parent, int depth, const int32_t *tokens, int n,
+                       uint64_t *id);
+/* Take the n blocks of the chain ending in last_id (a tail, or a whole block) (n blocks back to the root): ref and users
  * + 1, most recently used. blocks (n) gets their pool ids, ents (n) the handles, tokens
- * (n * block_size, or NULL) their tokens. TD_ENOENT (nothing taken) if the index does not
+ * (n * block_size, or NULL) their tokens (a tail's n_tail of the last). TD_ENOENT (nothing taken) if the index does not
  * hold exactly that chain. */
 int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_ent **ents,
                    int32_t *tokens);
 void pf_kvc_unref(pf_kvc *c, pf_kvc_ent *const *ents, int n); /* stream ref - 1 */
 void pf_kvc_unuse(pf_kvc *c, pf_kvc_ent *const *ents, int n); /* users - 1 */
-/* Insert blocks[from..n) of a prompt (tokens: n * block_size ids; blocks[i] holds tokens
- * [i bs, (i + 1) bs), blocks before `from` are already the cache's). Ownership of every one
- * of blocks[from..n) passes to the cache: indexed, or back to the pool when its id is
- * already indexed, the ids collide (different tokens: the rest is not inserted either), or
- * no unreferenced block can be evicted to stay under max_blocks. Returns blocks indexed. */
-int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, const int32_t *blocks, int from);
+/* Insert blocks[from..n) of a prompt and, with n_tail in 1 .. block_size - 1, its tail
+ * blocks[n] (tokens: n * block_size + n_tail ids; blocks[i] holds tokens [i bs, (i + 1) bs),
+ * blocks before `from` are already the cache's). Ownership of every one of blocks[from..end)
+ * (end = n, + 1 with a tail) passes to the cache: indexed, or back to the pool when its id
+ * is already indexed, the ids collide (different tokens: the rest is not inserted either),
+ * or no unreferenced block can be evicted to stay under max_blocks. Returns blocks indexed. */
+int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, int n_tail, const int32_t *blocks,
+                  int from);
 /* Empty the index (a new stage chain): unused blocks go back to the pool now, used ones
  * when their last user drops them. */
 void pf_kvc_flush(pf_kvc *c);

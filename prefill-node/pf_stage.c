@@ -137,9 +137,10 @@ static void release_blocks(pf_stage *st, pf_req *r, bool insert)
 {
     int nb = r->kv.n_blocks, nh = r->n_hit, bs = st->shard.kv->block_size;
     int nf = r->n_prompt / bs; /* whole blocks (>= nh; nh + 1 with a copied last block) */
-    if (insert && st->kvc && r->hist && nf <= nb) {
-        pf_kvc_insert(st->kvc, r->hist, nf, r->kv.blocks, nh);
-        kn_kv_free(st->shard.kv, nb - nf, r->kv.blocks + nf);
+    int tail = r->n_prompt % bs >= 2 ? r->n_prompt % bs : 0; /* 1 token: nothing to save */
+    if (insert && st->kvc && r->hist && nf + (tail > 0) <= nb) {
+        pf_kvc_insert(st->kvc, r->hist, nf, tail, r->kv.blocks, nh);
+        kn_kv_free(st->shard.kv, nb - nf - (tail > 0), r->kv.blocks + nf + (tail > 0));
     } else if (nb > nh)
         kn_kv_free(st->shard.kv, nb - nh, r->kv.blocks + nh);
     if (nh) {
@@ -244,10 +245,10 @@ static pf_req *new_req(pf_stage *st, const pf_seg *g)
 }
 
 /* r's block table: the cached prefix's blocks (n_cached tokens ending in block cached_id,
- * as stage 0 decided), then its own blocks for the rest of the prompt. A prompt cached to
- * its last whole block has n_cached = n_prompt - 1 (pf_stage_cached_prefix): that last
- * block is copied into one of r's own (the last token's KV is written again, and a cached
- * block is never written) and the cache's is let go at once. */
+ * as stage 0 decided), then its own blocks for the rest of the prompt. A prompt cached
+ * whole has n_cached = n_prompt - 1 (pf_stage_cached_prefix): its last block (whole, or
+ * the cache's copy of its tail) is copied into one of r's own (the last token's KV is
+ * written again, and a cached block is never written) and the cache's is let go at once. */
 static int open_blocks(pf_stage *st, pf_req *r, const pf_seg *g)
 {
     kn_kv_pool *kv = st->shard.kv;
@@ -261,8 +262,7 @@ static int open_blocks(pf_stage *st, pf_req *r, const pf_seg *g)
     int32_t src = -1; /* copy_last: the cached block copied */
     if (g->n_cached) {
         const int na = nh + copy_last; /* blocks taken from the cache */
-        if (!st->kvc || (copy_last && (r->n_prompt % bs || (int)g->n_cached != r->n_prompt - 1)))
-            return TD_EINVAL;
+        if (!st->kvc || (copy_last && (int)g->n_cached != r->n_prompt - 1)) return TD_EINVAL;
         if (!(r->hit = malloc((size_t)na * sizeof *r->hit))) return TD_ENOMEM;
         if (pf_kvc_acquire(st->kvc, g->cached_id, na, r->kv.blocks, r->hit, r->hist)) {
             TD_LOG_WARN("prefill %s stage %d: request %llu: stage 0 took %u tokens from the "
@@ -553,11 +553,14 @@ int32_t pf_stage_cached_prefix(const pf_stage *st, const int32_t *prompt, int32_
     if (!st->kvc || n < 2) return 0;
     int bs = st->shard.kv->block_size;
     uint64_t last;
-    int k = pf_kvc_match(st->kvc, prompt, n, n / bs, &last);
-    if (k) *id = last;
-    /* the whole prompt is cached: compute its last token again (the last stage samples from
-     * its logits) in a copy of the last block (open_blocks), not the whole block */
-    return k * bs == n ? n - 1 : k * bs;
+    int k = pf_kvc_match(st->kvc, prompt, n, n / bs, &last), t = n - k * bs;
+    /* the whole prompt is cached (to its last whole block, or with its tail): compute its
+     * last token again (the last stage samples from its logits) in a copy of the last block
+     * (open_blocks), not the whole block */
+    bool whole = t == 0 || (k == n / bs && t >= 2 &&
+                            pf_kvc_match_tail(st->kvc, last, k, prompt + (size_t)k * bs, t, &last));
+    if (k || whole) *id = last;
+    return whole ? n - 1 : k * bs;
 }
 
 void pf_stage_cache_stats(const pf_stage *st, uint64_t *hit_tokens, uint64_t *evicted)

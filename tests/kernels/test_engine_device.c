@@ -478,8 +478,7 @@ static void test_staged_pool(void)
         TH_CHECK(be.ops->download(be.ctx, back, (char *)kv->v[l] + (size_t)ids[0] * bb, bb) == 0);
         same += !memcmp(back, pat, bb);
     }
-    TH_CHECKF(same == kv->n_layers, "%d of %d layers' V copied on the device", same,
-              kv->n_layers);
+    TH_CHECKF(same == kv->n_layers, "%d of %d layers' V copied on the device", same, kv->n_layers);
     kn_cpudev_stats st;
     TH_CHECK(kn_cpudev_stats_of(be, &st) == 0 && st.n_violations == 0);
     kn_kv_free(kv, 2, ids);

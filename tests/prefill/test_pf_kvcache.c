@@ -3,7 +3,8 @@
  * with shared prefixes and LRU evictions under a small budget, checked after every insert
  * against pf_kvc_match), ids are the chained block hashes the router computes, a flush is
  * one CLEARED event after which the replayed set is empty, and the ring keeps the latest
- * PF_KVC_EVENT_LOG events (first > 1 once it wrapped, seqs contiguous).
+ * PF_KVC_EVENT_LOG events (first > 1 once it wrapped, seqs contiguous); a prompt's tail (its
+ * last partial block) is matched, acquired and evicted like a block and named by no event.
  * usage: test_pf_kvcache
  */
 #include <stdlib.h>
@@ -13,6 +14,7 @@
 #include "kv_pool.h"
 #include "pf_kvcache.h"
 #include "td_blockhash.h"
+#include "td_err.h"
 
 #define BS      4
 #define MAXB    8
@@ -83,7 +85,7 @@ static void insert(pf_kvc *c, kn_kv_pool *pool, const int32_t *t, int n_blocks)
 {
     int32_t blocks[16];
     TH_REQUIRE(kn_kv_alloc(pool, n_blocks, blocks) == 0);
-    pf_kvc_insert(c, t, n_blocks, blocks, 0);
+    pf_kvc_insert(c, t, n_blocks, 0, blocks, 0);
 }
 
 static void test_replay_equals_index(void)
@@ -155,9 +157,74 @@ static void test_ring_wraps(void)
     kn_kv_pool_destroy(pool);
 }
 
+/* Tails (a prompt's last partial block): inserted after its whole blocks, matched only with
+ * its parent, depth, length and tokens, acquired at the end of its chain (its tokens only),
+ * never after a tail, named by no KV event, evicted like any block. */
+static void test_tails(void)
+{
+    kn_kv_pool *pool = make_pool();
+    TH_REQUIRE(pool);
+    pf_kvc *c = NULL;
+    TH_REQUIRE(pf_kvc_create(pool, 3, &c) == 0);
+    int32_t t[2 * BS + 3] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    int32_t blocks[3];
+    TH_REQUIRE(kn_kv_alloc(pool, 3, blocks) == 0);
+    uint64_t ev0 = pf_kvc_event_next(c);
+    TH_CHECK(pf_kvc_insert(c, t, 2, 3, blocks, 0) == 3);
+    TH_CHECK(pf_kvc_event_next(c) == ev0 + 2); /* the two whole blocks only */
+    uint64_t last, id;
+    TH_CHECK(pf_kvc_match(c, t, 2 * BS + 3, 2, &last) == 2);
+    TH_CHECK(pf_kvc_match_tail(c, last, 2, t + 2 * BS, 3, &id));
+    TH_CHECK(id == td_block_hash(last, t + 2 * BS, 3));
+    TH_CHECK(!pf_kvc_match_tail(c, last, 2, t + 2 * BS, 2, &id)); /* another length */
+    TH_CHECK(!pf_kvc_match_tail(c, last, 1, t + 2 * BS, 3, &id)); /* another depth */
+    TH_CHECK(!pf_kvc_match_tail(c, TD_BLOCK_HASH_ROOT, 2, t + 2 * BS, 3, &id));
+    int32_t other[3] = {9, 10, 12};
+    TH_CHECK(!pf_kvc_match_tail(c, last, 2, other, 3, &id));
+    TH_CHECK(!pf_kvc_match_tail(c, last, 2, t + 2 * BS, BS, &id)); /* a whole block is no tail */
+    /* a prompt that continues past the tail matches the whole blocks only */
+    int32_t longer[3 * BS] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    TH_CHECK(pf_kvc_match(c, longer, 3 * BS, 3, &last) == 2);
+    /* acquire the chain ending in the tail: its blocks, and exactly its tokens */
+    TH_CHECK(pf_kvc_match_tail(c, last, 2, t + 2 * BS, 3, &id));
+    int32_t got[3], hist[2 * BS + 3];
+    pf_kvc_ent *ents[3];
+    TH_CHECK(pf_kvc_acquire(c, id, 3, got, ents, hist) == 0);
+    TH_CHECK(!memcmp(got, blocks, sizeof got) && !memcmp(hist, t, sizeof hist));
+    TH_CHECK(pf_kvc_acquire(c, id, 2, got, ents, NULL) == TD_ENOENT); /* not a 2-block chain */
+    pf_kvc_unref(c, ents, 3);
+    pf_kvc_unuse(c, ents, 3);
+    /* a tail is evicted like a block (budget 3), and names no event when it goes */
+    int32_t u[BS] = {40, 41, 42, 43}, ub;
+    TH_REQUIRE(kn_kv_alloc(pool, 1, &ub) == 0);
+    uint64_t ev1 = pf_kvc_event_next(c);
+    TH_CHECK(pf_kvc_insert(c, u, 1, 0, &ub, 0) == 1);
+    pf_kvc_stats st;
+    pf_kvc_get_stats(c, &st);
+    TH_CHECK(st.n_indexed == 3 && st.evicted == 1);
+    uint8_t kind[PF_KVC_EVENT_LOG];
+    uint64_t ids[PF_KVC_EVENT_LOG], first;
+    int n_ids, n = pf_kvc_events(c, PF_KVC_EVENT_LOG, kind, ids, &n_ids, &first);
+    int removed = 0, stored = 0;
+    for (int k = 0; k < n; k++)
+        if (first + (uint64_t)k >= ev1) {
+            removed += kind[k] == PF_KVC_EV_REMOVED;
+            stored += kind[k] == PF_KVC_EV_STORED;
+        }
+    /* the least recently used entry was the tail (a chain's leaf goes first) */
+    TH_CHECK(pf_kvc_match(c, t, 2 * BS, 2, &last) == 2);
+    TH_CHECK(!pf_kvc_match_tail(c, last, 2, t + 2 * BS, 3, &id));
+    TH_CHECKF(stored == 1 && removed == 0, "events after the insert: %d stored, %d removed", stored,
+              removed);
+    pf_kvc_destroy(c);
+    TH_CHECK(pool->n_free == pool->n_blocks); /* every block back */
+    kn_kv_pool_destroy(pool);
+}
+
 int main(void)
 {
     TH_RUN(test_replay_equals_index);
     TH_RUN(test_ring_wraps);
+    TH_RUN(test_tails);
     TH_EXIT();
 }
