@@ -136,10 +136,6 @@ void pf_stage_abort_all(pf_stage *st, int err);
 /* Stage 0's RELEASE of a request (every stage runs it at the same point of the stream): its
  * hold on the cached prefix ends; insert: its whole blocks go into the prefix cache. */
 void pf_stage_release(pf_stage *st, uint64_t req_id, bool insert);
-/* Stage 0: tokens of the prompt's prefix in the cache (whole blocks, < n, so the last token
- * is computed; 0 when the cache is off) and the last cached block's id. */
-int32_t pf_stage_cached_prefix(const pf_stage *st, const int32_t *prompt, int32_t n, uint64_t *id);
-void pf_stage_cache_stats(const pf_stage *st, uint64_t *hit_tokens, uint64_t *evicted);
 /* Poll the connector for this stage's requests; report the finished ones. */
 void pf_stage_poll(pf_stage *st);
 /* Stage 0: the next report of its own stage (queued by pf_stage_poll); false if none. */
@@ -147,6 +143,20 @@ bool pf_stage_take_report(pf_stage *st, pf_report *out);
 /* Process the next received chain message in order (stages > 0): 1 if one was handled,
  * 0 if none waits, or a negative td_err (the chain is broken). */
 int pf_stage_recv(pf_stage *st);
+
+/* pf_blocks.c */
+/* r's block table for its prompt (the cached prefix stage 0 decided in g, then r's own
+ * blocks); 0, TD_EINVAL (g's prefix is malformed or the cache is off), TD_ENOENT (this
+ * stage's cache lacks it), TD_ENOSPC (no KV room), TD_ENOMEM, or a block copy's error. */
+int pf_blocks_open(pf_stage *st, pf_req *r, const pf_seg *g);
+/* Give back r's blocks: its own to the cache (insert: the whole blocks and the tail) or the
+ * pool, its hold on the cached prefix to the cache. */
+void pf_blocks_release(pf_stage *st, pf_req *r, bool insert);
+/* Stage 0: tokens of the prompt's prefix in the cache (0 when the cache is off) and the id
+ * of its last cached block: the leading whole blocks, or n - 1 when the whole prompt is
+ * there (to its last whole block, or with its tail): the last token is always computed. */
+int32_t pf_stage_cached_prefix(const pf_stage *st, const int32_t *prompt, int32_t n, uint64_t *id);
+void pf_stage_cache_stats(const pf_stage *st, uint64_t *hit_tokens, uint64_t *evicted);
 
 /* pf_lp.c: the last stage's logprobs (sampling.logprobs, kn_logprobs on the raw logits).
  * The first token's (into r->first_lp, for its report); 0 or TD_EINVAL. */
