@@ -586,7 +586,11 @@ static int step_end(dc_node *n, step_run *sr, int rc)
     n->ns_forward += t_commit - sr->t_fwd;
     n->ns_commit += t1 - t_commit;
     /* the whole step, as its decodes wait for it: the cost model behind itl_target_ms */
-    if (!rc) dc_sched_observe(n->sched, (double)(t1 - sr->t_plan) / 1e6);
+    if (!rc) {
+        dc_sched_observe(n->sched, (double)(t1 - sr->t_plan) / 1e6);
+        n->step_hist[td_step_hist_bucket((double)(t1 - sr->t_plan) / 1e9)]++;
+        n->step_us += (uint64_t)(t1 - sr->t_plan) / 1000u;
+    }
     n->step_ns += t1 - sr->t_fwd + (sr->t_fwd - sr->t_plan);
     n->step_tokens += sr->k;
     return rc ? rc : sr->k;

@@ -30,6 +30,7 @@
 #include "kn_runtime.h"
 #include "kv_pool.h"
 #include "model.h"
+#include "td_step_hist.h"
 
 /* overlap (decode[].overlap): an event of the scheduler's sink held back while the step's
  * commit and the next plan run, sent once the next forward pass computes (dc_async.c) */
@@ -87,6 +88,9 @@ typedef struct {
     uint64_t step;
     int64_t step_ns;     /* wall time of all steps */
     int64_t step_tokens; /* tokens of all steps */
+    /* steps by duration (td_step_hist.h buckets) and their total time: Health 25-26 */
+    uint64_t step_hist[TD_STEP_HIST_N + 1];
+    uint64_t step_us;
     /* where the serving loop's time goes (ns, SERVING only; logged at the stop): the inbox,
      * transfers and health; planning; the plan's encoding and publication; the forward
      * pass; the commit (sampling, stop rules, grammar, logprobs); the token events

@@ -529,6 +529,9 @@ void dc_serve_health(dc_node *n)
         h.n_prefix_tier = 4;
         h.prefix_tier = tier;
     }
+    h.n_step_time_counts = TD_STEP_HIST_N + 1;
+    h.step_time_counts = n->step_hist;
+    h.step_time_us = n->step_us;
     /* alive but not ready while forming: the router keeps polling and sends nothing */
     h.ready = !n->forming && !n->stopping && !n->draining;
     uint64_t ev_ids[KN_KV_EVENT_LOG_DEFAULT];

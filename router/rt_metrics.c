@@ -49,9 +49,14 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
     m->cache_pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->cache_pf);
     m->v.pc_total = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_PC_N, sizeof *m->v.pc_total);
     m->v.pc_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_PC_N, sizeof *m->v.pc_last);
+    m->v.step_total =
+        calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_STEP_N, sizeof *m->v.step_total);
+    m->v.step_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_STEP_N, sizeof *m->v.step_last);
+    m->v.boot_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.boot_last);
     rt_metrics_set_model(m, "", 0);
     if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last ||
-        !m->cache_dec || !m->cache_pf || !m->v.pc_total || !m->v.pc_last)
+        !m->cache_dec || !m->cache_pf || !m->v.pc_total || !m->v.pc_last || !m->v.step_total ||
+        !m->v.step_last || !m->v.boot_last)
         return TD_ENOMEM;
     m->n_inst = n_inst;
     m->n_pf = n_pf;
@@ -72,6 +77,10 @@ void rt_metrics_fini(rt_metrics *m)
     free(m->v.pc_total);
     free(m->v.pc_last);
     m->v.pc_total = m->v.pc_last = NULL;
+    free(m->v.step_total);
+    free(m->v.step_last);
+    free(m->v.boot_last);
+    m->v.step_total = m->v.step_last = m->v.boot_last = NULL;
     m->inst = NULL;
     m->pf = NULL;
     m->http = NULL;
@@ -227,10 +236,17 @@ int rt_hist_render(rt_buf *b, const char *name, const char *help, const char *la
                    const rt_hist *h, rt_bounds bd, double scale)
 {
     char line[1024];
+    snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    int rc = rt_buf_puts(b, line);
+    return rc | rt_hist_render_series(b, name, labels, h, bd, scale);
+}
+
+int rt_hist_render_series(rt_buf *b, const char *name, const char *labels, const rt_hist *h,
+                          rt_bounds bd, double scale)
+{
+    char line[1024];
     const char *sep = labels[0] ? "," : "";
     int rc = 0;
-    snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    rc |= rt_buf_puts(b, line);
     uint64_t cum = 0;
     for (int i = 0; i <= bd.n; i++) {
         cum += h->counts[i];

@@ -22,6 +22,7 @@
 #include "ctrl.h"
 #include "rt_cache.h"
 #include "rt_req.h"
+#include "td_step_hist.h"
 
 #define RT_HIST_BUCKETS 16 /* the tandem_* histograms' */
 #define RT_HIST_MAX     24 /* the most finite buckets of any histogram */
@@ -38,7 +39,8 @@ typedef struct {
     int n;
 } rt_bounds;
 
-#define RT_PC_N 6 /* rt_inst_gauge.pc */
+#define RT_PC_N   6                    /* rt_inst_gauge.pc */
+#define RT_STEP_N (TD_STEP_HIST_N + 2) /* rt_inst_gauge.steps */
 
 typedef struct {
     uint32_t running, waiting, kv_used, kv_free;
@@ -46,6 +48,10 @@ typedef struct {
     /* likewise: prefix cache queried tokens, hit tokens, evictions (Health 13-15), then its
      * second tier's blocks written, blocks read back, hit tokens (Health.prefix_tier 0-2) */
     uint64_t pc[RT_PC_N];
+    /* likewise: its steps per td_step_hist.h bucket (Health.step_time_counts), then their
+     * total time in microseconds (Health.step_time_us) */
+    uint64_t steps[RT_STEP_N];
+    uint64_t boot_id; /* Health.boot_id: a new one restarts every count above from 0 */
     bool alive;
 } rt_inst_gauge;
 
@@ -72,6 +78,8 @@ typedef struct {
     uint64_t *preempt_total;            /* (n_inst) preemptions seen, across instance restarts */
     uint64_t *preempt_last;             /* (n_inst) the last reported count */
     uint64_t *pc_total, *pc_last;       /* (n_inst, RT_PC_N) the same for .pc */
+    uint64_t *step_total, *step_last;   /* (n_inst, RT_STEP_N) the same for .steps */
+    uint64_t *boot_last;                /* (n_inst) the boot id the last counts came from */
     rt_hist kv_s, kv_exposed_s;         /* seconds: PrefillDone.kv_transfer_us, kv_exposed_us */
     rt_hist kv_bytes, kv_bw;            /* bytes; bytes per second (bytes / kv_transfer_us) */
 } rt_vmetrics;
@@ -164,6 +172,10 @@ void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g);
 void rt_hist_observe(rt_hist *h, rt_bounds bd, double v);
 int rt_hist_render(rt_buf *b, const char *name, const char *help, const char *labels,
                    const rt_hist *h, rt_bounds bd, double scale);
+/* The same without the HELP and TYPE lines: one more series of a histogram family (several
+ * label sets under one header). */
+int rt_hist_render_series(rt_buf *b, const char *name, const char *labels, const rt_hist *h,
+                          rt_bounds bd, double scale);
 /* rt_metrics_vllm.c, caller holds m->mu: a request ended (as rt_metrics_request_end); a
  * PrefillDone's KV figures; the vLLM/SGLang-named series. */
 void rt_metrics_vllm_end(rt_metrics *m, const rt_req *q, int64_t now_ms, int status,

@@ -66,18 +66,55 @@ void rt_metrics_itl(rt_metrics *m, double gap, int k)
     pthread_mutex_unlock(&m->mu);
 }
 
+/* Add what counter cur gained since *last (from 0 after a restart: it went back, or the
+ * instance's boot id changed) to *total. */
+static void accumulate(uint64_t *total, uint64_t *last, uint64_t cur, bool restarted)
+{
+    if (restarted) *last = 0;
+    *total += cur >= *last ? cur - *last : cur;
+    *last = cur;
+}
+
 void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g)
 {
     if (i < 0 || i >= m->n_inst) return;
-    uint64_t last = m->v.preempt_last[i];
-    m->v.preempt_total[i] += g->preemptions >= last ? g->preemptions - last : g->preemptions;
-    m->v.preempt_last[i] = g->preemptions;
-    for (int k = 0; k < RT_PC_N; k++) {
-        uint64_t *t = &m->v.pc_total[RT_PC_N * i + k], *l = &m->v.pc_last[RT_PC_N * i + k];
-        *t += g->pc[k] >= *l ? g->pc[k] - *l : g->pc[k];
-        *l = g->pc[k];
-    }
+    bool restarted = g->boot_id && m->v.boot_last[i] && g->boot_id != m->v.boot_last[i];
+    if (g->boot_id) m->v.boot_last[i] = g->boot_id;
+    accumulate(&m->v.preempt_total[i], &m->v.preempt_last[i], g->preemptions, restarted);
+    for (int k = 0; k < RT_PC_N; k++)
+        accumulate(&m->v.pc_total[RT_PC_N * i + k], &m->v.pc_last[RT_PC_N * i + k], g->pc[k],
+                   restarted);
+    for (int k = 0; k < RT_STEP_N; k++)
+        accumulate(&m->v.step_total[RT_STEP_N * i + k], &m->v.step_last[RT_STEP_N * i + k],
+                   g->steps[k], restarted);
     m->inst[i] = *g;
+}
+
+/* tandem_decode_step_seconds: each decode instance's steps (every configured instance, its
+ * counts summed across restarts). */
+static int render_steps(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
+{
+    const char *name = "tandem_decode_step_seconds";
+    char line[512];
+    snprintf(line, sizeof line,
+             "# HELP %s Decode steps of the instance by duration, planning to commit (the time "
+             "its running requests wait for each token), across restarts.\n# TYPE %s "
+             "histogram\n",
+             name, name);
+    int rc = rt_buf_puts(b, line);
+    rt_bounds bd = {td_step_hist_le(), TD_STEP_HIST_N};
+    for (int i = 0; i < m->n_inst; i++) {
+        const uint64_t *t = &m->v.step_total[RT_STEP_N * i];
+        rt_hist h = {.sum = (double)t[TD_STEP_HIST_N + 1] / 1e6};
+        for (int k = 0; k <= TD_STEP_HIST_N; k++) {
+            h.counts[k] = t[k];
+            h.n += t[k];
+        }
+        char lb[640];
+        snprintf(lb, sizeof lb, "%s,instance=\"%s\"", m->v.model, cfg->decode[i].name);
+        rc |= rt_hist_render_series(b, name, lb, &h, bd, 1.0);
+    }
+    return rc;
 }
 
 void rt_metrics_vllm_end(rt_metrics *m, const rt_req *q, int64_t now_ms, int status,
@@ -296,6 +333,7 @@ int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                    "Prompt tokens of admitted requests whose KV came from blocks read back from "
                    "the second tier (part of vllm:prefix_cache_hits_total).",
                    9);
+    rc |= render_steps(b, m, cfg);
     if (m->n_pf > 0) rc |= render_kv(b, m);
     return rc;
 }

@@ -169,6 +169,11 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         s->pc[2] = h->prefix_evictions;
         for (int k = 0; k < 3; k++)
             s->pc[3 + k] = (size_t)k < h->n_prefix_tier ? h->prefix_tier[k] : 0;
+        /* counts of other bounds (another version) would be misread: none then */
+        bool steps = h->n_step_time_counts == TD_STEP_HIST_N + 1;
+        for (int k = 0; k <= TD_STEP_HIST_N; k++)
+            s->steps[k] = steps ? h->step_time_counts[k] : 0;
+        s->steps[TD_STEP_HIST_N + 1] = steps ? h->step_time_us : 0;
     }
     s->alive = s->ready;
     return s->alive && !was;

@@ -19,6 +19,7 @@
 #include "config.h"
 #include "ctrl.h"
 #include "rt_cache.h"
+#include "td_step_hist.h"
 
 typedef struct {
     uint64_t call_id;
@@ -47,11 +48,12 @@ typedef struct {
     uint64_t preemptions;   /* decode: Health.num_preemptions (since the instance started) */
     uint64_t pc[6];         /* decode: Health.prefix_{queried_tokens,hit_tokens,evictions}, then
                                Health.prefix_tier[0..2] (tier writes, reads, hit tokens) */
-    uint64_t inflight_tokens; /* prefill: prompt tokens of the router's attempts on it */
-    bool role_warned;         /* prefill: logged once that it does not say ROLE_PREFILL */
-    bool ev_warned;           /* logged once that its Health's KV events were malformed */
-    rt_call *orphans;         /* prefill: (n_orphans) Prefill calls of abandoned attempts:
-                                 their Ack is answered with a Cancel */
+    uint64_t steps[TD_STEP_HIST_N + 2]; /* decode: Health.step_time_counts, step_time_us */
+    uint64_t inflight_tokens;           /* prefill: prompt tokens of the router's attempts on it */
+    bool role_warned;                   /* prefill: logged once that it does not say ROLE_PREFILL */
+    bool ev_warned;                     /* logged once that its Health's KV events were malformed */
+    rt_call *orphans;                   /* prefill: (n_orphans) Prefill calls of abandoned attempts:
+                                           their Ack is answered with a Cancel */
     int n_orphans, cap_orphans;
     /* cache-aware routing (rt_route.h): what the router sent here, and the process it went to */
     rt_cidx cidx;       /* block ids of the prompts sent here (router.routing: cache_aware) */

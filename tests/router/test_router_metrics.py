@@ -286,6 +286,23 @@ def check_metrics(tag, text, served, got, usage, decode_names, disagg):
               "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"):
         insts = sorted(dict(ls).get("instance") for (nm, ls) in samples if nm == g)
         check(insts == sorted(decode_names), f"{tag}: {g} per decode instance {insts}")
+    # each decode instance's step times: a valid histogram per instance, its steps counted
+    # (at least one, at most one per token computed), their time positive
+    steps = 0
+    for d in decode_names:
+        le = sorted(((float(dict(ls)["le"]), v) for (nm, ls), v in samples.items()
+                     if nm == "tandem_decode_step_seconds_bucket" and dict(ls)["instance"] == d),
+                    key=lambda x: x[0])
+        cnt = value(samples, "tandem_decode_step_seconds_count", instance=d)
+        tot = value(samples, "tandem_decode_step_seconds_sum", instance=d)
+        check(len(le) == 17 and le[-1][1] == cnt and all(a[1] <= b[1] for a, b in zip(le, le[1:]))
+              and cnt is not None and tot is not None and (cnt == 0 or tot > 0),
+              f"{tag}: tandem_decode_step_seconds of {d}: {cnt} steps, {tot} s, cumulative "
+              f"buckets ending in +Inf = count")
+        steps += cnt or 0
+    check(0 < steps <= usage["completion"] + usage["prompt"],
+          f"{tag}: {steps} decode steps in all, in (0, tokens computed "
+          f"{usage['completion'] + usage['prompt']}]")
     kv = value(samples, "vllm:kv_cache_usage_perc")
     check(kv is not None and 0 <= kv <= 1, f"{tag}: vllm:kv_cache_usage_perc {kv} in [0, 1]")
     check(value(samples, "tandem_router_e2e_request_latency_seconds_count") == n and

@@ -295,6 +295,55 @@ static void test_pick(void)
     TH_CHECK(rt_reg_seen(&x, &h, 2) && x.alive && x.queued_tokens == 77);
 }
 
+/* ---- per-instance counters across restarts (rt_metrics_vllm.c) ---- */
+
+/* The value of series `want` (name and labels, up to the value) in the rendered text. */
+static double series(const char *text, const char *want)
+{
+    const char *p = strstr(text, want);
+    return p ? strtod(p + strlen(want), NULL) : -1;
+}
+
+/* A decode instance's counters (preemptions, step times) are summed across its restarts:
+ * a restart seen as counts going back, or as a new boot id while the counts grew past the
+ * old process's (which "went back" alone would miss). */
+static void test_inst_counters(void)
+{
+    static const char yaml[] = "model: /nonexistent.gguf\ndecode: [{name: d0, port: 3}]\n";
+    char err[256];
+    td_cfg *cfg = NULL;
+    TH_REQUIRE(td_cfg_parse(yaml, strlen(yaml), "unit", &cfg, err, sizeof err) == 0);
+    rt_metrics m;
+    TH_REQUIRE(rt_metrics_init(&m, 1, 0) == 0);
+    rt_metrics_set_model(&m, "x", 1);
+    /* (boot id, preemptions, steps in the 0.05 s bucket, their time in us) */
+    const uint64_t seen[][4] = {{7, 2, 10, 400000},
+                                {7, 3, 12, 500000},  /* one process */
+                                {7, 1, 4, 100000},   /* went back */
+                                {9, 5, 20, 900000}}; /* new boot, grew */
+    for (int k = 0; k < 4; k++) {
+        rt_inst_gauge g = {.preemptions = seen[k][1], .boot_id = seen[k][0], .alive = true};
+        g.steps[td_step_hist_bucket(0.04)] = seen[k][2];
+        g.steps[TD_STEP_HIST_N + 1] = seen[k][3];
+        rt_metrics_publish_inst(&m, 0, &g);
+    }
+    char *text = rt_metrics_render(&m, cfg);
+    TH_REQUIRE(text);
+    /* 3 + 1 + 5 preemptions; 12 + 4 + 20 steps, (0.5 + 0.1 + 0.9) s */
+    TH_CHECK(series(text, "vllm:num_preemptions_total{model_name=\"x\",instance=\"d0\"} ") == 9);
+    TH_CHECK(series(text, "tandem_decode_step_seconds_count{model_name=\"x\",instance=\"d0\"} ") ==
+             36);
+    TH_CHECK(series(text, "tandem_decode_step_seconds_sum{model_name=\"x\",instance=\"d0\"} ") ==
+             1.5);
+    TH_CHECK(series(text, "tandem_decode_step_seconds_bucket{model_name=\"x\",instance=\"d0\","
+                          "le=\"0.03\"} ") == 0);
+    TH_CHECK(series(text, "tandem_decode_step_seconds_bucket{model_name=\"x\",instance=\"d0\","
+                          "le=\"0.05\"} ") == 36);
+    free(text);
+    rt_metrics_fini(&m);
+    td_cfg_free(cfg);
+}
+
 /* ---- pairing bookkeeping (rt_pair.c) ---- */
 
 static rt_router g_r;
@@ -830,5 +879,6 @@ int main(int argc, char **argv)
     TH_RUN(test_pair);
     TH_RUN(test_migrate);
     TH_RUN(test_stream);
+    TH_RUN(test_inst_counters);
     TH_EXIT();
 }
