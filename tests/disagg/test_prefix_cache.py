@@ -9,8 +9,9 @@ Cases (--case NAME runs one):
            llama at prefill pp 1/2/3 x decode tp 1/2; the default model at pp 2; a repeated
            prompt hits too; a prompt sent again, of whole blocks or with a tail, is cached to
            its last token (cached_tokens = prompt_tokens - 1: the stages copy its last block,
-           whole or the cached tail, and compute one token) and stays exact; with prefix_cache: false on both nothing is cached; and the decode
-           instance, which decoded turn 1, holds its blocks: turn 2's Alloc shares them and the
+           whole or the cached tail, and compute one token) and stays exact; with
+           prefix_cache: false on both nothing is cached; and the decode instance, which
+           decoded turn 1, holds its blocks: turn 2's Alloc shares them and the
            stages push only the rest (the decode log's "N held here", the router's
            tandem_kv_transfer_bytes: exactly the rest's share of the bytes a whole push moves);
   evict    a 1 MiB cache (21 blocks of the synthetic llama at pp 1): conversations that do
