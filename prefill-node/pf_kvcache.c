@@ -196,7 +196,6 @@ int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_e
         blocks[i] = e->block;
         if (tokens) memcpy(tokens + (size_t)i * (size_t)c->bs, e->tokens, (size_t)e->n_tok * 4);
     }
-    c->stats.hit_blocks += (uint64_t)n;
     return 0;
 }
 

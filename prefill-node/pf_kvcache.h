@@ -35,7 +35,6 @@ typedef struct pf_kvc pf_kvc;
 typedef struct pf_kvc_ent pf_kvc_ent;
 
 typedef struct {
-    uint64_t hit_blocks;       /* blocks acquired by requests */
     uint64_t inserted;         /* blocks inserted */
     uint64_t evicted;          /* blocks evicted (LRU, to stay under max_blocks) */
     uint64_t flushed;          /* blocks dropped by pf_kvc_flush */
@@ -54,10 +53,11 @@ int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, 
  * block_size, are a cached tail; *id gets its id (an acquire's last_id). No state change. */
 bool pf_kvc_match_tail(const pf_kvc *c, uint64_t parent, int depth, const int32_t *tokens, int n,
                        uint64_t *id);
-/* Take the n blocks of the chain ending in last_id (a tail, or a whole block) (n blocks back to the root): ref and users
+/* Take the n blocks of the chain ending in last_id (a tail, or a whole block) (n blocks back to the
+ * root): ref and users
  * + 1, most recently used. blocks (n) gets their pool ids, ents (n) the handles, tokens
- * (n * block_size, or NULL) their tokens (a tail's n_tail of the last). TD_ENOENT (nothing taken) if the index does not
- * hold exactly that chain. */
+ * (n * block_size, or NULL) their tokens (a tail's n_tail of the last). TD_ENOENT (nothing taken)
+ * if the index does not hold exactly that chain. */
 int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_ent **ents,
                    int32_t *tokens);
 void pf_kvc_unref(pf_kvc *c, pf_kvc_ent *const *ents, int n); /* stream ref - 1 */

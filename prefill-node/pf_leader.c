@@ -213,7 +213,7 @@ static void on_report(pf_leader *ld, const pf_report *r)
         return; /* an old formation's */
     pf_job *j = find_job(ld, r->req_id);
     if (!j || !j->emitted) return;
-    ld->cache_hits[r->stage] = r->cache_hit_blocks; /* (tokens) the stage's totals so far */
+    ld->cache_hits[r->stage] = r->cache_hit_tokens; /* (tokens) the stage's totals so far */
     ld->cache_evicted[r->stage] = r->cache_evicted;
     if (!(j->reported & 1ull << r->stage)) j->kv_bytes += r->kv_bytes; /* once per stage */
     j->reported |= 1ull << r->stage;

@@ -439,7 +439,7 @@ void pf_stage_poll(pf_stage *st)
                          .end_ms = td_now_ms(),
                          .has_lp = st->last && r->has_first_lp};
         if (rep.has_lp) rep.first_lp = r->first_lp;
-        pf_stage_cache_stats(st, &rep.cache_hit_blocks, &rep.cache_evicted);
+        pf_stage_cache_stats(st, &rep.cache_hit_tokens, &rep.cache_evicted);
         if (!req_over(st, r, &rep)) {
             pp = &r->next;
             continue;

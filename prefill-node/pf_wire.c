@@ -424,7 +424,7 @@ void pf_wire_report_write(uint8_t b[PF_REPORT_BYTES], const pf_report *r)
     put32(b + 56, r->kv_xfer_us);
     put32(b + 60, r->kv_exposed_us);
     memset(b + 64, 0, PF_REPORT_BYTES - 64);
-    put64(b + 80, r->cache_hit_blocks);
+    put64(b + 80, r->cache_hit_tokens);
     put64(b + 88, r->cache_evicted);
     if (!r->has_lp) return;
     put32(b + 64, 1);
@@ -458,7 +458,7 @@ int pf_wire_report_parse(const void *buf, size_t len, pf_report *out)
     out->kv_bytes = get64(b + 48);
     out->kv_xfer_us = get32(b + 56);
     out->kv_exposed_us = get32(b + 60);
-    out->cache_hit_blocks = get64(b + 80);
+    out->cache_hit_tokens = get64(b + 80);
     out->cache_evicted = get64(b + 88);
     out->has_lp = get32(b + 64) != 0;
     uint32_t k = get32(b + 68);

@@ -137,7 +137,7 @@ typedef struct {
     uint64_t kv_bytes;      /* bytes put to the decode ranks */
     uint32_t kv_xfer_us;    /* time some of its puts were in flight (issued to landed) */
     uint32_t kv_exposed_us; /* its last chunk's compute end to its last chunk landing */
-    uint64_t cache_hit_blocks, cache_evicted; /* the stage's prefix cache so far */
+    uint64_t cache_hit_tokens, cache_evicted; /* the stage's prefix cache so far */
     bool has_lp; /* last stage, sampling.logprobs: first_lp is the first token's */
     td_logprob_entry first_lp;
 } pf_report;
