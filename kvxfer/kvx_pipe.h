@@ -74,14 +74,17 @@ typedef struct {
      * peer). Shared-memory-only lists (sm, posix, sysv, cma, knem, xpmem, self): UCX 1.13
      * has no peer-failure support there, so endpoints use mode NONE and a peer's death is
      * seen through a pidfd of its process (the address carries the pid). Both peers must
-     * be in the same mode (connect says TD_EUNSUPP otherwise). Network pipes without an
+     * be in the same mode (connect says TD_EUNSUPP otherwise); their puts are written
+     * straight into the peer process (kvx_pipe_ucx_cma.c; KVX_UCX_PUTS=rma: UCX's emulated
+     * puts instead, as where the kernel refuses the writes). Network pipes without an
      * RDMA transport (tcp) carry puts and flushes as their own active messages, not UCX's
      * puts (kvx_pipe_ucx_amput.c says why; KVX_UCX_PUTS=am|rma in the environment
      * decides instead). */
     const char *tls;
     int keepalive_ms;
     /* UCX only: elements of the posix and sysv transports' receive FIFO (each carries up to
-     * one 8 KiB fragment; puts into memory UCX did not allocate travel as such fragments).
+     * one 8 KiB fragment; UCX's puts into memory it did not allocate travel as such fragments,
+     * which matters where the pipe falls back to them).
      * 0: KVX_SHM_FIFO_DEFAULT, unless UCX_POSIX_FIFO_SIZE / UCX_SYSV_FIFO_SIZE is set in the
      * environment (UCX's own default is 64: on a loaded machine a sender then stalls every
      * 512 KiB until the receiver is scheduled again; 4096 costs ~17 MB more resident memory

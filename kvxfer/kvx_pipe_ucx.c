@@ -201,8 +201,10 @@ static void ucx_destroy(kvx_pipe *base)
     free(p->retired);
     if (p->ctx) ucp_cleanup(p->ctx);
     if (p->epfd > 0) close(p->epfd);
-    for (int i = 0; i < p->n_peers; i++)
+    for (int i = 0; i < p->n_peers; i++) {
+        kvxi_ucx_cma_free(p->peers[i]);
         free(p->peers[i]);
+    }
     free(p->peers);
     free(p);
 }
@@ -269,7 +271,8 @@ static bool tls_shm_only(const char *tls)
  * way that can abort the receiver. A list naming an RDMA transport keeps UCX's puts; UCX's
  * default list ("", "all", "^...") does when this host has an RDMA device. KVX_UCX_PUTS=am
  * or rma in the environment decides instead (for measurements); another value is
- * TD_EINVAL. */
+ * TD_EINVAL. Shared-memory pipes write their puts into the peer process
+ * (kvx_pipe_ucx_cma.c) unless KVX_UCX_PUTS=rma. */
 static int want_am_puts(const char *tls, bool shm, bool *out)
 {
     static const char *const rdma[] = {"rc",   "rc_v",     "rc_x",    "rc_verbs", "rc_mlx5",
@@ -338,6 +341,8 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
         free(p);
         return TD_EINVAL;
     }
+    const char *puts_env = getenv("KVX_UCX_PUTS");
+    p->cma_puts = p->shm && !(puts_env && !strcmp(puts_env, "rma"));
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {

@@ -8,6 +8,8 @@
  *   kvx_pipe_ucx_probe.c  the shared-memory receive FIFO's wedge probe and the worker reset
  *   kvx_pipe_ucx_amput.c  puts and flushes as our own active messages where the transports
  *                         have no remote memory access (tcp): see the top of that file
+ *   kvx_pipe_ucx_cma.c    puts over shared memory as writes into the peer process
+ *                         (process_vm_writev): see the top of that file
  *
  * Zombies: operations on a peer that failed (or was force-closed) complete with an error in
  * the next progress even when UCX itself never completes them (over shared memory, with
@@ -26,11 +28,22 @@
 #ifndef KVX_PIPE_UCX_INT_H
 #define KVX_PIPE_UCX_INT_H
 
+#include <sys/uio.h>
 #include <ucp/api/ucp.h>
 
 #include "kvx_pipe.h"
 
 typedef struct kvxi_ucx_pipe kvxi_ucx_pipe;
+
+#define KVXI_CMA_IOV 1024 /* puts written per process_vm_writev (the kernel's UIO_MAXIOV) */
+
+/* Shared memory: puts to one peer not yet written into its process (kvx_pipe_ucx_cma.c). */
+typedef struct {
+    struct iovec l[KVXI_CMA_IOV], r[KVXI_CMA_IOV]; /* sources, destinations (pairwise) */
+    struct kvx_rkey *rk[KVXI_CMA_IOV];             /* for the fallback through UCX */
+    int n;
+    int err; /* a write of an earlier batch failed: the next flush says so */
+} kvxi_cma_queue;
 
 typedef struct {
     kvxi_ucx_pipe *pipe;
@@ -40,6 +53,8 @@ typedef struct {
     bool err_pending;  /* failed, peer_err_cb not yet delivered */
     bool close_needed; /* failed, ep still to be force-closed */
     int pidfd;         /* shared-memory mode: the peer process (readable once it exited) */
+    uint32_t pid;      /* ... and its pid (cma writes) */
+    kvxi_cma_queue *cq; /* ... the puts not yet written (NULL until the first) */
 } kvxi_ucx_peer;
 
 struct kvx_mem {
@@ -52,6 +67,7 @@ struct kvx_mem {
 struct kvx_rkey {
     ucp_rkey_h rkey;
     kvx_peer peer;
+    uint64_t cma_base, cma_len; /* shared memory: the region in the peer process (len 0: none) */
     kvx_rkey *next, *prev;
 };
 
@@ -118,6 +134,7 @@ struct kvxi_ucx_pipe {
     int epfd;         /* what sleepers wait on: efd + the peers' pidfds */
     bool shm;         /* shared-memory transports only: liveness by pidfd, not by UCX */
     bool am_puts;     /* puts and flushes as our own active messages (amput.c) */
+    bool cma_puts;    /* shared memory: puts written into the peer process (cma.c) */
     uint64_t amflush_seq;                 /* last active-message flush sent */
     kvxi_ucx_bad bad[KVXI_UCX_BAD_MAX];   /* receiver: senders with bad puts */
     int n_bad;
@@ -174,6 +191,8 @@ void kvxi_ucx_pidfd_close(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr);
 int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uint64_t raddr,
                  kvx_rkey *rk);
 int kvxi_ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg);
+/* A put through UCX's ucp_put_nbx (completed by a later flush). */
+int kvxi_ucx_rma_put(ucp_ep_h ep, const void *src, size_t len, uint64_t raddr, kvx_rkey *rk);
 int kvxi_ucx_set_am_handler(kvx_pipe *base, unsigned id, kvx_am_cb cb, void *arg);
 int kvxi_ucx_am_send(kvx_pipe *base, kvx_peer peer, unsigned id, const void *buf, size_t len,
                      kvx_done_cb cb, void *arg);
@@ -217,6 +236,23 @@ ucs_status_t kvxi_ucx_amflush_recv(void *arg, const void *hdr, size_t hlen, void
                                    size_t len, const ucp_am_recv_param_t *prm);
 ucs_status_t kvxi_ucx_amack_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                                  const ucp_am_recv_param_t *prm);
+
+/* --- kvx_pipe_ucx_cma.c ---------------------------------------------------------------- */
+
+/* The key header of a shared-memory pipe's rkey (this process, m's bounds): its length, or
+ * 0 if cap is too small. */
+size_t kvxi_ucx_cma_key_write(const kvx_mem *m, void *buf, size_t cap);
+/* Read that header in front of UCX's rkey bytes: its length (0: malformed). rk takes the
+ * bounds when the key is pr's process's own. */
+size_t kvxi_ucx_cma_key_read(kvx_rkey *rk, const kvxi_ucx_peer *pr, const void *buf, size_t len);
+/* Queue a put of [src, src + len) at raddr of pr's process (rk->cma_len > 0). TD_EINVAL:
+ * outside the region, nothing queued. */
+int kvxi_ucx_cma_put(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr, const void *src, size_t len,
+                     uint64_t raddr, kvx_rkey *rk);
+/* Write pr's queued puts (if the kernel refuses, p->cma_puts goes off and they go through
+ * UCX). 0, or the first error since the last drain (the queue is empty either way). */
+int kvxi_ucx_cma_drain(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr);
+void kvxi_ucx_cma_free(kvxi_ucx_peer *pr); /* the queue's memory */
 
 /* --- kvx_pipe_ucx_probe.c -------------------------------------------------------------- */
 

@@ -153,6 +153,15 @@ int kvxi_ucx_orphan_ops(kvxi_ucx_pipe *p)
     return n;
 }
 
+/* Shared memory: a message to a peer goes after the puts queued for it (cma.c); a failed
+ * write is for the next flush to report. */
+static void drain_for_message(kvxi_ucx_pipe *p, kvx_peer peer)
+{
+    kvxi_ucx_peer *pr = kvxi_ucx_peer_get(p, peer);
+    int err = pr ? kvxi_ucx_cma_drain(p, pr) : 0;
+    if (err) pr->cq->err = err;
+}
+
 static ucp_ep_h live_ep(kvxi_ucx_pipe *p, kvx_peer peer, int *err)
 {
     kvxi_ucx_peer *pr = kvxi_ucx_peer_get(p, peer);
@@ -167,15 +176,8 @@ static ucp_ep_h live_ep(kvxi_ucx_pipe *p, kvx_peer peer, int *err)
     return pr->ep;
 }
 
-int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uint64_t raddr,
-                 kvx_rkey *rk)
+int kvxi_ucx_rma_put(ucp_ep_h ep, const void *src, size_t len, uint64_t raddr, kvx_rkey *rk)
 {
-    kvxi_ucx_pipe *p = (kvxi_ucx_pipe *)base;
-    int err;
-    ucp_ep_h ep = live_ep(p, peer, &err);
-    if (!ep) return err;
-    if (!rk || rk->peer != peer) return TD_EINVAL;
-    if (p->am_puts) return kvxi_ucx_amput(p, peer, ep, src, len, raddr);
     ucp_request_param_t prm = {.op_attr_mask = 0};
     ucs_status_ptr_t sp = ucp_put_nbx(ep, src, len, raddr, rk->rkey, &prm);
     if (UCS_PTR_IS_ERR(sp)) {
@@ -186,6 +188,20 @@ int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uin
     return 0;
 }
 
+int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uint64_t raddr,
+                 kvx_rkey *rk)
+{
+    kvxi_ucx_pipe *p = (kvxi_ucx_pipe *)base;
+    int err;
+    ucp_ep_h ep = live_ep(p, peer, &err);
+    if (!ep) return err;
+    if (!rk || rk->peer != peer) return TD_EINVAL;
+    if (p->am_puts) return kvxi_ucx_amput(p, peer, ep, src, len, raddr);
+    if (p->cma_puts && rk->cma_len)
+        return kvxi_ucx_cma_put(p, kvxi_ucx_peer_get(p, peer), src, len, raddr, rk);
+    return kvxi_ucx_rma_put(ep, src, len, raddr, rk);
+}
+
 int kvxi_ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg)
 {
     kvxi_ucx_pipe *p = (kvxi_ucx_pipe *)base;
@@ -193,6 +209,7 @@ int kvxi_ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg)
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
     if (p->am_puts) return kvxi_ucx_amflush(p, peer, ep, cb, arg);
+    if ((err = kvxi_ucx_cma_drain(p, kvxi_ucx_peer_get(p, peer)))) return err;
     kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =
@@ -243,6 +260,7 @@ int kvxi_ucx_am_send(kvx_pipe *base, kvx_peer peer, unsigned id, const void *buf
     if (id >= KVX_AM_IDS || len > KVX_AM_MAX) return TD_EINVAL;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
+    drain_for_message(p, peer);
     kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     op->copy = malloc(len ? len : 1);
@@ -267,6 +285,7 @@ int kvxi_ucx_tag_send(kvx_pipe *base, kvx_peer peer, uint64_t tag, const void *b
     int err;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
+    drain_for_message(p, peer);
     kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
     ucp_request_param_t prm = {.op_attr_mask =

@@ -144,6 +144,7 @@ int kvxi_ucx_connect(kvx_pipe *base, const void *addr, size_t len, kvx_peer *out
         return kvxi_ucx_err(st);
     }
     pr->used = true;
+    pr->pid = peer_pid;
     if (p->shm) {
         /* same host: the peer's liveness is its process; a pidfd tells when it exits */
         pr->pidfd = (int)syscall(SYS_pidfd_open, (pid_t)peer_pid, 0);
@@ -211,6 +212,7 @@ void kvxi_ucx_disconnect(kvx_pipe *base, kvx_peer peer, bool force)
     for (kvxi_ucx_op *op = p->ops; op; op = op->next)
         if (op->peer == peer) op->peer = forced ? KVXI_UCX_PEER_GONE : -1;
     kvxi_ucx_pidfd_close(p, pr);
+    kvxi_ucx_cma_free(pr); /* written when its rkeys went, above */
     pr->close_needed = false;
     pr->err_pending = false;
     pr->used = false;
@@ -273,8 +275,19 @@ int kvxi_ucx_rkey_pack(kvx_pipe *base, kvx_mem *m, void *buf, size_t cap, size_t
         TD_LOG_ERR("kvx ucx: rkey pack: %s", ucs_status_string(st));
         return kvxi_ucx_err(st);
     }
-    bool ok = kvx_frame_write(buf, cap, KVX_MAGIC_RKEY, KVX_KIND_UCX, rb, n, len);
+    /* shared memory: the region's bounds in this process go first (kvx_pipe_ucx_cma.c) */
+    uint8_t hdr[32];
+    size_t h = p->shm ? kvxi_ucx_cma_key_write(m, hdr, sizeof(hdr)) : 0;
+    uint8_t *pl = malloc(h + n);
+    bool ok = false;
+    if (pl) {
+        memcpy(pl, hdr, h);
+        memcpy(pl + h, rb, n);
+        ok = kvx_frame_write(buf, cap, KVX_MAGIC_RKEY, KVX_KIND_UCX, pl, h + n, len);
+        free(pl);
+    }
     ucp_rkey_buffer_release(rb);
+    if (!pl) return TD_ENOMEM;
     if (!ok) {
         TD_LOG_ERR("kvx ucx: rkey needs %zu bytes, buffer has %zu", *len, cap);
         return TD_ERANGE;
@@ -296,6 +309,15 @@ int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t 
     }
     kvx_rkey *rk = calloc(1, sizeof(*rk));
     if (!rk) return TD_ENOMEM;
+    if (p->shm) {
+        size_t h = kvxi_ucx_cma_key_read(rk, pr, pl, n);
+        if (!h || h == n) {
+            TD_LOG_ERR("kvx ucx: malformed shared-memory rkey (%zu bytes)", len);
+            free(rk);
+            return TD_EFORMAT;
+        }
+        pl = (const uint8_t *)pl + h;
+    }
     ucs_status_t st = ucp_ep_rkey_unpack(pr->ep, pl, &rk->rkey);
     if (st != UCS_OK) {
         TD_LOG_ERR("kvx ucx: rkey unpack: %s", ucs_status_string(st));
@@ -314,6 +336,11 @@ int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t 
 void kvxi_ucx_rkey_destroy(kvx_pipe *base, kvx_rkey *rk)
 {
     kvxi_ucx_pipe *p = (kvxi_ucx_pipe *)base;
+    kvxi_ucx_peer *pr = kvxi_ucx_peer_get(p, rk->peer);
+    if (pr && pr->cq && pr->cq->n) { /* queued puts may name rk: write them first */
+        int err = kvxi_ucx_cma_drain(p, pr);
+        if (err) pr->cq->err = err;
+    }
     ucp_rkey_destroy(rk->rkey);
     if (rk->prev)
         rk->prev->next = rk->next;

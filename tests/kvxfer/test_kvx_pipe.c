@@ -399,11 +399,11 @@ typedef struct {
     err_rec ea;
 } tcp_pair;
 
-static int tcp_pair_open(tcp_pair *t, size_t len)
+static int pair_open(tcp_pair *t, size_t len, const char *tls)
 {
     memset(t, 0, sizeof(*t));
-    kvx_pipe_params pa = {.peer_err_cb = on_peer_err, .peer_err_arg = &t->ea, .tls = "tcp"};
-    kvx_pipe_params pb = {.tls = "tcp"};
+    kvx_pipe_params pa = {.peer_err_cb = on_peer_err, .peer_err_arg = &t->ea, .tls = tls};
+    kvx_pipe_params pb = {.tls = tls};
     uint8_t buf[KVX_ADDR_MAX];
     size_t n;
     t->len = len;
@@ -416,6 +416,88 @@ static int tcp_pair_open(tcp_pair *t, size_t len)
         kvx_pipe_rkey_unpack(t->a, t->ab, buf, n, &t->rk))
         return -1;
     return 0;
+}
+
+static int tcp_pair_open(tcp_pair *t, size_t len)
+{
+    return pair_open(t, len, "tcp");
+}
+
+static void pair_close(tcp_pair *t)
+{
+    kvx_pipe_rkey_destroy(t->a, t->rk);
+    kvx_pipe_disconnect(t->a, t->ab, false);
+    kvx_pipe_mem_dereg(t->b, t->mem);
+    kvx_pipe_destroy(t->a);
+    kvx_pipe_destroy(t->b);
+    free(t->region);
+}
+
+/* Over shared memory puts are written into the receiver's process (kvx_pipe_ucx_cma.c):
+ * they land, and their flush completes, while the receiver never progresses (once the
+ * endpoint is wired up); more puts
+ * than one batch holds (KVXI_CMA_IOV) land whole, in any order; a message sent after
+ * puts (no flush between) finds their bytes there; a put outside the region is refused at
+ * once and writes nothing. */
+static void test_ucx_sm_one_sided(void)
+{
+    const char *tls = getenv("KVX_TEST_SM_TLS") ? getenv("KVX_TEST_SM_TLS") : "posix,cma,self";
+    tcp_pair t;
+    TH_REQUIRE(pair_open(&t, 1 << 20, tls) == 0);
+    enum { PIECE = 512, N = (1 << 20) / PIECE }; /* 2048 pieces: two batches */
+    uint8_t *src = malloc(t.len);
+    TH_REQUIRE(src);
+    for (size_t i = 0; i < t.len; i++)
+        src[i] = (uint8_t)(i * 29 + 3);
+    uint64_t base = (uint64_t)(uintptr_t)t.region;
+    /* a first flush with both sides progressing: UCX's endpoint wire-up needs b once */
+    done_rec fl0 = {0};
+    TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl0) == 0);
+    TH_CHECK(pump(t.a, t.b, &fl0.n, 1) && fl0.status == 0);
+    for (int k = 0; k < N; k++) { /* odd pieces first, then even: not one run */
+        int i = k < N / 2 ? 2 * k + 1 : 2 * (k - N / 2);
+        TH_CHECK(kvx_pipe_put(t.a, t.ab, src + (size_t)i * PIECE, PIECE,
+                              base + (uint64_t)i * PIECE, t.rk) == 0);
+    }
+    done_rec fl = {0};
+    TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl) == 0);
+    int64_t end = td_now_ms() + 5000;
+    while (!fl.n && td_now_ms() < end)
+        kvx_pipe_progress(t.a); /* a alone: b never runs */
+    TH_CHECKF(fl.n == 1 && fl.status == 0, "flush without the receiver: %d callbacks, status %d",
+              fl.n, fl.status);
+    TH_CHECK(memcmp(t.region, src, t.len) == 0);
+
+    /* put, then a message: b's handler sees the put's bytes */
+    am_rec am = {0};
+    TH_CHECK(kvx_pipe_set_am_handler(t.b, 2, on_am, &am) == 0);
+    memset(src, 0x5c, 4096);
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, 4096, base, t.rk) == 0);
+    TH_CHECK(kvx_pipe_am_send(t.a, t.ab, 2, "landed", 6, NULL, NULL) == 0);
+    TH_CHECK(pump(t.a, t.b, &am.n, 1));
+    TH_CHECK(t.region[0] == 0x5c && t.region[4095] == 0x5c);
+
+    /* outside the region: refused, nothing written, the pipe stays usable */
+    uint8_t before = t.region[t.len - 1];
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, 16, base + t.len - 15, t.rk) == TD_EINVAL);
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, 16, base - 16, t.rk) == TD_EINVAL);
+    done_rec fl2 = {0};
+    TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl2) == 0);
+    TH_CHECK(pump(t.a, t.b, &fl2.n, 1) && fl2.status == 0);
+    TH_CHECK(t.region[t.len - 1] == before);
+    TH_CHECK(kvx_pipe_peer_status(t.a, t.ab) == 0);
+    pair_close(&t);
+    free(src);
+}
+
+/* The contract over shared memory with UCX's own (emulated) puts, the fallback where the
+ * kernel refuses the writes. */
+static void test_ucx_contract_sm_rma(void)
+{
+    setenv("KVX_UCX_PUTS", "rma", 1);
+    g_tls = getenv("KVX_TEST_SM_TLS") ? getenv("KVX_TEST_SM_TLS") : "posix,cma,self";
+    contract(make_ucx, "shared memory, UCX's puts");
+    unsetenv("KVX_UCX_PUTS");
 }
 
 /* Over tcp puts are the pipe's own active messages (kvx_pipe_ucx_amput.c): one that falls
@@ -504,5 +586,7 @@ int main(void)
     TH_RUN(test_ucx_tcp_put_outside);
     TH_RUN(test_ucx_tcp_flush_peer_gone);
     TH_RUN(test_ucx_contract_tcp_rma);
+    TH_RUN(test_ucx_sm_one_sided);
+    TH_RUN(test_ucx_contract_sm_rma);
     TH_EXIT();
 }
