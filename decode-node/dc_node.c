@@ -101,6 +101,9 @@ static int setup(dc_node *n)
      * its first step reads them (kv_pool.h) */
     n->disagg = p->cfg->n_prefill > 0;
     n->kvp.host_stage = n->disagg;
+    /* rank 0's own pool: a memfd, so a prefill stage on this host maps it and copies its KV
+     * in (kvx_dec_register_fd); followers' pools are named segments, below */
+    n->kvp.fd_backed = n->disagg && p->rank == 0;
     if (n->disagg && p->rank > 0) {
         dc_xfer_kv_shm_sweep(p->instance, n->token);
         if ((rc = dc_xfer_kv_shm_name(p->instance, n->token, p->rank, (int)getpid(), n->kv_shm_name,
@@ -162,12 +165,16 @@ static void xfer_teardown(dc_node *n)
 {
     dc_xfer_destroy(n->xfer); /* the connectors first: they have the pools registered */
     n->xfer = NULL;
-    for (int r = 1; n->peer_regions && r < n->dcfg->tp; r++)
+    for (int r = 1; n->peer_regions && r < n->dcfg->tp; r++) {
         kn_kv_region_unmap(n->peer_regions[r], n->peer_bytes[r]);
+        if (n->peer_fds[r] >= 0) close(n->peer_fds[r]);
+    }
     free(n->peer_regions);
     free(n->peer_bytes);
+    free(n->peer_fds);
     n->peer_regions = NULL;
     n->peer_bytes = NULL;
+    n->peer_fds = NULL;
 }
 
 static void teardown(dc_node *n)
@@ -320,8 +327,12 @@ static int xfer_setup(dc_node *n)
     kp.host_stage = true;
     n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
     n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
-    if (!n->peer_regions || !n->peer_bytes) return TD_ENOMEM;
+    n->peer_fds = malloc((size_t)tp * sizeof *n->peer_fds);
+    if (!n->peer_regions || !n->peer_bytes || !n->peer_fds) return TD_ENOMEM;
+    for (int r = 0; r < tp; r++)
+        n->peer_fds[r] = -1;
     n->peer_regions[0] = kn_kv_xfer_region(n->kv);
+    n->peer_fds[0] = kn_kv_pool_fd(n->kv);
     n->peer_bytes[0] = n->kv->region_bytes + (n->kv->host ? (size_t)n->kv->n_blocks : 0);
     for (int r = 1; r < tp; r++) {
         char name[256];
@@ -332,7 +343,9 @@ static int xfer_setup(dc_node *n)
         kp.n_kv_heads = heads.n_kv;
         kp.shm_name = name;
         /* unlink at once: from now on the memory lives exactly as long as its mappings */
-        if (!rc) rc = kn_kv_region_map(&kp, true, &n->peer_regions[r], &n->peer_bytes[r]);
+        if (!rc)
+            rc = kn_kv_region_map(&kp, true, &n->peer_regions[r], &n->peer_bytes[r],
+                                  &n->peer_fds[r]);
         if (rc) {
             TD_LOG_ERR("decode %s: cannot map rank %d's KV pool: %s", n->p->instance, r,
                        td_strerror(rc));
@@ -344,6 +357,7 @@ static int xfer_setup(dc_node *n)
         .tp = tp,
         .regions = n->peer_regions,
         .region_bytes = n->peer_bytes,
+        .region_fds = n->peer_fds,
         .n_layers = (uint32_t)hp->n_layer,
         .n_heads = (uint32_t)hp->n_head,
         .n_kv_heads = (uint32_t)hp->n_head_kv,

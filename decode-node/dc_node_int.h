@@ -78,6 +78,8 @@ typedef struct {
     /* leader only */
     dc_xfer *xfer;       /* disaggregated mode: the KV-transfer plane of this formation */
     void **peer_regions; /* (tp) rank r > 0: its pool region mapped here */
+    int *peer_fds;       /* (tp) each region's file (rank 0: its pool's, owned by the pool;
+                            r > 0: the segment, kept open while mapped), or -1 */
     size_t *peer_bytes;  /* (tp) bytes of each rank's region (they differ where ranks hold
                           * different numbers of KV heads, common/td_tp.h) */
     td_ctrl_server *srv;

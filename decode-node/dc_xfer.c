@@ -90,7 +90,8 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
          * to progress while the engine computes, and the leader loop must not spin */
         kvx_conn_params cp = {.timeout_ms = p->timeout_ms, .progress_thread = true};
         if ((rc = kvx_conn_create(pipe, &cp, &x->conn[r]))) break;
-        rc = kvx_dec_register(x->conn[r], p->regions[r], kv_bytes, &l);
+        rc = kvx_dec_register_fd(x->conn[r], p->regions[r], kv_bytes, &l,
+                                 p->region_fds ? p->region_fds[r] : -1);
     }
     if (rc) {
         dc_xfer_destroy(x);

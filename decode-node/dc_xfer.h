@@ -56,6 +56,8 @@ typedef struct {
     int tp;                     /* ranks (1 .. KVX_MAX_RANKS) */
     void *const *regions;       /* (tp) rank r's KV pool region as mapped in this process */
     const size_t *region_bytes; /* (tp) bytes of each region (borrowed during create) */
+    const int *region_fds;      /* NULL, or (tp) the file each region maps from its start
+                                   (borrowed until destroy), or -1: kvx_dec_register_fd */
     uint32_t n_layers;          /* layers of the model (every rank holds all) */
     uint32_t n_heads;           /* query heads of the model */
     uint32_t n_kv_heads;        /* KV heads of the model (rank r holds those of td_tp.h's rule) */

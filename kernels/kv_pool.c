@@ -1,7 +1,9 @@
 /* kv_pool.c: one-region paged KV pool with a free-list allocator and per-block reference
- * counts; the region is private anonymous memory, a named POSIX shared-memory segment, or
- * a device backend's memory (then optionally with a host staging copy for kvxfer). An
- * attached prefix cache (kv_cache.c) keeps unreferenced cached blocks until evicted. */
+ * counts; the region is private anonymous memory, an unnamed memfd, a named POSIX
+ * shared-memory segment, or a device backend's memory (then optionally with a host staging
+ * copy for kvxfer). An attached prefix cache (kv_cache.c) keeps unreferenced cached blocks
+ * until evicted. */
+#define _GNU_SOURCE /* memfd_create */
 #include "kv_pool.h"
 
 #include "kv_cache_int.h"
@@ -90,13 +92,16 @@ static bool shm_name_ok(const char *name)
     return n >= 2 && n < 200 && name[0] == '/' && !strchr(name + 1, '/');
 }
 
-/* Create the named segment of `bytes`, reserve its memory, map it. */
-static int shm_create(const char *name, size_t bytes, void **out)
+/* Create the named segment of `bytes` (NULL: an unnamed memfd), reserve its memory, map
+ * it; *fdp keeps the descriptor open. */
+static int shm_create(const char *name, size_t bytes, void **out, int *fdp)
 {
-    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    int fd = name ? shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600)
+                  : memfd_create("tandem-kv", MFD_CLOEXEC);
     if (fd < 0) {
         int e = errno;
-        TD_LOG_ERR("kv pool: cannot create shared memory %s: %s", name, strerror(e));
+        TD_LOG_ERR("kv pool: cannot create shared memory %s: %s", name ? name : "(memfd)",
+                   strerror(e));
         return e == EEXIST ? TD_ESTATE : e == ENOMEM || e == ENOSPC ? TD_ENOMEM : TD_EIO;
     }
     /* fallocate, not ftruncate: tmpfs pages are reserved now, so a full /dev/shm fails
@@ -107,14 +112,15 @@ static int shm_create(const char *name, size_t bytes, void **out)
         r = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (r == MAP_FAILED) e = errno;
     }
-    close(fd);
     if (e) {
-        TD_LOG_ERR("kv pool: cannot reserve %zu bytes of shared memory %s: %s", bytes, name,
-                   strerror(e));
-        shm_unlink(name);
+        TD_LOG_ERR("kv pool: cannot reserve %zu bytes of shared memory %s: %s", bytes,
+                   name ? name : "(memfd)", strerror(e));
+        close(fd);
+        if (name) shm_unlink(name);
         return e == ENOSPC || e == ENOMEM || e == EFBIG ? TD_ENOMEM : TD_EIO;
     }
     *out = r;
+    *fdp = fd;
     return 0;
 }
 
@@ -122,9 +128,9 @@ static int shm_create(const char *name, size_t bytes, void **out)
  * (page-aligned, registrable for RDMA, zero-filled lazily). */
 static int host_region(kn_kv_pool *pool, const char *name, size_t bytes, void **out)
 {
-    if (name) {
-        int rc = shm_create(name, bytes, out);
-        if (rc) {
+    if (name || pool->fd_backed) {
+        int rc = shm_create(name, bytes, out, &pool->fd);
+        if (rc && name) {
             free(pool->shm_name); /* not ours: creation failed (maybe someone else's name) */
             pool->shm_name = NULL;
         }
@@ -172,6 +178,8 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     pool->block_bytes = block_bytes;
     pool->slicing = pool_slicing(p);
     pool->region_bytes = region_bytes;
+    pool->fd = -1;
+    pool->fd_backed = p->fd_backed;
     pool->k = calloc((size_t)p->n_layers, sizeof *pool->k);
     pool->v = calloc((size_t)p->n_layers, sizeof *pool->v);
     pool->free_ids = malloc((size_t)p->n_blocks * sizeof *pool->free_ids);
@@ -229,6 +237,7 @@ void kn_kv_pool_destroy(kn_kv_pool *pool)
     /* the mapper usually unlinked it already (ENOENT); the name carries our pid, so it
      * cannot be another process's segment */
     if (pool->shm_name) shm_unlink(pool->shm_name);
+    if (pool->fd >= 0) close(pool->fd);
     free(pool->shm_name);
     free(pool->k);
     free(pool->v);
@@ -237,10 +246,12 @@ void kn_kv_pool_destroy(kn_kv_pool *pool)
     free(pool);
 }
 
-int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes)
+int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes,
+                     int *fdp)
 {
     *region = NULL;
     *bytes = 0;
+    if (fdp) *fdp = -1;
     size_t block_bytes, region_bytes;
     int rc = pool_shape(p, &block_bytes, &region_bytes);
     if (rc) return rc;
@@ -270,7 +281,10 @@ int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, siz
             rc = TD_ENOMEM;
         }
     }
-    close(fd);
+    if (rc || !fdp)
+        close(fd);
+    else
+        *fdp = fd;
     if (rc) return rc;
     if (unlink) shm_unlink(p->shm_name);
     *region = r;

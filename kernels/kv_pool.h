@@ -20,7 +20,8 @@
  * kv_cache.h), or (refs 0) kept idle by the pool's prefix cache; kn_kv_alloc is
  * all-or-nothing and evicts idle cached blocks (least recently used first) only when the
  * free list alone is short.
- * Memory: private anonymous memory (zero-filled lazily), or, with params.shm_name, a
+ * Memory: private anonymous memory (zero-filled lazily), an unnamed memfd (fd_backed), or,
+ * with params.shm_name, a
  * POSIX shared-memory segment the pool's process creates and another process maps with
  * kn_kv_region_map (a decode instance's leader maps its followers' pools to receive their
  * KV through kvxfer). The segment is reserved with posix_fallocate at create, so a full
@@ -70,6 +71,10 @@ typedef struct {
     bool host_stage;           /* the KV must be reachable in host memory (kvxfer): a device
                                   pool keeps a host copy (staging, shm_name applies to it);
                                   a host pool is reachable already */
+    bool fd_backed;            /* host memory without shm_name: an unnamed memfd (shared
+                                  mapping) instead of private anonymous memory, so that
+                                  kn_kv_pool_fd can hand it to a writer on the same host
+                                  (kvxfer maps it there: kvx_dec_register_fd) */
     int n_slices;              /* 0 or 1: head-major; 2 .. KN_KV_MAX_SLICES: sliced, the KV
                                   heads cut into slices of slice_heads[i] >= 1 heads summing
                                   to n_kv_heads (a backend without kv_sliced refuses it) */
@@ -89,6 +94,9 @@ typedef struct {
     int32_t *refs;             /* (n_blocks) sequences referencing each block */
     struct kn_kv_cache *cache; /* the attached prefix cache (kv_cache.h), or NULL */
     char *shm_name;  /* the segment's name while this pool may still have to unlink it, or NULL */
+    int fd;          /* the host memory's file (shm segment or memfd), open while the pool
+                        lives; -1 for private memory (kn_kv_pool_fd) */
+    bool fd_backed;  /* params.fd_backed */
     kn_backend dev;  /* the device backend whose memory region is, or zeroed (host memory) */
     void *host;      /* device pool with host_stage: the staging copy (region_bytes, same
                         layout; shm when shm_name), else NULL */
@@ -137,6 +145,14 @@ int kn_kv_block_copy(kn_kv_pool *p, int32_t src, int32_t dst);
 /* Errors: TD_EINVAL bad shape or name; TD_ENOMEM no memory (or /dev/shm full); TD_ESTATE
  * the shm name already exists; TD_EIO another shm failure (logged with errno). */
 int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out);
+/* The descriptor of the file holding the pool's host memory (the region of a host pool,
+ * the staging copy of a device pool): a shm segment, or a memfd (params.fd_backed); -1 for
+ * private memory. Owned by the pool. */
+static inline int kn_kv_pool_fd(const kn_kv_pool *p)
+{
+    return p->fd;
+}
+
 /* Unmaps the region; a shared pool also unlinks its name if still there. NULL is fine. */
 void kn_kv_pool_destroy(kn_kv_pool *pool);
 
@@ -149,7 +165,10 @@ size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p);
  * (params.backend a device, host_stage): *bytes counts them. unlink: remove the name once mapped
  * (the memory lives on while any process maps it). TD_ENOENT if there is no such segment. Unmap
  * with kn_kv_region_unmap. */
-int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes);
+int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes,
+                     int *fd);
+/* fd (may be NULL): receives the segment's descriptor, open (the caller closes it; kvxfer
+ * hands it to a local writer), else it is closed once mapped. */
 void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */
 
 /* Take n blocks into ids (each with one reference), evicting idle cached blocks (least

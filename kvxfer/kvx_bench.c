@@ -5,7 +5,7 @@
  *   kvx-bench [--tls tcp|sm|<UCX_TLS>] [--dst-ranks N] [--iters K] [--tokens T]
  *             [--chunk C] [--layers L] [--heads H] [--head-dim D] [--block B] [--run R]
  *             [--port P] [--src-layout heads|sliced] [--spin] [--spin-us U] [--fifo F]
- *             [--no-perftest]
+ *             [--dst-memory file|anon] [--no-perftest]
  *
  * Defaults: the default model's KV shapes (30 layers, 3 KV heads, head_dim 64, f16,
  * 16-token blocks), one 4096-token request sent as one chunk (--chunk C: chunks of C
@@ -22,9 +22,14 @@
  * --spin-us U: kvx_conn_params.spin_us of every connector (sender and decode ranks; 0: the
  * default, -1: sleep as soon as a progress pass finds nothing). --fifo F: the shared-memory
  * receive FIFO's elements (kvx_pipe_params.shm_fifo_size; 0: the pipe's default).
+ * --dst-memory: what a decode rank's region is: `file` (default; a memfd mapped shared, as
+ * the decode node's pools are, registered with its descriptor, so the sender over shared
+ * memory maps it and copies) or `anon` (private memory: the sender writes it with
+ * process_vm_writev; kvx_pipe_ucx_cma.c). KVX_UCX_PUTS=cma|rma picks the put path instead.
  * Internal: `kvx-bench --receiver ...` is the decode-rank child. KVX_BENCH_DEBUG=1 prints
  * the time of each chunk's puts and of its flush + notices.
  */
+#define _GNU_SOURCE /* memfd_create */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -33,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -50,6 +56,7 @@ typedef struct {
     bool spin;     /* --spin: the sender polls progress without sleeping */
     int spin_us;   /* kvx_conn_params.spin_us of every connector */
     int fifo;      /* kvx_pipe_params.shm_fifo_size of every pipe */
+    bool anon;     /* --dst-memory anon */
     uint32_t rank; /* receiver */
 } bopts;
 
@@ -152,10 +159,13 @@ static int receiver(const bopts *o)
     uint32_t pool = nb + nb / (o->run ? o->run : nb) + 8;
     kvx_layout l = layout_of(o, h0, nh, pool);
     size_t bytes = kvx_layout_bytes(&l);
-    uint8_t *reg = malloc(bytes);
-    if (!reg) return 1;
+    int fd = o->anon ? -1 : memfd_create("kvx-bench", MFD_CLOEXEC);
+    if (!o->anon && (fd < 0 || ftruncate(fd, (off_t)bytes))) return 1;
+    uint8_t *reg = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                        o->anon ? MAP_PRIVATE | MAP_ANONYMOUS : MAP_SHARED, fd, 0);
+    if (reg == MAP_FAILED) return 1;
     memset(reg, 0, bytes); /* touch it: page faults are not part of the transfer */
-    if (kvx_dec_register(c, reg, bytes, &l)) return 1;
+    if (kvx_dec_register_fd(c, reg, bytes, &l, fd)) return 1;
     int32_t *blocks = malloc(nb * sizeof(int32_t));
     dst_blocks(blocks, nb, o->run);
     printf("READY\n");
@@ -474,10 +484,13 @@ static bool start_receivers(const bopts *o, const char *self)
     snprintf(a_fifo, sizeof(a_fifo), "%d", o->fifo);
     for (uint32_t d = 0; d < o->ranks; d++) {
         snprintf(a_rank, sizeof(a_rank), "%u", d);
-        char *argv[] = {(char *)self, "--receiver", a_rank, "--tls",    a_tls,  "--dst-ranks",
-                        a_ranks,      "--tokens",   a_tok,  "--layers", a_lay,  "--heads",
-                        a_h,          "--head-dim", a_hd,   "--block",  a_b,    "--run",
-                        a_run,        "--spin-us",  a_spin, "--fifo",   a_fifo, NULL};
+        char *argv[] = {
+            (char *)self,  "--receiver", a_rank,     "--tls",        a_tls,
+            "--dst-ranks", a_ranks,      "--tokens", a_tok,          "--layers",
+            a_lay,         "--heads",    a_h,        "--head-dim",   a_hd,
+            "--block",     a_b,          "--run",    a_run,          "--spin-us",
+            a_spin,        "--fifo",     a_fifo,     "--dst-memory", o->anon ? "anon" : "file",
+            NULL};
         g_ch[d].pid = spawn(argv, NULL, &g_ch[d].in, &g_ch[d].out);
         char r[64];
         if (g_ch[d].pid < 0 || !ch_line(&g_ch[d], r, sizeof(r), 60000) || strcmp(r, "READY")) {
@@ -650,11 +663,11 @@ static int bench(const bopts *o, const char *self)
     size_t chunk_bytes = (size_t)o->layers * 2 * o->tokens * o->heads * o->head_dim * 2;
     printf("kvx-bench: UCX_TLS=%s, %u layers x %u KV heads x head_dim %u f16, block %u, "
            "%u-token chunk = %.1f MiB, %u decode rank(s), decode blocks in runs of %u, source %s "
-           "(%u slice(s)), sender %s, spin_us %d, shm FIFO %d\n",
+           "(%u slice(s)), sender %s, spin_us %d, shm FIFO %d, decode regions %s\n",
            ucx_tls, o->layers, o->heads, o->head_dim, o->block, o->tokens, chunk_bytes / 1048576.0,
            o->ranks, o->run, o->sliced ? "sliced" : "head-major", sl.n_slices ? sl.n_slices : 1,
            o->spin ? "spins" : "sleeps on the event fd", o->spin_us,
-           o->fifo ? o->fifo : KVX_SHM_FIFO_DEFAULT);
+           o->fifo ? o->fifo : KVX_SHM_FIFO_DEFAULT, o->anon ? "private memory" : "memfds");
     size_t put_size;
     if (!first_transfer(&s, src, &sl, &put_size)) return 1;
     double med = measure_bandwidth(&s, chunk_bytes);
@@ -726,6 +739,12 @@ int main(int argc, char **argv)
                 return 2;
             }
             o.sliced = v[0] == 's';
+        } else if (!strcmp(k, "--dst-memory")) {
+            if (strcmp(v, "file") && strcmp(v, "anon")) {
+                fprintf(stderr, "kvx-bench: --dst-memory is file or anon, not %s\n", v);
+                return 2;
+            }
+            o.anon = v[0] == 'a';
         } else if (!strcmp(k, "--spin-us"))
             o.spin_us = (int)strtol(v, NULL, 10);
         else if (!strcmp(k, "--fifo"))

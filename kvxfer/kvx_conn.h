@@ -218,6 +218,11 @@ typedef struct {
 
 /* Register this rank's KV pool (once per connector). */
 int kvx_dec_register(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout);
+/* The same for a pool that is a shared mapping of the file fd from its start (a shm segment
+ * or memfd, kn_kv_pool_fd): a prefill stage on this host may map it and copy its KV in
+ * directly (kvx_pipe_mem_reg_fd). fd is borrowed until the connector is destroyed; -1:
+ * kvx_dec_register. */
+int kvx_dec_register_fd(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout, int fd);
 
 typedef struct {
     uint32_t n_stages;     /* prefill stages that will write (1..KVX_MAX_STAGES) */

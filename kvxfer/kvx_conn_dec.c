@@ -186,6 +186,11 @@ void kvxi_dec_on_msg(kvx_conn *c, const kvxi_msg *m)
 
 int kvx_dec_register(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout)
 {
+    return kvx_dec_register_fd(c, region, bytes, layout, -1);
+}
+
+int kvx_dec_register_fd(kvx_conn *c, void *region, size_t bytes, const kvx_layout *layout, int fd)
+{
     size_t need = kvx_layout_bytes(layout);
     if (need && layout->n_slices > 1) {
         TD_LOG_ERR("kvx conn: register: a decode region is never sliced (%u slices)",
@@ -199,7 +204,7 @@ int kvx_dec_register(kvx_conn *c, void *region, size_t bytes, const kvx_layout *
     }
     pthread_mutex_lock(&c->mu);
     int err = c->dec_mem ? TD_ESTATE : 0;
-    if (!err) err = kvx_pipe_mem_reg(c->pipe, region, need, &c->dec_mem);
+    if (!err) err = kvx_pipe_mem_reg_fd(c->pipe, region, need, fd, 0, &c->dec_mem);
     if (!err) err = kvx_pipe_rkey_pack(c->pipe, c->dec_mem, c->rkey, sizeof(c->rkey), &c->rkey_len);
     if (!err) {
         c->dec_region = region;

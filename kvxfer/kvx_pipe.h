@@ -111,6 +111,8 @@ typedef struct {
     void (*disconnect)(kvx_pipe *p, kvx_peer peer, bool force);
     int (*peer_status)(kvx_pipe *p, kvx_peer peer);
     int (*mem_reg)(kvx_pipe *p, void *base, size_t len, kvx_mem **out);
+    /* optional (NULL: mem_reg): base..base+len is bytes off.. of the file fd, mapped shared */
+    int (*mem_reg_fd)(kvx_pipe *p, void *base, size_t len, int fd, uint64_t off, kvx_mem **out);
     void (*mem_dereg)(kvx_pipe *p, kvx_mem *m);
     int (*rkey_pack)(kvx_pipe *p, kvx_mem *m, void *buf, size_t cap, size_t *len);
     int (*rkey_unpack)(kvx_pipe *p, kvx_peer peer, const void *buf, size_t len, kvx_rkey **out);
@@ -189,6 +191,16 @@ static inline int kvx_pipe_peer_status(kvx_pipe *p, kvx_peer peer)
 static inline int kvx_pipe_mem_reg(kvx_pipe *p, void *base, size_t len, kvx_mem **out)
 {
     return p->ops->mem_reg(p, base, len, out);
+}
+/* Register memory that is a shared mapping of a file (shm segment, memfd): base..base+len
+ * holds the file's bytes off..off+len. A writer on the same host may then map the file
+ * itself (UCX shared-memory pipes: its puts become plain copies, kvx_pipe_ucx_cma.c). fd is
+ * borrowed (open until mem_dereg); fd < 0, or a pipe without the op: kvx_pipe_mem_reg. */
+static inline int kvx_pipe_mem_reg_fd(kvx_pipe *p, void *base, size_t len, int fd, uint64_t off,
+                                      kvx_mem **out)
+{
+    if (fd < 0 || !p->ops->mem_reg_fd) return p->ops->mem_reg(p, base, len, out);
+    return p->ops->mem_reg_fd(p, base, len, fd, off, out);
 }
 static inline void kvx_pipe_mem_dereg(kvx_pipe *p, kvx_mem *m)
 {

@@ -217,6 +217,7 @@ static const kvx_pipe_ops ucx_ops = {
     .disconnect = kvxi_ucx_disconnect,
     .peer_status = kvxi_ucx_peer_status,
     .mem_reg = kvxi_ucx_mem_reg,
+    .mem_reg_fd = kvxi_ucx_mem_reg_fd,
     .mem_dereg = kvxi_ucx_mem_dereg,
     .rkey_pack = kvxi_ucx_rkey_pack,
     .rkey_unpack = kvxi_ucx_rkey_unpack,
@@ -271,16 +272,17 @@ static bool tls_shm_only(const char *tls)
  * way that can abort the receiver. A list naming an RDMA transport keeps UCX's puts; UCX's
  * default list ("", "all", "^...") does when this host has an RDMA device. KVX_UCX_PUTS=am
  * or rma in the environment decides instead (for measurements); another value is
- * TD_EINVAL. Shared-memory pipes write their puts into the peer process
- * (kvx_pipe_ucx_cma.c) unless KVX_UCX_PUTS=rma. */
+ * TD_EINVAL. Shared-memory pipes copy their puts into a mapping of the peer's memory, or
+ * write them into the peer process where the memory has no file (kvx_pipe_ucx_cma.c);
+ * KVX_UCX_PUTS=cma: always the writes, rma: UCX's emulated puts. */
 static int want_am_puts(const char *tls, bool shm, bool *out)
 {
     static const char *const rdma[] = {"rc",   "rc_v",     "rc_x",    "rc_verbs", "rc_mlx5",
                                        "dc",   "dc_x",     "dc_mlx5", "ud",       "ud_v",
                                        "ud_x", "ud_verbs", "ud_mlx5", "ib"};
     const char *env = getenv("KVX_UCX_PUTS");
-    if (env && env[0] && strcmp(env, "am") && strcmp(env, "rma")) {
-        TD_LOG_ERR("kvx ucx: KVX_UCX_PUTS is '%s': am, rma or unset", env);
+    if (env && env[0] && strcmp(env, "am") && strcmp(env, "rma") && strcmp(env, "cma")) {
+        TD_LOG_ERR("kvx ucx: KVX_UCX_PUTS is '%s': am, rma, cma or unset", env);
         return TD_EINVAL;
     }
     if (shm || (env && env[0])) {
@@ -343,6 +345,7 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
     }
     const char *puts_env = getenv("KVX_UCX_PUTS");
     p->cma_puts = p->shm && !(puts_env && !strcmp(puts_env, "rma"));
+    p->map_puts = p->cma_puts && !(puts_env && !strcmp(puts_env, "cma"));
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {

@@ -61,6 +61,8 @@ struct kvx_mem {
     ucp_mem_h memh;
     void *base;
     size_t len;
+    int fd;          /* kvx_pipe_mem_reg_fd: the file it maps (borrowed), else -1 */
+    uint64_t fd_off; /* ... base's offset in it */
     kvx_mem *next, *prev;
 };
 
@@ -68,6 +70,9 @@ struct kvx_rkey {
     ucp_rkey_h rkey;
     kvx_peer peer;
     uint64_t cma_base, cma_len; /* shared memory: the region in the peer process (len 0: none) */
+    uint8_t *map;               /* ... mapped here (its file's pages): cma_base's byte, or NULL */
+    void *map_addr;             /* ... the mapping (page-aligned) and its length */
+    size_t map_len;
     kvx_rkey *next, *prev;
 };
 
@@ -135,6 +140,8 @@ struct kvxi_ucx_pipe {
     bool shm;         /* shared-memory transports only: liveness by pidfd, not by UCX */
     bool am_puts;     /* puts and flushes as our own active messages (amput.c) */
     bool cma_puts;    /* shared memory: puts written into the peer process (cma.c) */
+    bool map_puts;    /* ... or copied into a mapping of its memory's file, where it has one */
+    bool map_logged;  /* a mapping failed: said once */
     uint64_t amflush_seq;                 /* last active-message flush sent */
     kvxi_ucx_bad bad[KVXI_UCX_BAD_MAX];   /* receiver: senders with bad puts */
     int n_bad;
@@ -169,6 +176,8 @@ int kvxi_ucx_connect(kvx_pipe *base, const void *addr, size_t len, kvx_peer *out
 void kvxi_ucx_disconnect(kvx_pipe *base, kvx_peer peer, bool force);
 int kvxi_ucx_peer_status(kvx_pipe *base, kvx_peer peer);
 int kvxi_ucx_mem_reg(kvx_pipe *base, void *addr, size_t len, kvx_mem **out);
+int kvxi_ucx_mem_reg_fd(kvx_pipe *base, void *addr, size_t len, int fd, uint64_t off,
+                        kvx_mem **out);
 void kvxi_ucx_mem_dereg(kvx_pipe *base, kvx_mem *m);
 int kvxi_ucx_rkey_pack(kvx_pipe *base, kvx_mem *m, void *buf, size_t cap, size_t *len);
 int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t len,
@@ -239,14 +248,19 @@ ucs_status_t kvxi_ucx_amack_recv(void *arg, const void *hdr, size_t hlen, void *
 
 /* --- kvx_pipe_ucx_cma.c ---------------------------------------------------------------- */
 
-/* The key header of a shared-memory pipe's rkey (this process, m's bounds): its length, or
- * 0 if cap is too small. */
+/* The key header of a shared-memory pipe's rkey (this process, m's bounds and file): its
+ * length, or 0 if cap is too small. */
 size_t kvxi_ucx_cma_key_write(const kvx_mem *m, void *buf, size_t cap);
-/* Read that header in front of UCX's rkey bytes: its length (0: malformed). rk takes the
- * bounds when the key is pr's process's own. */
-size_t kvxi_ucx_cma_key_read(kvx_rkey *rk, const kvxi_ucx_peer *pr, const void *buf, size_t len);
-/* Queue a put of [src, src + len) at raddr of pr's process (rk->cma_len > 0). TD_EINVAL:
- * outside the region, nothing queued. */
+/* Read that header in front of UCX's rkey bytes: its length (0: malformed). When the key is
+ * pr's process's own, rk takes the bounds, and maps the region's file if it has one (and
+ * p->map_puts). */
+size_t kvxi_ucx_cma_key_read(kvxi_ucx_pipe *p, kvx_rkey *rk, const kvxi_ucx_peer *pr,
+                             const void *buf, size_t len);
+/* Unmap rk's mapping of the peer's file (no-op without one). */
+void kvxi_ucx_cma_unmap(kvx_rkey *rk);
+/* A put of [src, src + len) at raddr of pr's process (rk->cma_len > 0): copied at once
+ * into rk's mapping of the peer's file, or queued for a write into the process. TD_EINVAL:
+ * outside the region, nothing copied or queued. */
 int kvxi_ucx_cma_put(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr, const void *src, size_t len,
                      uint64_t raddr, kvx_rkey *rk);
 /* Write pr's queued puts (if the kernel refuses, p->cma_puts goes off and they go through

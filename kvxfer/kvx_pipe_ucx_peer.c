@@ -244,12 +244,23 @@ int kvxi_ucx_mem_reg(kvx_pipe *base, void *addr, size_t len, kvx_mem **out)
     }
     m->base = addr;
     m->len = len;
+    m->fd = -1;
     m->next = p->mems;
     if (p->mems) p->mems->prev = m;
     p->mems = m;
     p->n_mems++;
     *out = m;
     return 0;
+}
+
+int kvxi_ucx_mem_reg_fd(kvx_pipe *base, void *addr, size_t len, int fd, uint64_t off, kvx_mem **out)
+{
+    int rc = kvxi_ucx_mem_reg(base, addr, len, out);
+    if (!rc) {
+        (*out)->fd = fd;
+        (*out)->fd_off = off;
+    }
+    return rc;
 }
 
 void kvxi_ucx_mem_dereg(kvx_pipe *base, kvx_mem *m)
@@ -276,7 +287,7 @@ int kvxi_ucx_rkey_pack(kvx_pipe *base, kvx_mem *m, void *buf, size_t cap, size_t
         return kvxi_ucx_err(st);
     }
     /* shared memory: the region's bounds in this process go first (kvx_pipe_ucx_cma.c) */
-    uint8_t hdr[32];
+    uint8_t hdr[64];
     size_t h = p->shm ? kvxi_ucx_cma_key_write(m, hdr, sizeof(hdr)) : 0;
     uint8_t *pl = malloc(h + n);
     bool ok = false;
@@ -310,7 +321,7 @@ int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t 
     kvx_rkey *rk = calloc(1, sizeof(*rk));
     if (!rk) return TD_ENOMEM;
     if (p->shm) {
-        size_t h = kvxi_ucx_cma_key_read(rk, pr, pl, n);
+        size_t h = kvxi_ucx_cma_key_read(p, rk, pr, pl, n);
         if (!h || h == n) {
             TD_LOG_ERR("kvx ucx: malformed shared-memory rkey (%zu bytes)", len);
             free(rk);
@@ -342,6 +353,7 @@ void kvxi_ucx_rkey_destroy(kvx_pipe *base, kvx_rkey *rk)
         if (err) pr->cq->err = err;
     }
     ucp_rkey_destroy(rk->rkey);
+    kvxi_ucx_cma_unmap(rk);
     if (rk->prev)
         rk->prev->next = rk->next;
     else

@@ -17,12 +17,16 @@ add_executable(test_kvx_2proc ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer/test_kvx_2proc.
 target_include_directories(test_kvx_2proc PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_kvx_2proc PRIVATE td_kvxfer td_common)
 add_dependencies(test_kvx_2proc kvx_test_peer)
-foreach(tls tcp sm)
+# kvx_2proc_sm_memfd: the decode regions are memfds (KVX_TEST_REGION=memfd, as the decode
+# node's pools are), so the shared-memory writer maps them and copies; kvx_2proc_sm has
+# private regions, written with process_vm_writev (kvx_pipe_ucx_cma.c).
+foreach(tls tcp sm sm_memfd)
   set(ucx_tls ${tls})
-  if(tls STREQUAL "sm")
+  if(tls MATCHES "^sm")
     set(ucx_tls "posix,cma,self")
   endif()
   add_test(NAME kvx_2proc_${tls}
            COMMAND test_kvx_2proc --tls ${ucx_tls} --peer $<TARGET_FILE:kvx_test_peer>)
   set_tests_properties(kvx_2proc_${tls} PROPERTIES TIMEOUT 150 LABELS kvxfer)
 endforeach()
+set_tests_properties(kvx_2proc_sm_memfd PROPERTIES ENVIRONMENT "KVX_TEST_REGION=memfd")

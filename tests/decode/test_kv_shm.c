@@ -3,7 +3,8 @@
  * same bytes both ways; names are exclusive, unlinked by the mapper or by destroy; a
  * segment of the wrong size or a missing one is an error; a pool larger than /dev/shm is
  * a clean TD_ENOMEM at create (posix_fallocate), not a SIGBUS later; stale segments of
- * dead ranks are swept, live ones kept.
+ * dead ranks are swept, live ones kept; a pool's file descriptor (named or memfd) maps the
+ * same bytes.
  * usage: test_kv_shm
  */
 #include <errno.h>
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -55,7 +57,7 @@ static void test_shared_both_ways(void)
         /* the mapper: sees the creator's bytes, writes its own, unlinks the name */
         void *r;
         size_t bytes;
-        if (kn_kv_region_map(&p, true, &r, &bytes) || bytes != pool->region_bytes) _exit(1);
+        if (kn_kv_region_map(&p, true, &r, &bytes, NULL) || bytes != pool->region_bytes) _exit(1);
         const unsigned char *k1 =
             (const unsigned char *)r + ((char *)pool->k[1] - (char *)pool->region);
         if (k1[0] != 0x5a || k1[pool->block_bytes - 1] != 0x5a) _exit(2);
@@ -78,22 +80,66 @@ static void test_shared_both_ways(void)
     TH_CHECK(!name_exists(g_name));
 }
 
+/* The pool's file (kn_kv_pool_fd): a fd_backed pool's memfd and a named pool's segment
+ * stay open with the pool and hold the region's bytes (a second mapping of the descriptor,
+ * what kvxfer's shared-memory writer makes, sees and writes the same memory); a private
+ * pool has none; kn_kv_region_map hands out the segment's descriptor on request. */
+static void test_pool_files(void)
+{
+    kn_kv_pool_params p = shape();
+    p.shm_name = NULL;
+    kn_kv_pool *priv, *mfd, *named;
+    TH_REQUIRE(kn_kv_pool_create(&p, &priv) == 0);
+    TH_CHECK(kn_kv_pool_fd(priv) == -1);
+    kn_kv_pool_destroy(priv);
+    p.fd_backed = true;
+    TH_REQUIRE(kn_kv_pool_create(&p, &mfd) == 0);
+    kn_kv_pool_params q = shape();
+    TH_REQUIRE(kn_kv_pool_create(&q, &named) == 0);
+    kn_kv_pool *pools[2] = {mfd, named};
+    for (int i = 0; i < 2; i++) {
+        kn_kv_pool *pool = pools[i];
+        int fd = kn_kv_pool_fd(pool);
+        struct stat st;
+        TH_REQUIRE(fd >= 0 && fstat(fd, &st) == 0);
+        TH_CHECK((size_t)st.st_size == pool->region_bytes);
+        unsigned char *m =
+            mmap(NULL, pool->region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        TH_REQUIRE(m != MAP_FAILED);
+        memset(pool->k[1], 0x33, pool->block_bytes);
+        size_t k1 = (size_t)((char *)pool->k[1] - (char *)pool->region);
+        TH_CHECK(m[k1] == 0x33 && m[k1 + pool->block_bytes - 1] == 0x33);
+        m[0] = 0x77;
+        TH_CHECK(((unsigned char *)pool->region)[0] == 0x77);
+        munmap(m, pool->region_bytes);
+    }
+    void *r;
+    size_t bytes;
+    int fd = -1;
+    TH_REQUIRE(kn_kv_region_map(&q, true, &r, &bytes, &fd) == 0);
+    TH_CHECK(fd >= 0 && ((unsigned char *)r)[0] == 0x77);
+    kn_kv_region_unmap(r, bytes);
+    if (fd >= 0) close(fd);
+    kn_kv_pool_destroy(mfd);
+    kn_kv_pool_destroy(named);
+}
+
 static void test_map_errors(void)
 {
     kn_kv_pool_params p = shape();
     void *r;
     size_t bytes;
-    TH_CHECK(kn_kv_region_map(&p, false, &r, &bytes) == TD_ENOENT);
+    TH_CHECK(kn_kv_region_map(&p, false, &r, &bytes, NULL) == TD_ENOENT);
     kn_kv_pool *pool;
     TH_REQUIRE(kn_kv_pool_create(&p, &pool) == 0);
     kn_kv_pool_params other = p;
     other.n_blocks = 9;
-    TH_CHECK(kn_kv_region_map(&other, true, &r, &bytes) == TD_EFORMAT);
+    TH_CHECK(kn_kv_region_map(&other, true, &r, &bytes, NULL) == TD_EFORMAT);
     TH_CHECK(name_exists(g_name)); /* a failed map does not unlink */
     kn_kv_pool_params bad = p;
     bad.shm_name = "no-slash";
     kn_kv_pool *none;
-    TH_CHECK(kn_kv_region_map(&bad, false, &r, &bytes) == TD_EINVAL);
+    TH_CHECK(kn_kv_region_map(&bad, false, &r, &bytes, NULL) == TD_EINVAL);
     TH_CHECK(kn_kv_pool_create(&bad, &none) == TD_EINVAL && !none);
     kn_kv_pool_destroy(pool);
     TH_CHECK(!name_exists(g_name));
@@ -158,6 +204,7 @@ int main(void)
 {
     snprintf(g_name, sizeof g_name, "/tandem-test-kvshm-%d", (int)getpid());
     TH_RUN(test_shared_both_ways);
+    TH_RUN(test_pool_files);
     TH_RUN(test_map_errors);
     TH_RUN(test_too_large_for_dev_shm);
     TH_RUN(test_names_and_sweep);

@@ -438,7 +438,7 @@ static void test_staged_pool(void)
     TH_CHECK(kv->host && kn_kv_xfer_region(kv) == kv->host && kv->host != kv->region);
     void *mapped;
     size_t mb;
-    TH_CHECK(kn_kv_region_map(&kp, true, &mapped, &mb) == 0 &&
+    TH_CHECK(kn_kv_region_map(&kp, true, &mapped, &mb, NULL) == 0 &&
              mb == kv->region_bytes + (size_t)kv->n_blocks); /* the on_dev flags follow */
     const uint8_t *flags = (const uint8_t *)mapped + kv->region_bytes;
     int32_t ids[2];

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "kvx_conn.h"
 #include "td_tp.h"
@@ -210,6 +212,32 @@ static inline size_t sc_unhex(const char *s, uint8_t *b, size_t cap)
         s += 2;
     }
     return n;
+}
+
+/* A zeroed decode region of `bytes`, registered on c: private memory, or with
+ * KVX_TEST_REGION=memfd in the environment a memfd mapped shared and registered with its
+ * descriptor (*fd; the decode node's pools: a shared-memory writer then maps it,
+ * kvx_pipe_ucx_cma.c). NULL on failure. Free with sc_region_free. */
+static inline uint8_t *sc_region_register(kvx_conn *c, const kvx_layout *l, int *fd)
+{
+    size_t bytes = kvx_layout_bytes(l);
+    const char *e = getenv("KVX_TEST_REGION");
+    *fd = e && !strcmp(e, "memfd") ? memfd_create("kvx-test", MFD_CLOEXEC) : -1;
+    if (*fd >= 0 && ftruncate(*fd, (off_t)bytes)) return NULL;
+    void *r = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                   *fd >= 0 ? MAP_SHARED : MAP_PRIVATE | MAP_ANONYMOUS, *fd, 0);
+    if (r == MAP_FAILED) return NULL;
+    if (kvx_dec_register_fd(c, r, bytes, l, *fd)) {
+        munmap(r, bytes);
+        return NULL;
+    }
+    return r;
+}
+
+static inline void sc_region_free(uint8_t *r, const kvx_layout *l, int fd)
+{
+    if (r) munmap(r, kvx_layout_bytes(l));
+    if (fd >= 0) close(fd);
 }
 
 #endif

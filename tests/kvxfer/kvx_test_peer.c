@@ -18,6 +18,7 @@
  * The decode role progresses in the connector's thread; the prefill role in its own loop.
  * Prints READY once set up. Exits when stdin closes.
  */
+#define _GNU_SOURCE /* memfd_create (kvx_scenario.h) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,8 +71,9 @@ static int run_decode(const opts *o, kvx_pipe *pipe)
     if (td_tp_heads_of_rank((int)o->heads, (int)o->heads, (int)o->tp, (int)o->rank, &h)) return 1;
     l.head0 = (uint32_t)h.kv0;
     l.n_heads = (uint32_t)h.n_kv;
-    uint8_t *region = calloc(1, kvx_layout_bytes(&l));
-    if (!region || kvx_dec_register(c, region, kvx_layout_bytes(&l), &l)) return 1;
+    int fd;
+    uint8_t *region = sc_region_register(c, &l, &fd);
+    if (!region) return 1;
     printf("READY\n");
     fflush(stdout);
     char *line = NULL;
@@ -142,7 +144,7 @@ static int run_decode(const opts *o, kvx_pipe *pipe)
     }
     free(line);
     kvx_conn_destroy(c);
-    free(region);
+    sc_region_free(region, &l, fd);
     return 0;
 }
 

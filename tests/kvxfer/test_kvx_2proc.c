@@ -12,6 +12,7 @@
  * the timeout, frees everything, and serves the next request). Children die with this
  * process (PR_SET_PDEATHSIG) and are killed on every path.
  */
+#define _GNU_SOURCE /* memfd_create (kvx_scenario.h) */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -703,8 +704,9 @@ static void test_kill_prefill(void)
                     .head_dim = HDIM,
                     .dtype_size = 2,
                     .n_blocks = NBLK};
-    uint8_t *region = calloc(1, kvx_layout_bytes(&l));
-    TH_CHECK(kvx_dec_register(dc, region, kvx_layout_bytes(&l), &l) == 0);
+    int fd;
+    uint8_t *region = sc_region_register(dc, &l, &fd);
+    TH_REQUIRE(region);
     static char hex[40000];
     uint8_t tgt[16384];
     size_t tl;
@@ -766,7 +768,7 @@ static void test_kill_prefill(void)
                   st.pipe.peers, st.pipe.pending_ops, st.pipe.mems);
     }
     kvx_conn_destroy(dc);
-    free(region);
+    sc_region_free(region, &l, fd);
 }
 
 /* Soak over UCX: back-to-back requests to one decode process, a third of them aborted by

@@ -4,6 +4,7 @@
  * place once it landed, copies and staging freed before finish, a failing put), aborts
  * from either side, timeouts, killed peers, malformed targets, a full lookup buffer, the
  * progress thread; no leaks after each. */
+#define _GNU_SOURCE /* memfd_create (kvx_scenario.h) */
 #include <string.h>
 #include <sys/resource.h>
 

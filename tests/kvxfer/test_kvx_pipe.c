@@ -1,9 +1,11 @@
 /* test_kvx_pipe.c: the pipe's contract, run on the fake and on UCX (two workers in one
  * process, over tcp and over shared memory): exported bytes, puts + flush, active
  * messages, tagged messages, malformed input, injected faults, an idle wait that sleeps. */
+#define _GNU_SOURCE /* memfd_create */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -388,30 +390,36 @@ static void test_ucx_peer_gone(void)
     kvx_pipe_destroy(a);
 }
 
-/* Two tcp pipes, a connected to b, b holding a registered region whose rkey a unpacked. */
+/* Two pipes, a connected to b, b holding a registered region whose rkey a unpacked; the
+ * region is private memory, or (fd >= 0) a memfd mapped shared and registered with it. */
 typedef struct {
     kvx_pipe *a, *b;
     kvx_peer ab;
     uint8_t *region;
     size_t len;
+    int fd;
     kvx_mem *mem;
     kvx_rkey *rk;
     err_rec ea;
 } tcp_pair;
 
-static int pair_open(tcp_pair *t, size_t len, const char *tls)
+static int pair_open_mem(tcp_pair *t, size_t len, const char *tls, bool memfd)
 {
     memset(t, 0, sizeof(*t));
+    t->fd = memfd ? memfd_create("test-kvx", MFD_CLOEXEC) : -1;
+    if (memfd && (t->fd < 0 || ftruncate(t->fd, (off_t)len))) return -1;
     kvx_pipe_params pa = {.peer_err_cb = on_peer_err, .peer_err_arg = &t->ea, .tls = tls};
     kvx_pipe_params pb = {.tls = tls};
     uint8_t buf[KVX_ADDR_MAX];
     size_t n;
     t->len = len;
-    t->region = calloc(1, len);
+    t->region = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                     memfd ? MAP_SHARED : MAP_PRIVATE | MAP_ANONYMOUS, t->fd, 0);
+    if (t->region == MAP_FAILED) t->region = NULL;
     if (!t->region || kvx_pipe_ucx_create(&pa, &t->a) || kvx_pipe_ucx_create(&pb, &t->b)) return -1;
     if (kvx_pipe_address(t->b, buf, sizeof(buf), &n) || kvx_pipe_connect(t->a, buf, n, &t->ab))
         return -1;
-    if (kvx_pipe_mem_reg(t->b, t->region, len, &t->mem) ||
+    if (kvx_pipe_mem_reg_fd(t->b, t->region, len, t->fd, 0, &t->mem) ||
         kvx_pipe_rkey_pack(t->b, t->mem, buf, sizeof(buf), &n) ||
         kvx_pipe_rkey_unpack(t->a, t->ab, buf, n, &t->rk))
         return -1;
@@ -420,7 +428,13 @@ static int pair_open(tcp_pair *t, size_t len, const char *tls)
 
 static int tcp_pair_open(tcp_pair *t, size_t len)
 {
-    return pair_open(t, len, "tcp");
+    return pair_open_mem(t, len, "tcp", false);
+}
+
+static void pair_unmap(tcp_pair *t)
+{
+    if (t->region) munmap(t->region, t->len);
+    if (t->fd >= 0) close(t->fd);
 }
 
 static void pair_close(tcp_pair *t)
@@ -430,20 +444,22 @@ static void pair_close(tcp_pair *t)
     kvx_pipe_mem_dereg(t->b, t->mem);
     kvx_pipe_destroy(t->a);
     kvx_pipe_destroy(t->b);
-    free(t->region);
+    pair_unmap(t);
 }
 
-/* Over shared memory puts are written into the receiver's process (kvx_pipe_ucx_cma.c):
- * they land, and their flush completes, while the receiver never progresses (once the
- * endpoint is wired up); more puts
- * than one batch holds (KVXI_CMA_IOV) land whole, in any order; a message sent after
- * puts (no flush between) finds their bytes there; a put outside the region is refused at
- * once and writes nothing. */
-static void test_ucx_sm_one_sided(void)
+/* Over shared memory puts are copied into the receiver's memory by the sender
+ * (kvx_pipe_ucx_cma.c): into its mapping of the region's file (memfd), or written into the
+ * process (private memory). They land, and their flush completes, while the receiver never
+ * progresses (once the endpoint is wired up); more puts than one batch of writes holds
+ * (KVXI_CMA_IOV) land whole, in any order; a message sent after puts (no flush between)
+ * finds their bytes there; a put outside the region is refused at once and copies nothing.
+ * Mapped, a put has landed when it returns. */
+static void one_sided(bool memfd, bool mapped)
 {
     const char *tls = getenv("KVX_TEST_SM_TLS") ? getenv("KVX_TEST_SM_TLS") : "posix,cma,self";
+    fprintf(stderr, "  one-sided puts into %s\n", memfd ? "a memfd" : "private memory");
     tcp_pair t;
-    TH_REQUIRE(pair_open(&t, 1 << 20, tls) == 0);
+    TH_REQUIRE(pair_open_mem(&t, 1 << 20, tls, memfd) == 0);
     enum { PIECE = 512, N = (1 << 20) / PIECE }; /* 2048 pieces: two batches */
     uint8_t *src = malloc(t.len);
     TH_REQUIRE(src);
@@ -456,9 +472,10 @@ static void test_ucx_sm_one_sided(void)
     TH_CHECK(pump(t.a, t.b, &fl0.n, 1) && fl0.status == 0);
     for (int k = 0; k < N; k++) { /* odd pieces first, then even: not one run */
         int i = k < N / 2 ? 2 * k + 1 : 2 * (k - N / 2);
-        TH_CHECK(kvx_pipe_put(t.a, t.ab, src + (size_t)i * PIECE, PIECE,
-                              base + (uint64_t)i * PIECE, t.rk) == 0);
+        TH_CHECK(kvx_pipe_put(t.a, t.ab, src + (size_t)i * PIECE, PIECE, base + (uint64_t)i * PIECE,
+                              t.rk) == 0);
     }
+    if (mapped) TH_CHECKF(memcmp(t.region, src, t.len) == 0, "mapped puts not landed at once");
     done_rec fl = {0};
     TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl) == 0);
     int64_t end = td_now_ms() + 5000;
@@ -488,6 +505,15 @@ static void test_ucx_sm_one_sided(void)
     TH_CHECK(kvx_pipe_peer_status(t.a, t.ab) == 0);
     pair_close(&t);
     free(src);
+}
+
+static void test_ucx_sm_one_sided(void)
+{
+    one_sided(true, true);
+    one_sided(false, false);
+    setenv("KVX_UCX_PUTS", "cma", 1); /* the writes even where a mapping could be made */
+    one_sided(true, false);
+    unsetenv("KVX_UCX_PUTS");
 }
 
 /* The contract over shared memory with UCX's own (emulated) puts, the fallback where the
@@ -531,7 +557,7 @@ static void test_ucx_tcp_put_outside(void)
     kvx_pipe_disconnect(t.a, t.ab, false);
     kvx_pipe_destroy(t.a);
     kvx_pipe_destroy(t.b);
-    free(t.region);
+    pair_unmap(&t);
 }
 
 /* A flush waiting for its ACK when the receiver goes away fails (it does not hang), and
@@ -560,7 +586,7 @@ static void test_ucx_tcp_flush_peer_gone(void)
     TH_CHECKF(st.peers == 0 && st.pending_ops == 0, "left: %d peers, %d operations", st.peers,
               st.pending_ops);
     kvx_pipe_destroy(t.a);
-    free(t.region);
+    pair_unmap(&t);
 }
 
 /* The contract over tcp with UCX's own (emulated) puts, as on a host with RDMA transports. */
