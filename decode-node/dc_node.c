@@ -195,14 +195,16 @@ static void teardown(dc_node *n)
 }
 
 /* Drop the pool's content after a failed formation: every block is free already, and
- * MADV_DONTNEED gives the pages back (they read as zeros when touched again), so nothing of
- * the failed formation's KV survives and a waiting rank holds no KV memory. Only for a
- * private pool (anonymous memory, kv_pool.h) that no kvxfer connector has registered; a
+ * MADV_DONTNEED (private memory) or MADV_REMOVE (rank 0's memfd in disaggregated mode: the
+ * file's pages go, not just this mapping of them) gives the pages back (they read as zeros
+ * when touched again), so nothing of the failed formation's KV survives and a waiting rank
+ * holds no KV memory. Only for a pool no kvxfer connector has registered any more; a
  * disaggregated follower gets a new segment instead (renew_pool). */
 static void drop_kv(dc_node *n)
 {
     if (n->kvp.shm_name || !n->rt.be.ops->host_memory) return;
-    if (madvise(n->kv->region, n->kv->region_bytes, MADV_DONTNEED))
+    int how = kn_kv_pool_fd(n->kv) >= 0 ? MADV_REMOVE : MADV_DONTNEED;
+    if (madvise(n->kv->region, n->kv->region_bytes, how))
         TD_LOG_WARN("decode %s rank %d: cannot drop the KV pool's pages: %s", n->p->instance,
                     n->p->rank, strerror(errno));
 }
