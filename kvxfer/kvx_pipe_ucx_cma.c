@@ -157,6 +157,7 @@ int kvxi_ucx_cma_put(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr, const void *src, size_
         int err = kvxi_ucx_cma_drain(p, pr);
         if (err) q->err = q->err ? q->err : err; /* the next flush reports it */
     }
+    if (!p->cma_puts) return kvxi_ucx_rma_put(pr->ep, src, len, raddr, rk); /* refused above */
     q->l[q->n] = (struct iovec){.iov_base = (void *)src, .iov_len = len};
     q->r[q->n] = (struct iovec){.iov_base = (void *)(uintptr_t)raddr, .iov_len = len};
     q->rk[q->n] = rk;
@@ -202,8 +203,9 @@ int kvxi_ucx_cma_drain(kvxi_ucx_pipe *p, kvxi_ucx_peer *pr)
                         pr->pid, strerror(e));
             p->cma_puts = false;
             for (; i < q->n && !err; i++)
-                err = kvxi_ucx_rma_put(pr->ep, q->l[i].iov_base, q->l[i].iov_len,
-                                       (uint64_t)(uintptr_t)q->r[i].iov_base, q->rk[i]);
+                err = !pr->ep ? TD_EIO
+                              : kvxi_ucx_rma_put(pr->ep, q->l[i].iov_base, q->l[i].iov_len,
+                                                 (uint64_t)(uintptr_t)q->r[i].iov_base, q->rk[i]);
         } else if (e == ESRCH) {
             err = pr->status ? pr->status : TD_EIO; /* the pidfd tells the rest */
         } else {

@@ -197,7 +197,7 @@ int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uin
     if (!ep) return err;
     if (!rk || rk->peer != peer) return TD_EINVAL;
     if (p->am_puts) return kvxi_ucx_amput(p, peer, ep, src, len, raddr);
-    if (p->cma_puts && rk->cma_len)
+    if (rk->cma_len && (rk->map || p->cma_puts))
         return kvxi_ucx_cma_put(p, kvxi_ucx_peer_get(p, peer), src, len, raddr, rk);
     return kvxi_ucx_rma_put(ep, src, len, raddr, rk);
 }

@@ -5,8 +5,15 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -516,6 +523,50 @@ static void test_ucx_sm_one_sided(void)
     unsetenv("KVX_UCX_PUTS");
 }
 
+/* A sandbox that refuses both one-sided ways (a seccomp filter answers pidfd_getfd and
+ * process_vm_writev with EPERM, as a container's default profile does without
+ * CAP_SYS_PTRACE): the pipe falls back to UCX's puts and the contract holds, into a memfd
+ * and into private memory. In a child process: the filter cannot be lifted. */
+static void test_ucx_sm_refused(void)
+{
+    pid_t child = fork();
+    TH_REQUIRE(child >= 0);
+    if (child == 0) {
+        struct sock_filter f[] = {
+            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_writev, 2, 0),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_pidfd_getfd, 1, 0),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        };
+        struct sock_fprog prog = {.len = sizeof(f) / sizeof(f[0]), .filter = f};
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) ||
+            prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0))
+            _exit(77);
+        g_tls = getenv("KVX_TEST_SM_TLS") ? getenv("KVX_TEST_SM_TLS") : "posix,cma,self";
+        contract(make_ucx, "shared memory, one-sided ways refused (private memory)");
+        tcp_pair t;
+        if (pair_open_mem(&t, 1 << 16, g_tls, true)) _exit(2);
+        static uint8_t src[1 << 16];
+        memset(src, 0x6b, sizeof(src));
+        TH_CHECK(kvx_pipe_put(t.a, t.ab, src, sizeof(src), (uint64_t)(uintptr_t)t.region, t.rk) ==
+                 0);
+        done_rec fl = {0};
+        TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl) == 0);
+        TH_CHECK(pump(t.a, t.b, &fl.n, 1) && fl.status == 0);
+        TH_CHECK(memcmp(t.region, src, sizeof(src)) == 0);
+        pair_close(&t);
+        _exit(th_failures ? 1 : 0);
+    }
+    int st = -1;
+    waitpid(child, &st, 0);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 77) {
+        fprintf(stderr, "  no seccomp here: skipped\n");
+        return;
+    }
+    TH_CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "refused sandbox: child status %d", st);
+}
+
 /* The contract over shared memory with UCX's own (emulated) puts, the fallback where the
  * kernel refuses the writes. */
 static void test_ucx_contract_sm_rma(void)
@@ -614,5 +665,6 @@ int main(void)
     TH_RUN(test_ucx_contract_tcp_rma);
     TH_RUN(test_ucx_sm_one_sided);
     TH_RUN(test_ucx_contract_sm_rma);
+    TH_RUN(test_ucx_sm_refused);
     TH_EXIT();
 }
