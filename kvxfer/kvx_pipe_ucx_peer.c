@@ -324,6 +324,7 @@ int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t 
         size_t h = kvxi_ucx_cma_key_read(p, rk, pr, pl, n);
         if (!h || h == n) {
             TD_LOG_ERR("kvx ucx: malformed shared-memory rkey (%zu bytes)", len);
+            kvxi_ucx_cma_unmap(rk);
             free(rk);
             return TD_EFORMAT;
         }
@@ -332,6 +333,7 @@ int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t 
     ucs_status_t st = ucp_ep_rkey_unpack(pr->ep, pl, &rk->rkey);
     if (st != UCS_OK) {
         TD_LOG_ERR("kvx ucx: rkey unpack: %s", ucs_status_string(st));
+        kvxi_ucx_cma_unmap(rk);
         free(rk);
         return kvxi_ucx_err(st);
     }
