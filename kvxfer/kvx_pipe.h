@@ -74,9 +74,11 @@ typedef struct {
      * peer). Shared-memory-only lists (sm, posix, sysv, cma, knem, xpmem, self): UCX 1.13
      * has no peer-failure support there, so endpoints use mode NONE and a peer's death is
      * seen through a pidfd of its process (the address carries the pid). Both peers must
-     * be in the same mode (connect says TD_EUNSUPP otherwise); their puts are written
-     * straight into the peer process (kvx_pipe_ucx_cma.c; KVX_UCX_PUTS=rma: UCX's emulated
-     * puts instead, as where the kernel refuses the writes). Network pipes without an
+     * be in the same mode (connect says TD_EUNSUPP otherwise); their puts are copied
+     * straight into the peer's memory, through a mapping of its file where the region was
+     * registered with one (kvx_pipe_mem_reg_fd), else with process_vm_writev
+     * (kvx_pipe_ucx_cma.c; KVX_UCX_PUTS=cma: always the writes, rma: UCX's emulated puts, as
+     * where the kernel refuses both). Network pipes without an
      * RDMA transport (tcp) carry puts and flushes as their own active messages, not UCX's
      * puts (kvx_pipe_ucx_amput.c says why; KVX_UCX_PUTS=am|rma in the environment
      * decides instead). */
