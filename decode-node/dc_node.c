@@ -158,29 +158,10 @@ static void close_shm(dc_node *n)
     n->shm = NULL;
 }
 
-/* Leader: the KV-transfer plane of a formation and its mappings of the followers' pools.
- * Only once no transfer is alive (dc_xfer.h: the regions are borrowed until destroy, and
- * a writer may still write into them before its transfer is final). */
-static void xfer_teardown(dc_node *n)
-{
-    dc_xfer_destroy(n->xfer); /* the connectors first: they have the pools registered */
-    n->xfer = NULL;
-    for (int r = 1; n->peer_regions && r < n->dcfg->tp; r++) {
-        kn_kv_region_unmap(n->peer_regions[r], n->peer_bytes[r]);
-        if (n->peer_fds[r] >= 0) close(n->peer_fds[r]);
-    }
-    free(n->peer_regions);
-    free(n->peer_bytes);
-    free(n->peer_fds);
-    n->peer_regions = NULL;
-    n->peer_bytes = NULL;
-    n->peer_fds = NULL;
-}
-
 static void teardown(dc_node *n)
 {
     dc_async_stop(n); /* no pass in flight any more: the serving loop joined it */
-    xfer_teardown(n);
+    dc_node_xfer_teardown(n);
     dc_sched_destroy(n->sched);
     gr_cache_destroy(n->grammars);
     gr_vocab_destroy(n->gvocab);
@@ -315,64 +296,6 @@ static int follower_run(dc_node *n)
 }
 
 /* ---- leader ---- */
-
-/* Disaggregated mode: map the followers' pools of this formation (their segments exist:
- * each follower makes one before it joins) and start the KV-transfer plane over every
- * rank's pool. */
-static int xfer_setup(dc_node *n)
-{
-    int tp = n->dcfg->tp;
-    const kn_hparams *hp = &n->rt.model->hp;
-    kn_kv_pool_params kp =
-        kn_model_kv_params(n->rt.model, n->kv->n_blocks, n->kv->block_size, n->kv->type);
-    kp.backend = &n->rt.be; /* a device's pools are host copies with flags (kv_pool.h) */
-    kp.host_stage = true;
-    n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
-    n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
-    n->peer_fds = malloc((size_t)tp * sizeof *n->peer_fds);
-    if (!n->peer_regions || !n->peer_bytes || !n->peer_fds) return TD_ENOMEM;
-    for (int r = 0; r < tp; r++)
-        n->peer_fds[r] = -1;
-    n->peer_regions[0] = kn_kv_xfer_region(n->kv);
-    n->peer_fds[0] = kn_kv_pool_fd(n->kv);
-    n->peer_bytes[0] = n->kv->region_bytes + (n->kv->host ? (size_t)n->kv->n_blocks : 0);
-    for (int r = 1; r < tp; r++) {
-        char name[256];
-        int rc = dc_xfer_kv_shm_name(n->p->instance, n->token, r, dc_shm_rank_pid(n->shm, r), name,
-                                     sizeof name);
-        td_tp_heads heads; /* rank r's pool holds its own number of KV heads */
-        if (!rc) rc = td_tp_heads_of_rank(hp->n_head, hp->n_head_kv, tp, r, &heads);
-        kp.n_kv_heads = heads.n_kv;
-        kp.shm_name = name;
-        /* unlink at once: from now on the memory lives exactly as long as its mappings */
-        if (!rc)
-            rc = kn_kv_region_map(&kp, true, &n->peer_regions[r], &n->peer_bytes[r],
-                                  &n->peer_fds[r]);
-        if (rc) {
-            TD_LOG_ERR("decode %s: cannot map rank %d's KV pool: %s", n->p->instance, r,
-                       td_strerror(rc));
-            return rc;
-        }
-    }
-    dc_xfer_params xp = {
-        .instance = n->p->instance,
-        .tp = tp,
-        .regions = n->peer_regions,
-        .region_bytes = n->peer_bytes,
-        .region_fds = n->peer_fds,
-        .n_layers = (uint32_t)hp->n_layer,
-        .n_heads = (uint32_t)hp->n_head,
-        .n_kv_heads = (uint32_t)hp->n_head_kv,
-        .head_dim = (uint32_t)hp->head_dim,
-        .block_size = (uint32_t)n->kv->block_size,
-        .dtype_size = n->kv->type == TD_F16 ? 2 : 4,
-        .n_blocks = (uint32_t)n->kv->n_blocks,
-        .tls = n->p->cfg->kvxfer.ucx_tls,
-        .timeout_ms = n->p->cfg->kvxfer.timeout_ms,
-        .staged = n->kv->host != NULL,
-    };
-    return dc_xfer_create(&xp, &n->xfer);
-}
 
 static int leader_setup(dc_node *n)
 {
@@ -515,10 +438,10 @@ static int form(dc_node *n)
         if (!rc) {
             /* no writer can reach any pool now: the old KV plane goes (and with it the last
              * registration of rank 0's pool, whose pages can go too) */
-            xfer_teardown(n);
+            dc_node_xfer_teardown(n);
             if (!first) drop_kv(n);
-            if (n->disagg && (rc = xfer_setup(n))) {
-                xfer_teardown(n);
+            if (n->disagg && (rc = dc_node_xfer_setup(n))) {
+                dc_node_xfer_teardown(n);
                 if (first) return rc;
                 next_try = td_now_ms() + RETRY_MS;
                 snprintf(no_segment, sizeof no_segment, "KV-transfer plane: %s", td_strerror(rc));

@@ -133,6 +133,11 @@ typedef struct {
     int n_held_allocs, cap_held_allocs;
 } dc_node;
 
+/* dc_node_xfer.c: the leader's KV-transfer plane of a formation (maps the followers' pools,
+ * starts n->xfer), and its teardown (only once no transfer is alive: dc_xfer.h). */
+int dc_node_xfer_setup(dc_node *n);
+void dc_node_xfer_teardown(dc_node *n);
+
 /* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
 void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                         const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
