@@ -21,8 +21,7 @@
  * all-or-nothing and evicts idle cached blocks (least recently used first) only when the
  * free list alone is short.
  * Memory: private anonymous memory (zero-filled lazily), an unnamed memfd (fd_backed), or,
- * with params.shm_name, a
- * POSIX shared-memory segment the pool's process creates and another process maps with
+ * with params.shm_name, a POSIX shared-memory segment the pool's process creates and another process maps with
  * kn_kv_region_map (a decode instance's leader maps its followers' pools to receive their
  * KV through kvxfer). The segment is reserved with posix_fallocate at create, so a full
  * /dev/shm is a clean TD_ENOMEM there rather than a SIGBUS at the first write.
@@ -164,11 +163,11 @@ size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p);
  * region size of p (else TD_EFORMAT), plus n_blocks on_dev flags for a staged device pool
  * (params.backend a device, host_stage): *bytes counts them. unlink: remove the name once mapped
  * (the memory lives on while any process maps it). TD_ENOENT if there is no such segment. Unmap
- * with kn_kv_region_unmap. */
+ * with kn_kv_region_unmap. fd (may be NULL): receives the segment's descriptor, left open
+ * (the caller closes it; kvxfer hands it to a writer on this host), else it is closed once
+ * mapped. */
 int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, size_t *bytes,
                      int *fd);
-/* fd (may be NULL): receives the segment's descriptor, open (the caller closes it; kvxfer
- * hands it to a local writer), else it is closed once mapped. */
 void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */
 
 /* Take n blocks into ids (each with one reference), evicting idle cached blocks (least

@@ -7,6 +7,7 @@
 #ifndef KVX_SCENARIO_H
 #define KVX_SCENARIO_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -214,7 +215,7 @@ static inline size_t sc_unhex(const char *s, uint8_t *b, size_t cap)
     return n;
 }
 
-/* A zeroed decode region of `bytes`, registered on c: private memory, or with
+/* A zeroed decode region of layout l, registered on c: private memory, or with
  * KVX_TEST_REGION=memfd in the environment a memfd mapped shared and registered with its
  * descriptor (*fd; the decode node's pools: a shared-memory writer then maps it,
  * kvx_pipe_ucx_cma.c). NULL on failure. Free with sc_region_free. */
@@ -222,8 +223,9 @@ static inline uint8_t *sc_region_register(kvx_conn *c, const kvx_layout *l, int 
 {
     size_t bytes = kvx_layout_bytes(l);
     const char *e = getenv("KVX_TEST_REGION");
-    *fd = e && !strcmp(e, "memfd") ? memfd_create("kvx-test", MFD_CLOEXEC) : -1;
-    if (*fd >= 0 && ftruncate(*fd, (off_t)bytes)) return NULL;
+    bool memfd = e && !strcmp(e, "memfd");
+    *fd = memfd ? memfd_create("kvx-test", MFD_CLOEXEC) : -1;
+    if (memfd && (*fd < 0 || ftruncate(*fd, (off_t)bytes))) return NULL;
     void *r = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
                    *fd >= 0 ? MAP_SHARED : MAP_PRIVATE | MAP_ANONYMOUS, *fd, 0);
     if (r == MAP_FAILED) return NULL;
