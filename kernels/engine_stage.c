@@ -4,7 +4,8 @@
  * views that point at them) copied into backend memory before the first op reads them, and
  * with tp > 1 the collectives staged through host memory (the process's host collective,
  * the decode node's shared-memory all-reduce, sums what each rank downloads).
- * Host-memory backends (cpu) never come here: they read the caller's arrays directly. */
+ * Host-memory backends (cpu) read the caller's arrays directly; one with a map_matrix is
+ * told the shard's weight matrices (kn_engine_map_model) and nothing else here. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,7 +19,7 @@ static int map_mat(kn_engine *e, const kn_mat *w)
 
 static int map_vec(kn_engine *e, const float *v, int64_t n)
 {
-    return v ? e->be.ops->map_vector(e->be.ctx, v, n) : 0;
+    return v && e->be.ops->map_vector ? e->be.ops->map_vector(e->be.ctx, v, n) : 0;
 }
 
 int kn_engine_map_model(kn_engine *e)

@@ -58,7 +58,8 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
     e->be = be;
     e->dev = !be.ops->host_memory;
     if (coll) e->coll = *coll;
-    int rc = e->dev ? kn_engine_map_model(e) : 0;
+    /* a host backend with map_matrix learns which matrices are the model's weights */
+    int rc = e->dev || be.ops->map_matrix ? kn_engine_map_model(e) : 0;
     if (rc) {
         kn_engine_destroy(e);
         return rc;

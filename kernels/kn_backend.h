@@ -109,13 +109,17 @@ typedef struct {
      * The engine stages its tensor-parallel collectives through it (engine_stage.c). */
     void *(*host_alloc)(void *ctx, size_t bytes);
     void (*host_free)(void *ctx, void *p);
-    /* Device backends (host_memory false) only, NULL otherwise: make the backend's own copy
-     * of a model's read-only host data, once, before the first op that reads it (the engine
+    /* Device backends (host_memory false), NULL otherwise (but see below): make the backend's own
+     * copy of a model's read-only host data, once, before the first op that reads it (the engine
      * calls these for every weight matrix and vector of its shard at kn_engine_create).
      * From then on ops take the host pointer (w->data, a norm's weight, a bias, the rope
      * frequencies) and read the copy, so the model code passes the same pointers to every
      * backend. map_matrix may repack a strided slice (row-parallel TP views) compactly;
-     * map_vector copies n floats. Mapping the same pointer again is a no-op. */
+     * map_vector copies n floats. Mapping the same pointer again is a no-op.
+     * A host-memory backend may set map_matrix alone (map_vector NULL): the engine then
+     * names the shard's weight matrices to it, read-only and alive until the backend is
+     * destroyed, and the backend may keep derived copies (the CPU backend's packed q8
+     * weights, cpu_packed.c); ops still take w->data. */
     int (*map_matrix)(void *ctx, const kn_mat *w);
     int (*map_vector)(void *ctx, const float *v, int64_t n);
 

@@ -43,6 +43,14 @@ int kn_cpu_n_threads(const kn_cpu *c);
 void kn_cpu_set_act_q8(kn_cpu *c, bool on);
 bool kn_cpu_act_q8(const kn_cpu *c);
 
+/* map_matrix of the ops table (kn_backend.h): w is a model weight, read-only and alive
+ * until kn_cpu_destroy. The q8 mode's integer GEMM keeps a packed copy of such a Q4_0,
+ * Q4_1 or Q8_0 matrix, made on its first product (cpu_packed.c; the bits do not change).
+ * Always 0 (registration is a hint; a failure to register is logged). */
+int kn_cpu_map_matrix(void *ctx, const kn_mat *w);
+/* Bytes held by the packed copies. */
+size_t kn_cpu_packed_bytes(const kn_cpu *c);
+
 /* Which ISA the SIMD kernels use on this machine ("avx512", "avx2", "scalar"). */
 const char *kn_cpu_isa(void);
 

@@ -11,6 +11,8 @@
 /* The scratch slot of the thread that calls an op, for use outside pool jobs. */
 #define KN_CPU_CALLER KN_CPU_MAX_THREADS
 
+typedef struct kn_cpu_packed kn_cpu_packed;
+
 struct kn_cpu {
     kn_pool *pool;
     int n_threads;
@@ -19,7 +21,17 @@ struct kn_cpu {
     float *scratch[KN_CPU_MAX_THREADS + 1];     /* per-thread float scratch, grown on demand;
                                                    the last slot is KN_CPU_CALLER's */
     size_t scratch_cap[KN_CPU_MAX_THREADS + 1]; /* floats */
+    /* the matrices map_matrix registered, and their packed copies (cpu_packed.c) */
+    kn_cpu_packed *packed; /* open addressing on w->data, cap_packed a power of 2 */
+    size_t n_packed, cap_packed, packed_bytes;
+    bool packed_oom; /* a packed copy could not be allocated (logged once) */
 };
+
+/* The q8 GEMM's packed copy of w (made on the first call, cpu_packed.c), or NULL when w was
+ * never registered with kn_cpu_map_matrix, cannot be packed, or its copy found no memory.
+ * On the caller's thread, outside pool jobs. */
+const void *kn_cpu_packed_of(kn_cpu *c, const kn_mat *w);
+void kn_cpu_packed_free(kn_cpu *c);
 
 /* Per-thread scratch of at least n_floats, 64-byte aligned; valid until the next call
  * with the same tid. NULL on allocation failure. Called from inside pool jobs: thread tid

@@ -18,7 +18,8 @@
  * In the q8 mode (kn_cpu_set_act_q8) the dot path of Q4_K and Q6_K weights quantizes its rows
  * of x to 8 bits once per call and runs cpu_q8act.c's integer dots; Q4_0, Q4_1, Q5_0 and Q8_0
  * weights send every row (solo and batch, any m) through cpu_q8gemm.c's integer GEMM, whose
- * per-row bits do not depend on m, so matmul_mixed's contract holds for all rows.
+ * per-row bits do not depend on m, so matmul_mixed's contract holds for all rows; a matrix
+ * the engine registered (kn_cpu_map_matrix) is packed for it once (cpu_packed.c), same bits.
  * matmul_mixed (solo rows first, then batch rows): when the batch rows take the gemm path,
  * each thread runs the dot path for the solo rows over a slice of W's rows just before it
  * dequantizes that slice for sgemm, so the slice is read from memory once.
@@ -380,6 +381,7 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
 typedef struct {
     kn_cpu *c;
     const kn_mat *w;
+    const void *packed; /* w packed once (cpu_packed.c), or NULL */
     const void *xq;
     int64_t m;
     float *y;
@@ -390,13 +392,16 @@ typedef struct {
 static void mm_q8g_part(void *arg, int64_t g0, int64_t g1, int tid)
 {
     q8g_job *j = arg;
-    const size_t bytes = kn_q8_gemm_panel_bytes(j->w->n_cols);
-    void *panel = kn_cpu_scratch(j->c, tid, (bytes + 3) / sizeof(float));
-    if (!panel) {
-        atomic_store(&j->err, TD_ENOMEM);
-        return;
+    void *panel = NULL; /* packed, m <= 4 rows read the copy and need no panel */
+    if (!j->packed || j->m > 4) {
+        const size_t bytes = kn_q8_gemm_panel_bytes(j->w->n_cols);
+        panel = kn_cpu_scratch(j->c, tid, (bytes + 3) / sizeof(float));
+        if (!panel) {
+            atomic_store(&j->err, TD_ENOMEM);
+            return;
+        }
     }
-    kn_q8_gemm(j->w, j->xq, j->m, j->y, j->G, g0, g1, panel);
+    kn_q8_gemm(j->w, j->packed, j->xq, j->m, j->y, j->G, g0, g1, panel);
 }
 
 static int mm_q8_gemm(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, float *y)
@@ -408,7 +413,13 @@ static int mm_q8_gemm(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, flo
         return TD_ENOMEM;
     }
     kn_q8_quant_rows(w->type, x, m, w->n_cols, xq);
-    q8g_job j = {.c = c, .w = w, .xq = xq, .m = m, .y = y, .G = kn_q8_gemm_group_rows()};
+    q8g_job j = {.c = c,
+                 .w = w,
+                 .packed = kn_cpu_packed_of(c, w),
+                 .xq = xq,
+                 .m = m,
+                 .y = y,
+                 .G = kn_q8_gemm_group_rows()};
     atomic_init(&j.err, 0);
     const int64_t groups = (w->n_rows + j.G - 1) / j.G;
     /* as the dot path: at least MM_DOT_MIN_BYTES of W per thread (a fork-join's cost) */

@@ -72,9 +72,22 @@ size_t kn_q8_gemm_panel_bytes(int64_t n_cols);
 /* y[i * w->n_rows + r] = dot(row r of W, row i of xq) for i < m and the rows r of groups
  * [g0, g1) of G = kn_q8_gemm_group_rows() rows (the last group may be partial); xq from
  * kn_q8_quant_rows(w->type, ...); panel: kn_q8_gemm_panel_bytes(w->n_cols) of scratch
- * owned by the calling thread. A row's result depends only on that row of x and of W
- * (not on m, the other rows, G or the thread split): bit-identical across all of them. */
-void kn_q8_gemm(const kn_mat *w, const void *xq, int64_t m, float *y, int G, int64_t g0, int64_t g1,
-                void *panel);
+ * owned by the calling thread. packed: W packed by kn_q8_gemm_pack (used when G is 16), or
+ * NULL (each call packs its groups into the panel). A row's result depends only on that row
+ * of x and of W (not on m, the other rows, G, the thread split or packed): bit-identical
+ * across all of them. */
+void kn_q8_gemm(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y, int G,
+                int64_t g0, int64_t g1, void *panel);
+
+/* W packed once for the VNNI GEMM: what every call would otherwise redo in its panel (the
+ * 4x4 dword transpose of 16 rows, the gathered scales), kept in as many bytes as W's own
+ * blocks. At m = 1 the panel's write and read-back cost more than the dots themselves
+ * (BENCHMARKS.md, "Packed weights for the q8 GEMM"); with W packed, m <= 4 rows of x read
+ * it directly and larger m unpack a group with one mask and one shift per vector.
+ * kn_q8_gemm_packed_bytes: the bytes of W packed, or 0 when W cannot be (not Q4_0, Q4_1 or
+ * Q8_0, no AVX512-VNNI, or kn_q8_gemm_force_avx2). kn_q8_gemm_pack fills groups [g0, g1)
+ * of 16 rows (any thread, disjoint groups); W must not change afterwards. */
+size_t kn_q8_gemm_packed_bytes(const kn_mat *w);
+void kn_q8_gemm_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
 
 #endif

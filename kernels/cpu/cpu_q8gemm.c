@@ -15,6 +15,12 @@
  * in block order; y = acc. Every operation is elementwise in (r, j), so a row's result
  * does not depend on the other rows of x or W, on the tile it falls in, the thread count,
  * or the ISA (the AVX2 and VNNI paths give the same bits).
+ * A matrix the engine registered (cpu_packed.c) is packed once with VNNI (kn_q8_gemm_pack):
+ * the transpose and the scale gathers are done at its first product and kept, so m <= 4 rows
+ * of x read the packed blocks straight into the microkernel and larger m expand a group
+ * into the panel with a mask and a shift; the operations on each lane are the ones above, so
+ * the bits are those of the per-call panel. At m = 1 the per-call unpack cost more than the
+ * dots (the decode step's products at 8-10 GB/s; packed, 21-29 GB/s).
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -247,6 +253,214 @@ static Q8G_T512 void gemm512(const kn_mat *w, const kn_q8b *xq, int64_t m, float
     }
 }
 
+/* ---- AVX512-VNNI: W packed once (kn_q8_gemm_pack) ----
+ * The panel of a group is pack512's work minus the part that depends on m: the transposed
+ * quant dwords are stored as they are (Q4_0/Q4_1: the 4 vectors of raw nibble bytes, whose
+ * low and high nibbles become the panel's 8 vectors with one mask and one shift; Q8_0: the 8
+ * biased vectors), then the 16 f16 d and, for Q4_1, the 16 f16 mins. A block of 16 rows takes
+ * as many bytes as the 16 raw blocks (Q4_0 288, Q4_1 320, Q8_0 544), the groups end to end. */
+
+KN_ALWAYS_INLINE int q8p_qvecs(td_dtype t)
+{
+    return t == TD_Q8_0 ? 8 : 4;
+}
+
+KN_ALWAYS_INLINE size_t q8p_block_bytes(td_dtype t)
+{
+    return (size_t)q8p_qvecs(t) * 64 + (t == TD_Q4_1 ? 64 : 32);
+}
+
+Q8G_I512 void repack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t nb, uint8_t *out)
+{
+    const __m512i vi = _mm512_loadu_si512(idx);
+    const size_t bs = q8g_bs(t), pb = q8p_block_bytes(t);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + (size_t)b * bs;
+        uint8_t *o = out + (size_t)b * pb;
+        __m512i T[4];
+        tr16(p, idx, q8g_qoff(t), T);
+        if (t == TD_Q8_0) {
+            __m512i U[4];
+            tr16(p, idx, 18, U);
+            for (int u = 0; u < 4; u++) {
+                _mm512_storeu_si512(o + 64 * u,
+                                    _mm512_xor_si512(T[u], _mm512_set1_epi8((char)0x80)));
+                _mm512_storeu_si512(o + 64 * (4 + u),
+                                    _mm512_xor_si512(U[u], _mm512_set1_epi8((char)0x80)));
+            }
+        } else {
+            for (int u = 0; u < 4; u++)
+                _mm512_storeu_si512(o + 64 * u, T[u]);
+        }
+        /* the first dword of each block: d, then (Q4_1) the min */
+        const __m512i g = _mm512_i32gather_epi32(vi, (const void *)p, 1);
+        uint8_t *h = o + 64 * q8p_qvecs(t);
+        _mm256_storeu_si256((void *)h, _mm512_cvtepi32_epi16(g));
+        if (t == TD_Q4_1)
+            _mm256_storeu_si256((void *)(h + 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    }
+}
+
+/* Packed block o as pack512 leaves it in the panel: the 8 quant vectors, d and the mins. */
+Q8G_I512 void unpack512(td_dtype t, const uint8_t *o, __m512i V[8], __m512 *dv, __m512 *mv)
+{
+    if (t == TD_Q8_0) {
+        for (int u = 0; u < 8; u++)
+            V[u] = _mm512_loadu_si512(o + 64 * u);
+    } else {
+        const __m512i m4 = _mm512_set1_epi8(0x0f);
+        for (int u = 0; u < 4; u++) {
+            const __m512i n = _mm512_loadu_si512(o + 64 * u);
+            V[u] = _mm512_and_si512(n, m4);
+            V[4 + u] = _mm512_and_si512(_mm512_srli_epi32(n, 4), m4);
+        }
+    }
+    const uint8_t *h = o + 64 * q8p_qvecs(t);
+    *dv = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)h));
+    *mv = t == TD_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(h + 32)))
+                       : _mm512_setzero_ps();
+}
+
+/* tile512 reading the packed group gp (its panel is never written): the same operations in
+ * the same order, so the same bits. For m <= 4, where a panel would be read only once. */
+Q8G_I512 void tile512p(td_dtype t, int M, const uint8_t *gp, const kn_q8b *xb, int64_t xs,
+                       int64_t nb, float *y, int64_t ldy, int nr)
+{
+    const int bias = q8g_bias(t, true);
+    const size_t pb = q8p_block_bytes(t);
+    __m512 acc[4];
+    for (int j = 0; j < M; j++)
+        acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = gp + (size_t)b * pb;
+        __builtin_prefetch(o + 8 * pb);
+        __builtin_prefetch(o + 8 * pb + 64);
+        __builtin_prefetch(o + 8 * pb + 128);
+        __builtin_prefetch(o + 8 * pb + 192);
+        __builtin_prefetch(o + 8 * pb + pb - 1);
+        __m512i V[8], ia[4];
+        __m512 dv, mv;
+        unpack512(t, o, V, &dv, &mv);
+        for (int j = 0; j < M; j++)
+            ia[j] = _mm512_setzero_si512();
+        for (int u = 0; u < 8; u++)
+            for (int j = 0; j < M; j++) {
+                int32_t xd4;
+                memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
+                ia[j] = _mm512_dpbusd_epi32(ia[j], V[u], _mm512_set1_epi32(xd4));
+            }
+        for (int j = 0; j < M; j++) {
+            const kn_q8b *x = &xb[j * xs + b];
+            if (bias) ia[j] = _mm512_sub_epi32(ia[j], _mm512_set1_epi32(bias * x->sum));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j]),
+                                     _mm512_mul_ps(dv, _mm512_set1_ps(x->d)), acc[j]);
+            if (t == TD_Q4_1)
+                acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->d * (float)x->sum), acc[j]);
+        }
+    }
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    for (int j = 0; j < M; j++)
+        _mm512_mask_storeu_ps(y + j * ldy, k, acc[j]);
+}
+
+/* The panel pack512 would make, from the packed group gp: for m > 4 rows of x. */
+Q8G_I512 void expand512(td_dtype t, const uint8_t *gp, int64_t nb, uint8_t *panel)
+{
+    const size_t pb = q8p_block_bytes(t);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *o = panel + (size_t)b * 10 * 64;
+        __m512i V[8];
+        __m512 dv, mv;
+        unpack512(t, gp + (size_t)b * pb, V, &dv, &mv);
+        for (int u = 0; u < 8; u++)
+            _mm512_storeu_si512(o + 64 * u, V[u]);
+        _mm512_storeu_ps(o + 512, dv);
+        if (t == TD_Q4_1) _mm512_storeu_ps(o + 576, mv);
+    }
+}
+
+Q8G_I512 void pgroups512(td_dtype t, const kn_mat *w, const uint8_t *packed, const kn_q8b *xq,
+                         int64_t m, float *y, int64_t g0, int64_t g1, uint8_t *panel)
+{
+    const int64_t nb = w->n_cols / TD_QK;
+    const size_t gbytes = (size_t)nb * q8p_block_bytes(t);
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t r0 = 16 * g;
+        const int nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
+        const uint8_t *gp = packed + (size_t)g * gbytes;
+        switch (m) {
+        case 1:
+            tile512p(t, 1, gp, xq, nb, nb, y + r0, w->n_rows, nr);
+            break;
+        case 2:
+            tile512p(t, 2, gp, xq, nb, nb, y + r0, w->n_rows, nr);
+            break;
+        case 3:
+            tile512p(t, 3, gp, xq, nb, nb, y + r0, w->n_rows, nr);
+            break;
+        case 4:
+            tile512p(t, 4, gp, xq, nb, nb, y + r0, w->n_rows, nr);
+            break;
+        default:
+            expand512(t, gp, nb, panel);
+            rows512(t, panel, xq, m, nb, y + r0, w->n_rows, nr);
+            break;
+        }
+    }
+}
+
+static Q8G_T512 void pgemm512(const kn_mat *w, const void *packed, const kn_q8b *xq, int64_t m,
+                              float *y, int64_t g0, int64_t g1, uint8_t *panel)
+{
+    switch (w->type) {
+    case TD_Q4_0:
+        pgroups512(TD_Q4_0, w, packed, xq, m, y, g0, g1, panel);
+        break;
+    case TD_Q4_1:
+        pgroups512(TD_Q4_1, w, packed, xq, m, y, g0, g1, panel);
+        break;
+    default:
+        pgroups512(TD_Q8_0, w, packed, xq, m, y, g0, g1, panel);
+        break;
+    }
+}
+
+static Q8G_T512 void repack_groups512(const kn_mat *w, void *packed, int64_t g0, int64_t g1)
+{
+    const td_dtype t = w->type;
+    const int64_t nb = w->n_cols / TD_QK;
+    const size_t gbytes = (size_t)nb * q8p_block_bytes(t);
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t r0 = 16 * g;
+        const int nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
+        int32_t idx[16];
+        for (int r = 0; r < 16; r++)
+            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * w->row_stride;
+        uint8_t *dst = (uint8_t *)packed + (size_t)g * gbytes;
+        if (t == TD_Q4_0)
+            repack512(TD_Q4_0, src, idx, nb, dst);
+        else if (t == TD_Q4_1)
+            repack512(TD_Q4_1, src, idx, nb, dst);
+        else
+            repack512(TD_Q8_0, src, idx, nb, dst);
+    }
+}
+
+size_t kn_q8_gemm_packed_bytes(const kn_mat *w)
+{
+    const td_dtype t = w->type;
+    if (!(t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q8_0) || !kn_q8_gemm_supported(w) ||
+        !q8g_vnni() || w->n_rows < 1)
+        return 0;
+    return (size_t)((w->n_rows + 15) / 16) * (size_t)(w->n_cols / TD_QK) * q8p_block_bytes(t);
+}
+
+void kn_q8_gemm_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1)
+{
+    repack_groups512(w, packed, g0, g1);
+}
+
 /* ---- AVX2: groups of 8 rows, maddubs + madd ---- */
 
 /* T[u] lane r = dword u of the 16 bytes at p + off of row r. */
@@ -399,10 +613,12 @@ static void gemm256(const kn_mat *w, const kn_q8b *xq, int64_t m, float *y, int6
     }
 }
 
-void kn_q8_gemm(const kn_mat *w, const void *xq, int64_t m, float *y, int G, int64_t g0, int64_t g1,
-                void *panel)
+void kn_q8_gemm(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y, int G,
+                int64_t g0, int64_t g1, void *panel)
 {
-    if (G == 16)
+    if (packed && G == 16)
+        pgemm512(w, packed, xq, m, y, g0, g1, panel);
+    else if (G == 16)
         gemm512(w, xq, m, y, g0, g1, panel);
     else
         gemm256(w, xq, m, y, g0, g1, panel);

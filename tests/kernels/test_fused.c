@@ -13,6 +13,7 @@
 
 #include "../tharness.h"
 #include "cpu_backend.h"
+#include "cpu_q8act.h"
 #include "kn_backends.h"
 #include "model.h"
 #include "td_err.h"
@@ -350,6 +351,60 @@ static void test_engine_fused_equals_unfused(void)
     unsetenv("TANDEM_CPU_FUSED");
 }
 
+/* Whether the model has a matrix the q8 GEMM packs (on this CPU). */
+static bool model_has_packable(void)
+{
+    if (model->last && kn_q8_gemm_packed_bytes(&model->output)) return true;
+    for (int li = 0; li < model->shard.l1 - model->shard.l0; li++) {
+        const kn_layer *ly = &model->layers[li];
+        const kn_mat *mats[] = {&ly->wq,     &ly->wk,   &ly->wv,    &ly->wo,
+                                &ly->w_gate, &ly->w_up, &ly->w_down};
+        for (size_t i = 0; i < sizeof mats / sizeof *mats; i++)
+            if (mats[i]->data && kn_q8_gemm_packed_bytes(mats[i])) return true;
+    }
+    return false;
+}
+
+/* The q8 mode through the engine, which names its weights to the backend (map_matrix): the
+ * integer GEMM reads packed copies of the Q4_0, Q4_1 and Q8_0 matrices and must give the
+ * logits of per-call packing (the same engine on a table without map_matrix). */
+static void test_engine_q8_packed(void)
+{
+    const int nv = model->hp.n_vocab;
+    const size_t n = (size_t)32 * nv;
+    float *a = calloc(n, 4), *b = calloc(n, 4);
+    rig r1, r2;
+    TH_REQUIRE(a && b && rig_open(&r1, "1") == 0);
+    kn_backend be2;
+    TH_REQUIRE(kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &be2) == 0);
+    kn_cpu_set_act_q8(kn_cpu_of(r1.be), true);
+    kn_cpu_set_act_q8(kn_cpu_of(be2), true);
+    kn_backend_ops no_map = *be2.ops;
+    no_map.map_matrix = NULL;
+    const kn_backend_ops *own = be2.ops;
+    be2.ops = &no_map;
+    memset(&r2, 0, sizeof r2);
+    r2.be = be2;
+    TH_REQUIRE(kn_engine_create(model, r2.be, NULL, &r2.eng) == 0);
+    kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F16);
+    TH_REQUIRE(kn_kv_pool_create(&kp, &r2.kv) == 0);
+    for (int s = 0; s < 3; s++)
+        kn_kv_seq_init(&r2.seq[s]);
+    int na = 0, nb = 0;
+    TH_CHECK(run(&r1, a, &na) == 0);
+    TH_CHECK(run(&r2, b, &nb) == 0);
+    TH_CHECK(na == nb && na > 0);
+    TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "q8 logits with packed weights differ");
+    const size_t packed = kn_cpu_packed_bytes(kn_cpu_of(r1.be));
+    fprintf(stderr, "q8 mode: %zu bytes of packed weights (%s)\n", packed, kn_q8_gemm_isa());
+    TH_CHECK(kn_q8_gemm_group_rows() != 16 || packed > 0 || !model_has_packable());
+    rig_close(&r1);
+    r2.be.ops = own;
+    rig_close(&r2);
+    free(a);
+    free(b);
+}
+
 int main(int argc, char **argv)
 {
     for (int t = 0; t < 3; t++)
@@ -372,6 +427,7 @@ int main(int argc, char **argv)
             return 1;
         }
         TH_RUN(test_engine_fused_equals_unfused);
+        TH_RUN(test_engine_q8_packed);
         kn_model_destroy(model);
         td_gguf_close(g);
     }

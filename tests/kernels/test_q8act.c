@@ -244,6 +244,33 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
                   "%s m %lld: avx2 and %s differ", td_dtype_name(t), (long long)m,
                   kn_q8_gemm_isa());
     }
+    /* W registered as the engine registers its weights (map_matrix): the q8 GEMM reads
+     * its packed copy (Q4_0, Q4_1, Q8_0 with VNNI) and gives the same bits, for the batch
+     * and each row alone; a view of fewer rows at the same address was never registered
+     * and keeps the per-call panels, with the same bits for its rows */
+    kn_cpu *pc;
+    TH_REQUIRE(kn_cpu_create(2, &pc) == 0);
+    TH_REQUIRE(kn_cpu_map_matrix(pc, &W.w) == 0 && kn_cpu_map_matrix(pc, &W.w) == 0);
+    TH_REQUIRE(matmul_act(pc, true, &W.w, x, m, solo, yt) == 0);
+    TH_CHECK(kn_cpu_packed_bytes(pc) == kn_q8_gemm_packed_bytes(&W.w));
+    TH_CHECKF(memcmp(y, yt, (size_t)(m * n_rows) * sizeof(float)) == 0,
+              "%s m %lld: the packed weights change the bits", td_dtype_name(t), (long long)m);
+    for (int64_t i = 0; i < m && i < 5; i++) {
+        TH_REQUIRE(matmul_act(pc, true, &W.w, x + i * n_cols, 1, 0, yt) == 0);
+        TH_CHECK(memcmp(y + i * n_rows, yt, (size_t)n_rows * sizeof(float)) == 0);
+    }
+    if (n_rows > 3) {
+        kn_mat v = W.w;
+        v.n_rows = n_rows - 3;
+        TH_REQUIRE(matmul_act(pc, true, &v, x, m, solo, yt) == 0);
+        int64_t diff = 0;
+        for (int64_t i = 0; i < m; i++)
+            diff +=
+                memcmp(y + i * n_rows, yt + i * v.n_rows, (size_t)v.n_rows * sizeof(float)) != 0;
+        TH_CHECK(diff == 0);
+        TH_CHECK(kn_cpu_packed_bytes(pc) == kn_q8_gemm_packed_bytes(&W.w));
+    }
+    kn_cpu_destroy(pc);
     free(x), free(y), free(y32), free(yt), free(xq), free(xd), free(q);
     free_mat(&W);
 }
@@ -342,7 +369,8 @@ int main(void)
             fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);
             return 1;
         }
-    fprintf(stderr, "isa %s, q8 gemm %s\n", kn_cpu_isa(), kn_q8_gemm_isa());
+    fprintf(stderr, "isa %s, q8 gemm %s (weights packed: %s)\n", kn_cpu_isa(), kn_q8_gemm_isa(),
+            kn_q8_gemm_group_rows() == 16 ? "yes" : "no, not AVX512-VNNI");
     TH_RUN(test_q8_dots);
     TH_RUN(test_mixed_and_off);
     TH_RUN(test_env);

@@ -1,0 +1,136 @@
+/* cpu_packed.c: the weights the engine handed to map_matrix, and the copies the q8 GEMM
+ * packs of them (cpu_q8act.h, kn_q8_gemm_pack).
+ *
+ * Purpose: a model's weight matrices stay read-only and alive for the engine's life, which
+ * the backend's ends with (kn_runtime destroys the engine, then the backend, then the
+ * model), so a copy made from one remains valid until kn_cpu_destroy. Only registered
+ * matrices are packed: a product over memory nobody registered (tests, tools, scratch) keeps
+ * packing per call, so a freed and reused address can never find a stale copy.
+ * The copy is made on the first q8 GEMM over the matrix (in the float32 mode it would go
+ * unused), with the pool; it costs the matrix's own size once more (the default model:
+ * 96.6 MB). An allocation that fails is logged once and that matrix packs per call.
+ * Threading: the caller's thread only (kn_cpu's one-caller rule), outside pool jobs.
+ */
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_backend.h"
+#include "cpu_internal.h"
+#include "cpu_q8act.h"
+#include "td_err.h"
+
+struct kn_cpu_packed {
+    kn_mat w;   /* as registered (data is the key) */
+    void *copy; /* packed groups, or NULL */
+    bool tried; /* packing was attempted (copy NULL: W cannot be packed, or no memory) */
+};
+
+static size_t slot_of(const void *data, size_t cap)
+{
+    uintptr_t h = (uintptr_t)data;
+    h ^= h >> 17;
+    h *= 0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 20) & (cap - 1);
+}
+
+static bool same(const kn_mat *a, const kn_mat *b)
+{
+    return a->data == b->data && a->type == b->type && a->n_rows == b->n_rows &&
+           a->n_cols == b->n_cols && a->row_stride == b->row_stride;
+}
+
+static kn_cpu_packed *find(kn_cpu *c, const kn_mat *w)
+{
+    if (!c->cap_packed) return NULL;
+    for (size_t i = slot_of(w->data, c->cap_packed);; i = (i + 1) & (c->cap_packed - 1)) {
+        kn_cpu_packed *e = &c->packed[i];
+        if (!e->w.data) return NULL;
+        if (same(&e->w, w)) return e;
+    }
+}
+
+static int grow(kn_cpu *c)
+{
+    size_t cap = c->cap_packed ? 2 * c->cap_packed : 256;
+    kn_cpu_packed *t = calloc(cap, sizeof *t);
+    if (!t) return TD_ENOMEM;
+    for (size_t i = 0; i < c->cap_packed; i++) {
+        if (!c->packed[i].w.data) continue;
+        size_t j = slot_of(c->packed[i].w.data, cap);
+        while (t[j].w.data)
+            j = (j + 1) & (cap - 1);
+        t[j] = c->packed[i];
+    }
+    free(c->packed);
+    c->packed = t;
+    c->cap_packed = cap;
+    return 0;
+}
+
+int kn_cpu_map_matrix(void *ctx, const kn_mat *w)
+{
+    kn_cpu *c = ctx;
+    if (!w || !w->data || w->n_rows < 1 || find(c, w)) return 0;
+    if (2 * (c->n_packed + 1) > c->cap_packed && grow(c)) {
+        TD_LOG_WARN("cpu backend: out of memory registering a weight matrix: its q8 products "
+                    "pack it per call");
+        return 0; /* a hint: the product works without it */
+    }
+    size_t i = slot_of(w->data, c->cap_packed);
+    while (c->packed[i].w.data)
+        i = (i + 1) & (c->cap_packed - 1);
+    c->packed[i] = (kn_cpu_packed){.w = *w};
+    c->n_packed++;
+    return 0;
+}
+
+typedef struct {
+    const kn_mat *w;
+    void *copy;
+} pack_job;
+
+static void pack_part(void *arg, int64_t g0, int64_t g1, int tid)
+{
+    (void)tid;
+    const pack_job *j = arg;
+    kn_q8_gemm_pack(j->w, j->copy, g0, g1);
+}
+
+const void *kn_cpu_packed_of(kn_cpu *c, const kn_mat *w)
+{
+    kn_cpu_packed *e = find(c, w);
+    if (!e) return NULL;
+    if (e->tried) return e->copy;
+    e->tried = true;
+    const size_t bytes = kn_q8_gemm_packed_bytes(w);
+    if (!bytes) return NULL;
+    void *copy = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (!copy) {
+        if (!c->packed_oom)
+            TD_LOG_WARN("cpu backend: no memory for a packed copy of a weight matrix (%zu "
+                        "bytes): its q8 products pack it per call",
+                        bytes);
+        c->packed_oom = true;
+        return NULL;
+    }
+    pack_job j = {.w = w, .copy = copy};
+    kn_pool_run(c->pool, (w->n_rows + 15) / 16, 8, pack_part, &j);
+    e->copy = copy;
+    c->packed_bytes += bytes;
+    return copy;
+}
+
+size_t kn_cpu_packed_bytes(const kn_cpu *c)
+{
+    return c->packed_bytes;
+}
+
+void kn_cpu_packed_free(kn_cpu *c)
+{
+    for (size_t i = 0; i < c->cap_packed; i++)
+        free(c->packed[i].copy);
+    free(c->packed);
+    c->packed = NULL;
+    c->cap_packed = c->n_packed = c->packed_bytes = 0;
+}
