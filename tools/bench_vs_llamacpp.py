@@ -19,8 +19,11 @@ Other jobs share the machine: `uptime`'s 1-minute load is logged before each rou
 --max-load before a set's first round, the set waits --wait seconds once, then runs anyway
 (the loads are reported).
 
+With --acts f32,q8 each round runs Tandem once per activation mode (bench-engine --act; q8 is
+the 8-bit activation mode of README.md), then llama.cpp, and prints a ratio per mode.
+
 usage: tools/bench_vs_llamacpp.py --llama-bin DIR [--build build] [--models F,F] [--threads 1,2]
-                                  [--reps 3]
+                                  [--reps 3] [--acts f32,q8]
 """
 import argparse
 import json
@@ -37,6 +40,8 @@ ap.add_argument("--threads", default="1,2")
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--max-load", type=float, default=1.5)
 ap.add_argument("--wait", type=int, default=180)
+ap.add_argument("--acts", default="f32",
+                help="Tandem's CPU activation modes per round, e.g. f32,q8 (bench-engine --act)")
 args = ap.parse_args()
 TANDEM = os.path.join(args.build, "bin", "tandem")
 
@@ -53,9 +58,9 @@ def run(cmd):
     return r.stdout
 
 
-def tandem(model, t):
+def tandem(model, t, act):
     j = json.loads(run([TANDEM, "bench-engine", "--model", model, "--threads", str(t),
-                        "--reps", "1", "--json"]).strip().splitlines()[-1])
+                        "--reps", "1", "--act", act, "--json"]).strip().splitlines()[-1])
     return {"pp512": j["prefill_tps"], "tg128": j["decode_tps"], "b8": j["decode_b8_tps"],
             "mem": j["mem_gbps"], "gemm": j["gemm_gflops"], "wbytes": j["weight_bytes"],
             "params": j["params"]}
@@ -81,9 +86,10 @@ def med(rs, k):
     return statistics.median(r[k] for r in rs)
 
 
+ACTS = args.acts.split(",")
 for model in args.models.split(","):
     for t in (int(x) for x in args.threads.split(",")):
-        tr, lr, loads = [], [], []
+        tr, lr, loads = {a: [] for a in ACTS}, [], []
         for rep in range(args.reps):
             l = load1()
             if l > args.max_load and rep == 0:
@@ -91,24 +97,29 @@ for model in args.models.split(","):
                 time.sleep(args.wait)
                 l = load1()
             loads.append(l)
-            tr.append(tandem(model, t))
+            for a in (ACTS if rep % 2 == 0 else ACTS[::-1]):
+                tr[a].append(tandem(model, t, a))
             lr.append(llama(model, t))
-            print(f"{os.path.basename(model)} t{t} rep {rep + 1} load {l:.2f}: "
-                  f"tandem {tr[-1]['pp512']:.1f} / {tr[-1]['tg128']:.2f} / {tr[-1]['b8']:.2f} "
-                  f"(mem {tr[-1]['mem']:.1f} GB/s, sgemm {tr[-1]['gemm']:.0f} GFLOP/s); "
-                  f"llama.cpp {lr[-1]['pp512']:.1f} / {lr[-1]['tg128']:.2f} / {lr[-1]['b8']:.2f}",
-                  flush=True)
-        wb, mem = tr[0]["wbytes"], med(tr, "mem")
+            line = f"{os.path.basename(model)} t{t} rep {rep + 1} load {l:.2f}:"
+            for a in ACTS:
+                x = tr[a][-1]
+                line += (f" tandem {a} {x['pp512']:.1f} / {x['tg128']:.2f} / {x['b8']:.2f} "
+                         f"(mem {x['mem']:.1f} GB/s, sgemm {x['gemm']:.0f} GFLOP/s);")
+            print(line + f" llama.cpp {lr[-1]['pp512']:.1f} / {lr[-1]['tg128']:.2f} / "
+                  f"{lr[-1]['b8']:.2f}", flush=True)
+        every = [x for a in ACTS for x in tr[a]]
+        wb, mem = every[0]["wbytes"], med(every, "mem")
         roof_tg = mem * 1e9 / wb
-        roof_pp = med(tr, "gemm") * 1e9 / (2 * tr[0]["params"])
+        roof_pp = med(every, "gemm") * 1e9 / (2 * every[0]["params"])
         print(f"== {os.path.basename(model)} threads {t}: loads {', '.join(f'{x:.2f}' for x in loads)}; "
               f"weights/step {wb / 1e6:.1f} MB, mem {mem:.1f} GB/s -> decode roofline "
-              f"{roof_tg:.2f} tok/s; sgemm {med(tr, 'gemm'):.0f} GFLOP/s -> prefill roofline "
+              f"{roof_tg:.2f} tok/s; sgemm {med(every, 'gemm'):.0f} GFLOP/s -> prefill roofline "
               f"{roof_pp:.1f} tok/s; llama.cpp flash_attn {lr[0]['fa']}")
-        for k, roof in (("pp512", roof_pp), ("tg128", roof_tg), ("b8", 8 * roof_tg)):
-            a, b = med(tr, k), med(lr, k)
-            print(f"   {k:6s} tandem {a:8.2f} ({a / roof:.2f} of roofline)  llama.cpp {b:8.2f} "
-                  f"({b / roof:.2f})  tandem/llama.cpp {a / b:.2f}   "
-                  f"[tandem {', '.join(f'{r[k]:.2f}' for r in tr)}; "
-                  f"llama.cpp {', '.join(f'{r[k]:.2f}' for r in lr)}; per-round ratios "
-                  f"{', '.join(f'{x[k] / y[k]:.2f}' for x, y in zip(tr, lr))}]", flush=True)
+        for a in ACTS:
+            for k, roof in (("pp512", roof_pp), ("tg128", roof_tg), ("b8", 8 * roof_tg)):
+                x, y = med(tr[a], k), med(lr, k)
+                print(f"   {k:6s} tandem {a:3s} {x:8.2f} ({x / roof:.2f} of roofline)  llama.cpp "
+                      f"{y:8.2f} ({y / roof:.2f})  tandem/llama.cpp {x / y:.2f}   "
+                      f"[tandem {', '.join(f'{r[k]:.2f}' for r in tr[a])}; "
+                      f"llama.cpp {', '.join(f'{r[k]:.2f}' for r in lr)}; per-round ratios "
+                      f"{', '.join(f'{u[k] / v[k]:.2f}' for u, v in zip(tr[a], lr))}]", flush=True)

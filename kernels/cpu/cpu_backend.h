@@ -45,7 +45,7 @@ bool kn_cpu_act_q8(const kn_cpu *c);
 
 /* map_matrix of the ops table (kn_backend.h): w is a model weight, read-only and alive
  * until kn_cpu_destroy. The q8 mode's integer GEMM keeps a packed copy of such a Q4_0,
- * Q4_1 or Q8_0 matrix, made on its first product (cpu_packed.c; the bits do not change).
+ * Q4_1, Q5_0 or Q8_0 matrix, made on its first product (cpu_packed.c; the bits do not change).
  * Always 0 (registration is a hint; a failure to register is logged). */
 int kn_cpu_map_matrix(void *ctx, const kn_mat *w);
 /* Bytes held by the packed copies. */

@@ -84,9 +84,9 @@ void kn_q8_gemm(const kn_mat *w, const void *packed, const void *xq, int64_t m, 
  * blocks. At m = 1 the panel's write and read-back cost more than the dots themselves
  * (BENCHMARKS.md, "Packed weights for the q8 GEMM"); with W packed, m <= 4 rows of x read
  * it directly and larger m unpack a group with one mask and one shift per vector.
- * kn_q8_gemm_packed_bytes: the bytes of W packed, or 0 when W cannot be (not Q4_0, Q4_1 or
- * Q8_0, no AVX512-VNNI, or kn_q8_gemm_force_avx2). kn_q8_gemm_pack fills groups [g0, g1)
- * of 16 rows (any thread, disjoint groups); W must not change afterwards. */
+ * kn_q8_gemm_packed_bytes: the bytes of W packed, or 0 when W cannot be (not a type of
+ * kn_q8_gemm_supported, no AVX512-VNNI, or kn_q8_gemm_force_avx2). kn_q8_gemm_pack fills groups
+ * [g0, g1) of 16 rows (any thread, disjoint groups); W must not change afterwards. */
 size_t kn_q8_gemm_packed_bytes(const kn_mat *w);
 void kn_q8_gemm_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
 

@@ -257,12 +257,15 @@ static Q8G_T512 void gemm512(const kn_mat *w, const kn_q8b *xq, int64_t m, float
  * The panel of a group is pack512's work minus the part that depends on m: the transposed
  * quant dwords are stored as they are (Q4_0/Q4_1: the 4 vectors of raw nibble bytes, whose
  * low and high nibbles become the panel's 8 vectors with one mask and one shift; Q8_0: the 8
- * biased vectors), then the 16 f16 d and, for Q4_1, the 16 f16 mins. A block of 16 rows takes
- * as many bytes as the 16 raw blocks (Q4_0 288, Q4_1 320, Q8_0 544), the groups end to end. */
+ * biased vectors; Q5_0: the nibbles and the gathered high bits), then the 16 f16 d and, for
+ * Q4_1, the 16 f16 mins. A block of 16 rows takes as many bytes as the 16 raw blocks (Q4_0 288,
+ * Q4_1 320, Q5_0 352, Q8_0 544), the groups end to end. */
 
+/* 64-byte vectors before the scales: Q8_0's 8 biased quant vectors; the 4 nibble vectors,
+ * and for Q5_0 a fifth, lane r holding row r's 32 high bits (qh). */
 KN_ALWAYS_INLINE int q8p_qvecs(td_dtype t)
 {
-    return t == TD_Q8_0 ? 8 : 4;
+    return t == TD_Q8_0 ? 8 : t == TD_Q5_0 ? 5 : 4;
 }
 
 KN_ALWAYS_INLINE size_t q8p_block_bytes(td_dtype t)
@@ -291,6 +294,8 @@ Q8G_I512 void repack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_
         } else {
             for (int u = 0; u < 4; u++)
                 _mm512_storeu_si512(o + 64 * u, T[u]);
+            if (t == TD_Q5_0)
+                _mm512_storeu_si512(o + 256, _mm512_i32gather_epi32(vi, (const void *)(p + 2), 1));
         }
         /* the first dword of each block: d, then (Q4_1) the min */
         const __m512i g = _mm512_i32gather_epi32(vi, (const void *)p, 1);
@@ -313,6 +318,11 @@ Q8G_I512 void unpack512(td_dtype t, const uint8_t *o, __m512i V[8], __m512 *dv, 
             const __m512i n = _mm512_loadu_si512(o + 64 * u);
             V[u] = _mm512_and_si512(n, m4);
             V[4 + u] = _mm512_and_si512(_mm512_srli_epi32(n, 4), m4);
+        }
+        if (t == TD_Q5_0) {
+            const __m512i h = _mm512_loadu_si512(o + 256);
+            for (int u = 0; u < 8; u++)
+                V[u] = _mm512_or_si512(V[u], spread16(_mm512_srli_epi32(h, 4 * u)));
         }
     }
     const uint8_t *h = o + 64 * q8p_qvecs(t);
@@ -419,6 +429,9 @@ static Q8G_T512 void pgemm512(const kn_mat *w, const void *packed, const kn_q8b 
     case TD_Q4_1:
         pgroups512(TD_Q4_1, w, packed, xq, m, y, g0, g1, panel);
         break;
+    case TD_Q5_0:
+        pgroups512(TD_Q5_0, w, packed, xq, m, y, g0, g1, panel);
+        break;
     default:
         pgroups512(TD_Q8_0, w, packed, xq, m, y, g0, g1, panel);
         break;
@@ -442,6 +455,8 @@ static Q8G_T512 void repack_groups512(const kn_mat *w, void *packed, int64_t g0,
             repack512(TD_Q4_0, src, idx, nb, dst);
         else if (t == TD_Q4_1)
             repack512(TD_Q4_1, src, idx, nb, dst);
+        else if (t == TD_Q5_0)
+            repack512(TD_Q5_0, src, idx, nb, dst);
         else
             repack512(TD_Q8_0, src, idx, nb, dst);
     }
@@ -450,9 +465,7 @@ static Q8G_T512 void repack_groups512(const kn_mat *w, void *packed, int64_t g0,
 size_t kn_q8_gemm_packed_bytes(const kn_mat *w)
 {
     const td_dtype t = w->type;
-    if (!(t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q8_0) || !kn_q8_gemm_supported(w) ||
-        !q8g_vnni() || w->n_rows < 1)
-        return 0;
+    if (!kn_q8_gemm_supported(w) || !q8g_vnni() || w->n_rows < 1) return 0;
     return (size_t)((w->n_rows + 15) / 16) * (size_t)(w->n_cols / TD_QK) * q8p_block_bytes(t);
 }
 

@@ -366,7 +366,7 @@ static bool model_has_packable(void)
 }
 
 /* The q8 mode through the engine, which names its weights to the backend (map_matrix): the
- * integer GEMM reads packed copies of the Q4_0, Q4_1 and Q8_0 matrices and must give the
+ * integer GEMM reads packed copies of the Q4_0, Q4_1, Q5_0 and Q8_0 matrices and must give the
  * logits of per-call packing (the same engine on a table without map_matrix). */
 static void test_engine_q8_packed(void)
 {

@@ -245,7 +245,7 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
                   kn_q8_gemm_isa());
     }
     /* W registered as the engine registers its weights (map_matrix): the q8 GEMM reads
-     * its packed copy (Q4_0, Q4_1, Q8_0 with VNNI) and gives the same bits, for the batch
+     * its packed copy (Q4_0, Q4_1, Q5_0, Q8_0 with VNNI) and gives the same bits, for the batch
      * and each row alone; a view of fewer rows at the same address was never registered
      * and keeps the per-call panels, with the same bits for its rows */
     kn_cpu *pc;
