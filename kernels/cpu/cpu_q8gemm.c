@@ -160,37 +160,46 @@ Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t 
     }
 }
 
+/* One block of 16 rows of W (the 8 quant vectors V, d and the mins mv as pack512 leaves them)
+ * against M rows of x (xs blocks apart): the exact integer dots, then the lane-wise float
+ * update of each acc[j]. Every kernel of the VNNI path goes through here, so they share bits. */
+Q8G_I512 void block512(td_dtype t, int M, const __m512i V[8], __m512 dv, __m512 mv,
+                       const kn_q8b *xb, int64_t xs, int64_t b, __m512 acc[4])
+{
+    const int bias = q8g_bias(t, true);
+    __m512i ia[4];
+    for (int j = 0; j < M; j++)
+        ia[j] = _mm512_setzero_si512();
+    for (int u = 0; u < 8; u++)
+        for (int j = 0; j < M; j++) {
+            int32_t xd4;
+            memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
+            ia[j] = _mm512_dpbusd_epi32(ia[j], V[u], _mm512_set1_epi32(xd4));
+        }
+    for (int j = 0; j < M; j++) {
+        const kn_q8b *x = &xb[j * xs + b];
+        if (bias) ia[j] = _mm512_sub_epi32(ia[j], _mm512_set1_epi32(bias * x->sum));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j]), _mm512_mul_ps(dv, _mm512_set1_ps(x->d)),
+                                 acc[j]);
+        if (t == TD_Q4_1)
+            acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->d * (float)x->sum), acc[j]);
+    }
+}
+
 /* y[j * ldy + r] for j < M, r < nr: the panel against M rows of x (xs blocks apart). */
 Q8G_I512 void tile512(td_dtype t, int M, const uint8_t *panel, const kn_q8b *xb, int64_t xs,
                       int64_t nb, float *y, int64_t ldy, int nr)
 {
-    const int bias = q8g_bias(t, true);
     __m512 acc[4];
     for (int j = 0; j < M; j++)
         acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = panel + (size_t)b * 10 * 64;
-        __m512i ia[4];
-        for (int j = 0; j < M; j++)
-            ia[j] = _mm512_setzero_si512();
-        for (int u = 0; u < 8; u++) {
-            const __m512i wv = _mm512_loadu_si512(o + 64 * u);
-            for (int j = 0; j < M; j++) {
-                int32_t xd4;
-                memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
-                ia[j] = _mm512_dpbusd_epi32(ia[j], wv, _mm512_set1_epi32(xd4));
-            }
-        }
-        const __m512 dv = _mm512_loadu_ps(o + 512);
-        for (int j = 0; j < M; j++) {
-            const kn_q8b *x = &xb[j * xs + b];
-            if (bias) ia[j] = _mm512_sub_epi32(ia[j], _mm512_set1_epi32(bias * x->sum));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j]),
-                                     _mm512_mul_ps(dv, _mm512_set1_ps(x->d)), acc[j]);
-            if (t == TD_Q4_1)
-                acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(o + 576),
-                                         _mm512_set1_ps(x->d * (float)x->sum), acc[j]);
-        }
+        __m512i V[8];
+        for (int u = 0; u < 8; u++)
+            V[u] = _mm512_loadu_si512(o + 64 * u);
+        const __m512 mv = t == TD_Q4_1 ? _mm512_loadu_ps(o + 576) : _mm512_setzero_ps();
+        block512(t, M, V, _mm512_loadu_ps(o + 512), mv, xb, xs, b, acc);
     }
     const __mmask16 k = (__mmask16)((1u << nr) - 1);
     for (int j = 0; j < M; j++)
@@ -336,37 +345,18 @@ Q8G_I512 void unpack512(td_dtype t, const uint8_t *o, __m512i V[8], __m512 *dv, 
 Q8G_I512 void tile512p(td_dtype t, int M, const uint8_t *gp, const kn_q8b *xb, int64_t xs,
                        int64_t nb, float *y, int64_t ldy, int nr)
 {
-    const int bias = q8g_bias(t, true);
     const size_t pb = q8p_block_bytes(t);
     __m512 acc[4];
     for (int j = 0; j < M; j++)
         acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = gp + (size_t)b * pb;
-        __builtin_prefetch(o + 8 * pb);
-        __builtin_prefetch(o + 8 * pb + 64);
-        __builtin_prefetch(o + 8 * pb + 128);
-        __builtin_prefetch(o + 8 * pb + 192);
-        __builtin_prefetch(o + 8 * pb + pb - 1);
-        __m512i V[8], ia[4];
+        for (size_t off = 0; off < pb; off += 64) /* the group streams: 8 blocks ahead */
+            __builtin_prefetch(o + 8 * pb + off);
+        __m512i V[8];
         __m512 dv, mv;
         unpack512(t, o, V, &dv, &mv);
-        for (int j = 0; j < M; j++)
-            ia[j] = _mm512_setzero_si512();
-        for (int u = 0; u < 8; u++)
-            for (int j = 0; j < M; j++) {
-                int32_t xd4;
-                memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
-                ia[j] = _mm512_dpbusd_epi32(ia[j], V[u], _mm512_set1_epi32(xd4));
-            }
-        for (int j = 0; j < M; j++) {
-            const kn_q8b *x = &xb[j * xs + b];
-            if (bias) ia[j] = _mm512_sub_epi32(ia[j], _mm512_set1_epi32(bias * x->sum));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j]),
-                                     _mm512_mul_ps(dv, _mm512_set1_ps(x->d)), acc[j]);
-            if (t == TD_Q4_1)
-                acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->d * (float)x->sum), acc[j]);
-        }
+        block512(t, M, V, dv, mv, xb, xs, b, acc);
     }
     const __mmask16 k = (__mmask16)((1u << nr) - 1);
     for (int j = 0; j < M; j++)

@@ -249,15 +249,26 @@ typedef struct {
     kn_engine *eng;
     kn_kv_pool *kv;
     kn_kv_seq seq[3];
+    kn_backend_ops no_map;     /* the table without map_matrix, when rig_open's q8 is 2 */
+    const kn_backend_ops *own; /* the backend's own table, put back at rig_close */
 } rig;
 
-static int rig_open(rig *r, const char *fused)
+/* q8: 0 the float32 path; 1 the q8 mode; 2 the q8 mode on a table without map_matrix (the
+ * engine names no weights, so nothing is packed). */
+static int rig_open(rig *r, const char *fused, int q8)
 {
     memset(r, 0, sizeof *r);
     setenv("TANDEM_CPU_FUSED", fused, 1);
     int rc = kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &r->be);
     unsetenv("TANDEM_CPU_FUSED");
     if (rc) return rc;
+    kn_cpu_set_act_q8(kn_cpu_of(r->be), q8 > 0);
+    r->own = r->be.ops;
+    if (q8 == 2) {
+        r->no_map = *r->be.ops;
+        r->no_map.map_matrix = NULL;
+        r->be.ops = &r->no_map;
+    }
     if ((rc = kn_engine_create(model, r->be, NULL, &r->eng))) return rc;
     kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F16);
     if ((rc = kn_kv_pool_create(&kp, &r->kv))) return rc;
@@ -272,6 +283,7 @@ static void rig_close(rig *r)
         kn_kv_seq_fini(r->kv, &r->seq[s]);
     kn_kv_pool_destroy(r->kv);
     kn_engine_destroy(r->eng);
+    if (r->own) r->be.ops = r->own;
     kn_backend_destroy(&r->be);
 }
 
@@ -330,8 +342,8 @@ static void test_engine_fused_equals_unfused(void)
     const size_t n = (size_t)32 * nv;
     float *a = calloc(n, 4), *b = calloc(n, 4);
     rig r1, r2;
-    TH_REQUIRE(rig_open(&r1, "1") == 0);
-    TH_REQUIRE(rig_open(&r2, "0") == 0);
+    TH_REQUIRE(rig_open(&r1, "1", 0) == 0);
+    TH_REQUIRE(rig_open(&r2, "0", 0) == 0);
     TH_CHECK(kn_cpu_fused(kn_cpu_of(r1.be)) && !kn_cpu_fused(kn_cpu_of(r2.be)));
     TH_CHECK(r1.be.ops->matmul_multi && r1.be.ops->glu_ffn && r1.be.ops->matmul_add);
     TH_CHECK(!r2.be.ops->matmul_multi && !r2.be.ops->glu_ffn && !r2.be.ops->matmul_add);
@@ -374,22 +386,7 @@ static void test_engine_q8_packed(void)
     const size_t n = (size_t)32 * nv;
     float *a = calloc(n, 4), *b = calloc(n, 4);
     rig r1, r2;
-    TH_REQUIRE(a && b && rig_open(&r1, "1") == 0);
-    kn_backend be2;
-    TH_REQUIRE(kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &be2) == 0);
-    kn_cpu_set_act_q8(kn_cpu_of(r1.be), true);
-    kn_cpu_set_act_q8(kn_cpu_of(be2), true);
-    kn_backend_ops no_map = *be2.ops;
-    no_map.map_matrix = NULL;
-    const kn_backend_ops *own = be2.ops;
-    be2.ops = &no_map;
-    memset(&r2, 0, sizeof r2);
-    r2.be = be2;
-    TH_REQUIRE(kn_engine_create(model, r2.be, NULL, &r2.eng) == 0);
-    kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F16);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &r2.kv) == 0);
-    for (int s = 0; s < 3; s++)
-        kn_kv_seq_init(&r2.seq[s]);
+    TH_REQUIRE(a && b && rig_open(&r1, "1", 1) == 0 && rig_open(&r2, "1", 2) == 0);
     int na = 0, nb = 0;
     TH_CHECK(run(&r1, a, &na) == 0);
     TH_CHECK(run(&r2, b, &nb) == 0);
@@ -399,7 +396,6 @@ static void test_engine_q8_packed(void)
     fprintf(stderr, "q8 mode: %zu bytes of packed weights (%s)\n", packed, kn_q8_gemm_isa());
     TH_CHECK(kn_q8_gemm_group_rows() != 16 || packed > 0 || !model_has_packable());
     rig_close(&r1);
-    r2.be.ops = own;
     rig_close(&r2);
     free(a);
     free(b);
