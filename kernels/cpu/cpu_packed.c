@@ -11,9 +11,7 @@
  * 96.6 MB). An allocation that fails is logged once and that matrix packs per call.
  * Threading: the caller's thread only (kn_cpu's one-caller rule), outside pool jobs.
  */
-#include <stdatomic.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
