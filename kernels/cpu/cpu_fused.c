@@ -10,8 +10,11 @@
  * of rows from a shared counter instead of fixed halves were tried and measured slower on a busy
  * machine: BENCHMARKS.md "Engine".) Exactness: every row of W is computed by the dot path of
  * cpu_matmul.c (kn_cpu_dot_rows), which gives a row the same bits whichever thread computes it and
- * whichever rows it is grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. When
- * matmul_mixed would send the batch rows to the gemm path (prefill), the fused ops run the unfused
+ * whichever rows it is grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. In the q8
+ * mode a packed 32-block matrix (cpu_packed.c) at m <= 4 goes through the integer GEMM's
+ * panel-free kernel instead, whose rows have the same property on 16-row groups: the parts then
+ * split on whole groups (kn_cpu_dot's grain). When matmul_mixed would send the batch rows to the
+ * gemm path (prefill), or the q8 GEMM would need a panel, the fused ops run the unfused
  * sequence instead. The activation runs per part on whole 8-element groups of the part's columns,
  * with the element loop of kn_cpu_swiglu/geglu (cpu_internal.h), so its bits match too; a row width
  * that is not a multiple of 8 runs the unfused activation after the dispatch. The residual
@@ -34,19 +37,31 @@
 
 typedef struct {
     int n_w;
+    int64_t grain; /* rows per item: the largest d[i].grain */
     kn_cpu_dot d[KN_MULTI_MAX];
-    int64_t start[KN_MULTI_MAX + 1]; /* row offsets of each W in the concatenated rows */
+    int64_t start[KN_MULTI_MAX + 1]; /* item offsets of each W in the concatenated items */
 } multi_job;
 
-static void multi_part(void *arg, int64_t r0, int64_t r1, int tid)
+static void multi_part(void *arg, int64_t i0, int64_t i1, int tid)
 {
     const multi_job *J = arg;
     for (int i = 0; i < J->n_w; i++) {
-        const int64_t a = r0 > J->start[i] ? r0 : J->start[i];
-        const int64_t b = r1 < J->start[i + 1] ? r1 : J->start[i + 1];
-        if (a < b) kn_cpu_dot_rows(&J->d[i], a - J->start[i], b - J->start[i]);
+        const int64_t a = i0 > J->start[i] ? i0 : J->start[i];
+        const int64_t b = i1 < J->start[i + 1] ? i1 : J->start[i + 1];
+        if (a >= b) continue;
+        const int64_t n = J->d[i].w->n_rows, r1 = (b - J->start[i]) * J->grain;
+        kn_cpu_dot_rows(&J->d[i], (a - J->start[i]) * J->grain, r1 < n ? r1 : n);
     }
     (void)tid;
+}
+
+/* The rows per item a dispatch over d[0..n) must split on (kn_cpu_dot_rows's grain). */
+static int64_t grain_of(const kn_cpu_dot *d, int n)
+{
+    int64_t g = 1;
+    for (int i = 0; i < n; i++)
+        if (d[i].grain > g) g = d[i].grain;
+    return g;
 }
 
 static int64_t row_bytes(const kn_mat *w)
@@ -87,6 +102,8 @@ static int prepare(kn_cpu *c, int n, const kn_mat *const *w, const float *x, int
             d[i] = d[same];
             d[i].w = w[i];
             d[i].y = y[i];
+            /* the q8 GEMM's packed kernel needs this matrix's own copy */
+            if (d[i].packed && !(d[i].packed = kn_cpu_packed_of(c, w[i]))) return 1;
             continue;
         }
         int rc = kn_cpu_dot_init(c, w[i], x, m, m_solo, side, y[i], &d[i]);
@@ -113,12 +130,13 @@ int kn_cpu_matmul_multi(void *ctx, int n_w, const kn_mat *const *w, const float 
             if ((rc = kn_cpu_matmul_mixed(ctx, w[i], x, m, m_solo, y[i]))) return rc;
         return 0;
     }
+    J.grain = grain_of(J.d, n_w);
     int64_t min_rows = 0;
     for (int i = 0; i < n_w; i++) {
-        J.start[i + 1] = J.start[i] + w[i]->n_rows;
+        J.start[i + 1] = J.start[i] + (w[i]->n_rows + J.grain - 1) / J.grain;
         if (min_rows_for(w[i]) > min_rows) min_rows = min_rows_for(w[i]);
     }
-    kn_pool_run(kn_cpu_pool(c), J.start[n_w], min_rows, multi_part, &J);
+    kn_pool_run(kn_cpu_pool(c), J.start[n_w], (min_rows + J.grain - 1) / J.grain, multi_part, &J);
     return 0;
 }
 
@@ -127,13 +145,14 @@ typedef struct {
     const float *gate, *up; /* (m, F) */
     float *out;             /* (m, F) */
     int64_t m, F;
+    int64_t cols;   /* columns per item: GLU_GROUP, or the dots' grain (a multiple of it) */
     bool gelu, act; /* act: the parts run the activation */
 } glu_job;
 
 static void glu_part(void *arg, int64_t i0, int64_t i1, int tid)
 {
     const glu_job *J = arg;
-    const int64_t r0 = i0 * GLU_GROUP, r1 = i1 * GLU_GROUP < J->F ? i1 * GLU_GROUP : J->F;
+    const int64_t r0 = i0 * J->cols, r1 = i1 * J->cols < J->F ? i1 * J->cols : J->F;
     kn_cpu_dot_rows(&J->g, r0, r1);
     kn_cpu_dot_rows(&J->u, r0, r1);
     if (!J->act) return;
@@ -180,11 +199,13 @@ int kn_cpu_glu_ffn(void *ctx, const kn_mat *wg, const kn_mat *wu, const float *x
     }
     J.g = d[0];
     J.u = d[1];
+    const int64_t grain = grain_of(d, 2);
+    J.cols = grain > GLU_GROUP ? grain : GLU_GROUP; /* 8 or 16: whole activation groups */
     /* swiglu's flat spans keep every element on its SIMD loop only for widths of whole groups */
     J.act = gelu || F % GLU_GROUP == 0;
     const int64_t r = min_rows_for(wg) > min_rows_for(wu) ? min_rows_for(wg) : min_rows_for(wu);
-    const int64_t groups = (F + GLU_GROUP - 1) / GLU_GROUP;
-    kn_pool_run(kn_cpu_pool(c), groups, (r + GLU_GROUP - 1) / GLU_GROUP, glu_part, &J);
+    const int64_t items = (F + J.cols - 1) / J.cols;
+    kn_pool_run(kn_cpu_pool(c), items, (r + J.cols - 1) / J.cols, glu_part, &J);
     if (!J.act) glu_unfused_act(ctx, &J);
     return 0;
 }
@@ -194,11 +215,12 @@ typedef struct {
     float *acc; /* (m, n_rows) */
 } add_job;
 
-static void add_part(void *arg, int64_t r0, int64_t r1, int tid)
+static void add_part(void *arg, int64_t i0, int64_t i1, int tid)
 {
     const add_job *J = arg;
+    const int64_t N = J->d.w->n_rows, g = J->d.grain;
+    const int64_t r0 = i0 * g, r1 = i1 * g < N ? i1 * g : N;
     kn_cpu_dot_rows(&J->d, r0, r1);
-    const int64_t N = J->d.w->n_rows;
     for (int64_t i = 0; i < J->d.m; i++) {
         float *a = J->acc + i * N;
         const float *y = J->d.y + i * N;
@@ -223,6 +245,8 @@ int kn_cpu_matmul_add(void *ctx, const kn_mat *w, const float *x, int64_t m, int
         kn_cpu_add(ctx, acc, y, m, w->n_rows);
         return 0;
     }
-    kn_pool_run(kn_cpu_pool(c), w->n_rows, min_rows_for(w), add_part, &J);
+    const int64_t g = J.d.grain;
+    kn_pool_run(kn_cpu_pool(c), (w->n_rows + g - 1) / g, (min_rows_for(w) + g - 1) / g, add_part,
+                &J);
     return 0;
 }

@@ -47,18 +47,23 @@ typedef struct {
     const float *x;    /* (m, n_cols) */
     const float *xsum; /* block sums of x, in the caller's side buffer, or NULL */
     const void *xq;    /* x in 8 bits (q8 mode), in the side buffer, or NULL */
+    const void *packed; /* W packed for the q8 GEMM (cpu_packed.c): rows go through it */
     int64_t m;
     float *y; /* (m, n_rows) */
+    int grain; /* kn_cpu_dot_rows takes row ranges on multiples of this (1, or the GEMM's
+                  16-row groups when packed) */
 } kn_cpu_dot;
 /* Floats of side buffer kn_cpu_dot_init needs for w and m rows of x (0: none). */
 size_t kn_cpu_dot_side_floats(const kn_cpu *c, const kn_mat *w, int64_t m);
 /* Prepares d (fills side, kn_cpu_dot_side_floats(c, w, m) floats): 0; 1 when matmul_mixed
- * would send rows [m_solo, m) to the gemm path, or the q8 mode every row to the integer
- * GEMM (the caller must use matmul_mixed instead); a
- * negative TD_ error for a bad w or row count (logged). */
+ * would send rows [m_solo, m) to the gemm path, or the q8 mode these rows to the integer
+ * GEMM through a per-call panel (W not packed, or m > 4: the caller must use matmul_mixed
+ * instead); a negative TD_ error for a bad w or row count (logged). A packed W at m <= 4
+ * runs the GEMM's panel-free kernel in kn_cpu_dot_rows (d->grain 16). */
 int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
                     float *side, float *y, kn_cpu_dot *d);
-/* Rows [r0, r1) of W into d->y: from any thread, in a pool part. */
+/* Rows [r0, r1) of W into d->y: from any thread, in a pool part. r0 a multiple of d->grain,
+ * r1 one too or w->n_rows. */
 void kn_cpu_dot_rows(const kn_cpu_dot *d, int64_t r0, int64_t r1);
 
 /* The element loops of swiglu and geglu (cpu_ops.c) over the flat element range [e0, e1) of

@@ -557,10 +557,19 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
         TD_LOG_ERR("matmul: bad row counts m %lld, solo %lld", (long long)m, (long long)m_solo);
         return TD_EINVAL;
     }
+    /* in the q8 mode these weights take the integer GEMM at every m, never the dot path; its
+     * panel-free kernel (packed W, m <= 4) runs on any 16-row groups, so it fuses too */
+    if (c->act_q8 && kn_q8_gemm_supported(w)) {
+        const void *packed =
+            m <= 4 && kn_q8_gemm_group_rows() == 16 ? kn_cpu_packed_of(c, w) : NULL;
+        if (!packed) return 1;
+        kn_q8_quant_rows(w->type, x, m, w->n_cols, side);
+        *d = (kn_cpu_dot){
+            .c = c, .w = w, .x = x, .xq = side, .packed = packed, .m = m, .y = y, .grain = 16};
+        return 0;
+    }
     if (m - m_solo >= MM_GEMM_MIN_M) return 1; /* the batch rows take the gemm path */
-    /* in the q8 mode these weights take the integer GEMM at every m, never the dot path */
-    if (c->act_q8 && kn_q8_gemm_supported(w)) return 1;
-    *d = (kn_cpu_dot){.c = c, .w = w, .x = x, .m = m, .y = y};
+    *d = (kn_cpu_dot){.c = c, .w = w, .x = x, .m = m, .y = y, .grain = 1};
     const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
     if (c->act_q8 && kn_q8_supported(w->type)) {
         kn_q8_quant_rows(w->type, x, m, w->n_cols, side);
@@ -574,6 +583,10 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
 
 void kn_cpu_dot_rows(const kn_cpu_dot *d, int64_t r0, int64_t r1)
 {
+    if (d->packed) { /* groups [r0 / 16, ceil(r1 / 16)): r1 is a group's end or n_rows */
+        kn_q8_gemm(d->w, d->packed, d->xq, d->m, d->y, 16, r0 / 16, (r1 + 15) / 16, NULL);
+        return;
+    }
     const mm_job j = {
         .c = d->c, .w = d->w, .x = d->x, .xsum = d->xsum, .xq = d->xq, .m = d->m, .y = d->y};
     mm_dot_part((void *)&j, r0, r1, 0);

@@ -3,9 +3,10 @@
  * glu_ffn against gate and up matmul_mixed and swiglu/geglu, matmul_add against matmul_mixed
  * and add; weight types with and without
  * block sums, mixed types in one call, the q8 activation mode, solo and batch rows, the gemm
- * path, 1-3 threads; bad arguments. With a model file (argv[1]), the engine's logits with the
- * fused ops equal those with TANDEM_CPU_FUSED=0 over prefills (dot and gemm path), decode
- * steps and a mixed step. */
+ * path, 1-3 threads; bad arguments; in the q8 mode, weights packed for the integer GEMM
+ * (map_matrix) fused at m <= 4 (one dispatch, the bits of per-call packing). With a model file
+ * (argv[1]), the engine's logits with the fused ops equal those with TANDEM_CPU_FUSED=0 over
+ * prefills (dot and gemm path), decode steps and a mixed step. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +14,8 @@
 
 #include "../tharness.h"
 #include "cpu_backend.h"
+#include "cpu_internal.h"
+#include "cpu_pool.h"
 #include "cpu_q8act.h"
 #include "kn_backends.h"
 #include "model.h"
@@ -240,6 +243,143 @@ static void test_errors(void)
     free((void *)c.data);
 }
 
+/* ---- the q8 mode on packed weights: the GEMM's panel-free kernel fused ---- */
+
+/* The pool runs of c so far (kept when TANDEM_CPU_PROFILE was set at its creation). */
+static uint64_t pool_runs(kn_cpu *c)
+{
+    kn_pool_stats st;
+    kn_pool_get_stats(kn_cpu_pool(c), &st);
+    return st.runs;
+}
+
+/* The q8 mode's backends of 1-3 threads: packed[t - 1] gets every case's matrices registered
+ * (map_matrix), per_call[t - 1] none (its products pack per call). The registry keys on
+ * w->data, so no case's matrix is freed before the backends are (a new malloc could hand out
+ * the address again with other bits behind it): they wait in kept[]. */
+static kn_cpu *packed[3], *per_call[3];
+static void *kept[1024];
+static int n_kept;
+
+typedef enum { OP_MULTI, OP_GLU, OP_ADD } fused_op;
+
+/* One fused op on packed w (multi: n matrices; glu: gate w[0], up w[1]; add: w[0] onto acc);
+ * results into y[i] (glu: y[0] the activation, y[1] up; add: y[0] the product, y[1] acc). */
+static int run_op(kn_cpu *c, fused_op op, int n, const kn_mat *w, const float *x, int64_t m,
+                  float **y, const float *acc0)
+{
+    const kn_mat *wp[KN_MULTI_MAX];
+    for (int i = 0; i < n; i++)
+        wp[i] = &w[i];
+    if (op == OP_MULTI) return kn_cpu_matmul_multi(c, n, wp, x, m, m, y);
+    if (op == OP_GLU) return kn_cpu_glu_ffn(c, &w[0], &w[1], x, m, m, false, y[0], y[1], y[0]);
+    memcpy(y[1], acc0, (size_t)(m * w[0].n_rows) * sizeof(float));
+    return kn_cpu_matmul_add(c, &w[0], x, m, m, y[0], y[1]);
+}
+
+/* The unfused sequence of run_op, on c. */
+static int run_unfused(kn_cpu *c, fused_op op, int n, const kn_mat *w, const float *x, int64_t m,
+                       float **y, const float *acc0)
+{
+    int rc = 0;
+    for (int i = 0; i < (op == OP_ADD ? 1 : n) && !rc; i++)
+        rc = kn_cpu_matmul_mixed(c, &w[i], x, m, m, y[i]);
+    if (rc) return rc;
+    if (op == OP_GLU) kn_cpu_swiglu(c, y[0], y[1], y[0], m, w[0].n_rows);
+    if (op == OP_ADD) {
+        memcpy(y[1], acc0, (size_t)(m * w[0].n_rows) * sizeof(float));
+        kn_cpu_add(c, y[1], y[0], m, w[0].n_rows);
+    }
+    return 0;
+}
+
+/* One case: the fused op on packed weights equals the unfused ops on the same backend and
+ * on one that packs per call, bit for bit; at m <= 4 on a packing CPU multi and glu are one
+ * pool run. */
+static void check_packed(fused_op op, int n, const td_dtype *types, const int64_t *rows, int64_t k,
+                         int64_t m, int t)
+{
+    kn_mat w[KN_MULTI_MAX];
+    float *y[3][KN_MULTI_MAX];
+    const int n_out = op == OP_MULTI ? n : 2;
+    int64_t out_rows[KN_MULTI_MAX];
+    for (int i = 0; i < n; i++)
+        w[i] = make_mat(types[i], rows[i], k);
+    for (int i = 0; i < n_out; i++) {
+        out_rows[i] = op == OP_MULTI ? rows[i] : rows[0];
+        for (int v = 0; v < 3; v++)
+            y[v][i] = calloc((size_t)(m * out_rows[i]), sizeof(float));
+    }
+    float *x = make_x(m * k), *acc0 = make_x(m * rows[0]);
+    kn_cpu *c = packed[t - 1], *cp = per_call[t - 1];
+    for (int i = 0; i < n; i++) {
+        kn_cpu_map_matrix(c, &w[i]);
+        TH_REQUIRE(n_kept < (int)(sizeof kept / sizeof *kept));
+        kept[n_kept++] = (void *)w[i].data;
+    }
+    TH_CHECK(run_op(c, op, n, w, x, m, y[0], acc0) == 0); /* packs on first use */
+    const uint64_t before = pool_runs(c);
+    TH_CHECK(run_op(c, op, n, w, x, m, y[0], acc0) == 0);
+    const uint64_t runs = pool_runs(c) - before;
+    TH_CHECK(run_unfused(c, op, n, w, x, m, y[1], acc0) == 0);
+    TH_CHECK(run_unfused(cp, op, n, w, x, m, y[2], acc0) == 0);
+    for (int i = 0; i < n_out; i++) {
+        const size_t b = (size_t)(m * out_rows[i]) * sizeof(float);
+        TH_CHECKF(!memcmp(y[0][i], y[1][i], b) && !memcmp(y[1][i], y[2][i], b),
+                  "packed op %d output %d (%s) m %lld threads %d differs", (int)op, i,
+                  td_dtype_name(types[i < n ? i : 0]), (long long)m, t);
+    }
+    bool all_packed = kn_q8_gemm_group_rows() == 16;
+    for (int i = 0; i < n; i++)
+        all_packed = all_packed && kn_q8_gemm_packed_bytes(&w[i]) > 0;
+    /* fused: one run for the products and the activation; an op that fell back runs one
+     * per matrix plus the activation's. (matmul_add cannot tell: its unfused add of rows this
+     * short runs on the caller, so both make one run; its bits are checked above.) */
+    if (all_packed && m <= 4 && op != OP_ADD)
+        TH_CHECKF(runs == 1, "packed op %d m %lld threads %d: %llu pool runs, not fused", (int)op,
+                  (long long)m, t, (unsigned long long)runs);
+    for (int i = 0; i < n_out; i++)
+        for (int v = 0; v < 3; v++)
+            free(y[v][i]);
+    free(x);
+    free(acc0);
+}
+
+static void test_packed(void)
+{
+    const td_dtype sets[][3] = {{TD_Q4_0, TD_Q4_0, TD_Q4_0}, {TD_Q4_1, TD_Q4_1, TD_Q4_1},
+                                {TD_Q5_0, TD_Q5_0, TD_Q5_0}, {TD_Q8_0, TD_Q8_0, TD_Q8_0},
+                                {TD_Q8_0, TD_Q4_1, TD_Q4_1}, {TD_Q4_K, TD_Q4_0, TD_Q6_K}};
+    /* rows not multiples of 16: partial last groups, parts that end inside a matrix */
+    const int64_t rows[3] = {150, 46, 46}, glu_rows[2] = {392, 392}, ms[] = {1, 2, 4, 5};
+    for (int t = 0; t < 3; t++) {
+        setenv("TANDEM_CPU_PROFILE", "1", 1); /* packed[]'s pool counts its runs */
+        TH_REQUIRE(kn_cpu_create(t + 1, &packed[t]) == 0);
+        unsetenv("TANDEM_CPU_PROFILE");
+        TH_REQUIRE(kn_cpu_create(t + 1, &per_call[t]) == 0);
+        kn_cpu_set_act_q8(packed[t], true);
+        kn_cpu_set_act_q8(per_call[t], true);
+    }
+    for (int t = 1; t <= 3; t++)
+        for (size_t s = 0; s < sizeof sets / sizeof *sets; s++)
+            for (size_t i = 0; i < sizeof ms / sizeof *ms; i++) {
+                check_packed(OP_MULTI, 3, sets[s], rows, 512, ms[i], t);
+                check_packed(OP_GLU, 2, sets[s], glu_rows, 256, ms[i], t);
+                check_packed(OP_ADD, 1, sets[s], rows, 512, ms[i], t);
+            }
+    check_packed(OP_MULTI, 1, sets[1], rows + 1, 256, 1, 2);
+    /* the glu's F not a multiple of 16: the last item is half a group */
+    const int64_t odd[2] = {200, 200};
+    check_packed(OP_GLU, 2, sets[0], odd, 256, 1, 2);
+    check_packed(OP_GLU, 2, sets[3], odd, 256, 3, 3);
+    for (int t = 0; t < 3; t++) {
+        kn_cpu_destroy(packed[t]);
+        kn_cpu_destroy(per_call[t]);
+    }
+    for (int i = 0; i < n_kept; i++)
+        free(kept[i]);
+}
+
 /* ---- the engine: fused against TANDEM_CPU_FUSED=0 ---- */
 
 static kn_model *model;
@@ -379,7 +519,8 @@ static bool model_has_packable(void)
 
 /* The q8 mode through the engine, which names its weights to the backend (map_matrix): the
  * integer GEMM reads packed copies of the Q4_0, Q4_1, Q5_0 and Q8_0 matrices and must give the
- * logits of per-call packing (the same engine on a table without map_matrix). */
+ * logits of per-call packing (the same engine on a table without map_matrix) and, fused, those
+ * of the unfused ops (TANDEM_CPU_FUSED=0). */
 static void test_engine_q8_packed(void)
 {
     const int nv = model->hp.n_vocab;
@@ -392,6 +533,14 @@ static void test_engine_q8_packed(void)
     TH_CHECK(run(&r2, b, &nb) == 0);
     TH_CHECK(na == nb && na > 0);
     TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "q8 logits with packed weights differ");
+    /* and the fused ops on packed weights (decode rows) give the unfused sequence's logits */
+    rig r3;
+    int nc = 0;
+    TH_REQUIRE(rig_open(&r3, "0", 1) == 0);
+    TH_CHECK(run(&r3, b, &nc) == 0);
+    TH_CHECK(nc == na);
+    TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "q8 fused logits differ from unfused");
+    rig_close(&r3);
     const size_t packed = kn_cpu_packed_bytes(kn_cpu_of(r1.be));
     fprintf(stderr, "q8 mode: %zu bytes of packed weights (%s)\n", packed, kn_q8_gemm_isa());
     TH_CHECK(kn_q8_gemm_group_rows() != 16 || packed > 0 || !model_has_packable());
@@ -411,6 +560,7 @@ int main(int argc, char **argv)
     TH_RUN(test_errors);
     for (int t = 0; t < 3; t++)
         kn_cpu_destroy(cpus[t]);
+    TH_RUN(test_packed);
     if (argc > 1) {
         td_gguf *g;
         char err[256];
