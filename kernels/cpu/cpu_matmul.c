@@ -389,17 +389,18 @@ typedef struct {
     atomic_int err;
 } q8g_job;
 
-/* Whether kn_q8_gemm runs without a panel: W packed and m <= 4 rows read the copy directly. */
-static bool q8g_panel_free(const void *packed, int64_t m)
+/* Whether kn_q8_gemm runs without a panel: W packed, read by 16-row groups (a packed copy made
+ * before kn_q8_gemm_force_avx2 is not used at G 8), and m <= 4 rows read the copy directly. */
+static bool q8g_panel_free(const void *packed, int G, int64_t m)
 {
-    return packed && m <= 4;
+    return packed && G == 16 && m <= 4;
 }
 
 static void mm_q8g_part(void *arg, int64_t g0, int64_t g1, int tid)
 {
     q8g_job *j = arg;
     void *panel = NULL;
-    if (!q8g_panel_free(j->packed, j->m)) {
+    if (!q8g_panel_free(j->packed, j->G, j->m)) {
         const size_t bytes = kn_q8_gemm_panel_bytes(j->w->n_cols);
         panel = kn_cpu_scratch(j->c, tid, (bytes + 3) / sizeof(float));
         if (!panel) {
@@ -566,8 +567,8 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
     /* in the q8 mode these weights take the integer GEMM at every m, never the dot path; its
      * panel-free kernel (packed W, m <= 4) runs on any 16-row groups, so it fuses too */
     if (c->act_q8 && kn_q8_gemm_supported(w)) {
-        const void *packed = kn_q8_gemm_group_rows() == 16 ? kn_cpu_packed_of(c, w) : NULL;
-        if (!q8g_panel_free(packed, m)) return 1;
+        const void *packed = kn_cpu_packed_of(c, w);
+        if (!q8g_panel_free(packed, kn_q8_gemm_group_rows(), m)) return 1;
         kn_q8_quant_rows(w->type, x, m, w->n_cols, side);
         *d = (kn_cpu_dot){
             .c = c, .w = w, .x = x, .xq = side, .packed = packed, .m = m, .y = y, .grain = 16};
