@@ -135,11 +135,13 @@ Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t 
         if (t == TD_Q8_0) {
             __m512i U[4];
             tr16(p, idx, 18, U);
+            KN_UNROLL
             for (int u = 0; u < 4; u++) {
                 V[u] = _mm512_xor_si512(T[u], _mm512_set1_epi8((char)0x80));
                 V[4 + u] = _mm512_xor_si512(U[u], _mm512_set1_epi8((char)0x80));
             }
         } else {
+            KN_UNROLL
             for (int u = 0; u < 4; u++) {
                 V[u] = _mm512_and_si512(T[u], m4);
                 V[4 + u] = _mm512_and_si512(_mm512_srli_epi32(T[u], 4), m4);
@@ -147,9 +149,11 @@ Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t 
         }
         if (t == TD_Q5_0) {
             const __m512i h = _mm512_i32gather_epi32(vi, (const void *)(p + 2), 1);
+            KN_UNROLL
             for (int u = 0; u < 8; u++)
                 V[u] = _mm512_or_si512(V[u], spread16(_mm512_srli_epi32(h, 4 * u)));
         }
+        KN_UNROLL
         for (int u = 0; u < 8; u++)
             _mm512_storeu_si512(o + 64 * u, V[u]);
         const __m512i g = _mm512_i32gather_epi32(vi, (const void *)p, 1);
@@ -168,14 +172,19 @@ Q8G_I512 void block512(td_dtype t, int M, const __m512i V[8], __m512 dv, __m512 
 {
     const int bias = q8g_bias(t, true);
     __m512i ia[4];
+    KN_UNROLL
     for (int j = 0; j < M; j++)
         ia[j] = _mm512_setzero_si512();
-    for (int u = 0; u < 8; u++)
+    KN_UNROLL
+    for (int u = 0; u < 8; u++) {
+        KN_UNROLL
         for (int j = 0; j < M; j++) {
             int32_t xd4;
             memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
             ia[j] = _mm512_dpbusd_epi32(ia[j], V[u], _mm512_set1_epi32(xd4));
         }
+    }
+    KN_UNROLL
     for (int j = 0; j < M; j++) {
         const kn_q8b *x = &xb[j * xs + b];
         if (bias) ia[j] = _mm512_sub_epi32(ia[j], _mm512_set1_epi32(bias * x->sum));
@@ -191,17 +200,20 @@ Q8G_I512 void tile512(td_dtype t, int M, const uint8_t *panel, const kn_q8b *xb,
                       int64_t nb, float *y, int64_t ldy, int nr)
 {
     __m512 acc[4];
+    KN_UNROLL
     for (int j = 0; j < M; j++)
         acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = panel + (size_t)b * 10 * 64;
         __m512i V[8];
+        KN_UNROLL
         for (int u = 0; u < 8; u++)
             V[u] = _mm512_loadu_si512(o + 64 * u);
         const __m512 mv = t == TD_Q4_1 ? _mm512_loadu_ps(o + 576) : _mm512_setzero_ps();
         block512(t, M, V, _mm512_loadu_ps(o + 512), mv, xb, xs, b, acc);
     }
     const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    KN_UNROLL
     for (int j = 0; j < M; j++)
         _mm512_mask_storeu_ps(y + j * ldy, k, acc[j]);
 }
@@ -294,6 +306,7 @@ Q8G_I512 void repack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_
         if (t == TD_Q8_0) {
             __m512i U[4];
             tr16(p, idx, 18, U);
+            KN_UNROLL
             for (int u = 0; u < 4; u++) {
                 _mm512_storeu_si512(o + 64 * u,
                                     _mm512_xor_si512(T[u], _mm512_set1_epi8((char)0x80)));
@@ -301,6 +314,7 @@ Q8G_I512 void repack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_
                                     _mm512_xor_si512(U[u], _mm512_set1_epi8((char)0x80)));
             }
         } else {
+            KN_UNROLL
             for (int u = 0; u < 4; u++)
                 _mm512_storeu_si512(o + 64 * u, T[u]);
             if (t == TD_Q5_0)
@@ -319,10 +333,12 @@ Q8G_I512 void repack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_
 Q8G_I512 void unpack512(td_dtype t, const uint8_t *o, __m512i V[8], __m512 *dv, __m512 *mv)
 {
     if (t == TD_Q8_0) {
+        KN_UNROLL
         for (int u = 0; u < 8; u++)
             V[u] = _mm512_loadu_si512(o + 64 * u);
     } else {
         const __m512i m4 = _mm512_set1_epi8(0x0f);
+        KN_UNROLL
         for (int u = 0; u < 4; u++) {
             const __m512i n = _mm512_loadu_si512(o + 64 * u);
             V[u] = _mm512_and_si512(n, m4);
@@ -330,6 +346,7 @@ Q8G_I512 void unpack512(td_dtype t, const uint8_t *o, __m512i V[8], __m512 *dv, 
         }
         if (t == TD_Q5_0) {
             const __m512i h = _mm512_loadu_si512(o + 256);
+            KN_UNROLL
             for (int u = 0; u < 8; u++)
                 V[u] = _mm512_or_si512(V[u], spread16(_mm512_srli_epi32(h, 4 * u)));
         }
@@ -347,6 +364,7 @@ Q8G_I512 void tile512p(td_dtype t, int M, const uint8_t *gp, const kn_q8b *xb, i
 {
     const size_t pb = q8p_block_bytes(t);
     __m512 acc[4];
+    KN_UNROLL
     for (int j = 0; j < M; j++)
         acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -359,6 +377,7 @@ Q8G_I512 void tile512p(td_dtype t, int M, const uint8_t *gp, const kn_q8b *xb, i
         block512(t, M, V, dv, mv, xb, xs, b, acc);
     }
     const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    KN_UNROLL
     for (int j = 0; j < M; j++)
         _mm512_mask_storeu_ps(y + j * ldy, k, acc[j]);
 }
@@ -372,6 +391,7 @@ Q8G_I512 void expand512(td_dtype t, const uint8_t *gp, int64_t nb, uint8_t *pane
         __m512i V[8];
         __m512 dv, mv;
         unpack512(t, gp + (size_t)b * pb, V, &dv, &mv);
+        KN_UNROLL
         for (int u = 0; u < 8; u++)
             _mm512_storeu_si512(o + 64 * u, V[u]);
         _mm512_storeu_ps(o + 512, dv);
@@ -504,9 +524,11 @@ KN_ALWAYS_INLINE void pack256(td_dtype t, const uint8_t *w, const int32_t *idx, 
         if (t == TD_Q8_0) {
             __m256i U[4];
             tr8(p, idx, 18, U);
+            KN_UNROLL
             for (int u = 0; u < 4; u++)
                 V[u] = T[u], V[4 + u] = U[u];
         } else {
+            KN_UNROLL
             for (int u = 0; u < 4; u++) {
                 V[u] = _mm256_and_si256(T[u], m4);
                 V[4 + u] = _mm256_and_si256(_mm256_srli_epi32(T[u], 4), m4);
@@ -514,9 +536,11 @@ KN_ALWAYS_INLINE void pack256(td_dtype t, const uint8_t *w, const int32_t *idx, 
         }
         if (t == TD_Q5_0) {
             const __m256i h = _mm256_i32gather_epi32((const void *)(p + 2), vi, 1);
+            KN_UNROLL
             for (int u = 0; u < 8; u++)
                 V[u] = _mm256_or_si256(V[u], spread8(_mm256_srli_epi32(h, 4 * u)));
         }
+        KN_UNROLL
         for (int u = 0; u < 8; u++)
             _mm256_storeu_si256((void *)(o + 32 * u), V[u]);
         const __m256i g = _mm256_i32gather_epi32((const void *)p, vi, 1);
@@ -539,17 +563,21 @@ KN_ALWAYS_INLINE void tile256(td_dtype t, int M, const uint8_t *panel, const kn_
     const int bias = q8g_bias(t, false);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4];
+    KN_UNROLL
     for (int j = 0; j < M; j++)
         acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = panel + (size_t)b * 10 * 32;
         __m256i ia[4];
+        KN_UNROLL
         for (int j = 0; j < M; j++)
             ia[j] = _mm256_setzero_si256();
+        KN_UNROLL
         for (int u = 0; u < 8; u++) {
             const __m256i wv = _mm256_loadu_si256((const void *)(o + 32 * u));
             /* Q8_0: |w| and x with w's signs, so the pair sums stay below 2^15 */
             const __m256i wa = t == TD_Q8_0 ? _mm256_sign_epi8(wv, wv) : wv;
+            KN_UNROLL
             for (int j = 0; j < M; j++) {
                 int32_t xd4;
                 memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
@@ -560,6 +588,7 @@ KN_ALWAYS_INLINE void tile256(td_dtype t, int M, const uint8_t *panel, const kn_
             }
         }
         const __m256 dv = _mm256_loadu_ps((const float *)(const void *)(o + 256));
+        KN_UNROLL
         for (int j = 0; j < M; j++) {
             const kn_q8b *x = &xb[j * xs + b];
             if (bias) ia[j] = _mm256_sub_epi32(ia[j], _mm256_set1_epi32(bias * x->sum));
@@ -570,6 +599,7 @@ KN_ALWAYS_INLINE void tile256(td_dtype t, int M, const uint8_t *panel, const kn_
                                          _mm256_set1_ps(x->d * (float)x->sum), acc[j]);
         }
     }
+    KN_UNROLL
     for (int j = 0; j < M; j++) {
         float tmp[8];
         _mm256_storeu_ps(tmp, acc[j]);
