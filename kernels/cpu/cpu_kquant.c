@@ -14,7 +14,7 @@
  * + l] >> 4 (k / 2)) & 15 | ((qh[32 h + l] >> 2 k) & 3) << 4) - 32;  w = d scales[g] q IQ4_XS
  * (136): d f16 | scales_h u16 | scales_l[4] | qs[128] n = qs[16 c + l % 16] >> 4 (l / 16) & 15;  w
  * = d (ls[c] - 32) kvalues_iq4nl[n] ls[c] = (scales_l[c / 2] >> 4 (c % 2)) & 15 | ((scales_h >> 2
- * c) & 3) << 4 Q4_K/Q5_K's sc and mn are 6-bit values packed in scales[12] (kq_scale_min, gguf's
+ * c) & 3) << 4 Q4_K/Q5_K's sc and mn are 6-bit values packed in scales[12] (kn_kq_scale_min, gguf's
  * get_scale_min).
  *
  * Exactness: every product d * scale * q is exact in float32 (24 significant bits) in any
@@ -95,19 +95,6 @@ KN_ALWAYS_INLINE size_t kq_block_bytes(td_dtype t)
     }
 }
 
-/* The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, from scales[12]:
- * bytes 0-3 hold sc[0..3] (low 6 bits) and the top bits of sc[4..7]; bytes 4-7 mn[0..3]
- * and the top bits of mn[4..7]; bytes 8-11 the low nibbles of sc[4..7] and mn[4..7]. */
-KN_ALWAYS_INLINE void kq_scale_min(const uint8_t *s, int sc[8], int mn[8])
-{
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
-}
-
 /* ds[g] = d * s[g] for the 16 int8 scales s (exact products), vectorized: unpacking 16
  * scales one by one is a large part of the dot time of the 16-group types. */
 KN_ALWAYS_INLINE void kq_scale16(const int8_t *s, float d, float *ds)
@@ -156,9 +143,9 @@ KN_ALWAYS_INLINE void kq_q3_scales(const uint8_t *s, int8_t sc[16])
 
 #if KN_VL == 16
 /* sm[c] = d sc[c] and sm[8 + c] = dmin mn[c] of a Q4_K/Q5_K super-block, c < 8 (exact
- * products, as kq_scales): the bytes of kq_scale_min's unpacking four at a time (scales bytes 0-3
- * a, 4-7 b, 8-11 c: sc[0..3] = a & 63, mn[0..3] = b & 63, sc[4..7] = c's low nibbles | a's top two
- * bits << 4, mn[4..7] = c's high nibbles | b's top two bits << 4), widened and scaled in one
+ * products, as kq_scales): the bytes of kn_kq_scale_min's unpacking four at a time (scales bytes
+ * 0-3 a, 4-7 b, 8-11 c: sc[0..3] = a & 63, mn[0..3] = b & 63, sc[4..7] = c's low nibbles | a's top
+ * two bits << 4, mn[4..7] = c's high nibbles | b's top two bits << 4), widened and scaled in one
  * vector. */
 KN_ALWAYS_INLINE void kq4_scales(const uint8_t *blk, float sm[16])
 {
@@ -243,7 +230,7 @@ KN_ALWAYS_INLINE void kq_scales(td_dtype t, const uint8_t *blk, float *ds, float
     return;
 #endif
     int sc[8], mn[8];
-    kq_scale_min(blk + 4, sc, mn);
+    kn_kq_scale_min(blk + 4, sc, mn);
     const float d = kn_h2f(blk), dmin = kn_h2f(blk + 2);
     for (int c = 0; c < 8; c++) {
         ds[c] = d * (float)sc[c];

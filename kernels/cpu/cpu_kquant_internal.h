@@ -28,6 +28,21 @@
 
 #define KN_QK_K 256 /* weights per K-quant super-block */
 
+/* The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, from scales[12] (gguf's
+ * get_scale_min): bytes 0-3 hold sc[0..3] (low 6 bits) and the top bits of sc[4..7]; bytes
+ * 4-7 mn[0..3] and the top bits of mn[4..7]; bytes 8-11 the low nibbles of sc[4..7] and
+ * mn[4..7]. */
+static inline __attribute__((always_inline)) void kn_kq_scale_min(const uint8_t *s, int sc[8],
+                                                                  int mn[8])
+{
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
 /* Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS. */
 bool kn_kq_is_ktype(td_dtype t);
 

@@ -20,6 +20,9 @@
  * weights send every row (solo and batch, any m) through cpu_q8gemm.c's integer GEMM, whose
  * per-row bits do not depend on m, so matmul_mixed's contract holds for all rows; a matrix
  * the engine registered (kn_cpu_map_matrix) is packed for it once (cpu_packed.c), same bits.
+ * With AVX512-VNNI the gemm path's batch rows of Q4_K and Q6_K take cpu_q8kgemm.c's integer
+ * GEMM in that mode instead of dequantize + sgemm (x in 32-blocks; per-row bits independent of
+ * m there too), each thread running the solo rows' dots over the same 16-row groups first.
  * matmul_mixed (solo rows first, then batch rows): when the batch rows take the gemm path,
  * each thread runs the dot path for the solo rows over a slice of W's rows just before it
  * dequantizes that slice for sgemm, so the slice is read from memory once.
@@ -80,6 +83,7 @@ typedef struct {
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
     const float *gx; /* (gm, n_cols) */
+    const void *gxq; /* q8 mode, K-quant W: gx quantized to kn_q8b blocks (kn_q8k_gemm) */
     int64_t gm;      /* 0: none */
     float *gy;       /* (gm, n_rows) */
     atomic_int err;
@@ -376,6 +380,22 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
     }
 }
 
+/* The q8 mode's gemm rows of K-quant weights (kn_q8k_gemm): the dot rows and the gemm rows
+ * of groups [g0, g1) of 16 rows of W. */
+static void mm_q8k_part(void *arg, int64_t g0, int64_t g1, int tid)
+{
+    mm_job *j = arg;
+    const int64_t r0 = 16 * g0, r1 = 16 * g1 < j->w->n_rows ? 16 * g1 : j->w->n_rows;
+    if (j->m) mm_dot_part(j, r0, r1, tid);
+    const size_t bytes = kn_q8k_gemm_panel_bytes(j->w->n_cols);
+    void *panel = kn_cpu_scratch(j->c, tid, (bytes + 3) / sizeof(float));
+    if (!panel) {
+        atomic_store(&j->err, TD_ENOMEM);
+        return;
+    }
+    kn_q8k_gemm(j->w, j->gxq, j->gm, j->gy, j->w->n_rows, g0, g1, panel);
+}
+
 /* ---- q8 integer GEMM (32-block weights) ---- */
 
 typedef struct {
@@ -492,16 +512,31 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                 .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
     const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
-    if (j.m && c->act_q8 && kn_q8_supported(w->type)) {
-        const size_t bytes = (size_t)j.m * kn_q8_row_bytes(w->type, w->n_cols);
-        void *xq = kn_cpu_scratch(c, KN_CPU_CALLER, (bytes + 3) / sizeof(float));
+    const bool kgemm = gm && c->act_q8 && kn_q8k_gemm_supported(w);
+    if ((j.m && c->act_q8 && kn_q8_supported(w->type)) || kgemm) {
+        /* one caller scratch: the dot rows' x as kn_q8_dot takes it, then the gemm rows' x
+         * in 32-blocks for kn_q8k_gemm */
+        const size_t dot_bytes = c->act_q8 && kn_q8_supported(w->type)
+                                     ? (size_t)j.m * kn_q8_row_bytes(w->type, w->n_cols)
+                                     : 0,
+                     gemm_bytes = kgemm ? (size_t)gm * kn_q8_row_bytes(TD_Q8_0, w->n_cols) : 0,
+                     dot_pad = (dot_bytes + 63) / 64 * 64;
+        uint8_t *xq =
+            (uint8_t *)kn_cpu_scratch(c, KN_CPU_CALLER, (dot_pad + gemm_bytes + 3) / sizeof(float));
         if (!xq) {
-            TD_LOG_ERR("matmul: out of memory for %zu bytes of quantized x", bytes);
+            TD_LOG_ERR("matmul: out of memory for %zu bytes of quantized x", dot_pad + gemm_bytes);
             return TD_ENOMEM;
         }
-        kn_q8_quant_rows(w->type, x, j.m, w->n_cols, xq);
-        j.xq = xq;
-    } else if (j.m && sg) {
+        if (dot_bytes) {
+            kn_q8_quant_rows(w->type, x, j.m, w->n_cols, xq);
+            j.xq = xq;
+        }
+        if (kgemm) {
+            kn_q8_quant_rows(TD_Q8_0, j.gx, gm, w->n_cols, xq + dot_pad); /* 32-blocks */
+            j.gxq = xq + dot_pad;
+        }
+    }
+    if (j.m && !j.xq && sg) {
         const int64_t nb = w->n_cols / sg;
         float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
         if (!xs) {
@@ -510,6 +545,10 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
         }
         block_sums(x, j.m * w->n_cols, sg, xs);
         j.xsum = xs;
+    }
+    if (kgemm) {
+        kn_pool_run(c->pool, (w->n_rows + 15) / 16, MM_GEMM_MIN_ROWS / 16, mm_q8k_part, &j);
+        return atomic_load(&j.err);
     }
     if (gm) {
         pthread_once(&blas_once, blas_single_thread);

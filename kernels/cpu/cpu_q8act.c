@@ -83,7 +83,7 @@ static void q8b_quant(const float *x, kn_q8b *b)
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
         if (amax == 0.0f) {
             memset(b->qs, 0, sizeof b->qs);
-            b->d = 0.0f, b->sum = 0;
+            b->d = 0.0f, b->sum = 0, b->sum16 = 0;
             return;
         }
         const __m512 id = _mm512_set1_ps(127.0f / amax), hi = _mm512_set1_ps(127.0f),
@@ -96,14 +96,18 @@ static void q8b_quant(const float *x, kn_q8b *b)
         _mm_storeu_si128((__m128i *)(void *)(b->qs + 16), _mm512_cvtepi32_epi8(qc));
         b->d = amax / 127.0f;
         b->sum = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+        b->sum16 = (int16_t)_mm512_reduce_add_epi32(qa);
         return;
     }
 #endif
     b->d = q8_quant(x, TD_QK, b->qs);
-    int s = 0;
-    for (int k = 0; k < TD_QK; k++)
+    int s = 0, s16 = 0;
+    for (int k = 0; k < TD_QK; k++) {
         s += b->qs[k];
+        if (k < 16) s16 += b->qs[k];
+    }
     b->sum = (int16_t)s;
+    b->sum16 = (int16_t)s16;
 }
 
 void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq)
@@ -126,17 +130,6 @@ void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq
     kn_q8b *b = xq;
     for (int64_t i = 0; i < m * (n / TD_QK); i++, b++)
         q8b_quant(x + i * TD_QK, b);
-}
-
-/* Q4_K's 8 six-bit scales and mins from scales[12] (gguf's get_scale_min). */
-KN_ALWAYS_INLINE void q4k_scale_min(const uint8_t *s, int sc[8], int mn[8])
-{
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
 }
 
 #if defined(__AVX2__)
@@ -185,7 +178,7 @@ KN_ALWAYS_INLINE int hsum_epi32(__m128i v)
 #define KQ_ACC_SUM(a) _mm512_reduce_add_ps(a)
 
 /* Q4_K's scales (bytes 0-7) and mins (bytes 8-15) from scales[12] (ggml's kmask
- * shuffle, the same values as q4k_scale_min). */
+ * shuffle, the same values as kn_kq_scale_min). */
 KN_ALWAYS_INLINE void q4k_scale_min8(const uint8_t *s, uint32_t u[4])
 {
     memcpy(u, s, 12);
@@ -292,7 +285,7 @@ KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t x
 KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *acc)
 {
     int sc[8], mn[8];
-    q4k_scale_min(blk + 4, sc, mn);
+    kn_kq_scale_min(blk + 4, sc, mn);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i a = _mm256_setzero_si256();
     for (int c2 = 0; c2 < 4; c2++) {
@@ -406,7 +399,7 @@ KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb
 KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
 {
     int sc[8], mn[8];
-    q4k_scale_min(blk + 4, sc, mn);
+    kn_kq_scale_min(blk + 4, sc, mn);
     int isum = 0, msum = 0;
     for (int c = 0; c < 8; c++) {
         int s = 0;

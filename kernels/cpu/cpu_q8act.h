@@ -1,7 +1,8 @@
 /* cpu_q8act.h: the CPU backend's opt-in 8-bit activation mode (kn_cpu_set_act_q8,
  * TANDEM_CPU_ACT=q8): each row of x is quantized to 8 bits once per matmul and dotted with
  * the raw weight quants in integer arithmetic, as llama.cpp does. K-types (Q4_K, Q6_K) on the
- * decode dot path (kn_q8_dot, m < 64 and solo rows); 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
+ * decode dot path (kn_q8_dot, m < 64 and solo rows) and, with AVX512-VNNI, the gemm path's
+ * batch rows through cpu_q8kgemm.c (kn_q8k_gemm); 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
  * at every m through the integer GEMM of cpu_q8gemm.c (kn_q8_gemm).
  *
  * Purpose: the float32 dot path unpacks every weight to float32 and is compute-bound at
@@ -36,8 +37,9 @@ typedef struct {
 } kn_q8k;
 
 typedef struct {
-    float d;     /* scale: x ~ d * q */
-    int16_t sum; /* sum of qs (offsets and Q4_1's min) */
+    float d;       /* scale: x ~ d * q */
+    int16_t sum;   /* sum of qs (offsets and Q4_1's min) */
+    int16_t sum16; /* sum of qs[0..15] (Q6_K's offsets per 16 in the K-quant GEMM) */
     int8_t qs[32];
 } kn_q8b;
 
@@ -90,4 +92,17 @@ void kn_q8_gemm(const kn_mat *w, const void *packed, const void *xq, int64_t m, 
 size_t kn_q8_gemm_packed_bytes(const kn_mat *w);
 void kn_q8_gemm_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
 
+/* ---- cpu_q8kgemm.c: K-quant weights, the gemm path's batch rows ----
+ * Whether kn_q8k_gemm takes W: Q4_K or Q6_K with whole super-blocks, AVX512-VNNI (groups
+ * of 16 rows; not under kn_q8_gemm_force_avx2), row stride <= INT32_MAX / 16. */
+bool kn_q8k_gemm_supported(const kn_mat *w);
+/* Scratch bytes of one thread's panel for W of n_cols columns. */
+size_t kn_q8k_gemm_panel_bytes(int64_t n_cols);
+/* y[i * ldy + r] = dot(row r of W, row i of xq) for i < m and the rows r of groups [g0, g1)
+ * of 16 rows (the last may be partial); xq: m rows of kn_q8b 32-blocks
+ * (kn_q8_quant_rows with a 32-block type, e.g. TD_Q8_0); panel: kn_q8k_gemm_panel_bytes of
+ * scratch owned by the calling thread. A row's result depends only on that row of x and of
+ * W (not on m, the other rows or the group split). */
+void kn_q8k_gemm(const kn_mat *w, const void *xq, int64_t m, float *y, int64_t ldy, int64_t g0,
+                 int64_t g1, void *panel);
 #endif

@@ -26,15 +26,10 @@
 #include <stdatomic.h>
 
 #include "cpu_q8act.h"
+#include "cpu_q8vnni.h"
 #include "cpu_quant.h"
 
 #define Q8G_VEC_BYTES(g) ((size_t)(g)*4)
-
-/* Bias added to the quants in the panel (subtracted again through the x block sums). */
-KN_ALWAYS_INLINE int q8g_bias(td_dtype t, bool vnni)
-{
-    return t == TD_Q4_0 ? 8 : t == TD_Q5_0 ? 16 : t == TD_Q8_0 && vnni ? 128 : 0;
-}
 
 KN_ALWAYS_INLINE size_t q8g_bs(td_dtype t)
 {
@@ -90,27 +85,6 @@ int kn_q8_gemm_group_rows(void)
 
 /* ---- AVX512-VNNI: groups of 16 rows ---- */
 
-#define Q8G_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#define Q8G_I512 static inline __attribute__((always_inline)) Q8G_T512
-
-/* T[u] lane r = dword u of the 16 bytes at p + off of row r (rows at p + idx[r]). */
-Q8G_I512 void tr16(const uint8_t *p, const int32_t *idx, int off, __m512i T[4])
-{
-    __m512i Z[4];
-    for (int k = 0; k < 4; k++) {
-        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const void *)(p + idx[k] + off)));
-        z = _mm512_inserti32x4(z, _mm_loadu_si128((const void *)(p + idx[4 + k] + off)), 1);
-        z = _mm512_inserti32x4(z, _mm_loadu_si128((const void *)(p + idx[8 + k] + off)), 2);
-        Z[k] = _mm512_inserti32x4(z, _mm_loadu_si128((const void *)(p + idx[12 + k] + off)), 3);
-    }
-    const __m512i t0 = _mm512_unpacklo_epi32(Z[0], Z[1]), t1 = _mm512_unpacklo_epi32(Z[2], Z[3]);
-    const __m512i t2 = _mm512_unpackhi_epi32(Z[0], Z[1]), t3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
-    T[0] = _mm512_unpacklo_epi64(t0, t1);
-    T[1] = _mm512_unpackhi_epi64(t0, t1);
-    T[2] = _mm512_unpacklo_epi64(t2, t3);
-    T[3] = _mm512_unpackhi_epi64(t2, t3);
-}
-
 /* Bits 0..3 of each lane of v to bit 4 of bytes 0..3. */
 Q8G_I512 __m512i spread16(__m512i v)
 {
@@ -161,81 +135,6 @@ Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t 
         if (t == TD_Q4_1)
             _mm512_storeu_ps(o + 576,
                              _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
-    }
-}
-
-/* One block of 16 rows of W (the 8 quant vectors V, d and the mins mv as pack512 leaves them)
- * against M rows of x (xs blocks apart): the exact integer dots, then the lane-wise float
- * update of each acc[j]. Every kernel of the VNNI path goes through here, so they share bits. */
-Q8G_I512 void block512(td_dtype t, int M, const __m512i V[8], __m512 dv, __m512 mv,
-                       const kn_q8b *xb, int64_t xs, int64_t b, __m512 acc[4])
-{
-    const int bias = q8g_bias(t, true);
-    __m512i ia[4];
-    KN_UNROLL
-    for (int j = 0; j < M; j++)
-        ia[j] = _mm512_setzero_si512();
-    KN_UNROLL
-    for (int u = 0; u < 8; u++) {
-        KN_UNROLL
-        for (int j = 0; j < M; j++) {
-            int32_t xd4;
-            memcpy(&xd4, xb[j * xs + b].qs + 4 * u, 4);
-            ia[j] = _mm512_dpbusd_epi32(ia[j], V[u], _mm512_set1_epi32(xd4));
-        }
-    }
-    KN_UNROLL
-    for (int j = 0; j < M; j++) {
-        const kn_q8b *x = &xb[j * xs + b];
-        if (bias) ia[j] = _mm512_sub_epi32(ia[j], _mm512_set1_epi32(bias * x->sum));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j]), _mm512_mul_ps(dv, _mm512_set1_ps(x->d)),
-                                 acc[j]);
-        if (t == TD_Q4_1)
-            acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->d * (float)x->sum), acc[j]);
-    }
-}
-
-/* y[j * ldy + r] for j < M, r < nr: the panel against M rows of x (xs blocks apart). */
-Q8G_I512 void tile512(td_dtype t, int M, const uint8_t *panel, const kn_q8b *xb, int64_t xs,
-                      int64_t nb, float *y, int64_t ldy, int nr)
-{
-    __m512 acc[4];
-    KN_UNROLL
-    for (int j = 0; j < M; j++)
-        acc[j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *o = panel + (size_t)b * 10 * 64;
-        __m512i V[8];
-        KN_UNROLL
-        for (int u = 0; u < 8; u++)
-            V[u] = _mm512_loadu_si512(o + 64 * u);
-        const __m512 mv = t == TD_Q4_1 ? _mm512_loadu_ps(o + 576) : _mm512_setzero_ps();
-        block512(t, M, V, _mm512_loadu_ps(o + 512), mv, xb, xs, b, acc);
-    }
-    const __mmask16 k = (__mmask16)((1u << nr) - 1);
-    KN_UNROLL
-    for (int j = 0; j < M; j++)
-        _mm512_mask_storeu_ps(y + j * ldy, k, acc[j]);
-}
-
-Q8G_I512 void rows512(td_dtype t, const uint8_t *panel, const kn_q8b *xq, int64_t m, int64_t nb,
-                      float *y, int64_t ldy, int nr)
-{
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4)
-        tile512(t, 4, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
-    switch (m - i) {
-    case 3:
-        tile512(t, 3, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
-        break;
-    case 2:
-        tile512(t, 2, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
-        break;
-    case 1:
-        tile512(t, 1, panel, xq + i * nb, nb, nb, y + i * ldy, ldy, nr);
-        break;
-    default:
-        break;
     }
 }
 

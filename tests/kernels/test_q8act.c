@@ -1,10 +1,10 @@
 /* test_q8act.c: the CPU backend's 8-bit activation mode (kn_cpu_set_act_q8, cpu_q8act.c and
- * cpu_q8gemm.c) for Q4_K, Q6_K, Q5_0, Q8_0, Q4_0 and Q4_1 weights, m from 1 to 512: the
- * quantization of x, the integer dots against a float64 reference of the same quantized math, the
- * distance to the float32 path within the bound the rounding of x allows, determinism over thread
- * counts, batch invariance (matmul and matmul_mixed), the AVX2 form of the GEMM forced (the same
- * bits), the mode off giving the float32 path bit for bit, the types the mode leaves to the float32
- * path, and TANDEM_CPU_ACT. */
+ * cpu_q8gemm.c, cpu_q8kgemm.c) for Q4_K, Q6_K, Q5_0, Q8_0, Q4_0 and Q4_1 weights, m from 1 to 512:
+ * the quantization of x, the integer dots against a float64 reference of the same quantized math,
+ * the distance to the float32 path within the bound the rounding of x allows, determinism over
+ * thread counts, batch invariance (matmul and matmul_mixed), the AVX2 form of the GEMM forced (the
+ * same bits), the mode off giving the float32 path bit for bit, the types the mode leaves to the
+ * float32 path, and TANDEM_CPU_ACT. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -197,7 +197,8 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     TH_REQUIRE(x && y && y32 && yt && xq && xd && q);
     kn_q8_quant_rows(t, x, m, n_cols, xq);
     TH_CHECK(unpack_x(t, x, xq, m, n_cols, xd, q) == 0);
-    /* K-types have no integer GEMM: their m >= 64 rows run as solo rows (the q8 dot path) */
+    /* K-types: every row solo here (the q8 dot path, x in 256-blocks); check_kgemm tests their
+     * batch rows (the K-quant GEMM, x in 32-blocks) */
     const int64_t solo = (t == TD_Q4_K || t == TD_Q6_K) ? m : 0;
     TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x, m, solo, y) == 0);
     TH_REQUIRE(matmul_act(cpus[0], false, &W.w, x, m, solo, y32) == 0);
@@ -275,6 +276,103 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     free_mat(&W);
 }
 
+/* The K-quant GEMM (kn_q8k_gemm, AVX512-VNNI): the m - solo >= 64 batch rows of Q4_K and Q6_K
+ * in the q8 mode, x in 32-blocks. Against float64 of the same quantized math (the bound of
+ * check_type), the float32 path within the rounding of x; the same bits for 1, 2 and 3
+ * threads, for the batch rows of a shorter batch (rows 5..m-1 of x as the batch) and next to
+ * solo rows, whose bits stay those of m == 1; with the AVX2 form forced, the float32 gemm
+ * path's bits (no K-quant GEMM there). */
+static void check_kgemm(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
+{
+    q_mat W;
+    TH_REQUIRE(make_mat(t, n_rows, n_cols, &W) == 0);
+    TH_REQUIRE(kn_q8k_gemm_supported(&W.w));
+    const size_t ny = (size_t)(m * n_rows) * sizeof(float);
+    float *x = make_x(m, n_cols), *y = malloc(ny), *y32 = malloc(ny), *yt = malloc(ny);
+    uint8_t *xq = malloc((size_t)m * kn_q8_row_bytes(TD_Q8_0, n_cols));
+    double *xd = malloc((size_t)(m * n_cols) * sizeof(double));
+    int *q = malloc((size_t)(m * n_cols) * sizeof(int));
+    TH_REQUIRE(x && y && y32 && yt && xq && xd && q);
+    kn_q8_quant_rows(TD_Q8_0, x, m, n_cols, xq);
+    TH_CHECK(unpack_x(TD_Q8_0, x, xq, m, n_cols, xd, q) == 0);
+    for (int64_t b = 0; b < m * n_cols / 32; b++) {
+        const kn_q8b *blk = (const kn_q8b *)(const void *)(xq + (size_t)b * sizeof(kn_q8b));
+        int s16 = 0;
+        for (int k = 0; k < 16; k++)
+            s16 += blk->qs[k];
+        TH_CHECK(s16 == blk->sum16);
+    }
+    TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x, m, 0, y) == 0);
+    TH_REQUIRE(matmul_act(cpus[0], false, &W.w, x, m, 0, y32) == 0);
+    int64_t fails = 0;
+    double worst_ref = 0, worst_f32 = 0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n_rows; r++) {
+            double ref = 0, s = 0, dx = 0, wx = 0;
+            for (int64_t e = 0; e < n_cols; e++) {
+                const double a = W.a[r * n_cols + e], b = W.b[r * n_cols + e];
+                const double xv = xd[i * n_cols + e] * q[i * n_cols + e];
+                ref += (a + b) * xv;
+                s += (fabs(a) + fabs(b)) * fabs(xv);
+                dx += fabs(a + b) * xd[i * n_cols + e] * 0.5;
+                wx += fabs((a + b) * x[i * n_cols + e]);
+            }
+            const double b1 = (double)(n_cols / 32 + 16) * 0x1p-23 * s + 1e-30,
+                         b2 = dx + 1e-5 * wx + b1;
+            const double e1 = fabs(y[i * n_rows + r] - ref),
+                         e2 = fabs((double)y[i * n_rows + r] - y32[i * n_rows + r]);
+            fails += !(e1 <= b1) + !(e2 <= b2);
+            if (e1 / b1 > worst_ref) worst_ref = e1 / b1;
+            if (wx > 0 && e2 / wx > worst_f32) worst_f32 = e2 / wx;
+        }
+    fprintf(stderr,
+            "%s %lldx%lld m %lld (K-quant GEMM): error / bound vs float64 %.3g, |q8 - f32| / "
+            "sum|w x| %.3g\n",
+            td_dtype_name(t), (long long)n_rows, (long long)n_cols, (long long)m, worst_ref,
+            worst_f32);
+    TH_CHECKF(fails == 0, "%s: %lld outputs out of bounds", td_dtype_name(t), (long long)fails);
+    for (int k = 1; k < 3; k++) {
+        TH_REQUIRE(matmul_act(cpus[k], true, &W.w, x, m, 0, yt) == 0);
+        TH_CHECK(memcmp(y, yt, ny) == 0);
+    }
+    /* rows 5.. as a batch of their own; then rows 0..4 solo beside them (64 batch rows at
+     * least, else they are dot rows) */
+    TH_REQUIRE(m - 5 >= 64);
+    TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x + 5 * n_cols, m - 5, 0, yt) == 0);
+    TH_CHECK(memcmp(y + 5 * n_rows, yt, ny - (size_t)(5 * n_rows) * sizeof(float)) == 0);
+    TH_REQUIRE(matmul_act(cpus[2], true, &W.w, x, m, 5, yt) == 0);
+    TH_CHECK(memcmp(y + 5 * n_rows, yt + 5 * n_rows, ny - (size_t)(5 * n_rows) * sizeof(float)) ==
+             0);
+    float *y1 = malloc((size_t)n_rows * sizeof(float));
+    TH_REQUIRE(y1);
+    for (int64_t i = 0; i < 5; i++) {
+        TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x + i * n_cols, 1, 0, y1) == 0);
+        TH_CHECK(memcmp(yt + i * n_rows, y1, (size_t)n_rows * sizeof(float)) == 0);
+    }
+    kn_q8_gemm_force_avx2(true);
+    TH_CHECK(!kn_q8k_gemm_supported(&W.w));
+    TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x, m, 0, yt) == 0);
+    kn_q8_gemm_force_avx2(false);
+    TH_CHECK(memcmp(y32, yt, ny) == 0);
+    free(x), free(y), free(y32), free(yt), free(y1), free(xq), free(xd), free(q);
+    free_mat(&W);
+}
+
+static void test_kquant_gemm(void)
+{
+    kn_mat probe = {.type = TD_Q4_K, .n_rows = 1, .n_cols = 256, .row_stride = 144};
+    if (!kn_q8k_gemm_supported(&probe)) {
+        fprintf(stderr, "no AVX512-VNNI: the K-quant GEMM is not built for this CPU, skipped\n");
+        return;
+    }
+    static const td_dtype kt[] = {TD_Q4_K, TD_Q6_K};
+    for (int k = 0; k < 2; k++) {
+        check_kgemm(kt[k], 37, 5 * 256, 69);
+        check_kgemm(kt[k], 48, 2 * 256, 203);
+        check_kgemm(kt[k], 9, 256, 512);
+    }
+}
+
 static void test_q8_dots(void)
 {
     for (int k = 0; k < N_QTYPES; k++) {
@@ -288,9 +386,10 @@ static void test_q8_dots(void)
 }
 
 /* matmul_mixed with m - solo >= 64 batch rows: Q4_K's solo rows get the bits of m == 1 in q8
- * and its batch rows the float32 gemm path's bits; Q5_0 and Q4_1 (the integer GEMM) give
- * every row, solo or batch, the bits of that row alone; Q5_1 (no integer dots) keeps the
- * float32 bits. The mode off again gives the float32 bits of a backend that never had it. */
+ * and its batch rows the K-quant GEMM's (with AVX512-VNNI; else the float32 gemm path's); Q5_0 and
+ * Q4_1 (the integer GEMM) give every row, solo or batch, the bits of that row alone; Q5_1 (no
+ * integer dots) keeps the float32 bits. The mode off again gives the float32 bits of a backend that
+ * never had it. */
 static void test_mixed_and_off(void)
 {
     const td_dtype types[] = {TD_Q4_K, TD_Q5_0, TD_Q4_1, TD_Q5_1};
@@ -318,14 +417,14 @@ static void test_mixed_and_off(void)
         TH_REQUIRE(x && y && y32 && y1 && kn_cpu_create(2, &fresh) == 0);
         TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x, m, solo, y) == 0);
         TH_REQUIRE(kn_cpu_matmul_mixed(fresh, &W.w, x, m, solo, y32) == 0);
-        const bool gemm = kn_q8_gemm_supported(&W.w);
+        const bool gemm = kn_q8_gemm_supported(&W.w), kgemm = kn_q8k_gemm_supported(&W.w);
         TH_CHECK(gemm == (t == TD_Q5_0 || t == TD_Q4_1));
         for (int64_t i = 0; i < (gemm ? m : solo); i++) {
             TH_REQUIRE(matmul_act(cpus[2], true, &W.w, x + i * n_cols, 1, 0, y1) == 0);
             TH_CHECK(memcmp(y + i * n_rows, y1, (size_t)n_rows * sizeof(float)) == 0);
         }
         const size_t nb = (size_t)((m - solo) * n_rows) * sizeof(float);
-        TH_CHECK(gemm == !!memcmp(y + solo * n_rows, y32 + solo * n_rows, nb));
+        TH_CHECK((gemm || kgemm) == !!memcmp(y + solo * n_rows, y32 + solo * n_rows, nb));
         TH_CHECK((t == TD_Q5_1) == !memcmp(y, y32, (size_t)(solo * n_rows) * sizeof(float)));
         /* on, then off again: the float32 bits, dot and gemm paths */
         TH_REQUIRE(matmul_act(cpus[1], false, &W.w, x, m, solo, y) == 0);
@@ -372,6 +471,7 @@ int main(void)
     fprintf(stderr, "isa %s, q8 gemm %s (weights packed: %s)\n", kn_cpu_isa(), kn_q8_gemm_isa(),
             kn_q8_gemm_group_rows() == 16 ? "yes" : "no, not AVX512-VNNI");
     TH_RUN(test_q8_dots);
+    TH_RUN(test_kquant_gemm);
     TH_RUN(test_mixed_and_off);
     TH_RUN(test_env);
     for (int i = 0; i < 3; i++)
