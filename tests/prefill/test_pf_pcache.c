@@ -1,8 +1,8 @@
 /* test_pf_pcache.c: the stage-profile cache (prefill-node/pf_pcache.h) and the profile's
  * stop flag (pf_profile.h), on the synthetic model: the key is stable and changes with
- * every input it names (threads, layers, KV dtype, chunk size) but not with the model
- * file's path; a stored profile loads back bit for bit; every truncation, every altered
- * byte, another key's file, a huge file and a directory are refused with TD_EFORMAT and a
+ * every input it names (threads, layers, KV dtype, chunk size, the CPU activation mode) but
+ * not with the model file's path; a stored profile loads back bit for bit; every truncation, every
+ * altered byte, another key's file, a huge file and a directory are refused with TD_EFORMAT and a
  * reason; store errors are reported, never a crash; the cache directory follows
  * TANDEM_CACHE / HOME; a profile stops before its next forward once the flag is set.
  * usage: test_pf_pcache MODEL.gguf
@@ -103,6 +103,11 @@ static void test_key(void)
     TH_CHECK(key_of(model_path, 2, 1, 1, TD_F16, 128, &b) == 0 && b.hash != a.hash);
     TH_CHECK(key_of(model_path, 1, 0, 1, TD_F32, 128, &b) == 0 && b.hash != a.hash);
     TH_CHECK(key_of(model_path, 1, 0, 1, TD_F16, 256, &b) == 0 && b.hash != a.hash);
+    /* the CPU backend's activation mode (q8 prefills about twice as fast) */
+    TH_REQUIRE(setenv("TANDEM_CPU_ACT", "q8", 1) == 0);
+    TH_CHECK(key_of(model_path, 1, 0, 1, TD_F16, 128, &b) == 0 && b.hash != a.hash);
+    TH_CHECK(strstr(b.desc, "q8 activations") != NULL && !strstr(a.desc, "q8 activations"));
+    TH_REQUIRE(unsetenv("TANDEM_CPU_ACT") == 0);
 
     /* the same file elsewhere is the same model; path and mtime are not in the key */
     char copy[512];
@@ -318,6 +323,7 @@ int main(int argc, char **argv)
         return 2;
     }
     model_path = argv[1];
+    unsetenv("TANDEM_CPU_ACT"); /* test_key's first keys are the float32 mode's */
     snprintf(tmpdir, sizeof tmpdir, "/tmp/test_pf_pcache.XXXXXX");
     if (!mkdtemp(tmpdir)) {
         perror("mkdtemp");
