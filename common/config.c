@@ -464,6 +464,7 @@ static const field kvxfer_fields[K_N] = FIELD_TABLE(KVXFER_FIELDS);
 #define ROOT_FIELDS(F, L, N)                                                                       \
     F(T_MODEL, "model", F_PATH, model, 0, 0)                                                       \
     N(T_BACKEND, "backend")                                                                        \
+    N(T_CPU_ACT, "cpu_act")                                                                        \
     F(T_RUNDIR, "run_dir", F_PATH, run_dir, 0, 0)                                                  \
     N(T_ROUTER, "router")                                                                          \
     N(T_PREFILL, "prefill")                                                                        \
@@ -746,6 +747,18 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
             return fail(p, seen[T_BACKEND], "unknown backend '%s' (known: cpu, cuda, cpu-dev)", b);
     }
     p->backend = c->backend;
+    if (seen[T_CPU_ACT]) {
+        const char *a;
+        if (get_str(p, seen[T_CPU_ACT], &a)) return p->rc;
+        if (c->backend == TD_CFG_BACKEND_CUDA)
+            return fail(p, seen[T_CPU_ACT], "cpu_act: only for the cpu backends (backend is cuda)");
+        if (!strcmp(a, "f32"))
+            c->cpu_act = TD_CFG_ACT_F32;
+        else if (!strcmp(a, "q8"))
+            c->cpu_act = TD_CFG_ACT_Q8;
+        else
+            return fail(p, seen[T_CPU_ACT], "unknown cpu_act '%s' (known: f32, q8)", a);
+    }
     if (seen[T_ROUTER] && parse_router(p, seen[T_ROUTER], &c->router)) return p->rc;
     if (seen[T_KVXFER]) {
         yaml_node_t *s2[K_N], *k2[K_N];

@@ -33,6 +33,15 @@ typedef enum {
 /* "cpu", "cuda", "cpu-dev": the name kn_backend_create takes. */
 const char *td_cfg_backend_name(td_cfg_backend b);
 
+/* cpu_act: the CPU backend's activations (kn_cpu_set_act_q8). */
+typedef enum {
+    TD_CFG_ACT_ENV = 0, /* key absent: TANDEM_CPU_ACT decides (float32 when unset) */
+    TD_CFG_ACT_F32,     /* "f32": float32 activations (the exactness tests' path) */
+    TD_CFG_ACT_Q8,      /* "q8": 8-bit activations and integer GEMMs (BENCHMARKS.md) */
+} td_cfg_act;
+/* "f32", "q8", or NULL for TD_CFG_ACT_ENV: kn_backend_options.cpu_act. */
+const char *td_cfg_act_name(td_cfg_act a);
+
 /* router.routing: how a request's instance is chosen (router/rt_route.h). */
 typedef enum {
     TD_CFG_ROUTING_LOAD = 0,    /* "load": the least loaded instance (default) */
@@ -133,6 +142,7 @@ typedef struct {
     char *path;             /* the file it was loaded from */
     char *model;            /* required; ~ expanded */
     td_cfg_backend backend; /* cpu */
+    td_cfg_act cpu_act;     /* cpu, cpu-dev only; absent: TANDEM_CPU_ACT */
     char *run_dir;          /* "~/.cache/tandem/run" expanded: logs, pids, ipc sockets */
     td_cfg_router router;
     td_cfg_prefill *prefill; /* (n_prefill); none: decode instances prefill themselves */

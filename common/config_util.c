@@ -70,6 +70,11 @@ const char *td_cfg_backend_name(td_cfg_backend b)
     return b == TD_CFG_BACKEND_CUDA ? "cuda" : b == TD_CFG_BACKEND_CPU_DEV ? "cpu-dev" : "cpu";
 }
 
+const char *td_cfg_act_name(td_cfg_act a)
+{
+    return a == TD_CFG_ACT_Q8 ? "q8" : a == TD_CFG_ACT_F32 ? "f32" : NULL;
+}
+
 void td_cfg_free(td_cfg *c)
 {
     if (!c) return;

@@ -79,7 +79,8 @@ static int setup(dc_node *n)
         .backend = td_cfg_backend_name(p->cfg->backend),
         .backend_opts = {.n_threads = n->dcfg->threads,
                          .device = n->dcfg->devices ? n->dcfg->devices[p->rank] : -1,
-                         .rank = p->rank},
+                         .rank = p->rank,
+                         .cpu_act = td_cfg_act_name(p->cfg->cpu_act)},
         .coll = &coll,
         .who = who};
     int rc = kn_runtime_open(&n->rt, &rp);

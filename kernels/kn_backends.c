@@ -24,13 +24,24 @@ int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend 
     memset(out, 0, sizeof *out);
     kn_backend_options def = {.n_threads = 0, .device = -1, .rank = 0};
     if (!o) o = &def;
-    if (!name || !strcmp(name, "cpu")) {
+    const bool cpu = !name || !strcmp(name, "cpu"), cpudev = name && !strcmp(name, "cpu-dev");
+    if (o->cpu_act && strcmp(o->cpu_act, "f32") && strcmp(o->cpu_act, "q8")) {
+        TD_LOG_ERR("cpu_act '%s': expected f32 or q8", o->cpu_act);
+        return TD_EINVAL;
+    }
+    if (o->cpu_act && !cpu && !cpudev) {
+        TD_LOG_ERR("cpu_act: only for the cpu backends, not '%s'", name);
+        return TD_EINVAL;
+    }
+    if (cpu) {
         kn_cpu *c;
         int rc = kn_cpu_create(o->n_threads, &c);
-        if (!rc) *out = kn_cpu_backend(c);
-        return rc;
+        if (rc) return rc;
+        if (o->cpu_act) kn_cpu_set_act_q8(c, !strcmp(o->cpu_act, "q8"));
+        *out = kn_cpu_backend(c);
+        return 0;
     }
-    if (!strcmp(name, "cpu-dev")) return kn_cpudev_create(o->n_threads, out);
+    if (cpudev) return kn_cpudev_create(o->n_threads, o->cpu_act, out);
     if (!strcmp(name, "cuda")) {
 #ifdef TANDEM_HAVE_CUDA
         return kn_cuda_create(o->device, o->rank, out);

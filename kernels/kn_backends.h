@@ -16,6 +16,8 @@ typedef struct {
     int device;    /* cuda: device ordinal (< 0: rank % the devices this process sees) */
     int rank;      /* the process's TP rank (>= 0), for the default device: two ranks of one
                     * instance on a one-GPU machine share device 0 */
+    const char *cpu_act; /* cpu, cpu-dev: "f32" or "q8" (kn_cpu_set_act_q8); NULL: the
+                          * TANDEM_CPU_ACT default. Not NULL with cuda: TD_EINVAL */
 } kn_backend_options;
 
 /* The names kn_backend_create knows, for messages: "cpu, cpu-dev, cuda" (cuda only when

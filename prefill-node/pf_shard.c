@@ -47,7 +47,8 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
                             .backend = p->backend,
                             .backend_opts = {.n_threads = s->threads,
                                              .device = p->devices ? p->devices[s->stage] : -1,
-                                             .rank = s->stage},
+                                             .rank = s->stage,
+                                             .cpu_act = p->cpu_act},
                             .who = who};
     if ((rc = kn_runtime_open(&s->rt, &rp))) goto fail;
     s->ctx = p->ctx > 0 ? p->ctx : 8192;

@@ -40,6 +40,7 @@ typedef struct {
     const int *partition; /* (pp) explicit layer partition or NULL (pf_layer_partition) */
     int threads;          /* 0: 1 (one thread per stage process) */
     const char *backend;  /* "cpu" (NULL) or "cuda" (the YAML's backend) */
+    const char *cpu_act;  /* "f32", "q8" or NULL (TANDEM_CPU_ACT): the YAML's cpu_act */
     const int *devices;   /* (pp) GPU index of each stage (prefill[].devices), or NULL: the
                              stage's number modulo the GPUs the process sees */
     int ctx;              /* KV capacity, tokens; 0: 8192 */

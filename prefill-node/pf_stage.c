@@ -85,6 +85,7 @@ int pf_stage_setup(pf_stage *st)
         .partition = st->cfg->layer_partition,
         .threads = st->cfg->threads,
         .backend = td_cfg_backend_name(cfg->backend),
+        .cpu_act = td_cfg_act_name(cfg->cpu_act),
         .devices = st->cfg->devices,
         .ctx = st->cfg->kv_tokens,
         .block_size = d0->block_size,

@@ -394,7 +394,7 @@ static const kn_backend_ops cpudev_ops = {
     .copy_rows = cd_copy_rows,
 };
 
-int kn_cpudev_create(int n_threads, kn_backend *out)
+int kn_cpudev_create(int n_threads, const char *cpu_act, kn_backend *out)
 {
     memset(out, 0, sizeof *out);
     kn_cpudev *d = calloc(1, sizeof *d);
@@ -405,6 +405,7 @@ int kn_cpudev_create(int n_threads, kn_backend *out)
         free(d);
         return rc;
     }
+    if (cpu_act) kn_cpu_set_act_q8(c, !strcmp(cpu_act, "q8"));
     d->cpu = kn_cpu_backend(c);
     *out = (kn_backend){.ops = &cpudev_ops, .ctx = d};
     return 0;

@@ -47,6 +47,9 @@ static const bad_case bad_cases[] = {
     {"dup_top", MIN "model: /n\n", 4, 1,
      "duplicate key 'model' in the top level (first at line 1)"},
     {"backend", "model: /m\nbackend: tpu\ndecode:\n  - name: d0\n", 2, 10, "unknown backend 'tpu'"},
+    {"cpu_act", "model: /m\ncpu_act: q4\ndecode:\n  - name: d0\n", 2, 10, "unknown cpu_act 'q4'"},
+    {"cpu_act_cuda", "model: /m\nbackend: cuda\ncpu_act: q8\ndecode:\n  - name: d0\n", 3, 10,
+     "cpu_act: only for the cpu backends"},
     {"router_type", MIN "router: 5\n", 4, 9, "router: expected a mapping, got a string"},
     {"router_unknown", MIN "router:\n  listen: 127.0.0.1:8000\n  max_qeue: 3\n", 6, 3,
      "unknown key 'max_qeue' in router"},
@@ -275,6 +278,17 @@ static void test_good_file(void)
     td_cfg_free(c);
 
     /* the minimal file: every default */
+    TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "min", &c, err, sizeof err) == 0);
+    TH_CHECK(c->cpu_act == TD_CFG_ACT_ENV && td_cfg_act_name(c->cpu_act) == NULL);
+    td_cfg_free(c);
+    TH_REQUIRE(td_cfg_parse(MIN "cpu_act: q8\n", strlen(MIN "cpu_act: q8\n"), "q8", &c, err,
+                            sizeof err) == 0);
+    TH_CHECK(c->cpu_act == TD_CFG_ACT_Q8 && !strcmp(td_cfg_act_name(c->cpu_act), "q8"));
+    td_cfg_free(c);
+    TH_REQUIRE(td_cfg_parse(MIN "cpu_act: f32\n", strlen(MIN "cpu_act: f32\n"), "f32", &c, err,
+                            sizeof err) == 0);
+    TH_CHECK(c->cpu_act == TD_CFG_ACT_F32 && !strcmp(td_cfg_act_name(c->cpu_act), "f32"));
+    td_cfg_free(c);
     TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "min", &c, err, sizeof err) == 0);
     TH_CHECK(c->backend == TD_CFG_BACKEND_CPU && !strcmp(c->router.listen, "127.0.0.1:8000") &&
              !strcmp(c->router.api_key, "") && c->router.max_queue == 256 &&

@@ -497,6 +497,38 @@ static void test_staged_pool(void)
     kn_backend_destroy(&be);
 }
 
+/* kn_backend_options.cpu_act (the YAML's cpu_act): sets the mode of cpu and cpu-dev over
+ * TANDEM_CPU_ACT, NULL leaves the variable's; a bad value, or one for cuda, is TD_EINVAL */
+static void test_cpu_act(void)
+{
+    const char *names[] = {"cpu", "cpu-dev"};
+    for (int k = 0; k < 2; k++) {
+        kn_backend b;
+        char d[256];
+        TH_REQUIRE(setenv("TANDEM_CPU_ACT", "q8", 1) == 0);
+        TH_REQUIRE(kn_backend_create(names[k], &(kn_backend_options){.cpu_act = "f32"}, &b) == 0);
+        b.ops->describe(b.ctx, d, sizeof d);
+        TH_CHECKF(!strstr(d, "q8"), "%s: %s", names[k], d);
+        kn_backend_destroy(&b);
+        TH_REQUIRE(kn_backend_create(names[k], &(kn_backend_options){0}, &b) == 0);
+        b.ops->describe(b.ctx, d, sizeof d);
+        TH_CHECKF(strstr(d, "q8 activations"), "%s: %s", names[k], d);
+        kn_backend_destroy(&b);
+        TH_REQUIRE(unsetenv("TANDEM_CPU_ACT") == 0);
+        TH_REQUIRE(kn_backend_create(names[k], &(kn_backend_options){.cpu_act = "q8"}, &b) == 0);
+        b.ops->describe(b.ctx, d, sizeof d);
+        TH_CHECKF(strstr(d, "q8 activations"), "%s: %s", names[k], d);
+        if (k == 0) TH_CHECK(kn_cpu_act_q8(b.ctx));
+        kn_backend_destroy(&b);
+        TH_CHECK(kn_backend_create(names[k], &(kn_backend_options){.cpu_act = "q4"}, &b) ==
+                     TD_EINVAL &&
+                 !b.ops);
+    }
+    kn_backend b;
+    TH_CHECK(kn_backend_create("cuda", &(kn_backend_options){.cpu_act = "q8"}, &b) == TD_EINVAL &&
+             !b.ops);
+}
+
 /* backend 'cuda' where it cannot run: a clear TD_EUNSUPP, never a CPU run in disguise */
 static void test_cuda_refused_without_gpu(void)
 {
@@ -526,6 +558,7 @@ int main(int argc, char **argv)
     TH_RUN(test_tp2_cpudev_equals_cpu);
     TH_RUN(test_received_kv_decodes);
     TH_RUN(test_staged_pool);
+    TH_RUN(test_cpu_act);
     TH_RUN(test_cuda_refused_without_gpu);
     kn_model_destroy(model);
     td_gguf_close(gguf);
