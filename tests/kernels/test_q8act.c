@@ -179,11 +179,46 @@ static int matmul_act(kn_cpu *c, bool q8, const kn_mat *w, const float *x, int64
     return rc;
 }
 
-/* The q8 path of type t on an (n_rows, n_cols) W and m rows of x: against float64 of the
- * quantized math, within (blocks + 16) 2^-23 sum |xd q| (|a| + |b|) (float rounding of
- * the scaling and accumulation); against the float32 path within the rounding of x,
- * sum |w| d / 2, plus 1e-5 sum |w x| (the float32 path's own rounding). Then the same
- * bits for 1, 2 and 3 threads and for each row of x alone. */
+/* y (m rows of the q8 path on W) against float64 of the quantized math (xd q: x as quantized),
+ * within (nblk + 16) 2^-23 sum |xd q| (|a| + |b|) (float rounding of the scaling and
+ * accumulation over nblk blocks), and against y32 (the float32 path) within the rounding of x,
+ * sum |w| d / 2, plus 1e-5 sum |w x| (the float32 path's own rounding). */
+static void check_bounds(td_dtype t, const char *what, const q_mat *W, const float *x,
+                         const double *xd, const int *q, const float *y, const float *y32,
+                         int64_t m, int64_t nblk)
+{
+    const int64_t n_rows = W->w.n_rows, n_cols = W->w.n_cols;
+    int64_t fails = 0;
+    double worst_ref = 0, worst_f32 = 0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n_rows; r++) {
+            double ref = 0, s = 0, dx = 0, wx = 0;
+            for (int64_t e = 0; e < n_cols; e++) {
+                const double a = W->a[r * n_cols + e], b = W->b[r * n_cols + e];
+                const double xv = xd[i * n_cols + e] * q[i * n_cols + e];
+                ref += (a + b) * xv;
+                s += (fabs(a) + fabs(b)) * fabs(xv);
+                dx += fabs(a + b) * xd[i * n_cols + e] * 0.5;
+                wx += fabs((a + b) * x[i * n_cols + e]);
+            }
+            const double b1 = (double)(nblk + 16) * 0x1p-23 * s + 1e-30, b2 = dx + 1e-5 * wx + b1;
+            const double e1 = fabs(y[i * n_rows + r] - ref),
+                         e2 = fabs((double)y[i * n_rows + r] - y32[i * n_rows + r]);
+            fails += !(e1 <= b1) + !(e2 <= b2);
+            if (e1 / b1 > worst_ref) worst_ref = e1 / b1;
+            if (wx > 0 && e2 / wx > worst_f32) worst_f32 = e2 / wx;
+        }
+    fprintf(stderr,
+            "%s %lldx%lld m %lld%s: error / bound vs float64 %.3g, |q8 - f32| / sum|w x| %.3g\n",
+            td_dtype_name(t), (long long)n_rows, (long long)n_cols, (long long)m, what, worst_ref,
+            worst_f32);
+    TH_CHECKF(fails == 0, "%s%s: %lld outputs out of bounds", td_dtype_name(t), what,
+              (long long)fails);
+}
+
+/* The q8 path of type t on an (n_rows, n_cols) W and m rows of x: check_bounds against
+ * float64 and the float32 path, then the same bits for 1, 2 and 3 threads and for each row
+ * of x alone. */
 static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
 {
     q_mat W;
@@ -202,31 +237,7 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     const int64_t solo = (t == TD_Q4_K || t == TD_Q6_K) ? m : 0;
     TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x, m, solo, y) == 0);
     TH_REQUIRE(matmul_act(cpus[0], false, &W.w, x, m, solo, y32) == 0);
-    const int64_t nblk = n_cols / td_dtype_get((uint32_t)t)->blck;
-    int64_t fails = 0;
-    double worst_ref = 0, worst_f32 = 0;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t r = 0; r < n_rows; r++) {
-            double ref = 0, s = 0, dx = 0, wx = 0;
-            for (int64_t e = 0; e < n_cols; e++) {
-                const double a = W.a[r * n_cols + e], b = W.b[r * n_cols + e];
-                const double xv = xd[i * n_cols + e] * q[i * n_cols + e];
-                ref += (a + b) * xv;
-                s += (fabs(a) + fabs(b)) * fabs(xv);
-                dx += fabs(a + b) * xd[i * n_cols + e] * 0.5;
-                wx += fabs((a + b) * x[i * n_cols + e]);
-            }
-            const double b1 = (double)(nblk + 16) * 0x1p-23 * s + 1e-30, b2 = dx + 1e-5 * wx + b1;
-            const double e1 = fabs(y[i * n_rows + r] - ref),
-                         e2 = fabs((double)y[i * n_rows + r] - y32[i * n_rows + r]);
-            fails += !(e1 <= b1) + !(e2 <= b2);
-            if (e1 / b1 > worst_ref) worst_ref = e1 / b1;
-            if (wx > 0 && e2 / wx > worst_f32) worst_f32 = e2 / wx;
-        }
-    fprintf(
-        stderr, "%s %lldx%lld m %lld: error / bound vs float64 %.3g, |q8 - f32| / sum|w x| %.3g\n",
-        td_dtype_name(t), (long long)n_rows, (long long)n_cols, (long long)m, worst_ref, worst_f32);
-    TH_CHECKF(fails == 0, "%s: %lld outputs out of bounds", td_dtype_name(t), (long long)fails);
+    check_bounds(t, "", &W, x, xd, q, y, y32, m, n_cols / td_dtype_get((uint32_t)t)->blck);
     for (int k = 1; k < 3; k++) {
         TH_REQUIRE(matmul_act(cpus[k], true, &W.w, x, m, solo, yt) == 0);
         TH_CHECK(memcmp(y, yt, (size_t)(m * n_rows) * sizeof(float)) == 0);
@@ -277,10 +288,9 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
 }
 
 /* The K-quant GEMM (kn_q8k_gemm, AVX512-VNNI): the m - solo >= 64 batch rows of Q4_K and Q6_K
- * in the q8 mode, x in 32-blocks. Against float64 of the same quantized math (the bound of
- * check_type), the float32 path within the rounding of x; the same bits for 1, 2 and 3
- * threads, for the batch rows of a shorter batch (rows 5..m-1 of x as the batch) and next to
- * solo rows, whose bits stay those of m == 1; with the AVX2 form forced, the float32 gemm
+ * in the q8 mode, x in 32-blocks. check_bounds against float64 and the float32 path; the same bits
+ * for 1, 2 and 3 threads, for the batch rows of a shorter batch (rows 5..m-1 of x as the batch) and
+ * next to solo rows, whose bits stay those of m == 1; with the AVX2 form forced, the float32 gemm
  * path's bits (no K-quant GEMM there). */
 static void check_kgemm(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
 {
@@ -304,33 +314,7 @@ static void check_kgemm(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     }
     TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x, m, 0, y) == 0);
     TH_REQUIRE(matmul_act(cpus[0], false, &W.w, x, m, 0, y32) == 0);
-    int64_t fails = 0;
-    double worst_ref = 0, worst_f32 = 0;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t r = 0; r < n_rows; r++) {
-            double ref = 0, s = 0, dx = 0, wx = 0;
-            for (int64_t e = 0; e < n_cols; e++) {
-                const double a = W.a[r * n_cols + e], b = W.b[r * n_cols + e];
-                const double xv = xd[i * n_cols + e] * q[i * n_cols + e];
-                ref += (a + b) * xv;
-                s += (fabs(a) + fabs(b)) * fabs(xv);
-                dx += fabs(a + b) * xd[i * n_cols + e] * 0.5;
-                wx += fabs((a + b) * x[i * n_cols + e]);
-            }
-            const double b1 = (double)(n_cols / 32 + 16) * 0x1p-23 * s + 1e-30,
-                         b2 = dx + 1e-5 * wx + b1;
-            const double e1 = fabs(y[i * n_rows + r] - ref),
-                         e2 = fabs((double)y[i * n_rows + r] - y32[i * n_rows + r]);
-            fails += !(e1 <= b1) + !(e2 <= b2);
-            if (e1 / b1 > worst_ref) worst_ref = e1 / b1;
-            if (wx > 0 && e2 / wx > worst_f32) worst_f32 = e2 / wx;
-        }
-    fprintf(stderr,
-            "%s %lldx%lld m %lld (K-quant GEMM): error / bound vs float64 %.3g, |q8 - f32| / "
-            "sum|w x| %.3g\n",
-            td_dtype_name(t), (long long)n_rows, (long long)n_cols, (long long)m, worst_ref,
-            worst_f32);
-    TH_CHECKF(fails == 0, "%s: %lld outputs out of bounds", td_dtype_name(t), (long long)fails);
+    check_bounds(t, " (K-quant GEMM)", &W, x, xd, q, y, y32, m, n_cols / 32);
     for (int k = 1; k < 3; k++) {
         TH_REQUIRE(matmul_act(cpus[k], true, &W.w, x, m, 0, yt) == 0);
         TH_CHECK(memcmp(y, yt, ny) == 0);
