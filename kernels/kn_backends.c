@@ -29,7 +29,7 @@ int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend 
         TD_LOG_ERR("cpu_act '%s': expected f32 or q8", o->cpu_act);
         return TD_EINVAL;
     }
-    if (o->cpu_act && !cpu && !cpudev) {
+    if (o->cpu_act && name && !strcmp(name, "cuda")) { /* other names: unknown, below */
         TD_LOG_ERR("cpu_act: only for the cpu backends, not '%s'", name);
         return TD_EINVAL;
     }
