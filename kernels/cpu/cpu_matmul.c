@@ -512,13 +512,12 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                 .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
     const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
-    const bool kgemm = gm && c->act_q8 && kn_q8k_gemm_supported(w);
-    if ((j.m && c->act_q8 && kn_q8_supported(w->type)) || kgemm) {
+    const bool q8dot = j.m && c->act_q8 && kn_q8_supported(w->type),
+               kgemm = gm && c->act_q8 && kn_q8k_gemm_supported(w);
+    if (q8dot || kgemm) {
         /* one caller scratch: the dot rows' x as kn_q8_dot takes it, then the gemm rows' x
          * in 32-blocks for kn_q8k_gemm */
-        const size_t dot_bytes = c->act_q8 && kn_q8_supported(w->type)
-                                     ? (size_t)j.m * kn_q8_row_bytes(w->type, w->n_cols)
-                                     : 0,
+        const size_t dot_bytes = q8dot ? (size_t)j.m * kn_q8_row_bytes(w->type, w->n_cols) : 0,
                      gemm_bytes = kgemm ? (size_t)gm * kn_q8_row_bytes(TD_Q8_0, w->n_cols) : 0,
                      dot_pad = (dot_bytes + 63) / 64 * 64;
         uint8_t *xq =

@@ -103,7 +103,7 @@ Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t 
         if (b % pf_every == 0)
             for (int r = 0; r < 16; r++)
                 __builtin_prefetch(p + idx[r] + next);
-        uint8_t *o = panel + (size_t)b * 10 * 64;
+        uint8_t *o = panel + (size_t)b * Q8G_PANEL_BLOCK;
         __m512i T[4], V[8];
         tr16(p, idx, q8g_qoff(t), T);
         if (t == TD_Q8_0) {
@@ -131,9 +131,9 @@ Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t 
         for (int u = 0; u < 8; u++)
             _mm512_storeu_si512(o + 64 * u, V[u]);
         const __m512i g = _mm512_i32gather_epi32(vi, (const void *)p, 1);
-        _mm512_storeu_ps(o + 512, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+        _mm512_storeu_ps(o + Q8G_PANEL_D, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
         if (t == TD_Q4_1)
-            _mm512_storeu_ps(o + 576,
+            _mm512_storeu_ps(o + Q8G_PANEL_MIN,
                              _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
     }
 }
@@ -286,15 +286,15 @@ Q8G_I512 void expand512(td_dtype t, const uint8_t *gp, int64_t nb, uint8_t *pane
 {
     const size_t pb = q8p_block_bytes(t);
     for (int64_t b = 0; b < nb; b++) {
-        uint8_t *o = panel + (size_t)b * 10 * 64;
+        uint8_t *o = panel + (size_t)b * Q8G_PANEL_BLOCK;
         __m512i V[8];
         __m512 dv, mv;
         unpack512(t, gp + (size_t)b * pb, V, &dv, &mv);
         KN_UNROLL
         for (int u = 0; u < 8; u++)
             _mm512_storeu_si512(o + 64 * u, V[u]);
-        _mm512_storeu_ps(o + 512, dv);
-        if (t == TD_Q4_1) _mm512_storeu_ps(o + 576, mv);
+        _mm512_storeu_ps(o + Q8G_PANEL_D, dv);
+        if (t == TD_Q4_1) _mm512_storeu_ps(o + Q8G_PANEL_MIN, mv);
     }
 }
 

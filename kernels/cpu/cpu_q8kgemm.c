@@ -32,7 +32,6 @@
 #define Q4K_BYTES 144 /* d, dmin (f16), scales[12], qs[128] */
 #define Q6K_BYTES 210 /* ql[128], qh[64], scales[16] (int8), d (f16) */
 #define Q6K_PANEL 704 /* per sub-block: 8 quant vectors, d, sc_a, sc_b (64 bytes each) */
-#define Q4K_PANEL 640 /* the 32-block GEMM's Q4_1 panel: 8 quant vectors, d, min */
 
 bool kn_q8k_gemm_supported(const kn_mat *w)
 {
@@ -67,16 +66,17 @@ Q8G_I512 void pack_q4k(const uint8_t *w, const int32_t *idx, int64_t nsb, uint8_
             __m512i T[8];
             tr16(p, idx, 16 + 32 * q, T);
             tr16(p, idx, 32 + 32 * q, T + 4);
-            uint8_t *lo = panel + (size_t)(8 * s + 2 * q) * Q4K_PANEL, *hi = lo + Q4K_PANEL;
+            uint8_t *lo = panel + (size_t)(8 * s + 2 * q) * Q8G_PANEL_BLOCK,
+                    *hi = lo + Q8G_PANEL_BLOCK;
             KN_UNROLL
             for (int u = 0; u < 8; u++) {
                 _mm512_storeu_si512(lo + 64 * u, _mm512_and_si512(T[u], m4));
                 _mm512_storeu_si512(hi + 64 * u, _mm512_and_si512(_mm512_srli_epi32(T[u], 4), m4));
             }
-            memcpy(lo + 512, dv[2 * q], 64);
-            memcpy(lo + 576, mv[2 * q], 64);
-            memcpy(hi + 512, dv[2 * q + 1], 64);
-            memcpy(hi + 576, mv[2 * q + 1], 64);
+            memcpy(lo + Q8G_PANEL_D, dv[2 * q], 64);
+            memcpy(lo + Q8G_PANEL_MIN, mv[2 * q], 64);
+            memcpy(hi + Q8G_PANEL_D, dv[2 * q + 1], 64);
+            memcpy(hi + Q8G_PANEL_MIN, mv[2 * q + 1], 64);
         }
     }
 }

@@ -18,6 +18,12 @@
 #define Q8G_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define Q8G_I512 static inline __attribute__((always_inline)) Q8G_T512
 
+/* Bytes of one block of the panel (tile512's layout): 8 quant vectors, then d at
+ * Q8G_PANEL_D and the mins at Q8G_PANEL_MIN (16 floats each). */
+#define Q8G_PANEL_BLOCK (10 * 64)
+#define Q8G_PANEL_D     512
+#define Q8G_PANEL_MIN   576
+
 /* Bias added to the quants in the panel (subtracted again through the x block sums). */
 KN_ALWAYS_INLINE int q8g_bias(td_dtype t, bool vnni)
 {
@@ -82,13 +88,13 @@ Q8G_I512 void tile512(td_dtype t, int M, const uint8_t *panel, const kn_q8b *xb,
     for (int j = 0; j < M; j++)
         acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *o = panel + (size_t)b * 10 * 64;
+        const uint8_t *o = panel + (size_t)b * Q8G_PANEL_BLOCK;
         __m512i V[8];
         KN_UNROLL
         for (int u = 0; u < 8; u++)
             V[u] = _mm512_loadu_si512(o + 64 * u);
-        const __m512 mv = t == TD_Q4_1 ? _mm512_loadu_ps(o + 576) : _mm512_setzero_ps();
-        block512(t, M, V, _mm512_loadu_ps(o + 512), mv, xb, xs, b, acc);
+        const __m512 mv = t == TD_Q4_1 ? _mm512_loadu_ps(o + Q8G_PANEL_MIN) : _mm512_setzero_ps();
+        block512(t, M, V, _mm512_loadu_ps(o + Q8G_PANEL_D), mv, xb, xs, b, acc);
     }
     const __mmask16 k = (__mmask16)((1u << nr) - 1);
     KN_UNROLL
