@@ -227,6 +227,7 @@ static int submit(rt_router *r, rt_req *q, int i)
     int rc = td_ctrl_client_submit(s->c, &sub, SUBMIT_TIMEOUT_MS, &q->loop.call_id);
     if (rc) return rc;
     q->loop.inst = i;
+    q->loop.inst_boot = s->boot_id;
     q->loop.state = RT_ST_SUBMITTED;
     if (!q->loop.t_dispatch_ms) q->loop.t_dispatch_ms = td_now_ms();
     s->active++;

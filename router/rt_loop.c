@@ -7,8 +7,8 @@
  * One iteration: poll(wake fd, client fds, <= 50 ms) -> take the inbox (admit: queue or
  * 429/503; closed connections: cancel) -> drain every client (replies, token events,
  * health; prefill instances' through rt_pair.c, whose verdicts rt_loop_act carries out)
- * -> liveness (fail the requests of
- * instances silent for instance_timeout_ms) -> request deadlines (504) -> attempt
+ * -> liveness (move the requests of instances silent for instance_timeout_ms; answer the
+ * queue with 503 when no instance is left) -> request deadlines (504) -> attempt
  * deadlines (disaggregated) -> heartbeats -> dispatch queued requests, round robin over
  * clients (rt_fair.c), to rt_reg_pick's choice (and, disaggregated, rt_pair_pick's)
  * -> poke idle suspended connections (so a client that went away is noticed).
@@ -83,12 +83,14 @@ void rt_loop_gone(rt_router *r, rt_req *q)
     wake_loop(r);
 }
 
-/* Every request on decode instance i lost its decode side. */
-static void lose_all(rt_router *r, int i, const char *why, int64_t now)
+/* Every request on decode instance i lost its decode side; but those sent to process
+ * `boot` (not 0: the new process a restart notice names, whose Health came first and which
+ * was given requests since) are in good hands. */
+static void lose_all(rt_router *r, int i, uint64_t boot, const char *why, int64_t now)
 {
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (q && q->loop.inst == i &&
+        if (q && q->loop.inst == i && !(boot && q->loop.inst_boot == boot) &&
             (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING))
             rt_loop_lose(r, q, why, now);
     }
@@ -247,8 +249,8 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
             rt_metrics_itl(&r->metrics, (double)(ns - q->loop.t_tok_ns) / 1e9, (int)t->n_token_ids);
         q->loop.t_tok_ns = ns;
         if (q->loop.lost_ms) {
-            TD_LOG_INFO("router: %s: moved: the stream goes on %lld ms after its decode side "
-                        "was lost",
+            TD_LOG_INFO("router: %s: moved: the stream goes on %lld ms after it lost its "
+                        "instance",
                         q->oid, (long long)(now - q->loop.lost_ms));
             rt_metrics_migrated(&r->metrics, (double)(now - q->loop.lost_ms) / 1000.0);
             q->loop.lost_ms = 0;
@@ -323,7 +325,7 @@ static void instance_died(rt_router *r, int i, int64_t now)
     char why[300];
     snprintf(why, sizeof why, "decode instance %s stopped answering", s->name);
     rt_reg_forget(s, "marked dead"); /* whatever comes back may be a new process */
-    lose_all(r, i, why, now);
+    lose_all(r, i, 0, why, now);
 }
 
 /* A new process answers for decode instance i: what the old one held is gone. */
@@ -333,8 +335,9 @@ static void instance_restarted(rt_router *r, int i, int64_t now)
     TD_LOG_WARN("router: decode instance %s (%s) restarted: moving its requests", s->name, s->url);
     char why[300];
     snprintf(why, sizeof why, "decode instance %s restarted", s->name);
-    rt_reg_restarted(s, td_ctrl_client_epoch(s->c));
-    lose_all(r, i, why, now);
+    uint64_t boot = td_ctrl_client_epoch(s->c);
+    rt_reg_restarted(s, boot);
+    lose_all(r, i, boot, why, now);
 }
 
 /* ---- prefill instances (disaggregated mode; rt_pair.c decides, the loop acts) ---- */
@@ -390,15 +393,15 @@ static void on_pf_events(rt_router *r, int j, const td_ctrl_client_in *in, int64
     }
 }
 
-/* The attempts on prefill instance j are lost. Silent: each fails over. Restarted: the new
- * process knows nothing of them, but the instance is coming back, so each starts again, on
- * it or another one, as a moved request does (rt_loop_lose: it waits up to
- * router.migrate_wait_ms for a live instance). */
-static void prefill_lost(rt_router *r, int j, bool restarted, int64_t now)
+/* The attempts on prefill instance j are lost (silent, or restarted: the new process knows
+ * nothing of them), but those sent to process `boot` (lose_all). Each starts again, on
+ * another instance or on j once it answers again, as a moved request does (rt_loop_lose: it
+ * waits up to router.migrate_wait_ms for a live instance). */
+static void prefill_lost(rt_router *r, int j, bool restarted, uint64_t boot, int64_t now)
 {
     for (uint32_t k = 0; k < r->table.cap; k++) {
         rt_req *q = r->table.slots[k];
-        if (!q) continue;
+        if (!q || (boot && q->pair.pinst == j && q->pair.pf_boot == boot)) continue;
         /* a last event held for PrefillDone's cached_tokens: the notice will not come, the
            answer is complete without it (with logprobs it is not: the attempt fails over) */
         if (q->pair.pinst == j && !q->loop.pd_seen && !q->p.sampling.logprobs &&
@@ -411,13 +414,13 @@ static void prefill_lost(rt_router *r, int j, bool restarted, int64_t now)
     }
 }
 
-static void prefill_died(rt_router *r, int j)
+static void prefill_died(rt_router *r, int j, int64_t now)
 {
     rt_inst *s = &r->reg.pf[j];
     TD_LOG_WARN("router: prefill instance %s (%s) silent for %d ms: marked dead", s->name, s->url,
                 r->cfg->router.instance_timeout_ms);
     rt_reg_forget(s, "marked dead");
-    prefill_lost(r, j, false, 0);
+    prefill_lost(r, j, false, 0, now);
 }
 
 static void prefill_restarted(rt_router *r, int j, int64_t now)
@@ -425,8 +428,9 @@ static void prefill_restarted(rt_router *r, int j, int64_t now)
     rt_inst *s = &r->reg.pf[j];
     TD_LOG_WARN("router: prefill instance %s (%s) restarted: its prompts start again", s->name,
                 s->url);
-    rt_reg_restarted(s, td_ctrl_client_epoch(s->c));
-    prefill_lost(r, j, true, now);
+    uint64_t boot = td_ctrl_client_epoch(s->c);
+    rt_reg_restarted(s, boot);
+    prefill_lost(r, j, true, boot, now);
 }
 
 /* Attempts past their first-token deadline: both sides cancelled, the request failed. */
@@ -445,7 +449,10 @@ static bool went_silent(rt_inst *s, int timeout, int64_t now)
 {
     bool recent = s->ever_seen && now - s->last_seen_ms <= timeout;
     if (s->alive && !recent) {
-        s->alive = false;
+        /* it rejoins with its next ready Health, not with any reply: a Cancel answered by
+           a new process would bring it back with the old one's state (its boot id, so the
+           new one's restart notice would move what was sent to it since) */
+        s->alive = s->ready = false;
         return true;
     }
     s->alive = recent && s->ready;
@@ -458,7 +465,7 @@ static void liveness(rt_router *r, int64_t now)
     for (int i = 0; i < r->reg.n; i++)
         if (went_silent(&r->reg.inst[i], timeout, now)) instance_died(r, i, now);
     for (int j = 0; j < r->reg.n_pf; j++)
-        if (went_silent(&r->reg.pf[j], timeout, now)) prefill_died(r, j);
+        if (went_silent(&r->reg.pf[j], timeout, now)) prefill_died(r, j, now);
     int n = rt_reg_n_alive(&r->reg);
     int n_pf = rt_reg_n_pf_alive(&r->reg, -1);
     atomic_store(&r->n_alive, n);
@@ -473,7 +480,7 @@ static void liveness(rt_router *r, int64_t now)
         if (q->loop.lost_ms && now - q->loop.lost_ms > wait) {
             char msg[300];
             snprintf(msg, sizeof msg,
-                     "its decode instance was lost after %d tokens and no instance took the "
+                     "its instance was lost after %d tokens and no instance took the "
                      "request over within %d ms (router.migrate_wait_ms)",
                      q->loop.n_gen, wait);
             rt_loop_fail(r, q, 503, "instance_unavailable", msg);

@@ -14,12 +14,15 @@
  *   decode:  TokenEvents exactly as after Submit (the first carries the prefill's token)
  *
  * Failures before the first token (n_gen == 0):
- *   prefill ErrorEvent, a Prefill/KvTarget reply error or no reply, the prefill instance
- *   marked dead, a decode ErrorEvent ERR_PEER_FAILED / ERR_TIMEOUT (the KV transfer)
+ *   prefill ErrorEvent, a Prefill/KvTarget reply error or no reply, a decode ErrorEvent
+ *   ERR_PEER_FAILED / ERR_TIMEOUT (the KV transfer)
  *     -> cancel both sides; if the request has not been retried yet and another prefill
  *        instance is alive (or the failure was a timeout and the same one still is), it
  *        goes back to the head of the queue avoiding the failed instance (pf_avoid), else
  *        it ends with 503 prefill_failed.
+ *   the prefill instance marked dead or restarted -> the request moves (rt_loop_lose):
+ *     another prefill instance, or the same one once it answers again, within
+ *     router.migrate_wait_ms.
  *   ERR_BUSY from either side -> cancel the other side, pause that instance 100 ms,
  *     re-queue (a bounce, not a failure); MAX_BUSY bounces -> 503 instance_busy.
  *   no first token by deadline_ms (rt_pair_deadline) -> cancel both, 503 first_token_timeout.
@@ -316,11 +319,13 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     }
     q->pair.attempts++;
     q->loop.inst = d;
+    q->loop.inst_boot = ds->boot_id;
     q->loop.state = RT_ST_SUBMITTED;
     if (!q->loop.t_dispatch_ms) q->loop.t_dispatch_ms = now;
     q->loop.call_id = acall;
     ds->active++;
     q->pair.pinst = p;
+    q->pair.pf_boot = ps->boot_id;
     q->pair.pf_call = pcall;
     q->pair.pf_busy = true;
     q->pair.pf_acked = false;
@@ -330,9 +335,10 @@ int rt_pair_start(rt_router *r, rt_req *q, int d, int p, int64_t now)
     ps->inflight_tokens += pf.n_token_ids;
     q->pair.deadline_ms = rt_pair_deadline(r->cfg, now);
     rt_metrics_pair(&r->metrics, RT_PM_SENT, 0);
-    TD_LOG_DEBUG("router: %s req %llu: attempt %d: prefill %s, decode %s, %zu prompt tokens",
-                 q->oid, (unsigned long long)q->loop.rid, q->pair.attempts, ps->name, ds->name,
-                 pf.n_token_ids);
+    TD_LOG_DEBUG(
+        "router: %s req %llu: attempt %d: prefill %s (boot %llx), decode %s, %zu prompt tokens",
+        q->oid, (unsigned long long)q->loop.rid, q->pair.attempts, ps->name,
+        (unsigned long long)ps->boot_id, ds->name, pf.n_token_ids);
     return 0;
 }
 
@@ -607,8 +613,19 @@ rt_pair_out rt_pair_prefill_lost(rt_router *r, rt_req *q, int j, bool restarted)
     char msg[300];
     snprintf(msg, sizeof msg, "prefill instance %s %s", r->reg.pf[j].name,
              restarted ? "restarted" : "stopped answering");
-    if (restarted) return lost(q, msg);
-    return pair_failed(r, q, RT_PF_DEAD, false, msg); /* cancels too, in case it comes back */
+    /* Either way the request is not at fault, so it moves rather than fails: to another
+       prefill instance, or, when none is alive, it waits router.migrate_wait_ms for one to
+       come (back). A supervised stage that takes longer than instance_timeout_ms to restart
+       (a big model, a sanitizer build) is first marked dead, then answers again; failing
+       the request then (its one retry spent on a transfer error the kill also caused) ended
+       requests a restart of a few seconds would have served. The move cancels both sides,
+       the silent instance's too, in case it comes back. */
+    if (!restarted) {
+        TD_LOG_WARN("router: %s req %llu: attempt %d lost before its first token: %s", q->oid,
+                    (unsigned long long)q->loop.rid, q->pair.attempts, msg);
+        rt_metrics_pair(&r->metrics, RT_PM_FAIL, RT_PF_DEAD);
+    }
+    return lost(q, msg);
 }
 
 rt_pair_out rt_pair_expire(rt_router *r, rt_req *q, int64_t now)

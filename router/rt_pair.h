@@ -31,7 +31,7 @@ typedef enum {
     RT_PAIR_OK = 0, /* nothing (the attempt goes on, or the input concerned no request) */
     RT_PAIR_RETRY,  /* back to the head of the queue, counted as a retry */
     RT_PAIR_BOUNCE, /* back to the head of the queue, not counted (ERR_BUSY) */
-    RT_PAIR_LOST,   /* its decode side is lost: move it (migration); msg says why */
+    RT_PAIR_LOST,   /* an instance of it is lost: move it (migration); msg says why */
     RT_PAIR_FAILED, /* end it with status, code and msg */
 } rt_pair_verdict;
 
@@ -66,9 +66,10 @@ rt_pair_out rt_pair_on_decode_error(struct rt_router *r, rt_req *q, const Td__Er
 rt_pair_out rt_pair_on_reply(struct rt_router *r, int j, const td_ctrl_client_in *in, int64_t now);
 /* One event from prefill instance j (PrefillDone, ErrorEvent). */
 rt_pair_out rt_pair_on_event(struct rt_router *r, int j, const Td__Event *ev);
-/* Prefill instance j stopped answering (restarted false: q's attempt fails over) or a new
- * process answers for it (restarted true: q starts again, on it or another one, as a moved
- * request does); for each request q of the table. RT_PAIR_OK for a request not on j. */
+/* Prefill instance j stopped answering (restarted false) or a new process answers for it
+ * (restarted true): q, if it has no first token yet, starts again on it or another one as a
+ * moved request does (RT_PAIR_LOST); for each request q of the table. RT_PAIR_OK for a
+ * request not on j. */
 rt_pair_out rt_pair_prefill_lost(struct rt_router *r, rt_req *q, int j, bool restarted);
 /* q's attempt past its first-token deadline: both sides cancelled, RT_PAIR_FAILED; else
  * RT_PAIR_OK. */
@@ -77,8 +78,8 @@ rt_pair_out rt_pair_expire(struct rt_router *r, rt_req *q, int64_t now);
 /* End q's current attempt on both sides (cancelled where they may hold it); q is then on no
  * instance (inst -1, state INBOX). */
 void rt_pair_abandon(struct rt_router *r, rt_req *q);
-/* q moves (its decode side was lost): a fresh start for its attempts (any prefill instance,
- * one retry, no bounces counted). */
+/* q moves (its decode side, or before its first token its prefill side, was lost): a fresh
+ * start for its attempts (any prefill instance, one retry, no bounces counted). */
 void rt_pair_moved(rt_req *q);
 /* The request ends: cancel its prefill side if still busy, free the relay buffers. */
 void rt_pair_release(struct rt_router *r, rt_req *q);

@@ -69,6 +69,8 @@ typedef struct {
     rt_state state;
     uint64_t rid;     /* control-plane request id (rt_table) */
     int inst;         /* decode instance index, -1 none */
+    uint64_t inst_boot; /* inst's boot id when the request went there (0: none known yet): a
+                           restart notice moves only requests sent to an earlier process */
     uint64_t call_id; /* the Submit (Alloc) call while SUBMITTED */
     int retries;      /* re-queued after BUSY / timeout */
 
@@ -87,8 +89,9 @@ typedef struct {
     int64_t t_dispatch_ms; /* first sent to an instance (metrics: queue time), 0 not yet */
     int64_t t_tok_ns;      /* td_now_ns of its latest tokens (metrics: inter-token latency) */
 
-    /* migration (rt_dispatch.c, "lost"): a request whose decode side was lost continues on
-       another attempt from the prompt plus the tokens already received */
+    /* migration (rt_dispatch.c, "lost"): a request whose decode side (or, before its first
+       token, prefill side) was lost continues on another attempt from the prompt plus the
+       tokens already received */
     int32_t *gen_ids; /* (cap_gen) the ids received so far, gen_ids[0..n_gen) */
     int cap_gen;
     int32_t *resume; /* (n_resume) prompt + gen_ids[0..gen_base): the current attempt's
@@ -97,7 +100,7 @@ typedef struct {
     int gen_base;    /* tokens received before the current attempt: its first token is the
                         one that makes n_gen > gen_base */
     int migrations;  /* times its decode side was lost and it moved (router.max_migrations) */
-    int64_t lost_ms; /* when its decode side was lost; 0 once the next token arrived */
+    int64_t lost_ms; /* when its decode (or prefill) side was lost; 0 once the next token arrived */
 
     /* logprobs (p.sampling.logprobs): lps[i] belongs to gen_ids[i]; plps[q] to prompt
        position q (1 <= q < n_prompt, from the first attempt's TokenEvents) */
@@ -125,6 +128,7 @@ typedef struct {
     int attempts;                 /* pairings started; each after the first takes a fresh rid */
     int busy;                     /* ERR_BUSY bounces from either side (not failures) */
     int pinst;                    /* prefill instance of the attempt, -1 none */
+    uint64_t pf_boot;             /* pinst's boot id when the attempt went there (inst_boot) */
     uint64_t pf_call;             /* outstanding Prefill (until acked) or KvTarget call, 0 none */
     bool pf_busy;                 /* the prefill side may still work on the attempt */
     bool pf_acked;                /* Prefill was acknowledged (a Cancel can now reach it) */

@@ -69,7 +69,8 @@ class ChaosCluster(UpCluster):
     temp dir of symlinks, so every process's command line names the temp dir (leftovers)."""
 
     def __init__(self, args, model, tp=2, xfer_timeout_ms=10000, env_extra=None, pp=2,
-                 colocated=False, request_timeout_ms=30000, kv_dtype=None):
+                 colocated=False, request_timeout_ms=30000, kv_dtype=None,
+                 instance_timeout_ms=2000):
         super().__init__(args.tandem, "tandem-chaos-",
                          {"decode": args.decode, "prefill": args.prefill,
                           "router": args.router}, exclude="test_chaos", env_extra=env_extra)
@@ -84,7 +85,8 @@ class ChaosCluster(UpCluster):
         with open(self.cfg, "w") as f:
             f.write(chaos_yaml(model, f"{self.dir}/run", "127.0.0.1", self.port,
                                ["127.0.0.1", "127.0.0.1"], self.pf_port, "127.0.0.1",
-                               self.dc_port, tp, "posix,cma,self", xfer_timeout_ms, pp=pp,
+                               self.dc_port, tp, "posix,cma,self", xfer_timeout_ms,
+                               instance_timeout_ms=instance_timeout_ms, pp=pp,
                                colocated=colocated, request_timeout_ms=request_timeout_ms,
                                kv_dtype=kv_dtype))
         self.rdir = self.run_dir("chaos")

@@ -345,7 +345,8 @@ def case_prefill(cl, args, base, ref, ref_text, figures):
     first = not s.times
     s.join()
     check(first, "the prefill stage was killed before the first token")
-    check(cl.wait_restarted("prefill-p0-0", old, 60) is not None, "prefill restarted")
+    check(cl.wait_restarted("prefill-p0-0", old, 60) is not None and wait_serving(cl, 60),
+          "prefill restarted and serving again")
     ref_long = Stream(cl.host, cl.port, long_body, args.deadline).start().join()
     check(ref_long.done and not ref_long.error,
           f"long prompt B, uninterrupted: {ref_long.ended} {ref_long.error}")
@@ -376,6 +377,9 @@ def main():
     ap.add_argument("--asan", action="store_true")
     ap.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16",
                     help="decode[].kv_dtype (the logprobs case's tolerance depends on it)")
+    ap.add_argument("--instance-timeout-ms", type=int, default=2000,
+                    help="router.instance_timeout_ms: below a stage's restart time (e.g. 300) "
+                         "the router marks the killed prefill stage dead before it is back")
     ap.add_argument("--json", default="")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--cases",
@@ -394,7 +398,8 @@ def main():
     # under ASan (~0.15 s a token on a busy machine) plus a move
     cl = ChaosCluster(args, args.model, tp=1, pp=1, colocated=args.colocated,
                       env_extra=env_extra, xfer_timeout_ms=60000, request_timeout_ms=120000,
-                      kv_dtype=args.kv_dtype)
+                      kv_dtype=args.kv_dtype,
+                      instance_timeout_ms=args.instance_timeout_ms)
     shape = ("colocated tp 1" if args.colocated else "pp 1 prefill + tp 1 decode") + \
         f", {args.kv_dtype} KV"
     print(f"migrate: {shape}, model {args.model}", flush=True)

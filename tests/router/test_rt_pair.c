@@ -14,7 +14,10 @@
  *   busy          both decode fakes ERR_BUSY -> 503 instance_busy + Retry-After, prefill
  *                 attempts cancelled
  *   deadline      prefill never finishes -> 503 first_token_timeout, both sides cancelled
- *   prefill dies  p0 stops answering mid-prefill -> retried on p1
+ *   prefill dies  p0 stops answering mid-prefill -> moved to p1
+ *   prefill back  p1, the only prefill instance left, stops answering mid-prefill and a new
+ *                 server answers on its port after the router marked it dead -> the
+ *                 request waits for it and succeeds; a new request meanwhile: 503
  *   moved        d0 streams the first token, then a rank dies (ERR_PEER_FAILED): the request
  *                 moves with its prompt + that token (Alloc n=4, max 3) and the stream ends
  *                 normally
@@ -865,6 +868,79 @@ static void test_prefill_dies(void)
     TH_CHECK(strstr(g_resp, "tandem_prefill_instance_up{instance=\"p0\"} 0\n"));
 }
 
+/* Restart fake i's server on its port, as a supervisor restarts a dead process there. */
+static int fake_revive(int i)
+{
+    fake *f = &g_f[i];
+    bool gone = false;
+    for (int t = 0; t < 200 && !gone; t++) { /* the fake thread destroys the old one */
+        pthread_mutex_lock(&g_mu);
+        gone = f->s == NULL;
+        pthread_mutex_unlock(&g_mu);
+        if (!gone) usleep(10000);
+    }
+    if (!gone) return -1;
+    char url[64], bound[128];
+    snprintf(url, sizeof url, "tcp://127.0.0.1:%d", f->port);
+    td_ctrl_server *s = NULL;
+    int rc = td_ctrl_server_create(&(td_ctrl_opts){0}, &s);
+    if (!rc) rc = td_ctrl_server_listen(s, url, bound, sizeof bound);
+    if (rc) {
+        if (s) td_ctrl_server_destroy(s);
+        return -1;
+    }
+    pthread_mutex_lock(&g_mu);
+    f->s = s;
+    f->kill = false;
+    set_health(f);
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}
+
+static void test_prefill_back(void)
+{
+    /* p0 is dead (test_prefill_dies). p1, the only prefill instance left, dies mid-prefill
+       and comes back only after the router marked it dead (a supervised stage restarting
+       slowly): the request moves, waits for it (router.migrate_wait_ms) and is served by
+       the new process, while a new request finds no prefill instance (503 at once) */
+    clear_logs();
+    set_fake(P1, M_HANG, true);
+    int fd = http_connect();
+    TH_REQUIRE(fd >= 0);
+    http_send(fd, "POST", "/v1/completions", REQ);
+    TH_CHECK(wait_count(P1, "kvt ", 1, 3000));
+    pthread_mutex_lock(&g_mu);
+    g_f[P1].kill = true;
+    g_f[P1].mode = M_OK; /* what the new process does */
+    pthread_mutex_unlock(&g_mu);
+    char dead[128];
+    snprintf(dead, sizeof dead, "prefill instance p1 (tcp://127.0.0.1:%d) silent for",
+             g_f[P1].port);
+    bool marked = false;
+    for (int t = 0; t < 500 && !marked; t++) {
+        marked = router_log_has(dead);
+        if (!marked) usleep(10000);
+    }
+    TH_REQUIRE(marked);
+    static char r2[1 << 14];
+    int st = http("POST", "/v1/completions", REQ, r2, sizeof r2);
+    TH_CHECKF(st == 503 && strstr(r2, "\"code\":\"no_instance\""), "status %d: %s", st, r2);
+    usleep(300000); /* the moving request outlives liveness passes with no prefill instance */
+    TH_REQUIRE(fake_revive(P1) == 0);
+    size_t len = 0;
+    http_read_all(fd, g_resp, sizeof g_resp, &len);
+    close(fd);
+    TH_CHECKF(strstr(g_resp, "HTTP/1.1 200") && strstr(g_resp, "\"completion_tokens\":4"), "%s",
+              g_resp);
+    TH_CHECKF(count(P1, "prefill ") == 2 && count(P1, "kvt ") == 2, "p1 got: %s", g_f[P1].log);
+    TH_CHECK(router_log_has("prefill instance p1 stopped answering after 0 tokens: moving it"));
+    /* once: the new process's restart notice does not move what was sent to it already */
+    TH_CHECK(router_log_has("prefill p1 moved 1\n"));
+    TH_CHECK(wait_pf_alive(1));
+    http("GET", "/metrics", NULL, g_resp, sizeof g_resp);
+    TH_CHECK(strstr(g_resp, "tandem_router_prefill_failures_total{reason=\"instance_dead\"} 2\n"));
+}
+
 static void test_decode_dies(void)
 {
     clear_logs();
@@ -993,8 +1069,9 @@ int main(int argc, char **argv)
         TH_RUN(test_deadline);
         TH_RUN(test_timeouts);
         TH_RUN(test_moved);
-        TH_RUN(test_prefill_dies); /* these two leave p0 and d0 dead */
-        TH_RUN(test_decode_dies);
+        TH_RUN(test_prefill_dies); /* leaves p0 dead */
+        TH_RUN(test_prefill_back);
+        TH_RUN(test_decode_dies); /* leaves d0 dead */
         TH_RUN(test_drain); /* the router exits */
     }
     if (th_failures) {

@@ -601,12 +601,15 @@ static void test_pair(void)
     TH_CHECK(all_released() && g_r.table.count == 0);
     rt_req_release(q);
 
-    /* the prefill instance dies mid-prefill: failed over */
+    /* the prefill instance dies mid-prefill: the request moves (to any instance alive, or
+       the first one back within router.migrate_wait_ms), its retry not spent */
     q = pair_req();
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
     g_r.reg.pf[0].alive = g_r.reg.pf[0].ready = false;
-    act(rt_pair_prefill_lost(&g_r, q, 0, false), 0); /* as the loop does for each request */
-    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.pf_avoid == 0 && all_released());
+    act(rt_pair_prefill_lost(&g_r, q, 0, false), 5); /* as the loop does for each request */
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.pf_avoid == -1 && !q->pair.pf_retried &&
+             q->loop.migrations == 1 && q->loop.lost_ms == 5 && all_released());
+    TH_CHECK(g_r.metrics.pf_failures[RT_PF_DEAD] == 1);
     TH_CHECK(g_r.reg.pf[0].n_orphans == 1); /* its Prefill was not answered yet */
     pair_unqueue(q);
     rt_loop_retire(&g_r, q);
