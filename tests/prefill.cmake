@@ -13,8 +13,9 @@
 #                    SIGTERM while profiling (test_pf_cache.py)
 #   prefill_startup_cached  `tandem up deploy/local.yaml` three times with an empty profile
 #                    cache (profile_budget_ms 3000 to keep the first start short): the first
-#                    measures, the others load the profile and serve /health within 3 s
-#                    and complete a request (startup_time.py; needs TANDEM_MODEL)
+#                    measures, the others load the profile and complete a request, the
+#                    fastest of them serving /health within 3 s (startup_time.py; needs
+#                    TANDEM_MODEL)
 if(TARGET pf_core)
   add_executable(test_pf_chunk ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_chunk.c)
   target_include_directories(test_pf_chunk PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
