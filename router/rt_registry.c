@@ -5,9 +5,10 @@
  * any reply or event from an instance counts as a sign of life. An instance that has been
  * seen, reports ready and was heard from within instance_timeout_ms is alive; the loop
  * (rt_loop.c) notices when one stops being alive and moves its requests (a prefill
- * instance's only those before their first token). A dead instance keeps being polled and rejoins
- * with its first ready answer. Decode and prefill instances are two arrays of the same rt_inst so
- * that the health and liveness code is shared; the choice functions differ (rt.h). */
+ * instance's only those before their first token). A dead instance keeps being polled and
+ * rejoins with its first ready Health. Decode and prefill instances are two arrays of the
+ * same rt_inst so that the health and liveness code is shared; the choice functions differ
+ * (rt.h). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
