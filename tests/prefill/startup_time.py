@@ -7,8 +7,8 @@ Each start is stopped with SIGINT before the next. The profile cache is $TANDEM_
 with --fresh-cache an empty directory of its own (the first start then measures).
 
 As a test (--max-cached-s S, with --fresh-cache): the first start measures the stage
-profile, every later start loads it (prefill stage 0's log says which) and completes the request,
-and the fastest of them answers /health 200 within S seconds; exit 1 otherwise.
+profile, every later start loads it (prefill stage 0's log says which) and completes the
+request, and the fastest of them answers /health 200 within S seconds; exit 1 otherwise.
 
 usage: startup_time.py --tandem BIN [--config deploy/local.yaml] [--model GGUF] [--runs N]
                        [--keep DIR] [--extra "ARGS"] [--fresh-cache] [--budget-ms MS]
