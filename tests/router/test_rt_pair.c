@@ -842,17 +842,27 @@ static void test_timeouts(void)
     TH_CHECK(strstr(g_resp, "tandem_router_request_timeouts_total{state=\"queued\"} 0\n"));
 }
 
-static void test_prefill_dies(void)
+/* A request whose prefill on fake i hangs (after its KvTarget), then fake i dies; what it
+ * does if it comes back: then_mode. Returns the client's connection (-1: none). */
+static int prefill_dies_mid_request(int i, fake_mode then_mode)
 {
     clear_logs();
-    set_fake(P0, M_HANG, true);
+    set_fake(i, M_HANG, true);
     int fd = http_connect();
-    TH_REQUIRE(fd >= 0);
+    if (fd < 0) return -1;
     http_send(fd, "POST", "/v1/completions", REQ);
-    TH_CHECK(wait_count(P0, "kvt ", 1, 3000));
+    TH_CHECK(wait_count(i, "kvt ", 1, 3000));
     pthread_mutex_lock(&g_mu);
-    g_f[P0].kill = true;
+    g_f[i].kill = true;
+    g_f[i].mode = then_mode;
     pthread_mutex_unlock(&g_mu);
+    return fd;
+}
+
+static void test_prefill_dies(void)
+{
+    int fd = prefill_dies_mid_request(P0, M_HANG);
+    TH_REQUIRE(fd >= 0);
     size_t len = 0;
     ssize_t k;
     while (len < sizeof g_resp - 1 && (k = read(fd, g_resp + len, sizeof g_resp - 1 - len)) > 0)
@@ -903,16 +913,8 @@ static void test_prefill_back(void)
        and comes back only after the router marked it dead (a supervised stage restarting
        slowly): the request moves, waits for it (router.migrate_wait_ms) and is served by
        the new process, while a new request finds no prefill instance (503 at once) */
-    clear_logs();
-    set_fake(P1, M_HANG, true);
-    int fd = http_connect();
+    int fd = prefill_dies_mid_request(P1, M_OK); /* M_OK: what the new process does */
     TH_REQUIRE(fd >= 0);
-    http_send(fd, "POST", "/v1/completions", REQ);
-    TH_CHECK(wait_count(P1, "kvt ", 1, 3000));
-    pthread_mutex_lock(&g_mu);
-    g_f[P1].kill = true;
-    g_f[P1].mode = M_OK; /* what the new process does */
-    pthread_mutex_unlock(&g_mu);
     char dead[128];
     snprintf(dead, sizeof dead, "prefill instance p1 (tcp://127.0.0.1:%d) silent for",
              g_f[P1].port);
