@@ -12,8 +12,9 @@
  * cpu_matmul.c (kn_cpu_dot_rows), which gives a row the same bits whichever thread computes it and
  * whichever rows it is grouped with, so y is bit-identical to kn_cpu_matmul_mixed's. In the q8
  * mode a packed 32-block matrix (cpu_packed.c) at m <= 4 goes through the integer GEMM's
- * panel-free kernel instead, whose rows have the same property on 16-row groups: the parts then
- * split on whole groups (kn_cpu_dot's grain). When matmul_mixed would send the batch rows to the
+ * panel-free kernel instead, and a packed K-quant matrix through the packed dot (cpu_q8kpack.c),
+ * whose rows have the same property on 16-row groups: the parts then split on whole groups
+ * (kn_cpu_dot's grain). When matmul_mixed would send the batch rows to the
  * gemm path (prefill), or the q8 GEMM would need a panel, the fused ops run the unfused
  * sequence instead. The activation runs per part on whole 8-element groups of the part's columns,
  * with the element loop of kn_cpu_swiglu/geglu (cpu_internal.h), so its bits match too; a row width
@@ -27,6 +28,7 @@
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
+#include "cpu_q8act.h"
 #include "td_err.h"
 
 /* Each thread gets at least this many weight bytes (as the dot path of cpu_matmul.c): a
@@ -102,8 +104,12 @@ static int prepare(kn_cpu *c, int n, const kn_mat *const *w, const float *x, int
             d[i] = d[same];
             d[i].w = w[i];
             d[i].y = y[i];
-            /* the q8 GEMM's packed kernel needs this matrix's own copy */
-            if (d[i].packed && !(d[i].packed = kn_cpu_packed_of(c, w[i]))) return 1;
+            /* a packed kernel needs this matrix's own copy; without one, the q8 GEMM
+             * would need a panel, while the K-quant dot reads the rows as they are */
+            if (d[i].packed && !(d[i].packed = kn_cpu_packed_of(c, w[i]))) {
+                if (kn_q8_gemm_supported(w[i])) return 1;
+                d[i].grain = 1;
+            }
             continue;
         }
         int rc = kn_cpu_dot_init(c, w[i], x, m, m_solo, side, y[i], &d[i]);

@@ -27,7 +27,7 @@ struct kn_cpu {
     bool packed_oom; /* a packed copy could not be allocated (logged once) */
 };
 
-/* The q8 GEMM's packed copy of w (made on the first call, cpu_packed.c), or NULL when w was
+/* The q8 mode's packed copy of w (kn_q8_pack; made on the first call, cpu_packed.c), or NULL when w was
  * never registered with kn_cpu_map_matrix, cannot be packed, or its copy found no memory.
  * On the caller's thread, outside pool jobs. */
 const void *kn_cpu_packed_of(kn_cpu *c, const kn_mat *w);
@@ -47,11 +47,11 @@ typedef struct {
     const float *x;    /* (m, n_cols) */
     const float *xsum; /* block sums of x, in the caller's side buffer, or NULL */
     const void *xq;    /* x in 8 bits (q8 mode), in the side buffer, or NULL */
-    const void *packed; /* W packed for the q8 GEMM (cpu_packed.c): rows go through it */
+    const void *packed; /* W packed by the q8 mode (cpu_packed.c): rows go through it */
     int64_t m;
     float *y; /* (m, n_rows) */
-    int grain; /* kn_cpu_dot_rows takes row ranges on multiples of this (1, or the GEMM's
-                  16-row groups when packed) */
+    int grain; /* kn_cpu_dot_rows takes row ranges on multiples of this (1, or the packed
+                  copy's 16-row groups) */
 } kn_cpu_dot;
 /* Floats of side buffer kn_cpu_dot_init needs for w and m rows of x (0: none). */
 size_t kn_cpu_dot_side_floats(const kn_cpu *c, const kn_mat *w, int64_t m);

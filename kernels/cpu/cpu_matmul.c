@@ -79,6 +79,7 @@ typedef struct {
     const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q5_1, Q4_K, Q5_K; Q2_K:
                         * (m, n_cols / 16); else NULL */
     const void *xq;    /* (m, kn_q8_row_bytes) x quantized to 8 bits (q8 mode); else NULL */
+    const void *packed; /* q8 mode, K-quant W: its packed copy (cpu_packed.c), or NULL */
     int64_t m;         /* 0: none */
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
@@ -286,7 +287,7 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
 {
     const mm_job *j = arg;
     if (j->xq) {
-        kn_q8_dot(j->w, j->xq, j->m, j->y, r0, r1);
+        kn_q8_dot(j->w, j->packed, j->xq, j->m, j->y, r0, r1);
         return;
     }
     switch (j->w->type) {
@@ -328,6 +329,13 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
     default:
         break; /* rejected by mm_check */
     }
+}
+
+/* mm_dot_part on the rows of 16-row groups [g0, g1). */
+static void mm_dot_groups(void *arg, int64_t g0, int64_t g1, int tid)
+{
+    const mm_job *j = arg;
+    mm_dot_part(arg, 16 * g0, 16 * g1 < j->w->n_rows ? 16 * g1 : j->w->n_rows, tid);
 }
 
 /* xs (n / g) = sums of x (n floats) over each group of g (32, or Q2_K's 16; a multiple of
@@ -529,6 +537,7 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
         if (dot_bytes) {
             kn_q8_quant_rows(w->type, x, j.m, w->n_cols, xq);
             j.xq = xq;
+            j.packed = kn_cpu_packed_of(c, w);
         }
         if (kgemm) {
             kn_q8_quant_rows(TD_Q8_0, j.gx, gm, w->n_cols, xq + dot_pad); /* 32-blocks */
@@ -557,7 +566,10 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
     const int64_t row_bytes = (int64_t)td_dtype_row_bytes(w->type, w->n_cols);
     int64_t min_rows = MM_DOT_MIN_BYTES / row_bytes;
     if (min_rows < 4) min_rows = 4;
-    kn_pool_run(c->pool, w->n_rows, min_rows, mm_dot_part, &j);
+    if (j.packed) /* whole 16-row groups of the packed copy per part */
+        kn_pool_run(c->pool, (w->n_rows + 15) / 16, (min_rows + 15) / 16, mm_dot_groups, &j);
+    else
+        kn_pool_run(c->pool, w->n_rows, min_rows, mm_dot_part, &j);
     return 0;
 }
 
@@ -618,6 +630,8 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
     if (c->act_q8 && kn_q8_supported(w->type)) {
         kn_q8_quant_rows(w->type, x, m, w->n_cols, side);
         d->xq = side;
+        d->packed = kn_cpu_packed_of(c, w); /* K-types: read by 16-row groups */
+        if (d->packed) d->grain = 16;
     } else if (sg) {
         block_sums(x, m * w->n_cols, sg, side);
         d->xsum = side;
@@ -627,11 +641,18 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
 
 void kn_cpu_dot_rows(const kn_cpu_dot *d, int64_t r0, int64_t r1)
 {
-    if (d->packed) { /* groups [r0 / 16, ceil(r1 / 16)): r1 is a group's end or n_rows */
+    if (d->packed && kn_q8_gemm_supported(d->w)) {
+        /* groups [r0 / 16, ceil(r1 / 16)): r1 is a group's end or n_rows */
         kn_q8_gemm(d->w, d->packed, d->xq, d->m, d->y, 16, r0 / 16, (r1 + 15) / 16, NULL);
         return;
     }
-    const mm_job j = {
-        .c = d->c, .w = d->w, .x = d->x, .xsum = d->xsum, .xq = d->xq, .m = d->m, .y = d->y};
+    const mm_job j = {.c = d->c,
+                      .w = d->w,
+                      .x = d->x,
+                      .xsum = d->xsum,
+                      .xq = d->xq,
+                      .packed = d->packed,
+                      .m = d->m,
+                      .y = d->y};
     mm_dot_part((void *)&j, r0, r1, 0);
 }

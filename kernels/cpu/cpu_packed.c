@@ -1,12 +1,12 @@
-/* cpu_packed.c: the weights the engine handed to map_matrix, and the copies the q8 GEMM
- * packs of them (cpu_q8act.h, kn_q8_gemm_pack).
+/* cpu_packed.c: the weights the engine handed to map_matrix, and the copies the q8 mode
+ * packs of them (cpu_q8act.h, kn_q8_pack: the 32-block GEMM's, the K-quant dot's).
  *
  * Purpose: a model's weight matrices stay read-only and alive for the engine's life, which
  * the backend's ends with (kn_runtime destroys the engine, then the backend, then the
  * model), so a copy made from one remains valid until kn_cpu_destroy. Only registered
  * matrices are packed: a product over memory nobody registered (tests, tools, scratch) keeps
  * packing per call, so a freed and reused address can never find a stale copy.
- * The copy is made on the first q8 GEMM over the matrix (in the float32 mode it would go
+ * The copy is made on the first q8 product over the matrix (in the float32 mode it would go
  * unused), with the pool; it costs the matrix's own size once more (the default model:
  * 96.6 MB). An allocation that fails is logged once and that matrix packs per call.
  * Threading: the caller's thread only (kn_cpu's one-caller rule), outside pool jobs.
@@ -92,7 +92,7 @@ static void pack_part(void *arg, int64_t g0, int64_t g1, int tid)
 {
     (void)tid;
     const pack_job *j = arg;
-    kn_q8_gemm_pack(j->w, j->copy, g0, g1);
+    kn_q8_pack(j->w, j->copy, g0, g1);
 }
 
 const void *kn_cpu_packed_of(kn_cpu *c, const kn_mat *w)
@@ -101,7 +101,7 @@ const void *kn_cpu_packed_of(kn_cpu *c, const kn_mat *w)
     if (!e) return NULL;
     if (e->tried) return e->copy;
     e->tried = true;
-    const size_t bytes = kn_q8_gemm_packed_bytes(w);
+    const size_t bytes = kn_q8_packed_bytes(w);
     if (!bytes) return NULL;
     void *copy = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!copy) {

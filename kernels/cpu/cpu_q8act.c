@@ -11,11 +11,12 @@
  *   Q6_K: y += xd d (sum_g sc[g] dot(q_g, x_g) - 32 sum_g sc[g] bsums[g]),  q_g in [0, 64)
  *   Q5_0: y += xd d dot(q - 16, x), signed quants by the sign trick (|w|, sign(x, w))
  *   Q8_0: y += xd d dot(q, x), likewise
- * The int32 lanes are converted to float and accumulated with one fma per block by xd d
- * into float lanes, summed once per row at the end; the mins (Q4_K) and offsets (Q6_K) go
- * to a scalar accumulator. The lanes stay below 2^24 (exact in float) for Q4_K and below
- * 2^31 for Q6_K (the conversion may round). Up to four rows of x share each decoded
- * weight block, every row with the arithmetic of one.
+ * 32-block types: the int32 lanes are converted to float and accumulated with one fma per
+ * block by xd d into float lanes, summed once per row at the end. K-types: the lanes are
+ * summed exactly per super-block (below 2^31), then one scalar sequence per super-block
+ * (q4k_acc, q6k_acc): the one each lane of the packed kernel (cpu_q8kpack.c) runs, so a
+ * packed and an unpacked W give the same bits, on every ISA. Up to four rows of x share
+ * each decoded weight block, every row with the arithmetic of one.
  */
 #include "cpu_q8act.h"
 
@@ -132,6 +133,20 @@ void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq
         q8b_quant(x + i * TD_QK, b);
 }
 
+/* The float part of a K-type dot, per super-block, from its exact integer sums (every ISA
+ * here and each lane of cpu_q8kpack.c's packed kernel: the same bits). Q4_K: isum =
+ * sum_c sc[c] dot(q_c, x_c), msum = sum_c mn[c] csums[c]; Q6_K: s = sum_g sc[g] (dot(q_g,
+ * x_g) - 32 bsums[g]). */
+KN_ALWAYS_INLINE float q4k_acc(float acc, int isum, int msum, float xd, float d, float dmin)
+{
+    acc = fmaf((float)isum, xd * d, acc);
+    return fmaf(-(float)msum, xd * dmin, acc);
+}
+KN_ALWAYS_INLINE float q6k_acc(float acc, int s, float xd, float d)
+{
+    return fmaf((float)s, xd * d, acc);
+}
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -173,10 +188,6 @@ KN_ALWAYS_INLINE int hsum_epi32(__m128i v)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* 512-bit K-type dots: maddubs (u8 x s8 pairs to int16, no saturation: 63 * 127 * 2 <
  * 2^15) then dpwssd against the scales as int16 (pairs to int32, accumulated). */
-#define KQ_ACC        __m512
-#define KQ_ACC_ZERO   _mm512_setzero_ps()
-#define KQ_ACC_SUM(a) _mm512_reduce_add_ps(a)
-
 /* Q4_K's scales (bytes 0-7) and mins (bytes 8-15) from scales[12] (ggml's kmask
  * shuffle, the same values as kn_kq_scale_min). */
 KN_ALWAYS_INLINE void q4k_scale_min8(const uint8_t *s, uint32_t u[4])
@@ -201,10 +212,10 @@ KN_ALWAYS_INLINE __m512i bcast_scales(__m512i s, int g, int first)
     return _mm512_permutexvar_epi16(idx, s);
 }
 
-/* For the M rows of x at xb (xs blocks apart): acc[j] += xd d sum_c sc[c] dot(q_c, x_c),
- * off[j] += xd dmin sum_c mn[c] csums[c]; the weights decoded once for all M. */
+/* For the M rows of x at xb (xs blocks apart): acc[j] = q4k_acc(acc[j], ...); the weights
+ * decoded once for all M. */
 KN_ALWAYS_INLINE void q4k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
-                                 __m512 *acc, float *off)
+                                 float *acc)
 {
     uint32_t u[4];
     q4k_scale_min8(blk + 4, u);
@@ -228,16 +239,14 @@ KN_ALWAYS_INLINE void q4k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t x
     const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(u + 2)));
     for (int j = 0; j < M; j++) {
         const kn_q8k *x = xb + j * xs;
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j]), _mm512_set1_ps(x->d * d), acc[j]);
         const int msum = hsum_epi32(_mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)x->csums)));
-        off[j] += x->d * dmin * (float)msum;
+        acc[j] = q4k_acc(acc[j], _mm512_reduce_add_epi32(a[j]), msum, x->d, d, dmin);
     }
 }
 
-/* For the M rows of x at xb (xs blocks apart): acc[j] += xd d sum_g sc[g] dot(q_g, x_g),
- * off[j] += xd d 32 sum_g sc[g] bsums[g]. */
+/* For the M rows of x at xb (xs blocks apart): acc[j] = q6k_acc(acc[j], ...). */
 KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
-                                 __m512 *acc, float *off)
+                                 float *acc)
 {
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
     const __m512i sc = _mm512_castsi256_si512(sc16);
@@ -268,21 +277,20 @@ KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t x
     const float d = kn_h2f(blk + 208);
     for (int j = 0; j < M; j++) {
         const kn_q8k *x = xb + j * xs;
-        const float xdd = x->d * d;
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j]), _mm512_set1_ps(xdd), acc[j]);
         const __m256i o = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums));
         const int osum =
             hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1)));
-        off[j] += xdd * (float)(32 * osum);
+        acc[j] = q6k_acc(acc[j], _mm512_reduce_add_epi32(a[j]) - 32 * osum, x->d, d);
     }
 }
 #else
-#define KQ_ACC        __m256
-#define KQ_ACC_ZERO   _mm256_setzero_ps()
-#define KQ_ACC_SUM(a) hsum_ps(a)
+KN_ALWAYS_INLINE int hsum256_epi32(__m256i v)
+{
+    return hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
 
-/* acc += xd d sum_c sc[c] dot(q_c, x_c); returns xd dmin sum_c mn[c] bsum_c. */
-KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *acc)
+/* *acc = q4k_acc(*acc, ...) for one row of x. */
+KN_ALWAYS_INLINE void q4k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
 {
     int sc[8], mn[8];
     kn_kq_scale_min(blk + 4, sc, mn);
@@ -298,16 +306,14 @@ KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *a
         a = _mm256_add_epi32(a, _mm256_mullo_epi32(plo, _mm256_set1_epi32(sc[2 * c2])));
         a = _mm256_add_epi32(a, _mm256_mullo_epi32(phi, _mm256_set1_epi32(sc[2 * c2 + 1])));
     }
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(xb->d * kn_h2f(blk)), *acc);
     int msum = 0;
     for (int c = 0; c < 8; c++)
-        msum += mn[c] * (xb->bsums[2 * c] + xb->bsums[2 * c + 1]);
-    return xb->d * kn_h2f(blk + 2) * (float)msum;
+        msum += mn[c] * xb->csums[c];
+    *acc = q4k_acc(*acc, hsum256_epi32(a), msum, xb->d, kn_h2f(blk), kn_h2f(blk + 2));
 }
 
-/* acc += xd d sum_g sc[g] dot(q_g, x_g) over q in [0, 64); returns xd d 32 sum_g sc[g]
- * bsums[g] (the offset, to subtract). */
-KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *acc)
+/* *acc = q6k_acc(*acc, ...) for one row of x, q in [0, 64). */
+KN_ALWAYS_INLINE void q6k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
 {
     const int8_t *sc = (const int8_t *)(blk + 192);
     const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
@@ -337,26 +343,24 @@ KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, __m256 *a
             a = _mm256_add_epi32(a, _mm256_mullo_epi32(p, s));
         }
     }
-    const float xdd = xb->d * kn_h2f(blk + 208);
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(xdd), *acc);
     int osum = 0;
     for (int g = 0; g < 16; g++)
         osum += sc[g] * xb->bsums[g];
-    return xdd * (float)(32 * osum);
+    *acc = q6k_acc(*acc, hsum256_epi32(a) - 32 * osum, xb->d, kn_h2f(blk + 208));
 }
 
 /* The M-row forms of the two above, one row of x after the other. */
 KN_ALWAYS_INLINE void q4k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
-                                 KQ_ACC *acc, float *off)
+                                 float *acc)
 {
     for (int j = 0; j < M; j++)
-        off[j] += q4k_block(blk, xb + j * xs, &acc[j]);
+        q4k_block(blk, xb + j * xs, &acc[j]);
 }
 KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
-                                 KQ_ACC *acc, float *off)
+                                 float *acc)
 {
     for (int j = 0; j < M; j++)
-        off[j] += q6k_block(blk, xb + j * xs, &acc[j]);
+        q6k_block(blk, xb + j * xs, &acc[j]);
 }
 #endif /* 512-bit K-types */
 
@@ -392,11 +396,7 @@ KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb
 #define Q8_ACC        float
 #define Q8_ACC_ZERO   0.0f
 #define Q8_ACC_SUM(a) (a)
-#define KQ_ACC        float
-#define KQ_ACC_ZERO   0.0f
-#define KQ_ACC_SUM(a) (a)
-
-KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
+KN_ALWAYS_INLINE void q4k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
 {
     int sc[8], mn[8];
     kn_kq_scale_min(blk + 4, sc, mn);
@@ -406,13 +406,12 @@ KN_ALWAYS_INLINE float q4k_block(const uint8_t *blk, const kn_q8k *xb, float *ac
         for (int l = 0; l < 32; l++)
             s += ((blk[16 + 32 * (c / 2) + l] >> (4 * (c % 2))) & 15) * xb->qs[32 * c + l];
         isum += sc[c] * s;
-        msum += mn[c] * (xb->bsums[2 * c] + xb->bsums[2 * c + 1]);
+        msum += mn[c] * xb->csums[c];
     }
-    *acc = fmaf((float)isum, xb->d * kn_h2f(blk), *acc);
-    return xb->d * kn_h2f(blk + 2) * (float)msum;
+    *acc = q4k_acc(*acc, isum, msum, xb->d, kn_h2f(blk), kn_h2f(blk + 2));
 }
 
-KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
+KN_ALWAYS_INLINE void q6k_block(const uint8_t *blk, const kn_q8k *xb, float *acc)
 {
     const int8_t *sc = (const int8_t *)(blk + 192);
     int isum = 0, osum = 0;
@@ -430,23 +429,21 @@ KN_ALWAYS_INLINE float q6k_block(const uint8_t *blk, const kn_q8k *xb, float *ac
     }
     for (int g = 0; g < 16; g++)
         osum += sc[g] * xb->bsums[g];
-    const float xdd = xb->d * kn_h2f(blk + 208);
-    *acc = fmaf((float)isum, xdd, *acc);
-    return xdd * (float)(32 * osum);
+    *acc = q6k_acc(*acc, isum - 32 * osum, xb->d, kn_h2f(blk + 208));
 }
 
 /* The M-row forms of the two above, one row of x after the other. */
 KN_ALWAYS_INLINE void q4k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
-                                 KQ_ACC *acc, float *off)
+                                 float *acc)
 {
     for (int j = 0; j < M; j++)
-        off[j] += q4k_block(blk, xb + j * xs, &acc[j]);
+        q4k_block(blk, xb + j * xs, &acc[j]);
 }
 KN_ALWAYS_INLINE void q6k_blocks(const uint8_t *blk, const kn_q8k *xb, int64_t xs, int M,
-                                 KQ_ACC *acc, float *off)
+                                 float *acc)
 {
     for (int j = 0; j < M; j++)
-        off[j] += q6k_block(blk, xb + j * xs, &acc[j]);
+        q6k_block(blk, xb + j * xs, &acc[j]);
 }
 
 KN_ALWAYS_INLINE void q32_block(td_dtype t, const uint8_t *blk, const kn_q8b *xb, float *acc)
@@ -475,20 +472,17 @@ KN_ALWAYS_INLINE void q8_tile(td_dtype t, int M, const uint8_t *w, const uint8_t
         const size_t bs = t == TD_Q4_K ? 144 : 210;
         const int64_t xs = (int64_t)(xrow / sizeof(kn_q8k));
         const kn_q8k *xb = (const kn_q8k *)(const void *)xq;
-        KQ_ACC acc[4];
-        float off[4] = {0};
-        for (int j = 0; j < M; j++)
-            acc[j] = KQ_ACC_ZERO;
+        float acc[4] = {0};
         for (int64_t b = 0; b < nb; b++, w += bs, xb++) {
             for (size_t o = 0; o < bs; o += 64)
                 __builtin_prefetch(w + Q8_PREFETCH + o);
             if (t == TD_Q4_K)
-                q4k_blocks(w, xb, xs, M, acc, off);
+                q4k_blocks(w, xb, xs, M, acc);
             else
-                q6k_blocks(w, xb, xs, M, acc, off);
+                q6k_blocks(w, xb, xs, M, acc);
         }
         for (int j = 0; j < M; j++)
-            y[j * ldy] = KQ_ACC_SUM(acc[j]) - off[j];
+            y[j * ldy] = acc[j];
         return;
     }
     const size_t bs = t == TD_Q8_0 ? 34 : 22;
@@ -534,8 +528,13 @@ KN_ALWAYS_INLINE void q8_range(td_dtype t, const kn_mat *w, const void *xq, int6
     }
 }
 
-void kn_q8_dot(const kn_mat *w, const void *xq, int64_t m, float *y, int64_t r0, int64_t r1)
+void kn_q8_dot(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
+               int64_t r0, int64_t r1)
 {
+    if (packed && (w->type == TD_Q4_K || w->type == TD_Q6_K)) {
+        kn_q8k_dot_packed(w, packed, xq, m, y, r0, r1);
+        return;
+    }
     switch (w->type) {
     case TD_Q4_K:
         q8_range(TD_Q4_K, w, xq, m, y, r0, r1);

@@ -1,8 +1,9 @@
 /* cpu_q8act.h: the CPU backend's opt-in 8-bit activation mode (kn_cpu_set_act_q8,
  * TANDEM_CPU_ACT=q8): each row of x is quantized to 8 bits once per matmul and dotted with
  * the raw weight quants in integer arithmetic, as llama.cpp does. K-types (Q4_K, Q6_K) on the
- * decode dot path (kn_q8_dot, m < 64 and solo rows) and, with AVX512-VNNI, the gemm path's
- * batch rows through cpu_q8kgemm.c (kn_q8k_gemm); 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
+ * decode dot path (kn_q8_dot, m < 64 and solo rows; with AVX512-VNNI through a copy packed
+ * by 16 rows, cpu_q8kpack.c) and, with AVX512-VNNI, the gemm path's batch rows through
+ * cpu_q8kgemm.c (kn_q8k_gemm); 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
  * at every m through the integer GEMM of cpu_q8gemm.c (kn_q8_gemm).
  *
  * Purpose: the float32 dot path unpacks every weight to float32 and is compute-bound at
@@ -55,8 +56,26 @@ size_t kn_q8_row_bytes(td_dtype t, int64_t n);
 void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq);
 
 /* y[i * w->n_rows + r] = dot(row r of W, row i of xq) for r in [r0, r1) and i < m;
- * xq from kn_q8_quant_rows(w->type, x, m, w->n_cols, xq). */
-void kn_q8_dot(const kn_mat *w, const void *xq, int64_t m, float *y, int64_t r0, int64_t r1);
+ * xq from kn_q8_quant_rows(w->type, x, m, w->n_cols, xq). packed: for a K-type W, W packed
+ * by kn_q8k_pack (read by 16-row groups; any r0, r1, faster on group bounds), or NULL (the
+ * rows as they are); both give the same bits. Ignored for the other types. */
+void kn_q8_dot(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
+               int64_t r0, int64_t r1);
+
+/* ---- cpu_q8kpack.c: K-quant weights packed once for kn_q8_dot (AVX512-VNNI) ----
+ * kn_q8k_packed_bytes: the bytes of W (Q4_K or Q6_K, whole super-blocks) packed in groups
+ * of 16 rows, or 0 when it cannot be (another type, no AVX512-VNNI, kn_q8_gemm_force_avx2).
+ * kn_q8k_pack fills groups [g0, g1) (any thread, disjoint groups); W must not change
+ * afterwards. kn_q8k_dot_packed: kn_q8_dot's product through the packed copy. */
+size_t kn_q8k_packed_bytes(const kn_mat *w);
+void kn_q8k_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
+void kn_q8k_dot_packed(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
+                       int64_t r0, int64_t r1);
+
+/* The packed copy the q8 mode keeps of W (cpu_packed.c): kn_q8_gemm_pack's for 32-block
+ * types, kn_q8k_pack's for K-types. kn_q8_packed_bytes: its bytes, 0 when W is not packed. */
+size_t kn_q8_packed_bytes(const kn_mat *w);
+void kn_q8_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
 
 /* ---- cpu_q8gemm.c: 32-block weights, every m ----
  * Whether kn_q8_gemm takes W (Q4_0, Q4_1, Q5_0, Q8_0, row stride <= INT32_MAX / 16). */

@@ -331,7 +331,7 @@ static void check_packed(fused_op op, int n, const td_dtype *types, const int64_
     }
     bool all_packed = kn_q8_gemm_group_rows() == 16;
     for (int i = 0; i < n; i++)
-        all_packed = all_packed && kn_q8_gemm_packed_bytes(&w[i]) > 0;
+        all_packed = all_packed && kn_q8_packed_bytes(&w[i]) > 0;
     /* fused: one run for the products and the activation; an op that fell back runs one
      * per matrix plus the activation's. (matmul_add cannot tell: its unfused add of rows this
      * short runs on the caller, so both make one run; its bits are checked above.) */
@@ -506,13 +506,13 @@ static void test_engine_fused_equals_unfused(void)
 /* Whether the model has a matrix the q8 GEMM packs (on this CPU). */
 static bool model_has_packable(void)
 {
-    if (model->last && kn_q8_gemm_packed_bytes(&model->output)) return true;
+    if (model->last && kn_q8_packed_bytes(&model->output)) return true;
     for (int li = 0; li < model->shard.l1 - model->shard.l0; li++) {
         const kn_layer *ly = &model->layers[li];
         const kn_mat *mats[] = {&ly->wq,     &ly->wk,   &ly->wv,    &ly->wo,
                                 &ly->w_gate, &ly->w_up, &ly->w_down};
         for (size_t i = 0; i < sizeof mats / sizeof *mats; i++)
-            if (mats[i]->data && kn_q8_gemm_packed_bytes(mats[i])) return true;
+            if (mats[i]->data && kn_q8_packed_bytes(mats[i])) return true;
     }
     return false;
 }

@@ -256,15 +256,15 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
                   "%s m %lld: avx2 and %s differ", td_dtype_name(t), (long long)m,
                   kn_q8_gemm_isa());
     }
-    /* W registered as the engine registers its weights (map_matrix): the q8 GEMM reads
-     * its packed copy (Q4_0, Q4_1, Q5_0, Q8_0 with VNNI) and gives the same bits, for the batch
+    /* W registered as the engine registers its weights (map_matrix): the q8 GEMM and the
+     * K-quant dot read its packed copy (every type here, with VNNI) and give the same bits, for the batch
      * and each row alone; a view of fewer rows at the same address was never registered
      * and keeps the per-call panels, with the same bits for its rows */
     kn_cpu *pc;
     TH_REQUIRE(kn_cpu_create(2, &pc) == 0);
     TH_REQUIRE(kn_cpu_map_matrix(pc, &W.w) == 0 && kn_cpu_map_matrix(pc, &W.w) == 0);
     TH_REQUIRE(matmul_act(pc, true, &W.w, x, m, solo, yt) == 0);
-    TH_CHECK(kn_cpu_packed_bytes(pc) == kn_q8_gemm_packed_bytes(&W.w));
+    TH_CHECK(kn_cpu_packed_bytes(pc) == kn_q8_packed_bytes(&W.w));
     TH_CHECKF(memcmp(y, yt, (size_t)(m * n_rows) * sizeof(float)) == 0,
               "%s m %lld: the packed weights change the bits", td_dtype_name(t), (long long)m);
     for (int64_t i = 0; i < m && i < 5; i++) {
@@ -280,7 +280,7 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
             diff +=
                 memcmp(y + i * n_rows, yt + i * v.n_rows, (size_t)v.n_rows * sizeof(float)) != 0;
         TH_CHECK(diff == 0);
-        TH_CHECK(kn_cpu_packed_bytes(pc) == kn_q8_gemm_packed_bytes(&W.w));
+        TH_CHECK(kn_cpu_packed_bytes(pc) == kn_q8_packed_bytes(&W.w));
     }
     kn_cpu_destroy(pc);
     free(x), free(y), free(y32), free(yt), free(xq), free(xd), free(q);
@@ -354,6 +354,72 @@ static void test_kquant_gemm(void)
         check_kgemm(kt[k], 37, 5 * 256, 69);
         check_kgemm(kt[k], 48, 2 * 256, 203);
         check_kgemm(kt[k], 9, 256, 512);
+    }
+}
+
+/* The packed K-quant dot (kn_q8k_pack, kn_q8k_dot_packed through kn_q8_dot) against the rows as
+ * they are: the same bits for Q4_K and Q6_K, m 1..9 (tiles of 4 and their tails), a partial last
+ * group, row ranges that start and end inside groups (the rows outside left untouched), a copy
+ * packed in two parts, strided rows, and a row of x at full scale (|q| = 127 everywhere: the
+ * integer sums at their largest). Skipped without AVX512-VNNI, where nothing is packed. */
+static void test_kpacked(void)
+{
+    kn_mat probe = {.type = TD_Q4_K, .n_rows = 1, .n_cols = 256, .row_stride = 144};
+    if (!kn_q8k_packed_bytes(&probe)) {
+        fprintf(stderr, "no AVX512-VNNI: K-quant weights are not packed on this CPU, skipped\n");
+        return;
+    }
+    kn_q8_gemm_force_avx2(true);
+    TH_CHECK(kn_q8k_packed_bytes(&probe) == 0);
+    kn_q8_gemm_force_avx2(false);
+    static const td_dtype kt[] = {TD_Q4_K, TD_Q6_K};
+    static const int64_t ranges[][2] = {{0, 53}, {3, 29}, {16, 32}, {17, 18}, {40, 53}, {52, 53}};
+    const int64_t n_rows = 53, n_cols = 3 * 256, groups = (n_rows + 15) / 16;
+    for (int k = 0; k < 2; k++) {
+        q_mat W;
+        TH_REQUIRE(make_mat(kt[k], n_rows, n_cols, &W) == 0);
+        TH_CHECK((size_t)W.w.row_stride > td_dtype_row_bytes(kt[k], n_cols));
+        const size_t pbytes = kn_q8k_packed_bytes(&W.w);
+        TH_CHECK(pbytes == kn_q8_packed_bytes(&W.w) && pbytes > 0);
+        uint8_t *packed = malloc(pbytes);
+        TH_REQUIRE(packed);
+        kn_q8k_pack(&W.w, packed, 0, 1);
+        kn_q8k_pack(&W.w, packed, 1, groups);
+        for (int64_t m = 1; m <= 9; m++) {
+            float *x = make_x(m, n_cols);
+            TH_REQUIRE(x);
+            for (int64_t e = 0; e < n_cols; e++)
+                x[(m - 1) * n_cols + e] = e % 2 ? -1.0f : 1.0f;
+            const size_t xb = (size_t)m * kn_q8_row_bytes(kt[k], n_cols);
+            void *xq = malloc(xb);
+            float *y = malloc((size_t)(m * n_rows) * sizeof(float));
+            float *yp = malloc((size_t)(m * n_rows) * sizeof(float));
+            TH_REQUIRE(xq && y && yp);
+            kn_q8_quant_rows(kt[k], x, m, n_cols, xq);
+            kn_q8_dot(&W.w, NULL, xq, m, y, 0, n_rows);
+            for (size_t r = 0; r < sizeof ranges / sizeof *ranges; r++) {
+                const int64_t r0 = ranges[r][0], r1 = ranges[r][1];
+                for (int64_t i = 0; i < m * n_rows; i++)
+                    yp[i] = -12345.0f;
+                kn_q8_dot(&W.w, packed, xq, m, yp, r0, r1);
+                int64_t diff = 0, touched = 0;
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t row = 0; row < n_rows; row++) {
+                        const float a = y[i * n_rows + row], b = yp[i * n_rows + row];
+                        if (row >= r0 && row < r1)
+                            diff += memcmp(&a, &b, sizeof a) != 0;
+                        else
+                            touched += b != -12345.0f;
+                    }
+                TH_CHECKF(diff == 0 && touched == 0,
+                          "%s m %lld rows [%lld, %lld): %lld rows differ, %lld outside written",
+                          td_dtype_name(kt[k]), (long long)m, (long long)r0, (long long)r1,
+                          (long long)diff, (long long)touched);
+            }
+            free(x), free(xq), free(y), free(yp);
+        }
+        free(packed);
+        free_mat(&W);
     }
 }
 
@@ -456,6 +522,7 @@ int main(void)
             kn_q8_gemm_group_rows() == 16 ? "yes" : "no, not AVX512-VNNI");
     TH_RUN(test_q8_dots);
     TH_RUN(test_kquant_gemm);
+    TH_RUN(test_kpacked);
     TH_RUN(test_mixed_and_off);
     TH_RUN(test_env);
     for (int i = 0; i < 3; i++)
