@@ -333,6 +333,11 @@ static void check_kgemm(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
         TH_REQUIRE(matmul_act(cpus[0], true, &W.w, x + i * n_cols, 1, 0, y1) == 0);
         TH_CHECK(memcmp(yt + i * n_rows, y1, (size_t)n_rows * sizeof(float)) == 0);
     }
+    /* Without the K-quant GEMM the q8 mode's batch rows take the float32 path: the same
+     * sgemm calls, so the same bits. Both runs on one pool: an sgemm's element may depend on
+     * the call's shape (which slice of rows it is in: OpenBLAS's Prescott kernels), and the
+     * slices follow the thread count. */
+    TH_REQUIRE(matmul_act(cpus[1], false, &W.w, x, m, 0, y32) == 0);
     kn_q8_gemm_force_avx2(true);
     TH_CHECK(!kn_q8k_gemm_supported(&W.w));
     TH_REQUIRE(matmul_act(cpus[1], true, &W.w, x, m, 0, yt) == 0);
