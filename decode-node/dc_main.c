@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_blas.h"
 #include "config.h"
 #include "dc_node.h"
 #include "td_err.h"
@@ -25,6 +26,8 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
+    /* before any thread: a BLAS core older than the CPU is fixed by re-executing */
+    if (kn_blas_fit_cpu(argv)) return 1;
     const char *path = NULL, *instance = NULL, *listen = NULL;
     int rank = -1;
     for (int i = 1; i < argc; i++) {

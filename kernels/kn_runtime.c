@@ -3,6 +3,7 @@
 
 #include <string.h>
 
+#include "cpu_backend.h"
 #include "td_err.h"
 
 int kn_runtime_open(kn_runtime *rt, const kn_runtime_params *p)
@@ -30,6 +31,9 @@ int kn_runtime_open(kn_runtime *rt, const kn_runtime_params *p)
         TD_LOG_ERR("%s: cannot create the engine: %s", who, td_strerror(rc));
         goto fail;
     }
+    /* what runs: the CPU's features, the BLAS core, each weight type's kernels */
+    const kn_cpu *cpu = kn_cpu_of(rt->be);
+    if (cpu) kn_cpu_log_what_runs(cpu, who);
     return 0;
 fail:
     kn_runtime_close(rt);

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cpu_blas.h"
 #include "pf_int.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -86,6 +87,8 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
+    /* before any thread: a BLAS core older than the CPU is fixed by re-executing */
+    if (kn_blas_fit_cpu(argv)) return 1;
     const char *path = NULL, *instance = NULL, *listen = NULL, *leader = NULL;
     int stage = -1;
     bool reprofile = false;

@@ -6,3 +6,13 @@ if(TANDEM_PYTHON)
                    ${TANDEM_TEST_DATA}/synth/llama.gguf ${TANDEM_MODEL})
   set_tests_properties(cli PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
 endif()
+
+# A BLAS that misreads the CPU (OPENBLAS_CORETYPE=Prescott): corrected by re-execution,
+# or reported with TANDEM_BLAS_CORE=keep; bench-engine --json and the start-up log say
+# what runs (kernels/cpu/cpu_blas.h).
+if(TANDEM_PYTHON)
+  add_test(NAME cli_blas_core
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tools/test_blas_core.py
+                   $<TARGET_FILE:tandem> ${TANDEM_TEST_DATA}/synth/llama.gguf)
+  set_tests_properties(cli_blas_core PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300)
+endif()

@@ -13,9 +13,13 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cpu_blas.h"
 #include "td_clock.h"
 #include "td_err.h"
 #include "td_stats.h"
+
+/* Prompt tokens of the prefill workload (llama-bench's pp512). */
+enum { n_prefill = 512 };
 
 static double now_s(void)
 {
@@ -164,6 +168,53 @@ static int bench_usage(void)
     return TD_EINVAL;
 }
 
+/* The CPU figures beside this machine's ceilings, measured now, and what ran (the CPU's
+ * features, the BLAS core, each weight type's kernels). */
+static void report_cpu(cli_session *s, kn_cpu *cpu, const char *model_path, td_dtype kv_type,
+                       bool json, double pp, double tg, double b8, int batch, int n_gen)
+{
+    double mem = kn_cpu_mem_read_gbps(cpu, 0, 5);
+    double gemm = kn_cpu_sgemm_gflops(cpu, 2048, 3);
+    double wbytes, params;
+    model_weights(s, &wbytes, &params);
+    double tg_roof = mem * 1e9 / wbytes, pp_roof = gemm * 1e9 / (2 * params);
+    int th = kn_cpu_n_threads(cpu);
+    kn_blas_info bi;
+    kn_blas_info_get(&bi);
+    char paths[1024];
+    kn_cpu_describe_paths(cpu, paths, sizeof paths);
+    if (json) {
+        printf("{\"threads\": %d, \"isa\": \"%s\", \"act\": \"%s\", \"prefill_tps\": %.2f, "
+               "\"decode_tps\": %.2f, "
+               "\"decode_batch\": %d, \"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, "
+               "\"gemm_gflops\": %.2f, "
+               "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
+               "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
+               "\"prefill_ratio\": %.3f, \"cpu_isa\": \"%s\", \"cpu_features\": \"%s\", "
+               "\"blas_core\": \"%s\", \"blas_core_isa\": \"%s\", \"blas_fits\": %s, "
+               "\"blas_fixed_from\": \"%s\", \"paths\": \"%s\"}\n",
+               th, kn_cpu_isa(), kn_cpu_act_q8(cpu) ? "q8" : "f32", pp, tg, batch, b8, mem,
+               gemm, wbytes, params, tg_roof, pp_roof, tg / tg_roof, pp / pp_roof, bi.cpu_isa,
+               bi.cpu_features, bi.core, bi.core_isa, bi.fits ? "true" : "false",
+               bi.fixed_from, paths);
+    } else {
+        printf("model %s, %d threads, isa %s, kv %s, act %s\n", model_path, th, kn_cpu_isa(),
+               td_dtype_name(kv_type), kn_cpu_act_q8(cpu) ? "q8" : "f32");
+        printf("cpu %s (%s); blas OpenBLAS core %s (%s)%s%s%s\n", bi.cpu_isa, bi.cpu_features,
+               bi.core, bi.core_isa, bi.fits ? "" : ": OLDER THAN THIS CPU",
+               bi.fixed_from[0] ? ", set for this cpu; OpenBLAS chose " : "", bi.fixed_from);
+        printf("products: %s\n", paths);
+        printf("ceilings: memory read %.1f GB/s, sgemm %.1f GFLOP/s\n", mem, gemm);
+        printf("weights read per decode step %.1f MB, %.1f M params in matrix products\n",
+               wbytes / 1e6, params / 1e6);
+        printf("prefill pp%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_prefill, pp,
+               pp_roof, pp / pp_roof);
+        printf("decode  tg%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_gen, tg, tg_roof,
+               tg / tg_roof);
+        printf("decode  b%d  : %8.1f tok/s  (%.2fx batch 1)\n", batch, b8, b8 / tg);
+    }
+}
+
 int cmd_bench_engine(int argc, char **argv)
 {
     cli_session_params sp = {.kv_type = TD_F16};
@@ -210,7 +261,6 @@ int cmd_bench_engine(int argc, char **argv)
         fprintf(stderr, "tandem: bench-engine needs --model\n");
         return TD_EINVAL;
     }
-    const int n_prefill = 512;
     sp.ctx = bench_ctx(batch, n_gen, n_prefill);
     cli_session s;
     if ((rc = cli_session_open(&s, &sp))) return rc;
@@ -247,34 +297,7 @@ int cmd_bench_engine(int argc, char **argv)
             report_device(&s, json, pp, tg, b8, batch, n_gen);
             goto done;
         }
-        double mem = kn_cpu_mem_read_gbps(cpu, 0, 5);
-        double gemm = kn_cpu_sgemm_gflops(cpu, 2048, 3);
-        double wbytes, params;
-        model_weights(&s, &wbytes, &params);
-        double tg_roof = mem * 1e9 / wbytes, pp_roof = gemm * 1e9 / (2 * params);
-        int th = kn_cpu_n_threads(cpu);
-        if (json) {
-            printf("{\"threads\": %d, \"isa\": \"%s\", \"act\": \"%s\", \"prefill_tps\": %.2f, "
-                   "\"decode_tps\": %.2f, "
-                   "\"decode_batch\": %d, \"decode_b8_tps\": %.2f, \"mem_gbps\": %.2f, "
-                   "\"gemm_gflops\": %.2f, "
-                   "\"weight_bytes\": %.0f, \"params\": %.0f, \"decode_roofline_tps\": %.2f, "
-                   "\"prefill_roofline_tps\": %.2f, \"decode_ratio\": %.3f, "
-                   "\"prefill_ratio\": %.3f}\n",
-                   th, kn_cpu_isa(), kn_cpu_act_q8(cpu) ? "q8" : "f32", pp, tg, batch, b8, mem,
-                   gemm, wbytes, params, tg_roof, pp_roof, tg / tg_roof, pp / pp_roof);
-        } else {
-            printf("model %s, %d threads, isa %s, kv %s, act %s\n", sp.model_path, th, kn_cpu_isa(),
-                   td_dtype_name(sp.kv_type), kn_cpu_act_q8(cpu) ? "q8" : "f32");
-            printf("ceilings: memory read %.1f GB/s, sgemm %.1f GFLOP/s\n", mem, gemm);
-            printf("weights read per decode step %.1f MB, %.1f M params in matrix products\n",
-                   wbytes / 1e6, params / 1e6);
-            printf("prefill pp%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_prefill, pp,
-                   pp_roof, pp / pp_roof);
-            printf("decode  tg%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_gen, tg, tg_roof,
-                   tg / tg_roof);
-            printf("decode  b%d  : %8.1f tok/s  (%.2fx batch 1)\n", batch, b8, b8 / tg);
-        }
+        report_cpu(&s, cpu, sp.model_path, sp.kv_type, json, pp, tg, b8, batch, n_gen);
     }
 done:
     free(logits);

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cpu_blas.h"
 #include "http_client.h"
 
 static void usage(void)
@@ -26,6 +27,8 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
+    /* before any thread: a BLAS core older than the CPU is fixed by re-executing */
+    if (kn_blas_fit_cpu(argv)) return 1;
     if (argc < 2) {
         usage();
         return 2;

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cpu_blas.h"
 #include "cpu_internal.h"
 #include "td_err.h"
 
@@ -172,4 +173,28 @@ float *kn_cpu_scratch(kn_cpu *c, int tid, size_t n_floats)
         c->scratch_cap[tid] = n_floats;
     }
     return c->scratch[tid];
+}
+
+void kn_cpu_describe_paths(const kn_cpu *c, char *buf, size_t cap)
+{
+    kn_mat kinds[32];
+    const size_t n = kn_cpu_mapped_kinds(c, kinds, sizeof kinds / sizeof *kinds);
+    size_t len = 0;
+    if (cap) buf[0] = '\0';
+    for (size_t i = 0; i < n && len < cap; i++) {
+        const char *batch, *solo;
+        kn_cpu_matmul_paths(c, &kinds[i], &batch, &solo);
+        len += (size_t)snprintf(buf + len, cap - len, "%s%s: batch %s, solo %s", i ? "; " : "",
+                                td_dtype_name(kinds[i].type), batch, solo);
+    }
+}
+
+void kn_cpu_log_what_runs(const kn_cpu *c, const char *who)
+{
+    kn_blas_log(who, kn_cpu_isa());
+    char paths[1024];
+    kn_cpu_describe_paths(c, paths, sizeof paths);
+    TD_LOG_INFO("%s: %s activations, %d thread%s; products by weight type: %s", who,
+                c->act_q8 ? "q8" : "float32", c->n_threads, c->n_threads == 1 ? "" : "s",
+                paths[0] ? paths : "(no weights registered)");
 }

@@ -51,6 +51,17 @@ int kn_cpu_map_matrix(void *ctx, const kn_mat *w);
 /* Bytes held by the packed copies. */
 size_t kn_cpu_packed_bytes(const kn_cpu *c);
 
+/* Which kernel each kind of row of a product over w takes now (the activation mode
+ * included): *batch for the rows of a batch large enough for the gemm path (prefill),
+ * *solo for decode rows. Static strings. */
+void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
+                         const char **solo);
+/* "TYPE: batch PATH, solo PATH; ..." for each weight type registered with map_matrix (the
+ * model's), into buf; "" when none is. */
+void kn_cpu_describe_paths(const kn_cpu *c, char *buf, size_t cap);
+/* The start-up report of what runs (cpu_blas.h's line, then the paths), logged under who. */
+void kn_cpu_log_what_runs(const kn_cpu *c, const char *who);
+
 /* Which ISA the SIMD kernels use on this machine ("avx512", "avx2", "scalar"). */
 const char *kn_cpu_isa(void);
 

@@ -27,6 +27,9 @@ struct kn_cpu {
     bool packed_oom; /* a packed copy could not be allocated (logged once) */
 };
 
+/* Up to cap of the matrices map_matrix registered, one per weight type, into out; returns
+ * how many (cpu_packed.c). */
+size_t kn_cpu_mapped_kinds(const kn_cpu *c, kn_mat *out, size_t cap);
 /* The q8 mode's packed copy of w (kn_q8_pack; made on the first call, cpu_packed.c), or NULL when w was
  * never registered with kn_cpu_map_matrix, cannot be packed, or its copy found no memory.
  * On the caller's thread, outside pool jobs. */

@@ -30,6 +30,7 @@
 #include <cblas.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
@@ -488,6 +489,24 @@ static int mm_check(const kn_mat *w, const char *op)
         return TD_EINVAL;
     }
     return 0;
+}
+
+void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
+                         const char **solo)
+{
+    /* kn_cpu_matmul_mixed's choices, in its order */
+    if (c->act_q8 && kn_q8_gemm_supported(w)) {
+        *batch = *solo = !strcmp(kn_q8_gemm_isa(), "avx2") ? "q8 integer GEMM (avx2)"
+                                                             : "q8 integer GEMM (avx512-vnni)";
+        return;
+    }
+    if (c->act_q8 && kn_q8k_gemm_supported(w))
+        *batch = "q8 K-quant integer GEMM (avx512-vnni)";
+    else if (w->type == TD_F32)
+        *batch = "OpenBLAS sgemm";
+    else
+        *batch = "float32 tiles + OpenBLAS sgemm";
+    *solo = c->act_q8 && kn_q8_supported(w->type) ? "q8 integer dot" : "float32 dot";
 }
 
 int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y)

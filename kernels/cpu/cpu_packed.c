@@ -83,6 +83,20 @@ int kn_cpu_map_matrix(void *ctx, const kn_mat *w)
     return 0;
 }
 
+size_t kn_cpu_mapped_kinds(const kn_cpu *c, kn_mat *out, size_t cap)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < c->cap_packed; i++) {
+        const kn_mat *w = &c->packed[i].w;
+        if (!w->data) continue;
+        size_t k = 0;
+        while (k < n && out[k].type != w->type)
+            k++;
+        if (k == n && n < cap) out[n++] = *w;
+    }
+    return n;
+}
+
 typedef struct {
     const kn_mat *w;
     void *copy;
