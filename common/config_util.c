@@ -72,7 +72,7 @@ const char *td_cfg_backend_name(td_cfg_backend b)
 
 const char *td_cfg_act_name(td_cfg_act a)
 {
-    return a == TD_CFG_ACT_Q8 ? "q8" : a == TD_CFG_ACT_F32 ? "f32" : NULL;
+    return a == TD_CFG_ACT_Q8 ? "q8" : a == TD_CFG_ACT_F32 ? "f32" : a == TD_CFG_ACT_AUTO ? "auto" : NULL;
 }
 
 void td_cfg_free(td_cfg *c)

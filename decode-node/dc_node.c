@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "act_check.h"
 #include "cpu_backend.h"
 #include "dc_node_int.h"
 #include "dc_plan.h"
@@ -84,7 +85,7 @@ static int setup(dc_node *n)
                          .cpu_act = td_cfg_act_name(p->cfg->cpu_act)},
         .coll = &coll,
         .who = who};
-    int rc = kn_runtime_open(&n->rt, &rp);
+    int rc = kn_act_runtime_open(&n->rt, &rp);
     if (rc) return rc;
     int n_blocks = kv_blocks_of(n);
     if (n_blocks < 1) {

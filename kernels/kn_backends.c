@@ -26,7 +26,9 @@ int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend 
     if (!o) o = &def;
     const bool cpu = !name || !strcmp(name, "cpu"), cpudev = name && !strcmp(name, "cpu-dev");
     if (o->cpu_act && strcmp(o->cpu_act, "f32") && strcmp(o->cpu_act, "q8")) {
-        TD_LOG_ERR("cpu_act '%s': expected f32 or q8", o->cpu_act);
+        /* "auto" is resolved with the model, before this (kn_act_runtime_open) */
+        TD_LOG_ERR("cpu_act '%s': expected f32 or q8%s", o->cpu_act,
+                   strcmp(o->cpu_act, "auto") ? "" : " (auto needs a model: kn_act_runtime_open)");
         return TD_EINVAL;
     }
     if (o->cpu_act && name && !strcmp(name, "cuda")) { /* other names: unknown, below */

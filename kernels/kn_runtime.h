@@ -29,7 +29,8 @@ typedef struct {
     const char *model_path;
     kn_shard shard;                  /* layers and TP slice ({0}: the whole model) */
     const char *backend;             /* "cpu" (NULL) or "cuda" */
-    kn_backend_options backend_opts; /* threads (cpu), device (cuda) */
+    kn_backend_options backend_opts; /* threads (cpu), device (cuda); a cpu_act of "auto"
+                                      * only through kn_act_runtime_open (act_check.h) */
     const kn_collective *coll;       /* needed when shard.tp_size > 1 */
     const char *who;                 /* log prefix ("decode d0 rank 1"); NULL: "tandem" */
 } kn_runtime_params;

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "act_check.h"
 #include "pf_chunk.h"
 #include "td_err.h"
 
@@ -50,7 +51,7 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
                                              .rank = s->stage,
                                              .cpu_act = p->cpu_act},
                             .who = who};
-    if ((rc = kn_runtime_open(&s->rt, &rp))) goto fail;
+    if ((rc = kn_act_runtime_open(&s->rt, &rp))) goto fail;
     s->ctx = p->ctx > 0 ? p->ctx : 8192;
     int bs = p->block_size > 0 ? p->block_size : 16;
     kn_kv_pool_params kp = kn_model_kv_params(s->rt.model, (s->ctx + bs - 1) / bs, bs, p->kv_type);

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "act_check.h"
 #include "cli.h"
 #include "td_err.h"
 
@@ -13,7 +14,7 @@ int cli_session_open(cli_session *s, const cli_session_params *p)
     kn_runtime_params rp = {.model_path = p->model_path,
                             .backend = p->backend,
                             .backend_opts = {.n_threads = p->threads, .device = -1}};
-    int rc = kn_runtime_open(&s->rt, &rp);
+    int rc = kn_act_runtime_open(&s->rt, &rp);
     if (rc) return rc;
     if ((rc = td_tok_create(s->rt.gguf, &s->tok))) {
         if (p->need_tokenizer) {

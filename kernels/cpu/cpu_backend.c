@@ -45,10 +45,13 @@ static void cpu_destroy(void *ctx)
 static void cpu_describe(void *ctx, char *buf, size_t cap)
 {
     const kn_cpu *c = ctx;
-    /* the activation mode too: a prefill stage's cached profile (pf_pcache.c) is keyed on
-     * this text, and the q8 mode prefills about twice as fast */
-    snprintf(buf, cap, "cpu %s, %d thread%s%s", kn_cpu_isa(), c->n_threads,
-             c->n_threads == 1 ? "" : "s", c->act_q8 ? ", q8 activations" : "");
+    /* the activation mode and the BLAS core too: a prefill stage's cached profile
+     * (pf_pcache.c) is keyed on this text; the q8 mode prefills about twice as fast, and a
+     * BLAS core older than the CPU a third as fast */
+    kn_blas_info b;
+    kn_blas_info_get(&b);
+    snprintf(buf, cap, "cpu %s, %d thread%s, blas %s%s", kn_cpu_isa(), c->n_threads,
+             c->n_threads == 1 ? "" : "s", b.core, c->act_q8 ? ", q8 activations" : "");
 }
 
 /* The ops-table form of attention (kn_backend.h): solo rows each cut as if alone. */
@@ -85,8 +88,10 @@ int kn_cpu_create(int n_threads, kn_cpu **out)
         n_threads = n > 0 ? (int)n : 1;
     }
     const char *act = getenv("TANDEM_CPU_ACT");
-    if (act && strcmp(act, "q8") && strcmp(act, "f32")) {
-        TD_LOG_ERR("cpu backend: TANDEM_CPU_ACT=%s: expected q8 or f32", act);
+    /* auto is resolved where a model is opened (kn_act_runtime_open, act_check.h), which then
+     * sets the mode; a backend made without a model runs float32 */
+    if (act && strcmp(act, "q8") && strcmp(act, "f32") && strcmp(act, "auto")) {
+        TD_LOG_ERR("cpu backend: TANDEM_CPU_ACT=%s: expected q8, f32 or auto", act);
         return TD_EINVAL;
     }
     const char *fused = getenv("TANDEM_CPU_FUSED");

@@ -289,6 +289,10 @@ static void test_good_file(void)
                             sizeof err) == 0);
     TH_CHECK(c->cpu_act == TD_CFG_ACT_F32 && !strcmp(td_cfg_act_name(c->cpu_act), "f32"));
     td_cfg_free(c);
+    TH_REQUIRE(td_cfg_parse(MIN "cpu_act: auto\n", strlen(MIN "cpu_act: auto\n"), "auto", &c,
+                            err, sizeof err) == 0);
+    TH_CHECK(c->cpu_act == TD_CFG_ACT_AUTO && !strcmp(td_cfg_act_name(c->cpu_act), "auto"));
+    td_cfg_free(c);
     TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "min", &c, err, sizeof err) == 0);
     TH_CHECK(c->backend == TD_CFG_BACKEND_CPU && !strcmp(c->router.listen, "127.0.0.1:8000") &&
              !strcmp(c->router.api_key, "") && c->router.max_queue == 256 &&

@@ -1,0 +1,55 @@
+/* act_check.h: the CPU activation mode chosen per model by a measured check (cpu_act: auto).
+ *
+ * Purpose: the q8 mode (cpu_backend.h, kn_cpu_set_act_q8) runs the products in integer
+ * arithmetic on activations rounded to 8 bits, 1.5-4x faster than float32; some models
+ * keep their answers under that rounding (Qwen2.5-Coder 0.5B and 1.5B answer the quick
+ * start's question as in float32), others do not (SmolLM2-135M answers it wrongly, as
+ * llama.cpp does on the same file). Which one a model is cannot be read off its file, so it
+ * is measured: a fixed set of chat prompts, greedy, in both modes, on the whole model; q8 is
+ * chosen when every prompt's first KN_ACT_CHECK_TOKENS tokens are the same in both.
+ * The verdict is cached ($TANDEM_CACHE/act, else ~/.cache/tandem/act), keyed on what it
+ * depends on: the model's shape (file size, tensor table), the build of the executable and of
+ * OpenBLAS, the BLAS core, the kernels' ISA, the CPU's name and the check itself; so every
+ * process of a cluster (the prefill stages, the decode ranks) reads the same verdict, and
+ * only the first start on a machine pays for the check (the default model: about 3 s on
+ * 2 cores). Processes that start together take turns on a lock file: one measures, the others
+ * read its verdict.
+ * Threading: any thread; the check creates its own backend (n_threads) and model runtime.
+ */
+#ifndef KN_ACT_CHECK_H
+#define KN_ACT_CHECK_H
+
+#include <stdbool.h>
+
+#include "kn_runtime.h"
+
+#define KN_ACT_CHECK_TOKENS 16 /* greedy tokens compared per prompt */
+
+typedef struct {
+    bool q8;            /* the verdict: the q8 mode keeps the model's greedy answers */
+    int n_prompts;      /* prompts in the check */
+    int agree_prompts;  /* prompts whose KN_ACT_CHECK_TOKENS tokens agree */
+    double agreement;   /* mean over the prompts of the agreeing prefix / the tokens */
+    int first_diff;     /* the first prompt that differs (-1: none) */
+    bool cached;        /* read from the cache (else measured now) */
+    double check_ms;    /* time the measurement took (when it was measured) */
+    char path[512];     /* the cache file ("" when there is no cache directory) */
+} kn_act_verdict;
+
+/* The verdict for the model at model_path, from the cache or measured now with a CPU backend
+ * of n_threads (<= 0: all cores) and stored. who prefixes the log lines. 0, or the error of
+ * opening or running the model (logged); a cache that cannot be read or written is logged
+ * and the check measured again. */
+int kn_act_choose(const char *model_path, int n_threads, const char *who, kn_act_verdict *out);
+
+/* "q8" or "f32" for a cpu_act value: "auto" resolved by kn_act_choose, the others as they
+ * are (NULL stays NULL: TANDEM_CPU_ACT decides, which may say "auto" too). On an error
+ * *out is NULL and the error is returned. */
+int kn_act_resolve(const char *cpu_act, const char *model_path, int n_threads, const char *who,
+                   const char **out);
+
+/* kn_runtime_open with the CPU backends' cpu_act "auto" (or NULL with TANDEM_CPU_ACT=auto)
+ * resolved first for p->model_path: what every process that serves a model opens it with. */
+int kn_act_runtime_open(kn_runtime *rt, const kn_runtime_params *p);
+
+#endif
