@@ -55,6 +55,8 @@
 #define TD_CTRL_MAX_CHUNKS   65536u     /* PrefillDone.chunk_sizes */
 #define TD_CTRL_MAX_BATCH    4096u      /* events per Events reply */
 #define TD_CTRL_MAX_LOGPROBS 20u        /* top alternatives per Logprob (OpenAI's limit) */
+#define TD_CTRL_MAX_TAG      63u        /* bytes of Health's compute names (27-31) */
+#define TD_CTRL_MAX_PATHS    1023u      /* bytes of Health.compute_paths */
 
 /* Options; zero means the default shown. */
 typedef struct {

@@ -343,7 +343,21 @@ static int check_event(vctx *v, const Td__Event *e)
 
 static int check_health(vctx *v, const Td__Health *h)
 {
-    return check_str(v, "health.instance", h->instance, MAX_INSTANCE_NAME);
+    const struct {
+        const char *what, *s;
+        size_t max;
+    } strs[] = {{"health.instance", h->instance, MAX_INSTANCE_NAME},
+                {"health.backend", h->backend, TD_CTRL_MAX_TAG},
+                {"health.act", h->act, TD_CTRL_MAX_TAG},
+                {"health.cpu_isa", h->cpu_isa, TD_CTRL_MAX_TAG},
+                {"health.kernels_isa", h->kernels_isa, TD_CTRL_MAX_TAG},
+                {"health.blas_core", h->blas_core, TD_CTRL_MAX_TAG},
+                {"health.compute_paths", h->compute_paths, TD_CTRL_MAX_PATHS}};
+    for (size_t i = 0; i < sizeof strs / sizeof *strs; i++) {
+        int rc = check_str(v, strs[i].what, strs[i].s, strs[i].max);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 static int check_body(vctx *v, const Td__Envelope *e)

@@ -87,6 +87,10 @@ typedef struct {
     dc_route *routes; /* (n_routes) indexed by scheduler id */
     size_t n_routes;
     int64_t started_ms;
+    /* what rank 0 computes with, for Health 27-33: made at the leader's first report,
+     * before any pass (dc_serve_health) */
+    kn_compute_info compute;
+    bool compute_made;
     uint64_t step;
     int64_t step_ns;     /* wall time of all steps */
     int64_t step_tokens; /* tokens of all steps */

@@ -507,6 +507,25 @@ static void health_events(dc_node *n, Td__Health *h, uint64_t *ids, uint8_t *kin
     h->kv_event_ids = ids;
 }
 
+/* Health 27-33 from n->compute, made at the first report (dc_node_int.h). The limits of
+ * those fields (TD_CTRL_MAX_TAG, TD_CTRL_MAX_PATHS) hold kn_compute_info's strings. */
+_Static_assert(sizeof((kn_compute_info *)0)->blas_core <= TD_CTRL_MAX_TAG + 1 &&
+                   sizeof((kn_compute_info *)0)->paths <= TD_CTRL_MAX_PATHS + 1,
+               "Health's compute strings must fit the decoder's limits");
+static void health_compute(dc_node *n, Td__Health *h)
+{
+    const kn_compute_info *c = &n->compute;
+    if (!n->compute_made) kn_backend_compute_info(n->rt.be, &n->compute);
+    n->compute_made = true;
+    h->backend = (char *)c->backend;
+    h->act = (char *)c->act;
+    h->cpu_isa = (char *)c->cpu_isa;
+    h->kernels_isa = (char *)c->kernels_isa;
+    h->blas_core = (char *)c->blas_core;
+    h->blas_core_older = c->blas_older;
+    h->compute_paths = (char *)c->paths;
+}
+
 void dc_serve_health(dc_node *n)
 {
     dc_sched_stats st = dc_sched_get_stats(n->sched);
@@ -537,6 +556,7 @@ void dc_serve_health(dc_node *n)
     uint64_t ev_ids[KN_KV_EVENT_LOG_DEFAULT];
     uint8_t ev_kind[KN_KV_EVENT_LOG_DEFAULT];
     health_events(n, &h, ev_ids, ev_kind);
+    health_compute(n, &h);
     td_ctrl_server_set_health(n->srv, &h);
 }
 

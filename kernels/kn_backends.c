@@ -1,9 +1,11 @@
 /* kn_backends.c: the one backend constructor (kn_backends.h). */
 #include "kn_backends.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "cpu_blas.h"
 #include "cpu_dev.h"
 #include "td_err.h"
 #ifdef TANDEM_HAVE_CUDA
@@ -61,4 +63,20 @@ void kn_backend_destroy(kn_backend *b)
 {
     if (b && b->ops && b->ops->destroy) b->ops->destroy(b->ctx);
     if (b) memset(b, 0, sizeof *b);
+}
+
+void kn_backend_compute_info(kn_backend be, kn_compute_info *out)
+{
+    *out = (kn_compute_info){
+        .backend = be.ops->name, .act = "", .cpu_isa = "", .kernels_isa = ""};
+    const kn_cpu *cpu = kn_cpu_of(be);
+    if (!cpu) return;
+    kn_blas_info b;
+    kn_blas_info_get(&b);
+    out->act = kn_cpu_act_q8(cpu) ? "q8" : "f32";
+    out->cpu_isa = b.cpu_isa;
+    out->kernels_isa = kn_cpu_isa();
+    snprintf(out->blas_core, sizeof out->blas_core, "%s", b.core);
+    out->blas_older = !b.fits;
+    kn_cpu_describe_paths(cpu, out->paths, sizeof out->paths);
 }

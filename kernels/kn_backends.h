@@ -31,4 +31,18 @@ int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend 
 /* Frees it (safe on a zeroed backend) and zeroes *b. */
 void kn_backend_destroy(kn_backend *b);
 
+/* What a backend computes with, for the nodes' Health (fields 27-33, docs/api.md "Metrics")
+ * and logs: none of it changes while the process lives. Not while an op runs (the CPU
+ * backend takes one caller at a time). */
+typedef struct {
+    const char *backend;     /* the backend's name: "cpu", "cuda", "cpu-dev" */
+    const char *act;         /* the rest: the CPU backend's ("" for any other): "f32" or "q8" */
+    const char *cpu_isa;     /* the CPU's, as the OS enables it (cpu_blas.h) */
+    const char *kernels_isa; /* kn_cpu_isa() */
+    char blas_core[64];      /* the OpenBLAS core in use */
+    bool blas_older;         /* the BLAS core's instruction set is older than the CPU's */
+    char paths[1024];        /* kn_cpu_describe_paths */
+} kn_compute_info;
+void kn_backend_compute_info(kn_backend be, kn_compute_info *out);
+
 #endif

@@ -1,5 +1,7 @@
-/* pf_health.c: the pool and prefix-cache part of a prefill leader's Health (pf_health.h). */
+/* pf_health.c: the pool, prefix-cache and compute parts of a prefill leader's Health
+ * (pf_health.h). */
 #include "pf_health.h"
+
 
 void pf_health_cache(const pf_stage *st, Td__Health *h, pf_health_buf *b)
 {
@@ -20,4 +22,18 @@ void pf_health_cache(const pf_stage *st, Td__Health *h, pf_health_buf *b)
     h->kv_event_kind = (ProtobufCBinaryData){.len = (size_t)n, .data = b->kind};
     h->n_kv_event_ids = (size_t)n_ids;
     h->kv_event_ids = b->ids;
+}
+
+_Static_assert(sizeof((kn_compute_info *)0)->blas_core <= TD_CTRL_MAX_TAG + 1 &&
+                   sizeof((kn_compute_info *)0)->paths <= TD_CTRL_MAX_PATHS + 1,
+               "Health's compute strings must fit the decoder's limits");
+void pf_health_compute(const kn_compute_info *c, Td__Health *h)
+{
+    h->backend = (char *)c->backend;
+    h->act = (char *)c->act;
+    h->cpu_isa = (char *)c->cpu_isa;
+    h->kernels_isa = (char *)c->kernels_isa;
+    h->blas_core = (char *)c->blas_core;
+    h->blas_core_older = c->blas_older;
+    h->compute_paths = (char *)c->paths;
 }

@@ -73,6 +73,7 @@ typedef struct {
     pf_member members[PF_MAX_STAGES]; /* (pp) the current formation */
     bool running;                     /* every stage joined (the table is complete) */
     int64_t started_ms;
+    kn_compute_info compute; /* Health 27-33, made before the first */
     uint64_t n_done, n_failed;
     uint64_t cache_hits[PF_MAX_STAGES], cache_evicted[PF_MAX_STAGES]; /* stages' reports */
     int32_t *ids; /* (chunk_max) the token ids of the chunk being planned */
@@ -779,6 +780,7 @@ static void publish_health(pf_leader *ld)
     h.queued_prompt_tokens = queued;
     pf_health_buf hb; /* the pool's share, the cache's budget and KV events */
     pf_health_cache(ld->st, &h, &hb);
+    pf_health_compute(&ld->compute, &h);
     h.uptime_ms = (uint64_t)(td_now_ms() - ld->started_ms);
     h.ready = ld->running;
     uint64_t hits[PF_MAX_STAGES], evicted[PF_MAX_STAGES];
@@ -811,6 +813,7 @@ static int lead(pf_leader *ld)
         return rc;
     }
     ld->started_ms = td_now_ms();
+    kn_backend_compute_info(ld->st->shard.rt.be, &ld->compute);
     publish_health(ld);
     if ((rc = pf_chunking_setup(ld->st, &ld->tune, &ld->chunking))) {
         td_ctrl_server_destroy(ld->srv);

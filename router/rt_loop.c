@@ -533,7 +533,8 @@ static void publish_metrics(rt_router *r)
                            .preemptions = s->preemptions,
                            .pc = {s->pc[0], s->pc[1], s->pc[2], s->pc[3], s->pc[4], s->pc[5]},
                            .boot_id = s->boot_id,
-                           .alive = s->alive};
+                           .alive = s->alive,
+                           .compute = s->compute};
         memcpy(g.steps, s->steps, sizeof g.steps);
         rt_metrics_publish_inst(m, i, &g);
         m->cache_dec[i] = s->cst;
@@ -544,7 +545,8 @@ static void publish_metrics(rt_router *r)
                                  .running = s->running,
                                  .waiting = s->waiting,
                                  .active = s->active,
-                                 .alive = s->alive};
+                                 .alive = s->alive,
+                                 .compute = s->compute};
         m->cache_pf[j] = s->cst;
     }
     m->queue = atomic_load(&r->queued);

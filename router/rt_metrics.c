@@ -11,6 +11,8 @@
  * failures{reason},busy{side}}_total, the histograms tandem_router_prefill_chunk_size_tokens,
  * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds, and per prefill
  * instance tandem_prefill_instance_{up,queued_prompt_tokens,running,waiting,requests}.
+ * Per decode and prefill instance that reported: tandem_instance_compute_info,
+ * tandem_instance_blas_core_older_than_cpu, tandem_instance_products_info (label role).
  * The vLLM- and SGLang-named series are rt_metrics_vllm.c's; tandem_router_cache_route_*
  * (cache-aware routing) rt_metrics_cache.c's.
  * Threading: every function takes m->mu; any thread may call them. */
@@ -265,6 +267,18 @@ int rt_hist_render_series(rt_buf *b, const char *name, const char *labels, const
     return rc;
 }
 
+void rt_metrics_label_escape(char *out, size_t cap, const char *s)
+{
+    size_t w = 0;
+    for (; *s; s++) {
+        bool esc = *s == '\\' || *s == '"' || *s == '\n';
+        if (w + 1 + esc >= cap) break;
+        if (esc) out[w++] = '\\';
+        out[w++] = *s == '\n' ? 'n' : *s;
+    }
+    if (cap) out[w] = '\0';
+}
+
 static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist *h, rt_bounds bd)
 {
     return rt_hist_render(b, name, help, "", h, bd, 1.0);
@@ -484,6 +498,63 @@ static int render_decode(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
     return rc;
 }
 
+/* pre key="val" with val escaped (pre: "{" for the first label, else ","). */
+static int put_label(rt_buf *b, const char *pre, const char *key, const char *val)
+{
+    char esc[2 * TD_CTRL_MAX_PATHS + 2]; /* the longest value, every byte escaped */
+    rt_metrics_label_escape(esc, sizeof esc, val);
+    int rc = rt_buf_puts(b, pre);
+    rc |= rt_buf_puts(b, key);
+    rc |= rt_buf_puts(b, "=\"");
+    rc |= rt_buf_puts(b, esc);
+    return rc | rt_buf_puts(b, "\"");
+}
+
+/* What each decode and prefill instance computes with, as its last Health said (instances
+ * that have not reported yet: no series): two info series (value 1, the facts in the labels)
+ * and whether its OpenBLAS core is older than its CPU (caller holds m->mu). */
+static int render_compute(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
+{
+    static const char *const names[3] = {"tandem_instance_compute_info",
+                                         "tandem_instance_blas_core_older_than_cpu",
+                                         "tandem_instance_products_info"};
+    static const char *const helps[3] = {
+        "What the instance computes with (decode: rank 0, prefill: stage 0): the backend, and "
+        "the CPU backend's activation mode, CPU and kernel instruction sets and OpenBLAS core "
+        "(empty for other backends). Always 1.",
+        "1 when the instance's OpenBLAS core is older than its CPU: its float32 GEMM (prefill "
+        "rows) runs at a fraction of the CPU's speed.",
+        "The kernels of the instance's products by weight type (batch rows, solo rows; the CPU "
+        "backend's). Always 1."};
+    int rc = 0;
+    for (int f = 0; f < 3; f++) {
+        char line[512];
+        snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s gauge\n", names[f], helps[f],
+                 names[f]);
+        rc |= rt_buf_puts(b, line);
+        for (int k = 0; k < m->n_inst + m->n_pf; k++) {
+            const bool dec = k < m->n_inst;
+            const rt_compute *c = dec ? &m->inst[k].compute : &m->pf[k - m->n_inst].compute;
+            if (!c->seen) continue;
+            rc |= rt_buf_puts(b, names[f]);
+            rc |= put_label(b, "{", "instance",
+                            dec ? cfg->decode[k].name : cfg->prefill[k - m->n_inst].name);
+            rc |= put_label(b, ",", "role", dec ? "decode" : "prefill");
+            if (f == 0) {
+                rc |= put_label(b, ",", "backend", c->backend);
+                rc |= put_label(b, ",", "act", c->act);
+                rc |= put_label(b, ",", "cpu_isa", c->cpu_isa);
+                rc |= put_label(b, ",", "kernels_isa", c->kernels_isa);
+                rc |= put_label(b, ",", "blas_core", c->blas_core);
+            } else if (f == 2) {
+                rc |= put_label(b, ",", "paths", c->paths);
+            }
+            rc |= rt_buf_puts(b, f == 1 && !c->blas_older ? "} 0\n" : "} 1\n");
+        }
+    }
+    return rc;
+}
+
 char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg)
 {
     rt_buf b = {0};
@@ -494,6 +565,7 @@ char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg)
     rc |= render_counters(&b, m);
     rc |= render_decode(&b, m, cfg);
     if (m->n_pf > 0) rc |= render_prefill(&b, m, cfg);
+    rc |= render_compute(&b, m, cfg);
     rc |= rt_metrics_vllm_render(&b, m, cfg);
     if (cfg->router.routing == TD_CFG_ROUTING_CACHE_AWARE)
         rc |= rt_metrics_cache_render(&b, m, cfg);

@@ -16,6 +16,7 @@
 
 #include <pthread.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "config.h"
@@ -39,6 +40,17 @@ typedef struct {
     int n;
 } rt_bounds;
 
+/* What an instance computes with, as its Health said (fields 27-33; rt_reg_seen copies
+ * them, bytes outside printable ASCII but the line feed replaced by '?'): the series
+ * tandem_instance_compute_info, _blas_core_older_than_cpu and _products_info. */
+typedef struct {
+    bool seen; /* a Health came (before: no series) */
+    char backend[TD_CTRL_MAX_TAG + 1], act[TD_CTRL_MAX_TAG + 1], cpu_isa[TD_CTRL_MAX_TAG + 1],
+        kernels_isa[TD_CTRL_MAX_TAG + 1], blas_core[TD_CTRL_MAX_TAG + 1];
+    bool blas_older; /* Health.blas_core_older */
+    char paths[TD_CTRL_MAX_PATHS + 1];
+} rt_compute;
+
 #define RT_PC_N   6                    /* rt_inst_gauge.pc */
 #define RT_STEP_N (TD_STEP_HIST_N + 2) /* rt_inst_gauge.steps */
 
@@ -53,6 +65,7 @@ typedef struct {
     uint64_t steps[RT_STEP_N];
     uint64_t boot_id; /* Health.boot_id: a new one restarts every count above from 0 */
     bool alive;
+    rt_compute compute;
 } rt_inst_gauge;
 
 /* vllm:request_success_total's finished_reason label. */
@@ -89,6 +102,7 @@ typedef struct {
     uint32_t running, waiting;
     int active; /* the router's attempts on it */
     bool alive;
+    rt_compute compute;
 } rt_pf_gauge;
 
 /* Where a request was when its deadline passed (metric label). */
@@ -176,6 +190,9 @@ int rt_hist_render(rt_buf *b, const char *name, const char *help, const char *la
  * label sets under one header). */
 int rt_hist_render_series(rt_buf *b, const char *name, const char *labels, const rt_hist *h,
                           rt_bounds bd, double scale);
+/* s as a Prometheus label value (text format 0.0.4: backslash, double quote and line feed
+ * escaped) into out, NUL-terminated; cut before an escape that does not fit. */
+void rt_metrics_label_escape(char *out, size_t cap, const char *s);
 /* rt_metrics_vllm.c, caller holds m->mu: a request ended (as rt_metrics_request_end); a
  * PrefillDone's KV figures; the vLLM/SGLang-named series. */
 void rt_metrics_vllm_end(rt_metrics *m, const rt_req *q, int64_t now_ms, int status,

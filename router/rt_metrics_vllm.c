@@ -39,13 +39,9 @@ static const double KV_BW_LE[] = {1e7, 2.5e7, 5e7,    1e8,  2.5e8, 5e8,    1e9, 
 
 void rt_metrics_set_model(rt_metrics *m, const char *name, int32_t n_ctx)
 {
-    /* label value escaping (text format 0.0.4): backslash, double quote, line feed */
-    size_t w = (size_t)snprintf(m->v.model, sizeof m->v.model, "model_name=\"");
-    for (const char *c = name; *c && w + 4 < sizeof m->v.model; c++) {
-        if (*c == '\\' || *c == '"' || *c == '\n') m->v.model[w++] = '\\';
-        m->v.model[w++] = *c == '\n' ? 'n' : *c;
-    }
-    snprintf(m->v.model + w, sizeof m->v.model - w, "\"");
+    char esc[sizeof m->v.model - 16];
+    rt_metrics_label_escape(esc, sizeof esc, name);
+    snprintf(m->v.model, sizeof m->v.model, "model_name=\"%s\"", esc);
     /* vLLM's build_1_2_5_buckets(max_model_len): 1, 2, 5, 10, 20, 50, ... <= n_ctx */
     static const int mant[3] = {1, 2, 5};
     m->v.n_tok_le = 0;

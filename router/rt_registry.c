@@ -142,6 +142,32 @@ static void seen_cache(rt_inst *s, const Td__Health *h)
     s->cst.exact = s->cidx.exact;
 }
 
+/* src (NULL: "") into out, cut to cap - 1 bytes; a byte outside printable ASCII but the line
+ * feed becomes '?': the strings go into label values, which must be UTF-8 (the line feed is
+ * escaped there), and a node's bad bytes must not make the whole exposition unreadable. */
+static void copy_label(char *out, size_t cap, const char *src)
+{
+    size_t n = 0;
+    for (; src && src[n] && n + 1 < cap; n++) {
+        const unsigned char c = (unsigned char)src[n];
+        out[n] = (c >= 0x20 && c < 0x7f) || c == '\n' ? (char)c : '?';
+    }
+    out[n] = '\0';
+}
+
+/* Health 27-33: what the instance computes with. */
+static void seen_compute(rt_compute *c, const Td__Health *h)
+{
+    c->seen = true;
+    copy_label(c->backend, sizeof c->backend, h->backend);
+    copy_label(c->act, sizeof c->act, h->act);
+    copy_label(c->cpu_isa, sizeof c->cpu_isa, h->cpu_isa);
+    copy_label(c->kernels_isa, sizeof c->kernels_isa, h->kernels_isa);
+    copy_label(c->blas_core, sizeof c->blas_core, h->blas_core);
+    c->blas_older = h->blas_core_older;
+    copy_label(c->paths, sizeof c->paths, h->compute_paths);
+}
+
 bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
 {
     bool was = s->alive;
@@ -175,6 +201,7 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         for (int k = 0; k <= TD_STEP_HIST_N; k++)
             s->steps[k] = steps ? h->step_time_counts[k] : 0;
         s->steps[TD_STEP_HIST_N + 1] = steps ? h->step_time_us : 0;
+        seen_compute(&s->compute, h);
     }
     s->alive = s->ready;
     return s->alive && !was;

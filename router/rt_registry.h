@@ -19,6 +19,7 @@
 #include "config.h"
 #include "ctrl.h"
 #include "rt_cache.h"
+#include "rt_metrics.h"
 #include "td_step_hist.h"
 
 typedef struct {
@@ -60,6 +61,7 @@ typedef struct {
     uint64_t boot_id;   /* Health.boot_id last seen; 0 none yet (or a node that sends none) */
     uint64_t uptime_ms; /* Health.uptime_ms last seen */
     rt_cache_stats cst; /* published to /metrics */
+    rt_compute compute; /* Health 27-33 last seen, published to /metrics */
 } rt_inst;
 
 typedef struct {
@@ -77,8 +79,8 @@ void rt_reg_fini(rt_registry *g);
 /* Record a sign of life and health figures (h may be NULL) of s. A prefill instance must
  * say ROLE_PREFILL to count as ready. A new boot_id or an uptime that went back means a
  * new process: its prefix index is dropped (rt_reg_forget). The index takes the block
- * size and pool size (kv_blocks_used + kv_blocks_free) reported. Returns true if the
- * instance just came (back) up. */
+ * size and pool size (kv_blocks_used + kv_blocks_free) reported, s->compute what the
+ * instance computes with (fields 27-33). Returns true if the instance just came (back) up. */
 bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now);
 /* What the router knew of s's prefix cache is stale (a restart, marked dead): drop it.
  * why is logged (an index that was empty is dropped silently). */

@@ -184,6 +184,14 @@ void kn_cpu_describe_paths(const kn_cpu *c, char *buf, size_t cap)
 {
     kn_mat kinds[32];
     const size_t n = kn_cpu_mapped_kinds(c, kinds, sizeof kinds / sizeof *kinds);
+    /* by type, so the text does not depend on where the weights were mapped (it is a
+     * label of /metrics' tandem_instance_products_info) */
+    for (size_t i = 1; i < n; i++)
+        for (size_t k = i; k > 0 && kinds[k - 1].type > kinds[k].type; k--) {
+            const kn_mat t = kinds[k];
+            kinds[k] = kinds[k - 1];
+            kinds[k - 1] = t;
+        }
     size_t len = 0;
     if (cap) buf[0] = '\0';
     for (size_t i = 0; i < n && len < cap; i++) {

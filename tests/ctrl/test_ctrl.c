@@ -280,6 +280,13 @@ static void test_roundtrip_replies(void)
     h.queued_prompt_tokens = 12;
     h.uptime_ms = 99;
     h.ready = 1;
+    h.backend = "cpu";
+    h.act = "q8";
+    h.cpu_isa = "avx512";
+    h.kernels_isa = "avx512";
+    h.blas_core = "Prescott";
+    h.blas_core_older = true;
+    h.compute_paths = "Q4_1: batch float32 tiles + OpenBLAS sgemm, solo float32 dot";
     e.body_case = TD__ENVELOPE__BODY_HEALTH;
     e.health = &h;
     d = roundtrip(&e);
@@ -288,7 +295,33 @@ static void test_roundtrip_replies(void)
              d->health->kv_blocks_used == 100 && d->health->kv_blocks_free == 3996 &&
              d->health->kv_block_size == 16 && d->health->queued_prompt_tokens == 12 &&
              d->health->uptime_ms == 99 && d->health->ready);
+    TH_CHECK(d && !strcmp(d->health->backend, "cpu") && !strcmp(d->health->act, "q8") &&
+             !strcmp(d->health->cpu_isa, "avx512") && !strcmp(d->health->kernels_isa, "avx512") &&
+             !strcmp(d->health->blas_core, "Prescott") && d->health->blas_core_older &&
+             !strcmp(d->health->compute_paths, h.compute_paths));
     td_ctrl_envelope_free(d);
+    /* the compute strings' bounds: at the limit decodes, one byte more does not */
+    char tag[TD_CTRL_MAX_TAG + 2], paths[TD_CTRL_MAX_PATHS + 2];
+    memset(tag, 'a', sizeof tag - 1);
+    tag[sizeof tag - 1] = 0;
+    memset(paths, 'p', sizeof paths - 1);
+    paths[sizeof paths - 1] = 0;
+    uint8_t *hb;
+    size_t hl;
+    char herr[160];
+    for (int k = 0; k < 4; k++) {
+        h.blas_core = k == 0 ? tag + 1 : k == 1 ? tag : "Prescott";
+        h.compute_paths = k == 2 ? paths + 1 : k == 3 ? paths : "";
+        TH_REQUIRE(td_ctrl_encode(&e, NULL, &hb, &hl) == 0);
+        Td__Envelope *hd = NULL;
+        int rc = td_ctrl_decode(hb, hl, NULL, &hd, herr, sizeof herr);
+        TH_CHECKF(rc == (k % 2 ? TD_ERANGE : 0), "case %d: rc %d (%s)", k, rc, herr);
+        TH_CHECK(k % 2 == 0 || strstr(herr, k == 1 ? "health.blas_core" : "health.compute_paths"));
+        td_ctrl_envelope_free(hd);
+        free(hb);
+    }
+    h.blas_core = "Prescott";
+    h.compute_paths = "";
 
     uint8_t blob[300];
     for (int i = 0; i < 300; i++)

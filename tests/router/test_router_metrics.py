@@ -303,6 +303,21 @@ def check_metrics(tag, text, served, got, usage, decode_names, disagg):
     check(0 < steps <= usage["completion"] + usage["prompt"],
           f"{tag}: {steps} decode steps in all, in (0, tokens computed "
           f"{usage['completion'] + usage['prompt']}]")
+    # what each instance computes with (Health 27-33): the CPU backend here
+    pf_names = sorted(dict(ls)["instance"] for (nm, ls) in samples
+                      if nm == "tandem_prefill_instance_up")
+    for inst, role in [(d, "decode") for d in decode_names] + [(p, "prefill") for p in pf_names]:
+        info = [dict(ls) for (nm, ls) in samples
+                if nm == "tandem_instance_compute_info" and dict(ls)["instance"] == inst]
+        paths = [dict(ls)["paths"] for (nm, ls) in samples
+                 if nm == "tandem_instance_products_info" and dict(ls)["instance"] == inst]
+        older = value(samples, "tandem_instance_blas_core_older_than_cpu", instance=inst)
+        check(len(info) == 1 and info[0]["role"] == role and info[0]["backend"] == "cpu" and
+              info[0]["act"] in ("f32", "q8") and info[0]["cpu_isa"] and
+              info[0]["kernels_isa"] and info[0]["blas_core"] and older in (0, 1) and
+              len(paths) == 1 and "solo" in paths[0],
+              f"{tag}: tandem_instance_compute_info of {role} {inst}: {info}, BLAS core older "
+              f"than the CPU: {older}, products: {paths}")
     kv = value(samples, "vllm:kv_cache_usage_perc")
     check(kv is not None and 0 <= kv <= 1, f"{tag}: vllm:kv_cache_usage_perc {kv} in [0, 1]")
     check(value(samples, "tandem_router_e2e_request_latency_seconds_count") == n and

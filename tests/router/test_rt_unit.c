@@ -344,6 +344,85 @@ static void test_inst_counters(void)
     td_cfg_free(cfg);
 }
 
+/* What each instance computes with: Health 27-33 through rt_reg_seen into rt_inst, the
+ * loop's copy into the gauges, and the three series per instance that reported (label
+ * values escaped, bytes outside printable ASCII replaced). */
+static void test_compute_series(void)
+{
+    static const char yaml[] = "model: /nonexistent.gguf\n"
+                               "prefill: [{name: p0, port: 1}]\n"
+                               "decode: [{name: d0, port: 3}, {name: d1, port: 4}]\n";
+    char err[256];
+    td_cfg *cfg = NULL;
+    TH_REQUIRE(td_cfg_parse(yaml, strlen(yaml), "unit", &cfg, err, sizeof err) == 0);
+    rt_metrics m;
+    TH_REQUIRE(rt_metrics_init(&m, 2, 1) == 0);
+    rt_metrics_set_model(&m, "x", 1);
+    rt_inst d0 = {.cfg = &cfg->decode[0], .name = "d0"};
+    rt_inst p0 = {.pcfg = &cfg->prefill[0], .name = "p0"};
+    Td__Health h = TD__HEALTH__INIT;
+    h.ready = true;
+    h.role = TD__ROLE__ROLE_DECODE;
+    h.backend = "cpu";
+    h.act = "f32";
+    h.cpu_isa = "avx512";
+    h.kernels_isa = "avx512";
+    h.blas_core = "Cooperlake";
+    h.compute_paths = "Q4_1: batch float32 tiles + OpenBLAS sgemm, solo float32 dot";
+    TH_CHECK(rt_reg_seen(&d0, &h, 1) && d0.compute.seen && !d0.compute.blas_older);
+    /* a prefill instance on a VM that hides the CPU's model: OpenBLAS fell back */
+    h.role = TD__ROLE__ROLE_PREFILL;
+    h.act = "q8";
+    h.kernels_isa = "avx2";
+    h.blas_core = "Prescott";
+    h.blas_core_older = true;
+    h.compute_paths = "Q8_0: a \"quoted\" \\ path\nnext \xc3\xa9";
+    TH_CHECK(rt_reg_seen(&p0, &h, 1) && p0.compute.blas_older);
+    /* the loop's snapshot (rt_loop.c, publish_metrics); d1 never reported */
+    rt_inst_gauge g = {.alive = true, .compute = d0.compute};
+    rt_metrics_publish_inst(&m, 0, &g);
+    m.pf[0] = (rt_pf_gauge){.alive = true, .compute = p0.compute};
+    char *text = rt_metrics_render(&m, cfg);
+    TH_REQUIRE(text);
+    TH_CHECK(series(text, "tandem_instance_compute_info{instance=\"d0\",role=\"decode\","
+                          "backend=\"cpu\",act=\"f32\",cpu_isa=\"avx512\","
+                          "kernels_isa=\"avx512\",blas_core=\"Cooperlake\"} ") == 1);
+    TH_CHECK(series(text, "tandem_instance_compute_info{instance=\"p0\",role=\"prefill\","
+                          "backend=\"cpu\",act=\"q8\",cpu_isa=\"avx512\","
+                          "kernels_isa=\"avx2\",blas_core=\"Prescott\"} ") == 1);
+    TH_CHECK(series(text, "tandem_instance_blas_core_older_than_cpu{instance=\"d0\","
+                          "role=\"decode\"} ") == 0);
+    TH_CHECK(series(text, "tandem_instance_blas_core_older_than_cpu{instance=\"p0\","
+                          "role=\"prefill\"} ") == 1);
+    TH_CHECK(series(text, "tandem_instance_products_info{instance=\"d0\",role=\"decode\","
+                          "paths=\"Q4_1: batch float32 tiles + OpenBLAS sgemm, solo float32 "
+                          "dot\"} ") == 1);
+    TH_CHECK(series(text, "tandem_instance_products_info{instance=\"p0\",role=\"prefill\","
+                          "paths=\"Q8_0: a \\\"quoted\\\" \\\\ path\\nnext ??\"} ") == 1);
+    TH_CHECK(!strstr(text, "{instance=\"d1\",role="));
+    const char *t = strstr(text, "# TYPE tandem_instance_compute_info gauge\n");
+    TH_CHECK(t && !strstr(t + 1, "# TYPE tandem_instance_compute_info "));
+    free(text);
+    /* an older node says nothing of it: empty labels, and "fits" */
+    Td__Health old = TD__HEALTH__INIT;
+    old.ready = true;
+    rt_reg_seen(&d0, &old, 2);
+    g.compute = d0.compute;
+    rt_metrics_publish_inst(&m, 0, &g);
+    text = rt_metrics_render(&m, cfg);
+    TH_REQUIRE(text);
+    TH_CHECK(series(text, "tandem_instance_compute_info{instance=\"d0\",role=\"decode\","
+                          "backend=\"\",act=\"\",cpu_isa=\"\",kernels_isa=\"\","
+                          "blas_core=\"\"} ") == 1);
+    TH_CHECK(series(text, "tandem_instance_blas_core_older_than_cpu{instance=\"d0\","
+                          "role=\"decode\"} ") == 0);
+    free(text);
+    rt_cidx_fini(&d0.cidx);
+    rt_cidx_fini(&p0.cidx);
+    rt_metrics_fini(&m);
+    td_cfg_free(cfg);
+}
+
 /* ---- pairing bookkeeping (rt_pair.c) ---- */
 
 static rt_router g_r;
@@ -883,5 +962,6 @@ int main(int argc, char **argv)
     TH_RUN(test_migrate);
     TH_RUN(test_stream);
     TH_RUN(test_inst_counters);
+    TH_RUN(test_compute_series);
     TH_EXIT();
 }
