@@ -244,7 +244,9 @@ static int load(const char *path, const char *desc, kn_act_verdict *v, char *why
     int rc = td_cache_read(path, FILE_MAX, &text, &len, why, cap);
     if (rc) return rc;
     const size_t hl = strlen(MAGIC) + strlen(desc);
-    char *end = strstr(text, "end ");
+    char *end = NULL; /* the last line's "end " (the desc may hold those letters too) */
+    for (char *e = strstr(text, "\nend "); e; e = strstr(e + 1, "\nend "))
+        end = e + 1;
     int q8 = -1;
     unsigned long long sum = 0;
     rc = TD_EFORMAT;
