@@ -202,17 +202,36 @@ static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
     return 0;
 }
 
+static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now);
+
 /* Disaggregated: keep decode-side events (a packed copy) until the prefill's PrefillDone of
  * the attempt is in (prefill_done): with logprobs all of them (PrefillDone brings the first
- * token's logprob), otherwise only the last one, so that the response's usage has the
- * prefill's cached_tokens (the decode side can finish a short answer before the prefill
- * instance's notice arrives). A prefill instance lost meanwhile releases them (prefill_lost). */
-static bool hold_event(rt_router *r, rt_req *q, const Td__TokenEvent *t)
+ * token's logprob), otherwise only the last one's finish, so that the response's usage has
+ * the prefill's cached_tokens (the decode side can finish a short answer before the prefill
+ * instance's notice arrives). The last event's tokens go out at once: the notice leaves a
+ * busy prefill leader between its chunks, up to a chunk's time later (about a second at 1
+ * thread), which held the last token back as the stream's longest inter-token gap (ITL p99,
+ * BENCHMARKS.md "The last token waited for PrefillDone"). A prefill instance lost meanwhile
+ * releases them (prefill_lost). True when t was taken care of here. */
+static bool hold_event(rt_router *r, int i, rt_req *q, const Td__TokenEvent *t, int64_t now)
 {
     if (!r->disagg || q->pair.pinst < 0 || q->loop.pd_seen) return false;
     if (!q->p.sampling.logprobs && t->finish == TD__FINISH_REASON__FINISH_NONE &&
         !q->loop.lp_hold.len)
         return false;
+    Td__TokenEvent fin;
+    if (!q->p.sampling.logprobs && t->n_token_ids && !q->loop.lp_hold.len) {
+        Td__TokenEvent toks = *t; /* the tokens now, as an event that does not finish */
+        toks.finish = TD__FINISH_REASON__FINISH_NONE;
+        toks.usage = NULL;
+        on_token(r, i, &toks, now);
+        if (rt_table_get(&r->table, t->request_id) != q || q->loop.state != RT_ST_RUNNING)
+            return true; /* a stop string ended it, or it failed */
+        fin = *t; /* and the finish, with the usage, held */
+        fin.n_token_ids = 0;
+        fin.token_ids = NULL;
+        t = &fin;
+    }
     size_t n = td__token_event__get_packed_size(t);
     uint8_t *b = malloc(n + 4);
     uint32_t n32 = (uint32_t)n;
@@ -236,7 +255,7 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
     if (!q || q->loop.inst != i ||
         (q->loop.state != RT_ST_SUBMITTED && q->loop.state != RT_ST_RUNNING))
         return;
-    if (hold_event(r, q, t)) return;
+    if (hold_event(r, i, q, t, now)) return;
     q->loop.state = RT_ST_RUNNING;
     if (t->usage) /* the current attempt's figure (a moved request's prompt is longer) */
         q->loop.n_cached = t->usage->cached_tokens < q->p.n_prompt ? (int)t->usage->cached_tokens

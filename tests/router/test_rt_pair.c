@@ -6,6 +6,8 @@
  * starts the real tandem-router and checks what HTTP clients see and what each fake got:
  *   normal        Alloc + Prefill (no targets), KvTarget with exactly the AllocReply's
  *                 targets, PrefillDone, tokens streamed by the decode fake; metrics, log
+ *   late done     PrefillDone 1 s after the decode side's last tokens: the tokens stream at
+ *                 once, only the finish (with the usage) waits for it
  *   retry         prefill ErrorEvent on p0 -> retried on p1; Prefill reply error likewise;
  *                 ERR_TIMEOUT with p1 down -> retried on p0 itself
  *   no retry      p1 not ready, p0 fails -> 503 prefill_failed (also with stream: true)
@@ -70,7 +72,11 @@ typedef enum {
     M_FIRST_HANG,         /* decode: the first token, then nothing (until Cancel) */
     M_FIRST_FAIL_ONCE,    /* decode: the first token, then ERR_PEER_FAILED ("a rank died")
                              + finish ERROR once, then M_OK */
+    M_DONE_LATE,          /* prefill: as M_OK, but PrefillDone LATE_DONE_MS after the decode
+                             fake streamed every token (a busy leader sends it between chunks) */
 } fake_mode;
+
+#define LATE_DONE_MS 1000
 
 typedef struct {
     uint64_t rid, client;
@@ -94,6 +100,11 @@ typedef struct {
                           M_OK mode (only those finish: a late KvTarget of a request failed
                           on purpose must not finish after the scenario changed the mode) */
     int n_pend;
+    struct {
+        uint64_t rid, client;
+        int64_t due_ms;
+    } late[8]; /* prefill, M_DONE_LATE: PrefillDone notices to send at due_ms */
+    int n_late;
 } fake;
 
 enum { P0, P1, D0, D1, N_FAKES };
@@ -178,6 +189,24 @@ static void kv_arrived(fake *d, uint64_t rid, int32_t first)
     }
 }
 
+/* The prefill fake's PrefillDone of rid (3 prompt tokens, two chunks). */
+static void send_done(fake *f, uint64_t client, uint64_t rid)
+{
+    uint32_t chunks[2] = {64, 36};
+    Td__PrefillDone d = TD__PREFILL_DONE__INIT;
+    d.request_id = rid;
+    d.first_token = 100;
+    d.n_prompt_tokens = 3;
+    d.chunk_sizes = chunks;
+    d.n_chunk_sizes = 2;
+    d.queued_ms = 3;
+    d.prefill_ms = 17;
+    Td__Event ev = TD__EVENT__INIT;
+    ev.body_case = TD__EVENT__BODY_PREFILL_DONE;
+    ev.prefill_done = &d;
+    td_ctrl_server_send_event(f->s, client, &ev);
+}
+
 static void on_prefill_req(fake *f, td_ctrl_server_in *in)
 {
     const Td__Envelope *env = in->env;
@@ -207,7 +236,8 @@ static void on_prefill_req(fake *f, td_ctrl_server_in *in)
                                       "no KV target in time (fake)");
             return;
         default:
-            if (f->mode == M_OK && f->n_pend < 64) f->pend[f->n_pend++] = (pend_req){.rid = rid};
+            if ((f->mode == M_OK || f->mode == M_DONE_LATE) && f->n_pend < 64)
+                f->pend[f->n_pend++] = (pend_req){.rid = rid};
             td_ctrl_server_reply_ack(f->s, in->req, rid);
             return;
         }
@@ -231,20 +261,15 @@ static void on_prefill_req(fake *f, td_ctrl_server_in *in)
             k++;
         if (k == f->n_pend) return; /* not accepted in M_OK mode: never finishes */
         f->pend[k] = f->pend[--f->n_pend];
-        uint32_t chunks[2] = {64, 36};
-        Td__PrefillDone d = TD__PREFILL_DONE__INIT;
-        d.request_id = rid;
-        d.first_token = 100;
-        d.n_prompt_tokens = 3;
-        d.chunk_sizes = chunks;
-        d.n_chunk_sizes = 2;
-        d.queued_ms = 3;
-        d.prefill_ms = 17;
-        Td__Event ev = TD__EVENT__INIT;
-        ev.body_case = TD__EVENT__BODY_PREFILL_DONE;
-        ev.prefill_done = &d;
-        td_ctrl_server_send_event(f->s, in->client_id, &ev);
         fake *dec = decode_named(dn);
+        if (f->mode == M_DONE_LATE && f->n_late < 8) {
+            if (dec && dec->s) kv_arrived(dec, rid, 100);
+            f->late[f->n_late++].rid = rid;
+            f->late[f->n_late - 1].client = in->client_id;
+            f->late[f->n_late - 1].due_ms = td_now_ms() + LATE_DONE_MS;
+            return;
+        }
+        send_done(f, in->client_id, rid);
         if (dec && dec->s) kv_arrived(dec, rid, 100);
         return;
     }
@@ -326,6 +351,11 @@ static void *fake_main(void *arg)
                 set_health(f);
                 f->health_dirty = false;
             }
+            for (int k = 0; k < f->n_late; k++)
+                if (td_now_ms() >= f->late[k].due_ms) {
+                    send_done(f, f->late[k].client, f->late[k].rid);
+                    f->late[k--] = f->late[--f->n_late];
+                }
             td_ctrl_server_in in;
             while (td_ctrl_server_recv(f->s, &in, 0) == 0) {
                 if (in.kind != TD_CTRL_IN_REQUEST) continue;
@@ -653,6 +683,56 @@ static void test_normal(void)
     TH_CHECKF(
         strstr(g_resp, "{\"status\":\"ok\",\"instances_alive\":2,\"prefill_instances_alive\":2}"),
         "%s", g_resp);
+}
+
+/* The text of an SSE body's chunks, concatenated (the "text" fields in order). */
+static void sse_text(const char *body, char *out, size_t cap)
+{
+    size_t o = 0;
+    for (const char *p = strstr(body, "\"text\":\""); p && o + 1 < cap;
+         p = strstr(p, "\"text\":\"")) {
+        p += strlen("\"text\":\"");
+        while (*p && *p != '"' && o + 1 < cap) {
+            if (*p == '\\' && p[1]) out[o++] = *p++;
+            out[o++] = *p++;
+        }
+    }
+    out[o] = 0;
+}
+
+static void test_late_done(void)
+{
+    clear_logs();
+    set_fake(P0, M_DONE_LATE, true);
+    int fd = http_connect();
+    TH_REQUIRE(fd >= 0);
+    const int64_t t0 = now_ms();
+    http_send(fd, "POST", "/v1/completions", REQ_STREAM);
+    /* what arrives in the first half of the notice's delay: every token's text */
+    static char early[1 << 14];
+    size_t len = 0;
+    while (now_ms() - t0 < LATE_DONE_MS / 2 && len < sizeof early - 1) {
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        if (poll(&pf, 1, 20) <= 0) continue;
+        ssize_t k = read(fd, early + len, sizeof early - 1 - len);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    early[len] = 0;
+    memcpy(g_resp, early, len + 1);
+    http_read_all(fd, g_resp, sizeof g_resp, &len); /* on from len */
+    close(fd);
+    const int64_t took = now_ms() - t0;
+    set_fake(P0, M_OK, true);
+    static char a[4096], b[4096];
+    sse_text(early, a, sizeof a);
+    sse_text(g_resp, b, sizeof b);
+    TH_CHECKF(!strstr(early, "finish_reason\":\"length") && a[0] && !strcmp(a, b),
+              "early text '%s', all '%s'", a, b);
+    TH_CHECKF(strstr(g_resp, "\"finish_reason\":\"length\"") && strstr(g_resp, "data: [DONE]"),
+              "%s", g_resp);
+    TH_CHECKF(took >= LATE_DONE_MS - 50, "the stream ended %lld ms after the request",
+              (long long)took);
 }
 
 static void test_retry(void)
@@ -1065,6 +1145,7 @@ int main(int argc, char **argv)
         TH_CHECK(0);
     } else {
         TH_RUN(test_normal);
+        TH_RUN(test_late_done);
         TH_RUN(test_retry);
         TH_RUN(test_no_retry);
         TH_RUN(test_transfer);
