@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "gguf.h"
 #include "td_err.h"
 
 #define BUILD_ID_MAX 64 /* bytes of a build id note (SHA-1 ones are 20) */
@@ -87,6 +88,20 @@ void td_build_identity(uintptr_t addr, char *out, size_t cap)
         }
     }
     snprintf(out, cap, "unknown");
+}
+
+uint64_t td_fnv_gguf_tensors(uint64_t h, const td_gguf *g)
+{
+    const size_t nt = td_gguf_n_tensors(g);
+    for (size_t i = 0; i < nt; i++) {
+        const td_gguf_tensor *t = td_gguf_tensor_at(g, i);
+        h = td_fnv(h, t->name, strlen(t->name) + 1);
+        h = td_fnv_i64(h, t->type);
+        h = td_fnv_i64(h, t->n_dims);
+        for (int d = 0; d < 4; d++)
+            h = td_fnv_i64(h, t->ne[d]);
+    }
+    return h;
 }
 
 void td_cpu_model_name(char *out, size_t cap)

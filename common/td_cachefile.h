@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "gguf.h"
+
 /* 64-bit FNV-1a */
 #define TD_FNV_OFFSET 0xcbf29ce484222325ull
 #define TD_FNV_PRIME  0x100000001b3ull
@@ -40,10 +42,17 @@ static inline uint64_t td_fnv_f32(uint64_t h, float v)
     return td_fnv(h, &bits, sizeof bits);
 }
 
+/* Bytes td_build_identity writes at most (a path, size and mtime without a build id). */
+#define TD_BUILD_IDENTITY_MAX 640
+
 /* Hex GNU build id of the object that maps addr (0: the executable; the address of
  * cblas_sgemm: OpenBLAS); else, for the executable, its path, size and mtime (a build
  * without --build-id), or "unknown". */
 void td_build_identity(uintptr_t addr, char *out, size_t cap);
+/* h extended by a GGUF's tensor table (every tensor's name, type and dimensions): what
+ * shapes a model's compute, not its weights' values. */
+uint64_t td_fnv_gguf_tensors(uint64_t h, const td_gguf *g);
+
 /* /proc/cpuinfo's first "model name" (printable ASCII), or "unknown". */
 void td_cpu_model_name(char *out, size_t cap);
 

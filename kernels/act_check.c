@@ -2,7 +2,6 @@
  * cache key and file, and the lock that lets one process of a cluster measure for all. */
 #include "act_check.h"
 
-#include <cblas.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -201,25 +200,15 @@ static int key_desc(const char *model_path, char *d, size_t cap)
     td_gguf *g;
     char err[256];
     if (stat(model_path, &st) || td_gguf_open(model_path, &g, err, sizeof err)) return TD_EIO;
-    uint64_t h = td_fnv_i64(TD_FNV_OFFSET, (int64_t)st.st_size);
+    const uint64_t h = td_fnv_gguf_tensors(td_fnv_i64(TD_FNV_OFFSET, (int64_t)st.st_size), g);
     const size_t nt = td_gguf_n_tensors(g);
-    for (size_t i = 0; i < nt; i++) {
-        const td_gguf_tensor *t = td_gguf_tensor_at(g, i);
-        h = td_fnv(h, t->name, strlen(t->name) + 1);
-        h = td_fnv_i64(h, t->type);
-        for (int k = 0; k < 4; k++)
-            h = td_fnv_i64(h, t->ne[k]);
-    }
     td_gguf_close(g);
     uint64_t ph = td_fnv_i64(TD_FNV_OFFSET, KN_ACT_CHECK_TOKENS);
     for (int i = 0; i < N_PROMPTS; i++)
         ph = td_fnv(ph, prompts[i], strlen(prompts[i]) + 1);
-    char exe[200], blas[200], cpu[160];
-    void (*sgemm)(void) = (void (*)(void))cblas_sgemm;
-    uintptr_t blas_addr;
-    memcpy(&blas_addr, &sgemm, sizeof blas_addr);
+    char exe[TD_BUILD_IDENTITY_MAX], blas[TD_BUILD_IDENTITY_MAX], cpu[160];
     td_build_identity(0, exe, sizeof exe);
-    td_build_identity(blas_addr, blas, sizeof blas);
+    kn_blas_build_identity(blas, sizeof blas);
     td_cpu_model_name(cpu, sizeof cpu);
     kn_blas_info b;
     kn_blas_info_get(&b);
@@ -288,7 +277,7 @@ int kn_act_choose(const char *model_path, int n_threads, const char *who, kn_act
 {
     memset(out, 0, sizeof *out);
     who = who ? who : "tandem";
-    char desc[2048], dir[400], why[512] = "";
+    char desc[4096], dir[400], why[512] = "";
     int rc = key_desc(model_path, desc, sizeof desc);
     if (rc) {
         TD_LOG_ERR("%s: cpu_act auto: cannot read '%s'", who, model_path);

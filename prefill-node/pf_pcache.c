@@ -3,7 +3,6 @@
 #define _GNU_SOURCE
 #include "pf_pcache.h"
 
-#include <cblas.h>
 #include <errno.h>
 #include <math.h>
 #include <sched.h>
@@ -14,13 +13,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cpu_blas.h"
 #include "pf_tune.h"
 #include "td_cachefile.h"
 #include "td_err.h"
 
 #define MAGIC        "tandem stage profile 1\n"
 #define FILE_MAX     (16 * 1024) /* bytes; a profile is ~1 KiB */
-#define BUILD_ID_MAX 64          /* bytes of a build id (hex doubles it) */
 
 /* The model's shape: file size, hyper-parameters, tensor table (not the weights). */
 static uint64_t model_hash(const pf_shard *r, int64_t size)
@@ -35,15 +34,7 @@ static uint64_t model_hash(const pf_shard *r, int64_t size)
     h = td_fnv_f32(h, hp->rope_base);
     h = td_fnv_f32(h, hp->rope_scale);
     h = td_fnv_f32(h, hp->rms_eps);
-    size_t nt = td_gguf_n_tensors(r->rt.gguf);
-    for (size_t i = 0; i < nt; i++) {
-        const td_gguf_tensor *t = td_gguf_tensor_at(r->rt.gguf, i);
-        h = td_fnv(h, t->name, strlen(t->name) + 1);
-        h = td_fnv_i64(h, t->type);
-        h = td_fnv_i64(h, t->n_dims);
-        for (int d = 0; d < 4; d++)
-            h = td_fnv_i64(h, t->ne[d]);
-    }
+    h = td_fnv_gguf_tensors(h, r->rt.gguf);
     return h;
 }
 
@@ -70,12 +61,9 @@ int pf_pcache_key_make(const pf_shard *r, const char *model_path, const pf_profi
     struct stat st;
     if (stat(model_path, &st)) return TD_EIO;
     pf_profile_params p = pf_profile_resolve(p_in);
-    char exe[2 * BUILD_ID_MAX + 600], blas[2 * BUILD_ID_MAX + 600], cpu[160];
-    void (*sgemm)(void) = (void (*)(void))cblas_sgemm;
-    uintptr_t blas_addr;
-    memcpy(&blas_addr, &sgemm, sizeof blas_addr);
+    char exe[TD_BUILD_IDENTITY_MAX], blas[TD_BUILD_IDENTITY_MAX], cpu[160];
     td_build_identity(0, exe, sizeof exe);
-    td_build_identity(blas_addr, blas, sizeof blas);
+    kn_blas_build_identity(blas, sizeof blas);
     td_cpu_model_name(cpu, sizeof cpu);
     cpu_set_t set;
     int usable = sched_getaffinity(0, sizeof set, &set) ? -1 : CPU_COUNT(&set);

@@ -9,10 +9,10 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include "td_cachefile.h"
 #include "td_err.h"
 
-/* OpenBLAS's own (its cblas.h declares it too) */
-char *openblas_get_corename(void);
+#include <cblas.h>
 
 #define ENV_WANT  "TANDEM_BLAS_CORE"       /* auto | keep | a core name */
 #define ENV_FIXED "TANDEM_BLAS_FIXED_FROM" /* set before the re-execution */
@@ -167,4 +167,12 @@ void kn_blas_log(const char *who, const char *kernels)
                     who, b.cpu_isa, b.cpu_features, kernels, b.core, b.core_isa,
                     why, b.cpu_core);
     }
+}
+
+void kn_blas_build_identity(char *out, size_t cap)
+{
+    void (*sgemm)(void) = (void (*)(void))cblas_sgemm; /* an address inside the library */
+    uintptr_t addr;
+    memcpy(&addr, &sgemm, sizeof addr);
+    td_build_identity(addr, out, cap);
 }

@@ -19,6 +19,7 @@
 #define KN_CPU_BLAS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 /* What the process's BLAS runs, read now. */
 typedef struct {
@@ -35,6 +36,10 @@ typedef struct {
 } kn_blas_info;
 
 void kn_blas_info_get(kn_blas_info *out);
+
+/* td_build_identity (td_cachefile.h) of the OpenBLAS library this process runs: a cache
+ * key's part for what its float32 GEMM computes. */
+void kn_blas_build_identity(char *out, size_t cap);
 
 /* At the top of main: when the BLAS core is older than the CPU (and TANDEM_BLAS_CORE is not
  * "keep"), or TANDEM_BLAS_CORE names another core, set OPENBLAS_CORETYPE and re-execute
