@@ -9,11 +9,11 @@
  * chosen when every prompt's first KN_ACT_CHECK_TOKENS tokens are the same in both.
  * The verdict is cached ($TANDEM_CACHE/act, else ~/.cache/tandem/act), keyed on what it
  * depends on: the model's shape (file size, tensor table), the build of the executable and of
- * OpenBLAS, the BLAS core, the kernels' ISA, the CPU's name and the check itself; so every
- * process of a cluster (the prefill stages, the decode ranks) reads the same verdict, and
- * only the first start on a machine pays for the check (the default model: about 3 s on
- * 2 cores). Processes that start together take turns on a lock file: one measures, the others
- * read its verdict. The cost grows with the model: 2 x 8 prompts of ~30 tokens and 16 greedy
+ * OpenBLAS, the BLAS core, the kernels' ISA, the CPU's name and the check itself; so the
+ * processes of one executable (a cluster's prefill stages, its decode ranks) read the same
+ * verdict, and only the first start of each executable on a machine and build pays for the
+ * check (the default model: about 2 s on 2 cores). Processes that start together take turns
+ * on a lock file: one measures, the others read its verdict. The cost grows with the model: 2 x 8 prompts of ~30 tokens and 16 greedy
  * steps each on the whole model in one process (its weights mapped, not copied), seconds for
  * the 0.5B-1.5B models here, minutes for a 7B one on 2 cores; a model too large for one
  * machine cannot be checked (pin f32 or q8 then).
