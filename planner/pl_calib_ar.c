@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "act_check.h"
 #include "dc_shm.h"
 #include "kn_runtime.h"
 #include "kv_pool.h"
@@ -146,7 +147,7 @@ static int tp_rank(const char *token, const char *model, int rank, int tp, int t
                             .backend_opts = {.n_threads = threads, .device = -1, .rank = rank},
                             .coll = &coll,
                             .who = "calibrate"};
-    int rc = kn_runtime_open(&rt, &rp);
+    int rc = kn_act_runtime_open(&rt, &rp); /* TANDEM_CPU_ACT=auto resolved, as the nodes do */
     if (rc) return rc;
     const kn_hparams *hp = &rt.model->hp;
     dc_shm_params sp = {.instance = "calibtp",

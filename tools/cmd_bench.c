@@ -154,9 +154,9 @@ static void report_device(const cli_session *s, bool json, double pp, double tg,
 
 /* KV room (tokens) for the workloads: batch sequences of n_gen + 1 tokens, the prefill, and
  * at least 4096. */
-static int bench_ctx(int batch, int n_gen, int n_prefill)
+static int bench_ctx(int batch, int n_gen, int n_prompt)
 {
-    int ctx = batch * (n_gen + 1) > n_prefill ? batch * (n_gen + 1) : n_prefill;
+    int ctx = batch * (n_gen + 1) > n_prompt ? batch * (n_gen + 1) : n_prompt;
     return ctx < 4096 ? 4096 : ctx;
 }
 

@@ -38,8 +38,9 @@ int kn_cpu_n_threads(const kn_cpu *c);
  * weight types and the gemm path stay float32. Results are deterministic and
  * batch-invariant but no longer equal the float32 path's: they differ by the rounding of
  * x to 8 bits (|x - d q| <= d / 2 with d = max|x| / 127 over the block). kn_cpu_create
- * reads TANDEM_CPU_ACT once: unset or "f32" off, "q8" on, anything else an error
- * (TD_EINVAL). Not to be called while an op runs. */
+ * reads TANDEM_CPU_ACT once: unset or "f32" off, "q8" on, "auto" off here (it is resolved
+ * for a model by kn_act_runtime_open, act_check.h, which then sets the mode), anything else
+ * an error (TD_EINVAL). Not to be called while an op runs. */
 void kn_cpu_set_act_q8(kn_cpu *c, bool on);
 bool kn_cpu_act_q8(const kn_cpu *c);
 
