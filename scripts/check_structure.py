@@ -3,7 +3,9 @@
 
 Rules (docs/contributing.md explains each one and how to fix a violation):
   function-length    no function longer than 120 lines (opening to closing brace, inclusive)
-  file-length        no .c file longer than 900 lines
+  file-length        a report, not a failure: .c files longer than 900 lines are listed
+                     (files are split by reason to change, never by a line count; a long file
+                     is a prompt to look for a second concern in it, no more)
   monotonic-clock    at most two files read CLOCK_MONOTONIC directly (common/td_clock.c is one);
                      choosing it for a condition variable (pthread_condattr_setclock) is no read
   duplicate-function no function defined in two modules (exported .c functions, header inlines)
@@ -22,6 +24,7 @@ at file scope.
 
 Usage:
   check_structure.py [--root DIR]    every violation as FILE:LINE: [rule] reason; exit 1 if any
+                                     (the report-only rules print "note:" lines and never fail)
   check_structure.py --list          the longest functions and .c files with their sizes
   check_structure.py --self-test     runs the rules over tests/structure/tree, whose
                                      "EXPECT: rule" comments say which lines must be reported
@@ -766,6 +769,8 @@ def list_sizes(files, max_fn, max_file):
 
 EXPECT = re.compile(r"EXPECT:\s*([\w-]+(?:\s*,\s*[\w-]+)*)")
 SELF_TEST_LIMITS = dict(max_fn=20, max_file=60, max_clock=2)
+# reported, never a failure (issue 40: a file-size limit made files split by line count)
+REPORT_ONLY = ("file-length",)
 RULES = ("function-length", "file-length", "monotonic-clock", "duplicate-function",
          "static-clash", "duplicate-type", "type-prefix", "include-cycle")
 
@@ -825,10 +830,15 @@ def main():
     if args.list:
         list_sizes(files, args.max_function_lines, args.max_file_lines)
         return 0
-    violations = check(files, args.max_function_lines, args.max_file_lines)
+    found = check(files, args.max_function_lines, args.max_file_lines)
+    notes = [v for v in found if v.rule in REPORT_ONLY]
+    violations = [v for v in found if v.rule not in REPORT_ONLY]
+    for v in notes:
+        print("note: %s" % v)
     for v in violations:
         print(v)
-    print("check_structure: %d files, %d violations" % (len(files), len(violations)))
+    print("check_structure: %d files, %d violations, %d notes"
+          % (len(files), len(violations), len(notes)))
     return 1 if violations else 0
 
 

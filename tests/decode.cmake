@@ -18,12 +18,31 @@ if(TANDEM_PYTHON)
 endif()
 
 # ---- tandem-decode end to end: real rank processes, control plane over loopback TCP.
+#   decode_node          the synthetic models' cases (tp 2/4, concurrent, pool pressure,
+#                        cancel/garbage/idle) and kill rank (on the default model when there
+#                        is one: the synthetic model's requests end too fast to be killed)
+#   decode_node_default  the default model's own cases (tp 1/3 against `tandem generate`,
+#                        concurrent and pool pressure with 400-token prompts); CI runs it in
+#                        Release (tests/CMakeLists.txt: TANDEM_CI_RELEASE_TESTS)
 if(TANDEM_PYTHON)
+  set(decode_node_model "")
+  if(TANDEM_MODEL)
+    set(decode_node_model --model ${TANDEM_MODEL} --model-cases kill)
+  endif()
   add_test(NAME decode_node
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_decode_node.py
                    --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
-                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
-  set_tests_properties(decode_node PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1200)
+                   --synth-dir ${TANDEM_TEST_DATA}/synth ${decode_node_model})
+  set_tests_properties(decode_node PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+endif()
+if(TANDEM_PYTHON AND TANDEM_MODEL)
+  add_test(NAME decode_node_default
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_decode_node.py
+                   --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
+                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}"
+                   --model-cases only)
+  set_tests_properties(decode_node_default PROPERTIES FIXTURES_REQUIRED synth_models
+                       TIMEOUT 1200)
 endif()
 
 # ---- decode[].overlap: the same tokens as the sequential path (two colocated clusters).

@@ -1,13 +1,30 @@
 # disagg.cmake: disaggregated serving end to end (tests/disagg/test_disagg.py): router,
 # prefill stages and decode ranks as real processes, checked through the HTTP API.
+#   disagg          every case but disagg_default's: the synthetic model's and the faults (retry,
+#                   a decode instance that dies, a stalled stage: on the default model, whose
+#                   prefill is long enough)
+#   disagg_default  the default model's outputs against `tandem generate` (pp 2 x tp 1/3, one
+#                   prefill instance for tp 1 + tp 3) and grammar; CI runs it in Release
+#                   (tests/CMakeLists.txt: TANDEM_CI_RELEASE_TESTS)
 if(TANDEM_PYTHON)
   add_test(NAME disagg
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
                    --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
                    --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
-                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
+                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}"
+                   --skip default,grammar)
   set_tests_properties(disagg PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
                        LABELS disagg)
+  if(TANDEM_MODEL)
+    add_test(NAME disagg_default
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
+                     --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
+                     --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
+                     --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}"
+                     --case default,grammar)
+    set_tests_properties(disagg_default PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
+                         LABELS disagg)
+  endif()
   # the prefill stages' prefix cache (tests/disagg/test_prefix_cache.py): hits exact against a
   # cold run at pp 1/2/3 x tp 1/2, eviction, a stage restart, aborts while cached blocks move;
   # the decode side's: turn 2 pushes only what the decode instance lacks, a decode restart

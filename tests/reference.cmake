@@ -47,11 +47,19 @@ else()
   set(TANDEM_BIN "")
 endif()
 
+# reference: the synthetic models (every architecture); reference_default: the default model
+# (CI runs it in Release: tests/CMakeLists.txt, TANDEM_CI_RELEASE_TESTS)
 add_test(NAME reference
   COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_reference.py --tandem "${TANDEM_BIN}"
-          --synth-dir ${TANDEM_SYNTH_DIR} ${TANDEM_REF_MODEL_ARGS})
+          --synth-dir ${TANDEM_SYNTH_DIR})
 set_tests_properties(reference PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1800
                      ENVIRONMENT "${TANDEM_PY_ENV}")
+if(TANDEM_MODEL)
+  add_test(NAME reference_default
+    COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_reference.py --tandem "${TANDEM_BIN}"
+            ${TANDEM_REF_MODEL_ARGS})
+  set_tests_properties(reference_default PROPERTIES TIMEOUT 1800 ENVIRONMENT "${TANDEM_PY_ENV}")
+endif()
 
 add_test(NAME dequant
   COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_dequant.py --tandem "${TANDEM_BIN}"

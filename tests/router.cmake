@@ -62,9 +62,18 @@ if(TANDEM_PYTHON)
 
   set(RT_TEST_BINS --router $<TARGET_FILE:tandem-router> --decode $<TARGET_FILE:tandem-decode>
                    --tandem $<TARGET_FILE:tandem> --synth ${TANDEM_TEST_DATA}/synth/llama.gguf)
+  # router_openai on the synthetic model; router_openai_default the same checks on the default
+  # model (CI runs it in Release: tests/CMakeLists.txt, TANDEM_CI_RELEASE_TESTS)
   add_test(NAME router_openai
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_openai.py
-                   ${RT_TEST_BINS} --model "${TANDEM_MODEL}")
+                   ${RT_TEST_BINS})
+  if(TANDEM_MODEL)
+    add_test(NAME router_openai_default
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_openai.py
+                     ${RT_TEST_BINS} --model "${TANDEM_MODEL}" --model-only)
+    set_tests_properties(router_openai_default PROPERTIES FIXTURES_REQUIRED synth_models
+                         TIMEOUT 600)
+  endif()
   if(TANDEM_MODEL)
     add_test(NAME router_grammar
              COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_grammar.py
@@ -109,7 +118,8 @@ endif()
 # router_prefix_cache: the decode node's prefix cache through the router (tests/router/
 # test_prefix_cache.py): a conversation's 2nd turn with a cache hit == a cold cluster, n=4
 # sharing, eviction under a small pool, cached_tokens and the /metrics counters; synthetic
-# model tp 1 and 2, the default model tp 1, Qwen2.5-Coder 0.5B tp 2 (when given).
+# model tp 1 and 2 (router_prefix_cache), the default model tp 1 and Qwen2.5-Coder 0.5B tp 2
+# when given (router_prefix_cache_models; CI runs it in Release).
 if(TANDEM_PYTHON)
   set(RT_PC_ARGS)
   if(TANDEM_MODEL)
@@ -120,20 +130,31 @@ if(TANDEM_PYTHON)
   endif()
   add_test(NAME router_prefix_cache
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_prefix_cache.py
-                   ${RT_TEST_BINS} ${RT_PC_ARGS})
+                   ${RT_TEST_BINS})
   set_tests_properties(router_prefix_cache PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+  if(RT_PC_ARGS)
+    add_test(NAME router_prefix_cache_models
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_prefix_cache.py
+                     ${RT_TEST_BINS} ${RT_PC_ARGS} --model-only)
+    set_tests_properties(router_prefix_cache_models PROPERTIES FIXTURES_REQUIRED synth_models
+                         TIMEOUT 600)
+  endif()
 endif()
 
 # router_prefix_tier: the decode prefix cache's second tier (tests/router/test_prefix_tier.py):
 # a conversation evicted from a small pool into a file tier comes back (cached_tokens, tier
 # metrics) and its greedy text == a cold cluster's, at tp 1 and tp 2; disaggregated tp 2 refused.
+# router_prefix_tier_default: the default model at tp 1 (CI runs it in Release).
 if(TANDEM_PYTHON)
-  set(RT_TIER_ARGS)
-  if(TANDEM_MODEL)
-    list(APPEND RT_TIER_ARGS --model "${TANDEM_MODEL}")
-  endif()
   add_test(NAME router_prefix_tier
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_prefix_tier.py
-                   ${RT_TEST_BINS} ${RT_TIER_ARGS})
+                   ${RT_TEST_BINS})
   set_tests_properties(router_prefix_tier PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600)
+  if(TANDEM_MODEL)
+    add_test(NAME router_prefix_tier_default
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_prefix_tier.py
+                     ${RT_TEST_BINS} --model "${TANDEM_MODEL}" --model-only)
+    set_tests_properties(router_prefix_tier_default PROPERTIES FIXTURES_REQUIRED synth_models
+                         TIMEOUT 600)
+  endif()
 endif()

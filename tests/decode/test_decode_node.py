@@ -19,7 +19,8 @@ Checks (each a separate case, all must pass):
     ranks stay up (not ready, waiting for the rank: test_rejoin.py restarts it) and exit 0
     on SIGTERM.
 
-usage: test_decode_node.py --decode BIN --tandem BIN --synth-dir DIR [--model GGUF]
+usage: test_decode_node.py --decode BIN --tandem BIN --synth-dir DIR
+                          [--model GGUF [--model-cases all|kill|only]]
 """
 import argparse
 import os
@@ -272,7 +273,15 @@ def main():
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--synth-dir", required=True)
     ap.add_argument("--model", default="")
+    ap.add_argument("--model-cases", choices=("all", "kill", "only"), default="all",
+                    help="with --model: all (the synthetic cases, kill rank on the model, the "
+                         "model's own cases), kill (the synthetic cases, kill rank on the model: "
+                         "the synthetic model ends a request too fast to be killed mid-way "
+                         "without ASan), only (the model's own cases). tests/decode.cmake runs "
+                         "kill under ASan and only in Release")
     args = ap.parse_args()
+    if args.model_cases != "all" and not args.model:
+        ap.error("--model-cases kill|only needs --model")
     random.seed(os.getpid())
     synth = os.path.join(args.synth_dir, "llama.gguf")
     synth_vocab = 512
@@ -287,7 +296,9 @@ def main():
         ("kill rank", lambda: case_kill_rank(args, args.model or synth, 3 if args.model else 2,
                                              1.0 if args.model else 0.2)),
     ]
-    if args.model:
+    if args.model_cases == "only":
+        cases = []
+    if args.model and args.model_cases != "kill":
         prompts = CHAT_PROMPTS + prompts_for(49152, 2, 3)
         cases.insert(0, ("tp1 default", lambda: case_equals_generate(args, args.model, 1, prompts, 24, "tp1 default model")))
         cases.insert(1, ("tp3 default", lambda: case_equals_generate(args, args.model, 3, prompts, 24, "tp3 default model")))

@@ -537,19 +537,29 @@ def main():
     for k in ("router", "prefill", "decode", "tandem", "synth-dir"):
         ap.add_argument("--" + k, required=True)
     ap.add_argument("--model", default="")
-    ap.add_argument("--case", default="")
+    ap.add_argument("--case", default="",
+                    help="comma-separated cases to run (default: all); tests/disagg.cmake runs "
+                         "the fault cases under ASan and the default model's outputs in Release")
+    ap.add_argument("--skip", default="", help="comma-separated cases not to run")
     args = ap.parse_args()
+    wanted = [c for c in args.case.split(",") if c]
+    skipped = [c for c in args.skip.split(",") if c]
+    unknown = [c for c in wanted + skipped if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; cases: {', '.join(CASES)}")
     for name, fn in CASES.items():
-        if args.case and name != args.case:
+        if (wanted and name not in wanted) or name in skipped:
             continue
         if name not in ("synth", "logprobs") and not (args.model and os.path.exists(args.model)):
             print(f"skip {name}: no default model")
             continue
         print(f"== {name}", flush=True)
+        t0 = time.time()
         try:
             fn(args)
         except Exception as e:  # a crashed case is a failure, the others still run
             check(False, f"{name}: {type(e).__name__}: {e}")
+        print(f"     ({name}: {time.time() - t0:.1f} s)", flush=True)
     print(f"{len(FAILS)} failed")
     sys.exit(1 if FAILS else 0)
 

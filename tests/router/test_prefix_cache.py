@@ -148,10 +148,15 @@ def main():
     ap.add_argument("--model-tp2", default="",
                     help="a real model whose heads tp 2 divides (the default model's 9 do not)")
     ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--model-only", action="store_true",
+                    help="only the real models' runs (tests/router.cmake: the synthetic "
+                         "model's run under ASan, the real models' in Release)")
     args = ap.parse_args()
+    if args.model_only and not (args.model or args.model_tp2):
+        ap.error("--model-only needs --model or --model-tp2")
     t0 = time.time()
     tps = [int(x) for x in args.tp.split(",")]
-    shapes = [("synth", args.synth, tps, True)]
+    shapes = [] if args.model_only else [("synth", args.synth, tps, True)]
     if args.model:
         shapes.append(("default", args.model, [t for t in tps if t == 1], True))
     if args.model_tp2:

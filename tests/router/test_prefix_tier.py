@@ -155,16 +155,23 @@ def main():
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--synth", required=True)
     ap.add_argument("--model", default="")
+    ap.add_argument("--model-only", action="store_true",
+                    help="only the real models' runs (tests/router.cmake: the synthetic "
+                         "model's run under ASan, the real models' in Release)")
     args = ap.parse_args()
+    if args.model_only and not args.model:
+        ap.error("--model-only needs --model")
     t0 = time.time()
-    k1, cold = run_model(args, args.synth, "synth")
-    # a pool in device memory (cpu-dev: the cpu kernels behind a device backend's contract,
-    # bit-identical to cpu): the same answers and hits as on cpu
-    run_model(args, args.synth, "synth", want_cached=k1, backend="cpu-dev", cold_text=cold)
-    _, cold2 = run_model(args, args.synth, "synth", tp=2, want_cached=k1)
-    run_model(args, args.synth, "synth", tp=2, want_cached=k1, backend="cpu-dev", cold_text=cold2)
-    # overlap: the next step is planned (and its copies made) while no pass is in flight
-    run_model(args, args.synth, "synth", tp=2, want_cached=k1, cold_text=cold2, overlap=True)
+    if not args.model_only:
+        k1, cold = run_model(args, args.synth, "synth")
+        # a pool in device memory (cpu-dev: the cpu kernels behind a device backend's
+        # contract, bit-identical to cpu): the same answers and hits as on cpu
+        run_model(args, args.synth, "synth", want_cached=k1, backend="cpu-dev", cold_text=cold)
+        _, cold2 = run_model(args, args.synth, "synth", tp=2, want_cached=k1)
+        run_model(args, args.synth, "synth", tp=2, want_cached=k1, backend="cpu-dev",
+                  cold_text=cold2)
+        # overlap: the next step is planned (and its copies made) while no pass is in flight
+        run_model(args, args.synth, "synth", tp=2, want_cached=k1, cold_text=cold2, overlap=True)
     if args.model:  # tp 1 only: the default model's 9 heads do not split over 2 ranks
         run_model(args, args.model, "default")
     print(f"{len(FAILS)} failures, {time.time() - t0:.1f} s")

@@ -600,10 +600,16 @@ def main():
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--synth", required=True)
     ap.add_argument("--model", default="")
+    ap.add_argument("--model-only", action="store_true",
+                    help="only the real models' runs (tests/router.cmake: the synthetic "
+                         "model's run under ASan, the real models' in Release)")
     args = ap.parse_args()
+    if args.model_only and not args.model:
+        ap.error("--model-only needs --model")
     t0 = time.time()
-    run_model(args, args.synth, "synth", ["Hello world", "The quick brown fox", "1 2 3"],
-              ["Hi there", "What is 2+2?"], 16)
+    if not args.model_only:
+        run_model(args, args.synth, "synth", ["Hello world", "The quick brown fox", "1 2 3"],
+                  ["Hi there", "What is 2+2?"], 16)
     if args.model:
         run_model(args, args.model, "default", ["The capital of France is"],
                   ["What is the capital of France?"], 12)
