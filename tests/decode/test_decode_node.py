@@ -35,6 +35,7 @@ from tdtest.checks import FAILS, check  # noqa: E402
 from tdtest.cluster import client_health, write_yaml  # noqa: E402
 from tdtest.ports import free_port  # noqa: E402
 from tdtest.procs import spawn, stop  # noqa: E402
+from tdtest.synth import long_context_llama  # noqa: E402
 
 
 class Instance:
@@ -244,7 +245,7 @@ def case_kill_rank(args, model, tp, delay):
     inst = Instance(args, model, tp)
     try:
         client = subprocess.Popen([args.tandem, "client", "--url", inst.url, "--prompt-ids", "1,2,3",
-                                   "--max-tokens", "100000", "--timeout-ms", "60000"],
+                                   "--max-tokens", "100000", "--ignore-eos", "--timeout-ms", "60000"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
         check(client.poll() is None, "kill rank: the request is still running when a rank is killed")
@@ -291,10 +292,11 @@ def main():
         ("concurrent", lambda: case_concurrent(args, synth, synth_vocab, 512, "concurrent")),
         ("pool pressure", lambda: case_concurrent(args, synth, synth_vocab, 24, "pool pressure", expect_preempt=True)),
         ("cancel/garbage/idle", lambda: case_cancel_garbage_idle(args, synth)),
-        # the default model generates slowly enough to be killed mid-request (8K context);
-        # the synthetic one reaches its 512-token context within a second or two
-        ("kill rank", lambda: case_kill_rank(args, args.model or synth, 3 if args.model else 2,
-                                             1.0 if args.model else 0.2)),
+        # a request killed mid-way must outlast the delay: the default model's (8K context)
+        # does, the synthetic model's would reach its 512-token context first on a quiet
+        # machine, so it runs on a 4096-token copy
+        ("kill rank", lambda: case_kill_rank(args, args.model or long_context_llama(),
+                                             3 if args.model else 2, 1.0 if args.model else 0.2)),
     ]
     if args.model_cases == "only":
         cases = []

@@ -40,6 +40,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
 from test_decode_node import Instance, generate_ids, node_ids  # noqa: E402
 from tdtest.checks import FAILS, check  # noqa: E402
+from tdtest.synth import long_context_llama  # noqa: E402
 from tdtest.procs import shm_left as _shm_left, spawn  # noqa: E402
 
 READY_LIMIT = 60  # seconds from a restart to ready (model load included); typically ~1 s
@@ -226,9 +227,8 @@ def main():
         ap.add_argument(a, default="")
     args = ap.parse_args()
     random.seed(os.getpid())
-    synth = os.path.join(args.synth_dir, "llama.gguf")
     cases = {
-        "synth_tp2": lambda: case_colocated(args, synth, 512, 2, "synthetic tp2"),
+        "synth_tp2": lambda: case_colocated(args, long_context_llama(), 512, 2, "synthetic tp2"),
         "default_tp3": lambda: case_colocated(args, args.model, 49152, 3, "default tp3"),
         "pd_tp2": lambda: case_pd(args),
     }

@@ -347,6 +347,8 @@ def main():
     ap.add_argument("--n-head-kv", type=int, default=None, help="KV heads (default 4)")
     ap.add_argument("--n-vocab", type=int, default=None,
                     help="vocabulary size (default 512; odd: uneven vocab-parallel LM head)")
+    ap.add_argument("--n-ctx", type=int, default=None,
+                    help="context length (default 512): a request that runs to it lasts longer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=None,
                     help="per-head dim (default 32; qwen3 defaults to 64 != n_embd/n_head)")
@@ -361,7 +363,7 @@ def main():
     if head_dim is None and a.arch in ("qwen3", "gemma3") and not a.tiny:
         head_dim = 64
     shapes = dict(TINY_SHAPES if a.tiny else DEFAULT_SHAPES)
-    for k in ("n_ff", "n_head", "n_head_kv", "n_vocab"):
+    for k in ("n_ff", "n_head", "n_head_kv", "n_vocab", "n_ctx"):
         if getattr(a, k) is not None:
             shapes[k] = getattr(a, k)
     make_model(a.out, a.arch, rope_freqs=a.rope_freqs, tied=a.tied, types=a.types,
