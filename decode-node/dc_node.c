@@ -11,9 +11,9 @@
 #include <unistd.h>
 
 #include "act_check.h"
-#include "cpu_backend.h"
 #include "dc_node_int.h"
 #include "dc_plan.h"
+#include "kn_backends.h"
 #include "td_clock.h"
 #include "td_err.h"
 #include "tokenizer.h"
@@ -330,8 +330,7 @@ static int leader_setup(dc_node *n)
                           .grammars = n->grammars,
                           .prefix_cache = n->dcfg->prefix_cache,
                           .itl_target_ms = n->dcfg->itl_target_ms,
-                          .sample_pool =
-                              kn_cpu_of(n->rt.be) ? kn_cpu_pool(kn_cpu_of(n->rt.be)) : NULL};
+                          .sample_pool = kn_backend_host_pool(n->rt.be)};
     char tier_path[4096];
     rc = dc_tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)

@@ -18,7 +18,6 @@
 #include <stdint.h>
 
 #include "config.h"
-#include "cpu_backend.h"
 #include "ctrl.h"
 #include "dc_node.h"
 #include "dc_plan.h"

@@ -80,3 +80,9 @@ void kn_backend_compute_info(kn_backend be, kn_compute_info *out)
     out->blas_older = !b.fits;
     kn_cpu_describe_paths(cpu, out->paths, sizeof out->paths);
 }
+
+struct kn_pool *kn_backend_host_pool(kn_backend be)
+{
+    kn_cpu *cpu = kn_cpu_of(be);
+    return cpu ? kn_cpu_pool(cpu) : NULL;
+}

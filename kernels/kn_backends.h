@@ -45,4 +45,9 @@ typedef struct {
 } kn_compute_info;
 void kn_backend_compute_info(kn_backend be, kn_compute_info *out);
 
+/* The CPU backend's thread pool, NULL for any other backend: host-side work between its
+ * ops (sampling a batch's rows) runs on the same threads instead of starting its own.
+ * Owned by the backend. */
+struct kn_pool *kn_backend_host_pool(kn_backend be);
+
 #endif

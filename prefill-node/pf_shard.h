@@ -17,7 +17,6 @@
 #ifndef PF_SHARD_H
 #define PF_SHARD_H
 
-#include "cpu_backend.h"
 #include "gguf.h"
 #include "kn_runtime.h"
 #include "kv_pool.h"

@@ -13,7 +13,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "cpu_backend.h"
 #include "gguf.h"
 #include "kn_runtime.h"
 #include "kv_pool.h"

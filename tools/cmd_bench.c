@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cpu_backend.h"
 #include "cpu_blas.h"
 #include "td_clock.h"
 #include "td_err.h"

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cpu_backend.h"
 #include "td_err.h"
 
 static int write_f32(const char *path, const float *x, size_t n)
