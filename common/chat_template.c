@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "td_err.h"
+#include "td_grow.h"
 
 typedef struct {
     char *v;
@@ -17,17 +18,9 @@ typedef struct {
 static void sb_add(td_sbuf *b, const char *s, size_t n)
 {
     if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1)
-            cap *= 2;
-        char *p = realloc(b->v, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->v = p;
-        b->cap = cap;
+    if (TD_GROW(b->v, b->cap, b->n + n + 1, 256)) {
+        b->oom = true;
+        return;
     }
     memcpy(b->v + b->n, s, n);
     b->n += n;

@@ -6,6 +6,7 @@
 
 #include "td_err.h"
 #include "unicode_tables.h"
+#include "td_grow.h"
 
 uint32_t td_utf8_decode(const uint8_t *s, size_t len, size_t *n)
 {
@@ -128,16 +129,10 @@ static size_t sp_add(td_split *s, size_t end)
     size_t len = end - s->prev_end;
     if (len > 0) {
         td_words *w = s->w;
-        if (w->n_words == w->cap_words) {
-            size_t cap = w->cap_words ? 2 * w->cap_words : 64;
-            size_t *p = realloc(w->word_len, cap * sizeof *p);
-            if (!p) {
-                s->oom = true;
-                s->prev_end = end;
-                return len;
-            }
-            w->word_len = p;
-            w->cap_words = cap;
+        if (TD_GROW(w->word_len, w->cap_words, w->n_words + 1, 64)) {
+            s->oom = true;
+            s->prev_end = end;
+            return len;
         }
         w->word_len[w->n_words++] = len;
     }
@@ -282,12 +277,8 @@ int td_pretokenize(td_pre_kind kind, const char *text, size_t len, td_words *w)
 {
     w->n_cpts = 0;
     w->n_words = 0;
-    if (len > w->cap_cpts) {
-        uint32_t *p = realloc(w->cpts, len * sizeof *p);
-        if (!p) return TD_ENOMEM;
-        w->cpts = p;
-        w->cap_cpts = len;
-    }
+    int rc = TD_GROW(w->cpts, w->cap_cpts, len, 0);
+    if (rc) return rc;
     uint8_t *cls = malloc(len ? len : 1);
     if (!cls) return TD_ENOMEM;
     const uint8_t *s = (const uint8_t *)text;

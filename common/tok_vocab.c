@@ -10,6 +10,7 @@
 
 #include "td_err.h"
 #include "tok_internal.h"
+#include "td_grow.h"
 
 /* ---- hash map ---- */
 
@@ -74,15 +75,7 @@ int32_t td_strmap_get(const td_strmap *m, const char *k, size_t n)
 
 int td_bytes_reserve(td_bytes *b, size_t extra)
 {
-    if (b->n + extra <= b->cap) return 0;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->n + extra)
-        cap *= 2;
-    char *p = realloc(b->v, cap);
-    if (!p) return TD_ENOMEM;
-    b->v = p;
-    b->cap = cap;
-    return 0;
+    return TD_GROW(b->v, b->cap, b->n + extra, 256);
 }
 
 int td_bytes_add(td_bytes *b, const void *s, size_t n)

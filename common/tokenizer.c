@@ -10,6 +10,7 @@
 
 #include "td_err.h"
 #include "tok_internal.h"
+#include "td_grow.h"
 
 /* ---- growable buffers ---- */
 
@@ -20,13 +21,8 @@ typedef struct {
 
 static int ids_push(td_ids *a, int32_t id)
 {
-    if (a->n == a->cap) {
-        size_t cap = a->cap ? 2 * a->cap : 64;
-        int32_t *p = realloc(a->v, cap * sizeof *p);
-        if (!p) return TD_ENOMEM;
-        a->v = p;
-        a->cap = cap;
-    }
+    int rc = TD_GROW(a->v, a->cap, a->n + 1, 64);
+    if (rc) return rc;
     a->v[a->n++] = id;
     return 0;
 }
@@ -89,13 +85,8 @@ static bool bg_before(const td_heap *h, const td_bigram *a, const td_bigram *b)
 
 static int heap_push(td_heap *h, td_bigram b)
 {
-    if (h->n == h->cap) {
-        size_t cap = h->cap ? 2 * h->cap : 64;
-        td_bigram *p = realloc(h->v, cap * sizeof *p);
-        if (!p) return TD_ENOMEM;
-        h->v = p;
-        h->cap = cap;
-    }
+    int rc = TD_GROW(h->v, h->cap, h->n + 1, 64);
+    if (rc) return rc;
     size_t i = h->n++;
     h->v[i] = b;
     while (i > 0) {
@@ -141,15 +132,7 @@ typedef struct {
 
 static int enc_syms_reserve(td_enc *e, size_t n)
 {
-    if (n <= e->cap_sym) return 0;
-    size_t cap = e->cap_sym ? e->cap_sym : 64;
-    while (cap < n)
-        cap *= 2;
-    td_sym *p = realloc(e->sym, cap * sizeof *p);
-    if (!p) return TD_ENOMEM;
-    e->sym = p;
-    e->cap_sym = cap;
-    return 0;
+    return TD_GROW(e->sym, e->cap_sym, n, 64);
 }
 
 /* Split e->word into one symbol per UTF-8 character. llama.cpp cuts by the lead byte's
@@ -317,13 +300,8 @@ typedef struct {
 
 static int frags_push(td_frags *f, td_frag x)
 {
-    if (f->n == f->cap) {
-        size_t cap = f->cap ? 2 * f->cap : 16;
-        td_frag *p = realloc(f->v, cap * sizeof *p);
-        if (!p) return TD_ENOMEM;
-        f->v = p;
-        f->cap = cap;
-    }
+    int rc = TD_GROW(f->v, f->cap, f->n + 1, 16);
+    if (rc) return rc;
     f->v[f->n++] = x;
     return 0;
 }

@@ -11,6 +11,7 @@
 #include "dc_node_int.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 enum { FWD_IDLE, FWD_JOB, FWD_DONE, FWD_STOP };
 
@@ -29,13 +30,7 @@ struct dc_fwd {
 
 static dc_held_event *hold_slot(dc_node *n)
 {
-    if (n->n_held == n->cap_held) {
-        int cap = n->cap_held ? 2 * n->cap_held : 64;
-        dc_held_event *v = realloc(n->held, (size_t)cap * sizeof *v);
-        if (!v) return NULL;
-        n->held = v;
-        n->cap_held = cap;
-    }
+    if (TD_GROW_INT(n->held, n->cap_held, n->n_held + 1, 64)) return NULL;
     return &n->held[n->n_held];
 }
 

@@ -7,6 +7,7 @@
 #include "cpu_blas.h"
 #include "config.h"
 #include "dc_node.h"
+#include "td_args.h"
 #include "td_err.h"
 
 static volatile sig_atomic_t g_stop;
@@ -30,40 +31,22 @@ int main(int argc, char **argv)
     if (kn_blas_fit_cpu(argv)) return 1;
     const char *path = NULL, *instance = NULL, *listen = NULL;
     int rank = -1;
-    for (int i = 1; i < argc; i++) {
-        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
-            usage();
-            return 0;
-        }
-        if (!v) {
-            fprintf(stderr, "tandem-decode: %s needs a value\n", f);
-            return 1;
-        }
-        if (!strcmp(f, "--config"))
-            path = v;
-        else if (!strcmp(f, "--instance"))
-            instance = v;
-        else if (!strcmp(f, "--listen"))
-            listen = v;
-        else if (!strcmp(f, "--rank")) {
-            char *end;
-            long r = strtol(v, &end, 10);
-            if (*end || r < 0 || r > 1023) {
-                fprintf(stderr, "tandem-decode: bad --rank '%s'\n", v);
-                return 1;
-            }
-            rank = (int)r;
-        } else {
-            fprintf(stderr, "tandem-decode: unknown option '%s'\n", f);
-            usage();
-            return 1;
-        }
-        i++;
-    }
-    if (!path || !instance || rank < 0) {
+    const td_arg spec[] = {
+        {.name = "--config", .kind = TD_ARG_STRING, .out = &path, .required = true},
+        {.name = "--instance", .kind = TD_ARG_STRING, .out = &instance, .required = true},
+        {.name = "--rank",
+         .kind = TD_ARG_INT,
+         .out = &rank,
+         .required = true,
+         .min = 0,
+         .max = 1023},
+        {.name = "--listen", .kind = TD_ARG_STRING, .out = &listen},
+    };
+    td_args_result ar =
+        td_args_parse("tandem-decode", argc, argv, spec, sizeof spec / sizeof *spec);
+    if (ar != TD_ARGS_OK) {
         usage();
-        return 1;
+        return ar == TD_ARGS_HELP ? 0 : 1;
     }
     char err[512];
     td_cfg *cfg;

@@ -7,6 +7,7 @@
 #include "dc_plan.h"
 #include "kv_cache.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 typedef struct {
     uint64_t id;
@@ -78,13 +79,8 @@ struct dc_sched {
 
 static int list_push(req_list *l, dc_req *r)
 {
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 16;
-        dc_req **v = realloc(l->v, (size_t)cap * sizeof *v);
-        if (!v) return TD_ENOMEM;
-        l->v = v;
-        l->cap = cap;
-    }
+    int rc = TD_GROW_INT(l->v, l->cap, l->n + 1, 16);
+    if (rc) return rc;
     l->v[l->n++] = r;
     return 0;
 }

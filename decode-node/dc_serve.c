@@ -11,6 +11,7 @@
 #include "kvx_conn.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 #define MAX_WAITING_FACTOR 4 /* queued requests beyond 4 x max_batch are refused (busy) */
 
@@ -256,18 +257,12 @@ static void answer_targets(dc_node *n, td_ctrl_req *req, uint64_t client_id, uin
         reply_targets(n, req, request_id, id);
         return;
     }
-    if (n->n_held_allocs == n->cap_held_allocs) {
-        int cap = n->cap_held_allocs ? 2 * n->cap_held_allocs : 16;
-        dc_held_alloc *h = realloc(n->held_allocs, (size_t)cap * sizeof *h);
-        if (!h) {
-            /* no room to wait: fail it (its blocks return when the transfer ends) */
-            dc_xfer_abort(n->xfer, id, DC_XFER_END_FAILED);
-            td_ctrl_server_reply_error(n->srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
-                                       "out of memory");
-            return;
-        }
-        n->held_allocs = h;
-        n->cap_held_allocs = cap;
+    if (TD_GROW_INT(n->held_allocs, n->cap_held_allocs, n->n_held_allocs + 1, 16)) {
+        /* no room to wait: fail it (its blocks return when the transfer ends) */
+        dc_xfer_abort(n->xfer, id, DC_XFER_END_FAILED);
+        td_ctrl_server_reply_error(n->srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
+                                   "out of memory");
+        return;
     }
     n->held_allocs[n->n_held_allocs++] =
         (dc_held_alloc){.req = req, .client_id = client_id, .request_id = request_id, .id = id};

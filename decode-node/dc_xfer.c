@@ -14,6 +14,7 @@
 #include "td_tp.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 /* One transfer: a kvxfer request on every rank's connector. */
 typedef struct {
@@ -165,13 +166,7 @@ int dc_xfer_start(dc_xfer *x, uint64_t key, uint64_t kvx_id, uint32_t n_stages, 
     if (n_stages < 1 || n_stages > KVX_MAX_STAGES || n_prompt < 1 || n_blocks < 1 || n_cached < 0 ||
         n_cached >= n_prompt)
         return TD_EINVAL;
-    if (x->n == x->cap) {
-        int cap = x->cap ? 2 * x->cap : 16;
-        xfer *v = realloc(x->v, (size_t)cap * sizeof *v);
-        if (!v) return TD_ENOMEM;
-        x->v = v;
-        x->cap = cap;
-    }
+    if (TD_GROW_INT(x->v, x->cap, x->n + 1, 16)) return TD_ENOMEM;
     xfer t = {.key = key,
               .kvx_id = kvx_id,
               .n_stages = n_stages,

@@ -9,6 +9,7 @@
 
 #include "gr_int.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 #define MAX_INT_DIGITS  16
 #define MAX_FRAC_DIGITS 16
@@ -70,13 +71,8 @@ static int32_t new_state(cc *c)
 {
     if (c->rc) return 0;
     if (c->n_st >= GR_MAX_STATES) return fail(c, TD_ERANGE, "schema too large"), 0;
-    if (c->n_st == c->cap_st) {
-        int32_t cap = c->cap_st ? c->cap_st * 2 : 256;
-        bool *r = realloc(c->ret, (size_t)cap * sizeof *r);
-        if (!r) return fail(c, TD_ENOMEM, "out of memory"), 0;
-        c->ret = r;
-        c->cap_st = cap;
-    }
+    if (TD_GROW_INT(c->ret, c->cap_st, c->n_st + 1, 256))
+        return fail(c, TD_ENOMEM, "out of memory"), 0;
     c->ret[c->n_st] = false;
     return c->n_st++;
 }
@@ -84,26 +80,16 @@ static int32_t new_state(cc *c)
 static void edge(cc *c, int32_t from, uint8_t lo, uint8_t hi, int32_t to)
 {
     if (c->rc) return;
-    if (c->n_edges == c->cap_edges) {
-        int32_t cap = c->cap_edges ? c->cap_edges * 2 : 512;
-        b_edge *e = realloc(c->edges, (size_t)cap * sizeof *e);
-        if (!e) return (void)fail(c, TD_ENOMEM, "out of memory");
-        c->edges = e;
-        c->cap_edges = cap;
-    }
+    if (TD_GROW_INT(c->edges, c->cap_edges, c->n_edges + 1, 512))
+        return (void)fail(c, TD_ENOMEM, "out of memory");
     c->edges[c->n_edges++] = (b_edge){from, {lo, hi, to}};
 }
 
 static void eps_ret(cc *c, int32_t from, int32_t to, int32_t ret)
 {
     if (c->rc) return;
-    if (c->n_eps == c->cap_eps) {
-        int32_t cap = c->cap_eps ? c->cap_eps * 2 : 256;
-        b_eps *e = realloc(c->eps, (size_t)cap * sizeof *e);
-        if (!e) return (void)fail(c, TD_ENOMEM, "out of memory");
-        c->eps = e;
-        c->cap_eps = cap;
-    }
+    if (TD_GROW_INT(c->eps, c->cap_eps, c->n_eps + 1, 256))
+        return (void)fail(c, TD_ENOMEM, "out of memory");
     c->eps[c->n_eps++] = (b_eps){from, {to, ret}};
 }
 
@@ -504,13 +490,8 @@ static void ref(cc *c, const json_t *v, int32_t a, int32_t b)
         return (void)fail(c, TD_EINVAL, "'$ref' '%.64s' does not resolve to a schema", r);
     for (int i = 0; i < c->n_rules; i++)
         if (c->rules[i].schema == t) return call(c, a, c->rules[i].entry, b);
-    if (c->n_rules == c->cap_rules) {
-        int cap = c->cap_rules ? c->cap_rules * 2 : 16;
-        b_rule *nr = realloc(c->rules, (size_t)cap * sizeof *nr);
-        if (!nr) return (void)fail(c, TD_ENOMEM, "out of memory");
-        c->rules = nr;
-        c->cap_rules = cap;
-    }
+    if (TD_GROW_INT(c->rules, c->cap_rules, c->n_rules + 1, 16))
+        return (void)fail(c, TD_ENOMEM, "out of memory");
     int32_t entry = new_state(c), x = new_state(c);
     if (c->rc) return;
     c->ret[x] = true;

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "td_err.h"
+#include "td_grow.h"
 
 /* Validate the shape; *block_bytes and *region_bytes on success. */
 static int pool_shape(const kn_kv_pool_params *p, size_t *block_bytes, size_t *region_bytes)
@@ -413,16 +414,9 @@ int kn_kv_seq_reserve(kn_kv_pool *pool, kn_kv_seq *s, int64_t n_ctx)
     if (n_ctx < 0) return TD_EINVAL;
     int need = kn_kv_blocks_for(pool, n_ctx);
     if (need <= s->n_blocks) return 0;
-    if (need > s->cap) {
-        int cap = s->cap ? s->cap : 8;
-        while (cap < need)
-            cap *= 2;
-        int32_t *b = realloc(s->blocks, (size_t)cap * sizeof *b);
-        if (!b) return TD_ENOMEM;
-        s->blocks = b;
-        s->cap = cap;
-    }
-    int rc = kn_kv_alloc(pool, need - s->n_blocks, s->blocks + s->n_blocks);
+    int rc = TD_GROW_INT(s->blocks, s->cap, need, 8);
+    if (rc) return rc;
+    rc = kn_kv_alloc(pool, need - s->n_blocks, s->blocks + s->n_blocks);
     if (rc) return rc;
     s->n_blocks = need;
     return 0;

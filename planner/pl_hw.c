@@ -12,6 +12,7 @@
 #include <yaml.h>
 
 #include "td_err.h"
+#include "td_grow.h"
 
 typedef enum { F_NUM, F_INT, F_STR, F_PEAK } fkind;
 
@@ -227,15 +228,10 @@ int pl_hw_load(const char *path, pl_hw *hw, char *err, size_t errcap)
     size_t len = 0, cap = 0, n;
     char tmp[4096];
     while ((n = fread(tmp, 1, sizeof tmp, f)) > 0) {
-        if (len + n > cap) {
-            cap = (len + n) * 2;
-            char *nb = realloc(buf, cap);
-            if (!nb) {
-                free(buf);
-                fclose(f);
-                return TD_ENOMEM;
-            }
-            buf = nb;
+        if (TD_GROW(buf, cap, len + n, 4096)) {
+            free(buf);
+            fclose(f);
+            return TD_ENOMEM;
         }
         memcpy(buf + len, tmp, n);
         len += n;

@@ -9,6 +9,7 @@
 
 #include "cpu_blas.h"
 #include "pf_int.h"
+#include "td_args.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -92,46 +93,24 @@ int main(int argc, char **argv)
     const char *path = NULL, *instance = NULL, *listen = NULL, *leader = NULL;
     int stage = -1;
     bool reprofile = false;
-    for (int i = 1; i < argc; i++) {
-        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
-            usage();
-            return 0;
-        }
-        if (!strcmp(f, "--reprofile")) {
-            reprofile = true;
-            continue;
-        }
-        if (!v) {
-            fprintf(stderr, "tandem-prefill: %s needs a value\n", f);
-            return 1;
-        }
-        if (!strcmp(f, "--config"))
-            path = v;
-        else if (!strcmp(f, "--instance"))
-            instance = v;
-        else if (!strcmp(f, "--listen"))
-            listen = v;
-        else if (!strcmp(f, "--leader"))
-            leader = v;
-        else if (!strcmp(f, "--stage")) {
-            char *end;
-            long s = strtol(v, &end, 10);
-            if (*end || s < 0 || s > 1023) {
-                fprintf(stderr, "tandem-prefill: bad --stage '%s'\n", v);
-                return 1;
-            }
-            stage = (int)s;
-        } else {
-            fprintf(stderr, "tandem-prefill: unknown option '%s'\n", f);
-            usage();
-            return 1;
-        }
-        i++;
-    }
-    if (!path || !instance || stage < 0) {
+    const td_arg spec[] = {
+        {.name = "--config", .kind = TD_ARG_STRING, .out = &path, .required = true},
+        {.name = "--instance", .kind = TD_ARG_STRING, .out = &instance, .required = true},
+        {.name = "--stage",
+         .kind = TD_ARG_INT,
+         .out = &stage,
+         .required = true,
+         .min = 0,
+         .max = 1023},
+        {.name = "--listen", .kind = TD_ARG_STRING, .out = &listen},
+        {.name = "--leader", .kind = TD_ARG_STRING, .out = &leader},
+        {.name = "--reprofile", .kind = TD_ARG_FLAG, .out = &reprofile},
+    };
+    td_args_result ar =
+        td_args_parse("tandem-prefill", argc, argv, spec, sizeof spec / sizeof *spec);
+    if (ar != TD_ARGS_OK) {
         usage();
-        return 1;
+        return ar == TD_ARGS_HELP ? 0 : 1;
     }
     if (reprofile && stage != 0) {
         fprintf(stderr,

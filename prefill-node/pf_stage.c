@@ -9,6 +9,7 @@
 #include "pf_int.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 /* ---- setup ---- */
 
@@ -307,16 +308,11 @@ static void report_out(pf_stage *st, const pf_report *r)
             memmove(st->reports, st->reports + st->rep_head,
                     (size_t)st->n_reports * sizeof *st->reports);
             st->rep_head = 0;
-        } else {
-            int cap = st->cap_reports ? 2 * st->cap_reports : 16;
-            pf_report *q = realloc(st->reports, (size_t)cap * sizeof *q);
-            if (!q) { /* the job then ends at its deadline */
-                TD_LOG_ERR("prefill %s: out of memory: report of request %llu dropped",
-                           st->p->instance, (unsigned long long)r->req_id);
-                return;
-            }
-            st->reports = q;
-            st->cap_reports = cap;
+        } else if (TD_GROW_INT(st->reports, st->cap_reports, st->cap_reports + 1, 16)) {
+            /* the job then ends at its deadline */
+            TD_LOG_ERR("prefill %s: out of memory: report of request %llu dropped", st->p->instance,
+                       (unsigned long long)r->req_id);
+            return;
         }
     }
     st->reports[st->rep_head + st->n_reports++] = *r;

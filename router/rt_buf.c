@@ -7,20 +7,14 @@
 
 #include "rt_buf.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 /* ---- buffers ---- */
 
 int rt_buf_append(rt_buf *b, const void *p, size_t n)
 {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *nb = realloc(b->buf, cap);
-        if (!nb) return TD_ENOMEM;
-        b->buf = nb;
-        b->cap = cap;
-    }
+    int rc = TD_GROW(b->buf, b->cap, b->len + n + 1, 256);
+    if (rc) return rc;
     if (n) memcpy(b->buf + b->len, p, n);
     b->len += n;
     b->buf[b->len] = 0;

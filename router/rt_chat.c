@@ -8,6 +8,7 @@
 #include "chat_template.h"
 #include "gr_grammar.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 /* ---- Python's json.dumps(ensure_ascii=False) ---- */
 
@@ -181,15 +182,9 @@ typedef struct {
 static int keep(rt_chat_st *st, char *s, rt_error *e)
 {
     if (!s) return rt_error_set(e, 500, NULL, NULL, "out of memory");
-    if (st->owned_n == st->owned_cap) {
-        size_t cap = st->owned_cap ? 2 * st->owned_cap : 16;
-        char **o = realloc(st->owned, cap * sizeof *o);
-        if (!o) {
-            free(s);
-            return rt_error_set(e, 500, NULL, NULL, "out of memory");
-        }
-        st->owned = o;
-        st->owned_cap = cap;
+    if (TD_GROW(st->owned, st->owned_cap, st->owned_n + 1, 16)) {
+        free(s);
+        return rt_error_set(e, 500, NULL, NULL, "out of memory");
     }
     st->owned[st->owned_n++] = s;
     return 0;

@@ -21,6 +21,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -35,6 +36,7 @@
 #include "rt_loop_int.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 #define MAX_RETRIES 3
 #define FLUSH_MS    500 /* stop: wait this long at most for the Cancels to arrive */
@@ -187,16 +189,9 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
 static int keep_ids(rt_req *q, const int32_t *ids, size_t n)
 {
     if (!n) return 0;
-    size_t need = (size_t)q->loop.n_gen + n;
-    if (need > (size_t)q->loop.cap_gen) {
-        size_t cap = q->loop.cap_gen ? 2 * (size_t)q->loop.cap_gen : 64;
-        while (cap < need)
-            cap *= 2;
-        int32_t *g = realloc(q->loop.gen_ids, cap * sizeof *g);
-        if (!g) return TD_ENOMEM;
-        q->loop.gen_ids = g;
-        q->loop.cap_gen = (int)cap;
-    }
+    if (n > (size_t)(INT_MAX - q->loop.n_gen)) return TD_ERANGE;
+    int rc = TD_GROW_INT(q->loop.gen_ids, q->loop.cap_gen, q->loop.n_gen + (int)n, 64);
+    if (rc) return rc;
     memcpy(q->loop.gen_ids + q->loop.n_gen, ids,
            n * sizeof *ids); /* n_gen grows in rt_stream_tokens */
     return 0;

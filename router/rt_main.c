@@ -22,6 +22,7 @@
 #include "rt.h"
 #include "rt_http.h"
 #include "rt_loop.h"
+#include "td_args.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -136,23 +137,15 @@ static void drain(rt_router *r, int sig, const sigset_t *set)
 int main(int argc, char **argv)
 {
     const char *config = NULL, *listen = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--config") && i + 1 < argc)
-            config = argv[++i];
-        else if (!strcmp(argv[i], "--listen") && i + 1 < argc)
-            listen = argv[++i];
-        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            usage();
-            return 0;
-        } else {
-            fprintf(stderr, "tandem-router: unknown or incomplete option '%s'\n", argv[i]);
-            usage();
-            return 1;
-        }
-    }
-    if (!config) {
+    const td_arg spec[] = {
+        {.name = "--config", .kind = TD_ARG_STRING, .out = &config, .required = true},
+        {.name = "--listen", .kind = TD_ARG_STRING, .out = &listen},
+    };
+    td_args_result ar =
+        td_args_parse("tandem-router", argc, argv, spec, sizeof spec / sizeof *spec);
+    if (ar != TD_ARGS_OK) {
         usage();
-        return 1;
+        return ar == TD_ARGS_HELP ? 0 : 1;
     }
     const char *lvl = getenv("TANDEM_LOG");
     if (lvl && !strcmp(lvl, "debug")) td_log_set_level(TD_LOG_DEBUG);

@@ -43,6 +43,7 @@
 #include "rt.h"
 #include "rt_pair.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 #define ALLOC_TIMEOUT_MS  10000 /* the decode leader answers between steps */
 #define MIN_PF_CALL_MS    10000 /* floor of the Prefill and KvTarget reply waits */
@@ -99,17 +100,11 @@ static void pf_release(rt_router *r, rt_req *q)
 
 static void orphan_add(rt_inst *s, uint64_t call, uint64_t rid)
 {
-    if (s->n_orphans == s->cap_orphans) {
-        int cap = s->cap_orphans ? 2 * s->cap_orphans : 16;
-        rt_call *o = realloc(s->orphans, (size_t)cap * sizeof *o);
-        if (!o) {
-            /* the node drops the request after kvxfer.timeout_ms without targets anyway */
-            TD_LOG_WARN("router: req %llu: out of memory: cannot cancel its prefill later",
-                        (unsigned long long)rid);
-            return;
-        }
-        s->orphans = o;
-        s->cap_orphans = cap;
+    if (TD_GROW_INT(s->orphans, s->cap_orphans, s->n_orphans + 1, 16)) {
+        /* the node drops the request after kvxfer.timeout_ms without targets anyway */
+        TD_LOG_WARN("router: req %llu: out of memory: cannot cancel its prefill later",
+                    (unsigned long long)rid);
+        return;
     }
     s->orphans[s->n_orphans++] = (rt_call){.call_id = call, .rid = rid};
 }

@@ -26,6 +26,7 @@
 #include "rt_buf.h"
 #include "rt_chat.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 static const char OPEN[] = "<tool_call>", CLOSE[] = "</tool_call>";
 #define OPEN_LEN  (sizeof OPEN - 1)
@@ -146,13 +147,7 @@ static int start_call(rt_toolp *p, const char *name, size_t name_len)
         return 0;
     }
     p->dropping = false;
-    if (p->n_calls == p->cap_calls) {
-        int cap = p->cap_calls ? 2 * p->cap_calls : 4;
-        rt_toolp_call *c = realloc(p->calls, (size_t)cap * sizeof *c);
-        if (!c) return TD_ENOMEM;
-        p->calls = c;
-        p->cap_calls = cap;
-    }
+    if (TD_GROW_INT(p->calls, p->cap_calls, p->n_calls + 1, 4)) return TD_ENOMEM;
     rt_toolp_call *c = &p->calls[p->n_calls];
     *c = (rt_toolp_call){0};
     c->name = strndup(name, name_len);

@@ -150,7 +150,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/tok_vocab.c common/chat_template.c
            common/gguf.c common/td_dtype.c)
   GR_SRC=(grammar/gr_schema.c grammar/gr_match.c grammar/gr_vocab.c grammar/gr_tok.c)
-  BASE_SRC=(common/td_err.c common/td_clock.c)
+  BASE_SRC=(common/td_err.c common/td_clock.c common/td_grow.c)
   mkdir -p build-fuzz/artifacts build-fuzz/ctrl-gen build-fuzz/ctrl-seeds build-fuzz/config-seeds
   for t in gguf ctrl config kvx openai grammar pfwire; do mkdir -p build-fuzz/$t-corpus; done
 

@@ -23,3 +23,17 @@ target_include_directories(test_blockhash PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(test_blockhash PRIVATE td_common)
 add_test(NAME blockhash COMMAND test_blockhash)
 set_tests_properties(blockhash PROPERTIES TIMEOUT 60)
+
+# The server binaries' command-line parser (common/td_args.c).
+add_executable(test_args common/test_args.c)
+target_include_directories(test_args PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_args PRIVATE td_common)
+add_test(NAME args COMMAND test_args)
+set_tests_properties(args PROPERTIES TIMEOUT 60)
+
+# Growable arrays (common/td_grow.c).
+add_executable(test_grow common/test_grow.c)
+target_include_directories(test_grow PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_grow PRIVATE td_common)
+add_test(NAME grow COMMAND test_grow)
+set_tests_properties(grow PROPERTIES TIMEOUT 60)

@@ -7,6 +7,7 @@
 #include "act_check.h"
 #include "cli.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 int cli_session_open(cli_session *s, const cli_session_params *p)
 {
@@ -128,9 +129,8 @@ int cli_parse_ids(const char *v, int32_t **ids, int64_t *n)
 {
     *ids = NULL;
     *n = 0;
-    size_t cap = 16;
-    int32_t *a = malloc(cap * sizeof *a);
-    if (!a) return TD_ENOMEM;
+    size_t cap = 0;
+    int32_t *a = NULL;
     const char *p = v;
     while (*p) {
         while (*p == ',' || *p == ' ')
@@ -144,13 +144,9 @@ int cli_parse_ids(const char *v, int32_t **ids, int64_t *n)
             free(a);
             return TD_EINVAL;
         }
-        if ((size_t)*n == cap) {
-            int32_t *b = realloc(a, (cap *= 2) * sizeof *a);
-            if (!b) {
-                free(a);
-                return TD_ENOMEM;
-            }
-            a = b;
+        if (TD_GROW(a, cap, (size_t)*n + 1, 16)) {
+            free(a);
+            return TD_ENOMEM;
         }
         a[(*n)++] = (int32_t)x;
         p = end;

@@ -21,6 +21,7 @@
 #include "ctrl.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_grow.h"
 
 #define MAX_REQS 1024
 
@@ -90,15 +91,7 @@ static int read_requests(const char *path, creq *reqs, int *n)
 static void append(creq *r, const int32_t *ids, size_t n)
 {
     if (n == 0) return; /* a final event may carry no tokens (and a NULL array) */
-    if (r->n_out + (int)n > r->cap_out) {
-        int cap = r->cap_out ? r->cap_out * 2 : 64;
-        while (cap < r->n_out + (int)n)
-            cap *= 2;
-        int32_t *o = realloc(r->out, (size_t)cap * sizeof *o);
-        if (!o) return;
-        r->out = o;
-        r->cap_out = cap;
-    }
+    if (TD_GROW_INT(r->out, r->cap_out, r->n_out + (int)n, 64)) return;
     memcpy(r->out + r->n_out, ids, n * sizeof *ids);
     r->n_out += (int)n;
 }

@@ -37,6 +37,7 @@
 #include "td_clock.h"
 #include "td_err.h"
 #include "td_stats.h"
+#include "td_grow.h"
 
 static double now_ms(void)
 {
@@ -137,14 +138,7 @@ static void take_json(req_ctx *c, const char *text, bool stream)
         if (!r->chunks) {
             r->t_first = t;
         } else {
-            if (r->n_gaps == r->cap_gaps) {
-                int nc = r->cap_gaps ? r->cap_gaps * 2 : 64;
-                double *ng = realloc(r->gaps, sizeof *ng * (size_t)nc);
-                if (ng) {
-                    r->gaps = ng;
-                    r->cap_gaps = nc;
-                }
-            }
+            (void)TD_GROW_INT(r->gaps, r->cap_gaps, r->n_gaps + 1, 64); /* else: gap lost */
             if (r->n_gaps < r->cap_gaps) r->gaps[r->n_gaps++] = t - r->t_last;
         }
         r->t_last = t;
