@@ -1,10 +1,10 @@
 # disagg.cmake: disaggregated serving end to end (tests/disagg/test_disagg.py): router,
 # prefill stages and decode ranks as real processes, checked through the HTTP API.
-#   disagg          every case but disagg_default's: the synthetic model's and the faults (retry,
-#                   a decode instance that dies, a stalled stage: on the default model, whose
-#                   prefill is long enough)
+#   disagg          every case but disagg_default's: the synthetic model's, the faults (retry,
+#                   a decode instance that dies, a stalled stage) and grammar (the stages'
+#                   matchers), on the default model where a prefill must last
 #   disagg_default  the default model's outputs against `tandem generate` (pp 2 x tp 1/3, one
-#                   prefill instance for tp 1 + tp 3) and grammar; CI runs it in Release
+#                   prefill instance for tp 1 + tp 3); CI runs it in Release
 #                   (tests/CMakeLists.txt: TANDEM_CI_RELEASE_TESTS)
 if(TANDEM_PYTHON)
   add_test(NAME disagg
@@ -12,7 +12,7 @@ if(TANDEM_PYTHON)
                    --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
                    --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
                    --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}"
-                   --skip default,grammar)
+                   --skip default)
   set_tests_properties(disagg PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
                        LABELS disagg)
   if(TANDEM_MODEL)
@@ -21,7 +21,7 @@ if(TANDEM_PYTHON)
                      --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
                      --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
                      --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}"
-                     --case default,grammar)
+                     --case default)
     set_tests_properties(disagg_default PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
                          LABELS disagg)
   endif()

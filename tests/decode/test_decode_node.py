@@ -102,8 +102,11 @@ class Instance:
                              extra=("--timeout-ms", "5000"))
 
     def log(self, r):
+        return self.log_all(r)[-3000:]
+
+    def log_all(self, r=0):
         with open(os.path.join(self.dir, f"rank{r}.log")) as f:
-            return f.read()[-3000:]
+            return f.read()
 
     def cpu_seconds(self):
         total = 0.0
@@ -205,8 +208,18 @@ def case_concurrent(args, model, vocab, kv_blocks, label, expect_preempt=False, 
         # 2 of 8 agreed on the default model)
         check(same == n, f"{label}: {same}/{n} outputs equal to the request alone")
         if expect_preempt:
-            with open(os.path.join(inst.dir, "rank0.log")) as f:  # the whole log
-                log = f.read()
+            # whether the pool runs short depends on how the requests' arrivals and ends
+            # interleave: on a fast build they can end before the pool fills (0 preemptions
+            # in 1 of 3 Release runs). Until one preempts, the batch runs again (at most 4
+            # more times), each run's outputs again equal to the requests alone.
+            for _ in range(4):
+                if "preempted" in inst.log_all():
+                    break
+                rc, again, err = run_requests(inst, reqs, top_k)
+                same = sum(1 for a, b in zip(again, alone) if a == b)
+                check(rc == 0 and same == n,
+                      f"{label}: again, {same}/{n} outputs equal to the request alone")
+            log = inst.log_all()
             check("preempted" in log, f"{label}: the pool was short enough to preempt "
                                       f"({log.count('preempted')} preemptions)")
         h = inst.health()
