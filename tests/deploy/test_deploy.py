@@ -201,6 +201,28 @@ def case_up_down(e):
     check(not alive and not e.leftovers(), f"no process left after down ({alive} {e.leftovers()})")
     r = e.tandem("down", cfg, timeout=60)
     check(r.returncode == 0 and "not running" in r.stdout, "down again: 'not running', exit 0")
+    up_down_moved(e, cfg)
+
+
+def up_down_moved(e, cfg):
+    """--port N moves the cluster: up derives a copy of the YAML (tools/up_config.c) with the
+    router on N and the decode instances' control ports N+1, N+2; status and down take the
+    same --port. (The only other test of it, deploy_quickstart, runs a Release build.)"""
+    for _ in range(3):  # another process may take N+1 or N+2 meanwhile: up says so
+        p = free_port()
+        r = e.tandem("up", "-d", cfg, "--port", str(p), "--timeout", "150", timeout=240)
+        if r.returncode == 0 or "in use" not in r.stderr:
+            break
+    if not check(r.returncode == 0, f"up -d --port {p} exits 0 ({r.stderr.strip()[-600:]})"):
+        return
+    check(f"http://127.0.0.1:{p}" in r.stdout, f"--port {p}: up -d prints the moved endpoint")
+    check_completion(f"http://127.0.0.1:{p}", "up_down --port", e)
+    st = e.tandem("status", cfg, "--port", str(p), "--json", timeout=120)
+    ok = st.returncode == 0 and states(json.loads(st.stdout)) == ["running"] * 4
+    check(ok, f"--port {p}: status --port --json: 4 processes running ({st.stdout.strip()[:200]})")
+    r = e.tandem("down", cfg, "--port", str(p), timeout=120)
+    check(r.returncode == 0 and not e.leftovers(),
+          f"--port {p}: down --port exits 0, nothing left ({r.stderr.strip()[:200]})")
 
 
 def start_fg(e, cfg, *extra):
