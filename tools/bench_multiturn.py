@@ -91,12 +91,30 @@ CONFIGS = {
 }
 
 
+_PORT_RNG = random.Random()  # its own, unseeded: the workload's seeds stay reproducible
+_PORTS_GIVEN = set()
+
+
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    """A loopback port free now, never one this process handed out before (nothing binds a
+    chosen port until `tandem up`, so two picks of the kernel's "any free port" could be the
+    same: a prefill instance once got its decode instance's control port), and below the
+    kernel's ephemeral range (32768 up), so no outgoing connection takes it meanwhile (as
+    tests/tdtest/ports.py)."""
+    for _ in range(1000):
+        p = _PORT_RNG.randint(20000, 32700)
+        if p in _PORTS_GIVEN:
+            continue
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            s.close()
+        _PORTS_GIVEN.add(p)
+        return p
+    raise RuntimeError("no free loopback port below 32700")
 
 
 def text(rng, n):
