@@ -16,7 +16,7 @@
 #                 stage-chain fuzzers, two at a time; the regression inputs in
 #                 tests/fuzz/regress/
 #   budget        the whole run must end within TANDEM_TEST_BUDGET_S (2400 s: 40 minutes on
-#                 the 2-core machine CI runs on; about 25 are used): past it, the run fails and
+#                 the 2-core machine CI runs on; about 23 are used): past it, the run fails and
 #                 prints its phases and its 20 slowest tests (docs/contributing.md)
 #
 # Environment: TANDEM_JOBS (2), TANDEM_TEST_TIMEOUT (seconds per test, 1800),
