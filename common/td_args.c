@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_err.h"
+
 /* The spec entry whose name is arg's ("--name" or "--name=..."), or NULL. *value: the text
  * after '=' when there is one, else NULL. */
 static const td_arg *find(const char *arg, const td_arg *spec, int n, const char **value)
@@ -25,22 +27,27 @@ static const td_arg *find(const char *arg, const td_arg *spec, int n, const char
     return NULL;
 }
 
+int td_args_int(const char *prog, const char *flag, const char *v, long lo, long hi, int *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || errno || *end || end == v || x < lo || x > hi) {
+        fprintf(stderr, "%s: %s needs an integer in [%ld, %ld], got '%s'\n", prog, flag, lo, hi,
+                v ? v : "");
+        return TD_EINVAL;
+    }
+    *out = (int)x;
+    return 0;
+}
+
 static int store(const char *prog, const td_arg *a, const char *v)
 {
     if (a->kind == TD_ARG_STRING) {
         *(const char **)a->out = v;
         return 0;
     }
-    char *end;
-    errno = 0;
-    long x = strtol(v, &end, 10);
-    if (!*v || *end || errno || x < a->min || x > a->max) {
-        fprintf(stderr, "%s: bad %s '%s' (an integer from %d to %d)\n", prog, a->name, v, a->min,
-                a->max);
-        return -1;
-    }
-    *(int *)a->out = (int)x;
-    return 0;
+    return td_args_int(prog, a->name, v, a->min, a->max, a->out);
 }
 
 td_args_result td_args_parse(const char *prog, int argc, char **argv, const td_arg *spec, int n)

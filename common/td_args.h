@@ -32,6 +32,11 @@ typedef enum {
     TD_ARGS_ERROR = -1, /* the message is printed: print the usage, exit 1 */
 } td_args_result;
 
+/* v as a decimal integer in [lo, hi] into *out: 0, or TD_EINVAL with "PROG: FLAG needs an
+ * integer in [lo, hi], got 'v'" on stderr (v NULL, empty, trailing text, out of range). The
+ * one integer rule of every command line (td_args_parse, the tandem CLI's cli_parse_int). */
+int td_args_int(const char *prog, const char *flag, const char *v, long lo, long hi, int *out);
+
 /* Parse argv[1..argc) against spec[0..n). Outputs of options not given are left as they
  * are (the caller's defaults). */
 td_args_result td_args_parse(const char *prog, int argc, char **argv, const td_arg *spec, int n);

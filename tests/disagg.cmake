@@ -7,24 +7,23 @@
 #                   prefill instance for tp 1 + tp 3); CI runs it in Release
 #                   (tests/CMakeLists.txt: TANDEM_CI_RELEASE_TESTS)
 if(TANDEM_PYTHON)
-  add_test(NAME disagg
-           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
-                   --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
-                   --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
-                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}"
-                   --skip default)
-  set_tests_properties(disagg PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
-                       LABELS disagg)
+  set(DISAGG_CMD ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
+                 --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
+                 --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
+                 --synth-dir ${TANDEM_TEST_DATA}/synth)
   if(TANDEM_MODEL)
-    add_test(NAME disagg_default
-             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
-                     --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
-                     --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
-                     --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}"
-                     --case default)
-    set_tests_properties(disagg_default PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
-                         LABELS disagg)
+    list(APPEND DISAGG_CMD --model ${TANDEM_MODEL})
   endif()
+  add_test(NAME disagg COMMAND ${DISAGG_CMD} --skip default)
+  if(TANDEM_MODEL)
+    add_test(NAME disagg_default COMMAND ${DISAGG_CMD} --case default)
+  endif()
+  foreach(t disagg disagg_default)
+    if(TEST ${t})
+      set_tests_properties(${t} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 1500
+                           LABELS disagg)
+    endif()
+  endforeach()
   # the prefill stages' prefix cache (tests/disagg/test_prefix_cache.py): hits exact against a
   # cold run at pp 1/2/3 x tp 1/2, eviction, a stage restart, aborts while cached blocks move;
   # the decode side's: turn 2 pushes only what the decode instance lacks, a decode restart
@@ -32,7 +31,10 @@ if(TANDEM_PYTHON)
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_prefix_cache.py
                    --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
                    --decode $<TARGET_FILE:tandem-decode> --tandem $<TARGET_FILE:tandem>
-                   --synth-dir ${TANDEM_TEST_DATA}/synth --model "${TANDEM_MODEL}")
+                   --synth-dir ${TANDEM_TEST_DATA}/synth)
+  if(TANDEM_MODEL)
+    list(APPEND DISAGG_CMD --model ${TANDEM_MODEL})
+  endif()
   set_tests_properties(disagg_prefix_cache PROPERTIES FIXTURES_REQUIRED synth_models
                        TIMEOUT 1200 LABELS disagg)
   # the decode prefix cache's second tier searched at Alloc (tests/disagg/test_prefix_tier_pd.py):

@@ -6,6 +6,7 @@
 
 #include "act_check.h"
 #include "cli.h"
+#include "td_args.h"
 #include "td_err.h"
 #include "td_grow.h"
 
@@ -87,16 +88,7 @@ int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, i
 
 int cli_parse_int(const char *flag, const char *v, long lo, long hi, int *out)
 {
-    char *end;
-    errno = 0;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || errno || *end || end == v || x < lo || x > hi) {
-        fprintf(stderr, "tandem: %s needs an integer in [%ld, %ld], got '%s'\n", flag, lo, hi,
-                v ? v : "");
-        return TD_EINVAL;
-    }
-    *out = (int)x;
-    return 0;
+    return td_args_int("tandem", flag, v, lo, hi, out);
 }
 
 int cli_parse_float(const char *flag, const char *v, float *out)
