@@ -116,7 +116,7 @@ static void *fwd_main(void *arg)
         const kn_batch *b = f->b;
         pthread_mutex_unlock(&f->mu);
         int64_t t_start = td_now_ns();
-        int rc = kn_engine_forward(f->n->rt.engine, f->n->kv, b, f->n->logits);
+        int rc = kn_engine_forward(f->n->rt.engine, dc_kv(f->n), b, f->n->logits);
         int64_t t_end = td_now_ns();
         pthread_mutex_lock(&f->mu);
         f->t_start = t_start;

@@ -114,7 +114,7 @@ static int setup(dc_node *n)
             return rc;
         n->kvp.shm_name = n->kv_shm_name;
     }
-    if ((rc = kn_kv_pool_create(&n->kvp, &n->kv))) return rc;
+    if ((rc = kn_kv_mem_create(&n->kvp, &n->mem))) return rc;
     if (p->rank > 0 && (rc = dc_tier_follower_open(n))) return rc;
 
     int32_t max_ctx = n->rt.model->hp.n_ctx_train;
@@ -173,8 +173,7 @@ static void teardown(dc_node *n)
     free(n->held_allocs);
     free(n->logits);
     close_shm(n);
-    kn_kv_tier_destroy(n->tier);
-    kn_kv_pool_destroy(n->kv); /* before the backend whose memory it may be */
+    kn_kv_mem_destroy(n->mem); /* before the backend whose memory it may be */
     kn_runtime_close(&n->rt);
 }
 
@@ -187,8 +186,8 @@ static void teardown(dc_node *n)
 static void drop_kv(dc_node *n)
 {
     if (n->kvp.shm_name || !n->rt.be.ops->host_memory) return;
-    int how = kn_kv_pool_fd(n->kv) >= 0 ? MADV_REMOVE : MADV_DONTNEED;
-    if (madvise(n->kv->region, n->kv->region_bytes, how))
+    int how = kn_kv_pool_fd(dc_kv(n)) >= 0 ? MADV_REMOVE : MADV_DONTNEED;
+    if (madvise(dc_kv(n)->region, dc_kv(n)->region_bytes, how))
         TD_LOG_WARN("decode %s rank %d: cannot drop the KV pool's pages: %s", n->p->instance,
                     n->p->rank, strerror(errno));
 }
@@ -207,7 +206,7 @@ static int follower_steps(dc_node *n)
         size_t len;
         rc = dc_shm_plan_wait(n->shm, -1, &plan, &len);
         if (rc) break;
-        if ((rc = dc_plan_decode(plan, len, n->kv->block_size, n->kv->n_blocks, &v))) {
+        if ((rc = dc_plan_decode(plan, len, dc_kv(n)->block_size, dc_kv(n)->n_blocks, &v))) {
             TD_LOG_ERR("decode %s rank %d: bad step plan: %s", n->p->instance, n->p->rank,
                        td_strerror(rc));
             break;
@@ -220,7 +219,7 @@ static int follower_steps(dc_node *n)
             if (rc || (rc = dc_tier_copy_barrier(n))) break;
             continue;
         }
-        if ((rc = kn_engine_forward(n->rt.engine, n->kv, &v.batch, NULL))) {
+        if ((rc = kn_engine_forward(n->rt.engine, dc_kv(n), &v.batch, NULL))) {
             if (!*n->p->stop)
                 TD_LOG_ERR("decode %s rank %d: step %llu failed: %s", n->p->instance, n->p->rank,
                            (unsigned long long)v.step, td_strerror(rc));
@@ -237,9 +236,7 @@ static int follower_steps(dc_node *n)
  * Its content is dropped: every request of the last formation failed. */
 static int renew_pool(dc_node *n)
 {
-    kn_kv_pool_destroy(n->kv);
-    n->kv = NULL;
-    int rc = kn_kv_pool_create(&n->kvp, &n->kv);
+    int rc = kn_kv_mem_renew_pool(n->mem);
     if (rc)
         TD_LOG_ERR("decode %s rank %d: cannot make a new KV pool segment %s: %s", n->p->instance,
                    n->p->rank, n->kv_shm_name, td_strerror(rc));
@@ -275,7 +272,7 @@ static int follower_run(dc_node *n)
             continue;
         }
         pool_used = true;
-        if (n->tier) kn_kv_tier_clear(n->tier); /* the leader's tier starts empty too */
+        kn_kv_mem_clear(n->mem); /* its tier: the leader's starts empty too */
         if (t_left)
             TD_LOG_INFO("decode %s rank %d: joined the instance again (%.1f s after leaving it)",
                         p->instance, p->rank, (double)(td_now_ms() - t_left) / 1e3);
@@ -334,7 +331,7 @@ static int leader_setup(dc_node *n)
     char tier_path[4096];
     rc = dc_tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)
-        rc = dc_sched_create(&sp, n->rt.model, n->kv,
+        rc = dc_sched_create(&sp, n->rt.model, n->mem,
                              (dc_sink){.ctx = n,
                                        .on_tokens = dc_async_on_tokens,
                                        .on_prompt_logprobs = dc_async_on_prompt_logprobs},
@@ -502,7 +499,7 @@ static int step_begin(dc_node *n, step_run *sr)
     int nc, rc = dc_shm_plan_begin(n->shm, &buf, &cap);
     const kn_kv_tier_op *copies = dc_tier_pending(n, &nc);
     if (!rc)
-        rc = dc_plan_encode(&sr->st.batch, copies, nc, n->kv->block_size, n->step, buf, cap, &len);
+        rc = dc_plan_encode(&sr->st.batch, copies, nc, dc_kv(n)->block_size, n->step, buf, cap, &len);
     if (!rc && sr->st.batch.n_logits > n->logit_rows) rc = grow_logits(n, sr->st.batch.n_logits);
     if (!rc) rc = dc_shm_plan_commit(n->shm, len);
     if (!rc) dc_tier_sent(n);
@@ -543,7 +540,7 @@ static int run_step(dc_node *n)
     int k = step_begin(n, &sr);
     if (k <= 0) return k;
     int rc = sr.rc;
-    if (!rc) rc = kn_engine_forward(n->rt.engine, n->kv, &sr.st.batch, n->logits);
+    if (!rc) rc = kn_engine_forward(n->rt.engine, dc_kv(n), &sr.st.batch, n->logits);
     return step_end(n, &sr, rc);
 }
 

@@ -27,7 +27,7 @@
 #include "dc_xfer.h"
 #include "gguf.h"
 #include "kn_runtime.h"
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "td_step_hist.h"
 
@@ -66,8 +66,8 @@ typedef struct {
     const dc_node_params *p;
     const td_cfg_decode *dcfg;
     kn_runtime rt; /* model file, this rank's shard, backend, engine */
-    kn_kv_pool *kv;
-    kn_kv_pool_params kvp; /* the pool's shape (a follower makes a fresh pool from it) */
+    kn_kv_mem *mem;        /* this rank's KV memory (pool, prefix cache, tier) */
+    kn_kv_pool_params kvp; /* the pool's shape (the leader maps followers' pools with it) */
     char kv_shm_name[256]; /* disaggregated follower: its pool's segment name */
     dc_shm_params shmp;    /* the rendezvous (the same for every formation) */
     dc_shm *shm;           /* the current formation's segment, or NULL */
@@ -129,12 +129,17 @@ typedef struct {
     bool hold_events;
     dc_held_event *held;
     int n_held, cap_held;
-    kn_kv_tier *tier; /* follower at tp > 1: its own second tier (the leader's is dc_sched's) */
     /* leader, disaggregated at tp > 1 with a tier: Alloc replies held until every rank made
      * the tier copies the allocation logged (dc_serve_sync_allocs; dc_tier.c says why) */
     dc_held_alloc *held_allocs;
     int n_held_allocs, cap_held_allocs;
 } dc_node;
+
+/* This rank's pool (its layout and region; kn_kv_mem_renew_pool may replace it). */
+static inline kn_kv_pool *dc_kv(const dc_node *n)
+{
+    return kn_kv_mem_pool(n->mem);
+}
 
 /* dc_node_xfer.c: the leader's KV-transfer plane of a formation (maps the followers' pools,
  * starts n->xfer), and its teardown (only once no transfer is alive: dc_xfer.h). */
@@ -184,7 +189,7 @@ void dc_async_stop(dc_node *n);
 int dc_tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *out);
 /* Plan-area bytes the tier copies of one step may need (0 without a tier at tp > 1). */
 size_t dc_tier_plan_room(const dc_node *n);
-/* Follower: open its own tier (n->tier; none without a tier). */
+/* Follower: add its own tier to its KV memory (none without a tier). */
 int dc_tier_follower_open(dc_node *n);
 /* Follower: make the plan's tier copies on this rank, in order, before its compute. A
  * failure means this rank's KV would differ from the leader's: the formation must end. */

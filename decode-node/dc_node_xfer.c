@@ -16,7 +16,7 @@ int dc_node_xfer_setup(dc_node *n)
     int tp = n->dcfg->tp;
     const kn_hparams *hp = &n->rt.model->hp;
     kn_kv_pool_params kp =
-        kn_model_kv_params(n->rt.model, n->kv->n_blocks, n->kv->block_size, n->kv->type);
+        kn_model_kv_params(n->rt.model, dc_kv(n)->n_blocks, dc_kv(n)->block_size, dc_kv(n)->type);
     kp.backend = &n->rt.be; /* a device's pools are host copies with flags (kv_pool.h) */
     kp.host_stage = true;
     n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
@@ -25,9 +25,9 @@ int dc_node_xfer_setup(dc_node *n)
     if (!n->peer_regions || !n->peer_bytes || !n->peer_fds) return TD_ENOMEM;
     for (int r = 0; r < tp; r++)
         n->peer_fds[r] = -1;
-    n->peer_regions[0] = kn_kv_xfer_region(n->kv);
-    n->peer_fds[0] = kn_kv_pool_fd(n->kv);
-    n->peer_bytes[0] = n->kv->region_bytes + (n->kv->host ? (size_t)n->kv->n_blocks : 0);
+    n->peer_regions[0] = kn_kv_xfer_region(dc_kv(n));
+    n->peer_fds[0] = kn_kv_pool_fd(dc_kv(n));
+    n->peer_bytes[0] = dc_kv(n)->region_bytes + (dc_kv(n)->host ? (size_t)dc_kv(n)->n_blocks : 0);
     for (int r = 1; r < tp; r++) {
         char name[256];
         int rc = dc_xfer_kv_shm_name(n->p->instance, n->token, r, dc_shm_rank_pid(n->shm, r), name,
@@ -56,12 +56,12 @@ int dc_node_xfer_setup(dc_node *n)
         .n_heads = (uint32_t)hp->n_head,
         .n_kv_heads = (uint32_t)hp->n_head_kv,
         .head_dim = (uint32_t)hp->head_dim,
-        .block_size = (uint32_t)n->kv->block_size,
-        .dtype_size = n->kv->type == TD_F16 ? 2 : 4,
-        .n_blocks = (uint32_t)n->kv->n_blocks,
+        .block_size = (uint32_t)dc_kv(n)->block_size,
+        .dtype_size = dc_kv(n)->type == TD_F16 ? 2 : 4,
+        .n_blocks = (uint32_t)dc_kv(n)->n_blocks,
         .tls = n->p->cfg->kvxfer.ucx_tls,
         .timeout_ms = n->p->cfg->kvxfer.timeout_ms,
-        .staged = n->kv->host != NULL,
+        .staged = dc_kv(n)->host != NULL,
     };
     return dc_xfer_create(&xp, &n->xfer);
 }

@@ -5,7 +5,6 @@
 #include <string.h>
 
 #include "dc_plan.h"
-#include "kv_cache.h"
 #include "td_err.h"
 #include "td_grow.h"
 
@@ -33,13 +32,10 @@ typedef struct {
     /* prompt logprobs (sampling.prompt_logprobs): the next prompt position owed (n_prompt:
      * none), and this step's rows: position plp_pos0 + j is scored by row plp_row0 + j */
     int32_t plp_next, plp_row0, plp_pos0, plp_n;
-    /* prefix cache: prompt tokens found cached at the first admission (usage), whether it
-     * was admitted before, and its chain: its first pc_blocks blocks are entered (or were
-     * matched) and pc is where it stands */
+    /* prefix cache: prompt tokens found cached at the first admission (usage), and whether
+     * it was admitted before (its place in the cache's chains is seq's) */
     int32_t n_cached;
     bool admitted_once;
-    int32_t pc_blocks;
-    kn_kv_chain pc;
 } dc_req;
 
 /* A growable array of request pointers. */
@@ -52,16 +48,17 @@ struct dc_sched {
     dc_sched_params p;
     int32_t *eog; /* (n_eog) copy */
     const kn_model *m;
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
+    const kn_kv_pool *kv; /* mem's pool: its shape */
     dc_sink sink;
     req_list waiting; /* FIFO; preempted requests go back to the front */
     req_list running; /* in admission order */
     req_list xfer;    /* transferring (disaggregated): prompt blocks held, in Alloc order */
     uint64_t admit_counter;
     uint64_t preemptions;
-    kn_kv_cache *cache;           /* p.prefix_cache: the pool's prefix cache, else NULL */
+    kn_kv_cache *cache;           /* p.prefix_cache: mem's prefix cache, else NULL */
     uint64_t pc_queried, pc_hits; /* tokens looked up / found at admissions */
-    kn_kv_tier *tier;             /* p.tier: the cache's second tier, else NULL */
+    kn_kv_tier *tier;             /* p.tier: mem's second tier, else NULL */
     int tier_left;                /* copies from the tier this step may still make */
     uint64_t tier_hits;           /* tokens admitted from blocks the tier gave back */
     /* the current step's arrays, (cap_tokens) / (cap_seqs) */
@@ -102,7 +99,7 @@ static void list_remove_at(req_list *l, int i)
 
 static void req_free(dc_sched *s, dc_req *r)
 {
-    kn_kv_seq_fini(s->kv, &r->seq);
+    kn_kv_seq_fini(s->mem, &r->seq);
     kn_sampler_fini(&r->smp);
     gr_matcher_destroy(r->gm);
     free(r->tokens);
@@ -110,7 +107,7 @@ static void req_free(dc_sched *s, dc_req *r)
     free(r);
 }
 
-int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv, dc_sink sink,
+int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem, dc_sink sink,
                     dc_sched **out)
 {
     *out = NULL;
@@ -122,7 +119,8 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     if (s->p.max_ctx <= 0) s->p.max_ctx = m->hp.n_ctx_train;
 
     s->m = m;
-    s->kv = kv;
+    s->mem = mem;
+    s->kv = kn_kv_mem_pool(mem);
     dc_cost_init(&s->cost, &m->hp);
     s->sink = sink;
     s->cap_tokens = s->p.step_tokens + s->p.max_running; /* prefill budget + one per decode */
@@ -141,14 +139,15 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv,
     if (p->n_eog) memcpy(s->eog, p->eog_ids, (size_t)p->n_eog * sizeof *s->eog);
     s->p.eog_ids = s->eog;
     if (s->p.tier_blocks_per_step <= 0) s->p.tier_blocks_per_step = 32;
-    int rc = p->prefix_cache ? kn_kv_cache_create(kv, &s->cache) : 0;
+    int rc = p->prefix_cache ? kn_kv_mem_add_cache(mem) : 0;
     if (rc) TD_LOG_ERR("cannot create the prefix cache: %s", td_strerror(rc));
     if (!rc && p->tier.bytes && !p->prefix_cache) {
         TD_LOG_ERR("a prefix cache tier needs the prefix cache");
         rc = TD_EINVAL;
     }
-    if (!rc && p->tier.bytes && !(rc = kn_kv_tier_create(&p->tier, kv, &s->tier)))
-        kn_kv_cache_set_tier(s->cache, s->tier);
+    if (!rc && p->tier.bytes) rc = kn_kv_mem_add_tier(mem, &p->tier);
+    s->cache = kn_kv_mem_cache(mem);
+    s->tier = kn_kv_mem_tier(mem);
     if (rc) {
         dc_sched_destroy(s);
         return rc;
@@ -167,8 +166,6 @@ void dc_sched_destroy(dc_sched *s)
         req_free(s, s->running.v[i]);
     for (int i = 0; i < s->xfer.n; i++)
         req_free(s, s->xfer.v[i]);
-    kn_kv_cache_destroy(s->cache); /* after the requests: their blocks are back */
-    kn_kv_tier_destroy(s->tier);
     free(s->waiting.v);
     free(s->running.v);
     free(s->xfer.v);
@@ -297,7 +294,6 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     r->ignore_eos = p->ignore_eos;
     r->logit_row = -1;
     r->plp_next = p->sampling.prompt_logprobs ? 1 : p->n_prompt;
-    r->pc = kn_kv_cache_root();
     kn_kv_seq_init(&r->seq);
     *out = r;
     return 0;
@@ -327,8 +323,8 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
      * is shared, not transferred; blocks promised to running prompts stay theirs */
     bool wait;
     int m = pc_match(s, r, &wait), need = kn_kv_blocks_for(s->kv, p->n_prompt) - m;
-    if (kn_kv_available(s->kv) - promised_blocks(s) < need) rc = TD_ESTATE;
-    if (!rc) rc = kn_kv_seq_reserve(s->kv, &r->seq, p->n_prompt);
+    if (kn_kv_available(s->mem) - promised_blocks(s) < need) rc = TD_ESTATE;
+    if (!rc) rc = kn_kv_seq_reserve(s->mem, &r->seq, p->n_prompt);
     if (!rc) rc = list_push(&s->xfer, r);
     if (rc) {
         req_free(s, r); /* drops the matched blocks' references */
@@ -337,8 +333,8 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
     s->pc_queried += s->cache ? (uint64_t)p->n_prompt : 0;
     s->pc_hits += (uint64_t)r->n_computed;
     if (s->cache)
-        s->tier_hits += (uint64_t)kn_kv_cache_claim_restored(s->cache, r->seq.blocks, m) *
-                        (uint64_t)s->kv->block_size;
+        s->tier_hits +=
+            (uint64_t)kn_kv_seq_claim_restored(s->mem, &r->seq) * (uint64_t)s->kv->block_size;
     r->n_cached = r->n_computed;
     r->admitted_once = true; /* usage keeps this figure if it is preempted later */
     *blocks = r->seq.blocks;
@@ -372,12 +368,9 @@ static void preempt(dc_sched *s, int i)
     TD_LOG_INFO("req %llu: preempted (kv pool full); %d tokens will be recomputed",
                 (unsigned long long)r->id, r->n_computed);
     list_remove_at(&s->running, i);
-    kn_kv_seq_release(s->kv,
-                      &r->seq); /* its cached blocks stay cached: a re-admission finds them */
+    kn_kv_seq_release(s->mem, &r->seq); /* cached blocks stay cached: a re-admission finds them */
     r->n_computed = 0;
     r->chunk = 0;
-    r->pc_blocks = 0;
-    r->pc = kn_kv_cache_root();
     s->preemptions++;
     if (list_push_front(&s->waiting, r)) {
         /* cannot fail: the waiting list had room for it before it was admitted... but a
@@ -402,7 +395,7 @@ static int newest_running(const dc_sched *s)
 static bool reserve_or_preempt(dc_sched *s, dc_req *r, int32_t chunk)
 {
     for (;;) {
-        if (kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk) == 0) return true;
+        if (kn_kv_seq_reserve(s->mem, &r->seq, r->n_computed + chunk) == 0) return true;
         int victim = newest_running(s);
         bool self = s->running.v[victim] == r;
         /* a victim already in this step gives back its blocks and leaves the step */
@@ -421,20 +414,12 @@ static int pc_match(dc_sched *s, dc_req *r, bool *wait)
     *wait = false;
     int most = (r->n_tokens - 1) / s->kv->block_size;
     if (!s->cache || r->plp_next < r->n_prompt || most < 1 || r->seq.n_blocks) return 0;
-    if (r->seq.cap < most) { /* room in the table without allocating blocks */
-        int32_t *b = realloc(r->seq.blocks, (size_t)most * sizeof *b);
-        if (!b) return 0;
-        r->seq.blocks = b;
-        r->seq.cap = most;
-    }
-    int room = kn_kv_available(s->kv) - promised_blocks(s);
+    int room = kn_kv_available(s->mem) - promised_blocks(s);
     kn_kv_tier_budget tb = {.copies_left = s->tier_left < room ? s->tier_left : room};
-    int m = kn_kv_cache_match_tier(s->cache, r->tokens, r->n_tokens, most, r->seq.blocks, &r->pc,
-                                   s->tier ? &tb : NULL);
+    int m = kn_kv_seq_match(s->mem, &r->seq, r->tokens, r->n_tokens, most, &tb);
+    if (m < 0) return 0; /* no memory for the table: compute it all */
     s->tier_left -= tb.copied;
     *wait = tb.more && s->tier_left <= 0; /* not for want of room: that may never come */
-    r->seq.n_blocks = m;
-    r->pc_blocks = m;
     r->n_computed = m * s->kv->block_size;
     return m;
 }
@@ -448,7 +433,7 @@ static bool pc_defer(const dc_sched *s, const dc_req *r, int m)
     if (!s->cache || r->plp_next < r->n_prompt || want > r->n_tokens - 1) return false;
     for (int i = 0; i < s->running.n; i++) {
         const dc_req *q = s->running.v[i];
-        if (q->n_computed < want && q->n_tokens >= want && q->pc.serial &&
+        if (q->n_computed < want && q->n_tokens >= want && q->seq.chain.serial &&
             !memcmp(q->tokens, r->tokens, (size_t)want * sizeof *r->tokens))
             return true;
     }
@@ -458,20 +443,14 @@ static bool pc_defer(const dc_sched *s, const dc_req *r, int m)
 /* Undo pc_match (admission did not happen). */
 static void pc_unmatch(dc_sched *s, dc_req *r)
 {
-    kn_kv_seq_release(s->kv, &r->seq);
+    kn_kv_seq_release(s->mem, &r->seq);
     r->n_computed = 0;
-    r->pc_blocks = 0;
-    r->pc = kn_kv_cache_root();
 }
 
 /* Prefix cache: enter r's whole blocks whose KV is now computed. */
 static void pc_insert(dc_sched *s, dc_req *r)
 {
-    int bs = s->kv->block_size;
-    if (!s->cache) return;
-    for (; (r->pc_blocks + 1) * bs <= r->n_computed && r->pc.serial; r->pc_blocks++)
-        kn_kv_cache_insert(s->cache, &r->pc, r->tokens + (size_t)r->pc_blocks * (size_t)bs,
-                           r->seq.blocks[r->pc_blocks]);
+    kn_kv_seq_commit(s->mem, &r->seq, r->tokens, r->n_computed);
 }
 
 static int promised_blocks(const dc_sched *s)
@@ -528,8 +507,8 @@ static int admit_waiting(dc_sched *s, int budget)
         int32_t left = r->n_tokens - r->n_computed;
         int32_t chunk = cap_chunk(s, r->n_computed, left < budget ? left : budget);
         if (wait || !chunk || pc_defer(s, r, m) ||
-            (kn_kv_available(s->kv) - promised_blocks(s) < need && s->running.n > 0) ||
-            kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) {
+            (kn_kv_available(s->mem) - promised_blocks(s) < need && s->running.n > 0) ||
+            kn_kv_seq_reserve(s->mem, &r->seq, r->n_computed + chunk)) {
             pc_unmatch(s, r);
             break;
         }
@@ -542,8 +521,8 @@ static int admit_waiting(dc_sched *s, int budget)
         if (s->cache) {
             s->pc_queried += (uint64_t)r->n_tokens;
             s->pc_hits += (uint64_t)r->n_computed;
-            s->tier_hits += (uint64_t)kn_kv_cache_claim_restored(s->cache, r->seq.blocks, m) *
-                            (uint64_t)s->kv->block_size;
+            s->tier_hits +=
+                (uint64_t)kn_kv_seq_claim_restored(s->mem, &r->seq) * (uint64_t)s->kv->block_size;
         }
         if (!r->admitted_once)
             r->n_cached = r->n_computed < r->n_prompt ? r->n_computed : r->n_prompt;
@@ -611,7 +590,7 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
         int32_t left = r->n_tokens - r->n_computed;
         if (r->chunk || left <= 1) continue;
         int32_t chunk = cap_chunk(s, r->n_computed, left < budget ? left : budget);
-        if (!chunk || kn_kv_seq_reserve(s->kv, &r->seq, r->n_computed + chunk)) break; /* wait */
+        if (!chunk || kn_kv_seq_reserve(s->mem, &r->seq, r->n_computed + chunk)) break; /* wait */
         r->chunk = chunk;
         budget -= chunk;
     }
@@ -796,7 +775,7 @@ void dc_sched_fail_all(dc_sched *s)
     while (s->xfer.n)
         finish(s, &s->xfer, s->xfer.n - 1, DC_FINISH_ERROR);
     /* the instance re-forms or stops: the other ranks' pools start empty */
-    if (s->cache) kn_kv_cache_clear(s->cache);
+    if (s->cache) kn_kv_mem_clear(s->mem);
 }
 
 static int xfer_index(const dc_sched *s, uint64_t id)
@@ -880,8 +859,8 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
         .running = s->running.n,
         .waiting = s->waiting.n + arrived,
         .transferring = s->xfer.n - arrived,
-        .kv_blocks_used = s->kv->n_blocks - kn_kv_available(s->kv),
-        .kv_blocks_free = kn_kv_available(s->kv), /* idle cached blocks are evictable */
+        .kv_blocks_used = s->kv->n_blocks - kn_kv_available(s->mem),
+        .kv_blocks_free = kn_kv_available(s->mem), /* idle cached blocks are evictable */
         .preemptions = s->preemptions,
         .prefix_queried = s->pc_queried,
         .prefix_hits = s->pc_hits,

@@ -36,7 +36,7 @@
  * a request that could never fit the whole pool (prompt + max_tokens) is refused at
  * submit; the oldest running request can always progress (preemption takes the most
  * recently admitted first), so the scheduler cannot deadlock.
- * Prefix cache (p.prefix_cache, kernels/kv_cache.h): at admission a request shares the
+ * Prefix cache (p.prefix_cache, kvmem/kv_cache.h): at admission a request shares the
  * cached leading whole blocks of its tokens (never the block of its last token, which is
  * always computed) and n_computed starts after them; each whole block enters the cache as
  * soon as its KV is computed (an arrived transfer's prompt blocks too), so concurrent
@@ -63,8 +63,7 @@
 #include <stdint.h>
 
 #include "gr_grammar.h"
-#include "kv_pool.h"
-#include "kv_tier.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "sampler.h"
 
@@ -117,10 +116,11 @@ typedef struct {
      * grammar is refused (TD_EUNSUPP). */
     gr_vocab *vocab;
     gr_cache *grammars;
-    /* prefix cache (kernels/kv_cache.h) on the pool, created and owned by the scheduler */
+    /* prefix cache (kvmem/kv_cache.h), added to the KV memory at create (it lives as long as
+     * the memory) */
     bool prefix_cache;
-    /* its second tier (kernels/kv_tier.h), created and owned by the scheduler when
-     * tier.bytes > 0 (needs prefix_cache): evicted cached blocks go there, and a prompt's
+    /* its second tier (kvmem/kv_tier.h), likewise added when tier.bytes > 0 (needs
+     * prefix_cache): evicted cached blocks go there, and a prompt's
      * blocks found there are copied back at admission, at most tier_blocks_per_step per step
      * (0: 32); a request whose prefix needs more waits at the head of the queue and goes on
      * the next step (running requests decode meanwhile) */
@@ -162,7 +162,9 @@ typedef struct {
     uint64_t prefill_capped; /* steps whose prefill share itl_target_ms cut */
 } dc_sched_stats;
 
-int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_pool *kv, dc_sink sink,
+/* mem: the shard's KV memory (borrowed; outlives the scheduler), to which create adds the
+ * prefix cache and its tier as p asks. */
+int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem, dc_sink sink,
                     dc_sched **out);
 void dc_sched_destroy(dc_sched *s); /* frees every request's blocks */
 

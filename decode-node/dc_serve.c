@@ -100,7 +100,7 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
     }
     /* the blocks this request stored reach the router before its end does (KV events: the
        router routes the conversation's next turn by them) */
-    if (finish != DC_FINISH_NONE && n->kv->cache) dc_serve_health(n);
+    if (finish != DC_FINISH_NONE && kn_kv_mem_cache(n->mem)) dc_serve_health(n);
     /* TD_ENOENT: the client is gone; the request is finishing or will be cancelled */
     if (lps && n_ids)
         send_logprobs(n, r, ids, n_ids, lps, 0, NULL, 0, finish, n_prompt, n_gen, n_cached);
@@ -169,7 +169,7 @@ static void reply_refused(dc_node *n, td_ctrl_req *req, uint64_t request_id, int
                                : rc == TD_ERANGE ? "prompt too long or token id outside the "
                                                    "vocabulary (%d blocks of %d tokens)"
                                                  : "invalid request (%d blocks of %d tokens)",
-                               n->kv->n_blocks, n->kv->block_size);
+                               dc_kv(n)->n_blocks, dc_kv(n)->block_size);
 }
 
 static void handle_submit(dc_node *n, const td_ctrl_server_in *in)
@@ -384,8 +384,8 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
         td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
                                    "the KV pool cannot hold the prompt's %d blocks now (%d of %d "
                                    "free)",
-                                   kn_kv_blocks_for(n->kv, rp.n_prompt), kn_kv_available(n->kv),
-                                   n->kv->n_blocks);
+                                   kn_kv_blocks_for(dc_kv(n), rp.n_prompt), kn_kv_available(n->mem),
+                                   dc_kv(n)->n_blocks);
         return;
     }
     if (rc) {
@@ -485,7 +485,7 @@ void dc_serve_transfers(dc_node *n)
  * for KN_KV_EVENT_LOG_DEFAULT events. No cache: no events (seq 0). */
 static void health_events(dc_node *n, Td__Health *h, uint64_t *ids, uint8_t *kind)
 {
-    const kn_kv_cache *c = n->kv->cache;
+    const kn_kv_cache *c = kn_kv_mem_cache(n->mem);
     if (!c) return;
     kn_kv_event ev[KN_KV_EVENT_LOG_DEFAULT];
     uint64_t next = kn_kv_cache_event_next(c), first;
@@ -532,7 +532,7 @@ void dc_serve_health(dc_node *n)
     h.waiting = (uint32_t)(st.waiting + st.transferring); /* admitted, not running yet */
     h.kv_blocks_used = (uint32_t)st.kv_blocks_used;
     h.kv_blocks_free = (uint32_t)st.kv_blocks_free;
-    h.kv_block_size = (uint32_t)n->kv->block_size;
+    h.kv_block_size = (uint32_t)dc_kv(n)->block_size;
     h.uptime_ms = (uint64_t)(td_now_ms() - n->started_ms);
     h.num_preemptions = st.preemptions;
     h.prefix_queried_tokens = st.prefix_queried;

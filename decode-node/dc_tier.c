@@ -38,7 +38,7 @@ int dc_tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *
     if (!d->tier.path) return 0;
     /* a device pool's copies go through the backend's download/upload: tested with cpu-dev
        (the CPU kernels behind a device backend's contract) in colocated mode only */
-    const char *dev = n->kv->dev.ops ? n->kv->dev.ops->name : NULL;
+    const char *dev = dc_kv(n)->dev.ops ? dc_kv(n)->dev.ops->name : NULL;
     if (dev && (strcmp(dev, "cpu-dev") || n->disagg)) {
         TD_LOG_ERR("decode %s: prefix_cache_tier with the %s backend%s is not supported yet (a "
                    "device pool's tier is tested with cpu-dev in colocated mode only)",
@@ -51,7 +51,7 @@ int dc_tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *
         /* the same slot count on every rank: what bytes hold of the rank with most KV heads */
         const kn_hparams *hp = &n->rt.model->hp;
         int max_kv = td_tp_max_kv_heads(hp->n_head, hp->n_head_kv, d->tp);
-        size_t sb = kn_kv_tier_block_bytes(n->kv) / (size_t)n->kv->n_kv_heads * (size_t)max_kv;
+        size_t sb = kn_kv_tier_block_bytes(dc_kv(n)) / (size_t)dc_kv(n)->n_kv_heads * (size_t)max_kv;
         size_t slots = (size_t)d->tier.bytes > 4096 ? ((size_t)d->tier.bytes - 4096) / sb : 0;
         if (slots < 1 || slots > INT32_MAX / 4) {
             TD_LOG_ERR("decode %s: prefix_cache_tier size %lld holds %zu blocks of %zu bytes (rank "
@@ -71,7 +71,7 @@ size_t dc_tier_plan_room(const dc_node *n)
 {
     /* the copies of one planning: a put per block it evicts (at most every block), a get per
        block it reads back (at most every block too) */
-    return n->dcfg->tier.path && n->dcfg->tp > 1 ? (size_t)n->kv->n_blocks * 2 * 12 + 64 : 0;
+    return n->dcfg->tier.path && n->dcfg->tp > 1 ? (size_t)dc_kv(n)->n_blocks * 2 * 12 + 64 : 0;
 }
 
 int dc_tier_follower_open(dc_node *n)
@@ -79,19 +79,19 @@ int dc_tier_follower_open(dc_node *n)
     char path[4096];
     kn_kv_tier_params tp;
     int rc = dc_tier_params(n, path, sizeof path, &tp);
-    if (!rc && tp.bytes) rc = kn_kv_tier_create(&tp, n->kv, &n->tier);
+    if (!rc && tp.bytes) rc = kn_kv_mem_add_tier(n->mem, &tp);
     return rc;
 }
 
 int dc_tier_apply(dc_node *n, const dc_plan_view *v)
 {
-    if (v->n_copies && !n->tier) {
+    if (v->n_copies && !kn_kv_mem_tier(n->mem)) {
         TD_LOG_ERR("decode %s rank %d: step %llu carries %d tier copies and this rank has no tier",
                    n->p->instance, n->p->rank, (unsigned long long)v->step, v->n_copies);
         return TD_EFORMAT;
     }
     for (int i = 0; i < v->n_copies; i++) {
-        int rc = kn_kv_tier_apply(n->tier, n->kv, &v->copies[i]);
+        int rc = kn_kv_tier_apply(kn_kv_mem_tier(n->mem), dc_kv(n), &v->copies[i]);
         if (rc) {
             TD_LOG_ERR("decode %s rank %d: step %llu: tier copy %d of %d failed (%s): this rank's "
                        "KV would differ from rank 0's",
@@ -105,14 +105,14 @@ int dc_tier_apply(dc_node *n, const dc_plan_view *v)
 
 const kn_kv_tier_op *dc_tier_pending(dc_node *n, int *n_ops)
 {
-    kn_kv_tier *t = n->dcfg->tp > 1 && n->kv->cache ? kn_kv_cache_tier(n->kv->cache) : NULL;
+    kn_kv_tier *t = n->dcfg->tp > 1 && kn_kv_mem_cache(n->mem) ? kn_kv_mem_tier(n->mem) : NULL;
     *n_ops = 0;
     return t ? kn_kv_tier_ops(t, n_ops) : NULL;
 }
 
 void dc_tier_sent(dc_node *n)
 {
-    kn_kv_tier *t = n->kv->cache ? kn_kv_cache_tier(n->kv->cache) : NULL;
+    kn_kv_tier *t = kn_kv_mem_cache(n->mem) ? kn_kv_mem_tier(n->mem) : NULL;
     if (t) kn_kv_tier_ops_clear(t);
 }
 
@@ -124,7 +124,7 @@ int dc_tier_flush(dc_node *n)
     void *buf;
     size_t cap, len;
     int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
-    if (!rc) rc = dc_plan_encode(NULL, ops, nc, n->kv->block_size, n->step, buf, cap, &len);
+    if (!rc) rc = dc_plan_encode(NULL, ops, nc, dc_kv(n)->block_size, n->step, buf, cap, &len);
     if (!rc) rc = dc_shm_plan_commit(n->shm, len);
     if (!rc) dc_tier_sent(n);
     if (!rc) rc = dc_tier_copy_barrier(n);

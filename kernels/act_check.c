@@ -13,7 +13,7 @@
 #include "cpu_backend.h"
 #include "cpu_blas.h"
 #include "kn_runtime.h"
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "td_cachefile.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -41,7 +41,7 @@ static const char *const prompts[] = {
 
 typedef struct {
     kn_runtime rt;
-    kn_kv_pool *kv;
+    kn_kv_mem *kv;
     td_tokenizer *tok;
     int32_t *ids[N_PROMPTS]; /* each prompt, templated and tokenized */
     size_t n_ids[N_PROMPTS];
@@ -102,7 +102,7 @@ static int greedy(check_ctx *c, int i, int32_t *out)
                       .seqs = &view,
                       .n_logits = 1,
                       .logit_rows = &last};
-        if ((rc = kn_engine_forward(c->rt.engine, c->kv, &b, c->logits))) break;
+        if ((rc = kn_engine_forward(c->rt.engine, kn_kv_mem_pool(c->kv), &b, c->logits))) break;
         out[t] = argmax(c->logits, c->rt.model->hp.n_vocab);
         len += m;
     }
@@ -129,7 +129,7 @@ static int open_check(check_ctx *c, const char *model_path, int n_threads, const
     const int n_blocks = (int)((c->max_ids + KN_ACT_CHECK_TOKENS + bs - 1) / bs) + 1;
     kn_kv_pool_params kp = kn_model_kv_params(c->rt.model, n_blocks, bs, TD_F16);
     kp.backend = &c->rt.be;
-    if ((rc = kn_kv_pool_create(&kp, &c->kv))) return rc;
+    if ((rc = kn_kv_mem_create(&kp, &c->kv))) return rc;
     c->logits = malloc((size_t)c->rt.model->hp.n_vocab * sizeof *c->logits);
     return c->logits ? 0 : TD_ENOMEM;
 }
@@ -137,7 +137,7 @@ static int open_check(check_ctx *c, const char *model_path, int n_threads, const
 static void close_check(check_ctx *c)
 {
     free(c->logits);
-    kn_kv_pool_destroy(c->kv);
+    kn_kv_mem_destroy(c->kv);
     for (int i = 0; i < N_PROMPTS; i++)
         free(c->ids[i]);
     td_tok_destroy(c->tok);

@@ -20,9 +20,10 @@
 #define KVX_TCP_GBPS   0.9
 #define KVX_TCP_LAT_US 635.0
 
-int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0, int steps,
+int pl_calib_decode_steps(kn_engine *eng, kn_kv_mem *mem, int n_vocab, int ctx0, int steps,
                           const pl_calib_step_hook *hook, double *ms)
 {
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     float *logits = malloc((size_t)n_vocab * sizeof *logits);
     double *t = malloc((size_t)steps * sizeof *t);
     kn_kv_seq seq;
@@ -36,7 +37,7 @@ int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0,
         int32_t tok = (int32_t)((i * 7919u + 17) % (uint32_t)n_vocab), pos = ctx0 + i;
         double s = (double)td_now_ns() / 1e6;
         rc = hook ? hook->fn(hook->ctx) : 0;
-        if (!rc) rc = kn_kv_seq_reserve(kv, &seq, pos + 1);
+        if (!rc) rc = kn_kv_seq_reserve(mem, &seq, pos + 1);
         kn_seq_view view = {.block_table = seq.blocks, .n_ctx = pos + 1};
         kn_batch b = {.n_tokens = 1,
                       .n_solo = 1,
@@ -51,7 +52,7 @@ int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0,
         if (i >= steps) t[i - steps] = (double)td_now_ns() / 1e6 - s;
     }
     if (!rc) *ms = td_stats_median(t, (size_t)steps);
-    kn_kv_seq_fini(kv, &seq);
+    kn_kv_seq_fini(mem, &seq);
     free(logits);
     free(t);
     return rc;
@@ -132,9 +133,9 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     if (!rc) rc = pl_calib_chunks(&sh, lc, r->chunk_x, 4, 2, ch);
     int n_vocab = sh.rt.model->hp.n_vocab;
     if (!rc)
-        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, 0, steps, NULL, &r->decode_ms);
+        rc = pl_calib_decode_steps(sh.rt.engine, sh.mem, n_vocab, 0, steps, NULL, &r->decode_ms);
     if (!rc)
-        rc = pl_calib_decode_steps(sh.rt.engine, sh.kv, n_vocab, lc, steps, NULL,
+        rc = pl_calib_decode_steps(sh.rt.engine, sh.mem, n_vocab, lc, steps, NULL,
                                    &r->decode_long_ms);
     int n_embd = sh.rt.model->hp.n_embd;
     r->kvx_gbps[0] = KVX_SM_GBPS, r->kvx_lat_us[0] = KVX_SM_LAT_US;

@@ -22,7 +22,7 @@
 #ifndef PL_CALIB_H
 #define PL_CALIB_H
 
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "pf_chunk.h"
 #include "pf_shard.h"
@@ -80,7 +80,7 @@ typedef struct {
     int (*fn)(void *ctx); /* before every step (the tp ranks' plan hand-off); nonzero stops */
     void *ctx;
 } pl_calib_step_hook;
-int pl_calib_decode_steps(kn_engine *eng, kn_kv_pool *kv, int n_vocab, int ctx0, int steps,
+int pl_calib_decode_steps(kn_engine *eng, kn_kv_mem *mem, int n_vocab, int ctx0, int steps,
                           const pl_calib_step_hook *hook, double *ms);
 
 /* The same at tp ranks: tp forked processes, each the model's rank shard (threads threads)

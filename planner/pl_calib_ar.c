@@ -13,7 +13,7 @@
 #include "act_check.h"
 #include "dc_shm.h"
 #include "kn_runtime.h"
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "pl_calib.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -157,16 +157,16 @@ static int tp_rank(const char *token, const char *model, int rank, int tp, int t
                         .max_floats = (int64_t)hp->n_embd > hp->n_vocab ? hp->n_embd : hp->n_vocab,
                         .timeout_ms = 30000,
                         .op_timeout_ms = 30000};
-    kn_kv_pool *kv = NULL;
+    kn_kv_mem *kv = NULL;
     if (!(rc = dc_shm_open(&sp, &c.shm))) {
         kn_kv_pool_params kp = kn_model_kv_params(rt.model, (2 * steps + 64) / 16 + 1, 16, TD_F16);
-        rc = kn_kv_pool_create(&kp, &kv);
+        rc = kn_kv_mem_create(&kp, &kv);
     }
     double ms = 0;
     pl_calib_step_hook hook = {.fn = tp_plan, .ctx = &c};
     if (!rc) rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, steps, &hook, &ms);
     if (!rc && rank == 0) *out = ms;
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(kv);
     if (c.shm) dc_shm_close(c.shm);
     kn_runtime_close(&rt);
     return rc;

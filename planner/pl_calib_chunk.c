@@ -19,7 +19,7 @@ static int chunk_once(pf_shard *sh, int L, int x, double *ms)
     int32_t *seq_of = calloc((size_t)x, sizeof *seq_of);
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
-    int rc = tok && pos && seq_of ? kn_kv_seq_reserve(sh->kv, &seq, L + x) : TD_ENOMEM;
+    int rc = tok && pos && seq_of ? kn_kv_seq_reserve(sh->mem, &seq, L + x) : TD_ENOMEM;
     for (int i = 0; i < x && !rc; i++) {
         tok[i] = (int32_t)(((uint32_t)(L + i) * 7919u + 17) % (uint32_t)m->hp.n_vocab);
         pos[i] = L + i;
@@ -30,7 +30,7 @@ static int chunk_once(pf_shard *sh, int L, int x, double *ms)
     int64_t t0 = td_now_ns();
     if (!rc) rc = kn_engine_forward(sh->rt.engine, sh->kv, &b, NULL);
     *ms = (double)(td_now_ns() - t0) / 1e6;
-    kn_kv_seq_fini(sh->kv, &seq);
+    kn_kv_seq_fini(sh->mem, &seq);
     free(tok);
     free(pos);
     free(seq_of);

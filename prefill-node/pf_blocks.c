@@ -3,6 +3,7 @@
  * last block when the whole prompt is cached), its own blocks, and what goes back to the
  * cache or the pool when it ends (docs/prefix-cache.md, "Prefill stages"). */
 #include <stdlib.h>
+#include <string.h>
 
 #include "pf_int.h"
 #include "td_err.h"
@@ -16,16 +17,16 @@ void pf_blocks_release(pf_stage *st, pf_req *r, bool insert)
     int tail = r->n_prompt % bs >= 2 ? r->n_prompt % bs : 0; /* 1 token: nothing to save */
     if (insert && st->kvc && r->hist && nf + (tail > 0) <= nb) {
         pf_kvc_insert(st->kvc, r->hist, nf, tail, r->kv.blocks, nh);
-        kn_kv_free(st->shard.kv, nb - nf - (tail > 0), r->kv.blocks + nf + (tail > 0));
+        kn_kv_free(st->shard.mem, nb - nf - (tail > 0), r->kv.blocks + nf + (tail > 0));
     } else if (nb > nh)
-        kn_kv_free(st->shard.kv, nb - nh, r->kv.blocks + nh);
+        kn_kv_free(st->shard.mem, nb - nh, r->kv.blocks + nh);
     if (nh) {
         if (!r->unrefd) pf_kvc_unref(st->kvc, r->hit, nh);
         pf_kvc_unuse(st->kvc, r->hit, nh);
     }
     r->n_hit = 0;
     r->kv.n_blocks = 0;
-    kn_kv_seq_fini(st->shard.kv, &r->kv);
+    kn_kv_seq_fini(st->shard.mem, &r->kv);
 }
 
 /* r's block table: the cached prefix's blocks (n_cached tokens ending in block cached_id,
@@ -48,17 +49,19 @@ int pf_blocks_open(pf_stage *st, pf_req *r, const pf_seg *g)
         const int na = nh + copy_last; /* blocks taken from the cache */
         if (!st->kvc || (copy_last && (int)g->n_cached != r->n_prompt - 1)) return TD_EINVAL;
         if (!(r->hit = malloc((size_t)na * sizeof *r->hit))) return TD_ENOMEM;
-        if (pf_kvc_acquire(st->kvc, g->cached_id, na, r->kv.blocks, r->hit, r->hist)) {
+        if (pf_kvc_acquire(st->kvc, g->cached_id, na, r->kv.blocks, r->hist)) {
             TD_LOG_WARN("prefill %s stage %d: request %llu: stage 0 took %u tokens from the "
                         "prefix cache, which this stage does not hold (its cache differs)",
                         st->p->instance, st->stage, (unsigned long long)r->id, g->n_cached);
             return TD_ENOENT;
         }
+        memcpy(r->hit, r->kv.blocks, (size_t)na * sizeof *r->hit);
         if (copy_last) src = r->kv.blocks[nh];
         r->n_hit = r->kv.n_blocks = nh;
         r->n_computed = (int32_t)g->n_cached; /* pushed with the first computed chunk */
     }
-    int rc = kn_kv_alloc_ascending(kv, nb - nh, r->kv.blocks + nh); /* runs: kvxfer's puts */
+    int rc =
+        kn_kv_alloc_ascending(st->shard.mem, nb - nh, r->kv.blocks + nh); /* runs: kvxfer's puts */
     if (!rc && copy_last) rc = kn_kv_block_copy(kv, src, r->kv.blocks[nh]);
     if (copy_last) { /* every stage lets it go here, at the same point of the stream */
         pf_kvc_unref(st->kvc, r->hit + nh, 1);
@@ -74,7 +77,7 @@ int pf_blocks_open(pf_stage *st, pf_req *r, const pf_seg *g)
             TD_LOG_WARN("prefill %s stage %d: request %llu: copying cached block %d: %s",
                         st->p->instance, st->stage, (unsigned long long)r->id, src,
                         td_strerror(rc));
-        if (rc != TD_ENOSPC) kn_kv_free(kv, nb - nh, r->kv.blocks + nh);
+        if (rc != TD_ENOSPC) kn_kv_free(st->shard.mem, nb - nh, r->kv.blocks + nh);
         return rc;
     }
     r->kv.n_blocks = nb;

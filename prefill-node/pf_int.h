@@ -39,7 +39,7 @@ typedef struct pf_req {
     td_sampling sampling; /* .grammar NULL: the text lives in the chunk that samples */
     kn_kv_seq kv;     /* this stage's blocks for the whole prompt; the first n_hit are the prefix
                          cache's (held through hit), the others the request's own */
-    pf_kvc_ent **hit; /* (n_hit) the cached prefix blocks it holds */
+    int32_t *hit;     /* (n_hit) the cached prefix blocks it holds */
     int n_hit;
     bool unrefd;   /* its stream references on hit were dropped (RELEASE) */
     bool released; /* stage 0's RELEASE came while it was still running: no insert */

@@ -1,5 +1,6 @@
-/* pf_kvcache.c: a prefill stage's prefix cache (see pf_kvcache.h): a hash table of block
- * ids (chained buckets), an LRU list of the indexed blocks, and the blocks' tokens. */
+/* pf_kvcache.c: a prefill stage's prefix cache (see pf_kvcache.h): the stream-ordered policy
+ * (stream references, an LRU of the indexed blocks, the block budget) over the KV memory's
+ * block cache (kvmem/kv_cache.h), which holds the index, the tokens, the chains and the events. */
 #include "pf_kvcache.h"
 
 #include <stdbool.h>
@@ -9,210 +10,206 @@
 #include "td_blockhash.h"
 #include "td_err.h"
 
-struct pf_kvc_ent {
-    uint64_t id, parent; /* td_block_hash ids */
-    int32_t block;       /* pool block id */
-    int depth;           /* block index in its prompt (0: the first) */
-    int n_tok;           /* tokens held: block_size, or fewer for a prompt's tail */
-    int ref, users;
-    bool indexed;
-    struct pf_kvc_ent *hnext;       /* bucket chain */
-    struct pf_kvc_ent *prev, *next; /* LRU list: head = least recently used */
-    int32_t tokens[];               /* (n_tok) */
-};
-
 struct pf_kvc {
-    kn_kv_pool *pool;
-    int bs, max_blocks;
-    pf_kvc_ent **buckets; /* (mask + 1) */
-    uint64_t mask;
-    pf_kvc_ent *head, *tail;
+    kn_kv_mem *mem;
+    kn_kv_cache *cache; /* mem's */
+    int bs, max_blocks, n_blocks;
+    int32_t *ref;         /* (n_blocks) stream references of an indexed block */
+    int32_t *prev, *next; /* (n_blocks) LRU list of the indexed blocks, -1 ends */
+    int32_t head, tail;   /* least / most recently used */
+    bool *indexed;        /* (n_blocks) in the policy's index (and the cache's) */
+    bool *detached;       /* (n_blocks) left the index while a request still used it */
+    int32_t *work;        /* (n_blocks) detach's worklist */
     pf_kvc_stats stats;
-    uint64_t ev_id[PF_KVC_EVENT_LOG]; /* ring of the latest events: seq s at (s - 1) % LOG */
-    uint8_t ev_kind[PF_KVC_EVENT_LOG];
-    uint64_t ev_next; /* seq of the next event */
 };
 
-static void log_event(pf_kvc *c, uint8_t kind, uint64_t id)
-{
-    size_t at = (size_t)((c->ev_next - 1) % PF_KVC_EVENT_LOG);
-    c->ev_id[at] = id;
-    c->ev_kind[at] = kind;
-    c->ev_next++;
-}
-
-uint64_t pf_kvc_event_next(const pf_kvc *c)
-{
-    return c->ev_next;
-}
-
-int pf_kvc_events(const pf_kvc *c, int max, uint8_t *kind, uint64_t *ids, int *n_ids,
-                  uint64_t *first)
-{
-    uint64_t n = c->ev_next - 1, lim = max < 0 ? 0 : (uint64_t)max;
-    if (n > PF_KVC_EVENT_LOG) n = PF_KVC_EVENT_LOG;
-    if (n > lim) n = lim;
-    *first = c->ev_next - n;
-    *n_ids = 0;
-    for (uint64_t k = 0; k < n; k++) {
-        size_t at = (size_t)((*first + k - 1) % PF_KVC_EVENT_LOG);
-        kind[k] = c->ev_kind[at];
-        if (kind[k] != PF_KVC_EV_CLEARED) ids[(*n_ids)++] = c->ev_id[at];
-    }
-    return (int)n;
-}
-
-int pf_kvc_create(kn_kv_pool *pool, int max_blocks, pf_kvc **out)
+int pf_kvc_create(kn_kv_mem *mem, int max_blocks, pf_kvc **out)
 {
     *out = NULL;
-    if (!pool || max_blocks < 1) return TD_EINVAL;
+    if (!mem || max_blocks < 1) return TD_EINVAL;
+    int rc = kn_kv_mem_cache(mem) ? 0 : kn_kv_mem_add_cache(mem);
+    if (rc) return rc;
     pf_kvc *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
-    uint64_t n = 16;
-    while (n < 2 * (uint64_t)max_blocks)
-        n <<= 1;
-    c->buckets = calloc(n, sizeof *c->buckets);
-    if (!c->buckets) {
-        free(c);
+    c->mem = mem;
+    c->cache = kn_kv_mem_cache(mem);
+    c->bs = kn_kv_mem_pool(mem)->block_size;
+    c->n_blocks = kn_kv_mem_pool(mem)->n_blocks;
+    c->max_blocks = max_blocks;
+    c->head = c->tail = -1;
+    size_t nb = (size_t)c->n_blocks;
+    c->ref = calloc(nb, sizeof *c->ref);
+    c->prev = malloc(nb * sizeof *c->prev);
+    c->next = malloc(nb * sizeof *c->next);
+    c->indexed = calloc(nb, sizeof *c->indexed);
+    c->detached = calloc(nb, sizeof *c->detached);
+    c->work = malloc(nb * sizeof *c->work);
+    if (!c->ref || !c->prev || !c->next || !c->indexed || !c->detached || !c->work) {
+        pf_kvc_destroy(c);
         return TD_ENOMEM;
     }
-    c->mask = n - 1;
-    c->pool = pool;
-    c->bs = pool->block_size;
-    c->max_blocks = max_blocks;
-    c->ev_next = 1;
+    /* every stage evicts at the same points of the stream, whatever its physical holds */
+    kn_kv_cache_set_demand_evict(c->cache, false);
     *out = c;
     return 0;
-}
-
-static pf_kvc_ent *find(const pf_kvc *c, uint64_t id)
-{
-    for (pf_kvc_ent *e = c->buckets[id & c->mask]; e; e = e->hnext)
-        if (e->id == id) return e;
-    return NULL;
-}
-
-static void lru_unlink(pf_kvc *c, pf_kvc_ent *e)
-{
-    if (e->prev)
-        e->prev->next = e->next;
-    else
-        c->head = e->next;
-    if (e->next)
-        e->next->prev = e->prev;
-    else
-        c->tail = e->prev;
-    e->prev = e->next = NULL;
-}
-
-static void lru_push(pf_kvc *c, pf_kvc_ent *e) /* most recently used */
-{
-    e->prev = c->tail;
-    e->next = NULL;
-    if (c->tail)
-        c->tail->next = e;
-    else
-        c->head = e;
-    c->tail = e;
-}
-
-static void drop_block(pf_kvc *c, pf_kvc_ent *e)
-{
-    kn_kv_free(c->pool, 1, &e->block);
-    free(e);
-}
-
-/* Take e out of the index; its block goes back to the pool unless a request still uses it. */
-static void detach(pf_kvc *c, pf_kvc_ent *e)
-{
-    pf_kvc_ent **pp = &c->buckets[e->id & c->mask];
-    while (*pp != e)
-        pp = &(*pp)->hnext;
-    *pp = e->hnext;
-    lru_unlink(c, e);
-    e->indexed = false;
-    c->stats.n_indexed--;
-    if (e->users)
-        c->stats.n_detached++;
-    else
-        drop_block(c, e);
 }
 
 void pf_kvc_destroy(pf_kvc *c)
 {
     if (!c) return;
-    pf_kvc_flush(c);
-    free(c->buckets);
+    if (c->indexed) pf_kvc_flush(c);
+    free(c->ref);
+    free(c->prev);
+    free(c->next);
+    free(c->indexed);
+    free(c->detached);
+    free(c->work);
     free(c);
+}
+
+static void lru_unlink(pf_kvc *c, int32_t b)
+{
+    if (c->prev[b] >= 0)
+        c->next[c->prev[b]] = c->next[b];
+    else
+        c->head = c->next[b];
+    if (c->next[b] >= 0)
+        c->prev[c->next[b]] = c->prev[b];
+    else
+        c->tail = c->prev[b];
+}
+
+static void lru_push(pf_kvc *c, int32_t b) /* most recently used */
+{
+    c->prev[b] = c->tail;
+    c->next[b] = -1;
+    if (c->tail >= 0)
+        c->next[c->tail] = b;
+    else
+        c->head = b;
+    c->tail = b;
+}
+
+/* Take b out of the policy's index; the cache forgets it (its block goes back to the pool
+ * unless a request still uses it: then when the last one lets go). */
+static void drop(pf_kvc *c, int32_t b)
+{
+    lru_unlink(c, b);
+    c->indexed[b] = false;
+    c->ref[b] = 0;
+    c->stats.n_indexed--;
+    if (kn_kv_mem_pool(c->mem)->refs[b] > 0) {
+        c->detached[b] = true;
+        c->stats.n_detached++;
+    }
+    kn_kv_cache_forget(c->cache, b);
+}
+
+/* Drop b and every entry that chains after it: an entry is matched only after the very entry
+ * before it (serials are never reused), so b's descendants could never be matched again; they
+ * go at once, each with its REMOVED event, so that the events describe what can be matched.
+ * Returns the entries dropped. */
+static int detach(pf_kvc *c, int32_t b)
+{
+    int n_work = 0, dropped = 0;
+    c->work[n_work++] = b;
+    while (n_work) {
+        int32_t x = c->work[--n_work];
+        uint64_t serial = kn_kv_cache_entry(c->cache, x).serial;
+        drop(c, x);
+        dropped++;
+        for (int32_t y = c->head; y >= 0; y = c->next[y])
+            if (kn_kv_cache_entry(c->cache, y).parent.serial == serial) c->work[n_work++] = y;
+    }
+    return dropped;
+}
+
+/* Whether the entry chain ch ends in is still indexed (the root always is). */
+static bool chain_alive(const pf_kvc *c, const kn_kv_chain *ch)
+{
+    if (ch->serial == kn_kv_cache_root().serial) return true;
+    int32_t b = kn_kv_cache_find(c->cache, ch->id);
+    return b >= 0 && c->indexed[b] && kn_kv_cache_entry(c->cache, b).serial == ch->serial;
+}
+
+/* How many entries the chain ending in entry b holds back to the root (b's depth + 1), or
+ * -1 if it does not reach the root through entries. */
+static int chain_length(const pf_kvc *c, int32_t b)
+{
+    int n = 0;
+    for (; b >= 0 && n <= c->n_blocks; n++) {
+        kn_kv_entry e = kn_kv_cache_entry(c->cache, b);
+        if (e.parent.serial == kn_kv_cache_root().serial)
+            return e.parent.id == TD_BLOCK_HASH_ROOT ? n + 1 : -1;
+        b = kn_kv_cache_find(c->cache, e.parent.id);
+        if (b >= 0 && kn_kv_cache_entry(c->cache, b).serial != e.parent.serial) return -1;
+    }
+    return -1;
 }
 
 int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, uint64_t *last_id)
 {
-    uint64_t id = TD_BLOCK_HASH_ROOT;
-    int k = 0;
-    for (; k < max_blocks && (int64_t)(k + 1) * c->bs <= n; k++) {
-        const int32_t *t = tokens + (size_t)k * (size_t)c->bs;
-        uint64_t nid = td_block_hash(id, t, (size_t)c->bs);
-        const pf_kvc_ent *e = find(c, nid);
-        if (!e || e->parent != id || e->depth != k || e->n_tok != c->bs ||
-            memcmp(e->tokens, t, (size_t)c->bs * sizeof *t))
-            break;
-        id = nid;
-    }
-    *last_id = id;
+    kn_kv_chain ch;
+    int k = kn_kv_cache_probe(c->cache, tokens, n, max_blocks, &ch);
+    *last_id = ch.id;
     return k;
 }
 
 bool pf_kvc_match_tail(const pf_kvc *c, uint64_t parent, int depth, const int32_t *tokens, int n,
                        uint64_t *id)
 {
-    if (n < 1 || n >= c->bs) return false;
-    uint64_t nid = td_block_hash(parent, tokens, (size_t)n);
-    const pf_kvc_ent *e = find(c, nid);
-    if (!e || e->parent != parent || e->depth != depth || e->n_tok != n ||
-        memcmp(e->tokens, tokens, (size_t)n * sizeof *tokens))
+    kn_kv_chain ch = kn_kv_cache_root();
+    if (depth > 0) {
+        int32_t b = kn_kv_cache_find(c->cache, parent);
+        if (b < 0 || chain_length(c, b) != depth) return false;
+        ch = (kn_kv_chain){.id = parent, .serial = kn_kv_cache_entry(c->cache, b).serial};
+    } else if (parent != TD_BLOCK_HASH_ROOT) {
         return false;
-    *id = nid;
-    return true;
+    }
+    return kn_kv_cache_probe_tail(c->cache, &ch, tokens, n, id);
 }
 
-int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_ent **ents,
-                   int32_t *tokens)
+int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, int32_t *tokens)
 {
-    uint64_t id = last_id;
+    if (n < 1) return TD_ENOENT;
+    int32_t b = kn_kv_cache_find(c->cache, last_id);
+    if (b < 0 || chain_length(c, b) != n) return TD_ENOENT;
     for (int i = n - 1; i >= 0; i--) { /* from the leaf back to the root */
-        pf_kvc_ent *e = find(c, id);
-        if (!e || e->depth != i || (i < n - 1 && e->n_tok != c->bs)) return TD_ENOENT;
-        ents[i] = e;
-        id = e->parent;
+        kn_kv_entry e = kn_kv_cache_entry(c->cache, b);
+        if (!c->indexed[b] || (i < n - 1 && e.n_tokens != c->bs)) return TD_ENOENT;
+        blocks[i] = b;
+        if (i) b = kn_kv_cache_find(c->cache, e.parent.id);
     }
-    if (id != TD_BLOCK_HASH_ROOT) return TD_ENOENT;
     for (int i = n - 1; i >= 0; i--) { /* the root ends most recent: evicted last */
-        pf_kvc_ent *e = ents[i];
-        e->ref++;
-        e->users++;
-        lru_unlink(c, e);
-        lru_push(c, e);
-        blocks[i] = e->block;
-        if (tokens) memcpy(tokens + (size_t)i * (size_t)c->bs, e->tokens, (size_t)e->n_tok * 4);
+        int32_t k = blocks[i];
+        kn_kv_entry e = kn_kv_cache_entry(c->cache, k);
+        c->ref[k]++;
+        kn_kv_cache_take(c->cache, k);
+        lru_unlink(c, k);
+        lru_push(c, k);
+        if (tokens)
+            memcpy(tokens + (size_t)i * (size_t)c->bs, e.tokens,
+                   (size_t)e.n_tokens * sizeof *tokens);
     }
     return 0;
 }
 
-void pf_kvc_unref(pf_kvc *c, pf_kvc_ent *const *ents, int n)
+void pf_kvc_unref(pf_kvc *c, const int32_t *blocks, int n)
 {
-    (void)c;
     for (int i = 0; i < n; i++)
-        if (ents[i]->ref > 0) ents[i]->ref--;
+        if (c->indexed[blocks[i]] && c->ref[blocks[i]] > 0) c->ref[blocks[i]]--;
 }
 
-void pf_kvc_unuse(pf_kvc *c, pf_kvc_ent *const *ents, int n)
+void pf_kvc_unuse(pf_kvc *c, const int32_t *blocks, int n)
 {
+    const kn_kv_pool *pool = kn_kv_mem_pool(c->mem);
     for (int i = 0; i < n; i++) {
-        pf_kvc_ent *e = ents[i];
-        if (--e->users > 0 || e->indexed) continue;
-        c->stats.n_detached--;
-        drop_block(c, e);
+        int32_t b = blocks[i];
+        if (c->detached[b] && pool->refs[b] == 1) { /* its last user: back to the pool */
+            c->detached[b] = false;
+            c->stats.n_detached--;
+        }
+        kn_kv_free(c->mem, 1, &b);
     }
 }
 
@@ -220,64 +217,61 @@ void pf_kvc_unuse(pf_kvc *c, pf_kvc_ent *const *ents, int n)
 static bool make_room(pf_kvc *c)
 {
     if (c->stats.n_indexed < c->max_blocks) return true;
-    for (pf_kvc_ent *e = c->head; e; e = e->next)
-        if (!e->ref) {
-            if (e->n_tok == c->bs) log_event(c, PF_KVC_EV_REMOVED, e->id); /* tails: none */
-            detach(c, e);
-            c->stats.evicted++;
+    for (int32_t b = c->head; b >= 0; b = c->next[b])
+        if (!c->ref[b]) {
+            c->stats.evicted += (uint64_t)detach(c, b); /* REMOVED events: the cache's */
             return true;
         }
     return false;
 }
 
+/* Index blocks[i] (the request's, entered by the cache after *ch as nt tokens t): ref 1
+ * while its prompt is inserted (its own blocks are not evicted for it). */
+static bool index_one(pf_kvc *c, kn_kv_chain *ch, const int32_t *t, int nt, int32_t b)
+{
+    /* evicting may take the chain's last entry (a prefix no request holds any more) */
+    if (!make_room(c) || !chain_alive(c, ch) || !kn_kv_cache_insert_n(c->cache, ch, t, nt, b))
+        return false;
+    c->ref[b] = 1;
+    c->indexed[b] = true;
+    lru_push(c, b);
+    c->stats.n_indexed++;
+    c->stats.inserted++;
+    kn_kv_free(c->mem, 1, &b); /* the request's hold becomes the cache's keeping */
+    return true;
+}
+
 int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, int n_tail, const int32_t *blocks,
                   int from)
 {
-    uint64_t id = TD_BLOCK_HASH_ROOT;
-    for (int i = 0; i < from; i++)
-        id = td_block_hash(id, tokens + (size_t)i * (size_t)c->bs, (size_t)c->bs);
+    kn_kv_chain ch;
+    bool linked = kn_kv_cache_probe(c->cache, tokens, (int64_t)from * c->bs, from, &ch) == from;
     if (n_tail < 0 || n_tail >= c->bs) n_tail = 0;
     const int end = n + (n_tail > 0); /* blocks[n]: the tail's */
-    pf_kvc_ent **added = end > from ? malloc((size_t)(end - from) * sizeof *added) : NULL;
+    int32_t *added = end > from ? malloc((size_t)(end - from) * sizeof *added) : NULL;
     int n_added = 0, i = from;
-    for (; added && i < end; i++) {
+    for (; linked && added && i < end; i++) {
         const int nt = i < n ? c->bs : n_tail;
-        const size_t tb = (size_t)nt * sizeof *tokens;
         const int32_t *t = tokens + (size_t)i * (size_t)c->bs;
-        uint64_t nid = td_block_hash(id, t, (size_t)nt);
-        pf_kvc_ent *e = find(c, nid);
-        if (e && (e->parent != id || e->depth != i || e->n_tok != nt || memcmp(e->tokens, t, tb)))
-            break; /* a collision: keep the older block, insert nothing after it */
-        if (e) {   /* another request inserted the same block meanwhile */
-            kn_kv_free(c->pool, 1, &blocks[i]);
-            id = nid;
+        uint64_t nid = td_block_hash(ch.id, t, (size_t)nt);
+        int32_t e = kn_kv_cache_find(c->cache, nid);
+        if (e >= 0) {
+            kn_kv_entry en = kn_kv_cache_entry(c->cache, e);
+            if (en.parent.serial != ch.serial || en.n_tokens != nt ||
+                memcmp(en.tokens, t, (size_t)nt * sizeof *t))
+                break; /* a collision: keep the older block, insert nothing after it */
+            kn_kv_free(c->mem, 1, &blocks[i]); /* another request inserted it meanwhile */
+            ch = (kn_kv_chain){.id = nid, .serial = en.serial};
             continue;
         }
-        if (!make_room(c)) break;
-        e = malloc(sizeof *e + tb);
-        if (!e) break;
-        /* ref 1 while this prompt is inserted: its own blocks are not evicted for it */
-        *e = (pf_kvc_ent){.id = nid,
-                          .parent = id,
-                          .block = blocks[i],
-                          .depth = i,
-                          .n_tok = nt,
-                          .ref = 1,
-                          .indexed = true};
-        memcpy(e->tokens, t, tb);
-        e->hnext = c->buckets[nid & c->mask];
-        c->buckets[nid & c->mask] = e;
-        lru_push(c, e);
-        c->stats.n_indexed++;
-        c->stats.inserted++;
-        if (nt == c->bs) log_event(c, PF_KVC_EV_STORED, nid); /* the router knows whole blocks */
-        added[n_added++] = e;
-        id = nid;
+        if (!index_one(c, &ch, t, nt, blocks[i])) break;
+        added[n_added++] = blocks[i];
     }
-    if (i < end) kn_kv_free(c->pool, end - i, blocks + i);
+    if (i < end) kn_kv_free(c->mem, end - i, blocks + i);
     /* parents more recent than their children: a prefix outlives its extensions */
     for (int k = n_added - 1; k >= 0; k--) {
-        added[k]->ref = 0;
+        if (!c->indexed[added[k]]) continue; /* dropped with an evicted prefix meanwhile */
+        c->ref[added[k]] = 0;
         lru_unlink(c, added[k]);
         lru_push(c, added[k]);
     }
@@ -287,14 +281,43 @@ int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, int n_tail, const int
 
 void pf_kvc_flush(pf_kvc *c)
 {
-    while (c->head) {
+    const kn_kv_pool *pool = kn_kv_mem_pool(c->mem);
+    for (int32_t b = c->head; b >= 0; b = c->next[b]) {
+        c->indexed[b] = false;
+        c->ref[b] = 0;
         c->stats.flushed++;
-        detach(c, c->head);
+        if (pool->refs[b] > 0) {
+            c->detached[b] = true;
+            c->stats.n_detached++;
+        }
     }
-    log_event(c, PF_KVC_EV_CLEARED, 0); /* what follows describes the cache whole */
+    c->head = c->tail = -1;
+    c->stats.n_indexed = 0;
+    kn_kv_cache_clear(c->cache); /* one CLEARED event: what follows describes the cache whole */
 }
 
 void pf_kvc_get_stats(const pf_kvc *c, pf_kvc_stats *out)
 {
     *out = c->stats;
+}
+
+uint64_t pf_kvc_event_next(const pf_kvc *c)
+{
+    return kn_kv_cache_event_next(c->cache);
+}
+
+int pf_kvc_events(const pf_kvc *c, int max, uint8_t *kind, uint64_t *ids, int *n_ids,
+                  uint64_t *first)
+{
+    uint64_t next = kn_kv_cache_event_next(c->cache), want = max < 0 ? 0 : (uint64_t)max;
+    if (want > PF_KVC_EVENT_LOG) want = PF_KVC_EVENT_LOG;
+    if (want > next - 1) want = next - 1;
+    kn_kv_event ev[PF_KVC_EVENT_LOG];
+    int n = kn_kv_cache_events(c->cache, next - want, ev, (int)want, first);
+    *n_ids = 0;
+    for (int k = 0; k < n; k++) {
+        kind[k] = ev[k].kind;
+        if (kind[k] != KN_KV_EV_CLEARED) ids[(*n_ids)++] = ev[k].id;
+    }
+    return n;
 }

@@ -1,5 +1,11 @@
 /* pf_kvcache.h: a prefill stage's prefix cache: whole KV blocks of recent prompts, for the
  * stage's layers, in the stage's own KV pool (pf_shard: cache_blocks on top of kv_tokens).
+ * It is a policy over the KV memory's block cache (kvmem/kv_cache.h, the decode side's too),
+ * which holds the index, the tokens, the chains (serials: a block is matched only after the
+ * very entry before it) and the KV events; this file adds what a pipeline of stages needs:
+ * stream references, its own LRU and block budget, eviction decided here (the allocator's
+ * eviction is turned off), and acquisition by a chain's last id (a stage past the first has
+ * no prompt tokens: it gets them from the cache).
  *
  * Purpose: a request whose prompt starts with a cached prefix takes those blocks instead of
  * computing them (and pushes them to the decode ranks from here). A block is identified by
@@ -9,19 +15,21 @@
  * 2 .. block_size - 1 tokens): a request whose whole prompt is here copies its last block,
  * whole or tail, and computes only its last token (pf_stage.c open_blocks). A tail is a
  * leaf: nothing chains after it, no KV event names it (the router indexes whole blocks).
- * Interface (kept close to the decode side's block cache): match (how many leading blocks of
- * a prompt are here), acquire / unref / unuse (a request's hold), insert (a finished
- * request's blocks), LRU eviction of unreferenced blocks under max_blocks, flush.
+ * Interface: match (how many leading blocks of a prompt are here), acquire / unref / unuse
+ * (a request's hold), insert (a finished request's blocks), LRU eviction of unreferenced
+ * blocks under max_blocks, flush.
  *
  * Two counts per block. `ref` is the *stream* reference: taken when a request opens with the
  * block and dropped when stage 0's RELEASE of that request is processed; only blocks with
  * ref 0 may be evicted. Every stage applies acquire / unref / insert / evict at the same
  * points of the ordered stage stream (pf_wire.h), so the indexes of all stages of an
  * instance stay identical and stage 0 can decide for all of them. `users` is the physical
- * hold (a request whose connector may still read the block): an evicted or flushed block
- * leaves the index at once but goes back to the pool only when its last user drops it.
- * Ownership: the cache owns the pool blocks it indexes or keeps for users; the pool is
- * borrowed (outlives the cache). Threading: the stage's main thread only.
+ * hold (a request whose connector may still read the block): the pool's reference count. An
+ * evicted or flushed block leaves the index at once but goes back to the pool only when its
+ * last user drops it.
+ * Ownership: the cache keeps the pool blocks it indexes; the KV memory is borrowed (outlives
+ * the policy; pf_kvc_create adds its block cache if it has none). Threading: the stage's main
+ * thread only.
  */
 #ifndef PF_KVCACHE_H
 #define PF_KVCACHE_H
@@ -29,10 +37,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "kv_pool.h"
+#include "kv_mem.h"
 
 typedef struct pf_kvc pf_kvc;
-typedef struct pf_kvc_ent pf_kvc_ent;
 
 typedef struct {
     uint64_t inserted;         /* blocks inserted */
@@ -41,8 +48,8 @@ typedef struct {
     int n_indexed, n_detached; /* blocks in the index / out of it but still used */
 } pf_kvc_stats;
 
-/* max_blocks >= 1 blocks of pool->block_size tokens. TD_EINVAL, TD_ENOMEM. */
-int pf_kvc_create(kn_kv_pool *pool, int max_blocks, pf_kvc **out);
+/* max_blocks >= 1 blocks of the pool's block_size tokens. TD_EINVAL, TD_ENOMEM. */
+int pf_kvc_create(kn_kv_mem *mem, int max_blocks, pf_kvc **out);
 /* Returns every block to the pool; no request may hold one any more. NULL is fine. */
 void pf_kvc_destroy(pf_kvc *c);
 
@@ -53,15 +60,14 @@ int pf_kvc_match(const pf_kvc *c, const int32_t *tokens, int n, int max_blocks, 
  * block_size, are a cached tail; *id gets its id (an acquire's last_id). No state change. */
 bool pf_kvc_match_tail(const pf_kvc *c, uint64_t parent, int depth, const int32_t *tokens, int n,
                        uint64_t *id);
-/* Take the n blocks of the chain ending in last_id (a tail, or a whole block) (n blocks back to the
- * root): ref and users
- * + 1, most recently used. blocks (n) gets their pool ids, ents (n) the handles, tokens
- * (n * block_size, or NULL) their tokens (a tail's n_tail of the last). TD_ENOENT (nothing taken)
- * if the index does not hold exactly that chain. */
-int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, pf_kvc_ent **ents,
-                   int32_t *tokens);
-void pf_kvc_unref(pf_kvc *c, pf_kvc_ent *const *ents, int n); /* stream ref - 1 */
-void pf_kvc_unuse(pf_kvc *c, pf_kvc_ent *const *ents, int n); /* users - 1 */
+/* Take the n blocks of the chain ending in last_id (a tail, or a whole block) (n blocks back
+ * to the root): ref and users + 1, most recently used. blocks (n) gets their pool ids (the
+ * handles unref and unuse take), tokens (n * block_size, or NULL) their tokens (a tail's
+ * n_tail of the last). TD_ENOENT (nothing taken) if the index does not hold exactly that
+ * chain. */
+int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, int32_t *tokens);
+void pf_kvc_unref(pf_kvc *c, const int32_t *blocks, int n); /* stream ref - 1 */
+void pf_kvc_unuse(pf_kvc *c, const int32_t *blocks, int n); /* users - 1 */
 /* Insert blocks[from..n) of a prompt and, with n_tail in 1 .. block_size - 1, its tail
  * blocks[n] (tokens: n * block_size + n_tail ids; blocks[i] holds tokens [i bs, (i + 1) bs),
  * blocks before `from` are already the cache's). Ownership of every one of blocks[from..end)
@@ -75,15 +81,19 @@ int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, int n_tail, const int
 void pf_kvc_flush(pf_kvc *c);
 void pf_kvc_get_stats(const pf_kvc *c, pf_kvc_stats *out);
 
-/* ---- KV events (docs/prefix-cache.md, "KV events"; the decode side's kv_cache.h) ----
+/* ---- KV events (docs/prefix-cache.md, "KV events"): the block cache's (kv_cache.h) ----
  * The cache logs what enters and leaves its index in a ring of the latest
  * PF_KVC_EVENT_LOG events, numbered from 1 per cache: STORED (a block was inserted),
  * REMOVED (evicted by LRU), CLEARED (pf_kvc_flush emptied it: a new stage chain). The kinds
  * and numbering are the decode side's (kn_kv_event_kind), so the router reads both alike.
  * Stage 0's cache describes its instance: every stage applies the same decisions. */
-#define PF_KVC_EVENT_LOG 512
+#define PF_KVC_EVENT_LOG KN_KV_EVENT_LOG_DEFAULT
 
-enum { PF_KVC_EV_STORED = 1, PF_KVC_EV_REMOVED = 2, PF_KVC_EV_CLEARED = 3 };
+enum {
+    PF_KVC_EV_STORED = KN_KV_EV_STORED,
+    PF_KVC_EV_REMOVED = KN_KV_EV_REMOVED,
+    PF_KVC_EV_CLEARED = KN_KV_EV_CLEARED
+};
 
 /* The seq the next event will get (1 + events logged so far). */
 uint64_t pf_kvc_event_next(const pf_kvc *c);

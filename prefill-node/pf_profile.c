@@ -171,7 +171,7 @@ int pf_profile_stage(pf_shard *sh, const pf_profile_params *p_in, pf_profile_res
     double t0 = now_ms();
     if (stop_seen(p))
         out->stopped = true;
-    else if (!(rc = kn_kv_seq_reserve(sh->kv, &seq, hi)))
+    else if (!(rc = kn_kv_seq_reserve(sh->mem, &seq, hi)))
         rc = forward(sh, &io, &seq, 0, hi); /* warm-up: weights paged in, scratch sized */
     for (int rep = 0; rep < reps && !rc && !out->budget_hit && !out->stopped; rep++) {
         for (int k = 0; k < nl && !rc; k++) {
@@ -191,7 +191,7 @@ int pf_profile_stage(pf_shard *sh, const pf_profile_params *p_in, pf_profile_res
         }
     }
     out->elapsed_ms = now_ms() - t0;
-    kn_kv_seq_fini(sh->kv, &seq);
+    kn_kv_seq_fini(sh->mem, &seq);
     io_free(&io);
     if (rc) {
         TD_LOG_ERR("profile: forward failed: %s", td_strerror(rc));
@@ -238,12 +238,12 @@ int pf_profile_run_plan(pf_shard *sh, const int32_t *chunks, int64_t n, uint64_t
     for (int64_t k = 0; k < n && !rc; k++) {
         double s = now_ms();
         /* block reservation is part of a chunk's real cost, and cheap */
-        if (!(rc = kn_kv_seq_reserve(sh->kv, &seq, done + chunks[k])))
+        if (!(rc = kn_kv_seq_reserve(sh->mem, &seq, done + chunks[k])))
             rc = forward(sh, &io, &seq, done, chunks[k]);
         ms[k] = now_ms() - s;
         done += chunks[k];
     }
-    kn_kv_seq_fini(sh->kv, &seq);
+    kn_kv_seq_fini(sh->mem, &seq);
     io_free(&io);
     return rc;
 }

@@ -75,7 +75,8 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
         kp.n_slices = p->n_slices;
         memcpy(kp.slice_heads, p->slice_heads, sizeof kp.slice_heads);
     }
-    if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
+    if ((rc = kn_kv_mem_create(&kp, &s->mem))) goto fail;
+    s->kv = kn_kv_mem_pool(s->mem);
     return 0;
 fail:
     pf_shard_close(s);
@@ -84,7 +85,7 @@ fail:
 
 void pf_shard_close(pf_shard *s)
 {
-    kn_kv_pool_destroy(s->kv);
+    kn_kv_mem_destroy(s->mem);
     kn_runtime_close(&s->rt);
     memset(s, 0, sizeof *s);
 }

@@ -19,13 +19,15 @@
 
 #include "gguf.h"
 #include "kn_runtime.h"
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "td_dtype.h"
 
 typedef struct {
     kn_runtime rt; /* file, model (layers [l0, l1)), backend, engine */
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;   /* the stage's KV memory: blocks are allocated through it */
+    kn_kv_pool *kv;   /* its pool (stable for the shard's life): the layout the engine and
+                         kvxfer address */
     int l0, l1;       /* the stage's layer range */
     int ctx;          /* tokens of KV the pool holds for one sequence */
     int cache_blocks; /* blocks on top of ctx for the prefix cache (the same on every stage) */

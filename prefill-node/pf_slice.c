@@ -1,4 +1,4 @@
-/* pf_slice.c: how a prefill stage slices its KV pool's heads (kernels/kv_pool.h) for the
+/* pf_slice.c: how a prefill stage slices its KV pool's heads (kvmem/kv_pool.h) for the
  * decode instances it pushes to: the router may pair a prefill instance with any decode
  * instance of the cluster, so the cut is kvx_layout_slice's over the KV head range of every
  * rank of every decode instance (common/td_tp.h): each rank's heads are then a union of

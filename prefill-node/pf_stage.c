@@ -99,7 +99,7 @@ int pf_stage_setup(pf_stage *st)
     if (!rc) rc = pf_shard_open(&st->shard, &sp);
     if (rc) return rc;
     if (st->shard.cache_blocks > 0 &&
-        (rc = pf_kvc_create(st->shard.kv, st->shard.cache_blocks, &st->kvc)))
+        (rc = pf_kvc_create(st->shard.mem, st->shard.cache_blocks, &st->kvc)))
         return rc;
     const kn_model *m = st->shard.rt.model;
     st->first = m->first;

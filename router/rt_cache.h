@@ -12,7 +12,7 @@
  * the node would; blocks of one prompt are touched from the last to the first, so a
  * prefix outlives its extensions (leaves go first, as in a radix tree).
  * KV events: a decode node reports which blocks its cache stored and removed
- * (Health.kv_event_*, kernels/kv_cache.h; vLLM's BlockStored / BlockRemoved, Dynamo's);
+ * (Health.kv_event_*, kvmem/kv_cache.h; vLLM's BlockStored / BlockRemoved, Dynamo's);
  * rt_cidx_events applies them. While the router has seen every event of the node's
  * process from the first on, the index is *exact*: it holds what the node's pool holds
  * and routing adds no block (rt_cidx_insert only notes which block follows which in the

@@ -15,6 +15,9 @@ Rules (docs/contributing.md explains each one and how to fix a violation):
   type-prefix        every type defined in a header carries its module's prefix (PREFIXES)
   include-cycle      no cycle between a module's files through quoted #includes, other than
                      through its own private header (*_int.h, *_internal.h)
+  layer-order        a module includes headers of its own layer's modules or lower ones only
+                     (LAYERS: common below the backend contract below kvmem below the
+                     kernels, and so on up to tools); a module not in LAYERS is not checked
 
 A module is a top-level directory. tests/ is left out of every rule, and generated code
 (*.pb-c.c, files that say "generated ... do not edit" at the top) of the length rules.
@@ -48,6 +51,8 @@ CLOCK_HOME = "common/td_clock.c"  # the designated place; the second one is free
 # Type-name prefixes allowed in each module's headers (from what each module uses).
 PREFIXES = {
     "common": ("td_",),
+    "backend": ("kn_",),
+    "kvmem": ("kn_",),
     "kernels": ("kn_",),
     "kvxfer": ("kvx_", "kvxi_"),
     "decode-node": ("dc_",),
@@ -57,6 +62,19 @@ PREFIXES = {
     "grammar": ("gr_",),
     "planner": ("pl_",),
 }
+
+# The modules from the bottom up: a module may include headers of modules in its own layer
+# or below, never above (docs/architecture.md, "Layers"). Modules of one layer do not
+# include each other today; the rule allows it.
+LAYERS = (
+    ("common", "proto"),
+    ("backend",),  # the device-backend contract, a header
+    ("kvmem",),  # the KV memory: pool, tier, cache, kv_mem
+    ("kernels", "grammar", "kvxfer"),
+    ("decode-node", "prefill-node", "router"),
+    ("planner",),
+    ("tools",),
+)
 
 # Exported names every program defines once (one per binary, so several modules have one).
 PER_PROGRAM = {"main"}
@@ -745,9 +763,34 @@ def check_includes(files):
     return out
 
 
+def check_layers(files):
+    """layer-order: every quoted #include that resolves to a header of another module must go
+    to a module of the same layer or a lower one."""
+    layer = {m: i for i, mods in enumerate(LAYERS) for m in mods}
+    home = defaultdict(set)  # header basename -> modules that have it
+    for f in files:
+        if f.is_header:
+            home[os.path.basename(f.rel)].add(f.module)
+    out = []
+    for f in files:
+        if f.module not in layer:
+            continue
+        for m in INCLUDE.finditer(f.nocomment):
+            owners = home.get(os.path.basename(m.group(1)), set())
+            if f.module in owners:
+                continue
+            for o in sorted(owners):
+                if o in layer and layer[o] > layer[f.module]:
+                    line = f.nocomment.count("\n", 0, m.start()) + 1
+                    out.append(Violation(f.rel, line, "layer-order",
+                                         "%s (layer %d) includes %s of %s (layer %d, above it)"
+                                         % (f.module, layer[f.module], m.group(1), o, layer[o])))
+    return out
+
+
 def check(files, max_fn=MAX_FUNCTION_LINES, max_file=MAX_FILE_LINES, max_clock=MAX_CLOCK_PLACES):
     v = (check_lengths(files, max_fn, max_file) + check_clock(files, max_clock)
-         + check_names(files) + check_includes(files))
+         + check_names(files) + check_includes(files) + check_layers(files))
     return sorted(v, key=lambda x: (x.path, x.line, x.rule, x.reason))
 
 
@@ -772,7 +815,7 @@ SELF_TEST_LIMITS = dict(max_fn=20, max_file=60, max_clock=2)
 # reported, never a failure (issue 40: a file-size limit made files split by line count)
 REPORT_ONLY = ("file-length",)
 RULES = ("function-length", "file-length", "monotonic-clock", "duplicate-function",
-         "static-clash", "duplicate-type", "type-prefix", "include-cycle")
+         "static-clash", "duplicate-type", "type-prefix", "include-cycle", "layer-order")
 
 
 def self_test(root):

@@ -10,6 +10,11 @@ add_executable(test_kv_cache ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_cache.c
 target_link_libraries(test_kv_cache PRIVATE td_kernels td_common)
 add_test(NAME kv_cache COMMAND test_kv_cache)
 
+# the KV memory facade (kvmem/kv_mem.h): blocks, sequences, rollback, renewing the pool
+add_executable(test_kv_mem ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_mem.c)
+target_link_libraries(test_kv_mem PRIVATE td_kvmem td_common)
+add_test(NAME kv_mem COMMAND test_kv_mem)
+
 add_executable(test_kv_tier ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_kv_tier.c)
 target_link_libraries(test_kv_tier PRIVATE td_kernels td_common)
 add_test(NAME kv_tier COMMAND test_kv_tier)

@@ -15,7 +15,7 @@
 
 #include "gguf.h"
 #include "kn_runtime.h"
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "tokenizer.h"
 
@@ -31,7 +31,8 @@ typedef struct {
 
 typedef struct {
     kn_runtime rt; /* file, model, backend, engine */
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;    /* the session's KV memory: blocks come from it */
+    kn_kv_pool *kv;    /* its pool (stable): the layout the engine addresses */
     td_tokenizer *tok; /* NULL when not needed and absent */
     int ctx;
 } cli_session;

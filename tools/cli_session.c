@@ -32,7 +32,8 @@ int cli_session_open(cli_session *s, const cli_session_params *p)
     int n_blocks = (s->ctx + bs - 1) / bs;
     kn_kv_pool_params kp = kn_model_kv_params(s->rt.model, n_blocks, bs, p->kv_type);
     kp.backend = &s->rt.be;
-    if ((rc = kn_kv_pool_create(&kp, &s->kv))) goto fail;
+    if ((rc = kn_kv_mem_create(&kp, &s->mem))) goto fail;
+    s->kv = kn_kv_mem_pool(s->mem);
     return 0;
 fail:
     cli_session_close(s);
@@ -41,7 +42,7 @@ fail:
 
 void cli_session_close(cli_session *s)
 {
-    kn_kv_pool_destroy(s->kv);
+    kn_kv_mem_destroy(s->mem);
     if (s->tok) td_tok_destroy(s->tok);
     kn_runtime_close(&s->rt);
     memset(s, 0, sizeof *s);
@@ -62,7 +63,7 @@ int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, i
     for (int64_t done = 0; done < n && !rc;) {
         int64_t len = n - done < chunk ? n - done : chunk;
         int64_t end = start_pos + done + len;
-        if ((rc = kn_kv_seq_reserve(s->kv, seq, end))) break;
+        if ((rc = kn_kv_seq_reserve(s->mem, seq, end))) break;
         for (int64_t i = 0; i < len; i++)
             pos[i] = (int32_t)(start_pos + done + i);
         kn_seq_view view = {.block_table = seq->blocks, .n_ctx = (int32_t)end};

@@ -55,7 +55,7 @@ static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, dou
     double t0 = now_s();
     for (int step = 0; step < n_steps && !rc; step++) {
         for (int i = 0; i < n_seq && !rc; i++) {
-            rc = kn_kv_seq_reserve(s->kv, &seqs[i], step + 1);
+            rc = kn_kv_seq_reserve(s->mem, &seqs[i], step + 1);
             views[i] = (kn_seq_view){.block_table = seqs[i].blocks, .n_ctx = step + 1};
             pos[i] = step;
         }
@@ -82,7 +82,7 @@ static int run_decode(cli_session *s, int n_seq, int n_steps, float *logits, dou
     }
     *secs = now_s() - t0;
     for (int i = 0; i < n_seq && seqs; i++)
-        kn_kv_seq_fini(s->kv, &seqs[i]);
+        kn_kv_seq_fini(s->mem, &seqs[i]);
     free(seqs);
     free(views);
     free(tok);
@@ -102,7 +102,7 @@ static int run_prefill(cli_session *s, int n, float *logits, double *secs)
     double t0 = now_s();
     int rc = cli_prefill(s, &seq, ids, n, 0, n, logits);
     *secs = now_s() - t0;
-    kn_kv_seq_fini(s->kv, &seq);
+    kn_kv_seq_fini(s->mem, &seq);
     free(ids);
     return rc;
 }

@@ -288,7 +288,7 @@ int cmd_generate(int argc, char **argv)
 out:
     if (detok) td_detok_fini(&dt);
     kn_sampler_fini(&smp);
-    kn_kv_seq_fini(s.kv, &seq);
+    kn_kv_seq_fini(s.mem, &seq);
     free(ids);
     free(hist);
     free(logits);

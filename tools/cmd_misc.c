@@ -79,7 +79,7 @@ int cmd_logits(int argc, char **argv)
         rc = write_f32(out, logits, (size_t)s.rt.model->hp.n_vocab);
     free(logits);
     free(ids);
-    kn_kv_seq_fini(s.kv, &seq);
+    kn_kv_seq_fini(s.mem, &seq);
     cli_session_close(&s);
     return rc;
 }

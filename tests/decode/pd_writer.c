@@ -23,7 +23,7 @@
 
 #include "cpu_backend.h"
 #include "gguf.h"
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "kvx_conn.h"
 #include "model.h"
 #include "pd_util.h"
@@ -142,7 +142,7 @@ int main(int argc, char **argv)
     kn_model *m;
     kn_cpu *cpu;
     kn_engine *e;
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     if (td_gguf_open(o.model, &g, err, sizeof err)) {
         fprintf(stderr, "pd_writer: %s\n", err);
         return 1;
@@ -154,10 +154,11 @@ int main(int argc, char **argv)
         kn_engine_create(m, kn_cpu_backend(cpu), NULL, &e))
         return 1;
     kn_kv_pool_params kp = kn_model_kv_params(m, nb + 1, o.block_size, kt);
-    if (kn_kv_pool_create(&kp, &kv)) return 1;
+    if (kn_kv_mem_create(&kp, &mem)) return 1;
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
-    if (kn_kv_seq_reserve(kv, &seq, n_prompt)) return 1;
+    if (kn_kv_seq_reserve(mem, &seq, n_prompt)) return 1;
 
     /* one connector per stage, each the source of its layer range of our pool */
     int L = m->hp.n_layer, half = L / 2;
@@ -266,8 +267,8 @@ int main(int argc, char **argv)
     free(pos);
     free(seq_of);
     free(ids);
-    kn_kv_seq_fini(kv, &seq);
-    kn_kv_pool_destroy(kv);
+    kn_kv_seq_fini(mem, &seq);
+    kn_kv_mem_destroy(mem);
     kn_engine_destroy(e);
     kn_cpu_destroy(cpu);
     kn_model_destroy(m);

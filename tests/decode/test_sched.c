@@ -101,12 +101,14 @@ static int run(const int *which, int n_which, int n_blocks, int step_tokens, out
                dc_sched_stats *stats)
 {
     memset(o, 0, sizeof *o);
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, n_blocks, 16, TD_F32);
-    if (kn_kv_pool_create(&kp, &kv)) return -1;
+    if (kn_kv_mem_create(&kp, &mem)) return -1;
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     dc_sched *s;
     dc_sched_params sp = {.max_running = 16, .step_tokens = step_tokens, .prefix_cache = pc_on};
-    if (dc_sched_create(&sp, model, kv, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s)) return -1;
+    if (dc_sched_create(&sp, model, mem, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s))
+        return -1;
     int steps = 0;
     for (int i = 0; i < n_which; i++) {
         dc_request_params p = params_of(which[i]);
@@ -115,10 +117,10 @@ static int run(const int *which, int n_which, int n_blocks, int step_tokens, out
     }
     steps += drive(s, kv, 100000, logits_buf);
     if (stats) *stats = dc_sched_get_stats(s);
-    int leaked = kv->n_blocks - kn_kv_available(kv); /* idle cached blocks are not leaks */
+    int leaked = kv->n_blocks - kn_kv_available(mem); /* idle cached blocks are not leaks */
     dc_sched_destroy(s);
     TH_CHECKF(leaked == 0, "%d blocks still in use after all requests finished", leaked);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
     return steps;
 }
 
@@ -180,14 +182,15 @@ static void test_pool_pressure(void)
 
 static void test_refuse_and_cancel(void)
 {
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, 8, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     outputs o;
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {.step_tokens = 64};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     dc_request_params big = params_of(0);
     big.max_tokens = 8 * 16; /* prompt + this > 8 blocks */
@@ -214,20 +217,21 @@ static void test_refuse_and_cancel(void)
     TH_CHECK(kv->n_free == kv->n_blocks);
     TH_CHECK(dc_sched_idle(s));
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 static void test_stop_ids(void)
 {
     /* stop on the first token request 3 generates alone: nothing is emitted, finish STOP */
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     outputs o;
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {0};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     dc_request_params p = params_of(3);
     int32_t stop = alone.ids[3][2];
@@ -238,19 +242,20 @@ static void test_stop_ids(void)
     TH_CHECK(o.finish[3] == DC_FINISH_STOP);
     TH_CHECK(o.n[3] <= 2 && !memcmp(o.ids[3], alone.ids[3], sizeof(int32_t) * o.n[3]));
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 static void test_plan_round_trip(void)
 {
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     outputs o;
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {.step_tokens = 40};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     for (int i = 0; i < 4; i++) {
         dc_request_params p = params_of(i);
@@ -314,7 +319,7 @@ static void test_plan_round_trip(void)
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
     dc_plan_view_fini(&v);
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 /* A step that mixes a decode row with a prefill chunk past the gemm threshold (77 rows):
@@ -322,14 +327,15 @@ static void test_plan_round_trip(void)
  * row run alone; bad solo counts and misplaced solo logit rows are refused. */
 static void test_solo_rows(void)
 {
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     outputs o;
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {.max_running = 16, .step_tokens = 100};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     dc_request_params p0 = params_of(0), p2 = params_of(2);
     TH_REQUIRE(specs[2].n_prompt >= 64 && specs[2].n_prompt < 100 && specs[0].max_tokens > 2);
@@ -376,7 +382,7 @@ static void test_solo_rows(void)
     /* deterministic: the prefill rows are solo rows too */
     memset(&o, 0, sizeof o);
     sp.deterministic = true;
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     TH_REQUIRE(dc_sched_submit(s, &p0) == 0);
     TH_REQUIRE(drive(s, kv, 1, logits_buf) == 1);
@@ -390,7 +396,7 @@ static void test_solo_rows(void)
     free(mixed);
     free(solo);
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 /* What a prefill instance does for request i: compute the prompt's KV from position `from`
@@ -444,14 +450,15 @@ static int one_step(dc_sched *s, kn_kv_pool *kv)
 /* Every request arrives by transfer, one after the other while the others decode. */
 static void transfer_all(int n_blocks, const char *what)
 {
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, n_blocks, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     outputs o;
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {.max_running = 16, .step_tokens = 48};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     for (int i = 0; i < N_REQ; i++) {
         dc_request_params p = params_of(i);
@@ -480,7 +487,7 @@ static void transfer_all(int n_blocks, const char *what)
     TH_CHECKF(kv->n_free == kv->n_blocks, "%s: %d blocks still in use", what,
               kv->n_blocks - kv->n_free);
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 static void test_transfer_equals_colocated(void)
@@ -491,14 +498,15 @@ static void test_transfer_equals_colocated(void)
 
 static void test_transfer_edges(void)
 {
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, 16, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     outputs o;
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {0};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     const int32_t *blocks;
     int nb;
@@ -538,11 +546,13 @@ static void test_transfer_edges(void)
     TH_CHECK(dc_sched_transfer_end(s, 20, DC_FINISH_ERROR) == 0 && o.finish[20] == DC_FINISH_ERROR);
     TH_CHECK(kv->n_free == 16 - 3 * (held - 1));
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+
+    kv = kn_kv_mem_pool(mem);
     memset(&o, 0, sizeof o);
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     p = params_of(5);
     p.max_tokens = 1;
@@ -568,7 +578,7 @@ static void test_transfer_edges(void)
     dc_sched_fail_all(s);
     TH_CHECK(o.finish[8] == DC_FINISH_ERROR && kv->n_free == kv->n_blocks && dc_sched_idle(s));
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 /* Prefix cache: the 2nd turn of a conversation (turn 1's prompt + its answer + more) run
@@ -644,13 +654,14 @@ static void test_transfer_prefix(void)
     outputs cold, o;
     int i2 = T;
     run(&i2, 1, 256, 64, &cold, NULL);
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     memset(&o, 0, sizeof o);
     dc_sched *s;
     dc_sched_params sp = {.max_running = 16, .step_tokens = 64, .prefix_cache = true};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     const int32_t *blocks;
     int nb;
@@ -679,16 +690,16 @@ static void test_transfer_prefix(void)
     int32_t shared0 = blocks[0];
     TH_CHECK(kv->refs[shared0] == 1 && dc_sched_cancel(s, T + 1) == 0);
     TH_CHECK(dc_sched_transfer_end(s, T + 1, DC_FINISH_CANCELLED) == 0);
-    TH_CHECK(kv->refs[shared0] == 0 && kn_kv_available(kv) == kv->n_blocks);
+    TH_CHECK(kv->refs[shared0] == 0 && kn_kv_available(mem) == kv->n_blocks);
     /* prompt logprobs: nothing shared */
     p.sampling.prompt_logprobs = true;
     p.sampling.logprobs = 1;
     TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0 && nc == 0);
     TH_CHECK(dc_sched_transfer_end(s, T + 1, DC_FINISH_CANCELLED) == 0);
     TH_CHECK(dc_sched_get_stats(s).prefix_hits >= (uint64_t)whole);
-    TH_CHECK(kn_kv_available(kv) == kv->n_blocks && dc_sched_idle(s));
+    TH_CHECK(kn_kv_available(mem) == kv->n_blocks && dc_sched_idle(s));
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 /* The second tier at Alloc (disaggregated mode): turn 1 arrives by transfer and decodes,
@@ -704,17 +715,18 @@ static void test_transfer_tier(void)
     run(&i2, 1, 256, 64, &cold, NULL);
     int whole = 0;
     for (int with_tier = 1; with_tier >= 0; with_tier--) {
-        kn_kv_pool *kv;
+        kn_kv_mem *mem;
         kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F32);
-        TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+        TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+        kn_kv_pool *kv = kn_kv_mem_pool(mem);
         outputs o;
         memset(&o, 0, sizeof o);
         dc_sched *s;
         dc_sched_params sp = {.max_running = 16, .step_tokens = 64, .prefix_cache = true};
         if (with_tier)
             sp.tier = (kn_kv_tier_params){.bytes = 4096 + 64 * kn_kv_tier_block_bytes(kv)};
-        TH_REQUIRE(
-            dc_sched_create(&sp, model, kv, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) == 0);
+        TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens},
+                                   &s) == 0);
         const int32_t *blocks;
         int nb;
         int32_t nc;
@@ -725,13 +737,13 @@ static void test_transfer_tier(void)
         drive(s, kv, 100000, logits_buf);
         if (with_tier) whole = (specs[K].n_prompt + o.n[K] - 1) / 16 * 16;
         /* another user takes the whole pool: the cached blocks leave it */
-        int n_all = kn_kv_available(kv);
+        int n_all = kn_kv_available(mem);
         int32_t *all = malloc((size_t)n_all * sizeof *all);
-        TH_REQUIRE(all && kn_kv_alloc(kv, n_all, all) == 0);
-        TH_CHECK(kn_kv_cache_get_stats(kv->cache).cached == 0);
+        TH_REQUIRE(all && kn_kv_alloc(mem, n_all, all) == 0);
+        TH_CHECK(kn_kv_cache_get_stats(kn_kv_mem_cache(mem)).cached == 0);
         for (int i = 0; i < n_all; i++) /* scribble: only the tier still holds turn 1's KV */
             memset((char *)kv->k[0] + (size_t)all[i] * kv->block_bytes, 0x7f, kv->block_bytes);
-        kn_kv_free(kv, n_all, all);
+        kn_kv_free(mem, n_all, all);
         free(all);
         p = params_of(T);
         TH_REQUIRE(dc_sched_submit_transfer(s, &p, &blocks, &nb, &nc) == 0);
@@ -750,9 +762,9 @@ static void test_transfer_tier(void)
                       "turn 2 with %d positions from the tier differs from cold", nc);
             TH_CHECK(o.cached[T] == nc);
         }
-        TH_CHECK(kn_kv_available(kv) == kv->n_blocks && dc_sched_idle(s));
+        TH_CHECK(kn_kv_available(mem) == kv->n_blocks && dc_sched_idle(s));
         dc_sched_destroy(s);
-        kn_kv_pool_destroy(kv);
+        kn_kv_mem_destroy(mem);
     }
 }
 
@@ -777,12 +789,13 @@ static void run_itl(double target, outputs *o, itl_result *res)
     memset(o, 0, sizeof *o);
     *res = (itl_result){.min_pf = 1 << 30};
     static int32_t prompts[5][190];
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params kp = kn_model_kv_params(model, 256, 16, TD_F32);
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     dc_sched *s;
     dc_sched_params sp = {.max_running = 16, .step_tokens = 512, .itl_target_ms = target};
-    TH_REQUIRE(dc_sched_create(&sp, model, kv, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s) ==
+    TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s) ==
                0);
     for (int step = 0; step < 1000 && (step < 13 || !dc_sched_idle(s)); step++) {
         if (step < 4 || step == 12) {
@@ -811,7 +824,7 @@ static void run_itl(double target, outputs *o, itl_result *res)
     res->capped = dc_sched_get_stats(s).prefill_capped;
     TH_CHECK(dc_sched_idle(s));
     dc_sched_destroy(s);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
 }
 
 static void test_itl_target(void)

@@ -15,12 +15,13 @@
 
 #include "cpu_backend.h"
 #include "kn_backends.h"
+#include "kv_mem.h"
 #include "model.h"
 
 typedef struct {
     kn_backend be;
     kn_engine *eng;
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
 } rig;
 
 static kn_model *model;
@@ -34,7 +35,7 @@ static int rig_open(rig *r, const char *fused, int threads)
     if (rc) return rc;
     if ((rc = kn_engine_create(model, r->be, NULL, &r->eng))) return rc;
     kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F16);
-    return kn_kv_pool_create(&kp, &r->kv);
+    return kn_kv_mem_create(&kp, &r->mem);
 }
 
 static double now_s(void)
@@ -54,7 +55,7 @@ static double decode(rig *r, int tokens, float *lg)
     int rc = 0;
     double t0 = now_s();
     for (int32_t pos = 0; pos < tokens && !rc; pos++) {
-        if ((rc = kn_kv_seq_reserve(r->kv, &seq, pos + 1))) break;
+        if ((rc = kn_kv_seq_reserve(r->mem, &seq, pos + 1))) break;
         kn_seq_view v = {.block_table = seq.blocks, .n_ctx = pos + 1};
         kn_batch b = {.n_tokens = 1,
                       .n_solo = 1,
@@ -65,14 +66,14 @@ static double decode(rig *r, int tokens, float *lg)
                       .seqs = &v,
                       .n_logits = 1,
                       .logit_rows = &row};
-        rc = kn_engine_forward(r->eng, r->kv, &b, lg);
+        rc = kn_engine_forward(r->eng, kn_kv_mem_pool(r->mem), &b, lg);
         int best = 0;
         for (int i = 1; i < nv; i++)
             if (lg[i] > lg[best]) best = i;
         tok = best;
     }
     double dt = now_s() - t0;
-    kn_kv_seq_fini(r->kv, &seq);
+    kn_kv_seq_fini(r->mem, &seq);
     return rc ? -1 : dt;
 }
 

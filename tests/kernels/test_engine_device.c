@@ -22,6 +22,7 @@
 #include "cpu_backend.h"
 #include "cpu_dev.h"
 #include "kn_backends.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "td_err.h"
 
@@ -87,7 +88,8 @@ typedef struct {
     const kn_model *m;
     kn_backend be;
     kn_engine *eng;
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
+    kn_kv_pool *kv; /* mem's pool */
     kn_kv_seq seq[2];
     rank_coll coll;         /* tp > 1 */
     pthread_barrier_t *bar; /* tp > 1: the ranks meet after each forward */
@@ -107,7 +109,8 @@ static int rig_open(rig *r, const kn_model *m, kn_backend be, coll_ctx *cc, int 
     if (rc) return rc;
     kn_kv_pool_params kp = kn_model_kv_params(m, 32, BLOCK, TD_F16);
     kp.backend = &r->be;
-    if ((rc = kn_kv_pool_create(&kp, &r->kv))) return rc;
+    if ((rc = kn_kv_mem_create(&kp, &r->mem))) return rc;
+    r->kv = kn_kv_mem_pool(r->mem);
     kn_kv_seq_init(&r->seq[0]);
     kn_kv_seq_init(&r->seq[1]);
     return 0;
@@ -115,11 +118,11 @@ static int rig_open(rig *r, const kn_model *m, kn_backend be, coll_ctx *cc, int 
 
 static void rig_close(rig *r)
 {
-    if (r->kv) {
-        kn_kv_seq_fini(r->kv, &r->seq[0]);
-        kn_kv_seq_fini(r->kv, &r->seq[1]);
+    if (r->mem) {
+        kn_kv_seq_fini(r->mem, &r->seq[0]);
+        kn_kv_seq_fini(r->mem, &r->seq[1]);
     }
-    kn_kv_pool_destroy(r->kv);
+    kn_kv_mem_destroy(r->mem);
     kn_engine_destroy(r->eng);
 }
 
@@ -159,7 +162,7 @@ static int run(rig *r, float *lg)
             }
         kn_seq_view v[2];
         for (int s = 0; s < 2 && !rc; s++) {
-            rc = kn_kv_seq_reserve(r->kv, &r->seq[s], done[s]);
+            rc = kn_kv_seq_reserve(r->mem, &r->seq[s], done[s]);
             v[s] = (kn_seq_view){.block_table = r->seq[s].blocks, .n_ctx = done[s]};
         }
         kn_batch b = {.n_tokens = n,
@@ -197,7 +200,7 @@ static int decode(rig *r, float *lg)
                 if (l[i] > l[best]) best = i;
             t[s] = best;
             pos[s] = len[s] + step;
-            rc = kn_kv_seq_reserve(r->kv, &r->seq[s], pos[s] + 1);
+            rc = kn_kv_seq_reserve(r->mem, &r->seq[s], pos[s] + 1);
             v[s] = (kn_seq_view){.block_table = r->seq[s].blocks, .n_ctx = pos[s] + 1};
         }
         kn_batch b = {.n_tokens = 2,
@@ -307,12 +310,13 @@ static void test_received_kv_decodes(void)
     kn_kv_pool_params kp = kn_model_kv_params(model, 32, BLOCK, TD_F16);
     kp.backend = &r2.be;
     kp.host_stage = true;
-    TH_REQUIRE(kn_kv_pool_create(&kp, &r2.kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &r2.mem) == 0);
+    r2.kv = kn_kv_mem_pool(r2.mem);
     int n_blocks = 0;
     const size_t bb = r1.kv->block_bytes;
     for (int s = 0; s < 2; s++) {
         kn_kv_seq_init(&r2.seq[s]);
-        TH_REQUIRE(kn_kv_seq_reserve(r2.kv, &r2.seq[s], len[s]) == 0);
+        TH_REQUIRE(kn_kv_seq_reserve(r2.mem, &r2.seq[s], len[s]) == 0);
         for (int j = 0; j < r2.seq[s].n_blocks; j++, n_blocks++)
             for (int l = 0; l < 2 * model->hp.n_layer; l++) {
                 const char *src = (char *)(l & 1 ? r1.kv->v[l / 2] : r1.kv->k[l / 2]) +
@@ -432,9 +436,12 @@ static void test_staged_pool(void)
     snprintf(name, sizeof name, "/tandem-test-device-pool-%d", (int)getpid());
     kp.shm_name = name;
     kn_kv_pool *kv = NULL;
+    kn_kv_mem *mem = NULL;
     TH_CHECK(kn_kv_pool_create(&kp, &kv) == TD_EINVAL && !kv);
+    TH_CHECK(kn_kv_mem_create(&kp, &mem) == TD_EINVAL && !mem);
     kp.host_stage = true;
-    TH_REQUIRE(kn_kv_pool_create(&kp, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kv = kn_kv_mem_pool(mem);
     TH_CHECK(kv->host && kn_kv_xfer_region(kv) == kv->host && kv->host != kv->region);
     void *mapped;
     size_t mb;
@@ -442,7 +449,7 @@ static void test_staged_pool(void)
              mb == kv->region_bytes + (size_t)kv->n_blocks); /* the on_dev flags follow */
     const uint8_t *flags = (const uint8_t *)mapped + kv->region_bytes;
     int32_t ids[2];
-    TH_REQUIRE(kn_kv_alloc(kv, 2, ids) == 0);
+    TH_REQUIRE(kn_kv_alloc(mem, 2, ids) == 0);
     TH_CHECK(!kv->on_dev[ids[0]] && !kv->on_dev[ids[1]]);
     /* "received" KV: a pattern in block ids[1] of every layer, through the other mapping */
     const size_t bb = kv->block_bytes;
@@ -481,9 +488,9 @@ static void test_staged_pool(void)
     TH_CHECKF(same == kv->n_layers, "%d of %d layers' V copied on the device", same, kv->n_layers);
     kn_cpudev_stats st;
     TH_CHECK(kn_cpudev_stats_of(be, &st) == 0 && st.n_violations == 0);
-    kn_kv_free(kv, 2, ids);
+    kn_kv_free(mem, 2, ids);
     kn_kv_region_unmap(mapped, mb);
-    kn_kv_pool_destroy(kv);
+    kn_kv_mem_destroy(mem);
     free(pat);
     free(back);
     /* a host pool has nothing to stage */

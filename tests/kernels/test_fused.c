@@ -18,6 +18,7 @@
 #include "cpu_pool.h"
 #include "cpu_q8act.h"
 #include "kn_backends.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "td_err.h"
 
@@ -387,7 +388,7 @@ static kn_model *model;
 typedef struct {
     kn_backend be;
     kn_engine *eng;
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_seq seq[3];
     kn_backend_ops no_map;     /* the table without map_matrix, when rig_open's q8 is 2 */
     const kn_backend_ops *own; /* the backend's own table, put back at rig_close */
@@ -411,7 +412,7 @@ static int rig_open(rig *r, const char *fused, int q8)
     }
     if ((rc = kn_engine_create(model, r->be, NULL, &r->eng))) return rc;
     kn_kv_pool_params kp = kn_model_kv_params(model, 64, 16, TD_F16);
-    if ((rc = kn_kv_pool_create(&kp, &r->kv))) return rc;
+    if ((rc = kn_kv_mem_create(&kp, &r->mem))) return rc;
     for (int s = 0; s < 3; s++)
         kn_kv_seq_init(&r->seq[s]);
     return 0;
@@ -419,9 +420,9 @@ static int rig_open(rig *r, const char *fused, int q8)
 
 static void rig_close(rig *r)
 {
-    for (int s = 0; s < 3 && r->kv; s++)
-        kn_kv_seq_fini(r->kv, &r->seq[s]);
-    kn_kv_pool_destroy(r->kv);
+    for (int s = 0; s < 3 && r->mem; s++)
+        kn_kv_seq_fini(r->mem, &r->seq[s]);
+    kn_kv_mem_destroy(r->mem);
     kn_engine_destroy(r->eng);
     if (r->own) r->be.ops = r->own;
     kn_backend_destroy(&r->be);
@@ -444,7 +445,7 @@ static int step(rig *r, const int *cnt, int solo, int *done, float *lg)
         }
         if (cnt[s]) rows[nl++] = n - 1;
         done[s] += cnt[s];
-        if (cnt[s] && !rc) rc = kn_kv_seq_reserve(r->kv, &r->seq[s], done[s]);
+        if (cnt[s] && !rc) rc = kn_kv_seq_reserve(r->mem, &r->seq[s], done[s]);
         v[s] = (kn_seq_view){.block_table = r->seq[s].blocks, .n_ctx = done[s]};
     }
     kn_batch b = {.n_tokens = n,
@@ -456,7 +457,7 @@ static int step(rig *r, const int *cnt, int solo, int *done, float *lg)
                   .seqs = v,
                   .n_logits = nl,
                   .logit_rows = rows};
-    return rc ? rc : kn_engine_forward(r->eng, r->kv, &b, lg);
+    return rc ? rc : kn_engine_forward(r->eng, kn_kv_mem_pool(r->mem), &b, lg);
 }
 
 /* The steps: prefill 37 tokens (dot path) then 90 (gemm path) then decode rows (solo) and a

@@ -1,4 +1,4 @@
-/* test_kv_slicing.c: the KV pool's sliced layout (kernels/kv_pool.h, kn_kv_tile in
+/* test_kv_slicing.c: the KV pool's sliced layout (kvmem/kv_pool.h, kn_kv_tile in
  * kn_backend.h) against kvxfer's sliced source layout and against the head-major pool:
  *   - every (layer, K/V, block, head, token) of a sliced or head-major pool is where
  *     kvx_layout_off puts it, for the cuts kvx_layout_slice makes for decode tp sets;
@@ -20,8 +20,7 @@
 #include "cpu_backend.h"
 #include "gguf.h"
 #include "kn_backends.h"
-#include "kv_pool.h"
-#include "kv_tier.h"
+#include "kv_mem.h"
 #include "kvx_conn.h"
 #include "model.h"
 #include "td_err.h"
@@ -169,21 +168,21 @@ static void test_refused(void)
 static void test_alloc_ascending(void)
 {
     kn_kv_pool_params p = {.n_layers = 1, .n_kv_heads = 2, .head_dim = 4, .n_blocks = 12};
-    kn_kv_pool *pool = NULL;
-    TH_REQUIRE(kn_kv_pool_create(&p, &pool) == 0);
+    kn_kv_mem *mem = NULL;
+    TH_REQUIRE(kn_kv_mem_create(&p, &mem) == 0);
     int32_t a[12], b[5];
-    TH_REQUIRE(kn_kv_alloc(pool, 12, a) == 0);
+    TH_REQUIRE(kn_kv_alloc(mem, 12, a) == 0);
     for (int i = 3; i < 8; i++) /* blocks 3..7, oldest first */
-        kn_kv_free(pool, 1, &a[i]);
-    TH_REQUIRE(kn_kv_alloc_ascending(pool, 5, b) == 0);
+        kn_kv_free(mem, 1, &a[i]);
+    TH_REQUIRE(kn_kv_alloc_ascending(mem, 5, b) == 0);
     for (int i = 0; i < 5; i++)
         TH_CHECKF(b[i] == 3 + i, "block %d: id %d", i, b[i]);
     for (int i = 0; i < 5; i++) /* oldest first again */
-        kn_kv_free(pool, 1, &b[i]);
-    TH_REQUIRE(kn_kv_alloc(pool, 5, b) == 0);
+        kn_kv_free(mem, 1, &b[i]);
+    TH_REQUIRE(kn_kv_alloc(mem, 5, b) == 0);
     TH_CHECK(b[0] == 7 && b[4] == 3); /* the plain allocator: the stack's order */
-    TH_CHECK(kn_kv_alloc_ascending(pool, 1, b) == TD_ENOSPC);
-    kn_kv_pool_destroy(pool);
+    TH_CHECK(kn_kv_alloc_ascending(mem, 1, b) == TD_ENOSPC);
+    kn_kv_mem_destroy(mem);
 }
 
 /* kv_write then attention on a pool; out (m, nh, hd). */
@@ -396,7 +395,8 @@ static kn_model *model;
 typedef struct {
     kn_backend be;
     kn_engine *eng;
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
+    kn_kv_pool *kv; /* mem's pool */
     kn_kv_seq seq;
 } rig;
 
@@ -413,20 +413,21 @@ static int rig_open(rig *r, const char *backend, const int *cut)
         kp.slice_heads[s] = cut[s];
         kp.n_slices = s + 1;
     }
-    if ((rc = kn_kv_pool_create(&kp, &r->kv))) return rc;
+    if ((rc = kn_kv_mem_create(&kp, &r->mem))) return rc;
+    r->kv = kn_kv_mem_pool(r->mem);
     kn_kv_seq_init(&r->seq);
     /* scatter the sequence's blocks: take 3 first and give them back */
     int32_t skip[3];
-    if ((rc = kn_kv_alloc(r->kv, 3, skip))) return rc;
-    if ((rc = kn_kv_seq_reserve(r->kv, &r->seq, 160))) return rc;
-    kn_kv_free(r->kv, 3, skip);
+    if ((rc = kn_kv_alloc(r->mem, 3, skip))) return rc;
+    if ((rc = kn_kv_seq_reserve(r->mem, &r->seq, 160))) return rc;
+    kn_kv_free(r->mem, 3, skip);
     return 0;
 }
 
 static void rig_close(rig *r)
 {
-    if (r->kv) kn_kv_seq_fini(r->kv, &r->seq);
-    kn_kv_pool_destroy(r->kv);
+    if (r->mem) kn_kv_seq_fini(r->mem, &r->seq);
+    kn_kv_mem_destroy(r->mem);
     kn_engine_destroy(r->eng);
     kn_backend_destroy(&r->be);
 }

@@ -1,8 +1,9 @@
-/* test_kv_tier.c: the prefix cache's second tier (kernels/kv_tier.h): bit-exact round trips
+/* test_kv_tier.c: the prefix cache's second tier (kvmem/kv_tier.h): bit-exact round trips
  * (file and host memory), its LRU, a full tier, refused and broken files (a foreign file, a
  * locked one, a corrupt slot, a file truncated under the tier: errors, never a crash), and
- * the cache with a tier attached (evicted blocks come back by a match, under a budget), and
- * tensor parallelism (a follower rank repeats the leader tier's logged copies exactly). */
+ * the cache with a tier attached (a kn_kv_mem with both added: evicted blocks come back by a
+ * match, under a budget), and tensor parallelism (a follower rank, a kn_kv_mem with a tier and
+ * no cache, repeats the leader tier's logged copies exactly). */
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,8 +12,7 @@
 #include "../tharness.h"
 #include "cpu_dev.h"
 #include "kn_backends.h"
-#include "kv_cache.h"
-#include "kv_tier.h"
+#include "kv_mem.h"
 #include "td_blockhash.h"
 #include "td_err.h"
 
@@ -20,16 +20,29 @@
 
 static char dir[] = "/tmp/tandem-kvtier-XXXXXX";
 
+static kn_kv_pool_params params_heads(int n_blocks, int n_kv_heads)
+{
+    return (kn_kv_pool_params){.n_layers = 2,
+                               .n_kv_heads = n_kv_heads,
+                               .head_dim = 4,
+                               .block_size = BS,
+                               .n_blocks = n_blocks,
+                               .type = TD_F32};
+}
+
 static kn_kv_pool *pool_heads(int n_blocks, int n_kv_heads)
 {
-    kn_kv_pool_params p = {.n_layers = 2,
-                           .n_kv_heads = n_kv_heads,
-                           .head_dim = 4,
-                           .block_size = BS,
-                           .n_blocks = n_blocks,
-                           .type = TD_F32};
+    kn_kv_pool_params p = params_heads(n_blocks, n_kv_heads);
     kn_kv_pool *pool = NULL;
     return kn_kv_pool_create(&p, &pool) ? NULL : pool;
+}
+
+/* A KV memory of n_blocks blocks of n_kv_heads heads each. */
+static kn_kv_mem *mem_heads(int n_blocks, int n_kv_heads)
+{
+    kn_kv_pool_params p = params_heads(n_blocks, n_kv_heads);
+    kn_kv_mem *m = NULL;
+    return kn_kv_mem_create(&p, &m) ? NULL : m;
 }
 
 static kn_kv_pool *pool_of(int n_blocks)
@@ -62,12 +75,24 @@ static bool same(const kn_kv_pool *pool, int32_t a, int32_t b)
     return true;
 }
 
+static kn_kv_tier_params tier_params(const kn_kv_pool *pool, const char *path, int slots)
+{
+    return (kn_kv_tier_params){.path = path,
+                               .bytes = 4096 + (size_t)slots * kn_kv_tier_block_bytes(pool)};
+}
+
 static kn_kv_tier *tier_of(const kn_kv_pool *pool, const char *path, int slots)
 {
-    kn_kv_tier_params p = {.path = path,
-                           .bytes = 4096 + (size_t)slots * kn_kv_tier_block_bytes(pool)};
+    kn_kv_tier_params p = tier_params(pool, path, slots);
     kn_kv_tier *t = NULL;
     return kn_kv_tier_create(&p, pool, &t) ? NULL : t;
+}
+
+/* m's tier (added: slots blocks in path or host memory), or NULL. */
+static kn_kv_tier *add_tier(kn_kv_mem *m, const char *path, int slots)
+{
+    kn_kv_tier_params p = tier_params(kn_kv_mem_pool(m), path, slots);
+    return kn_kv_mem_add_tier(m, &p) ? NULL : kn_kv_mem_tier(m);
 }
 
 static void test_round_trip(const char *path)
@@ -188,25 +213,26 @@ static void test_bad_files(void)
  * that stayed in the pool still follows them. */
 static void test_cache_with_tier(void)
 {
-    kn_kv_pool *pool = pool_of(4);
-    kn_kv_cache *c;
-    TH_REQUIRE(pool && kn_kv_cache_create(pool, &c) == 0);
-    kn_kv_tier *t = tier_of(pool, NULL, 8);
-    TH_REQUIRE(t);
-    kn_kv_cache_set_tier(c, t);
+    kn_kv_mem *mem = mem_heads(4, 2);
+    TH_REQUIRE(mem && kn_kv_mem_add_cache(mem) == 0);
+    kn_kv_pool *pool = kn_kv_mem_pool(mem);
+    kn_kv_cache *c = kn_kv_mem_cache(mem);
+    kn_kv_tier *t = add_tier(mem, NULL, 8); /* added after the cache: attached to it */
+    TH_REQUIRE(t && kn_kv_cache_tier(c) == t);
+    TH_CHECK(kn_kv_mem_add_tier(mem, &(kn_kv_tier_params){.bytes = 1 << 20}) == TD_ESTATE);
     int32_t tok[3 * BS] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
     kn_kv_seq a;
     kn_kv_seq_init(&a);
-    TH_REQUIRE(kn_kv_seq_reserve(pool, &a, 3 * BS) == 0);
+    TH_REQUIRE(kn_kv_seq_reserve(mem, &a, 3 * BS) == 0);
     kn_kv_chain ch = kn_kv_cache_root();
     for (int b = 0; b < 3; b++) {
         fill(pool, a.blocks[b], 50u + (unsigned)b);
         kn_kv_cache_insert(c, &ch, tok + b * BS, a.blocks[b]);
     }
-    kn_kv_seq_fini(pool, &a); /* idle: block 2 least recently, then 1, then 0 */
+    kn_kv_seq_fini(mem, &a); /* idle: block 2 least recently, then 1, then 0 */
     /* take the whole pool: every idle block is evicted into the tier */
     int32_t all[4];
-    TH_REQUIRE(kn_kv_alloc(pool, 4, all) == 0);
+    TH_REQUIRE(kn_kv_alloc(mem, 4, all) == 0);
     TH_CHECK(kn_kv_tier_get_stats(t).writes == 3 && kn_kv_cache_get_stats(c).cached == 0);
     /* remember what the blocks held, then overwrite them */
     kn_kv_pool *ref = pool_of(4);
@@ -215,7 +241,7 @@ static void test_cache_with_tier(void)
         fill(ref, b, 50u + (unsigned)b);
     for (int b = 0; b < 4; b++)
         fill(pool, all[b], 1000u + (unsigned)b);
-    kn_kv_free(pool, 4, all);
+    kn_kv_free(mem, 4, all);
     /* budget 2 of 3: two blocks come back, the match says there is more */
     int32_t got[3];
     kn_kv_tier_budget tb = {.copies_left = 2};
@@ -230,7 +256,7 @@ static void test_cache_with_tier(void)
                              (char *)ref->v[l] + (size_t)b * ref->block_bytes, pool->block_bytes));
     TH_CHECK(kn_kv_cache_claim_restored(c, got, m) == 2 &&
              kn_kv_cache_claim_restored(c, got, m) == 0);
-    kn_kv_free(pool, m, got);
+    kn_kv_free(mem, m, got);
     /* next time: two from the pool, the third from the tier, nothing more */
     tb = (kn_kv_tier_budget){.copies_left = 4};
     m = kn_kv_cache_match_tier(c, tok, 3 * BS, 3, got, &ch, &tb);
@@ -242,12 +268,10 @@ static void test_cache_with_tier(void)
     int32_t g2[3];
     kn_kv_chain ch2;
     TH_CHECK(kn_kv_cache_match(c, tok, 3 * BS, 3, g2, &ch2) == 3 && ch2.serial == ch.serial);
-    kn_kv_free(pool, 3, g2);
-    kn_kv_free(pool, m, got);
-    kn_kv_cache_destroy(c);
-    kn_kv_tier_destroy(t);
+    kn_kv_free(mem, 3, g2);
+    kn_kv_free(mem, m, got);
     kn_kv_pool_destroy(ref);
-    kn_kv_pool_destroy(pool);
+    kn_kv_mem_destroy(mem); /* the cache, the tier and the pool */
 }
 
 /* Whether block b of every layer holds what fill(pool, b, seed) wrote. */
@@ -273,19 +297,22 @@ static bool holds(const kn_kv_pool *pool, int32_t b, unsigned seed)
 static void test_tp_replay(void)
 {
     enum { NSEQ = 5, NB = 2 };
-    kn_kv_pool *p0 = pool_heads(4, 2), *p1 = pool_heads(4, 1);
-    kn_kv_cache *c;
-    TH_REQUIRE(p0 && p1 && kn_kv_cache_create(p0, &c) == 0);
+    /* rank 0: the leader's memory, its tier added before its cache; rank 1: a tier only */
+    kn_kv_mem *m0 = mem_heads(4, 2), *m1 = mem_heads(4, 1);
+    TH_REQUIRE(m0 && m1);
+    kn_kv_pool *p0 = kn_kv_mem_pool(m0), *p1 = kn_kv_mem_pool(m1);
     char path0[128], path1[128];
     snprintf(path0, sizeof path0, "%s/tp.r0", dir);
     snprintf(path1, sizeof path1, "%s/tp.r1", dir);
     size_t big = kn_kv_tier_block_bytes(p0);
     kn_kv_tier_params tp0 = {.path = path0, .bytes = 4096 + 3 * big, .slots = 3, .log = true};
     kn_kv_tier_params tp1 = {.path = path1, .bytes = 4096 + 3 * big, .slots = 3};
-    kn_kv_tier *t0 = NULL, *t1 = NULL;
-    TH_REQUIRE(kn_kv_tier_create(&tp0, p0, &t0) == 0 && kn_kv_tier_create(&tp1, p1, &t1) == 0);
+    TH_REQUIRE(kn_kv_mem_add_tier(m0, &tp0) == 0 && kn_kv_mem_add_tier(m1, &tp1) == 0);
+    TH_REQUIRE(kn_kv_mem_add_cache(m0) == 0);
+    kn_kv_cache *c = kn_kv_mem_cache(m0);
+    kn_kv_tier *t0 = kn_kv_mem_tier(m0), *t1 = kn_kv_mem_tier(m1);
+    TH_CHECK(kn_kv_cache_tier(c) == t0 && !kn_kv_mem_cache(m1)); /* the cache found the tier */
     TH_CHECK(kn_kv_tier_get_stats(t1).slots == 3); /* not the 6 its bytes would hold */
-    kn_kv_cache_set_tier(c, t0);
     unsigned rnd = 12345;
     int hits = 0, restored = 0;
     for (int it = 0; it < 200; it++) {
@@ -297,7 +324,7 @@ static void test_tp_replay(void)
         kn_kv_tier_budget tb = {.copies_left = NB};
         kn_kv_chain ch;
         int m = kn_kv_cache_match_tier(c, tok, NB * BS, NB, blocks, &ch, &tb);
-        bool ok = kn_kv_alloc(p0, NB - m, blocks + m) == 0;
+        bool ok = kn_kv_alloc(m0, NB - m, blocks + m) == 0;
         TH_CHECK(ok);
         if (!ok) break;
         /* the step plan: rank 1 makes rank 0's copies first */
@@ -318,7 +345,7 @@ static void test_tp_replay(void)
             fill(p1, blocks[b], seed + 1);
             kn_kv_cache_insert(c, &ch, tok + b * BS, blocks[b]);
         }
-        kn_kv_free(p0, NB, blocks);
+        kn_kv_free(m0, NB, blocks);
     }
     kn_kv_tier_stats s0 = kn_kv_tier_get_stats(t0), s1 = kn_kv_tier_get_stats(t1);
     TH_CHECK(restored > 20 && hits > restored && s0.dropped > 0);
@@ -350,11 +377,8 @@ static void test_tp_replay(void)
     TH_CHECK(n_ops == 1 && ops[0].kind == KN_KV_TIER_OP_PUT && ops[0].block == 0);
     kn_kv_tier_clear(t0);
     TH_CHECK((kn_kv_tier_ops(t0, &n_ops), n_ops == 0));
-    kn_kv_cache_destroy(c);
-    kn_kv_tier_destroy(t0);
-    kn_kv_tier_destroy(t1);
-    kn_kv_pool_destroy(p0);
-    kn_kv_pool_destroy(p1);
+    kn_kv_mem_destroy(m0);
+    kn_kv_mem_destroy(m1);
 }
 
 /* Copy host pool h's block hb to device pool d's block db (every layer's K and V), or back. */
@@ -447,12 +471,15 @@ static void test_staged_device_pool(void)
                             .type = TD_F32,
                             .backend = &be,
                             .host_stage = true};
-    kn_kv_pool *d = NULL, *h = pool_of(4);
-    TH_REQUIRE(kn_kv_pool_create(&pp, &d) == 0 && h && d->host && d->on_dev);
-    kn_kv_tier *t = tier_of(d, NULL, 2);
+    kn_kv_mem *dm = NULL;
+    kn_kv_pool *h = pool_of(4);
+    TH_REQUIRE(kn_kv_mem_create(&pp, &dm) == 0 && h);
+    kn_kv_pool *d = kn_kv_mem_pool(dm);
+    TH_REQUIRE(d->host && d->on_dev);
+    kn_kv_tier *t = add_tier(dm, NULL, 2);
     TH_REQUIRE(t);
     int32_t ids[2], tok[BS] = {1, 2, 3, 4};
-    TH_REQUIRE(kn_kv_alloc(d, 2, ids) == 0 && !d->on_dev[ids[0]] && !d->on_dev[ids[1]]);
+    TH_REQUIRE(kn_kv_alloc(dm, 2, ids) == 0 && !d->on_dev[ids[0]] && !d->on_dev[ids[1]]);
     /* block ids[0]: KV received into the host copy (the device copy is older) */
     fill(h, 0, 5);
     fill(h, 1, 6);
@@ -472,9 +499,26 @@ static void test_staged_device_pool(void)
     TH_CHECK(d->on_dev[ids[1]] == 1); /* current on the device: no stale upload over it */
     fill(h, 2, 999);
     TH_CHECK(dev_copy(&be, d, ids[1], h, 2, false) && holds(h, 2, 5)); /* the host copy's KV */
-    kn_kv_free(d, 2, ids);
-    kn_kv_tier_destroy(t);
-    kn_kv_pool_destroy(d);
+    /* copy on write (kn_kv_block_copy) copies where the newest KV is: from ids[0] (the host
+     * copy) in the host copy, the copy to be uploaded; from ids[1] (the device) on the
+     * device, the copy current there (a rolled-back sequence's block, a prefill stage's last
+     * cached block) */
+    int32_t cp[2];
+    TH_REQUIRE(kn_kv_alloc(dm, 2, cp) == 0);
+    TH_CHECK(kn_kv_block_copy(d, ids[0], cp[0]) == 0 && d->on_dev[cp[0]] == 0);
+    for (int l = 0; l < d->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++) {
+            const char *base =
+                (const char *)d->host + ((char *)(kv ? d->v[l] : d->k[l]) - (char *)d->region);
+            TH_CHECK(!memcmp(base + (size_t)cp[0] * d->block_bytes,
+                             base + (size_t)ids[0] * d->block_bytes, d->block_bytes));
+        }
+    TH_CHECK(kn_kv_block_copy(d, ids[1], cp[1]) == 0 && d->on_dev[cp[1]] == 1);
+    fill(h, 3, 999);
+    TH_CHECK(dev_copy(&be, d, cp[1], h, 3, false) && holds(h, 3, 5));
+    kn_kv_free(dm, 2, cp);
+    kn_kv_free(dm, 2, ids);
+    kn_kv_mem_destroy(dm);
     kn_kv_pool_destroy(h);
     kn_backend_destroy(&be);
 }

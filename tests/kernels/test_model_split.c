@@ -23,6 +23,7 @@
 
 #include "../tharness.h"
 #include "cpu_backend.h"
+#include "kv_mem.h"
 #include "model.h"
 #include "td_err.h"
 
@@ -96,7 +97,8 @@ typedef struct {
     kn_model *model;
     kn_cpu *cpu;
     kn_engine *engine;
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
+    kn_kv_pool *kv; /* mem's pool */
     kn_kv_seq seqs[2];
     rank_coll coll;
 } shard_rt;
@@ -136,7 +138,8 @@ static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
             if ((rc = kn_engine_create(x->model, kn_cpu_backend(x->cpu), &coll, &x->engine)))
                 return rc;
             kn_kv_pool_params kp = kn_model_kv_params(x->model, 64, BLOCK, kv_type);
-            if ((rc = kn_kv_pool_create(&kp, &x->kv))) return rc;
+            if ((rc = kn_kv_mem_create(&kp, &x->mem))) return rc;
+            x->kv = kn_kv_mem_pool(x->mem);
             kn_kv_seq_init(&x->seqs[0]);
             kn_kv_seq_init(&x->seqs[1]);
         }
@@ -148,11 +151,11 @@ static void grid_close(grid *g)
 {
     for (int i = 0; i < g->pp * g->tp && g->rt; i++) {
         shard_rt *x = &g->rt[i];
-        if (x->kv) {
-            kn_kv_seq_fini(x->kv, &x->seqs[0]);
-            kn_kv_seq_fini(x->kv, &x->seqs[1]);
+        if (x->mem) {
+            kn_kv_seq_fini(x->mem, &x->seqs[0]);
+            kn_kv_seq_fini(x->mem, &x->seqs[1]);
         }
-        kn_kv_pool_destroy(x->kv);
+        kn_kv_mem_destroy(x->mem);
         kn_engine_destroy(x->engine);
         kn_cpu_destroy(x->cpu);
         kn_model_destroy(x->model);
@@ -217,7 +220,7 @@ static int grid_forward(grid *g, const int32_t *tokens, const int32_t *pos, cons
         for (int r = 0; r < g->tp && !rc; r++) {
             shard_rt *x = &g->rt[s * g->tp + r];
             for (int q = 0; q < n_seqs && !rc; q++) {
-                rc = kn_kv_seq_reserve(x->kv, &x->seqs[q], ctx_after[q]);
+                rc = kn_kv_seq_reserve(x->mem, &x->seqs[q], ctx_after[q]);
                 views[r][q] =
                     (kn_seq_view){.block_table = x->seqs[q].blocks, .n_ctx = ctx_after[q]};
             }
@@ -408,7 +411,7 @@ static void test_bad_batches(void)
     grid g;
     TH_REQUIRE(grid_open(&g, 1, 1, TD_F32) == 0);
     shard_rt *x = &g.rt[0];
-    TH_REQUIRE(kn_kv_seq_reserve(x->kv, &x->seqs[0], 4) == 0);
+    TH_REQUIRE(kn_kv_seq_reserve(x->mem, &x->seqs[0], 4) == 0);
     kn_seq_view view = {.block_table = x->seqs[0].blocks, .n_ctx = 4};
     int32_t tok[2] = {1, 2}, pos[2] = {0, 1}, seq_of[2] = {0, 0}, row = 1;
     float *out = malloc((size_t)n_vocab * sizeof(float));
@@ -581,30 +584,33 @@ static void test_requant(void)
 
 static void test_kv_pool_exhaustion(void)
 {
-    kn_kv_pool *kv;
+    kn_kv_mem *mem;
     kn_kv_pool_params p = {.n_layers = 1,
                            .n_kv_heads = 1,
                            .head_dim = 8,
                            .block_size = 16,
                            .n_blocks = 4,
                            .type = TD_F16};
-    TH_REQUIRE(kn_kv_pool_create(&p, &kv) == 0);
+    TH_REQUIRE(kn_kv_mem_create(&p, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
     kn_kv_seq a, b;
     kn_kv_seq_init(&a);
     kn_kv_seq_init(&b);
-    TH_CHECK(kn_kv_seq_reserve(kv, &a, 33) == 0 && a.n_blocks == 3);
-    TH_CHECK(kn_kv_seq_reserve(kv, &b, 17) == TD_ENOSPC && b.n_blocks == 0); /* all or nothing */
+    TH_CHECK(kn_kv_seq_reserve(mem, &a, 33) == 0 && a.n_blocks == 3);
+    TH_CHECK(kn_kv_seq_reserve(mem, &b, 17) == TD_ENOSPC && b.n_blocks == 0); /* all or nothing */
     TH_CHECK(kv->n_free == 1);
-    kn_kv_seq_release(kv, &a);
-    TH_CHECK(kn_kv_seq_reserve(kv, &b, 64) == 0 && kv->n_free == 0);
-    kn_kv_seq_fini(kv, &a);
-    kn_kv_seq_fini(kv, &b);
+    kn_kv_seq_release(mem, &a);
+    TH_CHECK(kn_kv_seq_reserve(mem, &b, 64) == 0 && kv->n_free == 0);
+    kn_kv_seq_fini(mem, &a);
+    kn_kv_seq_fini(mem, &b);
     TH_CHECK(kv->n_free == 4);
     kn_kv_pool_params bad = p;
     bad.block_size = 12;
     kn_kv_pool *kv2 = NULL;
+    kn_kv_mem *mem2 = NULL;
     TH_CHECK(kn_kv_pool_create(&bad, &kv2) == TD_EINVAL && !kv2);
-    kn_kv_pool_destroy(kv);
+    TH_CHECK(kn_kv_mem_create(&bad, &mem2) == TD_EINVAL && !mem2);
+    kn_kv_mem_destroy(mem);
 }
 
 /* "2,4,8" into tp_sizes; false if malformed */

@@ -113,7 +113,7 @@ int main(int argc, char **argv)
     }
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
-    if (kn_kv_seq_reserve(shard.kv, &seq, n_tok)) return 2;
+    if (kn_kv_seq_reserve(shard.mem, &seq, n_tok)) return 2;
     kn_seq_view view = {.block_table = seq.blocks, .n_ctx = n_tok};
     int32_t last = n_tok - 1;
     float *logits = malloc((size_t)hp->n_vocab * sizeof *logits);
@@ -321,7 +321,7 @@ int main(int argc, char **argv)
         kvx_conn_destroy(conn[r]);
         free(region[r]);
     }
-    kn_kv_seq_fini(shard.kv, &seq);
+    kn_kv_seq_fini(shard.mem, &seq);
     pf_shard_close(&shard);
     free(prompt);
     free(pos);

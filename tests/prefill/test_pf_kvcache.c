@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "../tharness.h"
-#include "kv_pool.h"
+#include "kv_mem.h"
 #include "pf_kvcache.h"
 #include "td_blockhash.h"
 #include "td_err.h"
@@ -62,7 +62,7 @@ static void apply(replay *r, const pf_kvc *c)
     TH_CHECK(j == n_ids);
 }
 
-static kn_kv_pool *make_pool(void)
+static kn_kv_mem *make_mem(void)
 {
     kn_kv_pool_params p = {.n_layers = 1,
                            .n_kv_heads = 1,
@@ -70,8 +70,8 @@ static kn_kv_pool *make_pool(void)
                            .block_size = BS,
                            .n_blocks = 64,
                            .type = TD_F32};
-    kn_kv_pool *pool = NULL;
-    return kn_kv_pool_create(&p, &pool) ? NULL : pool;
+    kn_kv_mem *mem = NULL;
+    return kn_kv_mem_create(&p, &mem) ? NULL : mem;
 }
 
 /* A prompt of n_blocks whole blocks: a common first block, then a branch chosen from few. */
@@ -81,19 +81,19 @@ static void make_prompt(int32_t *t, int n_blocks, unsigned *seed)
         t[i] = i < BS ? 7 : (int32_t)(rand_r(seed) % 2 + (i / BS) * 3);
 }
 
-static void insert(pf_kvc *c, kn_kv_pool *pool, const int32_t *t, int n_blocks)
+static void insert(pf_kvc *c, kn_kv_mem *mem, const int32_t *t, int n_blocks)
 {
     int32_t blocks[16];
-    TH_REQUIRE(kn_kv_alloc(pool, n_blocks, blocks) == 0);
+    TH_REQUIRE(kn_kv_alloc(mem, n_blocks, blocks) == 0);
     pf_kvc_insert(c, t, n_blocks, 0, blocks, 0);
 }
 
 static void test_replay_equals_index(void)
 {
-    kn_kv_pool *pool = make_pool();
-    TH_REQUIRE(pool);
+    kn_kv_mem *mem = make_mem();
+    TH_REQUIRE(mem);
     pf_kvc *c = NULL;
-    TH_REQUIRE(pf_kvc_create(pool, MAXB, &c) == 0);
+    TH_REQUIRE(pf_kvc_create(mem, MAXB, &c) == 0);
     TH_CHECK(pf_kvc_event_next(c) == 1);
     replay r = {.next = 1};
     unsigned seed = 12345;
@@ -102,7 +102,7 @@ static void test_replay_equals_index(void)
     for (int p = 0; p < PROMPTS; p++) {
         int nb = 1 + (int)(rand_r(&seed) % 4);
         make_prompt(t, nb, &seed);
-        insert(c, pool, t, nb);
+        insert(c, mem, t, nb);
         apply(&r, c);
         /* every prompt seen: the cache's match equals the replayed set's leading run */
         size_t n = td_block_hashes(t, (size_t)nb * BS, BS, ids);
@@ -124,20 +124,20 @@ static void test_replay_equals_index(void)
     apply(&r, c);
     TH_CHECK(r.n == 0);
     pf_kvc_destroy(c);
-    kn_kv_pool_destroy(pool);
+    kn_kv_mem_destroy(mem);
 }
 
 static void test_ring_wraps(void)
 {
-    kn_kv_pool *pool = make_pool();
-    TH_REQUIRE(pool);
+    kn_kv_mem *mem = make_mem();
+    TH_REQUIRE(mem);
     pf_kvc *c = NULL;
-    TH_REQUIRE(pf_kvc_create(pool, MAXB, &c) == 0);
+    TH_REQUIRE(pf_kvc_create(mem, MAXB, &c) == 0);
     int32_t t[BS];
     for (int p = 0; p < 400; p++) { /* one block each, all different: stored + removed */
         for (int i = 0; i < BS; i++)
             t[i] = p * 10 + i;
-        insert(c, pool, t, 1);
+        insert(c, mem, t, 1);
     }
     uint64_t next = pf_kvc_event_next(c);
     TH_CHECK(next > PF_KVC_EVENT_LOG + 1);
@@ -154,7 +154,7 @@ static void test_ring_wraps(void)
     n = pf_kvc_events(c, 3, kind, ids, &n_ids, &first); /* at most max, the latest */
     TH_CHECK(n == 3 && first == next - 3);
     pf_kvc_destroy(c);
-    kn_kv_pool_destroy(pool);
+    kn_kv_mem_destroy(mem);
 }
 
 /* Tails (a prompt's last partial block): inserted after its whole blocks, matched only with
@@ -162,13 +162,13 @@ static void test_ring_wraps(void)
  * never after a tail, named by no KV event, evicted like any block. */
 static void test_tails(void)
 {
-    kn_kv_pool *pool = make_pool();
-    TH_REQUIRE(pool);
+    kn_kv_mem *mem = make_mem();
+    TH_REQUIRE(mem);
     pf_kvc *c = NULL;
-    TH_REQUIRE(pf_kvc_create(pool, 3, &c) == 0);
+    TH_REQUIRE(pf_kvc_create(mem, 3, &c) == 0);
     int32_t t[2 * BS + 3] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
     int32_t blocks[3];
-    TH_REQUIRE(kn_kv_alloc(pool, 3, blocks) == 0);
+    TH_REQUIRE(kn_kv_alloc(mem, 3, blocks) == 0);
     uint64_t ev0 = pf_kvc_event_next(c);
     TH_CHECK(pf_kvc_insert(c, t, 2, 3, blocks, 0) == 3);
     TH_CHECK(pf_kvc_event_next(c) == ev0 + 2); /* the two whole blocks only */
@@ -181,6 +181,8 @@ static void test_tails(void)
     TH_CHECK(!pf_kvc_match_tail(c, TD_BLOCK_HASH_ROOT, 2, t + 2 * BS, 3, &id));
     int32_t other[3] = {9, 10, 12};
     TH_CHECK(!pf_kvc_match_tail(c, last, 2, other, 3, &id));
+    uint64_t keep = last; /* a miss leaves the id alone: stage 0 passes the one it holds */
+    TH_CHECK(!pf_kvc_match_tail(c, last, 2, other, 3, &keep) && keep == last);
     TH_CHECK(!pf_kvc_match_tail(c, last, 2, t + 2 * BS, BS, &id)); /* a whole block is no tail */
     /* a prompt that continues past the tail matches the whole blocks only */
     int32_t longer[3 * BS] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
@@ -188,15 +190,14 @@ static void test_tails(void)
     /* acquire the chain ending in the tail: its blocks, and exactly its tokens */
     TH_CHECK(pf_kvc_match_tail(c, last, 2, t + 2 * BS, 3, &id));
     int32_t got[3], hist[2 * BS + 3];
-    pf_kvc_ent *ents[3];
-    TH_CHECK(pf_kvc_acquire(c, id, 3, got, ents, hist) == 0);
+    TH_CHECK(pf_kvc_acquire(c, id, 3, got, hist) == 0);
     TH_CHECK(!memcmp(got, blocks, sizeof got) && !memcmp(hist, t, sizeof hist));
-    TH_CHECK(pf_kvc_acquire(c, id, 2, got, ents, NULL) == TD_ENOENT); /* not a 2-block chain */
-    pf_kvc_unref(c, ents, 3);
-    pf_kvc_unuse(c, ents, 3);
+    TH_CHECK(pf_kvc_acquire(c, id, 2, got, NULL) == TD_ENOENT); /* not a 2-block chain */
+    pf_kvc_unref(c, got, 3);
+    pf_kvc_unuse(c, got, 3);
     /* a tail is evicted like a block (budget 3), and names no event when it goes */
     int32_t u[BS] = {40, 41, 42, 43}, ub;
-    TH_REQUIRE(kn_kv_alloc(pool, 1, &ub) == 0);
+    TH_REQUIRE(kn_kv_alloc(mem, 1, &ub) == 0);
     uint64_t ev1 = pf_kvc_event_next(c);
     TH_CHECK(pf_kvc_insert(c, u, 1, 0, &ub, 0) == 1);
     pf_kvc_stats st;
@@ -217,8 +218,8 @@ static void test_tails(void)
     TH_CHECKF(stored == 1 && removed == 0, "events after the insert: %d stored, %d removed", stored,
               removed);
     pf_kvc_destroy(c);
-    TH_CHECK(pool->n_free == pool->n_blocks); /* every block back */
-    kn_kv_pool_destroy(pool);
+    TH_CHECK(kn_kv_available(mem) == kn_kv_mem_pool(mem)->n_blocks); /* every block back */
+    kn_kv_mem_destroy(mem);
 }
 
 int main(void)

@@ -18,12 +18,15 @@ struct kn_kv_cache {
     uint64_t *id;         /* (n_blocks) block id of the entry */
     uint64_t *serial;     /* (n_blocks) 0: not cached */
     uint64_t *parent;     /* (n_blocks) serial of the entry before it */
+    uint64_t *pid;        /* (n_blocks) block id of the entry before it */
+    int32_t *ntok;        /* (n_blocks) tokens the entry holds: bs, or fewer for a tail */
     int32_t *tok;         /* (n_blocks, bs) the entry's tokens */
     int32_t *prev, *next; /* (n_blocks) idle list links, -1 ends */
     int32_t idle_head;    /* least recently idle, -1: none */
     int32_t idle_tail;    /* most recently idle */
     int n_idle, n_cached;
-    int32_t *slots; /* (mask + 1) block of each index slot, -1: empty */
+    bool no_demand_evict; /* kn_kv_cache_set_demand_evict(false) */
+    int32_t *slots;       /* (mask + 1) block of each index slot, -1: empty */
     uint64_t mask;
     uint64_t next_serial;
     uint64_t inserts, evictions;
@@ -79,9 +82,9 @@ int kn_kv_cache_events(const kn_kv_cache *c, uint64_t since, kn_kv_event *out, i
 int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
 {
     *out = NULL;
-    if (pool->cache) return TD_ESTATE;
     kn_kv_cache *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
+    c->idle_head = c->idle_tail = -1; /* before any failure: destroy walks the idle list */
     size_t nb = (size_t)pool->n_blocks, cap = 16;
     while (cap < 2 * nb)
         cap *= 2;
@@ -90,13 +93,15 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
     c->id = calloc(nb, sizeof *c->id);
     c->serial = calloc(nb, sizeof *c->serial);
     c->parent = calloc(nb, sizeof *c->parent);
+    c->pid = calloc(nb, sizeof *c->pid);
+    c->ntok = calloc(nb, sizeof *c->ntok);
     c->tok = malloc(nb * (size_t)c->bs * sizeof *c->tok);
     c->prev = malloc(nb * sizeof *c->prev);
     c->next = malloc(nb * sizeof *c->next);
     c->slots = malloc(cap * sizeof *c->slots);
     c->restored = calloc(nb, sizeof *c->restored);
-    if (!c->id || !c->serial || !c->parent || !c->tok || !c->prev || !c->next || !c->slots ||
-        !c->restored) {
+    if (!c->id || !c->serial || !c->parent || !c->pid || !c->ntok || !c->tok || !c->prev ||
+        !c->next || !c->slots || !c->restored) {
         kn_kv_cache_destroy(c);
         return TD_ENOMEM;
     }
@@ -109,7 +114,6 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
         kn_kv_cache_destroy(c);
         return TD_ENOMEM;
     }
-    pool->cache = c;
     *out = c;
     return 0;
 }
@@ -117,15 +121,14 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
 void kn_kv_cache_destroy(kn_kv_cache *c)
 {
     if (!c) return;
-    if (c->pool && c->pool->cache == c) {
-        /* idle blocks are nobody's: back to the free list */
+    if (c->next) /* idle blocks are nobody's: back to the free list */
         for (int32_t b = c->idle_head; b >= 0; b = c->next[b])
-            c->pool->free_ids[c->pool->n_free++] = b;
-        c->pool->cache = NULL;
-    }
+            kn_kv_pool_put(c->pool, b);
     free(c->id);
     free(c->serial);
     free(c->parent);
+    free(c->pid);
+    free(c->ntok);
     free(c->tok);
     free(c->prev);
     free(c->next);
@@ -210,7 +213,7 @@ static void idle_append(kn_kv_cache *c, int32_t b)
 /* Drop entry b from the index (its block keeps its references or is idle: the caller says) */
 static void entry_drop(kn_kv_cache *c, int32_t b)
 {
-    ev_log(c, KN_KV_EV_REMOVED, c->id[b]);
+    if (c->ntok[b] == c->bs) ev_log(c, KN_KV_EV_REMOVED, c->id[b]); /* tails: no events */
     index_del(c, b);
     c->serial[b] = 0;
     c->restored[b] = false;
@@ -222,7 +225,7 @@ void kn_kv_cache_clear(kn_kv_cache *c)
     while (c->idle_head >= 0) {
         int32_t b = c->idle_head;
         idle_unlink(c, b);
-        c->pool->free_ids[c->pool->n_free++] = b;
+        kn_kv_pool_put(c->pool, b);
     }
     memset(c->slots, 0xff, (size_t)(c->mask + 1) * sizeof *c->slots);
     memset(c->serial, 0, (size_t)c->pool->n_blocks * sizeof *c->serial);
@@ -232,18 +235,37 @@ void kn_kv_cache_clear(kn_kv_cache *c)
     ev_log(c, KN_KV_EV_CLEARED, 0);
 }
 
-/* Enter pool block b (held by the caller) as the entry (id, serial) after the entry (its
- * id and serial) of the block before it. */
+/* Enter pool block b (held by the caller) as the entry (id, serial) of n tokens after the
+ * entry (its id and serial) of the block before it. Only whole blocks are logged: a tail is
+ * a leaf nobody indexes (kv_cache.h). */
 static void entry_add(kn_kv_cache *c, int32_t b, uint64_t id, uint64_t serial,
-                      const kn_kv_chain *parent, const int32_t *tokens)
+                      const kn_kv_chain *parent, const int32_t *tokens, int n)
 {
-    ev_log(c, KN_KV_EV_STORED, id);
+    if (n == c->bs) ev_log(c, KN_KV_EV_STORED, id);
     c->id[b] = id;
     c->serial[b] = serial;
     c->parent[b] = parent->serial;
-    memcpy(c->tok + (size_t)b * (size_t)c->bs, tokens, (size_t)c->bs * sizeof *tokens);
+    c->pid[b] = parent->id;
+    c->ntok[b] = n;
+    memcpy(c->tok + (size_t)b * (size_t)c->bs, tokens, (size_t)n * sizeof *tokens);
     index_add(c, b);
     c->n_cached++;
+}
+
+/* The entry of the n tokens t after chain ch (n = bs: a whole block), or -1. */
+static int32_t lookup_n(const kn_kv_cache *c, const kn_kv_chain *ch, const int32_t *t, int n,
+                        uint64_t *id)
+{
+    *id = td_block_hash(ch->id, t, (size_t)n);
+    int32_t b = index_find(c, *id);
+    bool hit = b >= 0 && c->parent[b] == ch->serial && c->ntok[b] == n &&
+               !memcmp(c->tok + (size_t)b * (size_t)c->bs, t, (size_t)n * sizeof *t);
+    return hit ? b : -1;
+}
+
+static int32_t lookup(const kn_kv_cache *c, const kn_kv_chain *ch, const int32_t *t, uint64_t *id)
+{
+    return lookup_n(c, ch, t, c->bs, id);
 }
 
 /* The query's next block (id, tokens t, after chain ch) is not in the pool as it should be
@@ -258,17 +280,17 @@ static int32_t restore(kn_kv_cache *c, uint64_t id, const kn_kv_chain *ch, const
         if (c->pool->refs[existing] > 0) return -1;
         idle_unlink(c, existing);
         entry_drop(c, existing);
-        c->pool->free_ids[c->pool->n_free++] = existing;
+        kn_kv_pool_put(c->pool, existing);
     }
     int32_t b;
-    if (kn_kv_alloc(c->pool, 1, &b)) return -1;
+    if (kn_kv_cache_alloc(c, 1, &b)) return -1;
     /* the allocation may have evicted blocks into a full tier, dropping this entry */
     int slot = kn_kv_tier_find(c->tier, id, ch->serial, t, &serial);
     if (slot < 0 || kn_kv_tier_get(c->tier, slot, c->pool, b)) {
-        kn_kv_free(c->pool, 1, &b);
+        kn_kv_cache_free(c, 1, &b);
         return -1;
     }
-    entry_add(c, b, id, serial, ch, t);
+    entry_add(c, b, id, serial, ch, t, c->bs);
     c->restored[b] = true;
     return b;
 }
@@ -280,12 +302,11 @@ int kn_kv_cache_match_tier(kn_kv_cache *c, const int32_t *tokens, int64_t n_toke
     int n = 0;
     while (n < max_blocks && (int64_t)(n + 1) * c->bs <= n_tokens) {
         const int32_t *t = tokens + (size_t)n * (size_t)c->bs;
-        uint64_t id = td_block_hash(ch.id, t, (size_t)c->bs);
-        int32_t b = index_find(c, id);
-        bool hit = b >= 0 && c->parent[b] == ch.serial &&
-                   !memcmp(c->tok + (size_t)b * (size_t)c->bs, t, (size_t)c->bs * sizeof *t);
-        if (hit) {
-            if (c->pool->refs[b]++ == 0) idle_unlink(c, b);
+        uint64_t id;
+        int32_t b = lookup(c, &ch, t, &id);
+        if (b >= 0) {
+            if (c->pool->refs[b] == 0) idle_unlink(c, b);
+            kn_kv_pool_ref(c->pool, b);
         } else {
             if (!tb || !c->tier) break;
             if (tb->copies_left <= 0) {
@@ -293,7 +314,7 @@ int kn_kv_cache_match_tier(kn_kv_cache *c, const int32_t *tokens, int64_t n_toke
                 tb->more = kn_kv_tier_find(c->tier, id, ch.serial, t, &serial) >= 0;
                 break;
             }
-            if ((b = restore(c, id, &ch, t, b)) < 0) break;
+            if ((b = restore(c, id, &ch, t, index_find(c, id))) < 0) break;
             tb->copies_left--;
             tb->copied++;
         }
@@ -333,19 +354,24 @@ int kn_kv_cache_claim_restored(kn_kv_cache *c, const int32_t *blocks, int n)
 
 bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *tokens, int32_t block)
 {
-    if (!chain->serial) return false;
+    return kn_kv_cache_insert_n(c, chain, tokens, c->bs, block);
+}
+
+bool kn_kv_cache_insert_n(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *tokens, int n,
+                          int32_t block)
+{
+    if (!chain->serial || n < 1 || n > c->bs) return false;
     if (block < 0 || block >= c->pool->n_blocks || c->pool->refs[block] < 1) {
         /* the caller's bug: an unreferenced block; stop its chain */
         TD_LOG_ERR("kv cache: block %d entered while free (bug)", block);
         chain->serial = 0;
         return false;
     }
-    uint64_t id = td_block_hash(chain->id, tokens, (size_t)c->bs);
+    uint64_t id = td_block_hash(chain->id, tokens, (size_t)n);
     int32_t e = index_find(c, id);
     if (e >= 0) {
-        bool same =
-            c->parent[e] == chain->serial &&
-            !memcmp(c->tok + (size_t)e * (size_t)c->bs, tokens, (size_t)c->bs * sizeof *tokens);
+        bool same = c->parent[e] == chain->serial && c->ntok[e] == n &&
+                    !memcmp(c->tok + (size_t)e * (size_t)c->bs, tokens, (size_t)n * sizeof *tokens);
         if (same) { /* entered already (maybe by someone else): go on through it */
             *chain = (kn_kv_chain){.id = id, .serial = c->serial[e]};
             return false;
@@ -357,16 +383,88 @@ bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *token
         /* idle and useless to this chain: it gives way (its block becomes free) */
         idle_unlink(c, e);
         entry_drop(c, e);
-        c->pool->free_ids[c->pool->n_free++] = e;
+        kn_kv_pool_put(c->pool, e);
     }
     if (c->serial[block]) { /* cached under another prefix: it cannot hold this one */
         chain->serial = 0;
         return false;
     }
-    entry_add(c, block, id, c->next_serial++, chain, tokens);
+    entry_add(c, block, id, c->next_serial++, chain, tokens, n);
     c->inserts++;
     *chain = (kn_kv_chain){.id = id, .serial = c->serial[block]};
     return true;
+}
+
+int kn_kv_cache_rebind(kn_kv_cache *c, kn_kv_pool *pool)
+{
+    if (c->n_cached || c->n_idle || pool->n_blocks != c->pool->n_blocks ||
+        pool->block_size != c->bs)
+        return TD_ESTATE;
+    c->pool = pool;
+    return 0;
+}
+
+bool kn_kv_cache_holds(const kn_kv_cache *c, int32_t block)
+{
+    return block >= 0 && block < c->pool->n_blocks && c->serial[block] != 0;
+}
+
+int kn_kv_cache_probe(const kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
+                      kn_kv_chain *chain)
+{
+    kn_kv_chain ch = kn_kv_cache_root();
+    int n = 0;
+    for (; n < max_blocks && (int64_t)(n + 1) * c->bs <= n_tokens; n++) {
+        uint64_t id;
+        int32_t b = lookup(c, &ch, tokens + (size_t)n * (size_t)c->bs, &id);
+        if (b < 0) break;
+        ch = (kn_kv_chain){.id = id, .serial = c->serial[b]};
+    }
+    *chain = ch;
+    return n;
+}
+
+bool kn_kv_cache_probe_tail(const kn_kv_cache *c, const kn_kv_chain *chain, const int32_t *tokens,
+                            int n, uint64_t *id)
+{
+    uint64_t found;
+    if (n < 1 || n >= c->bs || lookup_n(c, chain, tokens, n, &found) < 0) return false;
+    *id = found; /* untouched on a miss: callers pass the id they hold */
+    return true;
+}
+
+int32_t kn_kv_cache_find(const kn_kv_cache *c, uint64_t id)
+{
+    return index_find(c, id);
+}
+
+kn_kv_entry kn_kv_cache_entry(const kn_kv_cache *c, int32_t block)
+{
+    return (kn_kv_entry){.id = c->id[block],
+                         .serial = c->serial[block],
+                         .parent = {.id = c->pid[block], .serial = c->parent[block]},
+                         .n_tokens = c->ntok[block],
+                         .tokens = c->tok + (size_t)block * (size_t)c->bs};
+}
+
+void kn_kv_cache_take(kn_kv_cache *c, int32_t block)
+{
+    if (c->pool->refs[block] == 0 && c->serial[block]) idle_unlink(c, block);
+    kn_kv_pool_ref(c->pool, block);
+}
+
+void kn_kv_cache_forget(kn_kv_cache *c, int32_t block)
+{
+    if (!c->serial[block]) return;
+    bool idle = c->pool->refs[block] == 0;
+    if (idle) idle_unlink(c, block);
+    entry_drop(c, block);
+    if (idle) kn_kv_pool_put(c->pool, block);
+}
+
+void kn_kv_cache_set_demand_evict(kn_kv_cache *c, bool on)
+{
+    c->no_demand_evict = !on;
 }
 
 kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c)
@@ -375,28 +473,45 @@ kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c)
         .cached = c->n_cached, .idle = c->n_idle, .inserts = c->inserts, .evictions = c->evictions};
 }
 
-int kn_kv_cache_idle(const kn_kv_cache *c)
-{
-    return c->n_idle;
-}
-
-int32_t kn_kv_cache_evict(kn_kv_cache *c)
+/* Evict the least recently idle block (written to the tier first, if any): it leaves the
+ * index and goes back to the free list. false if none is idle. */
+static bool evict_one(kn_kv_cache *c)
 {
     int32_t b = c->idle_head;
-    if (b < 0) return -1;
+    if (b < 0) return false;
     idle_unlink(c, b);
     /* to the second tier first (a failure is the tier's error: the block is only lost) */
-    if (c->tier)
+    if (c->tier && c->ntok[b] == c->bs)
         kn_kv_tier_put(c->tier, c->pool, b, c->id[b], c->serial[b], c->parent[b],
                        c->tok + (size_t)b * (size_t)c->bs);
     entry_drop(c, b);
     c->evictions++;
-    return b;
+    kn_kv_pool_put(c->pool, b);
+    return true;
 }
 
-bool kn_kv_cache_park(kn_kv_cache *c, int32_t block)
+int kn_kv_cache_available(const kn_kv_cache *c)
 {
-    if (!c->serial[block]) return false;
-    idle_append(c, block);
-    return true;
+    return kn_kv_pool_n_free(c->pool) + (c->no_demand_evict ? 0 : c->n_idle);
+}
+
+int kn_kv_cache_alloc(kn_kv_cache *c, int n, int32_t *ids)
+{
+    if (n < 0) return TD_EINVAL;
+    if (n > kn_kv_cache_available(c)) return TD_ENOSPC;
+    while (kn_kv_pool_n_free(c->pool) < n) /* the free list is short: evict, oldest first */
+        evict_one(c);
+    return kn_kv_pool_take(c->pool, n, ids);
+}
+
+void kn_kv_cache_free(kn_kv_cache *c, int n, const int32_t *ids)
+{
+    for (int i = n - 1; i >= 0; i--) {
+        int32_t b = ids[i];
+        if (!kn_kv_pool_unref(c->pool, b)) continue;
+        if (c->serial[b])
+            idle_append(c, b); /* cached: kept idle, most recently */
+        else
+            kn_kv_pool_put(c->pool, b);
+    }
 }

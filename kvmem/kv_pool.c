@@ -1,12 +1,9 @@
 /* kv_pool.c: one-region paged KV pool with a free-list allocator and per-block reference
  * counts; the region is private anonymous memory, an unnamed memfd, a named POSIX
  * shared-memory segment, or a device backend's memory (then optionally with a host staging
- * copy for kvxfer). An attached prefix cache (kv_cache.c) keeps unreferenced cached blocks
- * until evicted. */
+ * copy for kvxfer). Layer 1 of kv_mem.h: it calls nothing above it. */
 #define _GNU_SOURCE /* memfd_create */
 #include "kv_pool.h"
-
-#include "kv_cache_int.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -298,17 +295,10 @@ void kn_kv_region_unmap(void *region, size_t bytes)
     if (region) munmap(region, bytes);
 }
 
-int kn_kv_available(const kn_kv_pool *pool)
-{
-    return pool->n_free + (pool->cache ? kn_kv_cache_idle(pool->cache) : 0);
-}
-
-int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)
+int kn_kv_pool_take(kn_kv_pool *pool, int n, int32_t *ids)
 {
     if (n < 0) return TD_EINVAL;
-    if (n > kn_kv_available(pool)) return TD_ENOSPC;
-    while (pool->n_free < n) /* the free list is short: evict idle cached blocks, oldest first */
-        pool->free_ids[pool->n_free++] = kn_kv_cache_evict(pool->cache);
+    if (n > pool->n_free) return TD_ENOSPC;
     for (int i = 0; i < n; i++) {
         ids[i] = pool->free_ids[--pool->n_free];
         pool->refs[ids[i]] = 1;
@@ -317,17 +307,35 @@ int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids)
     return 0;
 }
 
-static int id_cmp(const void *a, const void *b)
+/* A block id out of range, or a reference count that cannot be, is a bug in the layer
+ * above: stop before the free list or a sequence's KV is corrupted. */
+static void check_block(const kn_kv_pool *pool, int32_t id, bool held, const char *what)
 {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
+    if (id >= 0 && id < pool->n_blocks && (!held || pool->refs[id] >= 1)) return;
+    TD_LOG_ERR("kv block %d %s (bug)", id, what);
+    abort();
 }
 
-int kn_kv_alloc_ascending(kn_kv_pool *pool, int n, int32_t *ids)
+void kn_kv_pool_ref(kn_kv_pool *pool, int32_t id)
 {
-    int rc = kn_kv_alloc(pool, n, ids);
-    if (!rc && n > 1) qsort(ids, (size_t)n, sizeof *ids, id_cmp);
-    return rc;
+    check_block(pool, id, false, "referenced out of range");
+    pool->refs[id]++;
+}
+
+bool kn_kv_pool_unref(kn_kv_pool *pool, int32_t id)
+{
+    check_block(pool, id, true, "freed twice or out of range");
+    return --pool->refs[id] == 0;
+}
+
+void kn_kv_pool_put(kn_kv_pool *pool, int32_t id)
+{
+    check_block(pool, id, false, "put out of range");
+    if (pool->refs[id] || pool->n_free >= pool->n_blocks) {
+        TD_LOG_ERR("kv block %d put while held or free (bug)", id);
+        abort();
+    }
+    pool->free_ids[pool->n_free++] = id;
 }
 
 /* Every layer's K and V of blocks ids between the staging and the device (a sliced pool's
@@ -361,7 +369,10 @@ int kn_kv_block_copy(kn_kv_pool *p, int32_t src, int32_t dst)
     if (src < 0 || src >= p->n_blocks || dst < 0 || dst >= p->n_blocks || src == dst)
         return TD_ERANGE;
     const kn_backend_ops *o = p->dev.ops;
-    const bool device = o && !o->host_memory;
+    /* a staged pool's newest KV of src may be in its host copy (received, not uploaded):
+     * copy there and leave dst to be uploaded; else on the device, and dst is current there */
+    const bool in_host = p->host && !p->on_dev[src];
+    const bool device = o && !o->host_memory && !in_host;
     void *tmp = NULL;
     if (device && !(tmp = malloc(p->block_bytes))) return TD_ENOMEM;
     int rc = 0;
@@ -370,12 +381,15 @@ int kn_kv_block_copy(kn_kv_pool *p, int32_t src, int32_t dst)
             size_t bytes, off_s = kn_kv_block_piece(p, src, s, NULL, &bytes);
             size_t off_d = kn_kv_block_piece(p, dst, s, NULL, &bytes);
             char *base = l & 1 ? p->v[l / 2] : p->k[l / 2];
+            if (in_host) /* the staging copy: the same offsets */
+                base = (char *)p->host + (base - (char *)p->region);
             if (!device)
                 memcpy(base + off_d, base + off_s, bytes);
             else if (!(rc = o->download(p->dev.ctx, tmp, base + off_s, bytes)))
                 rc = o->upload(p->dev.ctx, base + off_d, tmp, bytes);
         }
     free(tmp);
+    if (!rc && p->host) p->on_dev[dst] = p->on_dev[src];
     return rc;
 }
 
@@ -387,50 +401,4 @@ int kn_kv_stage_upload(kn_kv_pool *p, const int32_t *ids, int n)
 int kn_kv_stage_download(kn_kv_pool *p, const int32_t *ids, int n)
 {
     return stage_blocks(p, ids, n, false);
-}
-
-void kn_kv_free(kn_kv_pool *pool, int n, const int32_t *ids)
-{
-    for (int i = n - 1; i >= 0; i--) {
-        int32_t b = ids[i];
-        /* a double free is a bug in the caller; the stack cannot overflow otherwise */
-        if (b < 0 || b >= pool->n_blocks || pool->refs[b] < 1 || pool->n_free >= pool->n_blocks) {
-            TD_LOG_ERR("kv block %d freed twice or out of range (bug)", b);
-            abort();
-        }
-        if (--pool->refs[b]) continue;
-        if (pool->cache && kn_kv_cache_park(pool->cache, b)) continue;
-        pool->free_ids[pool->n_free++] = b;
-    }
-}
-
-void kn_kv_seq_init(kn_kv_seq *s)
-{
-    memset(s, 0, sizeof *s);
-}
-
-int kn_kv_seq_reserve(kn_kv_pool *pool, kn_kv_seq *s, int64_t n_ctx)
-{
-    if (n_ctx < 0) return TD_EINVAL;
-    int need = kn_kv_blocks_for(pool, n_ctx);
-    if (need <= s->n_blocks) return 0;
-    int rc = TD_GROW_INT(s->blocks, s->cap, need, 8);
-    if (rc) return rc;
-    rc = kn_kv_alloc(pool, need - s->n_blocks, s->blocks + s->n_blocks);
-    if (rc) return rc;
-    s->n_blocks = need;
-    return 0;
-}
-
-void kn_kv_seq_release(kn_kv_pool *pool, kn_kv_seq *s)
-{
-    kn_kv_free(pool, s->n_blocks, s->blocks);
-    s->n_blocks = 0;
-}
-
-void kn_kv_seq_fini(kn_kv_pool *pool, kn_kv_seq *s)
-{
-    if (s->n_blocks) kn_kv_seq_release(pool, s);
-    free(s->blocks);
-    memset(s, 0, sizeof *s);
 }

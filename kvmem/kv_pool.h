@@ -16,31 +16,28 @@
  * order are the block's heads in order, so block copies (kv_tier.h's file, staging
  * uploads) carry the same bytes in every layout.
  * Invariants: block_size is a power of two; a block id is either on the free list, or
- * referenced by refs[id] >= 1 sequences (more than one only through a prefix cache,
- * kv_cache.h), or (refs 0) kept idle by the pool's prefix cache; kn_kv_alloc is
- * all-or-nothing and evicts idle cached blocks (least recently used first) only when the
- * free list alone is short.
+ * referenced by refs[id] >= 1 holders (more than one only through a prefix cache,
+ * kv_cache.h), or (refs 0) kept idle by the prefix cache above it; kn_kv_pool_take is
+ * all-or-nothing. The pool calls nothing above it (kv_mem.h: the layers).
  * Memory: private anonymous memory (zero-filled lazily), an unnamed memfd (fd_backed), or,
- * with params.shm_name, a POSIX shared-memory segment the pool's process creates and another process maps with
- * kn_kv_region_map (a decode instance's leader maps its followers' pools to receive their
- * KV through kvxfer). The segment is reserved with posix_fallocate at create, so a full
- * /dev/shm is a clean TD_ENOMEM there rather than a SIGBUS at the first write.
+ * with params.shm_name, a POSIX shared-memory segment the pool's process creates and another
+ * process of the same host maps with kn_kv_region_map (to have KV written into it). The
+ * segment is reserved with posix_fallocate at create, so a full /dev/shm is a clean
+ * TD_ENOMEM there rather than a SIGBUS at the first write.
  * Device pools (params.backend with host_memory false): the region is the backend's memory.
  * With params.host_stage they also keep a host copy of the same layout (the "staging",
  * shared memory when shm_name is set), which kvxfer reads and writes instead
  * (kn_kv_xfer_region): KV received into it is uploaded block by block before the engine
  * reads it (the engine asks with kn_kv_stage_upload; on_dev says which blocks' device copy
  * is current), and a prefill stage downloads each chunk's blocks before it pushes them
- * (kn_kv_stage_download). A block handed out by kn_kv_alloc is not current until uploaded
+ * (kn_kv_stage_download). A block handed out by kn_kv_pool_take is not current until uploaded
  * or written by the engine. The on_dev flags (n_blocks bytes) follow the region in the host
- * copy, so in shared memory the process that maps it (the decode leader, which allocates
- * the blocks of every rank) can clear them for blocks it hands to a transfer
- * (dc_xfer.h); kn_kv_region_map of such a pool (params.backend a device, host_stage) maps
+ * copy, so in shared memory a process that maps it and writes blocks there can clear
+ * them; kn_kv_region_map of such a pool (params.backend a device, host_stage) maps
  * region_bytes + n_blocks.
  * Threading: not thread-safe; the process's engine loop owns the pool (a process that maps
  * the region shares the memory, not the allocator).
- * Ownership: kn_kv_pool_create/destroy own the region; kn_kv_seq_init/fini are for an
- * embedded sequence record whose blocks go back to the pool on kn_kv_seq_release. A shared
+ * Ownership: kn_kv_pool_create/destroy own the region (kn_kv_mem_create makes one). A shared
  * pool's name exists from create until the mapper unlinks it (kn_kv_region_map with
  * unlink) or the pool is destroyed, whichever comes first: names must therefore be unique
  * per creating process (carry its pid), so that destroy never removes another's segment.
@@ -90,8 +87,7 @@ typedef struct {
     void **k, **v;         /* (n_layers) pointers into region */
     int32_t *free_ids;     /* stack of free block ids */
     int n_free;
-    int32_t *refs;             /* (n_blocks) sequences referencing each block */
-    struct kn_kv_cache *cache; /* the attached prefix cache (kv_cache.h), or NULL */
+    int32_t *refs;   /* (n_blocks) references to each block */
     char *shm_name;  /* the segment's name while this pool may still have to unlink it, or NULL */
     int fd;          /* the host memory's file (shm segment or memfd), open while the pool
                         lives; -1 for private memory (kn_kv_pool_fd) */
@@ -136,8 +132,10 @@ int kn_kv_stage_download(kn_kv_pool *p, const int32_t *ids, int n);
 
 /* dst's KV = src's, every layer's K and V (copy on write: a request that must write into
  * a block it shares takes a private copy first). On the pool's own memory: memcpy, or the
- * backend's download + upload for a device pool (its staging, if any, is not touched:
- * download the block before kvxfer pushes it). TD_ERANGE (nothing copied) for an id out of
+ * backend's download + upload for a device pool. A staged pool copies where src's newest KV
+ * is: on the device (dst current there, on_dev 1; its staging is not touched: download the
+ * block before kvxfer pushes it), or in the staging (src received, not uploaded: dst is
+ * uploaded before the engine reads it, on_dev 0). TD_ERANGE (nothing copied) for an id out of
  * range or src == dst, TD_ENOMEM, or the backend's error. */
 int kn_kv_block_copy(kn_kv_pool *p, int32_t src, int32_t dst);
 
@@ -170,40 +168,32 @@ int kn_kv_region_map(const kn_kv_pool_params *p, bool unlink, void **region, siz
                      int *fd);
 void kn_kv_region_unmap(void *region, size_t bytes); /* NULL is fine */
 
-/* Take n blocks into ids (each with one reference), evicting idle cached blocks (least
- * recently used first) when the free list is short; TD_ENOSPC (and nothing taken, nothing
- * evicted) if fewer than n are free or idle. */
-int kn_kv_alloc(kn_kv_pool *pool, int n, int32_t *ids);
-/* kn_kv_alloc with ids in ascending order: blocks freed together come back as runs of
- * consecutive ids (the free list hands them out in the reverse of their freeing order, which
- * a prefix cache's oldest-first eviction makes descending), so a prefill stage's request
- * holds long runs, each one contiguous piece per slice of a sliced pool for kvxfer. */
-int kn_kv_alloc_ascending(kn_kv_pool *pool, int n, int32_t *ids);
-/* Drop one reference to each of ids, last first (so a sequence's deepest blocks are the
- * least recently used of its cached ones: evicted before the prefix they extend); a block
- * whose last reference goes returns to the free list, or stays idle in the cache if it is
- * cached. A block with no reference is a bug (abort). */
-void kn_kv_free(kn_kv_pool *pool, int n, const int32_t *ids);
-/* Blocks an allocation can take now: free plus idle cached ones. */
-int kn_kv_available(const kn_kv_pool *pool);
+/* ---- the block allocator (layer 1 of kv_mem.h; the layers above call these) ----
+ * A block is free (on the free list, refs 0), held (refs >= 1), or kept (refs 0, off the
+ * free list: the prefix cache holds it idle, kv_cache.h). The pool counts references and
+ * keeps the free list; what happens to a block whose last reference goes is the caller's
+ * decision (kn_kv_pool_put, or keep it). Everything else allocates through kv_mem.h. */
+
+/* Take n free blocks into ids (each with one reference); TD_ENOSPC (nothing taken) if fewer
+ * than n are free, TD_EINVAL if n < 0. */
+int kn_kv_pool_take(kn_kv_pool *pool, int n, int32_t *ids);
+/* One more reference to block id (held, or kept: it leaves the caller's keeping). */
+void kn_kv_pool_ref(kn_kv_pool *pool, int32_t id);
+/* Drop one reference to block id; true if it was the last (the block is now the caller's to
+ * kn_kv_pool_put or keep). A block with no reference is a bug (abort). */
+bool kn_kv_pool_unref(kn_kv_pool *pool, int32_t id);
+/* Block id (refs 0, not free) goes back to the free list. */
+void kn_kv_pool_put(kn_kv_pool *pool, int32_t id);
+/* Blocks on the free list. */
+static inline int kn_kv_pool_n_free(const kn_kv_pool *pool)
+{
+    return pool->n_free;
+}
 
 /* Blocks needed for n_ctx positions. */
 static inline int kn_kv_blocks_for(const kn_kv_pool *pool, int64_t n_ctx)
 {
     return (int)((n_ctx + pool->block_size - 1) / pool->block_size);
 }
-
-/* A sequence's block table, grown on demand. */
-typedef struct {
-    int32_t *blocks; /* (n_blocks) block ids, position p lives in blocks[p / block_size] */
-    int n_blocks, cap;
-} kn_kv_seq;
-
-void kn_kv_seq_init(kn_kv_seq *s);
-/* Make room for positions [0, n_ctx): allocates missing blocks (all or nothing). */
-int kn_kv_seq_reserve(kn_kv_pool *pool, kn_kv_seq *s, int64_t n_ctx);
-/* Return every block to the pool; the record stays usable (empty). */
-void kn_kv_seq_release(kn_kv_pool *pool, kn_kv_seq *s);
-void kn_kv_seq_fini(kn_kv_pool *pool, kn_kv_seq *s); /* release + free the table */
 
 #endif

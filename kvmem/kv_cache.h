@@ -14,21 +14,23 @@
  * Serial numbers are never reused (an evicted and re-entered block gets a new one).
  * States of a pool block (refs = kn_kv_pool.refs):
  *
- *     free ──kn_kv_alloc──> private (refs >= 1) ──kn_kv_cache_insert──> cached, refs >= 1
- *      ^                       │ kn_kv_free to 0                        │ ^ kn_kv_cache_match
- *      └───────────────────────┘                         kn_kv_free to 0 v │ (refs 1)
- *      └────── kn_kv_alloc evicts it (least recently idle first) ── cached idle (refs 0)
+ *     free ──cache_alloc──> private (refs >= 1) ──kn_kv_cache_insert──> cached, refs >= 1
+ *      ^                       │ cache_free to 0                        │ ^ kn_kv_cache_match
+ *      └───────────────────────┘                        cache_free to 0 v │ (refs 1)
+ *      └────── cache_alloc evicts it (least recently idle first) ── cached idle (refs 0)
  *
  * Only whole blocks are entered (the last partial block of a sequence is never shared) and
  * only once their KV is computed; a cached block is never written again (its owners only
  * append past it), so sharing needs no copy. A block entered by one sequence while another
  * computed the same prefix privately stays private in the second (no swap).
  * Invariants: an entry's block is referenced or on the idle list, never free; the idle list
- * holds exactly the cached blocks with refs 0, oldest first; kn_kv_available counts them.
+ * holds exactly the cached blocks with refs 0, oldest first; kn_kv_cache_available counts them.
  * Threading: not thread-safe; the owner of the pool calls everything.
- * Ownership: the cache attaches itself to the pool at create (kn_kv_pool.cache) and detaches
- * at destroy (idle blocks go back to the free list; referenced ones stay with their owners);
- * destroy it before the pool.
+ * Layering (kv_mem.h): the cache is layer 3, above the pool (whose block allocator it drives:
+ * blocks of a pool with a cache are allocated and freed through kn_kv_cache_alloc/free,
+ * which kv_mem.c calls) and the tier (its victim store). It calls nothing above it.
+ * Ownership: the cache borrows the pool; at destroy its idle blocks go back to the free list
+ * (referenced ones stay with their owners); destroy it before the pool.
  */
 #ifndef KN_KV_CACHE_H
 #define KN_KV_CACHE_H
@@ -55,9 +57,21 @@ typedef struct {
     uint64_t evictions; /* cached blocks evicted to make room since create */
 } kn_kv_cache_stats;
 
-/* Attach a cache to pool. TD_ESTATE: the pool has one; TD_ENOMEM. */
+/* A cache over pool (borrowed; one cache a pool: kv_mem.h makes it). TD_ENOMEM. */
 int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out);
 void kn_kv_cache_destroy(kn_kv_cache *c); /* NULL is fine */
+
+/* The pool's allocator with the cache's keeping: take n blocks into ids (each with one
+ * reference), evicting idle cached blocks (least recently used first, written to the tier
+ * if any) when the free list is short; TD_ENOSPC (nothing taken, nothing evicted) if fewer
+ * than n are free or idle. */
+int kn_kv_cache_alloc(kn_kv_cache *c, int n, int32_t *ids);
+/* Drop one reference to each of ids, last first (so a sequence's deepest blocks are the
+ * least recently used of its cached ones: evicted before the prefix they extend); a block
+ * whose last reference goes stays idle if it is cached, else returns to the free list. */
+void kn_kv_cache_free(kn_kv_cache *c, int n, const int32_t *ids);
+/* Blocks an allocation can take now: free plus idle cached ones. */
+int kn_kv_cache_available(const kn_kv_cache *c);
 
 /* Forget every entry (the KV they name is gone: a TP instance re-forms with fresh follower
  * pools): idle blocks go back to the free list, referenced ones stay with their owners as
@@ -81,6 +95,54 @@ int kn_kv_cache_match(kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, i
 bool kn_kv_cache_insert(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *tokens, int32_t block);
 
 kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c);
+
+/* An empty cache (kn_kv_cache_clear) over a new pool of the same shape, in place of its
+ * pool (destroyed after): its numbering of events and serials, its settings and its tier go
+ * on. TD_ESTATE: the cache has entries, or the shapes differ. */
+int kn_kv_cache_rebind(kn_kv_cache *c, kn_kv_pool *pool);
+/* Whether pool block `block` is an entry of the cache (then it is never written again). */
+bool kn_kv_cache_holds(const kn_kv_cache *c, int32_t block);
+/* How many leading whole blocks of tokens[0..n_tokens) (at most max_blocks) are entries,
+ * following the index only (no reference taken, nothing touched); *chain: where they end. */
+int kn_kv_cache_probe(const kn_kv_cache *c, const int32_t *tokens, int64_t n_tokens, int max_blocks,
+                      kn_kv_chain *chain);
+
+/* ---- policies above the cache (a prefill stage's, pf_kvcache.h) ----
+ * A *tail* is an entry of 1 .. block_size - 1 tokens (a prompt's last partial block): a
+ * leaf (nothing chains after it, no KV event names it, never written to the tier); the
+ * decode side never enters one. A policy that decides eviction itself (the same decisions
+ * on every stage of a pipeline, whatever each stage's physical holds) turns the allocator's
+ * eviction off and drops entries with kn_kv_cache_forget. */
+
+/* Enter block as the n tokens (1 <= n <= block_size; n < block_size: a tail) after *chain,
+ * as kn_kv_cache_insert does for a whole block. */
+bool kn_kv_cache_insert_n(kn_kv_cache *c, kn_kv_chain *chain, const int32_t *tokens, int n,
+                          int32_t block);
+/* Whether the n tokens (1 <= n < block_size) after *chain are a tail entry; *id its id (left
+ * as it was on a miss). */
+bool kn_kv_cache_probe_tail(const kn_kv_cache *c, const kn_kv_chain *chain, const int32_t *tokens,
+                            int n, uint64_t *id);
+/* The block of the entry with this id, or -1 (its parent is not checked: kn_kv_cache_entry). */
+int32_t kn_kv_cache_find(const kn_kv_cache *c, uint64_t id);
+typedef struct {
+    uint64_t id, serial;
+    kn_kv_chain parent;    /* the entry before it (the root's id and serial for a first block) */
+    int n_tokens;          /* block_size, or fewer for a tail */
+    const int32_t *tokens; /* (n_tokens), the cache's */
+} kn_kv_entry;
+/* Entry `block` (kn_kv_cache_holds must be true). */
+kn_kv_entry kn_kv_cache_entry(const kn_kv_cache *c, int32_t block);
+/* One more reference on an entry's block (an idle one is held again); drop it with
+ * kn_kv_cache_free. */
+void kn_kv_cache_take(kn_kv_cache *c, int32_t block);
+/* Entry `block` leaves the index (a REMOVED event for a whole block): an idle block goes back
+ * to the free list, a held one stays with its holders as a private block (free when their
+ * last reference goes). A block that is no entry: nothing. */
+void kn_kv_cache_forget(kn_kv_cache *c, int32_t block);
+/* on (the default): kn_kv_cache_alloc evicts idle blocks when the free list is short; off:
+ * it takes free blocks only and idle blocks stay until forgotten (kn_kv_cache_available
+ * counts free blocks only). */
+void kn_kv_cache_set_demand_evict(kn_kv_cache *c, bool on);
 
 /* ---- KV events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, Dynamo's) ----
  * The cache logs what enters and leaves its index, so that the decode node can tell the
@@ -138,7 +200,5 @@ int kn_kv_cache_match_tier(kn_kv_cache *c, const int32_t *tokens, int64_t n_toke
 /* How many of blocks[0..n) came from the tier since they were last claimed; clears their
  * mark (the scheduler counts a tier hit once, when a request is admitted with them). */
 int kn_kv_cache_claim_restored(kn_kv_cache *c, const int32_t *blocks, int n);
-
-#include "kv_cache_int.h" /* the pool's hooks */
 
 #endif
