@@ -2,7 +2,8 @@
  * pass of step N runs on a thread of its own (the CPU pool's caller) while the node thread
  * sends step N-1's token events, serves the inbox, the transfers and the health; and the
  * scheduler's events, held back while a step is committed and the next one planned, so that
- * they leave once the next pass computes. The order of the events is the scheduler's. */
+ * they leave once the next pass computes. The order of the events is the scheduler's.
+ * This file owns the node's dc_overlap part (dc_node_int.h). */
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -20,18 +21,21 @@ struct dc_fwd {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int state; /* FWD_*: the node thread posts JOB or STOP, the thread answers DONE */
+    /* the job (set by dc_async_launch): the thread reaches the node through nothing else */
+    kn_engine *engine;
+    kn_kv_pool *kv;
     const kn_batch *b;
+    float *logits;
     int rc;
     int64_t t_post, t_start, t_end; /* job posted, pass began, pass ended (ns) */
-    dc_node *n;
 };
 
 /* ---- held events ---- */
 
 static dc_held_event *hold_slot(dc_node *n)
 {
-    if (TD_GROW_INT(n->held, n->cap_held, n->n_held + 1, 64)) return NULL;
-    return &n->held[n->n_held];
+    if (TD_GROW_INT(n->ovl.held, n->ovl.cap_held, n->ovl.n_held + 1, 64)) return NULL;
+    return &n->ovl.held[n->ovl.n_held];
 }
 
 /* A copy of the event at the end of the queue; false when out of memory (the caller sends
@@ -57,7 +61,7 @@ static bool hold(dc_node *n, const dc_held_event *e, const int32_t *ids,
         }
         memcpy(h->lps, lps, (size_t)e->n * sizeof *lps);
     }
-    n->n_held++;
+    n->ovl.n_held++;
     return true;
 }
 
@@ -72,7 +76,7 @@ void dc_async_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                        .n_prompt = n_prompt,
                        .n_gen = n_gen,
                        .n_cached = n_cached};
-    if (n->hold_events && hold(n, &e, ids, lps)) return;
+    if (n->ovl.hold_events && hold(n, &e, ids, lps)) return;
     dc_async_flush(n);
     dc_serve_on_tokens(ctx, id, ids, n_ids, lps, finish, n_prompt, n_gen, n_cached);
 }
@@ -82,16 +86,21 @@ void dc_async_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_
 {
     dc_node *n = ctx;
     dc_held_event h = {.id = id, .prompt_lps = true, .n = n_e, .from = from};
-    if (n->hold_events && hold(n, &h, NULL, e)) return;
+    if (n->ovl.hold_events && hold(n, &h, NULL, e)) return;
     dc_async_flush(n);
     dc_serve_on_prompt_logprobs(ctx, id, from, e, n_e);
+}
+
+void dc_async_hold(dc_node *n, bool on)
+{
+    n->ovl.hold_events = on;
 }
 
 void dc_async_flush(dc_node *n)
 {
     /* n_held may not grow meanwhile: dc_serve_on_* send, they never call the sink */
-    for (int i = 0; i < n->n_held; i++) {
-        dc_held_event *e = &n->held[i];
+    for (int i = 0; i < n->ovl.n_held; i++) {
+        dc_held_event *e = &n->ovl.held[i];
         if (e->prompt_lps)
             dc_serve_on_prompt_logprobs(n, e->id, e->from, e->lps, e->n);
         else
@@ -100,7 +109,7 @@ void dc_async_flush(dc_node *n)
         free(e->ids);
         free(e->lps);
     }
-    n->n_held = 0;
+    n->ovl.n_held = 0;
 }
 
 /* ---- the forward thread ---- */
@@ -113,10 +122,13 @@ static void *fwd_main(void *arg)
         while (f->state != FWD_JOB && f->state != FWD_STOP)
             pthread_cond_wait(&f->cv, &f->mu);
         if (f->state == FWD_STOP) break;
+        kn_engine *e = f->engine;
+        kn_kv_pool *kv = f->kv;
         const kn_batch *b = f->b;
+        float *logits = f->logits;
         pthread_mutex_unlock(&f->mu);
         int64_t t_start = td_now_ns();
-        int rc = kn_engine_forward(f->n->rt.engine, dc_kv(f->n), b, f->n->logits);
+        int rc = kn_engine_forward(e, kv, b, logits);
         int64_t t_end = td_now_ns();
         pthread_mutex_lock(&f->mu);
         f->t_start = t_start;
@@ -133,7 +145,6 @@ int dc_async_start(dc_node *n)
 {
     dc_fwd *f = calloc(1, sizeof *f);
     if (!f) return TD_ENOMEM;
-    f->n = n;
     pthread_mutex_init(&f->mu, NULL);
     pthread_cond_init(&f->cv, NULL);
     /* signals (SIGTERM) stay with the node thread: the thread starts with all blocked */
@@ -149,15 +160,18 @@ int dc_async_start(dc_node *n)
         free(f);
         return TD_ENOMEM;
     }
-    n->fwd = f;
+    n->ovl.fwd = f;
     return 0;
 }
 
-void dc_async_launch(dc_node *n, const kn_batch *b)
+void dc_async_launch(dc_node *n, const kn_batch *b, float *logits)
 {
-    dc_fwd *f = n->fwd;
+    dc_fwd *f = n->ovl.fwd;
     pthread_mutex_lock(&f->mu);
+    f->engine = n->proc.rt.engine;
+    f->kv = dc_kv(n);
     f->b = b;
+    f->logits = logits;
     f->state = FWD_JOB;
     f->t_post = td_now_ns();
     pthread_cond_broadcast(&f->cv);
@@ -166,7 +180,7 @@ void dc_async_launch(dc_node *n, const kn_batch *b)
 
 int dc_async_join(dc_node *n)
 {
-    dc_fwd *f = n->fwd;
+    dc_fwd *f = n->ovl.fwd;
     int64_t t_enter = td_now_ns();
     pthread_mutex_lock(&f->mu);
     while (f->state == FWD_JOB)
@@ -178,32 +192,32 @@ int dc_async_join(dc_node *n)
     int64_t t_back = td_now_ns();
     /* the hand-offs: the thread waking for the job, this one waking for its end; or, when
      * the pass ended before this thread came to join it, its own work was longer */
-    n->ns_handoff += f->t_start - f->t_post;
+    n->ovl.ns_handoff += f->t_start - f->t_post;
     if (t_enter < f->t_end)
-        n->ns_handoff += t_back - f->t_end;
+        n->ovl.ns_handoff += t_back - f->t_end;
     else
-        n->ns_io_over += t_enter - f->t_end;
-    n->ns_pass += f->t_end - f->t_start;
+        n->ovl.ns_io_over += t_enter - f->t_end;
+    n->ovl.ns_pass += f->t_end - f->t_start;
     return rc;
 }
 
 void dc_async_stop(dc_node *n)
 {
-    dc_fwd *f = n->fwd;
-    if (!f) return;
-    pthread_mutex_lock(&f->mu);
-    while (f->state == FWD_JOB) /* a pass in flight ends first */
-        pthread_cond_wait(&f->cv, &f->mu);
-    f->state = FWD_STOP;
-    pthread_cond_broadcast(&f->cv);
-    pthread_mutex_unlock(&f->mu);
-    pthread_join(f->th, NULL);
-    pthread_cond_destroy(&f->cv);
-    pthread_mutex_destroy(&f->mu);
-    free(f);
-    n->fwd = NULL;
+    dc_fwd *f = n->ovl.fwd;
+    if (f) {
+        pthread_mutex_lock(&f->mu);
+        while (f->state == FWD_JOB) /* a pass in flight ends first */
+            pthread_cond_wait(&f->cv, &f->mu);
+        f->state = FWD_STOP;
+        pthread_cond_broadcast(&f->cv);
+        pthread_mutex_unlock(&f->mu);
+        pthread_join(f->th, NULL);
+        pthread_cond_destroy(&f->cv);
+        pthread_mutex_destroy(&f->mu);
+        free(f);
+    }
+    n->ovl.hold_events = false;
     dc_async_flush(n);
-    free(n->held);
-    n->held = NULL;
-    n->cap_held = 0;
+    free(n->ovl.held);
+    n->ovl = (dc_overlap){0};
 }

@@ -1,7 +1,8 @@
 /* dc_node.c: a decode rank's life: load the shard, then form the instance with its sibling
  * ranks, run steps until the instance breaks or stops, and form it again (dc_node.h has
  * the leader's states). The leader's control plane (requests in, events out) is in
- * dc_serve.c. */
+ * dc_serve.c. This file owns the node's parts dc_proc, dc_formation, dc_life, dc_leader and
+ * dc_stats (dc_node_int.h), and makes and frees every part in teardown's order. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,9 +43,9 @@ static int kv_blocks_of(const dc_node *n)
         return (int)(n->dcfg->kv_blocks > (1 << 30) ? 1 << 30 : n->dcfg->kv_blocks);
     /* every rank sizes its blocks for the rank that holds the most KV heads, so that all
      * ranks get the same number of blocks (the leader's block ids index every pool) */
-    const kn_hparams *hp = &n->rt.model->hp;
+    const kn_hparams *hp = &n->proc.rt.model->hp;
     kn_kv_pool_params kp =
-        kn_model_kv_params(n->rt.model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
+        kn_model_kv_params(n->proc.rt.model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
     size_t es = kp.type == TD_F16 ? 2 : 4;
     size_t per_block = 2 * (size_t)kp.n_layers *
                        (size_t)td_tp_max_kv_heads(hp->n_head, hp->n_head_kv, n->dcfg->tp) *
@@ -58,17 +59,18 @@ static int kv_blocks_of(const dc_node *n)
 static int node_allreduce(void *ctx, float *buf, int64_t n_floats)
 {
     dc_node *n = ctx;
-    return n->shm ? dc_shm_allreduce(n->shm, buf, n_floats) : TD_ESTATE;
+    return n->form.shm ? dc_shm_allreduce(n->form.shm, buf, n_floats) : TD_ESTATE;
 }
 
 /* The LM head's logit slices to the leader, which samples (followers pass out NULL). */
 static int node_gather_cols(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
 {
     dc_node *n = ctx;
-    return n->shm ? dc_shm_gather_cols(n->shm, part, rows, n_cols, out) : TD_ESTATE;
+    return n->form.shm ? dc_shm_gather_cols(n->form.shm, part, rows, n_cols, out) : TD_ESTATE;
 }
 
-static int setup(dc_node *n)
+/* The process's part (dc_proc): the model, the KV memory, the rendezvous' parameters. */
+static int proc_init(dc_node *n)
 {
     const dc_node_params *p = n->p;
     char who[96];
@@ -85,7 +87,7 @@ static int setup(dc_node *n)
                          .cpu_act = td_cfg_act_name(p->cfg->cpu_act)},
         .coll = &coll,
         .who = who};
-    int rc = kn_act_runtime_open(&n->rt, &rp);
+    int rc = kn_act_runtime_open(&n->proc.rt, &rp);
     if (rc) return rc;
     int n_blocks = kv_blocks_of(n);
     if (n_blocks < 1) {
@@ -94,53 +96,55 @@ static int setup(dc_node *n)
         return TD_EINVAL;
     }
     td_dtype kv_type = n->dcfg->kv_dtype;
-    n->kvp = kn_model_kv_params(n->rt.model, n_blocks, n->dcfg->block_size, kv_type);
-    n->kvp.backend = &n->rt.be;
-    snprintf(n->token, sizeof n->token, "p%d", n->dcfg->port);
+    /* the pool's shape (kn_kv_mem keeps a copy; the leader maps followers' pools by its own) */
+    kn_kv_pool_params kvp =
+        kn_model_kv_params(n->proc.rt.model, n_blocks, n->dcfg->block_size, kv_type);
+    kvp.backend = &n->proc.rt.be;
+    snprintf(n->proc.token, sizeof n->proc.token, "p%d", n->dcfg->port);
     /* disaggregated: the leader receives every rank's KV (dc_xfer.h), so a follower's pool
      * is shared memory the leader maps after each rendezvous (it is created before, so it
      * exists once the rendezvous completes). On a device backend the KV lands in the pool's
      * host staging copy, and each rank's engine uploads a request's received blocks before
      * its first step reads them (kv_pool.h) */
-    n->disagg = p->cfg->n_prefill > 0;
-    n->kvp.host_stage = n->disagg;
+    n->proc.disagg = p->cfg->n_prefill > 0;
+    kvp.host_stage = n->proc.disagg;
     /* rank 0's own pool: a memfd, so a prefill stage on this host maps it and copies its KV
      * in (kvx_dec_register_fd); followers' pools are named segments, below */
-    n->kvp.fd_backed = n->disagg && p->rank == 0;
-    if (n->disagg && p->rank > 0) {
-        dc_xfer_kv_shm_sweep(p->instance, n->token);
-        if ((rc = dc_xfer_kv_shm_name(p->instance, n->token, p->rank, (int)getpid(), n->kv_shm_name,
-                                      sizeof n->kv_shm_name)))
+    kvp.fd_backed = n->proc.disagg && p->rank == 0;
+    if (n->proc.disagg && p->rank > 0) {
+        dc_xfer_kv_shm_sweep(p->instance, n->proc.token);
+        if ((rc = dc_xfer_kv_shm_name(p->instance, n->proc.token, p->rank, (int)getpid(),
+                                      n->proc.kv_shm_name, sizeof n->proc.kv_shm_name)))
             return rc;
-        n->kvp.shm_name = n->kv_shm_name;
+        kvp.shm_name = n->proc.kv_shm_name;
     }
-    if ((rc = kn_kv_mem_create(&n->kvp, &n->mem))) return rc;
+    if ((rc = kn_kv_mem_create(&kvp, &n->proc.mem))) return rc;
     if (p->rank > 0 && (rc = dc_tier_follower_open(n))) return rc;
 
-    int32_t max_ctx = n->rt.model->hp.n_ctx_train;
+    int32_t max_ctx = n->proc.rt.model->hp.n_ctx_train;
     int bpseq = (max_ctx + n->dcfg->block_size - 1) / n->dcfg->block_size;
     /* a step holds the prefill budget plus one token per running request, and at most one
      * logit row per running request */
     int64_t max_step = (int64_t)n->dcfg->step_tokens + n->dcfg->max_batch;
     size_t max_plan = 64 + (size_t)max_step * 12 +
                       (size_t)n->dcfg->max_batch * (8 + (size_t)bpseq * 4) + dc_tier_plan_room(n);
-    n->shmp = (dc_shm_params){
+    n->proc.shmp = (dc_shm_params){
         .instance = p->instance,
-        .token = n->token,
+        .token = n->proc.token,
         .rank = p->rank,
         .tp = n->dcfg->tp,
-        .max_floats = max_step * n->rt.model->hp.n_embd,
+        .max_floats = max_step * n->proc.rt.model->hp.n_embd,
         .max_plan = max_plan,
         .timeout_ms = p->cfg->kvxfer.timeout_ms,
         .interrupt = p->stop,
     };
     char be[160];
-    n->rt.be.ops->describe(n->rt.be.ctx, be, sizeof be);
+    n->proc.rt.be.ops->describe(n->proc.rt.be.ctx, be, sizeof be);
     TD_LOG_INFO("decode %s rank %d/%d: %s layers, %d heads/%d kv heads local, %d kv blocks of %d "
                 "(%s), %s",
-                p->instance, p->rank, n->dcfg->tp, kn_arch_name(n->rt.model->hp.arch),
-                n->rt.model->heads.n_q, n->rt.model->heads.n_kv, n_blocks, n->dcfg->block_size,
-                td_dtype_name(kv_type), be);
+                p->instance, p->rank, n->dcfg->tp, kn_arch_name(n->proc.rt.model->hp.arch),
+                n->proc.rt.model->heads.n_q, n->proc.rt.model->heads.n_kv, n_blocks,
+                n->dcfg->block_size, td_dtype_name(kv_type), be);
     return 0;
 }
 
@@ -148,33 +152,23 @@ static int setup(dc_node *n)
  * other ranks notice at once) and keep its figures for the final log. */
 static void close_shm(dc_node *n)
 {
-    if (!n->shm) return;
+    if (!n->form.shm) return;
     dc_shm_stats st;
-    dc_shm_get_stats(n->shm, &st);
-    n->shm_done.n_allreduce += st.n_allreduce;
-    n->shm_done.ns_allreduce += st.ns_allreduce;
-    n->shm_done.n_gather += st.n_gather;
-    n->shm_done.ns_gather += st.ns_gather;
-    n->shm_done.n_plans += st.n_plans;
-    n->shm_done.n_sleeps += st.n_sleeps;
-    dc_shm_close(n->shm);
-    n->shm = NULL;
+    dc_shm_get_stats(n->form.shm, &st);
+    n->form.shm_done.n_allreduce += st.n_allreduce;
+    n->form.shm_done.ns_allreduce += st.ns_allreduce;
+    n->form.shm_done.n_gather += st.n_gather;
+    n->form.shm_done.ns_gather += st.ns_gather;
+    n->form.shm_done.n_plans += st.n_plans;
+    n->form.shm_done.n_sleeps += st.n_sleeps;
+    dc_shm_close(n->form.shm);
+    n->form.shm = NULL;
 }
 
-static void teardown(dc_node *n)
+static void proc_fini(dc_node *n)
 {
-    dc_async_stop(n); /* no pass in flight any more: the serving loop joined it */
-    dc_node_xfer_teardown(n);
-    dc_sched_destroy(n->sched);
-    gr_cache_destroy(n->grammars);
-    gr_vocab_destroy(n->gvocab);
-    td_ctrl_server_destroy(n->srv);
-    free(n->routes);
-    free(n->held_allocs);
-    free(n->logits);
-    close_shm(n);
-    kn_kv_mem_destroy(n->mem); /* before the backend whose memory it may be */
-    kn_runtime_close(&n->rt);
+    kn_kv_mem_destroy(n->proc.mem); /* before the backend whose memory it may be */
+    kn_runtime_close(&n->proc.rt);
 }
 
 /* Drop the pool's content after a failed formation: every block is free already, and
@@ -185,7 +179,7 @@ static void teardown(dc_node *n)
  * disaggregated follower gets a new segment instead (renew_pool). */
 static void drop_kv(dc_node *n)
 {
-    if (n->kvp.shm_name || !n->rt.be.ops->host_memory) return;
+    if (n->proc.kv_shm_name[0] || !n->proc.rt.be.ops->host_memory) return;
     int how = kn_kv_pool_fd(dc_kv(n)) >= 0 ? MADV_REMOVE : MADV_DONTNEED;
     if (madvise(dc_kv(n)->region, dc_kv(n)->region_bytes, how))
         TD_LOG_WARN("decode %s rank %d: cannot drop the KV pool's pages: %s", n->p->instance,
@@ -204,7 +198,7 @@ static int follower_steps(dc_node *n)
     for (;;) {
         const void *plan;
         size_t len;
-        rc = dc_shm_plan_wait(n->shm, -1, &plan, &len);
+        rc = dc_shm_plan_wait(n->form.shm, -1, &plan, &len);
         if (rc) break;
         if ((rc = dc_plan_decode(plan, len, dc_kv(n)->block_size, dc_kv(n)->n_blocks, &v))) {
             TD_LOG_ERR("decode %s rank %d: bad step plan: %s", n->p->instance, n->p->rank,
@@ -219,7 +213,7 @@ static int follower_steps(dc_node *n)
             if (rc || (rc = dc_tier_copy_barrier(n))) break;
             continue;
         }
-        if ((rc = kn_engine_forward(n->rt.engine, dc_kv(n), &v.batch, NULL))) {
+        if ((rc = kn_engine_forward(n->proc.rt.engine, dc_kv(n), &v.batch, NULL))) {
             if (!*n->p->stop)
                 TD_LOG_ERR("decode %s rank %d: step %llu failed: %s", n->p->instance, n->p->rank,
                            (unsigned long long)v.step, td_strerror(rc));
@@ -236,10 +230,10 @@ static int follower_steps(dc_node *n)
  * Its content is dropped: every request of the last formation failed. */
 static int renew_pool(dc_node *n)
 {
-    int rc = kn_kv_mem_renew_pool(n->mem);
+    int rc = kn_kv_mem_renew_pool(n->proc.mem);
     if (rc)
         TD_LOG_ERR("decode %s rank %d: cannot make a new KV pool segment %s: %s", n->p->instance,
-                   n->p->rank, n->kv_shm_name, td_strerror(rc));
+                   n->p->rank, n->proc.kv_shm_name, td_strerror(rc));
     return rc;
 }
 
@@ -253,10 +247,10 @@ static int follower_run(dc_node *n)
     int64_t t_left = 0;     /* when it left the last formation */
     while (!*p->stop) {
         int rc;
-        if (pool_used && n->disagg && (rc = renew_pool(n))) return rc;
-        if (pool_used && !n->disagg) drop_kv(n);
+        if (pool_used && n->proc.disagg && (rc = renew_pool(n))) return rc;
+        if (pool_used && !n->proc.disagg) drop_kv(n);
         pool_used = false;
-        rc = dc_shm_begin(&n->shmp, &n->shm);
+        rc = dc_shm_begin(&n->proc.shmp, &n->form.shm);
         if (rc == TD_ETIMEDOUT) continue; /* no leader for timeout_ms (logged): wait on */
         if (rc) {
             if (*p->stop) break;
@@ -267,12 +261,12 @@ static int follower_run(dc_node *n)
         }
         /* no limit: rank 0 is watched (its death ends the wait), and it may wait for a
          * restarted rank as long as the operator needs */
-        if ((rc = dc_shm_gather(n->shm, -1))) {
+        if ((rc = dc_shm_gather(n->form.shm, -1))) {
             close_shm(n); /* the leader gave this segment up (a rank died while gathering) */
             continue;
         }
         pool_used = true;
-        kn_kv_mem_clear(n->mem); /* its tier: the leader's starts empty too */
+        kn_kv_mem_clear(n->proc.mem); /* its tier: the leader's starts empty too */
         if (t_left)
             TD_LOG_INFO("decode %s rank %d: joined the instance again (%.1f s after leaving it)",
                         p->instance, p->rank, (double)(td_now_ms() - t_left) / 1e3);
@@ -281,10 +275,10 @@ static int follower_run(dc_node *n)
         rc = follower_steps(n);
         char why[192];
         snprintf(why, sizeof why, "%s",
-                 rc == DC_SHM_STOP         ? "rank 0 stopped the instance"
-                 : rc == DC_SHM_INTR       ? "stopping"
-                 : dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm)
-                                           : td_strerror(rc));
+                 rc == DC_SHM_STOP              ? "rank 0 stopped the instance"
+                 : rc == DC_SHM_INTR            ? "stopping"
+                 : dc_shm_error(n->form.shm)[0] ? dc_shm_error(n->form.shm)
+                                                : td_strerror(rc));
         close_shm(n);
         t_left = td_now_ms();
         if (*p->stop) break;
@@ -297,21 +291,24 @@ static int follower_run(dc_node *n)
 
 /* ---- leader ---- */
 
-static int leader_setup(dc_node *n)
+/* The leader's part (dc_leader): the scheduler (with the structured-output vocabulary and
+ * grammars it checks against) and the logits it samples from. */
+static int leader_init(dc_node *n)
 {
     int rc = 0;
     td_tokenizer *tok = NULL;
     int32_t *eog = NULL;
     int n_eog = 0;
     /* end-of-generation ids come from the tokenizer metadata (absent: no EOG ids) */
-    if (td_tok_create(n->rt.gguf, &tok) == 0) {
+    if (td_tok_create(n->proc.rt.gguf, &tok) == 0) {
         int32_t nv = td_tok_n_vocab(tok);
         eog = malloc((size_t)nv * sizeof *eog);
         for (int32_t i = 0; eog && i < nv; i++)
             if (td_tok_is_eog(tok, i)) eog[n_eog++] = i;
         /* structured output needs the token strings; without them it is refused */
-        if (nv == n->rt.model->hp.n_vocab && (rc = gr_vocab_from_tok(tok, &n->gvocab)) == 0)
-            rc = gr_cache_create(0, &n->grammars);
+        if (nv == n->proc.rt.model->hp.n_vocab &&
+            (rc = gr_vocab_from_tok(tok, &n->leader.gvocab)) == 0)
+            rc = gr_cache_create(0, &n->leader.grammars);
         td_tok_destroy(tok);
         if (rc) {
             free(eog);
@@ -323,64 +320,62 @@ static int leader_setup(dc_node *n)
                           .deterministic = n->dcfg->deterministic,
                           .eog_ids = eog,
                           .n_eog = n_eog,
-                          .vocab = n->gvocab,
-                          .grammars = n->grammars,
+                          .vocab = n->leader.gvocab,
+                          .grammars = n->leader.grammars,
                           .prefix_cache = n->dcfg->prefix_cache,
                           .itl_target_ms = n->dcfg->itl_target_ms,
-                          .sample_pool = kn_backend_host_pool(n->rt.be)};
+                          .sample_pool = kn_backend_host_pool(n->proc.rt.be)};
     char tier_path[4096];
     rc = dc_tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)
-        rc = dc_sched_create(&sp, n->rt.model, n->mem,
+        rc = dc_sched_create(&sp, n->proc.rt.model, n->proc.mem,
                              (dc_sink){.ctx = n,
                                        .on_tokens = dc_async_on_tokens,
                                        .on_prompt_logprobs = dc_async_on_prompt_logprobs},
-                             &n->sched);
+                             &n->leader.sched);
     free(eog);
     if (rc) return rc;
-    n->logits =
-        malloc((size_t)n->dcfg->max_batch * (size_t)n->rt.model->hp.n_vocab * sizeof(float));
-    if (!n->logits) return TD_ENOMEM;
-    n->logit_rows = n->dcfg->max_batch;
-    if (n->dcfg->overlap && (rc = dc_async_start(n))) return rc;
-    td_ctrl_opts opts = {0};
-    if ((rc = td_ctrl_server_create(&opts, &n->srv))) return rc;
-    char url[256], bound[256];
-    if (n->p->listen)
-        snprintf(url, sizeof url, "%s", n->p->listen);
-    else if ((rc = td_cfg_ctrl_url(n->dcfg->host, n->dcfg->port, url, sizeof url)))
-        return rc;
-    if ((rc = td_ctrl_server_listen(n->srv, url, bound, sizeof bound))) {
-        TD_LOG_ERR("decode %s: cannot listen on %s: %s", n->p->instance, url, td_strerror(rc));
-        return rc;
-    }
-    TD_LOG_INFO("decode %s: serving on %s%s", n->p->instance, bound,
-                n->disagg ? " (disaggregated: Alloc and colocated Submit)" : "");
+    n->leader.logits =
+        malloc((size_t)n->dcfg->max_batch * (size_t)n->proc.rt.model->hp.n_vocab * sizeof(float));
+    if (!n->leader.logits) return TD_ENOMEM;
+    n->leader.logit_rows = n->dcfg->max_batch;
     return 0;
+}
+
+/* The scheduler before what it refers to (its sink's events were sent before: overlap's
+ * held ones at dc_async_stop). */
+static void leader_fini(dc_node *n)
+{
+    dc_sched_destroy(n->leader.sched);
+    gr_cache_destroy(n->leader.grammars);
+    gr_vocab_destroy(n->leader.gvocab);
+    free(n->leader.logits);
+    n->leader = (dc_leader){0};
 }
 
 /* What a forming leader waits for, for the ERR_BUSY text and its log. */
 static void set_forming_why(dc_node *n, bool gathered, const char *no_segment)
 {
-    const char *what = n->formations ? "re-forming" : "forming";
-    if (!n->shm) {
-        snprintf(n->forming_why, sizeof n->forming_why, "%s (no rendezvous segment: %s)", what,
-                 no_segment);
+    const char *what = n->life.formations ? "re-forming" : "forming";
+    if (!n->form.shm) {
+        snprintf(n->life.forming_why, sizeof n->life.forming_why, "%s (no rendezvous segment: %s)",
+                 what, no_segment);
         return;
     }
     if (gathered) {
-        snprintf(n->forming_why, sizeof n->forming_why,
+        snprintf(n->life.forming_why, sizeof n->life.forming_why,
                  "%s (waiting for %d KV transfers of the failed formation to end)", what,
-                 dc_xfer_pending(n->xfer));
+                 dc_xfer_pending(n->plane.xfer));
         return;
     }
-    uint64_t joined = dc_shm_joined(n->shm);
+    uint64_t joined = dc_shm_joined(n->form.shm);
     char list[96] = "";
     size_t len = 0;
     for (int r = 0; r < n->dcfg->tp && len < sizeof list - 8; r++)
         if (!(joined >> r & 1))
             len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", len ? ", " : "", r);
-    snprintf(n->forming_why, sizeof n->forming_why, "%s (waiting for rank %s)", what, list);
+    snprintf(n->life.forming_why, sizeof n->life.forming_why, "%s (waiting for rank %s)", what,
+             list);
 }
 
 /* FORMING: make a rendezvous segment and keep serving the control socket (polls and
@@ -393,20 +388,20 @@ static void set_forming_why(dc_node *n, bool gathered, const char *no_segment)
 static int form(dc_node *n)
 {
     const dc_node_params *p = n->p;
-    bool first = n->formations == 0;
+    bool first = n->life.formations == 0;
     int64_t t0 = td_now_ms(), next_try = 0, last_health = 0, next_log = t0 + FORM_LOG_MS;
     bool gathered = false;
     char no_segment[64] = "not made yet";
-    n->forming = true;
+    n->life.forming = true;
     dc_serve_health(n);
     /* a follower killed before its leader mapped its pool leaves the segment behind (here,
      * after a failed rendezvous and at the stop) */
-    if (n->disagg) dc_xfer_kv_shm_sweep(p->instance, n->token);
+    if (n->proc.disagg) dc_xfer_kv_shm_sweep(p->instance, n->proc.token);
     while (!*p->stop) {
         int rc;
-        if (!n->shm && td_now_ms() >= next_try) {
+        if (!n->form.shm && td_now_ms() >= next_try) {
             gathered = false;
-            if ((rc = dc_shm_begin(&n->shmp, &n->shm))) {
+            if ((rc = dc_shm_begin(&n->proc.shmp, &n->form.shm))) {
                 if (first) return rc;
                 snprintf(no_segment, sizeof no_segment, "%s", td_strerror(rc));
                 next_try = td_now_ms() + RETRY_MS;
@@ -414,32 +409,28 @@ static int form(dc_node *n)
         }
         set_forming_why(n, gathered, no_segment);
         if (td_now_ms() >= next_log) {
-            TD_LOG_INFO("decode %s: %s for %.0f s", p->instance, n->forming_why,
+            TD_LOG_INFO("decode %s: %s for %.0f s", p->instance, n->life.forming_why,
                         (double)(td_now_ms() - t0) / 1e3);
             next_log = td_now_ms() + FORM_LOG_MS;
         }
         /* the inbox first, then the ranks: neither waits long for the other */
-        int wait = !n->shm ? FORM_WAIT_MS : gathered ? DRAIN_WAIT_MS : 0;
-        if ((rc = dc_serve_inbox(n, wait))) return rc;
+        int wait = !n->form.shm ? FORM_WAIT_MS : gathered ? DRAIN_WAIT_MS : 0;
+        if ((rc = dc_serve_inbox(n, wait, NULL))) return rc;
         dc_serve_transfers(n);
-        if (n->load_changed || td_now_ms() - last_health >= 100) {
-            dc_serve_health(n);
-            last_health = td_now_ms();
-            n->load_changed = false;
-        }
-        if (!n->shm) continue;
-        rc = gathered ? dc_shm_check(n->shm) : dc_shm_gather(n->shm, FORM_WAIT_MS);
+        dc_serve_health_tick(n, &last_health);
+        if (!n->form.shm) continue;
+        rc = gathered ? dc_shm_check(n->form.shm) : dc_shm_gather(n->form.shm, FORM_WAIT_MS);
         if (rc == TD_ETIMEDOUT) continue;
         gathered = !rc;
         /* every rank is in; the blocks of the failed formation's transfers are not safe
          * to reuse (nor the pools to unmap) before each transfer is final */
-        if (!rc && dc_xfer_pending(n->xfer)) continue;
+        if (!rc && dc_xfer_pending(n->plane.xfer)) continue;
         if (!rc) {
             /* no writer can reach any pool now: the old KV plane goes (and with it the last
              * registration of rank 0's pool, whose pages can go too) */
             dc_node_xfer_teardown(n);
             if (!first) drop_kv(n);
-            if (n->disagg && (rc = dc_node_xfer_setup(n))) {
+            if (n->proc.disagg && (rc = dc_node_xfer_setup(n))) {
                 dc_node_xfer_teardown(n);
                 if (first) return rc;
                 next_try = td_now_ms() + RETRY_MS;
@@ -450,13 +441,13 @@ static int form(dc_node *n)
             /* a rank died while gathering, or the segment broke: start over with a fresh
              * one (the followers find it by themselves) */
             TD_LOG_INFO("decode %s: rendezvous failed (%s); starting a new one", p->instance,
-                        dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm) : td_strerror(rc));
+                        dc_shm_error(n->form.shm)[0] ? dc_shm_error(n->form.shm) : td_strerror(rc));
             close_shm(n);
-            if (n->disagg) dc_xfer_kv_shm_sweep(p->instance, n->token);
+            if (n->proc.disagg) dc_xfer_kv_shm_sweep(p->instance, n->proc.token);
             continue;
         }
-        n->forming = false;
-        n->formations++;
+        n->life.forming = false;
+        n->life.formations++;
         TD_LOG_INFO("decode %s: instance of %d ranks %s in %.3f s: ready", p->instance, n->dcfg->tp,
                     first ? "formed" : "re-formed", (double)(td_now_ms() - t0) / 1e3);
         dc_serve_health(n);
@@ -468,10 +459,11 @@ static int form(dc_node *n)
 /* Room for rows logit rows: more than one per request only for prompt logprobs. */
 static int grow_logits(dc_node *n, int rows)
 {
-    float *l = realloc(n->logits, (size_t)rows * (size_t)n->rt.model->hp.n_vocab * sizeof(float));
+    float *l = realloc(n->leader.logits,
+                       (size_t)rows * (size_t)n->proc.rt.model->hp.n_vocab * sizeof(float));
     if (!l) return TD_ENOMEM;
-    n->logits = l;
-    n->logit_rows = rows;
+    n->leader.logits = l;
+    n->leader.logit_rows = rows;
     return 0;
 }
 
@@ -489,23 +481,26 @@ typedef struct {
 static int step_begin(dc_node *n, step_run *sr)
 {
     sr->t_plan = td_now_ns();
-    int k = sr->k = dc_sched_plan(n->sched, &sr->st);
+    int k = sr->k = dc_sched_plan(n->leader.sched, &sr->st);
     int64_t t0 = td_now_ns();
-    if (k == 0 && (sr->rc = dc_tier_flush(n))) return sr->rc; /* copies of an empty step */
+    if (k == 0 && (sr->rc = dc_tier_flush(n, n->stats.step)))
+        return sr->rc; /* copies of an empty step */
     if (k <= 0) return k;
-    n->ns_plan += t0 - sr->t_plan;
+    n->stats.ns_plan += t0 - sr->t_plan;
     void *buf;
     size_t cap, len;
-    int nc, rc = dc_shm_plan_begin(n->shm, &buf, &cap);
+    int nc, rc = dc_shm_plan_begin(n->form.shm, &buf, &cap);
     const kn_kv_tier_op *copies = dc_tier_pending(n, &nc);
     if (!rc)
-        rc = dc_plan_encode(&sr->st.batch, copies, nc, dc_kv(n)->block_size, n->step, buf, cap, &len);
-    if (!rc && sr->st.batch.n_logits > n->logit_rows) rc = grow_logits(n, sr->st.batch.n_logits);
-    if (!rc) rc = dc_shm_plan_commit(n->shm, len);
+        rc = dc_plan_encode(&sr->st.batch, copies, nc, dc_kv(n)->block_size, n->stats.step, buf,
+                            cap, &len);
+    if (!rc && sr->st.batch.n_logits > n->leader.logit_rows)
+        rc = grow_logits(n, sr->st.batch.n_logits);
+    if (!rc) rc = dc_shm_plan_commit(n->form.shm, len);
     if (!rc) dc_tier_sent(n);
     sr->rc = rc;
     sr->t_fwd = td_now_ns();
-    n->ns_encode += sr->t_fwd - t0;
+    n->stats.ns_encode += sr->t_fwd - t0;
     return k;
 }
 
@@ -514,23 +509,23 @@ static int step_begin(dc_node *n, step_run *sr)
 static int step_end(dc_node *n, step_run *sr, int rc)
 {
     int64_t t_commit = td_now_ns();
-    n->step++;
+    n->stats.step++;
     /* the step's requests fail in the commit: their error events say why */
     if (rc)
-        snprintf(n->fail_why, sizeof n->fail_why, "%s",
-                 dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm) : td_strerror(rc));
-    dc_sched_commit(n->sched, n->logits, rc);
+        snprintf(n->life.fail_why, sizeof n->life.fail_why, "%s",
+                 dc_shm_error(n->form.shm)[0] ? dc_shm_error(n->form.shm) : td_strerror(rc));
+    dc_sched_commit(n->leader.sched, n->leader.logits, rc);
     int64_t t1 = td_now_ns();
-    n->ns_forward += t_commit - sr->t_fwd;
-    n->ns_commit += t1 - t_commit;
+    n->stats.ns_forward += t_commit - sr->t_fwd;
+    n->stats.ns_commit += t1 - t_commit;
     /* the whole step, as its decodes wait for it: the cost model behind itl_target_ms */
     if (!rc) {
-        dc_sched_observe(n->sched, (double)(t1 - sr->t_plan) / 1e6);
-        n->step_hist[td_step_hist_bucket((double)(t1 - sr->t_plan) / 1e9)]++;
-        n->step_us += (uint64_t)(t1 - sr->t_plan) / 1000u;
+        dc_sched_observe(n->leader.sched, (double)(t1 - sr->t_plan) / 1e6);
+        n->stats.step_hist[td_step_hist_bucket((double)(t1 - sr->t_plan) / 1e9)]++;
+        n->stats.step_us += (uint64_t)(t1 - sr->t_plan) / 1000u;
     }
-    n->step_ns += t1 - sr->t_fwd + (sr->t_fwd - sr->t_plan);
-    n->step_tokens += sr->k;
+    n->stats.step_ns += t1 - sr->t_fwd + (sr->t_fwd - sr->t_plan);
+    n->stats.step_tokens += sr->k;
     return rc ? rc : sr->k;
 }
 
@@ -540,21 +535,18 @@ static int run_step(dc_node *n)
     int k = step_begin(n, &sr);
     if (k <= 0) return k;
     int rc = sr.rc;
-    if (!rc) rc = kn_engine_forward(n->rt.engine, dc_kv(n), &sr.st.batch, n->logits);
+    if (!rc) rc = kn_engine_forward(n->proc.rt.engine, dc_kv(n), &sr.st.batch, n->leader.logits);
     return step_end(n, &sr, rc);
 }
 
-/* The inbox, the transfers and the health, before a step: wait ms for the first message. */
-static int serve_io(dc_node *n, int wait, int64_t *last_health)
+/* The inbox, the transfers and the health, before a step: wait ms for the first message
+ * (*ns_wait: how long it took, dc_serve_inbox). */
+static int serve_io(dc_node *n, int wait, int64_t *last_health, int64_t *ns_wait)
 {
-    int rc = dc_serve_inbox(n, wait);
+    int rc = dc_serve_inbox(n, wait, ns_wait);
     if (rc) return rc;
     dc_serve_transfers(n);
-    if (n->load_changed || td_now_ms() - *last_health >= 100) {
-        dc_serve_health(n);
-        *last_health = td_now_ms();
-        n->load_changed = false;
-    }
+    dc_serve_health_tick(n, last_health);
     return 0;
 }
 
@@ -563,10 +555,10 @@ static int serve_io(dc_node *n, int wait, int64_t *last_health)
  * never spin); a long one when idle. */
 static int inbox_wait(const dc_node *n, int k)
 {
-    int pending = dc_xfer_pending(n->xfer);
-    return dc_sched_idle(n->sched) && !pending ? IDLE_WAIT_MS
-           : k > 0 || !pending                 ? 0
-                                               : XFER_WAIT_MS;
+    int pending = dc_xfer_pending(n->plane.xfer);
+    return dc_sched_idle(n->leader.sched) && !pending ? IDLE_WAIT_MS
+           : k > 0 || !pending                        ? 0
+                                                      : XFER_WAIT_MS;
 }
 
 /* SERVING, one step after another. Returns 0 when *stop was set, a failure of the instance
@@ -574,29 +566,29 @@ static int inbox_wait(const dc_node *n, int k)
  * failure of the control server. */
 static int serve_sequential(dc_node *n, bool *fatal)
 {
-    int64_t last_health = 0;
+    int64_t last_health = 0, ns_wait = 0;
     int k = 0; /* tokens of the last step */
     int rc = 0;
     while (!*n->p->stop) {
         int64_t t_loop = td_now_ns();
-        if ((rc = serve_io(n, inbox_wait(n, k), &last_health))) {
+        if ((rc = serve_io(n, inbox_wait(n, k), &last_health, &ns_wait))) {
             *fatal = true;
             return rc;
         }
         int64_t t_in = td_now_ns();
         k = 0;
         if ((rc = dc_serve_sync_allocs(n))) return rc; /* no pass in flight here */
-        if (!dc_sched_idle(n->sched)) {
+        if (!dc_sched_idle(n->leader.sched)) {
             if ((rc = run_step(n)) < 0) return rc;
             k = rc;
-            if (dc_sched_idle(n->sched)) dc_serve_health(n); /* the load dropped to 0 */
+            if (dc_sched_idle(n->leader.sched)) dc_serve_health(n); /* the load dropped to 0 */
         }
         /* no step ran (idle, or only transfers): notice a dead rank now, not at the next
          * step */
-        if (k == 0 && (rc = dc_shm_check(n->shm))) return rc;
+        if (k == 0 && (rc = dc_shm_check(n->form.shm))) return rc;
         if (k > 0) { /* only the loops that ran a step, without an idle wait before it */
-            n->ns_inbox += t_in - t_loop - n->ns_inbox_wait;
-            n->ns_serve += td_now_ns() - t_loop - n->ns_inbox_wait;
+            n->stats.ns_inbox += t_in - t_loop - ns_wait;
+            n->stats.ns_serve += td_now_ns() - t_loop - ns_wait;
         }
     }
     return 0;
@@ -611,49 +603,49 @@ static int serve_sequential(dc_node *n, bool *fatal)
  * Returns as serve_sequential, with no pass in flight and no event held. */
 static int serve_overlap(dc_node *n, bool *fatal)
 {
-    int64_t last_health = 0;
+    int64_t last_health = 0, ns_wait = 0;
     step_run sr;
     bool flying = false; /* sr's forward pass runs */
     int k = 0, rc = 0;
     while (!*n->p->stop) {
         int64_t t_loop = td_now_ns();
         dc_async_flush(n); /* the last step's events */
-        if ((rc = serve_io(n, flying ? 0 : inbox_wait(n, k), &last_health))) {
+        if ((rc = serve_io(n, flying ? 0 : inbox_wait(n, k), &last_health, &ns_wait))) {
             *fatal = true;
             break;
         }
         int64_t t_in = td_now_ns();
         k = 0;
-        n->hold_events = true;
+        dc_async_hold(n, true);
         if (flying) {
             flying = false;
             int64_t t_join = td_now_ns();
             int rc_fwd = dc_async_join(n);
-            n->ns_join += td_now_ns() - t_join;
+            n->stats.ns_join += td_now_ns() - t_join;
             if ((rc = step_end(n, &sr, rc_fwd)) < 0) break;
             k = rc;
         }
         if ((rc = dc_serve_sync_allocs(n))) break; /* joined: no pass in flight */
-        if (!dc_sched_idle(n->sched)) {
+        if (!dc_sched_idle(n->leader.sched)) {
             if ((rc = step_begin(n, &sr)) < 0) break;
             if (rc > 0 && !sr.rc) {
-                dc_async_launch(n, &sr.st.batch);
+                dc_async_launch(n, &sr.st.batch, n->leader.logits);
                 flying = true;
             } else if (rc > 0 && (rc = step_end(n, &sr, sr.rc)) < 0) {
                 break;
             }
         }
-        n->hold_events = false;
+        dc_async_hold(n, false);
         if (!flying) dc_async_flush(n); /* no pass to hide them behind */
         rc = 0;
-        if (k > 0 && !flying && dc_sched_idle(n->sched)) dc_serve_health(n); /* load 0 */
-        if (!flying && k == 0 && (rc = dc_shm_check(n->shm))) break;
+        if (k > 0 && !flying && dc_sched_idle(n->leader.sched)) dc_serve_health(n); /* load 0 */
+        if (!flying && k == 0 && (rc = dc_shm_check(n->form.shm))) break;
         if (k > 0) { /* as in serve_sequential */
-            n->ns_inbox += t_in - t_loop - n->ns_inbox_wait;
-            n->ns_serve += td_now_ns() - t_loop - n->ns_inbox_wait;
+            n->stats.ns_inbox += t_in - t_loop - ns_wait;
+            n->stats.ns_serve += td_now_ns() - t_loop - ns_wait;
         }
     }
-    n->hold_events = false;
+    dc_async_hold(n, false);
     if (flying) { /* stopping, or the control server failed: the pass ends first */
         int rc2 = step_end(n, &sr, dc_async_join(n));
         if (rc2 < 0 && !rc && !*n->p->stop) rc = rc2;
@@ -664,7 +656,7 @@ static int serve_overlap(dc_node *n, bool *fatal)
 
 static int serve(dc_node *n, bool *fatal)
 {
-    return n->fwd ? serve_overlap(n, fatal) : serve_sequential(n, fatal);
+    return n->ovl.fwd ? serve_overlap(n, fatal) : serve_sequential(n, fatal);
 }
 
 /* The instance failed: every request in flight ends with an error event (the forming loop
@@ -673,18 +665,19 @@ static int serve(dc_node *n, bool *fatal)
  * that), and the segment is closed. The pools keep nothing: every block is free again. */
 static void fail_in_flight(dc_node *n, int rc)
 {
-    if (!n->fail_why[0])
-        snprintf(n->fail_why, sizeof n->fail_why, "%s",
-                 n->shm && dc_shm_error(n->shm)[0] ? dc_shm_error(n->shm) : td_strerror(rc));
-    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    if (!n->life.fail_why[0])
+        snprintf(n->life.fail_why, sizeof n->life.fail_why, "%s",
+                 n->form.shm && dc_shm_error(n->form.shm)[0] ? dc_shm_error(n->form.shm)
+                                                             : td_strerror(rc));
+    dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
     TD_LOG_ERR("decode %s: the instance failed (%s); failing what is still in flight (%d "
                "running, %d waiting, %d transferring), then re-forming",
-               n->p->instance, n->fail_why, st.running, st.waiting, st.transferring);
-    n->forming = true;
-    dc_xfer_abort_all(n->xfer, DC_XFER_END_STOPPED);
-    dc_sched_fail_all(n->sched);
-    n->fail_why[0] = 0;
-    st = dc_sched_get_stats(n->sched);
+               n->p->instance, n->life.fail_why, st.running, st.waiting, st.transferring);
+    n->life.forming = true;
+    dc_xfer_abort_all(n->plane.xfer, DC_XFER_END_STOPPED);
+    dc_sched_fail_all(n->leader.sched);
+    n->life.fail_why[0] = 0;
+    st = dc_sched_get_stats(n->leader.sched);
     if (st.kv_blocks_used)
         TD_LOG_ERR("decode %s: %d KV blocks still in use after failing every request (bug)",
                    n->p->instance, st.kv_blocks_used);
@@ -698,41 +691,43 @@ static void fail_in_flight(dc_node *n, int rc)
  * encode, the pass computing from its launch to the join. */
 static void log_phases(const dc_node *n)
 {
-    if (!n->step || !n->ns_serve) return;
-    double per = 1e6 * (double)n->step, all = (double)n->ns_serve / 100.0;
+    if (!n->stats.step || !n->stats.ns_serve) return;
+    double per = 1e6 * (double)n->stats.step, all = (double)n->stats.ns_serve / 100.0;
     bool ov = n->dcfg->overlap;
-    int64_t mid = ov ? n->ns_join : n->ns_forward;
+    int64_t mid = ov ? n->stats.ns_join : n->stats.ns_forward;
     TD_LOG_INFO("decode %s: per step (ms, %% of the loop): loop %.3f, inbox+transfers+health "
                 "%.3f (%.1f%%), plan %.3f (%.1f%%), plan encode %.3f (%.1f%%), %s %.3f (%.1f%%), "
                 "commit %.3f (%.1f%%), token events %.3f (%.1f%%, inside the %s), forward pass "
                 "%.3f",
-                n->p->instance, (double)n->ns_serve / per, (double)n->ns_inbox / per,
-                (double)n->ns_inbox / all, (double)n->ns_plan / per, (double)n->ns_plan / all,
-                (double)n->ns_encode / per, (double)n->ns_encode / all,
-                ov ? "waiting for the pass" : "forward", (double)mid / per, (double)mid / all,
-                (double)n->ns_commit / per, (double)n->ns_commit / all, (double)n->ns_stream / per,
-                (double)n->ns_stream / all, ov ? "inbox" : "commit", (double)n->ns_forward / per);
+                n->p->instance, (double)n->stats.ns_serve / per, (double)n->stats.ns_inbox / per,
+                (double)n->stats.ns_inbox / all, (double)n->stats.ns_plan / per,
+                (double)n->stats.ns_plan / all, (double)n->stats.ns_encode / per,
+                (double)n->stats.ns_encode / all, ov ? "waiting for the pass" : "forward",
+                (double)mid / per, (double)mid / all, (double)n->stats.ns_commit / per,
+                (double)n->stats.ns_commit / all, (double)n->serve.ns_stream / per,
+                (double)n->serve.ns_stream / all, ov ? "inbox" : "commit",
+                (double)n->stats.ns_forward / per);
     if (ov)
         TD_LOG_INFO("decode %s: overlap per step (ms): pass %.3f, thread hand-offs %.3f, the "
                     "node thread's work outlasting the pass %.3f",
-                    n->p->instance, (double)n->ns_pass / per, (double)n->ns_handoff / per,
-                    (double)n->ns_io_over / per);
+                    n->p->instance, (double)n->ovl.ns_pass / per, (double)n->ovl.ns_handoff / per,
+                    (double)n->ovl.ns_io_over / per);
 }
 
 /* SIGTERM: requests still in flight end with ERR_SHUTDOWN; a formed instance gets the stop
  * plan (its followers go back to the rendezvous, or exit if they were signalled too). */
 static void leader_stop(dc_node *n)
 {
-    n->draining = true;
-    if (!dc_sched_idle(n->sched)) {
+    n->life.draining = true;
+    if (!dc_sched_idle(n->leader.sched)) {
         /* stopped with work in flight: end every request with a clear error and give the
          * events a moment to reach their clients (they long-poll, so ~ms) */
-        dc_sched_stats st = dc_sched_get_stats(n->sched);
+        dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
         TD_LOG_INFO("decode %s: stopping; %d running and %d waiting requests end with an error",
                     n->p->instance, st.running, st.waiting);
-        n->stopping = true;
-        dc_xfer_abort_all(n->xfer, DC_XFER_END_STOPPED);
-        dc_sched_fail_all(n->sched);
+        n->life.stopping = true;
+        dc_xfer_abort_all(n->plane.xfer, DC_XFER_END_STOPPED);
+        dc_sched_fail_all(n->leader.sched);
         dc_serve_health(n);
         /* a transfer's abort ends when every rank released it: on a loaded machine (CI
            under ASan) that once took longer than STOP_DRAIN_MS, and the leak check at the
@@ -740,56 +735,58 @@ static void leader_stop(dc_node *n)
         int64_t t0 = td_now_ms();
         for (;;) {
             int64_t el = td_now_ms() - t0;
-            if (el >= STOP_DRAIN_MS && (dc_xfer_pending(n->xfer) == 0 || el >= STOP_XFER_MS)) break;
-            dc_serve_inbox(n, 50);
+            if (el >= STOP_DRAIN_MS && (dc_xfer_pending(n->plane.xfer) == 0 || el >= STOP_XFER_MS))
+                break;
+            dc_serve_inbox(n, 50, NULL);
             dc_serve_transfers(n);
         }
     }
     /* a broken or unfinished formation (a follower stopped first: `tandem down` signals
      * every rank) just closes */
-    if (n->shm && !n->forming) dc_shm_plan_stop(n->shm);
-    if (n->disagg) dc_xfer_kv_shm_sweep(n->p->instance, n->token);
+    if (n->form.shm && !n->life.forming) dc_shm_plan_stop(n->form.shm);
+    if (n->proc.disagg) dc_xfer_kv_shm_sweep(n->p->instance, n->proc.token);
     /* the figures the decode benchmark reads (BENCHMARKS.md) */
-    dc_shm_stats ss = n->shm_done;
-    if (n->shm) {
+    dc_shm_stats ss = n->form.shm_done;
+    if (n->form.shm) {
         dc_shm_stats cur;
-        dc_shm_get_stats(n->shm, &cur);
+        dc_shm_get_stats(n->form.shm, &cur);
         ss.n_allreduce += cur.n_allreduce;
         ss.ns_allreduce += cur.ns_allreduce;
         ss.n_gather += cur.n_gather;
         ss.ns_gather += cur.ns_gather;
     }
-    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
     TD_LOG_INFO("decode %s: %llu steps, %lld tokens, mean step %.3f ms, allreduce %llu x "
                 "%.2f us (%.1f%% of step time), logit gather %llu x %.2f us, %llu preemptions, "
                 "%d formations",
-                n->p->instance, (unsigned long long)n->step, (long long)n->step_tokens,
-                n->step ? (double)n->step_ns / (double)n->step / 1e6 : 0.0,
+                n->p->instance, (unsigned long long)n->stats.step, (long long)n->stats.step_tokens,
+                n->stats.step ? (double)n->stats.step_ns / (double)n->stats.step / 1e6 : 0.0,
                 (unsigned long long)ss.n_allreduce,
                 ss.n_allreduce ? (double)ss.ns_allreduce / (double)ss.n_allreduce / 1e3 : 0.0,
-                n->step_ns ? 100.0 * (double)ss.ns_allreduce / (double)n->step_ns : 0.0,
+                n->stats.step_ns ? 100.0 * (double)ss.ns_allreduce / (double)n->stats.step_ns : 0.0,
                 (unsigned long long)ss.n_gather,
                 ss.n_gather ? (double)ss.ns_gather / (double)ss.n_gather / 1e3 : 0.0,
-                (unsigned long long)st.preemptions, n->formations);
+                (unsigned long long)st.preemptions, n->life.formations);
     log_phases(n);
-    if (n->xfer) {
+    if (n->plane.xfer) {
         /* leak check of the tests: every transfer released on every rank */
         char per_rank[256] = "";
         size_t used = 0;
         for (int r = 0; r < n->dcfg->tp && used < sizeof per_rank; r++)
             used += (size_t)snprintf(per_rank + used, sizeof per_rank - used, "%s%d", r ? "," : "",
-                                     dc_xfer_dec_requests(n->xfer, r));
+                                     dc_xfer_dec_requests(n->plane.xfer, r));
         TD_LOG_INFO("decode %s: kvxfer: %d transfers alive, dec_requests %s", n->p->instance,
-                    dc_xfer_pending(n->xfer), per_rank);
+                    dc_xfer_pending(n->plane.xfer), per_rank);
     }
 }
 
 /* The leader's life: FORMING -> SERVING -> (a rank failed) FORMING -> ... until SIGTERM. */
 static int leader_run(dc_node *n)
 {
-    int rc = leader_setup(n);
+    int rc = leader_init(n);
+    if (!rc && n->dcfg->overlap) rc = dc_async_start(n);
+    if (!rc) rc = dc_serve_init(n);
     if (rc) return rc;
-    n->started_ms = td_now_ms();
     bool fatal = false;
     for (;;) {
         if ((rc = form(n))) {
@@ -807,11 +804,11 @@ static int leader_run(dc_node *n)
                    n->p->instance, td_strerror(rc));
         /* transfers are aborted (their writers stop) but not waited for: nothing is
          * allocated any more, and the process ends */
-        n->draining = true;
-        dc_xfer_abort_all(n->xfer, DC_XFER_END_STOPPED);
-        dc_sched_fail_all(n->sched);
+        n->life.draining = true;
+        dc_xfer_abort_all(n->plane.xfer, DC_XFER_END_STOPPED);
+        dc_sched_fail_all(n->leader.sched);
         dc_serve_health(n);
-        dc_serve_inbox(n, 100); /* a last chance for the error events */
+        dc_serve_inbox(n, 100, NULL); /* a last chance for the error events */
         return rc;
     }
     if (rc)
@@ -819,6 +816,19 @@ static int leader_run(dc_node *n)
                     td_strerror(rc));
     leader_stop(n);
     return 0;
+}
+
+/* Every part, each after those that use it (dc_node_int.h): overlap's held events go out
+ * through the control plane; the KV plane borrows the pools; the scheduler holds the KV
+ * memory; the segment and the KV memory are the engine's. */
+static void teardown(dc_node *n)
+{
+    dc_async_stop(n); /* no pass in flight any more: the serving loop joined it */
+    dc_node_xfer_teardown(n);
+    leader_fini(n);
+    dc_serve_fini(n);
+    close_shm(n);
+    proc_fini(n);
 }
 
 int dc_node_run(const dc_node_params *p)
@@ -834,7 +844,7 @@ int dc_node_run(const dc_node_params *p)
                    n.dcfg->tp);
         return TD_EINVAL;
     }
-    int rc = setup(&n);
+    int rc = proc_init(&n);
     if (!rc) rc = p->rank == 0 ? leader_run(&n) : follower_run(&n);
     if (rc && *p->stop) rc = 0; /* SIGTERM ended whatever this rank was waiting for */
     if (rc) TD_LOG_ERR("decode %s rank %d: exiting: %s", p->instance, p->rank, td_strerror(rc));

@@ -1,13 +1,18 @@
-/* dc_node_int.h: the state of one decode rank, shared by the two halves of tandem-decode:
- * dc_node.c (the rank's life: setup, the formations of the instance, the step loops) and
- * dc_serve.c (the leader's control plane: requests in, token and error events out, health).
+/* dc_node_int.h: the state of one decode rank, shared by the files of tandem-decode:
+ * dc_node.c (the rank's life: setup, the formations of the instance, the step loops),
+ * dc_serve.c (the leader's control plane: requests in, token and error events out, health),
+ * dc_async.c (overlap), dc_node_xfer.c (the KV-transfer plane), dc_tier.c (the tier's copies).
  * Private to the tandem-decode binary.
  *
- * Invariants: shm is the current formation's segment, NULL between formations (the engine
- * reaches it through the node, so a new segment needs no new engine). While forming is set
- * the leader admits nothing (Submit and Alloc get ERR_BUSY with forming_why); requests
- * exist only while a formation serves, so every route is free when forming starts.
- * Threading: the rank's engine thread only (the control server's callbacks never see it).
+ * The state is in parts (dc_node below), each written by one file only, its owner: a field
+ * another file must change is changed by a call to its owner.
+ * Invariants: form.shm is the current formation's segment, NULL between formations (the
+ * engine reaches it through the node, so a new segment needs no new engine). While
+ * life.forming is set the leader admits nothing (Submit and Alloc get ERR_BUSY with
+ * forming_why); requests exist only while a formation serves, so every route is free when
+ * forming starts.
+ * Threading: the rank's engine thread only (the control server's callbacks never see it;
+ * overlap's forward thread sees only what dc_async_launch hands it).
  * Ownership: dc_node_run owns the node (on its stack) and everything it points to.
  */
 #ifndef DC_NODE_INT_H
@@ -62,104 +67,163 @@ typedef struct {
     char err_msg[320];
 } dc_route;
 
+/* The node's state, in parts by lifetime and role. Each part is written by one file only (its
+ * owner, which also makes and frees it); the others read it or call the owner. The leader's
+ * parts are empty on a follower. Teardown frees each part before those it uses: overlap,
+ * KV plane, leader, serve, formation, process. */
+
+/* The process's: the model and KV memory, made once at start-up and kept across formations.
+ * Owner dc_node.c (proc_init at the start, proc_fini at the exit, both ranks). */
 typedef struct {
-    const dc_node_params *p;
-    const td_cfg_decode *dcfg;
-    kn_runtime rt; /* model file, this rank's shard, backend, engine */
+    kn_runtime rt;         /* model file, this rank's shard, backend, engine */
     kn_kv_mem *mem;        /* this rank's KV memory (pool, prefix cache, tier) */
-    kn_kv_pool_params kvp; /* the pool's shape (the leader maps followers' pools with it) */
-    char kv_shm_name[256]; /* disaggregated follower: its pool's segment name */
+    char kv_shm_name[256]; /* disaggregated follower: its pool's segment name, else "" */
     dc_shm_params shmp;    /* the rendezvous (the same for every formation) */
-    dc_shm *shm;           /* the current formation's segment, or NULL */
-    dc_shm_stats shm_done; /* the stats of the segments already closed */
     bool disagg;           /* the cluster has prefill instances: KV arrives through kvxfer */
     char token[32];        /* the instance's name token (shared-memory names) */
-    /* leader only */
-    dc_xfer *xfer;       /* disaggregated mode: the KV-transfer plane of this formation */
+} dc_proc;
+
+/* The current formation's rendezvous segment. Owner dc_node.c (opened by form and
+ * follower_run, closed by close_shm when the formation ends and at exit). */
+typedef struct {
+    dc_shm *shm;           /* the current formation's segment, or NULL */
+    dc_shm_stats shm_done; /* the stats of the segments already closed */
+} dc_formation;
+
+/* Where the leader is in its life (dc_node.h's states), for the control plane's answers.
+ * Owner dc_node.c (form, fail_in_flight, step_end, the stop); dc_serve.c reads it. Plain
+ * values: zero at the start, nothing to free. */
+typedef struct {
+    bool forming;          /* not every rank is in (or old transfers still end): not ready */
+    int formations;        /* formations completed (1 once the instance first served) */
+    char forming_why[160]; /* the ERR_BUSY text while forming: "re-forming (waiting for
+                              rank 1)" */
+    char fail_why[192];    /* while a failure fails every request: why, for their events */
+    bool stopping;         /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
+    bool draining;         /* after the loop: new requests are refused */
+} dc_life;
+
+/* The leader's KV-transfer plane of one formation (disaggregated mode). Owner
+ * dc_node_xfer.c (dc_node_xfer_setup/teardown, once per formation). */
+typedef struct {
+    dc_xfer *xfer;       /* the plane, or NULL (colocated, or between formations) */
     void **peer_regions; /* (tp) rank r > 0: its pool region mapped here */
     int *peer_fds;       /* (tp) each region's file (rank 0: its pool's, owned by the pool;
                             r > 0: the segment, kept open while mapped), or -1 */
     size_t *peer_bytes;  /* (tp) bytes of each rank's region (they differ where ranks hold
                           * different numbers of KV heads, common/td_tp.h) */
-    td_ctrl_server *srv;
+} dc_kvplane;
+
+/* What the leader decides and samples with, for the process's life. Owner dc_node.c
+ * (leader_init at the leader's start, leader_fini at exit; grow_logits while planning). */
+typedef struct {
     dc_sched *sched;
+    gr_vocab *gvocab;   /* structured output: the vocabulary's trie */
+    gr_cache *grammars; /* compiled grammars by schema text */
+    float *logits;      /* (logit_rows, n_vocab) */
+    int logit_rows;     /* max_batch; grown on demand for prompt logprobs (a row per token) */
+} dc_leader;
+
+/* The leader's control plane. Owner dc_serve.c (dc_serve_init/fini; the inbox, the sink). */
+typedef struct {
+    td_ctrl_server *srv;
     dc_route *routes; /* (n_routes) indexed by scheduler id */
     size_t n_routes;
+    /* disaggregated at tp > 1 with a tier: Alloc replies held until every rank made the tier
+     * copies the allocation logged (dc_serve_sync_allocs; dc_tier.c says why) */
+    dc_held_alloc *held_allocs;
+    int n_held_allocs, cap_held_allocs;
+    bool load_changed; /* an Alloc or a transfer event: publish the health now */
     int64_t started_ms;
     /* what rank 0 computes with, for Health 27-33: made at the leader's first report,
      * before any pass (dc_serve_health) */
     kn_compute_info compute;
     bool compute_made;
+    int64_t ns_stream; /* the token events' time (dc_serve_on_tokens; logged with dc_stats) */
+} dc_serve;
+
+/* Overlap (decode[].overlap): the thread that runs forward passes while the node thread
+ * serves, and the sink's events held back while hold_events is set. Owner dc_async.c
+ * (dc_async_start/stop, dc_async_hold). */
+typedef struct {
+    dc_fwd *fwd; /* NULL without overlap */
+    bool hold_events;
+    dc_held_event *held;
+    int n_held, cap_held;
+    /* the pass itself (on its thread), the two hand-offs between the threads (waking for
+     * the job, waking for its end), and the time the node thread's own work outlasted the
+     * pass (dc_async_join) */
+    int64_t ns_pass, ns_handoff, ns_io_over;
+} dc_overlap;
+
+/* The leader's step figures (logged at the stop; Health 25-26). Owner dc_node.c (the step
+ * and the serving loops). Plain values: zero at the start, nothing to free. */
+typedef struct {
     uint64_t step;
     int64_t step_ns;     /* wall time of all steps */
     int64_t step_tokens; /* tokens of all steps */
     /* steps by duration (td_step_hist.h buckets) and their total time: Health 25-26 */
     uint64_t step_hist[TD_STEP_HIST_N + 1];
     uint64_t step_us;
-    /* where the serving loop's time goes (ns, SERVING only; logged at the stop): the inbox,
-     * transfers and health; planning; the plan's encoding and publication; the forward
-     * pass; the commit (sampling, stop rules, grammar, logprobs); the token events
-     * (dc_serve_on_tokens: inside the commit, or with overlap inside the inbox's time) */
-    int64_t ns_inbox, ns_plan, ns_encode, ns_forward, ns_commit, ns_stream, ns_serve;
-    /* the last dc_serve_inbox's wait for its first message (ns; 0 without a timeout): the
-     * loops leave it out, so an idle wait that ended with a new request is not counted as
-     * the first step's inbox time */
-    int64_t ns_inbox_wait;
+    /* where the serving loop's time goes (ns, SERVING only): the inbox, transfers and
+     * health; planning; the plan's encoding and publication; the forward pass; the commit
+     * (sampling, stop rules, grammar, logprobs); the token events are dc_serve's ns_stream
+     * (inside the commit, or with overlap inside the inbox's time) */
+    int64_t ns_inbox, ns_plan, ns_encode, ns_forward, ns_commit, ns_serve;
     int64_t ns_join; /* overlap: waiting for the pass after the inbox (ns_forward is then
                         from its launch to its join, the inbox's time included) */
-    /* overlap: the pass itself (on its thread), the two hand-offs between the threads
-     * (waking for the job, waking for its end), and the time the node thread's own work
-     * outlasted the pass (dc_async_join) */
-    int64_t ns_pass, ns_handoff, ns_io_over;
-    bool stopping;         /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
-    bool draining;         /* after the loop: new requests are refused */
-    bool load_changed;     /* an Alloc or a transfer event: publish the health now */
-    bool forming;          /* not every rank is in (or old transfers still end): not ready */
-    int formations;        /* formations completed (1 once the instance first served) */
-    char forming_why[160]; /* the ERR_BUSY text while forming: "re-forming (waiting for
-                              rank 1)" */
-    char fail_why[192];    /* while a failure fails every request: why, for their events */
-    float *logits;         /* (logit_rows, n_vocab) */
-    int logit_rows;        /* max_batch; grown on demand for prompt logprobs (a row per token) */
-    gr_vocab *gvocab;      /* structured output: the vocabulary's trie (leader) */
-    gr_cache *grammars;    /* compiled grammars by schema text (leader) */
-    /* overlap (leader, decode[].overlap): the thread that runs forward passes while this
-     * one serves; the sink's events held back while hold_events is set */
-    dc_fwd *fwd;
-    bool hold_events;
-    dc_held_event *held;
-    int n_held, cap_held;
-    /* leader, disaggregated at tp > 1 with a tier: Alloc replies held until every rank made
-     * the tier copies the allocation logged (dc_serve_sync_allocs; dc_tier.c says why) */
-    dc_held_alloc *held_allocs;
-    int n_held_allocs, cap_held_allocs;
+} dc_stats;
+
+typedef struct {
+    const dc_node_params *p; /* both set once by dc_node_run */
+    const td_cfg_decode *dcfg;
+    dc_proc proc;
+    dc_formation form;
+    dc_life life;     /* leader */
+    dc_kvplane plane; /* leader */
+    dc_leader leader; /* leader */
+    dc_serve serve;   /* leader */
+    dc_overlap ovl;   /* leader */
+    dc_stats stats;   /* leader */
 } dc_node;
 
 /* This rank's pool (its layout and region; kn_kv_mem_renew_pool may replace it). */
 static inline kn_kv_pool *dc_kv(const dc_node *n)
 {
-    return kn_kv_mem_pool(n->mem);
+    return kn_kv_mem_pool(n->proc.mem);
 }
 
 /* dc_node_xfer.c: the leader's KV-transfer plane of a formation (maps the followers' pools,
- * starts n->xfer), and its teardown (only once no transfer is alive: dc_xfer.h). */
+ * starts n->plane.xfer): form() calls setup once every rank joined, and teardown once no
+ * transfer is alive (dc_xfer.h), before the next setup and at exit. */
 int dc_node_xfer_setup(dc_node *n);
 void dc_node_xfer_teardown(dc_node *n);
 
-/* dc_serve.c. The scheduler's sink: token events (and error events) to the clients. */
+/* dc_serve.c. Its part's start and end: the control server listening (leader_run, after
+ * the scheduler: dc_serve_health reads it) and everything it holds freed (teardown, after
+ * the scheduler and overlap, whose events it sends). */
+int dc_serve_init(dc_node *n);
+void dc_serve_fini(dc_node *n);
+/* The scheduler's sink: token events (and error events) to the clients. */
 void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                         const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
                         int32_t n_gen, int32_t n_cached);
 void dc_serve_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
                                  int n_e);
 /* Drain the inbox: wait up to timeout_ms for the first message, then take all pending.
- * Answers polls and health on the way. Returns 0, or the control server's failure. */
-int dc_serve_inbox(dc_node *n, int timeout_ms);
+ * Answers polls and health on the way. *ns_wait (may be NULL): the wait for the first
+ * message (ns; 0 without a timeout), which the serving loops leave out of the step's
+ * inbox time (an idle wait that ended with a new request is not the first step's).
+ * Returns 0, or the control server's failure. */
+int dc_serve_inbox(dc_node *n, int timeout_ms, int64_t *ns_wait);
 /* Apply the transfers' events to the scheduler (arrived KV joins the batch, failed and
  * cancelled transfers end: their blocks are safe to reuse now). */
 void dc_serve_transfers(dc_node *n);
 /* Publish Health (ready unless forming, stopping or draining). */
 void dc_serve_health(dc_node *n);
+/* Publish Health if the load changed (an Alloc, a transfer event) or 100 ms passed since
+ * *last_ms (the loop's own clock, 0 at its start; updated here). After each inbox. */
+void dc_serve_health_tick(dc_node *n, int64_t *last_ms);
 /* Send the held Alloc replies once every rank has made the pending tier copies (a copy plan
  * and a barrier, dc_tier_flush), at a point where no forward pass is in flight. 0, or the
  * segment's failure (the held requests are then answered with an error). */
@@ -168,20 +232,26 @@ int dc_serve_sync_allocs(dc_node *n);
 void dc_serve_fail_allocs(dc_node *n);
 
 /* dc_async.c. The scheduler's sink as the leader installs it: straight to dc_serve_on_* or,
- * while n->hold_events, held in order until dc_async_flush. */
+ * while held (dc_async_hold), in order until dc_async_flush. */
 void dc_async_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                         const td_logprob_entry *lps, dc_finish finish, int32_t n_prompt,
                         int32_t n_gen, int32_t n_cached);
 void dc_async_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_logprob_entry *e,
                                  int n_e);
+/* Hold the sink's events from now on (serve_overlap, while a step commits and the next one
+ * is planned), or stop holding (what is held stays until dc_async_flush). */
+void dc_async_hold(dc_node *n, bool on);
 /* Send the held events, in the order the scheduler reported them. */
 void dc_async_flush(dc_node *n);
-/* The forward thread: start (n->fwd), run one batch on it (the batch and n->logits stay
- * untouched until the join), wait for that pass (its td_err), stop it. */
+/* The part's start and end: dc_async_start makes the forward thread (leader_run, with
+ * decode[].overlap); dc_async_stop ends it (none in flight: the serving loop joined it),
+ * sends what is held and frees the part (teardown, first: its events go to dc_serve). */
 int dc_async_start(dc_node *n);
-void dc_async_launch(dc_node *n, const kn_batch *b);
-int dc_async_join(dc_node *n);
 void dc_async_stop(dc_node *n);
+/* Run one forward pass on the thread: batch b on this rank's engine and pool, its logits
+ * into logits (b and logits stay untouched until the join); wait for it (its td_err). */
+void dc_async_launch(dc_node *n, const kn_batch *b, float *logits);
+int dc_async_join(dc_node *n);
 
 /* dc_tier.c. The prefix cache's second tier of this rank (decode[].prefix_cache_tier):
  * its parameters (the file PATH.rR; at tp > 1 the slot count every rank shares, and the
@@ -196,12 +266,12 @@ int dc_tier_follower_open(dc_node *n);
 int dc_tier_apply(dc_node *n, const dc_plan_view *v);
 /* Leader at tp > 1: the copies its tier made since they were last sent (NULL, 0: none);
  * dc_tier_sent once a plan carrying them is published; dc_tier_flush publishes them alone
- * (a DC_PLAN_COPY plan) when the step plans nothing to compute, or before held Alloc
- * replies go out; in disaggregated mode it returns only once every rank made them (the
+ * (a DC_PLAN_COPY plan, numbered step) when the step plans nothing to compute, or before
+ * held Alloc replies go out; in disaggregated mode it returns only once every rank made them (the
  * barrier below). Only where no forward pass is in flight. */
 const kn_kv_tier_op *dc_tier_pending(dc_node *n, int *n_ops);
 void dc_tier_sent(dc_node *n);
-int dc_tier_flush(dc_node *n);
+int dc_tier_flush(dc_node *n, uint64_t step);
 /* Any rank, after a DC_PLAN_COPY plan in disaggregated mode: a one-float allreduce, so the
  * leader knows every rank's copies are done (0 in colocated mode, which needs none). */
 int dc_tier_copy_barrier(dc_node *n);

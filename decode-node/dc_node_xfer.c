@@ -1,7 +1,8 @@
 /* dc_node_xfer.c: the decode leader's KV-transfer plane of one formation (disaggregated
  * mode): every rank's pool as this process reaches it (rank 0's own, the followers' named
  * segments mapped here), with the file each is a mapping of, so that a prefill stage on this
- * host can map them too (kvx_dec_register_fd), and the dc_xfer connectors over them. */
+ * host can map them too (kvx_dec_register_fd), and the dc_xfer connectors over them.
+ * This file owns the node's dc_kvplane part (dc_node_int.h). */
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -13,33 +14,34 @@
  * rank's pool. */
 int dc_node_xfer_setup(dc_node *n)
 {
+    dc_kvplane *pl = &n->plane;
     int tp = n->dcfg->tp;
-    const kn_hparams *hp = &n->rt.model->hp;
-    kn_kv_pool_params kp =
-        kn_model_kv_params(n->rt.model, dc_kv(n)->n_blocks, dc_kv(n)->block_size, dc_kv(n)->type);
-    kp.backend = &n->rt.be; /* a device's pools are host copies with flags (kv_pool.h) */
+    const kn_hparams *hp = &n->proc.rt.model->hp;
+    kn_kv_pool_params kp = kn_model_kv_params(n->proc.rt.model, dc_kv(n)->n_blocks,
+                                              dc_kv(n)->block_size, dc_kv(n)->type);
+    kp.backend = &n->proc.rt.be; /* a device's pools are host copies with flags (kv_pool.h) */
     kp.host_stage = true;
-    n->peer_regions = calloc((size_t)tp, sizeof *n->peer_regions);
-    n->peer_bytes = calloc((size_t)tp, sizeof *n->peer_bytes);
-    n->peer_fds = malloc((size_t)tp * sizeof *n->peer_fds);
-    if (!n->peer_regions || !n->peer_bytes || !n->peer_fds) return TD_ENOMEM;
+    pl->peer_regions = calloc((size_t)tp, sizeof *pl->peer_regions);
+    pl->peer_bytes = calloc((size_t)tp, sizeof *pl->peer_bytes);
+    pl->peer_fds = malloc((size_t)tp * sizeof *pl->peer_fds);
+    if (!pl->peer_regions || !pl->peer_bytes || !pl->peer_fds) return TD_ENOMEM;
     for (int r = 0; r < tp; r++)
-        n->peer_fds[r] = -1;
-    n->peer_regions[0] = kn_kv_xfer_region(dc_kv(n));
-    n->peer_fds[0] = kn_kv_pool_fd(dc_kv(n));
-    n->peer_bytes[0] = dc_kv(n)->region_bytes + (dc_kv(n)->host ? (size_t)dc_kv(n)->n_blocks : 0);
+        pl->peer_fds[r] = -1;
+    pl->peer_regions[0] = kn_kv_xfer_region(dc_kv(n));
+    pl->peer_fds[0] = kn_kv_pool_fd(dc_kv(n));
+    pl->peer_bytes[0] = dc_kv(n)->region_bytes + (dc_kv(n)->host ? (size_t)dc_kv(n)->n_blocks : 0);
     for (int r = 1; r < tp; r++) {
         char name[256];
-        int rc = dc_xfer_kv_shm_name(n->p->instance, n->token, r, dc_shm_rank_pid(n->shm, r), name,
-                                     sizeof name);
+        int rc = dc_xfer_kv_shm_name(n->p->instance, n->proc.token, r,
+                                     dc_shm_rank_pid(n->form.shm, r), name, sizeof name);
         td_tp_heads heads; /* rank r's pool holds its own number of KV heads */
         if (!rc) rc = td_tp_heads_of_rank(hp->n_head, hp->n_head_kv, tp, r, &heads);
         kp.n_kv_heads = heads.n_kv;
         kp.shm_name = name;
         /* unlink at once: from now on the memory lives exactly as long as its mappings */
         if (!rc)
-            rc = kn_kv_region_map(&kp, true, &n->peer_regions[r], &n->peer_bytes[r],
-                                  &n->peer_fds[r]);
+            rc = kn_kv_region_map(&kp, true, &pl->peer_regions[r], &pl->peer_bytes[r],
+                                  &pl->peer_fds[r]);
         if (rc) {
             TD_LOG_ERR("decode %s: cannot map rank %d's KV pool: %s", n->p->instance, r,
                        td_strerror(rc));
@@ -49,9 +51,9 @@ int dc_node_xfer_setup(dc_node *n)
     dc_xfer_params xp = {
         .instance = n->p->instance,
         .tp = tp,
-        .regions = n->peer_regions,
-        .region_bytes = n->peer_bytes,
-        .region_fds = n->peer_fds,
+        .regions = pl->peer_regions,
+        .region_bytes = pl->peer_bytes,
+        .region_fds = pl->peer_fds,
         .n_layers = (uint32_t)hp->n_layer,
         .n_heads = (uint32_t)hp->n_head,
         .n_kv_heads = (uint32_t)hp->n_head_kv,
@@ -63,7 +65,7 @@ int dc_node_xfer_setup(dc_node *n)
         .timeout_ms = n->p->cfg->kvxfer.timeout_ms,
         .staged = dc_kv(n)->host != NULL,
     };
-    return dc_xfer_create(&xp, &n->xfer);
+    return dc_xfer_create(&xp, &pl->xfer);
 }
 
 /* Leader: the KV-transfer plane of a formation and its mappings of the followers' pools.
@@ -71,16 +73,14 @@ int dc_node_xfer_setup(dc_node *n)
  * a writer may still write into them before its transfer is final). */
 void dc_node_xfer_teardown(dc_node *n)
 {
-    dc_xfer_destroy(n->xfer); /* the connectors first: they have the pools registered */
-    n->xfer = NULL;
-    for (int r = 1; n->peer_regions && r < n->dcfg->tp; r++) {
-        kn_kv_region_unmap(n->peer_regions[r], n->peer_bytes[r]);
-        if (n->peer_fds[r] >= 0) close(n->peer_fds[r]);
+    dc_kvplane *pl = &n->plane;
+    dc_xfer_destroy(pl->xfer); /* the connectors first: they have the pools registered */
+    for (int r = 1; pl->peer_regions && r < n->dcfg->tp; r++) {
+        kn_kv_region_unmap(pl->peer_regions[r], pl->peer_bytes[r]);
+        if (pl->peer_fds[r] >= 0) close(pl->peer_fds[r]);
     }
-    free(n->peer_regions);
-    free(n->peer_bytes);
-    free(n->peer_fds);
-    n->peer_regions = NULL;
-    n->peer_bytes = NULL;
-    n->peer_fds = NULL;
+    free(pl->peer_regions);
+    free(pl->peer_bytes);
+    free(pl->peer_fds);
+    *pl = (dc_kvplane){0};
 }

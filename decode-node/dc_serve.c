@@ -1,7 +1,8 @@
 /* dc_serve.c: the decode leader's control plane: Submit, Alloc and Cancel in (refused
  * with ERR_BUSY while the instance forms), token and error events out, the transfers'
  * events applied to the scheduler, Health. The rank's life and the step loop are in
- * dc_node.c; the state both share is dc_node_int.h. */
+ * dc_node.c. This file owns the node's dc_serve part (dc_node_int.h) and only reads the
+ * others. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,36 @@
 #include "td_grow.h"
 
 #define MAX_WAITING_FACTOR 4 /* queued requests beyond 4 x max_batch are refused (busy) */
+
+/* ---- the part's life ---- */
+
+int dc_serve_init(dc_node *n)
+{
+    td_ctrl_opts opts = {0};
+    int rc = td_ctrl_server_create(&opts, &n->serve.srv);
+    if (rc) return rc;
+    char url[256], bound[256];
+    if (n->p->listen)
+        snprintf(url, sizeof url, "%s", n->p->listen);
+    else if ((rc = td_cfg_ctrl_url(n->dcfg->host, n->dcfg->port, url, sizeof url)))
+        return rc;
+    if ((rc = td_ctrl_server_listen(n->serve.srv, url, bound, sizeof bound))) {
+        TD_LOG_ERR("decode %s: cannot listen on %s: %s", n->p->instance, url, td_strerror(rc));
+        return rc;
+    }
+    TD_LOG_INFO("decode %s: serving on %s%s", n->p->instance, bound,
+                n->proc.disagg ? " (disaggregated: Alloc and colocated Submit)" : "");
+    n->serve.started_ms = td_now_ms();
+    return 0;
+}
+
+void dc_serve_fini(dc_node *n)
+{
+    td_ctrl_server_destroy(n->serve.srv);
+    free(n->serve.routes);
+    free(n->serve.held_allocs);
+    n->serve = (dc_serve){0};
+}
 
 /* ---- leader: events out ---- */
 
@@ -61,7 +92,7 @@ static void send_logprobs(dc_node *n, dc_route *r, const int32_t *ids, int n_ids
     Td__Event ev = TD__EVENT__INIT;
     ev.body_case = TD__EVENT__BODY_TOKEN;
     ev.token = &t;
-    td_ctrl_server_send_event(n->srv, r->client_id, &ev);
+    td_ctrl_server_send_event(n->serve.srv, r->client_id, &ev);
     free(t.logprobs);
     free(t.prompt_logprobs);
 }
@@ -70,8 +101,8 @@ void dc_serve_on_prompt_logprobs(void *ctx, uint64_t id, int32_t from, const td_
                                  int n_e)
 {
     dc_node *n = ctx;
-    if (id >= n->n_routes || !n->routes[id].used) return;
-    send_logprobs(n, &n->routes[id], NULL, 0, NULL, from, e, n_e, DC_FINISH_NONE, 0, 0, 0);
+    if (id >= n->serve.n_routes || !n->serve.routes[id].used) return;
+    send_logprobs(n, &n->serve.routes[id], NULL, 0, NULL, from, e, n_e, DC_FINISH_NONE, 0, 0, 0);
 }
 
 void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
@@ -79,65 +110,66 @@ void dc_serve_on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n_ids,
                         int32_t n_gen, int32_t n_cached)
 {
     dc_node *n = ctx;
-    if (id >= n->n_routes || !n->routes[id].used) return;
+    if (id >= n->serve.n_routes || !n->serve.routes[id].used) return;
     int64_t t0 = td_now_ns();
-    dc_route *r = &n->routes[id];
+    dc_route *r = &n->serve.routes[id];
     if (finish == DC_FINISH_ERROR) {
         if (r->err_code != TD__ERROR_CODE__ERR_NONE)
-            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id, r->err_code, "%s",
+            td_ctrl_server_send_error(n->serve.srv, r->client_id, r->request_id, r->err_code, "%s",
                                       r->err_msg);
-        else if (n->stopping)
-            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
+        else if (n->life.stopping)
+            td_ctrl_server_send_error(n->serve.srv, r->client_id, r->request_id,
                                       TD__ERROR_CODE__ERR_SHUTDOWN,
                                       "decode instance %s is shutting down", n->p->instance);
         else /* a rank died or the instance broke: PEER_FAILED tells the router to move the
                 request (migration); a plain failure stays INTERNAL */
-            td_ctrl_server_send_error(n->srv, r->client_id, r->request_id,
-                                      n->fail_why[0] ? TD__ERROR_CODE__ERR_PEER_FAILED
-                                                     : TD__ERROR_CODE__ERR_INTERNAL,
+            td_ctrl_server_send_error(n->serve.srv, r->client_id, r->request_id,
+                                      n->life.fail_why[0] ? TD__ERROR_CODE__ERR_PEER_FAILED
+                                                          : TD__ERROR_CODE__ERR_INTERNAL,
                                       "request failed on decode instance %s%s%s", n->p->instance,
-                                      n->fail_why[0] ? ": " : "", n->fail_why);
+                                      n->life.fail_why[0] ? ": " : "", n->life.fail_why);
     }
     /* the blocks this request stored reach the router before its end does (KV events: the
        router routes the conversation's next turn by them) */
-    if (finish != DC_FINISH_NONE && kn_kv_mem_cache(n->mem)) dc_serve_health(n);
+    if (finish != DC_FINISH_NONE && kn_kv_mem_cache(n->proc.mem)) dc_serve_health(n);
     /* TD_ENOENT: the client is gone; the request is finishing or will be cancelled */
     if (lps && n_ids)
         send_logprobs(n, r, ids, n_ids, lps, 0, NULL, 0, finish, n_prompt, n_gen, n_cached);
     else
-        td_ctrl_server_send_tokens(n->srv, r->client_id, r->request_id, r->seq++, ids,
+        td_ctrl_server_send_tokens(n->serve.srv, r->client_id, r->request_id, r->seq++, ids,
                                    (size_t)n_ids, wire_finish(finish), (uint32_t)n_prompt,
                                    (uint32_t)n_gen, (uint32_t)n_cached);
     if (finish != DC_FINISH_NONE) r->used = false;
-    n->ns_stream += td_now_ns() - t0;
+    n->serve.ns_stream += td_now_ns() - t0;
 }
 
 /* ---- leader: requests in ---- */
 
 static int64_t find_route(const dc_node *n, uint64_t client, uint64_t request_id)
 {
-    for (size_t i = 0; i < n->n_routes; i++)
-        if (n->routes[i].used && n->routes[i].client_id == client &&
-            n->routes[i].request_id == request_id)
+    for (size_t i = 0; i < n->serve.n_routes; i++)
+        if (n->serve.routes[i].used && n->serve.routes[i].client_id == client &&
+            n->serve.routes[i].request_id == request_id)
             return (int64_t)i;
     return -1;
 }
 
 static int64_t new_route(dc_node *n, uint64_t client, uint64_t request_id)
 {
-    for (size_t i = 0; i < n->n_routes; i++)
-        if (!n->routes[i].used) {
-            n->routes[i] = (dc_route){.client_id = client, .request_id = request_id, .used = true};
+    for (size_t i = 0; i < n->serve.n_routes; i++)
+        if (!n->serve.routes[i].used) {
+            n->serve.routes[i] =
+                (dc_route){.client_id = client, .request_id = request_id, .used = true};
             return (int64_t)i;
         }
-    size_t cap = n->n_routes ? 2 * n->n_routes : 64;
-    dc_route *r = realloc(n->routes, cap * sizeof *r);
+    size_t cap = n->serve.n_routes ? 2 * n->serve.n_routes : 64;
+    dc_route *r = realloc(n->serve.routes, cap * sizeof *r);
     if (!r) return -1;
-    memset(r + n->n_routes, 0, (cap - n->n_routes) * sizeof *r);
-    n->routes = r;
-    size_t i = n->n_routes;
-    n->n_routes = cap;
-    n->routes[i] = (dc_route){.client_id = client, .request_id = request_id, .used = true};
+    memset(r + n->serve.n_routes, 0, (cap - n->serve.n_routes) * sizeof *r);
+    n->serve.routes = r;
+    size_t i = n->serve.n_routes;
+    n->serve.n_routes = cap;
+    n->serve.routes[i] = (dc_route){.client_id = client, .request_id = request_id, .used = true};
     return (int64_t)i;
 }
 
@@ -163,7 +195,7 @@ static void reply_refused(dc_node *n, td_ctrl_req *req, uint64_t request_id, int
     Td__ErrorCode code = rc == TD_ENOSPC   ? TD__ERROR_CODE__ERR_NO_SPACE
                          : rc == TD_ENOMEM ? TD__ERROR_CODE__ERR_INTERNAL
                                            : TD__ERROR_CODE__ERR_INVALID;
-    td_ctrl_server_reply_error(n->srv, req, request_id, code,
+    td_ctrl_server_reply_error(n->serve.srv, req, request_id, code,
                                rc == TD_ENOSPC   ? "request can never fit this instance's KV pool "
                                                    "(%d blocks of %d tokens)"
                                : rc == TD_ERANGE ? "prompt too long or token id outside the "
@@ -178,39 +210,40 @@ static void handle_submit(dc_node *n, const td_ctrl_server_in *in)
     if (find_route(n, in->client_id, s->request_id) >= 0) {
         /* the control layer re-sends a call whose connection dropped: the same (client,
          * request id) while it runs is that retry, answered like the first time */
-        td_ctrl_server_reply_ack(n->srv, in->req, s->request_id);
+        td_ctrl_server_reply_ack(n->serve.srv, in->req, s->request_id);
         return;
     }
-    if (n->draining) {
-        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_SHUTDOWN,
+    if (n->life.draining) {
+        td_ctrl_server_reply_error(n->serve.srv, in->req, s->request_id,
+                                   TD__ERROR_CODE__ERR_SHUTDOWN,
                                    "decode instance %s is shutting down", n->p->instance);
         return;
     }
-    if (n->forming) {
-        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_BUSY,
-                                   "decode instance %s %s", n->p->instance, n->forming_why);
+    if (n->life.forming) {
+        td_ctrl_server_reply_error(n->serve.srv, in->req, s->request_id, TD__ERROR_CODE__ERR_BUSY,
+                                   "decode instance %s %s", n->p->instance, n->life.forming_why);
         return;
     }
-    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
     if (st.waiting >= MAX_WAITING_FACTOR * n->dcfg->max_batch) {
-        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_BUSY,
+        td_ctrl_server_reply_error(n->serve.srv, in->req, s->request_id, TD__ERROR_CODE__ERR_BUSY,
                                    "%d requests already waiting", st.waiting);
         return;
     }
     int64_t id = new_route(n, in->client_id, s->request_id);
     if (id < 0) {
-        td_ctrl_server_reply_error(n->srv, in->req, s->request_id, TD__ERROR_CODE__ERR_INTERNAL,
-                                   "out of memory");
+        td_ctrl_server_reply_error(n->serve.srv, in->req, s->request_id,
+                                   TD__ERROR_CODE__ERR_INTERNAL, "out of memory");
         return;
     }
     dc_request_params rp = request_params(s, (uint64_t)id);
-    int rc = dc_sched_submit(n->sched, &rp);
+    int rc = dc_sched_submit(n->leader.sched, &rp);
     if (rc) {
-        n->routes[id].used = false;
+        n->serve.routes[id].used = false;
         reply_refused(n, in->req, s->request_id, rc);
         return;
     }
-    td_ctrl_server_reply_ack(n->srv, in->req, s->request_id);
+    td_ctrl_server_reply_ack(n->serve.srv, in->req, s->request_id);
 }
 
 /* Reply AllocReply with the transfer's targets (one per rank, rank order). */
@@ -219,8 +252,8 @@ static void reply_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uin
     const uint8_t *const *tg;
     const size_t *len;
     int32_t n_cached;
-    if (dc_xfer_targets(n->xfer, id, &tg, &len, &n_cached)) {
-        td_ctrl_server_reply_error(n->srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
+    if (dc_xfer_targets(n->plane.xfer, id, &tg, &len, &n_cached)) {
+        td_ctrl_server_reply_error(n->serve.srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
                                    "no KV targets for request %llu (bug)",
                                    (unsigned long long)request_id);
         return;
@@ -236,7 +269,7 @@ static void reply_targets(dc_node *n, td_ctrl_req *req, uint64_t request_id, uin
     Td__Envelope env = TD__ENVELOPE__INIT;
     env.body_case = TD__ENVELOPE__BODY_ALLOC_REPLY;
     env.alloc_reply = &ar;
-    td_ctrl_server_reply(n->srv, req, &env);
+    td_ctrl_server_reply(n->serve.srv, req, &env);
 }
 
 /* Whether an Alloc reply must wait for the other ranks' tier copies: at tp > 1 every rank
@@ -247,7 +280,7 @@ static bool must_hold(dc_node *n)
 {
     int nc = 0;
     if (n->dcfg->tp > 1) dc_tier_pending(n, &nc);
-    return nc > 0 || n->n_held_allocs > 0;
+    return nc > 0 || n->serve.n_held_allocs > 0;
 }
 
 static void answer_targets(dc_node *n, td_ctrl_req *req, uint64_t client_id, uint64_t request_id,
@@ -257,37 +290,38 @@ static void answer_targets(dc_node *n, td_ctrl_req *req, uint64_t client_id, uin
         reply_targets(n, req, request_id, id);
         return;
     }
-    if (TD_GROW_INT(n->held_allocs, n->cap_held_allocs, n->n_held_allocs + 1, 16)) {
+    if (TD_GROW_INT(n->serve.held_allocs, n->serve.cap_held_allocs, n->serve.n_held_allocs + 1,
+                    16)) {
         /* no room to wait: fail it (its blocks return when the transfer ends) */
-        dc_xfer_abort(n->xfer, id, DC_XFER_END_FAILED);
-        td_ctrl_server_reply_error(n->srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
+        dc_xfer_abort(n->plane.xfer, id, DC_XFER_END_FAILED);
+        td_ctrl_server_reply_error(n->serve.srv, req, request_id, TD__ERROR_CODE__ERR_INTERNAL,
                                    "out of memory");
         return;
     }
-    n->held_allocs[n->n_held_allocs++] =
+    n->serve.held_allocs[n->serve.n_held_allocs++] =
         (dc_held_alloc){.req = req, .client_id = client_id, .request_id = request_id, .id = id};
 }
 
 int dc_serve_sync_allocs(dc_node *n)
 {
-    if (!n->n_held_allocs) return 0;
+    if (!n->serve.n_held_allocs) return 0;
     int nc;
     dc_tier_pending(n, &nc);
     int64_t t0 = td_now_ns();
-    int rc = dc_tier_flush(n);
+    int rc = dc_tier_flush(n, n->stats.step);
     if (!rc)
         TD_LOG_INFO("decode %s: %d Alloc replies held until every rank made %d tier copies "
                     "(%.2f ms)",
-                    n->p->instance, n->n_held_allocs, nc, (double)(td_now_ns() - t0) / 1e6);
-    for (int i = 0; i < n->n_held_allocs; i++) {
-        dc_held_alloc *h = &n->held_allocs[i];
+                    n->p->instance, n->serve.n_held_allocs, nc, (double)(td_now_ns() - t0) / 1e6);
+    for (int i = 0; i < n->serve.n_held_allocs; i++) {
+        dc_held_alloc *h = &n->serve.held_allocs[i];
         /* still the same request: a cancelled one's route (and id) may be taken again */
-        const dc_route *r = h->id < n->n_routes ? &n->routes[h->id] : NULL;
+        const dc_route *r = h->id < n->serve.n_routes ? &n->serve.routes[h->id] : NULL;
         bool same = r && r->used && r->client_id == h->client_id && r->request_id == h->request_id;
-        if (!rc && same && dc_xfer_live(n->xfer, h->id))
+        if (!rc && same && dc_xfer_live(n->plane.xfer, h->id))
             reply_targets(n, h->req, h->request_id, h->id);
         else
-            td_ctrl_server_reply_error(n->srv, h->req, h->request_id,
+            td_ctrl_server_reply_error(n->serve.srv, h->req, h->request_id,
                                        rc ? TD__ERROR_CODE__ERR_PEER_FAILED
                                           : TD__ERROR_CODE__ERR_NOT_FOUND,
                                        rc ? "decode instance %s failed before the KV targets "
@@ -296,18 +330,18 @@ int dc_serve_sync_allocs(dc_node *n)
                                             "went out%s",
                                        n->p->instance, rc ? td_strerror(rc) : "");
     }
-    n->n_held_allocs = 0;
+    n->serve.n_held_allocs = 0;
     return rc;
 }
 
 void dc_serve_fail_allocs(dc_node *n)
 {
-    for (int i = 0; i < n->n_held_allocs; i++)
-        td_ctrl_server_reply_error(n->srv, n->held_allocs[i].req, n->held_allocs[i].request_id,
-                                   TD__ERROR_CODE__ERR_PEER_FAILED,
-                                   "decode instance %s stopped before the KV targets were ready",
-                                   n->p->instance);
-    n->n_held_allocs = 0;
+    for (int i = 0; i < n->serve.n_held_allocs; i++)
+        td_ctrl_server_reply_error(
+            n->serve.srv, n->serve.held_allocs[i].req, n->serve.held_allocs[i].request_id,
+            TD__ERROR_CODE__ERR_PEER_FAILED,
+            "decode instance %s stopped before the KV targets were ready", n->p->instance);
+    n->serve.n_held_allocs = 0;
 }
 
 /* Alloc (disaggregated mode): reserve the prompt's blocks (sharing the prefix this pool
@@ -318,8 +352,8 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
     const Td__Alloc *a = in->env->alloc;
     const Td__Submit *s = a->request; /* present: the decoder checks it */
     uint64_t rid = s->request_id;
-    if (!n->disagg) {
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_UNSUPPORTED,
+    if (!n->proc.disagg) {
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_UNSUPPORTED,
                                    "decode instance %s runs in colocated mode (%s has no prefill "
                                    "instances)",
                                    n->p->instance, n->p->cfg->path);
@@ -328,49 +362,50 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
     int64_t id = find_route(n, in->client_id, rid);
     if (id >= 0) {
         /* a retry of the call (the control layer re-sends after a connection drop) */
-        if (n->xfer && dc_xfer_live(n->xfer, (uint64_t)id))
+        if (n->plane.xfer && dc_xfer_live(n->plane.xfer, (uint64_t)id))
             answer_targets(n, in->req, in->client_id, rid, (uint64_t)id);
         else
-            td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
+            td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
                                        "request %llu is already running", (unsigned long long)rid);
         return;
     }
-    if (n->draining) {
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_SHUTDOWN,
+    if (n->life.draining) {
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_SHUTDOWN,
                                    "decode instance %s is shutting down", n->p->instance);
         return;
     }
     /* forming: no KV plane yet, or the last one's transfers still end (their blocks are
      * not reusable before that) */
-    if (n->forming || !n->xfer) {
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
+    if (n->life.forming || !n->plane.xfer) {
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
                                    "decode instance %s %s", n->p->instance,
-                                   n->forming ? n->forming_why : "has no KV-transfer plane (bug)");
+                                   n->life.forming ? n->life.forming_why
+                                                   : "has no KV-transfer plane (bug)");
         return;
     }
     if (a->n_stages < 1 || a->n_stages > KVX_MAX_STAGES) {
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_INVALID,
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_INVALID,
                                    "alloc: n_stages %u is not in 1..%d", a->n_stages,
                                    KVX_MAX_STAGES);
         return;
     }
     /* the kvxfer request id is the client's request id (the prefill side opens the same) */
-    if (dc_xfer_kvx_live(n->xfer, rid)) {
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
+    if (dc_xfer_kvx_live(n->plane.xfer, rid)) {
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_DUPLICATE,
                                    "request id %llu is already being transferred into %s (by "
                                    "another client)",
                                    (unsigned long long)rid, n->p->instance);
         return;
     }
-    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
     if (st.waiting + st.transferring >= MAX_WAITING_FACTOR * n->dcfg->max_batch) {
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
                                    "%d requests already waiting and %d transferring", st.waiting,
                                    st.transferring);
         return;
     }
     if ((id = new_route(n, in->client_id, rid)) < 0) {
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_INTERNAL,
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_INTERNAL,
                                    "out of memory");
         return;
     }
@@ -378,42 +413,42 @@ static void handle_alloc(dc_node *n, const td_ctrl_server_in *in)
     const int32_t *blocks;
     int n_blocks;
     int32_t n_cached;
-    int rc = dc_sched_submit_transfer(n->sched, &rp, &blocks, &n_blocks, &n_cached);
+    int rc = dc_sched_submit_transfer(n->leader.sched, &rp, &blocks, &n_blocks, &n_cached);
     if (rc == TD_ESTATE) {
-        n->routes[id].used = false;
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
+        n->serve.routes[id].used = false;
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_BUSY,
                                    "the KV pool cannot hold the prompt's %d blocks now (%d of %d "
                                    "free)",
-                                   kn_kv_blocks_for(dc_kv(n), rp.n_prompt), kn_kv_available(n->mem),
-                                   dc_kv(n)->n_blocks);
+                                   kn_kv_blocks_for(dc_kv(n), rp.n_prompt),
+                                   kn_kv_available(n->proc.mem), dc_kv(n)->n_blocks);
         return;
     }
     if (rc) {
-        n->routes[id].used = false;
+        n->serve.routes[id].used = false;
         reply_refused(n, in->req, rid, rc);
         return;
     }
-    rc = dc_xfer_start(n->xfer, (uint64_t)id, rid, a->n_stages, rp.n_prompt, n_cached, blocks,
+    rc = dc_xfer_start(n->plane.xfer, (uint64_t)id, rid, a->n_stages, rp.n_prompt, n_cached, blocks,
                        n_blocks);
     if (rc) {
         /* no target went out: the blocks are safe to free; no event (the reply says it) */
-        n->routes[id].used = false;
-        dc_sched_transfer_end(n->sched, (uint64_t)id, DC_FINISH_ERROR);
-        td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_INTERNAL,
+        n->serve.routes[id].used = false;
+        dc_sched_transfer_end(n->leader.sched, (uint64_t)id, DC_FINISH_ERROR);
+        td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_INTERNAL,
                                    "cannot make the KV targets: %s", td_strerror(rc));
         return;
     }
     answer_targets(n, in->req, in->client_id, rid, (uint64_t)id);
-    n->load_changed = true; /* blocks are held now: a router picking instances sees it */
+    n->serve.load_changed = true; /* blocks are held now: a router picking instances sees it */
 }
 
 /* Cancel one request: a transfer in flight is aborted (its blocks are freed once kvxfer
  * says no writer can write any more), anything else goes through the scheduler. */
 static int cancel_one(dc_node *n, uint64_t id)
 {
-    if (n->xfer && dc_xfer_live(n->xfer, id))
-        return dc_xfer_abort(n->xfer, id, DC_XFER_END_CANCELLED);
-    return dc_sched_cancel(n->sched, id);
+    if (n->plane.xfer && dc_xfer_live(n->plane.xfer, id))
+        return dc_xfer_abort(n->plane.xfer, id, DC_XFER_END_CANCELLED);
+    return dc_sched_cancel(n->leader.sched, id);
 }
 
 static void handle_request(dc_node *n, const td_ctrl_server_in *in)
@@ -430,15 +465,15 @@ static void handle_request(dc_node *n, const td_ctrl_server_in *in)
         uint64_t rid = env->cancel->request_id;
         int64_t id = find_route(n, in->client_id, rid);
         if (id < 0 || cancel_one(n, (uint64_t)id)) {
-            td_ctrl_server_reply_error(n->srv, in->req, rid, TD__ERROR_CODE__ERR_NOT_FOUND,
+            td_ctrl_server_reply_error(n->serve.srv, in->req, rid, TD__ERROR_CODE__ERR_NOT_FOUND,
                                        "no running request %llu", (unsigned long long)rid);
             return;
         }
-        td_ctrl_server_reply_ack(n->srv, in->req, rid);
+        td_ctrl_server_reply_ack(n->serve.srv, in->req, rid);
         return;
     }
     default:
-        td_ctrl_server_reply_error(n->srv, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
+        td_ctrl_server_reply_error(n->serve.srv, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
                                    "decode instance %s does not handle %s", n->p->instance,
                                    td_ctrl_body_name(env->body_case));
         return;
@@ -447,25 +482,26 @@ static void handle_request(dc_node *n, const td_ctrl_server_in *in)
 
 static void cancel_client(dc_node *n, uint64_t client)
 {
-    for (size_t i = 0; i < n->n_routes; i++)
-        if (n->routes[i].used && n->routes[i].client_id == client) cancel_one(n, i);
+    for (size_t i = 0; i < n->serve.n_routes; i++)
+        if (n->serve.routes[i].used && n->serve.routes[i].client_id == client) cancel_one(n, i);
 }
 
 void dc_serve_transfers(dc_node *n)
 {
     dc_xfer_event ev;
-    while (n->xfer && dc_xfer_next(n->xfer, &ev) == 1) {
-        n->load_changed = true;
-        dc_route *r = ev.key < n->n_routes ? &n->routes[ev.key] : NULL;
+    while (n->plane.xfer && dc_xfer_next(n->plane.xfer, &ev) == 1) {
+        n->serve.load_changed = true;
+        dc_route *r = ev.key < n->serve.n_routes ? &n->serve.routes[ev.key] : NULL;
         if (ev.kind == DC_XFER_ARRIVED) {
-            if (dc_sched_transfer_done(n->sched, ev.key, ev.first_token) != TD_EINVAL) continue;
+            if (dc_sched_transfer_done(n->leader.sched, ev.key, ev.first_token) != TD_EINVAL)
+                continue;
             ev.why = DC_XFER_END_FAILED;
             snprintf(ev.msg, sizeof ev.msg,
                      "KV transfer from prefill: first token %d is outside the vocabulary",
                      ev.first_token);
         }
         if (ev.why == DC_XFER_END_CANCELLED) {
-            dc_sched_transfer_end(n->sched, ev.key, DC_FINISH_CANCELLED);
+            dc_sched_transfer_end(n->leader.sched, ev.key, DC_FINISH_CANCELLED);
             continue;
         }
         if (ev.why == DC_XFER_END_STOPPED) continue; /* the request ended already */
@@ -474,7 +510,7 @@ void dc_serve_transfers(dc_node *n)
                                                         : TD__ERROR_CODE__ERR_PEER_FAILED;
             snprintf(r->err_msg, sizeof r->err_msg, "%s", ev.msg);
         }
-        dc_sched_transfer_end(n->sched, ev.key, DC_FINISH_ERROR);
+        dc_sched_transfer_end(n->leader.sched, ev.key, DC_FINISH_ERROR);
     }
 }
 
@@ -485,7 +521,7 @@ void dc_serve_transfers(dc_node *n)
  * for KN_KV_EVENT_LOG_DEFAULT events. No cache: no events (seq 0). */
 static void health_events(dc_node *n, Td__Health *h, uint64_t *ids, uint8_t *kind)
 {
-    const kn_kv_cache *c = kn_kv_mem_cache(n->mem);
+    const kn_kv_cache *c = kn_kv_mem_cache(n->proc.mem);
     if (!c) return;
     kn_kv_event ev[KN_KV_EVENT_LOG_DEFAULT];
     uint64_t next = kn_kv_cache_event_next(c), first;
@@ -502,16 +538,16 @@ static void health_events(dc_node *n, Td__Health *h, uint64_t *ids, uint8_t *kin
     h->kv_event_ids = ids;
 }
 
-/* Health 27-33 from n->compute, made at the first report (dc_node_int.h). The limits of
+/* Health 27-33 from n->serve.compute, made at the first report (dc_node_int.h). The limits of
  * those fields (TD_CTRL_MAX_TAG, TD_CTRL_MAX_PATHS) hold kn_compute_info's strings. */
 _Static_assert(sizeof((kn_compute_info *)0)->blas_core <= TD_CTRL_MAX_TAG + 1 &&
                    sizeof((kn_compute_info *)0)->paths <= TD_CTRL_MAX_PATHS + 1,
                "Health's compute strings must fit the decoder's limits");
 static void health_compute(dc_node *n, Td__Health *h)
 {
-    const kn_compute_info *c = &n->compute;
-    if (!n->compute_made) kn_backend_compute_info(n->rt.be, &n->compute);
-    n->compute_made = true;
+    const kn_compute_info *c = &n->serve.compute;
+    if (!n->serve.compute_made) kn_backend_compute_info(n->proc.rt.be, &n->serve.compute);
+    n->serve.compute_made = true;
     h->backend = (char *)c->backend;
     h->act = (char *)c->act;
     h->cpu_isa = (char *)c->cpu_isa;
@@ -523,7 +559,7 @@ static void health_compute(dc_node *n, Td__Health *h)
 
 void dc_serve_health(dc_node *n)
 {
-    dc_sched_stats st = dc_sched_get_stats(n->sched);
+    dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
     Td__Health h = TD__HEALTH__INIT;
     h.instance = (char *)n->p->instance;
     h.role = TD__ROLE__ROLE_DECODE;
@@ -533,7 +569,7 @@ void dc_serve_health(dc_node *n)
     h.kv_blocks_used = (uint32_t)st.kv_blocks_used;
     h.kv_blocks_free = (uint32_t)st.kv_blocks_free;
     h.kv_block_size = (uint32_t)dc_kv(n)->block_size;
-    h.uptime_ms = (uint64_t)(td_now_ms() - n->started_ms);
+    h.uptime_ms = (uint64_t)(td_now_ms() - n->serve.started_ms);
     h.num_preemptions = st.preemptions;
     h.prefix_queried_tokens = st.prefix_queried;
     h.prefix_hit_tokens = st.prefix_hits;
@@ -544,25 +580,33 @@ void dc_serve_health(dc_node *n)
         h.prefix_tier = tier;
     }
     h.n_step_time_counts = TD_STEP_HIST_N + 1;
-    h.step_time_counts = n->step_hist;
-    h.step_time_us = n->step_us;
+    h.step_time_counts = n->stats.step_hist;
+    h.step_time_us = n->stats.step_us;
     /* alive but not ready while forming: the router keeps polling and sends nothing */
-    h.ready = !n->forming && !n->stopping && !n->draining;
+    h.ready = !n->life.forming && !n->life.stopping && !n->life.draining;
     uint64_t ev_ids[KN_KV_EVENT_LOG_DEFAULT];
     uint8_t ev_kind[KN_KV_EVENT_LOG_DEFAULT];
     health_events(n, &h, ev_ids, ev_kind);
     health_compute(n, &h);
-    td_ctrl_server_set_health(n->srv, &h);
+    td_ctrl_server_set_health(n->serve.srv, &h);
 }
 
-int dc_serve_inbox(dc_node *n, int timeout_ms)
+void dc_serve_health_tick(dc_node *n, int64_t *last_ms)
 {
-    n->ns_inbox_wait = 0;
+    if (!n->serve.load_changed && td_now_ms() - *last_ms < 100) return;
+    dc_serve_health(n);
+    *last_ms = td_now_ms();
+    n->serve.load_changed = false;
+}
+
+int dc_serve_inbox(dc_node *n, int timeout_ms, int64_t *ns_wait)
+{
+    if (ns_wait) *ns_wait = 0;
     for (;;) {
         td_ctrl_server_in in;
         int64_t t_wait = timeout_ms > 0 ? td_now_ns() : 0;
-        int rc = td_ctrl_server_recv(n->srv, &in, timeout_ms);
-        if (timeout_ms > 0) n->ns_inbox_wait = td_now_ns() - t_wait;
+        int rc = td_ctrl_server_recv(n->serve.srv, &in, timeout_ms);
+        if (timeout_ms > 0 && ns_wait) *ns_wait = td_now_ns() - t_wait;
         if (rc == TD_ETIMEDOUT) return 0;
         if (rc) return rc;
         if (in.kind == TD_CTRL_IN_REQUEST)

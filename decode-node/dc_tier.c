@@ -39,19 +39,20 @@ int dc_tier_params(const dc_node *n, char *path, size_t cap, kn_kv_tier_params *
     /* a device pool's copies go through the backend's download/upload: tested with cpu-dev
        (the CPU kernels behind a device backend's contract) in colocated mode only */
     const char *dev = dc_kv(n)->dev.ops ? dc_kv(n)->dev.ops->name : NULL;
-    if (dev && (strcmp(dev, "cpu-dev") || n->disagg)) {
+    if (dev && (strcmp(dev, "cpu-dev") || n->proc.disagg)) {
         TD_LOG_ERR("decode %s: prefix_cache_tier with the %s backend%s is not supported yet (a "
                    "device pool's tier is tested with cpu-dev in colocated mode only)",
-                   n->p->instance, dev, n->disagg ? " in disaggregated mode" : "");
+                   n->p->instance, dev, n->proc.disagg ? " in disaggregated mode" : "");
         return TD_EUNSUPP;
     }
     if ((size_t)snprintf(path, cap, "%s.r%d", d->tier.path, n->p->rank) >= cap) return TD_EINVAL;
     *out = (kn_kv_tier_params){.path = path, .bytes = (size_t)d->tier.bytes};
     if (d->tp > 1) {
         /* the same slot count on every rank: what bytes hold of the rank with most KV heads */
-        const kn_hparams *hp = &n->rt.model->hp;
+        const kn_hparams *hp = &n->proc.rt.model->hp;
         int max_kv = td_tp_max_kv_heads(hp->n_head, hp->n_head_kv, d->tp);
-        size_t sb = kn_kv_tier_block_bytes(dc_kv(n)) / (size_t)dc_kv(n)->n_kv_heads * (size_t)max_kv;
+        size_t sb =
+            kn_kv_tier_block_bytes(dc_kv(n)) / (size_t)dc_kv(n)->n_kv_heads * (size_t)max_kv;
         size_t slots = (size_t)d->tier.bytes > 4096 ? ((size_t)d->tier.bytes - 4096) / sb : 0;
         if (slots < 1 || slots > INT32_MAX / 4) {
             TD_LOG_ERR("decode %s: prefix_cache_tier size %lld holds %zu blocks of %zu bytes (rank "
@@ -79,19 +80,19 @@ int dc_tier_follower_open(dc_node *n)
     char path[4096];
     kn_kv_tier_params tp;
     int rc = dc_tier_params(n, path, sizeof path, &tp);
-    if (!rc && tp.bytes) rc = kn_kv_mem_add_tier(n->mem, &tp);
+    if (!rc && tp.bytes) rc = kn_kv_mem_add_tier(n->proc.mem, &tp);
     return rc;
 }
 
 int dc_tier_apply(dc_node *n, const dc_plan_view *v)
 {
-    if (v->n_copies && !kn_kv_mem_tier(n->mem)) {
+    if (v->n_copies && !kn_kv_mem_tier(n->proc.mem)) {
         TD_LOG_ERR("decode %s rank %d: step %llu carries %d tier copies and this rank has no tier",
                    n->p->instance, n->p->rank, (unsigned long long)v->step, v->n_copies);
         return TD_EFORMAT;
     }
     for (int i = 0; i < v->n_copies; i++) {
-        int rc = kn_kv_tier_apply(kn_kv_mem_tier(n->mem), dc_kv(n), &v->copies[i]);
+        int rc = kn_kv_tier_apply(kn_kv_mem_tier(n->proc.mem), dc_kv(n), &v->copies[i]);
         if (rc) {
             TD_LOG_ERR("decode %s rank %d: step %llu: tier copy %d of %d failed (%s): this rank's "
                        "KV would differ from rank 0's",
@@ -105,27 +106,28 @@ int dc_tier_apply(dc_node *n, const dc_plan_view *v)
 
 const kn_kv_tier_op *dc_tier_pending(dc_node *n, int *n_ops)
 {
-    kn_kv_tier *t = n->dcfg->tp > 1 && kn_kv_mem_cache(n->mem) ? kn_kv_mem_tier(n->mem) : NULL;
+    kn_kv_tier *t =
+        n->dcfg->tp > 1 && kn_kv_mem_cache(n->proc.mem) ? kn_kv_mem_tier(n->proc.mem) : NULL;
     *n_ops = 0;
     return t ? kn_kv_tier_ops(t, n_ops) : NULL;
 }
 
 void dc_tier_sent(dc_node *n)
 {
-    kn_kv_tier *t = kn_kv_mem_cache(n->mem) ? kn_kv_mem_tier(n->mem) : NULL;
+    kn_kv_tier *t = kn_kv_mem_cache(n->proc.mem) ? kn_kv_mem_tier(n->proc.mem) : NULL;
     if (t) kn_kv_tier_ops_clear(t);
 }
 
-int dc_tier_flush(dc_node *n)
+int dc_tier_flush(dc_node *n, uint64_t step)
 {
     int nc;
     const kn_kv_tier_op *ops = dc_tier_pending(n, &nc);
     if (!nc) return 0;
     void *buf;
     size_t cap, len;
-    int rc = dc_shm_plan_begin(n->shm, &buf, &cap);
-    if (!rc) rc = dc_plan_encode(NULL, ops, nc, dc_kv(n)->block_size, n->step, buf, cap, &len);
-    if (!rc) rc = dc_shm_plan_commit(n->shm, len);
+    int rc = dc_shm_plan_begin(n->form.shm, &buf, &cap);
+    if (!rc) rc = dc_plan_encode(NULL, ops, nc, dc_kv(n)->block_size, step, buf, cap, &len);
+    if (!rc) rc = dc_shm_plan_commit(n->form.shm, len);
     if (!rc) dc_tier_sent(n);
     if (!rc) rc = dc_tier_copy_barrier(n);
     return rc;
@@ -133,7 +135,7 @@ int dc_tier_flush(dc_node *n)
 
 int dc_tier_copy_barrier(dc_node *n)
 {
-    if (!n->disagg) return 0;
+    if (!n->proc.disagg) return 0;
     float none = 0.0f; /* the sum is not the point: every rank is past its copies */
-    return dc_shm_allreduce(n->shm, &none, 1);
+    return dc_shm_allreduce(n->form.shm, &none, 1);
 }
