@@ -19,12 +19,14 @@
  *      └───────────────────────┘                        cache_free to 0 v │ (refs 1)
  *      └────── cache_alloc evicts it (least recently idle first) ── cached idle (refs 0)
  *
- * Only whole blocks are entered (the last partial block of a sequence is never shared) and
- * only once their KV is computed; a cached block is never written again (its owners only
+ * Only whole blocks are entered by a decode sequence (its last partial block is never
+ * shared; a prefill stage's policy also keeps a prompt's tail, below) and only once their
+ * KV is computed; a cached block is never written again (its owners only
  * append past it), so sharing needs no copy. A block entered by one sequence while another
  * computed the same prefix privately stays private in the second (no swap).
  * Invariants: an entry's block is referenced or on the idle list, never free; the idle list
- * holds exactly the cached blocks with refs 0, oldest first; kn_kv_cache_available counts them.
+ * holds exactly the cached blocks with refs 0, oldest first; kn_kv_cache_available counts
+ * them (unless demand eviction is off).
  * Threading: not thread-safe; the owner of the pool calls everything.
  * Layering (kv_mem.h): the cache is layer 3, above the pool (whose block allocator it drives:
  * blocks of a pool with a cache are allocated and freed through kn_kv_cache_alloc/free,
