@@ -189,14 +189,12 @@ void kn_kv_seq_commit(kn_kv_mem *m, kn_kv_seq *s, const int32_t *tokens, int64_t
     }
 }
 
-/* s's block i is cached (never written again) and s will write into it: the entry leaves the
- * cache if s alone holds it, else s takes a private copy. */
+/* s's block i is cached (never written again) and s will write into it: s takes a private
+ * copy. Even when s alone holds it the entry stays: entries chained after it (s's own blocks
+ * past n_ctx, idle now) follow its serial, and forgetting it would leave them unreachable
+ * while the router's index still lists them. */
 static int copy_on_write(kn_kv_mem *m, kn_kv_seq *s, int i)
 {
-    if (m->pool->refs[s->blocks[i]] == 1) {
-        kn_kv_cache_forget(m->cache, s->blocks[i]); /* nobody else can read it any more */
-        return 0;
-    }
     int32_t b;
     int rc = kn_kv_alloc(m, 1, &b);
     if (!rc && (rc = kn_kv_block_copy(m->pool, s->blocks[i], b))) kn_kv_free(m, 1, &b);

@@ -109,9 +109,9 @@ int kn_kv_seq_reserve(kn_kv_mem *m, kn_kv_seq *s, int64_t n_ctx);
 void kn_kv_seq_commit(kn_kv_mem *m, kn_kv_seq *s, const int32_t *tokens, int64_t n_computed);
 /* Keep positions [0, n_ctx) of the sequence (tokens: its tokens, at least those n_ctx),
  * dropping the rest (rejected draft tokens, a truncated context): blocks past them are
- * freed; a kept block that is cached and will be written again (n_ctx inside it) leaves
- * the cache if the sequence alone holds it, else is replaced by a private copy (a cached
- * block is never written); the chain steps back to the last whole kept block.
+ * freed (cached ones stay cached, idle); a kept block that is cached and will be written
+ * again (n_ctx inside it) is replaced by a private copy (a cached block is never written);
+ * the chain steps back to the last whole kept block.
  * 0; TD_EINVAL (n_ctx < 0 or past the table); TD_ENOSPC or the backend's copy error: no
  * block for the copy, and the sequence keeps only its whole blocks, positions
  * [0, n_ctx / block_size * block_size) (the caller computes the rest again). */
