@@ -60,6 +60,7 @@ PREFIXES = {
     "router": ("rt_",),
     "tools": ("cli_", "up_"),
     "grammar": ("gr_",),
+    "jinja": ("jn_", "jv"),
     "planner": ("pl_",),
 }
 
@@ -70,7 +71,7 @@ LAYERS = (
     ("common", "proto"),
     ("backend",),  # the device-backend contract, a header
     ("kvmem",),  # the KV memory: pool, tier, cache, kv_mem
-    ("kernels", "grammar", "kvxfer"),
+    ("kernels", "grammar", "jinja", "kvxfer"),
     ("decode-node", "prefill-node", "router"),
     ("planner",),
     ("tools",),

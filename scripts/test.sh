@@ -4,7 +4,9 @@
 #
 #   setup         scripts/setup.sh, then the qwen0.5b and gemma3 models (scripts/fetch_model.py;
 #                 kept and only re-verified once in the cache) for the models_* and
-#                 model_split_* real-file tests
+#                 model_split_* real-file tests, and the chat-template corpus
+#                 (scripts/fetch_corpus.py: llama.cpp's templates from the llama-cpp-python
+#                 sdist, likewise kept) for template_corpus (tests/templates.cmake)
 #   build-asan/   -DTANDEM_SANITIZE=ON RelWithDebInfo build (with the CUDA backend where nvcc
 #                 is found); ctest runs every test but those labelled ci_release
 #   build-rel/    Release build, CUDA off; ctest runs the ci_release tests: those whose time
@@ -21,8 +23,8 @@
 #
 # Environment: TANDEM_JOBS (2), TANDEM_TEST_TIMEOUT (seconds per test, 1800),
 # TANDEM_FUZZ_SECONDS (60; 0 skips the fuzzers), TANDEM_FUZZ_SECONDS_EACH (20: the other
-# fuzzers), TANDEM_TEST_BUDGET_S (2400; 0: no budget), plus setup.sh's TANDEM_VENV /
-# TANDEM_MODELS.
+# fuzzers), TANDEM_TEST_BUDGET_S (2400; 0: no budget), TANDEM_CORPUS_DIR (the template
+# corpus cache, ~/.cache/tandem/corpus), plus setup.sh's TANDEM_VENV / TANDEM_MODELS.
 # Ends with "tandem: N passed, M failed" (ctest's tests, each fuzzer and any failed build
 # step each count as one) and exits non-zero if anything failed.
 set -euo pipefail
@@ -62,6 +64,14 @@ if ! GEMMA3=$("$PY" scripts/fetch_model.py --dir "${TANDEM_MODELS:-$HOME/.cache/
                gemma3); then
   GEMMA3=""
   step_failed "fetch of the gemma3 model failed (scripts/fetch_model.py): model_split_gemma3_270m not run"
+fi
+# the chat-template corpus for template_corpus (tests/templates.cmake): fetched once (the
+# llama-cpp-python sdist, sha256-pinned), then only verified; without it the test is not
+# defined, and that is counted as a failure here
+CORPUS=""
+if ! CORPUS=$("$PY" scripts/fetch_corpus.py --dir "${TANDEM_CORPUS_DIR:-$HOME/.cache/tandem/corpus}"); then
+  CORPUS=""
+  step_failed "fetch of the template corpus failed (scripts/fetch_corpus.py): template_corpus not run"
 fi
 
 # --- the two builds and their ctest suites ------------------------------------------------
@@ -112,7 +122,8 @@ configure_build() {
   local dir=$1
   shift
   if ! cmake -S . -B "$dir" -DTANDEM_PYTHON="$PY" -DTANDEM_MODEL="$MODEL" \
-       -DTANDEM_MODEL_QWEN05="$QWEN05" -DTANDEM_MODEL_GEMMA3="$GEMMA3" "$@"; then
+       -DTANDEM_MODEL_QWEN05="$QWEN05" -DTANDEM_MODEL_GEMMA3="$GEMMA3" \
+       -DTANDEM_CORPUS="$CORPUS" "$@"; then
     step_failed "$dir: cmake configure failed"
     return 1
   fi

@@ -66,5 +66,6 @@ int cmd_bench(int argc, char **argv);      /* tandem bench: HTTP load generator 
 int cmd_chunk_plan(int argc, char **argv); /* tandem chunk-plan (cmd_chunkplan.c) */
 int cmd_plan(int argc, char **argv);       /* tandem plan (cmd_plan.c, planner/) */
 int cmd_calibrate(int argc, char **argv);  /* tandem calibrate (cmd_plan.c, planner/) */
+int cmd_template(int argc, char **argv);   /* tandem template (cmd_template.c, jinja/) */
 
 #endif

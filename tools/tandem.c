@@ -22,6 +22,7 @@ static void usage(void)
                     "  chunk-plan    profile a prefill stage, fit the dynamic-chunking cost model\n"
                     "  plan          simulate a cluster, pick the cheapest config meeting targets\n"
                     "  calibrate     measure this machine into a hardware profile for plan\n"
+                    "  template      render a chat template with a conversation (as the router)\n"
                     "run 'tandem <command> --help' for its options\n");
 }
 
@@ -64,6 +65,8 @@ int main(int argc, char **argv)
         rc = cmd_plan(argc - 2, argv + 2);
     else if (!strcmp(cmd, "calibrate"))
         rc = cmd_calibrate(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "template"))
+        rc = cmd_template(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         rc = 0;
