@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <strings.h>
 
 #include <yaml.h>
@@ -551,12 +552,13 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
     if (parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
     if (seen[R_LISTEN] && check_listen(p, seen[R_LISTEN], r->listen)) return p->rc;
     if (parse_routing(p, seen[R_ROUTING], seen[R_CACHE_AWARE], r)) return p->rc;
+    /* a family's built-in template, or a Jinja file (read and compiled by the router) */
     const char *t = r->chat_template;
     if (*t && strcmp(t, "chatml") && strcmp(t, "llama3") && strcmp(t, "llama2") &&
-        strcmp(t, "gemma"))
+        strcmp(t, "gemma") && access(t, R_OK))
         return fail(p, seen[R_TEMPLATE],
-                    "unknown chat_template '%s' (known: chatml, llama3, llama2, gemma; empty: the "
-                    "model's)",
+                    "chat_template '%s' is neither chatml, llama3, llama2, gemma nor a readable "
+                    "template file (empty: the model's own)",
                     t);
     /* the default deadline follows a smaller maximum; an explicit one must fit under it */
     if (!seen[R_REQ_TIMEOUT] && r->request_timeout_ms > r->max_request_timeout_ms)

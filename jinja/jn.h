@@ -22,6 +22,7 @@
 #define JN_H
 
 #include <jansson.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -49,6 +50,10 @@ int jn_parse(const char *src, size_t len, jn_template **out, jn_error *err);
 
 void jn_template_free(jn_template *t);
 
+/* Does the template read the variable `name` anywhere (e.g. "tools": whether a model's
+ * template renders the tools it is given at all)? */
+bool jn_template_reads(const jn_template *t, const char *name);
+
 /* Render t with the variables of vars (a JSON object: messages, tools, add_generation_prompt,
  * bos_token, ... as the template reads them; JSON objects are dicts, arrays lists). opts may
  * be NULL. Returns 0 with *out (NUL-terminated, *len bytes); TD_EINVAL for an error the
@@ -57,5 +62,10 @@ void jn_template_free(jn_template *t);
  * TD_ERANGE (a limit above), TD_ENOMEM. */
 int jn_render(const jn_template *t, const json_t *vars, const jn_opts *opts, char **out,
               size_t *len, jn_error *err);
+
+/* v as Python's json.dumps(v, ensure_ascii=False) writes it, as a template's tojson does
+ * (", " and ": " separators, keys in their order, floats as repr): malloc'd, NULL when out
+ * of memory. For the API's tool-call arguments, which vLLM writes the same way. */
+char *jn_pyjson(const json_t *v);
 
 #endif

@@ -17,6 +17,7 @@
 #include <stdbool.h>
 
 #include "jn.h"
+#include "tokenizer.h"
 
 typedef struct {
     const json_t *messages; /* an array of message objects */
@@ -33,5 +34,26 @@ json_t *jn_chat_vars(const jn_chat *chat, jn_error *err);
 /* jn_chat_vars + jn_render. Returns jn_render's codes (TD_EINVAL for bad input too). */
 int jn_chat_render(const jn_template *t, const jn_chat *chat, const jn_opts *opts, char **out,
                    size_t *len, jn_error *err);
+
+/* The text of a built-in template for a model file without one, by family: "chatml"
+ * (transformers' default ChatML), "llama3" (Llama 3 Instruct's), "llama2" (Llama 2 Chat's),
+ * "gemma" (Gemma 3's, the system turn folded into the first user turn); NULL for any other
+ * name. */
+const char *jn_family_template(const char *family);
+
+/* bos_token and eos_token as a template sees them: the tokenizer's pieces (NULL when it
+ * has no such token). A rendered prompt is tokenized without adding special tokens
+ * (transformers' and vLLM's rule: the template writes BOS where the model wants one). */
+typedef struct {
+    char *bos, *eos;
+} jn_special;
+int jn_special_init(jn_special *s, const td_tokenizer *tok); /* 0 or TD_ENOMEM */
+void jn_special_fini(jn_special *s);
+
+/* One user message rendered with a template text (add_generation_prompt on), for the tools
+ * that prompt a model directly (tandem generate --chat, the activation-mode check).
+ * Returns 0 with *out malloc'd, or the jn_parse / jn_render code with *err filled. */
+int jn_chat_render_user(const char *tmpl, size_t len, const char *user, const jn_special *s,
+                        char **out, jn_error *err);
 
 #endif

@@ -884,6 +884,11 @@ int jn_parse(const char *src, size_t len, jn_template **out, jn_error *err)
     return 0;
 }
 
+bool jn_template_reads(const jn_template *t, const char *name)
+{
+    return t && reads_name(t->root, name);
+}
+
 void jn_template_free(jn_template *t)
 {
     if (!t) return;

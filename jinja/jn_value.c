@@ -698,6 +698,19 @@ int jn_write_json(jn_ctx *c, jn_buf *b, const jv *v, int indent, const char *ite
     return json_value(c, b, v, &f, 0);
 }
 
+char *jn_pyjson(const json_t *v)
+{
+    jn_ctx c = {.max_output = (size_t)1 << 30};
+    jn_buf b = {0};
+    jv *x = jn_from_json(&c, v);
+    if (!x || jn_write_json(&c, &b, x, -1, NULL, NULL, false, false) || jn_buf_put(&c, &b, "", 0)) {
+        free(b.buf);
+        b.buf = NULL;
+    }
+    jn_arena_free(&c.arena);
+    return b.buf;
+}
+
 /* ---- UTF-8 ---- */
 
 uint32_t jn_utf8_next(const char *s, size_t n, size_t *i)

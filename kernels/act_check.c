@@ -9,7 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "chat_template.h"
+#include "jn_chat.h"
 #include "cpu_backend.h"
 #include "cpu_blas.h"
 #include "kn_runtime.h"
@@ -57,10 +57,15 @@ static int encode_prompt(check_ctx *c, int i)
     size_t tlen;
     char *rendered = NULL;
     if (!td_gguf_get_str(c->rt.gguf, "tokenizer.chat_template", &tmpl, &tlen)) {
-        td_chat_msg msg = {.role = "user", .content = prompts[i]};
-        if (!td_chat_render(tmpl, tlen, &msg, 1, true, &rendered)) text = rendered;
+        jn_special sp;
+        jn_error e;
+        if (!jn_special_init(&sp, c->tok) &&
+            !jn_chat_render_user(tmpl, tlen, prompts[i], &sp, &rendered, &e))
+            text = rendered;
+        jn_special_fini(&sp);
     }
-    int rc = td_tok_encode(c->tok, text, strlen(text), true, true, &c->ids[i], &c->n_ids[i]);
+    /* a rendered prompt has its special tokens from the template (transformers' rule) */
+    int rc = td_tok_encode(c->tok, text, strlen(text), !rendered, true, &c->ids[i], &c->n_ids[i]);
     free(rendered);
     if (!rc && c->n_ids[i] == 0) rc = TD_EINVAL;
     if (!rc && c->n_ids[i] > c->max_ids) c->max_ids = c->n_ids[i];

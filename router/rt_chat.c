@@ -5,161 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chat_template.h"
 #include "gr_grammar.h"
 #include "td_err.h"
 #include "td_grow.h"
-
-/* ---- Python's json.dumps(ensure_ascii=False) ---- */
-
-static int py_string(rt_buf *b, const char *s, size_t n)
-{
-    int rc = rt_buf_append(b, "\"", 1);
-    for (size_t i = 0; i < n && !rc; i++) {
-        unsigned char c = (unsigned char)s[i];
-        char esc[8];
-        const char *x = NULL;
-        switch (c) {
-        case '"':
-            x = "\\\"";
-            break;
-        case '\\':
-            x = "\\\\";
-            break;
-        case '\n':
-            x = "\\n";
-            break;
-        case '\r':
-            x = "\\r";
-            break;
-        case '\t':
-            x = "\\t";
-            break;
-        case '\b':
-            x = "\\b";
-            break;
-        case '\f':
-            x = "\\f";
-            break;
-        default:
-            if (c < 0x20) {
-                snprintf(esc, sizeof esc, "\\u%04x", c);
-                x = esc;
-            }
-        }
-        rc = x ? rt_buf_puts(b, x) : rt_buf_append(b, &s[i], 1);
-    }
-    return rc ? rc : rt_buf_append(b, "\"", 1);
-}
-
-/* repr(float): the shortest digits that read back to d; fixed notation for decimal
- * exponents in [-4, 16) (always with a fraction: "2.0"), else "1e+16" / "1.5e-05". */
-static int py_real(rt_buf *b, double d)
-{
-    char s[40];
-    int p = 1;
-    for (; p < 17; p++) {
-        snprintf(s, sizeof s, "%.*e", p - 1, d);
-        if (strtod(s, NULL) == d) break;
-    }
-    snprintf(s, sizeof s, "%.*e", p - 1, d);
-    char digits[24];
-    int nd = 0, exp10 = 0;
-    const char *c = s;
-    bool neg = *c == '-';
-    if (neg) c++;
-    for (; *c && *c != 'e'; c++)
-        if (*c != '.') digits[nd++] = *c;
-    if (*c == 'e') exp10 = atoi(c + 1);
-    while (nd > 1 && digits[nd - 1] == '0')
-        nd--;
-    char out[64];
-    int o = 0;
-    if (neg) out[o++] = '-';
-    if (exp10 >= -4 && exp10 < 16) {
-        if (exp10 < 0) {
-            out[o++] = '0';
-            out[o++] = '.';
-            for (int k = 0; k < -exp10 - 1; k++)
-                out[o++] = '0';
-            for (int k = 0; k < nd; k++)
-                out[o++] = digits[k];
-        } else {
-            for (int k = 0; k <= exp10; k++)
-                out[o++] = k < nd ? digits[k] : '0';
-            out[o++] = '.';
-            if (nd > exp10 + 1)
-                for (int k = exp10 + 1; k < nd; k++)
-                    out[o++] = digits[k];
-            else
-                out[o++] = '0';
-        }
-        out[o] = '\0';
-    } else {
-        out[o++] = digits[0];
-        if (nd > 1) {
-            out[o++] = '.';
-            for (int k = 1; k < nd; k++)
-                out[o++] = digits[k];
-        }
-        snprintf(out + o, sizeof out - (size_t)o, "e%c%02d", exp10 < 0 ? '-' : '+',
-                 exp10 < 0 ? -exp10 : exp10);
-    }
-    return rt_buf_puts(b, out);
-}
-
-static int py_dump(rt_buf *b, const json_t *v)
-{
-    char num[32];
-    int rc = 0;
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: {
-        const char *key;
-        json_t *x;
-        bool first = true;
-        rc = rt_buf_puts(b, "{");
-        json_object_foreach((json_t *)v, key, x)
-        {
-            if (!rc && !first) rc = rt_buf_puts(b, ", ");
-            first = false;
-            if (!rc) rc = py_string(b, key, strlen(key));
-            if (!rc) rc = rt_buf_puts(b, ": ");
-            if (!rc) rc = py_dump(b, x);
-        }
-        return rc ? rc : rt_buf_puts(b, "}");
-    }
-    case JSON_ARRAY:
-        rc = rt_buf_puts(b, "[");
-        for (size_t i = 0; i < json_array_size(v) && !rc; i++) {
-            if (i) rc = rt_buf_puts(b, ", ");
-            if (!rc) rc = py_dump(b, json_array_get(v, i));
-        }
-        return rc ? rc : rt_buf_puts(b, "]");
-    case JSON_STRING:
-        return py_string(b, json_string_value(v), json_string_length(v));
-    case JSON_INTEGER:
-        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
-        return rt_buf_puts(b, num);
-    case JSON_REAL:
-        return py_real(b, json_real_value(v));
-    case JSON_TRUE:
-        return rt_buf_puts(b, "true");
-    case JSON_FALSE:
-        return rt_buf_puts(b, "false");
-    default:
-        return rt_buf_puts(b, "null");
-    }
-}
-
-char *rt_chat_pyjson(const json_t *v)
-{
-    rt_buf b = {0};
-    if (py_dump(&b, v) || rt_buf_append(&b, "", 0)) {
-        rt_buf_free(&b);
-        return NULL;
-    }
-    return b.buf;
-}
 
 /* ---- tools, tool_choice, parallel_tool_calls ---- */
 
@@ -168,41 +16,21 @@ static bool absent(const json_t *v)
     return !v || json_is_null(v);
 }
 
-/* The render state of one request: what td_chat_render_tools reads, and what it owns. */
-typedef struct {
-    td_chat_msg *msgs;
-    size_t n;
-    char **tools; /* (n_tools) tojson text */
-    size_t n_tools;
-    td_chat_tool_call **calls; /* (n) per message, NULL none */
-    char **owned;              /* (owned_n) strings to free */
-    size_t owned_n, owned_cap;
-} rt_chat_st;
-
-static int keep(rt_chat_st *st, char *s, rt_error *e)
-{
-    if (!s) return rt_error_set(e, 500, NULL, NULL, "out of memory");
-    if (TD_GROW(st->owned, st->owned_cap, st->owned_n + 1, 16)) {
-        free(s);
-        return rt_error_set(e, 500, NULL, NULL, "out of memory");
-    }
-    st->owned[st->owned_n++] = s;
-    return 0;
-}
-
-static int parse_tools(const char *tmpl, size_t tmpl_len, json_t *o, rt_chat_st *st, rt_error *e)
+/* tools: each {"type": "function", "function": {"name", "description", "parameters",
+ * "strict"}}, handed to the template as sent. */
+static int parse_tools(const rt_chat_tmpl *tmpl, json_t *o, size_t *n_tools, rt_error *e)
 {
     json_t *v = json_object_get(o, "tools");
+    *n_tools = 0;
     if (absent(v)) return 0;
     if (!json_is_array(v))
         return rt_error_set(e, 400, "tools", NULL, "'tools' must be an array of tools");
     size_t n = json_array_size(v);
-    if (n && !td_chat_has_tools(tmpl, tmpl_len))
+    if (n && !tmpl->reads_tools)
         return rt_error_set(e, 400, "tools", "unsupported_parameter",
-                            "'tools' needs a chat template that renders tools (Qwen2.5's "
-                            "tools block); this model's template has none");
-    st->tools = n ? calloc(n, sizeof *st->tools) : NULL;
-    if (n && !st->tools) return rt_error_set(e, 500, NULL, NULL, "out of memory");
+                            "'tools' needs a chat template that renders tools; this model's "
+                            "template (%s) does not read them",
+                            tmpl->source);
     for (size_t i = 0; i < n; i++) {
         json_t *t = json_array_get(v, i), *f = json_object_get(t, "function");
         json_t *type = json_object_get(t, "type");
@@ -220,10 +48,8 @@ static int parse_tools(const char *tmpl, size_t tmpl_len, json_t *o, rt_chat_st 
         if (!absent(strict) && !json_is_boolean(strict))
             return rt_error_set(e, 400, "tools", NULL,
                                 "tools[%zu].function.strict must be a boolean", i);
-        int rc = keep(st, rt_chat_pyjson(t), e);
-        if (rc) return rc;
-        st->tools[st->n_tools++] = st->owned[st->owned_n - 1];
     }
+    *n_tools = n;
     return 0;
 }
 
@@ -360,23 +186,32 @@ static int tool_names(json_t *o, rt_chat_tools *p, rt_error *e)
 
 /* ---- messages ---- */
 
-/* Which fields a message of this role may carry. name and the like would be dropped by the
- * template, so they are refused; tool_call_id is required by the API but the template has
- * no place for it (tool results are matched by order), so it is checked and not rendered. */
+static int oom(rt_error *e)
+{
+    return rt_error_set(e, 500, NULL, NULL, "out of memory");
+}
+
+/* Which fields a message of this role may carry; the rest would reach no template, so they
+ * are refused rather than dropped. */
 static int message_fields(json_t *m, size_t i, const char *role, rt_error *e)
 {
     const char *key;
     json_t *v;
+    bool assistant = !strcmp(role, "assistant");
     json_object_foreach(m, key, v)
     {
         if (!strcmp(key, "role") || !strcmp(key, "content")) continue;
-        if (!strcmp(key, "tool_calls") && !strcmp(role, "assistant")) continue;
-        if (!strcmp(key, "tool_calls") && (absent(v) || (json_is_array(v) && !json_array_size(v))))
+        if (!strcmp(key, "tool_calls") && (assistant || absent(v) ||
+                                           (json_is_array(v) && !json_array_size(v))))
             continue;
-        if (!strcmp(key, "tool_call_id") && !strcmp(role, "tool")) {
-            if (json_is_string(v)) continue;
-            return rt_error_set(e, 400, "messages", NULL,
-                                "messages[%zu].tool_call_id must be a string", i);
+        bool text_field = (!strcmp(key, "tool_call_id") && !strcmp(role, "tool")) ||
+                          !strcmp(key, "name") ||
+                          (assistant && (!strcmp(key, "reasoning_content") ||
+                                         !strcmp(key, "reasoning")));
+        if (text_field) {
+            if (json_is_string(v) || absent(v)) continue;
+            return rt_error_set(e, 400, "messages", NULL, "messages[%zu].%s must be a string", i,
+                                key);
         }
         return rt_error_set(e, 400, "messages", "unsupported_parameter",
                             "messages[%zu].%.100s is not supported by Tandem", i, key);
@@ -384,20 +219,17 @@ static int message_fields(json_t *m, size_t i, const char *role, rt_error *e)
     return 0;
 }
 
-/* content: a string, or text parts joined; absent/null allowed for assistant messages. */
-static int message_content(json_t *content, size_t i, const char *role, rt_chat_st *st, rt_error *e)
+/* content: a string, or text parts joined; absent/null allowed for assistant messages (the
+ * template then sees ""). */
+static json_t *message_content(json_t *content, size_t i, const char *role, rt_error *e)
 {
-    if (json_is_string(content)) {
-        st->msgs[i].content = json_string_value(content);
-        return 0;
+    if (json_is_string(content)) return json_incref(content);
+    if (absent(content) && !strcmp(role, "assistant")) return json_string("");
+    if (!json_is_array(content)) {
+        rt_error_set(e, 400, "messages", NULL,
+                     "messages[%zu].content must be a string or an array of text parts", i);
+        return NULL;
     }
-    if (absent(content) && !strcmp(role, "assistant")) {
-        st->msgs[i].content = NULL; /* "" unless it carries tool calls (below) */
-        return 0;
-    }
-    if (!json_is_array(content))
-        return rt_error_set(e, 400, "messages", NULL,
-                            "messages[%zu].content must be a string or an array of text parts", i);
     rt_buf b = {0};
     for (size_t k = 0; k < json_array_size(content); k++) {
         json_t *part = json_array_get(content, k);
@@ -405,109 +237,136 @@ static int message_content(json_t *content, size_t i, const char *role, rt_chat_
         if (!json_is_string(type) || strcmp(json_string_value(type), "text") ||
             !json_is_string(text)) {
             rt_buf_free(&b);
-            return rt_error_set(e, 400, "messages", NULL,
-                                "messages[%zu].content[%zu]: only {\"type\": \"text\", "
-                                "\"text\": ...} parts are supported",
-                                i, k);
+            rt_error_set(e, 400, "messages", NULL,
+                         "messages[%zu].content[%zu]: only {\"type\": \"text\", \"text\": ...} "
+                         "parts are supported",
+                         i, k);
+            return NULL;
         }
         if (rt_buf_append(&b, json_string_value(text), json_string_length(text))) {
             rt_buf_free(&b);
-            return rt_error_set(e, 500, NULL, NULL, "out of memory");
+            oom(e);
+            return NULL;
         }
     }
-    if (rt_buf_append(&b, "", 0)) return rt_error_set(e, 500, NULL, NULL, "out of memory");
-    int rc = keep(st, b.buf, e);
-    if (!rc) st->msgs[i].content = b.buf;
-    return rc;
+    json_t *s = json_stringn(b.buf ? b.buf : "", b.len);
+    rt_buf_free(&b);
+    if (!s) oom(e);
+    return s;
 }
 
-/* An assistant message's tool_calls: [{id, type: "function", function: {name, arguments}}]
- * with arguments a JSON text, parsed and re-written by tojson as vLLM hands it to the
- * template. */
-static int message_calls(json_t *calls, size_t i, rt_chat_st *st, rt_error *e)
+/* An assistant message's tool_calls: [{id, type: "function", function: {name, arguments}}],
+ * each arguments text parsed into the value the template writes back (vLLM's rule). */
+static json_t *message_calls(json_t *calls, size_t i, rt_error *e)
 {
-    size_t n = json_is_array(calls) ? json_array_size(calls) : 0;
-    if (!n) return 0;
-    td_chat_tool_call *tc = calloc(n, sizeof *tc);
-    if (!tc) return rt_error_set(e, 500, NULL, NULL, "out of memory");
-    st->calls[i] = tc;
-    for (size_t k = 0; k < n; k++) {
+    json_t *out = json_array();
+    if (!out) return oom(e), NULL;
+    for (size_t k = 0; k < json_array_size(calls); k++) {
         json_t *c = json_array_get(calls, k), *f = json_object_get(c, "function");
         json_t *name = json_object_get(f, "name"), *args = json_object_get(f, "arguments");
-        json_t *type = json_object_get(c, "type");
+        json_t *type = json_object_get(c, "type"), *id = json_object_get(c, "id");
         if (!json_is_object(c) || (!absent(type) && (!json_is_string(type) ||
-                                                     strcmp(json_string_value(type), "function"))))
-            return rt_error_set(e, 400, "messages", NULL,
-                                "messages[%zu].tool_calls[%zu] must be {\"id\": ..., \"type\": "
-                                "\"function\", \"function\": {\"name\": ..., \"arguments\": ...}}",
-                                i, k);
-        if (!json_is_string(name) || !json_is_string(args))
-            return rt_error_set(e, 400, "messages", NULL,
-                                "messages[%zu].tool_calls[%zu].function needs a string 'name' and "
-                                "'arguments' (a JSON text)",
-                                i, k);
+                                                     strcmp(json_string_value(type), "function")))) {
+            rt_error_set(e, 400, "messages", NULL,
+                         "messages[%zu].tool_calls[%zu] must be {\"id\": ..., \"type\": "
+                         "\"function\", \"function\": {\"name\": ..., \"arguments\": ...}}",
+                         i, k);
+            goto fail;
+        }
+        if (!json_is_string(name) || !json_is_string(args) || (!absent(id) && !json_is_string(id))) {
+            rt_error_set(e, 400, "messages", NULL,
+                         "messages[%zu].tool_calls[%zu] needs a string 'id', and a function "
+                         "with a string 'name' and 'arguments' (a JSON text)",
+                         i, k);
+            goto fail;
+        }
         json_error_t jerr;
         json_t *a = json_loadb(json_string_value(args), json_string_length(args),
                                JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
-        if (!a)
-            return rt_error_set(e, 400, "messages", NULL,
-                                "messages[%zu].tool_calls[%zu].function.arguments is not valid "
-                                "JSON: %s",
-                                i, k, jerr.text);
-        int rc = keep(st, rt_chat_pyjson(a), e);
-        json_decref(a);
-        if (rc) return rc;
-        tc[k].name = json_string_value(name);
-        tc[k].arguments = st->owned[st->owned_n - 1];
+        if (!a) {
+            rt_error_set(e, 400, "messages", NULL,
+                         "messages[%zu].tool_calls[%zu].function.arguments is not valid JSON: %s",
+                         i, k, jerr.text);
+            goto fail;
+        }
+        json_t *call = absent(id) ? json_pack("{s:s, s:{s:O, s:o}}", "type", "function",
+                                              "function", "name", name, "arguments", a)
+                                  : json_pack("{s:O, s:s, s:{s:O, s:o}}", "id", id, "type",
+                                              "function", "function", "name", name, "arguments", a);
+        if (json_array_append_new(out, call)) {
+            oom(e);
+            goto fail;
+        }
     }
-    st->msgs[i].tool_calls = tc;
-    st->msgs[i].n_tool_calls = n;
-    return 0;
+    return out;
+fail:
+    json_decref(out);
+    return NULL;
 }
 
-static int parse_message(json_t *m, size_t i, bool tools_ok, rt_chat_st *st, rt_error *e)
+/* One message as the template sees it: role (developer read as system), content, and the
+ * role's own fields. */
+static json_t *parse_message(json_t *m, size_t i, rt_error *e)
 {
     json_t *role = json_object_get(m, "role");
-    if (!json_is_object(m) || !json_is_string(role))
-        return rt_error_set(e, 400, "messages", NULL,
-                            "messages[%zu] must be an object with a string 'role'", i);
+    if (!json_is_object(m) || !json_is_string(role)) {
+        rt_error_set(e, 400, "messages", NULL, "messages[%zu] must be an object with a string 'role'", i);
+        return NULL;
+    }
     const char *rs = json_string_value(role);
     if (!strcmp(rs, "developer")) rs = "system";
-    if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool"))
-        return rt_error_set(e, 400, "messages", NULL,
-                            "messages[%zu].role must be system, developer, user, assistant or "
-                            "tool",
-                            i);
-    int rc = message_fields(m, i, rs, e);
-    if (rc) return rc;
+    if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool")) {
+        rt_error_set(e, 400, "messages", NULL,
+                     "messages[%zu].role must be system, developer, user, assistant or tool", i);
+        return NULL;
+    }
+    if (message_fields(m, i, rs, e)) return NULL;
     json_t *calls = json_object_get(m, "tool_calls");
-    bool has_calls = json_is_array(calls) && json_array_size(calls);
-    if (!absent(calls) && !json_is_array(calls))
-        return rt_error_set(e, 400, "messages", NULL, "messages[%zu].tool_calls must be an array",
-                            i);
-    if ((has_calls || !strcmp(rs, "tool")) && !tools_ok)
-        return rt_error_set(e, 400, "messages", "unsupported_parameter",
-                            "messages[%zu]: %s need a chat template that renders tools (Qwen2.5's "
-                            "tools block); this model's template has none",
-                            i, has_calls ? "tool_calls" : "tool messages");
-    st->msgs[i].role = rs;
-    if ((rc = message_content(json_object_get(m, "content"), i, rs, st, e))) return rc;
-    if (has_calls && (rc = message_calls(calls, i, st, e))) return rc;
-    if (!st->msgs[i].content && !st->msgs[i].n_tool_calls) st->msgs[i].content = "";
-    return 0;
+    if (!absent(calls) && !json_is_array(calls)) {
+        rt_error_set(e, 400, "messages", NULL, "messages[%zu].tool_calls must be an array", i);
+        return NULL;
+    }
+    json_t *out = json_pack("{s:s}", "role", rs), *content;
+    if (!out) return oom(e), NULL;
+    if (!(content = message_content(json_object_get(m, "content"), i, rs, e)) ||
+        json_object_set_new(out, "content", content))
+        goto fail;
+    static const char *const copied[] = {"name", "tool_call_id", "reasoning_content", "reasoning"};
+    for (size_t k = 0; k < sizeof copied / sizeof *copied; k++) {
+        json_t *v = json_object_get(m, copied[k]);
+        if (!absent(v) && json_object_set(out, copied[k], v)) goto oom_fail;
+    }
+    if (json_array_size(calls)) {
+        json_t *c = message_calls(calls, i, e);
+        if (!c || json_object_set_new(out, "tool_calls", c)) goto fail;
+    }
+    return out;
+oom_fail:
+    oom(e);
+fail:
+    json_decref(out);
+    return NULL;
 }
 
-static void chat_st_fini(rt_chat_st *st)
+/* The messages as the template sees them; NULL with e filled. */
+static json_t *parse_messages(json_t *o, rt_error *e)
 {
-    for (size_t i = 0; i < st->owned_n; i++)
-        free(st->owned[i]);
-    if (st->calls)
-        for (size_t i = 0; i < st->n; i++)
-            free(st->calls[i]);
-    free(st->owned);
-    free(st->calls);
-    free(st->tools);
-    free(st->msgs);
+    json_t *v = json_object_get(o, "messages"), *out;
+    if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required"), NULL;
+    if (!json_is_array(v) || json_array_size(v) == 0) {
+        rt_error_set(e, 400, "messages", NULL, "'messages' must be a non-empty array of messages");
+        return NULL;
+    }
+    if (!(out = json_array())) return oom(e), NULL;
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *m = parse_message(json_array_get(v, i), i, e);
+        if (!m || json_array_append_new(out, m)) {
+            if (m) oom(e);
+            json_decref(out);
+            return NULL;
+        }
+    }
+    return out;
 }
 
 void rt_chat_tools_fini(rt_chat_tools *t)
@@ -519,36 +378,142 @@ void rt_chat_tools_fini(rt_chat_tools *t)
     *t = (rt_chat_tools){0};
 }
 
-int rt_chat_prompt(const char *tmpl, size_t tmpl_len, json_t *o, bool add_generation_prompt,
+/* The rendering of the conversation, or the status of why not. */
+static int render(const rt_chat_tmpl *tmpl, const jn_chat *chat, size_t n_tools, char **text,
+                  rt_error *e)
+{
+    const jn_template *t = n_tools && tmpl->tool_use ? tmpl->tool_use : tmpl->main;
+    jn_error err = {0};
+    int rc = jn_chat_render(t, chat, NULL, text, NULL, &err);
+    switch (rc) {
+    case 0:
+        return 0;
+    case TD_EINVAL: /* the template refused the conversation (raise_exception and the like) */
+        return rt_error_set(e, 400, "messages", NULL,
+                            "the model's chat template refused the conversation (line %d): %s",
+                            err.line, err.msg);
+    case TD_ERANGE:
+        return rt_error_set(e, 400, "messages", NULL,
+                            "the conversation is too large for the chat template: %s", err.msg);
+    case TD_EUNSUPP:
+        return rt_error_set(e, 500, NULL, NULL,
+                            "the model's chat template needs what Tandem's template engine "
+                            "does not implement (line %d): %s",
+                            err.line, err.msg);
+    default:
+        return oom(e);
+    }
+}
+
+int rt_chat_prompt(const rt_chat_tmpl *tmpl, json_t *o, bool add_generation_prompt,
                    rt_chat_tools *p, char **text, rt_error *e)
 {
     *text = NULL;
-    json_t *v = json_object_get(o, "messages");
-    if (absent(v)) return rt_error_set(e, 400, "messages", NULL, "'messages' is required");
-    if (!json_is_array(v) || json_array_size(v) == 0)
-        return rt_error_set(e, 400, "messages", NULL,
-                            "'messages' must be a non-empty array of messages");
-    rt_chat_st st = {.n = json_array_size(v)};
-    st.msgs = calloc(st.n, sizeof *st.msgs);
-    st.calls = calloc(st.n, sizeof *st.calls);
-    int rc = 0;
-    if (!st.msgs || !st.calls) rc = rt_error_set(e, 500, NULL, NULL, "out of memory");
-    if (!rc) rc = parse_tools(tmpl, tmpl_len, o, &st, e);
+    size_t n_tools = 0;
     const char *named = NULL;
-    if (!rc) rc = parse_choice(o, st.n_tools, p, &named, e);
+    json_t *kw = json_object_get(o, "chat_template_kwargs");
+    if (!absent(kw) && !json_is_object(kw))
+        return rt_error_set(e, 400, "chat_template_kwargs", NULL,
+                            "'chat_template_kwargs' must be an object");
+    int rc = parse_tools(tmpl, o, &n_tools, e);
+    if (!rc) rc = parse_choice(o, n_tools, p, &named, e);
     if (!rc && p->forced) rc = forced_grammar(o, named, p, e);
     if (!rc) rc = strict_needs_forced(o, p, e);
     if (!rc && p->parse) rc = tool_names(o, p, e);
-    bool tools_ok = td_chat_has_tools(tmpl, tmpl_len);
-    for (size_t i = 0; i < st.n && !rc; i++)
-        rc = parse_message(json_array_get(v, i), i, tools_ok, &st, e);
-    if (!rc) {
-        int err = td_chat_render_tools(tmpl, tmpl_len, st.msgs, st.n, (const char *const *)st.tools,
-                                       st.n_tools, add_generation_prompt, text);
-        if (err)
-            rc = rt_error_set(e, 500, NULL, NULL, "cannot render the chat template: %s",
-                              td_strerror(err));
-    }
-    chat_st_fini(&st);
+    json_t *msgs = rc ? NULL : parse_messages(o, e);
+    if (!msgs) return rc ? rc : e->status;
+    jn_chat chat = {.messages = msgs,
+                    .tools = n_tools ? json_object_get(o, "tools") : NULL,
+                    .add_generation_prompt = add_generation_prompt,
+                    .bos_token = tmpl->special.bos,
+                    .eos_token = tmpl->special.eos,
+                    .kwargs = absent(kw) ? NULL : kw};
+    rc = render(tmpl, &chat, n_tools, text, e);
+    json_decref(msgs);
     return rc;
+}
+
+/* ---- the templates ---- */
+
+static int compile(jn_template **t, const char *text, size_t len, const char *what, char *err,
+                   size_t cap)
+{
+    jn_error je = {0};
+    int rc = jn_parse(text, len, t, &je);
+    if (rc) snprintf(err, cap, "%s does not parse: line %d: %s", what, je.line, je.msg);
+    return rc;
+}
+
+int rt_chat_tmpl_init_text(rt_chat_tmpl *t, const char *text, size_t len, char *err, size_t cap)
+{
+    *t = (rt_chat_tmpl){0};
+    snprintf(t->source, sizeof t->source, "a template text");
+    int rc = compile(&t->main, text, len, "the chat template", err, cap);
+    t->reads_tools = !rc && jn_template_reads(t->main, "tools");
+    return rc;
+}
+
+/* router.chat_template's file, whole. */
+static char *read_file(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf = NULL;
+    long n = -1;
+    if (f && !fseek(f, 0, SEEK_END) && (n = ftell(f)) >= 0 && n < (1L << 24) && !fseek(f, 0, SEEK_SET) &&
+        (buf = malloc((size_t)n + 1)) && fread(buf, 1, (size_t)n, f) == (size_t)n) {
+        buf[n] = '\0';
+        *len = (size_t)n;
+    } else {
+        free(buf);
+        buf = NULL;
+    }
+    if (f) fclose(f);
+    return buf;
+}
+
+int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok,
+                      const char *forced, char *err, size_t cap)
+{
+    *t = (rt_chat_tmpl){0};
+    const char *text = NULL;
+    char *file = NULL;
+    size_t len = 0;
+    int rc = 0;
+    if (forced && forced[0] && (text = jn_family_template(forced))) {
+        len = strlen(text);
+        snprintf(t->source, sizeof t->source, "the built-in %s template", forced);
+    } else if (forced && forced[0]) {
+        if (!(file = read_file(forced, &len))) {
+            snprintf(err, cap, "router.chat_template '%s' is neither chatml, llama3, llama2, gemma "
+                               "nor a readable template file (up to 16 MiB)", forced);
+            return TD_EIO;
+        }
+        text = file;
+        snprintf(t->source, sizeof t->source, "the file %.290s", forced);
+    } else if (td_gguf_get_str(g, "tokenizer.chat_template", &text, &len)) {
+        snprintf(err, cap, "the model has no chat template (tokenizer.chat_template); name one in "
+                           "router.chat_template (chatml, llama3, llama2, gemma, or a file)");
+        return TD_EUNSUPP;
+    } else {
+        snprintf(t->source, sizeof t->source, "the model's tokenizer.chat_template");
+    }
+    rc = compile(&t->main, text, len, t->source, err, cap);
+    free(file);
+    const char *tu;
+    size_t tul;
+    if (!rc && (!forced || !forced[0]) &&
+        !td_gguf_get_str(g, "tokenizer.chat_template.tool_use", &tu, &tul))
+        rc = compile(&t->tool_use, tu, tul, "the model's tokenizer.chat_template.tool_use", err, cap);
+    if (!rc) t->reads_tools = jn_template_reads(t->tool_use ? t->tool_use : t->main, "tools");
+    if (!rc && (rc = jn_special_init(&t->special, tok))) snprintf(err, cap, "out of memory");
+    if (rc) rt_chat_tmpl_fini(t);
+    return rc;
+}
+
+void rt_chat_tmpl_fini(rt_chat_tmpl *t)
+{
+    jn_template_free(t->main);
+    jn_template_free(t->tool_use);
+    jn_special_fini(&t->special);
+    *t = (rt_chat_tmpl){0};
 }

@@ -1,14 +1,19 @@
 /* rt_chat.h: a /v1/chat/completions body's messages and tools -> the prompt text (prefix rt_).
  *
  * Purpose: validate `messages` (system, developer, user, assistant with or without
- * `tool_calls`, tool with `tool_call_id`), `tools`, `tool_choice` and `parallel_tool_calls`,
- * and render them with the model's chat template (common/chat_template.h), passing tools and
- * tool-call arguments to it as the Jinja template would see them under transformers and vLLM:
- * each tool object as the client sent it and each call's arguments string parsed, both
- * written by `tojson` (Python's json.dumps: ", " and ": " separators, keys in the order
- * given, non-ASCII kept, floats in Python's repr).
- * Support: tools, tool calls and tool messages need a template with Qwen2.5's tools block
- * (td_chat_has_tools); any other template answers them with a 400 that says so.
+ * `tool_calls` and reasoning, tool with `tool_call_id`), `tools`, `tool_choice`,
+ * `parallel_tool_calls` and `chat_template_kwargs`, and render them with the model's own
+ * Jinja chat template (jinja/jn.h) as transformers' apply_chat_template does under vLLM:
+ * each tool object as the client sent it, each call's arguments string parsed into an object
+ * (vLLM's rule), `tools` None without tools, the tokenizer's bos_token and eos_token, the
+ * request's chat_template_kwargs (enable_thinking, ...) last.
+ * The template: the GGUF's tokenizer.chat_template, or router.chat_template's file, or (for a
+ * model file without one) a family's built-in one named there; a request with tools uses the
+ * GGUF's tokenizer.chat_template.tool_use where there is one (transformers' rule).
+ * Support: tools need a template that reads `tools` (a template that ignores them would hide
+ * them from the model), else a 400 says so. A conversation the template refuses
+ * (raise_exception: roles that do not alternate, ...) is a 400 with its message; a construct
+ * the engine lacks is a 500 that names it.
  * tool_choice "auto" (the default with tools) parses the output into tool_calls
  * (rt_tools.h); "none" keeps the tools in the prompt (as vLLM does) and returns text;
  * "required" and a named function force one call: t->grammar is a JSON schema of
@@ -17,7 +22,7 @@
  * output, that bare JSON call, is parsed into tool_calls as with "auto". `strict: true`
  * compiles the schema in strict mode (every listed property required); with "auto" it is a
  * 400 (a text answer could not be constrained).
- * Threading: HTTP threads; reads only the template text and the body.
+ * Threading: HTTP threads; the templates are read-only after rt_chat_tmpl_init.
  * Ownership: *text is malloc'd (the caller frees it); body is only read.
  */
 #ifndef RT_CHAT_H
@@ -27,7 +32,11 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "gguf.h"
+#include "jn.h"
+#include "jn_chat.h"
 #include "rt_buf.h"
+#include "tokenizer.h"
 
 /* What the output side needs to know of a request's tools. */
 typedef struct {
@@ -42,16 +51,29 @@ typedef struct {
 
 void rt_chat_tools_fini(rt_chat_tools *t);
 
-/* Validate the chat body's messages and tool fields, fill *t, and render the prompt with
- * the template tmpl[0..tmpl_len) into *text (add_generation_prompt: the assistant turn
- * opened at the end, as a chat request wants; /tokenize may ask for it off). Returns 0, or the HTTP
- * status with e filled
- * (*t may then hold names: rt_chat_tools_fini). */
-int rt_chat_prompt(const char *tmpl, size_t tmpl_len, json_t *body, bool add_generation_prompt,
-                   rt_chat_tools *t, char **text, rt_error *e);
+/* The templates a router renders with; made once at start, read-only after. */
+typedef struct {
+    jn_template *main;     /* the model's, router.chat_template's file, or a family's */
+    jn_template *tool_use; /* tokenizer.chat_template.tool_use (requests with tools), or NULL */
+    bool reads_tools;      /* the template for requests with tools reads `tools` */
+    jn_special special;    /* bos_token, eos_token */
+    char source[320];      /* where the template came from, for logs */
+} rt_chat_tmpl;
 
-/* v written as Python's json.dumps(v, ensure_ascii=False) writes it (Jinja's tojson under
- * transformers): malloc'd, NULL out of memory. */
-char *rt_chat_pyjson(const json_t *v);
+/* From the model file g (its vocabulary tok) and router.chat_template `forced` ("": the
+ * model's; chatml | llama3 | llama2 | gemma; else a template file). Returns 0, or an error
+ * with the reason in err (a template that does not parse names its line). */
+int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok,
+                      const char *forced, char *err, size_t cap);
+/* From a template text alone (tests): no tool_use template, no special tokens. */
+int rt_chat_tmpl_init_text(rt_chat_tmpl *t, const char *text, size_t len, char *err, size_t cap);
+void rt_chat_tmpl_fini(rt_chat_tmpl *t);
+
+/* Validate the chat body's messages and tool fields, fill *t, and render the prompt into
+ * *text (add_generation_prompt: the assistant turn opened at the end, as a chat request
+ * wants; /tokenize may ask for it off). Returns 0, or the HTTP status with e filled (*t may
+ * then hold names: rt_chat_tools_fini). */
+int rt_chat_prompt(const rt_chat_tmpl *tmpl, json_t *body, bool add_generation_prompt,
+                   rt_chat_tools *t, char **text, rt_error *e);
 
 #endif

@@ -18,7 +18,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "chat_template.h"
 #include "rt.h"
 #include "rt_http.h"
 #include "rt_loop.h"
@@ -73,34 +72,14 @@ static int load_model(rt_router *r)
     r->model.n_ctx = ctx > 0 && ctx < INT32_MAX ? (int32_t)ctx : 2048;
     if (r->model.n_ctx > 8192) r->model.n_ctx = 8192; /* what the decode nodes allocate at most */
 
-    const char *forced = r->cfg->router.chat_template;
-    if (forced && forced[0]) {
-        r->model.tmpl = !strcmp(forced, "chatml")   ? "<|im_start|>"
-                        : !strcmp(forced, "llama3") ? "<|start_header_id|><|end_header_id|>"
-                        : !strcmp(forced, "llama2") ? "[INST] <<SYS>>"
-                        : !strcmp(forced, "gemma")  ? "<start_of_turn>"
-                                                    : NULL;
-        if (!r->model.tmpl) {
-            TD_LOG_ERR("router: router.chat_template '%s' is not chatml, llama3, llama2 or gemma",
-                       forced);
-            return TD_EUNSUPP;
-        }
-        r->model.tmpl_len = strlen(r->model.tmpl);
-    } else {
-        if (td_gguf_get_str(r->gguf, "tokenizer.chat_template", &r->model.tmpl,
-                            &r->model.tmpl_len)) {
-            TD_LOG_ERR("router: model '%s' has no chat template; name one in router.chat_template "
-                       "(chatml, llama3, llama2, gemma)",
-                       r->cfg->model);
-            return TD_EUNSUPP;
-        }
-        if (td_chat_detect(r->model.tmpl, r->model.tmpl_len) == TD_CHAT_UNKNOWN) {
-            TD_LOG_ERR("router: the chat template of '%s' is not a known one; name one in "
-                       "router.chat_template (chatml, llama3, llama2, gemma)",
-                       r->cfg->model);
-            return TD_EUNSUPP;
-        }
+    err[0] = 0;
+    if ((rc = rt_chat_tmpl_init(&r->model.chat, r->gguf, r->model.tok, r->cfg->router.chat_template,
+                                err, sizeof err))) {
+        TD_LOG_ERR("router: model '%s': %s", r->cfg->model, err);
+        return rc;
     }
+    TD_LOG_INFO("router: chat template: %s%s", r->model.chat.source,
+                r->model.chat.tool_use ? " (and its tool_use template for requests with tools)" : "");
     /* the model name: the file name without directories and without ".gguf" */
     const char *base = strrchr(r->cfg->model, '/');
     base = base ? base + 1 : r->cfg->model;
@@ -196,6 +175,7 @@ int main(int argc, char **argv)
     rt_http_stop(r, STOP_FLUSH_MS);
     rt_loop_drain(r);
     rt_metrics_fini(&r->metrics);
+    rt_chat_tmpl_fini(&r->model.chat);
     td_tok_destroy(r->model.tok);
     td_gguf_close(r->gguf);
     td_cfg_free(r->cfg);

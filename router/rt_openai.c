@@ -204,7 +204,7 @@ int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt,
                        rt_error *e)
 {
     char *text = NULL;
-    int rc = rt_chat_prompt(r->tmpl, r->tmpl_len, o, add_generation_prompt, &p->tools, &text, e);
+    int rc = rt_chat_prompt(&r->chat, o, add_generation_prompt, &p->tools, &text, e);
     /* the template writes BOS itself where the model wants one */
     if (!rc) rc = tokenize(r, text, strlen(text), false, &p->prompt, &p->n_prompt, e);
     free(text);
@@ -365,6 +365,7 @@ static const struct {
     {"tools", EP_CH},
     {"tool_choice", EP_CH},
     {"parallel_tool_calls", EP_CH},
+    {"chat_template_kwargs", EP_CH}, /* vLLM's: variables for the chat template (rt_chat.h) */
 };
 
 static int unknown_fields(json_t *o, rt_endpoint ep, rt_error *e)

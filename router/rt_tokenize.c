@@ -80,8 +80,13 @@ static int dump(json_t *r, char **out, rt_error *e)
 /* The ids of a completion prompt (a string) or a chat (messages through the template). */
 static int tokenize_obj(const rt_model *m, json_t *o, rt_params *p, rt_error *e)
 {
-    static const char *const keys[] = {"model", "prompt", "messages", "add_special_tokens",
-                                       "add_generation_prompt"};
+    static const char *const keys[] = {"model",
+                                       "prompt",
+                                       "messages",
+                                       "add_special_tokens",
+                                       "add_generation_prompt",
+                                       "tools",
+                                       "chat_template_kwargs"};
     int rc;
     json_t *prompt = json_object_get(o, "prompt"), *msgs = json_object_get(o, "messages");
     if ((rc = fields(o, keys, sizeof keys / sizeof keys[0], e)) || (rc = check_model(m, o, e)))
@@ -93,9 +98,12 @@ static int tokenize_obj(const rt_model *m, json_t *o, rt_params *p, rt_error *e)
     bool add_special = absent(msgs), gen = true;
     if ((rc = get_bool(o, "add_special_tokens", &add_special, e))) return rc;
     if (!absent(prompt)) {
-        if (json_object_get(o, "add_generation_prompt"))
-            return rt_error_set(e, 400, "add_generation_prompt", NULL,
-                                "'add_generation_prompt' goes with 'messages'");
+        static const char *const chat_only[] = {"add_generation_prompt", "tools",
+                                                "chat_template_kwargs"};
+        for (size_t k = 0; k < sizeof chat_only / sizeof *chat_only; k++)
+            if (json_object_get(o, chat_only[k]))
+                return rt_error_set(e, 400, chat_only[k], NULL, "'%s' goes with 'messages'",
+                                    chat_only[k]);
         if (!json_is_string(prompt))
             return rt_error_set(e, 400, "prompt", NULL, "'prompt' must be a string");
         return rt_openai_tokenize(m, json_string_value(prompt), json_string_length(prompt),

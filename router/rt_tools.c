@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "jn.h"
 #include "rt_buf.h"
 #include "rt_chat.h"
 #include "td_err.h"
@@ -292,7 +293,7 @@ static int finish_raw(rt_toolp *p, bool closed)
     json_t *name = json_object_get(o, "name"), *args = json_object_get(o, "arguments");
     int rc = 0;
     if (json_is_string(name) && args) {
-        char *a = rt_chat_pyjson(args);
+        char *a = jn_pyjson(args);
         rc = a ? start_call(p, json_string_value(name), json_string_length(name)) : TD_ENOMEM;
         if (!rc) rc = call_args(p, a, strlen(a));
         free(a);

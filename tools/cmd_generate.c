@@ -4,7 +4,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "chat_template.h"
+#include "jn_chat.h"
 #include "cli.h"
 #include "sampler.h"
 #include "td_clock.h"
@@ -158,17 +158,21 @@ static int prompt_tokens(cli_session *s, const gen_args *a, int32_t **ids, int64
             fprintf(stderr, "tandem: --chat: the model has no chat template\n");
             return TD_EUNSUPP;
         }
-        td_chat_msg msg = {.role = "user", .content = a->chat};
-        int rc = td_chat_render(tmpl, tlen, &msg, 1, true, &rendered);
+        jn_special sp;
+        jn_error e = {0};
+        int rc = jn_special_init(&sp, s->tok);
+        if (!rc) rc = jn_chat_render_user(tmpl, tlen, a->chat, &sp, &rendered, &e);
+        jn_special_fini(&sp);
         if (rc) {
-            fprintf(stderr, "tandem: --chat: cannot render the model's chat template: %s\n",
-                    td_strerror(rc));
+            fprintf(stderr, "tandem: --chat: cannot render the model's chat template: line %d: %s\n",
+                    e.line, e.msg[0] ? e.msg : td_strerror(rc));
             return rc;
         }
         text = rendered;
     }
     size_t nn = 0;
-    int rc = td_tok_encode(s->tok, text, strlen(text), true, true, ids, &nn);
+    /* a rendered chat prompt has its special tokens from the template (as the router's) */
+    int rc = td_tok_encode(s->tok, text, strlen(text), !a->chat, true, ids, &nn);
     free(rendered);
     if (rc) {
         fprintf(stderr, "tandem: cannot tokenize the prompt: %s\n", td_strerror(rc));

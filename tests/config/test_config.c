@@ -61,7 +61,7 @@ static const bad_case bad_cases[] = {
     {"router_queue_quoted", MIN "router:\n  max_queue: \"5\"\n", 5, 14,
      "expected an integer, got a string"},
     {"router_template", MIN "router:\n  chat_template: jinja\n", 5, 18,
-     "unknown chat_template 'jinja'"},
+     "chat_template 'jinja' is neither chatml"},
     {"router_req_timeout",
      MIN "router:\n  max_request_timeout_ms: 1000\n  request_timeout_ms: 2000\n", 6, 23,
      "request_timeout_ms (2000) is larger than max_request_timeout_ms (1000)"},

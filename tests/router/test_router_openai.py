@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
@@ -132,12 +133,26 @@ def check_token_endpoints(args, cl, model, name, prompt):
     check(st == 200 and ch["count"] == u.prompt_tokens,
           f"{name}: /tokenize of messages counts the chat's prompt tokens ({ch['count']} vs "
           f"{u.prompt_tokens})")
+    # the chat's prompt is `tandem template`'s rendering: the same engine, the same variables
+    mfile = os.path.join(tempfile.mkdtemp(prefix="tandem-tpl-"), "messages.json")
+    with open(mfile, "w", encoding="utf-8") as f:
+        json.dump(msgs, f)
+    r = subprocess.run([args.tandem, "template", "--model", model, "--messages", mfile,
+                        "--add-generation-prompt"], capture_output=True, timeout=60)
+    st2, tt = jpost(cl, "/tokenize", {"prompt": r.stdout.decode("utf-8"),
+                                      "add_special_tokens": False})
+    check(r.returncode == 0 and st2 == 200 and tt["tokens"] == ch.get("tokens"),
+          f"{name}: the chat's prompt tokens are `tandem template`'s rendering's")
     st, ng = jpost(cl, "/tokenize", {"messages": msgs, "add_generation_prompt": False})
     check(st == 200 and ng["count"] < ch["count"],
           f"{name}: add_generation_prompt false leaves out the assistant header")
     for path, body, param in (("/tokenize", {"prompt": prompt, "foo": 1}, "foo"),
                               ("/tokenize", {"prompt": 5}, "prompt"),
                               ("/tokenize", {"prompt": prompt, "messages": msgs}, "prompt"),
+                              ("/tokenize", {"prompt": prompt, "chat_template_kwargs": {}},
+                               "chat_template_kwargs"),
+                              ("/tokenize", {"messages": msgs, "chat_template_kwargs": 1},
+                               "chat_template_kwargs"),
                               ("/detokenize", {"tokens": [1 << 30]}, "tokens"),
                               ("/detokenize", {"tokens": "12"}, "tokens")):
         st, err = jpost(cl, path, body)

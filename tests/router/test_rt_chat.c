@@ -40,10 +40,16 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot read %s or %s\n", argv[1], argv[2]);
         return 2;
     }
+    rt_chat_tmpl t;
+    char err[512];
+    if (rt_chat_tmpl_init_text(&t, tmpl, tlen, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
+        return 2;
+    }
     rt_chat_tools p = {0};
     rt_error e = {0};
     char *text = NULL;
-    int rc = rt_chat_prompt(tmpl, tlen, body, true, &p, &text, &e);
+    int rc = rt_chat_prompt(&t, body, true, &p, &text, &e);
     if (rc) {
         printf("{\"status\": %d, \"message\": \"%s\"}\n", e.status, e.message);
     } else {
@@ -53,6 +59,7 @@ int main(int argc, char **argv)
     }
     free(text);
     rt_chat_tools_fini(&p);
+    rt_chat_tmpl_fini(&t);
     json_decref(body);
     free(tmpl);
     return rc ? 3 : 0;

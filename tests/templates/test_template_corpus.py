@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""test_template_corpus.py: every template of the corpus renders byte for byte as jinja2 does
-(issue 41; tests/templates/README.md).
+"""test_template_corpus.py: every template of the corpus, and every chat template of the given
+model files, renders byte for byte as jinja2 does (issue 41; tests/templates/README.md).
 
 For each template DIR/templates/*.jinja (scripts/fetch_corpus.py) and each conversation
 fixture tests/templates/conversations/*.json, the reference rendering (tests/ref/
@@ -10,7 +10,16 @@ at a fixed instant) is compared with
   TANDEM template --template FILE --messages M.json [--tools T.json] [--add-generation-prompt]
                   [--kwargs JSON] --bos '<s>' --eos '</s>' --now 1764979200
 
-run once per case (10 s timeout). Outcomes:
+run once per case (10 s timeout). With --model FILE.gguf the templates are the file's own:
+tokenizer.chat_template and each tokenizer.chat_template.NAME (read with the gguf package),
+rendered by the reference with bos_token/eos_token = the tokenizer.ggml.tokens entries of
+tokenizer.ggml.bos_token_id/eos_token_id (undefined where the file has no such key), and by
+
+  TANDEM template --model FILE [--name NAME] --messages M.json ... --now 1764979200
+
+(no --bos/--eos: tandem takes them from the file's vocabulary, which is what is checked). A
+file without tokenizer.chat_template is a case the reference raises on (as apply_chat_template
+does), so tandem must refuse it. Outcomes:
   match          tandem exited 0 and its stdout equals the reference's bytes
   both refuse    the reference raised and tandem exited non-zero with a message on stderr
   excused        tandem refused (non-zero exit, message on stderr) a case the reference
@@ -20,14 +29,16 @@ run once per case (10 s timeout). Outcomes:
                  where the reference raised, a crash (signal) or a timeout
 Prints a per-template table and totals; exit 0 only when nothing failed (2: bad usage).
 
-Usage: test_template_corpus.py --tandem PATH/TO/tandem --corpus DIR [--only GLOB]
-         [--fixture GLOB] [--verbose]
-       test_template_corpus.py --corpus DIR --reference-only [--verbose]
+Usage: test_template_corpus.py --tandem PATH/TO/tandem (--corpus DIR | --model FILE.gguf ...)
+         [--only GLOB] [--fixture GLOB] [--verbose]
+       test_template_corpus.py (--corpus DIR | --model FILE.gguf ...) --reference-only [--verbose]
          (no tandem: renders every case with the reference alone and lists where it raises)
-       test_template_corpus.py --corpus DIR --self-test
+       test_template_corpus.py (--corpus DIR | --model FILE.gguf ...) --self-test
          (the harness checked against itself: the "tandem" run is template_reference.py's CLI
          with its jinja2-only backend, so every case must match or both refuse)
---only and --fixture take a name (with or without its .jinja/.json) or a glob on it.
+--model may be repeated, and given with --corpus. A model's templates are named FILE.gguf and
+FILE.gguf:NAME. --only and --fixture take a name (with or without its .jinja/.json) or a glob
+on it. exceptions.txt covers corpus templates only: a model's own template has no excuse.
 """
 import argparse
 import difflib
@@ -40,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "ref"))
@@ -56,6 +68,64 @@ DIFF_LINES = 24  # at most this many diff lines per failure: enough to see the f
 
 class UsageError(Exception):
     pass
+
+
+class Template(NamedTuple):
+    """One template to render with every fixture."""
+    label: str            # its name in the table: the corpus file name, or FILE.gguf[:NAME]
+    text: Optional[str]   # None: the model file has no such template
+    args: list            # what names it to tandem (with --bos/--eos for a corpus file)
+    bos: Optional[str]    # the reference's bos_token/eos_token; None: undefined
+    eos: Optional[str]
+    path: Optional[str]   # a file holding text, for the reference CLI (--self-test)
+
+
+MODEL_KEY = "tokenizer.chat_template"
+
+
+def _vocab_piece(fields, key):
+    """The tokenizer.ggml.tokens entry that an id key names, as transformers' tokenizer holds
+    the special token (its text, not the bytes a normal token decodes to); None (undefined)
+    without the key, without a vocabulary or for an id outside it. tandem's vocabulary differs
+    there: it falls back to llama.cpp's default ids (gpt2: 11, llama: 1 and 2), so such a file
+    would show as a difference wherever its template prints the token."""
+    f, toks = fields.get(key), fields.get("tokenizer.ggml.tokens")
+    if f is None or toks is None:
+        return None
+    i = int(f.contents())
+    return toks.contents(i) if 0 <= i < len(toks.data) else None
+
+
+def read_model(path, tmp):
+    """[Template] of a GGUF file: tokenizer.chat_template, then every tokenizer.chat_template.NAME
+    in name order, each also written to tmp for the reference CLI. Only the metadata is read
+    (GGUFReader memory-maps the file; the tensors are never touched)."""
+    import gguf  # only this mode needs it; the corpus mode runs without it
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {path}: {e}")
+    bos = _vocab_piece(fields, "tokenizer.ggml.bos_token_id")
+    eos = _vocab_piece(fields, "tokenizer.ggml.eos_token_id")
+    base = os.path.basename(path)
+    names = [None] + sorted(k[len(MODEL_KEY) + 1:] for k in fields
+                            if k.startswith(MODEL_KEY + "."))
+    out = []
+    for name in names:
+        f = fields.get(MODEL_KEY + (f".{name}" if name else ""))
+        text = str(f.contents()) if f is not None else None
+        tpath = None
+        if text is not None:
+            fd, tpath = tempfile.mkstemp(suffix=".jinja", dir=tmp)
+            with open(fd, "w", encoding="utf-8", newline="") as fh:
+                fh.write(text)  # as is: read_template keeps the line ends too
+        out.append(Template(f"{base}:{name}" if name else base, text,
+                            ["--model", path] + (["--name", name] if name else []), bos, eos,
+                            tpath))
+    have = [n or "default" for n, t in zip(names, out) if t.text is not None]
+    print(f"{base}: bos_token {bos!r}, eos_token {eos!r}; templates: "
+          f"{', '.join(have) or 'none'}", flush=True)
+    return out
 
 
 def _matches(name, pattern):
@@ -126,29 +196,32 @@ def write_inputs(fixtures, tmp):
     return paths
 
 
-def reference(text, fx):
+def reference(tpl, fx):
     """(True, rendering bytes) or (False, "ExceptionType: message")."""
+    if tpl.text is None:  # apply_chat_template's own refusal when there is no template
+        return False, f"ValueError: no {MODEL_KEY} in {tpl.label}"
     try:
-        out = template_reference.render(text, fx["messages"], fx.get("tools"),
+        out = template_reference.render(tpl.text, fx["messages"], fx.get("tools"),
                                         bool(fx.get("add_generation_prompt")), fx.get("kwargs"),
-                                        BOS, EOS, NOW)
+                                        tpl.bos, tpl.eos, NOW)
         return True, out.encode("utf-8")
     except Exception as e:  # the template's own error, whatever its type
         msg = str(e).strip().splitlines()
         return False, f"{type(e).__name__}: {msg[0] if msg else ''}"
 
 
-def run_tandem(cmd, tpl_path, fx, inputs):
-    """(exit status or None on timeout, stdout bytes, stderr text) of one tandem run."""
+def run_tandem(cmd, source, fx, inputs):
+    """(exit status or None on timeout, stdout bytes, stderr text) of one tandem run; source:
+    the arguments that name the template (Template.args)."""
     m, t = inputs
-    args = [*cmd, "--template", tpl_path, "--messages", m]
+    args = [*cmd, *source, "--messages", m]
     if t:
         args += ["--tools", t]
     if fx.get("add_generation_prompt"):
         args.append("--add-generation-prompt")
     if fx.get("kwargs"):
         args += ["--kwargs", json.dumps(fx["kwargs"], ensure_ascii=False)]
-    args += ["--bos", BOS, "--eos", EOS, "--now", str(NOW)]
+    args += ["--now", str(NOW)]
     # its own process group, so a timeout kills whatever it started too
     p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, start_new_session=True)
@@ -247,26 +320,56 @@ def print_table(rows, cols):
 def reference_only(templates, fixtures, verbose):
     """Renders every case with the reference alone; lists the cases where it raises."""
     rows = []
-    for tpl, path in templates:
-        text = template_reference.read_template(path)
+    for tpl in templates:
         counts = {"renders": 0, "raises": 0}
         for name, fx in fixtures:
-            ok, out = reference(text, fx)
+            ok, out = reference(tpl, fx)
             counts["renders" if ok else "raises"] += 1
             if not ok:
-                print(f"raises  {tpl} {name}: {out}")
+                print(f"raises  {tpl.label} {name}: {out}")
             elif verbose:
-                print(f"renders {tpl} {name}: {len(out)} bytes")
-        rows.append((tpl, counts))
+                print(f"renders {tpl.label} {name}: {len(out)} bytes")
+        rows.append((tpl.label, counts))
     print_table(rows, ["renders", "raises"])
     return 0
+
+
+def corpus_templates(corpus):
+    """[Template] of DIR/templates/*.jinja, in name order; tandem gets the file and the
+    harness's own special tokens."""
+    tdir = os.path.join(corpus, "templates")
+    try:
+        names = sorted(f for f in os.listdir(tdir) if f.endswith(".jinja"))
+    except OSError as e:
+        raise UsageError(f"--corpus: {e}")
+    if not names:
+        raise UsageError(f"no *.jinja in {tdir}")
+    out = []
+    for n in names:
+        path = os.path.join(tdir, n)
+        out.append(Template(n, template_reference.read_template(path),
+                            ["--template", path, "--bos", BOS, "--eos", EOS], BOS, EOS, path))
+    return out
+
+
+def self_test_args(tpl, tmp):
+    """The reference CLI's arguments for what tpl.args tells tandem: the template as a file,
+    bos/eos spelled out. A model without a template: a file that does not exist, which the CLI
+    refuses as tandem must."""
+    args = ["--template", tpl.path or os.path.join(tmp, "no-template.jinja")]
+    for flag, v in (("--bos", tpl.bos), ("--eos", tpl.eos)):
+        if v is not None:
+            args += [flag, v]
+    return args
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tandem", help="the tandem binary")
-    ap.add_argument("--corpus", required=True,
+    ap.add_argument("--corpus",
                     help="the corpus directory (scripts/fetch_corpus.py), holding templates/")
+    ap.add_argument("--model", action="append", default=[],
+                    help="a GGUF file whose own chat templates to check (repeatable)")
     ap.add_argument("--only", help="templates to run: a name or a glob")
     ap.add_argument("--fixture", help="fixtures to run: a name or a glob")
     ap.add_argument("--verbose", action="store_true", help="a line for every case")
@@ -277,23 +380,32 @@ def main():
     a = ap.parse_args()
     if not a.tandem and not (a.reference_only or a.self_test):
         ap.error("--tandem is required (or --reference-only / --self-test)")
+    if not a.corpus and not a.model:
+        ap.error("give --corpus, --model or both")
+    with tempfile.TemporaryDirectory(prefix="tandem-tpl-") as tmp:
+        return run(a, tmp)
 
-    tdir = os.path.join(a.corpus, "templates")
-    try:
-        names = sorted(f for f in os.listdir(tdir) if f.endswith(".jinja"))
-    except OSError as e:
-        ap.error(f"--corpus: {e}")
-    if not names:
-        ap.error(f"no *.jinja in {tdir}")
+
+def run(a, tmp):
+    """main's work on its arguments a; tmp holds the fixtures' input files and the models'
+    templates for the reference CLI. The time printed includes reading the models."""
+    t0 = time.monotonic()
     try:
         fixtures = load_fixtures(a.fixture)
-        excuses = load_exceptions(set(names), {n for n, _ in load_fixtures(None)})
+        templates, excuses = [], {}
+        if a.corpus:
+            templates = corpus_templates(a.corpus)
+            excuses = load_exceptions({t.label for t in templates},
+                                      {n for n, _ in load_fixtures(None)})
+        for m in a.model:
+            templates += read_model(m, tmp)
     except (UsageError, OSError, ValueError) as e:
         print(f"test_template_corpus: {e}", file=sys.stderr)
         return 2
-    templates = [(n, os.path.join(tdir, n)) for n in names if not a.only or _matches(n, a.only)]
+    templates = [t for t in templates if not a.only or _matches(t.label, a.only)]
     if not templates:
-        ap.error(f"no template matches --only {a.only!r}")
+        print(f"test_template_corpus: no template matches --only {a.only!r}", file=sys.stderr)
+        return 2
     print(f"reference: {template_reference.backend_name()}; {len(templates)} templates x "
           f"{len(fixtures)} fixtures", flush=True)
     if a.reference_only:
@@ -303,35 +415,35 @@ def main():
         cmd = [sys.executable, REFERENCE_CLI, "--backend", "jinja2"]
     else:
         cmd = [os.path.abspath(a.tandem), "template"]
-    t0 = time.monotonic()
     rows, fails, used = [], 0, set()
-    with tempfile.TemporaryDirectory(prefix="tandem-tpl-") as tmp:
-        inputs = write_inputs(fixtures, tmp)
-        for tpl, path in templates:
-            text = template_reference.read_template(path)
-            counts = {}
-            for name, fx in fixtures:
-                key = (tpl, name) if (tpl, name) in excuses else (tpl, "*")
-                ref_ok, ref_out = reference(text, fx)
-                rc, out, err = run_tandem(cmd, path, fx, inputs[name])
-                outcome, detail = judge(ref_ok, ref_out, rc, out, err, excuses.get(key))
-                if outcome == "excused":
-                    used.add(key)
-                counts[outcome] = counts.get(outcome, 0) + 1
-                if outcome == "FAIL":
-                    fails += 1
-                    print(f"FAIL {tpl} {name}: {detail}", flush=True)
-                elif a.verbose:
-                    print(f"{outcome:<7} {tpl} {name}" + (f": {detail}" if detail else ""),
-                          flush=True)
-            rows.append((tpl, counts))
+    inputs = write_inputs(fixtures, tmp)
+    for tpl in templates:
+        source = self_test_args(tpl, tmp) if a.self_test else tpl.args
+        counts = {}
+        for name, fx in fixtures:
+            # exceptions.txt names corpus files only, so a model's label never finds an excuse
+            key = (tpl.label, name) if (tpl.label, name) in excuses else (tpl.label, "*")
+            ref_ok, ref_out = reference(tpl, fx)
+            rc, out, err = run_tandem(cmd, source, fx, inputs[name])
+            outcome, detail = judge(ref_ok, ref_out, rc, out, err, excuses.get(key))
+            if outcome == "excused":
+                used.add(key)
+            counts[outcome] = counts.get(outcome, 0) + 1
+            if outcome == "FAIL":
+                fails += 1
+                print(f"FAIL {tpl.label} {name}: {detail}", flush=True)
+            elif a.verbose:
+                print(f"{outcome:<7} {tpl.label} {name}" + (f": {detail}" if detail else ""),
+                      flush=True)
+        rows.append((tpl.label, counts))
     totals = print_table(rows, ["match", "both", "excused", "FAIL"])
     # a listed limitation that no longer shows is worth deleting from the file
-    ran = {t for t, _ in templates}
+    ran = {t.label for t in templates}
     for key in sorted(excuses):
         if key not in used and key[0] in ran and not a.only and not a.fixture:
             print(f"note: exceptions.txt lists {key[0]} {key[1]}, which no longer needs it")
-    print(f"template_corpus: {totals['match']} match, {totals['both']} both refuse, "
+    what = "template_corpus" if a.corpus else "template_models"
+    print(f"{what}: {totals['match']} match, {totals['both']} both refuse, "
           f"{totals['excused']} excused, {fails} failed ({len(templates) * len(fixtures)} cases, "
           f"{time.monotonic() - t0:.1f} s)")
     return 1 if fails else 0
