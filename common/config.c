@@ -374,6 +374,7 @@ static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key
     F(R_PROMPT, "max_prompt_tokens", F_INT, max_prompt_tokens, 1, 1 << 24)                         \
     F(R_MAXTOK, "max_tokens", F_INT, max_tokens, 1, 1 << 24)                                       \
     F(R_TEMPLATE, "chat_template", F_STR, chat_template, 0, 0)                                     \
+    F(R_REASONING, "reasoning", F_BOOL, reasoning, 0, 0)                                           \
     F(R_HB, "heartbeat_ms", F_INT, heartbeat_ms, 10, 600000)                                       \
     F(R_TIMEOUT, "instance_timeout_ms", F_INT, instance_timeout_ms, 10, 3600000)                   \
     F(R_REQ_TIMEOUT, "request_timeout_ms", F_INT, request_timeout_ms, 1, 86400000)                 \
@@ -510,6 +511,7 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     r->max_prompt_tokens = 8192;
     r->max_tokens = 4096;
     set_str(p, &r->chat_template, "");
+    r->reasoning = true;
     r->heartbeat_ms = 500;
     r->instance_timeout_ms = 3000;
     r->request_timeout_ms = 600000;

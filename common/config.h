@@ -67,6 +67,8 @@ typedef struct {
     int max_tokens;             /* 4096: cap on a request's max_tokens */
     char *chat_template;        /* "": the model file's; chatml | llama3 | llama2 | gemma: a
                                    built-in one; else a Jinja template file */
+    bool reasoning;             /* true: a thinking template's <think> block is answered as
+                                   reasoning_content (router/rt_reason.h); false: as content */
     int heartbeat_ms;           /* 500: health poll period per instance */
     int instance_timeout_ms;    /* 3000: no answer this long -> instance dead */
     int request_timeout_ms;     /* 600000 (or max_request_timeout_ms if smaller): a request's

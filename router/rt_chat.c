@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "gr_grammar.h"
+#include "rt_reason.h"
 #include "td_err.h"
 #include "td_grow.h"
 
@@ -450,6 +451,7 @@ int rt_chat_tmpl_init_text(rt_chat_tmpl *t, const char *text, size_t len, char *
     snprintf(t->source, sizeof t->source, "a template text");
     int rc = compile(&t->main, text, len, "the chat template", err, cap);
     t->reads_tools = !rc && jn_template_reads(t->main, "tools");
+    t->thinks = !rc && rt_reason_template(text, len);
     return rc;
 }
 
@@ -498,12 +500,14 @@ int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok
         snprintf(t->source, sizeof t->source, "the model's tokenizer.chat_template");
     }
     rc = compile(&t->main, text, len, t->source, err, cap);
+    t->thinks = rt_reason_template(text, len);
     free(file);
     const char *tu;
     size_t tul;
     if (!rc && (!forced || !forced[0]) &&
         !td_gguf_get_str(g, "tokenizer.chat_template.tool_use", &tu, &tul))
         rc = compile(&t->tool_use, tu, tul, "the model's tokenizer.chat_template.tool_use", err, cap);
+    if (!rc && t->tool_use) t->thinks |= rt_reason_template(tu, tul);
     if (!rc) t->reads_tools = jn_template_reads(t->tool_use ? t->tool_use : t->main, "tools");
     if (!rc && (rc = jn_special_init(&t->special, tok))) snprintf(err, cap, "out of memory");
     if (rc) rt_chat_tmpl_fini(t);

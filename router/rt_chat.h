@@ -56,6 +56,7 @@ typedef struct {
     jn_template *main;     /* the model's, router.chat_template's file, or a family's */
     jn_template *tool_use; /* tokenizer.chat_template.tool_use (requests with tools), or NULL */
     bool reads_tools;      /* the template for requests with tools reads `tools` */
+    bool thinks;           /* it has a thinking block (<think> ... </think>: rt_reason.h) */
     jn_special special;    /* bos_token, eos_token */
     char source[320];      /* where the template came from, for logs */
 } rt_chat_tmpl;

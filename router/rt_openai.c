@@ -12,6 +12,7 @@
 
 #include "rt_openai.h"
 #include "rt_format.h"
+#include "rt_reason.h"
 #include "td_clock.h"
 #include "td_err.h"
 
@@ -207,6 +208,11 @@ int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt,
     int rc = rt_chat_prompt(&r->chat, o, add_generation_prompt, &p->tools, &text, e);
     /* the template writes BOS itself where the model wants one */
     if (!rc) rc = tokenize(r, text, strlen(text), false, &p->prompt, &p->n_prompt, e);
+    /* a forced call's output is the call's JSON, never a thinking block */
+    if (!rc && r->chat.thinks && r->limits->reasoning && !p->tools.forced) {
+        p->reasoning = true;
+        p->reasoning_open = rt_reason_prompt_open(text, strlen(text));
+    }
     free(text);
     return rc;
 }

@@ -80,6 +80,8 @@ typedef struct {
     bool gen_none;       /* completions "max_tokens": 0 with echo: the one token the decode
                             side generates (max_tokens 1) is dropped; only the prompt is answered */
     rt_chat_tools tools; /* chat: tools, tool_choice, parallel_tool_calls (rt_chat.h) */
+    bool reasoning;      /* chat with a thinking template: reasoning apart (rt_reason.h) */
+    bool reasoning_open; /* ... and the prompt left the thinking block open */
 } rt_params;
 
 void rt_params_fini(rt_params *p);

@@ -42,6 +42,7 @@ void rt_req_release(rt_req *q)
     if (q->loop.dt_init) td_detok_fini(&q->loop.dt);
     rt_buf_free(&q->loop.held);
     rt_buf_free(&q->loop.text);
+    rt_buf_free(&q->loop.reasoning);
     rt_toolp_destroy(q->loop.toolp);
     rt_buf_free(&q->http.out);
     free(q->loop.gen_ids);

@@ -34,6 +34,7 @@
 #include "ctrl.h"
 #include "rt_buf.h"
 #include "rt_openai.h"
+#include "rt_reason.h"
 #include "tokenizer.h"
 
 struct rt_router;
@@ -82,6 +83,9 @@ typedef struct {
     bool role_sent;         /* chat stream: the role chunk went out */
     bool stop_hit;          /* a stop string matched: the rest of the text is dropped */
     struct rt_toolp *toolp; /* p.tool_parse: the tool-call parser (rt_tools.h), else NULL */
+    rt_reason reason;       /* p.reasoning: reasoning apart from content (rt_reason.h) */
+    bool reason_init;
+    rt_buf reasoning;       /* non-stream, p.reasoning: the reasoning text */
     int n_gen;              /* tokens received */
     int n_cached;           /* prompt tokens the decode node found in its prefix cache (usage
                                prompt_tokens_details.cached_tokens; <= p.n_prompt) */

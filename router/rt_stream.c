@@ -247,9 +247,10 @@ static int emit_tools(const rt_router *r, rt_req *q, const char *text, size_t le
     return sse_chunk(r, q, text_choice(q, "", 0, *finish), NULL);
 }
 
-/* Send len bytes of text (finish NULL: more follows; a tool-call answer may change it) with
- * the logprobs received so far. Caller holds out_of(q)->mu. */
-static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char **finish)
+/* The answer's content: len bytes of text (finish NULL: more follows; a tool-call answer
+ * may change it) with the logprobs received so far. */
+static int emit_content(const rt_router *r, rt_req *q, const char *text, size_t len,
+                        const char **finish)
 {
     if (q->p.tools.parse) return emit_tools(r, q, text, len, finish);
     if (!q->p.stream) return rt_buf_append(&q->loop.text, text, len);
@@ -262,6 +263,45 @@ static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, con
         json_object_set_new(c, "logprobs", rt_logprobs_json(r->model.tok, q, false, q->loop.n_lps));
     if (!rc) rc = sse_chunk(r, q, c, NULL);
     return rc;
+}
+
+/* A piece of the reasoning parser's output: reasoning as its own delta (stream) or kept for
+ * the message; content on to the content path. */
+typedef struct {
+    const rt_router *r;
+    rt_req *q;
+} rt_reason_sink;
+
+static int reason_piece(void *ctx, bool reasoning, const char *text, size_t len)
+{
+    rt_reason_sink *k = ctx;
+    rt_req *q = k->q;
+    const char *more = NULL;
+    if (!reasoning) return emit_content(k->r, q, text, len, &more);
+    if (!q->p.stream) return rt_buf_append(&q->loop.reasoning, text, len);
+    int rc = role_chunk(k->r, q);
+    json_t *d = rc ? NULL : json_pack("{s:s%}", "reasoning_content", text, len);
+    if (rc || !d) return rc ? rc : TD_ENOMEM;
+    return sse_chunk(k->r, q,
+                     json_pack("{s:i, s:o, s:n, s:n}", "index", q->ch.index, "delta", d,
+                               "logprobs", "finish_reason"),
+                     NULL);
+}
+
+/* Send len bytes of generated text (finish NULL: more follows): through the reasoning
+ * parser first when the chat's template thinks. Caller holds out_of(q)->mu. */
+static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, const char **finish)
+{
+    if (!q->p.reasoning) return emit_content(r, q, text, len, finish);
+    if (!q->loop.reason_init) {
+        rt_reason_init(&q->loop.reason, q->p.reasoning_open);
+        q->loop.reason_init = true;
+    }
+    rt_reason_sink k = {r, q};
+    int rc = rt_reason_feed(&q->loop.reason, text, len, reason_piece, &k);
+    if (rc || !*finish) return rc;
+    if ((rc = rt_reason_finish(&q->loop.reason, reason_piece, &k))) return rc;
+    return emit_content(r, q, "", 0, finish);
 }
 
 static int push_id(rt_req *q, int32_t id, const td_tokenizer *tok)
@@ -351,7 +391,11 @@ static json_t *final_choice(const rt_router *r, rt_req *q, const char *finish)
         len = echo.len;
     }
     json_t *lp = rt_logprobs_json(r->model.tok, q, q->p.echo, q->loop.n_lps);
-    json_t *c;
+    json_t *c, *reasoning = NULL;
+    if (q->p.reasoning)
+        reasoning = q->loop.reasoning.len
+                        ? json_stringn(q->loop.reasoning.buf, q->loop.reasoning.len)
+                        : json_null();
     if (q->p.tools.parse) {
         /* a choice of several ends with its rt_finish: "tool_calls" is the parser's word */
         if (q->loop.toolp && rt_toolp_n_calls(q->loop.toolp) && !strcmp(finish, "stop"))
@@ -359,12 +403,17 @@ static json_t *final_choice(const rt_router *r, rt_req *q, const char *finish)
         c = json_pack("{s:i, s:o, s:o, s:s}", "index", q->ch.index, "message", tool_message(q),
                       "logprobs", lp, "finish_reason", finish);
     } else if (q->p.ep == RT_EP_CHAT)
-        c = json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", q->ch.index, "message", "role",
-                      "assistant", "content", text, len, "logprobs", lp, "finish_reason", finish);
+        c = json_pack("{s:i, s:{s:s, s:o}, s:o, s:s}", "index", q->ch.index, "message", "role",
+                      "assistant", "content",
+                      /* a thinking answer without content has none (vLLM's null) */
+                      !len && q->p.reasoning ? json_null() : json_stringn(text, len), "logprobs",
+                      lp, "finish_reason", finish);
     else
         c = json_pack("{s:i, s:s%, s:o, s:s}", "index", q->ch.index, "text", text, len, "logprobs",
                       lp, "finish_reason", finish);
     rt_buf_free(&echo);
+    if (reasoning && c) json_object_set_new(json_object_get(c, "message"), "reasoning_content", reasoning);
+    else json_decref(reasoning);
     return c;
 }
 

@@ -519,6 +519,41 @@ def check_logprobs(client, mid, name, prompt, chat):
     return el
 
 
+# A thinking template whose generation prompt leaves the block open (DeepSeek R1's and QwQ's
+# do): the answer is reasoning until a </think> (rt_reason.h)
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+                  "{% endif %}{# </think> #}")
+
+
+def check_reasoning(args, model, name, chat):
+    """router.chat_template naming a file, and the reasoning parser end to end: the answer
+    comes back as reasoning_content (then content after a </think>), streamed the same."""
+    d = tempfile.mkdtemp(prefix="tandem-think-")
+    path = os.path.join(d, "think.jinja")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(THINK_TEMPLATE)
+    with Cluster(args, model, router_extra={"chat_template": path}) as cl:
+        client = openai.OpenAI(base_url=cl.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        msgs = [{"role": "user", "content": chat}]
+        r = client.chat.completions.create(model=os.path.basename(model), messages=msgs,
+                                           max_tokens=8, temperature=0)
+        m = r.choices[0].message
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        check(isinstance(reasoning, str) and reasoning and "</think>" not in reasoning,
+              f"{name}: an open thinking block comes back as reasoning_content ({m})")
+        s = client.chat.completions.create(model=os.path.basename(model), messages=msgs,
+                                           max_tokens=8, temperature=0, stream=True)
+        sr, sc = "", ""
+        for ch in s:
+            if ch.choices:
+                sr += (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                sc += ch.choices[0].delta.content or ""
+        check(sr == reasoning and sc == (m.content or ""),
+              f"{name}: streamed reasoning_content and content == non-streamed ({sr!r}, {sc!r})")
+
+
 def run_model(args, model, name, prompts, chats, n_tok):
     with Cluster(args, model) as cl:
         client = openai.OpenAI(base_url=cl.url + "/v1", api_key="unused", max_retries=0,
@@ -625,6 +660,7 @@ def main():
     if not args.model_only:
         run_model(args, args.synth, "synth", ["Hello world", "The quick brown fox", "1 2 3"],
                   ["Hi there", "What is 2+2?"], 16)
+        check_reasoning(args, args.synth, "synth", "Hi there")
     if args.model:
         run_model(args, args.model, "default", ["The capital of France is"],
                   ["What is the capital of France?"], 12)
