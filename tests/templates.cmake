@@ -37,3 +37,7 @@ if(TANDEM_PYTHON AND TARGET tandem)
     endif()
   endforeach()
 endif()
+
+# `tandem template`'s own paths: family names, errors as a user sees them, bad inputs
+add_test(NAME template_cli COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/test_template_cli.sh
+                                   $<TARGET_FILE:tandem>)

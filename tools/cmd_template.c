@@ -20,7 +20,8 @@ static void usage(void)
             "                       [--add-generation-prompt] [--kwargs JSON] [--bos TEXT]\n"
             "                       [--eos TEXT] [--now EPOCH]\n"
             "  prints the rendering (nothing added) of the model's chat template (or the\n"
-            "  GGUF's tokenizer.chat_template.NAME) or of a template file; --messages: a JSON\n"
+            "  GGUF's tokenizer.chat_template.NAME), of a template file, or of a built-in\n"
+            "  one (--template chatml|llama3|llama2|gemma); --messages: a JSON\n"
             "  array of messages (or an object with \"messages\"; '-' reads stdin); --tools: a\n"
             "  JSON array of tools; --kwargs: chat_template_kwargs (e.g. '{\"enable_thinking\":\n"
             "  false}'); --bos/--eos: the special tokens' text (from the model's vocabulary with\n"
@@ -197,6 +198,8 @@ int cmd_template(int argc, char **argv)
     int rc = 0;
     if (a.model) {
         rc = from_model(&a, &g, &tmpl, &tlen, &mbos, &meos);
+    } else if ((tmpl = jn_family_template(a.tmpl))) { /* as router.chat_template reads it */
+        tlen = strlen(tmpl);
     } else if (!(file = read_all(a.tmpl, &tlen))) {
         rc = TD_EIO;
     }
@@ -206,6 +209,12 @@ int cmd_template(int argc, char **argv)
         json_t *inner = json_incref(json_object_get(msgs, "messages"));
         json_decref(msgs);
         msgs = inner;
+    }
+    if (!rc && a.messages && !json_is_array(msgs)) {
+        fprintf(stderr, "tandem template: messages '%s' must be a JSON array of messages (or an "
+                        "object with one under \"messages\")\n",
+                a.messages);
+        rc = TD_EINVAL;
     }
     if (!rc && !msgs && !(msgs = json_array())) rc = TD_ENOMEM;
     if (!rc && a.tools && !(tools = read_json(a.tools, "tools"))) rc = TD_EINVAL;

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "jn.h"
+#include "jn_chat.h"
 #include "td_err.h"
 
 static int failures, checks;
@@ -216,6 +217,60 @@ static void test_limits(void)
     ERR("{% for %}", NULL, TD_EINVAL, "name");
 }
 
+/* The built-in family templates (for model files without one), through jn_chat as the
+ * router renders them; the expected texts are jinja2's (template_reference.py). */
+static void test_families(void)
+{
+    static const struct {
+        const char *family, *want;
+    } cases[] = {
+        {"chatml", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi <|im_end|>\n"
+                   "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+                   "<|im_start|>assistant\n"},
+        {"llama3", "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                   "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>"
+                   "assistant<|end_header_id|>\n\nHello.<|eot_id|><|start_header_id|>user"
+                   "<|end_header_id|>\n\n2+2?<|eot_id|><|start_header_id|>assistant"
+                   "<|end_header_id|>\n\n"},
+        {"llama2", "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\n Hi [/INST] Hello. </s><s>[INST] "
+                   "2+2? [/INST]"},
+        {"gemma", "<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+                  "Hello.<end_of_turn>\n<start_of_turn>user\n2+2?<end_of_turn>\n"
+                  "<start_of_turn>model\n"},
+    };
+    json_t *msgs = json_loads("[{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+                              "{\"role\": \"user\", \"content\": \" Hi \"}, "
+                              "{\"role\": \"assistant\", \"content\": \"Hello.\"}, "
+                              "{\"role\": \"user\", \"content\": \"2+2?\"}]",
+                              0, NULL);
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        checks++;
+        const char *src = jn_family_template(cases[i].family);
+        jn_template *t = NULL;
+        jn_error e = {0};
+        char *out = NULL;
+        jn_chat chat = {.messages = msgs,
+                        .add_generation_prompt = true,
+                        .bos_token = "<s>",
+                        .eos_token = "</s>"};
+        int rc = src ? jn_parse(src, strlen(src), &t, &e) : -1;
+        if (!rc) rc = jn_chat_render(t, &chat, NULL, &out, NULL, &e);
+        if (rc || strcmp(out, cases[i].want)) {
+            printf("FAIL family %s: rc %d (%s)\n  got  [%s]\n  want [%s]\n", cases[i].family, rc,
+                   e.msg, out ? out : "", cases[i].want);
+            failures++;
+        }
+        free(out);
+        jn_template_free(t);
+    }
+    checks++;
+    if (jn_family_template("jinja") || jn_family_template(NULL)) {
+        printf("FAIL an unknown family has a template\n");
+        failures++;
+    }
+    json_decref(msgs);
+}
+
 int main(void)
 {
     test_output_and_whitespace();
@@ -224,6 +279,7 @@ int main(void)
     test_filters_and_tests();
     test_methods();
     test_limits();
+    test_families();
     printf("test_jinja: %d of %d checks passed\n", checks - failures, checks);
     return failures ? 1 : 0;
 }
