@@ -336,7 +336,7 @@ static jn_node *parse_primary(parser *P)
             if (!cat) return perr(P, TD_ENOMEM, "out of memory%s", "");
             memcpy(s, x->lit->u.str.s, x->lit->u.str.len);
             memcpy(s + x->lit->u.str.len, b->u.str.s, b->u.str.len);
-            *cat = (jv){.kind = JV_STR, .u.str = {s, x->lit->u.str.len + b->u.str.len}};
+            *cat = (jv){.kind = JV_STR, .u.str = {.s = s, .len = x->lit->u.str.len + b->u.str.len}};
             x->lit = cat;
             P->i++;
         }

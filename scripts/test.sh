@@ -149,7 +149,7 @@ phase "ctest build-rel"
 # --- fuzzers ----------------------------------------------------------------------------------------
 # Each is built with clang's libFuzzer, ASan and UBSan, then run for its seconds with its
 # seeds; two run at a time (one per core). Then every crasher kept in tests/fuzz/regress/
-# (named gguf-*, ctrl-*, config-*, kvx-*, openai-*, grammar-* or pfwire-*) must run clean
+# (named gguf-*, ctrl-*, config-*, kvx-*, openai-*, grammar-*, jinja-* or pfwire-*) must run clean
 # through its target.
 if [ "$FUZZ_SECONDS" -gt 0 ]; then
   EACH=${TANDEM_FUZZ_SECONDS_EACH:-20}
@@ -161,9 +161,11 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/tok_vocab.c common/chat_template.c
            common/gguf.c common/td_dtype.c)
   GR_SRC=(grammar/gr_schema.c grammar/gr_match.c grammar/gr_vocab.c grammar/gr_tok.c)
+  JN_SRC=(jinja/jn_value.c jinja/jn_lex.c jinja/jn_parse.c jinja/jn_eval.c jinja/jn_filters.c
+          jinja/jn_methods.c jinja/jn_chat.c)
   BASE_SRC=(common/td_err.c common/td_clock.c common/td_grow.c)
   mkdir -p build-fuzz/artifacts build-fuzz/ctrl-gen build-fuzz/ctrl-seeds build-fuzz/config-seeds
-  for t in gguf ctrl config kvx openai grammar pfwire; do mkdir -p build-fuzz/$t-corpus; done
+  for t in gguf ctrl config kvx openai grammar jinja pfwire; do mkdir -p build-fuzz/$t-corpus; done
 
   # build: two compilers at a time (fuzz_kvx and fuzz_gguf in the background)
   built=()
@@ -194,9 +196,10 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   else
     step_failed "fuzz_config: build failed"
   fi
-  if "${FZ_CC[@]}" -Icommon -Irouter -Igrammar -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
-       router/rt_openai.c router/rt_format.c router/rt_chat.c router/rt_buf.c "${GR_SRC[@]}" \
-       "${TOK_SRC[@]}" "${BASE_SRC[@]}" -ljansson -lpthread -lm -o build-fuzz/fuzz_openai &&
+  if "${FZ_CC[@]}" -Icommon -Irouter -Igrammar -Ijinja -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
+       router/rt_openai.c router/rt_format.c router/rt_chat.c router/rt_reason.c router/rt_buf.c \
+       "${GR_SRC[@]}" "${JN_SRC[@]}" "${TOK_SRC[@]}" "${BASE_SRC[@]}" -ljansson -lpthread -lm \
+       -o build-fuzz/fuzz_openai &&
      "$PY" tests/ref/make_synth.py --out build-fuzz/tiny.gguf --arch llama --tiny >/dev/null; then
     built+=(openai)
     export TD_FUZZ_MODEL=$PWD/build-fuzz/tiny.gguf # the tokenizer and chat template
@@ -208,6 +211,12 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
     built+=(grammar)
   else
     step_failed "fuzz_grammar: build failed"
+  fi
+  if "${FZ_CC[@]}" -Icommon -Ijinja tests/fuzz/fuzz_jinja.c "${JN_SRC[@]}" "${TOK_SRC[@]}" \
+       "${BASE_SRC[@]}" -ljansson -lpthread -lm -o build-fuzz/fuzz_jinja; then
+    built+=(jinja)
+  else
+    step_failed "fuzz_jinja: build failed"
   fi
   if "${FZ_CC[@]}" -Icommon -Iprefill-node tests/fuzz/fuzz_pfwire.c prefill-node/pf_wire.c \
        "${BASE_SRC[@]}" -lpthread -lm -o build-fuzz/fuzz_pfwire; then

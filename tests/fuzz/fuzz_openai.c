@@ -2,7 +2,8 @@
  * (rt_openai_parse in router/rt_openai.c: JSON -> validated rt_params).
  *
  * Input: one selector byte, then the request body. The selector picks the endpoint
- * (completions / chat), the chat template (the model's, chatml, llama3, llama2) and the
+ * (completions / chat), the chat template (the model's, or the built-in chatml, llama3 or
+ * gemma, each compiled once by the Jinja engine as the router does at start) and the
  * limits (model context, router.max_prompt_tokens, router.max_tokens), so the limit checks
  * run at their edges too. Each input builds its own rt_router on the stack; only the
  * tokenizer and the model's chat template are shared, read-only, as in the real router
@@ -31,8 +32,7 @@
 #include "td_err.h"
 
 static td_tokenizer *g_tok;
-static const char *g_tmpl;
-static size_t g_tmpl_len;
+static rt_chat_tmpl g_tmpl[4]; /* the model's, chatml, llama3, gemma */
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
@@ -43,10 +43,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         fprintf(stderr, "fuzz_openai: set TD_FUZZ_MODEL to a GGUF with a tokenizer\n");
         exit(2);
     }
-    static td_gguf *g; /* kept open: the chat template points into it */
+    static td_gguf *g;
+    static const char *const forced[] = {"", "chatml", "llama3", "gemma"};
     char err[256] = "";
-    if (td_gguf_open(path, &g, err, sizeof err) || td_tok_create(g, &g_tok) ||
-        td_gguf_get_str(g, "tokenizer.chat_template", &g_tmpl, &g_tmpl_len)) {
+    int rc = td_gguf_open(path, &g, err, sizeof err);
+    if (!rc) rc = td_tok_create(g, &g_tok);
+    for (int i = 0; i < 4 && !rc; i++)
+        rc = rt_chat_tmpl_init(&g_tmpl[i], g, g_tok, forced[i], err, sizeof err);
+    if (rc) {
         fprintf(stderr, "fuzz_openai: cannot load %s: %s\n", path, err);
         exit(2);
     }
@@ -125,8 +129,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1) return 0;
     uint8_t sel = data[0];
-    static const char *const builtin[] = {"<|im_start|>", "<|start_header_id|><|end_header_id|>",
-                                          "[INST] <<SYS>>"};
     static const int32_t ctx[] = {4, 64, 2048, 8192};
     static const int prompt_max[] = {2, 48, 8192, 1};
     static const int tok_max[] = {1, 8, 4096, 3};
@@ -139,10 +141,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     cfg.router.max_n = 4; /* n and batches at their edges: 4 x 3 prompts > max_queue */
     cfg.router.max_batch_prompts = 3;
     cfg.router.max_queue = 8;
-    rt_model r = {.tok = g_tok, .limits = &cfg.router};
-    unsigned t = (sel >> 1) & 3;
-    r.tmpl = t == 0 ? g_tmpl : builtin[t - 1];
-    r.tmpl_len = t == 0 ? g_tmpl_len : strlen(r.tmpl);
+    cfg.router.reasoning = true;
+    rt_model r = {.tok = g_tok, .limits = &cfg.router, .chat = g_tmpl[(sel >> 1) & 3]};
     r.n_ctx = ctx[(sel >> 7) | (((sel >> 3) & 1) << 1)];
     snprintf(r.name, sizeof r.name, "tiny");
 
