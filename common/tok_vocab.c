@@ -112,13 +112,8 @@ static bool str_eq(const char *s, size_t n, const char *lit)
     return strlen(lit) == n && memcmp(s, lit, n) == 0;
 }
 
-static bool text_in(const char *s, size_t n, const char *const *list)
-{
-    for (; *list; list++)
-        if (str_eq(s, n, *list)) return true;
-    return false;
-}
-
+/* tokenizer.ggml.pre values we implement, with llama.cpp's flags for each (llama_vocab::
+ * impl::load): clean_spaces (BPE's default is on), add_bos, ignore_merges. */
 typedef struct {
     const char *name;
     td_pre_kind kind;
@@ -126,6 +121,7 @@ typedef struct {
 } td_pre_entry;
 
 static const td_pre_entry pre_table[] = {
+    {"default", TD_PRE_DEFAULT, true, false, false},
     {"smollm", TD_PRE_SMOLLM, false, false, false},
     {"starcoder", TD_PRE_SMOLLM, true, false, false},
     {"refact", TD_PRE_SMOLLM, true, false, false},
@@ -133,24 +129,55 @@ static const td_pre_entry pre_table[] = {
     {"codeshell", TD_PRE_SMOLLM, true, false, false},
     {"exaone", TD_PRE_SMOLLM, true, false, false},
     {"minerva-7b", TD_PRE_SMOLLM, true, false, false},
+    {"mellum2", TD_PRE_SMOLLM, true, false, false},
     {"gpt-2", TD_PRE_GPT2, true, false, false},
     {"phi-2", TD_PRE_GPT2, true, false, false},
+    {"jina-es", TD_PRE_GPT2, true, false, false},
+    {"jina-de", TD_PRE_GPT2, true, false, false},
+    {"jina-v2-es", TD_PRE_GPT2, true, false, false},
+    {"jina-v2-de", TD_PRE_GPT2, true, false, false},
+    {"jina-v1-en", TD_PRE_GPT2, true, false, false},
+    {"jina-v2-code", TD_PRE_GPT2, true, false, false},
+    {"gigachat", TD_PRE_GPT2, true, false, false},
+    {"a.x-4.0", TD_PRE_GPT2, true, false, false},
+    {"mellum", TD_PRE_GPT2, true, false, false},
+    {"modern-bert", TD_PRE_GPT2, true, false, false},
     {"roberta-bpe", TD_PRE_GPT2, true, false, false},
     {"mpt", TD_PRE_GPT2, true, false, false},
     {"olmo", TD_PRE_GPT2, true, false, false},
     {"jais", TD_PRE_GPT2, true, false, false},
+    {"exaone4", TD_PRE_GPT2, true, false, false},
+    {"trillion", TD_PRE_GPT2, false, false, false},
+    {"granite-docling", TD_PRE_GPT2, false, false, false},
+    {"falcon", TD_PRE_FALCON, true, false, false},
     {"llama3", TD_PRE_LLAMA3, true, true, true},
     {"llama-v3", TD_PRE_LLAMA3, true, true, true},
     {"llama-bpe", TD_PRE_LLAMA3, true, true, true},
     {"falcon3", TD_PRE_LLAMA3, true, true, true},
+    {"falcon-h1", TD_PRE_LLAMA3, true, true, true},
+    {"pixtral", TD_PRE_LLAMA3, true, true, true},
+    {"midm-2.0", TD_PRE_LLAMA3, true, true, true},
+    {"lfm2", TD_PRE_LLAMA3, true, true, true},
+    {"jina-v5-nano", TD_PRE_LLAMA3, true, true, true},
     {"dbrx", TD_PRE_LLAMA3, true, false, false},
     {"smaug-bpe", TD_PRE_LLAMA3, true, false, false},
     {"qwen2", TD_PRE_QWEN2, false, false, false},
+    {"deepseek-r1-qwen", TD_PRE_QWEN2, false, false, false},
+    {"kormo", TD_PRE_QWEN2, false, false, false},
+    {"f2llmv2", TD_PRE_QWEN2, false, false, false},
+    {"hunyuan", TD_PRE_QWEN2, false, false, false},
+    {"solar-open", TD_PRE_QWEN2, false, false, false},
+    {"grok-2", TD_PRE_QWEN2, false, false, false},
     {"stablelm2", TD_PRE_QWEN2, true, false, false},
     {"megrez", TD_PRE_QWEN2, true, false, false},
+    {"qwen35", TD_PRE_QWEN35, false, false, false},
+    {"deepseek-llm", TD_PRE_DEEPSEEK_LLM, false, false, false},
+    {"deepseek-coder", TD_PRE_DEEPSEEK_CODER, false, false, false},
+    {"gemma4", TD_PRE_NEWLINES, true, false, false},
+    {"granite-embed-multi-311m", TD_PRE_NEWLINES, true, false, false},
 };
 
-static int32_t get_id_key(const td_gguf *g, const char *key, int32_t def, int32_t n_vocab)
+int32_t td_tok_key_id(const td_gguf *g, const char *key, int32_t def, int32_t n_vocab)
 {
     int64_t v;
     if (td_gguf_get_i64(g, key, &v) != 0) return def;
@@ -177,7 +204,9 @@ static int make_piece(td_tokenizer *t, int32_t id, td_bytes *out)
     uint8_t ty = t->type[id];
     if (ty == TD_TOKTYPE_CONTROL || ty == TD_TOKTYPE_UNKNOWN || ty == TD_TOKTYPE_USER_DEFINED)
         return td_bytes_add(out, s, n);
-    if (t->kind == TD_VOCAB_SPM) {
+    /* SentencePiece-style texts: U+2581 for a space, <0xXX> for a byte (spm, WordPiece as
+     * converted, gemma4's BPE) */
+    if (t->kind != TD_VOCAB_BPE || !t->byte_encode) {
         if (ty == TD_TOKTYPE_BYTE) {
             if (n == 6 && s[0] == '<' && s[1] == '0' && s[2] == 'x') {
                 char hex[3] = {s[3], s[4], 0};
@@ -221,14 +250,6 @@ static int make_piece(td_tokenizer *t, int32_t id, td_bytes *out)
     return 0;
 }
 
-static int cmp_special(const void *a, const void *b, void *ctx)
-{
-    const td_tokenizer *t = ctx;
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    if (t->text_len[x] != t->text_len[y]) return t->text_len[x] > t->text_len[y] ? -1 : 1;
-    return x < y ? -1 : x > y;
-}
-
 /* The per-token arrays, (n) each. */
 static int alloc_vocab(td_tokenizer *t, size_t n)
 {
@@ -239,7 +260,9 @@ static int alloc_vocab(td_tokenizer *t, size_t n)
     t->type = calloc(n, 1);
     t->score = calloc(n, sizeof *t->score);
     t->eog = calloc(n, 1);
-    if (!t->text || !t->text_len || !t->piece || !t->piece_len || !t->type || !t->score || !t->eog)
+    t->strip = calloc(n, 1);
+    if (!t->text || !t->text_len || !t->piece || !t->piece_len || !t->type || !t->score ||
+        !t->eog || !t->strip)
         return TD_ENOMEM;
     return 0;
 }
@@ -324,6 +347,7 @@ static int build_maps(td_tokenizer *t, size_t n, size_t nm, const size_t *off)
     for (size_t i = 0; i < n; i++) {
         t->text[i] = t->pool + off[i];
         td_strmap_put(&t->tok_map, t->text[i], t->text_len[i], (int32_t)i);
+        if (t->text_len[i] > t->max_token_len) t->max_token_len = t->text_len[i];
     }
     for (size_t i = 0; i < nm; i++) {
         const char *s = t->pool + off[n + i];
@@ -367,76 +391,40 @@ static int load_vocab(td_tokenizer *t, const td_gguf *g)
     return rc;
 }
 
-static void find_specials(td_tokenizer *t, const td_gguf *g)
+/* A BPE vocabulary's pre-tokenizer (tokenizer.ggml.pre; llama.cpp's "default" where it is
+ * missing) and the flags that go with it. */
+static int choose_pre(td_tokenizer *t, const char *pre, size_t pre_len)
 {
-    static const char *const eot_names[] = {"<|eot_id|>",
-                                            "<|im_end|>",
-                                            "<|end|>",
-                                            "<end_of_turn>",
-                                            "<|endoftext|>",
-                                            "<EOT>",
-                                            "<\xef\xbd\x9c"
-                                            "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>",
-                                            NULL};
-    static const char *const eog_names[] = {
-        "<|eot_id|>",    "<|im_end|>", "<|end|>", "<end_of_turn>",
-        "<|endoftext|>", "<|eom_id|>", "<EOT>",   NULL};
-    static const char *const eom_names[] = {"<|eom_id|>", NULL};
-    /* FIM names: llama.cpp forces these to control type; pad/rep/sep also end generation */
-    static const char *const fim_other[] = {"<|fim_prefix|>",
-                                            "<fim-prefix>",
-                                            "<\xef\xbd\x9c"
-                                            "fim\xe2\x96\x81"
-                                            "begin\xef\xbd\x9c>",
-                                            "<PRE>",
-                                            "<|fim_suffix|>",
-                                            "<fim-suffix>",
-                                            "<\xef\xbd\x9c"
-                                            "fim\xe2\x96\x81"
-                                            "hole\xef\xbd\x9c>",
-                                            "<SUF>",
-                                            "<|fim_middle|>",
-                                            "<fim-middle>",
-                                            "<\xef\xbd\x9c"
-                                            "fim\xe2\x96\x81"
-                                            "end\xef\xbd\x9c>",
-                                            "<MID>",
-                                            NULL};
-    static const char *const fim_eog[] = {"<|fim_pad|>",  "<fim-pad>",     "<PAD>",
-                                          "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
-                                          "<REPO>",       "<|file_sep|>",  NULL};
-
-    int32_t n = t->n_vocab;
-    t->eot = get_id_key(g, "tokenizer.ggml.eot_token_id", -1, n);
-    t->eom = get_id_key(g, "tokenizer.ggml.eom_token_id", -1, n);
-    bool eot_given = t->eot >= 0, eom_given = t->eom >= 0;
-    for (int32_t i = 0; i < n; i++) {
-        /* only the id the text map resolves to counts, as llama.cpp iterates token_to_id */
-        if (td_strmap_get(&t->tok_map, t->text[i], t->text_len[i]) != i) continue;
-        const char *s = t->text[i];
-        size_t len = t->text_len[i];
-        bool is_eot = !eot_given && text_in(s, len, eot_names);
-        bool is_eom = !eom_given && text_in(s, len, eom_names);
-        bool is_eog = text_in(s, len, eog_names) || text_in(s, len, fim_eog) || is_eot || is_eom;
-        if (is_eot && t->eot < 0) t->eot = i;
-        if (is_eom && t->eom < 0) t->eom = i;
-        if (is_eog || is_eot || is_eom || text_in(s, len, fim_other)) {
-            if (t->type[i] != TD_TOKTYPE_CONTROL) {
-                TD_LOG_WARN("tokenizer: control-looking token %d '%.*s' was not control-type;"
-                            " treating it as control",
-                            i, (int)len, s);
-                t->type[i] = TD_TOKTYPE_CONTROL;
-            }
-        }
-        if (is_eog) t->eog[i] = 1;
+    if (!pre) {
+        TD_LOG_WARN("tokenizer: tokenizer.ggml.pre missing, using llama.cpp's 'default' "
+                    "pre-tokenizer (as llama.cpp does; the model's own may differ)");
+        pre = "default", pre_len = 7;
     }
-    if (t->eos >= 0) t->eog[t->eos] = 1;
-    if (t->eot >= 0) t->eog[t->eot] = 1;
-    if (t->eom >= 0) t->eog[t->eom] = 1;
+    const td_pre_entry *e = NULL;
+    for (size_t i = 0; i < sizeof pre_table / sizeof pre_table[0]; i++)
+        if (str_eq(pre, pre_len, pre_table[i].name)) e = &pre_table[i];
+    if (!e) {
+        TD_LOG_ERR("tokenizer: unsupported pre-tokenizer '%.*s' (tokenizer.ggml.pre) for a BPE "
+                   "vocabulary; supported: default, gpt-2, mpt, falcon, starcoder, refact, "
+                   "smollm, command-r, llama3/llama-bpe, qwen2, qwen35, deepseek-llm, "
+                   "deepseek-coder, gemma4 and their aliases",
+                   (int)(pre_len < 64 ? pre_len : 64), pre);
+        return TD_EUNSUPP;
+    }
+    snprintf(t->pre_name, sizeof t->pre_name, "%s", e->name);
+    t->pre = e->kind;
+    t->clean_spaces = e->clean_spaces;
+    t->add_bos = e->add_bos;
+    t->ignore_merges = e->ignore_merges;
+    /* gemma4's BPE is SentencePiece-style: spaces as U+2581, raw UTF-8, <0xXX> bytes */
+    t->escape_ws = e->kind == TD_PRE_NEWLINES;
+    t->byte_encode = !t->escape_ws;
+    if (t->byte_encode) byte_level_tables(t);
+    return 0;
 }
 
-/* The tokenizer model and its defaults: gpt2 (byte-level BPE, with a pre-tokenizer of
- * pre_table) or llama (SentencePiece). */
+/* The tokenizer model and its defaults: gpt2 and gemma4 (BPE, with a pre-tokenizer of
+ * pre_table), llama (SentencePiece) or bert (WordPiece). */
 static int choose_model(td_tokenizer *t, const td_gguf *g)
 {
     const char *model, *pre = NULL;
@@ -446,33 +434,31 @@ static int choose_model(td_tokenizer *t, const td_gguf *g)
         return TD_EFORMAT;
     }
     if (td_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pre_len) != 0) pre = NULL;
-    if (str_eq(model, model_len, "gpt2")) {
+    t->sep = -1;
+    snprintf(t->pre_name, sizeof t->pre_name, "none");
+    if (str_eq(model, model_len, "gpt2") || str_eq(model, model_len, "gemma4")) {
         t->kind = TD_VOCAB_BPE;
-        const td_pre_entry *e = NULL;
-        for (size_t i = 0; pre && i < sizeof pre_table / sizeof pre_table[0]; i++)
-            if (str_eq(pre, pre_len, pre_table[i].name)) e = &pre_table[i];
-        if (!e) {
-            TD_LOG_ERR("tokenizer: unsupported pre-tokenizer '%.*s' for model gpt2 (supported: "
-                       "smollm, llama3/llama-bpe, qwen2, gpt-2 and their aliases)",
-                       pre ? (int)pre_len : 9, pre ? pre : "<missing>");
-            return TD_EUNSUPP;
-        }
-        t->pre = e->kind;
-        t->clean_spaces = e->clean_spaces;
-        t->add_bos = e->add_bos;
-        t->ignore_merges = e->ignore_merges;
-        t->add_space_prefix = false;
-        t->bos = 11, t->eos = 11, t->unk = -1;
-        byte_level_tables(t);
+        if (str_eq(model, model_len, "gemma4")) /* llama.cpp ignores the file's pre here */
+            pre = "gemma4", pre_len = 6, t->bos = t->eos = t->unk = -1;
+        else
+            t->bos = 11, t->eos = 11, t->unk = -1;
+        int rc = choose_pre(t, pre, pre_len);
+        if (rc) return rc;
     } else if (str_eq(model, model_len, "llama")) {
         t->kind = TD_VOCAB_SPM;
         t->pre = TD_PRE_NONE;
         t->add_bos = true;
         t->add_space_prefix = true;
         t->bos = 1, t->eos = 2, t->unk = 0;
+    } else if (str_eq(model, model_len, "bert")) {
+        t->kind = TD_VOCAB_WPM;
+        t->pre = TD_PRE_NONE;
+        t->add_bos = true, t->add_sep = true, t->clean_spaces = true;
+        t->bos = 101, t->eos = -1, t->unk = 100, t->sep = 102;
     } else {
-        TD_LOG_ERR("tokenizer: unsupported tokenizer model '%.*s' (supported: gpt2, llama)",
-                   (int)model_len, model);
+        TD_LOG_ERR("tokenizer: unsupported tokenizer model '%.*s' (tokenizer.ggml.model; "
+                   "supported: gpt2, gemma4 (BPE), llama (SentencePiece), bert (WordPiece))",
+                   (int)(model_len < 64 ? model_len : 64), model);
         return TD_EUNSUPP;
     }
     t->add_space_prefix = get_bool_key(g, "tokenizer.ggml.add_space_prefix", t->add_space_prefix);
@@ -487,13 +473,21 @@ static void special_ids(td_tokenizer *t, const td_gguf *g)
     if (t->bos >= n) t->bos = -1;
     if (t->eos >= n) t->eos = -1;
     if (t->unk >= n) t->unk = -1;
-    t->bos = get_id_key(g, "tokenizer.ggml.bos_token_id", t->bos, n);
-    t->eos = get_id_key(g, "tokenizer.ggml.eos_token_id", t->eos, n);
-    t->unk = get_id_key(g, "tokenizer.ggml.unknown_token_id", t->unk, n);
+    t->bos = td_tok_key_id(g, "tokenizer.ggml.bos_token_id", t->bos, n);
+    t->eos = td_tok_key_id(g, "tokenizer.ggml.eos_token_id", t->eos, n);
+    t->unk = td_tok_key_id(g, "tokenizer.ggml.unknown_token_id", t->unk, n);
+    if (t->sep >= n) t->sep = -1;
+    t->sep = td_tok_key_id(g, "tokenizer.ggml.seperator_token_id", t->sep, n); /* sic */
     t->add_bos = get_bool_key(g, "tokenizer.ggml.add_bos_token", t->add_bos);
     t->add_eos = get_bool_key(g, "tokenizer.ggml.add_eos_token", t->add_eos);
+    if (t->pre == TD_PRE_NEWLINES) t->add_bos = true; /* llama.cpp#21500: Gemma 4 needs BOS */
     if (t->add_bos && t->bos < 0) t->add_bos = false;
     if (t->add_eos && t->eos < 0) t->add_eos = false;
+    if (t->add_sep && t->sep < 0) t->add_sep = false;
+    /* WordPiece's BertNormalizer: strip_accents follows lowercase unless given */
+    t->wpm_lowercase = get_bool_key(g, "tokenizer.ggml.normalizer.lowercase", true);
+    t->wpm_strip_accents =
+        get_bool_key(g, "tokenizer.ggml.normalizer.strip_accents", t->wpm_lowercase);
 }
 
 /* Every token's bytes, decoded once (after find_specials' type overrides) into one buffer
@@ -521,34 +515,14 @@ static int build_pieces(td_tokenizer *t)
     return 0;
 }
 
-static bool is_special_type(uint8_t ty)
-{
-    return ty == TD_TOKTYPE_CONTROL || ty == TD_TOKTYPE_USER_DEFINED || ty == TD_TOKTYPE_UNKNOWN;
-}
-
-/* The special tokens (control, user-defined, unknown), longest text first, as the
- * partition of td_tok_encode tries them. */
-static int collect_specials(td_tokenizer *t)
-{
-    size_t ns = 0;
-    for (int32_t i = 0; i < t->n_vocab; i++)
-        ns += is_special_type(t->type[i]);
-    t->special = malloc((ns ? ns : 1) * sizeof *t->special);
-    if (!t->special) return TD_ENOMEM;
-    for (int32_t i = 0; i < t->n_vocab; i++)
-        if (is_special_type(t->type[i])) t->special[t->n_special++] = i;
-    qsort_r(t->special, t->n_special, sizeof *t->special, cmp_special, t);
-    return 0;
-}
-
-/* spm: the token of each byte, <0xXX> or else the 1-byte text. */
-static void spm_byte_tokens(td_tokenizer *t)
+/* spm and gemma4: the token of each byte, <0xXX> (spm: or else the 1-byte text). */
+static void byte_tokens(td_tokenizer *t)
 {
     static const char hex[] = "0123456789ABCDEF";
     for (int b = 0; b < 256; b++) {
         char buf[6] = {'<', '0', 'x', hex[b >> 4], hex[b & 15], '>'};
         int32_t id = td_strmap_get(&t->tok_map, buf, 6);
-        if (id < 0) {
+        if (id < 0 && t->kind == TD_VOCAB_SPM) {
             char c = (char)b;
             id = td_strmap_get(&t->tok_map, &c, 1);
         }
@@ -567,15 +541,15 @@ int td_tok_create(const td_gguf *g, td_tokenizer **out)
     if (!rc) rc = load_vocab(t, g);
     if (!rc) {
         special_ids(t, g);
-        find_specials(t, g);
-        rc = build_pieces(t);
+        rc = td_tok_find_specials(t, g);
+        if (!rc) rc = build_pieces(t);
     }
-    if (!rc) rc = collect_specials(t);
+    if (!rc) rc = td_tok_collect_specials(t);
     if (rc) {
         td_tok_destroy(t);
         return rc;
     }
-    if (t->kind == TD_VOCAB_SPM) spm_byte_tokens(t);
+    if (t->kind == TD_VOCAB_SPM || (t->kind == TD_VOCAB_BPE && !t->byte_encode)) byte_tokens(t);
     *out = t;
     return 0;
 }
@@ -592,6 +566,7 @@ void td_tok_destroy(td_tokenizer *t)
     free(t->type);
     free(t->score);
     free(t->eog);
+    free(t->strip);
     free(t->special);
     td_strmap_fini(&t->tok_map);
     td_strmap_fini(&t->merge_map);

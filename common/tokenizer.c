@@ -1,6 +1,6 @@
-/* tokenizer.c: special-token partition, byte-level BPE and SentencePiece encoding, and
- * the tokenizer's getters (see tokenizer.h; follows llama-vocab.cpp; loading is in
- * tok_vocab.c, decoding in tok_decode.c). */
+/* tokenizer.c: special-token partition, BPE and SentencePiece encoding, and the tokenizer's
+ * getters (see tokenizer.h; follows llama-vocab.cpp; loading is in tok_vocab.c, the
+ * pre-tokenizers in tok_pretok.c, WordPiece in tok_wpm.c, decoding in tok_decode.c). */
 #define _GNU_SOURCE /* memmem */
 #include "tokenizer.h"
 
@@ -14,12 +14,7 @@
 
 /* ---- growable buffers ---- */
 
-typedef struct {
-    int32_t *v;
-    size_t n, cap;
-} td_ids;
-
-static int ids_push(td_ids *a, int32_t id)
+int td_ids_push(td_ids *a, int32_t id)
 {
     int rc = TD_GROW(a->v, a->cap, a->n + 1, 64);
     if (rc) return rc;
@@ -50,6 +45,18 @@ bool td_tok_is_eog(const td_tokenizer *t, int32_t id)
 bool td_tok_clean_spaces(const td_tokenizer *t)
 {
     return t->clean_spaces;
+}
+const char *td_tok_type_name(const td_tokenizer *t)
+{
+    return t->kind == TD_VOCAB_SPM ? "SPM" : t->kind == TD_VOCAB_WPM ? "WPM" : "BPE";
+}
+const char *td_tok_pre_name(const td_tokenizer *t)
+{
+    return t->pre_name;
+}
+bool td_tok_lossless(const td_tokenizer *t)
+{
+    return t->kind != TD_VOCAB_WPM;
 }
 
 /* ---- encoding ---- */
@@ -127,6 +134,7 @@ typedef struct {
     td_heap heap;
     td_bytes word;  /* current word's text (byte-level encoded for BPE) */
     td_bytes key;   /* merge lookup key "left right" */
+    td_bytes esc;   /* the fragment with its spaces escaped (gemma4) */
     td_words words; /* pre-tokenizer output */
 } td_enc;
 
@@ -171,14 +179,25 @@ static int bpe_add_bigram(td_enc *e, int32_t left, int32_t right)
     return heap_push(&e->heap, (td_bigram){left, right, l->n, r->n, 0.0f, rank});
 }
 
-/* BPE one word (already in e->word, byte-level encoded) and append its ids. */
+/* The whole word is one token: ignore_merges vocabularies (llama3) take it as is, and
+ * gemma4 a word of newlines (llama.cpp#21343: its merges do not build those tokens). */
+static int32_t bpe_whole_word(const td_enc *e)
+{
+    const td_tokenizer *t = e->t;
+    bool newlines = t->pre == TD_PRE_NEWLINES && e->word.n > 0;
+    for (size_t i = 0; newlines && i < e->word.n; i++)
+        newlines = e->word.v[i] == '\n';
+    if (!t->ignore_merges && !newlines) return -1;
+    return td_strmap_get(&t->tok_map, e->word.v, e->word.n);
+}
+
+/* BPE one word (already in e->word, byte-level encoded where the vocabulary is) and append
+ * its ids. */
 static int bpe_word(td_enc *e)
 {
     const td_tokenizer *t = e->t;
-    if (t->ignore_merges) {
-        int32_t id = td_strmap_get(&t->tok_map, e->word.v, e->word.n);
-        if (id >= 0) return ids_push(&e->out, id);
-    }
+    int32_t whole = bpe_whole_word(e);
+    if (whole >= 0) return td_ids_push(&e->out, whole);
     if (enc_make_symbols(e)) return TD_ENOMEM;
     e->heap.n = 0;
     for (size_t i = 1; i < e->n_sym; i++)
@@ -199,14 +218,29 @@ static int bpe_word(td_enc *e)
         if (s->n == 0) continue;
         int32_t id = td_strmap_get(&t->tok_map, e->word.v + s->off, s->n);
         if (id >= 0) {
-            if (ids_push(&e->out, id)) return TD_ENOMEM;
+            if (td_ids_push(&e->out, id)) return TD_ENOMEM;
             continue;
         }
-        /* not a token: each byte alone, if it is one (llama.cpp drops the rest) */
+        /* not a token: each byte alone, if it is one (llama.cpp drops the rest): the
+         * byte-level character, or <0xXX> in a vocabulary of raw UTF-8 */
         for (uint32_t j = 0; j < s->n; j++) {
-            int32_t bid = td_strmap_get(&t->tok_map, e->word.v + s->off + j, 1);
-            if (bid >= 0 && ids_push(&e->out, bid)) return TD_ENOMEM;
+            uint8_t c = (uint8_t)e->word.v[s->off + j];
+            int32_t bid = t->byte_encode ? td_strmap_get(&t->tok_map, e->word.v + s->off + j, 1)
+                                         : t->byte_tok[c];
+            if (bid >= 0 && td_ids_push(&e->out, bid)) return TD_ENOMEM;
         }
+    }
+    return 0;
+}
+
+/* text with each space as U+2581 (llama_escape_whitespace), into e->esc */
+static int escape_spaces(td_enc *e, const char *text, size_t len)
+{
+    e->esc.n = 0;
+    for (size_t i = 0; i < len; i++) {
+        int rc = text[i] == ' ' ? td_bytes_add(&e->esc, "\xe2\x96\x81", 3)
+                                : td_bytes_add(&e->esc, text + i, 1);
+        if (rc) return rc;
     }
     return 0;
 }
@@ -214,6 +248,10 @@ static int bpe_word(td_enc *e)
 static int bpe_fragment(td_enc *e, const char *text, size_t len)
 {
     const td_tokenizer *t = e->t;
+    if (t->escape_ws) {
+        if (escape_spaces(e, text, len)) return TD_ENOMEM;
+        text = e->esc.v, len = e->esc.n;
+    }
     int rc = td_pretokenize(t->pre, text, len, &e->words);
     if (rc) return rc;
     size_t c0 = 0;
@@ -223,9 +261,12 @@ static int bpe_fragment(td_enc *e, const char *text, size_t len)
         for (size_t c = c0; c < c0 + nc; c++) {
             uint8_t u[4];
             size_t k = td_utf8_encode(e->words.cpts[c], u);
-            for (size_t j = 0; j < k; j++)
-                if (td_bytes_add(&e->word, t->byte_enc[u[j]], t->byte_enc_len[u[j]]))
-                    return TD_ENOMEM;
+            for (size_t j = 0; j < k; j++) {
+                rc = t->byte_encode
+                         ? td_bytes_add(&e->word, t->byte_enc[u[j]], t->byte_enc_len[u[j]])
+                         : td_bytes_add(&e->word, u + j, 1);
+                if (rc) return rc;
+            }
         }
         c0 += nc;
         rc = bpe_word(e);
@@ -273,7 +314,7 @@ static int spm_fragment(td_enc *e, const char *text, size_t len, bool prefix_spa
         const td_sym *s = &e->sym[i];
         int32_t id = td_strmap_get(&t->tok_map, e->word.v + s->off, s->n);
         if (id >= 0) {
-            if (ids_push(&e->out, id)) return TD_ENOMEM;
+            if (td_ids_push(&e->out, id)) return TD_ENOMEM;
             continue;
         }
         /* every merged symbol is a token, so this is one character without a token:
@@ -281,7 +322,7 @@ static int spm_fragment(td_enc *e, const char *text, size_t len, bool prefix_spa
         for (uint32_t j = 0; j < s->n; j++) {
             int32_t bid = t->byte_tok[(uint8_t)e->word.v[s->off + j]];
             if (bid < 0) bid = t->unk;
-            if (bid >= 0 && ids_push(&e->out, bid)) return TD_ENOMEM;
+            if (bid >= 0 && td_ids_push(&e->out, bid)) return TD_ENOMEM;
         }
     }
     return 0;
@@ -304,6 +345,12 @@ static int frags_push(td_frags *f, td_frag x)
     if (rc) return rc;
     f->v[f->n++] = x;
     return 0;
+}
+
+/* isspace() in the C locale, as llama.cpp's partition strips */
+static bool is_space(char c)
+{
+    return c == ' ' || (c >= '\t' && c <= '\r');
 }
 
 /* tokenizer_st_partition: cut raw fragments at each special token's occurrences, the
@@ -334,10 +381,15 @@ static int partition(const td_tokenizer *t, const char *text, size_t len, bool p
                     rc = frags_push(&b, (td_frag){-1, pos, end - pos});
                     break;
                 }
-                size_t mo = (size_t)(m - text);
-                if (mo > pos) rc = frags_push(&b, (td_frag){-1, pos, mo - pos});
+                size_t mo = (size_t)(m - text), left = mo;
+                /* lstrip / rstrip: the token takes the ASCII whitespace next to it away */
+                while ((t->strip[id] & TD_STRIP_LEFT) && left > pos && is_space(text[left - 1]))
+                    left--;
+                if (left > pos) rc = frags_push(&b, (td_frag){-1, pos, left - pos});
                 if (!rc) rc = frags_push(&b, (td_frag){id, mo, sl});
                 pos = mo + sl;
+                while ((t->strip[id] & TD_STRIP_RIGHT) && pos < end && is_space(text[pos]))
+                    pos++;
             }
         }
         td_frags tmp = a;
@@ -364,21 +416,24 @@ int td_tok_encode(const td_tokenizer *t, const char *text, size_t len, bool add_
     td_words_init(&e.words);
     td_frags frags = {0};
     int rc = partition(t, text, len, parse_special, &frags);
-    if (!rc && add_special && t->add_bos) rc = ids_push(&e.out, t->bos);
+    if (!rc && add_special && t->add_bos) rc = td_ids_push(&e.out, t->bos);
     bool prev_special = true; /* spm: a space prefix goes before the first text */
     for (size_t i = 0; !rc && i < frags.n; i++) {
         const td_frag *f = &frags.v[i];
         if (f->id >= 0) {
-            rc = ids_push(&e.out, f->id);
+            rc = td_ids_push(&e.out, f->id);
             prev_special = true;
         } else if (t->kind == TD_VOCAB_BPE) {
             rc = bpe_fragment(&e, text + f->off, f->len);
+        } else if (t->kind == TD_VOCAB_WPM) {
+            rc = td_wpm_fragment(t, text + f->off, f->len, &e.out);
         } else {
             rc = spm_fragment(&e, text + f->off, f->len, t->add_space_prefix && prev_special);
             prev_special = false;
         }
     }
-    if (!rc && add_special && t->add_eos) rc = ids_push(&e.out, t->eos);
+    if (!rc && add_special && t->add_eos) rc = td_ids_push(&e.out, t->eos);
+    if (!rc && add_special && t->add_sep) rc = td_ids_push(&e.out, t->sep); /* wpm: [SEP] */
     if (!rc && !e.out.v) { /* never NULL on success */
         e.out.v = malloc(sizeof *e.out.v);
         if (!e.out.v) rc = TD_ENOMEM;
@@ -388,6 +443,7 @@ int td_tok_encode(const td_tokenizer *t, const char *text, size_t len, bool add_
     free(e.heap.v);
     free(e.word.v);
     free(e.key.v);
+    free(e.esc.v);
     td_words_fini(&e.words);
     if (rc) {
         free(e.out.v);

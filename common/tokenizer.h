@@ -2,11 +2,15 @@
  * llama.cpp (llama-vocab.cpp) for the same file.
  *
  * Purpose: encode prompts and decode generated ids for the serving nodes and the CLI.
- * Supported: tokenizer.ggml.model "gpt2" (byte-level BPE) with pre-tokenizers "smollm"
- * (also "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"), "gpt-2"
- * family, "llama3" / "llama-bpe" / "llama-v3" / "falcon3" / "dbrx" / "smaug-bpe", "qwen2" /
- * "stablelm2" / "megrez"; and "llama" (SentencePiece: score-ordered merges, byte fallback).
- * Anything else fails td_tok_create with TD_EUNSUPP and a logged message.
+ * Supported (tokenizer.ggml.model): "gpt2", byte-level BPE, with the pre-tokenizers
+ * (tokenizer.ggml.pre) gpt-2, mpt, falcon, starcoder, refact, smollm, command-r,
+ * llama3/llama-bpe, qwen2, qwen35, deepseek-llm, deepseek-coder, llama.cpp's "default" where
+ * the file names none, and their aliases (tok_vocab.c's pre_table); "gemma4", BPE over raw
+ * UTF-8 with spaces as U+2581; "llama", SentencePiece (score-ordered merges, byte fallback);
+ * "bert", WordPiece (BERT's normalizer, greedy longest match). Anything else (t5/UGM,
+ * rwkv, plamo2, other pre-tokenizers) fails td_tok_create with TD_EUNSUPP and a logged
+ * message naming it: a vocabulary is never tokenized by a near match.
+ * Checked against llama.cpp's own test vocabularies (tests/tokenizer.cmake, tok_corpus_*).
  *
  * Invariants: after td_tok_create succeeds, every id in [0, n_vocab) has a piece (possibly
  * empty); td_tok_encode only returns ids in [0, n_vocab). Input text is arbitrary bytes:
@@ -59,6 +63,14 @@ bool td_tok_add_bos(const td_tokenizer *t);
 bool td_tok_is_eog(const td_tokenizer *t, int32_t id);
 /* llama.cpp's clean_spaces: td_tok_decode drops the space in " ?", " 's" and the like. */
 bool td_tok_clean_spaces(const td_tokenizer *t);
+/* "BPE", "SPM" or "WPM" (llama.cpp's vocabulary type names). */
+const char *td_tok_type_name(const td_tokenizer *t);
+/* The pre-tokenizer's name as the file gives it ("default" for a BPE file without one,
+ * "none" for SentencePiece and WordPiece). Valid until td_tok_destroy. */
+const char *td_tok_pre_name(const td_tokenizer *t);
+/* Whether decoding gives back the text that was encoded (valid UTF-8, no special-token
+ * text, before clean_spaces): false for WordPiece, which lowercases and strips accents. */
+bool td_tok_lossless(const td_tokenizer *t);
 
 /* Encode len bytes of text. add_special: prepend BOS / append EOS as the metadata says.
  * parse_special: recognise control-token text like "<|im_start|>". *ids is malloc'd

@@ -1,15 +1,19 @@
 /* forward.c: the forward pass of a model shard over one batch (kn_engine).
  *
  * Reads top to bottom like the math of a pre-norm Llama block:
- *   x = embed(tokens) [* sqrt(n_embd) gemma3] | embd_in      first stage | later stages
+ *   x = embed(tokens) [* sqrt(n_embd) gemma3, * embedding_scale granite] | embd_in
+ *                                                          first stage | later stages
  *   for each local layer:
- *     h = rmsnorm(x) ; q, k, v = h Wq, h Wk, h Wv (+ bias) ; [qwen3/gemma3: rmsnorm per head]
- *     rope(q, k) ; write k, v to the paged pool ; a = attention(q, pool)
+ *     h = rmsnorm(x) [olmo2: h = x] ; q, k, v = h Wq, h Wk, h Wv (+ bias)
+ *       [qwen3/gemma3: rmsnorm per head; olmo2: over the whole q and k]
+ *     rope(q, k) [not on smollm3's every 4th layer] ; write k, v to the paged pool ;
+ *     a = attention(q, pool)
  *       [gemma3 sliding-window layers: window keys only, their own rope base]
- *     x += [post-norm] allreduce(a Wo)                 TP: each rank holds heads' share
- *     h = rmsnorm(x) ; x += [post-norm] allreduce((act(h Wg) * h Wu) Wd)
+ *     x += [post-norm] allreduce(a Wo) [* residual_scale granite]
+ *                                                      TP: each rank holds heads' share
+ *     h = rmsnorm(x) [olmo2: x] ; x += [post-norm] allreduce((act(h Wg) * h Wu) Wd) [* ...]
  *       act: silu, or gelu (tanh) for gemma3
- *   last stage: logits = rmsnorm(x[rows]) Wout ; else out = x
+ *   last stage: logits = rmsnorm(x[rows]) Wout [/ logit_scale granite] ; else out = x
  *     TP: each rank's Wout holds a vocab slice; gather_cols joins the slices on rank 0
  * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
  * backend's matmul_mixed, or row by row when the backend has none. Where the backend has
@@ -212,30 +216,29 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
 }
 
 /* q, k, v = h Wq, h Wk, h Wv: one fused op when the backend has it. */
-static int qkv(const kn_engine *e, const kn_layer *ly, int64_t n, int64_t solo)
+static int qkv(const kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo)
 {
     if (e->be.ops->matmul_multi) {
         const kn_mat *w[3] = {&ly->wq, &ly->wk, &ly->wv};
         float *const y[3] = {e->q, e->k, e->v};
-        return e->be.ops->matmul_multi(e->be.ctx, 3, w, e->h, n, solo, y);
+        return e->be.ops->matmul_multi(e->be.ctx, 3, w, h, n, solo, y);
     }
     int rc;
-    if ((rc = matmul(e, &ly->wq, e->h, n, solo, e->q))) return rc;
-    if ((rc = matmul(e, &ly->wk, e->h, n, solo, e->k))) return rc;
-    return matmul(e, &ly->wv, e->h, n, solo, e->v);
+    if ((rc = matmul(e, &ly->wq, h, n, solo, e->q))) return rc;
+    if ((rc = matmul(e, &ly->wk, h, n, solo, e->k))) return rc;
+    return matmul(e, &ly->wv, h, n, solo, e->v);
 }
 
 /* g = act(h Wg) * (h Wu), act silu or gelu (tanh): one fused op when the backend has it. */
-static int glu(const kn_engine *e, const kn_layer *ly, int64_t n, int64_t solo)
+static int glu(const kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo)
 {
     const kn_backend_ops *ops = e->be.ops;
     const bool gelu = e->m->hp.gelu_ffn;
     if (ops->glu_ffn)
-        return ops->glu_ffn(e->be.ctx, &ly->w_gate, &ly->w_up, e->h, n, solo, gelu, e->g, e->u,
-                            e->g);
+        return ops->glu_ffn(e->be.ctx, &ly->w_gate, &ly->w_up, h, n, solo, gelu, e->g, e->u, e->g);
     int rc;
-    if ((rc = matmul(e, &ly->w_gate, e->h, n, solo, e->g))) return rc;
-    if ((rc = matmul(e, &ly->w_up, e->h, n, solo, e->u))) return rc;
+    if ((rc = matmul(e, &ly->w_gate, h, n, solo, e->g))) return rc;
+    if ((rc = matmul(e, &ly->w_up, h, n, solo, e->u))) return rc;
     if (gelu)
         ops->geglu(e->be.ctx, e->g, e->u, e->g, n, e->m->n_ff_local);
     else
@@ -251,22 +254,45 @@ static int allreduce(kn_engine *e, float *buf, int64_t n)
     return e->coll.allreduce_sum(e->coll.ctx, buf, n);
 }
 
-/* x += [post_norm] allreduce(in W): one fused op where nothing comes between the product and
- * the add (tp 1, no post-norm) and the backend has it. */
+/* x += [post_norm] allreduce(in W) [* residual_scale]: one fused op where nothing comes
+ * between the product and the add (tp 1, no post-norm, no scale) and the backend has it. */
 static int project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
                        int64_t n, int64_t solo)
 {
     const kn_backend_ops *ops = e->be.ops;
-    const int64_t E = e->m->hp.n_embd;
-    if (ops->matmul_add && e->m->shard.tp_size == 1 && !post_norm)
+    const kn_hparams *hp = &e->m->hp;
+    const int64_t E = hp->n_embd;
+    const bool scaled = hp->residual_scale != 1.0f;
+    if (ops->matmul_add && e->m->shard.tp_size == 1 && !post_norm && !scaled)
         return ops->matmul_add(e->be.ctx, w, in, n, solo, e->h, e->x);
     int rc;
     if ((rc = matmul(e, w, in, n, solo, e->h))) return rc;
     if ((rc = allreduce(e, e->h, n * E))) return rc;
-    /* gemma3 normalizes the (whole, reduced) output before the residual add */
-    if (post_norm) ops->rmsnorm(e->be.ctx, e->h, post_norm, e->h, n, E, e->m->hp.rms_eps);
+    /* gemma3/olmo2 normalize the (whole, reduced) output before the residual add */
+    if (post_norm) ops->rmsnorm(e->be.ctx, e->h, post_norm, e->h, n, E, hp->rms_eps);
+    if (scaled) ops->scale(e->be.ctx, e->h, n * E, hp->residual_scale); /* granite */
     ops->add(e->be.ctx, e->x, e->h, n, E);
     return 0;
+}
+
+/* q, k (n rows) normalized: per head (qwen3, gemma3) or over the whole projection (olmo2,
+ * tp 1 only), then rotated unless the layer has no rope (smollm3's every 4th). */
+static void qk_norm_rope(kn_engine *e, const kn_layer *ly, const kn_batch *b, int il,
+                         const float *freq)
+{
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    const kn_hparams *hp = &e->m->hp;
+    const int64_t n = b->n_tokens, HD = hp->head_dim;
+    const int nh = e->m->heads.n_q, nkv = e->m->heads.n_kv;
+    const int64_t rows_q = hp->qk_norm_whole ? n : n * nh, dim_q = hp->qk_norm_whole ? nh * HD : HD;
+    const int64_t rows_k = hp->qk_norm_whole ? n : n * nkv;
+    const int64_t dim_k = hp->qk_norm_whole ? nkv * HD : HD;
+    if (ly->q_norm) ops->rmsnorm(c, e->q, ly->q_norm, e->q, rows_q, dim_q, hp->rms_eps);
+    if (ly->k_norm) ops->rmsnorm(c, e->k, ly->k_norm, e->k, rows_k, dim_k, hp->rms_eps);
+    if (!kn_layer_has_rope(hp, il)) return;
+    ops->rope(c, e->q, n, nh, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
+    ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
 }
 
 static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
@@ -280,18 +306,16 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     const int nh = m->heads.n_q, nkv = m->heads.n_kv;
     int rc;
 
-    /* attention */
-    const bool swa = kn_layer_is_swa(hp, m->shard.l0 + li);
-    const float *freq = swa ? m->rope_freq_swa : m->rope_freq;
-    ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = qkv(e, ly, n, solo))) return rc;
+    /* attention (olmo2 has no pre-norms: the blocks read x itself) */
+    const int il = m->shard.l0 + li;
+    const bool swa = kn_layer_is_swa(hp, il);
+    const float *in = ly->attn_norm ? e->h : e->x;
+    if (ly->attn_norm) ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
+    if ((rc = qkv(e, ly, in, n, solo))) return rc;
     if (ly->bq) ops->add_row(c, e->q, ly->bq, n, nh * HD);
     if (ly->bk) ops->add_row(c, e->k, ly->bk, n, nkv * HD);
     if (ly->bv) ops->add_row(c, e->v, ly->bv, n, nkv * HD);
-    if (ly->q_norm) ops->rmsnorm(c, e->q, ly->q_norm, e->q, n * nh, HD, hp->rms_eps);
-    if (ly->k_norm) ops->rmsnorm(c, e->k, ly->k_norm, e->k, n * nkv, HD, hp->rms_eps);
-    ops->rope(c, e->q, n, nh, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
-    ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
+    qk_norm_rope(e, ly, b, il, swa ? m->rope_freq_swa : m->rope_freq);
     ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, nkv, (int)HD,
                   e->k, e->v, n, b->pos, b->seq_of, b->seqs);
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, nh, nkv,
@@ -300,8 +324,8 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     if ((rc = project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo))) return rc;
 
     /* feed-forward */
-    ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = glu(e, ly, n, solo))) return rc;
+    if (ly->ffn_norm) ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
+    if ((rc = glu(e, ly, ly->ffn_norm ? e->h : e->x, n, solo))) return rc;
     if ((rc = project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo))) return rc;
     return 0;
 }
@@ -341,6 +365,16 @@ static int lm_head(kn_engine *e, const kn_batch *b, float *out)
                                m->shard.tp_rank == 0 ? out : NULL);
 }
 
+/* The logits' last step, on the host (out is the caller's host buffer, whole on rank 0):
+ * granite's 1 / logit_scale, as llama.cpp multiplies by it. */
+static void finish_logits(const kn_hparams *hp, float *out, int64_t n)
+{
+    if (hp->logit_scale == 1.0f) return;
+    const float s = 1.0f / hp->logit_scale;
+    for (int64_t i = 0; i < n; i++)
+        out[i] *= s;
+}
+
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)
 {
     const kn_model *m = e->m;
@@ -375,5 +409,7 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
     if (b->n_logits == 0) return e->dev ? ops->synchronize(c) : 0;
     ops->copy_rows(c, e->x, db->logit_rows, b->n_logits, E, e->sel);
     ops->rmsnorm(c, e->sel, m->output_norm, e->sel, b->n_logits, E, m->hp.rms_eps);
-    return lm_head(e, b, out);
+    if ((rc = lm_head(e, b, out))) return rc;
+    if (m->shard.tp_rank == 0) finish_logits(&m->hp, out, (int64_t)b->n_logits * m->hp.n_vocab);
+    return 0;
 }

@@ -6,7 +6,8 @@
  * tokens, the last stage (l1 == n_layer) applies the final norm and the LM head; middle
  * stages take and return hidden states. TP slices hold the query heads and KV heads
  * common/td_tp.h assigns to the rank (Q/K/V rows), rows of gate/up, and the matching
- * input columns of attn_output/ffn_down; the
+ * input columns of attn_output/ffn_down (fused attn_qkv and phi3's fused gate/up ffn_up are
+ * viewed as their separate parts, row ranges of one tensor); the
  * engine calls the collective's allreduce_sum twice per layer so ranks stay identical.
  * The last stage's LM head is vocab-parallel: rank r holds output rows [v0, v1) with
  * v0 = r * n_vocab / tp (the even split, kn_split_even), computes that slice of the logits
@@ -35,7 +36,16 @@
 #include "kn_backend.h"
 #include "kv_pool.h"
 
-typedef enum { KN_ARCH_LLAMA, KN_ARCH_QWEN2, KN_ARCH_QWEN3, KN_ARCH_GEMMA3 } kn_arch;
+typedef enum {
+    KN_ARCH_LLAMA,
+    KN_ARCH_QWEN2,
+    KN_ARCH_QWEN3,
+    KN_ARCH_GEMMA3,
+    KN_ARCH_SMOLLM3,
+    KN_ARCH_GRANITE,
+    KN_ARCH_PHI3,
+    KN_ARCH_OLMO2,
+} kn_arch;
 
 typedef struct {
     kn_arch arch;
@@ -54,7 +64,16 @@ typedef struct {
     int swa_window;      /* > 0: sliding-window layers see this many positions */
     int swa_pattern;     /* layer il is global when il % swa_pattern == swa_pattern - 1 */
     float rope_base_swa; /* rope base of the sliding-window layers (no scaling there) */
+    /* the other architectures' switches (neutral values elsewhere: 0, 1, false) */
+    int nope_step;        /* smollm3: layer il skips rope when (il + 1) % nope_step == 0 */
+    float residual_scale; /* granite: block outputs are multiplied by it before each add */
+    float logit_scale;    /* granite: logits are multiplied by 1 / logit_scale */
+    bool no_pre_norms;    /* olmo2: no attn_norm / ffn_norm, the blocks read x itself */
+    bool qk_norm_whole;   /* olmo2: Q and K RMSNorm over the whole projection, not per head */
 } kn_hparams;
+
+/* Whether layer il (global index) applies rope to Q and K. */
+bool kn_layer_has_rope(const kn_hparams *hp, int il);
 
 /* Whether layer il (global index) uses sliding-window attention. */
 bool kn_layer_is_swa(const kn_hparams *hp, int il);
@@ -71,9 +90,10 @@ typedef struct {
 typedef struct {
     kn_mat wq, wk, wv, wo; /* local slices */
     kn_mat w_gate, w_up, w_down;
-    float *attn_norm, *ffn_norm;           /* (n_embd) */
+    float *attn_norm, *ffn_norm;           /* (n_embd), NULL for olmo2 */
     float *bq, *bk, *bv;                   /* local slices of the QKV biases or NULL */
-    float *q_norm, *k_norm;                /* (head_dim) qwen3/gemma3 per-head norms or NULL */
+    float *q_norm, *k_norm;                /* (head_dim) qwen3/gemma3 per-head norms, (n_head *
+                                            * head_dim) / (n_head_kv * head_dim) olmo2, or NULL */
     float *attn_post_norm, *ffn_post_norm; /* (n_embd) gemma3 sandwich norms or NULL */
 } kn_layer;
 

@@ -8,18 +8,25 @@
 #include "model.h"
 #include "td_err.h"
 
+/* The architectures the engine runs: GGUF name, rope pairing (llama.cpp's
+ * llama_model_rope_type), the RMSNorm epsilon when the file has none. */
+static const struct {
+    const char *name;
+    kn_arch arch;
+    bool neox;
+    float eps;
+} ARCHS[] = {
+    {"llama", KN_ARCH_LLAMA, false, 1e-5f},     {"qwen2", KN_ARCH_QWEN2, true, 1e-5f},
+    {"qwen3", KN_ARCH_QWEN3, true, 1e-5f},      {"gemma3", KN_ARCH_GEMMA3, true, 1e-6f},
+    {"smollm3", KN_ARCH_SMOLLM3, false, 1e-5f}, {"granite", KN_ARCH_GRANITE, false, 1e-5f},
+    {"phi3", KN_ARCH_PHI3, true, 1e-5f},        {"olmo2", KN_ARCH_OLMO2, true, 1e-5f},
+};
+#define N_ARCHS (sizeof ARCHS / sizeof *ARCHS)
+
 const char *kn_arch_name(kn_arch a)
 {
-    switch (a) {
-    case KN_ARCH_LLAMA:
-        return "llama";
-    case KN_ARCH_QWEN2:
-        return "qwen2";
-    case KN_ARCH_QWEN3:
-        return "qwen3";
-    case KN_ARCH_GEMMA3:
-        return "gemma3";
-    }
+    for (size_t i = 0; i < N_ARCHS; i++)
+        if (ARCHS[i].arch == a) return ARCHS[i].name;
     return "?";
 }
 
@@ -71,32 +78,128 @@ static int gemma3_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
     return 0;
 }
 
-int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
+/* smollm3 (src/models/smollm3.cpp): the llama block, but every 4th layer (il % 4 == 3)
+ * has no rope (n_no_rope_layer_step, hard-coded to 4 by llama.cpp's loader). */
+static int smollm3_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
 {
-    memset(hp, 0, sizeof *hp);
+    (void)g;
+    (void)arch;
+    hp->nope_step = 4;
+    return 0;
+}
+
+/* An optional f32 key that llama.cpp treats as "unset" when 0: *out keeps its default. */
+static int get_f32_nonzero(const td_gguf *g, const char *arch, const char *suffix, float *out)
+{
+    float v = 0.0f;
+    int rc = get_f32(g, arch, suffix, &v);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (rc == 0 && v != 0.0f) {
+        if (!isfinite(v)) {
+            TD_LOG_ERR("model metadata '%s.%s': not finite", arch, suffix);
+            return TD_EFORMAT;
+        }
+        *out = v;
+    }
+    return 0;
+}
+
+/* granite (src/models/granite.cpp): the llama block with four scalars: embeddings times
+ * embedding_scale, scores times attention.scale (instead of 1/sqrt(head_dim)), each block's
+ * output times residual_scale before its residual add, logits times 1/logit_scale (the one
+ * required key). rope.scaling.finetuned false means no rope at all: refused. */
+static int granite_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
+    int rc = get_f32(g, arch, "logit_scale", &hp->logit_scale);
+    if (rc) {
+        if (rc == TD_ENOENT) TD_LOG_ERR("model metadata '%s.logit_scale': missing", arch);
+        return rc;
+    }
+    if (!(hp->logit_scale != 0.0f) || !isfinite(hp->logit_scale)) {
+        TD_LOG_ERR("bad logit scale %g", hp->logit_scale);
+        return TD_EFORMAT;
+    }
+    if ((rc = get_f32_nonzero(g, arch, "residual_scale", &hp->residual_scale)) ||
+        (rc = get_f32_nonzero(g, arch, "embedding_scale", &hp->embd_scale)) ||
+        (rc = get_f32_nonzero(g, arch, "attention.scale", &hp->attn_scale)))
+        return rc;
+    char key[128];
+    bool finetuned = true;
+    snprintf(key, sizeof key, "%s.rope.scaling.finetuned", arch);
+    rc = td_gguf_get_bool(g, key, &finetuned);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (!finetuned) {
+        TD_LOG_ERR("granite without rope ('%s' false) is not supported", key);
+        return TD_EUNSUPP;
+    }
+    return 0;
+}
+
+/* phi3 (src/models/phi3.cpp): the llama block with NEOX rope, Q, K, V fused in attn_qkv
+ * and gate, up fused in ffn_up (2 * n_ff rows, gate first) -- both taken as row views by
+ * the loader. llama.cpp ignores the sliding window the files carry (disabled there), so
+ * does this. LongRoPE (rope_factors_long/short, Phi-3 128k and Phi-3.5) is refused. */
+static int phi3_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
+    (void)arch;
+    (void)hp;
+    if (td_gguf_find_tensor(g, "rope_factors_long.weight") ||
+        td_gguf_find_tensor(g, "rope_factors_short.weight")) {
+        TD_LOG_ERR("phi3 with LongRoPE (rope_factors_long/short.weight) is not supported");
+        return TD_EUNSUPP;
+    }
+    return 0;
+}
+
+/* olmo2 (src/models/olmo2.cpp): no norm before the blocks; RMSNorm after attention and
+ * after the FFN (post_attention_norm, post_ffw_norm) before each residual add; Q and K
+ * RMSNorm over the whole projection (n_head * head_dim, n_head_kv * head_dim) before rope,
+ * so a TP rank would need the other ranks' heads: tp > 1 is refused (check_split). The
+ * sliding-window variant (OLMo 3) is refused. */
+static int olmo2_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
+    uint32_t v;
+    int rc = get_u32(g, arch, "attention.sliding_window", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (rc == 0 && v > 0) {
+        TD_LOG_ERR("olmo2 with a sliding window (%u; OLMo 3 style) is not supported", v);
+        return TD_EUNSUPP;
+    }
+    hp->no_pre_norms = true;
+    hp->post_norms = true;
+    hp->qk_norm_whole = true;
+    return 0;
+}
+
+/* general.architecture, as one of ARCHS; the architecture's name in arch (cap bytes). */
+static int read_arch(const td_gguf *g, kn_hparams *hp, char *arch, size_t cap, size_t *ai)
+{
     const char *s;
     size_t len;
     if (td_gguf_get_str(g, "general.architecture", &s, &len)) {
         TD_LOG_ERR("model has no general.architecture");
         return TD_EFORMAT;
     }
-    char arch[32];
-    if (len >= sizeof arch) len = sizeof arch - 1;
+    if (len >= cap) len = cap - 1;
     memcpy(arch, s, len);
     arch[len] = '\0';
-    if (!strcmp(arch, "llama"))
-        hp->arch = KN_ARCH_LLAMA;
-    else if (!strcmp(arch, "qwen2"))
-        hp->arch = KN_ARCH_QWEN2;
-    else if (!strcmp(arch, "qwen3"))
-        hp->arch = KN_ARCH_QWEN3;
-    else if (!strcmp(arch, "gemma3"))
-        hp->arch = KN_ARCH_GEMMA3;
-    else {
-        TD_LOG_ERR("unsupported architecture '%s' (llama, qwen2, qwen3, gemma3 are supported)",
-                   arch);
-        return TD_EUNSUPP;
-    }
+    for (size_t i = 0; i < N_ARCHS; i++)
+        if (!strcmp(arch, ARCHS[i].name)) {
+            hp->arch = ARCHS[i].arch;
+            *ai = i;
+            return 0;
+        }
+    char names[160];
+    size_t n = 0;
+    for (size_t i = 0; i < N_ARCHS && n < sizeof names; i++)
+        n += (size_t)snprintf(names + n, sizeof names - n, "%s%s", i ? ", " : "", ARCHS[i].name);
+    TD_LOG_ERR("unsupported architecture '%s' (%s are supported)", arch, names);
+    return TD_EUNSUPP;
+}
+
+/* Layers, widths, heads, head and rope dimensions, with their plausibility checks. */
+static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
     uint32_t v;
     int rc;
     if ((rc = get_u32(g, arch, "block_count", &v, true))) return rc;
@@ -140,10 +243,15 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     rc = get_u32(g, arch, "context_length", &v, false);
     if (rc && rc != TD_ENOENT) return rc;
     hp->n_ctx_train = rc ? 2048 : (int)v;
+    return 0;
+}
+
+/* Rope base and scaling (none or linear), the RMSNorm epsilon. */
+static int read_rope(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
     hp->rope_base = 10000.0f;
-    rc = get_f32(g, arch, "rope.freq_base", &hp->rope_base);
+    int rc = get_f32(g, arch, "rope.freq_base", &hp->rope_base);
     if (rc && rc != TD_ENOENT) return rc;
-    hp->rms_eps = hp->arch == KN_ARCH_GEMMA3 ? 1e-6f : 1e-5f;
     rc = get_f32(g, arch, "attention.layer_norm_rms_epsilon", &hp->rms_eps);
     if (rc && rc != TD_ENOENT) return rc;
     if (!(hp->rope_base > 0) || !(hp->rms_eps > 0) || !(hp->rms_eps < 1)) {
@@ -152,6 +260,8 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     }
     hp->rope_scale = 1.0f;
     char key[128];
+    const char *s;
+    size_t len;
     snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
     if (!td_gguf_get_str(g, key, &s, &len) && !(len == 4 && !memcmp(s, "none", 4))) {
         if (!(len == 6 && !memcmp(s, "linear", 6))) {
@@ -169,7 +279,20 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
         }
         hp->rope_scale = f;
     }
-    hp->rope_neox = hp->arch != KN_ARCH_LLAMA;
+    return 0;
+}
+
+int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
+{
+    memset(hp, 0, sizeof *hp);
+    char arch[32];
+    size_t ai = 0;
+    int rc;
+    if ((rc = read_arch(g, hp, arch, sizeof arch, &ai))) return rc;
+    if ((rc = read_shape(g, arch, hp))) return rc;
+    hp->rms_eps = ARCHS[ai].eps;
+    if ((rc = read_rope(g, arch, hp))) return rc;
+    hp->rope_neox = ARCHS[ai].neox;
     const td_gguf_tensor *te = td_gguf_find_tensor(g, "token_embd.weight");
     if (!te || te->n_dims != 2 || te->ne[0] != hp->n_embd) {
         TD_LOG_ERR("token_embd.weight missing or not (%d, n_vocab)", hp->n_embd);
@@ -180,7 +303,27 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     hp->tied_embd = td_gguf_find_tensor(g, "output.weight") == NULL;
     hp->embd_scale = 1.0f;
     hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
-    return hp->arch == KN_ARCH_GEMMA3 ? gemma3_hparams(g, arch, hp) : 0;
+    hp->residual_scale = 1.0f;
+    hp->logit_scale = 1.0f;
+    switch (hp->arch) {
+    case KN_ARCH_GEMMA3:
+        return gemma3_hparams(g, arch, hp);
+    case KN_ARCH_SMOLLM3:
+        return smollm3_hparams(g, arch, hp);
+    case KN_ARCH_GRANITE:
+        return granite_hparams(g, arch, hp);
+    case KN_ARCH_PHI3:
+        return phi3_hparams(g, arch, hp);
+    case KN_ARCH_OLMO2:
+        return olmo2_hparams(g, arch, hp);
+    default:
+        return 0;
+    }
+}
+
+bool kn_layer_has_rope(const kn_hparams *hp, int il)
+{
+    return hp->nope_step <= 0 || (il + 1) % hp->nope_step != 0;
 }
 
 bool kn_layer_is_swa(const kn_hparams *hp, int il)
@@ -341,6 +484,97 @@ static float *vec(loader *L, const char *name, int64_t ne0, int64_t off, int64_t
     return out;
 }
 
+/* Tensors a file may carry that no supported architecture computes with here (biases
+ * llama.cpp's loaders accept as optional): refused rather than ignored. il < 0: the
+ * model-wide ones. */
+static void refuse_unused(loader *L, int il)
+{
+    static const char *const layer[] = {"attn_qkv.bias", "attn_output.bias", "ffn_gate.bias",
+                                        "ffn_up.bias",   "ffn_down.bias",    "attn_norm.bias",
+                                        "ffn_norm.bias"};
+    static const char *const model[] = {"output.bias", "output_norm.bias"};
+    const char *const *names = il < 0 ? model : layer;
+    size_t n = il < 0 ? sizeof model / sizeof *model : sizeof layer / sizeof *layer;
+    char nm[96];
+    for (size_t i = 0; i < n && !L->rc; i++) {
+        if (il < 0)
+            snprintf(nm, sizeof nm, "%s", names[i]);
+        else
+            snprintf(nm, sizeof nm, "blk.%d.%s", il, names[i]);
+        if (td_gguf_find_tensor(L->g, nm)) {
+            TD_LOG_ERR("tensor '%s' (%s): the engine does not compute with it", nm,
+                       kn_arch_name(L->m->hp.arch));
+            L->rc = TD_EUNSUPP;
+        }
+    }
+}
+
+/* Layer il's Q, K, V: this rank's rows of attn_q/k/v, or of the fused attn_qkv (rows
+ * [0, QT) Q, [QT, QT + KVT) K, then V), as views. */
+static void load_qkv(loader *L, kn_layer *ly, int il)
+{
+    const kn_model *m = L->m;
+    const int64_t E = m->hp.n_embd, HD = m->hp.head_dim;
+    const int64_t nq = (int64_t)m->heads.n_q * HD, nkv = (int64_t)m->heads.n_kv * HD;
+    const int64_t q0 = (int64_t)m->heads.q0 * HD, kv0 = (int64_t)m->heads.kv0 * HD;
+    const int64_t QT = (int64_t)m->hp.n_head * HD, KVT = (int64_t)m->hp.n_head_kv * HD;
+    char nm[96];
+#define NAME(fmt) (snprintf(nm, sizeof nm, "blk.%d." fmt, il), nm)
+    if (td_gguf_find_tensor(L->g, NAME("attn_qkv.weight"))) {
+        const int64_t R = QT + 2 * KVT;
+        ly->wq = view(L, nm, E, R, q0, nq, 0, E);
+        ly->wk = view(L, nm, E, R, QT + kv0, nkv, 0, E);
+        ly->wv = view(L, nm, E, R, QT + KVT + kv0, nkv, 0, E);
+    } else {
+        ly->wq = view(L, NAME("attn_q.weight"), E, QT, q0, nq, 0, E);
+        ly->wk = view(L, NAME("attn_k.weight"), E, KVT, kv0, nkv, 0, E);
+        ly->wv = view(L, NAME("attn_v.weight"), E, KVT, kv0, nkv, 0, E);
+    }
+    ly->wo = view_cols(L, 0, NAME("attn_output.weight"), QT, E, q0, nq);
+    ly->bq = vec(L, NAME("attn_q.bias"), QT, q0, nq, true);
+    ly->bk = vec(L, NAME("attn_k.bias"), KVT, kv0, nkv, true);
+    ly->bv = vec(L, NAME("attn_v.bias"), KVT, kv0, nkv, true);
+    if (m->hp.qk_norm_whole) { /* tp 1 (check_split): the whole projection */
+        ly->q_norm = vec(L, NAME("attn_q_norm.weight"), QT, 0, QT, false);
+        ly->k_norm = vec(L, NAME("attn_k_norm.weight"), KVT, 0, KVT, false);
+    } else {
+        const bool qk_norm = m->hp.arch == KN_ARCH_QWEN3 || m->hp.arch == KN_ARCH_GEMMA3;
+        ly->q_norm = vec(L, NAME("attn_q_norm.weight"), HD, 0, HD, !qk_norm);
+        ly->k_norm = vec(L, NAME("attn_k_norm.weight"), HD, 0, HD, !qk_norm);
+    }
+#undef NAME
+}
+
+/* Layer il's weights: norms, attention, FFN (gate and up from ffn_gate / ffn_up, or both
+ * from phi3's fused ffn_up of 2 * n_ff rows, gate first). */
+static void load_layer(loader *L, kn_layer *ly, int il)
+{
+    const kn_model *m = L->m;
+    const kn_hparams *hp = &m->hp;
+    const int64_t E = hp->n_embd, F = m->n_ff_local, f0 = m->ff0, FT = hp->n_ff;
+    char nm[96];
+#define NAME(fmt) (snprintf(nm, sizeof nm, "blk.%d." fmt, il), nm)
+    if (!hp->no_pre_norms) {
+        ly->attn_norm = vec(L, NAME("attn_norm.weight"), E, 0, E, false);
+        ly->ffn_norm = vec(L, NAME("ffn_norm.weight"), E, 0, E, false);
+    }
+    load_qkv(L, ly, il);
+    if (hp->arch == KN_ARCH_PHI3) {
+        ly->w_gate = view(L, NAME("ffn_up.weight"), E, 2 * FT, f0, F, 0, E);
+        ly->w_up = view(L, nm, E, 2 * FT, FT + f0, F, 0, E);
+    } else {
+        ly->w_gate = view(L, NAME("ffn_gate.weight"), E, FT, f0, F, 0, E);
+        ly->w_up = view(L, NAME("ffn_up.weight"), E, FT, f0, F, 0, E);
+    }
+    ly->w_down = view_cols(L, 1, NAME("ffn_down.weight"), FT, E, f0, F);
+    if (hp->post_norms) {
+        ly->attn_post_norm = vec(L, NAME("post_attention_norm.weight"), E, 0, E, false);
+        ly->ffn_post_norm = vec(L, NAME("post_ffw_norm.weight"), E, 0, E, false);
+    }
+#undef NAME
+    refuse_unused(L, il);
+}
+
 static int check_split(const kn_hparams *hp, const kn_shard *s)
 {
     if (s->l0 < 0 || s->l0 >= s->l1 || s->l1 > hp->n_layer) {
@@ -350,6 +584,12 @@ static int check_split(const kn_hparams *hp, const kn_shard *s)
     if (s->tp_size < 1 || s->tp_rank < 0 || s->tp_rank >= s->tp_size) {
         TD_LOG_ERR("bad tensor-parallel rank %d of %d", s->tp_rank, s->tp_size);
         return TD_EINVAL;
+    }
+    if (hp->qk_norm_whole && s->tp_size > 1) {
+        TD_LOG_ERR("tp %d: %s normalizes Q and K over every head at once, which a split "
+                   "shard cannot; run it at tp 1",
+                   s->tp_size, kn_arch_name(hp->arch));
+        return TD_EUNSUPP;
     }
     if (hp->n_head % s->tp_size) {
         TD_LOG_ERR("tp %d does not divide the %d attention heads", s->tp_size, hp->n_head);
@@ -419,11 +659,7 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
         snprintf(m->name, sizeof m->name, "%.*s", (int)(name_len < 127 ? name_len : 127), name);
 
     loader L = {.g = g, .m = m};
-    const int64_t E = hp->n_embd, HD = hp->head_dim;
-    const int64_t nq = (int64_t)m->heads.n_q * HD, nkv = (int64_t)m->heads.n_kv * HD;
-    const int64_t q0 = (int64_t)m->heads.q0 * HD, kv0 = (int64_t)m->heads.kv0 * HD;
-    const int64_t F = m->n_ff_local, f0 = m->ff0;
-    const int64_t QT = (int64_t)hp->n_head * HD, KVT = (int64_t)hp->n_head_kv * HD;
+    const int64_t E = hp->n_embd;
 
     if (m->first) m->tok_embd = view(&L, "token_embd.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
     if (m->last) {
@@ -442,32 +678,9 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
         rc = TD_ENOMEM;
         goto fail;
     }
-    char nm[96];
-#define NAME(fmt) (snprintf(nm, sizeof nm, "blk.%d." fmt, il), nm)
-    for (int i = 0; i < n_local && !L.rc; i++) {
-        int il = s.l0 + i;
-        kn_layer *ly = &m->layers[i];
-        ly->attn_norm = vec(&L, NAME("attn_norm.weight"), E, 0, E, false);
-        ly->ffn_norm = vec(&L, NAME("ffn_norm.weight"), E, 0, E, false);
-        ly->wq = view(&L, NAME("attn_q.weight"), E, QT, q0, nq, 0, E);
-        ly->wk = view(&L, NAME("attn_k.weight"), E, KVT, kv0, nkv, 0, E);
-        ly->wv = view(&L, NAME("attn_v.weight"), E, KVT, kv0, nkv, 0, E);
-        ly->wo = view_cols(&L, 0, NAME("attn_output.weight"), QT, E, q0, nq);
-        ly->w_gate = view(&L, NAME("ffn_gate.weight"), E, hp->n_ff, f0, F, 0, E);
-        ly->w_up = view(&L, NAME("ffn_up.weight"), E, hp->n_ff, f0, F, 0, E);
-        ly->w_down = view_cols(&L, 1, NAME("ffn_down.weight"), hp->n_ff, E, f0, F);
-        ly->bq = vec(&L, NAME("attn_q.bias"), QT, q0, nq, true);
-        ly->bk = vec(&L, NAME("attn_k.bias"), KVT, kv0, nkv, true);
-        ly->bv = vec(&L, NAME("attn_v.bias"), KVT, kv0, nkv, true);
-        const bool qk_norm = hp->arch == KN_ARCH_QWEN3 || hp->arch == KN_ARCH_GEMMA3;
-        ly->q_norm = vec(&L, NAME("attn_q_norm.weight"), HD, 0, HD, !qk_norm);
-        ly->k_norm = vec(&L, NAME("attn_k_norm.weight"), HD, 0, HD, !qk_norm);
-        if (hp->post_norms) {
-            ly->attn_post_norm = vec(&L, NAME("post_attention_norm.weight"), E, 0, E, false);
-            ly->ffn_post_norm = vec(&L, NAME("post_ffw_norm.weight"), E, 0, E, false);
-        }
-    }
-#undef NAME
+    for (int i = 0; i < n_local && !L.rc; i++)
+        load_layer(&L, &m->layers[i], s.l0 + i);
+    refuse_unused(&L, -1);
     float *factors = vec(&L, "rope_freqs.weight", hp->n_rot / 2, 0, hp->n_rot / 2, true);
     if ((rc = L.rc)) {
         free(factors);

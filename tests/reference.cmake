@@ -1,6 +1,7 @@
 # reference.cmake: the engine against independent references (tests/ref/*.py).
 #   synth_models  fixture: make_synth.py --suite writes the synthetic models (llama with
-#                 rope_freqs, qwen2, qwen3, llama f32; mixed weight types) into
+#                 rope_freqs, qwen2, qwen3, llama f32, gemma3, smollm3, granite, phi3, olmo2;
+#                 mixed weight types) into
 #                 ${TANDEM_TEST_DATA}/synth
 #   gguf_synth    the GGUF reader reads the synthetic llama model as the gguf package does
 #   reference     `tandem logits` / `tandem generate` vs the numpy forward pass
@@ -78,6 +79,17 @@ if(TANDEM_MODEL_QWEN05)
     COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/test_reference.py --tandem "${TANDEM_BIN}"
             --model ${TANDEM_MODEL_QWEN05} --label qwen0.5b --prompts 0,1,6)
   set_tests_properties(reference_qwen05 PROPERTIES TIMEOUT 1800 ENVIRONMENT "${TANDEM_PY_ENV}")
+endif()
+
+# reference_llamacpp: the engine and ref_forward.py against llama.cpp itself
+# (vs_llamacpp.py: F32 synthetic models of every architecture, rel L2 < 1e-4 and identical
+# greedy tokens). Registered only with -DTANDEM_LLAMACPP_DIR=<llama.cpp tree built with
+# libllama.so>: llama.cpp is never part of the repository, and CI has none.
+if(TANDEM_LLAMACPP_DIR)
+  add_test(NAME reference_llamacpp
+    COMMAND ${TANDEM_PYTHON} ${TANDEM_REF_DIR}/vs_llamacpp.py --tandem "${TANDEM_BIN}"
+            --llama-dir ${TANDEM_LLAMACPP_DIR})
+  set_tests_properties(reference_llamacpp PROPERTIES TIMEOUT 900 ENVIRONMENT "${TANDEM_PY_ENV}")
 endif()
 
 # prompt_logprobs: /v1/completions echo + logprobs + max_tokens 0 (prompt logprobs) on the

@@ -67,5 +67,6 @@ int cmd_chunk_plan(int argc, char **argv); /* tandem chunk-plan (cmd_chunkplan.c
 int cmd_plan(int argc, char **argv);       /* tandem plan (cmd_plan.c, planner/) */
 int cmd_calibrate(int argc, char **argv);  /* tandem calibrate (cmd_plan.c, planner/) */
 int cmd_template(int argc, char **argv);   /* tandem template (cmd_template.c, jinja/) */
+int cmd_tokenize(int argc, char **argv);   /* tandem tokenize (cmd_tokenize.c) */
 
 #endif

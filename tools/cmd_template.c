@@ -138,14 +138,11 @@ static int from_model(const tpl_args *a, td_gguf **g, const char **tmpl, size_t 
     }
     td_tokenizer *tok = NULL;
     if (td_tok_create(*g, &tok)) return 0; /* no vocabulary: bos/eos stay as given */
-    int32_t ids[2] = {td_tok_bos(tok), td_tok_eos(tok)};
-    char **dst[2] = {bos, eos};
-    for (int k = 0; k < 2; k++) {
-        size_t n;
-        const char *p = ids[k] >= 0 ? td_tok_piece(tok, ids[k], &n) : NULL;
-        if (p && !(*dst[k] = strndup(p, n))) rc = TD_ENOMEM;
-    }
+    jn_special sp; /* the router's bos_token and eos_token */
+    rc = jn_special_init(&sp, tok);
     td_tok_destroy(tok);
+    *bos = sp.bos;
+    *eos = sp.eos;
     return rc;
 }
 

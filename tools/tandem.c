@@ -23,6 +23,7 @@ static void usage(void)
                     "  plan          simulate a cluster, pick the cheapest config meeting targets\n"
                     "  calibrate     measure this machine into a hardware profile for plan\n"
                     "  template      render a chat template with a conversation (as the router)\n"
+                    "  tokenize      text to token ids and back with a GGUF's vocabulary\n"
                     "run 'tandem <command> --help' for its options\n");
 }
 
@@ -67,6 +68,8 @@ int main(int argc, char **argv)
         rc = cmd_calibrate(argc - 2, argv + 2);
     else if (!strcmp(cmd, "template"))
         rc = cmd_template(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "tokenize"))
+        rc = cmd_tokenize(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         rc = 0;

@@ -582,6 +582,15 @@ static void test_requant(void)
     requant_ref = true;
 }
 
+/* An architecture a TP split cannot compute (olmo2's Q/K norm over every head) refuses
+ * tp > 1 at load, naming the reason, rather than computing something else. */
+static void test_tp_refused(void)
+{
+    kn_model *m = NULL;
+    kn_shard s = {.tp_rank = 0, .tp_size = 2};
+    TH_CHECK(kn_model_load(gguf, &s, &m) == TD_EUNSUPP && m == NULL);
+}
+
 static void test_kv_pool_exhaustion(void)
 {
     kn_kv_mem *mem;
@@ -681,6 +690,7 @@ int main(int argc, char **argv)
     TH_RUN(test_ffn_split_tiles);
     TH_RUN(test_lm_head_tiles);
     if (requant_ref) TH_RUN(test_requant);
+    if (hp.qk_norm_whole) TH_RUN(test_tp_refused);
     free(ref_logits);
     td_gguf_close(gguf);
     TH_EXIT();

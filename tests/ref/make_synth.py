@@ -12,6 +12,11 @@ numpy reference in ref_forward.py can compute the same function independently:
   gemma3  qwen3's attention plus post_attention_norm / post_ffw_norm, GELU FFN, embeddings
           scaled by sqrt(n_embd) at run time, attention.sliding_window (SWA_WINDOW, small
           so that the test prompts cross it) on all layers but every 6th
+  smollm3 llama's block; layer 3 of the 6 (every 4th) has no rope
+  granite llama's block with GRANITE_SCALES (embedding, attention, residual, logit)
+  phi3    NEOX rope, fused attn_qkv (Q, K, V rows) and fused ffn_up (gate rows, then up)
+  olmo2   no pre-norms; post_attention_norm / post_ffw_norm; NEOX rope; attn_q_norm and
+          attn_k_norm over the whole projection (n_head * head_dim, n_head_kv * head_dim)
 
 Default shapes split evenly for PP 2/3 (6 layers) and TP 2/4 (8 query heads, 4 KV heads,
 n_ff 512), and every row-parallel slice (attn_output, ffn_down columns) stays a whole
@@ -21,7 +26,7 @@ The tokenizer is a minimal valid GPT-2 style byte-level BPE (pre "smollm"): 3 sp
 tokens, the 256 byte tokens in GPT-2 byte-to-unicode form, then merged tokens learned by a
 few BPE steps on a fixed English text until the vocabulary is full.
 
-Usage: make_synth.py --out PATH --arch llama|qwen2|qwen3|gemma3 [--rope-freqs] [--tied]
+Usage: make_synth.py --out PATH --arch ARCH (ARCHS) [--rope-freqs] [--tied]
                      [--types mixed|f32] [--seed N] [--tiny]
        make_synth.py --suite DIR     the models the tests use (see SUITE), plus
                                      llama.expect for the GGUF reader test
@@ -72,9 +77,19 @@ TINY_SHAPES = dict(n_embd=32, n_head=1, n_head_kv=1, head_dim=32, n_ff=32, n_lay
 # always F32, as in llama.cpp's converter). 7 matrices per layer: with 8 types each role
 # meets 6 of them over the 6 layers, and every type appears 5 or 6 times.
 MIXED_CYCLE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.F16, QT.BF16, QT.F32]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2"]
 # Embedding / LM-head types per architecture in --types mixed.
-MIXED_EMBD = {"llama": QT.Q8_0, "qwen2": QT.Q4_0, "qwen3": QT.BF16, "gemma3": QT.Q8_0}
-MIXED_OUTPUT = {"llama": QT.Q4_1, "qwen2": QT.F16, "qwen3": QT.Q8_0, "gemma3": QT.Q5_0}
+MIXED_EMBD = {"llama": QT.Q8_0, "qwen2": QT.Q4_0, "qwen3": QT.BF16, "gemma3": QT.Q8_0,
+              "smollm3": QT.Q4_1, "granite": QT.F16, "phi3": QT.Q5_1, "olmo2": QT.Q8_0}
+MIXED_OUTPUT = {"llama": QT.Q4_1, "qwen2": QT.F16, "qwen3": QT.Q8_0, "gemma3": QT.Q5_0,
+                "smollm3": QT.Q8_0, "granite": QT.Q4_0, "phi3": QT.BF16, "olmo2": QT.Q5_1}
+# granite's four scalars (the real 3.x files: embedding 12, attention 1/128 (head dim 128),
+# residual 0.22, logit 8-16); milder here so that random weights keep greedy decoding
+# from repeating one token: the embedding is written scaled down by the same factor
+GRANITE_SCALES = dict(embedding=4.0, attention=0.15, residual=0.5, logit=2.5)
+# archs whose Q, K RMSNorm is over the whole projection / per head
+QK_NORM_WHOLE = ("olmo2",)
+QK_NORM_HEAD = ("qwen3", "gemma3")
 # gemma3's sliding window in the synthetic model: the 9- and 40-token prompts cross it
 SWA_WINDOW = 8
 # gemma3's post-norm weights: the blocks' outputs (rms ~ this after their post-norm) must
@@ -194,11 +209,13 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     n_embd, n_head, n_kv = s["n_embd"], s["n_head"], s["n_head_kv"]
     hd, n_ff, n_layer, n_vocab = s["head_dim"], s["n_ff"], s["n_layer"], s["n_vocab"]
     rng = np.random.default_rng(seed)
-    eps = 1e-5 if arch == "llama" else 1e-6
-    freq_base = 10000.0 if arch == "llama" else 1000000.0
+    eps = 1e-5 if arch in ("llama", "granite") else 1e-6
+    freq_base = 10000.0 if arch in ("llama", "granite") else 1000000.0
 
     w = gguf.GGUFWriter(out, arch)
-    w.add_name(f"tandem-synth-{arch}")
+    # llama.cpp sets attributes of Phi-3's special tokens ("</s>", "<unk>", ...) in any model
+    # whose name contains "phi3": not "phi3" here, so that llama.cpp loads this vocabulary
+    w.add_name(f"tandem-synth-{arch}".replace("phi3", "phi_3"))
     if alignment is not None:
         w.add_custom_alignment(alignment)
     w.add_block_count(n_layer)
@@ -215,6 +232,11 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     w.add_rope_dimension_count(hd)
     if arch == "gemma3":
         w.add_sliding_window(SWA_WINDOW)
+    if arch == "granite":
+        w.add_embedding_scale(GRANITE_SCALES["embedding"])
+        w.add_attention_scale(GRANITE_SCALES["attention"])
+        w.add_residual_scale(GRANITE_SCALES["residual"])
+        w.add_logit_scale(GRANITE_SCALES["logit"])
     w.add_vocab_size(n_vocab)
     w.add_file_type(0 if types == "f32" else 1)
 
@@ -266,6 +288,8 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     embd_t = MIXED_EMBD[arch] if types != "f32" else QT.F32
     # gemma3 multiplies the embedding by sqrt(n_embd) at run time: scaled down the same way
     embd_scale = 2.0 / np.sqrt(n_embd) if tied or arch == "gemma3" else 1.0
+    if arch == "granite":
+        embd_scale /= GRANITE_SCALES["embedding"]
     add_matrix(w, "token_embd.weight", normal((n_vocab, n_embd), embd_scale), embd_t)
     w.add_tensor("output_norm.weight", norm_weight(n_embd))
     if not tied:
@@ -278,27 +302,44 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
         ff[-2 * q:] = np.linspace(1.0, 8.0, 2 * q, dtype=np.float32)
         w.add_tensor("rope_freqs.weight", ff)
 
+    post = arch in ("gemma3", "olmo2")
     for il in range(n_layer):
         p = f"blk.{il}."
-        w.add_tensor(p + "attn_norm.weight", norm_weight(n_embd))
-        add_matrix(w, p + "attn_q.weight", normal((n_head * hd, n_embd), 1.5 / np.sqrt(n_embd)), wtype())
-        add_matrix(w, p + "attn_k.weight", normal((n_kv * hd, n_embd), 1.5 / np.sqrt(n_embd)), wtype())
-        add_matrix(w, p + "attn_v.weight", normal((n_kv * hd, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
+        if arch != "olmo2":
+            w.add_tensor(p + "attn_norm.weight", norm_weight(n_embd))
+        wq = normal((n_head * hd, n_embd), 1.5 / np.sqrt(n_embd))
+        wk = normal((n_kv * hd, n_embd), 1.5 / np.sqrt(n_embd))
+        wv = normal((n_kv * hd, n_embd), 1.0 / np.sqrt(n_embd))
+        if arch == "phi3":
+            add_matrix(w, p + "attn_qkv.weight", np.concatenate([wq, wk, wv]), wtype())
+        else:
+            add_matrix(w, p + "attn_q.weight", wq, wtype())
+            add_matrix(w, p + "attn_k.weight", wk, wtype())
+            add_matrix(w, p + "attn_v.weight", wv, wtype())
         if arch == "qwen2":
             w.add_tensor(p + "attn_q.bias", normal(n_head * hd, 0.1))
             w.add_tensor(p + "attn_k.bias", normal(n_kv * hd, 0.1))
             w.add_tensor(p + "attn_v.bias", normal(n_kv * hd, 0.1))
-        if arch in ("qwen3", "gemma3"):
+        if arch in QK_NORM_HEAD:
             w.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
+        if arch in QK_NORM_WHOLE:
+            w.add_tensor(p + "attn_q_norm.weight", norm_weight(n_head * hd))
+            w.add_tensor(p + "attn_k_norm.weight", norm_weight(n_kv * hd))
         row_par(p + "attn_output.weight", n_embd, n_head * hd, 0.5 / np.sqrt(n_head * hd))
-        if arch == "gemma3":
+        if post:
             w.add_tensor(p + "post_attention_norm.weight", norm_weight(n_embd, POST_NORM))
-        w.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
-        add_matrix(w, p + "ffn_gate.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
-        add_matrix(w, p + "ffn_up.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
+        if arch != "olmo2":
+            w.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
+        gate = normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
+        up = normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
+        if arch == "phi3":
+            add_matrix(w, p + "ffn_up.weight", np.concatenate([gate, up]), wtype())
+        else:
+            add_matrix(w, p + "ffn_gate.weight", gate, wtype())
+            add_matrix(w, p + "ffn_up.weight", up, wtype())
         row_par(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
-        if arch == "gemma3":
+        if post:
             w.add_tensor(p + "post_ffw_norm.weight", norm_weight(n_embd, POST_NORM))
 
     w.write_header_to_file()
@@ -321,6 +362,10 @@ SUITE = {
     # 6 query heads over 2 KV heads: decode tp 3 gives rank 1 both KV heads (common/td_tp.h)
     "gqa.gguf": dict(arch="qwen2", tied=False, types="mixed", seed=2,
                      shapes=dict(DEFAULT_SHAPES, n_head=6, n_head_kv=2)),
+    "smollm3.gguf": dict(arch="smollm3", tied=True, types="mixed", seed=3),
+    "granite.gguf": dict(arch="granite", tied=False, types="mixed", seed=10),
+    "phi3.gguf": dict(arch="phi3", tied=False, types="mixed", seed=1),
+    "olmo2.gguf": dict(arch="olmo2", tied=False, types="mixed", seed=2),
 }
 
 
@@ -337,7 +382,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", metavar="DIR", help="write the test suite's models into DIR")
     ap.add_argument("--out")
-    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3"])
+    ap.add_argument("--arch", choices=ARCHS)
     ap.add_argument("--rope-freqs", action="store_true", help="add llama3 rope_freqs.weight")
     ap.add_argument("--tied", action="store_true", help="no output.weight (LM head = token_embd)")
     ap.add_argument("--types", choices=["mixed", "f32", "kquant"], default="mixed",

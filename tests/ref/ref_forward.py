@@ -29,6 +29,16 @@ src/llama-model.cpp's load_hparams; Hugging Face's Gemma3 modelling says the sam
   x = x + rmsnorm(Wdown (gelu_tanh(Wgate h) * Wup h)) * post_ffw_norm
   (norm weights are stored with Gemma's +1 already added by the converter: used as is)
 
+The other architectures, each from its llama.cpp graph (src/models/<arch>.cpp):
+  smollm3  llama, but layers with (il + 1) % 4 == 0 skip rope (n_no_rope_layer_step 4)
+  granite  llama with x = embd * embedding_scale, scores * attention.scale (when set),
+           x = x + residual_scale * block output (both blocks), logits / logit_scale
+  phi3     qwen2-style NEOX rope, Q/K/V rows of attn_qkv, FFN silu(gate) * up with gate
+           and up the two halves of ffn_up's rows (gate first); LongRoPE not modelled
+  olmo2    no pre-norms: q, k, v = Wq x, ...; q = rmsnorm(q) * attn_q_norm over the whole
+           projection (k likewise), NEOX rope; x = x + rmsnorm(Wo a) * post_attention_norm;
+           x = x + rmsnorm(ffn(x)) * post_ffw_norm
+
 Python API:
   logits_last(path, ids) -> np.ndarray (n_vocab,) float32
   greedy(path, ids, n)    -> list[int]
@@ -66,7 +76,8 @@ class RefModel:
         self.dtype = dtype
         r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
+        if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3",
+                        "olmo2"):
             raise ValueError(f"{path}: unsupported architecture {arch!r}")
         self.arch = arch
         hp = lambda k, d=None: _field(r, f"{arch}.{k}", d)  # noqa: E731
@@ -79,8 +90,15 @@ class RefModel:
         self.eps = float(hp("attention.layer_norm_rms_epsilon",
                             1e-6 if arch == "gemma3" else 1e-5))
         self.freq_base = float(hp("rope.freq_base", 10000.0))
-        self.neox = arch in ("qwen2", "qwen3", "gemma3")
+        self.neox = arch in ("qwen2", "qwen3", "gemma3", "phi3", "olmo2")
         self.gemma = arch == "gemma3"
+        self.olmo2 = arch == "olmo2"
+        self.nope_step = 4 if arch == "smollm3" else 0
+        g = (lambda k, d: float(hp(k, d) or d)) if arch == "granite" else (lambda k, d: d)
+        self.embd_mul = g("embedding_scale", 1.0)
+        self.residual_mul = g("residual_scale", 1.0)
+        self.logit_div = g("logit_scale", 1.0)
+        self.attn_scale = g("attention.scale", 0.0)
         self.window = int(hp("attention.sliding_window", 0) or 0) if self.gemma else 0
         self.eos = _field(r, "tokenizer.ggml.eos_token_id")
         types = _field(r, "tokenizer.ggml.token_type")
@@ -113,15 +131,28 @@ class RefModel:
         self.layers = []
         for il in range(self.n_layer):
             p = f"blk.{il}."
-            L = {k: W(p + k + ".weight") for k in (
-                "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+            L = {k: W(p + k + ".weight") for k in ("attn_output", "ffn_down")}
+            for k in ("attn_norm", "ffn_norm"):
+                L[k] = W(p + k + ".weight", required=not self.olmo2)
+            qkv = W(p + "attn_qkv.weight", required=False)
+            if qkv is None:
+                for k in ("attn_q", "attn_k", "attn_v"):
+                    L[k] = W(p + k + ".weight")
+            else:  # fused: Q rows, then K, then V
+                nq, nkv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+                L["attn_q"], L["attn_k"], L["attn_v"] = np.split(qkv, [nq, nq + nkv])
+            gate = W(p + "ffn_gate.weight", required=False)
+            up = W(p + "ffn_up.weight")
+            if gate is None:  # phi3: ffn_up holds gate rows, then up rows
+                gate, up = np.split(up, 2)
+            L["ffn_gate"], L["ffn_up"] = gate, up
             for k in ("attn_q", "attn_k", "attn_v"):
                 L[k + ".bias"] = W(p + k + ".bias", required=False)
             L["attn_q_norm"] = W(p + "attn_q_norm.weight", required=False)
             L["attn_k_norm"] = W(p + "attn_k_norm.weight", required=False)
-            L["post_attention_norm"] = W(p + "post_attention_norm.weight", required=self.gemma)
-            L["post_ffw_norm"] = W(p + "post_ffw_norm.weight", required=self.gemma)
+            post = self.gemma or self.olmo2
+            L["post_attention_norm"] = W(p + "post_attention_norm.weight", required=post)
+            L["post_ffw_norm"] = W(p + "post_ffw_norm.weight", required=post)
             self.layers.append(L)
 
     # -- pieces ---------------------------------------------------------------------
@@ -163,9 +194,11 @@ class RefModel:
         x = self.tok_embd[ids].astype(self.dtype)                        # (T, n_embd)
         if self.gemma:
             x = x * self.dtype(np.sqrt(self.n_embd))
+        x = x * self.dtype(self.embd_mul)
         H, KV, hd = self.n_head, self.n_head_kv, self.head_dim
         g = H // KV
-        scale = 1.0 / np.sqrt(hd)
+        scale = self.attn_scale or 1.0 / np.sqrt(hd)
+        post = self.gemma or self.olmo2
         # causal mask over (T, past + T): query t sees keys j <= past + t
         mask = np.arange(past + T)[None, :] > (past + np.arange(T))[:, None]
         # sliding window: also masked when the key is window or more positions back
@@ -174,7 +207,7 @@ class RefModel:
         for il, L in enumerate(self.layers):
             swa = self.is_swa(il)
             inv = self.inv_freq_swa if swa else self.inv_freq
-            h = self.rmsnorm(x, L["attn_norm"])
+            h = x if self.olmo2 else self.rmsnorm(x, L["attn_norm"])
             q = h @ L["attn_q"].T                                        # (T, H*hd)
             k = h @ L["attn_k"].T                                        # (T, KV*hd)
             v = h @ L["attn_v"].T
@@ -182,14 +215,18 @@ class RefModel:
                 q = q + L["attn_q.bias"]
                 k = k + L["attn_k.bias"]
                 v = v + L["attn_v.bias"]
+            if self.olmo2:  # over the whole projection, before the heads are cut
+                q = self.rmsnorm(q, L["attn_q_norm"])
+                k = self.rmsnorm(k, L["attn_k_norm"])
             q = q.reshape(T, H, hd)
             k = k.reshape(T, KV, hd)
             v = v.reshape(T, KV, hd)
-            if L["attn_q_norm"] is not None:
+            if L["attn_q_norm"] is not None and not self.olmo2:
                 q = self.rmsnorm(q, L["attn_q_norm"])
                 k = self.rmsnorm(k, L["attn_k_norm"])
-            q = self.rope(np.array(q), pos, inv)
-            k = self.rope(np.array(k), pos, inv)
+            if not self.nope_step or (il + 1) % self.nope_step != 0:
+                q = self.rope(np.array(q), pos, inv)
+                k = self.rope(np.array(k), pos, inv)
             k = k.transpose(1, 0, 2)                                     # (KV, T, hd)
             v = v.transpose(1, 0, 2)
             if len(cache) > il:
@@ -208,10 +245,10 @@ class RefModel:
             a = np.einsum("kgts,ksd->kgtd", p, V)                        # (KV, g, T, hd)
             a = a.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, H * hd)
             o = a @ L["attn_output"].T
-            if self.gemma:
+            if post:
                 o = self.rmsnorm(o, L["post_attention_norm"])
-            x = x + o
-            h = self.rmsnorm(x, L["ffn_norm"])
+            x = x + o * self.dtype(self.residual_mul)
+            h = x if self.olmo2 else self.rmsnorm(x, L["ffn_norm"])
             gate = h @ L["ffn_gate"].T                                   # (T, n_ff)
             up = h @ L["ffn_up"].T
             if self.gemma:
@@ -222,11 +259,12 @@ class RefModel:
             else:
                 act = gate / (1.0 + np.exp(-gate.astype(np.float64))).astype(self.dtype) * up
             f = act @ L["ffn_down"].T
-            if self.gemma:
+            if post:
                 f = self.rmsnorm(f, L["post_ffw_norm"])
-            x = x + f
+            x = x + f * self.dtype(self.residual_mul)
         rows = self.rmsnorm(x if all_rows else x[-1:], self.output_norm)  # (T or 1, n_embd)
-        out = (rows @ self.output.T).astype(np.float32)                  # (T or 1, n_vocab)
+        out = (rows @ self.output.T) / self.dtype(self.logit_div)          # (T or 1, n_vocab)
+        out = out.astype(np.float32)
         return out if all_rows else out[0]
 
     # -- API ------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 """test_reference.py: the engine's correctness test against the numpy reference.
 
 For the default model (--model) and for the synthetic models in --synth-dir (llama with
-rope_freqs, qwen2, qwen3, gemma3 with a sliding window of 8; mixed weight types), and a fixed set of prompts given as token
+rope_freqs, qwen2, qwen3, gemma3 with a sliding window of 8, smollm3, granite, phi3, olmo2;
+mixed weight types), and a fixed set of prompts given as token
 ids (tokenized here with the GGUF's vocabulary, independent of the C tokenizer):
 
   1. `tandem logits --prompt-ids ... --kv-type f32` must give last-position logits with a
@@ -54,7 +55,8 @@ TEXT_PROMPTS = [
      "Earth, you would weigh less than you do here. In summary, gravity is"),
 ]
 
-SYNTH_MODELS = ["llama.gguf", "qwen2.gguf", "qwen3.gguf", "llama-f32.gguf", "gemma3.gguf"]
+SYNTH_MODELS = ["llama.gguf", "qwen2.gguf", "qwen3.gguf", "llama-f32.gguf", "gemma3.gguf",
+                "smollm3.gguf", "granite.gguf", "phi3.gguf", "olmo2.gguf"]
 
 
 def synth_prompts(n_vocab):
