@@ -375,6 +375,7 @@ static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key
     F(R_MAXTOK, "max_tokens", F_INT, max_tokens, 1, 1 << 24)                                       \
     F(R_TEMPLATE, "chat_template", F_STR, chat_template, 0, 0)                                     \
     F(R_REASONING, "reasoning", F_BOOL, reasoning, 0, 0)                                           \
+    F(R_TOOL_PARSER, "tool_parser", F_STR, tool_parser, 0, 0)                                      \
     F(R_HB, "heartbeat_ms", F_INT, heartbeat_ms, 10, 600000)                                       \
     F(R_TIMEOUT, "instance_timeout_ms", F_INT, instance_timeout_ms, 10, 3600000)                   \
     F(R_REQ_TIMEOUT, "request_timeout_ms", F_INT, request_timeout_ms, 1, 86400000)                 \
@@ -512,6 +513,7 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     r->max_tokens = 4096;
     set_str(p, &r->chat_template, "");
     r->reasoning = true;
+    set_str(p, &r->tool_parser, "auto");
     r->heartbeat_ms = 500;
     r->instance_timeout_ms = 3000;
     r->request_timeout_ms = 600000;
@@ -562,6 +564,18 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
                     "chat_template '%s' is neither chatml, llama3, llama2, gemma nor a readable "
                     "template file (empty: the model's own)",
                     t);
+    /* the tool-call formats router/rt_toolfmt.c parses (vLLM's --tool-call-parser names) */
+    static const char *const parsers[] = {"auto",        "hermes",       "llama3_json", "mistral",
+                                          "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45",
+                                          "kimi_k2",     "pythonic"};
+    size_t k = 0, n_parsers = sizeof parsers / sizeof *parsers;
+    while (k < n_parsers && strcmp(parsers[k], r->tool_parser))
+        k++;
+    if (k == n_parsers)
+        return fail(p, seen[R_TOOL_PARSER],
+                    "unknown tool_parser '%s' (known: auto, hermes, llama3_json, mistral, "
+                    "deepseek_v3, deepseek_v31, qwen3_coder, glm45, kimi_k2, pythonic)",
+                    r->tool_parser);
     /* the default deadline follows a smaller maximum; an explicit one must fit under it */
     if (!seen[R_REQ_TIMEOUT] && r->request_timeout_ms > r->max_request_timeout_ms)
         r->request_timeout_ms = r->max_request_timeout_ms;

@@ -69,6 +69,9 @@ typedef struct {
                                    built-in one; else a Jinja template file */
     bool reasoning;             /* true: a thinking template's <think> block is answered as
                                    reasoning_content (router/rt_reason.h); false: as content */
+    char *tool_parser;          /* "auto": the call format the chat template teaches; else one
+                                   of hermes, llama3_json, mistral, deepseek_v3, deepseek_v31,
+                                   qwen3_coder, glm45, kimi_k2, pythonic (router/rt_toolfmt.h) */
     int heartbeat_ms;           /* 500: health poll period per instance */
     int instance_timeout_ms;    /* 3000: no answer this long -> instance dead */
     int request_timeout_ms;     /* 600000 (or max_request_timeout_ms if smaller): a request's

@@ -84,6 +84,7 @@ void td_cfg_free(td_cfg *c)
     free(c->router.listen);
     free(c->router.api_key);
     free(c->router.chat_template);
+    free(c->router.tool_parser);
     for (int i = 0; i < c->n_prefill; i++) {
         td_cfg_prefill *x = &c->prefill[i];
         free(x->name);

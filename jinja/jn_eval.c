@@ -783,8 +783,8 @@ int jn_render(const jn_template *t, const json_t *vars, const jn_opts *opts, cha
     /* values beside the output: the conversation, copies, intermediate strings */
     c.arena.limit = c.max_output * 4 + ((size_t)64 << 20);
     if (c.err) *c.err = (jn_error){0};
-    if (!json_is_object(vars)) {
-        jn_fail(&c, TD_EINVAL, 0, "the variables must be a JSON object");
+    if (!t || !json_is_object(vars)) {
+        jn_fail(&c, TD_EINVAL, 0, t ? "the variables must be a JSON object" : "no template");
         return c.rc;
     }
     jn_buf b = {0};

@@ -376,6 +376,7 @@ void rt_chat_tools_fini(rt_chat_tools *t)
         free(t->names[i]);
     free(t->names);
     free(t->grammar);
+    json_decref(t->tools);
     *t = (rt_chat_tools){0};
 }
 
@@ -384,6 +385,7 @@ static int render(const rt_chat_tmpl *tmpl, const jn_chat *chat, size_t n_tools,
                   rt_error *e)
 {
     const jn_template *t = n_tools && tmpl->tool_use ? tmpl->tool_use : tmpl->main;
+    if (!t) return rt_error_set(e, 500, NULL, NULL, "the model has no chat template");
     jn_error err = {0};
     int rc = jn_chat_render(t, chat, NULL, text, NULL, &err);
     switch (rc) {
@@ -421,6 +423,10 @@ int rt_chat_prompt(const rt_chat_tmpl *tmpl, json_t *o, bool add_generation_prom
     if (!rc && p->forced) rc = forced_grammar(o, named, p, e);
     if (!rc) rc = strict_needs_forced(o, p, e);
     if (!rc && p->parse) rc = tool_names(o, p, e);
+    if (!rc && p->parse) { /* a forced call is the bare JSON that the Hermes parser reads */
+        p->fmt = p->forced ? RT_TOOLFMT_HERMES : tmpl->tool_fmt;
+        p->tools = json_incref(json_object_get(o, "tools"));
+    }
     json_t *msgs = rc ? NULL : parse_messages(o, e);
     if (!msgs) return rc ? rc : e->status;
     jn_chat chat = {.messages = msgs,
@@ -452,6 +458,7 @@ int rt_chat_tmpl_init_text(rt_chat_tmpl *t, const char *text, size_t len, char *
     int rc = compile(&t->main, text, len, "the chat template", err, cap);
     t->reads_tools = !rc && jn_template_reads(t->main, "tools");
     t->thinks = !rc && rt_reason_template(text, len);
+    t->tool_fmt = rt_toolfmt_detect(text, len);
     return rc;
 }
 
@@ -501,6 +508,7 @@ int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok
     }
     rc = compile(&t->main, text, len, t->source, err, cap);
     t->thinks = rt_reason_template(text, len);
+    t->tool_fmt = rt_toolfmt_detect(text, len);
     free(file);
     const char *tu;
     size_t tul;
@@ -508,6 +516,7 @@ int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok
         !td_gguf_get_str(g, "tokenizer.chat_template.tool_use", &tu, &tul))
         rc = compile(&t->tool_use, tu, tul, "the model's tokenizer.chat_template.tool_use", err, cap);
     if (!rc && t->tool_use) t->thinks |= rt_reason_template(tu, tul);
+    if (!rc && t->tool_use) t->tool_fmt = rt_toolfmt_detect(tu, tul); /* what requests with tools use */
     if (!rc) t->reads_tools = jn_template_reads(t->tool_use ? t->tool_use : t->main, "tools");
     if (!rc && (rc = jn_special_init(&t->special, tok))) snprintf(err, cap, "out of memory");
     if (rc) rt_chat_tmpl_fini(t);

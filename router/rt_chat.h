@@ -36,6 +36,7 @@
 #include "jn.h"
 #include "jn_chat.h"
 #include "rt_buf.h"
+#include "rt_toolfmt.h"
 #include "tokenizer.h"
 
 /* What the output side needs to know of a request's tools. */
@@ -44,6 +45,8 @@ typedef struct {
     bool parallel; /* parallel_tool_calls (default true); false: the first call only */
     char **names;  /* (n_names) with parse: the declared tools' names, malloc'd */
     size_t n_names;
+    rt_toolfmt fmt; /* with parse: the output's call format (hermes for a forced call) */
+    json_t *tools;  /* with parse: the request's tools array (a reference), for rt_tools.h */
     bool forced;   /* tool_choice required or a named function */
     bool strict;   /* forced: a chosen function has strict true */
     char *grammar; /* forced: the call's JSON schema (malloc'd), for the request's grammar */
@@ -57,6 +60,8 @@ typedef struct {
     jn_template *tool_use; /* tokenizer.chat_template.tool_use (requests with tools), or NULL */
     bool reads_tools;      /* the template for requests with tools reads `tools` */
     bool thinks;           /* it has a thinking block (<think> ... </think>: rt_reason.h) */
+    rt_toolfmt tool_fmt;   /* the call format its text teaches (rt_toolfmt_detect), or the one
+                              router.tool_parser names (set by the router after init) */
     jn_special special;    /* bos_token, eos_token */
     char source[320];      /* where the template came from, for logs */
 } rt_chat_tmpl;

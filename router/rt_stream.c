@@ -232,9 +232,11 @@ static int tool_chunk(void *ctx, const rt_tool_ev *ev)
 static int emit_tools(const rt_router *r, rt_req *q, const char *text, size_t len,
                       const char **finish)
 {
-    if (!q->loop.toolp && !(q->loop.toolp = rt_toolp_create(q->oid, q->p.tools.parallel,
-                                                            (const char *const *)q->p.tools.names,
-                                                            q->p.tools.n_names)))
+    if (!q->loop.toolp &&
+        !(q->loop.toolp = rt_toolp_create_fmt(q->p.tools.fmt, q->p.tools.tools, q->oid,
+                                              q->p.tools.parallel,
+                                              (const char *const *)q->p.tools.names,
+                                              q->p.tools.n_names)))
         return TD_ENOMEM;
     rt_tool_sink k = {r, q};
     rt_tool_ev_fn fn = q->p.stream ? tool_chunk : NULL;
@@ -324,6 +326,8 @@ int rt_stream_tokens(const rt_router *r, rt_req *q, const int32_t *ids, size_t n
     if (!q->loop.dt_init) {
         td_detok_init(&q->loop.dt, r->model.tok);
         q->loop.dt.special = !q->p.skip_special; /* skip_special_tokens: false keeps their text */
+        /* a call format whose markers are control tokens needs them (vLLM's mistral parser) */
+        if (q->p.tools.parse && rt_toolfmt_shows_special(q->p.tools.fmt)) q->loop.dt.special = true;
         q->loop.dt_init = true;
     }
     int rc = 0;

@@ -1,4 +1,5 @@
-/* rt_tools.c: the Hermes / Qwen2.5 tool-call parser (see rt_tools.h).
+/* rt_tools.c: the tool-call push parser: Hermes / Qwen2.5 calls, and the call blocks of the
+ * other formats (see rt_tools.h; the formats' markers and block parsers: rt_toolfmt.h).
  *
  * States (each feed moves through them as the text allows):
  *
@@ -14,7 +15,17 @@
  * BARE; anything else is fed again from OUT.
  * OUT: pend holds outside text not yet emitted (whitespace only, or a partial tag).
  * HEAD, RAW: pend holds the call's text after "<tool_call>". TAIL: pend holds the text
- * after the arguments. ARGS: nothing is held; the scanner tracks strings and brackets. */
+ * after the arguments. ARGS: nothing is held; the scanner tracks strings and brackets.
+ *
+ * The other formats (rt_toolfmt.h) hold each call block whole:
+ *
+ *   BOUT --an open marker--> BLOCK --its close marker (or the end of the output)--> BOUT
+ *
+ * BOUT: pend holds outside text not yet emitted (whitespace only, a partial marker, or,
+ * before any other text, what may still become an at_start marker). BLOCK: pend holds the
+ * whitespace run before the block (blk_at bytes) and the block from its open marker on;
+ * at its end the block is parsed: its calls are emitted (CALL, then the arguments as one
+ * ARGS event) or, when it holds none, all of pend is content. */
 #define _GNU_SOURCE /* memmem */
 #include "rt_tools.h"
 
@@ -26,6 +37,7 @@
 #include "jn.h"
 #include "rt_buf.h"
 #include "rt_chat.h"
+#include "rt_toolfmt.h"
 #include "td_err.h"
 #include "td_grow.h"
 
@@ -34,11 +46,20 @@ static const char OPEN[] = "<tool_call>", CLOSE[] = "</tool_call>";
 #define CLOSE_LEN (sizeof CLOSE - 1)
 #define MAX_DEPTH 64
 
-typedef enum { ST_OUT = 0, ST_HEAD, ST_RAW, ST_ARGS, ST_TAIL, ST_BARE } rt_toolp_state;
+typedef enum {
+    ST_OUT = 0,
+    ST_HEAD,
+    ST_RAW,
+    ST_ARGS,
+    ST_TAIL,
+    ST_BARE,
+    ST_BOUT,
+    ST_BLOCK
+} rt_toolp_state;
 typedef enum { END_TAG = 0, END_FENCE, END_BRACE } rt_toolp_end;
 
 typedef struct {
-    char id[32];
+    char *id;
     char *name;
     rt_buf args;
 } rt_toolp_call;
@@ -56,6 +77,14 @@ struct rt_toolp {
     /* TAIL: "}" seen */
     bool tail_brace;
     rt_toolp_end end; /* what ends the current call: </tool_call>, ``` or its own "}" */
+    /* the other formats (BOUT, BLOCK) */
+    rt_toolfmt fmt;
+    const rt_toolfmt_marker *marks; /* (n_marks) the format's block markers */
+    size_t n_marks;
+    const rt_toolfmt_marker *cur; /* BLOCK: the marker that opened it */
+    size_t blk_at;                /* BLOCK: where the block starts in pend */
+    bool started;                 /* BOUT: an at_start marker can no longer open a block */
+    json_t *tools;                /* the request's tools (parameter types), or NULL */
     char **names;     /* (n_names) the declared tools: a bare call must name one */
     size_t n_names;
     /* results */
@@ -72,9 +101,19 @@ struct rt_toolp {
 
 rt_toolp *rt_toolp_create(const char *seed, bool parallel, const char *const *names, size_t n_names)
 {
+    return rt_toolp_create_fmt(RT_TOOLFMT_HERMES, NULL, seed, parallel, names, n_names);
+}
+
+rt_toolp *rt_toolp_create_fmt(rt_toolfmt fmt, const json_t *tools, const char *seed, bool parallel,
+                              const char *const *names, size_t n_names)
+{
     rt_toolp *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->parallel = parallel;
+    p->fmt = fmt;
+    p->marks = rt_toolfmt_markers(fmt, &p->n_marks);
+    if (p->n_marks) n_names = 0; /* untagged Hermes calls are Hermes' alone */
+    p->tools = json_incref((json_t *)tools);
     p->names = n_names ? calloc(n_names, sizeof *p->names) : NULL;
     for (size_t i = 0; i < n_names && p->names; i++)
         if ((p->names[p->n_names] = strdup(names[i]))) p->n_names++;
@@ -82,7 +121,7 @@ rt_toolp *rt_toolp_create(const char *seed, bool parallel, const char *const *na
         rt_toolp_destroy(p);
         return NULL;
     }
-    p->st = n_names ? ST_BARE : ST_OUT;
+    p->st = p->n_marks ? ST_BOUT : n_names ? ST_BARE : ST_OUT;
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
     for (const char *c = seed ? seed : ""; *c; c++)
         h = (h ^ (unsigned char)*c) * 1099511628211ull;
@@ -94,6 +133,7 @@ void rt_toolp_destroy(rt_toolp *p)
 {
     if (!p) return;
     for (int i = 0; i < p->n_calls; i++) {
+        free(p->calls[i].id);
         free(p->calls[i].name);
         rt_buf_free(&p->calls[i].args);
     }
@@ -101,6 +141,7 @@ void rt_toolp_destroy(rt_toolp *p)
     for (size_t i = 0; i < p->n_names; i++)
         free(p->names[i]);
     free(p->names);
+    json_decref(p->tools);
     rt_buf_free(&p->pend);
     rt_buf_free(&p->content);
     free(p);
@@ -141,7 +182,26 @@ static int emit_content(rt_toolp *p, const char *s, size_t n)
     return ev(p, &(rt_tool_ev){.kind = RT_TOOL_EV_CONTENT, .text = s, .len = n});
 }
 
-static int start_call(rt_toolp *p, const char *name, size_t name_len)
+/* A new call's id: "call_" + 24 hex digits, 9 letters and digits for Mistral (its templates
+ * refuse any other id in the history, as vLLM's mistral parser makes them). */
+static char *make_id(const rt_toolp *p)
+{
+    static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    uint64_t a = mix(p->seed ^ (uint64_t)p->n_calls), b = mix(a);
+    char id[32];
+    if (p->fmt == RT_TOOLFMT_MISTRAL) {
+        for (int i = 0; i < 9; i++, a /= 62)
+            id[i] = ALNUM[a % 62];
+        id[9] = 0;
+    } else {
+        snprintf(id, sizeof id, "call_%016llx%08llx", (unsigned long long)a,
+                 (unsigned long long)(b >> 32));
+    }
+    return strdup(id);
+}
+
+/* id: the call's id as the format wrote it, or NULL: one is made. */
+static int start_call(rt_toolp *p, const char *name, size_t name_len, const char *id)
 {
     if (!p->parallel && p->n_calls >= 1) {
         p->dropping = true;
@@ -152,10 +212,12 @@ static int start_call(rt_toolp *p, const char *name, size_t name_len)
     rt_toolp_call *c = &p->calls[p->n_calls];
     *c = (rt_toolp_call){0};
     c->name = strndup(name, name_len);
-    if (!c->name) return TD_ENOMEM;
-    uint64_t a = mix(p->seed ^ (uint64_t)p->n_calls), b = mix(a);
-    snprintf(c->id, sizeof c->id, "call_%016llx%08llx", (unsigned long long)a,
-             (unsigned long long)(b >> 32));
+    c->id = id ? strdup(id) : make_id(p);
+    if (!c->name || !c->id) {
+        free(c->name);
+        free(c->id);
+        return TD_ENOMEM;
+    }
     int idx = p->n_calls++;
     return ev(p,
               &(rt_tool_ev){.kind = RT_TOOL_EV_CALL, .index = idx, .id = c->id, .name = c->name});
@@ -274,7 +336,7 @@ static size_t feed_head(rt_toolp *p, const char *s, size_t n, int *rc)
         p->pend.len = old;
         return 0;
     }
-    *rc = start_call(p, json_string_value(name), json_string_length(name));
+    *rc = start_call(p, json_string_value(name), json_string_length(name), NULL);
     json_decref(name);
     p->pend.len = 0;
     p->st = ST_ARGS;
@@ -294,7 +356,7 @@ static int finish_raw(rt_toolp *p, bool closed)
     int rc = 0;
     if (json_is_string(name) && args) {
         char *a = jn_pyjson(args);
-        rc = a ? start_call(p, json_string_value(name), json_string_length(name)) : TD_ENOMEM;
+        rc = a ? start_call(p, json_string_value(name), json_string_length(name), NULL) : TD_ENOMEM;
         if (!rc) rc = call_args(p, a, strlen(a));
         free(a);
     } else {
@@ -466,7 +528,7 @@ static size_t feed_bare(rt_toolp *p, const char *s, size_t n, int *rc)
         return n;
     }
     p->seen_call = true;
-    *rc = start_call(p, json_string_value(name), json_string_length(name));
+    *rc = start_call(p, json_string_value(name), json_string_length(name), NULL);
     json_decref(name);
     p->pend.len = 0;
     p->st = ST_ARGS;
@@ -474,6 +536,129 @@ static size_t feed_bare(rt_toolp *p, const char *s, size_t n, int *rc)
     p->depth = 0;
     p->in_str = p->esc = false;
     return val - old;
+}
+
+/* ---- BOUT, BLOCK: the call blocks of the other formats ---- */
+
+/* Longest suffix of s[0..n) that is a proper prefix of an anywhere marker. */
+static size_t marks_holdback(const rt_toolp *p, const char *s, size_t n)
+{
+    size_t best = 0;
+    for (size_t m = 0; m < p->n_marks; m++) {
+        const char *o = p->marks[m].open;
+        size_t ol = strlen(o);
+        for (size_t k = n < ol - 1 ? n : ol - 1; k > best && !p->marks[m].at_start; k--)
+            if (!memcmp(s + n - k, o, k)) best = k;
+    }
+    return best;
+}
+
+/* pend[at..) starts a block opened by marker m: BLOCK, pend cut after the marker (the rest
+ * of the input is fed again). Returns the input bytes taken. */
+static size_t open_block(rt_toolp *p, const rt_toolfmt_marker *m, size_t at, size_t old)
+{
+    size_t end = at + strlen(m->open);
+    p->pend.len = end;
+    p->st = ST_BLOCK;
+    p->cur = m;
+    p->seen_call = true;
+    return end - old;
+}
+
+/* Before any other text: the output may still open with an at_start marker ("{", "[").
+ * Returns true when that is undecided (all held) or a block opened (*took set). */
+static bool at_start(rt_toolp *p, size_t old, size_t *took)
+{
+    size_t i = 0, n = p->pend.len;
+    while (i < n && is_ws(p->pend.buf[i]))
+        i++;
+    if (i == n) {
+        *took = n - old;
+        return true;
+    }
+    for (size_t m = 0; m < p->n_marks; m++) {
+        const char *o = p->marks[m].open;
+        size_t ol = strlen(o), have = n - i < ol ? n - i : ol;
+        if (!p->marks[m].at_start || memcmp(p->pend.buf + i, o, have)) continue;
+        if (have < ol) {
+            *took = n - old;
+            return true;
+        }
+        p->blk_at = 0; /* the whitespace before it belongs to the block */
+        *took = open_block(p, &p->marks[m], i, old);
+        return true;
+    }
+    p->started = true;
+    return false;
+}
+
+static size_t feed_bout(rt_toolp *p, const char *s, size_t n, int *rc)
+{
+    size_t old = p->pend.len, took = 0;
+    if ((*rc = rt_buf_append(&p->pend, s, n) ? TD_ENOMEM : 0)) return n;
+    if (!p->started && at_start(p, old, &took)) return took;
+    const char *buf = p->pend.buf, *first = NULL;
+    const rt_toolfmt_marker *fm = NULL;
+    for (size_t m = 0; m < p->n_marks; m++) {
+        const char *o = p->marks[m].open, *hit;
+        if (p->marks[m].at_start) continue;
+        if ((hit = memmem(buf, p->pend.len, o, strlen(o))) && (!first || hit < first))
+            first = hit, fm = &p->marks[m];
+    }
+    if (first) {
+        size_t k = (size_t)(first - buf);
+        if (p->seg_text || !all_ws(buf, k)) {
+            *rc = emit_content(p, buf, k);
+            rt_buf_consume(&p->pend, k);
+            old -= k; /* may wrap: open_block's difference stays right */
+            k = 0;
+        }
+        p->blk_at = k; /* a whitespace run before the block: content only if it fails */
+        return open_block(p, fm, k, old);
+    }
+    size_t send = p->pend.len - marks_holdback(p, buf, p->pend.len);
+    if (send && (p->seg_text || !all_ws(buf, send))) {
+        p->seg_text = true;
+        *rc = emit_content(p, buf, send);
+        rt_buf_consume(&p->pend, send);
+    }
+    return n;
+}
+
+/* The block in pend is complete: its calls, or all of pend as content. */
+static int finish_block(rt_toolp *p)
+{
+    rt_toolfmt_calls calls = {0};
+    const char *b = p->pend.buf + p->blk_at;
+    int rc = rt_toolfmt_parse(p->fmt, b, p->pend.len - p->blk_at, p->tools, &calls);
+    for (int i = 0; i < calls.n && !rc; i++) {
+        const rt_toolfmt_call *c = &calls.v[i];
+        rc = start_call(p, c->name, strlen(c->name), c->id);
+        if (!rc) rc = call_args(p, c->args, strlen(c->args));
+    }
+    if (!rc && !calls.n) rc = emit_content(p, p->pend.buf, p->pend.len);
+    p->seg_text = !calls.n; /* a block left as content is text that whitespace may follow */
+    rt_toolfmt_calls_fini(&calls);
+    p->pend.len = 0;
+    p->st = ST_BOUT;
+    p->started = true;
+    return rc;
+}
+
+static size_t feed_block(rt_toolp *p, const char *s, size_t n, int *rc)
+{
+    size_t old = p->pend.len;
+    if ((*rc = rt_buf_append(&p->pend, s, n) ? TD_ENOMEM : 0)) return n;
+    const char *close = p->cur->close;
+    if (!close) return n; /* the block runs to the end of the output */
+    size_t cl = strlen(close), from = p->blk_at + strlen(p->cur->open);
+    if (old > from + cl) from = old - cl; /* the close may straddle the feeds */
+    const char *hit = memmem(p->pend.buf + from, p->pend.len - from, close, cl);
+    if (!hit) return n;
+    size_t end = (size_t)(hit - p->pend.buf) + cl;
+    p->pend.len = end;
+    *rc = finish_block(p);
+    return end - old;
 }
 
 /* ---- driver ---- */
@@ -509,6 +694,12 @@ static int feed_all(rt_toolp *p, const char *text, size_t len)
         case ST_BARE:
             k = feed_bare(p, text, len, &rc);
             break;
+        case ST_BOUT:
+            k = feed_bout(p, text, len, &rc);
+            break;
+        case ST_BLOCK:
+            k = feed_block(p, text, len, &rc);
+            break;
         }
         text += k;
         len -= k;
@@ -521,14 +712,17 @@ int rt_toolp_finish(rt_toolp *p, rt_tool_ev_fn fn, void *ctx)
     p->fn = fn;
     p->ctx = ctx;
     int rc = 0;
-    if (p->st == ST_OUT || p->st == ST_BARE) {
+    if (p->st == ST_BLOCK) {
+        rc = finish_block(p);
+    } else if (p->st == ST_OUT || p->st == ST_BARE || p->st == ST_BOUT) {
         if (p->seg_text || !p->seen_call || !all_ws(p->pend.buf, p->pend.len))
             rc = emit_content(p, p->pend.buf, p->pend.len);
     } else if (p->st == ST_HEAD || p->st == ST_RAW) {
         rc = finish_raw(p, false);
     }
     p->pend.len = 0;
-    p->st = ST_OUT;
+    p->st = p->n_marks ? ST_BOUT : ST_OUT;
+    p->started = true;
     p->seen_call = true;
     p->seg_text = false;
     return rc;

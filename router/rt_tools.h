@@ -1,8 +1,10 @@
 /* rt_tools.h: the model's output -> OpenAI tool_calls, incrementally (prefix rt_).
  *
- * Purpose: a push parser for the Hermes / Qwen2.5 tool-call format
+ * Purpose: a push parser for the tool-call format of the model's family (rt_toolfmt.h):
+ * Hermes / Qwen2.5's
  *     <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
- * fed the generated text piece by piece (after stop strings), emitting events in order:
+ * (the rules below), or the call blocks of another family. It is fed the generated text
+ * piece by piece (after stop strings), emitting events in order:
  * content text, the start of a call (index, id, name) and its arguments in pieces as they
  * are generated, as vLLM streams them. The non-streamed answer is what the events add up to
  * (content, calls), so a stream assembles to exactly the non-streamed message.
@@ -24,11 +26,12 @@
  *    accepts them too): at the start of the output, or right after such a call, a JSON
  *    object {"name": "<a declared tool>", "arguments": {...}}, bare or inside a ```json
  *    fence. Any other text there is content.
- *  - A call without the tags (Qwen2.5-Coder writes them so; llama.cpp's Hermes parser
- *    accepts them too): at the start of the output, or right after such a call, a JSON
- *    object {"name": "<a declared tool>", "arguments": {...}}, bare or inside a ```json
- *    fence. Any other text there is content.
  *  - parallel == false keeps the first call and drops the others.
+ * The other formats (a simpler streaming rule): text outside the call blocks streams as it
+ * comes (a partial open marker held back; a whitespace-only run that touches a block of
+ * calls is dropped); a block, from its open marker to its close marker (or the end of the
+ * output), is held whole, then each of its calls is emitted: CALL, then its arguments as
+ * one ARGS event. A block that holds no call is content, markers included (never lost).
  * Invariants: events carry only text the model generated, in order, each byte once;
  * content never holds a complete "<tool_call>" tag of a call that was parsed.
  * Threading: none (one parser per request, on the loop thread).
@@ -41,6 +44,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "rt_toolfmt.h"
+
 typedef enum {
     RT_TOOL_EV_CONTENT = 0, /* text: content */
     RT_TOOL_EV_CALL,        /* a call starts: index, id, name */
@@ -50,7 +55,8 @@ typedef enum {
 typedef struct {
     rt_tool_ev_kind kind;
     int index;        /* CALL, ARGS: the call's index in the message's tool_calls */
-    const char *id;   /* CALL: "call_" + 24 hex digits */
+    const char *id;   /* CALL: "call_" + 24 hex digits (mistral: 9 letters and digits; kimi_k2:
+                         the id the model wrote, "functions.f:0") */
     const char *name; /* CALL: the function name */
     const char *text; /* CONTENT, ARGS: len bytes */
     size_t len;
@@ -66,6 +72,11 @@ typedef struct rt_toolp rt_toolp;
  * NULL: no memory. */
 rt_toolp *rt_toolp_create(const char *seed, bool parallel, const char *const *names,
                           size_t n_names);
+/* The same for the format fmt (rt_toolfmt.h; RT_TOOLFMT_HERMES is rt_toolp_create). tools:
+ * the request's tools array, for the parameter types of qwen3_coder and glm45 (NULL: none;
+ * a reference is kept until rt_toolp_destroy). names are only read by Hermes. */
+rt_toolp *rt_toolp_create_fmt(rt_toolfmt fmt, const json_t *tools, const char *seed, bool parallel,
+                              const char *const *names, size_t n_names);
 void rt_toolp_destroy(rt_toolp *p);
 
 /* Feed len bytes of output. fn may be NULL (the results are kept either way). Returns 0,

@@ -62,6 +62,8 @@ static const bad_case bad_cases[] = {
      "expected an integer, got a string"},
     {"router_template", MIN "router:\n  chat_template: jinja\n", 5, 18,
      "chat_template 'jinja' is neither chatml"},
+    {"router_tool_parser", MIN "router:\n  tool_parser: llama3\n", 5, 16,
+     "unknown tool_parser 'llama3' (known: auto, hermes, llama3_json"},
     {"router_req_timeout",
      MIN "router:\n  max_request_timeout_ms: 1000\n  request_timeout_ms: 2000\n", 6, 23,
      "request_timeout_ms (2000) is larger than max_request_timeout_ms (1000)"},
@@ -176,6 +178,7 @@ static void test_good_file(void)
                        "  max_prompt_tokens: 2048\n"
                        "  max_tokens: 100\n"
                        "  chat_template: chatml\n"
+                       "  tool_parser: kimi_k2\n"
                        "  heartbeat_ms: 250\n"
                        "  instance_timeout_ms: 1000\n"
                        "  request_timeout_ms: 5000\n"
@@ -234,6 +237,7 @@ static void test_good_file(void)
     TH_CHECK(!strcmp(c->router.listen, "0.0.0.0:8080") && !strcmp(c->router.api_key, "sk-test"));
     TH_CHECK(c->router.max_queue == 10 && c->router.max_prompt_tokens == 2048 &&
              c->router.max_tokens == 100 && !strcmp(c->router.chat_template, "chatml") &&
+             !strcmp(c->router.tool_parser, "kimi_k2") &&
              c->router.heartbeat_ms == 250 && c->router.instance_timeout_ms == 1000);
     TH_CHECK(c->router.request_timeout_ms == 5000 && c->router.max_request_timeout_ms == 60000 &&
              c->router.drain_timeout_ms == 0);

@@ -917,7 +917,7 @@ static void test_stream(void)
         {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": "
          "\"required\"}",
          RT_EP_CHAT, 400, "tool_choice", 0, 0, 0},
-        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\", \"name\": \"bob\"}]}",
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\", \"refusal\": \"no\"}]}",
          RT_EP_CHAT, 400, "messages", 0, 0, 0},
         {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"echo\": false}", RT_EP_CHAT,
          400, "echo", 0, 0, 0},
