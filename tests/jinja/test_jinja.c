@@ -215,6 +215,24 @@ static void test_limits(void)
     ERR("{{ 'abc }}", NULL, TD_EINVAL, "unterminated");
     ERR("{{ 1 +  }}", NULL, TD_EINVAL, "unexpected");
     ERR("{% for %}", NULL, TD_EINVAL, "name");
+    /* nesting deeper than the parser takes is an error, not a stack overflow */
+    char deep[4000];
+    memset(deep, '(', 1500);
+    deep[1500] = '1';
+    memset(deep + 1501, ')', 1500);
+    deep[3001] = '\0';
+    char tmpl[4100];
+    snprintf(tmpl, sizeof tmpl, "{{ %s }}", deep);
+    ERR(tmpl, NULL, TD_EUNSUPP, "nested deeper");
+    char nots[4100] = "{{ ";
+    for (int i = 0; i < 900; i++)
+        strcat(nots, "not ");
+    strcat(nots, "1 }}");
+    ERR(nots, NULL, TD_EUNSUPP, "nested deeper");
+    char ifs[8000] = "";
+    for (int i = 0; i < 300; i++)
+        strcat(ifs, "{% if 1 %}");
+    ERR(ifs, NULL, TD_EUNSUPP, "nested deeper");
 }
 
 /* The built-in family templates (for model files without one), through jn_chat as the
