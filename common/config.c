@@ -15,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include <strings.h>
 
 #include <yaml.h>
@@ -556,26 +555,14 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
     if (parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
     if (seen[R_LISTEN] && check_listen(p, seen[R_LISTEN], r->listen)) return p->rc;
     if (parse_routing(p, seen[R_ROUTING], seen[R_CACHE_AWARE], r)) return p->rc;
-    /* a family's built-in template, or a Jinja file (read and compiled by the router) */
-    const char *t = r->chat_template;
-    if (*t && strcmp(t, "chatml") && strcmp(t, "llama3") && strcmp(t, "llama2") &&
-        strcmp(t, "gemma") && access(t, R_OK))
+    if (!td_cfg_chat_template_ok(r->chat_template))
         return fail(p, seen[R_TEMPLATE],
                     "chat_template '%s' is neither chatml, llama3, llama2, gemma nor a readable "
                     "template file (empty: the model's own)",
-                    t);
-    /* the tool-call formats router/rt_toolfmt.c parses (vLLM's --tool-call-parser names) */
-    static const char *const parsers[] = {"auto",        "hermes",       "llama3_json", "mistral",
-                                          "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45",
-                                          "kimi_k2",     "pythonic"};
-    size_t k = 0, n_parsers = sizeof parsers / sizeof *parsers;
-    while (k < n_parsers && strcmp(parsers[k], r->tool_parser))
-        k++;
-    if (k == n_parsers)
-        return fail(p, seen[R_TOOL_PARSER],
-                    "unknown tool_parser '%s' (known: auto, hermes, llama3_json, mistral, "
-                    "deepseek_v3, deepseek_v31, qwen3_coder, glm45, kimi_k2, pythonic)",
-                    r->tool_parser);
+                    r->chat_template);
+    if (!td_cfg_tool_parser_known(r->tool_parser))
+        return fail(p, seen[R_TOOL_PARSER], "unknown tool_parser '%s' (known: %s)", r->tool_parser,
+                    TD_CFG_TOOL_PARSERS);
     /* the default deadline follows a smaller maximum; an explicit one must fit under it */
     if (!seen[R_REQ_TIMEOUT] && r->request_timeout_ms > r->max_request_timeout_ms)
         r->request_timeout_ms = r->max_request_timeout_ms;

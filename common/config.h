@@ -160,6 +160,15 @@ typedef struct {
     td_cfg_kvxfer kvxfer;
 } td_cfg;
 
+/* The router's names: router.chat_template is "" (the model's), a built-in family or a
+ * readable file; router.tool_parser one of TD_CFG_TOOL_PARSERS (router/rt_toolfmt.h's
+ * formats and "auto"). */
+#define TD_CFG_TOOL_PARSERS                                                                        \
+    "auto, hermes, llama3_json, mistral, deepseek_v3, deepseek_v31, qwen3_coder, glm45, "          \
+    "kimi_k2, pythonic"
+bool td_cfg_chat_template_ok(const char *t);
+bool td_cfg_tool_parser_known(const char *name);
+
 /* Load and validate a file. On error returns a negative td_err (TD_EIO: cannot read;
  * TD_EFORMAT: YAML syntax; TD_EINVAL: schema; TD_ENOMEM), *out is NULL, and err holds
  * "FILE:LINE:COLUMN: message". Nothing is logged: the caller prints err. */

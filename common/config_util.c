@@ -1,5 +1,6 @@
 /* config_util.c: the small public helpers of config.h that do not parse YAML: sizes with units,
- * instance look-ups by name, control URLs, backend names, freeing a configuration. */
+ * instance look-ups by name, control URLs, backend names, the router's template and tool-parser
+ * names, freeing a configuration. */
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
@@ -7,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "config.h"
 #include "td_err.h"
@@ -73,6 +75,25 @@ const char *td_cfg_backend_name(td_cfg_backend b)
 const char *td_cfg_act_name(td_cfg_act a)
 {
     return a == TD_CFG_ACT_Q8 ? "q8" : a == TD_CFG_ACT_F32 ? "f32" : a == TD_CFG_ACT_AUTO ? "auto" : NULL;
+}
+
+bool td_cfg_chat_template_ok(const char *t)
+{
+    return !*t || !strcmp(t, "chatml") || !strcmp(t, "llama3") || !strcmp(t, "llama2") ||
+           !strcmp(t, "gemma") || !access(t, R_OK);
+}
+
+bool td_cfg_tool_parser_known(const char *name)
+{
+    /* TD_CFG_TOOL_PARSERS as words: "auto, hermes, ..." */
+    static const char all[] = TD_CFG_TOOL_PARSERS;
+    size_t n = strlen(name);
+    if (strpbrk(name, ", ")) return false;
+    for (const char *s = all; n && (s = strstr(s, name)); s += n) {
+        bool starts = s == all || s[-1] == ' ';
+        if (starts && (s[n] == ',' || !s[n])) return true;
+    }
+    return false;
 }
 
 void td_cfg_free(td_cfg *c)
