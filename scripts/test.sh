@@ -161,8 +161,8 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/tok_vocab.c
            common/tok_special.c common/tok_unicode.c common/tok_wpm.c common/gguf.c common/td_dtype.c)
   GR_SRC=(grammar/gr_schema.c grammar/gr_match.c grammar/gr_vocab.c grammar/gr_tok.c)
-  JN_SRC=(jinja/jn_value.c jinja/jn_lex.c jinja/jn_parse.c jinja/jn_eval.c jinja/jn_filters.c
-          jinja/jn_methods.c jinja/jn_chat.c)
+  JN_SRC=(jinja/jn_value.c jinja/jn_lex.c jinja/jn_parse.c jinja/jn_parse_stmt.c jinja/jn_eval.c
+          jinja/jn_filters.c jinja/jn_methods.c jinja/jn_chat.c)
   BASE_SRC=(common/td_err.c common/td_clock.c common/td_grow.c)
   mkdir -p build-fuzz/artifacts build-fuzz/ctrl-gen build-fuzz/ctrl-seeds build-fuzz/config-seeds
   for t in gguf ctrl config kvx openai grammar jinja pfwire; do mkdir -p build-fuzz/$t-corpus; done
@@ -197,9 +197,9 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
     step_failed "fuzz_config: build failed"
   fi
   if "${FZ_CC[@]}" -Icommon -Irouter -Igrammar -Ijinja -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
-       router/rt_openai.c router/rt_format.c router/rt_chat.c router/rt_reason.c router/rt_buf.c \
-       "${GR_SRC[@]}" "${JN_SRC[@]}" "${TOK_SRC[@]}" "${BASE_SRC[@]}" -ljansson -lpthread -lm \
-       -o build-fuzz/fuzz_openai &&
+       router/rt_openai.c router/rt_format.c router/rt_chat.c router/rt_reason.c router/rt_toolfmt.c \
+       router/rt_buf.c "${GR_SRC[@]}" "${JN_SRC[@]}" "${TOK_SRC[@]}" "${BASE_SRC[@]}" -ljansson \
+       -lpthread -lm -o build-fuzz/fuzz_openai &&
      "$PY" tests/ref/make_synth.py --out build-fuzz/tiny.gguf --arch llama --tiny >/dev/null; then
     built+=(openai)
     export TD_FUZZ_MODEL=$PWD/build-fuzz/tiny.gguf # the tokenizer and chat template
