@@ -202,13 +202,12 @@ static int message_fields(json_t *m, size_t i, const char *role, rt_error *e)
     json_object_foreach(m, key, v)
     {
         if (!strcmp(key, "role") || !strcmp(key, "content")) continue;
-        if (!strcmp(key, "tool_calls") && (assistant || absent(v) ||
-                                           (json_is_array(v) && !json_array_size(v))))
+        if (!strcmp(key, "tool_calls") &&
+            (assistant || absent(v) || (json_is_array(v) && !json_array_size(v))))
             continue;
-        bool text_field = (!strcmp(key, "tool_call_id") && !strcmp(role, "tool")) ||
-                          !strcmp(key, "name") ||
-                          (assistant && (!strcmp(key, "reasoning_content") ||
-                                         !strcmp(key, "reasoning")));
+        bool text_field =
+            (!strcmp(key, "tool_call_id") && !strcmp(role, "tool")) || !strcmp(key, "name") ||
+            (assistant && (!strcmp(key, "reasoning_content") || !strcmp(key, "reasoning")));
         if (text_field) {
             if (json_is_string(v) || absent(v)) continue;
             return rt_error_set(e, 400, "messages", NULL, "messages[%zu].%s must be a string", i,
@@ -266,15 +265,17 @@ static json_t *message_calls(json_t *calls, size_t i, rt_error *e)
         json_t *c = json_array_get(calls, k), *f = json_object_get(c, "function");
         json_t *name = json_object_get(f, "name"), *args = json_object_get(f, "arguments");
         json_t *type = json_object_get(c, "type"), *id = json_object_get(c, "id");
-        if (!json_is_object(c) || (!absent(type) && (!json_is_string(type) ||
-                                                     strcmp(json_string_value(type), "function")))) {
+        if (!json_is_object(c) ||
+            (!absent(type) &&
+             (!json_is_string(type) || strcmp(json_string_value(type), "function")))) {
             rt_error_set(e, 400, "messages", NULL,
                          "messages[%zu].tool_calls[%zu] must be {\"id\": ..., \"type\": "
                          "\"function\", \"function\": {\"name\": ..., \"arguments\": ...}}",
                          i, k);
             goto fail;
         }
-        if (!json_is_string(name) || !json_is_string(args) || (!absent(id) && !json_is_string(id))) {
+        if (!json_is_string(name) || !json_is_string(args) ||
+            (!absent(id) && !json_is_string(id))) {
             rt_error_set(e, 400, "messages", NULL,
                          "messages[%zu].tool_calls[%zu] needs a string 'id', and a function "
                          "with a string 'name' and 'arguments' (a JSON text)",
@@ -290,8 +291,8 @@ static json_t *message_calls(json_t *calls, size_t i, rt_error *e)
                          i, k, jerr.text);
             goto fail;
         }
-        json_t *call = absent(id) ? json_pack("{s:s, s:{s:O, s:o}}", "type", "function",
-                                              "function", "name", name, "arguments", a)
+        json_t *call = absent(id) ? json_pack("{s:s, s:{s:O, s:o}}", "type", "function", "function",
+                                              "name", name, "arguments", a)
                                   : json_pack("{s:O, s:s, s:{s:O, s:o}}", "id", id, "type",
                                               "function", "function", "name", name, "arguments", a);
         if (json_array_append_new(out, call)) {
@@ -311,12 +312,14 @@ static json_t *parse_message(json_t *m, size_t i, rt_error *e)
 {
     json_t *role = json_object_get(m, "role");
     if (!json_is_object(m) || !json_is_string(role)) {
-        rt_error_set(e, 400, "messages", NULL, "messages[%zu] must be an object with a string 'role'", i);
+        rt_error_set(e, 400, "messages", NULL,
+                     "messages[%zu] must be an object with a string 'role'", i);
         return NULL;
     }
     const char *rs = json_string_value(role);
     if (!strcmp(rs, "developer")) rs = "system";
-    if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool")) {
+    if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
+        strcmp(rs, "tool")) {
         rt_error_set(e, 400, "messages", NULL,
                      "messages[%zu].role must be system, developer, user, assistant or tool", i);
         return NULL;
@@ -468,8 +471,9 @@ static char *read_file(const char *path, size_t *len)
     FILE *f = fopen(path, "rb");
     char *buf = NULL;
     long n = -1;
-    if (f && !fseek(f, 0, SEEK_END) && (n = ftell(f)) >= 0 && n < (1L << 24) && !fseek(f, 0, SEEK_SET) &&
-        (buf = malloc((size_t)n + 1)) && fread(buf, 1, (size_t)n, f) == (size_t)n) {
+    if (f && !fseek(f, 0, SEEK_END) && (n = ftell(f)) >= 0 && n < (1L << 24) &&
+        !fseek(f, 0, SEEK_SET) && (buf = malloc((size_t)n + 1)) &&
+        fread(buf, 1, (size_t)n, f) == (size_t)n) {
         buf[n] = '\0';
         *len = (size_t)n;
     } else {
@@ -493,15 +497,18 @@ int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok
         snprintf(t->source, sizeof t->source, "the built-in %s template", forced);
     } else if (forced && forced[0]) {
         if (!(file = read_file(forced, &len))) {
-            snprintf(err, cap, "router.chat_template '%s' is neither chatml, llama3, llama2, gemma "
-                               "nor a readable template file (up to 16 MiB)", forced);
+            snprintf(err, cap,
+                     "router.chat_template '%s' is neither chatml, llama3, llama2, gemma "
+                     "nor a readable template file (up to 16 MiB)",
+                     forced);
             return TD_EIO;
         }
         text = file;
         snprintf(t->source, sizeof t->source, "the file %.290s", forced);
     } else if (td_gguf_get_str(g, "tokenizer.chat_template", &text, &len)) {
-        snprintf(err, cap, "the model has no chat template (tokenizer.chat_template); name one in "
-                           "router.chat_template (chatml, llama3, llama2, gemma, or a file)");
+        snprintf(err, cap,
+                 "the model has no chat template (tokenizer.chat_template); name one in "
+                 "router.chat_template (chatml, llama3, llama2, gemma, or a file)");
         return TD_EUNSUPP;
     } else {
         snprintf(t->source, sizeof t->source, "the model's tokenizer.chat_template");
@@ -514,9 +521,11 @@ int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok
     size_t tul;
     if (!rc && (!forced || !forced[0]) &&
         !td_gguf_get_str(g, "tokenizer.chat_template.tool_use", &tu, &tul))
-        rc = compile(&t->tool_use, tu, tul, "the model's tokenizer.chat_template.tool_use", err, cap);
+        rc = compile(&t->tool_use, tu, tul, "the model's tokenizer.chat_template.tool_use", err,
+                     cap);
     if (!rc && t->tool_use) t->thinks |= rt_reason_template(tu, tul);
-    if (!rc && t->tool_use) t->tool_fmt = rt_toolfmt_detect(tu, tul); /* what requests with tools use */
+    if (!rc && t->tool_use)
+        t->tool_fmt = rt_toolfmt_detect(tu, tul); /* what requests with tools use */
     if (!rc) t->reads_tools = jn_template_reads(t->tool_use ? t->tool_use : t->main, "tools");
     if (!rc && (rc = jn_special_init(&t->special, tok))) snprintf(err, cap, "out of memory");
     if (rc) rt_chat_tmpl_fini(t);

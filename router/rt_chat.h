@@ -47,9 +47,9 @@ typedef struct {
     size_t n_names;
     rt_toolfmt fmt; /* with parse: the output's call format (hermes for a forced call) */
     json_t *tools;  /* with parse: the request's tools array (a reference), for rt_tools.h */
-    bool forced;   /* tool_choice required or a named function */
-    bool strict;   /* forced: a chosen function has strict true */
-    char *grammar; /* forced: the call's JSON schema (malloc'd), for the request's grammar */
+    bool forced;    /* tool_choice required or a named function */
+    bool strict;    /* forced: a chosen function has strict true */
+    char *grammar;  /* forced: the call's JSON schema (malloc'd), for the request's grammar */
 } rt_chat_tools;
 
 void rt_chat_tools_fini(rt_chat_tools *t);

@@ -81,7 +81,8 @@ static int load_model(rt_router *r)
     const char *tp = r->cfg->router.tool_parser;
     bool pinned = tp && strcmp(tp, "auto") && rt_toolfmt_by_name(tp, &r->model.chat.tool_fmt);
     TD_LOG_INFO("router: chat template: %s%s; tool calls parsed as %s (%s)", r->model.chat.source,
-                r->model.chat.tool_use ? " (and its tool_use template for requests with tools)" : "",
+                r->model.chat.tool_use ? " (and its tool_use template for requests with tools)"
+                                       : "",
                 rt_toolfmt_name(r->model.chat.tool_fmt),
                 pinned ? "router.tool_parser" : "found in the template");
     /* the model name: the file name without directories and without ".gguf" */

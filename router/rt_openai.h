@@ -35,7 +35,7 @@
  * thread may read it. */
 typedef struct {
     td_tokenizer *tok;
-    rt_chat_tmpl chat; /* the chat template(s), compiled (rt_chat.h) */
+    rt_chat_tmpl chat;           /* the chat template(s), compiled (rt_chat.h) */
     int32_t n_ctx;               /* model context length */
     char name[256];              /* the model id clients send and see */
     const td_cfg_router *limits; /* max_prompt_tokens, max_tokens, request timeouts, max_n,

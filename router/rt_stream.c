@@ -232,11 +232,9 @@ static int tool_chunk(void *ctx, const rt_tool_ev *ev)
 static int emit_tools(const rt_router *r, rt_req *q, const char *text, size_t len,
                       const char **finish)
 {
-    if (!q->loop.toolp &&
-        !(q->loop.toolp = rt_toolp_create_fmt(q->p.tools.fmt, q->p.tools.tools, q->oid,
-                                              q->p.tools.parallel,
-                                              (const char *const *)q->p.tools.names,
-                                              q->p.tools.n_names)))
+    if (!q->loop.toolp && !(q->loop.toolp = rt_toolp_create_fmt(
+                                q->p.tools.fmt, q->p.tools.tools, q->oid, q->p.tools.parallel,
+                                (const char *const *)q->p.tools.names, q->p.tools.n_names)))
         return TD_ENOMEM;
     rt_tool_sink k = {r, q};
     rt_tool_ev_fn fn = q->p.stream ? tool_chunk : NULL;
@@ -285,8 +283,8 @@ static int reason_piece(void *ctx, bool reasoning, const char *text, size_t len)
     json_t *d = rc ? NULL : json_pack("{s:s%}", "reasoning_content", text, len);
     if (rc || !d) return rc ? rc : TD_ENOMEM;
     return sse_chunk(k->r, q,
-                     json_pack("{s:i, s:o, s:n, s:n}", "index", q->ch.index, "delta", d,
-                               "logprobs", "finish_reason"),
+                     json_pack("{s:i, s:o, s:n, s:n}", "index", q->ch.index, "delta", d, "logprobs",
+                               "finish_reason"),
                      NULL);
 }
 
@@ -416,8 +414,10 @@ static json_t *final_choice(const rt_router *r, rt_req *q, const char *finish)
         c = json_pack("{s:i, s:s%, s:o, s:s}", "index", q->ch.index, "text", text, len, "logprobs",
                       lp, "finish_reason", finish);
     rt_buf_free(&echo);
-    if (reasoning && c) json_object_set_new(json_object_get(c, "message"), "reasoning_content", reasoning);
-    else json_decref(reasoning);
+    if (reasoning && c)
+        json_object_set_new(json_object_get(c, "message"), "reasoning_content", reasoning);
+    else
+        json_decref(reasoning);
     return c;
 }
 

@@ -164,7 +164,8 @@ static int prompt_tokens(cli_session *s, const gen_args *a, int32_t **ids, int64
         if (!rc) rc = jn_chat_render_user(tmpl, tlen, a->chat, &sp, &rendered, &e);
         jn_special_fini(&sp);
         if (rc) {
-            fprintf(stderr, "tandem: --chat: cannot render the model's chat template: line %d: %s\n",
+            fprintf(stderr,
+                    "tandem: --chat: cannot render the model's chat template: line %d: %s\n",
                     e.line, e.msg[0] ? e.msg : td_strerror(rc));
             return rc;
         }
