@@ -18,24 +18,42 @@
 #include "td_grow.h"
 
 static const char *const NAMES[RT_TOOLFMT_N] = {
-    [RT_TOOLFMT_HERMES] = "hermes",           [RT_TOOLFMT_LLAMA3_JSON] = "llama3_json",
-    [RT_TOOLFMT_MISTRAL] = "mistral",         [RT_TOOLFMT_DEEPSEEK_V3] = "deepseek_v3",
-    [RT_TOOLFMT_DEEPSEEK_V31] = "deepseek_v31", [RT_TOOLFMT_QWEN3_CODER] = "qwen3_coder",
-    [RT_TOOLFMT_GLM45] = "glm45",             [RT_TOOLFMT_KIMI_K2] = "kimi_k2",
+    [RT_TOOLFMT_HERMES] = "hermes",
+    [RT_TOOLFMT_LLAMA3_JSON] = "llama3_json",
+    [RT_TOOLFMT_MISTRAL] = "mistral",
+    [RT_TOOLFMT_DEEPSEEK_V3] = "deepseek_v3",
+    [RT_TOOLFMT_DEEPSEEK_V31] = "deepseek_v31",
+    [RT_TOOLFMT_QWEN3_CODER] = "qwen3_coder",
+    [RT_TOOLFMT_GLM45] = "glm45",
+    [RT_TOOLFMT_KIMI_K2] = "kimi_k2",
     [RT_TOOLFMT_PYTHONIC] = "pythonic",
 };
 
 /* DeepSeek's and Kimi's markers */
-#define DS_CALLS_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALLS_END   "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_CALL_BEGIN  "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALL_END    "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_SEP         "<\xef\xbd\x9ctool\xe2\x96\x81" "sep\xef\xbd\x9c>"
-#define KIMI_BEGIN     "<|tool_calls_section_begin|>"
-#define KIMI_END       "<|tool_calls_section_end|>"
-#define KIMI_CALL      "<|tool_call_begin|>"
-#define KIMI_ARG       "<|tool_call_argument_begin|>"
-#define KIMI_CALL_END  "<|tool_call_end|>"
+#define DS_CALLS_BEGIN                                                                             \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "begin\xef\xbd\x9c>"
+#define DS_CALLS_END                                                                               \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "end\xef\xbd\x9c>"
+#define DS_CALL_BEGIN                                                                              \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "begin\xef\xbd\x9c>"
+#define DS_CALL_END                                                                                \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "end\xef\xbd\x9c>"
+#define DS_SEP                                                                                     \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "sep\xef\xbd\x9c>"
+#define KIMI_BEGIN    "<|tool_calls_section_begin|>"
+#define KIMI_END      "<|tool_calls_section_end|>"
+#define KIMI_CALL     "<|tool_call_begin|>"
+#define KIMI_ARG      "<|tool_call_argument_begin|>"
+#define KIMI_CALL_END "<|tool_call_end|>"
 
 const char *rt_toolfmt_name(rt_toolfmt f)
 {
@@ -94,15 +112,23 @@ const rt_toolfmt_marker *rt_toolfmt_markers(rt_toolfmt f, size_t *n)
         return a;                                                                                  \
     } while (0)
     switch (f) {
-    case RT_TOOLFMT_LLAMA3_JSON: M(llama);
-    case RT_TOOLFMT_MISTRAL: M(mistral);
+    case RT_TOOLFMT_LLAMA3_JSON:
+        M(llama);
+    case RT_TOOLFMT_MISTRAL:
+        M(mistral);
     case RT_TOOLFMT_DEEPSEEK_V3:
-    case RT_TOOLFMT_DEEPSEEK_V31: M(ds);
-    case RT_TOOLFMT_QWEN3_CODER: M(qwen);
-    case RT_TOOLFMT_GLM45: M(glm);
-    case RT_TOOLFMT_KIMI_K2: M(kimi);
-    case RT_TOOLFMT_PYTHONIC: M(py);
-    default: break;
+    case RT_TOOLFMT_DEEPSEEK_V31:
+        M(ds);
+    case RT_TOOLFMT_QWEN3_CODER:
+        M(qwen);
+    case RT_TOOLFMT_GLM45:
+        M(glm);
+    case RT_TOOLFMT_KIMI_K2:
+        M(kimi);
+    case RT_TOOLFMT_PYTHONIC:
+        M(py);
+    default:
+        break;
     }
 #undef M
     *n = 0;
@@ -131,8 +157,8 @@ static int add_call(rt_toolfmt_calls *out, const char *name, size_t nlen, char *
         return TD_ENOMEM;
     }
     rt_toolfmt_call *c = &out->v[out->n];
-    *c = (rt_toolfmt_call){.name = strndup(name, nlen), .args = args,
-                           .id = id ? strndup(id, idlen) : NULL};
+    *c = (rt_toolfmt_call){
+        .name = strndup(name, nlen), .args = args, .id = id ? strndup(id, idlen) : NULL};
     if (!c->name || (id && !c->id)) {
         free(c->name);
         free(c->args);
@@ -203,7 +229,7 @@ static void py_ws(rt_py *r)
 
 static int hexval(char c)
 {
-    return c >= '0' && c <= '9' ? c - '0'
+    return c >= '0' && c <= '9'   ? c - '0'
            : c >= 'a' && c <= 'f' ? c - 'a' + 10
            : c >= 'A' && c <= 'F' ? c - 'A' + 10
                                   : -1;
@@ -348,7 +374,8 @@ static json_t *py_value(rt_py *r)
     } kw[] = {{"True", 1}, {"False", 0}, {"None", -1}};
     for (size_t k = 0; k < 3; k++) {
         size_t e = skip_lit(r->s, r->n, r->i, kw[k].w);
-        bool word = e < r->n && (r->s[e] == '_' || ((r->s[e] | 32) >= 'a' && (r->s[e] | 32) <= 'z'));
+        bool word =
+            e < r->n && (r->s[e] == '_' || ((r->s[e] | 32) >= 'a' && (r->s[e] | 32) <= 'z'));
         if (e != r->i && !word) {
             r->i = e;
             return kw[k].v < 0 ? json_null() : json_boolean(kw[k].v);
@@ -415,7 +442,8 @@ static int mistral_segment(const char *s, size_t n, rt_toolfmt_calls *out)
         json_t *a = json_at(s, n, &i), *c;
         size_t k;
         int rc = json_is_array(a) && json_array_size(a) ? 0 : 1;
-        json_array_foreach(a, k, c) {
+        json_array_foreach(a, k, c)
+        {
             json_t *name = json_object_get(c, "name"), *args = json_object_get(c, "arguments");
             if (rc || !json_is_string(name) || !args) {
                 rc = rc ? rc : 1;
@@ -529,7 +557,8 @@ static const json_t *param_schema(const json_t *tools, const char *f, const char
 {
     size_t i;
     const json_t *t;
-    json_array_foreach(tools, i, t) {
+    json_array_foreach(tools, i, t)
+    {
         const json_t *fn = json_object_get(t, "function");
         const char *name = json_string_value(json_object_get(fn, "name"));
         if (!name || strcmp(name, f)) continue;
@@ -753,14 +782,23 @@ int rt_toolfmt_parse(rt_toolfmt f, const char *s, size_t n, const json_t *tools,
                      rt_toolfmt_calls *out)
 {
     switch (f) {
-    case RT_TOOLFMT_LLAMA3_JSON: return parse_llama3(s, n, out);
-    case RT_TOOLFMT_MISTRAL: return parse_mistral(s, n, out);
-    case RT_TOOLFMT_DEEPSEEK_V3: return parse_deepseek(true, s, n, out);
-    case RT_TOOLFMT_DEEPSEEK_V31: return parse_deepseek(false, s, n, out);
-    case RT_TOOLFMT_QWEN3_CODER: return parse_qwen3_coder(s, n, tools, out);
-    case RT_TOOLFMT_GLM45: return parse_glm(s, n, tools, out);
-    case RT_TOOLFMT_KIMI_K2: return parse_kimi(s, n, out);
-    case RT_TOOLFMT_PYTHONIC: return parse_pythonic(s, n, out);
-    default: return 0;
+    case RT_TOOLFMT_LLAMA3_JSON:
+        return parse_llama3(s, n, out);
+    case RT_TOOLFMT_MISTRAL:
+        return parse_mistral(s, n, out);
+    case RT_TOOLFMT_DEEPSEEK_V3:
+        return parse_deepseek(true, s, n, out);
+    case RT_TOOLFMT_DEEPSEEK_V31:
+        return parse_deepseek(false, s, n, out);
+    case RT_TOOLFMT_QWEN3_CODER:
+        return parse_qwen3_coder(s, n, tools, out);
+    case RT_TOOLFMT_GLM45:
+        return parse_glm(s, n, tools, out);
+    case RT_TOOLFMT_KIMI_K2:
+        return parse_kimi(s, n, out);
+    case RT_TOOLFMT_PYTHONIC:
+        return parse_pythonic(s, n, out);
+    default:
+        return 0;
     }
 }

@@ -9,12 +9,14 @@
  *                 <|python_tag|>), several separated by ";"
  *   mistral       [TOOL_CALLS][{"name": f, "arguments": {...}}, ...] (Nemo), or
  *                 [TOOL_CALLS]f[ARGS]{...} / f[CALL_ID]id[ARGS]{...} / f{...}, repeated (v11+)
- *   deepseek_v3   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{...}\n```
+ *   deepseek_v3
+ * <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{...}\n```
  *                 <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>  (R1 and its distills)
- *   deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
- *   qwen3_coder   <tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n</function>\n</tool_call>
- *   glm45         <tool_call>f\n<arg_key>p</arg_key>\n<arg_value>value</arg_value>\n</tool_call>
- *   kimi_k2       <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
+ *   deepseek_v31
+ * <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>... qwen3_coder
+ * <tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n</function>\n</tool_call> glm45
+ * <tool_call>f\n<arg_key>p</arg_key>\n<arg_value>value</arg_value>\n</tool_call> kimi_k2
+ * <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
  *                 <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>
  *   pythonic      [f(a=1, b="x"), g()] as the whole output
  * Arguments are returned as vLLM returns them: the generated text itself where vLLM passes

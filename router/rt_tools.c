@@ -85,7 +85,7 @@ struct rt_toolp {
     size_t blk_at;                /* BLOCK: where the block starts in pend */
     bool started;                 /* BOUT: an at_start marker can no longer open a block */
     json_t *tools;                /* the request's tools (parameter types), or NULL */
-    char **names;     /* (n_names) the declared tools: a bare call must name one */
+    char **names;                 /* (n_names) the declared tools: a bare call must name one */
     size_t n_names;
     /* results */
     rt_buf content;

@@ -138,7 +138,7 @@ static int from_model(const tpl_args *a, td_gguf **g, const char **tmpl, size_t 
     }
     td_tokenizer *tok = NULL;
     if (td_tok_create(*g, &tok)) return 0; /* no vocabulary: bos/eos stay as given */
-    jn_special sp; /* the router's bos_token and eos_token */
+    jn_special sp;                         /* the router's bos_token and eos_token */
     rc = jn_special_init(&sp, tok);
     td_tok_destroy(tok);
     *bos = sp.bos;
@@ -208,8 +208,9 @@ int cmd_template(int argc, char **argv)
         msgs = inner;
     }
     if (!rc && a.messages && !json_is_array(msgs)) {
-        fprintf(stderr, "tandem template: messages '%s' must be a JSON array of messages (or an "
-                        "object with one under \"messages\")\n",
+        fprintf(stderr,
+                "tandem template: messages '%s' must be a JSON array of messages (or an "
+                "object with one under \"messages\")\n",
                 a.messages);
         rc = TD_EINVAL;
     }

@@ -99,8 +99,8 @@ static void run_split(const char *label, rt_toolfmt f, json_t *tools, const char
         TH_CHECKF(args && !strcmp(args, w->args[k]), "%s (split %zu): call %d args '%s', want '%s'",
                   label, split, k, args ? args : "(null)", w->args[k]);
         TH_CHECKF(id && id_ok(f, id, w->id[k]), "%s: id %s", label, id ? id : "(null)");
-        TH_CHECKF(k < a.n_calls && !strcmp(a.id[k], id ? id : "") && !strcmp(a.name[k], w->name[k]) &&
-                      a.args[k].len == strlen(w->args[k]) &&
+        TH_CHECKF(k < a.n_calls && !strcmp(a.id[k], id ? id : "") &&
+                      !strcmp(a.name[k], w->name[k]) && a.args[k].len == strlen(w->args[k]) &&
                       !memcmp(a.args[k].buf, w->args[k], a.args[k].len),
                   "%s (split %zu): streamed call %d differs", label, split, k);
     }
@@ -187,20 +187,34 @@ static void test_mistral(void)
         &(want_t){NULL, 2, {"get_weather", "f"}, {"{\"city\": \"Paris\"}", "{}"}});
     run("mistral text before", F, "Let me check.[TOOL_CALLS]f[ARGS]{\"q\": \"[TOOL\"}",
         &(want_t){"Let me check.", 1, {"f"}, {"{\"q\": \"[TOOL\"}"}});
-    run("mistral malformed", F, "Hi [TOOL_CALLS]f[ARGS]{\"a\": ",
-        &(want_t){"Hi [TOOL_CALLS]f[ARGS]{\"a\": "});
+    run("mistral malformed", F,
+        "Hi [TOOL_CALLS]f[ARGS]{\"a\": ", &(want_t){"Hi [TOOL_CALLS]f[ARGS]{\"a\": "});
     run("mistral partial marker is text", F, "see [TOOL_", &(want_t){"see [TOOL_"});
     run("mistral plain", F, "[1, 2] is a list", &(want_t){"[1, 2] is a list"});
 }
 
 /* ---- deepseek_v3 (R1 and its distills) and deepseek_v31 ---- */
 
-#define DS_CALLS_B "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALLS_E "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_CALL_B  "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALL_E  "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_SEP     "<\xef\xbd\x9ctool\xe2\x96\x81" "sep\xef\xbd\x9c>"
-#define DS3(name, args) DS_CALL_B "function" DS_SEP name "\n```json\n" args "\n```" DS_CALL_E
+#define DS_CALLS_B                                                                                 \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "begin\xef\xbd\x9c>"
+#define DS_CALLS_E                                                                                 \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "end\xef\xbd\x9c>"
+#define DS_CALL_B                                                                                  \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "begin\xef\xbd\x9c>"
+#define DS_CALL_E                                                                                  \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "end\xef\xbd\x9c>"
+#define DS_SEP                                                                                     \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "sep\xef\xbd\x9c>"
+#define DS3(name, args)  DS_CALL_B "function" DS_SEP name "\n```json\n" args "\n```" DS_CALL_E
 #define DS31(name, args) DS_CALL_B name DS_SEP args DS_CALL_E
 
 static void test_deepseek(void)
@@ -239,7 +253,9 @@ static void test_qwen3_coder(void)
               "<parameter=days>\n3\n</parameter>\n<parameter=temp>\n21.5\n</parameter>\n"
               "<parameter=metric>\nTrue\n</parameter>\n</function>\n</tool_call>",
               true,
-              &(want_t){NULL, 1, {"get_weather"},
+              &(want_t){NULL,
+                        1,
+                        {"get_weather"},
                         {"{\"city\": \"Paris\", \"days\": 3, \"temp\": 21.5, \"metric\": true}"}});
     run_tools("qwen3 coder objects, null, unknown", F, QWEN_TOOLS,
               "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n"
@@ -247,7 +263,9 @@ static void test_qwen3_coder(void)
               "['x', 'y']\n</parameter>\n<parameter=temp>\n4.0\n</parameter>\n<parameter=x>\n5\n"
               "</parameter>\n<parameter=days>\nnull\n</parameter>\n</function>\n</tool_call>",
               true,
-              &(want_t){"I'll check.\n", 1, {"get_weather"},
+              &(want_t){"I'll check.\n",
+                        1,
+                        {"get_weather"},
                         {"{\"city\": \"123\", \"opts\": {\"a\": [1, 2]}, \"tags\": [\"x\", \"y\"], "
                          "\"temp\": 4, \"x\": \"5\", \"days\": null}"}});
     run("qwen3 coder two calls, multi-line value", F,
@@ -272,7 +290,9 @@ static void test_glm45(void)
               "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n"
               "<arg_value>{\"a\": true}</arg_value>\n</tool_call>",
               true,
-              &(want_t){NULL, 1, {"get_weather"},
+              &(want_t){NULL,
+                        1,
+                        {"get_weather"},
                         {"{\"city\": \"123\", \"days\": 3, \"opts\": {\"a\": true}}"}});
     run("glm untyped, literal, text", F,
         "Let me see.<tool_call>f\n<arg_key>a</arg_key><arg_value>['x', 1]</arg_value>"
@@ -286,15 +306,17 @@ static void test_glm45(void)
 
 /* ---- kimi_k2 ---- */
 
-#define KB  "<|tool_calls_section_begin|>"
-#define KE  "<|tool_calls_section_end|>"
-#define KC(id, args) "<|tool_call_begin|>" id "<|tool_call_argument_begin|>" args "<|tool_call_end|>"
+#define KB "<|tool_calls_section_begin|>"
+#define KE "<|tool_calls_section_end|>"
+#define KC(id, args)                                                                               \
+    "<|tool_call_begin|>" id "<|tool_call_argument_begin|>" args "<|tool_call_end|>"
 
 static void test_kimi(void)
 {
     const rt_toolfmt F = RT_TOOLFMT_KIMI_K2;
     run("kimi one", F, KB KC("functions.get_weather:0", "{\"city\": \"Beijing\"}") KE,
-        &(want_t){NULL, 1, {"get_weather"}, {"{\"city\": \"Beijing\"}"}, {"functions.get_weather:0"}});
+        &(want_t){
+            NULL, 1, {"get_weather"}, {"{\"city\": \"Beijing\"}"}, {"functions.get_weather:0"}});
     run("kimi two, text, spaces", F,
         "I'll look.\n" KB " " KC(" functions.f:0 ", " {\"a\": 1} ") "\n" KC("g:1", "{}") KE,
         &(want_t){"I'll look.\n", 2, {"f", "g"}, {"{\"a\": 1}", "{}"}, {"functions.f:0", "g:1"}});
@@ -307,18 +329,23 @@ static void test_pythonic(void)
 {
     const rt_toolfmt F = RT_TOOLFMT_PYTHONIC;
     run("pythonic simple", F, "[get_weather(city='San Francisco', metric='celsius')]",
-        &(want_t){NULL, 1, {"get_weather"}, {"{\"city\": \"San Francisco\", \"metric\": \"celsius\"}"}});
+        &(want_t){
+            NULL, 1, {"get_weather"}, {"{\"city\": \"San Francisco\", \"metric\": \"celsius\"}"}});
     run("pythonic more types", F,
         "[register_user(name='John Doe', age=37, address={'city': 'San Francisco', 'state': "
         "'CA'}, role=None, passed_test=True, aliases=['John', 'Johnny'])]",
-        &(want_t){NULL, 1, {"register_user"},
+        &(want_t){NULL,
+                  1,
+                  {"register_user"},
                   {"{\"name\": \"John Doe\", \"age\": 37, \"address\": {\"city\": \"San "
                    "Francisco\", \"state\": \"CA\"}, \"role\": null, \"passed_test\": true, "
                    "\"aliases\": [\"John\", \"Johnny\"]}"}});
     run("pythonic parallel, escapes, numbers", F,
         "[get_weather(city='Martha\\'s Vineyard', metric=\"\\\"cool units\\\"\"), "
         "f(x=1.5, y=-2, z=1e3, e=[]), g()]",
-        &(want_t){NULL, 3, {"get_weather", "f", "g"},
+        &(want_t){NULL,
+                  3,
+                  {"get_weather", "f", "g"},
                   {"{\"city\": \"Martha's Vineyard\", \"metric\": \"\\\"cool units\\\"\"}",
                    "{\"x\": 1.5, \"y\": -2, \"z\": 1000.0, \"e\": []}", "{}"}});
     run("pythonic text", F, "Hello [world]", &(want_t){"Hello [world]"});
@@ -335,9 +362,13 @@ static void test_detect(void)
         rt_toolfmt want;
     } cases[] = {
         {"{{ '[TOOL_CALLS][' }}", RT_TOOLFMT_MISTRAL},
-        {"{{'<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>' + '```json'}}",
+        {"{{'<\xef\xbd\x9ctool\xe2\x96\x81"
+         "calls\xe2\x96\x81"
+         "begin\xef\xbd\x9c>' + '```json'}}",
          RT_TOOLFMT_DEEPSEEK_V3},
-        {"{{'<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>'}}",
+        {"{{'<\xef\xbd\x9ctool\xe2\x96\x81"
+         "calls\xe2\x96\x81"
+         "begin\xef\xbd\x9c>'}}",
          RT_TOOLFMT_DEEPSEEK_V31},
         {"<|tool_calls_section_begin|>", RT_TOOLFMT_KIMI_K2},
         {"<tool_call>{{ name }}<arg_key>", RT_TOOLFMT_GLM45},
