@@ -167,11 +167,16 @@ static jv *slice(jn_ctx *c, jv *v, jv *a, jv *b, jv *st, int line)
         size_t e = jn_utf8_offset(v->u.str.s, v->u.str.len, (size_t)(start + cnt));
         return jn_str(c, v->u.str.s + o, e - o);
     }
+    /* each code point's byte offset, once: s[::-1] of a long message stays linear */
+    size_t *at = jn_alloc(&c->arena, ((size_t)n + 1) * sizeof *at), k0 = 0;
+    if (!at) return jn_fail(c, TD_ENOMEM, line, "out of memory");
+    for (size_t o = 0; o < v->u.str.len; o++)
+        if (((unsigned char)v->u.str.s[o] & 0xC0) != 0x80) at[k0++] = o;
+    at[k0] = v->u.str.len;
     jn_buf buf = {0};
     for (int64_t k = 0; k < cnt; k++) {
-        size_t o = jn_utf8_offset(v->u.str.s, v->u.str.len, (size_t)(start + k * step));
-        size_t e = jn_utf8_offset(v->u.str.s, v->u.str.len, (size_t)(start + k * step + 1));
-        if (jn_buf_put(c, &buf, v->u.str.s + o, e - o)) {
+        size_t i = (size_t)(start + k * step);
+        if (jn_buf_put(c, &buf, v->u.str.s + at[i], at[i + 1] - at[i])) {
             free(buf.buf);
             return NULL;
         }

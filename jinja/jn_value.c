@@ -164,14 +164,10 @@ jv *jn_dict_gets(const jv *d, const char *key)
     return NULL;
 }
 
-int jn_dict_set(jn_ctx *c, jv *d, jv *key, jv *val)
+/* key -> val at the end, without looking for an equal key (the caller knows there is none). */
+static int dict_append(jn_ctx *c, jv *d, jv *key, jv *val)
 {
     jn_dict *x = d->u.dict;
-    for (size_t i = 0; i < x->n; i++)
-        if (jn_equal(x->keys[i], key)) {
-            x->vals[i] = val;
-            return 0;
-        }
     if (x->n == x->cap) {
         size_t cap = x->cap ? 2 * x->cap : 8;
         jv **k = jn_alloc(&c->arena, cap * sizeof *k), **v = jn_alloc(&c->arena, cap * sizeof *v);
@@ -192,6 +188,17 @@ int jn_dict_set(jn_ctx *c, jv *d, jv *key, jv *val)
     return 0;
 }
 
+int jn_dict_set(jn_ctx *c, jv *d, jv *key, jv *val)
+{
+    jn_dict *x = d->u.dict;
+    for (size_t i = 0; i < x->n; i++)
+        if (jn_equal(x->keys[i], key)) {
+            x->vals[i] = val;
+            return 0;
+        }
+    return dict_append(c, d, key, val);
+}
+
 jv *jn_func(jn_ctx *c, const char *name, jn_native fn, jv *self)
 {
     jv *v = new_value(c, JV_FUNC);
@@ -210,10 +217,12 @@ jv *jn_from_json(jn_ctx *c, const json_t *j)
         const char *k;
         json_t *x;
         if (!d) return NULL;
+        /* a JSON object's keys are distinct already: appended, so a client's object of
+           many keys costs linear time, not quadratic */
         json_object_foreach((json_t *)j, k, x)
         {
             jv *key = jn_cstr(c, k), *val = jn_from_json(c, x);
-            if (!key || !val || jn_dict_set(c, d, key, val)) return NULL;
+            if (!key || !val || dict_append(c, d, key, val)) return NULL;
         }
         return d;
     }
