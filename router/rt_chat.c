@@ -421,6 +421,14 @@ int rt_chat_prompt(const rt_chat_tmpl *tmpl, json_t *o, bool add_generation_prom
     if (!absent(kw) && !json_is_object(kw))
         return rt_error_set(e, 400, "chat_template_kwargs", NULL,
                             "'chat_template_kwargs' must be an object");
+    /* the variables the request itself sets (transformers refuses them twice too) */
+    static const char *const reserved[] = {"messages", "tools", "documents",
+                                           "add_generation_prompt"};
+    for (size_t k = 0; k < sizeof reserved / sizeof *reserved; k++)
+        if (json_object_get(kw, reserved[k]))
+            return rt_error_set(e, 400, "chat_template_kwargs", NULL,
+                                "chat_template_kwargs.%s is set by the request itself",
+                                reserved[k]);
     int rc = parse_tools(tmpl, o, &n_tools, e);
     if (!rc) rc = parse_choice(o, n_tools, p, &named, e);
     if (!rc && p->forced) rc = forced_grammar(o, named, p, e);

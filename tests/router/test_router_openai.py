@@ -153,6 +153,9 @@ def check_token_endpoints(args, cl, model, name, prompt):
                                "chat_template_kwargs"),
                               ("/tokenize", {"messages": msgs, "chat_template_kwargs": 1},
                                "chat_template_kwargs"),
+                              ("/tokenize", {"messages": msgs,
+                                             "chat_template_kwargs": {"messages": []}},
+                               "chat_template_kwargs"),
                               ("/detokenize", {"tokens": [1 << 30]}, "tokens"),
                               ("/detokenize", {"tokens": "12"}, "tokens")):
         st, err = jpost(cl, path, body)
