@@ -16,8 +16,10 @@ static json_t *fail(jn_error *err, const char *msg)
     return NULL;
 }
 
-/* One message: null-valued keys dropped; reasoning under `thinking` (first) and
- * `reasoning_content` (in its place, or last). */
+/* One message as transformers makes it: null-valued keys dropped, then the reasoning (the
+ * first of reasoning_content, thinking, reasoning that is set) as
+ * {"thinking": r, **message, "reasoning_content": r}: `thinking` first unless the message
+ * has its own, `reasoning_content` in its place or last. */
 static json_t *message(const json_t *m)
 {
     static const char *const fields[] = {"reasoning_content", "thinking", "reasoning"};
@@ -33,7 +35,7 @@ static json_t *message(const json_t *m)
     json_object_foreach((json_t *)m, k, v)
     {
         if (json_is_null(v)) continue;
-        if (reasoning && (!strcmp(k, "thinking") || !strcmp(k, "reasoning_content"))) v = reasoning;
+        /* the message's own `thinking` wins over the copy (Python's {"thinking": r, **m}) */
         if (json_object_set(out, k, v)) goto oom;
     }
     if (reasoning && json_object_set(out, "reasoning_content", reasoning)) goto oom;
