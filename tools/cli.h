@@ -52,6 +52,9 @@ int cli_parse_float(const char *flag, const char *v, float *out);
 int cli_parse_u64(const char *flag, const char *v, uint64_t *out);
 /* "1,2,3" or "1 2 3" -> malloc'd ids. */
 int cli_parse_ids(const char *v, int32_t **ids, int64_t *n);
+/* The whole of a file ('-': stdin), NUL-terminated (*len bytes before the NUL); NULL with
+ * "tandem CMD: ..." on stderr when it cannot be read or is over 1 GiB. */
+char *cli_read_file(const char *cmd, const char *path, size_t *len);
 int cli_parse_kv_type(const char *v, td_dtype *out);
 
 int cmd_generate(int argc, char **argv);

@@ -1,5 +1,6 @@
 /* cli_session.c: loading a whole model into one process, and chunked prefill. */
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,4 +165,38 @@ int cli_parse_kv_type(const char *v, td_dtype *out)
         return TD_EINVAL;
     }
     return 0;
+}
+
+char *cli_read_file(const char *cmd, const char *path, size_t *len)
+{
+    FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
+    if (!f) {
+        fprintf(stderr, "tandem %s: cannot open '%s': %s\n", cmd, path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (n < cap - 1) break;
+        char *nb = cap < ((size_t)1 << 30) ? realloc(buf, cap * 2) : NULL;
+        if (!nb) {
+            free(buf);
+            buf = NULL;
+            fprintf(stderr, "tandem %s: '%s' is too large\n", cmd, path);
+            break;
+        }
+        buf = nb;
+        cap *= 2;
+    }
+    bool err = ferror(f);
+    if (f != stdin) fclose(f);
+    if (buf && err) {
+        fprintf(stderr, "tandem %s: cannot read '%s'\n", cmd, path);
+        free(buf);
+        return NULL;
+    }
+    if (buf) buf[n] = '\0';
+    *len = n;
+    return buf;
 }

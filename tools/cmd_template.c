@@ -28,45 +28,11 @@ static void usage(void)
             "  --model); --now: strftime_now's time, Unix seconds, UTC\n");
 }
 
-/* The whole of a file ('-': stdin), NUL-terminated. */
-static char *read_all(const char *path, size_t *len)
-{
-    FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
-    if (!f) {
-        fprintf(stderr, "tandem template: cannot open '%s': %s\n", path, strerror(errno));
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        n += fread(buf + n, 1, cap - n - 1, f);
-        if (n < cap - 1) break;
-        char *nb = cap < ((size_t)1 << 30) ? realloc(buf, cap * 2) : NULL;
-        if (!nb) {
-            free(buf);
-            buf = NULL;
-            fprintf(stderr, "tandem template: '%s' is too large\n", path);
-            break;
-        }
-        buf = nb;
-        cap *= 2;
-    }
-    bool err = ferror(f);
-    if (f != stdin) fclose(f);
-    if (buf && err) {
-        fprintf(stderr, "tandem template: cannot read '%s'\n", path);
-        free(buf);
-        return NULL;
-    }
-    if (buf) buf[n] = '\0';
-    *len = n;
-    return buf;
-}
 
 static json_t *read_json(const char *path, const char *what)
 {
     size_t n;
-    char *text = read_all(path, &n);
+    char *text = cli_read_file("template", path, &n);
     if (!text) return NULL;
     json_error_t e;
     json_t *j = json_loadb(text, n, JSON_DECODE_ANY, &e);
@@ -197,7 +163,7 @@ int cmd_template(int argc, char **argv)
         rc = from_model(&a, &g, &tmpl, &tlen, &mbos, &meos);
     } else if ((tmpl = jn_family_template(a.tmpl))) { /* as router.chat_template reads it */
         tlen = strlen(tmpl);
-    } else if (!(file = read_all(a.tmpl, &tlen))) {
+    } else if (!(file = cli_read_file("template", a.tmpl, &tlen))) {
         rc = TD_EIO;
     }
     if (file) tmpl = file;

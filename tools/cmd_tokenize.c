@@ -72,39 +72,6 @@ static int parse(int argc, char **argv, tok_args *a)
     return 0;
 }
 
-/* The whole of a file ('-': stdin), as bytes. */
-static char *read_all(const char *path, size_t *len)
-{
-    FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
-    if (!f) {
-        fprintf(stderr, "tandem tokenize: cannot open '%s': %s\n", path, strerror(errno));
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap) break;
-        char *nb = cap < ((size_t)1 << 30) ? realloc(buf, cap * 2) : NULL;
-        if (!nb) {
-            free(buf);
-            buf = NULL;
-            fprintf(stderr, "tandem tokenize: '%s' is too large\n", path);
-            break;
-        }
-        buf = nb;
-        cap *= 2;
-    }
-    bool err = ferror(f);
-    if (f != stdin) fclose(f);
-    if (buf && err) {
-        fprintf(stderr, "tandem tokenize: cannot read '%s'\n", path);
-        free(buf);
-        return NULL;
-    }
-    *len = n;
-    return buf;
-}
 
 /* Length of the valid UTF-8 character at s[0..n) (2..4), or 0. */
 static size_t utf8_char(const unsigned char *s, size_t n)
@@ -190,7 +157,7 @@ static int decode(const td_tokenizer *t, const char *spec)
 static int tokenize(const td_tokenizer *t, const tok_args *a)
 {
     size_t len = a->text ? strlen(a->text) : 0;
-    char *buf = a->text ? NULL : read_all(a->file ? a->file : "-", &len);
+    char *buf = a->text ? NULL : cli_read_file("tokenize", a->file ? a->file : "-", &len);
     if (!a->text && !buf) return TD_EIO;
     int32_t *ids = NULL;
     size_t n = 0;
