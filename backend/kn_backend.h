@@ -211,6 +211,14 @@ typedef struct {
     /* dst (m, n) = src rows rows[i] (each of n floats). */
     void (*copy_rows)(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
                       float *dst);
+
+    /* Optional (NULL: the engine refuses mixture-of-experts models on the backend).
+     * y (m, n): y[i] = sum over j < k of w[i * k + j] * x[idx[i * k + j]], the j terms added
+     * in order from 0.0f; x (rows, n), idx and w (m, k). A mixture-of-experts layer's combine:
+     * row i's k chosen experts' outputs, weighted by their gate values. Row i's result reads
+     * only its own idx, w and x rows, so it does not depend on the other rows. */
+    void (*weighted_rows_sum)(void *ctx, const float *x, const int32_t *idx, const float *w, int k,
+                              int64_t m, int64_t n, float *y);
 } kn_backend_ops;
 
 typedef struct {

@@ -214,10 +214,13 @@ static void features(const dc_step_shape *s, double x[4])
 void dc_cost_init(dc_cost *c, const kn_hparams *hp)
 {
     memset(c, 0, sizeof *c);
-    /* matmul weights per layer: q and o, k and v, the three FFN matrices */
+    /* matmul weights per layer: q and o, k and v, the three FFN matrices (of the experts a
+     * token takes, in a MoE layer) */
     double d = hp->n_embd, qd = (double)hp->n_head * hp->head_dim,
-           kvd = (double)hp->n_head_kv * hp->head_dim;
-    double flops_tok = 2.0 * hp->n_layer * (2 * d * qd + 2 * d * kvd + 3 * d * hp->n_ff);
+           kvd = (double)hp->n_head_kv * hp->head_dim, ffn = 0;
+    for (int il = 0; il < hp->n_layer; il++)
+        ffn += (double)kn_layer_ffn_active(hp, il);
+    double flops_tok = 2.0 * (hp->n_layer * (2 * d * qd + 2 * d * kvd) + 3 * d * ffn);
     double flops_pair = 4.0 * hp->n_layer * qd; /* q.k and p.v per (row, position) */
     double ms_per_flop = 1e3 / (COST_GFLOPS * 1e9);
     c->theta[0] = 1.0;

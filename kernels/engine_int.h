@@ -5,6 +5,21 @@
 #define KN_ENGINE_INT_H
 
 #include "model.h"
+#include "moe_route.h"
+
+/* A mixture-of-experts layer's scratch (forward_moe.c), for the engine's cap tokens; NULL
+ * for a dense model. */
+typedef struct {
+    int64_t cap;
+    float *rl;           /* (cap, n_expert) the router's logits */
+    float *xe;           /* (cap, n_embd) one expert's tokens, gathered */
+    float *ye;           /* (cap * k, n_embd) every choice's expert output, grouped by expert */
+    float *mo;           /* (cap, n_embd) the layer's output before the all-reduce */
+    kn_moe_plan plan;    /* the routing, on the host */
+    float *h_rl;         /* (cap, n_expert) host copy of rl (device backends) */
+    int32_t *tok, *slot; /* (cap * k) the plan's token and slot in backend memory (device) */
+    float *wt;           /* (cap * k) and its weights */
+} kn_engine_moe;
 
 /* A batch's host arrays as a device backend reads them: copies in backend memory, grown on
  * demand. h_seqs / h_tables are the host-side packing buffers of the seq views. */
@@ -43,7 +58,27 @@ struct kn_engine {
     int cap_lg;   /* logit rows lg holds */
     float *lg;    /* (cap_lg, n_vocab_local) this rank's logit slice; tp > 1 only */
     kn_engine_stage st;
+    kn_engine_moe moe;
 };
+
+/* ---- forward.c, for forward_moe.c ---- */
+/* y (m, w->n_rows) = x W^T with rows [0, solo) each computed as if alone (model.h). */
+int kn_engine_matmul(const kn_engine *e, const kn_mat *w, const float *x, int64_t m, int64_t solo,
+                     float *y);
+/* out = act(x Wg^T) * (x Wu^T) into e->g (e->u the up product), act the model's. */
+int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
+                  int64_t solo);
+/* buf (n floats) summed across the TP ranks (a no-op at tp 1). */
+int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n);
+
+/* ---- forward_moe.c ---- */
+/* The widest FFN a layer of the model computes (dense, one expert, shared experts). */
+int64_t kn_engine_ffn_width(const kn_model *m);
+/* The MoE scratch for n tokens (grown on demand); 0 at once for a dense model. */
+int kn_engine_moe_reserve(kn_engine *e, int64_t n);
+void kn_engine_moe_free(kn_engine *e);
+/* x += allreduce(moe(h)): h (n, n_embd) the FFN's normed input. */
+int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo);
 
 /* Every weight matrix and vector of the shard, mapped into the device backend
  * (ops->map_matrix / map_vector). */

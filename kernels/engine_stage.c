@@ -39,6 +39,12 @@ int kn_engine_map_model(kn_engine *e)
                                 &ly->w_gate, &ly->w_up, &ly->w_down};
         for (size_t i = 0; !rc && i < sizeof mats / sizeof *mats; i++)
             rc = map_mat(e, mats[i]);
+        const kn_mat *moe[] = {&ly->gate_inp, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
+        for (size_t i = 0; !rc && i < sizeof moe / sizeof *moe; i++)
+            rc = map_mat(e, moe[i]);
+        for (int x = 0; !rc && ly->exp_gate && x < m->hp.n_expert; x++)
+            if (!(rc = map_mat(e, &ly->exp_gate[x])) && !(rc = map_mat(e, &ly->exp_up[x])))
+                rc = map_mat(e, &ly->exp_down[x]);
         struct {
             const float *v;
             int64_t n;

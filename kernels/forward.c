@@ -52,6 +52,11 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
         TD_LOG_ERR("tp %d needs an allreduce", m->shard.tp_size);
         return TD_EINVAL;
     }
+    if (m->hp.n_expert && !be.ops->weighted_rows_sum) {
+        TD_LOG_ERR("backend '%s' cannot run mixture-of-experts layers (no weighted_rows_sum)",
+                   be.ops->name);
+        return TD_EUNSUPP;
+    }
     if (m->shard.tp_size > 1 && m->last && !coll->gather_cols) {
         TD_LOG_ERR("tp %d: the vocab-parallel LM head needs a gather", m->shard.tp_size);
         return TD_EINVAL;
@@ -86,6 +91,7 @@ void kn_engine_destroy(kn_engine *e)
 {
     if (!e) return;
     free_scratch(e);
+    kn_engine_moe_free(e);
     if (e->lg) e->be.ops->free(e->be.ctx, e->lg);
     kn_engine_stage_free(e);
     free(e);
@@ -94,11 +100,12 @@ void kn_engine_destroy(kn_engine *e)
 /* The activations of n tokens, in the backend's memory. */
 static int reserve(kn_engine *e, int64_t n)
 {
-    if (n <= e->cap) return 0;
+    int rc = kn_engine_moe_reserve(e, n);
+    if (rc || n <= e->cap) return rc;
     free_scratch(e);
     const kn_model *m = e->m;
     int64_t E = m->hp.n_embd, HD = m->hp.head_dim;
-    int64_t nq = m->heads.n_q * HD, nkv = m->heads.n_kv * HD, F = m->n_ff_local;
+    int64_t nq = m->heads.n_q * HD, nkv = m->heads.n_kv * HD, F = kn_engine_ffn_width(m);
     struct {
         float **buf;
         int64_t width;
@@ -125,9 +132,8 @@ static int solo_logits(const kn_batch *b)
     return i;
 }
 
-/* y (m, w->n_rows) = x (m, w->n_cols) W^T with rows [0, solo) each computed as if alone. */
-static int matmul(const kn_engine *e, const kn_mat *w, const float *x, int64_t m, int64_t solo,
-                  float *y)
+int kn_engine_matmul(const kn_engine *e, const kn_mat *w, const float *x, int64_t m, int64_t solo,
+                     float *y)
 {
     const kn_backend_ops *ops = e->be.ops;
     void *c = e->be.ctx;
@@ -224,30 +230,30 @@ static int qkv(const kn_engine *e, const kn_layer *ly, const float *h, int64_t n
         return e->be.ops->matmul_multi(e->be.ctx, 3, w, h, n, solo, y);
     }
     int rc;
-    if ((rc = matmul(e, &ly->wq, h, n, solo, e->q))) return rc;
-    if ((rc = matmul(e, &ly->wk, h, n, solo, e->k))) return rc;
-    return matmul(e, &ly->wv, h, n, solo, e->v);
+    if ((rc = kn_engine_matmul(e, &ly->wq, h, n, solo, e->q))) return rc;
+    if ((rc = kn_engine_matmul(e, &ly->wk, h, n, solo, e->k))) return rc;
+    return kn_engine_matmul(e, &ly->wv, h, n, solo, e->v);
 }
 
 /* g = act(h Wg) * (h Wu), act silu or gelu (tanh): one fused op when the backend has it. */
-static int glu(const kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo)
+int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const float *h, int64_t n,
+                  int64_t solo)
 {
     const kn_backend_ops *ops = e->be.ops;
     const bool gelu = e->m->hp.gelu_ffn;
-    if (ops->glu_ffn)
-        return ops->glu_ffn(e->be.ctx, &ly->w_gate, &ly->w_up, h, n, solo, gelu, e->g, e->u, e->g);
+    if (ops->glu_ffn) return ops->glu_ffn(e->be.ctx, wg, wu, h, n, solo, gelu, e->g, e->u, e->g);
     int rc;
-    if ((rc = matmul(e, &ly->w_gate, h, n, solo, e->g))) return rc;
-    if ((rc = matmul(e, &ly->w_up, h, n, solo, e->u))) return rc;
+    if ((rc = kn_engine_matmul(e, wg, h, n, solo, e->g))) return rc;
+    if ((rc = kn_engine_matmul(e, wu, h, n, solo, e->u))) return rc;
     if (gelu)
-        ops->geglu(e->be.ctx, e->g, e->u, e->g, n, e->m->n_ff_local);
+        ops->geglu(e->be.ctx, e->g, e->u, e->g, n, wg->n_rows);
     else
-        ops->swiglu(e->be.ctx, e->g, e->u, e->g, n, e->m->n_ff_local);
+        ops->swiglu(e->be.ctx, e->g, e->u, e->g, n, wg->n_rows);
     return 0;
 }
 
-/* buf (n floats) summed across the TP ranks; on a device backend through host memory. */
-static int allreduce(kn_engine *e, float *buf, int64_t n)
+/* On a device backend through host memory. */
+int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n)
 {
     if (e->m->shard.tp_size == 1) return 0;
     if (e->dev) return kn_engine_allreduce_staged(e, buf, n);
@@ -266,8 +272,8 @@ static int project_add(kn_engine *e, const kn_mat *w, const float *in, const flo
     if (ops->matmul_add && e->m->shard.tp_size == 1 && !post_norm && !scaled)
         return ops->matmul_add(e->be.ctx, w, in, n, solo, e->h, e->x);
     int rc;
-    if ((rc = matmul(e, w, in, n, solo, e->h))) return rc;
-    if ((rc = allreduce(e, e->h, n * E))) return rc;
+    if ((rc = kn_engine_matmul(e, w, in, n, solo, e->h))) return rc;
+    if ((rc = kn_engine_allreduce(e, e->h, n * E))) return rc;
     /* gemma3/olmo2 normalize the (whole, reduced) output before the residual add */
     if (post_norm) ops->rmsnorm(e->be.ctx, e->h, post_norm, e->h, n, E, hp->rms_eps);
     if (scaled) ops->scale(e->be.ctx, e->h, n * E, hp->residual_scale); /* granite */
@@ -323,11 +329,12 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
                    swa ? hp->swa_window : 0, n, solo, b->pos, b->seq_of, b->seqs, e->att);
     if ((rc = project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo))) return rc;
 
-    /* feed-forward */
+    /* feed-forward: dense, or the layer's experts (forward_moe.c) */
     if (ly->ffn_norm) ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
-    if ((rc = glu(e, ly, ly->ffn_norm ? e->h : e->x, n, solo))) return rc;
-    if ((rc = project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo))) return rc;
-    return 0;
+    const float *fin = ly->ffn_norm ? e->h : e->x;
+    if (kn_layer_is_moe(hp, il)) return kn_engine_moe_ffn(e, ly, fin, n, solo);
+    if ((rc = kn_engine_glu(e, &ly->w_gate, &ly->w_up, fin, n, solo))) return rc;
+    return project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo);
 }
 
 /* logits (n_logits, n_vocab) = sel Wout on one rank; with tp > 1 each rank computes its
@@ -343,12 +350,13 @@ static int lm_head(kn_engine *e, const kn_batch *b, float *out)
         const int64_t n = (int64_t)nl * (tp ? m->n_vocab_local : m->hp.n_vocab);
         float *d = kn_engine_stage_out(e, n);
         if (!d) return TD_ENOMEM;
-        int rc = matmul(e, &m->output, e->sel, nl, solo_logits(b), d);
+        int rc = kn_engine_matmul(e, &m->output, e->sel, nl, solo_logits(b), d);
         if (rc) return rc;
         if (tp) return kn_engine_gather_staged(e, d, nl, m->shard.tp_rank == 0 ? out : NULL);
         return e->be.ops->download(e->be.ctx, out, d, (size_t)n * sizeof(float));
     }
-    if (m->shard.tp_size == 1) return matmul(e, &m->output, e->sel, nl, solo_logits(b), out);
+    if (m->shard.tp_size == 1)
+        return kn_engine_matmul(e, &m->output, e->sel, nl, solo_logits(b), out);
     if (nl > e->cap_lg) {
         if (e->lg) e->be.ops->free(e->be.ctx, e->lg);
         e->cap_lg = 0;
@@ -359,7 +367,7 @@ static int lm_head(kn_engine *e, const kn_batch *b, float *out)
         }
         e->cap_lg = nl;
     }
-    int rc = matmul(e, &m->output, e->sel, nl, solo_logits(b), e->lg);
+    int rc = kn_engine_matmul(e, &m->output, e->sel, nl, solo_logits(b), e->lg);
     if (rc) return rc;
     return e->coll.gather_cols(e->coll.ctx, e->lg, nl, m->hp.n_vocab,
                                m->shard.tp_rank == 0 ? out : NULL);

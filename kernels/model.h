@@ -18,12 +18,15 @@
  * TP needs tp to divide the head count; KV heads shared by the query heads of several
  * ranks are replicated (td_tp.h), so tp may exceed the KV-head count. The FFN is split evenly when
  * tp divides it into whole 32-weight blocks, else in whole 32-blocks with ranks differing by one
- * block (n_ff_local is per rank). A row-parallel slice that cuts through a quant block (256-weight
- * K types) is re-quantized to Q8_0 at load (docs/architecture.md: effect). Invariants: weights are
- * views into the GGUF mapping (never copied, except small 1-D tensors converted to float32 and
- * re-quantized slices); a loaded model is read-only. Threading: a kn_model may be shared by
- * engines; a kn_engine is driven by one thread. Ownership: kn_model borrows the td_gguf (keep it
- * open until kn_model_destroy); kn_engine borrows the model, the backend and the collective.
+ * block (n_ff_local is per rank); a mixture-of-experts layer splits each expert's FFN (and the
+ * shared experts') the same way, so every rank holds a slice of every expert, and the router
+ * whole (tensor-parallel experts; expert parallelism is not built). A row-parallel slice that cuts
+ * through a quant block (256-weight K types) is re-quantized to Q8_0 at load (docs/architecture.md:
+ * effect). Invariants: weights are views into the GGUF mapping (never copied, except small 1-D
+ * tensors converted to float32 and re-quantized slices); a loaded model is read-only. Threading: a
+ * kn_model may be shared by engines; a kn_engine is driven by one thread. Ownership: kn_model
+ * borrows the td_gguf (keep it open until kn_model_destroy); kn_engine borrows the model, the
+ * backend and the collective.
  */
 #ifndef KN_MODEL_H
 #define KN_MODEL_H
@@ -45,7 +48,15 @@ typedef enum {
     KN_ARCH_GRANITE,
     KN_ARCH_PHI3,
     KN_ARCH_OLMO2,
+    KN_ARCH_QWEN3MOE,
 } kn_arch;
+
+/* How a mixture-of-experts router turns its logits into probabilities (llama.cpp's
+ * expert_gating_func values). */
+typedef enum {
+    KN_MOE_SOFTMAX = 1,
+    KN_MOE_SIGMOID = 2,
+} kn_moe_gating;
 
 typedef struct {
     kn_arch arch;
@@ -70,6 +81,15 @@ typedef struct {
     float logit_scale;    /* granite: logits are multiplied by 1 / logit_scale */
     bool no_pre_norms;    /* olmo2: no attn_norm / ffn_norm, the blocks read x itself */
     bool qk_norm_whole;   /* olmo2: Q and K RMSNorm over the whole projection, not per head */
+    /* mixture of experts (n_expert 0: every layer's FFN is dense) */
+    int n_expert, n_expert_used;       /* experts of a MoE layer; how many each token takes */
+    int n_ff_exp;                      /* one expert's FFN width */
+    int n_ff_shexp;                    /* the shared experts' FFN width, all of them (0: none) */
+    int n_layer_dense_lead;            /* the first layers keep a dense FFN */
+    kn_moe_gating moe_gating;          /* router logits -> probabilities */
+    bool moe_norm_w;                   /* the chosen weights renormalised to sum 1 */
+    float moe_w_scale;                 /* the chosen weights times it (1: none) */
+    int n_expert_groups, n_group_used; /* choice limited to the best groups (0: no groups) */
 } kn_hparams;
 
 /* Whether layer il (global index) applies rope to Q and K. */
@@ -77,6 +97,13 @@ bool kn_layer_has_rope(const kn_hparams *hp, int il);
 
 /* Whether layer il (global index) uses sliding-window attention. */
 bool kn_layer_is_swa(const kn_hparams *hp, int il);
+
+/* Whether layer il (global index) has a mixture-of-experts FFN. */
+bool kn_layer_is_moe(const kn_hparams *hp, int il);
+
+/* The FFN width one token computes in layer il: n_ff, or in a MoE layer its experts'
+ * (n_expert_used * n_ff_exp) and the shared experts' (n_ff_shexp): cost models' FFN term. */
+int64_t kn_layer_ffn_active(const kn_hparams *hp, int il);
 
 typedef struct {
     int l0, l1;           /* layers [l0, l1); l1 = 0 means n_layer */
@@ -95,6 +122,12 @@ typedef struct {
     float *q_norm, *k_norm;                /* (head_dim) qwen3/gemma3 per-head norms, (n_head *
                                             * head_dim) / (n_head_kv * head_dim) olmo2, or NULL */
     float *attn_post_norm, *ffn_post_norm; /* (n_embd) gemma3 sandwich norms or NULL */
+    /* a mixture-of-experts layer's FFN (kn_layer_is_moe; w_gate/w_up/w_down unused there) */
+    kn_mat gate_inp;                /* (n_expert, n_embd) the router, whole on every rank */
+    float *exp_probs_b;             /* (n_expert) bias added for the choice only, or NULL */
+    kn_mat *exp_gate, *exp_up;      /* (n_expert) rows [ffe0, +n_ffe_local) of each expert */
+    kn_mat *exp_down;               /* (n_expert) the same columns of each expert's down */
+    kn_mat sh_gate, sh_up, sh_down; /* the shared experts' slices (data NULL: none) */
 } kn_layer;
 
 typedef struct {
@@ -102,6 +135,8 @@ typedef struct {
     kn_shard shard;
     td_tp_heads heads;   /* this rank's query and KV heads (td_tp.h) */
     int n_ff_local, ff0; /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
+    int n_ffe_local, ffe0; /* the same for each expert's FFN (n_ff_exp) */
+    int n_ffs_local, ffs0; /* and for the shared experts' FFN (n_ff_shexp) */
     bool first, last;
     kn_mat tok_embd; /* (n_vocab, n_embd) whole; first stage */
     kn_mat output;   /* (n_vocab_local, n_embd) rows [vocab0, +n_vocab_local); last stage */

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "cpu_backend.h" /* kn_dequant_row, kn_cpu_type_supported: host-side loading */
-#include "model.h"
+#include "model_load_int.h"
 #include "td_err.h"
 
 /* The architectures the engine runs: GGUF name, rope pairing (llama.cpp's
@@ -16,10 +16,11 @@ static const struct {
     bool neox;
     float eps;
 } ARCHS[] = {
-    {"llama", KN_ARCH_LLAMA, false, 1e-5f},     {"qwen2", KN_ARCH_QWEN2, true, 1e-5f},
-    {"qwen3", KN_ARCH_QWEN3, true, 1e-5f},      {"gemma3", KN_ARCH_GEMMA3, true, 1e-6f},
-    {"smollm3", KN_ARCH_SMOLLM3, false, 1e-5f}, {"granite", KN_ARCH_GRANITE, false, 1e-5f},
-    {"phi3", KN_ARCH_PHI3, true, 1e-5f},        {"olmo2", KN_ARCH_OLMO2, true, 1e-5f},
+    {"llama", KN_ARCH_LLAMA, false, 1e-5f},      {"qwen2", KN_ARCH_QWEN2, true, 1e-5f},
+    {"qwen3", KN_ARCH_QWEN3, true, 1e-5f},       {"gemma3", KN_ARCH_GEMMA3, true, 1e-6f},
+    {"smollm3", KN_ARCH_SMOLLM3, false, 1e-5f},  {"granite", KN_ARCH_GRANITE, false, 1e-5f},
+    {"phi3", KN_ARCH_PHI3, true, 1e-5f},         {"olmo2", KN_ARCH_OLMO2, true, 1e-5f},
+    {"qwen3moe", KN_ARCH_QWEN3MOE, true, 1e-6f},
 };
 #define N_ARCHS (sizeof ARCHS / sizeof *ARCHS)
 
@@ -30,8 +31,7 @@ const char *kn_arch_name(kn_arch a)
     return "?";
 }
 
-static int get_u32(const td_gguf *g, const char *arch, const char *suffix, uint32_t *out,
-                   bool required)
+int kn_ld_u32(const td_gguf *g, const char *arch, const char *suffix, uint32_t *out, bool required)
 {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
@@ -41,7 +41,7 @@ static int get_u32(const td_gguf *g, const char *arch, const char *suffix, uint3
     return rc;
 }
 
-static int get_f32(const td_gguf *g, const char *arch, const char *suffix, float *out)
+int kn_ld_f32(const td_gguf *g, const char *arch, const char *suffix, float *out)
 {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
@@ -66,7 +66,7 @@ static int gemma3_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
     hp->gelu_ffn = true;
     hp->post_norms = true;
     uint32_t v;
-    int rc = get_u32(g, arch, "attention.sliding_window", &v, false);
+    int rc = kn_ld_u32(g, arch, "attention.sliding_window", &v, false);
     if (rc && rc != TD_ENOENT) return rc;
     if (rc == 0 && v > (1u << 30)) {
         TD_LOG_ERR("implausible sliding window %u", v);
@@ -92,7 +92,7 @@ static int smollm3_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
 static int get_f32_nonzero(const td_gguf *g, const char *arch, const char *suffix, float *out)
 {
     float v = 0.0f;
-    int rc = get_f32(g, arch, suffix, &v);
+    int rc = kn_ld_f32(g, arch, suffix, &v);
     if (rc && rc != TD_ENOENT) return rc;
     if (rc == 0 && v != 0.0f) {
         if (!isfinite(v)) {
@@ -110,7 +110,7 @@ static int get_f32_nonzero(const td_gguf *g, const char *arch, const char *suffi
  * required key). rope.scaling.finetuned false means no rope at all: refused. */
 static int granite_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
 {
-    int rc = get_f32(g, arch, "logit_scale", &hp->logit_scale);
+    int rc = kn_ld_f32(g, arch, "logit_scale", &hp->logit_scale);
     if (rc) {
         if (rc == TD_ENOENT) TD_LOG_ERR("model metadata '%s.logit_scale': missing", arch);
         return rc;
@@ -159,7 +159,7 @@ static int phi3_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
 static int olmo2_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
 {
     uint32_t v;
-    int rc = get_u32(g, arch, "attention.sliding_window", &v, false);
+    int rc = kn_ld_u32(g, arch, "attention.sliding_window", &v, false);
     if (rc && rc != TD_ENOENT) return rc;
     if (rc == 0 && v > 0) {
         TD_LOG_ERR("olmo2 with a sliding window (%u; OLMo 3 style) is not supported", v);
@@ -202,15 +202,15 @@ static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
 {
     uint32_t v;
     int rc;
-    if ((rc = get_u32(g, arch, "block_count", &v, true))) return rc;
+    if ((rc = kn_ld_u32(g, arch, "block_count", &v, true))) return rc;
     hp->n_layer = (int)v;
-    if ((rc = get_u32(g, arch, "embedding_length", &v, true))) return rc;
+    if ((rc = kn_ld_u32(g, arch, "embedding_length", &v, true))) return rc;
     hp->n_embd = (int)v;
-    if ((rc = get_u32(g, arch, "feed_forward_length", &v, true))) return rc;
+    if ((rc = kn_ld_u32(g, arch, "feed_forward_length", &v, true))) return rc;
     hp->n_ff = (int)v;
-    if ((rc = get_u32(g, arch, "attention.head_count", &v, true))) return rc;
+    if ((rc = kn_ld_u32(g, arch, "attention.head_count", &v, true))) return rc;
     hp->n_head = (int)v;
-    rc = get_u32(g, arch, "attention.head_count_kv", &v, false);
+    rc = kn_ld_u32(g, arch, "attention.head_count_kv", &v, false);
     if (rc && rc != TD_ENOENT) return rc;
     hp->n_head_kv = rc ? hp->n_head : (int)v;
     if (hp->n_layer < 1 || hp->n_layer > 4096 || hp->n_embd < 1 || hp->n_embd > (1 << 20) ||
@@ -220,7 +220,7 @@ static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
                    hp->n_layer, hp->n_embd, hp->n_ff, hp->n_head, hp->n_head_kv);
         return TD_EFORMAT;
     }
-    rc = get_u32(g, arch, "attention.key_length", &v, false);
+    rc = kn_ld_u32(g, arch, "attention.key_length", &v, false);
     if (rc && rc != TD_ENOENT) return rc;
     if (rc == TD_ENOENT && hp->n_embd % hp->n_head) {
         TD_LOG_ERR("embedding %d not divisible by %d heads and no key_length", hp->n_embd,
@@ -233,14 +233,14 @@ static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
         TD_LOG_ERR("unsupported head dim %d", hp->head_dim);
         return TD_EUNSUPP;
     }
-    rc = get_u32(g, arch, "rope.dimension_count", &v, false);
+    rc = kn_ld_u32(g, arch, "rope.dimension_count", &v, false);
     if (rc && rc != TD_ENOENT) return rc;
     hp->n_rot = rc ? hp->head_dim : (int)v;
     if (hp->n_rot < 2 || hp->n_rot > hp->head_dim || hp->n_rot % 2) {
         TD_LOG_ERR("bad rope dimension count %d (head dim %d)", hp->n_rot, hp->head_dim);
         return TD_EFORMAT;
     }
-    rc = get_u32(g, arch, "context_length", &v, false);
+    rc = kn_ld_u32(g, arch, "context_length", &v, false);
     if (rc && rc != TD_ENOENT) return rc;
     hp->n_ctx_train = rc ? 2048 : (int)v;
     return 0;
@@ -250,9 +250,9 @@ static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
 static int read_rope(const td_gguf *g, const char *arch, kn_hparams *hp)
 {
     hp->rope_base = 10000.0f;
-    int rc = get_f32(g, arch, "rope.freq_base", &hp->rope_base);
+    int rc = kn_ld_f32(g, arch, "rope.freq_base", &hp->rope_base);
     if (rc && rc != TD_ENOENT) return rc;
-    rc = get_f32(g, arch, "attention.layer_norm_rms_epsilon", &hp->rms_eps);
+    rc = kn_ld_f32(g, arch, "attention.layer_norm_rms_epsilon", &hp->rms_eps);
     if (rc && rc != TD_ENOENT) return rc;
     if (!(hp->rope_base > 0) || !(hp->rms_eps > 0) || !(hp->rms_eps < 1)) {
         TD_LOG_ERR("bad rope base %g or rms epsilon %g", hp->rope_base, hp->rms_eps);
@@ -271,7 +271,7 @@ static int read_rope(const td_gguf *g, const char *arch, kn_hparams *hp)
             return TD_EUNSUPP;
         }
         float f = 1.0f;
-        rc = get_f32(g, arch, "rope.scaling.factor", &f);
+        rc = kn_ld_f32(g, arch, "rope.scaling.factor", &f);
         if (rc && rc != TD_ENOENT) return rc;
         if (!(f > 0)) {
             TD_LOG_ERR("bad rope scaling factor %g", f);
@@ -316,6 +316,8 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
         return phi3_hparams(g, arch, hp);
     case KN_ARCH_OLMO2:
         return olmo2_hparams(g, arch, hp);
+    case KN_ARCH_QWEN3MOE:
+        return kn_moe_hparams(g, arch, hp);
     default:
         return 0;
     }
@@ -331,15 +333,18 @@ bool kn_layer_is_swa(const kn_hparams *hp, int il)
     return hp->swa_window > 0 && il % hp->swa_pattern != hp->swa_pattern - 1;
 }
 
-/* ---- weight views ---- */
+bool kn_layer_is_moe(const kn_hparams *hp, int il)
+{
+    return hp->n_expert > 0 && il >= hp->n_layer_dense_lead;
+}
 
-typedef struct {
-    const td_gguf *g;
-    kn_model *m;
-    int rc;
-    int cap_owned;
-    uint64_t logged[2]; /* re-quantized (attn_output, ffn_down) source types already logged */
-} loader;
+int64_t kn_layer_ffn_active(const kn_hparams *hp, int il)
+{
+    if (!kn_layer_is_moe(hp, il)) return hp->n_ff;
+    return (int64_t)hp->n_expert_used * hp->n_ff_exp + hp->n_ff_shexp;
+}
+
+/* ---- weight views ---- */
 
 /* out = the names of the weight types the backend computes with, comma-separated (the list
  * grows with the kernels, so it is read from them rather than written here). */
@@ -355,7 +360,8 @@ static void supported_types(char *out, size_t cap)
         }
 }
 
-static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int64_t ne1)
+const td_gguf_tensor *kn_ld_need(kn_loader *L, const char *name, int64_t ne0, int64_t ne1,
+                                 int64_t ne2)
 {
     if (L->rc) return NULL;
     const td_gguf_tensor *t = td_gguf_find_tensor(L->g, name);
@@ -364,11 +370,11 @@ static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int6
         L->rc = TD_EFORMAT;
         return NULL;
     }
-    int64_t want1 = ne1 ? ne1 : 1;
-    if (t->ne[0] != ne0 || t->ne[1] != want1 || t->ne[2] != 1 || t->ne[3] != 1) {
-        TD_LOG_ERR("tensor '%s' has shape (%lld, %lld, %lld, %lld), expected (%lld, %lld)", name,
-                   (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
-                   (long long)t->ne[3], (long long)ne0, (long long)want1);
+    int64_t want1 = ne1 ? ne1 : 1, want2 = ne2 ? ne2 : 1;
+    if (t->ne[0] != ne0 || t->ne[1] != want1 || t->ne[2] != want2 || t->ne[3] != 1) {
+        TD_LOG_ERR("tensor '%s' has shape (%lld, %lld, %lld, %lld), expected (%lld, %lld, %lld)",
+                   name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                   (long long)t->ne[3], (long long)ne0, (long long)want1, (long long)want2);
         L->rc = TD_EFORMAT;
         return NULL;
     }
@@ -383,14 +389,13 @@ static const td_gguf_tensor *need(loader *L, const char *name, int64_t ne0, int6
     return t;
 }
 
-/* Rows [r0, r0 + nr) and columns [c0, c0 + nc) of a 2-D tensor as a kn_mat. */
-static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t r0, int64_t nr,
-                   int64_t c0, int64_t nc)
+kn_mat kn_ld_view_of(kn_loader *L, const td_gguf_tensor *t, const char *name, int64_t r0,
+                     int64_t nr, int64_t c0, int64_t nc)
 {
     kn_mat w = {0};
-    const td_gguf_tensor *t = need(L, name, ne0, ne1);
     if (!t) return w;
     const td_dtype_info *ti = td_dtype_get(t->type);
+    const int64_t ne0 = t->ne[0];
     if (c0 % ti->blck || nc % ti->blck) {
         TD_LOG_ERR("tensor '%s' (%s): tp %d rank %d would take columns [%lld, +%lld) of %lld, "
                    "not whole %u-element %s blocks; choose a tp that splits %lld into multiples "
@@ -409,7 +414,13 @@ static kn_mat view(loader *L, const char *name, int64_t ne0, int64_t ne1, int64_
     return w;
 }
 
-static void *own(loader *L, size_t bytes)
+kn_mat kn_ld_view(kn_loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t r0, int64_t nr,
+                  int64_t c0, int64_t nc)
+{
+    return kn_ld_view_of(L, kn_ld_need(L, name, ne0, ne1, 1), name, r0, nr, c0, nc);
+}
+
+static void *own(kn_loader *L, size_t bytes)
 {
     kn_model *m = L->m;
     if (m->n_owned == L->cap_owned) {
@@ -424,52 +435,57 @@ static void *own(loader *L, size_t bytes)
     return p;
 }
 
-/* Columns [c0, c0 + nc) of every row of a row-parallel tensor (attn_output, ffn_down:
- * kind 0, 1). A slice that cuts through the type's blocks (the 256-weight K types) is
- * dequantized and re-quantized into Q8_0, whose 32-weight blocks fit any slice the split
- * makes; the rounding this adds is measured in docs/architecture.md. */
-static kn_mat view_cols(loader *L, int kind, const char *name, int64_t ne0, int64_t ne1, int64_t c0,
-                        int64_t nc)
+kn_mat kn_ld_cols_of(kn_loader *L, kn_ld_kind kind, const td_gguf_tensor *t, const char *name,
+                     int64_t r0, int64_t nr, int64_t c0, int64_t nc)
 {
-    const td_gguf_tensor *t = need(L, name, ne0, ne1);
+    static const char *const kinds[KN_LD_KINDS] = {"attn_output", "ffn_down", "ffn_down_exps",
+                                                   "ffn_down_shexp"};
     if (!t) return (kn_mat){0};
     const td_dtype_info *ti = td_dtype_get(t->type);
+    const int64_t ne0 = t->ne[0];
     bool cut = c0 % ti->blck || nc % ti->blck;
     bool forced = L->m->shard.requant_all && ti->blck > TD_QK;
     if ((!cut && !forced) || c0 % TD_QK || nc % TD_QK)
-        return view(L, name, ne0, ne1, 0, ne1, c0, nc); /* whole blocks, or the error */
+        return kn_ld_view_of(L, t, name, r0, nr, c0, nc); /* whole blocks, or the error */
     if (!(L->logged[kind] >> t->type & 1)) {
         L->logged[kind] |= (uint64_t)1 << t->type;
         TD_LOG_INFO("tp %d rank %d: %s columns [%lld, +%lld) of %lld %s whole %u-weight %s "
                     "blocks: re-quantized %s -> q8_0 at load (every layer's)",
-                    L->m->shard.tp_size, L->m->shard.tp_rank, kind ? "ffn_down" : "attn_output",
-                    (long long)c0, (long long)nc, (long long)ne0,
-                    cut ? "are not" : "(requant_all) are", ti->blck, ti->name, ti->name);
+                    L->m->shard.tp_size, L->m->shard.tp_rank, kinds[kind], (long long)c0,
+                    (long long)nc, (long long)ne0, cut ? "are not" : "(requant_all) are", ti->blck,
+                    ti->name, ti->name);
     }
     const size_t out_row = (size_t)(nc / TD_QK) * td_dtype_get(TD_Q8_0)->type_size;
     const size_t in_row = td_dtype_row_bytes(t->type, ne0);
-    uint8_t *dst = own(L, out_row * (size_t)ne1);
+    uint8_t *dst = own(L, out_row * (size_t)nr);
     float *row = malloc((size_t)ne0 * sizeof *row);
     if (!dst || !row) {
         free(row);
         L->rc = TD_ENOMEM;
         return (kn_mat){0};
     }
-    for (int64_t r = 0; r < ne1 && !L->rc; r++)
-        if (kn_dequant_row(t->type, (const char *)t->data + (size_t)r * in_row, row, ne0) ||
+    for (int64_t r = 0; r < nr && !L->rc; r++)
+        if (kn_dequant_row(t->type, (const char *)t->data + (size_t)(r0 + r) * in_row, row, ne0) ||
             kn_quant_row_q8_0(row + c0, dst + (size_t)r * out_row, nc))
             L->rc = TD_EINVAL;
     free(row);
     return (kn_mat){
-        .type = TD_Q8_0, .n_rows = ne1, .n_cols = nc, .row_stride = out_row, .data = dst};
+        .type = TD_Q8_0, .n_rows = nr, .n_cols = nc, .row_stride = out_row, .data = dst};
+}
+
+/* Columns [c0, c0 + nc) of every row of a 2-D row-parallel tensor (kn_ld_cols_of). */
+static kn_mat view_cols(kn_loader *L, kn_ld_kind kind, const char *name, int64_t ne0, int64_t ne1,
+                        int64_t c0, int64_t nc)
+{
+    return kn_ld_cols_of(L, kind, kn_ld_need(L, name, ne0, ne1, 1), name, 0, ne1, c0, nc);
 }
 
 /* Elements [off, off + n) of a 1-D tensor of ne0 elements, converted to float32. */
-static float *vec(loader *L, const char *name, int64_t ne0, int64_t off, int64_t n, bool optional)
+float *kn_ld_vec(kn_loader *L, const char *name, int64_t ne0, int64_t off, int64_t n, bool optional)
 {
     if (L->rc) return NULL;
     if (optional && !td_gguf_find_tensor(L->g, name)) return NULL;
-    const td_gguf_tensor *t = need(L, name, ne0, 0);
+    const td_gguf_tensor *t = kn_ld_need(L, name, ne0, 0, 0);
     if (!t) return NULL;
     float *full = malloc((size_t)ne0 * sizeof *full);
     float *out = malloc((size_t)n * sizeof *out);
@@ -487,7 +503,7 @@ static float *vec(loader *L, const char *name, int64_t ne0, int64_t off, int64_t
 /* Tensors a file may carry that no supported architecture computes with here (biases
  * llama.cpp's loaders accept as optional): refused rather than ignored. il < 0: the
  * model-wide ones. */
-static void refuse_unused(loader *L, int il)
+static void refuse_unused(kn_loader *L, int il)
 {
     static const char *const layer[] = {"attn_qkv.bias", "attn_output.bias", "ffn_gate.bias",
                                         "ffn_up.bias",   "ffn_down.bias",    "attn_norm.bias",
@@ -511,7 +527,7 @@ static void refuse_unused(loader *L, int il)
 
 /* Layer il's Q, K, V: this rank's rows of attn_q/k/v, or of the fused attn_qkv (rows
  * [0, QT) Q, [QT, QT + KVT) K, then V), as views. */
-static void load_qkv(loader *L, kn_layer *ly, int il)
+static void load_qkv(kn_loader *L, kn_layer *ly, int il)
 {
     const kn_model *m = L->m;
     const int64_t E = m->hp.n_embd, HD = m->hp.head_dim;
@@ -522,32 +538,33 @@ static void load_qkv(loader *L, kn_layer *ly, int il)
 #define NAME(fmt) (snprintf(nm, sizeof nm, "blk.%d." fmt, il), nm)
     if (td_gguf_find_tensor(L->g, NAME("attn_qkv.weight"))) {
         const int64_t R = QT + 2 * KVT;
-        ly->wq = view(L, nm, E, R, q0, nq, 0, E);
-        ly->wk = view(L, nm, E, R, QT + kv0, nkv, 0, E);
-        ly->wv = view(L, nm, E, R, QT + KVT + kv0, nkv, 0, E);
+        ly->wq = kn_ld_view(L, nm, E, R, q0, nq, 0, E);
+        ly->wk = kn_ld_view(L, nm, E, R, QT + kv0, nkv, 0, E);
+        ly->wv = kn_ld_view(L, nm, E, R, QT + KVT + kv0, nkv, 0, E);
     } else {
-        ly->wq = view(L, NAME("attn_q.weight"), E, QT, q0, nq, 0, E);
-        ly->wk = view(L, NAME("attn_k.weight"), E, KVT, kv0, nkv, 0, E);
-        ly->wv = view(L, NAME("attn_v.weight"), E, KVT, kv0, nkv, 0, E);
+        ly->wq = kn_ld_view(L, NAME("attn_q.weight"), E, QT, q0, nq, 0, E);
+        ly->wk = kn_ld_view(L, NAME("attn_k.weight"), E, KVT, kv0, nkv, 0, E);
+        ly->wv = kn_ld_view(L, NAME("attn_v.weight"), E, KVT, kv0, nkv, 0, E);
     }
-    ly->wo = view_cols(L, 0, NAME("attn_output.weight"), QT, E, q0, nq);
-    ly->bq = vec(L, NAME("attn_q.bias"), QT, q0, nq, true);
-    ly->bk = vec(L, NAME("attn_k.bias"), KVT, kv0, nkv, true);
-    ly->bv = vec(L, NAME("attn_v.bias"), KVT, kv0, nkv, true);
+    ly->wo = view_cols(L, KN_LD_ATTN_OUTPUT, NAME("attn_output.weight"), QT, E, q0, nq);
+    ly->bq = kn_ld_vec(L, NAME("attn_q.bias"), QT, q0, nq, true);
+    ly->bk = kn_ld_vec(L, NAME("attn_k.bias"), KVT, kv0, nkv, true);
+    ly->bv = kn_ld_vec(L, NAME("attn_v.bias"), KVT, kv0, nkv, true);
     if (m->hp.qk_norm_whole) { /* tp 1 (check_split): the whole projection */
-        ly->q_norm = vec(L, NAME("attn_q_norm.weight"), QT, 0, QT, false);
-        ly->k_norm = vec(L, NAME("attn_k_norm.weight"), KVT, 0, KVT, false);
+        ly->q_norm = kn_ld_vec(L, NAME("attn_q_norm.weight"), QT, 0, QT, false);
+        ly->k_norm = kn_ld_vec(L, NAME("attn_k_norm.weight"), KVT, 0, KVT, false);
     } else {
-        const bool qk_norm = m->hp.arch == KN_ARCH_QWEN3 || m->hp.arch == KN_ARCH_GEMMA3;
-        ly->q_norm = vec(L, NAME("attn_q_norm.weight"), HD, 0, HD, !qk_norm);
-        ly->k_norm = vec(L, NAME("attn_k_norm.weight"), HD, 0, HD, !qk_norm);
+        const bool qk_norm = m->hp.arch == KN_ARCH_QWEN3 || m->hp.arch == KN_ARCH_GEMMA3 ||
+                             m->hp.arch == KN_ARCH_QWEN3MOE;
+        ly->q_norm = kn_ld_vec(L, NAME("attn_q_norm.weight"), HD, 0, HD, !qk_norm);
+        ly->k_norm = kn_ld_vec(L, NAME("attn_k_norm.weight"), HD, 0, HD, !qk_norm);
     }
 #undef NAME
 }
 
 /* Layer il's weights: norms, attention, FFN (gate and up from ffn_gate / ffn_up, or both
  * from phi3's fused ffn_up of 2 * n_ff rows, gate first). */
-static void load_layer(loader *L, kn_layer *ly, int il)
+static void load_layer(kn_loader *L, kn_layer *ly, int il)
 {
     const kn_model *m = L->m;
     const kn_hparams *hp = &m->hp;
@@ -555,21 +572,24 @@ static void load_layer(loader *L, kn_layer *ly, int il)
     char nm[96];
 #define NAME(fmt) (snprintf(nm, sizeof nm, "blk.%d." fmt, il), nm)
     if (!hp->no_pre_norms) {
-        ly->attn_norm = vec(L, NAME("attn_norm.weight"), E, 0, E, false);
-        ly->ffn_norm = vec(L, NAME("ffn_norm.weight"), E, 0, E, false);
+        ly->attn_norm = kn_ld_vec(L, NAME("attn_norm.weight"), E, 0, E, false);
+        ly->ffn_norm = kn_ld_vec(L, NAME("ffn_norm.weight"), E, 0, E, false);
     }
     load_qkv(L, ly, il);
-    if (hp->arch == KN_ARCH_PHI3) {
-        ly->w_gate = view(L, NAME("ffn_up.weight"), E, 2 * FT, f0, F, 0, E);
-        ly->w_up = view(L, nm, E, 2 * FT, FT + f0, F, 0, E);
+    if (kn_layer_is_moe(hp, il)) {
+        kn_moe_load_layer(L, ly, il);
+    } else if (hp->arch == KN_ARCH_PHI3) {
+        ly->w_gate = kn_ld_view(L, NAME("ffn_up.weight"), E, 2 * FT, f0, F, 0, E);
+        ly->w_up = kn_ld_view(L, nm, E, 2 * FT, FT + f0, F, 0, E);
     } else {
-        ly->w_gate = view(L, NAME("ffn_gate.weight"), E, FT, f0, F, 0, E);
-        ly->w_up = view(L, NAME("ffn_up.weight"), E, FT, f0, F, 0, E);
+        ly->w_gate = kn_ld_view(L, NAME("ffn_gate.weight"), E, FT, f0, F, 0, E);
+        ly->w_up = kn_ld_view(L, NAME("ffn_up.weight"), E, FT, f0, F, 0, E);
     }
-    ly->w_down = view_cols(L, 1, NAME("ffn_down.weight"), FT, E, f0, F);
+    if (!kn_layer_is_moe(hp, il))
+        ly->w_down = view_cols(L, KN_LD_FFN_DOWN, NAME("ffn_down.weight"), FT, E, f0, F);
     if (hp->post_norms) {
-        ly->attn_post_norm = vec(L, NAME("post_attention_norm.weight"), E, 0, E, false);
-        ly->ffn_post_norm = vec(L, NAME("post_ffw_norm.weight"), E, 0, E, false);
+        ly->attn_post_norm = kn_ld_vec(L, NAME("post_attention_norm.weight"), E, 0, E, false);
+        ly->ffn_post_norm = kn_ld_vec(L, NAME("post_ffw_norm.weight"), E, 0, E, false);
     }
 #undef NAME
     refuse_unused(L, il);
@@ -599,26 +619,31 @@ static int check_split(const kn_hparams *hp, const kn_shard *s)
         TD_LOG_ERR("tp %d exceeds the %d vocabulary rows of the LM head", s->tp_size, hp->n_vocab);
         return TD_EUNSUPP;
     }
-    if (hp->n_ff % s->tp_size && (hp->n_ff % TD_QK || hp->n_ff / TD_QK < s->tp_size)) {
-        TD_LOG_ERR("tp %d splits neither the ffn width %d evenly nor into whole %d-blocks",
-                   s->tp_size, hp->n_ff, TD_QK);
+    if (!kn_ld_ffn_splits(hp->n_ff, s->tp_size, "ffn") ||
+        (hp->n_expert && !kn_ld_ffn_splits(hp->n_ff_exp, s->tp_size, "expert ffn")) ||
+        (hp->n_ff_shexp && !kn_ld_ffn_splits(hp->n_ff_shexp, s->tp_size, "shared expert ffn")))
         return TD_EUNSUPP;
-    }
     return 0;
 }
 
-/* This rank's FFN columns: an even split when tp divides the width into whole 32-weight
- * blocks (or the width is not a multiple of 32, float weights), else whole 32-blocks with
- * rank r taking blocks [r * nb / tp, (r + 1) * nb / tp), so ranks differ by one block. */
-static void ffn_split(const kn_hparams *hp, const kn_shard *s, int *f0, int *nf)
+bool kn_ld_ffn_splits(int n_ff, int tp, const char *what)
+{
+    if (n_ff % tp == 0 || (n_ff % TD_QK == 0 && n_ff / TD_QK >= tp)) return true;
+    TD_LOG_ERR("tp %d splits neither the %s width %d evenly nor into whole %d-blocks", tp, what,
+               n_ff, TD_QK);
+    return false;
+}
+
+/* Ranks differ by one block at most in the uneven case. */
+void kn_ld_ffn_split(int n_ff, const kn_shard *s, int *f0, int *nf)
 {
     int tp = s->tp_size, r = s->tp_rank;
-    if ((hp->n_ff % tp == 0 && (hp->n_ff / tp) % TD_QK == 0) || hp->n_ff % TD_QK) {
-        *nf = hp->n_ff / tp;
+    if ((n_ff % tp == 0 && (n_ff / tp) % TD_QK == 0) || n_ff % TD_QK) {
+        *nf = n_ff / tp;
         *f0 = r * *nf;
         return;
     }
-    int64_t nb = hp->n_ff / TD_QK;
+    int64_t nb = n_ff / TD_QK;
     int64_t b0 = r * nb / tp, b1 = (r + 1) * nb / tp;
     *f0 = (int)(b0 * TD_QK);
     *nf = (int)((b1 - b0) * TD_QK);
@@ -652,25 +677,28 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     /* kn_hparams_read checked that n_head_kv divides n_head, check_split that tp does */
     if ((rc = td_tp_heads_of_rank(hp->n_head, hp->n_head_kv, s.tp_size, s.tp_rank, &m->heads)))
         goto fail;
-    ffn_split(hp, &s, &m->ff0, &m->n_ff_local);
+    kn_ld_ffn_split(hp->n_ff, &s, &m->ff0, &m->n_ff_local);
+    kn_ld_ffn_split(hp->n_ff_exp, &s, &m->ffe0, &m->n_ffe_local);
+    kn_ld_ffn_split(hp->n_ff_shexp, &s, &m->ffs0, &m->n_ffs_local);
     const char *name;
     size_t name_len;
     if (!td_gguf_get_str(g, "general.name", &name, &name_len))
         snprintf(m->name, sizeof m->name, "%.*s", (int)(name_len < 127 ? name_len : 127), name);
 
-    loader L = {.g = g, .m = m};
+    kn_loader L = {.g = g, .m = m};
     const int64_t E = hp->n_embd;
 
-    if (m->first) m->tok_embd = view(&L, "token_embd.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
+    if (m->first)
+        m->tok_embd = kn_ld_view(&L, "token_embd.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
     if (m->last) {
         /* vocab-parallel LM head: this rank's rows (whole vectors, so no block is cut) */
         int64_t v0, v1;
         kn_split_even(hp->n_vocab, s.tp_size, s.tp_rank, &v0, &v1);
         m->vocab0 = (int)v0;
         m->n_vocab_local = (int)(v1 - v0);
-        m->output = view(&L, hp->tied_embd ? "token_embd.weight" : "output.weight", E, hp->n_vocab,
-                         v0, v1 - v0, 0, E);
-        m->output_norm = vec(&L, "output_norm.weight", E, 0, E, false);
+        m->output = kn_ld_view(&L, hp->tied_embd ? "token_embd.weight" : "output.weight", E,
+                               hp->n_vocab, v0, v1 - v0, 0, E);
+        m->output_norm = kn_ld_vec(&L, "output_norm.weight", E, 0, E, false);
     }
     int n_local = s.l1 - s.l0;
     m->layers = calloc((size_t)n_local, sizeof *m->layers);
@@ -681,7 +709,7 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     for (int i = 0; i < n_local && !L.rc; i++)
         load_layer(&L, &m->layers[i], s.l0 + i);
     refuse_unused(&L, -1);
-    float *factors = vec(&L, "rope_freqs.weight", hp->n_rot / 2, 0, hp->n_rot / 2, true);
+    float *factors = kn_ld_vec(&L, "rope_freqs.weight", hp->n_rot / 2, 0, hp->n_rot / 2, true);
     if ((rc = L.rc)) {
         free(factors);
         goto fail;
@@ -724,6 +752,7 @@ void kn_model_destroy(kn_model *m)
             free(ly->k_norm);
             free(ly->attn_post_norm);
             free(ly->ffn_post_norm);
+            kn_moe_free_layer(ly);
         }
     }
     free(m->layers);

@@ -66,3 +66,10 @@ foreach(t test_q8act test_fused test_matmul test_kquant)
   set_tests_properties(kernels.${t}_blas_prescott PROPERTIES ENVIRONMENT
                        "OPENBLAS_CORETYPE=Prescott")
 endforeach()
+
+# The mixture-of-experts routing (kernels/moe_route.h: softmax, sigmoid with bias and
+# groups, the grouping by expert, a token alone as in a batch) and the combine op.
+add_executable(test_moe_route ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_moe_route.c)
+target_include_directories(test_moe_route PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(test_moe_route PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_moe_route COMMAND test_moe_route)

@@ -1,4 +1,5 @@
-/* cpu_arith.c: the residual add, bias add, scaling and row gather of the CPU backend. These are
+/* cpu_arith.c: the residual add, bias add, scaling, row gather and the experts' weighted
+ * combine of the CPU backend. These are
  * memory-bound and small (m x n_embd floats), so they run on the calling thread. */
 #include <string.h>
 
@@ -29,4 +30,20 @@ void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t 
 {
     for (int64_t r = 0; r < m; r++)
         memcpy(dst + r * n, src + (int64_t)rows[r] * n, (size_t)n * 4);
+}
+
+void kn_cpu_weighted_rows_sum(void *ctx, const float *x, const int32_t *idx, const float *w, int k,
+                              int64_t m, int64_t n, float *y)
+{
+    for (int64_t r = 0; r < m; r++) {
+        float *yr = y + r * n;
+        for (int64_t i = 0; i < n; i++)
+            yr[i] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const float *xr = x + (int64_t)idx[r * k + j] * n;
+            const float wj = w[r * k + j];
+            for (int64_t i = 0; i < n; i++)
+                yr[i] += wj * xr[i];
+        }
+    }
 }

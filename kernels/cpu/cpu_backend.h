@@ -114,6 +114,8 @@ void kn_cpu_add_row(void *ctx, float *y, const float *b, int64_t m, int64_t n);
 void kn_cpu_scale(void *ctx, float *x, int64_t n, float s);
 void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
                       float *dst);
+void kn_cpu_weighted_rows_sum(void *ctx, const float *x, const int32_t *idx, const float *w, int k,
+                              int64_t m, int64_t n, float *y);
 
 /* ---- machine ceilings for benchmarks (cpu_ceilings.c) ---- */
 /* Streaming-sum read bandwidth over a buffer of `bytes`, all pool threads: GB/s (median

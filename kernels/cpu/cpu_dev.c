@@ -364,6 +364,16 @@ static void cd_copy_rows(void *ctx, const float *src, const int32_t *rows, int64
     CPU.ops->copy_rows(CPU.ctx, src, rows, m, n, dst);
 }
 
+static void cd_weighted_rows_sum(void *ctx, const float *x, const int32_t *idx, const float *w,
+                                 int k, int64_t m, int64_t n, float *y)
+{
+    dev(ctx, "weighted_rows_sum", "x", x, FL(n));
+    dev(ctx, "weighted_rows_sum", "idx", idx, (size_t)(m * k) * 4);
+    dev(ctx, "weighted_rows_sum", "w", w, FL(m * k));
+    dev(ctx, "weighted_rows_sum", "y", y, FL(m * n));
+    CPU.ops->weighted_rows_sum(CPU.ctx, x, idx, w, k, m, n, y);
+}
+
 static const kn_backend_ops cpudev_ops = {
     .name = "cpu-dev",
     .destroy = cd_destroy,
@@ -392,6 +402,7 @@ static const kn_backend_ops cpudev_ops = {
     .add_row = cd_add_row,
     .scale = cd_scale,
     .copy_rows = cd_copy_rows,
+    .weighted_rows_sum = cd_weighted_rows_sum,
 };
 
 int kn_cpudev_create(int n_threads, const char *cpu_act, kn_backend *out)

@@ -391,7 +391,8 @@ static int run_tp2(const char *name, float *lg, kn_cpudev_stats *st)
 
 /* tp 2 on cpu-dev (collectives staged through host memory) equals tp 2 on cpu bit for bit,
  * and rank 0 downloads exactly what the engine should: per forward and layer, two
- * all-reduces of (tokens, n_embd), plus its logit slices; it uploads as much for the
+ * all-reduces of (tokens, n_embd), plus its logit slices (and per MoE layer the router's
+ * logits, (tokens, n_expert)); it uploads as much for the
  * all-reduces, plus the batches' arrays. */
 static void test_tp2_cpudev_equals_cpu(void)
 {
@@ -407,7 +408,12 @@ static void test_tp2_cpudev_equals_cpu(void)
     const int64_t tokens = PROMPT + PROMPT / 3 + 2 * STEPS, logit_rows = 2 + 2 * STEPS;
     const int64_t vloc = nv / 2; /* kn_split_even: rank 0 holds [0, nv / 2) */
     const int64_t ar = tokens * model->hp.n_layer * 2 * model->hp.n_embd;
-    uint64_t want = (uint64_t)(ar + logit_rows * vloc) * 4;
+    /* a mixture-of-experts layer also downloads its router's logits (its plan goes up) */
+    int64_t moe_layers = 0;
+    for (int il = 0; il < model->hp.n_layer; il++)
+        moe_layers += kn_layer_is_moe(&model->hp, il);
+    const int64_t router = tokens * moe_layers * model->hp.n_expert;
+    uint64_t want = (uint64_t)(ar + logit_rows * vloc + router) * 4;
     TH_CHECKF(st.bytes_download == want, "rank 0 downloaded %llu bytes, expected %llu",
               (unsigned long long)st.bytes_download, (unsigned long long)want);
     TH_CHECK(st.bytes_upload > (uint64_t)ar * 4);

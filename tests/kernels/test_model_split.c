@@ -9,6 +9,7 @@
  *   - PP 2 x TP 2,
  *   - prefill in chunks of 1, 7, 64 and all at once, then greedy decode from that KV,
  *   - two sequences in one batch vs each alone (no cross-sequence attention),
+ *   - a solo decode row's logits bit for bit alone and beside a long prompt chunk,
  * must all give the same logits (max abs difference < 1e-4), and bad batches must be
  * rejected with an error. A model whose FFN width tp does not split into whole 32-weight
  * blocks (--n-ff 544) checks the uneven split (ranks differ by one block). A model whose
@@ -108,6 +109,7 @@ typedef struct {
     shard_rt *rt;       /* (pp * tp) stage-major */
     allreduce_ctx *ars; /* (pp) one collective per stage */
     td_dtype kv_type;
+    int64_t n_solo; /* the next batches' leading solo rows (model.h), 0 by default */
 } grid;
 
 static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
@@ -237,6 +239,7 @@ static int grid_forward(grid *g, const int32_t *tokens, const int32_t *pos, cons
                       .embd = h_in,
                       .pos = pos,
                       .seq_of = seq_of,
+                      .n_solo = g->n_solo,
                       .n_seqs = n_seqs,
                       .seqs = views[r],
                       .n_logits = last ? n_rows : 0,
@@ -396,6 +399,46 @@ static void test_two_sequences_in_one_batch(void)
     grid_close(&g);
 }
 
+/* A decode row computed as a solo row (model.h) has the same logits, bit for bit, alone and
+ * batched with another sequence's prompt rows; with experts, those rows share the decode
+ * row's experts (the gathered groups keep it first and alone). The chunk is long enough
+ * that the batch rows take the gemm path (64 rows and more, per expert too), whose bits
+ * depend on the batch: a solo row computed with them would differ. */
+static void test_solo_row_invariant(void)
+{
+    grid g;
+    TH_REQUIRE(grid_open(&g, 1, 1, TD_F32) == 0);
+    enum { CHUNK = 320 }; /* each expert gets more than the 64 rows of the gemm path */
+    int32_t tok[1 + CHUNK], pos[1 + CHUNK], seq_of[1 + CHUNK] = {0}, ctx[2], rows[2] = {0, CHUNK};
+    float *logits = malloc((size_t)3 * n_vocab * sizeof(float)); /* alone, then 2 rows */
+    /* both prompts in one batch, then sequence 0's next token alone */
+    int32_t ptok[2 * PROMPT_LEN], ppos[2 * PROMPT_LEN], pseq[2 * PROMPT_LEN];
+    for (int i = 0; i < PROMPT_LEN; i++) {
+        ptok[i] = prompt[i], ppos[i] = i, pseq[i] = 0;
+        ptok[PROMPT_LEN + i] = (prompt[i] * 5 + 1) % n_vocab, ppos[PROMPT_LEN + i] = i;
+        pseq[PROMPT_LEN + i] = 1;
+    }
+    ctx[0] = ctx[1] = PROMPT_LEN;
+    int32_t last[2] = {PROMPT_LEN - 1, 2 * PROMPT_LEN - 1};
+    TH_REQUIRE(grid_forward(&g, ptok, ppos, pseq, 2 * PROMPT_LEN, 2, ctx, last, 2, logits) == 0);
+    g.n_solo = 1;
+    tok[0] = ref_gen[0], pos[0] = PROMPT_LEN, ctx[0] = PROMPT_LEN + 1;
+    TH_REQUIRE(grid_forward(&g, tok, pos, seq_of, 1, 1, ctx, rows, 1, logits) == 0);
+    /* the same decode row again (it rewrites its own KV), now before sequence 1's chunk */
+    for (int i = 0; i < CHUNK; i++) {
+        tok[1 + i] = (int32_t)((i * 3 + 7) % n_vocab);
+        pos[1 + i] = PROMPT_LEN + i;
+        seq_of[1 + i] = 1;
+    }
+    ctx[1] = PROMPT_LEN + CHUNK;
+    TH_REQUIRE(grid_forward(&g, tok, pos, seq_of, 1 + CHUNK, 2, ctx, rows, 2, logits + n_vocab) ==
+               0);
+    TH_CHECK(memcmp(logits, logits + n_vocab, (size_t)n_vocab * sizeof(float)) == 0);
+    TH_CHECK(max_abs_diff(logits, ref_logits + n_vocab, (size_t)n_vocab) < split_tol);
+    free(logits);
+    grid_close(&g);
+}
+
 static void test_f16_kv_close(void)
 {
     /* f16 KV rounds K and V (relative 5e-4): close to f32, not equal; the logits move in
@@ -462,27 +505,34 @@ static void test_bad_batches(void)
 
 /* Uneven FFN splits: when tp does not cut the width into whole 32-blocks, rank r holds
  * blocks [r * nb / tp, (r + 1) * nb / tp), the ranks tile the width, and the split logits
- * match (test_tp_splits ran them). */
+ * match (test_tp_splits ran them). A mixture-of-experts layer 0 splits every expert's width
+ * (n_ff_exp) the same way: its last expert's slices are checked. */
 static void test_ffn_split_tiles(void)
 {
     for (int i = 0; i < n_tp_sizes; i++) {
         const int tp = tp_sizes[i];
-        int next = 0;
+        int next = 0, width = 0;
         bool uneven = false;
         for (int r = 0; r < tp; r++) {
             kn_model *m = NULL;
             kn_shard sh = {.tp_rank = r, .tp_size = tp};
             TH_REQUIRE(kn_model_load(gguf, &sh, &m) == 0);
-            TH_CHECK(m->ff0 == next && m->n_ff_local % 32 == 0 && m->n_ff_local > 0);
-            TH_CHECK(m->layers[0].w_down.n_cols == m->n_ff_local);
-            TH_CHECK(m->layers[0].w_up.n_rows == m->n_ff_local);
-            uneven |= m->n_ff_local != n_ff / tp;
-            next = m->ff0 + m->n_ff_local;
+            const kn_layer *ly = &m->layers[0];
+            const bool moe = kn_layer_is_moe(&m->hp, 0);
+            const int f0 = moe ? m->ffe0 : m->ff0, nf = moe ? m->n_ffe_local : m->n_ff_local;
+            const kn_mat *up = moe ? &ly->exp_up[m->hp.n_expert - 1] : &ly->w_up;
+            const kn_mat *down = moe ? &ly->exp_down[m->hp.n_expert - 1] : &ly->w_down;
+            width = moe ? m->hp.n_ff_exp : n_ff;
+            TH_CHECK(f0 == next && nf % 32 == 0 && nf > 0);
+            TH_CHECK(down->n_cols == nf);
+            TH_CHECK(up->n_rows == nf);
+            uneven |= nf != width / tp;
+            next = f0 + nf;
             kn_model_destroy(m);
         }
-        TH_CHECK(next == n_ff);
-        if (n_ff % (32 * tp)) TH_CHECKF(uneven, "tp %d: ffn %d split evenly", tp, n_ff);
-        fprintf(stderr, "  tp %d: ffn %d tiled%s\n", tp, n_ff, uneven ? " unevenly" : "");
+        TH_CHECK(next == width);
+        if (width % (32 * tp)) TH_CHECKF(uneven, "tp %d: ffn %d split evenly", tp, width);
+        fprintf(stderr, "  tp %d: ffn %d tiled%s\n", tp, width, uneven ? " unevenly" : "");
     }
 }
 
@@ -684,6 +734,7 @@ int main(int argc, char **argv)
     TH_RUN(test_pp_x_tp);
     TH_RUN(test_chunking);
     TH_RUN(test_two_sequences_in_one_batch);
+    TH_RUN(test_solo_row_invariant);
     TH_RUN(test_f16_kv_close);
     TH_RUN(test_bad_batches);
     TH_RUN(test_kv_pool_exhaustion);

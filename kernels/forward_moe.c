@@ -1,0 +1,134 @@
+/* forward_moe.c: a mixture-of-experts layer's FFN in the forward pass (kn_engine).
+ *
+ *   logits = h Wr                                    (the router, whole on every rank)
+ *   per token: k experts and weights                 (moe_route.c, on the host)
+ *   per expert x with tokens T_x:  y[T_x] = (act(h[T_x] Wg_x) * h[T_x] Wu_x) Wd_x
+ *                                    (the tokens gathered, one GEMM per weight and expert)
+ *   mo[i] = sum_j w[i, j] y[slot(i, j)]               (weighted_rows_sum, in choice order)
+ *         [+ (act(h Wg_s) * h Wu_s) Wd_s]             (shared experts)
+ *   x += allreduce(mo)
+ * Batch invariance (model.h): a solo row's choice depends on its own logits; in each
+ * expert's gathered group the solo rows come first (moe_route.h), so each is computed as if
+ * alone there too; and its combine reads only its own slots, in its own choice order. So a
+ * decode row's result does not depend on which other rows chose the same experts.
+ * A device backend downloads the router's logits and uploads the plan (n * k tokens, slots
+ * and weights) once per layer; the experts' GEMMs run in its memory. */
+#include <stdlib.h>
+
+#include "engine_int.h"
+#include "td_err.h"
+
+int64_t kn_engine_ffn_width(const kn_model *m)
+{
+    int64_t f = m->n_ff_local;
+    if (m->hp.n_expert && m->n_ffe_local > f) f = m->n_ffe_local;
+    if (m->hp.n_ff_shexp && m->n_ffs_local > f) f = m->n_ffs_local;
+    return f;
+}
+
+void kn_engine_moe_free(kn_engine *e)
+{
+    kn_engine_moe *mo = &e->moe;
+    void *bufs[] = {mo->rl, mo->xe, mo->ye, mo->mo, mo->tok, mo->slot, mo->wt};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        if (bufs[i]) e->be.ops->free(e->be.ctx, bufs[i]);
+    free(mo->h_rl);
+    kn_moe_plan_free(&mo->plan);
+    *mo = (kn_engine_moe){0};
+}
+
+int kn_engine_moe_reserve(kn_engine *e, int64_t n)
+{
+    const kn_hparams *hp = &e->m->hp;
+    kn_engine_moe *mo = &e->moe;
+    if (!hp->n_expert || n <= mo->cap) return 0;
+    kn_engine_moe_free(e);
+    const int64_t E = hp->n_embd, X = hp->n_expert, k = hp->n_expert_used;
+    struct {
+        void **buf;
+        int64_t elems;
+        bool dev_only;
+    } want[] = {{(void **)&mo->rl, n * X, false},     {(void **)&mo->xe, n * E, false},
+                {(void **)&mo->ye, n * k * E, false}, {(void **)&mo->mo, n * E, false},
+                {(void **)&mo->tok, n * k, true},     {(void **)&mo->slot, n * k, true},
+                {(void **)&mo->wt, n * k, true}};
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+        if (want[i].dev_only && !e->dev) continue;
+        /* 4-byte elements: floats and int32 alike */
+        *want[i].buf = e->be.ops->alloc(e->be.ctx, (size_t)want[i].elems * 4);
+        if (!*want[i].buf) goto oom;
+    }
+    if (e->dev && !(mo->h_rl = malloc((size_t)(n * X) * sizeof *mo->h_rl))) goto oom;
+    mo->cap = n;
+    return 0;
+oom:
+    kn_engine_moe_free(e);
+    TD_LOG_ERR("cannot allocate the experts' scratch for %lld tokens", (long long)n);
+    return TD_ENOMEM;
+}
+
+/* The plan for the layer: routed on the host, and in backend memory for a device backend
+ * (*tok, *slot, *wt point at the arrays the ops read). */
+static int route(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo,
+                 const int32_t **tok, const int32_t **slot, const float **wt)
+{
+    kn_engine_moe *mo = &e->moe;
+    const kn_backend_ops *ops = e->be.ops;
+    const int64_t X = e->m->hp.n_expert, nk = n * e->m->hp.n_expert_used;
+    int rc = kn_engine_matmul(e, &ly->gate_inp, h, n, solo, mo->rl);
+    if (rc) return rc;
+    const float *logits = mo->rl;
+    if (e->dev) {
+        if ((rc = ops->download(e->be.ctx, mo->h_rl, mo->rl, (size_t)(n * X) * sizeof(float))))
+            return rc;
+        logits = mo->h_rl;
+    }
+    if ((rc = kn_moe_route(&e->m->hp, ly->exp_probs_b, logits, n, &mo->plan))) return rc;
+    *tok = mo->plan.token;
+    *slot = mo->plan.slot;
+    *wt = mo->plan.weight;
+    if (!e->dev) return 0;
+    if ((rc = ops->upload(e->be.ctx, mo->tok, mo->plan.token, (size_t)nk * 4)) ||
+        (rc = ops->upload(e->be.ctx, mo->slot, mo->plan.slot, (size_t)nk * 4)) ||
+        (rc = ops->upload(e->be.ctx, mo->wt, mo->plan.weight, (size_t)nk * 4)))
+        return rc;
+    *tok = mo->tok;
+    *slot = mo->slot;
+    *wt = mo->wt;
+    return 0;
+}
+
+int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo)
+{
+    const kn_hparams *hp = &e->m->hp;
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    kn_engine_moe *mo = &e->moe;
+    const int64_t E = hp->n_embd;
+    const int32_t *tok, *slot;
+    const float *wt;
+    int rc = route(e, ly, h, n, solo, &tok, &slot, &wt);
+    if (rc) return rc;
+    const kn_moe_plan *p = &mo->plan;
+    for (int x = 0; x < hp->n_expert; x++) {
+        const int32_t o0 = p->offset[x], cnt = p->offset[x + 1] - o0;
+        if (!cnt) continue;
+        int64_t es = 0; /* the group's leading solo rows */
+        while (es < cnt && p->token[o0 + es] < solo)
+            es++;
+        ops->copy_rows(c, h, tok + o0, cnt, E, mo->xe);
+        if ((rc = kn_engine_glu(e, &ly->exp_gate[x], &ly->exp_up[x], mo->xe, cnt, es))) return rc;
+        if ((rc = kn_engine_matmul(e, &ly->exp_down[x], e->g, cnt, es, mo->ye + (int64_t)o0 * E)))
+            return rc;
+    }
+    ops->weighted_rows_sum(c, mo->ye, slot, wt, hp->n_expert_used, n, E, mo->mo);
+    if (ly->sh_gate.data) {
+        if ((rc = kn_engine_glu(e, &ly->sh_gate, &ly->sh_up, h, n, solo)) ||
+            (rc = kn_engine_matmul(e, &ly->sh_down, e->g, n, solo, mo->xe)))
+            return rc;
+        ops->add(c, mo->mo, mo->xe, n, E);
+    }
+    if ((rc = kn_engine_allreduce(e, mo->mo, n * E))) return rc;
+    ops->add(c, e->x, mo->mo, n, E);
+    return 0;
+}
