@@ -219,6 +219,12 @@ typedef struct {
      * only its own idx, w and x rows, so it does not depend on the other rows. */
     void (*weighted_rows_sum)(void *ctx, const float *x, const int32_t *idx, const float *w, int k,
                               int64_t m, int64_t n, float *y);
+    /* Optional (NULL: the engine refuses latent-attention models on the backend).
+     * dst[i * dst_stride + j] = src[i * src_stride + j] for i < m, j < n: a strided 2-D copy
+     * (a block of columns of one row-major matrix into another's; src and dst do not
+     * overlap). */
+    void (*copy_2d)(void *ctx, const float *src, int64_t src_stride, float *dst, int64_t dst_stride,
+                    int64_t m, int64_t n);
 } kn_backend_ops;
 
 typedef struct {

@@ -21,6 +21,21 @@ typedef struct {
     float *wt;           /* (cap * k) and its weights */
 } kn_engine_moe;
 
+/* A latent-attention layer's scratch (forward_mla.c), for the engine's cap tokens; NULL for
+ * other models. nh is the rank's heads, QD = mla_nope + n_rot, R = kv_lora_rank. */
+typedef struct {
+    int64_t cap;
+    float *qa;  /* (cap, q_lora_rank) */
+    float *q;   /* (cap, nh * QD) the queries as projected */
+    float *c;   /* (cap, R) the compressed KV, then normed */
+    float *pe;  /* (cap, n_rot) the key's rope part */
+    float *qpe; /* (cap * nh, n_rot) every head's query rope part */
+    float *qn;  /* (cap, mla_nope) one head's query without rope */
+    float *ql;  /* (cap, R) one head's query in latent space, or its output there */
+    float *ov;  /* (cap, mla_v) one head's value output */
+    float *av;  /* (cap, nh * mla_v) every head's value output */
+} kn_engine_mla;
+
 /* A batch's host arrays as a device backend reads them: copies in backend memory, grown on
  * demand. h_seqs / h_tables are the host-side packing buffers of the seq views. */
 typedef struct {
@@ -59,7 +74,20 @@ struct kn_engine {
     float *lg;    /* (cap_lg, n_vocab_local) this rank's logit slice; tp > 1 only */
     kn_engine_stage st;
     kn_engine_moe moe;
+    kn_engine_mla mla;
 };
+
+/* One scratch buffer of elems 4-byte elements (floats or int32) in backend memory. */
+typedef struct {
+    void **buf;
+    int64_t elems;
+} kn_engine_buf;
+
+/* Allocates each of the n buffers (a NULL buf entry is skipped); on failure frees what it
+ * allocated, logs what for, and returns TD_ENOMEM. */
+int kn_engine_alloc_bufs(kn_engine *e, const kn_engine_buf *b, size_t n, const char *what);
+/* Frees each non-NULL *bufs[i] and sets it NULL. */
+void kn_engine_free_bufs(kn_engine *e, void **const *bufs, size_t n);
 
 /* ---- forward.c, for forward_moe.c ---- */
 /* y (m, w->n_rows) = x W^T with rows [0, solo) each computed as if alone (model.h). */
@@ -70,6 +98,9 @@ int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const 
                   int64_t solo);
 /* buf (n floats) summed across the TP ranks (a no-op at tp 1). */
 int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n);
+/* x += [post_norm] allreduce(in W) [* residual_scale] (in: (n, w->n_cols)). */
+int kn_engine_project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
+                          int64_t n, int64_t solo);
 
 /* ---- forward_moe.c ---- */
 /* The widest FFN a layer of the model computes (dense, one expert, shared experts). */
@@ -79,6 +110,15 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n);
 void kn_engine_moe_free(kn_engine *e);
 /* x += allreduce(moe(h)): h (n, n_embd) the FFN's normed input. */
 int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo);
+
+/* ---- forward_mla.c ---- */
+/* The latent-attention scratch for n tokens (grown on demand); 0 at once for other models. */
+int kn_engine_mla_reserve(kn_engine *e, int64_t n);
+void kn_engine_mla_free(kn_engine *e);
+/* Local layer li's attention block on latent KV: x += allreduce(attention(h) Wo), h the
+ * layer's normed input; writes the layer's latent KV of the batch into kv. */
+int kn_engine_mla_attention(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li,
+                            const float *h);
 
 /* Every weight matrix and vector of the shard, mapped into the device backend
  * (ops->map_matrix / map_vector). */

@@ -39,12 +39,18 @@ int kn_engine_map_model(kn_engine *e)
                                 &ly->w_gate, &ly->w_up, &ly->w_down};
         for (size_t i = 0; !rc && i < sizeof mats / sizeof *mats; i++)
             rc = map_mat(e, mats[i]);
-        const kn_mat *moe[] = {&ly->gate_inp, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
-        for (size_t i = 0; !rc && i < sizeof moe / sizeof *moe; i++)
-            rc = map_mat(e, moe[i]);
+        /* experts (model_moe.c) and latent attention (model_mla.c) */
+        const kn_mat *more[] = {&ly->gate_inp, &ly->sh_gate, &ly->sh_up, &ly->sh_down,
+                                &ly->wq_a,     &ly->wq_b,    &ly->wkv_c, &ly->wkv_pe};
+        for (size_t i = 0; !rc && i < sizeof more / sizeof *more; i++)
+            rc = map_mat(e, more[i]);
         for (int x = 0; !rc && ly->exp_gate && x < m->hp.n_expert; x++)
             if (!(rc = map_mat(e, &ly->exp_gate[x])) && !(rc = map_mat(e, &ly->exp_up[x])))
                 rc = map_mat(e, &ly->exp_down[x]);
+        for (int h = 0; !rc && ly->wk_b && h < m->heads.n_q; h++)
+            if (!(rc = map_mat(e, &ly->wk_b[h]))) rc = map_mat(e, &ly->wv_b[h]);
+        if (!rc) rc = map_vec(e, ly->q_a_norm, m->hp.q_lora_rank);
+        if (!rc) rc = map_vec(e, ly->kv_a_norm, m->hp.kv_lora_rank);
         struct {
             const float *v;
             int64_t n;

@@ -52,6 +52,10 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
         TD_LOG_ERR("tp %d needs an allreduce", m->shard.tp_size);
         return TD_EINVAL;
     }
+    if (m->hp.kv_lora_rank && !be.ops->copy_2d) {
+        TD_LOG_ERR("backend '%s' cannot run latent attention (no copy_2d)", be.ops->name);
+        return TD_EUNSUPP;
+    }
     if (m->hp.n_expert && !be.ops->weighted_rows_sum) {
         TD_LOG_ERR("backend '%s' cannot run mixture-of-experts layers (no weighted_rows_sum)",
                    be.ops->name);
@@ -92,15 +96,39 @@ void kn_engine_destroy(kn_engine *e)
     if (!e) return;
     free_scratch(e);
     kn_engine_moe_free(e);
+    kn_engine_mla_free(e);
     if (e->lg) e->be.ops->free(e->be.ctx, e->lg);
     kn_engine_stage_free(e);
     free(e);
+}
+
+void kn_engine_free_bufs(kn_engine *e, void **const *bufs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (*bufs[i]) e->be.ops->free(e->be.ctx, *bufs[i]);
+        *bufs[i] = NULL;
+    }
+}
+
+int kn_engine_alloc_bufs(kn_engine *e, const kn_engine_buf *b, size_t n, const char *what)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!b[i].buf) continue;
+        *b[i].buf = e->be.ops->alloc(e->be.ctx, (size_t)b[i].elems * 4);
+        if (*b[i].buf) continue;
+        for (size_t j = 0; j < i; j++)
+            if (b[j].buf) kn_engine_free_bufs(e, &b[j].buf, 1);
+        TD_LOG_ERR("cannot allocate the %s scratch (%lld elements)", what, (long long)b[i].elems);
+        return TD_ENOMEM;
+    }
+    return 0;
 }
 
 /* The activations of n tokens, in the backend's memory. */
 static int reserve(kn_engine *e, int64_t n)
 {
     int rc = kn_engine_moe_reserve(e, n);
+    if (!rc) rc = kn_engine_mla_reserve(e, n);
     if (rc || n <= e->cap) return rc;
     free_scratch(e);
     const kn_model *m = e->m;
@@ -262,8 +290,8 @@ int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n)
 
 /* x += [post_norm] allreduce(in W) [* residual_scale]: one fused op where nothing comes
  * between the product and the add (tp 1, no post-norm, no scale) and the backend has it. */
-static int project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
-                       int64_t n, int64_t solo)
+int kn_engine_project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
+                          int64_t n, int64_t solo)
 {
     const kn_backend_ops *ops = e->be.ops;
     const kn_hparams *hp = &e->m->hp;
@@ -301,22 +329,19 @@ static void qk_norm_rope(kn_engine *e, const kn_layer *ly, const kn_batch *b, in
     ops->rope(c, e->k, n, nkv, (int)HD, hp->n_rot, b->pos, freq, hp->rope_neox);
 }
 
-static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
+/* x += [post-norm] allreduce(attention(in) Wo): local layer li's attention block. */
+static int attention_block(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li, const float *in)
 {
     const kn_model *m = e->m;
     const kn_hparams *hp = &m->hp;
     const kn_layer *ly = &m->layers[li];
     const kn_backend_ops *ops = e->be.ops;
     void *c = e->be.ctx;
-    const int64_t n = b->n_tokens, solo = b->n_solo, E = hp->n_embd, HD = hp->head_dim;
+    const int64_t n = b->n_tokens, solo = b->n_solo, HD = hp->head_dim;
     const int nh = m->heads.n_q, nkv = m->heads.n_kv;
-    int rc;
-
-    /* attention (olmo2 has no pre-norms: the blocks read x itself) */
     const int il = m->shard.l0 + li;
     const bool swa = kn_layer_is_swa(hp, il);
-    const float *in = ly->attn_norm ? e->h : e->x;
-    if (ly->attn_norm) ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
+    int rc;
     if ((rc = qkv(e, ly, in, n, solo))) return rc;
     if (ly->bq) ops->add_row(c, e->q, ly->bq, n, nh * HD);
     if (ly->bk) ops->add_row(c, e->k, ly->bk, n, nkv * HD);
@@ -327,14 +352,34 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, nh, nkv,
                    m->heads.group, m->heads.phase, (int)HD, hp->attn_scale,
                    swa ? hp->swa_window : 0, n, solo, b->pos, b->seq_of, b->seqs, e->att);
-    if ((rc = project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo))) return rc;
+    return kn_engine_project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo);
+}
+
+static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
+{
+    const kn_model *m = e->m;
+    const kn_hparams *hp = &m->hp;
+    const kn_layer *ly = &m->layers[li];
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    const int64_t n = b->n_tokens, solo = b->n_solo, E = hp->n_embd;
+    const int il = m->shard.l0 + li;
+    int rc;
+
+    /* attention (olmo2 has no pre-norms: the blocks read x itself), on latent KV for
+     * deepseek2 (forward_mla.c) */
+    const float *in = ly->attn_norm ? e->h : e->x;
+    if (ly->attn_norm) ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
+    rc = hp->kv_lora_rank ? kn_engine_mla_attention(e, kv, b, li, in)
+                          : attention_block(e, kv, b, li, in);
+    if (rc) return rc;
 
     /* feed-forward: dense, or the layer's experts (forward_moe.c) */
     if (ly->ffn_norm) ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
     const float *fin = ly->ffn_norm ? e->h : e->x;
     if (kn_layer_is_moe(hp, il)) return kn_engine_moe_ffn(e, ly, fin, n, solo);
     if ((rc = kn_engine_glu(e, &ly->w_gate, &ly->w_up, fin, n, solo))) return rc;
-    return project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo);
+    return kn_engine_project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo);
 }
 
 /* logits (n_logits, n_vocab) = sel Wout on one rank; with tp > 1 each rank computes its

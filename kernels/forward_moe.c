@@ -29,12 +29,14 @@ int64_t kn_engine_ffn_width(const kn_model *m)
 void kn_engine_moe_free(kn_engine *e)
 {
     kn_engine_moe *mo = &e->moe;
-    void *bufs[] = {mo->rl, mo->xe, mo->ye, mo->mo, mo->tok, mo->slot, mo->wt};
-    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
-        if (bufs[i]) e->be.ops->free(e->be.ctx, bufs[i]);
+    void **const bufs[] = {(void **)&mo->rl, (void **)&mo->xe,  (void **)&mo->ye,
+                           (void **)&mo->mo, (void **)&mo->tok, (void **)&mo->slot,
+                           (void **)&mo->wt};
+    kn_engine_free_bufs(e, bufs, sizeof bufs / sizeof *bufs);
     free(mo->h_rl);
+    mo->h_rl = NULL;
     kn_moe_plan_free(&mo->plan);
-    *mo = (kn_engine_moe){0};
+    mo->cap = 0;
 }
 
 int kn_engine_moe_reserve(kn_engine *e, int64_t n)
@@ -44,27 +46,25 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
     if (!hp->n_expert || n <= mo->cap) return 0;
     kn_engine_moe_free(e);
     const int64_t E = hp->n_embd, X = hp->n_expert, k = hp->n_expert_used;
-    struct {
-        void **buf;
-        int64_t elems;
-        bool dev_only;
-    } want[] = {{(void **)&mo->rl, n * X, false},     {(void **)&mo->xe, n * E, false},
-                {(void **)&mo->ye, n * k * E, false}, {(void **)&mo->mo, n * E, false},
-                {(void **)&mo->tok, n * k, true},     {(void **)&mo->slot, n * k, true},
-                {(void **)&mo->wt, n * k, true}};
-    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
-        if (want[i].dev_only && !e->dev) continue;
-        /* 4-byte elements: floats and int32 alike */
-        *want[i].buf = e->be.ops->alloc(e->be.ctx, (size_t)want[i].elems * 4);
-        if (!*want[i].buf) goto oom;
+    /* the plan's device copies only on a device backend (a host one reads the plan) */
+    const kn_engine_buf want[] = {
+        {(void **)&mo->rl, n * X},
+        {(void **)&mo->xe, n * E},
+        {(void **)&mo->ye, n * k * E},
+        {(void **)&mo->mo, n * E},
+        {e->dev ? (void **)&mo->tok : NULL, n * k},
+        {e->dev ? (void **)&mo->slot : NULL, n * k},
+        {e->dev ? (void **)&mo->wt : NULL, n * k},
+    };
+    int rc = kn_engine_alloc_bufs(e, want, sizeof want / sizeof *want, "experts'");
+    if (rc) return rc;
+    if (e->dev && !(mo->h_rl = malloc((size_t)(n * X) * sizeof *mo->h_rl))) {
+        kn_engine_moe_free(e);
+        TD_LOG_ERR("cannot allocate the router's host logits for %lld tokens", (long long)n);
+        return TD_ENOMEM;
     }
-    if (e->dev && !(mo->h_rl = malloc((size_t)(n * X) * sizeof *mo->h_rl))) goto oom;
     mo->cap = n;
     return 0;
-oom:
-    kn_engine_moe_free(e);
-    TD_LOG_ERR("cannot allocate the experts' scratch for %lld tokens", (long long)n);
-    return TD_ENOMEM;
 }
 
 /* The plan for the layer: routed on the host, and in backend memory for a device backend

@@ -49,6 +49,7 @@ typedef enum {
     KN_ARCH_PHI3,
     KN_ARCH_OLMO2,
     KN_ARCH_QWEN3MOE,
+    KN_ARCH_DEEPSEEK2,
 } kn_arch;
 
 /* How a mixture-of-experts router turns its logits into probabilities (llama.cpp's
@@ -64,6 +65,10 @@ typedef struct {
     int n_rot; /* rotated dims per head */
     float rope_base;
     float rope_scale; /* linear scaling factor (positions divided by it); 1 = none */
+    /* YaRN (deepseek2 only; yarn_factor 0: none): pair i's frequency is mixed between the
+     * interpolated (/ factor) and the original by a ramp over the pairs (model_load.c) */
+    float yarn_factor, yarn_log_mul; /* rope.scaling.factor; yarn_log_multiplier / 0.1 */
+    int yarn_orig_ctx;               /* rope.scaling.original_context_length */
     bool rope_neox;   /* qwen: pairs (i, i+n_rot/2); llama: (2i, 2i+1) */
     float rms_eps;
     bool tied_embd; /* no output.weight: the LM head is token_embd */
@@ -90,6 +95,13 @@ typedef struct {
     bool moe_norm_w;                   /* the chosen weights renormalised to sum 1 */
     float moe_w_scale;                 /* the chosen weights times it (1: none) */
     int n_expert_groups, n_group_used; /* choice limited to the best groups (0: no groups) */
+    /* multi-head latent attention (deepseek2; kv_lora_rank 0: none): the KV pool holds one
+     * latent vector per token and layer, head_dim = kv_lora_rank + n_rot with n_head_kv 1
+     * (model_mla.c) */
+    int q_lora_rank;  /* > 0: q = (rmsnorm(h Wq_a)) Wq_b; 0: q = h Wq */
+    int kv_lora_rank; /* the compressed KV's width */
+    int mla_nope;     /* a head's query/key dims without rope (qk_nope_head_dim) */
+    int mla_v;        /* a head's value dims (v_head_dim) */
 } kn_hparams;
 
 /* Whether layer il (global index) applies rope to Q and K. */
@@ -128,6 +140,14 @@ typedef struct {
     kn_mat *exp_gate, *exp_up;      /* (n_expert) rows [ffe0, +n_ffe_local) of each expert */
     kn_mat *exp_down;               /* (n_expert) the same columns of each expert's down */
     kn_mat sh_gate, sh_up, sh_down; /* the shared experts' slices (data NULL: none) */
+    /* multi-head latent attention (hp.kv_lora_rank > 0; wq is then h -> this rank's heads'
+     * (mla_nope + n_rot) query dims, or wq_a / q_a_norm / wq_b when q_lora_rank > 0; wk, wv
+     * unused; wo takes this rank's heads' mla_v columns) */
+    kn_mat wq_a, wq_b;    /* (q_lora_rank, n_embd), (local heads' query dims, q_lora_rank) */
+    float *q_a_norm;      /* (q_lora_rank) or NULL */
+    kn_mat wkv_c, wkv_pe; /* (kv_lora_rank, n_embd), (n_rot, n_embd): rows of kv_a_mqa */
+    float *kv_a_norm;     /* (kv_lora_rank) */
+    kn_mat *wk_b, *wv_b;  /* (local heads): (kv_lora_rank, mla_nope), (mla_v, kv_lora_rank) */
 } kn_layer;
 
 typedef struct {

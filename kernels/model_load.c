@@ -20,7 +20,7 @@ static const struct {
     {"qwen3", KN_ARCH_QWEN3, true, 1e-5f},       {"gemma3", KN_ARCH_GEMMA3, true, 1e-6f},
     {"smollm3", KN_ARCH_SMOLLM3, false, 1e-5f},  {"granite", KN_ARCH_GRANITE, false, 1e-5f},
     {"phi3", KN_ARCH_PHI3, true, 1e-5f},         {"olmo2", KN_ARCH_OLMO2, true, 1e-5f},
-    {"qwen3moe", KN_ARCH_QWEN3MOE, true, 1e-6f},
+    {"qwen3moe", KN_ARCH_QWEN3MOE, true, 1e-6f}, {"deepseek2", KN_ARCH_DEEPSEEK2, false, 1e-6f},
 };
 #define N_ARCHS (sizeof ARCHS / sizeof *ARCHS)
 
@@ -228,8 +228,10 @@ static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
         return TD_EFORMAT;
     }
     hp->head_dim = rc ? hp->n_embd / hp->n_head : (int)v;
-    /* the CPU attention keeps a head's accumulators on the stack: 256 dims at most */
-    if (hp->head_dim < 2 || hp->head_dim > 256 || hp->head_dim % 2) {
+    /* the CPU attention keeps a head's accumulators on the stack: 256 dims at most, 576 for
+     * deepseek2's latent (model_mla.c checks its shape) */
+    const int max_hd = hp->arch == KN_ARCH_DEEPSEEK2 ? 576 : 256;
+    if (hp->head_dim < 2 || hp->head_dim > max_hd || hp->head_dim % 2) {
         TD_LOG_ERR("unsupported head dim %d", hp->head_dim);
         return TD_EUNSUPP;
     }
@@ -246,7 +248,41 @@ static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
     return 0;
 }
 
-/* Rope base and scaling (none or linear), the RMSNorm epsilon. */
+/* deepseek2's YaRN, as llama.cpp computes it for these files (src/llama-model.cpp,
+ * models/deepseek2.cpp, ggml's rope_yarn): pair i's frequency base^(-2i/n_rot) times
+ * (1/factor (1 - r_i) + r_i), r_i = 1 - clamp((i - low) / max(0.001, high - low), 0, 1), with
+ * low/high the pairs whose wavelengths fit beta_fast 32 / beta_slow 1 turns into
+ * original_context_length; the rotation's magnitude cancels to 1 when the file has
+ * yarn_log_multiplier (DeepSeek's do), and the attention scale gains mscale^2 (model_mla.c).
+ * Without it (or with rope.scaling.attn_factor) the magnitude would not be 1: refused. */
+static int read_yarn(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
+    float f = 0.0f, log_mul = 0.0f, attn_factor = 1.0f;
+    uint32_t orig = 0;
+    int rc = kn_ld_f32(g, arch, "rope.scaling.factor", &f);
+    if (rc == 0) rc = kn_ld_f32(g, arch, "rope.scaling.yarn_log_multiplier", &log_mul);
+    if (rc == 0) rc = kn_ld_u32(g, arch, "rope.scaling.original_context_length", &orig, false);
+    if (rc == TD_ENOENT) orig = (uint32_t)hp->n_ctx_train, rc = 0;
+    int rc_af = kn_ld_f32(g, arch, "rope.scaling.attn_factor", &attn_factor);
+    if (rc == TD_ENOENT || (rc == 0 && (log_mul == 0.0f || (rc_af == 0 && attn_factor != 1.0f)))) {
+        TD_LOG_ERR("yarn rope scaling needs rope.scaling.factor and a non-zero "
+                   "yarn_log_multiplier, and no attn_factor (the files DeepSeek's converter "
+                   "writes)");
+        return TD_EUNSUPP;
+    }
+    if (rc) return rc;
+    if (!(f >= 1.0f) || !isfinite(f) || !isfinite(log_mul) || orig < 1 || orig > (1u << 30)) {
+        TD_LOG_ERR("bad yarn scaling: factor %g, log multiplier %g, original context %u", f,
+                   log_mul, orig);
+        return TD_EFORMAT;
+    }
+    hp->yarn_factor = f;
+    hp->yarn_log_mul = log_mul / 0.1f; /* the converter stores 0.1 * mscale_all_dim */
+    hp->yarn_orig_ctx = (int)orig;
+    return 0;
+}
+
+/* Rope base and scaling (none, linear, or deepseek2's yarn), the RMSNorm epsilon. */
 static int read_rope(const td_gguf *g, const char *arch, kn_hparams *hp)
 {
     hp->rope_base = 10000.0f;
@@ -264,9 +300,11 @@ static int read_rope(const td_gguf *g, const char *arch, kn_hparams *hp)
     size_t len;
     snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
     if (!td_gguf_get_str(g, key, &s, &len) && !(len == 4 && !memcmp(s, "none", 4))) {
+        if (len == 4 && !memcmp(s, "yarn", 4) && hp->arch == KN_ARCH_DEEPSEEK2)
+            return read_yarn(g, arch, hp);
         if (!(len == 6 && !memcmp(s, "linear", 6))) {
-            TD_LOG_ERR("unsupported rope scaling type '%.*s' (none, linear, and llama3 "
-                       "rope_freqs are supported)",
+            TD_LOG_ERR("unsupported rope scaling type '%.*s' (none, linear, llama3 rope_freqs, "
+                       "and yarn for deepseek2 are supported)",
                        (int)len, s);
             return TD_EUNSUPP;
         }
@@ -318,6 +356,8 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
         return olmo2_hparams(g, arch, hp);
     case KN_ARCH_QWEN3MOE:
         return kn_moe_hparams(g, arch, hp);
+    case KN_ARCH_DEEPSEEK2:
+        return kn_mla_hparams(g, arch, hp);
     default:
         return 0;
     }
@@ -575,7 +615,10 @@ static void load_layer(kn_loader *L, kn_layer *ly, int il)
         ly->attn_norm = kn_ld_vec(L, NAME("attn_norm.weight"), E, 0, E, false);
         ly->ffn_norm = kn_ld_vec(L, NAME("ffn_norm.weight"), E, 0, E, false);
     }
-    load_qkv(L, ly, il);
+    if (hp->kv_lora_rank > 0)
+        kn_mla_load_layer(L, ly, il);
+    else
+        load_qkv(L, ly, il);
     if (kn_layer_is_moe(hp, il)) {
         kn_moe_load_layer(L, ly, il);
     } else if (hp->arch == KN_ARCH_PHI3) {
@@ -649,12 +692,31 @@ void kn_ld_ffn_split(int n_ff, const kn_shard *s, int *f0, int *nf)
     *nf = (int)((b1 - b0) * TD_QK);
 }
 
+/* YaRN's ramp over the pairs (read_yarn): the dims where a wavelength of beta turns fit
+ * orig_ctx positions, as ggml_rope_yarn_corr_dims computes them (float math). */
+static float yarn_corr_dim(const kn_hparams *hp, float beta)
+{
+    return (float)hp->n_rot *
+           logf((float)hp->yarn_orig_ctx / (beta * 2.0f * 3.14159265358979323846f)) /
+           (2.0f * logf(hp->rope_base));
+}
+
 static void build_rope_freq(const kn_hparams *hp, float base, float scale, float *freq,
                             const float *factors)
 {
+    float low = 0.0f, high = 0.0f;
+    if (hp->yarn_factor > 0.0f) {
+        low = fmaxf(0.0f, floorf(yarn_corr_dim(hp, 32.0f)));
+        high = fminf((float)(hp->n_rot - 1), ceilf(yarn_corr_dim(hp, 1.0f)));
+    }
     for (int i = 0; i < hp->n_rot / 2; i++) {
         double f = pow((double)base, -2.0 * i / hp->n_rot) / scale;
         if (factors) f /= factors[i];
+        if (hp->yarn_factor > 0.0f) {
+            float y = ((float)i - low) / fmaxf(0.001f, high - low);
+            float r = 1.0f - fminf(1.0f, fmaxf(0.0f, y)); /* 1: the original frequency */
+            f *= (1.0f / hp->yarn_factor) * (1.0f - r) + r;
+        }
         freq[i] = (float)f;
     }
 }
@@ -753,6 +815,7 @@ void kn_model_destroy(kn_model *m)
             free(ly->attn_post_norm);
             free(ly->ffn_post_norm);
             kn_moe_free_layer(ly);
+            kn_mla_free_layer(ly);
         }
     }
     free(m->layers);

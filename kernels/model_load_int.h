@@ -68,4 +68,12 @@ void kn_moe_load_layer(kn_loader *L, kn_layer *ly, int il);
 /* Frees what kn_moe_load_layer allocated. */
 void kn_moe_free_layer(kn_layer *ly);
 
+/* ---- model_mla.c ---- */
+/* deepseek2's latent attention keys (then its expert keys, kn_moe_hparams) into hp. */
+int kn_mla_hparams(const td_gguf *g, const char *arch, kn_hparams *hp);
+/* Layer il's latent attention weights (this rank's heads), in place of Q, K, V. */
+void kn_mla_load_layer(kn_loader *L, kn_layer *ly, int il);
+/* Frees what kn_mla_load_layer allocated. */
+void kn_mla_free_layer(kn_layer *ly);
+
 #endif

@@ -64,15 +64,65 @@ static int check_experts(const kn_hparams *hp)
     return 0;
 }
 
+/* deepseek2's expert keys (src/models/deepseek2.cpp): leading dense layers, shared experts
+ * (n_ff_exp each), the gating function (absent: softmax, for V2/V2.5 files, sigmoid for
+ * GLM 4.7 Lite's shape as llama.cpp decides), whether the
+ * weights are renormalised (absent: no) and their scale (absent or 0: none). */
+static int deepseek2_keys(const td_gguf *g, const char *arch, kn_hparams *hp)
+{
+    uint32_t v;
+    int rc = kn_ld_u32(g, arch, "leading_dense_block_count", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    hp->n_layer_dense_lead = rc ? 0 : v > (uint32_t)hp->n_layer ? hp->n_layer : (int)v;
+    if ((rc = kn_ld_u32(g, arch, "expert_shared_count", &v, true))) return rc;
+    if (v > 64) {
+        TD_LOG_ERR("implausible shared expert count %u", v);
+        return TD_EFORMAT;
+    }
+    hp->n_ff_shexp = (int)v * hp->n_ff_exp;
+    rc = kn_ld_u32(g, arch, "expert_gating_func", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (rc == 0 && v != 0 && v != KN_MOE_SOFTMAX && v != KN_MOE_SIGMOID) {
+        TD_LOG_ERR("expert gating function %u is not supported (1 softmax, 2 sigmoid)", v);
+        return TD_EUNSUPP;
+    }
+    hp->moe_gating = rc == 0 && v == KN_MOE_SIGMOID ? KN_MOE_SIGMOID : KN_MOE_SOFTMAX;
+    /* llama.cpp's rule for GLM 4.7 Lite files written without the key */
+    if ((rc || v == 0) && (hp->n_layer == 47 || hp->n_layer == 48) && hp->n_vocab == 154880)
+        hp->moe_gating = KN_MOE_SIGMOID;
+    char key[128];
+    snprintf(key, sizeof key, "%s.expert_weights_norm", arch);
+    hp->moe_norm_w = false;
+    rc = td_gguf_get_bool(g, key, &hp->moe_norm_w);
+    if (rc && rc != TD_ENOENT) {
+        TD_LOG_ERR("model metadata '%s': bad value", key);
+        return rc;
+    }
+    float scale = 0.0f;
+    rc = kn_ld_f32(g, arch, "expert_weights_scale", &scale);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (!isfinite(scale)) {
+        TD_LOG_ERR("model metadata '%s.expert_weights_scale': not finite", arch);
+        return TD_EFORMAT;
+    }
+    hp->moe_w_scale = scale != 0.0f ? scale : 1.0f;
+    return 0;
+}
+
 /* qwen3moe (src/models/qwen3moe.cpp): qwen3's attention; every layer MoE, softmax over the
- * experts, the chosen weights renormalised, no scale, no shared experts. */
+ * experts, the chosen weights renormalised, no scale, no shared experts (the graph passes
+ * these, whatever the file's keys say). deepseek2: deepseek2_keys. */
 int kn_moe_hparams(const td_gguf *g, const char *arch, kn_hparams *hp)
 {
     int rc = common_keys(g, arch, hp);
     if (rc) return rc;
-    hp->moe_gating = KN_MOE_SOFTMAX;
-    hp->moe_norm_w = true;
-    hp->moe_w_scale = 1.0f;
+    if (hp->arch == KN_ARCH_DEEPSEEK2) {
+        if ((rc = deepseek2_keys(g, arch, hp))) return rc;
+    } else {
+        hp->moe_gating = KN_MOE_SOFTMAX;
+        hp->moe_norm_w = true;
+        hp->moe_w_scale = 1.0f;
+    }
     return check_experts(hp);
 }
 

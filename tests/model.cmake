@@ -3,9 +3,10 @@ add_executable(test_model_split ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_model_s
 target_link_libraries(test_model_split PRIVATE td_kernels td_common)
 
 # olmo2 normalizes Q and K over every head at once: tp 1 only (its PP splits, chunking and
-# batching are checked, and the refusal of tp 2)
+# batching are checked, and the refusal of tp 2). qwen3moe and deepseek2 split their
+# experts across TP ranks; deepseek2's latent KV head is on every rank.
 if(TANDEM_PYTHON)
-  foreach(arch llama qwen2 qwen3 gemma3 smollm3 granite phi3 olmo2)
+  foreach(arch llama qwen2 qwen3 gemma3 smollm3 granite phi3 olmo2 qwen3moe deepseek2)
     set(extra "")
     set(tp_arg "")
     if(arch STREQUAL "llama")
@@ -78,7 +79,13 @@ endif()
 # shared pool in device memory).
 add_executable(test_engine_device ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_engine_device.c)
 target_link_libraries(test_engine_device PRIVATE td_kernels td_common)
+# The same on deepseek2 (latent attention, experts with shared ones, a dense first layer):
+# the router's logits go down and the plan up once per MoE layer.
 if(TANDEM_PYTHON)
   add_test(NAME engine_device COMMAND test_engine_device ${TANDEM_TEST_DATA}/split-qwen2.gguf)
   set_tests_properties(engine_device PROPERTIES FIXTURES_REQUIRED split_qwen2 TIMEOUT 300)
+  add_test(NAME engine_device_deepseek2
+           COMMAND test_engine_device ${TANDEM_TEST_DATA}/split-deepseek2.gguf)
+  set_tests_properties(engine_device_deepseek2 PROPERTIES FIXTURES_REQUIRED split_deepseek2
+                       TIMEOUT 300)
 endif()

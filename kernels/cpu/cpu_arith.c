@@ -1,5 +1,5 @@
-/* cpu_arith.c: the residual add, bias add, scaling, row gather and the experts' weighted
- * combine of the CPU backend. These are
+/* cpu_arith.c: the residual add, bias add, scaling, row gather, strided copy and the experts'
+ * weighted combine of the CPU backend. These are
  * memory-bound and small (m x n_embd floats), so they run on the calling thread. */
 #include <string.h>
 
@@ -46,4 +46,11 @@ void kn_cpu_weighted_rows_sum(void *ctx, const float *x, const int32_t *idx, con
                 yr[i] += wj * xr[i];
         }
     }
+}
+
+void kn_cpu_copy_2d(void *ctx, const float *src, int64_t src_stride, float *dst, int64_t dst_stride,
+                    int64_t m, int64_t n)
+{
+    for (int64_t r = 0; r < m; r++)
+        memcpy(dst + r * dst_stride, src + r * src_stride, (size_t)n * sizeof *dst);
 }

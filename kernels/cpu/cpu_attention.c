@@ -34,7 +34,7 @@
 #include "cpu_simd.h"
 #include "cpu_internal.h"
 
-#define ATT_MAX_HEAD_DIM 256 /* per-thread tiles live on the stack */
+#define ATT_MAX_HEAD_DIM 576 /* per-thread tiles live on the stack (deepseek2: 512 + 64) */
 #define ATT_MAX_REP      8   /* q heads that share one pass over K/V */
 #define ATT_TILE         16  /* keys scored and accumulated together */
 #define ATT_ITEM_COST    16  /* fixed cost of an item, in keys (load q, finalize) */

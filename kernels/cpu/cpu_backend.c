@@ -73,7 +73,7 @@ static void cpu_attention_op(void *ctx, const float *q, const void *kpool, const
     .geglu = kn_cpu_geglu, .kv_write = kn_cpu_kv_write, .attention = cpu_attention_op,             \
     .get_rows = kn_cpu_get_rows, .add = kn_cpu_add, .add_row = kn_cpu_add_row,                     \
     .scale = kn_cpu_scale, .copy_rows = kn_cpu_copy_rows,                                          \
-    .weighted_rows_sum = kn_cpu_weighted_rows_sum, .kv_sliced = true,                              \
+    .weighted_rows_sum = kn_cpu_weighted_rows_sum, .copy_2d = kn_cpu_copy_2d, .kv_sliced = true,   \
     .map_matrix = kn_cpu_map_matrix
 
 /* The table, with the fused ops (cpu_fused.c) and without them (TANDEM_CPU_FUSED=0). */

@@ -116,6 +116,8 @@ void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t 
                       float *dst);
 void kn_cpu_weighted_rows_sum(void *ctx, const float *x, const int32_t *idx, const float *w, int k,
                               int64_t m, int64_t n, float *y);
+void kn_cpu_copy_2d(void *ctx, const float *src, int64_t src_stride, float *dst, int64_t dst_stride,
+                    int64_t m, int64_t n);
 
 /* ---- machine ceilings for benchmarks (cpu_ceilings.c) ---- */
 /* Streaming-sum read bandwidth over a buffer of `bytes`, all pool threads: GB/s (median

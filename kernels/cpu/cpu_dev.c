@@ -374,6 +374,16 @@ static void cd_weighted_rows_sum(void *ctx, const float *x, const int32_t *idx, 
     CPU.ops->weighted_rows_sum(CPU.ctx, x, idx, w, k, m, n, y);
 }
 
+static void cd_copy_2d(void *ctx, const float *src, int64_t ss, float *dst, int64_t ds, int64_t m,
+                       int64_t n)
+{
+    if (m > 0) {
+        dev(ctx, "copy_2d", "src", src, FL((m - 1) * ss + n));
+        dev(ctx, "copy_2d", "dst", dst, FL((m - 1) * ds + n));
+    }
+    CPU.ops->copy_2d(CPU.ctx, src, ss, dst, ds, m, n);
+}
+
 static const kn_backend_ops cpudev_ops = {
     .name = "cpu-dev",
     .destroy = cd_destroy,
@@ -403,6 +413,7 @@ static const kn_backend_ops cpudev_ops = {
     .scale = cd_scale,
     .copy_rows = cd_copy_rows,
     .weighted_rows_sum = cd_weighted_rows_sum,
+    .copy_2d = cd_copy_2d,
 };
 
 int kn_cpudev_create(int n_threads, const char *cpu_act, kn_backend *out)

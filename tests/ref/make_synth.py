@@ -18,6 +18,26 @@ numpy reference in ref_forward.py can compute the same function independently:
   olmo2   no pre-norms; post_attention_norm / post_ffw_norm; NEOX rope; attn_q_norm and
           attn_k_norm over the whole projection (n_head * head_dim, n_head_kv * head_dim)
 
+Mixture-of-experts architectures (make_moe_model; shapes from MOE_SHAPES, the named test
+variants in MOE_VARIANTS):
+  qwen3moe  qwen3's attention (NEOX rope, per-head Q/K RMSNorm, head_dim 64); every FFN a
+            routed MoE: ffn_gate_inp (F32 router), softmax over the experts, top-k, weights
+            renormalized; 3-D ffn_{gate,up,down}_exps. 4 layers, 8 experts top-2 (or 16 top-4),
+            expert FFN width 128 (TP 2/4 cut ffn_down_exps into whole 32-blocks)
+  deepseek2 MLA attention in the layout llama.cpp's converter writes today: attn_q, or
+            attn_q_a / attn_q_a_norm / attn_q_b (q_lora_rank > 0); attn_kv_a_mqa (compressed
+            KV then the shared rope key), attn_kv_a_norm, per-head attn_k_b / attn_v_b;
+            NORM rope on the qk_rope_head_dim trailing dims of each query head and on the
+            shared rope key; optional YaRN (DeepSeek-V2-Lite's parameters). Dense leading
+            layers (leading_dense_block_count), then routed experts (sigmoid or softmax
+            gating, exp_probs_b selection bias, group-limited top-k, normalized and scaled
+            weights) plus shared experts (ffn_*_shexp)
+
+--types mixed quantizes the 3-D expert tensors row by row like the 2-D matrices: gate/up
+experts (rows of n_embd, whole 256-blocks) cycle through Q4_K, Q8_0 and Q4_0, down experts
+(rows of n_ff_exp, which TP cuts) through 32-block types; routers and biases stay F32 as the
+converter keeps them.
+
 Default shapes split evenly for PP 2/3 (6 layers) and TP 2/4 (8 query heads, 4 KV heads,
 n_ff 512), and every row-parallel slice (attn_output, ffn_down columns) stays a whole
 number of 32-element quantization blocks.
@@ -28,6 +48,9 @@ few BPE steps on a fixed English text until the vocabulary is full.
 
 Usage: make_synth.py --out PATH --arch ARCH (ARCHS) [--rope-freqs] [--tied]
                      [--types mixed|f32] [--seed N] [--tiny]
+       make_synth.py --out PATH --variant NAME (MOE_VARIANTS) [--types ...] [--seed N]
+                     [MoE shape flags: --n-expert, --n-expert-used, --n-ff-exp, --n-layer,
+                      --q-lora-rank, --n-shared-exp, --yarn, ...]
        make_synth.py --suite DIR     the models the tests use (see SUITE), plus
                                      llama.expect for the GGUF reader test
 """
@@ -77,12 +100,62 @@ TINY_SHAPES = dict(n_embd=32, n_head=1, n_head_kv=1, head_dim=32, n_ff=32, n_lay
 # always F32, as in llama.cpp's converter). 7 matrices per layer: with 8 types each role
 # meets 6 of them over the 6 layers, and every type appears 5 or 6 times.
 MIXED_CYCLE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.F16, QT.BF16, QT.F32]
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2"]
+MOE_ARCHS = ["qwen3moe", "deepseek2"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2"] + MOE_ARCHS
 # Embedding / LM-head types per architecture in --types mixed.
 MIXED_EMBD = {"llama": QT.Q8_0, "qwen2": QT.Q4_0, "qwen3": QT.BF16, "gemma3": QT.Q8_0,
-              "smollm3": QT.Q4_1, "granite": QT.F16, "phi3": QT.Q5_1, "olmo2": QT.Q8_0}
+              "smollm3": QT.Q4_1, "granite": QT.F16, "phi3": QT.Q5_1, "olmo2": QT.Q8_0,
+              "qwen3moe": QT.Q8_0, "deepseek2": QT.Q5_0}
 MIXED_OUTPUT = {"llama": QT.Q4_1, "qwen2": QT.F16, "qwen3": QT.Q8_0, "gemma3": QT.Q5_0,
-                "smollm3": QT.Q8_0, "granite": QT.Q4_0, "phi3": QT.BF16, "olmo2": QT.Q5_1}
+                "smollm3": QT.Q8_0, "granite": QT.Q4_0, "phi3": QT.BF16, "olmo2": QT.Q5_1,
+                "qwen3moe": QT.Q4_0, "deepseek2": QT.Q8_0}
+# Expert tensors in --types mixed, one type per 3-D tensor: gate/up experts have rows of
+# n_embd (whole 256-blocks: K types allowed; TP splits their rows, never a row), down experts
+# rows of n_ff_exp, which TP cuts into n_ff_exp / tp columns: 32-block types only
+MIXED_EXP_GATE_UP = [QT.Q4_K, QT.Q8_0, QT.Q4_0]
+MIXED_EXP_DOWN = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_1]
+
+# MoE shapes: every head / expert count and width splits evenly for TP 2 and 4, and the
+# row-parallel slices (attn_output, ffn_down_exps, ffn_down_shexp, ffn_down columns) stay
+# whole 32-blocks at TP 4 (n_ff_exp 128 -> 32 per rank)
+MOE_SHAPES = {
+    # Qwen3-30B-A3B's structure (48 layers, 128 experts top-8, head_dim 128) scaled down.
+    # n_ff (feed_forward_length) is written as the converter does but unused: llama.cpp
+    # takes the expert width from expert_feed_forward_length
+    "qwen3moe": dict(n_embd=256, n_head=8, n_head_kv=4, head_dim=64, n_ff=512, n_layer=4,
+                     n_vocab=512, n_ctx=512, n_expert=8, n_expert_used=2, n_ff_exp=128),
+    # DeepSeek-V3's structure (q_lora_rank 1536, kv_lora_rank 512, rope 64, nope 128, v 128,
+    # 256 experts top-8 in 8 groups of which 4 are used, 1 shared expert, sigmoid gating with
+    # the score-correction bias, weights normalized and scaled by 2.5) scaled down; n_ff is
+    # the dense leading layers' FFN width
+    "deepseek2": dict(n_embd=256, n_head=8, n_ff=512, n_layer=3, n_vocab=512, n_ctx=512,
+                      n_dense_lead=1, q_lora_rank=96, kv_lora_rank=64, qk_rope=16, qk_nope=32,
+                      v_head=32, n_expert=16, n_expert_used=4, n_ff_exp=128, n_shared=2,
+                      n_group=4, n_group_used=2, gating="sigmoid", probs_bias=True,
+                      weights_norm=True, weights_scale=2.5, yarn=None),
+}
+# DeepSeek-V2-Lite's rope scaling as its GGUF carries it: rope.scaling.type yarn, factor 40,
+# original_context_length 4096, yarn_log_multiplier = 0.1 * mscale_all_dim (0.707; the
+# converter's legacy factor 0.1, which llama.cpp divides out again)
+YARN_V2_LITE = dict(factor=40.0, orig_ctx=4096, log_mul=0.0707)
+# Named MoE test models: make_moe_model shape overrides per variant (vs_llamacpp.py runs them;
+# qwen3moe-e8 and deepseek2-v3 are MOE_SHAPES unchanged)
+MOE_VARIANTS = {
+    "qwen3moe-e8": dict(arch="qwen3moe"),
+    "qwen3moe-e16": dict(arch="qwen3moe", n_expert=16, n_expert_used=4),
+    # V3-style: q_lora_rank 96, 2 shared experts, sigmoid + bias, groups 4/2, plain rope
+    "deepseek2-v3": dict(arch="deepseek2"),
+    # q_lora_rank 0 (attn_q, as V2-Lite), 1 shared expert, V3-style routing
+    "deepseek2-lite": dict(arch="deepseek2", q_lora_rank=0, n_shared=1),
+    # deepseek2-v3 with V2-Lite's YaRN (softmax scale * mscale^2, interpolated rope)
+    "deepseek2-yarn": dict(arch="deepseek2", yarn=YARN_V2_LITE),
+    # DeepSeek-V2-Lite's routing: no expert_gating_func key (softmax), no bias, one expert
+    # group (expert_group_count 1, used 1), no weight normalization, expert_weights_scale 1,
+    # 2 shared experts, q_lora_rank 0, YaRN
+    "deepseek2-v2lite": dict(arch="deepseek2", q_lora_rank=0, gating=None, probs_bias=False,
+                             n_group=1, n_group_used=1, weights_norm=False, weights_scale=1.0,
+                             yarn=YARN_V2_LITE),
+}
 # granite's four scalars (the real 3.x files: embedding 12, attention 1/128 (head dim 128),
 # residual 0.22, logit 8-16); milder here so that random weights keep greedy decoding
 # from repeating one token: the embedding is written scaled down by the same factor
@@ -172,15 +245,55 @@ def build_tokenizer(n_vocab):
     return tokens, types, merges
 
 
+def quantize_q4_k(data):
+    """(..., n) float32, n a multiple of 256 -> (..., n / 256 * 144) uint8 Q4_K super-blocks
+    (gguf can dequantize Q4_K but not quantize to it). A plain affine quantizer in llama.cpp's
+    layout: per 32-weight sub-block a scale and a min, 6-bit multiples of the super-block's
+    f16 d and dmin, and 4-bit quants q with weight = d * sc * q - dmin * m."""
+    x = np.asarray(data, dtype=np.float32)
+    lead = x.shape[:-1]
+    x = x.reshape(-1, 8, 32)                                          # (nb, 8, 32)
+    nb = x.shape[0]
+    lo = np.minimum(x.min(axis=-1), 0.0)                              # (nb, 8), <= 0
+    scale = (x.max(axis=-1) - lo) / 15.0
+    mins = -lo
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)                # (nb,)
+    dmin = (mins.max(axis=-1) / 63.0).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    dmf = dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.rint(scale / df), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmf > 0, np.rint(mins / dmf), 0).clip(0, 63).astype(np.uint8)
+        es = (df * sc)[..., None]                                     # (nb, 8, 1)
+        em = (dmf * m)[..., None]
+        q = np.where(es > 0, np.rint((x + em) / es), 0).clip(0, 15).astype(np.uint8)
+    out = np.zeros((nb, 144), dtype=np.uint8)
+    out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    out[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
+    # scales: bytes 0-3 sc[0..3] | sc[4..7] >> 4 << 6, bytes 4-7 the same for the mins,
+    # bytes 8-11 the low nibbles of sc[4..7] | those of m[4..7] << 4
+    out[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    out[:, 8:12] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    # quants: byte 32 * c + l holds sub-block 2c's weight l (low nibble), 2c + 1's (high)
+    q = q.reshape(nb, 4, 2, 32)
+    out[:, 16:] = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(nb, 128)
+    return out.reshape(lead + (-1,))
+
+
 def add_matrix(w, name, data, qtype):
-    """Adds a 2-D weight (numpy shape (rows, ne0)) stored as qtype."""
+    """Adds a 2-D weight (numpy shape (rows, ne0)) stored as qtype; a 3-D one (numpy shape
+    (n_expert, rows, ne0)) is quantized row by row the same way."""
     data = np.ascontiguousarray(data, dtype=np.float32)
     if qtype == QT.F32:
         w.add_tensor(name, data)
     elif qtype == QT.F16:
         w.add_tensor(name, data.astype(np.float16))
     else:
-        q = gguf.quants.quantize(data, qtype)
+        if qtype == QT.Q4_K:
+            q = quantize_q4_k(data)
+        else:
+            q = gguf.quants.quantize(data, qtype)
         w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
 
 
@@ -198,11 +311,32 @@ def q6k_matrix(rng, rows, cols, std):
     return blocks.reshape(rows, cols // 256 * 210)
 
 
+def add_vocab(w, n_vocab):
+    """The tokenizer metadata (build_tokenizer's vocabulary) and the chat template."""
+    tokens, ttypes, merges = build_tokenizer(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(ttypes)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(EOS_ID)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, shapes=None,
                head_dim=None, alignment=None, extra_kv=None):
     """Writes one model to out. alignment: write general.alignment explicitly (the GGUF
     reader tests need the key); extra_kv: a function called with the writer to add more
-    metadata."""
+    metadata. MoE archs: make_moe_model (shapes: MOE_SHAPES[arch] or a full replacement)."""
+    if arch in MOE_ARCHS:
+        if rope_freqs:
+            raise ValueError(f"{arch}: no rope_freqs.weight")
+        return make_moe_model(out, arch, tied=tied, types=types, seed=seed, shapes=shapes,
+                              head_dim=head_dim, alignment=alignment, extra_kv=extra_kv)
     s = dict(DEFAULT_SHAPES if shapes is None else shapes)
     if head_dim is not None:
         s["head_dim"] = head_dim
@@ -240,18 +374,7 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     w.add_vocab_size(n_vocab)
     w.add_file_type(0 if types == "f32" else 1)
 
-    tokens, ttypes, merges = build_tokenizer(n_vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(ttypes)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(EOS_ID)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, n_vocab)
     if extra_kv is not None:
         extra_kv(w)
 
@@ -348,6 +471,215 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     w.close()
 
 
+def moe_shapes(arch, **overrides):
+    """MOE_SHAPES[arch] with overrides (unknown keys refused)."""
+    s = dict(MOE_SHAPES[arch])
+    for k, v in overrides.items():
+        if k not in s:
+            raise ValueError(f"{arch}: unknown shape key {k!r}")
+        s[k] = v
+    return s
+
+
+def variant_kwargs(name, types="f32", seed=1):
+    """make_model keyword arguments of MOE_VARIANTS[name]."""
+    v = dict(MOE_VARIANTS[name])
+    arch = v.pop("arch")
+    return dict(arch=arch, types=types, seed=seed, shapes=moe_shapes(arch, **v))
+
+
+def make_moe_model(out, arch, tied=False, types="mixed", seed=0, shapes=None, head_dim=None,
+                   alignment=None, extra_kv=None):
+    """Writes a qwen3moe or deepseek2 model: the metadata keys and tensors llama.cpp's
+    converter writes for Qwen3-MoE / DeepSeek-V2/V3 (conversion/qwen.py, deepseek.py), in the
+    shapes of shapes (default MOE_SHAPES[arch])."""
+    s = dict(MOE_SHAPES[arch] if shapes is None else shapes)
+    if head_dim is not None:
+        s["head_dim"] = head_dim
+    ds = arch == "deepseek2"
+    n_embd, n_head, n_layer, n_vocab = s["n_embd"], s["n_head"], s["n_layer"], s["n_vocab"]
+    n_expert, n_used, n_ff_exp = s["n_expert"], s["n_expert_used"], s["n_ff_exp"]
+    rng = np.random.default_rng(seed)
+
+    w = gguf.GGUFWriter(out, arch)
+    w.add_name(f"tandem-synth-{arch}")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    # the converter's order: TextModel.set_gguf_parameters, then the model's own keys
+    w.add_block_count(n_layer)
+    w.add_context_length(s["n_ctx"])
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(s["n_ff"])
+    w.add_head_count(n_head)
+    # deepseek2: MLA is stored as MQA (one KV head of kv_lora_rank + qk_rope dims)
+    w.add_head_count_kv(1 if ds else s["n_head_kv"])
+    w.add_rope_freq_base(10000.0 if ds else 1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_used)
+    if ds:
+        if s["n_group"]:
+            w.add_expert_group_count(s["n_group"])
+            w.add_expert_group_used_count(s["n_group_used"])
+        if s["gating"] is not None:
+            w.add_expert_gating_func({"softmax": gguf.ExpertGatingFuncType.SOFTMAX,
+                                      "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}[s["gating"]])
+    else:
+        w.add_key_length(s["head_dim"])
+        w.add_value_length(s["head_dim"])
+    w.add_file_type(0 if types == "f32" else 1)
+    if ds:
+        w.add_leading_dense_block_count(s["n_dense_lead"])
+        w.add_vocab_size(n_vocab)
+        # llama.cpp requires the key unless the layer count is a "lite" one (26, 27, ...):
+        # written, 0 meaning attn_q (no low-rank query)
+        w.add_q_lora_rank(s["q_lora_rank"])
+        kvl, dr, dn, dv = s["kv_lora_rank"], s["qk_rope"], s["qk_nope"], s["v_head"]
+        w.add_kv_lora_rank(kvl)
+        w.add_key_length(kvl + dr)
+        w.add_value_length(kvl)
+        w.add_key_length_mla(dn + dr)
+        w.add_value_length_mla(dv)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        w.add_expert_shared_count(s["n_shared"])
+        w.add_expert_weights_scale(s["weights_scale"])
+        if s["weights_norm"]:
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(dr)
+        if s["yarn"]:
+            y = s["yarn"]
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(y["factor"])
+            w.add_rope_scaling_orig_ctx_len(y["orig_ctx"])
+            w.add_rope_scaling_yarn_log_mul(y["log_mul"])
+    else:
+        w.add_expert_feed_forward_length(n_ff_exp)
+        w.add_vocab_size(n_vocab)
+    add_vocab(w, n_vocab)
+    if extra_kv is not None:
+        extra_kv(w)
+
+    counter = [0, 0, 0]
+
+    def cycle(i, seq):
+        if types == "f32":
+            return QT.F32
+        t = seq[counter[i] % len(seq)]
+        counter[i] += 1
+        return t
+
+    def wtype():
+        return cycle(0, MIXED_CYCLE)
+
+    def normal(shape, scale):
+        return rng.standard_normal(shape).astype(np.float32) * np.float32(scale)
+
+    def norm_weight(n, scale=1.0):
+        return (scale * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32)
+
+    def row_par(name, rows, cols, std):
+        if types == "kquant" and cols % 256 == 0:
+            q = q6k_matrix(rng, rows, cols, std)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=QT.Q6_K)
+        else:
+            add_matrix(w, name, normal((rows, cols), std), wtype())
+
+    def experts(p):
+        """The routed experts of one layer: 3-D (n_expert, rows, ne0) tensors."""
+        gt = cycle(1, MIXED_EXP_GATE_UP)
+        ut = cycle(1, MIXED_EXP_GATE_UP)
+        if n_embd % 256:
+            gt = QT.Q8_0 if gt == QT.Q4_K else gt
+            ut = QT.Q8_0 if ut == QT.Q4_K else ut
+        add_matrix(w, p + "ffn_gate_exps.weight",
+                   normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)), gt)
+        add_matrix(w, p + "ffn_up_exps.weight",
+                   normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)), ut)
+        add_matrix(w, p + "ffn_down_exps.weight",
+                   normal((n_expert, n_embd, n_ff_exp), 0.5 / np.sqrt(n_ff_exp)),
+                   cycle(2, MIXED_EXP_DOWN))
+
+    embd_t = MIXED_EMBD[arch] if types != "f32" else QT.F32
+    embd_scale = 2.0 / np.sqrt(n_embd) if tied else 1.0
+    add_matrix(w, "token_embd.weight", normal((n_vocab, n_embd), embd_scale), embd_t)
+    w.add_tensor("output_norm.weight", norm_weight(n_embd))
+    if not tied:
+        out_t = MIXED_OUTPUT[arch] if types != "f32" else QT.F32
+        add_matrix(w, "output.weight", normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd)), out_t)
+
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", norm_weight(n_embd))
+        if ds:
+            dk = dn + dr
+            if s["q_lora_rank"] > 0:
+                ql = s["q_lora_rank"]
+                add_matrix(w, p + "attn_q_a.weight", normal((ql, n_embd), 1.0 / np.sqrt(n_embd)),
+                           wtype())
+                w.add_tensor(p + "attn_q_a_norm.weight", norm_weight(ql))
+                add_matrix(w, p + "attn_q_b.weight", normal((n_head * dk, ql), 1.5 / np.sqrt(ql)),
+                           wtype())
+            else:
+                add_matrix(w, p + "attn_q.weight",
+                           normal((n_head * dk, n_embd), 1.5 / np.sqrt(n_embd)), wtype())
+            # rows: the compressed KV (kv_lora_rank), then the shared rope key (qk_rope)
+            kv_a = np.concatenate([normal((kvl, n_embd), 1.0 / np.sqrt(n_embd)),
+                                   normal((dr, n_embd), 1.5 / np.sqrt(n_embd))])
+            add_matrix(w, p + "attn_kv_a_mqa.weight", kv_a, wtype())
+            w.add_tensor(p + "attn_kv_a_norm.weight", norm_weight(kvl))
+            # the converter's split of kv_b_proj (n_head, qk_nope + v_head, kv_lora_rank):
+            # k_b transposed to (n_head, kv_lora_rank, qk_nope), v_b (n_head, v_head, kv_lora)
+            add_matrix(w, p + "attn_k_b.weight", normal((n_head, kvl, dn), 1.5 / np.sqrt(kvl)),
+                       wtype())
+            add_matrix(w, p + "attn_v_b.weight", normal((n_head, dv, kvl), 1.0 / np.sqrt(kvl)),
+                       wtype())
+            row_par(p + "attn_output.weight", n_embd, n_head * dv, 0.5 / np.sqrt(n_head * dv))
+        else:
+            hd, n_kv = s["head_dim"], s["n_head_kv"]
+            add_matrix(w, p + "attn_q.weight", normal((n_head * hd, n_embd), 1.5 / np.sqrt(n_embd)),
+                       wtype())
+            add_matrix(w, p + "attn_k.weight", normal((n_kv * hd, n_embd), 1.5 / np.sqrt(n_embd)),
+                       wtype())
+            add_matrix(w, p + "attn_v.weight", normal((n_kv * hd, n_embd), 1.0 / np.sqrt(n_embd)),
+                       wtype())
+            w.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
+            w.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
+            row_par(p + "attn_output.weight", n_embd, n_head * hd, 0.5 / np.sqrt(n_head * hd))
+        w.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
+        if ds and il < s["n_dense_lead"]:
+            n_ff = s["n_ff"]
+            add_matrix(w, p + "ffn_gate.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)),
+                       wtype())
+            add_matrix(w, p + "ffn_up.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)),
+                       wtype())
+            row_par(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
+            continue
+        # the router stays F32 (the converter never quantizes ffn_gate_inp)
+        w.add_tensor(p + "ffn_gate_inp.weight", normal((n_expert, n_embd), 1.0 / np.sqrt(n_embd)))
+        if ds and s["probs_bias"]:
+            # DeepSeek-V3's e_score_correction_bias: shifts the selection, not the weights
+            w.add_tensor(p + "exp_probs_b.bias", normal(n_expert, 0.2))
+        experts(p)
+        if ds and s["n_shared"]:
+            n_sh = n_ff_exp * s["n_shared"]
+            add_matrix(w, p + "ffn_gate_shexp.weight", normal((n_sh, n_embd), 1.0 / np.sqrt(n_embd)),
+                       wtype())
+            add_matrix(w, p + "ffn_up_shexp.weight", normal((n_sh, n_embd), 1.0 / np.sqrt(n_embd)),
+                       wtype())
+            row_par(p + "ffn_down_shexp.weight", n_embd, n_sh, 0.5 / np.sqrt(n_sh))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# The MoE suite models' seeds: over test_reference.py's three synthetic prompts and 32 greedy
+# tokens, ref_forward.py meets no top-2 logit gap below 2e-3 (relative; 2.9e-3 and 3.9e-3) and
+# no routing gap (last selected vs first unselected expert / group score) below 3e-4
+# (5.7e-4 and 3.0e-4), so a float32 rounding difference cannot flip a choice
+SEED_QWEN3MOE, SEED_DEEPSEEK2 = 34, 9
+
 # The synthetic models the tests use: file name -> make_model arguments. The seeds are
 # chosen so that greedy decoding of test_reference.py's prompts never meets a top-2 logit
 # gap below 2e-3 (relative): a tie-break there would not be an engine bug.
@@ -366,6 +698,11 @@ SUITE = {
     "granite.gguf": dict(arch="granite", tied=False, types="mixed", seed=10),
     "phi3.gguf": dict(arch="phi3", tied=False, types="mixed", seed=1),
     "olmo2.gguf": dict(arch="olmo2", tied=False, types="mixed", seed=2),
+    # MoE (MOE_SHAPES defaults: qwen3moe 8 experts top-2; deepseek2 q_lora_rank 96, sigmoid
+    # routing with bias and groups, 2 shared experts, plain rope). test_reference.py runs only
+    # the files in its own SYNTH_MODELS list, so these are written but not yet tested there
+    "qwen3moe.gguf": dict(arch="qwen3moe", tied=False, types="mixed", seed=SEED_QWEN3MOE),
+    "deepseek2.gguf": dict(arch="deepseek2", tied=False, types="mixed", seed=SEED_DEEPSEEK2),
 }
 
 
@@ -383,6 +720,8 @@ def main():
     ap.add_argument("--suite", metavar="DIR", help="write the test suite's models into DIR")
     ap.add_argument("--out")
     ap.add_argument("--arch", choices=ARCHS)
+    ap.add_argument("--variant", choices=sorted(MOE_VARIANTS),
+                    help="a named MoE test model (MOE_VARIANTS; implies its --arch)")
     ap.add_argument("--rope-freqs", action="store_true", help="add llama3 rope_freqs.weight")
     ap.add_argument("--tied", action="store_true", help="no output.weight (LM head = token_embd)")
     ap.add_argument("--types", choices=["mixed", "f32", "kquant"], default="mixed",
@@ -398,12 +737,64 @@ def main():
     ap.add_argument("--head-dim", type=int, default=None,
                     help="per-head dim (default 32; qwen3 defaults to 64 != n_embd/n_head)")
     ap.add_argument("--tiny", action="store_true", help="a very small model (reader tests)")
+    g = ap.add_argument_group("MoE (qwen3moe, deepseek2; defaults in MOE_SHAPES)")
+    g.add_argument("--n-layer", type=int, default=None, help="layers (qwen3moe 4, deepseek2 3)")
+    g.add_argument("--n-expert", type=int, default=None, help="routed experts (8 / 16)")
+    g.add_argument("--n-expert-used", type=int, default=None, help="experts per token (2 / 4)")
+    g.add_argument("--n-ff-exp", type=int, default=None, help="expert FFN width (128)")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="deepseek2: 0 = attn_q (96)")
+    g.add_argument("--n-shared-exp", type=int, default=None, help="deepseek2: shared experts (2)")
+    g.add_argument("--n-dense-lead", type=int, default=None,
+                   help="deepseek2: leading dense layers (1)")
+    g.add_argument("--expert-groups", default=None, metavar="G,U",
+                   help="deepseek2: expert_group_count, expert_group_used_count (4,2; 0,0: none)")
+    g.add_argument("--gating", choices=["softmax", "sigmoid", "none"], default=None,
+                   help="deepseek2: expert_gating_func (sigmoid; none: no key = softmax)")
+    g.add_argument("--no-probs-bias", action="store_true", help="deepseek2: no exp_probs_b")
+    g.add_argument("--yarn", action="store_true",
+                   help="deepseek2: DeepSeek-V2-Lite's YaRN rope scaling (YARN_V2_LITE)")
     a = ap.parse_args()
     if a.suite:
         make_suite(a.suite)
         return 0
+    if a.variant:
+        if a.arch and a.arch != MOE_VARIANTS[a.variant]["arch"]:
+            ap.error(f"--variant {a.variant} is a {MOE_VARIANTS[a.variant]['arch']} model")
+        a.arch = MOE_VARIANTS[a.variant]["arch"]
     if not a.out or not a.arch:
-        ap.error("--out and --arch are required (or --suite DIR)")
+        ap.error("--out and --arch (or --variant) are required (or --suite DIR)")
+    if a.arch in MOE_ARCHS:
+        if a.tiny or a.rope_freqs:
+            ap.error(f"--tiny and --rope-freqs are for the dense archs, not {a.arch}")
+        shapes = (variant_kwargs(a.variant)["shapes"] if a.variant
+                  else moe_shapes(a.arch))
+        flags = dict(n_ff="n_ff", n_head="n_head", n_vocab="n_vocab", n_ctx="n_ctx",
+                     head_dim="head_dim", n_layer="n_layer", n_expert="n_expert",
+                     n_expert_used="n_expert_used", n_ff_exp="n_ff_exp",
+                     q_lora_rank="q_lora_rank", n_shared_exp="n_shared",
+                     n_dense_lead="n_dense_lead", n_head_kv="n_head_kv")
+        for flag, key in flags.items():
+            v = getattr(a, flag)
+            if v is None:
+                continue
+            if key not in shapes:
+                ap.error(f"--{flag.replace('_', '-')} does not apply to {a.arch}")
+            shapes[key] = v
+        if a.arch == "deepseek2":
+            if a.expert_groups is not None:
+                shapes["n_group"], shapes["n_group_used"] = (
+                    int(x) for x in a.expert_groups.split(","))
+            if a.gating is not None:
+                shapes["gating"] = None if a.gating == "none" else a.gating
+            if a.no_probs_bias:
+                shapes["probs_bias"] = False
+            if a.yarn:
+                shapes["yarn"] = dict(YARN_V2_LITE)
+        elif a.expert_groups or a.gating or a.no_probs_bias or a.yarn:
+            ap.error("--expert-groups, --gating, --no-probs-bias and --yarn are deepseek2's")
+        make_model(a.out, a.arch, tied=a.tied, types=a.types, seed=a.seed, shapes=shapes)
+        print(a.out)
+        return 0
     head_dim = a.head_dim
     if head_dim is None and a.arch in ("qwen3", "gemma3") and not a.tiny:
         head_dim = 64

@@ -39,6 +39,33 @@ The other architectures, each from its llama.cpp graph (src/models/<arch>.cpp):
            projection (k likewise), NEOX rope; x = x + rmsnorm(Wo a) * post_attention_norm;
            x = x + rmsnorm(ffn(x)) * post_ffw_norm
 
+Mixture-of-experts architectures:
+  qwen3moe (src/models/qwen3moe.cpp): qwen3's attention (per-head Q/K RMSNorm, NEOX rope,
+           scores / sqrt(head_dim)); every FFN routed:
+             p = softmax(ffn_gate_inp h) over the n_expert experts; top = the n_expert_used
+             largest p; w = p[top] / sum(p[top]) (always normalized: build_moe_ffn's norm_w is
+             hard-coded true for qwen3moe, no expert_weights_scale)
+             f = sum_j w_j * down_e (silu(gate_e h) * up_e h),  e = top[j]
+  deepseek2 (src/models/deepseek2.cpp, MLA; written here decompressed, as plain MHA):
+           q = Wq h, or Wq_b (rmsnorm(Wq_a h) * q_a_norm) (q_lora_rank > 0); per head the
+               first qk_nope dims are q_nope, the last qk_rope dims q_pe
+           [c | k_pe] = Wkv_a_mqa h;  c = rmsnorm(c) * kv_a_norm  (kv_lora_rank dims)
+           per head h: k_nope = attn_k_b[h]^T c, v = attn_v_b[h] c (the converter's split of
+               kv_b_proj; a legacy attn_kv_b is split the same way)
+           NORM rope (pairs 2i, 2i+1; llama_model_rope_type) over q_pe and the single k_pe
+               shared by every head, with YaRN when rope.scaling.type is yarn
+           scores = (q_nope.k_nope + q_pe.k_pe) * kq_scale,
+               kq_scale = mscale^2 / sqrt(qk_nope + qk_rope), mscale as llama.cpp computes it
+               (yarn_params below: 1 + 0.1 * mscale_all_dim * ln(factor) for DeepSeek's files)
+           layers < leading_dense_block_count: dense silu FFN; the others MoE + shared experts:
+             p = sigmoid(logits) or softmax(logits) (expert_gating_func; none: softmax)
+             s = p + exp_probs_b (selection only); with expert_group_count G > 1 a group's
+                 score is the sum of its 2 best s, and only the expert_group_used_count best
+                 groups stay selectable; top = the n_expert_used largest s
+             w = p[top]; / max(sum, 6.1e-5) if expert_weights_norm; * expert_weights_scale
+                 (when set and != 1)
+             f = sum_j w_j expert_j(h) + down_shexp (silu(gate_shexp h) * up_shexp h)
+
 Python API:
   logits_last(path, ids) -> np.ndarray (n_vocab,) float32
   greedy(path, ids, n)    -> list[int]
@@ -48,6 +75,7 @@ Command line:
   ref_forward.py --model PATH --ids 1,2,3 [--greedy N] [--out-logits FILE.f32] [--f64]
 """
 import argparse
+import math
 import sys
 
 import numpy as np
@@ -59,6 +87,61 @@ def _field(reader, key, default=None):
     if f is None:
         return default
     return f.contents()
+
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2",
+         "qwen3moe", "deepseek2")
+
+
+def yarn_params(r, arch, hp, k_head):
+    """The rope frequency scaling and attention scale llama.cpp derives for deepseek2
+    (llama-model.cpp load_hparams, models/deepseek2.cpp load_arch_hparams and graph,
+    llama-context.cpp's yarn_attn_factor, ggml's rope_yarn):
+      freq_scale = 1 / rope.scaling.factor (1 without a factor or with type none);
+      ext_factor = 1 for type yarn, else 0;
+      log_mul = rope.scaling.yarn_log_multiplier / 0.1 (the converter writes 0.1 *
+                mscale_all_dim; absent: 0);
+      attn_factor (the context's yarn_attn_factor, given to ggml_rope_ext) =
+          1                                                        if ext_factor == 0
+          gm(F, m) / gm(F, log_mul) / (1 + 0.1 ln F)               if log_mul != 0
+              (m = log_mul, or 1 when log_mul == 1;  gm(F, m) = 1 + 0.1 m ln F, 1 if F <= 1)
+          gm(F, 1) / (1 + 0.1 ln F)                                otherwise
+        times rope.scaling.attn_factor (default 1), F = 1 / freq_scale;
+      the rope's cos / sin are scaled by attn_factor * (1 + 0.1 ln F) when ext_factor != 0
+        (ggml cancels the division above: 1 for DeepSeek's files), by attn_factor otherwise;
+      kq_scale = mscale^2 / sqrt(key_length_mla),
+        mscale = attn_factor * (1 + 0.1 ln F) * (1 + 0.1 log_mul ln F)
+        (= 1 + 0.1 mscale_all_dim ln(factor) for DeepSeek's files; 1 without scaling).
+    beta_fast 32, beta_slow 1 (llama.cpp does not read the keys for deepseek2);
+    n_ctx_orig = rope.scaling.original_context_length, else context_length."""
+    stype = hp("rope.scaling.type", "linear") or "linear"
+    factor = float(hp("rope.scaling.factor", 0.0) or hp("rope.scale_linear", 0.0) or 0.0)
+    freq_scale = 1.0 if factor == 0.0 or stype == "none" else 1.0 / factor
+    ext = 1.0 if stype == "yarn" else 0.0
+    log_mul = float(hp("rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
+    if arch == "deepseek2":
+        log_mul /= float(np.float32(0.1))
+    F = 1.0 / freq_scale
+
+    def gm(sc, m):
+        return 1.0 if sc <= 1.0 else 0.1 * m * math.log(sc) + 1.0
+
+    attn = 1.0
+    if ext != 0.0:
+        if log_mul != 0.0:
+            m = log_mul if arch == "deepseek2" and log_mul != 1.0 else 1.0
+            attn = gm(F, m) / gm(F, log_mul)
+        else:
+            attn = gm(F, 1.0)
+        attn /= 1.0 + 0.1 * math.log(F)
+    attn *= float(hp("rope.scaling.attn_factor", 1.0) or 1.0)
+    org = attn * (1.0 + 0.1 * math.log(F))
+    mscale = org * (1.0 + 0.1 * log_mul * math.log(F))
+    return dict(freq_scale=freq_scale, ext_factor=ext, beta_fast=32.0, beta_slow=1.0,
+                n_ctx_orig=int(hp("rope.scaling.original_context_length", 0)
+                               or hp("context_length")),
+                rope_mscale=org if ext != 0.0 else attn, mscale=mscale,
+                kq_scale=mscale * mscale / math.sqrt(k_head))
 
 
 def tensor_f32(t):
@@ -76,8 +159,7 @@ class RefModel:
         self.dtype = dtype
         r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3",
-                        "olmo2"):
+        if arch not in ARCHS:
             raise ValueError(f"{path}: unsupported architecture {arch!r}")
         self.arch = arch
         hp = lambda k, d=None: _field(r, f"{arch}.{k}", d)  # noqa: E731
@@ -90,7 +172,7 @@ class RefModel:
         self.eps = float(hp("attention.layer_norm_rms_epsilon",
                             1e-6 if arch == "gemma3" else 1e-5))
         self.freq_base = float(hp("rope.freq_base", 10000.0))
-        self.neox = arch in ("qwen2", "qwen3", "gemma3", "phi3", "olmo2")
+        self.neox = arch in ("qwen2", "qwen3", "gemma3", "phi3", "olmo2", "qwen3moe")
         self.gemma = arch == "gemma3"
         self.olmo2 = arch == "olmo2"
         self.nope_step = 4 if arch == "smollm3" else 0
@@ -100,6 +182,8 @@ class RefModel:
         self.logit_div = g("logit_scale", 1.0)
         self.attn_scale = g("attention.scale", 0.0)
         self.window = int(hp("attention.sliding_window", 0) or 0) if self.gemma else 0
+        self.mla = arch == "deepseek2"
+        self._moe_hparams(r, hp)
         self.eos = _field(r, "tokenizer.ggml.eos_token_id")
         types = _field(r, "tokenizer.ggml.token_type")
         # tokens that end generation in llama.cpp: the EOS and the control tokens
@@ -131,29 +215,97 @@ class RefModel:
         self.layers = []
         for il in range(self.n_layer):
             p = f"blk.{il}."
-            L = {k: W(p + k + ".weight") for k in ("attn_output", "ffn_down")}
+            L = {"attn_output": W(p + "attn_output.weight")}
             for k in ("attn_norm", "ffn_norm"):
                 L[k] = W(p + k + ".weight", required=not self.olmo2)
-            qkv = W(p + "attn_qkv.weight", required=False)
-            if qkv is None:
+            if self.mla:
+                self._load_mla(L, p, W)
+            else:
+                qkv = W(p + "attn_qkv.weight", required=False)
+                if qkv is None:
+                    for k in ("attn_q", "attn_k", "attn_v"):
+                        L[k] = W(p + k + ".weight")
+                else:  # fused: Q rows, then K, then V
+                    nq, nkv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+                    L["attn_q"], L["attn_k"], L["attn_v"] = np.split(qkv, [nq, nq + nkv])
                 for k in ("attn_q", "attn_k", "attn_v"):
-                    L[k] = W(p + k + ".weight")
-            else:  # fused: Q rows, then K, then V
-                nq, nkv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
-                L["attn_q"], L["attn_k"], L["attn_v"] = np.split(qkv, [nq, nq + nkv])
-            gate = W(p + "ffn_gate.weight", required=False)
-            up = W(p + "ffn_up.weight")
-            if gate is None:  # phi3: ffn_up holds gate rows, then up rows
-                gate, up = np.split(up, 2)
-            L["ffn_gate"], L["ffn_up"] = gate, up
-            for k in ("attn_q", "attn_k", "attn_v"):
-                L[k + ".bias"] = W(p + k + ".bias", required=False)
-            L["attn_q_norm"] = W(p + "attn_q_norm.weight", required=False)
-            L["attn_k_norm"] = W(p + "attn_k_norm.weight", required=False)
+                    L[k + ".bias"] = W(p + k + ".bias", required=False)
+                L["attn_q_norm"] = W(p + "attn_q_norm.weight", required=False)
+                L["attn_k_norm"] = W(p + "attn_k_norm.weight", required=False)
+            moe = self.n_expert > 0 and il >= self.n_dense_lead
+            if moe:
+                L["ffn_gate_inp"] = W(p + "ffn_gate_inp.weight")           # (n_expert, n_embd)
+                L["exp_probs_b"] = W(p + "exp_probs_b.bias", required=False)  # (n_expert,)
+                for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                    L[k] = W(p + k + ".weight")      # (n_expert, n_ff_exp, n_embd) / down
+                for k in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
+                    L[k] = W(p + k + ".weight", required=self.mla)
+            else:
+                L["ffn_down"] = W(p + "ffn_down.weight")
+                gate = W(p + "ffn_gate.weight", required=False)
+                up = W(p + "ffn_up.weight")
+                if gate is None:  # phi3: ffn_up holds gate rows, then up rows
+                    gate, up = np.split(up, 2)
+                L["ffn_gate"], L["ffn_up"] = gate, up
             post = self.gemma or self.olmo2
             L["post_attention_norm"] = W(p + "post_attention_norm.weight", required=post)
             L["post_ffw_norm"] = W(p + "post_ffw_norm.weight", required=post)
             self.layers.append(L)
+        # routing diagnostics of the last forward calls: the smallest gap between the last
+        # selected and the first unselected score (experts, and groups); a gap near float32
+        # rounding means llama.cpp may pick another expert for a reason that is no bug
+        self.min_route_gap = np.inf
+
+    def _moe_hparams(self, r, hp):
+        """Expert routing and MLA hyper-parameters, with llama.cpp's defaults
+        (llama-model.cpp load_hparams, models/qwen3moe.cpp and deepseek2.cpp)."""
+        arch = self.arch
+        self.n_expert = int(hp("expert_count", 0) or 0)
+        self.n_expert_used = int(hp("expert_used_count", 0) or 0)
+        self.n_group = int(hp("expert_group_count", 0) or 0)
+        self.n_group_used = int(hp("expert_group_used_count", 0) or 0)
+        self.n_dense_lead = 0
+        self.gating = 1               # softmax
+        self.w_norm = arch == "qwen3moe"   # qwen3moe passes norm_w = true, ignores the key
+        self.w_scale = 0.0
+        if arch == "deepseek2":
+            self.n_dense_lead = int(hp("leading_dense_block_count", 0) or 0)
+            self.w_norm = bool(hp("expert_weights_norm", False))
+            self.w_scale = float(hp("expert_weights_scale", 0.0) or 0.0)
+            n_vocab = int(hp("vocab_size", 0) or len(_field(r, "tokenizer.ggml.tokens") or []))
+            g = int(hp("expert_gating_func", 0) or 0)
+            if g == 0:   # old DeepSeek V2 / V2.5 files: softmax (GLM 4.7 Lite: sigmoid)
+                g = 2 if self.n_layer in (47, 48) and n_vocab == 154880 else 1
+            self.gating = g
+            self.kv_lora = int(hp("attention.kv_lora_rank"))
+            k_mla = hp("attention.key_length_mla", None)
+            v_mla = hp("attention.value_length_mla", None)
+            # legacy (non-MLA) files: key_length / value_length are the MHA head sizes
+            self.k_head = int(k_mla if k_mla else hp("attention.key_length"))
+            self.v_head = int(v_mla if v_mla else hp("attention.value_length"))
+            self.qk_nope = self.k_head - self.n_rot
+            self.yarn = yarn_params(r, arch, hp, self.k_head)
+        if self.gating not in (1, 2):
+            raise ValueError(f"{self.path}: expert_gating_func {self.gating} not modelled")
+
+    def _load_mla(self, L, p, W):
+        """deepseek2's attention tensors, kept as stored (decompressed in attn_mla)."""
+        L["attn_q"] = W(p + "attn_q.weight", required=False)              # (H*dk, n_embd)
+        if L["attn_q"] is None:
+            L["attn_q_a"] = W(p + "attn_q_a.weight")                      # (q_lora, n_embd)
+            L["attn_q_a_norm"] = W(p + "attn_q_a_norm.weight")
+            L["attn_q_b"] = W(p + "attn_q_b.weight")                      # (H*dk, q_lora)
+        L["attn_kv_a_mqa"] = W(p + "attn_kv_a_mqa.weight")    # (kv_lora + n_rot, n_embd)
+        L["attn_kv_a_norm"] = W(p + "attn_kv_a_norm.weight")
+        kb = W(p + "attn_k_b.weight", required=False)         # (H, kv_lora, qk_nope)
+        if kb is not None:
+            L["wk"] = np.ascontiguousarray(kb.transpose(0, 2, 1))          # (H, nope, kv_lora)
+            L["wv"] = W(p + "attn_v_b.weight")                # (H, v_head, kv_lora)
+        else:  # legacy: kv_b_proj rows per head: qk_nope K rows, then v_head V rows
+            kvb = W(p + "attn_kv_b.weight").reshape(self.n_head, self.qk_nope + self.v_head,
+                                                    self.kv_lora)
+            L["wk"] = np.ascontiguousarray(kvb[:, :self.qk_nope])
+            L["wv"] = np.ascontiguousarray(kvb[:, self.qk_nope:])
 
     # -- pieces ---------------------------------------------------------------------
     def rmsnorm(self, x, w):
@@ -208,6 +360,11 @@ class RefModel:
             swa = self.is_swa(il)
             inv = self.inv_freq_swa if swa else self.inv_freq
             h = x if self.olmo2 else self.rmsnorm(x, L["attn_norm"])
+            if self.mla:
+                x = x + self.attn_mla(L, h, pos, cache, il, mask)
+                h = self.rmsnorm(x, L["ffn_norm"])
+                x = x + self.ffn(L, h)
+                continue
             q = h @ L["attn_q"].T                                        # (T, H*hd)
             k = h @ L["attn_k"].T                                        # (T, KV*hd)
             v = h @ L["attn_v"].T
@@ -249,16 +406,7 @@ class RefModel:
                 o = self.rmsnorm(o, L["post_attention_norm"])
             x = x + o * self.dtype(self.residual_mul)
             h = x if self.olmo2 else self.rmsnorm(x, L["ffn_norm"])
-            gate = h @ L["ffn_gate"].T                                   # (T, n_ff)
-            up = h @ L["ffn_up"].T
-            if self.gemma:
-                g64 = gate.astype(np.float64)
-                gl = 0.5 * g64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi)
-                                                * (g64 + 0.044715 * g64 ** 3)))
-                act = gl.astype(self.dtype) * up
-            else:
-                act = gate / (1.0 + np.exp(-gate.astype(np.float64))).astype(self.dtype) * up
-            f = act @ L["ffn_down"].T
+            f = self.ffn(L, h)
             if post:
                 f = self.rmsnorm(f, L["post_ffw_norm"])
             x = x + f * self.dtype(self.residual_mul)
@@ -266,6 +414,142 @@ class RefModel:
         out = (rows @ self.output.T) / self.dtype(self.logit_div)          # (T or 1, n_vocab)
         out = out.astype(np.float32)
         return out if all_rows else out[0]
+
+    def silu_ffn(self, h, gate_w, up_w, down_w):
+        gate = h @ gate_w.T                                              # (T, n_ff)
+        up = h @ up_w.T
+        act = gate / (1.0 + np.exp(-gate.astype(np.float64))).astype(self.dtype) * up
+        return act @ down_w.T
+
+    def ffn(self, L, h):
+        """The FFN block on the normed rows h (T, n_embd): dense, or routed experts (plus
+        shared experts)."""
+        if "ffn_gate_inp" in L:
+            f = self.moe(L, h)
+            if L.get("ffn_gate_shexp") is not None:
+                f = f + self.silu_ffn(h, L["ffn_gate_shexp"], L["ffn_up_shexp"],
+                                      L["ffn_down_shexp"])
+            return f
+        if self.gemma:
+            gate = h @ L["ffn_gate"].T                                   # (T, n_ff)
+            up = h @ L["ffn_up"].T
+            g64 = gate.astype(np.float64)
+            gl = 0.5 * g64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi)
+                                            * (g64 + 0.044715 * g64 ** 3)))
+            act = gl.astype(self.dtype) * up
+            return act @ L["ffn_down"].T
+        return self.silu_ffn(h, L["ffn_gate"], L["ffn_up"], L["ffn_down"])
+
+    def moe(self, L, h):
+        """llama.cpp's build_moe_ffn on rows h (T, n_embd): routing in float64 from the
+        float32 router logits, then each selected expert's silu FFN, weighted and summed."""
+        T = h.shape[0]
+        E, k = self.n_expert, self.n_expert_used
+        logits = (h @ L["ffn_gate_inp"].T).astype(np.float64)           # (T, E)
+        if self.gating == 1:
+            e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            probs = e / e.sum(axis=-1, keepdims=True)
+        else:
+            probs = 1.0 / (1.0 + np.exp(-logits))
+        sel = probs if L.get("exp_probs_b") is None else probs + L["exp_probs_b"]
+        rows = np.arange(T)[:, None]
+        if self.n_group > 1:
+            G, U = self.n_group, self.n_group_used
+            grp = sel.reshape(T, G, E // G)
+            score = np.sort(grp, axis=-1)[..., -2:].sum(axis=-1)          # (T, G): best 2
+            order = np.argsort(-score, axis=-1, kind="stable")
+            ss = np.take_along_axis(score, order, axis=-1)
+            self.min_route_gap = min(self.min_route_gap, float((ss[:, U - 1] - ss[:, U]).min()))
+            drop = np.ones((T, G), dtype=bool)
+            drop[rows, order[:, :U]] = False
+            sel = np.where(np.repeat(drop, E // G, axis=1), -np.inf, sel)
+        order = np.argsort(-sel, axis=-1, kind="stable")
+        top = order[:, :k]                                               # (T, k)
+        if k < E:
+            ss = np.take_along_axis(sel, order[:, k - 1:k + 1], axis=-1)
+            gap = ss[:, 0] - ss[:, 1]
+            self.min_route_gap = min(self.min_route_gap, float(gap[np.isfinite(gap)].min(
+                initial=np.inf)))
+        wts = probs[rows, top]                                           # (T, k)
+        if self.w_norm:
+            wts = wts / np.maximum(wts.sum(axis=-1, keepdims=True), 6.103515625e-5)
+        if self.w_scale not in (0.0, 1.0):
+            wts = wts * self.w_scale
+        wts = wts.astype(self.dtype)
+        out = np.zeros_like(h)
+        for e_id in np.unique(top):
+            t_idx, j_idx = np.nonzero(top == e_id)
+            y = self.silu_ffn(h[t_idx], L["ffn_gate_exps"][e_id], L["ffn_up_exps"][e_id],
+                              L["ffn_down_exps"][e_id])
+            out[t_idx] += wts[t_idx, j_idx][:, None] * y
+        return out
+
+    def rope_yarn_tables(self, pos):
+        """(cos, sin), each (T, n_rot/2), of ggml's rope with YaRN (ggml-cpu rope_yarn):
+        theta_extrap = pos * base^(-2i/n_rot), theta_interp = freq_scale * theta_extrap,
+        mixed by the ramp over the correction dims [low, high] when ext_factor != 0; cos and
+        sin carry the rope's magnitude scale."""
+        y = self.yarn
+        n = self.n_rot
+        i = np.arange(n // 2, dtype=np.float64)
+        extrap = pos[:, None].astype(np.float64) * self.freq_base ** (-2.0 * i / n)[None, :]
+        theta = y["freq_scale"] * extrap
+        if y["ext_factor"] != 0.0:
+            def corr_dim(beta):
+                return (n * np.log(y["n_ctx_orig"] / (beta * 2.0 * np.pi))
+                        / (2.0 * np.log(self.freq_base)))
+            low = max(0.0, np.floor(corr_dim(y["beta_fast"])))
+            high = min(n - 1.0, np.ceil(corr_dim(y["beta_slow"])))
+            ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)
+            mix = ramp * y["ext_factor"]
+            theta = theta * (1.0 - mix) + extrap * mix
+        return np.cos(theta) * y["rope_mscale"], np.sin(theta) * y["rope_mscale"]
+
+    def attn_mla(self, L, h, pos, cache, il, mask):
+        """deepseek2's attention, decompressed to plain MHA (every head its own K and V):
+        returns Wo a (T, n_embd); appends K (H, T, qk_nope + n_rot), V (H, T, v_head)."""
+        T = h.shape[0]
+        H, dn, dr, kvl = self.n_head, self.qk_nope, self.n_rot, self.kv_lora
+        if L["attn_q"] is not None:
+            q = h @ L["attn_q"].T
+        else:
+            q = self.rmsnorm(h @ L["attn_q_a"].T, L["attn_q_a_norm"]) @ L["attn_q_b"].T
+        q = q.reshape(T, H, dn + dr)
+        kv = h @ L["attn_kv_a_mqa"].T                                    # (T, kvl + dr)
+        c = self.rmsnorm(kv[:, :kvl], L["attn_kv_a_norm"])               # (T, kvl)
+        cos, sin = self.rope_yarn_tables(pos)                            # (T, dr/2)
+        cos, sin = cos[:, None, :].astype(self.dtype), sin[:, None, :].astype(self.dtype)
+
+        def rope_norm(x):                                                # (T, heads, dr)
+            x0, x1 = x[..., 0::2], x[..., 1::2]
+            out = np.empty_like(x)
+            out[..., 0::2] = x0 * cos - x1 * sin
+            out[..., 1::2] = x0 * sin + x1 * cos
+            return out
+
+        q_pe = rope_norm(q[..., dn:])                                    # (T, H, dr)
+        k_pe = rope_norm(kv[:, None, kvl:])                              # (T, 1, dr)
+        k_nope = np.einsum("tc,hdc->thd", c, L["wk"])                    # (T, H, dn)
+        v = np.einsum("tc,hdc->thd", c, L["wv"])                         # (T, H, dv)
+        qf = np.concatenate([q[..., :dn], q_pe], axis=-1)                # (T, H, dk)
+        k = np.concatenate([k_nope, np.broadcast_to(k_pe, (T, H, dr))], axis=-1)
+        k = k.transpose(1, 0, 2)                                         # (H, T, dk)
+        v = v.transpose(1, 0, 2)                                         # (H, T, dv)
+        if len(cache) > il:
+            K = np.concatenate([cache[il][0], k], axis=1)
+            V = np.concatenate([cache[il][1], v], axis=1)
+            cache[il] = (K, V)
+        else:
+            K, V = k, v
+            cache.append((K, V))
+        sc = np.einsum("htd,hsd->hts", qf.transpose(1, 0, 2), K).astype(np.float64)
+        sc = sc * self.yarn["kq_scale"]
+        sc[:, mask] = -np.inf
+        sc = sc - sc.max(axis=-1, keepdims=True)
+        pr = np.exp(sc)
+        pr = (pr / pr.sum(axis=-1, keepdims=True)).astype(self.dtype)
+        a = np.einsum("hts,hsd->thd", pr, V).reshape(T, -1)              # (T, H*dv)
+        return a @ L["attn_output"].T
 
     # -- API ------------------------------------------------------------------------
     def logits_last(self, ids):

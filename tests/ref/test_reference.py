@@ -56,7 +56,8 @@ TEXT_PROMPTS = [
 ]
 
 SYNTH_MODELS = ["llama.gguf", "qwen2.gguf", "qwen3.gguf", "llama-f32.gguf", "gemma3.gguf",
-                "smollm3.gguf", "granite.gguf", "phi3.gguf", "olmo2.gguf"]
+                "smollm3.gguf", "granite.gguf", "phi3.gguf", "olmo2.gguf", "qwen3moe.gguf",
+                "deepseek2.gguf"]
 
 
 def synth_prompts(n_vocab):

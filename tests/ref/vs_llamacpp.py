@@ -16,11 +16,21 @@ weights are F32) and its greedy tokens. For each model the script then reports:
 and fails (exit 1) when a relative L2 exceeds --tol (1e-4; 1e-3 for gemma3, ARCH_TOL) or a
 greedy sequence differs.
 
-The models: by default the synthetic F32 models of every architecture make_synth.py
+The models: by default the synthetic F32 models of every dense architecture make_synth.py
 writes (--arch), written into a temporary directory; --model adds real files.
+
+Mixture-of-experts models (--arch qwen3moe,deepseek2, or single make_synth.MOE_VARIANTS
+names such as deepseek2-yarn): an arch name runs all of its variants. For these (and for
+every model under --no-engine) the numpy reference is checked too: its relative L2 must
+stay below the tolerance and its greedy tokens must equal llama.cpp's; the smallest routing
+gap the reference met (last selected vs first unselected expert or group score) is shown,
+since a gap near float32 rounding would make a different choice no bug. --no-engine skips
+the engine altogether (no --tandem needed). The default --arch runs every dense and MoE
+architecture.
 
 Usage: vs_llamacpp.py --tandem BIN [--llama-dir DIR] [--arch smollm3,granite,...]
                       [--model PATH ...] [--n-gen 16] [--tol 1e-4]
+       vs_llamacpp.py --no-engine --llama-dir DIR --arch qwen3moe,deepseek2
 """
 import argparse
 import os
@@ -131,45 +141,98 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def compare(a, helper, label, path, d, with_ref, tol):
-    """Returns the number of failures for one model."""
+def compare(a, helper, label, path, d, with_ref, tol, engine=True, check_ref=False):
+    """Returns the number of failures for one model. engine: run the engine (a failure is
+    fatal); check_ref: the numpy reference's rel L2 and greedy tokens against llama.cpp
+    count as checks."""
     fails = 0
-    n_vocab = ref_forward.load(path).n_vocab if with_ref else None
+    ref = ref_forward.load(path) if with_ref else None
+    n_vocab = ref.n_vocab if ref is not None else None
     for i, ids in enumerate(prompts(n_vocab or 32000)):
         s = ",".join(map(str, ids))
         out_l, out_t = os.path.join(d, "l.f32"), os.path.join(d, "t.f32")
         ll_toks = run([helper, path, s, str(a.n_gen), out_l]).split()
         ll = np.fromfile(out_l, dtype="<f4")
-        run([a.tandem, "logits", "--model", path, "--prompt-ids", s, "--out", out_t,
-             "--kv-type", "f32"])
-        td = np.fromfile(out_t, dtype="<f4")
-        gen = run([a.tandem, "generate", "--model", path, "--prompt-ids", s, "--max-tokens",
-                   str(a.n_gen), "--ids", "--temperature", "0", "--kv-type", "f32",
-                   "--ignore-eos"])
-        td_toks = [ln for ln in gen.splitlines() if ln.strip()][-1].split()
-        e_td = rel(td, ll)
-        msg = f"{label}[{i}] ({len(ids)} ids): tandem vs llama.cpp rel L2 {e_td:.2e}"
-        if with_ref:
-            msg += f", numpy ref vs llama.cpp {rel(ref_forward.logits_last(path, ids), ll):.2e}"
-        same = td_toks == ll_toks
-        msg += f", greedy {a.n_gen} {'identical' if same else 'DIFFER'}"
-        bad = e_td > tol or not same
+        msg = f"{label}[{i}] ({len(ids)} ids): "
+        bad = False
+        td_toks = None
+        if engine:
+            run([a.tandem, "logits", "--model", path, "--prompt-ids", s, "--out", out_t,
+                 "--kv-type", "f32"])
+            td = np.fromfile(out_t, dtype="<f4")
+            gen = run([a.tandem, "generate", "--model", path, "--prompt-ids", s, "--max-tokens",
+                       str(a.n_gen), "--ids", "--temperature", "0", "--kv-type", "f32",
+                       "--ignore-eos"])
+            td_toks = [ln for ln in gen.splitlines() if ln.strip()][-1].split()
+            e_td = rel(td, ll)
+            msg += f"tandem vs llama.cpp rel L2 {e_td:.2e}, "
+            bad |= e_td > tol
+        r_toks = None
+        if ref is not None:
+            ref.min_route_gap = np.inf
+            e_ref = rel(ref.logits_last(ids), ll)
+            msg += f"numpy ref vs llama.cpp {e_ref:.2e}"
+            if check_ref:
+                r_toks = [str(t) for t in ref.generate(ids, a.n_gen)[0]]
+                bad |= e_ref > tol
+            if ref.n_expert:
+                msg += f" (min routing gap {ref.min_route_gap:.1e})"
+            msg += ", "
+        if td_toks is not None:
+            same = td_toks == ll_toks
+            msg += f"greedy {a.n_gen} {'identical' if same else 'DIFFER'}"
+            bad |= not same
+        if r_toks is not None:
+            same_ref = r_toks == ll_toks
+            msg += (", " if td_toks is not None else "") + \
+                f"ref greedy {a.n_gen} {'identical' if same_ref else 'DIFFER'}"
+            bad |= not same_ref
+        msg = msg.rstrip(", ")
         fails += bad
         print(("FAIL  " if bad else "ok    ") + msg, flush=True)
-        if not same:
+        if td_toks is not None and td_toks != ll_toks:
             print(f"      llama.cpp {' '.join(ll_toks)}\n      tandem    {' '.join(td_toks)}")
+        if r_toks is not None and r_toks != ll_toks:
+            print(f"      llama.cpp {' '.join(ll_toks)}\n      numpy ref {' '.join(r_toks)}")
     return fails
+
+
+def synth_models(names):
+    """(label, arch, make_model kwargs) for --arch: a dense arch, an MoE arch (all of its
+    MOE_VARIANTS) or one variant name."""
+    out = []
+    for name in names:
+        if name in make_synth.MOE_ARCHS:
+            for v in make_synth.MOE_VARIANTS:
+                if make_synth.MOE_VARIANTS[v]["arch"] == name:
+                    out.append((v, name, make_synth.variant_kwargs(v, types="f32", seed=1)))
+        elif name in make_synth.MOE_VARIANTS:
+            out.append((name, make_synth.MOE_VARIANTS[name]["arch"],
+                        make_synth.variant_kwargs(name, types="f32", seed=1)))
+        elif name in make_synth.ARCHS:
+            kw = dict(arch=name, tied=name == "smollm3", types="f32", seed=1)
+            if name in ("qwen3", "gemma3"):
+                kw["head_dim"] = 64
+            out.append((name, name, kw))
+        else:
+            raise SystemExit(f"vs_llamacpp: unknown --arch {name!r}")
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description="engine vs llama.cpp (logits, greedy)")
-    ap.add_argument("--tandem", required=True)
+    ap.add_argument("--tandem", default="")
+    ap.add_argument("--no-engine", action="store_true",
+                    help="only the numpy reference against llama.cpp (no --tandem needed)")
     ap.add_argument("--llama-dir", default=os.environ.get("TANDEM_LLAMACPP_DIR", ""))
-    ap.add_argument("--arch", default=",".join(SYNTH_ARCHS))
+    ap.add_argument("--arch", default=",".join(SYNTH_ARCHS + list(make_synth.MOE_ARCHS)),
+                    help="dense archs, MoE archs (all their variants) or MoE variant names")
     ap.add_argument("--model", action="append", default=[])
     ap.add_argument("--n-gen", type=int, default=16)
     ap.add_argument("--tol", type=float, default=1e-4)
     a = ap.parse_args()
+    if not a.no_engine and not a.tandem:
+        ap.error("--tandem BIN is required (or --no-engine)")
     lib = os.path.join(a.llama_dir, "build", "bin", "libllama.so") if a.llama_dir else ""
     if not lib or not os.path.exists(lib):
         print(f"skipped: no llama.cpp build (--llama-dir {a.llama_dir!r})")
@@ -177,16 +240,16 @@ def main():
     fails = 0
     with tempfile.TemporaryDirectory() as d:
         helper = build_helper(a.llama_dir, d)
-        for arch in [x for x in a.arch.split(",") if x]:
-            path = os.path.join(d, f"{arch}-f32.gguf")
-            kw = dict(tied=arch == "smollm3", types="f32", seed=1)
-            if arch in ("qwen3", "gemma3"):
-                kw["head_dim"] = 64
-            make_synth.make_model(path, arch, **kw)
-            fails += compare(a, helper, f"{arch}-f32", path, d, True,
-                             max(a.tol, ARCH_TOL.get(arch, 0.0)))
+        for label, arch, kw in synth_models([x for x in a.arch.split(",") if x]):
+            path = os.path.join(d, f"{label}-f32.gguf")
+            kw = dict(kw)
+            make_synth.make_model(path, kw.pop("arch"), **kw)
+            fails += compare(a, helper, f"{label}-f32", path, d, True,
+                             max(a.tol, ARCH_TOL.get(arch, 0.0)), engine=not a.no_engine,
+                             check_ref=a.no_engine or arch in make_synth.MOE_ARCHS)
         for path in a.model:
-            fails += compare(a, helper, os.path.basename(path), path, d, False, a.tol)
+            fails += compare(a, helper, os.path.basename(path), path, d, False, a.tol,
+                             engine=not a.no_engine)
     print(f"vs_llamacpp: {fails} failed")
     return 1 if fails else 0
 
