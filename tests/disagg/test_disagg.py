@@ -3,6 +3,8 @@
 tandem-prefill stages and tandem-decode ranks as real processes on loopback.
 
 Cases (--case NAME runs one):
+  moe      the same on the synthetic qwen3moe and deepseek2 (colocated tp 2, pp 2 -> tp 2),
+           with n > 1 and batched prompts through the openai client on deepseek2;
   synth    greedy output equals `tandem generate` token for token on the synthetic llama,
            for prefill pp 1/2/3 x decode tp 1/2, prompts from 1 token to several chunks;
            and on a model whose decode ranks share KV heads (6 over 2 at tp 3); n > 1 and
@@ -238,6 +240,24 @@ def case_synth(args):
     with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 3}]) as c:
         equal_outputs(c, args, model, prompts, "synth-gqa pp2 tp3")
         idle(c, "synth-gqa pp2 tp3")
+
+
+def case_moe(args):
+    """The mixture-of-experts models (qwen3moe: experts split across the TP ranks;
+    deepseek2: latent attention with its one latent KV head on every rank, sigmoid routing
+    over expert groups, shared experts, a dense first layer): colocated tp 2 and prefill
+    pp 2 -> decode tp 2 give `tandem generate`'s greedy output; on deepseek2 disaggregated,
+    the official openai client's n > 1 and batched prompts."""
+    prompts = ["a", text(30), text(150)]
+    for name in ("qwen3moe", "deepseek2"):
+        model = os.path.join(args.synth_dir, f"{name}.gguf")
+        for pf in ([], [{"pp": 2, "chunk": 64}]):
+            label = f"{name} {'pp2' if pf else 'colocated'} tp2"
+            with Cluster(args, model, pf, [{"tp": 2}]) as c:
+                equal_outputs(c, args, model, prompts, label)
+                if name == "deepseek2" and pf:
+                    choices_output(c, args, model, label)
+                idle(c, label)
 
 
 def case_default(args):
@@ -527,7 +547,7 @@ def case_grammar(args):
         idle(c, "grammar pp2 tp3")
 
 
-CASES = {"synth": case_synth, "default": case_default, "retry": case_retry,
+CASES = {"synth": case_synth, "moe": case_moe, "default": case_default, "retry": case_retry,
          "decode_dies": case_decode_dies, "stalled": case_stalled, "logprobs": case_logprobs,
          "grammar": case_grammar}
 
@@ -550,7 +570,8 @@ def main():
     for name, fn in CASES.items():
         if (wanted and name not in wanted) or name in skipped:
             continue
-        if name not in ("synth", "logprobs") and not (args.model and os.path.exists(args.model)):
+        if name not in ("synth", "moe", "logprobs") and not (args.model and
+                                                             os.path.exists(args.model)):
             print(f"skip {name}: no default model")
             continue
         print(f"== {name}", flush=True)
