@@ -425,6 +425,7 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
 #define DECODE_FIELDS(F, L, N)                                                                     \
     F(D_NAME, "name", F_STR, name, 0, 0)                                                           \
     F(D_TP, "tp", F_INT, tp, 1, TD_CFG_MAX_PARALLEL)                                               \
+    F(D_EP, "ep", F_INT, ep, 1, TD_CFG_MAX_PARALLEL)                                               \
     F(D_HOST, "host", F_STR, host, 0, 0)                                                           \
     F(D_THREADS, "threads", F_INT, threads, 1, 1024)                                               \
     F(D_BLOCK, "block_size", F_INT, block_size, 1, 1024)                                           \
@@ -662,6 +663,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
 {
     yaml_node_t *seen[D_N], *keys[D_N];
     x->tp = 1;
+    x->ep = 1;
     set_str(p, &x->host, "127.0.0.1");
     x->threads = 1;
     x->block_size = 16;
@@ -684,6 +686,8 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     if (seen[D_HOST] && check_host(p, seen[D_HOST], x->host)) return p->rc;
     if (x->block_size & (x->block_size - 1))
         return fail(p, seen[D_BLOCK], "block_size %d is not a power of two", x->block_size);
+    if (x->ep != 1 && x->ep != x->tp)
+        return fail(p, seen[D_EP], "ep %d: 1 or the instance's tp (%d)", x->ep, x->tp);
     if (seen[D_KVB] && seen[D_KVM])
         return fail(p, keys[D_KVM], "give kv_blocks or kv_memory, not both");
     if (seen[D_KVM]) x->kv_blocks = 0;

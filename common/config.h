@@ -117,6 +117,8 @@ typedef struct {
 typedef struct {
     char *name;
     int tp;             /* 1: tensor-parallel ranks (same host) */
+    int ep;             /* 1, or tp: a mixture-of-experts model's experts are divided whole
+                           among the ranks instead of each split across them */
     char *host;         /* 127.0.0.1 */
     int threads;        /* 1: per rank */
     int block_size;     /* 16: tokens per KV block, a power of two */

@@ -79,7 +79,7 @@ static int proc_init(dc_node *n)
         .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
     kn_runtime_params rp = {
         .model_path = p->cfg->model,
-        .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp},
+        .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp, .ep = n->dcfg->ep > 1},
         .backend = td_cfg_backend_name(p->cfg->backend),
         .backend_opts = {.n_threads = n->dcfg->threads,
                          .device = n->dcfg->devices ? n->dcfg->devices[p->rank] : -1,

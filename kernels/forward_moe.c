@@ -11,6 +11,10 @@
  * expert's gathered group the solo rows come first (moe_route.h), so each is computed as if
  * alone there too; and its combine reads only its own slots, in its own choice order. So a
  * decode row's result does not depend on which other rows chose the same experts.
+ * With expert parallelism (kn_shard.ep) a rank computes only the experts it holds; the
+ * choices of the others read a zero row in the combine, so each rank's mo is its experts'
+ * share and the all-reduce sums the shares (every rank has every token: attention is
+ * tensor-parallel, so no token moves).
  * A device backend downloads the router's logits and uploads the plan (n * k tokens, slots
  * and weights) once per layer; the experts' GEMMs run in its memory. */
 #include <stdlib.h>
@@ -50,7 +54,7 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
     const kn_engine_buf want[] = {
         {(void **)&mo->rl, n * X},
         {(void **)&mo->xe, n * E},
-        {(void **)&mo->ye, n * k * E},
+        {(void **)&mo->ye, (n * k + 1) * E}, /* and a zero row: the experts held elsewhere */
         {(void **)&mo->mo, n * E},
         {e->dev ? (void **)&mo->tok : NULL, n * k},
         {e->dev ? (void **)&mo->slot : NULL, n * k},
@@ -58,10 +62,13 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
     };
     int rc = kn_engine_alloc_bufs(e, want, sizeof want / sizeof *want, "experts'");
     if (rc) return rc;
-    if (e->dev && !(mo->h_rl = malloc((size_t)(n * X) * sizeof *mo->h_rl))) {
+    float *zero = calloc((size_t)E, sizeof *zero);
+    if (zero) rc = e->be.ops->upload(e->be.ctx, mo->ye + n * k * E, zero, (size_t)E * 4);
+    free(zero);
+    if (!zero || rc || (e->dev && !(mo->h_rl = malloc((size_t)(n * X) * sizeof *mo->h_rl)))) {
         kn_engine_moe_free(e);
-        TD_LOG_ERR("cannot allocate the router's host logits for %lld tokens", (long long)n);
-        return TD_ENOMEM;
+        TD_LOG_ERR("cannot set up the experts' scratch for %lld tokens", (long long)n);
+        return rc ? rc : TD_ENOMEM;
     }
     mo->cap = n;
     return 0;
@@ -84,6 +91,11 @@ static int route(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, in
         logits = mo->h_rl;
     }
     if ((rc = kn_moe_route(&e->m->hp, ly->exp_probs_b, logits, n, &mo->plan))) return rc;
+    const int x0 = e->m->x0, x1 = e->m->x0 + e->m->n_x_local;
+    if (x1 - x0 < X) /* ep: the other ranks' experts read the zero row */
+        for (int64_t ch = 0; ch < nk; ch++)
+            if (mo->plan.expert[ch] < x0 || mo->plan.expert[ch] >= x1)
+                mo->plan.slot[ch] = (int32_t)(mo->cap * e->m->hp.n_expert_used);
     *tok = mo->plan.token;
     *slot = mo->plan.slot;
     *wt = mo->plan.weight;
@@ -112,7 +124,7 @@ int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t 
     const kn_moe_plan *p = &mo->plan;
     for (int x = 0; x < hp->n_expert; x++) {
         const int32_t o0 = p->offset[x], cnt = p->offset[x + 1] - o0;
-        if (!cnt) continue;
+        if (!cnt || !ly->exp_gate[x].data) continue; /* no token, or held by another rank */
         int64_t es = 0; /* the group's leading solo rows */
         while (es < cnt && p->token[o0 + es] < solo)
             es++;

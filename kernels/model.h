@@ -124,6 +124,10 @@ typedef struct {
      * Q8_0 even where the slice is whole blocks: a tp-1 reference carrying the rounding a
      * split shard gets (the split tests compare against it) */
     bool requant_all;
+    /* expert parallelism across the TP ranks (ep = tp): rank r holds experts
+     * kn_split_even(n_expert, tp, r) whole instead of a slice of every expert; refused for
+     * a model without experts */
+    bool ep;
 } kn_shard;
 
 typedef struct {
@@ -137,7 +141,8 @@ typedef struct {
     /* a mixture-of-experts layer's FFN (kn_layer_is_moe; w_gate/w_up/w_down unused there) */
     kn_mat gate_inp;                /* (n_expert, n_embd) the router, whole on every rank */
     float *exp_probs_b;             /* (n_expert) bias added for the choice only, or NULL */
-    kn_mat *exp_gate, *exp_up;      /* (n_expert) rows [ffe0, +n_ffe_local) of each expert */
+    kn_mat *exp_gate, *exp_up;      /* (n_expert) rows [ffe0, +n_ffe_local) of each expert held
+                                     * ([x0, x0 + n_x_local); the others' data NULL) */
     kn_mat *exp_down;               /* (n_expert) the same columns of each expert's down */
     kn_mat sh_gate, sh_up, sh_down; /* the shared experts' slices (data NULL: none) */
     /* multi-head latent attention (hp.kv_lora_rank > 0; wq is then h -> this rank's heads'
@@ -155,7 +160,8 @@ typedef struct {
     kn_shard shard;
     td_tp_heads heads;   /* this rank's query and KV heads (td_tp.h) */
     int n_ff_local, ff0; /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
-    int n_ffe_local, ffe0; /* the same for each expert's FFN (n_ff_exp) */
+    int n_ffe_local, ffe0; /* the same for each expert's FFN (n_ff_exp; whole with ep) */
+    int x0, n_x_local;     /* the experts this rank holds: all, or its share with ep */
     int n_ffs_local, ffs0; /* and for the shared experts' FFN (n_ff_shexp) */
     bool first, last;
     kn_mat tok_embd; /* (n_vocab, n_embd) whole; first stage */

@@ -662,8 +662,18 @@ static int check_split(const kn_hparams *hp, const kn_shard *s)
         TD_LOG_ERR("tp %d exceeds the %d vocabulary rows of the LM head", s->tp_size, hp->n_vocab);
         return TD_EUNSUPP;
     }
+    if (s->ep && hp->n_expert < s->tp_size) {
+        if (!hp->n_expert)
+            TD_LOG_ERR("ep: the model (%s) has no experts to divide among the ranks",
+                       kn_arch_name(hp->arch));
+        else
+            TD_LOG_ERR("ep %d: the model has %d experts, fewer than the ranks to divide them "
+                       "among",
+                       s->tp_size, hp->n_expert);
+        return TD_EUNSUPP;
+    }
     if (!kn_ld_ffn_splits(hp->n_ff, s->tp_size, "ffn") ||
-        (hp->n_expert && !kn_ld_ffn_splits(hp->n_ff_exp, s->tp_size, "expert ffn")) ||
+        (hp->n_expert && !s->ep && !kn_ld_ffn_splits(hp->n_ff_exp, s->tp_size, "expert ffn")) ||
         (hp->n_ff_shexp && !kn_ld_ffn_splits(hp->n_ff_shexp, s->tp_size, "shared expert ffn")))
         return TD_EUNSUPP;
     return 0;
@@ -741,6 +751,17 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
         goto fail;
     kn_ld_ffn_split(hp->n_ff, &s, &m->ff0, &m->n_ff_local);
     kn_ld_ffn_split(hp->n_ff_exp, &s, &m->ffe0, &m->n_ffe_local);
+    m->n_x_local = hp->n_expert;
+    if (s.ep) { /* whole experts, this rank's share */
+        int64_t x0, x1;
+        kn_split_even(hp->n_expert, s.tp_size, s.tp_rank, &x0, &x1);
+        m->x0 = (int)x0;
+        m->n_x_local = (int)(x1 - x0);
+        m->ffe0 = 0;
+        m->n_ffe_local = hp->n_ff_exp;
+        TD_LOG_INFO("ep %d rank %d: experts [%d, %d) of %d, whole", s.tp_size, s.tp_rank, m->x0,
+                    m->x0 + m->n_x_local, hp->n_expert);
+    }
     kn_ld_ffn_split(hp->n_ff_shexp, &s, &m->ffs0, &m->n_ffs_local);
     const char *name;
     size_t name_len;

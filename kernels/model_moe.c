@@ -151,14 +151,16 @@ void kn_moe_load_layer(kn_loader *L, kn_layer *ly, int il)
         L->rc = TD_ENOMEM;
         return;
     }
+    /* the experts this rank holds: all of them (a slice of each), or its share (ep) whole */
+    const int64_t x0 = m->x0, x1 = m->x0 + m->n_x_local;
     const td_gguf_tensor *tg = kn_ld_need(L, NAME("ffn_gate_exps.weight"), E, FE, X);
-    for (int64_t x = 0; tg && x < X; x++)
+    for (int64_t x = x0; tg && x < x1; x++)
         ly->exp_gate[x] = kn_ld_view_of(L, tg, nm, x * FE + f0, nf, 0, E);
     const td_gguf_tensor *tu = kn_ld_need(L, NAME("ffn_up_exps.weight"), E, FE, X);
-    for (int64_t x = 0; tu && x < X; x++)
+    for (int64_t x = x0; tu && x < x1; x++)
         ly->exp_up[x] = kn_ld_view_of(L, tu, nm, x * FE + f0, nf, 0, E);
     const td_gguf_tensor *td = kn_ld_need(L, NAME("ffn_down_exps.weight"), FE, E, X);
-    for (int64_t x = 0; td && x < X; x++)
+    for (int64_t x = x0; td && x < x1; x++)
         ly->exp_down[x] = kn_ld_cols_of(L, KN_LD_FFN_DOWN_EXPS, td, nm, x * E, E, f0, nf);
     if (hp->n_ff_shexp > 0) {
         const int64_t FS = hp->n_ff_shexp, s0 = m->ffs0, ns = m->n_ffs_local;

@@ -87,6 +87,8 @@ static const bad_case bad_cases[] = {
     {"decode_tp_zero", MIN "    tp: 0\n", 4, 9, "0 is out of range [1, 64]"},
     {"decode_tp_float", MIN "    tp: 1.5\n", 4, 9, "expected an integer, got '1.5'"},
     {"decode_tp_list", MIN "    tp: [1]\n", 4, 9, "expected an integer, got a list"},
+    {"decode_ep_not_tp", MIN "    tp: 4\n    ep: 2\n", 5, 9, "ep 2: 1 or the instance's tp (4)"},
+    {"decode_ep_zero", MIN "    ep: 0\n", 4, 9, "0 is out of range [1, 64]"},
     {"decode_itl_neg", MIN "    itl_target_ms: -5\n", 4, 20, "-5 is out of range [0, 600000]"},
     {"decode_itl_text", MIN "    itl_target_ms: fast\n", 4, 20, "expected a number, got 'fast'"},
     {"decode_overlap_text", MIN "    overlap: sometimes\n", 4, 14,
@@ -206,6 +208,7 @@ static void test_good_file(void)
                        "decode:\n"
                        "  - name: d0\n"
                        "    tp: 3\n"
+                       "    ep: 3\n"
                        "    host: 10.0.0.3\n"
                        "    threads: 4\n"
                        "    block_size: 32\n"
@@ -262,13 +265,14 @@ static void test_good_file(void)
              p->max_queue == 64 && p->profile_budget_ms == 20000);
     const td_cfg_decode *d = td_cfg_find_decode(c, "d0");
     TH_REQUIRE(d);
-    TH_CHECK(d->tp == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 && d->block_size == 32 &&
-             d->kv_memory == (1ll << 30) && d->kv_blocks == 0 && d->max_batch == 16 &&
-             d->step_tokens == 128 && d->itl_target_ms == 75.5 && d->kv_dtype == TD_F32 &&
-             d->port == 7000 && d->overlap && d->n_devices == 3 && d->devices[2] == 4);
+    TH_CHECK(d->tp == 3 && d->ep == 3 && !strcmp(d->host, "10.0.0.3") && d->threads == 4 &&
+             d->block_size == 32 && d->kv_memory == (1ll << 30) && d->kv_blocks == 0 &&
+             d->max_batch == 16 && d->step_tokens == 128 && d->itl_target_ms == 75.5 &&
+             d->kv_dtype == TD_F32 && d->port == 7000 && d->overlap && d->n_devices == 3 &&
+             d->devices[2] == 4);
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);
-    TH_CHECK(d->tp == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
+    TH_CHECK(d->tp == 1 && d->ep == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
              d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
              d->max_batch == 64 && d->step_tokens == 512 && d->itl_target_ms == 0 &&
              d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap && !d->devices);

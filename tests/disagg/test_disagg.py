@@ -3,7 +3,7 @@
 tandem-prefill stages and tandem-decode ranks as real processes on loopback.
 
 Cases (--case NAME runs one):
-  moe      the same on the synthetic qwen3moe and deepseek2 (colocated tp 2, pp 2 -> tp 2),
+  moe      the same on the synthetic qwen3moe and deepseek2 (colocated tp 2, pp 2 -> tp 2 ep 2),
            with n > 1 and batched prompts through the openai client on deepseek2;
   synth    greedy output equals `tandem generate` token for token on the synthetic llama,
            for prefill pp 1/2/3 x decode tp 1/2, prompts from 1 token to several chunks;
@@ -243,17 +243,18 @@ def case_synth(args):
 
 
 def case_moe(args):
-    """The mixture-of-experts models (qwen3moe: experts split across the TP ranks;
-    deepseek2: latent attention with its one latent KV head on every rank, sigmoid routing
-    over expert groups, shared experts, a dense first layer): colocated tp 2 and prefill
-    pp 2 -> decode tp 2 give `tandem generate`'s greedy output; on deepseek2 disaggregated,
-    the official openai client's n > 1 and batched prompts."""
+    """The mixture-of-experts models (qwen3moe; deepseek2: latent attention with its one
+    latent KV head on every rank, sigmoid routing over expert groups, shared experts, a dense
+    first layer): colocated tp 2 (every expert split across the ranks) and prefill pp 2 ->
+    decode tp 2 with ep 2 (each rank holds half the experts whole) give `tandem generate`'s
+    greedy output; on deepseek2 disaggregated, the official openai client's n > 1 and
+    batched prompts."""
     prompts = ["a", text(30), text(150)]
     for name in ("qwen3moe", "deepseek2"):
         model = os.path.join(args.synth_dir, f"{name}.gguf")
-        for pf in ([], [{"pp": 2, "chunk": 64}]):
-            label = f"{name} {'pp2' if pf else 'colocated'} tp2"
-            with Cluster(args, model, pf, [{"tp": 2}]) as c:
+        for pf, dc in (([], {"tp": 2}), ([{"pp": 2, "chunk": 64}], {"tp": 2, "ep": 2})):
+            label = f"{name} {'pp2' if pf else 'colocated'} tp2{' ep2' if 'ep' in dc else ''}"
+            with Cluster(args, model, pf, [dc]) as c:
                 equal_outputs(c, args, model, prompts, label)
                 if name == "deepseek2" and pf:
                     choices_output(c, args, model, label)

@@ -37,6 +37,7 @@ static td_gguf *gguf;
 static int n_vocab, n_embd, n_layer, n_ff, n_head;
 static bool requant_ref; /* row-parallel tensors have blocks wider than 32: compare requantized */
 static bool gguf_moe;    /* the model has mixture-of-experts layers */
+static bool grids_ep;    /* grid_open's shards divide the experts among the ranks (kn_shard.ep) */
 /* --tp: the TP sizes test_tp_splits runs (test_pp_x_tp takes the first and the last) */
 static int tp_sizes[8] = {2, 4}, n_tp_sizes = 2;
 /* the largest logit difference a split may show: float reassociation only (the real
@@ -130,8 +131,12 @@ static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
         int l0 = n_layer * s / pp, l1 = n_layer * (s + 1) / pp;
         for (int r = 0; r < tp; r++) {
             shard_rt *x = &g->rt[s * tp + r];
-            kn_shard sh = {
-                .l0 = l0, .l1 = l1, .tp_rank = r, .tp_size = tp, .requant_all = requant_ref};
+            kn_shard sh = {.l0 = l0,
+                           .l1 = l1,
+                           .tp_rank = r,
+                           .tp_size = tp,
+                           .requant_all = requant_ref,
+                           .ep = grids_ep};
             int rc = kn_model_load(gguf, &sh, &x->model);
             if (rc) return rc;
             if ((rc = kn_cpu_create(1 + (r % 2), &x->cpu))) return rc; /* mixed thread counts */
@@ -327,8 +332,8 @@ static void compare_config(int pp, int tp, int chunk, td_dtype kv_type, float to
     TH_CHECKF(rc == 0, "pp %d tp %d chunk %d: forward failed: %s", pp, tp, chunk, td_strerror(rc));
     if (!rc) {
         float d = max_abs_diff(ref_logits, logits, (size_t)(N_DECODE + 1) * n_vocab);
-        fprintf(stderr, "  pp %d tp %d chunk %2d kv %s: max |dlogit| %.3g\n", pp, tp, chunk,
-                td_dtype_name(kv_type), d);
+        fprintf(stderr, "  pp %d tp %d%s chunk %2d kv %s: max |dlogit| %.3g\n", pp, tp,
+                grids_ep ? " ep" : "", chunk, td_dtype_name(kv_type), d);
         TH_CHECKF(d < tol, "pp %d tp %d chunk %d: logits differ by %g", pp, tp, chunk, d);
         if (kv_type == TD_F32) TH_CHECK(memcmp(gen, ref_gen, sizeof gen) == 0);
     }
@@ -360,6 +365,43 @@ static void test_tp_splits(void)
 {
     for (int i = 0; i < n_tp_sizes; i++)
         compare_config(1, tp_sizes[i], PROMPT_LEN, TD_F32, split_tol);
+}
+
+/* Expert parallelism (ep = tp): each rank holds whole experts, its share of them, and the
+ * ranks' shares tile the experts; the logits match the unsplit model's. A model without
+ * experts refuses ep. */
+static void test_ep_splits(void)
+{
+    if (!gguf_moe) {
+        kn_model *m = NULL;
+        kn_shard sh = {.tp_rank = 0, .tp_size = 2, .ep = true};
+        TH_CHECK(kn_model_load(gguf, &sh, &m) == TD_EUNSUPP && !m);
+        return;
+    }
+    for (int i = 0; i < n_tp_sizes; i++) {
+        const int tp = tp_sizes[i];
+        int next = 0;
+        for (int r = 0; r < tp; r++) {
+            kn_model *m = NULL;
+            kn_shard sh = {.tp_rank = r, .tp_size = tp, .ep = true};
+            TH_REQUIRE(kn_model_load(gguf, &sh, &m) == 0);
+            const int l = m->hp.n_layer - 1; /* a MoE layer (dense ones lead) */
+            TH_CHECK(m->x0 == next && m->n_x_local > 0 && m->n_ffe_local == m->hp.n_ff_exp);
+            for (int x = 0; x < m->hp.n_expert; x++) {
+                const bool mine = x >= m->x0 && x < m->x0 + m->n_x_local;
+                TH_CHECK(!m->layers[l].exp_down[x].data == !mine);
+                TH_CHECK(!mine || m->layers[l].exp_down[x].n_cols == m->hp.n_ff_exp);
+            }
+            next = m->x0 + m->n_x_local;
+            kn_model_destroy(m);
+        }
+        TH_CHECK(next > 0);
+    }
+    grids_ep = true;
+    for (int i = 0; i < n_tp_sizes; i++)
+        compare_config(1, tp_sizes[i], PROMPT_LEN, TD_F32, split_tol);
+    compare_config(2, tp_sizes[0], 7, TD_F32, split_tol);
+    grids_ep = false;
 }
 
 static void test_pp_x_tp(void)
@@ -738,6 +780,7 @@ int main(int argc, char **argv)
     TH_RUN(test_pp_splits);
     TH_RUN(test_tp_splits);
     TH_RUN(test_pp_x_tp);
+    TH_RUN(test_ep_splits);
     TH_RUN(test_chunking);
     TH_RUN(test_two_sequences_in_one_batch);
     TH_RUN(test_solo_row_invariant);
