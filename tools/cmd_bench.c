@@ -109,17 +109,22 @@ static int run_prefill(cli_session *s, int n, float *logits, double *secs)
 
 /* Weight bytes a decode step reads and the parameters of the matrix products: every
  * tensor of the file except the embedding lookup, which reads one row (but counts once
- * as the LM head when the embeddings are tied). */
+ * as the LM head when the embeddings are tied). Of a mixture-of-experts layer's 3-D expert
+ * tensors, the experts one token takes (n_expert_used of n_expert): what a batch-1 step
+ * reads and what a token computes. */
 static void model_weights(const cli_session *s, double *bytes, double *params)
 {
+    const kn_hparams *hp = &s->rt.model->hp;
     *bytes = 0;
     *params = 0;
     for (size_t i = 0; i < td_gguf_n_tensors(s->rt.gguf); i++) {
         const td_gguf_tensor *t = td_gguf_tensor_at(s->rt.gguf, i);
         bool embd = !strcmp(t->name, "token_embd.weight");
-        if (embd && !s->rt.model->hp.tied_embd) continue;
-        *bytes += (double)t->nbytes;
-        if (t->n_dims >= 2) *params += (double)t->ne[0] * (double)t->ne[1];
+        if (embd && !hp->tied_embd) continue;
+        bool experts = t->n_dims == 3 && hp->n_expert > 0 && t->ne[2] == hp->n_expert;
+        double share = experts ? (double)hp->n_expert_used / hp->n_expert : 1.0;
+        *bytes += (double)t->nbytes * share;
+        if (t->n_dims >= 2) *params += (double)t->ne[0] * (double)t->ne[1] * t->ne[2] * share;
     }
 }
 

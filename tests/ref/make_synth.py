@@ -739,6 +739,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a very small model (reader tests)")
     g = ap.add_argument_group("MoE (qwen3moe, deepseek2; defaults in MOE_SHAPES)")
     g.add_argument("--n-layer", type=int, default=None, help="layers (qwen3moe 4, deepseek2 3)")
+    g.add_argument("--n-embd", type=int, default=None,
+                   help="embedding width (256; larger for benchmark models)")
     g.add_argument("--n-expert", type=int, default=None, help="routed experts (8 / 16)")
     g.add_argument("--n-expert-used", type=int, default=None, help="experts per token (2 / 4)")
     g.add_argument("--n-ff-exp", type=int, default=None, help="expert FFN width (128)")
@@ -768,7 +770,7 @@ def main():
             ap.error(f"--tiny and --rope-freqs are for the dense archs, not {a.arch}")
         shapes = (variant_kwargs(a.variant)["shapes"] if a.variant
                   else moe_shapes(a.arch))
-        flags = dict(n_ff="n_ff", n_head="n_head", n_vocab="n_vocab", n_ctx="n_ctx",
+        flags = dict(n_ff="n_ff", n_head="n_head", n_vocab="n_vocab", n_ctx="n_ctx", n_embd="n_embd",
                      head_dim="head_dim", n_layer="n_layer", n_expert="n_expert",
                      n_expert_used="n_expert_used", n_ff_exp="n_ff_exp",
                      q_lora_rank="q_lora_rank", n_shared_exp="n_shared",
