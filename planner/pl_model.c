@@ -110,19 +110,26 @@ int pl_model_gguf(const char *path, pl_model *m)
     m->n_embd = hp.n_embd;
     m->n_head = hp.n_head;
     m->n_head_kv = hp.n_head_kv;
+    m->n_expert = hp.n_expert;
+    m->n_expert_used = hp.n_expert_used;
     double layers = 0;
     for (size_t i = 0; i < td_gguf_n_tensors(g); i++) {
         const td_gguf_tensor *t = td_gguf_tensor_at(g, i);
         m->weight_bytes += (double)t->nbytes;
         if (!strcmp(t->name, "token_embd.weight") && !hp.tied_embd)
             m->embd_bytes = (double)t->nbytes;
-        if (t->n_dims >= 2 && !strncmp(t->name, "blk.", 4))
-            layers += (double)t->ne[0] * (double)t->ne[1];
+        if (t->n_dims < 2 || strncmp(t->name, "blk.", 4)) continue;
+        /* a MoE layer's 3-D expert tensors: a token meets n_expert_used of the experts */
+        const bool experts = t->n_dims == 3 && hp.n_expert > 0 && t->ne[2] == hp.n_expert;
+        layers += (double)t->ne[0] * (double)t->ne[1] * (experts ? hp.n_expert_used : t->ne[2]);
+        if (experts) m->moe_expert_bytes += (double)t->nbytes;
     }
     td_gguf_close(g);
     m->layer_params = layers / hp.n_layer;
     m->head_params = (double)hp.n_vocab * hp.n_embd; /* the LM head, tied or not */
-    m->kv_bytes_token = 2.0 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2; /* f16 */
+    /* f16 K and V of each KV head; a latent-attention model's one latent head is written as
+     * both today (forward_mla.c) */
+    m->kv_bytes_token = 2.0 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2;
     m->attn_flops_pair = 4.0 * hp.n_head * hp.head_dim;
     m->act_bytes = 4; /* Tandem sends float32 hidden states and sums float32 */
     return 0;

@@ -304,6 +304,26 @@ static void test_named_shapes(void)
     TH_CHECK(w1 < w64 && w64 <= m.weight_bytes - m.embd_bytes);
 }
 
+/* A mixture-of-experts GGUF header (the synthetic qwen3moe of make_synth.py: 4 layers,
+ * n_embd 256, 8 query heads / 4 KV heads of 64, 8 experts of 128 of which 2 per token): a
+ * token meets its 2 experts, not all 8; the experts' bytes are what decode reads in part. */
+static const char *synth_dir;
+
+static void test_moe_gguf(void)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/qwen3moe.gguf", synth_dir);
+    pl_model m;
+    TH_REQUIRE(pl_model_gguf(path, &m) == 0);
+    const double attn = 256.0 * 512 * 2 + 256.0 * 256 * 2, router = 256.0 * 8;
+    const double experts = 2 * 3 * 256.0 * 128;
+    TH_CHECKF(m.layer_params == attn + router + experts, "layer params %.0f", m.layer_params);
+    TH_CHECK(m.n_expert == 8 && m.n_expert_used == 2);
+    TH_CHECK(m.moe_expert_bytes > 0 && m.moe_expert_bytes < m.weight_bytes);
+    double w1 = pl_model_weights_read(&m, 1), w512 = pl_model_weights_read(&m, 512);
+    TH_CHECK(w1 < w512 && w512 <= m.weight_bytes - m.embd_bytes);
+}
+
 static void test_reproduce_runs(void)
 {
     pl_hw hw = test_hw();
@@ -376,8 +396,9 @@ static void test_joint_fit(void)
     TH_CHECK(pl_calib_fit_joint(len, t, 1, ch, 1, &f) == TD_ERANGE);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    synth_dir = argc > 1 ? argv[1] : NULL;
     TH_RUN(test_single_request_pp1);
     TH_RUN(test_single_request_pp2);
     TH_RUN(test_more_stages);
@@ -390,6 +411,7 @@ int main(void)
     TH_RUN(test_search_meets);
     TH_RUN(test_hw_errors);
     TH_RUN(test_named_shapes);
+    if (synth_dir) TH_RUN(test_moe_gguf);
     TH_RUN(test_reproduce_runs);
     TH_EXIT();
 }
