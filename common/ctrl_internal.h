@@ -65,7 +65,13 @@ size_t td_ctrl_inbox_len(td_ctrl_inbox *ib);
  * Why: NNG 1.5.2's nng_close can hang forever when the peer drops the connection while the
  * socket closes: its reaper thread waits in the protocol's pipe stop for the pipe's receive
  * aio, which nothing completes (nanomsg/nng#1543); every later nng_close of the process
- * then waits for that reaper too. A process that shuts down must still exit. */
+ * then waits for that reaper too. A process that shuts down must still exit.
+ * Also seen: a server closing while its client's next Poll arrives (the rep0 pipe's receive
+ * aio begun, never completed; NNG 1.9.0 aborts such an aio in nni_aio_stop). The reaper
+ * is also what redials: a dialer tries again only once its lost connection was reaped, so
+ * once it hangs no connection this process loses comes back. The nodes and the router
+ * close their sockets only when they stop; a test that restarts a server its own client
+ * must reconnect to runs that server in another process (test_ctrl's reconnect test). */
 #define TD_CTRL_TEARDOWN_MS       1000
 #define TD_CTRL_TEARDOWN_STUCK_MS 100
 bool td_ctrl_teardown_bounded(void (*fn)(void *), void *arg, const char *what);

@@ -2,7 +2,8 @@
 #   ctrl   codec round trips of every message, rejections (malformed, truncated,
 #          oversized, wrong version, limits), and a fake node serving clients over ipc://
 #          and tcp:// on loopback: submit/events/cancel, deadlines, bad input, bursts,
-#          absent server, reconnects, gone clients; server and client closing at the same
+#          absent server, reconnects to a restarted server (a child process: test_ctrl
+#          --node URL), gone clients; server and client closing at the same
 #          moment, over and over for TANDEM_CTRL_CLOSE_LOOP_MS (3000): every destroy returns
 #          within its bound (NNG 1.5.2's nng_close can hang then).
 #   ctrl_teardown  td_ctrl_teardown_bounded: waits for a teardown that returns, gives up
