@@ -155,6 +155,16 @@ typedef struct {
     int (*matmul_add)(void *ctx, const kn_mat *w, const float *x, int64_t m, int64_t m_solo,
                       float *y, float *acc);
 
+    /* The experts of a mixture-of-experts layer, each on its own rows: for each group
+     * i < n, gate[i] = act(x[i] Wg_i^T) * (x[i] Wu_i^T) (up[i] holding the up product) and
+     * y[i] = gate[i] Wd_i^T, x[i] (m[i], n_cols) with rows [0, m_solo[i]) solo: the sequence
+     * glu_ffn(wg[i], wu[i], x[i], m[i], m_solo[i], gelu, gate[i], up[i], gate[i]),
+     * matmul_mixed(wd[i], gate[i], m[i], m_solo[i], y[i]) for each i, with its bits. */
+    int (*experts_ffn)(void *ctx, int n, const kn_mat *const *wg, const kn_mat *const *wu,
+                       const kn_mat *const *wd, const float *const *x, const int64_t *m,
+                       const int64_t *m_solo, bool gelu, float *const *gate, float *const *up,
+                       float *const *y);
+
     /* y (m, n) = x / rms(x) * weight (n); y may equal x. */
     void (*rmsnorm)(void *ctx, const float *x, const float *weight, float *y, int64_t m, int64_t n,
                     float eps);

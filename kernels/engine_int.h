@@ -9,11 +9,22 @@
 
 /* A mixture-of-experts layer's scratch (forward_moe.c), for the engine's cap tokens; NULL
  * for a dense model. */
+/* The experts with tokens in one layer, as experts_ffn takes them (host arrays of
+ * n_expert; group i is an expert's rows of the plan's grouped order). */
+typedef struct {
+    const kn_mat **wg, **wu, **wd;
+    const float **x;
+    int64_t *m, *solo;
+    float **g, **u, **y;
+} kn_engine_groups;
+
 typedef struct {
     int64_t cap;
-    float *rl;           /* (cap, n_expert) the router's logits */
-    float *xe;           /* (cap, n_embd) one expert's tokens, gathered */
-    float *ye;           /* (cap * k, n_embd) every choice's expert output, grouped by expert */
+    float *rl;            /* (cap, n_expert) the router's logits */
+    float *xe;            /* (cap * k, n_embd) every choice's token, grouped by expert */
+    float *ge, *ue;       /* (cap * k, n_ffe_local) their gate (then activation) and up */
+    float *ye;            /* (cap * k, n_embd) every choice's expert output, grouped by expert */
+    kn_engine_groups grp; /* the layer's groups */
     float *mo;           /* (cap, n_embd) the layer's output before the all-reduce */
     kn_moe_plan plan;    /* the routing, on the host */
     float *h_rl;         /* (cap, n_expert) host copy of rl (device backends) */
@@ -93,9 +104,9 @@ void kn_engine_free_bufs(kn_engine *e, void **const *bufs, size_t n);
 /* y (m, w->n_rows) = x W^T with rows [0, solo) each computed as if alone (model.h). */
 int kn_engine_matmul(const kn_engine *e, const kn_mat *w, const float *x, int64_t m, int64_t solo,
                      float *y);
-/* out = act(x Wg^T) * (x Wu^T) into e->g (e->u the up product), act the model's. */
-int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
-                  int64_t solo);
+/* g (m, F) = act(x Wg^T) * (x Wu^T), u (m, F) holding the up product, act the model's. */
+int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const float *x,
+                  int64_t m, int64_t solo, float *g, float *u);
 /* buf (n floats) summed across the TP ranks (a no-op at tp 1). */
 int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n);
 /* x += [post_norm] allreduce(in W) [* residual_scale] (in: (n, w->n_cols)). */

@@ -265,18 +265,18 @@ static int qkv(const kn_engine *e, const kn_layer *ly, const float *h, int64_t n
 
 /* g = act(h Wg) * (h Wu), act silu or gelu (tanh): one fused op when the backend has it. */
 int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const float *h, int64_t n,
-                  int64_t solo)
+                  int64_t solo, float *g, float *u)
 {
     const kn_backend_ops *ops = e->be.ops;
     const bool gelu = e->m->hp.gelu_ffn;
-    if (ops->glu_ffn) return ops->glu_ffn(e->be.ctx, wg, wu, h, n, solo, gelu, e->g, e->u, e->g);
+    if (ops->glu_ffn) return ops->glu_ffn(e->be.ctx, wg, wu, h, n, solo, gelu, g, u, g);
     int rc;
-    if ((rc = kn_engine_matmul(e, wg, h, n, solo, e->g))) return rc;
-    if ((rc = kn_engine_matmul(e, wu, h, n, solo, e->u))) return rc;
+    if ((rc = kn_engine_matmul(e, wg, h, n, solo, g))) return rc;
+    if ((rc = kn_engine_matmul(e, wu, h, n, solo, u))) return rc;
     if (gelu)
-        ops->geglu(e->be.ctx, e->g, e->u, e->g, n, wg->n_rows);
+        ops->geglu(e->be.ctx, g, u, g, n, wg->n_rows);
     else
-        ops->swiglu(e->be.ctx, e->g, e->u, e->g, n, wg->n_rows);
+        ops->swiglu(e->be.ctx, g, u, g, n, wg->n_rows);
     return 0;
 }
 
@@ -378,7 +378,7 @@ static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li
     if (ly->ffn_norm) ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
     const float *fin = ly->ffn_norm ? e->h : e->x;
     if (kn_layer_is_moe(hp, il)) return kn_engine_moe_ffn(e, ly, fin, n, solo);
-    if ((rc = kn_engine_glu(e, &ly->w_gate, &ly->w_up, fin, n, solo))) return rc;
+    if ((rc = kn_engine_glu(e, &ly->w_gate, &ly->w_up, fin, n, solo, e->g, e->u))) return rc;
     return kn_engine_project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo);
 }
 

@@ -3,7 +3,9 @@
  *   logits = h Wr                                    (the router, whole on every rank)
  *   per token: k experts and weights                 (moe_route.c, on the host)
  *   per expert x with tokens T_x:  y[T_x] = (act(h[T_x] Wg_x) * h[T_x] Wu_x) Wd_x
- *                                    (the tokens gathered, one GEMM per weight and expert)
+ *                                    (every choice's token gathered once; the experts in
+ *                                    one experts_ffn op where the backend has it, else one
+ *                                    glu_ffn and one down product per expert)
  *   mo[i] = sum_j w[i, j] y[slot(i, j)]               (weighted_rows_sum, in choice order)
  *         [+ (act(h Wg_s) * h Wu_s) Wd_s]             (shared experts)
  *   x += allreduce(mo)
@@ -33,14 +35,40 @@ int64_t kn_engine_ffn_width(const kn_model *m)
 void kn_engine_moe_free(kn_engine *e)
 {
     kn_engine_moe *mo = &e->moe;
-    void **const bufs[] = {(void **)&mo->rl, (void **)&mo->xe,  (void **)&mo->ye,
-                           (void **)&mo->mo, (void **)&mo->tok, (void **)&mo->slot,
-                           (void **)&mo->wt};
+    void **const bufs[] = {(void **)&mo->rl,  (void **)&mo->xe,   (void **)&mo->ge,
+                           (void **)&mo->ue,  (void **)&mo->ye,   (void **)&mo->mo,
+                           (void **)&mo->tok, (void **)&mo->slot, (void **)&mo->wt};
     kn_engine_free_bufs(e, bufs, sizeof bufs / sizeof *bufs);
     free(mo->h_rl);
     mo->h_rl = NULL;
+    kn_engine_groups *gr = &mo->grp;
+    void *host[] = {gr->wg, gr->wu, gr->wd, gr->x, gr->m, gr->solo, gr->g, gr->u, gr->y};
+    for (size_t i = 0; i < sizeof host / sizeof *host; i++)
+        free(host[i]);
+    *gr = (kn_engine_groups){0};
     kn_moe_plan_free(&mo->plan);
     mo->cap = 0;
+}
+
+/* The host side: the group arrays (one entry per expert at most), the router's host logits
+ * on a device backend. */
+static bool host_scratch(kn_engine *e, int64_t n)
+{
+    kn_engine_moe *mo = &e->moe;
+    kn_engine_groups *gr = &mo->grp;
+    const size_t X = (size_t)e->m->hp.n_expert;
+    gr->wg = malloc(X * sizeof *gr->wg);
+    gr->wu = malloc(X * sizeof *gr->wu);
+    gr->wd = malloc(X * sizeof *gr->wd);
+    gr->x = malloc(X * sizeof *gr->x);
+    gr->m = malloc(X * sizeof *gr->m);
+    gr->solo = malloc(X * sizeof *gr->solo);
+    gr->g = malloc(X * sizeof *gr->g);
+    gr->u = malloc(X * sizeof *gr->u);
+    gr->y = malloc(X * sizeof *gr->y);
+    if (e->dev) mo->h_rl = malloc((size_t)n * X * sizeof *mo->h_rl);
+    return gr->wg && gr->wu && gr->wd && gr->x && gr->m && gr->solo && gr->g && gr->u && gr->y &&
+           (!e->dev || mo->h_rl);
 }
 
 int kn_engine_moe_reserve(kn_engine *e, int64_t n)
@@ -50,10 +78,13 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
     if (!hp->n_expert || n <= mo->cap) return 0;
     kn_engine_moe_free(e);
     const int64_t E = hp->n_embd, X = hp->n_expert, k = hp->n_expert_used;
+    const int64_t F = e->m->n_ffe_local;
     /* the plan's device copies only on a device backend (a host one reads the plan) */
     const kn_engine_buf want[] = {
         {(void **)&mo->rl, n * X},
-        {(void **)&mo->xe, n * E},
+        {(void **)&mo->xe, n * k * E},
+        {(void **)&mo->ge, n * k * F},
+        {(void **)&mo->ue, n * k * F},
         {(void **)&mo->ye, (n * k + 1) * E}, /* and a zero row: the experts held elsewhere */
         {(void **)&mo->mo, n * E},
         {e->dev ? (void **)&mo->tok : NULL, n * k},
@@ -65,7 +96,7 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
     float *zero = calloc((size_t)E, sizeof *zero);
     if (zero) rc = e->be.ops->upload(e->be.ctx, mo->ye + n * k * E, zero, (size_t)E * 4);
     free(zero);
-    if (!zero || rc || (e->dev && !(mo->h_rl = malloc((size_t)(n * X) * sizeof *mo->h_rl)))) {
+    if (!zero || rc || !host_scratch(e, n)) {
         kn_engine_moe_free(e);
         TD_LOG_ERR("cannot set up the experts' scratch for %lld tokens", (long long)n);
         return rc ? rc : TD_ENOMEM;
@@ -110,6 +141,52 @@ static int route(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, in
     return 0;
 }
 
+/* The layer's groups (the experts this rank holds that have tokens) into mo->grp: each
+ * reads its rows of the gathered tokens and writes its rows of the grouped outputs. */
+static int groups_of(kn_engine *e, const kn_layer *ly, int64_t solo)
+{
+    kn_engine_moe *mo = &e->moe;
+    const kn_moe_plan *p = &mo->plan;
+    kn_engine_groups *gr = &mo->grp;
+    const int64_t E = e->m->hp.n_embd, F = e->m->n_ffe_local;
+    int n = 0;
+    for (int x = 0; x < e->m->hp.n_expert; x++) {
+        const int32_t o0 = p->offset[x], cnt = p->offset[x + 1] - o0;
+        if (!cnt || !ly->exp_gate[x].data) continue; /* no token, or held by another rank */
+        int64_t es = 0;                              /* the group's leading solo rows */
+        while (es < cnt && p->token[o0 + es] < solo)
+            es++;
+        gr->wg[n] = &ly->exp_gate[x];
+        gr->wu[n] = &ly->exp_up[x];
+        gr->wd[n] = &ly->exp_down[x];
+        gr->x[n] = mo->xe + (int64_t)o0 * E;
+        gr->m[n] = cnt;
+        gr->solo[n] = es;
+        gr->g[n] = mo->ge + (int64_t)o0 * F;
+        gr->u[n] = mo->ue + (int64_t)o0 * F;
+        gr->y[n] = mo->ye + (int64_t)o0 * E;
+        n++;
+    }
+    return n;
+}
+
+/* Every group's FFN on its rows: at once where the backend can (experts_ffn), else one
+ * expert after another. */
+static int experts(kn_engine *e, int ng)
+{
+    const kn_engine_groups *gr = &e->moe.grp;
+    const kn_backend_ops *ops = e->be.ops;
+    if (ops->experts_ffn)
+        return ops->experts_ffn(e->be.ctx, ng, gr->wg, gr->wu, gr->wd, gr->x, gr->m, gr->solo,
+                                e->m->hp.gelu_ffn, gr->g, gr->u, gr->y);
+    int rc = 0;
+    for (int i = 0; i < ng && !rc; i++)
+        if (!(rc = kn_engine_glu(e, gr->wg[i], gr->wu[i], gr->x[i], gr->m[i], gr->solo[i], gr->g[i],
+                                 gr->u[i])))
+            rc = kn_engine_matmul(e, gr->wd[i], gr->g[i], gr->m[i], gr->solo[i], gr->y[i]);
+    return rc;
+}
+
 int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo)
 {
     const kn_hparams *hp = &e->m->hp;
@@ -121,21 +198,11 @@ int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t 
     const float *wt;
     int rc = route(e, ly, h, n, solo, &tok, &slot, &wt);
     if (rc) return rc;
-    const kn_moe_plan *p = &mo->plan;
-    for (int x = 0; x < hp->n_expert; x++) {
-        const int32_t o0 = p->offset[x], cnt = p->offset[x + 1] - o0;
-        if (!cnt || !ly->exp_gate[x].data) continue; /* no token, or held by another rank */
-        int64_t es = 0; /* the group's leading solo rows */
-        while (es < cnt && p->token[o0 + es] < solo)
-            es++;
-        ops->copy_rows(c, h, tok + o0, cnt, E, mo->xe);
-        if ((rc = kn_engine_glu(e, &ly->exp_gate[x], &ly->exp_up[x], mo->xe, cnt, es))) return rc;
-        if ((rc = kn_engine_matmul(e, &ly->exp_down[x], e->g, cnt, es, mo->ye + (int64_t)o0 * E)))
-            return rc;
-    }
+    ops->copy_rows(c, h, tok, n * hp->n_expert_used, E, mo->xe);
+    if ((rc = experts(e, groups_of(e, ly, solo)))) return rc;
     ops->weighted_rows_sum(c, mo->ye, slot, wt, hp->n_expert_used, n, E, mo->mo);
     if (ly->sh_gate.data) {
-        if ((rc = kn_engine_glu(e, &ly->sh_gate, &ly->sh_up, h, n, solo)) ||
+        if ((rc = kn_engine_glu(e, &ly->sh_gate, &ly->sh_up, h, n, solo, e->g, e->u)) ||
             (rc = kn_engine_matmul(e, &ly->sh_down, e->g, n, solo, mo->xe)))
             return rc;
         ops->add(c, mo->mo, mo->xe, n, E);

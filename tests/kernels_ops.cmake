@@ -8,12 +8,13 @@ endforeach()
 
 # The fused ops (kernels/cpu/cpu_fused.c) against the unfused sequences, bit for bit; with a
 # model, the engine's logits with and without them (TANDEM_CPU_FUSED=0): a synthetic qwen2
-# (silu, mixed types), gemma3 (gelu), the default model and the real K-quant files if set.
+# (silu, mixed types), gemma3 (gelu), qwen3moe and deepseek2 (experts_ffn), the default model
+# and the real K-quant files if set.
 add_executable(test_fused ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_fused.c)
 target_link_libraries(test_fused PRIVATE td_kernels td_common)
 add_test(NAME kernels.test_fused COMMAND test_fused)
 if(TANDEM_PYTHON)
-  foreach(arch qwen2 gemma3)
+  foreach(arch qwen2 gemma3 qwen3moe deepseek2)
     add_test(NAME engine_fused_${arch} COMMAND test_fused ${TANDEM_TEST_DATA}/split-${arch}.gguf)
     set_tests_properties(engine_fused_${arch} PROPERTIES FIXTURES_REQUIRED split_${arch}
                          TIMEOUT 300)

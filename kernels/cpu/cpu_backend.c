@@ -78,7 +78,8 @@ static void cpu_attention_op(void *ctx, const float *q, const void *kpool, const
 
 /* The table, with the fused ops (cpu_fused.c) and without them (TANDEM_CPU_FUSED=0). */
 static const kn_backend_ops cpu_ops = {CPU_OPS_COMMON, .matmul_multi = kn_cpu_matmul_multi,
-                                       .glu_ffn = kn_cpu_glu_ffn, .matmul_add = kn_cpu_matmul_add};
+                                       .glu_ffn = kn_cpu_glu_ffn, .matmul_add = kn_cpu_matmul_add,
+                                       .experts_ffn = kn_cpu_experts_ffn};
 static const kn_backend_ops cpu_ops_unfused = {CPU_OPS_COMMON};
 
 int kn_cpu_create(int n_threads, kn_cpu **out)

@@ -114,6 +114,10 @@ void kn_cpu_add_row(void *ctx, float *y, const float *b, int64_t m, int64_t n);
 void kn_cpu_scale(void *ctx, float *x, int64_t n, float s);
 void kn_cpu_copy_rows(void *ctx, const float *src, const int32_t *rows, int64_t m, int64_t n,
                       float *dst);
+int kn_cpu_experts_ffn(void *ctx, int n, const kn_mat *const *wg, const kn_mat *const *wu,
+                       const kn_mat *const *wd, const float *const *x, const int64_t *m,
+                       const int64_t *m_solo, bool gelu, float *const *gate, float *const *up,
+                       float *const *y);
 void kn_cpu_weighted_rows_sum(void *ctx, const float *x, const int32_t *idx, const float *w, int k,
                               int64_t m, int64_t n, float *y);
 void kn_cpu_copy_2d(void *ctx, const float *src, int64_t src_stride, float *dst, int64_t dst_stride,

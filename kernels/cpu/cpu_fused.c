@@ -1,6 +1,8 @@
 /* cpu_fused.c: the CPU backend's fused ops (kn_backend.h, optional members): several products
  * of one x in one pool dispatch (q, k, v), and the FFN's gate and up products with their
- * GLU activation in one, and a product with the residual add that follows it.
+ * GLU activation in one, and a product with the residual add that follows it; and a
+ * mixture-of-experts layer's experts, each on its own rows, in two dispatches (gate and up of
+ * every expert, then every down) instead of two per expert.
  *
  * Why: at batch 1 a layer of a small model is a handful of products of a few hundred KiB
  * each, and every op is a fork-join of the pool (wake the workers, wait for the slowest).
@@ -25,6 +27,7 @@
  */
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
@@ -44,16 +47,24 @@ typedef struct {
     int64_t start[KN_MULTI_MAX + 1]; /* item offsets of each W in the concatenated items */
 } multi_job;
 
+/* Items [i0, i1) of products d[0..n) laid end to end (d[i]'s items [start[i], start[i+1]),
+ * grain rows each). */
+static void run_items(const kn_cpu_dot *d, const int64_t *start, int n, int64_t grain, int64_t i0,
+                      int64_t i1)
+{
+    for (int i = 0; i < n; i++) {
+        const int64_t a = i0 > start[i] ? i0 : start[i];
+        const int64_t b = i1 < start[i + 1] ? i1 : start[i + 1];
+        if (a >= b) continue;
+        const int64_t rows = d[i].w->n_rows, r1 = (b - start[i]) * grain;
+        kn_cpu_dot_rows(&d[i], (a - start[i]) * grain, r1 < rows ? r1 : rows);
+    }
+}
+
 static void multi_part(void *arg, int64_t i0, int64_t i1, int tid)
 {
     const multi_job *J = arg;
-    for (int i = 0; i < J->n_w; i++) {
-        const int64_t a = i0 > J->start[i] ? i0 : J->start[i];
-        const int64_t b = i1 < J->start[i + 1] ? i1 : J->start[i + 1];
-        if (a >= b) continue;
-        const int64_t n = J->d[i].w->n_rows, r1 = (b - J->start[i]) * J->grain;
-        kn_cpu_dot_rows(&J->d[i], (a - J->start[i]) * J->grain, r1 < n ? r1 : n);
-    }
+    run_items(J->d, J->start, J->n_w, J->grain, i0, i1);
     (void)tid;
 }
 
@@ -78,19 +89,21 @@ static int64_t min_rows_for(const kn_mat *w)
     return r < 4 ? 4 : r;
 }
 
-/* Prepares d[i] for y[i] = x W_i^T, i < n, sharing x's side data between matrices of one
- * type. 0, 1 (the gemm path: run the unfused sequence) or a TD_ error. */
-static int prepare(kn_cpu *c, int n, const kn_mat *const *w, const float *x, int64_t m,
-                   int64_t m_solo, float *const *y, kn_cpu_dot *d)
+/* The side floats prepare_in needs for d[i], i < n, of one x of m rows. */
+static size_t side_floats(kn_cpu *c, int n, const kn_mat *const *w, int64_t m)
 {
-    size_t side_total = 0;
+    size_t total = 0;
     for (int i = 0; i < n; i++)
-        side_total += kn_cpu_dot_side_floats(c, w[i], m);
-    float *side = kn_cpu_scratch(c, KN_CPU_CALLER, side_total ? side_total : 1);
-    if (!side) {
-        TD_LOG_ERR("fused matmul: out of memory for %zu floats of side data", side_total);
-        return TD_ENOMEM;
-    }
+        total += kn_cpu_dot_side_floats(c, w[i], m);
+    return total;
+}
+
+/* Prepares d[i] for y[i] = x W_i^T, i < n, sharing x's side data between matrices of one
+ * type, in side (side_floats of them). 0, 1 (the gemm path: run the unfused sequence) or a
+ * TD_ error. */
+static int prepare_in(kn_cpu *c, int n, const kn_mat *const *w, const float *x, int64_t m,
+                      int64_t m_solo, float *const *y, kn_cpu_dot *d, float *side)
+{
     for (int i = 0; i < n; i++) {
         if (w[i]->n_cols != w[0]->n_cols) {
             TD_LOG_ERR("fused matmul: matrix %d has %lld columns, matrix 0 %lld", i,
@@ -117,6 +130,19 @@ static int prepare(kn_cpu *c, int n, const kn_mat *const *w, const float *x, int
         side += kn_cpu_dot_side_floats(c, w[i], m);
     }
     return 0;
+}
+
+/* prepare_in with the caller's scratch as the side buffer. */
+static int prepare(kn_cpu *c, int n, const kn_mat *const *w, const float *x, int64_t m,
+                   int64_t m_solo, float *const *y, kn_cpu_dot *d)
+{
+    size_t side_total = side_floats(c, n, w, m);
+    float *side = kn_cpu_scratch(c, KN_CPU_CALLER, side_total ? side_total : 1);
+    if (!side) {
+        TD_LOG_ERR("fused matmul: out of memory for %zu floats of side data", side_total);
+        return TD_ENOMEM;
+    }
+    return prepare_in(c, n, w, x, m, m_solo, y, d, side);
 }
 
 int kn_cpu_matmul_multi(void *ctx, int n_w, const kn_mat *const *w, const float *x, int64_t m,
@@ -255,4 +281,116 @@ int kn_cpu_matmul_add(void *ctx, const kn_mat *w, const float *x, int64_t m, int
     kn_pool_run(kn_cpu_pool(c), (w->n_rows + g - 1) / g, (min_rows_for(w) + g - 1) / g, add_part,
                 &J);
     return 0;
+}
+
+typedef struct {
+    int n;
+    int64_t grain;
+    const kn_cpu_dot *d;  /* (n) */
+    const int64_t *start; /* (n + 1) */
+} group_job;
+
+static void group_part(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    const group_job *J = arg;
+    run_items(J->d, J->start, J->n, J->grain, i0, i1);
+    (void)tid;
+}
+
+/* The products d[0..n) in one dispatch, items on the largest grain. */
+static void run_group(kn_cpu *c, const kn_cpu_dot *d, int n, int64_t *start)
+{
+    if (n == 0) return;
+    group_job J = {.n = n, .d = d, .start = start, .grain = grain_of(d, n)};
+    int64_t min_rows = 0;
+    start[0] = 0;
+    for (int i = 0; i < n; i++) {
+        start[i + 1] = start[i] + (d[i].w->n_rows + J.grain - 1) / J.grain;
+        if (min_rows_for(d[i].w) > min_rows) min_rows = min_rows_for(d[i].w);
+    }
+    kn_pool_run(kn_cpu_pool(c), start[n], (min_rows + J.grain - 1) / J.grain, group_part, &J);
+}
+
+/* Stage 1 of kn_cpu_experts_ffn: every group's gate and up products whose rows take the dot
+ * path in one dispatch, the others (gemm path, per-call q8 panel) by glu_ffn after it;
+ * then the activation of the dispatched ones. done[i]: group i ran whole (activation too). */
+static int experts_glu(kn_cpu *c, int n, const kn_mat *const *wg, const kn_mat *const *wu,
+                       const float *const *x, const int64_t *m, const int64_t *m_solo, bool gelu,
+                       float *const *gate, float *const *up, kn_cpu_dot *d, int64_t *start,
+                       bool *done, float *side)
+{
+    int nd = 0, rc = 0;
+    for (int i = 0; i < n; i++) {
+        const kn_mat *w2[2] = {wg[i], wu[i]};
+        float *const y2[2] = {gate[i], up[i]};
+        int r = prepare_in(c, 2, w2, x[i], m[i], m_solo[i], y2, d + nd, side);
+        if (r < 0) return r;
+        side += side_floats(c, 2, w2, m[i]);
+        done[i] = r == 1;
+        if (r == 0) nd += 2;
+    }
+    run_group(c, d, nd, start);
+    for (int i = 0; i < n; i++) {
+        if (done[i]) {
+            if ((rc = kn_cpu_glu_ffn(c, wg[i], wu[i], x[i], m[i], m_solo[i], gelu, gate[i], up[i],
+                                     gate[i])))
+                return rc;
+        } else if (gelu) {
+            kn_cpu_geglu(c, gate[i], up[i], gate[i], m[i], wg[i]->n_rows);
+        } else {
+            kn_cpu_swiglu(c, gate[i], up[i], gate[i], m[i], wg[i]->n_rows);
+        }
+    }
+    return 0;
+}
+
+int kn_cpu_experts_ffn(void *ctx, int n, const kn_mat *const *wg, const kn_mat *const *wu,
+                       const kn_mat *const *wd, const float *const *x, const int64_t *m,
+                       const int64_t *m_solo, bool gelu, float *const *gate, float *const *up,
+                       float *const *y)
+{
+    kn_cpu *c = ctx;
+    if (n <= 0) return 0;
+    size_t side1 = 0, side2 = 0;
+    for (int i = 0; i < n; i++) {
+        if (wg[i]->n_rows != wu[i]->n_rows || wd[i]->n_cols != wg[i]->n_rows || m[i] < 1) {
+            TD_LOG_ERR("experts ffn: group %d: gate %lld rows, up %lld, down %lld columns, "
+                       "%lld rows of x",
+                       i, (long long)wg[i]->n_rows, (long long)wu[i]->n_rows,
+                       (long long)wd[i]->n_cols, (long long)m[i]);
+            return TD_EINVAL;
+        }
+        const kn_mat *w2[2] = {wg[i], wu[i]};
+        side1 += side_floats(c, 2, w2, m[i]);
+        side2 += side_floats(c, 1, &wd[i], m[i]);
+    }
+    const size_t side_n = (side1 > side2 ? side1 : side2) + 1;
+    float *side = kn_cpu_scratch(c, KN_CPU_CALLER, side_n);
+    kn_cpu_dot *d = malloc((size_t)(2 * n) * sizeof *d);
+    int64_t *start = malloc((size_t)(2 * n + 1) * sizeof *start);
+    bool *late = malloc((size_t)n * sizeof *late);
+    int rc = side && d && start && late ? 0 : TD_ENOMEM;
+    if (!rc) rc = experts_glu(c, n, wg, wu, x, m, m_solo, gelu, gate, up, d, start, late, side);
+    /* stage 2: the down products; glu_ffn above may have reused the scratch, so the side
+     * data is prepared again from its start */
+    if (!rc && !(side = kn_cpu_scratch(c, KN_CPU_CALLER, side_n))) rc = TD_ENOMEM;
+    int nd = 0;
+    float *s = side;
+    for (int i = 0; i < n && !rc; i++) {
+        int r = prepare_in(c, 1, &wd[i], gate[i], m[i], m_solo[i], &y[i], d + nd, s);
+        s += side_floats(c, 1, &wd[i], m[i]);
+        if (r < 0) rc = r;
+        late[i] = r == 1;
+        if (r == 0) nd++;
+    }
+    if (!rc) {
+        run_group(c, d, nd, start);
+        for (int i = 0; i < n && !rc; i++)
+            if (late[i]) rc = kn_cpu_matmul_mixed(ctx, wd[i], gate[i], m[i], m_solo[i], y[i]);
+    }
+    if (rc == TD_ENOMEM) TD_LOG_ERR("experts ffn: out of memory for %d groups", n);
+    free(d);
+    free(start);
+    free(late);
+    return rc;
 }

@@ -1,12 +1,13 @@
 /* test_fused.c: the CPU backend's fused ops (kernels/cpu/cpu_fused.c) against the sequences of
  * unfused ops they replace, bit for bit: matmul_multi against one matmul_mixed per matrix,
  * glu_ffn against gate and up matmul_mixed and swiglu/geglu, matmul_add against matmul_mixed
- * and add; weight types with and without
+ * and add, experts_ffn against glu_ffn and matmul_mixed per group; weight types with and without
  * block sums, mixed types in one call, the q8 activation mode, solo and batch rows, the gemm
  * path, 1-3 threads; bad arguments; in the q8 mode, weights packed for the integer GEMM
  * (map_matrix) fused at m <= 4 (one dispatch, the bits of per-call packing). With a model file
  * (argv[1]), the engine's logits with the fused ops equal those with TANDEM_CPU_FUSED=0 over
  * prefills (dot and gemm path), decode steps and a mixed step. */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -187,6 +188,64 @@ static void test_glu(void)
     kn_cpu_set_act_q8(cpus[1], true);
     check_glu(cpus[1], TD_Q4_K, TD_Q4_K, 392, 512, 1, 1, false);
     check_glu(cpus[1], TD_Q8_0, TD_Q8_0, 392, 512, 3, 3, false);
+    kn_cpu_set_act_q8(cpus[1], false);
+}
+
+/* experts_ffn over groups of the given rows (and solo rows): bits equal to glu_ffn and
+ * matmul_mixed group by group; the groups' types cycle, a group of 66 batch rows takes the
+ * gemm path inside the op. */
+static void check_experts(kn_cpu *c, int n, const int64_t *m, const int64_t *solo, bool gelu)
+{
+    enum { F = 224, K = 256, MAXG = 8 }; /* F: whole 32-blocks of the down rows */
+    /* types make_mat gives sane scales */
+    const td_dtype tg[] = {TD_Q4_K, TD_Q8_0, TD_Q4_1}, td[] = {TD_Q8_0, TD_Q4_1, TD_F16};
+    kn_mat wg[MAXG], wu[MAXG], wd[MAXG];
+    const kn_mat *pg[MAXG], *pu[MAXG], *pd[MAXG];
+    const float *x[MAXG];
+    float *g1[MAXG], *u1[MAXG], *y1[MAXG], *g2[MAXG], *u2[MAXG], *y2[MAXG];
+    for (int i = 0; i < n; i++) {
+        wg[i] = make_mat(tg[i % 3], F, K), wu[i] = make_mat(tg[(i + 1) % 3], F, K);
+        wd[i] = make_mat(td[i % 3], K, F);
+        pg[i] = &wg[i], pu[i] = &wu[i], pd[i] = &wd[i];
+        x[i] = make_x(m[i] * K);
+        g1[i] = calloc((size_t)(m[i] * F), 4), u1[i] = calloc((size_t)(m[i] * F), 4);
+        g2[i] = calloc((size_t)(m[i] * F), 4), u2[i] = calloc((size_t)(m[i] * F), 4);
+        y1[i] = calloc((size_t)(m[i] * K), 4), y2[i] = calloc((size_t)(m[i] * K), 4);
+    }
+    TH_CHECK(kn_cpu_experts_ffn(c, n, pg, pu, pd, x, m, solo, gelu, g1, u1, y1) == 0);
+    for (int i = 0; i < n; i++) {
+        TH_CHECK(kn_cpu_glu_ffn(c, &wg[i], &wu[i], x[i], m[i], solo[i], gelu, g2[i], u2[i],
+                                g2[i]) == 0);
+        TH_CHECK(kn_cpu_matmul_mixed(c, &wd[i], g2[i], m[i], solo[i], y2[i]) == 0);
+        bool finite = true; /* NaN payloads could differ: the comparison needs numbers */
+        for (int64_t v = 0; v < m[i] * K; v++)
+            finite = finite && isfinite(y2[i][v]);
+        TH_CHECK(finite);
+        TH_CHECKF(!memcmp(g1[i], g2[i], (size_t)(m[i] * F) * 4) &&
+                      !memcmp(y1[i], y2[i], (size_t)(m[i] * K) * 4),
+                  "experts: group %d of %d (m %lld solo %lld) gelu %d threads %d differs (gate %d "
+                  "out %d)",
+                  i, n, (long long)m[i], (long long)solo[i], gelu, kn_cpu_n_threads(c),
+                  memcmp(g1[i], g2[i], (size_t)(m[i] * F) * 4) != 0,
+                  memcmp(y1[i], y2[i], (size_t)(m[i] * K) * 4) != 0);
+        free((void *)wg[i].data), free((void *)wu[i].data), free((void *)wd[i].data);
+        free((void *)x[i]), free(g1[i]), free(u1[i]), free(g2[i]), free(u2[i]);
+        free(y1[i]), free(y2[i]);
+    }
+}
+
+static void test_experts(void)
+{
+    const int64_t m1[] = {1, 1, 1, 1}, s1[] = {1, 1, 1, 1}; /* one decode token, 4 experts */
+    const int64_t m2[] = {3, 1, 66, 2, 5}, s2[] = {2, 1, 3, 0, 0}; /* a mixed step */
+    for (int t = 0; t < 3; t++)
+        for (int gelu = 0; gelu < 2; gelu++) {
+            check_experts(cpus[t], 4, m1, s1, gelu);
+            check_experts(cpus[t], 5, m2, s2, gelu);
+        }
+    kn_cpu_set_act_q8(cpus[1], true); /* unpacked: the q8 GEMM's panel case runs inside too */
+    check_experts(cpus[1], 4, m1, s1, false);
+    check_experts(cpus[1], 5, m2, s2, false);
     kn_cpu_set_act_q8(cpus[1], false);
 }
 
@@ -558,6 +617,7 @@ int main(int argc, char **argv)
     TH_RUN(test_multi);
     TH_RUN(test_glu);
     TH_RUN(test_add);
+    TH_RUN(test_experts);
     TH_RUN(test_errors);
     for (int t = 0; t < 3; t++)
         kn_cpu_destroy(cpus[t]);
