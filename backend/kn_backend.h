@@ -184,7 +184,8 @@ typedef struct {
     /* Write k, v (m, n_kv_heads, head_dim) of tokens at positions pos into the paged pool
      * layer (kpool/vpool: tiles of (block_size, head_dim) laid out by slicing, NULL
      * head-major (n_blocks, n_kv_heads, block_size, head_dim); kv_type F32/F16) through
-     * each token's sequence view seq[seq_of[i]]. */
+     * each token's sequence view seq[seq_of[i]]. vpool == kpool (a latent pool, kv_pool.h
+     * KN_KV_LAYOUT_LATENT: its V is its K): k only is written, once, and v is not read. */
     void (*kv_write)(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int block_size,
                      const kn_kv_slicing *slicing, int n_kv_heads, int head_dim, const float *k,
                      const float *v, int64_t m, const int32_t *pos, const int32_t *seq_of,
@@ -202,12 +203,14 @@ typedef struct {
      * of that one row, so their results never depend on the batch (cuda and cpu do: the
      * cpu backend cuts each solo row's keys across threads as it would cut that row alone,
      * and only the rows [m_solo, m) share one cut). The pool's layout (slicing) as in
-     * kv_write. */
+     * kv_write. softcap > 0 (gemma2's attention logit soft-capping) turns each score
+     * s = q.k * scale into softcap * tanh(s / softcap) before the softmax (llama.cpp's order:
+     * after the scale, before the mask); 0: no cap, and the uncapped bits. */
     void (*attention)(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, const kn_kv_slicing *slicing, int n_heads,
                       int n_kv_heads, int group, int phase, int head_dim, float scale, int window,
-                      int64_t m, int64_t m_solo, const int32_t *pos, const int32_t *seq_of,
-                      const kn_seq_view *seqs, float *out);
+                      float softcap, int64_t m, int64_t m_solo, const int32_t *pos,
+                      const int32_t *seq_of, const kn_seq_view *seqs, float *out);
 
     /* out (m, n_cols) = rows ids[i] of W (any supported type), dequantized. */
     int (*get_rows)(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out);

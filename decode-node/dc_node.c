@@ -46,10 +46,10 @@ static int kv_blocks_of(const dc_node *n)
     const kn_hparams *hp = &n->proc.rt.model->hp;
     kn_kv_pool_params kp =
         kn_model_kv_params(n->proc.rt.model, 1, n->dcfg->block_size, n->dcfg->kv_dtype);
-    size_t es = kp.type == TD_F16 ? 2 : 4;
-    size_t per_block = 2 * (size_t)kp.n_layers *
-                       (size_t)td_tp_max_kv_heads(hp->n_head, hp->n_head_kv, n->dcfg->tp) *
-                       (size_t)kp.block_size * (size_t)kp.head_dim * es;
+    kp.n_kv_heads = td_tp_max_kv_heads(hp->n_head, hp->n_head_kv, n->dcfg->tp);
+    /* K and V, or a latent pool's one array (half the bytes: twice the blocks) */
+    size_t per_block = kn_kv_pool_params_block_bytes(&kp);
+    if (!per_block) return 0;
     int64_t nb = n->dcfg->kv_memory / (int64_t)per_block;
     return nb > (1 << 30) ? 1 << 30 : (int)nb;
 }

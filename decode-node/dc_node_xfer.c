@@ -61,6 +61,7 @@ int dc_node_xfer_setup(dc_node *n)
         .block_size = (uint32_t)dc_kv(n)->block_size,
         .dtype_size = dc_kv(n)->type == TD_F16 ? 2 : 4,
         .n_blocks = (uint32_t)dc_kv(n)->n_blocks,
+        .latent = dc_kv(n)->layout == KN_KV_LAYOUT_LATENT,
         .tls = n->p->cfg->kvxfer.ucx_tls,
         .timeout_ms = n->p->cfg->kvxfer.timeout_ms,
         .staged = dc_kv(n)->host != NULL,

@@ -65,7 +65,8 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
                         .block_size = p->block_size,
                         .head_dim = p->head_dim,
                         .dtype_size = p->dtype_size,
-                        .n_blocks = p->n_blocks};
+                        .n_blocks = p->n_blocks,
+                        .kv_arrays = p->latent ? 1 : 2};
         td_tp_heads h = {0};
         rc = td_tp_heads_of_rank((int)p->n_heads, (int)p->n_kv_heads, p->tp, r, &h);
         l.head0 = (uint32_t)h.kv0;

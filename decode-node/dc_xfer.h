@@ -62,6 +62,8 @@ typedef struct {
     uint32_t n_heads;           /* query heads of the model */
     uint32_t n_kv_heads;        /* KV heads of the model (rank r holds those of td_tp.h's rule) */
     uint32_t head_dim, block_size, dtype_size, n_blocks;
+    bool latent;     /* the pools have the latent layout (kv_pool.h KN_KV_LAYOUT_LATENT): one
+                        array a layer, which the targets say (kvx_layout.kv_arrays 1) */
     const char *tls; /* UCX_TLS of the KV plane (cfg kvxfer.ucx_tls) */
     int timeout_ms;  /* deadline of a transfer, from dc_xfer_start (cfg kvxfer) */
     bool staged;     /* device pools (kv_pool.h): each region is the host copy, followed by

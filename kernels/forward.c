@@ -7,13 +7,14 @@
  *     h = rmsnorm(x) [olmo2: h = x] ; q, k, v = h Wq, h Wk, h Wv (+ bias)
  *       [qwen3/gemma3: rmsnorm per head; olmo2: over the whole q and k]
  *     rope(q, k) [not on smollm3's every 4th layer] ; write k, v to the paged pool ;
- *     a = attention(q, pool)
- *       [gemma3 sliding-window layers: window keys only, their own rope base]
+ *     a = attention(q, pool) [gemma2: scores soft-capped, cap * tanh(s / cap)]
+ *       [gemma2/gemma3 sliding-window layers: window keys only; gemma3's: own rope base]
  *     x += [post-norm] allreduce(a Wo) [* residual_scale granite]
  *                                                      TP: each rank holds heads' share
  *     h = rmsnorm(x) [olmo2: x] ; x += [post-norm] allreduce((act(h Wg) * h Wu) Wd) [* ...]
- *       act: silu, or gelu (tanh) for gemma3
- *   last stage: logits = rmsnorm(x[rows]) Wout [/ logit_scale granite] ; else out = x
+ *       act: silu, or gelu (tanh) for gemma2/gemma3
+ *   last stage: logits = rmsnorm(x[rows]) Wout [/ logit_scale granite]
+ *                        [gemma2: cap * tanh(logits / cap)] ; else out = x
  *     TP: each rank's Wout holds a vocab slice; gather_cols joins the slices on rank 0
  * Every matmul keeps the batch's first n_solo rows batch-invariant (model.h): through the
  * backend's matmul_mixed, or row by row when the backend has none. Where the backend has
@@ -199,6 +200,12 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
                    kv->n_layers, kv->n_kv_heads, kv->head_dim);
         return TD_EINVAL;
     }
+    /* a latent pool has no V of its own: a model with a value apart would write it over K */
+    if ((kv->layout == KN_KV_LAYOUT_LATENT) != (m->hp.kv_lora_rank > 0)) {
+        TD_LOG_ERR("kv pool layout %s does not match the model's (%s: kn_model_kv_params)",
+                   kn_kv_layout_name(kv->layout), m->hp.kv_lora_rank > 0 ? "latent" : "K+V");
+        return TD_EINVAL;
+    }
     for (int s = 0; s < b->n_seqs; s++) {
         const kn_seq_view *sv = &b->seqs[s];
         if (sv->n_ctx < 0 || (sv->n_ctx > 0 && !sv->block_table)) {
@@ -351,7 +358,8 @@ static int attention_block(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int 
                   e->k, e->v, n, b->pos, b->seq_of, b->seqs);
     ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, nh, nkv,
                    m->heads.group, m->heads.phase, (int)HD, hp->attn_scale,
-                   swa ? hp->swa_window : 0, n, solo, b->pos, b->seq_of, b->seqs, e->att);
+                   swa ? hp->swa_window : 0, hp->attn_softcap, n, solo, b->pos, b->seq_of, b->seqs,
+                   e->att);
     return kn_engine_project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo);
 }
 
@@ -419,13 +427,20 @@ static int lm_head(kn_engine *e, const kn_batch *b, float *out)
 }
 
 /* The logits' last step, on the host (out is the caller's host buffer, whole on rank 0):
- * granite's 1 / logit_scale, as llama.cpp multiplies by it. */
+ * granite's 1 / logit_scale, as llama.cpp multiplies by it; gemma2's final soft-cap,
+ * cap * tanh(logit / cap), after it (llama.cpp's order: scale by 1 / cap, tanh, scale). */
 static void finish_logits(const kn_hparams *hp, float *out, int64_t n)
 {
-    if (hp->logit_scale == 1.0f) return;
-    const float s = 1.0f / hp->logit_scale;
-    for (int64_t i = 0; i < n; i++)
-        out[i] *= s;
+    if (hp->logit_scale != 1.0f) {
+        const float s = 1.0f / hp->logit_scale;
+        for (int64_t i = 0; i < n; i++)
+            out[i] *= s;
+    }
+    if (hp->final_softcap > 0.0f) {
+        const float cap = hp->final_softcap, inv = 1.0f / cap;
+        for (int64_t i = 0; i < n; i++)
+            out[i] = cap * tanhf(out[i] * inv);
+    }
 }
 
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)

@@ -3,14 +3,14 @@
  *
  *   q = h Wq  |  rmsnorm(h Wq_a) Wq_b                 (this rank's heads: [nope | rope] each)
  *   c = rmsnorm(h Wkv_c) ; k_pe = rope(h Wkv_pe)      (the latent, whole on every rank)
- *   K = V = [c | k_pe] into the pool (one KV head of kv_lora_rank + n_rot dims)
+ *   K = [c | k_pe] into the pool (one KV head of kv_lora_rank + n_rot dims); V is K
  *   per head: Q_h = [q_nope_h Wk_b_h^T | rope(q_pe_h)]  (the key's up-projection absorbed)
  *   O = attention(Q, K, V), scale mscale^2 / sqrt(mla_nope + n_rot)   (model_mla.c)
  *   per head: a_h = O_h[:kv_lora_rank] Wv_b_h^T        (the value's up-projection)
  *   x += allreduce(a Wo)
- * Writing V as a copy of K keeps the pool, its transfer and its caches as they are for every
- * other model; the value is a prefix of the latent, so a pool layout that stores K only
- * would halve this (not built). The per-head products run as whole matmuls on contiguous
+ * The value is a prefix of the latent, so the pool has the latent layout (kv_pool.h
+ * KN_KV_LAYOUT_LATENT, from kn_model_kv_params): one array a layer, stored, copied, cached
+ * and transferred once. The per-head products run as whole matmuls on contiguous
  * copies (copy_2d), so solo rows keep their bits as everywhere else. */
 #include "engine_int.h"
 #include "td_err.h"
@@ -114,11 +114,13 @@ int kn_engine_mla_attention(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int
     if ((rc = queries(e, ly, h, n, solo)) || (rc = latent(e, ly, b, h)) ||
         (rc = absorbed_queries(e, ly, b)))
         return rc;
-    ops->kv_write(c, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, 1, (int)HD, e->k,
+    /* the latent is the pool's one array (KN_KV_LAYOUT_LATENT): written once (vpool ==
+     * kpool: K only), and the attention reads the value as its prefix from the same tiles */
+    ops->kv_write(c, kv->k[li], kv->k[li], kv->type, kv->block_size, &kv->slicing, 1, (int)HD, e->k,
                   e->k, n, b->pos, b->seq_of, b->seqs);
-    ops->attention(c, e->q, kv->k[li], kv->v[li], kv->type, kv->block_size, &kv->slicing, (int)nh,
-                   1, m->heads.group, m->heads.phase, (int)HD, hp->attn_scale, 0, n, solo, b->pos,
-                   b->seq_of, b->seqs, e->att);
+    ops->attention(c, e->q, kv->k[li], kv->k[li], kv->type, kv->block_size, &kv->slicing, (int)nh,
+                   1, m->heads.group, m->heads.phase, (int)HD, hp->attn_scale, 0, 0.0f, n, solo,
+                   b->pos, b->seq_of, b->seqs, e->att);
     for (int64_t hd = 0; hd < nh; hd++) {
         ops->copy_2d(c, e->att + hd * HD, nh * HD, ml->ql, R, n, R);
         if ((rc = kn_engine_matmul(e, &ly->wv_b[hd], ml->ql, n, solo, ml->ov))) return rc;

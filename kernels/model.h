@@ -50,6 +50,7 @@ typedef enum {
     KN_ARCH_OLMO2,
     KN_ARCH_QWEN3MOE,
     KN_ARCH_DEEPSEEK2,
+    KN_ARCH_GEMMA2,
 } kn_arch;
 
 /* How a mixture-of-experts router turns its logits into probabilities (llama.cpp's
@@ -72,14 +73,18 @@ typedef struct {
     bool rope_neox;   /* qwen: pairs (i, i+n_rot/2); llama: (2i, 2i+1) */
     float rms_eps;
     bool tied_embd; /* no output.weight: the LM head is token_embd */
-    /* gemma3 (1 and 0 / false elsewhere): */
-    float embd_scale;    /* token embeddings are multiplied by it (gemma: sqrt(n_embd)) */
-    float attn_scale;    /* scores are q.k * attn_scale (1/sqrt(head_dim) by default) */
-    bool gelu_ffn;       /* FFN is gelu(gate) * up instead of silu(gate) * up */
-    bool post_norms;     /* sandwich norms after attention and after the FFN */
-    int swa_window;      /* > 0: sliding-window layers see this many positions */
-    int swa_pattern;     /* layer il is global when il % swa_pattern == swa_pattern - 1 */
-    float rope_base_swa; /* rope base of the sliding-window layers (no scaling there) */
+    /* gemma3 and gemma2 (1 and 0 / false elsewhere): */
+    float embd_scale;     /* token embeddings are multiplied by it (gemma: sqrt(n_embd)) */
+    float attn_scale;     /* scores are q.k * attn_scale (1/sqrt(head_dim) by default) */
+    bool gelu_ffn;        /* FFN is gelu(gate) * up instead of silu(gate) * up */
+    bool post_norms;      /* sandwich norms after attention and after the FFN */
+    int swa_window;       /* > 0: sliding-window layers see this many positions */
+    int swa_pattern;      /* layer il is global when il % swa_pattern == swa_pattern - 1 */
+    float rope_base_swa;  /* rope base of the sliding-window layers */
+    float rope_scale_swa; /* their linear rope scaling (gemma3: 1; gemma2: rope_scale) */
+    /* gemma2's soft-caps (0 elsewhere: none): */
+    float attn_softcap;  /* scores s (q.k * attn_scale) -> attn_softcap * tanh(s / attn_softcap) */
+    float final_softcap; /* logits l -> final_softcap * tanh(l / final_softcap), the last step */
     /* the other architectures' switches (neutral values elsewhere: 0, 1, false) */
     int nope_step;        /* smollm3: layer il skips rope when (il + 1) % nope_step == 0 */
     float residual_scale; /* granite: block outputs are multiplied by it before each add */
@@ -137,7 +142,7 @@ typedef struct {
     float *bq, *bk, *bv;                   /* local slices of the QKV biases or NULL */
     float *q_norm, *k_norm;                /* (head_dim) qwen3/gemma3 per-head norms, (n_head *
                                             * head_dim) / (n_head_kv * head_dim) olmo2, or NULL */
-    float *attn_post_norm, *ffn_post_norm; /* (n_embd) gemma3 sandwich norms or NULL */
+    float *attn_post_norm, *ffn_post_norm; /* (n_embd) gemma2/3 sandwich norms or NULL */
     /* a mixture-of-experts layer's FFN (kn_layer_is_moe; w_gate/w_up/w_down unused there) */
     kn_mat gate_inp;                /* (n_expert, n_embd) the router, whole on every rank */
     float *exp_probs_b;             /* (n_expert) bias added for the choice only, or NULL */

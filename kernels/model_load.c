@@ -21,6 +21,7 @@ static const struct {
     {"smollm3", KN_ARCH_SMOLLM3, false, 1e-5f},  {"granite", KN_ARCH_GRANITE, false, 1e-5f},
     {"phi3", KN_ARCH_PHI3, true, 1e-5f},         {"olmo2", KN_ARCH_OLMO2, true, 1e-5f},
     {"qwen3moe", KN_ARCH_QWEN3MOE, true, 1e-6f}, {"deepseek2", KN_ARCH_DEEPSEEK2, false, 1e-6f},
+    {"gemma2", KN_ARCH_GEMMA2, true, 1e-6f},
 };
 #define N_ARCHS (sizeof ARCHS / sizeof *ARCHS)
 
@@ -343,9 +344,12 @@ int kn_hparams_read(const td_gguf *g, kn_hparams *hp)
     hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
     hp->residual_scale = 1.0f;
     hp->logit_scale = 1.0f;
+    hp->rope_scale_swa = 1.0f;
     switch (hp->arch) {
     case KN_ARCH_GEMMA3:
         return gemma3_hparams(g, arch, hp);
+    case KN_ARCH_GEMMA2:
+        return kn_gemma2_hparams(g, arch, hp);
     case KN_ARCH_SMOLLM3:
         return smollm3_hparams(g, arch, hp);
     case KN_ARCH_GRANITE:
@@ -811,7 +815,7 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
             rc = TD_ENOMEM;
             goto fail;
         }
-        build_rope_freq(hp, hp->rope_base_swa, 1.0f, m->rope_freq_swa, NULL);
+        build_rope_freq(hp, hp->rope_base_swa, hp->rope_scale_swa, m->rope_freq_swa, NULL);
     }
     *out = m;
     return 0;
@@ -858,5 +862,7 @@ kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_
         .block_size = block_size,
         .n_blocks = n_blocks,
         .type = type,
+        /* latent attention: the pool's one KV head is the latent, its prefix the value */
+        .layout = m->hp.kv_lora_rank > 0 ? KN_KV_LAYOUT_LATENT : KN_KV_LAYOUT_KV,
     };
 }

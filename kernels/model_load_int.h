@@ -76,4 +76,9 @@ void kn_mla_load_layer(kn_loader *L, kn_layer *ly, int il);
 /* Frees what kn_mla_load_layer allocated. */
 void kn_mla_free_layer(kn_layer *ly);
 
+/* ---- model_gemma2.c ---- */
+/* gemma2's keys (the gemma block, the sliding window, the soft-caps) into hp, after the
+ * shape, the rope and tied_embd are read. */
+int kn_gemma2_hparams(const td_gguf *g, const char *arch, kn_hparams *hp);
+
 #endif

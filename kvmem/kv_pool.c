@@ -21,11 +21,13 @@ static int pool_shape(const kn_kv_pool_params *p, size_t *block_bytes, size_t *r
 {
     int bs = p->block_size ? p->block_size : 16;
     td_dtype type = p->type;
+    const int arrays = kn_kv_layout_arrays(p->layout);
     if (p->n_layers < 1 || p->n_kv_heads < 1 || p->head_dim < 1 || p->n_blocks < 1 ||
-        (bs & (bs - 1)) || (type != TD_F16 && type != TD_F32)) {
+        (bs & (bs - 1)) || (type != TD_F16 && type != TD_F32) || !arrays) {
         TD_LOG_ERR("bad kv pool shape: layers %d kv heads %d head dim %d blocks %d block size %d "
-                   "type %s",
-                   p->n_layers, p->n_kv_heads, p->head_dim, p->n_blocks, bs, td_dtype_name(type));
+                   "type %s layout %d",
+                   p->n_layers, p->n_kv_heads, p->head_dim, p->n_blocks, bs, td_dtype_name(type),
+                   (int)p->layout);
         return TD_EINVAL;
     }
     size_t es = type == TD_F16 ? 2 : 4;
@@ -56,7 +58,7 @@ static int pool_shape(const kn_kv_pool_params *p, size_t *block_bytes, size_t *r
         }
     }
     *block_bytes = bb;
-    *region_bytes = layer_bytes * 2 * (size_t)p->n_layers;
+    *region_bytes = layer_bytes * (size_t)arrays * (size_t)p->n_layers;
     return 0;
 }
 
@@ -82,6 +84,12 @@ size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p)
 {
     size_t bb, rb;
     return pool_shape(p, &bb, &rb) ? 0 : rb;
+}
+
+size_t kn_kv_pool_params_block_bytes(const kn_kv_pool_params *p)
+{
+    size_t bb, rb;
+    return pool_shape(p, &bb, &rb) ? 0 : rb / (size_t)p->n_blocks;
 }
 
 static bool shm_name_ok(const char *name)
@@ -175,6 +183,7 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     pool->type = p->type;
     pool->block_bytes = block_bytes;
     pool->slicing = pool_slicing(p);
+    pool->layout = p->layout;
     pool->region_bytes = region_bytes;
     pool->fd = -1;
     pool->fd_backed = p->fd_backed;
@@ -212,9 +221,10 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
     }
     pool->region = r;
     size_t layer_bytes = block_bytes * (size_t)p->n_blocks;
+    const int arrays = kn_kv_pool_arrays(pool);
     for (int l = 0; l < p->n_layers; l++) {
-        pool->k[l] = (char *)r + (size_t)(2 * l) * layer_bytes;
-        pool->v[l] = (char *)r + (size_t)(2 * l + 1) * layer_bytes;
+        pool->k[l] = (char *)r + (size_t)(arrays * l) * layer_bytes;
+        pool->v[l] = (char *)r + (size_t)(arrays * l + arrays - 1) * layer_bytes; /* latent: k[l] */
     }
     /* stack with block 0 on top, so allocation order is 0, 1, 2, ... */
     for (int i = 0; i < p->n_blocks; i++)
@@ -338,18 +348,18 @@ void kn_kv_pool_put(kn_kv_pool *pool, int32_t id)
     pool->free_ids[pool->n_free++] = id;
 }
 
-/* Every layer's K and V of blocks ids between the staging and the device (a sliced pool's
- * block piece by piece). */
+/* Every layer's arrays (K and V, or the latent once) of blocks ids between the staging and
+ * the device (a sliced pool's block piece by piece). */
 static int stage_blocks(kn_kv_pool *p, const int32_t *ids, int n, bool up)
 {
     if (!p->host) return TD_EINVAL;
     const kn_backend_ops *o = p->dev.ops;
     for (int i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= p->n_blocks) return TD_ERANGE;
-        for (int l = 0; l < 2 * p->n_layers; l++)
+        for (int a = 0; a < kn_kv_pool_arrays(p) * p->n_layers; a++)
             for (int s = 0; s < p->slicing.n_slices; s++) {
                 size_t bytes, off = kn_kv_block_piece(p, ids[i], s, NULL, &bytes);
-                char *d = (char *)(l & 1 ? p->v[l / 2] : p->k[l / 2]) + off;
+                char *d = (char *)kn_kv_pool_array(p, a) + off;
                 char *h = (char *)p->host + (d - (char *)p->region); /* the same offset */
                 int rc =
                     up ? o->upload(p->dev.ctx, d, h, bytes) : o->download(p->dev.ctx, h, d, bytes);
@@ -376,11 +386,11 @@ int kn_kv_block_copy(kn_kv_pool *p, int32_t src, int32_t dst)
     void *tmp = NULL;
     if (device && !(tmp = malloc(p->block_bytes))) return TD_ENOMEM;
     int rc = 0;
-    for (int l = 0; l < 2 * p->n_layers && !rc; l++)
+    for (int a = 0; a < kn_kv_pool_arrays(p) * p->n_layers && !rc; a++)
         for (int s = 0; s < p->slicing.n_slices && !rc; s++) {
             size_t bytes, off_s = kn_kv_block_piece(p, src, s, NULL, &bytes);
             size_t off_d = kn_kv_block_piece(p, dst, s, NULL, &bytes);
-            char *base = l & 1 ? p->v[l / 2] : p->k[l / 2];
+            char *base = kn_kv_pool_array(p, a);
             if (in_host) /* the staging copy: the same offsets */
                 base = (char *)p->host + (base - (char *)p->region);
             if (!device)

@@ -1,11 +1,12 @@
 /* kv_pool.h: the paged KV cache of one model shard, and its block allocator.
  *
- * Purpose: hold K and V of every (local) layer in fixed-size blocks that sequences own
- * through block tables, so sequences grow without copying and KV can be shipped block by
- * block (kvxfer registers the whole pool as one memory region).
- * Layout: one contiguous region. For local layer l, K then V, each an array of tiles (one
- * (block, head) pair's (block_size, head_dim) elements of `type`, contiguous) laid out by
- * the pool's slicing (kn_backend.h, kn_kv_tile): head-major by default,
+ * Purpose: hold K and V (or one latent array) of every (local) layer in fixed-size blocks
+ * that sequences own through block tables, so sequences grow without copying and KV can be
+ * shipped block by block (kvxfer registers the whole pool as one memory region).
+ * Layout: one contiguous region. For local layer l, K then V (params.layout
+ * KN_KV_LAYOUT_KV), or one array (KN_KV_LAYOUT_LATENT: v[l] == k[l], below), each an array
+ * of tiles (one (block, head) pair's (block_size, head_dim) elements of `type`, contiguous)
+ * laid out by the pool's slicing (kn_backend.h, kn_kv_tile): head-major by default,
  *   (n_blocks, n_kv_heads, block_size, head_dim)
  * (one block's heads are one contiguous range), or, with params.n_slices > 1 (a prefill
  * stage whose decode ranks each hold a part of its heads), slice by slice,
@@ -14,7 +15,9 @@
  * without staging; kvx_conn.h's sliced source layout). A block of a layer's K is then
  * n_slices contiguous pieces (kn_kv_block_piece), one in a head-major pool; the pieces in
  * order are the block's heads in order, so block copies (kv_tier.h's file, staging
- * uploads) carry the same bytes in every layout.
+ * uploads) carry the same bytes in every layout. Every copy of a block's KV (staging,
+ * kn_kv_block_copy, the tier, kvxfer) walks the kn_kv_pool_arrays(p) * n_layers arrays in
+ * region order (kn_kv_pool_array), so a latent block is stored and moved once.
  * Invariants: block_size is a power of two; a block id is either on the free list, or
  * referenced by refs[id] >= 1 holders (more than one only through a prefix cache,
  * kv_cache.h), or (refs 0) kept idle by the prefix cache above it; kn_kv_pool_take is
@@ -52,6 +55,28 @@
 #include "kn_backend.h"
 #include "td_dtype.h"
 
+/* The block layout: which arrays a layer of the pool holds. The model decides it
+ * (kn_model_kv_params): a model with multi-head latent attention (deepseek2) keeps one
+ * latent vector per token and layer (kv_lora_rank + n_rot elements, one KV head) whose
+ * prefix is the value its attention reads, so it needs no V array. */
+typedef enum {
+    KN_KV_LAYOUT_KV = 0, /* K then V for each layer: 2 arrays a layer */
+    KN_KV_LAYOUT_LATENT, /* one array a layer, v[l] == k[l]: the value is read from K (its
+                            prefix), never written apart (kn_backend.h kv_write: vpool ==
+                            kpool writes K only); half the bytes of KN_KV_LAYOUT_KV */
+} kn_kv_layout;
+
+/* Arrays a layer holds in layout l: 2 (K, V) or 1 (latent); 0 for an unknown value. */
+static inline int kn_kv_layout_arrays(kn_kv_layout l)
+{
+    return l == KN_KV_LAYOUT_KV ? 2 : l == KN_KV_LAYOUT_LATENT ? 1 : 0;
+}
+
+static inline const char *kn_kv_layout_name(kn_kv_layout l)
+{
+    return l == KN_KV_LAYOUT_KV ? "K+V" : l == KN_KV_LAYOUT_LATENT ? "latent" : "?";
+}
+
 typedef struct {
     int n_layers;   /* local layers of the shard */
     int n_kv_heads; /* local KV heads (this TP rank's) */
@@ -75,6 +100,7 @@ typedef struct {
                                   heads cut into slices of slice_heads[i] >= 1 heads summing
                                   to n_kv_heads (a backend without kv_sliced refuses it) */
     int slice_heads[KN_KV_MAX_SLICES];
+    kn_kv_layout layout; /* KN_KV_LAYOUT_KV (0, the default) or KN_KV_LAYOUT_LATENT */
 } kn_kv_pool_params;
 
 typedef struct {
@@ -82,9 +108,13 @@ typedef struct {
     td_dtype type;
     void *region; /* the whole pool */
     size_t region_bytes;
-    size_t block_bytes;    /* bytes of one block of one layer's K (or V): all heads */
+    size_t block_bytes;    /* bytes of one block of one layer array (K, V or latent): all
+                              heads */
     kn_kv_slicing slicing; /* the layer arrays' layout (n_slices 1: head-major) */
-    void **k, **v;         /* (n_layers) pointers into region */
+    kn_kv_layout layout;   /* K and V, or latent (one array a layer) */
+    void **k, **v;         /* (n_layers) pointers into region; latent: v[l] == k[l] (the
+                              attention reads V where it is, and a K/V loop that forgot the
+                              layout copies the same bytes twice rather than a wrong array) */
     int32_t *free_ids;     /* stack of free block ids */
     int n_free;
     int32_t *refs;   /* (n_blocks) references to each block */
@@ -98,8 +128,28 @@ typedef struct {
     uint8_t *on_dev; /* (n_blocks) with host, at host + region_bytes: the block's device copy
                         is current (1) or its host copy holds newer KV (0: received, not
                         yet uploaded) */
-    uint64_t n_stage_up, n_stage_down; /* blocks staged each way (all layers' K and V) */
+    uint64_t n_stage_up, n_stage_down; /* blocks staged each way (all layers' arrays) */
 } kn_kv_pool;
+
+/* Arrays a layer of the pool holds: 2 (K, V) or 1 (latent). */
+static inline int kn_kv_pool_arrays(const kn_kv_pool *p)
+{
+    return kn_kv_layout_arrays(p->layout);
+}
+
+/* Array a (0 <= a < kn_kv_pool_arrays(p) * n_layers) in region order: K of layer a, or,
+ * in the K+V layout, K (a even) or V (a odd) of layer a / 2. */
+static inline void *kn_kv_pool_array(const kn_kv_pool *p, int a)
+{
+    return kn_kv_pool_arrays(p) == 1 ? p->k[a] : a & 1 ? p->v[a / 2] : p->k[a / 2];
+}
+
+/* Bytes one block takes in the pool: every local layer's arrays, all heads
+ * (region_bytes = n_blocks times this). */
+static inline size_t kn_kv_pool_block_bytes(const kn_kv_pool *p)
+{
+    return (size_t)kn_kv_pool_arrays(p) * (size_t)p->n_layers * p->block_bytes;
+}
 
 /* Piece i (0 <= i < slicing.n_slices) of block blk of a layer's K (or V) array: returns its
  * byte offset in the array and sets *bytes; heads [*h0, *h0 + heads) of the block, in
@@ -123,14 +173,14 @@ static inline void *kn_kv_xfer_region(const kn_kv_pool *p)
     return p->host ? p->host : p->region;
 }
 
-/* Staged device pools: copy blocks ids (n) host -> device, every layer's K and V, and mark
+/* Staged device pools: copy blocks ids (n) host -> device, every layer's arrays, and mark
  * them current (kn_kv_stage_upload), or device -> host (kn_kv_stage_download, waits for
- * the backend's queued ops). 2 * n_layers * block_bytes bytes a block. A pool without
+ * the backend's queued ops). kn_kv_pool_block_bytes bytes a block. A pool without
  * staging: TD_EINVAL. Errors of the backend's upload/download are returned. */
 int kn_kv_stage_upload(kn_kv_pool *p, const int32_t *ids, int n);
 int kn_kv_stage_download(kn_kv_pool *p, const int32_t *ids, int n);
 
-/* dst's KV = src's, every layer's K and V (copy on write: a request that must write into
+/* dst's KV = src's, every layer's arrays (copy on write: a request that must write into
  * a block it shares takes a private copy first). On the pool's own memory: memcpy, or the
  * backend's download + upload for a device pool. A staged pool copies where src's newest KV
  * is: on the device (dst current there, on_dev 1; its staging is not touched: download the
@@ -155,6 +205,10 @@ void kn_kv_pool_destroy(kn_kv_pool *pool);
 
 /* Bytes of the region of a pool with these params (0 if the shape is invalid). */
 size_t kn_kv_pool_region_bytes(const kn_kv_pool_params *p);
+/* Bytes one block takes in a pool with these params (its n_blocks ignored): every layer's
+ * arrays (K and V, or the latent array once), all heads; 0 if the shape is invalid. What a
+ * byte budget (a decode rank's kv_memory, a prefix cache's bytes) is divided by. */
+size_t kn_kv_pool_params_block_bytes(const kn_kv_pool_params *p);
 
 /* Map the region of a shared pool another process created with the same params
  * (p->shm_name set): *region (read-write, shared), *bytes. The segment's size must be the

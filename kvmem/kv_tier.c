@@ -28,7 +28,7 @@ struct kn_kv_tier {
     int fd;            /* the file, -1: none */
     uint8_t *base;     /* the whole store (header + slots) */
     size_t total;      /* bytes of the store */
-    size_t slot_bytes; /* one block, every layer's K and V */
+    size_t slot_bytes; /* one block, every layer's arrays (kn_kv_pool_block_bytes) */
     int bs;            /* tokens per block */
     int n_slots;
     uint64_t *id;         /* (n_slots) */
@@ -51,7 +51,7 @@ struct kn_kv_tier {
 
 size_t kn_kv_tier_block_bytes(const kn_kv_pool *pool)
 {
-    return 2 * (size_t)pool->n_layers * pool->block_bytes;
+    return kn_kv_pool_block_bytes(pool);
 }
 
 /* ---- checksum: four 64-bit lanes of xor-multiply, folded ---- */
@@ -326,46 +326,43 @@ static void entry_drop(kn_kv_tier *t, int32_t s)
 /* A device pool with host staging (kv_pool.h) holds a block's newest KV in its host copy
  * while on_dev is 0 (received, not uploaded yet): the copy out reads it there; a copy in
  * writes the device copy and marks it current, so the engine does not upload the older host
- * copy over it. A slot holds each layer's K and V block with its heads in order, whatever
- * the pool's slicing (a sliced pool's block is copied piece by piece, kn_kv_block_piece). */
+ * copy over it. A slot holds the block of each layer array in region order (each layer's K
+ * and V, or its latent array once: kn_kv_pool_array) with its heads in order, whatever the
+ * pool's slicing (a sliced pool's block is copied piece by piece, kn_kv_block_piece). */
 static int copy_out(const kn_kv_pool *pool, int32_t block, uint8_t *dst)
 {
     size_t bb = pool->block_bytes;
     bool host = !pool->dev.ops || (pool->host && !pool->on_dev[block]);
-    for (int l = 0; l < pool->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++)
-            for (int s = 0; s < pool->slicing.n_slices; s++) { /* the block's heads in order */
-                int h0;
-                size_t n, off = kn_kv_block_piece(pool, block, s, &h0, &n);
-                const uint8_t *src = (const uint8_t *)(kv ? pool->v[l] : pool->k[l]) + off;
-                uint8_t *d = dst + (size_t)(2 * l + kv) * bb + (size_t)h0 * (bb / pool->n_kv_heads);
-                if (pool->dev.ops && host) /* the staging copy: the same offset */
-                    memcpy(d, (const uint8_t *)pool->host + (src - (const uint8_t *)pool->region),
-                           n);
-                else if (!pool->dev.ops)
-                    memcpy(d, src, n);
-                else if (pool->dev.ops->download(pool->dev.ctx, d, src, n))
-                    return TD_EIO;
-            }
+    for (int a = 0; a < kn_kv_pool_arrays(pool) * pool->n_layers; a++)
+        for (int s = 0; s < pool->slicing.n_slices; s++) { /* the block's heads in order */
+            int h0;
+            size_t n, off = kn_kv_block_piece(pool, block, s, &h0, &n);
+            const uint8_t *src = (const uint8_t *)kn_kv_pool_array(pool, a) + off;
+            uint8_t *d = dst + (size_t)a * bb + (size_t)h0 * (bb / pool->n_kv_heads);
+            if (pool->dev.ops && host) /* the staging copy: the same offset */
+                memcpy(d, (const uint8_t *)pool->host + (src - (const uint8_t *)pool->region), n);
+            else if (!pool->dev.ops)
+                memcpy(d, src, n);
+            else if (pool->dev.ops->download(pool->dev.ctx, d, src, n))
+                return TD_EIO;
+        }
     return 0;
 }
 
 static int copy_in(kn_kv_pool *pool, int32_t block, const uint8_t *src)
 {
     size_t bb = pool->block_bytes;
-    for (int l = 0; l < pool->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++)
-            for (int s = 0; s < pool->slicing.n_slices; s++) {
-                int h0;
-                size_t n, off = kn_kv_block_piece(pool, block, s, &h0, &n);
-                uint8_t *d = (uint8_t *)(kv ? pool->v[l] : pool->k[l]) + off;
-                const uint8_t *sp =
-                    src + (size_t)(2 * l + kv) * bb + (size_t)h0 * (bb / pool->n_kv_heads);
-                if (!pool->dev.ops)
-                    memcpy(d, sp, n);
-                else if (pool->dev.ops->upload(pool->dev.ctx, d, sp, n))
-                    return TD_EIO;
-            }
+    for (int a = 0; a < kn_kv_pool_arrays(pool) * pool->n_layers; a++)
+        for (int s = 0; s < pool->slicing.n_slices; s++) {
+            int h0;
+            size_t n, off = kn_kv_block_piece(pool, block, s, &h0, &n);
+            uint8_t *d = (uint8_t *)kn_kv_pool_array(pool, a) + off;
+            const uint8_t *sp = src + (size_t)a * bb + (size_t)h0 * (bb / pool->n_kv_heads);
+            if (!pool->dev.ops)
+                memcpy(d, sp, n);
+            else if (pool->dev.ops->upload(pool->dev.ctx, d, sp, n))
+                return TD_EIO;
+        }
     if (pool->host) pool->on_dev[block] = 1;
     return 0;
 }

@@ -71,7 +71,8 @@ typedef struct {
 int kn_kv_tier_create(const kn_kv_tier_params *p, const kn_kv_pool *pool, kn_kv_tier **out);
 void kn_kv_tier_destroy(kn_kv_tier *t); /* NULL is fine; the file stays (scratch) */
 
-/* Bytes one block takes in the tier of pool (every local layer's K and V). */
+/* Bytes one block takes in the tier of pool: kn_kv_pool_block_bytes (every local layer's K
+ * and V, or its latent array once). */
 size_t kn_kv_tier_block_bytes(const kn_kv_pool *pool);
 
 /* Store pool block `block` (its KV computed) as the entry (id, serial, parent, tokens

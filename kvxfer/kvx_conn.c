@@ -23,7 +23,8 @@ size_t kvx_layout_bytes(const kvx_layout *l)
     if (!l || !l->n_layers || !l->n_heads || !l->block_size || !l->head_dim || !l->dtype_size ||
         !l->n_blocks || !l->n_kv_heads || l->head0 >= l->n_kv_heads ||
         l->n_heads > l->n_kv_heads - l->head0 || l->n_layers > 65536 || l->layer0 > 65536 ||
-        l->block_size > 65536 || l->head_dim > 65536 || l->dtype_size > 16 || l->n_heads > 4096)
+        l->block_size > 65536 || l->head_dim > 65536 || l->dtype_size > 16 || l->n_heads > 4096 ||
+        l->kv_arrays > 2)
         return 0;
     if (l->n_slices > 1) {
         if (l->n_slices > KVX_MAX_SLICES) return 0;
@@ -34,8 +35,8 @@ size_t kvx_layout_bytes(const kvx_layout *l)
         }
         if (sum != l->n_heads) return 0;
     }
-    unsigned __int128 b = (unsigned __int128)l->n_layers * 2 * l->n_blocks * l->n_heads *
-                          l->block_size * l->head_dim * l->dtype_size;
+    unsigned __int128 b = (unsigned __int128)l->n_layers * kvx_layout_arrays(l) * l->n_blocks *
+                          l->n_heads * l->block_size * l->head_dim * l->dtype_size;
     return b > ((unsigned __int128)1 << 46) ? 0 : (size_t)b;
 }
 
@@ -481,6 +482,13 @@ void kvx_conn_stats_get(kvx_conn *c, kvx_conn_stats *out)
 
 /* --- target encoding helpers ---------------------------------------------------------- */
 
+/* The element word of an encoded layout: dtype_size in its low 16 bits, KVXI_LAYOUT_LATENT
+ * for a one-array (latent) layout. A K+V layout encodes as it always did (its targets are
+ * byte for byte those of a connector without the latent layout); a connector without it
+ * reads a latent target's word as a dtype size over 16, an invalid layout: the target is
+ * refused as malformed, never written with K+V offsets. */
+#define KVXI_LAYOUT_LATENT (1u << 16)
+
 void kvxi_wr_layout(kvx_wr *w, const kvx_layout *l)
 {
     kvx_wr_u32(w, l->layer0);
@@ -490,7 +498,7 @@ void kvxi_wr_layout(kvx_wr *w, const kvx_layout *l)
     kvx_wr_u32(w, l->n_heads);
     kvx_wr_u32(w, l->block_size);
     kvx_wr_u32(w, l->head_dim);
-    kvx_wr_u32(w, l->dtype_size);
+    kvx_wr_u32(w, l->dtype_size | (kvx_layout_arrays(l) == 1 ? KVXI_LAYOUT_LATENT : 0));
     kvx_wr_u32(w, l->n_blocks);
 }
 
@@ -503,7 +511,9 @@ void kvxi_rd_layout(kvx_rd *r, kvx_layout *l)
     l->n_heads = kvx_rd_u32(r);
     l->block_size = kvx_rd_u32(r);
     l->head_dim = kvx_rd_u32(r);
-    l->dtype_size = kvx_rd_u32(r);
+    uint32_t elem = kvx_rd_u32(r);
+    l->kv_arrays = elem & KVXI_LAYOUT_LATENT ? 1 : 2;
+    l->dtype_size = elem & ~KVXI_LAYOUT_LATENT; /* other high bits: over 16, invalid */
     l->n_blocks = kvx_rd_u32(r);
     l->n_slices = 0; /* never sliced on the wire */
     memset(l->slice_heads, 0, sizeof(l->slice_heads));

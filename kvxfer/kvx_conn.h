@@ -101,10 +101,12 @@
 
 #define KVX_MAX_SLICES 16 /* head slices of a sliced source region */
 
-/* A KV region: for each local layer, K then V, each
+/* A KV region: for each local layer, K then V (kv_arrays 0 or 2), or one array (kv_arrays 1:
+ * a latent pool, kvmem's KN_KV_LAYOUT_LATENT, whose V is its K), each
  * (n_blocks, n_heads, block_size, head_dim) elements of dtype_size bytes (head-major blocks:
  * one head's part of a block is contiguous, a run of heads too, but a head range narrower
- * than n_heads is strided from block to block).
+ * than n_heads is strided from block to block). A one-array region's blocks are put once;
+ * a source and a target whose kv_arrays differ are refused (kvx_pf_add_target).
  * Sliced (a prefill stage's source region only; n_slices > 1): the held heads are cut into
  * n_slices consecutive slices of slice_heads[i] heads (summing to n_heads), and each layer's
  * K (then V) holds slice 0's (n_blocks, slice_heads[0], block_size, head_dim), then slice
@@ -127,15 +129,24 @@ typedef struct {
     /* sliced sources (above): 0 or 1 slice is head-major; slice_heads[i] for i < n_slices */
     uint32_t n_slices;
     uint32_t slice_heads[KVX_MAX_SLICES];
+    uint32_t kv_arrays; /* arrays a layer: 0 or 2: K then V; 1: one (latent: V is K) */
 } kvx_layout;
 
+/* Arrays a layer of l holds: 2 (K, V) or 1 (latent); kv_arrays 0 is 2. */
+static inline uint32_t kvx_layout_arrays(const kvx_layout *l)
+{
+    return l->kv_arrays == 1 ? 1 : 2;
+}
+
 /* Bytes of a region with this layout (0 if the layout is invalid: a sliced one also needs
- * n_slices <= KVX_MAX_SLICES and slices of >= 1 head summing to n_heads). */
+ * n_slices <= KVX_MAX_SLICES and slices of >= 1 head summing to n_heads; kv_arrays is 0, 1
+ * or 2). */
 size_t kvx_layout_bytes(const kvx_layout *l);
 
-/* Byte offset in a region of layout l (valid) of local layer ll, kv (0 K, 1 V), block blk,
- * local head h (0 .. n_heads - 1), token tok: where that head's tokens of the block start
- * (its tokens of the block are contiguous in every layout). */
+/* Byte offset in a region of layout l (valid) of local layer ll, kv (0 K, 1 V: K's offset
+ * in a one-array layout, whose V is its K), block blk, local head h (0 .. n_heads - 1),
+ * token tok: where that head's tokens of the block start (its tokens of the block are
+ * contiguous in every layout). */
 size_t kvx_layout_off(const kvx_layout *l, uint32_t ll, uint32_t kv, uint32_t blk, uint32_t h,
                       uint32_t tok);
 

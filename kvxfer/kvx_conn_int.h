@@ -50,7 +50,8 @@ struct kvxi_chunk_copy {
     uint32_t chunk, t0, t1, b_first, nb;
     size_t bytes;
     struct kvxi_chunk_copy *next;
-    uint8_t data[]; /* (n_layers, 2, nb, n_heads, block_size, head_dim), or staging bytes */
+    uint8_t data[]; /* (n_layers, arrays, nb, n_heads, block_size, head_dim), or staging
+                       bytes */
 };
 
 typedef struct {
@@ -187,12 +188,14 @@ static inline size_t kvxi_head_bytes(const kvx_layout *l)
     return (size_t)l->block_size * l->head_dim * l->dtype_size;
 }
 
-/* byte offset of (local layer, K/V, block, head index inside the region, token) */
+/* byte offset of (local layer, K/V, block, head index inside the region, token); kv 1 of a
+ * one-array (latent) layout is its K */
 static inline size_t kvxi_kv_off(const kvx_layout *l, uint32_t ll, uint32_t kv, uint32_t blk,
                                  uint32_t h, uint32_t tok)
 {
     size_t hb = kvxi_head_bytes(l), tokb = (size_t)l->head_dim * l->dtype_size;
-    size_t arr = ((size_t)ll * 2 + kv) * l->n_blocks * l->n_heads * hb;
+    uint32_t na = kvx_layout_arrays(l);
+    size_t arr = ((size_t)ll * na + kv % na) * l->n_blocks * l->n_heads * hb;
     if (l->n_slices <= 1) return arr + ((size_t)blk * l->n_heads + h) * hb + (size_t)tok * tokb;
     uint32_t s0 = 0, s = 0;
     while (s + 1 < l->n_slices && h >= s0 + l->slice_heads[s])

@@ -604,6 +604,13 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
                    (unsigned long long)req_id, t.rank, dl->n_kv_heads, dl->block_size, dl->head_dim,
                    dl->dtype_size);
         err = TD_EINVAL;
+    } else if (kvx_layout_arrays(dl) != kvx_layout_arrays(sl)) {
+        TD_LOG_ERR("kvx conn: req %llu rank %u: the target's KV pool holds %s a layer, the "
+                   "source's %s: the two sides laid the model's KV out differently",
+                   (unsigned long long)req_id, t.rank,
+                   kvx_layout_arrays(dl) == 1 ? "one latent array" : "K and V",
+                   kvx_layout_arrays(sl) == 1 ? "one latent array" : "K and V");
+        err = TD_EINVAL;
     }
     int pi = -1;
     if (!err) err = kvxi_peer_get(c, t.dst_uid, addr, addr_len, &pi);
@@ -635,14 +642,15 @@ int kvx_pf_add_target(kvx_conn *c, uint64_t req_id, const void *target, size_t l
     return err;
 }
 
-/* Copy blocks ids[0 .. pl->n_blocks) (every layer, K and V, all held heads) of the source
- * (layout sl) into dst, blocks 0 .. n_blocks - 1 of layout pl (sl's shape and slices). */
+/* Copy blocks ids[0 .. pl->n_blocks) (every layer, K and V or the latent array, all held
+ * heads) of the source (layout sl) into dst, blocks 0 .. n_blocks - 1 of layout pl (sl's
+ * shape, slices and arrays). */
 static void copy_blocks(uint8_t *dst, const kvx_layout *pl, const uint8_t *src,
                         const kvx_layout *sl, const int32_t *ids)
 {
     uint32_t n_sl = sl->n_slices > 1 ? sl->n_slices : 1;
     for (uint32_t ll = 0; ll < sl->n_layers; ll++)
-        for (uint32_t kv = 0; kv < 2; kv++)
+        for (uint32_t kv = 0; kv < kvx_layout_arrays(sl); kv++)
             for (uint32_t s = 0, h = 0; s<n_sl; h += n_sl> 1 ? sl->slice_heads[s] : 0, s++) {
                 uint32_t nh = n_sl > 1 ? sl->slice_heads[s] : sl->n_heads;
                 for (uint32_t i = 0; i < pl->n_blocks; i++)
@@ -707,7 +715,7 @@ int kvx_pf_send_chunk(kvx_conn *c, uint64_t req_id, uint32_t chunk, uint32_t t0,
         /* not ready: copy the chunk's blocks (all held heads) into the lookup buffer */
         uint32_t nb = b_last - b_first + 1;
         size_t blk = (size_t)sl->n_heads * kvxi_head_bytes(sl);
-        size_t bytes = (size_t)sl->n_layers * 2 * nb * blk;
+        size_t bytes = (size_t)sl->n_layers * kvx_layout_arrays(sl) * nb * blk;
         kvxi_chunk_copy *cc = malloc(sizeof(*cc) + bytes);
         if (!cc) err = TD_ENOMEM;
         if (cc) {

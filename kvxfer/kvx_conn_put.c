@@ -151,11 +151,12 @@ int kvxi_pf_put_range(kvx_conn *c, kvxi_pf_req *r, kvxi_pf_target *t, const uint
     uint32_t bs = sl->block_size;
     size_t tokb = (size_t)sl->head_dim * sl->dtype_size;
     coalescer co = {.c = c, .r = r, .t = t};
+    const uint32_t na = kvx_layout_arrays(sl); /* == the target's (kvx_pf_add_target) */
     co.arena_need =
-        (size_t)sl->n_layers * 2 * ((t1 - 1) / bs - t0 / bs + 1) * (i1 - i0) * kvxi_head_bytes(sl);
+        (size_t)sl->n_layers * na * ((t1 - 1) / bs - t0 / bs + 1) * (i1 - i0) * kvxi_head_bytes(sl);
     for (uint32_t ll = 0; ll < sl->n_layers; ll++) {
         uint32_t dll = sl->layer0 + ll - dl->layer0;
-        for (uint32_t kv = 0; kv < 2; kv++)
+        for (uint32_t kv = 0; kv < na; kv++)
             for (uint32_t b = t0 / bs; b <= (t1 - 1) / bs; b++) {
                 uint32_t a = b * bs > t0 ? 0 : t0 - b * bs;
                 uint32_t e = (b + 1) * bs < t1 ? bs : t1 - b * bs;

@@ -127,9 +127,10 @@ int pl_model_gguf(const char *path, pl_model *m)
     td_gguf_close(g);
     m->layer_params = layers / hp.n_layer;
     m->head_params = (double)hp.n_vocab * hp.n_embd; /* the LM head, tied or not */
-    /* f16 K and V of each KV head; a latent-attention model's one latent head is written as
-     * both today (forward_mla.c) */
-    m->kv_bytes_token = 2.0 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2;
+    /* f16 K and V of each KV head; a latent-attention model's pool holds its one latent
+     * head once (kv_pool.h KN_KV_LAYOUT_LATENT) */
+    m->kv_bytes_token =
+        (hp.kv_lora_rank > 0 ? 1.0 : 2.0) * hp.n_layer * hp.n_head_kv * hp.head_dim * 2;
     m->attn_flops_pair = 4.0 * hp.n_head * hp.head_dim;
     m->act_bytes = 4; /* Tandem sends float32 hidden states and sums float32 */
     return 0;

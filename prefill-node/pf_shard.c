@@ -56,13 +56,14 @@ int pf_shard_open(pf_shard *s, const pf_shard_params *p)
     int bs = p->block_size > 0 ? p->block_size : 16;
     kn_kv_pool_params kp = kn_model_kv_params(s->rt.model, (s->ctx + bs - 1) / bs, bs, p->kv_type);
     /* the prefix cache's blocks come on top, as many on every stage: its bytes over the
-     * largest stage's block (K and V of its layers) */
+     * largest stage's block (K and V of its layers, or their latent arrays once) */
     int most = 0;
     for (int i = 0; i < s->pp; i++)
         if (counts[i] > most) most = counts[i];
-    size_t block = 2 * (size_t)most * (size_t)kp.n_kv_heads * (size_t)kp.head_dim * (size_t)bs *
-                   (kp.type == TD_F16 ? 2 : 4);
-    size_t extra = p->cache_bytes / block;
+    kn_kv_pool_params largest = kp;
+    largest.n_layers = most;
+    size_t block = kn_kv_pool_params_block_bytes(&largest);
+    size_t extra = block ? p->cache_bytes / block : 0;
     s->cache_blocks = extra > (1u << 24) ? 1 << 24 : (int)extra;
     kp.n_blocks += s->cache_blocks;
     kp.backend = &s->rt.be;

@@ -34,7 +34,8 @@ static int open_connector(pf_stage *st)
         .head_dim = (uint32_t)kv->head_dim,
         .dtype_size = kv->type == TD_F16 ? 2 : 4,
         .n_blocks = (uint32_t)kv->n_blocks,
-        .n_slices = (uint32_t)kv->slicing.n_slices, /* the pool's layout is the source's */
+        .n_slices = (uint32_t)kv->slicing.n_slices,   /* the pool's layout is the source's */
+        .kv_arrays = (uint32_t)kn_kv_pool_arrays(kv), /* a latent pool's blocks go once */
     };
     for (int s = 0; s < kv->slicing.n_slices && kv->slicing.n_slices > 1; s++)
         lay.slice_heads[s] = (uint32_t)kv->slicing.slice_heads[s];

@@ -6,7 +6,7 @@ target_link_libraries(test_model_split PRIVATE td_kernels td_common)
 # batching are checked, and the refusal of tp 2). qwen3moe and deepseek2 split their
 # experts across TP ranks; deepseek2's latent KV head is on every rank.
 if(TANDEM_PYTHON)
-  foreach(arch llama qwen2 qwen3 gemma3 smollm3 granite phi3 olmo2 qwen3moe deepseek2)
+  foreach(arch llama qwen2 qwen3 gemma3 smollm3 granite phi3 olmo2 qwen3moe deepseek2 gemma2)
     set(extra "")
     set(tp_arg "")
     if(arch STREQUAL "llama")
@@ -88,4 +88,8 @@ if(TANDEM_PYTHON)
            COMMAND test_engine_device ${TANDEM_TEST_DATA}/split-deepseek2.gguf)
   set_tests_properties(engine_device_deepseek2 PROPERTIES FIXTURES_REQUIRED split_deepseek2
                        TIMEOUT 300)
+  # and on gemma2: its soft-capped attention (attention_capped) through the device-style ops
+  add_test(NAME engine_device_gemma2
+           COMMAND test_engine_device ${TANDEM_TEST_DATA}/split-gemma2.gguf)
+  set_tests_properties(engine_device_gemma2 PROPERTIES FIXTURES_REQUIRED split_gemma2 TIMEOUT 300)
 endif()

@@ -1,7 +1,7 @@
 # reference.cmake: the engine against independent references (tests/ref/*.py).
 #   synth_models  fixture: make_synth.py --suite writes the synthetic models (llama with
-#                 rope_freqs, qwen2, qwen3, llama f32, gemma3, smollm3, granite, phi3, olmo2;
-#                 mixed weight types) into
+#                 rope_freqs, qwen2, qwen3, llama f32, gemma3, gemma2, smollm3, granite, phi3,
+#                 olmo2; mixed weight types) into
 #                 ${TANDEM_TEST_DATA}/synth
 #   gguf_synth    the GGUF reader reads the synthetic llama model as the gguf package does
 #   reference     `tandem logits` / `tandem generate` vs the numpy forward pass

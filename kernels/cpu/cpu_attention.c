@@ -99,12 +99,14 @@ static void kvw_rows(void *arg, int64_t i0, int64_t i1, int tid)
         for (int64_t h = 0; h < nkv; h++) {
             const int64_t dst = (kn_kv_tile(J->slicing, (int)nkv, blk, (int)h) * bs + slot) * hd;
             const int64_t src = (i * nkv + h) * hd;
+            const bool v_apart = J->vpool != J->kpool; /* else latent: V is K, written once */
             if (J->kv_type == TD_F16) {
                 f32_to_f16(J->k + src, (uint16_t *)J->kpool + dst, hd);
-                f32_to_f16(J->v + src, (uint16_t *)J->vpool + dst, hd);
+                if (v_apart) f32_to_f16(J->v + src, (uint16_t *)J->vpool + dst, hd);
             } else {
                 memcpy((float *)J->kpool + dst, J->k + src, (size_t)hd * sizeof(float));
-                memcpy((float *)J->vpool + dst, J->v + src, (size_t)hd * sizeof(float));
+                if (v_apart)
+                    memcpy((float *)J->vpool + dst, J->v + src, (size_t)hd * sizeof(float));
             }
         }
     }
@@ -129,7 +131,7 @@ void kn_cpu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int 
                  .pos = pos,
                  .seq_of = seq_of,
                  .seqs = seqs};
-    int64_t per_tok = 2 * (int64_t)n_kv_heads * head_dim;
+    int64_t per_tok = (vpool == kpool ? 1 : 2) * (int64_t)n_kv_heads * head_dim;
     int64_t min_rows = 16384 / (per_tok > 0 ? per_tok : 1);
     kn_pool_run(kn_cpu_pool(ctx), m, min_rows > 1 ? min_rows : 1, kvw_rows, &J);
 }
@@ -299,6 +301,31 @@ __attribute__((noinline)) static void tile_softmax(float *sc, int n, float scale
 #endif
 }
 
+/* Soft-capping of a tile's n raw scores (gemma2): s = q.k * scale becomes
+ * softcap * tanh(s / softcap), so the softmax then takes them with scale 1. Only the capped
+ * path runs it: an uncapped call's scores and their bits are those of tile_softmax alone.
+ * Eight at a time tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) in (0, 1] (no
+ * overflow; absolute error ~1e-7, so ~1e-7 * softcap in a score): a capped prefill's
+ * attention then costs ~1.25x the uncapped one (2.5x with tanhf). */
+__attribute__((noinline)) static void tile_softcap(float *sc, int n, float scale, float softcap)
+{
+    const float inv = scale / softcap;
+    int t = 0;
+#ifdef ATT_SIMD
+    const __m256 vi = _mm256_set1_ps(inv), vc = _mm256_set1_ps(softcap);
+    const __m256 one = _mm256_set1_ps(1.0f), m2 = _mm256_set1_ps(-2.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; t + 8 <= n; t += 8) {
+        const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(sc + t), vi);
+        const __m256 e = kn_exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, y), m2));
+        const __m256 th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(sc + t, _mm256_mul_ps(vc, _mm256_or_ps(th, _mm256_and_ps(sign, y))));
+    }
+#endif
+    for (; t < n; t++)
+        sc[t] = softcap * tanhf(sc[t] * inv);
+}
+
 /* ---- attention: items, lines, parts and softmax states ---- */
 
 /* Online softmax state of up to ATT_MAX_REP q heads: out = acc / l, where acc and l are
@@ -328,6 +355,7 @@ typedef struct {
     int group, phase; /* q head h reads KV head (phase + h) / group */
     float scale;
     int window;                  /* > 0: token at p sees keys [p - window + 1, p] only */
+    float softcap;               /* > 0: scores s -> softcap * tanh(s / softcap) (gemma2) */
     const int32_t *pos, *seq_of; /* (m) */
     const kn_seq_view *seqs;
     float *out;        /* (m, n_heads, head_dim) */
@@ -382,6 +410,9 @@ static void item_run(const att_job *J, int64_t j, int64_t k0, int64_t k1, att_st
     const int64_t bs = J->block_size, nkv = J->n_kv_heads;
     const kn_seq_view *sv = &J->seqs[J->seq_of[tok]];
     const float *q = J->q + (tok * J->n_heads + h0) * hd; /* (nr, hd) */
+    /* a capped call scales in tile_softcap, so the softmax takes its scores as they are */
+    const bool cap = J->softcap > 0.0f;
+    const float sm_scale = cap ? 1.0f : J->scale;
     for (int r = 0; r < nr; r++) {
         st->mx[r] = -INFINITY;
         st->l[r] = 0.0f;
@@ -407,7 +438,8 @@ static void item_run(const att_job *J, int64_t j, int64_t k0, int64_t k1, att_st
             }
             for (int r = 0; r < nr; r++) {
                 tile_scores(q + (int64_t)r * hd, kt, n, hd, sc);
-                tile_softmax(sc, n, J->scale, &st->mx[r], &st->l[r], st->acc[r], hd);
+                if (cap) tile_softcap(sc, n, J->scale, J->softcap);
+                tile_softmax(sc, n, sm_scale, &st->mx[r], &st->l[r], st->acc[r], hd);
                 tile_accumulate(st->acc[r], sc, vt, n, hd);
             }
         }
@@ -644,8 +676,8 @@ static void plan_fill(att_job *J, char *buf, int64_t n_solo, int max_parts, int6
 void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, const kn_kv_slicing *slicing, int n_heads,
                       int n_kv_heads, int group, int phase, int head_dim, float scale, int window,
-                      int64_t m, int64_t m_solo, const int32_t *pos, const int32_t *seq_of,
-                      const kn_seq_view *seqs, float *out)
+                      float softcap, int64_t m, int64_t m_solo, const int32_t *pos,
+                      const int32_t *seq_of, const kn_seq_view *seqs, float *out)
 {
     assert(kv_type == TD_F32 || kv_type == TD_F16);
     assert(block_size > 0 && (block_size & (block_size - 1)) == 0);
@@ -653,6 +685,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
     assert(n_kv_heads == (phase + n_heads - 1) / group + 1);
     assert(head_dim > 0 && head_dim <= ATT_MAX_HEAD_DIM);
     assert(m_solo >= 0 && m_solo <= m);
+    assert(softcap >= 0.0f);
     if (m <= 0) return;
     kn_cpu *c = ctx;
     att_job J = {.q = q,
@@ -668,6 +701,7 @@ void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *
                  .head_dim = head_dim,
                  .scale = scale,
                  .window = window,
+                 .softcap = softcap,
                  .pos = pos,
                  .seq_of = seq_of,
                  .seqs = seqs,

@@ -58,11 +58,12 @@ static void cpu_describe(void *ctx, char *buf, size_t cap)
 static void cpu_attention_op(void *ctx, const float *q, const void *kpool, const void *vpool,
                              td_dtype kv_type, int block_size, const kn_kv_slicing *slicing,
                              int n_heads, int n_kv_heads, int group, int phase, int head_dim,
-                             float scale, int window, int64_t m, int64_t m_solo, const int32_t *pos,
-                             const int32_t *seq_of, const kn_seq_view *seqs, float *out)
+                             float scale, int window, float softcap, int64_t m, int64_t m_solo,
+                             const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
+                             float *out)
 {
     kn_cpu_attention(ctx, q, kpool, vpool, kv_type, block_size, slicing, n_heads, n_kv_heads, group,
-                     phase, head_dim, scale, window, m, m_solo, pos, seq_of, seqs, out);
+                     phase, head_dim, scale, window, softcap, m, m_solo, pos, seq_of, seqs, out);
 }
 
 #define CPU_OPS_COMMON                                                                             \

@@ -105,8 +105,8 @@ void kn_cpu_kv_write(void *ctx, void *kpool, void *vpool, td_dtype kv_type, int 
 void kn_cpu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
                       td_dtype kv_type, int block_size, const kn_kv_slicing *slicing, int n_heads,
                       int n_kv_heads, int group, int phase, int head_dim, float scale, int window,
-                      int64_t m, int64_t m_solo, const int32_t *pos, const int32_t *seq_of,
-                      const kn_seq_view *seqs, float *out);
+                      float softcap, int64_t m, int64_t m_solo, const int32_t *pos,
+                      const int32_t *seq_of, const kn_seq_view *seqs, float *out);
 
 /* ---- implemented in cpu_arith.c ---- */
 void kn_cpu_add(void *ctx, float *y, const float *x, int64_t m, int64_t n);

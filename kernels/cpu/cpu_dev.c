@@ -302,9 +302,11 @@ static void cd_kv_write(void *ctx, void *kp, void *vp, td_dtype t, int bs, const
                         const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs)
 {
     dev(ctx, "kv_write", "kpool", kp, 1);
-    dev(ctx, "kv_write", "vpool", vp, 1);
     dev(ctx, "kv_write", "k", k, FL(m * nkv * hd));
-    dev(ctx, "kv_write", "v", v, FL(m * nkv * hd));
+    if (vp != kp) { /* else a latent pool: K only is written, v is not read (kn_backend.h) */
+        dev(ctx, "kv_write", "vpool", vp, 1);
+        dev(ctx, "kv_write", "v", v, FL(m * nkv * hd));
+    }
     dev(ctx, "kv_write", "pos", pos, (size_t)m * 4);
     dev(ctx, "kv_write", "seq_of", seq_of, (size_t)m * 4);
     seqs_ok(ctx, "kv_write", seqs, seq_of, m);
@@ -313,7 +315,7 @@ static void cd_kv_write(void *ctx, void *kp, void *vp, td_dtype t, int bs, const
 
 static void cd_attention(void *ctx, const float *q, const void *kp, const void *vp, td_dtype t,
                          int bs, const kn_kv_slicing *sl, int nh, int nkv, int group, int phase,
-                         int hd, float scale, int window, int64_t m, int64_t m_solo,
+                         int hd, float scale, int window, float softcap, int64_t m, int64_t m_solo,
                          const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
                          float *out)
 {
@@ -324,8 +326,8 @@ static void cd_attention(void *ctx, const float *q, const void *kp, const void *
     dev(ctx, "attention", "seq_of", seq_of, (size_t)m * 4);
     dev(ctx, "attention", "out", out, FL(m * nh * hd));
     seqs_ok(ctx, "attention", seqs, seq_of, m);
-    CPU.ops->attention(CPU.ctx, q, kp, vp, t, bs, sl, nh, nkv, group, phase, hd, scale, window, m,
-                       m_solo, pos, seq_of, seqs, out);
+    CPU.ops->attention(CPU.ctx, q, kp, vp, t, bs, sl, nh, nkv, group, phase, hd, scale, window,
+                       softcap, m, m_solo, pos, seq_of, seqs, out);
 }
 
 static int cd_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, float *out)

@@ -64,12 +64,13 @@ __global__ void k_kv_write(void *kpool, void *vpool, int bs, int nkv, int hd, co
             continue;
         }
         const int64_t dst = (((int64_t)blk * nkv + hdim / hd) * bs + p % bs) * hd + hdim % hd;
+        const bool v_apart = vpool != kpool; /* else a latent pool: V is K, written once */
         if (F16) {
             ((unsigned short *)kpool)[dst] = kn_elem_f2h(k[e]);
-            ((unsigned short *)vpool)[dst] = kn_elem_f2h(v[e]);
+            if (v_apart) ((unsigned short *)vpool)[dst] = kn_elem_f2h(v[e]);
         } else {
             ((float *)kpool)[dst] = k[e];
-            ((float *)vpool)[dst] = v[e];
+            if (v_apart) ((float *)vpool)[dst] = v[e];
         }
     }
 }
@@ -121,6 +122,7 @@ typedef struct {
     const void *kpool, *vpool;
     int bs, n_heads, nkv, group, phase, hd, window, n_split;
     float scale;
+    float softcap; /* > 0: scores s -> softcap * tanh(s / softcap) (gemma2); 0: none */
     int64_t m;
     const int32_t *pos, *seq_of;
     const kn_seq_view *seqs;
@@ -152,6 +154,14 @@ __device__ __forceinline__ int64_t att_key_off(const att_args &a, const kn_seq_v
     const int32_t blk = sv.block_table[kpos / a.bs];
     if (blk < 0) return -1;
     return (((int64_t)blk * a.nkv + kvh) * a.bs + kpos % a.bs) * a.hd;
+}
+
+/* A raw score q.k scaled, and soft-capped when the call has a cap (the same for every
+ * thread: no divergence; an uncapped call's scores are the plain product's bits). */
+__device__ __forceinline__ float att_score(const att_args &a, float dot)
+{
+    const float s = dot * a.scale;
+    return a.softcap > 0.0f ? a.softcap * tanhf(s / a.softcap) : s;
 }
 
 /* One online-softmax step of a warp: score s (already scaled) with value row vrow (lane
@@ -206,7 +216,7 @@ template <int F16> __global__ void k_att_decode(att_args a)
                 dot += d < a.hd ? qr[j] * kv_load<F16>(a.kpool, off + d) : 0.0f;
                 vv[j] = d < a.hd ? kv_load<F16>(a.vpool, off + d) : 0.0f;
             }
-            att_step(kn_cu_warp_sum(dot) * a.scale, vv, &mx, &l, acc);
+            att_step(att_score(a, kn_cu_warp_sum(dot)), vv, &mx, &l, acc);
         }
     }
     if (lane == 0) {
@@ -349,7 +359,7 @@ template <int F16> __global__ void k_att_prefill(att_args a)
                         dot += d < a.hd ? qr[qq][j] * ks[r][d] : 0.0f;
                         vv[j] = d < a.hd ? vs[r][d] : 0.0f;
                     }
-                    att_step(kn_cu_warp_sum(dot) * a.scale, vv, &mx[qq], &l[qq], acc[qq]);
+                    att_step(att_score(a, kn_cu_warp_sum(dot)), vv, &mx[qq], &l[qq], acc[qq]);
                 }
             }
         }
@@ -436,7 +446,7 @@ static void att_launch(kn_cuda *c, att_args a, int64_t r0, int64_t r1, bool deco
 extern "C" void kn_cu_attention(void *ctx, const float *q, const void *kpool, const void *vpool,
                                 td_dtype kv_type, int block_size, const kn_kv_slicing *slicing,
                                 int n_heads, int n_kv_heads, int group, int phase, int head_dim,
-                                float scale, int window, int64_t m, int64_t m_solo,
+                                float scale, int window, float softcap, int64_t m, int64_t m_solo,
                                 const int32_t *pos, const int32_t *seq_of, const kn_seq_view *seqs,
                                 float *out)
 {
@@ -444,15 +454,16 @@ extern "C" void kn_cu_attention(void *ctx, const float *q, const void *kpool, co
     if (att_bad_args(c, kv_type, block_size, n_heads, n_kv_heads, group, phase, head_dim, m))
         return;
     if (sliced_refused(c, slicing, "attention")) return;
-    if (m_solo < 0 || m_solo > m) {
-        TD_LOG_ERR("cuda attention: %lld solo rows of %lld", (long long)m_solo, (long long)m);
+    if (m_solo < 0 || m_solo > m || !(softcap >= 0.0f)) {
+        TD_LOG_ERR("cuda attention: %lld solo rows of %lld, soft cap %g", (long long)m_solo,
+                   (long long)m, (double)softcap);
         kn_cu_fail(c, TD_EINVAL, "attention");
         return;
     }
     if (m == 0) return;
-    const att_args a = {kpool,    vpool,  block_size, n_heads, n_kv_heads, group, phase,
-                        head_dim, window, 1,          scale,   m,          pos,   seq_of,
-                        seqs,     q,      out,        NULL,    c->dev_flag};
+    const att_args a = {kpool,    vpool,  block_size, n_heads, n_kv_heads, group,      phase,
+                        head_dim, window, 1,          scale,   softcap,    m,          pos,
+                        seq_of,   seqs,   q,          out,     NULL,       c->dev_flag};
     const bool f16 = kv_type == TD_F16;
     if (m_solo) att_launch(c, a, 0, m_solo, true, f16);
     if (m > m_solo) att_launch(c, a, m_solo, m, m - m_solo <= ATT_DECODE_MAX_M, f16);

@@ -163,7 +163,8 @@ int main(int argc, char **argv)
     /* one connector per stage, each the source of its layer range of our pool */
     int L = m->hp.n_layer, half = L / 2;
     kvx_conn *c[2] = {0};
-    size_t layer_bytes = kv->block_bytes * (size_t)kv->n_blocks * 2; /* K and V of a layer */
+    /* K and V of a layer, or its latent array once (kv_pool.h) */
+    size_t layer_bytes = kv->block_bytes * (size_t)kv->n_blocks * (size_t)kn_kv_pool_arrays(kv);
     for (int s = 0; s < o.stages; s++) {
         int l0 = o.stages == 1 ? 0 : s * half, l1 = o.stages == 1 || s == 1 ? L : half;
         kvx_layout l = {.layer0 = (uint32_t)l0,
@@ -174,7 +175,8 @@ int main(int argc, char **argv)
                         .block_size = (uint32_t)o.block_size,
                         .head_dim = (uint32_t)m->hp.head_dim,
                         .dtype_size = kt == TD_F16 ? 2 : 4,
-                        .n_blocks = (uint32_t)kv->n_blocks};
+                        .n_blocks = (uint32_t)kv->n_blocks,
+                        .kv_arrays = (uint32_t)kn_kv_pool_arrays(kv)};
         kvx_pipe *pipe;
         if (kvx_pipe_ucx_create(&(kvx_pipe_params){.tls = o.tls}, &pipe) ||
             kvx_conn_create(pipe, &(kvx_conn_params){.timeout_ms = o.timeout_ms}, &c[s]) ||

@@ -225,8 +225,8 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
         kn_cpu_kv_write(c, F->kpool, F->vpool, C.kv_type, bs, NULL, nkv, hd, B.k, B.v, B.m, B.pos,
                         B.seq_of, views);
         kn_cpu_attention(c, B.q, F->kpool, F->vpool, C.kv_type, bs, NULL, nh, nkv, case_group(&C),
-                         C.phase, hd, 1.0f / sqrtf((float)hd), 0, B.m, 0, B.pos, B.seq_of, views,
-                         B.out);
+                         C.phase, hd, 1.0f / sqrtf((float)hd), 0, 0.0f, B.m, 0, B.pos, B.seq_of,
+                         views, B.out);
         for (int64_t i = 0; i < B.m; i++) {
             const int s = B.seq_of[i], p = B.pos[i];
             const float *ref = F->ref[s] + (size_t)p * nh * hd;
@@ -307,8 +307,8 @@ static void attend_rows(const fixture *F, kn_cpu *c, int window, int m, int m_so
         memcpy(q + (size_t)i * nh * hd, F->q[s[i]] + (size_t)p[i] * nh * hd,
                sizeof(float) * nh * hd);
     kn_cpu_attention(c, q, F->kpool, F->vpool, C.kv_type, C.block_size, NULL, nh, C.n_kv_heads,
-                     case_group(&C), C.phase, hd, 1.0f / sqrtf((float)hd), window, m, m_solo, p, s,
-                     views, out);
+                     case_group(&C), C.phase, hd, 1.0f / sqrtf((float)hd), window, 0.0f, m, m_solo,
+                     p, s, views, out);
     free(q);
 }
 
@@ -444,6 +444,138 @@ static void test_kv_write_f16_rounding(void)
     }
 }
 
+/* kv_write into a latent pool (kv_pool.h KN_KV_LAYOUT_LATENT: vpool == kpool): K only is
+ * written, once (v is not read: NULL here), the same bytes a K+V write puts in its K pool;
+ * the attention reading V from those tiles equals one reading an identical V pool, bit for
+ * bit. f32 and f16, several blocks and threads. */
+static void test_kv_write_latent(void)
+{
+    enum { HD = 20, M = 37, BS = 8, NB = 6, NH = 4 };
+    const size_t n = (size_t)NB * BS * HD;
+    float k[M * HD], q[M * NH * HD], o1[M * NH * HD], o2[M * NH * HD];
+    int32_t table[5] = {4, 0, 5, 2, 1}, pos[M], seq_of[M];
+    for (int i = 0; i < M * HD; i++)
+        k[i] = frand(-2, 2);
+    for (int i = 0; i < M * NH * HD; i++)
+        q[i] = frand(-1, 1);
+    for (int i = 0; i < M; i++)
+        pos[i] = i, seq_of[i] = 0;
+    kn_seq_view view = {.block_table = table, .n_ctx = M};
+    kn_cpu *c;
+    TH_REQUIRE(kn_cpu_create(2, &c) == 0);
+    for (int f = 0; f < 2; f++) {
+        const td_dtype t = f ? TD_F16 : TD_F32;
+        const size_t es = f ? 2 : 4;
+        uint8_t *lp = calloc(n, es), *kp = calloc(n, es), *vp = calloc(n, es);
+        kn_cpu_kv_write(c, lp, lp, t, BS, NULL, 1, HD, k, NULL, M, pos, seq_of, &view);
+        kn_cpu_kv_write(c, kp, vp, t, BS, NULL, 1, HD, k, k, M, pos, seq_of, &view);
+        TH_CHECK(!memcmp(lp, kp, n * es) && !memcmp(kp, vp, n * es));
+        kn_cpu_attention(c, q, lp, lp, t, BS, NULL, NH, 1, NH, 0, HD, 0.2f, 0, 0.0f, M, 0, pos,
+                         seq_of, &view, o1);
+        kn_cpu_attention(c, q, kp, vp, t, BS, NULL, NH, 1, NH, 0, HD, 0.2f, 0, 0.0f, M, 0, pos,
+                         seq_of, &view, o2);
+        TH_CHECKF(!memcmp(o1, o2, sizeof o1), "%s: the latent pool's attention differs",
+                  f ? "f16" : "f32");
+        free(lp);
+        free(kp);
+        free(vp);
+    }
+    kn_cpu_destroy(c);
+}
+
+/* Soft-capped scores (gemma2; kn_backend.h attention's softcap): against a float64 attention
+ * whose scores s = q.k * scale become cap * tanh(s / cap) before the softmax, with and
+ * without a sliding window, f32 and f16 pools, two q heads per KV head, 1-3 threads, solo
+ * rows (cut as if alone) and batch rows. The scores are large enough that many saturate
+ * (|s| > cap; the share is printed), and the capped output must differ clearly from the
+ * uncapped one. */
+static void test_softcap(void)
+{
+    enum { HD = 64, NH = 4, NKV = 2, BS = 16, L = 150, NB = (L + BS - 1) / BS, SOLO = 5 };
+    const float scale = 0.125f, cap = 1.5f;
+    const size_t nkv = (size_t)L * NKV * HD, nq = (size_t)L * NH * HD;
+    float *k = malloc(sizeof(float) * nkv), *v = malloc(sizeof(float) * nkv);
+    float *q = malloc(sizeof(float) * nq), *out = malloc(sizeof(float) * nq);
+    float *plain = malloc(sizeof(float) * nq);
+    double *w = malloc(sizeof(double) * L);
+    int32_t table[NB], pos[L], seq_of[L];
+    for (int b = 0; b < NB; b++)
+        table[b] = NB - 1 - b;
+    for (int i = 0; i < L; i++)
+        pos[i] = i, seq_of[i] = 0;
+    for (size_t i = 0; i < nkv; i++) {
+        k[i] = frand(-1, 1);
+        v[i] = frand(-1, 1);
+    }
+    for (size_t i = 0; i < nq; i++)
+        q[i] = frand(-4, 4);
+    kn_seq_view view = {.block_table = table, .n_ctx = L};
+    long saturated = 0, scores = 0;
+    for (int f = 0; f < 2; f++) {
+        const td_dtype t = f ? TD_F16 : TD_F32;
+        const size_t es = f ? 2 : 4, pool = (size_t)NB * NKV * BS * HD;
+        void *kp = calloc(pool, es), *vp = calloc(pool, es);
+        kn_cpu *c1;
+        TH_REQUIRE(kn_cpu_create(1, &c1) == 0);
+        kn_cpu_kv_write(c1, kp, vp, t, BS, NULL, NKV, HD, k, v, L, pos, seq_of, &view);
+        kn_cpu_destroy(c1);
+        for (int window = 0; window <= 40; window += 40) {
+            double worst = 0, moved = 0;
+            for (int nt = 1; nt <= 3; nt++) {
+                kn_cpu *c;
+                TH_REQUIRE(kn_cpu_create(nt, &c) == 0);
+                kn_cpu_attention(c, q, kp, vp, t, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, window,
+                                 cap, L, SOLO, pos, seq_of, &view, out);
+                kn_cpu_attention(c, q, kp, vp, t, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, window,
+                                 0.0f, L, SOLO, pos, seq_of, &view, plain);
+                kn_cpu_destroy(c);
+                for (int p = 0; p < L; p++)
+                    for (int h = 0; h < NH; h++) {
+                        const int g = h / (NH / NKV),
+                                  lo = window && p >= window ? p - window + 1 : 0;
+                        const float *qr = q + ((size_t)p * NH + h) * HD;
+                        double mx = -INFINITY, sum = 0;
+                        for (int j = lo; j <= p; j++) {
+                            double d = 0;
+                            for (int e = 0; e < HD; e++)
+                                d += (double)qr[e] * round_kv(t, k[((size_t)j * NKV + g) * HD + e]);
+                            d *= scale;
+                            saturated += fabs(d) > cap;
+                            scores++;
+                            w[j] = cap * tanh(d / cap);
+                            mx = w[j] > mx ? w[j] : mx;
+                        }
+                        for (int j = lo; j <= p; j++)
+                            sum += w[j] = exp(w[j] - mx);
+                        for (int e = 0; e < HD; e++) {
+                            double o = 0;
+                            for (int j = lo; j <= p; j++)
+                                o += w[j] * round_kv(t, v[((size_t)j * NKV + g) * HD + e]);
+                            o /= sum;
+                            const size_t at = ((size_t)p * NH + h) * HD + e;
+                            const double err = fabs(out[at] - o) / (1.0 + fabs(o));
+                            if (isnan(err) || err > worst) worst = err;
+                            if (fabs(plain[at] - o) > moved) moved = fabs(plain[at] - o);
+                        }
+                    }
+            }
+            TH_CHECKF(worst < 1e-5, "%s window %d: capped attention err %g", f ? "f16" : "f32",
+                      window, worst);
+            TH_CHECKF(moved > 0.1, "%s window %d: the cap moved the output by %g only",
+                      f ? "f16" : "f32", window, moved);
+        }
+        free(kp);
+        free(vp);
+    }
+    printf("softcap: %.0f%% of the scores past the cap\n", 100.0 * (double)saturated / scores);
+    free(k);
+    free(v);
+    free(q);
+    free(out);
+    free(plain);
+    free(w);
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -451,8 +583,9 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Attention time for one sequence of ctx positions, the last m of them queried. */
-static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, int hd)
+/* Attention time for one sequence of ctx positions, the last m of them queried; softcap > 0:
+ * the scores soft-capped (gemma2). */
+static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, int hd, float softcap)
 {
     const int bs = 16, nb = (ctx + bs - 1) / bs;
     const size_t esz = t == TD_F16 ? 2 : 4, pool = (size_t)nb * nkv * bs * hd;
@@ -479,13 +612,14 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         double t0 = now_s();
-        kn_cpu_attention(c, q, kp, vp, t, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, m, 0,
-                         pos + ctx - m, seq_of, &view, out);
+        kn_cpu_attention(c, q, kp, vp, t, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, softcap, m,
+                         0, pos + ctx - m, seq_of, &view, out);
         double dt = now_s() - t0;
         best = dt < best ? dt : best;
     }
-    printf("attention %s threads %d heads %d/%d hd %d m %d ctx %d: %.1f us\n",
-           t == TD_F16 ? "f16" : "f32", kn_cpu_n_threads(c), nh, nkv, hd, m, ctx, best * 1e6);
+    printf("attention %s threads %d heads %d/%d hd %d m %d ctx %d%s: %.1f us\n",
+           t == TD_F16 ? "f16" : "f32", kn_cpu_n_threads(c), nh, nkv, hd, m, ctx,
+           softcap > 0.0f ? " softcap" : "", best * 1e6);
     free(kp);
     free(vp);
     free(k);
@@ -529,8 +663,8 @@ static void bench_solo(kn_cpu *c, int n, int ctx)
     for (int r = 0; r < 400; r++)
         for (int solo = 0; solo < 2; solo++) {
             double t0 = now_s();
-            kn_cpu_attention(c, q, kp, vp, TD_F16, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, n,
-                             solo ? n : 0, pos, seq_of, views, out);
+            kn_cpu_attention(c, q, kp, vp, TD_F16, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0,
+                             0.0f, n, solo ? n : 0, pos, seq_of, views, out);
             double dt = now_s() - t0;
             best[solo] = dt < best[solo] ? dt : best[solo];
         }
@@ -555,8 +689,9 @@ static int bench(void)
         if (kn_cpu_create(nt, &c)) return 1;
         for (int f = 0; f < 2; f++) {
             td_dtype t = f ? TD_F16 : TD_F32;
-            bench_one(c, t, 1, 512, 9, 3, 64);
-            bench_one(c, t, 512, 512, 9, 3, 64);
+            bench_one(c, t, 1, 512, 9, 3, 64, 0.0f);
+            bench_one(c, t, 512, 512, 9, 3, 64, 0.0f);
+            bench_one(c, t, 512, 512, 9, 3, 64, 50.0f);
         }
         for (int n = 1; n <= 64; n *= 4)
             for (int ctx = 256; ctx <= 4096; ctx *= 4)
@@ -570,7 +705,9 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "bench") == 0) return bench();
     TH_RUN(test_kv_write_f16_rounding);
+    TH_RUN(test_kv_write_latent);
     TH_RUN(test_paged_attention);
     TH_RUN(test_solo_rows_batch_invariant);
+    TH_RUN(test_softcap);
     TH_EXIT();
 }

@@ -264,12 +264,12 @@ static void check_attention(kn_backend *cpu, kn_backend *g)
         q[i] = frand(-1, 1);
     const float scale = 0.125f;
     cpu->ops->attention(cpu->ctx, q, kc, vc, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0,
-                        M, SOLO, pos, so, views, ref);
+                        0.0f, M, SOLO, pos, so, views, ref);
     float *dq = up(g, q, sizeof q), *dout = g->ops->alloc(g->ctx, sizeof got);
     int32_t *dp = up(g, pos, sizeof pos), *ds = up(g, so, sizeof so);
     TH_REQUIRE(dq && dout && dp && ds);
-    g->ops->attention(g->ctx, dq, kg, vg, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0, M,
-                      SOLO, dp, ds, dv, dout);
+    g->ops->attention(g->ctx, dq, kg, vg, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0,
+                      0.0f, M, SOLO, dp, ds, dv, dout);
     TH_CHECK(g->ops->download(g->ctx, got, dout, sizeof got) == 0);
     int bad = 0;
     for (int i = 0; i < M * NH * HD; i++)
@@ -279,11 +279,30 @@ static void check_attention(kn_backend *cpu, kn_backend *g)
     /* each solo row alone: the same bits as in the batch */
     for (int r = 0; r < SOLO; r++) {
         g->ops->attention(g->ctx, dq + (size_t)r * NH * HD, kg, vg, TD_F16, BS, NULL, NH, NKV,
-                          NH / NKV, 0, HD, scale, 0, 1, 1, dp + r, ds + r, dv, dout);
+                          NH / NKV, 0, HD, scale, 0, 0.0f, 1, 1, dp + r, ds + r, dv, dout);
         TH_CHECK(g->ops->download(g->ctx, one, dout, sizeof one) == 0);
         TH_CHECKF(memcmp(one, got + (size_t)r * NH * HD, sizeof one) == 0,
                   "attention: solo row %d alone differs from the batch", r);
     }
+    /* soft-capped scores (gemma2): a cap most scores pass, cuda against cpu, and unlike the
+     * uncapped result */
+    static float cref[M * NH * HD];
+    const float cap = 0.25f;
+    cpu->ops->attention(cpu->ctx, q, kc, vc, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0,
+                        cap, M, SOLO, pos, so, views, cref);
+    g->ops->attention(g->ctx, dq, kg, vg, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0, cap,
+                      M, SOLO, dp, ds, dv, dout);
+    TH_CHECK(g->ops->download(g->ctx, got, dout, sizeof got) == 0);
+    bad = 0;
+    float moved = 0.0f;
+    for (int i = 0; i < M * NH * HD; i++) {
+        bad += !(fabsf(got[i] - cref[i]) <= 2e-5f * fmaxf(fabsf(cref[i]), 1.0f));
+        moved = fmaxf(moved, fabsf(cref[i] - ref[i]));
+    }
+    TH_CHECKF(bad == 0, "capped attention: %d of %d values outside float rounding of the cpu", bad,
+              M * NH * HD);
+    TH_CHECKF(moved > 1e-3f, "capped attention: the cap moved the cpu's output by %g only",
+              (double)moved);
     g->ops->free(g->ctx, dq);
     g->ops->free(g->ctx, dout);
     g->ops->free(g->ctx, dp);

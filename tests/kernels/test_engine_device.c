@@ -318,11 +318,10 @@ static void test_received_kv_decodes(void)
         kn_kv_seq_init(&r2.seq[s]);
         TH_REQUIRE(kn_kv_seq_reserve(r2.mem, &r2.seq[s], len[s]) == 0);
         for (int j = 0; j < r2.seq[s].n_blocks; j++, n_blocks++)
-            for (int l = 0; l < 2 * model->hp.n_layer; l++) {
-                const char *src = (char *)(l & 1 ? r1.kv->v[l / 2] : r1.kv->k[l / 2]) +
-                                  (size_t)r1.seq[s].blocks[j] * bb;
-                size_t off = (size_t)((char *)(l & 1 ? r2.kv->v[l / 2] : r2.kv->k[l / 2]) -
-                                      (char *)r2.kv->region);
+            for (int a = 0; a < kn_kv_pool_arrays(r2.kv) * r2.kv->n_layers; a++) {
+                const char *src =
+                    (char *)kn_kv_pool_array(r1.kv, a) + (size_t)r1.seq[s].blocks[j] * bb;
+                size_t off = (size_t)((char *)kn_kv_pool_array(r2.kv, a) - (char *)r2.kv->region);
                 memcpy((char *)r2.kv->host + off + (size_t)r2.seq[s].blocks[j] * bb, src, bb);
             }
     }
@@ -449,6 +448,12 @@ static void test_staged_pool(void)
     TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
     kv = kn_kv_mem_pool(mem);
     TH_CHECK(kv->host && kn_kv_xfer_region(kv) == kv->host && kv->host != kv->region);
+    /* the model's layout: a latent-attention model's pool holds its latent once */
+    const bool latent = model->hp.kv_lora_rank > 0;
+    TH_CHECK(kv->layout == (latent ? KN_KV_LAYOUT_LATENT : KN_KV_LAYOUT_KV) &&
+             (kv->v[0] == kv->k[0]) == latent &&
+             kv->region_bytes ==
+                 (size_t)(latent ? 1 : 2) * kv->n_layers * kv->n_blocks * kv->block_bytes);
     void *mapped;
     size_t mb;
     TH_CHECK(kn_kv_region_map(&kp, true, &mapped, &mb, NULL) == 0 &&
@@ -462,8 +467,8 @@ static void test_staged_pool(void)
     float *pat = malloc(bb), *back = malloc(bb);
     for (size_t i = 0; i < bb / 4; i++)
         pat[i] = (float)i * 0.5f;
-    for (int l = 0; l < 2 * kv->n_layers; l++) {
-        size_t off = (size_t)((char *)(l & 1 ? kv->v[l / 2] : kv->k[l / 2]) - (char *)kv->region);
+    for (int a = 0; a < kn_kv_pool_arrays(kv) * kv->n_layers; a++) {
+        size_t off = (size_t)((char *)kn_kv_pool_array(kv, a) - (char *)kv->region);
         memcpy((char *)mapped + off + (size_t)ids[1] * bb, pat, bb);
     }
     TH_CHECK(kn_kv_stage_upload(kv, &ids[1], 1) == 0);

@@ -3,7 +3,8 @@
  * first when the free list is short, all or nothing), sequences (reserve, release, match,
  * commit, claim_restored), rollback (inside a private block, inside a cached block: a private
  * copy with the same KV while the cached entry stays matchable, at a block boundary, bad
- * lengths, no block for the copy), and renewing the pool. */
+ * lengths, no block for the copy), and renewing the pool; every test twice, on a K+V pool and
+ * on a latent one (kv_pool.h KN_KV_LAYOUT_LATENT: one array a layer, copied once). */
 #include <string.h>
 
 #include "../tharness.h"
@@ -12,6 +13,8 @@
 
 #define BS 4
 
+static kn_kv_layout layout; /* the pools' layout: every test runs with each */
+
 static kn_kv_pool_params params_of(int n_blocks)
 {
     return (kn_kv_pool_params){.n_layers = 2,
@@ -19,7 +22,8 @@ static kn_kv_pool_params params_of(int n_blocks)
                                .head_dim = 4,
                                .block_size = BS,
                                .n_blocks = n_blocks,
-                               .type = TD_F32};
+                               .type = TD_F32,
+                               .layout = layout};
 }
 
 /* A KV memory of n_blocks blocks, with the prefix cache if cache. */
@@ -35,29 +39,28 @@ static kn_kv_mem *mem_of(int n_blocks, bool cache)
     return m;
 }
 
-/* Block b's K (kv 0) or V (kv 1) of layer l (a head-major pool: one contiguous range). */
-static float *blk(const kn_kv_pool *pool, int l, int kv, int32_t b)
+/* Block b of array i (kn_kv_pool_array: a layer's K or V, or its latent; a head-major pool:
+ * one contiguous range). */
+static float *blk(const kn_kv_pool *pool, int i, int32_t b)
 {
-    return (float *)((char *)(kv ? pool->v[l] : pool->k[l]) + (size_t)b * pool->block_bytes);
+    return (float *)((char *)kn_kv_pool_array(pool, i) + (size_t)b * pool->block_bytes);
 }
 
-/* Distinct values from seed in every layer's K and V of block b. */
+/* Distinct values from seed in every array of block b (every layer's K and V, or latent). */
 static void fill(kn_kv_pool *pool, int32_t b, unsigned seed)
 {
-    for (int l = 0; l < pool->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++) {
-            float *x = blk(pool, l, kv, b);
-            for (size_t i = 0; i < pool->block_bytes / 4; i++)
-                x[i] = (float)(seed * 1000u + (unsigned)l * 100u + (unsigned)kv * 50u + i);
-        }
+    for (int i = 0; i < kn_kv_pool_arrays(pool) * pool->n_layers; i++) {
+        float *x = blk(pool, i, b);
+        for (size_t j = 0; j < pool->block_bytes / 4; j++)
+            x[j] = (float)(seed * 1000u + (unsigned)i * 50u + j);
+    }
 }
 
-/* Whether blocks a and b hold the same bytes in every layer's K and V. */
+/* Whether blocks a and b hold the same bytes in every array. */
 static bool same_kv(const kn_kv_pool *pool, int32_t a, int32_t b)
 {
-    for (int l = 0; l < pool->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++)
-            if (memcmp(blk(pool, l, kv, a), blk(pool, l, kv, b), pool->block_bytes)) return false;
+    for (int i = 0; i < kn_kv_pool_arrays(pool) * pool->n_layers; i++)
+        if (memcmp(blk(pool, i, a), blk(pool, i, b), pool->block_bytes)) return false;
     return true;
 }
 
@@ -504,17 +507,39 @@ static void test_renew_pool(void)
     kn_kv_mem_destroy(m);
 }
 
+/* The pool's layout is the params': its bytes (a latent block is half a K+V one), and a
+ * renewed pool keeps it. */
+static void test_layout_kept(void)
+{
+    kn_kv_mem *m = mem_of(4, true);
+    TH_REQUIRE(m);
+    const kn_kv_pool *pool = kn_kv_mem_pool(m);
+    const size_t arrays = layout == KN_KV_LAYOUT_LATENT ? 1 : 2;
+    TH_CHECK(pool->layout == layout && kn_kv_pool_block_bytes(pool) == arrays * 2 * 2 * BS * 4 * 4);
+    TH_CHECK(pool->region_bytes == 4 * kn_kv_pool_block_bytes(pool));
+    TH_CHECK((pool->v[1] == pool->k[1]) == (arrays == 1));
+    TH_REQUIRE(kn_kv_mem_renew_pool(m) == 0);
+    pool = kn_kv_mem_pool(m);
+    TH_CHECK(pool->layout == layout && pool->region_bytes == 4 * arrays * 2 * 2 * BS * 4 * 4);
+    kn_kv_mem_destroy(m);
+}
+
 int main(void)
 {
-    TH_RUN(test_blocks_without_cache);
-    TH_RUN(test_blocks_with_cache);
-    TH_RUN(test_seq_reserve_release);
-    TH_RUN(test_seq_match_and_commit);
-    TH_RUN(test_rollback_private_and_boundary);
-    TH_RUN(test_rollback_cached_copies);
-    TH_RUN(test_rollback_sole_holder);
-    TH_RUN(test_rollback_no_room);
-    TH_RUN(test_seq_match_tier);
-    TH_RUN(test_renew_pool);
+    for (int i = 0; i < 2; i++) {
+        layout = i ? KN_KV_LAYOUT_LATENT : KN_KV_LAYOUT_KV;
+        fprintf(stderr, "layout %s\n", kn_kv_layout_name(layout));
+        TH_RUN(test_blocks_without_cache);
+        TH_RUN(test_blocks_with_cache);
+        TH_RUN(test_seq_reserve_release);
+        TH_RUN(test_seq_match_and_commit);
+        TH_RUN(test_rollback_private_and_boundary);
+        TH_RUN(test_rollback_cached_copies);
+        TH_RUN(test_rollback_sole_holder);
+        TH_RUN(test_rollback_no_room);
+        TH_RUN(test_seq_match_tier);
+        TH_RUN(test_renew_pool);
+        TH_RUN(test_layout_kept);
+    }
     TH_EXIT();
 }

@@ -206,8 +206,8 @@ static void write_and_attend(kn_cpu *c, kn_kv_pool *p, const att_case *C, const 
     kn_cpu_kv_write(c, p->k[0], p->v[0], C->t, C->bs, &p->slicing, C->nkv, C->hd, k, v, C->m, pos,
                     seq_of, views);
     kn_cpu_attention(c, q, p->k[0], p->v[0], C->t, C->bs, &p->slicing, C->nh, C->nkv, C->group,
-                     C->phase, C->hd, 1.0f / sqrtf((float)C->hd), 0, C->m, 0, pos, seq_of, views,
-                     out);
+                     C->phase, C->hd, 1.0f / sqrtf((float)C->hd), 0, 0.0f, C->m, 0, pos, seq_of,
+                     views, out);
 }
 
 static void test_kernels_identical(void)

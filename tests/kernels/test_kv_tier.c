@@ -535,6 +535,157 @@ static void test_device_pool_file(void)
     test_device_pool(path);
 }
 
+/* ---- the latent layout (kv_pool.h KN_KV_LAYOUT_LATENT): one array a layer ---- */
+
+/* A latent pool's params: 2 layers of one KV head of 12 (a latent of 8 + a rope part of 4). */
+static kn_kv_pool_params params_latent(int n_blocks)
+{
+    kn_kv_pool_params p = params_heads(n_blocks, 1);
+    p.head_dim = 12;
+    p.layout = KN_KV_LAYOUT_LATENT;
+    return p;
+}
+
+/* Fill block b of every array of the pool (each layer's K and V, or its latent) from seed,
+ * in region r (the pool's region, or its staging copy). */
+static void fill_arrays(const kn_kv_pool *pool, void *r, int32_t b, unsigned seed)
+{
+    for (int a = 0; a < kn_kv_pool_arrays(pool) * pool->n_layers; a++) {
+        size_t off = (size_t)((char *)kn_kv_pool_array(pool, a) - (char *)pool->region);
+        float *x = (float *)((char *)r + off + (size_t)b * pool->block_bytes);
+        for (size_t i = 0; i < pool->block_bytes / 4; i++) {
+            seed = seed * 1103515245u + 12345u;
+            x[i] = (float)(seed >> 8) / 7.0f;
+        }
+    }
+}
+
+/* Whether region r holds fill_arrays(pool, r, b, seed) in block b. */
+static bool holds_arrays(const kn_kv_pool *pool, const void *r, int32_t b, unsigned seed)
+{
+    for (int a = 0; a < kn_kv_pool_arrays(pool) * pool->n_layers; a++) {
+        size_t off = (size_t)((char *)kn_kv_pool_array(pool, a) - (char *)pool->region);
+        const float *x = (const float *)((const char *)r + off + (size_t)b * pool->block_bytes);
+        for (size_t i = 0; i < pool->block_bytes / 4; i++) {
+            seed = seed * 1103515245u + 12345u;
+            if (x[i] != (float)(seed >> 8) / 7.0f) return false;
+        }
+    }
+    return true;
+}
+
+/* Bytes of region r (region_bytes) that are not 0 outside blocks a and b of every array. */
+static size_t stray_bytes(const kn_kv_pool *pool, const void *r, int32_t a, int32_t b)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < pool->region_bytes; i++) {
+        int32_t blk =
+            (int32_t)(i % ((size_t)pool->n_blocks * pool->block_bytes) / pool->block_bytes);
+        n += blk != a && blk != b && ((const uint8_t *)r)[i];
+    }
+    return n;
+}
+
+/* The latent layout's bytes (half of K+V's for the same shape: the region, a block, a tier
+ * slot), its arrays (v[l] == k[l], one after the other), a bad layout refused; a block copy
+ * and a tier round trip (file and host memory) move the latent once, bit-exact, and write
+ * nothing else. */
+static void test_latent_pool(void)
+{
+    kn_kv_pool_params lp = params_latent(6), kvp = lp;
+    kvp.layout = KN_KV_LAYOUT_KV;
+    const size_t blk = (size_t)2 * 1 * BS * 12 * 4; /* 2 layers, 1 head, f32 */
+    TH_CHECK(kn_kv_pool_params_block_bytes(&lp) == blk);
+    TH_CHECK(kn_kv_pool_params_block_bytes(&kvp) == 2 * blk);
+    TH_CHECK(kn_kv_pool_region_bytes(&lp) == 6 * blk);
+    TH_CHECK(kn_kv_pool_region_bytes(&kvp) == 2 * 6 * blk);
+    kn_kv_pool_params bad = lp;
+    bad.layout = (kn_kv_layout)7;
+    kn_kv_pool *pool = NULL;
+    TH_CHECK(kn_kv_pool_region_bytes(&bad) == 0 && kn_kv_pool_create(&bad, &pool) == TD_EINVAL);
+    TH_REQUIRE(kn_kv_pool_create(&lp, &pool) == 0);
+    TH_CHECK(pool->layout == KN_KV_LAYOUT_LATENT && kn_kv_pool_arrays(pool) == 1);
+    TH_CHECK(pool->region_bytes == 6 * blk && kn_kv_pool_block_bytes(pool) == blk);
+    TH_CHECK(pool->v[0] == pool->k[0] && pool->v[1] == pool->k[1]);
+    TH_CHECK((char *)pool->k[1] - (char *)pool->k[0] == (ptrdiff_t)(6 * pool->block_bytes));
+    TH_CHECK(kn_kv_pool_array(pool, 1) == pool->k[1]);
+    fill_arrays(pool, pool->region, 1, 7);
+    TH_CHECK(kn_kv_block_copy(pool, 1, 4) == 0 && holds_arrays(pool, pool->region, 4, 7));
+    TH_CHECK(stray_bytes(pool, pool->region, 1, 4) == 0);
+    /* the tier: a slot is the latent block once, so K+V's bytes for 2 slots hold 4 */
+    TH_CHECK(kn_kv_tier_block_bytes(pool) == blk);
+    char path[128];
+    snprintf(path, sizeof path, "%s/latent", dir);
+    const char *where[2] = {path, NULL};
+    for (int i = 0; i < 2; i++) {
+        kn_kv_tier_params tp = {.path = where[i], .bytes = 4096 + 2 * 2 * blk};
+        kn_kv_tier *t = NULL;
+        TH_REQUIRE(kn_kv_tier_create(&tp, pool, &t) == 0);
+        TH_CHECK(kn_kv_tier_get_stats(t).slots == 4);
+        int32_t tok[BS] = {5, 6, 7, 8};
+        uint64_t serial;
+        TH_CHECK(kn_kv_tier_put(t, pool, 4, 42, 5, 1, tok) == 0);
+        int slot = kn_kv_tier_find(t, 42, 1, tok, &serial);
+        memset((char *)pool->region, 0, pool->region_bytes);
+        TH_CHECK(slot >= 0 && kn_kv_tier_get(t, slot, pool, 2) == 0);
+        TH_CHECK(holds_arrays(pool, pool->region, 2, 7) &&
+                 stray_bytes(pool, pool->region, 2, 2) == 0);
+        fill_arrays(pool, pool->region, 4, 7);
+        kn_kv_tier_destroy(t);
+    }
+    kn_kv_pool_destroy(pool);
+}
+
+/* A staged latent pool in device memory (cpu-dev): the staging, the block copy and the tier
+ * move n_layers latent blocks a block (the backend's byte counts), bit-exact, with no
+ * violation of the device contract. */
+static void test_latent_device_pool(void)
+{
+    kn_backend be;
+    TH_REQUIRE(kn_backend_create("cpu-dev", &(kn_backend_options){.n_threads = 1}, &be) == 0);
+    kn_kv_pool_params pp = params_latent(6);
+    pp.backend = &be;
+    pp.host_stage = true;
+    kn_kv_pool *d = NULL;
+    TH_REQUIRE(kn_kv_pool_create(&pp, &d) == 0 && d->host && d->dev.ops);
+    const size_t blk = kn_kv_pool_block_bytes(d);
+    TH_CHECK(blk == (size_t)2 * BS * 12 * 4 && d->region_bytes == 6 * blk);
+    kn_cpudev_stats st0, st;
+    /* received into the staging (block 1), uploaded; the device's block 1 back into 3 */
+    fill_arrays(d, d->host, 1, 11);
+    TH_REQUIRE(kn_cpudev_stats_of(be, &st0) == 0);
+    int32_t one = 1, three = 3;
+    TH_CHECK(kn_kv_stage_upload(d, &one, 1) == 0 && d->on_dev[1]);
+    TH_CHECK(kn_kv_block_copy(d, 1, 3) == 0 && d->on_dev[3]); /* on the device */
+    TH_CHECK(kn_kv_stage_download(d, &three, 1) == 0);
+    TH_CHECK(holds_arrays(d, d->host, 3, 11));
+    TH_REQUIRE(kn_cpudev_stats_of(be, &st) == 0);
+    /* upload 1, copy 3 (download + upload), download 3: each the latent block once */
+    TH_CHECKF(st.bytes_upload - st0.bytes_upload == 2 * blk &&
+                  st.bytes_download - st0.bytes_download == 2 * blk,
+              "%llu bytes up, %llu down, block %zu",
+              (unsigned long long)(st.bytes_upload - st0.bytes_upload),
+              (unsigned long long)(st.bytes_download - st0.bytes_download), blk);
+    /* the tier through the device: block 3 out, into block 5 */
+    kn_kv_tier_params tp = {.path = NULL, .bytes = 4096 + 2 * blk};
+    kn_kv_tier *t = NULL;
+    TH_REQUIRE(kn_kv_tier_create(&tp, d, &t) == 0);
+    int32_t tok[BS] = {1, 2, 3, 4}, five = 5;
+    uint64_t serial;
+    TH_CHECK(kn_kv_tier_put(t, d, 3, 9, 2, 1, tok) == 0);
+    int slot = kn_kv_tier_find(t, 9, 1, tok, &serial);
+    TH_CHECK(slot >= 0 && kn_kv_tier_get(t, slot, d, 5) == 0 && d->on_dev[5]);
+    TH_CHECK(kn_kv_stage_download(d, &five, 1) == 0 && holds_arrays(d, d->host, 5, 11));
+    TH_REQUIRE(kn_cpudev_stats_of(be, &st0) == 0);
+    TH_CHECK(st0.bytes_upload - st.bytes_upload == blk &&
+             st0.bytes_download - st.bytes_download == 2 * blk);
+    TH_CHECKF(st0.n_violations == 0, "%lld violations; first: %s", (long long)st0.n_violations,
+              st0.first);
+    kn_kv_tier_destroy(t);
+    kn_kv_pool_destroy(d);
+    kn_backend_destroy(&be);
+}
+
 int main(void)
 {
     if (!mkdtemp(dir)) return 1;
@@ -550,6 +701,8 @@ int main(void)
     TH_RUN(test_device_pool_memory);
     TH_RUN(test_device_pool_file);
     TH_RUN(test_staged_device_pool);
+    TH_RUN(test_latent_pool);
+    TH_RUN(test_latent_device_pool);
     char cmd[160];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd)) fprintf(stderr, "cannot remove %s\n", dir);

@@ -40,7 +40,7 @@ static inline void sc_fill(uint8_t *region, const kvx_layout *l, const int32_t *
                            uint32_t n_tokens, uint32_t salt)
 {
     for (uint32_t ll = 0; ll < l->n_layers; ll++)
-        for (uint32_t kv = 0; kv < 2; kv++)
+        for (uint32_t kv = 0; kv < kvx_layout_arrays(l); kv++) /* a latent layout: K only */
             for (uint32_t p = 0; p < n_tokens; p++)
                 for (uint32_t h = 0; h < l->n_heads; h++)
                     for (uint32_t d = 0; d < l->head_dim; d++)
@@ -63,7 +63,7 @@ static inline size_t sc_verify(uint8_t *region, const kvx_layout *l, const int32
     for (uint32_t ll = 0; ll < l->n_layers; ll++) {
         uint32_t gl = l->layer0 + ll;
         int want_layer = gl >= layer0 && gl < layer1;
-        for (uint32_t kv = 0; kv < 2; kv++) {
+        for (uint32_t kv = 0; kv < kvx_layout_arrays(l); kv++) {
             for (uint32_t i = 0; i < n_blocks; i++)
                 for (uint32_t h = 0; h < l->n_heads; h++)
                     for (uint32_t t = 0; t < l->block_size; t++) {

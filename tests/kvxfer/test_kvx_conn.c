@@ -37,6 +37,7 @@ typedef struct {
     bool progress_thread;
     bool sliced; /* sources sliced for the decode ranks' head ranges (kvx_layout_slice) */
     int spin_us; /* kvx_conn_params.spin_us (0: the default) */
+    uint32_t dec_arrays, src_arrays; /* kvx_layout.kv_arrays (0: K and V; 1: latent) */
 } wcfg;
 
 /* The KV heads rank r of tp holds (common/td_tp.h), into l. */
@@ -67,7 +68,8 @@ static void world_init(world *w, const wcfg *c)
                           .block_size = c->block_size,
                           .head_dim = c->head_dim,
                           .dtype_size = 2,
-                          .n_blocks = c->n_blocks};
+                          .n_blocks = c->n_blocks,
+                          .kv_arrays = c->dec_arrays};
         layout_heads(c, c->dst_tp, r, l);
         w->dreg[r] = calloc(1, kvx_layout_bytes(l));
         if (kvx_pipe_fake_create(w->fab, NULL, &w->dec_pipe[r])) abort();
@@ -86,7 +88,8 @@ static void world_init(world *w, const wcfg *c)
                               .block_size = c->block_size,
                               .head_dim = c->head_dim,
                               .dtype_size = 2,
-                              .n_blocks = c->n_blocks};
+                              .n_blocks = c->n_blocks,
+                              .kv_arrays = c->src_arrays};
             layout_heads(c, c->src_tp, r, l);
             if (c->sliced) {
                 uint32_t rg[2 * MAXC];
@@ -266,7 +269,7 @@ static size_t verify_cut(const world *w, int d, const xstate *s, const xfer *x, 
     const kvx_layout *l = &w->dl[d];
     size_t bad = 0;
     for (uint32_t ll = 0; ll < layers; ll++)
-        for (uint32_t kv = 0; kv < 2; kv++)
+        for (uint32_t kv = 0; kv < kvx_layout_arrays(l); kv++)
             for (uint32_t p = 0; p < x->n_tokens; p++)
                 for (uint32_t h = 0; h < l->n_heads; h++)
                     for (uint32_t e = 0; e < l->head_dim; e++) {
@@ -1278,6 +1281,98 @@ static void test_soak(void)
     free(s);
 }
 
+/* The latent layout (kvx_layout.kv_arrays 1: kvmem's KN_KV_LAYOUT_LATENT, deepseek2's pool):
+ * one array a layer, its one KV head replicated on every decode rank; two PP stages to tp 2,
+ * from the source region and through the lookup buffer (a late target): byte-exact, half
+ * the bytes of the same transfer in K+V, and the regions half the size. The element word of
+ * an encoded target carries the layout (a K+V target's bytes are those before the latent
+ * layout existed). A source and a target that disagree are refused at add_target, and
+ * nothing is written. */
+static void test_latent_layout(void)
+{
+    uint64_t bytes[2] = {0, 0};
+    for (uint32_t arrays = 2; arrays >= 1; arrays--)
+        for (int late = 0; late < 2; late++) {
+            wcfg c = base_cfg(1, 2);
+            c.n_kv_heads = 1;
+            c.n_q_heads = 2;
+            c.head_dim = 12; /* kv_lora_rank + n_rot */
+            c.pp = 2;
+            c.layer_split[1] = 1;
+            c.layer_split[2] = 3;
+            c.dec_arrays = c.src_arrays = arrays;
+            world w;
+            world_init(&w, &c);
+            TH_CHECK(kvx_layout_bytes(&w.dl[0]) ==
+                     (size_t)arrays * c.n_layers * c.n_blocks * c.block_size * c.head_dim * 2);
+            xfer x = {.req = 90 + 2 * arrays + (uint32_t)late,
+                      .n_tokens = 70,
+                      .chunk = 24,
+                      .salt = 31,
+                      .dst_run = 3,
+                      .late = late};
+            uint64_t puts, pieces;
+            run_xfer(&w, &c, &x, &puts, &pieces);
+            TH_CHECKF(last_bytes == (uint64_t)arrays * 70 * 3 * 12 * 2 * 2,
+                      "%u arrays: %llu bytes put", arrays, (unsigned long long)last_bytes);
+            bytes[arrays - 1] = last_bytes;
+            world_fini(&w);
+        }
+    TH_CHECK(bytes[1] == 2 * bytes[0]);
+    fprintf(stderr,
+            "  70 tokens, 3 layers, one head of 12 to 2 ranks: K+V %llu bytes, latent "
+            "%llu\n",
+            (unsigned long long)bytes[1], (unsigned long long)bytes[0]);
+    /* the wire: the element word (frame header, 36 bytes of ids, 7 layout words before it) */
+    for (uint32_t arrays = 2; arrays >= 1; arrays--) {
+        wcfg c = base_cfg(1, 1);
+        c.dec_arrays = arrays;
+        world w;
+        world_init(&w, &c);
+        int32_t blocks[2] = {1, 2};
+        kvx_dec_req_params dp = {.n_stages = 1, .tp = 1, .blocks = blocks, .n_blocks = 2};
+        uint8_t buf[4096];
+        size_t len;
+        TH_REQUIRE(kvx_dec_make_target(w.dec[0], 7, &dp, buf, sizeof(buf), &len) == 0);
+        uint32_t word;
+        memcpy(&word, buf + 20 + 36 + 7 * 4, 4);
+        TH_CHECKF(word == (arrays == 1 ? 0x10002u : 2u), "element word %#x", word);
+        kvx_dec_abort(w.dec[0], 7);
+        TH_CHECK(pump_final(&w, 7, 2000));
+        release_all(&w, 7);
+        world_fini(&w);
+    }
+    /* disagreeing sides: a latent source and a K+V target, and the other way round */
+    for (int k = 0; k < 2; k++) {
+        wcfg c = base_cfg(1, 1);
+        c.n_kv_heads = 1;
+        c.src_arrays = k ? 2 : 1;
+        c.dec_arrays = k ? 1 : 2;
+        world w;
+        world_init(&w, &c);
+        int32_t blocks[2] = {1, 2};
+        kvx_dec_req_params dp = {.n_stages = 1, .tp = 1, .blocks = blocks, .n_blocks = 2};
+        uint8_t buf[4096];
+        size_t len;
+        TH_REQUIRE(kvx_dec_make_target(w.dec[0], 8, &dp, buf, sizeof(buf), &len) == 0);
+        kvx_pf_req_params pp = {.stage = 0};
+        TH_REQUIRE(kvx_pf_open(w.src[0], 8, &pp) == 0);
+        TH_CHECK(kvx_pf_add_target(w.src[0], 8, buf, len) == TD_EINVAL);
+        int32_t sb[2] = {0, 1};
+        memset(w.sreg[0], 0x5a, kvx_layout_bytes(&w.sl[0]));
+        kvx_pf_send_chunk(w.src[0], 8, 0, 0, 20, sb, 2); /* queued: no target was accepted */
+        kvx_pf_abort(w.src[0], 8);
+        kvx_dec_abort(w.dec[0], 8);
+        TH_CHECK(pump_final(&w, 8, 2000));
+        size_t stray = 0;
+        for (size_t i = 0; i < kvx_layout_bytes(&w.dl[0]); i++)
+            stray += w.dreg[0][i] != 0;
+        TH_CHECKF(stray == 0, "%zu bytes written into the decode region", stray);
+        release_all(&w, 8);
+        world_fini(&w);
+    }
+}
+
 int main(void)
 {
     TH_RUN(test_tp_pairs);
@@ -1289,6 +1384,7 @@ int main(void)
     TH_RUN(test_sliced_source);
     TH_RUN(test_sliced_gaps);
     TH_RUN(test_slice_layout);
+    TH_RUN(test_latent_layout);
     TH_RUN(test_chunk_times);
     TH_RUN(test_chunk_times_late);
     TH_RUN(test_chunk_put_fails);

@@ -51,7 +51,7 @@ static float dst_elem(const uint8_t *region, const kvx_layout *l, int layer, int
 {
     size_t per = (size_t)l->n_blocks * l->n_heads * l->block_size * l->head_dim;
     size_t idx =
-        (size_t)(2 * layer + v) * per +
+        ((size_t)kvx_layout_arrays(l) * (size_t)layer + (size_t)v % kvx_layout_arrays(l)) * per +
         (((size_t)block * l->n_heads + (size_t)head) * l->block_size + (size_t)t) * l->head_dim +
         (size_t)d;
     return l->dtype_size == 2 ? td_fp16_to_fp32(((const uint16_t *)region)[idx])
@@ -174,7 +174,8 @@ int main(int argc, char **argv)
                               .block_size = (uint32_t)bs,
                               .head_dim = (uint32_t)hp->head_dim,
                               .dtype_size = 2,
-                              .n_blocks = (uint32_t)n_blocks};
+                              .n_blocks = (uint32_t)n_blocks,
+                              .kv_arrays = hp->kv_lora_rank > 0 ? 1 : 2}; /* the model's */
         region[r] = calloc(1, kvx_layout_bytes(&lay[r]));
         if (kvx_dec_register(conn[r], region[r], kvx_layout_bytes(&lay[r]), &lay[r])) return 2;
         for (int i = 0; i < nb; i++)

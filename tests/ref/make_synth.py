@@ -12,6 +12,12 @@ numpy reference in ref_forward.py can compute the same function independently:
   gemma3  qwen3's attention plus post_attention_norm / post_ffw_norm, GELU FFN, embeddings
           scaled by sqrt(n_embd) at run time, attention.sliding_window (SWA_WINDOW, small
           so that the test prompts cross it) on all layers but every 6th
+  gemma2  gemma3's block without the Q/K norms, with the metadata Gemma2Model
+          (conversion/gemma.py) writes: no rope keys (base 10000), attention.sliding_window
+          (SWA_WINDOW; llama.cpp makes the even layers sliding), attn_logit_softcapping and
+          final_logit_softcapping (GEMMA2_SOFTCAPS, small enough to bite); always tied (the
+          converter writes no output.weight, llama.cpp reads none), so its post-norm
+          weights are larger (GEMMA2_POST_NORM)
   smollm3 llama's block; layer 3 of the 6 (every 4th) has no rope
   granite llama's block with GRANITE_SCALES (embedding, attention, residual, logit)
   phi3    NEOX rope, fused attn_qkv (Q, K, V rows) and fused ffn_up (gate rows, then up)
@@ -101,11 +107,12 @@ TINY_SHAPES = dict(n_embd=32, n_head=1, n_head_kv=1, head_dim=32, n_ff=32, n_lay
 # meets 6 of them over the 6 layers, and every type appears 5 or 6 times.
 MIXED_CYCLE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.F16, QT.BF16, QT.F32]
 MOE_ARCHS = ["qwen3moe", "deepseek2"]
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2"] + MOE_ARCHS
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2",
+         "gemma2"] + MOE_ARCHS
 # Embedding / LM-head types per architecture in --types mixed.
 MIXED_EMBD = {"llama": QT.Q8_0, "qwen2": QT.Q4_0, "qwen3": QT.BF16, "gemma3": QT.Q8_0,
               "smollm3": QT.Q4_1, "granite": QT.F16, "phi3": QT.Q5_1, "olmo2": QT.Q8_0,
-              "qwen3moe": QT.Q8_0, "deepseek2": QT.Q5_0}
+              "qwen3moe": QT.Q8_0, "deepseek2": QT.Q5_0, "gemma2": QT.Q4_0}
 MIXED_OUTPUT = {"llama": QT.Q4_1, "qwen2": QT.F16, "qwen3": QT.Q8_0, "gemma3": QT.Q5_0,
                 "smollm3": QT.Q8_0, "granite": QT.Q4_0, "phi3": QT.BF16, "olmo2": QT.Q5_1,
                 "qwen3moe": QT.Q4_0, "deepseek2": QT.Q8_0}
@@ -163,12 +170,21 @@ GRANITE_SCALES = dict(embedding=4.0, attention=0.15, residual=0.5, logit=2.5)
 # archs whose Q, K RMSNorm is over the whole projection / per head
 QK_NORM_WHOLE = ("olmo2",)
 QK_NORM_HEAD = ("qwen3", "gemma3")
-# gemma3's sliding window in the synthetic model: the 9- and 40-token prompts cross it
+# gemma3's (and gemma2's) sliding window in the synthetic model: the 9- and 40-token
+# prompts cross it
 SWA_WINDOW = 8
+# gemma2's soft-caps (the real files: attention 50, final 30, which random weights never
+# reach): here about a quarter of the attention scores pass the cap (their rms is ~2: no Q/K
+# norms) and the largest logits (~4) are squeezed by ~8%; together they move the logits by
+# ~75% (rel L2) from the uncapped model's. tanh keeps the logits' order
+GEMMA2_SOFTCAPS = dict(attn=2.0, final=8.0)
 # gemma3's post-norm weights: the blocks' outputs (rms ~ this after their post-norm) must
 # outweigh the tied embedding scaled by sqrt(n_embd) (rms ~2), or every logit is dominated
 # by the current token's own embedding and greedy decoding repeats it
 POST_NORM = 3.0
+# gemma2 is always tied, so its current token's own logit is ~sqrt(n_embd) * 4 / rms(x):
+# its blocks must outweigh the embedding far more (at 3, greedy decoding repeats one token)
+GEMMA2_POST_NORM = 20.0
 
 
 def bytes_to_unicode():
@@ -342,6 +358,8 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
         s["head_dim"] = head_dim
     n_embd, n_head, n_kv = s["n_embd"], s["n_head"], s["n_head_kv"]
     hd, n_ff, n_layer, n_vocab = s["head_dim"], s["n_ff"], s["n_layer"], s["n_vocab"]
+    if arch == "gemma2":
+        tied = True  # llama.cpp's gemma2 takes its LM head from token_embd only
     rng = np.random.default_rng(seed)
     eps = 1e-5 if arch in ("llama", "granite") else 1e-6
     freq_base = 10000.0 if arch in ("llama", "granite") else 1000000.0
@@ -358,14 +376,19 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    if arch in ("qwen3", "gemma3") or hd * n_head != n_embd:
+    if arch in ("qwen3", "gemma3", "gemma2") or hd * n_head != n_embd:
         w.add_key_length(hd)
         w.add_value_length(hd)
-    w.add_rope_freq_base(freq_base)
+    if arch != "gemma2":  # Gemma2Model writes neither (llama.cpp: base 10000, n_rot head_dim)
+        w.add_rope_freq_base(freq_base)
     w.add_layer_norm_rms_eps(eps)
-    w.add_rope_dimension_count(hd)
-    if arch == "gemma3":
+    if arch != "gemma2":
+        w.add_rope_dimension_count(hd)
+    if arch in ("gemma3", "gemma2"):
         w.add_sliding_window(SWA_WINDOW)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(GEMMA2_SOFTCAPS["attn"])
+        w.add_final_logit_softcapping(GEMMA2_SOFTCAPS["final"])
     if arch == "granite":
         w.add_embedding_scale(GRANITE_SCALES["embedding"])
         w.add_attention_scale(GRANITE_SCALES["attention"])
@@ -409,8 +432,8 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
     # A tied embedding doubles as the LM head: scaled down like one, or every logit would
     # be dominated by the current token's own embedding and greedy decoding would repeat it.
     embd_t = MIXED_EMBD[arch] if types != "f32" else QT.F32
-    # gemma3 multiplies the embedding by sqrt(n_embd) at run time: scaled down the same way
-    embd_scale = 2.0 / np.sqrt(n_embd) if tied or arch == "gemma3" else 1.0
+    # gemma3/2 multiply the embedding by sqrt(n_embd) at run time: scaled down the same way
+    embd_scale = 2.0 / np.sqrt(n_embd) if tied or arch in ("gemma3", "gemma2") else 1.0
     if arch == "granite":
         embd_scale /= GRANITE_SCALES["embedding"]
     add_matrix(w, "token_embd.weight", normal((n_vocab, n_embd), embd_scale), embd_t)
@@ -425,7 +448,8 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
         ff[-2 * q:] = np.linspace(1.0, 8.0, 2 * q, dtype=np.float32)
         w.add_tensor("rope_freqs.weight", ff)
 
-    post = arch in ("gemma3", "olmo2")
+    post = arch in ("gemma3", "gemma2", "olmo2")
+    post_w = GEMMA2_POST_NORM if arch == "gemma2" else POST_NORM
     for il in range(n_layer):
         p = f"blk.{il}."
         if arch != "olmo2":
@@ -451,7 +475,7 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
             w.add_tensor(p + "attn_k_norm.weight", norm_weight(n_kv * hd))
         row_par(p + "attn_output.weight", n_embd, n_head * hd, 0.5 / np.sqrt(n_head * hd))
         if post:
-            w.add_tensor(p + "post_attention_norm.weight", norm_weight(n_embd, POST_NORM))
+            w.add_tensor(p + "post_attention_norm.weight", norm_weight(n_embd, post_w))
         if arch != "olmo2":
             w.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
         gate = normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
@@ -463,7 +487,7 @@ def make_model(out, arch, rope_freqs=False, tied=False, types="mixed", seed=0, s
             add_matrix(w, p + "ffn_up.weight", up, wtype())
         row_par(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
         if post:
-            w.add_tensor(p + "post_ffw_norm.weight", norm_weight(n_embd, POST_NORM))
+            w.add_tensor(p + "post_ffw_norm.weight", norm_weight(n_embd, post_w))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -691,6 +715,9 @@ SUITE = {
     # untied: with the tied head and the sqrt(n_embd) embedding scale, random weights make
     # every greedy step repeat the current token (the real gemma3 file tests the tied head)
     "gemma3.gguf": dict(arch="gemma3", tied=False, types="mixed", seed=1, head_dim=64),
+    # always tied (llama.cpp's gemma2 has no output.weight): GEMMA2_POST_NORM keeps its greedy
+    # decoding from repeating the current token
+    "gemma2.gguf": dict(arch="gemma2", tied=True, types="mixed", seed=17, head_dim=64),
     # 6 query heads over 2 KV heads: decode tp 3 gives rank 1 both KV heads (common/td_tp.h)
     "gqa.gguf": dict(arch="qwen2", tied=False, types="mixed", seed=2,
                      shapes=dict(DEFAULT_SHAPES, n_head=6, n_head_kv=2)),
@@ -798,7 +825,7 @@ def main():
         print(a.out)
         return 0
     head_dim = a.head_dim
-    if head_dim is None and a.arch in ("qwen3", "gemma3") and not a.tiny:
+    if head_dim is None and a.arch in ("qwen3", "gemma3", "gemma2") and not a.tiny:
         head_dim = 64
     shapes = dict(TINY_SHAPES if a.tiny else DEFAULT_SHAPES)
     for k in ("n_ff", "n_head", "n_head_kv", "n_vocab", "n_ctx"):

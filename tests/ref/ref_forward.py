@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ref_forward.py: an independent numpy forward pass of Llama-family and Gemma 3 GGUF models.
+"""ref_forward.py: an independent numpy forward pass of Llama-family and Gemma GGUF models.
 
 This is the reference the engine is tested against. It shares no code with the engine:
 weights are read with gguf.GGUFReader and dequantized with gguf.quants.dequantize, and the
@@ -28,6 +28,18 @@ src/llama-model.cpp's load_hparams; Hugging Face's Gemma3 modelling says the sam
   x = x + rmsnorm(Wo a) * post_attention_norm
   x = x + rmsnorm(Wdown (gelu_tanh(Wgate h) * Wup h)) * post_ffw_norm
   (norm weights are stored with Gemma's +1 already added by the converter: used as is)
+
+gemma2 (src/models/gemma2.cpp, load_arch_hparams and the graph; src/llama-graph.cpp
+build_attn_mha for the soft-capping):
+  gemma3's block without the Q/K norms: x = token_embd[ids] * sqrt(n_embd), NEOX rope,
+  post_attention_norm / post_ffw_norm, GELU FFN
+  q = q * attn_scale (1/sqrt(head_dim); 1/sqrt(n_embd / n_head) for the 46-layer 27B), then
+  scores s = q k^T soft-capped: s = cap * tanh(s / cap), cap attn_logit_softcapping (50
+  when absent), before the mask and the softmax
+  sliding-window layers: il % pattern < pattern - 1 (attention.sliding_window_pattern, 2
+  when absent: the even layers), window attention.sliding_window (4096 when absent), rope
+  base rope.freq_base_swa or rope.freq_base (10000 when absent) like the global layers
+  logits = cap * tanh(logits / cap), cap final_logit_softcapping (30 when absent)
 
 The other architectures, each from its llama.cpp graph (src/models/<arch>.cpp):
   smollm3  llama, but layers with (il + 1) % 4 == 0 skip rope (n_no_rope_layer_step 4)
@@ -90,7 +102,7 @@ def _field(reader, key, default=None):
 
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2",
-         "qwen3moe", "deepseek2")
+         "qwen3moe", "deepseek2", "gemma2")
 
 
 def yarn_params(r, arch, hp, k_head):
@@ -170,10 +182,12 @@ class RefModel:
         self.head_dim = int(hp("attention.key_length", self.n_embd // self.n_head))
         self.n_rot = int(hp("rope.dimension_count", self.head_dim))
         self.eps = float(hp("attention.layer_norm_rms_epsilon",
-                            1e-6 if arch == "gemma3" else 1e-5))
+                            1e-6 if arch in ("gemma3", "gemma2") else 1e-5))
         self.freq_base = float(hp("rope.freq_base", 10000.0))
-        self.neox = arch in ("qwen2", "qwen3", "gemma3", "phi3", "olmo2", "qwen3moe")
-        self.gemma = arch == "gemma3"
+        self.neox = arch in ("qwen2", "qwen3", "gemma3", "phi3", "olmo2", "qwen3moe", "gemma2")
+        # the gemma block (embedding scale, GELU FFN, post-norms); gemma2's own parts below
+        self.gemma = arch in ("gemma3", "gemma2")
+        self.gemma2 = arch == "gemma2"
         self.olmo2 = arch == "olmo2"
         self.nope_step = 4 if arch == "smollm3" else 0
         g = (lambda k, d: float(hp(k, d) or d)) if arch == "granite" else (lambda k, d: d)
@@ -182,6 +196,15 @@ class RefModel:
         self.logit_div = g("logit_scale", 1.0)
         self.attn_scale = g("attention.scale", 0.0)
         self.window = int(hp("attention.sliding_window", 0) or 0) if self.gemma else 0
+        self.swa_pattern = 6
+        self.attn_cap = self.final_cap = 0.0
+        if self.gemma2:
+            self.window = int(hp("attention.sliding_window", 4096))
+            self.swa_pattern = int(hp("attention.sliding_window_pattern", 2))
+            self.attn_cap = float(hp("attn_logit_softcapping", 50.0))
+            self.final_cap = float(hp("final_logit_softcapping", 30.0))
+            if self.n_layer == 46:  # the 27B model (llama.cpp: LLM_TYPE_27B)
+                self.attn_scale = 1.0 / math.sqrt(self.n_embd // self.n_head)
         self.mla = arch == "deepseek2"
         self._moe_hparams(r, hp)
         self.eos = _field(r, "tokenizer.ggml.eos_token_id")
@@ -211,6 +234,9 @@ class RefModel:
             inv = inv / ff.astype(np.float64)
         self.inv_freq = inv                             # (n_rot/2,)
         self.inv_freq_swa = 10000.0 ** (-2.0 * i / self.n_rot)
+        if self.gemma2:  # the global layers' base unless the file says otherwise
+            self.inv_freq_swa = float(hp("rope.freq_base_swa", self.freq_base)) ** (
+                -2.0 * i / self.n_rot)
 
         self.layers = []
         for il in range(self.n_layer):
@@ -314,7 +340,7 @@ class RefModel:
         return (x / np.sqrt(ms + self.eps)).astype(self.dtype) * w
 
     def is_swa(self, il):
-        return self.window > 0 and il % 6 != 5
+        return self.window > 0 and il % self.swa_pattern < self.swa_pattern - 1
 
     def rope(self, x, pos, inv_freq=None):
         """x (T, heads, head_dim) rotated in place over the first n_rot dims; pos (T,)."""
@@ -394,7 +420,11 @@ class RefModel:
                 K, V = k, v
                 cache.append((K, V))
             qh = q.transpose(1, 0, 2).reshape(KV, g, T, hd)              # (KV, g, T, hd)
-            s = np.einsum("kgtd,ksd->kgts", qh, K).astype(np.float64) * scale
+            if self.attn_cap:  # llama.cpp scales q, soft-caps q k^T, softmax at scale 1
+                s = np.einsum("kgtd,ksd->kgts", qh * self.dtype(scale), K).astype(np.float64)
+                s = self.attn_cap * np.tanh(s / self.attn_cap)
+            else:
+                s = np.einsum("kgtd,ksd->kgts", qh, K).astype(np.float64) * scale
             s[..., mask_swa if swa else mask] = -np.inf
             s = s - s.max(axis=-1, keepdims=True)
             p = np.exp(s)
@@ -412,6 +442,8 @@ class RefModel:
             x = x + f * self.dtype(self.residual_mul)
         rows = self.rmsnorm(x if all_rows else x[-1:], self.output_norm)  # (T or 1, n_embd)
         out = (rows @ self.output.T) / self.dtype(self.logit_div)          # (T or 1, n_vocab)
+        if self.final_cap:
+            out = self.final_cap * np.tanh(out.astype(np.float64) / self.final_cap)
         out = out.astype(np.float32)
         return out if all_rows else out[0]
 

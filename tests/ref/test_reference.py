@@ -2,7 +2,8 @@
 """test_reference.py: the engine's correctness test against the numpy reference.
 
 For the default model (--model) and for the synthetic models in --synth-dir (llama with
-rope_freqs, qwen2, qwen3, gemma3 with a sliding window of 8, smollm3, granite, phi3, olmo2;
+rope_freqs, qwen2, qwen3, gemma3 with a sliding window of 8, smollm3, granite, phi3, olmo2,
+qwen3moe, deepseek2, gemma2 (soft-capped, a sliding window of 8 on its even layers);
 mixed weight types), and a fixed set of prompts given as token
 ids (tokenized here with the GGUF's vocabulary, independent of the C tokenizer):
 
@@ -57,7 +58,7 @@ TEXT_PROMPTS = [
 
 SYNTH_MODELS = ["llama.gguf", "qwen2.gguf", "qwen3.gguf", "llama-f32.gguf", "gemma3.gguf",
                 "smollm3.gguf", "granite.gguf", "phi3.gguf", "olmo2.gguf", "qwen3moe.gguf",
-                "deepseek2.gguf"]
+                "deepseek2.gguf", "gemma2.gguf"]
 
 
 def synth_prompts(n_vocab):

@@ -13,7 +13,7 @@ weights are F32) and its greedy tokens. For each model the script then reports:
   - relative L2 of the engine's last-position logits against llama.cpp's,
   - the same for ref_forward.py against llama.cpp,
   - whether the greedy tokens (--n-gen) are identical,
-and fails (exit 1) when a relative L2 exceeds --tol (1e-4; 1e-3 for gemma3, ARCH_TOL) or a
+and fails (exit 1) when a relative L2 exceeds --tol (1e-4; 1e-3 for gemma3/2, ARCH_TOL) or a
 greedy sequence differs.
 
 The models: by default the synthetic F32 models of every dense architecture make_synth.py
@@ -105,11 +105,12 @@ int main(int argc, char **argv)
 }
 """
 
-SYNTH_ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2"]
+SYNTH_ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "olmo2",
+               "gemma2"]
 # llama.cpp's CPU GELU rounds its input to f16 and reads a table (ggml-cpu/vec.h,
 # GGML_GELU_FP16), so a GELU model differs from the exact float32 function by ~4e-4 there:
 # the engine and ref_forward.py agree with each other to ~1e-6 on these models
-ARCH_TOL = {"gemma3": 1e-3}
+ARCH_TOL = {"gemma3": 1e-3, "gemma2": 1e-3}
 
 
 def build_helper(llama_dir, d):
@@ -210,8 +211,8 @@ def synth_models(names):
             out.append((name, make_synth.MOE_VARIANTS[name]["arch"],
                         make_synth.variant_kwargs(name, types="f32", seed=1)))
         elif name in make_synth.ARCHS:
-            kw = dict(arch=name, tied=name == "smollm3", types="f32", seed=1)
-            if name in ("qwen3", "gemma3"):
+            kw = dict(arch=name, tied=name in ("smollm3", "gemma2"), types="f32", seed=1)
+            if name in ("qwen3", "gemma3", "gemma2"):
                 kw["head_dim"] = 64
             out.append((name, name, kw))
         else:
