@@ -190,7 +190,8 @@ void kn_model_destroy(kn_model *m);
 int kn_hparams_read(const td_gguf *g, kn_hparams *hp);
 const char *kn_arch_name(kn_arch a);
 
-/* KV pool shape for this shard with n_blocks blocks. */
+/* KV pool shape for this shard with n_blocks blocks: K and V of its KV heads, or for a
+ * latent-attention model (kv_lora_rank > 0) the latent layout (kv_pool.h), one array a layer. */
 kn_kv_pool_params kn_model_kv_params(const kn_model *m, int n_blocks, int block_size,
                                      td_dtype type);
 
