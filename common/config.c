@@ -440,7 +440,8 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
     F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
     L(D_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)                                   \
-    N(D_TIER, "prefix_cache_tier")
+    N(D_TIER, "prefix_cache_tier")                                                                 \
+    N(D_SPEC, "speculative")
 enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
 #define SECT td_cfg_decode
 static const field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
@@ -453,6 +454,18 @@ static const field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
 enum { TIER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) TI_N };
 #define SECT td_cfg_tier
 static const field tier_fields[TI_N] = FIELD_TABLE(TIER_FIELDS);
+#undef SECT
+
+/* decode[].speculative (method is read by parse_spec) */
+#define SPEC_FIELDS(F, L, N)                                                                       \
+    N(S_METHOD, "method")                                                                          \
+    F(S_MAX_TOKENS, "max_tokens", F_INT, max_tokens, 1, TD_CFG_SPEC_MAX_TOKENS)                    \
+    F(S_ADAPTIVE, "adaptive", F_BOOL, adaptive, 0, 0)                                              \
+    F(S_NGRAM_MIN, "ngram_min", F_INT, ngram_min, 1, TD_CFG_SPEC_MAX_NGRAM)                        \
+    F(S_NGRAM_MAX, "ngram_max", F_INT, ngram_max, 1, TD_CFG_SPEC_MAX_NGRAM)
+enum { SPEC_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) S_N };
+#define SECT td_cfg_spec
+static const field spec_fields[S_N] = FIELD_TABLE(SPEC_FIELDS);
 #undef SECT
 
 #define KVXFER_FIELDS(F, L, N)                                                                     \
@@ -659,6 +672,32 @@ static int parse_tier(pctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *
     return 0;
 }
 
+/* decode[].speculative: {method, max_tokens, adaptive, ngram_min, ngram_max}, each optional
+ * (x holds the defaults). */
+static int parse_spec(pctx *p, yaml_node_t *n, const char *inst, td_cfg_spec *x)
+{
+    yaml_node_t *seen[S_N], *keys[S_N];
+    char what[96];
+    snprintf(what, sizeof what, "%s.speculative", inst);
+    if (parse_map(p, n, what, spec_fields, S_N, x, seen, keys)) return p->rc;
+    if (seen[S_METHOD]) {
+        const char *m;
+        if (get_str(p, seen[S_METHOD], &m)) return p->rc;
+        if (!strcmp(m, "ngram"))
+            x->method = TD_CFG_SPEC_NGRAM;
+        else if (!strcmp(m, "off"))
+            x->method = TD_CFG_SPEC_OFF;
+        else
+            return fail(p, seen[S_METHOD], "unknown speculative method '%s' (known: ngram, off)",
+                        m);
+    }
+    if (x->ngram_min > x->ngram_max)
+        return fail(p, seen[S_NGRAM_MIN] ? seen[S_NGRAM_MIN] : seen[S_NGRAM_MAX],
+                    "%s: ngram_min (%d) is larger than ngram_max (%d)", what, x->ngram_min,
+                    x->ngram_max);
+    return 0;
+}
+
 static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst_ref *ref)
 {
     yaml_node_t *seen[D_N], *keys[D_N];
@@ -673,6 +712,11 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     x->kv_dtype = TD_F16;
     x->port = 9000 + idx;
     x->prefix_cache = true;
+    x->speculative = (td_cfg_spec){.method = TD_CFG_SPEC_NGRAM,
+                                   .max_tokens = 8,
+                                   .adaptive = true,
+                                   .ngram_min = 2,
+                                   .ngram_max = 4};
     if (p->rc) return p->rc;
     if (n->type != YAML_MAPPING_NODE)
         return fail(p, n, "decode[%d]: expected a mapping, got %s", idx, kind_name(n));
@@ -695,6 +739,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
         return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", sval(seen[D_DTYPE]));
     if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
+    if (seen[D_SPEC] && parse_spec(p, seen[D_SPEC], what, &x->speculative)) return p->rc;
     *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port,
                       seen[D_PORT] ? seen[D_PORT] : seen[D_NAME]};
     return 0;

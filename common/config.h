@@ -9,7 +9,8 @@
  * YAML syntax, unknown key, duplicate key, wrong type, value out of range, a missing
  * required key, duplicate instance names or control ports. Paths have `~/` expanded.
  * After success: prefill[i].hosts has pp entries; layer_partition is NULL (default) or
- * has pp entries; exactly one of decode[i].kv_blocks / kv_memory is nonzero.
+ * has pp entries; exactly one of decode[i].kv_blocks / kv_memory is nonzero;
+ * decode[i].speculative.ngram_min <= ngram_max.
  * Threading: a loaded td_cfg is read-only; any thread may read it.
  * Ownership: td_cfg_load allocates; td_cfg_free frees the whole tree (strings included).
  */
@@ -114,6 +115,24 @@ typedef struct {
     int64_t bytes; /* "size": the file's size per rank */
 } td_cfg_tier;
 
+/* decode[].speculative: speculative decoding by prompt lookup (decode-node/dc_spec.h). */
+typedef enum {
+    TD_CFG_SPEC_OFF = 0, /* "off": one token per request and step */
+    TD_CFG_SPEC_NGRAM,   /* "ngram": prompt lookup (the default) */
+} td_cfg_spec_method;
+
+#define TD_CFG_SPEC_MAX_TOKENS 32 /* bound on max_tokens (the scheduler's DC_SPEC_MAX_TOKENS) */
+#define TD_CFG_SPEC_MAX_NGRAM  16 /* bound on ngram_min and ngram_max */
+
+typedef struct {
+    td_cfg_spec_method method; /* ngram */
+    int max_tokens;            /* 8: most proposed tokens a request verifies in one step */
+    bool adaptive;             /* true: the scheduler picks how many pay off (0 at large
+                                  batches or poor acceptance); false: up to max_tokens */
+    int ngram_min;             /* 2: shortest suffix matched, <= ngram_max */
+    int ngram_max;             /* 4: longest */
+} td_cfg_spec;
+
 typedef struct {
     char *name;
     int tp;             /* 1: tensor-parallel ranks (same host) */
@@ -139,6 +158,7 @@ typedef struct {
     /* false: one thing after another; true: rank 0 streams a step's tokens and serves its
      * inbox while the next step computes (docs/config.md) */
     bool overlap;
+    td_cfg_spec speculative; /* speculative decoding; on (ngram) unless method is off */
     int *devices; /* (tp) GPU index of each rank, or NULL: rank % visible GPUs */
     int n_devices;
 } td_cfg_decode;

@@ -123,11 +123,15 @@ static int proc_init(dc_node *n)
 
     int32_t max_ctx = n->proc.rt.model->hp.n_ctx_train;
     int bpseq = (max_ctx + n->dcfg->block_size - 1) / n->dcfg->block_size;
-    /* a step holds the prefill budget plus one token per running request, and at most one
-     * logit row per running request */
-    int64_t max_step = (int64_t)n->dcfg->step_tokens + n->dcfg->max_batch;
-    size_t max_plan = 64 + (size_t)max_step * 12 +
-                      (size_t)n->dcfg->max_batch * (8 + (size_t)bpseq * 4) + dc_tier_plan_room(n);
+    /* a step holds the prefill budget plus one token per running request and its
+     * proposals (speculative decoding), each row with at most one logit row (a prompt
+     * logprobs row, a decode or verification row) */
+    const td_cfg_spec *spec = &n->dcfg->speculative;
+    int64_t max_step = (int64_t)n->dcfg->step_tokens +
+                       (int64_t)n->dcfg->max_batch *
+                           (1 + (spec->method == TD_CFG_SPEC_OFF ? 0 : spec->max_tokens));
+    size_t max_plan = 64 + (size_t)max_step * 16 +
+                      (size_t)n->dcfg->max_batch * (4 + (size_t)bpseq * 4) + dc_tier_plan_room(n);
     n->proc.shmp = (dc_shm_params){
         .instance = p->instance,
         .token = n->proc.token,
@@ -291,6 +295,19 @@ static int follower_run(dc_node *n)
 
 /* ---- leader ---- */
 
+_Static_assert(TD_CFG_SPEC_MAX_TOKENS == DC_SPEC_MAX_TOKENS,
+               "decode[].speculative.max_tokens is bounded by the scheduler's bound");
+
+/* decode[].speculative -> the scheduler's dc_spec_params (adaptive: false pins k) */
+static dc_spec_params spec_params(const td_cfg_spec *c)
+{
+    return (dc_spec_params){.method = c->method == TD_CFG_SPEC_NGRAM ? DC_SPEC_NGRAM : DC_SPEC_OFF,
+                            .max_tokens = c->max_tokens,
+                            .pinned = !c->adaptive,
+                            .ngram_min = c->ngram_min,
+                            .ngram_max = c->ngram_max};
+}
+
 /* The leader's part (dc_leader): the scheduler (with the structured-output vocabulary and
  * grammars it checks against) and the logits it samples from. */
 static int leader_init(dc_node *n)
@@ -324,7 +341,8 @@ static int leader_init(dc_node *n)
                           .grammars = n->leader.grammars,
                           .prefix_cache = n->dcfg->prefix_cache,
                           .itl_target_ms = n->dcfg->itl_target_ms,
-                          .sample_pool = kn_backend_host_pool(n->proc.rt.be)};
+                          .sample_pool = kn_backend_host_pool(n->proc.rt.be),
+                          .spec = spec_params(&n->dcfg->speculative)};
     char tier_path[4096];
     rc = dc_tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)
@@ -335,6 +353,14 @@ static int leader_init(dc_node *n)
                              &n->leader.sched);
     free(eog);
     if (rc) return rc;
+    const td_cfg_spec *spec = &n->dcfg->speculative;
+    if (spec->method == TD_CFG_SPEC_OFF)
+        TD_LOG_INFO("decode %s: speculative decoding off", n->p->instance);
+    else
+        TD_LOG_INFO("decode %s: speculative decoding by prompt lookup (n-grams %d..%d), up to %d "
+                    "tokens a step, %s",
+                    n->p->instance, spec->ngram_min, spec->ngram_max, spec->max_tokens,
+                    spec->adaptive ? "adaptive" : "pinned");
     n->leader.logits =
         malloc((size_t)n->dcfg->max_batch * (size_t)n->proc.rt.model->hp.n_vocab * sizeof(float));
     if (!n->leader.logits) return TD_ENOMEM;
@@ -767,6 +793,13 @@ static void leader_stop(dc_node *n)
                 (unsigned long long)ss.n_gather,
                 ss.n_gather ? (double)ss.ns_gather / (double)ss.n_gather / 1e3 : 0.0,
                 (unsigned long long)st.preemptions, n->life.formations);
+    if (st.spec_drafts)
+        TD_LOG_INFO("decode %s: speculation: %llu verifications, %llu proposed tokens, %llu "
+                    "accepted (%.1f%%), %.2f tokens per verification",
+                    n->p->instance, (unsigned long long)st.spec_drafts,
+                    (unsigned long long)st.spec_draft_tokens, (unsigned long long)st.spec_accepted,
+                    100.0 * (double)st.spec_accepted / (double)st.spec_draft_tokens,
+                    1.0 + (double)st.spec_accepted / (double)st.spec_drafts);
     log_phases(n);
     if (n->plane.xfer) {
         /* leak check of the tests: every transfer released on every rank */

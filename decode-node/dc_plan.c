@@ -194,8 +194,8 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
 
 /* The step cost model. Features are scaled to about 1 for a typical step so that one prior
  * variance suits every coefficient: decode rows / 8, prefill tokens / 128, attention pairs
- * / 65536. */
-static const double FEAT_SCALE[4] = {1, 8, 128, 65536};
+ * / 65536, verification rows / 8. */
+static const double FEAT_SCALE[DC_COST_N] = {1, 8, 128, 65536, 8};
 #define COST_FORGET 0.98 /* per step: the fit looks back about 50 steps */
 #define COST_P0     1e4  /* prior variance of a coefficient (ms^2): weak, data wins fast */
 #define COST_P_MAX  1e5  /* trace of P above which forgetting pauses (no windup while a */
@@ -203,12 +203,13 @@ static const double FEAT_SCALE[4] = {1, 8, 128, 65536};
 #define COST_CLIP   5.0  /* residuals beyond this many mean absolute residuals are clipped */
 #define COST_GFLOPS 50.0 /* the start's assumed rate (GFLOP/s): conservative for a CPU */
 
-static void features(const dc_step_shape *s, double x[4])
+static void features(const dc_step_shape *s, double x[DC_COST_N])
 {
     x[0] = 1;
     x[1] = s->n_decode / FEAT_SCALE[1];
     x[2] = s->n_prefill / FEAT_SCALE[2];
     x[3] = s->attn / FEAT_SCALE[3];
+    x[4] = s->n_draft / FEAT_SCALE[4];
 }
 
 void dc_cost_init(dc_cost *c, const kn_hparams *hp)
@@ -227,7 +228,12 @@ void dc_cost_init(dc_cost *c, const kn_hparams *hp)
     c->theta[1] = 2 * flops_tok * ms_per_flop * FEAT_SCALE[1]; /* plus a logit row each */
     c->theta[2] = flops_tok * ms_per_flop * FEAT_SCALE[2];
     c->theta[3] = flops_pair * ms_per_flop * FEAT_SCALE[3];
-    for (int i = 0; i < 4; i++)
+    /* a verification row is a solo row beside its decode row: the weights it multiplies are
+     * read for the decode row already, so it costs arithmetic, not memory. Started low on
+     * purpose (a quarter of a prefill token): the first steps that verify measure it, and
+     * a start too high would keep speculation from ever being tried. */
+    c->theta[4] = 0.25 * flops_tok * ms_per_flop * FEAT_SCALE[4];
+    for (int i = 0; i < DC_COST_N; i++)
         c->P[i][i] = COST_P0;
 }
 
@@ -239,9 +245,9 @@ static double coef(const dc_cost *c, int i)
 
 double dc_cost_predict(const dc_cost *c, const dc_step_shape *s)
 {
-    double x[4], t = 0;
+    double x[DC_COST_N], t = 0;
     features(s, x);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < DC_COST_N; i++)
         t += coef(c, i) * x[i];
     return t;
 }
@@ -249,30 +255,30 @@ double dc_cost_predict(const dc_cost *c, const dc_step_shape *s)
 void dc_cost_observe(dc_cost *c, const dc_step_shape *s, double ms)
 {
     if (!(ms > 0)) return;
-    double x[4], px[4], xpx = 0, e = ms;
+    double x[DC_COST_N], px[DC_COST_N], xpx = 0, e = ms;
     features(s, x);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < DC_COST_N; i++)
         e -= c->theta[i] * x[i];
     double lim = COST_CLIP * (c->err_ms > 0.5 ? c->err_ms : 0.5);
     if (c->n_obs >= 16 && (e > lim || e < -lim)) e = e > 0 ? lim : -lim;
     c->err_ms += ((e < 0 ? -e : e) - c->err_ms) * (c->n_obs < 16 ? 0.25 : 0.05);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < DC_COST_N; i++) {
         px[i] = 0;
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < DC_COST_N; j++)
             px[i] += c->P[i][j] * x[j];
         xpx += x[i] * px[i];
     }
     double trace = 0, den = COST_FORGET + xpx;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < DC_COST_N; i++)
         c->theta[i] += px[i] / den * e;
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++)
+    for (int i = 0; i < DC_COST_N; i++)
+        for (int j = 0; j < DC_COST_N; j++)
             c->P[i][j] -= px[i] * px[j] / den;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < DC_COST_N; i++)
         trace += c->P[i][i];
     if (trace < COST_P_MAX)
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 4; j++)
+        for (int i = 0; i < DC_COST_N; i++)
+            for (int j = 0; j < DC_COST_N; j++)
                 c->P[i][j] /= COST_FORGET;
     c->n_obs++;
 }
@@ -287,6 +293,11 @@ double dc_cost_chunk_ms(const dc_cost *c, int32_t pos0, int32_t n)
 {
     return coef(c, 2) * n / FEAT_SCALE[2] +
            coef(c, 3) * dc_cost_chunk_attn(pos0, n) / FEAT_SCALE[3];
+}
+
+double dc_cost_draft_ms(const dc_cost *c, int32_t pos)
+{
+    return coef(c, 4) / FEAT_SCALE[4] + coef(c, 3) * ((double)pos + 1) / FEAT_SCALE[3];
 }
 
 int32_t dc_cost_fit_chunk(const dc_cost *c, double ms_left, int32_t pos0, int32_t max_n)

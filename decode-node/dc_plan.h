@@ -61,16 +61,20 @@ typedef struct {
     int n_decode;  /* one-token decode rows */
     int n_prefill; /* prefill tokens (rows of chunks) */
     double attn;   /* attention work: (query row, context position) pairs over all rows */
+    int n_draft;   /* verification rows: proposed tokens after decode rows (dc_spec.h) */
 } dc_step_shape;
 
+enum { DC_COST_N = 5 }; /* the cost model's coefficients */
+
 /* The step cost model: t = c0 + c1 * decode rows + c2 * prefill tokens + c3 * attention
- * pairs (milliseconds), the coefficients fitted by recursive least squares with forgetting
- * (recent steps weigh most; a step far off the fit is clipped before it moves it). The start
- * is a rough estimate from the model's size (a conservative CPU rate); the first steps the
- * node measures replace it. */
+ * pairs + c4 * verification rows (milliseconds), the coefficients fitted by recursive least squares
+ * with forgetting (recent steps weigh most; a step far off the fit is clipped before it moves it).
+ * The start is a rough estimate from the model's size (a conservative CPU rate); the first steps
+ * the node measures replace it. */
 typedef struct {
-    double theta[4]; /* coefficients, in ms per scaled feature (dc_plan.c: FEAT_SCALE) */
-    double P[4][4];  /* their covariance (up to the noise scale) */
+    double theta[DC_COST_N];        /* coefficients, in ms per scaled feature (dc_plan.c:
+                                       FEAT_SCALE) */
+    double P[DC_COST_N][DC_COST_N]; /* their covariance (up to the noise scale) */
     double err_ms;   /* running mean absolute residual (outlier clipping) */
     uint64_t n_obs;  /* steps observed */
 } dc_cost;
@@ -84,6 +88,9 @@ void dc_cost_observe(dc_cost *c, const dc_step_shape *s, double ms);
 double dc_cost_chunk_attn(int32_t pos0, int32_t n);
 /* Predicted extra ms of adding a chunk of n prefill tokens at pos0 to a step. */
 double dc_cost_chunk_ms(const dc_cost *c, int32_t pos0, int32_t n);
+/* Predicted extra ms of verifying one proposed token at position pos (its row and its
+ * attention). */
+double dc_cost_draft_ms(const dc_cost *c, int32_t pos);
 /* The largest n <= max_n whose chunk at pos0 adds at most ms_left (0 if none). */
 int32_t dc_cost_fit_chunk(const dc_cost *c, double ms_left, int32_t pos0, int32_t max_n);
 

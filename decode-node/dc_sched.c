@@ -36,6 +36,11 @@ typedef struct {
      * it was admitted before (its place in the cache's chains is seq's) */
     int32_t n_cached;
     bool admitted_once;
+    /* speculative decoding: proposals after the decode row's token (n_cand found at the
+     * plan, n_draft of them in the step; draft: (spec max_tokens), NULL without it) */
+    int32_t *draft;
+    int n_cand, n_draft;
+    dc_spec_req spec;
 } dc_req;
 
 /* A growable array of request pointers. */
@@ -72,6 +77,13 @@ struct dc_sched {
     bool capping, prefill_planned, capped; /* planning a capped step, with ms_left */
     double ms_left;                        /* ms its prefill may still take */
     uint64_t prefill_capped;
+    /* speculative decoding: a request's tokens and their logprobs emitted by one commit
+     * (1 + max_tokens), the step's candidates (cap_seqs), and the counters */
+    int32_t *emit;
+    td_logprob_entry *emit_lp;
+    dc_spec_cand *cands;
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
+    uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
 };
 
 static int list_push(req_list *l, dc_req *r)
@@ -102,6 +114,7 @@ static void req_free(dc_sched *s, dc_req *r)
     kn_kv_seq_fini(s->mem, &r->seq);
     kn_sampler_fini(&r->smp);
     gr_matcher_destroy(r->gm);
+    free(r->draft);
     free(r->tokens);
     free(r->stop_ids);
     free(r);
@@ -118,12 +131,27 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
     if (s->p.step_tokens <= 0) s->p.step_tokens = 256;
     if (s->p.max_ctx <= 0) s->p.max_ctx = m->hp.n_ctx_train;
 
+    dc_spec_params *sp = &s->p.spec;
+    if (sp->max_tokens <= 0) sp->max_tokens = 8;
+    if (sp->ngram_min <= 0) sp->ngram_min = 2;
+    if (sp->ngram_max <= 0) sp->ngram_max = sp->ngram_min > 4 ? sp->ngram_min : 4;
+    if (sp->max_tokens > DC_SPEC_MAX_TOKENS || sp->ngram_max < sp->ngram_min ||
+        (sp->method != DC_SPEC_OFF && sp->method != DC_SPEC_NGRAM)) {
+        TD_LOG_ERR("speculative decoding: bad parameters (method %d, max_tokens %d, ngram "
+                   "%d..%d)",
+                   (int)sp->method, sp->max_tokens, sp->ngram_min, sp->ngram_max);
+        dc_sched_destroy(s);
+        return TD_EINVAL;
+    }
+    int spec_k = sp->method == DC_SPEC_OFF ? 0 : sp->max_tokens;
+
     s->m = m;
     s->mem = mem;
     s->kv = kn_kv_mem_pool(mem);
     dc_cost_init(&s->cost, &m->hp);
     s->sink = sink;
-    s->cap_tokens = s->p.step_tokens + s->p.max_running; /* prefill budget + one per decode */
+    /* prefill budget + one per decode and its proposals */
+    s->cap_tokens = s->p.step_tokens + s->p.max_running * (1 + spec_k);
     s->cap_seqs = s->p.max_running;
     s->eog = malloc((size_t)(p->n_eog ? p->n_eog : 1) * sizeof *s->eog);
     s->tok = malloc((size_t)s->cap_tokens * sizeof *s->tok);
@@ -132,7 +160,11 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
     s->rows = malloc((size_t)s->cap_tokens * sizeof *s->rows); /* prompt logprobs: a row each */
     s->views = malloc((size_t)s->cap_seqs * sizeof *s->views);
     s->in_step = malloc((size_t)s->cap_seqs * sizeof *s->in_step);
-    if (!s->eog || !s->tok || !s->pos || !s->seq_of || !s->rows || !s->views || !s->in_step) {
+    s->emit = malloc((size_t)(1 + spec_k) * sizeof *s->emit);
+    s->emit_lp = malloc((size_t)(1 + spec_k) * sizeof *s->emit_lp);
+    s->cands = malloc((size_t)s->cap_seqs * sizeof *s->cands);
+    if (!s->eog || !s->tok || !s->pos || !s->seq_of || !s->rows || !s->views || !s->in_step ||
+        !s->emit || !s->emit_lp || !s->cands) {
         dc_sched_destroy(s);
         return TD_ENOMEM;
     }
@@ -176,6 +208,9 @@ void dc_sched_destroy(dc_sched *s)
     free(s->rows);
     free(s->views);
     free(s->in_step);
+    free(s->emit);
+    free(s->emit_lp);
+    free(s->cands);
     free(s);
 }
 
@@ -272,7 +307,11 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     r->cap = (int32_t)most + 1;
     r->tokens = malloc((size_t)r->cap * sizeof *r->tokens);
     r->stop_ids = malloc((size_t)(p->n_stop ? p->n_stop : 1) * sizeof *r->stop_ids);
-    int rc = (!r->tokens || !r->stop_ids) ? TD_ENOMEM : 0;
+    if (s->p.spec.method != DC_SPEC_OFF)
+        r->draft = malloc((size_t)s->p.spec.max_tokens * sizeof *r->draft);
+    int rc = (!r->tokens || !r->stop_ids || (s->p.spec.method != DC_SPEC_OFF && !r->draft))
+                 ? TD_ENOMEM
+                 : 0;
     /* a moved request's sampler skips the draws made before it moved */
     if (!rc) rc = kn_sampler_init(&r->smp, &p->sampling, s->m->hp.n_vocab);
     if (!rc) kn_sampler_set_pool(&r->smp, s->p.sample_pool);
@@ -280,6 +319,7 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     if (rc) {
         gr_matcher_destroy(r->gm);
         kn_sampler_fini(&r->smp);
+        free(r->draft);
         free(r->tokens);
         free(r->stop_ids);
         free(r);
@@ -294,6 +334,7 @@ static int req_new(dc_sched *s, const dc_request_params *p, dc_req **out)
     r->ignore_eos = p->ignore_eos;
     r->logit_row = -1;
     r->plp_next = p->sampling.prompt_logprobs ? 1 : p->n_prompt;
+    dc_spec_req_init(&r->spec);
     kn_kv_seq_init(&r->seq);
     *out = r;
     return 0;
@@ -371,6 +412,7 @@ static void preempt(dc_sched *s, int i)
     kn_kv_seq_release(s->mem, &r->seq); /* cached blocks stay cached: a re-admission finds them */
     r->n_computed = 0;
     r->chunk = 0;
+    r->n_draft = 0;
     s->preemptions++;
     if (list_push_front(&s->waiting, r)) {
         /* cannot fail: the waiting list had room for it before it was admitted... but a
@@ -535,9 +577,56 @@ static int admit_waiting(dc_sched *s, int budget)
     return budget;
 }
 
+static double draft_ms(const void *cost, int32_t pos)
+{
+    return dc_cost_draft_ms(cost, pos);
+}
+
+/* Speculative decoding (dc_spec.h): the proposals each decoding request of the step
+ * verifies beside its decode row, never past what it may still generate; the rows they
+ * need are reserved without preempting anyone (a short pool verifies fewer). Adds their
+ * rows to d. */
+static void plan_proposals(dc_sched *s, dc_step_shape *d)
+{
+    const dc_spec_params *sp = &s->p.spec;
+    int n = 0;
+    for (int i = 0; i < s->running.n; i++) {
+        dc_req *r = s->running.v[i];
+        r->n_draft = r->n_cand = 0;
+        if (r->chunk != 1 || r->n_tokens - r->n_computed != 1) continue;
+        int k = sp->max_tokens, room = r->max_tokens - r->n_generated - 1;
+        if (room > s->p.max_ctx - r->n_tokens - 1) room = s->p.max_ctx - r->n_tokens - 1;
+        k = k < room ? k : room;
+        if (k > 0)
+            r->n_cand =
+                dc_spec_ngram(r->tokens, r->n_tokens, sp->ngram_min, sp->ngram_max, k, r->draft);
+        if (!r->n_cand) {
+            dc_spec_req_observe(&r->spec, 0, 0);
+            continue;
+        }
+        s->cands[n++] = (dc_spec_cand){
+            .accept = r->spec.accept, .n_cand = r->n_cand, .pos0 = r->n_tokens, .take = r->n_cand};
+    }
+    if (!n) return;
+    if (!sp->pinned)
+        dc_spec_choose(s->cands, n, d->n_decode, dc_cost_predict(&s->cost, d), draft_ms, &s->cost);
+    int c = 0;
+    for (int i = 0; i < s->running.n; i++) {
+        dc_req *r = s->running.v[i];
+        if (!r->n_cand) continue;
+        int take = s->cands[c++].take;
+        if (!take) dc_spec_req_observe(&r->spec, 0, 0);
+        if (!take || kn_kv_seq_reserve(s->mem, &r->seq, r->n_computed + 1 + take)) continue;
+        r->n_draft = take;
+        r->chunk = 1 + take;
+        d->n_draft += take;
+        d->attn += take * (double)r->n_tokens + (double)take * (take + 1) / 2;
+    }
+}
+
 /* 1. decoding requests: one token each, oldest first, always (the budget is for prefill
- * tokens only, so a small budget never starves running decodes). Then, with
- * p.itl_target_ms, the time the step's prefill may take beside them. */
+ * tokens only, so a small budget never starves running decodes), and their proposals. Then,
+ * with p.itl_target_ms, the time the step's prefill may take beside them. */
 static void plan_decodes(dc_sched *s)
 {
     for (int i = 0; i < s->running.n; i++) {
@@ -556,6 +645,7 @@ static void plan_decodes(dc_sched *s)
     dc_step_shape d = {0};
     for (int i = 0; i < s->running.n; i++)
         if (s->running.v[i]->chunk) d.n_decode++, d.attn += s->running.v[i]->n_computed + 1;
+    if (s->p.spec.method != DC_SPEC_OFF) plan_proposals(s, &d);
     s->capping = s->p.itl_target_ms > 0 && d.n_decode > 0;
     s->prefill_planned = s->capped = false;
     s->ms_left = s->p.itl_target_ms - dc_cost_predict(&s->cost, &d);
@@ -606,9 +696,10 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
 static int lay_out(dc_sched *s, dc_step *step)
 {
     /* lay out the batch: requests in running order, each its chunk of tokens; first the
-     * one-token decode rows, then the prefill chunks. The decode rows are solo rows
-     * (computed as if each were alone), so a running request's next token does not depend
-     * on what else is batched. With p.deterministic the prefill rows are too: otherwise a
+     * one-token decode rows (each followed by its proposals' rows, dc_spec.h), then the
+     * prefill chunks. The decode rows are solo rows (computed as if each were alone), so a
+     * running request's next token does not depend on what else is batched, nor on whether
+     * it speculates. With p.deterministic the prefill rows are too: otherwise a
      * prompt whose chunk shares a step with others takes the batched (gemm) path, whose
      * rounding differs from the dot path's, and that alone can flip a sampled token later
      * (decode_node 'concurrent'). Its cost: colocated prefill on the dot path, about half
@@ -618,10 +709,19 @@ static int lay_out(dc_sched *s, dc_step *step)
         if (pass == 1) n_decode = n; /* the decode rows came first */
         for (int i = 0; i < s->running.n; i++) {
             dc_req *r = s->running.v[i];
-            bool decode = r->chunk == 1 && r->n_computed + 1 == r->n_tokens;
+            bool decode = r->chunk == 1 + r->n_draft && r->n_computed + 1 == r->n_tokens;
             if (!r->chunk || decode != (pass == 0)) continue;
             r->plp_n = 0;
-            for (int32_t j = 0; j < r->chunk; j++) {
+            if (decode) { /* the decode row and its proposals: a logit row each */
+                r->logit_row = nrows;
+                for (int32_t j = 0; j < r->chunk; j++) {
+                    s->tok[n] = j ? r->draft[j - 1] : r->tokens[r->n_computed];
+                    s->pos[n] = r->n_computed + j;
+                    s->seq_of[n] = nseq;
+                    s->rows[nrows++] = n++;
+                }
+            }
+            for (int32_t j = 0; j < r->chunk && !decode; j++) {
                 int32_t q = r->n_computed + j;
                 s->tok[n] = r->tokens[q];
                 s->pos[n] = q;
@@ -636,14 +736,18 @@ static int lay_out(dc_sched *s, dc_step *step)
             }
             s->views[nseq] =
                 (kn_seq_view){.block_table = r->seq.blocks, .n_ctx = r->n_computed + r->chunk};
-            if (r->n_computed + r->chunk == r->n_tokens) {
+            if (!decode && r->n_computed + r->chunk == r->n_tokens) {
                 r->logit_row = nrows;
                 s->rows[nrows++] = n - 1;
             }
             s->in_step[nseq++] = r;
         }
     }
-    s->shape = (dc_step_shape){.n_decode = n_decode, .n_prefill = n - n_decode};
+    int n_draft = 0;
+    for (int i = 0; i < nseq; i++)
+        n_draft += s->in_step[i]->n_draft;
+    s->shape = (dc_step_shape){
+        .n_decode = n_decode - n_draft, .n_prefill = n - n_decode, .n_draft = n_draft};
     for (int i = 0; i < n; i++)
         s->shape.attn += s->pos[i] + 1;
     if (n == 0) return 0;
@@ -699,11 +803,93 @@ static int prompt_logprobs(dc_sched *s, dc_req *r, const float *logits)
     return rc;
 }
 
+/* Sample r's next token from its logit row (the grammar's mask applied, the matcher
+ * advanced unless it is a stop token); *lp its logprobs when the request asked. The token
+ * or a negative td_err. */
+static int32_t sample_row(dc_sched *s, dc_req *r, const float *row, td_logprob_entry *lp)
+{
+    int32_t n_vocab = s->m->hp.n_vocab;
+    const uint32_t *mask = NULL;
+    int32_t id = r->gm ? gr_matcher_mask(r->gm, &mask) : 0;
+    kn_sampler_set_mask(&r->smp, mask);
+    if (id == 0) id = kn_sample(&r->smp, row, r->tokens, r->n_tokens, r->n_tokens - r->out_from);
+    if (id >= 0 && r->gm && !is_stop(s, r, id)) id = grammar_accept(r, id);
+    /* the raw model distribution (vLLM's raw_logprobs): before the grammar's mask too */
+    if (id >= 0 && r->smp.p.logprobs)
+        id = kn_logprobs(row, n_vocab, id, (int)r->smp.p.logprobs - 1, lp) ? TD_EINVAL : id;
+    return id;
+}
+
+/* Speculative decoding's bookkeeping after r's verification: n_acc of its n_draft proposals
+ * were accepted (their KV kept); the KV of the rest is dropped when r goes on (keep), and
+ * the whole blocks of what it kept enter the prefix cache. */
+static void end_verification(dc_sched *s, dc_req *r, int n_acc, bool keep)
+{
+    s->spec_drafts++;
+    s->spec_draft_tokens += (uint64_t)r->n_draft;
+    s->spec_accepted += (uint64_t)n_acc;
+    for (int j = 0; j < n_acc; j++)
+        s->spec_accepted_pos[j]++;
+    dc_spec_req_observe(&r->spec, r->n_draft, n_acc);
+    r->n_draft = 0;
+    if (keep && kn_kv_seq_rollback(s->mem, &r->seq, r->tokens, r->n_computed)) {
+        /* no block for a private copy: the sequence kept its whole blocks only; the rest
+         * is computed again (kv_mem.h) */
+        r->n_computed = r->n_computed / s->kv->block_size * s->kv->block_size;
+    }
+    pc_insert(s, r);
+}
+
+/* Emit r's tokens from the step's logits: its next token from its first logit row and,
+ * while the step verified proposals (r->n_draft) and each sampled token equals the
+ * proposal its row was computed for, the next ones from the rows that follow (dc_spec.h:
+ * the tokens are those of sampling one step at a time). Sends them in one event; frees r
+ * (and removes it from the running list, index i) when it finished. */
+static void emit_tokens(dc_sched *s, int i, dc_req *r, const float *logits)
+{
+    int32_t n_vocab = s->m->hp.n_vocab;
+    bool want_lp = r->smp.p.logprobs;
+    int n = 0, n_acc = 0, nd = r->n_draft;
+    dc_finish why = DC_FINISH_NONE;
+    for (int j = 0; j <= nd; j++) {
+        const float *row = logits + (size_t)(r->logit_row + j) * (size_t)n_vocab;
+        int32_t id = sample_row(s, r, row, &s->emit_lp[n]);
+        if (id < 0) {
+            TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id, td_strerror(id));
+            why = DC_FINISH_ERROR;
+            break;
+        }
+        r->n_generated++; /* a stop token is generated work (usage counts it), not sent */
+        if (is_stop(s, r, id)) {
+            why = DC_FINISH_STOP;
+            break;
+        }
+        r->tokens[r->n_tokens++] = s->emit[n++] = id;
+        if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
+        if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP; /* the document is whole */
+        if (why != DC_FINISH_NONE || j == nd || id != r->draft[j]) break;
+        r->n_computed++; /* proposal j was id: its row's KV holds */
+        n_acc++;
+    }
+    r->logit_row = -1;
+    if (nd) end_verification(s, r, n_acc, why == DC_FINISH_NONE);
+    /* an error's event carries no tokens: those sampled before it go out first */
+    if (s->sink.on_tokens && (n || why != DC_FINISH_ERROR))
+        s->sink.on_tokens(s->sink.ctx, r->id, s->emit, n, want_lp ? s->emit_lp : NULL,
+                          why == DC_FINISH_ERROR ? DC_FINISH_NONE : why, r->n_prompt,
+                          r->n_generated, r->n_cached);
+    if (why == DC_FINISH_ERROR) {
+        finish(s, &s->running, i, DC_FINISH_ERROR);
+    } else if (why != DC_FINISH_NONE) {
+        list_remove_at(&s->running, i);
+        req_free(s, r);
+    }
+}
+
 int dc_sched_commit(dc_sched *s, const float *logits, int rc)
 {
     if (!s->planned) return TD_ESTATE;
     s->planned = false;
-    int32_t n_vocab = s->m->hp.n_vocab;
     for (int i = s->running.n - 1; i >= 0; i--) {
         dc_req *r = s->running.v[i];
         if (!r->chunk) continue;
@@ -711,51 +897,15 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
             finish(s, &s->running, i, DC_FINISH_ERROR);
             continue;
         }
-        r->n_computed += r->chunk;
+        /* a proposal's KV is kept only once it is accepted (emit_tokens) */
+        r->n_computed += r->chunk - r->n_draft;
         r->chunk = 0;
-        pc_insert(s, r);
+        if (!r->n_draft) pc_insert(s, r);
         if (r->plp_n && prompt_logprobs(s, r, logits)) {
             finish(s, &s->running, i, DC_FINISH_ERROR);
             continue;
         }
-        if (r->logit_row < 0) continue;
-        const float *row = logits + (size_t)r->logit_row * (size_t)n_vocab;
-        const uint32_t *mask = NULL;
-        int32_t id = r->gm ? gr_matcher_mask(r->gm, &mask) : 0;
-        kn_sampler_set_mask(&r->smp, mask);
-        if (id == 0)
-            id = kn_sample(&r->smp, row, r->tokens, r->n_tokens, r->n_tokens - r->out_from);
-        r->logit_row = -1;
-        if (id >= 0 && r->gm && !is_stop(s, r, id)) id = grammar_accept(r, id);
-        td_logprob_entry lp, *lpp = NULL;
-        if (id >= 0 && r->smp.p.logprobs) {
-            /* the raw model distribution (vLLM's raw_logprobs): before the grammar's mask too */
-            id = kn_logprobs(row, n_vocab, id, (int)r->smp.p.logprobs - 1, &lp) ? TD_EINVAL : id;
-            lpp = &lp;
-        }
-        if (id < 0) {
-            TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id, td_strerror(id));
-            finish(s, &s->running, i, DC_FINISH_ERROR);
-            continue;
-        }
-        if (is_stop(s, r, id)) {
-            /* the stop token is generated work (usage counts it) but is not sent */
-            r->n_generated++;
-            finish(s, &s->running, i, DC_FINISH_STOP);
-            continue;
-        }
-        r->tokens[r->n_tokens++] = id;
-        r->n_generated++;
-        dc_finish why = DC_FINISH_NONE;
-        if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
-        if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP; /* the document is whole */
-        if (s->sink.on_tokens)
-            s->sink.on_tokens(s->sink.ctx, r->id, &id, 1, lpp, why, r->n_prompt, r->n_generated,
-                              r->n_cached);
-        if (why != DC_FINISH_NONE) {
-            list_remove_at(&s->running, i);
-            req_free(s, r);
-        }
+        if (r->logit_row >= 0) emit_tokens(s, i, r, logits);
     }
     return rc;
 }
@@ -855,7 +1005,7 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
     for (int i = 0; i < s->xfer.n; i++)
         arrived += s->xfer.v[i]->arrived;
     kn_kv_tier_stats ts = s->tier ? kn_kv_tier_get_stats(s->tier) : (kn_kv_tier_stats){0};
-    return (dc_sched_stats){
+    dc_sched_stats st = {
         .running = s->running.n,
         .waiting = s->waiting.n + arrived,
         .transferring = s->xfer.n - arrived,
@@ -870,5 +1020,10 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
         .tier_hits = s->tier_hits,
         .tier_errors = ts.errors,
         .prefill_capped = s->prefill_capped,
+        .spec_drafts = s->spec_drafts,
+        .spec_draft_tokens = s->spec_draft_tokens,
+        .spec_accepted = s->spec_accepted,
     };
+    memcpy(st.spec_accepted_pos, s->spec_accepted_pos, sizeof st.spec_accepted_pos);
+    return st;
 }

@@ -65,6 +65,7 @@
 #include "gr_grammar.h"
 #include "kv_mem.h"
 #include "model.h"
+#include "dc_spec.h"
 #include "sampler.h"
 
 typedef enum {
@@ -136,6 +137,9 @@ typedef struct {
      * (kn_sampler_set_pool: the same tokens), borrowed for the scheduler's life; the caller
      * never runs it during dc_sched_commit; NULL: the calling thread alone */
     struct kn_pool *sample_pool;
+    /* speculative decoding (dc_spec.h): a decoding request's proposals verified in its
+     * step; method DC_SPEC_OFF: none */
+    dc_spec_params spec;
 } dc_sched_params;
 
 enum { DC_SCHED_MIN_PREFILL = 32 }; /* prefill tokens a capped step still takes */
@@ -160,6 +164,11 @@ typedef struct {
      * requests whose KV came from blocks read back, tier errors (all 0 without a tier) */
     uint64_t tier_writes, tier_reads, tier_hits, tier_errors;
     uint64_t prefill_capped; /* steps whose prefill share itl_target_ms cut */
+    /* speculative decoding: verifications (decode rows that carried proposals), proposed
+     * tokens verified, of which accepted, and accepted at each proposal position (0: the
+     * first of a verification), all since the start */
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
+    uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
 } dc_sched_stats;
 
 /* mem: the shard's KV memory (borrowed; outlives the scheduler), to which create adds the

@@ -93,6 +93,33 @@ static const bad_case bad_cases[] = {
     {"decode_itl_text", MIN "    itl_target_ms: fast\n", 4, 20, "expected a number, got 'fast'"},
     {"decode_overlap_text", MIN "    overlap: sometimes\n", 4, 14,
      "expected true or false, got 'sometimes'"},
+    {"spec_type", MIN "    speculative: ngram\n", 4, 18,
+     "decode[0].speculative: expected a mapping, got a string"},
+    {"spec_unknown", MIN "    speculative:\n      k: 4\n", 5, 7,
+     "unknown key 'k' in decode[0].speculative (known: method, max_tokens, adaptive, "
+     "ngram_min, ngram_max)"},
+    {"spec_method", MIN "    speculative:\n      method: eagle\n", 5, 15,
+     "unknown speculative method 'eagle' (known: ngram, off)"},
+    {"spec_method_null", MIN "    speculative:\n      method:\n", 5, 14,
+     "expected a string, got nothing (null)"},
+    {"spec_max_zero", MIN "    speculative:\n      max_tokens: 0\n", 5, 19,
+     "0 is out of range [1, 32]"},
+    {"spec_max_big", MIN "    speculative:\n      max_tokens: 33\n", 5, 19,
+     "33 is out of range [1, 32]"},
+    {"spec_adaptive", MIN "    speculative:\n      adaptive: sometimes\n", 5, 17,
+     "expected true or false, got 'sometimes'"},
+    {"spec_min_zero", MIN "    speculative:\n      ngram_min: 0\n", 5, 18,
+     "0 is out of range [1, 16]"},
+    {"spec_max_ngram_big", MIN "    speculative:\n      ngram_max: 17\n", 5, 18,
+     "17 is out of range [1, 16]"},
+    {"spec_min_gt_max", MIN "    speculative:\n      ngram_min: 3\n      ngram_max: 2\n", 5, 18,
+     "decode[0].speculative: ngram_min (3) is larger than ngram_max (2)"},
+    {"spec_min_gt_default_max", MIN "    speculative:\n      ngram_min: 5\n", 5, 18,
+     "ngram_min (5) is larger than ngram_max (4)"},
+    {"spec_max_lt_default_min", MIN "    speculative:\n      ngram_max: 1\n", 5, 18,
+     "ngram_min (2) is larger than ngram_max (1)"},
+    {"spec_dup", MIN "    speculative:\n      max_tokens: 4\n      max_tokens: 5\n", 6, 7,
+     "duplicate key 'max_tokens' in decode[0].speculative (first at line 5)"},
     {"pd_block_mismatch",
      "model: /m\nprefill:\n  - name: p0\ndecode:\n  - name: d0\n  - name: d1\n    block_size: 32\n",
      6, 5, "with prefill instances every decode instance needs the same"},
@@ -217,12 +244,25 @@ static void test_good_file(void)
                        "    step_tokens: 128\n"
                        "    itl_target_ms: 75.5\n"
                        "    overlap: true\n"
+                       "    speculative:\n"
+                       "      method: off\n"
+                       "      max_tokens: 32\n"
+                       "      adaptive: false\n"
+                       "      ngram_min: 3\n"
+                       "      ngram_max: 3\n"
                        "    kv_dtype: f32\n"
                        "    port: 7000\n"
                        "    devices: [2, 3, 4]\n"
                        "  - name: d1\n"
                        "    block_size: 32\n"
                        "    kv_dtype: f32\n"
+                       "  - name: d2\n"
+                       "    block_size: 32\n"
+                       "    kv_dtype: f32\n"
+                       "    speculative:\n"
+                       "      max_tokens: 1\n"
+                       "      ngram_min: 1\n"
+                       "      ngram_max: 16\n"
                        "kvxfer:\n"
                        "  ucx_tls: tcp\n"
                        "  timeout_ms: 5000\n";
@@ -248,7 +288,7 @@ static void test_good_file(void)
              c->router.cache_aware.cache_threshold == 0.25 &&
              c->router.cache_aware.balance_abs_threshold == 8 &&
              c->router.cache_aware.balance_rel_threshold == 1.5);
-    TH_REQUIRE(c->n_prefill == 2 && c->n_decode == 2);
+    TH_REQUIRE(c->n_prefill == 2 && c->n_decode == 3);
     const td_cfg_prefill *p = td_cfg_find_prefill(c, "p0");
     TH_REQUIRE(p);
     TH_CHECK(p->pp == 2 && p->n_layer_partition == 2 && p->layer_partition[0] == 14 &&
@@ -270,12 +310,23 @@ static void test_good_file(void)
              d->max_batch == 16 && d->step_tokens == 128 && d->itl_target_ms == 75.5 &&
              d->kv_dtype == TD_F32 && d->port == 7000 && d->overlap && d->n_devices == 3 &&
              d->devices[2] == 4);
+    TH_CHECK(d->speculative.method == TD_CFG_SPEC_OFF && d->speculative.max_tokens == 32 &&
+             !d->speculative.adaptive && d->speculative.ngram_min == 3 &&
+             d->speculative.ngram_max == 3);
+    d = td_cfg_find_decode(c, "d2"); /* a partial map: the rest defaults */
+    TH_REQUIRE(d);
+    TH_CHECK(d->speculative.method == TD_CFG_SPEC_NGRAM && d->speculative.max_tokens == 1 &&
+             d->speculative.adaptive && d->speculative.ngram_min == 1 &&
+             d->speculative.ngram_max == 16);
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);
     TH_CHECK(d->tp == 1 && d->ep == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
              d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
              d->max_batch == 64 && d->step_tokens == 512 && d->itl_target_ms == 0 &&
              d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap && !d->devices);
+    TH_CHECK(d->speculative.method == TD_CFG_SPEC_NGRAM && d->speculative.max_tokens == 8 &&
+             d->speculative.adaptive && d->speculative.ngram_min == 2 &&
+             d->speculative.ngram_max == 4);
     TH_CHECK(!td_cfg_find_decode(c, "p0") && !td_cfg_find_prefill(c, "d0") &&
              !td_cfg_find_decode(c, "nope"));
     TH_CHECK(!strcmp(c->kvxfer.ucx_tls, "tcp") && c->kvxfer.timeout_ms == 5000);
@@ -312,7 +363,31 @@ static void test_good_file(void)
              c->router.cache_aware.cache_threshold == 0.5 &&
              c->router.cache_aware.balance_abs_threshold == 32 &&
              c->router.cache_aware.balance_rel_threshold == 1.1);
+    TH_CHECK(c->decode[0].speculative.method == TD_CFG_SPEC_NGRAM &&
+             c->decode[0].speculative.max_tokens == 8 && c->decode[0].speculative.adaptive &&
+             c->decode[0].speculative.ngram_min == 2 && c->decode[0].speculative.ngram_max == 4);
     td_cfg_free(c);
+
+    /* speculative: an empty map, and each method by name (quoted or not) */
+    static const struct {
+        const char *text;
+        td_cfg_spec_method method;
+    } spec[] = {
+        {MIN "    speculative:\n", TD_CFG_SPEC_NGRAM},
+        {MIN "    speculative: {}\n", TD_CFG_SPEC_NGRAM},
+        {MIN "    speculative:\n      method: ngram\n", TD_CFG_SPEC_NGRAM},
+        {MIN "    speculative:\n      method: \"off\"\n", TD_CFG_SPEC_OFF},
+        {MIN "    speculative: {method: off, adaptive: true}\n", TD_CFG_SPEC_OFF},
+    };
+    for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
+        TH_REQUIRE(td_cfg_parse(spec[i].text, strlen(spec[i].text), "spec", &c, err, sizeof err) ==
+                   0);
+        const td_cfg_spec *s = &c->decode[0].speculative;
+        TH_CHECKF(s->method == spec[i].method && s->max_tokens == 8 && s->adaptive &&
+                      s->ngram_min == 2 && s->ngram_max == 4,
+                  "spec case %zu", i);
+        td_cfg_free(c);
+    }
 
     /* a smaller maximum alone lowers the default deadline with it */
     const char *lower = MIN "router:\n  max_request_timeout_ms: 20000\n";

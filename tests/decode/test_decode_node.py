@@ -12,6 +12,9 @@ Checks (each a separate case, all must pass):
     same outputs (preempted requests too, recomputed bit for bit; also on the default
     model); a request larger than the pool is refused with a clear error; the pool reports 0
     blocks used afterwards;
+  speculative decoding (prompt lookup, pinned: every proposal verified) on the default
+    model: greedy at tp 3 equal to `tandem generate`, seeded sampling equal to speculation
+    off, with proposals accepted (the node's log);
   cancel mid-generation finishes the request as cancelled and frees its blocks;
   bytes that are not a message get an error reply and the node keeps serving;
   an idle instance uses (almost) no CPU;
@@ -25,6 +28,7 @@ usage: test_decode_node.py --decode BIN --tandem BIN --synth-dir DIR
 import argparse
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -161,6 +165,58 @@ def case_equals_generate(args, model, tp, prompts, n_tokens, label):
                                f"{' '.join(got or [])[:80]} vs generate {' '.join(want)[:80]}")
     finally:
         inst.stop()
+
+
+SAMPLED = ("--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05")
+# speculation on every decode row that has a proposal (not only where it pays), with
+# single-token matches: as many verifications as the requests allow
+SPEC_PINNED = {"speculative": {"method": "ngram", "adaptive": False, "max_tokens": 6,
+                               "ngram_min": 1}}
+
+
+def spec_accepted(log):
+    m = re.findall(r"speculation: (\d+) verifications, (\d+) proposed tokens, (\d+) accepted", log)
+    return [int(x) for x in m[-1]] if m else [0, 0, 0]
+
+
+def case_spec(args, model):
+    """Speculative decoding (prompt lookup) keeps every token: greedy at tp 3 against
+    `tandem generate` (no speculation there), seeded sampling at tp 1 against the node with
+    speculation off, on prompts a
+    model copies from (a repeated stretch of tokens: prompt lookup's case) and a chat prompt;
+    the node's log shows proposals verified and accepted."""
+    rnd = random.Random(11)
+    stretch = [rnd.randrange(1000, 40000) for _ in range(24)]
+    prompts = [stretch * 3 + stretch[:5], CHAT_PROMPTS[0]]
+    inst = Instance(args, model, 3, decode_extra=SPEC_PINNED)
+    try:
+        for i, ids in enumerate(prompts):
+            want = generate_ids(args, model, ids, 40)
+            got, finish = node_ids(inst, ids, 40)
+            check(got == want, f"speculation tp3: prompt {i}: node {finish} "
+                               f"{' '.join(got or [])[:80]} vs generate {' '.join(want)[:80]}")
+    finally:
+        inst.stop()
+    v, p, a = spec_accepted(inst.log_all(0))
+    check(v > 0 and a > 0 and a <= p, f"speculation tp3: {v} verifications, {p} proposed, "
+                                      f"{a} accepted")
+    # seeded sampling: the same tokens with speculation off and on (tandem generate's
+    # single thread cuts attention differently from a 2-thread rank: not a reference here)
+    outs = []
+    for extra in ({"speculative": {"method": "off"}}, SPEC_PINNED):
+        inst = Instance(args, model, 1, threads=2, decode_extra=extra)
+        try:
+            outs.append([inst.client("--prompt-ids", ",".join(map(str, ids)), "--max-tokens",
+                                     "40", *SAMPLED, "--seed", str(5 + i)).stdout.split()[1:]
+                         for i, ids in enumerate(prompts)])
+        finally:
+            inst.stop()
+    for i in range(len(prompts)):
+        check(outs[0][i] == outs[1][i] and len(outs[0][i]) > 1,
+              f"speculation sampled: prompt {i}: on {' '.join(outs[1][i])[:80]} vs off "
+              f"{' '.join(outs[0][i])[:80]}")
+    v, p, a = spec_accepted(inst.log_all(0))
+    check(v > 0 and a > 0, f"speculation sampled: {v} verifications, {a} accepted")
 
 
 def write_requests(path, reqs):
@@ -320,6 +376,7 @@ def main():
         cases.insert(2, ("concurrent default", lambda: case_concurrent(
             args, args.model, 49152, 512, "concurrent default model", n=8, max_len=400, top_k=0,
             max_tokens=48, temperature=1.0)))
+        cases.insert(4, ("speculation default", lambda: case_spec(args, args.model)))
         cases.insert(3, ("pool pressure default", lambda: case_concurrent(
             args, args.model, 49152, 40, "pool pressure default model", expect_preempt=True,
             n=8, max_len=400, top_k=0, max_tokens=48, temperature=1.0)))

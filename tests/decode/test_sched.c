@@ -94,8 +94,9 @@ static int drive(dc_sched *s, kn_kv_pool *kv, int max_steps, float *logits)
 }
 
 static float *logits_buf;
-static bool pc_on;         /* run(): with the prefix cache */
-static bool pc_one_by_one; /* run(): each request to its end before the next is submitted */
+static dc_spec_params spec; /* speculative decoding of the schedulers created (off: {0}) */
+static bool pc_on;          /* run(): with the prefix cache */
+static bool pc_one_by_one;  /* run(): each request to its end before the next is submitted */
 
 static int run(const int *which, int n_which, int n_blocks, int step_tokens, outputs *o,
                dc_sched_stats *stats)
@@ -106,7 +107,8 @@ static int run(const int *which, int n_which, int n_blocks, int step_tokens, out
     if (kn_kv_mem_create(&kp, &mem)) return -1;
     kn_kv_pool *kv = kn_kv_mem_pool(mem);
     dc_sched *s;
-    dc_sched_params sp = {.max_running = 16, .step_tokens = step_tokens, .prefix_cache = pc_on};
+    dc_sched_params sp = {
+        .max_running = 16, .step_tokens = step_tokens, .prefix_cache = pc_on, .spec = spec};
     if (dc_sched_create(&sp, model, mem, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s))
         return -1;
     int steps = 0;
@@ -457,7 +459,7 @@ static void transfer_all(int n_blocks, const char *what)
     outputs o;
     memset(&o, 0, sizeof o);
     dc_sched *s;
-    dc_sched_params sp = {.max_running = 16, .step_tokens = 48};
+    dc_sched_params sp = {.max_running = 16, .step_tokens = 48, .spec = spec};
     TH_REQUIRE(dc_sched_create(&sp, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
                0);
     for (int i = 0; i < N_REQ; i++) {
@@ -855,6 +857,178 @@ static void test_itl_target(void)
     }
 }
 
+/* ---- speculative decoding (dc_spec.h) ---- */
+
+static double flat_ms(const void *ctx, int32_t pos)
+{
+    (void)pos;
+    return *(const double *)ctx;
+}
+
+static void test_spec_units(void)
+{
+    int32_t out[8];
+    /* the suffix [7 8] occurred twice: the most recent occurrence's continuation wins */
+    int32_t t1[] = {7, 8, 1, 2, 3, 7, 8, 4, 5, 6, 9, 7, 8};
+    TH_CHECK(dc_spec_ngram(t1, 13, 2, 4, 3, out) == 3 && out[0] == 4 && out[1] == 5 && out[2] == 6);
+    /* a longer match beats a more recent shorter one: [3 7 8] matches only at 2..4 */
+    int32_t t2[] = {3, 7, 8, 1, 2, 9, 7, 8, 5, 3, 7, 8};
+    TH_CHECK(dc_spec_ngram(t2, 12, 2, 4, 8, out) == 8 && out[0] == 1 && out[1] == 2);
+    /* the continuation stops at the end of the tokens: [5 5 5] proposes one 5 (the
+     * occurrence ending one before the end) */
+    int32_t t3[] = {1, 5, 5, 5};
+    TH_CHECK(dc_spec_ngram(t3, 4, 2, 4, 4, out) == 1 && out[0] == 5);
+    /* no earlier occurrence of the last ngram_min tokens, too short, k 0 */
+    int32_t t4[] = {1, 2, 3, 4, 5};
+    TH_CHECK(dc_spec_ngram(t4, 5, 2, 4, 4, out) == 0);
+    TH_CHECK(dc_spec_ngram(t4, 2, 2, 4, 4, out) == 0);
+    TH_CHECK(dc_spec_ngram(t1, 13, 2, 4, 0, out) == 0);
+    TH_CHECK(dc_spec_ngram(t1, 13, 1, 1, 2, out) == 2 && out[0] == 4 && out[1] == 5);
+
+    /* acceptance estimates: accepted ones raise it, a rejected one lowers it, steps without
+     * proposals bring it back toward the start */
+    dc_spec_req q;
+    dc_spec_req_init(&q);
+    double a0 = q.accept;
+    dc_spec_req_observe(&q, 4, 4);
+    TH_CHECK(q.accept > a0);
+    for (int i = 0; i < 20; i++)
+        dc_spec_req_observe(&q, 4, 0);
+    double low = q.accept;
+    TH_CHECK(low < 0.1);
+    dc_spec_req_observe(&q, 0, 0);
+    TH_CHECK(q.accept > low && q.accept < a0);
+
+    /* choice: a row costing 1 ms beside a 10 ms step of one decode row pays while p * ms >
+     * tokens: with 0.5 the first (0.5 * 10 > 1) and second (0.25 * 11 > 1.5) do, the third
+     * (0.125 * 12 < 1.75) not */
+    double row = 1.0;
+    dc_spec_cand c[2] = {{.accept = 0.5, .n_cand = 8}, {.accept = 0.9, .n_cand = 2}};
+    dc_spec_choose(c, 1, 1, 10, flat_ms, &row);
+    TH_CHECKF(c[0].take == 2, "took %d", c[0].take);
+    /* two requests: the likelier ones first, up to what each has */
+    dc_spec_choose(c, 2, 2, 10, flat_ms, &row);
+    TH_CHECKF(c[1].take == 2 && c[0].take >= 1 && c[0].take < 2, "took %d, %d", c[0].take,
+              c[1].take);
+    /* a large batch: verification rows cost as much as what they may add */
+    dc_spec_choose(c, 2, 64, 40, flat_ms, &row);
+    TH_CHECK(c[0].take == 0 && c[1].take == 0);
+}
+
+/* Requests N_REQ.. N_REQ + N_LONG - 1: long greedy generations (a random model's text
+ * falls into loops, which prompt lookup predicts), as alone without speculation. */
+#define N_LONG 6
+static outputs long_alone;
+
+/* Request NEXT_TURN: the next turn of request N_REQ's conversation (its prompt, 40 tokens it
+ * generated, 3 more), whose prefix the cache holds once N_REQ ran. */
+#define NEXT_TURN 30
+
+static void check_long(const outputs *o, const char *what)
+{
+    for (int i = N_REQ; i < N_REQ + N_LONG; i++)
+        TH_CHECKF(o->n[i] == long_alone.n[i] &&
+                      !memcmp(o->ids[i], long_alone.ids[i], sizeof(int32_t) * o->n[i]),
+                  "%s: long request %d differs from alone", what, i);
+}
+
+static void setup_long(void)
+{
+    for (int i = N_REQ; i < N_REQ + N_LONG; i++) {
+        specs[i].n_prompt = 24 + 8 * (i - N_REQ);
+        for (int j = 0; j < specs[i].n_prompt; j++)
+            specs[i].prompt[j] = (int32_t)((j % (3 + i - N_REQ)) * 37 + i) % model->hp.n_vocab;
+        specs[i].max_tokens = 60;
+        specs[i].temperature = i % 2 ? 0.7f : 0.0f;
+        specs[i].seed = 77 + (uint64_t)i;
+        outputs o;
+        run(&i, 1, 256, 64, &o, NULL);
+        memcpy(long_alone.ids[i], o.ids[i], sizeof o.ids[i]);
+        long_alone.n[i] = o.n[i];
+    }
+    req_spec *t = &specs[NEXT_TURN];
+    *t = specs[N_REQ];
+    memcpy(t->prompt + t->n_prompt, long_alone.ids[N_REQ], 40 * sizeof(int32_t));
+    t->n_prompt += 40;
+    for (int j = 0; j < 3; j++)
+        t->prompt[t->n_prompt++] = 5 + j;
+    t->max_tokens = 20;
+    int i = NEXT_TURN;
+    outputs o;
+    run(&i, 1, 256, 64, &o, NULL);
+    memcpy(long_alone.ids[i], o.ids[i], sizeof o.ids[i]);
+    long_alone.n[i] = o.n[i];
+}
+
+/* Every request's tokens with speculation as without (greedy and seeded sampling alike),
+ * with proposals really verified and accepted. */
+static void test_spec_equals_alone(void)
+{
+    setup_long();
+    int all[N_REQ + N_LONG];
+    for (int i = 0; i < N_REQ + N_LONG; i++)
+        all[i] = i;
+    const dc_spec_params modes[] = {
+        {.method = DC_SPEC_NGRAM, .max_tokens = 4, .pinned = true, .ngram_min = 1},
+        {.method = DC_SPEC_NGRAM, .max_tokens = 8, .pinned = true},
+        {.method = DC_SPEC_NGRAM}, /* adaptive, defaults */
+    };
+    for (size_t m = 0; m < sizeof modes / sizeof *modes; m++) {
+        spec = modes[m];
+        outputs o;
+        dc_sched_stats st;
+        int steps = run(all, N_REQ + N_LONG, 256, 64, &o, &st);
+        fprintf(stderr,
+                "  speculation (max %d, ngram_min %d, %s): %d steps, %llu verifications, "
+                "%llu proposals, %llu accepted\n",
+                spec.max_tokens, spec.ngram_min, spec.pinned ? "pinned" : "adaptive", steps,
+                (unsigned long long)st.spec_drafts, (unsigned long long)st.spec_draft_tokens,
+                (unsigned long long)st.spec_accepted);
+        check_same_as_alone(&o, N_REQ, "speculation");
+        check_long(&o, "speculation");
+        uint64_t pos_sum = 0;
+        for (int j = 0; j < DC_SPEC_MAX_TOKENS; j++)
+            pos_sum += st.spec_accepted_pos[j];
+        TH_CHECK(pos_sum == st.spec_accepted && st.spec_accepted <= st.spec_draft_tokens);
+        /* single-token matches propose often enough that some are accepted whatever the
+         * machine's kernels make of the random model */
+        if (spec.ngram_min == 1) TH_CHECK(st.spec_drafts > 0 && st.spec_accepted > 0);
+    }
+    spec = (dc_spec_params){0};
+}
+
+/* Speculation under pool pressure (preemption; proposals never preempt) and for requests
+ * whose prompt KV arrived by transfer, with the prefix cache: still every token as alone. */
+static void test_spec_pressure_and_transfer(void)
+{
+    int all[N_REQ + N_LONG];
+    for (int i = 0; i < N_REQ + N_LONG; i++)
+        all[i] = i;
+    spec =
+        (dc_spec_params){.method = DC_SPEC_NGRAM, .max_tokens = 6, .pinned = true, .ngram_min = 1};
+    outputs o;
+    dc_sched_stats st;
+    run(all, N_REQ + N_LONG, 14, 48, &o, &st);
+    TH_CHECK(st.preemptions > 0 && st.spec_accepted > 0);
+    check_same_as_alone(&o, N_REQ, "speculation, small pool");
+    check_long(&o, "speculation, small pool");
+    /* the next turn reads the blocks verification rows wrote for the turn before */
+    pc_on = pc_one_by_one = true;
+    int turns[2] = {N_REQ, NEXT_TURN};
+    run(turns, 2, 64, 64, &o, &st);
+    pc_on = pc_one_by_one = false;
+    TH_CHECKF(st.prefix_hits >= 48 && st.spec_accepted > 0, "%llu hits, %llu accepted",
+              (unsigned long long)st.prefix_hits, (unsigned long long)st.spec_accepted);
+    for (int k = 0; k < 2; k++)
+        TH_CHECKF(
+            o.n[turns[k]] == long_alone.n[turns[k]] &&
+                !memcmp(o.ids[turns[k]], long_alone.ids[turns[k]], sizeof(int32_t) * o.n[turns[k]]),
+            "speculation, prefix cache: request %d differs from alone", turns[k]);
+    transfer_all(256, "speculation, transferred");
+    transfer_all(14, "speculation, transferred, small pool");
+    spec = (dc_spec_params){0};
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -868,7 +1042,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot set up the engine for %s\n", argv[1]);
         return 1;
     }
-    logits_buf = malloc((size_t)64 * model->hp.n_vocab * sizeof(float));
+    /* a step's logit rows: 16 running requests with up to 32 proposals each, or a prefill */
+    logits_buf = malloc((size_t)16 * (1 + DC_SPEC_MAX_TOKENS) * model->hp.n_vocab * sizeof(float));
     uint64_t x = 12345;
     for (int i = 0; i < N_REQ; i++) {
         specs[i].n_prompt = 3 + (i * 37) % 90;
@@ -893,6 +1068,9 @@ int main(int argc, char **argv)
     TH_RUN(test_transfer_prefix);
     TH_RUN(test_transfer_tier);
     TH_RUN(test_itl_target);
+    TH_RUN(test_spec_units);
+    TH_RUN(test_spec_equals_alone);
+    TH_RUN(test_spec_pressure_and_transfer);
     free(logits_buf);
     kn_engine_destroy(engine);
     kn_cpu_destroy(cpu);

@@ -1,0 +1,83 @@
+/* dc_spec.h: speculative decoding's policy in the decode scheduler: which tokens a decoding
+ * request proposes for the next step, and how many of them are worth verifying.
+ *
+ * Purpose: at small batches a decode step reads every weight to produce one token per
+ * request; the same read verifies a few proposed tokens more. dc_sched lays a request's
+ * proposals out after its decode row (all of them solo rows, model.h: each row's logits are
+ * bit-identical to those of sequential decoding), samples each verified position with the
+ * request's own sampler in order, keeps the proposals up to the first that differs from
+ * what was sampled, and rolls the KV of the rest back (kvmem: kn_kv_seq_rollback).
+ * Because every proposal here is deterministic (a point mass), sampling the target and
+ * comparing is exactly rejection sampling (accept d with probability p(d), else draw from
+ * p without d renormalised): the output has the target's distribution, and a seeded
+ * request draws the same numbers in the same order as without speculation, so its tokens
+ * are the same with speculation on or off.
+ *
+ * Proposals (prompt lookup, vLLM's `ngram`, llama.cpp's lookup decoding): the longest
+ * suffix of the request's tokens (prompt and output) of ngram_min..ngram_max tokens that
+ * occurred before, its most recent earlier occurrence, and the tokens that followed it.
+ *
+ * How many (adaptive): each request keeps a running estimate a of the chance that a
+ * proposal it reaches is accepted (the j-th of a step is reached with a^(j-1), accepted with
+ * a^j). The step adds proposals, most likely first across the batch, while each raises the
+ * step's expected tokens per predicted millisecond: p * t > T * c, with p the proposal's
+ * chance, T the step's expected tokens so far, t its predicted time and c the predicted
+ * cost of one verification row (the step cost model, dc_plan.h, fitted from the measured
+ * step times). A large batch (T large against t) or a poor acceptance thus turns
+ * speculation off by itself. Not adaptive: every proposal up to max_tokens.
+ *
+ * Threading: none; the scheduler's engine loop calls everything.
+ */
+#ifndef DC_SPEC_H
+#define DC_SPEC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+enum { DC_SPEC_MAX_TOKENS = 32 }; /* bound on max_tokens (and the per-position counters) */
+
+typedef enum {
+    DC_SPEC_OFF = 0,
+    DC_SPEC_NGRAM, /* prompt lookup */
+} dc_spec_method;
+
+typedef struct {
+    dc_spec_method method;
+    int max_tokens; /* most proposals one request verifies in a step, 1..DC_SPEC_MAX_TOKENS;
+                       0: 8 */
+    bool pinned;    /* every proposal up to max_tokens, no adaptation */
+    int ngram_min;  /* shortest suffix matched; 0: 2 */
+    int ngram_max;  /* longest; 0: 4 (ngram_min <= ngram_max) */
+} dc_spec_params;
+
+/* A request's acceptance record. */
+typedef struct {
+    double accept; /* estimated chance that a reached proposal is accepted */
+} dc_spec_req;
+
+void dc_spec_req_init(dc_spec_req *q);
+/* A verification ended: n_proposed proposals, the first n_accepted of them accepted. */
+void dc_spec_req_observe(dc_spec_req *q, int n_proposed, int n_accepted);
+
+/* One request's proposals in a step (dc_spec_choose). */
+typedef struct {
+    double accept; /* its dc_spec_req estimate */
+    int n_cand;    /* proposals it has */
+    int32_t pos0;  /* the position of the first */
+    int take;      /* out: how many of them to verify */
+} dc_spec_cand;
+
+/* Adaptive: take proposals of c (n), the most likely first across requests, while each
+ * raises the step's expected tokens per predicted millisecond (see the top); tokens and
+ * ms: the step's without proposals (ms > 0); row_ms(ctx, pos): a verification row's
+ * predicted ms at position pos. */
+void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
+                    double (*row_ms)(const void *ctx, int32_t pos), const void *ctx);
+
+/* Prompt lookup: up to k tokens following the most recent earlier occurrence of the longest
+ * suffix of tokens[0, n) with ngram_min..ngram_max tokens; returns how many were written to
+ * out (0: no such occurrence). */
+int dc_spec_ngram(const int32_t *tokens, int32_t n, int ngram_min, int ngram_max, int k,
+                  int32_t *out);
+
+#endif
