@@ -11,6 +11,7 @@
  * learns from dc_sched_observe), yet always progresses, with the same tokens.
  * usage: test_sched MODEL.gguf
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,6 +33,9 @@ typedef struct {
     dc_finish finish[MAX_REQ];
     int finals[MAX_REQ];
     int32_t cached[MAX_REQ]; /* usage: prompt tokens from the prefix cache */
+    /* each token's logprob and its first alternative's (the odd requests ask for 2), NAN
+     * where the event had none (a transfer's first token) */
+    float lp[MAX_REQ][MAX_OUT][2];
 } outputs;
 
 static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n,
@@ -40,9 +44,11 @@ static void on_tokens(void *ctx, uint64_t id, const int32_t *ids, int n,
 {
     ((outputs *)ctx)->cached[id] = n_cached;
     outputs *o = ctx;
-    (void)lps;
-    for (int i = 0; i < n && o->n[id] < MAX_OUT; i++)
+    for (int i = 0; i < n && o->n[id] < MAX_OUT; i++) {
+        o->lp[id][o->n[id]][0] = lps ? lps[i].logprob : NAN;
+        o->lp[id][o->n[id]][1] = lps && lps[i].n_top > 1 ? lps[i].top[1].logprob : NAN;
         o->ids[id][o->n[id]++] = ids[i];
+    }
     if (finish != DC_FINISH_NONE) {
         o->finish[id] = finish;
         o->finals[id]++;
@@ -72,7 +78,10 @@ static dc_request_params params_of(int i)
         .id = (uint64_t)i,
         .prompt = specs[i].prompt,
         .n_prompt = specs[i].n_prompt,
-        .sampling = {.temperature = specs[i].temperature, .top_k = 20, .seed = specs[i].seed},
+        .sampling = {.temperature = specs[i].temperature,
+                     .top_k = 20,
+                     .seed = specs[i].seed,
+                     .logprobs = (uint32_t)(i % 2 ? 3 : 0)},
         .max_tokens = specs[i].max_tokens,
     };
 }
@@ -95,6 +104,7 @@ static int drive(dc_sched *s, kn_kv_pool *kv, int max_steps, float *logits)
 
 static float *logits_buf;
 static dc_spec_params spec; /* speculative decoding of the schedulers created (off: {0}) */
+static bool deterministic;  /* run(): every row solo */
 static bool pc_on;          /* run(): with the prefix cache */
 static bool pc_one_by_one;  /* run(): each request to its end before the next is submitted */
 
@@ -107,8 +117,11 @@ static int run(const int *which, int n_which, int n_blocks, int step_tokens, out
     if (kn_kv_mem_create(&kp, &mem)) return -1;
     kn_kv_pool *kv = kn_kv_mem_pool(mem);
     dc_sched *s;
-    dc_sched_params sp = {
-        .max_running = 16, .step_tokens = step_tokens, .prefix_cache = pc_on, .spec = spec};
+    dc_sched_params sp = {.max_running = 16,
+                          .step_tokens = step_tokens,
+                          .deterministic = deterministic,
+                          .prefix_cache = pc_on,
+                          .spec = spec};
     if (dc_sched_create(&sp, model, mem, (dc_sink){.ctx = o, .on_tokens = on_tokens}, &s))
         return -1;
     int steps = 0;
@@ -135,6 +148,7 @@ static void compute_alone(int n_req)
         outputs o;
         run(&i, 1, 256, 64, &o, NULL);
         memcpy(alone.ids[i], o.ids[i], sizeof o.ids[i]);
+        memcpy(alone.lp[i], o.lp[i], sizeof o.lp[i]);
         alone.n[i] = o.n[i];
         alone.finish[i] = o.finish[i];
     }
@@ -149,6 +163,20 @@ static void check_same_as_alone(const outputs *o, int n_req, const char *what)
                   "%s: req %d generated %d tokens, alone %d (first %d vs %d)", what, i, o->n[i],
                   alone.n[i], o->ids[i][0], alone.ids[i][0]);
         TH_CHECK(o->finish[i] == DC_FINISH_LENGTH);
+        /* with every row solo (deterministic), logprobs where both have them: the same bits
+         * (the odd requests asked); otherwise a prefill row's (a request's first token, or
+         * the first after a preemption) depends on its batch */
+        if (!deterministic) continue;
+        int lp_same = 1, lp_seen = 0;
+        for (int j = 0; j < o->n[i] && j < alone.n[i]; j++)
+            for (int k = 0; k < 2; k++)
+                if (!isnan(o->lp[i][j][k]) && !isnan(alone.lp[i][j][k])) {
+                    lp_seen++;
+                    lp_same &= memcmp(&o->lp[i][j][k], &alone.lp[i][j][k], sizeof(float)) == 0;
+                }
+        TH_CHECKF(lp_same && (i % 2 == 0 || lp_seen > 0), "%s: req %d: logprobs differ (%d seen)",
+                  what, i, lp_seen);
+        TH_CHECK(i % 2 || lp_seen == 0);
     }
 }
 
@@ -994,6 +1022,21 @@ static void test_spec_equals_alone(void)
          * machine's kernels make of the random model */
         if (spec.ngram_min == 1) TH_CHECK(st.spec_drafts > 0 && st.spec_accepted > 0);
     }
+    /* logprobs: with every row solo, each token's (a verification row's too) are those of
+     * the request alone without speculation, bit for bit */
+    static outputs saved;
+    saved = alone;
+    spec = (dc_spec_params){0};
+    deterministic = true;
+    compute_alone(N_REQ + N_LONG);
+    spec = modes[0];
+    outputs o;
+    dc_sched_stats st;
+    run(all, N_REQ + N_LONG, 256, 64, &o, &st);
+    check_same_as_alone(&o, N_REQ + N_LONG, "speculation, logprobs");
+    TH_CHECK(st.spec_accepted > 0);
+    deterministic = false;
+    alone = saved;
     spec = (dc_spec_params){0};
 }
 
