@@ -82,6 +82,12 @@ struct dc_sched {
     int32_t *emit;
     td_logprob_entry *emit_lp;
     dc_spec_cand *cands;
+    dc_req **cand_req; /* (cap_seqs) the request of each candidate */
+    /* DC_SPEC_DRAFT: the proposer's arguments, (cap_seqs) each */
+    uint64_t *pr_ids;
+    const int32_t **pr_toks;
+    int32_t *pr_ntok, **pr_out;
+    int *pr_k, *pr_nout;
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
 };
@@ -111,6 +117,8 @@ static void list_remove_at(req_list *l, int i)
 
 static void req_free(dc_sched *s, dc_req *r)
 {
+    if (s->p.spec.method == DC_SPEC_DRAFT && s->p.spec.proposer.drop)
+        s->p.spec.proposer.drop(s->p.spec.proposer.ctx, r->id);
     kn_kv_seq_fini(s->mem, &r->seq);
     kn_sampler_fini(&r->smp);
     gr_matcher_destroy(r->gm);
@@ -136,7 +144,8 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
     if (sp->ngram_min <= 0) sp->ngram_min = 2;
     if (sp->ngram_max <= 0) sp->ngram_max = sp->ngram_min > 4 ? sp->ngram_min : 4;
     if (sp->max_tokens > DC_SPEC_MAX_TOKENS || sp->ngram_max < sp->ngram_min ||
-        (sp->method != DC_SPEC_OFF && sp->method != DC_SPEC_NGRAM)) {
+        (sp->method != DC_SPEC_OFF && sp->method != DC_SPEC_NGRAM && sp->method != DC_SPEC_DRAFT) ||
+        (sp->method == DC_SPEC_DRAFT && !sp->proposer.propose)) {
         TD_LOG_ERR("speculative decoding: bad parameters (method %d, max_tokens %d, ngram "
                    "%d..%d)",
                    (int)sp->method, sp->max_tokens, sp->ngram_min, sp->ngram_max);
@@ -163,8 +172,21 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
     s->emit = malloc((size_t)(1 + spec_k) * sizeof *s->emit);
     s->emit_lp = malloc((size_t)(1 + spec_k) * sizeof *s->emit_lp);
     s->cands = malloc((size_t)s->cap_seqs * sizeof *s->cands);
+    s->cand_req = malloc((size_t)s->cap_seqs * sizeof *s->cand_req);
+    size_t ns = (size_t)s->cap_seqs;
+    bool pr = sp->method == DC_SPEC_DRAFT;
+    if (pr) {
+        s->pr_ids = malloc(ns * sizeof *s->pr_ids);
+        s->pr_toks = malloc(ns * sizeof *s->pr_toks);
+        s->pr_ntok = malloc(ns * sizeof *s->pr_ntok);
+        s->pr_out = malloc(ns * sizeof *s->pr_out);
+        s->pr_k = malloc(ns * sizeof *s->pr_k);
+        s->pr_nout = malloc(ns * sizeof *s->pr_nout);
+    }
     if (!s->eog || !s->tok || !s->pos || !s->seq_of || !s->rows || !s->views || !s->in_step ||
-        !s->emit || !s->emit_lp || !s->cands) {
+        !s->emit || !s->emit_lp || !s->cands || !s->cand_req ||
+        (pr &&
+         (!s->pr_ids || !s->pr_toks || !s->pr_ntok || !s->pr_out || !s->pr_k || !s->pr_nout))) {
         dc_sched_destroy(s);
         return TD_ENOMEM;
     }
@@ -211,6 +233,13 @@ void dc_sched_destroy(dc_sched *s)
     free(s->emit);
     free(s->emit_lp);
     free(s->cands);
+    free(s->cand_req);
+    free(s->pr_ids);
+    free(s->pr_toks);
+    free(s->pr_ntok);
+    free(s->pr_out);
+    free(s->pr_k);
+    free(s->pr_nout);
     free(s);
 }
 
@@ -413,6 +442,8 @@ static void preempt(dc_sched *s, int i)
     r->n_computed = 0;
     r->chunk = 0;
     r->n_draft = 0;
+    if (s->p.spec.method == DC_SPEC_DRAFT && s->p.spec.proposer.drop)
+        s->p.spec.proposer.drop(s->p.spec.proposer.ctx, r->id);
     s->preemptions++;
     if (list_push_front(&s->waiting, r)) {
         /* cannot fail: the waiting list had room for it before it was admitted... but a
@@ -577,6 +608,35 @@ static int admit_waiting(dc_sched *s, int budget)
     return budget;
 }
 
+/* DC_SPEC_DRAFT: the proposer computes the n candidates' proposals, as many as the choice
+ * took for each; a take shrinks to what the proposer gave. false: none in this step. */
+static bool draft_propose(dc_sched *s, int n)
+{
+    const dc_spec_proposer *pp = &s->p.spec.proposer;
+    int m = 0;
+    for (int c = 0; c < n; c++) {
+        dc_req *r = s->cand_req[c];
+        if (!s->cands[c].take) continue;
+        s->pr_ids[m] = r->id;
+        s->pr_toks[m] = r->tokens;
+        s->pr_ntok[m] = r->n_tokens;
+        s->pr_k[m] = s->cands[c].take;
+        s->pr_out[m] = r->draft;
+        s->pr_nout[m++] = 0;
+    }
+    if (!m) return true;
+    int rc =
+        pp->propose(pp->ctx, m, s->pr_ids, s->pr_toks, s->pr_ntok, s->pr_k, s->pr_out, s->pr_nout);
+    if (rc) TD_LOG_WARN("speculative decoding: the proposer failed: %s", td_strerror(rc));
+    for (int c = 0, j = 0; c < n; c++) {
+        if (!s->cands[c].take) continue;
+        int got = rc ? 0 : s->pr_nout[j];
+        j++;
+        if (got < s->cands[c].take) s->cands[c].take = got < 0 ? 0 : got;
+    }
+    return !rc;
+}
+
 static double draft_ms(const void *cost, int32_t pos)
 {
     return dc_cost_draft_ms(cost, pos);
@@ -589,6 +649,7 @@ static double draft_ms(const void *cost, int32_t pos)
 static void plan_proposals(dc_sched *s, dc_step_shape *d)
 {
     const dc_spec_params *sp = &s->p.spec;
+    bool lookup = sp->method == DC_SPEC_NGRAM;
     int n = 0;
     for (int i = 0; i < s->running.n; i++) {
         dc_req *r = s->running.v[i];
@@ -597,24 +658,26 @@ static void plan_proposals(dc_sched *s, dc_step_shape *d)
         int k = sp->max_tokens, room = r->max_tokens - r->n_generated - 1;
         if (room > s->p.max_ctx - r->n_tokens - 1) room = s->p.max_ctx - r->n_tokens - 1;
         k = k < room ? k : room;
+        /* prompt lookup finds its proposals now; a proposer computes them once chosen */
         if (k > 0)
-            r->n_cand =
-                dc_spec_ngram(r->tokens, r->n_tokens, sp->ngram_min, sp->ngram_max, k, r->draft);
+            r->n_cand = lookup ? dc_spec_ngram(r->tokens, r->n_tokens, sp->ngram_min, sp->ngram_max,
+                                               k, r->draft)
+                               : k;
         if (!r->n_cand) {
             dc_spec_req_observe(&r->spec, 0, 0);
             continue;
         }
+        s->cand_req[n] = r;
         s->cands[n++] = (dc_spec_cand){
             .accept = r->spec.accept, .n_cand = r->n_cand, .pos0 = r->n_tokens, .take = r->n_cand};
     }
     if (!n) return;
     if (!sp->pinned)
         dc_spec_choose(s->cands, n, d->n_decode, dc_cost_predict(&s->cost, d), draft_ms, &s->cost);
-    int c = 0;
-    for (int i = 0; i < s->running.n; i++) {
-        dc_req *r = s->running.v[i];
-        if (!r->n_cand) continue;
-        int take = s->cands[c++].take;
+    if (!lookup && !draft_propose(s, n)) return;
+    for (int c = 0; c < n; c++) {
+        dc_req *r = s->cand_req[c];
+        int take = s->cands[c].take;
         if (!take) dc_spec_req_observe(&r->spec, 0, 0);
         if (!take || kn_kv_seq_reserve(s->mem, &r->seq, r->n_computed + 1 + take)) continue;
         r->n_draft = take;
@@ -837,6 +900,8 @@ static void end_verification(dc_sched *s, dc_req *r, int n_acc, bool keep)
          * is computed again (kv_mem.h) */
         r->n_computed = r->n_computed / s->kv->block_size * s->kv->block_size;
     }
+    if (keep && s->p.spec.method == DC_SPEC_DRAFT && s->p.spec.proposer.keep)
+        s->p.spec.proposer.keep(s->p.spec.proposer.ctx, r->id, r->tokens, r->n_tokens);
     pc_insert(s, r);
 }
 

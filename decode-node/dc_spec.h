@@ -39,7 +39,26 @@ enum { DC_SPEC_MAX_TOKENS = 32 }; /* bound on max_tokens (and the per-position c
 typedef enum {
     DC_SPEC_OFF = 0,
     DC_SPEC_NGRAM, /* prompt lookup */
+    DC_SPEC_DRAFT, /* a proposer (dc_spec_proposer: a draft model) */
 } dc_spec_method;
+
+/* A proposer that computes its proposals (a draft model): the scheduler decides first how
+ * many tokens each request may propose (adaptive: from its acceptance, as for prompt
+ * lookup; its cost is in the measured step time, which the step cost model fits), then
+ * asks for them all at once. Called on the scheduler's thread only. */
+typedef struct {
+    void *ctx;
+    /* n requests: request i (id ids[i], tokens toks[i][0, n_toks[i]): prompt and output)
+     * gets up to k[i] proposals in out[i], their number in n_out[i] (fewer, 0: none). 0, or
+     * a negative td_err: then no request speculates in this step. */
+    int (*propose)(void *ctx, int n, const uint64_t *ids, const int32_t *const *toks,
+                   const int32_t *n_toks, const int *k, int32_t *const *out, int *n_out);
+    /* Request id's tokens are now toks[0, n) (its proposals were verified): what the
+     * proposer computed past their longest prefix it agrees with is stale. */
+    void (*keep)(void *ctx, uint64_t id, const int32_t *toks, int32_t n);
+    /* Request id ended or was preempted: forget it. */
+    void (*drop)(void *ctx, uint64_t id);
+} dc_spec_proposer;
 
 typedef struct {
     dc_spec_method method;
@@ -48,6 +67,7 @@ typedef struct {
     bool pinned;    /* every proposal up to max_tokens, no adaptation */
     int ngram_min;  /* shortest suffix matched; 0: 2 */
     int ngram_max;  /* longest; 0: 4 (ngram_min <= ngram_max) */
+    dc_spec_proposer proposer; /* DC_SPEC_DRAFT: borrowed for the scheduler's life */
 } dc_spec_params;
 
 /* A request's acceptance record. */

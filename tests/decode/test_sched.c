@@ -1040,6 +1040,73 @@ static void test_spec_equals_alone(void)
     spec = (dc_spec_params){0};
 }
 
+/* A proposer that knows the future (each request's tokens alone, from `alone`): all its
+ * proposals are right, except, for every third request, the second of each step's. */
+typedef struct {
+    int calls, keeps, drops;
+} oracle;
+
+static int oracle_propose(void *ctx, int n, const uint64_t *ids, const int32_t *const *toks,
+                          const int32_t *n_toks, const int *k, int32_t *const *out, int *n_out)
+{
+    oracle *o = ctx;
+    o->calls++;
+    for (int i = 0; i < n; i++) {
+        int id = (int)ids[i], g = n_toks[i] - specs[id].n_prompt; /* tokens generated */
+        TH_CHECK(g >= 1 &&
+                 !memcmp(toks[i] + specs[id].n_prompt, alone.ids[id], (size_t)g * sizeof(int32_t)));
+        n_out[i] = 0;
+        for (int j = 0; j < k[i] && g + j < alone.n[id]; j++)
+            out[i][n_out[i]++] = alone.ids[id][g + j] ^ (id % 3 == 0 && j == 1);
+    }
+    return 0;
+}
+
+static void oracle_keep(void *ctx, uint64_t id, const int32_t *toks, int32_t n)
+{
+    (void)id;
+    (void)toks;
+    (void)n;
+    ((oracle *)ctx)->keeps++;
+}
+
+static void oracle_drop(void *ctx, uint64_t id)
+{
+    (void)id;
+    ((oracle *)ctx)->drops++;
+}
+
+/* The proposer interface (DC_SPEC_DRAFT): proposals that are right are all accepted (the
+ * bonus token after them too), a wrong one ends its request's step there; each request is
+ * dropped once it ends. */
+static void test_spec_proposer(void)
+{
+    int all[N_REQ];
+    for (int i = 0; i < N_REQ; i++)
+        all[i] = i;
+    oracle orc = {0};
+    spec = (dc_spec_params){
+        .method = DC_SPEC_DRAFT,
+        .max_tokens = 3,
+        .pinned = true,
+        .proposer = {
+            .ctx = &orc, .propose = oracle_propose, .keep = oracle_keep, .drop = oracle_drop}};
+    outputs o;
+    dc_sched_stats st;
+    int steps = run(all, N_REQ, 256, 64, &o, &st);
+    spec = (dc_spec_params){0};
+    fprintf(stderr, "  oracle: %d steps, %llu verifications, %llu proposals, %llu accepted\n",
+            steps, (unsigned long long)st.spec_drafts, (unsigned long long)st.spec_draft_tokens,
+            (unsigned long long)st.spec_accepted);
+    check_same_as_alone(&o, N_REQ, "oracle proposals");
+    /* kept: each verification of a request that goes on */
+    TH_CHECK(orc.calls > 0 && orc.keeps > 0 && orc.keeps <= (int)st.spec_drafts);
+    TH_CHECKF(orc.drops == N_REQ, "%d drops", orc.drops);
+    /* every wrong proposal is the second of its step: a step of such a request accepts one */
+    TH_CHECK(st.spec_accepted_pos[0] == st.spec_drafts);
+    TH_CHECK(st.spec_accepted > st.spec_draft_tokens / 2);
+}
+
 /* Speculation under pool pressure (preemption; proposals never preempt) and for requests
  * whose prompt KV arrived by transfer, with the prefix cache: still every token as alone. */
 static void test_spec_pressure_and_transfer(void)
@@ -1114,6 +1181,7 @@ int main(int argc, char **argv)
     TH_RUN(test_spec_units);
     TH_RUN(test_spec_equals_alone);
     TH_RUN(test_spec_pressure_and_transfer);
+    TH_RUN(test_spec_proposer);
     free(logits_buf);
     kn_engine_destroy(engine);
     kn_cpu_destroy(cpu);
