@@ -582,6 +582,14 @@ void dc_serve_health(dc_node *n)
     h.n_step_time_counts = TD_STEP_HIST_N + 1;
     h.step_time_counts = n->stats.step_hist;
     h.step_time_us = n->stats.step_us;
+    h.spec_drafts = st.spec_drafts;
+    h.spec_draft_tokens = st.spec_draft_tokens;
+    h.spec_accepted_tokens = st.spec_accepted;
+    size_t n_pos = sizeof st.spec_accepted_pos / sizeof st.spec_accepted_pos[0];
+    while (n_pos > 0 && !st.spec_accepted_pos[n_pos - 1])
+        n_pos--; /* up to the last nonzero position: a small message */
+    h.n_spec_accepted_per_pos = n_pos;
+    h.spec_accepted_per_pos = st.spec_accepted_pos;
     /* alive but not ready while forming: the router keeps polling and sends nothing */
     h.ready = !n->life.forming && !n->life.stopping && !n->life.draining;
     uint64_t ev_ids[KN_KV_EVENT_LOG_DEFAULT];

@@ -540,16 +540,7 @@ static void publish_metrics(rt_router *r)
     pthread_mutex_lock(&m->mu);
     for (int i = 0; i < r->reg.n && i < m->n_inst; i++) {
         const rt_inst *s = &r->reg.inst[i];
-        rt_inst_gauge g = {.running = s->running,
-                           .waiting = s->waiting,
-                           .kv_used = s->kv_used,
-                           .kv_free = s->kv_free,
-                           .preemptions = s->preemptions,
-                           .pc = {s->pc[0], s->pc[1], s->pc[2], s->pc[3], s->pc[4], s->pc[5]},
-                           .boot_id = s->boot_id,
-                           .alive = s->alive,
-                           .compute = s->compute};
-        memcpy(g.steps, s->steps, sizeof g.steps);
+        rt_inst_gauge g = rt_reg_gauge(s);
         rt_metrics_publish_inst(m, i, &g);
         m->cache_dec[i] = s->cst;
     }

@@ -54,11 +54,14 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
     m->v.step_total =
         calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_STEP_N, sizeof *m->v.step_total);
     m->v.step_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_STEP_N, sizeof *m->v.step_last);
+    m->v.spec_total =
+        calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_SPEC_N, sizeof *m->v.spec_total);
+    m->v.spec_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_SPEC_N, sizeof *m->v.spec_last);
     m->v.boot_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.boot_last);
     rt_metrics_set_model(m, "", 0);
     if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last ||
         !m->cache_dec || !m->cache_pf || !m->v.pc_total || !m->v.pc_last || !m->v.step_total ||
-        !m->v.step_last || !m->v.boot_last)
+        !m->v.step_last || !m->v.spec_total || !m->v.spec_last || !m->v.boot_last)
         return TD_ENOMEM;
     m->n_inst = n_inst;
     m->n_pf = n_pf;
@@ -83,6 +86,9 @@ void rt_metrics_fini(rt_metrics *m)
     free(m->v.step_last);
     free(m->v.boot_last);
     m->v.step_total = m->v.step_last = m->v.boot_last = NULL;
+    free(m->v.spec_total);
+    free(m->v.spec_last);
+    m->v.spec_total = m->v.spec_last = NULL;
     m->inst = NULL;
     m->pf = NULL;
     m->http = NULL;

@@ -53,6 +53,10 @@ typedef struct {
 
 #define RT_PC_N   6                    /* rt_inst_gauge.pc */
 #define RT_STEP_N (TD_STEP_HIST_N + 2) /* rt_inst_gauge.steps */
+/* Health.spec_accepted_per_pos entries kept (the decode node's DC_SPEC_MAX_TOKENS); later
+ * ones are dropped */
+#define RT_SPEC_POS 32
+#define RT_SPEC_N   (3 + RT_SPEC_POS) /* rt_inst_gauge.spec */
 
 typedef struct {
     uint32_t running, waiting, kv_used, kv_free;
@@ -63,6 +67,10 @@ typedef struct {
     /* likewise: its steps per td_step_hist.h bucket (Health.step_time_counts), then their
      * total time in microseconds (Health.step_time_us) */
     uint64_t steps[RT_STEP_N];
+    /* likewise: speculative decoding's verifications, proposed tokens verified, of which
+     * accepted (Health 34-36), then the accepted tokens at each proposal position
+     * (Health.spec_accepted_per_pos; 0 past its end) */
+    uint64_t spec[RT_SPEC_N];
     uint64_t boot_id; /* Health.boot_id: a new one restarts every count above from 0 */
     bool alive;
     rt_compute compute;
@@ -92,6 +100,7 @@ typedef struct {
     uint64_t *preempt_last;             /* (n_inst) the last reported count */
     uint64_t *pc_total, *pc_last;       /* (n_inst, RT_PC_N) the same for .pc */
     uint64_t *step_total, *step_last;   /* (n_inst, RT_STEP_N) the same for .steps */
+    uint64_t *spec_total, *spec_last;   /* (n_inst, RT_SPEC_N) the same for .spec */
     uint64_t *boot_last;                /* (n_inst) the boot id the last counts came from */
     rt_hist kv_s, kv_exposed_s;         /* seconds: PrefillDone.kv_transfer_us, kv_exposed_us */
     rt_hist kv_bytes, kv_bw;            /* bytes; bytes per second (bytes / kv_transfer_us) */
@@ -178,7 +187,8 @@ void rt_metrics_migrated(rt_metrics *m, double pause);
  * tokens are not reported): k inter-token latencies of gap / k each. */
 void rt_metrics_itl(rt_metrics *m, double gap, int k);
 /* Decode instance i's figures from the loop (caller holds m->mu): stores g and counts the
- * preemptions it reports since the last call (a smaller count: the instance restarted). */
+ * preemptions (and every other count of g) it reports since the last call (a smaller count:
+ * the instance restarted). */
 void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g);
 /* Histogram helpers shared by rt_metrics.c and rt_metrics_vllm.c. rt_hist_render writes
  * one histogram series (labels: "" or `k="v",...`), bounds and sum multiplied by scale (a

@@ -4,9 +4,10 @@
  * (tandem_kv_transfer_*). docs/api.md ("Metrics") maps every name to what it measures here.
  *
  * The router measures every request-level series (it sees each request from its arrival to
- * its last byte); the per-instance gauges and the preemption count come from the
- * instances' Health, the KV-transfer figures from PrefillDone (the prefill stages measure
- * their own pushes). Request phases, in the router's clock:
+ * its last byte); the per-instance gauges and counts (preemptions, prefix cache, steps,
+ * speculative decoding) come from the instances' Health, the KV-transfer figures from
+ * PrefillDone (the prefill stages measure their own pushes). Request phases, in the
+ * router's clock:
  *   arrival --queue--> dispatch (Submit / Alloc+Prefill sent) --prefill--> first token
  *           --decode--> last token; e2e: arrival to the response's end.
  * Threading: rt_metrics_itl takes m->mu; the others run with it held (rt_metrics_set_model:
@@ -83,6 +84,9 @@ void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g)
     for (int k = 0; k < RT_STEP_N; k++)
         accumulate(&m->v.step_total[RT_STEP_N * i + k], &m->v.step_last[RT_STEP_N * i + k],
                    g->steps[k], restarted);
+    for (int k = 0; k < RT_SPEC_N; k++)
+        accumulate(&m->v.spec_total[RT_SPEC_N * i + k], &m->v.spec_last[RT_SPEC_N * i + k],
+                   g->spec[k], restarted);
     m->inst[i] = *g;
 }
 
@@ -154,8 +158,9 @@ void rt_metrics_vllm_kv(rt_metrics *m, const Td__PrefillDone *d)
 }
 
 /* One family with a value per decode instance: what 0 running, 1 waiting, 2 KV usage (alive
- * instances only), 3 preemptions, 4-6 prefix cache queried tokens, hit tokens, evictions
- * (counters: every instance). */
+ * instances only), 3 preemptions, 4-9 prefix cache queried tokens, hit tokens, evictions,
+ * tier writes, reads, hits, 10-12 speculative decoding's verifications, proposed tokens
+ * verified, accepted tokens (counters: every instance). */
 static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const char *name,
                     const char *type, const char *help, int what)
 {
@@ -167,6 +172,8 @@ static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const cha
         double val;
         if (what == 3) /* the counters: every configured instance, dead or alive */
             val = (double)m->v.preempt_total[i];
+        else if (what >= 10)
+            val = (double)m->v.spec_total[RT_SPEC_N * i + what - 10];
         else if (what >= 4)
             val = (double)m->v.pc_total[RT_PC_N * i + what - 4];
         else if (!g->alive)
@@ -179,6 +186,39 @@ static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const cha
         snprintf(line, sizeof line, "%s{%s,instance=\"%s\"} %.15g\n", name, m->v.model,
                  cfg->decode[i].name, val);
         rc |= rt_buf_puts(b, line);
+    }
+    return rc;
+}
+
+/* vLLM's speculative decoding counters per decode instance (every configured one, summed
+ * across restarts): verifications, proposed tokens, accepted tokens, and the accepted tokens
+ * by proposal position, a series for each position up to the instance's last with one. */
+static int render_spec(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
+{
+    int rc =
+        put_inst(b, m, cfg, "vllm:spec_decode_num_drafts_total", "counter",
+                 "Verifications: decode rows of the instance that carried proposed tokens.", 10);
+    rc |= put_inst(b, m, cfg, "vllm:spec_decode_num_draft_tokens_total", "counter",
+                   "Proposed tokens the decode instance verified.", 11);
+    rc |= put_inst(b, m, cfg, "vllm:spec_decode_num_accepted_tokens_total", "counter",
+                   "Of those, tokens accepted (they matched what was sampled).", 12);
+    const char *name = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
+    char line[2048];
+    snprintf(line, sizeof line,
+             "# HELP %s Accepted tokens by proposal position (0: a verification's first).\n"
+             "# TYPE %s counter\n",
+             name, name);
+    rc |= rt_buf_puts(b, line);
+    for (int i = 0; i < m->n_inst; i++) {
+        const uint64_t *pos = &m->v.spec_total[RT_SPEC_N * i + 3];
+        int n = RT_SPEC_POS;
+        while (n > 0 && !pos[n - 1])
+            n--;
+        for (int k = 0; k < n; k++) {
+            snprintf(line, sizeof line, "%s{%s,instance=\"%s\",position=\"%d\"} %llu\n", name,
+                     m->v.model, cfg->decode[i].name, k, (unsigned long long)pos[k]);
+            rc |= rt_buf_puts(b, line);
+        }
     }
     return rc;
 }
@@ -329,6 +369,7 @@ int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                    "Prompt tokens of admitted requests whose KV came from blocks read back from "
                    "the second tier (part of vllm:prefix_cache_hits_total).",
                    9);
+    rc |= render_spec(b, m, cfg);
     rc |= render_steps(b, m, cfg);
     if (m->n_pf > 0) rc |= render_kv(b, m);
     return rc;

@@ -201,10 +201,35 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         for (int k = 0; k <= TD_STEP_HIST_N; k++)
             s->steps[k] = steps ? h->step_time_counts[k] : 0;
         s->steps[TD_STEP_HIST_N + 1] = steps ? h->step_time_us : 0;
+        s->spec[0] = h->spec_drafts;
+        s->spec[1] = h->spec_draft_tokens;
+        s->spec[2] = h->spec_accepted_tokens;
+        for (int k = 0; k < RT_SPEC_POS; k++) /* absent: none accepted there */
+            s->spec[3 + k] =
+                (size_t)k < h->n_spec_accepted_per_pos ? h->spec_accepted_per_pos[k] : 0;
         seen_compute(&s->compute, h);
     }
     s->alive = s->ready;
     return s->alive && !was;
+}
+
+rt_inst_gauge rt_reg_gauge(const rt_inst *s)
+{
+    rt_inst_gauge g = {.running = s->running,
+                       .waiting = s->waiting,
+                       .kv_used = s->kv_used,
+                       .kv_free = s->kv_free,
+                       .preemptions = s->preemptions,
+                       .boot_id = s->boot_id,
+                       .alive = s->alive,
+                       .compute = s->compute};
+    _Static_assert(sizeof g.pc == sizeof s->pc && sizeof g.steps == sizeof s->steps &&
+                       sizeof g.spec == sizeof s->spec,
+                   "rt_inst's counts are rt_inst_gauge's");
+    memcpy(g.pc, s->pc, sizeof g.pc);
+    memcpy(g.steps, s->steps, sizeof g.steps);
+    memcpy(g.spec, s->spec, sizeof g.spec);
+    return g;
 }
 
 static void heartbeat(rt_inst *s, const td_cfg_router *rc, int timeout, int64_t now)

@@ -50,6 +50,8 @@ typedef struct {
     uint64_t pc[6];         /* decode: Health.prefix_{queried_tokens,hit_tokens,evictions}, then
                                Health.prefix_tier[0..2] (tier writes, reads, hit tokens) */
     uint64_t steps[TD_STEP_HIST_N + 2]; /* decode: Health.step_time_counts, step_time_us */
+    uint64_t spec[RT_SPEC_N];           /* decode: Health.spec_drafts, spec_draft_tokens,
+                                           spec_accepted_tokens, spec_accepted_per_pos[] */
     uint64_t inflight_tokens;           /* prefill: prompt tokens of the router's attempts on it */
     bool role_warned;                   /* prefill: logged once that it does not say ROLE_PREFILL */
     bool ev_warned;                     /* logged once that its Health's KV events were malformed */
@@ -82,6 +84,8 @@ void rt_reg_fini(rt_registry *g);
  * size and pool size (kv_blocks_used + kv_blocks_free) reported, s->compute what the
  * instance computes with (fields 27-33). Returns true if the instance just came (back) up. */
 bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now);
+/* Decode instance s's figures as the loop publishes them (rt_metrics_publish_inst). */
+rt_inst_gauge rt_reg_gauge(const rt_inst *s);
 /* What the router knew of s's prefix cache is stale (a restart, marked dead): drop it.
  * why is logged (an index that was empty is dropped silently). */
 void rt_reg_forget(rt_inst *s, const char *why);

@@ -14,6 +14,8 @@ and by "length" (max_tokens), streamed and not, then scrapes /metrics and checks
   - vllm:request_success_total splits by finished_reason as the responses said;
   - every vllm:/sglang: series carries model_name = the served model; the per-instance
     gauges carry instance = the decode instance;
+  - the speculative decoding counters agree (accepted <= proposed; by position: one
+    series per position from 0, summing to the accepted tokens, non-increasing);
   - disaggregated: the KV-transfer histograms count one transfer per request, bytes > 0;
   - the older tandem_* series are still there; every series the Grafana dashboard
     (deploy/grafana/tandem.json) queries is exported (disaggregated);
@@ -46,6 +48,9 @@ PER_REQUEST = ["vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_sec
                "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
                "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
                "vllm:request_prompt_tokens", "vllm:request_generation_tokens"]
+SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total")
+SPEC_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 KV_HISTS = ["tandem_kv_transfer_seconds", "tandem_kv_transfer_exposed_seconds",
             "tandem_kv_transfer_bytes", "sglang:kv_transfer_latency_ms",
             "sglang:kv_transfer_total_mb"]
@@ -283,9 +288,22 @@ def check_metrics(tag, text, served, got, usage, decode_names, disagg):
     check(named and all(ls.get("model_name") == served for nm, ls in named),
           f"{tag}: all {len(named)} vllm:/sglang: series carry model_name=\"{served}\"")
     for g in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-              "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"):
+              "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total") + SPEC:
         insts = sorted(dict(ls).get("instance") for (nm, ls) in samples if nm == g)
         check(insts == sorted(decode_names), f"{tag}: {g} per decode instance {insts}")
+    # speculative decoding's counts agree, speculation on or off: accepted <= proposed, and
+    # the accepted tokens by position sum to the accepted ones, fewer at each later position
+    # (the k-th is accepted only after the (k-1)-th), at most one per verification
+    for d in decode_names:
+        drafts, proposed, accepted = (value(samples, g, instance=d) for g in SPEC)
+        per = sorted((int(dict(ls)["position"]), v) for (nm, ls), v in samples.items()
+                     if nm == SPEC_POS and dict(ls)["instance"] == d)
+        by = [v for _, v in per]
+        check(None not in (drafts, proposed, accepted) and accepted <= proposed and
+              [k for k, _ in per] == list(range(len(per))) and sum(by) == accepted and
+              all(a >= b for a, b in zip([drafts] + by, by)),
+              f"{tag}: speculative decoding on {d}: {drafts} verifications, {proposed} "
+              f"proposed, {accepted} accepted, by position {by}")
     # each decode instance's step times: a valid histogram per instance, its steps counted
     # (at least one, at most one per token computed), their time positive
     steps = 0

@@ -5,8 +5,9 @@
  * limit, the choice of decode and prefill instances, the disaggregated pairing's
  * bookkeeping (replies and events fed by hand, the verdicts carried out by the loop's
  * rt_loop_act; the control clients dial ports nobody listens on, so calls just stay
- * pending), and rt_stream over a real tokenizer (argv[1]: a
- * GGUF) with the per-request "timeout" field. */
+ * pending), the per-instance counters' series (summed across restarts; speculative
+ * decoding's from a Health message to the exposition), and rt_stream over a real tokenizer
+ * (argv[1]: a GGUF) with the per-request "timeout" field. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -340,6 +341,100 @@ static void test_inst_counters(void)
     TH_CHECK(series(text, "tandem_decode_step_seconds_bucket{model_name=\"x\",instance=\"d0\","
                           "le=\"0.05\"} ") == 36);
     free(text);
+    rt_metrics_fini(&m);
+    td_cfg_free(cfg);
+}
+
+/* Speculative decoding's counts (Health 34-37) from a Health through rt_reg_seen, the
+ * loop's snapshot (rt_reg_gauge) and rt_metrics_publish_inst to vLLM's series: summed
+ * across restarts (counts that went back, a new boot id), positions past the message's end
+ * counted 0, those past RT_SPEC_POS dropped, per-position series up to the last position
+ * with an accepted token, an instance that never speculated at 0 with no position. */
+static void test_spec_counters(void)
+{
+    static const char yaml[] = "model: /nonexistent.gguf\n"
+                               "decode: [{name: d0, port: 3}, {name: d1, port: 4}]\n";
+    char err[256];
+    td_cfg *cfg = NULL;
+    TH_REQUIRE(td_cfg_parse(yaml, strlen(yaml), "unit", &cfg, err, sizeof err) == 0);
+    rt_metrics m;
+    TH_REQUIRE(rt_metrics_init(&m, 2, 0) == 0);
+    rt_metrics_set_model(&m, "x", 1);
+    rt_inst d0 = {.cfg = &cfg->decode[0], .name = "d0"};
+    rt_inst d1 = {.cfg = &cfg->decode[1], .name = "d1"};
+    /* (boot id, uptime ms, drafts, draft tokens, accepted, accepted at positions 0-2) */
+    const uint64_t seen[][8] = {{7, 100, 4, 12, 5, 3, 2, 0},
+                                {7, 200, 10, 30, 14, 8, 4, 2},    /* one process */
+                                {7, 50, 2, 6, 1, 1, 0, 0},        /* went back */
+                                {9, 900, 20, 60, 30, 15, 10, 5}}; /* new boot, grew */
+    uint64_t pos[RT_SPEC_POS + 2];
+    for (int k = 0; k < 4; k++) {
+        Td__Health h = TD__HEALTH__INIT;
+        h.ready = true;
+        h.role = TD__ROLE__ROLE_DECODE;
+        h.boot_id = seen[k][0];
+        h.uptime_ms = seen[k][1];
+        h.spec_drafts = seen[k][2];
+        h.spec_draft_tokens = seen[k][3];
+        h.spec_accepted_tokens = seen[k][4];
+        memset(pos, 0, sizeof pos);
+        size_t n = 0; /* up to the last nonzero position, as dc_serve.c sends them */
+        for (int j = 0; j < 3; j++)
+            if ((pos[j] = seen[k][5 + j])) n = (size_t)j + 1;
+        if (k == 3) { /* a node with more positions than the router keeps */
+            pos[RT_SPEC_POS - 1] = 4;
+            pos[RT_SPEC_POS + 1] = 6;
+            n = RT_SPEC_POS + 2;
+        }
+        h.n_spec_accepted_per_pos = n;
+        h.spec_accepted_per_pos = pos;
+        rt_reg_seen(&d0, &h, 1 + k);
+        TH_CHECK(d0.spec[0] == seen[k][2] && d0.spec[3 + 2] == seen[k][7] && d0.spec[3 + 3] == 0);
+        rt_inst_gauge g = rt_reg_gauge(&d0);
+        rt_metrics_publish_inst(&m, 0, &g);
+    }
+    Td__Health none = TD__HEALTH__INIT; /* d1: no speculation (or an older node) */
+    none.ready = true;
+    rt_reg_seen(&d1, &none, 1);
+    rt_inst_gauge g1 = rt_reg_gauge(&d1);
+    rt_metrics_publish_inst(&m, 1, &g1);
+    char *text = rt_metrics_render(&m, cfg);
+    TH_REQUIRE(text);
+    /* 10 + 2 + 20 drafts; 30 + 6 + 60 draft tokens; 14 + 1 + 30 accepted */
+    TH_CHECK(series(text, "vllm:spec_decode_num_drafts_total{model_name=\"x\",instance=\"d0\"} ") ==
+             32);
+    TH_CHECK(series(text, "vllm:spec_decode_num_draft_tokens_total{model_name=\"x\","
+                          "instance=\"d0\"} ") == 96);
+    TH_CHECK(series(text, "vllm:spec_decode_num_accepted_tokens_total{model_name=\"x\","
+                          "instance=\"d0\"} ") == 45);
+    /* positions: 8 + 1 + 15, 4 + 0 + 10, 2 + 0 + 5; the last kept one 4, later dropped */
+    static const struct {
+        int pos;
+        double want;
+    } at[] = {{0, 24}, {1, 14}, {2, 7}, {3, 0}, {RT_SPEC_POS - 1, 4}};
+    for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
+        char want[256];
+        snprintf(want, sizeof want,
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"x\","
+                 "instance=\"d0\",position=\"%d\"} ",
+                 at[k].pos);
+        TH_CHECKF(series(text, want) == at[k].want, "position %d: %g, want %g", at[k].pos,
+                  series(text, want), at[k].want);
+    }
+    char past[64];
+    snprintf(past, sizeof past, "position=\"%d\"", RT_SPEC_POS);
+    TH_CHECK(!strstr(text, past));
+    TH_CHECK(series(text, "vllm:spec_decode_num_drafts_total{model_name=\"x\",instance=\"d1\"} ") ==
+             0);
+    TH_CHECK(series(text, "vllm:spec_decode_num_accepted_tokens_total{model_name=\"x\","
+                          "instance=\"d1\"} ") == 0);
+    TH_CHECK(!strstr(text, "instance=\"d1\",position="));
+    const char *t = strstr(text, "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total "
+                                 "counter\n");
+    TH_CHECK(t && !strstr(t + 1, "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total "));
+    free(text);
+    rt_cidx_fini(&d0.cidx);
+    rt_cidx_fini(&d1.cidx);
     rt_metrics_fini(&m);
     td_cfg_free(cfg);
 }
@@ -963,5 +1058,6 @@ int main(int argc, char **argv)
     TH_RUN(test_stream);
     TH_RUN(test_inst_counters);
     TH_RUN(test_compute_series);
+    TH_RUN(test_spec_counters);
     TH_EXIT();
 }
