@@ -795,11 +795,13 @@ static void leader_stop(dc_node *n)
                 (unsigned long long)st.preemptions, n->life.formations);
     if (st.spec_drafts)
         TD_LOG_INFO("decode %s: speculation: %llu verifications, %llu proposed tokens, %llu "
-                    "accepted (%.1f%%), %.2f tokens per verification",
+                    "accepted (%.1f%%), %.2f tokens per verification; step cost model: %.2f ms "
+                    "a one-row step, %.2f ms a verification row",
                     n->p->instance, (unsigned long long)st.spec_drafts,
                     (unsigned long long)st.spec_draft_tokens, (unsigned long long)st.spec_accepted,
                     100.0 * (double)st.spec_accepted / (double)st.spec_draft_tokens,
-                    1.0 + (double)st.spec_accepted / (double)st.spec_drafts);
+                    1.0 + (double)st.spec_accepted / (double)st.spec_drafts, st.cost_decode_ms,
+                    st.cost_verify_ms);
     log_phases(n);
     if (n->plane.xfer) {
         /* leak check of the tests: every transfer released on every rank */

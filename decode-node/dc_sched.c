@@ -1090,5 +1090,7 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
         .spec_accepted = s->spec_accepted,
     };
     memcpy(st.spec_accepted_pos, s->spec_accepted_pos, sizeof st.spec_accepted_pos);
+    st.cost_decode_ms = dc_cost_predict(&s->cost, &(dc_step_shape){.n_decode = 1, .attn = 1});
+    st.cost_verify_ms = dc_cost_draft_ms(&s->cost, 0);
     return st;
 }
