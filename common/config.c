@@ -459,6 +459,7 @@ static const field tier_fields[TI_N] = FIELD_TABLE(TIER_FIELDS);
 /* decode[].speculative (method is read by parse_spec) */
 #define SPEC_FIELDS(F, L, N)                                                                       \
     N(S_METHOD, "method")                                                                          \
+    F(S_DRAFT, "draft", F_PATH, draft, 0, 0)                                                       \
     F(S_MAX_TOKENS, "max_tokens", F_INT, max_tokens, 1, TD_CFG_SPEC_MAX_TOKENS)                    \
     F(S_ADAPTIVE, "adaptive", F_BOOL, adaptive, 0, 0)                                              \
     F(S_NGRAM_MIN, "ngram_min", F_INT, ngram_min, 1, TD_CFG_SPEC_MAX_NGRAM)                        \
@@ -672,8 +673,8 @@ static int parse_tier(pctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *
     return 0;
 }
 
-/* decode[].speculative: {method, max_tokens, adaptive, ngram_min, ngram_max}, each optional
- * (x holds the defaults). */
+/* decode[].speculative: {method, draft, max_tokens, adaptive, ngram_min, ngram_max}, each
+ * optional (x holds the defaults); draft alone means method draft, which requires it. */
 static int parse_spec(pctx *p, yaml_node_t *n, const char *inst, td_cfg_spec *x)
 {
     yaml_node_t *seen[S_N], *keys[S_N];
@@ -687,10 +688,20 @@ static int parse_spec(pctx *p, yaml_node_t *n, const char *inst, td_cfg_spec *x)
             x->method = TD_CFG_SPEC_NGRAM;
         else if (!strcmp(m, "off"))
             x->method = TD_CFG_SPEC_OFF;
+        else if (!strcmp(m, "draft"))
+            x->method = TD_CFG_SPEC_DRAFT;
         else
-            return fail(p, seen[S_METHOD], "unknown speculative method '%s' (known: ngram, off)",
-                        m);
+            return fail(p, seen[S_METHOD],
+                        "unknown speculative method '%s' (known: ngram, draft, off)", m);
+    } else if (seen[S_DRAFT]) {
+        x->method = TD_CFG_SPEC_DRAFT;
     }
+    if (x->method == TD_CFG_SPEC_DRAFT && !seen[S_DRAFT])
+        return fail(p, seen[S_METHOD], "%s: method draft needs draft (the draft model's GGUF)",
+                    what);
+    if (x->method != TD_CFG_SPEC_DRAFT && seen[S_DRAFT])
+        return fail(p, keys[S_DRAFT], "%s: draft is the draft model of method draft, not %s", what,
+                    x->method == TD_CFG_SPEC_OFF ? "off" : "ngram");
     if (x->ngram_min > x->ngram_max)
         return fail(p, seen[S_NGRAM_MIN] ? seen[S_NGRAM_MIN] : seen[S_NGRAM_MAX],
                     "%s: ngram_min (%d) is larger than ngram_max (%d)", what, x->ngram_min,

@@ -10,7 +10,8 @@
  * required key, duplicate instance names or control ports. Paths have `~/` expanded.
  * After success: prefill[i].hosts has pp entries; layer_partition is NULL (default) or
  * has pp entries; exactly one of decode[i].kv_blocks / kv_memory is nonzero;
- * decode[i].speculative.ngram_min <= ngram_max.
+ * decode[i].speculative.ngram_min <= ngram_max; speculative.draft is set exactly when its
+ * method is draft.
  * Threading: a loaded td_cfg is read-only; any thread may read it.
  * Ownership: td_cfg_load allocates; td_cfg_free frees the whole tree (strings included).
  */
@@ -115,17 +116,20 @@ typedef struct {
     int64_t bytes; /* "size": the file's size per rank */
 } td_cfg_tier;
 
-/* decode[].speculative: speculative decoding by prompt lookup (decode-node/dc_spec.h). */
+/* decode[].speculative: speculative decoding by prompt lookup or a draft model
+ * (decode-node/dc_spec.h, dc_draft.h). */
 typedef enum {
     TD_CFG_SPEC_OFF = 0, /* "off": one token per request and step */
     TD_CFG_SPEC_NGRAM,   /* "ngram": prompt lookup (the default) */
+    TD_CFG_SPEC_DRAFT,   /* "draft": a draft model (draft, its GGUF) */
 } td_cfg_spec_method;
 
 #define TD_CFG_SPEC_MAX_TOKENS 32 /* bound on max_tokens (the scheduler's DC_SPEC_MAX_TOKENS) */
 #define TD_CFG_SPEC_MAX_NGRAM  16 /* bound on ngram_min and ngram_max */
 
 typedef struct {
-    td_cfg_spec_method method; /* ngram */
+    td_cfg_spec_method method; /* ngram; draft when draft is given without a method */
+    char *draft;               /* method draft: the draft model's GGUF (~ expanded), else NULL */
     int max_tokens;            /* 8: most proposed tokens a request verifies in one step */
     bool adaptive;             /* true: the scheduler picks how many pay off (0 at large
                                   batches or poor acceptance); false: up to max_tokens */

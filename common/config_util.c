@@ -120,6 +120,7 @@ void td_cfg_free(td_cfg *c)
         free(c->decode[i].name);
         free(c->decode[i].host);
         free(c->decode[i].tier.path);
+        free(c->decode[i].speculative.draft);
         free(c->decode[i].devices);
     }
     free(c->decode);

@@ -298,14 +298,48 @@ static int follower_run(dc_node *n)
 _Static_assert(TD_CFG_SPEC_MAX_TOKENS == DC_SPEC_MAX_TOKENS,
                "decode[].speculative.max_tokens is bounded by the scheduler's bound");
 
-/* decode[].speculative -> the scheduler's dc_spec_params (adaptive: false pins k) */
-static dc_spec_params spec_params(const td_cfg_spec *c)
+/* decode[].speculative -> the scheduler's dc_spec_params (adaptive: false pins k); draft:
+ * method draft's proposer (NULL otherwise) */
+static dc_spec_params spec_params(const td_cfg_spec *c, dc_draft *draft)
 {
-    return (dc_spec_params){.method = c->method == TD_CFG_SPEC_NGRAM ? DC_SPEC_NGRAM : DC_SPEC_OFF,
-                            .max_tokens = c->max_tokens,
-                            .pinned = !c->adaptive,
-                            .ngram_min = c->ngram_min,
-                            .ngram_max = c->ngram_max};
+    dc_spec_params sp = {.method = c->method == TD_CFG_SPEC_NGRAM   ? DC_SPEC_NGRAM
+                                   : c->method == TD_CFG_SPEC_DRAFT ? DC_SPEC_DRAFT
+                                                                    : DC_SPEC_OFF,
+                         .max_tokens = c->max_tokens,
+                         .pinned = !c->adaptive,
+                         .ngram_min = c->ngram_min,
+                         .ngram_max = c->ngram_max};
+    if (draft) sp.proposer = dc_draft_proposer(draft);
+    return sp;
+}
+
+/* Method draft: the draft model, on this rank's backend (one thread pool for both models)
+ * with a KV pool of the target's token capacity; logs what it is. */
+static int draft_init(dc_node *n)
+{
+    const td_cfg_spec *spec = &n->dcfg->speculative;
+    if (spec->method != TD_CFG_SPEC_DRAFT) return 0;
+    char who[96];
+    snprintf(who, sizeof who, "decode %s", n->p->instance);
+    const kn_kv_pool *kv = dc_kv(n);
+    dc_draft_params dp = {.path = spec->draft,
+                          .be = n->proc.rt.be,
+                          .target = n->proc.rt.model,
+                          .target_gguf = n->proc.rt.gguf,
+                          .kv_tokens = (int64_t)kv->n_blocks * kv->block_size,
+                          .block_size = kv->block_size,
+                          .kv_type = n->dcfg->kv_dtype,
+                          .who = who};
+    int rc = dc_draft_create(&dp, &n->leader.draft);
+    if (rc) return rc;
+    dc_draft_info in = dc_draft_get_info(n->leader.draft);
+    TD_LOG_INFO("decode %s: speculative decoding by a draft model: %s (%s, %d layers, n_embd %d, "
+                "%.1f MiB of weights; KV pool %d blocks, %.1f MiB; warm-up %.0f ms), up to %d "
+                "tokens a step, %s",
+                n->p->instance, spec->draft, kn_arch_name(in.arch), in.n_layer, in.n_embd,
+                (double)in.weight_bytes / (1 << 20), in.kv_blocks, (double)in.kv_bytes / (1 << 20),
+                in.warm_ms, spec->max_tokens, spec->adaptive ? "adaptive" : "pinned");
+    return 0;
 }
 
 /* The leader's part (dc_leader): the scheduler (with the structured-output vocabulary and
@@ -332,6 +366,10 @@ static int leader_init(dc_node *n)
             return rc;
         }
     }
+    if ((rc = draft_init(n))) {
+        free(eog);
+        return rc;
+    }
     dc_sched_params sp = {.max_running = n->dcfg->max_batch,
                           .step_tokens = n->dcfg->step_tokens,
                           .deterministic = n->dcfg->deterministic,
@@ -342,7 +380,7 @@ static int leader_init(dc_node *n)
                           .prefix_cache = n->dcfg->prefix_cache,
                           .itl_target_ms = n->dcfg->itl_target_ms,
                           .sample_pool = kn_backend_host_pool(n->proc.rt.be),
-                          .spec = spec_params(&n->dcfg->speculative)};
+                          .spec = spec_params(&n->dcfg->speculative, n->leader.draft)};
     char tier_path[4096];
     rc = dc_tier_params(n, tier_path, sizeof tier_path, &sp.tier);
     if (!rc)
@@ -356,7 +394,7 @@ static int leader_init(dc_node *n)
     const td_cfg_spec *spec = &n->dcfg->speculative;
     if (spec->method == TD_CFG_SPEC_OFF)
         TD_LOG_INFO("decode %s: speculative decoding off", n->p->instance);
-    else
+    else if (spec->method == TD_CFG_SPEC_NGRAM)
         TD_LOG_INFO("decode %s: speculative decoding by prompt lookup (n-grams %d..%d), up to %d "
                     "tokens a step, %s",
                     n->p->instance, spec->ngram_min, spec->ngram_max, spec->max_tokens,
@@ -369,10 +407,12 @@ static int leader_init(dc_node *n)
 }
 
 /* The scheduler before what it refers to (its sink's events were sent before: overlap's
- * held ones at dc_async_stop). */
+ * held ones at dc_async_stop), the draft model among them (the backend it shares runs
+ * nothing more before proc_fini destroys it: dc_draft.h). */
 static void leader_fini(dc_node *n)
 {
     dc_sched_destroy(n->leader.sched);
+    dc_draft_destroy(n->leader.draft);
     gr_cache_destroy(n->leader.grammars);
     gr_vocab_destroy(n->leader.gvocab);
     free(n->leader.logits);
@@ -802,6 +842,15 @@ static void leader_stop(dc_node *n)
                     100.0 * (double)st.spec_accepted / (double)st.spec_draft_tokens,
                     1.0 + (double)st.spec_accepted / (double)st.spec_drafts, st.cost_decode_ms,
                     st.cost_verify_ms);
+    if (n->leader.draft) {
+        dc_draft_stats ds = dc_draft_get_stats(n->leader.draft);
+        TD_LOG_INFO("decode %s: draft model: %llu calls, %llu passes, %llu tokens computed, %llu "
+                    "proposed, %llu requests refused, %.1f ms (%.1f%% of step time)",
+                    n->p->instance, (unsigned long long)ds.calls, (unsigned long long)ds.passes,
+                    (unsigned long long)ds.rows, (unsigned long long)ds.proposals,
+                    (unsigned long long)ds.refused, (double)ds.ns / 1e6,
+                    n->stats.step_ns ? 100.0 * (double)ds.ns / (double)n->stats.step_ns : 0.0);
+    }
     log_phases(n);
     if (n->plane.xfer) {
         /* leak check of the tests: every transfer released on every rank */

@@ -24,6 +24,7 @@
 
 #include "config.h"
 #include "ctrl.h"
+#include "dc_draft.h"
 #include "dc_node.h"
 #include "dc_plan.h"
 #include "dc_sched.h"
@@ -118,6 +119,7 @@ typedef struct {
  * (leader_init at the leader's start, leader_fini at exit; grow_logits while planning). */
 typedef struct {
     dc_sched *sched;
+    dc_draft *draft;    /* speculative.method draft: the proposer, else NULL */
     gr_vocab *gvocab;   /* structured output: the vocabulary's trie */
     gr_cache *grammars; /* compiled grammars by schema text */
     float *logits;      /* (logit_rows, n_vocab) */

@@ -17,6 +17,15 @@ if(TANDEM_PYTHON)
   set_tests_properties(decode_sched PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300)
 endif()
 
+# ---- dc_draft: a draft model as the scheduler's proposer (synthetic models: llama.gguf the
+# ---- target and its own draft, qwen2.gguf a draft of the same vocabulary).
+add_executable(test_draft ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_draft.c)
+target_link_libraries(test_draft PRIVATE dc_draft dc_core td_kernels td_common)
+if(TANDEM_PYTHON)
+  add_test(NAME decode_draft COMMAND test_draft ${TANDEM_TEST_DATA}/synth)
+  set_tests_properties(decode_draft PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300)
+endif()
+
 # ---- tandem-decode end to end: real rank processes, control plane over loopback TCP.
 #   decode_node          the synthetic models' cases (tp 2/4, concurrent, pool pressure,
 #                        cancel/garbage/idle) and kill rank (on the default model when there

@@ -96,10 +96,19 @@ static const bad_case bad_cases[] = {
     {"spec_type", MIN "    speculative: ngram\n", 4, 18,
      "decode[0].speculative: expected a mapping, got a string"},
     {"spec_unknown", MIN "    speculative:\n      k: 4\n", 5, 7,
-     "unknown key 'k' in decode[0].speculative (known: method, max_tokens, adaptive, "
+     "unknown key 'k' in decode[0].speculative (known: method, draft, max_tokens, adaptive, "
      "ngram_min, ngram_max)"},
     {"spec_method", MIN "    speculative:\n      method: eagle\n", 5, 15,
-     "unknown speculative method 'eagle' (known: ngram, off)"},
+     "unknown speculative method 'eagle' (known: ngram, draft, off)"},
+    {"spec_draft_missing", MIN "    speculative:\n      method: draft\n", 5, 15,
+     "decode[0].speculative: method draft needs draft (the draft model's GGUF)"},
+    {"spec_draft_ngram", MIN "    speculative:\n      method: ngram\n      draft: /d.gguf\n", 6, 7,
+     "decode[0].speculative: draft is the draft model of method draft, not ngram"},
+    {"spec_draft_off", MIN "    speculative:\n      draft: /d.gguf\n      method: \"off\"\n", 5, 7,
+     "draft is the draft model of method draft, not off"},
+    {"spec_draft_empty", MIN "    speculative:\n      draft: \"\"\n", 5, 14, "empty path"},
+    {"spec_draft_list", MIN "    speculative:\n      draft: [a.gguf]\n", 5, 14,
+     "expected a string, got a list"},
     {"spec_method_null", MIN "    speculative:\n      method:\n", 5, 14,
      "expected a string, got nothing (null)"},
     {"spec_max_zero", MIN "    speculative:\n      max_tokens: 0\n", 5, 19,
@@ -378,6 +387,8 @@ static void test_good_file(void)
         {MIN "    speculative:\n      method: ngram\n", TD_CFG_SPEC_NGRAM},
         {MIN "    speculative:\n      method: \"off\"\n", TD_CFG_SPEC_OFF},
         {MIN "    speculative: {method: off, adaptive: true}\n", TD_CFG_SPEC_OFF},
+        {MIN "    speculative:\n      draft: ~/d.gguf\n", TD_CFG_SPEC_DRAFT},
+        {MIN "    speculative: {method: draft, draft: /d.gguf}\n", TD_CFG_SPEC_DRAFT},
     };
     for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
         TH_REQUIRE(td_cfg_parse(spec[i].text, strlen(spec[i].text), "spec", &c, err, sizeof err) ==
@@ -386,6 +397,12 @@ static void test_good_file(void)
         TH_CHECKF(s->method == spec[i].method && s->max_tokens == 8 && s->adaptive &&
                       s->ngram_min == 2 && s->ngram_max == 4,
                   "spec case %zu", i);
+        /* draft: ~ expanded, and set for method draft only */
+        TH_CHECKF(s->method == TD_CFG_SPEC_DRAFT
+                      ? s->draft && !strcmp(s->draft + strlen(s->draft) - 7, "/d.gguf") &&
+                            s->draft[0] == '/'
+                      : !s->draft,
+                  "spec case %zu: draft %s", i, s->draft ? s->draft : "(none)");
         td_cfg_free(c);
     }
 

@@ -14,7 +14,9 @@ Checks (each a separate case, all must pass):
     blocks used afterwards;
   speculative decoding (prompt lookup, pinned: every proposal verified) on the default
     model: greedy at tp 3 equal to `tandem generate`, seeded sampling equal to speculation
-    off, with proposals accepted (the node's log);
+    off, with proposals accepted (the node's log); by a draft model: the default model as
+    its own draft at tp 1 (nearly every proposal accepted) and a synthetic model with
+    another of its vocabulary at tp 2, greedy equal to `tandem generate`;
   cancel mid-generation finishes the request as cancelled and frees its blocks;
   bytes that are not a message get an error reply and the node keeps serving;
   an idle instance uses (almost) no CPU;
@@ -219,6 +221,31 @@ def case_spec(args, model):
     check(v > 0 and a > 0, f"speculation sampled: {v} verifications, {a} accepted")
 
 
+def case_spec_draft(args, model, draft, tp, prompts, n_tokens, label):
+    """Speculative decoding by a draft model (decode[].speculative.draft): greedy output equal
+    to `tandem generate`; the model as its own draft proposes what greedy decoding samples, so
+    every proposal is accepted but those of a request's last verification (past its stop
+    token or its length; and the draft's rows are batched, the target's solo: a near tie may
+    still differ)."""
+    inst = Instance(args, model, tp, decode_extra={
+        "speculative": {"draft": draft, "adaptive": False, "max_tokens": 4}})
+    try:
+        for i, ids in enumerate(prompts):
+            want = generate_ids(args, model, ids, n_tokens)
+            got, finish = node_ids(inst, ids, n_tokens)
+            check(got == want, f"{label}: prompt {i}: node {finish} {' '.join(got or [])[:80]} "
+                               f"vs generate {' '.join(want)[:80]}")
+    finally:
+        inst.stop()
+    log = inst.log_all(0)
+    v, p, a = spec_accepted(log)
+    check("speculative decoding by a draft model" in log and "draft model:" in log,
+          f"{label}: the log names the draft and its work")
+    if draft == model:
+        check(v > 0 and p > 0 and a >= p - 4 * len(prompts),
+              f"{label}: {v} verifications, {p} proposed, {a} accepted")
+
+
 def write_requests(path, reqs):
     with open(path, "w") as f:
         for max_tokens, temp, seed, ids in reqs:
@@ -361,6 +388,9 @@ def main():
         ("concurrent", lambda: case_concurrent(args, synth, synth_vocab, 512, "concurrent")),
         ("pool pressure", lambda: case_concurrent(args, synth, synth_vocab, 24, "pool pressure", expect_preempt=True)),
         ("cancel/garbage/idle", lambda: case_cancel_garbage_idle(args, synth)),
+        ("draft synthetic", lambda: case_spec_draft(
+            args, synth, os.path.join(args.synth_dir, "qwen2.gguf"), 2,
+            prompts_for(synth_vocab, 2, 4), 16, "draft tp2 synthetic (qwen2 draft)")),
         # a request killed mid-way must outlast the delay: the default model's (8K context)
         # does, the synthetic model's would reach its 512-token context first on a quiet
         # machine, so it runs on a 4096-token copy
@@ -377,6 +407,9 @@ def main():
             args, args.model, 49152, 512, "concurrent default model", n=8, max_len=400, top_k=0,
             max_tokens=48, temperature=1.0)))
         cases.insert(4, ("speculation default", lambda: case_spec(args, args.model)))
+        cases.insert(5, ("draft default", lambda: case_spec_draft(
+            args, args.model, args.model, 1, CHAT_PROMPTS + prompts_for(49152, 1, 5), 32,
+            "draft tp1 default model (itself)")))
         cases.insert(3, ("pool pressure default", lambda: case_concurrent(
             args, args.model, 49152, 40, "pool pressure default model", expect_preempt=True,
             n=8, max_len=400, top_k=0, max_tokens=48, temperature=1.0)))

@@ -1,0 +1,107 @@
+/* dc_draft.h: a draft model as speculative decoding's proposer (dc_spec.h, DC_SPEC_DRAFT):
+ * a smaller model of the target's vocabulary, run on the decode leader beside the target,
+ * that proposes each request's next tokens by greedy decoding.
+ *
+ * Purpose: prompt lookup proposes only where output repeats its context; a draft model
+ * proposes everywhere, at the price of its own forward passes. Its proposals are greedy
+ * (argmax, a point mass), so the scheduler's sample-and-compare stays exact rejection
+ * sampling: output is the target's with the draft or without it, greedy or seeded. Only
+ * speed depends on the draft (how often it agrees, what its passes cost).
+ * How (dc_draft_proposer's propose, for all requests of a step at once): each request has a
+ * sequence in the draft's own KV memory and the tokens whose KV it holds. A call rolls each
+ * back to the longest prefix it shares with the request's tokens now, then catches every
+ * request up in batched passes of at most chunk_tokens tokens (the prompt too, the first
+ * time; a logit row for a request's last token only), takes the argmax as proposal 1, and
+ * runs up to k - 1 more passes of one row per request still wanting more, each argmax the
+ * next proposal. Rows are not solo (model.h): a proposal's rounding never changes output.
+ * A request caught up by more than DC_SPEC_MAX_TOKENS + 1 tokens in a call (its prompt, the
+ * first time, or all of it again after a preemption) gets no proposals in that call: the
+ * step's time then holds a prefill, which the scheduler's step cost model would charge to
+ * the step's verification rows (a verification row would look as dear as a prompt's
+ * prefill, and the adaptive choice would stop proposing for good); it proposes from its next
+ * step on.
+ * A request's record:
+ *
+ *      (none) --propose: first call--> HOLDS (KV of toks[0, n_held)) --drop--> (none)
+ *                                        | ^
+ *                      propose, keep ----+-+  (roll back to the common prefix, compute on)
+ *
+ * In HOLDS the sequence's blocks hold the KV of positions [0, n_held) of the tokens
+ * recorded with it (those the target gave it, then the proposals it fed itself), and may
+ * reach past them (room a call reserved for proposals it did not make); keep and drop give
+ * blocks back, propose takes what it needs.
+ * Invariants: the draft's token list equals the target's (tokenizer.ggml.tokens, checked
+ * at create: another vocabulary is refused); proposals are token ids below both models'
+ * embedding rows (a padded embedding's extra rows are never proposed), and a request
+ * holding a token the draft cannot embed gets none. A request the draft's pool cannot hold
+ * gets no proposals (its record is emptied); the call never fails for it.
+ * Threading: none: the scheduler's thread calls everything, on the backend the target's
+ * engine uses, never while a target pass is in flight (the backend's one-caller rule).
+ * Ownership: the draft owns its file, model, engine, KV memory and records; the backend is
+ * borrowed until dc_draft_destroy. The backend keeps the draft's weight matrices registered
+ * until it is destroyed itself (kn_backend.h map_matrix): destroy the draft only when the
+ * backend runs nothing more before its own destroy (the node's teardown), or give each draft
+ * a backend of its own (the tests).
+ */
+#ifndef DC_DRAFT_H
+#define DC_DRAFT_H
+
+#include <stdint.h>
+
+#include "dc_spec.h"
+#include "gguf.h"
+#include "kn_backend.h"
+#include "model.h"
+#include "td_dtype.h"
+
+typedef struct dc_draft dc_draft;
+
+typedef struct {
+    const char *path;           /* the draft's GGUF: a whole model (no shard) */
+    kn_backend be;              /* the target's backend, which computes the draft too */
+    const kn_model *target;     /* the target: its vocabulary rows */
+    const td_gguf *target_gguf; /* the target's file: its token list */
+    int64_t kv_tokens;          /* the draft's KV capacity, tokens (whole blocks of it) */
+    int block_size;             /* tokens per KV block, a power of two; 0: 16 */
+    td_dtype kv_type;           /* TD_F32 (0) or TD_F16 */
+    int chunk_tokens;           /* most tokens of one catch-up pass; 0: 512 */
+    const char *who;            /* log prefix ("decode d0"); NULL: "draft" */
+} dc_draft_params;
+
+/* What the draft is, for the start-up log. */
+typedef struct {
+    kn_arch arch;
+    int n_layer, n_embd, n_vocab;
+    uint64_t weight_bytes; /* bytes of its tensors in the file */
+    uint64_t kv_bytes;     /* bytes of its KV pool */
+    int kv_blocks;         /* blocks of block_size tokens in it */
+    double warm_ms;        /* create's first passes (their one-time costs paid there) */
+} dc_draft_info;
+
+/* Its work so far (the stop log). */
+typedef struct {
+    uint64_t calls;     /* propose calls */
+    uint64_t passes;    /* forward passes */
+    uint64_t rows;      /* tokens computed (catch-up and proposals) */
+    uint64_t proposals; /* tokens proposed */
+    uint64_t refused;   /* requests given nothing: no room in the pool, a token it cannot read */
+    int64_t ns;         /* time in propose */
+} dc_draft_stats;
+
+/* Opens p->path, checks its vocabulary against the target's, loads it whole, makes its
+ * engine (on p->be) and KV memory, and runs a first catch-up and proposal pass (their
+ * one-time costs: pages read in, the backend's copies of the weights). TD_EINVAL: another
+ * vocabulary, a bad parameter; the reader's, the loader's and the pool's errors; each logged with
+ * p->who. */
+int dc_draft_create(const dc_draft_params *p, dc_draft **out);
+void dc_draft_destroy(dc_draft *d); /* NULL is fine; see Ownership */
+
+/* The proposer the scheduler calls (dc_spec_params.proposer), valid until destroy. */
+dc_spec_proposer dc_draft_proposer(dc_draft *d);
+
+dc_draft_info dc_draft_get_info(const dc_draft *d);
+dc_draft_stats dc_draft_get_stats(const dc_draft *d);
+/* Blocks its records hold now (0 once every request was dropped). */
+int dc_draft_blocks_used(const dc_draft *d);
+
+#endif
