@@ -46,9 +46,12 @@ acceptance (its timings: draft_n_accepted / draft_n) and any router /metrics ser
 *spec* (their change over the phase). Then per batch the medians over rounds and the
 ratios (median, and each round's): on/off, k4/off, k8/off, llama_spec/llama_off,
 llama_draft/llama_off, on/llama_spec, off/llama_off, on/llama_off.
-Text check: each answer of on, k4 and k8 must equal off's answer to the same prompt in the
-same round and batch, byte for byte (speculation must not change greedy output); a
-difference prints MISMATCH with where it starts, and the exit status is 2. The agreement
+Text check: each answer of on, k4 and k8 at batch 1 must equal off's answer to the same
+prompt in the same round, byte for byte (speculation must not change greedy output); a
+difference prints MISMATCH with where it starts, and the exit status is 2. Batched, the
+comparison is information only: a prompt's prefill rows share steps with other requests'
+(decode[].deterministic false) and their rounding may change its text whatever the
+speculation (off itself answered a prompt two ways in one batch-16 run). The agreement
 of llama_spec with llama_off and of off with llama_off is printed as information.
 
 llama-server's lookup decoding (llama.cpp of the llama-cpp-python 0.3.36 sdist, `--help`,
@@ -951,9 +954,9 @@ def run_server(name, rnd, batches, results, texts):
 
 
 def early_check(texts, rnd, b, name):
-    """As soon as a speculative configuration and off both ran a phase: MISMATCH if any
-    answer differs (check_texts says which at the end)."""
-    if name not in TANDEM_SPEC or (rnd, b, "off") not in texts:
+    """As soon as a speculative configuration and off both ran a batch-1 phase: MISMATCH if
+    any answer differs (check_texts says which at the end)."""
+    if name not in TANDEM_SPEC or (rnd, b, "off") not in texts or b != 1:
         return
     ref = {key: t for key, t, _ in texts[(rnd, b, "off")]}
     for other in TANDEM_SPEC:
@@ -994,9 +997,16 @@ def check_texts(texts, rounds, batches):
                       f"{len(got)} answers")
                 for key, t, n in got:
                     if t != refs[key][0]:
-                        bad += 1
+                        # batched, a prompt's prefill rows share steps with other requests'
+                        # and take the batched kernels (decode[].deterministic is false):
+                        # their rounding, and so the text, may depend on the batch whatever
+                        # the speculation (off itself differs between requests there): only
+                        # batch 1 must be identical (the tests check batches with every row
+                        # solo, tests/decode/test_sched.c)
+                        bad += b == 1
                         k, x, y = first_diff(refs[key][0], t)
-                        print(f"MISMATCH round {rnd + 1} batch {b} {name} vs off, prompt "
+                        print(f"{'MISMATCH' if b == 1 else 'info: batched, not comparable:'} "
+                              f"round {rnd + 1} batch {b} {name} vs off, prompt "
                               f"{key[0]} ({PROMPTS[key[0]][0]}): {n} vs {refs[key][1]} "
                               f"tokens, first difference at character {k}:\n    off:  {x!r}"
                               f"\n    {name + ':':5s} {y!r}")
