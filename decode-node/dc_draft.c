@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kv_mem.h"
+#include "sampler.h"
 #include "td_clock.h"
 #include "td_err.h"
 #include "td_grow.h"
@@ -354,14 +355,6 @@ static bool join_call(dc_draft *d, int i, uint64_t id, const int32_t *toks, int3
     return true;
 }
 
-static int32_t argmax(const float *row, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t j = 1; j < n; j++)
-        if (row[j] > row[best]) best = j;
-    return best;
-}
-
 /* One pass: the n_tok rows laid out in tok, pos, seq_of over n_views sequences, logits of
  * n_rows of them. */
 static int run_pass(dc_draft *d, int n_tok, int n_views, int n_rows)
@@ -409,7 +402,7 @@ static int catch_up(dc_draft *d, int m, int32_t *const *out, int *n_out)
         for (int a = 0; a < m; a++) {
             draft_act *x = &d->act[a];
             if (x->row < 0) continue;
-            out[x->i][0] = argmax(d->logits + (size_t)x->row * d->model->hp.n_vocab, d->n_out);
+            out[x->i][0] = kn_argmax(d->logits + (size_t)x->row * d->model->hp.n_vocab, d->n_out);
             n_out[x->i] = 1;
             x->row = -1;
         }
@@ -442,7 +435,7 @@ static int extend(dc_draft *d, int m, const int *k, int32_t *const *out, int *n_
             draft_act *x = &d->act[a];
             if (x->row < 0) continue;
             out[x->i][n_out[x->i]++] =
-                argmax(d->logits + (size_t)x->row * d->model->hp.n_vocab, d->n_out);
+                kn_argmax(d->logits + (size_t)x->row * d->model->hp.n_vocab, d->n_out);
         }
     }
 }

@@ -36,10 +36,10 @@ typedef struct {
      * it was admitted before (its place in the cache's chains is seq's) */
     int32_t n_cached;
     bool admitted_once;
-    /* speculative decoding: proposals after the decode row's token (n_cand found at the
-     * plan, n_draft of them in the step; draft: (spec max_tokens), NULL without it) */
+    /* speculative decoding: proposals after the decode row's token, n_draft of them in this
+     * step (draft: (spec max_tokens), NULL without it) */
     int32_t *draft;
-    int n_cand, n_draft;
+    int n_draft;
     dc_spec_req spec;
 } dc_req;
 
@@ -653,23 +653,23 @@ static void plan_proposals(dc_sched *s, dc_step_shape *d)
     int n = 0;
     for (int i = 0; i < s->running.n; i++) {
         dc_req *r = s->running.v[i];
-        r->n_draft = r->n_cand = 0;
+        r->n_draft = 0;
         if (r->chunk != 1 || r->n_tokens - r->n_computed != 1) continue;
         int k = sp->max_tokens, room = r->max_tokens - r->n_generated - 1;
         if (room > s->p.max_ctx - r->n_tokens - 1) room = s->p.max_ctx - r->n_tokens - 1;
         k = k < room ? k : room;
         /* prompt lookup finds its proposals now; a proposer computes them once chosen */
-        if (k > 0)
-            r->n_cand = lookup ? dc_spec_ngram(r->tokens, r->n_tokens, sp->ngram_min, sp->ngram_max,
-                                               k, r->draft)
-                               : k;
-        if (!r->n_cand) {
+        int n_cand = k <= 0   ? 0
+                     : lookup ? dc_spec_ngram(r->tokens, r->n_tokens, sp->ngram_min, sp->ngram_max,
+                                              k, r->draft)
+                              : k;
+        if (!n_cand) {
             dc_spec_req_observe(&r->spec, 0, 0);
             continue;
         }
         s->cand_req[n] = r;
         s->cands[n++] = (dc_spec_cand){
-            .accept = r->spec.accept, .n_cand = r->n_cand, .pos0 = r->n_tokens, .take = r->n_cand};
+            .accept = r->spec.accept, .n_cand = n_cand, .pos0 = r->n_tokens, .take = n_cand};
     }
     if (!n) return;
     if (!sp->pinned)

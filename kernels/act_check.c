@@ -14,6 +14,7 @@
 #include "cpu_blas.h"
 #include "kn_runtime.h"
 #include "kv_mem.h"
+#include "sampler.h"
 #include "td_cachefile.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -72,14 +73,6 @@ static int encode_prompt(check_ctx *c, int i)
     return rc;
 }
 
-static int32_t argmax(const float *v, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (v[i] > v[best]) best = i;
-    return best;
-}
-
 /* out[0..KN_ACT_CHECK_TOKENS) = the greedy continuation of prompt i in the current mode:
  * the prompt in one forward, then one token a step as the decode node runs them (solo rows). */
 static int greedy(check_ctx *c, int i, int32_t *out)
@@ -108,7 +101,7 @@ static int greedy(check_ctx *c, int i, int32_t *out)
                       .n_logits = 1,
                       .logit_rows = &last};
         if ((rc = kn_engine_forward(c->rt.engine, kn_kv_mem_pool(c->kv), &b, c->logits))) break;
-        out[t] = argmax(c->logits, c->rt.model->hp.n_vocab);
+        out[t] = kn_argmax(c->logits, c->rt.model->hp.n_vocab);
         len += m;
     }
     kn_kv_seq_fini(c->kv, &seq);

@@ -652,3 +652,11 @@ int kn_logprobs(const float *logits, int32_t n_vocab, int32_t chosen, int k, td_
         top[j].logprob = (float)((double)top[j].logprob - lse);
     return 0;
 }
+
+int32_t kn_argmax(const float *v, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return best;
+}

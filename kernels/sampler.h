@@ -73,6 +73,10 @@ void kn_sampler_set_mask(kn_sampler *s, const uint32_t *mask);
  * number per call when temperature > 0 and none when greedy; so does this. */
 void kn_sampler_skip(kn_sampler *s);
 
+/* The index of the largest of v[0, n) (n >= 1; ties: the lowest index): greedy decoding
+ * of one logit row, for callers that need no sampler (a draft model, act_check). */
+int32_t kn_argmax(const float *v, int32_t n);
+
 /* Log-probabilities, as OpenAI's logprobs and vLLM's default "raw_logprobs": log-softmax of
  * the model's raw logits, before every penalty, top-k/p, min-p and temperature.
  * The log-probability of token chosen under logits (n_vocab) into out->logprob, and the k
