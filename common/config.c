@@ -385,7 +385,11 @@ static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key
     F(R_MAX_N, "max_n", F_INT, max_n, 1, 1024)                                                     \
     F(R_MAX_BATCH, "max_batch_prompts", F_INT, max_batch_prompts, 1, 4096)                         \
     N(R_ROUTING, "routing")                                                                        \
-    N(R_CACHE_AWARE, "cache_aware")
+    N(R_CACHE_AWARE, "cache_aware")                                                                \
+    N(R_MEMBERSHIP, "membership")                                                                  \
+    F(R_TLS_CERT, "tls_cert", F_PATH, tls_cert, 0, 0)                                              \
+    F(R_TLS_KEY, "tls_key", F_PATH, tls_key, 0, 0)                                                 \
+    F(R_TLS_CLIENT_CA, "tls_client_ca", F_PATH, tls_client_ca, 0, 0)
 enum { ROUTER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) R_N };
 #define SECT td_cfg_router
 static const field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
@@ -399,6 +403,18 @@ static const field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
 enum { CACHE_AWARE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) C_N };
 #define SECT td_cfg_cache_aware
 static const field cache_aware_fields[C_N] = FIELD_TABLE(CACHE_AWARE_FIELDS);
+#undef SECT
+
+/* router.membership: instances that join and leave at run time (docs/deploy.md, "Membership") */
+#define MEMBERSHIP_FIELDS(F, L, N)                                                                 \
+    F(M_LISTEN, "listen", F_STR, listen, 0, 0)                                                     \
+    F(M_ADDRESS, "address", F_STR, address, 0, 0)                                                  \
+    F(M_LEASE, "lease_ms", F_INT, lease_ms, 100, 3600000)                                          \
+    F(M_SEED, "seed", F_BOOL, seed, 0, 0)                                                          \
+    F(M_MAX, "max_instances", F_INT, max_instances, 1, 4096)
+enum { MEMBERSHIP_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) M_N };
+#define SECT td_cfg_membership
+static const field membership_fields[M_N] = FIELD_TABLE(MEMBERSHIP_FIELDS);
 #undef SECT
 
 #define PREFILL_FIELDS(F, L, N)                                                                    \
@@ -439,6 +455,7 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \
     F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
     F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
+    F(D_DRAIN, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000)                            \
     L(D_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)                                   \
     N(D_TIER, "prefix_cache_tier")                                                                 \
     N(D_SPEC, "speculative")
@@ -477,6 +494,16 @@ enum { KVXFER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) K_N };
 static const field kvxfer_fields[K_N] = FIELD_TABLE(KVXFER_FIELDS);
 #undef SECT
 
+/* security: the control plane's mutual TLS (all three or the section is absent) */
+#define SECURITY_FIELDS(F, L, N)                                                                   \
+    F(SE_CA, "ca", F_PATH, ca, 0, 0)                                                               \
+    F(SE_CERT, "cert", F_PATH, cert, 0, 0)                                                         \
+    F(SE_KEY, "key", F_PATH, key, 0, 0)
+enum { SECURITY_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) SE_N };
+#define SECT td_cfg_security
+static const field security_fields[SE_N] = FIELD_TABLE(SECURITY_FIELDS);
+#undef SECT
+
 /* NODE: only the node is recorded; the section parsers below take it from there. */
 #define ROOT_FIELDS(F, L, N)                                                                       \
     F(T_MODEL, "model", F_PATH, model, 0, 0)                                                       \
@@ -486,20 +513,12 @@ static const field kvxfer_fields[K_N] = FIELD_TABLE(KVXFER_FIELDS);
     N(T_ROUTER, "router")                                                                          \
     N(T_PREFILL, "prefill")                                                                        \
     N(T_DECODE, "decode")                                                                          \
-    N(T_KVXFER, "kvxfer")
+    N(T_KVXFER, "kvxfer")                                                                          \
+    N(T_SECURITY, "security")
 enum { ROOT_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) T_N };
 #define SECT td_cfg
 static const field root_fields[T_N] = FIELD_TABLE(ROOT_FIELDS);
 #undef SECT
-
-static bool valid_name(const char *s)
-{
-    size_t n = strlen(s);
-    if (!n || n > TD_CFG_NAME_MAX) return false;
-    for (size_t i = 0; i < n; i++)
-        if (!isalnum((unsigned char)s[i]) && !strchr("_.-", s[i])) return false;
-    return true;
-}
 
 static int check_host(pctx *p, yaml_node_t *n, const char *h)
 {
@@ -540,6 +559,29 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     r->routing = TD_CFG_ROUTING_LOAD;
     r->cache_aware = (td_cfg_cache_aware){
         .cache_threshold = 0.5, .balance_abs_threshold = 32, .balance_rel_threshold = 1.1};
+    set_str(p, &r->membership.listen, "");
+    set_str(p, &r->membership.address, "");
+    r->membership.lease_ms = 5000;
+    r->membership.seed = true;
+    r->membership.max_instances = 64;
+}
+
+/* router.membership: listen and address are HOST:PORT; address defaults to listen (one
+ * machine), and needs it (a node announcing itself to a router that does not listen). */
+static int parse_membership(pctx *p, yaml_node_t *n, td_cfg_membership *m)
+{
+    yaml_node_t *seen[M_N], *keys[M_N];
+    if (!n) return 0;
+    if (parse_map(p, n, "router.membership", membership_fields, M_N, m, seen, keys)) return p->rc;
+    if (seen[M_LISTEN] && *m->listen && check_listen(p, seen[M_LISTEN], m->listen)) return p->rc;
+    if (seen[M_ADDRESS] && *m->address && check_listen(p, seen[M_ADDRESS], m->address))
+        return p->rc;
+    if (*m->address && !*m->listen)
+        return fail(p, n,
+                    "router.membership: address is given but listen is not (the router "
+                    "listens there for the instances' announcements)");
+    if (!*m->address) set_str(p, &m->address, m->listen);
+    return p->rc;
 }
 
 /* router.routing and router.cache_aware */
@@ -564,12 +606,30 @@ static int parse_routing(pctx *p, yaml_node_t *routing, yaml_node_t *ca, td_cfg_
                      keys);
 }
 
+/* router.tls_cert / tls_key: both or neither; tls_client_ca only with them. The files are
+ * read by the router at start (other hosts load the same YAML without them). */
+static int check_tls(pctx *p, yaml_node_t **keys)
+{
+    yaml_node_t *cert = keys[R_TLS_CERT], *key = keys[R_TLS_KEY], *ca = keys[R_TLS_CLIENT_CA];
+    if (cert && !key)
+        return fail(p, cert, "router: tls_cert is given but tls_key is missing (give both)");
+    if (key && !cert)
+        return fail(p, key, "router: tls_key is given but tls_cert is missing (give both)");
+    if (ca && !cert)
+        return fail(p, ca,
+                    "router: tls_client_ca needs tls_cert and tls_key (client certificates are "
+                    "asked for over TLS only)");
+    return 0;
+}
+
 static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
 {
     yaml_node_t *seen[R_N], *keys[R_N];
     if (parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
     if (seen[R_LISTEN] && check_listen(p, seen[R_LISTEN], r->listen)) return p->rc;
+    if (check_tls(p, keys)) return p->rc;
     if (parse_routing(p, seen[R_ROUTING], seen[R_CACHE_AWARE], r)) return p->rc;
+    if (parse_membership(p, seen[R_MEMBERSHIP], &r->membership)) return p->rc;
     if (!td_cfg_chat_template_ok(r->chat_template))
         return fail(p, seen[R_TEMPLATE],
                     "chat_template '%s' is neither chatml, llama3, llama2, gemma nor a readable "
@@ -585,6 +645,26 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
         return fail(p, seen[R_REQ_TIMEOUT],
                     "request_timeout_ms (%d) is larger than max_request_timeout_ms (%d)",
                     r->request_timeout_ms, r->max_request_timeout_ms);
+    return 0;
+}
+
+/* security: ca, cert and key are all required, and each must be readable here: every
+ * process of a secured cluster opens control sockets with them (a missing file is
+ * reported with the YAML's line rather than by the first socket that needs it). */
+static int parse_security(pctx *p, yaml_node_t *n, td_cfg_security *x)
+{
+    yaml_node_t *seen[SE_N], *keys[SE_N];
+    if (parse_map(p, n, "security", security_fields, SE_N, x, seen, keys)) return p->rc;
+    static const char *const names[SE_N] = {"ca", "cert", "key"};
+    char *const paths[SE_N] = {x->ca, x->cert, x->key};
+    for (int i = 0; i < SE_N; i++) {
+        if (require(p, n, seen[i], names[i], "security")) return p->rc;
+        FILE *f = fopen(paths[i], "r");
+        if (!f)
+            return fail(p, seen[i], "security.%s: cannot read '%s': %s", names[i], paths[i],
+                        strerror(errno));
+        fclose(f);
+    }
     return 0;
 }
 
@@ -630,7 +710,7 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     snprintf(what, sizeof what, "prefill[%d]", idx);
     if (parse_map(p, n, what, prefill_fields, P_N, x, seen, keys)) return p->rc;
     if (require(p, n, seen[P_NAME], "name", what)) return p->rc;
-    if (!valid_name(x->name))
+    if (!td_cfg_name_ok(x->name))
         return fail(p, seen[P_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -", x->name,
                     TD_CFG_NAME_MAX);
     if (x->layer_partition && x->n_layer_partition != x->pp)
@@ -735,7 +815,7 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     snprintf(what, sizeof what, "decode[%d]", idx);
     if (parse_map(p, n, what, decode_fields, D_N, x, seen, keys)) return p->rc;
     if (require(p, n, seen[D_NAME], "name", what)) return p->rc;
-    if (!valid_name(x->name))
+    if (!td_cfg_name_ok(x->name))
         return fail(p, seen[D_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -", x->name,
                     TD_CFG_NAME_MAX);
     if (seen[D_HOST] && check_host(p, seen[D_HOST], x->host)) return p->rc;
@@ -832,6 +912,7 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
         if (parse_map(p, seen[T_KVXFER], "kvxfer", kvxfer_fields, K_N, &c->kvxfer, s2, k2))
             return p->rc;
     }
+    if (seen[T_SECURITY] && parse_security(p, seen[T_SECURITY], &c->security)) return p->rc;
 
     size_t np, nd;
     if (parse_list(p, seen[T_PREFILL], "prefill", &np) ||

@@ -61,6 +61,18 @@ typedef struct {
     double balance_rel_threshold; /* 1.1: the least loaded's by more than abs AND more than rel x */
 } td_cfg_cache_aware;
 
+/* router.membership: instances that join and leave at run time (docs/deploy.md,
+ * "Membership"). Off while listen is "". */
+typedef struct {
+    char *listen;      /* "": off; HOST:PORT the router binds for the instances' Join messages */
+    char *address;     /* HOST:PORT the nodes send them to (a Service name); default: listen */
+    int lease_ms;      /* 5000: a joined instance that is dead and silent this long is forgotten;
+                          nodes announce themselves every lease_ms / 4 */
+    bool seed;         /* true: the YAML's instances are dialled from the start; false: they are
+                          templates only, the set is whoever joins */
+    int max_instances; /* 64: decode and prefill instances each (the YAML's included) */
+} td_cfg_membership;
+
 typedef struct {
     char *listen;               /* "127.0.0.1:8000" (host:port of the HTTP API) */
     char *api_key;              /* "": no key required */
@@ -87,6 +99,12 @@ typedef struct {
     int max_batch_prompts;      /* 64: prompts in one batched /v1/completions request */
     td_cfg_routing routing;     /* load (default) | cache_aware */
     td_cfg_cache_aware cache_aware;
+    td_cfg_membership membership;
+    /* TLS of the HTTP listener (files read by the router at start; ~ expanded): NULL: plain
+     * http. tls_cert and tls_key are both set or both NULL; tls_client_ca needs them. */
+    char *tls_cert;      /* PEM certificate chain, the server's certificate first */
+    char *tls_key;       /* PEM private key (unencrypted) */
+    char *tls_client_ca; /* PEM CA(s) a client's certificate must chain to; NULL: none asked */
 } td_cfg_router;
 
 typedef struct {
@@ -162,6 +180,9 @@ typedef struct {
     /* false: one thing after another; true: rank 0 streams a step's tokens and serves its
      * inbox while the next step computes (docs/config.md) */
     bool overlap;
+    /* 0: SIGTERM ends the requests in flight at once with ERR_SHUTDOWN (the router moves
+     * them); > 0: they may finish for up to this long first, no new ones taken (docs/config.md) */
+    int drain_timeout_ms;
     td_cfg_spec speculative; /* speculative decoding; on (ngram) unless method is off */
     int *devices; /* (tp) GPU index of each rank, or NULL: rank % visible GPUs */
     int n_devices;
@@ -171,6 +192,15 @@ typedef struct {
     char *ucx_tls;  /* "sm,tcp,self" */
     int timeout_ms; /* 120000: a whole transfer (the prefill of the longest prompt included) */
 } td_cfg_kvxfer;
+
+/* security: mutual TLS on every tcp control socket (docs/control-plane.md, "Security").
+ * All NULL (section absent): plain tcp://. Otherwise all three are set (~ expanded) and
+ * were readable when the file was loaded. */
+typedef struct {
+    char *ca;   /* PEM CA certificate(s): a peer's certificate must chain to one of them */
+    char *cert; /* PEM certificate (chain) this process presents, signed by the CA */
+    char *key;  /* PEM private key of cert (unencrypted) */
+} td_cfg_security;
 
 typedef struct {
     char *path;             /* the file it was loaded from */
@@ -184,6 +214,7 @@ typedef struct {
     td_cfg_decode *decode; /* (n_decode), at least one */
     int n_decode;
     td_cfg_kvxfer kvxfer;
+    td_cfg_security security; /* control-plane TLS; all NULL: off */
 } td_cfg;
 
 /* The router's names: router.chat_template is "" (the model's), a built-in family or a
@@ -204,6 +235,8 @@ int td_cfg_parse(const char *text, size_t len, const char *name, td_cfg **out, c
                  size_t errcap);
 void td_cfg_free(td_cfg *cfg); /* NULL is fine */
 
+/* An instance name: [A-Za-z0-9_.-], 1..TD_CFG_NAME_MAX bytes (the YAML's and --name's). */
+bool td_cfg_name_ok(const char *s);
 /* Lookups by instance name; NULL if there is none. */
 const td_cfg_decode *td_cfg_find_decode(const td_cfg *cfg, const char *name);
 const td_cfg_prefill *td_cfg_find_prefill(const td_cfg *cfg, const char *name);

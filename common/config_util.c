@@ -46,6 +46,15 @@ int td_cfg_parse_size(const char *s, int64_t *out)
     return TD_EINVAL;
 }
 
+bool td_cfg_name_ok(const char *s)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (!n || n > TD_CFG_NAME_MAX) return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)s[i]) && !strchr("_.-", s[i])) return false;
+    return true;
+}
+
 const td_cfg_decode *td_cfg_find_decode(const td_cfg *c, const char *name)
 {
     for (int i = 0; c && name && i < c->n_decode; i++)
@@ -106,6 +115,11 @@ void td_cfg_free(td_cfg *c)
     free(c->router.api_key);
     free(c->router.chat_template);
     free(c->router.tool_parser);
+    free(c->router.membership.listen);
+    free(c->router.membership.address);
+    free(c->router.tls_cert);
+    free(c->router.tls_key);
+    free(c->router.tls_client_ca);
     for (int i = 0; i < c->n_prefill; i++) {
         td_cfg_prefill *x = &c->prefill[i];
         free(x->name);
@@ -125,5 +139,8 @@ void td_cfg_free(td_cfg *c)
     }
     free(c->decode);
     free(c->kvxfer.ucx_tls);
+    free(c->security.ca);
+    free(c->security.cert);
+    free(c->security.key);
     free(c);
 }

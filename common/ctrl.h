@@ -42,6 +42,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "config.h"
 #include "tandem_ctrl.pb-c.h"
 #include "td_sampling.h"
 
@@ -69,6 +70,14 @@ typedef struct {
     int reconnect_min_ms; /* client dialer back-off; 0: 50 */
     int reconnect_max_ms; /* 0: 1000 */
     int send_timeout_ms;  /* server: bound on writing one reply; 0: 5000 */
+    /* Mutual TLS (borrowed during create; the files are read then). NULL or ca NULL: plain
+     * tcp://. Otherwise every tcp:// URL given to td_ctrl_server_listen or
+     * td_ctrl_client_create is served as tls+tcp:// (ipc:// stays as it is): this side
+     * presents cert/key and accepts only a peer whose certificate chains to ca (no host
+     * name check: one cluster certificate may serve every host). cert and key NULL: no
+     * certificate is presented (tests of the refusal). A tls+tcp:// URL without it is
+     * TD_EINVAL. docs/control-plane.md, "Security". */
+    const td_cfg_security *security;
 } td_ctrl_opts;
 
 /* ---- codec -------------------------------------------------------------------------- */
@@ -177,6 +186,9 @@ typedef struct {
     uint64_t events;   /* events queued */
     uint32_t clients;  /* clients currently known */
     uint32_t pending;  /* requests not yet replied */
+    uint32_t unacked;  /* events queued and not yet acknowledged by the known clients */
+    uint64_t refused;  /* TLS: connections whose handshake failed, as counted by NNG (seen by
+                          td_ctrl_server_recv at most once a second, and logged there) */
 } td_ctrl_server_stats;
 void td_ctrl_server_get_stats(const td_ctrl_server *s, td_ctrl_server_stats *st);
 

@@ -74,6 +74,8 @@ struct td_ctrl_client {
     bool poll_paused;
     td_ctrl_inbox ib;
     bool ib_ok;
+    bool tls;                /* dials tls+tcp:// */
+    td_ctrl_tls_watch watch; /* its refused handshakes (owner thread) */
 };
 
 static void call_cb(void *arg);
@@ -421,9 +423,21 @@ void td_ctrl_client_in_free(td_ctrl_client_in *in)
     memset(in, 0, sizeof *in);
 }
 
+/* Log the TLS handshakes that failed since the last look (at most once a second). */
+static void watch_tls(td_ctrl_client *c)
+{
+    uint64_t n;
+    td_ctrl_tls_failures(&c->watch, &n);
+    if (n)
+        TD_LOG_WARN("ctrl: %s: %llu TLS handshake%s failed (the server's certificate is not "
+                    "signed by the cluster's CA, or the server refused this side's)",
+                    c->url, (unsigned long long)n, n == 1 ? "" : "s");
+}
+
 int td_ctrl_client_recv(td_ctrl_client *c, td_ctrl_client_in *in, int timeout_ms)
 {
     td_ctrl_client_in_free(in);
+    if (c->tls) watch_tls(c);
     int64_t end = timeout_ms < 0 ? -1 : td_now_ms() + timeout_ms;
     td_ctrl_item *it = td_ctrl_inbox_pop(&c->ib, end);
     if (!it) return TD_ETIMEDOUT;
@@ -490,18 +504,30 @@ uint64_t td_ctrl_client_epoch(td_ctrl_client *c)
 
 /* ---- lifetime ------------------------------------------------------------------------ */
 
-int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_client **out)
+int td_ctrl_client_create(const char *url_in, const td_ctrl_opts *opts, td_ctrl_client **out)
 {
     *out = NULL;
+    char url[512];
+    int rc = td_ctrl_tls_url(td_ctrl_tls_on(opts), url_in, url, sizeof url);
+    if (rc) return rc;
+    nng_tls_config *tls = NULL;
+    if (!strncmp(url, "tls+", 4) && (rc = td_ctrl_tls_config(opts, false, &tls))) return rc;
     td_ctrl_client *c = calloc(1, sizeof *c);
-    if (!c) return TD_ENOMEM;
+    if (!c) {
+        if (tls) nng_tls_config_free(tls);
+        return TD_ENOMEM;
+    }
     td_ctrl_opts_fill(opts, &c->o);
+    c->o.security = NULL; /* borrowed during create only */
+    c->tls = tls != NULL;
     c->url = strdup(url);
     c->id = td_ctrl_random_id();
     pthread_mutex_init(&c->mu, NULL);
-    int rc = td_ctrl_inbox_init(&c->ib);
+    rc = td_ctrl_inbox_init(&c->ib);
     if (rc) {
+        if (tls) nng_tls_config_free(tls);
         pthread_mutex_destroy(&c->mu);
+        free(c->url);
         free(c);
         return rc;
     }
@@ -509,6 +535,7 @@ int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_cli
     int rv = nng_req0_open(&c->sock);
     if (rv) {
         TD_LOG_ERR("ctrl: nng_req0_open: %s", nng_strerror(rv));
+        if (tls) nng_tls_config_free(tls);
         td_ctrl_client_destroy(c);
         return td_ctrl_nng_err(rv);
     }
@@ -522,7 +549,14 @@ int td_ctrl_client_create(const char *url, const td_ctrl_opts *opts, td_ctrl_cli
     nng_pipe_notify(c->sock, NNG_PIPE_EV_REM_POST, pipe_cb, c);
     nng_dialer d;
     rv = nng_dialer_create(&d, c->sock, url);
+    if (!rv && tls) rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, tls);
+    if (tls) nng_tls_config_free(tls); /* the dialer holds its own reference */
     if (!rv) rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK);
+    if (!rv && c->tls) {
+        c->watch = (td_ctrl_tls_watch){.d = d};
+        uint64_t none;
+        td_ctrl_tls_failures(&c->watch, &none); /* from here on */
+    }
     if (rv) {
         TD_LOG_ERR("ctrl: dial %s: %s", url, nng_strerror(rv));
         td_ctrl_client_destroy(c);

@@ -406,6 +406,19 @@ static int check_body(vctx *v, const Td__Envelope *e)
         if ((rc = check_blob(v, "stage_hello.pipe_address", &h->pipe_address))) return rc;
         return check_str(v, "stage_hello.instance", h->instance, MAX_INSTANCE_NAME);
     }
+    case TD__ENVELOPE__BODY_JOIN: {
+        const Td__Join *j = e->join;
+        if (j->role != TD__ROLE__ROLE_DECODE && j->role != TD__ROLE__ROLE_PREFILL)
+            return bad(v, TD_EINVAL, "join: role %d is not decode or prefill", (int)j->role);
+        if (!j->name || !j->name[0] || !j->url || !j->url[0])
+            return bad(v, TD_EINVAL, "join: no name or no url");
+        if (j->tp > MAX_STAGES || j->pp > MAX_STAGES)
+            return bad(v, TD_ERANGE, "join: tp %u, pp %u", j->tp, j->pp);
+        if ((rc = check_str(v, "join.name", j->name, MAX_INSTANCE_NAME)) ||
+            (rc = check_str(v, "join.url", j->url, MAX_INSTANCE_NAME)))
+            return rc;
+        return check_str(v, "join.template_name", j->template_name, MAX_INSTANCE_NAME);
+    }
     case TD__ENVELOPE__BODY_ACK:
         return 0;
     case TD__ENVELOPE__BODY_ERROR:

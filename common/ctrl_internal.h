@@ -13,6 +13,7 @@
 #include <stdbool.h>
 
 #include <nng/nng.h>
+#include <nng/supplemental/tls/tls.h>
 
 #include "ctrl.h"
 
@@ -56,6 +57,39 @@ void td_ctrl_inbox_push(td_ctrl_inbox *ib, td_ctrl_item *it);
  * Returns NULL on timeout. */
 td_ctrl_item *td_ctrl_inbox_pop(td_ctrl_inbox *ib, int64_t deadline_ms);
 size_t td_ctrl_inbox_len(td_ctrl_inbox *ib);
+
+/* ---- mutual TLS (td_ctrl_opts.security; ctrl_tls.c) ---- */
+
+/* Whether o asks for TLS on tcp sockets (security given with a CA). */
+bool td_ctrl_tls_on(const td_ctrl_opts *o);
+/* The URL a socket really uses: tcp://, tcp4://, tcp6:// become tls+tcp... when tls;
+ * anything else is copied. TD_EINVAL (logged) for a tls+ URL without TLS settings, TD_ERANGE
+ * when buf is too small. */
+int td_ctrl_tls_url(bool tls, const char *url, char *buf, size_t cap);
+/* A TLS configuration from o->security for a listener (server true) or a dialer: this
+ * side's certificate and key, the CA, peer authentication required. The files are read
+ * here; every failure is logged with the file and the reason. Free with
+ * nng_tls_config_free (an endpoint holds its own reference). */
+int td_ctrl_tls_config(const td_ctrl_opts *o, bool server, nng_tls_config **out);
+
+/* Failed TLS handshakes of one endpoint, from NNG's "auth" statistic of the listener or
+ * dialer (NNG has no callback for a connection refused before it became a pipe, and no
+ * peer address for it). */
+typedef struct {
+    bool is_listener;
+    nng_listener l;
+    nng_dialer d;
+    uint64_t seen;       /* failures already counted */
+    int64_t next_ms;     /* td_now_ms() of the next look (at most one a second) */
+    uint64_t unlogged;   /* failures counted but not logged yet */
+    int64_t next_log_ms; /* the next log line (at most one every TD_CTRL_TLS_LOG_MS) */
+} td_ctrl_tls_watch;
+#define TD_CTRL_TLS_LOG_MS 10000
+/* How many handshakes failed since the last call that looked (0 between looks, or when NNG
+ * was built without statistics). *log receives how many to log now (0: nothing yet): the
+ * first failures at once, later ones summed up at most once every TD_CTRL_TLS_LOG_MS, so a
+ * peer that keeps redialling does not flood the log. */
+uint64_t td_ctrl_tls_failures(td_ctrl_tls_watch *w, uint64_t *log);
 
 /* Run fn(arg) (a teardown that calls nng_close) on a thread of its own and wait for it at
  * most TD_CTRL_TEARDOWN_MS (TD_CTRL_TEARDOWN_STUCK_MS once a teardown of this process has

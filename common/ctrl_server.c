@@ -27,9 +27,10 @@
 #include "td_clock.h"
 #include "td_err.h"
 
-#define N_RECV      8    /* contexts kept receiving */
-#define MAX_CTX     4096 /* requests held at once (beyond: NNG queues in the pipes) */
-#define MAX_CLIENTS 1024
+#define N_RECV            8    /* contexts kept receiving */
+#define MAX_CTX           4096 /* requests held at once (beyond: NNG queues in the pipes) */
+#define MAX_CLIENTS       1024
+#define MAX_TLS_LISTENERS 4 /* tls+tcp listeners watched for refused handshakes */
 
 enum { SC_IDLE, SC_RECV, SC_HELD, SC_SEND };
 enum { IT_MSG = 1, IT_PIPE_REM };
@@ -73,6 +74,10 @@ struct td_ctrl_server {
     pthread_mutex_t health_mu;
     uint64_t epoch; /* random, nonzero: Events.epoch */
     td_ctrl_server_stats st;
+    nng_tls_config *tls;                        /* opts.security's, or NULL: plain tcp */
+    td_ctrl_tls_watch watch[MAX_TLS_LISTENERS]; /* owner thread */
+    char watch_url[MAX_TLS_LISTENERS][256];
+    int n_watch;
 };
 
 /* ---- contexts ------------------------------------------------------------------------ */
@@ -356,7 +361,8 @@ static bool is_request(Td__Envelope__BodyCase b)
 {
     return b == TD__ENVELOPE__BODY_SUBMIT || b == TD__ENVELOPE__BODY_CANCEL ||
            b == TD__ENVELOPE__BODY_ALLOC || b == TD__ENVELOPE__BODY_PREFILL ||
-           b == TD__ENVELOPE__BODY_KV_TARGET || b == TD__ENVELOPE__BODY_STAGE_HELLO;
+           b == TD__ENVELOPE__BODY_KV_TARGET || b == TD__ENVELOPE__BODY_STAGE_HELLO ||
+           b == TD__ENVELOPE__BODY_JOIN;
 }
 
 /* Handle one received message. Returns true when in was filled for the owner. */
@@ -447,12 +453,28 @@ static bool handle_msg(td_ctrl_server *s, td_ctrl_req *r, nng_msg *m, uint32_t p
     return true;
 }
 
+/* Log the connections refused since the last look (owner thread, at most once a second). */
+static void watch_tls(td_ctrl_server *s)
+{
+    for (int i = 0; i < s->n_watch; i++) {
+        uint64_t n;
+        s->st.refused += td_ctrl_tls_failures(&s->watch[i], &n);
+        if (n)
+            TD_LOG_WARN("ctrl: refused %llu connection%s on %s: TLS handshake failed (no "
+                        "certificate signed by the cluster's CA, or not TLS at all; at most one "
+                        "such line every %d s)",
+                        (unsigned long long)n, n == 1 ? "" : "s", s->watch_url[i],
+                        TD_CTRL_TLS_LOG_MS / 1000);
+    }
+}
+
 int td_ctrl_server_recv(td_ctrl_server *s, td_ctrl_server_in *in, int timeout_ms)
 {
     memset(in, 0, sizeof *in);
     int64_t end = timeout_ms < 0 ? INT64_MAX : td_now_ms() + timeout_ms;
     for (;;) {
         if (s->closing) return TD_ESTATE;
+        if (s->n_watch) watch_tls(s);
         int64_t now = td_now_ms();
         uint64_t gone;
         int64_t wake = housekeeping(s, now, td_ctrl_inbox_len(&s->ib) == 0, &gone);
@@ -628,6 +650,9 @@ void td_ctrl_server_get_stats(const td_ctrl_server *s, td_ctrl_server_stats *st)
 {
     *st = s->st;
     st->clients = s->n_clients;
+    st->unacked = 0;
+    for (const client *c = s->clients; c; c = c->next)
+        st->unacked += (uint32_t)c->ob_n;
 }
 
 /* ---- lifetime ------------------------------------------------------------------------ */
@@ -649,6 +674,11 @@ int td_ctrl_server_create(const td_ctrl_opts *opts, td_ctrl_server **out)
         return rc;
     }
     s->ib_ok = true;
+    if (td_ctrl_tls_on(&s->o) && (rc = td_ctrl_tls_config(&s->o, true, &s->tls))) {
+        td_ctrl_server_destroy(s);
+        return rc;
+    }
+    s->o.security = NULL; /* borrowed during create only */
     int rv = nng_rep0_open(&s->sock);
     if (rv) {
         TD_LOG_ERR("ctrl: nng_rep0_open: %s", nng_strerror(rv));
@@ -665,10 +695,16 @@ int td_ctrl_server_create(const td_ctrl_opts *opts, td_ctrl_server **out)
     return 0;
 }
 
-int td_ctrl_server_listen(td_ctrl_server *s, const char *url, char *bound, size_t boundcap)
+int td_ctrl_server_listen(td_ctrl_server *s, const char *url_in, char *bound, size_t boundcap)
 {
+    char url[512];
+    int rc = td_ctrl_tls_url(s->tls != NULL, url_in, url, sizeof url);
+    if (rc) return rc;
+    bool tls = !strncmp(url, "tls+", 4);
     nng_listener l;
-    int rv = nng_listen(s->sock, url, &l, 0);
+    int rv = nng_listener_create(&l, s->sock, url);
+    if (!rv && tls) rv = nng_listener_set_ptr(l, NNG_OPT_TLS_CONFIG, s->tls);
+    if (!rv) rv = nng_listener_start(l, 0);
     if (rv) {
         TD_LOG_ERR("ctrl: listen on %s: %s", url, nng_strerror(rv));
         return td_ctrl_nng_err(rv);
@@ -676,11 +712,20 @@ int td_ctrl_server_listen(td_ctrl_server *s, const char *url, char *bound, size_
     if (bound && boundcap) {
         size_t n = strlen(url);
         int port = 0;
-        if (!strncmp(url, "tcp://", 6) && n >= 2 && !strcmp(url + n - 2, ":0") &&
+        const char *tcp = url + (tls ? 4 : 0);
+        if (!strncmp(tcp, "tcp://", 6) && n >= 2 && !strcmp(url + n - 2, ":0") &&
             nng_listener_get_int(l, NNG_OPT_TCP_BOUND_PORT, &port) == 0)
             snprintf(bound, boundcap, "%.*s:%d", (int)(n - 2), url, port);
         else
             snprintf(bound, boundcap, "%s", url);
+    }
+    if (tls && s->n_watch < MAX_TLS_LISTENERS) {
+        td_ctrl_tls_watch *w = &s->watch[s->n_watch];
+        *w = (td_ctrl_tls_watch){.is_listener = true, .l = l};
+        uint64_t none;
+        td_ctrl_tls_failures(w, &none); /* from here on */
+        snprintf(s->watch_url[s->n_watch++], sizeof s->watch_url[0], "%s",
+                 bound && boundcap ? bound : url);
     }
     TD_LOG_DEBUG("ctrl: listening on %s", url);
     return 0;
@@ -709,6 +754,7 @@ static void server_teardown(void *arg)
         client_free(c);
     }
     if (s->health) td__health__free_unpacked(s->health, NULL);
+    if (s->tls) nng_tls_config_free(s->tls);
     if (s->ib_ok) td_ctrl_inbox_fini(&s->ib);
     pthread_mutex_destroy(&s->mu);
     pthread_mutex_destroy(&s->health_mu);

@@ -1,4 +1,5 @@
-/* dc_main.c: `tandem-decode --config FILE --instance NAME --rank R [--listen URL]`. */
+/* dc_main.c: `tandem-decode --config FILE --instance NAME --rank R [--listen URL]
+ * [--name NAME] [--advertise HOST]`. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,15 +22,19 @@ static void on_signal(int sig)
 static void usage(void)
 {
     fprintf(stderr, "usage: tandem-decode --config FILE --instance NAME --rank R [--listen URL]\n"
+                    "                     [--name NAME] [--advertise HOST]\n"
                     "  one process per tensor-parallel rank; rank 0 serves the control socket\n"
-                    "  (tcp://HOST:PORT of the instance in the config, or --listen)\n");
+                    "  (tcp://HOST:PORT of the instance in the config, or --listen)\n"
+                    "  --name: this instance's own name (default: --instance, then only the YAML\n"
+                    "          entry its settings come from); every rank of it gives the same\n"
+                    "  --advertise: the host the router reaches rank 0 at (router.membership)\n");
 }
 
 int main(int argc, char **argv)
 {
     /* before any thread: a BLAS core older than the CPU is fixed by re-executing */
     if (kn_blas_fit_cpu(argv)) return 1;
-    const char *path = NULL, *instance = NULL, *listen = NULL;
+    const char *path = NULL, *instance = NULL, *listen = NULL, *name = NULL, *advertise = NULL;
     int rank = -1;
     const td_arg spec[] = {
         {.name = "--config", .kind = TD_ARG_STRING, .out = &path, .required = true},
@@ -41,12 +46,21 @@ int main(int argc, char **argv)
          .min = 0,
          .max = 1023},
         {.name = "--listen", .kind = TD_ARG_STRING, .out = &listen},
+        {.name = "--name", .kind = TD_ARG_STRING, .out = &name},
+        {.name = "--advertise", .kind = TD_ARG_STRING, .out = &advertise},
     };
     td_args_result ar =
         td_args_parse("tandem-decode", argc, argv, spec, sizeof spec / sizeof *spec);
     if (ar != TD_ARGS_OK) {
         usage();
         return ar == TD_ARGS_HELP ? 0 : 1;
+    }
+    if (name && !td_cfg_name_ok(name)) {
+        fprintf(stderr,
+                "tandem-decode: --name '%s' is not an instance name ([A-Za-z0-9_.-], "
+                "1..%d bytes)\n",
+                name, TD_CFG_NAME_MAX);
+        return 1;
     }
     char err[512];
     td_cfg *cfg;
@@ -60,8 +74,13 @@ int main(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
-    dc_node_params p = {
-        .cfg = cfg, .instance = instance, .rank = rank, .listen = listen, .stop = &g_stop};
+    dc_node_params p = {.cfg = cfg,
+                        .instance = name ? name : instance,
+                        .template_name = instance,
+                        .rank = rank,
+                        .listen = listen,
+                        .advertise = advertise,
+                        .stop = &g_stop};
     rc = dc_node_run(&p);
     td_cfg_free(cfg);
     return rc ? 1 : 0;

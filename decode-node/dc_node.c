@@ -627,6 +627,27 @@ static int inbox_wait(const dc_node *n, int k)
                                                       : XFER_WAIT_MS;
 }
 
+/* After SIGTERM: whether the serving loop ends now. With decode[].drain_timeout_ms the
+ * instance first leaves (Health.draining, the router told at once, new requests refused with
+ * ERR_SHUTDOWN: the router sends them elsewhere) while the requests in flight finish, for up
+ * to that long; what is left then ends with ERR_SHUTDOWN (leader_stop), and moves. */
+static bool stop_now(dc_node *n)
+{
+    if (!*n->p->stop) return false;
+    bool idle = dc_sched_idle(n->leader.sched) && dc_xfer_pending(n->plane.xfer) == 0;
+    if (n->life.leaving) return idle || td_now_ms() >= n->life.leave_until_ms;
+    if (n->dcfg->drain_timeout_ms <= 0 || idle) return true;
+    n->life.leaving = n->life.draining = true;
+    n->life.leave_until_ms = td_now_ms() + n->dcfg->drain_timeout_ms;
+    td_join_leave(n->serve.join);
+    dc_serve_health(n);
+    dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
+    TD_LOG_INFO("decode %s: leaving: %d running and %d waiting requests may finish within %d ms "
+                "(decode[].drain_timeout_ms); no new ones",
+                n->p->instance, st.running, st.waiting, n->dcfg->drain_timeout_ms);
+    return false;
+}
+
 /* SERVING, one step after another. Returns 0 when *stop was set, a failure of the instance
  * (a rank died or is silent, a step failed: the caller re-forms), or, with *fatal, a
  * failure of the control server. */
@@ -635,7 +656,7 @@ static int serve_sequential(dc_node *n, bool *fatal)
     int64_t last_health = 0, ns_wait = 0;
     int k = 0; /* tokens of the last step */
     int rc = 0;
-    while (!*n->p->stop) {
+    while (!stop_now(n)) {
         int64_t t_loop = td_now_ns();
         if ((rc = serve_io(n, inbox_wait(n, k), &last_health, &ns_wait))) {
             *fatal = true;
@@ -673,7 +694,7 @@ static int serve_overlap(dc_node *n, bool *fatal)
     step_run sr;
     bool flying = false; /* sr's forward pass runs */
     int k = 0, rc = 0;
-    while (!*n->p->stop) {
+    while (!stop_now(n)) {
         int64_t t_loop = td_now_ns();
         dc_async_flush(n); /* the last step's events */
         if ((rc = serve_io(n, flying ? 0 : inbox_wait(n, k), &last_health, &ns_wait))) {
@@ -785,6 +806,7 @@ static void log_phases(const dc_node *n)
 static void leader_stop(dc_node *n)
 {
     n->life.draining = true;
+    td_join_leave(n->serve.join); /* the router hears it before the connection drops, mostly */
     if (!dc_sched_idle(n->leader.sched)) {
         /* stopped with work in flight: end every request with a clear error and give the
          * events a moment to reach their clients (they long-poll, so ~ms) */
@@ -806,6 +828,16 @@ static void leader_stop(dc_node *n)
             dc_serve_inbox(n, 50, NULL);
             dc_serve_transfers(n);
         }
+    }
+    if (n->life.leaving) {
+        /* drained: the last tokens are in the outbox until the clients' next poll takes them
+           (~ms); leaving before would make the router move finished requests */
+        int64_t t0 = td_now_ms();
+        td_ctrl_server_stats cs;
+        do {
+            dc_serve_inbox(n, 20, NULL);
+            td_ctrl_server_get_stats(n->serve.srv, &cs);
+        } while (cs.unacked && td_now_ms() - t0 < STOP_XFER_MS);
     }
     /* a broken or unfinished formation (a follower stopped first: `tandem down` signals
      * every rank) just closes */
@@ -918,9 +950,10 @@ static void teardown(dc_node *n)
 int dc_node_run(const dc_node_params *p)
 {
     dc_node n = {.p = p};
-    n.dcfg = td_cfg_find_decode(p->cfg, p->instance);
+    const char *tmpl = p->template_name ? p->template_name : p->instance;
+    n.dcfg = td_cfg_find_decode(p->cfg, tmpl);
     if (!n.dcfg) {
-        TD_LOG_ERR("no decode instance '%s' in %s", p->instance, p->cfg->path);
+        TD_LOG_ERR("no decode instance '%s' in %s", tmpl, p->cfg->path);
         return TD_EINVAL;
     }
     if (p->rank >= n.dcfg->tp) {

@@ -68,9 +68,12 @@
 
 typedef struct {
     const td_cfg *cfg;
-    const char *instance;
+    const char *instance;      /* the instance's name (--name, else --instance) */
+    const char *template_name; /* the YAML decode instance its settings come from */
     int rank;
     const char *listen;          /* leader: URL override (tests); NULL: from the config */
+    const char *advertise;       /* leader: the host in the URL it announces to the router
+                                    (router.membership); NULL: the YAML's host */
     volatile sig_atomic_t *stop; /* set by SIGTERM/SIGINT: clean shutdown */
 } dc_node_params;
 

@@ -24,6 +24,7 @@
 
 #include "config.h"
 #include "ctrl.h"
+#include "ctrl_join.h"
 #include "dc_draft.h"
 #include "dc_node.h"
 #include "dc_plan.h"
@@ -102,6 +103,9 @@ typedef struct {
     char fail_why[192];    /* while a failure fails every request: why, for their events */
     bool stopping;         /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
     bool draining;         /* after the loop: new requests are refused */
+    bool leaving;          /* SIGTERM with decode[].drain_timeout_ms: draining while the
+                              requests in flight finish, still serving (Health.draining) */
+    int64_t leave_until_ms; /* leaving: when the requests left end with ERR_SHUTDOWN */
 } dc_life;
 
 /* The leader's KV-transfer plane of one formation (disaggregated mode). Owner
@@ -142,6 +146,7 @@ typedef struct {
     kn_compute_info compute;
     bool compute_made;
     int64_t ns_stream; /* the token events' time (dc_serve_on_tokens; logged with dc_stats) */
+    td_join *join;     /* announcements to the router (router.membership), or NULL */
 } dc_serve;
 
 /* Overlap (decode[].overlap): the thread that runs forward passes while the node thread

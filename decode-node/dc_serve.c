@@ -18,9 +18,27 @@
 
 /* ---- the part's life ---- */
 
+/* router.membership: announce the instance to the router at the address others reach it at
+ * (--advertise, else the YAML's host, with the port bound). */
+static void start_join(dc_node *n, const char *bound)
+{
+    const td_cfg_membership *m = &n->p->cfg->router.membership;
+    td_join_params jp = {.router = m->address,
+                         .role = TD__ROLE__ROLE_DECODE,
+                         .name = n->p->instance,
+                         .bound = bound,
+                         .host = n->p->advertise ? n->p->advertise : n->dcfg->host,
+                         .template_name = n->dcfg->name,
+                         .tp = (uint32_t)n->dcfg->tp,
+                         .max_batch = (uint32_t)n->dcfg->max_batch,
+                         .period_ms = m->lease_ms / 4 > 0 ? m->lease_ms / 4 : 1,
+                         .security = &n->p->cfg->security};
+    if (*m->address) td_join_start(&jp, &n->serve.join); /* a failure is logged: it serves */
+}
+
 int dc_serve_init(dc_node *n)
 {
-    td_ctrl_opts opts = {0};
+    td_ctrl_opts opts = {.security = &n->p->cfg->security};
     int rc = td_ctrl_server_create(&opts, &n->serve.srv);
     if (rc) return rc;
     char url[256], bound[256];
@@ -35,11 +53,13 @@ int dc_serve_init(dc_node *n)
     TD_LOG_INFO("decode %s: serving on %s%s", n->p->instance, bound,
                 n->proc.disagg ? " (disaggregated: Alloc and colocated Submit)" : "");
     n->serve.started_ms = td_now_ms();
+    start_join(n, bound);
     return 0;
 }
 
 void dc_serve_fini(dc_node *n)
 {
+    td_join_stop(n->serve.join);
     td_ctrl_server_destroy(n->serve.srv);
     free(n->serve.routes);
     free(n->serve.held_allocs);
@@ -591,7 +611,8 @@ void dc_serve_health(dc_node *n)
     h.n_spec_accepted_per_pos = n_pos;
     h.spec_accepted_per_pos = st.spec_accepted_pos;
     /* alive but not ready while forming: the router keeps polling and sends nothing */
-    h.ready = !n->life.forming && !n->life.stopping && !n->life.draining;
+    h.ready = !n->life.forming && !n->life.stopping && (!n->life.draining || n->life.leaving);
+    h.draining = n->life.draining;
     uint64_t ev_ids[KN_KV_EVENT_LOG_DEFAULT];
     uint8_t ev_kind[KN_KV_EVENT_LOG_DEFAULT];
     health_events(n, &h, ev_ids, ev_kind);

@@ -83,7 +83,7 @@ int dc_xfer_create(const dc_xfer_params *p, dc_xfer **out)
         }
         if (p->staged) x->on_dev[r] = (uint8_t *)p->regions[r] + kv_bytes;
         kvx_pipe *pipe;
-        if ((rc = kvx_pipe_ucx_create(&(kvx_pipe_params){.tls = p->tls}, &pipe))) {
+        if ((rc = kvx_pipe_ucx_create(&(kvx_pipe_params){.tls = p->tls, .host = p->host}, &pipe))) {
             TD_LOG_ERR("decode %s: cannot start UCX (tls '%s') for rank %d's KV: %s", x->instance,
                        p->tls ? p->tls : "", r, td_strerror(rc));
             break;

@@ -62,14 +62,15 @@ typedef struct {
     uint32_t n_heads;           /* query heads of the model */
     uint32_t n_kv_heads;        /* KV heads of the model (rank r holds those of td_tp.h's rule) */
     uint32_t head_dim, block_size, dtype_size, n_blocks;
-    bool latent;     /* the pools have the latent layout (kv_pool.h KN_KV_LAYOUT_LATENT): one
-                        array a layer, which the targets say (kvx_layout.kv_arrays 1) */
-    const char *tls; /* UCX_TLS of the KV plane (cfg kvxfer.ucx_tls) */
-    int timeout_ms;  /* deadline of a transfer, from dc_xfer_start (cfg kvxfer) */
-    bool staged;     /* device pools (kv_pool.h): each region is the host copy, followed by
-                        its n_blocks on_dev flags (counted in region_bytes), which
-                        dc_xfer_start clears for the transfer's blocks on every rank, so each
-                        rank's engine uploads them before it first reads them */
+    bool latent;      /* the pools have the latent layout (kv_pool.h KN_KV_LAYOUT_LATENT): one
+                         array a layer, which the targets say (kvx_layout.kv_arrays 1) */
+    const char *tls;  /* UCX_TLS of the KV plane (cfg kvxfer.ucx_tls) */
+    const char *host; /* the instance's host (cfg decode[].host): the pipes' network devices */
+    int timeout_ms;   /* deadline of a transfer, from dc_xfer_start (cfg kvxfer) */
+    bool staged;      /* device pools (kv_pool.h): each region is the host copy, followed by
+                         its n_blocks on_dev flags (counted in region_bytes), which
+                         dc_xfer_start clears for the transfer's blocks on every rank, so each
+                         rank's engine uploads them before it first reads them */
 } dc_xfer_params;
 
 typedef struct dc_xfer dc_xfer;

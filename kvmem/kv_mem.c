@@ -4,6 +4,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "td_err.h"
 #include "td_grow.h"
@@ -56,6 +57,16 @@ int kn_kv_mem_renew_pool(kn_kv_mem *m)
     if (!m->pool) return TD_ESTATE;
     int idle = m->cache ? kn_kv_cache_get_stats(m->cache).idle : 0;
     if (kn_kv_pool_n_free(m->pool) + idle != m->pool->n_blocks) return TD_ESTATE; /* held */
+    /* The fresh segment takes the old one's name. The old pool must not unlink it when it
+       is destroyed below (the name is the fresh segment's by then: a TP follower renewed
+       its pool, then its own cleanup removed the new name, and every new leader failed to
+       map it, so a decode instance whose rank 0 was restarted never re-formed), and a name
+       no leader unlinked yet must go first (the segment is created exclusively). */
+    if (m->pool->shm_name) {
+        shm_unlink(m->pool->shm_name); /* usually gone already: its mapper unlinked it */
+        free(m->pool->shm_name);
+        m->pool->shm_name = NULL;
+    }
     kn_kv_pool *fresh = NULL;
     int rc = kn_kv_pool_create(&m->params, &fresh);
     if (rc) return rc;  /* the old pool stays */

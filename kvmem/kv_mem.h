@@ -44,7 +44,8 @@ kn_kv_pool *kn_kv_mem_pool(const kn_kv_mem *m);
  * segment after its leader unlinked the old one): the cache (if any) and the tier are
  * cleared (kn_kv_mem_clear: a CLEARED event) and go on over the new pool (same pointers,
  * numbering and settings). No block may be held (TD_ESTATE otherwise); the pool's errors
- * (then nothing changed). */
+ * (then nothing else changed). A named segment's name (params.shm_name) passes to the new
+ * segment: the old one's is unlinked first (its mappings live on). */
 int kn_kv_mem_renew_pool(kn_kv_mem *m);
 
 /* Add the prefix cache (kv_cache.h) over the pool: blocks whose last reference goes are kept

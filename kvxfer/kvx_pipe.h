@@ -93,6 +93,15 @@ typedef struct {
      * per process than 64, 1024 ~4 MB, and moved a chunk 1.4-2.4x faster than 1024 under
      * load, BENCHMARKS.md) */
     int shm_fifo_size;
+    /* UCX only: the host the cluster YAML gives this process's instance (decode[].host, the
+     * prefill stage's hosts[] entry). Network transports then use only the device(s) that
+     * carry its address (UCX's NET_DEVICES, from kvx_net_devices_for_host: 127.0.0.1 -> lo),
+     * so the KV plane listens and connects on the cluster's addresses only; the choice is
+     * logged. NULL, or an address no device has (a NAT's, a name that does not resolve
+     * here: a warning), or a wildcard (0.0.0.0, ::): every device, as UCX picks them. The
+     * environment's UCX_NET_DEVICES wins over it; shared-memory-only lists have no network
+     * device to choose. */
+    const char *host;
 } kvx_pipe_params;
 
 #define KVX_SHM_FIFO_DEFAULT 4096
@@ -147,6 +156,14 @@ struct kvx_pipe {
 
 /* A UCX pipe (context + one worker). TD_EIO if UCX cannot start. */
 int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out);
+
+/* The network devices (interface names, comma-separated as UCX_NET_DEVICES takes them) that
+ * carry host's address (a name is resolved first): a loopback address (127.0.0.0/8, ::1)
+ * -> the loopback device(s) ("lo"); any other -> the interfaces that hold that address.
+ * TD_EINVAL for "" or a wildcard (0.0.0.0, ::: every device), TD_ENOENT when no device
+ * of this host has the address or the name does not resolve, TD_ERANGE if buf is small,
+ * TD_EIO if the interfaces cannot be listed. kvx_netdev.c. */
+int kvx_net_devices_for_host(const char *host, char *buf, size_t cap);
 
 /* The fake: pipes created on the same fabric reach each other in-process. Puts copy at
  * once (bounds-checked against the registration); flushes, messages and receive

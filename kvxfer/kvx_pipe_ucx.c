@@ -2,6 +2,7 @@
  * and destruction, progress and sleeping, and the ops table. The rest is split by concern
  * (see kvx_pipe_ucx_int.h): wire-up in kvx_pipe_ucx_peer.c, operations in kvx_pipe_ucx_op.c,
  * the shared-memory wedge probe in kvx_pipe_ucx_probe.c. */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -329,6 +330,39 @@ static ucs_status_t set_fifo_size(ucp_config_t *cfg, const char *tls, int n)
     return ucp_config_modify(cfg, "MM_FIFO_SIZE", v);
 }
 
+/* kvx_pipe_params.host: NET_DEVICES, the device(s) that carry the host's address (network
+ * lists only; the environment's UCX_NET_DEVICES wins). Logged at info once a process, at
+ * debug after that (a decode leader opens one pipe per rank). */
+static ucs_status_t set_net_devices(ucp_config_t *cfg, const char *host, bool shm)
+{
+    if (shm || !host) return UCS_OK;
+    static atomic_bool logged;
+    td_log_level lvl = atomic_exchange(&logged, true) ? TD_LOG_DEBUG : TD_LOG_INFO;
+    const char *env = getenv("UCX_NET_DEVICES");
+    if (env && env[0]) {
+        td_log_write(lvl, __FILE__, __LINE__,
+                     "kvx ucx: network devices %s (UCX_NET_DEVICES from the environment; host %s)",
+                     env, host);
+        return UCS_OK;
+    }
+    char devs[256];
+    int rc = kvx_net_devices_for_host(host, devs, sizeof devs);
+    if (rc == TD_EINVAL) {
+        td_log_write(lvl, __FILE__, __LINE__,
+                     "kvx ucx: host %s is a wildcard: UCX uses every network device", host);
+        return UCS_OK;
+    }
+    if (rc) {
+        TD_LOG_WARN("kvx ucx: no network device of this machine has the address of host %s (%s): "
+                    "UCX uses every network device (set UCX_NET_DEVICES to choose)",
+                    host, td_strerror(rc));
+        return UCS_OK;
+    }
+    td_log_write(lvl, __FILE__, __LINE__,
+                 "kvx ucx: network devices %s (those with the address of host %s)", devs, host);
+    return ucp_config_modify(cfg, "NET_DEVICES", devs);
+}
+
 int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
 {
     kvxi_ucx_pipe *p = calloc(1, sizeof(*p));
@@ -359,6 +393,7 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
     snprintf(ka, sizeof(ka), "%dms", ka_ms);
     if (st == UCS_OK) st = ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", ka);
     if (st == UCS_OK) st = set_fifo_size(cfg, tls, params ? params->shm_fifo_size : 0);
+    if (st == UCS_OK) st = set_net_devices(cfg, params ? params->host : NULL, p->shm);
     if (st != UCS_OK) {
         TD_LOG_ERR("kvx ucx: config: %s", ucs_status_string(st));
         ucp_config_release(cfg);

@@ -41,6 +41,7 @@ int pf_chain_init(pf_chain *c, const pf_chain_params *p)
     c->first = p->first;
     c->last = p->last;
     c->tls = p->tls;
+    c->host = p->host;
     c->stop = p->stop;
     forget_peers(c);
     int rc = 0;
@@ -72,7 +73,7 @@ static void ctl_drop_all(pf_chain *c)
 
 int pf_chain_open(pf_chain *c)
 {
-    int rc = pf_link_create(c->tls, &c->link);
+    int rc = pf_link_create(c->tls, c->host, &c->link);
     c->send_seq = c->recv_seq = 1;
     c->broken = false;
     return rc;

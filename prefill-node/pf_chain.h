@@ -51,6 +51,7 @@ typedef struct {
     int stage, pp;
     bool first, last;
     const char *tls;             /* UCX transports of the link */
+    const char *host;            /* this stage's host in the YAML: the link's network devices */
     volatile sig_atomic_t *stop; /* pf_chain_free_send gives up when it becomes non-zero */
     pf_buf sends[PF_NSEND];      /* stages but the last */
     pf_buf recvs[PF_NRECV];      /* stages but the first */
@@ -70,7 +71,8 @@ typedef struct {
     int stage, pp;
     bool first, last;
     const char *tls;
-    size_t msg_cap; /* bytes of the largest chain message */
+    const char *host; /* this stage's host (kvx_pipe_params.host), or NULL */
+    size_t msg_cap;   /* bytes of the largest chain message */
     volatile sig_atomic_t *stop;
 } pf_chain_params;
 

@@ -113,7 +113,7 @@ static int follow(pf_follower *fl)
         snprintf(url, sizeof url, "%s", fl->st->p->leader);
     else if ((rc = td_cfg_ctrl_url(fl->st->cfg->hosts[0], fl->st->cfg->port, url, sizeof url)))
         return rc;
-    td_ctrl_opts opts = {0};
+    td_ctrl_opts opts = {.security = &fl->st->p->cfg->security};
     if ((rc = td_ctrl_client_create(url, &opts, &fl->cli))) return rc;
     if ((rc = pf_chain_open(&fl->st->chain))) goto out;
     TD_LOG_INFO("prefill %s stage %d: joining stage 0 at %s", fl->st->p->instance, fl->st->stage,

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "pf_health.h"
+#include "ctrl_join.h"
 #include "pf_int.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -66,6 +67,7 @@ typedef struct {
 typedef struct {
     pf_stage *st;
     td_ctrl_server *srv;
+    td_join *join; /* announcements to the router (router.membership), or NULL */
     pf_job *jobs; /* FIFO: emitted first, then queued */
     int n_jobs;
     pf_tune tune; /* the cost model, refitted from every chunk stage 0 computes (pf_tune.h) */
@@ -305,9 +307,14 @@ static void reset_formation(pf_leader *ld, const char *why)
             "the stages to rejoin",
             ld->st->p->instance, why, ld->n_jobs);
     pf_stage_leave_chain(ld->st, TD_EIO); /* first: no RELEASE goes down the old chain */
+    /* the queued ones too: the router moves them (another instance at once, or this one
+       re-formed, within router.migrate_wait_ms) rather than their waiting here for a chain
+       that may never form again until the transfer deadline */
     for (pf_job *j = ld->jobs, *nx; j; j = nx) {
         nx = j->next;
-        if (j->emitted) finish_job(ld, j, TD_EIO, "a prefill stage failed or restarted");
+        finish_job(ld, j, TD_EIO,
+                   j->emitted ? "a prefill stage failed or restarted"
+                              : "a prefill stage failed or restarted before the prompt started");
     }
     if (logged)
         TD_LOG_INFO("prefill %s: the old stage chain closed in %lld ms", ld->st->p->instance,
@@ -795,11 +802,30 @@ static void publish_health(pf_leader *ld)
     td_ctrl_server_set_health(ld->srv, &h);
 }
 
+/* router.membership: announce the instance to the router at the address others reach stage 0
+ * at (--advertise, else hosts[0], with the port bound). */
+static void start_join(pf_leader *ld, const char *bound)
+{
+    const pf_node_params *p = ld->st->p;
+    const td_cfg_membership *m = &p->cfg->router.membership;
+    td_join_params jp = {.router = m->address,
+                         .role = TD__ROLE__ROLE_PREFILL,
+                         .name = p->instance,
+                         .bound = bound,
+                         .host = p->advertise ? p->advertise : ld->st->cfg->hosts[0],
+                         .template_name = ld->st->cfg->name,
+                         .pp = (uint32_t)ld->st->pp,
+                         .max_queue = (uint32_t)ld->st->cfg->max_queue,
+                         .period_ms = m->lease_ms / 4 > 0 ? m->lease_ms / 4 : 1,
+                         .security = &p->cfg->security};
+    if (*m->address) td_join_start(&jp, &ld->join); /* a failure is logged: it serves */
+}
+
 static int lead(pf_leader *ld)
 {
     /* listen first: a busy port is an error before any profiling, and meanwhile Health is
      * answered (ready: false) and the other stages' hellos wait in the inbox */
-    td_ctrl_opts opts = {0};
+    td_ctrl_opts opts = {.security = &ld->st->p->cfg->security};
     int rc = td_ctrl_server_create(&opts, &ld->srv);
     if (rc) return rc;
     char url[256], bound[256];
@@ -821,6 +847,7 @@ static int lead(pf_leader *ld)
         return rc == TD_ESTATE ? 0 : rc;
     }
     TD_LOG_INFO("prefill %s: serving on %s (pp %d)", ld->st->p->instance, bound, ld->st->pp);
+    start_join(ld, bound);
     ld->members[0].boot_id = ld->st->boot_id;
     reset_formation(ld, "start-up");
     if (ld->running) TD_LOG_INFO("prefill %s: ready", ld->st->p->instance);
@@ -856,7 +883,9 @@ static int lead(pf_leader *ld)
             pf_chain_wait(&ld->st->chain, td_ctrl_server_fd(ld->srv),
                           ld->jobs || ld->st->reqs ? 5 : 100);
     }
-    /* stop: fail what is in flight, let the events out, then tear down */
+    /* stop: fail what is in flight (the router starts those prompts again elsewhere), let
+       the events out, then tear down */
+    td_join_leave(ld->join);
     if (ld->n_jobs)
         TD_LOG_INFO("prefill %s: stopping; %d requests end with an error", ld->st->p->instance,
                     ld->n_jobs);
@@ -890,6 +919,7 @@ int pf_leader_run(pf_stage *st)
     ld->st = st;
     ld->ids = malloc((size_t)st->chunk_max * sizeof *ld->ids);
     int rc = ld->ids ? lead(ld) : TD_ENOMEM;
+    td_join_stop(ld->join);
     td_ctrl_server_destroy(ld->srv); /* left by an error before the loop */
     free(ld->ids);
     free(ld);

@@ -91,14 +91,14 @@ static void *progress_main(void *arg)
     return NULL;
 }
 
-int pf_link_create(const char *tls, pf_link **out)
+int pf_link_create(const char *tls, const char *host, pf_link **out)
 {
     *out = NULL;
     pf_link *l = calloc(1, sizeof *l);
     if (!l) return TD_ENOMEM;
     pthread_mutex_init(&l->mu, NULL);
     l->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    kvx_pipe_params pp = {.peer_err_cb = on_peer_err, .peer_err_arg = l, .tls = tls};
+    kvx_pipe_params pp = {.peer_err_cb = on_peer_err, .peer_err_arg = l, .tls = tls, .host = host};
     int rc = l->wake_fd < 0 ? TD_EIO : kvx_pipe_ucx_create(&pp, &l->pipe);
     if (!rc) rc = kvx_pipe_set_am_handler(l->pipe, 1, on_report, l);
     if (!rc) {

@@ -37,8 +37,9 @@ typedef struct {
 #define PF_LINK_MAX_REPORTS 4096
 #define PF_LINK_REPORT_MAX  KVX_AM_MAX /* a report or a prompt-logprobs message */
 
-/* tls: UCX transports (the YAML's kvxfer.ucx_tls). */
-int pf_link_create(const char *tls, pf_link **out);
+/* tls: UCX transports (the YAML's kvxfer.ucx_tls); host: this stage's host in the YAML,
+ * whose network devices the link uses (kvx_pipe_params.host), or NULL. */
+int pf_link_create(const char *tls, const char *host, pf_link **out);
 void pf_link_destroy(pf_link *l); /* NULL is fine */
 
 int pf_link_address(pf_link *l, void *buf, size_t cap, size_t *len);

@@ -18,10 +18,11 @@ int pf_node_run(const pf_node_params *p)
     pf_stage *st = calloc(1, sizeof *st);
     if (!st) return TD_ENOMEM;
     st->p = p;
-    st->cfg = td_cfg_find_prefill(p->cfg, p->instance);
+    const char *tmpl = p->template_name ? p->template_name : p->instance;
+    st->cfg = td_cfg_find_prefill(p->cfg, tmpl);
     int rc = TD_EINVAL;
     if (!st->cfg) {
-        TD_LOG_ERR("no prefill instance '%s' in %s", p->instance, p->cfg->path);
+        TD_LOG_ERR("no prefill instance '%s' in %s", tmpl, p->cfg->path);
         goto out;
     }
     st->pp = st->cfg->pp;
@@ -78,19 +79,24 @@ static void usage(void)
     fprintf(stderr,
             "usage: tandem-prefill --config FILE --instance NAME --stage S [--listen URL] "
             "[--leader URL] [--reprofile]\n"
+            "                      [--name NAME] [--advertise HOST]\n"
             "  one process per pipeline stage; stage 0 serves the control socket\n"
             "  (tcp://hosts[0]:port of the instance in the config, or --listen); the other\n"
             "  stages join it there (or at --leader)\n"
             "  --reprofile  stage 0 measures its stage profile (dynamic chunking) even if one\n"
             "               is cached for this model, layers, threads, build and CPU\n"
-            "               ($TANDEM_CACHE/profiles, else ~/.cache/tandem/profiles)\n");
+            "               ($TANDEM_CACHE/profiles, else ~/.cache/tandem/profiles)\n"
+            "  --name       this instance's own name (default: --instance, then only the\n"
+            "               YAML entry its settings come from); every stage gives the same\n"
+            "  --advertise  the host the router reaches stage 0 at (router.membership)\n");
 }
 
 int main(int argc, char **argv)
 {
     /* before any thread: a BLAS core older than the CPU is fixed by re-executing */
     if (kn_blas_fit_cpu(argv)) return 1;
-    const char *path = NULL, *instance = NULL, *listen = NULL, *leader = NULL;
+    const char *path = NULL, *instance = NULL, *listen = NULL, *leader = NULL, *name = NULL,
+               *advertise = NULL;
     int stage = -1;
     bool reprofile = false;
     const td_arg spec[] = {
@@ -105,6 +111,8 @@ int main(int argc, char **argv)
         {.name = "--listen", .kind = TD_ARG_STRING, .out = &listen},
         {.name = "--leader", .kind = TD_ARG_STRING, .out = &leader},
         {.name = "--reprofile", .kind = TD_ARG_FLAG, .out = &reprofile},
+        {.name = "--name", .kind = TD_ARG_STRING, .out = &name},
+        {.name = "--advertise", .kind = TD_ARG_STRING, .out = &advertise},
     };
     td_args_result ar =
         td_args_parse("tandem-prefill", argc, argv, spec, sizeof spec / sizeof *spec);
@@ -117,6 +125,13 @@ int main(int argc, char **argv)
                 "tandem-prefill: --reprofile is for stage 0 (only it profiles), not "
                 "stage %d\n",
                 stage);
+        return 1;
+    }
+    if (name && !td_cfg_name_ok(name)) {
+        fprintf(stderr,
+                "tandem-prefill: --name '%s' is not an instance name ([A-Za-z0-9_.-], 1..%d "
+                "bytes)\n",
+                name, TD_CFG_NAME_MAX);
         return 1;
     }
     char err[512];
@@ -134,7 +149,9 @@ int main(int argc, char **argv)
     sigaction(SIGALRM, &al, NULL);
     signal(SIGPIPE, SIG_IGN);
     pf_node_params p = {.cfg = cfg,
-                        .instance = instance,
+                        .instance = name ? name : instance,
+                        .template_name = instance,
+                        .advertise = advertise,
                         .stage = stage,
                         .listen = listen,
                         .leader = leader,

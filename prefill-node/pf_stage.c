@@ -17,7 +17,7 @@ static int open_connector(pf_stage *st)
 {
     const td_cfg *cfg = st->p->cfg;
     kvx_pipe *pipe;
-    kvx_pipe_params pp = {.tls = cfg->kvxfer.ucx_tls};
+    kvx_pipe_params pp = {.tls = cfg->kvxfer.ucx_tls, .host = st->cfg->hosts[st->stage]};
     int rc = kvx_pipe_ucx_create(&pp, &pipe);
     if (rc) return rc;
     kvx_conn_params cp = {.timeout_ms = st->timeout_ms, .progress_thread = true};
@@ -53,6 +53,7 @@ static int open_chain(pf_stage *st)
                           .first = st->first,
                           .last = st->last,
                           .tls = st->p->cfg->kvxfer.ucx_tls,
+                          .host = st->cfg->hosts[st->stage],
                           .msg_cap = chunk_bytes > target_bytes ? chunk_bytes : target_bytes,
                           .stop = st->p->stop};
     return pf_chain_init(&st->chain, &cp);

@@ -9,6 +9,7 @@
  * concern each (calls go down this list, never up):
  *   rt_main.c                  command line, model metadata, start/stop
  *   rt_http.{h,c}              libmicrohttpd glue: routing, bodies, suspend/resume, SSE reader
+ *   rt_tls.{h,c}               TLS of the listener: the PEM files, client certificates
  *   rt_loop.{h,c}              the loop thread: inbox, instances' input, liveness, deadlines,
  *                              stop (rt_loop_int.h: private to rt_loop.c and rt_dispatch.c)
  *   rt_dispatch.c              admission, dispatch, request endings, migration
@@ -17,6 +18,7 @@
  *   rt_stream.{h,c}            per-request output: detokenizer, stop strings, chunks
  *   rt_route.{h,c}             router.routing: load order or cache-aware choice
  *   rt_registry.{h,c}          decode and prefill instances: heartbeats, liveness, choice
+ *   rt_member.{h,c}            router.membership: instances that join and leave at run time
  *   rt_cache.{h,c}             per-instance prefix index (block ids), SGLang's choice
  *   rt_fair.{h,c}              the router queue: one FIFO per client, served round robin
  *   rt_table.{h,c}             request table (router request id -> request)
@@ -55,6 +57,7 @@
 #include "rt_registry.h"
 #include "rt_req.h"
 #include "rt_table.h"
+#include "rt_tls.h"
 #include "tokenizer.h"
 
 typedef struct rt_router {
@@ -63,6 +66,7 @@ typedef struct rt_router {
     rt_model model; /* the tokenizer it owns, the chat template, the context length, the name */
     char api_key_hdr[512]; /* "Bearer KEY", or "" */
     size_t max_body;       /* bytes of a request body (rt_max_body); more: 413 */
+    rt_tls tls;            /* router.tls_*: the PEM texts the daemon borrows (off: http) */
     struct MHD_Daemon *mhd;
 
     /* inbox: HTTP -> loop */
@@ -83,6 +87,7 @@ typedef struct rt_router {
     bool loop_started;
     int64_t t_events_ns; /* loop-owned: when the batch of events in hand was received */
     rt_registry reg;     /* loop-owned */
+    struct rt_member *member; /* loop-owned: router.membership's Join socket, NULL: off */
     rt_table table;      /* loop-owned */
     rt_fair fair;        /* loop-owned router queue (fair.len requests) */
 

@@ -109,6 +109,11 @@ static int make_resume(rt_req *q)
 
 void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now)
 {
+    rt_loop_move(r, q, why, true, now);
+}
+
+void rt_loop_move(rt_router *r, rt_req *q, const char *why, bool counted, int64_t now)
+{
     const td_cfg_router *rc = &r->cfg->router;
     if (r->disagg) {
         rt_pair_abandon(r, q); /* cancels both sides; q->loop.inst is -1 after */
@@ -127,7 +132,7 @@ void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now)
         snprintf(no, sizeof no, "the request asked not to move (\"migrate\": false)");
     else if (!rc->max_migrations)
         snprintf(no, sizeof no, "router.max_migrations is 0");
-    else if (q->loop.migrations >= rc->max_migrations)
+    else if (counted && q->loop.migrations >= rc->max_migrations)
         snprintf(no, sizeof no, "it moved %d times already (router.max_migrations)",
                  q->loop.migrations);
     else if (make_resume(q))
@@ -149,13 +154,20 @@ void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now)
             return;
         }
     }
-    q->loop.migrations++;
     if (!q->loop.lost_ms) q->loop.lost_ms = now;
     rt_pair_moved(q);
-    TD_LOG_INFO("router: %s: %s after %d tokens: moving it (move %d of %d), it goes on from "
-                "token %d",
-                q->oid, why, q->loop.n_gen, q->loop.migrations, rc->max_migrations, q->loop.n_gen);
-    rt_metrics_migration(&r->metrics);
+    if (counted) {
+        q->loop.migrations++;
+        TD_LOG_INFO("router: %s: %s after %d tokens: moving it (move %d of %d), it goes on "
+                    "from token %d",
+                    q->oid, why, q->loop.n_gen, q->loop.migrations, rc->max_migrations,
+                    q->loop.n_gen);
+        rt_metrics_migration(&r->metrics);
+    } else {
+        TD_LOG_INFO("router: %s: %s before its instance took it: sending it again (not "
+                    "counted as a move), it goes on from token %d",
+                    q->oid, why, q->loop.n_gen);
+    }
     q->loop.state = RT_ST_QUEUED;
     rt_fair_push_front(&r->fair, q);
     atomic_fetch_add(&r->queued, 1);
@@ -286,7 +298,7 @@ void rt_loop_act(rt_router *r, const rt_pair_out *o, int64_t now)
         rt_loop_requeue(r, o->q, false);
         return;
     case RT_PAIR_LOST:
-        rt_loop_lose(r, o->q, o->msg, now);
+        rt_loop_move(r, o->q, o->msg, !o->uncounted, now);
         return;
     case RT_PAIR_FAILED:
         rt_loop_fail(r, o->q, o->status, o->code, o->msg);

@@ -16,7 +16,10 @@
  * /version count as "other") to
  * tandem_router_http_requests_total{path}. Limits: request line + headers RT_MAX_HEADERS (MHD's
  * per-connection memory pool: MHD itself answers 431), bodies r->max_body (413). While the router
- * drains every response carries "Connection: close", so keep-alive clients go elsewhere. */
+ * drains every response carries "Connection: close", so keep-alive clients go elsewhere.
+ * With router.tls_cert the daemon speaks TLS (rt_tls.h); with router.tls_client_ca a request
+ * on a connection without a verified client certificate closes it (the handshake refuses
+ * such clients already). */
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <stdio.h>
@@ -31,6 +34,7 @@
 #include "rt.h"
 #include "rt_http.h"
 #include "rt_loop.h"
+#include "rt_tls.h"
 #include "rt_tokenize.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -45,6 +49,7 @@ typedef enum {
     K_TOKENIZE,   /* POST /tokenize (rt_tokenize.h) */
     K_DETOKENIZE, /* POST /detokenize */
     K_VERSION,    /* GET /version */
+    K_INSTANCES,  /* GET /instances: the live set (rt_metrics_instances_json) */
 } conn_kind;
 
 typedef struct {
@@ -293,6 +298,7 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
         {"/tokenize", "POST", K_TOKENIZE},
         {"/detokenize", "POST", K_DETOKENIZE},
         {"/version", "GET", K_VERSION},
+        {"/instances", "GET", K_INSTANCES},
     };
     bool head = !strcmp(method, "HEAD");
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
@@ -321,7 +327,9 @@ static void route(rt_router *r, struct MHD_Connection *conn, conn_ctx *c, const 
         rt_error_set(&c->err, 404, NULL, "not_found", "no such endpoint: %s %.200s", method, url);
         return;
     }
-    bool keyed = !strncmp(url, "/v1/", 4) || c->kind == K_TOKENIZE || c->kind == K_DETOKENIZE;
+    /* /instances names the instances' addresses: the key guards it as it guards the API */
+    bool keyed = !strncmp(url, "/v1/", 4) || c->kind == K_TOKENIZE || c->kind == K_DETOKENIZE ||
+                 c->kind == K_INSTANCES;
     if (r->api_key_hdr[0] && keyed) {
         const char *auth =
             MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
@@ -368,6 +376,11 @@ static enum MHD_Result simple_get(rt_router *r, struct MHD_Connection *conn, con
         s = rt_metrics_render(&r->metrics, r->cfg);
         if (!s) break;
         ok = respond(r, conn, kind, 200, s, strlen(s), "text/plain; version=0.0.4");
+        free(s);
+        return ok;
+    case K_INSTANCES:
+        if (!(s = rt_metrics_instances_json(&r->metrics))) break;
+        ok = respond(r, conn, kind, 200, s, strlen(s), "application/json");
         free(s);
         return ok;
     case K_VERSION:
@@ -475,6 +488,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     rt_router *r = cls;
     conn_ctx *c = *con_cls;
     if (!c) {
+        if (!rt_tls_client_ok(&r->tls, conn)) return MHD_NO; /* closes the connection */
         c = calloc(1, sizeof *c);
         if (!c) return MHD_NO;
         *con_cls = c;
@@ -553,20 +567,35 @@ int rt_http_start(rt_router *r, const char *host, int port)
     }
     struct timespec ts = td_wall_now();
     g_salt = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 16;
-    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
+    struct MHD_OptionItem tls_opts[RT_TLS_N_OPTIONS];
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME |
+                     rt_tls_mhd_options(&r->tls, tls_opts);
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    r->mhd = MHD_start_daemon(
-        flags, (uint16_t)port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, r, MHD_OPTION_THREAD_POOL_SIZE, 2u,
-        MHD_OPTION_CONNECTION_TIMEOUT, 300u, MHD_OPTION_CONNECTION_LIMIT, 4000u,
-        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)RT_MAX_HEADERS, MHD_OPTION_END);
+    r->mhd =
+        MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR,
+                         ai->ai_addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
+                         MHD_OPTION_THREAD_POOL_SIZE, 2u, MHD_OPTION_CONNECTION_TIMEOUT, 300u,
+                         MHD_OPTION_CONNECTION_LIMIT, 4000u, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+                         (size_t)RT_MAX_HEADERS, MHD_OPTION_ARRAY, tls_opts, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!r->mhd) {
-        TD_LOG_ERR("router: cannot listen on %s:%d (address in use or not local?)", host, port);
+        TD_LOG_ERR("router: cannot listen on %s:%d (address in use or not local?%s)", host, port,
+                   r->tls.on ? " or libmicrohttpd refused the TLS certificate or key" : "");
         return TD_EIO;
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(r->mhd, MHD_DAEMON_INFO_BIND_PORT);
-    TD_LOG_INFO("router: listening on http://%s:%u", host, di ? di->port : (unsigned)port);
+    bool v6 = strchr(host, ':') != NULL;
+    char mode[128];
+    if (!r->tls.on)
+        snprintf(mode, sizeof mode, "plain HTTP, no TLS");
+    else if (r->tls.ca)
+        snprintf(mode, sizeof mode,
+                 "TLS; clients need a certificate from router.tls_client_ca, %d CA(s)",
+                 r->tls.n_ca);
+    else
+        snprintf(mode, sizeof mode, "TLS");
+    TD_LOG_INFO("router: listening on %s://%s%s%s:%u (%s)", r->tls.on ? "https" : "http",
+                v6 ? "[" : "", host, v6 ? "]" : "", di ? di->port : (unsigned)port, mode);
     return 0;
 }
 

@@ -18,6 +18,7 @@
  * instance that got a Cancel serves as a barrier (the node answers it only after reading
  * what came before it on the connection), waited for up to FLUSH_MS, so the Cancels are
  * not lost when the sockets close. */
+#define _GNU_SOURCE /* POLLRDHUP */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -34,6 +35,7 @@
 #include "rt_loop.h"
 #include "rt_logprobs.h"
 #include "rt_loop_int.h"
+#include "rt_member.h"
 #include "td_clock.h"
 #include "td_err.h"
 #include "td_grow.h"
@@ -94,7 +96,7 @@ static void lose_all(rt_router *r, int i, uint64_t boot, const char *why, int64_
         rt_req *q = r->table.slots[k];
         if (q && q->loop.inst == i && !(boot && q->loop.inst_boot == boot) &&
             (q->loop.state == RT_ST_SUBMITTED || q->loop.state == RT_ST_RUNNING))
-            rt_loop_lose(r, q, why, now);
+            rt_loop_move(r, q, why, q->loop.state == RT_ST_RUNNING, now); /* RUNNING: taken */
     }
 }
 
@@ -176,6 +178,12 @@ static void on_reply(rt_router *r, int i, const td_ctrl_client_in *in, int64_t n
         return;
     }
     case TD__ERROR_CODE__ERR_SHUTDOWN:
+        /* a leaving (or stopping) instance refused what it never took: nothing new goes to it
+           (its Health says the same), and the request goes elsewhere without counting as a
+           move or a retry */
+        s->draining = true;
+        rt_loop_requeue(r, q, false);
+        return;
     case TD__ERROR_CODE__ERR_PEER_FAILED:
         rt_loop_lose(r, q, err->message, now); /* elsewhere, or the same one once it re-formed */
         return;
@@ -262,13 +270,13 @@ static void on_token(rt_router *r, int i, const Td__TokenEvent *t, int64_t now)
         if (q->loop.t_tok_ns)
             rt_metrics_itl(&r->metrics, (double)(ns - q->loop.t_tok_ns) / 1e9, (int)t->n_token_ids);
         q->loop.t_tok_ns = ns;
-        if (q->loop.lost_ms) {
+        if (q->loop.lost_ms && q->loop.migrations) {
             TD_LOG_INFO("router: %s: moved: the stream goes on %lld ms after it lost its "
                         "instance",
                         q->oid, (long long)(now - q->loop.lost_ms));
             rt_metrics_migrated(&r->metrics, (double)(now - q->loop.lost_ms) / 1000.0);
-            q->loop.lost_ms = 0;
         }
+        q->loop.lost_ms = 0;
     }
     int rc = keep_ids(q, t->token_ids, t->n_token_ids);
     if (!rc) rc = rt_logprobs_keep(q, t);
@@ -437,6 +445,16 @@ static void prefill_died(rt_router *r, int j, int64_t now)
     prefill_lost(r, j, false, 0, now);
 }
 
+void rt_loop_inst_lost(rt_router *r, bool pf, int k, const char *why, int64_t now)
+{
+    rt_inst *s = pf ? &r->reg.pf[k] : &r->reg.inst[k];
+    rt_reg_forget(s, why);
+    if (pf)
+        prefill_lost(r, k, false, 0, now);
+    else
+        lose_all(r, k, 0, why, now);
+}
+
 static void prefill_restarted(rt_router *r, int j, int64_t now)
 {
     rt_inst *s = &r->reg.pf[j];
@@ -458,11 +476,14 @@ static void pair_deadlines(rt_router *r, int64_t now)
     }
 }
 
-/* Did s just die? (alive, but not heard from within the timeout) */
+/* Did s just die? (heard from, but not within the timeout: once per silence, whether it was
+ * ready or not: one that said it was not ready (stopping, re-forming) and then went away may
+ * still hold requests, or owe the PrefillDone a held last event waits for) */
 static bool went_silent(rt_inst *s, int timeout, int64_t now)
 {
     bool recent = s->ever_seen && now - s->last_seen_ms <= timeout;
-    if (s->alive && !recent) {
+    if (s->ever_seen && !recent && !s->silence_noted) {
+        s->silence_noted = true;
         /* it rejoins with its next ready Health, not with any reply: a Cancel answered by
            a new process would bring it back with the old one's state (its boot id, so the
            new one's restart notice would move what was sent to it since) */
@@ -484,8 +505,9 @@ static void liveness(rt_router *r, int64_t now)
     int n_pf = rt_reg_n_pf_alive(&r->reg, -1);
     atomic_store(&r->n_alive, n);
     atomic_store(&r->n_pf_alive, n_pf);
-    /* Nobody can take the queue: answer it now rather than let clients hang; but a request
-       that is moving waits up to router.migrate_wait_ms for an instance to come (back). */
+    /* Nobody can take the queue: answer the new requests now rather than let clients hang;
+       but a request that is moving, or was in flight, waits up to router.migrate_wait_ms
+       for an instance to come (back). */
     bool none = !n || (r->disagg && !n_pf);
     int wait = r->cfg->router.migrate_wait_ms;
     for (uint32_t k = 0; k < r->table.cap; k++) {
@@ -498,6 +520,10 @@ static void liveness(rt_router *r, int64_t now)
                      "request over within %d ms (router.migrate_wait_ms)",
                      q->loop.n_gen, wait);
             rt_loop_fail(r, q, 503, "instance_unavailable", msg);
+        } else if (none && !q->loop.lost_ms && q->loop.t_dispatch_ms) {
+            /* it was in flight (back in the queue after a retry or a busy answer) when the
+               last instance went: it waits as a moved request does */
+            q->loop.lost_ms = now;
         } else if (none && !q->loop.lost_ms) {
             rt_loop_fail(r, q, 503, "no_instance",
                          n ? "no prefill instance is available"
@@ -552,6 +578,12 @@ static void publish_metrics(rt_router *r)
                                  .active = s->active,
                                  .alive = s->alive,
                                  .compute = s->compute};
+        if (!s->vacant) {
+            snprintf(m->pf[j].name, sizeof m->pf[j].name, "%s", s->name);
+            snprintf(m->pf[j].url, sizeof m->pf[j].url, "%s", s->url);
+        }
+        m->pf[j].joined = s->joined;
+        m->pf[j].draining = s->draining;
         m->cache_pf[j] = s->cst;
     }
     m->queue = atomic_load(&r->queued);
@@ -598,7 +630,8 @@ static void take_inbox(rt_router *r)
  * its first byte (a long queue wait, a slow prefill) would otherwise go unnoticed. The fd
  * cannot be closed under us: the connection cannot complete while suspended, and it is
  * resumed only under q->mu (rt_req_wake). A half-close (FIN after the request) counts as
- * gone, as it does for every HTTP server that checks. */
+ * gone, as it does for every HTTP server that checks; so does a FIN behind unread bytes
+ * (POLLRDHUP), which is how a TLS client leaves (a close_notify alert, then FIN). */
 static bool client_closed(rt_req *q)
 {
     bool closed = false;
@@ -607,6 +640,8 @@ static bool client_closed(rt_req *q)
         char c;
         ssize_t n = recv(q->http.fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
         closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+        struct pollfd pf = {.fd = q->http.fd, .events = POLLRDHUP};
+        if (n > 0 && poll(&pf, 1, 0) == 1) closed = pf.revents & (POLLRDHUP | POLLHUP | POLLERR);
     }
     pthread_mutex_unlock(&q->mu);
     return closed;
@@ -640,16 +675,20 @@ static void poke(rt_router *r)
     }
 }
 
-/* Wait up to wait_ms for the wake fd or any control client (fds: 1 + n + n_pf). */
+/* Wait up to wait_ms for the wake fd, the membership socket or any control client (fds:
+ * room for 2 + cap + cap_pf; a vacant slot's entry is -1, which poll skips). */
 static void wait_input(rt_router *r, struct pollfd *fds, int wait_ms)
 {
     int n = r->reg.n, n_pf = r->reg.n_pf;
     fds[0] = (struct pollfd){.fd = r->wake_fd, .events = POLLIN};
+    fds[1] = (struct pollfd){.fd = rt_member_fd(r->member), .events = POLLIN};
     for (int i = 0; i < n; i++)
-        fds[i + 1] = (struct pollfd){.fd = td_ctrl_client_fd(r->reg.inst[i].c), .events = POLLIN};
+        fds[i + 2] = (struct pollfd){
+            .fd = r->reg.inst[i].c ? td_ctrl_client_fd(r->reg.inst[i].c) : -1, .events = POLLIN};
     for (int j = 0; j < n_pf; j++)
-        fds[n + j + 1] = (struct pollfd){.fd = td_ctrl_client_fd(r->reg.pf[j].c), .events = POLLIN};
-    poll(fds, (nfds_t)(n + n_pf) + 1, wait_ms);
+        fds[n + j + 2] = (struct pollfd){
+            .fd = r->reg.pf[j].c ? td_ctrl_client_fd(r->reg.pf[j].c) : -1, .events = POLLIN};
+    poll(fds, (nfds_t)(n + n_pf) + 2, wait_ms);
 }
 
 /* Everything the control clients have: replies, events, health. */
@@ -657,7 +696,7 @@ static void read_instances(rt_router *r, int64_t now)
 {
     for (int i = 0; i < r->reg.n; i++) {
         rt_inst *s = &r->reg.inst[i];
-        while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
+        while (s->c && td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
             r->t_events_ns = td_now_ns();
             if (s->in.kind == TD_CTRL_IN_REPLY)
                 on_reply(r, i, &s->in, now);
@@ -669,7 +708,7 @@ static void read_instances(rt_router *r, int64_t now)
     }
     for (int j = 0; j < r->reg.n_pf; j++) {
         rt_inst *s = &r->reg.pf[j];
-        while (td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
+        while (s->c && td_ctrl_client_recv(s->c, &s->in, 0) == 0) {
             if (s->in.kind == TD_CTRL_IN_REPLY)
                 on_pf_reply(r, j, &s->in, now);
             else if (s->in.kind == TD_CTRL_IN_EVENTS)
@@ -733,7 +772,7 @@ static void stop_all(rt_router *r, struct pollfd *fds)
 static void *loop_main(void *arg)
 {
     rt_router *r = arg;
-    struct pollfd *fds = calloc((size_t)(r->reg.n + r->reg.n_pf) + 1, sizeof *fds);
+    struct pollfd *fds = calloc((size_t)(r->reg.cap + r->reg.cap_pf) + 2, sizeof *fds);
     if (!fds) {
         TD_LOG_ERR("router: out of memory in the loop");
         return NULL;
@@ -746,6 +785,7 @@ static void *loop_main(void *arg)
         read_instances(r, now);
         now = td_now_ms();
         liveness(r, now);
+        rt_member_poll(r, r->member, now);
         expire(r, now);
         if (r->disagg) pair_deadlines(r, now);
         rt_reg_heartbeat(&r->reg, &r->cfg->router, now);
@@ -770,6 +810,7 @@ int rt_loop_start(rt_router *r)
     }
     r->disagg = r->cfg->n_prefill > 0;
     int rc = rt_reg_init(&r->reg, r->cfg);
+    if (!rc) rc = rt_member_start(r, &r->member);
     if (rc) return rc;
     if (pthread_create(&r->loop, NULL, loop_main, r)) {
         TD_LOG_ERR("router: cannot start the loop thread");
@@ -797,6 +838,8 @@ void rt_loop_drain(rt_router *r)
         rt_req_release(g);
         g = next;
     }
+    rt_member_stop(r->member);
+    r->member = NULL;
     rt_reg_fini(&r->reg);
     rt_table_fini(&r->table);
     if (r->wake_fd >= 0) close(r->wake_fd);

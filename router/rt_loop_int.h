@@ -50,7 +50,17 @@ void rt_loop_requeue(rt_router *r, rt_req *q, bool counted);
  * instance_unavailable (an SSE error event once streaming started); a moving request waits
  * up to router.migrate_wait_ms for a live instance (liveness). */
 void rt_loop_lose(rt_router *r, rt_req *q, const char *why, int64_t now);
+/* rt_loop_lose, counted toward router.max_migrations or not: a side lost before it took
+ * the attempt (an Alloc or Submit unanswered, a Prefill unacknowledged: sent to a process
+ * that had just died) cannot have been brought down by the request, so that loss is not
+ * counted (the wait, router.migrate_wait_ms from the first loss, still bounds it). Without
+ * this, one kill cost two moves: the attempt it broke, and the next one, sent to the dead
+ * process before the router knew. */
+void rt_loop_move(rt_router *r, rt_req *q, const char *why, bool counted, int64_t now);
 /* Do what the pairing decided for o->q (rt_pair.h). */
 void rt_loop_act(rt_router *r, const rt_pair_out *o, int64_t now);
+/* Instance k of a role (pf: prefill) lost every request it held (it moved to another
+ * address: rt_member.c): they move on as from a dead instance. */
+void rt_loop_inst_lost(rt_router *r, bool pf, int k, const char *why, int64_t now);
 
 #endif

@@ -159,8 +159,11 @@ int main(int argc, char **argv)
     if (!rc && r->cfg->router.api_key && r->cfg->router.api_key[0])
         snprintf(r->api_key_hdr, sizeof r->api_key_hdr, "Bearer %s", r->cfg->router.api_key);
     if (!rc) r->max_body = rt_max_body(r->cfg);
+    if (!rc) rc = rt_tls_load(&r->tls, &r->cfg->router);
     if (!rc) rc = load_model(r);
-    if (!rc) rc = rt_metrics_init(&r->metrics, r->cfg->n_decode, r->cfg->n_prefill);
+    int cap = 0, cap_pf = 0;
+    if (!rc) rt_reg_caps(r->cfg, &cap, &cap_pf);
+    if (!rc) rc = rt_metrics_init(&r->metrics, cap, cap_pf);
     if (!rc) rt_metrics_set_model(&r->metrics, r->model.name, r->model.n_ctx);
     if (!rc) rc = rt_loop_start(r);
     if (!rc) rc = rt_http_start(r, host, port);
@@ -178,6 +181,7 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&r->in_mu);
     rt_loop_stop(r); /* answers every open request, so no connection stays suspended */
     rt_http_stop(r, STOP_FLUSH_MS);
+    rt_tls_fini(&r->tls); /* after the daemon, which borrowed its texts */
     rt_loop_drain(r);
     rt_metrics_fini(&r->metrics);
     rt_chat_tmpl_fini(&r->model.chat);

@@ -21,6 +21,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <jansson.h>
+
 #include "rt_metrics.h"
 #include "td_err.h"
 
@@ -215,21 +217,22 @@ static void record_finished(rt_metrics *m, const rt_req *q, int64_t now_ms)
 void rt_metrics_request_end(rt_metrics *m, const td_cfg *cfg, const rt_req *q, int64_t now_ms,
                             int status, const char *outcome)
 {
+    char ttft[24] = "-", where[200] = "";
+    size_t w = 0;
     pthread_mutex_lock(&m->mu);
     if (status == 200) record_finished(m, q, now_ms);
     rt_metrics_vllm_end(m, q, now_ms, status, outcome);
+    /* the instances' names as the loop (this thread) last published them */
+    if (q->loop.inst >= 0 && q->loop.inst < m->n_inst)
+        w +=
+            (size_t)snprintf(where + w, sizeof where - w, " decode %s", m->inst[q->loop.inst].name);
+    if (q->pair.pinst >= 0 && q->pair.pinst < m->n_pf && w < sizeof where)
+        w +=
+            (size_t)snprintf(where + w, sizeof where - w, " prefill %s", m->pf[q->pair.pinst].name);
     pthread_mutex_unlock(&m->mu);
     /* q->p, oid and the times are immutable or loop-owned: no lock needed on the loop */
-    char ttft[24] = "-", where[160] = "";
     if (q->loop.t_first_ms)
         snprintf(ttft, sizeof ttft, "%lld", (long long)(q->loop.t_first_ms - q->t_arrive_ms));
-    size_t w = 0;
-    if (q->loop.inst >= 0 && q->loop.inst < cfg->n_decode)
-        w += (size_t)snprintf(where + w, sizeof where - w, " decode %s",
-                              cfg->decode[q->loop.inst].name);
-    if (q->pair.pinst >= 0 && q->pair.pinst < cfg->n_prefill && w < sizeof where)
-        w += (size_t)snprintf(where + w, sizeof where - w, " prefill %s",
-                              cfg->prefill[q->pair.pinst].name);
     if (q->loop.migrations && w < sizeof where)
         snprintf(where + w, sizeof where - w, " moved %d", q->loop.migrations);
     TD_LOG_INFO("router: request %s %s%s status %d %s %s prompt_tokens %zu output_tokens %d "
@@ -345,6 +348,7 @@ static int render_prefill(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                  names[k], helps[k], names[k]);
         rc |= rt_buf_puts(b, line);
         for (int j = 0; j < m->n_pf; j++) {
+            if (!m->pf[j].name[0]) continue;
             const rt_pf_gauge *g = &m->pf[j];
             double v = k == 0   ? g->alive
                        : k == 1 ? (double)g->queued_tokens
@@ -352,7 +356,7 @@ static int render_prefill(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                        : k == 3 ? (double)g->waiting
                                 : (double)g->active;
             snprintf(line, sizeof line, "tandem_prefill_instance_%s{instance=\"%s\"} %g\n",
-                     names[k], cfg->prefill[j].name, v);
+                     names[k], m->pf[j].name, v);
             rc |= rt_buf_puts(b, line);
         }
     }
@@ -487,6 +491,7 @@ static int render_decode(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                  helps[k], names[k]);
         rc |= rt_buf_puts(b, line);
         for (int i = 0; i < m->n_inst; i++) {
+            if (!m->inst[i].name[0]) continue;
             const rt_inst_gauge *g = &m->inst[i];
             double v = k == 0   ? g->alive
                        : k == 1 ? g->running
@@ -497,7 +502,7 @@ static int render_decode(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                            ? (double)g->kv_used / (double)(g->kv_used + g->kv_free)
                            : 0.0;
             snprintf(line, sizeof line, "tandem_instance_%s{instance=\"%s\"} %g\n", names[k],
-                     cfg->decode[i].name, v);
+                     m->inst[i].name, v);
             rc |= rt_buf_puts(b, line);
         }
     }
@@ -541,10 +546,9 @@ static int render_compute(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
         for (int k = 0; k < m->n_inst + m->n_pf; k++) {
             const bool dec = k < m->n_inst;
             const rt_compute *c = dec ? &m->inst[k].compute : &m->pf[k - m->n_inst].compute;
-            if (!c->seen) continue;
+            if (!c->seen || !(dec ? m->inst[k].name : m->pf[k - m->n_inst].name)[0]) continue;
             rc |= rt_buf_puts(b, names[f]);
-            rc |= put_label(b, "{", "instance",
-                            dec ? cfg->decode[k].name : cfg->prefill[k - m->n_inst].name);
+            rc |= put_label(b, "{", "instance", dec ? m->inst[k].name : m->pf[k - m->n_inst].name);
             rc |= put_label(b, ",", "role", dec ? "decode" : "prefill");
             if (f == 0) {
                 rc |= put_label(b, ",", "backend", c->backend);
@@ -581,4 +585,39 @@ char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg)
         return NULL;
     }
     return b.buf;
+}
+
+char *rt_metrics_instances_json(rt_metrics *m)
+{
+    json_t *dec = json_array(), *pf = json_array();
+    pthread_mutex_lock(&m->mu);
+    for (int i = 0; dec && i < m->n_inst; i++) {
+        const rt_inst_gauge *g = &m->inst[i];
+        if (!g->name[0]) continue;
+        json_array_append_new(
+            dec, json_pack("{s:s, s:s, s:b, s:b, s:b, s:I, s:I, s:I, s:I}", "name", g->name,
+                           "url", g->url, "alive", g->alive, "draining", g->draining, "joined",
+                           g->joined, "running", (json_int_t)g->running, "waiting",
+                           (json_int_t)g->waiting, "kv_blocks_used", (json_int_t)g->kv_used,
+                           "kv_blocks_free", (json_int_t)g->kv_free));
+    }
+    for (int j = 0; pf && j < m->n_pf; j++) {
+        const rt_pf_gauge *g = &m->pf[j];
+        if (!g->name[0]) continue;
+        json_array_append_new(
+            pf, json_pack("{s:s, s:s, s:b, s:b, s:b, s:I, s:I, s:I}", "name", g->name, "url",
+                          g->url, "alive", g->alive, "draining", g->draining, "joined", g->joined,
+                          "running", (json_int_t)g->running, "waiting", (json_int_t)g->waiting,
+                          "queued_prompt_tokens", (json_int_t)g->queued_tokens));
+    }
+    pthread_mutex_unlock(&m->mu);
+    json_t *root = dec && pf ? json_pack("{s:o, s:o}", "decode", dec, "prefill", pf) : NULL;
+    if (!root) {
+        json_decref(dec);
+        json_decref(pf);
+        return NULL;
+    }
+    char *s = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    return s;
 }

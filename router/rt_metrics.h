@@ -74,6 +74,10 @@ typedef struct {
     uint64_t boot_id; /* Health.boot_id: a new one restarts every count above from 0 */
     bool alive;
     rt_compute compute;
+    char name[TD_CFG_NAME_MAX + 1]; /* the instance's; "": a vacant slot (no series) */
+    char url[160];                  /* its control socket as the router dials it */
+    bool joined;                    /* it joined at run time (router.membership) */
+    bool draining;                  /* it is leaving: nothing new goes to it */
 } rt_inst_gauge;
 
 /* vllm:request_success_total's finished_reason label. */
@@ -112,6 +116,10 @@ typedef struct {
     int active; /* the router's attempts on it */
     bool alive;
     rt_compute compute;
+    char name[TD_CFG_NAME_MAX + 1]; /* the instance's; "": a vacant slot (no series) */
+    char url[160];                  /* its control socket as the router dials it */
+    bool joined;                    /* it joined at run time (router.membership) */
+    bool draining;                  /* it is leaving: nothing new goes to it */
 } rt_pf_gauge;
 
 /* Where a request was when its deadline passed (metric label). */
@@ -214,6 +222,11 @@ int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg);
 int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg);
 /* Prometheus text exposition (malloc'd). */
 char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg);
+/* GET /instances: the live set as the loop last published it, JSON (malloc'd):
+ * {"decode": [{"name", "url", "alive", "draining", "joined", "running", "waiting",
+ * "kv_blocks_used", "kv_blocks_free"}], "prefill": [{"name", "url", "alive", "draining",
+ * "joined", "running", "waiting", "queued_prompt_tokens"}]}. */
+char *rt_metrics_instances_json(rt_metrics *m);
 /* Non-generation paths, counted apart from the API (generation) requests. */
 typedef enum {
     RT_PATH_HEALTH = 0, /* /health */

@@ -83,15 +83,17 @@ int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
                  names[k], helps[k], names[k], k == S_BLOCKS || k == S_EXACT ? "gauge" : "counter");
         rc |= rt_buf_puts(b, line);
         for (int i = 0; i < m->n_inst; i++) {
+            if (!m->inst[i].name[0]) continue;
             snprintf(line, sizeof line,
                      "tandem_router_cache_route_%s{role=\"decode\",instance=\"%s\"} %.17g\n",
-                     names[k], cfg->decode[i].name, value(&m->cache_dec[i], (series)k));
+                     names[k], m->inst[i].name, value(&m->cache_dec[i], (series)k));
             rc |= rt_buf_puts(b, line);
         }
         for (int j = 0; j < m->n_pf; j++) {
+            if (!m->pf[j].name[0]) continue;
             snprintf(line, sizeof line,
                      "tandem_router_cache_route_%s{role=\"prefill\",instance=\"%s\"} %.17g\n",
-                     names[k], cfg->prefill[j].name, value(&m->cache_pf[j], (series)k));
+                     names[k], m->pf[j].name, value(&m->cache_pf[j], (series)k));
             rc |= rt_buf_puts(b, line);
         }
     }

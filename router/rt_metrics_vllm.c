@@ -75,6 +75,15 @@ static void accumulate(uint64_t *total, uint64_t *last, uint64_t cur, bool resta
 void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g)
 {
     if (i < 0 || i >= m->n_inst) return;
+    if (strcmp(m->inst[i].name, g->name)) { /* another instance in the slot: counts from 0 */
+        m->v.preempt_total[i] = m->v.preempt_last[i] = m->v.boot_last[i] = 0;
+        memset(&m->v.pc_total[RT_PC_N * i], 0, RT_PC_N * sizeof *m->v.pc_total);
+        memset(&m->v.pc_last[RT_PC_N * i], 0, RT_PC_N * sizeof *m->v.pc_last);
+        memset(&m->v.step_total[RT_STEP_N * i], 0, RT_STEP_N * sizeof *m->v.step_total);
+        memset(&m->v.step_last[RT_STEP_N * i], 0, RT_STEP_N * sizeof *m->v.step_last);
+        memset(&m->v.spec_total[RT_SPEC_N * i], 0, RT_SPEC_N * sizeof *m->v.spec_total);
+        memset(&m->v.spec_last[RT_SPEC_N * i], 0, RT_SPEC_N * sizeof *m->v.spec_last);
+    }
     bool restarted = g->boot_id && m->v.boot_last[i] && g->boot_id != m->v.boot_last[i];
     if (g->boot_id) m->v.boot_last[i] = g->boot_id;
     accumulate(&m->v.preempt_total[i], &m->v.preempt_last[i], g->preemptions, restarted);
@@ -104,6 +113,7 @@ static int render_steps(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
     int rc = rt_buf_puts(b, line);
     rt_bounds bd = {td_step_hist_le(), TD_STEP_HIST_N};
     for (int i = 0; i < m->n_inst; i++) {
+        if (!m->inst[i].name[0]) continue;
         const uint64_t *t = &m->v.step_total[RT_STEP_N * i];
         rt_hist h = {.sum = (double)t[TD_STEP_HIST_N + 1] / 1e6};
         for (int k = 0; k <= TD_STEP_HIST_N; k++) {
@@ -111,7 +121,7 @@ static int render_steps(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
             h.n += t[k];
         }
         char lb[640];
-        snprintf(lb, sizeof lb, "%s,instance=\"%s\"", m->v.model, cfg->decode[i].name);
+        snprintf(lb, sizeof lb, "%s,instance=\"%s\"", m->v.model, m->inst[i].name);
         rc |= rt_hist_render_series(b, name, lb, &h, bd, 1.0);
     }
     return rc;
@@ -168,6 +178,7 @@ static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const cha
     snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
     int rc = rt_buf_puts(b, line);
     for (int i = 0; i < m->n_inst; i++) {
+        if (!m->inst[i].name[0]) continue;
         const rt_inst_gauge *g = &m->inst[i];
         double val;
         if (what == 3) /* the counters: every configured instance, dead or alive */
@@ -184,7 +195,7 @@ static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const cha
                   : g->kv_used + g->kv_free ? (double)g->kv_used / (double)(g->kv_used + g->kv_free)
                                             : 0.0;
         snprintf(line, sizeof line, "%s{%s,instance=\"%s\"} %.15g\n", name, m->v.model,
-                 cfg->decode[i].name, val);
+                 m->inst[i].name, val);
         rc |= rt_buf_puts(b, line);
     }
     return rc;
@@ -210,13 +221,14 @@ static int render_spec(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
              name, name);
     rc |= rt_buf_puts(b, line);
     for (int i = 0; i < m->n_inst; i++) {
+        if (!m->inst[i].name[0]) continue;
         const uint64_t *pos = &m->v.spec_total[RT_SPEC_N * i + 3];
         int n = RT_SPEC_POS;
         while (n > 0 && !pos[n - 1])
             n--;
         for (int k = 0; k < n; k++) {
             snprintf(line, sizeof line, "%s{%s,instance=\"%s\",position=\"%d\"} %llu\n", name,
-                     m->v.model, cfg->decode[i].name, k, (unsigned long long)pos[k]);
+                     m->v.model, m->inst[i].name, k, (unsigned long long)pos[k]);
             rc |= rt_buf_puts(b, line);
         }
     }

@@ -14,15 +14,21 @@
  *   decode:  TokenEvents exactly as after Submit (the first carries the prefill's token)
  *
  * Failures before the first token (n_gen == 0):
- *   prefill ErrorEvent, a Prefill/KvTarget reply error or no reply, a decode ErrorEvent
- *   ERR_PEER_FAILED / ERR_TIMEOUT (the KV transfer)
+ *   a process died or is stopping: a prefill ErrorEvent or a decode ErrorEvent (the KV
+ *   transfer) ERR_PEER_FAILED / ERR_SHUTDOWN (a stage, a rank, the link between them), a
+ *   KvTarget refused as unknown (ERR_NOT_FOUND: stage 0 failed the request already)
+ *     -> the request moves (lost_early, rt_loop_lose): another instance, or the same one
+ *        once it re-formed, within router.migrate_wait_ms.
+ *   any other prefill ErrorEvent, a Prefill/KvTarget reply error or no reply, a decode
+ *   ERR_TIMEOUT (the KV transfer)
  *     -> cancel both sides; if the request has not been retried yet and another prefill
  *        instance is alive (or the failure was a timeout and the same one still is), it
  *        goes back to the head of the queue avoiding the failed instance (pf_avoid), else
  *        it ends with 503 prefill_failed.
  *   the prefill instance marked dead or restarted -> the request moves (rt_loop_lose):
  *     another prefill instance, or the same one once it answers again, within
- *     router.migrate_wait_ms.
+ *     router.migrate_wait_ms (not counted as a move when its Prefill was not acknowledged:
+ *     it went to the process that died).
  *   ERR_BUSY from either side -> cancel the other side, pause that instance 100 ms,
  *     re-queue (a bounce, not a failure); MAX_BUSY bounces -> 503 instance_busy.
  *   no first token by deadline_ms (rt_pair_deadline) -> cancel both, 503 first_token_timeout.
@@ -204,6 +210,21 @@ static rt_pair_out bounce(rt_router *r, rt_req *q, const char *msg)
     abandon(r, q);
     if (++q->pair.busy < MAX_BUSY) return requeue(q, false); /* busy is not a failure */
     return failed(q, 503, "instance_busy", msg);
+}
+
+/* The attempt was lost before its first token because a process of one of its instances
+ * died or is stopping (ERR_PEER_FAILED, ERR_SHUTDOWN: a prefill stage, a decode rank, the
+ * connection between them): the request is not at fault, so it moves (rt_loop_lose) as
+ * when an instance is marked dead or restarts: to another instance, or to the same one once
+ * it re-formed, within router.migrate_wait_ms. Failing it at once (no other prefill
+ * instance: 503 prefill_failed), or retrying it as a failure (then no instance alive at the
+ * next liveness check: 503 no_instance), broke that promise. */
+static rt_pair_out lost_early(rt_router *r, rt_req *q, rt_pf_fail why, const char *msg)
+{
+    rt_metrics_pair(&r->metrics, RT_PM_FAIL, why);
+    TD_LOG_WARN("router: %s req %llu: attempt %d lost before its first token: %s", q->oid,
+                (unsigned long long)q->loop.rid, q->pair.attempts, msg);
+    return lost(q, msg);
 }
 
 /* The attempt failed before its first token: retry once elsewhere, or end the request. */
@@ -441,6 +462,10 @@ rt_pair_out rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_clien
         abandon(r, q);
         return failed(q, 400, NULL, err->message);
     case TD__ERROR_CODE__ERR_SHUTDOWN:
+        /* a leaving (or stopping) instance refused the Alloc: nothing new goes to it, the
+           request goes elsewhere as from a busy one */
+        s->draining = true;
+        return bounce(r, q, "every decode instance is leaving");
     case TD__ERROR_CODE__ERR_PEER_FAILED:
         return lost(q, err->message); /* elsewhere, or here once it re-formed */
     default:
@@ -451,19 +476,20 @@ rt_pair_out rt_pair_on_alloc(rt_router *r, rt_req *q, int i, const td_ctrl_clien
 
 rt_pair_out rt_pair_on_decode_error(rt_router *r, rt_req *q, const Td__ErrorEvent *e)
 {
-    bool xfer =
-        e->code == TD__ERROR_CODE__ERR_PEER_FAILED || e->code == TD__ERROR_CODE__ERR_TIMEOUT;
-    if (xfer && !started(q)) {
-        /* the transfer failed, or the decode instance did (a rank died): the same prefill
-           instance may retry with another (or the re-formed) decode instance */
+    bool died = e->code == TD__ERROR_CODE__ERR_PEER_FAILED;
+    if ((died || e->code == TD__ERROR_CODE__ERR_TIMEOUT) && !started(q)) {
         char msg[600];
         snprintf(msg, sizeof msg,
                  "decode instance %s: KV transfer from prefill instance %s: %s: %s",
                  q->loop.inst >= 0 ? r->reg.inst[q->loop.inst].name : "?",
                  pf_name(r, q->pair.pinst), td_ctrl_err_name(e->code), e->message);
+        /* a writer (prefill stage) or a decode rank died: the request moves; the transfer
+           timed out: the same prefill instance may retry */
+        if (died) return lost_early(r, q, RT_PF_TRANSFER, msg);
         return pair_failed(r, q, RT_PF_TRANSFER, true, msg);
     }
-    if (rt_code_lost(e->code)) return lost(q, e->message); /* as in colocated mode */
+    /* as in colocated mode (and a leader stopping, ERR_SHUTDOWN, before the first token) */
+    if (rt_code_lost(e->code)) return lost(q, e->message);
     return failed(q, 500, NULL, e->message);
 }
 
@@ -549,6 +575,10 @@ rt_pair_out rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, i
     q->pair.pf_call = 0;
     snprintf(msg, sizeof msg, "prefill instance %s: %s: %s: %s", s->name, what,
              td_ctrl_err_name(e->code), e->message);
+    /* the instance no longer has the request: it failed it when a stage died (that
+       ErrorEvent can come after this reply) or is stopping: it moves, as on the event */
+    if (!is_prefill && (e->code == TD__ERROR_CODE__ERR_NOT_FOUND || rt_code_lost(e->code)))
+        return lost_early(r, q, RT_PF_ERROR, msg);
     return pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
 }
 
@@ -593,6 +623,8 @@ rt_pair_out rt_pair_on_event(rt_router *r, int j, const Td__Event *ev)
         char msg[600];
         snprintf(msg, sizeof msg, "prefill instance %s: %s: %s", s->name, td_ctrl_err_name(e->code),
                  e->message);
+        /* a stage died (the chain re-forms) or a decode rank did, or stage 0 is stopping */
+        if (rt_code_lost(e->code)) return lost_early(r, q, RT_PF_ERROR, msg);
         return pair_failed(r, q, RT_PF_ERROR, e->code == TD__ERROR_CODE__ERR_TIMEOUT, msg);
     }
     return go_on();
@@ -620,7 +652,9 @@ rt_pair_out rt_pair_prefill_lost(rt_router *r, rt_req *q, int j, bool restarted)
                     (unsigned long long)q->loop.rid, q->pair.attempts, msg);
         rt_metrics_pair(&r->metrics, RT_PM_FAIL, RT_PF_DEAD);
     }
-    return lost(q, msg);
+    rt_pair_out o = lost(q, msg);
+    o.uncounted = !q->pair.pf_acked; /* sent to the process that died: not its fault */
+    return o;
 }
 
 rt_pair_out rt_pair_expire(rt_router *r, rt_req *q, int64_t now)

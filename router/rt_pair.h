@@ -41,6 +41,8 @@ typedef struct {
     int status;       /* RT_PAIR_FAILED: the HTTP status */
     const char *code; /* RT_PAIR_FAILED: the error code (static) or NULL */
     char msg[800];    /* RT_PAIR_LOST / RT_PAIR_FAILED: why */
+    bool uncounted;   /* RT_PAIR_LOST: the lost side had not taken the attempt yet (its
+                         Prefill unacknowledged): not counted as a move (rt_loop_move) */
 } rt_pair_out;
 
 /* Start an attempt of q (off the queue) on decode instance d and prefill instance p:

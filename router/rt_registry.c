@@ -16,27 +16,52 @@
 #include "rt_registry.h"
 #include "td_err.h"
 
-static int client_for(rt_inst *s, const char *kind, const char *host, int port)
+/* s->c dials s->url. */
+static int dial(rt_inst *s, const char *kind)
 {
     /* reconnect at least every 200 ms (NNG backs off up to 1 s by default): a restarted
        node is found, and the requests its old process held are moved (rt_loop_lose),
        within 200 ms of it listening again; a refused connect costs next to nothing */
-    td_ctrl_opts opts = {.poll_wait_ms = 500, .reconnect_max_ms = 200};
-    int rc = td_cfg_ctrl_url(host, port, s->url, sizeof s->url);
-    if (!rc) rc = td_ctrl_client_create(s->url, &opts, &s->c);
+    td_ctrl_opts opts = {.poll_wait_ms = 500, .reconnect_max_ms = 200, .security = s->security};
+    int rc = td_ctrl_client_create(s->url, &opts, &s->c);
     if (rc)
         TD_LOG_ERR("router: cannot create the control client of %s instance %s (%s): %s", kind,
                    s->name, s->url, td_strerror(rc));
     return rc;
 }
 
+static int client_for(rt_inst *s, const char *kind, const char *host, int port)
+{
+    int rc = td_cfg_ctrl_url(host, port, s->url, sizeof s->url);
+    return rc ? rc : dial(s, kind);
+}
+
+void rt_reg_caps(const td_cfg *cfg, int *cap, int *cap_pf)
+{
+    const td_cfg_membership *m = &cfg->router.membership;
+    bool member = *m->listen != '\0';
+    *cap = member && m->max_instances > cfg->n_decode ? m->max_instances : cfg->n_decode;
+    /* a colocated cluster (no prefill template) takes no prefill instance */
+    *cap_pf = member && cfg->n_prefill > 0 && m->max_instances > cfg->n_prefill ? m->max_instances
+                                                                                : cfg->n_prefill;
+}
+
 int rt_reg_init(rt_registry *g, const td_cfg *cfg)
 {
-    g->inst = calloc((size_t)cfg->n_decode, sizeof *g->inst);
-    g->pf = calloc((size_t)(cfg->n_prefill > 0 ? cfg->n_prefill : 1), sizeof *g->pf);
+    const td_cfg_membership *m = &cfg->router.membership;
+    bool seed = !*m->listen || m->seed;
+    int n_dec = seed ? cfg->n_decode : 0;
+    int n_pf = seed ? cfg->n_prefill : 0;
+    rt_reg_caps(cfg, &g->cap, &g->cap_pf);
+    g->inst = calloc((size_t)(g->cap > 0 ? g->cap : 1), sizeof *g->inst);
+    g->pf = calloc((size_t)(g->cap_pf > 0 ? g->cap_pf : 1), sizeof *g->pf);
     if (!g->inst || !g->pf) return TD_ENOMEM;
-    g->n = cfg->n_decode;
-    g->n_pf = cfg->n_prefill;
+    for (int i = 0; i < g->cap || i < g->cap_pf; i++) { /* joined instances dial with it too */
+        if (i < g->cap) g->inst[i].security = &cfg->security;
+        if (i < g->cap_pf) g->pf[i].security = &cfg->security;
+    }
+    g->n = n_dec;
+    g->n_pf = n_pf;
     for (int i = 0; i < g->n; i++) {
         rt_inst *s = &g->inst[i];
         s->cfg = &cfg->decode[i];
@@ -64,6 +89,73 @@ static void inst_fini(rt_inst *s)
     td_ctrl_client_in_free(&s->in);
     td_ctrl_client_destroy(s->c);
     free(s->orphans);
+}
+
+bool rt_reg_open(const rt_inst *s, int64_t now)
+{
+    return s->alive && !s->draining && s->active < s->cap && s->busy_until_ms <= now;
+}
+
+int rt_reg_put(rt_registry *g, bool pf, int k, const char *name, const char *url,
+               const td_cfg_decode *dc, const td_cfg_prefill *pc)
+{
+    rt_inst *arr = pf ? g->pf : g->inst;
+    int *n = pf ? &g->n_pf : &g->n, cap = pf ? g->cap_pf : g->cap;
+    if (k < 0 || k > *n || k >= cap || (k < *n && !arr[k].vacant)) return TD_EINVAL;
+    rt_inst *s = &arr[k];
+    inst_fini(s);                             /* a vacant slot's leftovers (its index, its input) */
+    const td_cfg_security *sec = s->security; /* set for every slot by rt_reg_init */
+    *s = (rt_inst){.joined = true, .security = sec};
+    snprintf(s->name_buf, sizeof s->name_buf, "%s", name);
+    s->name = s->name_buf;
+    if (snprintf(s->url, sizeof s->url, "%s", url) >= (int)sizeof s->url) return TD_ERANGE;
+    if (pf) {
+        s->join_pcfg = *pc;
+        s->join_pcfg.name = s->name_buf;
+        s->pcfg = &s->join_pcfg;
+        s->cap = 2 * s->pcfg->max_queue + 8;
+    } else {
+        s->join_cfg = *dc;
+        s->join_cfg.name = s->name_buf;
+        s->cfg = &s->join_cfg;
+        s->cap = 4 * s->cfg->max_batch;
+    }
+    int rc = dial(s, pf ? "prefill" : "decode");
+    if (rc) {
+        s->vacant = true;
+        return rc;
+    }
+    if (k == *n) (*n)++;
+    return 0;
+}
+
+int rt_reg_readdress(rt_inst *s, const char *url)
+{
+    if (strlen(url) >= sizeof s->url) return TD_ERANGE;
+    td_ctrl_client_in_free(&s->in);
+    td_ctrl_client_destroy(s->c);
+    s->c = NULL;
+    s->hb_call = 0;
+    s->alive = s->ready = s->ever_seen = false;
+    free(s->orphans); /* their Prefill calls went to the old address: no Ack comes back */
+    s->orphans = NULL;
+    s->n_orphans = s->cap_orphans = 0;
+    snprintf(s->url, sizeof s->url, "%s", url);
+    return dial(s, s->pcfg ? "prefill" : "decode");
+}
+
+void rt_reg_vacate(rt_inst *s)
+{
+    td_ctrl_client_in_free(&s->in);
+    td_ctrl_client_destroy(s->c);
+    s->c = NULL;
+    rt_cidx_clear(&s->cidx);
+    free(s->orphans);
+    s->orphans = NULL;
+    s->n_orphans = s->cap_orphans = 0;
+    s->alive = s->ready = s->draining = false;
+    s->hb_call = 0;
+    s->vacant = true;
 }
 
 void rt_reg_fini(rt_registry *g)
@@ -172,9 +264,11 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
 {
     bool was = s->alive;
     s->ever_seen = true;
+    s->silence_noted = false;
     s->last_seen_ms = now;
     if (h) {
         s->ready = h->ready;
+        s->draining = h->draining;
         if (s->pcfg && h->role != TD__ROLE__ROLE_PREFILL) {
             /* a decode leader on a prefill port would take Prefill for Submit: never use it */
             if (!s->role_warned)
@@ -223,6 +317,12 @@ rt_inst_gauge rt_reg_gauge(const rt_inst *s)
                        .boot_id = s->boot_id,
                        .alive = s->alive,
                        .compute = s->compute};
+    if (!s->vacant) {
+        snprintf(g.name, sizeof g.name, "%s", s->name);
+        snprintf(g.url, sizeof g.url, "%s", s->url);
+    }
+    g.joined = s->joined;
+    g.draining = s->draining;
     _Static_assert(sizeof g.pc == sizeof s->pc && sizeof g.steps == sizeof s->steps &&
                        sizeof g.spec == sizeof s->spec,
                    "rt_inst's counts are rt_inst_gauge's");
@@ -234,7 +334,7 @@ rt_inst_gauge rt_reg_gauge(const rt_inst *s)
 
 static void heartbeat(rt_inst *s, const td_cfg_router *rc, int timeout, int64_t now)
 {
-    if (s->hb_call || now - s->last_hb_ms < rc->heartbeat_ms) return;
+    if (s->vacant || s->hb_call || now - s->last_hb_ms < rc->heartbeat_ms) return;
     s->last_hb_ms = now;
     if (td_ctrl_client_health(s->c, timeout, &s->hb_call)) s->hb_call = 0;
 }
@@ -254,7 +354,7 @@ int rt_reg_pick(const rt_registry *g, int64_t now)
     int best = -1;
     for (int i = 0; i < g->n; i++) {
         const rt_inst *s = &g->inst[i];
-        if (!s->alive || s->active >= s->cap || s->busy_until_ms > now) continue;
+        if (!rt_reg_open(s, now)) continue;
         if (best < 0) {
             best = i;
             continue;
@@ -280,7 +380,7 @@ int rt_reg_pick_prefill(rt_registry *g, int64_t now, int avoid)
            ties go to the first instance after the previous choice */
         int j = (int)((g->pf_rr + (unsigned)k) % (unsigned)g->n_pf);
         const rt_inst *s = &g->pf[j];
-        if (j == avoid || !s->alive || s->active >= s->cap || s->busy_until_ms > now) continue;
+        if (j == avoid || !rt_reg_open(s, now)) continue;
         if (best < 0) {
             best = j;
             continue;

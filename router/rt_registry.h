@@ -32,10 +32,12 @@ typedef struct {
     const td_cfg_prefill *pcfg; /* prefill instance; NULL for a decode instance */
     const char *name;           /* from the YAML */
     char url[160];
+    const td_cfg_security *security; /* the YAML's control-plane TLS (the client dials with it) */
     td_ctrl_client *c;
     td_ctrl_client_in in;
     bool alive; /* answered within instance_timeout_ms and ready */
     bool ever_seen;
+    bool silence_noted; /* marked dead for its current silence (rt_loop.c went_silent) */
     int64_t last_seen_ms;
     int64_t last_hb_ms;
     uint64_t hb_call; /* outstanding health call, 0 none */
@@ -64,20 +66,47 @@ typedef struct {
     uint64_t uptime_ms; /* Health.uptime_ms last seen */
     rt_cache_stats cst; /* published to /metrics */
     rt_compute compute; /* Health 27-33 last seen, published to /metrics */
+    /* run-time membership (router.membership, rt_member.h) */
+    bool joined;                        /* added by a Join, not from the YAML */
+    bool vacant;                        /* a forgotten joined instance's slot: no client */
+    bool draining;                      /* leaving (Health.draining, Join.leaving): nothing new */
+    int64_t last_join_ms;               /* its last Join, 0: none */
+    char name_buf[TD_CFG_NAME_MAX + 1]; /* a joined instance's name (name points here) */
+    td_cfg_decode join_cfg;             /* a joined decode instance's settings (cfg points here:
+                                           its template's, with the Join's name, tp, max_batch) */
+    td_cfg_prefill join_pcfg;           /* likewise for a prefill instance (pp, max_queue) */
 } rt_inst;
 
 typedef struct {
-    rt_inst *inst; /* (n) decode instances, YAML order */
-    int n;
-    rt_inst *pf; /* (n_pf) prefill instances, YAML order; none: colocated mode */
-    int n_pf;
+    rt_inst *inst; /* (n) decode instances: the YAML's in its order, then joined ones; room for
+                      cap (slots never move: requests hold indices) */
+    int n, cap;
+    rt_inst *pf; /* (n_pf) prefill instances, likewise (cap_pf); none: colocated mode */
+    int n_pf, cap_pf;
     unsigned pf_rr;               /* round-robin start among equally loaded prefill instances */
     unsigned rr_next, pf_rr_next; /* routing: round_robin: the next decode / prefill turn */
     rt_cache_ids ids;             /* the block ids of the request being routed (rt_route.c) */
 } rt_registry;
 
+/* Room for instances of each role: the YAML's, or router.membership.max_instances when
+ * membership is on (and the cluster has the role). */
+void rt_reg_caps(const td_cfg *cfg, int *cap, int *cap_pf);
+/* The YAML's instances (none when router.membership.seed is false), with room for
+ * router.membership.max_instances of each role when membership is on. */
 int rt_reg_init(rt_registry *g, const td_cfg *cfg);
 void rt_reg_fini(rt_registry *g);
+/* Whether a new request may go to s now: alive, not leaving, under its cap, not bounced. */
+bool rt_reg_open(const rt_inst *s, int64_t now);
+/* Slot k of a role (pf: prefill) as a joined instance name at url (tcp://HOST:PORT) with
+ * settings from dc / pc (the template's, overridden by the Join; the other NULL); k is a
+ * vacant slot or n (n_pf), which grows. A fresh client dials url. */
+int rt_reg_put(rt_registry *g, bool pf, int k, const char *name, const char *url,
+               const td_cfg_decode *dc, const td_cfg_prefill *pc);
+/* s's control client dials url from now on (a joined instance at a new address). */
+int rt_reg_readdress(rt_inst *s, const char *url);
+/* A joined instance is forgotten: its client closed, its slot vacant (reusable once no
+ * request refers to it). */
+void rt_reg_vacate(rt_inst *s);
 /* Record a sign of life and health figures (h may be NULL) of s. A prefill instance must
  * say ROLE_PREFILL to count as ready. A new boot_id or an uptime that went back means a
  * new process: its prefix index is dropped (rt_reg_forget). The index takes the block

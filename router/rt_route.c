@@ -5,12 +5,6 @@
 
 #include "rt_route.h"
 
-/* Can s take a new request now? (the load order's own filter) */
-static bool can_take(const rt_inst *s, int64_t now)
-{
-    return s->alive && s->active < s->cap && s->busy_until_ms <= now;
-}
-
 /* The cache-aware choice among insts[0..n) (fallback: the load order's choice, >= 0). */
 static int choose(rt_registry *g, const td_cfg_router *rc, rt_inst *insts, int n, int fallback,
                   int avoid, const int32_t *prompt, size_t n_prompt, int64_t now,
@@ -21,7 +15,7 @@ static int choose(rt_registry *g, const td_cfg_router *rc, rt_inst *insts, int n
     int m = 0;
     for (int k = -1; k < n; k++) { /* the fallback first: rt_cache_choose's c[0] */
         int i = k < 0 ? fallback : k;
-        if ((k >= 0 && i == fallback) || i == avoid || !can_take(&insts[i], now)) continue;
+        if ((k >= 0 && i == fallback) || i == avoid || !rt_reg_open(&insts[i], now)) continue;
         const rt_inst *s = &insts[i];
         size_t n_ids = 0;
         const uint64_t *ids =
@@ -54,7 +48,7 @@ static int round_robin(rt_inst *insts, int n, unsigned *next, int avoid, int64_t
 {
     for (int k = 0; k < n; k++) {
         int i = (int)((*next + (unsigned)k) % (unsigned)n);
-        if (i == avoid || !can_take(&insts[i], now)) continue;
+        if (i == avoid || !rt_reg_open(&insts[i], now)) continue;
         *next = (unsigned)i + 1;
         return i;
     }

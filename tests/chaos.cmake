@@ -18,6 +18,12 @@
 #   chaos_migrate_colocated  the same with a colocated tp 1 decode instance (synthetic model,
 #                    f32 KV: logprobs within 1e-4; chaos_migrate runs the default model when
 #                    TANDEM_MODEL is set)
+#   chaos_promise    (tests/chaos/test_promise.py) pp 2 prefill + tp 2 decode (synthetic model,
+#                    4096-token context): prefill stage 1, stage 0, decode rank 1 and rank 0
+#                    each killed mid-prefill of a cold 2000-token prompt, decode rank 1
+#                    mid-stream: each request completes with the uninterrupted greedy text;
+#                    with the supervisor stopped, 503 instance_unavailable only once
+#                    router.migrate_wait_ms (8 s) ran out (~20 s; ~35 s under ASan)
 # TANDEM_CHAOS_ROUNDS (default 1) repeats the faults of chaos_kill / chaos_stop on one
 # cluster. RUN_SERIAL: the faults are timed (heartbeats, restarts), so nothing else runs.
 if(TANDEM_PYTHON)
@@ -68,4 +74,12 @@ if(TANDEM_PYTHON)
     set_tests_properties(${mig_name} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
                          RUN_SERIAL TRUE LABELS chaos ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
   endforeach()
+  add_test(NAME chaos_promise
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/chaos/test_promise.py
+                   --tandem $<TARGET_FILE:tandem> --decode $<TARGET_FILE:tandem-decode>
+                   --prefill $<TARGET_FILE:tandem-prefill> --router $<TARGET_FILE:tandem-router>
+                   --synth-dir ${TANDEM_TEST_DATA}/synth
+                   --json ${CMAKE_CURRENT_BINARY_DIR}/chaos_promise.json ${TANDEM_CHAOS_ARGS})
+  set_tests_properties(chaos_promise PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 600
+                       RUN_SERIAL TRUE LABELS chaos ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 endif()

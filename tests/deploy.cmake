@@ -11,6 +11,11 @@
 #                      with a prefill instance (pp 2): up/down/status, readiness, a killed
 #                      stage, a stage that cannot start, deploy/start-prefill.sh (skipped
 #                      without the tandem-prefill target)
+#   deploy_secure      the YAML's security section: mutual TLS on every control socket of
+#                      a disaggregated cluster (router, stages, decode, up's probe, tandem
+#                      client --tls-*), a request served; no certificate / another CA's:
+#                      no answer, refusals logged; a missing file stops up naming it; UCX on
+#                      the loopback device only (skipped without openssl or tandem-prefill)
 # Without the tandem-router target, tests/deploy/fake_router.py stands in for the router.
 #   deploy_quickstart  a new user's first minutes (tests/deploy/test_quickstart.py): a copy of
 #                      the working tree without build directory, scripts/run.sh --port N
@@ -26,7 +31,7 @@
 #                      on turns 2+ with them on (about 15 s)
 if(TANDEM_PYTHON)
   foreach(case up_down foreground bad_model bench netns prefill_up_down prefill_foreground
-               prefill_scripts)
+               prefill_scripts secure)
     add_test(NAME deploy_${case}
              COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_deploy.py
                      --case ${case} --tandem $<TARGET_FILE:tandem>
@@ -35,6 +40,29 @@ if(TANDEM_PYTHON)
                      --synth-dir ${TANDEM_TEST_DATA}/synth --source-dir ${CMAKE_SOURCE_DIR})
     set_tests_properties(deploy_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 400
                          SKIP_RETURN_CODE 77)
+  endforeach()
+endif()
+
+# Run-time membership (tests/deploy/test_membership.py, router.membership):
+#   deploy_membership_decode   under streaming load: a decode instance joins and takes
+#                      requests, a YAML instance drains on SIGTERM (none of its requests
+#                      moves), a refused join (max_instances) gets in once a killed member is
+#                      forgotten, a member restarted at another port is followed; 0 failures
+#   deploy_membership_prefill  a prefill instance joins and prefills, the YAML's leaves
+#   deploy_membership_netns    three hosts (network namespaces), every address a name from
+#                      the namespace's /etc/hosts, the YAML's decode entry a template only:
+#                      one decode host joins under load, the other leaves drained (needs
+#                      root; skipped otherwise)
+if(TANDEM_PYTHON)
+  foreach(case decode prefill netns)
+    add_test(NAME deploy_membership_${case}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_membership.py
+                     --case ${case} --decode $<TARGET_FILE:tandem-decode>
+                     --router $<TARGET_FILE:tandem-router>
+                     --prefill $<TARGET_FILE:tandem-prefill> --tandem $<TARGET_FILE:tandem>
+                     --model ${TANDEM_TEST_DATA}/synth/llama.gguf)
+    set_tests_properties(deploy_membership_${case} PROPERTIES FIXTURES_REQUIRED synth_models
+                         TIMEOUT 400 SKIP_RETURN_CODE 77)
   endforeach()
 endif()
 
@@ -52,4 +80,23 @@ if(TANDEM_PYTHON AND TANDEM_MODEL)
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_quickstart.py
                    --source-dir ${CMAKE_SOURCE_DIR})
   set_tests_properties(deploy_quickstart PROPERTIES TIMEOUT 600 RUN_SERIAL TRUE)
+endif()
+
+# deploy_k8s_render, deploy_k8s_errors, deploy_k8s_health (tests/deploy/test_k8s.py):
+# `tandem k8s render` of the example clusters and of a YAML with every rewritten key, each
+# manifest checked against the Kubernetes 1.30 API schemas, strict (kubernetes-validate, in
+# the test venv: its schemas are in the package, nothing is fetched), plus the render's own
+# rules (the ConfigMap's YAML loads and renders to itself, one container per rank and stage
+# with the node command lines, probes, resources from the model's header); bad input and
+# options; `tandem health` against a real decode instance (the manifests' exec probes)
+if(TANDEM_PYTHON)
+  foreach(case render errors health)
+    add_test(NAME deploy_k8s_${case}
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_k8s.py
+                     --case ${case} --tandem $<TARGET_FILE:tandem>
+                     --decode $<TARGET_FILE:tandem-decode>
+                     --synth-dir ${TANDEM_TEST_DATA}/synth --source-dir ${CMAKE_SOURCE_DIR})
+    set_tests_properties(deploy_k8s_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300
+                         SKIP_RETURN_CODE 77 ENVIRONMENT PYTHONDONTWRITEBYTECODE=1)
+  endforeach()
 endif()

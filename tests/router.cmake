@@ -19,6 +19,10 @@
 #                    KV-transfer histograms, the scrape cost
 #   router_limits    request deadlines (504), per-client fairness, header/body limits, no
 #                    prompt or key in the log, drain on SIGTERM (decode paused by SIGSTOP)
+#   router_tls       the TLS listener with certificates made by openssl at test time (skipped,
+#                    77, without it): https + API key, streams, curl, plain HTTP and a wrong CA
+#                    refused, a TLS client leaving while queued; client certificates
+#                    (tls_client_ca) required; `tandem bench` over https; start-up errors
 #   test_rt_pair     disaggregated mode against scripted fake prefill/decode leaders (C):
 #                    pairing, KV target relay, retries, cancels, busy, deadlines, dead
 #                    instances, request timeouts, drain
@@ -104,6 +108,11 @@ if(TANDEM_PYTHON)
   add_test(NAME router_limits
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_limits.py
                    ${RT_TEST_BINS})
+  add_test(NAME router_tls
+           COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_tls.py
+                   ${RT_TEST_BINS})
+  set_tests_properties(router_tls PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300
+                       SKIP_RETURN_CODE 77)
   add_test(NAME router_cache
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_cache.py
                    ${RT_TEST_BINS})

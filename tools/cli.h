@@ -71,5 +71,7 @@ int cmd_plan(int argc, char **argv);       /* tandem plan (cmd_plan.c, planner/)
 int cmd_calibrate(int argc, char **argv);  /* tandem calibrate (cmd_plan.c, planner/) */
 int cmd_template(int argc, char **argv);   /* tandem template (cmd_template.c, jinja/) */
 int cmd_tokenize(int argc, char **argv);   /* tandem tokenize (cmd_tokenize.c) */
+int cmd_k8s(int argc, char **argv);        /* tandem k8s render (cmd_k8s.c) */
+int cmd_health(int argc, char **argv);     /* tandem health URL (cmd_health.c) */
 
 #endif

@@ -9,7 +9,10 @@
  *            request after N tokens), --garbage (first send bytes that are not a message
  *            and expect an error reply), --health (print the leader's load and exit),
  *            --stats (a last line with throughput, time to first token, time per token),
- *            --ignore-eos (generate max tokens whatever the model says)
+ *            --ignore-eos (generate max tokens whatever the model says),
+ *            --tls-ca FILE [--tls-cert FILE --tls-key FILE] (a tcp:// URL is dialled as
+ *            tls+tcp:// with these PEM files: the cluster YAML's security section; without
+ *            a certificate the server refuses the connection, which is what tests check)
  * Exit status 0 when every request finished (stop, length or the asked-for cancel), 1 on
  * error events, refusals or timeouts (the reason goes to stderr).
  */
@@ -99,6 +102,7 @@ static void append(creq *r, const int32_t *ids, size_t n)
 /* The command line. */
 typedef struct {
     const char *url, *ids, *file;
+    const char *tls_ca, *tls_cert, *tls_key;
     int max_tokens, timeout_ms, cancel_after, top_k;
     float temperature, top_p, min_p;
     uint64_t seed;
@@ -148,6 +152,12 @@ static int client_parse_args(int argc, char **argv, client_opts *o)
             o->ids = v;
         else if (!strcmp(f, "--requests"))
             o->file = v;
+        else if (!strcmp(f, "--tls-ca"))
+            o->tls_ca = v;
+        else if (!strcmp(f, "--tls-cert"))
+            o->tls_cert = v;
+        else if (!strcmp(f, "--tls-key"))
+            o->tls_key = v;
         else if (!strcmp(f, "--max-tokens"))
             rc = cli_parse_int(f, v, 1, 1 << 24, &o->max_tokens);
         else if (!strcmp(f, "--timeout-ms"))
@@ -170,10 +180,15 @@ static int client_parse_args(int argc, char **argv, client_opts *o)
         }
     }
     if (rc) return rc;
+    if (!o->tls_cert != !o->tls_key || (o->tls_cert && !o->tls_ca)) {
+        fprintf(stderr, "tandem: client: --tls-cert and --tls-key go together, with --tls-ca\n");
+        return TD_EINVAL;
+    }
     if (!o->url || (!o->health && !!o->ids == !!o->file)) {
         fprintf(stderr, "usage: tandem client --url URL (--prompt-ids IDS | --requests FILE | "
                         "--health) [--max-tokens N] [--temperature T] [--seed S] [--top-k K]\n"
-                        "       [--timeout-ms MS] [--cancel-after N] [--garbage] [--ids-only]\n");
+                        "       [--timeout-ms MS] [--cancel-after N] [--garbage] [--ids-only]\n"
+                        "       [--tls-ca FILE [--tls-cert FILE --tls-key FILE]]\n");
         return TD_EINVAL;
     }
     return 0;
@@ -412,7 +427,8 @@ int cmd_client(int argc, char **argv)
     r.reqs = calloc(MAX_REQS, sizeof *r.reqs);
     if (!r.reqs) return TD_ENOMEM;
     rc = client_load(&r);
-    td_ctrl_opts opts = {0};
+    td_cfg_security sec = {(char *)o.tls_ca, (char *)o.tls_cert, (char *)o.tls_key};
+    td_ctrl_opts opts = {.security = &sec};
     if (!rc) rc = td_ctrl_client_create(o.url, &opts, &r.c);
     r.deadline = td_now_ms() + o.timeout_ms;
     if (!rc && o.health) {

@@ -2,8 +2,10 @@
  *
  *   tandem bench --url URL --concurrency C --requests N --prompt-tokens P --max-tokens M
  *                [--stream] [--json] [--model NAME] [--temperature T] [--timeout-ms MS]
- *                [--prompt-seed S] [--ignore-eos]
+ *                [--prompt-seed S] [--ignore-eos] [--cacert FILE] [--cert FILE --key FILE]
  *
+ * URL is http:// or https:// (a TLS router: the server checked against --cacert, else
+ * $CURL_CA_BUNDLE, else the system's CAs; --cert/--key for a router with tls_client_ca).
  * C threads, each a blocking client on its own connection, send N POST /v1/completions in
  * all; the prompt is an array of P token ids (pseudo-random in [100, 500), valid for the
  * default and the synthetic models), a function of the request's index and --prompt-seed
@@ -56,7 +58,9 @@ typedef struct {
 typedef struct {
     char host[256];
     int port;
-    char path[512]; /* POST target */
+    char path[512];                  /* POST target */
+    bool tls;                        /* https:// URL */
+    const char *cacert, *cert, *key; /* --cacert, --cert, --key (https), or NULL */
     const char *model;
     int concurrency, requests, prompt_tokens, max_tokens, timeout_ms;
     double temperature;
@@ -229,6 +233,10 @@ static void run_one(bench *b, cli_http *h, int idx)
                        .path = b->path,
                        .body = body,
                        .timeout_ms = b->timeout_ms,
+                       .tls = b->tls,
+                       .cacert = b->cacert,
+                       .cert = b->cert,
+                       .key = b->key,
                        .on_body = b->stream ? on_stream_body : on_plain_body,
                        .ctx = &c,
                        .err = why,
@@ -321,6 +329,10 @@ static char *first_model(const bench *b)
                        .method = "GET",
                        .path = path,
                        .timeout_ms = 10000,
+                       .tls = b->tls,
+                       .cacert = b->cacert,
+                       .cert = b->cert,
+                       .key = b->key,
                        .on_body = on_plain_body,
                        .ctx = &c};
     int status;
@@ -344,8 +356,10 @@ static void usage_bench(void)
             "usage: tandem bench --url URL [--concurrency C] [--requests N] [--prompt-tokens P]\n"
             "                    [--max-tokens M] [--stream] [--json] [--model NAME]\n"
             "                    [--temperature T] [--timeout-ms MS] [--prompt-seed S]\n"
-            "                    [--ignore-eos]\n"
-            "  URL: http://HOST:PORT of the router (POST /v1/completions)\n"
+            "                    [--ignore-eos] [--cacert FILE] [--cert FILE --key FILE]\n"
+            "  URL: http://HOST:PORT or https://HOST:PORT of the router (POST /v1/completions)\n"
+            "  https: the server is verified against --cacert FILE (PEM), else $CURL_CA_BUNDLE,\n"
+            "  else the system's CAs; --cert/--key: a client certificate (router.tls_client_ca)\n"
             "  defaults: C 1, N 16, P 32, M 32, T 0 (greedy), timeout 300000 per request,\n"
             "  S 0 (prompts depend on the request index and S only)\n");
 }
@@ -376,6 +390,12 @@ static int bench_parse_args(int argc, char **argv, bench *b, const char **url, b
             *url = v;
         else if (!strcmp(f, "--model"))
             b->model = v;
+        else if (!strcmp(f, "--cacert"))
+            b->cacert = v;
+        else if (!strcmp(f, "--cert"))
+            b->cert = v;
+        else if (!strcmp(f, "--key"))
+            b->key = v;
         else if (!strcmp(f, "--concurrency"))
             rc = cli_parse_int(f, v, 1, 4096, &b->concurrency);
         else if (!strcmp(f, "--requests"))
@@ -409,9 +429,18 @@ static int bench_parse_args(int argc, char **argv, bench *b, const char **url, b
 static int bench_target(bench *b, const char *url)
 {
     char path[512];
-    if (!url || cli_parse_http_url(url, b->host, sizeof b->host, &b->port, path, sizeof path)) {
-        fprintf(stderr, "tandem: bench needs --url http://HOST:PORT%s%s\n", url ? ", got " : "",
-                url ? url : "");
+    if (!url ||
+        cli_parse_http_url(url, b->host, sizeof b->host, &b->port, path, sizeof path, &b->tls)) {
+        fprintf(stderr, "tandem: bench needs --url http://HOST:PORT (or https://)%s%s\n",
+                url ? ", got " : "", url ? url : "");
+        return TD_EINVAL;
+    }
+    if (!b->tls && (b->cacert || b->cert || b->key)) {
+        fprintf(stderr, "tandem: --cacert, --cert and --key are for an https:// URL\n");
+        return TD_EINVAL;
+    }
+    if (!b->cert != !b->key) {
+        fprintf(stderr, "tandem: --cert and --key go together\n");
         return TD_EINVAL;
     }
     size_t pl = strlen(path);

@@ -3,7 +3,7 @@
  *
  *   tandem up [-d] FILE [--port N] [--timeout S] [--grace S] [--no-restart] [--reprofile]
  *   tandem down FILE [--port N] [--grace S]
- *   tandem status FILE [--port N] [--json]
+ *   tandem status FILE [--port N] [--json] [--instances]
  *
  * Processes, started in this order (each one waits for or retries its peers by itself, so
  * the order only makes the logs read naturally): every rank of every decode instance
@@ -117,7 +117,7 @@ static void usage_up(void)
             "usage: tandem up [-d] FILE [--port N] [--timeout S] [--grace S] [--no-restart]\n"
             "                 [--reprofile]\n"
             "       tandem down FILE [--port N] [--grace S]\n"
-            "       tandem status FILE [--port N] [--json]\n"
+            "       tandem status FILE [--port N] [--json] [--instances]\n"
             "  up: start every process of the cluster YAML on this machine (decode ranks,\n"
             "      prefill stages, router), wait for the router's /health and every prefill\n"
             "      stage 0's ready, print the endpoint, then supervise until Ctrl-C/SIGTERM:\n"
@@ -132,7 +132,9 @@ static void usage_up(void)
             "  --reprofile  every prefill stage 0 profiles itself anew instead of re-using\n"
             "      its cached start-up profile\n"
             "  up checks that the router's and the control ports are free before it starts\n"
-            "  status: ROLE INSTANCE RANK PID RESTARTS STATE per process\n"
+            "  status: ROLE INSTANCE RANK PID RESTARTS STATE per process of this machine;\n"
+            "      --instances: the router's live set instead (GET /instances: with\n"
+            "      router.membership, instances started anywhere), ROLE NAME URL STATE ORIGIN\n"
             "  binaries: $TANDEM_BIN, else the directory of this tandem executable\n");
 }
 
@@ -160,6 +162,8 @@ static int parse_opts(int argc, char **argv, up_opts *o, bool is_up, bool allow_
             i++;
         } else if (allow_json && !strcmp(f, "--json")) {
             o->json = true;
+        } else if (allow_json && !strcmp(f, "--instances")) {
+            o->instances = true;
         } else if (!strcmp(f, "--timeout") || !strcmp(f, "--grace")) {
             if (!v) {
                 fprintf(stderr, "tandem: %s needs a value\n", f);
@@ -187,11 +191,14 @@ static int parse_opts(int argc, char **argv, up_opts *o, bool is_up, bool allow_
 static void print_example(const up_cluster *c)
 {
     bool v6 = strchr(c->host, ':') != NULL; /* curl reads [ ] as a glob without -g */
-    printf("tandem: try: curl -s%s %s/v1/chat/completions -H 'Content-Type: application/json'%s "
-           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of "
-           "France?\"}], \"max_tokens\": 32, \"temperature\": 0}'\n",
-           v6 ? " -g" : "", c->endpoint,
-           c->cfg->router.api_key[0] ? " -H 'Authorization: Bearer YOUR_API_KEY'" : "");
+    const td_cfg_router *r = &c->cfg->router;
+    printf(
+        "tandem: try: curl -s%s%s%s %s/v1/chat/completions -H 'Content-Type: application/json'%s "
+        "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of "
+        "France?\"}], \"max_tokens\": 32, \"temperature\": 0}'\n",
+        v6 ? " -g" : "", r->tls_cert ? " --cacert CA.pem" : "",
+        r->tls_client_ca ? " --cert CLIENT.pem --key CLIENT.key" : "", c->endpoint,
+        c->cfg->router.api_key[0] ? " -H 'Authorization: Bearer YOUR_API_KEY'" : "");
 }
 
 int cmd_up(int argc, char **argv)
@@ -325,6 +332,43 @@ int cmd_down(int argc, char **argv)
     return 0;
 }
 
+/* --instances: the router's live set (GET /instances), its JSON as it is or one line per
+ * instance: ROLE NAME URL STATE ORIGIN LOAD. 1 when the router does not answer. */
+static int print_live_set(const up_cluster *c, bool as_json)
+{
+    json_t *live = up_live_set(c, 5000);
+    if (!live) {
+        fprintf(stderr, "tandem: the router at %s does not answer GET /instances\n", c->endpoint);
+        return 1;
+    }
+    if (as_json) {
+        char *s = json_dumps(live, JSON_COMPACT);
+        if (s) printf("%s\n", s);
+        free(s);
+        json_decref(live);
+        return 0;
+    }
+    const char *roles[] = {"decode", "prefill"};
+    for (int k = 0; k < 2; k++) {
+        size_t i;
+        json_t *x;
+        json_array_foreach(json_object_get(live, roles[k]), i, x)
+        {
+            bool alive = json_is_true(json_object_get(x, "alive"));
+            bool draining = json_is_true(json_object_get(x, "draining"));
+            printf("%-8s %-16s %-28s %-8s %-6s running %lld waiting %lld\n", roles[k],
+                   json_string_value(json_object_get(x, "name")),
+                   json_string_value(json_object_get(x, "url")),
+                   !alive ? "dead" : draining ? "leaving" : "serving",
+                   json_is_true(json_object_get(x, "joined")) ? "joined" : "yaml",
+                   (long long)json_integer_value(json_object_get(x, "running")),
+                   (long long)json_integer_value(json_object_get(x, "waiting")));
+        }
+    }
+    json_decref(live);
+    return 0;
+}
+
 int cmd_status(int argc, char **argv)
 {
     up_opts o;
@@ -332,6 +376,11 @@ int cmd_status(int argc, char **argv)
     if (rc) return rc > 0 ? 0 : rc;
     up_cluster c;
     if ((rc = up_cluster_open(&c, o.file, o.port))) return rc;
+    if (o.instances) { /* the router's live set instead of this machine's processes */
+        rc = print_live_set(&c, o.json);
+        up_cluster_close(&c);
+        return rc;
+    }
     up_load_pids(&c);
     pid_t sup = up_supervisor_pid(&c);
     json_t *arr = json_array();

@@ -77,14 +77,28 @@ static int map_curl_error(CURLcode c)
     }
 }
 
+/* https: whom to trust (the request's CA file, else $CURL_CA_BUNDLE as the curl tool reads
+ * it, else libcurl's default, the system's CAs), the client certificate, or no check. */
+static void set_tls(CURL *c, const cli_http_req *rq)
+{
+    const char *ca = rq->cacert ? rq->cacert : getenv("CURL_CA_BUNDLE");
+    if (ca && *ca) curl_easy_setopt(c, CURLOPT_CAINFO, ca);
+    if (rq->cert) curl_easy_setopt(c, CURLOPT_SSLCERT, rq->cert);
+    if (rq->key) curl_easy_setopt(c, CURLOPT_SSLKEY, rq->key);
+    if (rq->insecure) {
+        curl_easy_setopt(c, CURLOPT_SSL_VERIFYPEER, 0L);
+        curl_easy_setopt(c, CURLOPT_SSL_VERIFYHOST, 0L);
+    }
+}
+
 /* Sets up h for rq: URL, method, body, headers (*hdrs: the caller frees them). */
 static int prepare(CURL *c, const cli_http_req *rq, http_call *call, struct curl_slist **hdrs,
                    char *errbuf)
 {
     char url[1024];
     bool v6 = strchr(rq->host, ':') != NULL;
-    if (snprintf(url, sizeof url, "http://%s%s%s:%d%s", v6 ? "[" : "", rq->host, v6 ? "]" : "",
-                 rq->port, rq->path) >= (int)sizeof url)
+    if (snprintf(url, sizeof url, "%s://%s%s%s:%d%s", rq->tls ? "https" : "http", v6 ? "[" : "",
+                 rq->host, v6 ? "]" : "", rq->port, rq->path) >= (int)sizeof url)
         return TD_EINVAL;
     bool post = !strcmp(rq->method, "POST");
     if (!post && strcmp(rq->method, "GET")) return TD_EINVAL;
@@ -93,6 +107,15 @@ static int prepare(CURL *c, const cli_http_req *rq, http_call *call, struct curl
     struct curl_slist *h = curl_slist_append(NULL, "Connection: close");
     if (h && rq->body) h = curl_slist_append(h, "Content-Type: application/json");
     if (h) h = curl_slist_append(h, "Expect:");
+    if (h && rq->bearer && *rq->bearer) {
+        char auth[600];
+        if (snprintf(auth, sizeof auth, "Authorization: Bearer %s", rq->bearer) >=
+            (int)sizeof auth) {
+            curl_slist_free_all(h);
+            return TD_EINVAL;
+        }
+        h = curl_slist_append(h, auth); /* libcurl copies it */
+    }
     if (!h) return TD_ENOMEM;
     *hdrs = h;
     curl_easy_setopt(c, CURLOPT_URL, url); /* libcurl copies it */
@@ -105,6 +128,7 @@ static int prepare(CURL *c, const cli_http_req *rq, http_call *call, struct curl
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_write);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, call);
     curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
+    if (rq->tls) set_tls(c, rq);
     if (post) {
         curl_easy_setopt(c, CURLOPT_POSTFIELDS, rq->body ? rq->body : "");
         curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE,
@@ -149,10 +173,12 @@ int cli_http_request(cli_http *h, const cli_http_req *rq, int *status)
     return rc;
 }
 
-int cli_parse_http_url(const char *url, char *host, size_t hcap, int *port, char *path, size_t pcap)
+int cli_parse_http_url(const char *url, char *host, size_t hcap, int *port, char *path, size_t pcap,
+                       bool *tls)
 {
-    if (strncmp(url, "http://", 7)) return TD_EINVAL;
-    const char *h = url + 7, *hend, *rest;
+    *tls = !strncmp(url, "https://", 8);
+    if (strncmp(url, "http://", 7) && !*tls) return TD_EINVAL;
+    const char *h = url + (*tls ? 8 : 7), *hend, *rest;
     if (*h == '[') {
         hend = strchr(h, ']');
         if (!hend) return TD_EINVAL;
@@ -166,7 +192,7 @@ int cli_parse_http_url(const char *url, char *host, size_t hcap, int *port, char
     if (!hl || hl >= hcap) return TD_EINVAL;
     memcpy(host, h, hl);
     host[hl] = 0;
-    *port = 80;
+    *port = *tls ? 443 : 80;
     if (*rest == ':') {
         char *e;
         long p = strtol(rest + 1, &e, 10);

@@ -2,10 +2,12 @@
  * `tandem bench`'s requests and `tandem up`'s router health probe.
  *
  * Contract: one request per connection (Connection: close, never a proxy), GET or POST
- * with an application/json body, one deadline for the whole exchange (resolve, connect,
- * send, receive). The response body goes to a callback as its bytes arrive, de-chunked,
- * so that a caller can time each server-sent event at the moment it is received. Any HTTP
- * status is a completed exchange: the caller reads *status.
+ * with an application/json body, over http or https (the server verified against the
+ * request's CA file, else $CURL_CA_BUNDLE, else the system's CAs), one deadline for the
+ * whole exchange (resolve, connect, TLS handshake, send, receive). The response body goes
+ * to a callback as its bytes arrive, de-chunked, so that a caller can time each server-sent
+ * event at the moment it is received. Any HTTP status is a completed exchange: the caller
+ * reads *status.
  * Threading: cli_http_global_init once in main before any thread starts; after that, one
  * cli_http handle per thread (a handle is never used by two threads at once). Requests
  * on different handles run in parallel.
@@ -15,6 +17,7 @@
 #ifndef TANDEM_HTTP_CLIENT_H
 #define TANDEM_HTTP_CLIENT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 /* Receives the next n bytes of the body (de-chunked); a nonzero return stops the transfer,
@@ -27,6 +30,12 @@ typedef struct {
     const char *method, *path; /* "GET" | "POST", "/health" */
     const char *body;          /* NULL: none; else sent as application/json */
     int timeout_ms;            /* whole exchange; 0: 30000 */
+    bool tls;                  /* https */
+    const char *cacert;        /* https: PEM CA file the server's certificate must chain to;
+                                  NULL: $CURL_CA_BUNDLE if set, else the system's CAs */
+    const char *cert, *key;    /* https: client certificate and its key (PEM files), or NULL */
+    bool insecure;             /* https: the server is not verified (a local liveness probe) */
+    const char *bearer;        /* "Authorization: Bearer BEARER" (router.api_key), or NULL */
     cli_http_body_fn on_body;  /* NULL: body discarded */
     void *ctx;
     char *err;      /* NULL, or where a failure is described (libcurl's words) */
@@ -52,8 +61,9 @@ void cli_http_destroy(cli_http *h);
  * words (libcurl's message). */
 int cli_http_request(cli_http *h, const cli_http_req *rq, int *status);
 
-/* "http://HOST[:PORT][/PATH]" -> host, port (80), path ("" if none); TD_EINVAL if not. */
-int cli_parse_http_url(const char *url, char *host, size_t hcap, int *port, char *path,
-                       size_t pcap);
+/* "http://HOST[:PORT][/PATH]" or "https://..." -> host, port (80, or 443 for https), path
+ * ("" if none), *tls (https); TD_EINVAL if not. */
+int cli_parse_http_url(const char *url, char *host, size_t hcap, int *port, char *path, size_t pcap,
+                       bool *tls);
 
 #endif

@@ -24,6 +24,8 @@ static void usage(void)
                     "  calibrate     measure this machine into a hardware profile for plan\n"
                     "  template      render a chat template with a conversation (as the router)\n"
                     "  tokenize      text to token ids and back with a GGUF's vocabulary\n"
+                    "  k8s           Kubernetes manifests from a cluster YAML (k8s render)\n"
+                    "  health        one health check of an instance or router, as exit status\n"
                     "run 'tandem <command> --help' for its options\n");
 }
 
@@ -70,6 +72,10 @@ int main(int argc, char **argv)
         rc = cmd_template(argc - 2, argv + 2);
     else if (!strcmp(cmd, "tokenize"))
         rc = cmd_tokenize(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "k8s"))
+        rc = cmd_k8s(argc - 2, argv + 2);
+    else if (!strcmp(cmd, "health"))
+        rc = cmd_health(argc - 2, argv + 2);
     else if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
         usage();
         rc = 0;

@@ -39,8 +39,9 @@ static int parse_listen(up_cluster *c, const char *listen, int port_override)
     else
         snprintf(c->host, sizeof c->host, "%s", host);
     bool v6 = strchr(c->host, ':') != NULL;
-    snprintf(c->endpoint, sizeof c->endpoint, "http://%s%s%s:%d", v6 ? "[" : "", c->host,
-             v6 ? "]" : "", c->port);
+    snprintf(c->endpoint, sizeof c->endpoint, "%s://%s%s%s:%d",
+             c->cfg->router.tls_cert ? "https" : "http", v6 ? "[" : "", c->host, v6 ? "]" : "",
+             c->port);
     return 0;
 }
 

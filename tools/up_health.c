@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <jansson.h>
+
 #include "ctrl.h"
 #include "http_client.h"
 #include "td_err.h"
@@ -49,7 +51,7 @@ static int probes_open(const up_cluster *c, up_pf_probe **out)
             if (!strcmp(c->p[k].role, "prefill") && !strcmp(c->p[k].instance, pf->name) &&
                 c->p[k].rank == 0)
                 pp[i].stage0 = &c->p[k];
-        td_ctrl_opts opts = {0};
+        td_ctrl_opts opts = {.security = &c->cfg->security};
         int rc = td_cfg_ctrl_url(host, pf->port, pp[i].url, sizeof pp[i].url);
         if (!rc) rc = td_ctrl_client_create(pp[i].url, &opts, &pp[i].cl);
         if (rc) {
@@ -90,17 +92,66 @@ static up_pf_probe *probes_poll(up_pf_probe *pp, int n)
     return first;
 }
 
-/* GET /health of the router: its HTTP status, or a negative td_err (cannot connect yet...). */
+/* GET /health of the router: its HTTP status, or a negative td_err (cannot connect yet...).
+ * Over TLS the probe does not verify the router (its own process at a known address; it
+ * sends nothing secret); with router.tls_client_ca it presents the router's own certificate
+ * and key, which the router accepts when the client CA issued them (docs/deploy.md, TLS). */
 static int health(const up_cluster *c, int timeout_ms)
 {
+    const td_cfg_router *r = &c->cfg->router;
     cli_http_req rq = {.host = c->host,
                        .port = c->port,
                        .method = "GET",
                        .path = "/health",
-                       .timeout_ms = timeout_ms};
+                       .timeout_ms = timeout_ms,
+                       .tls = r->tls_cert != NULL,
+                       .insecure = true,
+                       .cert = r->tls_client_ca ? r->tls_cert : NULL,
+                       .key = r->tls_client_ca ? r->tls_key : NULL};
     int status = 0;
     int rc = cli_http_request(NULL, &rq, &status);
     return rc ? rc : status;
+}
+
+struct live_body {
+    char *data;
+    size_t len;
+};
+
+static int keep_body(void *ctx, const char *data, size_t n)
+{
+    struct live_body *b = ctx;
+    if (b->len + n > (1u << 20)) return TD_ERANGE; /* a live set is small */
+    char *nb = realloc(b->data, b->len + n + 1);
+    if (!nb) return TD_ENOMEM;
+    memcpy(nb + b->len, data, n);
+    b->data = nb;
+    b->len += n;
+    b->data[b->len] = '\0';
+    return 0;
+}
+
+json_t *up_live_set(const up_cluster *c, int timeout_ms)
+{
+    const td_cfg_router *r = &c->cfg->router;
+    struct live_body body = {0};
+    cli_http_req rq = {.host = c->host,
+                       .port = c->port,
+                       .method = "GET",
+                       .path = "/instances",
+                       .timeout_ms = timeout_ms,
+                       .tls = r->tls_cert != NULL,
+                       .insecure = true,
+                       .cert = r->tls_client_ca ? r->tls_cert : NULL,
+                       .key = r->tls_client_ca ? r->tls_key : NULL,
+                       .bearer = r->api_key,
+                       .on_body = keep_body,
+                       .ctx = &body};
+    int status = 0;
+    int rc = cli_http_request(NULL, &rq, &status);
+    json_t *js = !rc && status == 200 && body.data ? json_loads(body.data, 0, NULL) : NULL;
+    free(body.data);
+    return js;
 }
 
 /* Starts every process and waits until the cluster is ready. On error the log tail of the
@@ -135,6 +186,10 @@ int up_start_cluster(up_cluster *c, const up_opts *o, double t0)
             if (!router_ok) {
                 fprintf(stderr, "tandem: %s/health did not answer 200 within %.0f s (last: %s)\n",
                         c->endpoint, o->timeout_s, h > 0 ? "an HTTP error status" : td_strerror(h));
+                if (h < 0 && c->cfg->router.tls_client_ca)
+                    fprintf(stderr, "tandem: the probe presents router.tls_cert as its client "
+                                    "certificate: was it issued by router.tls_client_ca? "
+                                    "(docs/deploy.md, TLS)\n");
                 up_print_tail(c->p[c->n - 1].log, 20);
             } else {
                 fprintf(stderr,

@@ -62,7 +62,7 @@ typedef struct {
     int n;
     char host[256]; /* where /health is asked (a wildcard listen becomes loopback) */
     int port;
-    char endpoint[300]; /* http://HOST:PORT as the user reaches it */
+    char endpoint[300]; /* http(s)://HOST:PORT as the user reaches it */
     int port_override;  /* --port N (0: none): the cluster is named STEM-N, runs a copy */
     bool reprofile;     /* --reprofile: prefill stage 0 profiles anew at its first start */
 } up_cluster;
@@ -71,6 +71,7 @@ typedef struct {
 typedef struct {
     const char *file;
     bool detach, json, restart, reprofile;
+    bool instances; /* status --instances: the router's live set */
     double timeout_s, grace_s;
     int port; /* --port N, 0: the YAML's ports */
 } up_opts;
@@ -138,6 +139,9 @@ up_proc *up_find_exited(up_cluster *c);
  * error the log tail of the process concerned has been printed; the caller stops what
  * runs. */
 int up_start_cluster(up_cluster *c, const up_opts *o, double t0);
+/* The router's live set (GET /instances: docs/api.md), parsed; NULL when the router does not
+ * answer it (down, or an older router). The caller json_decref()s it. */
+struct json_t *up_live_set(const up_cluster *c, int timeout_ms);
 
 /* ---- up_supervise.c ---- */
 

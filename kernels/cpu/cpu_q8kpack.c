@@ -127,7 +127,7 @@ Q8G_T512 void kn_q8k_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1)
     }
 }
 
-KN_ALWAYS_INLINE __m512i bcast_dword(const void *p)
+Q8G_I512 __m512i bcast_dword(const void *p)
 {
     int32_t v;
     memcpy(&v, p, 4);
@@ -182,7 +182,7 @@ Q8G_I512 void q4k_super(int M, const uint8_t *P, const kn_q8k *xb, int64_t xs, _
 }
 
 /* 6-bit quants: the low nibble of lo (bits 0-3) under the two high bits already at 4-5 in hs. */
-KN_ALWAYS_INLINE __m512i q6_join(__m512i lo, __m512i hs)
+Q8G_I512 __m512i q6_join(__m512i lo, __m512i hs)
 {
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     /* bitwise m4 ? lo : (hs & 0x30) */

@@ -42,15 +42,17 @@ OK, ERROR, REFUSED, CUT, HUNG, BAD, DROPPED = ("ok", "error", "refused", "cut", 
 
 def chaos_yaml(model, run_dir, listen, router_port, pf_hosts, pf_port, dc_host, dc_port, tp,
                ucx_tls, xfer_timeout_ms, instance_timeout_ms=2000, pp=2, request_timeout_ms=30000,
-               colocated=False, kv_dtype=None):
+               colocated=False, kv_dtype=None, router_extra=None):
     """The cluster YAML: the router's own deadline per request (request_timeout_ms, 504 past
     it) is below the clients' (--deadline), so a request that hangs inside the cluster is
     the router's failure to answer, not the client's impatience. colocated: no prefill
-    instance (the decode instance prefills). kv_dtype: decode[].kv_dtype (None: the default)."""
+    instance (the decode instance prefills). kv_dtype: decode[].kv_dtype (None: the default).
+    router_extra: more router keys (e.g. migrate_wait_ms)."""
     doc = {"model": model, "run_dir": run_dir,
            "router": {"listen": f"{listen}:{router_port}", "heartbeat_ms": 100,
                       "instance_timeout_ms": instance_timeout_ms,
-                      "request_timeout_ms": request_timeout_ms, "drain_timeout_ms": 5000}}
+                      "request_timeout_ms": request_timeout_ms, "drain_timeout_ms": 5000,
+                      **(router_extra or {})}}
     if not colocated:
         doc["prefill"] = [{"name": "p0", "pp": pp, "chunk_size": 64, "threads": 1,
                            "hosts": list(pf_hosts[:pp]), "port": pf_port, "kv_tokens": 4096,
@@ -70,7 +72,7 @@ class ChaosCluster(UpCluster):
 
     def __init__(self, args, model, tp=2, xfer_timeout_ms=10000, env_extra=None, pp=2,
                  colocated=False, request_timeout_ms=30000, kv_dtype=None,
-                 instance_timeout_ms=2000):
+                 instance_timeout_ms=2000, router_extra=None):
         super().__init__(args.tandem, "tandem-chaos-",
                          {"decode": args.decode, "prefill": args.prefill,
                           "router": args.router}, exclude="test_chaos", env_extra=env_extra)
@@ -88,7 +90,7 @@ class ChaosCluster(UpCluster):
                                self.dc_port, tp, "posix,cma,self", xfer_timeout_ms,
                                instance_timeout_ms=instance_timeout_ms, pp=pp,
                                colocated=colocated, request_timeout_ms=request_timeout_ms,
-                               kv_dtype=kv_dtype))
+                               kv_dtype=kv_dtype, router_extra=router_extra))
         self.rdir = self.run_dir("chaos")
 
     # --- processes, from the pid files ("PID STARTTIME RESTARTS", docs/deploy.md) -----------

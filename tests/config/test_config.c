@@ -64,6 +64,13 @@ static const bad_case bad_cases[] = {
      "chat_template 'jinja' is neither chatml"},
     {"router_tool_parser", MIN "router:\n  tool_parser: llama3\n", 5, 16,
      "unknown tool_parser 'llama3' (known: auto, hermes, llama3_json"},
+    {"router_tls_cert_only", MIN "router:\n  tls_cert: /c.pem\n", 5, 3,
+     "router: tls_cert is given but tls_key is missing (give both)"},
+    {"router_tls_key_only", MIN "router:\n  tls_key: ~/k.pem\n", 5, 3,
+     "router: tls_key is given but tls_cert is missing (give both)"},
+    {"router_tls_ca_only", MIN "router:\n  tls_client_ca: /ca.pem\n", 5, 3,
+     "router: tls_client_ca needs tls_cert and tls_key"},
+    {"router_tls_empty", MIN "router:\n  tls_cert: \"\"\n  tls_key: /k.pem\n", 5, 13, "empty path"},
     {"router_req_timeout",
      MIN "router:\n  max_request_timeout_ms: 1000\n  request_timeout_ms: 2000\n", 6, 23,
      "request_timeout_ms (2000) is larger than max_request_timeout_ms (1000)"},
@@ -79,6 +86,15 @@ static const bad_case bad_cases[] = {
      "0.5 is out of range [1, 1000]"},
     {"router_cache_thr", MIN "router:\n  cache_aware:\n    cache_threshold: 1.5\n", 6, 22,
      "1.5 is out of range [0, 1]"},
+    {"membership_key", MIN "router:\n  membership:\n    lease: 5\n", 6, 5,
+     "unknown key 'lease' in router.membership"},
+    {"membership_listen", MIN "router:\n  membership:\n    listen: router\n", 6, 13,
+     "expected HOST:PORT"},
+    {"membership_lease", MIN "router:\n  membership:\n    listen: 0.0.0.0:9300\n    lease_ms: 5\n",
+     7, 15, "5 is out of range [100, 3600000]"},
+    {"membership_no_listen", MIN "router:\n  membership:\n    address: r:9300\n", 6, 5,
+     "router.membership: address is given but listen is not"},
+    {"decode_drain", MIN "    drain_timeout_ms: -5\n", 4, 23, "-5 is out of range [0, 3600000]"},
     {"decode_not_list", "model: /m\ndecode:\n  name: d0\n", 3, 3,
      "decode: expected a list of instances, got a mapping"},
     {"decode_no_name", "model: /m\ndecode:\n  - tp: 2\n", 3, 5,
@@ -175,6 +191,12 @@ static const bad_case bad_cases[] = {
     {"kvxfer_unknown", MIN "kvxfer:\n  tls: tcp\n", 5, 3, "unknown key 'tls' in kvxfer"},
     {"kvxfer_timeout", MIN "kvxfer:\n  timeout_ms: 0\n", 5, 15, "0 is out of range"},
     {"two_docs", MIN "---\nmodel: /x\n", 5, 1, "more than one YAML document"},
+    {"security_no_ca", MIN "security:\n  cert: /c.pem\n  key: /k.pem\n", 5, 3,
+     "security: missing required key 'ca'"},
+    {"security_unknown", MIN "security:\n  ca_file: /c.pem\n", 5, 3,
+     "unknown key 'ca_file' in security"},
+    {"security_unreadable", MIN "security:\n  ca: /nonexistent/ca.pem\n  cert: /c\n  key: /k\n", 5,
+     7, "security.ca: cannot read '/nonexistent/ca.pem': No such file or directory"},
     {"nonscalar_key", MIN "? [a]\n: 1\n", 4, 3, "keys must be strings"},
 };
 
@@ -203,6 +225,29 @@ static void test_bad_files(void)
     TH_CHECK(strstr(err, "does-not-exist.yaml:1:1: cannot open") != NULL);
 }
 
+/* security: the three files, read at load; absent: all NULL (plain tcp) */
+static void test_security(void)
+{
+    char ca[600], cert[600], key[600], text[2400], err[512];
+    snprintf(ca, sizeof ca, "%s", write_file("sec-ca.pem", "ca\n"));
+    snprintf(cert, sizeof cert, "%s", write_file("sec-cert.pem", "cert\n"));
+    snprintf(key, sizeof key, "%s", write_file("sec-key.pem", "key\n"));
+    snprintf(text, sizeof text, MIN "security:\n  ca: %s\n  cert: %s\n  key: %s\n", ca, cert, key);
+    td_cfg *c = NULL;
+    TH_REQUIRE(td_cfg_parse(text, strlen(text), "sec.yaml", &c, err, sizeof err) == 0);
+    TH_CHECK(!strcmp(c->security.ca, ca) && !strcmp(c->security.cert, cert) &&
+             !strcmp(c->security.key, key));
+    td_cfg_free(c);
+    TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "plain.yaml", &c, err, sizeof err) == 0);
+    TH_CHECK(!c->security.ca && !c->security.cert && !c->security.key);
+    td_cfg_free(c);
+    /* a key that is missing is named with its line */
+    snprintf(text, sizeof text, MIN "security:\n  ca: %s\n  cert: %s\n  key: %s/nope.pem\n", ca,
+             cert, dir);
+    TH_CHECK(td_cfg_parse(text, strlen(text), "sec.yaml", &c, err, sizeof err) == TD_EINVAL && !c);
+    TH_CHECKF(strstr(err, "sec.yaml:7:8: security.key: cannot read") != NULL, "%s", err);
+}
+
 static void test_good_file(void)
 {
     const char *text = "# a full file\n"
@@ -227,6 +272,15 @@ static void test_good_file(void)
                        "    cache_threshold: 0.25\n"
                        "    balance_abs_threshold: 8\n"
                        "    balance_rel_threshold: 1.5\n"
+                       "  tls_cert: ~/tls/cert.pem\n"
+                       "  tls_key: /etc/tandem/key.pem\n"
+                       "  tls_client_ca: ca.pem\n"
+                       "  membership:\n"
+                       "    listen: 0.0.0.0:9300\n"
+                       "    address: tandem-router:9300\n"
+                       "    lease_ms: 2000\n"
+                       "    seed: false\n"
+                       "    max_instances: 8\n"
                        "prefill:\n"
                        "  - name: p0\n"
                        "    pp: 2\n"
@@ -253,6 +307,7 @@ static void test_good_file(void)
                        "    step_tokens: 128\n"
                        "    itl_target_ms: 75.5\n"
                        "    overlap: true\n"
+                       "    drain_timeout_ms: 15000\n"
                        "    speculative:\n"
                        "      method: off\n"
                        "      max_tokens: 32\n"
@@ -293,10 +348,22 @@ static void test_good_file(void)
              c->router.heartbeat_ms == 250 && c->router.instance_timeout_ms == 1000);
     TH_CHECK(c->router.request_timeout_ms == 5000 && c->router.max_request_timeout_ms == 60000 &&
              c->router.drain_timeout_ms == 0);
+    TH_CHECK(!strcmp(c->router.membership.listen, "0.0.0.0:9300") &&
+             !strcmp(c->router.membership.address, "tandem-router:9300") &&
+             c->router.membership.lease_ms == 2000 && !c->router.membership.seed &&
+             c->router.membership.max_instances == 8);
+    TH_CHECK(td_cfg_find_decode(c, "d0")->drain_timeout_ms == 15000 &&
+             td_cfg_find_decode(c, "d1")->drain_timeout_ms == 0);
     TH_CHECK(c->router.routing == TD_CFG_ROUTING_CACHE_AWARE &&
              c->router.cache_aware.cache_threshold == 0.25 &&
              c->router.cache_aware.balance_abs_threshold == 8 &&
              c->router.cache_aware.balance_rel_threshold == 1.5);
+    char tls_cert[1024];
+    snprintf(tls_cert, sizeof tls_cert, "%s/tls/cert.pem", getenv("HOME") ? getenv("HOME") : "~");
+    TH_CHECKF(c->router.tls_cert && !strcmp(c->router.tls_cert, tls_cert), "%s",
+              c->router.tls_cert ? c->router.tls_cert : "(null)");
+    TH_CHECK(c->router.tls_key && !strcmp(c->router.tls_key, "/etc/tandem/key.pem") &&
+             c->router.tls_client_ca && !strcmp(c->router.tls_client_ca, "ca.pem"));
     TH_REQUIRE(c->n_prefill == 2 && c->n_decode == 3);
     const td_cfg_prefill *p = td_cfg_find_prefill(c, "p0");
     TH_REQUIRE(p);
@@ -372,6 +439,19 @@ static void test_good_file(void)
              c->router.cache_aware.cache_threshold == 0.5 &&
              c->router.cache_aware.balance_abs_threshold == 32 &&
              c->router.cache_aware.balance_rel_threshold == 1.1);
+    TH_CHECK(!c->router.tls_cert && !c->router.tls_key && !c->router.tls_client_ca);
+    TH_CHECK(!strcmp(c->router.membership.listen, "") &&
+             !strcmp(c->router.membership.address, "") && c->router.membership.lease_ms == 5000 &&
+             c->router.membership.seed && c->router.membership.max_instances == 64);
+    td_cfg_free(c);
+    /* membership.address defaults to its listen address (one machine) */
+    const char *ml = MIN "router:\n  membership:\n    listen: 127.0.0.1:9300\n";
+    TH_REQUIRE(td_cfg_parse(ml, strlen(ml), "ml", &c, err, sizeof err) == 0);
+    TH_CHECK(!strcmp(c->router.membership.address, "127.0.0.1:9300"));
+    td_cfg_free(c);
+    TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "min", &c, err, sizeof err) == 0);
+    TH_CHECK(td_cfg_name_ok("d0-7f.x_1") && !td_cfg_name_ok("") && !td_cfg_name_ok("a b") &&
+             !td_cfg_name_ok("a/b") && !td_cfg_name_ok(NULL));
     TH_CHECK(c->decode[0].speculative.method == TD_CFG_SPEC_NGRAM &&
              c->decode[0].speculative.max_tokens == 8 && c->decode[0].speculative.adaptive &&
              c->decode[0].speculative.ngram_min == 2 && c->decode[0].speculative.ngram_max == 4);
@@ -460,6 +540,7 @@ int main(int argc, char **argv)
     n_examples = argc > 2 ? argc - 2 : 0;
     TH_RUN(test_bad_files);
     TH_RUN(test_good_file);
+    TH_RUN(test_security);
     TH_RUN(test_sizes);
     TH_RUN(test_examples);
     TH_EXIT();

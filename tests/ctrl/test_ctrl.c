@@ -186,6 +186,38 @@ static void test_roundtrip_requests(void)
     TH_CHECK(d && d->stage_hello->stage == 1 && d->stage_hello->pp == 2 &&
              d->stage_hello->pipe_address.len == 4 && d->stage_hello->boot_id == 99);
     td_ctrl_envelope_free(d);
+
+    /* Join (router.membership): round trip, then what the decoder refuses */
+    Td__Join j = TD__JOIN__INIT;
+    j.role = TD__ROLE__ROLE_DECODE;
+    j.name = "d0-b";
+    j.url = "tcp://10.0.0.7:9000";
+    j.template_name = "d0";
+    j.tp = 2;
+    j.max_batch = 16;
+    j.leaving = true;
+    e.body_case = TD__ENVELOPE__BODY_JOIN;
+    e.join = &j;
+    d = roundtrip(&e);
+    TH_CHECK(d && d->join->role == TD__ROLE__ROLE_DECODE && !strcmp(d->join->name, "d0-b") &&
+             !strcmp(d->join->url, "tcp://10.0.0.7:9000") &&
+             !strcmp(d->join->template_name, "d0") && d->join->tp == 2 &&
+             d->join->max_batch == 16 && d->join->leaving);
+    td_ctrl_envelope_free(d);
+    for (int k = 0; k < 3; k++) {
+        Td__Join bj = j;
+        if (k == 0) bj.role = TD__ROLE__ROLE_ROUTER; /* neither decode nor prefill */
+        if (k == 1) bj.url = "";                     /* nowhere to dial */
+        if (k == 2) bj.tp = 100000;                  /* out of range */
+        e.join = &bj;
+        uint8_t *buf;
+        size_t len;
+        TH_CHECK(td_ctrl_encode(&e, NULL, &buf, &len) == 0);
+        Td__Envelope *bad = NULL;
+        int rc = td_ctrl_decode(buf, len, NULL, &bad, NULL, 0);
+        TH_CHECKF((rc == TD_EINVAL || rc == TD_ERANGE) && !bad, "bad join %d: %d", k, rc);
+        free(buf);
+    }
 }
 
 /* The sampler's lists (logit bias, min_tokens ids) through td_ctrl_sampling_to_pb, the wire

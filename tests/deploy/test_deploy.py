@@ -30,6 +30,9 @@ Cases (--case, one ctest each):
                       decode and router by their scripts; ready, a completion, SIGTERM ->
                       every stage exits 0; `all`: both stages under one script, SIGTERM ->
                       exit 0; a stage killed -> the script stops the other, exits non-zero
+  secure              the YAML's security section: mutual TLS on every control socket, a
+                      request served; clients without the cluster's certificate refused and
+                      logged; a missing file stops up; UCX on the loopback device only
 
 --router BIN: the real tandem-router; without it tests/deploy/fake_router.py stands in (it
 checks the decode ports for /health and answers with fixed text), and the output says so.
@@ -56,7 +59,7 @@ from tdtest.checks import FAILS, check  # noqa: E402
 from tdtest.cluster import UpCluster, write_yaml  # noqa: E402
 from tdtest.ports import free_port as _free_port  # noqa: E402
 from tdtest.procs import alive as running, children, read, stop  # noqa: E402
-from tdtest.waits import wait_line  # noqa: E402
+from tdtest.waits import wait_for, wait_line  # noqa: E402
 
 SKIP = 77  # ctest SKIP_RETURN_CODE
 
@@ -666,9 +669,83 @@ def case_netns(e):
     return 0
 
 
+def case_secure(e):
+    """The YAML's security section (docs/control-plane.md, "Security"): a missing file stops up
+    at once, naming it; with the cluster's certificates (tests/ctrl/make_certs.sh) every control
+    socket speaks mutual TLS (router, prefill stages, decode, up's readiness probe, tandem client
+    with --tls-*) and a request is served; a client without a certificate, or with another
+    CA's, gets no answer and the decode leader logs the refused handshakes. The KV plane's UCX
+    uses the loopback device only (the YAML's hosts are 127.0.0.1)."""
+    if not need_prefill(e):
+        return SKIP
+    certs = os.path.join(e.dir, "certs")
+    r = subprocess.run(["sh", os.path.join(e.args.source_dir, "tests/ctrl/make_certs.sh"), certs])
+    if r.returncode == SKIP:
+        print("SKIP: openssl is not installed (Debian package openssl)", flush=True)
+        return SKIP
+    if not check(r.returncode == 0, "make_certs.sh made the certificates"):
+        return
+
+    def pem(n):
+        return os.path.join(certs, n)
+
+    cfg, port = e.yaml("sec", [("d0", 1)], prefills=[("p0", 2)])
+    base = read(cfg).replace("ucx_tls: posix,cma,self", "ucx_tls: sm,tcp,self")
+
+    def write(ca):
+        with open(cfg, "w") as f:
+            f.write(base + f"security:\n  ca: {ca}\n  cert: {pem('node.pem')}\n"
+                           f"  key: {pem('node.key')}\n")
+
+    write(pem("missing-ca.pem"))
+    r = e.tandem("up", "-d", cfg, "--timeout", "60", timeout=120)
+    check(r.returncode != 0 and "security.ca: cannot read" in r.stderr
+          and "missing-ca.pem" in r.stderr,
+          f"a missing security.ca: up fails naming it ({r.returncode} {r.stderr.strip()[-300:]})")
+    write(pem("ca.pem"))
+    r = e.tandem("up", "-d", cfg, "--timeout", "200", timeout=300)
+    if not check(r.returncode == 0, f"up -d with security exits 0 ({r.stderr.strip()[-600:]})"):
+        return
+    st = e.status(cfg)
+    rdir = st["run_dir"] if st else ""
+    dlog, plog = (os.path.join(rdir, f"{n}.log") for n in ("decode-d0-0", "prefill-p0-0"))
+    check(f"serving on tls+tcp://127.0.0.1:{port + 1}" in read(dlog)
+          and "serving on tls+tcp://" in read(plog),
+          "decode and prefill leaders serve on tls+tcp://")
+    check("kvx ucx: network devices lo " in read(dlog) + read(plog),
+          "the KV plane's UCX uses the loopback device (the hosts are 127.0.0.1)")
+    check_completion(f"http://127.0.0.1:{port}", "secure", e)
+    prefilled_by(e, plog, "secure")
+    tls = ["--tls-ca", pem("ca.pem"), "--tls-cert", pem("node.pem"), "--tls-key", pem("node.key")]
+    durl = f"tcp://127.0.0.1:{port + 1}"
+    g = e.tandem("client", "--url", durl, "--prompt-ids", "1,2,3,4", "--max-tokens", "4", *tls,
+                 timeout=120)
+    check(g.returncode == 0, f"tandem client with the cluster's certificate is served "
+                             f"({g.stdout.strip()} {g.stderr.strip()[-300:]})")
+    h = e.tandem("client", "--url", f"tcp://127.0.0.1:{e.pf_port['p0']}", "--health", *tls,
+                 timeout=60)
+    check(h.returncode == 0 and "ready 1" in h.stdout,
+          f"prefill stage 0 answers Health over TLS ({h.stdout.strip()} {h.stderr.strip()})")
+    bad = [("no certificate (plain tcp)", []),
+           ("another CA's certificate",
+            ["--tls-ca", pem("ca.pem"), "--tls-cert", pem("other.pem"), "--tls-key",
+             pem("other.key")])]
+    for what, extra in bad:
+        r = e.tandem("client", "--url", durl, "--health", "--timeout-ms", "3000", *extra,
+                     timeout=60)
+        check(r.returncode != 0 and "ready" not in r.stdout,
+              f"{what}: no answer ({r.returncode} {r.stdout.strip()} {r.stderr.strip()[-200:]})")
+    check(wait_for(lambda: "TLS handshake failed" in read(dlog), 15),
+          f"the decode leader logs the refused connections "
+          f"({[l for l in read(dlog).splitlines() if 'refused' in l][-2:]})")
+    r = e.tandem("down", cfg, timeout=120)
+    check(r.returncode == 0, f"down exits 0 ({r.stderr.strip()[:300]})")
+
+
 CASES = {"up_down": case_up_down, "foreground": case_foreground, "bad_model": case_bad_model,
          "bench": case_bench, "netns": case_netns, "prefill_up_down": case_prefill_up_down,
-         "prefill_foreground": case_prefill_foreground, "prefill_scripts": case_prefill_scripts}
+         "prefill_foreground": case_prefill_foreground, "prefill_scripts": case_prefill_scripts,
+         "secure": case_secure}
 
 
 def main():

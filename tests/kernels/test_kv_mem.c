@@ -3,9 +3,12 @@
  * first when the free list is short, all or nothing), sequences (reserve, release, match,
  * commit, claim_restored), rollback (inside a private block, inside a cached block: a private
  * copy with the same KV while the cached entry stays matchable, at a block boundary, bad
- * lengths, no block for the copy), and renewing the pool; every test twice, on a K+V pool and
+ * lengths, no block for the copy), and renewing the pool (a named shared segment too: its
+ * name passes to the new segment); every test twice, on a K+V pool and
  * on a latent one (kv_pool.h KN_KV_LAYOUT_LATENT: one array a layer, copied once). */
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../tharness.h"
 #include "kv_mem.h"
@@ -507,6 +510,41 @@ static void test_renew_pool(void)
     kn_kv_mem_destroy(m);
 }
 
+/* renew_pool of a named (shared) segment, as a TP follower renews its pool after its
+ * leader mapped the old one and unlinked its name: the fresh segment is there under the
+ * name for the next leader to map, the old one's mapping stays valid; also when no leader
+ * unlinked the name; destroying the memory removes the name. */
+static void test_renew_named(void)
+{
+    char name[64];
+    snprintf(name, sizeof name, "/tandem-test-kvmem-%d", (int)getpid());
+    kn_kv_pool_params p = params_of(2);
+    p.shm_name = name;
+    kn_kv_mem *m = NULL;
+    TH_REQUIRE(kn_kv_mem_create(&p, &m) == 0);
+    for (int unlinked = 1; unlinked >= 0; unlinked--) {
+        void *old = NULL, *fresh = NULL;
+        size_t bytes = 0, fbytes = 0;
+        if (unlinked) { /* the leader maps the segment and unlinks the name */
+            TH_REQUIRE(kn_kv_region_map(&p, true, &old, &bytes, NULL) == 0);
+            TH_CHECK(kn_kv_region_map(&p, false, &fresh, &fbytes, NULL) == TD_ENOENT);
+            ((volatile char *)old)[0] = 1;
+        }
+        TH_CHECK(kn_kv_mem_renew_pool(m) == 0);
+        /* the next leader finds the fresh segment under the name */
+        TH_CHECK(kn_kv_region_map(&p, false, &fresh, &fbytes, NULL) == 0 && fbytes > 0);
+        if (fresh) ((char *)fresh)[0] = 7;
+        TH_CHECK(((char *)kn_kv_pool_array(kn_kv_mem_pool(m), 0))[0] == 7);
+        kn_kv_region_unmap(fresh, fbytes);
+        kn_kv_region_unmap(old, bytes);
+    }
+    kn_kv_mem_destroy(m);
+    void *r = NULL;
+    size_t b = 0;
+    TH_CHECK(kn_kv_region_map(&p, false, &r, &b, NULL) == TD_ENOENT); /* the name went */
+    kn_kv_region_unmap(r, b);
+}
+
 /* The pool's layout is the params': its bytes (a latent block is half a K+V one), and a
  * renewed pool keeps it. */
 static void test_layout_kept(void)
@@ -539,6 +577,7 @@ int main(void)
         TH_RUN(test_rollback_no_room);
         TH_RUN(test_seq_match_tier);
         TH_RUN(test_renew_pool);
+        TH_RUN(test_renew_named);
         TH_RUN(test_layout_kept);
     }
     TH_EXIT();

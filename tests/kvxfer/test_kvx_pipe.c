@@ -5,7 +5,10 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
 #include <errno.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <stddef.h>
@@ -135,6 +138,7 @@ static void check_wake_on_arrival(kvx_pipe *a, kvx_pipe *b, kvx_peer ab, am_rec 
 typedef int (*make_fn)(const kvx_pipe_params *, kvx_pipe **);
 static kvx_fake_fabric *g_fab;
 static const char *g_tls;
+static const char *g_host; /* kvx_pipe_params.host of make_ucx's pipes */
 static int make_fake(const kvx_pipe_params *pp, kvx_pipe **out)
 {
     return kvx_pipe_fake_create(g_fab, pp, out);
@@ -143,6 +147,7 @@ static int make_ucx(const kvx_pipe_params *pp, kvx_pipe **out)
 {
     kvx_pipe_params q = *pp;
     q.tls = g_tls;
+    q.host = g_host;
     return kvx_pipe_ucx_create(&q, out);
 }
 
@@ -292,6 +297,54 @@ static void test_ucx_contract_tcp(void)
 {
     g_tls = "tcp";
     contract(make_ucx, "ucx tcp");
+}
+
+/* The pipes bound to the loopback device: host 127.0.0.1 -> NET_DEVICES lo (unless the
+ * environment sets UCX_NET_DEVICES). */
+static void test_ucx_contract_tcp_lo(void)
+{
+    g_tls = "tcp";
+    g_host = "127.0.0.1";
+    contract(make_ucx, "ucx tcp on the loopback device");
+    g_host = NULL;
+}
+
+/* kvx_net_devices_for_host against this machine's interfaces (getifaddrs). */
+static void test_net_devices(void)
+{
+    char lo[IF_NAMESIZE] = "", buf[256];
+    struct ifaddrs *ifs = NULL;
+    TH_REQUIRE(getifaddrs(&ifs) == 0);
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next)
+        if ((i->ifa_flags & IFF_LOOPBACK) && (i->ifa_flags & IFF_UP) && !lo[0])
+            snprintf(lo, sizeof lo, "%s", i->ifa_name);
+    TH_CHECK(kvx_net_devices_for_host("127.0.0.1", buf, sizeof buf) == 0 && !strcmp(buf, lo));
+    TH_CHECK(kvx_net_devices_for_host("127.0.0.5", buf, sizeof buf) == 0 && !strcmp(buf, lo));
+    TH_CHECK(kvx_net_devices_for_host("localhost", buf, sizeof buf) == 0 && !strcmp(buf, lo));
+    /* every other IPv4 address of this machine -> the interface that has it */
+    int n_addr = 0;
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || (i->ifa_flags & IFF_LOOPBACK) ||
+            !(i->ifa_flags & IFF_UP))
+            continue;
+        char ip[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &((struct sockaddr_in *)i->ifa_addr)->sin_addr, ip, sizeof ip);
+        int rc = kvx_net_devices_for_host(ip, buf, sizeof buf);
+        TH_CHECKF(rc == 0 && strstr(buf, i->ifa_name), "%s: rc %d, devices '%s', want %s", ip, rc,
+                  buf, i->ifa_name);
+        fprintf(stderr, "  %s -> %s\n", ip, buf);
+        n_addr++;
+    }
+    fprintf(stderr, "  %d non-loopback IPv4 address(es) checked\n", n_addr);
+    freeifaddrs(ifs);
+    TH_CHECK(kvx_net_devices_for_host("0.0.0.0", buf, sizeof buf) == TD_EINVAL);
+    TH_CHECK(kvx_net_devices_for_host("::", buf, sizeof buf) == TD_EINVAL);
+    TH_CHECK(kvx_net_devices_for_host("", buf, sizeof buf) == TD_EINVAL);
+    TH_CHECK(kvx_net_devices_for_host(NULL, buf, sizeof buf) == TD_EINVAL);
+    /* an address no interface here has (TEST-NET-3), a name that does not resolve */
+    TH_CHECK(kvx_net_devices_for_host("203.0.113.77", buf, sizeof buf) == TD_ENOENT);
+    TH_CHECK(kvx_net_devices_for_host("no-such-host.invalid", buf, sizeof buf) == TD_ENOENT);
+    TH_CHECK(kvx_net_devices_for_host("127.0.0.1", buf, 2) == TD_ERANGE);
 }
 
 static void test_ucx_contract_sm(void)
@@ -658,6 +711,8 @@ int main(void)
     TH_RUN(test_fake_contract);
     TH_RUN(test_fake_faults);
     TH_RUN(test_ucx_contract_tcp);
+    TH_RUN(test_net_devices);
+    TH_RUN(test_ucx_contract_tcp_lo);
     TH_RUN(test_ucx_contract_sm);
     TH_RUN(test_ucx_peer_gone);
     TH_RUN(test_ucx_tcp_put_outside);

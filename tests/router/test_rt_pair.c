@@ -10,8 +10,9 @@
  *                 once, only the finish (with the usage) waits for it
  *   retry         prefill ErrorEvent on p0 -> retried on p1; Prefill reply error likewise;
  *                 ERR_TIMEOUT with p1 down -> retried on p0 itself
- *   no retry      p1 not ready, p0 fails -> 503 prefill_failed (also with stream: true)
- *   transfer      decode ERR_PEER_FAILED before the first token -> retried, succeeds
+ *   no retry      p1 not ready, p0 fails -> 503 prefill_failed (also with stream: true);
+ *                 but a stage of p0 died (ERR_PEER_FAILED) -> moved, p0 takes it again
+ *   transfer      decode ERR_PEER_FAILED before the first token -> moved, succeeds
  *   cancel        client closes mid-prefill -> both fakes get Cancel
  *   busy          both decode fakes ERR_BUSY -> 503 instance_busy + Retry-After, prefill
  *                 attempts cancelled
@@ -67,7 +68,9 @@ typedef enum {
     M_HANG,               /* Ack / AllocReply, then nothing */
     M_BUSY,               /* reply ERR_BUSY */
     M_REPLY_ERR,          /* prefill: reply ERR_PEER_FAILED to Prefill */
-    M_EVENT_ERR,          /* prefill: Ack, then an ErrorEvent ERR_PEER_FAILED */
+    M_EVENT_ERR,          /* prefill: Ack, then an ErrorEvent ERR_INTERNAL */
+    M_EVENT_DIED_ONCE,    /* prefill: Ack, ErrorEvent ERR_PEER_FAILED ("stage 1 died") once,
+                             then M_OK (the chain re-formed) */
     M_EVENT_TIMEOUT_ONCE, /* prefill: Ack, ErrorEvent ERR_TIMEOUT once, then M_OK */
     M_XFER_FAIL_ONCE,     /* decode: ERR_PEER_FAILED + finish ERROR once, then M_OK */
     M_FIRST_HANG,         /* decode: the first token, then nothing (until Cancel) */
@@ -229,6 +232,12 @@ static void on_prefill_req(fake *f, td_ctrl_server_in *in)
                                        "stage 1 is down (fake)");
             return;
         case M_EVENT_ERR:
+            td_ctrl_server_reply_ack(f->s, in->req, rid);
+            td_ctrl_server_send_error(f->s, in->client_id, rid, TD__ERROR_CODE__ERR_INTERNAL,
+                                      "stage 1 failed (fake)");
+            return;
+        case M_EVENT_DIED_ONCE:
+            f->mode = M_OK;
             td_ctrl_server_reply_ack(f->s, in->req, rid);
             td_ctrl_server_send_error(f->s, in->client_id, rid, TD__ERROR_CODE__ERR_PEER_FAILED,
                                       "stage 1 died (fake)");
@@ -796,18 +805,28 @@ static void test_no_retry(void)
         TH_CHECK(strstr(g_resp, "Retry-After: 1") != NULL);
         TH_CHECKF(strstr(g_resp, "\"code\":\"prefill_failed\"") &&
                       strstr(g_resp, "no other prefill instance is available") &&
-                      strstr(g_resp, "stage 1 died (fake)"),
+                      strstr(g_resp, "stage 1 failed (fake)"),
                   "%s", g_resp);
         /* the Alloc goes out with the Prefill, but the 503 can come before d0 read it */
         TH_CHECK(count(P0, "prefill ") == 1 && wait_count(D0, "alloc ", 1, 2000) &&
                  count(D0, "alloc ") == 1);
         TH_CHECK(wait_count(D0, "cancel ", 1, 2000)); /* the reservation is freed */
     }
+    /* a stage of p0, the only prefill instance, died (ERR_PEER_FAILED): not the request's
+       fault, it moves and p0 takes it again once re-formed (issue 44: it was 503) */
+    clear_logs();
+    set_fake(P0, M_EVENT_DIED_ONCE, true);
+    int st = http("POST", "/v1/completions", REQ, g_resp, sizeof g_resp);
+    TH_CHECKF(st == 200 && strstr(g_resp, "\"completion_tokens\":4"), "status %d: %s", st,
+              g_resp);
+    /* (the first attempt's KvTarget may have gone out before its error came back) */
+    TH_CHECK(count(P0, "prefill ") == 2 && count(P0, "kvt ") >= 1);
     /* both instances fail: one retry, then the error names both failures */
+    set_fake(P0, M_EVENT_ERR, true);
     set_fake(P1, M_EVENT_ERR, true);
     TH_CHECK(wait_pf_alive(2));
     clear_logs();
-    int st = http("POST", "/v1/completions", REQ, g_resp, sizeof g_resp);
+    st = http("POST", "/v1/completions", REQ, g_resp, sizeof g_resp);
     TH_CHECKF(st == 503 && strstr(g_resp, "failed twice"), "status %d: %s", st, g_resp);
     TH_CHECK(count(P0, "prefill ") + count(P1, "prefill ") == 2);
     set_fake(P0, M_OK, true);
@@ -821,10 +840,11 @@ static void test_transfer(void)
     int st = http("POST", "/v1/completions", REQ, g_resp, sizeof g_resp);
     TH_CHECKF(st == 200 && strstr(g_resp, "\"completion_tokens\":4"), "status %d: %s", st, g_resp);
     TH_CHECKF(count(D0, "alloc ") == 2, "%d allocs", count(D0, "alloc "));
-    /* not a timeout: the retry avoids the prefill instance of the failed transfer */
-    TH_CHECK(count(P0, "kvt ") == 1 && count(P1, "kvt ") == 1);
+    /* a rank (or a writer) died: the request moves, a new attempt on any instance */
+    TH_CHECK(count(P0, "kvt ") + count(P1, "kvt ") == 2);
     http("GET", "/metrics", NULL, g_resp, sizeof g_resp);
     TH_CHECK(strstr(g_resp, "tandem_router_prefill_failures_total{reason=\"transfer\"} 1\n"));
+    TH_CHECK(strstr(g_resp, "tandem_router_migrations_total 2\n")); /* test_no_retry's too */
 }
 
 static void test_cancel(void)

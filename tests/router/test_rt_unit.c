@@ -323,7 +323,8 @@ static void test_inst_counters(void)
                                 {7, 1, 4, 100000},   /* went back */
                                 {9, 5, 20, 900000}}; /* new boot, grew */
     for (int k = 0; k < 4; k++) {
-        rt_inst_gauge g = {.preemptions = seen[k][1], .boot_id = seen[k][0], .alive = true};
+        rt_inst_gauge g = {
+            .preemptions = seen[k][1], .boot_id = seen[k][0], .alive = true, .name = "d0"};
         g.steps[td_step_hist_bucket(0.04)] = seen[k][2];
         g.steps[TD_STEP_HIST_N + 1] = seen[k][3];
         rt_metrics_publish_inst(&m, 0, &g);
@@ -340,6 +341,17 @@ static void test_inst_counters(void)
                           "le=\"0.03\"} ") == 0);
     TH_CHECK(series(text, "tandem_decode_step_seconds_bucket{model_name=\"x\",instance=\"d0\","
                           "le=\"0.05\"} ") == 36);
+    free(text);
+    /* the slot goes to another instance (router.membership: d0 forgotten, d9 joined): its
+       counts start from 0, and d0's series are gone */
+    rt_inst_gauge g9 = {.preemptions = 1, .boot_id = 11, .alive = true, .name = "d9"};
+    rt_metrics_publish_inst(&m, 0, &g9);
+    text = rt_metrics_render(&m, cfg);
+    TH_REQUIRE(text);
+    TH_CHECK(series(text, "vllm:num_preemptions_total{model_name=\"x\",instance=\"d9\"} ") == 1);
+    TH_CHECK(series(text, "tandem_decode_step_seconds_count{model_name=\"x\",instance=\"d9\"} ") ==
+             0);
+    TH_CHECK(!strstr(text, "instance=\"d0\""));
     free(text);
     rt_metrics_fini(&m);
     td_cfg_free(cfg);
@@ -474,9 +486,9 @@ static void test_compute_series(void)
     h.compute_paths = "Q8_0: a \"quoted\" \\ path\nnext \xc3\xa9";
     TH_CHECK(rt_reg_seen(&p0, &h, 1) && p0.compute.blas_older);
     /* the loop's snapshot (rt_loop.c, publish_metrics); d1 never reported */
-    rt_inst_gauge g = {.alive = true, .compute = d0.compute};
+    rt_inst_gauge g = {.alive = true, .compute = d0.compute, .name = "d0"};
     rt_metrics_publish_inst(&m, 0, &g);
-    m.pf[0] = (rt_pf_gauge){.alive = true, .compute = p0.compute};
+    m.pf[0] = (rt_pf_gauge){.alive = true, .compute = p0.compute, .name = "p0"};
     char *text = rt_metrics_render(&m, cfg);
     TH_REQUIRE(text);
     TH_CHECK(series(text, "tandem_instance_compute_info{instance=\"d0\",role=\"decode\","
@@ -703,13 +715,42 @@ static void test_pair(void)
     }
     TH_CHECK(g_r.metrics.pf_requests == 2 && g_r.metrics.chunk.n == 2);
 
+    /* a stage of the prefill instance died (ERR_PEER_FAILED): not the request's fault, it
+       moves (waiting router.migrate_wait_ms for an instance), its retry not spent */
+    rt_req *q = pair_req();
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    ack(0, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    prefill_error(0, q->loop.rid, TD__ERROR_CODE__ERR_PEER_FAILED);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && rt_fair_peek(&g_r.fair) == q && !q->pair.pf_retried &&
+             q->pair.pf_avoid == -1 && q->loop.migrations == 1 && all_released());
+    TH_CHECK(g_r.metrics.pf_failures[RT_PF_ERROR] == 1 && g_r.metrics.pf_retries == 0);
+    pair_unqueue(q);
+    rt_loop_retire(&g_r, q);
+    rt_req_release(q);
+
+    /* its KvTarget refused as unknown (the chain broke and stage 0 failed the request: that
+       ErrorEvent may come after the reply): the same move */
+    q = pair_req();
+    TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+    ack(0, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    TH_REQUIRE(q->pair.kvt_sent && q->pair.pf_call);
+    error_reply(0, q->pair.pf_call, TD__ERROR_CODE__ERR_NOT_FOUND);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && !q->pair.pf_retried && q->loop.migrations == 1 &&
+             all_released());
+    TH_CHECK(g_r.metrics.pf_failures[RT_PF_ERROR] == 2 && g_r.metrics.pf_retries == 0);
+    pair_unqueue(q);
+    rt_loop_retire(&g_r, q);
+    rt_req_release(q);
+
     /* a prefill failure: retried once avoiding the instance, with a fresh id; the second
        failure ends the request */
-    rt_req *q = pair_req();
+    q = pair_req();
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
     uint64_t rid1 = q->loop.rid;
     ack(0, q->pair.pf_call);
-    prefill_error(0, q->loop.rid, TD__ERROR_CODE__ERR_PEER_FAILED);
+    prefill_error(0, q->loop.rid, TD__ERROR_CODE__ERR_INTERNAL);
     TH_CHECK(q->loop.state == RT_ST_QUEUED && rt_fair_peek(&g_r.fair) == q && q->pair.pf_retried &&
              q->pair.pf_avoid == 0);
     TH_CHECK(!q->pair.pf_same_ok && all_released());
@@ -751,13 +792,13 @@ static void test_pair(void)
     TH_CHECK(g_r.reg.pf[0].n_orphans == 0);
     pair_unqueue(q);
 
-    /* a decode transfer error before the first token: retried */
+    /* a decode transfer timeout before the first token: retried */
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
     ack(0, q->pair.pf_call);
     alloc_reply(q->loop.call_id, q->loop.rid);
     Td__ErrorEvent xe = TD__ERROR_EVENT__INIT;
     xe.request_id = q->loop.rid;
-    xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
+    xe.code = TD__ERROR_CODE__ERR_TIMEOUT;
     xe.message = "transfer failed";
     act(rt_pair_on_decode_error(&g_r, q, &xe), 0);
     TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.pf_retried && all_released());
@@ -775,17 +816,44 @@ static void test_pair(void)
     TH_CHECK(all_released() && g_r.table.count == 0);
     rt_req_release(q);
 
-    /* the prefill instance dies mid-prefill: the request moves (to any instance alive, or
-       the first one back within router.migrate_wait_ms), its retry not spent */
+    /* a decode rank (or a prefill stage, as the decode side sees it) died mid-transfer: the
+       request moves, its retry not spent */
     q = pair_req();
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
-    g_r.reg.pf[0].alive = g_r.reg.pf[0].ready = false;
-    act(rt_pair_prefill_lost(&g_r, q, 0, false), 5); /* as the loop does for each request */
-    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.pf_avoid == -1 && !q->pair.pf_retried &&
-             q->loop.migrations == 1 && q->loop.lost_ms == 5 && all_released());
-    TH_CHECK(g_r.metrics.pf_failures[RT_PF_DEAD] == 1);
-    TH_CHECK(g_r.reg.pf[0].n_orphans == 1); /* its Prefill was not answered yet */
+    ack(0, q->pair.pf_call);
+    alloc_reply(q->loop.call_id, q->loop.rid);
+    xe.request_id = q->loop.rid;
+    xe.code = TD__ERROR_CODE__ERR_PEER_FAILED;
+    act(rt_pair_on_decode_error(&g_r, q, &xe), 7);
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && !q->pair.pf_retried && q->pair.pf_avoid == -1 &&
+             q->loop.migrations == 1 && q->loop.lost_ms == 7 && all_released());
+    TH_CHECK(g_r.metrics.pf_failures[RT_PF_TRANSFER] == 2);
     pair_unqueue(q);
+    rt_loop_retire(&g_r, q);
+    rt_req_release(q);
+
+    /* the prefill instance dies mid-prefill: the request moves (to any instance alive, or
+       the first one back within router.migrate_wait_ms), its retry not spent; a Prefill not
+       yet acknowledged went to the process that died: that is no move of the request's
+       (max_migrations), and one acknowledged is */
+    for (int acked = 0; acked < 2; acked++) {
+        q = pair_req();
+        TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 0) == 0);
+        if (acked) ack(0, q->pair.pf_call);
+        g_r.reg.pf[0].alive = g_r.reg.pf[0].ready = false;
+        act(rt_pair_prefill_lost(&g_r, q, 0, false), 5); /* as the loop does for each request */
+        TH_CHECK(q->loop.state == RT_ST_QUEUED && q->pair.pf_avoid == -1 && !q->pair.pf_retried &&
+                 q->loop.migrations == acked && q->loop.lost_ms == 5 && all_released());
+        TH_CHECK(g_r.metrics.pf_failures[RT_PF_DEAD] == 1 + (uint64_t)acked);
+        TH_CHECK(g_r.reg.pf[0].n_orphans == 1 - acked); /* a Prefill not answered yet */
+        pair_unqueue(q);
+        if (!acked) {
+            rt_loop_retire(&g_r, q);
+            rt_req_release(q);
+            g_r.reg.pf[0].n_orphans = 0;
+            g_r.reg.pf[0].alive = g_r.reg.pf[0].ready = true;
+        }
+    }
     rt_loop_retire(&g_r, q);
     rt_req_release(q);
     pair_teardown();
@@ -834,16 +902,17 @@ static void test_migrate(void)
     pair_unqueue(q);
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 1, 1100) == 0);
     TH_CHECK(q->loop.rid != rid0 && g_r.reg.pf[1].inflight_tokens == 5);
-    /* before its first token a transfer failure is the attempt's (retried), not a move */
+    /* before its first token a rank's death is a move too (the wait from the first loss) */
     ack(1, q->pair.pf_call);
     alloc_reply(q->loop.call_id, q->loop.rid);
     xe.request_id = q->loop.rid;
     act(rt_pair_on_decode_error(&g_r, q, &xe), 1200);
-    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 1 && q->pair.pf_retried &&
-             all_released());
+    TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 2 && !q->pair.pf_retried &&
+             q->loop.lost_ms == 1000 && all_released());
     pair_unqueue(q);
 
-    /* the restarted prefill instance: its prompts start again (a move, waiting allowed) */
+    /* the restarted prefill instance: its prompts start again (waiting allowed); this one's
+       Prefill was not acknowledged: not counted as a move */
     TH_REQUIRE(rt_pair_start(&g_r, q, 0, 0, 1300) == 0);
     act(rt_pair_prefill_lost(&g_r, q, 0, true), 1300);
     TH_CHECK(q->loop.state == RT_ST_QUEUED && q->loop.migrations == 2 && !q->pair.pf_retried &&

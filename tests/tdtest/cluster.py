@@ -21,6 +21,8 @@ def _scalar(v):
         return "true" if v else "false"
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_scalar(x) for x in v) + "]"
+    if isinstance(v, dict):  # a nested mapping (router.membership): flow style
+        return "{" + ", ".join(f"{k}: {_scalar(x)}" for k, x in v.items()) + "}"
     v = str(v)
     return json.dumps(v) if v == "" else v
 
