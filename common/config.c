@@ -431,6 +431,7 @@ static const field membership_fields[M_N] = FIELD_TABLE(MEMBERSHIP_FIELDS);
     F(P_QUEUE, "max_queue", F_INT, max_queue, 1, 1 << 20)                                          \
     F(P_PROFILE, "profile_budget_ms", F_INT, profile_budget_ms, 0, 3600000)                        \
     F(P_PCACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                        \
+    F(P_DRAIN, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000)                            \
     F(P_PCACHE_MB, "prefix_cache_mb", F_INT, prefix_cache_mb, 1, 1 << 20)                          \
     L(P_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)
 enum { PREFILL_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) P_N };

@@ -122,6 +122,9 @@ typedef struct {
     int kv_tokens;         /* 32768: KV capacity of each stage (prompt tokens in flight) */
     int max_queue;         /* 64: prefill requests waiting at stage 0 before ERR_BUSY */
     int profile_budget_ms; /* 20000: bound on stage 0's start-up profile (0: no profile) */
+    int drain_timeout_ms;  /* 0: SIGTERM fails the prompts in flight (the router starts them
+                              again elsewhere); > 0: they may finish first, for up to this long,
+                              no new ones taken (docs/config.md) */
     bool prefix_cache;     /* true: each stage keeps the KV of recent prompts' whole blocks */
     int prefix_cache_mb;   /* 256: its budget per stage (MiB, on top of kv_tokens) */
     int *devices;          /* (pp) GPU index of each stage, or NULL: stage % visible GPUs */

@@ -67,7 +67,10 @@ typedef struct {
 typedef struct {
     pf_stage *st;
     td_ctrl_server *srv;
-    td_join *join; /* announcements to the router (router.membership), or NULL */
+    td_join *join;          /* announcements to the router (router.membership), or NULL */
+    bool leaving;           /* SIGTERM with prefill[].drain_timeout_ms: no new prompts, those
+                               in flight finish (Health.draining) */
+    int64_t leave_until_ms; /* leaving: when the prompts left fail */
     pf_job *jobs; /* FIFO: emitted first, then queued */
     int n_jobs;
     pf_tune tune; /* the cost model, refitted from every chunk stage 0 computes (pf_tune.h) */
@@ -494,6 +497,11 @@ static void handle_prefill(pf_leader *ld, const td_ctrl_server_in *in)
                                        TD__ERROR_CODE__ERR_DUPLICATE, "request id in use");
         return;
     }
+    if (ld->leaving) {
+        td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_SHUTDOWN,
+                                   "prefill instance %s is leaving", ld->st->p->instance);
+        return;
+    }
     if (!ld->running) {
         td_ctrl_server_reply_error(ld->srv, in->req, p->request_id, TD__ERROR_CODE__ERR_BUSY,
                                    "prefill instance %s: stages not all joined",
@@ -790,6 +798,7 @@ static void publish_health(pf_leader *ld)
     pf_health_compute(&ld->compute, &h);
     h.uptime_ms = (uint64_t)(td_now_ms() - ld->started_ms);
     h.ready = ld->running;
+    h.draining = ld->leaving;
     uint64_t hits[PF_MAX_STAGES], evicted[PF_MAX_STAGES];
     if (ld->st->kvc) { /* stage 0's own figures now, the others' from their last reports */
         memcpy(hits, ld->cache_hits, sizeof hits);
@@ -819,6 +828,27 @@ static void start_join(pf_leader *ld, const char *bound)
                          .period_ms = m->lease_ms / 4 > 0 ? m->lease_ms / 4 : 1,
                          .security = &p->cfg->security};
     if (*m->address) td_join_start(&jp, &ld->join); /* a failure is logged: it serves */
+}
+
+/* After SIGTERM: whether the serving loop ends now. With prefill[].drain_timeout_ms the
+ * instance first leaves (Health.draining, the router told at once, new prompts refused with
+ * ERR_SHUTDOWN: the router sends them elsewhere) while the prompts in flight finish, for up to
+ * that long; what is left then fails (the router starts those again elsewhere). */
+static bool stop_now(pf_leader *ld)
+{
+    if (!*ld->st->p->stop) return false;
+    bool idle = !ld->jobs && !ld->st->reqs;
+    if (ld->leaving) return idle || td_now_ms() >= ld->leave_until_ms;
+    int drain = ld->st->cfg->drain_timeout_ms;
+    if (drain <= 0 || idle || !ld->running) return true;
+    ld->leaving = true;
+    ld->leave_until_ms = td_now_ms() + drain;
+    td_join_leave(ld->join);
+    publish_health(ld);
+    TD_LOG_INFO("prefill %s: leaving: %d prompts may finish within %d ms "
+                "(prefill[].drain_timeout_ms); no new ones",
+                ld->st->p->instance, ld->n_jobs, drain);
+    return false;
 }
 
 static int lead(pf_leader *ld)
@@ -852,7 +882,7 @@ static int lead(pf_leader *ld)
     reset_formation(ld, "start-up");
     if (ld->running) TD_LOG_INFO("prefill %s: ready", ld->st->p->instance);
     int64_t last_health = 0;
-    while (!*ld->st->p->stop) {
+    while (!stop_now(ld)) {
         if ((rc = serve_inbox(ld, 0))) break;
         check_members(ld);
         take_chain_reports(ld); /* the other stages' */

@@ -564,6 +564,12 @@ rt_pair_out rt_pair_on_reply(rt_router *r, int j, const td_ctrl_client_in *in, i
         rt_metrics_pair(&r->metrics, RT_PM_BUSY_PREFILL, 0);
         return bounce(r, q, "every prefill instance is busy (its queue is full)");
     }
+    if (is_prefill && e->code == TD__ERROR_CODE__ERR_SHUTDOWN) {
+        /* a leaving prefill instance refused it: nothing new goes there (its Health says the
+           same), the request goes elsewhere as from a busy one */
+        s->draining = true;
+        return bounce(r, q, "every prefill instance is leaving");
+    }
     if (is_prefill &&
         (e->code == TD__ERROR_CODE__ERR_INVALID || e->code == TD__ERROR_CODE__ERR_NO_SPACE ||
          e->code == TD__ERROR_CODE__ERR_TOO_LARGE)) {

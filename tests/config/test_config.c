@@ -95,6 +95,8 @@ static const bad_case bad_cases[] = {
     {"membership_no_listen", MIN "router:\n  membership:\n    address: r:9300\n", 6, 5,
      "router.membership: address is given but listen is not"},
     {"decode_drain", MIN "    drain_timeout_ms: -5\n", 4, 23, "-5 is out of range [0, 3600000]"},
+    {"prefill_drain", MIN "prefill:\n  - name: p0\n    drain_timeout_ms: 3600001\n", 6, 23,
+     "3600001 is out of range [0, 3600000]"},
     {"decode_not_list", "model: /m\ndecode:\n  name: d0\n", 3, 3,
      "decode: expected a list of instances, got a mapping"},
     {"decode_no_name", "model: /m\ndecode:\n  - tp: 2\n", 3, 5,

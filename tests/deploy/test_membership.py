@@ -15,9 +15,10 @@ Cases (--case, one ctest each):
            every request of the load: 200 with a complete answer; /metrics lists the live
            set only (no d2 after it was forgotten), and so do GET /instances and
            `tandem status --instances`
-  prefill  disaggregated: router + prefill p0 (pp 1) + decode d0 from the YAML; p1 (template
-           p0) joins and prefills; p0 gets SIGTERM: its prompts start again elsewhere; the
-           load ends with every request answered
+  prefill  disaggregated: router + prefill p0 (pp 1, drain_timeout_ms) + decode d0 from the
+           YAML; p1 (template p0) joins and prefills; p0 gets SIGTERM: it drains (its prompts
+           finish in place, none starts again), new prompts go to p1; the load ends with every
+           request answered
   netns    three hosts (network namespaces: the router's, two decode hosts), addresses by
            name only (/etc/netns/NS/hosts), the YAML's decode entry a template (seed false):
            decode-b joins under load and takes requests, decode-a leaves drained; 0 failed
@@ -229,7 +230,7 @@ def case_prefill(a, d, P):
     doc = base_yaml(a, d, http_port, member_port, d0)
     doc["prefill"] = [{"name": "p0", "pp": 1, "threads": 1, "hosts": ["127.0.0.1"],
                        "port": p0, "kv_tokens": 4096, "profile_budget_ms": 0,
-                       "chunk_size": 64}]
+                       "chunk_size": 64, "drain_timeout_ms": 20000}]
     doc["kvxfer"] = {"ucx_tls": "tcp,self", "timeout_ms": 20000}
     cfg = os.path.join(d, "cluster.yaml")
     write_yaml(cfg, doc)
@@ -257,6 +258,11 @@ def case_prefill(a, d, P):
         except Exception:
             code = None
         check(code == 0, f"p0 exits 0 on SIGTERM (exit {code})")
+        check("leaving:" in P.log("p0") or "stopping" not in P.log("p0"),
+              "p0 drained (prefill[].drain_timeout_ms): its prompts finished in place")
+        bad = [ln for ln in read(rlog).splitlines()
+               if "prefill instance p0" in ln and ("failed before" in ln or "lost before" in ln)]
+        check(not bad, f"no prompt of p0 had to start again ({bad[:2]})")
         t_p1 = served_by(read(rlog), "p1")
         check(wait_for(lambda: served_by(read(rlog), "p1") > t_p1 + 4, 60),
               "the load goes on through p1")
