@@ -41,8 +41,8 @@ typedef struct {
 } mf_ctx;
 
 /* terminationGracePeriodSeconds: --grace, else the pod's drain time on SIGTERM (the
- * router's drain_timeout_ms, a decode instance's own; a prefill instance ends its prompts at
- * once) + 15 s to hand back what is left and exit. */
+ * router's drain_timeout_ms, a decode or prefill instance's own) + 15 s to hand back what is
+ * left and exit. */
 static int grace_of(const mf_ctx *x, int drain_ms)
 {
     return x->o->grace_s ? x->o->grace_s : (drain_ms + 999) / 1000 + 15;
@@ -300,7 +300,7 @@ static int prefill(mf_ctx *x, const td_cfg_prefill *pc, const char *inst)
     cli_k8s_put_num(d, ru, "maxUnavailable", 0);
     int sel = cli_k8s_put_map(d, spec, "selector");
     selector(x, d, cli_k8s_put_map(d, sel, "matchLabels"), "prefill", inst);
-    int pspec = pod_template(x, d, spec, "prefill", inst, false, grace_of(x, 0));
+    int pspec = pod_template(x, d, spec, "prefill", inst, false, grace_of(x, pc->drain_timeout_ms));
     cli_k8s_put_bool(d, pspec, "shareProcessNamespace", true);
     cli_k8s_pod p = {.o = x->o, .c = x->c, .m = x->m, .shm = true, .shm_bytes = 0};
     cli_k8s_init_fetch(d, pspec, &p);

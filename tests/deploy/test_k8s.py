@@ -293,7 +293,6 @@ def check_cluster(a, tmp, path, base, extra=(), shape=None, local=None):
     drain = cfg["router"].get("drain_timeout_ms", 30000)
     grace = (drain + 999) // 1000 + 15
     check_router(objs, base, cfg, grace, what)
-    grace = 15  # prefill: its prompts end at once on SIGTERM
     # the ConfigMap's YAML: td_cfg_load takes it (render loads it), and the rewrite is a
     # fixed point: rendered again, the text is the same
     again = os.path.join(tmp, f"again-{base}.yaml")
@@ -329,6 +328,7 @@ def check_cluster(a, tmp, path, base, extra=(), shape=None, local=None):
     for i, p in enumerate(cfg.get("prefill", []) or []):
         pp = dict(p)
         pp.setdefault("port", 9100 + i)
+        grace = (pp.get("drain_timeout_ms", 0) + 999) // 1000 + 15  # its drain + 15 s
         check_prefill(objs, base, pp, grace, what, shape, kv_dtype, gpu)
     return docs, r.stderr
 
