@@ -3,6 +3,7 @@
  *   tandem bench --url URL --concurrency C --requests N --prompt-tokens P --max-tokens M
  *                [--stream] [--json] [--model NAME] [--temperature T] [--timeout-ms MS]
  *                [--prompt-seed S] [--ignore-eos] [--cacert FILE] [--cert FILE --key FILE]
+ *                [--api-key KEY]
  *
  * URL is http:// or https:// (a TLS router: the server checked against --cacert, else
  * $CURL_CA_BUNDLE, else the system's CAs; --cert/--key for a router with tls_client_ca).
@@ -61,6 +62,7 @@ typedef struct {
     char path[512];                  /* POST target */
     bool tls;                        /* https:// URL */
     const char *cacert, *cert, *key; /* --cacert, --cert, --key (https), or NULL */
+    const char *api_key;             /* --api-key, else $OPENAI_API_KEY, or NULL */
     const char *model;
     int concurrency, requests, prompt_tokens, max_tokens, timeout_ms;
     double temperature;
@@ -237,6 +239,7 @@ static void run_one(bench *b, cli_http *h, int idx)
                        .cacert = b->cacert,
                        .cert = b->cert,
                        .key = b->key,
+                       .bearer = b->api_key,
                        .on_body = b->stream ? on_stream_body : on_plain_body,
                        .ctx = &c,
                        .err = why,
@@ -333,6 +336,7 @@ static char *first_model(const bench *b)
                        .cacert = b->cacert,
                        .cert = b->cert,
                        .key = b->key,
+                       .bearer = b->api_key,
                        .on_body = on_plain_body,
                        .ctx = &c};
     int status;
@@ -357,9 +361,12 @@ static void usage_bench(void)
             "                    [--max-tokens M] [--stream] [--json] [--model NAME]\n"
             "                    [--temperature T] [--timeout-ms MS] [--prompt-seed S]\n"
             "                    [--ignore-eos] [--cacert FILE] [--cert FILE --key FILE]\n"
+            "                    [--api-key KEY]\n"
             "  URL: http://HOST:PORT or https://HOST:PORT of the router (POST /v1/completions)\n"
             "  https: the server is verified against --cacert FILE (PEM), else $CURL_CA_BUNDLE,\n"
             "  else the system's CAs; --cert/--key: a client certificate (router.tls_client_ca)\n"
+            "  --api-key: sent as Authorization: Bearer KEY (router.api_key), else\n"
+            "  $OPENAI_API_KEY when set\n"
             "  defaults: C 1, N 16, P 32, M 32, T 0 (greedy), timeout 300000 per request,\n"
             "  S 0 (prompts depend on the request index and S only)\n");
 }
@@ -396,6 +403,8 @@ static int bench_parse_args(int argc, char **argv, bench *b, const char **url, b
             b->cert = v;
         else if (!strcmp(f, "--key"))
             b->key = v;
+        else if (!strcmp(f, "--api-key"))
+            b->api_key = v;
         else if (!strcmp(f, "--concurrency"))
             rc = cli_parse_int(f, v, 1, 4096, &b->concurrency);
         else if (!strcmp(f, "--requests"))
@@ -584,7 +593,8 @@ int cmd_bench(int argc, char **argv)
                .requests = 16,
                .prompt_tokens = 32,
                .max_tokens = 32,
-               .timeout_ms = 300000};
+               .timeout_ms = 300000,
+               .api_key = getenv("OPENAI_API_KEY")};
     const char *url = NULL;
     bool as_json = false;
     int rc = bench_parse_args(argc, argv, &b, &url, &as_json);

@@ -179,6 +179,15 @@ def case_tls(args, pki):
         check(st == 401, f"tls: no API key over https: 401 (got {st})")
         st, _ = https(port, ctx(pki), "POST", "/v1/chat/completions", CHAT, key="sk-wrong")
         check(st == 401, f"tls: a wrong API key over https: 401 (got {st})")
+        r = bench(args, port, "--cacert", pki["ca"] + ".pem", "--api-key", KEY)
+        res = json.loads(r.stdout) if r.returncode == 0 else {}
+        check(res.get("requests") == 2 and res.get("errors") == 0,
+              f"tls: tandem bench --api-key against the keyed router ({r.stdout[-200:]!r} "
+              f"{r.stderr[-200:]!r})")
+        r = bench(args, port, "--cacert", pki["ca"] + ".pem", env={"OPENAI_API_KEY": ""})
+        res = json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}
+        check(r.returncode != 0 or res.get("errors") == 2,
+              f"tls: tandem bench without the key is refused (rc {r.returncode})")
         ok, why = refused(port, ctx(pki, ca="other"))
         check(ok and "CERTIFICATE_VERIFY_FAILED" in why,
               f"tls: a client trusting another CA refuses the router ({why})")
