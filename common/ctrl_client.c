@@ -365,6 +365,7 @@ static int call_msg(td_ctrl_client *c, nng_msg *m, int timeout_ms, uint64_t *cal
 int td_ctrl_client_call(td_ctrl_client *c, const Td__Envelope *req, int timeout_ms,
                         uint64_t *call_id)
 {
+    if (!c) return TD_EINVAL; /* e.g. a router's instance whose new address failed to dial */
     if (timeout_ms <= 0) timeout_ms = DEFAULT_TIMEOUT;
     Td__Envelope e = *req;
     e.version = TD_CTRL_VERSION;

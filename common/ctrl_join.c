@@ -5,13 +5,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ctrl.h"
 #include "ctrl_join.h"
 #include "td_clock.h"
 #include "td_err.h"
 
-#define JOIN_TICK_MS 100 /* how often the thread looks at the stop and leave flags */
+#define JOIN_TICK_MS       100 /* how often the thread looks at the stop and leave flags */
+#define JOIN_LEAVE_WAIT_MS 500 /* td_join_stop: the most it waits for the leaving Join's answer */
 
 struct td_join {
     td_join_params p;
@@ -19,8 +21,10 @@ struct td_join {
     td_ctrl_client *c;
     pthread_t thread;
     atomic_bool stop, leave;
-    uint64_t call;  /* the outstanding Join, 0 none */
-    char last[320]; /* the last outcome logged ("ok" or the refusal) */
+    atomic_bool left;  /* the router answered a Join that said leaving */
+    uint64_t call;     /* the outstanding Join, 0 none */
+    bool call_leaving; /* the outstanding Join said leaving */
+    char last[320];    /* the last outcome logged ("ok" or the refusal) */
 };
 
 /* HOST:PORT -> tcp://HOST:PORT (brackets for an IPv6 literal, as the config writes them) */
@@ -76,6 +80,7 @@ static void send_join(td_join *j)
     Td__Envelope env = TD__ENVELOPE__INIT;
     env.body_case = TD__ENVELOPE__BODY_JOIN;
     env.join = &m;
+    j->call_leaving = m.leaving;
     if (td_ctrl_client_call(j->c, &env, j->p.period_ms, &j->call)) j->call = 0;
 }
 
@@ -115,6 +120,7 @@ static void *join_main(void *arg)
         if (td_ctrl_client_recv(j->c, &in, JOIN_TICK_MS)) continue;
         if (in.kind == TD_CTRL_IN_REPLY && in.call_id == j->call) {
             j->call = 0;
+            if (!in.err && j->call_leaving) atomic_store(&j->left, true);
             on_reply(j, &in);
         }
     }
@@ -179,6 +185,13 @@ void td_join_leave(td_join *j)
 void td_join_stop(td_join *j)
 {
     if (!j) return;
+    /* a node that said it leaves: give that Join a moment to reach the router (it then
+       forgets a joined instance at once instead of after its lease) */
+    int64_t until = td_now_ms() + JOIN_LEAVE_WAIT_MS;
+    while (atomic_load(&j->leave) && !atomic_load(&j->left) && td_now_ms() < until) {
+        struct timespec ts = {.tv_nsec = 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
     atomic_store(&j->stop, true);
     pthread_join(j->thread, NULL);
     join_free(j);

@@ -40,7 +40,8 @@ typedef struct td_join td_join;
 int td_join_start(const td_join_params *p, td_join **out);
 /* From now on the announcements say leaving (the next goes out at once). */
 void td_join_leave(td_join *j);
-/* Stop announcing, join the thread, free. NULL is fine. */
+/* Stop announcing, join the thread, free. After td_join_leave it first waits (up to 0.5 s)
+ * for the router's answer to the leaving Join. NULL is fine. */
 void td_join_stop(td_join *j);
 
 #endif

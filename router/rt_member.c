@@ -175,11 +175,14 @@ static int on_join(rt_router *r, const Td__Join *j, int64_t now, char *err, size
         TD_LOG_WARN("router: %s instance %s moved from %s to %s: its requests move on",
                     pf ? "prefill" : "decode", s->name, s->url, j->url);
         rt_loop_inst_lost(r, pf, k, why, now);
-        int rc = rt_reg_readdress(s, j->url);
-        if (rc) {
-            snprintf(err, cap, "cannot dial %s: %s", j->url, td_strerror(rc));
-            return rc;
-        }
+    } else if (s->c) {
+        return 0;
+    }
+    /* a new address, or one that could not be dialled before (no client: nothing held) */
+    int rc = rt_reg_readdress(s, j->url);
+    if (rc) {
+        snprintf(err, cap, "cannot dial %s: %s", j->url, td_strerror(rc));
+        return rc;
     }
     return 0;
 }
@@ -199,7 +202,7 @@ static void expire(rt_router *r, int64_t now)
             if (!(silent || (s->draining && s->ever_seen)) || referenced(r, pf, k)) continue;
             TD_LOG_INFO("router: %s instance %s (%s) forgotten: %s", pf ? "prefill" : "decode",
                         s->name, s->url,
-                        silent ? "dead and no announcement within the lease" : "it left");
+                        s->draining ? "it left" : "dead and no announcement within the lease");
             rt_reg_vacate(s);
         }
     }

@@ -102,13 +102,15 @@ int rt_reg_put(rt_registry *g, bool pf, int k, const char *name, const char *url
     rt_inst *arr = pf ? g->pf : g->inst;
     int *n = pf ? &g->n_pf : &g->n, cap = pf ? g->cap_pf : g->cap;
     if (k < 0 || k > *n || k >= cap || (k < *n && !arr[k].vacant)) return TD_EINVAL;
+    if (strlen(url) >= sizeof arr[k].url || strlen(name) >= sizeof arr[k].name_buf)
+        return TD_ERANGE; /* before the slot is touched: a vacant one stays vacant */
     rt_inst *s = &arr[k];
     inst_fini(s);                             /* a vacant slot's leftovers (its index, its input) */
     const td_cfg_security *sec = s->security; /* set for every slot by rt_reg_init */
     *s = (rt_inst){.joined = true, .security = sec};
     snprintf(s->name_buf, sizeof s->name_buf, "%s", name);
     s->name = s->name_buf;
-    if (snprintf(s->url, sizeof s->url, "%s", url) >= (int)sizeof s->url) return TD_ERANGE;
+    snprintf(s->url, sizeof s->url, "%s", url);
     if (pf) {
         s->join_pcfg = *pc;
         s->join_pcfg.name = s->name_buf;
@@ -268,6 +270,9 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
     s->last_seen_ms = now;
     if (h) {
         s->ready = h->ready;
+        if (h->draining && !s->draining)
+            TD_LOG_INFO("router: %s instance %s is leaving: no new requests go to it",
+                        s->pcfg ? "prefill" : "decode", s->name);
         s->draining = h->draining;
         if (s->pcfg && h->role != TD__ROLE__ROLE_PREFILL) {
             /* a decode leader on a prefill port would take Prefill for Submit: never use it */
@@ -334,7 +339,9 @@ rt_inst_gauge rt_reg_gauge(const rt_inst *s)
 
 static void heartbeat(rt_inst *s, const td_cfg_router *rc, int timeout, int64_t now)
 {
-    if (s->vacant || s->hb_call || now - s->last_hb_ms < rc->heartbeat_ms) return;
+    /* no client: a vacant slot, or a new address NNG could not dial (its next Join tries
+       again) */
+    if (!s->c || s->hb_call || now - s->last_hb_ms < rc->heartbeat_ms) return;
     s->last_hb_ms = now;
     if (td_ctrl_client_health(s->c, timeout, &s->hb_call)) s->hb_call = 0;
 }

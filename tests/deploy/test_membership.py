@@ -216,6 +216,19 @@ def case_decode(a, d, P):
         t_d1 = served_by(read(rlog), "d1")
         check(wait_for(lambda: served_by(read(rlog), "d1") > t_d1, 60),
               "d1 serves at its new address")
+
+        # a member that leaves is forgotten at once (its leaving Join); an address the router
+        # cannot keep (longer than its 160 bytes) is refused with the reason
+        P.kill("d3", signal.SIGTERM)
+        check(wait_text(rlog, "decode instance d3 (tcp://127.0.0.1:%d) forgotten: it left" % d3,
+                        30), "d3 leaves and is forgotten at once (it said so)")
+        argv = decode_argv(a, cfg, "dlong", d2)
+        argv[argv.index("--advertise") + 1] = "h" * 170
+        P.spawn("dlong", argv)
+        check(wait_text(P.log_path("dlong"), "refused: cannot add it", 60),
+              "an instance whose address is too long is refused, and says why")
+        P.kill("dlong", signal.SIGTERM)
+        check(P["router"].poll() is None, "the router is still there")
     finally:
         load.stop()
     load.check("the load through joins, a drain, a kill and a move")
