@@ -8,9 +8,12 @@
 #include "rt_member.h"
 #include "td_err.h"
 
+#define REFUSAL_LOG_MS 1000 /* at most one "Join refused" line this often */
+
 struct rt_member {
     td_ctrl_server *srv;
     td_ctrl_server_in in;
+    int64_t last_refusal_log_ms; /* when a refused Join was last logged */
 };
 
 /* "HOST:PORT" or "[V6]:PORT" (checked by the config) -> tcp://... */
@@ -222,7 +225,12 @@ void rt_member_poll(rt_router *r, rt_member *m, int64_t now)
         }
         char err[300] = "";
         if (on_join(r, env->join, now, err, sizeof err)) {
-            TD_LOG_WARN("router: membership: Join of %.80s refused: %s", env->join->name, err);
+            /* a refused node announces itself again every lease / 4: one line a second at
+               most, whatever the number of such nodes (each logs its own refusal once) */
+            if (now - m->last_refusal_log_ms >= REFUSAL_LOG_MS) {
+                TD_LOG_WARN("router: membership: Join of %.80s refused: %s", env->join->name, err);
+                m->last_refusal_log_ms = now;
+            }
             td_ctrl_server_reply_error(m->srv, m->in.req, 0, TD__ERROR_CODE__ERR_INVALID, "%s",
                                        err);
         } else {
