@@ -114,6 +114,9 @@ Td__Logprob **td_ctrl_logprobs_to_pb(const td_logprob_entry *e, size_t n);
 /* One entry from the wire (a checked message: at most TD_MAX_TOP_LOGPROBS alternatives). */
 void td_ctrl_logprob_from_pb(const Td__Logprob *pb, td_logprob_entry *e);
 const char *td_ctrl_body_name(Td__Envelope__BodyCase body);
+/* "HOST:PORT" or "[V6]:PORT" (a YAML address: router.membership's) -> "tcp://HOST:PORT"
+ * (brackets for an IPv6 literal). TD_EINVAL without a port, TD_ERANGE if it does not fit. */
+int td_ctrl_hostport_url(const char *hostport, char *url, size_t cap);
 
 /* ---- server (decode rank 0, prefill stage 0) ------------------------------------------ */
 

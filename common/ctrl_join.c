@@ -27,26 +27,6 @@ struct td_join {
     char last[320];    /* the last outcome logged ("ok" or the refusal) */
 };
 
-/* HOST:PORT -> tcp://HOST:PORT (brackets for an IPv6 literal, as the config writes them) */
-static int router_url(const char *hp, char *url, size_t cap)
-{
-    const char *colon = strrchr(hp, ':');
-    if (!colon || colon == hp) return TD_EINVAL;
-    char host[256];
-    size_t hl = (size_t)(colon - hp);
-    if (hl >= 2 && hp[0] == '[' && hp[hl - 1] == ']') {
-        hp++;
-        hl -= 2;
-    }
-    if (hl >= sizeof host) return TD_ERANGE;
-    memcpy(host, hp, hl);
-    host[hl] = '\0';
-    bool v6 = strchr(host, ':') != NULL;
-    int n =
-        snprintf(url, cap, "tcp://%s%s%s:%d", v6 ? "[" : "", host, v6 ? "]" : "", atoi(colon + 1));
-    return n > 0 && (size_t)n < cap ? 0 : TD_ERANGE;
-}
-
 /* The URL others reach a control socket at: bound with its host replaced by host (NULL or
  * "": kept); ipc:// as is. */
 static int join_url(const char *bound, const char *host, char *out, size_t cap)
@@ -149,7 +129,7 @@ static int join_start(const td_join_params *p, const char *self, td_join **out)
     j->template_name = strdup(p->template_name ? p->template_name : "");
     char url[300];
     int rc = !j->router || !j->name || !j->url || !j->template_name ? TD_ENOMEM : 0;
-    if (!rc) rc = router_url(p->router, url, sizeof url);
+    if (!rc) rc = td_ctrl_hostport_url(p->router, url, sizeof url);
     td_ctrl_opts o = {.reconnect_max_ms = 500, .security = p->security};
     if (!rc) rc = td_ctrl_client_create(url, &o, &j->c);
     if (!rc && pthread_create(&j->thread, NULL, join_main, j)) rc = TD_ENOMEM;

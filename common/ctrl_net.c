@@ -3,6 +3,8 @@
 
 #include <errno.h>
 #include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -236,4 +238,23 @@ bool td_ctrl_teardown_bounded(void (*fn)(void *), void *arg, const char *what)
                     what, wait_ms);
     }
     return done;
+}
+
+int td_ctrl_hostport_url(const char *hp, char *url, size_t cap)
+{
+    const char *colon = hp ? strrchr(hp, ':') : NULL;
+    if (!colon || colon == hp) return TD_EINVAL;
+    char host[256];
+    size_t hl = (size_t)(colon - hp);
+    if (hl >= 2 && hp[0] == '[' && hp[hl - 1] == ']') {
+        hp++;
+        hl -= 2;
+    }
+    if (hl >= sizeof host) return TD_ERANGE;
+    memcpy(host, hp, hl);
+    host[hl] = '\0';
+    bool v6 = strchr(host, ':') != NULL;
+    int n =
+        snprintf(url, cap, "tcp://%s%s%s:%d", v6 ? "[" : "", host, v6 ? "]" : "", atoi(colon + 1));
+    return n > 0 && (size_t)n < cap ? 0 : TD_ERANGE;
 }

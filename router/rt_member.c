@@ -16,23 +16,6 @@ struct rt_member {
     int64_t last_refusal_log_ms; /* when a refused Join was last logged */
 };
 
-/* "HOST:PORT" or "[V6]:PORT" (checked by the config) -> tcp://... */
-static int listen_url(const char *hp, char *url, size_t cap)
-{
-    const char *colon = strrchr(hp, ':');
-    if (!colon) return TD_EINVAL;
-    char host[256];
-    size_t hl = (size_t)(colon - hp);
-    if (hl >= 2 && hp[0] == '[' && hp[hl - 1] == ']') {
-        hp++;
-        hl -= 2;
-    }
-    if (hl >= sizeof host) return TD_ERANGE;
-    memcpy(host, hp, hl);
-    host[hl] = '\0';
-    return td_cfg_ctrl_url(host, atoi(colon + 1), url, cap);
-}
-
 int rt_member_start(rt_router *r, rt_member **out)
 {
     *out = NULL;
@@ -42,7 +25,7 @@ int rt_member_start(rt_router *r, rt_member **out)
     if (!m) return TD_ENOMEM;
     char url[300], bound[300] = "";
     td_ctrl_opts o = {.security = &r->cfg->security};
-    int rc = listen_url(mc->listen, url, sizeof url);
+    int rc = td_ctrl_hostport_url(mc->listen, url, sizeof url);
     if (!rc) rc = td_ctrl_server_create(&o, &m->srv);
     if (!rc) rc = td_ctrl_server_listen(m->srv, url, bound, sizeof bound);
     if (rc) {

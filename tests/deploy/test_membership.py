@@ -98,6 +98,21 @@ class Load:
               + (f" (first: {bad[0]})" if bad else ""))
 
 
+def term_wait(P, name, timeout=40):
+    """SIGTERM to one process, its exit code once it ended (None: still there at timeout)."""
+    P[name].send_signal(signal.SIGTERM)
+    try:
+        return P[name].wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def drained(P, name):
+    """A node stopped without ending any request with an error: it left (drain_timeout_ms) or
+    had nothing in flight ("... end with an error" is what a stop that fails requests logs)."""
+    return "end with an error" not in P.log(name)
+
+
 def metrics(port):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         return parse_metrics(r.read().decode())
@@ -162,13 +177,8 @@ def case_decode(a, d, P):
               "/metrics: d1 is up")
 
         n_moved = read(rlog).count("moved:")
-        P["d0"].send_signal(signal.SIGTERM)
-        check(wait_text(P.log_path("d0"), "leaving:", 10) or
-              "stopping" in P.log("d0"), "d0 drains on SIGTERM")
-        try:
-            code = P["d0"].wait(timeout=40)
-        except Exception:
-            code = None
+        code = term_wait(P, "d0")
+        check(drained(P, "d0"), "d0 drains on SIGTERM (nothing ended with an error)")
         check(code == 0, f"d0 exits 0 after its drain (exit {code})")
         check(read(rlog).count("moved:") == n_moved,
               "d0's requests finished in place (none moved)")
@@ -265,13 +275,9 @@ def case_prefill(a, d, P):
         ok = wait_for(lambda: served_by(read(rlog), "p1") > 0, 120)
         check(ok, f"p1 prefills prompts (the first answered {time.time() - t0:.1f} s after its "
                   "process started)")
-        P["p0"].send_signal(signal.SIGTERM)
-        try:
-            code = P["p0"].wait(timeout=40)
-        except Exception:
-            code = None
+        code = term_wait(P, "p0")
         check(code == 0, f"p0 exits 0 on SIGTERM (exit {code})")
-        check("leaving:" in P.log("p0") or "stopping" not in P.log("p0"),
+        check(drained(P, "p0"),
               "p0 drained (prefill[].drain_timeout_ms): its prompts finished in place")
         bad = [ln for ln in read(rlog).splitlines()
                if "prefill instance p0" in ln and ("failed before" in ln or "lost before" in ln)]
@@ -369,12 +375,9 @@ def case_netns(a, d, P):
                   "decode-b joins from another host")
             ok = wait_for(lambda: served_by(read(rlog), "decode-b") > 0, 60)
             check(ok, f"decode-b takes requests ({time.time() - t0:.1f} s after its start)")
-            P["decode-a"].send_signal(signal.SIGTERM)
-            try:
-                code = P["decode-a"].wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                code = None
-            check(code == 0, f"decode-a leaves on SIGTERM, drained (exit {code})")
+            code = term_wait(P, "decode-a")
+            check(code == 0 and drained(P, "decode-a"),
+                  f"decode-a leaves on SIGTERM, drained (exit {code})")
             t_b = served_by(read(rlog), "decode-b")
             check(wait_for(lambda: served_by(read(rlog), "decode-b") > t_b + 4, 60),
                   "the load goes on on decode-b")
