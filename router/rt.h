@@ -22,7 +22,10 @@
  *   rt_cache.{h,c}             per-instance prefix index (block ids), SGLang's choice
  *   rt_fair.{h,c}              the router queue: one FIFO per client, served round robin
  *   rt_table.{h,c}             request table (router request id -> request)
- *   rt_metrics.{h,c}           Prometheus counters, gauges and histograms
+ *   rt_metrics.{h,c}           Prometheus counters, gauges and histograms (rt_metrics_inst.c:
+ *                              the instances; _vllm.c: vLLM/SGLang names; _cache.c:
+ *                              cache-aware routing)
+ *   rt_metrics_text.{h,c}      the Prometheus text writer: one family at a time
  *   rt_req.{h,c}               the request object: lifetime, wake, its Submit
  *   rt_openai.{h,c}            request JSON parsing/validation, /v1/models
  *   rt_buf.{h,c}               byte buffer, OpenAI error objects

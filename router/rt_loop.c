@@ -565,30 +565,28 @@ static void publish_metrics(rt_router *r)
     rt_metrics *m = &r->metrics;
     pthread_mutex_lock(&m->mu);
     for (int i = 0; i < r->reg.n && i < m->n_inst; i++) {
-        const rt_inst *s = &r->reg.inst[i];
-        rt_inst_gauge g = rt_reg_gauge(s);
+        rt_inst_gauge g = rt_reg_gauge(&r->reg.inst[i]);
         rt_metrics_publish_inst(m, i, &g);
-        m->cache_dec[i] = s->cst;
     }
     for (int j = 0; j < r->reg.n_pf && j < m->n_pf; j++) {
         const rt_inst *s = &r->reg.pf[j];
-        m->pf[j] = (rt_pf_gauge){.queued_tokens = s->queued_tokens,
-                                 .running = s->running,
-                                 .waiting = s->waiting,
-                                 .active = s->active,
-                                 .alive = s->alive,
-                                 .compute = s->compute};
+        rt_pf_gauge g = {.queued_tokens = s->queued_tokens,
+                         .running = s->running,
+                         .waiting = s->waiting,
+                         .active = s->active,
+                         .alive = s->alive,
+                         .compute = s->compute,
+                         .cache = s->cst};
         if (!s->vacant) {
-            snprintf(m->pf[j].name, sizeof m->pf[j].name, "%s", s->name);
-            snprintf(m->pf[j].url, sizeof m->pf[j].url, "%s", s->url);
+            snprintf(g.name, sizeof g.name, "%s", s->name);
+            snprintf(g.url, sizeof g.url, "%s", s->url);
         }
-        m->pf[j].joined = s->joined;
-        m->pf[j].draining = s->draining;
-        m->cache_pf[j] = s->cst;
+        g.joined = s->joined;
+        g.draining = s->draining;
+        rt_metrics_publish_pf(m, j, &g);
     }
-    m->queue = atomic_load(&r->queued);
-    m->active = (int)r->table.count - r->fair.len;
-    m->draining = atomic_load(&r->draining);
+    rt_metrics_publish_router(m, atomic_load(&r->queued), (int)r->table.count - r->fair.len,
+                              atomic_load(&r->draining));
     pthread_mutex_unlock(&m->mu);
 }
 

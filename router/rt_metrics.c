@@ -1,27 +1,27 @@
-/* rt_metrics.c: the router's Prometheus metrics (text exposition format 0.0.4) and its
- * one log line per ended generation request.
+/* rt_metrics.c: the router's own Prometheus series (text exposition format 0.0.4), its one
+ * log line per ended generation request, and the order of the exposition.
  * Series: tandem_router_requests_total{status} (generation requests only: /v1/completions
  * and /v1/chat/completions), tandem_router_http_requests_total{path,status} (everything
  * else: /health, /metrics, /v1/models, path="other"), tandem_router_time_to_first_token_seconds,
- * tandem_router_time_per_output_token_seconds, tandem_router_e2e_request_latency_seconds
- * (histograms), tandem_router_prompt_tokens_total, tandem_router_generation_tokens_total,
- * tandem_router_queue_length, tandem_router_requests_running, and per decode instance
- * tandem_instance_{up,running,waiting,kv_blocks_used,kv_blocks_free,kv_usage_ratio}.
- * With prefill instances (disaggregated mode) also tandem_router_prefill_{requests,retries,
- * failures{reason},busy{side}}_total, the histograms tandem_router_prefill_chunk_size_tokens,
- * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds, and per prefill
- * instance tandem_prefill_instance_{up,queued_prompt_tokens,running,waiting,requests}.
- * Per decode and prefill instance that reported: tandem_instance_compute_info,
- * tandem_instance_blas_core_older_than_cpu, tandem_instance_products_info (label role).
- * The vLLM- and SGLang-named series are rt_metrics_vllm.c's; tandem_router_cache_route_*
- * (cache-aware routing) rt_metrics_cache.c's.
- * Threading: every function takes m->mu; any thread may call them. */
+ * tandem_router_time_per_output_token_seconds, tandem_router_e2e_request_latency_seconds,
+ * tandem_router_token_write_delay_seconds (histograms), tandem_router_prompt_tokens_total,
+ * tandem_router_generation_tokens_total, tandem_router_queue_length,
+ * tandem_router_requests_running, tandem_router_request_timeouts_total{state},
+ * tandem_router_queue_evictions_total, tandem_router_draining, tandem_router_migrations_total,
+ * tandem_router_migration_pause_seconds. With prefill instances (disaggregated mode) also
+ * tandem_router_prefill_{requests,retries,failures{reason}}_total,
+ * tandem_router_pair_busy_total{side}, the histograms tandem_router_prefill_chunk_size_tokens,
+ * tandem_router_prefill_seconds, tandem_router_prefill_queue_seconds.
+ * The per-instance series are rt_metrics_inst.c's, the vLLM- and SGLang-named ones
+ * rt_metrics_vllm.c's, tandem_router_cache_route_* (cache-aware routing) rt_metrics_cache.c's;
+ * rt_metrics_render calls each in turn. This file writes only the fields of rt_metrics'
+ * first block (rt_metrics.h).
+ * Threading: every function takes m->mu (rt_metrics_publish_router: the caller holds it);
+ * any thread may call them. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-#include <jansson.h>
 
 #include "rt_metrics.h"
 #include "td_err.h"
@@ -44,55 +44,16 @@ int rt_metrics_init(rt_metrics *m, int n_inst, int n_pf)
 {
     memset(m, 0, sizeof *m);
     pthread_mutex_init(&m->mu, NULL);
-    m->inst = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->inst);
-    m->pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->pf);
     m->http = calloc((size_t)RT_PATH_N * 600, sizeof *m->http);
-    m->v.preempt_total = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_total);
-    m->v.preempt_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.preempt_last);
-    m->cache_dec = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->cache_dec);
-    m->cache_pf = calloc((size_t)(n_pf > 0 ? n_pf : 1), sizeof *m->cache_pf);
-    m->v.pc_total = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_PC_N, sizeof *m->v.pc_total);
-    m->v.pc_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_PC_N, sizeof *m->v.pc_last);
-    m->v.step_total =
-        calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_STEP_N, sizeof *m->v.step_total);
-    m->v.step_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_STEP_N, sizeof *m->v.step_last);
-    m->v.spec_total =
-        calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_SPEC_N, sizeof *m->v.spec_total);
-    m->v.spec_last = calloc((size_t)(n_inst > 0 ? n_inst : 1) * RT_SPEC_N, sizeof *m->v.spec_last);
-    m->v.boot_last = calloc((size_t)(n_inst > 0 ? n_inst : 1), sizeof *m->v.boot_last);
     rt_metrics_set_model(m, "", 0);
-    if (!m->inst || !m->pf || !m->http || !m->v.preempt_total || !m->v.preempt_last ||
-        !m->cache_dec || !m->cache_pf || !m->v.pc_total || !m->v.pc_last || !m->v.step_total ||
-        !m->v.step_last || !m->v.spec_total || !m->v.spec_last || !m->v.boot_last)
-        return TD_ENOMEM;
-    m->n_inst = n_inst;
-    m->n_pf = n_pf;
-    return 0;
+    int rc = rt_metrics_inst_init(m, n_inst, n_pf);
+    return !m->http ? TD_ENOMEM : rc;
 }
 
 void rt_metrics_fini(rt_metrics *m)
 {
-    free(m->inst);
-    free(m->pf);
+    rt_metrics_inst_fini(m);
     free(m->http);
-    free(m->v.preempt_total);
-    free(m->v.preempt_last);
-    free(m->cache_dec);
-    free(m->cache_pf);
-    m->cache_dec = m->cache_pf = NULL;
-    m->v.preempt_total = m->v.preempt_last = NULL;
-    free(m->v.pc_total);
-    free(m->v.pc_last);
-    m->v.pc_total = m->v.pc_last = NULL;
-    free(m->v.step_total);
-    free(m->v.step_last);
-    free(m->v.boot_last);
-    m->v.step_total = m->v.step_last = m->v.boot_last = NULL;
-    free(m->v.spec_total);
-    free(m->v.spec_last);
-    m->v.spec_total = m->v.spec_last = NULL;
-    m->inst = NULL;
-    m->pf = NULL;
     m->http = NULL;
     pthread_mutex_destroy(&m->mu);
 }
@@ -113,15 +74,6 @@ void rt_metrics_http(rt_metrics *m, rt_path path, int status)
     pthread_mutex_unlock(&m->mu);
 }
 
-void rt_hist_observe(rt_hist *h, rt_bounds bd, double v)
-{
-    int b = 0;
-    while (b < bd.n && v > bd.le[b])
-        b++;
-    h->counts[b]++;
-    h->sum += v;
-    h->n++;
-}
 #define observe rt_hist_observe
 
 /* Router overhead on the token path: tens of microseconds when healthy. */
@@ -243,381 +195,163 @@ void rt_metrics_request_end(rt_metrics *m, const td_cfg *cfg, const rt_req *q, i
                 (long long)(now_ms - q->t_arrive_ms), where);
 }
 
-int rt_hist_render(rt_buf *b, const char *name, const char *help, const char *labels,
-                   const rt_hist *h, rt_bounds bd, double scale)
+void rt_metrics_publish_router(rt_metrics *m, int queue, int active, bool draining)
 {
-    char line[1024];
-    snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    int rc = rt_buf_puts(b, line);
-    return rc | rt_hist_render_series(b, name, labels, h, bd, scale);
+    m->queue = queue;
+    m->active = active;
+    m->draining = draining;
 }
 
-int rt_hist_render_series(rt_buf *b, const char *name, const char *labels, const rt_hist *h,
-                          rt_bounds bd, double scale)
+static void put_hist(rt_mw *w, const char *name, const char *help, const rt_hist *h, rt_bounds bd)
 {
-    char line[1024];
-    const char *sep = labels[0] ? "," : "";
-    int rc = 0;
-    uint64_t cum = 0;
-    for (int i = 0; i <= bd.n; i++) {
-        cum += h->counts[i];
-        if (i < bd.n)
-            snprintf(line, sizeof line, "%s_bucket{%s%sle=\"%.15g\"} %llu\n", name, labels, sep,
-                     bd.le[i] * scale, (unsigned long long)cum);
-        else
-            snprintf(line, sizeof line, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep,
-                     (unsigned long long)cum);
-        rc |= rt_buf_puts(b, line);
-    }
-    const char *lb = labels[0] ? "{" : "", *rb = labels[0] ? "}" : "";
-    snprintf(line, sizeof line, "%s_sum%s%s%s %.15g\n%s_count%s%s%s %llu\n", name, lb, labels, rb,
-             h->sum * scale, name, lb, labels, rb, (unsigned long long)h->n);
-    rc |= rt_buf_puts(b, line);
-    return rc;
+    rt_mw_hist_family(w, name, help, NULL, h, bd, 1.0);
 }
 
-void rt_metrics_label_escape(char *out, size_t cap, const char *s)
+/* The disaggregated-mode router series (caller holds m->mu). */
+static void render_prefill(rt_mw *w, const rt_metrics *m)
 {
-    size_t w = 0;
-    for (; *s; s++) {
-        bool esc = *s == '\\' || *s == '"' || *s == '\n';
-        if (w + 1 + esc >= cap) break;
-        if (esc) out[w++] = '\\';
-        out[w++] = *s == '\n' ? 'n' : *s;
-    }
-    if (cap) out[w] = '\0';
-}
-
-static int put_hist(rt_buf *b, const char *name, const char *help, const rt_hist *h, rt_bounds bd)
-{
-    return rt_hist_render(b, name, help, "", h, bd, 1.0);
-}
-
-/* The disaggregated-mode series (caller holds m->mu). */
-static int render_prefill(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
-{
-    char line[512];
-    int rc = 0;
-    snprintf(
-        line, sizeof line,
-        "# HELP tandem_router_prefill_requests_total Prefill requests sent (one per attempt).\n"
-        "# TYPE tandem_router_prefill_requests_total counter\n"
-        "tandem_router_prefill_requests_total %llu\n"
-        "# HELP tandem_router_prefill_retries_total Requests retried after a prefill failure.\n"
-        "# TYPE tandem_router_prefill_retries_total counter\n"
-        "tandem_router_prefill_retries_total %llu\n",
-        (unsigned long long)m->pf_requests, (unsigned long long)m->pf_retries);
-    rc |= rt_buf_puts(b, line);
+    rt_mw_family(w, "tandem_router_prefill_requests_total", RT_MT_COUNTER,
+                 "Prefill requests sent (one per attempt).");
+    rt_mw_uint(w, NULL, m->pf_requests);
+    rt_mw_family(w, "tandem_router_prefill_retries_total", RT_MT_COUNTER,
+                 "Requests retried after a prefill failure.");
+    rt_mw_uint(w, NULL, m->pf_retries);
     static const char *const reasons[RT_PF_N] = {"prefill_error", "instance_dead", "transfer",
                                                  "deadline"};
-    rc |= rt_buf_puts(b, "# HELP tandem_router_prefill_failures_total Attempts that failed "
-                         "before their first token, by reason.\n"
-                         "# TYPE tandem_router_prefill_failures_total counter\n");
+    rt_labels l;
+    rt_mw_family(w, "tandem_router_prefill_failures_total", RT_MT_COUNTER,
+                 "Attempts that failed before their first token, by reason.");
     for (int k = 0; k < RT_PF_N; k++) {
-        snprintf(line, sizeof line, "tandem_router_prefill_failures_total{reason=\"%s\"} %llu\n",
-                 reasons[k], (unsigned long long)m->pf_failures[k]);
-        rc |= rt_buf_puts(b, line);
+        rt_labels_reset(&l);
+        rt_labels_add(&l, "reason", reasons[k]);
+        rt_mw_uint(w, &l, m->pf_failures[k]);
     }
-    snprintf(line, sizeof line,
-             "# HELP tandem_router_pair_busy_total ERR_BUSY answers to Alloc (decode) and "
-             "Prefill (prefill).\n"
-             "# TYPE tandem_router_pair_busy_total counter\n"
-             "tandem_router_pair_busy_total{side=\"decode\"} %llu\n"
-             "tandem_router_pair_busy_total{side=\"prefill\"} %llu\n",
-             (unsigned long long)m->busy_decode, (unsigned long long)m->busy_prefill);
-    rc |= rt_buf_puts(b, line);
-    rc |= put_hist(b, "tandem_router_prefill_chunk_size_tokens",
-                   "Chunk sizes chosen by the prefill instances (from PrefillDone).", &m->chunk,
-                   CHUNK_BOUNDS);
-    rc |= put_hist(b, "tandem_router_prefill_seconds",
-                   "Prefill time: first chunk's start to the last stage's finish (PrefillDone).",
-                   &m->pf_time, LAT_BOUNDS);
-    rc |= put_hist(b, "tandem_router_prefill_queue_seconds",
-                   "Time a prefill waited at stage 0 before its first chunk (PrefillDone).",
-                   &m->pf_queued, LAT_BOUNDS);
-    static const char *const names[] = {"up", "queued_prompt_tokens", "running", "waiting",
-                                        "requests"};
-    static const char *const helps[] = {
-        "1 when the prefill instance is alive and ready (all stages joined).",
-        "Prompt tokens queued or being prefilled on the instance.",
-        "Requests the instance is prefilling.", "Requests waiting at the instance's stage 0.",
-        "The router's attempts on the instance not yet done."};
-    for (int k = 0; k < 5; k++) {
-        snprintf(line, sizeof line,
-                 "# HELP tandem_prefill_instance_%s %s\n# TYPE tandem_prefill_instance_%s gauge\n",
-                 names[k], helps[k], names[k]);
-        rc |= rt_buf_puts(b, line);
-        for (int j = 0; j < m->n_pf; j++) {
-            if (!m->pf[j].name[0]) continue;
-            const rt_pf_gauge *g = &m->pf[j];
-            double v = k == 0   ? g->alive
-                       : k == 1 ? (double)g->queued_tokens
-                       : k == 2 ? (double)g->running
-                       : k == 3 ? (double)g->waiting
-                                : (double)g->active;
-            snprintf(line, sizeof line, "tandem_prefill_instance_%s{instance=\"%s\"} %g\n",
-                     names[k], m->pf[j].name, v);
-            rc |= rt_buf_puts(b, line);
-        }
-    }
-    return rc;
+    rt_mw_family(w, "tandem_router_pair_busy_total", RT_MT_COUNTER,
+                 "ERR_BUSY answers to Alloc (decode) and Prefill (prefill).");
+    rt_labels_reset(&l);
+    rt_labels_add(&l, "side", "decode");
+    rt_mw_uint(w, &l, m->busy_decode);
+    rt_labels_reset(&l);
+    rt_labels_add(&l, "side", "prefill");
+    rt_mw_uint(w, &l, m->busy_prefill);
+    put_hist(w, "tandem_router_prefill_chunk_size_tokens",
+             "Chunk sizes chosen by the prefill instances (from PrefillDone).", &m->chunk,
+             CHUNK_BOUNDS);
+    put_hist(w, "tandem_router_prefill_seconds",
+             "Prefill time: first chunk's start to the last stage's finish (PrefillDone).",
+             &m->pf_time, LAT_BOUNDS);
+    put_hist(w, "tandem_router_prefill_queue_seconds",
+             "Time a prefill waited at stage 0 before its first chunk (PrefillDone).",
+             &m->pf_queued, LAT_BOUNDS);
 }
 
 /* Responses: generation requests by status, the other paths by path and status (caller holds
  * m->mu). */
-static int render_requests(rt_buf *b, const rt_metrics *m)
+static void render_requests(rt_mw *w, const rt_metrics *m)
 {
-    char line[512];
-    int rc = 0;
-    rc |= rt_buf_puts(b, "# HELP tandem_router_requests_total Generation requests "
-                         "(/v1/completions, /v1/chat/completions) by the HTTP status of their "
-                         "response.\n"
-                         "# TYPE tandem_router_requests_total counter\n");
+    rt_labels l;
+    rt_mw_family(w, "tandem_router_requests_total", RT_MT_COUNTER,
+                 "Generation requests (/v1/completions, /v1/chat/completions) by the HTTP "
+                 "status of their response.");
     for (int s = 100; s < 600; s++) {
         if (!m->by_status[s]) continue;
-        snprintf(line, sizeof line, "tandem_router_requests_total{status=\"%d\"} %llu\n", s,
-                 (unsigned long long)m->by_status[s]);
-        rc |= rt_buf_puts(b, line);
+        rt_labels_reset(&l);
+        rt_labels_add_int(&l, "status", s);
+        rt_mw_uint(w, &l, m->by_status[s]);
     }
     static const char *const paths[RT_PATH_N] = {"/health", "/metrics", "/v1/models", "other"};
-    rc |= rt_buf_puts(b, "# HELP tandem_router_http_requests_total Responses to the other "
-                         "requests (health and metrics polls, /v1/models, unknown paths) by "
-                         "path and status.\n"
-                         "# TYPE tandem_router_http_requests_total counter\n");
+    rt_mw_family(w, "tandem_router_http_requests_total", RT_MT_COUNTER,
+                 "Responses to the other requests (health and metrics polls, /v1/models, "
+                 "unknown paths) by path and status.");
     for (int p = 0; p < RT_PATH_N; p++)
         for (int s = 100; s < 600; s++) {
             uint64_t n = m->http[(size_t)p * 600 + (size_t)s];
             if (!n) continue;
-            snprintf(line, sizeof line,
-                     "tandem_router_http_requests_total{path=\"%s\",status=\"%d\"} %llu\n",
-                     paths[p], s, (unsigned long long)n);
-            rc |= rt_buf_puts(b, line);
+            rt_labels_reset(&l);
+            rt_labels_add(&l, "path", paths[p]);
+            rt_labels_add_int(&l, "status", s);
+            rt_mw_uint(w, &l, n);
         }
-    return rc;
 }
 
 /* The request latency histograms (caller holds m->mu). */
-static int render_latency(rt_buf *b, const rt_metrics *m)
+static void render_latency(rt_mw *w, const rt_metrics *m)
 {
-    int rc = 0;
-    rc |= put_hist(b, "tandem_router_time_to_first_token_seconds",
-                   "Time from the complete request to its first generated token.", &m->ttft,
-                   LAT_BOUNDS);
-    rc |= put_hist(b, "tandem_router_time_per_output_token_seconds",
-                   "Mean time between generated tokens after the first, per request.", &m->tpot,
-                   TPOT_BOUNDS);
-    rc |=
-        put_hist(b, "tandem_router_e2e_request_latency_seconds",
-                 "Time from the complete request to its last byte of output.", &m->e2e, LAT_BOUNDS);
-    rc |= put_hist(b, "tandem_router_token_write_delay_seconds",
-                   "Streaming: time from a token event reaching the router to its SSE bytes being "
-                   "handed to the socket (the router's own overhead).",
-                   &m->write_delay, WRITE_BOUNDS);
-    return rc;
+    put_hist(w, "tandem_router_time_to_first_token_seconds",
+             "Time from the complete request to its first generated token.", &m->ttft, LAT_BOUNDS);
+    put_hist(w, "tandem_router_time_per_output_token_seconds",
+             "Mean time between generated tokens after the first, per request.", &m->tpot,
+             TPOT_BOUNDS);
+    put_hist(w, "tandem_router_e2e_request_latency_seconds",
+             "Time from the complete request to its last byte of output.", &m->e2e, LAT_BOUNDS);
+    put_hist(w, "tandem_router_token_write_delay_seconds",
+             "Streaming: time from a token event reaching the router to its SSE bytes being "
+             "handed to the socket (the router's own overhead).",
+             &m->write_delay, WRITE_BOUNDS);
 }
 
 /* Token counters, the queue, timeouts, evictions, the drain, migrations (caller holds m->mu). */
-static int render_counters(rt_buf *b, const rt_metrics *m)
+static void render_counters(rt_mw *w, const rt_metrics *m)
 {
-    char line[512];
-    int rc = 0;
-    snprintf(line, sizeof line,
-             "# HELP tandem_router_prompt_tokens_total Prompt tokens of finished requests.\n"
-             "# TYPE tandem_router_prompt_tokens_total counter\n"
-             "tandem_router_prompt_tokens_total %llu\n"
-             "# HELP tandem_router_generation_tokens_total Generated tokens of finished requests.\n"
-             "# TYPE tandem_router_generation_tokens_total counter\n"
-             "tandem_router_generation_tokens_total %llu\n",
-             (unsigned long long)m->prompt_tokens, (unsigned long long)m->generation_tokens);
-    rc |= rt_buf_puts(b, line);
-    snprintf(line, sizeof line,
-             "# HELP tandem_router_queue_length Requests waiting in the router for an instance.\n"
-             "# TYPE tandem_router_queue_length gauge\n"
-             "tandem_router_queue_length %d\n"
-             "# HELP tandem_router_requests_running Requests on decode instances.\n"
-             "# TYPE tandem_router_requests_running gauge\n"
-             "tandem_router_requests_running %d\n",
-             m->queue, m->active);
-    rc |= rt_buf_puts(b, line);
+    rt_mw_family(w, "tandem_router_prompt_tokens_total", RT_MT_COUNTER,
+                 "Prompt tokens of finished requests.");
+    rt_mw_uint(w, NULL, m->prompt_tokens);
+    rt_mw_family(w, "tandem_router_generation_tokens_total", RT_MT_COUNTER,
+                 "Generated tokens of finished requests.");
+    rt_mw_uint(w, NULL, m->generation_tokens);
+    rt_mw_family(w, "tandem_router_queue_length", RT_MT_GAUGE,
+                 "Requests waiting in the router for an instance.");
+    rt_mw_int(w, NULL, m->queue);
+    rt_mw_family(w, "tandem_router_requests_running", RT_MT_GAUGE, "Requests on decode instances.");
+    rt_mw_int(w, NULL, m->active);
     static const char *const where[RT_TO_N] = {"queued", "waiting", "generating"};
-    rc |= rt_buf_puts(b, "# HELP tandem_router_request_timeouts_total Requests ended by their "
-                         "deadline (504), by where they were: queued, waiting (on an instance, "
-                         "no token yet), generating.\n"
-                         "# TYPE tandem_router_request_timeouts_total counter\n");
+    rt_mw_family(w, "tandem_router_request_timeouts_total", RT_MT_COUNTER,
+                 "Requests ended by their deadline (504), by where they were: queued, waiting "
+                 "(on an instance, no token yet), generating.");
     for (int k = 0; k < RT_TO_N; k++) {
-        snprintf(line, sizeof line, "tandem_router_request_timeouts_total{state=\"%s\"} %llu\n",
-                 where[k], (unsigned long long)m->timeouts[k]);
-        rc |= rt_buf_puts(b, line);
+        rt_labels l;
+        rt_labels_reset(&l);
+        rt_labels_add(&l, "state", where[k]);
+        rt_mw_uint(w, &l, m->timeouts[k]);
     }
-    snprintf(line, sizeof line,
-             "# HELP tandem_router_queue_evictions_total Queued requests refused (429) to make "
-             "room for a request of a client holding fewer.\n"
-             "# TYPE tandem_router_queue_evictions_total counter\n"
-             "tandem_router_queue_evictions_total %llu\n"
-             "# HELP tandem_router_draining 1 once a stop signal came: new requests get 503.\n"
-             "# TYPE tandem_router_draining gauge\n"
-             "tandem_router_draining %d\n",
-             (unsigned long long)m->evictions, m->draining ? 1 : 0);
-    rc |= rt_buf_puts(b, line);
-    snprintf(line, sizeof line,
-             "# HELP tandem_router_migrations_total Times a request's decode instance died, "
-             "restarted or failed it and the request moved to go on elsewhere.\n"
-             "# TYPE tandem_router_migrations_total counter\n"
-             "tandem_router_migrations_total %llu\n",
-             (unsigned long long)m->migrations);
-    rc |= rt_buf_puts(b, line);
-    rc |= put_hist(b, "tandem_router_migration_pause_seconds",
-                   "Moved requests: time from losing the decode side to the next token.",
-                   &m->migrate_pause, LAT_BOUNDS);
-    return rc;
+    rt_mw_family(w, "tandem_router_queue_evictions_total", RT_MT_COUNTER,
+                 "Queued requests refused (429) to make room for a request of a client holding "
+                 "fewer.");
+    rt_mw_uint(w, NULL, m->evictions);
+    rt_mw_family(w, "tandem_router_draining", RT_MT_GAUGE,
+                 "1 once a stop signal came: new requests get 503.");
+    rt_mw_int(w, NULL, m->draining ? 1 : 0);
+    rt_mw_family(w, "tandem_router_migrations_total", RT_MT_COUNTER,
+                 "Times a request's decode instance died, restarted or failed it and the "
+                 "request moved to go on elsewhere.");
+    rt_mw_uint(w, NULL, m->migrations);
+    put_hist(w, "tandem_router_migration_pause_seconds",
+             "Moved requests: time from losing the decode side to the next token.",
+             &m->migrate_pause, LAT_BOUNDS);
 }
 
-/* The per decode instance gauges (caller holds m->mu). */
-static int render_decode(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
-{
-    char line[512];
-    int rc = 0;
-    static const char *const names[] = {
-        "up", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_usage_ratio"};
-    static const char *const helps[] = {"1 when the decode instance is alive and ready.",
-                                        "Requests in the instance's batch.",
-                                        "Requests admitted by the instance but waiting.",
-                                        "KV blocks in use.",
-                                        "KV blocks free.",
-                                        "Fraction of the KV pool in use."};
-    for (int k = 0; k < 6; k++) {
-        snprintf(line, sizeof line,
-                 "# HELP tandem_instance_%s %s\n# TYPE tandem_instance_%s gauge\n", names[k],
-                 helps[k], names[k]);
-        rc |= rt_buf_puts(b, line);
-        for (int i = 0; i < m->n_inst; i++) {
-            if (!m->inst[i].name[0]) continue;
-            const rt_inst_gauge *g = &m->inst[i];
-            double v = k == 0   ? g->alive
-                       : k == 1 ? g->running
-                       : k == 2 ? g->waiting
-                       : k == 3 ? g->kv_used
-                       : k == 4 ? g->kv_free
-                       : g->kv_used + g->kv_free
-                           ? (double)g->kv_used / (double)(g->kv_used + g->kv_free)
-                           : 0.0;
-            snprintf(line, sizeof line, "tandem_instance_%s{instance=\"%s\"} %g\n", names[k],
-                     m->inst[i].name, v);
-            rc |= rt_buf_puts(b, line);
-        }
-    }
-    return rc;
-}
-
-/* pre key="val" with val escaped (pre: "{" for the first label, else ","). */
-static int put_label(rt_buf *b, const char *pre, const char *key, const char *val)
-{
-    char esc[2 * TD_CTRL_MAX_PATHS + 2]; /* the longest value, every byte escaped */
-    rt_metrics_label_escape(esc, sizeof esc, val);
-    int rc = rt_buf_puts(b, pre);
-    rc |= rt_buf_puts(b, key);
-    rc |= rt_buf_puts(b, "=\"");
-    rc |= rt_buf_puts(b, esc);
-    return rc | rt_buf_puts(b, "\"");
-}
-
-/* What each decode and prefill instance computes with, as its last Health said (instances
- * that have not reported yet: no series): two info series (value 1, the facts in the labels)
- * and whether its OpenBLAS core is older than its CPU (caller holds m->mu). */
-static int render_compute(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
-{
-    static const char *const names[3] = {"tandem_instance_compute_info",
-                                         "tandem_instance_blas_core_older_than_cpu",
-                                         "tandem_instance_products_info"};
-    static const char *const helps[3] = {
-        "What the instance computes with (decode: rank 0, prefill: stage 0): the backend, and "
-        "the CPU backend's activation mode, CPU and kernel instruction sets and OpenBLAS core "
-        "(empty for other backends). Always 1.",
-        "1 when the instance's OpenBLAS core is older than its CPU: its float32 GEMM (prefill "
-        "rows) runs at a fraction of the CPU's speed.",
-        "The kernels of the instance's products by weight type (batch rows, solo rows; the CPU "
-        "backend's). Always 1."};
-    int rc = 0;
-    for (int f = 0; f < 3; f++) {
-        char line[512];
-        snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s gauge\n", names[f], helps[f],
-                 names[f]);
-        rc |= rt_buf_puts(b, line);
-        for (int k = 0; k < m->n_inst + m->n_pf; k++) {
-            const bool dec = k < m->n_inst;
-            const rt_compute *c = dec ? &m->inst[k].compute : &m->pf[k - m->n_inst].compute;
-            if (!c->seen || !(dec ? m->inst[k].name : m->pf[k - m->n_inst].name)[0]) continue;
-            rc |= rt_buf_puts(b, names[f]);
-            rc |= put_label(b, "{", "instance", dec ? m->inst[k].name : m->pf[k - m->n_inst].name);
-            rc |= put_label(b, ",", "role", dec ? "decode" : "prefill");
-            if (f == 0) {
-                rc |= put_label(b, ",", "backend", c->backend);
-                rc |= put_label(b, ",", "act", c->act);
-                rc |= put_label(b, ",", "cpu_isa", c->cpu_isa);
-                rc |= put_label(b, ",", "kernels_isa", c->kernels_isa);
-                rc |= put_label(b, ",", "blas_core", c->blas_core);
-            } else if (f == 2) {
-                rc |= put_label(b, ",", "paths", c->paths);
-            }
-            rc |= rt_buf_puts(b, f == 1 && !c->blas_older ? "} 0\n" : "} 1\n");
-        }
-    }
-    return rc;
-}
-
+/* Each file renders its own families; the order here is the one /metrics has always had,
+ * so that expositions from before and after a change compare line by line. */
 char *rt_metrics_render(rt_metrics *m, const td_cfg *cfg)
 {
     rt_buf b = {0};
-    int rc = 0;
+    rt_mw w = rt_mw_start(&b);
     pthread_mutex_lock(&m->mu);
-    rc |= render_requests(&b, m);
-    rc |= render_latency(&b, m);
-    rc |= render_counters(&b, m);
-    rc |= render_decode(&b, m, cfg);
-    if (m->n_pf > 0) rc |= render_prefill(&b, m, cfg);
-    rc |= render_compute(&b, m, cfg);
-    rc |= rt_metrics_vllm_render(&b, m, cfg);
-    if (cfg->router.routing == TD_CFG_ROUTING_CACHE_AWARE)
-        rc |= rt_metrics_cache_render(&b, m, cfg);
+    render_requests(&w, m);
+    render_latency(&w, m);
+    render_counters(&w, m);
+    rt_metrics_inst_render_decode(&w, m);
+    if (m->n_pf > 0) {
+        render_prefill(&w, m);
+        rt_metrics_inst_render_prefill(&w, m);
+    }
+    rt_metrics_inst_render_compute(&w, m);
+    rt_metrics_vllm_render(&w, m);
+    if (cfg->router.routing == TD_CFG_ROUTING_CACHE_AWARE) rt_metrics_cache_render(&w, m);
     pthread_mutex_unlock(&m->mu);
-    if (rc) {
+    if (w.rc) {
         rt_buf_free(&b);
         return NULL;
     }
     return b.buf;
-}
-
-char *rt_metrics_instances_json(rt_metrics *m)
-{
-    json_t *dec = json_array(), *pf = json_array();
-    pthread_mutex_lock(&m->mu);
-    for (int i = 0; dec && i < m->n_inst; i++) {
-        const rt_inst_gauge *g = &m->inst[i];
-        if (!g->name[0]) continue;
-        json_array_append_new(
-            dec, json_pack("{s:s, s:s, s:b, s:b, s:b, s:I, s:I, s:I, s:I}", "name", g->name,
-                           "url", g->url, "alive", g->alive, "draining", g->draining, "joined",
-                           g->joined, "running", (json_int_t)g->running, "waiting",
-                           (json_int_t)g->waiting, "kv_blocks_used", (json_int_t)g->kv_used,
-                           "kv_blocks_free", (json_int_t)g->kv_free));
-    }
-    for (int j = 0; pf && j < m->n_pf; j++) {
-        const rt_pf_gauge *g = &m->pf[j];
-        if (!g->name[0]) continue;
-        json_array_append_new(
-            pf, json_pack("{s:s, s:s, s:b, s:b, s:b, s:I, s:I, s:I}", "name", g->name, "url",
-                          g->url, "alive", g->alive, "draining", g->draining, "joined", g->joined,
-                          "running", (json_int_t)g->running, "waiting", (json_int_t)g->waiting,
-                          "queued_prompt_tokens", (json_int_t)g->queued_tokens));
-    }
-    pthread_mutex_unlock(&m->mu);
-    json_t *root = dec && pf ? json_pack("{s:o, s:o}", "decode", dec, "prefill", pf) : NULL;
-    if (!root) {
-        json_decref(dec);
-        json_decref(pf);
-        return NULL;
-    }
-    char *s = json_dumps(root, JSON_COMPACT);
-    json_decref(root);
-    return s;
 }

@@ -14,9 +14,9 @@
  *   tandem_router_cache_route_event_gaps_total      times KV events were lost (index dropped)
  *   tandem_router_cache_route_index_exact           1: its index is fed by KV events without a
  *                                                   gap (what the node holds), 0: an estimate
- * The caller holds m->mu (rt_metrics_render). */
-#include <stdio.h>
-
+ * The figures are rt_inst_gauge.cache and rt_pf_gauge.cache as the loop published them
+ * (rt_metrics_inst.c); this file only renders them. The caller holds m->mu
+ * (rt_metrics_render). */
 #include "rt_metrics.h"
 
 typedef enum {
@@ -56,12 +56,17 @@ static double value(const rt_cache_stats *c, series k)
     }
 }
 
-int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
+void rt_metrics_cache_render(rt_mw *w, const rt_metrics *m)
 {
-    static const char *const names[S_N] = {
-        "hits_total",           "load_total",        "overloaded_total",
-        "matched_tokens_total", "index_drops_total", "index_blocks",
-        "events_total",         "event_gaps_total",  "index_exact"};
+    static const char *const names[S_N] = {"tandem_router_cache_route_hits_total",
+                                           "tandem_router_cache_route_load_total",
+                                           "tandem_router_cache_route_overloaded_total",
+                                           "tandem_router_cache_route_matched_tokens_total",
+                                           "tandem_router_cache_route_index_drops_total",
+                                           "tandem_router_cache_route_index_blocks",
+                                           "tandem_router_cache_route_events_total",
+                                           "tandem_router_cache_route_event_gaps_total",
+                                           "tandem_router_cache_route_index_exact"};
     static const char *const helps[S_N] = {
         "Requests sent to the instance because their prompt's prefix matched there the most.",
         "Requests sent to the instance by the load order (no match above "
@@ -75,27 +80,23 @@ int rt_metrics_cache_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
         "Times KV events of the instance were lost (its index dropped, estimated again).",
         "1 if the instance's index is fed by its KV events without a gap (exact), 0 if it is "
         "an estimate."};
-    char line[512];
-    int rc = 0;
+    rt_labels l;
     for (int k = 0; k < S_N; k++) {
-        snprintf(line, sizeof line,
-                 "# HELP tandem_router_cache_route_%s %s\n# TYPE tandem_router_cache_route_%s %s\n",
-                 names[k], helps[k], names[k], k == S_BLOCKS || k == S_EXACT ? "gauge" : "counter");
-        rc |= rt_buf_puts(b, line);
+        rt_mw_family(w, names[k], k == S_BLOCKS || k == S_EXACT ? RT_MT_GAUGE : RT_MT_COUNTER,
+                     helps[k]);
         for (int i = 0; i < m->n_inst; i++) {
             if (!m->inst[i].name[0]) continue;
-            snprintf(line, sizeof line,
-                     "tandem_router_cache_route_%s{role=\"decode\",instance=\"%s\"} %.17g\n",
-                     names[k], m->inst[i].name, value(&m->cache_dec[i], (series)k));
-            rc |= rt_buf_puts(b, line);
+            rt_labels_reset(&l);
+            rt_labels_add(&l, "role", "decode");
+            rt_labels_add(&l, "instance", m->inst[i].name);
+            rt_mw_real(w, &l, value(&m->inst[i].cache, (series)k), 17);
         }
         for (int j = 0; j < m->n_pf; j++) {
             if (!m->pf[j].name[0]) continue;
-            snprintf(line, sizeof line,
-                     "tandem_router_cache_route_%s{role=\"prefill\",instance=\"%s\"} %.17g\n",
-                     names[k], m->pf[j].name, value(&m->cache_pf[j], (series)k));
-            rc |= rt_buf_puts(b, line);
+            rt_labels_reset(&l);
+            rt_labels_add(&l, "role", "prefill");
+            rt_labels_add(&l, "instance", m->pf[j].name);
+            rt_mw_real(w, &l, value(&m->pf[j].cache, (series)k), 17);
         }
     }
-    return rc;
 }

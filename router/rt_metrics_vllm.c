@@ -10,6 +10,8 @@
  * router's clock:
  *   arrival --queue--> dispatch (Submit / Alloc+Prefill sent) --prefill--> first token
  *           --decode--> last token; e2e: arrival to the response's end.
+ * This file writes rt_metrics.v only; the per-instance counts it renders are
+ * rt_metrics_inst.c's (rt_metrics.tally), the pairing counts rt_metrics.c's.
  * Threading: rt_metrics_itl takes m->mu; the others run with it held (rt_metrics_set_model:
  * before the loop starts). */
 #include <stdio.h>
@@ -40,9 +42,7 @@ static const double KV_BW_LE[] = {1e7, 2.5e7, 5e7,    1e8,  2.5e8, 5e8,    1e9, 
 
 void rt_metrics_set_model(rt_metrics *m, const char *name, int32_t n_ctx)
 {
-    char esc[sizeof m->v.model - 16];
-    rt_metrics_label_escape(esc, sizeof esc, name);
-    snprintf(m->v.model, sizeof m->v.model, "model_name=\"%s\"", esc);
+    snprintf(m->v.model, sizeof m->v.model, "%s", name);
     /* vLLM's build_1_2_5_buckets(max_model_len): 1, 2, 5, 10, 20, 50, ... <= n_ctx */
     static const int mant[3] = {1, 2, 5};
     m->v.n_tok_le = 0;
@@ -61,70 +61,6 @@ void rt_metrics_itl(rt_metrics *m, double gap, int k)
     for (int i = 0; i < k; i++)
         rt_hist_observe(&m->v.itl, BOUNDS(ITL_LE), gap / k);
     pthread_mutex_unlock(&m->mu);
-}
-
-/* Add what counter cur gained since *last (from 0 after a restart: it went back, or the
- * instance's boot id changed) to *total. */
-static void accumulate(uint64_t *total, uint64_t *last, uint64_t cur, bool restarted)
-{
-    if (restarted) *last = 0;
-    *total += cur >= *last ? cur - *last : cur;
-    *last = cur;
-}
-
-void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g)
-{
-    if (i < 0 || i >= m->n_inst) return;
-    if (strcmp(m->inst[i].name, g->name)) { /* another instance in the slot: counts from 0 */
-        m->v.preempt_total[i] = m->v.preempt_last[i] = m->v.boot_last[i] = 0;
-        memset(&m->v.pc_total[RT_PC_N * i], 0, RT_PC_N * sizeof *m->v.pc_total);
-        memset(&m->v.pc_last[RT_PC_N * i], 0, RT_PC_N * sizeof *m->v.pc_last);
-        memset(&m->v.step_total[RT_STEP_N * i], 0, RT_STEP_N * sizeof *m->v.step_total);
-        memset(&m->v.step_last[RT_STEP_N * i], 0, RT_STEP_N * sizeof *m->v.step_last);
-        memset(&m->v.spec_total[RT_SPEC_N * i], 0, RT_SPEC_N * sizeof *m->v.spec_total);
-        memset(&m->v.spec_last[RT_SPEC_N * i], 0, RT_SPEC_N * sizeof *m->v.spec_last);
-    }
-    bool restarted = g->boot_id && m->v.boot_last[i] && g->boot_id != m->v.boot_last[i];
-    if (g->boot_id) m->v.boot_last[i] = g->boot_id;
-    accumulate(&m->v.preempt_total[i], &m->v.preempt_last[i], g->preemptions, restarted);
-    for (int k = 0; k < RT_PC_N; k++)
-        accumulate(&m->v.pc_total[RT_PC_N * i + k], &m->v.pc_last[RT_PC_N * i + k], g->pc[k],
-                   restarted);
-    for (int k = 0; k < RT_STEP_N; k++)
-        accumulate(&m->v.step_total[RT_STEP_N * i + k], &m->v.step_last[RT_STEP_N * i + k],
-                   g->steps[k], restarted);
-    for (int k = 0; k < RT_SPEC_N; k++)
-        accumulate(&m->v.spec_total[RT_SPEC_N * i + k], &m->v.spec_last[RT_SPEC_N * i + k],
-                   g->spec[k], restarted);
-    m->inst[i] = *g;
-}
-
-/* tandem_decode_step_seconds: each decode instance's steps (every configured instance, its
- * counts summed across restarts). */
-static int render_steps(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
-{
-    const char *name = "tandem_decode_step_seconds";
-    char line[512];
-    snprintf(line, sizeof line,
-             "# HELP %s Decode steps of the instance by duration, planning to commit (the time "
-             "its running requests wait for each token), across restarts.\n# TYPE %s "
-             "histogram\n",
-             name, name);
-    int rc = rt_buf_puts(b, line);
-    rt_bounds bd = {td_step_hist_le(), TD_STEP_HIST_N};
-    for (int i = 0; i < m->n_inst; i++) {
-        if (!m->inst[i].name[0]) continue;
-        const uint64_t *t = &m->v.step_total[RT_STEP_N * i];
-        rt_hist h = {.sum = (double)t[TD_STEP_HIST_N + 1] / 1e6};
-        for (int k = 0; k <= TD_STEP_HIST_N; k++) {
-            h.counts[k] = t[k];
-            h.n += t[k];
-        }
-        char lb[640];
-        snprintf(lb, sizeof lb, "%s,instance=\"%s\"", m->v.model, m->inst[i].name);
-        rc |= rt_hist_render_series(b, name, lb, &h, bd, 1.0);
-    }
-    return rc;
 }
 
 void rt_metrics_vllm_end(rt_metrics *m, const rt_req *q, int64_t now_ms, int status,
@@ -167,26 +103,56 @@ void rt_metrics_vllm_kv(rt_metrics *m, const Td__PrefillDone *d)
     if (s > 0) rt_hist_observe(&v->kv_bw, BOUNDS(KV_BW_LE), (double)d->kv_bytes / s);
 }
 
+/* model_name="...", and instance="..." unless inst is NULL */
+static const rt_labels *labels(rt_labels *l, const rt_metrics *m, const char *inst)
+{
+    rt_labels_reset(l);
+    rt_labels_add(l, "model_name", m->v.model);
+    if (inst) rt_labels_add(l, "instance", inst);
+    return l;
+}
+
+/* tandem_decode_step_seconds: each decode instance's steps (every configured instance, its
+ * counts summed across restarts). */
+static void render_steps(rt_mw *w, const rt_metrics *m)
+{
+    rt_mw_family(w, "tandem_decode_step_seconds", RT_MT_HISTOGRAM,
+                 "Decode steps of the instance by duration, planning to commit (the time its "
+                 "running requests wait for each token), across restarts.");
+    rt_bounds bd = {td_step_hist_le(), TD_STEP_HIST_N};
+    rt_labels l;
+    for (int i = 0; i < m->n_inst; i++) {
+        if (!m->inst[i].name[0]) continue;
+        const uint64_t *t = m->tally[i].total.steps;
+        rt_hist h = {.sum = (double)t[TD_STEP_HIST_N + 1] / 1e6};
+        for (int k = 0; k <= TD_STEP_HIST_N; k++) {
+            h.counts[k] = t[k];
+            h.n += t[k];
+        }
+        rt_mw_hist(w, labels(&l, m, m->inst[i].name), &h, bd, 1.0);
+    }
+}
+
 /* One family with a value per decode instance: what 0 running, 1 waiting, 2 KV usage (alive
  * instances only), 3 preemptions, 4-9 prefix cache queried tokens, hit tokens, evictions,
  * tier writes, reads, hits, 10-12 speculative decoding's verifications, proposed tokens
  * verified, accepted tokens (counters: every instance). */
-static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const char *name,
-                    const char *type, const char *help, int what)
+static void put_inst(rt_mw *w, const rt_metrics *m, const char *name, rt_mtype type,
+                     const char *help, int what)
 {
-    char line[2048];
-    snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
-    int rc = rt_buf_puts(b, line);
+    rt_mw_family(w, name, type, help);
+    rt_labels l;
     for (int i = 0; i < m->n_inst; i++) {
         if (!m->inst[i].name[0]) continue;
         const rt_inst_gauge *g = &m->inst[i];
+        const rt_inst_counts *t = &m->tally[i].total;
         double val;
         if (what == 3) /* the counters: every configured instance, dead or alive */
-            val = (double)m->v.preempt_total[i];
+            val = (double)t->preempt;
         else if (what >= 10)
-            val = (double)m->v.spec_total[RT_SPEC_N * i + what - 10];
+            val = (double)t->spec[what - 10];
         else if (what >= 4)
-            val = (double)m->v.pc_total[RT_PC_N * i + what - 4];
+            val = (double)t->pc[what - 4];
         else if (!g->alive)
             continue; /* a dead instance's last figures would sum into the cluster's */
         else
@@ -194,195 +160,171 @@ static int put_inst(rt_buf *b, const rt_metrics *m, const td_cfg *cfg, const cha
                   : what == 1               ? g->waiting
                   : g->kv_used + g->kv_free ? (double)g->kv_used / (double)(g->kv_used + g->kv_free)
                                             : 0.0;
-        snprintf(line, sizeof line, "%s{%s,instance=\"%s\"} %.15g\n", name, m->v.model,
-                 m->inst[i].name, val);
-        rc |= rt_buf_puts(b, line);
+        rt_mw_real(w, labels(&l, m, g->name), val, 15);
     }
-    return rc;
 }
 
 /* vLLM's speculative decoding counters per decode instance (every configured one, summed
  * across restarts): verifications, proposed tokens, accepted tokens, and the accepted tokens
  * by proposal position, a series for each position up to the instance's last with one. */
-static int render_spec(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
+static void render_spec(rt_mw *w, const rt_metrics *m)
 {
-    int rc =
-        put_inst(b, m, cfg, "vllm:spec_decode_num_drafts_total", "counter",
-                 "Verifications: decode rows of the instance that carried proposed tokens.", 10);
-    rc |= put_inst(b, m, cfg, "vllm:spec_decode_num_draft_tokens_total", "counter",
-                   "Proposed tokens the decode instance verified.", 11);
-    rc |= put_inst(b, m, cfg, "vllm:spec_decode_num_accepted_tokens_total", "counter",
-                   "Of those, tokens accepted (they matched what was sampled).", 12);
-    const char *name = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
-    char line[2048];
-    snprintf(line, sizeof line,
-             "# HELP %s Accepted tokens by proposal position (0: a verification's first).\n"
-             "# TYPE %s counter\n",
-             name, name);
-    rc |= rt_buf_puts(b, line);
+    put_inst(w, m, "vllm:spec_decode_num_drafts_total", RT_MT_COUNTER,
+             "Verifications: decode rows of the instance that carried proposed tokens.", 10);
+    put_inst(w, m, "vllm:spec_decode_num_draft_tokens_total", RT_MT_COUNTER,
+             "Proposed tokens the decode instance verified.", 11);
+    put_inst(w, m, "vllm:spec_decode_num_accepted_tokens_total", RT_MT_COUNTER,
+             "Of those, tokens accepted (they matched what was sampled).", 12);
+    rt_mw_family(w, "vllm:spec_decode_num_accepted_tokens_per_pos_total", RT_MT_COUNTER,
+                 "Accepted tokens by proposal position (0: a verification's first).");
+    rt_labels l;
     for (int i = 0; i < m->n_inst; i++) {
         if (!m->inst[i].name[0]) continue;
-        const uint64_t *pos = &m->v.spec_total[RT_SPEC_N * i + 3];
+        const uint64_t *pos = &m->tally[i].total.spec[3];
         int n = RT_SPEC_POS;
         while (n > 0 && !pos[n - 1])
             n--;
         for (int k = 0; k < n; k++) {
-            snprintf(line, sizeof line, "%s{%s,instance=\"%s\",position=\"%d\"} %llu\n", name,
-                     m->v.model, m->inst[i].name, k, (unsigned long long)pos[k]);
-            rc |= rt_buf_puts(b, line);
+            labels(&l, m, m->inst[i].name);
+            rt_labels_add_int(&l, "position", k);
+            rt_mw_uint(w, &l, pos[k]);
         }
     }
-    return rc;
 }
 
 /* vLLM's request histograms (model_name only: the router measures them all). */
-static int render_requests(rt_buf *b, const rt_metrics *m)
+static void render_requests(rt_mw *w, const rt_metrics *m)
 {
     const rt_vmetrics *v = &m->v;
-    const char *lb = v->model;
-    int rc = 0;
-    rc |= rt_hist_render(b, "vllm:time_to_first_token_seconds",
-                         "Time from the complete request to its first token.", lb, &v->ttft,
-                         BOUNDS(TTFT_LE), 1);
-    rc |= rt_hist_render(b, "vllm:inter_token_latency_seconds",
-                         "Time between a request's consecutive tokens as the router receives "
-                         "them (one observation per token after the first).",
-                         lb, &v->itl, BOUNDS(ITL_LE), 1);
-    rc |= rt_hist_render(b, "vllm:time_per_output_token_seconds",
-                         "The older name of vllm:inter_token_latency_seconds (same data).", lb,
-                         &v->itl, BOUNDS(ITL_LE), 1);
-    rc |= rt_hist_render(b, "vllm:request_time_per_output_token_seconds",
-                         "Per finished request: (last token - first token) / (tokens - 1).", lb,
-                         &v->tpot_req, BOUNDS(ITL_LE), 1);
-    rc |= rt_hist_render(b, "vllm:e2e_request_latency_seconds",
-                         "Time from the complete request to the end of its response.", lb, &v->e2e,
-                         BOUNDS(REQ_LE), 1);
-    rc |= rt_hist_render(b, "vllm:request_queue_time_seconds",
-                         "Time in the router queue: arrival to first dispatch to an instance.", lb,
-                         &v->queue, BOUNDS(REQ_LE), 1);
-    rc |= rt_hist_render(b, "vllm:request_prefill_time_seconds",
-                         "First dispatch to the first token (disaggregated: prefill instance "
-                         "queue, prefill, KV transfer, first token relay).",
-                         lb, &v->prefill, BOUNDS(REQ_LE), 1);
-    rc |= rt_hist_render(b, "vllm:request_decode_time_seconds", "First token to last token.", lb,
-                         &v->decode, BOUNDS(REQ_LE), 1);
-    rc |= rt_hist_render(b, "vllm:request_inference_time_seconds", "Prefill time plus decode time.",
-                         lb, &v->inference, BOUNDS(REQ_LE), 1);
-    rc |= rt_hist_render(b, "vllm:request_prompt_tokens", "Prompt tokens per finished request.", lb,
-                         &v->prompt, TOK_BOUNDS, 1);
-    rc |= rt_hist_render(b, "vllm:request_generation_tokens",
-                         "Generated tokens per finished request.", lb, &v->gen, TOK_BOUNDS, 1);
-    return rc;
+    rt_labels l;
+    const rt_labels *lb = labels(&l, m, NULL);
+    rt_mw_hist_family(w, "vllm:time_to_first_token_seconds",
+                      "Time from the complete request to its first token.", lb, &v->ttft,
+                      BOUNDS(TTFT_LE), 1);
+    rt_mw_hist_family(w, "vllm:inter_token_latency_seconds",
+                      "Time between a request's consecutive tokens as the router receives "
+                      "them (one observation per token after the first).",
+                      lb, &v->itl, BOUNDS(ITL_LE), 1);
+    rt_mw_hist_family(w, "vllm:time_per_output_token_seconds",
+                      "The older name of vllm:inter_token_latency_seconds (same data).", lb,
+                      &v->itl, BOUNDS(ITL_LE), 1);
+    rt_mw_hist_family(w, "vllm:request_time_per_output_token_seconds",
+                      "Per finished request: (last token - first token) / (tokens - 1).", lb,
+                      &v->tpot_req, BOUNDS(ITL_LE), 1);
+    rt_mw_hist_family(w, "vllm:e2e_request_latency_seconds",
+                      "Time from the complete request to the end of its response.", lb, &v->e2e,
+                      BOUNDS(REQ_LE), 1);
+    rt_mw_hist_family(w, "vllm:request_queue_time_seconds",
+                      "Time in the router queue: arrival to first dispatch to an instance.", lb,
+                      &v->queue, BOUNDS(REQ_LE), 1);
+    rt_mw_hist_family(w, "vllm:request_prefill_time_seconds",
+                      "First dispatch to the first token (disaggregated: prefill instance "
+                      "queue, prefill, KV transfer, first token relay).",
+                      lb, &v->prefill, BOUNDS(REQ_LE), 1);
+    rt_mw_hist_family(w, "vllm:request_decode_time_seconds", "First token to last token.", lb,
+                      &v->decode, BOUNDS(REQ_LE), 1);
+    rt_mw_hist_family(w, "vllm:request_inference_time_seconds", "Prefill time plus decode time.",
+                      lb, &v->inference, BOUNDS(REQ_LE), 1);
+    rt_mw_hist_family(w, "vllm:request_prompt_tokens", "Prompt tokens per finished request.", lb,
+                      &v->prompt, TOK_BOUNDS, 1);
+    rt_mw_hist_family(w, "vllm:request_generation_tokens", "Generated tokens per finished request.",
+                      lb, &v->gen, TOK_BOUNDS, 1);
 }
 
 /* vLLM's counters (caller holds m->mu). */
-static int render_counters(rt_buf *b, const rt_metrics *m)
+static void render_counters(rt_mw *w, const rt_metrics *m)
 {
     const rt_vmetrics *v = &m->v;
     static const char *const fr[RT_FR_N] = {"stop", "length", "abort", "tool_calls"};
-    char line[2048];
-    int rc = rt_buf_puts(
-        b, "# HELP vllm:request_success_total Ended requests by finish reason "
-           "(abort: the client went away; tool_calls: a stop whose answer was tool calls).\n"
-           "# TYPE vllm:request_success_total counter\n");
+    rt_labels l;
+    rt_mw_family(w, "vllm:request_success_total", RT_MT_COUNTER,
+                 "Ended requests by finish reason (abort: the client went away; tool_calls: a "
+                 "stop whose answer was tool calls).");
     for (int k = 0; k < RT_FR_N; k++) {
-        snprintf(line, sizeof line, "vllm:request_success_total{%s,finished_reason=\"%s\"} %llu\n",
-                 v->model, fr[k], (unsigned long long)v->success[k]);
-        rc |= rt_buf_puts(b, line);
+        labels(&l, m, NULL);
+        rt_labels_add(&l, "finished_reason", fr[k]);
+        rt_mw_uint(w, &l, v->success[k]);
     }
-    snprintf(line, sizeof line,
-             "# HELP vllm:prompt_tokens_total Prompt tokens prefilled (requests that got a "
-             "first token).\n"
-             "# TYPE vllm:prompt_tokens_total counter\n"
-             "vllm:prompt_tokens_total{%s} %llu\n"
-             "# HELP vllm:generation_tokens_total Generated tokens of every request.\n"
-             "# TYPE vllm:generation_tokens_total counter\n"
-             "vllm:generation_tokens_total{%s} %llu\n",
-             v->model, (unsigned long long)v->prompt_tokens, v->model,
-             (unsigned long long)v->gen_tokens);
-    rc |= rt_buf_puts(b, line);
-    return rc;
+    labels(&l, m, NULL);
+    rt_mw_family(w, "vllm:prompt_tokens_total", RT_MT_COUNTER,
+                 "Prompt tokens prefilled (requests that got a first token).");
+    rt_mw_uint(w, &l, v->prompt_tokens);
+    rt_mw_family(w, "vllm:generation_tokens_total", RT_MT_COUNTER,
+                 "Generated tokens of every request.");
+    rt_mw_uint(w, &l, v->gen_tokens);
 }
 
 /* Disaggregated mode: the KV transfer, in Tandem's base units and SGLang's PD names. */
-static int render_kv(rt_buf *b, const rt_metrics *m)
+static void render_kv(rt_mw *w, const rt_metrics *m)
 {
     const rt_vmetrics *v = &m->v;
-    const char *lb = v->model;
-    char line[2048];
-    int rc = 0;
-    rc |= rt_hist_render(b, "tandem_kv_transfer_seconds",
-                         "Per prefill: time the KV puts were in flight (slowest stage).", lb,
-                         &v->kv_s, BOUNDS(KV_S_LE), 1);
-    rc |= rt_hist_render(b, "tandem_kv_transfer_exposed_seconds",
-                         "Per prefill: KV transfer time not hidden behind compute (largest "
-                         "over the stages).",
-                         lb, &v->kv_exposed_s, BOUNDS(KV_S_LE), 1);
-    rc |= rt_hist_render(b, "tandem_kv_transfer_bytes", "Per prefill: KV bytes put, all stages.",
-                         lb, &v->kv_bytes, BOUNDS(KV_B_LE), 1);
-    rc |= rt_hist_render(b, "tandem_kv_transfer_bandwidth_bytes_per_second",
-                         "Per prefill: KV bytes / tandem_kv_transfer_seconds.", lb, &v->kv_bw,
-                         BOUNDS(KV_BW_LE), 1);
-    rc |= rt_hist_render(b, "sglang:kv_transfer_latency_ms",
-                         "tandem_kv_transfer_seconds in milliseconds.", lb, &v->kv_s,
-                         BOUNDS(KV_S_LE), 1e3);
-    rc |= rt_hist_render(b, "sglang:kv_transfer_total_mb",
-                         "tandem_kv_transfer_bytes in MB (10^6 bytes).", lb, &v->kv_bytes,
-                         BOUNDS(KV_B_LE), 1e-6);
-    rc |= rt_hist_render(b, "sglang:kv_transfer_speed_gb_s",
-                         "tandem_kv_transfer_bandwidth_bytes_per_second in GB/s (10^9 bytes).", lb,
-                         &v->kv_bw, BOUNDS(KV_BW_LE), 1e-9);
-    snprintf(line, sizeof line,
-             "# HELP sglang:num_prefill_retries_total tandem_router_prefill_retries_total.\n"
-             "# TYPE sglang:num_prefill_retries_total counter\n"
-             "sglang:num_prefill_retries_total{%s} %llu\n"
-             "# HELP sglang:num_transfer_failed_reqs_total Attempts whose KV transfer failed "
-             "(tandem_router_prefill_failures_total{reason=\"transfer\"}).\n"
-             "# TYPE sglang:num_transfer_failed_reqs_total counter\n"
-             "sglang:num_transfer_failed_reqs_total{%s} %llu\n",
-             lb, (unsigned long long)m->pf_retries, lb,
-             (unsigned long long)m->pf_failures[RT_PF_TRANSFER]);
-    rc |= rt_buf_puts(b, line);
-    return rc;
+    rt_labels l;
+    const rt_labels *lb = labels(&l, m, NULL);
+    rt_mw_hist_family(w, "tandem_kv_transfer_seconds",
+                      "Per prefill: time the KV puts were in flight (slowest stage).", lb, &v->kv_s,
+                      BOUNDS(KV_S_LE), 1);
+    rt_mw_hist_family(w, "tandem_kv_transfer_exposed_seconds",
+                      "Per prefill: KV transfer time not hidden behind compute (largest "
+                      "over the stages).",
+                      lb, &v->kv_exposed_s, BOUNDS(KV_S_LE), 1);
+    rt_mw_hist_family(w, "tandem_kv_transfer_bytes", "Per prefill: KV bytes put, all stages.", lb,
+                      &v->kv_bytes, BOUNDS(KV_B_LE), 1);
+    rt_mw_hist_family(w, "tandem_kv_transfer_bandwidth_bytes_per_second",
+                      "Per prefill: KV bytes / tandem_kv_transfer_seconds.", lb, &v->kv_bw,
+                      BOUNDS(KV_BW_LE), 1);
+    rt_mw_hist_family(w, "sglang:kv_transfer_latency_ms",
+                      "tandem_kv_transfer_seconds in milliseconds.", lb, &v->kv_s, BOUNDS(KV_S_LE),
+                      1e3);
+    rt_mw_hist_family(w, "sglang:kv_transfer_total_mb",
+                      "tandem_kv_transfer_bytes in MB (10^6 bytes).", lb, &v->kv_bytes,
+                      BOUNDS(KV_B_LE), 1e-6);
+    rt_mw_hist_family(w, "sglang:kv_transfer_speed_gb_s",
+                      "tandem_kv_transfer_bandwidth_bytes_per_second in GB/s (10^9 bytes).", lb,
+                      &v->kv_bw, BOUNDS(KV_BW_LE), 1e-9);
+    rt_mw_family(w, "sglang:num_prefill_retries_total", RT_MT_COUNTER,
+                 "tandem_router_prefill_retries_total.");
+    rt_mw_uint(w, lb, m->pf_retries);
+    rt_mw_family(w, "sglang:num_transfer_failed_reqs_total", RT_MT_COUNTER,
+                 "Attempts whose KV transfer failed "
+                 "(tandem_router_prefill_failures_total{reason=\"transfer\"}).");
+    rt_mw_uint(w, lb, m->pf_failures[RT_PF_TRANSFER]);
 }
 
-int rt_metrics_vllm_render(rt_buf *b, const rt_metrics *m, const td_cfg *cfg)
+void rt_metrics_vllm_render(rt_mw *w, const rt_metrics *m)
 {
-    int rc = render_requests(b, m);
-    rc |= render_counters(b, m);
-    rc |= put_inst(b, m, cfg, "vllm:num_requests_running", "gauge",
-                   "Requests in the decode instance's running batch (alive instances).", 0);
-    rc |= put_inst(b, m, cfg, "vllm:num_requests_waiting", "gauge",
-                   "Requests the decode instance admitted but does not run yet (queue, KV "
-                   "transfer); the router's own queue is tandem_router_queue_length.",
-                   1);
-    rc |= put_inst(b, m, cfg, "vllm:kv_cache_usage_perc", "gauge",
-                   "Fraction (0-1) of the decode instance's KV blocks in use.", 2);
-    rc |= put_inst(b, m, cfg, "vllm:num_preemptions_total", "counter",
-                   "Requests the decode instance preempted (KV pool full), across restarts.", 3);
-    rc |= put_inst(b, m, cfg, "vllm:prefix_cache_queries_total", "counter",
-                   "Tokens the decode instance looked up in its prefix cache (admitted requests, "
-                   "and KV transfers at Alloc).",
-                   4);
-    rc |= put_inst(b, m, cfg, "vllm:prefix_cache_hits_total", "counter",
-                   "Of those, tokens found cached (their KV was not computed or not transferred "
-                   "again).",
-                   5);
-    rc |= put_inst(b, m, cfg, "tandem_prefix_cache_evictions_total", "counter",
-                   "Cached KV blocks the decode instance evicted to make room.", 6);
-    rc |= put_inst(b, m, cfg, "tandem_prefix_cache_tier_writes_total", "counter",
-                   "Evicted cached KV blocks the decode instance wrote to its second tier "
-                   "(decode[].prefix_cache_tier).",
-                   7);
-    rc |=
-        put_inst(b, m, cfg, "tandem_prefix_cache_tier_reads_total", "counter",
-                 "KV blocks the decode instance read back from its second tier into the pool.", 8);
-    rc |= put_inst(b, m, cfg, "tandem_prefix_cache_tier_hits_total", "counter",
-                   "Prompt tokens of admitted requests whose KV came from blocks read back from "
-                   "the second tier (part of vllm:prefix_cache_hits_total).",
-                   9);
-    rc |= render_spec(b, m, cfg);
-    rc |= render_steps(b, m, cfg);
-    if (m->n_pf > 0) rc |= render_kv(b, m);
-    return rc;
+    render_requests(w, m);
+    render_counters(w, m);
+    put_inst(w, m, "vllm:num_requests_running", RT_MT_GAUGE,
+             "Requests in the decode instance's running batch (alive instances).", 0);
+    put_inst(w, m, "vllm:num_requests_waiting", RT_MT_GAUGE,
+             "Requests the decode instance admitted but does not run yet (queue, KV "
+             "transfer); the router's own queue is tandem_router_queue_length.",
+             1);
+    put_inst(w, m, "vllm:kv_cache_usage_perc", RT_MT_GAUGE,
+             "Fraction (0-1) of the decode instance's KV blocks in use.", 2);
+    put_inst(w, m, "vllm:num_preemptions_total", RT_MT_COUNTER,
+             "Requests the decode instance preempted (KV pool full), across restarts.", 3);
+    put_inst(w, m, "vllm:prefix_cache_queries_total", RT_MT_COUNTER,
+             "Tokens the decode instance looked up in its prefix cache (admitted requests, "
+             "and KV transfers at Alloc).",
+             4);
+    put_inst(w, m, "vllm:prefix_cache_hits_total", RT_MT_COUNTER,
+             "Of those, tokens found cached (their KV was not computed or not transferred "
+             "again).",
+             5);
+    put_inst(w, m, "tandem_prefix_cache_evictions_total", RT_MT_COUNTER,
+             "Cached KV blocks the decode instance evicted to make room.", 6);
+    put_inst(w, m, "tandem_prefix_cache_tier_writes_total", RT_MT_COUNTER,
+             "Evicted cached KV blocks the decode instance wrote to its second tier "
+             "(decode[].prefix_cache_tier).",
+             7);
+    put_inst(w, m, "tandem_prefix_cache_tier_reads_total", RT_MT_COUNTER,
+             "KV blocks the decode instance read back from its second tier into the pool.", 8);
+    put_inst(w, m, "tandem_prefix_cache_tier_hits_total", RT_MT_COUNTER,
+             "Prompt tokens of admitted requests whose KV came from blocks read back from "
+             "the second tier (part of vllm:prefix_cache_hits_total).",
+             9);
+    render_spec(w, m);
+    render_steps(w, m);
+    if (m->n_pf > 0) render_kv(w, m);
 }

@@ -321,7 +321,8 @@ rt_inst_gauge rt_reg_gauge(const rt_inst *s)
                        .preemptions = s->preemptions,
                        .boot_id = s->boot_id,
                        .alive = s->alive,
-                       .compute = s->compute};
+                       .compute = s->compute,
+                       .cache = s->cst};
     if (!s->vacant) {
         snprintf(g.name, sizeof g.name, "%s", s->name);
         snprintf(g.url, sizeof g.url, "%s", s->url);

@@ -296,7 +296,7 @@ static void test_pick(void)
     TH_CHECK(rt_reg_seen(&x, &h, 2) && x.alive && x.queued_tokens == 77);
 }
 
-/* ---- per-instance counters across restarts (rt_metrics_vllm.c) ---- */
+/* ---- per-instance counters across restarts (rt_metrics_inst.c) ---- */
 
 /* The value of series `want` (name and labels, up to the value) in the rendered text. */
 static double series(const char *text, const char *want)
@@ -488,7 +488,8 @@ static void test_compute_series(void)
     /* the loop's snapshot (rt_loop.c, publish_metrics); d1 never reported */
     rt_inst_gauge g = {.alive = true, .compute = d0.compute, .name = "d0"};
     rt_metrics_publish_inst(&m, 0, &g);
-    m.pf[0] = (rt_pf_gauge){.alive = true, .compute = p0.compute, .name = "p0"};
+    rt_pf_gauge pg = {.alive = true, .compute = p0.compute, .name = "p0"};
+    rt_metrics_publish_pf(&m, 0, &pg);
     char *text = rt_metrics_render(&m, cfg);
     TH_REQUIRE(text);
     TH_CHECK(series(text, "tandem_instance_compute_info{instance=\"d0\",role=\"decode\","
