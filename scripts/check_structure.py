@@ -17,7 +17,13 @@ Rules (docs/contributing.md explains each one and how to fix a violation):
                      through its own private header (*_int.h, *_internal.h)
   layer-order        a module includes headers of its own layer's modules or lower ones only
                      (LAYERS: common below the backend contract below kvmem below the
-                     kernels, and so on up to tools); a module not in LAYERS is not checked
+                     kernels, and so on up to tools; a module's include/ folder, its public
+                     headers, may have a layer of its own below the module's); a module not
+                     in LAYERS is not checked
+  public-header      the folders in PUBLIC_ONLY (the nodes, the router, the planner, grammar,
+                     jinja, kvxfer) export only their include/ folder: another module includes
+                     only headers from there, and a header there includes none of its own
+                     module's others
 
 A module is a top-level directory. tests/ is left out of every rule, and generated code
 (*.pb-c.c, files that say "generated ... do not edit" at the top) of the length rules.
@@ -66,16 +72,25 @@ PREFIXES = {
 
 # The modules from the bottom up: a module may include headers of modules in its own layer
 # or below, never above (docs/architecture.md, "Layers"). Modules of one layer do not
-# include each other today; the rule allows it.
+# include each other today; the rule allows it. "X/include" is module X's public headers
+# (its libraries' interfaces) where they sit lower than the rest of X: the nodes' libraries
+# that the planner uses (prefill-node's pf_core, decode-node's dc_shm) are below the planner,
+# the node binaries above it.
 LAYERS = (
     ("common", "proto"),
     ("backend",),  # the device-backend contract, a header
     ("kvmem",),  # the KV memory: pool, tier, cache, kv_mem
     ("kernels", "grammar", "jinja", "kvxfer"),
-    ("decode-node", "prefill-node", "router"),
+    ("decode-node/include", "prefill-node/include"),  # dc_shm.h; pf_core's public headers
     ("planner",),
+    ("decode-node", "prefill-node", "router"),
     ("tools",),
 )
+
+# Modules whose libraries export only their include/ folder (CMake: PUBLIC include/, PRIVATE
+# the folder): other modules include only the headers there (the router has none), and a
+# header there includes no other header of its module (it would not compile from outside).
+PUBLIC_ONLY = ("grammar", "jinja", "kvxfer", "decode-node", "prefill-node", "router", "planner")
 
 # Exported names every program defines once (one per binary, so several modules have one).
 PER_PROGRAM = {"main"}
@@ -764,28 +779,55 @@ def check_includes(files):
     return out
 
 
+def layer_unit(rel, layer):
+    """The LAYERS entry rel belongs to: "X/include" for a file under X/include/ where LAYERS
+    names it, else its module X."""
+    module = rel.split("/", 1)[0]
+    pub = module + "/include"
+    return pub if rel.startswith(pub + "/") and pub in layer else module
+
+
+def is_public(rel):
+    """A header under its module's include/ folder."""
+    parts = rel.split("/")
+    return len(parts) > 2 and parts[1] == "include"
+
+
 def check_layers(files):
     """layer-order: every quoted #include that resolves to a header of another module must go
-    to a module of the same layer or a lower one."""
+    to a module (or a module's include/) of the same layer or a lower one.
+    public-header: one that resolves to a header of a PUBLIC_ONLY module must go to its
+    include/ folder; a header in a module's include/ includes none of its module's others."""
     layer = {m: i for i, mods in enumerate(LAYERS) for m in mods}
-    home = defaultdict(set)  # header basename -> modules that have it
+    home = defaultdict(list)  # header basename -> the headers of that name
     for f in files:
         if f.is_header:
-            home[os.path.basename(f.rel)].add(f.module)
+            home[os.path.basename(f.rel)].append(f.rel)
     out = []
     for f in files:
-        if f.module not in layer:
-            continue
+        here = layer_unit(f.rel, layer)
         for m in INCLUDE.finditer(f.nocomment):
-            owners = home.get(os.path.basename(m.group(1)), set())
-            if f.module in owners:
+            found = home.get(os.path.basename(m.group(1)), [])
+            line = f.nocomment.count("\n", 0, m.start()) + 1
+            own = [h for h in found if h.split("/", 1)[0] == f.module]
+            if own:  # a header of its own module
+                for h in own:
+                    if is_public(f.rel) and not is_public(h) and f.module in PUBLIC_ONLY:
+                        out.append(Violation(f.rel, line, "public-header",
+                                             "public header includes %s, private to %s: make "
+                                             "it public (move it to %s/include/) or drop the "
+                                             "include" % (h, f.module, f.module)))
                 continue
-            for o in sorted(owners):
-                if o in layer and layer[o] > layer[f.module]:
-                    line = f.nocomment.count("\n", 0, m.start()) + 1
+            for h in sorted(found):
+                o, ou = h.split("/", 1)[0], layer_unit(h, layer)
+                if here in layer and ou in layer and layer[ou] > layer[here]:
                     out.append(Violation(f.rel, line, "layer-order",
                                          "%s (layer %d) includes %s of %s (layer %d, above it)"
-                                         % (f.module, layer[f.module], m.group(1), o, layer[o])))
+                                         % (here, layer[here], m.group(1), ou, layer[ou])))
+                if o in PUBLIC_ONLY and not is_public(h):
+                    out.append(Violation(f.rel, line, "public-header",
+                                         "includes %s, private to %s (other modules use "
+                                         "%s/include/ only)" % (h, o, o)))
     return out
 
 
@@ -816,7 +858,8 @@ SELF_TEST_LIMITS = dict(max_fn=20, max_file=60, max_clock=2)
 # reported, never a failure (issue 40: a file-size limit made files split by line count)
 REPORT_ONLY = ("file-length",)
 RULES = ("function-length", "file-length", "monotonic-clock", "duplicate-function",
-         "static-clash", "duplicate-type", "type-prefix", "include-cycle", "layer-order")
+         "static-clash", "duplicate-type", "type-prefix", "include-cycle", "layer-order",
+         "public-header")
 
 
 def self_test(root):

@@ -169,7 +169,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
 
   # build: two compilers at a time (fuzz_kvx and fuzz_gguf in the background)
   built=()
-  "${FZ_CC[@]}" -Icommon -Ikvxfer tests/fuzz/fuzz_kvx.c "${KVX_SRC[@]}" "${BASE_SRC[@]}" \
+  "${FZ_CC[@]}" -Icommon -Ikvxfer -Ikvxfer/include tests/fuzz/fuzz_kvx.c "${KVX_SRC[@]}" "${BASE_SRC[@]}" \
     -lpthread -lm -o build-fuzz/fuzz_kvx &
   kvx_build=$!
   "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_gguf.c common/gguf.c common/td_dtype.c "${BASE_SRC[@]}" \
@@ -196,7 +196,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   else
     step_failed "fuzz_config: build failed"
   fi
-  if "${FZ_CC[@]}" -Icommon -Irouter -Igrammar -Ijinja -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
+  if "${FZ_CC[@]}" -Icommon -Irouter -Igrammar/include -Ijinja/include -Ibuild-fuzz/ctrl-gen tests/fuzz/fuzz_openai.c \
        router/rt_openai.c router/rt_format.c router/rt_chat.c router/rt_reason.c router/rt_toolfmt.c \
        router/rt_buf.c "${GR_SRC[@]}" "${JN_SRC[@]}" "${TOK_SRC[@]}" "${BASE_SRC[@]}" -ljansson \
        -lpthread -lm -o build-fuzz/fuzz_openai &&
@@ -206,13 +206,13 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   else
     step_failed "fuzz_openai: build or model generation failed"
   fi
-  if "${FZ_CC[@]}" -Icommon -Igrammar tests/fuzz/fuzz_grammar.c "${GR_SRC[@]}" "${TOK_SRC[@]}" \
+  if "${FZ_CC[@]}" -Icommon -Igrammar/include tests/fuzz/fuzz_grammar.c "${GR_SRC[@]}" "${TOK_SRC[@]}" \
        "${BASE_SRC[@]}" -ljansson -lpthread -lm -o build-fuzz/fuzz_grammar; then
     built+=(grammar)
   else
     step_failed "fuzz_grammar: build failed"
   fi
-  if "${FZ_CC[@]}" -Icommon -Ijinja tests/fuzz/fuzz_jinja.c "${JN_SRC[@]}" "${TOK_SRC[@]}" \
+  if "${FZ_CC[@]}" -Icommon -Ijinja/include tests/fuzz/fuzz_jinja.c "${JN_SRC[@]}" "${TOK_SRC[@]}" \
        "${BASE_SRC[@]}" -ljansson -lpthread -lm -o build-fuzz/fuzz_jinja; then
     built+=(jinja)
   else

@@ -11,6 +11,10 @@ set_tests_properties(test_shm PROPERTIES TIMEOUT 120)
 
 # ---- dc_core: scheduler + plan on a real engine (synthetic model).
 add_executable(test_sched ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_sched.c)
+# test_sched, test_draft and test_kv_shm are white-box tests: they see decode-node/'s own
+# headers (dc_sched.h, dc_plan.h, dc_draft.h, dc_xfer.h) on purpose; the libraries export
+# only decode-node/include/.
+target_include_directories(test_sched PRIVATE ${PROJECT_SOURCE_DIR}/decode-node)
 target_link_libraries(test_sched PRIVATE dc_core td_kernels td_common)
 if(TANDEM_PYTHON)
   add_test(NAME decode_sched COMMAND test_sched ${TANDEM_TEST_DATA}/synth/llama.gguf)
@@ -20,6 +24,7 @@ endif()
 # ---- dc_draft: a draft model as the scheduler's proposer (synthetic models: llama.gguf the
 # ---- target and its own draft, qwen2.gguf a draft of the same vocabulary).
 add_executable(test_draft ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_draft.c)
+target_include_directories(test_draft PRIVATE ${PROJECT_SOURCE_DIR}/decode-node)
 target_link_libraries(test_draft PRIVATE dc_draft dc_core td_kernels td_common)
 if(TANDEM_PYTHON)
   add_test(NAME decode_draft COMMAND test_draft ${TANDEM_TEST_DATA}/synth)
@@ -66,6 +71,7 @@ endif()
 # ---- KV pools in shared memory (the followers' pools in disaggregated mode) and the
 # ---- segment names / stale sweep of dc_xfer.
 add_executable(test_kv_shm ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_kv_shm.c)
+target_include_directories(test_kv_shm PRIVATE ${PROJECT_SOURCE_DIR}/decode-node)
 target_link_libraries(test_kv_shm PRIVATE dc_xfer td_kernels td_common rt)
 add_test(NAME test_kv_shm COMMAND test_kv_shm)
 set_tests_properties(test_kv_shm PROPERTIES TIMEOUT 60 LABELS decode)

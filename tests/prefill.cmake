@@ -23,8 +23,12 @@ if(TARGET pf_core)
   add_test(NAME test_pf_chunk COMMAND test_pf_chunk)
   set_tests_properties(test_pf_chunk PROPERTIES TIMEOUT 30 LABELS prefill)
 
+  # test_pf_kvcache, test_pf_chunking and test_pf_pcache are white-box tests: they see
+  # prefill-node/'s own headers (pf_kvcache.h, pf_int.h, pf_pcache.h) on purpose; pf_core
+  # exports only prefill-node/include/.
   add_executable(test_pf_kvcache ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_kvcache.c)
-  target_include_directories(test_pf_kvcache PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_include_directories(test_pf_kvcache PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                                     ${PROJECT_SOURCE_DIR}/prefill-node)
   target_link_libraries(test_pf_kvcache PRIVATE pf_core td_common)
   add_test(NAME test_pf_kvcache COMMAND test_pf_kvcache)
   set_tests_properties(test_pf_kvcache PROPERTIES TIMEOUT 30 LABELS prefill)
@@ -37,7 +41,8 @@ if(TARGET pf_core)
 
   add_executable(test_pf_chunking ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_chunking.c
                                   ${PROJECT_SOURCE_DIR}/prefill-node/pf_chunking.c)
-  target_include_directories(test_pf_chunking PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_include_directories(test_pf_chunking PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                                      ${PROJECT_SOURCE_DIR}/prefill-node)
   target_link_libraries(test_pf_chunking PRIVATE pf_core td_grammar td_kvxfer td_ctrl td_config
                                                  td_common)
   add_test(NAME test_pf_chunking COMMAND test_pf_chunking)
@@ -53,7 +58,8 @@ if(TARGET pf_core)
   endif()
 
   add_executable(test_pf_pcache ${CMAKE_CURRENT_SOURCE_DIR}/prefill/test_pf_pcache.c)
-  target_include_directories(test_pf_pcache PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_include_directories(test_pf_pcache PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                                    ${PROJECT_SOURCE_DIR}/prefill-node)
   target_link_libraries(test_pf_pcache PRIVATE pf_core td_kernels td_common Threads::Threads)
   if(TANDEM_PYTHON)
     add_test(NAME test_pf_pcache COMMAND test_pf_pcache ${TANDEM_TEST_DATA}/synth/llama.gguf)

@@ -60,6 +60,12 @@ target_link_libraries(test_rt_reason PRIVATE rt_core)
 add_test(NAME test_rt_reason COMMAND test_rt_reason)
 add_executable(test_rt_chat ${CMAKE_CURRENT_SOURCE_DIR}/router/test_rt_chat.c)
 target_link_libraries(test_rt_chat PRIVATE rt_core)
+# The unit tests above are white-box tests: they see router/'s own headers on purpose (rt_core
+# exports none).
+foreach(t test_rt_unit test_rt_unit_cache test_rt_tools test_rt_toolfmt test_rt_reason
+          test_rt_chat)
+  target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/router)
+endforeach()
 
 if(TANDEM_PYTHON)
   # tools rendered byte-exact against the Qwen2.5 template under jinja2 (as transformers)

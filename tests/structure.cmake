@@ -1,6 +1,7 @@
 # Structure rules of the C code (issue 12; docs/contributing.md): function and file sizes, the
 # one monotonic clock, names defined in one module only, header type prefixes, no include
-# cycles inside a module. Plain python3 (standard library), no build needed.
+# cycles inside a module, the layers, other folders' public headers only. Plain python3
+# (standard library), no build needed.
 #   structure           scripts/check_structure.py over the source tree: every violation as
 #                       FILE:LINE: [rule] reason
 #   structure_selftest  the same rules over the fixtures in tests/structure/tree: each rule

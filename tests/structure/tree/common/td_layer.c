@@ -3,4 +3,5 @@
 #include <stdio.h>
 
 #include "td_api.h"
-#include "rt_a.h" /* EXPECT: layer-order */
+#include "rt_a.h"   /* EXPECT: layer-order, public-header */
+#include "pf_pub.h" /* EXPECT: layer-order */
