@@ -27,6 +27,7 @@
 #define FORM_LOG_MS   10000 /* forming: say what it waits for this often */
 #define STOP_DRAIN_MS 500   /* after SIGTERM with requests in flight: errors get out */
 #define STOP_XFER_MS  3000  /* ... and longer, up to this, while aborted transfers still end */
+#define PEER_STOP_GRACE_MS 500   /* a follower stopped: this rank's own stop may follow */
 
 /* Interrupted early by a signal (no SA_RESTART): SIGTERM ends the pause at once. */
 static void sleep_ms(int ms)
@@ -277,6 +278,9 @@ static int follower_run(dc_node *n)
         else
             TD_LOG_INFO("decode %s rank %d: joined the instance", p->instance, p->rank);
         rc = follower_steps(n);
+        /* this rank's SIGTERM: say so in the segment (not the "left" of a bare close), so
+           that rank 0 can tell a stop from a failure (leader_run) */
+        if (rc == DC_SHM_INTR) dc_shm_leave_stopped(n->form.shm);
         char why[192];
         snprintf(why, sizeof why, "%s",
                  rc == DC_SHM_STOP              ? "rank 0 stopped the instance"
@@ -807,7 +811,8 @@ static void leader_stop(dc_node *n)
 {
     n->life.draining = true;
     td_join_leave(n->serve.join); /* the router hears it before the connection drops, mostly */
-    if (!dc_sched_idle(n->leader.sched)) {
+    bool busy = !dc_sched_idle(n->leader.sched);
+    if (busy) {
         /* stopped with work in flight: end every request with a clear error and give the
          * events a moment to reach their clients (they long-poll, so ~ms) */
         dc_sched_stats st = dc_sched_get_stats(n->leader.sched);
@@ -817,6 +822,10 @@ static void leader_stop(dc_node *n)
         dc_xfer_abort_all(n->plane.xfer, DC_XFER_END_STOPPED);
         dc_sched_fail_all(n->leader.sched);
         dc_serve_health(n);
+    }
+    /* also when a failure just before the stop ended the requests (fail_in_flight): their
+       transfers' aborts may still be ending, and their error events still queued */
+    if (busy || dc_xfer_pending(n->plane.xfer) > 0) {
         /* a transfer's abort ends when every rank released it: on a loaded machine (CI
            under ASan) that once took longer than STOP_DRAIN_MS, and the leak check at the
            exit found it still alive */
@@ -897,6 +906,19 @@ static void leader_stop(dc_node *n)
 }
 
 /* The leader's life: FORMING -> SERVING -> (a rank failed) FORMING -> ... until SIGTERM. */
+/* A follower stopped on its own SIGTERM. `tandem down`, a pod's deletion and systemd stop
+ * every rank at once, and a follower may leave before this rank's signal arrives: wait a
+ * moment for it (answering the inbox), so that the requests in flight end as a stop
+ * (ERR_SHUTDOWN, which the router moves uncounted) and their transfers are waited for, not
+ * as an instance failure followed by a re-formation that the stop then cuts short. A
+ * follower stopped alone is still a failure once the moment is over. */
+static void await_own_stop(dc_node *n)
+{
+    int64_t t0 = td_now_ms();
+    while (!*n->p->stop && td_now_ms() - t0 < PEER_STOP_GRACE_MS)
+        dc_serve_inbox(n, 20, NULL);
+}
+
 static int leader_run(dc_node *n)
 {
     int rc = leader_init(n);
@@ -912,6 +934,7 @@ static int leader_run(dc_node *n)
         if (*n->p->stop) break;
         rc = serve(n, &fatal);
         dc_serve_fail_allocs(n); /* held replies of a formation that ended */
+        if (rc && !fatal && !*n->p->stop && dc_shm_peer_stopped(n->form.shm)) await_own_stop(n);
         if (fatal || *n->p->stop) break;
         fail_in_flight(n, rc);
     }

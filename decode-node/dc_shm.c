@@ -541,6 +541,19 @@ const char *dc_shm_error(const dc_shm *s)
     return s->err_msg[0] ? s->err_msg : td_strerror(s->err);
 }
 
+void dc_shm_leave_stopped(dc_shm *s)
+{
+    if (s && !s->stopped) dc_shm_fail(s, TD_ESTATE);
+}
+
+bool dc_shm_peer_stopped(const dc_shm *s)
+{
+    if (!s || !s->h) return false;
+    uint32_t b = atomic_load(&s->h->broken);
+    /* only an interrupt breaks with TD_ESTATE (dc_shm_fail's callers) */
+    return b && (int)(b & 0xff) - 1 != s->rank && atomic_load(&s->h->broken_err) == TD_ESTATE;
+}
+
 void dc_shm_get_stats(const dc_shm *s, dc_shm_stats *out)
 {
     *out = s->st;

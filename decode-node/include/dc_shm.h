@@ -197,6 +197,14 @@ int dc_shm_check(dc_shm *s);
  * the error's text; "" while it is intact. Valid until dc_shm_close. */
 const char *dc_shm_error(const dc_shm *s);
 
+/* This rank leaves on its own interrupt (its SIGTERM) between steps: breaks the instance
+ * as an interrupted wait does, so that the peers read "rank 1 stopped (interrupted)" and
+ * dc_shm_peer_stopped, not the "failed or left" of a bare dc_shm_close. */
+void dc_shm_leave_stopped(dc_shm *s);
+/* Whether the instance broke because another rank stopped on its own interrupt, rather than
+ * dying, falling silent or failing. */
+bool dc_shm_peer_stopped(const dc_shm *s);
+
 /* The pid of rank's process as it joined the rendezvous (-1 before it completed or for
  * a bad rank): a peer's names that carry its pid (its KV pool segment) can be found. */
 int dc_shm_rank_pid(const dc_shm *s, int rank);

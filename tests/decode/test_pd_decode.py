@@ -251,8 +251,12 @@ def case_faults(args):
         c.finish()
         wait_kv_zero(inst, "timeout")
 
-        # SIGTERM with a transfer in flight: it ends with ERR_SHUTDOWN, nothing leaks
+        # SIGTERM with a transfer in flight: it ends with ERR_SHUTDOWN, nothing leaks; the
+        # follower's signal first, as `tandem down` or a pod's deletion may deliver them (the
+        # leader must not take the follower's exit for a failure of the instance)
         t = Transfer(args, inst, model, ids, 8, 40, 1, "tcp", no_writer=True)
+        inst.rank_proc(1).send_signal(signal.SIGTERM)
+        time.sleep(0.1)
     finally:
         stop_and_check_leaks(inst, label)
     final, errors, _ = t.finish(timeout=30)
