@@ -8,7 +8,11 @@
 #                 (scripts/fetch_corpus.py: llama.cpp's templates from the llama-cpp-python
 #                 sdist, likewise kept) for template_corpus (tests/templates.cmake)
 #   build-asan/   -DTANDEM_SANITIZE=ON RelWithDebInfo build (with the CUDA backend where nvcc
-#                 is found); ctest runs every test but those labelled ci_release
+#                 is found, compiled for one GPU target, TANDEM_CI_CUDA_ARCHS: 80-real, the
+#                 oldest the release build targets; device code that compiles for it compiles
+#                 for the newer ones, and the six targets of a release build took nvcc 163 s of
+#                 cuda_matmul.cu alone against 34); ctest runs every test but those labelled
+#                 ci_release
 #   build-rel/    Release build, CUDA off; ctest runs the ci_release tests: those whose time
 #                 goes to real models' forward passes (tests/CMakeLists.txt says which and
 #                 why; what they run besides the forward pass runs under ASan in smaller tests)
@@ -23,7 +27,8 @@
 #
 # Environment: TANDEM_JOBS (2), TANDEM_TEST_TIMEOUT (seconds per test, 1800),
 # TANDEM_FUZZ_SECONDS (60; 0 skips the fuzzers), TANDEM_FUZZ_SECONDS_EACH (20: the other
-# fuzzers), TANDEM_TEST_BUDGET_S (2400; 0: no budget), TANDEM_CORPUS_DIR (the template
+# fuzzers), TANDEM_TEST_BUDGET_S (2400; 0: no budget), TANDEM_CI_CUDA_ARCHS (80-real; any
+# CMAKE_CUDA_ARCHITECTURES value), TANDEM_CORPUS_DIR (the template
 # corpus cache, ~/.cache/tandem/corpus), plus setup.sh's TANDEM_VENV / TANDEM_MODELS.
 # Ends with "tandem: N passed, M failed" (ctest's tests, each fuzzer and any failed build
 # step each count as one) and exits non-zero if anything failed.
@@ -137,7 +142,8 @@ configure_build() {
 phase "setup"
 asan_ok=0
 rel_ok=0
-configure_build build-asan -DTANDEM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo && asan_ok=1
+configure_build build-asan -DTANDEM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CUDA_ARCHITECTURES="${TANDEM_CI_CUDA_ARCHS:-80-real}" && asan_ok=1
 phase "build-asan"
 configure_build build-rel -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=OFF && rel_ok=1
 phase "build-rel"

@@ -2,10 +2,12 @@
 # prefill stages and decode ranks as real processes, checked through the HTTP API.
 #   disagg          every case but disagg_default's: the synthetic model's, the faults (retry,
 #                   a decode instance that dies, a stalled stage) and grammar (the stages'
-#                   matchers), on the default model where a prefill must last
+#                   matchers, two samples), on the default model where a prefill must last
 #   disagg_default  the default model's outputs against `tandem generate` (pp 2 x tp 1/3, one
-#                   prefill instance for tp 1 + tp 3); CI runs it in Release
-#                   (tests/CMakeLists.txt: TANDEM_CI_RELEASE_TESTS)
+#                   prefill instance for tp 1 + tp 3), its logprobs against colocated, ten
+#                   grammar samples; CI runs it in Release (tests/CMakeLists.txt:
+#                   TANDEM_CI_RELEASE_TESTS): the same paths as disagg's, the time in the
+#                   default model's forward passes
 if(TANDEM_PYTHON)
   set(DISAGG_CMD ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/disagg/test_disagg.py
                  --router $<TARGET_FILE:tandem-router> --prefill $<TARGET_FILE:tandem-prefill>
@@ -14,9 +16,10 @@ if(TANDEM_PYTHON)
   if(TANDEM_MODEL)
     list(APPEND DISAGG_CMD --model ${TANDEM_MODEL})
   endif()
-  add_test(NAME disagg COMMAND ${DISAGG_CMD} --skip default)
+  set(DISAGG_DEFAULT_CASES default,logprobs_default,grammar_many)
+  add_test(NAME disagg COMMAND ${DISAGG_CMD} --skip ${DISAGG_DEFAULT_CASES})
   if(TANDEM_MODEL)
-    add_test(NAME disagg_default COMMAND ${DISAGG_CMD} --case default)
+    add_test(NAME disagg_default COMMAND ${DISAGG_CMD} --case ${DISAGG_DEFAULT_CASES})
   endif()
   foreach(t disagg disagg_default)
     if(TEST ${t})

@@ -22,10 +22,11 @@ Cases (--case NAME runs one):
   logprobs completions logprobs (top 5) with echo (prompt logprobs) and chat logprobs
            (top_logprobs 3), greedy: colocated and disaggregated (pp 1 and pp 2, prompts of one
            and of several chunks) agree within 1e-4; streamed == non-streamed; the
-           synthetic llama and the default model;
-  grammar  structured output (response_format) at prefill pp 2 -> decode tp 3: seeded
-           temperature-1.0 json_schema outputs validate, json_object parses, the first token
-           (the last prefill stage's) obeys the mask against a logit_bias of +100;
+           synthetic llama (logprobs_default: the same on the default model, pp 2);
+  grammar  structured output (response_format) at prefill pp 2 -> decode tp 3: two seeded
+           temperature-1.0 json_schema outputs (prompts of one chunk and of several)
+           validate, the first token (the last prefill stage's) obeys the mask against a
+           logit_bias of +100 (grammar_many: ten seeded outputs, and json_object parses);
   stalled  prefill stage 0 stopped (SIGSTOP) after taking a prompt, so its KV never comes:
            the decode side's deadline ends the request with an error, nothing leaks, and
            after SIGCONT the cluster serves again.
@@ -309,7 +310,7 @@ def background_complete(c, prompt, n, out):
 
 
 def case_retry(args):
-    prompt = text(1500)
+    prompt = text(600)
     want = expect(args, args.model, [prompt], 8)[0]
     with Cluster(args, args.model, [{"pp": 2, "chunk": 128}, {"pp": 1, "chunk": 128}],
                  [{"tp": 1, "kv_blocks": 1024}]) as c:
@@ -345,7 +346,7 @@ def case_retry(args):
 
 
 def case_decode_dies(args):
-    prompt = text(1500)
+    prompt = text(600)
     with Cluster(args, args.model, [{"pp": 2, "chunk": 128}], [{"tp": 1, "kv_blocks": 1024}],
                  instance_timeout_ms=1500) as c:
         out = {}
@@ -444,10 +445,8 @@ def lp_close(a, b, tol=1e-4):
     return a == b
 
 
-def case_logprobs(args):
-    models = [("synth", os.path.join(args.synth_dir, "llama.gguf"), 64)]
-    if args.model and os.path.exists(args.model):
-        models.append(("default", args.model, 64))  # chunks as the decode steps
+def case_logprobs(args, models=None):
+    models = models or [("synth", os.path.join(args.synth_dir, "llama.gguf"), 64)]
     for name, model, chunk in models:
         prompts = [text(6), text(3 * chunk // 2 + 17)]  # one chunk; several
         # the reference computes every prompt from token 0: a prefix cache hit (the 2nd prompt
@@ -483,6 +482,10 @@ def case_logprobs(args):
                 idle(c, label)
 
 
+def case_logprobs_default(args):
+    case_logprobs(args, [("default", args.model, 64)])  # chunks as the decode steps
+
+
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
     "role": {"enum": ["admin", "user", "guest"]},
@@ -490,11 +493,12 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "role", "tags"], "additionalProperties": False}
 
 
-def case_grammar(args):
+def case_grammar(args, samples=2, many=False):
     """Structured output through the disaggregated path: the last prefill stage samples the
     first token under the grammar's mask (prefill pp 2 -> decode tp 3: the
     default model's 9 heads do not split in 2), the decode side the
-    rest. Prompts of one chunk and of several (the schema travels with the LAST segment)."""
+    rest. Prompts of one chunk and of several (the schema travels with the LAST segment).
+    many (grammar_many): 10 samples and json_object, not the logit_bias check."""
     import jsonschema
     import openai
     rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
@@ -502,7 +506,7 @@ def case_grammar(args):
         cl = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         mid = os.path.basename(args.model)
         bad = []
-        for i in range(10):
+        for i in range(samples):
             kw = dict(model=mid, max_tokens=160, temperature=1.0, seed=100 + i)
             if i % 2:
                 r = cl.chat.completions.create(
@@ -519,8 +523,12 @@ def case_grammar(args):
                     bad.append((i, r.choices[0].finish_reason, out))
             except (ValueError, jsonschema.ValidationError) as e:
                 bad.append((i, str(e)[:80], out))
-        check(not bad, "grammar pp2 tp3: 10 seeded temperature-1.0 json_schema outputs parse "
-              "and validate" + ("" if not bad else f": {bad[:2]}"))
+        check(not bad, f"grammar pp2 tp3: {samples} seeded temperature-1.0 json_schema outputs "
+              "parse and validate" + ("" if not bad else f": {bad[:2]}"))
+        if not many:
+            grammar_first_token(c, cl, mid, rf)
+            idle(c, "grammar pp2 tp3")
+            return
         r = cl.chat.completions.create(model=mid, max_tokens=200, temperature=1.0, seed=7,
                                        messages=[{"role": "user", "content": "A JSON object."}],
                                        response_format={"type": "json_object"})
@@ -530,27 +538,32 @@ def case_grammar(args):
         except ValueError:
             ok = False
         check(ok, f"grammar pp2 tp3: a json_object output parses ({out!r})")
-        # the first token is the prefill stage's: +100 on " the" would make it " the" without
-        # the mask (checked), and the output would not start with "{"
-        t = token_post(c, "/tokenize", {"prompt": " the", "add_special_tokens": False})["tokens"][-1]
-        kw = dict(model=mid, prompt="A JSON record:", max_tokens=1, temperature=0,
-                  logit_bias={str(t): 100})
-        r0 = cl.completions.create(**kw)
-        r = cl.completions.create(**dict(kw, max_tokens=120), extra_body={"response_format": rf})
-        check(r0.choices[0].text == " the" and r.choices[0].text.startswith("{"),
-              f"grammar pp2 tp3: the first token obeys the mask against logit_bias +100 "
-              f"({r0.choices[0].text!r}, {r.choices[0].text[:20]!r})")
-        try:
-            jsonschema.validate(json.loads(r.choices[0].text), PERSON)
-            check(True, "grammar pp2 tp3: ... and the output validates")
-        except (ValueError, jsonschema.ValidationError) as e:
-            check(False, f"grammar pp2 tp3: ... and the output validates ({e})")
         idle(c, "grammar pp2 tp3")
+
+
+def grammar_first_token(c, cl, mid, rf):
+    """The first token is the prefill stage's: +100 on " the" would make it " the" without
+    the mask (checked), and the output would not start with "{"."""
+    import jsonschema
+    t = token_post(c, "/tokenize", {"prompt": " the", "add_special_tokens": False})["tokens"][-1]
+    kw = dict(model=mid, prompt="A JSON record:", max_tokens=1, temperature=0,
+              logit_bias={str(t): 100})
+    r0 = cl.completions.create(**kw)
+    r = cl.completions.create(**dict(kw, max_tokens=120), extra_body={"response_format": rf})
+    check(r0.choices[0].text == " the" and r.choices[0].text.startswith("{"),
+          f"grammar pp2 tp3: the first token obeys the mask against logit_bias +100 "
+          f"({r0.choices[0].text!r}, {r.choices[0].text[:20]!r})")
+    try:
+        jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+        check(True, "grammar pp2 tp3: ... and the output validates")
+    except (ValueError, jsonschema.ValidationError) as e:
+        check(False, f"grammar pp2 tp3: ... and the output validates ({e})")
 
 
 CASES = {"synth": case_synth, "moe": case_moe, "default": case_default, "retry": case_retry,
          "decode_dies": case_decode_dies, "stalled": case_stalled, "logprobs": case_logprobs,
-         "grammar": case_grammar}
+         "grammar": case_grammar, "logprobs_default": case_logprobs_default,
+         "grammar_many": lambda args: case_grammar(args, samples=10, many=True)}
 
 
 def main():

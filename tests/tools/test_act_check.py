@@ -3,24 +3,31 @@
 the model's greedy answers, caches the verdict, and serves in the mode it chose
 (kernels/act_check.h).
 
-  - the default model (SmolLM2-135M Q4_1) answers the quick start's question wrongly in q8:
-    auto chooses f32, and the answer is "Paris";
-  - with Qwen2.5-Coder 0.5B (when given) every prompt agrees: auto chooses q8;
-  - the verdict is cached: a second start reads it; a damaged file is refused and measured
-    again; two processes that start together measure once (the lock);
-  - TANDEM_CPU_ACT with an unknown value is an error.
-usage: test_act_check.py TANDEM_BIN DEFAULT_MODEL.gguf|- [QWEN05.gguf]
-  ("-": the default model's cases are not run; tests/cli.cmake runs them under ASan and the
-  Qwen case in Release)
+  --cache MODEL    the verdict's cache on any model (a synthetic one under ASan: the check is
+                   the same code whatever the model): measured once, then read; a damaged file
+                   is refused and measured again; two processes that start together measure
+                   once (the lock); TANDEM_CPU_ACT with an unknown value is an error
+  --default MODEL  the default model (SmolLM2-135M Q4_1) answers the quick start's question
+                   wrongly in q8: auto chooses f32, and the answer is "Paris"
+  --qwen MODEL     Qwen2.5-Coder 0.5B: every prompt agrees, auto chooses q8
+tests/cli.cmake runs --cache under ASan (cli_act_check) and the two real files' verdicts in
+Release (cli_act_check_models), where their forward passes take seconds, not a minute.
 """
+import argparse
 import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
 
-BIN, MODEL = sys.argv[1], sys.argv[2]
-QWEN = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None
+ap = argparse.ArgumentParser()
+ap.add_argument("tandem")
+ap.add_argument("--cache", default="", help="model for the cache cases")
+ap.add_argument("--default", default="", help="the default model (its f32 verdict)")
+ap.add_argument("--qwen", default="", help="Qwen2.5-Coder 0.5B (its q8 verdict)")
+ARGS = ap.parse_args()
+BIN = ARGS.tandem
 fails = 0
 
 
@@ -43,54 +50,66 @@ def generate(cache, model, act="auto", wait=True):
     return p.returncode, out, err
 
 
-def default_model_cases(tmp):
-    cache = os.path.join(tmp, "c1")
-    rc, out, err = generate(cache, MODEL)
-    check(rc == 0 and "cpu_act auto: f32" in err and "comparing" in err,
-          "default model: auto measures and chooses f32", err[-1500:])
-    check("Paris" in out, "default model: the quick start's answer", out)
-    files = glob.glob(os.path.join(cache, "act", "*.act"))
-    check(len(files) == 1 and "\nq8 0\n" in open(files[0]).read(), "the verdict is cached",
-          str(files))
+def chosen(err):
+    """The mode auto chose, from its log line ("cpu_act auto: f32 (...)"), or None."""
+    m = re.search(r"cpu_act auto: (f32|q8)\b", err)
+    return m.group(1) if m else None
 
-    rc, out, err = generate(cache, MODEL)
-    check(rc == 0 and "cpu_act auto: f32" in err and "cached in" in err and "comparing" not in err,
+
+def cache_cases(tmp, model):
+    cache = os.path.join(tmp, "cache")
+    rc, out, err = generate(cache, model)
+    mode = chosen(err)
+    check(rc == 0 and mode is not None and "comparing" in err,
+          f"auto measures and chooses a mode ({mode})", err[-1500:])
+    files = glob.glob(os.path.join(cache, "act", "*.act"))
+    want = "\nq8 %d\n" % (mode == "q8")
+    check(len(files) == 1 and want in open(files[0]).read(), "the verdict is cached",
+          str(files))
+    if len(files) != 1:
+        return
+
+    rc, out, err = generate(cache, model)
+    check(rc == 0 and chosen(err) == mode and "cached in" in err and "comparing" not in err,
           "a second start reads the cache", err[-1500:])
 
     text = open(files[0]).read()
+    flipped = "q8 %d" % (mode != "q8")
     with open(files[0], "w") as f:
-        f.write(text.replace("q8 0", "q8 1"))  # a verdict changed by hand: the checksum
-    rc, out, err = generate(cache, MODEL)
-    check(rc == 0 and "refused" in err and "cpu_act auto: f32" in err,
+        f.write(text.replace(want.strip(), flipped))  # a verdict changed by hand: the checksum
+    rc, out, err = generate(cache, model)
+    check(rc == 0 and "refused" in err and "comparing" in err and chosen(err) == mode,
           "a damaged cache file is refused and measured again", err[-1500:])
     def verdict(t):  # the file but the time the check took (and the checksum over it)
         return [l for l in t.splitlines() if not l.startswith(("check_ms", "end "))]
     check(verdict(open(files[0]).read()) == verdict(text), "and written again whole")
 
-    cache2 = os.path.join(tmp, "c2")
-    procs = [generate(cache2, MODEL, wait=False) for _ in range(2)]
+    cache2 = os.path.join(tmp, "cache2")
+    procs = [generate(cache2, model, wait=False) for _ in range(2)]
     res = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
     measured = sum("comparing" in e for _, e, _ in res)
-    check(all(r == 0 and "cpu_act auto: f32" in e for _, e, r in res) and measured == 1,
+    check(all(r == 0 and chosen(e) == mode for _, e, r in res) and measured == 1,
           "two processes starting together measure once", f"measured {measured}")
 
-    rc, out, err = generate(cache, MODEL, act="q4")
+    rc, out, err = generate(cache, model, act="q4")
     check(rc == 1 and "TANDEM_CPU_ACT=q4" in err, "an unknown TANDEM_CPU_ACT is an error",
           f"rc {rc} {err[-500:]}")
 
 
-if MODEL == "-" and not QWEN:
-    sys.exit("test_act_check.py: nothing to check (no default model and no Qwen file)")
+if not (ARGS.cache or ARGS.default or ARGS.qwen):
+    sys.exit("test_act_check.py: nothing to check (give --cache, --default or --qwen)")
 with tempfile.TemporaryDirectory() as tmp:
-    if MODEL != "-":
-        default_model_cases(tmp)
-    if QWEN:
-        cache = os.path.join(tmp, "c1")
-        rc, out, err = generate(cache, QWEN)
-        check(rc == 0 and "cpu_act auto: q8" in err and "Paris" in out,
+    if ARGS.cache:
+        cache_cases(tmp, ARGS.cache)
+    if ARGS.default:
+        rc, out, err = generate(os.path.join(tmp, "default"), ARGS.default)
+        check(rc == 0 and chosen(err) == "f32" and "Paris" in out,
+              "default model: auto chooses f32 (q8 answers the quick start's question wrongly)"
+              " and the answer is Paris", err[-1500:] + out)
+    if ARGS.qwen:
+        rc, out, err = generate(os.path.join(tmp, "qwen"), ARGS.qwen)
+        check(rc == 0 and chosen(err) == "q8" and "Paris" in out,
               "Qwen2.5-Coder 0.5B: auto chooses q8 and answers right", err[-1500:] + out)
-    else:
-        print("     no Qwen2.5-Coder 0.5B file given: its q8 verdict not checked")
 
 print(f"{fails} failed")
 sys.exit(1 if fails else 0)
