@@ -9,6 +9,7 @@
 #include "kv_tier.h"
 #include "td_blockhash.h"
 #include "td_err.h"
+#include "td_ilist.h"
 
 #define ROOT_SERIAL 1u /* the root's "entry"; real entries start at 2 */
 
@@ -21,9 +22,7 @@ struct kn_kv_cache {
     uint64_t *pid;        /* (n_blocks) block id of the entry before it */
     int32_t *ntok;        /* (n_blocks) tokens the entry holds: bs, or fewer for a tail */
     int32_t *tok;         /* (n_blocks, bs) the entry's tokens */
-    int32_t *prev, *next; /* (n_blocks) idle list links, -1 ends */
-    int32_t idle_head;    /* least recently idle, -1: none */
-    int32_t idle_tail;    /* most recently idle */
+    td_ilist idle;        /* the idle blocks (links: n_blocks), least recently idle first */
     int n_idle, n_cached;
     bool no_demand_evict; /* kn_kv_cache_set_demand_evict(false) */
     int32_t *slots;       /* (mask + 1) block of each index slot, -1: empty */
@@ -84,7 +83,7 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
     *out = NULL;
     kn_kv_cache *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
-    c->idle_head = c->idle_tail = -1; /* before any failure: destroy walks the idle list */
+    td_ilist_clear(&c->idle); /* before any failure: destroy walks the idle list */
     size_t nb = (size_t)pool->n_blocks, cap = 16;
     while (cap < 2 * nb)
         cap *= 2;
@@ -96,18 +95,18 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
     c->pid = calloc(nb, sizeof *c->pid);
     c->ntok = calloc(nb, sizeof *c->ntok);
     c->tok = malloc(nb * (size_t)c->bs * sizeof *c->tok);
-    c->prev = malloc(nb * sizeof *c->prev);
-    c->next = malloc(nb * sizeof *c->next);
+    c->idle.prev = malloc(nb * sizeof *c->idle.prev);
+    c->idle.next = malloc(nb * sizeof *c->idle.next);
     c->slots = malloc(cap * sizeof *c->slots);
     c->restored = calloc(nb, sizeof *c->restored);
-    if (!c->id || !c->serial || !c->parent || !c->pid || !c->ntok || !c->tok || !c->prev ||
-        !c->next || !c->slots || !c->restored) {
+    if (!c->id || !c->serial || !c->parent || !c->pid || !c->ntok || !c->tok || !c->idle.prev ||
+        !c->idle.next || !c->slots || !c->restored) {
         kn_kv_cache_destroy(c);
         return TD_ENOMEM;
     }
     memset(c->slots, 0xff, cap * sizeof *c->slots);
     c->mask = cap - 1;
-    c->idle_head = c->idle_tail = -1;
+    td_ilist_clear(&c->idle);
     c->next_serial = ROOT_SERIAL + 1;
     c->ev_next = c->ev_skip = 1;
     if (kn_kv_cache_set_event_log(c, KN_KV_EVENT_LOG_DEFAULT)) {
@@ -121,8 +120,8 @@ int kn_kv_cache_create(kn_kv_pool *pool, kn_kv_cache **out)
 void kn_kv_cache_destroy(kn_kv_cache *c)
 {
     if (!c) return;
-    if (c->next) /* idle blocks are nobody's: back to the free list */
-        for (int32_t b = c->idle_head; b >= 0; b = c->next[b])
+    if (c->idle.next) /* idle blocks are nobody's: back to the free list */
+        for (int32_t b = c->idle.head; b >= 0; b = c->idle.next[b])
             kn_kv_pool_put(c->pool, b);
     free(c->id);
     free(c->serial);
@@ -130,8 +129,8 @@ void kn_kv_cache_destroy(kn_kv_cache *c)
     free(c->pid);
     free(c->ntok);
     free(c->tok);
-    free(c->prev);
-    free(c->next);
+    free(c->idle.prev);
+    free(c->idle.next);
     free(c->slots);
     free(c->restored);
     free(c->ev);
@@ -187,26 +186,13 @@ static void index_del(kn_kv_cache *c, int32_t b)
 
 static void idle_unlink(kn_kv_cache *c, int32_t b)
 {
-    if (c->prev[b] >= 0)
-        c->next[c->prev[b]] = c->next[b];
-    else
-        c->idle_head = c->next[b];
-    if (c->next[b] >= 0)
-        c->prev[c->next[b]] = c->prev[b];
-    else
-        c->idle_tail = c->prev[b];
+    td_ilist_unlink(&c->idle, b);
     c->n_idle--;
 }
 
 static void idle_append(kn_kv_cache *c, int32_t b)
 {
-    c->prev[b] = c->idle_tail;
-    c->next[b] = -1;
-    if (c->idle_tail >= 0)
-        c->next[c->idle_tail] = b;
-    else
-        c->idle_head = b;
-    c->idle_tail = b;
+    td_ilist_append(&c->idle, b);
     c->n_idle++;
 }
 
@@ -222,8 +208,8 @@ static void entry_drop(kn_kv_cache *c, int32_t b)
 
 void kn_kv_cache_clear(kn_kv_cache *c)
 {
-    while (c->idle_head >= 0) {
-        int32_t b = c->idle_head;
+    while (c->idle.head >= 0) {
+        int32_t b = c->idle.head;
         idle_unlink(c, b);
         kn_kv_pool_put(c->pool, b);
     }
@@ -477,7 +463,7 @@ kn_kv_cache_stats kn_kv_cache_get_stats(const kn_kv_cache *c)
  * index and goes back to the free list. false if none is idle. */
 static bool evict_one(kn_kv_cache *c)
 {
-    int32_t b = c->idle_head;
+    int32_t b = c->idle.head;
     if (b < 0) return false;
     idle_unlink(c, b);
     /* to the second tier first (a failure is the tier's error: the block is only lost) */

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "td_err.h"
+#include "td_ilist.h"
 
 #define TIER_MAGIC   0x52454954564b4454ull /* the bytes "TDKVTIER" as a little-endian u64 */
 #define TIER_VERSION 1u
@@ -36,8 +37,7 @@ struct kn_kv_tier {
     uint64_t *parent;     /* (n_slots) the parent entry's serial */
     uint64_t *sum;        /* (n_slots) checksum of the slot's data */
     int32_t *tok;         /* (n_slots, bs) */
-    int32_t *prev, *next; /* (n_slots) LRU links, -1 ends; head = least recently used */
-    int32_t lru_head, lru_tail;
+    td_ilist lru;         /* the filled slots (links: n_slots), least recently used first */
     int32_t *free_slots; /* stack of empty slots */
     int n_free;
     int32_t *index; /* (mask + 1) slot of each index position, -1: empty */
@@ -175,13 +175,13 @@ int kn_kv_tier_create(const kn_kv_tier_params *p, const kn_kv_pool *pool, kn_kv_
     t->parent = calloc(n, sizeof *t->parent);
     t->sum = calloc(n, sizeof *t->sum);
     t->tok = malloc(n * (size_t)t->bs * sizeof *t->tok);
-    t->prev = malloc(n * sizeof *t->prev);
-    t->next = malloc(n * sizeof *t->next);
+    t->lru.prev = malloc(n * sizeof *t->lru.prev);
+    t->lru.next = malloc(n * sizeof *t->lru.next);
     t->free_slots = malloc(n * sizeof *t->free_slots);
     t->index = malloc(cap * sizeof *t->index);
     if (p->path) t->path = strdup(p->path);
     int rc = 0;
-    if (!t->id || !t->serial || !t->parent || !t->sum || !t->tok || !t->prev || !t->next ||
+    if (!t->id || !t->serial || !t->parent || !t->sum || !t->tok || !t->lru.prev || !t->lru.next ||
         !t->free_slots || !t->index || (p->path && !t->path))
         rc = TD_ENOMEM;
     if (!rc && p->path) rc = file_open(t);
@@ -213,8 +213,8 @@ void kn_kv_tier_destroy(kn_kv_tier *t)
     free(t->parent);
     free(t->sum);
     free(t->tok);
-    free(t->prev);
-    free(t->next);
+    free(t->lru.prev);
+    free(t->lru.next);
     free(t->free_slots);
     free(t->index);
     free(t->ops);
@@ -228,7 +228,7 @@ void kn_kv_tier_clear(kn_kv_tier *t)
     for (int i = 0; i < t->n_slots; i++)
         t->free_slots[i] = t->n_slots - 1 - i;
     t->n_free = t->n_slots;
-    t->lru_head = t->lru_tail = -1;
+    td_ilist_clear(&t->lru);
     t->n_ops = 0;
 }
 
@@ -290,33 +290,10 @@ static void index_del(kn_kv_tier *t, int32_t s)
     t->index[i] = -1;
 }
 
-static void lru_unlink(kn_kv_tier *t, int32_t s)
-{
-    if (t->prev[s] >= 0)
-        t->next[t->prev[s]] = t->next[s];
-    else
-        t->lru_head = t->next[s];
-    if (t->next[s] >= 0)
-        t->prev[t->next[s]] = t->prev[s];
-    else
-        t->lru_tail = t->prev[s];
-}
-
-static void lru_append(kn_kv_tier *t, int32_t s)
-{
-    t->prev[s] = t->lru_tail;
-    t->next[s] = -1;
-    if (t->lru_tail >= 0)
-        t->next[t->lru_tail] = s;
-    else
-        t->lru_head = s;
-    t->lru_tail = s;
-}
-
 static void entry_drop(kn_kv_tier *t, int32_t s)
 {
     index_del(t, s);
-    lru_unlink(t, s);
+    td_ilist_unlink(&t->lru, s);
     t->serial[s] = 0;
     t->free_slots[t->n_free++] = s;
 }
@@ -373,13 +350,13 @@ int kn_kv_tier_put(kn_kv_tier *t, const kn_kv_pool *pool, int32_t block, uint64_
     if (!store_ok(t)) return TD_EIO;
     int32_t s = index_find(t, id);
     if (s >= 0 && t->serial[s] == serial) { /* the same entry came back and left again */
-        lru_unlink(t, s);
-        lru_append(t, s);
+        td_ilist_unlink(&t->lru, s);
+        td_ilist_append(&t->lru, s);
         return 0;
     }
     if (s >= 0) entry_drop(t, s); /* the same id under another prefix: the newer wins */
     if (!t->n_free) {
-        entry_drop(t, t->lru_head);
+        entry_drop(t, t->lru.head);
         t->dropped++;
     }
     s = t->free_slots[--t->n_free];
@@ -396,7 +373,7 @@ int kn_kv_tier_put(kn_kv_tier *t, const kn_kv_pool *pool, int32_t block, uint64_
     t->sum[s] = checksum(d, t->slot_bytes);
     memcpy(t->tok + (size_t)s * (size_t)t->bs, tokens, (size_t)t->bs * sizeof *tokens);
     index_add(t, s);
-    lru_append(t, s);
+    td_ilist_append(&t->lru, s);
     if (!log_op(t, KN_KV_TIER_OP_PUT, s, block)) {
         entry_drop(t, s); /* the other ranks would not have it */
         return TD_ENOMEM;
@@ -438,8 +415,8 @@ int kn_kv_tier_get(kn_kv_tier *t, int slot, kn_kv_pool *pool, int32_t block)
     }
     if (!log_op(t, KN_KV_TIER_OP_GET, slot, block))
         return TD_ENOMEM; /* the block is the caller's */
-    lru_unlink(t, slot);
-    lru_append(t, slot);
+    td_ilist_unlink(&t->lru, slot);
+    td_ilist_append(&t->lru, slot);
     t->reads++;
     return 0;
 }

@@ -9,14 +9,14 @@
 
 #include "td_blockhash.h"
 #include "td_err.h"
+#include "td_ilist.h"
 
 struct pf_kvc {
     kn_kv_mem *mem;
     kn_kv_cache *cache; /* mem's */
     int bs, max_blocks, n_blocks;
     int32_t *ref;         /* (n_blocks) stream references of an indexed block */
-    int32_t *prev, *next; /* (n_blocks) LRU list of the indexed blocks, -1 ends */
-    int32_t head, tail;   /* least / most recently used */
+    td_ilist lru;         /* the indexed blocks (links: n_blocks), least recently used first */
     bool *indexed;        /* (n_blocks) in the policy's index (and the cache's) */
     bool *detached;       /* (n_blocks) left the index while a request still used it */
     int32_t *work;        /* (n_blocks) detach's worklist */
@@ -36,15 +36,15 @@ int pf_kvc_create(kn_kv_mem *mem, int max_blocks, pf_kvc **out)
     c->bs = kn_kv_mem_pool(mem)->block_size;
     c->n_blocks = kn_kv_mem_pool(mem)->n_blocks;
     c->max_blocks = max_blocks;
-    c->head = c->tail = -1;
+    td_ilist_clear(&c->lru);
     size_t nb = (size_t)c->n_blocks;
     c->ref = calloc(nb, sizeof *c->ref);
-    c->prev = malloc(nb * sizeof *c->prev);
-    c->next = malloc(nb * sizeof *c->next);
+    c->lru.prev = malloc(nb * sizeof *c->lru.prev);
+    c->lru.next = malloc(nb * sizeof *c->lru.next);
     c->indexed = calloc(nb, sizeof *c->indexed);
     c->detached = calloc(nb, sizeof *c->detached);
     c->work = malloc(nb * sizeof *c->work);
-    if (!c->ref || !c->prev || !c->next || !c->indexed || !c->detached || !c->work) {
+    if (!c->ref || !c->lru.prev || !c->lru.next || !c->indexed || !c->detached || !c->work) {
         pf_kvc_destroy(c);
         return TD_ENOMEM;
     }
@@ -59,42 +59,19 @@ void pf_kvc_destroy(pf_kvc *c)
     if (!c) return;
     if (c->indexed) pf_kvc_flush(c);
     free(c->ref);
-    free(c->prev);
-    free(c->next);
+    free(c->lru.prev);
+    free(c->lru.next);
     free(c->indexed);
     free(c->detached);
     free(c->work);
     free(c);
 }
 
-static void lru_unlink(pf_kvc *c, int32_t b)
-{
-    if (c->prev[b] >= 0)
-        c->next[c->prev[b]] = c->next[b];
-    else
-        c->head = c->next[b];
-    if (c->next[b] >= 0)
-        c->prev[c->next[b]] = c->prev[b];
-    else
-        c->tail = c->prev[b];
-}
-
-static void lru_push(pf_kvc *c, int32_t b) /* most recently used */
-{
-    c->prev[b] = c->tail;
-    c->next[b] = -1;
-    if (c->tail >= 0)
-        c->next[c->tail] = b;
-    else
-        c->head = b;
-    c->tail = b;
-}
-
 /* Take b out of the policy's index; the cache forgets it (its block goes back to the pool
  * unless a request still uses it: then when the last one lets go). */
 static void drop(pf_kvc *c, int32_t b)
 {
-    lru_unlink(c, b);
+    td_ilist_unlink(&c->lru, b);
     c->indexed[b] = false;
     c->ref[b] = 0;
     c->stats.n_indexed--;
@@ -118,7 +95,7 @@ static int detach(pf_kvc *c, int32_t b)
         uint64_t serial = kn_kv_cache_entry(c->cache, x).serial;
         drop(c, x);
         dropped++;
-        for (int32_t y = c->head; y >= 0; y = c->next[y])
+        for (int32_t y = c->lru.head; y >= 0; y = c->lru.next[y])
             if (kn_kv_cache_entry(c->cache, y).parent.serial == serial) c->work[n_work++] = y;
     }
     return dropped;
@@ -185,8 +162,8 @@ int pf_kvc_acquire(pf_kvc *c, uint64_t last_id, int n, int32_t *blocks, int32_t 
         kn_kv_entry e = kn_kv_cache_entry(c->cache, k);
         c->ref[k]++;
         kn_kv_cache_take(c->cache, k);
-        lru_unlink(c, k);
-        lru_push(c, k);
+        td_ilist_unlink(&c->lru, k);
+        td_ilist_append(&c->lru, k);
         if (tokens)
             memcpy(tokens + (size_t)i * (size_t)c->bs, e.tokens,
                    (size_t)e.n_tokens * sizeof *tokens);
@@ -217,7 +194,7 @@ void pf_kvc_unuse(pf_kvc *c, const int32_t *blocks, int n)
 static bool make_room(pf_kvc *c)
 {
     if (c->stats.n_indexed < c->max_blocks) return true;
-    for (int32_t b = c->head; b >= 0; b = c->next[b])
+    for (int32_t b = c->lru.head; b >= 0; b = c->lru.next[b])
         if (!c->ref[b]) {
             c->stats.evicted += (uint64_t)detach(c, b); /* REMOVED events: the cache's */
             return true;
@@ -234,7 +211,7 @@ static bool index_one(pf_kvc *c, kn_kv_chain *ch, const int32_t *t, int nt, int3
         return false;
     c->ref[b] = 1;
     c->indexed[b] = true;
-    lru_push(c, b);
+    td_ilist_append(&c->lru, b);
     c->stats.n_indexed++;
     c->stats.inserted++;
     kn_kv_free(c->mem, 1, &b); /* the request's hold becomes the cache's keeping */
@@ -272,8 +249,8 @@ int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, int n_tail, const int
     for (int k = n_added - 1; k >= 0; k--) {
         if (!c->indexed[added[k]]) continue; /* dropped with an evicted prefix meanwhile */
         c->ref[added[k]] = 0;
-        lru_unlink(c, added[k]);
-        lru_push(c, added[k]);
+        td_ilist_unlink(&c->lru, added[k]);
+        td_ilist_append(&c->lru, added[k]);
     }
     free(added);
     return n_added;
@@ -282,7 +259,7 @@ int pf_kvc_insert(pf_kvc *c, const int32_t *tokens, int n, int n_tail, const int
 void pf_kvc_flush(pf_kvc *c)
 {
     const kn_kv_pool *pool = kn_kv_mem_pool(c->mem);
-    for (int32_t b = c->head; b >= 0; b = c->next[b]) {
+    for (int32_t b = c->lru.head; b >= 0; b = c->lru.next[b]) {
         c->indexed[b] = false;
         c->ref[b] = 0;
         c->stats.flushed++;
@@ -291,7 +268,7 @@ void pf_kvc_flush(pf_kvc *c)
             c->stats.n_detached++;
         }
     }
-    c->head = c->tail = -1;
+    td_ilist_clear(&c->lru);
     c->stats.n_indexed = 0;
     kn_kv_cache_clear(c->cache); /* one CLEARED event: what follows describes the cache whole */
 }
