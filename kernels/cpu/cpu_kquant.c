@@ -39,17 +39,12 @@
 #include "cpu_kquant_internal.h"
 
 #include "cpu_quant.h"
+#include "cpu_traits.h"
 
 /* Prefetch distance along each row stream of the dot path, in bytes (as MM_PREFETCH). */
 #ifndef KQ_PREFETCH
 #define KQ_PREFETCH 8192
 #endif
-
-bool kn_kq_is_ktype(td_dtype t)
-{
-    return t == TD_Q2_K || t == TD_Q3_K || t == TD_Q4_K || t == TD_Q5_K || t == TD_Q6_K ||
-           t == TD_IQ4_XS;
-}
 
 /* The types with a min per chunk or group (w = d sc q - dmin mn). */
 KN_ALWAYS_INLINE bool kq_has_min(td_dtype t)
@@ -61,20 +56,6 @@ KN_ALWAYS_INLINE bool kq_has_min(td_dtype t)
 KN_ALWAYS_INLINE bool kq_g16(td_dtype t)
 {
     return t == TD_Q2_K || t == TD_Q3_K || t == TD_Q6_K;
-}
-
-/* On AVX-512 Q4_K and Q6_K take loops of their own (kq4_dot, kq6_dot); kq4_dot folds each
- * chunk's min into its weights, so Q4_K needs no block sums of x there. */
-#if KN_VL == 16
-#define KQ_AVX512_LOOPS 1
-#else
-#define KQ_AVX512_LOOPS 0
-#endif
-
-int kn_kq_xsum_group(td_dtype t)
-{
-    if (KQ_AVX512_LOOPS && t == TD_Q4_K) return 0;
-    return !kq_has_min(t) ? 0 : kq_g16(t) ? 16 : 32;
 }
 
 KN_ALWAYS_INLINE size_t kq_block_bytes(td_dtype t)
@@ -315,33 +296,20 @@ static void kq_dequant_t(td_dtype t, const uint8_t *src, float *dst, int64_t nsb
     }
 }
 
-void kn_kq_dequant(td_dtype t, const uint8_t *src, float *dst, int64_t nsb)
-{
-    switch (t) {
-    case TD_Q2_K:
-        kq_dequant_t(TD_Q2_K, src, dst, nsb);
-        break;
-    case TD_Q3_K:
-        kq_dequant_t(TD_Q3_K, src, dst, nsb);
-        break;
-    case TD_Q4_K:
-        kq_dequant_t(TD_Q4_K, src, dst, nsb);
-        break;
-    case TD_Q5_K:
-        kq_dequant_t(TD_Q5_K, src, dst, nsb);
-        break;
-    case TD_Q6_K:
-        kq_dequant_t(TD_Q6_K, src, dst, nsb);
-        break;
-    case TD_IQ4_XS:
-        kq_dequant_t(TD_IQ4_XS, src, dst, nsb);
-        break;
-    default:
-        break;
+/* The row dequantizers of cpu_traits.h's table, one specialised copy per type. */
+#define KQ_DEQUANT(name, T)                                                                        \
+    void name(const uint8_t *src, float *dst, int64_t n)                                           \
+    {                                                                                              \
+        kq_dequant_t(T, src, dst, n / KN_QK_K);                                                    \
     }
-}
+KQ_DEQUANT(kn_kq_dequant_q2_k, TD_Q2_K)
+KQ_DEQUANT(kn_kq_dequant_q3_k, TD_Q3_K)
+KQ_DEQUANT(kn_kq_dequant_q4_k, TD_Q4_K)
+KQ_DEQUANT(kn_kq_dequant_q5_k, TD_Q5_K)
+KQ_DEQUANT(kn_kq_dequant_q6_k, TD_Q6_K)
+KQ_DEQUANT(kn_kq_dequant_iq4_xs, TD_IQ4_XS)
 
-#if KQ_AVX512_LOOPS
+#if KN_KQ_AVX512_LOOPS
 /* *p in every lane, as a broadcast from memory (a load-port operation): left to itself
  * the compiler keeps sm in a register and broadcasts with vpermd, on the shuffle port the
  * table lookups already saturate. */
@@ -502,7 +470,7 @@ KN_ALWAYS_INLINE void kq6_dot(int R, int M, const uint8_t *w, size_t ws, int64_t
 KN_ALWAYS_INLINE void kq_dot(td_dtype t, int R, int M, const uint8_t *w, size_t ws, int64_t nsb,
                              const float *x, int64_t ldx, const float *xs, float *y, int64_t ldy)
 {
-#if KQ_AVX512_LOOPS
+#if KN_KQ_AVX512_LOOPS
     if (t == TD_Q4_K) {
         kq4_dot(R, M, w, ws, nsb, x, ldx, y, ldy);
         return;
@@ -622,43 +590,17 @@ KN_ALWAYS_INLINE void kq_range(td_dtype t, const kn_mat *w, const float *x, cons
         kq_rows(t, 1, w, x, xs, m, y, r);
 }
 
-/* One specialised copy per type, so every inner loop is branch-free. */
+/* The float32 dot kernels of cpu_traits.h's table: one specialised copy per type, so every
+ * inner loop is branch-free. */
 #define KQ_RANGE(name, T)                                                                          \
-    static void name(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y,        \
-                     int64_t r0, int64_t r1)                                                       \
+    void name(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y, int64_t r0,   \
+              int64_t r1)                                                                          \
     {                                                                                              \
         kq_range(T, w, x, xs, m, y, r0, r1);                                                       \
     }
-KQ_RANGE(kq_range_q2_k, TD_Q2_K)
-KQ_RANGE(kq_range_q3_k, TD_Q3_K)
-KQ_RANGE(kq_range_q4_k, TD_Q4_K)
-KQ_RANGE(kq_range_q5_k, TD_Q5_K)
-KQ_RANGE(kq_range_q6_k, TD_Q6_K)
-KQ_RANGE(kq_range_iq4_xs, TD_IQ4_XS)
-
-void kn_kq_dot(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y, int64_t r0,
-               int64_t r1)
-{
-    switch (w->type) {
-    case TD_Q2_K:
-        kq_range_q2_k(w, x, xs, m, y, r0, r1);
-        break;
-    case TD_Q3_K:
-        kq_range_q3_k(w, x, xs, m, y, r0, r1);
-        break;
-    case TD_Q4_K:
-        kq_range_q4_k(w, x, xs, m, y, r0, r1);
-        break;
-    case TD_Q5_K:
-        kq_range_q5_k(w, x, xs, m, y, r0, r1);
-        break;
-    case TD_Q6_K:
-        kq_range_q6_k(w, x, xs, m, y, r0, r1);
-        break;
-    case TD_IQ4_XS:
-        kq_range_iq4_xs(w, x, xs, m, y, r0, r1);
-        break;
-    default:
-        break;
-    }
-}
+KQ_RANGE(kn_kq_dot_q2_k, TD_Q2_K)
+KQ_RANGE(kn_kq_dot_q3_k, TD_Q3_K)
+KQ_RANGE(kn_kq_dot_q4_k, TD_Q4_K)
+KQ_RANGE(kn_kq_dot_q5_k, TD_Q5_K)
+KQ_RANGE(kn_kq_dot_q6_k, TD_Q6_K)
+KQ_RANGE(kn_kq_dot_iq4_xs, TD_IQ4_XS)

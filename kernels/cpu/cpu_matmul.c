@@ -34,9 +34,9 @@
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
-#include "cpu_kquant_internal.h"
 #include "cpu_q8act.h"
 #include "cpu_quant.h"
+#include "cpu_traits.h"
 #include "td_err.h"
 
 /* Tunables (overridable with -D for experiments). Figures from bench_matmul on a 2-core
@@ -77,8 +77,8 @@ typedef struct {
     const kn_mat *w;
     /* dot path rows */
     const float *x;    /* (m, n_cols) */
-    const float *xsum; /* (m, n_cols / 32) block sums of x: Q4_1, Q5_1, Q4_K, Q5_K; Q2_K:
-                        * (m, n_cols / 16); else NULL */
+    const float *xsum; /* (m, n_cols / g) sums of x over groups of g, the type's xsum_group
+                        * (cpu_traits.h), when g > 0; else NULL */
     const void *xq;    /* (m, kn_q8_row_bytes) x quantized to 8 bits (q8 mode); else NULL */
     const void *packed; /* q8 mode, K-quant W: its packed copy (cpu_packed.c), or NULL */
     int64_t m;         /* 0: none */
@@ -246,44 +246,27 @@ KN_ALWAYS_INLINE void dot_range(td_dtype t, const mm_job *j, int64_t r0, int64_t
         dot_rows(t, 1, j, r);
 }
 
-/* One specialised copy of the dot path per type, so every inner loop is branch-free. */
-static void dot_f32(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_F32, j, r0, r1);
-}
-static void dot_f16(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_F16, j, r0, r1);
-}
-static void dot_bf16(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_BF16, j, r0, r1);
-}
-static void dot_q8_0(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_Q8_0, j, r0, r1);
-}
-static void dot_q4_0(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_Q4_0, j, r0, r1);
-}
-static void dot_q4_1(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_Q4_1, j, r0, r1);
-}
-static void dot_q5_0(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_Q5_0, j, r0, r1);
-}
-static void dot_q5_1(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_Q5_1, j, r0, r1);
-}
-static void dot_iq4_nl(const mm_job *j, int64_t r0, int64_t r1)
-{
-    dot_range(TD_IQ4_NL, j, r0, r1);
-}
+/* The float32 dot kernels of cpu_traits.h's table: one specialised copy of the dot path per
+ * type, so every inner loop is branch-free. */
+#define MM_DOT(name, T)                                                                            \
+    void name(const kn_mat *w, const float *x, const float *xs, int64_t m, float *y, int64_t r0,   \
+              int64_t r1)                                                                          \
+    {                                                                                              \
+        const mm_job j = {.w = w, .x = x, .xsum = xs, .m = m, .y = y};                             \
+        dot_range(T, &j, r0, r1);                                                                  \
+    }
+MM_DOT(kn_cpu_dot_f32, TD_F32)
+MM_DOT(kn_cpu_dot_f16, TD_F16)
+MM_DOT(kn_cpu_dot_bf16, TD_BF16)
+MM_DOT(kn_cpu_dot_q8_0, TD_Q8_0)
+MM_DOT(kn_cpu_dot_q4_0, TD_Q4_0)
+MM_DOT(kn_cpu_dot_q4_1, TD_Q4_1)
+MM_DOT(kn_cpu_dot_q5_0, TD_Q5_0)
+MM_DOT(kn_cpu_dot_q5_1, TD_Q5_1)
+MM_DOT(kn_cpu_dot_iq4_nl, TD_IQ4_NL)
 
+/* Rows [r0, r1) of W against the dot rows of x: the q8 mode's integer dots when x was
+ * quantized for them, else the type's float32 dot (mm_check accepted the type). */
 static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
 {
     const mm_job *j = arg;
@@ -291,45 +274,7 @@ static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
         kn_q8_dot(j->w, j->packed, j->xq, j->m, j->y, r0, r1);
         return;
     }
-    switch (j->w->type) {
-    case TD_F32:
-        dot_f32(j, r0, r1);
-        break;
-    case TD_F16:
-        dot_f16(j, r0, r1);
-        break;
-    case TD_BF16:
-        dot_bf16(j, r0, r1);
-        break;
-    case TD_Q8_0:
-        dot_q8_0(j, r0, r1);
-        break;
-    case TD_Q4_0:
-        dot_q4_0(j, r0, r1);
-        break;
-    case TD_Q4_1:
-        dot_q4_1(j, r0, r1);
-        break;
-    case TD_Q5_0:
-        dot_q5_0(j, r0, r1);
-        break;
-    case TD_Q5_1:
-        dot_q5_1(j, r0, r1);
-        break;
-    case TD_IQ4_NL:
-        dot_iq4_nl(j, r0, r1);
-        break;
-    case TD_Q2_K:
-    case TD_Q3_K:
-    case TD_Q4_K:
-    case TD_Q5_K:
-    case TD_Q6_K:
-    case TD_IQ4_XS:
-        kn_kq_dot(j->w, j->x, j->xsum, j->m, j->y, r0, r1);
-        break;
-    default:
-        break; /* rejected by mm_check */
-    }
+    kn_cpu_traits_of(j->w->type)->dot(j->w, j->x, j->xsum, j->m, j->y, r0, r1);
 }
 
 /* mm_dot_part on the rows of 16-row groups [g0, g1). */
@@ -538,7 +483,7 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
                 .gm = gm,
                 .gy = y + (m - gm) * w->n_rows};
     atomic_init(&j.err, 0);
-    const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
+    const int sg = kn_cpu_traits_of(w->type)->xsum_group;
     const bool q8dot = j.m && c->act_q8 && kn_q8_supported(w->type),
                kgemm = gm && c->act_q8 && kn_q8k_gemm_supported(w);
     if (q8dot || kgemm) {
@@ -620,7 +565,8 @@ size_t kn_cpu_dot_side_floats(const kn_cpu *c, const kn_mat *w, int64_t m)
 {
     if (c->act_q8 && kn_q8_supported(w->type))
         return ((size_t)m * kn_q8_row_bytes(w->type, w->n_cols) + 3) / sizeof(float);
-    const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
+    const kn_cpu_traits *tr = kn_cpu_traits_of(w->type); /* NULL: kn_cpu_dot_init refuses w */
+    const int sg = tr ? tr->xsum_group : 0;
     return sg ? (size_t)(m * (w->n_cols / sg)) : 0;
 }
 
@@ -645,7 +591,7 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
     }
     if (m - m_solo >= MM_GEMM_MIN_M) return 1; /* the batch rows take the gemm path */
     *d = (kn_cpu_dot){.c = c, .w = w, .x = x, .m = m, .y = y, .grain = 1};
-    const int sg = kn_q_has_min(w->type) ? TD_QK : kn_kq_xsum_group(w->type);
+    const int sg = kn_cpu_traits_of(w->type)->xsum_group;
     if (c->act_q8 && kn_q8_supported(w->type)) {
         kn_q8_quant_rows(w->type, x, m, w->n_cols, side);
         d->xq = side;

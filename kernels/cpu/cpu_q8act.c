@@ -25,15 +25,18 @@
 
 #include "cpu_kquant_internal.h"
 #include "cpu_quant.h"
+#include "cpu_traits.h"
 
 #define Q8_PREFETCH 8192 /* bytes ahead along each weight row, as the float path */
 
 bool kn_q8_supported(td_dtype t)
 {
-    return t == TD_Q4_K || t == TD_Q6_K || t == TD_Q5_0 || t == TD_Q8_0 || t == TD_Q4_0 ||
-           t == TD_Q4_1;
+    const kn_cpu_traits *tr = kn_cpu_traits_of(t);
+    return tr && tr->q8_block;
 }
 
+/* The K-quants, for the kernels specialised on t (the entry points, given t at run time,
+ * ask the table's q8_block). */
 KN_ALWAYS_INLINE bool q8_is_k(td_dtype t)
 {
     return t == TD_Q4_K || t == TD_Q6_K;
@@ -41,8 +44,8 @@ KN_ALWAYS_INLINE bool q8_is_k(td_dtype t)
 
 size_t kn_q8_row_bytes(td_dtype t, int64_t n)
 {
-    return q8_is_k(t) ? (size_t)(n / KN_QK_K) * sizeof(kn_q8k)
-                      : (size_t)(n / TD_QK) * sizeof(kn_q8b);
+    const int qb = kn_cpu_traits_of(t)->q8_block;
+    return (size_t)(n / qb) * (qb == KN_QK_K ? sizeof(kn_q8k) : sizeof(kn_q8b));
 }
 
 /* q (len) = x (len) quantized with d = max|x| / 127; returns d (NaN for non-finite x). */
@@ -113,7 +116,7 @@ static void q8b_quant(const float *x, kn_q8b *b)
 
 void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq)
 {
-    if (q8_is_k(t)) {
+    if (kn_cpu_traits_of(t)->q8_block == KN_QK_K) {
         kn_q8k *b = xq;
         for (int64_t i = 0; i < m * (n / KN_QK_K); i++, b++) {
             b->d = q8_quant(x + i * KN_QK_K, KN_QK_K, b->qs);
@@ -528,27 +531,24 @@ KN_ALWAYS_INLINE void q8_range(td_dtype t, const kn_mat *w, const void *xq, int6
     }
 }
 
+/* The q8 dot kernels of cpu_traits.h's table, one specialised copy per type. */
+#define Q8_DOT(name, T)                                                                            \
+    void name(const kn_mat *w, const void *xq, int64_t m, float *y, int64_t r0, int64_t r1)        \
+    {                                                                                              \
+        q8_range(T, w, xq, m, y, r0, r1);                                                          \
+    }
+Q8_DOT(kn_q8_dot_q4_k, TD_Q4_K)
+Q8_DOT(kn_q8_dot_q6_k, TD_Q6_K)
+Q8_DOT(kn_q8_dot_q5_0, TD_Q5_0)
+Q8_DOT(kn_q8_dot_q8_0, TD_Q8_0)
+
 void kn_q8_dot(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
                int64_t r0, int64_t r1)
 {
-    if (packed && (w->type == TD_Q4_K || w->type == TD_Q6_K)) {
-        kn_q8k_dot_packed(w, packed, xq, m, y, r0, r1);
-        return;
-    }
-    switch (w->type) {
-    case TD_Q4_K:
-        q8_range(TD_Q4_K, w, xq, m, y, r0, r1);
-        break;
-    case TD_Q6_K:
-        q8_range(TD_Q6_K, w, xq, m, y, r0, r1);
-        break;
-    case TD_Q5_0:
-        q8_range(TD_Q5_0, w, xq, m, y, r0, r1);
-        break;
-    case TD_Q8_0:
-        q8_range(TD_Q8_0, w, xq, m, y, r0, r1);
-        break;
-    default:
-        break; /* callers check kn_q8_supported */
-    }
+    const kn_cpu_traits *tr = kn_cpu_traits_of(w->type);
+    if (!tr) return; /* callers check kn_q8_supported */
+    if (packed && tr->q8_dot_packed)
+        tr->q8_dot_packed(w, packed, xq, m, y, r0, r1);
+    else if (tr->q8_dot)
+        tr->q8_dot(w, xq, m, y, r0, r1);
 }

@@ -66,11 +66,10 @@ void kn_q8_dot(const kn_mat *w, const void *packed, const void *xq, int64_t m, f
  * kn_q8k_packed_bytes: the bytes of W (Q4_K or Q6_K, whole super-blocks) packed in groups
  * of 16 rows, or 0 when it cannot be (another type, no AVX512-VNNI, kn_q8_gemm_force_avx2).
  * kn_q8k_pack fills groups [g0, g1) (any thread, disjoint groups); W must not change
- * afterwards. kn_q8k_dot_packed: kn_q8_dot's product through the packed copy. */
+ * afterwards. kn_q8k_dot_packed_q4_k and _q6_k (cpu_traits.h, the table's q8_dot_packed):
+ * kn_q8_dot's product through the packed copy. */
 size_t kn_q8k_packed_bytes(const kn_mat *w);
 void kn_q8k_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
-void kn_q8k_dot_packed(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
-                       int64_t r0, int64_t r1);
 
 /* The packed copy the q8 mode keeps of W (cpu_packed.c): kn_q8_gemm_pack's for 32-block
  * types, kn_q8k_pack's for K-types. kn_q8_packed_bytes: its bytes, 0 when W is not packed. */

@@ -28,6 +28,7 @@
 #include "cpu_q8act.h"
 #include "cpu_q8vnni.h"
 #include "cpu_quant.h"
+#include "cpu_traits.h"
 
 #define Q8G_VEC_BYTES(g) ((size_t)(g)*4)
 
@@ -48,9 +49,8 @@ size_t kn_q8_gemm_panel_bytes(int64_t n_cols)
 
 bool kn_q8_gemm_supported(const kn_mat *w)
 {
-    const td_dtype t = w->type;
-    return (t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q5_0 || t == TD_Q8_0) &&
-           w->row_stride <= INT32_MAX / 16;
+    const kn_cpu_traits *tr = kn_cpu_traits_of(w->type);
+    return tr && tr->q8_gemm256 && w->row_stride <= INT32_MAX / 16;
 }
 
 static atomic_int q8g_isa_sel = -1; /* -1 not chosen, 0 AVX2, 1 VNNI */
@@ -154,24 +154,18 @@ Q8G_I512 void groups512(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t m
     }
 }
 
-static Q8G_T512 void gemm512(const kn_mat *w, const kn_q8b *xq, int64_t m, float *y, int64_t g0,
-                             int64_t g1, uint8_t *panel)
-{
-    switch (w->type) {
-    case TD_Q4_0:
-        groups512(TD_Q4_0, w, xq, m, y, g0, g1, panel);
-        break;
-    case TD_Q4_1:
-        groups512(TD_Q4_1, w, xq, m, y, g0, g1, panel);
-        break;
-    case TD_Q5_0:
-        groups512(TD_Q5_0, w, xq, m, y, g0, g1, panel);
-        break;
-    default:
-        groups512(TD_Q8_0, w, xq, m, y, g0, g1, panel);
-        break;
+/* The VNNI GEMM kernels of cpu_traits.h's table (per-call panel), one copy per type. */
+#define Q8G_GEMM512(name, T)                                                                       \
+    Q8G_T512 void name(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,   \
+                       int64_t g0, int64_t g1, void *panel)                                        \
+    {                                                                                              \
+        (void)packed;                                                                              \
+        groups512(T, w, xq, m, y, g0, g1, panel);                                                  \
     }
-}
+Q8G_GEMM512(kn_q8g_gemm512_q4_0, TD_Q4_0)
+Q8G_GEMM512(kn_q8g_gemm512_q4_1, TD_Q4_1)
+Q8G_GEMM512(kn_q8g_gemm512_q5_0, TD_Q5_0)
+Q8G_GEMM512(kn_q8g_gemm512_q8_0, TD_Q8_0)
 
 /* ---- AVX512-VNNI: W packed once (kn_q8_gemm_pack) ----
  * The panel of a group is pack512's work minus the part that depends on m: the transposed
@@ -328,28 +322,20 @@ Q8G_I512 void pgroups512(td_dtype t, const kn_mat *w, const uint8_t *packed, con
     }
 }
 
-static Q8G_T512 void pgemm512(const kn_mat *w, const void *packed, const kn_q8b *xq, int64_t m,
-                              float *y, int64_t g0, int64_t g1, uint8_t *panel)
-{
-    switch (w->type) {
-    case TD_Q4_0:
-        pgroups512(TD_Q4_0, w, packed, xq, m, y, g0, g1, panel);
-        break;
-    case TD_Q4_1:
-        pgroups512(TD_Q4_1, w, packed, xq, m, y, g0, g1, panel);
-        break;
-    case TD_Q5_0:
-        pgroups512(TD_Q5_0, w, packed, xq, m, y, g0, g1, panel);
-        break;
-    default:
-        pgroups512(TD_Q8_0, w, packed, xq, m, y, g0, g1, panel);
-        break;
+/* The VNNI GEMM kernels of cpu_traits.h's table through W packed, one copy per type. */
+#define Q8G_PGEMM512(name, T)                                                                      \
+    Q8G_T512 void name(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,   \
+                       int64_t g0, int64_t g1, void *panel)                                        \
+    {                                                                                              \
+        pgroups512(T, w, packed, xq, m, y, g0, g1, panel);                                         \
     }
-}
+Q8G_PGEMM512(kn_q8g_pgemm512_q4_0, TD_Q4_0)
+Q8G_PGEMM512(kn_q8g_pgemm512_q4_1, TD_Q4_1)
+Q8G_PGEMM512(kn_q8g_pgemm512_q5_0, TD_Q5_0)
+Q8G_PGEMM512(kn_q8g_pgemm512_q8_0, TD_Q8_0)
 
-static Q8G_T512 void repack_groups512(const kn_mat *w, void *packed, int64_t g0, int64_t g1)
+Q8G_I512 void repack_groups512(td_dtype t, const kn_mat *w, void *packed, int64_t g0, int64_t g1)
 {
-    const td_dtype t = w->type;
     const int64_t nb = w->n_cols / TD_QK;
     const size_t gbytes = (size_t)nb * q8p_block_bytes(t);
     for (int64_t g = g0; g < g1; g++) {
@@ -360,16 +346,20 @@ static Q8G_T512 void repack_groups512(const kn_mat *w, void *packed, int64_t g0,
             idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
         const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * w->row_stride;
         uint8_t *dst = (uint8_t *)packed + (size_t)g * gbytes;
-        if (t == TD_Q4_0)
-            repack512(TD_Q4_0, src, idx, nb, dst);
-        else if (t == TD_Q4_1)
-            repack512(TD_Q4_1, src, idx, nb, dst);
-        else if (t == TD_Q5_0)
-            repack512(TD_Q5_0, src, idx, nb, dst);
-        else
-            repack512(TD_Q8_0, src, idx, nb, dst);
+        repack512(t, src, idx, nb, dst);
     }
 }
+
+/* The VNNI packers of cpu_traits.h's table, one copy per type. */
+#define Q8G_PACK(name, T)                                                                          \
+    Q8G_T512 void name(const kn_mat *w, void *packed, int64_t g0, int64_t g1)                      \
+    {                                                                                              \
+        repack_groups512(T, w, packed, g0, g1);                                                    \
+    }
+Q8G_PACK(kn_q8g_pack_q4_0, TD_Q4_0)
+Q8G_PACK(kn_q8g_pack_q4_1, TD_Q4_1)
+Q8G_PACK(kn_q8g_pack_q5_0, TD_Q5_0)
+Q8G_PACK(kn_q8g_pack_q8_0, TD_Q8_0)
 
 size_t kn_q8_gemm_packed_bytes(const kn_mat *w)
 {
@@ -380,7 +370,7 @@ size_t kn_q8_gemm_packed_bytes(const kn_mat *w)
 
 void kn_q8_gemm_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1)
 {
-    repack_groups512(w, packed, g0, g1);
+    kn_cpu_traits_of(w->type)->q8_pack(w, packed, g0, g1);
 }
 
 /* ---- AVX2: groups of 8 rows, maddubs + madd ---- */
@@ -526,32 +516,27 @@ KN_ALWAYS_INLINE void groups256(td_dtype t, const kn_mat *w, const kn_q8b *xq, i
     }
 }
 
-static void gemm256(const kn_mat *w, const kn_q8b *xq, int64_t m, float *y, int64_t g0, int64_t g1,
-                    uint8_t *panel)
-{
-    switch (w->type) {
-    case TD_Q4_0:
-        groups256(TD_Q4_0, w, xq, m, y, g0, g1, panel);
-        break;
-    case TD_Q4_1:
-        groups256(TD_Q4_1, w, xq, m, y, g0, g1, panel);
-        break;
-    case TD_Q5_0:
-        groups256(TD_Q5_0, w, xq, m, y, g0, g1, panel);
-        break;
-    default:
-        groups256(TD_Q8_0, w, xq, m, y, g0, g1, panel);
-        break;
+/* The AVX2 GEMM kernels of cpu_traits.h's table, one copy per type. */
+#define Q8G_GEMM256(name, T)                                                                       \
+    void name(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,            \
+              int64_t g0, int64_t g1, void *panel)                                                 \
+    {                                                                                              \
+        (void)packed;                                                                              \
+        groups256(T, w, xq, m, y, g0, g1, panel);                                                  \
     }
-}
+Q8G_GEMM256(kn_q8g_gemm256_q4_0, TD_Q4_0)
+Q8G_GEMM256(kn_q8g_gemm256_q4_1, TD_Q4_1)
+Q8G_GEMM256(kn_q8g_gemm256_q5_0, TD_Q5_0)
+Q8G_GEMM256(kn_q8g_gemm256_q8_0, TD_Q8_0)
 
 void kn_q8_gemm(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y, int G,
                 int64_t g0, int64_t g1, void *panel)
 {
+    const kn_cpu_traits *tr = kn_cpu_traits_of(w->type); /* kn_q8_gemm_supported(w) */
     if (packed && G == 16)
-        pgemm512(w, packed, xq, m, y, g0, g1, panel);
+        tr->q8_pgemm512(w, packed, xq, m, y, g0, g1, panel);
     else if (G == 16)
-        gemm512(w, xq, m, y, g0, g1, panel);
+        tr->q8_gemm512(w, NULL, xq, m, y, g0, g1, panel);
     else
-        gemm256(w, xq, m, y, g0, g1, panel);
+        tr->q8_gemm256(w, NULL, xq, m, y, g0, g1, panel);
 }

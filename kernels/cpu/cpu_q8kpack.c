@@ -32,6 +32,7 @@
 #include "cpu_kquant_internal.h"
 #include "cpu_q8act.h"
 #include "cpu_q8vnni.h"
+#include "cpu_traits.h"
 
 #define Q4K_RAW 144
 #define Q6K_RAW 210
@@ -295,13 +296,17 @@ Q8G_I512 void dot_packed(td_dtype t, const kn_mat *w, const uint8_t *packed, con
     }
 }
 
-Q8G_T512 void kn_q8k_dot_packed(const kn_mat *w, const void *packed, const void *xq, int64_t m,
-                                float *y, int64_t r0, int64_t r1)
+/* The packed q8 dot kernels of cpu_traits.h's table, one specialised copy per type. */
+Q8G_T512 void kn_q8k_dot_packed_q4_k(const kn_mat *w, const void *packed, const void *xq, int64_t m,
+                                     float *y, int64_t r0, int64_t r1)
 {
-    if (w->type == TD_Q4_K)
-        dot_packed(TD_Q4_K, w, packed, xq, m, y, r0, r1);
-    else
-        dot_packed(TD_Q6_K, w, packed, xq, m, y, r0, r1);
+    dot_packed(TD_Q4_K, w, packed, xq, m, y, r0, r1);
+}
+
+Q8G_T512 void kn_q8k_dot_packed_q6_k(const kn_mat *w, const void *packed, const void *xq, int64_t m,
+                                     float *y, int64_t r0, int64_t r1)
+{
+    dot_packed(TD_Q6_K, w, packed, xq, m, y, r0, r1);
 }
 
 size_t kn_q8_packed_bytes(const kn_mat *w)
@@ -312,8 +317,6 @@ size_t kn_q8_packed_bytes(const kn_mat *w)
 
 void kn_q8_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1)
 {
-    if (w->type == TD_Q4_K || w->type == TD_Q6_K)
-        kn_q8k_pack(w, packed, g0, g1);
-    else
-        kn_q8_gemm_pack(w, packed, g0, g1);
+    /* kn_q8_packed_bytes was not 0 for w, so its type has a packer */
+    kn_cpu_traits_of(w->type)->q8_pack(w, packed, g0, g1);
 }

@@ -1,36 +1,18 @@
-/* cpu_quant.c: which weight types the CPU backend computes with, row dequantization
- * (bit-exact with ggml's reference dequantizers and the gguf python package), and the
- * Q8_0 quantizer the loader re-quantizes tensor-parallel slices with. */
+/* cpu_quant.c: which weight types the CPU backend computes with (those of cpu_traits.h's
+ * table), row dequantization (bit-exact with ggml's reference dequantizers and the gguf
+ * python package), and the Q8_0 quantizer the loader re-quantizes tensor-parallel slices
+ * with. */
 #include <math.h>
 #include <stdatomic.h>
 
 #include "cpu_backend.h"
-#include "cpu_kquant_internal.h"
 #include "cpu_quant.h"
+#include "cpu_traits.h"
 #include "td_err.h"
 
 bool kn_cpu_type_supported(td_dtype t)
 {
-    switch (t) {
-    case TD_F32:
-    case TD_F16:
-    case TD_BF16:
-    case TD_Q8_0:
-    case TD_Q4_0:
-    case TD_Q4_1:
-    case TD_Q5_0:
-    case TD_Q5_1:
-    case TD_IQ4_NL:
-    case TD_Q2_K:
-    case TD_Q3_K:
-    case TD_Q4_K:
-    case TD_Q5_K:
-    case TD_Q6_K:
-    case TD_IQ4_XS:
-        return true;
-    default:
-        return false;
-    }
+    return kn_cpu_traits_of(t) != NULL;
 }
 
 /* One log line per type and process: a model with an unsupported tensor would otherwise
@@ -44,7 +26,7 @@ void kn_cpu_log_unsupported(td_dtype t, const char *op)
                td_dtype_name((uint32_t)t), (int)t);
 }
 
-static void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t nb)
+KN_ALWAYS_INLINE void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t nb)
 {
     const size_t bs = kn_q_block_bytes(t);
     for (int64_t b = 0; b < nb; b++, src += bs, dst += TD_QK) {
@@ -65,7 +47,7 @@ static void dequant_blocks(td_dtype t, const uint8_t *src, float *dst, int64_t n
     }
 }
 
-static void dequant_floats(td_dtype t, const uint8_t *src, float *dst, int64_t n)
+KN_ALWAYS_INLINE void dequant_floats(td_dtype t, const uint8_t *src, float *dst, int64_t n)
 {
     const size_t es = t == TD_F32 ? 4 : 2;
     if (t == TD_F32) {
@@ -79,9 +61,31 @@ static void dequant_floats(td_dtype t, const uint8_t *src, float *dst, int64_t n
         dst[i] = kn_f_load1(t, src + (size_t)i * es);
 }
 
+/* The row dequantizers of cpu_traits.h's table, one specialised copy per type. */
+#define DEQUANT_BLOCKS(name, T)                                                                    \
+    void name(const uint8_t *src, float *dst, int64_t n)                                           \
+    {                                                                                              \
+        dequant_blocks(T, src, dst, n / TD_QK);                                                    \
+    }
+#define DEQUANT_FLOATS(name, T)                                                                    \
+    void name(const uint8_t *src, float *dst, int64_t n)                                           \
+    {                                                                                              \
+        dequant_floats(T, src, dst, n);                                                            \
+    }
+DEQUANT_FLOATS(kn_dequant_f32, TD_F32)
+DEQUANT_FLOATS(kn_dequant_f16, TD_F16)
+DEQUANT_FLOATS(kn_dequant_bf16, TD_BF16)
+DEQUANT_BLOCKS(kn_dequant_q8_0, TD_Q8_0)
+DEQUANT_BLOCKS(kn_dequant_q4_0, TD_Q4_0)
+DEQUANT_BLOCKS(kn_dequant_q4_1, TD_Q4_1)
+DEQUANT_BLOCKS(kn_dequant_q5_0, TD_Q5_0)
+DEQUANT_BLOCKS(kn_dequant_q5_1, TD_Q5_1)
+DEQUANT_BLOCKS(kn_dequant_iq4_nl, TD_IQ4_NL)
+
 int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n)
 {
-    if (!kn_cpu_type_supported(t)) {
+    const kn_cpu_traits *tr = kn_cpu_traits_of(t);
+    if (!tr) {
         kn_cpu_log_unsupported(t, "dequant");
         return TD_EUNSUPP;
     }
@@ -91,12 +95,7 @@ int kn_dequant_row(td_dtype t, const void *src, float *dst, int64_t n)
                    info->name, info->blck);
         return TD_EINVAL;
     }
-    if (kn_kq_is_ktype(t))
-        kn_kq_dequant(t, src, dst, n / KN_QK_K);
-    else if (info->blck == TD_QK)
-        dequant_blocks(t, src, dst, n / TD_QK);
-    else
-        dequant_floats(t, src, dst, n);
+    tr->dequant(src, dst, n);
     return 0;
 }
 

@@ -362,7 +362,7 @@ static void test_kquant_gemm(void)
     }
 }
 
-/* The packed K-quant dot (kn_q8k_pack, kn_q8k_dot_packed through kn_q8_dot) against the rows as
+/* The packed K-quant dot (kn_q8k_pack, kn_q8k_dot_packed_* through kn_q8_dot) against the rows as
  * they are: the same bits for Q4_K and Q6_K, m 1..9 (tiles of 4 and their tails), a partial last
  * group, row ranges that start and end inside groups (the rows outside left untouched), a copy
  * packed in two parts, strided rows, and a row of x at full scale (|q| = 127 everywhere: the
