@@ -31,6 +31,7 @@ typedef struct {
     size_t errcap;
     int rc;
     td_cfg_backend backend; /* the root's, parsed before the sections */
+    unsigned flags;         /* TD_CFG_NO_FILE_CHECKS */
 } pctx;
 
 static int fail(pctx *p, const yaml_node_t *n, const char *fmt, ...)
@@ -651,7 +652,8 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
 
 /* security: ca, cert and key are all required, and each must be readable here: every
  * process of a secured cluster opens control sockets with them (a missing file is
- * reported with the YAML's line rather than by the first socket that needs it). */
+ * reported with the YAML's line rather than by the first socket that needs it), unless
+ * the caller only rewrites the YAML for machines that hold them (TD_CFG_NO_FILE_CHECKS). */
 static int parse_security(pctx *p, yaml_node_t *n, td_cfg_security *x)
 {
     yaml_node_t *seen[SE_N], *keys[SE_N];
@@ -660,6 +662,7 @@ static int parse_security(pctx *p, yaml_node_t *n, td_cfg_security *x)
     char *const paths[SE_N] = {x->ca, x->cert, x->key};
     for (int i = 0; i < SE_N; i++) {
         if (require(p, n, seen[i], names[i], "security")) return p->rc;
+        if (p->flags & TD_CFG_NO_FILE_CHECKS) continue;
         FILE *f = fopen(paths[i], "r");
         if (!f)
             return fail(p, seen[i], "security.%s: cannot read '%s': %s", names[i], paths[i],
@@ -959,9 +962,15 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
 int td_cfg_parse(const char *text, size_t len, const char *name, td_cfg **out, char *err,
                  size_t errcap)
 {
+    return td_cfg_parse_flags(text, len, name, 0, out, err, errcap);
+}
+
+int td_cfg_parse_flags(const char *text, size_t len, const char *name, unsigned flags, td_cfg **out,
+                       char *err, size_t errcap)
+{
     *out = NULL;
     if (err && errcap) err[0] = 0;
-    pctx p = {.file = name ? name : "<config>", .err = err, .errcap = errcap};
+    pctx p = {.file = name ? name : "<config>", .err = err, .errcap = errcap, .flags = flags};
     yaml_parser_t parser;
     yaml_document_t doc;
     if (!yaml_parser_initialize(&parser)) {
@@ -1011,6 +1020,11 @@ int td_cfg_parse(const char *text, size_t len, const char *name, td_cfg **out, c
 
 int td_cfg_load(const char *path, td_cfg **out, char *err, size_t errcap)
 {
+    return td_cfg_load_flags(path, 0, out, err, errcap);
+}
+
+int td_cfg_load_flags(const char *path, unsigned flags, td_cfg **out, char *err, size_t errcap)
+{
     *out = NULL;
     FILE *f = fopen(path, "rb");
     if (!f) {
@@ -1030,7 +1044,7 @@ int td_cfg_load(const char *path, td_cfg **out, char *err, size_t errcap)
         free(buf);
         return TD_EIO;
     }
-    int rc = td_cfg_parse(buf, n, path, out, err, errcap);
+    int rc = td_cfg_parse_flags(buf, n, path, flags, out, err, errcap);
     free(buf);
     return rc;
 }

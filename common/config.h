@@ -236,6 +236,14 @@ int td_cfg_load(const char *path, td_cfg **out, char *err, size_t errcap);
 /* The same over text in memory; name is used in messages (tests, fuzzing). */
 int td_cfg_parse(const char *text, size_t len, const char *name, td_cfg **out, char *err,
                  size_t errcap);
+/* flags for the _flags forms (0: as td_cfg_load / td_cfg_parse):
+ * TD_CFG_NO_FILE_CHECKS: security.ca/cert/key are not opened. For a tool that rewrites the
+ * YAML for other machines, where those files are mounted (tandem k8s render: the Secret);
+ * every process that serves with the YAML loads it with the checks. */
+#define TD_CFG_NO_FILE_CHECKS 1u
+int td_cfg_load_flags(const char *path, unsigned flags, td_cfg **out, char *err, size_t errcap);
+int td_cfg_parse_flags(const char *text, size_t len, const char *name, unsigned flags, td_cfg **out,
+                       char *err, size_t errcap);
 void td_cfg_free(td_cfg *cfg); /* NULL is fine */
 
 /* An instance name: [A-Za-z0-9_.-], 1..TD_CFG_NAME_MAX bytes (the YAML's and --name's). */

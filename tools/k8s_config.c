@@ -300,8 +300,9 @@ int cli_k8s_cluster_build(const cli_k8s_opts *o, const td_cfg *orig, cli_k8s_clu
     char *text = cli_read_file("k8s", o->file, &len);
     if (!text) return TD_EIO;
     char *check = NULL;
-    /* the check copy keeps the secret files and the template where they are here, so
-     * that td_cfg_parse can read them; the pods' copy names their mounts */
+    /* the check copy keeps the chat template where it is here, so that td_cfg_parse can
+     * read it (the Secret's files are not opened: they need not be here); the pods' copy
+     * names their mounts */
     int rc = rewrite(o, text, len, orig, c, false, &check);
     if (!rc) rc = rewrite(o, text, len, orig, c, true, &c->text);
     free(text);
@@ -312,7 +313,8 @@ int cli_k8s_cluster_build(const cli_k8s_opts *o, const td_cfg *orig, cli_k8s_clu
     }
     char err[1024], name[512];
     snprintf(name, sizeof name, "%s (rewritten for pods)", o->file);
-    rc = td_cfg_parse(check, strlen(check), name, &c->cfg, err, sizeof err);
+    rc = td_cfg_parse_flags(check, strlen(check), name, TD_CFG_NO_FILE_CHECKS, &c->cfg, err,
+                            sizeof err);
     free(check);
     if (rc) {
         fprintf(stderr, "tandem k8s: %s\n", err);

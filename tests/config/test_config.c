@@ -248,6 +248,17 @@ static void test_security(void)
              cert, dir);
     TH_CHECK(td_cfg_parse(text, strlen(text), "sec.yaml", &c, err, sizeof err) == TD_EINVAL && !c);
     TH_CHECKF(strstr(err, "sec.yaml:7:8: security.key: cannot read") != NULL, "%s", err);
+    /* TD_CFG_NO_FILE_CHECKS (tandem k8s render): the same file loads, paths kept; the keys
+       are still required */
+    TH_REQUIRE(td_cfg_parse_flags(text, strlen(text), "sec.yaml", TD_CFG_NO_FILE_CHECKS, &c, err,
+                                  sizeof err) == 0);
+    TH_CHECK(c->security.key && strstr(c->security.key, "/nope.pem") != NULL);
+    td_cfg_free(c);
+    snprintf(text, sizeof text, MIN "security:\n  ca: %s\n  cert: %s\n", ca, cert);
+    TH_CHECK(td_cfg_parse_flags(text, strlen(text), "sec.yaml", TD_CFG_NO_FILE_CHECKS, &c, err,
+                                sizeof err) == TD_EINVAL &&
+             !c);
+    TH_CHECKF(strstr(err, "missing required key 'key'") != NULL, "%s", err);
 }
 
 static void test_good_file(void)

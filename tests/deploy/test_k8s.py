@@ -452,6 +452,21 @@ def case_render(a, tmp):
     check(shm["emptyDir"]["sizeLimit"] == mib(kv + 64 * MIB),
           f"d0's /dev/shm holds rank 1's KV pool + 64 MiB ({mib(kv + 64 * MIB)})")
 
+    # the Secret's files need not be where the render runs (they are the cluster's): a
+    # security section naming files that are not here renders, and they move to the mount
+    with open(os.path.join(a.source_dir, "deploy/k8s.yaml")) as f:
+        text = f.read()
+    away = os.path.join(tmp, "not-here")
+    path = os.path.join(tmp, "secured.yaml")
+    with open(path, "w") as f:
+        f.write(text + f"security:\n  ca: {away}/ca.pem\n  cert: {away}/node.pem\n"
+                       f"  key: {away}/node.key\n")
+    r = render(a.tandem, path, "--name", "sec", "--quiet")
+    cfg = cfg_of(load_all(r.stdout))[1] if r.returncode == 0 else {}
+    check(r.returncode == 0 and cfg.get("security", {}).get("key") == "/etc/tandem/secret/node.key",
+          "security files absent here: the render still writes the manifests, the files under "
+          f"the Secret's mount ({r.stderr.strip()[-300:]})")
+
 
 def case_errors(a, tmp):
     def bad(args, needle, what):
