@@ -20,6 +20,7 @@ struct pf_kvc {
     bool *indexed;        /* (n_blocks) in the policy's index (and the cache's) */
     bool *detached;       /* (n_blocks) left the index while a request still used it */
     int32_t *work;        /* (n_blocks) detach's worklist */
+    int32_t *n_child;     /* (n_blocks) indexed entries chained right after an indexed block */
     pf_kvc_stats stats;
 };
 
@@ -44,7 +45,9 @@ int pf_kvc_create(kn_kv_mem *mem, int max_blocks, pf_kvc **out)
     c->indexed = calloc(nb, sizeof *c->indexed);
     c->detached = calloc(nb, sizeof *c->detached);
     c->work = malloc(nb * sizeof *c->work);
-    if (!c->ref || !c->lru.prev || !c->lru.next || !c->indexed || !c->detached || !c->work) {
+    c->n_child = calloc(nb, sizeof *c->n_child);
+    if (!c->ref || !c->lru.prev || !c->lru.next || !c->indexed || !c->detached || !c->work ||
+        !c->n_child) {
         pf_kvc_destroy(c);
         return TD_ENOMEM;
     }
@@ -64,13 +67,24 @@ void pf_kvc_destroy(pf_kvc *c)
     free(c->indexed);
     free(c->detached);
     free(c->work);
+    free(c->n_child);
     free(c);
+}
+
+/* The indexed block whose entry the chain ch ends in, or -1 (the root, or not indexed). */
+static int32_t chain_block(const pf_kvc *c, kn_kv_chain ch)
+{
+    if (ch.serial == kn_kv_cache_root().serial) return -1;
+    int32_t b = kn_kv_cache_find(c->cache, ch.id);
+    return b >= 0 && c->indexed[b] && kn_kv_cache_entry(c->cache, b).serial == ch.serial ? b : -1;
 }
 
 /* Take b out of the policy's index; the cache forgets it (its block goes back to the pool
  * unless a request still uses it: then when the last one lets go). */
 static void drop(pf_kvc *c, int32_t b)
 {
+    int32_t pb = chain_block(c, kn_kv_cache_entry(c->cache, b).parent);
+    if (pb >= 0) c->n_child[pb]--;
     td_ilist_unlink(&c->lru, b);
     c->indexed[b] = false;
     c->ref[b] = 0;
@@ -85,7 +99,9 @@ static void drop(pf_kvc *c, int32_t b)
 /* Drop b and every entry that chains after it: an entry is matched only after the very entry
  * before it (serials are never reused), so b's descendants could never be matched again; they
  * go at once, each with its REMOVED event, so that the events describe what can be matched.
- * Returns the entries dropped. */
+ * Returns the entries dropped. The index is searched for children only where an entry has
+ * some (n_child): eviction takes the least recently used entry, which is mostly a leaf
+ * (insert makes parents more recent than their children). */
 static int detach(pf_kvc *c, int32_t b)
 {
     int n_work = 0, dropped = 0;
@@ -93,10 +109,14 @@ static int detach(pf_kvc *c, int32_t b)
     while (n_work) {
         int32_t x = c->work[--n_work];
         uint64_t serial = kn_kv_cache_entry(c->cache, x).serial;
+        int children = c->n_child[x];
         drop(c, x);
         dropped++;
-        for (int32_t y = c->lru.head; y >= 0; y = c->lru.next[y])
-            if (kn_kv_cache_entry(c->cache, y).parent.serial == serial) c->work[n_work++] = y;
+        for (int32_t y = c->lru.head; y >= 0 && children > 0; y = c->lru.next[y])
+            if (kn_kv_cache_entry(c->cache, y).parent.serial == serial) {
+                c->work[n_work++] = y;
+                children--;
+            }
     }
     return dropped;
 }
@@ -104,9 +124,7 @@ static int detach(pf_kvc *c, int32_t b)
 /* Whether the entry chain ch ends in is still indexed (the root always is). */
 static bool chain_alive(const pf_kvc *c, const kn_kv_chain *ch)
 {
-    if (ch->serial == kn_kv_cache_root().serial) return true;
-    int32_t b = kn_kv_cache_find(c->cache, ch->id);
-    return b >= 0 && c->indexed[b] && kn_kv_cache_entry(c->cache, b).serial == ch->serial;
+    return ch->serial == kn_kv_cache_root().serial || chain_block(c, *ch) >= 0;
 }
 
 /* How many entries the chain ending in entry b holds back to the root (b's depth + 1), or
@@ -207,8 +225,11 @@ static bool make_room(pf_kvc *c)
 static bool index_one(pf_kvc *c, kn_kv_chain *ch, const int32_t *t, int nt, int32_t b)
 {
     /* evicting may take the chain's last entry (a prefix no request holds any more) */
-    if (!make_room(c) || !chain_alive(c, ch) || !kn_kv_cache_insert_n(c->cache, ch, t, nt, b))
-        return false;
+    if (!make_room(c) || !chain_alive(c, ch)) return false;
+    int32_t pb = chain_block(c, *ch);
+    if (!kn_kv_cache_insert_n(c->cache, ch, t, nt, b)) return false;
+    if (pb >= 0) c->n_child[pb]++;
+    c->n_child[b] = 0;
     c->ref[b] = 1;
     c->indexed[b] = true;
     td_ilist_append(&c->lru, b);

@@ -127,6 +127,38 @@ static void test_replay_equals_index(void)
     kn_kv_mem_destroy(mem);
 }
 
+/* Evicting an entry takes the entries chained after it (their parent is gone: they could
+ * never match again), and only those: prompts A B C and A B D under a budget of 4, then E
+ * (evicts C, a leaf) and F (evicts B, whose child D goes with it; A and E stay). */
+static void test_evict_descendants(void)
+{
+    kn_kv_mem *mem = make_mem();
+    TH_REQUIRE(mem);
+    pf_kvc *c = NULL;
+    TH_REQUIRE(pf_kvc_create(mem, 4, &c) == 0);
+    int32_t abc[3 * BS] = {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+    int32_t abd[3 * BS] = {1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4};
+    int32_t e[BS] = {5, 5, 5, 5}, f[BS] = {6, 6, 6, 6};
+    insert(c, mem, abc, 3);
+    insert(c, mem, abd, 3);
+    uint64_t last;
+    pf_kvc_stats st;
+    pf_kvc_get_stats(c, &st);
+    TH_CHECK(st.n_indexed == 4 && pf_kvc_match(c, abd, 3 * BS, 3, &last) == 3);
+    insert(c, mem, e, 1); /* evicts C */
+    pf_kvc_get_stats(c, &st);
+    TH_CHECK(st.n_indexed == 4 && st.evicted == 1);
+    TH_CHECK(pf_kvc_match(c, abc, 3 * BS, 3, &last) == 2 &&
+             pf_kvc_match(c, abd, 3 * BS, 3, &last) == 3);
+    insert(c, mem, f, 1); /* evicts B, and D with it */
+    pf_kvc_get_stats(c, &st);
+    TH_CHECK(st.n_indexed == 3 && st.evicted == 3);
+    TH_CHECK(pf_kvc_match(c, abd, 3 * BS, 3, &last) == 1);
+    TH_CHECK(pf_kvc_match(c, e, BS, 1, &last) == 1 && pf_kvc_match(c, f, BS, 1, &last) == 1);
+    pf_kvc_destroy(c);
+    kn_kv_mem_destroy(mem);
+}
+
 static void test_ring_wraps(void)
 {
     kn_kv_mem *mem = make_mem();
@@ -225,6 +257,7 @@ static void test_tails(void)
 int main(void)
 {
     TH_RUN(test_replay_equals_index);
+    TH_RUN(test_evict_descendants);
     TH_RUN(test_ring_wraps);
     TH_RUN(test_tails);
     TH_EXIT();
