@@ -27,7 +27,8 @@
 #define FORM_LOG_MS   10000 /* forming: say what it waits for this often */
 #define STOP_DRAIN_MS 500   /* after SIGTERM with requests in flight: errors get out */
 #define STOP_XFER_MS  3000  /* ... and longer, up to this, while aborted transfers still end */
-#define PEER_STOP_GRACE_MS 500   /* a follower stopped: this rank's own stop may follow */
+/* a follower stopped on its own SIGTERM: this rank's own signal may follow within this */
+#define PEER_STOP_GRACE_MS 500
 
 /* Interrupted early by a signal (no SA_RESTART): SIGTERM ends the pause at once. */
 static void sleep_ms(int ms)
@@ -905,7 +906,6 @@ static void leader_stop(dc_node *n)
     }
 }
 
-/* The leader's life: FORMING -> SERVING -> (a rank failed) FORMING -> ... until SIGTERM. */
 /* A follower stopped on its own SIGTERM. `tandem down`, a pod's deletion and systemd stop
  * every rank at once, and a follower may leave before this rank's signal arrives: wait a
  * moment for it (answering the inbox), so that the requests in flight end as a stop
@@ -919,6 +919,7 @@ static void await_own_stop(dc_node *n)
         dc_serve_inbox(n, 20, NULL);
 }
 
+/* The leader's life: FORMING -> SERVING -> (a rank failed) FORMING -> ... until SIGTERM. */
 static int leader_run(dc_node *n)
 {
     int rc = leader_init(n);
