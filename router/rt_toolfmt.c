@@ -29,32 +29,6 @@ static const char *const NAMES[RT_TOOLFMT_N] = {
     [RT_TOOLFMT_PYTHONIC] = "pythonic",
 };
 
-/* DeepSeek's and Kimi's markers */
-#define DS_CALLS_BEGIN                                                                             \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "calls\xe2\x96\x81"                                                                            \
-    "begin\xef\xbd\x9c>"
-#define DS_CALLS_END                                                                               \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "calls\xe2\x96\x81"                                                                            \
-    "end\xef\xbd\x9c>"
-#define DS_CALL_BEGIN                                                                              \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "call\xe2\x96\x81"                                                                             \
-    "begin\xef\xbd\x9c>"
-#define DS_CALL_END                                                                                \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "call\xe2\x96\x81"                                                                             \
-    "end\xef\xbd\x9c>"
-#define DS_SEP                                                                                     \
-    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
-    "sep\xef\xbd\x9c>"
-#define KIMI_BEGIN    "<|tool_calls_section_begin|>"
-#define KIMI_END      "<|tool_calls_section_end|>"
-#define KIMI_CALL     "<|tool_call_begin|>"
-#define KIMI_ARG      "<|tool_call_argument_begin|>"
-#define KIMI_CALL_END "<|tool_call_end|>"
-
 const char *rt_toolfmt_name(rt_toolfmt f)
 {
     return f >= 0 && f < RT_TOOLFMT_N ? NAMES[f] : "?";
@@ -78,9 +52,9 @@ static bool has(const char *s, size_t n, const char *lit)
 rt_toolfmt rt_toolfmt_detect(const char *t, size_t n)
 {
     if (has(t, n, "[TOOL_CALLS]")) return RT_TOOLFMT_MISTRAL;
-    if (has(t, n, DS_CALLS_BEGIN))
+    if (has(t, n, RT_TF_DS_CALLS_BEGIN))
         return has(t, n, "```json") ? RT_TOOLFMT_DEEPSEEK_V3 : RT_TOOLFMT_DEEPSEEK_V31;
-    if (has(t, n, KIMI_BEGIN)) return RT_TOOLFMT_KIMI_K2;
+    if (has(t, n, RT_TF_KIMI_BEGIN)) return RT_TOOLFMT_KIMI_K2;
     if (has(t, n, "<arg_key>")) return RT_TOOLFMT_GLM45;
     if (has(t, n, "<function=") && has(t, n, "<parameter=") && !has(t, n, "<seed:tool_call>"))
         return RT_TOOLFMT_QWEN3_CODER; /* Seed-OSS wraps the same in <seed:tool_call> */
@@ -100,11 +74,11 @@ const rt_toolfmt_marker *rt_toolfmt_markers(rt_toolfmt f, size_t *n)
 {
     static const rt_toolfmt_marker llama[] = {{"<|python_tag|>", NULL, false}, {"{", NULL, true}};
     static const rt_toolfmt_marker mistral[] = {{"[TOOL_CALLS]", NULL, false}};
-    static const rt_toolfmt_marker ds[] = {{DS_CALLS_BEGIN, DS_CALLS_END, false}};
+    static const rt_toolfmt_marker ds[] = {{RT_TF_DS_CALLS_BEGIN, RT_TF_DS_CALLS_END, false}};
     static const rt_toolfmt_marker qwen[] = {{"<tool_call>", "</tool_call>", false},
                                              {"<function=", "</function>", false}};
     static const rt_toolfmt_marker glm[] = {{"<tool_call>", "</tool_call>", false}};
-    static const rt_toolfmt_marker kimi[] = {{KIMI_BEGIN, KIMI_END, false}};
+    static const rt_toolfmt_marker kimi[] = {{RT_TF_KIMI_BEGIN, RT_TF_KIMI_END, false}};
     static const rt_toolfmt_marker py[] = {{"[", NULL, true}};
 #define M(a)                                                                                       \
     do {                                                                                           \
@@ -502,12 +476,12 @@ static int parse_mistral(const char *s, size_t n, rt_toolfmt_calls *out)
 static int parse_deepseek(bool v3, const char *s, size_t n, rt_toolfmt_calls *out)
 {
     int rc = 0;
-    for (size_t i = find(s, n, 0, DS_CALL_BEGIN); i < n && !rc;) {
-        size_t a = i + strlen(DS_CALL_BEGIN), e = find(s, n, a, DS_CALL_END);
-        i = e < n ? find(s, n, e, DS_CALL_BEGIN) : n;
-        size_t sep = find(s, e, a, DS_SEP);
+    for (size_t i = find(s, n, 0, RT_TF_DS_CALL_BEGIN); i < n && !rc;) {
+        size_t a = i + strlen(RT_TF_DS_CALL_BEGIN), e = find(s, n, a, RT_TF_DS_CALL_END);
+        i = e < n ? find(s, n, e, RT_TF_DS_CALL_BEGIN) : n;
+        size_t sep = find(s, e, a, RT_TF_DS_SEP);
         if (e == n || sep == e) continue;
-        size_t na = sep + strlen(DS_SEP), nb, aa, ab = e;
+        size_t na = sep + strlen(RT_TF_DS_SEP), nb, aa, ab = e;
         if (v3) { /* type<sep>name\n```json\nARGS\n``` */
             nb = find(s, e, na, "\n```json\n");
             aa = nb + 9;
@@ -525,12 +499,12 @@ static int parse_deepseek(bool v3, const char *s, size_t n, rt_toolfmt_calls *ou
 static int parse_kimi(const char *s, size_t n, rt_toolfmt_calls *out)
 {
     int rc = 0;
-    for (size_t i = find(s, n, 0, KIMI_CALL); i < n && !rc;) {
-        size_t a = i + strlen(KIMI_CALL), e = find(s, n, a, KIMI_CALL_END);
-        i = e < n ? find(s, n, e, KIMI_CALL) : n;
-        size_t sep = find(s, e, a, KIMI_ARG);
-        if (e == n || sep == e || find(s, e, a, KIMI_CALL) != e) continue;
-        size_t ia = a, ib = sep, aa = sep + strlen(KIMI_ARG), ab = e;
+    for (size_t i = find(s, n, 0, RT_TF_KIMI_CALL); i < n && !rc;) {
+        size_t a = i + strlen(RT_TF_KIMI_CALL), e = find(s, n, a, RT_TF_KIMI_CALL_END);
+        i = e < n ? find(s, n, e, RT_TF_KIMI_CALL) : n;
+        size_t sep = find(s, e, a, RT_TF_KIMI_ARG);
+        if (e == n || sep == e || find(s, e, a, RT_TF_KIMI_CALL) != e) continue;
+        size_t ia = a, ib = sep, aa = sep + strlen(RT_TF_KIMI_ARG), ab = e;
         trim(s, &ia, &ib);
         trim(s, &aa, &ab);
         /* the id: functions.f:0 (or f:0): name = before ":", after the last "." */
@@ -626,6 +600,34 @@ static json_t *qwen_value(const char *v, size_t n, const json_t *schema)
     return x ? x : json_stringn(v, n);
 }
 
+/* Parameter key of tool fn with the value text v[0..n) (already cut as the format cuts it),
+ * typed as the format's parser types it; NULL: no memory (or invalid UTF-8). */
+static json_t *param_value(rt_toolfmt f, const json_t *tools, const char *fn, const char *key,
+                           const char *v, size_t n)
+{
+    const json_t *sc = param_schema(tools, fn, key);
+    if (f == RT_TOOLFMT_QWEN3_CODER) return qwen_value(v, n, sc);
+    const char *ty = json_string_value(json_object_get(sc, "type"));
+    json_t *x = ty && !strcmp(ty, "string") ? NULL : json_or_literal(v, n, true);
+    return x ? x : json_stringn(v, n);
+}
+
+char *rt_toolfmt_param_json(rt_toolfmt f, const json_t *tools, const char *fn, const char *key,
+                            const char *v, size_t n)
+{
+    /* the object's own text less its braces: exactly what the whole call's json.dumps holds */
+    json_t *o = json_object(), *x = param_value(f, tools, fn, key, v, n);
+    char *s = o && x && !json_object_set_new(o, key, x) ? jn_pyjson(o) : NULL;
+    if (!o) json_decref(x);
+    json_decref(o);
+    size_t len = s ? strlen(s) : 0;
+    if (len >= 2) {
+        memmove(s, s + 1, len - 2);
+        s[len - 2] = 0;
+    }
+    return s;
+}
+
 /* <function=NAME>(<parameter=P>VALUE</parameter>)*: one call from s[0..n) (after "<function="). */
 static int qwen_function(const char *s, size_t n, const json_t *tools, rt_toolfmt_calls *out)
 {
@@ -646,8 +648,8 @@ static int qwen_function(const char *s, size_t n, const json_t *tools, rt_toolfm
         if (va < vb && s[va] == '\n') va++;
         if (vb > va && s[vb - 1] == '\n') vb--;
         char *pn = strndup(s + a, p - a);
-        const json_t *sc = pn ? param_schema(tools, name, pn) : NULL;
-        json_t *v = pn ? qwen_value(s + va, vb - va, sc) : NULL;
+        json_t *v =
+            pn ? param_value(RT_TOOLFMT_QWEN3_CODER, tools, name, pn, s + va, vb - va) : NULL;
         rc = v && !json_object_set_new(args, pn, v) ? 0 : TD_ENOMEM;
         free(pn);
     }
@@ -692,10 +694,7 @@ static int parse_glm(const char *s, size_t n, const json_t *tools, rt_toolfmt_ca
         trim(s, &ka, &kb);
         trim(s, &va, &vb);
         char *k = strndup(s + ka, kb - ka);
-        const json_t *sc = k ? param_schema(tools, name, k) : NULL;
-        const char *ty = json_string_value(json_object_get(sc, "type"));
-        json_t *v = ty && !strcmp(ty, "string") ? NULL : json_or_literal(s + va, vb - va, true);
-        if (!v) v = json_stringn(s + va, vb - va);
+        json_t *v = k ? param_value(RT_TOOLFMT_GLM45, tools, name, k, s + va, vb - va) : NULL;
         rc = k && v && !json_object_set_new(args, k, v) ? 0 : TD_ENOMEM;
         free(k);
     }

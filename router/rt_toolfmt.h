@@ -35,6 +35,32 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+/* DeepSeek's and Kimi's literal markers (the parse's and the scan's, rt_toolscan.c) */
+#define RT_TF_DS_CALLS_BEGIN                                                                       \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "begin\xef\xbd\x9c>"
+#define RT_TF_DS_CALLS_END                                                                         \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "end\xef\xbd\x9c>"
+#define RT_TF_DS_CALL_BEGIN                                                                        \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "begin\xef\xbd\x9c>"
+#define RT_TF_DS_CALL_END                                                                          \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "end\xef\xbd\x9c>"
+#define RT_TF_DS_SEP                                                                               \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "sep\xef\xbd\x9c>"
+#define RT_TF_KIMI_BEGIN    "<|tool_calls_section_begin|>"
+#define RT_TF_KIMI_END      "<|tool_calls_section_end|>"
+#define RT_TF_KIMI_CALL     "<|tool_call_begin|>"
+#define RT_TF_KIMI_ARG      "<|tool_call_argument_begin|>"
+#define RT_TF_KIMI_CALL_END "<|tool_call_end|>"
+
 typedef enum {
     RT_TOOLFMT_HERMES = 0, /* the default: a template with no other family's markers */
     RT_TOOLFMT_LLAMA3_JSON,
@@ -93,5 +119,12 @@ void rt_toolfmt_calls_fini(rt_toolfmt_calls *c);
  * the block holds no call, and is content) or TD_ENOMEM. */
 int rt_toolfmt_parse(rt_toolfmt f, const char *s, size_t n, const json_t *tools,
                      rt_toolfmt_calls *out);
+
+/* qwen3_coder, glm45: one parameter as its call's arguments hold it, "key": value (the
+ * JSON text json.dumps writes between the object's braces), with the value text v[0..n)
+ * cut as the format's parser cuts it and typed from tool fn's schema in tools, as
+ * rt_toolfmt_parse types it. NULL: no memory, or a value that is not valid UTF-8. */
+char *rt_toolfmt_param_json(rt_toolfmt f, const json_t *tools, const char *fn, const char *key,
+                            const char *v, size_t n);
 
 #endif

@@ -17,15 +17,18 @@
  * HEAD, RAW: pend holds the call's text after "<tool_call>". TAIL: pend holds the text
  * after the arguments. ARGS: nothing is held; the scanner tracks strings and brackets.
  *
- * The other formats (rt_toolfmt.h) hold each call block whole:
+ * The other formats (rt_toolfmt.h) stream each call block through its scanner
+ * (rt_toolscan.h) and settle it with the block's parse at its end:
  *
  *   BOUT --an open marker--> BLOCK --its close marker (or the end of the output)--> BOUT
  *
  * BOUT: pend holds outside text not yet emitted (whitespace only, a partial marker, or,
  * before any other text, what may still become an at_start marker). BLOCK: pend holds the
  * whitespace run before the block (blk_at bytes) and the block from its open marker on;
- * at its end the block is parsed: its calls are emitted (CALL, then the arguments as one
- * ARGS event) or, when it holds none, all of pend is content. */
+ * each feed lets the scan emit what became certain (sent: its calls as sent); at its end
+ * the block is parsed: the calls sent get the rest of their arguments and the further calls
+ * follow whole (settle_block) or, when it holds none and none was sent, all of pend is
+ * content. */
 #define _GNU_SOURCE /* memmem */
 #include "rt_tools.h"
 
@@ -38,6 +41,7 @@
 #include "rt_buf.h"
 #include "rt_chat.h"
 #include "rt_toolfmt.h"
+#include "rt_toolscan.h"
 #include "td_err.h"
 #include "td_grow.h"
 
@@ -64,6 +68,12 @@ typedef struct {
     rt_buf args;
 } rt_toolp_call;
 
+/* A call the scan of the current block announced, and its arguments as sent. */
+typedef struct {
+    char *name;
+    rt_buf args;
+} rt_toolp_sent;
+
 struct rt_toolp {
     rt_toolp_state st;
     rt_buf pend;
@@ -85,6 +95,9 @@ struct rt_toolp {
     size_t blk_at;                /* BLOCK: where the block starts in pend */
     bool started;                 /* BOUT: an at_start marker can no longer open a block */
     json_t *tools;                /* the request's tools (parameter types), or NULL */
+    rt_toolscan scan;             /* BLOCK: what of the block is already certain */
+    rt_toolp_sent *sent;          /* (n_sent) BLOCK: the calls the scan announced */
+    int n_sent, cap_sent;
     char **names;                 /* (n_names) the declared tools: a bare call must name one */
     size_t n_names;
     /* results */
@@ -114,6 +127,7 @@ rt_toolp *rt_toolp_create_fmt(rt_toolfmt fmt, const json_t *tools, const char *s
     p->marks = rt_toolfmt_markers(fmt, &p->n_marks);
     if (p->n_marks) n_names = 0; /* untagged Hermes calls are Hermes' alone */
     p->tools = json_incref((json_t *)tools);
+    rt_toolscan_init(&p->scan, fmt, p->tools);
     p->names = n_names ? calloc(n_names, sizeof *p->names) : NULL;
     for (size_t i = 0; i < n_names && p->names; i++)
         if ((p->names[p->n_names] = strdup(names[i]))) p->n_names++;
@@ -141,6 +155,12 @@ void rt_toolp_destroy(rt_toolp *p)
     for (size_t i = 0; i < p->n_names; i++)
         free(p->names[i]);
     free(p->names);
+    for (int i = 0; i < p->cap_sent; i++) {
+        free(p->sent[i].name);
+        rt_buf_free(&p->sent[i].args);
+    }
+    free(p->sent);
+    rt_toolscan_fini(&p->scan);
     json_decref(p->tools);
     rt_buf_free(&p->pend);
     rt_buf_free(&p->content);
@@ -562,6 +582,8 @@ static size_t open_block(rt_toolp *p, const rt_toolfmt_marker *m, size_t at, siz
     p->st = ST_BLOCK;
     p->cur = m;
     p->seen_call = true;
+    p->n_sent = 0;
+    rt_toolscan_reset(&p->scan);
     return end - old;
 }
 
@@ -625,19 +647,89 @@ static size_t feed_bout(rt_toolp *p, const char *s, size_t n, int *rc)
     return n;
 }
 
+/* The scan's sink: a call of the block starts (recorded as sent, then emitted). */
+static int scan_call(void *ctx, const char *name, size_t len, const char *id, size_t id_len)
+{
+    rt_toolp *p = ctx;
+    int cap = p->cap_sent;
+    if (TD_GROW_INT(p->sent, p->cap_sent, p->n_sent + 1, 4)) return TD_ENOMEM;
+    memset(p->sent + cap, 0, (size_t)(p->cap_sent - cap) * sizeof *p->sent);
+    rt_toolp_sent *c = &p->sent[p->n_sent];
+    free(c->name);
+    c->args.len = 0;
+    char *idz = id ? strndup(id, id_len) : NULL;
+    if (!(c->name = strndup(name, len)) || (id && !idz)) {
+        free(idz);
+        return TD_ENOMEM;
+    }
+    p->n_sent++;
+    int rc = start_call(p, name, len, idz);
+    free(idz);
+    return rc;
+}
+
+static int scan_args(void *ctx, const char *s, size_t n)
+{
+    rt_toolp *p = ctx;
+    if (rt_buf_append(&p->sent[p->n_sent - 1].args, s, n)) return TD_ENOMEM;
+    return call_args(p, s, n);
+}
+
+/* BLOCK: hand out what of the block so far is certain (pend less a partial close marker). */
+static int scan_block(rt_toolp *p)
+{
+    size_t n = p->pend.len - p->blk_at;
+    const char *b = p->pend.buf + p->blk_at;
+    if (p->cur->close) n -= rt_toolscan_partial(b, n, p->cur->close);
+    rt_toolscan_sink k = {.call = scan_call, .args = scan_args, .ctx = p};
+    return rt_toolscan_step(&p->scan, b, n, &k);
+}
+
+/* The block's calls (its parse) after the scan announced n_sent of them: each of those that
+ * is the parse's call of the same place with arguments the parse's begin with gets the rest
+ * (only the newest can still be short: the scan finishes a call before it starts the next);
+ * the parse's further calls follow whole. A call sent that the parse does not confirm (the
+ * output broke off inside it, or the block turned out malformed) stands as it was sent,
+ * and so does the answer: nothing of the block is taken back, as vLLM's streaming parsers
+ * never take back a delta (the caller returns text after the calls as content). */
+static int settle_block(rt_toolp *p, const rt_toolfmt_calls *calls, bool *confirmed)
+{
+    bool same = p->n_sent <= calls->n;
+    int rc = 0;
+    for (int i = 0; i < p->n_sent && same && !rc; i++) {
+        const rt_toolfmt_call *c = &calls->v[i];
+        const rt_buf *a = &p->sent[i].args;
+        size_t len = strlen(c->args);
+        same = !strcmp(c->name, p->sent[i].name) && a->len <= len &&
+               !memcmp(c->args, a->buf ? a->buf : "", a->len);
+        if (same && a->len < len) {
+            same = i == p->n_sent - 1;
+            if (same) rc = call_args(p, c->args + a->len, len - a->len);
+        }
+    }
+    for (int i = p->n_sent; same && i < calls->n && !rc; i++) {
+        const rt_toolfmt_call *c = &calls->v[i];
+        rc = start_call(p, c->name, strlen(c->name), c->id);
+        if (!rc) rc = call_args(p, c->args, strlen(c->args));
+    }
+    *confirmed = same;
+    return rc;
+}
+
 /* The block in pend is complete: its calls, or all of pend as content. */
 static int finish_block(rt_toolp *p)
 {
     rt_toolfmt_calls calls = {0};
     const char *b = p->pend.buf + p->blk_at;
     int rc = rt_toolfmt_parse(p->fmt, b, p->pend.len - p->blk_at, p->tools, &calls);
-    for (int i = 0; i < calls.n && !rc; i++) {
-        const rt_toolfmt_call *c = &calls.v[i];
-        rc = start_call(p, c->name, strlen(c->name), c->id);
-        if (!rc) rc = call_args(p, c->args, strlen(c->args));
-    }
-    if (!rc && !calls.n) rc = emit_content(p, p->pend.buf, p->pend.len);
-    p->seg_text = !calls.n; /* a block left as content is text that whitespace may follow */
+    bool confirmed = true;
+    if (!rc) rc = settle_block(p, &calls, &confirmed);
+    bool any = calls.n || p->n_sent;
+    if (!rc && !confirmed && p->scan.tail) /* text after the calls sent: content, not lost */
+        rc = emit_content(p, b + p->scan.tail, p->pend.len - p->blk_at - p->scan.tail);
+    if (!rc && !any) rc = emit_content(p, p->pend.buf, p->pend.len);
+    p->seg_text = !any; /* a block left as content is text that whitespace may follow */
+    p->n_sent = 0;
     rt_toolfmt_calls_fini(&calls);
     p->pend.len = 0;
     p->st = ST_BOUT;
@@ -650,14 +742,22 @@ static size_t feed_block(rt_toolp *p, const char *s, size_t n, int *rc)
     size_t old = p->pend.len;
     if ((*rc = rt_buf_append(&p->pend, s, n) ? TD_ENOMEM : 0)) return n;
     const char *close = p->cur->close;
-    if (!close) return n; /* the block runs to the end of the output */
+    if (!close) { /* the block runs to the end of the output */
+        *rc = scan_block(p);
+        return n;
+    }
     size_t cl = strlen(close), from = p->blk_at + strlen(p->cur->open);
     if (old > from + cl) from = old - cl; /* the close may straddle the feeds */
     const char *hit = memmem(p->pend.buf + from, p->pend.len - from, close, cl);
-    if (!hit) return n;
+    if (!hit) {
+        *rc = scan_block(p);
+        return n;
+    }
     size_t end = (size_t)(hit - p->pend.buf) + cl;
+    p->pend.len = end - cl; /* the scan first: the answer must not depend on the pieces */
+    *rc = scan_block(p);
     p->pend.len = end;
-    *rc = finish_block(p);
+    if (!*rc) *rc = finish_block(p);
     return end - old;
 }
 

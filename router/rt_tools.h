@@ -27,11 +27,14 @@
  *    object {"name": "<a declared tool>", "arguments": {...}}, bare or inside a ```json
  *    fence. Any other text there is content.
  *  - parallel == false keeps the first call and drops the others.
- * The other formats (a simpler streaming rule): text outside the call blocks streams as it
- * comes (a partial open marker held back; a whitespace-only run that touches a block of
- * calls is dropped); a block, from its open marker to its close marker (or the end of the
- * output), is held whole, then each of its calls is emitted: CALL, then its arguments as
- * one ARGS event. A block that holds no call is content, markers included (never lost).
+ * The other formats: text outside the call blocks streams as it comes (a partial open
+ * marker held back; a whitespace-only run that touches a block of calls is dropped); in a
+ * block (from its open marker to its close marker, or the end of the output) each call is
+ * emitted as soon as its name is complete and its arguments in pieces as they become
+ * certain (rt_toolscan.h; pythonic: the whole block at its end); at the block's end its
+ * parse (rt_toolfmt_parse) completes them. A block that holds no call, and announced none,
+ * is content, markers included (never lost); a call announced stands (a block that breaks
+ * after it keeps the calls sent, as vLLM's streaming does).
  * Invariants: events carry only text the model generated, in order, each byte once;
  * content never holds a complete "<tool_call>" tag of a call that was parsed.
  * Threading: none (one parser per request, on the loop thread).

@@ -10,6 +10,7 @@
  *   test_rt_toolfmt [--templates DIR]
  */
 #include <jansson.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,11 +32,41 @@ typedef struct {
     char id[MAXC][64], name[MAXC][64];
     rt_buf args[MAXC];
     bool order_ok;
+    bool shape_ok;        /* each event's delta has the shape vLLM streams */
+    size_t fed;           /* the input bytes fed so far */
+    size_t call_at[MAXC]; /* fed when the call was announced */
+    size_t args_at[MAXC]; /* fed when its first arguments piece came */
+    int pieces[MAXC];     /* its arguments pieces */
 } asm_t;
+
+/* The delta of an event: {"content"} or {"tool_calls": [{index, id, type, function: {name,
+ * arguments: ""}}]} for a call's first, [{index, function: {arguments}}] for the next. */
+static bool delta_ok(const rt_tool_ev *e)
+{
+    json_t *d = rt_tool_ev_delta(e);
+    json_t *tc = json_array_get(json_object_get(d, "tool_calls"), 0);
+    json_t *fn = json_object_get(tc, "function");
+    bool ok;
+    if (e->kind == RT_TOOL_EV_CONTENT)
+        ok = json_object_size(d) == 1 && json_is_string(json_object_get(d, "content"));
+    else if (e->kind == RT_TOOL_EV_CALL)
+        ok = json_object_size(tc) == 4 && json_is_string(json_object_get(tc, "id")) &&
+             json_string_length(json_object_get(tc, "id")) > 0 &&
+             !strcmp(json_string_value(json_object_get(tc, "type")), "function") &&
+             json_is_string(json_object_get(fn, "name")) &&
+             !strcmp(json_string_value(json_object_get(fn, "arguments")), "");
+    else
+        ok = json_object_size(tc) == 2 && json_object_size(fn) == 1 &&
+             json_integer_value(json_object_get(tc, "index")) == e->index &&
+             json_string_length(json_object_get(fn, "arguments")) == e->len && e->len > 0;
+    json_decref(d);
+    return ok;
+}
 
 static int on_ev(void *ctx, const rt_tool_ev *e)
 {
     asm_t *a = ctx;
+    if (!delta_ok(e)) a->shape_ok = false;
     if (e->kind == RT_TOOL_EV_CONTENT) {
         rt_buf_append(&a->content, e->text, e->len);
         a->has_content = true;
@@ -44,10 +75,13 @@ static int on_ev(void *ctx, const rt_tool_ev *e)
         if (a->n_calls == MAXC) return 0;
         snprintf(a->id[a->n_calls], sizeof a->id[0], "%s", e->id);
         snprintf(a->name[a->n_calls], sizeof a->name[0], "%s", e->name);
+        a->call_at[a->n_calls] = a->fed;
         a->n_calls++;
     } else {
         if (e->index != a->n_calls - 1) a->order_ok = false;
-        if (e->index >= 0 && e->index < MAXC) rt_buf_append(&a->args[e->index], e->text, e->len);
+        if (e->index < 0 || e->index >= MAXC) return 0;
+        if (!a->pieces[e->index]++) a->args_at[e->index] = a->fed;
+        rt_buf_append(&a->args[e->index], e->text, e->len);
     }
     return 0;
 }
@@ -69,16 +103,26 @@ static bool id_ok(rt_toolfmt f, const char *id, const char *want)
     return strlen(id) == 9;
 }
 
+#define RANDOM_SPLIT 1000 /* a split from here on: pieces of 1 to 8 bytes, seeded by it */
+
 /* One split of one case. */
 static void run_split(const char *label, rt_toolfmt f, json_t *tools, const char *text,
                       bool parallel, const want_t *w, size_t split)
 {
     size_t n = strlen(text), step = split ? split : n + 1;
+    uint64_t r = split;
     rt_toolp *p = rt_toolp_create_fmt(f, tools, "chatcmpl-test", parallel, NULL, 0);
     TH_REQUIRE(p != NULL);
-    asm_t a = {.order_ok = true};
-    for (size_t i = 0; i < n; i += step)
-        TH_CHECK(rt_toolp_feed(p, text + i, n - i < step ? n - i : step, on_ev, &a) == 0);
+    asm_t a = {.order_ok = true, .shape_ok = true};
+    for (size_t i = 0; i < n; i += step) {
+        if (split >= RANDOM_SPLIT) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            step = 1 + (r >> 33) % 8;
+        }
+        size_t k = n - i < step ? n - i : step;
+        a.fed = i + k;
+        TH_CHECK(rt_toolp_feed(p, text + i, k, on_ev, &a) == 0);
+    }
     TH_CHECK(rt_toolp_finish(p, on_ev, &a) == 0);
     size_t clen = 0;
     const char *c = rt_toolp_content(p, &clen);
@@ -107,6 +151,7 @@ static void run_split(const char *label, rt_toolfmt f, json_t *tools, const char
     json_decref(calls);
     TH_CHECKF(a.n_calls == w->n_calls && a.order_ok, "%s (split %zu): streamed %d calls", label,
               split, a.n_calls);
+    TH_CHECKF(a.shape_ok, "%s (split %zu): a delta of the wrong shape", label, split);
     TH_CHECKF(a.has_content == (c != NULL) && a.content.len == clen &&
                   (!clen || !memcmp(a.content.buf, c, clen)),
               "%s (split %zu): streamed content differs", label, split);
@@ -119,7 +164,17 @@ static void run_split(const char *label, rt_toolfmt f, json_t *tools, const char
 static void run_tools(const char *label, rt_toolfmt f, const char *tools_json, const char *text,
                       bool parallel, const want_t *w)
 {
-    static const size_t splits[] = {0, 1, 2, 3, 5, 11};
+    static const size_t splits[] = {0,
+                                    1,
+                                    2,
+                                    3,
+                                    5,
+                                    11,
+                                    RANDOM_SPLIT,
+                                    RANDOM_SPLIT + 1,
+                                    RANDOM_SPLIT + 2,
+                                    RANDOM_SPLIT + 3,
+                                    RANDOM_SPLIT + 4};
     json_t *tools = tools_json ? json_loads(tools_json, 0, NULL) : NULL;
     TH_REQUIRE(!tools_json || tools);
     for (size_t s = 0; s < sizeof splits / sizeof splits[0]; s++)
@@ -154,10 +209,13 @@ static void test_llama3(void)
     run("llama3 leading whitespace", F, "\n\n {\"name\": \"f\", \"parameters\": {\"k\": \"v\"}}\n",
         &(want_t){NULL, 1, {"f"}, {"{\"k\": \"v\"}"}});
     run("llama3 JSON that is no call", F, "{\"answer\": 42}", &(want_t){"{\"answer\": 42}"});
-    run("llama3 truncated", F, "{\"name\": \"f\", \"parameters\": {\"a\": ",
-        &(want_t){"{\"name\": \"f\", \"parameters\": {\"a\": "});
+    /* a call announced stands (vLLM never takes a delta back), with the arguments sent */
+    run("llama3 truncated", F,
+        "{\"name\": \"f\", \"parameters\": {\"a\": ", &(want_t){NULL, 1, {"f"}, {"{\"a\": "}});
     run("llama3 text after the call", F, "{\"name\": \"f\", \"parameters\": {}} and more",
-        &(want_t){"{\"name\": \"f\", \"parameters\": {}} and more"});
+        &(want_t){" and more", 1, {"f"}, {"{}"}});
+    run("llama3 header cut short", F, "{\"name\": \"f\", \"param",
+        &(want_t){"{\"name\": \"f\", \"param"});
     run("llama3 brace later is text", F, "Use {x} here", &(want_t){"Use {x} here"});
     run_tools("llama3 parallel false", F, NULL,
               "{\"name\": \"f\", \"parameters\": {}}; {\"name\": \"g\", \"parameters\": {}}", false,
@@ -187,8 +245,9 @@ static void test_mistral(void)
         &(want_t){NULL, 2, {"get_weather", "f"}, {"{\"city\": \"Paris\"}", "{}"}});
     run("mistral text before", F, "Let me check.[TOOL_CALLS]f[ARGS]{\"q\": \"[TOOL\"}",
         &(want_t){"Let me check.", 1, {"f"}, {"{\"q\": \"[TOOL\"}"}});
-    run("mistral malformed", F,
-        "Hi [TOOL_CALLS]f[ARGS]{\"a\": ", &(want_t){"Hi [TOOL_CALLS]f[ARGS]{\"a\": "});
+    run("mistral truncated", F,
+        "Hi [TOOL_CALLS]f[ARGS]{\"a\": ", &(want_t){"Hi ", 1, {"f"}, {"{\"a\": "}});
+    run("mistral malformed", F, "Hi [TOOL_CALLS]f[ARGS]x", &(want_t){"Hi [TOOL_CALLS]f[ARGS]x"});
     run("mistral partial marker is text", F, "see [TOOL_", &(want_t){"see [TOOL_"});
     run("mistral plain", F, "[1, 2] is a list", &(want_t){"[1, 2] is a list"});
 }
@@ -353,6 +412,255 @@ static void test_pythonic(void)
     run("pythonic text after", F, "[f()] done", &(want_t){"[f()] done"});
 }
 
+/* ---- streaming: each call's name as soon as it is complete, its arguments in pieces ---- */
+
+typedef struct {
+    const char *label;
+    rt_toolfmt f;
+    const char *pieces[32]; /* the output at its tokens' boundaries */
+    const char *name_by;    /* the first call is announced once this text is fed */
+    const char *args_by;    /* and its first arguments piece has come once this one is */
+    want_t w;
+} stream_case;
+
+/* The end of the piece that completes the first part in text: when an event can come. */
+static size_t end_of(const char *const *pieces, const char *text, const char *part)
+{
+    const char *at = strstr(text, part);
+    size_t want = at ? (size_t)(at - text) + strlen(part) : strlen(text), end = 0;
+    for (int i = 0; pieces[i] && end < want; i++)
+        end += strlen(pieces[i]);
+    return end;
+}
+
+static void run_stream(const stream_case *c)
+{
+    char text[2048] = "";
+    for (int i = 0; c->pieces[i]; i++)
+        strncat(text, c->pieces[i], sizeof text - strlen(text) - 1);
+    json_t *tools = json_loads(QWEN_TOOLS, 0, NULL);
+    rt_toolp *p = rt_toolp_create_fmt(c->f, tools, "chatcmpl-test", true, NULL, 0);
+    TH_REQUIRE(p != NULL);
+    asm_t a = {.order_ok = true, .shape_ok = true};
+    for (int i = 0; c->pieces[i]; i++) {
+        a.fed += strlen(c->pieces[i]);
+        TH_CHECK(rt_toolp_feed(p, c->pieces[i], strlen(c->pieces[i]), on_ev, &a) == 0);
+    }
+    TH_CHECK(rt_toolp_finish(p, on_ev, &a) == 0);
+    TH_CHECKF(a.n_calls == c->w.n_calls && a.order_ok && a.shape_ok, "%s: %d calls streamed",
+              c->label, a.n_calls);
+    for (int k = 0; k < c->w.n_calls && k < a.n_calls; k++)
+        TH_CHECKF(!strcmp(a.name[k], c->w.name[k]) && a.args[k].len == strlen(c->w.args[k]) &&
+                      !memcmp(a.args[k].buf, c->w.args[k], a.args[k].len),
+                  "%s: call %d streamed as %s '%.*s'", c->label, k, a.name[k], (int)a.args[k].len,
+                  a.args[k].buf);
+    size_t want_c = c->w.content ? strlen(c->w.content) : 0;
+    TH_CHECKF(a.content.len == want_c && (!want_c || !memcmp(a.content.buf, c->w.content, want_c)),
+              "%s: content '%.*s'", c->label, (int)a.content.len, a.content.buf);
+    TH_CHECKF(a.n_calls && a.call_at[0] <= end_of(c->pieces, text, c->name_by),
+              "%s: name at byte %zu, not %zu", c->label, a.call_at[0],
+              end_of(c->pieces, text, c->name_by));
+    TH_CHECKF(a.n_calls && a.pieces[0] >= 2 && a.args_at[0] <= end_of(c->pieces, text, c->args_by),
+              "%s: %d arguments pieces, the first at byte %zu", c->label, a.pieces[0],
+              a.args_at[0]);
+    rt_buf_free(&a.content);
+    for (int k = 0; k < MAXC; k++)
+        rt_buf_free(&a.args[k]);
+    rt_toolp_destroy(p);
+    json_decref(tools);
+}
+
+static void test_streaming(void)
+{
+    static const stream_case cases[] = {
+        {"stream deepseek_v31",
+         RT_TOOLFMT_DEEPSEEK_V31,
+         {"Sure.", DS_CALLS_B, DS_CALL_B, "get", "_weather", DS_SEP, "{\"", "city", "\":", " \"",
+          "Paris", "\"}", DS_CALL_E, DS_CALL_B, "f", DS_SEP, "{}", DS_CALL_E, DS_CALLS_E},
+         DS_SEP,
+         "city",
+         {"Sure.", 2, {"get_weather", "f"}, {"{\"city\": \"Paris\"}", "{}"}}},
+        {"stream deepseek_v3",
+         RT_TOOLFMT_DEEPSEEK_V3,
+         {DS_CALLS_B, DS_CALL_B, "function", DS_SEP, "get_weather", "\n", "```", "json", "\n",
+          "{\"city\"", ": \"Paris\"}", "\n", "```", DS_CALL_E, DS_CALLS_E},
+         "```json\n",
+         ": \"Paris\"}",
+         {NULL, 1, {"get_weather"}, {"{\"city\": \"Paris\"}"}}},
+        {"stream kimi_k2",
+         RT_TOOLFMT_KIMI_K2,
+         {KB, "<|tool_call_begin|>", "functions", ".get", "_weather", ":", "0",
+          "<|tool_call_argument_begin|>", "{\"", "city", "\": \"", "Beijing", "\"}",
+          "<|tool_call_end|>", KE, " Done."},
+         "<|tool_call_argument_begin|>",
+         "city",
+         {" Done.", 1, {"get_weather"}, {"{\"city\": \"Beijing\"}"}, {"functions.get_weather:0"}}},
+        {"stream qwen3_coder",
+         RT_TOOLFMT_QWEN3_CODER,
+         {"<tool_call>",  "\n",          "<function=",  "get", "_weather",    ">",  "\n",
+          "<parameter=",  "city",        ">",           "\n",  "Paris",       "\n", "</parameter>",
+          "\n",           "<parameter=", "days",        ">",   "\n",          "3",  "\n",
+          "</parameter>", "\n",          "</function>", "\n",  "</tool_call>"},
+         "<function=get_weather>",
+         "Paris\n</parameter>",
+         {NULL, 1, {"get_weather"}, {"{\"city\": \"Paris\", \"days\": 3}"}}},
+        {"stream glm45",
+         RT_TOOLFMT_GLM45,
+         {"<tool_call>", "get_weather", "\n", "<arg_key>", "city", "</arg_key>", "\n",
+          "<arg_value>", "Paris", "</arg_value>", "\n", "<arg_key>", "days", "</arg_key>",
+          "<arg_value>", "3", "</arg_value>", "\n", "</tool_call>"},
+         "get_weather\n",
+         "Paris</arg_value>",
+         {NULL, 1, {"get_weather"}, {"{\"city\": \"Paris\", \"days\": 3}"}}},
+        {"stream llama3_json",
+         RT_TOOLFMT_LLAMA3_JSON,
+         {"{\"", "name",       "\":", " \"",  "get_weather", "\",",
+          " \"", "parameters", "\":", " {\"", "city",        "\":",
+          " \"", "Paris",      "\",", " \"",  "days",        "\":",
+          " 3",  "}}",         ";",   " {\"", "name",        "\": \"f\", \"parameters\": {}}"},
+         "\"parameters\": {",
+         "city",
+         {NULL, 2, {"get_weather", "f"}, {"{\"city\": \"Paris\", \"days\": 3}", "{}"}}},
+        {"stream mistral",
+         RT_TOOLFMT_MISTRAL,
+         {"Let me see.", "[TOOL_CALLS]", "get", "_weather", "[ARGS]", "{\"", "city", "\":", "\"",
+          "Paris", "\"}", "[TOOL_CALLS]", "f", "[ARGS]", "{}"},
+         "[ARGS]{",
+         "city",
+         {"Let me see.", 2, {"get_weather", "f"}, {"{\"city\": \"Paris\"}", "{}"}}},
+        {"stream mistral list",
+         RT_TOOLFMT_MISTRAL,
+         {"[TOOL_CALLS]", "[{\"", "name", "\":", " \"", "f", "\",", " \"", "arguments",
+          "\":", " {\"", "a", "\":", " 1", "}, \"id\": \"abc123def\"}", ",",
+          " {\"name\": \"g\", \"arguments\": {}}", "]"},
+         "\"arguments\": {",
+         "\": 1",
+         {NULL, 2, {"f", "g"}, {"{\"a\": 1}", "{}"}}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_stream(&cases[i]);
+}
+
+/* Random outputs from each format's pieces, fed whole and in random splits: the answer never
+ * depends on the split, and the stream always assembles to it (run it under ASan). */
+static void answer(rt_toolfmt f, json_t *tools, const char *text, size_t n, uint64_t seed,
+                   rt_buf *out)
+{
+    rt_toolp *p = rt_toolp_create_fmt(f, tools, "seed", true, NULL, 0);
+    TH_REQUIRE(p != NULL);
+    asm_t a = {.order_ok = true, .shape_ok = true};
+    for (size_t i = 0, step = n + 1; i < n; i += step) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        if (seed & 1) step = 1 + (seed >> 33) % 6;
+        while (i + step < n && ((unsigned char)text[i + step] & 0xc0) == 0x80)
+            step++; /* the detokenizer hands out whole characters */
+        TH_CHECK(rt_toolp_feed(p, text + i, n - i < step ? n - i : step, on_ev, &a) == 0);
+    }
+    TH_CHECK(rt_toolp_finish(p, on_ev, &a) == 0);
+    size_t clen = 0;
+    const char *c = rt_toolp_content(p, &clen);
+    json_t *calls = rt_toolp_calls_json(p);
+    bool same = a.order_ok && a.shape_ok && a.content.len == clen &&
+                (!clen || !memcmp(c, a.content.buf, clen)) && a.n_calls == rt_toolp_n_calls(p);
+    rt_buf_append(out, c ? c : "", clen);
+    for (int k = 0; k < rt_toolp_n_calls(p) && k < MAXC; k++) {
+        json_t *fn = json_object_get(json_array_get(calls, k), "function");
+        const char *args = json_string_value(json_object_get(fn, "arguments"));
+        same = same && strlen(args) == a.args[k].len && !memcmp(args, a.args[k].buf, a.args[k].len);
+        rt_buf_puts(out, "|");
+        rt_buf_puts(out, json_string_value(json_object_get(fn, "name")));
+        rt_buf_puts(out, "|");
+        rt_buf_puts(out, args);
+    }
+    TH_CHECKF(same, "random %s: the stream differs from the answer for '%.*s'", rt_toolfmt_name(f),
+              (int)n, text);
+    json_decref(calls);
+    rt_buf_free(&a.content);
+    for (int k = 0; k < MAXC; k++)
+        rt_buf_free(&a.args[k]);
+    rt_toolp_destroy(p);
+}
+
+static void test_random(void)
+{
+    static const char *const bits[] = {"[TOOL_CALLS]",
+                                       "[ARGS]",
+                                       "[CALL_ID]",
+                                       "<|python_tag|>",
+                                       DS_CALLS_B,
+                                       DS_CALLS_E,
+                                       DS_CALL_B,
+                                       DS_CALL_E,
+                                       DS_SEP,
+                                       "\n```json\n",
+                                       "\n```",
+                                       KB,
+                                       KE,
+                                       "<|tool_call_begin|>",
+                                       "<|tool_call_argument_begin|>",
+                                       "<|tool_call_end|>",
+                                       "functions.f:0",
+                                       "<tool_call>",
+                                       "</tool_call>",
+                                       "<function=",
+                                       "</function>",
+                                       "<parameter=",
+                                       "</parameter>",
+                                       "<arg_key>",
+                                       "</arg_key>",
+                                       "<arg_value>",
+                                       "</arg_value>",
+                                       "{",
+                                       "}",
+                                       "[",
+                                       "]",
+                                       "\"name\": ",
+                                       "\"arguments\": ",
+                                       "\"parameters\": ",
+                                       "\"f\"",
+                                       "\"city\"",
+                                       ", ",
+                                       ": ",
+                                       ";",
+                                       "\n",
+                                       " ",
+                                       "get_weather",
+                                       "days",
+                                       ">",
+                                       "3",
+                                       "1.5",
+                                       "\"\\u00e9\\\"\"",
+                                       "text",
+                                       "f(",
+                                       ")",
+                                       "x=1",
+                                       "<"};
+    json_t *tools = json_loads(QWEN_TOOLS, 0, NULL);
+    uint64_t r = 7;
+    for (int it = 0; it < 4000; it++) {
+        char text[512];
+        size_t n = 0;
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        rt_toolfmt f = (rt_toolfmt)(1 + (r >> 33) % (RT_TOOLFMT_N - 1));
+        for (int j = 0, k = 3 + (int)((r >> 40) % 24); j < k; j++) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            const char *b = bits[(r >> 33) % (sizeof bits / sizeof bits[0])];
+            if (n + strlen(b) >= sizeof text) break;
+            memcpy(text + n, b, strlen(b));
+            n += strlen(b);
+        }
+        rt_buf whole = {0}, split = {0};
+        answer(f, tools, text, n, 0, &whole);
+        answer(f, tools, text, n, r | 1, &split);
+        TH_CHECKF(whole.len == split.len && !memcmp(whole.buf, split.buf, whole.len),
+                  "random %s: the answer depends on the split for '%.*s'", rt_toolfmt_name(f),
+                  (int)n, text);
+        rt_buf_free(&whole);
+        rt_buf_free(&split);
+    }
+    json_decref(tools);
+}
+
 /* ---- detection ---- */
 
 static void test_detect(void)
@@ -450,6 +758,8 @@ int main(int argc, char **argv)
     TH_RUN(test_glm45);
     TH_RUN(test_kimi);
     TH_RUN(test_pythonic);
+    TH_RUN(test_streaming);
+    TH_RUN(test_random);
     TH_RUN(test_detect);
     TH_RUN(test_corpus);
     TH_EXIT();
