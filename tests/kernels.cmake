@@ -25,6 +25,12 @@ target_link_libraries(bench_kquant PRIVATE td_kernels td_common)
 add_executable(bench_qtypes ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_qtypes.c)
 target_link_libraries(bench_qtypes PRIVATE td_kernels td_common)
 
+# Not a test: the q8 GEMMs on AMX-INT8 against AVX512-VNNI, alternated, on Qwen2.5-0.5B's and
+# SmolLM2-135M's shapes: bin/bench_q8amx [threads [m]]
+add_executable(bench_q8amx ${CMAKE_CURRENT_SOURCE_DIR}/kernels/bench_q8amx.c)
+target_include_directories(bench_q8amx PRIVATE ${PROJECT_SOURCE_DIR}/kernels/cpu)
+target_link_libraries(bench_q8amx PRIVATE td_kernels td_common)
+
 # kernels/kn_elem.h (the per-element math the CUDA kernels share with the CPU): its
 # dequantizers bit for bit against kn_dequant_row, fp16 conversions, silu/GELU/rope.
 add_executable(test_elem ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_elem.c)
@@ -48,6 +54,15 @@ target_include_directories(test_q8act PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
                                               ${PROJECT_SOURCE_DIR}/kernels/cpu)
 target_link_libraries(test_q8act PRIVATE td_kernels td_common)
 add_test(NAME kernels.test_q8act COMMAND test_q8act)
+
+# The AMX-INT8 form of the q8 GEMMs against the AVX512-VNNI form, bit for bit; skipped (77)
+# where AMX is unusable (no AMX, the OS refuses the tile state, TANDEM_CPU_AMX=0).
+add_executable(test_q8amx ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_q8amx.c)
+target_include_directories(test_q8amx PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                              ${PROJECT_SOURCE_DIR}/kernels/cpu)
+target_link_libraries(test_q8amx PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_q8amx COMMAND test_q8amx)
+set_tests_properties(kernels.test_q8amx PROPERTIES SKIP_RETURN_CODE 77)
 
 # The CPU backend's thread pool: every item once in its static part, idle workers and a
 # waiting caller sleep (CPU time), the spin budget's environment variable (~1 s).

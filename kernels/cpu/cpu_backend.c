@@ -102,6 +102,11 @@ int kn_cpu_create(int n_threads, kn_cpu **out)
         TD_LOG_ERR("cpu backend: TANDEM_CPU_FUSED=%s: expected 0 or 1", fused);
         return TD_EINVAL;
     }
+    const char *amx = getenv("TANDEM_CPU_AMX"); /* read by kn_q8_gemm_amx at its first call */
+    if (amx && *amx && strcmp(amx, "0") && strcmp(amx, "1")) {
+        TD_LOG_ERR("cpu backend: TANDEM_CPU_AMX=%s: expected 0 or 1", amx);
+        return TD_EINVAL;
+    }
     kn_cpu *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
     c->act_q8 = act && !strcmp(act, "q8");

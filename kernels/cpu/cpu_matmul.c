@@ -440,13 +440,18 @@ void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
                          const char **solo)
 {
     /* kn_cpu_matmul_mixed's choices, in its order */
+    const bool amx = kn_q8_gemm_amx(); /* 24 rows of x and more: kn_q8_gemm_amx */
     if (c->act_q8 && kn_q8_gemm_supported(w)) {
-        *batch = *solo = !strcmp(kn_q8_gemm_isa(), "avx2") ? "q8 integer GEMM (avx2)"
-                                                             : "q8 integer GEMM (avx512-vnni)";
+        *batch = !strcmp(kn_q8_gemm_isa(), "avx2") ? "q8 integer GEMM (avx2)"
+                 : amx ? "q8 integer GEMM (amx-int8, below 24 rows avx512-vnni)"
+                       : "q8 integer GEMM (avx512-vnni)";
+        *solo = !strcmp(kn_q8_gemm_isa(), "avx2") ? "q8 integer GEMM (avx2)"
+                                                  : "q8 integer GEMM (avx512-vnni)";
         return;
     }
     if (c->act_q8 && kn_q8k_gemm_supported(w))
-        *batch = "q8 K-quant integer GEMM (avx512-vnni)";
+        *batch =
+            amx ? "q8 K-quant integer GEMM (amx-int8)" : "q8 K-quant integer GEMM (avx512-vnni)";
     else if (w->type == TD_F32)
         *batch = "OpenBLAS sgemm";
     else

@@ -4,7 +4,9 @@
  * decode dot path (kn_q8_dot, m < 64 and solo rows; with AVX512-VNNI through a copy packed
  * by 16 rows, cpu_q8kpack.c) and, with AVX512-VNNI, the gemm path's batch rows through
  * cpu_q8kgemm.c (kn_q8k_gemm); 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
- * at every m through the integer GEMM of cpu_q8gemm.c (kn_q8_gemm).
+ * at every m through the integer GEMM of cpu_q8gemm.c (kn_q8_gemm). Where the CPU and the OS
+ * allow AMX-INT8, both GEMMs run calls of many rows of x on AMX tiles (cpu_q8amx.h,
+ * kn_q8_gemm_amx), with the bits of their VNNI form.
  *
  * Purpose: the float32 dot path unpacks every weight to float32 and is compute-bound at
  * batch 1; integer dots (AVX2 maddubs + madd, or AVX512-VNNI dpbusd on 256-bit vectors
@@ -84,6 +86,20 @@ bool kn_q8_gemm_supported(const kn_mat *w);
  * AVX2 when kn_q8_gemm_force_avx2(true) (a test hook). */
 int kn_q8_gemm_group_rows(void);
 void kn_q8_gemm_force_avx2(bool on);
+
+/* Whether the VNNI GEMMs (kn_q8_gemm, kn_q8k_gemm) run calls of many rows of x (m of at least
+ * 24, Q8A_MIN_M) on AMX-INT8 (cpu_q8amx.h), with the same bits: the CPU has AMX-TILE and AMX-INT8,
+ * the OS granted this process the tile state (asked once, at the first call), TANDEM_CPU_AMX
+ * was not 0 then, and neither kn_q8_gemm_force_amx_off(true) (a test hook) nor
+ * kn_q8_gemm_force_avx2(true) holds. */
+bool kn_q8_gemm_amx(void);
+void kn_q8_gemm_force_amx_off(bool on);
+/* The same without the test hooks: what the panel scratch is sized for (AMX runs several
+ * panels at once, so kn_q8_gemm_panel_bytes and kn_q8k_gemm_panel_bytes grow with it). */
+bool kn_q8_amx_usable(void);
+
+/* The GEMMs' instruction set: "amx-int8" (kn_q8_gemm_amx; below 24 rows of x, AVX512-VNNI),
+ * "avx512vnni" or "avx2". */
 const char *kn_q8_gemm_isa(void);
 
 /* Scratch bytes of one thread's panel for W of n_cols columns (enough for either ISA). */

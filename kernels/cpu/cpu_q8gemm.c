@@ -21,16 +21,28 @@
  * into the panel with a mask and a shift; the operations on each lane are the ones above, so
  * the bits are those of the per-call panel. At m = 1 the per-call unpack cost more than the
  * dots (the decode step's products at 8-10 GB/s; packed, 21-29 GB/s).
+ * With AMX-INT8 (kn_q8_gemm_amx) a call of Q8A_MIN_M rows of x or more runs the same panels, a
+ * few groups at a time, against tiles of 16 rows of x (cpu_q8amx.h): the same bits.
  */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "cpu_q8act.h"
+#include "cpu_q8amx.h"
 #include "cpu_q8vnni.h"
 #include "cpu_quant.h"
 #include "cpu_traits.h"
 
 #define Q8G_VEC_BYTES(g) ((size_t)(g)*4)
+
+/* arch_prctl's request for an extended state component, and AMX's tile data (asm/prctl.h) */
+#define Q8G_ARCH_REQ_XCOMP_PERM 0x1023
+#define Q8G_XFEATURE_XTILEDATA  18
 
 KN_ALWAYS_INLINE size_t q8g_bs(td_dtype t)
 {
@@ -44,7 +56,10 @@ KN_ALWAYS_INLINE int q8g_qoff(td_dtype t)
 
 size_t kn_q8_gemm_panel_bytes(int64_t n_cols)
 {
-    return (size_t)(n_cols / TD_QK) * 10 * Q8G_VEC_BYTES(16);
+    const size_t nb = (size_t)(n_cols / TD_QK), panel = nb * 10 * Q8G_VEC_BYTES(16);
+    /* AMX runs q8a_groups panels at once, with 16 floats per block after them (q8a_rows' xds),
+     * whether or not kn_q8_gemm_force_amx_off holds */
+    return kn_q8_amx_usable() ? (size_t)q8a_groups(panel) * panel + nb * 64 : panel;
 }
 
 bool kn_q8_gemm_supported(const kn_mat *w)
@@ -55,6 +70,25 @@ bool kn_q8_gemm_supported(const kn_mat *w)
 
 static atomic_int q8g_isa_sel = -1; /* -1 not chosen, 0 AVX2, 1 VNNI */
 static atomic_bool q8g_force_avx2;
+static atomic_int q8g_amx_sel = -1; /* -1 not chosen, 0 no AMX, 1 AMX-INT8 usable */
+static atomic_bool q8g_amx_off;
+
+/* Whether this process may run AMX-INT8: the CPU lists AMX-TILE and AMX-INT8, the OS enabled
+ * their state (XCR0 bits 17, 18), the kernel grants the tile data permission (a VM may list
+ * AMX and still refuse it: then no AMX, never a SIGILL), and TANDEM_CPU_AMX is not 0. */
+static bool q8g_amx_probe(void)
+{
+    const char *env = getenv("TANDEM_CPU_AMX");
+    if (env && !strcmp(env, "0")) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+        return false;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    return syscall(SYS_arch_prctl, Q8G_ARCH_REQ_XCOMP_PERM, Q8G_XFEATURE_XTILEDATA) == 0;
+}
 
 static bool q8g_vnni(void)
 {
@@ -73,9 +107,39 @@ void kn_q8_gemm_force_avx2(bool on)
     atomic_store(&q8g_force_avx2, on);
 }
 
+bool kn_q8_amx_usable(void)
+{
+    int s = atomic_load_explicit(&q8g_amx_sel, memory_order_relaxed);
+    if (s < 0) {
+        __builtin_cpu_init();
+        s = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+            q8g_amx_probe();
+        atomic_store_explicit(&q8g_amx_sel, s, memory_order_relaxed);
+    }
+    return s;
+}
+
+bool kn_q8_gemm_amx(void)
+{
+    return q8g_vnni() && kn_q8_amx_usable() &&
+           !atomic_load_explicit(&q8g_amx_off, memory_order_relaxed);
+}
+
+void kn_q8_gemm_force_amx_off(bool on)
+{
+    atomic_store(&q8g_amx_off, on);
+}
+
 const char *kn_q8_gemm_isa(void)
 {
-    return q8g_vnni() ? "avx512vnni" : "avx2";
+    return kn_q8_gemm_amx() ? "amx-int8" : q8g_vnni() ? "avx512vnni" : "avx2";
+}
+
+/* Whether a GEMM over m rows of x runs its tiles on AMX. */
+static bool q8g_use_amx(int64_t m)
+{
+    return m >= Q8A_MIN_M && kn_q8_gemm_amx();
 }
 
 int kn_q8_gemm_group_rows(void)
@@ -154,13 +218,49 @@ Q8G_I512 void groups512(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t m
     }
 }
 
-/* The VNNI GEMM kernels of cpu_traits.h's table (per-call panel), one copy per type. */
+/* groups512 with the rows of x on AMX (cpu_q8amx.h): the same panel, the same bits. */
+Q8G_IAMX void groups_amx(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t m, float *y,
+                         int64_t g0, int64_t g1, uint8_t *panel)
+{
+    const int64_t nb = w->n_cols / TD_QK;
+    const size_t pstride = (size_t)nb * Q8G_PANEL_BLOCK;
+    const int G = q8a_groups(pstride);
+    float *xds = (float *)(void *)(panel + (size_t)G * pstride);
+    int cfg = 0;
+    for (int64_t gb = g0; gb < g1; gb += G) {
+        const int ng = (int)(g1 - gb < G ? g1 - gb : G);
+        int nr = 16;
+        for (int k = 0; k < ng; k++) {
+            const int64_t r0 = 16 * (gb + k);
+            nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
+            int32_t idx[16];
+            for (int r = 0; r < 16; r++)
+                idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+            pack512(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
+                    16 * w->row_stride, panel + (size_t)k * pstride);
+            q8a_unbias(t, panel + (size_t)k * pstride, nb);
+        }
+        q8a_rows(t, panel, pstride, ng, nr, xq, m, nb, y + 16 * gb, w->n_rows, xds, &cfg);
+    }
+    _tile_release();
+}
+
+/* The VNNI GEMM kernels of cpu_traits.h's table (per-call panel), one copy per type; from
+ * Q8A_MIN_M rows of x on, AMX where the process may use it. */
 #define Q8G_GEMM512(name, T)                                                                       \
+    static Q8G_TAMX void name##_amx(const kn_mat *w, const void *xq, int64_t m, float *y,          \
+                                    int64_t g0, int64_t g1, void *panel)                           \
+    {                                                                                              \
+        groups_amx(T, w, xq, m, y, g0, g1, panel);                                                 \
+    }                                                                                              \
     Q8G_T512 void name(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,   \
                        int64_t g0, int64_t g1, void *panel)                                        \
     {                                                                                              \
         (void)packed;                                                                              \
-        groups512(T, w, xq, m, y, g0, g1, panel);                                                  \
+        if (q8g_use_amx(m))                                                                        \
+            name##_amx(w, xq, m, y, g0, g1, panel);                                                \
+        else                                                                                       \
+            groups512(T, w, xq, m, y, g0, g1, panel);                                              \
     }
 Q8G_GEMM512(kn_q8g_gemm512_q4_0, TD_Q4_0)
 Q8G_GEMM512(kn_q8g_gemm512_q4_1, TD_Q4_1)
@@ -322,12 +422,43 @@ Q8G_I512 void pgroups512(td_dtype t, const kn_mat *w, const uint8_t *packed, con
     }
 }
 
-/* The VNNI GEMM kernels of cpu_traits.h's table through W packed, one copy per type. */
+/* pgroups512's expand512 branch with the rows of x on AMX: the same panel, the same bits. */
+Q8G_IAMX void pgroups_amx(td_dtype t, const kn_mat *w, const uint8_t *packed, const kn_q8b *xq,
+                          int64_t m, float *y, int64_t g0, int64_t g1, uint8_t *panel)
+{
+    const int64_t nb = w->n_cols / TD_QK;
+    const size_t gbytes = (size_t)nb * q8p_block_bytes(t), pstride = (size_t)nb * Q8G_PANEL_BLOCK;
+    const int G = q8a_groups(pstride);
+    float *xds = (float *)(void *)(panel + (size_t)G * pstride);
+    int cfg = 0;
+    for (int64_t gb = g0; gb < g1; gb += G) {
+        const int ng = (int)(g1 - gb < G ? g1 - gb : G);
+        for (int k = 0; k < ng; k++) {
+            expand512(t, packed + (size_t)(gb + k) * gbytes, nb, panel + (size_t)k * pstride);
+            q8a_unbias(t, panel + (size_t)k * pstride, nb);
+        }
+        const int64_t rl = 16 * (gb + ng - 1); /* the last group's first row */
+        const int nr = (int)(w->n_rows - rl < 16 ? w->n_rows - rl : 16);
+        q8a_rows(t, panel, pstride, ng, nr, xq, m, nb, y + 16 * gb, w->n_rows, xds, &cfg);
+    }
+    _tile_release();
+}
+
+/* The VNNI GEMM kernels of cpu_traits.h's table through W packed, one copy per type; from
+ * Q8A_MIN_M rows of x on, AMX where the process may use it. */
 #define Q8G_PGEMM512(name, T)                                                                      \
+    static Q8G_TAMX void name##_amx(const kn_mat *w, const void *packed, const void *xq,           \
+                                    int64_t m, float *y, int64_t g0, int64_t g1, void *panel)      \
+    {                                                                                              \
+        pgroups_amx(T, w, packed, xq, m, y, g0, g1, panel);                                        \
+    }                                                                                              \
     Q8G_T512 void name(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,   \
                        int64_t g0, int64_t g1, void *panel)                                        \
     {                                                                                              \
-        pgroups512(T, w, packed, xq, m, y, g0, g1, panel);                                         \
+        if (q8g_use_amx(m) && m > 4)                                                               \
+            name##_amx(w, packed, xq, m, y, g0, g1, panel);                                        \
+        else                                                                                       \
+            pgroups512(T, w, packed, xq, m, y, g0, g1, panel);                                     \
     }
 Q8G_PGEMM512(kn_q8g_pgemm512_q4_0, TD_Q4_0)
 Q8G_PGEMM512(kn_q8g_pgemm512_q4_1, TD_Q4_1)

@@ -22,11 +22,14 @@
  * row's result does not depend on m, the other rows or the thread split (as the 32-block
  * GEMM's); it differs from the dot path's kn_q8k rows (x quantized per 256, not per 32),
  * which the batch rows of the gemm path are allowed to (kn_backend.h, matmul_mixed).
+ * With AMX-INT8 (kn_q8_gemm_amx) the same panels run against tiles of 16 rows of x
+ * (cpu_q8amx.h; Q6_K's two groups as two dots of K = 16): the same bits.
  */
 #include <stdint.h>
 
 #include "cpu_kquant_internal.h"
 #include "cpu_q8act.h"
+#include "cpu_q8amx.h"
 #include "cpu_q8vnni.h"
 
 #define Q4K_BYTES 144 /* d, dmin (f16), scales[12], qs[128] */
@@ -41,7 +44,10 @@ bool kn_q8k_gemm_supported(const kn_mat *w)
 
 size_t kn_q8k_gemm_panel_bytes(int64_t n_cols)
 {
-    return (size_t)(n_cols / TD_QK) * Q6K_PANEL;
+    const size_t nb = (size_t)(n_cols / TD_QK), panel = nb * Q6K_PANEL;
+    /* AMX runs q8a_groups panels at once (of at most this size: Q4_K's are smaller), with 16
+     * floats per block after them (q8a_rows' xds) */
+    return kn_q8_amx_usable() ? (size_t)q8a_groups(panel) * panel + nb * 64 : panel;
 }
 
 /* The panel of 16 rows (rows at w + idx[r]) of nsb Q4_K super-blocks, in Q4_1's layout. */
@@ -212,8 +218,171 @@ static Q8G_T512 void kgemm512(const kn_mat *w, const kn_q8b *xq, int64_t m, floa
     }
 }
 
+/* ---- AMX-INT8 (cpu_q8amx.h): the same panels, the same bits ----
+ * Q4_K's panel is Q4_1's and takes q8a_rows as it is. Q6_K keeps the dots of its two groups
+ * of 16 apart: per block two tdpbssd with K = 16 (the panel made signed, q6a_unbias), A the columns
+ * 0-15 (16 bytes of each row of x) against B the panel's vectors 0-3 (4 x 64 bytes), and columns
+ * 16-31 against vectors 4-7. Tiles: tmm0/tmm1 A (rows x 16 bytes), tmm2/tmm3 B (4 x 64), tmm4/tmm5
+ * and tmm6/tmm7 the C pairs of consecutive blocks. */
+
+/* The panel's quants (q in [0, 64)) made signed, q - 32, in place (nb sub-blocks): tdpbssd then
+ * gives dot_a - 32 xsum16 and dot_b - 32 (xsum - xsum16) exactly, tile_q6k's ta and tb. */
+Q8G_IAMX void q6a_unbias(uint8_t *panel, int64_t nb)
+{
+    const __m512i bv = _mm512_set1_epi8(32);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *o = panel + (size_t)b * Q6K_PANEL;
+        KN_UNROLL
+        for (int u = 0; u < 8; u++)
+            _mm512_storeu_si512(o + 64 * u, _mm512_sub_epi8(_mm512_loadu_si512(o + 64 * u), bv));
+    }
+}
+
+/* Loads the Q6_K configuration for mr rows of x (1..16). */
+Q8G_IAMX void q6a_config(int mr)
+{
+    kn_q8a_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int k = 0; k < 2; k++) {
+        c.rows[k] = (uint8_t)mr, c.colsb[k] = 16;
+        c.rows[2 + k] = 4, c.colsb[2 + k] = 64;
+    }
+    for (int k = 4; k < 8; k++)
+        c.rows[k] = (uint8_t)mr, c.colsb[k] = 64;
+    Q8A_BARRIER();
+    _tile_loadconfig(&c);
+}
+
+/* The two groups' dots of block b into tiles ca and cb. */
+#define Q6A_DOTS(ca, cb, xb, xs, panel, b)                                                         \
+    do {                                                                                           \
+        const uint8_t *o_ = (panel) + (size_t)(b)*Q6K_PANEL;                                       \
+        _tile_loadd(0, (xb)[b].qs, xs);                                                            \
+        _tile_loadd(1, (xb)[b].qs + 16, xs);                                                       \
+        _tile_loadd(2, o_, 64);                                                                    \
+        _tile_loadd(3, o_ + 256, 64);                                                              \
+        _tile_zero(ca);                                                                            \
+        _tile_zero(cb);                                                                            \
+        _tile_dpbssd(ca, 0, 2);                                                                    \
+        _tile_dpbssd(cb, 1, 3);                                                                    \
+    } while (0)
+
+/* tile_q6k's float part for block b from the dots of its two groups (cd[0], cd[1]). */
+Q8G_IAMX void q6a_epilogue(int M, const int32_t (*cd)[256], const uint8_t *o, const kn_q8b *xb,
+                           int64_t nb, int64_t b, __m512 acc[16])
+{
+    /* s = sc_a ta + sc_b tb in float, exactly tile_q6k's (float)s: |ta|, |tb| < 2^16 and
+     * |sc| <= 2^7, so both products are exact, and the fma rounds their exact sum once, as
+     * the conversion of the exact integer s does (and s is below 2^24 anyway): the same bits,
+     * without vpmulld (two uops on one port) */
+    const __m512 dv = _mm512_loadu_ps(o + 512);
+    const __m512 sa = _mm512_cvtepi32_ps(_mm512_loadu_si512(o + 576)),
+                 sb = _mm512_cvtepi32_ps(_mm512_loadu_si512(o + 640));
+    KN_UNROLL
+    for (int j = 0; j < M; j++) {
+        const kn_q8b *x = &xb[j * nb + b];
+        /* the offsets are out (q6a_unbias) */
+        const __m512 ta = _mm512_cvtepi32_ps(_mm512_load_si512(cd[0] + 16 * j)),
+                     tb = _mm512_cvtepi32_ps(_mm512_load_si512(cd[1] + 16 * j));
+        const __m512 s = _mm512_fmadd_ps(sa, ta, _mm512_mul_ps(sb, tb));
+        acc[j] = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(x->d)), acc[j]);
+    }
+}
+
+/* tile_q6k on AMX: y[j * ldy + r] for j < M, r < nr; the configuration loaded for M rows. */
+Q8G_IAMX void q6a_tile(int M, const uint8_t *panel, const kn_q8b *xb, int64_t nb, float *y,
+                       int64_t ldy, int nr)
+{
+    _Alignas(64) int32_t cd[2][2][256];
+    const size_t xs = (size_t)nb * sizeof(kn_q8b);
+    __m512 acc[16]; /* all set: the rows past M are never read, but M may not be a constant */
+    KN_UNROLL
+    for (int j = 0; j < 16; j++)
+        acc[j] = _mm512_setzero_ps();
+    Q6A_DOTS(4, 5, xb, xs, panel, 0); /* stores before the next dots: see q8a_tile */
+    for (int64_t b = 0; b < nb; b += 2) {
+        Q8A_STORE(4, cd[0][0]);
+        Q8A_STORE(5, cd[0][1]);
+        if (b + 1 < nb) Q6A_DOTS(6, 7, xb, xs, panel, b + 1);
+        q6a_epilogue(M, (const int32_t(*)[256])cd[0], panel + (size_t)b * Q6K_PANEL, xb, nb, b,
+                     acc);
+        if (b + 1 >= nb) break;
+        Q8A_STORE(6, cd[1][0]);
+        Q8A_STORE(7, cd[1][1]);
+        if (b + 2 < nb) Q6A_DOTS(4, 5, xb, xs, panel, b + 2);
+        q6a_epilogue(M, (const int32_t(*)[256])cd[1], panel + (size_t)(b + 1) * Q6K_PANEL, xb, nb,
+                     b + 1, acc);
+    }
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    KN_UNROLL
+    for (int j = 0; j < M; j++)
+        _mm512_mask_storeu_ps(y + j * ldy, k, acc[j]);
+}
+
+/* rows_q6k on AMX for ng panels (pstride bytes apart; the last with nr_last real rows), as
+ * q8a_rows runs the 32-block panels: each tile of x against the ng panels in turn. */
+Q8G_IAMX void q6a_rows(const uint8_t *panels, size_t pstride, int ng, int nr_last, const kn_q8b *xq,
+                       int64_t m, int64_t nb, float *y, int64_t ldy, int *cfg)
+{
+    Q8A_BARRIER(); /* the panels' stores before the tile loads */
+    for (int64_t i = 0; i < m; i += 16) {
+        const int mr = (int)(m - i < 16 ? m - i : 16);
+        if (*cfg != mr) {
+            q6a_config(mr);
+            *cfg = mr;
+        }
+        for (int k = 0; k < ng; k++) {
+            const uint8_t *panel = panels + (size_t)k * pstride;
+            float *yk = y + i * ldy + 16 * k;
+            const int nr = k == ng - 1 ? nr_last : 16;
+            if (mr == 16)
+                q6a_tile(16, panel, xq + i * nb, nb, yk, ldy, nr);
+            else
+                q6a_tile(mr, panel, xq + i * nb, nb, yk, ldy, nr);
+        }
+    }
+}
+
+static Q8G_TAMX void kgemm_amx(const kn_mat *w, const kn_q8b *xq, int64_t m, float *y, int64_t ldy,
+                               int64_t g0, int64_t g1, uint8_t *panel)
+{
+    const int64_t nb = w->n_cols / TD_QK, nsb = w->n_cols / KN_QK_K;
+    const bool q4k = w->type == TD_Q4_K;
+    const size_t pstride = (size_t)nb * (q4k ? Q8G_PANEL_BLOCK : Q6K_PANEL);
+    /* Q4_K's smaller panels: as many as Q6_K's fit in kn_q8k_gemm_panel_bytes */
+    const int G = q8a_groups((size_t)nb * Q6K_PANEL);
+    int cfg = 0;
+    for (int64_t gb = g0; gb < g1; gb += G) {
+        const int ng = (int)(g1 - gb < G ? g1 - gb : G);
+        int nr = 16;
+        for (int k = 0; k < ng; k++) {
+            const int64_t r0 = 16 * (gb + k);
+            nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
+            int32_t idx[16]; /* rows past the end repeat the last one (never stored) */
+            for (int r = 0; r < 16; r++)
+                idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+            const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * w->row_stride;
+            if (q4k)
+                pack_q4k(src, idx, nsb, panel + (size_t)k * pstride);
+            else
+                pack_q6k(src, idx, nsb, panel + (size_t)k * pstride);
+            if (!q4k) q6a_unbias(panel + (size_t)k * pstride, nb);
+        }
+        if (q4k)
+            q8a_rows(TD_Q4_1, panel, pstride, ng, nr, xq, m, nb, y + 16 * gb, ldy,
+                     (float *)(void *)(panel + (size_t)G * pstride), &cfg);
+        else
+            q6a_rows(panel, pstride, ng, nr, xq, m, nb, y + 16 * gb, ldy, &cfg);
+    }
+    _tile_release();
+}
+
 void kn_q8k_gemm(const kn_mat *w, const void *xq, int64_t m, float *y, int64_t ldy, int64_t g0,
                  int64_t g1, void *panel)
 {
-    kgemm512(w, xq, m, y, ldy, g0, g1, panel);
+    if (m >= Q8A_MIN_M && kn_q8_gemm_amx())
+        kgemm_amx(w, xq, m, y, ldy, g0, g1, panel);
+    else
+        kgemm512(w, xq, m, y, ldy, g0, g1, panel);
 }
