@@ -20,11 +20,12 @@ instance, the decode instance prefills), on the synthetic model or --model. Case
               greedy one (the tokens generated before the move keep counting)
   logprobs    the same greedy stream with logprobs 3, killed the same way: its tokens and
               their logprobs (and top-3 alternatives) equal the uninterrupted run's within
-              1e-4 with --kv-dtype f32, 1e-3 with f16 KV: the new instance re-prefills the
+              1e-4 with --kv-dtype f32, 2e-2 with f16 KV: the new instance re-prefills the
               prompt and the tokens before the move, and a prefill attends to its own
               chunk's K/V before their rounding to f16 while decode read them back rounded
               (measured on the synthetic model, the same move without a kill: 4.7e-4 with
-              f16 KV, 2.5e-6 with f32)
+              f16 KV, 2.5e-6 with f32; the default model, this case: under 1e-3 on AMD
+              EPYC, 0.0091 on an Intel Xeon, where the sgemm kernels differ)
   nonstream   the same without streaming: kill -9 while it generates; the JSON answer equals
               the reference
   opt-out     "migrate": false, killed the same way: an SSE error event and [DONE] within
@@ -252,7 +253,8 @@ def lp_diff(a, b):
 
 def case_logprobs(cl, args, base, ref, ref_text, figures):
     """Logprobs across a move: the tokens generated after it carry the logprobs (and top
-    alternatives) of an uninterrupted run, within 1e-4 with f32 KV, 1e-3 with f16 (above)."""
+    alternatives) of an uninterrupted run, within 1e-4 with f32 KV, 2e-2 with f16 (the
+    module's docstring says why)."""
     body = dict(base, stream=True, logprobs=3)
     lref = Stream(cl.host, cl.port, body, args.deadline).start().join()
     check(lref.done and lref.text == ref.text and len(lref.lps) == args.tokens and
@@ -279,7 +281,11 @@ def case_logprobs(cl, args, base, ref, ref_text, figures):
     check(after > 0, f"logprobs: the stream moved with {after} of {args.tokens} tokens still to "
                      f"generate ({attempt + 1} tries)")
     d = lp_diff(s, lref)
-    tol = 1e-4 if args.kv_dtype == "f32" else 1e-3
+    # f16 KV: the re-prefill (sgemm, K/V used before their f16 rounding) and the decode steps
+    # (dot path, K/V read back rounded) differ by f16 ulps (11-bit significand), and logits of
+    # magnitude 10-30 then move by up to ~1e-2 (see the module's docstring for the figures);
+    # a wrong position or token moves logprobs by 0.1 and more, and changes the text.
+    tol = 1e-4 if args.kv_dtype == "f32" else 2e-2
     figures["logprobs_max_diff_after_move"] = d
     check(s.done and not s.error and s.text == lref.text and d is not None and d <= tol,
           f"logprobs stream killed mid-way ({n_before} before the kill): the same tokens and "
