@@ -605,6 +605,7 @@ static json_t *qwen_value(const char *v, size_t n, const json_t *schema)
 static json_t *param_value(rt_toolfmt f, const json_t *tools, const char *fn, const char *key,
                            const char *v, size_t n)
 {
+    if (f == RT_TOOLFMT_PYTHONIC) return py_literal(v, n); /* untyped: as parse_pythonic */
     const json_t *sc = param_schema(tools, fn, key);
     if (f == RT_TOOLFMT_QWEN3_CODER) return qwen_value(v, n, sc);
     const char *ty = json_string_value(json_object_get(sc, "type"));

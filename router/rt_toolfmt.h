@@ -120,10 +120,11 @@ void rt_toolfmt_calls_fini(rt_toolfmt_calls *c);
 int rt_toolfmt_parse(rt_toolfmt f, const char *s, size_t n, const json_t *tools,
                      rt_toolfmt_calls *out);
 
-/* qwen3_coder, glm45: one parameter as its call's arguments hold it, "key": value (the
- * JSON text json.dumps writes between the object's braces), with the value text v[0..n)
- * cut as the format's parser cuts it and typed from tool fn's schema in tools, as
- * rt_toolfmt_parse types it. NULL: no memory, or a value that is not valid UTF-8. */
+/* qwen3_coder, glm45, pythonic: one parameter as its call's arguments hold it, "key": value
+ * (the JSON text json.dumps writes between the object's braces), with the value text v[0..n)
+ * cut as the format's parser cuts it and typed from tool fn's schema in tools (pythonic: read
+ * as a Python literal), as rt_toolfmt_parse types it. NULL: no memory, a value that is not
+ * valid UTF-8, or (pythonic) not a literal. */
 char *rt_toolfmt_param_json(rt_toolfmt f, const json_t *tools, const char *fn, const char *key,
                             const char *v, size_t n);
 

@@ -31,7 +31,7 @@
  * marker held back; a whitespace-only run that touches a block of calls is dropped); in a
  * block (from its open marker to its close marker, or the end of the output) each call is
  * emitted as soon as its name is complete and its arguments in pieces as they become
- * certain (rt_toolscan.h; pythonic: the whole block at its end); at the block's end its
+ * certain (rt_toolscan.h); at the block's end its
  * parse (rt_toolfmt_parse) completes them. A block that holds no call, and announced none,
  * is content, markers included (never lost); a call announced stands (a block that breaks
  * after it keeps the calls sent, as vLLM's streaming does).

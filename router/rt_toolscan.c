@@ -728,6 +728,131 @@ static int json_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
     return rc;
 }
 
+/* ---- pythonic: [f(a=1, b="x"), g()], as parse_pythonic reads it: the name at its "(", then
+ * "{", each parameter once its value is complete (a "," or ")" follows it outside brackets
+ * and strings), typed as ast.literal_eval would (rt_toolfmt_param_json), "}" at the ")" ---- */
+
+static size_t py_ident_end(const char *s, size_t n, size_t i)
+{
+    size_t a = i;
+    while (i < n && (s[i] == '_' || ((s[i] | 32) >= 'a' && (s[i] | 32) <= 'z') ||
+                     (i > a && s[i] >= '0' && s[i] <= '9') || (unsigned char)s[i] >= 0x80))
+        i++;
+    return i;
+}
+
+/* Where the value that starts at s[i] ends: the "," or ")" after it outside brackets and
+ * strings; n while the text ends first (or a bracket closes that never opened: the block's
+ * parse decides). */
+static size_t py_value_end(const char *s, size_t n, size_t i)
+{
+    int depth = 0;
+    char q = 0;
+    for (; i < n; i++) {
+        const char c = s[i];
+        if (q) {
+            if (c == '\\')
+                i++;
+            else if (c == q)
+                q = 0;
+        } else if (c == '\'' || c == '"') {
+            q = c;
+        } else if (c == '[' || c == '(' || c == '{') {
+            depth++;
+        } else if (c == ']' || c == ')' || c == '}') {
+            if (!depth) return c == ')' ? i : n;
+            depth--;
+        } else if (c == ',' && !depth) {
+            return i;
+        }
+    }
+    return n;
+}
+
+/* A parameter k=v at s[i] (PSEEK with none yet, or KSEEK): sent once v is complete. */
+static int py_param(rt_toolscan *t, const char *s, size_t n, size_t i, const rt_toolscan_sink *k,
+                    bool *more)
+{
+    size_t kb = py_ident_end(s, n, i), eq = skip_ws(s, n, kb);
+    if (kb == n || eq == n) return 0; /* the key may go on */
+    if (kb == i || s[eq] != '=') {
+        t->st = SC_DEAD;
+        return 0;
+    }
+    size_t ve = py_value_end(s, n, eq + 1);
+    if (ve == n) return 0;
+    char *key = strndup(s + i, kb - i);
+    char *pair =
+        key ? rt_toolfmt_param_json(t->fmt, t->tools, t->fname, key, s + eq + 1, ve - (eq + 1))
+            : NULL;
+    free(key);
+    if (!pair) { /* not a literal (or no memory): the block's parse decides */
+        t->st = SC_DEAD;
+        return 0;
+    }
+    int rc = t->n_params++ ? k->args(k->ctx, ", ", 2) : 0;
+    if (!rc) rc = k->args(k->ctx, pair, strlen(pair));
+    free(pair);
+    t->pos = ve, t->st = SC_PSEEK, *more = true;
+    return rc;
+}
+
+static int py_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_sink *k)
+{
+    int rc = 0;
+    for (bool more = true; more && !rc;) {
+        more = false;
+        const size_t i = skip_ws(s, n, t->pos);
+        if (i == n) break;
+        switch (t->st) {
+        case SC_SEEK: /* the "[" that opened the block */
+            if (s[i] != '[')
+                t->st = SC_DEAD;
+            else
+                t->pos = i + 1, t->st = SC_HEAD, more = true;
+            break;
+        case SC_HEAD: { /* a call's name and its "(" */
+            size_t b = py_ident_end(s, n, i);
+            if (b == n) break;
+            if (b == i || s[b] != '(') {
+                t->st = SC_DEAD;
+                break;
+            }
+            char *name = strndup(s + i, b - i);
+            rc = name ? start_typed(t, name, k) : TD_ENOMEM;
+            free(name);
+            t->pos = b + 1, t->st = SC_PSEEK, more = true;
+            break;
+        }
+        case SC_PSEEK: /* after "(" or a parameter: ")", ",", or (none yet) a parameter */
+        case SC_KSEEK: /* after ",": ")" or a parameter */
+            if (s[i] == ')') {
+                rc = k->args(k->ctx, "}", 1);
+                t->pos = i + 1, t->st = SC_NEXT, more = true;
+            } else if (t->st == SC_PSEEK && t->n_params) {
+                if (s[i] == ',')
+                    t->pos = i + 1, t->st = SC_KSEEK, more = true;
+                else
+                    t->st = SC_DEAD;
+            } else {
+                rc = py_param(t, s, n, i, k, &more);
+            }
+            break;
+        case SC_NEXT: /* after a call: "," and the next one, or the closing "]" */
+            if (s[i] == ',') {
+                t->pos = i + 1, t->st = SC_HEAD, more = true;
+            } else { /* "]" (or not a call list): nothing more to send */
+                if (s[i] == ']') t->tail = i + 1; /* text after the list is content */
+                t->st = SC_DEAD;
+            }
+            break;
+        default:
+            break;
+        }
+    }
+    return rc;
+}
+
 int rt_toolscan_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_sink *k)
 {
     if (t->st == SC_DEAD) return 0;
@@ -743,7 +868,9 @@ int rt_toolscan_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
     case RT_TOOLFMT_LLAMA3_JSON:
     case RT_TOOLFMT_MISTRAL:
         return json_step(t, s, n, k);
+    case RT_TOOLFMT_PYTHONIC:
+        return py_step(t, s, n, k);
     default:
-        return 0; /* pythonic: parsed whole at the block's end */
+        return 0;
     }
 }

@@ -13,7 +13,8 @@
  *   llama3_json, mistral                the arguments re-written as json.dumps writes them,
  *                                       each token once it is complete (a string's characters
  *                                       as they come)
- *   pythonic                            nothing (the block is parsed whole)
+ *   pythonic                            "{", then each parameter, "key": value as
+ *                                       ast.literal_eval reads it, once a "," or ")" ends it
  * The scanner reads the calls as rt_toolfmt_parse reads them, so what it hands out is a prefix
  * of that parse's calls whenever the whole block parses; what it cannot decide (a key order
  * other than name first, arguments nested deeper than 64, text it does not expect) stops it

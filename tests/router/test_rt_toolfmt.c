@@ -409,7 +409,11 @@ static void test_pythonic(void)
                    "{\"x\": 1.5, \"y\": -2, \"z\": 1000.0, \"e\": []}", "{}"}});
     run("pythonic text", F, "Hello [world]", &(want_t){"Hello [world]"});
     run("pythonic a list of numbers", F, "[1, 2]", &(want_t){"[1, 2]"});
-    run("pythonic text after", F, "[f()] done", &(want_t){"[f()] done"});
+    /* a call announced stands (vLLM's streaming), so the answer keeps it: text after the
+     * list is content; a call cut short keeps the parameters complete when it ended */
+    run("pythonic text after", F, "[f()] done", &(want_t){" done", 1, {"f"}, {"{}"}});
+    run("pythonic truncated", F, "[f(a=1, b='x", &(want_t){NULL, 1, {"f"}, {"{\"a\": 1"}});
+    run("pythonic not a literal", F, "[f(a=g(1))]", &(want_t){NULL, 1, {"f"}, {"{"}});
 }
 
 /* ---- streaming: each call's name as soon as it is complete, its arguments in pieces ---- */
@@ -536,6 +540,13 @@ static void test_streaming(void)
          "\"arguments\": {",
          "\": 1",
          {NULL, 2, {"f", "g"}, {"{\"a\": 1}", "{}"}}},
+        {"stream pythonic",
+         RT_TOOLFMT_PYTHONIC,
+         {"[", "get", "_weather", "(", "city", "=", "'", "Paris", "'", ",", " days", "=", "3", ")",
+          ",", " f", "()", "]"},
+         "(",
+         "',",
+         {NULL, 2, {"get_weather", "f"}, {"{\"city\": \"Paris\", \"days\": 3}", "{}"}}},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         run_stream(&cases[i]);
@@ -634,6 +645,8 @@ static void test_random(void)
                                        "f(",
                                        ")",
                                        "x=1",
+                                       "y='a,)'",
+                                       "z=[1, {'k': None}]",
                                        "<"};
     json_t *tools = json_loads(QWEN_TOOLS, 0, NULL);
     uint64_t r = 7;
