@@ -169,7 +169,7 @@ static size_t skip_lit(const char *s, size_t n, size_t i, const char *lit)
 }
 
 /* Offset of lit in s[from..n), or n. */
-static size_t find(const char *s, size_t n, size_t from, const char *lit)
+size_t rt_toolfmt_find(const char *s, size_t n, size_t from, const char *lit)
 {
     if (from >= n) return n;
     const char *p = memmem(s + from, n - from, lit, strlen(lit));
@@ -436,7 +436,7 @@ static int mistral_segment(const char *s, size_t n, rt_toolfmt_calls *out)
         trim(s, &a, &b);
         if (i < n && s[i] == '[') { /* [CALL_ID]id, then [ARGS] */
             size_t j = skip_lit(s, n, i, "[CALL_ID]");
-            if (j != i) i = find(s, n, j, "[ARGS]");
+            if (j != i) i = rt_toolfmt_find(s, n, j, "[ARGS]");
             size_t k = skip_lit(s, n, i, "[ARGS]");
             if (k == i) return 1;
             i = k;
@@ -457,8 +457,8 @@ static int parse_mistral(const char *s, size_t n, rt_toolfmt_calls *out)
     static const char TAG[] = "[TOOL_CALLS]";
     rt_toolfmt_calls got = {0};
     int rc = 0;
-    for (size_t i = find(s, n, 0, TAG); i < n && !rc;) {
-        size_t a = i + sizeof TAG - 1, b = find(s, n, a, TAG);
+    for (size_t i = rt_toolfmt_find(s, n, 0, TAG); i < n && !rc;) {
+        size_t a = i + sizeof TAG - 1, b = rt_toolfmt_find(s, n, a, TAG);
         rc = mistral_segment(s + a, b - a, &got);
         i = b;
     }
@@ -476,14 +476,14 @@ static int parse_mistral(const char *s, size_t n, rt_toolfmt_calls *out)
 static int parse_deepseek(bool v3, const char *s, size_t n, rt_toolfmt_calls *out)
 {
     int rc = 0;
-    for (size_t i = find(s, n, 0, RT_TF_DS_CALL_BEGIN); i < n && !rc;) {
-        size_t a = i + strlen(RT_TF_DS_CALL_BEGIN), e = find(s, n, a, RT_TF_DS_CALL_END);
-        i = e < n ? find(s, n, e, RT_TF_DS_CALL_BEGIN) : n;
-        size_t sep = find(s, e, a, RT_TF_DS_SEP);
+    for (size_t i = rt_toolfmt_find(s, n, 0, RT_TF_DS_CALL_BEGIN); i < n && !rc;) {
+        size_t a = i + strlen(RT_TF_DS_CALL_BEGIN), e = rt_toolfmt_find(s, n, a, RT_TF_DS_CALL_END);
+        i = e < n ? rt_toolfmt_find(s, n, e, RT_TF_DS_CALL_BEGIN) : n;
+        size_t sep = rt_toolfmt_find(s, e, a, RT_TF_DS_SEP);
         if (e == n || sep == e) continue;
         size_t na = sep + strlen(RT_TF_DS_SEP), nb, aa, ab = e;
         if (v3) { /* type<sep>name\n```json\nARGS\n``` */
-            nb = find(s, e, na, "\n```json\n");
+            nb = rt_toolfmt_find(s, e, na, "\n```json\n");
             aa = nb + 9;
             if (nb == e || ab < aa + 4 || memcmp(s + ab - 4, "\n```", 4)) continue;
             ab -= 4;
@@ -499,11 +499,11 @@ static int parse_deepseek(bool v3, const char *s, size_t n, rt_toolfmt_calls *ou
 static int parse_kimi(const char *s, size_t n, rt_toolfmt_calls *out)
 {
     int rc = 0;
-    for (size_t i = find(s, n, 0, RT_TF_KIMI_CALL); i < n && !rc;) {
-        size_t a = i + strlen(RT_TF_KIMI_CALL), e = find(s, n, a, RT_TF_KIMI_CALL_END);
-        i = e < n ? find(s, n, e, RT_TF_KIMI_CALL) : n;
-        size_t sep = find(s, e, a, RT_TF_KIMI_ARG);
-        if (e == n || sep == e || find(s, e, a, RT_TF_KIMI_CALL) != e) continue;
+    for (size_t i = rt_toolfmt_find(s, n, 0, RT_TF_KIMI_CALL); i < n && !rc;) {
+        size_t a = i + strlen(RT_TF_KIMI_CALL), e = rt_toolfmt_find(s, n, a, RT_TF_KIMI_CALL_END);
+        i = e < n ? rt_toolfmt_find(s, n, e, RT_TF_KIMI_CALL) : n;
+        size_t sep = rt_toolfmt_find(s, e, a, RT_TF_KIMI_ARG);
+        if (e == n || sep == e || rt_toolfmt_find(s, e, a, RT_TF_KIMI_CALL) != e) continue;
         size_t ia = a, ib = sep, aa = sep + strlen(RT_TF_KIMI_ARG), ab = e;
         trim(s, &ia, &ib);
         trim(s, &aa, &ab);
@@ -632,19 +632,20 @@ char *rt_toolfmt_param_json(rt_toolfmt f, const json_t *tools, const char *fn, c
 /* <function=NAME>(<parameter=P>VALUE</parameter>)*: one call from s[0..n) (after "<function="). */
 static int qwen_function(const char *s, size_t n, const json_t *tools, rt_toolfmt_calls *out)
 {
-    size_t gt = find(s, n, 0, ">");
+    size_t gt = rt_toolfmt_find(s, n, 0, ">");
     if (gt == n) return 0;
     char *name = strndup(s, gt);
     json_t *args = json_object();
     int rc = name && args ? 0 : TD_ENOMEM;
-    for (size_t i = find(s, n, gt, "<parameter="); i < n && !rc;) {
-        size_t a = i + 11, p = find(s, n, a, ">");
+    for (size_t i = rt_toolfmt_find(s, n, gt, "<parameter="); i < n && !rc;) {
+        size_t a = i + 11, p = rt_toolfmt_find(s, n, a, ">");
         if (p == n) break;
-        size_t e = find(s, n, p, "</parameter>"), e2 = find(s, n, p, "<parameter="),
-               e3 = find(s, n, p, "</function>");
+        size_t e = rt_toolfmt_find(s, n, p, "</parameter>"),
+               e2 = rt_toolfmt_find(s, n, p, "<parameter="),
+               e3 = rt_toolfmt_find(s, n, p, "</function>");
         e = e2 < e ? e2 : e;
         e = e3 < e ? e3 : e;
-        i = find(s, n, e, "<parameter=");
+        i = rt_toolfmt_find(s, n, e, "<parameter=");
         size_t va = p + 1, vb = e;
         if (va < vb && s[va] == '\n') va++;
         if (vb > va && s[vb - 1] == '\n') vb--;
@@ -663,10 +664,10 @@ static int qwen_function(const char *s, size_t n, const json_t *tools, rt_toolfm
 static int parse_qwen3_coder(const char *s, size_t n, const json_t *tools, rt_toolfmt_calls *out)
 {
     int rc = 0;
-    for (size_t i = find(s, n, 0, "<function="); i < n && !rc;) {
-        size_t a = i + 10, e = find(s, n, a, "</function>");
+    for (size_t i = rt_toolfmt_find(s, n, 0, "<function="); i < n && !rc;) {
+        size_t a = i + 10, e = rt_toolfmt_find(s, n, a, "</function>");
         rc = qwen_function(s + a, e - a, tools, out);
-        i = find(s, n, e, "<function=");
+        i = rt_toolfmt_find(s, n, e, "<function=");
     }
     return rc;
 }
@@ -674,8 +675,8 @@ static int parse_qwen3_coder(const char *s, size_t n, const json_t *tools, rt_to
 /* <tool_call>NAME\n(<arg_key>K</arg_key>\s*<arg_value>V</arg_value>)*</tool_call> */
 static int parse_glm(const char *s, size_t n, const json_t *tools, rt_toolfmt_calls *out)
 {
-    size_t a = skip_lit(s, n, 0, "<tool_call>"), e = find(s, n, a, "</tool_call>");
-    size_t nb = find(s, e, a, "<arg_key>"), nl = find(s, e, a, "\n");
+    size_t a = skip_lit(s, n, 0, "<tool_call>"), e = rt_toolfmt_find(s, n, a, "</tool_call>");
+    size_t nb = rt_toolfmt_find(s, e, a, "<arg_key>"), nl = rt_toolfmt_find(s, e, a, "\n");
     nb = nl < nb ? nl : nb;
     size_t na = a;
     trim(s, &na, &nb);
@@ -683,13 +684,15 @@ static int parse_glm(const char *s, size_t n, const json_t *tools, rt_toolfmt_ca
     char *name = strndup(s + na, nb - na);
     json_t *args = json_object();
     int rc = name && args ? 0 : TD_ENOMEM;
-    for (size_t i = find(s, e, nb, "<arg_key>"); i < e && !rc; i = find(s, e, i, "<arg_key>")) {
-        size_t ka = i + 9, kb = find(s, e, ka, "</arg_key>"), va = skip_lit(s, e, kb, "</arg_key>");
+    for (size_t i = rt_toolfmt_find(s, e, nb, "<arg_key>"); i < e && !rc;
+         i = rt_toolfmt_find(s, e, i, "<arg_key>")) {
+        size_t ka = i + 9, kb = rt_toolfmt_find(s, e, ka, "</arg_key>"),
+               va = skip_lit(s, e, kb, "</arg_key>");
         while (va < e && is_ws(s[va]))
             va++;
         size_t v0 = va;
         va = skip_lit(s, e, va, "<arg_value>");
-        size_t vb = find(s, e, va, "</arg_value>");
+        size_t vb = rt_toolfmt_find(s, e, va, "</arg_value>");
         if (kb == e || va == v0 || vb == e) break;
         i = vb;
         trim(s, &ka, &kb);
@@ -707,7 +710,7 @@ static int parse_glm(const char *s, size_t n, const json_t *tools, rt_toolfmt_ca
 
 /* ---- pythonic: [f(a=1, b="x"), g()] ---- */
 
-static size_t py_ident(const char *s, size_t n, size_t i)
+size_t rt_toolfmt_py_ident(const char *s, size_t n, size_t i)
 {
     size_t a = i;
     while (i < n && (s[i] == '_' || ((s[i] | 32) >= 'a' && (s[i] | 32) <= 'z') ||
@@ -720,7 +723,7 @@ static size_t py_ident(const char *s, size_t n, size_t i)
 static int py_call(rt_py *r, rt_toolfmt_calls *out)
 {
     py_ws(r);
-    size_t a = r->i, b = py_ident(r->s, r->n, a);
+    size_t a = r->i, b = rt_toolfmt_py_ident(r->s, r->n, a);
     if (b == a || b >= r->n || r->s[b] != '(') return 1;
     r->i = b + 1;
     json_t *args = json_object();
@@ -732,7 +735,7 @@ static int py_call(rt_py *r, rt_toolfmt_calls *out)
         py_ws(r);
         if (rc || (!first && r->i < r->n && r->s[r->i] == ')')) break;
         first = false;
-        size_t ka = r->i, kb = py_ident(r->s, r->n, ka);
+        size_t ka = r->i, kb = rt_toolfmt_py_ident(r->s, r->n, ka);
         r->i = kb;
         py_ws(r);
         json_t *v = kb > ka && r->i < r->n && r->s[r->i++] == '=' ? py_value(r) : NULL;

@@ -120,6 +120,11 @@ void rt_toolfmt_calls_fini(rt_toolfmt_calls *c);
 int rt_toolfmt_parse(rt_toolfmt f, const char *s, size_t n, const json_t *tools,
                      rt_toolfmt_calls *out);
 
+/* Text helpers the parse and the scan (rt_toolscan.c) share: the offset of lit in
+ * s[from..n), or n; the end of the Python identifier at s[i] (i itself when there is none). */
+size_t rt_toolfmt_find(const char *s, size_t n, size_t from, const char *lit);
+size_t rt_toolfmt_py_ident(const char *s, size_t n, size_t i);
+
 /* qwen3_coder, glm45, pythonic: one parameter as its call's arguments hold it, "key": value
  * (the JSON text json.dumps writes between the object's braces), with the value text v[0..n)
  * cut as the format's parser cuts it and typed from tool fn's schema in tools (pythonic: read

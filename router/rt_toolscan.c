@@ -86,14 +86,6 @@ static size_t skip_ws(const char *s, size_t n, size_t i)
     return i;
 }
 
-/* Offset of lit in s[from..n), or n. */
-static size_t find(const char *s, size_t n, size_t from, const char *lit)
-{
-    if (from >= n) return n;
-    const char *p = memmem(s + from, n - from, lit, strlen(lit));
-    return p ? (size_t)(p - s) : n;
-}
-
 size_t rt_toolscan_partial(const char *s, size_t n, const char *lit)
 {
     size_t l = strlen(lit);
@@ -154,8 +146,9 @@ static int raw_head(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
     bool kimi = t->fmt == RT_TOOLFMT_KIMI_K2, v3 = t->fmt == RT_TOOLFMT_DEEPSEEK_V3;
     const char *end = kimi ? RT_TF_KIMI_CALL_END : RT_TF_DS_CALL_END,
                *sep_lit = kimi ? RT_TF_KIMI_ARG : RT_TF_DS_SEP;
-    size_t e = find(s, n, t->a, end), sep = find(s, e, t->a, sep_lit);
-    if (kimi && find(s, sep, t->a, RT_TF_KIMI_CALL) != sep) sep = e; /* a call inside a call */
+    size_t e = rt_toolfmt_find(s, n, t->a, end), sep = rt_toolfmt_find(s, e, t->a, sep_lit);
+    if (kimi && rt_toolfmt_find(s, sep, t->a, RT_TF_KIMI_CALL) != sep)
+        sep = e; /* a call inside a call */
     *more = false;
     if (sep == e) { /* no separator before the call's end: the parse skips it */
         if (e < n) t->st = SC_SKIP, *more = true;
@@ -164,7 +157,7 @@ static int raw_head(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
     size_t na = t->a, nb = sep, aa = sep + strlen(sep_lit);
     if (v3) { /* type<sep>name\n```json\nARGS */
         na = aa;
-        nb = find(s, e, na, DS3_FENCE);
+        nb = rt_toolfmt_find(s, e, na, DS3_FENCE);
         if (nb == e) {
             if (e < n) t->st = SC_SKIP, *more = true;
             return 0;
@@ -196,7 +189,7 @@ static int raw_args(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
     bool kimi = t->fmt == RT_TOOLFMT_KIMI_K2, v3 = t->fmt == RT_TOOLFMT_DEEPSEEK_V3;
     const char *end = kimi ? RT_TF_KIMI_CALL_END : RT_TF_DS_CALL_END;
     if (kimi && !t->n_params) t->sent = skip_ws(s, n, t->sent); /* kimi trims the arguments */
-    size_t e = find(s, n, t->sent, end), stop = e;
+    size_t e = rt_toolfmt_find(s, n, t->sent, end), stop = e;
     *more = e < n;
     if (e < n) {
         if (v3 && e >= t->sent + 4 && !memcmp(s + e - 4, "\n```", 4)) stop = e - 4;
@@ -225,7 +218,7 @@ static int raw_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
         size_t e;
         switch (t->st) {
         case SC_SEEK:
-            e = find(s, n, t->pos, begin);
+            e = rt_toolfmt_find(s, n, t->pos, begin);
             more = e < n;
             if (more) t->a = e + strlen(begin), t->st = SC_HEAD;
             break;
@@ -233,7 +226,7 @@ static int raw_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
             rc = raw_head(t, s, n, k, &more);
             break;
         case SC_SKIP: /* the next call is looked for after this one's end */
-            e = find(s, n, t->a, end);
+            e = rt_toolfmt_find(s, n, t->a, end);
             more = e < n;
             if (more) t->pos = e, t->st = SC_SEEK;
             break;
@@ -280,15 +273,15 @@ static int qwen_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
 {
     int rc = 0;
     for (bool more = true; more && !rc;) {
-        size_t fe = find(s, n, t->pos, "</function>"), i;
+        size_t fe = rt_toolfmt_find(s, n, t->pos, "</function>"), i;
         more = false;
         switch (t->st) {
         case SC_SEEK:
-            i = find(s, n, t->pos, "<function=");
+            i = rt_toolfmt_find(s, n, t->pos, "<function=");
             if (i < n) t->pos = i + 10, t->st = SC_HEAD, more = true;
             break;
         case SC_HEAD:
-            i = find(s, fe, t->pos, ">");
+            i = rt_toolfmt_find(s, fe, t->pos, ">");
             if (i == fe) { /* no name: no call */
                 if (fe < n) t->pos = fe, t->st = SC_SEEK, more = true;
                 break;
@@ -300,7 +293,7 @@ static int qwen_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
             break;
         case SC_PSEEK:
         case SC_PNAME:
-            i = find(s, fe, t->pos, t->st == SC_PSEEK ? "<parameter=" : ">");
+            i = rt_toolfmt_find(s, fe, t->pos, t->st == SC_PSEEK ? "<parameter=" : ">");
             if (i < fe) {
                 if (t->st == SC_PSEEK)
                     t->a = t->pos = i + 11, t->st = SC_PNAME;
@@ -313,7 +306,8 @@ static int qwen_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
             }
             break;
         case SC_PVAL: {
-            size_t e = find(s, n, t->b, "</parameter>"), e2 = find(s, n, t->b, "<parameter=");
+            size_t e = rt_toolfmt_find(s, n, t->b, "</parameter>"),
+                   e2 = rt_toolfmt_find(s, n, t->b, "<parameter=");
             e = e2 < e ? e2 : e;
             e = fe < e ? fe : e;
             if (e == n) break;
@@ -341,7 +335,7 @@ static int glm_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
         switch (t->st) {
         case SC_HEAD: {
             size_t a = starts_lit(s, n, 0, "<tool_call>") == 1 ? 11 : 0;
-            i = find(s, n, a, "<arg_key>"), j = find(s, n, a, "\n");
+            i = rt_toolfmt_find(s, n, a, "<arg_key>"), j = rt_toolfmt_find(s, n, a, "\n");
             i = j < i ? j : i;
             if (i == n) break;
             char *name = dup_name(s, a, i);
@@ -354,11 +348,11 @@ static int glm_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
             break;
         }
         case SC_KSEEK:
-            i = find(s, n, t->pos, "<arg_key>");
+            i = rt_toolfmt_find(s, n, t->pos, "<arg_key>");
             if (i < n) t->a = i + 9, t->st = SC_KEY, more = true;
             break;
         case SC_KEY:
-            i = find(s, n, t->a, "</arg_key>");
+            i = rt_toolfmt_find(s, n, t->a, "</arg_key>");
             if (i == n) break;
             j = skip_ws(s, n, i + 10);
             int m = j < n ? starts_lit(s, n, j, "<arg_value>") : 0;
@@ -366,7 +360,7 @@ static int glm_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_s
             if (m > 0) t->b = i, t->sent = j + 11, t->st = SC_VAL, more = true;
             break;
         case SC_VAL:
-            i = find(s, n, t->sent, "</arg_value>");
+            i = rt_toolfmt_find(s, n, t->sent, "</arg_value>");
             if (i == n) break;
             size_t ka = t->a, kb = t->b, va = t->sent, vb = i;
             while (ka < kb && is_ws(s[ka]))
@@ -670,7 +664,7 @@ static int json_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
             if (i < n && s[i] == '[') {
                 r = starts_lit(s, n, i, "[CALL_ID]");
                 if (r == 0) break;
-                if (r > 0) i = find(s, n, i + 9, "[ARGS]");
+                if (r > 0) i = rt_toolfmt_find(s, n, i + 9, "[ARGS]");
                 r = i < n ? starts_lit(s, n, i, "[ARGS]") : 0;
                 if (r < 0) t->st = SC_DEAD;
                 if (r <= 0) break;
@@ -718,7 +712,7 @@ static int json_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
             }
             break;
         case SC_SKIP: /* mistral: after a list, up to the next [TOOL_CALLS] */
-            i = find(s, n, t->pos, "[TOOL_CALLS]");
+            i = rt_toolfmt_find(s, n, t->pos, "[TOOL_CALLS]");
             if (i < n) t->pos = i, t->st = SC_SEG, more = true;
             break;
         default:
@@ -731,15 +725,6 @@ static int json_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_
 /* ---- pythonic: [f(a=1, b="x"), g()], as parse_pythonic reads it: the name at its "(", then
  * "{", each parameter once its value is complete (a "," or ")" follows it outside brackets
  * and strings), typed as ast.literal_eval would (rt_toolfmt_param_json), "}" at the ")" ---- */
-
-static size_t py_ident_end(const char *s, size_t n, size_t i)
-{
-    size_t a = i;
-    while (i < n && (s[i] == '_' || ((s[i] | 32) >= 'a' && (s[i] | 32) <= 'z') ||
-                     (i > a && s[i] >= '0' && s[i] <= '9') || (unsigned char)s[i] >= 0x80))
-        i++;
-    return i;
-}
 
 /* Where the value that starts at s[i] ends: the "," or ")" after it outside brackets and
  * strings; n while the text ends first (or a bracket closes that never opened: the block's
@@ -773,7 +758,7 @@ static size_t py_value_end(const char *s, size_t n, size_t i)
 static int py_param(rt_toolscan *t, const char *s, size_t n, size_t i, const rt_toolscan_sink *k,
                     bool *more)
 {
-    size_t kb = py_ident_end(s, n, i), eq = skip_ws(s, n, kb);
+    size_t kb = rt_toolfmt_py_ident(s, n, i), eq = skip_ws(s, n, kb);
     if (kb == n || eq == n) return 0; /* the key may go on */
     if (kb == i || s[eq] != '=') {
         t->st = SC_DEAD;
@@ -812,7 +797,7 @@ static int py_step(rt_toolscan *t, const char *s, size_t n, const rt_toolscan_si
                 t->pos = i + 1, t->st = SC_HEAD, more = true;
             break;
         case SC_HEAD: { /* a call's name and its "(" */
-            size_t b = py_ident_end(s, n, i);
+            size_t b = rt_toolfmt_py_ident(s, n, i);
             if (b == n) break;
             if (b == i || s[b] != '(') {
                 t->st = SC_DEAD;

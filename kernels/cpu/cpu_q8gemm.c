@@ -208,10 +208,8 @@ Q8G_I512 void groups512(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t m
     const int64_t nb = w->n_cols / TD_QK;
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = 16 * g;
-        const int nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
         int32_t idx[16];
-        for (int r = 0; r < 16; r++)
-            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        const int nr = q8g_group_idx(w, r0, 16, idx);
         pack512(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
                 16 * w->row_stride, panel);
         rows512(t, panel, xq, m, nb, y + r0, w->n_rows, nr);
@@ -232,10 +230,8 @@ Q8G_IAMX void groups_amx(td_dtype t, const kn_mat *w, const kn_q8b *xq, int64_t 
         int nr = 16;
         for (int k = 0; k < ng; k++) {
             const int64_t r0 = 16 * (gb + k);
-            nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
             int32_t idx[16];
-            for (int r = 0; r < 16; r++)
-                idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+            nr = q8g_group_idx(w, r0, 16, idx);
             pack512(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
                     16 * w->row_stride, panel + (size_t)k * pstride);
             q8a_unbias(t, panel + (size_t)k * pstride, nb);
@@ -471,10 +467,8 @@ Q8G_I512 void repack_groups512(td_dtype t, const kn_mat *w, void *packed, int64_
     const size_t gbytes = (size_t)nb * q8p_block_bytes(t);
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = 16 * g;
-        const int nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
         int32_t idx[16];
-        for (int r = 0; r < 16; r++)
-            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        (void)q8g_group_idx(w, r0, 16, idx);
         const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * w->row_stride;
         uint8_t *dst = (uint8_t *)packed + (size_t)g * gbytes;
         repack512(t, src, idx, nb, dst);
@@ -633,10 +627,8 @@ KN_ALWAYS_INLINE void groups256(td_dtype t, const kn_mat *w, const kn_q8b *xq, i
     const int64_t nb = w->n_cols / TD_QK;
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = 8 * g;
-        const int nr = (int)(w->n_rows - r0 < 8 ? w->n_rows - r0 : 8);
         int32_t idx[8];
-        for (int r = 0; r < 8; r++)
-            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        const int nr = q8g_group_idx(w, r0, 8, idx);
         pack256(t, (const uint8_t *)w->data + (size_t)r0 * w->row_stride, idx, nb,
                 16 * w->row_stride, panel);
         int64_t i = 0;

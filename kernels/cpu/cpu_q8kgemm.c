@@ -203,10 +203,8 @@ static Q8G_T512 void kgemm512(const kn_mat *w, const kn_q8b *xq, int64_t m, floa
     const int64_t nb = w->n_cols / TD_QK, nsb = w->n_cols / KN_QK_K;
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = 16 * g;
-        const int nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
         int32_t idx[16]; /* rows past the end repeat the last one (never stored) */
-        for (int r = 0; r < 16; r++)
-            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        const int nr = q8g_group_idx(w, r0, 16, idx);
         const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * w->row_stride;
         if (w->type == TD_Q4_K) {
             pack_q4k(src, idx, nsb, panel);
@@ -358,10 +356,8 @@ static Q8G_TAMX void kgemm_amx(const kn_mat *w, const kn_q8b *xq, int64_t m, flo
         int nr = 16;
         for (int k = 0; k < ng; k++) {
             const int64_t r0 = 16 * (gb + k);
-            nr = (int)(w->n_rows - r0 < 16 ? w->n_rows - r0 : 16);
             int32_t idx[16]; /* rows past the end repeat the last one (never stored) */
-            for (int r = 0; r < 16; r++)
-                idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+            nr = q8g_group_idx(w, r0, 16, idx);
             const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * w->row_stride;
             if (q4k)
                 pack_q4k(src, idx, nsb, panel + (size_t)k * pstride);

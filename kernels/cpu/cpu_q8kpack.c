@@ -113,10 +113,9 @@ Q8G_T512 void kn_q8k_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1)
     const int64_t nb = w->n_cols / KN_QK_K;
     const size_t raw = t == TD_Q4_K ? Q4K_RAW : Q6K_RAW, pb = packed_block(t);
     for (int64_t g = g0; g < g1; g++) {
-        const int64_t r0 = 16 * g, nr = w->n_rows - r0 < 16 ? w->n_rows - r0 : 16;
-        int32_t idx[16]; /* a partial group repeats its last row (its lanes are never stored) */
-        for (int r = 0; r < 16; r++)
-            idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+        const int64_t r0 = 16 * g;
+        int32_t idx[16];
+        (void)q8g_group_idx(w, r0, 16, idx);
         const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * w->row_stride;
         uint8_t *dst = (uint8_t *)packed + (size_t)g * (size_t)nb * pb;
         for (int64_t b = 0; b < nb; b++) {

@@ -18,6 +18,17 @@
 #define Q8G_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define Q8G_I512 static inline __attribute__((always_inline)) Q8G_T512
 
+/* The group of G rows of W from row r0 as byte offsets from row r0 (idx[0..G)) for the
+ * transposes; rows past W's end repeat its last row (their lanes are never stored). Returns
+ * the group's real rows, 1..G. (Plain C: the AVX2 path's groups of 8 use it too.) */
+KN_ALWAYS_INLINE int q8g_group_idx(const kn_mat *w, int64_t r0, int G, int32_t *idx)
+{
+    const int nr = (int)(w->n_rows - r0 < G ? w->n_rows - r0 : G);
+    for (int r = 0; r < G; r++)
+        idx[r] = (int32_t)((r < nr ? r : nr - 1) * (int64_t)w->row_stride);
+    return nr;
+}
+
 /* Bytes of one block of the panel (tile512's layout): 8 quant vectors, then d at
  * Q8G_PANEL_D and the mins at Q8G_PANEL_MIN (16 floats each). */
 #define Q8G_PANEL_BLOCK (10 * 64)
