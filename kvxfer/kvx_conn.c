@@ -137,6 +137,8 @@ static size_t msg_encode(kvx_conn *c, const kvxi_msg *m, uint8_t *buf, size_t ca
     kvx_wr_u32(&w, m->type);
     kvx_wr_u64(&w, m->req);
     kvx_wr_u64(&w, m->epoch);
+    kvx_wr_u64(&w, m->key[0]);
+    kvx_wr_u64(&w, m->key[1]);
     kvx_wr_u64(&w, c->uid);
     kvx_wr_u32(&w, m->stage);
     kvx_wr_u32(&w, m->rank);
@@ -172,6 +174,8 @@ static int msg_parse(const uint8_t *buf, size_t len, kvxi_msg *m)
     m->type = kvx_rd_u32(&r);
     m->req = kvx_rd_u64(&r);
     m->epoch = kvx_rd_u64(&r);
+    m->key[0] = kvx_rd_u64(&r);
+    m->key[1] = kvx_rd_u64(&r);
     m->uid = kvx_rd_u64(&r);
     m->stage = kvx_rd_u32(&r);
     m->rank = kvx_rd_u32(&r);

@@ -1,9 +1,11 @@
 /* kvx_conn_dec.c: the decode side of the connector: request state machine (writers,
  * completion, the abort handshake), incoming BEGIN/DONE/STOPPED, the kvx_dec_ API. */
+#include <errno.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include "kvx_conn_int.h"
@@ -80,6 +82,7 @@ void kvxi_dec_step(kvx_conn *c, kvxi_dec_req *r, int64_t now)
                 kvxi_msg m = {.type = KVXI_MSG_ABORT,
                               .req = r->id,
                               .epoch = r->epoch,
+                              .key = {r->key[0], r->key[1]},
                               .stage = r->w[i].stage,
                               .src_rank = r->w[i].src_rank};
                 if (kvxi_msg_send(c, r->w[i].peer, &m)) r->w[i].closed = true;
@@ -117,13 +120,34 @@ static kvxi_dec_writer *kvxi_dec_writer_find(kvxi_dec_req *r, uint32_t stage, ui
     return NULL;
 }
 
-/* BEGIN, DONE or STOPPED from a prefill writer. */
+/* BEGIN, DONE or STOPPED from a prefill writer. A message for a live request must carry the
+ * request's key (kvxi_dec_req.key, known only to whoever was given the target over the
+ * control plane): without it nothing changes and no endpoint is opened (issue 44). A BEGIN
+ * for a request released here (a late writer) is refused when it has the key; one for a
+ * request never seen, or without the key, is dropped: an address in a message nobody can
+ * check is never dialled. */
 void kvxi_dec_on_msg(kvx_conn *c, const kvxi_msg *m)
 {
     kvxi_dec_req *r = kvxi_dec_find(c, m->req);
+    if (r && !kvxi_key_eq(r->key, m->key)) {
+        TD_LOG_WARN("kvx conn: req %llu stage %u rank %u: refused message %u without the "
+                    "request's key (not from a process given its target): dropped",
+                    (unsigned long long)m->req, m->stage, m->src_rank, m->type);
+        return;
+    }
     bool match = r && r->epoch == m->epoch && m->stage < r->n_stages && m->src_tp &&
                  m->src_tp <= KVX_MAX_RANKS && m->src_rank < m->src_tp;
     if (m->type == KVXI_MSG_BEGIN) {
+        bool gone = false;
+        for (int i = 0; !r && !gone && i < KVXI_GONE_MAX; i++)
+            gone =
+                c->gone[i].used && c->gone[i].id == m->req && kvxi_key_eq(c->gone[i].key, m->key);
+        if (!r && !gone) {
+            TD_LOG_WARN("kvx conn: req %llu stage %u: BEGIN for a request not known here (or "
+                        "without its key): dropped",
+                        (unsigned long long)m->req, m->stage);
+            return;
+        }
         int pi;
         if (kvxi_peer_get(c, m->uid, m->addr, m->addr_len, &pi)) {
             TD_LOG_ERR("kvx conn: req %llu stage %u: cannot reach the prefill stage",
@@ -157,6 +181,7 @@ void kvxi_dec_on_msg(kvx_conn *c, const kvxi_msg *m)
         kvxi_msg a = {.type = w ? KVXI_MSG_ACCEPT : KVXI_MSG_REFUSE,
                       .req = m->req,
                       .epoch = m->epoch,
+                      .key = {m->key[0], m->key[1]},
                       .stage = m->stage,
                       .rank = m->rank,
                       .src_rank = m->src_rank};
@@ -250,13 +275,20 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
         pthread_mutex_unlock(&c->mu);
         return err;
     }
+    if (getrandom(r->key, sizeof(r->key), 0) != (ssize_t)sizeof(r->key)) {
+        TD_LOG_ERR("kvx conn: req %llu: no random key: %s", (unsigned long long)req_id,
+                   strerror(errno));
+        free(r);
+        pthread_mutex_unlock(&c->mu);
+        return TD_EIO;
+    }
     r->id = req_id;
     r->epoch = ++c->next_epoch;
     r->n_stages = p->n_stages;
     r->state = KVX_REQ_WAITING;
     r->deadline = td_now_ms() + (p->timeout_ms > 0 ? p->timeout_ms : c->params.timeout_ms);
 
-    size_t pl_cap = 132 + c->addr_len + c->rkey_len + (size_t)p->n_blocks * 4;
+    size_t pl_cap = 148 + c->addr_len + c->rkey_len + (size_t)p->n_blocks * 4;
     uint8_t *pl = malloc(pl_cap);
     if (!pl) {
         free(r);
@@ -267,6 +299,8 @@ int kvx_dec_make_target(kvx_conn *c, uint64_t req_id, const kvx_dec_req_params *
     kvx_wr_init(&w, pl, pl_cap);
     kvx_wr_u64(&w, req_id);
     kvx_wr_u64(&w, r->epoch);
+    kvx_wr_u64(&w, r->key[0]);
+    kvx_wr_u64(&w, r->key[1]);
     kvx_wr_u64(&w, c->uid);
     kvx_wr_u32(&w, p->rank);
     kvx_wr_u32(&w, p->tp);
@@ -340,6 +374,9 @@ int kvx_dec_release(kvx_conn *c, uint64_t req_id)
             break;
         }
         *pp = r->next;
+        c->gone[c->gone_next] =
+            (kvxi_gone){.used = true, .id = r->id, .key = {r->key[0], r->key[1]}};
+        c->gone_next = (c->gone_next + 1) % KVXI_GONE_MAX;
         free(r->w);
         free(r);
         c->n_dreqs--;

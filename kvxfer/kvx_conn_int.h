@@ -61,6 +61,7 @@ typedef struct {
     int flushes;   /* chunk flushes in flight on this target */
     int peer;      /* index into c->peers */
     uint64_t epoch, dst_uid;
+    uint64_t key[2]; /* the target's key: every message of the request carries it */
     uint32_t rank, tp, n_stages;
     kvx_layout layout;
     uint64_t base, region_bytes;
@@ -113,9 +114,19 @@ typedef struct {
 } kvxi_dec_writer;
 
 #define KVX_MAX_WRITERS 256
+#define KVXI_GONE_MAX   1024
+
+/* A released decode request: its id and key (kvxi_dec_on_msg). */
+typedef struct {
+    bool used;
+    uint64_t id;
+    uint64_t key[2];
+} kvxi_gone;
 
 typedef struct kvxi_dec_req {
     uint64_t id, epoch;
+    uint64_t key[2]; /* 128 random bits, in the target only: a message without them is not
+                        the request's (issue 44; kvx_conn_dec.c) */
     kvx_req_state state;
     kvx_fail_reason reason;
     int err;
@@ -147,6 +158,9 @@ struct kvx_conn {
     size_t rkey_len;
     kvxi_dec_req *dreqs;
     int n_dreqs;
+    kvxi_gone gone[KVXI_GONE_MAX]; /* the last requests released, so that a late BEGIN with
+                                      the key is refused (and one without it dropped) */
+    int gone_next;
     /* prefill side */
     const uint8_t *src;
     size_t src_bytes;
@@ -174,6 +188,7 @@ typedef struct {
 typedef struct {
     uint32_t type;
     uint64_t req, epoch, uid;
+    uint64_t key[2]; /* the request's key (kvxi_dec_req.key) */
     uint32_t stage, rank;
     uint32_t src_rank, src_tp;
     int32_t first_token;
@@ -223,6 +238,11 @@ int kvxi_msg_send(kvx_conn *c, int pi, const kvxi_msg *m);
 void kvxi_free_copy(void *arg, const kvx_lb_key *k, void *val, size_t bytes);
 void kvxi_kick(kvx_conn *c);
 void kvxi_wr_layout(kvx_wr *w, const kvx_layout *l);
+/* Whether a and b hold the same key; the time does not depend on where they differ. */
+static inline bool kvxi_key_eq(const uint64_t a[2], const uint64_t b[2])
+{
+    return ((a[0] ^ b[0]) | (a[1] ^ b[1])) == 0;
+}
 void kvxi_rd_layout(kvx_rd *r, kvx_layout *l);
 
 /* kvx_conn_pf.c */

@@ -237,6 +237,7 @@ static kvxi_msg kvxi_pf_msg(const kvxi_pf_req *r, const kvxi_pf_target *tg, uint
     return (kvxi_msg){.type = type,
                       .req = r->id,
                       .epoch = tg->epoch,
+                      .key = {tg->key[0], tg->key[1]},
                       .stage = r->stage,
                       .src_rank = r->src_rank,
                       .src_tp = r->src_tp,
@@ -437,10 +438,12 @@ void kvxi_pf_on_msg(kvx_conn *c, const kvxi_msg *m)
     kvxi_pf_req *r = kvxi_pf_find(c, m->req);
     kvxi_pf_target *t = NULL;
     for (uint32_t i = 0; r && i < r->n_tgt; i++)
-        if (r->tgt[i].have && r->tgt[i].epoch == m->epoch && r->tgt[i].dst_uid == m->uid)
+        if (r->tgt[i].have && r->tgt[i].epoch == m->epoch && r->tgt[i].dst_uid == m->uid &&
+            kvxi_key_eq(r->tgt[i].key, m->key))
             t = &r->tgt[i];
-    if (!t) {
-        TD_LOG_WARN("kvx conn: req %llu: message %u for no known target (dropped)",
+    if (!t) { /* a stale one, or from a process that was never given the target */
+        TD_LOG_WARN("kvx conn: req %llu: message %u for no known target, or without the "
+                    "target's key (dropped)",
                     (unsigned long long)m->req, m->type);
         return;
     }
@@ -523,6 +526,8 @@ static int target_decode(const void *buf, size_t len, kvxi_pf_target *t, const u
     kvx_rd_init(&r, pl, n);
     *req_id = kvx_rd_u64(&r);
     t->epoch = kvx_rd_u64(&r);
+    t->key[0] = kvx_rd_u64(&r);
+    t->key[1] = kvx_rd_u64(&r);
     t->dst_uid = kvx_rd_u64(&r);
     t->rank = kvx_rd_u32(&r);
     t->tp = kvx_rd_u32(&r);

@@ -400,9 +400,16 @@ int kvx_pipe_ucx_create(const kvx_pipe_params *params, kvx_pipe **out)
         free(p);
         return TD_EINVAL;
     }
+    /* UCP_FEATURE_RMA only where UCX's puts may carry the KV (RDMA lists, KVX_UCX_PUTS=rma,
+     * and shared memory when the kernel refuses the writes into the peer, cma.c): with it
+     * UCX installs its put emulation over every transport, whose handler writes the data
+     * wherever the message says, with no check, for anyone who reaches the worker's port.
+     * Over tcp our own puts carry the registration's key instead (amput.c), and without the
+     * feature UCX drops an emulated put as an unknown message (issue 44). */
     ucp_params_t cp = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
-        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP,
+        .features = (p->am_puts ? 0 : UCP_FEATURE_RMA) | UCP_FEATURE_AM | UCP_FEATURE_TAG |
+                    UCP_FEATURE_WAKEUP,
         .mt_workers_shared = 0,
     };
     st = ucp_init(&cp, cfg, &p->ctx);

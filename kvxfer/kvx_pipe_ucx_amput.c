@@ -12,9 +12,13 @@
  * its callback like any other.
  *
  * Protocol (ids above the users' 0..KVX_AM_IDS-1 and the probe's):
- *   PUT   header {raddr}, data: at most KVXI_AMPUT_PIECE bytes; eager (the handler sees the
- *         whole piece), sent with UCP_AM_SEND_FLAG_REPLY. The receiver copies it into the
- *         registration that holds [raddr, raddr + len), or counts it as bad for its sender.
+ *   PUT   header {raddr, key[2]}, data: at most KVXI_AMPUT_PIECE bytes; eager (the handler
+ *         sees the whole piece), sent with UCP_AM_SEND_FLAG_REPLY. The receiver copies it into
+ *         the registration that holds [raddr, raddr + len) when the key is that
+ *         registration's (kvx_mem.key: 128 random bits, known only to whoever was given its
+ *         rkey, which travels inside the decode target over the control plane), or counts it
+ *         as bad for its sender: a process that reaches this worker's port but was never
+ *         given a target cannot write into the KV pool (issue 44).
  *   FLUSH header {seq}, eager, REPLY: handled after every PUT the sender issued before it
  *         (eager messages of one endpoint reach their handlers in order); the receiver
  *         answers at once, from the handler, through the reply endpoint:
@@ -64,21 +68,34 @@ ucs_status_t kvxi_ucx_amput_recv(void *arg, const void *hdr, size_t hlen, void *
 {
     kvxi_ucx_pipe *p = arg;
     ucp_ep_h ep = (prm->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? prm->reply_ep : NULL;
-    uint64_t raddr = 0;
-    bool ok = hlen == sizeof(raddr) && !(prm->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
-    if (ok) memcpy(&raddr, hdr, sizeof(raddr));
+    uint64_t h[3] = {0}; /* raddr, key */
+    bool ok = hlen == sizeof(h) && !(prm->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
+    if (ok) memcpy(h, hdr, sizeof(h));
     kvx_mem *m = p->mems;
-    while (ok && m && !in_mem(m, raddr, len))
+    while (ok && m && !in_mem(m, h[0], len))
         m = m->next;
-    if (ok && m) {
-        memcpy((void *)(uintptr_t)raddr, data, len);
+    /* compared without an early exit: the time does not tell how much of a guess was right */
+    bool keyed = m && ((m->key[0] ^ h[1]) | (m->key[1] ^ h[2])) == 0;
+    if (ok && keyed) {
+        memcpy((void *)(uintptr_t)h[0], data, len);
         return UCS_OK;
     }
     uint32_t *bad = bad_slot(p, ep, true);
-    if (bad && (*bad)++ == 0)
-        TD_LOG_ERR("kvx ucx: a peer's put of %zu bytes at 0x%llx is outside every registration "
-                   "of this pipe: dropped (its next flush fails)",
-                   len, (unsigned long long)raddr);
+    if (bad && (*bad)++ == 0) {
+        if (!ok)
+            TD_LOG_ERR("kvx ucx: a peer's put of %zu bytes has a malformed header (%zu bytes): "
+                       "dropped (its next flush fails)",
+                       len, hlen);
+        else if (m)
+            TD_LOG_ERR("kvx ucx: refused a peer's put of %zu bytes at 0x%llx: it does not carry "
+                       "the registration's key (a process that was never given a target): "
+                       "dropped (its next flush fails)",
+                       len, (unsigned long long)h[0]);
+        else
+            TD_LOG_ERR("kvx ucx: a peer's put of %zu bytes at 0x%llx is outside every "
+                       "registration of this pipe: dropped (its next flush fails)",
+                       len, (unsigned long long)h[0]);
+    }
     return UCS_OK;
 }
 
@@ -140,20 +157,22 @@ ucs_status_t kvxi_ucx_amack_recv(void *arg, const void *hdr, size_t hlen, void *
 }
 
 int kvxi_ucx_amput(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, const void *src, size_t len,
-                   uint64_t raddr)
+                   uint64_t raddr, const kvx_rkey *rk)
 {
     for (size_t off = 0; off < len;) { /* nothing to move for len 0 */
         size_t n = len - off < KVXI_AMPUT_PIECE ? len - off : KVXI_AMPUT_PIECE;
         kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, NULL, NULL);
         if (!op) return TD_ENOMEM;
-        op->hdr = raddr + off; /* the header lives in the op until the send completes */
+        op->hdr[0] = raddr + off; /* the header lives in the op until the send completes */
+        op->hdr[1] = rk->key[0];
+        op->hdr[2] = rk->key[1];
         ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                    UCP_OP_ATTR_FIELD_USER_DATA |
                                                    UCP_OP_ATTR_FIELD_FLAGS,
                                    .cb.send = kvxi_ucx_send_cb, /* the op has no user callback */
                                    .user_data = op,
                                    .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};
-        ucs_status_ptr_t sp = ucp_am_send_nbx(ep, KVXI_UCX_AMPUT_ID, &op->hdr, sizeof(op->hdr),
+        ucs_status_ptr_t sp = ucp_am_send_nbx(ep, KVXI_UCX_AMPUT_ID, op->hdr, sizeof(op->hdr),
                                               (const char *)src + off, n, &prm);
         int err = kvxi_ucx_op_started(op, sp, "put");
         if (err) return err;
@@ -182,8 +201,8 @@ int kvxi_ucx_amflush(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, kvx_done_cb c
 {
     kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;
-    op->hdr = ++p->amflush_seq;
-    op->ack_seq = op->hdr;
+    op->hdr[0] = ++p->amflush_seq;
+    op->ack_seq = op->hdr[0];
     op->ack_wait = true;
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                UCP_OP_ATTR_FIELD_USER_DATA |
@@ -192,7 +211,7 @@ int kvxi_ucx_amflush(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, kvx_done_cb c
                                .user_data = op,
                                .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};
     ucs_status_ptr_t sp =
-        ucp_am_send_nbx(ep, KVXI_UCX_AMFLUSH_ID, &op->hdr, sizeof(op->hdr), NULL, 0, &prm);
+        ucp_am_send_nbx(ep, KVXI_UCX_AMFLUSH_ID, op->hdr, sizeof(op->hdr[0]), NULL, 0, &prm);
     if (sp == NULL) return 0; /* out at once: now the ACK */
     if (UCS_PTR_IS_ERR(sp)) {
         TD_LOG_ERR("kvx ucx: flush failed: %s", ucs_status_string(UCS_PTR_STATUS(sp)));

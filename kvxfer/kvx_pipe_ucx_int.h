@@ -55,6 +55,7 @@ typedef struct {
     int pidfd;         /* shared-memory mode: the peer process (readable once it exited) */
     uint32_t pid;      /* ... and its pid (cma writes) */
     kvxi_cma_queue *cq; /* ... the puts not yet written (NULL until the first) */
+    bool am;            /* a key of it wants amputs: flushes are amflushes too */
 } kvxi_ucx_peer;
 
 struct kvx_mem {
@@ -63,6 +64,8 @@ struct kvx_mem {
     size_t len;
     int fd;          /* kvx_pipe_mem_reg_fd: the file it maps (borrowed), else -1 */
     uint64_t fd_off; /* ... base's offset in it */
+    uint64_t key[2]; /* random at registration, travels in its rkey: a put over active
+                        messages (amput.c) that does not carry it is refused */
     kvx_mem *next, *prev;
 };
 
@@ -73,6 +76,8 @@ struct kvx_rkey {
     uint8_t *map;               /* ... mapped here (its file's pages): cma_base's byte, or NULL */
     void *map_addr;             /* ... the mapping (page-aligned) and its length */
     size_t map_len;
+    uint64_t key[2]; /* the registration's key (kvx_mem.key), sent with every amput */
+    bool am;         /* the receiver takes puts only as amputs (it has no UCX puts) */
     kvx_rkey *next, *prev;
 };
 
@@ -88,7 +93,8 @@ typedef struct kvxi_ucx_op {
     kvx_peer peer; /* the endpoint it runs on; -1: none (receives), or no longer tracked */
     void *copy;    /* am_send: the copied payload */
     void *req;     /* the UCX request while in flight (freed by the callback) */
-    uint64_t hdr;  /* active-message puts and flushes: the message header (raddr, seq) */
+    uint64_t hdr[3];  /* active-message puts and flushes: the message header ({raddr, key}
+                         or {seq}) */
     uint64_t ack_seq; /* an active-message flush: the ACK it waits for */
     bool ack_wait;    /* ... not in yet */
     bool acked;       /* ... in (with ack_status) before the FLUSH send completed */
@@ -103,6 +109,7 @@ typedef struct kvxi_ucx_op {
 #define KVXI_UCX_AMFLUSH_ID (KVX_AM_IDS + 2)
 #define KVXI_UCX_AMACK_ID   (KVX_AM_IDS + 3)
 #define KVXI_UCX_BAD_MAX    64 /* senders whose puts outside the registrations are counted */
+#define KVXI_RKEY_AM_ONLY   1u /* rkey flag: the receiver takes puts only as amputs */
 #define KVXI_UCX_PEER_GONE (-2) /* kvxi_ucx_op.peer: its endpoint was force-closed */
 
 /* A sender of active-message puts that fell outside every registration (amput.c). */
@@ -236,7 +243,7 @@ int kvxi_ucx_orphan_ops(kvxi_ucx_pipe *p);
 
 /* A put / a flush of peer as active messages (p->am_puts). */
 int kvxi_ucx_amput(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, const void *src, size_t len,
-                   uint64_t raddr);
+                   uint64_t raddr, const kvx_rkey *rk);
 int kvxi_ucx_amflush(kvxi_ucx_pipe *p, kvx_peer peer, ucp_ep_h ep, kvx_done_cb cb, void *arg);
 /* The UCX receive handlers of PUT, FLUSH and ACK (arg: the pipe). */
 ucs_status_t kvxi_ucx_amput_recv(void *arg, const void *hdr, size_t hlen, void *data, size_t len,

@@ -196,7 +196,7 @@ int kvxi_ucx_put(kvx_pipe *base, kvx_peer peer, const void *src, size_t len, uin
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
     if (!rk || rk->peer != peer) return TD_EINVAL;
-    if (p->am_puts) return kvxi_ucx_amput(p, peer, ep, src, len, raddr);
+    if (p->am_puts || rk->am) return kvxi_ucx_amput(p, peer, ep, src, len, raddr, rk);
     if (rk->cma_len && (rk->map || p->cma_puts))
         return kvxi_ucx_cma_put(p, kvxi_ucx_peer_get(p, peer), src, len, raddr, rk);
     return kvxi_ucx_rma_put(ep, src, len, raddr, rk);
@@ -208,7 +208,7 @@ int kvxi_ucx_flush(kvx_pipe *base, kvx_peer peer, kvx_done_cb cb, void *arg)
     int err;
     ucp_ep_h ep = live_ep(p, peer, &err);
     if (!ep) return err;
-    if (p->am_puts) return kvxi_ucx_amflush(p, peer, ep, cb, arg);
+    if (p->am_puts || kvxi_ucx_peer_get(p, peer)->am) return kvxi_ucx_amflush(p, peer, ep, cb, arg);
     if ((err = kvxi_ucx_cma_drain(p, kvxi_ucx_peer_get(p, peer)))) return err;
     kvxi_ucx_op *op = kvxi_ucx_op_new(p, peer, cb, arg);
     if (!op) return TD_ENOMEM;

@@ -1,10 +1,12 @@
 /* kvx_pipe_ucx_peer.c: the UCX pipe's wire-up: the exported address, endpoints to peers and
  * their failure (UCX's error callback on network transports, the peer's pidfd over shared
  * memory), endpoint closes, memory registrations and remote keys. */
+#include <errno.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/random.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -242,6 +244,12 @@ int kvxi_ucx_mem_reg(kvx_pipe *base, void *addr, size_t len, kvx_mem **out)
         free(m);
         return kvxi_ucx_err(st);
     }
+    if (getrandom(m->key, sizeof(m->key), 0) != (ssize_t)sizeof(m->key)) {
+        TD_LOG_ERR("kvx ucx: register: no random key for the region: %s", strerror(errno));
+        ucp_mem_unmap(p->ctx, m->memh);
+        free(m);
+        return TD_EIO;
+    }
     m->base = addr;
     m->len = len;
     m->fd = -1;
@@ -286,9 +294,16 @@ int kvxi_ucx_rkey_pack(kvx_pipe *base, kvx_mem *m, void *buf, size_t cap, size_t
         TD_LOG_ERR("kvx ucx: rkey pack: %s", ucs_status_string(st));
         return kvxi_ucx_err(st);
     }
-    /* shared memory: the region's bounds in this process go first (kvx_pipe_ucx_cma.c) */
+    /* the registration's key first (amput.c checks it) and whether puts must be amputs (a
+     * pipe without UCX's puts: a writer that uses UCX's would have its puts dropped), then,
+     * over shared memory, the region's bounds in this process (kvx_pipe_ucx_cma.c) */
     uint8_t hdr[64];
-    size_t h = p->shm ? kvxi_ucx_cma_key_write(m, hdr, sizeof(hdr)) : 0;
+    kvx_wr w;
+    kvx_wr_init(&w, hdr, sizeof(hdr));
+    kvx_wr_u64(&w, m->key[0]);
+    kvx_wr_u64(&w, m->key[1]);
+    kvx_wr_u32(&w, p->am_puts ? KVXI_RKEY_AM_ONLY : 0);
+    size_t h = w.len + (p->shm ? kvxi_ucx_cma_key_write(m, hdr + w.len, sizeof(hdr) - w.len) : 0);
     uint8_t *pl = malloc(h + n);
     bool ok = false;
     if (pl) {
@@ -318,8 +333,21 @@ int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t 
         TD_LOG_ERR("kvx ucx: malformed rkey (%zu bytes)", len);
         return TD_EFORMAT;
     }
+    kvx_rd rd;
+    kvx_rd_init(&rd, pl, n);
+    uint64_t key0 = kvx_rd_u64(&rd), key1 = kvx_rd_u64(&rd);
+    uint32_t flags = kvx_rd_u32(&rd);
+    if (!rd.ok || rd.off == n || (flags & ~KVXI_RKEY_AM_ONLY)) {
+        TD_LOG_ERR("kvx ucx: malformed rkey (%zu bytes)", len);
+        return TD_EFORMAT;
+    }
+    pl = (const uint8_t *)pl + rd.off;
+    n -= rd.off;
     kvx_rkey *rk = calloc(1, sizeof(*rk));
     if (!rk) return TD_ENOMEM;
+    rk->key[0] = key0;
+    rk->key[1] = key1;
+    rk->am = (flags & KVXI_RKEY_AM_ONLY) && !p->shm; /* shm lists never mix with tcp ones */
     if (p->shm) {
         size_t h = kvxi_ucx_cma_key_read(p, rk, pr, pl, n);
         if (!h || h == n) {
@@ -338,6 +366,7 @@ int kvxi_ucx_rkey_unpack(kvx_pipe *base, kvx_peer peer, const void *buf, size_t 
         return kvxi_ucx_err(st);
     }
     rk->peer = peer;
+    pr->am = pr->am || rk->am;
     rk->next = p->rkeys;
     if (p->rkeys) p->rkeys->prev = rk;
     p->rkeys = rk;

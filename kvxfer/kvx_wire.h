@@ -113,7 +113,7 @@ static inline uint32_t kvx_fnv1a(const void *p, size_t n)
 
 /* Frame: magic u32, version u32, kind u32, payload length u32, checksum u32, payload. */
 #define KVX_FRAME_HDR    20
-#define KVX_WIRE_VERSION 1u
+#define KVX_WIRE_VERSION 2u          /* 2: keys in rkeys, targets and messages (issue 44) */
 #define KVX_MAGIC_ADDR   0x4158564bu /* "KVXA" */
 #define KVX_MAGIC_RKEY   0x4b58564bu /* "KVXK" */
 #define KVX_MAGIC_TARGET 0x5458564bu /* "KVXT" */

@@ -16,7 +16,8 @@ add_executable(kvx_test_peer ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer/kvx_test_peer.c)
 target_include_directories(kvx_test_peer PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer)
 target_link_libraries(kvx_test_peer PRIVATE td_kvxfer td_common)
 add_executable(test_kvx_2proc ${CMAKE_CURRENT_SOURCE_DIR}/kvxfer/test_kvx_2proc.c)
-target_include_directories(test_kvx_2proc PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_include_directories(test_kvx_2proc PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                                 ${PROJECT_SOURCE_DIR}/kvxfer) # kvx_wire.h
 target_link_libraries(test_kvx_2proc PRIVATE td_kvxfer td_common)
 add_dependencies(test_kvx_2proc kvx_test_peer)
 # kvx_2proc_sm_memfd: the decode regions are memfds (KVX_TEST_REGION=memfd, as the decode

@@ -8,8 +8,9 @@
  * ranges, chunks out of order, a late target, per-chunk times (ordered; a queued chunk is
  * issued after the targets arrived; once a chunk landed the decode process's memory holds
  * its tokens and not yet the next chunk's), abort mid-transfer, a receiver that never
- * answers, and SIGKILL of either peer mid-transfer (the survivor fails the request within
- * the timeout, frees everything, and serves the next request). Children die with this
+ * answers, a writer without the request's key (refused), and SIGKILL of either peer
+ * mid-transfer (the survivor fails the request within the timeout, frees everything, and
+ * serves the next request). Children die with this
  * process (PR_SET_PDEATHSIG) and are killed on every path.
  */
 #define _GNU_SOURCE /* memfd_create (kvx_scenario.h) */
@@ -25,6 +26,7 @@
 
 #include "kvx_conn.h"
 #include "kvx_scenario.h"
+#include "kvx_wire.h"
 #include "td_clock.h"
 #include "tharness.h"
 
@@ -585,6 +587,65 @@ static void test_abort_mid(void)
     child_quit(&ch);
 }
 
+/* Issue 44, between processes over UCX: a writer whose target differs from the decode
+ * rank's only in the request's 128-bit key (what a process that reaches the rank's worker
+ * but was never given the target over the control plane would have to guess) is not
+ * accepted: the rank keeps waiting, nothing is written; the real target's writer then
+ * transfers the same request byte for byte. */
+static void test_unkeyed_writer(void)
+{
+    child ch;
+    sc_src rogue, s;
+    kvx_conn_params cp = {.timeout_ms = TMO, .abort_timeout_ms = 1000};
+    TH_REQUIRE(dec_spawn(&ch, 0, 1));
+    kvx_pipe *p = ucx_pipe(), *q = ucx_pipe();
+    if (!p || !q || sc_src_init(&rogue, p, &cp, HEADS, HDIM, BS, NBLK, 0, LAYERS, 0, 0, 1) ||
+        sc_src_init(&s, q, &cp, HEADS, HDIM, BS, NBLK, 0, LAYERS, 0, 0, 1)) {
+        child_quit(&ch);
+        TH_REQUIRE(0);
+    }
+    static uint8_t tgt[16384], body[16384], forged[16384];
+    size_t tl = dec_target(&ch, 450, 1, 64, 2, 0, tgt, sizeof(tgt)), pn = 0, fl = 0;
+    const void *pl = NULL;
+    TH_REQUIRE(tl > 0 && kvx_frame_read(tgt, tl, KVX_MAGIC_TARGET, KVX_KIND_UCX, &pl, &pn) == 0);
+    memcpy(body, pl, pn);
+    body[16 + 11] ^= 0x02; /* the key follows the request id and the epoch */
+    TH_REQUIRE(
+        kvx_frame_write(forged, sizeof(forged), KVX_MAGIC_TARGET, KVX_KIND_UCX, body, pn, &fl));
+    TH_CHECK(sc_src_open(&rogue, 450, 64, 43, 0) == 0);
+    TH_CHECK(kvx_pf_add_target(rogue.c, 450, forged, fl) == 0);
+    for (uint32_t k = 0; k < 4; k++)
+        TH_CHECK(sc_src_send(&rogue, 450, 64, 16, k, 0) == 0);
+    int64_t end = td_now_ms() + 700;
+    while (td_now_ms() < end)
+        src_pump(&rogue, 1, 5);
+    TH_CHECK(src_state(&rogue, 450, NULL) != KVX_REQ_READY);
+    TH_CHECKF(dec_wait(&ch, 450, 50, NULL, NULL) == KVX_REQ_WAITING,
+              "the rank no longer waits after a writer without the key");
+    kvx_pf_abort(rogue.c, 450);
+    TH_CHECK(src_wait_final(&rogue, 1, 450, TMO));
+    TH_CHECK(kvx_pf_release(rogue.c, 450) == 0);
+    /* the real target */
+    TH_CHECK(sc_src_open(&s, 450, 64, 43, 0) == 0);
+    TH_CHECK(kvx_pf_add_target(s.c, 450, tgt, tl) == 0);
+    for (uint32_t k = 0; k < 4; k++)
+        TH_CHECK(sc_src_send(&s, 450, 64, 16, k, 0) == 0);
+    kvx_meta m = {.first_token = 777, .n_tokens = 64};
+    TH_CHECK(kvx_pf_finish(s.c, 450, &m) == 0);
+    TH_CHECK(src_wait_final(&s, 1, 450, TMO + 3000));
+    TH_CHECK(src_state(&s, 450, NULL) == KVX_REQ_DONE);
+    kvx_pf_release(s.c, 450);
+    int tok0 = 0;
+    TH_CHECK(dec_wait(&ch, 450, TMO, NULL, &tok0) == KVX_REQ_DONE && tok0 == 777);
+    TH_CHECKF(dec_verify(&ch, 450, 64, 43) == 0, "the real writer's bytes");
+    dec_release(&ch, 450);
+    TH_CHECK(dec_clean(&ch));
+    TH_CHECK(src_clean(&s, 1) && src_clean(&rogue, 1));
+    sc_src_fini(&rogue);
+    sc_src_fini(&s);
+    child_quit(&ch);
+}
+
 /* No target ever arrives (the receiver never registered the request): timeout. */
 static void test_no_receiver(void)
 {
@@ -865,6 +926,7 @@ int main(int argc, char **argv)
     RUN(test_late_target);
     RUN(test_chunk_landing);
     RUN(test_abort_mid);
+    RUN(test_unkeyed_writer);
     RUN(test_no_receiver);
     RUN(test_kill_decode);
     RUN(test_kill_prefill);

@@ -10,6 +10,7 @@
 
 #include "kvx_conn.h"
 #include "kvx_scenario.h"
+#include "kvx_wire.h"
 #include "td_clock.h"
 #include "td_tp.h"
 #include "tharness.h"
@@ -955,6 +956,51 @@ static void test_bad_targets(void)
     world_fini(&w);
 }
 
+/* Issue 44: a writer whose target differs from the real one only in the request's key (what
+ * a process that reaches the decode side's transport but was never given the target would
+ * have to guess: 128 random bits) is not accepted: its BEGIN is dropped, it puts nothing,
+ * and the decode request waits as if nobody had written; the connectors then serve the
+ * next request. */
+static void test_unkeyed_begin(void)
+{
+    wcfg c = base_cfg(1, 1);
+    world w;
+    world_init(&w, &c);
+    xstate *s = calloc(1, sizeof(*s));
+    xfer x = {.req = 40, .n_tokens = 64, .chunk = 16, .salt = 5, .dst_run = 2, .late = true};
+    xfer_setup(&w, &c, &x, s);
+    const void *pl;
+    size_t pn, fn;
+    TH_REQUIRE(kvx_frame_read(s->tgt[0], s->tgt_len[0], KVX_MAGIC_TARGET, KVX_KIND_UCX, &pl, &pn) ==
+               0);
+    static uint8_t body[8192], forged[8192];
+    memcpy(body, pl, pn);
+    body[16 + 5] ^= 0x10; /* the key follows the request id and the epoch */
+    TH_REQUIRE(
+        kvx_frame_write(forged, sizeof(forged), KVX_MAGIC_TARGET, KVX_KIND_UCX, body, pn, &fn));
+    TH_CHECK(kvx_pf_add_target(w.src[0], x.req, forged, fn) == 0); /* it cannot tell */
+    xfer_chunks(&w, &x, s, 0, 4);
+    int64_t end = td_now_ms() + 500;
+    while (td_now_ms() < end)
+        progress_all(&w, 2);
+    kvx_dec_status ds;
+    TH_CHECK(dec_state(&w, 0, x.req, &ds) == KVX_REQ_WAITING && ds.stages_begun == 0);
+    TH_CHECK(pf_state(&w, 0, x.req, NULL) != KVX_REQ_READY);
+    size_t zero = 0, n = kvx_layout_bytes(&w.dl[0]);
+    for (size_t i = 0; i < n; i++)
+        zero += w.dreg[0][i] == 0;
+    TH_CHECKF(zero == n, "a writer without the key wrote %zu bytes", n - zero);
+    kvx_pf_abort(w.src[0], x.req);
+    kvx_dec_abort(w.dec[0], x.req);
+    TH_CHECK(pump_final(&w, x.req, 3000));
+    release_all(&w, x.req);
+    uint64_t puts, pieces;
+    x = (xfer){.req = 41, .n_tokens = 64, .chunk = 16, .salt = 5, .dst_run = 2};
+    run_xfer(&w, &c, &x, &puts, &pieces);
+    world_fini(&w);
+    free(s);
+}
+
 /* A lookup budget smaller than the chunks: send_chunk says TD_ENOSPC, nothing leaks. */
 static void test_lookup_full(void)
 {
@@ -1323,7 +1369,8 @@ static void test_latent_layout(void)
             "  70 tokens, 3 layers, one head of 12 to 2 ranks: K+V %llu bytes, latent "
             "%llu\n",
             (unsigned long long)bytes[1], (unsigned long long)bytes[0]);
-    /* the wire: the element word (frame header, 36 bytes of ids, 7 layout words before it) */
+    /* the wire: the element word (frame header, 52 bytes of ids and key, 7 layout words
+     * before it) */
     for (uint32_t arrays = 2; arrays >= 1; arrays--) {
         wcfg c = base_cfg(1, 1);
         c.dec_arrays = arrays;
@@ -1335,7 +1382,7 @@ static void test_latent_layout(void)
         size_t len;
         TH_REQUIRE(kvx_dec_make_target(w.dec[0], 7, &dp, buf, sizeof(buf), &len) == 0);
         uint32_t word;
-        memcpy(&word, buf + 20 + 36 + 7 * 4, 4);
+        memcpy(&word, buf + 20 + 52 + 7 * 4, 4);
         TH_CHECKF(word == (arrays == 1 ? 0x10002u : 2u), "element word %#x", word);
         kvx_dec_abort(w.dec[0], 7);
         TH_CHECK(pump_final(&w, 7, 2000));
@@ -1394,6 +1441,7 @@ int main(void)
     TH_RUN(test_dec_timeout);
     TH_RUN(test_peer_killed);
     TH_RUN(test_bad_targets);
+    TH_RUN(test_unkeyed_begin);
     TH_RUN(test_lookup_full);
     TH_RUN(test_progress_thread);
     TH_RUN(test_spin_window);

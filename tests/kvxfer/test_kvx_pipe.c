@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "kvx_pipe.h"
+#include "kvx_wire.h"
 #include "td_clock.h"
 #include "tharness.h"
 
@@ -664,6 +665,132 @@ static void test_ucx_tcp_put_outside(void)
     pair_unmap(&t);
 }
 
+/* Issue 44: over tcp, a process that reaches the receiver's worker but was never given the
+ * region's rkey (it travels inside the decode target, over the authenticated control plane)
+ * cannot write into the region. (1) Our puts with a guessed key (the rkey's 128-bit key
+ * changed, the frame re-sealed) are dropped and their flush fails; (2) UCX's own emulated
+ * put, from a sender with KVX_UCX_PUTS=rma, which on a receiver that installed UCX's
+ * emulation is written wherever its message says (with any rkey: the emulation checks
+ * nothing), is dropped as an unknown message (the receiver's context has no
+ * UCP_FEATURE_RMA). The real key then writes. */
+static void test_ucx_tcp_put_unkeyed(void)
+{
+    tcp_pair t;
+    TH_REQUIRE(tcp_pair_open(&t, 64 << 10) == 0);
+    uint8_t key[KVX_RKEY_MAX], forged[KVX_RKEY_MAX];
+    size_t kn, fn;
+    TH_REQUIRE(kvx_pipe_rkey_pack(t.b, t.mem, key, sizeof(key), &kn) == 0);
+    const void *pl;
+    size_t pn;
+    TH_REQUIRE(kvx_frame_read(key, kn, KVX_MAGIC_RKEY, KVX_KIND_UCX, &pl, &pn) == 0 && pn > 16);
+    uint8_t body[KVX_RKEY_MAX];
+    memcpy(body, pl, pn);
+    body[3] ^= 0x40; /* one bit of the key */
+    TH_REQUIRE(
+        kvx_frame_write(forged, sizeof(forged), KVX_MAGIC_RKEY, KVX_KIND_UCX, body, pn, &fn));
+    kvx_pipe_rkey_destroy(t.a, t.rk);
+    TH_REQUIRE(kvx_pipe_rkey_unpack(t.a, t.ab, forged, fn, &t.rk) == 0);
+    uint8_t src[4096];
+    memset(src, 0xab, sizeof(src));
+    uint64_t base = (uint64_t)(uintptr_t)t.region;
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, sizeof(src), base, t.rk) == 0);
+    done_rec fl = {0};
+    TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl) == 0);
+    TH_CHECK(pump(t.a, t.b, &fl.n, 1));
+    TH_CHECKF(fl.status == TD_EINVAL, "flush after a put with a forged key: %d", fl.status);
+
+    /* UCX's emulated put, from a third pipe holding the real key (its rkey's flags changed
+     * so that it uses UCX's puts, as a writer of its own would) */
+    setenv("KVX_UCX_PUTS", "rma", 1);
+    kvx_pipe_params pr = {.tls = "tcp"};
+    kvx_pipe *r = NULL;
+    int rc = kvx_pipe_ucx_create(&pr, &r);
+    unsetenv("KVX_UCX_PUTS");
+    TH_REQUIRE(rc == 0);
+    uint8_t addr[KVX_ADDR_MAX];
+    size_t an;
+    kvx_peer rb;
+    kvx_rkey *rrk = NULL;
+    TH_REQUIRE(kvx_pipe_address(t.b, addr, sizeof(addr), &an) == 0);
+    TH_REQUIRE(kvx_pipe_connect(r, addr, an, &rb) == 0);
+    memcpy(body, pl, pn);
+    memset(body + 16, 0, 4); /* the flags: "UCX's puts welcome", so the writer uses them */
+    TH_REQUIRE(
+        kvx_frame_write(forged, sizeof(forged), KVX_MAGIC_RKEY, KVX_KIND_UCX, body, pn, &fn));
+    TH_REQUIRE(kvx_pipe_rkey_unpack(r, rb, forged, fn, &rrk) == 0);
+    TH_CHECK(kvx_pipe_put(r, rb, src, sizeof(src), base + sizeof(src), rrk) == 0);
+    done_rec rf = {0};
+    TH_CHECK(kvx_pipe_flush(r, rb, on_done, &rf) == 0);
+    int64_t end = td_now_ms() + 1500; /* no completion comes: the receiver dropped the put */
+    while (td_now_ms() < end && !rf.n) {
+        kvx_pipe_progress(r);
+        kvx_pipe_progress(t.b);
+    }
+    size_t zero = 0;
+    for (size_t i = 0; i < t.len; i++)
+        zero += t.region[i] == 0;
+    TH_CHECKF(zero == t.len, "puts without the region's key wrote %zu bytes of it", t.len - zero);
+    kvx_pipe_rkey_destroy(r, rrk);
+    kvx_pipe_disconnect(r, rb, true);
+    for (int i = 0; i < 20; i++)
+        kvx_pipe_progress(r);
+    kvx_pipe_destroy(r);
+
+    /* the real key */
+    kvx_pipe_rkey_destroy(t.a, t.rk);
+    TH_REQUIRE(kvx_pipe_rkey_unpack(t.a, t.ab, key, kn, &t.rk) == 0);
+    TH_CHECK(kvx_pipe_put(t.a, t.ab, src, sizeof(src), base, t.rk) == 0);
+    done_rec fl2 = {0};
+    TH_CHECK(kvx_pipe_flush(t.a, t.ab, on_done, &fl2) == 0);
+    TH_CHECK(pump(t.a, t.b, &fl2.n, 1) && fl2.status == 0);
+    TH_CHECK(memcmp(t.region, src, sizeof(src)) == 0);
+    pair_close(&t);
+}
+
+/* Writers and receivers that decided differently about UCX's puts (KVX_UCX_PUTS, or a host
+ * with an RDMA device beside one without): a receiver without UCX's puts says so in its
+ * rkey, and a writer that would use UCX's puts sends the pipe's own to it; a writer of the
+ * pipe's own puts works with a receiver that has UCX's too. Both ways the bytes land and
+ * the flush completes. */
+static void test_ucx_tcp_mixed_puts(void)
+{
+    for (int way = 0; way < 2; way++) {
+        kvx_pipe *w = NULL, *r = NULL;
+        kvx_pipe_params pp = {.tls = "tcp"};
+        setenv("KVX_UCX_PUTS", way ? "am" : "rma", 1);
+        int rc = kvx_pipe_ucx_create(&pp, &w);
+        setenv("KVX_UCX_PUTS", way ? "rma" : "am", 1);
+        rc = rc ? rc : kvx_pipe_ucx_create(&pp, &r);
+        unsetenv("KVX_UCX_PUTS");
+        TH_REQUIRE(rc == 0);
+        static uint8_t region[1 << 16], src[1 << 16];
+        memset(region, 0, sizeof(region));
+        for (size_t i = 0; i < sizeof(src); i++)
+            src[i] = (uint8_t)(i * 7 + way);
+        uint8_t buf[KVX_ADDR_MAX];
+        size_t n;
+        kvx_peer wr;
+        kvx_mem *m = NULL;
+        kvx_rkey *rk = NULL;
+        TH_REQUIRE(kvx_pipe_address(r, buf, sizeof(buf), &n) == 0 &&
+                   kvx_pipe_connect(w, buf, n, &wr) == 0);
+        TH_REQUIRE(kvx_pipe_mem_reg(r, region, sizeof(region), &m) == 0 &&
+                   kvx_pipe_rkey_pack(r, m, buf, sizeof(buf), &n) == 0 &&
+                   kvx_pipe_rkey_unpack(w, wr, buf, n, &rk) == 0);
+        TH_CHECK(kvx_pipe_put(w, wr, src, sizeof(src), (uint64_t)(uintptr_t)region, rk) == 0);
+        done_rec fl = {0};
+        TH_CHECK(kvx_pipe_flush(w, wr, on_done, &fl) == 0);
+        TH_CHECKF(pump(w, r, &fl.n, 1) && fl.status == 0, "%s writer, %s receiver: flush %d/%d",
+                  way ? "am" : "rma", way ? "rma" : "am", fl.n, fl.status);
+        TH_CHECK(memcmp(region, src, sizeof(src)) == 0);
+        kvx_pipe_rkey_destroy(w, rk);
+        kvx_pipe_disconnect(w, wr, false);
+        kvx_pipe_mem_dereg(r, m);
+        kvx_pipe_destroy(w);
+        kvx_pipe_destroy(r);
+    }
+}
+
 /* A flush waiting for its ACK when the receiver goes away fails (it does not hang), and
  * nothing stays pending. */
 static void test_ucx_tcp_flush_peer_gone(void)
@@ -716,6 +843,8 @@ int main(void)
     TH_RUN(test_ucx_contract_sm);
     TH_RUN(test_ucx_peer_gone);
     TH_RUN(test_ucx_tcp_put_outside);
+    TH_RUN(test_ucx_tcp_put_unkeyed);
+    TH_RUN(test_ucx_tcp_mixed_puts);
     TH_RUN(test_ucx_tcp_flush_peer_gone);
     TH_RUN(test_ucx_contract_tcp_rma);
     TH_RUN(test_ucx_sm_one_sided);
