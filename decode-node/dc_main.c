@@ -27,7 +27,8 @@ static void usage(void)
                     "  (tcp://HOST:PORT of the instance in the config, or --listen)\n"
                     "  --name: this instance's own name (default: --instance, then only the YAML\n"
                     "          entry its settings come from); every rank of it gives the same\n"
-                    "  --advertise: the host the router reaches rank 0 at (router.membership)\n");
+                    "  --advertise: the host the router reaches rank 0 at (router.membership), and\n"
+                    "               whose network device the KV plane uses\n");
 }
 
 int main(int argc, char **argv)

@@ -73,7 +73,8 @@ typedef struct {
     int rank;
     const char *listen;          /* leader: URL override (tests); NULL: from the config */
     const char *advertise;       /* leader: the host in the URL it announces to the router
-                                    (router.membership); NULL: the YAML's host */
+                                    (router.membership); NULL: the YAML's host. Every rank:
+                                    the host whose device its KV plane uses */
     volatile sig_atomic_t *stop; /* set by SIGTERM/SIGINT: clean shutdown */
 } dc_node_params;
 

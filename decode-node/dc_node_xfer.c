@@ -63,7 +63,9 @@ int dc_node_xfer_setup(dc_node *n)
         .n_blocks = (uint32_t)dc_kv(n)->n_blocks,
         .latent = dc_kv(n)->layout == KN_KV_LAYOUT_LATENT,
         .tls = n->p->cfg->kvxfer.ucx_tls,
-        .host = n->dcfg->host,
+        /* a replica started from a template is reached at its --advertise host, not the
+           template's: its KV plane listens on that host's device */
+        .host = n->p->advertise ? n->p->advertise : n->dcfg->host,
         .timeout_ms = n->p->cfg->kvxfer.timeout_ms,
         .staged = dc_kv(n)->host != NULL,
     };

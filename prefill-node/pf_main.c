@@ -88,7 +88,8 @@ static void usage(void)
             "               ($TANDEM_CACHE/profiles, else ~/.cache/tandem/profiles)\n"
             "  --name       this instance's own name (default: --instance, then only the\n"
             "               YAML entry its settings come from); every stage gives the same\n"
-            "  --advertise  the host the router reaches stage 0 at (router.membership)\n");
+            "  --advertise  the host the router reaches stage 0 at (router.membership), and\n"
+            "               whose network device the KV plane uses\n");
 }
 
 int main(int argc, char **argv)

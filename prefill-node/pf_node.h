@@ -28,7 +28,8 @@ typedef struct {
     const char *instance;      /* the instance's name (--name, else --instance) */
     const char *template_name; /* the YAML prefill instance its settings come from */
     const char *advertise;     /* stage 0: the host in the URL it announces to the router
-                                  (router.membership); NULL: hosts[0] */
+                                  (router.membership); NULL: hosts[0]. Every stage: the
+                                  host whose device its KV plane uses; NULL: hosts[stage] */
     int stage;
     const char *listen; /* stage 0: control URL instead of the YAML's; NULL: the YAML's */
     const char *leader; /* stages > 0: stage 0's control URL; NULL: from the YAML */

@@ -17,7 +17,9 @@ static int open_connector(pf_stage *st)
 {
     const td_cfg *cfg = st->p->cfg;
     kvx_pipe *pipe;
-    kvx_pipe_params pp = {.tls = cfg->kvxfer.ucx_tls, .host = st->cfg->hosts[st->stage]};
+    /* a replica started from a template is at its --advertise host, not the template's */
+    kvx_pipe_params pp = {.tls = cfg->kvxfer.ucx_tls,
+                          .host = st->p->advertise ? st->p->advertise : st->cfg->hosts[st->stage]};
     int rc = kvx_pipe_ucx_create(&pp, &pipe);
     if (rc) return rc;
     kvx_conn_params cp = {.timeout_ms = st->timeout_ms, .progress_thread = true};

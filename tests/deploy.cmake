@@ -49,10 +49,12 @@ endif()
 #                      moves), a refused join (max_instances) gets in once a killed member is
 #                      forgotten, a member restarted at another port is followed; 0 failures
 #   deploy_membership_prefill  a prefill instance joins and prefills, the YAML's leaves
-#   deploy_membership_netns    three hosts (network namespaces), every address a name from
-#                      the namespace's /etc/hosts, the YAML's decode entry a template only:
-#                      one decode host joins under load, the other leaves drained (needs
-#                      root; skipped otherwise)
+#   deploy_membership_netns    four hosts (network namespaces: router, two decode, one
+#                      prefill), every address a name from the namespace's /etc/hosts, the
+#                      YAML's entries templates only, https + API key + mutual TLS + keyed KV:
+#                      one decode host joins under load, the other leaves drained, the KV
+#                      crosses hosts; requests without the credentials refused and logged at
+#                      the router and a decode host (needs root and openssl; skipped otherwise)
 if(TANDEM_PYTHON)
   foreach(case decode prefill netns)
     add_test(NAME deploy_membership_${case}

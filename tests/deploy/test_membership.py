@@ -19,10 +19,13 @@ Cases (--case, one ctest each):
            YAML; p1 (template p0) joins and prefills; p0 gets SIGTERM: it drains (its prompts
            finish in place, none starts again), new prompts go to p1; the load ends with every
            request answered
-  netns    three hosts (network namespaces: the router's, two decode hosts), addresses by
-           name only (/etc/netns/NS/hosts), the YAML's decode entry a template (seed false):
-           decode-b joins under load and takes requests, decode-a leaves drained; 0 failed
-           requests, no request moved (needs root: skipped otherwise)
+  netns    four hosts (network namespaces: the router's, two decode hosts, a prefill host),
+           addresses by name only (/etc/netns/NS/hosts), the YAML's entries templates (seed
+           false), every plane with credentials (https + API key, mutual TLS on the control
+           sockets, keyed KV targets): decode-b joins under load and takes requests, decode-a
+           leaves drained; 0 failed requests, no request moved, every prompt prefilled on the
+           prefill host; without the credentials the router and a decode host refuse, and log
+           it (needs root and openssl: skipped otherwise)
 
 usage: test_membership.py --case decode|prefill|netns --decode BIN --router BIN [--prefill BIN]
                           [--tandem BIN] --model GGUF
@@ -39,7 +42,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import ssl
 import time
+import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tdtest
@@ -53,18 +58,22 @@ from tdtest.waits import wait_for, wait_http, wait_text  # noqa: E402
 class Load:
     """n streaming clients sending completions until stop(); results: (ok, detail) each."""
 
-    def __init__(self, port, model, n=4, max_tokens=24, host="127.0.0.1"):
+    def __init__(self, port, model, n=4, max_tokens=24, host="127.0.0.1", tls=None, key=""):
         self.port, self.model, self.n, self.max_tokens = port, model, n, max_tokens
-        self.host = host
+        self.host, self.tls, self.key = host, tls, key  # tls: an ssl.SSLContext (https)
         self.results, self.stopping, self.threads = [], False, []
 
     def one(self, i, k):
         body = json.dumps({"model": self.model, "prompt": f"Request {i}-{k}: once upon a time",
                            "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
                            "ignore_eos": True})
-        c = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        c = http.client.HTTPSConnection(self.host, self.port, timeout=120, context=self.tls) \
+            if self.tls else http.client.HTTPConnection(self.host, self.port, timeout=120)
+        hdr = {"Content-Type": "application/json"}
+        if self.key:
+            hdr["Authorization"] = f"Bearer {self.key}"
         try:
-            c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            c.request("POST", "/v1/completions", body, hdr)
             r = c.getresponse()
             data = r.read().decode("utf-8", "replace")
             ok = r.status == 200 and data.rstrip().endswith("data: [DONE]") and \
@@ -133,8 +142,10 @@ def served_by(router_log, name):
                           router_log, re.M))
 
 
-def model_id(port, host="127.0.0.1"):
-    with urllib.request.urlopen(f"http://{host}:{port}/v1/models", timeout=10) as r:
+def model_id(port, host="127.0.0.1", tls=None, key=""):
+    rq = urllib.request.Request(f"{'https' if tls else 'http'}://{host}:{port}/v1/models",
+                                headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(rq, timeout=10, context=tls) as r:
         return json.loads(r.read())["data"][0]["id"]
 
 
@@ -298,32 +309,52 @@ def sh(*argv, check_rc=True):
 
 
 def case_netns(a, d, P):
-    """Three hosts as network namespaces: the router's (R, linked to the root namespace where
-    the clients are) and two decode hosts (A, B), each linked to R only. Every address is a
-    name from the namespace's own /etc/hosts (/etc/netns/NS/hosts, which `ip netns exec`
-    mounts): the nodes announce themselves to tandem-router:PORT as decode-a / decode-b, and
-    the YAML's decode entry is a template only (membership.seed false, the Kubernetes case).
-    Under load B joins and takes requests, A leaves (SIGTERM, drained): 0 failures."""
+    """Four hosts as network namespaces: the router's (R, linked to the root namespace where
+    the clients are), two decode hosts (A, B) and a prefill host (X), each linked to R only
+    (R forwards between them: the KV goes X -> R -> A or B). Every address is a name from the
+    namespace's own /etc/hosts (/etc/netns/NS/hosts, which `ip netns exec` mounts): the nodes
+    announce themselves to tandem-router:PORT as decode-a / decode-b / prefill-x, and the
+    YAML's entries are templates only (membership.seed false, the Kubernetes case). Every
+    plane has credentials: the router serves https with an API key, every control socket is
+    mutual TLS (the YAML's security section), the KV plane's targets carry their keys over it.
+    Under load B joins and takes requests, A leaves (SIGTERM, drained): 0 failures, every
+    prompt prefilled on X. Then, without the credentials: plain http and https without the
+    key are refused by the router, and a client without the cluster's certificate gets no
+    answer from the router's membership socket nor from a decode host, whose logs say so.
+    (The KV plane's refusals need a process that speaks UCX: tests/kvxfer, test_kvx_2proc's
+    test_unkeyed_writer and test_kvx_pipe's test_ucx_tcp_put_unkeyed, between processes.)"""
     if shutil.which("ip") is None:
         print("skipped: no 'ip' command")
         sys.exit(77)
+    if not a.prefill or not a.tandem:
+        print("skipped: needs tandem-prefill and tandem")
+        sys.exit(77)
+    certs = os.path.join(d, "certs")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(["sh", os.path.join(src, "ctrl", "make_certs.sh"), certs])
+    if r.returncode == 77:
+        print("skipped: openssl is not installed (Debian package openssl)")
+        sys.exit(77)
+    if not check(r.returncode == 0, "make_certs.sh made the certificates"):
+        return
     tag = f"{os.getpid() % 10000}{random.randrange(100)}"
-    ns = {"r": f"tmr{tag}", "a": f"tma{tag}", "b": f"tmb{tag}"}
+    ns = {"r": f"tmr{tag}", "a": f"tma{tag}", "b": f"tmb{tag}", "x": f"tmx{tag}"}
     probe = subprocess.run(["ip", "netns", "add", ns["r"]], capture_output=True, text=True)
     if probe.returncode:
         print(f"skipped: 'ip netns add' is not permitted here ({probe.stderr.strip()})")
         sys.exit(77)
     made_etc = []
     try:
-        for k in ("a", "b"):
+        for k in ("a", "b", "x"):
             sh("ip", "netns", "add", ns[k])
         used = sh("ip", "-4", "addr").stdout
         n = next(n for n in random.sample(range(1, 250), 249) if f"10.78.{n}." not in used)
         net = f"10.78.{n}"
-        # root <-> R: .1 / .2; R <-> A: .5 / .6; R <-> B: .9 / .10
+        # root <-> R: .1 / .2; R <-> A: .5 / .6; R <-> B: .9 / .10; R <-> X: .13 / .14
         links = [(None, ns["r"], f"{net}.1", f"{net}.2", "c"),
                  (ns["r"], ns["a"], f"{net}.5", f"{net}.6", "a"),
-                 (ns["r"], ns["b"], f"{net}.9", f"{net}.10", "b")]
+                 (ns["r"], ns["b"], f"{net}.9", f"{net}.10", "b"),
+                 (ns["r"], ns["x"], f"{net}.13", f"{net}.14", "x")]
         for left, right, ip_l, ip_r, x in links:
             va, vb = f"tm{x}{tag}a", f"tm{x}{tag}b"
             sh("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
@@ -335,43 +366,69 @@ def case_netns(a, d, P):
             sh(*pre, "link", "set", va, "up")
             sh("ip", "-n", right, "addr", "add", f"{ip_r}/30", "dev", vb)
             sh("ip", "-n", right, "link", "set", vb, "up")
+            if left:  # the host's way to the others: through R
+                sh("ip", "-n", right, "route", "add", "default", "via", ip_l)
         for k in ns:
             sh("ip", "-n", ns[k], "link", "set", "lo", "up")
-        hosts = {"r": f"{net}.6 decode-a\n{net}.10 decode-b\n",
-                 "a": f"{net}.5 tandem-router\n", "b": f"{net}.9 tandem-router\n"}
+        sh("ip", "netns", "exec", ns["r"], "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        hosts = {"r": f"{net}.6 decode-a\n{net}.10 decode-b\n{net}.14 prefill-x\n",
+                 "a": f"{net}.5 tandem-router\n{net}.6 decode-a\n",
+                 "b": f"{net}.9 tandem-router\n{net}.10 decode-b\n",
+                 "x": f"{net}.13 tandem-router\n{net}.14 prefill-x\n"}
         for k, text in hosts.items():
             dd = f"/etc/netns/{ns[k]}"
             os.makedirs(dd, exist_ok=True)
             made_etc.append(dd)
             with open(os.path.join(dd, "hosts"), "w") as f:
                 f.write("127.0.0.1 localhost\n" + text)
-        http_port, member_port, dport = 8000, 9300, 9000  # each namespace has its own ports
+        http_port, member_port, dport, pport = 8000, 9300, 9000, 9100  # ports per namespace
+        pem = lambda n: os.path.join(certs, n)  # noqa: E731
+        key = "sk-netns-test"
         doc = base_yaml(a, d, http_port, member_port, dport)
         doc["router"]["listen"] = f"0.0.0.0:{http_port}"
+        doc["router"].update({"api_key": key, "tls_cert": pem("node.pem"),
+                              "tls_key": pem("node.key")})
         doc["router"]["membership"] = {"listen": f"0.0.0.0:{member_port}",
                                        "address": f"tandem-router:{member_port}",
                                        "lease_ms": 1500, "seed": False}
+        doc["prefill"] = [{"name": "p0", "pp": 1, "threads": 1, "hosts": ["127.0.0.1"],
+                           "port": pport, "kv_tokens": 4096, "profile_budget_ms": 0,
+                           "chunk_size": 64}]
+        doc["kvxfer"] = {"ucx_tls": "tcp,self", "timeout_ms": 20000}
+        doc["security"] = {"ca": pem("ca.pem"), "cert": pem("node.pem"), "key": pem("node.key")}
         cfg = os.path.join(d, "cluster.yaml")
         write_yaml(cfg, doc)
+        tls = ssl.create_default_context(cafile=pem("ca.pem"))
+        tls.check_hostname = False  # the certificate names 127.0.0.1; the router is 10.78.N.2
         inns = lambda k, argv: ["ip", "netns", "exec", ns[k], *argv]  # noqa: E731
         node = lambda name: [a.decode, "--config", cfg, "--instance", "d0", "--rank", "0",  # noqa
                              "--name", name, "--listen", f"tcp://0.0.0.0:{dport}",
                              "--advertise", name]
         P.spawn("router", inns("r", [a.router, "--config", cfg]))
+        P.spawn("prefill-x", inns("x", [a.prefill, "--config", cfg, "--instance", "p0",
+                                        "--stage", "0", "--name", "prefill-x", "--listen",
+                                        f"tcp://0.0.0.0:{pport}", "--advertise", "prefill-x"]))
         P.spawn("decode-a", inns("a", node("decode-a")))
-        base = f"http://{net}.2:{http_port}"
-        ok = wait_for(lambda: http_ok(base + "/health"), 120, step=0.3)
-        if not check(ok, f"router in {ns['r']} serves with decode-a ({ns['a']}), found by name"):
-            return
+        base = f"https://{net}.2:{http_port}"
         rlog = P.log_path("router")
-        check("decode instance decode-a joined at tcp://decode-a:" in read(rlog),
+        ok = wait_for(lambda: http_ok(base + "/health", tls), 180, step=0.3) and \
+            wait_text(rlog, "prefill instance prefill-x joined at tls+tcp://prefill-x:", 60)
+        if not check(ok, f"router in {ns['r']} serves https with decode-a ({ns['a']}) and "
+                         f"prefill-x ({ns['x']}), found by name"):
+            return
+        check("decode instance decode-a joined at tls+tcp://decode-a:" in read(rlog),
               "decode-a joined under its name, at a name")
-        load = Load(http_port, model_id(http_port, f"{net}.2"), host=f"{net}.2")
+        for k in ("decode-a", "prefill-x"):
+            check("kvx ucx: network devices tm" in P.log(k),
+                  f"{k}'s KV plane is on its own host's device, not the template's "
+                  f"({[ln for ln in P.log(k).splitlines() if 'network devices' in ln][:1]})")
+        load = Load(http_port, model_id(http_port, f"{net}.2", tls, key), host=f"{net}.2",
+                    tls=tls, key=key)
         load.start()
         try:
             t0 = time.time()
             P.spawn("decode-b", inns("b", node("decode-b")))
-            check(wait_text(rlog, "decode instance decode-b joined at tcp://decode-b:", 60),
+            check(wait_text(rlog, "decode instance decode-b joined at tls+tcp://decode-b:", 60),
                   "decode-b joins from another host")
             ok = wait_for(lambda: served_by(read(rlog), "decode-b") > 0, 60)
             check(ok, f"decode-b takes requests ({time.time() - t0:.1f} s after its start)")
@@ -385,6 +442,31 @@ def case_netns(a, d, P):
             load.stop()
         load.check("the load across hosts through a join and a leave")
         check("moved:" not in read(rlog), "no request had to move (decode-a drained in place)")
+        n_pf, n_all = served_by(read(rlog), "prefill-x"), len(load.results)
+        check(n_pf >= n_all, f"every prompt was prefilled on prefill-x and its KV crossed hosts "
+                             f"({n_pf} of {n_all})")
+
+        # without the credentials, at every plane the root namespace reaches
+        st = http_status(f"http://{net}.2:{http_port}/v1/models")
+        check(st != 200, f"plain http to the router: no answer ({st})")
+        st = http_status(f"{base}/v1/models", tls)
+        check(st == 401, f"https without the API key: 401 ({st})")
+        for what, url, log in (("the router's membership socket",
+                                f"tcp://{net}.2:{member_port}", rlog),
+                               ("decode-b's control socket", f"tcp://decode-b:{dport}",
+                                P.log_path("decode-b"))):
+            argv = [a.tandem, "client", "--url", url, "--health", "--timeout-ms", "3000"]
+            r = subprocess.run(inns("r", argv), capture_output=True, text=True, timeout=60)
+            check(r.returncode != 0 and "ready" not in r.stdout,
+                  f"{what} without a certificate: no answer ({r.returncode} {r.stdout.strip()})")
+            check(wait_for(lambda: "TLS handshake failed" in read(log), 15),
+                  f"{what}: the refusal is logged")
+            tlsargs = ["--tls-ca", pem("ca.pem"), "--tls-cert", pem("node.pem"), "--tls-key",
+                       pem("node.key")]
+            r = subprocess.run(inns("r", argv + tlsargs), capture_output=True, text=True,
+                               timeout=60)
+            check(r.returncode == 0, f"{what} with the cluster's certificate answers "
+                                     f"({r.returncode} {r.stdout.strip()} {r.stderr[-200:]})")
     finally:
         P.stop(timeout=30)
         for k in ns:
@@ -401,12 +483,24 @@ def case_netns(a, d, P):
         check(not any(ns[k] in left for k in ns), "namespaces removed")
 
 
-def http_ok(url):
+def http_ok(url, tls=None):
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=5, context=tls) as r:
             return r.status == 200
     except OSError:
         return False
+
+
+def http_status(url, tls=None, key=""):
+    """The HTTP status of GET url, or the exception's name when no HTTP answer came."""
+    rq = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(rq, timeout=10, context=tls) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, http.client.HTTPException) as e:
+        return type(e).__name__
 
 
 def main():
