@@ -46,6 +46,10 @@ if(TARGET td_planner AND TANDEM_PYTHON)
     set_tests_properties(${name} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 120
                                             LABELS planner)
   endforeach()
+  # the calibration and the measured prefill must see the same machine: beside the other
+  # tests of a parallel ctest one of them ran loaded and the other not (a ratio of 0.36 in
+  # s25's suite run on 2 cores, within bounds alone)
+  set_tests_properties(planner_cli_predict PROPERTIES RUN_SERIAL TRUE)
 endif()
 if(TARGET td_planner AND TANDEM_PYTHON AND TANDEM_MODEL)
   add_test(NAME planner_live
