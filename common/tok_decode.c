@@ -88,7 +88,7 @@ long td_tok_decode(const td_tokenizer *t, const int32_t *ids, size_t n, bool spe
     }
     size_t total = b.n;
     if (t->clean_spaces && total) total = clean_spaces(b.v, total);
-    if (cap) memcpy(out, b.v, total < cap ? total : cap);
+    if (cap && total) memcpy(out, b.v, total < cap ? total : cap); /* b.v is NULL if empty */
     free(b.v);
     return (long)total;
 }

@@ -3,7 +3,8 @@
  * Purpose: the tokenizer's state (built by tok_vocab.c with tok_special.c, read by
  * tokenizer.c, which encodes, tok_wpm.c and tok_decode.c), its string map, UTF-8 decoding and
  * codepoint classes as the tokenizer sees them (tok_unicode.c), and the pre-tokenizers that
- * cut a text fragment into words before BPE (tok_pretok.c). Invariants: td_utf8_decode never
+ * cut a text fragment into words before BPE (tok_pretok.c), and the Unigram model's
+ * normalizer and pieces (tok_ugm.c). Invariants: td_utf8_decode never
  * reads past len and always advances by at least 1. Threading: pure functions over caller
  * buffers. Ownership: a td_words owns its arrays; td_words_fini frees them.
  */
@@ -97,8 +98,8 @@ typedef struct {
 int td_ids_push(td_ids *a, int32_t id); /* 0 or TD_ENOMEM */
 
 /* Vocabulary kind: tokenizer.ggml.model "gpt2" and "gemma4" (BPE), "llama" (SentencePiece),
- * "bert" (WordPiece). */
-typedef enum { TD_VOCAB_BPE, TD_VOCAB_SPM, TD_VOCAB_WPM } td_vocab_kind;
+ * "bert" (WordPiece), "t5" (SentencePiece Unigram). */
+typedef enum { TD_VOCAB_BPE, TD_VOCAB_SPM, TD_VOCAB_WPM, TD_VOCAB_UGM } td_vocab_kind;
 
 /* Open-addressing hash map from a byte string (borrowed, stored as pointer + length) to
  * an int32 value. Keys must outlive the map. */
@@ -118,6 +119,24 @@ void td_strmap_fini(td_strmap *m);
 void td_strmap_put(td_strmap *m, const char *k, size_t n, int32_t v);
 /* The value of key k[0..n), or -1 (also on a map never initialised). */
 int32_t td_strmap_get(const td_strmap *m, const char *k, size_t n);
+
+/* Unigram (tokenizer.ggml.model "t5"; tok_ugm.c): the precompiled normalization charsmap,
+ * checked whole when loaded (every unit a walk can reach, every replacement it can name), and
+ * the token texts the Viterbi search matches. Built by td_ugm_load, freed by td_ugm_fini. */
+typedef struct {
+    uint32_t *units; /* (n_units) the charsmap's double-array trie (Darts-clone), host order */
+    size_t n_units;  /* 0: no charsmap (characters go through unchanged) */
+    char *repl;      /* (n_repl) the replacement strings, each NUL-terminated */
+    size_t n_repl;
+    int32_t *pieces; /* (n_pieces) normal, user-defined and unused ids sorted by text (bytes),
+                      * one id per text (the last, as llama.cpp's trie keeps) */
+    size_t n_pieces;
+    size_t piece_from[257]; /* pieces[piece_from[b], piece_from[b + 1]) start with byte b */
+    int32_t *user;          /* (n_user) user-defined ids sorted by text */
+    size_t n_user;
+    double unk_score;     /* score of an unknown character: the lowest normal score - 10 */
+    bool remove_extra_ws; /* tokenizer.ggml.remove_extra_whitespaces */
+} td_ugm;
 
 /* Where a special token, found in raw text, takes the whitespace next to it away
  * (llama.cpp's LLAMA_TOKEN_ATTR_LSTRIP / _RSTRIP). */
@@ -156,6 +175,7 @@ struct td_tokenizer {
     char byte_enc[256][3]; /* BPE: GPT-2 byte-to-unicode, UTF-8, NUL-padded */
     uint8_t byte_enc_len[256];
     int16_t byte_dec[0x144]; /* BPE: codepoint (< 0x144) -> byte, -1 if not a byte char */
+    td_ugm ugm;              /* Unigram only */
 };
 
 /* tok_vocab.c: the id under key, or def if it is missing or not in [0, n_vocab) (logged). */
@@ -173,5 +193,14 @@ int td_tok_collect_specials(struct td_tokenizer *t);
 /* WordPiece (tok_wpm.c): BERT's normalizer and greedy longest-match over one raw text
  * fragment, appending ids to out. 0 or TD_ENOMEM. */
 int td_wpm_fragment(const struct td_tokenizer *t, const char *text, size_t len, td_ids *out);
+
+/* Unigram (tok_ugm.c). td_ugm_load: the charsmap (refused with TD_EFORMAT and a logged
+ * reason if any part of it is malformed) and the piece index; run once the token types are
+ * final. 0, TD_EFORMAT or TD_ENOMEM. td_ugm_fini frees it (safe on a zeroed one).
+ * td_ugm_fragment: normalize one raw text fragment and append its best segmentation's ids to
+ * out. 0 or TD_ENOMEM. */
+int td_ugm_load(struct td_tokenizer *t, const td_gguf *g);
+void td_ugm_fini(td_ugm *u);
+int td_ugm_fragment(const struct td_tokenizer *t, const char *text, size_t len, td_ids *out);
 
 #endif

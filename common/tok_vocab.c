@@ -424,7 +424,7 @@ static int choose_pre(td_tokenizer *t, const char *pre, size_t pre_len)
 }
 
 /* The tokenizer model and its defaults: gpt2 and gemma4 (BPE, with a pre-tokenizer of
- * pre_table), llama (SentencePiece) or bert (WordPiece). */
+ * pre_table), llama (SentencePiece), bert (WordPiece) or t5 (Unigram). */
 static int choose_model(td_tokenizer *t, const td_gguf *g)
 {
     const char *model, *pre = NULL;
@@ -455,9 +455,16 @@ static int choose_model(td_tokenizer *t, const td_gguf *g)
         t->pre = TD_PRE_NONE;
         t->add_bos = true, t->add_sep = true, t->clean_spaces = true;
         t->bos = 101, t->eos = -1, t->unk = 100, t->sep = 102;
+    } else if (str_eq(model, model_len, "t5")) {
+        /* add_space_prefix stays off unless the file says so, as llama.cpp leaves it */
+        t->kind = TD_VOCAB_UGM;
+        t->pre = TD_PRE_NONE;
+        t->add_eos = true;
+        t->bos = -1, t->eos = 1, t->unk = 2;
     } else {
         TD_LOG_ERR("tokenizer: unsupported tokenizer model '%.*s' (tokenizer.ggml.model; "
-                   "supported: gpt2, gemma4 (BPE), llama (SentencePiece), bert (WordPiece))",
+                   "supported: gpt2, gemma4 (BPE), llama (SentencePiece), bert (WordPiece), t5 "
+                   "(Unigram))",
                    (int)(model_len < 64 ? model_len : 64), model);
         return TD_EUNSUPP;
     }
@@ -543,6 +550,7 @@ int td_tok_create(const td_gguf *g, td_tokenizer **out)
         special_ids(t, g);
         rc = td_tok_find_specials(t, g);
         if (!rc) rc = build_pieces(t);
+        if (!rc && t->kind == TD_VOCAB_UGM) rc = td_ugm_load(t, g); /* types are final */
     }
     if (!rc) rc = td_tok_collect_specials(t);
     if (rc) {
@@ -570,5 +578,6 @@ void td_tok_destroy(td_tokenizer *t)
     free(t->special);
     td_strmap_fini(&t->tok_map);
     td_strmap_fini(&t->merge_map);
+    td_ugm_fini(&t->ugm);
     free(t);
 }

@@ -1,6 +1,7 @@
 /* tokenizer.c: special-token partition, BPE and SentencePiece encoding, and the tokenizer's
  * getters (see tokenizer.h; follows llama-vocab.cpp; loading is in tok_vocab.c, the
- * pre-tokenizers in tok_pretok.c, WordPiece in tok_wpm.c, decoding in tok_decode.c). */
+ * pre-tokenizers in tok_pretok.c, WordPiece in tok_wpm.c, Unigram in tok_ugm.c, decoding in
+ * tok_decode.c). */
 #define _GNU_SOURCE /* memmem */
 #include "tokenizer.h"
 
@@ -48,7 +49,16 @@ bool td_tok_clean_spaces(const td_tokenizer *t)
 }
 const char *td_tok_type_name(const td_tokenizer *t)
 {
-    return t->kind == TD_VOCAB_SPM ? "SPM" : t->kind == TD_VOCAB_WPM ? "WPM" : "BPE";
+    switch (t->kind) {
+    case TD_VOCAB_SPM:
+        return "SPM";
+    case TD_VOCAB_WPM:
+        return "WPM";
+    case TD_VOCAB_UGM:
+        return "UGM";
+    default:
+        return "BPE";
+    }
 }
 const char *td_tok_pre_name(const td_tokenizer *t)
 {
@@ -56,7 +66,7 @@ const char *td_tok_pre_name(const td_tokenizer *t)
 }
 bool td_tok_lossless(const td_tokenizer *t)
 {
-    return t->kind != TD_VOCAB_WPM;
+    return t->kind != TD_VOCAB_WPM && t->kind != TD_VOCAB_UGM;
 }
 
 /* ---- encoding ---- */
@@ -427,6 +437,8 @@ int td_tok_encode(const td_tokenizer *t, const char *text, size_t len, bool add_
             rc = bpe_fragment(&e, text + f->off, f->len);
         } else if (t->kind == TD_VOCAB_WPM) {
             rc = td_wpm_fragment(t, text + f->off, f->len, &e.out);
+        } else if (t->kind == TD_VOCAB_UGM) {
+            rc = td_ugm_fragment(t, text + f->off, f->len, &e.out);
         } else {
             rc = spm_fragment(&e, text + f->off, f->len, t->add_space_prefix && prev_special);
             prev_special = false;

@@ -7,8 +7,10 @@
  * llama3/llama-bpe, qwen2, qwen35, deepseek-llm, deepseek-coder, llama.cpp's "default" where
  * the file names none, and their aliases (tok_vocab.c's pre_table); "gemma4", BPE over raw
  * UTF-8 with spaces as U+2581; "llama", SentencePiece (score-ordered merges, byte fallback);
- * "bert", WordPiece (BERT's normalizer, greedy longest match). Anything else (t5/UGM,
- * rwkv, plamo2, other pre-tokenizers) fails td_tok_create with TD_EUNSUPP and a logged
+ * "bert", WordPiece (BERT's normalizer, greedy longest match); "t5", SentencePiece Unigram
+ * (the file's precompiled charsmap and whitespace rules, then the Viterbi segmentation of
+ * highest score; a malformed charsmap fails td_tok_create with TD_EFORMAT). Anything else
+ * (rwkv, plamo2, other pre-tokenizers) fails td_tok_create with TD_EUNSUPP and a logged
  * message naming it: a vocabulary is never tokenized by a near match.
  * Checked against llama.cpp's own test vocabularies (tests/tokenizer.cmake, tok_corpus_*).
  *
@@ -16,7 +18,9 @@
  * empty); td_tok_encode only returns ids in [0, n_vocab). Input text is arbitrary bytes:
  * invalid UTF-8 never fails. BPE tokenizes each invalid byte as U+FFFD, as llama.cpp does
  * (overlong forms and surrogates count as invalid here; llama.cpp re-encodes them); spm
- * keeps each invalid byte as a byte-fallback token, so decoding gives the bytes back.
+ * keeps each invalid byte as a byte-fallback token, so decoding gives the bytes back; Unigram
+ * normalizes each invalid byte to U+FFFD with llama.cpp's own looser check (overlong forms
+ * and surrogates pass) and tokenizes it as unknown.
  * Control tokens (token_type 3) and user-defined ones (4) are found in the raw text first,
  * longest first, when parse_special is true (user-defined ones always), never split.
  *
@@ -63,13 +67,15 @@ bool td_tok_add_bos(const td_tokenizer *t);
 bool td_tok_is_eog(const td_tokenizer *t, int32_t id);
 /* llama.cpp's clean_spaces: td_tok_decode drops the space in " ?", " 's" and the like. */
 bool td_tok_clean_spaces(const td_tokenizer *t);
-/* "BPE", "SPM" or "WPM" (llama.cpp's vocabulary type names). */
+/* "BPE", "SPM", "WPM" or "UGM" (llama.cpp's vocabulary type names). */
 const char *td_tok_type_name(const td_tokenizer *t);
 /* The pre-tokenizer's name as the file gives it ("default" for a BPE file without one,
  * "none" for SentencePiece and WordPiece). Valid until td_tok_destroy. */
 const char *td_tok_pre_name(const td_tokenizer *t);
 /* Whether decoding gives back the text that was encoded (valid UTF-8, no special-token
- * text, before clean_spaces): false for WordPiece, which lowercases and strips accents. */
+ * text, before clean_spaces): false for WordPiece, which lowercases and strips accents, and
+ * Unigram, which rewrites characters through its charsmap and merges whitespace (its decode
+ * gives the normalized text, as llama.cpp's detokenize does). */
 bool td_tok_lossless(const td_tokenizer *t);
 
 /* Encode len bytes of text. add_special: prepend BOS / append EOS as the metadata says.

@@ -26,10 +26,17 @@ endif()
 # without cases take llama-bpe's inputs: their ids must be those tests/ref/vocab_ids/NAME.out
 # holds (written by the llama.cpp that llama-cpp-python 0.3.36 vendors, from
 # ggml-vocab-NAME.gguf and ggml-vocab-llama-bpe.gguf.inp, add_special and parse_special off).
-# A vocabulary whose tokenizer type is not implemented must be refused.
+# nomic-bert-moe (t5: Unigram with a precompiled charsmap) normalizes its input, so its
+# decode is checked against the text llama.cpp's detokenize gives (NAME.dec), on the
+# llama-bpe inputs and on texts of its own (nomic-bert-moe-extra.inp: accents, full-width
+# letters, ligatures, whitespace runs, emoji, CJK, invalid UTF-8, ...); see
+# tests/ref/vocab_ids/README.md for how those files were written.
 add_executable(test_tok_corpus common/test_tok_corpus.c)
 target_link_libraries(test_tok_corpus PRIVATE td_common)
 target_include_directories(test_tok_corpus PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+# Unigram on small vocabularies built in the test: a hand-made charsmap, and malformed ones
+# (truncated size, a size beyond the blob, units and strings pointing outside) refused
+add_test(NAME tok_ugm_charsmap COMMAND test_tok_corpus --charsmap-cases)
 if(TANDEM_CORPUS)
   set(_vocab ${TANDEM_CORPUS}/vocab/ggml-vocab)
   foreach(v bert-bge command-r deepseek-coder deepseek-llm falcon gemma-4 gpt-2 llama-bpe
@@ -42,9 +49,18 @@ if(TANDEM_CORPUS)
                      --texts ${_vocab}-llama-bpe.gguf.inp
                      --ids ${CMAKE_CURRENT_SOURCE_DIR}/ref/vocab_ids/${v}.out)
   endforeach()
-  # t5 (Unigram with a precompiled charsmap) is not implemented: it must be refused
+  set(_ids ${CMAKE_CURRENT_SOURCE_DIR}/ref/vocab_ids)
   add_test(NAME tok_corpus_nomic-bert-moe
-           COMMAND test_tok_corpus --vocab ${_vocab}-nomic-bert-moe.gguf --expect refuse)
+           COMMAND test_tok_corpus --vocab ${_vocab}-nomic-bert-moe.gguf --expect load
+                   --texts ${_vocab}-llama-bpe.gguf.inp --ids ${_ids}/nomic-bert-moe.out
+                   --decoded ${_ids}/nomic-bert-moe.dec)
+  add_test(NAME tok_corpus_nomic-bert-moe_extra
+           COMMAND test_tok_corpus --vocab ${_vocab}-nomic-bert-moe.gguf --expect load
+                   --texts ${_ids}/nomic-bert-moe-extra.inp --ids ${_ids}/nomic-bert-moe-extra.out
+                   --decoded ${_ids}/nomic-bert-moe-extra.dec)
+  # the file's own charsmap, mutated: refused or loaded, never a crash
+  add_test(NAME tok_ugm_charsmap_mutated
+           COMMAND test_tok_corpus --charsmap-cases --vocab ${_vocab}-nomic-bert-moe.gguf)
   # `tandem tokenize` on the same vocabulary-only files (tests/tools/test_tokenize.sh)
   add_test(NAME tok_cli_tokenize
            COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/test_tokenize.sh $<TARGET_FILE:tandem>

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test_tokenize.sh: `tandem tokenize` on llama.cpp's vocabulary-only test files (no tensors):
 # ids as the .out files have them, BOS added as the vocabulary says, pieces printed escaped,
-# --decode back to text, and an unsupported vocabulary refused with its reason (exit 1).
+# --decode back to text, the t5 (Unigram) vocabulary, and an unsupported tokenizer model
+# refused with its reason (exit 1).
 # usage: test_tokenize.sh TANDEM_BIN VOCAB_DIR
 set -uo pipefail
 BIN=$1 DIR=$2
@@ -46,13 +47,28 @@ PY
   echo "ok   $name: 2 cases"
 done
 
-# refused, never tokenized by a near match
-"$BIN" tokenize --model "$DIR/ggml-vocab-nomic-bert-moe.gguf" --text hi >"$TMP/out" 2>"$TMP/err"
+# t5 (Unigram): the charsmap normalizes (full-width letters, the ligature), <s> and </s>
+# added, <mask> parsed (it takes the spaces before it); ids as llama-tokenize gives them
+UGM=$DIR/ggml-vocab-nomic-bert-moe.gguf
+check "t5 adds <s> and </s>" "$(tok --model "$UGM" --text 'Hello  world' --ids)" "0 35378 8999 2"
+check "t5 normalizes, parses <mask>" \
+  "$(tok --model "$UGM" --text $'\xef\xbc\xa1\xef\xbc\xa2\xef\xbc\xa3 \xef\xac\x81ne <mask> x' --ids)" "0 47457 5885 250001 1022 2"
+check "t5 --decode" "$(tok --model "$UGM" --decode '0,47457,5885,250001,1022,2')" "<s> ABC fine<mask> x</s>"
+
+# a tokenizer model that is not implemented is refused, never tokenized by a near match
+python3 - "$TMP/rwkv.gguf" <<'PY'
+import struct, sys
+def s(x): return struct.pack("<Q", len(x)) + x
+kv = s(b"tokenizer.ggml.model") + struct.pack("<I", 8) + s(b"rwkv")
+kv += s(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1) + s(b"a")
+open(sys.argv[1], "wb").write(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + kv + b"\0" * 32)
+PY
+"$BIN" tokenize --model "$TMP/rwkv.gguf" --text hi >"$TMP/out" 2>"$TMP/err"
 rc=$?
-if [ $rc -eq 1 ] && grep -q "unsupported tokenizer model 't5'" "$TMP/err" && [ ! -s "$TMP/out" ]; then
-  echo "ok   t5 vocabulary refused: $(grep -m1 unsupported "$TMP/err" | sed 's/.*error: //')"
+if [ $rc -eq 1 ] && grep -q "unsupported tokenizer model 'rwkv'" "$TMP/err" && [ ! -s "$TMP/out" ]; then
+  echo "ok   rwkv vocabulary refused: $(grep -m1 unsupported "$TMP/err" | sed 's/.*error: //')"
 else
-  fail "t5 vocabulary: exit $rc, stderr: $(cat "$TMP/err")"
+  fail "rwkv vocabulary: exit $rc, stderr: $(cat "$TMP/err")"
 fi
 "$BIN" tokenize --text hi >/dev/null 2>"$TMP/err"
 [ $? -eq 1 ] && grep -q -- "--model is required" "$TMP/err" && echo "ok   no --model" || fail "no --model"
