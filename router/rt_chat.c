@@ -531,7 +531,7 @@ int rt_chat_tmpl_init(rt_chat_tmpl *t, const td_gguf *g, const td_tokenizer *tok
         !td_gguf_get_str(g, "tokenizer.chat_template.tool_use", &tu, &tul))
         rc = compile(&t->tool_use, tu, tul, "the model's tokenizer.chat_template.tool_use", err,
                      cap);
-    if (!rc && t->tool_use) t->thinks |= rt_reason_template(tu, tul);
+    if (!rc && t->tool_use && !t->thinks) t->thinks = rt_reason_template(tu, tul);
     if (!rc && t->tool_use)
         t->tool_fmt = rt_toolfmt_detect(tu, tul); /* what requests with tools use */
     if (!rc) t->reads_tools = jn_template_reads(t->tool_use ? t->tool_use : t->main, "tools");

@@ -36,6 +36,7 @@
 #include "jn.h"
 #include "jn_chat.h"
 #include "rt_buf.h"
+#include "rt_reason.h"
 #include "rt_toolfmt.h"
 #include "tokenizer.h"
 
@@ -59,7 +60,7 @@ typedef struct {
     jn_template *main;     /* the model's, router.chat_template's file, or a family's */
     jn_template *tool_use; /* tokenizer.chat_template.tool_use (requests with tools), or NULL */
     bool reads_tools;      /* the template for requests with tools reads `tools` */
-    bool thinks;           /* it has a thinking block (<think> ... </think>: rt_reason.h) */
+    rt_reason_fmt thinks;  /* its thinking block's markers, or none (rt_reason.h) */
     rt_toolfmt tool_fmt;   /* the call format its text teaches (rt_toolfmt_detect), or the one
                               router.tool_parser names (set by the router after init) */
     jn_special special;    /* bos_token, eos_token */

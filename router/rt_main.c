@@ -80,11 +80,13 @@ static int load_model(rt_router *r)
     }
     const char *tp = r->cfg->router.tool_parser;
     bool pinned = tp && strcmp(tp, "auto") && rt_toolfmt_by_name(tp, &r->model.chat.tool_fmt);
-    TD_LOG_INFO("router: chat template: %s%s; tool calls parsed as %s (%s)", r->model.chat.source,
+    TD_LOG_INFO("router: chat template: %s%s; tool calls parsed as %s (%s); reasoning markers: %s",
+                r->model.chat.source,
                 r->model.chat.tool_use ? " (and its tool_use template for requests with tools)"
                                        : "",
                 rt_toolfmt_name(r->model.chat.tool_fmt),
-                pinned ? "router.tool_parser" : "found in the template");
+                pinned ? "router.tool_parser" : "found in the template",
+                rt_reason_fmt_name(r->model.chat.thinks));
     /* the model name: the file name without directories and without ".gguf" */
     const char *base = strrchr(r->cfg->model, '/');
     base = base ? base + 1 : r->cfg->model;

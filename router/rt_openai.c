@@ -211,7 +211,8 @@ int rt_openai_messages(const rt_model *r, json_t *o, bool add_generation_prompt,
     /* a forced call's output is the call's JSON, never a thinking block */
     if (!rc && r->chat.thinks && r->limits->reasoning && !p->tools.forced) {
         p->reasoning = true;
-        p->reasoning_open = rt_reason_prompt_open(text, strlen(text));
+        p->reasoning_fmt = r->chat.thinks;
+        p->reasoning_open = rt_reason_prompt_open(r->chat.thinks, text, strlen(text));
     }
     free(text);
     return rc;

@@ -81,6 +81,7 @@ typedef struct {
                             side generates (max_tokens 1) is dropped; only the prompt is answered */
     rt_chat_tools tools; /* chat: tools, tool_choice, parallel_tool_calls (rt_chat.h) */
     bool reasoning;      /* chat with a thinking template: reasoning apart (rt_reason.h) */
+    rt_reason_fmt reasoning_fmt; /* ... its markers */
     bool reasoning_open; /* ... and the prompt left the thinking block open */
 } rt_params;
 

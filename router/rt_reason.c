@@ -4,17 +4,37 @@
 
 #include <string.h>
 
-static const char OPEN[] = "<think>", CLOSE[] = "</think>";
+/* The markers of each format, in detection order: a template naming both of a format's
+ * markers has that format (<seed:think> first: its markers do not contain <think>'s, but a
+ * template may quote both families). */
+static const struct {
+    const char *open, *close, *name;
+} FMT[] = {
+    [RT_REASON_SEED] = {"<seed:think>", "</seed:think>", "seed_oss"},
+    [RT_REASON_MISTRAL] = {"[THINK]", "[/THINK]", "mistral"},
+    [RT_REASON_GEMMA4] = {"<|channel>thought", "<channel|>", "gemma4"},
+    [RT_REASON_THINK] = {"<think>", "</think>", "think"},
+};
+static const rt_reason_fmt ORDER[] = {RT_REASON_SEED, RT_REASON_MISTRAL, RT_REASON_GEMMA4,
+                                      RT_REASON_THINK};
 
 enum { START, REASONING, CONTENT };
 
-/* Whitespace allowed before an opening <think>: the run and a partial tag must fit in the
+/* Whitespace allowed before an opening marker: the run and a partial marker must fit in the
  * parser's held bytes, so the verdict never depends on how the text was split. */
 #define MAX_LEAD 8
+_Static_assert(MAX_LEAD + sizeof "<|channel>thought" <= sizeof((rt_reason *)0)->held,
+               "held bytes: the lead and a marker's prefix");
 
-void rt_reason_init(rt_reason *p, bool open)
+const char *rt_reason_fmt_name(rt_reason_fmt f)
 {
-    *p = (rt_reason){.state = open ? REASONING : START};
+    return f > RT_REASON_NONE && f < RT_REASON_N ? FMT[f].name : "none";
+}
+
+void rt_reason_init(rt_reason *p, rt_reason_fmt fmt, bool open)
+{
+    if (fmt <= RT_REASON_NONE || fmt >= RT_REASON_N) fmt = RT_REASON_THINK;
+    *p = (rt_reason){.state = open ? REASONING : START, .fmt = fmt};
 }
 
 static int put(rt_reason_fn fn, void *ctx, bool reasoning, const char *s, size_t n)
@@ -41,39 +61,41 @@ static bool all_space(const char *s, size_t n)
 /* One step over s[0..n) (held text first): returns the bytes consumed. */
 static size_t step(rt_reason *p, const char *s, size_t n, rt_reason_fn fn, void *ctx, int *rc)
 {
+    const char *open = FMT[p->fmt].open, *close = FMT[p->fmt].close;
+    size_t lo = strlen(open), lc = strlen(close);
     if (p->state == CONTENT) {
         *rc = put(fn, ctx, false, s, n);
         return n;
     }
     if (p->state == START) {
-        /* whitespace then <think>: reasoning; anything else: all content */
+        /* whitespace then the opening marker: reasoning; anything else: all content */
         size_t w = 0;
         while (w < n && all_space(s + w, 1))
             w++;
-        size_t left = n - w, k = left < sizeof OPEN - 1 ? left : sizeof OPEN - 1;
-        if (w > MAX_LEAD || memcmp(s + w, OPEN, k)) {
+        size_t left = n - w, k = left < lo ? left : lo;
+        if (w > MAX_LEAD || memcmp(s + w, open, k)) {
             p->state = CONTENT;
             return 0;
         }
-        if (k < sizeof OPEN - 1) return 0; /* undecided: held */
+        if (k < lo) return 0; /* undecided: held */
         p->state = REASONING;
-        return w + sizeof OPEN - 1;
+        return w + lo;
     }
-    const char *end = memmem(s, n, CLOSE, sizeof CLOSE - 1);
+    const char *end = memmem(s, n, close, lc);
     if (end) {
         *rc = put(fn, ctx, true, s, (size_t)(end - s));
         p->state = CONTENT;
-        return (size_t)(end - s) + sizeof CLOSE - 1;
+        return (size_t)(end - s) + lc;
     }
-    size_t keep = partial_tail(s, n, CLOSE);
+    size_t keep = partial_tail(s, n, close);
     *rc = put(fn, ctx, true, s, n - keep);
     return n - keep;
 }
 
 int rt_reason_feed(rt_reason *p, const char *text, size_t len, rt_reason_fn fn, void *ctx)
 {
-    /* the held bytes and the new text as one run (the held part is short: a tag's prefix,
-       after at most MAX_LEAD bytes of whitespace) */
+    /* the held bytes and the new text as one run (the held part is short: a marker's
+       prefix, after at most MAX_LEAD bytes of whitespace) */
     char buf[256];
     while (len || p->n_held) {
         size_t take = sizeof buf - p->n_held < len ? sizeof buf - p->n_held : len;
@@ -90,7 +112,7 @@ int rt_reason_feed(rt_reason *p, const char *text, size_t len, rt_reason_fn fn, 
             if (rc) return rc;
             if (used == n || (k == 0 && p->state == before)) break;
         }
-        size_t rest = n - used; /* <= MAX_LEAD + a tag's prefix: fits */
+        size_t rest = n - used; /* <= MAX_LEAD + a marker's prefix: fits */
         memcpy(p->held, buf + used, rest);
         p->n_held = rest;
         if (!len) break;
@@ -105,19 +127,32 @@ int rt_reason_finish(rt_reason *p, rt_reason_fn fn, void *ctx)
     return rc;
 }
 
-bool rt_reason_template(const char *tmpl, size_t len)
+static bool has(const char *s, size_t len, const char *tag)
 {
-    return memmem(tmpl, len, OPEN, sizeof OPEN - 1) && memmem(tmpl, len, CLOSE, sizeof CLOSE - 1);
+    return memmem(s, len, tag, strlen(tag)) != NULL;
 }
 
-bool rt_reason_prompt_open(const char *prompt, size_t len)
+rt_reason_fmt rt_reason_template(const char *tmpl, size_t len)
 {
-    const char *o = NULL, *c = NULL;
-    for (const char *s = prompt; (s = memmem(s, len - (size_t)(s - prompt), OPEN, sizeof OPEN - 1));
-         s++)
-        o = s;
-    for (const char *s = prompt;
-         (s = memmem(s, len - (size_t)(s - prompt), CLOSE, sizeof CLOSE - 1)); s++)
-        c = s;
+    for (size_t i = 0; i < sizeof ORDER / sizeof *ORDER; i++)
+        if (has(tmpl, len, FMT[ORDER[i]].open) && has(tmpl, len, FMT[ORDER[i]].close))
+            return ORDER[i];
+    return RT_REASON_NONE;
+}
+
+/* The last occurrence of tag in s[0..len), or NULL. */
+static const char *last(const char *s, size_t len, const char *tag)
+{
+    const char *hit = NULL;
+    size_t n = strlen(tag);
+    for (const char *p = s; (p = memmem(p, len - (size_t)(p - s), tag, n)); p++)
+        hit = p;
+    return hit;
+}
+
+bool rt_reason_prompt_open(rt_reason_fmt fmt, const char *prompt, size_t len)
+{
+    if (fmt <= RT_REASON_NONE || fmt >= RT_REASON_N) return false;
+    const char *o = last(prompt, len, FMT[fmt].open), *c = last(prompt, len, FMT[fmt].close);
     return o && (!c || c < o);
 }

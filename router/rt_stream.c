@@ -294,7 +294,7 @@ static int emit(const rt_router *r, rt_req *q, const char *text, size_t len, con
 {
     if (!q->p.reasoning) return emit_content(r, q, text, len, finish);
     if (!q->loop.reason_init) {
-        rt_reason_init(&q->loop.reason, q->p.reasoning_open);
+        rt_reason_init(&q->loop.reason, q->p.reasoning_fmt, q->p.reasoning_open);
         q->loop.reason_init = true;
     }
     rt_reason_sink k = {r, q};
