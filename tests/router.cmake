@@ -23,6 +23,10 @@
 #                    77, without it): https + API key, streams, curl, plain HTTP and a wrong CA
 #                    refused, a TLS client leaving while queued; client certificates
 #                    (tls_client_ca) required; `tandem bench` over https; start-up errors
+#   router_forced_calls  tool_choice "required" with each of the corpus' 70 templates
+#                    (router.chat_template) on a synthetic 8K-context model: every template
+#                    that reads tools (60) gives one parsed call; the others do not read tools
+#                    or refuse the conversation themselves (needs the corpus)
 #   test_rt_pair     disaggregated mode against scripted fake prefill/decode leaders (C):
 #                    pairing, KV target relay, retries, cancels, busy, deadlines, dead
 #                    instances, request timeouts, drain
@@ -117,6 +121,15 @@ if(TANDEM_PYTHON)
   add_test(NAME router_tls
            COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_router_tls.py
                    ${RT_TEST_BINS})
+  # tool_choice "required" through the router with every corpus template that reads tools: a
+  # parsed call back from each (a synthetic 8K-context model it writes itself; ~25 s)
+  if(TANDEM_CORPUS)
+    add_test(NAME router_forced_calls
+             COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/router/test_forced_calls.py
+                     --router $<TARGET_FILE:tandem-router> --decode $<TARGET_FILE:tandem-decode>
+                     --corpus ${TANDEM_CORPUS})
+    set_tests_properties(router_forced_calls PROPERTIES TIMEOUT 600)
+  endif()
   set_tests_properties(router_tls PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300
                        SKIP_RETURN_CODE 77)
   add_test(NAME router_cache
