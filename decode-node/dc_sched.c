@@ -1,98 +1,16 @@
-/* dc_sched.c: continuous batching with chunked prefill and preemption (see dc_sched.h). */
-#include "dc_sched.h"
-
+/* dc_sched.c: continuous batching with chunked prefill and preemption (see dc_sched.h): the
+ * request lists, admission (prefix cache, second tier, transfers), preemption, the step's plan
+ * and layout. What a step's logits become is dc_sched_tokens.c's; the state both share is
+ * dc_sched_int.h. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "dc_plan.h"
+#include "dc_sched_int.h"
 #include "td_err.h"
 #include "td_grow.h"
 
-typedef struct {
-    uint64_t id;
-    int32_t *tokens; /* (cap) prompt then generated */
-    int32_t n_tokens, cap;
-    int32_t n_prompt;
-    int32_t out_from;   /* tokens[out_from..n_tokens): generated for the request (a moved
-                           request's earlier tokens end its prompt: sampling.skip_samples) */
-    int32_t n_computed; /* tokens with KV in the pool */
-    int32_t n_generated;
-    int32_t max_tokens;
-    int32_t *stop_ids;
-    int n_stop;
-    bool ignore_eos;
-    bool cancelled;
-    bool arrived; /* transferring: the KV and the first token are in; runnable */
-    kn_kv_seq seq;
-    kn_sampler smp;
-    gr_matcher *gm;    /* structured output: the generated tokens so far; NULL: none */
-    uint64_t admitted; /* admission order; preemption takes the largest */
-    int32_t chunk;     /* tokens of this step (0: not in the step) */
-    int32_t logit_row; /* row in this step's logits, -1: none */
-    /* prompt logprobs (sampling.prompt_logprobs): the next prompt position owed (n_prompt:
-     * none), and this step's rows: position plp_pos0 + j is scored by row plp_row0 + j */
-    int32_t plp_next, plp_row0, plp_pos0, plp_n;
-    /* prefix cache: prompt tokens found cached at the first admission (usage), and whether
-     * it was admitted before (its place in the cache's chains is seq's) */
-    int32_t n_cached;
-    bool admitted_once;
-    /* speculative decoding: proposals after the decode row's token, n_draft of them in this
-     * step (draft: (spec max_tokens), NULL without it) */
-    int32_t *draft;
-    int n_draft;
-    dc_spec_req spec;
-} dc_req;
-
-/* A growable array of request pointers. */
-typedef struct {
-    dc_req **v;
-    int n, cap;
-} req_list;
-
-struct dc_sched {
-    dc_sched_params p;
-    int32_t *eog; /* (n_eog) copy */
-    const kn_model *m;
-    kn_kv_mem *mem;
-    const kn_kv_pool *kv; /* mem's pool: its shape */
-    dc_sink sink;
-    req_list waiting; /* FIFO; preempted requests go back to the front */
-    req_list running; /* in admission order */
-    req_list xfer;    /* transferring (disaggregated): prompt blocks held, in Alloc order */
-    uint64_t admit_counter;
-    uint64_t preemptions;
-    kn_kv_cache *cache;           /* p.prefix_cache: mem's prefix cache, else NULL */
-    uint64_t pc_queried, pc_hits; /* tokens looked up / found at admissions */
-    kn_kv_tier *tier;             /* p.tier: mem's second tier, else NULL */
-    int tier_left;                /* copies from the tier this step may still make */
-    uint64_t tier_hits;           /* tokens admitted from blocks the tier gave back */
-    /* the current step's arrays, (cap_tokens) / (cap_seqs) */
-    int32_t *tok, *pos, *seq_of, *rows;
-    kn_seq_view *views;
-    dc_req **in_step; /* (cap_seqs) requests of this step, index = seq index */
-    int cap_tokens, cap_seqs;
-    bool planned;                          /* a step was planned and not committed yet */
-    dc_cost cost;                          /* p.itl_target_ms: the step cost model */
-    dc_step_shape shape;                   /* of the step last planned (dc_sched_observe) */
-    bool capping, prefill_planned, capped; /* planning a capped step, with ms_left */
-    double ms_left;                        /* ms its prefill may still take */
-    uint64_t prefill_capped;
-    /* speculative decoding: a request's tokens and their logprobs emitted by one commit
-     * (1 + max_tokens), the step's candidates (cap_seqs), and the counters */
-    int32_t *emit;
-    td_logprob_entry *emit_lp;
-    dc_spec_cand *cands;
-    dc_req **cand_req; /* (cap_seqs) the request of each candidate */
-    /* DC_SPEC_DRAFT: the proposer's arguments, (cap_seqs) each */
-    uint64_t *pr_ids;
-    const int32_t **pr_toks;
-    int32_t *pr_ntok, **pr_out;
-    int *pr_k, *pr_nout;
-    uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
-    uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
-};
-
-static int list_push(req_list *l, dc_req *r)
+static int list_push(dc_req_list *l, dc_req *r)
 {
     int rc = TD_GROW_INT(l->v, l->cap, l->n + 1, 16);
     if (rc) return rc;
@@ -100,7 +18,7 @@ static int list_push(req_list *l, dc_req *r)
     return 0;
 }
 
-static int list_push_front(req_list *l, dc_req *r)
+static int list_push_front(dc_req_list *l, dc_req *r)
 {
     int rc = list_push(l, r);
     if (rc) return rc;
@@ -109,13 +27,13 @@ static int list_push_front(req_list *l, dc_req *r)
     return 0;
 }
 
-static void list_remove_at(req_list *l, int i)
+void dcs_list_remove_at(dc_req_list *l, int i)
 {
     memmove(l->v + i, l->v + i + 1, (size_t)(l->n - i - 1) * sizeof *l->v);
     l->n--;
 }
 
-static void req_free(dc_sched *s, dc_req *r)
+void dcs_req_free(dc_sched *s, dc_req *r)
 {
     if (s->p.spec.method == DC_SPEC_DRAFT && s->p.spec.proposer.drop)
         s->p.spec.proposer.drop(s->p.spec.proposer.ctx, r->id);
@@ -215,11 +133,11 @@ void dc_sched_destroy(dc_sched *s)
 {
     if (!s) return;
     for (int i = 0; i < s->waiting.n; i++)
-        req_free(s, s->waiting.v[i]);
+        dcs_req_free(s, s->waiting.v[i]);
     for (int i = 0; i < s->running.n; i++)
-        req_free(s, s->running.v[i]);
+        dcs_req_free(s, s->running.v[i]);
     for (int i = 0; i < s->xfer.n; i++)
-        req_free(s, s->xfer.v[i]);
+        dcs_req_free(s, s->xfer.v[i]);
     free(s->waiting.v);
     free(s->running.v);
     free(s->xfer.v);
@@ -243,9 +161,9 @@ void dc_sched_destroy(dc_sched *s)
     free(s);
 }
 
-static dc_req *find(dc_sched *s, uint64_t id, req_list **list, int *idx)
+static dc_req *find(dc_sched *s, uint64_t id, dc_req_list **list, int *idx)
 {
-    req_list *ls[3] = {&s->waiting, &s->running, &s->xfer};
+    dc_req_list *ls[3] = {&s->waiting, &s->running, &s->xfer};
     for (int k = 0; k < 3; k++)
         for (int i = 0; i < ls[k]->n; i++)
             if (ls[k]->v[i]->id == id) {
@@ -374,7 +292,7 @@ int dc_sched_submit(dc_sched *s, const dc_request_params *p)
     int rc = check_params(s, p);
     dc_req *r = NULL;
     if (!rc) rc = req_new(s, p, &r);
-    if (!rc && (rc = list_push(&s->waiting, r))) req_free(s, r);
+    if (!rc && (rc = list_push(&s->waiting, r))) dcs_req_free(s, r);
     return rc;
 }
 
@@ -397,7 +315,7 @@ int dc_sched_submit_transfer(dc_sched *s, const dc_request_params *p, const int3
     if (!rc) rc = kn_kv_seq_reserve(s->mem, &r->seq, p->n_prompt);
     if (!rc) rc = list_push(&s->xfer, r);
     if (rc) {
-        req_free(s, r); /* drops the matched blocks' references */
+        dcs_req_free(s, r); /* drops the matched blocks' references */
         return rc == TD_ENOSPC ? TD_ESTATE : rc;
     }
     s->pc_queried += s->cache ? (uint64_t)p->n_prompt : 0;
@@ -421,14 +339,14 @@ int dc_sched_cancel(dc_sched *s, uint64_t id)
     return 0;
 }
 
-static void finish(dc_sched *s, req_list *l, int i, dc_finish why)
+void dcs_finish(dc_sched *s, dc_req_list *l, int i, dc_finish why)
 {
     dc_req *r = l->v[i];
-    list_remove_at(l, i);
+    dcs_list_remove_at(l, i);
     if (s->sink.on_tokens)
         s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, NULL, why, r->n_prompt, r->n_generated,
                           r->n_cached);
-    req_free(s, r);
+    dcs_req_free(s, r);
 }
 
 /* Move running request i back to the front of the waiting list, freeing its KV. */
@@ -437,7 +355,7 @@ static void preempt(dc_sched *s, int i)
     dc_req *r = s->running.v[i];
     TD_LOG_INFO("req %llu: preempted (kv pool full); %d tokens will be recomputed",
                 (unsigned long long)r->id, r->n_computed);
-    list_remove_at(&s->running, i);
+    dcs_list_remove_at(&s->running, i);
     kn_kv_seq_release(s->mem, &r->seq); /* cached blocks stay cached: a re-admission finds them */
     r->n_computed = 0;
     r->chunk = 0;
@@ -451,7 +369,7 @@ static void preempt(dc_sched *s, int i)
         if (s->sink.on_tokens)
             s->sink.on_tokens(s->sink.ctx, r->id, NULL, 0, NULL, DC_FINISH_ERROR, r->n_prompt,
                               r->n_generated, r->n_cached);
-        req_free(s, r);
+        dcs_req_free(s, r);
     }
 }
 
@@ -521,7 +439,7 @@ static void pc_unmatch(dc_sched *s, dc_req *r)
 }
 
 /* Prefix cache: enter r's whole blocks whose KV is now computed. */
-static void pc_insert(dc_sched *s, dc_req *r)
+void dcs_pc_insert(dc_sched *s, dc_req *r)
 {
     kn_kv_seq_commit(s->mem, &r->seq, r->tokens, r->n_computed);
 }
@@ -553,7 +471,7 @@ static int32_t cap_chunk(dc_sched *s, int32_t pos0, int32_t chunk)
 
 /* Arrived transfers join the running batch (oldest first) while it has room: they hold
  * their prompt's KV already, so they go before waiting requests. */
-static void admit_arrived(dc_sched *s)
+void dcs_admit_arrived(dc_sched *s)
 {
     for (int i = 0; i < s->xfer.n && s->running.n < s->p.max_running;) {
         dc_req *r = s->xfer.v[i];
@@ -561,7 +479,7 @@ static void admit_arrived(dc_sched *s)
             i++;
             continue;
         }
-        list_remove_at(&s->xfer, i);
+        dcs_list_remove_at(&s->xfer, i);
         r->admitted = ++s->admit_counter;
         r->chunk = 0;
         r->logit_row = -1;
@@ -585,7 +503,7 @@ static int admit_waiting(dc_sched *s, int budget)
             pc_unmatch(s, r);
             break;
         }
-        list_remove_at(&s->waiting, 0);
+        dcs_list_remove_at(&s->waiting, 0);
         if (list_push(&s->running, r)) {
             pc_unmatch(s, r);
             list_push_front(&s->waiting, r); /* cannot fail: we just removed it */
@@ -722,15 +640,15 @@ int dc_sched_plan(dc_sched *s, dc_step *step)
     if (s->planned) return TD_ESTATE;
     /* report and free cancelled requests first: their blocks return within this step */
     for (int i = s->waiting.n - 1; i >= 0; i--)
-        if (s->waiting.v[i]->cancelled) finish(s, &s->waiting, i, DC_FINISH_CANCELLED);
+        if (s->waiting.v[i]->cancelled) dcs_finish(s, &s->waiting, i, DC_FINISH_CANCELLED);
     for (int i = s->running.n - 1; i >= 0; i--)
-        if (s->running.v[i]->cancelled) finish(s, &s->running, i, DC_FINISH_CANCELLED);
+        if (s->running.v[i]->cancelled) dcs_finish(s, &s->running, i, DC_FINISH_CANCELLED);
     /* a transferring request's blocks are the node's to release (dc_sched_transfer_end:
      * kvxfer says when no writer can write any more); once arrived they are ours */
     for (int i = s->xfer.n - 1; i >= 0; i--)
         if (s->xfer.v[i]->arrived && s->xfer.v[i]->cancelled)
-            finish(s, &s->xfer, i, DC_FINISH_CANCELLED);
-    admit_arrived(s);
+            dcs_finish(s, &s->xfer, i, DC_FINISH_CANCELLED);
+    dcs_admit_arrived(s);
 
     int budget = s->p.step_tokens;
     s->tier_left = s->p.tier_blocks_per_step;
@@ -830,151 +748,6 @@ static int lay_out(dc_sched *s, dc_step *step)
 
 /* Advance r's matcher by the token it sampled: id, or TD_EINVAL if the grammar refuses it
  * (a masked sample cannot be refused: that is a bug, reported as an error). */
-static int32_t grammar_accept(dc_req *r, int32_t id)
-{
-    int rc = gr_matcher_accept_token(r->gm, id);
-    if (!rc) return id;
-    TD_LOG_ERR("req %llu: token %d leaves the grammar", (unsigned long long)r->id, id);
-    return rc;
-}
-
-static bool is_stop(const dc_sched *s, const dc_req *r, int32_t id)
-{
-    for (int i = 0; i < r->n_stop; i++)
-        if (r->stop_ids[i] == id) return true;
-    if (r->ignore_eos) return false;
-    for (int i = 0; i < s->p.n_eog; i++)
-        if (s->p.eog_ids[i] == id) return true;
-    return false;
-}
-
-/* The step's prompt-logprob rows of r to the sink; 0 or a negative td_err. */
-static int prompt_logprobs(dc_sched *s, dc_req *r, const float *logits)
-{
-    int32_t n_vocab = s->m->hp.n_vocab, k = (int32_t)r->smp.p.logprobs - 1;
-    td_logprob_entry *e = malloc((size_t)r->plp_n * sizeof *e);
-    if (!e) return TD_ENOMEM;
-    int rc = 0;
-    for (int32_t j = 0; j < r->plp_n && !rc; j++)
-        rc = kn_logprobs(logits + (size_t)(r->plp_row0 + j) * (size_t)n_vocab, n_vocab,
-                         r->tokens[r->plp_pos0 + j], k, &e[j]);
-    if (!rc && s->sink.on_prompt_logprobs)
-        s->sink.on_prompt_logprobs(s->sink.ctx, r->id, r->plp_pos0, e, r->plp_n);
-    free(e);
-    if (!rc) r->plp_next = r->plp_pos0 + r->plp_n;
-    r->plp_n = 0;
-    return rc;
-}
-
-/* Sample r's next token from its logit row (the grammar's mask applied, the matcher
- * advanced unless it is a stop token); *lp its logprobs when the request asked. The token
- * or a negative td_err. */
-static int32_t sample_row(dc_sched *s, dc_req *r, const float *row, td_logprob_entry *lp)
-{
-    int32_t n_vocab = s->m->hp.n_vocab;
-    const uint32_t *mask = NULL;
-    int32_t id = r->gm ? gr_matcher_mask(r->gm, &mask) : 0;
-    kn_sampler_set_mask(&r->smp, mask);
-    if (id == 0) id = kn_sample(&r->smp, row, r->tokens, r->n_tokens, r->n_tokens - r->out_from);
-    if (id >= 0 && r->gm && !is_stop(s, r, id)) id = grammar_accept(r, id);
-    /* the raw model distribution (vLLM's raw_logprobs): before the grammar's mask too */
-    if (id >= 0 && r->smp.p.logprobs)
-        id = kn_logprobs(row, n_vocab, id, (int)r->smp.p.logprobs - 1, lp) ? TD_EINVAL : id;
-    return id;
-}
-
-/* Speculative decoding's bookkeeping after r's verification: n_acc of its n_draft proposals
- * were accepted (their KV kept); the KV of the rest is dropped when r goes on (keep), and
- * the whole blocks of what it kept enter the prefix cache. */
-static void end_verification(dc_sched *s, dc_req *r, int n_acc, bool keep)
-{
-    s->spec_drafts++;
-    s->spec_draft_tokens += (uint64_t)r->n_draft;
-    s->spec_accepted += (uint64_t)n_acc;
-    for (int j = 0; j < n_acc; j++)
-        s->spec_accepted_pos[j]++;
-    dc_spec_req_observe(&r->spec, r->n_draft, n_acc);
-    r->n_draft = 0;
-    if (keep && kn_kv_seq_rollback(s->mem, &r->seq, r->tokens, r->n_computed)) {
-        /* no block for a private copy: the sequence kept its whole blocks only; the rest
-         * is computed again (kv_mem.h) */
-        r->n_computed = r->n_computed / s->kv->block_size * s->kv->block_size;
-    }
-    if (keep && s->p.spec.method == DC_SPEC_DRAFT && s->p.spec.proposer.keep)
-        s->p.spec.proposer.keep(s->p.spec.proposer.ctx, r->id, r->tokens, r->n_tokens);
-    pc_insert(s, r);
-}
-
-/* Emit r's tokens from the step's logits: its next token from its first logit row and,
- * while the step verified proposals (r->n_draft) and each sampled token equals the
- * proposal its row was computed for, the next ones from the rows that follow (dc_spec.h:
- * the tokens are those of sampling one step at a time). Sends them in one event; frees r
- * (and removes it from the running list, index i) when it finished. */
-static void emit_tokens(dc_sched *s, int i, dc_req *r, const float *logits)
-{
-    int32_t n_vocab = s->m->hp.n_vocab;
-    bool want_lp = r->smp.p.logprobs;
-    int n = 0, n_acc = 0, nd = r->n_draft;
-    dc_finish why = DC_FINISH_NONE;
-    for (int j = 0; j <= nd; j++) {
-        const float *row = logits + (size_t)(r->logit_row + j) * (size_t)n_vocab;
-        int32_t id = sample_row(s, r, row, &s->emit_lp[n]);
-        if (id < 0) {
-            TD_LOG_ERR("req %llu: sampling failed: %s", (unsigned long long)r->id, td_strerror(id));
-            why = DC_FINISH_ERROR;
-            break;
-        }
-        r->n_generated++; /* a stop token is generated work (usage counts it), not sent */
-        if (is_stop(s, r, id)) {
-            why = DC_FINISH_STOP;
-            break;
-        }
-        r->tokens[r->n_tokens++] = s->emit[n++] = id;
-        if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
-        if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP; /* the document is whole */
-        if (why != DC_FINISH_NONE || j == nd || id != r->draft[j]) break;
-        r->n_computed++; /* proposal j was id: its row's KV holds */
-        n_acc++;
-    }
-    r->logit_row = -1;
-    if (nd) end_verification(s, r, n_acc, why == DC_FINISH_NONE);
-    /* an error's event carries no tokens: those sampled before it go out first */
-    if (s->sink.on_tokens && (n || why != DC_FINISH_ERROR))
-        s->sink.on_tokens(s->sink.ctx, r->id, s->emit, n, want_lp ? s->emit_lp : NULL,
-                          why == DC_FINISH_ERROR ? DC_FINISH_NONE : why, r->n_prompt,
-                          r->n_generated, r->n_cached);
-    if (why == DC_FINISH_ERROR) {
-        finish(s, &s->running, i, DC_FINISH_ERROR);
-    } else if (why != DC_FINISH_NONE) {
-        list_remove_at(&s->running, i);
-        req_free(s, r);
-    }
-}
-
-int dc_sched_commit(dc_sched *s, const float *logits, int rc)
-{
-    if (!s->planned) return TD_ESTATE;
-    s->planned = false;
-    for (int i = s->running.n - 1; i >= 0; i--) {
-        dc_req *r = s->running.v[i];
-        if (!r->chunk) continue;
-        if (rc) {
-            finish(s, &s->running, i, DC_FINISH_ERROR);
-            continue;
-        }
-        /* a proposal's KV is kept only once it is accepted (emit_tokens) */
-        r->n_computed += r->chunk - r->n_draft;
-        r->chunk = 0;
-        if (!r->n_draft) pc_insert(s, r);
-        if (r->plp_n && prompt_logprobs(s, r, logits)) {
-            finish(s, &s->running, i, DC_FINISH_ERROR);
-            continue;
-        }
-        if (r->logit_row >= 0) emit_tokens(s, i, r, logits);
-    }
-    return rc;
-}
-
 void dc_sched_observe(dc_sched *s, double ms)
 {
     if (s->shape.n_decode + s->shape.n_prefill) dc_cost_observe(&s->cost, &s->shape, ms);
@@ -984,79 +757,13 @@ void dc_sched_fail_all(dc_sched *s)
 {
     s->planned = false;
     while (s->running.n)
-        finish(s, &s->running, s->running.n - 1, DC_FINISH_ERROR);
+        dcs_finish(s, &s->running, s->running.n - 1, DC_FINISH_ERROR);
     while (s->waiting.n)
-        finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
+        dcs_finish(s, &s->waiting, s->waiting.n - 1, DC_FINISH_ERROR);
     while (s->xfer.n)
-        finish(s, &s->xfer, s->xfer.n - 1, DC_FINISH_ERROR);
+        dcs_finish(s, &s->xfer, s->xfer.n - 1, DC_FINISH_ERROR);
     /* the instance re-forms or stops: the other ranks' pools start empty */
     if (s->cache) kn_kv_mem_clear(s->mem);
-}
-
-static int xfer_index(const dc_sched *s, uint64_t id)
-{
-    for (int i = 0; i < s->xfer.n; i++)
-        if (s->xfer.v[i]->id == id) return i;
-    return -1;
-}
-
-int dc_sched_transfer_done(dc_sched *s, uint64_t id, int32_t first_token)
-{
-    int i = xfer_index(s, id);
-    if (i < 0 || s->xfer.v[i]->arrived) return TD_ENOENT;
-    dc_req *r = s->xfer.v[i];
-    if (r->cancelled) {
-        finish(s, &s->xfer, i, DC_FINISH_CANCELLED);
-        return 0;
-    }
-    if (first_token < 0 || first_token >= s->m->hp.n_vocab) {
-        TD_LOG_ERR("req %llu: first token %d from the prefill is outside the vocabulary",
-                   (unsigned long long)id, first_token);
-        return TD_EINVAL;
-    }
-    /* the KV of the whole prompt is in the blocks: as if this node had prefilled it and
-     * sampled first_token with the request's sampler, which therefore skips one draw */
-    r->n_computed = r->n_prompt;
-    pc_insert(s, r); /* a later request on this instance may share the prompt's blocks */
-    kn_sampler_skip(&r->smp);
-    r->n_generated++;
-    if (is_stop(s, r, first_token)) {
-        finish(s, &s->xfer, i, DC_FINISH_STOP);
-        return 0;
-    }
-    if (r->gm && grammar_accept(r, first_token) < 0) {
-        finish(s, &s->xfer, i, DC_FINISH_ERROR);
-        return 0;
-    }
-    r->tokens[r->n_tokens++] = first_token;
-    dc_finish why = DC_FINISH_NONE;
-    if (r->n_generated >= r->max_tokens || r->n_tokens >= s->p.max_ctx) why = DC_FINISH_LENGTH;
-    if (r->gm && gr_matcher_done(r->gm)) why = DC_FINISH_STOP;
-    if (s->sink.on_tokens)
-        s->sink.on_tokens(s->sink.ctx, r->id, &first_token, 1, NULL, why, r->n_prompt,
-                          r->n_generated, r->n_cached);
-    if (why != DC_FINISH_NONE) {
-        list_remove_at(&s->xfer, i);
-        req_free(s, r);
-        return 0;
-    }
-    r->arrived = true;
-    if (!s->planned) admit_arrived(s); /* between steps; else the next plan admits it */
-    return 0;
-}
-
-int dc_sched_transfer_end(dc_sched *s, uint64_t id, dc_finish why)
-{
-    int i = xfer_index(s, id);
-    if (i < 0) return TD_ENOENT;
-    finish(s, &s->xfer, i, why);
-    return 0;
-}
-
-bool dc_sched_transferring(const dc_sched *s, uint64_t id)
-{
-    int i = xfer_index(s, id);
-    return i >= 0 && !s->xfer.v[i]->arrived;
 }
 
 bool dc_sched_idle(const dc_sched *s)
