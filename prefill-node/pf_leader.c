@@ -1,88 +1,20 @@
 /* pf_leader.c: stage 0 of a prefill instance: the control socket (Prefill, KvTarget,
  * Cancel from the router; StageHello from the other stages), the request queue, the chunk
- * planner (dynamic chunking over the start-up profile, refitted online, pf_chunking.c), the
- * membership of the stage chain and the completion events (PrefillDone / ErrorEvent) once every
- * stage reported. */
+ * planner (dynamic chunking over the start-up profile, refitted online, pf_chunking.c) and
+ * the completion events (PrefillDone / ErrorEvent) once every stage reported. The stage
+ * chain's membership is pf_formation.c's; the state both share is pf_leader_int.h. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pf_health.h"
-#include "ctrl_join.h"
-#include "pf_int.h"
+#include "pf_leader_int.h"
 #include "td_clock.h"
 #include "td_err.h"
 
-#define HEALTH_MS         100
-#define MEMBER_SILENCE_MS 5000 /* a joined stage that stops saying hello is gone... */
-#define REPORT_GRACE_MS   5000 /* on top of the transfer deadline */
-#define STOP_DRAIN_MS     500
-
-/* Stage 0's record of a request from the router. */
-typedef struct pf_job {
-    uint64_t client_id, request_id;
-    int32_t *prompt; /* (n_prompt) token ids */
-    int32_t n_prompt;
-    int32_t done;       /* tokens scheduled into chunks */
-    int32_t n_cached;   /* tokens taken from the prefix cache (decided at its first chunk) */
-    uint64_t cached_id; /* the last cached block's id */
-    uint64_t epoch;     /* the stage chain its first chunk went down */
-    uint32_t n_chunks;
-    uint32_t n_dst;
-    td_sampling sampling;             /* .grammar: the job's own copy (grammar) */
-    char *grammar;                    /* structured output: the schema's text, NULL if none */
-    uint8_t *targets[PF_MAX_TARGETS]; /* (n_targets) the decode ranks' kvxfer targets */
-    size_t target_len[PF_MAX_TARGETS];
-    int n_targets;
-    bool targets_sent; /* TARGETS went down the chain (after the first chunk) */
-    bool emitted;      /* its first chunk entered the chain */
-    bool cancelled;
-    uint64_t reported; /* bit s: stage s reported */
-    int err;           /* first failure reported (td_err), 0 if none */
-    uint32_t fail_reason;
-    int fail_stage;
-    int32_t first_token;
-    bool has_first_lp; /* sampling.logprobs: the last stage's report carried first_lp */
-    td_logprob_entry first_lp;
-    int64_t t_submit_ms, t_start_ms, t_end_ms;
-    uint64_t kv_bytes;                  /* the stages' reports summed */
-    uint32_t kv_xfer_us, kv_exposed_us; /* the largest of the stages' reports */
-    int32_t chunk0;                     /* its initial chunk size (pf_chunking_initial); 0 */
-    int32_t *chunk_sizes;               /* (cap_chunks) tokens of each chunk so far */
-    uint32_t cap_chunks;
-    struct pf_job *next;
-} pf_job;
-
-/* One member of the stage chain as stage 0 knows it (from its StageHello). */
-typedef struct {
-    bool present;
-    uint64_t boot_id;
-    uint8_t addr[KVX_ADDR_MAX]; /* (addr_len) its link address */
-    size_t addr_len;
-    int64_t seen_ms; /* its last hello */
-} pf_member;
-
-/* Stage 0's leader state, on top of its stage (st). Owned by the main thread, like the
- * stage: the leader's loop (pf_leader_run) is the only code that touches either. */
-typedef struct {
-    pf_stage *st;
-    td_ctrl_server *srv;
-    td_join *join;          /* announcements to the router (router.membership), or NULL */
-    bool leaving;           /* SIGTERM with prefill[].drain_timeout_ms: no new prompts, those
-                               in flight finish (Health.draining) */
-    int64_t leave_until_ms; /* leaving: when the prompts left fail */
-    pf_job *jobs; /* FIFO: emitted first, then queued */
-    int n_jobs;
-    pf_tune tune; /* the cost model, refitted from every chunk stage 0 computes (pf_tune.h) */
-    pf_chunk_params chunking;
-    pf_member members[PF_MAX_STAGES]; /* (pp) the current formation */
-    bool running;                     /* every stage joined (the table is complete) */
-    int64_t started_ms;
-    kn_compute_info compute; /* Health 27-33, made before the first */
-    uint64_t n_done, n_failed;
-    uint64_t cache_hits[PF_MAX_STAGES], cache_evicted[PF_MAX_STAGES]; /* stages' reports */
-    int32_t *ids; /* (chunk_max) the token ids of the chunk being planned */
-} pf_leader;
+#define HEALTH_MS       100
+#define REPORT_GRACE_MS 5000 /* on top of the transfer deadline */
+#define STOP_DRAIN_MS   500
 
 /* ---- jobs ---- */
 
@@ -136,7 +68,7 @@ static void release_job(pf_leader *ld, pf_job *j, bool ok)
 }
 
 /* End a job: tell its client (unless it cancelled) and forget it. */
-static void finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
+void pfl_finish_job(pf_leader *ld, pf_job *j, int err, const char *why)
 {
     unlink_job(ld, j);
     release_job(ld, j, !err);
@@ -247,9 +179,9 @@ static void on_report(pf_leader *ld, const pf_report *r)
         char why[160];
         snprintf(why, sizeof why, "KV transfer failed on stage %d: %s", j->fail_stage,
                  fail_text(j->err, j->fail_reason));
-        finish_job(ld, j, j->err, why);
+        pfl_finish_job(ld, j, j->err, why);
     } else
-        finish_job(ld, j, 0, NULL);
+        pfl_finish_job(ld, j, 0, NULL);
 }
 
 /* A LOGPROBS message of the last stage: the prompt logprobs go to the job's client as a
@@ -296,158 +228,6 @@ static void take_chain_reports(pf_leader *ld)
             on_report(ld, &r);
         else
             on_lp(ld, lp, len);
-}
-
-/* ---- membership ---- */
-
-static void reset_formation(pf_leader *ld, const char *why)
-{
-    bool logged = ld->running || ld->n_jobs; /* not at start-up */
-    int64_t t0 = td_now_ms();
-    if (logged)
-        TD_LOG_WARN(
-            "prefill %s: stage chain broken (%s): failing %d requests in flight, waiting for "
-            "the stages to rejoin",
-            ld->st->p->instance, why, ld->n_jobs);
-    pf_stage_leave_chain(ld->st, TD_EIO); /* first: no RELEASE goes down the old chain */
-    /* the queued ones too: the router moves them (another instance at once, or this one
-       re-formed, within router.migrate_wait_ms) rather than their waiting here for a chain
-       that may never form again until the transfer deadline */
-    for (pf_job *j = ld->jobs, *nx; j; j = nx) {
-        nx = j->next;
-        finish_job(ld, j, TD_EIO,
-                   j->emitted ? "a prefill stage failed or restarted"
-                              : "a prefill stage failed or restarted before the prompt started");
-    }
-    if (logged)
-        TD_LOG_INFO("prefill %s: the old stage chain closed in %lld ms", ld->st->p->instance,
-                    (long long)(td_now_ms() - t0));
-    uint64_t old = ld->members[0].boot_id;
-    memset(ld->members, 0, sizeof ld->members);
-    ld->running = false;
-    if (pf_chain_open(&ld->st->chain)) {
-        TD_LOG_ERR("prefill %s: cannot recreate the activation pipe", ld->st->p->instance);
-        return;
-    }
-    ld->members[0].present = true;
-    ld->members[0].boot_id = old;
-    pf_chain_address(&ld->st->chain, ld->members[0].addr, sizeof ld->members[0].addr,
-                     &ld->members[0].addr_len);
-    static uint64_t formations;
-    ld->st->epoch = (ld->st->boot_id << 16) ^ ++formations; /* never 0, differs per formation */
-    if (ld->st->pp == 1) ld->running = true;
-}
-
-static int table_reply(pf_leader *ld, td_ctrl_req *req)
-{
-    ProtobufCBinaryData addrs[PF_MAX_STAGES];
-    uint64_t boots[PF_MAX_STAGES];
-    for (int s = 0; s < ld->st->pp; s++) {
-        addrs[s] = (ProtobufCBinaryData){ld->members[s].addr_len, ld->members[s].addr};
-        boots[s] = ld->members[s].boot_id;
-    }
-    Td__StageTable t = TD__STAGE_TABLE__INIT;
-    t.n_pipe_addresses = t.n_boot_ids = (size_t)ld->st->pp;
-    t.pipe_addresses = addrs;
-    t.boot_ids = boots;
-    t.epoch = ld->st->epoch;
-    Td__Envelope e = TD__ENVELOPE__INIT;
-    e.body_case = TD__ENVELOPE__BODY_STAGE_TABLE;
-    e.stage_table = &t;
-    return td_ctrl_server_reply(ld->srv, req, &e);
-}
-
-static void handle_hello(pf_leader *ld, const td_ctrl_server_in *in)
-{
-    const Td__StageHello *h = in->env->stage_hello;
-    if (strcmp(h->instance ? h->instance : "", ld->st->p->instance) ||
-        h->pp != (uint32_t)ld->st->pp || h->stage == 0) {
-        td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_INVALID,
-                                   "this is stage 0 of %s (pp %d), not of %s (pp %u) / stage %u",
-                                   ld->st->p->instance, ld->st->pp, h->instance ? h->instance : "",
-                                   h->pp, h->stage);
-        return;
-    }
-    int s = (int)h->stage;
-    bool same = ld->members[s].present && ld->members[s].boot_id == h->boot_id &&
-                ld->members[s].addr_len == h->pipe_address.len &&
-                !memcmp(ld->members[s].addr, h->pipe_address.data, h->pipe_address.len);
-    if (h->epoch && h->epoch != ld->st->epoch) {
-        /* it runs in an older formation: it must reset and join again */
-        td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
-                                   "rejoin: the stage chain was re-formed");
-        return;
-    }
-    if (!same) {
-        if (ld->running && ld->st->pp > 1) {
-            TD_LOG_INFO("prefill %s: stage %d (re)joins", ld->st->p->instance, s);
-            reset_formation(ld, "a stage restarted");
-        }
-        if (h->pipe_address.len > sizeof ld->members[s].addr) {
-            td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_TOO_LARGE,
-                                       "pipe address of %zu bytes", h->pipe_address.len);
-            return;
-        }
-        ld->members[s].present = true;
-        ld->members[s].boot_id = h->boot_id;
-        memcpy(ld->members[s].addr, h->pipe_address.data, h->pipe_address.len);
-        ld->members[s].addr_len = h->pipe_address.len;
-    }
-    ld->members[s].seen_ms = td_now_ms();
-    if (!ld->running) {
-        char missing[256] = "";
-        int off = 0;
-        for (int k = 1; k < ld->st->pp; k++)
-            if (!ld->members[k].present && off < (int)sizeof missing - 8)
-                off += snprintf(missing + off, sizeof missing - (size_t)off, " %d", k);
-        if (off) {
-            td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
-                                       "waiting for stages%s", missing);
-            return;
-        }
-        const uint8_t *addrs[PF_MAX_STAGES];
-        size_t lens[PF_MAX_STAGES];
-        for (int k = 0; k < ld->st->pp; k++) {
-            addrs[k] = ld->members[k].addr;
-            lens[k] = ld->members[k].addr_len;
-            ld->members[k].seen_ms = td_now_ms();
-        }
-        if (pf_chain_start(&ld->st->chain, addrs, lens)) {
-            td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_BUSY,
-                                       "cannot connect the stages");
-            reset_formation(ld, "connect failed");
-            return;
-        }
-        ld->running = true;
-        TD_LOG_INFO("prefill %s: all %d stages joined: ready", ld->st->p->instance, ld->st->pp);
-    }
-    table_reply(ld, in->req);
-}
-
-static void check_members(pf_leader *ld)
-{
-    if (!ld->running || ld->st->pp == 1) return;
-    int64_t now = td_now_ms();
-    /* ...unless chunks take long: a stage says hello between chunks, so one that computes a
-     * long chunk (an 8K-token prefix on a slow or busy CPU) is silent for that long. Stage
-     * 0's own recent chunk times stand in for the others' (similar layer counts). */
-    int64_t silence = MEMBER_SILENCE_MS;
-    if (3 * ld->st->slow_chunk_ms + 2000 > silence)
-        silence = (int64_t)(3 * ld->st->slow_chunk_ms) + 2000;
-    for (int s = 1; s < ld->st->pp; s++) {
-        char why[96];
-        if (pf_chain_stage_failed(&ld->st->chain, s)) {
-            snprintf(why, sizeof why, "stage %d is unreachable", s);
-            reset_formation(ld, why);
-            return;
-        }
-        if (now - ld->members[s].seen_ms > silence) {
-            snprintf(why, sizeof why, "stage %d silent for %lld ms", s, (long long)silence);
-            reset_formation(ld, why);
-            return;
-        }
-    }
-    if (ld->st->chain.broken) reset_formation(ld, "activation send failed");
 }
 
 /* ---- requests from the router ---- */
@@ -577,7 +357,7 @@ static void handle_prefill(pf_leader *ld, const td_ctrl_server_in *in)
 static void cancel_job(pf_leader *ld, pf_job *j, int err)
 {
     if (!j->emitted) {
-        finish_job(ld, j, 0, NULL);
+        pfl_finish_job(ld, j, 0, NULL);
         return;
     }
     /* in the chain: every stage aborts; the job ends when all reported */
@@ -634,7 +414,7 @@ static void handle_request(pf_leader *ld, const td_ctrl_server_in *in)
         return;
     }
     case TD__ENVELOPE__BODY_STAGE_HELLO:
-        handle_hello(ld, in);
+        pfl_handle_hello(ld, in);
         return;
     default:
         td_ctrl_server_reply_error(ld->srv, in->req, 0, TD__ERROR_CODE__ERR_UNSUPPORTED,
@@ -672,9 +452,9 @@ static void expire_jobs(pf_leader *ld)
     for (pf_job *j = ld->jobs, *nx; j; j = nx) {
         nx = j->next;
         if (!j->emitted && now - j->t_submit_ms > ld->st->timeout_ms)
-            finish_job(ld, j, TD_ETIMEDOUT, "waited in the queue past the transfer deadline");
+            pfl_finish_job(ld, j, TD_ETIMEDOUT, "waited in the queue past the transfer deadline");
         else if (j->emitted && now - j->t_start_ms > ld->st->timeout_ms + REPORT_GRACE_MS)
-            finish_job(ld, j, TD_ETIMEDOUT, "stages did not report before the deadline");
+            pfl_finish_job(ld, j, TD_ETIMEDOUT, "stages did not report before the deadline");
     }
 }
 
@@ -879,12 +659,12 @@ static int lead(pf_leader *ld)
     TD_LOG_INFO("prefill %s: serving on %s (pp %d)", ld->st->p->instance, bound, ld->st->pp);
     start_join(ld, bound);
     ld->members[0].boot_id = ld->st->boot_id;
-    reset_formation(ld, "start-up");
+    pfl_reset_formation(ld, "start-up");
     if (ld->running) TD_LOG_INFO("prefill %s: ready", ld->st->p->instance);
     int64_t last_health = 0;
     while (!stop_now(ld)) {
         if ((rc = serve_inbox(ld, 0))) break;
-        check_members(ld);
+        pfl_check_members(ld);
         take_chain_reports(ld); /* the other stages' */
         if (ld->st->chain.link && pf_chain_flush(&ld->st->chain)) ld->st->chain.broken = true;
         pf_stage_poll(ld->st);
@@ -920,7 +700,7 @@ static int lead(pf_leader *ld)
         TD_LOG_INFO("prefill %s: stopping; %d requests end with an error", ld->st->p->instance,
                     ld->n_jobs);
     while (ld->jobs)
-        finish_job(ld, ld->jobs, TD_ESTATE, "the prefill instance is shutting down");
+        pfl_finish_job(ld, ld->jobs, TD_ESTATE, "the prefill instance is shutting down");
     pf_stage_abort_all(ld->st, TD_ESTATE);
     ld->running = false;
     publish_health(ld);
