@@ -905,10 +905,12 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
             c->cpu_act = TD_CFG_ACT_F32;
         else if (!strcmp(a, "q8"))
             c->cpu_act = TD_CFG_ACT_Q8;
+        else if (!strcmp(a, "q16"))
+            c->cpu_act = TD_CFG_ACT_Q16;
         else if (!strcmp(a, "auto"))
             c->cpu_act = TD_CFG_ACT_AUTO;
         else
-            return fail(p, seen[T_CPU_ACT], "unknown cpu_act '%s' (known: f32, q8, auto)", a);
+            return fail(p, seen[T_CPU_ACT], "unknown cpu_act '%s' (known: f32, q8, q16, auto)", a);
     }
     if (seen[T_ROUTER] && parse_router(p, seen[T_ROUTER], &c->router)) return p->rc;
     if (seen[T_KVXFER]) {

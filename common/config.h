@@ -35,15 +35,17 @@ typedef enum {
 /* "cpu", "cuda", "cpu-dev": the name kn_backend_create takes. */
 const char *td_cfg_backend_name(td_cfg_backend b);
 
-/* cpu_act: the CPU backend's activations (kn_cpu_set_act_q8). */
+/* cpu_act: the CPU backend's activations (kn_cpu_set_act, kernels/cpu/cpu_backend.h). */
 typedef enum {
     TD_CFG_ACT_ENV = 0, /* key absent: TANDEM_CPU_ACT decides (float32 when unset) */
     TD_CFG_ACT_F32,     /* "f32": float32 activations (the exactness tests' path) */
     TD_CFG_ACT_Q8,      /* "q8": 8-bit activations and integer GEMMs (BENCHMARKS.md) */
     TD_CFG_ACT_AUTO,    /* "auto": q8 where a measured check finds the model's greedy answers
-                           unchanged, else f32 (kernels/act_check.h) */
+                           unchanged, else q16 where it finds them so, else f32
+                           (kernels/act_check.h) */
+    TD_CFG_ACT_Q16,     /* "q16": 16-bit activations on the decode dot path (32-block weights) */
 } td_cfg_act;
-/* "f32", "q8", "auto", or NULL for TD_CFG_ACT_ENV: kn_backend_options.cpu_act. */
+/* "f32", "q8", "q16", "auto", or NULL for TD_CFG_ACT_ENV: kn_backend_options.cpu_act. */
 const char *td_cfg_act_name(td_cfg_act a);
 
 /* router.routing: how a request's instance is chosen (router/rt_route.h). */

@@ -83,7 +83,11 @@ const char *td_cfg_backend_name(td_cfg_backend b)
 
 const char *td_cfg_act_name(td_cfg_act a)
 {
-    return a == TD_CFG_ACT_Q8 ? "q8" : a == TD_CFG_ACT_F32 ? "f32" : a == TD_CFG_ACT_AUTO ? "auto" : NULL;
+    return a == TD_CFG_ACT_Q8     ? "q8"
+           : a == TD_CFG_ACT_Q16  ? "q16"
+           : a == TD_CFG_ACT_F32  ? "f32"
+           : a == TD_CFG_ACT_AUTO ? "auto"
+                                  : NULL;
 }
 
 bool td_cfg_chat_template_ok(const char *t)

@@ -20,7 +20,7 @@
 #include "td_err.h"
 #include "tokenizer.h"
 
-#define MAGIC    "tandem act check 1\n"
+#define MAGIC    "tandem act check 2\n"
 #define FILE_MAX 4096
 
 /* Everyday requests of the kinds users send (facts, code, arithmetic, translation, advice):
@@ -142,36 +142,49 @@ static void close_check(check_ctx *c)
     kn_runtime_close(&c->rt);
 }
 
-/* Both modes on every prompt; the verdict into v. */
+/* Every prompt in mode a against the float32 tokens f32; the agreement into g. */
+static int compare(check_ctx *c, kn_cpu_act_mode a, int32_t (*f32)[KN_ACT_CHECK_TOKENS],
+                   kn_act_agreement *g)
+{
+    int32_t out[KN_ACT_CHECK_TOKENS];
+    double sum = 0;
+    *g = (kn_act_agreement){.measured = true, .first_diff = -1};
+    kn_cpu_set_act(kn_cpu_of(c->rt.be), a);
+    for (int i = 0; i < N_PROMPTS; i++) {
+        int rc = greedy(c, i, out);
+        if (rc) return rc;
+        int same = 0;
+        while (same < KN_ACT_CHECK_TOKENS && f32[i][same] == out[same])
+            same++;
+        sum += (double)same / KN_ACT_CHECK_TOKENS;
+        if (same == KN_ACT_CHECK_TOKENS)
+            g->agree_prompts++;
+        else if (g->first_diff < 0)
+            g->first_diff = i;
+    }
+    g->agreement = sum / N_PROMPTS;
+    return 0;
+}
+
+/* float32, q8 and (when q8 differs) q16 on every prompt; the verdict into v. */
 static int measure(const char *model_path, int n_threads, const char *who, kn_act_verdict *v)
 {
     check_ctx c = {0};
     const int64_t t0 = td_now_ns();
     int rc = open_check(&c, model_path, n_threads, who);
-    kn_cpu *cpu = rc ? NULL : kn_cpu_of(c.rt.be);
-    int32_t f32[KN_ACT_CHECK_TOKENS], q8[KN_ACT_CHECK_TOKENS];
-    double sum = 0;
+    int32_t f32[N_PROMPTS][KN_ACT_CHECK_TOKENS];
     v->n_prompts = N_PROMPTS;
-    v->agree_prompts = 0;
-    v->first_diff = -1;
-    for (int i = 0; i < N_PROMPTS && !rc; i++) {
-        kn_cpu_set_act_q8(cpu, false);
-        if ((rc = greedy(&c, i, f32))) break;
-        kn_cpu_set_act_q8(cpu, true);
-        if ((rc = greedy(&c, i, q8))) break;
-        int same = 0;
-        while (same < KN_ACT_CHECK_TOKENS && f32[same] == q8[same])
-            same++;
-        sum += (double)same / KN_ACT_CHECK_TOKENS;
-        if (same == KN_ACT_CHECK_TOKENS)
-            v->agree_prompts++;
-        else if (v->first_diff < 0)
-            v->first_diff = i;
-    }
+    v->q8 = v->q16 = (kn_act_agreement){.first_diff = -1};
+    if (!rc) kn_cpu_set_act(kn_cpu_of(c.rt.be), KN_CPU_ACT_F32);
+    for (int i = 0; i < N_PROMPTS && !rc; i++)
+        rc = greedy(&c, i, f32[i]);
+    if (!rc) rc = compare(&c, KN_CPU_ACT_Q8, f32, &v->q8);
+    if (!rc && v->q8.agree_prompts < N_PROMPTS) rc = compare(&c, KN_CPU_ACT_Q16, f32, &v->q16);
     close_check(&c);
     if (rc) return rc;
-    v->agreement = sum / N_PROMPTS;
-    v->q8 = v->agree_prompts == N_PROMPTS;
+    v->act = v->q8.agree_prompts == N_PROMPTS    ? "q8"
+             : v->q16.agree_prompts == N_PROMPTS ? "q16"
+                                                 : "f32";
     v->check_ms = (double)(td_now_ns() - t0) / 1e6;
     return 0;
 }
@@ -234,7 +247,8 @@ static int load(const char *path, const char *desc, kn_act_verdict *v, char *why
     char *end = NULL; /* the last line's "end " (the desc may hold those letters too) */
     for (char *e = strstr(text, "\nend "); e; e = strstr(e + 1, "\nend "))
         end = e + 1;
-    int q8 = -1;
+    char act[8] = "";
+    int q16m = -1;
     unsigned long long sum = 0;
     rc = TD_EFORMAT;
     if (len < hl || strncmp(text, MAGIC, strlen(MAGIC)) || strncmp(text + strlen(MAGIC), desc,
@@ -244,14 +258,19 @@ static int load(const char *path, const char *desc, kn_act_verdict *v, char *why
              sum != td_fnv(TD_FNV_OFFSET, text, (size_t)(end - text)))
         snprintf(why, cap, "checksum");
     else if (sscanf(text + hl,
-                    "--\nq8 %d\nprompts %d agree %d first_diff %d\nagreement %lf\ncheck_ms %lf\n",
-                    &q8, &v->n_prompts, &v->agree_prompts, &v->first_diff, &v->agreement,
-                    &v->check_ms) != 6 ||
-             (q8 != 0 && q8 != 1))
+                    "--\nact %7s\nprompts %d\nq8 agree %d first_diff %d agreement %lf\n"
+                    "q16 measured %d agree %d first_diff %d agreement %lf\ncheck_ms %lf\n",
+                    act, &v->n_prompts, &v->q8.agree_prompts, &v->q8.first_diff, &v->q8.agreement,
+                    &q16m, &v->q16.agree_prompts, &v->q16.first_diff, &v->q16.agreement,
+                    &v->check_ms) != 10 ||
+             (q16m != 0 && q16m != 1) ||
+             (strcmp(act, "q8") && strcmp(act, "q16") && strcmp(act, "f32")))
         snprintf(why, cap, "fields");
     else
         rc = 0;
-    v->q8 = q8 == 1;
+    v->act = !strcmp(act, "q8") ? "q8" : !strcmp(act, "q16") ? "q16" : "f32";
+    v->q8.measured = true;
+    v->q16.measured = q16m == 1;
     free(text);
     return rc;
 }
@@ -261,10 +280,11 @@ static int store(const char *path, const char *desc, const kn_act_verdict *v, ch
 {
     char b[FILE_MAX];
     int n = snprintf(b, sizeof b,
-                     "%s%s--\nq8 %d\nprompts %d agree %d first_diff %d\nagreement %.6f\n"
-                     "check_ms %.1f\n",
-                     MAGIC, desc, v->q8 ? 1 : 0, v->n_prompts, v->agree_prompts, v->first_diff,
-                     v->agreement, v->check_ms);
+                     "%s%s--\nact %s\nprompts %d\nq8 agree %d first_diff %d agreement %.6f\n"
+                     "q16 measured %d agree %d first_diff %d agreement %.6f\ncheck_ms %.1f\n",
+                     MAGIC, desc, v->act, v->n_prompts, v->q8.agree_prompts, v->q8.first_diff,
+                     v->q8.agreement, v->q16.measured ? 1 : 0, v->q16.agree_prompts,
+                     v->q16.first_diff, v->q16.agreement, v->check_ms);
     if (n < 0 || (size_t)n + 40 > sizeof b) return TD_ERANGE;
     n += snprintf(b + n, sizeof b - (size_t)n, "end %016llx\n",
                   (unsigned long long)td_fnv(TD_FNV_OFFSET, b, (size_t)n));
@@ -297,8 +317,8 @@ int kn_act_choose(const char *model_path, int n_threads, const char *who, kn_act
             TD_LOG_WARN("%s: cpu_act auto: cache %s refused (%s): measuring again", who,
                         out->path, why);
     }
-    TD_LOG_INFO("%s: cpu_act auto: comparing q8 and float32 activations on %d prompts", who,
-                N_PROMPTS);
+    TD_LOG_INFO("%s: cpu_act auto: comparing q8 (then q16) and float32 activations on %d prompts",
+                who, N_PROMPTS);
     rc = measure(model_path, n_threads, who, out);
     if (!rc && out->path[0] && store(out->path, desc, out, why, sizeof why))
         TD_LOG_WARN("%s: cpu_act auto: cannot store the verdict in %s: %s", who, out->path, why);
@@ -322,11 +342,15 @@ int kn_act_resolve(const char *cpu_act, const char *model_path, int n_threads, c
         *out = NULL;
         return rc;
     }
-    *out = v.q8 ? "q8" : "f32";
+    *out = v.act;
+    char q16[96] = "";
+    if (v.q16.measured)
+        snprintf(q16, sizeof q16, "; in q16 %d of %d, agreement %.2f", v.q16.agree_prompts,
+                 v.n_prompts, v.q16.agreement);
     TD_LOG_INFO("%s: cpu_act auto: %s (%d of %d prompts give the same %d greedy tokens in q8 as "
-                "in float32, agreement %.2f%s%s)",
-                who ? who : "tandem", *out, v.agree_prompts, v.n_prompts, KN_ACT_CHECK_TOKENS,
-                v.agreement, v.cached ? "; cached in " : "", v.cached ? v.path : "");
+                "in float32, agreement %.2f%s%s%s)",
+                who ? who : "tandem", *out, v.q8.agree_prompts, v.n_prompts, KN_ACT_CHECK_TOKENS,
+                v.q8.agreement, q16, v.cached ? "; cached in " : "", v.cached ? v.path : "");
     return 0;
 }
 

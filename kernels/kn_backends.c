@@ -27,9 +27,10 @@ int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend 
     kn_backend_options def = {.n_threads = 0, .device = -1, .rank = 0};
     if (!o) o = &def;
     const bool cpu = !name || !strcmp(name, "cpu"), cpudev = name && !strcmp(name, "cpu-dev");
-    if (o->cpu_act && strcmp(o->cpu_act, "f32") && strcmp(o->cpu_act, "q8")) {
+    kn_cpu_act_mode act = KN_CPU_ACT_F32;
+    if (o->cpu_act && kn_cpu_act_parse(o->cpu_act, &act)) {
         /* "auto" is resolved with the model, before this (kn_act_runtime_open) */
-        TD_LOG_ERR("cpu_act '%s': expected f32 or q8%s", o->cpu_act,
+        TD_LOG_ERR("cpu_act '%s': expected f32, q8 or q16%s", o->cpu_act,
                    strcmp(o->cpu_act, "auto") ? "" : " (auto needs a model: kn_act_runtime_open)");
         return TD_EINVAL;
     }
@@ -41,7 +42,7 @@ int kn_backend_create(const char *name, const kn_backend_options *o, kn_backend 
         kn_cpu *c;
         int rc = kn_cpu_create(o->n_threads, &c);
         if (rc) return rc;
-        if (o->cpu_act) kn_cpu_set_act_q8(c, !strcmp(o->cpu_act, "q8"));
+        if (o->cpu_act) kn_cpu_set_act(c, act);
         *out = kn_cpu_backend(c);
         return 0;
     }
@@ -73,7 +74,7 @@ void kn_backend_compute_info(kn_backend be, kn_compute_info *out)
     if (!cpu) return;
     kn_blas_info b;
     kn_blas_info_get(&b);
-    out->act = kn_cpu_act_q8(cpu) ? "q8" : "f32";
+    out->act = kn_cpu_act_name(kn_cpu_act(cpu));
     out->cpu_isa = b.cpu_isa;
     out->kernels_isa = kn_cpu_isa();
     snprintf(out->blas_core, sizeof out->blas_core, "%s", b.core);

@@ -16,7 +16,7 @@ typedef struct {
     int device;    /* cuda: device ordinal (< 0: rank % the devices this process sees) */
     int rank;      /* the process's TP rank (>= 0), for the default device: two ranks of one
                     * instance on a one-GPU machine share device 0 */
-    const char *cpu_act; /* cpu, cpu-dev: "f32" or "q8" (kn_cpu_set_act_q8); NULL: the
+    const char *cpu_act; /* cpu, cpu-dev: "f32", "q8" or "q16" (kn_cpu_set_act); NULL: the
                           * TANDEM_CPU_ACT default. Not NULL with cuda: TD_EINVAL */
 } kn_backend_options;
 
@@ -36,7 +36,8 @@ void kn_backend_destroy(kn_backend *b);
  * backend takes one caller at a time). */
 typedef struct {
     const char *backend;     /* the backend's name: "cpu", "cuda", "cpu-dev" */
-    const char *act;         /* the rest: the CPU backend's ("" for any other): "f32" or "q8" */
+    const char *act;         /* the rest: the CPU backend's ("" for any other): "f32", "q8" or
+                              * "q16" */
     const char *cpu_isa;     /* the CPU's, as the OS enables it (cpu_blas.h) */
     const char *kernels_isa; /* kn_cpu_isa() */
     char blas_core[64];      /* the OpenBLAS core in use */

@@ -19,7 +19,7 @@ endif()
 
 # cpu_act auto (kernels/act_check.h): the measured choice of the activation mode per model.
 # cli_act_check: the verdict's cache, its checksum and lock, on a synthetic model (ASan);
-# cli_act_check_models: the default model's f32 and Qwen2.5-Coder 0.5B's q8 verdicts (CI runs
+# cli_act_check_models: the default model's q16 and Qwen2.5-Coder 0.5B's q8 verdicts (CI runs
 # it in Release: a measurement is 16 forward passes of a real model).
 if(TANDEM_PYTHON)
   add_test(NAME cli_act_check

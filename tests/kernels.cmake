@@ -55,6 +55,15 @@ target_include_directories(test_q8act PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
 target_link_libraries(test_q8act PRIVATE td_kernels td_common)
 add_test(NAME kernels.test_q8act COMMAND test_q8act)
 
+# The 16-bit activation mode (Q4_0, Q4_1, Q5_0, Q8_0 on the dot path): against float64 of the
+# quantized math and of the unquantized x, the same bits over threads, rows alone, row ranges,
+# packed weights, the AVX2 and scalar forms and the fused dot path; the rest stays float32.
+add_executable(test_q16act ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_q16act.c)
+target_include_directories(test_q16act PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                               ${PROJECT_SOURCE_DIR}/kernels/cpu)
+target_link_libraries(test_q16act PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_q16act COMMAND test_q16act)
+
 # The AMX-INT8 form of the q8 GEMMs against the AVX512-VNNI form, bit for bit; skipped (77)
 # where AMX is unusable (no AMX, the OS refuses the tile state, TANDEM_CPU_AMX=0).
 add_executable(test_q8amx ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_q8amx.c)
@@ -74,7 +83,7 @@ add_test(NAME kernels.test_pool COMMAND test_pool)
 # The bit-equality tests of the products again on OpenBLAS's oldest x86-64 kernels
 # ("Prescott", what a VM that masks the CPU's model gets): a claim of equal bits must not
 # hold only for one BLAS kernel set (issue 39: test_q8act once did).
-foreach(t test_q8act test_fused test_matmul test_kquant)
+foreach(t test_q8act test_q16act test_fused test_matmul test_kquant)
   add_test(NAME kernels.${t}_blas_prescott COMMAND ${t})
   # (test binaries never re-execute themselves to fix the core: kn_blas_fit_cpu is the
   # servers' and the CLI's)

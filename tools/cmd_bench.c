@@ -169,7 +169,7 @@ static int bench_ctx(int batch, int n_gen, int n_prompt)
 static int bench_usage(void)
 {
     fprintf(stderr, "usage: tandem bench-engine --model PATH [--threads N] [--reps N] "
-                    "[--kv-type f16|f32] [--act q8|f32] [--batch B] [--gen N] "
+                    "[--kv-type f16|f32] [--act q8|q16|f32] [--batch B] [--gen N] "
                     "[--backend cpu|cuda|cpu-dev] [--json]\n");
     return TD_EINVAL;
 }
@@ -199,13 +199,13 @@ static void report_cpu(cli_session *s, kn_cpu *cpu, const char *model_path, td_d
                "\"prefill_ratio\": %.3f, \"cpu_isa\": \"%s\", \"cpu_features\": \"%s\", "
                "\"blas_core\": \"%s\", \"blas_core_isa\": \"%s\", \"blas_fits\": %s, "
                "\"blas_fixed_from\": \"%s\", \"paths\": \"%s\"}\n",
-               th, kn_cpu_isa(), kn_cpu_act_q8(cpu) ? "q8" : "f32", pp, tg, batch, b8, mem,
-               gemm, wbytes, params, tg_roof, pp_roof, tg / tg_roof, pp / pp_roof, bi.cpu_isa,
-               bi.cpu_features, bi.core, bi.core_isa, bi.fits ? "true" : "false",
-               bi.fixed_from, paths);
+               th, kn_cpu_isa(), kn_cpu_act_name(kn_cpu_act(cpu)), pp, tg, batch, b8, mem, gemm,
+               wbytes, params, tg_roof, pp_roof, tg / tg_roof, pp / pp_roof, bi.cpu_isa,
+               bi.cpu_features, bi.core, bi.core_isa, bi.fits ? "true" : "false", bi.fixed_from,
+               paths);
     } else {
         printf("model %s, %d threads, isa %s, kv %s, act %s\n", model_path, th, kn_cpu_isa(),
-               td_dtype_name(kv_type), kn_cpu_act_q8(cpu) ? "q8" : "f32");
+               td_dtype_name(kv_type), kn_cpu_act_name(kn_cpu_act(cpu)));
         printf("cpu %s (%s); blas OpenBLAS core %s (%s)%s%s%s\n", bi.cpu_isa, bi.cpu_features,
                bi.core, bi.core_isa, bi.fits ? "" : ": OLDER THAN THIS CPU",
                bi.fixed_from[0] ? ", set for this cpu; OpenBLAS chose " : "", bi.fixed_from);
@@ -224,7 +224,8 @@ static void report_cpu(cli_session *s, kn_cpu *cpu, const char *model_path, td_d
 int cmd_bench_engine(int argc, char **argv)
 {
     cli_session_params sp = {.kv_type = TD_F16};
-    bool json = false, act_q8 = false, act_set = false;
+    bool json = false, act_set = false;
+    kn_cpu_act_mode act = KN_CPU_ACT_F32;
     int reps = 3, rc = 0, batch = 8, n_gen = 128;
     for (int i = 0; i < argc && !rc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -247,11 +248,10 @@ int cmd_bench_engine(int argc, char **argv)
         else if (!strcmp(f, "--kv-type"))
             rc = cli_parse_kv_type(v, &sp.kv_type);
         else if (!strcmp(f, "--act")) {
-            if (v && strcmp(v, "q8") && strcmp(v, "f32")) {
-                fprintf(stderr, "tandem: --act %s: expected q8 or f32\n", v);
+            if (v && kn_cpu_act_parse(v, &act)) {
+                fprintf(stderr, "tandem: --act %s: expected q8, q16 or f32\n", v);
                 return TD_EINVAL;
             }
-            act_q8 = v && !strcmp(v, "q8");
             act_set = true;
         } else {
             return bench_usage();
@@ -277,7 +277,7 @@ int cmd_bench_engine(int argc, char **argv)
         return TD_EINVAL;
     }
     /* --act overrides TANDEM_CPU_ACT only when given */
-    if (act_set) kn_cpu_set_act_q8(cpu, act_q8);
+    if (act_set) kn_cpu_set_act(cpu, act);
     float *logits = malloc((size_t)batch * (size_t)s.rt.model->hp.n_vocab * sizeof *logits);
     double *t_pp = calloc((size_t)reps, sizeof(double)),
            *t_tg = calloc((size_t)reps, sizeof(double));

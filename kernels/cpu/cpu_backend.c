@@ -51,7 +51,10 @@ static void cpu_describe(void *ctx, char *buf, size_t cap)
     kn_blas_info b;
     kn_blas_info_get(&b);
     snprintf(buf, cap, "cpu %s, %d thread%s, blas %s%s", kn_cpu_isa(), c->n_threads,
-             c->n_threads == 1 ? "" : "s", b.core, c->act_q8 ? ", q8 activations" : "");
+             c->n_threads == 1 ? "" : "s", b.core,
+             c->act_q8    ? ", q8 activations"
+             : c->act_q16 ? ", q16 activations"
+                          : "");
 }
 
 /* The ops-table form of attention (kn_backend.h): solo rows each cut as if alone. */
@@ -93,8 +96,9 @@ int kn_cpu_create(int n_threads, kn_cpu **out)
     const char *act = getenv("TANDEM_CPU_ACT");
     /* auto is resolved where a model is opened (kn_act_runtime_open, act_check.h), which then
      * sets the mode; a backend made without a model runs float32 */
-    if (act && strcmp(act, "q8") && strcmp(act, "f32") && strcmp(act, "auto")) {
-        TD_LOG_ERR("cpu backend: TANDEM_CPU_ACT=%s: expected q8, f32 or auto", act);
+    kn_cpu_act_mode mode = KN_CPU_ACT_F32;
+    if (act && strcmp(act, "auto") && kn_cpu_act_parse(act, &mode)) {
+        TD_LOG_ERR("cpu backend: TANDEM_CPU_ACT=%s: expected q8, q16, f32 or auto", act);
         return TD_EINVAL;
     }
     const char *fused = getenv("TANDEM_CPU_FUSED");
@@ -109,7 +113,7 @@ int kn_cpu_create(int n_threads, kn_cpu **out)
     }
     kn_cpu *c = calloc(1, sizeof *c);
     if (!c) return TD_ENOMEM;
-    c->act_q8 = act && !strcmp(act, "q8");
+    kn_cpu_set_act(c, mode);
     c->fused = !(fused && !strcmp(fused, "0"));
     int rc = kn_pool_create(n_threads, &c->pool);
     if (rc) {
@@ -153,9 +157,32 @@ int kn_cpu_n_threads(const kn_cpu *c)
     return c->n_threads;
 }
 
+void kn_cpu_set_act(kn_cpu *c, kn_cpu_act_mode a)
+{
+    c->act_q8 = a == KN_CPU_ACT_Q8;
+    c->act_q16 = a == KN_CPU_ACT_Q16;
+}
+kn_cpu_act_mode kn_cpu_act(const kn_cpu *c)
+{
+    return c->act_q8 ? KN_CPU_ACT_Q8 : c->act_q16 ? KN_CPU_ACT_Q16 : KN_CPU_ACT_F32;
+}
+const char *kn_cpu_act_name(kn_cpu_act_mode a)
+{
+    return a == KN_CPU_ACT_Q8 ? "q8" : a == KN_CPU_ACT_Q16 ? "q16" : "f32";
+}
+int kn_cpu_act_parse(const char *s, kn_cpu_act_mode *out)
+{
+    static const kn_cpu_act_mode modes[] = {KN_CPU_ACT_F32, KN_CPU_ACT_Q8, KN_CPU_ACT_Q16};
+    for (size_t i = 0; s && i < sizeof modes / sizeof *modes; i++)
+        if (!strcmp(s, kn_cpu_act_name(modes[i]))) {
+            *out = modes[i];
+            return 0;
+        }
+    return TD_EINVAL;
+}
 void kn_cpu_set_act_q8(kn_cpu *c, bool on)
 {
-    c->act_q8 = on;
+    kn_cpu_set_act(c, on ? KN_CPU_ACT_Q8 : KN_CPU_ACT_F32);
 }
 bool kn_cpu_act_q8(const kn_cpu *c)
 {
@@ -216,6 +243,9 @@ void kn_cpu_log_what_runs(const kn_cpu *c, const char *who)
     char paths[1024];
     kn_cpu_describe_paths(c, paths, sizeof paths);
     TD_LOG_INFO("%s: %s activations, %d thread%s; products by weight type: %s", who,
-                c->act_q8 ? "q8" : "float32", c->n_threads, c->n_threads == 1 ? "" : "s",
+                c->act_q8    ? "q8"
+                : c->act_q16 ? "q16"
+                             : "float32",
+                c->n_threads, c->n_threads == 1 ? "" : "s",
                 paths[0] ? paths : "(no weights registered)");
 }

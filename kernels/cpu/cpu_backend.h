@@ -3,8 +3,8 @@
  * Purpose: run the engine on x86-64 CPUs. Decode-shaped products (few rows of x) use
  * SIMD dot products that dequantize weights on the fly; prefill-shaped products (many
  * rows) dequantize weight slices to float32 and call OpenBLAS sgemm per thread.
- * Invariants: activations are float32 (the opt-in q8 mode, kn_cpu_set_act_q8, quantizes
- * them to 8 bits inside the decode dot path only); every kernel gives the same result for
+ * Invariants: activations are float32 (the opt-in q8 and q16 modes, kn_cpu_set_act, quantize
+ * them to 8 or 16 bits inside the integer products); every kernel gives the same result for
  * any thread count up to float reassociation inside a dot product.
  * Threading: one caller at a time (see cpu_pool.h).
  * Ownership: kn_cpu_create/kn_cpu_destroy; the ops table returned by kn_cpu_backend
@@ -31,16 +31,28 @@ kn_cpu *kn_cpu_of(kn_backend b);
 kn_pool *kn_cpu_pool(kn_cpu *c);
 int kn_cpu_n_threads(const kn_cpu *c);
 
-/* The 8-bit activation mode of the decode dot path (off by default). When on, matmul rows
- * that take the dot path (m below the gemm threshold, and matmul_mixed's solo rows) are
- * quantized to 8 bits once per call (Q8_K-style 256-blocks for Q4_K and Q6_K weights,
- * 32-blocks for Q5_0 and Q8_0) and dotted in integer arithmetic (cpu_q8act.h); other
- * weight types and the gemm path stay float32. Results are deterministic and
- * batch-invariant but no longer equal the float32 path's: they differ by the rounding of
- * x to 8 bits (|x - d q| <= d / 2 with d = max|x| / 127 over the block). kn_cpu_create
- * reads TANDEM_CPU_ACT once: unset or "f32" off, "q8" on, "auto" off here (it is resolved
- * for a model by kn_act_runtime_open, act_check.h, which then sets the mode), anything else
- * an error (TD_EINVAL). Not to be called while an op runs. */
+/* The activation mode of the products (KN_CPU_ACT_F32 by default).
+ * KN_CPU_ACT_Q8: matmul rows that take the dot path (m below the gemm threshold, and
+ * matmul_mixed's solo rows) are quantized to 8 bits once per call (Q8_K-style 256-blocks for
+ * Q4_K and Q6_K weights, 32-blocks for Q5_0 and Q8_0) and dotted in integer arithmetic
+ * (cpu_q8act.h); Q4_0, Q4_1, Q5_0 and Q8_0 weights take the integer GEMM at every m; other
+ * weight types stay float32. Results differ from float32 by the rounding of x to 8 bits
+ * (|x - d q| <= d / 2 with d = max|x| / 127 over the block).
+ * KN_CPU_ACT_Q16: the dot path's rows of Q4_0, Q4_1, Q5_0 and Q8_0 weights are quantized to
+ * 16 bits per 32-block (d = max|x| / 32767) and dotted in integer arithmetic (cpu_q16act.h);
+ * the gemm path's batch rows and the other weight types stay float32.
+ * Both are deterministic and batch-invariant. kn_cpu_create reads TANDEM_CPU_ACT once: unset or
+ * "f32" KN_CPU_ACT_F32, "q8", "q16", "auto" F32 here (it is resolved for a model by
+ * kn_act_runtime_open, act_check.h, which then sets the mode), anything else an error
+ * (TD_EINVAL). Not to be called while an op runs. */
+typedef enum { KN_CPU_ACT_F32 = 0, KN_CPU_ACT_Q8, KN_CPU_ACT_Q16 } kn_cpu_act_mode;
+void kn_cpu_set_act(kn_cpu *c, kn_cpu_act_mode a);
+kn_cpu_act_mode kn_cpu_act(const kn_cpu *c);
+/* "f32", "q8", "q16". */
+const char *kn_cpu_act_name(kn_cpu_act_mode a);
+/* The mode named s ("f32", "q8", "q16"): 0, or TD_EINVAL for any other name (NULL too). */
+int kn_cpu_act_parse(const char *s, kn_cpu_act_mode *out);
+/* kn_cpu_set_act(c, on ? KN_CPU_ACT_Q8 : KN_CPU_ACT_F32), and whether the mode is Q8. */
 void kn_cpu_set_act_q8(kn_cpu *c, bool on);
 bool kn_cpu_act_q8(const kn_cpu *c);
 

@@ -429,7 +429,8 @@ int kn_cpudev_create(int n_threads, const char *cpu_act, kn_backend *out)
         free(d);
         return rc;
     }
-    if (cpu_act) kn_cpu_set_act_q8(c, !strcmp(cpu_act, "q8"));
+    kn_cpu_act_mode a;
+    if (cpu_act && !kn_cpu_act_parse(cpu_act, &a)) kn_cpu_set_act(c, a);
     d->cpu = kn_cpu_backend(c);
     *out = (kn_backend){.ops = &cpudev_ops, .ctx = d};
     return 0;

@@ -34,7 +34,7 @@ typedef struct {
 } kn_cpudev_stats;
 
 /* A cpu-dev backend over a cpu backend of n_threads (<= 0: one per core), its activation
- * mode cpu_act ("f32", "q8"; NULL: TANDEM_CPU_ACT's). 0, TD_ENOMEM. */
+ * mode cpu_act ("f32", "q8", "q16"; NULL: TANDEM_CPU_ACT's). 0, TD_ENOMEM. */
 int kn_cpudev_create(int n_threads, const char *cpu_act, kn_backend *out);
 /* b's counters; TD_EINVAL if b is not a cpu-dev backend. */
 int kn_cpudev_stats_of(kn_backend b, kn_cpudev_stats *out);

@@ -16,7 +16,9 @@ typedef struct kn_cpu_packed kn_cpu_packed;
 struct kn_cpu {
     kn_pool *pool;
     int n_threads;
-    bool act_q8; /* quantize x to 8 bits on the dot path (kn_cpu_set_act_q8) */
+    bool act_q8;  /* quantize x to 8 bits on the dot path (kn_cpu_set_act: KN_CPU_ACT_Q8) */
+    bool act_q16; /* to 16 bits, 32-block weights' dot path only (KN_CPU_ACT_Q16); never
+                     both */
     bool fused;  /* the ops table carries the fused ops (TANDEM_CPU_FUSED) */
     float *scratch[KN_CPU_MAX_THREADS + 1];     /* per-thread float scratch, grown on demand;
                                                    the last slot is KN_CPU_CALLER's */
@@ -30,7 +32,8 @@ struct kn_cpu {
 /* Up to cap of the matrices map_matrix registered, one per weight type, into out; returns
  * how many (cpu_packed.c). */
 size_t kn_cpu_mapped_kinds(const kn_cpu *c, kn_mat *out, size_t cap);
-/* The q8 mode's packed copy of w (kn_q8_pack; made on the first call, cpu_packed.c), or NULL when w was
+/* The q8 mode's packed copy of w (kn_q8_pack; made on the first call, cpu_packed.c; the q16
+ * dots read it for 32-block types), or NULL when w was
  * never registered with kn_cpu_map_matrix, cannot be packed, or its copy found no memory.
  * On the caller's thread, outside pool jobs. */
 const void *kn_cpu_packed_of(kn_cpu *c, const kn_mat *w);
@@ -50,7 +53,9 @@ typedef struct {
     const float *x;    /* (m, n_cols) */
     const float *xsum; /* block sums of x, in the caller's side buffer, or NULL */
     const void *xq;    /* x in 8 bits (q8 mode), in the side buffer, or NULL */
-    const void *packed; /* W packed by the q8 mode (cpu_packed.c): rows go through it */
+    const void *xq16;  /* x in 16 bits (q16 mode), in the side buffer, or NULL */
+    const void *packed; /* W packed by the q8 mode (cpu_packed.c; the q16 dots read it too):
+                           rows go through it */
     int64_t m;
     float *y; /* (m, n_rows) */
     int grain; /* kn_cpu_dot_rows takes row ranges on multiples of this (1, or the packed

@@ -23,6 +23,10 @@
  * With AVX512-VNNI the gemm path's batch rows of Q4_K and Q6_K take cpu_q8kgemm.c's integer
  * GEMM in that mode instead of dequantize + sgemm (x in 32-blocks; per-row bits independent of
  * m there too), each thread running the solo rows' dots over the same 16-row groups first.
+ * In the q16 mode (KN_CPU_ACT_Q16) the dot path's rows of Q4_0, Q4_1, Q5_0 and Q8_0 weights are
+ * quantized to 16 bits once per call and take cpu_q16act.c's integer dots (through the q8
+ * mode's packed copy of a registered matrix, read by 16-row groups); the gemm path's batch
+ * rows and the other types stay float32, so the rows keep the f32 mode's split and contract.
  * matmul_mixed (solo rows first, then batch rows): when the batch rows take the gemm path,
  * each thread runs the dot path for the solo rows over a slice of W's rows just before it
  * dequantizes that slice for sgemm, so the slice is read from memory once.
@@ -34,6 +38,7 @@
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
+#include "cpu_q16act.h"
 #include "cpu_q8act.h"
 #include "cpu_quant.h"
 #include "cpu_traits.h"
@@ -80,7 +85,9 @@ typedef struct {
     const float *xsum; /* (m, n_cols / g) sums of x over groups of g, the type's xsum_group
                         * (cpu_traits.h), when g > 0; else NULL */
     const void *xq;    /* (m, kn_q8_row_bytes) x quantized to 8 bits (q8 mode); else NULL */
-    const void *packed; /* q8 mode, K-quant W: its packed copy (cpu_packed.c), or NULL */
+    const void *xq16;  /* (m, kn_q16_row_bytes) x quantized to 16 bits (q16 mode); else NULL */
+    const void *packed; /* q8 mode, K-quant W, or q16 mode: W's packed copy (cpu_packed.c), or
+                           NULL */
     int64_t m;         /* 0: none */
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
@@ -265,11 +272,15 @@ MM_DOT(kn_cpu_dot_q5_0, TD_Q5_0)
 MM_DOT(kn_cpu_dot_q5_1, TD_Q5_1)
 MM_DOT(kn_cpu_dot_iq4_nl, TD_IQ4_NL)
 
-/* Rows [r0, r1) of W against the dot rows of x: the q8 mode's integer dots when x was
+/* Rows [r0, r1) of W against the dot rows of x: the q8 or q16 mode's integer dots when x was
  * quantized for them, else the type's float32 dot (mm_check accepted the type). */
 static void mm_dot_part(void *arg, int64_t r0, int64_t r1, int tid)
 {
     const mm_job *j = arg;
+    if (j->xq16) {
+        kn_q16_dot(j->w, j->packed, j->xq16, j->m, j->y, r0, r1);
+        return;
+    }
     if (j->xq) {
         kn_q8_dot(j->w, j->packed, j->xq, j->m, j->y, r0, r1);
         return;
@@ -456,6 +467,13 @@ void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
         *batch = "OpenBLAS sgemm";
     else
         *batch = "float32 tiles + OpenBLAS sgemm";
+    if (c->act_q16 && kn_q16_supported(w->type)) {
+        static const char *const q16[] = {"q16 integer dot (scalar)", "q16 integer dot (avx2)",
+                                          "q16 integer dot (avx512-vnni)"};
+        const char *isa = kn_q16_isa();
+        *solo = q16[!strcmp(isa, "avx512vnni") ? 2 : !strcmp(isa, "avx2") ? 1 : 0];
+        return;
+    }
     *solo = c->act_q8 && kn_q8_supported(w->type) ? "q8 integer dot" : "float32 dot";
 }
 
@@ -490,7 +508,19 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
     atomic_init(&j.err, 0);
     const int sg = kn_cpu_traits_of(w->type)->xsum_group;
     const bool q8dot = j.m && c->act_q8 && kn_q8_supported(w->type),
-               kgemm = gm && c->act_q8 && kn_q8k_gemm_supported(w);
+               kgemm = gm && c->act_q8 && kn_q8k_gemm_supported(w),
+               q16dot = j.m && c->act_q16 && kn_q16_supported(w->type);
+    if (q16dot) {
+        const size_t bytes = (size_t)j.m * kn_q16_row_bytes(w->n_cols);
+        void *xq = kn_cpu_scratch(c, KN_CPU_CALLER, (bytes + 3) / sizeof(float));
+        if (!xq) {
+            TD_LOG_ERR("matmul: out of memory for %zu bytes of quantized x", bytes);
+            return TD_ENOMEM;
+        }
+        kn_q16_quant_rows(x, j.m, w->n_cols, xq);
+        j.xq16 = xq;
+        j.packed = kn_cpu_packed_of(c, w); /* read by 16-row groups */
+    }
     if (q8dot || kgemm) {
         /* one caller scratch: the dot rows' x as kn_q8_dot takes it, then the gemm rows' x
          * in 32-blocks for kn_q8k_gemm */
@@ -513,7 +543,7 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
             j.gxq = xq + dot_pad;
         }
     }
-    if (j.m && !j.xq && sg) {
+    if (j.m && !j.xq && !j.xq16 && sg) {
         const int64_t nb = w->n_cols / sg;
         float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
         if (!xs) {
@@ -568,6 +598,8 @@ int kn_cpu_get_rows(void *ctx, const kn_mat *w, const int32_t *ids, int64_t m, f
 
 size_t kn_cpu_dot_side_floats(const kn_cpu *c, const kn_mat *w, int64_t m)
 {
+    if (c->act_q16 && kn_q16_supported(w->type))
+        return ((size_t)m * kn_q16_row_bytes(w->n_cols) + 3) / sizeof(float);
     if (c->act_q8 && kn_q8_supported(w->type))
         return ((size_t)m * kn_q8_row_bytes(w->type, w->n_cols) + 3) / sizeof(float);
     const kn_cpu_traits *tr = kn_cpu_traits_of(w->type); /* NULL: kn_cpu_dot_init refuses w */
@@ -597,7 +629,12 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
     if (m - m_solo >= MM_GEMM_MIN_M) return 1; /* the batch rows take the gemm path */
     *d = (kn_cpu_dot){.c = c, .w = w, .x = x, .m = m, .y = y, .grain = 1};
     const int sg = kn_cpu_traits_of(w->type)->xsum_group;
-    if (c->act_q8 && kn_q8_supported(w->type)) {
+    if (c->act_q16 && kn_q16_supported(w->type)) {
+        kn_q16_quant_rows(x, m, w->n_cols, side);
+        d->xq16 = side;
+        d->packed = kn_cpu_packed_of(c, w); /* read by 16-row groups */
+        if (d->packed) d->grain = 16;
+    } else if (c->act_q8 && kn_q8_supported(w->type)) {
         kn_q8_quant_rows(w->type, x, m, w->n_cols, side);
         d->xq = side;
         d->packed = kn_cpu_packed_of(c, w); /* K-types: read by 16-row groups */
@@ -611,7 +648,7 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
 
 void kn_cpu_dot_rows(const kn_cpu_dot *d, int64_t r0, int64_t r1)
 {
-    if (d->packed && kn_q8_gemm_supported(d->w)) {
+    if (d->packed && !d->xq16 && kn_q8_gemm_supported(d->w)) {
         /* groups [r0 / 16, ceil(r1 / 16)): r1 is a group's end or n_rows */
         kn_q8_gemm(d->w, d->packed, d->xq, d->m, d->y, 16, r0 / 16, (r1 + 15) / 16, NULL);
         return;
@@ -621,6 +658,7 @@ void kn_cpu_dot_rows(const kn_cpu_dot *d, int64_t r0, int64_t r1)
                       .x = d->x,
                       .xsum = d->xsum,
                       .xq = d->xq,
+                      .xq16 = d->xq16,
                       .packed = d->packed,
                       .m = d->m,
                       .y = d->y};

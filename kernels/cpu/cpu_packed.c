@@ -1,13 +1,14 @@
 /* cpu_packed.c: the weights the engine handed to map_matrix, and the copies the q8 mode
- * packs of them (cpu_q8act.h, kn_q8_pack: the 32-block GEMM's, the K-quant dot's).
+ * packs of them (cpu_q8act.h, kn_q8_pack: the 32-block GEMM's, the K-quant dot's; the q16
+ * mode's dots read the 32-block copies too, cpu_q16act.h).
  *
  * Purpose: a model's weight matrices stay read-only and alive for the engine's life, which
  * the backend's ends with (kn_runtime destroys the engine, then the backend, then the
  * model), so a copy made from one remains valid until kn_cpu_destroy. Only registered
  * matrices are packed: a product over memory nobody registered (tests, tools, scratch) keeps
  * packing per call, so a freed and reused address can never find a stale copy.
- * The copy is made on the first q8 product over the matrix (in the float32 mode it would go
- * unused), with the pool; it costs the matrix's own size once more (the default model:
+ * The copy is made on the first q8 or q16 product over the matrix (in the float32 mode it
+ * would go unused), with the pool; it costs the matrix's own size once more (the default model:
  * 96.6 MB). An allocation that fails is logged once and that matrix packs per call.
  * Threading: the caller's thread only (kn_cpu's one-caller rule), outside pool jobs.
  */

@@ -149,13 +149,6 @@ int kn_q8_gemm_group_rows(void)
 
 /* ---- AVX512-VNNI: groups of 16 rows ---- */
 
-/* Bits 0..3 of each lane of v to bit 4 of bytes 0..3. */
-Q8G_I512 __m512i spread16(__m512i v)
-{
-    v = _mm512_mullo_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_set1_epi32(0x204081));
-    return _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x01010101)), 4);
-}
-
 Q8G_I512 void pack512(td_dtype t, const uint8_t *w, const int32_t *idx, int64_t nb, size_t next,
                       uint8_t *panel)
 {

@@ -1,6 +1,7 @@
 /* cpu_q8vnni.h: the AVX512-VNNI core of the q8 mode's integer GEMMs, shared by the 32-block
- * GEMM (cpu_q8gemm.c) and the K-quant GEMM (cpu_q8kgemm.c): the 4x4 dword transpose that turns
- * 16 rows of W into vectors of 16 lanes, and the microkernel over a panel in the 32-block
+ * GEMM (cpu_q8gemm.c), the K-quant GEMM (cpu_q8kgemm.c) and the q16 mode's dots
+ * (cpu_q16act.c): the 4x4 dword transpose that turns 16 rows of W into vectors of 16 lanes,
+ * Q5_0's fifth bits spread to bytes, and the microkernel over a panel in the 32-block
  * layout (per block of 32 columns: 8 vectors of 16 int32 lanes, lane r of vector t holding
  * elements 4t..4t+3 of row r as unsigned bytes, then 16 float d and 16 float mins), against
  * up to four rows of x quantized to kn_q8b blocks. cpu_q8gemm.c's header comment gives the
@@ -39,6 +40,13 @@ KN_ALWAYS_INLINE int q8g_group_idx(const kn_mat *w, int64_t r0, int G, int32_t *
 KN_ALWAYS_INLINE int q8g_bias(td_dtype t, bool vnni)
 {
     return t == TD_Q4_0 ? 8 : t == TD_Q5_0 ? 16 : t == TD_Q8_0 && vnni ? 128 : 0;
+}
+
+/* Bits 0..3 of each lane of v to bit 4 of bytes 0..3 (Q5_0's fifth bits). */
+Q8G_I512 __m512i spread16(__m512i v)
+{
+    v = _mm512_mullo_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_set1_epi32(0x204081));
+    return _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x01010101)), 4);
 }
 
 /* T[u] lane r = dword u of the 16 bytes at p + off of row r (rows at p + idx[r]). */

@@ -3,10 +3,11 @@
 
 #include "cpu_kquant_internal.h"
 
-/* The 32-block q8 types' integer GEMM slots, all four kernels named after the type. */
+/* The 32-block types' integer slots (the q8 GEMM's four kernels, the q16 dot), named after the
+ * type. */
 #define Q8G_SLOTS(s)                                                                               \
     .q8_gemm512 = kn_q8g_gemm512_##s, .q8_pgemm512 = kn_q8g_pgemm512_##s,                          \
-    .q8_gemm256 = kn_q8g_gemm256_##s, .q8_pack = kn_q8g_pack_##s
+    .q8_gemm256 = kn_q8g_gemm256_##s, .q8_pack = kn_q8g_pack_##s, .q16_dot = kn_q16_dot_##s
 
 static const kn_cpu_traits traits[TD_DTYPE_COUNT] = {
     [TD_F32] = {.dequant = kn_dequant_f32, .dot = kn_cpu_dot_f32},

@@ -4,9 +4,9 @@
  * in every file (ggml's type_traits_cpu does the same).
  *
  * Purpose: adding a weight type, or a path to one, is one entry here plus its kernels; the
- * callers (cpu_quant.c, cpu_matmul.c, cpu_q8act.c, cpu_q8gemm.c, cpu_q8kpack.c) ask the
- * table which kernel takes the type instead of switching on it. Inside a kernel the type is
- * a compile-time constant (kn_q_block_bytes and friends fold away), so those stay tests on t.
+ * callers (cpu_quant.c, cpu_matmul.c, cpu_q8act.c, cpu_q8gemm.c, cpu_q8kpack.c, cpu_q16act.c)
+ * ask the table which kernel takes the type instead of switching on it. Inside a kernel the type
+ * is a compile-time constant (kn_q_block_bytes and friends fold away), so those stay tests on t.
  * Invariants: kn_cpu_traits_of(t) is NULL exactly for the types the backend does not compute
  * with (kn_cpu_type_supported); a supported type always has dequant and dot. The other
  * kernel slots are NULL where the type has no such path (q8 mode, integer GEMM, packing);
@@ -45,6 +45,11 @@ typedef void kn_q8_dot_packed_fn(const kn_mat *w, const void *packed, const void
 typedef void kn_q8_gemm_fn(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
                            int64_t g0, int64_t g1, void *panel);
 
+/* The q16 mode's integer dot (kn_q16_dot's contract, cpu_q16act.h); packed: W packed by
+ * q8_pack (32-block types), or NULL. */
+typedef void kn_q16_dot_fn(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
+                           int64_t r0, int64_t r1);
+
 /* Packs groups [g0, g1) of 16 rows of W for the q8 mode (kn_q8_pack, cpu_q8act.h). */
 typedef void kn_q8_pack_fn(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
 
@@ -60,6 +65,7 @@ typedef struct {
     kn_q8_gemm_fn *q8_pgemm512;         /* VNNI, W packed */
     kn_q8_gemm_fn *q8_gemm256;          /* AVX2 */
     kn_q8_pack_fn *q8_pack;             /* packs W for q8_pgemm512 or q8_dot_packed */
+    kn_q16_dot_fn *q16_dot;             /* q16 mode's dot (32-block types; reads q8_pack's copy) */
 } kn_cpu_traits;
 
 /* The traits of weight type t, or NULL when the CPU backend does not support it. */
@@ -89,5 +95,7 @@ kn_q8_gemm_fn kn_q8g_pgemm512_q4_0, kn_q8g_pgemm512_q4_1, kn_q8g_pgemm512_q5_0,
     kn_q8g_pgemm512_q8_0;
 kn_q8_gemm_fn kn_q8g_gemm256_q4_0, kn_q8g_gemm256_q4_1, kn_q8g_gemm256_q5_0, kn_q8g_gemm256_q8_0;
 kn_q8_pack_fn kn_q8g_pack_q4_0, kn_q8g_pack_q4_1, kn_q8g_pack_q5_0, kn_q8g_pack_q8_0;
+/* cpu_q16act.c */
+kn_q16_dot_fn kn_q16_dot_q4_0, kn_q16_dot_q4_1, kn_q16_dot_q5_0, kn_q16_dot_q8_0;
 
 #endif

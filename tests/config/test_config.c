@@ -433,6 +433,10 @@ static void test_good_file(void)
                             sizeof err) == 0);
     TH_CHECK(c->cpu_act == TD_CFG_ACT_Q8 && !strcmp(td_cfg_act_name(c->cpu_act), "q8"));
     td_cfg_free(c);
+    TH_REQUIRE(td_cfg_parse(MIN "cpu_act: q16\n", strlen(MIN "cpu_act: q16\n"), "q16", &c, err,
+                            sizeof err) == 0);
+    TH_CHECK(c->cpu_act == TD_CFG_ACT_Q16 && !strcmp(td_cfg_act_name(c->cpu_act), "q16"));
+    td_cfg_free(c);
     TH_REQUIRE(td_cfg_parse(MIN "cpu_act: f32\n", strlen(MIN "cpu_act: f32\n"), "f32", &c, err,
                             sizeof err) == 0);
     TH_CHECK(c->cpu_act == TD_CFG_ACT_F32 && !strcmp(td_cfg_act_name(c->cpu_act), "f32"));

@@ -515,8 +515,9 @@ static void test_staged_pool(void)
     kn_backend_destroy(&be);
 }
 
-/* kn_backend_options.cpu_act (the YAML's cpu_act): sets the mode of cpu and cpu-dev over
- * TANDEM_CPU_ACT, NULL leaves the variable's; a bad value, or one for cuda, is TD_EINVAL */
+/* kn_backend_options.cpu_act (the YAML's cpu_act: f32, q8, q16): sets the mode of cpu and
+ * cpu-dev over TANDEM_CPU_ACT, NULL leaves the variable's; a bad value, or one for cuda, is
+ * TD_EINVAL */
 static void test_cpu_act(void)
 {
     const char *names[] = {"cpu", "cpu-dev"};
@@ -537,6 +538,15 @@ static void test_cpu_act(void)
         b.ops->describe(b.ctx, d, sizeof d);
         TH_CHECKF(strstr(d, "q8 activations"), "%s: %s", names[k], d);
         if (k == 0) TH_CHECK(kn_cpu_act_q8(b.ctx));
+        kn_backend_destroy(&b);
+        TH_REQUIRE(kn_backend_create(names[k], &(kn_backend_options){.cpu_act = "q16"}, &b) == 0);
+        b.ops->describe(b.ctx, d, sizeof d);
+        TH_CHECKF(strstr(d, "q16 activations"), "%s: %s", names[k], d);
+        if (k == 0) {
+            kn_compute_info ci;
+            kn_backend_compute_info(b, &ci);
+            TH_CHECK(kn_cpu_act(b.ctx) == KN_CPU_ACT_Q16 && !strcmp(ci.act, "q16"));
+        }
         kn_backend_destroy(&b);
         TH_CHECK(kn_backend_create(names[k], &(kn_backend_options){.cpu_act = "q4"}, &b) ==
                      TD_EINVAL &&

@@ -2,9 +2,9 @@
  * unfused ops they replace, bit for bit: matmul_multi against one matmul_mixed per matrix,
  * glu_ffn against gate and up matmul_mixed and swiglu/geglu, matmul_add against matmul_mixed
  * and add, experts_ffn against glu_ffn and matmul_mixed per group; weight types with and without
- * block sums, mixed types in one call, the q8 activation mode, solo and batch rows, the gemm
- * path, 1-3 threads; bad arguments; in the q8 mode, weights packed for the integer GEMM
- * (map_matrix) fused at m <= 4 (one dispatch, the bits of per-call packing). With a model file
+ * block sums, mixed types in one call, the q8 and q16 activation modes, solo and batch rows, the
+ * gemm path, 1-3 threads; bad arguments; in the q8 and q16 modes, weights packed for the integer
+ * GEMM (map_matrix) fused at m <= 4 (one dispatch, the bits of per-call packing). With a model file
  * (argv[1]), the engine's logits with the fused ops equal those with TANDEM_CPU_FUSED=0 over
  * prefills (dot and gemm path), decode steps and a mixed step. */
 #include <math.h>
@@ -17,6 +17,7 @@
 #include "cpu_backend.h"
 #include "cpu_internal.h"
 #include "cpu_pool.h"
+#include "cpu_q16act.h"
 #include "cpu_q8act.h"
 #include "kn_backends.h"
 #include "kv_mem.h"
@@ -140,6 +141,11 @@ static void test_multi(void)
         kn_cpu_set_act_q8(cpus[t], true);
         check_multi(cpus[t], 3, same[2], rows, 512, 1, 1);
         check_multi(cpus[t], 3, same[1], rows, 512, 4, 2);
+        /* the q16 mode: 32-block types quantized once, the K-types float32 */
+        kn_cpu_set_act(cpus[t], KN_CPU_ACT_Q16);
+        check_multi(cpus[t], 3, same[2], rows, 512, 1, 1);
+        check_multi(cpus[t], 3, same[0], rows, 512, 5, 2);
+        check_multi(cpus[t], 3, same[1], rows, 512, 70, 4);
         kn_cpu_set_act_q8(cpus[t], false);
     }
 }
@@ -188,6 +194,10 @@ static void test_glu(void)
     kn_cpu_set_act_q8(cpus[1], true);
     check_glu(cpus[1], TD_Q4_K, TD_Q4_K, 392, 512, 1, 1, false);
     check_glu(cpus[1], TD_Q8_0, TD_Q8_0, 392, 512, 3, 3, false);
+    kn_cpu_set_act(cpus[1], KN_CPU_ACT_Q16);
+    check_glu(cpus[1], TD_Q4_1, TD_Q4_1, 392, 512, 1, 1, false);
+    check_glu(cpus[1], TD_Q8_0, TD_Q4_1, 100, 512, 5, 2, true);
+    check_glu(cpus[1], TD_Q4_1, TD_Q4_1, 392, 256, 66, 3, false);
     kn_cpu_set_act_q8(cpus[1], false);
 }
 
@@ -246,6 +256,9 @@ static void test_experts(void)
     kn_cpu_set_act_q8(cpus[1], true); /* unpacked: the q8 GEMM's panel case runs inside too */
     check_experts(cpus[1], 4, m1, s1, false);
     check_experts(cpus[1], 5, m2, s2, false);
+    kn_cpu_set_act(cpus[1], KN_CPU_ACT_Q16);
+    check_experts(cpus[1], 4, m1, s1, false);
+    check_experts(cpus[1], 5, m2, s2, true);
     kn_cpu_set_act_q8(cpus[1], false);
 }
 
@@ -432,6 +445,19 @@ static void test_packed(void)
     const int64_t odd[2] = {200, 200};
     check_packed(OP_GLU, 2, sets[0], odd, 256, 1, 2);
     check_packed(OP_GLU, 2, sets[3], odd, 256, 3, 3);
+    /* the q16 mode reads the same packed copies (K-types: the float32 dot) */
+    for (int t = 0; t < 3; t++) {
+        kn_cpu_set_act(packed[t], KN_CPU_ACT_Q16);
+        kn_cpu_set_act(per_call[t], KN_CPU_ACT_Q16);
+    }
+    for (int t = 1; t <= 3; t++)
+        for (size_t s = 0; s < sizeof sets / sizeof *sets; s++)
+            for (size_t i = 0; i < sizeof ms / sizeof *ms; i += 2) {
+                check_packed(OP_MULTI, 3, sets[s], rows, 512, ms[i], t);
+                check_packed(OP_GLU, 2, sets[s], glu_rows, 256, ms[i], t);
+                check_packed(OP_ADD, 1, sets[s], rows, 512, ms[i], t);
+            }
+    check_packed(OP_GLU, 2, sets[0], odd, 256, 1, 2);
     for (int t = 0; t < 3; t++) {
         kn_cpu_destroy(packed[t]);
         kn_cpu_destroy(per_call[t]);
@@ -449,12 +475,12 @@ typedef struct {
     kn_engine *eng;
     kn_kv_mem *mem;
     kn_kv_seq seq[3];
-    kn_backend_ops no_map;     /* the table without map_matrix, when rig_open's q8 is 2 */
+    kn_backend_ops no_map;     /* the table without map_matrix, when rig_open's q8 is 2 or 4 */
     const kn_backend_ops *own; /* the backend's own table, put back at rig_close */
 } rig;
 
 /* q8: 0 the float32 path; 1 the q8 mode; 2 the q8 mode on a table without map_matrix (the
- * engine names no weights, so nothing is packed). */
+ * engine names no weights, so nothing is packed); 3 and 4 the same with the q16 mode. */
 static int rig_open(rig *r, const char *fused, int q8)
 {
     memset(r, 0, sizeof *r);
@@ -462,9 +488,11 @@ static int rig_open(rig *r, const char *fused, int q8)
     int rc = kn_backend_create("cpu", &(kn_backend_options){.n_threads = 2}, &r->be);
     unsetenv("TANDEM_CPU_FUSED");
     if (rc) return rc;
-    kn_cpu_set_act_q8(kn_cpu_of(r->be), q8 > 0);
+    kn_cpu_set_act(kn_cpu_of(r->be), q8 == 0   ? KN_CPU_ACT_F32
+                                     : q8 <= 2 ? KN_CPU_ACT_Q8
+                                               : KN_CPU_ACT_Q16);
     r->own = r->be.ops;
-    if (q8 == 2) {
+    if (q8 == 2 || q8 == 4) {
         r->no_map = *r->be.ops;
         r->no_map.map_matrix = NULL;
         r->be.ops = &r->no_map;
@@ -577,37 +605,51 @@ static bool model_has_packable(void)
     return false;
 }
 
-/* The q8 mode through the engine, which names its weights to the backend (map_matrix): the
- * integer GEMM reads packed copies of the Q4_0, Q4_1, Q5_0 and Q8_0 matrices and must give the
- * logits of per-call packing (the same engine on a table without map_matrix) and, fused, those
- * of the unfused ops (TANDEM_CPU_FUSED=0). */
-static void test_engine_q8_packed(void)
+/* The q8 (q16) mode through the engine, which names its weights to the backend (map_matrix): the
+ * integer GEMM (dots) read packed copies of the Q4_0, Q4_1, Q5_0 and Q8_0 matrices and must give
+ * the logits of per-call packing (unpacked rows: the same engine on a table without map_matrix)
+ * and, fused, those of the unfused ops (TANDEM_CPU_FUSED=0). */
+static void check_engine_packed(int q16)
 {
     const int nv = model->hp.n_vocab;
     const size_t n = (size_t)32 * nv;
     float *a = calloc(n, 4), *b = calloc(n, 4);
     rig r1, r2;
-    TH_REQUIRE(a && b && rig_open(&r1, "1", 1) == 0 && rig_open(&r2, "1", 2) == 0);
+    TH_REQUIRE(a && b && rig_open(&r1, "1", 1 + 2 * q16) == 0 &&
+               rig_open(&r2, "1", 2 + 2 * q16) == 0);
     int na = 0, nb = 0;
     TH_CHECK(run(&r1, a, &na) == 0);
     TH_CHECK(run(&r2, b, &nb) == 0);
     TH_CHECK(na == nb && na > 0);
-    TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "q8 logits with packed weights differ");
+    TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "q%d logits with packed weights differ",
+              q16 ? 16 : 8);
     /* and the fused ops on packed weights (decode rows) give the unfused sequence's logits */
     rig r3;
     int nc = 0;
-    TH_REQUIRE(rig_open(&r3, "0", 1) == 0);
+    TH_REQUIRE(rig_open(&r3, "0", 1 + 2 * q16) == 0);
     TH_CHECK(run(&r3, b, &nc) == 0);
     TH_CHECK(nc == na);
-    TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "q8 fused logits differ from unfused");
+    TH_CHECKF(!memcmp(a, b, (size_t)na * nv * 4), "q%d fused logits differ from unfused",
+              q16 ? 16 : 8);
     rig_close(&r3);
     const size_t packed = kn_cpu_packed_bytes(kn_cpu_of(r1.be));
-    fprintf(stderr, "q8 mode: %zu bytes of packed weights (%s)\n", packed, kn_q8_gemm_isa());
+    fprintf(stderr, "%s mode: %zu bytes of packed weights (%s)\n", q16 ? "q16" : "q8", packed,
+            q16 ? kn_q16_isa() : kn_q8_gemm_isa());
     TH_CHECK(kn_q8_gemm_group_rows() != 16 || packed > 0 || !model_has_packable());
     rig_close(&r1);
     rig_close(&r2);
     free(a);
     free(b);
+}
+
+static void test_engine_q8_packed(void)
+{
+    check_engine_packed(0);
+}
+
+static void test_engine_q16_packed(void)
+{
+    check_engine_packed(1);
 }
 
 int main(int argc, char **argv)
@@ -635,6 +677,7 @@ int main(int argc, char **argv)
         }
         TH_RUN(test_engine_fused_equals_unfused);
         TH_RUN(test_engine_q8_packed);
+        TH_RUN(test_engine_q16_packed);
         kn_model_destroy(model);
         td_gguf_close(g);
     }

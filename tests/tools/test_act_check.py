@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""test_act_check.py: cpu_act auto measures, per model, whether the q8 activation mode keeps
-the model's greedy answers, caches the verdict, and serves in the mode it chose
-(kernels/act_check.h).
+"""test_act_check.py: cpu_act auto measures, per model, whether the q8 activation mode (else
+the q16 one) keeps the model's greedy answers, caches the verdict, and serves in the mode it
+chose (kernels/act_check.h).
 
   --cache MODEL    the verdict's cache on any model (a synthetic one under ASan: the check is
                    the same code whatever the model): measured once, then read; a damaged file
                    is refused and measured again; two processes that start together measure
                    once (the lock); TANDEM_CPU_ACT with an unknown value is an error
   --default MODEL  the default model (SmolLM2-135M Q4_1) answers the quick start's question
-                   wrongly in q8: auto chooses f32, and the answer is "Paris"
+                   wrongly in q8 and as float32 does in q16: auto chooses q16, and the answer
+                   is "Paris"
   --qwen MODEL     Qwen2.5-Coder 0.5B: every prompt agrees, auto chooses q8
 tests/cli.cmake runs --cache under ASan (cli_act_check) and the two real files' verdicts in
 Release (cli_act_check_models), where their forward passes take seconds, not a minute.
@@ -24,7 +25,7 @@ import tempfile
 ap = argparse.ArgumentParser()
 ap.add_argument("tandem")
 ap.add_argument("--cache", default="", help="model for the cache cases")
-ap.add_argument("--default", default="", help="the default model (its f32 verdict)")
+ap.add_argument("--default", default="", help="the default model (its q16 verdict)")
 ap.add_argument("--qwen", default="", help="Qwen2.5-Coder 0.5B (its q8 verdict)")
 ARGS = ap.parse_args()
 BIN = ARGS.tandem
@@ -52,7 +53,7 @@ def generate(cache, model, act="auto", wait=True):
 
 def chosen(err):
     """The mode auto chose, from its log line ("cpu_act auto: f32 (...)"), or None."""
-    m = re.search(r"cpu_act auto: (f32|q8)\b", err)
+    m = re.search(r"cpu_act auto: (f32|q8|q16)\b", err)
     return m.group(1) if m else None
 
 
@@ -63,7 +64,7 @@ def cache_cases(tmp, model):
     check(rc == 0 and mode is not None and "comparing" in err,
           f"auto measures and chooses a mode ({mode})", err[-1500:])
     files = glob.glob(os.path.join(cache, "act", "*.act"))
-    want = "\nq8 %d\n" % (mode == "q8")
+    want = "\nact %s\n" % mode
     check(len(files) == 1 and want in open(files[0]).read(), "the verdict is cached",
           str(files))
     if len(files) != 1:
@@ -74,7 +75,7 @@ def cache_cases(tmp, model):
           "a second start reads the cache", err[-1500:])
 
     text = open(files[0]).read()
-    flipped = "q8 %d" % (mode != "q8")
+    flipped = "act %s" % ("f32" if mode != "f32" else "q8")
     with open(files[0], "w") as f:
         f.write(text.replace(want.strip(), flipped))  # a verdict changed by hand: the checksum
     rc, out, err = generate(cache, model)
@@ -103,8 +104,8 @@ with tempfile.TemporaryDirectory() as tmp:
         cache_cases(tmp, ARGS.cache)
     if ARGS.default:
         rc, out, err = generate(os.path.join(tmp, "default"), ARGS.default)
-        check(rc == 0 and chosen(err) == "f32" and "Paris" in out,
-              "default model: auto chooses f32 (q8 answers the quick start's question wrongly)"
+        check(rc == 0 and chosen(err) == "q16" and "Paris" in out,
+              "default model: auto chooses q16 (q8 answers the quick start's question wrongly)"
               " and the answer is Paris", err[-1500:] + out)
     if ARGS.qwen:
         rc, out, err = generate(os.path.join(tmp, "qwen"), ARGS.qwen)
