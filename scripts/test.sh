@@ -165,7 +165,8 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   KVX_SRC=(kvxfer/kvx_conn.c kvxfer/kvx_conn_pf.c kvxfer/kvx_conn_put.c kvxfer/kvx_conn_dec.c
            kvxfer/kvx_lookup.c kvxfer/kvx_pipe.c kvxfer/kvx_pipe_fake.c)
   TOK_SRC=(common/tokenizer.c common/tok_pretok.c common/tok_decode.c common/tok_vocab.c
-           common/tok_special.c common/tok_unicode.c common/tok_wpm.c common/gguf.c common/td_dtype.c)
+           common/tok_special.c common/tok_unicode.c common/tok_wpm.c common/tok_ugm.c common/gguf.c
+           common/td_dtype.c)
   GR_SRC=(grammar/gr_schema.c grammar/gr_match.c grammar/gr_vocab.c grammar/gr_tok.c)
   JN_SRC=(jinja/jn_value.c jinja/jn_lex.c jinja/jn_parse.c jinja/jn_parse_stmt.c jinja/jn_eval.c
           jinja/jn_filters.c jinja/jn_methods.c jinja/jn_chat.c)

@@ -12,7 +12,7 @@
  * (dst u8, length u16 LE, bytes) of messages; a short input simply ends early.
  *   flags & 3   0: P gets D's real target; 1: the bytes as a whole target blob; 2: the
  *               bytes are a target payload the harness frames (magic, version, kind,
- *               length, checksum) after filling placeholders: epoch 0, connector id 0,
+ *               length, checksum) after filling placeholders: epoch 0, key 0, connector id 0,
  *               base and region bytes all-ones -> D's; address length 0xffffffff -> D's address;
  *               then rkey length 0xffffffff -> D's rkey. (Random bytes would otherwise
  *               almost never pass the checksum or reach the peer.)
@@ -20,7 +20,8 @@
  *   flags & 8   finish the prefill request
  *   flags & 16  abort the decode request after the messages; flags & 32: the prefill one
  *   dst & 1     0: message to D; 1: to P. dst & 2: fill placeholders: magic 0 -> the
- *               message magic, epoch 0 -> D's request epoch, connector id 0 -> D's,
+ *               message magic, epoch 0 -> D's request epoch, key 0 -> its key (without
+ *               which D drops the message), connector id 0 -> D's,
  *               address length 0xffffffff -> X's address, 0xfffffffe -> P's.
  *
  * Oracle: no crash, leak or out-of-bounds access; every put P issues lands inside the
@@ -236,9 +237,9 @@ static const kvx_layout LAYOUT = {.layer0 = 0,
                                   .n_blocks = N_BLOCKS};
 
 /* target payload offsets (kvx_dec_make_target's order) */
-enum { T_EPOCH = 8, T_UID = 16, T_BASE = 72, T_BYTES = 80, T_ADDR_LEN = 88 };
+enum { T_EPOCH = 8, T_KEY = 16, T_UID = 32, T_BASE = 88, T_BYTES = 96, T_ADDR_LEN = 104 };
 /* message offsets (msg_encode's order) */
-enum { M_EPOCH = 16, M_UID = 24, M_ADDR_LEN = 56, M_HDR = 60 };
+enum { M_EPOCH = 16, M_KEY = 24, M_UID = 40, M_ADDR_LEN = 72, M_HDR = 76 };
 
 typedef struct {
     kvx_fake_fabric *fab;
@@ -250,6 +251,7 @@ typedef struct {
     uint8_t tgt[512]; /* D's real target for request 1 */
     size_t tgt_len;
     uint64_t epoch, uid, base, bytes;
+    uint8_t key[16]; /* D's request key (the real target's) */
     const uint8_t *d_addr, *d_rkey;
     uint32_t d_addr_len, d_rkey_len;
     uint8_t x_addr[KVX_ADDR_MAX], p_addr[KVX_ADDR_MAX];
@@ -298,6 +300,7 @@ static int world_init(world *w)
     /* what the placeholders stand for, read back from the real target */
     const uint8_t *pl = w->tgt + KVX_FRAME_HDR;
     w->epoch = get64(pl + T_EPOCH);
+    memcpy(w->key, pl + T_KEY, sizeof w->key);
     w->uid = get64(pl + T_UID);
     w->base = get64(pl + T_BASE);
     w->bytes = get64(pl + T_BYTES);
@@ -337,6 +340,7 @@ static size_t make_target(world *w, const uint8_t *pl, size_t n, uint8_t *out, s
     len = n;
     if (len >= T_ADDR_LEN) {
         if (!get64(buf + T_EPOCH)) put64(buf + T_EPOCH, w->epoch);
+        if (!get64(buf + T_KEY) && !get64(buf + T_KEY + 8)) memcpy(buf + T_KEY, w->key, 16);
         if (!get64(buf + T_UID)) put64(buf + T_UID, w->uid);
         if (get64(buf + T_BASE) == UINT64_MAX) put64(buf + T_BASE, w->base);
         if (get64(buf + T_BYTES) == UINT64_MAX) put64(buf + T_BYTES, w->bytes);
@@ -371,6 +375,8 @@ static void send_msg(world *w, uint8_t dst, const uint8_t *b, size_t n)
     if (dst & 2) {
         if (len >= 4 && !get32(buf)) put32(buf, KVX_MAGIC_MSG);
         if (len >= M_EPOCH + 8 && !get64(buf + M_EPOCH)) put64(buf + M_EPOCH, w->epoch);
+        if (len >= M_KEY + 16 && !get64(buf + M_KEY) && !get64(buf + M_KEY + 8))
+            memcpy(buf + M_KEY, w->key, 16);
         if (len >= M_UID + 8 && !get64(buf + M_UID)) put64(buf + M_UID, w->uid);
         if (len >= M_HDR) {
             uint32_t l = get32(buf + M_ADDR_LEN);
