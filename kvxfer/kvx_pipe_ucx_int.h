@@ -47,13 +47,13 @@ typedef struct {
 
 typedef struct {
     kvxi_ucx_pipe *pipe;
-    ucp_ep_h ep;       /* NULL once closed */
-    int status;        /* 0 or the error it failed with */
-    bool used;         /* slot taken (until disconnect) */
-    bool err_pending;  /* failed, peer_err_cb not yet delivered */
-    bool close_needed; /* failed, ep still to be force-closed */
-    int pidfd;         /* shared-memory mode: the peer process (readable once it exited) */
-    uint32_t pid;      /* ... and its pid (cma writes) */
+    ucp_ep_h ep;        /* NULL once closed */
+    int status;         /* 0 or the error it failed with */
+    bool used;          /* slot taken (until disconnect) */
+    bool err_pending;   /* failed, peer_err_cb not yet delivered */
+    bool close_needed;  /* failed, ep still to be force-closed */
+    int pidfd;          /* shared-memory mode: the peer process (readable once it exited) */
+    uint32_t pid;       /* ... and its pid (cma writes) */
     kvxi_cma_queue *cq; /* ... the puts not yet written (NULL until the first) */
     bool am;            /* a key of it wants amputs: flushes are amflushes too */
 } kvxi_ucx_peer;
