@@ -468,7 +468,7 @@ int rt_chat_tmpl_init_text(rt_chat_tmpl *t, const char *text, size_t len, char *
     snprintf(t->source, sizeof t->source, "a template text");
     int rc = compile(&t->main, text, len, "the chat template", err, cap);
     t->reads_tools = !rc && jn_template_reads(t->main, "tools");
-    t->thinks = !rc && rt_reason_template(text, len);
+    t->thinks = rc ? RT_REASON_NONE : rt_reason_template(text, len);
     t->tool_fmt = rt_toolfmt_detect(text, len);
     return rc;
 }
