@@ -115,7 +115,7 @@ static int add(rt_router *r, const Td__Join *j, int64_t now, char *err, size_t c
     }
     rt_inst *s = pf ? &r->reg.pf[k] : &r->reg.inst[k];
     s->last_join_ms = now;
-    s->draining = j->leaving;
+    s->draining = s->left = j->leaving;
     TD_LOG_INFO("router: %s instance %s joined at %s (template %s, %s %d)",
                 pf ? "prefill" : "decode", s->name, s->url,
                 j->template_name && *j->template_name ? j->template_name : "-", pf ? "pp" : "tp",
@@ -154,6 +154,7 @@ static int on_join(rt_router *r, const Td__Join *j, int64_t now, char *err, size
         TD_LOG_INFO("router: %s instance %s is leaving: no new requests go to it",
                     pf ? "prefill" : "decode", s->name);
     if (j->leaving) s->draining = true;
+    s->left = j->leaving;
     if (strcmp(s->url, j->url)) {
         char why[200];
         snprintf(why, sizeof why, "%s instance %s moved to %s", pf ? "prefill" : "decode", s->name,

@@ -155,7 +155,7 @@ void rt_reg_vacate(rt_inst *s)
     free(s->orphans);
     s->orphans = NULL;
     s->n_orphans = s->cap_orphans = 0;
-    s->alive = s->ready = s->draining = false;
+    s->alive = s->ready = s->draining = s->left = false;
     s->hb_call = 0;
     s->vacant = true;
 }
@@ -273,7 +273,7 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         if (h->draining && !s->draining)
             TD_LOG_INFO("router: %s instance %s is leaving: no new requests go to it",
                         s->pcfg ? "prefill" : "decode", s->name);
-        s->draining = h->draining;
+        s->draining = h->draining || s->left;
         if (s->pcfg && h->role != TD__ROLE__ROLE_PREFILL) {
             /* a decode leader on a prefill port would take Prefill for Submit: never use it */
             if (!s->role_warned)

@@ -70,6 +70,8 @@ typedef struct {
     bool joined;                        /* added by a Join, not from the YAML */
     bool vacant;                        /* a forgotten joined instance's slot: no client */
     bool draining;                      /* leaving (Health.draining, Join.leaving): nothing new */
+    bool left;                          /* its last Join said it leaves: a Health it sent before
+                                           (draining false) does not undo that, a Join does */
     int64_t last_join_ms;               /* its last Join, 0: none */
     char name_buf[TD_CFG_NAME_MAX + 1]; /* a joined instance's name (name points here) */
     td_cfg_decode join_cfg;             /* a joined decode instance's settings (cfg points here:
