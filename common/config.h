@@ -185,6 +185,9 @@ typedef struct {
     /* false: one thing after another; true: rank 0 streams a step's tokens and serves its
      * inbox while the next step computes (docs/config.md) */
     bool overlap;
+    /* false: every step computes with `threads`; true: each step's threads (threads, or fewer)
+     * chosen from measured step times (decode-node/dc_threads.h, docs/config.md) */
+    bool adaptive_threads;
     /* 0: SIGTERM ends the requests in flight at once with ERR_SHUTDOWN (the router moves
      * them); > 0: they may finish for up to this long first, no new ones taken (docs/config.md) */
     int drain_timeout_ms;

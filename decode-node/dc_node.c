@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include "act_check.h"
+#include "cpu_backend.h"
+#include "cpu_pool.h"
 #include "dc_node_int.h"
 #include "dc_plan.h"
 #include "kn_backends.h"
@@ -192,6 +194,13 @@ static void drop_kv(dc_node *n)
                     n->p->rank, strerror(errno));
 }
 
+/* The CPU pool's threads for the next forward pass (0: as configured; dc_threads.h). */
+static void use_threads(dc_node *n, int threads)
+{
+    kn_cpu *c = kn_cpu_of(n->proc.rt.be);
+    if (c) kn_pool_set_limit(kn_cpu_pool(c), threads > 0 ? threads : kn_cpu_n_threads(c));
+}
+
 /* ---- follower ---- */
 
 /* Run the leader's plans until this formation ends: DC_SHM_STOP (the leader stopped it),
@@ -219,6 +228,7 @@ static int follower_steps(dc_node *n)
             if (rc || (rc = dc_tier_copy_barrier(n))) break;
             continue;
         }
+        use_threads(n, v.threads);
         if ((rc = kn_engine_forward(n->proc.rt.engine, dc_kv(n), &v.batch, NULL))) {
             if (!*n->p->stop)
                 TD_LOG_ERR("decode %s rank %d: step %llu failed: %s", n->p->instance, n->p->rank,
@@ -404,6 +414,17 @@ static int leader_init(dc_node *n)
                     "tokens a step, %s",
                     n->p->instance, spec->ngram_min, spec->ngram_max, spec->max_tokens,
                     spec->adaptive ? "adaptive" : "pinned");
+    bool adaptive = n->dcfg->adaptive_threads && n->dcfg->threads > 1;
+    if (adaptive && !kn_cpu_of(n->proc.rt.be)) {
+        TD_LOG_WARN("decode %s: decode[].adaptive_threads: the %s backend has no CPU threads to "
+                    "choose: off",
+                    n->p->instance, n->proc.rt.be.ops->name);
+        adaptive = false;
+    }
+    dc_threads_init(&n->leader.threads, n->dcfg->threads, adaptive);
+    if (adaptive)
+        TD_LOG_INFO("decode %s: each step's threads (%d or fewer) chosen from measured step times",
+                    n->p->instance, n->dcfg->threads);
     n->leader.logits =
         malloc((size_t)n->dcfg->max_batch * (size_t)n->proc.rt.model->hp.n_vocab * sizeof(float));
     if (!n->leader.logits) return TD_ENOMEM;
@@ -562,9 +583,11 @@ static int step_begin(dc_node *n, step_run *sr)
     size_t cap, len;
     int nc, rc = dc_shm_plan_begin(n->form.shm, &buf, &cap);
     const kn_kv_tier_op *copies = dc_tier_pending(n, &nc);
+    int threads = dc_threads_next(&n->leader.threads);
     if (!rc)
-        rc = dc_plan_encode(&sr->st.batch, copies, nc, dc_kv(n)->block_size, n->stats.step, buf,
-                            cap, &len);
+        rc = dc_plan_encode(&sr->st.batch, copies, nc, dc_kv(n)->block_size, n->stats.step, threads,
+                            buf, cap, &len);
+    use_threads(n, threads);
     if (!rc && sr->st.batch.n_logits > n->leader.logit_rows)
         rc = grow_logits(n, sr->st.batch.n_logits);
     if (!rc) rc = dc_shm_plan_commit(n->form.shm, len);
@@ -591,7 +614,9 @@ static int step_end(dc_node *n, step_run *sr, int rc)
     n->stats.ns_commit += t1 - t_commit;
     /* the whole step, as its decodes wait for it: the cost model behind itl_target_ms */
     if (!rc) {
-        dc_sched_observe(n->leader.sched, (double)(t1 - sr->t_plan) / 1e6);
+        double ms = (double)(t1 - sr->t_plan) / 1e6;
+        dc_threads_observe(&n->leader.threads, ms, dc_sched_predict_ms(n->leader.sched));
+        dc_sched_observe(n->leader.sched, ms);
         n->stats.step_hist[td_step_hist_bucket((double)(t1 - sr->t_plan) / 1e9)]++;
         n->stats.step_us += (uint64_t)(t1 - sr->t_plan) / 1000u;
     }
@@ -875,6 +900,16 @@ static void leader_stop(dc_node *n)
                 (unsigned long long)ss.n_gather,
                 ss.n_gather ? (double)ss.ns_gather / (double)ss.n_gather / 1e3 : 0.0,
                 (unsigned long long)st.preemptions, n->life.formations);
+    const dc_threads *th = &n->leader.threads;
+    if (th->n_levels > 1 && th->steps) {
+        char buf[256];
+        size_t off = 0;
+        for (int i = 0; i < th->n_levels && off < sizeof buf; i++)
+            off += (size_t)snprintf(buf + off, sizeof buf - off, "%s%d: %.1f%%", i ? ", " : "",
+                                    dc_threads_of(th, i), 100.0 * (double)th->at[i] / th->steps);
+        TD_LOG_INFO("decode %s: steps by compute threads (decode[].adaptive_threads) %s",
+                    n->p->instance, buf);
+    }
     if (st.spec_drafts)
         TD_LOG_INFO("decode %s: speculation: %llu verifications, %llu proposed tokens, %llu "
                     "accepted (%.1f%%), %.2f tokens per verification; step cost model: %.2f ms "

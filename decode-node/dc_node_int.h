@@ -32,6 +32,7 @@
 #include "gr_grammar.h"
 #include "dc_shm.h"
 #include "dc_xfer.h"
+#include "dc_threads.h"
 #include "gguf.h"
 #include "kn_runtime.h"
 #include "kv_mem.h"
@@ -128,6 +129,7 @@ typedef struct {
     gr_cache *grammars; /* compiled grammars by schema text */
     float *logits;      /* (logit_rows, n_vocab) */
     int logit_rows;     /* max_batch; grown on demand for prompt logprobs (a row per token) */
+    dc_threads threads; /* each step's compute threads (decode[].adaptive_threads) */
 } dc_leader;
 
 /* The leader's control plane. Owner dc_serve.c (dc_serve_init/fini; the inbox, the sink). */

@@ -1,6 +1,7 @@
 /* dc_plan.c: flat encoding of a step's batch:
  *   u32 magic 'TDPL', u32 kind, u64 step, i32 n_tokens, i32 n_seqs, i32 n_solo, i32 n_logits,
- *   i32 n_copies, n_copies x (i32 kind, i32 slot, i32 block) (the tier copies, in order),
+ *   i32 n_copies, i32 threads (0: as configured),
+ *   n_copies x (i32 kind, i32 slot, i32 block) (the tier copies, in order),
  *   i32 tokens[n_tokens], i32 pos[n_tokens], i32 seq_of[n_tokens], i32 logit_rows[n_logits],
  *   per sequence: i32 n_ctx, then i32 blocks[ceil(n_ctx / block_size)]
  * The ranks of an instance share a host, so byte order is the host's. */
@@ -12,7 +13,7 @@
 #include "td_err.h"
 
 #define PLAN_MAGIC   0x4c504454u /* "TDPL" */
-#define HEADER_BYTES 36
+#define HEADER_BYTES 40
 #define COPY_BYTES   12
 
 static int blocks_for(int32_t n_ctx, int block_size)
@@ -37,7 +38,7 @@ static void put(uint8_t **p, const void *src, size_t n)
 }
 
 int dc_plan_encode(const kn_batch *b, const kn_kv_tier_op *copies, int n_copies, int block_size,
-                   uint64_t step, void *buf, size_t cap, size_t *len)
+                   uint64_t step, int threads, void *buf, size_t cap, size_t *len)
 {
     size_t need = dc_plan_size(b, n_copies, block_size);
     if (need > cap) {
@@ -49,7 +50,7 @@ int dc_plan_encode(const kn_batch *b, const kn_kv_tier_op *copies, int n_copies,
     uint32_t magic = PLAN_MAGIC, kind = b          ? DC_PLAN_RUN
                                         : n_copies ? DC_PLAN_COPY
                                                    : DC_PLAN_SHUTDOWN;
-    int32_t nc = n_copies;
+    int32_t nc = n_copies, th = threads;
     int32_t nt = b ? (int32_t)b->n_tokens : 0, ns = b ? b->n_seqs : 0;
     int32_t solo = b ? (int32_t)b->n_solo : 0, nl = b ? b->n_logits : 0;
     put(&p, &magic, 4);
@@ -60,6 +61,7 @@ int dc_plan_encode(const kn_batch *b, const kn_kv_tier_op *copies, int n_copies,
     put(&p, &solo, 4);
     put(&p, &nl, 4);
     put(&p, &nc, 4);
+    put(&p, &th, 4);
     for (int i = 0; i < nc; i++) {
         put(&p, &copies[i].kind, 4);
         put(&p, &copies[i].slot, 4);
@@ -101,7 +103,7 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
 {
     const uint8_t *p = buf, *end = p + len;
     uint32_t magic, kind;
-    int32_t nt, ns, solo, nl, nc;
+    int32_t nt, ns, solo, nl, nc, th;
     if (len < HEADER_BYTES) return bad("shorter than its header");
     memcpy(&magic, p, 4);
     memcpy(&kind, p + 4, 4);
@@ -111,8 +113,11 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
     memcpy(&solo, p + 24, 4);
     memcpy(&nl, p + 28, 4);
     memcpy(&nc, p + 32, 4);
+    memcpy(&th, p + 36, 4);
     p += HEADER_BYTES;
     if (magic != PLAN_MAGIC) return bad("bad magic");
+    if (th < 0) return bad("a negative thread count");
+    v->threads = th;
     v->n_copies = 0;
     v->copies = NULL;
     if (kind == DC_PLAN_SHUTDOWN) {

@@ -32,14 +32,16 @@ enum { DC_PLAN_RUN = 1, DC_PLAN_SHUTDOWN = 2, DC_PLAN_COPY = 3 };
 size_t dc_plan_size(const kn_batch *b, int n_copies, int block_size);
 /* Encode b with the leader's tier copies (kind DC_PLAN_RUN: every rank makes the copies, in
  * order, before it computes b), or the copies alone (b NULL, n_copies > 0: DC_PLAN_COPY), or
- * a shutdown (b NULL, no copies) into buf; *len = bytes used. TD_ERANGE if cap is too
- * small. */
+ * a shutdown (b NULL, no copies) into buf; *len = bytes used. threads: the compute threads
+ * every rank runs the step with (dc_threads.h; 0: each its configured count). TD_ERANGE if
+ * cap is too small. */
 int dc_plan_encode(const kn_batch *b, const kn_kv_tier_op *copies, int n_copies, int block_size,
-                   uint64_t step, void *buf, size_t cap, size_t *len);
+                   uint64_t step, int threads, void *buf, size_t cap, size_t *len);
 
 typedef struct {
     uint32_t kind; /* DC_PLAN_RUN, DC_PLAN_COPY or DC_PLAN_SHUTDOWN */
     uint64_t step;
+    int threads;                 /* compute threads for the step (0: as configured) */
     const kn_kv_tier_op *copies; /* (n_copies) the tier copies to make first (kinds and
                                     blocks checked; slots are the tier's to check) */
     int n_copies;

@@ -753,6 +753,11 @@ void dc_sched_observe(dc_sched *s, double ms)
     if (s->shape.n_decode + s->shape.n_prefill) dc_cost_observe(&s->cost, &s->shape, ms);
 }
 
+double dc_sched_predict_ms(const dc_sched *s)
+{
+    return s->shape.n_decode + s->shape.n_prefill ? dc_cost_predict(&s->cost, &s->shape) : 0;
+}
+
 void dc_sched_fail_all(dc_sched *s)
 {
     s->planned = false;

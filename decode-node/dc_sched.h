@@ -224,6 +224,9 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc);
 /* The measured wall time of the step last committed (ms), for the step cost model that
  * sizes capped steps (p.itl_target_ms); steps never observed leave the model at its start. */
 void dc_sched_observe(dc_sched *s, double ms);
+/* The step cost model's prediction for the step last planned (ms; 0 for a step with no rows),
+ * before dc_sched_observe folds it in. */
+double dc_sched_predict_ms(const dc_sched *s);
 
 /* Fail every request (e.g. a rank died); each gets a final DC_FINISH_ERROR event.
  * Transferring ones too: their blocks go back to the pool at once, so the caller must not

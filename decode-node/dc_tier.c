@@ -126,7 +126,7 @@ int dc_tier_flush(dc_node *n, uint64_t step)
     void *buf;
     size_t cap, len;
     int rc = dc_shm_plan_begin(n->form.shm, &buf, &cap);
-    if (!rc) rc = dc_plan_encode(NULL, ops, nc, dc_kv(n)->block_size, step, buf, cap, &len);
+    if (!rc) rc = dc_plan_encode(NULL, ops, nc, dc_kv(n)->block_size, step, 0, buf, cap, &len);
     if (!rc) rc = dc_shm_plan_commit(n->form.shm, len);
     if (!rc) dc_tier_sent(n);
     if (!rc) rc = dc_tier_copy_barrier(n);

@@ -29,7 +29,7 @@ sdist of llama-cpp-python (BENCHMARKS.md gives the build flags used):
 
 usage: tools/bench_vs_llamaserver.py --llama-bin DIR [--build build] [--config deploy/local.yaml]
         [--model GGUF] [--clients 16] [--requests 48] [--prompt-tokens 256] [--max-tokens 64]
-        [--rounds 2] [--threads 2] [--llama-port 8090] [--json-out FILE]
+        [--rounds 2] [--threads 2] [--llama-port 8090] [--json-out FILE] [--no-llama]
 """
 import argparse
 import json
@@ -44,7 +44,7 @@ import urllib.request
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--build", default="build")
-ap.add_argument("--llama-bin", required=True, help="directory with llama-server")
+ap.add_argument("--llama-bin", help="directory with llama-server (required without --no-llama)")
 ap.add_argument("--config", default="deploy/local.yaml")
 ap.add_argument("--model", help="GGUF for llama-server (default: the config's model)")
 ap.add_argument("--clients", type=int, default=16)
@@ -56,6 +56,8 @@ ap.add_argument("--threads", type=int, default=2, help="llama-server's -t and -t
 ap.add_argument("--llama-port", type=int, default=8090)
 ap.add_argument("--startup-s", type=int, default=300)
 ap.add_argument("--json-out")
+ap.add_argument("--no-llama", action="store_true",
+                help="Tandem alone (configurations against each other, one run each)")
 args = ap.parse_args()
 TANDEM = os.path.join(args.build, "bin", "tandem")
 LOG_DIR = os.path.expanduser("~/.cache/tandem/bench-vs-llamaserver")
@@ -143,6 +145,8 @@ def line(s):
     return "  ".join(f"{k} {s[j]:8.1f}" for k, j in KEYS)
 
 
+if not args.no_llama and not args.llama_bin:
+    sys.exit("--llama-bin is required (or --no-llama)")
 MODEL = args.model or config_value("model")
 if not MODEL or not os.path.exists(MODEL):
     sys.exit(f"no model file: {MODEL} (--model, or the config's model)")
@@ -153,6 +157,8 @@ print(f"model {MODEL}; {args.clients} clients, {args.requests} requests of {args
 res = {"tandem": [], "llama": []}
 for rnd in range(args.rounds):
     order = ["tandem", "llama"] if rnd % 2 == 0 else ["llama", "tandem"]
+    if args.no_llama:
+        order = ["tandem"]
     seed = 100 * rnd + 1
     for side in order:
         with open(os.path.join(LOG_DIR, f"{side}-round{rnd + 1}.log"), "w") as log:
@@ -168,7 +174,7 @@ for rnd in range(args.rounds):
             finally:
                 stop(proc)
         res[side].append(out)
-    for kind in ("fresh", "repeated"):
+    for kind in ("fresh", "repeated") if not args.no_llama else ():
         t, l = res["tandem"][-1][kind], res["llama"][-1][kind]
         print(f"round {rnd + 1} {kind:8s} tandem/llama-server: output "
               f"{t['output_tokens_per_s'] / l['output_tokens_per_s']:.2f}x, TTFT p50 "
@@ -176,7 +182,7 @@ for rnd in range(args.rounds):
               f"{t['itl_ms_p99']:.0f} vs {l['itl_ms_p99']:.0f} ms", flush=True)
 
 print(f"== medians over {args.rounds} round(s)")
-for kind in ("fresh", "repeated"):
+for kind in ("fresh", "repeated") if not args.no_llama else ():
     med = {side: {j: statistics.median(r[kind][j] for r in res[side]) for _, j in KEYS}
            for side in res}
     t, l = med["tandem"], med["llama"]

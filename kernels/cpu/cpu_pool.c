@@ -61,6 +61,7 @@ struct kn_pool {
     atomic_int sleeping;     /* workers blocked (or about to block) on gen */
     atomic_int caller_waits; /* the caller blocked (or about to block) on pending */
     atomic_bool stop;
+    atomic_int limit;    /* kn_pool_set_limit: most threads a run uses (0: n_threads) */
     bool profile;        /* TANDEM_CPU_PROFILE: keep stats */
     kn_pool_stats stats; /* caller-side only */
 };
@@ -195,6 +196,21 @@ int kn_pool_create(int n_threads, kn_pool **out)
     return 0;
 }
 
+void kn_pool_set_limit(kn_pool *p, int n)
+{
+    atomic_store_explicit(&p->limit,
+                          n < 1              ? 1
+                          : n > p->n_threads ? p->n_threads
+                                             : n,
+                          memory_order_relaxed);
+}
+
+int kn_pool_limit(const kn_pool *p)
+{
+    int n = atomic_load_explicit(&p->limit, memory_order_relaxed);
+    return n > 0 ? n : p->n_threads;
+}
+
 void kn_pool_get_stats(const kn_pool *p, kn_pool_stats *out)
 {
     *out = p->stats;
@@ -243,7 +259,9 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
     if (n <= 0) return;
     if (min_per_thread < 1) min_per_thread = 1;
     int64_t want = n / min_per_thread;
-    int active = want < 1 ? 1 : (want < p->n_threads ? (int)want : p->n_threads);
+    int most = atomic_load_explicit(&p->limit, memory_order_relaxed);
+    if (most <= 0 || most > p->n_threads) most = p->n_threads;
+    int active = want < 1 ? 1 : (want < most ? (int)want : most);
     if (p->profile) p->stats.runs++;
     if (active == 1) {
         fn(arg, 0, n, 0);

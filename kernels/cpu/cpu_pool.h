@@ -38,6 +38,17 @@ void kn_pool_destroy(kn_pool *p); /* NULL is fine */
  * fewer threads take part, so tiny ops do not pay for waking everyone. */
 void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg);
 
+/* At most n (clamped to [1, n_threads]) threads take part in the runs that start after this;
+ * the others stay blocked. For sharing the cores with other busy processes (the decode node's
+ * thread choice, decode-node/dc_threads.h). It changes only how [0, n) is split: the CPU
+ * backend's kernels give each item (a row of W or of x, a head) the same bits however it is
+ * split, and cpu_attention.c cuts its work by n_threads (kn_cpu_n_threads), not by the limit,
+ * so no result depends on it (tests/kernels/test_pool.c checks a forward pass). Any thread;
+ * read at the start of each run.
+ * kn_pool_limit: the limit now (n_threads when none was set). */
+void kn_pool_set_limit(kn_pool *p, int n);
+int kn_pool_limit(const kn_pool *p);
+
 /* Counters for profiling, kept only when TANDEM_CPU_PROFILE is set (non-empty, not "0") at
  * kn_pool_create; all zero otherwise. With it set, kn_pool_destroy prints them to stderr. */
 typedef struct {

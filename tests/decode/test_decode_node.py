@@ -273,9 +273,11 @@ def case_concurrent(args, model, vocab, kv_blocks, label, expect_preempt=False, 
         reqs.append((max_tokens or rnd.randint(4, 40), 0.0 if i % 4 == 0 else temperature,
                      100 + i, ids))
     # deterministic: prefill rows too are computed as if alone, so a request's output never
-    # depends on its batch (decode[].deterministic, docs/config.md)
+    # depends on its batch (decode[].deterministic, docs/config.md); adaptive_threads: the
+    # steps run on 2 or 1 of the pool's threads (at least one step in 16 on the count not
+    # chosen), which must not change a token either
     inst = Instance(args, model, 1, threads=2, kv_blocks=kv_blocks, step_tokens=64,
-                    decode_extra={"deterministic": True})
+                    decode_extra={"deterministic": True, "adaptive_threads": True})
     try:
         rc, together, err = run_requests(inst, reqs, top_k)
         check(rc == 0 and len(together) == n, f"{label}: {n} concurrent requests finished ({err.strip()[:200]})")

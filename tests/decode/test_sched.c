@@ -17,9 +17,11 @@
 
 #include "../tharness.h"
 #include "cpu_backend.h"
+#include "cpu_pool.h"
 #include "dc_plan.h"
 #include "kv_cache.h"
 #include "dc_sched.h"
+#include "dc_threads.h"
 #include "model.h"
 #include "sampler.h"
 #include "td_err.h"
@@ -194,6 +196,92 @@ static void test_concurrent_equals_alone(void)
     check_same_as_alone(&o, N_REQ, "together");
 }
 
+/* decode[].adaptive_threads: steps computed by fewer of the pool's threads (each step's
+ * count set through kn_pool_set_limit, as the decode node does from dc_threads) generate the
+ * tokens computed alone with both threads; and the chooser itself. */
+static void test_thread_limit(void)
+{
+    kn_pool *pool = kn_cpu_pool(cpu);
+    int all[N_REQ];
+    for (int i = 0; i < N_REQ; i++)
+        all[i] = i;
+    outputs o;
+    kn_pool_set_limit(pool, 1);
+    TH_CHECK(kn_pool_limit(pool) == 1);
+    TH_CHECK(run(all, N_REQ, 256, 64, &o, NULL) > 0);
+    check_same_as_alone(&o, N_REQ, "one thread of two");
+    kn_pool_set_limit(pool, 2);
+}
+
+/* A world where a step at t threads takes cost[t] ms and the cost model follows the recent
+ * steps (as dc_cost does): the chooser settles on the fastest level and follows a change. */
+static void world_run(dc_threads *t, const double *cost_of_threads, int steps, double *model,
+                      int *at_best, int best)
+{
+    *at_best = 0;
+    for (int i = 0; i < steps; i++) {
+        int n = dc_threads_next(t);
+        double ms = cost_of_threads[n];
+        dc_threads_observe(t, ms, *model);
+        *model += 0.05 * (ms - *model);
+        *at_best += n == best;
+    }
+    fprintf(stderr, "  %d of %d steps at %d threads\n", *at_best, steps, best);
+}
+
+static void test_thread_choice(void)
+{
+    dc_threads t;
+    int at_best;
+    double model = 10; /* the cost model's prediction */
+    /* off, or one thread: every step at the configured count */
+    dc_threads_init(&t, 4, false);
+    for (int i = 0; i < 40; i++)
+        TH_CHECK(dc_threads_next(&t) == 4);
+    dc_threads_init(&t, 1, true);
+    TH_CHECK(t.n_levels == 1 && dc_threads_next(&t) == 1);
+    /* 2 threads, the cores free: 2 stays (probes of 1 are 1 step in 16) */
+    double cost[9] = {0};
+    cost[2] = 6, cost[1] = 10;
+    dc_threads_init(&t, 2, true);
+    TH_CHECK(t.n_levels == 2);
+    world_run(&t, cost, 320, &model, &at_best, 2);
+    TH_CHECKF(at_best >= 300 - 1 && t.cur == 0, "free cores: %d of 320 steps at 2 threads",
+              at_best);
+    /* the cores taken by others: 2 threads wait for each other, 1 is faster: it takes over
+       within a few probes, and 2 comes back once they are free again */
+    cost[2] = 17, cost[1] = 9;
+    world_run(&t, cost, 320, &model, &at_best, 1);
+    TH_CHECKF(at_best >= 240 && t.cur == 1, "contended: %d of 320 steps at 1 thread", at_best);
+    cost[2] = 6, cost[1] = 10;
+    world_run(&t, cost, 320, &model, &at_best, 2);
+    TH_CHECKF(at_best >= 220 && t.cur == 0, "free again: %d of 320 steps at 2 threads", at_best);
+    /* a difference within the margin does not flip it (2 threads' score 7.5 x 2^0.35 = 9.55
+       against 9.5) */
+    cost[2] = 7.5, cost[1] = 9.5;
+    world_run(&t, cost, 320, &model, &at_best, 2);
+    TH_CHECKF(at_best >= 300 - 1, "within the margin: %d of 320 steps stayed at 2", at_best);
+    /* a second thread that shortens the step by little (0.89x) is not worth its core */
+    cost[2] = 8.5, cost[1] = 9.5;
+    world_run(&t, cost, 320, &model, &at_best, 1);
+    TH_CHECKF(at_best >= 240 && t.cur == 1, "2 threads 0.89x the time: %d of 320 steps at 1",
+              at_best);
+    /* 8 threads, 2 the fastest: levels 8, 4, 2, 1, reached step by step through the probes */
+    double c8[9] = {0};
+    c8[8] = 20, c8[4] = 12, c8[2] = 8, c8[1] = 11;
+    dc_threads_init(&t, 8, true);
+    TH_CHECK(t.n_levels == 4 && dc_threads_of(&t, 3) == 1);
+    world_run(&t, c8, 640, &model, &at_best, 2);
+    TH_CHECKF(t.cur == 2 && t.at[2] > 400, "8 threads: settled at %d threads (%llu steps at 2)",
+              dc_threads_of(&t, t.cur), (unsigned long long)t.at[2]);
+    /* steps the model cannot judge are ignored */
+    int cur = t.cur;
+    dc_threads_next(&t);
+    dc_threads_observe(&t, 5, 0);
+    dc_threads_observe(&t, 0, 5);
+    TH_CHECK(t.cur == cur);
+}
+
 static void test_pool_pressure(void)
 {
     /* 14 blocks of 16 tokens: the largest request needs ~6, all together ~60 */
@@ -302,12 +390,12 @@ static void test_plan_round_trip(void)
         const kn_kv_tier_op cp[3] = {
             {KN_KV_TIER_OP_PUT, 7, 1}, {KN_KV_TIER_OP_GET, 2, 1}, {KN_KV_TIER_OP_GET, 7, 3}};
         int nc = step % 2 ? 3 : 0;
-        TH_REQUIRE(dc_plan_encode(&st.batch, cp, nc, 16, (uint64_t)step, buf, sizeof buf, &len) ==
-                   0);
+        TH_REQUIRE(dc_plan_encode(&st.batch, cp, nc, 16, (uint64_t)step, step % 3, buf, sizeof buf,
+                                  &len) == 0);
         TH_CHECK(len == dc_plan_size(&st.batch, nc, 16));
         TH_REQUIRE(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0);
         const kn_batch *a = &st.batch, *b = &v.batch;
-        TH_CHECK(v.kind == DC_PLAN_RUN && v.step == (uint64_t)step);
+        TH_CHECK(v.kind == DC_PLAN_RUN && v.step == (uint64_t)step && v.threads == step % 3);
         TH_CHECK(v.n_copies == nc && (!nc || !memcmp(v.copies, cp, sizeof cp)));
         TH_CHECK(a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs);
         TH_CHECK(a->n_solo == b->n_solo);
@@ -332,7 +420,7 @@ static void test_plan_round_trip(void)
     size_t len;
     /* copies alone (a planning that scheduled nothing): DC_PLAN_COPY; bad copies refused */
     kn_kv_tier_op cp[2] = {{KN_KV_TIER_OP_PUT, 0, 5}, {KN_KV_TIER_OP_GET, 0, 6}};
-    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, buf, sizeof buf, &len) == 0);
+    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, 0, buf, sizeof buf, &len) == 0);
     TH_CHECK(len == dc_plan_size(NULL, 2, 16));
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0 && v.kind == DC_PLAN_COPY &&
              v.n_copies == 2 && v.copies[1].kind == KN_KV_TIER_OP_GET && v.copies[1].block == 6 &&
@@ -341,9 +429,9 @@ static void test_plan_round_trip(void)
         TH_CHECK(dc_plan_decode(buf, cut, 16, kv->n_blocks, &v) == TD_EFORMAT);
     TH_CHECK(dc_plan_decode(buf, len, 16, 6, &v) == TD_EFORMAT); /* block 6 outside the pool */
     cp[0].kind = 9;
-    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, buf, sizeof buf, &len) == 0);
+    TH_CHECK(dc_plan_encode(NULL, cp, 2, 16, 8, 0, buf, sizeof buf, &len) == 0);
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
-    TH_CHECK(dc_plan_encode(NULL, NULL, 0, 16, 9, buf, sizeof buf, &len) == 0);
+    TH_CHECK(dc_plan_encode(NULL, NULL, 0, 16, 9, 0, buf, sizeof buf, &len) == 0);
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == 0 && v.kind == DC_PLAN_SHUTDOWN);
     buf[0] ^= 1;
     TH_CHECK(dc_plan_decode(buf, len, 16, kv->n_blocks, &v) == TD_EFORMAT);
@@ -1167,6 +1255,8 @@ int main(int argc, char **argv)
     }
     compute_alone(N_REQ);
     TH_RUN(test_concurrent_equals_alone);
+    TH_RUN(test_thread_limit);
+    TH_RUN(test_thread_choice);
     TH_RUN(test_pool_pressure);
     TH_RUN(test_refuse_and_cancel);
     TH_RUN(test_stop_ids);

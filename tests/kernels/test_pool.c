@@ -52,11 +52,19 @@ static void cover_fn(void *arg, int64_t i0, int64_t i1, int tid)
         atomic_fetch_add(&j->hits[i], 1);
 }
 
-static void test_cover(int threads, const char *spin_us)
+/* limit > 0: kn_pool_set_limit(limit) first, so at most that many parts a run */
+static void test_cover(int threads, const char *spin_us, int limit)
 {
     setenv("TANDEM_POOL_SPIN_US", spin_us, 1);
     kn_pool *p;
     CHECK(kn_pool_create(threads, &p) == 0, "create %d threads", threads);
+    int most = threads;
+    if (limit > 0) {
+        kn_pool_set_limit(p, limit);
+        most = limit < threads ? limit : threads;
+    }
+    CHECK(kn_pool_limit(p) == most, "limit %d of %d threads reads %d", limit, threads,
+          kn_pool_limit(p));
     unsigned x = 12345;
     enum { MAXN = 3000 };
     atomic_int *hits = calloc(MAXN, sizeof *hits);
@@ -66,7 +74,7 @@ static void test_cover(int threads, const char *spin_us)
         int64_t mpt = (int64_t[]){1, 16, 700}[(x >> 4) % 3];
         int64_t want = n / mpt;
         cover_job j = {.hits = hits, .n = n};
-        j.active = want < 1 ? 1 : (want < threads ? (int)want : threads);
+        j.active = want < 1 ? 1 : (want < most ? (int)want : most);
         for (int64_t i = 0; i < n; i++)
             atomic_store(&hits[i], 0);
         kn_pool_run(p, n, mpt, cover_fn, &j);
@@ -156,8 +164,10 @@ static void test_env(void)
 int main(void)
 {
     for (int t = 1; t <= 4; t++) {
-        test_cover(t, "200");
-        test_cover(t, "0"); /* every wait blocks at once */
+        test_cover(t, "200", 0);
+        test_cover(t, "0", 0);       /* every wait blocks at once */
+        for (int l = 1; l <= 5; l++) /* 5: clamped to the threads */
+            test_cover(t, l % 2 ? "200" : "0", l);
     }
     test_idle();
     test_caller_blocks();
