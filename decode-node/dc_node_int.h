@@ -285,4 +285,8 @@ int dc_tier_flush(dc_node *n, uint64_t step);
  * leader knows every rank's copies are done (0 in colocated mode, which needs none). */
 int dc_tier_copy_barrier(dc_node *n);
 
+/* dc_report.c. The leader's figures at exit into its log (leader_stop): what the decode
+ * benchmarks and tests read (steps, collectives, threads, speculation, phases, transfers). */
+void dc_report_log(const dc_node *n);
+
 #endif
