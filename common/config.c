@@ -1,369 +1,25 @@
 /* config.c: the cluster YAML (libyaml document API) -> a validated td_cfg.
  *
- * Each section is a table of fields (key, type, offset, range); parse_map walks a
- * mapping against its table, rejecting unknown and duplicate keys and bad values, and
- * records the node of every key it saw so the checks that span fields (pp vs the
- * length of layer_partition, kv_blocks vs kv_memory, unique names and ports) can point
- * at the right line. The first error wins; messages are "FILE:LINE:COLUMN: ...".
+ * Each section is a table of fields (key, type, offset, range); cfg_parse_map (config_yaml.c,
+ * the machinery under the sections) walks a mapping against its table, rejecting unknown and
+ * duplicate keys and bad values, and records the node of every key it saw so the checks that
+ * span fields (pp vs the length of layer_partition, kv_blocks vs kv_memory, unique names and
+ * ports) can point at the right line. The first error wins; messages are
+ * "FILE:LINE:COLUMN: ...".
  */
 #include "config.h"
 
-#include <ctype.h>
 #include <errno.h>
-#include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include <yaml.h>
 
+#include "config_int.h"
 #include "td_err.h"
 
 #define MAX_FILE_BYTES (16u << 20)
-#define MAX_LIST       64
-
-typedef struct {
-    const char *file;
-    yaml_document_t *doc;
-    char *err;
-    size_t errcap;
-    int rc;
-    td_cfg_backend backend; /* the root's, parsed before the sections */
-    unsigned flags;         /* TD_CFG_NO_FILE_CHECKS */
-} pctx;
-
-static int fail(pctx *p, const yaml_node_t *n, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int fail(pctx *p, const yaml_node_t *n, const char *fmt, ...)
-{
-    if (p->rc) return p->rc;
-    p->rc = TD_EINVAL;
-    if (!p->err || !p->errcap) return p->rc;
-    int k = snprintf(p->err, p->errcap, "%s:%zu:%zu: ", p->file, n ? n->start_mark.line + 1 : 1,
-                     n ? n->start_mark.column + 1 : 1);
-    if (k < 0 || (size_t)k >= p->errcap) return p->rc;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(p->err + k, p->errcap - (size_t)k, fmt, ap);
-    va_end(ap);
-    return p->rc;
-}
-
-static yaml_node_t *node_at(pctx *p, int i)
-{
-    return yaml_document_get_node(p->doc, i);
-}
-
-static const char *sval(const yaml_node_t *n)
-{
-    return (const char *)n->data.scalar.value;
-}
-
-static bool is_null(const yaml_node_t *n)
-{
-    if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
-        return false;
-    const char *v = sval(n);
-    return !*v || !strcmp(v, "~") || !strcmp(v, "null") || !strcmp(v, "Null") || !strcmp(v, "NULL");
-}
-
-static const char *kind_name(const yaml_node_t *n)
-{
-    if (n->type == YAML_MAPPING_NODE) return "a mapping";
-    if (n->type == YAML_SEQUENCE_NODE) return "a list";
-    if (is_null(n)) return "nothing (null)";
-    return "a string";
-}
-
-static char *xstrdup(pctx *p, const char *s)
-{
-    char *d = strdup(s);
-    if (!d && !p->rc) {
-        p->rc = TD_ENOMEM;
-        td_errbuf_set(p->err, p->errcap, "%s: out of memory", p->file);
-    }
-    return d;
-}
-
-static void set_str(pctx *p, char **dst, const char *s)
-{
-    char *d = xstrdup(p, s);
-    if (!d) return;
-    free(*dst);
-    *dst = d;
-}
-
-/* "~/x" -> "$HOME/x"; anything else unchanged. */
-static void set_path(pctx *p, char **dst, const char *s)
-{
-    const char *home = getenv("HOME");
-    if ((s[0] == '~' && (s[1] == '/' || !s[1])) && home && *home) {
-        size_t n = strlen(home) + strlen(s);
-        char *d = malloc(n);
-        if (!d) {
-            if (!p->rc) td_errbuf_set(p->err, p->errcap, "%s: out of memory", p->file);
-            p->rc = p->rc ? p->rc : TD_ENOMEM;
-            return;
-        }
-        snprintf(d, n, "%s%s", home, s + 1);
-        free(*dst);
-        *dst = d;
-        return;
-    }
-    set_str(p, dst, s);
-}
-
-/* ---- scalars ------------------------------------------------------------------------- */
-
-static int get_int(pctx *p, const yaml_node_t *n, int64_t lo, int64_t hi, int64_t *out)
-{
-    if (n->type != YAML_SCALAR_NODE || is_null(n) ||
-        n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
-        return fail(p, n, "expected an integer, got %s", kind_name(n));
-    const char *s = sval(n);
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || errno) return fail(p, n, "expected an integer, got '%s'", s);
-    if (v < lo || v > hi)
-        return fail(p, n, "%lld is out of range [%lld, %lld]", v, (long long)lo, (long long)hi);
-    *out = v;
-    return 0;
-}
-
-static int get_float(pctx *p, const yaml_node_t *n, double lo, double hi, double *out)
-{
-    if (n->type != YAML_SCALAR_NODE || is_null(n) ||
-        n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
-        return fail(p, n, "expected a number, got %s", kind_name(n));
-    const char *s = sval(n);
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (end == s || *end || errno || !isfinite(v))
-        return fail(p, n, "expected a number, got '%s'", s);
-    if (v < lo || v > hi) return fail(p, n, "%g is out of range [%g, %g]", v, lo, hi);
-    *out = v;
-    return 0;
-}
-
-static int get_bool(pctx *p, const yaml_node_t *n, bool *out)
-{
-    if (n->type == YAML_SCALAR_NODE && n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE) {
-        const char *s = sval(n);
-        if (!strcasecmp(s, "true") || !strcasecmp(s, "yes") || !strcasecmp(s, "on")) {
-            *out = true;
-            return 0;
-        }
-        if (!strcasecmp(s, "false") || !strcasecmp(s, "no") || !strcasecmp(s, "off")) {
-            *out = false;
-            return 0;
-        }
-        if (!is_null(n)) return fail(p, n, "expected true or false, got '%s'", s);
-    }
-    return fail(p, n, "expected true or false, got %s", kind_name(n));
-}
-
-static int get_str(pctx *p, const yaml_node_t *n, const char **out)
-{
-    if (n->type != YAML_SCALAR_NODE || is_null(n))
-        return fail(p, n, "expected a string, got %s", kind_name(n));
-    *out = sval(n);
-    return 0;
-}
-
-static int get_size(pctx *p, const yaml_node_t *n, int64_t lo, int64_t *out)
-{
-    const char *s;
-    if (get_str(p, n, &s)) return p->rc;
-    int64_t v;
-    int rc = td_cfg_parse_size(s, &v);
-    if (rc == TD_ERANGE) return fail(p, n, "size '%s' is too large", s);
-    if (rc) return fail(p, n, "expected a size such as 1GiB, 512MiB or 4096, got '%s'", s);
-    if (v < lo) return fail(p, n, "size '%s' is smaller than %lld bytes", s, (long long)lo);
-    *out = v;
-    return 0;
-}
-
-/* The KV cache types a decode instance may use: TD_F16 / TD_F32, or -1. */
-static int kv_dtype_of(const char *s)
-{
-    if (!strcmp(s, "f16")) return TD_F16;
-    if (!strcmp(s, "f32")) return TD_F32;
-    return -1;
-}
-
-static const char *kv_dtype_name(td_dtype t)
-{
-    return t == TD_F32 ? "f32" : "f16";
-}
-
-/* ---- tables -------------------------------------------------------------------------- */
-
-typedef enum {
-    F_STR,
-    F_PATH,
-    F_INT,
-    F_I64,
-    F_BOOL,
-    F_FLOAT,
-    F_SIZE,
-    F_INTS,
-    F_STRS,
-    F_KV_DTYPE, /* "f16" | "f32" -> td_dtype (an unknown name is reported by the section) */
-    F_NODE
-} ftype;
-
-typedef struct {
-    const char *key;
-    ftype t;
-    size_t off; /* into the section struct */
-    double lo, hi;
-    size_t noff; /* F_INTS / F_STRS: offset of the int count */
-} field;
-
-/* Each section's keys are one X-macro list, from which both its enum of indices (into the
- * seen[] arrays of parse_map) and its table are generated, so the two cannot disagree. An
- * entry is FIELD(ID, "key", type, member, lo, hi), LIST(ID, "key", type, member,
- * count_member, lo, hi) for F_INTS / F_STRS, or NODE(ID, "key") for F_NODE. SECT names
- * the section's struct while its table is expanded. */
-#define ENUM_ID(id, ...)            id,
-#define FIELD(id, k, ty, m, l, h)   [id] = {k, ty, offsetof(SECT, m), l, h, 0},
-#define LIST(id, k, ty, m, n, l, h) [id] = {k, ty, offsetof(SECT, m), l, h, offsetof(SECT, n)},
-#define NODE(id, k)                 [id] = {k, F_NODE, 0, 0, 0, 0},
-#define FIELD_TABLE(LIST_OF)                                                                       \
-    {                                                                                              \
-        LIST_OF(FIELD, LIST, NODE)                                                                 \
-    }
-
-static void list_keys(const field *f, size_t nf, char *buf, size_t cap)
-{
-    size_t k = 0;
-    buf[0] = 0;
-    for (size_t i = 0; i < nf && k < cap; i++) {
-        int w = snprintf(buf + k, cap - k, "%s%s", i ? ", " : "", f[i].key);
-        if (w < 0) break;
-        k += (size_t)w;
-    }
-}
-
-static int parse_value(pctx *p, const field *f, yaml_node_t *v, char *base)
-{
-    void *dst = base + f->off;
-    int64_t iv;
-    switch (f->t) {
-    case F_STR:
-    case F_PATH: {
-        const char *s;
-        if (get_str(p, v, &s)) return p->rc;
-        if (f->t == F_PATH && !*s) return fail(p, v, "empty path");
-        if (f->t == F_PATH)
-            set_path(p, dst, s);
-        else
-            set_str(p, dst, s);
-        return p->rc;
-    }
-    case F_INT:
-        if (get_int(p, v, (int64_t)f->lo, (int64_t)f->hi, &iv)) return p->rc;
-        *(int *)dst = (int)iv;
-        return 0;
-    case F_I64:
-        if (get_int(p, v, (int64_t)f->lo, (int64_t)f->hi, &iv)) return p->rc;
-        *(int64_t *)dst = iv;
-        return 0;
-    case F_BOOL:
-        return get_bool(p, v, dst);
-    case F_FLOAT:
-        return get_float(p, v, f->lo, f->hi, dst);
-    case F_SIZE:
-        return get_size(p, v, (int64_t)f->lo, dst);
-    case F_INTS:
-    case F_STRS: {
-        if (v->type != YAML_SEQUENCE_NODE)
-            return fail(p, v, "expected a list, got %s", kind_name(v));
-        size_t n = (size_t)(v->data.sequence.items.top - v->data.sequence.items.start);
-        if (n == 0) return fail(p, v, "empty list");
-        if (n > MAX_LIST) return fail(p, v, "list of %zu entries, more than %d", n, MAX_LIST);
-        void *arr = calloc(n, f->t == F_INTS ? sizeof(int) : sizeof(char *));
-        if (!arr) return fail(p, v, "out of memory");
-        if (f->t == F_INTS) {
-            free(*(int **)dst);
-            *(int **)dst = arr;
-        } else {
-            char **old = *(char ***)dst;
-            for (int i = 0; old && i < *(int *)(base + f->noff); i++)
-                free(old[i]);
-            free(old);
-            *(char ***)dst = arr;
-        }
-        *(int *)(base + f->noff) = (int)n;
-        for (size_t i = 0; i < n; i++) {
-            yaml_node_t *it = node_at(p, v->data.sequence.items.start[i]);
-            if (f->t == F_INTS) {
-                if (get_int(p, it, (int64_t)f->lo, (int64_t)f->hi, &iv)) return p->rc;
-                ((int *)arr)[i] = (int)iv;
-            } else {
-                const char *s;
-                if (get_str(p, it, &s)) return p->rc;
-                if (!*s) return fail(p, it, "empty string");
-                ((char **)arr)[i] = xstrdup(p, s);
-                if (p->rc) return p->rc;
-            }
-        }
-        return 0;
-    }
-    case F_KV_DTYPE: {
-        const char *s;
-        if (get_str(p, v, &s)) return p->rc;
-        int t = kv_dtype_of(s);
-        if (t >= 0) *(td_dtype *)dst = (td_dtype)t;
-        return 0;
-    }
-    case F_NODE:
-        return 0;
-    }
-    return 0;
-}
-
-/* Walk mapping n against fields; seen[i] receives the value node of fields[i] (NULL if
- * absent) and seen_key[i] its key node. A null n (e.g. "router:" with nothing) is an
- * empty mapping. */
-static int parse_map(pctx *p, yaml_node_t *n, const char *what, const field *fields, size_t nf,
-                     void *base, yaml_node_t **seen, yaml_node_t **seen_key)
-{
-    for (size_t i = 0; i < nf; i++)
-        seen[i] = seen_key[i] = NULL;
-    if (is_null(n)) return 0;
-    if (n->type != YAML_MAPPING_NODE)
-        return fail(p, n, "%s: expected a mapping, got %s", what, kind_name(n));
-    for (yaml_node_pair_t *pr = n->data.mapping.pairs.start; pr < n->data.mapping.pairs.top; pr++) {
-        yaml_node_t *k = node_at(p, pr->key), *v = node_at(p, pr->value);
-        if (k->type != YAML_SCALAR_NODE) return fail(p, k, "%s: keys must be strings", what);
-        size_t i = 0;
-        while (i < nf && strcmp(fields[i].key, sval(k)))
-            i++;
-        if (i == nf) {
-            char keys[512];
-            list_keys(fields, nf, keys, sizeof keys);
-            return fail(p, k, "unknown key '%s' in %s (known: %s)", sval(k), what, keys);
-        }
-        if (seen[i])
-            return fail(p, k, "duplicate key '%s' in %s (first at line %zu)", sval(k), what,
-                        seen_key[i]->start_mark.line + 1);
-        seen[i] = v;
-        seen_key[i] = k;
-        if (parse_value(p, &fields[i], v, base)) return p->rc;
-    }
-    return 0;
-}
-
-static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key, const char *what)
-{
-    if (seen) return 0;
-    return fail(p, map, "%s: missing required key '%s'", what, key);
-}
 
 /* ---- sections ------------------------------------------------------------------------ */
 
@@ -393,7 +49,7 @@ static int require(pctx *p, yaml_node_t *map, yaml_node_t *seen, const char *key
     F(R_TLS_CLIENT_CA, "tls_client_ca", F_PATH, tls_client_ca, 0, 0)
 enum { ROUTER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) R_N };
 #define SECT td_cfg_router
-static const field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
+static const td_cfg_field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
 #undef SECT
 
 /* router.cache_aware (SGLang's cache-aware router: its names and defaults) */
@@ -403,7 +59,7 @@ static const field router_fields[R_N] = FIELD_TABLE(ROUTER_FIELDS);
     F(C_REL, "balance_rel_threshold", F_FLOAT, balance_rel_threshold, 1, 1000)
 enum { CACHE_AWARE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) C_N };
 #define SECT td_cfg_cache_aware
-static const field cache_aware_fields[C_N] = FIELD_TABLE(CACHE_AWARE_FIELDS);
+static const td_cfg_field cache_aware_fields[C_N] = FIELD_TABLE(CACHE_AWARE_FIELDS);
 #undef SECT
 
 /* router.membership: instances that join and leave at run time (docs/deploy.md, "Membership") */
@@ -415,7 +71,7 @@ static const field cache_aware_fields[C_N] = FIELD_TABLE(CACHE_AWARE_FIELDS);
     F(M_MAX, "max_instances", F_INT, max_instances, 1, 4096)
 enum { MEMBERSHIP_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) M_N };
 #define SECT td_cfg_membership
-static const field membership_fields[M_N] = FIELD_TABLE(MEMBERSHIP_FIELDS);
+static const td_cfg_field membership_fields[M_N] = FIELD_TABLE(MEMBERSHIP_FIELDS);
 #undef SECT
 
 #define PREFILL_FIELDS(F, L, N)                                                                    \
@@ -437,7 +93,7 @@ static const field membership_fields[M_N] = FIELD_TABLE(MEMBERSHIP_FIELDS);
     L(P_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)
 enum { PREFILL_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) P_N };
 #define SECT td_cfg_prefill
-static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
+static const td_cfg_field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
 #undef SECT
 
 #define DECODE_FIELDS(F, L, N)                                                                     \
@@ -464,7 +120,7 @@ static const field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     N(D_SPEC, "speculative")
 enum { DECODE_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) D_N };
 #define SECT td_cfg_decode
-static const field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
+static const td_cfg_field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
 #undef SECT
 
 /* decode[].prefix_cache_tier */
@@ -473,7 +129,7 @@ static const field decode_fields[D_N] = FIELD_TABLE(DECODE_FIELDS);
     F(TI_SIZE, "size", F_SIZE, bytes, 1 << 20, 0)
 enum { TIER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) TI_N };
 #define SECT td_cfg_tier
-static const field tier_fields[TI_N] = FIELD_TABLE(TIER_FIELDS);
+static const td_cfg_field tier_fields[TI_N] = FIELD_TABLE(TIER_FIELDS);
 #undef SECT
 
 /* decode[].speculative (method is read by parse_spec) */
@@ -486,7 +142,7 @@ static const field tier_fields[TI_N] = FIELD_TABLE(TIER_FIELDS);
     F(S_NGRAM_MAX, "ngram_max", F_INT, ngram_max, 1, TD_CFG_SPEC_MAX_NGRAM)
 enum { SPEC_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) S_N };
 #define SECT td_cfg_spec
-static const field spec_fields[S_N] = FIELD_TABLE(SPEC_FIELDS);
+static const td_cfg_field spec_fields[S_N] = FIELD_TABLE(SPEC_FIELDS);
 #undef SECT
 
 #define KVXFER_FIELDS(F, L, N)                                                                     \
@@ -494,7 +150,7 @@ static const field spec_fields[S_N] = FIELD_TABLE(SPEC_FIELDS);
     F(K_TIMEOUT, "timeout_ms", F_INT, timeout_ms, 1, 3600000)
 enum { KVXFER_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) K_N };
 #define SECT td_cfg_kvxfer
-static const field kvxfer_fields[K_N] = FIELD_TABLE(KVXFER_FIELDS);
+static const td_cfg_field kvxfer_fields[K_N] = FIELD_TABLE(KVXFER_FIELDS);
 #undef SECT
 
 /* security: the control plane's mutual TLS (all three or the section is absent) */
@@ -504,7 +160,7 @@ static const field kvxfer_fields[K_N] = FIELD_TABLE(KVXFER_FIELDS);
     F(SE_KEY, "key", F_PATH, key, 0, 0)
 enum { SECURITY_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) SE_N };
 #define SECT td_cfg_security
-static const field security_fields[SE_N] = FIELD_TABLE(SECURITY_FIELDS);
+static const td_cfg_field security_fields[SE_N] = FIELD_TABLE(SECURITY_FIELDS);
 #undef SECT
 
 /* NODE: only the node is recorded; the section parsers below take it from there. */
@@ -520,36 +176,36 @@ static const field security_fields[SE_N] = FIELD_TABLE(SECURITY_FIELDS);
     N(T_SECURITY, "security")
 enum { ROOT_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) T_N };
 #define SECT td_cfg
-static const field root_fields[T_N] = FIELD_TABLE(ROOT_FIELDS);
+static const td_cfg_field root_fields[T_N] = FIELD_TABLE(ROOT_FIELDS);
 #undef SECT
 
-static int check_host(pctx *p, yaml_node_t *n, const char *h)
+static int check_host(td_cfg_ctx *p, yaml_node_t *n, const char *h)
 {
     if (!*h || strlen(h) > 253 || strpbrk(h, " /\t"))
-        return fail(p, n, "'%s' is not a host name or address", h);
+        return cfg_fail(p, n, "'%s' is not a host name or address", h);
     return 0;
 }
 
-static int check_listen(pctx *p, yaml_node_t *n, const char *s)
+static int check_listen(td_cfg_ctx *p, yaml_node_t *n, const char *s)
 {
     const char *c = strrchr(s, ':');
     char *end;
     long port = c ? strtol(c + 1, &end, 10) : 0;
     if (!c || c == s || !c[1] || *end || port < 1 || port > 65535)
-        return fail(p, n, "expected HOST:PORT (port 1..65535), got '%s'", s);
+        return cfg_fail(p, n, "expected HOST:PORT (port 1..65535), got '%s'", s);
     return 0;
 }
 
-static void router_defaults(pctx *p, td_cfg_router *r)
+static void router_defaults(td_cfg_ctx *p, td_cfg_router *r)
 {
-    set_str(p, &r->listen, "127.0.0.1:8000");
-    set_str(p, &r->api_key, "");
+    cfg_set_str(p, &r->listen, "127.0.0.1:8000");
+    cfg_set_str(p, &r->api_key, "");
     r->max_queue = 256;
     r->max_prompt_tokens = 8192;
     r->max_tokens = 4096;
-    set_str(p, &r->chat_template, "");
+    cfg_set_str(p, &r->chat_template, "");
     r->reasoning = true;
-    set_str(p, &r->tool_parser, "auto");
+    cfg_set_str(p, &r->tool_parser, "auto");
     r->heartbeat_ms = 500;
     r->instance_timeout_ms = 3000;
     r->request_timeout_ms = 600000;
@@ -562,8 +218,8 @@ static void router_defaults(pctx *p, td_cfg_router *r)
     r->routing = TD_CFG_ROUTING_LOAD;
     r->cache_aware = (td_cfg_cache_aware){
         .cache_threshold = 0.5, .balance_abs_threshold = 32, .balance_rel_threshold = 1.1};
-    set_str(p, &r->membership.listen, "");
-    set_str(p, &r->membership.address, "");
+    cfg_set_str(p, &r->membership.listen, "");
+    cfg_set_str(p, &r->membership.address, "");
     r->membership.lease_ms = 5000;
     r->membership.seed = true;
     r->membership.max_instances = 64;
@@ -571,27 +227,28 @@ static void router_defaults(pctx *p, td_cfg_router *r)
 
 /* router.membership: listen and address are HOST:PORT; address defaults to listen (one
  * machine), and needs it (a node announcing itself to a router that does not listen). */
-static int parse_membership(pctx *p, yaml_node_t *n, td_cfg_membership *m)
+static int parse_membership(td_cfg_ctx *p, yaml_node_t *n, td_cfg_membership *m)
 {
     yaml_node_t *seen[M_N], *keys[M_N];
     if (!n) return 0;
-    if (parse_map(p, n, "router.membership", membership_fields, M_N, m, seen, keys)) return p->rc;
+    if (cfg_parse_map(p, n, "router.membership", membership_fields, M_N, m, seen, keys))
+        return p->rc;
     if (seen[M_LISTEN] && *m->listen && check_listen(p, seen[M_LISTEN], m->listen)) return p->rc;
     if (seen[M_ADDRESS] && *m->address && check_listen(p, seen[M_ADDRESS], m->address))
         return p->rc;
     if (*m->address && !*m->listen)
-        return fail(p, n,
-                    "router.membership: address is given but listen is not (the router "
-                    "listens there for the instances' announcements)");
-    if (!*m->address) set_str(p, &m->address, m->listen);
+        return cfg_fail(p, n,
+                        "router.membership: address is given but listen is not (the router "
+                        "listens there for the instances' announcements)");
+    if (!*m->address) cfg_set_str(p, &m->address, m->listen);
     return p->rc;
 }
 
 /* router.routing and router.cache_aware */
-static int parse_routing(pctx *p, yaml_node_t *routing, yaml_node_t *ca, td_cfg_router *r)
+static int parse_routing(td_cfg_ctx *p, yaml_node_t *routing, yaml_node_t *ca, td_cfg_router *r)
 {
     const char *s;
-    if (routing && get_str(p, routing, &s)) return p->rc;
+    if (routing && cfg_get_str(p, routing, &s)) return p->rc;
     if (routing) {
         if (!strcmp(s, "load"))
             r->routing = TD_CFG_ROUTING_LOAD;
@@ -600,54 +257,55 @@ static int parse_routing(pctx *p, yaml_node_t *routing, yaml_node_t *ca, td_cfg_
         else if (!strcmp(s, "round_robin"))
             r->routing = TD_CFG_ROUTING_ROUND_ROBIN;
         else
-            return fail(p, routing, "unknown routing '%s' (known: load, cache_aware, round_robin)",
-                        s);
+            return cfg_fail(p, routing,
+                            "unknown routing '%s' (known: load, cache_aware, round_robin)", s);
     }
     yaml_node_t *seen[C_N], *keys[C_N];
     if (!ca) return 0;
-    return parse_map(p, ca, "router.cache_aware", cache_aware_fields, C_N, &r->cache_aware, seen,
-                     keys);
+    return cfg_parse_map(p, ca, "router.cache_aware", cache_aware_fields, C_N, &r->cache_aware,
+                         seen, keys);
 }
 
 /* router.tls_cert / tls_key: both or neither; tls_client_ca only with them. The files are
  * read by the router at start (other hosts load the same YAML without them). */
-static int check_tls(pctx *p, yaml_node_t **keys)
+static int check_tls(td_cfg_ctx *p, yaml_node_t **keys)
 {
     yaml_node_t *cert = keys[R_TLS_CERT], *key = keys[R_TLS_KEY], *ca = keys[R_TLS_CLIENT_CA];
     if (cert && !key)
-        return fail(p, cert, "router: tls_cert is given but tls_key is missing (give both)");
+        return cfg_fail(p, cert, "router: tls_cert is given but tls_key is missing (give both)");
     if (key && !cert)
-        return fail(p, key, "router: tls_key is given but tls_cert is missing (give both)");
+        return cfg_fail(p, key, "router: tls_key is given but tls_cert is missing (give both)");
     if (ca && !cert)
-        return fail(p, ca,
-                    "router: tls_client_ca needs tls_cert and tls_key (client certificates are "
-                    "asked for over TLS only)");
+        return cfg_fail(p, ca,
+                        "router: tls_client_ca needs tls_cert and tls_key (client certificates are "
+                        "asked for over TLS only)");
     return 0;
 }
 
-static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
+static int parse_router(td_cfg_ctx *p, yaml_node_t *n, td_cfg_router *r)
 {
     yaml_node_t *seen[R_N], *keys[R_N];
-    if (parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
+    if (cfg_parse_map(p, n, "router", router_fields, R_N, r, seen, keys)) return p->rc;
     if (seen[R_LISTEN] && check_listen(p, seen[R_LISTEN], r->listen)) return p->rc;
     if (check_tls(p, keys)) return p->rc;
     if (parse_routing(p, seen[R_ROUTING], seen[R_CACHE_AWARE], r)) return p->rc;
     if (parse_membership(p, seen[R_MEMBERSHIP], &r->membership)) return p->rc;
     if (!td_cfg_chat_template_ok(r->chat_template))
-        return fail(p, seen[R_TEMPLATE],
-                    "chat_template '%s' is neither chatml, llama3, llama2, gemma nor a readable "
-                    "template file (empty: the model's own)",
-                    r->chat_template);
+        return cfg_fail(
+            p, seen[R_TEMPLATE],
+            "chat_template '%s' is neither chatml, llama3, llama2, gemma nor a readable "
+            "template file (empty: the model's own)",
+            r->chat_template);
     if (!td_cfg_tool_parser_known(r->tool_parser))
-        return fail(p, seen[R_TOOL_PARSER], "unknown tool_parser '%s' (known: %s)", r->tool_parser,
-                    TD_CFG_TOOL_PARSERS);
+        return cfg_fail(p, seen[R_TOOL_PARSER], "unknown tool_parser '%s' (known: %s)",
+                        r->tool_parser, TD_CFG_TOOL_PARSERS);
     /* the default deadline follows a smaller maximum; an explicit one must fit under it */
     if (!seen[R_REQ_TIMEOUT] && r->request_timeout_ms > r->max_request_timeout_ms)
         r->request_timeout_ms = r->max_request_timeout_ms;
     if (r->request_timeout_ms > r->max_request_timeout_ms)
-        return fail(p, seen[R_REQ_TIMEOUT],
-                    "request_timeout_ms (%d) is larger than max_request_timeout_ms (%d)",
-                    r->request_timeout_ms, r->max_request_timeout_ms);
+        return cfg_fail(p, seen[R_REQ_TIMEOUT],
+                        "request_timeout_ms (%d) is larger than max_request_timeout_ms (%d)",
+                        r->request_timeout_ms, r->max_request_timeout_ms);
     return 0;
 }
 
@@ -655,19 +313,19 @@ static int parse_router(pctx *p, yaml_node_t *n, td_cfg_router *r)
  * process of a secured cluster opens control sockets with them (a missing file is
  * reported with the YAML's line rather than by the first socket that needs it), unless
  * the caller only rewrites the YAML for machines that hold them (TD_CFG_NO_FILE_CHECKS). */
-static int parse_security(pctx *p, yaml_node_t *n, td_cfg_security *x)
+static int parse_security(td_cfg_ctx *p, yaml_node_t *n, td_cfg_security *x)
 {
     yaml_node_t *seen[SE_N], *keys[SE_N];
-    if (parse_map(p, n, "security", security_fields, SE_N, x, seen, keys)) return p->rc;
+    if (cfg_parse_map(p, n, "security", security_fields, SE_N, x, seen, keys)) return p->rc;
     static const char *const names[SE_N] = {"ca", "cert", "key"};
     char *const paths[SE_N] = {x->ca, x->cert, x->key};
     for (int i = 0; i < SE_N; i++) {
-        if (require(p, n, seen[i], names[i], "security")) return p->rc;
+        if (cfg_require(p, n, seen[i], names[i], "security")) return p->rc;
         if (p->flags & TD_CFG_NO_FILE_CHECKS) continue;
         FILE *f = fopen(paths[i], "r");
         if (!f)
-            return fail(p, seen[i], "security.%s: cannot read '%s': %s", names[i], paths[i],
-                        strerror(errno));
+            return cfg_fail(p, seen[i], "security.%s: cannot read '%s': %s", names[i], paths[i],
+                            strerror(errno));
         fclose(f);
     }
     return 0;
@@ -683,19 +341,19 @@ typedef struct {
 } inst_ref;
 
 /* devices: one GPU index per stage (prefill) or rank (decode); only a GPU backend has them */
-static int check_devices(pctx *p, yaml_node_t *n, int n_devices, int want, const char *count,
+static int check_devices(td_cfg_ctx *p, yaml_node_t *n, int n_devices, int want, const char *count,
                          const char *per)
 {
     if (!n) return 0;
     if (p->backend != TD_CFG_BACKEND_CUDA)
-        return fail(p, n, "devices: only for backend cuda (GPU indices)");
+        return cfg_fail(p, n, "devices: only for backend cuda (GPU indices)");
     if (n_devices != want)
-        return fail(p, n, "devices has %d entries but %s is %d (one per %s)", n_devices, count,
-                    want, per);
+        return cfg_fail(p, n, "devices has %d entries but %s is %d (one per %s)", n_devices, count,
+                        want, per);
     return 0;
 }
 
-static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, inst_ref *ref)
+static int parse_prefill(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, inst_ref *ref)
 {
     yaml_node_t *seen[P_N], *keys[P_N];
     x->pp = 1;
@@ -710,32 +368,32 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
     x->prefix_cache = true;
     x->prefix_cache_mb = 256;
     if (n->type != YAML_MAPPING_NODE)
-        return fail(p, n, "prefill[%d]: expected a mapping, got %s", idx, kind_name(n));
+        return cfg_fail(p, n, "prefill[%d]: expected a mapping, got %s", idx, cfg_kind_name(n));
     char what[64];
     snprintf(what, sizeof what, "prefill[%d]", idx);
-    if (parse_map(p, n, what, prefill_fields, P_N, x, seen, keys)) return p->rc;
-    if (require(p, n, seen[P_NAME], "name", what)) return p->rc;
+    if (cfg_parse_map(p, n, what, prefill_fields, P_N, x, seen, keys)) return p->rc;
+    if (cfg_require(p, n, seen[P_NAME], "name", what)) return p->rc;
     if (!td_cfg_name_ok(x->name))
-        return fail(p, seen[P_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -", x->name,
-                    TD_CFG_NAME_MAX);
+        return cfg_fail(p, seen[P_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -",
+                        x->name, TD_CFG_NAME_MAX);
     if (x->layer_partition && x->n_layer_partition != x->pp)
-        return fail(p, seen[P_PART], "layer_partition has %d entries but pp is %d",
-                    x->n_layer_partition, x->pp);
+        return cfg_fail(p, seen[P_PART], "layer_partition has %d entries but pp is %d",
+                        x->n_layer_partition, x->pp);
     if (check_devices(p, seen[P_DEVICES], x->n_devices, x->pp, "pp", "stage")) return p->rc;
     if (x->hosts) {
         if (x->n_hosts != x->pp)
-            return fail(p, seen[P_HOSTS], "hosts has %d entries but pp is %d (one per stage)",
-                        x->n_hosts, x->pp);
+            return cfg_fail(p, seen[P_HOSTS], "hosts has %d entries but pp is %d (one per stage)",
+                            x->n_hosts, x->pp);
         yaml_node_t *hl = seen[P_HOSTS];
         for (int i = 0; i < x->n_hosts; i++)
-            if (check_host(p, node_at(p, hl->data.sequence.items.start[i]), x->hosts[i]))
+            if (check_host(p, cfg_node_at(p, hl->data.sequence.items.start[i]), x->hosts[i]))
                 return p->rc;
     } else {
         x->hosts = calloc((size_t)x->pp, sizeof *x->hosts);
-        if (!x->hosts) return fail(p, n, "out of memory");
+        if (!x->hosts) return cfg_fail(p, n, "out of memory");
         x->n_hosts = x->pp;
         for (int i = 0; i < x->pp; i++)
-            if (!(x->hosts[i] = xstrdup(p, "127.0.0.1"))) return p->rc;
+            if (!(x->hosts[i] = cfg_xstrdup(p, "127.0.0.1"))) return p->rc;
     }
     *ref = (inst_ref){x->name, seen[P_NAME], x->hosts[0], x->port,
                       seen[P_PORT] ? seen[P_PORT] : seen[P_NAME]};
@@ -744,31 +402,32 @@ static int parse_prefill(pctx *p, yaml_node_t *n, int idx, td_cfg_prefill *x, in
 
 /* decode[].prefix_cache_tier: {path, size}, both required; needs the prefix cache (at tp > 1
  * each rank has its own tier PATH.rR). */
-static int parse_tier(pctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *x)
+static int parse_tier(td_cfg_ctx *p, yaml_node_t *n, const char *inst, td_cfg_decode *x)
 {
     yaml_node_t *seen[TI_N], *keys[TI_N];
     char what[96];
     snprintf(what, sizeof what, "%s.prefix_cache_tier", inst);
-    if (parse_map(p, n, what, tier_fields, TI_N, &x->tier, seen, keys)) return p->rc;
-    if (require(p, n, seen[TI_PATH], "path", what) || require(p, n, seen[TI_SIZE], "size", what))
+    if (cfg_parse_map(p, n, what, tier_fields, TI_N, &x->tier, seen, keys)) return p->rc;
+    if (cfg_require(p, n, seen[TI_PATH], "path", what) ||
+        cfg_require(p, n, seen[TI_SIZE], "size", what))
         return p->rc;
     if (!x->prefix_cache)
-        return fail(
+        return cfg_fail(
             p, n, "%s: the tier holds blocks the prefix cache evicts; prefix_cache is false", what);
     return 0;
 }
 
 /* decode[].speculative: {method, draft, max_tokens, adaptive, ngram_min, ngram_max}, each
  * optional (x holds the defaults); draft alone means method draft, which requires it. */
-static int parse_spec(pctx *p, yaml_node_t *n, const char *inst, td_cfg_spec *x)
+static int parse_spec(td_cfg_ctx *p, yaml_node_t *n, const char *inst, td_cfg_spec *x)
 {
     yaml_node_t *seen[S_N], *keys[S_N];
     char what[96];
     snprintf(what, sizeof what, "%s.speculative", inst);
-    if (parse_map(p, n, what, spec_fields, S_N, x, seen, keys)) return p->rc;
+    if (cfg_parse_map(p, n, what, spec_fields, S_N, x, seen, keys)) return p->rc;
     if (seen[S_METHOD]) {
         const char *m;
-        if (get_str(p, seen[S_METHOD], &m)) return p->rc;
+        if (cfg_get_str(p, seen[S_METHOD], &m)) return p->rc;
         if (!strcmp(m, "ngram"))
             x->method = TD_CFG_SPEC_NGRAM;
         else if (!strcmp(m, "off"))
@@ -776,30 +435,30 @@ static int parse_spec(pctx *p, yaml_node_t *n, const char *inst, td_cfg_spec *x)
         else if (!strcmp(m, "draft"))
             x->method = TD_CFG_SPEC_DRAFT;
         else
-            return fail(p, seen[S_METHOD],
-                        "unknown speculative method '%s' (known: ngram, draft, off)", m);
+            return cfg_fail(p, seen[S_METHOD],
+                            "unknown speculative method '%s' (known: ngram, draft, off)", m);
     } else if (seen[S_DRAFT]) {
         x->method = TD_CFG_SPEC_DRAFT;
     }
     if (x->method == TD_CFG_SPEC_DRAFT && !seen[S_DRAFT])
-        return fail(p, seen[S_METHOD], "%s: method draft needs draft (the draft model's GGUF)",
-                    what);
+        return cfg_fail(p, seen[S_METHOD], "%s: method draft needs draft (the draft model's GGUF)",
+                        what);
     if (x->method != TD_CFG_SPEC_DRAFT && seen[S_DRAFT])
-        return fail(p, keys[S_DRAFT], "%s: draft is the draft model of method draft, not %s", what,
-                    x->method == TD_CFG_SPEC_OFF ? "off" : "ngram");
+        return cfg_fail(p, keys[S_DRAFT], "%s: draft is the draft model of method draft, not %s",
+                        what, x->method == TD_CFG_SPEC_OFF ? "off" : "ngram");
     if (x->ngram_min > x->ngram_max)
-        return fail(p, seen[S_NGRAM_MIN] ? seen[S_NGRAM_MIN] : seen[S_NGRAM_MAX],
-                    "%s: ngram_min (%d) is larger than ngram_max (%d)", what, x->ngram_min,
-                    x->ngram_max);
+        return cfg_fail(p, seen[S_NGRAM_MIN] ? seen[S_NGRAM_MIN] : seen[S_NGRAM_MAX],
+                        "%s: ngram_min (%d) is larger than ngram_max (%d)", what, x->ngram_min,
+                        x->ngram_max);
     return 0;
 }
 
-static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst_ref *ref)
+static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst_ref *ref)
 {
     yaml_node_t *seen[D_N], *keys[D_N];
     x->tp = 1;
     x->ep = 1;
-    set_str(p, &x->host, "127.0.0.1");
+    cfg_set_str(p, &x->host, "127.0.0.1");
     x->threads = 1;
     x->block_size = 16;
     x->kv_blocks = 4096;
@@ -815,24 +474,25 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
                                    .ngram_max = 4};
     if (p->rc) return p->rc;
     if (n->type != YAML_MAPPING_NODE)
-        return fail(p, n, "decode[%d]: expected a mapping, got %s", idx, kind_name(n));
+        return cfg_fail(p, n, "decode[%d]: expected a mapping, got %s", idx, cfg_kind_name(n));
     char what[64];
     snprintf(what, sizeof what, "decode[%d]", idx);
-    if (parse_map(p, n, what, decode_fields, D_N, x, seen, keys)) return p->rc;
-    if (require(p, n, seen[D_NAME], "name", what)) return p->rc;
+    if (cfg_parse_map(p, n, what, decode_fields, D_N, x, seen, keys)) return p->rc;
+    if (cfg_require(p, n, seen[D_NAME], "name", what)) return p->rc;
     if (!td_cfg_name_ok(x->name))
-        return fail(p, seen[D_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -", x->name,
-                    TD_CFG_NAME_MAX);
+        return cfg_fail(p, seen[D_NAME], "instance name '%s': use 1..%d of A-Z a-z 0-9 _ . -",
+                        x->name, TD_CFG_NAME_MAX);
     if (seen[D_HOST] && check_host(p, seen[D_HOST], x->host)) return p->rc;
     if (x->block_size & (x->block_size - 1))
-        return fail(p, seen[D_BLOCK], "block_size %d is not a power of two", x->block_size);
+        return cfg_fail(p, seen[D_BLOCK], "block_size %d is not a power of two", x->block_size);
     if (x->ep != 1 && x->ep != x->tp)
-        return fail(p, seen[D_EP], "ep %d: 1 or the instance's tp (%d)", x->ep, x->tp);
+        return cfg_fail(p, seen[D_EP], "ep %d: 1 or the instance's tp (%d)", x->ep, x->tp);
     if (seen[D_KVB] && seen[D_KVM])
-        return fail(p, keys[D_KVM], "give kv_blocks or kv_memory, not both");
+        return cfg_fail(p, keys[D_KVM], "give kv_blocks or kv_memory, not both");
     if (seen[D_KVM]) x->kv_blocks = 0;
-    if (seen[D_DTYPE] && kv_dtype_of(sval(seen[D_DTYPE])) < 0)
-        return fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32", sval(seen[D_DTYPE]));
+    if (seen[D_DTYPE] && cfg_kv_dtype_of(cfg_sval(seen[D_DTYPE])) < 0)
+        return cfg_fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32",
+                        cfg_sval(seen[D_DTYPE]));
     if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     if (seen[D_SPEC] && parse_spec(p, seen[D_SPEC], what, &x->speculative)) return p->rc;
@@ -841,52 +501,55 @@ static int parse_decode(pctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst
     return 0;
 }
 
-static int check_instances(pctx *p, inst_ref *r, int n)
+static int check_instances(td_cfg_ctx *p, inst_ref *r, int n)
 {
     for (int i = 0; i < n; i++)
         for (int j = 0; j < i; j++) {
             if (!strcmp(r[i].name, r[j].name))
-                return fail(p, r[i].name_node, "duplicate instance name '%s' (first at line %zu)",
-                            r[i].name, r[j].name_node->start_mark.line + 1);
+                return cfg_fail(p, r[i].name_node,
+                                "duplicate instance name '%s' (first at line %zu)", r[i].name,
+                                r[j].name_node->start_mark.line + 1);
             if (r[i].port == r[j].port && !strcmp(r[i].host, r[j].host))
-                return fail(p, r[i].port_node,
-                            "control port %d on %s is already used by instance '%s' (line %zu)",
-                            r[i].port, r[i].host, r[j].name, r[j].name_node->start_mark.line + 1);
+                return cfg_fail(p, r[i].port_node,
+                                "control port %d on %s is already used by instance '%s' (line %zu)",
+                                r[i].port, r[i].host, r[j].name,
+                                r[j].name_node->start_mark.line + 1);
         }
     return 0;
 }
 
-static int parse_list(pctx *p, yaml_node_t *n, const char *what, size_t *count)
+static int parse_list(td_cfg_ctx *p, yaml_node_t *n, const char *what, size_t *count)
 {
     *count = 0;
-    if (!n || is_null(n)) return 0;
+    if (!n || cfg_is_null(n)) return 0;
     if (n->type != YAML_SEQUENCE_NODE)
-        return fail(p, n, "%s: expected a list of instances, got %s", what, kind_name(n));
+        return cfg_fail(p, n, "%s: expected a list of instances, got %s", what, cfg_kind_name(n));
     *count = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
-    if (*count > MAX_LIST) return fail(p, n, "%s: more than %d instances", what, MAX_LIST);
+    if (*count > MAX_LIST) return cfg_fail(p, n, "%s: more than %d instances", what, MAX_LIST);
     return 0;
 }
 
-static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
+static int parse_root(td_cfg_ctx *p, yaml_node_t *root, td_cfg *c)
 {
     yaml_node_t *seen[T_N], *keys[T_N];
-    if (!root || is_null(root))
-        return fail(p, root,
-                    "empty configuration: expected a mapping with at least 'model' "
-                    "and 'decode'");
+    if (!root || cfg_is_null(root))
+        return cfg_fail(p, root,
+                        "empty configuration: expected a mapping with at least 'model' "
+                        "and 'decode'");
     if (root->type != YAML_MAPPING_NODE)
-        return fail(p, root, "expected a mapping at the top level, got %s", kind_name(root));
-    set_path(p, &c->run_dir, "~/.cache/tandem/run");
+        return cfg_fail(p, root, "expected a mapping at the top level, got %s",
+                        cfg_kind_name(root));
+    cfg_set_path(p, &c->run_dir, "~/.cache/tandem/run");
     router_defaults(p, &c->router);
-    set_str(p, &c->kvxfer.ucx_tls, "sm,tcp,self");
+    cfg_set_str(p, &c->kvxfer.ucx_tls, "sm,tcp,self");
     c->kvxfer.timeout_ms = 120000;
     if (p->rc) return p->rc;
 
-    if (parse_map(p, root, "the top level", root_fields, T_N, c, seen, keys)) return p->rc;
-    if (require(p, root, seen[T_MODEL], "model", "the top level")) return p->rc;
+    if (cfg_parse_map(p, root, "the top level", root_fields, T_N, c, seen, keys)) return p->rc;
+    if (cfg_require(p, root, seen[T_MODEL], "model", "the top level")) return p->rc;
     if (seen[T_BACKEND]) {
         const char *b;
-        if (get_str(p, seen[T_BACKEND], &b)) return p->rc;
+        if (cfg_get_str(p, seen[T_BACKEND], &b)) return p->rc;
         if (!strcmp(b, "cpu"))
             c->backend = TD_CFG_BACKEND_CPU;
         else if (!strcmp(b, "cuda"))
@@ -894,14 +557,16 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
         else if (!strcmp(b, "cpu-dev"))
             c->backend = TD_CFG_BACKEND_CPU_DEV;
         else
-            return fail(p, seen[T_BACKEND], "unknown backend '%s' (known: cpu, cuda, cpu-dev)", b);
+            return cfg_fail(p, seen[T_BACKEND], "unknown backend '%s' (known: cpu, cuda, cpu-dev)",
+                            b);
     }
     p->backend = c->backend;
     if (seen[T_CPU_ACT]) {
         const char *a;
-        if (get_str(p, seen[T_CPU_ACT], &a)) return p->rc;
+        if (cfg_get_str(p, seen[T_CPU_ACT], &a)) return p->rc;
         if (c->backend == TD_CFG_BACKEND_CUDA)
-            return fail(p, seen[T_CPU_ACT], "cpu_act: only for the cpu backends (backend is cuda)");
+            return cfg_fail(p, seen[T_CPU_ACT],
+                            "cpu_act: only for the cpu backends (backend is cuda)");
         if (!strcmp(a, "f32"))
             c->cpu_act = TD_CFG_ACT_F32;
         else if (!strcmp(a, "q8"))
@@ -911,12 +576,13 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
         else if (!strcmp(a, "auto"))
             c->cpu_act = TD_CFG_ACT_AUTO;
         else
-            return fail(p, seen[T_CPU_ACT], "unknown cpu_act '%s' (known: f32, q8, q16, auto)", a);
+            return cfg_fail(p, seen[T_CPU_ACT], "unknown cpu_act '%s' (known: f32, q8, q16, auto)",
+                            a);
     }
     if (seen[T_ROUTER] && parse_router(p, seen[T_ROUTER], &c->router)) return p->rc;
     if (seen[T_KVXFER]) {
         yaml_node_t *s2[K_N], *k2[K_N];
-        if (parse_map(p, seen[T_KVXFER], "kvxfer", kvxfer_fields, K_N, &c->kvxfer, s2, k2))
+        if (cfg_parse_map(p, seen[T_KVXFER], "kvxfer", kvxfer_fields, K_N, &c->kvxfer, s2, k2))
             return p->rc;
     }
     if (seen[T_SECURITY] && parse_security(p, seen[T_SECURITY], &c->security)) return p->rc;
@@ -926,23 +592,23 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
         parse_list(p, seen[T_DECODE], "decode", &nd))
         return p->rc;
     if (!nd)
-        return fail(p, seen[T_DECODE] ? seen[T_DECODE] : root,
-                    "no decode instance: 'decode' needs at least one entry");
+        return cfg_fail(p, seen[T_DECODE] ? seen[T_DECODE] : root,
+                        "no decode instance: 'decode' needs at least one entry");
     c->prefill = calloc(np ? np : 1, sizeof *c->prefill);
     c->decode = calloc(nd, sizeof *c->decode);
     inst_ref *refs = calloc(np + nd, sizeof *refs);
     if (!c->prefill || !c->decode || !refs) {
         free(refs);
-        return fail(p, root, "out of memory");
+        return cfg_fail(p, root, "out of memory");
     }
     for (size_t i = 0; i < np && !p->rc; i++) {
         c->n_prefill = (int)i + 1;
-        parse_prefill(p, node_at(p, seen[T_PREFILL]->data.sequence.items.start[i]), (int)i,
+        parse_prefill(p, cfg_node_at(p, seen[T_PREFILL]->data.sequence.items.start[i]), (int)i,
                       &c->prefill[i], &refs[i]);
     }
     for (size_t i = 0; i < nd && !p->rc; i++) {
         c->n_decode = (int)i + 1;
-        parse_decode(p, node_at(p, seen[T_DECODE]->data.sequence.items.start[i]), (int)i,
+        parse_decode(p, cfg_node_at(p, seen[T_DECODE]->data.sequence.items.start[i]), (int)i,
                      &c->decode[i], &refs[np + i]);
     }
     if (!p->rc) check_instances(p, refs, (int)(np + nd));
@@ -952,11 +618,12 @@ static int parse_root(pctx *p, yaml_node_t *root, td_cfg *c)
     for (int i = 1; np && !p->rc && i < c->n_decode; i++)
         if (c->decode[i].block_size != c->decode[0].block_size ||
             c->decode[i].kv_dtype != c->decode[0].kv_dtype)
-            fail(p, node_at(p, seen[T_DECODE]->data.sequence.items.start[i]),
-                 "decode instance '%s' has block_size %d / kv_dtype %s but '%s' has %d / %s: "
-                 "with prefill instances every decode instance needs the same",
-                 c->decode[i].name, c->decode[i].block_size, kv_dtype_name(c->decode[i].kv_dtype),
-                 c->decode[0].name, c->decode[0].block_size, kv_dtype_name(c->decode[0].kv_dtype));
+            cfg_fail(p, cfg_node_at(p, seen[T_DECODE]->data.sequence.items.start[i]),
+                     "decode instance '%s' has block_size %d / kv_dtype %s but '%s' has %d / %s: "
+                     "with prefill instances every decode instance needs the same",
+                     c->decode[i].name, c->decode[i].block_size,
+                     cfg_kv_dtype_name(c->decode[i].kv_dtype), c->decode[0].name,
+                     c->decode[0].block_size, cfg_kv_dtype_name(c->decode[0].kv_dtype));
     return p->rc;
 }
 
@@ -973,7 +640,7 @@ int td_cfg_parse_flags(const char *text, size_t len, const char *name, unsigned 
 {
     *out = NULL;
     if (err && errcap) err[0] = 0;
-    pctx p = {.file = name ? name : "<config>", .err = err, .errcap = errcap, .flags = flags};
+    td_cfg_ctx p = {.file = name ? name : "<config>", .err = err, .errcap = errcap, .flags = flags};
     yaml_parser_t parser;
     yaml_document_t doc;
     if (!yaml_parser_initialize(&parser)) {
@@ -995,14 +662,14 @@ int td_cfg_parse_flags(const char *text, size_t len, const char *name, unsigned 
         p.rc = TD_ENOMEM;
         td_errbuf_set(err, errcap, "%s: out of memory", p.file);
     } else {
-        c->path = xstrdup(&p, p.file);
+        c->path = cfg_xstrdup(&p, p.file);
         if (!p.rc) parse_root(&p, yaml_document_get_root_node(&doc), c);
     }
     if (!p.rc) { /* a second document would be ignored silently: refuse it */
         yaml_document_t doc2;
         if (yaml_parser_load(&parser, &doc2)) {
             yaml_node_t *r2 = yaml_document_get_root_node(&doc2);
-            if (r2) fail(&p, r2, "more than one YAML document");
+            if (r2) cfg_fail(&p, r2, "more than one YAML document");
             yaml_document_delete(&doc2);
         } else {
             yaml_mark_t m = parser.problem_mark;

@@ -197,7 +197,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   else
     step_failed "fuzz_ctrl: build or seed generation failed"
   fi
-  if "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_config.c common/config.c common/config_util.c \
+  if "${FZ_CC[@]}" -Icommon tests/fuzz/fuzz_config.c common/config.c common/config_util.c common/config_yaml.c \
        "${BASE_SRC[@]}" -lyaml -lpthread -lm -o build-fuzz/fuzz_config; then
     built+=(config)
   else
