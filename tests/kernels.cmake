@@ -73,6 +73,16 @@ target_link_libraries(test_q8amx PRIVATE td_kernels td_common)
 add_test(NAME kernels.test_q8amx COMMAND test_q8amx)
 set_tests_properties(kernels.test_q8amx PROPERTIES SKIP_RETURN_CODE 77)
 
+# The float32 gemm path's bf16x3 products on AMX-BF16 against float64 and against dequantize +
+# sgemm (relative error per row), rows alone against the batch bit for bit, the backend's matmul
+# at 1-3 threads; skipped (77) where AMX-BF16 is unusable or TANDEM_CPU_AMX=0.
+add_executable(test_bf16amx ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_bf16amx.c)
+target_include_directories(test_bf16amx PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}
+                                                ${PROJECT_SOURCE_DIR}/kernels/cpu)
+target_link_libraries(test_bf16amx PRIVATE td_kernels td_common)
+add_test(NAME kernels.test_bf16amx COMMAND test_bf16amx)
+set_tests_properties(kernels.test_bf16amx PROPERTIES SKIP_RETURN_CODE 77)
+
 # The CPU backend's thread pool: every item once in its static part, idle workers and a
 # waiting caller sleep (CPU time), the spin budget's environment variable (~1 s).
 add_executable(test_pool ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_pool.c)

@@ -2,7 +2,8 @@
  *
  * Purpose: run the engine on x86-64 CPUs. Decode-shaped products (few rows of x) use
  * SIMD dot products that dequantize weights on the fly; prefill-shaped products (many
- * rows) dequantize weight slices to float32 and call OpenBLAS sgemm per thread.
+ * rows) dequantize weight slices to float32 and call OpenBLAS sgemm per thread, or, where
+ * AMX-BF16 is usable, multiply them as three bf16 products on AMX tiles (cpu_bf16amx.h).
  * Invariants: activations are float32 (the opt-in q8 and q16 modes, kn_cpu_set_act, quantize
  * them to 8 or 16 bits inside the integer products); every kernel gives the same result for
  * any thread count up to float reassociation inside a dot product.
@@ -69,6 +70,9 @@ size_t kn_cpu_packed_bytes(const kn_cpu *c);
  * *solo for decode rows. Static strings. */
 void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
                          const char **solo);
+/* Whether the gemm path runs on AMX tiles in c's activation mode (the q8 mode's AMX-INT8
+ * GEMMs, the others' AMX-BF16 products): part of what a prefill profile depends on. */
+bool kn_cpu_gemm_amx(const kn_cpu *c);
 /* "TYPE: batch PATH, solo PATH; ..." for each weight type registered with map_matrix (the
  * model's), into buf; "" when none is. */
 void kn_cpu_describe_paths(const kn_cpu *c, char *buf, size_t cap);

@@ -14,7 +14,12 @@
  *  - gemm path (prefill): each thread dequantizes slices of its rows of W to float32 in its
  *    scratch and hands them to single-threaded OpenBLAS sgemm, which writes the matching
  *    columns of y. Dequantization is O(n_rows * n_cols), amortized over m rows of x.
- *    sgemm's rounding depends on the batch, so a row's result may change with m.
+ *    sgemm's rounding depends on the batch, so a row's result may change with m. Where
+ *    AMX-BF16 is usable (kn_bf16amx_usable; TANDEM_CPU_AMX=0 turns it off) the gemm path
+ *    instead splits x once per call and each slice of W into bf16 hi and lo parts and runs
+ *    three bf16 products on AMX tiles (cpu_bf16amx.h: about 2^-17 relative error, six
+ *    products and float32's accuracy when built with KN_BF16AMX_PARTS=3; a row's bits do not
+ *    depend on m), for every weight type the gemm path takes, F32 included.
  * In the q8 mode (kn_cpu_set_act_q8) the dot path of Q4_K and Q6_K weights quantizes its rows
  * of x to 8 bits once per call and runs cpu_q8act.c's integer dots; Q4_0, Q4_1, Q5_0 and Q8_0
  * weights send every row (solo and batch, any m) through cpu_q8gemm.c's integer GEMM, whose
@@ -37,6 +42,7 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "cpu_bf16amx.h"
 #include "cpu_internal.h"
 #include "cpu_q16act.h"
 #include "cpu_q8act.h"
@@ -92,6 +98,7 @@ typedef struct {
     float *y;          /* (m, n_rows) */
     /* gemm path rows */
     const float *gx; /* (gm, n_cols) */
+    const void *gxb; /* gx packed for the AMX-BF16 products (kn_bf16amx_pack_x), or NULL */
     const void *gxq; /* q8 mode, K-quant W: gx quantized to kn_q8b blocks (kn_q8k_gemm) */
     int64_t gm;      /* 0: none */
     float *gy;       /* (gm, n_rows) */
@@ -345,6 +352,38 @@ static void mm_gemm_part(void *arg, int64_t r0, int64_t r1, int tid)
     }
 }
 
+/* The gemm rows of 32-row groups [g0, g1) of W on AMX-BF16 (kn_bf16amx_rows, x packed in
+ * j->gxb), slice by slice, each after the dot rows' dots over it (as mm_gemm_part). */
+static void mm_bf16_part(void *arg, int64_t g0, int64_t g1, int tid)
+{
+    mm_job *j = arg;
+    const kn_mat *w = j->w;
+    const int64_t r0 = 32 * g0, r1 = 32 * g1 < w->n_rows ? 32 * g1 : w->n_rows;
+    const int64_t slice = r1 - r0 < KN_BF16AMX_SLICE_ROWS ? r1 - r0 : KN_BF16AMX_SLICE_ROWS;
+    const size_t bytes = kn_bf16amx_scratch_bytes(slice, w->n_cols);
+    void *buf = kn_cpu_scratch(j->c, tid, (bytes + 3) / sizeof(float));
+    if (!buf) {
+        atomic_store(&j->err, TD_ENOMEM);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r += slice) {
+        const int64_t n = r1 - r < slice ? r1 - r : slice;
+        if (j->m) mm_dot_part(j, r, r + n, tid);
+        const int rc = kn_bf16amx_rows(w, r, n, j->gxb, j->gm, j->gy + r, w->n_rows, buf);
+        if (rc) {
+            atomic_store(&j->err, rc);
+            return;
+        }
+    }
+}
+
+/* Pairs [p0, p1) of the gemm rows' 16-row tiles of x packed for AMX-BF16 into j->gxb. */
+static void mm_bf16_pack_part(void *arg, int64_t p0, int64_t p1, int tid)
+{
+    const mm_job *j = arg;
+    kn_bf16amx_pack_x(j->gx, j->gm, j->w->n_cols, 2 * p0, 2 * p1, (void *)j->gxb);
+}
+
 /* The q8 mode's gemm rows of K-quant weights (kn_q8k_gemm): the dot rows and the gemm rows
  * of groups [g0, g1) of 16 rows of W. */
 static void mm_q8k_part(void *arg, int64_t g0, int64_t g1, int tid)
@@ -463,6 +502,8 @@ void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
     if (c->act_q8 && kn_q8k_gemm_supported(w))
         *batch =
             amx ? "q8 K-quant integer GEMM (amx-int8)" : "q8 K-quant integer GEMM (avx512-vnni)";
+    else if (kn_bf16amx_usable())
+        *batch = w->type == TD_F32 ? KN_BF16AMX_NAME : "float32 tiles + " KN_BF16AMX_NAME;
     else if (w->type == TD_F32)
         *batch = "OpenBLAS sgemm";
     else
@@ -475,6 +516,11 @@ void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
         return;
     }
     *solo = c->act_q8 && kn_q8_supported(w->type) ? "q8 integer dot" : "float32 dot";
+}
+
+bool kn_cpu_gemm_amx(const kn_cpu *c)
+{
+    return c->act_q8 ? kn_q8_gemm_amx() : kn_bf16amx_usable();
 }
 
 int kn_cpu_matmul(void *ctx, const kn_mat *w, const float *x, int64_t m, float *y)
@@ -509,10 +555,32 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
     const int sg = kn_cpu_traits_of(w->type)->xsum_group;
     const bool q8dot = j.m && c->act_q8 && kn_q8_supported(w->type),
                kgemm = gm && c->act_q8 && kn_q8k_gemm_supported(w),
-               q16dot = j.m && c->act_q16 && kn_q16_supported(w->type);
+               q16dot = j.m && c->act_q16 && kn_q16_supported(w->type),
+               bgemm = gm && !kgemm && kn_bf16amx_usable();
+    /* the caller's scratch: the gemm rows' x packed for AMX-BF16 first (bx bytes), then the
+     * dot rows' side data (one kind at most) */
+    const size_t bx = bgemm ? kn_bf16amx_x_bytes(gm, w->n_cols) : 0;
+    uint8_t *cs = NULL;
+    if (bgemm) {
+        size_t side = 0;
+        if (q16dot)
+            side = (size_t)j.m * kn_q16_row_bytes(w->n_cols);
+        else if (q8dot)
+            side = (size_t)j.m * kn_q8_row_bytes(w->type, w->n_cols);
+        else if (j.m && sg)
+            side = (size_t)(j.m * (w->n_cols / sg)) * sizeof(float);
+        cs = (uint8_t *)kn_cpu_scratch(c, KN_CPU_CALLER, (bx + side + 3) / sizeof(float));
+        if (!cs) {
+            TD_LOG_ERR("matmul: out of memory for %zu bytes of packed x", bx + side);
+            return TD_ENOMEM;
+        }
+        j.gxb = cs;
+        kn_pool_run(c->pool, (gm + 31) / 32, 1, mm_bf16_pack_part, &j);
+    }
     if (q16dot) {
         const size_t bytes = (size_t)j.m * kn_q16_row_bytes(w->n_cols);
-        void *xq = kn_cpu_scratch(c, KN_CPU_CALLER, (bytes + 3) / sizeof(float));
+        void *xq =
+            cs ? (void *)(cs + bx) : kn_cpu_scratch(c, KN_CPU_CALLER, (bytes + 3) / sizeof(float));
         if (!xq) {
             TD_LOG_ERR("matmul: out of memory for %zu bytes of quantized x", bytes);
             return TD_ENOMEM;
@@ -527,8 +595,9 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
         const size_t dot_bytes = q8dot ? (size_t)j.m * kn_q8_row_bytes(w->type, w->n_cols) : 0,
                      gemm_bytes = kgemm ? (size_t)gm * kn_q8_row_bytes(TD_Q8_0, w->n_cols) : 0,
                      dot_pad = (dot_bytes + 63) / 64 * 64;
-        uint8_t *xq =
-            (uint8_t *)kn_cpu_scratch(c, KN_CPU_CALLER, (dot_pad + gemm_bytes + 3) / sizeof(float));
+        uint8_t *xq = cs ? cs + bx
+                         : (uint8_t *)kn_cpu_scratch(c, KN_CPU_CALLER,
+                                                     (dot_pad + gemm_bytes + 3) / sizeof(float));
         if (!xq) {
             TD_LOG_ERR("matmul: out of memory for %zu bytes of quantized x", dot_pad + gemm_bytes);
             return TD_ENOMEM;
@@ -545,7 +614,8 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
     }
     if (j.m && !j.xq && !j.xq16 && sg) {
         const int64_t nb = w->n_cols / sg;
-        float *xs = kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
+        float *xs = cs ? (float *)(void *)(cs + bx)
+                       : kn_cpu_scratch(c, KN_CPU_CALLER, (size_t)(j.m * nb)); /* (m, nb) */
         if (!xs) {
             TD_LOG_ERR("matmul: out of memory for %lld block sums", (long long)(j.m * nb));
             return TD_ENOMEM;
@@ -555,6 +625,10 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
     }
     if (kgemm) {
         kn_pool_run(c->pool, (w->n_rows + 15) / 16, MM_GEMM_MIN_ROWS / 16, mm_q8k_part, &j);
+        return atomic_load(&j.err);
+    }
+    if (bgemm) {
+        kn_pool_run(c->pool, (w->n_rows + 31) / 32, 1, mm_bf16_part, &j);
         return atomic_load(&j.err);
     }
     if (gm) {
