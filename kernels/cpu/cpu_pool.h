@@ -43,7 +43,7 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
  * thread choice, decode-node/dc_threads.h). It changes only how [0, n) is split: the CPU
  * backend's kernels give each item (a row of W or of x, a head) the same bits however it is
  * split, and cpu_attention.c cuts its work by n_threads (kn_cpu_n_threads), not by the limit,
- * so no result depends on it (tests/kernels/test_pool.c checks a forward pass). Any thread;
+ * so no result depends on it (tests/decode/test_sched.c checks whole requests). Any thread;
  * read at the start of each run.
  * kn_pool_limit: the limit now (n_threads when none was set). */
 void kn_pool_set_limit(kn_pool *p, int n);
