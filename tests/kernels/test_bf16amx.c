@@ -125,6 +125,19 @@ static float *dequant(const kn_mat *w)
     return d;
 }
 
+/* ref (m, n_rows) = x (m, n_cols) . wd^T (n_rows, n_cols) in float64. */
+static void reference(const float *x, const float *wd, int64_t m, int64_t n_rows, int64_t n_cols,
+                      double *ref)
+{
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n_rows; r++) {
+            double s = 0;
+            for (int64_t e = 0; e < n_cols; e++)
+                s += (double)x[i * n_cols + e] * wd[r * n_cols + e];
+            ref[i * n_rows + r] = s;
+        }
+}
+
 /* Relative L2 error of row i of y (ldy floats a row, n values) against ref. */
 static double row_err(const float *y, const double *ref, int64_t i, int64_t n, int64_t ldy)
 {
@@ -156,13 +169,7 @@ static void check_kernel(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     const size_t sb = (kn_bf16amx_scratch_bytes(n_rows, n_cols) + 63) / 64 * 64;
     void *scratch = aligned_alloc(64, sb);
     TH_REQUIRE(buf && x && wd && ya && ys && y1 && ref && xp && x1 && scratch);
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t r = 0; r < n_rows; r++) {
-            double s = 0;
-            for (int64_t e = 0; e < n_cols; e++)
-                s += (double)x[i * n_cols + e] * wd[r * n_cols + e];
-            ref[i * n_rows + r] = s;
-        }
+    reference(x, wd, m, n_rows, n_cols, ref);
     fill(ys, ny);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n_rows, (int)n_cols, 1.0f, x,
                 (int)n_cols, wd, (int)n_cols, 0.0f, ys, (int)ldy);
@@ -259,13 +266,7 @@ static void test_backend(void)
               *yt = malloc(ny * sizeof(float));
         double *ref = malloc(ny * sizeof(double));
         TH_REQUIRE(buf && x && wd && ys && ya && yt && ref);
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t r = 0; r < n_rows; r++) {
-                double s = 0;
-                for (int64_t e = 0; e < n_cols; e++)
-                    s += (double)x[i * n_cols + e] * wd[r * n_cols + e];
-                ref[i * n_rows + r] = s;
-            }
+        reference(x, wd, m, n_rows, n_cols, ref);
         for (int th = 1; th <= 3; th++) {
             kn_cpu *c;
             TH_REQUIRE(kn_cpu_create(th, &c) == 0);
