@@ -11,10 +11,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cpu_backend.h"
 #include "kn_backends.h"
+#include "kn_test_util.h"
 #include "kv_mem.h"
 #include "model.h"
 
@@ -38,13 +38,6 @@ static int rig_open(rig *r, const char *fused, int threads)
     return kn_kv_mem_create(&kp, &r->mem);
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    timespec_get(&ts, TIME_UTC);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* tokens greedy steps at batch 1 from an empty context: seconds, or < 0 on error. */
 static double decode(rig *r, int tokens, float *lg)
 {
@@ -53,7 +46,7 @@ static double decode(rig *r, int tokens, float *lg)
     kn_kv_seq_init(&seq);
     int32_t tok = 17, so = 0, row = 0;
     int rc = 0;
-    double t0 = now_s();
+    double t0 = kt_now_s();
     for (int32_t pos = 0; pos < tokens && !rc; pos++) {
         if ((rc = kn_kv_seq_reserve(r->mem, &seq, pos + 1))) break;
         kn_seq_view v = {.block_table = seq.blocks, .n_ctx = pos + 1};
@@ -72,21 +65,9 @@ static double decode(rig *r, int tokens, float *lg)
             if (lg[i] > lg[best]) best = i;
         tok = best;
     }
-    double dt = now_s() - t0;
+    double dt = kt_now_s() - t0;
     kn_kv_seq_fini(r->mem, &seq);
     return rc ? -1 : dt;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 int main(int argc, char **argv)
@@ -102,11 +83,7 @@ int main(int argc, char **argv)
         return 2;
     }
     td_gguf *g;
-    char err[256];
-    if (td_gguf_open(argv[1], &g, err, sizeof err) || kn_model_load(g, &(kn_shard){0}, &model)) {
-        fprintf(stderr, "bench_fused: cannot load %s\n", argv[1]);
-        return 1;
-    }
+    if (kt_open_model(argv[1], &g, &model)) return 1;
     rig r[2]; /* 0 fused, 1 unfused */
     float *lg = malloc((size_t)model->hp.n_vocab * sizeof *lg);
     double *tps[2] = {calloc((size_t)rounds, sizeof(double)),
@@ -142,7 +119,7 @@ int main(int argc, char **argv)
     }
     printf("threads %d, %d rounds of %d tokens: fused %.1f tok/s, unfused %.1f tok/s (medians), "
            "median ratio %.3f\n",
-           threads, rounds, tokens, median(tps[0], rounds), median(tps[1], rounds),
-           median(ratio, rounds));
+           threads, rounds, tokens, kt_median(tps[0], rounds), kt_median(tps[1], rounds),
+           kt_median(ratio, rounds));
     return 0;
 }

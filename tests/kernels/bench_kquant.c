@@ -14,58 +14,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 
 #define COLD_BYTES ((size_t)256 << 20)
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-/* Random bytes; every fp16 scale (d, and dmin / m where the type has one) ~0.008. */
-static uint8_t *make_weights(td_dtype t, int64_t rows, int64_t cols)
-{
-    const size_t bytes = td_dtype_row_bytes(t, cols) * (size_t)rows;
-    uint8_t *p = malloc(bytes);
-    if (!p) return NULL;
-    for (size_t i = 0; i < bytes; i++) {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        p[i] = (uint8_t)(rng >> 24);
-    }
-    const size_t bs = td_dtype_get((uint32_t)t)->type_size;
-    const uint16_t s = 0x2000;
-    for (size_t b = 0; b < bytes / bs; b++) {
-        if (t == TD_Q6_K) {
-            memcpy(p + b * bs + 208, &s, 2);
-        } else if (t == TD_Q3_K) {
-            memcpy(p + b * bs + 108, &s, 2);
-        } else if (t == TD_Q2_K) {
-            memcpy(p + b * bs + 80, &s, 2);
-            memcpy(p + b * bs + 82, &s, 2);
-        } else {
-            memcpy(p + b * bs, &s, 2);
-            if (t != TD_Q4_0 && t != TD_Q8_0 && t != TD_IQ4_NL && t != TD_IQ4_XS)
-                memcpy(p + b * bs + 2, &s, 2);
-        }
-    }
-    return p;
-}
 
 /* Median seconds of one matmul pass over n matrices (cycled) at m rows of x. */
 static kn_mat mat_of(td_dtype t, uint8_t *w, int64_t rows, int64_t cols)
@@ -82,15 +38,14 @@ static double time_pass(kn_cpu *c, td_dtype t, uint8_t **w, int n, int64_t rows,
 {
     double ts[9];
     for (int r = -1; r < 9; r++) {
-        const double t0 = now_s();
+        const double t0 = kt_now_s();
         for (int i = 0; i < n; i++) {
             const kn_mat km = mat_of(t, w[i], rows, cols);
             kn_cpu_matmul(c, &km, x, m, y);
         }
-        if (r >= 0) ts[r] = (now_s() - t0) / n;
+        if (r >= 0) ts[r] = (kt_now_s() - t0) / n;
     }
-    qsort(ts, 9, sizeof *ts, cmp_double);
-    return ts[4];
+    return kt_median(ts, 9);
 }
 
 int main(int argc, char **argv)
@@ -122,7 +77,7 @@ int main(int argc, char **argv)
             uint8_t **w = malloc((size_t)n * sizeof *w);
             if (!w) return 1;
             for (int i = 0; i < n; i++)
-                if (!(w[i] = make_weights(t, rows, cols))) return 1;
+                if (!(w[i] = kt_bench_weights(&rng, t, rows, cols, false))) return 1;
             for (int i = 0; mapped && i < n; i++) {
                 const kn_mat km = mat_of(t, w[i], rows, cols);
                 kn_cpu_map_matrix(c, &km);

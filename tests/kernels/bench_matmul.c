@@ -12,9 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 
 typedef struct {
@@ -35,41 +35,7 @@ static const shape shapes[] = {
 #define N_LAYERS   30
 #define COLD_BYTES ((size_t)256 << 20)
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-
-/* Random quants with small finite scales: realistic work, nothing the kernel can skip. */
-static void *make_weights(td_dtype t, int64_t rows, int64_t cols)
-{
-    size_t bytes = td_dtype_row_bytes(t, cols) * (size_t)rows;
-    uint8_t *p = malloc(bytes);
-    if (!p) return NULL;
-    for (size_t i = 0; i < bytes; i++) {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        p[i] = (uint8_t)(rng >> 24);
-    }
-    const size_t bs = td_dtype_get((uint32_t)t)->type_size;
-    for (size_t b = 0; b < bytes / bs; b++) {
-        uint16_t s = (uint16_t)(0x2000 | (b & 0x3ff)); /* ~0.008 */
-        memcpy(p + b * bs, &s, 2);
-        if (t == TD_Q4_1) memcpy(p + b * bs + 2, &s, 2);
-    }
-    return p;
-}
 
 static kn_mat mat_of(const shape *s, const void *data)
 {
@@ -88,15 +54,14 @@ static double time_mixed(kn_cpu *c, const shape *s, void **mats, int n_mats, con
     double t[16];
     if (reps > 16) reps = 16;
     for (int r = -1; r < reps; r++) {
-        double t0 = now_s();
+        double t0 = kt_now_s();
         for (int i = 0; i < n_mats; i++) {
             kn_mat w = mat_of(s, mats[i]);
             kn_cpu_matmul_mixed(c, &w, x, m, solo, y);
         }
-        if (r >= 0) t[r] = now_s() - t0;
+        if (r >= 0) t[r] = kt_now_s() - t0;
     }
-    qsort(t, (size_t)reps, sizeof *t, cmp_double);
-    return t[reps / 2];
+    return kt_median(t, reps);
 }
 
 /* Median seconds of reps passes over n_mats matrices of shape s at m rows of x. */
@@ -106,15 +71,14 @@ static double time_pass(kn_cpu *c, const shape *s, void **mats, int n_mats, cons
     double t[16];
     if (reps > 16) reps = 16;
     for (int r = -1; r < reps; r++) {
-        double t0 = now_s();
+        double t0 = kt_now_s();
         for (int i = 0; i < n_mats; i++) {
             kn_mat w = mat_of(s, mats[i]);
             kn_cpu_matmul(c, &w, x, m, y);
         }
-        if (r >= 0) t[r] = now_s() - t0;
+        if (r >= 0) t[r] = kt_now_s() - t0;
     }
-    qsort(t, (size_t)reps, sizeof *t, cmp_double);
-    return t[reps / 2];
+    return kt_median(t, reps);
 }
 
 static void bench_threads(int n_threads)
@@ -140,16 +104,16 @@ static void bench_threads(int n_threads)
         int n_mats = (int)((COLD_BYTES + bytes - 1) / bytes);
         void **mats = calloc((size_t)n_mats, sizeof *mats);
         for (int i = 0; i < n_mats; i++)
-            mats[i] = make_weights(s->type, s->rows, s->cols);
+            mats[i] = kt_bench_weights(&rng, s->type, s->rows, s->cols, true);
         double cold = time_pass(c, s, mats, n_mats, x, 1, y, 5);
         int hot_reps = (int)(COLD_BYTES / 4 / bytes) + 1;
         double hot = time_pass(c, s, mats, 1, x, 1, y, 9);
-        double t0 = now_s();
+        double t0 = kt_now_s();
         for (int r = 0; r < hot_reps; r++) {
             kn_mat w = mat_of(s, mats[0]);
             kn_cpu_matmul(c, &w, x, 1, y);
         }
-        double hot_avg = (now_s() - t0) / hot_reps;
+        double hot_avg = (kt_now_s() - t0) / hot_reps;
         if (hot_avg < hot) hot = hot_avg;
         printf("  %-28s cold %6.1f GB/s (%4.0f%% of read)  hot %6.1f GB/s  %7.1f us/call\n",
                s->name, (double)bytes * n_mats / cold / 1e9,
@@ -167,10 +131,10 @@ static void bench_threads(int n_threads)
     for (int l = 0; l < N_LAYERS; l++)
         for (int i = 0; i < 7; i++) {
             const shape *s = &shapes[per_layer[i]];
-            layer_w[l][i] = make_weights(s->type, s->rows, s->cols);
+            layer_w[l][i] = kt_bench_weights(&rng, s->type, s->rows, s->cols, true);
             step_bytes += td_dtype_row_bytes(s->type, s->cols) * (size_t)s->rows;
         }
-    void *head = make_weights(shapes[4].type, shapes[4].rows, shapes[4].cols);
+    void *head = kt_bench_weights(&rng, shapes[4].type, shapes[4].rows, shapes[4].cols, true);
     step_bytes += td_dtype_row_bytes(shapes[4].type, shapes[4].cols) * (size_t)shapes[4].rows;
     /* then with the matrices registered as an engine registers its weights (map_matrix):
      * the q8 mode packs them once (cpu_packed.c; the q16 mode reads the copies too); they stay
@@ -179,7 +143,7 @@ static void bench_threads(int n_threads)
         if (mapped && kn_cpu_act(c) == KN_CPU_ACT_F32) break;
         double ts[9];
         for (int r = -1; r < 9; r++) {
-            double t0 = now_s();
+            double t0 = kt_now_s();
             for (int l = 0; l < N_LAYERS; l++)
                 for (int i = 0; i < 7; i++) {
                     kn_mat w = mat_of(&shapes[per_layer[i]], layer_w[l][i]);
@@ -189,13 +153,13 @@ static void bench_threads(int n_threads)
             kn_mat w = mat_of(&shapes[4], head);
             if (mapped) kn_cpu_map_matrix(c, &w);
             kn_cpu_matmul(c, &w, x, 1, y);
-            if (r >= 0) ts[r] = now_s() - t0;
+            if (r >= 0) ts[r] = kt_now_s() - t0;
         }
-        qsort(ts, 9, sizeof *ts, cmp_double);
+        const double med = kt_median(ts, 9);
         printf("  decode step matmuls%s (%.1f MB): %.2f ms = %.1f GB/s (%.0f%% of read; floor "
                "%.2f ms)\n",
-               mapped ? ", weights packed" : "", step_bytes / 1e6, ts[4] * 1e3,
-               step_bytes / ts[4] / 1e9, 100.0 * step_bytes / ts[4] / 1e9 / read,
+               mapped ? ", weights packed" : "", step_bytes / 1e6, med * 1e3,
+               step_bytes / med / 1e9, 100.0 * step_bytes / med / 1e9 / read,
                step_bytes / read / 1e6);
     }
 
@@ -203,7 +167,7 @@ static void bench_threads(int n_threads)
     printf("m > 1: GFLOP/s per shape (%% of sgemm peak)\n");
     for (int si = 0; si < N_SHAPES; si++) {
         const shape *s = &shapes[si];
-        void *wm = make_weights(s->type, s->rows, s->cols);
+        void *wm = kt_bench_weights(&rng, s->type, s->rows, s->cols, true);
         printf("  %-28s", s->name);
         for (int mi = 0; mi < (int)(sizeof ms / sizeof ms[0]); mi++) {
             const int64_t m = ms[mi];
@@ -223,7 +187,7 @@ static void bench_threads(int n_threads)
            "against m gemm rows alone (s)\n");
     for (int si = 0; si < N_SHAPES - 1; si++) {
         const shape *s = &shapes[si];
-        void *wm = make_weights(s->type, s->rows, s->cols);
+        void *wm = kt_bench_weights(&rng, s->type, s->rows, s->cols, true);
         printf("  %-28s", s->name);
         for (int mi = 0; mi < 3; mi++) {
             const int64_t m = big[mi];

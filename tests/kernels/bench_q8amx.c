@@ -17,44 +17,13 @@
 
 #include "cpu_backend.h"
 #include "cpu_q8act.h"
+#include "kn_test_util.h"
 #include "td_clock.h"
 #include "td_dtype.h"
 
 #define PASSES 7
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-
-static uint32_t rng_u32(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 24);
-}
-
-/* Random quants with small finite scales: realistic work, nothing to skip. */
-static void *make_weights(td_dtype t, int64_t rows, int64_t cols)
-{
-    const size_t bytes = td_dtype_row_bytes(t, cols) * (size_t)rows;
-    const size_t bs = td_dtype_get((uint32_t)t)->type_size;
-    uint8_t *p = malloc(bytes);
-    if (!p) return NULL;
-    for (size_t i = 0; i < bytes; i++)
-        p[i] = (uint8_t)rng_u32();
-    const uint16_t s = 0x2000; /* ~0.008 */
-    for (size_t b = 0; b < bytes / bs; b++) {
-        uint8_t *blk = p + b * bs;
-        memcpy(blk + (t == TD_Q6_K ? 208 : 0), &s, 2);
-        if (t == TD_Q4_1 || t == TD_Q4_K) memcpy(blk + 2, &s, 2);
-    }
-    return p;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* Median seconds of PASSES products (one warm-up first). */
 static double time_product(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, float *y)
@@ -65,8 +34,7 @@ static double time_product(kn_cpu *c, const kn_mat *w, const float *x, int64_t m
         if (kn_cpu_matmul(c, w, x, m, y)) return -1.0;
         if (p >= 0) t[p] = (double)(td_now_ns() - t0) * 1e-9;
     }
-    qsort(t, PASSES, sizeof *t, cmp_double);
-    return t[PASSES / 2];
+    return kt_median(t, PASSES);
 }
 
 int main(int argc, char **argv)
@@ -96,12 +64,12 @@ int main(int argc, char **argv)
             const bool ktype = t == TD_Q4_K || t == TD_Q6_K;
             const int64_t rows = shapes[s].rows, cols = shapes[s].cols;
             if ((ktype && cols % 256) || !strstr(shapes[s].what, filter)) continue;
-            void *data = make_weights(t, rows, cols);
+            void *data = kt_bench_weights(&rng, t, rows, cols, false);
             float *x = malloc((size_t)(m * cols) * sizeof(float));
             float *y = malloc((size_t)(m * rows) * sizeof(float));
             if (!data || !x || !y) return 1;
             for (int64_t i = 0; i < m * cols; i++)
-                x[i] = (float)(rng_u32() & 0xff) / 128.0f - 1.0f;
+                x[i] = (float)((kt_xorshift64(&rng) >> 24) & 0xff) / 128.0f - 1.0f;
             const kn_mat w = {.type = t,
                               .n_rows = rows,
                               .n_cols = cols,

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "td_clock.h"
 #include "td_dtype.h"
 
@@ -24,34 +25,6 @@ static const td_dtype types[] = {TD_Q4_0, TD_Q4_1, TD_Q5_0, TD_Q5_1, TD_Q8_0};
 #define MAX_PASSES 16
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-
-/* Random quants with small finite scales (d and, for Q4_1/Q5_1, m): realistic work,
- * nothing the kernel can skip. */
-static void *make_weights(td_dtype t, int64_t rows, int64_t cols)
-{
-    const size_t bytes = td_dtype_row_bytes(t, cols) * (size_t)rows;
-    uint8_t *p = malloc(bytes);
-    if (!p) return NULL;
-    for (size_t i = 0; i < bytes; i++) {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        p[i] = (uint8_t)(rng >> 24);
-    }
-    const size_t bs = td_dtype_get((uint32_t)t)->type_size;
-    for (size_t b = 0; b < bytes / bs; b++) {
-        uint16_t s = (uint16_t)(0x2000 | (b & 0x3ff)); /* ~0.008 */
-        memcpy(p + b * bs, &s, 2);
-        if (t == TD_Q4_1 || t == TD_Q5_1) memcpy(p + b * bs + 2, &s, 2);
-    }
-    return p;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* Median seconds of passes over n_mats matrices at m rows of x (one warm-up pass first). */
 static double time_pass(kn_cpu *c, kn_mat w, void **mats, int n_mats, const float *x, int64_t m,
@@ -67,8 +40,7 @@ static double time_pass(kn_cpu *c, kn_mat w, void **mats, int n_mats, const floa
         }
         if (p >= 0) t[p] = (double)(td_now_ns() - t0) * 1e-9;
     }
-    qsort(t, (size_t)passes, sizeof *t, cmp_double);
-    return t[passes / 2];
+    return kt_median(t, passes);
 }
 
 static int bench_type(kn_cpu *c, td_dtype t, int64_t rows, int64_t cols, const float *x, float *y)
@@ -79,7 +51,7 @@ static int bench_type(kn_cpu *c, td_dtype t, int64_t rows, int64_t cols, const f
     if (!mats) return -1;
     int rc = 0;
     for (int i = 0; i < n_mats && !rc; i++)
-        if (!(mats[i] = make_weights(t, rows, cols))) rc = -1;
+        if (!(mats[i] = kt_bench_weights(&rng, t, rows, cols, true))) rc = -1;
     const kn_mat w = {
         .type = t, .n_rows = rows, .n_cols = cols, .row_stride = td_dtype_row_bytes(t, cols)};
     if (!rc) {

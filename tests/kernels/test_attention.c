@@ -12,25 +12,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "tharness.h"
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-
-static double urand(void) /* [0, 1) */
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (double)(rng >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static float frand(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)urand();
-}
 
 static const int seq_lens[] = {1, 15, 16, 17, 100, 600};
 #define N_SEQ ((int)(sizeof seq_lens / sizeof seq_lens[0]))
@@ -76,7 +63,7 @@ static void fixture_init(fixture *F, att_case c)
     for (int i = 0; i < F->n_blocks; i++)
         perm[i] = i;
     for (int i = F->n_blocks - 1; i > 0; i--) {
-        int j = (int)(urand() * (i + 1));
+        int j = (int)(kt_unit(&rng) * (i + 1));
         int32_t t = perm[i];
         perm[i] = perm[j];
         perm[j] = t;
@@ -103,14 +90,14 @@ static void fixture_init(fixture *F, att_case c)
         F->ref[s] = malloc(sizeof(float) * qn);
         const float off = 10.0f * (float)(s + 1);
         for (size_t i = 0; i < kvn; i++) {
-            F->kin[s][i] = frand(-1, 1);
-            F->vin[s][i] = off + frand(-1, 1);
+            F->kin[s][i] = kt_frand(&rng, -1, 1);
+            F->vin[s][i] = off + kt_frand(&rng, -1, 1);
             F->k[s][i] = round_kv(c.kv_type, F->kin[s][i]);
             F->v[s][i] = round_kv(c.kv_type, F->vin[s][i]);
         }
         /* large q so the softmax is peaked, not a plain mean */
         for (size_t i = 0; i < qn; i++)
-            F->q[s][i] = frand(-4, 4);
+            F->q[s][i] = kt_frand(&rng, -4, 4);
         double *w = malloc(sizeof(double) * len);
         for (int p = 0; p < len; p++)
             for (int h = 0; h < nh; h++) {
@@ -200,11 +187,11 @@ static double run_schedule(fixture *F, kn_cpu *c, int *layout_bad)
          * remain (prefill), then one token per step (decode); sequences enter in a
          * rotating order so batches interleave them differently */
         B.m = 0;
-        const int first = (int)(urand() * N_SEQ);
+        const int first = (int)(kt_unit(&rng) * N_SEQ);
         for (int k = 0; k < N_SEQ; k++) {
             const int s = (first + k) % N_SEQ, rem = seq_lens[s] - done[s];
-            if (rem == 0 || urand() < 0.2) continue;
-            int n = rem > 4 ? 1 + (int)(urand() * (rem - 4 < 70 ? rem - 4 : 70)) : 1;
+            if (rem == 0 || kt_unit(&rng) < 0.2) continue;
+            int n = rem > 4 ? 1 + (int)(kt_unit(&rng) * (rem - 4 < 70 ? rem - 4 : 70)) : 1;
             for (int t = 0; t < n; t++) {
                 const int64_t i = B.m++;
                 const int p = done[s] + t;
@@ -351,13 +338,13 @@ static void test_solo_rows_batch_invariant(void)
             TH_REQUIRE(kn_cpu_create(nt, &c) == 0);
             for (int round = 0; round < 24; round++) {
                 const int window = round % 4 == 3 ? 64 : 0;
-                const int n_solo = 1 + (int)(urand() * 8);
-                const int n_batch = round % 3 == 0 ? 0 : 1 + (int)(urand() * 120);
+                const int n_solo = 1 + (int)(kt_unit(&rng) * 8);
+                const int n_batch = round % 3 == 0 ? 0 : 1 + (int)(kt_unit(&rng) * 120);
                 for (int i = 0; i < n_solo + n_batch; i++) {
                     /* solo rows lean to the longest sequence: its rows are cut */
-                    s[i] = urand() < 0.5 ? N_SEQ - 1 : (int)(urand() * N_SEQ);
-                    p[i] = (int)(urand() * seq_lens[s[i]]);
-                    if (i < n_solo && urand() < 0.5) p[i] = seq_lens[s[i]] - 1;
+                    s[i] = kt_unit(&rng) < 0.5 ? N_SEQ - 1 : (int)(kt_unit(&rng) * N_SEQ);
+                    p[i] = (int)(kt_unit(&rng) * seq_lens[s[i]]);
+                    if (i < n_solo && kt_unit(&rng) < 0.5) p[i] = seq_lens[s[i]] - 1;
                 }
                 for (int pass = 0; pass < 2; pass++) { /* pass 1: the single-line cut */
                     const int m_solo = pass ? 0 : n_solo;
@@ -426,7 +413,7 @@ static void test_kv_write_f16_rounding(void)
                              0.1f,
                              1.0f / 3};
     for (int d = 0; d < HD + 3; d++) {
-        k[d] = d < (int)(sizeof special / sizeof special[0]) ? special[d] : frand(-5, 5);
+        k[d] = d < (int)(sizeof special / sizeof special[0]) ? special[d] : kt_frand(&rng, -5, 5);
         v[d] = -k[d];
     }
     for (int hd = HD; hd <= HD + 3; hd += 3) {
@@ -455,9 +442,9 @@ static void test_kv_write_latent(void)
     float k[M * HD], q[M * NH * HD], o1[M * NH * HD], o2[M * NH * HD];
     int32_t table[5] = {4, 0, 5, 2, 1}, pos[M], seq_of[M];
     for (int i = 0; i < M * HD; i++)
-        k[i] = frand(-2, 2);
+        k[i] = kt_frand(&rng, -2, 2);
     for (int i = 0; i < M * NH * HD; i++)
-        q[i] = frand(-1, 1);
+        q[i] = kt_frand(&rng, -1, 1);
     for (int i = 0; i < M; i++)
         pos[i] = i, seq_of[i] = 0;
     kn_seq_view view = {.block_table = table, .n_ctx = M};
@@ -504,11 +491,11 @@ static void test_softcap(void)
     for (int i = 0; i < L; i++)
         pos[i] = i, seq_of[i] = 0;
     for (size_t i = 0; i < nkv; i++) {
-        k[i] = frand(-1, 1);
-        v[i] = frand(-1, 1);
+        k[i] = kt_frand(&rng, -1, 1);
+        v[i] = kt_frand(&rng, -1, 1);
     }
     for (size_t i = 0; i < nq; i++)
-        q[i] = frand(-4, 4);
+        q[i] = kt_frand(&rng, -4, 4);
     kn_seq_view view = {.block_table = table, .n_ctx = L};
     long saturated = 0, scores = 0;
     for (int f = 0; f < 2; f++) {
@@ -576,13 +563,6 @@ static void test_softcap(void)
     free(w);
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Attention time for one sequence of ctx positions, the last m of them queried; softcap > 0:
  * the scores soft-capped (gemma2). */
 static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, int hd, float softcap)
@@ -601,20 +581,20 @@ static void bench_one(kn_cpu *c, td_dtype t, int m, int ctx, int nh, int nkv, in
     for (int i = 0; i < ctx; i++)
         pos[i] = i;
     for (size_t i = 0; i < (size_t)ctx * nkv * hd; i++) {
-        k[i] = frand(-1, 1);
-        v[i] = frand(-1, 1);
+        k[i] = kt_frand(&rng, -1, 1);
+        v[i] = kt_frand(&rng, -1, 1);
     }
     for (size_t i = 0; i < (size_t)m * nh * hd; i++)
-        q[i] = frand(-1, 1);
+        q[i] = kt_frand(&rng, -1, 1);
     kn_seq_view view = {.block_table = table, .n_ctx = ctx};
     kn_cpu_kv_write(c, kp, vp, t, bs, NULL, nkv, hd, k, v, ctx, pos, seq_of, &view);
     const int reps = m == 1 ? 2000 : 20;
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
-        double t0 = now_s();
+        double t0 = kt_now_s();
         kn_cpu_attention(c, q, kp, vp, t, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0, softcap, m,
                          0, pos + ctx - m, seq_of, &view, out);
-        double dt = now_s() - t0;
+        double dt = kt_now_s() - t0;
         best = dt < best ? dt : best;
     }
     printf("attention %s threads %d heads %d/%d hd %d m %d ctx %d%s: %.1f us\n",
@@ -646,9 +626,9 @@ static void bench_solo(kn_cpu *c, int n, int ctx)
     int32_t *seq_of = malloc(sizeof(int32_t) * (size_t)(ctx > n ? ctx : n));
     kn_seq_view *views = malloc(sizeof(kn_seq_view) * n);
     for (size_t i = 0; i < (size_t)ctx * nkv * hd; i++)
-        k[i] = frand(-1, 1);
+        k[i] = kt_frand(&rng, -1, 1);
     for (size_t i = 0; i < (size_t)n * nh * hd; i++)
-        q[i] = frand(-1, 1);
+        q[i] = kt_frand(&rng, -1, 1);
     for (int s = 0; s < n; s++) {
         for (int b = 0; b < nb; b++)
             table[s * nb + b] = s * nb + (b * 7) % nb; /* scattered within the sequence */
@@ -662,10 +642,10 @@ static void bench_solo(kn_cpu *c, int n, int ctx)
     double best[2] = {1e30, 1e30};
     for (int r = 0; r < 400; r++)
         for (int solo = 0; solo < 2; solo++) {
-            double t0 = now_s();
+            double t0 = kt_now_s();
             kn_cpu_attention(c, q, kp, vp, TD_F16, bs, NULL, nh, nkv, nh / nkv, 0, hd, 0.125f, 0,
                              0.0f, n, solo ? n : 0, pos, seq_of, views, out);
-            double dt = now_s() - t0;
+            double dt = kt_now_s() - t0;
             best[solo] = dt < best[solo] ? dt : best[solo];
         }
     printf("decode attention f16 threads %d rows %d ctx %d: solo rows %.1f us, one shared cut "

@@ -19,6 +19,7 @@
 
 #include "cpu_backend.h"
 #include "cpu_bf16amx.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 #include "td_err.h"
 #include "tharness.h"
@@ -37,105 +38,26 @@
 #define BF_FLOOR 4e-5
 #endif
 
-static uint64_t rng_state = 0x13198a2e03707344ull;
-
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-
-static float rng_f(void)
-{
-    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
-}
-
-static void put_half(uint8_t *p, float v)
-{
-    uint16_t h = td_fp32_to_fp16(v);
-    memcpy(p, &h, 2);
-}
-
-/* Random W of type t; rows one block (float types: 3 elements) apart, so the row stride is
- * not the row size. Block types get finite small scales. */
-static uint8_t *make_w(td_dtype t, int64_t n_rows, int64_t n_cols, kn_mat *w)
-{
-    const td_dtype_info *info = td_dtype_get((uint32_t)t);
-    const size_t rb = td_dtype_row_bytes(t, n_cols),
-                 stride = rb + (info->blck == 1 ? 3 * info->type_size : info->type_size);
-    uint8_t *buf = malloc(stride * (size_t)n_rows);
-    if (!buf) return NULL;
-    memset(buf, 0xff, stride * (size_t)n_rows);
-    for (int64_t r = 0; r < n_rows; r++) {
-        uint8_t *p = buf + (size_t)r * stride;
-        if (t == TD_F32 || t == TD_F16) {
-            for (int64_t i = 0; i < n_cols; i++) {
-                const float v = rng_f() * 0.1f;
-                if (t == TD_F32)
-                    memcpy(p + 4 * i, &v, 4);
-                else
-                    put_half(p + 2 * i, v);
-            }
-            continue;
-        }
-        for (size_t i = 0; i < rb; i++)
-            p[i] = (uint8_t)rng_u32();
-        for (int64_t b = 0; b < n_cols / info->blck; b++) {
-            uint8_t *blk = p + (size_t)b * info->type_size;
-            const float d = (float)(1 + rng_u32() % 1000) * 1e-5f;
-            if (t == TD_Q6_K)
-                put_half(blk + 208, d);
-            else
-                put_half(blk, rng_u32() & 1 ? -d : d);
-            if (t == TD_Q4_K || t == TD_Q4_1) put_half(blk + 2, d * 0.5f);
-        }
-    }
-    *w = (kn_mat){.type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = stride, .data = buf};
-    return buf;
-}
+static uint64_t rng = 0x13198a2e03707344ull;
 
 static float *make_x(int64_t m, int64_t n)
 {
     float *x = malloc((size_t)(m * n) * sizeof(float));
     if (!x) return NULL;
     for (int64_t i = 0; i < m * n; i++)
-        x[i] = rng_f();
+        x[i] = kt_signed_unit(&rng);
     return x;
-}
-
-static void fill(float *y, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        y[i] = SENTINEL;
 }
 
 /* W dequantized (n_rows, n_cols) */
 static float *dequant(const kn_mat *w)
 {
     float *d = malloc((size_t)(w->n_rows * w->n_cols) * sizeof(float));
-    if (!d) return NULL;
-    for (int64_t r = 0; r < w->n_rows; r++)
-        if (kn_dequant_row(w->type, (const uint8_t *)w->data + (size_t)r * w->row_stride,
-                           d + r * w->n_cols, w->n_cols)) {
-            free(d);
-            return NULL;
-        }
+    if (d && kt_dequant_mat(w, d)) {
+        free(d);
+        return NULL;
+    }
     return d;
-}
-
-/* ref (m, n_rows) = x (m, n_cols) . wd^T (n_rows, n_cols) in float64. */
-static void reference(const float *x, const float *wd, int64_t m, int64_t n_rows, int64_t n_cols,
-                      double *ref)
-{
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t r = 0; r < n_rows; r++) {
-            double s = 0;
-            for (int64_t e = 0; e < n_cols; e++)
-                s += (double)x[i * n_cols + e] * wd[r * n_cols + e];
-            ref[i * n_rows + r] = s;
-        }
 }
 
 /* Relative L2 error of row i of y (ldy floats a row, n values) against ref. */
@@ -157,7 +79,7 @@ static double worst_ratio, worst_amx;
 static void check_kernel(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
 {
     kn_mat w;
-    uint8_t *buf = make_w(t, n_rows, n_cols, &w);
+    uint8_t *buf = kt_make_w(&rng, t, n_rows, n_cols, &w);
     float *x = make_x(m, n_cols), *wd = dequant(&w);
     const int64_t ldy = n_rows + 5; /* a store past row n_rows - 1 shows */
     const size_t ny = (size_t)(m * ldy);
@@ -169,12 +91,12 @@ static void check_kernel(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     const size_t sb = (kn_bf16amx_scratch_bytes(n_rows, n_cols) + 63) / 64 * 64;
     void *scratch = aligned_alloc(64, sb);
     TH_REQUIRE(buf && x && wd && ya && ys && y1 && ref && xp && x1 && scratch);
-    reference(x, wd, m, n_rows, n_cols, ref);
-    fill(ys, ny);
+    kt_ref_matmul(x, wd, m, n_rows, n_cols, ref, NULL);
+    kt_fill(ys, ny, SENTINEL);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n_rows, (int)n_cols, 1.0f, x,
                 (int)n_cols, wd, (int)n_cols, 0.0f, ys, (int)ldy);
     kn_bf16amx_pack_x(x, m, n_cols, 0, 2 * ((m + 31) / 32), xp);
-    fill(ya, ny);
+    kt_fill(ya, ny, SENTINEL);
     TH_REQUIRE(kn_bf16amx_rows(&w, 0, n_rows, xp, m, ya, ldy, scratch) == 0);
     int64_t bad = 0, outside = 0;
     double worst = 0, wa = 0, ws = 0;
@@ -201,13 +123,13 @@ static void check_kernel(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     for (int a = 0; a < 3; a++) {
         const int64_t i = alone[a];
         kn_bf16amx_pack_x(x + i * n_cols, 1, n_cols, 0, 2, x1);
-        fill(y1, (size_t)ldy);
+        kt_fill(y1, (size_t)ldy, SENTINEL);
         TH_REQUIRE(kn_bf16amx_rows(&w, 0, n_rows, x1, 1, y1, ldy, scratch) == 0);
         diff += memcmp(y1, ya + i * ldy, (size_t)n_rows * sizeof(float)) != 0;
     }
     /* W's rows in two calls, split off a 16-row boundary */
     const int64_t cut = n_rows / 2 | 1;
-    fill(y1, ny);
+    kt_fill(y1, ny, SENTINEL);
     TH_REQUIRE(kn_bf16amx_rows(&w, 0, cut, xp, m, y1, ldy, scratch) == 0);
     TH_REQUIRE(kn_bf16amx_rows(&w, cut, n_rows - cut, xp, m, y1 + cut, ldy, scratch) == 0);
     TH_CHECKF(diff == 0 && memcmp(y1, ya, ny * sizeof(float)) == 0,
@@ -259,21 +181,21 @@ static void test_backend(void)
     const int64_t n_rows = 203, n_cols = 3 * 256, m = 100;
     for (size_t k = 0; k < sizeof types / sizeof *types; k++) {
         kn_mat w;
-        uint8_t *buf = make_w(types[k], n_rows, n_cols, &w);
+        uint8_t *buf = kt_make_w(&rng, types[k], n_rows, n_cols, &w);
         float *x = make_x(m, n_cols), *wd = dequant(&w);
         const size_t ny = (size_t)(m * n_rows);
         float *ys = malloc(ny * sizeof(float)), *ya = malloc(ny * sizeof(float)),
               *yt = malloc(ny * sizeof(float));
         double *ref = malloc(ny * sizeof(double));
         TH_REQUIRE(buf && x && wd && ys && ya && yt && ref);
-        reference(x, wd, m, n_rows, n_cols, ref);
+        kt_ref_matmul(x, wd, m, n_rows, n_cols, ref, NULL);
         for (int th = 1; th <= 3; th++) {
             kn_cpu *c;
             TH_REQUIRE(kn_cpu_create(th, &c) == 0);
             kn_bf16amx_force_off(true);
             TH_REQUIRE(kn_cpu_matmul_mixed(c, &w, x, m, 10, ys) == 0);
             kn_bf16amx_force_off(false);
-            fill(ya, ny);
+            kt_fill(ya, ny, SENTINEL);
             TH_REQUIRE(kn_cpu_matmul_mixed(c, &w, x, m, 10, ya) == 0);
             if (th == 1) memcpy(yt, ya, ny * sizeof(float));
             int64_t bad = 0;
@@ -297,11 +219,9 @@ static void test_backend(void)
 
 int main(void)
 {
-    if (!kn_bf16amx_usable()) {
-        printf("SKIP: AMX-BF16 is not usable here (no AMX-BF16, the OS refused the tile state, "
-               "or TANDEM_CPU_AMX=0): nothing tested\n");
-        return 77;
-    }
+    if (!kn_bf16amx_usable())
+        return kt_skip("AMX-BF16 is not usable here (no AMX-BF16, the OS refused the tile "
+                       "state, or TANDEM_CPU_AMX=0)");
     TH_RUN(test_kernel);
     TH_RUN(test_backend);
     TH_EXIT();

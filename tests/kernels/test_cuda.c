@@ -17,23 +17,11 @@
 #include "cuda_backend.h"
 #include "kn_backends.h"
 #include "kn_elem.h"
+#include "kn_test_util.h"
 #include "tharness.h"
 #include "td_err.h"
 
 static uint64_t rng = 0x5851f42d4c957f2dull;
-
-static uint64_t next64(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
-
-static float frand(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)((double)(next64() >> 11) * (1.0 / 9007199254740992.0));
-}
 
 /* A weight matrix of random data with small finite scales. */
 static void *rand_matrix(td_dtype t, int64_t rows, int64_t cols, size_t *stride)
@@ -44,16 +32,16 @@ static void *rand_matrix(td_dtype t, int64_t rows, int64_t cols, size_t *stride)
     for (int64_t b = 0; b < rows * cols / bl; b++) {
         uint8_t *p = w + (size_t)b * bb;
         for (int i = 0; i < bb; i++)
-            p[i] = (uint8_t)next64();
-        const uint16_t d = td_fp32_to_fp16(frand(-0.02f, 0.02f));
+            p[i] = (uint8_t)kt_xorshift64(&rng);
+        const uint16_t d = td_fp32_to_fp16(kt_frand(&rng, -0.02f, 0.02f));
         if (t == TD_F32) {
-            const float f = frand(-1, 1);
+            const float f = kt_frand(&rng, -1, 1);
             memcpy(p, &f, 4);
         } else if (t == TD_F16) {
-            const uint16_t h = td_fp32_to_fp16(frand(-1, 1));
+            const uint16_t h = td_fp32_to_fp16(kt_frand(&rng, -1, 1));
             memcpy(p, &h, 2);
         } else if (t == TD_BF16) {
-            const uint16_t h = td_fp32_to_bf16(frand(-1, 1));
+            const uint16_t h = td_fp32_to_bf16(kt_frand(&rng, -1, 1));
             memcpy(p, &h, 2);
         } else if (t == TD_Q6_K) {
             memcpy(p + 208, &d, 2);
@@ -87,7 +75,7 @@ static void check_matmul(kn_backend *cpu, kn_backend *g, const kn_mat *w, int64_
     float *x = malloc(sizeof(float) * m * K), *ref = malloc(sizeof(float) * m * N);
     float *got = malloc(sizeof(float) * m * N), *one = malloc(sizeof(float) * N);
     for (int64_t i = 0; i < m * K; i++)
-        x[i] = frand(-1, 1);
+        x[i] = kt_frand(&rng, -1, 1);
     TH_REQUIRE(cpu->ops->matmul(cpu->ctx, w, x, m, ref) == 0);
     float *dx = up(g, x, sizeof(float) * m * K), *dy = g->ops->alloc(g->ctx, sizeof(float) * m * N);
     TH_REQUIRE(dx && dy);
@@ -163,11 +151,11 @@ static void check_elementwise(kn_backend *cpu, kn_backend *g)
     enum { M = 9, N = 576 };
     static float x[M * N], u[M * N], w[N], ref[M * N], got[M * N];
     for (int i = 0; i < M * N; i++) {
-        x[i] = frand(-3, 3);
-        u[i] = frand(-3, 3);
+        x[i] = kt_frand(&rng, -3, 3);
+        u[i] = kt_frand(&rng, -3, 3);
     }
     for (int i = 0; i < N; i++)
-        w[i] = frand(-2, 2);
+        w[i] = kt_frand(&rng, -2, 2);
     TH_REQUIRE(g->ops->map_vector(g->ctx, w, N) == 0);
     float *dx = up(g, x, sizeof x), *du = up(g, u, sizeof u), *dy = g->ops->alloc(g->ctx, sizeof x);
     TH_REQUIRE(dx && du && dy);
@@ -217,8 +205,8 @@ static void check_attention(kn_backend *cpu, kn_backend *g)
         float *k = malloc(sizeof(float) * n * NKV * HD), *v = malloc(sizeof(float) * n * NKV * HD);
         int32_t *pos = malloc(sizeof(int32_t) * n), *so = malloc(sizeof(int32_t) * n);
         for (int i = 0; i < n * NKV * HD; i++) {
-            k[i] = frand(-1, 1);
-            v[i] = frand(-1, 1);
+            k[i] = kt_frand(&rng, -1, 1);
+            v[i] = kt_frand(&rng, -1, 1);
         }
         for (int i = 0; i < n; i++) {
             pos[i] = i;
@@ -261,7 +249,7 @@ static void check_attention(kn_backend *cpu, kn_backend *g)
     }
     static float q[M * NH * HD], ref[M * NH * HD], got[M * NH * HD], one[NH * HD];
     for (int i = 0; i < M * NH * HD; i++)
-        q[i] = frand(-1, 1);
+        q[i] = kt_frand(&rng, -1, 1);
     const float scale = 0.125f;
     cpu->ops->attention(cpu->ctx, q, kc, vc, TD_F16, BS, NULL, NH, NKV, NH / NKV, 0, HD, scale, 0,
                         0.0f, M, SOLO, pos, so, views, ref);

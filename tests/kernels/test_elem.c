@@ -10,37 +10,20 @@
 
 #include "cpu_backend.h"
 #include "kn_elem.h"
+#include "kn_test_util.h"
 #include "tharness.h"
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-
-static uint64_t next64(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
-
-static float frand(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)((double)(next64() >> 11) * (1.0 / 9007199254740992.0));
-}
 
 /* A finite half drawn from the whole range, subnormals included, or small scales. */
 static uint16_t rand_half(void)
 {
     for (;;) {
-        uint16_t h = (uint16_t)next64();
+        uint16_t h = (uint16_t)kt_xorshift64(&rng);
         if (((h >> 10) & 0x1f) == 0x1f) continue; /* inf/nan */
-        if (next64() & 1) h = td_fp32_to_fp16(frand(-0.05f, 0.05f));
+        if (kt_xorshift64(&rng) & 1) h = td_fp32_to_fp16(kt_frand(&rng, -0.05f, 0.05f));
         return h;
     }
-}
-
-static void put16(uint8_t *p, uint16_t h)
-{
-    memcpy(p, &h, 2);
 }
 
 /* Random bytes, with the fp16 scale fields finite. */
@@ -48,20 +31,20 @@ static void rand_block(td_dtype t, uint8_t *blk)
 {
     const int bytes = kn_elem_block_bytes(t);
     for (int i = 0; i < bytes; i++)
-        blk[i] = (uint8_t)next64();
+        blk[i] = (uint8_t)kt_xorshift64(&rng);
     switch (t) {
     case TD_Q4_1:
     case TD_Q5_1:
     case TD_Q4_K:
     case TD_Q5_K:
-        put16(blk + 2, rand_half());
-        put16(blk, rand_half());
+        kt_put16(blk + 2, rand_half());
+        kt_put16(blk, rand_half());
         break;
     case TD_Q6_K:
-        put16(blk + 208, rand_half());
+        kt_put16(blk + 208, rand_half());
         break;
     default:
-        put16(blk, rand_half());
+        kt_put16(blk, rand_half());
         break;
     }
 }
@@ -108,11 +91,11 @@ static void test_float_types(void)
         float ref[N];
         for (int i = 0; i < N; i++) {
             if (t == TD_F16)
-                put16(src + 2 * i, rand_half());
+                kt_put16(src + 2 * i, rand_half());
             else if (t == TD_BF16)
-                put16(src + 2 * i, td_fp32_to_bf16(frand(-100, 100)));
+                kt_put16(src + 2 * i, td_fp32_to_bf16(kt_frand(&rng, -100, 100)));
             else {
-                const float f = frand(-100, 100);
+                const float f = kt_frand(&rng, -100, 100);
                 memcpy(src + 4 * i, &f, 4);
             }
         }
@@ -141,7 +124,7 @@ static void test_fp16(void)
         bad += kn_elem_f2h(special[i]) != td_fp32_to_fp16(special[i]);
     for (int i = 0; i < 1000000; i++) {
         /* random bit patterns: every exponent, subnormal and rounding case */
-        const float f = kn_elem_from_bits((uint32_t)next64());
+        const float f = kn_elem_from_bits((uint32_t)kt_xorshift64(&rng));
         bad += kn_elem_f2h(f) != td_fp32_to_fp16(f);
     }
     TH_CHECKF(bad == 0, "f2h: %d values differ from td_fp32_to_fp16", bad);
@@ -160,8 +143,8 @@ static void test_activations(kn_cpu *c)
     float *g = malloc(sizeof(float) * N), *u = malloc(sizeof(float) * N);
     float *o = malloc(sizeof(float) * N);
     for (int i = 0; i < N; i++) {
-        g[i] = frand(-20, 20);
-        u[i] = frand(-3, 3);
+        g[i] = kt_frand(&rng, -20, 20);
+        u[i] = kt_frand(&rng, -3, 3);
     }
     kn_cpu_swiglu(c, g, u, o, 1, N);
     int bad = 0;
@@ -188,7 +171,7 @@ static void test_rope(kn_cpu *c)
         freq[i] = powf(10000.0f, -2.0f * (float)i / (float)NROT);
     for (int neox = 0; neox < 2; neox++) {
         for (int i = 0; i < M * NH * HD; i++)
-            x[i] = frand(-4, 4);
+            x[i] = kt_frand(&rng, -4, 4);
         memcpy(ref, x, sizeof x);
         memcpy(got, x, sizeof x);
         kn_cpu_rope(c, ref, M, NH, HD, NROT, pos, freq, neox);

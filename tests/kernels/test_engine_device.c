@@ -22,6 +22,7 @@
 #include "cpu_backend.h"
 #include "cpu_dev.h"
 #include "kn_backends.h"
+#include "kn_test_util.h"
 #include "kv_mem.h"
 #include "model.h"
 #include "td_err.h"
@@ -35,55 +36,9 @@
 static td_gguf *gguf;
 static kn_model *model;
 
-/* tp ranks in threads: a barrier collective (test_model_split.c's), every rank summing in
- * rank order so all get bit-identical sums */
-typedef struct {
-    pthread_barrier_t bar;
-    float *slots[2];
-    const float *parts[2];
-    int tp;
-} coll_ctx;
-
-typedef struct {
-    coll_ctx *cc;
-    int rank;
-} rank_coll;
-
-static int allreduce_sum(void *ctx, float *buf, int64_t n)
-{
-    rank_coll *rc = ctx;
-    coll_ctx *cc = rc->cc;
-    float *mine = malloc((size_t)n * sizeof *mine);
-    if (!mine) return TD_ENOMEM;
-    cc->slots[rc->rank] = buf;
-    pthread_barrier_wait(&cc->bar);
-    for (int64_t i = 0; i < n; i++) {
-        float s = 0;
-        for (int r = 0; r < cc->tp; r++)
-            s += cc->slots[r][i];
-        mine[i] = s;
-    }
-    pthread_barrier_wait(&cc->bar);
-    memcpy(buf, mine, (size_t)n * sizeof *mine);
-    free(mine);
-    return 0;
-}
-
-static int gather_cols(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
-{
-    rank_coll *rc = ctx;
-    coll_ctx *cc = rc->cc;
-    cc->parts[rc->rank] = part;
-    pthread_barrier_wait(&cc->bar);
-    for (int r = 0; r < cc->tp && rc->rank == 0; r++) {
-        int64_t c0 = r * n_cols / cc->tp, nc = (r + 1) * n_cols / cc->tp - c0;
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(out + i * n_cols + c0, cc->parts[r] + i * nc, (size_t)nc * sizeof *out);
-    }
-    pthread_barrier_wait(&cc->bar);
-    return 0;
-}
-
+/* An engine and pool on a backend; at tp > 1 the ranks run in threads over a barrier
+ * collective (kt_coll, test_model_split.c's too), every rank summing in rank order so all get
+ * bit-identical sums. */
 typedef struct {
     const kn_model *m;
     kn_backend be;
@@ -91,20 +46,20 @@ typedef struct {
     kn_kv_mem *mem;
     kn_kv_pool *kv; /* mem's pool */
     kn_kv_seq seq[2];
-    rank_coll coll;         /* tp > 1 */
+    kt_rank_coll coll;      /* tp > 1 */
     pthread_barrier_t *bar; /* tp > 1: the ranks meet after each forward */
 } rig;
 
 /* An engine and pool for model m (a shard when cc is not NULL: rank `rank` of cc->tp). */
-static int rig_open(rig *r, const kn_model *m, kn_backend be, coll_ctx *cc, int rank)
+static int rig_open(rig *r, const kn_model *m, kn_backend be, kt_coll *cc, int rank)
 {
     memset(r, 0, sizeof *r);
     r->m = m;
     r->be = be;
-    r->coll = (rank_coll){.cc = cc, .rank = rank};
+    r->coll = (kt_rank_coll){.cc = cc, .rank = rank};
     r->bar = cc ? &cc->bar : NULL;
     kn_collective coll = {
-        .ctx = &r->coll, .allreduce_sum = allreduce_sum, .gather_cols = gather_cols};
+        .ctx = &r->coll, .allreduce_sum = kt_allreduce_sum, .gather_cols = kt_gather_cols};
     int rc = kn_engine_create(m, be, cc ? &coll : NULL, &r->eng);
     if (rc) return rc;
     kn_kv_pool_params kp = kn_model_kv_params(m, 32, BLOCK, TD_F16);
@@ -360,7 +315,9 @@ static void *rank_main(void *v)
  * 0 into st when name is cpu-dev. */
 static int run_tp2(const char *name, float *lg, kn_cpudev_stats *st)
 {
-    coll_ctx cc = {.tp = 2};
+    float *slots[2];
+    const float *parts[2];
+    kt_coll cc = {.slots = slots, .parts = parts, .tp = 2};
     pthread_barrier_init(&cc.bar, NULL, 2);
     rank_job jobs[2] = {0};
     kn_backend be[2] = {0};
@@ -575,12 +532,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: test_engine_device MODEL.gguf\n");
         return 2;
     }
-    char err[256];
-    if (td_gguf_open(argv[1], &gguf, err, sizeof err)) {
-        fprintf(stderr, "cannot open %s: %s\n", argv[1], err);
-        return 1;
-    }
-    if (kn_model_load(gguf, &(kn_shard){0}, &model)) return 1;
+    if (kt_open_model(argv[1], &gguf, &model)) return 1;
     TH_RUN(test_cpudev_equals_cpu);
     TH_RUN(test_cpudev_catches_host_pointers);
     TH_RUN(test_tp2_cpudev_equals_cpu);

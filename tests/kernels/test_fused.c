@@ -20,32 +20,21 @@
 #include "cpu_q16act.h"
 #include "cpu_q8act.h"
 #include "kn_backends.h"
+#include "kn_test_util.h"
 #include "kv_mem.h"
 #include "model.h"
 #include "td_err.h"
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 16);
-}
 
 /* A half with |value| < 1 (exponent below 15), or a small positive scale. */
 static uint16_t half_small(void)
 {
-    return (uint16_t)((rnd() & 0x83ff) | ((8 + rnd() % 6) << 10));
+    return (uint16_t)((kt_u32(&rng) & 0x83ff) | ((8 + kt_u32(&rng) % 6) << 10));
 }
 static uint16_t half_scale(void)
 {
-    return (uint16_t)(((4 + rnd() % 4) << 10) | (rnd() & 0x3ff));
-}
-
-static void put16(uint8_t *p, uint16_t h)
-{
-    memcpy(p, &h, 2);
+    return (uint16_t)(((4 + kt_u32(&rng) % 4) << 10) | (kt_u32(&rng) & 0x3ff));
 }
 
 /* n_rows x n_cols of type t, random quants with sane fp16 scales (rows padded by 16 bytes,
@@ -56,26 +45,26 @@ static kn_mat make_mat(td_dtype t, int64_t n_rows, int64_t n_cols)
     const size_t rb = td_dtype_row_bytes(t, n_cols), stride = rb + 16;
     uint8_t *d = malloc(stride * (size_t)n_rows);
     for (size_t i = 0; i < stride * (size_t)n_rows; i++)
-        d[i] = (uint8_t)rnd();
+        d[i] = (uint8_t)kt_u32(&rng);
     for (int64_t r = 0; r < n_rows; r++) {
         uint8_t *row = d + (size_t)r * stride;
         for (int64_t b = 0; b < n_cols / info->blck; b++) {
             uint8_t *blk = row + (size_t)b * info->type_size;
             if (t == TD_Q4_1 || t == TD_Q4_K) {
-                put16(blk, half_scale());
-                put16(blk + 2, half_scale());
+                kt_put16(blk, half_scale());
+                kt_put16(blk + 2, half_scale());
             } else if (t == TD_Q8_0) {
-                put16(blk, half_scale());
+                kt_put16(blk, half_scale());
             } else if (t == TD_Q6_K) {
-                put16(blk + info->type_size - 2, half_scale());
+                kt_put16(blk + info->type_size - 2, half_scale());
             }
         }
         if (t == TD_F16)
             for (int64_t i = 0; i < n_cols; i++)
-                put16(row + 2 * i, half_small());
+                kt_put16(row + 2 * i, half_small());
         if (t == TD_F32)
             for (int64_t i = 0; i < n_cols; i++) {
-                float f = (float)((int)(rnd() % 2001) - 1000) / 1000.0f;
+                float f = (float)((int)(kt_u32(&rng) % 2001) - 1000) / 1000.0f;
                 memcpy(row + 4 * i, &f, 4);
             }
     }
@@ -86,7 +75,7 @@ static float *make_x(int64_t n)
 {
     float *x = malloc((size_t)n * sizeof *x);
     for (int64_t i = 0; i < n; i++)
-        x[i] = (float)((int)(rnd() % 4001) - 2000) / 1000.0f;
+        x[i] = (float)((int)(kt_u32(&rng) % 4001) - 2000) / 1000.0f;
     return x;
 }
 
@@ -224,8 +213,8 @@ static void check_experts(kn_cpu *c, int n, const int64_t *m, const int64_t *sol
     }
     TH_CHECK(kn_cpu_experts_ffn(c, n, pg, pu, pd, x, m, solo, gelu, g1, u1, y1) == 0);
     for (int i = 0; i < n; i++) {
-        TH_CHECK(kn_cpu_glu_ffn(c, &wg[i], &wu[i], x[i], m[i], solo[i], gelu, g2[i], u2[i],
-                                g2[i]) == 0);
+        TH_CHECK(
+            kn_cpu_glu_ffn(c, &wg[i], &wu[i], x[i], m[i], solo[i], gelu, g2[i], u2[i], g2[i]) == 0);
         TH_CHECK(kn_cpu_matmul_mixed(c, &wd[i], g2[i], m[i], solo[i], y2[i]) == 0);
         bool finite = true; /* NaN payloads could differ: the comparison needs numbers */
         for (int64_t v = 0; v < m[i] * K; v++)
@@ -246,7 +235,7 @@ static void check_experts(kn_cpu *c, int n, const int64_t *m, const int64_t *sol
 
 static void test_experts(void)
 {
-    const int64_t m1[] = {1, 1, 1, 1}, s1[] = {1, 1, 1, 1}; /* one decode token, 4 experts */
+    const int64_t m1[] = {1, 1, 1, 1}, s1[] = {1, 1, 1, 1};        /* one decode token, 4 experts */
     const int64_t m2[] = {3, 1, 66, 2, 5}, s2[] = {2, 1, 3, 0, 0}; /* a mixed step */
     for (int t = 0; t < 3; t++)
         for (int gelu = 0; gelu < 2; gelu++) {
@@ -654,27 +643,17 @@ static void test_engine_q16_packed(void)
 
 int main(int argc, char **argv)
 {
-    for (int t = 0; t < 3; t++)
-        if (kn_cpu_create(t + 1, &cpus[t])) return 1;
+    if (kt_cpus_create(cpus)) return 1;
     TH_RUN(test_multi);
     TH_RUN(test_glu);
     TH_RUN(test_add);
     TH_RUN(test_experts);
     TH_RUN(test_errors);
-    for (int t = 0; t < 3; t++)
-        kn_cpu_destroy(cpus[t]);
+    kt_cpus_destroy(cpus);
     TH_RUN(test_packed);
     if (argc > 1) {
         td_gguf *g;
-        char err[256];
-        if (td_gguf_open(argv[1], &g, err, sizeof err)) {
-            fprintf(stderr, "cannot open %s: %s\n", argv[1], err);
-            return 1;
-        }
-        if (kn_model_load(g, &(kn_shard){0}, &model)) {
-            fprintf(stderr, "cannot load %s\n", argv[1]);
-            return 1;
-        }
+        if (kt_open_model(argv[1], &g, &model)) return 1;
         TH_RUN(test_engine_fused_equals_unfused);
         TH_RUN(test_engine_q8_packed);
         TH_RUN(test_engine_q16_packed);

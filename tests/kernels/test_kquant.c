@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 #include "td_err.h"
 #include "tharness.h"
@@ -24,20 +25,7 @@ static const td_dtype ktypes[] = {TD_Q2_K, TD_Q3_K,   TD_Q4_K,  TD_Q5_K,
 static const int kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
 
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-
-static float rng_uniform(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(rng_u32() & 0xffffff) / 16777216.0f;
-}
+static uint64_t rng = 0x2545f4914f6cdd1dull;
 
 static size_t block_bytes(td_dtype t)
 {
@@ -47,16 +35,6 @@ static size_t block_bytes(td_dtype t)
 static int64_t block_len(td_dtype t)
 {
     return td_dtype_get((uint32_t)t)->blck;
-}
-
-/* Byte offsets of the fp16 scales d and dmin (-1: none) inside a block. */
-static int d_offset(td_dtype t)
-{
-    return t == TD_Q6_K ? 208 : t == TD_Q3_K ? 108 : t == TD_Q2_K ? 80 : 0;
-}
-static int dmin_offset(td_dtype t)
-{
-    return t == TD_Q2_K ? 82 : t == TD_Q4_K || t == TD_Q5_K ? 2 : -1;
 }
 
 /* The largest |w| / |d| of a block (dmin taken equal to d). */
@@ -78,11 +56,6 @@ static float max_weight_per_d(td_dtype t)
     }
 }
 
-static void put_half(uint8_t *p, uint16_t h)
-{
-    memcpy(p, &h, 2);
-}
-
 /* nb random super-blocks: random bytes, then d (and dmin) replaced by finite halves.
  * wide: any finite half, some subnormal, either sign (dequantization tests); otherwise
  * magnitudes that keep the weights near [-1, 1] (matmul tests). */
@@ -90,32 +63,25 @@ static void random_blocks(td_dtype t, uint8_t *dst, int64_t nb, int wide)
 {
     const size_t bs = block_bytes(t);
     for (size_t i = 0; i < (size_t)nb * bs; i++)
-        dst[i] = (uint8_t)rng_u32();
+        dst[i] = (uint8_t)kt_u32(&rng);
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *blk = dst + (size_t)b * bs;
         for (int k = 0; k < 2; k++) {
-            const int off = k ? dmin_offset(t) : d_offset(t);
+            const int off = k ? kt_dmin_offset(t) : kt_d_offset(t);
             if (off < 0) continue;
             uint16_t h;
             if (wide) {
-                h = (uint16_t)(rng_u32() % 0x7c00); /* finite */
-                if (b % 5 == 1) h &= 0x03ff;        /* subnormal */
-                if (rng_u32() & 1) h |= 0x8000;
+                h = (uint16_t)(kt_u32(&rng) % 0x7c00); /* finite */
+                if (b % 5 == 1) h &= 0x03ff;           /* subnormal */
+                if (kt_u32(&rng) & 1) h |= 0x8000;
             } else {
                 /* |w| <= 1 or so; the types without mins get either sign */
-                h = td_fp32_to_fp16(rng_uniform(0.25f, 1.0f) / max_weight_per_d(t));
-                if (dmin_offset(t) < 0 && (rng_u32() & 1)) h |= 0x8000;
+                h = td_fp32_to_fp16(kt_uniform(&rng, 0.25f, 1.0f) / max_weight_per_d(t));
+                if (kt_dmin_offset(t) < 0 && (kt_u32(&rng) & 1)) h |= 0x8000;
             }
-            put_half(blk + off, h);
+            kt_put16(blk + off, h);
         }
     }
-}
-
-static float get_half(const uint8_t *p)
-{
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return td_fp16_to_fp32(h);
 }
 
 /* Element e of a row of Q2_K, Q3_K, IQ4_NL or IQ4_XS blocks (ref_dequant_one's order). */
@@ -125,13 +91,13 @@ static float ref_dequant_low(td_dtype t, const uint8_t *row, int64_t e)
     const int i = (int)(e % block_len(t)), c = i / 32, l = i % 32, g = i / 16;
     if (t == TD_IQ4_NL) {
         const int n = (blk[2 + i % 16] >> (4 * (i / 16))) & 15;
-        return get_half(blk) * (float)kvalues_iq4nl[n];
+        return kt_get_f16(blk) * (float)kvalues_iq4nl[n];
     }
     if (t == TD_IQ4_XS) {
         const int sh = blk[2] | blk[3] << 8;
         const int ls = ((blk[4 + c / 2] >> (4 * (c % 2))) & 15) | (((sh >> (2 * c)) & 3) << 4);
         const int n = (blk[8 + 16 * c + l % 16] >> (4 * (l / 16))) & 15;
-        volatile float dl = get_half(blk) * (float)(ls - 32);
+        volatile float dl = kt_get_f16(blk) * (float)(ls - 32);
         return dl * (float)kvalues_iq4nl[n];
     }
     const int ql = (blk[(t == TD_Q2_K ? 16 : 32) + 32 * (c / 4) + l] >> (2 * (c % 4))) & 3;
@@ -140,11 +106,11 @@ static float ref_dequant_low(td_dtype t, const uint8_t *row, int64_t e)
         const int sc =
             ((s[g % 8] >> (4 * (g / 8))) & 15) | (((s[8 + g % 4] >> (2 * (g / 4))) & 3) << 4);
         const int q = ql - (((blk[l] >> c) & 1) ? 0 : 4);
-        volatile float dl = get_half(blk + 108) * (float)(sc - 32);
+        volatile float dl = kt_get_f16(blk + 108) * (float)(sc - 32);
         return dl * (float)q;
     }
-    volatile float dl = get_half(blk + 80) * (float)(blk[g] & 15);
-    volatile float ml = get_half(blk + 82) * (float)(blk[g] >> 4);
+    volatile float dl = kt_get_f16(blk + 80) * (float)(blk[g] & 15);
+    volatile float ml = kt_get_f16(blk + 82) * (float)(blk[g] >> 4);
     volatile float p = dl * (float)ql;
     return p - ml;
 }
@@ -161,7 +127,7 @@ static float ref_dequant_one(td_dtype t, const uint8_t *row, int64_t e)
         const int h = c / 4, k = c % 4;
         int q = (blk[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 15;
         q |= ((blk[128 + 32 * h + l] >> (2 * k)) & 3) << 4;
-        volatile float ds = get_half(blk + 208) * (float)(int8_t)blk[192 + i / 16];
+        volatile float ds = kt_get_f16(blk + 208) * (float)(int8_t)blk[192 + i / 16];
         return ds * (float)(q - 32);
     }
     const uint8_t *s = blk + 4;
@@ -176,7 +142,7 @@ static float ref_dequant_one(td_dtype t, const uint8_t *row, int64_t e)
     const uint8_t *qs = blk + (t == TD_Q4_K ? 16 : 48);
     int q = (qs[32 * (c / 2) + l] >> (4 * (c % 2))) & 15;
     if (t == TD_Q5_K) q |= ((blk[16 + l] >> c) & 1) << 4;
-    volatile float ds = get_half(blk) * (float)sc, dm = get_half(blk + 2) * (float)mn;
+    volatile float ds = kt_get_f16(blk) * (float)sc, dm = kt_get_f16(blk + 2) * (float)mn;
     volatile float p = ds * (float)q; /* rounded (exact, in fact) before the subtraction */
     return p - dm;
 }
@@ -212,8 +178,8 @@ static void test_dequant_bit_exact(void)
 static void test_dequant_known_q4_k(void)
 {
     uint8_t blk[144] = {0};
-    put_half(blk, 0x3c00);     /* d = 1 */
-    put_half(blk + 2, 0x3800); /* dmin = 0.5 */
+    kt_put16(blk, 0x3c00);     /* d = 1 */
+    kt_put16(blk + 2, 0x3800); /* dmin = 0.5 */
     /* sc = {1, 2, 3, 63, 60, 17, 0, 48}, mn = {0, 63, 5, 1, 33, 2, 63, 16} */
     const int sc[8] = {1, 2, 3, 63, 60, 17, 0, 48}, mn[8] = {0, 63, 5, 1, 33, 2, 63, 16};
     uint8_t *s = blk + 4;
@@ -257,10 +223,7 @@ static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, kq_mat *m)
         random_blocks(t, m->buf + bs + (size_t)r * stride, n_cols / block_len(t), 0);
     m->w = (kn_mat){
         .type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = stride, .data = m->buf + bs};
-    for (int64_t r = 0; r < n_rows; r++)
-        if (kn_dequant_row(t, m->buf + bs + (size_t)r * stride, m->deq + r * n_cols, n_cols))
-            return -1;
-    return 0;
+    return kt_dequant_mat(&m->w, m->deq) ? -1 : 0;
 }
 
 static void free_mat(kq_mat *m)
@@ -280,12 +243,8 @@ static int64_t check_outputs(const kq_mat *tm, const float *x, int64_t m, const 
     int64_t n_fail = 0;
     for (int64_t j = 0; j < m; j++)
         for (int64_t r = 0; r < n; r++) {
-            double s = 0.0, a = 0.0;
-            for (int64_t i = 0; i < k; i++) {
-                const double p = (double)tm->deq[r * k + i] * x[j * k + i];
-                s += p;
-                a += fabs(p);
-            }
+            double a;
+            const double s = kt_dot64(tm->deq + r * k, x + j * k, k, &a);
             const double err = fabs((double)y[j * n + r] - s), tol = 1e-5 * a + 1e-30;
             if (!(err <= tol)) {
                 if (n_fail++ < 5)
@@ -313,7 +272,7 @@ static void matmul_shape(td_dtype t, int64_t n, int64_t k, int64_t *n_fail, int6
         float *y = malloc((size_t)(m * n) * sizeof *y), *y1 = malloc((size_t)(m * n) * sizeof *y1);
         TH_REQUIRE(x && y && y1);
         for (int64_t i = 0; i < m * k; i++)
-            x[i] = rng_uniform(-1.0f, 1.0f);
+            x[i] = kt_uniform(&rng, -1.0f, 1.0f);
         for (int th = 0; th < 3; th++) {
             for (int64_t i = 0; i < m * n; i++)
                 y[i] = NAN;
@@ -372,7 +331,7 @@ static void test_matmul_mixed(void)
         float *ref = malloc((size_t)(m * n) * sizeof *ref);
         TH_REQUIRE(x && y && ref);
         for (int64_t i = 0; i < m * k; i++)
-            x[i] = rng_uniform(-1.0f, 1.0f);
+            x[i] = kt_uniform(&rng, -1.0f, 1.0f);
         for (int th = 0; th < 3; th++) {
             for (int64_t j = 0; j < solo; j++)
                 TH_REQUIRE(kn_cpu_matmul(cpus[th], &tm.w, x + j * k, 1, ref + j * n) == 0);
@@ -418,18 +377,13 @@ static void test_get_rows_and_errors(void)
 
 int main(void)
 {
-    for (int i = 0; i < 3; i++)
-        if (kn_cpu_create(i + 1, &cpus[i])) {
-            fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);
-            return 1;
-        }
+    if (kt_cpus_create(cpus)) return 1;
     fprintf(stderr, "isa %s\n", kn_cpu_isa());
     TH_RUN(test_dequant_bit_exact);
     TH_RUN(test_dequant_known_q4_k);
     TH_RUN(test_matmul);
     TH_RUN(test_matmul_mixed);
     TH_RUN(test_get_rows_and_errors);
-    for (int i = 0; i < 3; i++)
-        kn_cpu_destroy(cpus[i]);
+    kt_cpus_destroy(cpus);
     TH_EXIT();
 }

@@ -20,6 +20,7 @@
 #include "cpu_backend.h"
 #include "gguf.h"
 #include "kn_backends.h"
+#include "kn_test_util.h"
 #include "kv_mem.h"
 #include "kvx_conn.h"
 #include "model.h"
@@ -522,15 +523,7 @@ int main(int argc, char **argv)
     TH_RUN(test_block_copy);
     if (argc > 1) {
         td_gguf *g;
-        char err[256];
-        if (td_gguf_open(argv[1], &g, err, sizeof err)) {
-            fprintf(stderr, "cannot open %s: %s\n", argv[1], err);
-            return 1;
-        }
-        if (kn_model_load(g, &(kn_shard){0}, &model)) {
-            fprintf(stderr, "cannot load %s\n", argv[1]);
-            return 1;
-        }
+        if (kt_open_model(argv[1], &g, &model)) return 1;
         TH_RUN(test_engine_identical);
         kn_model_destroy(model);
         td_gguf_close(g);

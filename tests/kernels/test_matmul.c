@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 #include "td_err.h"
 #include "tharness.h"
@@ -16,20 +17,7 @@ static const td_dtype all_types[] = {TD_F32,  TD_F16,  TD_BF16, TD_Q8_0,
                                      TD_Q4_0, TD_Q4_1, TD_Q5_0, TD_Q5_1};
 #define N_TYPES (int)(sizeof all_types / sizeof all_types[0])
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-
-static float rng_uniform(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(rng_u32() & 0xffffff) / 16777216.0f;
-}
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
 /* ---- reference quantizers, after ggml's quantize_row_*_ref ---- */
 
@@ -165,33 +153,15 @@ static void quantize_row(td_dtype t, const float *x, void *dst, int64_t n)
             memcpy((uint8_t *)dst + 2 * i, &h, 2);
         }
         break;
-    case TD_Q8_0: {
-        td_block_q8_0 tmp[64];
-        for (int64_t i = 0; i < n; i += 64 * TD_QK) {
-            int64_t k = n - i < 64 * TD_QK ? n - i : 64 * TD_QK;
-            quantize_q8_0(x + i, tmp, k);
-            memcpy((uint8_t *)dst + i / TD_QK * sizeof *tmp, tmp, (size_t)k / TD_QK * sizeof *tmp);
-        }
+    case TD_Q8_0:
+        QUANTIZE_CHUNKED(td_block_q8_0, quantize_q8_0);
         break;
-    }
-    case TD_Q4_0: {
-        td_block_q4_0 tmp[64];
-        for (int64_t i = 0; i < n; i += 64 * TD_QK) {
-            int64_t k = n - i < 64 * TD_QK ? n - i : 64 * TD_QK;
-            quantize_q4_0(x + i, tmp, k);
-            memcpy((uint8_t *)dst + i / TD_QK * sizeof *tmp, tmp, (size_t)k / TD_QK * sizeof *tmp);
-        }
+    case TD_Q4_0:
+        QUANTIZE_CHUNKED(td_block_q4_0, quantize_q4_0);
         break;
-    }
-    case TD_Q4_1: {
-        td_block_q4_1 tmp[64];
-        for (int64_t i = 0; i < n; i += 64 * TD_QK) {
-            int64_t k = n - i < 64 * TD_QK ? n - i : 64 * TD_QK;
-            quantize_q4_1(x + i, tmp, k);
-            memcpy((uint8_t *)dst + i / TD_QK * sizeof *tmp, tmp, (size_t)k / TD_QK * sizeof *tmp);
-        }
+    case TD_Q4_1:
+        QUANTIZE_CHUNKED(td_block_q4_1, quantize_q4_1);
         break;
-    }
     case TD_Q5_0:
         QUANTIZE_CHUNKED(td_block_q5_0, quantize_q5_0);
         break;
@@ -316,12 +286,12 @@ static void test_dequant_blocks_bit_exact(void)
         float *out = malloc(nb * TD_QK * sizeof *out);
         TH_REQUIRE(row && out);
         for (size_t i = 0; i < nb * bs; i++)
-            row[i] = (uint8_t)rng_u32();
+            row[i] = (uint8_t)kt_u32(&rng);
         for (int b = 0; b < nb; b++) {
             for (int k = 0; k < (t == TD_Q4_1 || t == TD_Q5_1 ? 2 : 1); k++) {
-                uint16_t s = (uint16_t)(rng_u32() & 0x7bff); /* finite, positive */
-                if (b % 5 == 1) s &= 0x03ff;                 /* subnormal */
-                if (rng_u32() & 1) s |= 0x8000;
+                uint16_t s = (uint16_t)(kt_u32(&rng) & 0x7bff); /* finite, positive */
+                if (b % 5 == 1) s &= 0x03ff;                    /* subnormal */
+                if (kt_u32(&rng) & 1) s |= 0x8000;
                 memcpy(row + b * bs + 2 * k, &s, 2);
             }
         }
@@ -345,7 +315,7 @@ static void test_quantize_round_trip(void)
     float x[N], y[N];
     uint8_t q[N * 4];
     for (int i = 0; i < N; i++)
-        x[i] = rng_uniform(-2.0f, 2.0f);
+        x[i] = kt_uniform(&rng, -2.0f, 2.0f);
     for (int ti = 0; ti < N_TYPES; ti++) {
         const td_dtype t = all_types[ti];
         quantize_row(t, x, q, N);
@@ -387,7 +357,7 @@ static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, test_mat *tm)
     for (int64_t r = 0; r < n_rows; r++) {
         const float scale = (r % 7 == 3) ? 20.0f : 1.0f; /* rows of different magnitude */
         for (int64_t i = 0; i < n_cols; i++)
-            row[i] = scale * rng_uniform(-1.0f, 1.0f);
+            row[i] = scale * kt_uniform(&rng, -1.0f, 1.0f);
         quantize_row(t, row, tm->buf + unit + (size_t)r * stride, n_cols);
     }
     free(row);
@@ -396,10 +366,7 @@ static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, test_mat *tm)
                      .n_cols = n_cols,
                      .row_stride = stride,
                      .data = tm->buf + unit};
-    for (int64_t r = 0; r < n_rows; r++)
-        if (kn_dequant_row(t, tm->buf + unit + (size_t)r * stride, tm->deq + r * n_cols, n_cols))
-            return -1;
-    return 0;
+    return kt_dequant_mat(&tm->w, tm->deq) ? -1 : 0;
 }
 
 static void free_mat(test_mat *tm)
@@ -436,18 +403,8 @@ static void test_matmul_all(void)
                     double *mag = malloc((size_t)(m * n) * sizeof *mag);
                     TH_REQUIRE(x && y && y1 && ref && mag);
                     for (int64_t i = 0; i < m * k; i++)
-                        x[i] = rng_uniform(-1.0f, 1.0f);
-                    for (int64_t j = 0; j < m; j++)
-                        for (int64_t r = 0; r < n; r++) {
-                            double s = 0.0, a = 0.0;
-                            for (int64_t i = 0; i < k; i++) {
-                                double p = (double)tm.deq[r * k + i] * x[j * k + i];
-                                s += p;
-                                a += fabs(p);
-                            }
-                            ref[j * n + r] = s;
-                            mag[j * n + r] = a;
-                        }
+                        x[i] = kt_uniform(&rng, -1.0f, 1.0f);
+                    kt_ref_matmul(x, tm.deq, m, n, k, ref, mag);
                     for (int th = 0; th < 3; th++) {
                         for (int64_t i = 0; i < m * n; i++)
                             y[i] = NAN;
@@ -532,7 +489,7 @@ static void test_matmul_mixed(void)
             float *yb = malloc((size_t)(max_m * n) * sizeof *yb);
             TH_REQUIRE(x && alone && y && yb);
             for (int64_t i = 0; i < max_m * k; i++)
-                x[i] = rng_uniform(-1.0f, 1.0f);
+                x[i] = kt_uniform(&rng, -1.0f, 1.0f);
             for (int64_t j = 0; j < max_m; j++)
                 TH_REQUIRE(kn_cpu_matmul(cpus[0], &tm.w, x + j * k, 1, alone + j * n) == 0);
             for (int a = 0; a < 4; a++)
@@ -632,11 +589,7 @@ static void test_errors(void)
 
 int main(void)
 {
-    for (int i = 0; i < 3; i++)
-        if (kn_cpu_create(i + 1, &cpus[i])) {
-            fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);
-            return 1;
-        }
+    if (kt_cpus_create(cpus)) return 1;
     fprintf(stderr, "isa %s\n", kn_cpu_isa());
     TH_RUN(test_dequant_known_values);
     TH_RUN(test_dequant_blocks_bit_exact);
@@ -645,7 +598,6 @@ int main(void)
     TH_RUN(test_matmul_mixed);
     TH_RUN(test_get_rows);
     TH_RUN(test_errors);
-    for (int i = 0; i < 3; i++)
-        kn_cpu_destroy(cpus[i]);
+    kt_cpus_destroy(cpus);
     TH_EXIT();
 }

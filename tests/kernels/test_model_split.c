@@ -24,6 +24,7 @@
 
 #include "../tharness.h"
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "kv_mem.h"
 #include "model.h"
 #include "td_err.h"
@@ -47,69 +48,19 @@ static const float split_tol = 1e-4f;
 /* ---- a "stage x rank" grid of shards running one sequence ---- */
 
 typedef struct {
-    pthread_barrier_t bar;
-    float **slots;       /* (tp) pointers to each rank's buffer */
-    const float **parts; /* (tp) each rank's logit slice (gather_cols) */
-    int tp;
-} allreduce_ctx;
-
-typedef struct {
-    allreduce_ctx *ar;
-    int rank;
-} rank_coll;
-
-static int allreduce_sum(void *ctx, float *buf, int64_t n)
-{
-    rank_coll *rc = ctx;
-    allreduce_ctx *ar = rc->ar;
-    float *mine = malloc((size_t)n * sizeof *mine);
-    if (!mine) return TD_ENOMEM;
-    ar->slots[rc->rank] = buf;
-    pthread_barrier_wait(&ar->bar);
-    /* every rank sums in rank order, so all ranks get bit-identical results */
-    for (int64_t i = 0; i < n; i++) {
-        float s = 0;
-        for (int r = 0; r < ar->tp; r++)
-            s += ar->slots[r][i];
-        mine[i] = s;
-    }
-    pthread_barrier_wait(&ar->bar); /* nobody overwrites buf before all have read it */
-    memcpy(buf, mine, (size_t)n * sizeof *mine);
-    free(mine);
-    return 0;
-}
-
-/* Rank r's part is columns [r * n_cols / tp, (r + 1) * n_cols / tp) (model.h); rank 0
- * copies every part into out, the others leave theirs alone. */
-static int gather_cols(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
-{
-    rank_coll *rc = ctx;
-    allreduce_ctx *ar = rc->ar;
-    ar->parts[rc->rank] = part;
-    pthread_barrier_wait(&ar->bar);
-    for (int r = 0; r < ar->tp && rc->rank == 0; r++) {
-        int64_t c0 = r * n_cols / ar->tp, nc = (r + 1) * n_cols / ar->tp - c0;
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(out + i * n_cols + c0, ar->parts[r] + i * nc, (size_t)nc * sizeof *out);
-    }
-    pthread_barrier_wait(&ar->bar); /* the parts stay valid until rank 0 has copied them */
-    return 0;
-}
-
-typedef struct {
     kn_model *model;
     kn_cpu *cpu;
     kn_engine *engine;
     kn_kv_mem *mem;
     kn_kv_pool *kv; /* mem's pool */
     kn_kv_seq seqs[2];
-    rank_coll coll;
+    kt_rank_coll coll;
 } shard_rt;
 
 typedef struct {
     int pp, tp;
-    shard_rt *rt;       /* (pp * tp) stage-major */
-    allreduce_ctx *ars; /* (pp) one collective per stage */
+    shard_rt *rt; /* (pp * tp) stage-major */
+    kt_coll *ars; /* (pp) one collective per stage */
     td_dtype kv_type;
     int64_t n_solo; /* the next batches' leading solo rows (model.h), 0 by default */
 } grid;
@@ -140,9 +91,9 @@ static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
             int rc = kn_model_load(gguf, &sh, &x->model);
             if (rc) return rc;
             if ((rc = kn_cpu_create(1 + (r % 2), &x->cpu))) return rc; /* mixed thread counts */
-            x->coll = (rank_coll){.ar = &g->ars[s], .rank = r};
+            x->coll = (kt_rank_coll){.cc = &g->ars[s], .rank = r};
             kn_collective coll = {
-                .ctx = &x->coll, .allreduce_sum = allreduce_sum, .gather_cols = gather_cols};
+                .ctx = &x->coll, .allreduce_sum = kt_allreduce_sum, .gather_cols = kt_gather_cols};
             if ((rc = kn_engine_create(x->model, kn_cpu_backend(x->cpu), &coll, &x->engine)))
                 return rc;
             kn_kv_pool_params kp = kn_model_kv_params(x->model, 64, BLOCK, kv_type);

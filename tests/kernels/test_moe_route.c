@@ -13,24 +13,17 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "moe_route.h"
 #include "td_err.h"
 #include "tharness.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
-static double urand(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (double)(rng >> 11) * (1.0 / 9007199254740992.0);
-}
-
 static void rand_logits(float *l, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
-        l[i] = (float)(urand() * 8.0 - 4.0);
+        l[i] = (float)(kt_unit(&rng) * 8.0 - 4.0);
 }
 
 /* The reference: token row l's k experts (best first) and weights, in double. */
@@ -166,7 +159,7 @@ static void test_sigmoid_groups(void)
                      .n_group_used = 3};
     float bias[64];
     for (int x = 0; x < 64; x++)
-        bias[x] = (float)(urand() * 0.4 - 0.2);
+        bias[x] = (float)(kt_unit(&rng) * 0.4 - 0.2);
     check_routing(&hp, bias, 50);
     hp.n_expert_groups = hp.n_group_used = 0; /* the bias without groups */
     check_routing(&hp, bias, 20);
@@ -195,8 +188,8 @@ static void test_weighted_rows_sum(void)
     int32_t idx[M * K];
     rand_logits(x, ROWS * N);
     for (int i = 0; i < M * K; i++) {
-        idx[i] = (int32_t)(urand() * ROWS);
-        w[i] = (float)urand();
+        idx[i] = (int32_t)(kt_unit(&rng) * ROWS);
+        w[i] = (float)kt_unit(&rng);
     }
     kn_cpu_weighted_rows_sum(NULL, x, idx, w, K, M, N, y);
     int bad = 0;

@@ -6,22 +6,10 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "kn_test_util.h"
 #include "tharness.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static double urand(void) /* [0, 1) */
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (double)(rng >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static float frand(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)urand();
-}
 
 static const int thread_counts[] = {1, 2, 3};
 
@@ -36,9 +24,9 @@ static void test_rmsnorm(void)
             float *x = malloc(sizeof(float) * m * n), *w = malloc(sizeof(float) * n);
             float *y = malloc(sizeof(float) * m * n), *xa = malloc(sizeof(float) * m * n);
             for (int64_t j = 0; j < n; j++)
-                w[j] = frand(-2, 2);
+                w[j] = kt_frand(&rng, -2, 2);
             for (int64_t i = 0; i < m * n; i++)
-                x[i] = frand(-3, 3) * (float)(1 + i % 5);
+                x[i] = kt_frand(&rng, -3, 3) * (float)(1 + i % 5);
             memcpy(xa, x, sizeof(float) * m * n);
             const float eps = 1e-5f;
             kn_cpu_rmsnorm(c, x, w, y, m, n, eps);
@@ -80,9 +68,9 @@ static void rope_case(kn_cpu *c, int n_heads, int head_dim, int n_rot, bool neox
     for (int i = 0; i < head_dim / 2; i++)
         freq[i] = (float)pow(10000.0, -2.0 * i / (double)n_rot);
     for (int64_t t = 0; t < m; t++)
-        pos[t] = t < 4 ? (int32_t)t : (int32_t)(urand() * 20000);
+        pos[t] = t < 4 ? (int32_t)t : (int32_t)(kt_unit(&rng) * 20000);
     for (int64_t i = 0; i < m * row; i++)
-        x0[i] = x[i] = frand(-2, 2);
+        x0[i] = x[i] = kt_frand(&rng, -2, 2);
     kn_cpu_rope(c, x, m, n_heads, head_dim, n_rot, pos, freq, neox);
     double worst = 0;
     int untouched = 1;
@@ -138,8 +126,8 @@ static void test_swiglu(void)
             float *g = malloc(sizeof(float) * m * n), *u = malloc(sizeof(float) * m * n);
             float *o = malloc(sizeof(float) * m * n);
             for (int64_t i = 0; i < m * n; i++) {
-                g[i] = frand(-20, 20);
-                u[i] = frand(-3, 3);
+                g[i] = kt_frand(&rng, -20, 20);
+                u[i] = kt_frand(&rng, -3, 3);
             }
             /* the saturating ends and zero */
             static const float edge[] = {-100.f, -88.5f, -87.f, 0.f, 87.f, 88.5f, 100.f};

@@ -16,6 +16,7 @@
 #include "cpu_internal.h"
 #include "cpu_q16act.h"
 #include "cpu_q8act.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 #include "td_err.h"
 #include "tharness.h"
@@ -23,33 +24,7 @@
 static const td_dtype qtypes[] = {TD_Q4_0, TD_Q4_1, TD_Q5_0, TD_Q8_0};
 #define N_QTYPES 4
 
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-
-static float rng_uniform(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(rng_u32() & 0xffffff) / 16777216.0f;
-}
-
-static void put_half(uint8_t *p, float v)
-{
-    uint16_t h = td_fp32_to_fp16(v);
-    memcpy(p, &h, 2);
-}
-
-static float get_half(const uint8_t *p)
-{
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return td_fp16_to_fp32(h);
-}
+static uint64_t rng = 0x2545f4914f6cdd1dull;
 
 typedef struct {
     uint8_t *buf;
@@ -74,13 +49,13 @@ static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, q_mat *m)
     for (int64_t r = 0; r < n_rows; r++) {
         uint8_t *p = m->buf + (size_t)r * stride;
         for (size_t i = 0; i < rb; i++)
-            p[i] = (uint8_t)rng_u32();
+            p[i] = (uint8_t)kt_u32(&rng);
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = p + (size_t)b * bs;
-            const float d = rng_uniform(0.25f, 1.0f) / wmax;
-            put_half(blk, t != TD_Q4_1 && (rng_u32() & 1) ? -d : d);
-            if (t == TD_Q4_1) put_half(blk + 2, rng_uniform(0.0f, 1.0f) / 63);
-            const float dd = get_half(blk), mm = t == TD_Q4_1 ? get_half(blk + 2) : 0.0f;
+            const float d = kt_uniform(&rng, 0.25f, 1.0f) / wmax;
+            kt_put_f16(blk, t != TD_Q4_1 && (kt_u32(&rng) & 1) ? -d : d);
+            if (t == TD_Q4_1) kt_put_f16(blk + 2, kt_uniform(&rng, 0.0f, 1.0f) / 63);
+            const float dd = kt_get_f16(blk), mm = t == TD_Q4_1 ? kt_get_f16(blk + 2) : 0.0f;
             uint32_t qh = 0;
             if (t == TD_Q5_0) memcpy(&qh, blk + 2, 4);
             const uint8_t *qs = blk + (t == TD_Q4_1 ? 4 : t == TD_Q5_0 ? 6 : 2);
@@ -109,20 +84,6 @@ static void free_mat(q_mat *m)
     free(m->buf);
     free(m->q);
     free(m->wf);
-}
-
-/* x (m, n): uniform in [-s, s] with s varying by row and block (an outlier every 97th element),
- * row 0's first 32 zero (the d = 0 case). */
-static float *make_x(int64_t m, int64_t n)
-{
-    float *x = malloc((size_t)(m * n) * sizeof(float));
-    if (!x) return NULL;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t e = 0; e < n; e++) {
-            const float s = (float)(1 + i % 3) * (e % 512 < 256 ? 1.0f : 0.01f);
-            x[i * n + e] = i == 0 && e < 32 ? 0.0f : rng_uniform(-s, s) * (e % 97 ? 1.0f : 40.0f);
-        }
-    return x;
 }
 
 /* |x - d q| / d at most: a half, plus the roundings of 32767 / max|x|, of x times it and of d
@@ -178,8 +139,8 @@ static double check_bounds(td_dtype t, const q_mat *W, const float *x, const dou
             const uint8_t *row = W->buf + (size_t)r * W->w.row_stride;
             double yq = 0, yx = 0, mag = 0, xerr = 0;
             for (int64_t b = 0; b < nb; b++) {
-                const double dw = get_half(row + (size_t)b * bs),
-                             mw = t == TD_Q4_1 ? get_half(row + (size_t)b * bs + 2) : 0;
+                const double dw = kt_get_f16(row + (size_t)b * bs),
+                             mw = t == TD_Q4_1 ? kt_get_f16(row + (size_t)b * bs + 2) : 0;
                 const double dx = xd[i * n + b * 32];
                 int64_t s = 0, sx = 0;
                 for (int e = 0; e < 32; e++) {
@@ -211,7 +172,7 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     q_mat W;
     TH_REQUIRE(make_mat(t, n_rows, n_cols, &W) == 0);
     const size_t ny = (size_t)(m * n_rows) * sizeof(float);
-    float *x = make_x(m, n_cols), *y = malloc(ny), *yt = malloc(ny);
+    float *x = kt_act_x(&rng, m, n_cols, true), *y = malloc(ny), *yt = malloc(ny);
     kn_q16b *xq = malloc((size_t)m * kn_q16_row_bytes(n_cols));
     double *xd = malloc((size_t)(m * n_cols) * sizeof(double));
     int *q = malloc((size_t)(m * n_cols) * sizeof(int));
@@ -317,7 +278,7 @@ static void test_nonfinite(void)
 {
     q_mat W;
     TH_REQUIRE(make_mat(TD_Q4_1, 20, 128, &W) == 0);
-    float *x = make_x(2, 128), y[40];
+    float *x = kt_act_x(&rng, 2, 128, true), y[40];
     TH_REQUIRE(x);
     x[128 + 40] = INFINITY;
     TH_REQUIRE(matmul_act(cpus[1], KN_CPU_ACT_Q16, &W.w, x, 2, 0, y) == 0);
@@ -345,14 +306,14 @@ static void test_mixed_and_others(void)
             W.buf = malloc(rb * (size_t)n_rows);
             TH_REQUIRE(W.buf);
             for (size_t i = 0; i < rb * (size_t)n_rows; i++)
-                W.buf[i] = (uint8_t)rng_u32();
+                W.buf[i] = (uint8_t)kt_u32(&rng);
             const size_t bs = td_dtype_get((uint32_t)t)->type_size;
             for (size_t b = 0; b < rb * (size_t)n_rows / bs; b++)
-                put_half(W.buf + bs * b, 0.01f), put_half(W.buf + bs * b + 2, 0.01f);
+                kt_put_f16(W.buf + bs * b, 0.01f), kt_put_f16(W.buf + bs * b + 2, 0.01f);
             W.w = (kn_mat){
                 .type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = rb, .data = W.buf};
         }
-        float *x = make_x(m, n_cols), *y = malloc(ny), *y32 = malloc(ny);
+        float *x = kt_act_x(&rng, m, n_cols, true), *y = malloc(ny), *y32 = malloc(ny);
         float *y1 = malloc((size_t)n_rows * sizeof(float));
         TH_REQUIRE(x && y && y32 && y1);
         TH_REQUIRE(matmul_act(cpus[1], KN_CPU_ACT_Q16, &W.w, x, m, solo, y) == 0);
@@ -400,18 +361,13 @@ static void test_env_and_names(void)
 int main(void)
 {
     unsetenv("TANDEM_CPU_ACT");
-    for (int i = 0; i < 3; i++)
-        if (kn_cpu_create(i + 1, &cpus[i])) {
-            fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);
-            return 1;
-        }
+    if (kt_cpus_create(cpus)) return 1;
     fprintf(stderr, "isa %s, q16 dots %s (weights packed: %s)\n", kn_cpu_isa(), kn_q16_isa(),
             kn_q8_gemm_group_rows() == 16 ? "yes" : "no, not AVX512-VNNI");
     TH_RUN(test_q16_dots);
     TH_RUN(test_nonfinite);
     TH_RUN(test_mixed_and_others);
     TH_RUN(test_env_and_names);
-    for (int i = 0; i < 3; i++)
-        kn_cpu_destroy(cpus[i]);
+    kt_cpus_destroy(cpus);
     TH_EXIT();
 }

@@ -13,6 +13,7 @@
 
 #include "cpu_backend.h"
 #include "cpu_q8act.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 #include "td_err.h"
 #include "tharness.h"
@@ -20,30 +21,9 @@
 static const td_dtype qtypes[] = {TD_Q4_K, TD_Q6_K, TD_Q5_0, TD_Q8_0, TD_Q4_0, TD_Q4_1};
 #define N_QTYPES 6
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-
-static float rng_uniform(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(rng_u32() & 0xffffff) / 16777216.0f;
-}
-
-/* Byte offsets of d and dmin (-1: none) in a block; the largest |quant * scale| per d. */
-static int d_off(td_dtype t)
-{
-    return t == TD_Q6_K ? 208 : 0;
-}
-static int dmin_off(td_dtype t)
-{
-    return t == TD_Q4_K || t == TD_Q4_1 ? 2 : -1;
-}
+/* The largest |quant * scale| per d. */
 static float wmax_per_d(td_dtype t)
 {
     return t == TD_Q4_K   ? 63 * 15
@@ -59,12 +39,6 @@ typedef struct {
     kn_mat w;
     double *a, *b; /* (n_rows, n_cols) exact weights w = a + b: a = d-part, b = min part */
 } q_mat;
-
-static void put_half(uint8_t *p, float v)
-{
-    uint16_t h = td_fp32_to_fp16(v);
-    memcpy(p, &h, 2);
-}
 
 /* Random blocks with weights of magnitude ~1; rows one block apart, gaps 0xff. a and b
  * come from dequantizing with dmin zeroed and with d zeroed (each part exact). */
@@ -82,23 +56,24 @@ static int make_mat(td_dtype t, int64_t n_rows, int64_t n_cols, q_mat *m)
     for (int64_t r = 0; r < n_rows; r++) {
         uint8_t *p = m->buf + (size_t)r * stride;
         for (size_t i = 0; i < rb; i++)
-            p[i] = (uint8_t)rng_u32();
+            p[i] = (uint8_t)kt_u32(&rng);
         for (int64_t b = 0; b < n_cols / info->blck; b++) {
             uint8_t *blk = p + (size_t)b * bs;
-            float d = rng_uniform(0.25f, 1.0f) / wmax_per_d(t);
-            put_half(blk + d_off(t), (rng_u32() & 1) && dmin_off(t) < 0 ? -d : d);
-            if (dmin_off(t) >= 0) put_half(blk + dmin_off(t), rng_uniform(0.0f, 1.0f) / 63);
+            float d = kt_uniform(&rng, 0.25f, 1.0f) / wmax_per_d(t);
+            kt_put_f16(blk + kt_d_offset(t), (kt_u32(&rng) & 1) && kt_dmin_offset(t) < 0 ? -d : d);
+            if (kt_dmin_offset(t) >= 0)
+                kt_put_f16(blk + kt_dmin_offset(t), kt_uniform(&rng, 0.0f, 1.0f) / 63);
         }
         for (int part = 0; part < 2; part++) {
             double *dst = (part ? m->b : m->a) + r * n_cols;
-            if (part && dmin_off(t) < 0) {
+            if (part && kt_dmin_offset(t) < 0) {
                 memset(dst, 0, (size_t)n_cols * sizeof(double));
                 continue;
             }
             memcpy(row, p, rb);
-            const int zero_off = part ? d_off(t) : dmin_off(t); /* the part left out */
+            const int zero_off = part ? kt_d_offset(t) : kt_dmin_offset(t); /* the part left out */
             for (int64_t b = 0; zero_off >= 0 && b < n_cols / info->blck; b++)
-                put_half(row + (size_t)b * bs + zero_off, 0.0f);
+                kt_put_f16(row + (size_t)b * bs + zero_off, 0.0f);
             if (kn_dequant_row(t, row, tmp, n_cols)) return -1;
             for (int64_t e = 0; e < n_cols; e++)
                 dst[e] = tmp[e];
@@ -116,20 +91,6 @@ static void free_mat(q_mat *m)
     free(m->buf);
     free(m->a);
     free(m->b);
-}
-
-/* x (m, n): uniform in [-s, s] with s varying by row and block, row 0's first 32 zero
- * (the d = 0 case). */
-static float *make_x(int64_t m, int64_t n)
-{
-    float *x = malloc((size_t)(m * n) * sizeof(float));
-    if (!x) return NULL;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t e = 0; e < n; e++) {
-            const float s = (float)(1 + i % 3) * (e % 512 < 256 ? 1.0f : 0.01f);
-            x[i * n + e] = i == 0 && e < 32 ? 0.0f : rng_uniform(-s, s);
-        }
-    return x;
 }
 
 /* xd, q (m, n): the scale and the quant of every element of the quantized rows xq; checks
@@ -223,7 +184,7 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
 {
     q_mat W;
     TH_REQUIRE(make_mat(t, n_rows, n_cols, &W) == 0);
-    float *x = make_x(m, n_cols), *y = malloc((size_t)(m * n_rows) * sizeof(float));
+    float *x = kt_act_x(&rng, m, n_cols, false), *y = malloc((size_t)(m * n_rows) * sizeof(float));
     float *y32 = malloc((size_t)(m * n_rows) * sizeof(float));
     float *yt = malloc((size_t)(m * n_rows) * sizeof(float));
     uint8_t *xq = malloc((size_t)m * kn_q8_row_bytes(t, n_cols));
@@ -257,9 +218,9 @@ static void check_type(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
                   kn_q8_gemm_isa());
     }
     /* W registered as the engine registers its weights (map_matrix): the q8 GEMM and the
-     * K-quant dot read its packed copy (every type here, with VNNI) and give the same bits, for the batch
-     * and each row alone; a view of fewer rows at the same address was never registered
-     * and keeps the per-call panels, with the same bits for its rows */
+     * K-quant dot read its packed copy (every type here, with VNNI) and give the same bits, for the
+     * batch and each row alone; a view of fewer rows at the same address was never registered and
+     * keeps the per-call panels, with the same bits for its rows */
     kn_cpu *pc;
     TH_REQUIRE(kn_cpu_create(2, &pc) == 0);
     TH_REQUIRE(kn_cpu_map_matrix(pc, &W.w) == 0 && kn_cpu_map_matrix(pc, &W.w) == 0);
@@ -298,7 +259,8 @@ static void check_kgemm(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     TH_REQUIRE(make_mat(t, n_rows, n_cols, &W) == 0);
     TH_REQUIRE(kn_q8k_gemm_supported(&W.w));
     const size_t ny = (size_t)(m * n_rows) * sizeof(float);
-    float *x = make_x(m, n_cols), *y = malloc(ny), *y32 = malloc(ny), *yt = malloc(ny);
+    float *x = kt_act_x(&rng, m, n_cols, false), *y = malloc(ny), *y32 = malloc(ny),
+          *yt = malloc(ny);
     uint8_t *xq = malloc((size_t)m * kn_q8_row_bytes(TD_Q8_0, n_cols));
     double *xd = malloc((size_t)(m * n_cols) * sizeof(double));
     int *q = malloc((size_t)(m * n_cols) * sizeof(int));
@@ -391,7 +353,7 @@ static void test_kpacked(void)
         kn_q8k_pack(&W.w, packed, 0, 1);
         kn_q8k_pack(&W.w, packed, 1, groups);
         for (int64_t m = 1; m <= 9; m++) {
-            float *x = make_x(m, n_cols);
+            float *x = kt_act_x(&rng, m, n_cols, false);
             TH_REQUIRE(x);
             for (int64_t e = 0; e < n_cols; e++)
                 x[(m - 1) * n_cols + e] = e % 2 ? -1.0f : 1.0f;
@@ -458,15 +420,16 @@ static void test_mixed_and_off(void)
             W.buf = malloc(rb * (size_t)n_rows), W.a = W.b = NULL;
             TH_REQUIRE(W.buf);
             for (size_t i = 0; i < rb * (size_t)n_rows; i++)
-                W.buf[i] = (uint8_t)rng_u32();
+                W.buf[i] = (uint8_t)kt_u32(&rng);
             for (size_t b = 0; b < rb * (size_t)n_rows / bs; b++)
-                put_half(W.buf + bs * b, 0.01f), put_half(W.buf + bs * b + 2, 0.01f);
+                kt_put_f16(W.buf + bs * b, 0.01f), kt_put_f16(W.buf + bs * b + 2, 0.01f);
             W.w = (kn_mat){
                 .type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = rb, .data = W.buf};
         } else {
             TH_REQUIRE(make_mat(t, n_rows, n_cols, &W) == 0);
         }
-        float *x = make_x(m, n_cols), *y = malloc((size_t)(m * n_rows) * sizeof(float));
+        float *x = kt_act_x(&rng, m, n_cols, false),
+              *y = malloc((size_t)(m * n_rows) * sizeof(float));
         float *y32 = malloc((size_t)(m * n_rows) * sizeof(float)), *y1 = malloc(n_rows * 4);
         kn_cpu *fresh = NULL;
         TH_REQUIRE(x && y && y32 && y1 && kn_cpu_create(2, &fresh) == 0);
@@ -518,11 +481,7 @@ static void test_env(void)
 int main(void)
 {
     unsetenv("TANDEM_CPU_ACT");
-    for (int i = 0; i < 3; i++)
-        if (kn_cpu_create(i + 1, &cpus[i])) {
-            fprintf(stderr, "cannot create a cpu backend with %d threads\n", i + 1);
-            return 1;
-        }
+    if (kt_cpus_create(cpus)) return 1;
     fprintf(stderr, "isa %s, q8 gemm %s (weights packed: %s)\n", kn_cpu_isa(), kn_q8_gemm_isa(),
             kn_q8_gemm_group_rows() == 16 ? "yes" : "no, not AVX512-VNNI");
     TH_RUN(test_q8_dots);
@@ -530,7 +489,6 @@ int main(void)
     TH_RUN(test_kpacked);
     TH_RUN(test_mixed_and_off);
     TH_RUN(test_env);
-    for (int i = 0; i < 3; i++)
-        kn_cpu_destroy(cpus[i]);
+    kt_cpus_destroy(cpus);
     TH_EXIT();
 }

@@ -15,54 +15,14 @@
 
 #include "cpu_backend.h"
 #include "cpu_q8act.h"
+#include "kn_test_util.h"
 #include "td_dtype.h"
 #include "td_err.h"
 #include "tharness.h"
 
 #define SENTINEL (-12345.0f)
 
-static uint64_t rng_state = 0x243f6a8885a308d3ull;
-
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-
-static void put_half(uint8_t *p, float v)
-{
-    uint16_t h = td_fp32_to_fp16(v);
-    memcpy(p, &h, 2);
-}
-
-/* Random blocks with finite small scales; rows one block apart (a gap of 0xff), so the row
- * stride is not the row size. */
-static uint8_t *make_w(td_dtype t, int64_t n_rows, int64_t n_cols, kn_mat *w)
-{
-    const td_dtype_info *info = td_dtype_get((uint32_t)t);
-    const size_t bs = info->type_size, rb = td_dtype_row_bytes(t, n_cols), stride = rb + bs;
-    uint8_t *buf = malloc(stride * (size_t)n_rows);
-    if (!buf) return NULL;
-    memset(buf, 0xff, stride * (size_t)n_rows);
-    for (int64_t r = 0; r < n_rows; r++) {
-        uint8_t *p = buf + (size_t)r * stride;
-        for (size_t i = 0; i < rb; i++)
-            p[i] = (uint8_t)rng_u32();
-        for (int64_t b = 0; b < n_cols / info->blck; b++) {
-            uint8_t *blk = p + (size_t)b * bs;
-            const float d = (float)(1 + rng_u32() % 1000) * 1e-5f;
-            if (t == TD_Q6_K)
-                put_half(blk + 208, d);
-            else
-                put_half(blk, rng_u32() & 1 ? -d : d);
-            if (t == TD_Q4_K || t == TD_Q4_1) put_half(blk + 2, d * 0.5f);
-        }
-    }
-    *w = (kn_mat){.type = t, .n_rows = n_rows, .n_cols = n_cols, .row_stride = stride, .data = buf};
-    return buf;
-}
+static uint64_t rng = 0x243f6a8885a308d3ull;
 
 /* m rows of x in [-1, 1), the last at full scale (every |q| 127: the integer sums at their
  * largest). */
@@ -71,16 +31,10 @@ static float *make_x(int64_t m, int64_t n)
     float *x = malloc((size_t)(m * n) * sizeof(float));
     if (!x) return NULL;
     for (int64_t i = 0; i < m * n; i++)
-        x[i] = (float)(rng_u32() & 0xffff) / 32768.0f - 1.0f;
+        x[i] = (float)(kt_u32(&rng) & 0xffff) / 32768.0f - 1.0f;
     for (int64_t e = 0; e < n; e++)
         x[(m - 1) * n + e] = e % 3 ? -1.0f : 1.0f;
     return x;
-}
-
-static void fill(float *y, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        y[i] = SENTINEL;
 }
 
 /* The product of groups [g0, g1) into y (m rows of ldy floats; rows past n_rows keep the
@@ -100,7 +54,7 @@ static void check_kernel(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
 {
     const bool ktype = t == TD_Q4_K || t == TD_Q6_K;
     kn_mat w;
-    uint8_t *buf = make_w(t, n_rows, n_cols, &w);
+    uint8_t *buf = kt_make_w(&rng, t, n_rows, n_cols, &w);
     float *x = make_x(m, n_cols);
     const td_dtype xt = ktype ? TD_Q8_0 : t; /* K-types' GEMM takes x in 32-blocks */
     void *xq = malloc((size_t)m * kn_q8_row_bytes(xt, n_cols));
@@ -118,10 +72,10 @@ static void check_kernel(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
     for (int pk = 0; pk < (packed ? 2 : 1); pk++) {
         const void *pw = pk ? packed : NULL;
         kn_q8_gemm_force_amx_off(true);
-        fill(yv, ny);
+        kt_fill(yv, ny, SENTINEL);
         gemm(&w, pw, xq, m, yv, ldy, 0, groups, panel);
         kn_q8_gemm_force_amx_off(false);
-        fill(ya, ny);
+        kt_fill(ya, ny, SENTINEL);
         gemm(&w, pw, xq, m, ya, ldy, 0, groups, panel);
         int64_t diff = 0, outside = 0;
         for (int64_t i = 0; i < m; i++)
@@ -137,7 +91,7 @@ static void check_kernel(td_dtype t, int64_t n_rows, int64_t n_cols, int64_t m)
                   td_dtype_name(t), (long long)n_rows, (long long)n_cols, (long long)m,
                   pk ? " packed" : "", (long long)diff, (long long)outside);
         /* two calls, as two threads would make them */
-        fill(ya, ny);
+        kt_fill(ya, ny, SENTINEL);
         gemm(&w, pw, xq, m, ya, ldy, 0, 1, panel);
         gemm(&w, pw, xq, m, ya, ldy, 1, groups, panel);
         TH_CHECKF(memcmp(yv, ya, ny * sizeof(float)) == 0, "%s m %lld%s: split groups differ",
@@ -172,7 +126,7 @@ static void test_backend(void)
         TH_REQUIRE(kn_cpu_create(i + 1, &cpus[i]) == 0);
     for (size_t k = 0; k < sizeof types / sizeof *types; k++) {
         kn_mat w;
-        uint8_t *buf = make_w(types[k], n_rows, n_cols, &w);
+        uint8_t *buf = kt_make_w(&rng, types[k], n_rows, n_cols, &w);
         float *x = make_x(m, n_cols);
         const size_t ny = (size_t)(m * n_rows);
         float *yv = malloc(ny * sizeof(float)), *ya = malloc(ny * sizeof(float));
@@ -185,7 +139,7 @@ static void test_backend(void)
             for (int i = 0; i < 3; i++) {
                 if (mapped) TH_REQUIRE(kn_cpu_map_matrix(cpus[i], &w) == 0);
                 kn_cpu_set_act_q8(cpus[i], true);
-                fill(ya, ny);
+                kt_fill(ya, ny, SENTINEL);
                 TH_REQUIRE(kn_cpu_matmul(cpus[i], &w, x, m, ya) == 0);
                 TH_CHECKF(memcmp(yv, ya, ny * sizeof(float)) == 0,
                           "%s: %d threads%s: AMX differs from VNNI", td_dtype_name(types[k]), i + 1,
@@ -226,11 +180,9 @@ static void test_names_env(void)
 
 int main(void)
 {
-    if (!kn_q8_gemm_amx()) {
-        printf("SKIP: AMX-INT8 is not usable here (no AMX, the OS refused the tile state, no "
-               "AVX512-VNNI, or TANDEM_CPU_AMX=0): nothing tested\n");
-        return 77;
-    }
+    if (!kn_q8_gemm_amx())
+        return kt_skip("AMX-INT8 is not usable here (no AMX, the OS refused the tile state, no "
+                       "AVX512-VNNI, or TANDEM_CPU_AMX=0)");
     TH_RUN(test_kernels);
     TH_RUN(test_backend);
     TH_RUN(test_names_env);
