@@ -114,6 +114,7 @@ static const td_cfg_field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
     F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
     F(D_ADAPTIVE_THREADS, "adaptive_threads", F_BOOL, adaptive_threads, 0, 0)                      \
+    F(D_SHARE_CORES, "share_cores", F_BOOL, share_cores, 0, 0)                                     \
     F(D_DRAIN, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000)                            \
     L(D_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)                                   \
     N(D_TIER, "prefix_cache_tier")                                                                 \

@@ -188,6 +188,10 @@ typedef struct {
     /* false: every step computes with `threads`; true: each step's threads (threads, or fewer)
      * chosen from measured step times (decode-node/dc_threads.h, docs/config.md) */
     bool adaptive_threads;
+    /* false: the prefill stages of its host compute beside its steps; true: each step claims
+     * the host's cores and those stages pause meanwhile, then get the rest of itl_target_ms
+     * (common/td_coreshare.h, docs/config.md) */
+    bool share_cores;
     /* 0: SIGTERM ends the requests in flight at once with ERR_SHUTDOWN (the router moves
      * them); > 0: they may finish for up to this long first, no new ones taken (docs/config.md) */
     int drain_timeout_ms;

@@ -1,4 +1,4 @@
-/* dc_async.c: the leader's overlap (decode[].overlap, dc_node.c serve_overlap): the forward
+/* dc_async.c: the leader's overlap (decode[].overlap, dc_loop.c serve_overlap): the forward
  * pass of step N runs on a thread of its own (the CPU pool's caller) while the node thread
  * sends step N-1's token events, serves the inbox, the transfers and the health; and the
  * scheduler's events, held back while a step is committed and the next one planned, so that

@@ -1,9 +1,9 @@
 /* dc_node.c: a decode rank's life: load the shard, then form the instance with its sibling
  * ranks, run steps until the instance breaks or stops, and form it again (dc_node.h has
- * the leader's states). The leader's control plane (requests in, events out) is in
- * dc_serve.c, its figures at exit in dc_report.c. This file owns the node's parts dc_proc,
- * dc_formation, dc_life, dc_leader and dc_stats (dc_node_int.h), and makes and frees every
- * part in teardown's order. */
+ * the leader's states). The leader's serving loop (its steps) is in dc_loop.c, its control
+ * plane (requests in, events out) in dc_serve.c, its figures at exit in dc_report.c. This
+ * file owns the node's parts dc_proc, dc_formation, dc_life and dc_leader (dc_node_int.h),
+ * and makes and frees every part in teardown's order. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,8 +22,6 @@
 #include "td_err.h"
 #include "tokenizer.h"
 
-#define IDLE_WAIT_MS  200   /* leader's inbox wait while nothing runs (liveness checks) */
-#define XFER_WAIT_MS  2     /* ... while only KV transfers are in flight: react quickly */
 #define FORM_WAIT_MS  50    /* forming: one wait for the missing ranks (then the inbox again) */
 #define DRAIN_WAIT_MS 10    /* forming, every rank in: one inbox wait while old transfers end */
 #define RETRY_MS      1000  /* forming: pause after a failed attempt (segment, KV plane) */
@@ -196,7 +194,7 @@ static void drop_kv(dc_node *n)
 }
 
 /* The CPU pool's threads for the next forward pass (0: as configured; dc_threads.h). */
-static void use_threads(dc_node *n, int threads)
+void dc_node_use_threads(dc_node *n, int threads)
 {
     kn_cpu *c = kn_cpu_of(n->proc.rt.be);
     if (c) kn_pool_set_limit(kn_cpu_pool(c), threads > 0 ? threads : kn_cpu_n_threads(c));
@@ -229,7 +227,7 @@ static int follower_steps(dc_node *n)
             if (rc || (rc = dc_tier_copy_barrier(n))) break;
             continue;
         }
-        use_threads(n, v.threads);
+        dc_node_use_threads(n, v.threads);
         if ((rc = kn_engine_forward(n->proc.rt.engine, dc_kv(n), &v.batch, NULL))) {
             if (!*n->p->stop)
                 TD_LOG_ERR("decode %s rank %d: step %llu failed: %s", n->p->instance, n->p->rank,
@@ -360,6 +358,28 @@ static int draft_init(dc_node *n)
 
 /* The leader's part (dc_leader): the scheduler (with the structured-output vocabulary and
  * grammars it checks against) and the logits it samples from. */
+/* decode[].share_cores: the segment the prefill stages of this host pause on while a step
+ * runs (common/td_coreshare.h). */
+static int share_cores_init(dc_node *n)
+{
+    if (!n->dcfg->share_cores) return 0;
+    if (!kn_cpu_of(n->proc.rt.be)) {
+        TD_LOG_WARN("decode %s: decode[].share_cores: the %s backend computes on no CPU cores to "
+                    "share: off",
+                    n->p->instance, n->proc.rt.be.ops->name);
+        return 0;
+    }
+    char name[96];
+    td_coreshare_name(n->dcfg->port, name, sizeof name);
+    int rc = td_coreshare_create(name, &n->leader.cores);
+    if (!rc)
+        TD_LOG_INFO("decode %s: each step claims the cores of host %s; its prefill stages compute "
+                    "between steps for %s (decode[].share_cores)",
+                    n->p->instance, n->dcfg->host,
+                    n->dcfg->itl_target_ms > 0 ? "the rest of itl_target_ms" : "as long as a step");
+    return rc;
+}
+
 static int leader_init(dc_node *n)
 {
     int rc = 0;
@@ -426,6 +446,7 @@ static int leader_init(dc_node *n)
     if (adaptive)
         TD_LOG_INFO("decode %s: each step's threads (%d or fewer) chosen from measured step times",
                     n->p->instance, n->dcfg->threads);
+    if ((rc = share_cores_init(n))) return rc;
     n->leader.logits =
         malloc((size_t)n->dcfg->max_batch * (size_t)n->proc.rt.model->hp.n_vocab * sizeof(float));
     if (!n->leader.logits) return TD_ENOMEM;
@@ -443,6 +464,7 @@ static void leader_fini(dc_node *n)
     gr_cache_destroy(n->leader.grammars);
     gr_vocab_destroy(n->leader.gvocab);
     free(n->leader.logits);
+    td_coreshare_destroy(n->leader.cores);
     n->leader = (dc_leader){0};
 }
 
@@ -550,7 +572,7 @@ static int form(dc_node *n)
 }
 
 /* Room for rows logit rows: more than one per request only for prompt logprobs. */
-static int grow_logits(dc_node *n, int rows)
+int dc_node_grow_logits(dc_node *n, int rows)
 {
     float *l = realloc(n->leader.logits,
                        (size_t)rows * (size_t)n->proc.rt.model->hp.n_vocab * sizeof(float));
@@ -560,109 +582,17 @@ static int grow_logits(dc_node *n, int rows)
     return 0;
 }
 
-/* A step between its plan and its commit. */
-typedef struct {
-    dc_step st;
-    int k;          /* its tokens */
-    int rc;         /* publishing the plan failed: the step's requests fail in the commit */
-    int64_t t_plan; /* when its planning began */
-    int64_t t_fwd;  /* when its forward pass began */
-} step_run;
-
-/* Plan the next step and publish it to the other ranks: its tokens (0: nothing runnable)
- * or a negative td_err of the planning. */
-static int step_begin(dc_node *n, step_run *sr)
-{
-    sr->t_plan = td_now_ns();
-    int k = sr->k = dc_sched_plan(n->leader.sched, &sr->st);
-    int64_t t0 = td_now_ns();
-    if (k == 0 && (sr->rc = dc_tier_flush(n, n->stats.step)))
-        return sr->rc; /* copies of an empty step */
-    if (k <= 0) return k;
-    n->stats.ns_plan += t0 - sr->t_plan;
-    void *buf;
-    size_t cap, len;
-    int nc, rc = dc_shm_plan_begin(n->form.shm, &buf, &cap);
-    const kn_kv_tier_op *copies = dc_tier_pending(n, &nc);
-    int threads = dc_threads_next(&n->leader.threads);
-    if (!rc)
-        rc = dc_plan_encode(&sr->st.batch, copies, nc, dc_kv(n)->block_size, n->stats.step, threads,
-                            buf, cap, &len);
-    use_threads(n, threads);
-    if (!rc && sr->st.batch.n_logits > n->leader.logit_rows)
-        rc = grow_logits(n, sr->st.batch.n_logits);
-    if (!rc) rc = dc_shm_plan_commit(n->form.shm, len);
-    if (!rc) dc_tier_sent(n);
-    sr->rc = rc;
-    sr->t_fwd = td_now_ns();
-    n->stats.ns_encode += sr->t_fwd - t0;
-    return k;
-}
-
-/* The step's forward pass ended with rc: commit it (sample, stop rules, events). Its
- * tokens, or rc. */
-static int step_end(dc_node *n, step_run *sr, int rc)
-{
-    int64_t t_commit = td_now_ns();
-    n->stats.step++;
-    /* the step's requests fail in the commit: their error events say why */
-    if (rc)
-        snprintf(n->life.fail_why, sizeof n->life.fail_why, "%s",
-                 dc_shm_error(n->form.shm)[0] ? dc_shm_error(n->form.shm) : td_strerror(rc));
-    dc_sched_commit(n->leader.sched, n->leader.logits, rc);
-    int64_t t1 = td_now_ns();
-    n->stats.ns_forward += t_commit - sr->t_fwd;
-    n->stats.ns_commit += t1 - t_commit;
-    /* the whole step, as its decodes wait for it: the cost model behind itl_target_ms */
-    if (!rc) {
-        double ms = (double)(t1 - sr->t_plan) / 1e6;
-        dc_threads_observe(&n->leader.threads, ms, dc_sched_predict_ms(n->leader.sched));
-        dc_sched_observe(n->leader.sched, ms);
-        n->stats.step_hist[td_step_hist_bucket((double)(t1 - sr->t_plan) / 1e9)]++;
-        n->stats.step_us += (uint64_t)(t1 - sr->t_plan) / 1000u;
-    }
-    n->stats.step_ns += t1 - sr->t_fwd + (sr->t_fwd - sr->t_plan);
-    n->stats.step_tokens += sr->k;
-    return rc ? rc : sr->k;
-}
-
-static int run_step(dc_node *n)
-{
-    step_run sr;
-    int k = step_begin(n, &sr);
-    if (k <= 0) return k;
-    int rc = sr.rc;
-    if (!rc) rc = kn_engine_forward(n->proc.rt.engine, dc_kv(n), &sr.st.batch, n->leader.logits);
-    return step_end(n, &sr, rc);
-}
-
-/* The inbox, the transfers and the health, before a step: wait ms for the first message
- * (*ns_wait: how long it took, dc_serve_inbox). */
-static int serve_io(dc_node *n, int wait, int64_t *last_health, int64_t *ns_wait)
-{
-    int rc = dc_serve_inbox(n, wait, ns_wait);
-    if (rc) return rc;
-    dc_serve_transfers(n);
-    dc_serve_health_tick(n, last_health);
-    return 0;
-}
-
-/* The inbox wait before a step: none after a step that ran (there is more work); a short
- * one while only KV transfers are in flight (their completion is polled: react in ~2 ms,
- * never spin); a long one when idle. */
-static int inbox_wait(const dc_node *n, int k)
-{
-    int pending = dc_xfer_pending(n->plane.xfer);
-    return dc_sched_idle(n->leader.sched) && !pending ? IDLE_WAIT_MS
-           : k > 0 || !pending                        ? 0
-                                                      : XFER_WAIT_MS;
-}
-
 /* After SIGTERM: whether the serving loop ends now. With decode[].drain_timeout_ms the
  * instance first leaves (Health.draining, the router told at once, new requests refused with
  * ERR_SHUTDOWN: the router sends them elsewhere) while the requests in flight finish, for up
  * to that long; what is left then ends with ERR_SHUTDOWN (leader_stop), and moves. */
-static bool stop_now(dc_node *n)
+void dc_node_step_failed(dc_node *n, int rc)
+{
+    snprintf(n->life.fail_why, sizeof n->life.fail_why, "%s",
+             dc_shm_error(n->form.shm)[0] ? dc_shm_error(n->form.shm) : td_strerror(rc));
+}
+
+bool dc_node_stop_now(dc_node *n)
 {
     if (!*n->p->stop) return false;
     bool idle = dc_sched_idle(n->leader.sched) && dc_xfer_pending(n->plane.xfer) == 0;
@@ -677,104 +607,6 @@ static bool stop_now(dc_node *n)
                 "(decode[].drain_timeout_ms); no new ones",
                 n->p->instance, st.running, st.waiting, n->dcfg->drain_timeout_ms);
     return false;
-}
-
-/* SERVING, one step after another. Returns 0 when *stop was set, a failure of the instance
- * (a rank died or is silent, a step failed: the caller re-forms), or, with *fatal, a
- * failure of the control server. */
-static int serve_sequential(dc_node *n, bool *fatal)
-{
-    int64_t last_health = 0, ns_wait = 0;
-    int k = 0; /* tokens of the last step */
-    int rc = 0;
-    while (!stop_now(n)) {
-        int64_t t_loop = td_now_ns();
-        if ((rc = serve_io(n, inbox_wait(n, k), &last_health, &ns_wait))) {
-            *fatal = true;
-            return rc;
-        }
-        int64_t t_in = td_now_ns();
-        k = 0;
-        if ((rc = dc_serve_sync_allocs(n))) return rc; /* no pass in flight here */
-        if (!dc_sched_idle(n->leader.sched)) {
-            if ((rc = run_step(n)) < 0) return rc;
-            k = rc;
-            if (dc_sched_idle(n->leader.sched)) dc_serve_health(n); /* the load dropped to 0 */
-        }
-        /* no step ran (idle, or only transfers): notice a dead rank now, not at the next
-         * step */
-        if (k == 0 && (rc = dc_shm_check(n->form.shm))) return rc;
-        if (k > 0) { /* only the loops that ran a step, without an idle wait before it */
-            n->stats.ns_inbox += t_in - t_loop - ns_wait;
-            n->stats.ns_serve += td_now_ns() - t_loop - ns_wait;
-        }
-    }
-    return 0;
-}
-
-/* SERVING with overlap (decode[].overlap): step N's forward pass runs on the forward thread
- * while this thread sends step N-1's token events and serves the inbox, the transfers and
- * the health; then it joins the pass, commits it (sampling must see step N's logits before
- * step N + 1 embeds its tokens) and plans and launches step N + 1, holding the events back
- * meanwhile. Every request's tokens are the sequential path's: the scheduler runs the same
- * calls in the same order per request, only the inbox is read while the pass computes.
- * Returns as serve_sequential, with no pass in flight and no event held. */
-static int serve_overlap(dc_node *n, bool *fatal)
-{
-    int64_t last_health = 0, ns_wait = 0;
-    step_run sr;
-    bool flying = false; /* sr's forward pass runs */
-    int k = 0, rc = 0;
-    while (!stop_now(n)) {
-        int64_t t_loop = td_now_ns();
-        dc_async_flush(n); /* the last step's events */
-        if ((rc = serve_io(n, flying ? 0 : inbox_wait(n, k), &last_health, &ns_wait))) {
-            *fatal = true;
-            break;
-        }
-        int64_t t_in = td_now_ns();
-        k = 0;
-        dc_async_hold(n, true);
-        if (flying) {
-            flying = false;
-            int64_t t_join = td_now_ns();
-            int rc_fwd = dc_async_join(n);
-            n->stats.ns_join += td_now_ns() - t_join;
-            if ((rc = step_end(n, &sr, rc_fwd)) < 0) break;
-            k = rc;
-        }
-        if ((rc = dc_serve_sync_allocs(n))) break; /* joined: no pass in flight */
-        if (!dc_sched_idle(n->leader.sched)) {
-            if ((rc = step_begin(n, &sr)) < 0) break;
-            if (rc > 0 && !sr.rc) {
-                dc_async_launch(n, &sr.st.batch, n->leader.logits);
-                flying = true;
-            } else if (rc > 0 && (rc = step_end(n, &sr, sr.rc)) < 0) {
-                break;
-            }
-        }
-        dc_async_hold(n, false);
-        if (!flying) dc_async_flush(n); /* no pass to hide them behind */
-        rc = 0;
-        if (k > 0 && !flying && dc_sched_idle(n->leader.sched)) dc_serve_health(n); /* load 0 */
-        if (!flying && k == 0 && (rc = dc_shm_check(n->form.shm))) break;
-        if (k > 0) { /* as in serve_sequential */
-            n->stats.ns_inbox += t_in - t_loop - ns_wait;
-            n->stats.ns_serve += td_now_ns() - t_loop - ns_wait;
-        }
-    }
-    dc_async_hold(n, false);
-    if (flying) { /* stopping, or the control server failed: the pass ends first */
-        int rc2 = step_end(n, &sr, dc_async_join(n));
-        if (rc2 < 0 && !rc && !*n->p->stop) rc = rc2;
-    }
-    dc_async_flush(n);
-    return rc;
-}
-
-static int serve(dc_node *n, bool *fatal)
-{
-    return n->ovl.fwd ? serve_overlap(n, fatal) : serve_sequential(n, fatal);
 }
 
 /* The instance failed: every request in flight ends with an error event (the forming loop
@@ -880,7 +712,7 @@ static int leader_run(dc_node *n)
             break;
         }
         if (*n->p->stop) break;
-        rc = serve(n, &fatal);
+        rc = dc_loop_serve(n, &fatal);
         dc_serve_fail_allocs(n); /* held replies of a formation that ended */
         if (rc && !fatal && !*n->p->stop && dc_shm_peer_stopped(n->form.shm)) await_own_stop(n);
         if (fatal || *n->p->stop) break;

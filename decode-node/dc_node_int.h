@@ -1,5 +1,6 @@
 /* dc_node_int.h: the state of one decode rank, shared by the files of tandem-decode:
- * dc_node.c (the rank's life: setup, the formations of the instance, the step loops),
+ * dc_node.c (the rank's life: setup, the formations of the instance, the stop), dc_loop.c
+ * (the leader's serving loop: the steps),
  * dc_serve.c (the leader's control plane: requests in, token and error events out, health),
  * dc_async.c (overlap), dc_node_xfer.c (the KV-transfer plane), dc_tier.c (the tier's copies).
  * Private to the tandem-decode binary.
@@ -29,6 +30,7 @@
 #include "dc_node.h"
 #include "dc_plan.h"
 #include "dc_sched.h"
+#include "td_coreshare.h"
 #include "gr_grammar.h"
 #include "dc_shm.h"
 #include "dc_xfer.h"
@@ -94,8 +96,8 @@ typedef struct {
 } dc_formation;
 
 /* Where the leader is in its life (dc_node.h's states), for the control plane's answers.
- * Owner dc_node.c (form, fail_in_flight, step_end, the stop); dc_serve.c reads it. Plain
- * values: zero at the start, nothing to free. */
+ * Owner dc_node.c (form, fail_in_flight, dc_node_step_failed, the stop); dc_serve.c reads
+ * it. Plain values: zero at the start, nothing to free. */
 typedef struct {
     bool forming;          /* not every rank is in (or old transfers still end): not ready */
     int formations;        /* formations completed (1 once the instance first served) */
@@ -121,7 +123,8 @@ typedef struct {
 } dc_kvplane;
 
 /* What the leader decides and samples with, for the process's life. Owner dc_node.c
- * (leader_init at the leader's start, leader_fini at exit; grow_logits while planning). */
+ * (leader_init at the leader's start, leader_fini at exit; dc_node_grow_logits while
+ * planning). */
 typedef struct {
     dc_sched *sched;
     dc_draft *draft;    /* speculative.method draft: the proposer, else NULL */
@@ -130,6 +133,7 @@ typedef struct {
     float *logits;      /* (logit_rows, n_vocab) */
     int logit_rows;     /* max_batch; grown on demand for prompt logprobs (a row per token) */
     dc_threads threads; /* each step's compute threads (decode[].adaptive_threads) */
+    td_coreshare *cores; /* decode[].share_cores: each step claims the host's cores, or NULL */
 } dc_leader;
 
 /* The leader's control plane. Owner dc_serve.c (dc_serve_init/fini; the inbox, the sink). */
@@ -165,7 +169,7 @@ typedef struct {
     int64_t ns_pass, ns_handoff, ns_io_over;
 } dc_overlap;
 
-/* The leader's step figures (logged at the stop; Health 25-26). Owner dc_node.c (the step
+/* The leader's step figures (logged at the stop; Health 25-26). Owner dc_loop.c (the step
  * and the serving loops). Plain values: zero at the start, nothing to free. */
 typedef struct {
     uint64_t step;
@@ -284,6 +288,25 @@ int dc_tier_flush(dc_node *n, uint64_t step);
 /* Any rank, after a DC_PLAN_COPY plan in disaggregated mode: a one-float allreduce, so the
  * leader knows every rank's copies are done (0 in colocated mode, which needs none). */
 int dc_tier_copy_barrier(dc_node *n);
+
+/* dc_node.c, for the serving loop (dc_loop.c):
+ *   dc_node_use_threads: the CPU pool's threads for the next forward pass (0: as configured;
+ *     dc_threads.h), any rank;
+ *   dc_node_grow_logits: room for rows logit rows (more than one per request only for prompt
+ *     logprobs);
+ *   dc_node_step_failed: a step failed with rc: why, for its requests' error events;
+ *   dc_node_stop_now: after SIGTERM, whether the serving loop ends now; with
+ *     decode[].drain_timeout_ms the instance first leaves (Health.draining) while the requests
+ *     in flight finish, for up to that long. */
+void dc_node_use_threads(dc_node *n, int threads);
+int dc_node_grow_logits(dc_node *n, int rows);
+void dc_node_step_failed(dc_node *n, int rc);
+bool dc_node_stop_now(dc_node *n);
+
+/* dc_loop.c. SERVING until the stop (0), a failure of the instance (a rank died or is
+ * silent, a step failed: the caller re-forms), or, with *fatal, a failure of the control
+ * server; no pass in flight and no event held when it returns. */
+int dc_loop_serve(dc_node *n, bool *fatal);
 
 /* dc_report.c. The leader's figures at exit into its log (leader_stop): what the decode
  * benchmarks and tests read (steps, collectives, threads, speculation, phases, transfers). */

@@ -70,6 +70,13 @@ void dc_report_log(const dc_node *n)
         TD_LOG_INFO("decode %s: steps by compute threads (decode[].adaptive_threads) %s",
                     n->p->instance, buf);
     }
+    if (n->leader.cores) {
+        td_coreshare_stats cs = td_coreshare_get_stats(n->leader.cores);
+        TD_LOG_INFO("decode %s: shared cores (decode[].share_cores): %llu steps claimed them for "
+                    "%.1f s; %llu waited first for the prefill stages' share, %.1f s in all",
+                    n->p->instance, (unsigned long long)cs.steps, cs.claimed_ms / 1e3,
+                    (unsigned long long)cs.waits, cs.wait_ms / 1e3);
+    }
     if (st.spec_drafts)
         TD_LOG_INFO("decode %s: speculation: %llu verifications, %llu proposed tokens, %llu "
                     "accepted (%.1f%%), %.2f tokens per verification; step cost model: %.2f ms "

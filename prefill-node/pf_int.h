@@ -30,6 +30,7 @@
 #include "pf_shard.h"
 #include "pf_wire.h"
 #include "sampler.h"
+#include "td_coreshare.h"
 
 /* A request as one stage sees it. */
 typedef struct pf_req {
@@ -115,6 +116,9 @@ typedef struct {
     double slow_chunk_ms;   /* recent longest chunk compute (decays) */
     double last_forward_ms; /* the last chunk's forward pass alone (no waits: the cost model's
                                refit learns from it, pf_chunking_observe) */
+    /* decode[].share_cores: the CPU pool's gate on the decode instances of this host that
+     * share its cores (td_coreshare.h), or NULL */
+    td_coreshare_gate *cores;
 } pf_stage;
 
 /* pf_stage.c */

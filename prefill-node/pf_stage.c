@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_backend.h"
 #include "pf_int.h"
 #include "td_clock.h"
 #include "td_err.h"
@@ -78,6 +79,34 @@ static int open_grammar(pf_stage *st)
     return rc;
 }
 
+/* decode[].share_cores: pause this stage's compute while a decode step on its host runs
+ * (common/td_coreshare.h). Hosts match by their YAML strings. CPU backends only. */
+static int open_core_gate(pf_stage *st)
+{
+    const td_cfg *cfg = st->p->cfg;
+    const char *host = st->cfg->hosts[st->stage];
+    kn_cpu *c = kn_cpu_of(st->shard.rt.be);
+    char(*names)[96] = calloc((size_t)cfg->n_decode, sizeof *names);
+    const char **list = calloc((size_t)cfg->n_decode, sizeof *list);
+    int n = 0, rc = names && list ? 0 : TD_ENOMEM;
+    for (int i = 0; !rc && i < cfg->n_decode; i++) {
+        const td_cfg_decode *d = &cfg->decode[i];
+        if (!d->share_cores || strcmp(d->host, host)) continue;
+        td_coreshare_name(d->port, names[n], sizeof names[n]);
+        list[n] = names[n];
+        n++;
+    }
+    if (!rc && n > 0 && c && !(rc = td_coreshare_gate_create(list, n, &st->cores))) {
+        kn_pool_set_gate(kn_cpu_pool(c), td_coreshare_gate_wait, st->cores);
+        TD_LOG_INFO("prefill %s stage %d: shares its cores with %d decode instance%s of host %s "
+                    "(decode[].share_cores): its compute pauses while their steps run",
+                    st->p->instance, st->stage, n, n > 1 ? "s" : "", host);
+    }
+    free(names);
+    free(list);
+    return rc;
+}
+
 int pf_stage_setup(pf_stage *st)
 {
     const td_cfg *cfg = st->p->cfg;
@@ -128,6 +157,7 @@ int pf_stage_setup(pf_stage *st)
         if (!st->logits || !st->lrows) return TD_ENOMEM;
     }
     if ((rc = open_chain(st))) return rc;
+    if ((rc = open_core_gate(st))) return rc;
     const kn_kv_pool *kv = st->shard.kv;
     TD_LOG_INFO("prefill %s stage %d/%d: layers [%d, %d), %d threads, KV %d blocks of %d (%s, "
                 "%d of them for the prefix cache, %d head slice%s), chunks up to %d tokens",
@@ -178,6 +208,12 @@ void pf_stage_teardown(pf_stage *st)
     gr_vocab_destroy(st->gvocab);
     pf_lp_drop_all(st);
     pf_shard_close(&st->shard);
+    if (st->cores) { /* after the pool that calls it */
+        td_coreshare_gate_stats cs = td_coreshare_gate_get_stats(st->cores);
+        TD_LOG_INFO("prefill %s stage %d: paused %llu times for decode steps, %.1f s in all",
+                    st->p->instance, st->stage, (unsigned long long)cs.parks, cs.parked_ms / 1e3);
+        td_coreshare_gate_destroy(st->cores);
+    }
 }
 
 void pf_stage_leave_chain(pf_stage *st, int err)
@@ -759,10 +795,20 @@ int pf_stage_chunk(pf_stage *st, pf_seg *segs, int n_segs, const int32_t *ids_in
         if (!sb) return TD_EIO;
         out = (float *)(sb->buf + pf_wire_chunk_payload_off(segs, n_segs, bt.rows));
     }
+    double parked0 = 0;
+    if (st->cores) {
+        td_coreshare_gate_begin(st->cores); /* counted computing; a decode that (re)started */
+        parked0 = td_coreshare_gate_get_stats(st->cores).parked_ms;
+    }
     int64_t t0 = td_now_ms(), t0_ns = td_now_ns();
     forward(st, &bt, embd, out);
     int64_t t1 = td_now_ms(), t1_ns = td_now_ns();
     st->last_forward_ms = (double)(t1_ns - t0_ns) * 1e-6;
+    /* the cost model learns the compute, not the pauses for decode steps */
+    if (st->cores) {
+        td_coreshare_gate_end(st->cores);
+        st->last_forward_ms -= td_coreshare_gate_get_stats(st->cores).parked_ms - parked0;
+    }
     record_compute(st, &bt, t0, t1, t1_ns);
     if (st->last) sample_first_tokens(st, &bt);
     for (int i = 0; i < n_segs; i++)

@@ -15,7 +15,9 @@ endforeach()
 #   blockhash    block ids for prefix caching (td_blockhash.c): chaining, order, pinned values
 #   args         the server binaries' command-line parser (td_args.c)
 #   grow         growable arrays (td_grow.c)
-foreach(t clock_stats blockhash args grow)
+#   coreshare    cores shared by time between decode steps and prefill stages (td_coreshare.c),
+#                a forked process as the other side
+foreach(t clock_stats blockhash args grow coreshare)
   add_executable(test_${t} common/test_${t}.c)
   target_include_directories(test_${t} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
   target_link_libraries(test_${t} PRIVATE td_common)

@@ -62,6 +62,8 @@ struct kn_pool {
     atomic_int caller_waits; /* the caller blocked (or about to block) on pending */
     atomic_bool stop;
     atomic_int limit;    /* kn_pool_set_limit: most threads a run uses (0: n_threads) */
+    kn_pool_gate_fn gate; /* kn_pool_set_gate: called by the caller before each run, or NULL */
+    void *gate_ctx;
     bool profile;        /* TANDEM_CPU_PROFILE: keep stats */
     kn_pool_stats stats; /* caller-side only */
 };
@@ -205,6 +207,12 @@ void kn_pool_set_limit(kn_pool *p, int n)
                           memory_order_relaxed);
 }
 
+void kn_pool_set_gate(kn_pool *p, kn_pool_gate_fn gate, void *ctx)
+{
+    p->gate = gate;
+    p->gate_ctx = ctx;
+}
+
 int kn_pool_limit(const kn_pool *p)
 {
     int n = atomic_load_explicit(&p->limit, memory_order_relaxed);
@@ -257,6 +265,7 @@ static void caller_wait(kn_pool *p)
 void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, void *arg)
 {
     if (n <= 0) return;
+    if (p->gate) p->gate(p->gate_ctx);
     if (min_per_thread < 1) min_per_thread = 1;
     int64_t want = n / min_per_thread;
     int most = atomic_load_explicit(&p->limit, memory_order_relaxed);

@@ -49,6 +49,14 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
 void kn_pool_set_limit(kn_pool *p, int n);
 int kn_pool_limit(const kn_pool *p);
 
+/* A gate the caller passes at the start of every run (n > 0), before any thread takes part:
+ * gate(ctx) may block, so the process's compute pauses between two ops (a prefill stage
+ * waiting while a decode step beside it holds the cores: common/td_coreshare.h). NULL: none.
+ * Set before the runs it should see, from the thread that calls kn_pool_run (or before that
+ * thread starts); not thread-safe against a run in progress. */
+typedef void (*kn_pool_gate_fn)(void *ctx);
+void kn_pool_set_gate(kn_pool *p, kn_pool_gate_fn gate, void *ctx);
+
 /* Counters for profiling, kept only when TANDEM_CPU_PROFILE is set (non-empty, not "0") at
  * kn_pool_create; all zero otherwise. With it set, kn_pool_destroy prints them to stderr. */
 typedef struct {

@@ -27,6 +27,9 @@ Cases (--case NAME runs one):
            temperature-1.0 json_schema outputs (prompts of one chunk and of several)
            validate, the first token (the last prefill stage's) obeys the mask against a
            logit_bias of +100 (grammar_many: ten seeded outputs, and json_object parses);
+  share    decode[].share_cores (pp 2 -> tp 2, itl_target_ms 20): prompts of several chunks,
+           each prefilled while the earlier ones decode, give `tandem generate`'s output; the
+           stages paused for the decode's steps and the steps claimed the cores (exit logs);
   stalled  prefill stage 0 stopped (SIGSTOP) after taking a prompt, so its KV never comes:
            the decode side's deadline ends the request with an error, nothing leaks, and
            after SIGCONT the cluster serves again.
@@ -303,6 +306,64 @@ def case_default(args):
                               f"MiB) per request {got}")
 
 
+def stream_complete(c, prompt, n, out, first):
+    """A streamed greedy completion: its text into out["text"]; first is set at the first
+    token (the prompt's prefill is over)."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    try:
+        h = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=300)
+        h.request("POST", "/v1/completions", json.dumps(body).encode(),
+                  {"Content-Type": "application/json"})
+        r = h.getresponse()
+        text = ""
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text += json.loads(line[6:]).get("choices", [{}])[0].get("text") or ""
+            first.set()
+        out["text"] = text
+        h.close()
+    finally:
+        first.set()
+
+
+def case_share(args):
+    """Each prompt (several chunks) is sent once the one before has its first token, so the
+    stages prefill it alone (rows batched with another prompt's round differently) while the
+    earlier ones decode: the stages' compute and the steps meet, and every output must still
+    be `tandem generate`'s."""
+    model = os.path.join(args.synth_dir, "llama.gguf")
+    prompts = [text(120 + 5 * i) for i in range(5)] + [text(20)]
+    want = expect(args, model, prompts, 48)
+    dc = {"tp": 2, "share_cores": True, "itl_target_ms": 20}
+    with Cluster(args, model, [{"pp": 2, "chunk": 64}], [dc]) as c:
+        outs = [{} for _ in prompts]
+        ths = []
+        for p, o in zip(prompts, outs):
+            first = threading.Event()
+            ths.append(threading.Thread(target=stream_complete, args=(c, p, 48, o, first)))
+            ths[-1].start()
+            first.wait(300)
+        for t in ths:
+            t.join()
+        same = sum(1 for o, w in zip(outs, want) if o.get("text") == w)
+        check(same == len(prompts), f"share: {same}/{len(prompts)} outputs of overlapping "
+                                    f"requests equal to generate")
+        idle(c, "share")
+        codes = c.stop()
+        check(all(v == 0 for v in codes.values()), f"share: every process exits 0 ({codes})")
+        m = re.search(r"shared cores \(decode\[\]\.share_cores\): (\d+) steps claimed them .*; "
+                      r"(\d+) waited", c.log("d0r0"))
+        paused = [re.search(r"paused (\d+) times for decode steps", c.log(f"p0s{s}"))
+                  for s in range(2)]
+        check(m is not None and int(m.group(1)) > 0,
+              f"share: the decode's steps claimed the cores ({m.group(0) if m else None})")
+        n_paused = [int(p.group(1)) if p else None for p in paused]
+        check(None not in n_paused and sum(n_paused) > 0,
+              f"share: the stages paused for the steps (times per stage {n_paused})")
+
+
 def background_complete(c, prompt, n, out):
     t0 = time.time()
     out["status"], out["body"] = c.complete(prompt, n)
@@ -561,7 +622,8 @@ def grammar_first_token(c, cl, mid, rf):
 
 
 CASES = {"synth": case_synth, "moe": case_moe, "default": case_default, "retry": case_retry,
-         "decode_dies": case_decode_dies, "stalled": case_stalled, "logprobs": case_logprobs,
+         "decode_dies": case_decode_dies, "stalled": case_stalled, "share": case_share,
+         "logprobs": case_logprobs,
          "grammar": case_grammar, "logprobs_default": case_logprobs_default,
          "grammar_many": lambda args: case_grammar(args, samples=10, many=True)}
 
@@ -584,7 +646,7 @@ def main():
     for name, fn in CASES.items():
         if (wanted and name not in wanted) or name in skipped:
             continue
-        if name not in ("synth", "moe", "logprobs") and not (args.model and
+        if name not in ("synth", "moe", "logprobs", "share") and not (args.model and
                                                              os.path.exists(args.model)):
             print(f"skip {name}: no default model")
             continue

@@ -1,0 +1,287 @@
+/* test_coreshare.c: common/td_coreshare (cores shared by time between a decode instance's
+ * steps and the prefill stages beside it), with a real second process as the stage (or the
+ * decode): a stage's ops do not run while a step holds the cores and resume at its release;
+ * the next claim leaves the stages their share (the period's rest, at least a quarter of the
+ * step), and none when they are idle; a claim of a decode that died pauses no one after
+ * TD_CORESHARE_STALE_MS, nor does a stage that died in its forward; a stage notices a
+ * re-created segment (a restarted decode). Bounds on
+ * how late something happens are loose (a loaded 2-core machine); the guarantees (nothing ran
+ * inside a claim, a share was left) are exact. */
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "td_clock.h"
+#include "td_coreshare.h"
+#include "tharness.h"
+
+#define MS      1000000ll
+#define MAX_OPS 200000
+
+/* What the stage process reports (an anonymous shared mapping). */
+typedef struct {
+    _Atomic int run;   /* 1: keep doing ops; 0: idle (no gate calls); -1: exit */
+    _Atomic int n_ops; /* ops done */
+    _Atomic int ready; /* the stage process is attached and looping */
+    _Atomic uint64_t parks;
+    int64_t op_ns[MAX_OPS]; /* when each op started (after its gate) */
+} shared;
+
+static shared *sh;
+static char seg_name[96];
+
+static void spin_ns(int64_t ns)
+{
+    int64_t t = td_now_ns();
+    while (td_now_ns() - t < ns) {
+    }
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+/* The stage: "forwards" of 5 ms of ops (gate, then 0.2 ms of work), begun and ended as the
+ * prefill stage does, over and over; none while told to idle. */
+static void stage_main(void)
+{
+    const char *names[] = {seg_name};
+    td_coreshare_gate *g;
+    if (td_coreshare_gate_create(names, 1, &g)) _exit(2);
+    atomic_store(&sh->ready, 1);
+    int64_t fwd_start = 0;
+    for (;;) {
+        int run = atomic_load(&sh->run);
+        if (run < 0) break;
+        if (run == 0) {
+            td_coreshare_gate_end(g);
+            fwd_start = 0;
+            sleep_ms(1);
+            continue;
+        }
+        if (td_now_ns() - fwd_start > 5 * MS) { /* the next forward */
+            td_coreshare_gate_end(g);
+            td_coreshare_gate_begin(g);
+            fwd_start = td_now_ns();
+        }
+        td_coreshare_gate_wait(g);
+        int i = atomic_load(&sh->n_ops);
+        if (i < MAX_OPS) {
+            sh->op_ns[i] = td_now_ns();
+            atomic_store(&sh->n_ops, i + 1);
+        }
+        spin_ns(MS / 5);
+        atomic_store(&sh->parks, td_coreshare_gate_get_stats(g).parks);
+    }
+    td_coreshare_gate_end(g);
+    td_coreshare_gate_destroy(g);
+    _exit(0);
+}
+
+static pid_t start_stage(void)
+{
+    atomic_store(&sh->ready, 0);
+    atomic_store(&sh->run, 1);
+    pid_t pid = fork();
+    if (pid == 0) stage_main();
+    while (!atomic_load(&sh->ready))
+        sleep_ms(1);
+    return pid;
+}
+
+static void stop_stage(pid_t pid)
+{
+    atomic_store(&sh->run, -1);
+    int st;
+    TH_CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+/* ops started in [a, b) */
+static int ops_between(int64_t a, int64_t b)
+{
+    int n = atomic_load(&sh->n_ops), c = 0;
+    for (int i = 0; i < n; i++)
+        c += sh->op_ns[i] >= a && sh->op_ns[i] < b;
+    return c;
+}
+
+/* Wait (up to 5 s) until the stage did an op after t: it runs. */
+static bool ran_after(int64_t t)
+{
+    for (int i = 0; i < 5000; i++) {
+        int n = atomic_load(&sh->n_ops);
+        if (n > 0 && sh->op_ns[n - 1] > t) return true;
+        sleep_ms(1);
+    }
+    return false;
+}
+
+static void test_name(void)
+{
+    char a[96], b[96];
+    td_coreshare_name(9000, a, sizeof a);
+    td_coreshare_name(9001, b, sizeof b);
+    TH_CHECK(a[0] == '/' && strstr(a, "9000") && strcmp(a, b) != 0);
+}
+
+/* A claim pauses the stage's ops; the release resumes them. The stage attached before the
+ * decode existed (a later forward finds the segment). */
+static void test_pause(void)
+{
+    atomic_store(&sh->n_ops, 0);
+    pid_t pid = start_stage();
+    TH_CHECK(ran_after(td_now_ns())); /* no segment yet: the gate never waits */
+    td_coreshare *cs;
+    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    sleep_ms(20); /* the stage's next forward attaches */
+    for (int round = 0; round < 3; round++) {
+        td_coreshare_claim(cs);
+        int64_t t_claim = td_now_ns();
+        sleep_ms(60);
+        int64_t t_release = td_now_ns();
+        td_coreshare_release(cs, 0);
+        /* an op already past its gate may still start right at the claim (it began 0.2 ms
+         * before); none later */
+        TH_CHECKF(ops_between(t_claim + MS, t_release) == 0, "round %d: %d ops inside the claim",
+                  round, ops_between(t_claim + MS, t_release));
+        TH_CHECK(ran_after(t_release));
+    }
+    TH_CHECK(atomic_load(&sh->parks) >= 3);
+    stop_stage(pid);
+    td_coreshare_destroy(cs);
+}
+
+/* The share after a step: period 0 -> as long as the step; period 100 ms after a 40 ms step
+ * -> 60 ms; period 10 ms -> a quarter of the step (10 ms). With idle stages: no wait. */
+static void test_share(void)
+{
+    atomic_store(&sh->n_ops, 0);
+    td_coreshare *cs;
+    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    pid_t pid = start_stage();
+    sleep_ms(20);
+    struct {
+        double period, expect_ms;
+    } cases[] = {{0, 40}, {100, 60}, {10, 10}};
+    for (int i = 0; i < 3; i++) {
+        td_coreshare_claim(cs);
+        sleep_ms(40);
+        td_coreshare_release(cs, cases[i].period);
+        int64_t t0 = td_now_ns();
+        td_coreshare_claim(cs); /* the stage wants the cores: it gets its share first */
+        double waited = (double)(td_now_ns() - t0) / 1e6;
+        td_coreshare_release(cs, 0);
+        TH_CHECKF(waited >= cases[i].expect_ms - 1 && waited <= cases[i].expect_ms + 500,
+                  "period %.0f: waited %.1f ms, expected %.0f", cases[i].period, waited,
+                  cases[i].expect_ms);
+        sleep_ms(50);
+    }
+    /* the stage idle (no gate calls since before the last claim): the next waits for no one */
+    atomic_store(&sh->run, 0);
+    sleep_ms(20);
+    td_coreshare_claim(cs);
+    sleep_ms(40);
+    td_coreshare_release(cs, 0); /* a share of 40 ms, were the stage asking */
+    td_coreshare_stats before = td_coreshare_get_stats(cs);
+    td_coreshare_claim(cs);
+    td_coreshare_release(cs, 0);
+    td_coreshare_stats after = td_coreshare_get_stats(cs);
+    TH_CHECK(after.waits == before.waits && after.steps == before.steps + 1);
+    TH_CHECK(after.steps == 8 && after.waits == 3);
+    stop_stage(pid);
+    td_coreshare_destroy(cs);
+}
+
+/* A decode that dies holding the claim: the stage resumes after TD_CORESHARE_STALE_MS. Then
+ * a decode re-created under the same name pauses the stage again (a new inode, found at the next
+ * forward). */
+static void test_stale_and_restart(void)
+{
+    atomic_store(&sh->n_ops, 0);
+    pid_t pid = start_stage();
+    pid_t dec = fork();
+    if (dec == 0) {
+        td_coreshare *cs;
+        if (td_coreshare_create(seg_name, &cs)) _exit(2);
+        sleep_ms(30);
+        td_coreshare_claim(cs);
+        _exit(0); /* dies in its step: no release, no unlink */
+    }
+    int st;
+    TH_CHECK(waitpid(dec, &st, 0) == dec && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    int64_t t_dead = td_now_ns();
+    sleep_ms(50);
+    int n_dead = ops_between(t_dead + 10 * MS, t_dead + 50 * MS);
+    TH_CHECKF(n_dead == 0, "%d ops while the dead decode's claim was fresh", n_dead);
+    TH_CHECK(ran_after(t_dead));
+    int64_t resumed = sh->op_ns[atomic_load(&sh->n_ops) - 1];
+    TH_CHECKF(resumed - t_dead >= (TD_CORESHARE_STALE_MS - 100) * MS,
+              "resumed %.0f ms after the claim", (double)(resumed - t_dead) / 1e6);
+    /* a restarted decode: unlink the dead one's segment (its name is reused), create anew */
+    td_coreshare *old;
+    TH_REQUIRE(td_coreshare_create(seg_name, &old) == 0);
+    td_coreshare_destroy(old); /* unlinks */
+    td_coreshare *cs;
+    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    sleep_ms(30); /* the stage's next forward maps the new segment */
+    td_coreshare_claim(cs);
+    int64_t t_claim = td_now_ns();
+    sleep_ms(50);
+    int64_t t_release = td_now_ns();
+    td_coreshare_release(cs, 0);
+    TH_CHECKF(ops_between(t_claim + MS, t_release) == 0, "%d ops inside the new decode's claim",
+              ops_between(t_claim + MS, t_release));
+    TH_CHECK(ran_after(t_release));
+    stop_stage(pid);
+    td_coreshare_destroy(cs);
+}
+
+/* A stage that died inside a forward (still counted computing, silent): after
+ * TD_CORESHARE_STALE_MS without a stamp the decode no longer leaves it a share. */
+static void test_dead_stage(void)
+{
+    td_coreshare *cs;
+    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        const char *names[] = {seg_name};
+        td_coreshare_gate *g;
+        if (td_coreshare_gate_create(names, 1, &g)) _exit(2);
+        td_coreshare_gate_begin(g);
+        _exit(0); /* dies in its forward: never uncounted, never stamps */
+    }
+    int st;
+    TH_CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    td_coreshare_claim(cs);
+    sleep_ms(40);
+    td_coreshare_release(cs, 100); /* a share of 60 ms, were a live stage asking */
+    int64_t t0 = td_now_ns();
+    td_coreshare_claim(cs);
+    double waited = (double)(td_now_ns() - t0) / 1e6;
+    td_coreshare_release(cs, 0);
+    TH_CHECKF(waited < 30, "waited %.1f ms for a dead stage", waited);
+    td_coreshare_destroy(cs);
+}
+
+int main(void)
+{
+    sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (sh == MAP_FAILED) return 1;
+    /* a name of its own per run: ports of real instances are below 65536 */
+    td_coreshare_name(100000 + (int)getpid(), seg_name, sizeof seg_name);
+    TH_RUN(test_name);
+    TH_RUN(test_pause);
+    TH_RUN(test_share);
+    TH_RUN(test_stale_and_restart);
+    TH_RUN(test_dead_stage);
+    shm_unlink(seg_name);
+    TH_EXIT();
+}
