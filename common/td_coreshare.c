@@ -100,7 +100,8 @@ int td_coreshare_create(const char *name, td_coreshare **out)
     /* a segment left by a decode that died keeps its inode: stages attached to it stay */
     atomic_store(&cs->s->claimed, 0);
     atomic_store(&cs->s->want_ns, 0);
-    atomic_store(&cs->s->busy, 0); /* stages attached to a dead decode's segment re-count */
+    /* busy stays: stages still attached to a dead decode's segment keep their counts (a new
+     * segment starts at zero); a count a dead stage left is ignored once it is silent */
     cs->s->magic = SEG_MAGIC;
     futex_wake_all(&cs->s->claimed);
     *out = cs;

@@ -334,7 +334,9 @@ def case_share(args):
     earlier ones decode: the stages' compute and the steps meet, and every output must still
     be `tandem generate`'s."""
     model = os.path.join(args.synth_dir, "llama.gguf")
-    prompts = [text(120 + 5 * i) for i in range(5)] + [text(20)]
+    # no two share a prefix: the stages compute each whole (no prefix-cache hits)
+    prompts = [" ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(120 + 5 * i))
+               for i in range(5)] + [text(20)]
     want = expect(args, model, prompts, 48)
     dc = {"tp": 2, "share_cores": True, "itl_target_ms": 20}
     with Cluster(args, model, [{"pp": 2, "chunk": 64}], [dc]) as c:
