@@ -124,6 +124,20 @@ static bool ran_after(int64_t t)
     return false;
 }
 
+/* Hold the cores ms milliseconds: no op of the stage starts inside the claim (one already
+ * past its gate may start right at it: it began 0.2 ms before), and it runs again after. */
+static void claim_pauses(td_coreshare *cs, int ms, const char *what)
+{
+    td_coreshare_claim(cs);
+    int64_t t_claim = td_now_ns();
+    sleep_ms(ms);
+    int64_t t_release = td_now_ns();
+    td_coreshare_release(cs, 0);
+    int inside = ops_between(t_claim + MS, t_release);
+    TH_CHECKF(inside == 0, "%d ops inside %s", inside, what);
+    TH_CHECK(ran_after(t_release));
+}
+
 static void test_name(void)
 {
     char a[96], b[96];
@@ -142,18 +156,8 @@ static void test_pause(void)
     td_coreshare *cs;
     TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
     sleep_ms(20); /* the stage's next forward attaches */
-    for (int round = 0; round < 3; round++) {
-        td_coreshare_claim(cs);
-        int64_t t_claim = td_now_ns();
-        sleep_ms(60);
-        int64_t t_release = td_now_ns();
-        td_coreshare_release(cs, 0);
-        /* an op already past its gate may still start right at the claim (it began 0.2 ms
-         * before); none later */
-        TH_CHECKF(ops_between(t_claim + MS, t_release) == 0, "round %d: %d ops inside the claim",
-                  round, ops_between(t_claim + MS, t_release));
-        TH_CHECK(ran_after(t_release));
-    }
+    for (int round = 0; round < 3; round++)
+        claim_pauses(cs, 60, "the claim");
     TH_CHECK(atomic_load(&sh->parks) >= 3);
     stop_stage(pid);
     td_coreshare_destroy(cs);
@@ -232,14 +236,7 @@ static void test_stale_and_restart(void)
     td_coreshare *cs;
     TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
     sleep_ms(30); /* the stage's next forward maps the new segment */
-    td_coreshare_claim(cs);
-    int64_t t_claim = td_now_ns();
-    sleep_ms(50);
-    int64_t t_release = td_now_ns();
-    td_coreshare_release(cs, 0);
-    TH_CHECKF(ops_between(t_claim + MS, t_release) == 0, "%d ops inside the new decode's claim",
-              ops_between(t_claim + MS, t_release));
-    TH_CHECK(ran_after(t_release));
+    claim_pauses(cs, 50, "the new decode's claim");
     stop_stage(pid);
     td_coreshare_destroy(cs);
 }
