@@ -12,6 +12,7 @@
 #define KN_CPU_CALLER KN_CPU_MAX_THREADS
 
 typedef struct kn_cpu_packed kn_cpu_packed;
+typedef struct kn_cpu_arena kn_cpu_arena;
 
 struct kn_cpu {
     kn_pool *pool;
@@ -19,14 +20,15 @@ struct kn_cpu {
     bool act_q8;  /* quantize x to 8 bits on the dot path (kn_cpu_set_act: KN_CPU_ACT_Q8) */
     bool act_q16; /* to 16 bits, 32-block weights' dot path only (KN_CPU_ACT_Q16); never
                      both */
-    bool fused;  /* the ops table carries the fused ops (TANDEM_CPU_FUSED) */
+    bool fused;   /* the ops table carries the fused ops (TANDEM_CPU_FUSED) */
     float *scratch[KN_CPU_MAX_THREADS + 1];     /* per-thread float scratch, grown on demand;
                                                    the last slot is KN_CPU_CALLER's */
     size_t scratch_cap[KN_CPU_MAX_THREADS + 1]; /* floats */
     /* the matrices map_matrix registered, and their packed copies (cpu_packed.c) */
     kn_cpu_packed *packed; /* open addressing on w->data, cap_packed a power of 2 */
     size_t n_packed, cap_packed, packed_bytes;
-    bool packed_oom; /* a packed copy could not be allocated (logged once) */
+    kn_cpu_arena *arenas; /* the copies' memory (cpu_packed.c), newest first */
+    bool packed_oom;      /* a packed copy could not be allocated (logged once) */
 };
 
 /* Up to cap of the matrices map_matrix registered, one per weight type, into out; returns
@@ -50,14 +52,14 @@ float *kn_cpu_scratch(kn_cpu *c, int tid, size_t n_floats);
 typedef struct {
     kn_cpu *c;
     const kn_mat *w;
-    const float *x;    /* (m, n_cols) */
-    const float *xsum; /* block sums of x, in the caller's side buffer, or NULL */
-    const void *xq;    /* x in 8 bits (q8 mode), in the side buffer, or NULL */
-    const void *xq16;  /* x in 16 bits (q16 mode), in the side buffer, or NULL */
+    const float *x;     /* (m, n_cols) */
+    const float *xsum;  /* block sums of x, in the caller's side buffer, or NULL */
+    const void *xq;     /* x in 8 bits (q8 mode), in the side buffer, or NULL */
+    const void *xq16;   /* x in 16 bits (q16 mode), in the side buffer, or NULL */
     const void *packed; /* W packed by the q8 mode (cpu_packed.c; the q16 dots read it too):
                            rows go through it */
     int64_t m;
-    float *y; /* (m, n_rows) */
+    float *y;  /* (m, n_rows) */
     int grain; /* kn_cpu_dot_rows takes row ranges on multiples of this (1, or the packed
                   copy's 16-row groups) */
 } kn_cpu_dot;

@@ -10,14 +10,29 @@
  * The copy is made on the first q8 or q16 product over the matrix (in the float32 mode it
  * would go unused), with the pool; it costs the matrix's own size once more (the default model:
  * 96.6 MB). An allocation that fails is logged once and that matrix packs per call.
+ * Memory: the copies lie end to end in arenas of transparent huge pages (an anonymous
+ * mapping sized for every registered matrix not packed yet, MADV_HUGEPAGE; touched only as
+ * copies are made). A batch-1 decode step streams every copy once: on 4 KiB pages that is a
+ * page walk per 4 KiB read, and the hardware prefetchers stop at each page's end.
+ * TANDEM_CPU_HUGEPAGES=0 leaves the pages to the kernel's default (for measurements).
  * Threading: the caller's thread only (kn_cpu's one-caller rule), outside pool jobs.
  */
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
 
 #include "cpu_backend.h"
 #include "cpu_internal.h"
 #include "cpu_q8act.h"
 #include "td_err.h"
+
+#define ARENA_ALIGN ((size_t)2 << 20) /* a huge page */
+
+struct kn_cpu_arena {
+    uint8_t *base;
+    size_t cap, used;
+    kn_cpu_arena *next;
+};
 
 struct kn_cpu_packed {
     kn_mat w;   /* as registered (data is the key) */
@@ -110,15 +125,60 @@ static void pack_part(void *arg, int64_t g0, int64_t g1, int tid)
     kn_q8_pack(j->w, j->copy, g0, g1);
 }
 
+static bool huge_pages_wanted(void)
+{
+    const char *env = getenv("TANDEM_CPU_HUGEPAGES");
+    return !(env && strcmp(env, "0") == 0);
+}
+
+/* bytes (a multiple of 64) for a copy: from the newest arena, or a new one sized for every
+ * registered matrix still unpacked (the first copy's arena holds the model's). NULL if no
+ * memory. */
+static void *arena_alloc(kn_cpu *c, size_t bytes)
+{
+    kn_cpu_arena *a = c->arenas;
+    if (!a || a->cap - a->used < bytes) {
+        size_t want = 0; /* the matrix asking is one of the untried */
+        for (size_t i = 0; i < c->cap_packed; i++) {
+            const kn_cpu_packed *e = &c->packed[i];
+            if (e->w.data && !e->tried) want += (kn_q8_packed_bytes(&e->w) + 63) & ~(size_t)63;
+        }
+        if (want < bytes) want = bytes;
+        want = (want + ARENA_ALIGN - 1) & ~(ARENA_ALIGN - 1);
+        a = calloc(1, sizeof *a);
+        if (!a) return NULL;
+        /* MAP_NORESERVE: pages are committed as copies fill them (some may never be made) */
+        void *p = mmap(NULL, want + ARENA_ALIGN, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) {
+            free(a);
+            return NULL;
+        }
+        /* the base on a huge page boundary, the slack before and after it returned */
+        uintptr_t u = (uintptr_t)p, b = (u + ARENA_ALIGN - 1) & ~(uintptr_t)(ARENA_ALIGN - 1);
+        if (b > u) munmap(p, b - u);
+        munmap((void *)(b + want), ARENA_ALIGN - (b - u));
+        a->base = (uint8_t *)b;
+        a->cap = want;
+        /* a hint: where the kernel has no huge pages the copies work on small ones */
+        if (huge_pages_wanted()) (void)madvise(a->base, a->cap, MADV_HUGEPAGE);
+        a->next = c->arenas;
+        c->arenas = a;
+    }
+    void *p = a->base + a->used;
+    a->used += bytes;
+    return p;
+}
+
 const void *kn_cpu_packed_of(kn_cpu *c, const kn_mat *w)
 {
     kn_cpu_packed *e = find(c, w);
     if (!e) return NULL;
     if (e->tried) return e->copy;
-    e->tried = true;
     const size_t bytes = kn_q8_packed_bytes(w);
+    void *copy = bytes ? arena_alloc(c, (bytes + 63) & ~(size_t)63) : NULL;
+    e->tried = true; /* after arena_alloc, which sizes a new arena by the untried ones */
     if (!bytes) return NULL;
-    void *copy = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!copy) {
         if (!c->packed_oom)
             TD_LOG_WARN("cpu backend: no memory for a packed copy of a weight matrix (%zu "
@@ -141,8 +201,12 @@ size_t kn_cpu_packed_bytes(const kn_cpu *c)
 
 void kn_cpu_packed_free(kn_cpu *c)
 {
-    for (size_t i = 0; i < c->cap_packed; i++)
-        free(c->packed[i].copy);
+    while (c->arenas) {
+        kn_cpu_arena *a = c->arenas;
+        c->arenas = a->next;
+        munmap(a->base, a->cap);
+        free(a);
+    }
     free(c->packed);
     c->packed = NULL;
     c->cap_packed = c->n_packed = c->packed_bytes = 0;
