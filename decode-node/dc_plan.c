@@ -7,6 +7,8 @@
  * The ranks of an instance share a host, so byte order is the host's. */
 #include "dc_plan.h"
 
+#include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -198,23 +200,23 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
 }
 
 /* The step cost model. Features are scaled to about 1 for a typical step so that one prior
- * variance suits every coefficient: decode rows / 8, prefill tokens / 128, attention pairs
- * / 65536, verification rows / 8. */
-static const double FEAT_SCALE[DC_COST_N] = {1, 8, 128, 65536, 8};
-#define COST_FORGET 0.98 /* per step: the fit looks back about 50 steps */
-#define COST_P0     1e4  /* prior variance of a coefficient (ms^2): weak, data wins fast */
-#define COST_P_MAX  1e5  /* trace of P above which forgetting pauses (no windup while a */
-                         /* feature is absent for many steps, e.g. decode-only stretches) */
-#define COST_CLIP   5.0  /* residuals beyond this many mean absolute residuals are clipped */
-#define COST_GFLOPS 50.0 /* the start's assumed rate (GFLOP/s): conservative for a CPU */
+ * weight suits every coefficient: solo rows / 8, prefill tokens / 128, attention pairs
+ * / 65536, draft passes / 4. */
+static const double FEAT_SCALE[DC_COST_N] = {1, 8, 128, 65536, 4};
+#define COST_FORGET  0.98 /* per step: the fit looks back about 50 steps */
+#define COST_PRIOR_W 0.05 /* the start's weight, in steps: the data win at once where they */
+                          /* determine a coefficient */
+#define COST_CLIP   5.0   /* residuals beyond this many mean absolute residuals, and beyond */
+#define COST_CLIP_R 0.5   /* this share of the prediction, are clipped */
+#define COST_GFLOPS 50.0  /* the start's assumed rate (GFLOP/s): conservative for a CPU */
 
 static void features(const dc_step_shape *s, double x[DC_COST_N])
 {
     x[0] = 1;
-    x[1] = s->n_decode / FEAT_SCALE[1];
+    x[1] = (s->n_decode + s->n_draft) / FEAT_SCALE[1];
     x[2] = s->n_prefill / FEAT_SCALE[2];
     x[3] = s->attn / FEAT_SCALE[3];
-    x[4] = s->n_draft / FEAT_SCALE[4];
+    x[4] = s->n_pass / FEAT_SCALE[4];
 }
 
 void dc_cost_init(dc_cost *c, const kn_hparams *hp)
@@ -229,23 +231,19 @@ void dc_cost_init(dc_cost *c, const kn_hparams *hp)
     double flops_tok = 2.0 * (hp->n_layer * (2 * d * qd + 2 * d * kvd) + 3 * d * ffn);
     double flops_pair = 4.0 * hp->n_layer * qd; /* q.k and p.v per (row, position) */
     double ms_per_flop = 1e3 / (COST_GFLOPS * 1e9);
-    c->theta[0] = 1.0;
-    c->theta[1] = 2 * flops_tok * ms_per_flop * FEAT_SCALE[1]; /* plus a logit row each */
-    c->theta[2] = flops_tok * ms_per_flop * FEAT_SCALE[2];
-    c->theta[3] = flops_pair * ms_per_flop * FEAT_SCALE[3];
-    /* a verification row is a solo row beside its decode row: the weights it multiplies are
-     * read for the decode row already, so it costs arithmetic, not memory. Started low on
-     * purpose (a quarter of a prefill token): the first steps that verify measure it, and
-     * a start too high would keep speculation from ever being tried. */
-    c->theta[4] = 0.25 * flops_tok * ms_per_flop * FEAT_SCALE[4];
-    for (int i = 0; i < DC_COST_N; i++)
-        c->P[i][i] = COST_P0;
-}
-
-/* Coefficients as used: never negative (a noisy fit must not make work look free). */
-static double coef(const dc_cost *c, int i)
-{
-    return c->theta[i] > 0 ? c->theta[i] : 0;
+    c->prior[0] = 1.0;
+    /* a solo row beside others reads weights that are read for them already: it costs
+     * arithmetic, not memory (a one-row step's weight read lands in the intercept). Started
+     * low on purpose (a quarter of a prefill token): while every step has one row the steps
+     * cannot tell the two apart, and a start too high would keep speculation from ever being
+     * tried, hence never measured */
+    c->prior[1] = 0.25 * flops_tok * ms_per_flop * FEAT_SCALE[1];
+    c->prior[2] = flops_tok * ms_per_flop * FEAT_SCALE[2];
+    c->prior[3] = flops_pair * ms_per_flop * FEAT_SCALE[3];
+    /* the draft model is not known here: its passes start free, so it is tried, and the
+     * steps that use it measure it */
+    c->prior[4] = 0;
+    memcpy(c->theta, c->prior, sizeof c->theta);
 }
 
 double dc_cost_predict(const dc_cost *c, const dc_step_shape *s)
@@ -253,38 +251,95 @@ double dc_cost_predict(const dc_cost *c, const dc_step_shape *s)
     double x[DC_COST_N], t = 0;
     features(s, x);
     for (int i = 0; i < DC_COST_N; i++)
-        t += coef(c, i) * x[i];
+        t += c->theta[i] * x[i];
     return t;
+}
+
+/* Solve M[F][F] th[F] = v[F] for the coefficients in mask F (the rest 0) by Gaussian
+ * elimination with partial pivoting; false if singular. */
+static bool solve_subset(const double M[DC_COST_N][DC_COST_N], const double v[DC_COST_N],
+                         unsigned mask, double th[DC_COST_N])
+{
+    int idx[DC_COST_N], n = 0;
+    for (int i = 0; i < DC_COST_N; i++)
+        if (mask >> i & 1) idx[n++] = i;
+    double a[DC_COST_N][DC_COST_N + 1];
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < n; j++)
+            a[i][j] = M[idx[i]][idx[j]];
+        a[i][n] = v[idx[i]];
+    }
+    for (int k = 0; k < n; k++) {
+        int piv = k;
+        for (int i = k + 1; i < n; i++)
+            if (fabs(a[i][k]) > fabs(a[piv][k])) piv = i;
+        if (!(fabs(a[piv][k]) > 1e-300)) return false;
+        for (int j = 0; j <= n; j++) {
+            double t = a[k][j];
+            a[k][j] = a[piv][j];
+            a[piv][j] = t;
+        }
+        for (int i = k + 1; i < n; i++) {
+            double f = a[i][k] / a[k][k];
+            for (int j = k; j <= n; j++)
+                a[i][j] -= f * a[k][j];
+        }
+    }
+    memset(th, 0, sizeof(double) * DC_COST_N);
+    for (int k = n - 1; k >= 0; k--) {
+        double t = a[k][n];
+        for (int j = k + 1; j < n; j++)
+            t -= a[k][j] * th[idx[j]];
+        th[idx[k]] = t / a[k][k];
+    }
+    return true;
+}
+
+/* The non-negative minimiser of th^T M th - 2 th^T v (M positive definite: the prior's weight
+ * is on its diagonal). It is the unconstrained minimiser over its own set of positive
+ * coefficients, so with this few coefficients trying every set and keeping the best feasible one
+ * is exact, and cheap beside a step (32 systems of at most 5 unknowns). */
+static void solve_nonneg(const double M[DC_COST_N][DC_COST_N], const double v[DC_COST_N],
+                         double out[DC_COST_N])
+{
+    double best = 0, th[DC_COST_N];
+    memset(out, 0, sizeof(double) * DC_COST_N); /* the empty set: objective 0 */
+    for (unsigned mask = 1; mask < 1u << DC_COST_N; mask++) {
+        if (!solve_subset(M, v, mask, th)) continue;
+        bool ok = true;
+        double obj = 0; /* at the subset's minimiser th^T M th = th^T v */
+        for (int i = 0; i < DC_COST_N; i++) {
+            ok = ok && th[i] >= 0;
+            obj -= th[i] * v[i];
+        }
+        if (ok && obj < best) {
+            best = obj;
+            memcpy(out, th, sizeof th);
+        }
+    }
 }
 
 void dc_cost_observe(dc_cost *c, const dc_step_shape *s, double ms)
 {
     if (!(ms > 0)) return;
-    double x[DC_COST_N], px[DC_COST_N], xpx = 0, e = ms;
+    double x[DC_COST_N], pred = dc_cost_predict(c, s), e = ms - pred;
     features(s, x);
-    for (int i = 0; i < DC_COST_N; i++)
-        e -= c->theta[i] * x[i];
+    /* a step far off the fit (the host stalled the process, a page fault storm) moves it by
+     * a clipped amount; a real change of regime gets there over a few steps */
     double lim = COST_CLIP * (c->err_ms > 0.5 ? c->err_ms : 0.5);
+    if (lim < COST_CLIP_R * pred) lim = COST_CLIP_R * pred;
     if (c->n_obs >= 16 && (e > lim || e < -lim)) e = e > 0 ? lim : -lim;
     c->err_ms += ((e < 0 ? -e : e) - c->err_ms) * (c->n_obs < 16 ? 0.25 : 0.05);
+    double M[DC_COST_N][DC_COST_N], v[DC_COST_N];
     for (int i = 0; i < DC_COST_N; i++) {
-        px[i] = 0;
-        for (int j = 0; j < DC_COST_N; j++)
-            px[i] += c->P[i][j] * x[j];
-        xpx += x[i] * px[i];
+        c->b[i] = COST_FORGET * c->b[i] + x[i] * (pred + e);
+        for (int j = 0; j < DC_COST_N; j++) {
+            c->A[i][j] = COST_FORGET * c->A[i][j] + x[i] * x[j];
+            M[i][j] = c->A[i][j] + (i == j ? COST_PRIOR_W : 0);
+        }
+        v[i] = c->b[i] + COST_PRIOR_W * c->prior[i];
     }
-    double trace = 0, den = COST_FORGET + xpx;
-    for (int i = 0; i < DC_COST_N; i++)
-        c->theta[i] += px[i] / den * e;
-    for (int i = 0; i < DC_COST_N; i++)
-        for (int j = 0; j < DC_COST_N; j++)
-            c->P[i][j] -= px[i] * px[j] / den;
-    for (int i = 0; i < DC_COST_N; i++)
-        trace += c->P[i][i];
-    if (trace < COST_P_MAX)
-        for (int i = 0; i < DC_COST_N; i++)
-            for (int j = 0; j < DC_COST_N; j++)
-                c->P[i][j] /= COST_FORGET;
+    solve_nonneg(M, v, c->theta);
     c->n_obs++;
 }
 
@@ -296,13 +351,18 @@ double dc_cost_chunk_attn(int32_t pos0, int32_t n)
 
 double dc_cost_chunk_ms(const dc_cost *c, int32_t pos0, int32_t n)
 {
-    return coef(c, 2) * n / FEAT_SCALE[2] +
-           coef(c, 3) * dc_cost_chunk_attn(pos0, n) / FEAT_SCALE[3];
+    return c->theta[2] * n / FEAT_SCALE[2] +
+           c->theta[3] * dc_cost_chunk_attn(pos0, n) / FEAT_SCALE[3];
 }
 
 double dc_cost_draft_ms(const dc_cost *c, int32_t pos)
 {
-    return coef(c, 4) / FEAT_SCALE[4] + coef(c, 3) * ((double)pos + 1) / FEAT_SCALE[3];
+    return c->theta[1] / FEAT_SCALE[1] + c->theta[3] * ((double)pos + 1) / FEAT_SCALE[3];
+}
+
+double dc_cost_pass_ms(const dc_cost *c)
+{
+    return c->theta[4] / FEAT_SCALE[4];
 }
 
 int32_t dc_cost_fit_chunk(const dc_cost *c, double ms_left, int32_t pos0, int32_t max_n)

@@ -64,21 +64,31 @@ typedef struct {
     int n_prefill; /* prefill tokens (rows of chunks) */
     double attn;   /* attention work: (query row, context position) pairs over all rows */
     int n_draft;   /* verification rows: proposed tokens after decode rows (dc_spec.h) */
+    int n_pass;    /* a draft model's forward passes for the step's proposals (one per
+                      proposal depth, the deepest request's take; 0: prompt lookup) */
 } dc_step_shape;
 
 enum { DC_COST_N = 5 }; /* the cost model's coefficients */
 
-/* The step cost model: t = c0 + c1 * decode rows + c2 * prefill tokens + c3 * attention
- * pairs + c4 * verification rows (milliseconds), the coefficients fitted by recursive least squares
- * with forgetting (recent steps weigh most; a step far off the fit is clipped before it moves it).
- * The start is a rough estimate from the model's size (a conservative CPU rate); the first steps
- * the node measures replace it. */
+/* The step cost model: t = c0 + c1 * solo rows + c2 * prefill tokens + c3 * attention pairs
+ * + c4 * draft passes (milliseconds). Decode rows and verification rows are one feature: both are
+ * solo rows with a logit row each, and they cost the same (kept apart, the two were confounded: a
+ * batch of decodes always carries its verifications). The coefficients are the non-negative least
+ * squares fit of the observed steps, weighted by forgetting (recent steps weigh most; a step
+ * far off the fit is clipped before it moves it), with a weak pull toward the start so a
+ * coefficient the steps do not determine (the per-row cost while every step has one row)
+ * stays near it. The start is a rough estimate from the model's size (a conservative CPU
+ * rate); the first steps the node measures replace it. Non-negative in the fit itself, not
+ * only where it is used: a fit that predicts a step well with a negative intercept and
+ * another term too large would, clamped at use, predict it several times too long. */
 typedef struct {
-    double theta[DC_COST_N];        /* coefficients, in ms per scaled feature (dc_plan.c:
-                                       FEAT_SCALE) */
-    double P[DC_COST_N][DC_COST_N]; /* their covariance (up to the noise scale) */
-    double err_ms;   /* running mean absolute residual (outlier clipping) */
-    uint64_t n_obs;  /* steps observed */
+    double theta[DC_COST_N]; /* coefficients, in ms per scaled feature (dc_plan.c: FEAT_SCALE),
+                                each >= 0 */
+    double prior[DC_COST_N]; /* the start, the weak pull's target */
+    double A[DC_COST_N][DC_COST_N]; /* sum of forgetting-weighted x x^T of the steps */
+    double b[DC_COST_N];            /* sum of forgetting-weighted x t */
+    double err_ms;                  /* running mean absolute residual (outlier clipping) */
+    uint64_t n_obs;                 /* steps observed */
 } dc_cost;
 
 void dc_cost_init(dc_cost *c, const kn_hparams *hp);
@@ -93,6 +103,8 @@ double dc_cost_chunk_ms(const dc_cost *c, int32_t pos0, int32_t n);
 /* Predicted extra ms of verifying one proposed token at position pos (its row and its
  * attention). */
 double dc_cost_draft_ms(const dc_cost *c, int32_t pos);
+/* Predicted extra ms of one more draft model pass (a proposal deeper than any other). */
+double dc_cost_pass_ms(const dc_cost *c);
 /* The largest n <= max_n whose chunk at pos0 adds at most ms_left (0 if none). */
 int32_t dc_cost_fit_chunk(const dc_cost *c, double ms_left, int32_t pos0, int32_t max_n);
 

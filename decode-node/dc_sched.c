@@ -586,12 +586,16 @@ static void plan_proposals(dc_sched *s, dc_step_shape *d)
             continue;
         }
         s->cand_req[n] = r;
-        s->cands[n++] = (dc_spec_cand){
-            .accept = r->spec.accept, .n_cand = n_cand, .pos0 = r->n_tokens, .take = n_cand};
+        s->cands[n++] = (dc_spec_cand){.accept = r->spec.accept,
+                                       .cont = r->spec.cont,
+                                       .n_cand = n_cand,
+                                       .pos0 = r->n_tokens,
+                                       .take = n_cand};
     }
     if (!n) return;
     if (!sp->pinned)
-        dc_spec_choose(s->cands, n, d->n_decode, dc_cost_predict(&s->cost, d), draft_ms, &s->cost);
+        dc_spec_choose(s->cands, n, d->n_decode, dc_cost_predict(&s->cost, d), draft_ms, &s->cost,
+                       lookup ? 0 : dc_cost_pass_ms(&s->cost));
     if (!lookup && !draft_propose(s, n)) return;
     for (int c = 0; c < n; c++) {
         dc_req *r = s->cand_req[c];
@@ -601,6 +605,7 @@ static void plan_proposals(dc_sched *s, dc_step_shape *d)
         r->n_draft = take;
         r->chunk = 1 + take;
         d->n_draft += take;
+        if (!lookup && take > d->n_pass) d->n_pass = take;
         d->attn += take * (double)r->n_tokens + (double)take * (take + 1) / 2;
     }
 }
@@ -724,11 +729,15 @@ static int lay_out(dc_sched *s, dc_step *step)
             s->in_step[nseq++] = r;
         }
     }
-    int n_draft = 0;
-    for (int i = 0; i < nseq; i++)
+    int n_draft = 0, n_pass = 0;
+    for (int i = 0; i < nseq; i++) {
         n_draft += s->in_step[i]->n_draft;
-    s->shape = (dc_step_shape){
-        .n_decode = n_decode - n_draft, .n_prefill = n - n_decode, .n_draft = n_draft};
+        if (s->in_step[i]->n_draft > n_pass) n_pass = s->in_step[i]->n_draft;
+    }
+    s->shape = (dc_step_shape){.n_decode = n_decode - n_draft,
+                               .n_prefill = n - n_decode,
+                               .n_draft = n_draft,
+                               .n_pass = s->p.spec.method == DC_SPEC_DRAFT ? n_pass : 0};
     for (int i = 0; i < n; i++)
         s->shape.attn += s->pos[i] + 1;
     if (n == 0) return 0;
@@ -750,7 +759,13 @@ static int lay_out(dc_sched *s, dc_step *step)
  * (a masked sample cannot be refused: that is a bug, reported as an error). */
 void dc_sched_observe(dc_sched *s, double ms)
 {
-    if (s->shape.n_decode + s->shape.n_prefill) dc_cost_observe(&s->cost, &s->shape, ms);
+    if (!(s->shape.n_decode + s->shape.n_prefill)) return;
+    /* TANDEM_LOG=debug: the fit step by step (how the speculation and prefill budgets see it) */
+    TD_LOG_DEBUG("step cost: %d decode rows, %d verification rows, %d draft passes, %d prefill "
+                 "tokens, %.0f attention pairs: %.2f ms measured, %.2f predicted",
+                 s->shape.n_decode, s->shape.n_draft, s->shape.n_pass, s->shape.n_prefill,
+                 s->shape.attn, ms, dc_cost_predict(&s->cost, &s->shape));
+    dc_cost_observe(&s->cost, &s->shape, ms);
 }
 
 double dc_sched_predict_ms(const dc_sched *s)

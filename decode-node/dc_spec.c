@@ -4,52 +4,106 @@
 #include <math.h>
 #include <string.h>
 
-/* The acceptance estimate: a running mean over reached proposals (each a trial), weighted
- * so that about the last 8 count; without trials (the request did not speculate in a
- * step) it drifts back toward the start, so a request whose text turned copy-like again
- * is tried again after a while instead of never (its estimate cannot move without
- * trials). */
+/* The acceptance estimates: running means over their trials (a step's first proposal for
+ * accept; each later one reached, after an accepted one, for cont), weighted so that about
+ * the last 8 count; without trials (the request did not speculate in a step) they drift
+ * back toward the start, so a request whose text turned copy-like again is tried again
+ * after a while instead of never (an estimate cannot move without trials). */
 #define ACCEPT_START  0.6
 #define ACCEPT_WEIGHT 0.125
 #define ACCEPT_DRIFT  0.02
 
 void dc_spec_req_init(dc_spec_req *q)
 {
-    q->accept = ACCEPT_START;
+    q->accept = q->cont = ACCEPT_START;
+}
+
+static void trial(double *est, bool ok)
+{
+    *est += ((ok ? 1.0 : 0.0) - *est) * ACCEPT_WEIGHT;
 }
 
 void dc_spec_req_observe(dc_spec_req *q, int n_proposed, int n_accepted)
 {
     if (n_proposed <= 0) {
         q->accept += (ACCEPT_START - q->accept) * ACCEPT_DRIFT;
+        q->cont += (ACCEPT_START - q->cont) * ACCEPT_DRIFT;
         return;
     }
-    for (int j = 0; j < n_accepted; j++)
-        q->accept += (1.0 - q->accept) * ACCEPT_WEIGHT;
-    if (n_accepted < n_proposed) q->accept -= q->accept * ACCEPT_WEIGHT; /* the rejected one */
+    trial(&q->accept, n_accepted > 0);
+    /* proposals 2.. n_accepted + 1 were reached after an accepted one */
+    for (int j = 2; j <= n_proposed && j <= n_accepted + 1; j++)
+        trial(&q->cont, j <= n_accepted);
+}
+
+/* The next proposal of a request: its chance (the j-th is accepted with accept cont^(j-1),
+ * less than the one before, so the best next proposal of each request is its next one). */
+static double next_p(const dc_spec_cand *c)
+{
+    return c->accept * pow(c->cont, c->take);
+}
+
+/* The requests that can take a proposal at depth + 1 (their take is depth), likeliest first,
+ * ties by index: the one after (p, i) in that order, or -1. */
+static int layer_next(const dc_spec_cand *c, int n, int depth, double p, int i)
+{
+    int k = -1;
+    double pk = 0;
+    for (int j = 0; j < n; j++) {
+        if (c[j].take != depth || c[j].n_cand <= depth) continue;
+        double pj = next_p(&c[j]);
+        if ((pj < p || (pj == p && j > i)) && (k < 0 || pj > pk)) k = j, pk = pj;
+    }
+    return k;
 }
 
 void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
-                    double (*row_ms)(const void *ctx, int32_t pos), const void *ctx)
+                    double (*row_ms)(const void *ctx, int32_t pos), const void *ctx, double pass_ms)
 {
-    /* the j-th proposal of a request is accepted with accept^j, less than the one before:
-     * the best next proposal of each request is its next one */
+    int depth = 0; /* the deepest take so far: the proposer's passes */
     for (int i = 0; i < n; i++)
         c[i].take = 0;
+    /* Each round weighs two moves by expected tokens per ms: (a) the likeliest proposal no
+     * deeper than depth (a row, no pass), (b) a new depth: one pass and the rows of the
+     * likeliest requests that can go one deeper, as many as give the best ratio (a pass
+     * shared by several requests pays where one request's alone would not). With no pass
+     * cost (prompt lookup) both are single proposals, the likeliest first. */
     for (;;) {
-        int best = -1;
-        double p = 0;
-        for (int i = 0; i < n; i++) {
-            double pi = pow(c[i].accept, c[i].take + 1);
-            if (c[i].take < c[i].n_cand && (best < 0 || pi > p)) best = i, p = pi;
+        int a = -1;
+        double pa = 0, ca = 0;
+        for (int i = 0; i < n; i++)
+            if (c[i].take < depth && c[i].take < c[i].n_cand && (a < 0 || next_p(&c[i]) > pa))
+                a = i, pa = next_p(&c[i]);
+        if (a >= 0) ca = row_ms(ctx, c[a].pos0 + c[a].take);
+        double pb = 0, cb = 0, gain = 0, cost = pass_ms, pk = 2;
+        int mb = 0, m = 0;
+        for (int k = layer_next(c, n, depth, pk, -1); k >= 0; k = layer_next(c, n, depth, pk, k)) {
+            pk = next_p(&c[k]);
+            gain += pk;
+            cost += row_ms(ctx, c[k].pos0 + c[k].take);
+            /* the chances fall along the walk: once one lowers the ratio, the rest would */
+            if (!(++m == 1 || gain * cb > pb * cost)) break;
+            pb = gain, cb = cost, mb = m;
         }
-        if (best < 0) return;
-        double cost = row_ms(ctx, c[best].pos0 + c[best].take);
-        /* (tokens + p) / (ms + cost) > tokens / ms */
-        if (!(p * ms > tokens * cost)) return;
-        tokens += p;
-        ms += cost;
-        c[best].take++;
+        bool take_a = a >= 0 && (mb == 0 || pa * cb >= pb * ca);
+        double gp = take_a ? pa : pb, gc = take_a ? ca : cb;
+        /* (tokens + gp) / (ms + gc) > tokens / ms */
+        if ((!take_a && mb == 0) || !(gp * ms > tokens * gc)) return;
+        tokens += gp;
+        ms += gc;
+        if (take_a) {
+            c[a].take++;
+            continue;
+        }
+        /* the layer's first mb members (each marked once its chance is read: a marked one
+         * leaves the layer, and the walk goes on after it) */
+        pk = 2;
+        for (int j = 0, k = layer_next(c, n, depth, pk, -1); j < mb && k >= 0; j++) {
+            pk = next_p(&c[k]);
+            c[k].take = depth + 1;
+            k = layer_next(c, n, depth, pk, k);
+        }
+        depth++;
     }
 }
 

@@ -17,13 +17,18 @@
  * suffix of the request's tokens (prompt and output) of ngram_min..ngram_max tokens that
  * occurred before, its most recent earlier occurrence, and the tokens that followed it.
  *
- * How many (adaptive): each request keeps a running estimate a of the chance that a
- * proposal it reaches is accepted (the j-th of a step is reached with a^(j-1), accepted with
- * a^j). The step adds proposals, most likely first across the batch, while each raises the
- * step's expected tokens per predicted millisecond: p * t > T * c, with p the proposal's
- * chance, T the step's expected tokens so far, t its predicted time and c the predicted
- * cost of one verification row (the step cost model, dc_plan.h, fitted from the measured
- * step times). A large batch (T large against t) or a poor acceptance thus turns
+ * How many (adaptive): each request keeps two running estimates: a, the chance that its
+ * first proposal of a step is accepted, and c, the chance that a later one is, given the one
+ * before it was (the j-th is accepted with a c^(j-1)). Two, not one: acceptance comes in
+ * runs (where the answer copies its input, the whole continuation is right or the first
+ * token is not), and one chance per proposal, raised to the j-th power, undervalued the
+ * deep proposals that pay most (prompt lookup on code edits: 2.6 of 3.8 proposals a
+ * verification accepted, where one chance of 0.69 predicts 1.7). The step adds proposals, most
+ * likely first across the batch, while each raises the step's expected tokens per predicted
+ * millisecond: p * t > T * c, with p the proposal's chance, T the step's expected tokens so far, t
+ * its predicted time and c the predicted cost of one verification row, plus one draft model pass
+ * where the proposal is deeper than any taken so far (the step cost model, dc_plan.h, fitted from
+ * the measured step times). A large batch (T large against t) or a poor acceptance thus turns
  * speculation off by itself. Not adaptive: every proposal up to max_tokens.
  *
  * Threading: none; the scheduler's engine loop calls everything.
@@ -72,7 +77,8 @@ typedef struct {
 
 /* A request's acceptance record. */
 typedef struct {
-    double accept; /* estimated chance that a reached proposal is accepted */
+    double accept; /* estimated chance that a step's first proposal is accepted */
+    double cont;   /* ... that a later one is, the one before it accepted */
 } dc_spec_req;
 
 void dc_spec_req_init(dc_spec_req *q);
@@ -81,18 +87,21 @@ void dc_spec_req_observe(dc_spec_req *q, int n_proposed, int n_accepted);
 
 /* One request's proposals in a step (dc_spec_choose). */
 typedef struct {
-    double accept; /* its dc_spec_req estimate */
-    int n_cand;    /* proposals it has */
-    int32_t pos0;  /* the position of the first */
-    int take;      /* out: how many of them to verify */
+    double accept; /* its dc_spec_req estimates */
+    double cont;
+    int n_cand;   /* proposals it has */
+    int32_t pos0; /* the position of the first */
+    int take;     /* out: how many of them to verify */
 } dc_spec_cand;
 
 /* Adaptive: take proposals of c (n), the most likely first across requests, while each
  * raises the step's expected tokens per predicted millisecond (see the top); tokens and
  * ms: the step's without proposals (ms > 0); row_ms(ctx, pos): a verification row's
- * predicted ms at position pos. */
+ * predicted ms at position pos; pass_ms: a proposer's pass per proposal depth (0: prompt
+ * lookup, which needs none). */
 void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
-                    double (*row_ms)(const void *ctx, int32_t pos), const void *ctx);
+                    double (*row_ms)(const void *ctx, int32_t pos), const void *ctx,
+                    double pass_ms);
 
 /* Prompt lookup: up to k tokens following the most recent earlier occurrence of the longest
  * suffix of tokens[0, n) with ngram_min..ngram_max tokens; returns how many were written to

@@ -973,6 +973,77 @@ static void test_itl_target(void)
     }
 }
 
+/* ---- the step cost model (dc_plan.h) ---- */
+
+/* A world whose step takes 40 ms + 7.5 ms a solo row (decode or verification) + 3.8 ms a
+ * prefill token + 2e-4 ms an attention pair, +-3 % noise: the phases of a colocated node
+ * serving one request, then sixteen (the shapes of tools/bench_spec.py's run). */
+static double world_ms(const dc_step_shape *s, uint64_t *rng)
+{
+    *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+    double noise = 1 + 0.06 * ((double)(*rng >> 11) / (double)(1ull << 53) - 0.5);
+    return (40 + 7.5 * (s->n_decode + s->n_draft) + 3.8 * s->n_prefill + 2e-4 * s->attn) * noise;
+}
+
+static bool cost_near(double got, double want, double tol, const char *what)
+{
+    bool ok = fabs(got - want) <= tol * want;
+    TH_CHECKF(ok, "%s: %.2f ms predicted, %.2f ms true", what, got, want);
+    return ok;
+}
+
+static void cost_step(dc_cost *c, dc_step_shape s, uint64_t *rng)
+{
+    dc_cost_observe(c, &s, world_ms(&s, rng));
+    for (int i = 0; i < DC_COST_N; i++)
+        TH_CHECKF(c->theta[i] >= 0, "coefficient %d negative: %g", i, c->theta[i]);
+}
+
+static void test_cost_model(void)
+{
+    dc_cost c;
+    dc_cost_init(&c, &model->hp);
+    uint64_t rng = 7;
+    dc_step_shape one = {.n_decode = 1, .attn = 300}, sixteen = {.n_decode = 16, .attn = 4800};
+    /* a prompt of 47 tokens, then its decode alone: every step one row (the per-row cost and
+     * the intercept cannot be told apart, the step itself must be predicted) */
+    cost_step(&c, (dc_step_shape){.n_prefill = 47, .attn = 47 * 48 / 2}, &rng);
+    for (int i = 0; i < 30; i++)
+        cost_step(&c, (dc_step_shape){.n_decode = 1, .attn = 48 + i}, &rng);
+    cost_near(dc_cost_predict(&c, &one), 47.56, 0.05, "one row, one-row steps only");
+    /* speculation tried: 0..8 verification rows beside the row determine the per-row cost */
+    for (int i = 0; i < 40; i++)
+        cost_step(&c, (dc_step_shape){.n_decode = 1, .n_draft = (i * 5) % 9, .attn = 100 + i},
+                  &rng);
+    cost_near(dc_cost_predict(&c, &one), 47.56, 0.05, "one row");
+    cost_near(dc_cost_draft_ms(&c, 300), 7.56, 0.2, "a verification row at batch 1");
+    /* sixteen prompts of 512 tokens in chunks beside the first decodes, then sixteen decodes
+     * with many verifications, then without */
+    for (int i = 0; i < 6; i++)
+        cost_step(&c, (dc_step_shape){.n_decode = i, .n_prefill = 512, .attn = 512 * 513 / 2},
+                  &rng);
+    for (int i = 0; i < 12; i++)
+        cost_step(&c, (dc_step_shape){.n_decode = 16, .n_draft = 80 - 6 * i, .attn = 5000}, &rng);
+    for (int i = 0; i < 60; i++)
+        cost_step(&c, (dc_step_shape){.n_decode = 16, .attn = 4800}, &rng);
+    double before = dc_cost_predict(&c, &sixteen);
+    cost_near(before, 40 + 16 * 7.5 + 0.96, 0.05, "sixteen rows");
+    cost_near(dc_cost_draft_ms(&c, 300), 7.56, 0.2, "a verification row at batch 16");
+    /* one step stalled by the host (2 s): the fit moves little */
+    dc_cost_observe(&c, &sixteen, 2000);
+    double after = dc_cost_predict(&c, &sixteen);
+    TH_CHECKF(after < before * 1.1, "a 2 s stall moved the 16-row step from %.1f to %.1f ms",
+              before, after);
+    /* a real change (every step now twice as long) is followed, the clipping notwithstanding,
+     * as fast as the forgetting lets go of the old steps (0.98^120: 9 % of their weight left) */
+    for (int i = 0; i < 120; i++) {
+        dc_step_shape s = {.n_decode = 16, .n_draft = i % 3 ? 0 : 8, .attn = 4800};
+        dc_cost_observe(&c, &s, 2 * world_ms(&s, &rng));
+    }
+    cost_near(dc_cost_predict(&c, &sixteen), 2 * (40 + 16 * 7.5 + 0.96), 0.1,
+              "sixteen rows, the machine twice as slow");
+}
+
 /* ---- speculative decoding (dc_spec.h) ---- */
 
 static double flat_ms(const void *ctx, int32_t pos)
@@ -1014,21 +1085,56 @@ static void test_spec_units(void)
     TH_CHECK(low < 0.1);
     dc_spec_req_observe(&q, 0, 0);
     TH_CHECK(q.accept > low && q.accept < a0);
+    /* runs: every other verification all right, the others wrong from the first: the first
+     * proposal's chance about a half, a later one's (after a right one) near 1, so the 8th
+     * is nearly as likely as the first (one chance for all, a^8, would say 0.6 %) */
+    dc_spec_req_init(&q);
+    for (int i = 0; i < 40; i++)
+        dc_spec_req_observe(&q, 8, i % 2 ? 8 : 0);
+    TH_CHECKF(q.accept > 0.35 && q.accept < 0.65 && q.cont > 0.95, "runs: %.3f, %.3f", q.accept,
+              q.cont);
+    /* a rejection after three accepted: three trials of the later ones, one failed */
+    dc_spec_req_init(&q);
+    double c0 = q.cont;
+    dc_spec_req_observe(&q, 8, 3);
+    TH_CHECK(q.accept > a0);
+    double c_ok = c0 + (1 - c0) * 0.125;
+    c_ok += (1 - c_ok) * 0.125;
+    c_ok -= c_ok * 0.125;
+    TH_CHECKF(fabs(q.cont - c_ok) < 1e-12, "cont %.6f, expected %.6f", q.cont, c_ok);
 
     /* choice: a row costing 1 ms beside a 10 ms step of one decode row pays while p * ms >
      * tokens: with 0.5 the first (0.5 * 10 > 1) and second (0.25 * 11 > 1.5) do, the third
      * (0.125 * 12 < 1.75) not */
     double row = 1.0;
-    dc_spec_cand c[2] = {{.accept = 0.5, .n_cand = 8}, {.accept = 0.9, .n_cand = 2}};
-    dc_spec_choose(c, 1, 1, 10, flat_ms, &row);
+    dc_spec_cand c[2] = {{.accept = 0.5, .cont = 0.5, .n_cand = 8},
+                         {.accept = 0.9, .cont = 0.9, .n_cand = 2}};
+    dc_spec_choose(c, 1, 1, 10, flat_ms, &row, 0);
     TH_CHECKF(c[0].take == 2, "took %d", c[0].take);
     /* two requests: the likelier ones first, up to what each has */
-    dc_spec_choose(c, 2, 2, 10, flat_ms, &row);
+    dc_spec_choose(c, 2, 2, 10, flat_ms, &row, 0);
     TH_CHECKF(c[1].take == 2 && c[0].take >= 1 && c[0].take < 2, "took %d, %d", c[0].take,
               c[1].take);
     /* a large batch: verification rows cost as much as what they may add */
-    dc_spec_choose(c, 2, 64, 40, flat_ms, &row);
+    dc_spec_choose(c, 2, 64, 40, flat_ms, &row, 0);
     TH_CHECK(c[0].take == 0 && c[1].take == 0);
+    /* a draft model's pass (4 ms) per proposal depth: alone, a request with 0.9 takes 3
+     * (0.9 * 10 > 5, 0.81 * 15 > 1.9 * 5, 0.729 * 20 > 2.71 * 5, 0.656 * 25 < 3.44 * 5) */
+    dc_spec_cand d[3] = {{.accept = 0.9, .cont = 0.9, .n_cand = 8},
+                         {.accept = 0.9, .cont = 0.9, .n_cand = 8},
+                         {.accept = 0.2, .cont = 0.2, .n_cand = 8}};
+    dc_spec_choose(d, 1, 1, 10, flat_ms, &row, 4);
+    TH_CHECKF(d[0].take == 3, "alone with passes: took %d", d[0].take);
+    /* two such requests in a 10 ms step share each pass: one's first proposal alone would
+     * not pay (0.9 * 10 < 2 * 5), both together do (1.8 * 10 > 2 * 6), then the second depth
+     * (1.62 * 16 > 3.8 * 6), not the third (1.458 * 22 < 5.42 * 6) */
+    dc_spec_choose(d, 2, 2, 10, flat_ms, &row, 4);
+    TH_CHECKF(d[0].take == 2 && d[1].take == 2, "two with passes: took %d, %d", d[0].take,
+              d[1].take);
+    /* an unlikely third (0.2 a ms of its row, below the step's rate) rides none of them */
+    dc_spec_choose(d, 3, 3, 12, flat_ms, &row, 4);
+    TH_CHECKF(d[0].take == 2 && d[1].take == 2 && d[2].take == 0,
+              "two with passes: took %d, %d, %d", d[0].take, d[1].take, d[2].take);
 }
 
 /* Requests N_REQ.. N_REQ + N_LONG - 1: long greedy generations (a random model's text
@@ -1268,6 +1374,7 @@ int main(int argc, char **argv)
     TH_RUN(test_transfer_prefix);
     TH_RUN(test_transfer_tier);
     TH_RUN(test_itl_target);
+    TH_RUN(test_cost_model);
     TH_RUN(test_spec_units);
     TH_RUN(test_spec_equals_alone);
     TH_RUN(test_spec_pressure_and_transfer);
