@@ -600,6 +600,8 @@ static void plan_proposals(dc_sched *s, dc_step_shape *d)
     for (int c = 0; c < n; c++) {
         dc_req *r = s->cand_req[c];
         int take = s->cands[c].take;
+        TD_LOG_DEBUG("speculation: request %llu has %d proposals, takes %d",
+                     (unsigned long long)r->id, s->cands[c].n_cand, take);
         if (!take) dc_spec_req_observe(&r->spec, 0, 0);
         if (!take || kn_kv_seq_reserve(s->mem, &r->seq, r->n_computed + 1 + take)) continue;
         r->n_draft = take;

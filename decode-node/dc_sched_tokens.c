@@ -70,6 +70,10 @@ static void end_verification(dc_sched *s, dc_req *r, int n_acc, bool keep)
     s->spec_accepted += (uint64_t)n_acc;
     for (int j = 0; j < n_acc; j++)
         s->spec_accepted_pos[j]++;
+    /* TANDEM_LOG=debug: what the adaptive choice saw and what came of it */
+    TD_LOG_DEBUG("speculation: request %llu verified %d, accepted %d (chances %.3f first, %.3f "
+                 "later)",
+                 (unsigned long long)r->id, r->n_draft, n_acc, r->spec.accept, r->spec.cont);
     dc_spec_req_observe(&r->spec, r->n_draft, n_acc);
     r->n_draft = 0;
     if (keep && kn_kv_seq_rollback(s->mem, &r->seq, r->tokens, r->n_computed)) {

@@ -121,19 +121,6 @@ int kn_kv_alloc(kn_kv_mem *m, int n, int32_t *ids)
     return m->cache ? kn_kv_cache_alloc(m->cache, n, ids) : kn_kv_pool_take(m->pool, n, ids);
 }
 
-static int id_cmp(const void *a, const void *b)
-{
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
-int kn_kv_alloc_ascending(kn_kv_mem *m, int n, int32_t *ids)
-{
-    int rc = kn_kv_alloc(m, n, ids);
-    if (!rc && n > 1) qsort(ids, (size_t)n, sizeof *ids, id_cmp);
-    return rc;
-}
-
 void kn_kv_free(kn_kv_mem *m, int n, const int32_t *ids)
 {
     if (m->cache) {

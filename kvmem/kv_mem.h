@@ -65,13 +65,11 @@ void kn_kv_mem_clear(kn_kv_mem *m);
 
 /* Take n blocks into ids (each with one reference), evicting idle cached blocks (least
  * recently used first) when the free list is short; TD_ENOSPC (nothing taken, nothing
- * evicted) if fewer than n are free or idle; TD_EINVAL n < 0. */
+ * evicted) if fewer than n are free or idle; TD_EINVAL n < 0. The lowest free ids, in
+ * ascending order (kv_pool.c): a request's blocks form runs of consecutive ids wherever the
+ * free blocks allow, each one contiguous piece per layer array (attention streams it) and
+ * per slice of a sliced pool (one kvxfer put). */
 int kn_kv_alloc(kn_kv_mem *m, int n, int32_t *ids);
-/* kn_kv_alloc with ids in ascending order: blocks freed together come back as runs of
- * consecutive ids (the free list hands them out in the reverse of their freeing order, which
- * a prefix cache's oldest-first eviction makes descending), so a prefill stage's request
- * holds long runs, each one contiguous piece per slice of a sliced pool for kvxfer. */
-int kn_kv_alloc_ascending(kn_kv_mem *m, int n, int32_t *ids);
 /* Drop one reference to each of ids, last first; a block whose last reference goes stays
  * idle in the cache if it is cached, else returns to the free list. A block with no
  * reference is a bug (abort). */

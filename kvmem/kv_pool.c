@@ -1,5 +1,5 @@
-/* kv_pool.c: one-region paged KV pool with a free-list allocator and per-block reference
- * counts; the region is private anonymous memory, an unnamed memfd, a named POSIX
+/* kv_pool.c: one-region paged KV pool with a lowest-id-first allocator and per-block
+ * reference counts; the region is private anonymous memory, an unnamed memfd, a named POSIX
  * shared-memory segment, or a device backend's memory (then optionally with a host staging
  * copy for kvxfer). Layer 1 of kv_mem.h: it calls nothing above it. */
 #define _GNU_SOURCE /* memfd_create */
@@ -226,9 +226,9 @@ int kn_kv_pool_create(const kn_kv_pool_params *p, kn_kv_pool **out)
         pool->k[l] = (char *)r + (size_t)(arrays * l) * layer_bytes;
         pool->v[l] = (char *)r + (size_t)(arrays * l + arrays - 1) * layer_bytes; /* latent: k[l] */
     }
-    /* stack with block 0 on top, so allocation order is 0, 1, 2, ... */
+    /* 0, 1, 2, ...: sorted, so a heap */
     for (int i = 0; i < p->n_blocks; i++)
-        pool->free_ids[i] = p->n_blocks - 1 - i;
+        pool->free_ids[i] = i;
     pool->n_free = p->n_blocks;
     *out = pool;
     return 0;
@@ -305,12 +305,44 @@ void kn_kv_region_unmap(void *region, size_t bytes)
     if (region) munmap(region, bytes);
 }
 
+/* The free ids are a min-heap: a block is taken lowest id first, whatever order blocks were
+ * freed in. A sequence's blocks then lie close together in each layer's array, as far as the
+ * free blocks allow, rather than in the order of the last frees: after speculation's
+ * rollbacks, preemptions and cache evictions, last-freed-first scattered the blocks of the
+ * sequences that came next, and attention read their KV in 8 KiB pieces across the pool. */
+static void heap_push(kn_kv_pool *pool, int32_t id)
+{
+    int32_t *h = pool->free_ids;
+    int i = pool->n_free++;
+    while (i > 0 && h[(i - 1) / 2] > id) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = id;
+}
+
+static int32_t heap_pop(kn_kv_pool *pool)
+{
+    int32_t *h = pool->free_ids, top = h[0], last = h[--pool->n_free];
+    int i = 0, n = pool->n_free;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && h[c + 1] < h[c]) c++;
+        if (h[c] >= last) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (n > 0) h[i] = last;
+    return top;
+}
+
 int kn_kv_pool_take(kn_kv_pool *pool, int n, int32_t *ids)
 {
     if (n < 0) return TD_EINVAL;
     if (n > pool->n_free) return TD_ENOSPC;
     for (int i = 0; i < n; i++) {
-        ids[i] = pool->free_ids[--pool->n_free];
+        ids[i] = heap_pop(pool);
         pool->refs[ids[i]] = 1;
         if (pool->on_dev) pool->on_dev[ids[i]] = 0;
     }
@@ -345,7 +377,7 @@ void kn_kv_pool_put(kn_kv_pool *pool, int32_t id)
         TD_LOG_ERR("kv block %d put while held or free (bug)", id);
         abort();
     }
-    pool->free_ids[pool->n_free++] = id;
+    heap_push(pool, id);
 }
 
 /* Every layer's arrays (K and V, or the latent once) of blocks ids between the staging and

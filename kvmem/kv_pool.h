@@ -115,7 +115,7 @@ typedef struct {
     void **k, **v;         /* (n_layers) pointers into region; latent: v[l] == k[l] (the
                               attention reads V where it is, and a K/V loop that forgot the
                               layout copies the same bytes twice rather than a wrong array) */
-    int32_t *free_ids;     /* stack of free block ids */
+    int32_t *free_ids;     /* free block ids, a binary min-heap (lowest id first) */
     int n_free;
     int32_t *refs;   /* (n_blocks) references to each block */
     char *shm_name;  /* the segment's name while this pool may still have to unlink it, or NULL */

@@ -61,7 +61,7 @@ int pf_blocks_open(pf_stage *st, pf_req *r, const pf_seg *g)
         r->n_computed = (int32_t)g->n_cached; /* pushed with the first computed chunk */
     }
     int rc =
-        kn_kv_alloc_ascending(st->shard.mem, nb - nh, r->kv.blocks + nh); /* runs: kvxfer's puts */
+        kn_kv_alloc(st->shard.mem, nb - nh, r->kv.blocks + nh); /* ascending runs: kvxfer's puts */
     if (!rc && copy_last) rc = kn_kv_block_copy(kv, src, r->kv.blocks[nh]);
     if (copy_last) { /* every stage lets it go here, at the same point of the stream */
         pf_kvc_unref(st->kvc, r->hit + nh, 1);

@@ -7,7 +7,7 @@
  *   - kv_write and attention on a sliced pool give bit for bit the head-major results
  *     (F16 and F32, GQA with a TP rank's phase, 1 and 2 threads, scattered block tables);
  *   - the tier's block copies carry the same bytes out of and into either layout;
- *   - kn_kv_alloc_ascending turns blocks freed oldest first into an ascending run;
+ *   - kn_kv_alloc hands blocks out lowest id first, whatever order they were freed in;
  *   - with a model file argument: the engine's logits on a sliced pool equal the
  *     head-major ones bit for bit (cpu), and on cpu-dev the staged download of a sliced
  *     device pool gives the KV the cpu computed.
@@ -164,8 +164,8 @@ static void test_refused(void)
     kn_kv_pool_destroy(pool);
 }
 
-/* Blocks a prefix cache frees one by one, oldest first, come back from the pool's stack
- * newest first: kn_kv_alloc_ascending hands them out as one ascending run. */
+/* Blocks a prefix cache frees one by one, oldest first (or newest first, or scattered),
+ * come back lowest id first: one ascending run. */
 static void test_alloc_ascending(void)
 {
     kn_kv_pool_params p = {.n_layers = 1, .n_kv_heads = 2, .head_dim = 4, .n_blocks = 12};
@@ -175,14 +175,19 @@ static void test_alloc_ascending(void)
     TH_REQUIRE(kn_kv_alloc(mem, 12, a) == 0);
     for (int i = 3; i < 8; i++) /* blocks 3..7, oldest first */
         kn_kv_free(mem, 1, &a[i]);
-    TH_REQUIRE(kn_kv_alloc_ascending(mem, 5, b) == 0);
+    TH_REQUIRE(kn_kv_alloc(mem, 5, b) == 0);
     for (int i = 0; i < 5; i++)
         TH_CHECKF(b[i] == 3 + i, "block %d: id %d", i, b[i]);
-    for (int i = 0; i < 5; i++) /* oldest first again */
-        kn_kv_free(mem, 1, &b[i]);
-    TH_REQUIRE(kn_kv_alloc(mem, 5, b) == 0);
-    TH_CHECK(b[0] == 7 && b[4] == 3); /* the plain allocator: the stack's order */
-    TH_CHECK(kn_kv_alloc_ascending(mem, 1, b) == TD_ENOSPC);
+    const int order[5] = {4, 0, 3, 1, 2}; /* scattered */
+    for (int i = 0; i < 5; i++)
+        kn_kv_free(mem, 1, &b[order[i]]);
+    kn_kv_free(mem, 1, &a[10]);
+    TH_REQUIRE(kn_kv_alloc(mem, 4, b) == 0);
+    for (int i = 0; i < 4; i++)
+        TH_CHECKF(b[i] == 3 + i, "scattered frees: block %d: id %d", i, b[i]);
+    TH_REQUIRE(kn_kv_alloc(mem, 2, b) == 0);
+    TH_CHECK(b[0] == 7 && b[1] == 10);
+    TH_CHECK(kn_kv_alloc(mem, 1, b) == TD_ENOSPC);
     kn_kv_mem_destroy(mem);
 }
 
