@@ -6,7 +6,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <linux/futex.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +17,7 @@
 #include <unistd.h>
 
 #include "td_clock.h"
+#include "td_futex.h"
 #include "td_err.h"
 
 #define SEG_MAGIC 0x54434f52u /* "TCOR" */
@@ -45,17 +45,6 @@ typedef struct {
 void td_coreshare_name(int port, char *buf, size_t cap)
 {
     snprintf(buf, cap, "/tandem-cores-%u-%d", (unsigned)getuid(), port);
-}
-
-static void futex_wake_all(_Atomic uint32_t *w)
-{
-    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-
-static void futex_wait_ns(_Atomic uint32_t *w, uint32_t val, int64_t ns)
-{
-    struct timespec ts = {.tv_sec = ns / 1000000000, .tv_nsec = ns % 1000000000};
-    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, val, &ts, NULL, 0);
 }
 
 static void sleep_ns(int64_t ns)
@@ -103,7 +92,7 @@ int td_coreshare_create(const char *name, td_coreshare **out)
     /* busy stays: stages still attached to a dead decode's segment keep their counts (a new
      * segment starts at zero); a count a dead stage left is ignored once it is silent */
     cs->s->magic = SEG_MAGIC;
-    futex_wake_all(&cs->s->claimed);
+    td_futex_wake(&cs->s->claimed, INT_MAX, true);
     *out = cs;
     return 0;
 }
@@ -112,7 +101,7 @@ void td_coreshare_destroy(td_coreshare *cs)
 {
     if (!cs) return;
     atomic_store(&cs->s->claimed, 0);
-    futex_wake_all(&cs->s->claimed);
+    td_futex_wake(&cs->s->claimed, INT_MAX, true);
     munmap(cs->s, SEG_BYTES);
     shm_unlink(cs->name);
     free(cs);
@@ -152,7 +141,7 @@ void td_coreshare_release(td_coreshare *cs, double period_ms)
 {
     int64_t now = td_now_ns(), step = now - cs->claim_ns;
     atomic_store(&cs->s->claimed, 0);
-    futex_wake_all(&cs->s->claimed);
+    td_futex_wake(&cs->s->claimed, INT_MAX, true);
     int64_t period = (int64_t)(period_ms * 1e6);
     int64_t rest = period - step, floor = step / 4;
     cs->share_ns = period <= 0 ? step : rest > floor ? rest : floor;
@@ -274,7 +263,7 @@ void td_coreshare_gate_wait(void *ctx)
             int64_t left = atomic_load(&s->claim_ns) + STALE_NS - now;
             if (left <= 0) break; /* a decode that died in its step pauses no one */
             parked = true;
-            futex_wait_ns(&s->claimed, 1, left);
+            td_futex_wait(&s->claimed, 1, left, true);
             now = td_now_ns();
         }
         if (parked) {

@@ -16,7 +16,6 @@
 #include <fcntl.h>
 #include <immintrin.h>
 #include <limits.h>
-#include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
 #include <stdarg.h>
@@ -34,6 +33,7 @@
 #include "dc_shm_int.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_futex.h"
 
 #define RED_BLOCK 1024 /* floats reduced per block (L1-sized) */
 /* Above this many floats (and tp >= 3) the allreduce reduce-scatters then gathers (reads
@@ -42,15 +42,9 @@
 
 /* ---- futex ---- */
 
-static void futex_wait(_Atomic uint32_t *w, uint32_t val, int64_t ns)
-{
-    struct timespec ts = {.tv_sec = ns / 1000000000, .tv_nsec = ns % 1000000000};
-    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, val, &ts, NULL, 0);
-}
-
 void dc_shm_futex_wake(_Atomic uint32_t *w)
 {
-    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    td_futex_wake(w, INT_MAX, true);
 }
 
 /* ---- failure ---- */
@@ -193,7 +187,7 @@ int dc_shm_wait_word(dc_shm *s, _Atomic uint32_t *word, _Atomic uint32_t *waiter
         int64_t until = deadline < next_check ? deadline : next_check;
         atomic_fetch_add(waiters, 1);
         uint32_t v = atomic_load(word);
-        if ((int32_t)(v - target) < 0) futex_wait(word, v, until - now);
+        if ((int32_t)(v - target) < 0) td_futex_wait(word, v, until - now, true);
         atomic_fetch_sub(waiters, 1);
     }
 }

@@ -20,7 +20,6 @@
 #include <errno.h>
 #include <immintrin.h>
 #include <limits.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -33,6 +32,7 @@
 
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_futex.h"
 
 /* While spinning, yield the core this often (pauses): when the machine is oversubscribed,
  * the thread we wait for may need our core. The clock is read every POOL_CLOCK_EVERY. */
@@ -61,22 +61,12 @@ struct kn_pool {
     atomic_int sleeping;     /* workers blocked (or about to block) on gen */
     atomic_int caller_waits; /* the caller blocked (or about to block) on pending */
     atomic_bool stop;
-    atomic_int limit;    /* kn_pool_set_limit: most threads a run uses (0: n_threads) */
+    atomic_int limit;     /* kn_pool_set_limit: most threads a run uses (0: n_threads) */
     kn_pool_gate_fn gate; /* kn_pool_set_gate: called by the caller before each run, or NULL */
     void *gate_ctx;
     bool profile;        /* TANDEM_CPU_PROFILE: keep stats */
     kn_pool_stats stats; /* caller-side only */
 };
-
-static void futex_wait(atomic_uint *w, unsigned expect)
-{
-    syscall(SYS_futex, (unsigned *)w, FUTEX_WAIT_PRIVATE, expect, NULL, NULL, 0);
-}
-
-static void futex_wake(atomic_uint *w, int n)
-{
-    syscall(SYS_futex, (unsigned *)w, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
-}
 
 /* One step of a spin: pause, or yield now and then. False once spin_ns passed since
  * *t0 (set on the first call, *t0 == 0). */
@@ -119,7 +109,7 @@ static unsigned worker_wait(kn_pool *p, unsigned last)
             if (!spin_step(p, &i, &t0)) break;
     atomic_fetch_add(&p->sleeping, 1);
     while ((g = atomic_load(&p->gen)) == last)
-        futex_wait(&p->gen, last);
+        td_futex_wait(&p->gen, last, -1, false);
     atomic_fetch_sub(&p->sleeping, 1);
     return g;
 }
@@ -127,7 +117,7 @@ static unsigned worker_wait(kn_pool *p, unsigned last)
 static void part_done(kn_pool *p)
 {
     if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_waits))
-        futex_wake(&p->pending, 1);
+        td_futex_wake(&p->pending, 1, false);
 }
 
 static void *worker_main(void *v)
@@ -238,7 +228,7 @@ void kn_pool_destroy(kn_pool *p)
     if (p->threads) {
         atomic_store(&p->stop, true);
         atomic_fetch_add(&p->gen, 1);
-        futex_wake(&p->gen, INT_MAX);
+        td_futex_wake(&p->gen, INT_MAX, false);
         for (int t = 1; t < p->n_threads; t++)
             if (p->threads[t]) pthread_join(p->threads[t], NULL);
     }
@@ -258,7 +248,7 @@ static void caller_wait(kn_pool *p)
             if (!spin_step(p, &i, &t0)) break;
     atomic_store(&p->caller_waits, 1);
     while ((v = atomic_load(&p->pending)) > 0)
-        futex_wait(&p->pending, v);
+        td_futex_wait(&p->pending, v, -1, false);
     atomic_store(&p->caller_waits, 0);
 }
 
@@ -286,7 +276,7 @@ void kn_pool_run(kn_pool *p, int64_t n, int64_t min_per_thread, kn_pool_fn fn, v
     for (int t = 1; t < active; t++)
         atomic_store(&p->slot[t], 2 * p->job);
     atomic_fetch_add(&p->gen, 1);
-    if (atomic_load(&p->sleeping) > 0) futex_wake(&p->gen, INT_MAX);
+    if (atomic_load(&p->sleeping) > 0) td_futex_wake(&p->gen, INT_MAX, false);
     run_part(p, 0);
     for (int t = 1; t < active; t++)
         if (claim(p, t)) { /* its worker has not started: run it here */
