@@ -1,7 +1,6 @@
 /* dc_spec.c: speculative decoding's proposals and acceptance records (see dc_spec.h). */
 #include "dc_spec.h"
 
-#include <math.h>
 #include <string.h>
 
 /* The acceptance estimates: running means over their trials (a step's first proposal for
@@ -37,10 +36,17 @@ void dc_spec_req_observe(dc_spec_req *q, int n_proposed, int n_accepted)
 }
 
 /* The next proposal of a request: its chance (the j-th is accepted with accept cont^(j-1),
- * less than the one before, so the best next proposal of each request is its next one). */
+ * less than the one before, so the best next proposal of each request is its next one),
+ * kept in next as takes grow (no pow in the loops: they run per step over the batch). */
 static double next_p(const dc_spec_cand *c)
 {
-    return c->accept * pow(c->cont, c->take);
+    return c->next;
+}
+
+static void take_one(dc_spec_cand *c)
+{
+    c->take++;
+    c->next *= c->cont;
 }
 
 /* The requests that can take a proposal at depth + 1 (their take is depth), likeliest first,
@@ -61,8 +67,10 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
                     double (*row_ms)(const void *ctx, int32_t pos), const void *ctx, double pass_ms)
 {
     int depth = 0; /* the deepest take so far: the proposer's passes */
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         c[i].take = 0;
+        c[i].next = c[i].accept;
+    }
     /* Each round weighs two moves by expected tokens per ms: (a) the likeliest proposal no
      * deeper than depth (a row, no pass), (b) a new depth: one pass and the rows of the
      * likeliest requests that can go one deeper, as many as give the best ratio (a pass
@@ -92,7 +100,7 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
         tokens += gp;
         ms += gc;
         if (take_a) {
-            c[a].take++;
+            take_one(&c[a]);
             continue;
         }
         /* the layer's first mb members (each marked once its chance is read: a marked one
@@ -100,7 +108,7 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
         pk = 2;
         for (int j = 0, k = layer_next(c, n, depth, pk, -1); j < mb && k >= 0; j++) {
             pk = next_p(&c[k]);
-            c[k].take = depth + 1;
+            take_one(&c[k]); /* its take was depth */
             k = layer_next(c, n, depth, pk, k);
         }
         depth++;

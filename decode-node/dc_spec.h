@@ -92,6 +92,7 @@ typedef struct {
     int n_cand;   /* proposals it has */
     int32_t pos0; /* the position of the first */
     int take;     /* out: how many of them to verify */
+    double next;  /* dc_spec_choose's own: the chance of proposal take + 1 */
 } dc_spec_cand;
 
 /* Adaptive: take proposals of c (n), the most likely first across requests, while each
