@@ -306,10 +306,11 @@ void kn_kv_region_unmap(void *region, size_t bytes)
 }
 
 /* The free ids are a min-heap: a block is taken lowest id first, whatever order blocks were
- * freed in. A sequence's blocks then lie close together in each layer's array, as far as the
- * free blocks allow, rather than in the order of the last frees: after speculation's
- * rollbacks, preemptions and cache evictions, last-freed-first scattered the blocks of the
- * sequences that came next, and attention read their KV in 8 KiB pieces across the pool. */
+ * freed in. A request's blocks then form runs of consecutive ids as far as the free blocks
+ * allow (one contiguous piece per layer array for attention to stream, one kvxfer put per
+ * run), where a stack handed them out in the order of the last frees (rollbacks,
+ * preemptions, cache evictions). On the speculation benchmark's steps it measured no
+ * different (BENCHMARKS.md, "The step cost model and the acceptance model"). */
 static void heap_push(kn_kv_pool *pool, int32_t id)
 {
     int32_t *h = pool->free_ids;
