@@ -22,11 +22,11 @@
  * before it was (the j-th is accepted with a c^(j-1)). Two, not one: acceptance comes in
  * runs (where the answer copies its input, the whole continuation is right or the first
  * token is not), and one chance per proposal, raised to the j-th power, undervalued the
- * deep proposals that pay most (prompt lookup on code edits: 2.6 of 3.8 proposals a
- * verification accepted, where one chance of 0.69 predicts 1.7). The step adds proposals, most
+ * deep proposals that pay most (prompt lookup on code edits: 2.5 of 3.7 proposals a
+ * verification accepted, where one chance of 0.69 predicts 1.5). The step adds proposals, most
  * likely first across the batch, while each raises the step's expected tokens per predicted
- * millisecond: p * t > T * c, with p the proposal's chance, T the step's expected tokens so far, t
- * its predicted time and c the predicted cost of one verification row, plus one draft model pass
+ * millisecond: p * t > T * r, with p the proposal's chance, T the step's expected tokens so far, t
+ * its predicted time and r the predicted cost of one verification row, plus one draft model pass
  * where the proposal is deeper than any taken so far (the step cost model, dc_plan.h, fitted from
  * the measured step times). A large batch (T large against t) or a poor acceptance thus turns
  * speculation off by itself. Not adaptive: every proposal up to max_tokens.
