@@ -7,12 +7,12 @@
  * The ranks of an instance share a host, so byte order is the host's. */
 #include "dc_plan.h"
 
-#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "td_err.h"
+#include "td_linsolve.h"
 
 #define PLAN_MAGIC   0x4c504454u /* "TDPL" */
 #define HEADER_BYTES 40
@@ -255,43 +255,25 @@ double dc_cost_predict(const dc_cost *c, const dc_step_shape *s)
     return t;
 }
 
-/* Solve M[F][F] th[F] = v[F] for the coefficients in mask F (the rest 0) by Gaussian
- * elimination with partial pivoting; false if singular. */
+/* Solve M[F][F] th[F] = v[F] for the coefficients in mask F (the rest 0); false if a pivot is
+ * not above 1e-300, a guard against dividing by zero only (M is positive definite: the prior's
+ * weight is on its diagonal). */
 static bool solve_subset(const double M[DC_COST_N][DC_COST_N], const double v[DC_COST_N],
                          unsigned mask, double th[DC_COST_N])
 {
     int idx[DC_COST_N], n = 0;
     for (int i = 0; i < DC_COST_N; i++)
         if (mask >> i & 1) idx[n++] = i;
-    double a[DC_COST_N][DC_COST_N + 1];
+    double a[DC_COST_N * DC_COST_N], y[DC_COST_N];
     for (int i = 0; i < n; i++) {
         for (int j = 0; j < n; j++)
-            a[i][j] = M[idx[i]][idx[j]];
-        a[i][n] = v[idx[i]];
+            a[i * n + j] = M[idx[i]][idx[j]];
+        y[i] = v[idx[i]];
     }
-    for (int k = 0; k < n; k++) {
-        int piv = k;
-        for (int i = k + 1; i < n; i++)
-            if (fabs(a[i][k]) > fabs(a[piv][k])) piv = i;
-        if (!(fabs(a[piv][k]) > 1e-300)) return false;
-        for (int j = 0; j <= n; j++) {
-            double t = a[k][j];
-            a[k][j] = a[piv][j];
-            a[piv][j] = t;
-        }
-        for (int i = k + 1; i < n; i++) {
-            double f = a[i][k] / a[k][k];
-            for (int j = k; j <= n; j++)
-                a[i][j] -= f * a[k][j];
-        }
-    }
+    if (!td_solve_dense(n, a, y, y, 1e-300)) return false;
     memset(th, 0, sizeof(double) * DC_COST_N);
-    for (int k = n - 1; k >= 0; k--) {
-        double t = a[k][n];
-        for (int j = k + 1; j < n; j++)
-            t -= a[k][j] * th[idx[j]];
-        th[idx[k]] = t / a[k][k];
-    }
+    for (int k = 0; k < n; k++)
+        th[idx[k]] = y[k];
     return true;
 }
 

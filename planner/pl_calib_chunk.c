@@ -1,13 +1,13 @@
 /* pl_calib_chunk.c: `tandem calibrate`'s prefill chunks after a prefix (pl_calib.h): the
  * shape the prefill node computes (a chunk of x tokens whose attention reads L earlier
  * ones), measured, and the cost model fitted to them together with the start-up profile. */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pl_calib.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_linsolve.h"
 #include "td_stats.h"
 
 /* One forward of x tokens at positions [L, L + x) of one sequence whose [0, L) is in the
@@ -54,44 +54,12 @@ int pl_calib_chunks(pf_shard *sh, int long_ctx, int x, int n, int reps, pl_calib
     return rc;
 }
 
-/* Solve the 3 x 3 system A p = y (Gaussian elimination, partial pivoting). */
-static int solve3(double A[3][3], double y[3], double p[3])
-{
-    for (int c = 0; c < 3; c++) {
-        int piv = c;
-        for (int r = c + 1; r < 3; r++)
-            if (fabs(A[r][c]) > fabs(A[piv][c])) piv = r;
-        if (fabs(A[piv][c]) < 1e-300) return TD_ERANGE;
-        for (int k = 0; k < 3; k++) {
-            double s = A[c][k];
-            A[c][k] = A[piv][k];
-            A[piv][k] = s;
-        }
-        double s = y[c];
-        y[c] = y[piv];
-        y[piv] = s;
-        for (int r = c + 1; r < 3; r++) {
-            double f = A[r][c] / A[c][c];
-            for (int k = c; k < 3; k++)
-                A[r][k] -= f * A[c][k];
-            y[r] -= f * y[c];
-        }
-    }
-    for (int c = 2; c >= 0; c--) {
-        double s = y[c];
-        for (int k = c + 1; k < 3; k++)
-            s -= A[c][k] * p[k];
-        p[c] = s / A[c][c];
-    }
-    return 0;
-}
-
 int pl_calib_fit_joint(const double *len, const double *t, int n_prof, const pl_calib_chunk *ch,
                        int n_ch, pf_cost_model *fit)
 {
     /* columns scaled to O(1) so the normal equations stay well conditioned */
     const double s2 = 1e-6, s1 = 1e-3;
-    double A[3][3] = {{0}}, y[3] = {0}, p[3];
+    double A[9] = {0}, y[3] = {0}, p[3];
     int n = n_prof + n_ch;
     for (int i = 0; i < n; i++) {
         double q, l, ti;
@@ -104,11 +72,12 @@ int pl_calib_fit_joint(const double *len, const double *t, int n_prof, const pl_
         double row[3] = {q * s2, l * s1, 1};
         for (int j = 0; j < 3; j++) {
             for (int k = 0; k < 3; k++)
-                A[j][k] += row[j] * row[k];
+                A[j * 3 + k] += row[j] * row[k];
             y[j] += row[j] * ti;
         }
     }
-    if (n < 3 || solve3(A, y, p)) return TD_ERANGE;
+    /* the pivot floor guards the division only */
+    if (n < 3 || !td_solve_dense(3, A, y, p, 1e-300)) return TD_ERANGE;
     double a = p[0] * s2, b = p[1] * s1;
     if (!(a > 0) || !(b > 0)) return TD_ERANGE; /* not a convex cost: keep the profile's */
     fit->a = a;

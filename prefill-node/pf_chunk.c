@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "td_err.h"
+#include "td_linsolve.h"
 
 #define PF_MIN_ALIGN 64 /* tokens: dynamic chunks are multiples of max(page, this) */
 
@@ -61,46 +62,6 @@ int pf_stage_range(const int *counts, int pp, int stage, int *l0, int *l1)
 
 /* ---- least-squares quadratic ---- */
 
-/* Solve the 3x3 system A p = r by Gaussian elimination with partial pivoting. A and r
- * are overwritten. Returns false if a pivot is negligible against the matrix's scale. */
-static bool solve3(double A[3][3], double r[3], double p[3])
-{
-    double scale = 0;
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 3; j++)
-            scale = fmax(scale, fabs(A[i][j]));
-    if (!(scale > 0)) return false;
-    for (int k = 0; k < 3; k++) {
-        int piv = k;
-        for (int i = k + 1; i < 3; i++)
-            if (fabs(A[i][k]) > fabs(A[piv][k])) piv = i;
-        if (!(fabs(A[piv][k]) > 1e-12 * scale)) return false;
-        if (piv != k) {
-            for (int j = 0; j < 3; j++) {
-                double t = A[k][j];
-                A[k][j] = A[piv][j];
-                A[piv][j] = t;
-            }
-            double t = r[k];
-            r[k] = r[piv];
-            r[piv] = t;
-        }
-        for (int i = k + 1; i < 3; i++) {
-            double f = A[i][k] / A[k][k];
-            for (int j = k; j < 3; j++)
-                A[i][j] -= f * A[k][j];
-            r[i] -= f * r[k];
-        }
-    }
-    for (int k = 2; k >= 0; k--) {
-        double s = r[k];
-        for (int j = k + 1; j < 3; j++)
-            s -= A[k][j] * p[j];
-        p[k] = s / A[k][k];
-    }
-    return isfinite(p[0]) && isfinite(p[1]) && isfinite(p[2]);
-}
-
 int pf_fit_quadratic(const double *len, const double *t, int n, pf_cost_model *m)
 {
     memset(m, 0, sizeof *m);
@@ -138,9 +99,14 @@ int pf_fit_quadratic(const double *len, const double *t, int n, pf_cost_model *m
             up *= u;
         }
     }
-    double A[3][3] = {{S[0], S[1], S[2]}, {S[1], S[2], S[3]}, {S[2], S[3], S[4]}};
+    double A[9] = {S[0], S[1], S[2], S[1], S[2], S[3], S[2], S[3], S[4]};
     double p[3]; /* t ~ p0 + p1 u + p2 u^2 */
-    if (!solve3(A, R, p)) return TD_EINVAL;
+    /* singular: a pivot negligible against the matrix's largest entry */
+    double scale = 0;
+    for (int i = 0; i < 9; i++)
+        scale = fmax(scale, fabs(A[i]));
+    if (!td_solve_dense(3, A, R, p, 1e-12 * scale)) return TD_EINVAL;
+    if (!isfinite(p[0]) || !isfinite(p[1]) || !isfinite(p[2])) return TD_EINVAL;
     /* goodness of fit in u space (no conversion error) */
     double tmean = 0;
     for (int i = 0; i < n; i++)

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "td_err.h"
+#include "td_linsolve.h"
 
 #define NP            4 /* parameters: a, b, c_p (profile constant), c_o (chunk constant) */
 #define MAX_PTS       (PF_TUNE_CAP + PF_TUNE_MAX_PROFILE)
@@ -22,7 +23,8 @@ typedef struct {
 
 /* Weighted least squares over the kept points on the columns in `mask`, with each column
  * scaled by its largest magnitude. theta (NP) gets 0 for columns left out. Returns false
- * when a pivot is below MIN_PIVOT of the largest (poorly conditioned) or not finite. */
+ * when a pivot is not above MIN_PIVOT of the largest diagonal entry (poorly conditioned) or
+ * theta is not finite. */
 static bool wls(const fit_pt *p, int n, unsigned mask, double *theta)
 {
     int col[NP], k = 0;
@@ -32,7 +34,7 @@ static bool wls(const fit_pt *p, int n, unsigned mask, double *theta)
     for (int i = 0; i < n; i++)
         for (int j = 0; j < k; j++)
             if (p[i].keep && p[i].w > 0) sc[j] = fmax(sc[j], fabs(p[i].f[col[j]]));
-    double A[NP][NP + 1] = {{0}};
+    double A[NP * NP] = {0}, y[NP] = {0};
     for (int j = 0; j < k; j++)
         if (!(sc[j] > 0)) return false;
     for (int i = 0; i < n; i++) {
@@ -40,36 +42,14 @@ static bool wls(const fit_pt *p, int n, unsigned mask, double *theta)
         for (int r = 0; r < k; r++) {
             double fr = p[i].f[col[r]] / sc[r];
             for (int c = 0; c < k; c++)
-                A[r][c] += p[i].w * fr * p[i].f[col[c]] / sc[c];
-            A[r][k] += p[i].w * fr * p[i].t;
+                A[r * k + c] += p[i].w * fr * p[i].f[col[c]] / sc[c];
+            y[r] += p[i].w * fr * p[i].t;
         }
     }
     double big = 0;
     for (int r = 0; r < k; r++)
-        big = fmax(big, fabs(A[r][r]));
-    for (int c = 0; c < k; c++) { /* elimination with partial pivoting */
-        int piv = c;
-        for (int r = c + 1; r < k; r++)
-            if (fabs(A[r][c]) > fabs(A[piv][c])) piv = r;
-        if (!(fabs(A[piv][c]) > MIN_PIVOT * big)) return false;
-        for (int j = 0; j <= k; j++) {
-            double t = A[c][j];
-            A[c][j] = A[piv][j];
-            A[piv][j] = t;
-        }
-        for (int r = c + 1; r < k; r++) {
-            double f = A[r][c] / A[c][c];
-            for (int j = c; j <= k; j++)
-                A[r][j] -= f * A[c][j];
-        }
-    }
-    double y[NP];
-    for (int r = k - 1; r >= 0; r--) {
-        double s = A[r][k];
-        for (int j = r + 1; j < k; j++)
-            s -= A[r][j] * y[j];
-        y[r] = s / A[r][r];
-    }
+        big = fmax(big, fabs(A[r * k + r]));
+    if (!td_solve_dense(k, A, y, y, MIN_PIVOT * big)) return false;
     memset(theta, 0, NP * sizeof *theta);
     for (int j = 0; j < k; j++) {
         theta[col[j]] = y[j] / sc[j];

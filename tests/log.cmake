@@ -17,7 +17,9 @@ endforeach()
 #   grow         growable arrays (td_grow.c)
 #   coreshare    cores shared by time between decode steps and prefill stages (td_coreshare.c),
 #                a forked process as the other side
-foreach(t clock_stats blockhash args grow coreshare)
+#   linsolve     the dense solver of the cost models' fits (td_linsolve.c): known systems,
+#                singular and badly conditioned ones refused
+foreach(t clock_stats blockhash args grow coreshare linsolve)
   add_executable(test_${t} common/test_${t}.c)
   target_include_directories(test_${t} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
   target_link_libraries(test_${t} PRIVATE td_common)
