@@ -25,6 +25,8 @@
  * weights send every row (solo and batch, any m) through cpu_q8gemm.c's integer GEMM, whose
  * per-row bits do not depend on m, so matmul_mixed's contract holds for all rows; a matrix
  * the engine registered (kn_cpu_map_matrix) is packed for it once (cpu_packed.c), same bits.
+ * Mapped Q4_K and Q6_K matrices take the dot path through their packed copy (cpu_q8kpack.c; Q4_K
+ * on AMX-INT8 tiles from KN_Q8K_DOT_AMX_MIN_M rows of x, same bits).
  * With AVX512-VNNI the gemm path's batch rows of Q4_K and Q6_K take cpu_q8kgemm.c's integer
  * GEMM in that mode instead of dequantize + sgemm (x in 32-blocks; per-row bits independent of
  * m there too), each thread running the solo rows' dots over the same 16-row groups first.
@@ -87,15 +89,15 @@ typedef struct {
     kn_cpu *c;
     const kn_mat *w;
     /* dot path rows */
-    const float *x;    /* (m, n_cols) */
-    const float *xsum; /* (m, n_cols / g) sums of x over groups of g, the type's xsum_group
-                        * (cpu_traits.h), when g > 0; else NULL */
-    const void *xq;    /* (m, kn_q8_row_bytes) x quantized to 8 bits (q8 mode); else NULL */
-    const void *xq16;  /* (m, kn_q16_row_bytes) x quantized to 16 bits (q16 mode); else NULL */
+    const float *x;     /* (m, n_cols) */
+    const float *xsum;  /* (m, n_cols / g) sums of x over groups of g, the type's xsum_group
+                         * (cpu_traits.h), when g > 0; else NULL */
+    const void *xq;     /* (m, kn_q8_row_bytes) x quantized to 8 bits (q8 mode); else NULL */
+    const void *xq16;   /* (m, kn_q16_row_bytes) x quantized to 16 bits (q16 mode); else NULL */
     const void *packed; /* q8 mode, K-quant W, or q16 mode: W's packed copy (cpu_packed.c), or
                            NULL */
-    int64_t m;         /* 0: none */
-    float *y;          /* (m, n_rows) */
+    int64_t m;          /* 0: none */
+    float *y;           /* (m, n_rows) */
     /* gemm path rows */
     const float *gx; /* (gm, n_cols) */
     const void *gxb; /* gx packed for the AMX-BF16 products (kn_bf16amx_pack_x), or NULL */
@@ -486,8 +488,7 @@ static int mm_check(const kn_mat *w, const char *op)
     return 0;
 }
 
-void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
-                         const char **solo)
+void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch, const char **solo)
 {
     /* kn_cpu_matmul_mixed's choices, in its order */
     const bool amx = kn_q8_gemm_amx(); /* 24 rows of x and more: kn_q8_gemm_amx */
@@ -515,7 +516,11 @@ void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch,
         *solo = q16[!strcmp(isa, "avx512vnni") ? 2 : !strcmp(isa, "avx2") ? 1 : 0];
         return;
     }
-    *solo = c->act_q8 && kn_q8_supported(w->type) ? "q8 integer dot" : "float32 dot";
+    /* "amx-int8 from 7 rows": KN_Q8K_DOT_AMX_MIN_M, through the packed copy the engine maps */
+    *solo = !c->act_q8 || !kn_q8_supported(w->type) ? "float32 dot"
+            : w->type == TD_Q4_K && amx && kn_q8k_packed_bytes(w)
+                ? "q8 integer dot (amx-int8 from 7 rows)"
+                : "q8 integer dot";
 }
 
 bool kn_cpu_gemm_amx(const kn_cpu *c)

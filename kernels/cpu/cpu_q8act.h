@@ -61,15 +61,19 @@ void kn_q8_quant_rows(td_dtype t, const float *x, int64_t m, int64_t n, void *xq
  * xq from kn_q8_quant_rows(w->type, x, m, w->n_cols, xq). packed: for a K-type W, W packed
  * by kn_q8k_pack (read by 16-row groups; any r0, r1, faster on group bounds), or NULL (the
  * rows as they are); both give the same bits. Ignored for the other types. */
-void kn_q8_dot(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y,
-               int64_t r0, int64_t r1);
+void kn_q8_dot(const kn_mat *w, const void *packed, const void *xq, int64_t m, float *y, int64_t r0,
+               int64_t r1);
 
 /* ---- cpu_q8kpack.c: K-quant weights packed once for kn_q8_dot (AVX512-VNNI) ----
  * kn_q8k_packed_bytes: the bytes of W (Q4_K or Q6_K, whole super-blocks) packed in groups
  * of 16 rows, or 0 when it cannot be (another type, no AVX512-VNNI, kn_q8_gemm_force_avx2).
  * kn_q8k_pack fills groups [g0, g1) (any thread, disjoint groups); W must not change
  * afterwards. kn_q8k_dot_packed_q4_k and _q6_k (cpu_traits.h, the table's q8_dot_packed):
- * kn_q8_dot's product through the packed copy. */
+ * kn_q8_dot's product through the packed copy; Q4_K's calls of KN_Q8K_DOT_AMX_MIN_M rows of x or
+ * more run on AMX-INT8 tiles where kn_q8_gemm_amx() holds, with the VNNI kernel's bits (measured
+ * with bench_q8amx on the 1.5B model's shapes, hot: 0.9-1.0x at 5-6 rows, 1.1x at 7-8, 1.3x at
+ * 9, 1.3-1.4x at 16). */
+#define KN_Q8K_DOT_AMX_MIN_M 7
 size_t kn_q8k_packed_bytes(const kn_mat *w);
 void kn_q8k_pack(const kn_mat *w, void *packed, int64_t g0, int64_t g1);
 

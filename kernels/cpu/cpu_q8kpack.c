@@ -1,5 +1,6 @@
 /* cpu_q8kpack.c: K-quant weights (Q4_K, Q6_K) packed once for the q8 mode's decode dot path
- * (kn_q8_dot with a packed copy, cpu_q8act.h), AVX512-VNNI.
+ * (kn_q8_dot with a packed copy, cpu_q8act.h), AVX512-VNNI; Q4_K's calls of many rows of x on
+ * AMX-INT8 tiles (below).
  *
  * Why: the row-wise dot (cpu_q8act.c) spends most of its instructions on each row's own
  * bookkeeping: a 256-bit load widened to 512 bits per 64 weights, the scales broadcast by a
@@ -31,6 +32,7 @@
 
 #include "cpu_kquant_internal.h"
 #include "cpu_q8act.h"
+#include "cpu_q8amx.h"
 #include "cpu_q8vnni.h"
 #include "cpu_traits.h"
 
@@ -55,12 +57,10 @@ KN_ALWAYS_INLINE size_t packed_block(td_dtype t)
 
 size_t kn_q8k_packed_bytes(const kn_mat *w)
 {
-    if ((w->type != TD_Q4_K && w->type != TD_Q6_K) || w->n_rows < 1 ||
-        w->n_cols % KN_QK_K != 0 || w->row_stride > INT32_MAX / 16 ||
-        kn_q8_gemm_group_rows() != 16)
+    if ((w->type != TD_Q4_K && w->type != TD_Q6_K) || w->n_rows < 1 || w->n_cols % KN_QK_K != 0 ||
+        w->row_stride > INT32_MAX / 16 || kn_q8_gemm_group_rows() != 16)
         return 0;
-    return (size_t)((w->n_rows + 15) / 16) * (size_t)(w->n_cols / KN_QK_K) *
-           packed_block(w->type);
+    return (size_t)((w->n_rows + 15) / 16) * (size_t)(w->n_cols / KN_QK_K) * packed_block(w->type);
 }
 
 /* 8 vectors at o: dwords 0-7 of the 32 raw bytes at offset off of the 16 rows. */
@@ -160,14 +160,16 @@ Q8G_I512 void q4k_super(int M, const uint8_t *P, const kn_q8k *xb, int64_t xs, _
                 hi[j] = _mm512_dpbusd_epi32(hi[j], vh, bcast_dword(x + 32));
             }
         }
-        const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(P + Q4K_SC + 32 * c)));
+        const __m512i s0 =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(P + Q4K_SC + 32 * c)));
         const __m512i s1 =
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(P + Q4K_SC + 32 * c + 16)));
-        const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(P + Q4K_MN + 32 * c)));
+        const __m512i mn =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(P + Q4K_MN + 32 * c)));
         KN_UNROLL
         for (int j = 0; j < M; j++) {
-            isum[j] = _mm512_add_epi32(
-                isum[j], _mm512_add_epi32(_mm512_mullo_epi32(lo[j], s0), _mm512_mullo_epi32(hi[j], s1)));
+            isum[j] = _mm512_add_epi32(isum[j], _mm512_add_epi32(_mm512_mullo_epi32(lo[j], s0),
+                                                                 _mm512_mullo_epi32(hi[j], s1)));
             msum[j] = _mm512_dpwssd_epi32(msum[j], mn, bcast_dword(xb[j * xs].csums + 2 * c));
         }
     }
@@ -230,8 +232,8 @@ Q8G_I512 void q6k_super(int M, const uint8_t *P, const kn_q8k *xb, int64_t xs, _
                 KN_UNROLL
                 for (int j = 0; j < M; j++) {
                     const __m512i off = _mm512_set1_epi32(32 * xb[j * xs].bsums[g]);
-                    s[j] = _mm512_add_epi32(s[j],
-                                            _mm512_mullo_epi32(_mm512_sub_epi32(a[j], off), sc));
+                    s[j] =
+                        _mm512_add_epi32(s[j], _mm512_mullo_epi32(_mm512_sub_epi32(a[j], off), sc));
                 }
             }
         }
@@ -295,11 +297,199 @@ Q8G_I512 void dot_packed(td_dtype t, const kn_mat *w, const uint8_t *packed, con
     }
 }
 
+/* ---- The AMX-INT8 form of the packed Q4_K dot, for calls of KN_Q8K_DOT_AMX_MIN_M rows of x or
+ * more ---- Why: past a few rows of x the kernel above is bound by its vpdpbusd, one per 64
+ * products and row of x (a verification step's 9 rows cost 1.9x one row's time on the 1.5B model's
+ * gate shape, cold); a tile instruction does 16 x 16 x 64. The sub-block scales are folded into the
+ * weights so a super-block's whole isum accumulates in the tiles: sc = sl + 16 sh (sl < 16,
+ * sh < 4), q sl <= 225 and q sh <= 45 are unsigned bytes, and
+ *   isum = sum_c dot(q_c sl_c, x_c) + 16 sum_c dot(q_c sh_c, x_c)
+ * exactly in int32: two tiles, C_l and C_h, from tdpbsud (x signed, weights unsigned). Each
+ * weight vector is scaled by one vpmullw per scale: a word of bytes b0, b1 (< 16) times s < 16
+ * is b0 s + 256 b1 s with b0 s < 256, no carry between the bytes. msum and the float part per
+ * super-block are q4k_super's, in super-block order: the bits are the VNNI kernel's (the tests
+ * compare them), so a row's result does not depend on which kernel its call took.
+ * What bounds it: building the B tiles (8 KiB of scaled bytes per super-block of 16 rows, one
+ * 64-byte store and one vpmullw each), about half the time at 9 rows of x on this file's shapes
+ * (1 thread, hot: without it 2.8x VNNI, with it 1.3x); then the tile loads and the float part.
+ * So the tiles win from 7 rows of x (KN_Q8K_DOT_AMX_MIN_M), not from 1: at batch 1 the VNNI
+ * kernel reads the weights at memory speed. */
+
+/* The configuration for mr rows of x: A tiles tmm0 and tmm1, C_l/C_h pairs tmm2/tmm3 and
+ * tmm4/tmm5 (two sets: the dots of super-block b + 1 run while the vector units read b's), B tiles
+ * tmm6 and tmm7. */
+Q8G_IAMX void q4ka_config(int mr)
+{
+    kn_q8a_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)(t < 6 ? mr : 16);
+        c.colsb[t] = 64;
+    }
+    Q8A_BARRIER();
+    _tile_loadconfig(&c);
+}
+
+/* The B tiles of the packed super-block P: bt[2c] the weights of chunk c (64 columns) times
+ * sl, bt[2c + 1] times sh; row u < 8 of either holds sub-block 2c's dwords u (the low nibbles
+ * of vector 8c + u), row 8 + u sub-block 2c + 1's (the high nibbles). */
+Q8G_IAMX void q4ka_b(const uint8_t *P, uint8_t bt[8][1024])
+{
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m15 = _mm512_set1_epi32(15);
+    KN_UNROLL
+    for (int c = 0; c < 4; c++) {
+        __m512i sl[2], sh[2];
+        KN_UNROLL
+        for (int h = 0; h < 2; h++) {
+            const __m512i s =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(P + Q4K_SC + 32 * c + 16 * h)));
+            const __m512i l = _mm512_and_si512(s, m15), hh = _mm512_srli_epi32(s, 4);
+            sl[h] = _mm512_or_si512(l, _mm512_slli_epi32(l, 16)); /* both words of the dword */
+            sh[h] = _mm512_or_si512(hh, _mm512_slli_epi32(hh, 16));
+        }
+        KN_UNROLL
+        for (int u = 0; u < 8; u++) {
+            const __m512i v = _mm512_loadu_si512(P + 64 * (8 * c + u));
+            const __m512i lo = _mm512_and_si512(v, m4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            _mm512_store_si512(bt[2 * c] + 64 * u, _mm512_mullo_epi16(lo, sl[0]));
+            _mm512_store_si512(bt[2 * c] + 64 * (8 + u), _mm512_mullo_epi16(hi, sl[1]));
+            _mm512_store_si512(bt[2 * c + 1] + 64 * u, _mm512_mullo_epi16(lo, sh[0]));
+            _mm512_store_si512(bt[2 * c + 1] + 64 * (8 + u), _mm512_mullo_epi16(hi, sh[1]));
+        }
+    }
+}
+
+/* C_l (tile cl) and C_h (ch) of the super-block whose B tiles are bt against the rows of x in
+ * tile a, from xb (the rows' kn_q8k blocks of this super-block, xs bytes apart). */
+#define Q4KA_DOTS(a, cl, ch, xb, xs, bt)                                                           \
+    do {                                                                                           \
+        Q8A_BARRIER(); /* the B tiles' stores first */                                             \
+        _tile_zero(cl);                                                                            \
+        _tile_zero(ch);                                                                            \
+        KN_UNROLL                                                                                  \
+        for (int c_ = 0; c_ < 4; c_++) {                                                           \
+            _tile_loadd(a, (xb)->qs + 64 * c_, xs);                                                \
+            _tile_loadd(6, (bt)[2 * c_], 64);                                                      \
+            _tile_loadd(7, (bt)[2 * c_ + 1], 64);                                                  \
+            _tile_dpbsud(cl, a, 6);                                                                \
+            _tile_dpbsud(ch, a, 7);                                                                \
+        }                                                                                          \
+    } while (0)
+
+/* q4k_super's float part for the M rows of x of super-block P from the tiles' sums in cd. */
+Q8G_IAMX void q4ka_epilogue(int M, int32_t cd[2][256], const uint8_t *P, const kn_q8k *xb,
+                            int64_t xs, __m512 acc[16])
+{
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(P + Q4K_D)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(P + Q4K_DMIN)));
+    __m512i mn[4];
+    KN_UNROLL
+    for (int c = 0; c < 4; c++)
+        mn[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(P + Q4K_MN + 32 * c)));
+    KN_UNROLL
+    for (int j = 0; j < 16; j++) {
+        if (j >= M) break;
+        const kn_q8k *x = xb + j * xs;
+        const __m512i isum =
+            _mm512_add_epi32(_mm512_load_si512(cd[0] + 16 * j),
+                             _mm512_slli_epi32(_mm512_load_si512(cd[1] + 16 * j), 4));
+        __m512i msum = _mm512_setzero_si512();
+        KN_UNROLL
+        for (int c = 0; c < 4; c++)
+            msum = _mm512_dpwssd_epi32(msum, mn[c], bcast_dword(x->csums + 2 * c));
+        const __m512 xd = _mm512_set1_ps(x->d);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, xd), acc[j]);
+        acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, xd), acc[j]);
+    }
+}
+
+/* One group of 16 rows of W (packed at P, nb super-blocks) against M rows of x (xb, nb blocks
+ * each; the configuration loaded for M rows): y[j * ldy + lane] under mask k. A pipeline over
+ * the super-blocks: the tile unit runs the dots of b + 1 while the vector units run b's float
+ * part and build the B tiles of b + 2 (two buffers, two tile sets). */
+Q8G_IAMX void q4ka_panel(int M, const uint8_t *P, const kn_q8k *xb, int64_t nb, float *y,
+                         int64_t ldy, __mmask16 k)
+{
+    const size_t xs = (size_t)nb * sizeof(kn_q8k);
+    _Alignas(64) uint8_t bt[2][8][1024];
+    _Alignas(64) int32_t cd[2][2][256];
+    __m512 acc[16];
+    KN_UNROLL
+    for (int j = 0; j < 16; j++)
+        acc[j] = _mm512_setzero_ps();
+    q4ka_b(P, bt[0]);
+    if (nb > 1) q4ka_b(P + Q4K_PB, bt[1]);
+    Q4KA_DOTS(0, 2, 3, xb, xs, bt[0]);
+    Q8A_STORE(2, cd[0][0]);
+    Q8A_STORE(3, cd[0][1]);
+    for (int64_t b = 0; b < nb; b++) {
+        const bool odd = b & 1;
+        if (b + 1 < nb) {
+            if (odd)
+                Q4KA_DOTS(0, 2, 3, xb + b + 1, xs, bt[0]);
+            else
+                Q4KA_DOTS(1, 4, 5, xb + b + 1, xs, bt[1]);
+        }
+        q4ka_epilogue(M, cd[odd], P + (size_t)b * Q4K_PB, xb + b, nb, acc);
+        if (b + 2 < nb) {
+            Q8A_BARRIER(); /* dots(b) loaded bt[odd] before these stores (in order) */
+            q4ka_b(P + (size_t)(b + 2) * Q4K_PB, bt[odd]);
+        }
+        if (b + 1 < nb) {
+            if (odd) {
+                Q8A_STORE(2, cd[0][0]);
+                Q8A_STORE(3, cd[0][1]);
+            } else {
+                Q8A_STORE(4, cd[1][0]);
+                Q8A_STORE(5, cd[1][1]);
+            }
+        }
+    }
+    KN_UNROLL
+    for (int j = 0; j < 16; j++) {
+        if (j >= M) break;
+        _mm512_mask_storeu_ps(y + j * ldy, k, acc[j]);
+    }
+}
+
+/* dot_packed for Q4_K on the tiles: per group of 16 rows of W, each tile of up to 16 rows of x
+ * through q4ka_panel (the B tiles built again per tile of x: the decode calls this serves have
+ * one). */
+static Q8G_TAMX void q4k_amx(const kn_mat *w, const uint8_t *packed, const kn_q8k *x, int64_t m,
+                             float *y, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->n_cols / KN_QK_K, ldy = w->n_rows;
+    const size_t gbytes = (size_t)nb * Q4K_PB;
+    int cfg = 0;
+    for (int64_t g = r0 / 16; 16 * g < r1; g++) {
+        const int64_t lo = r0 > 16 * g ? r0 : 16 * g, hi = r1 < 16 * g + 16 ? r1 : 16 * g + 16;
+        const __mmask16 k = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - 16 * g));
+        const uint8_t *P = packed + (size_t)g * gbytes;
+        for (int64_t i = 0; i < m; i += 16) {
+            const int mr = (int)(m - i < 16 ? m - i : 16);
+            if (cfg != mr) {
+                q4ka_config(mr);
+                cfg = mr;
+            }
+            if (mr == 16)
+                q4ka_panel(16, P, x + i * nb, nb, y + i * ldy + 16 * g, ldy, k);
+            else
+                q4ka_panel(mr, P, x + i * nb, nb, y + i * ldy + 16 * g, ldy, k);
+        }
+    }
+    _tile_release();
+}
+
 /* The packed q8 dot kernels of cpu_traits.h's table, one specialised copy per type. */
 Q8G_T512 void kn_q8k_dot_packed_q4_k(const kn_mat *w, const void *packed, const void *xq, int64_t m,
                                      float *y, int64_t r0, int64_t r1)
 {
-    dot_packed(TD_Q4_K, w, packed, xq, m, y, r0, r1);
+    if (m >= KN_Q8K_DOT_AMX_MIN_M && kn_q8_gemm_amx())
+        q4k_amx(w, packed, xq, m, y, r0, r1);
+    else
+        dot_packed(TD_Q4_K, w, packed, xq, m, y, r0, r1);
 }
 
 Q8G_T512 void kn_q8k_dot_packed_q6_k(const kn_mat *w, const void *packed, const void *xq, int64_t m,

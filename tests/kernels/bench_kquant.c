@@ -5,7 +5,9 @@
  * gate/up shape of Qwen2.5-1.5B)
  * Prints per type: m = 1 dot rows/s and weight GB/s, hot (one matrix that stays in cache)
  * and cold (cycling over copies totalling ~256 MB, beyond L3), then GFLOP/s at m = 8 (dot
- * path) and m = 256 (gemm path). Random quants with small finite scales.
+ * path) and m = 256 (gemm path), and on a second line the cold time at m = 2, 4, 9, 16 (the
+ * rows of a decode step: a batch, or a row with its verification rows) against m = 1's.
+ * Random quants with small finite scales.
  * With TANDEM_CPU_ACT=q8, a second line per type ("mapped") times the same products over
  * matrices registered with kn_cpu_map_matrix, as the engine's weights are: the types the q8
  * mode packs (cpu_packed.c) then run their packed kernels.
@@ -85,12 +87,18 @@ int main(int argc, char **argv)
             const double hot = time_pass(c, t, w, 1, rows, cols, x, 1, y);
             const double cold = time_pass(c, t, w, n, rows, cols, x, 1, y);
             const double m8 = time_pass(c, t, w, 1, rows, cols, x, 8, y);
+            static const int64_t cm[] = {2, 4, 9, 16}; /* a decode step's rows, cold weights */
+            double cold_m[4];
+            for (int k = 0; k < 4; k++)
+                cold_m[k] = time_pass(c, t, w, n, rows, cols, x, cm[k], y);
             const double m256 = time_pass(c, t, w, 1, rows, cols, x, 256, y);
             const double fl = 2.0 * (double)rows * (double)cols;
             printf("  %-5s %s m1 hot %6.2f Mrows/s %5.1f GB/s | cold %6.2f Mrows/s %5.1f GB/s | "
                    "m8 %5.1f GFLOP/s | m256 %5.1f GFLOP/s\n",
                    td_dtype_name(t), mapped ? "mapped" : "      ", rows / hot / 1e6, mb / hot / 1e9,
                    rows / cold / 1e6, mb / cold / 1e9, 8 * fl / m8 / 1e9, 256 * fl / m256 / 1e9);
+            printf("        cold, time against m = 1: m2 %.2fx m4 %.2fx m9 %.2fx m16 %.2fx\n",
+                   cold_m[0] / cold, cold_m[1] / cold, cold_m[2] / cold, cold_m[3] / cold);
             for (int i = 0; i < n; i++)
                 free(w[i]);
             free(w);

@@ -50,6 +50,8 @@ int main(int argc, char **argv)
         {"qwen0.5b gate/up", 4864, 896}, {"qwen0.5b down", 896, 4864},
         {"smol135m q/o", 576, 576},      {"smol135m k/v", 192, 576},
         {"smol135m gate/up", 1536, 576}, {"smol135m down", 576, 1536},
+        {"qwen1.5b q/o", 1536, 1536},    {"qwen1.5b gate/up", 8960, 1536},
+        {"qwen1.5b down", 1536, 8960},
     };
     static const td_dtype types[] = {TD_Q4_0, TD_Q4_1, TD_Q5_0, TD_Q8_0, TD_Q4_K, TD_Q6_K};
     if (!kn_q8_gemm_amx()) {
@@ -75,7 +77,7 @@ int main(int argc, char **argv)
                               .n_cols = cols,
                               .row_stride = td_dtype_row_bytes(t, cols),
                               .data = data};
-            for (int mapped = ktype ? 0 : 1; mapped >= 0; mapped--) {
+            for (int mapped = 1; mapped >= 0; mapped--) {
                 kn_cpu *c;
                 if (kn_cpu_create(threads, &c)) return 1;
                 kn_cpu_set_act_q8(c, true);

@@ -5,8 +5,10 @@
  * counts of W that are not multiples of 16, odd and even block counts (the double-buffered tile
  * loop), a row of x at full scale, group ranges split in two, nothing stored outside the rows asked
  * for; then the backend's matmul with 1, 2 and 3 threads, weights mapped (packed) or not; the
- * GEMM ISA's name and TANDEM_CPU_AMX's values. Exits 77 (ctest's skip) where AMX is unusable:
- * no AMX on the CPU, the OS refusing the tile state, or TANDEM_CPU_AMX=0.
+ * GEMM ISA's name and TANDEM_CPU_AMX's values. Also the packed Q4_K dot of decode rows
+ * (kn_q8_dot through kn_q8k_pack's copy) on the tiles against its VNNI form. Exits 77 (ctest's
+ * skip) where AMX is unusable: no AMX on the CPU, the OS refusing the tile state, or
+ * TANDEM_CPU_AMX=0.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -115,6 +117,62 @@ static void test_kernels(void)
     }
 }
 
+/* The packed Q4_K dot (kn_q8k_pack, kn_q8_dot: the decode rows' product) on the tiles against its
+ * VNNI form: the same bits for m from the AMX threshold up (one tile of x, full tiles of 16,
+ * partial last tiles), 1 to 4 super-blocks (the pipeline's odd and even counts), a partial last
+ * group of W, row ranges that start and end inside groups (nothing written outside them); m below
+ * the threshold takes the VNNI kernel either way. */
+static void check_kdot(int64_t n_rows, int64_t nsb, int64_t m)
+{
+    static const int64_t ranges[][2] = {{0, 53}, {3, 29}, {16, 32}, {17, 18}, {40, 53}};
+    const int64_t n_cols = nsb * 256, groups = (n_rows + 15) / 16;
+    kn_mat w;
+    uint8_t *buf = kt_make_w(&rng, TD_Q4_K, n_rows, n_cols, &w);
+    float *x = make_x(m, n_cols);
+    void *xq = malloc((size_t)m * kn_q8_row_bytes(TD_Q4_K, n_cols));
+    const size_t ny = (size_t)(m * n_rows), pbytes = kn_q8k_packed_bytes(&w);
+    float *yv = malloc(ny * sizeof(float)), *ya = malloc(ny * sizeof(float));
+    void *packed = malloc(pbytes);
+    TH_REQUIRE(buf && x && xq && yv && ya && pbytes && packed);
+    kn_q8_quant_rows(TD_Q4_K, x, m, n_cols, xq);
+    kn_q8k_pack(&w, packed, 0, groups);
+    for (size_t k = 0; k < sizeof ranges / sizeof *ranges; k++) {
+        const int64_t r0 = ranges[k][0], r1 = ranges[k][1] < n_rows ? ranges[k][1] : n_rows;
+        if (r0 >= r1) continue;
+        kn_q8_gemm_force_amx_off(true);
+        kt_fill(yv, ny, SENTINEL);
+        kn_q8_dot(&w, packed, xq, m, yv, r0, r1);
+        kn_q8_gemm_force_amx_off(false);
+        kt_fill(ya, ny, SENTINEL);
+        kn_q8_dot(&w, packed, xq, m, ya, r0, r1);
+        int64_t diff = 0, outside = 0;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t r = 0; r < n_rows; r++) {
+                const float a = yv[i * n_rows + r], b = ya[i * n_rows + r];
+                if (r >= r0 && r < r1)
+                    diff += memcmp(&a, &b, sizeof a) != 0 || a == SENTINEL;
+                else
+                    outside += a != SENTINEL || b != SENTINEL;
+            }
+        TH_CHECKF(diff == 0 && outside == 0,
+                  "Q4_K packed dot %lldx%lld m %lld rows [%lld, %lld): %lld values differ from "
+                  "VNNI's, %lld written outside",
+                  (long long)n_rows, (long long)n_cols, (long long)m, (long long)r0, (long long)r1,
+                  (long long)diff, (long long)outside);
+    }
+    free(buf), free(x), free(xq), free(yv), free(ya), free(packed);
+}
+
+static void test_kdot(void)
+{
+    static const int64_t ms[] = {3, 7, 9, 16, 17, 31, 33};
+    for (size_t i = 0; i < sizeof ms / sizeof *ms; i++)
+        for (int64_t nsb = 1; nsb <= 4; nsb++) {
+            check_kdot(53, nsb, ms[i]);
+            check_kdot(16, nsb, ms[i]);
+        }
+}
+
 /* The backend's matmul in the q8 mode, AMX against VNNI, with 1, 2 and 3 threads, W as it is
  * and mapped (the packed copy): the same bits everywhere. */
 static void test_backend(void)
@@ -184,6 +242,7 @@ int main(void)
         return kt_skip("AMX-INT8 is not usable here (no AMX, the OS refused the tile state, no "
                        "AVX512-VNNI, or TANDEM_CPU_AMX=0)");
     TH_RUN(test_kernels);
+    TH_RUN(test_kdot);
     TH_RUN(test_backend);
     TH_RUN(test_names_env);
     TH_EXIT();
