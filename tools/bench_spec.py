@@ -17,6 +17,8 @@ llama_spec llama_off, so that each pair of a ratio runs close together), reverse
 other round (A B C D, D C B A) so that drift hits all alike:
   on          Tandem, speculative {method: ngram} (adaptive; max_tokens 8, ngram 2..4)
   k4, k8      Tandem, {method: ngram, adaptive: false, max_tokens: 4 | 8} (pinned k)
+  n8, n1      Tandem, {method: ngram, ngram_max: 8} | {method: ngram, ngram_min: 1} (adaptive:
+              longer suffixes looked up, or single tokens too)
   off         Tandem, {method: off}
   llama_spec  llama-server with --llama-spec (default LLAMA_SPEC_DEFAULT: see LLAMA_SWEEP)
   llama_off   llama-server without speculation
@@ -46,7 +48,7 @@ acceptance (its timings: draft_n_accepted / draft_n) and any router /metrics ser
 *spec* (their change over the phase). Then per batch the medians over rounds and the
 ratios (median, and each round's): on/off, k4/off, k8/off, llama_spec/llama_off,
 llama_draft/llama_off, on/llama_spec, off/llama_off, on/llama_off.
-Text check: each answer of on, k4 and k8 at batch 1 must equal off's answer to the same
+Text check: each answer of on, k4, k8, n8 and n1 at batch 1 must equal off's answer to the same
 prompt in the same round, byte for byte (speculation must not change greedy output); a
 difference prints MISMATCH with where it starts, and the exit status is 2. Batched, the
 comparison is information only: a prompt's prefill rows share steps with other requests'
@@ -574,6 +576,8 @@ LLAMA_SPEC_DEFAULT = LLAMA_SWEEP["ngram-map-k"]
 TANDEM_SPEC = {"on": {"method": "ngram"},
                "k4": {"method": "ngram", "adaptive": "false", "max_tokens": 4},
                "k8": {"method": "ngram", "adaptive": "false", "max_tokens": 8},
+               "n8": {"method": "ngram", "ngram_max": 8},
+               "n1": {"method": "ngram", "ngram_min": 1},
                "off": {"method": "off"}}
 LLAMA = ("llama_spec", "llama_off", "llama_draft")
 LOG_DIR = os.path.expanduser("~/.cache/tandem/bench-spec")
@@ -1032,7 +1036,7 @@ def check_texts(texts, rounds, batches):
     return bad
 
 
-RATIOS = [("on", "off"), ("k4", "off"), ("k8", "off"), ("llama_spec", "llama_off"),
+RATIOS = [("on", "off"), ("k4", "off"), ("k8", "off"), ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
           ("llama_draft", "llama_off"), ("on", "llama_spec"), ("off", "llama_off"),
           ("on", "llama_off")]
 
