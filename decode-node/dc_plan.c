@@ -203,12 +203,19 @@ int dc_plan_decode(const void *buf, size_t len, int block_size, int n_blocks, dc
  * weight suits every coefficient: solo rows / 8, prefill tokens / 128, attention pairs
  * / 65536, draft passes / 4. */
 static const double FEAT_SCALE[DC_COST_N] = {1, 8, 128, 65536, 4};
-#define COST_FORGET  0.98 /* per step: the fit looks back about 50 steps */
-#define COST_PRIOR_W 0.05 /* the start's weight, in steps: the data win at once where they */
-                          /* determine a coefficient */
-#define COST_CLIP   5.0   /* residuals beyond this many mean absolute residuals, and beyond */
-#define COST_CLIP_R 0.5   /* this share of the prediction, are clipped */
-#define COST_GFLOPS 50.0  /* the start's assumed rate (GFLOP/s): conservative for a CPU */
+#define COST_FORGET 0.98 /* per step: the fit looks back about 50 steps */
+/* The start's weight per coefficient, in steps: the data win at once where they determine a
+ * coefficient, the start decides only what they leave open (the intercept against the per-row
+ * cost while every step has one row). The prefill token's start is the least known (an
+ * assumed rate, 2-10x off on a CPU) and weighs least: at the common weight its pull, through
+ * the first prefill step (t = intercept + tokens x its cost), held the intercept at 0, so the
+ * one-row steps that followed put their whole time into the per-row cost (replayed from a
+ * run's log, the 1.5B model on the Intel machine: a verification row predicted at 45 ms, 8
+ * measured, and the run's first request never speculated; test_sched's test_cost_start). */
+static const double PRIOR_W[DC_COST_N] = {0.05, 0.05, 1e-4, 0.05, 0.05};
+#define COST_CLIP   5.0  /* residuals beyond this many mean absolute residuals, and beyond */
+#define COST_CLIP_R 0.5  /* this share of the prediction, are clipped */
+#define COST_GFLOPS 50.0 /* the start's assumed rate (GFLOP/s): conservative for a CPU */
 
 static void features(const dc_step_shape *s, double x[DC_COST_N])
 {
@@ -317,9 +324,9 @@ void dc_cost_observe(dc_cost *c, const dc_step_shape *s, double ms)
         c->b[i] = COST_FORGET * c->b[i] + x[i] * (pred + e);
         for (int j = 0; j < DC_COST_N; j++) {
             c->A[i][j] = COST_FORGET * c->A[i][j] + x[i] * x[j];
-            M[i][j] = c->A[i][j] + (i == j ? COST_PRIOR_W : 0);
+            M[i][j] = c->A[i][j] + (i == j ? PRIOR_W[i] : 0);
         }
-        v[i] = c->b[i] + COST_PRIOR_W * c->prior[i];
+        v[i] = c->b[i] + PRIOR_W[i] * c->prior[i];
     }
     solve_nonneg(M, v, c->theta);
     c->n_obs++;

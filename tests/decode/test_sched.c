@@ -1044,6 +1044,46 @@ static void test_cost_model(void)
               "sixteen rows, the machine twice as slow");
 }
 
+/* The start of a run on a model of Qwen2.5-1.5B's shapes, the world measured with it (s30, Intel,
+ * the first request of a batch-1 run): a first prefill of 47 tokens at 579 ms (the start's
+ * assumed rate predicts 2468), then one-row decode steps of 48.5 ms. The steps cannot tell the
+ * intercept from the per-row cost, and the start must leave a verification row cheap enough to
+ * be tried (a proposal at the start's chance, 0.6, taken by the choice): with one prior weight
+ * for all coefficients the prefill's pulled the intercept to 0, the row cost rose to 45 ms and
+ * that run's first request never speculated. */
+static double draft_row_ms(const void *ctx, int32_t pos)
+{
+    return dc_cost_draft_ms(ctx, pos);
+}
+
+static void test_cost_start(void)
+{
+    const kn_hparams hp = {.n_embd = 1536,
+                           .n_head = 12,
+                           .head_dim = 128,
+                           .n_head_kv = 2,
+                           .n_layer = 28,
+                           .n_ff = 8960,
+                           .n_vocab = 151936};
+    dc_cost c;
+    dc_cost_init(&c, &hp);
+    dc_step_shape pf = {.n_prefill = 47, .attn = 1128};
+    dc_cost_observe(&c, &pf, 579);
+    dc_step_shape one = {.n_decode = 1};
+    for (int i = 0; i < 40; i++) {
+        one.attn = 48 + i;
+        dc_cost_observe(&c, &one, 48.5);
+        for (int k = 0; k < DC_COST_N; k++)
+            TH_CHECKF(c.theta[k] >= 0, "coefficient %d negative: %g", k, c.theta[k]);
+    }
+    const double t = dc_cost_predict(&c, &one), r = dc_cost_draft_ms(&c, 600);
+    cost_near(t, 48.5, 0.05, "a one-row step after the start");
+    TH_CHECKF(0.6 * t > r, "a verification row predicted at %.1f ms beside a %.1f ms step", r, t);
+    dc_spec_cand cand = {.accept = 0.6, .cont = 0.6, .n_cand = 8, .pos0 = 600};
+    dc_spec_choose(&cand, 1, 1, t, draft_row_ms, &c, 0);
+    TH_CHECKF(cand.take >= 1, "the start's chance took %d of 8 proposals", cand.take);
+}
+
 /* ---- speculative decoding (dc_spec.h) ---- */
 
 static double flat_ms(const void *ctx, int32_t pos)
@@ -1375,6 +1415,7 @@ int main(int argc, char **argv)
     TH_RUN(test_transfer_tier);
     TH_RUN(test_itl_target);
     TH_RUN(test_cost_model);
+    TH_RUN(test_cost_start);
     TH_RUN(test_spec_units);
     TH_RUN(test_spec_equals_alone);
     TH_RUN(test_spec_pressure_and_transfer);
