@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """bench_spec.py: speculative decoding by prompt lookup (decode[].speculative, method ngram)
-on input-grounded chat requests, against itself turned off and against llama.cpp's
+on input-grounded chat requests (or a draft model on code completion: --draft, --prompt-set), against itself turned off and against llama.cpp's
 llama-server with and without its own lookup decoding, on one machine (BENCHMARKING.md:
 every figure is a ratio of runs made in the same invocation).
 
@@ -9,7 +9,8 @@ loops to comprehensions, var to const and arrow functions, print to logging, %-f
 f-strings, wrap Go errors, rename a C field), each with a 36-59 line snippet that the
 answer mostly copies; system message SYSTEM; greedy (temperature 0); at most --max-tokens
 output tokens (no ignore_eos: after its answer a model would ramble, which lookup would
-flatter or not). Streamed /v1/chat/completions over http.client, one connection a request
+flatter or not). --prompt-set complete: COMPLETE_PROMPTS instead, 8 code-completion requests
+(a signature and a docstring to complete: new code, the draft model's case). Streamed /v1/chat/completions over http.client, one connection a request
 (the client's CPU stays small next to the servers' on the shared cores).
 
 Configurations (--configs), each a fresh server, in the order given (default: k4 on off k8
@@ -19,6 +20,7 @@ other round (A B C D, D C B A) so that drift hits all alike:
   k4, k8      Tandem, {method: ngram, adaptive: false, max_tokens: 4 | 8} (pinned k)
   n8, n1      Tandem, {method: ngram, ngram_max: 8} | {method: ngram, ngram_min: 1} (adaptive:
               longer suffixes looked up, or single tokens too)
+  draft       Tandem, {method: draft, draft: --draft GGUF} (adaptive; e.g. Qwen2.5-Coder-0.5B)
   off         Tandem, {method: off}
   llama_spec  llama-server with --llama-spec (default LLAMA_SPEC_DEFAULT: see LLAMA_SWEEP)
   llama_off   llama-server without speculation
@@ -70,6 +72,7 @@ usage: tools/bench_spec.py [--build build] [--config deploy/local-colocated.yaml
          [--configs-batched on,off,llama_spec,llama_off] [--batches 1,16] [--rounds 2]
          [--max-tokens 256] [--prompts N|NAMES] [--per-client 1] [--fresh] [--threads 2]
          [--cpu-act f32|q8|auto] [--spec-key set|omit] [--llama-spec FLAGS]
+         [--draft GGUF] [--prompt-set edit|complete]
          [--llama-draft GGUF] [--llama-args FLAGS] [--json-out FILE]
        tools/bench_spec.py --sweep-llama [--sweep-set NAMES] [--prompts ...] [--max-tokens N]
 """
@@ -538,6 +541,53 @@ func Import(db *sql.DB, path string) error {
 '''),
 ]
 
+# (name, language, instruction, code) for --prompt-set complete: code completion (the answer
+# writes new code from a signature and a docstring; little of it copies the prompt, so a
+# draft model, not prompt lookup, has something to propose).
+COMPLETE_PROMPTS = [
+    ("csv_line", "python", "Complete the function.",
+     'def split_csv_line(line, sep=","):\n'
+     '    """Split one CSV line into fields: fields may be quoted with double quotes, a quoted\n'
+     '    field may contain the separator and doubled quotes ("") for a quote. Return a list of\n'
+     '    strings; raise ValueError on an unterminated quote."""\n'),
+    ("lru_cache", "python", "Complete the class.",
+     'class LRUCache:\n'
+     '    """A least-recently-used cache of at most capacity entries, get and put in O(1),\n'
+     '    with a dict and a doubly linked list of nodes."""\n\n'
+     '    def __init__(self, capacity):\n'),
+    ("intervals", "python", "Complete the function.",
+     'def merge_intervals(intervals):\n'
+     '    """Merge overlapping closed intervals [(start, end), ...] and return them sorted by\n'
+     '    start; touching intervals (end == next start) merge too. Include doctest examples."""\n'),
+    ("bst", "python", "Complete the class with insert, contains, delete and in-order iteration.",
+     'class BinarySearchTree:\n'
+     '    """An unbalanced binary search tree of unique keys."""\n\n'
+     '    class _Node:\n'
+     '        __slots__ = ("key", "left", "right")\n\n'),
+    ("list_reverse", "c", "Complete the file: the functions declared, then a main that tests them.",
+     '#include <stdio.h>\n#include <stdlib.h>\n\n'
+     'struct node {\n    int value;\n    struct node *next;\n};\n\n'
+     '/* Push value at the head; returns the new head (NULL on allocation failure). */\n'
+     'struct node *push(struct node *head, int value);\n'
+     '/* Reverse the list in place; returns the new head. */\n'
+     'struct node *reverse(struct node *head);\n'
+     '/* Free every node. */\nvoid free_list(struct node *head);\n'),
+    ("debounce", "javascript", "Complete the function and add a short usage example.",
+     '/**\n * Returns a debounced version of fn: calls are delayed until wait ms have passed\n'
+     ' * without a new call; the last call\'s arguments win. The returned function has\n'
+     ' * cancel() and flush() methods.\n */\nfunction debounce(fn, wait) {\n'),
+    ("tokenize", "python", "Complete the function.",
+     'def tokenize(expr):\n'
+     '    """Tokenize an arithmetic expression into numbers (int or float), identifiers,\n'
+     '    the operators + - * / ^ and parentheses; skip spaces; raise ValueError with the\n'
+     '    position of an unexpected character."""\n'),
+    ("matrix", "python", "Complete the class.",
+     'class Matrix:\n'
+     '    """A dense matrix of floats: construction from nested lists, shape, +, -, * (matrix\n'
+     '    product and scalar), transpose, equality and a readable repr."""\n\n'
+     '    def __init__(self, rows):\n'),
+]
+
 # llama-server's lookup settings tried by --sweep-llama (this version's --spec-type list:
 # ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache; the n-gram types draft
 # from the whole context, prompt included; --spec-draft-n-max bounds only draft models).
@@ -578,6 +628,7 @@ TANDEM_SPEC = {"on": {"method": "ngram"},
                "k8": {"method": "ngram", "adaptive": "false", "max_tokens": 8},
                "n8": {"method": "ngram", "ngram_max": 8},
                "n1": {"method": "ngram", "ngram_min": 1},
+               "draft": None,  # {method: draft, draft: --draft}, set from the arguments
                "off": {"method": "off"}}
 LLAMA = ("llama_spec", "llama_off", "llama_draft")
 LOG_DIR = os.path.expanduser("~/.cache/tandem/bench-spec")
@@ -883,8 +934,12 @@ def decode_entry(entry, ind, spec):
 
 
 def make_server(name, log_dir):
+    if name == "draft" and not args.draft:
+        raise SystemExit("the configuration draft needs --draft GGUF")
     if name in TANDEM_SPEC:
         spec = None if args.spec_key == "omit" else TANDEM_SPEC[name]
+        if name == "draft":
+            spec = {"method": "draft", "draft": os.path.abspath(args.draft)}
         return Tandem(name, log_dir, spec)
     if name == "llama_off":
         return Llama(name, log_dir, [])
@@ -1036,7 +1091,7 @@ def check_texts(texts, rounds, batches):
     return bad
 
 
-RATIOS = [("on", "off"), ("k4", "off"), ("k8", "off"), ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
+RATIOS = [("on", "off"), ("draft", "off"), ("draft", "on"), ("k4", "off"), ("k8", "off"), ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
           ("llama_draft", "llama_off"), ("on", "llama_spec"), ("off", "llama_off"),
           ("on", "llama_off")]
 
@@ -1098,6 +1153,10 @@ def parse():
                     help="omit: leave decode[].speculative out of the YAML (older builds)")
     ap.add_argument("--llama-spec", default=LLAMA_SPEC_DEFAULT,
                     help="llama-server's flags for llama_spec")
+    ap.add_argument("--draft", help="draft GGUF for Tandem's configuration draft")
+    ap.add_argument("--prompt-set", choices=("edit", "complete"), default="edit",
+                    help="edit: the input-grounded requests (PROMPTS); complete: code completion "
+                         "(COMPLETE_PROMPTS)")
     ap.add_argument("--llama-draft", help="draft GGUF for llama_draft (adds it to --configs)")
     ap.add_argument("--llama-draft-args", default="--spec-type draft-simple --spec-draft-n-max 8",
                     help="more flags for llama_draft")
@@ -1117,6 +1176,8 @@ def parse():
     if a.llama_draft and "llama_draft" not in a.configs:
         a.configs.append("llama_draft")
         a.configs_batched.append("llama_draft")
+    if a.prompt_set == "complete":
+        PROMPTS[:] = COMPLETE_PROMPTS
     if a.rounds is None:
         a.rounds = 1 if a.sweep_llama else 2
     if a.sweep_llama:
