@@ -297,10 +297,10 @@ Q8G_I512 void dot_packed(td_dtype t, const kn_mat *w, const uint8_t *packed, con
     }
 }
 
-/* ---- The AMX-INT8 form of the packed Q4_K dot, for calls of KN_Q8K_DOT_AMX_MIN_M rows of x or
- * more ---- Why: past a few rows of x the kernel above is bound by its vpdpbusd, one per 64
- * products and row of x (a verification step's 9 rows cost 1.9x one row's time on the 1.5B model's
- * gate shape, cold); a tile instruction does 16 x 16 x 64. The sub-block scales are folded into the
+/* ---- Q4_K's packed dot on AMX-INT8 tiles, for calls of KN_Q8K_DOT_AMX_MIN_M rows of x and more
+ * Why: past a few rows of x the kernel above is bound by its vpdpbusd, one per 64 products and
+ * row of x (a verification step's 9 rows cost 1.9x one row's time on the 1.5B model's gate
+ * shape, cold); a tile instruction does 16 x 16 x 64. The sub-block scales are folded into the
  * weights so a super-block's whole isum accumulates in the tiles: sc = sl + 16 sh (sl < 16,
  * sh < 4), q sl <= 225 and q sh <= 45 are unsigned bytes, and
  *   isum = sum_c dot(q_c sl_c, x_c) + 16 sum_c dot(q_c sh_c, x_c)
@@ -310,8 +310,9 @@ Q8G_I512 void dot_packed(td_dtype t, const kn_mat *w, const uint8_t *packed, con
  * super-block are q4k_super's, in super-block order: the bits are the VNNI kernel's (the tests
  * compare them), so a row's result does not depend on which kernel its call took.
  * What bounds it: building the B tiles (8 KiB of scaled bytes per super-block of 16 rows, one
- * 64-byte store and one vpmullw each), about half the time at 9 rows of x on this file's shapes
- * (1 thread, hot: without it 2.8x VNNI, with it 1.3x); then the tile loads and the float part.
+ * 64-byte store and one vpmullw each), about half the time at 9 rows of x on the 1.5B model's
+ * gate shape (1 thread, hot: without it 2.8x VNNI, with it 1.3x); then the tile loads and the
+ * float part.
  * So the tiles win from 7 rows of x (KN_Q8K_DOT_AMX_MIN_M), not from 1: at batch 1 the VNNI
  * kernel reads the weights at memory speed. */
 
