@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """bench_spec.py: speculative decoding by prompt lookup (decode[].speculative, method ngram)
-on input-grounded chat requests (or a draft model on code completion: --draft, --prompt-set), against itself turned off and against llama.cpp's
-llama-server with and without its own lookup decoding, on one machine (BENCHMARKING.md:
+on input-grounded chat requests (or by a draft model on code completion: --draft,
+--prompt-set), against itself turned off and against llama.cpp's llama-server with and
+without its own lookup decoding (or draft model), on one machine (BENCHMARKING.md:
 every figure is a ratio of runs made in the same invocation).
 
 Workload: PROMPTS below, 8 fixed code-editing requests (rename a variable, add type hints,
@@ -9,9 +10,10 @@ loops to comprehensions, var to const and arrow functions, print to logging, %-f
 f-strings, wrap Go errors, rename a C field), each with a 36-59 line snippet that the
 answer mostly copies; system message SYSTEM; greedy (temperature 0); at most --max-tokens
 output tokens (no ignore_eos: after its answer a model would ramble, which lookup would
-flatter or not). --prompt-set complete: COMPLETE_PROMPTS instead, 8 code-completion requests
-(a signature and a docstring to complete: new code, the draft model's case). Streamed /v1/chat/completions over http.client, one connection a request
-(the client's CPU stays small next to the servers' on the shared cores).
+flatter or not). --prompt-set complete: COMPLETE_PROMPTS instead, 8 code-completion
+requests (a signature and a docstring to complete: new code, the draft model's case).
+Streamed /v1/chat/completions over http.client, one connection a request (the client's CPU
+stays small next to the servers' on the shared cores).
 
 Configurations (--configs), each a fresh server, in the order given (default: k4 on off k8
 llama_spec llama_off, so that each pair of a ratio runs close together), reversed every
@@ -48,8 +50,9 @@ rate one stream sees, prefill excluded), TTFT p50, tokens per request, wall time
 1-minute load average before the phase (other jobs show there), llama-server's draft
 acceptance (its timings: draft_n_accepted / draft_n) and any router /metrics series named
 *spec* (their change over the phase). Then per batch the medians over rounds and the
-ratios (median, and each round's): on/off, k4/off, k8/off, llama_spec/llama_off,
-llama_draft/llama_off, on/llama_spec, off/llama_off, on/llama_off.
+ratios (median, and each round's) of the configurations that ran: on/off, draft/off,
+draft/on, k4/off, k8/off, n8/off, n1/off, n8/on, n1/on, llama_spec/llama_off,
+llama_draft/llama_off, on/llama_spec, draft/llama_draft, off/llama_off, on/llama_off.
 Text check: each answer of on, k4, k8, n8 and n1 at batch 1 must equal off's answer to the same
 prompt in the same round, byte for byte (speculation must not change greedy output); a
 difference prints MISMATCH with where it starts, and the exit status is 2. Batched, the
@@ -1091,9 +1094,10 @@ def check_texts(texts, rounds, batches):
     return bad
 
 
-RATIOS = [("on", "off"), ("draft", "off"), ("draft", "on"), ("k4", "off"), ("k8", "off"), ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
-          ("llama_draft", "llama_off"), ("on", "llama_spec"), ("off", "llama_off"),
-          ("on", "llama_off")]
+RATIOS = [("on", "off"), ("draft", "off"), ("draft", "on"), ("k4", "off"), ("k8", "off"),
+          ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
+          ("llama_draft", "llama_off"), ("on", "llama_spec"), ("draft", "llama_draft"),
+          ("off", "llama_off"), ("on", "llama_off")]
 
 
 def report(results, batches, names):
