@@ -488,6 +488,9 @@ static int mm_check(const kn_mat *w, const char *op)
     return 0;
 }
 
+#define MM_STR_(x) #x
+#define MM_STR(x)  MM_STR_(x)
+
 void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch, const char **solo)
 {
     /* kn_cpu_matmul_mixed's choices, in its order */
@@ -516,10 +519,10 @@ void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch, c
         *solo = q16[!strcmp(isa, "avx512vnni") ? 2 : !strcmp(isa, "avx2") ? 1 : 0];
         return;
     }
-    /* "amx-int8 from 7 rows": KN_Q8K_DOT_AMX_MIN_M, through the packed copy the engine maps */
+    /* Q4_K through the packed copy the engine maps: AMX from KN_Q8K_DOT_AMX_MIN_M rows */
     *solo = !c->act_q8 || !kn_q8_supported(w->type) ? "float32 dot"
             : w->type == TD_Q4_K && amx && kn_q8k_packed_bytes(w)
-                ? "q8 integer dot (amx-int8 from 7 rows)"
+                ? "q8 integer dot (amx-int8 from " MM_STR(KN_Q8K_DOT_AMX_MIN_M) " rows)"
                 : "q8 integer dot";
 }
 

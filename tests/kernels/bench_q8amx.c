@@ -1,14 +1,17 @@
 /* bench_q8amx.c: the q8 mode's integer GEMMs on AMX-INT8 against AVX512-VNNI
- * (kn_q8_gemm_force_amx_off), alternated in one process, on the matrix shapes of Qwen2.5-0.5B
- * and SmolLM2-135M, so the AMX form is judged against the one before it on the same machine.
+ * (kn_q8_gemm_force_amx_off), alternated in one process, on the matrix shapes of Qwen2.5-0.5B,
+ * Qwen2.5-1.5B and SmolLM2-135M, so the AMX form is judged against the one before it on the same
+ * machine.
  *
  * Usage: bench_q8amx [threads [m [filter]]]   (default: 2 threads, m = 512 rows of x: a
  *                                              prefill chunk; filter: only the shapes whose
  *                                              name contains it)
  * Per weight type (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) and shape (rows x cols of W): GFLOP/s
  * (2 m rows cols per product) of the backend's matmul in the q8 mode, the median of several
- * passes, VNNI then AMX then VNNI again; 32-block types through W mapped (the packed copy, as
- * the engine runs them) and as it is (per-call panels). Not a test: prints figures only.
+ * passes, VNNI then AMX then VNNI again; every type through W mapped (the packed copy, as the
+ * engine runs them: below 64 rows of x K-quants then take the packed dot, Q4_K on AMX from
+ * KN_Q8K_DOT_AMX_MIN_M rows) and as it is (per-call panels; K-quants' row-wise dot below 64
+ * rows). Not a test: prints figures only.
  */
 #include <stdint.h>
 #include <stdio.h>
