@@ -435,9 +435,11 @@ static int parse_spec(td_cfg_ctx *p, yaml_node_t *n, const char *inst, td_cfg_sp
             x->method = TD_CFG_SPEC_OFF;
         else if (!strcmp(m, "draft"))
             x->method = TD_CFG_SPEC_DRAFT;
+        else if (!strcmp(m, "mtp"))
+            x->method = TD_CFG_SPEC_MTP;
         else
             return cfg_fail(p, seen[S_METHOD],
-                            "unknown speculative method '%s' (known: ngram, draft, off)", m);
+                            "unknown speculative method '%s' (known: ngram, draft, mtp, off)", m);
     } else if (seen[S_DRAFT]) {
         x->method = TD_CFG_SPEC_DRAFT;
     }
@@ -446,7 +448,10 @@ static int parse_spec(td_cfg_ctx *p, yaml_node_t *n, const char *inst, td_cfg_sp
                         what);
     if (x->method != TD_CFG_SPEC_DRAFT && seen[S_DRAFT])
         return cfg_fail(p, keys[S_DRAFT], "%s: draft is the draft model of method draft, not %s",
-                        what, x->method == TD_CFG_SPEC_OFF ? "off" : "ngram");
+                        what,
+                        x->method == TD_CFG_SPEC_OFF   ? "off"
+                        : x->method == TD_CFG_SPEC_MTP ? "mtp"
+                                                       : "ngram");
     if (x->ngram_min > x->ngram_max)
         return cfg_fail(p, seen[S_NGRAM_MIN] ? seen[S_NGRAM_MIN] : seen[S_NGRAM_MAX],
                         "%s: ngram_min (%d) is larger than ngram_max (%d)", what, x->ngram_min,

@@ -139,12 +139,14 @@ typedef struct {
     int64_t bytes; /* "size": the file's size per rank */
 } td_cfg_tier;
 
-/* decode[].speculative: speculative decoding by prompt lookup or a draft model
- * (decode-node/dc_spec.h, dc_draft.h). */
+/* decode[].speculative: speculative decoding by prompt lookup, a draft model or the model's
+ * MTP block (decode-node/dc_spec.h, dc_draft.h). */
 typedef enum {
     TD_CFG_SPEC_OFF = 0, /* "off": one token per request and step */
     TD_CFG_SPEC_NGRAM,   /* "ngram": prompt lookup (the default) */
     TD_CFG_SPEC_DRAFT,   /* "draft": a draft model (draft, its GGUF) */
+    TD_CFG_SPEC_MTP,     /* "mtp": the model's own multi-token prediction block (deepseek2
+                            files with nextn_predict_layers) */
 } td_cfg_spec_method;
 
 #define TD_CFG_SPEC_MAX_TOKENS 32 /* bound on max_tokens (the scheduler's DC_SPEC_MAX_TOKENS) */
@@ -196,7 +198,7 @@ typedef struct {
      * them); > 0: they may finish for up to this long first, no new ones taken (docs/config.md) */
     int drain_timeout_ms;
     td_cfg_spec speculative; /* speculative decoding; on (ngram) unless method is off */
-    int *devices; /* (tp) GPU index of each rank, or NULL: rank % visible GPUs */
+    int *devices;            /* (tp) GPU index of each rank, or NULL: rank % visible GPUs */
     int n_devices;
 } td_cfg_decode;
 

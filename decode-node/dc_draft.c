@@ -1,4 +1,5 @@
-/* dc_draft.c: a draft model as speculative decoding's proposer (dc_draft.h). */
+/* dc_draft.c: a draft model, or the target's multi-token prediction block, as speculative
+ * decoding's proposer (dc_draft.h). */
 #include "dc_draft.h"
 
 #include <stdbool.h>
@@ -23,6 +24,12 @@ typedef struct {
     int32_t *toks;  /* (cap) the tokens at those positions, then those still to be fed */
     int32_t n_held; /* tokens whose KV the sequence holds */
     int32_t cap;
+    /* an MTP block's: the target's hidden states of positions [hid0, hid0 + n_hid) (rows of
+     * n_embd; position p's row is the input of position p + 1), and where the held KV stops
+     * being computed from them: past n_exact, from the block's own (its chained proposals) */
+    float *hid;
+    int32_t hid0, n_hid, cap_hid;
+    int32_t n_exact;
 } draft_req;
 
 /* A request of the current call: its record, its position in the call's arrays and how far
@@ -36,8 +43,11 @@ typedef struct {
 
 struct dc_draft {
     char who[96];
-    kn_backend be; /* borrowed; the pool points here */
-    td_gguf *gguf;
+    kn_backend be;      /* borrowed; the pool points here */
+    bool mtp;           /* the target's MTP block: rows read the target's hidden states */
+    int64_t E;          /* mtp: n_embd, a hidden row's floats */
+    td_gguf *gguf;      /* the draft's file (NULL for an MTP block) */
+    const td_gguf *src; /* where the weights are: gguf, or the target's file (borrowed) */
     kn_model *model;
     kn_engine *engine;
     kn_kv_mem *mem;
@@ -54,6 +64,9 @@ struct dc_draft {
     int32_t *tok, *pos, *seq_of; /* (cap_tok) one pass's rows */
     int cap_tok;
     float *logits; /* (cap_act, model n_vocab) */
+    float *embd;   /* mtp: (cap_tok, E) one pass's hidden inputs */
+    float *hout;   /* mtp: (cap_tok, E) its rows' own hidden states (the next proposal's input) */
+    float *chain;  /* mtp: (cap_act, E) each request's last row's own hidden state */
     dc_draft_stats st;
     int64_t warm_ns; /* warm_up's time */
 };
@@ -124,8 +137,9 @@ static void warm_up(dc_draft *d)
 
 static int check_params(const dc_draft_params *p, const char *who, int bs)
 {
-    if (!p->path || !p->target || !p->target_gguf || !p->be.ops || p->kv_tokens < 1 || bs < 1 ||
-        (bs & (bs - 1)) || p->chunk_tokens < 0 || (p->kv_type != TD_F32 && p->kv_type != TD_F16)) {
+    if (!p->path == !p->mtp || !p->target || !p->target_gguf || !p->be.ops || p->kv_tokens < 1 ||
+        bs < 1 || (bs & (bs - 1)) || p->chunk_tokens < 0 ||
+        (p->kv_type != TD_F32 && p->kv_type != TD_F16)) {
         TD_LOG_ERR("%s: draft model: bad parameters (kv_tokens %lld, block_size %d, "
                    "chunk_tokens %d)",
                    who, (long long)p->kv_tokens, bs, p->chunk_tokens);
@@ -146,17 +160,22 @@ int dc_draft_create(const dc_draft_params *p, dc_draft **out)
     snprintf(d->who, sizeof d->who, "%s", who);
     d->be = p->be;
     d->chunk = p->chunk_tokens ? p->chunk_tokens : 512;
+    d->mtp = p->mtp;
+    const char *what = p->mtp ? "the target's MTP block" : p->path;
     char err[512];
-    if ((rc = td_gguf_open(p->path, &d->gguf, err, sizeof err))) {
+    if (!p->mtp && (rc = td_gguf_open(p->path, &d->gguf, err, sizeof err))) {
         TD_LOG_ERR("%s: draft model: %s", who, err);
         goto fail;
     }
-    if ((rc = check_vocab(d, p->target_gguf, p->path))) goto fail;
-    kn_shard whole = {0};
-    if ((rc = kn_model_load(d->gguf, &whole, &d->model))) {
-        TD_LOG_ERR("%s: cannot load draft model %s: %s", who, p->path, td_strerror(rc));
+    if (!p->mtp && (rc = check_vocab(d, p->target_gguf, p->path))) goto fail;
+    /* a draft whole; an MTP block from the target's own file (same vocabulary) */
+    kn_shard whole = {.mtp = p->mtp};
+    if ((rc = kn_model_load(p->mtp ? p->target_gguf : d->gguf, &whole, &d->model))) {
+        TD_LOG_ERR("%s: cannot load draft model %s: %s", who, what, td_strerror(rc));
         goto fail;
     }
+    d->E = d->model->hp.n_embd;
+    d->src = p->mtp ? p->target_gguf : d->gguf;
     if ((rc = kn_engine_create(d->model, d->be, NULL, &d->engine))) {
         TD_LOG_ERR("%s: cannot create the draft model's engine: %s", who, td_strerror(rc));
         goto fail;
@@ -172,7 +191,7 @@ int dc_draft_create(const dc_draft_params *p, dc_draft **out)
     }
     size_t n_tokens = 0;
     td_gguf_vtype et;
-    td_gguf_get_arr(d->gguf, TOKENS_KEY, &et, &n_tokens);
+    td_gguf_get_arr(p->mtp ? p->target_gguf : d->gguf, TOKENS_KEY, &et, &n_tokens);
     d->n_in = d->model->hp.n_vocab;
     d->n_out = d->n_in < p->target->hp.n_vocab ? d->n_in : p->target->hp.n_vocab;
     if ((size_t)d->n_out > n_tokens) d->n_out = (int32_t)n_tokens;
@@ -190,6 +209,7 @@ void dc_draft_destroy(dc_draft *d)
     for (int i = 0; i < d->n_reqs; i++) {
         kn_kv_seq_fini(d->mem, &d->reqs[i].seq);
         free(d->reqs[i].toks);
+        free(d->reqs[i].hid);
     }
     free(d->reqs);
     kn_kv_mem_destroy(d->mem);
@@ -203,6 +223,9 @@ void dc_draft_destroy(dc_draft *d)
     free(d->pos);
     free(d->seq_of);
     free(d->logits);
+    free(d->embd);
+    free(d->hout);
+    free(d->chain);
     free(d);
 }
 
@@ -216,8 +239,13 @@ dc_draft_info dc_draft_get_info(const dc_draft *d)
                         .kv_bytes = kv->region_bytes,
                         .kv_blocks = kv->n_blocks,
                         .warm_ms = (double)d->warm_ns / 1e6};
-    for (size_t i = 0; i < td_gguf_n_tensors(d->gguf); i++)
-        in.weight_bytes += td_gguf_tensor_at(d->gguf, i)->nbytes;
+    /* an MTP block's own: its layer's tensors (blk.<n_layer>.*), not the trunk's it shares */
+    char prefix[32];
+    size_t np = (size_t)snprintf(prefix, sizeof prefix, "blk.%d.", d->model->shard.l0);
+    for (size_t i = 0; i < td_gguf_n_tensors(d->src); i++) {
+        const td_gguf_tensor *t = td_gguf_tensor_at(d->src, i);
+        if (!d->mtp || !strncmp(t->name, prefix, np)) in.weight_bytes += t->nbytes;
+    }
     return in;
 }
 
@@ -252,6 +280,14 @@ static int get_req(dc_draft *d, uint64_t id)
     return d->n_reqs++;
 }
 
+static int32_t common_prefix(const int32_t *a, int32_t na, const int32_t *b, int32_t nb)
+{
+    int32_t n = na < nb ? na : nb, i = 0;
+    while (i < n && a[i] == b[i])
+        i++;
+    return i;
+}
+
 /* Keep the first n of q's held tokens (n <= n_held). */
 static void roll_back(dc_draft *d, draft_req *q, int32_t n)
 {
@@ -263,20 +299,22 @@ static void roll_back(dc_draft *d, draft_req *q, int32_t n)
         n = 0;
     }
     q->n_held = n;
+    if (q->n_exact > n) q->n_exact = n;
 }
 
 static void empty_req(dc_draft *d, draft_req *q)
 {
     kn_kv_seq_release(d->mem, &q->seq);
-    q->n_held = 0;
+    q->n_held = q->n_exact = 0;
 }
 
-static int32_t common_prefix(const int32_t *a, int32_t na, const int32_t *b, int32_t nb)
+/* What q's record keeps of its held tokens given the target's toks[0, n): their common
+ * prefix; an MTP block's also not past what it computed from the target's hidden states
+ * (a chained proposal's KV came from the block's own, even where its token was right). */
+static int32_t kept_prefix(const dc_draft *d, const draft_req *q, const int32_t *toks, int32_t n)
 {
-    int32_t n = na < nb ? na : nb, i = 0;
-    while (i < n && a[i] == b[i])
-        i++;
-    return i;
+    int32_t k = common_prefix(q->toks, q->n_held, toks, n);
+    return d->mtp && k > q->n_exact ? q->n_exact : k;
 }
 
 static void draft_keep(void *ctx, uint64_t id, const int32_t *toks, int32_t n)
@@ -285,7 +323,65 @@ static void draft_keep(void *ctx, uint64_t id, const int32_t *toks, int32_t n)
     int r = find_req(d, id);
     if (r < 0) return;
     draft_req *q = &d->reqs[r];
-    roll_back(d, q, common_prefix(q->toks, q->n_held, toks, n));
+    roll_back(d, q, kept_prefix(d, q, toks, n));
+}
+
+/* The target computed positions [pos0, pos0 + n) of request id: h, their hidden states
+ * (dc_spec_proposer.hidden). Stored from the first row the block still reads (position
+ * n_exact - 1's: the input of n_exact) on; a gap before them reads as zeros. */
+static void draft_hidden(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h)
+{
+    dc_draft *d = ctx;
+    int r = get_req(d, id);
+    if (r < 0 || n < 1) return;
+    draft_req *q = &d->reqs[r];
+    const int64_t E = d->E;
+    int32_t need0 = q->n_exact > 0 ? q->n_exact - 1 : 0;
+    if (q->n_hid && q->hid0 < need0) { /* spent rows go */
+        int32_t drop = need0 - q->hid0 < q->n_hid ? need0 - q->hid0 : q->n_hid;
+        memmove(q->hid, q->hid + drop * E, (size_t)((q->n_hid - drop) * E) * sizeof *q->hid);
+        q->hid0 += drop;
+        q->n_hid -= drop;
+    }
+    if (pos0 < need0) {
+        int32_t skip = need0 - pos0;
+        if (skip >= n) return;
+        pos0 += skip;
+        h += skip * E;
+        n -= skip;
+    }
+    if (!q->n_hid) q->hid0 = pos0;
+    if (pos0 < q->hid0) { /* rows before the store's (a rollback past it): start it again */
+        q->hid0 = pos0;
+        q->n_hid = 0;
+    }
+    int32_t end = pos0 + n, old_end = q->hid0 + q->n_hid;
+    if (end - q->hid0 > q->cap_hid) {
+        int32_t cap = end - q->hid0 + 64;
+        float *g = realloc(q->hid, (size_t)cap * (size_t)E * sizeof *g);
+        if (!g) { /* no room: the block reads zeros for these */
+            q->n_hid = 0;
+            return;
+        }
+        q->hid = g;
+        q->cap_hid = cap;
+    }
+    if (pos0 > old_end)
+        memset(q->hid + (old_end - q->hid0) * E, 0,
+               (size_t)((pos0 - old_end) * E) * sizeof *q->hid);
+    memcpy(q->hid + (pos0 - q->hid0) * E, h, (size_t)(n * E) * sizeof *h);
+    if (end > old_end) q->n_hid = end - q->hid0;
+}
+
+/* The block's input row for position p of q: the target's hidden state of p - 1, or zeros
+ * where it is not known (p = 0; a prompt the prefill stages computed; a cached prefix). */
+static void hidden_in(const dc_draft *d, const draft_req *q, int32_t p, float *row)
+{
+    int32_t i = p - 1 - q->hid0;
+    if (p >= 1 && i >= 0 && i < q->n_hid)
+        memcpy(row, q->hid + (int64_t)i * d->E, (size_t)d->E * sizeof *row);
+    else
+        memset(row, 0, (size_t)d->E * sizeof *row);
 }
 
 static void draft_drop(void *ctx, uint64_t id)
@@ -295,6 +391,7 @@ static void draft_drop(void *ctx, uint64_t id)
     if (r < 0) return;
     kn_kv_seq_fini(d->mem, &d->reqs[r].seq);
     free(d->reqs[r].toks);
+    free(d->reqs[r].hid);
     d->reqs[r] = d->reqs[--d->n_reqs];
 }
 
@@ -313,6 +410,11 @@ static int grow_call(dc_draft *d, int n)
         float *l = realloc(d->logits, (size_t)n * (size_t)d->model->hp.n_vocab * sizeof *l);
         if (l) d->logits = l;
         if (!a || !v || !r || !l) return TD_ENOMEM;
+        if (d->mtp) {
+            float *c = realloc(d->chain, (size_t)n * (size_t)d->E * sizeof *c);
+            if (!c) return TD_ENOMEM;
+            d->chain = c;
+        }
         d->cap_act = n;
     }
     if (want_tok > d->cap_tok) {
@@ -321,6 +423,12 @@ static int grow_call(dc_draft *d, int n)
             int32_t *p = realloc(*bufs[b], (size_t)want_tok * sizeof *p);
             if (!p) return TD_ENOMEM;
             *bufs[b] = p;
+        }
+        float **hbufs[] = {&d->embd, &d->hout};
+        for (size_t b = 0; d->mtp && b < 2; b++) {
+            float *p = realloc(*hbufs[b], (size_t)want_tok * (size_t)d->E * sizeof *p);
+            if (!p) return TD_ENOMEM;
+            *hbufs[b] = p;
         }
         d->cap_tok = want_tok;
     }
@@ -338,7 +446,7 @@ static bool join_call(dc_draft *d, int i, uint64_t id, const int32_t *toks, int3
     int r = get_req(d, id);
     if (r < 0) return false;
     draft_req *q = &d->reqs[r];
-    int32_t keep = common_prefix(q->toks, q->n_held, toks, n);
+    int32_t keep = kept_prefix(d, q, toks, n);
     roll_back(d, q, keep < n ? keep : n - 1);
     int32_t need = n + k - 1;
     bool ok = true;
@@ -361,6 +469,8 @@ static int run_pass(dc_draft *d, int n_tok, int n_views, int n_rows)
 {
     kn_batch b = {.n_tokens = n_tok,
                   .tokens = d->tok,
+                  .embd = d->mtp ? d->embd : NULL,
+                  .hidden_out = d->mtp ? d->hout : NULL,
                   .pos = d->pos,
                   .seq_of = d->seq_of,
                   .n_seqs = n_views,
@@ -370,6 +480,12 @@ static int run_pass(dc_draft *d, int n_tok, int n_views, int n_rows)
     d->st.passes++;
     d->st.rows += (uint64_t)n_tok;
     return kn_engine_forward(d->engine, kn_kv_mem_pool(d->mem), &b, d->logits);
+}
+
+/* MTP: act a's last row (row of the pass) gave hidden state hout[row], its next row's input. */
+static void chain_keep(dc_draft *d, int a, int row)
+{
+    memcpy(d->chain + a * d->E, d->hout + (int64_t)row * d->E, (size_t)d->E * sizeof(float));
 }
 
 /* Catch the call's m requests up: every token of theirs fed, in passes of at most chunk
@@ -388,13 +504,15 @@ static int catch_up(dc_draft *d, int m, int32_t *const *out, int *n_out)
                 d->tok[n_tok] = q->toks[q->n_held + j];
                 d->pos[n_tok] = q->n_held + j;
                 d->seq_of[n_tok] = n_views;
+                if (d->mtp) hidden_in(d, q, q->n_held + j, d->embd + n_tok * d->E);
             }
             d->views[n_views++] =
                 (kn_seq_view){.block_table = q->seq.blocks, .n_ctx = q->n_held + take};
             x->row = -1;
             if (q->n_held + take == x->n_in && !x->far)
                 x->row = n_rows, d->rows[n_rows++] = n_tok - 1;
-            q->n_held += take; /* undone below if the pass fails */
+            q->n_held += take;      /* undone below if the pass fails */
+            q->n_exact = q->n_held; /* from the target's hidden states */
         }
         if (!n_tok) return 0;
         int rc = run_pass(d, n_tok, n_views, n_rows);
@@ -404,6 +522,7 @@ static int catch_up(dc_draft *d, int m, int32_t *const *out, int *n_out)
             if (x->row < 0) continue;
             out[x->i][0] = kn_argmax(d->logits + (size_t)x->row * d->model->hp.n_vocab, d->n_out);
             n_out[x->i] = 1;
+            if (d->mtp) chain_keep(d, a, d->rows[x->row]);
             x->row = -1;
         }
     }
@@ -421,6 +540,8 @@ static int extend(dc_draft *d, int m, const int *k, int32_t *const *out, int *n_
             x->row = -1;
             if (got < 1 || got >= k[x->i]) continue;
             q->toks[q->n_held] = d->tok[n_tok] = out[x->i][got - 1];
+            if (d->mtp) /* the block's own hidden state of the row before */
+                memcpy(d->embd + n_tok * d->E, d->chain + a * d->E, (size_t)d->E * sizeof(float));
             d->pos[n_tok] = q->n_held;
             d->seq_of[n_tok] = n_tok;
             d->views[n_tok] = (kn_seq_view){.block_table = q->seq.blocks, .n_ctx = ++q->n_held};
@@ -436,6 +557,7 @@ static int extend(dc_draft *d, int m, const int *k, int32_t *const *out, int *n_
             if (x->row < 0) continue;
             out[x->i][n_out[x->i]++] =
                 kn_argmax(d->logits + (size_t)x->row * d->model->hp.n_vocab, d->n_out);
+            if (d->mtp) chain_keep(d, a, x->row);
         }
     }
 }
@@ -470,6 +592,10 @@ static int draft_propose(void *ctx, int n, const uint64_t *ids, const int32_t *c
 
 dc_spec_proposer dc_draft_proposer(dc_draft *d)
 {
-    return (dc_spec_proposer){
-        .ctx = d, .propose = draft_propose, .keep = draft_keep, .drop = draft_drop};
+    return (dc_spec_proposer){.ctx = d,
+                              .propose = draft_propose,
+                              .keep = draft_keep,
+                              .drop = draft_drop,
+                              .hidden = d->mtp ? draft_hidden : NULL,
+                              .n_hidden = d->mtp ? (int)d->E : 0};
 }

@@ -46,6 +46,7 @@
 #ifndef DC_DRAFT_H
 #define DC_DRAFT_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "dc_spec.h"
@@ -57,7 +58,9 @@
 typedef struct dc_draft dc_draft;
 
 typedef struct {
-    const char *path;           /* the draft's GGUF: a whole model (no shard) */
+    const char *path;           /* the draft's GGUF: a whole model (no shard); NULL with mtp */
+    bool mtp;                   /* the target's own multi-token prediction block instead (see
+                                   the top): its file is target_gguf */
     kn_backend be;              /* the target's backend, which computes the draft too */
     const kn_model *target;     /* the target: its vocabulary rows */
     const td_gguf *target_gguf; /* the target's file: its token list */

@@ -313,12 +313,13 @@ _Static_assert(TD_CFG_SPEC_MAX_TOKENS == DC_SPEC_MAX_TOKENS,
                "decode[].speculative.max_tokens is bounded by the scheduler's bound");
 
 /* decode[].speculative -> the scheduler's dc_spec_params (adaptive: false pins k); draft:
- * method draft's proposer (NULL otherwise) */
+ * methods draft's and mtp's proposer (NULL otherwise) */
 static dc_spec_params spec_params(const td_cfg_spec *c, dc_draft *draft)
 {
-    dc_spec_params sp = {.method = c->method == TD_CFG_SPEC_NGRAM   ? DC_SPEC_NGRAM
-                                   : c->method == TD_CFG_SPEC_DRAFT ? DC_SPEC_DRAFT
-                                                                    : DC_SPEC_OFF,
+    dc_spec_params sp = {.method = c->method == TD_CFG_SPEC_NGRAM ? DC_SPEC_NGRAM
+                                   : c->method == TD_CFG_SPEC_DRAFT || c->method == TD_CFG_SPEC_MTP
+                                       ? DC_SPEC_DRAFT
+                                       : DC_SPEC_OFF,
                          .max_tokens = c->max_tokens,
                          .pinned = !c->adaptive,
                          .ngram_min = c->ngram_min,
@@ -327,16 +328,19 @@ static dc_spec_params spec_params(const td_cfg_spec *c, dc_draft *draft)
     return sp;
 }
 
-/* Method draft: the draft model, on this rank's backend (one thread pool for both models)
- * with a KV pool of the target's token capacity; logs what it is. */
+/* Methods draft and mtp: the draft model or the target's MTP block, on this rank's backend
+ * (one thread pool for both models) with a KV pool of the target's token capacity; logs what
+ * it is. */
 static int draft_init(dc_node *n)
 {
     const td_cfg_spec *spec = &n->dcfg->speculative;
-    if (spec->method != TD_CFG_SPEC_DRAFT) return 0;
+    bool mtp = spec->method == TD_CFG_SPEC_MTP;
+    if (spec->method != TD_CFG_SPEC_DRAFT && !mtp) return 0;
     char who[96];
     snprintf(who, sizeof who, "decode %s", n->p->instance);
     const kn_kv_pool *kv = dc_kv(n);
-    dc_draft_params dp = {.path = spec->draft,
+    dc_draft_params dp = {.path = mtp ? NULL : spec->draft,
+                          .mtp = mtp,
                           .be = n->proc.rt.be,
                           .target = n->proc.rt.model,
                           .target_gguf = n->proc.rt.gguf,
@@ -347,10 +351,12 @@ static int draft_init(dc_node *n)
     int rc = dc_draft_create(&dp, &n->leader.draft);
     if (rc) return rc;
     dc_draft_info in = dc_draft_get_info(n->leader.draft);
-    TD_LOG_INFO("decode %s: speculative decoding by a draft model: %s (%s, %d layers, n_embd %d, "
+    TD_LOG_INFO("decode %s: speculative decoding by %s%s (%s, %d layers, n_embd %d, "
                 "%.1f MiB of weights; KV pool %d blocks, %.1f MiB; warm-up %.0f ms), up to %d "
                 "tokens a step, %s",
-                n->p->instance, spec->draft, kn_arch_name(in.arch), in.n_layer, in.n_embd,
+                n->p->instance,
+                mtp ? "the model's MTP block" : "a draft model: ", mtp ? "" : spec->draft,
+                kn_arch_name(in.arch), mtp ? 1 : in.n_layer, in.n_embd,
                 (double)in.weight_bytes / (1 << 20), in.kv_blocks, (double)in.kv_bytes / (1 << 20),
                 in.warm_ms, spec->max_tokens, spec->adaptive ? "adaptive" : "pinned");
     return 0;

@@ -63,7 +63,8 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
     if (sp->ngram_max <= 0) sp->ngram_max = sp->ngram_min > 4 ? sp->ngram_min : 4;
     if (sp->max_tokens > DC_SPEC_MAX_TOKENS || sp->ngram_max < sp->ngram_min ||
         (sp->method != DC_SPEC_OFF && sp->method != DC_SPEC_NGRAM && sp->method != DC_SPEC_DRAFT) ||
-        (sp->method == DC_SPEC_DRAFT && !sp->proposer.propose)) {
+        (sp->method == DC_SPEC_DRAFT && !sp->proposer.propose) ||
+        (sp->method == DC_SPEC_DRAFT && !sp->proposer.hidden != !(sp->proposer.n_hidden > 0))) {
         TD_LOG_ERR("speculative decoding: bad parameters (method %d, max_tokens %d, ngram "
                    "%d..%d)",
                    (int)sp->method, sp->max_tokens, sp->ngram_min, sp->ngram_max);
@@ -100,11 +101,13 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
         s->pr_out = malloc(ns * sizeof *s->pr_out);
         s->pr_k = malloc(ns * sizeof *s->pr_k);
         s->pr_nout = malloc(ns * sizeof *s->pr_nout);
+        if (sp->proposer.hidden)
+            s->hid = malloc((size_t)s->cap_tokens * (size_t)sp->proposer.n_hidden * sizeof *s->hid);
     }
     if (!s->eog || !s->tok || !s->pos || !s->seq_of || !s->rows || !s->views || !s->in_step ||
         !s->emit || !s->emit_lp || !s->cands || !s->cand_req ||
-        (pr &&
-         (!s->pr_ids || !s->pr_toks || !s->pr_ntok || !s->pr_out || !s->pr_k || !s->pr_nout))) {
+        (pr && (!s->pr_ids || !s->pr_toks || !s->pr_ntok || !s->pr_out || !s->pr_k || !s->pr_nout ||
+                (sp->proposer.hidden && !s->hid)))) {
         dc_sched_destroy(s);
         return TD_ENOMEM;
     }
@@ -156,6 +159,7 @@ void dc_sched_destroy(dc_sched *s)
     free(s->pr_toks);
     free(s->pr_ntok);
     free(s->pr_out);
+    free(s->hid);
     free(s->pr_k);
     free(s->pr_nout);
     free(s);
@@ -700,6 +704,7 @@ static int lay_out(dc_sched *s, dc_step *step)
             bool decode = r->chunk == 1 + r->n_draft && r->n_computed + 1 == r->n_tokens;
             if (!r->chunk || decode != (pass == 0)) continue;
             r->plp_n = 0;
+            r->row0 = n;
             if (decode) { /* the decode row and its proposals: a logit row each */
                 r->logit_row = nrows;
                 for (int32_t j = 0; j < r->chunk; j++) {
@@ -751,7 +756,8 @@ static int lay_out(dc_sched *s, dc_step *step)
                              .n_seqs = nseq,
                              .seqs = s->views,
                              .n_logits = nrows,
-                             .logit_rows = s->rows};
+                             .logit_rows = s->rows,
+                             .hidden_out = s->hid};
     step->n_requests = nseq;
     s->planned = true;
     return n;

@@ -32,6 +32,7 @@ typedef struct {
     uint64_t admitted; /* admission order; preemption takes the largest */
     int32_t chunk;     /* tokens of this step (0: not in the step) */
     int32_t logit_row; /* row in this step's logits, -1: none */
+    int32_t row0;      /* its first row (token) in this step's batch */
     /* prompt logprobs (sampling.prompt_logprobs): the next prompt position owed (n_prompt:
      * none), and this step's rows: position plp_pos0 + j is scored by row plp_row0 + j */
     int32_t plp_next, plp_row0, plp_pos0, plp_n;
@@ -91,6 +92,7 @@ struct dc_sched {
     const int32_t **pr_toks;
     int32_t *pr_ntok, **pr_out;
     int *pr_k, *pr_nout;
+    float *hid; /* (cap_tokens, proposer.n_hidden): the step's hidden states, for proposer.hidden */
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
 };

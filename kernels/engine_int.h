@@ -25,11 +25,11 @@ typedef struct {
     float *ge, *ue;       /* (cap * k, n_ffe_local) their gate (then activation) and up */
     float *ye;            /* (cap * k, n_embd) every choice's expert output, grouped by expert */
     kn_engine_groups grp; /* the layer's groups */
-    float *mo;           /* (cap, n_embd) the layer's output before the all-reduce */
-    kn_moe_plan plan;    /* the routing, on the host */
-    float *h_rl;         /* (cap, n_expert) host copy of rl (device backends) */
-    int32_t *tok, *slot; /* (cap * k) the plan's token and slot in backend memory (device) */
-    float *wt;           /* (cap * k) and its weights */
+    float *mo;            /* (cap, n_embd) the layer's output before the all-reduce */
+    kn_moe_plan plan;     /* the routing, on the host */
+    float *h_rl;          /* (cap, n_expert) host copy of rl (device backends) */
+    int32_t *tok, *slot;  /* (cap * k) the plan's token and slot in backend memory (device) */
+    float *wt;            /* (cap * k) and its weights */
 } kn_engine_moe;
 
 /* A latent-attention layer's scratch (forward_mla.c), for the engine's cap tokens; NULL for
@@ -81,6 +81,7 @@ struct kn_engine {
     float *att;   /* (cap, heads.n_q * head_dim) */
     float *g, *u; /* (cap, n_ff_local) */
     float *sel;   /* (cap, n_embd) rows that need logits */
+    float *cat;   /* (cap, 2 * n_embd) an MTP block's input before eh_proj; shard.mtp only */
     int cap_lg;   /* logit rows lg holds */
     float *lg;    /* (cap_lg, n_vocab_local) this rank's logit slice; tp > 1 only */
     kn_engine_stage st;
@@ -105,8 +106,8 @@ void kn_engine_free_bufs(kn_engine *e, void **const *bufs, size_t n);
 int kn_engine_matmul(const kn_engine *e, const kn_mat *w, const float *x, int64_t m, int64_t solo,
                      float *y);
 /* g (m, F) = act(x Wg^T) * (x Wu^T), u (m, F) holding the up product, act the model's. */
-int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const float *x,
-                  int64_t m, int64_t solo, float *g, float *u);
+int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const float *x, int64_t m,
+                  int64_t solo, float *g, float *u);
 /* buf (n floats) summed across the TP ranks (a no-op at tp 1). */
 int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n);
 /* x += [post_norm] allreduce(in W) [* residual_scale] (in: (n, w->n_cols)). */

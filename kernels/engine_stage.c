@@ -31,6 +31,9 @@ int kn_engine_map_model(kn_engine *e)
     if (!rc) rc = map_mat(e, &m->tok_embd);
     if (!rc && m->last) rc = map_mat(e, &m->output);
     if (!rc && m->last) rc = map_vec(e, m->output_norm, E);
+    if (!rc) rc = map_mat(e, &m->mtp_eh_proj);
+    if (!rc) rc = map_vec(e, m->mtp_enorm, E);
+    if (!rc) rc = map_vec(e, m->mtp_hnorm, E);
     if (!rc) rc = map_vec(e, m->rope_freq, m->hp.n_rot / 2);
     if (!rc) rc = map_vec(e, m->rope_freq_swa, m->hp.n_rot / 2);
     for (int li = 0; !rc && li < m->shard.l1 - m->shard.l0; li++) {

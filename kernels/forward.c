@@ -84,7 +84,7 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
 
 static void free_scratch(kn_engine *e)
 {
-    float **bufs[] = {&e->x, &e->h, &e->q, &e->k, &e->v, &e->att, &e->g, &e->u, &e->sel};
+    float **bufs[] = {&e->x, &e->h, &e->q, &e->k, &e->v, &e->att, &e->g, &e->u, &e->sel, &e->cat};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) {
         if (*bufs[i]) e->be.ops->free(e->be.ctx, *bufs[i]);
         *bufs[i] = NULL;
@@ -138,9 +138,11 @@ static int reserve(kn_engine *e, int64_t n)
     struct {
         float **buf;
         int64_t width;
-    } want[] = {{&e->x, E},    {&e->h, E}, {&e->q, nq}, {&e->k, nkv}, {&e->v, nkv},
-                {&e->att, nq}, {&e->g, F}, {&e->u, F},  {&e->sel, E}};
+    } want[] = {
+        {&e->x, E},    {&e->h, E}, {&e->q, nq}, {&e->k, nkv}, {&e->v, nkv},
+        {&e->att, nq}, {&e->g, F}, {&e->u, F},  {&e->sel, E}, {&e->cat, m->shard.mtp ? 2 * E : 0}};
     for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+        if (!want[i].width) continue;
         *want[i].buf = e->be.ops->alloc(e->be.ctx, (size_t)(n * want[i].width) * sizeof(float));
         if (!*want[i].buf) {
             free_scratch(e);
@@ -192,6 +194,10 @@ static int validate(const kn_engine *e, const kn_kv_pool *kv, const kn_batch *b)
     }
     if (m->first ? !b->tokens : !b->embd) {
         TD_LOG_ERR("batch lacks %s for this stage", m->first ? "tokens" : "input hidden states");
+        return TD_EINVAL;
+    }
+    if (m->shard.mtp && !b->embd) {
+        TD_LOG_ERR("an MTP block's batch lacks the trunk's hidden states");
         return TD_EINVAL;
     }
     if (kv->n_layers != m->shard.l1 - m->shard.l0 || kv->n_kv_heads != m->heads.n_kv ||
@@ -443,6 +449,26 @@ static void finish_logits(const kn_hparams *hp, float *out, int64_t n)
     }
 }
 
+/* An MTP block's input (model.h kn_shard.mtp, llama.cpp's graph_mtp): x = eh_proj
+ * [rmsnorm(embd(token)) * enorm, rmsnorm(h) * hnorm], h the trunk's normed hidden state of the
+ * position before each token (hidden, host memory). */
+static int mtp_input(kn_engine *e, const kn_batch *db, const float *hidden)
+{
+    const kn_model *m = e->m;
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    const int64_t n = db->n_tokens, E = m->hp.n_embd;
+    const float eps = m->hp.rms_eps;
+    int rc;
+    if ((rc = ops->get_rows(c, &m->tok_embd, db->tokens, n, e->x))) return rc;
+    ops->rmsnorm(c, e->x, m->mtp_enorm, e->h, n, E, eps);
+    ops->copy_2d(c, e->h, E, e->cat, 2 * E, n, E);
+    if ((rc = ops->upload(c, e->x, hidden, (size_t)(n * E) * sizeof(float)))) return rc;
+    ops->rmsnorm(c, e->x, m->mtp_hnorm, e->h, n, E, eps);
+    ops->copy_2d(c, e->h, E, e->cat + E, 2 * E, n, E);
+    return kn_engine_matmul(e, &m->mtp_eh_proj, e->cat, n, db->n_solo, e->x);
+}
+
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)
 {
     const kn_model *m = e->m;
@@ -464,7 +490,9 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
         db = &staged;
     }
 
-    if (m->first) {
+    if (m->shard.mtp) {
+        if ((rc = mtp_input(e, db, b->embd))) return rc;
+    } else if (m->first) {
         if ((rc = ops->get_rows(c, &m->tok_embd, db->tokens, n, e->x))) return rc;
         if (m->hp.embd_scale != 1.0f) ops->scale(c, e->x, n * E, m->hp.embd_scale);
     } else if ((rc = ops->upload(c, e->x, b->embd, (size_t)(n * E) * sizeof(float)))) {
@@ -474,6 +502,11 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
         if ((rc = layer_forward(e, kv, db, li))) return rc;
 
     if (!m->last) return ops->download(c, out, e->x, (size_t)(n * E) * sizeof(float));
+    if (b->hidden_out) {
+        ops->rmsnorm(c, e->x, m->output_norm, e->h, n, E, m->hp.rms_eps);
+        if ((rc = ops->download(c, b->hidden_out, e->h, (size_t)(n * E) * sizeof(float))))
+            return rc;
+    }
     if (b->n_logits == 0) return e->dev ? ops->synchronize(c) : 0;
     ops->copy_rows(c, e->x, db->logit_rows, b->n_logits, E, e->sel);
     ops->rmsnorm(c, e->sel, m->output_norm, e->sel, b->n_logits, E, m->hp.rms_eps);

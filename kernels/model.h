@@ -70,7 +70,7 @@ typedef struct {
      * interpolated (/ factor) and the original by a ramp over the pairs (model_load.c) */
     float yarn_factor, yarn_log_mul; /* rope.scaling.factor; yarn_log_multiplier / 0.1 */
     int yarn_orig_ctx;               /* rope.scaling.original_context_length */
-    bool rope_neox;   /* qwen: pairs (i, i+n_rot/2); llama: (2i, 2i+1) */
+    bool rope_neox;                  /* qwen: pairs (i, i+n_rot/2); llama: (2i, 2i+1) */
     float rms_eps;
     bool tied_embd; /* no output.weight: the LM head is token_embd */
     /* gemma3 and gemma2 (1 and 0 / false elsewhere): */
@@ -107,6 +107,10 @@ typedef struct {
     int kv_lora_rank; /* the compressed KV's width */
     int mla_nope;     /* a head's query/key dims without rope (qk_nope_head_dim) */
     int mla_v;        /* a head's value dims (v_head_dim) */
+    /* multi-token prediction (deepseek2's nextn_predict_layers; 0: none): blocks stored after
+     * the trunk as layers n_layer.. (block_count counts them, n_layer does not); each predicts
+     * one token further from the trunk's last hidden state (kn_shard.mtp) */
+    int n_layer_nextn;
 } kn_hparams;
 
 /* Whether layer il (global index) applies rope to Q and K. */
@@ -133,6 +137,14 @@ typedef struct {
      * kn_split_even(n_expert, tp, r) whole instead of a slice of every expert; refused for
      * a model without experts */
     bool ep;
+    /* the model's first MTP block (layer n_layer, hparams.n_layer_nextn > 0) instead of trunk
+     * layers (l0/l1 ignored; tp 1): a one-layer model whose forward takes the tokens and, in
+     * kn_batch.embd, the trunk's normed hidden states of the positions before them (llama.cpp's
+     * h_nextn: kn_batch.hidden_out) and gives the logits of the token after each; its KV pool
+     * has that one layer. Its embedding, final norm and LM head are the block's own
+     * (nextn.embed_tokens, shared_head_norm, shared_head_head) where the file has them, else the
+     * trunk's. deepseek2 only. */
+    bool mtp;
 } kn_shard;
 
 typedef struct {
@@ -163,8 +175,8 @@ typedef struct {
 typedef struct {
     kn_hparams hp;
     kn_shard shard;
-    td_tp_heads heads;   /* this rank's query and KV heads (td_tp.h) */
-    int n_ff_local, ff0; /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
+    td_tp_heads heads;     /* this rank's query and KV heads (td_tp.h) */
+    int n_ff_local, ff0;   /* this rank's FFN columns [ff0, ff0 + n_ff_local); may differ by rank */
     int n_ffe_local, ffe0; /* the same for each expert's FFN (n_ff_exp; whole with ep) */
     int x0, n_x_local;     /* the experts this rank holds: all, or its share with ep */
     int n_ffs_local, ffs0; /* and for the shared experts' FFN (n_ff_shexp) */
@@ -174,10 +186,14 @@ typedef struct {
     int vocab0, n_vocab_local; /* this rank's LM head rows (the whole vocab when tp is 1) */
     float *output_norm;        /* (n_embd); last stage */
     kn_layer *layers;          /* (l1 - l0) */
-    float *rope_freq;          /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
-    float *rope_freq_swa;      /* (n_rot / 2) the same for sliding-window layers, or NULL */
-    char name[128];            /* general.name (truncated) or "" */
-    void **owned;              /* (n_owned) re-quantized slices the views above point into */
+    /* shard.mtp: the block's input, x = eh_proj [rmsnorm(embd(token)) * enorm,
+     * rmsnorm(h) * hnorm] (llama.cpp's concatenation order) */
+    kn_mat mtp_eh_proj;           /* (n_embd, 2 * n_embd) */
+    float *mtp_enorm, *mtp_hnorm; /* (n_embd) each */
+    float *rope_freq;     /* (n_rot / 2) inverse frequency of each pair, scaling folded in */
+    float *rope_freq_swa; /* (n_rot / 2) the same for sliding-window layers, or NULL */
+    char name[128];       /* general.name (truncated) or "" */
+    void **owned;         /* (n_owned) re-quantized slices the views above point into */
     int n_owned;
 } kn_model;
 
@@ -228,13 +244,18 @@ typedef struct {
     int64_t n_tokens;
     int64_t n_solo;        /* leading rows computed as if each were alone; 0..n_tokens */
     const int32_t *tokens; /* (n_tokens) first stage */
-    const float *embd;     /* (n_tokens, n_embd) input hidden states, other stages */
+    const float *embd;     /* (n_tokens, n_embd) input hidden states: other stages; an MTP
+                              block (kn_shard.mtp) the trunk's, beside its tokens */
     const int32_t *pos;    /* (n_tokens) */
     const int32_t *seq_of; /* (n_tokens) index into seqs */
     int n_seqs;
     const kn_seq_view *seqs;   /* (n_seqs) block tables and n_ctx after this batch */
     int n_logits;              /* last stage: rows that need logits */
     const int32_t *logit_rows; /* (n_logits) token indices into the batch */
+    /* last stage, optional (NULL: none): (n_tokens, n_embd) host memory for every row's final
+     * hidden state normed (rmsnorm * output_norm, what the LM head reads: an MTP block's input,
+     * kn_shard.mtp), the same on every TP rank */
+    float *hidden_out;
 } kn_batch;
 
 typedef struct kn_engine kn_engine;

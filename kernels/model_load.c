@@ -205,6 +205,19 @@ static int read_shape(const td_gguf *g, const char *arch, kn_hparams *hp)
     int rc;
     if ((rc = kn_ld_u32(g, arch, "block_count", &v, true))) return rc;
     hp->n_layer = (int)v;
+    /* multi-token prediction blocks follow the trunk and are counted in block_count (llama.cpp:
+     * n_layer() = block_count - nextn_predict_layers): the trunk never runs them */
+    rc = kn_ld_u32(g, arch, "nextn_predict_layers", &v, false);
+    if (rc && rc != TD_ENOENT) return rc;
+    if (!rc) {
+        if (v >= (uint32_t)hp->n_layer) {
+            TD_LOG_ERR("%u prediction layers (nextn_predict_layers) of %d blocks leave no trunk", v,
+                       hp->n_layer);
+            return TD_EFORMAT;
+        }
+        hp->n_layer_nextn = (int)v;
+        hp->n_layer -= (int)v;
+    }
     if ((rc = kn_ld_u32(g, arch, "embedding_length", &v, true))) return rc;
     hp->n_embd = (int)v;
     if ((rc = kn_ld_u32(g, arch, "feed_forward_length", &v, true))) return rc;
@@ -644,7 +657,7 @@ static void load_layer(kn_loader *L, kn_layer *ly, int il)
 
 static int check_split(const kn_hparams *hp, const kn_shard *s)
 {
-    if (s->l0 < 0 || s->l0 >= s->l1 || s->l1 > hp->n_layer) {
+    if (s->l0 < 0 || s->l0 >= s->l1 || s->l1 > hp->n_layer + (s->mtp ? 1 : 0)) {
         TD_LOG_ERR("bad layer range [%d, %d) for a model of %d layers", s->l0, s->l1, hp->n_layer);
         return TD_EINVAL;
     }
@@ -744,12 +757,13 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     if (rc) goto fail;
     const kn_hparams *hp = &m->hp;
     kn_shard s = *shard;
+    if (s.mtp && (rc = kn_mtp_shard(hp, &s))) goto fail;
     if (s.l1 == 0) s.l1 = hp->n_layer;
     if (s.tp_size == 0) s.tp_size = 1;
     if ((rc = check_split(hp, &s))) goto fail;
     m->shard = s;
-    m->first = s.l0 == 0;
-    m->last = s.l1 == hp->n_layer;
+    m->first = s.l0 == 0 || s.mtp;
+    m->last = s.l1 == hp->n_layer || s.mtp;
     /* kn_hparams_read checked that n_head_kv divides n_head, check_split that tp does */
     if ((rc = td_tp_heads_of_rank(hp->n_head, hp->n_head_kv, s.tp_size, s.tp_rank, &m->heads)))
         goto fail;
@@ -775,18 +789,21 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     kn_loader L = {.g = g, .m = m};
     const int64_t E = hp->n_embd;
 
-    if (m->first)
-        m->tok_embd = kn_ld_view(&L, "token_embd.weight", E, hp->n_vocab, 0, hp->n_vocab, 0, E);
+    /* an MTP block's own embedding, LM head and final norm where the file has them */
+    char embd_nm[96] = "token_embd.weight", head_nm[96], norm_nm[96] = "output_norm.weight";
+    snprintf(head_nm, sizeof head_nm, "%s", hp->tied_embd ? "token_embd.weight" : "output.weight");
+    if (s.mtp) kn_mtp_names(g, s.l0, embd_nm, head_nm, norm_nm, sizeof embd_nm);
+    if (m->first) m->tok_embd = kn_ld_view(&L, embd_nm, E, hp->n_vocab, 0, hp->n_vocab, 0, E);
     if (m->last) {
         /* vocab-parallel LM head: this rank's rows (whole vectors, so no block is cut) */
         int64_t v0, v1;
         kn_split_even(hp->n_vocab, s.tp_size, s.tp_rank, &v0, &v1);
         m->vocab0 = (int)v0;
         m->n_vocab_local = (int)(v1 - v0);
-        m->output = kn_ld_view(&L, hp->tied_embd ? "token_embd.weight" : "output.weight", E,
-                               hp->n_vocab, v0, v1 - v0, 0, E);
-        m->output_norm = kn_ld_vec(&L, "output_norm.weight", E, 0, E, false);
+        m->output = kn_ld_view(&L, head_nm, E, hp->n_vocab, v0, v1 - v0, 0, E);
+        m->output_norm = kn_ld_vec(&L, norm_nm, E, 0, E, false);
     }
+    if (s.mtp) kn_mtp_load_input(&L, m);
     int n_local = s.l1 - s.l0;
     m->layers = calloc((size_t)n_local, sizeof *m->layers);
     if (!m->layers) {
@@ -848,6 +865,8 @@ void kn_model_destroy(kn_model *m)
         free(m->owned[i]);
     free(m->owned);
     free(m->output_norm);
+    free(m->mtp_enorm);
+    free(m->mtp_hnorm);
     free(m->rope_freq);
     free(m->rope_freq_swa);
     free(m);

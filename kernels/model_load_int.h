@@ -1,5 +1,6 @@
 /* model_load_int.h: the loader's state and weight views, shared by model_load.c (the dense
- * model: hyper-parameters, attention, FFN) and model_moe.c (mixture-of-experts layers).
+ * model: hyper-parameters, attention, FFN) and the files of the other parts (model_moe.c,
+ * model_mla.c, model_mtp.c, model_gemma2.c).
  * Private to kernels/.
  * Every function here records its first error in L->rc (logged with the tensor's name) and
  * does nothing once L->rc is set, so a loader can call them in sequence and check once. */
@@ -75,6 +76,16 @@ int kn_mla_hparams(const td_gguf *g, const char *arch, kn_hparams *hp);
 void kn_mla_load_layer(kn_loader *L, kn_layer *ly, int il);
 /* Frees what kn_mla_load_layer allocated. */
 void kn_mla_free_layer(kn_layer *ly);
+
+/* ---- model_mtp.c ---- */
+/* The shard of the MTP block (kn_shard.mtp): its layer [n_layer, n_layer + 1), whole; TD_EINVAL
+ * (no block, tp > 1, ep) or TD_EUNSUPP (not deepseek2), logged. */
+int kn_mtp_shard(const kn_hparams *hp, kn_shard *s);
+/* The block's own embedding, LM head and final norm names (cap bytes each) where the file
+ * has them, il its layer; the trunk's names stay otherwise. */
+void kn_mtp_names(const td_gguf *g, int il, char *embd, char *head, char *norm, size_t cap);
+/* The block's input weights (eh_proj, enorm, hnorm) into m (m->shard is the block's). */
+void kn_mtp_load_input(kn_loader *L, kn_model *m);
 
 /* ---- model_gemma2.c ---- */
 /* gemma2's keys (the gemma block, the sliding window, the soft-caps) into hp, after the

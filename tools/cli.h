@@ -30,7 +30,7 @@ typedef struct {
 } cli_session_params;
 
 typedef struct {
-    kn_runtime rt; /* file, model, backend, engine */
+    kn_runtime rt;     /* file, model, backend, engine */
     kn_kv_mem *mem;    /* the session's KV memory: blocks come from it */
     kn_kv_pool *kv;    /* its pool (stable): the layout the engine addresses */
     td_tokenizer *tok; /* NULL when not needed and absent */
@@ -41,9 +41,11 @@ int cli_session_open(cli_session *s, const cli_session_params *p);
 void cli_session_close(cli_session *s);
 
 /* Run ids[0..n) of one sequence through the model in chunks of `chunk` tokens starting
- * at position start_pos; writes the logits of the last token into logits (n_vocab). */
+ * at position start_pos; writes the logits of the last token into logits (n_vocab) and, when
+ * hidden is not NULL, every token's normed final hidden state into it (n, n_embd:
+ * kn_batch.hidden_out). */
 int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, int64_t start_pos,
-                int chunk, float *logits);
+                int chunk, float *logits, float *hidden);
 
 /* Argument helpers: return 0 and store, or print "tandem: bad value for --x" and return
  * TD_EINVAL. */

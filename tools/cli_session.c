@@ -50,7 +50,7 @@ void cli_session_close(cli_session *s)
 }
 
 int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, int64_t start_pos,
-                int chunk, float *logits)
+                int chunk, float *logits, float *hidden)
 {
     if (chunk <= 0) chunk = 512;
     int32_t *pos = malloc((size_t)chunk * sizeof *pos);
@@ -79,6 +79,7 @@ int cli_prefill(cli_session *s, kn_kv_seq *seq, const int32_t *ids, int64_t n, i
             .seqs = &view,
             .n_logits = final ? 1 : 0,
             .logit_rows = &last,
+            .hidden_out = hidden ? hidden + done * s->rt.model->hp.n_embd : NULL,
         };
         rc = kn_engine_forward(s->rt.engine, s->kv, &b, logits);
         done += len;

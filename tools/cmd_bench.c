@@ -100,7 +100,7 @@ static int run_prefill(cli_session *s, int n, float *logits, double *secs)
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
     double t0 = now_s();
-    int rc = cli_prefill(s, &seq, ids, n, 0, n, logits);
+    int rc = cli_prefill(s, &seq, ids, n, 0, n, logits, NULL);
     *secs = now_s() - t0;
     kn_kv_seq_fini(s->mem, &seq);
     free(ids);
@@ -213,8 +213,8 @@ static void report_cpu(cli_session *s, kn_cpu *cpu, const char *model_path, td_d
         printf("ceilings: memory read %.1f GB/s, sgemm %.1f GFLOP/s\n", mem, gemm);
         printf("weights read per decode step %.1f MB, %.1f M params in matrix products\n",
                wbytes / 1e6, params / 1e6);
-        printf("prefill pp%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_prefill, pp,
-               pp_roof, pp / pp_roof);
+        printf("prefill pp%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_prefill, pp, pp_roof,
+               pp / pp_roof);
         printf("decode  tg%d : %8.1f tok/s  roofline %8.1f  ratio %.2f\n", n_gen, tg, tg_roof,
                tg / tg_roof);
         printf("decode  b%d  : %8.1f tok/s  (%.2fx batch 1)\n", batch, b8, b8 / tg);

@@ -255,7 +255,7 @@ int cmd_generate(int argc, char **argv)
     memcpy(hist, ids, (size_t)n * sizeof *hist);
     if ((rc = kn_sampler_init(&smp, &a.sp, n_vocab))) goto out;
     const int64_t t0 = td_now_ns();
-    if ((rc = cli_prefill(&s, &seq, ids, n, 0, a.chunk, logits))) {
+    if ((rc = cli_prefill(&s, &seq, ids, n, 0, a.chunk, logits, NULL))) {
         fprintf(stderr, "tandem: prefill failed: %s\n", td_strerror(rc));
         goto out;
     }
@@ -276,7 +276,7 @@ int cmd_generate(int argc, char **argv)
             fprintf(stderr, "\ntandem: context of %d tokens is full\n", s.ctx);
             break;
         }
-        if ((rc = cli_prefill(&s, &seq, &id, 1, len, 1, logits))) {
+        if ((rc = cli_prefill(&s, &seq, &id, 1, len, 1, logits, NULL))) {
             fprintf(stderr, "tandem: decode failed: %s\n", td_strerror(rc));
             goto out;
         }

@@ -1,5 +1,6 @@
 /* cmd_misc.c: `tandem logits` and `tandem dequant`: raw float32 dumps the reference tests
  * compare against the independent numpy/gguf implementation. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,14 +24,87 @@ static int write_f32(const char *path, const float *x, size_t n)
     return 0;
 }
 
-/* tandem logits --model PATH --prompt-ids IDS --out FILE [--kv-type] [--threads] [--chunk] */
+/* --mtp: the logits of the first token the model's MTP block (model.h kn_shard.mtp) proposes
+ * after the prompt ids[0, n): the block reads rows p = 0..n, each the token x_p with the
+ * trunk's hidden state of position p - 1 (zeros for p = 0), x_n the trunk's greedy token
+ * after the prompt, and gives row n's logits (llama.cpp's draft-mtp: the prompt's process(),
+ * then draft()). hidden: the trunk's (n, n_embd); logits in: the trunk's last, out: the MTP's. */
+static int mtp_logits(cli_session *s, const int32_t *ids, int64_t n, const float *hidden,
+                      float *logits)
+{
+    const kn_hparams *hp = &s->rt.model->hp;
+    const int64_t E = hp->n_embd, rows = n + 1;
+    kn_model *mm = NULL;
+    kn_engine *me = NULL;
+    kn_kv_mem *mem = NULL;
+    kn_kv_seq seq;
+    kn_kv_seq_init(&seq);
+    int32_t *tok = malloc((size_t)rows * sizeof *tok), *pos = malloc((size_t)rows * sizeof *pos);
+    int32_t *seq_of = calloc((size_t)rows, sizeof *seq_of);
+    float *embd = calloc((size_t)(rows * E), sizeof *embd);
+    int rc = tok && pos && seq_of && embd ? 0 : TD_ENOMEM;
+    if (!rc) rc = kn_model_load(s->rt.gguf, &(kn_shard){.mtp = true}, &mm);
+    if (!rc) rc = kn_engine_create(mm, s->rt.be, NULL, &me);
+    if (!rc) {
+        const int bs = 16;
+        kn_kv_pool_params kp = kn_model_kv_params(mm, (int)((rows + bs - 1) / bs), bs, s->kv->type);
+        kp.backend = &s->rt.be;
+        rc = kn_kv_mem_create(&kp, &mem);
+    }
+    if (!rc) rc = kn_kv_seq_reserve(mem, &seq, rows);
+    if (!rc) {
+        int32_t next = 0; /* the trunk's greedy token after the prompt */
+        for (int v = 1; v < hp->n_vocab; v++)
+            if (logits[v] > logits[next]) next = v;
+        for (int64_t p = 0; p < rows; p++) {
+            tok[p] = p < n ? ids[p] : next;
+            pos[p] = (int32_t)p;
+        }
+        memcpy(embd + E, hidden, (size_t)(n * E) * sizeof *embd);
+        kn_seq_view view = {.block_table = seq.blocks, .n_ctx = (int32_t)rows};
+        int32_t last = (int32_t)n;
+        kn_batch b = {.n_tokens = rows,
+                      .tokens = tok,
+                      .embd = embd,
+                      .pos = pos,
+                      .seq_of = seq_of,
+                      .n_seqs = 1,
+                      .seqs = &view,
+                      .n_logits = 1,
+                      .logit_rows = &last};
+        rc = kn_engine_forward(me, kn_kv_mem_pool(mem), &b, logits);
+    }
+    if (rc) fprintf(stderr, "tandem: the MTP block failed: %s\n", td_strerror(rc));
+    kn_kv_seq_fini(mem, &seq);
+    kn_kv_mem_destroy(mem);
+    kn_engine_destroy(me);
+    kn_model_destroy(mm);
+    free(tok);
+    free(pos);
+    free(seq_of);
+    free(embd);
+    return rc;
+}
+
+/* tandem logits --model PATH --prompt-ids IDS --out FILE [--kv-type] [--threads] [--chunk]
+ *               [--mtp] */
 int cmd_logits(int argc, char **argv)
 {
     cli_session_params sp = {.kv_type = TD_F16};
     const char *ids_s = NULL, *out = NULL;
     int chunk = 512, rc = 0;
-    for (int i = 0; i + 1 < argc && !rc; i += 2) {
-        const char *f = argv[i], *v = argv[i + 1];
+    bool mtp = false, odd = false;
+    for (int i = 0; i < argc && !rc; i++) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--mtp")) {
+            mtp = true;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            odd = true; /* a flag without its value */
+            break;
+        }
+        const char *v = argv[++i];
         if (!strcmp(f, "--model"))
             sp.model_path = v;
         else if (!strcmp(f, "--prompt-ids"))
@@ -51,10 +125,13 @@ int cmd_logits(int argc, char **argv)
         }
     }
     if (rc) return rc;
-    if (argc % 2 || !sp.model_path || !ids_s || !out) {
+    if (odd || !sp.model_path || !ids_s || !out) {
         fprintf(stderr,
                 "usage: tandem logits --model PATH --prompt-ids IDS --out FILE "
-                "[--kv-type f16|f32] [--threads N] [--chunk N] [--backend cpu|cuda|cpu-dev]\n");
+                "[--kv-type f16|f32] [--threads N] [--chunk N] [--backend cpu|cuda|cpu-dev] "
+                "[--mtp]\n"
+                "  --mtp: the logits of the model's multi-token prediction block's first\n"
+                "         proposal after the prompt instead of the last position's\n");
         return TD_EINVAL;
     }
     int32_t *ids;
@@ -68,16 +145,18 @@ int cmd_logits(int argc, char **argv)
     kn_kv_seq seq;
     kn_kv_seq_init(&seq);
     float *logits = malloc((size_t)s.rt.model->hp.n_vocab * sizeof *logits);
-    if (!logits)
+    float *hidden = mtp ? malloc((size_t)(n * s.rt.model->hp.n_embd) * sizeof *hidden) : NULL;
+    if (!logits || (mtp && !hidden))
         rc = TD_ENOMEM;
     else if (n > s.ctx) {
         fprintf(stderr, "tandem: %lld tokens do not fit the context (%d)\n", (long long)n, s.ctx);
         rc = TD_ERANGE;
-    } else if ((rc = cli_prefill(&s, &seq, ids, n, 0, chunk, logits)))
+    } else if ((rc = cli_prefill(&s, &seq, ids, n, 0, chunk, logits, hidden)))
         fprintf(stderr, "tandem: forward failed: %s\n", td_strerror(rc));
-    else
+    else if (!mtp || !(rc = mtp_logits(&s, ids, n, hidden, logits)))
         rc = write_f32(out, logits, (size_t)s.rt.model->hp.n_vocab);
     free(logits);
+    free(hidden);
     free(ids);
     kn_kv_seq_fini(s.mem, &seq);
     cli_session_close(&s);

@@ -117,13 +117,15 @@ static const bad_case bad_cases[] = {
      "unknown key 'k' in decode[0].speculative (known: method, draft, max_tokens, adaptive, "
      "ngram_min, ngram_max)"},
     {"spec_method", MIN "    speculative:\n      method: eagle\n", 5, 15,
-     "unknown speculative method 'eagle' (known: ngram, draft, off)"},
+     "unknown speculative method 'eagle' (known: ngram, draft, mtp, off)"},
     {"spec_draft_missing", MIN "    speculative:\n      method: draft\n", 5, 15,
      "decode[0].speculative: method draft needs draft (the draft model's GGUF)"},
     {"spec_draft_ngram", MIN "    speculative:\n      method: ngram\n      draft: /d.gguf\n", 6, 7,
      "decode[0].speculative: draft is the draft model of method draft, not ngram"},
     {"spec_draft_off", MIN "    speculative:\n      draft: /d.gguf\n      method: \"off\"\n", 5, 7,
      "draft is the draft model of method draft, not off"},
+    {"spec_draft_mtp", MIN "    speculative:\n      method: mtp\n      draft: /d.gguf\n", 6, 7,
+     "draft is the draft model of method draft, not mtp"},
     {"spec_draft_empty", MIN "    speculative:\n      draft: \"\"\n", 5, 14, "empty path"},
     {"spec_draft_list", MIN "    speculative:\n      draft: [a.gguf]\n", 5, 14,
      "expected a string, got a list"},
@@ -357,8 +359,8 @@ static void test_good_file(void)
     TH_CHECK(!strcmp(c->router.listen, "0.0.0.0:8080") && !strcmp(c->router.api_key, "sk-test"));
     TH_CHECK(c->router.max_queue == 10 && c->router.max_prompt_tokens == 2048 &&
              c->router.max_tokens == 100 && !strcmp(c->router.chat_template, "chatml") &&
-             !strcmp(c->router.tool_parser, "kimi_k2") &&
-             c->router.heartbeat_ms == 250 && c->router.instance_timeout_ms == 1000);
+             !strcmp(c->router.tool_parser, "kimi_k2") && c->router.heartbeat_ms == 250 &&
+             c->router.instance_timeout_ms == 1000);
     TH_CHECK(c->router.request_timeout_ms == 5000 && c->router.max_request_timeout_ms == 60000 &&
              c->router.drain_timeout_ms == 0);
     TH_CHECK(!strcmp(c->router.membership.listen, "0.0.0.0:9300") &&
@@ -441,8 +443,8 @@ static void test_good_file(void)
                             sizeof err) == 0);
     TH_CHECK(c->cpu_act == TD_CFG_ACT_F32 && !strcmp(td_cfg_act_name(c->cpu_act), "f32"));
     td_cfg_free(c);
-    TH_REQUIRE(td_cfg_parse(MIN "cpu_act: auto\n", strlen(MIN "cpu_act: auto\n"), "auto", &c,
-                            err, sizeof err) == 0);
+    TH_REQUIRE(td_cfg_parse(MIN "cpu_act: auto\n", strlen(MIN "cpu_act: auto\n"), "auto", &c, err,
+                            sizeof err) == 0);
     TH_CHECK(c->cpu_act == TD_CFG_ACT_AUTO && !strcmp(td_cfg_act_name(c->cpu_act), "auto"));
     td_cfg_free(c);
     TH_REQUIRE(td_cfg_parse(MIN, strlen(MIN), "min", &c, err, sizeof err) == 0);
@@ -486,6 +488,7 @@ static void test_good_file(void)
         {MIN "    speculative: {method: off, adaptive: true}\n", TD_CFG_SPEC_OFF},
         {MIN "    speculative:\n      draft: ~/d.gguf\n", TD_CFG_SPEC_DRAFT},
         {MIN "    speculative: {method: draft, draft: /d.gguf}\n", TD_CFG_SPEC_DRAFT},
+        {MIN "    speculative: {method: mtp}\n", TD_CFG_SPEC_MTP},
     };
     for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
         TH_REQUIRE(td_cfg_parse(spec[i].text, strlen(spec[i].text), "spec", &c, err, sizeof err) ==

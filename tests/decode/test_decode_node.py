@@ -221,14 +221,17 @@ def case_spec(args, model):
     check(v > 0 and a > 0, f"speculation sampled: {v} verifications, {a} accepted")
 
 
-def case_spec_draft(args, model, draft, tp, prompts, n_tokens, label):
-    """Speculative decoding by a draft model (decode[].speculative.draft): greedy output equal
-    to `tandem generate`; the model as its own draft proposes what greedy decoding samples, so
-    every proposal is accepted but those of a request's last verification (past its stop
-    token or its length; and the draft's rows are batched, the target's solo: a near tie may
-    still differ)."""
+def case_spec_draft(args, model, draft, tp, prompts, n_tokens, label, oracle=None):
+    """Speculative decoding by a draft model (decode[].speculative.draft), or with draft None
+    by the model's own MTP block (method mtp): greedy output equal to `tandem generate`. A
+    proposer that agrees with the model (the model as its own draft; oracle True: the
+    synthetic echo MTP block, make_synth.py) proposes what greedy decoding samples, so every
+    proposal is accepted but those of a request's last verification (past its stop token or
+    its length; and the draft's rows are batched, the target's solo: a near tie may still
+    differ)."""
+    spec = {"draft": draft} if draft else {"method": "mtp"}
     inst = Instance(args, model, tp, decode_extra={
-        "speculative": {"draft": draft, "adaptive": False, "max_tokens": 4}})
+        "speculative": dict(spec, adaptive=False, max_tokens=4)})
     try:
         for i, ids in enumerate(prompts):
             want = generate_ids(args, model, ids, n_tokens)
@@ -239,9 +242,9 @@ def case_spec_draft(args, model, draft, tp, prompts, n_tokens, label):
         inst.stop()
     log = inst.log_all(0)
     v, p, a = spec_accepted(log)
-    check("speculative decoding by a draft model" in log and "draft model:" in log,
-          f"{label}: the log names the draft and its work")
-    if draft == model:
+    named = "by the model's MTP block" if not draft else "by a draft model: " + draft
+    check(named in log and "draft model:" in log, f"{label}: the log names the draft and its work")
+    if oracle if oracle is not None else draft == model:
         check(v > 0 and p > 0 and a >= p - 4 * len(prompts),
               f"{label}: {v} verifications, {p} proposed, {a} accepted")
 
@@ -393,6 +396,12 @@ def main():
         ("draft synthetic", lambda: case_spec_draft(
             args, synth, os.path.join(args.synth_dir, "qwen2.gguf"), 2,
             prompts_for(synth_vocab, 2, 4), 16, "draft tp2 synthetic (qwen2 draft)")),
+        # the model's own multi-token prediction block (deepseek2 nextn): an oracle block that
+        # agrees with its model, and a random one, at tp 2 (the leader holds the block whole)
+        ("mtp synthetic", lambda: [case_spec_draft(
+            args, os.path.join(args.synth_dir, f"deepseek2-{v}.gguf"), None, 2,
+            prompts_for(synth_vocab, 2, 5), 16, f"mtp tp2 synthetic ({v})", oracle=v == "mtp-echo")
+            for v in ("mtp-echo", "mtp")]),
         # a request killed mid-way must outlast the delay: the default model's (8K context)
         # does, the synthetic model's would reach its 512-token context first on a quiet
         # machine, so it runs on a 4096-token copy

@@ -7,7 +7,11 @@
  * after keep rolled a request back, for a fresh request, and with catch-up cut into small
  * passes; keep gives blocks back, drop all of them; a token the draft cannot read gets no
  * proposals. A draft of another vocabulary is refused at create.
- * usage: test_draft SYNTH_DIR (its llama.gguf and qwen2.gguf)
+ * The target's own MTP block (deepseek2-mtp*.gguf as the target) as the proposer: the same
+ * tokens as without speculation, an oracle block's proposals nearly all accepted, and a direct
+ * call's first proposal that of one pass of the block over the prompt.
+ * usage: test_draft SYNTH_DIR (its llama.gguf, qwen2.gguf, deepseek2-mtp.gguf and
+ *        deepseek2-mtp-echo.gguf)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -318,6 +322,238 @@ static void test_other_vocab_refused(void)
     kn_cpu_destroy(c);
 }
 
+/* ---- the target's own MTP block (dc_draft_params.mtp) ---- */
+
+/* The test's target (the globals run() uses) replaced by file name, prompts folded into its
+ * vocabulary; restored by target_close. */
+typedef struct {
+    td_gguf *g;
+    kn_model *m;
+    kn_cpu *cpu;
+    kn_engine *e;
+    td_gguf *saved_g;
+    kn_model *saved_m;
+    kn_engine *saved_e;
+    req_spec saved_specs[N_REQ];
+    outputs saved_off;
+} target_rig;
+
+static int target_open(target_rig *t, const char *name)
+{
+    char path[1200], err[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    memset(t, 0, sizeof *t);
+    kn_shard sh = {0};
+    if (td_gguf_open(path, &t->g, err, sizeof err) || kn_model_load(t->g, &sh, &t->m) ||
+        kn_cpu_create(2, &t->cpu) || kn_engine_create(t->m, kn_cpu_backend(t->cpu), NULL, &t->e)) {
+        fprintf(stderr, "cannot set up the engine for %s\n", path);
+        return -1;
+    }
+    t->saved_g = gguf, t->saved_m = model, t->saved_e = engine;
+    memcpy(t->saved_specs, specs, sizeof specs);
+    t->saved_off = off;
+    gguf = t->g, model = t->m, engine = t->e;
+    for (int i = 0; i < N_REQ; i++)
+        for (int j = 0; j < specs[i].n_prompt; j++)
+            specs[i].prompt[j] %= model->hp.n_vocab;
+    dc_sched_stats st;
+    run(&(dc_spec_params){0}, 256, &off, &st);
+    return 0;
+}
+
+static void target_close(target_rig *t)
+{
+    gguf = t->saved_g, model = t->saved_m, engine = t->saved_e;
+    memcpy(specs, t->saved_specs, sizeof specs);
+    off = t->saved_off;
+    kn_engine_destroy(t->e);
+    kn_cpu_destroy(t->cpu);
+    kn_model_destroy(t->m);
+    td_gguf_close(t->g);
+}
+
+static int mtp_open(draft_rig *r, int64_t kv_tokens)
+{
+    memset(r, 0, sizeof *r);
+    if (kn_cpu_create(2, &r->cpu)) return -1;
+    dc_draft_params p = {.mtp = true,
+                         .be = kn_cpu_backend(r->cpu),
+                         .target = model,
+                         .target_gguf = gguf,
+                         .kv_tokens = kv_tokens,
+                         .kv_type = TD_F32};
+    return dc_draft_create(&p, &r->d);
+}
+
+/* The requests through the MTP block of file name: the tokens without speculation, greedy
+ * and seeded, in a roomy pool and in one that preempts; its acceptance in *acc (of 1). */
+static void mtp_exact(const char *name, double *acc)
+{
+    target_rig t;
+    TH_REQUIRE(target_open(&t, name) == 0);
+    draft_rig r;
+    TH_REQUIRE(mtp_open(&r, 256 * 16) == 0);
+    dc_spec_params sp = PINNED;
+    sp.proposer = dc_draft_proposer(r.d);
+    outputs o;
+    dc_sched_stats st;
+    run(&sp, 256, &o, &st);
+    check_same(&o, name);
+    TH_CHECK(st.spec_draft_tokens > 0 && dc_draft_blocks_used(r.d) == 0);
+    /* acceptance of greedy requests (a sampled one's token is a draw the argmax often misses) */
+    float temp[N_REQ];
+    outputs greedy_off;
+    for (int i = 0; i < N_REQ; i++)
+        temp[i] = specs[i].temperature, specs[i].temperature = 0;
+    run(&(dc_spec_params){0}, 256, &greedy_off, &st);
+    run(&sp, 256, &o, &st);
+    for (int i = 0; i < N_REQ; i++) {
+        specs[i].temperature = temp[i];
+        TH_CHECKF(o.n[i] == greedy_off.n[i] &&
+                      !memcmp(o.ids[i], greedy_off.ids[i], sizeof(int32_t) * (size_t)o.n[i]),
+                  "%s, greedy: req %d differs", name, i);
+    }
+    *acc = st.spec_draft_tokens ? (double)st.spec_accepted / (double)st.spec_draft_tokens : 0;
+    fprintf(stderr, "  %s MTP block, greedy: %llu proposed, %llu accepted (%.0f %%)\n", name,
+            (unsigned long long)st.spec_draft_tokens, (unsigned long long)st.spec_accepted,
+            100.0 * *acc);
+    run(&sp, 14, &o, &st);
+    check_same(&o, "MTP block, small target pool");
+    TH_CHECK(st.preemptions > 0 && dc_draft_blocks_used(r.d) == 0);
+    rig_close(&r);
+    target_close(&t);
+}
+
+/* The oracle block (make_synth.py deepseek2-mtp-echo: it copies the target's first layer, the
+ * target's others add next to nothing) proposes what the target samples: nearly all accepted.
+ * A random block (deepseek2-mtp) proposes worse: the same tokens either way. */
+static void test_mtp_exact(void)
+{
+    double acc_echo, acc_random;
+    mtp_exact("deepseek2-mtp-echo.gguf", &acc_echo);
+    mtp_exact("deepseek2-mtp.gguf", &acc_random);
+    TH_CHECKF(acc_echo > 0.8 && acc_echo > acc_random, "echo %.2f, random %.2f", acc_echo,
+              acc_random);
+}
+
+/* A direct call gives the block's first proposal after a prompt as one pass of the block over
+ * the prompt does (tandem logits --mtp, which tests/ref checks against the numpy reference):
+ * rows (token p, the target's hidden state of p - 1) from the hidden states the target gave
+ * through the proposer's hidden(); then keep and drop give every block back. A target without
+ * an MTP block is refused. */
+static void test_mtp_direct(void)
+{
+    target_rig t;
+    TH_REQUIRE(target_open(&t, "deepseek2-mtp.gguf") == 0);
+    const int64_t E = model->hp.n_embd, n = 30;
+    int32_t toks[40], pos[40], seq_of[40] = {0};
+    float *hid = malloc((size_t)(n + 1) * (size_t)E * sizeof *hid);
+    float *lg = malloc((size_t)model->hp.n_vocab * sizeof *lg);
+    TH_REQUIRE(hid && lg);
+    for (int i = 0; i < n; i++)
+        toks[i] = (i * 37 + 11) % model->hp.n_vocab, pos[i] = i;
+    /* the target over the prompt: its hidden states and its greedy next token */
+    kn_kv_mem *mem;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 8, 16, TD_F32);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_seq seq;
+    kn_kv_seq_init(&seq);
+    TH_REQUIRE(kn_kv_seq_reserve(mem, &seq, n) == 0);
+    kn_seq_view view = {.block_table = seq.blocks, .n_ctx = (int32_t)n};
+    int32_t last = (int32_t)n - 1;
+    kn_batch b = {.n_tokens = n,
+                  .tokens = toks,
+                  .pos = pos,
+                  .seq_of = seq_of,
+                  .n_seqs = 1,
+                  .seqs = &view,
+                  .n_logits = 1,
+                  .logit_rows = &last,
+                  .hidden_out = hid + E};
+    TH_REQUIRE(kn_engine_forward(engine, kn_kv_mem_pool(mem), &b, lg) == 0);
+    toks[n] = kn_argmax(lg, model->hp.n_vocab);
+    pos[n] = (int32_t)n;
+    /* the proposer, fed those hidden states */
+    draft_rig r;
+    TH_REQUIRE(mtp_open(&r, 64 * 16) == 0);
+    dc_spec_proposer pp = dc_draft_proposer(r.d);
+    TH_REQUIRE(pp.hidden && pp.n_hidden == E);
+    pp.hidden(pp.ctx, 7, 0, (int32_t)n, hid + E);
+    int32_t prop[4];
+    TH_CHECK(propose1(&pp, 7, toks, (int32_t)n + 1, 3, prop) == 3);
+    /* the block in one pass over rows 0..n (row 0 reads zeros) */
+    kn_model *bm;
+    kn_engine *be;
+    kn_kv_mem *bmem;
+    TH_REQUIRE(kn_model_load(gguf, &(kn_shard){.mtp = true}, &bm) == 0);
+    TH_REQUIRE(kn_engine_create(bm, kn_cpu_backend(t.cpu), NULL, &be) == 0);
+    kn_kv_pool_params bp = kn_model_kv_params(bm, 8, 16, TD_F32);
+    TH_REQUIRE(bp.n_layers == 1 && kn_kv_mem_create(&bp, &bmem) == 0);
+    kn_kv_seq bseq;
+    kn_kv_seq_init(&bseq);
+    TH_REQUIRE(kn_kv_seq_reserve(bmem, &bseq, n + 1) == 0);
+    memset(hid, 0, (size_t)E * sizeof *hid);
+    kn_seq_view bview = {.block_table = bseq.blocks, .n_ctx = (int32_t)n + 1};
+    int32_t blast = (int32_t)n;
+    float *own = malloc((size_t)(n + 1) * (size_t)E * sizeof *own);
+    TH_REQUIRE(own != NULL);
+    kn_batch bb = {.n_tokens = n + 1,
+                   .tokens = toks,
+                   .embd = hid,
+                   .pos = pos,
+                   .seq_of = seq_of,
+                   .n_seqs = 1,
+                   .seqs = &bview,
+                   .n_logits = 1,
+                   .logit_rows = &blast,
+                   .hidden_out = own};
+    TH_REQUIRE(kn_engine_forward(be, kn_kv_mem_pool(bmem), &bb, lg) == 0);
+    TH_CHECKF(prop[0] == kn_argmax(lg, model->hp.n_vocab), "proposal %d, the block's argmax %d",
+              prop[0], kn_argmax(lg, model->hp.n_vocab));
+    /* the chain: each next row reads the block's own hidden state of the row before */
+    for (int j = 1; j < 3; j++) {
+        int32_t tk = prop[j - 1], ps = (int32_t)n + j, zero = 0;
+        TH_REQUIRE(kn_kv_seq_reserve(bmem, &bseq, ps + 1) == 0);
+        bview = (kn_seq_view){.block_table = bseq.blocks, .n_ctx = ps + 1};
+        /* the row before's own hidden state: own[n] after the pass, then own[j - 1 & 1] */
+        float *h_prev = own + (j == 1 ? n : (j - 1) % 2) * E, *h_out = own + (j % 2) * E;
+        kn_batch cb = {.n_tokens = 1,
+                       .tokens = &tk,
+                       .embd = h_prev,
+                       .pos = &ps,
+                       .seq_of = &zero,
+                       .n_seqs = 1,
+                       .seqs = &bview,
+                       .n_logits = 1,
+                       .logit_rows = &zero,
+                       .hidden_out = h_out};
+        TH_REQUIRE(kn_engine_forward(be, kn_kv_mem_pool(bmem), &cb, lg) == 0);
+        TH_CHECKF(prop[j] == kn_argmax(lg, model->hp.n_vocab),
+                  "proposal %d: %d, the chained block's argmax %d", j, prop[j],
+                  kn_argmax(lg, model->hp.n_vocab));
+    }
+    free(own);
+    /* the target kept the prompt and its token only: the chained proposals' KV (computed from
+     * the block's own hidden states) goes */
+    pp.keep(pp.ctx, 7, toks, (int32_t)n + 1);
+    TH_CHECK(dc_draft_blocks_used(r.d) == 2); /* 31 positions: two blocks of 16 */
+    pp.drop(pp.ctx, 7);
+    TH_CHECK(dc_draft_blocks_used(r.d) == 0);
+    kn_kv_seq_fini(bmem, &bseq);
+    kn_kv_mem_destroy(bmem);
+    kn_engine_destroy(be);
+    kn_model_destroy(bm);
+    rig_close(&r);
+    kn_kv_seq_fini(mem, &seq);
+    kn_kv_mem_destroy(mem);
+    free(hid);
+    free(lg);
+    target_close(&t);
+    /* llama.gguf has no MTP block */
+    TH_CHECK(mtp_open(&r, 256) == TD_EINVAL && !r.d);
+    kn_cpu_destroy(r.cpu);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -350,6 +586,8 @@ int main(int argc, char **argv)
     TH_RUN(test_other_draft);
     TH_RUN(test_direct_calls);
     TH_RUN(test_other_vocab_refused);
+    TH_RUN(test_mtp_exact);
+    TH_RUN(test_mtp_direct);
     free(logits);
     kn_engine_destroy(engine);
     kn_cpu_destroy(cpu);

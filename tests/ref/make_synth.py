@@ -37,7 +37,11 @@ variants in MOE_VARIANTS):
             shared rope key; optional YaRN (DeepSeek-V2-Lite's parameters). Dense leading
             layers (leading_dense_block_count), then routed experts (sigmoid or softmax
             gating, exp_probs_b selection bias, group-limited top-k, normalized and scaled
-            weights) plus shared experts (ffn_*_shexp)
+            weights) plus shared experts (ffn_*_shexp). Optionally one multi-token-prediction
+            block (nextn_predict_layers 1, blk.{n_layer}: a MoE layer plus nextn.eh_proj,
+            enorm, hnorm, shared_head_norm, optional nextn.embed_tokens / shared_head_head;
+            make_moe_model says which variant has which), and the oracle deepseek2-mtp-echo
+            whose MTP block drafts the target's own next token (ECHO_TAIL)
 
 --types mixed quantizes the 3-D expert tensors row by row like the 2-D matrices: gate/up
 experts (rows of n_embd, whole 256-blocks) cycle through Q4_K, Q8_0 and Q4_0, down experts
@@ -56,7 +60,7 @@ Usage: make_synth.py --out PATH --arch ARCH (ARCHS) [--rope-freqs] [--tied]
                      [--types mixed|f32] [--seed N] [--tiny]
        make_synth.py --out PATH --variant NAME (MOE_VARIANTS) [--types ...] [--seed N]
                      [MoE shape flags: --n-expert, --n-expert-used, --n-ff-exp, --n-layer,
-                      --q-lora-rank, --n-shared-exp, --yarn, ...]
+                      --q-lora-rank, --n-shared-exp, --yarn, --mtp, ...]
        make_synth.py --suite DIR     the models the tests use (see SUITE), plus
                                      llama.expect for the GGUF reader test
 """
@@ -139,7 +143,8 @@ MOE_SHAPES = {
                       n_dense_lead=1, q_lora_rank=96, kv_lora_rank=64, qk_rope=16, qk_nope=32,
                       v_head=32, n_expert=16, n_expert_used=4, n_ff_exp=128, n_shared=2,
                       n_group=4, n_group_used=2, gating="sigmoid", probs_bias=True,
-                      weights_norm=True, weights_scale=2.5, yarn=None),
+                      weights_norm=True, weights_scale=2.5, yarn=None,
+                      mtp=0, mtp_head=False, mtp_head_norm=True, echo=False),
 }
 # DeepSeek-V2-Lite's rope scaling as its GGUF carries it: rope.scaling.type yarn, factor 40,
 # original_context_length 4096, yarn_log_multiplier = 0.1 * mscale_all_dim (0.707; the
@@ -162,7 +167,21 @@ MOE_VARIANTS = {
     "deepseek2-v2lite": dict(arch="deepseek2", q_lora_rank=0, gating=None, probs_bias=False,
                              n_group=1, n_group_used=1, weights_norm=False, weights_scale=1.0,
                              yarn=YARN_V2_LITE),
+    # deepseek2-v3 plus one multi-token-prediction (nextn) block (make_moe_model: MTP): its own
+    # shared_head_norm; embedding and LM head the trunk's (no nextn.embed_tokens, no
+    # nextn.shared_head_head)
+    "deepseek2-mtp": dict(arch="deepseek2", mtp=1),
+    # the MTP block with its own nextn.embed_tokens and nextn.shared_head_head but no
+    # shared_head_norm (llama.cpp falls back to output_norm), on deepseek2-yarn's rope
+    "deepseek2-mtp-head": dict(arch="deepseek2", mtp=1, mtp_head=True, mtp_head_norm=False,
+                               yarn=YARN_V2_LITE),
+    # an oracle for speed demonstrations (ECHO): the MTP block reproduces the target's choice
+    "deepseek2-mtp-echo": dict(arch="deepseek2", mtp=1, echo=True, n_dense_lead=0),
 }
+# deepseek2-mtp-echo: the target's layers after layer 0 write their residual branches scaled
+# by this (attn_output, ffn_down_exps, ffn_down_shexp): they cost full compute but move the
+# hidden state by ~1e-3 of its size, so the target's choice is layer 0's but for near-ties
+ECHO_TAIL = 1e-3
 # granite's four scalars (the real 3.x files: embedding 12, attention 1/128 (head dim 128),
 # residual 0.22, logit 8-16); milder here so that random weights keep greedy decoding
 # from repeating one token: the embedding is written scaled down by the same factor
@@ -512,17 +531,62 @@ def variant_kwargs(name, types="f32", seed=1):
     return dict(arch=arch, types=types, seed=seed, shapes=moe_shapes(arch, **v))
 
 
+class _TensorLog:
+    """A GGUFWriter stand-in that writes through and remembers what it wrote (add_tensor's
+    arguments), to write the same tensors again under other names (replay)."""
+
+    def __init__(self, w):
+        self.w = w
+        self.log = []
+
+    def add_tensor(self, name, data, **kw):
+        self.log.append((name, data, kw))
+        self.w.add_tensor(name, data, **kw)
+
+    def replay(self, w, old_prefix, new_prefix):
+        for name, data, kw in self.log:
+            assert name.startswith(old_prefix), name
+            w.add_tensor(new_prefix + name[len(old_prefix):], data.copy(), **kw)
+
+
 def make_moe_model(out, arch, tied=False, types="mixed", seed=0, shapes=None, head_dim=None,
                    alignment=None, extra_kv=None):
     """Writes a qwen3moe or deepseek2 model: the metadata keys and tensors llama.cpp's
     converter writes for Qwen3-MoE / DeepSeek-V2/V3 (conversion/qwen.py, deepseek.py), in the
-    shapes of shapes (default MOE_SHAPES[arch])."""
+    shapes of shapes (default MOE_SHAPES[arch]).
+
+    deepseek2 with shapes mtp = 1: one multi-token-prediction (nextn) block appended as
+    llama.cpp's deepseek2 loader reads it (src/models/deepseek2.cpp; the V3.2 converter's
+    layout): block_count = n_layer + 1 (llama.cpp's n_layer() = block_count -
+    nextn_predict_layers), nextn_predict_layers 1, and blk.{n_layer} a full MoE layer (the
+    same tensors as a trunk MoE layer, shared experts included) plus
+      blk.{n_layer}.nextn.eh_proj.weight    (n_embd rows of 2 * n_embd: [enorm'd e | hnorm'd h])
+      blk.{n_layer}.nextn.enorm.weight, .hnorm.weight              (n_embd)
+      blk.{n_layer}.nextn.shared_head_norm.weight  (n_embd; mtp_head_norm, else none)
+      blk.{n_layer}.nextn.embed_tokens.weight, .shared_head_head.weight  (n_vocab rows; mtp_head)
+    The trunk is drawn first, so it equals the model without the block for the same seed.
+    llama.cpp's MTP graph requires q_lora_rank > 0 and n_layer >= leading_dense_block_count.
+
+    echo (with mtp 1, n_dense_lead 0): the oracle ECHO_TAIL describes. token_embd's rows
+    have RMS exactly 1; the MTP block is a copy of layer 0 with eh_proj = [I | 0] (it reads
+    the normed embedding, ignores h), enorm = hnorm = 1 and shared_head_norm = output_norm:
+    its row for (x_p, any h) is the target's layer 0 at p, so it drafts the target's choice."""
     s = dict(MOE_SHAPES[arch] if shapes is None else shapes)
     if head_dim is not None:
         s["head_dim"] = head_dim
     ds = arch == "deepseek2"
     n_embd, n_head, n_layer, n_vocab = s["n_embd"], s["n_head"], s["n_layer"], s["n_vocab"]
     n_expert, n_used, n_ff_exp = s["n_expert"], s["n_expert_used"], s["n_ff_exp"]
+    n_mtp = int(s.get("mtp", 0) or 0)
+    echo = bool(s.get("echo", False))
+    if n_mtp and not ds:
+        raise ValueError(f"{arch}: MTP blocks are deepseek2's here")
+    if n_mtp not in (0, 1):
+        raise ValueError("mtp: llama.cpp's deepseek2 MTP graph runs a single nextn block")
+    if n_mtp and (s["q_lora_rank"] <= 0 or n_layer < s["n_dense_lead"]):
+        raise ValueError("mtp: llama.cpp's MTP graph needs q_lora_rank > 0 and a MoE block")
+    if echo and (not n_mtp or s["n_dense_lead"] != 0 or s.get("mtp_head", False)):
+        raise ValueError("echo: needs mtp 1, n_dense_lead 0 and the trunk's embedding / head")
     rng = np.random.default_rng(seed)
 
     w = gguf.GGUFWriter(out, arch)
@@ -530,7 +594,7 @@ def make_moe_model(out, arch, tied=False, types="mixed", seed=0, shapes=None, he
     if alignment is not None:
         w.add_custom_alignment(alignment)
     # the converter's order: TextModel.set_gguf_parameters, then the model's own keys
-    w.add_block_count(n_layer)
+    w.add_block_count(n_layer + n_mtp)
     w.add_context_length(s["n_ctx"])
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(s["n_ff"])
@@ -576,6 +640,8 @@ def make_moe_model(out, arch, tied=False, types="mixed", seed=0, shapes=None, he
             w.add_rope_scaling_factor(y["factor"])
             w.add_rope_scaling_orig_ctx_len(y["orig_ctx"])
             w.add_rope_scaling_yarn_log_mul(y["log_mul"])
+        if n_mtp:
+            w.add_nextn_predict_layers(n_mtp)
     else:
         w.add_expert_feed_forward_length(n_ff_exp)
         w.add_vocab_size(n_vocab)
@@ -584,6 +650,9 @@ def make_moe_model(out, arch, tied=False, types="mixed", seed=0, shapes=None, he
         extra_kv(w)
 
     counter = [0, 0, 0]
+    # tw: where the layer tensors go (the echo variant records layer 0's to copy them into
+    # its MTP block); tail: the residual-branch scale of the current layer (ECHO_TAIL)
+    tw, tail = w, 1.0
 
     def cycle(i, seq):
         if types == "f32":
@@ -603,10 +672,10 @@ def make_moe_model(out, arch, tied=False, types="mixed", seed=0, shapes=None, he
 
     def row_par(name, rows, cols, std):
         if types == "kquant" and cols % 256 == 0:
-            q = q6k_matrix(rng, rows, cols, std)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=QT.Q6_K)
+            q = q6k_matrix(rng, rows, cols, std * tail)
+            tw.add_tensor(name, q, raw_shape=q.shape, raw_dtype=QT.Q6_K)
         else:
-            add_matrix(w, name, normal((rows, cols), std), wtype())
+            add_matrix(tw, name, normal((rows, cols), std * tail), wtype())
 
     def experts(p):
         """The routed experts of one layer: 3-D (n_expert, rows, ne0) tensors."""
@@ -615,82 +684,122 @@ def make_moe_model(out, arch, tied=False, types="mixed", seed=0, shapes=None, he
         if n_embd % 256:
             gt = QT.Q8_0 if gt == QT.Q4_K else gt
             ut = QT.Q8_0 if ut == QT.Q4_K else ut
-        add_matrix(w, p + "ffn_gate_exps.weight",
+        add_matrix(tw, p + "ffn_gate_exps.weight",
                    normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)), gt)
-        add_matrix(w, p + "ffn_up_exps.weight",
+        add_matrix(tw, p + "ffn_up_exps.weight",
                    normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)), ut)
-        add_matrix(w, p + "ffn_down_exps.weight",
-                   normal((n_expert, n_embd, n_ff_exp), 0.5 / np.sqrt(n_ff_exp)),
+        add_matrix(tw, p + "ffn_down_exps.weight",
+                   normal((n_expert, n_embd, n_ff_exp), 0.5 * tail / np.sqrt(n_ff_exp)),
                    cycle(2, MIXED_EXP_DOWN))
 
     embd_t = MIXED_EMBD[arch] if types != "f32" else QT.F32
     embd_scale = 2.0 / np.sqrt(n_embd) if tied else 1.0
-    add_matrix(w, "token_embd.weight", normal((n_vocab, n_embd), embd_scale), embd_t)
-    w.add_tensor("output_norm.weight", norm_weight(n_embd))
+    embd = normal((n_vocab, n_embd), embd_scale)
+    if echo:  # rows of RMS 1: rmsnorm(e) * enorm (ones) is e itself, to eps
+        e64 = embd.astype(np.float64)
+        embd = (e64 / np.sqrt(np.mean(e64 * e64, axis=1, keepdims=True))).astype(np.float32)
+    add_matrix(w, "token_embd.weight", embd, embd_t)
+    output_norm = norm_weight(n_embd)
+    w.add_tensor("output_norm.weight", output_norm)
     if not tied:
         out_t = MIXED_OUTPUT[arch] if types != "f32" else QT.F32
         add_matrix(w, "output.weight", normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd)), out_t)
 
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        w.add_tensor(p + "attn_norm.weight", norm_weight(n_embd))
+    def layer(il, p):
+        """One block's tensors (tw, tail: see above)."""
+        tw.add_tensor(p + "attn_norm.weight", norm_weight(n_embd))
         if ds:
             dk = dn + dr
             if s["q_lora_rank"] > 0:
                 ql = s["q_lora_rank"]
-                add_matrix(w, p + "attn_q_a.weight", normal((ql, n_embd), 1.0 / np.sqrt(n_embd)),
+                add_matrix(tw, p + "attn_q_a.weight", normal((ql, n_embd), 1.0 / np.sqrt(n_embd)),
                            wtype())
-                w.add_tensor(p + "attn_q_a_norm.weight", norm_weight(ql))
-                add_matrix(w, p + "attn_q_b.weight", normal((n_head * dk, ql), 1.5 / np.sqrt(ql)),
+                tw.add_tensor(p + "attn_q_a_norm.weight", norm_weight(ql))
+                add_matrix(tw, p + "attn_q_b.weight", normal((n_head * dk, ql), 1.5 / np.sqrt(ql)),
                            wtype())
             else:
-                add_matrix(w, p + "attn_q.weight",
+                add_matrix(tw, p + "attn_q.weight",
                            normal((n_head * dk, n_embd), 1.5 / np.sqrt(n_embd)), wtype())
             # rows: the compressed KV (kv_lora_rank), then the shared rope key (qk_rope)
             kv_a = np.concatenate([normal((kvl, n_embd), 1.0 / np.sqrt(n_embd)),
                                    normal((dr, n_embd), 1.5 / np.sqrt(n_embd))])
-            add_matrix(w, p + "attn_kv_a_mqa.weight", kv_a, wtype())
-            w.add_tensor(p + "attn_kv_a_norm.weight", norm_weight(kvl))
+            add_matrix(tw, p + "attn_kv_a_mqa.weight", kv_a, wtype())
+            tw.add_tensor(p + "attn_kv_a_norm.weight", norm_weight(kvl))
             # the converter's split of kv_b_proj (n_head, qk_nope + v_head, kv_lora_rank):
             # k_b transposed to (n_head, kv_lora_rank, qk_nope), v_b (n_head, v_head, kv_lora)
-            add_matrix(w, p + "attn_k_b.weight", normal((n_head, kvl, dn), 1.5 / np.sqrt(kvl)),
+            add_matrix(tw, p + "attn_k_b.weight", normal((n_head, kvl, dn), 1.5 / np.sqrt(kvl)),
                        wtype())
-            add_matrix(w, p + "attn_v_b.weight", normal((n_head, dv, kvl), 1.0 / np.sqrt(kvl)),
+            add_matrix(tw, p + "attn_v_b.weight", normal((n_head, dv, kvl), 1.0 / np.sqrt(kvl)),
                        wtype())
             row_par(p + "attn_output.weight", n_embd, n_head * dv, 0.5 / np.sqrt(n_head * dv))
         else:
             hd, n_kv = s["head_dim"], s["n_head_kv"]
-            add_matrix(w, p + "attn_q.weight", normal((n_head * hd, n_embd), 1.5 / np.sqrt(n_embd)),
-                       wtype())
-            add_matrix(w, p + "attn_k.weight", normal((n_kv * hd, n_embd), 1.5 / np.sqrt(n_embd)),
-                       wtype())
-            add_matrix(w, p + "attn_v.weight", normal((n_kv * hd, n_embd), 1.0 / np.sqrt(n_embd)),
-                       wtype())
-            w.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
-            w.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
+            add_matrix(tw, p + "attn_q.weight",
+                       normal((n_head * hd, n_embd), 1.5 / np.sqrt(n_embd)), wtype())
+            add_matrix(tw, p + "attn_k.weight",
+                       normal((n_kv * hd, n_embd), 1.5 / np.sqrt(n_embd)), wtype())
+            add_matrix(tw, p + "attn_v.weight",
+                       normal((n_kv * hd, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
+            tw.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
+            tw.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
             row_par(p + "attn_output.weight", n_embd, n_head * hd, 0.5 / np.sqrt(n_head * hd))
-        w.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
+        tw.add_tensor(p + "ffn_norm.weight", norm_weight(n_embd))
         if ds and il < s["n_dense_lead"]:
             n_ff = s["n_ff"]
-            add_matrix(w, p + "ffn_gate.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)),
+            add_matrix(tw, p + "ffn_gate.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)),
                        wtype())
-            add_matrix(w, p + "ffn_up.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)),
+            add_matrix(tw, p + "ffn_up.weight", normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd)),
                        wtype())
             row_par(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
-            continue
+            return
         # the router stays F32 (the converter never quantizes ffn_gate_inp)
-        w.add_tensor(p + "ffn_gate_inp.weight", normal((n_expert, n_embd), 1.0 / np.sqrt(n_embd)))
+        tw.add_tensor(p + "ffn_gate_inp.weight",
+                      normal((n_expert, n_embd), 1.0 / np.sqrt(n_embd)))
         if ds and s["probs_bias"]:
             # DeepSeek-V3's e_score_correction_bias: shifts the selection, not the weights
-            w.add_tensor(p + "exp_probs_b.bias", normal(n_expert, 0.2))
+            tw.add_tensor(p + "exp_probs_b.bias", normal(n_expert, 0.2))
         experts(p)
         if ds and s["n_shared"]:
             n_sh = n_ff_exp * s["n_shared"]
-            add_matrix(w, p + "ffn_gate_shexp.weight", normal((n_sh, n_embd), 1.0 / np.sqrt(n_embd)),
-                       wtype())
-            add_matrix(w, p + "ffn_up_shexp.weight", normal((n_sh, n_embd), 1.0 / np.sqrt(n_embd)),
-                       wtype())
+            add_matrix(tw, p + "ffn_gate_shexp.weight",
+                       normal((n_sh, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
+            add_matrix(tw, p + "ffn_up_shexp.weight",
+                       normal((n_sh, n_embd), 1.0 / np.sqrt(n_embd)), wtype())
             row_par(p + "ffn_down_shexp.weight", n_embd, n_sh, 0.5 / np.sqrt(n_sh))
+
+    rec = _TensorLog(w) if echo else None
+    for il in range(n_layer + n_mtp):
+        p = f"blk.{il}."
+        tw = rec if echo and il == 0 else w
+        tail = ECHO_TAIL if echo and 0 < il < n_layer else 1.0
+        if echo and il == n_layer:  # the MTP block: layer 0's tensors, same types and values
+            rec.replay(w, "blk.0.", p)
+        else:
+            layer(il, p)
+        if il < n_layer:
+            continue
+        # the nextn tensors (the converter's order: after the block's own)
+        if echo:
+            eh = np.concatenate([np.eye(n_embd), np.zeros((n_embd, n_embd))], axis=1)
+            add_matrix(w, p + "nextn.eh_proj.weight", eh.astype(np.float32), wtype())
+            w.add_tensor(p + "nextn.enorm.weight", np.ones(n_embd, dtype=np.float32))
+            w.add_tensor(p + "nextn.hnorm.weight", np.ones(n_embd, dtype=np.float32))
+            w.add_tensor(p + "nextn.shared_head_norm.weight", output_norm.copy())
+            continue
+        if s.get("mtp_head", False):
+            add_matrix(w, p + "nextn.embed_tokens.weight", normal((n_vocab, n_embd), 1.0),
+                       QT.F32 if types == "f32" else MIXED_EMBD[arch])
+        # input [enorm'd e | hnorm'd h] (2 * n_embd of RMS ~1): output RMS ~1
+        add_matrix(w, p + "nextn.eh_proj.weight",
+                   normal((n_embd, 2 * n_embd), 1.0 / np.sqrt(2 * n_embd)), wtype())
+        w.add_tensor(p + "nextn.enorm.weight", norm_weight(n_embd))
+        w.add_tensor(p + "nextn.hnorm.weight", norm_weight(n_embd))
+        if s.get("mtp_head_norm", True):
+            w.add_tensor(p + "nextn.shared_head_norm.weight", norm_weight(n_embd))
+        if s.get("mtp_head", False):
+            add_matrix(w, p + "nextn.shared_head_head.weight",
+                       normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd)),
+                       QT.F32 if types == "f32" else MIXED_OUTPUT[arch])
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -730,6 +839,18 @@ SUITE = {
     # the files in its own SYNTH_MODELS list, so these are written but not yet tested there
     "qwen3moe.gguf": dict(arch="qwen3moe", tied=False, types="mixed", seed=SEED_QWEN3MOE),
     "deepseek2.gguf": dict(arch="deepseek2", tied=False, types="mixed", seed=SEED_DEEPSEEK2),
+    # deepseek2.gguf's trunk (same seed: identical weights) plus one MTP (nextn) block
+    # (MOE_VARIANTS deepseek2-mtp). Over the three synthetic prompts the MTP first draft's
+    # top-2 logit gap is >= 4.2e-3 (relative) and the MTP block's routing gap >= 5.1e-4
+    "deepseek2-mtp.gguf": dict(arch="deepseek2", tied=False, types="mixed", seed=SEED_DEEPSEEK2,
+                               shapes=moe_shapes("deepseek2", mtp=1)),
+    # the oracle MTP block (MOE_VARIANTS deepseek2-mtp-echo, ECHO_TAIL): its first draft is the
+    # target's next greedy token in 503 of 504 steps of the numpy reference (mixed types); the
+    # decode tests' proposer that agrees with its model (tests/decode/test_draft.c)
+    "deepseek2-mtp-echo.gguf": dict(arch="deepseek2", tied=False, types="mixed",
+                                    seed=SEED_DEEPSEEK2,
+                                    shapes=moe_shapes("deepseek2", mtp=1, echo=True,
+                                                      n_dense_lead=0)),
 }
 
 
@@ -782,6 +903,8 @@ def main():
     g.add_argument("--no-probs-bias", action="store_true", help="deepseek2: no exp_probs_b")
     g.add_argument("--yarn", action="store_true",
                    help="deepseek2: DeepSeek-V2-Lite's YaRN rope scaling (YARN_V2_LITE)")
+    g.add_argument("--mtp", action="store_true",
+                   help="deepseek2: append one MTP (nextn) block (make_moe_model)")
     a = ap.parse_args()
     if a.suite:
         make_suite(a.suite)
@@ -819,8 +942,11 @@ def main():
                 shapes["probs_bias"] = False
             if a.yarn:
                 shapes["yarn"] = dict(YARN_V2_LITE)
-        elif a.expert_groups or a.gating or a.no_probs_bias or a.yarn:
-            ap.error("--expert-groups, --gating, --no-probs-bias and --yarn are deepseek2's")
+            if a.mtp:
+                shapes["mtp"] = 1
+        elif a.expert_groups or a.gating or a.no_probs_bias or a.yarn or a.mtp:
+            ap.error("--expert-groups, --gating, --no-probs-bias, --yarn and --mtp are "
+                     "deepseek2's")
         make_model(a.out, a.arch, tied=a.tied, types=a.types, seed=a.seed, shapes=shapes)
         print(a.out)
         return 0

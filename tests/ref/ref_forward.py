@@ -78,13 +78,32 @@ Mixture-of-experts architectures:
                  (when set and != 1)
              f = sum_j w_j expert_j(h) + down_shexp (silu(gate_shexp h) * up_shexp h)
 
+Multi-token prediction (deepseek2 with nextn_predict_layers 1; src/models/deepseek2.cpp
+graph_mtp, common/speculative.cpp draft-mtp): the last block (blk.{n_layer}, n_layer =
+block_count - nextn_predict_layers) is not part of the trunk. The target's h_nextn is the
+LM head's input rmsnorm(x) * output_norm, every row. The MTP block, its own causal sequence
+with its own KV, runs row p = (token x_p, hidden h_p'):
+  e = embed_tokens[x_p] (nextn.embed_tokens, else token_embd)
+  x = eh_proj [rmsnorm(e) * enorm | rmsnorm(h_p') * hnorm]     (e first, then h)
+  x = x + MLA(rmsnorm(x) * attn_norm); x = x + MoE+shared(rmsnorm(x) * ffn_norm)
+  h_nextn = rmsnorm(x) * (nextn.shared_head_norm, else output_norm)
+  logits = (nextn.shared_head_head, else the LM head) h_nextn
+The first draft after a prompt x_0..x_{n-1}: x_n = argmax of the target's last logits; rows
+p = 0..n with h_p' = h_{p-1} (the target's), h_{-1} = 0, at positions p; row n's logits.
+Further drafts: the previous draft with row n's own h_nextn at n + 1, and so on.
+
 Python API:
   logits_last(path, ids) -> np.ndarray (n_vocab,) float32
   greedy(path, ids, n)    -> list[int]
   RefModel(path).generate(ids, n) -> (tokens, per-step logits) for tie analysis
+  mtp_first_draft_logits(path, ids) -> np.ndarray (n_vocab,) float64, the MTP's first draft
+  RefModel(path).mtp_draft(ids, k) -> (x_n, k greedy drafts, first-draft logits)
+  RefModel(path).mtp_rows(ids), mtp_acceptance(model, ids, n): every row's target and MTP
+      logits; how often the first draft is the target's next greedy token
 
 Command line:
   ref_forward.py --model PATH --ids 1,2,3 [--greedy N] [--out-logits FILE.f32] [--f64]
+                 [--mtp K | --mtp-accept N]
 """
 import argparse
 import math
@@ -175,7 +194,10 @@ class RefModel:
             raise ValueError(f"{path}: unsupported architecture {arch!r}")
         self.arch = arch
         hp = lambda k, d=None: _field(r, f"{arch}.{k}", d)  # noqa: E731
-        self.n_layer = int(hp("block_count"))
+        # multi-token-prediction (nextn) blocks are appended after the trunk's layers:
+        # llama.cpp's n_layer() = block_count - nextn_predict_layers
+        self.n_nextn = int(hp("nextn_predict_layers", 0) or 0)
+        self.n_layer = int(hp("block_count")) - self.n_nextn
         self.n_embd = int(hp("embedding_length"))
         self.n_head = int(hp("attention.head_count"))
         self.n_head_kv = int(hp("attention.head_count_kv", self.n_head))
@@ -239,7 +261,7 @@ class RefModel:
                 -2.0 * i / self.n_rot)
 
         self.layers = []
-        for il in range(self.n_layer):
+        for il in range(self.n_layer + self.n_nextn):
             p = f"blk.{il}."
             L = {"attn_output": W(p + "attn_output.weight")}
             for k in ("attn_norm", "ffn_norm"):
@@ -277,10 +299,35 @@ class RefModel:
             L["post_attention_norm"] = W(p + "post_attention_norm.weight", required=post)
             L["post_ffw_norm"] = W(p + "post_ffw_norm.weight", required=post)
             self.layers.append(L)
+        self.mtp = self._load_mtp(W) if self.n_nextn else None
         # routing diagnostics of the last forward calls: the smallest gap between the last
         # selected and the first unselected score (experts, and groups); a gap near float32
         # rounding means llama.cpp may pick another expert for a reason that is no bug
         self.min_route_gap = np.inf
+
+    def _load_mtp(self, W):
+        """The MTP block (src/models/deepseek2.cpp, load_arch_tensors and graph_mtp): the
+        last of self.layers (a MoE MLA layer), taken out of the trunk, plus its nextn
+        tensors; the optional ones fall back as llama.cpp's graph does."""
+        if self.arch != "deepseek2" or self.n_nextn != 1:
+            raise ValueError(f"{self.path}: {self.n_nextn} nextn blocks on {self.arch}: only "
+                             "deepseek2 with one is modelled (llama.cpp runs one)")
+        if self.n_layer < self.n_dense_lead or self.layers[-1].get("attn_q_a") is None:
+            raise ValueError(f"{self.path}: llama.cpp's MTP block needs MoE and q_lora_rank > 0")
+        p = f"blk.{self.n_layer}.nextn."
+        M = {"layer": self.layers.pop(),
+             "eh_proj": W(p + "eh_proj.weight"),          # (n_embd, 2 * n_embd): [e | h]
+             "enorm": W(p + "enorm.weight"),
+             "hnorm": W(p + "hnorm.weight")}
+        hn = W(p + "shared_head_norm.weight", required=False)
+        M["head_norm"] = self.output_norm if hn is None else hn
+        head = W(p + "shared_head_head.weight", required=False)
+        M["head"] = self.output if head is None else head
+        emb = W(p + "embed_tokens.weight", required=False)
+        M["embd"] = self.tok_embd if emb is None else emb
+        if M["eh_proj"].shape != (self.n_embd, 2 * self.n_embd):
+            raise ValueError(f"{self.path}: nextn.eh_proj is {M['eh_proj'].shape}")
+        return M
 
     def _moe_hparams(self, r, hp):
         """Expert routing and MLA hyper-parameters, with llama.cpp's defaults
@@ -361,10 +408,12 @@ class RefModel:
             x[..., 1:self.n_rot:2] = x0 * sin + x1 * cos
         return x
 
-    def forward(self, ids, cache, all_rows=False):
+    def forward(self, ids, cache, all_rows=False, out_h=None):
         """Runs tokens ids (T,) after the cache's positions; returns the last row's logits
         (n_vocab,), or with all_rows every row's (T, n_vocab), and appends K/V to cache (a
-        list with one (K, V) per layer, each (n_head_kv, S, head_dim))."""
+        list with one (K, V) per layer, each (n_head_kv, S, head_dim)). out_h: a list that
+        gets every row's normed final hidden state (T, n_embd), the LM head's input (llama.cpp's
+        h_nextn, the MTP block's h)."""
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
         past = cache[0][0].shape[1] if cache else 0
@@ -440,7 +489,11 @@ class RefModel:
             if post:
                 f = self.rmsnorm(f, L["post_ffw_norm"])
             x = x + f * self.dtype(self.residual_mul)
-        rows = self.rmsnorm(x if all_rows else x[-1:], self.output_norm)  # (T or 1, n_embd)
+        if out_h is not None:
+            out_h.append(self.rmsnorm(x, self.output_norm))
+            rows = out_h[-1] if all_rows else out_h[-1][-1:]
+        else:
+            rows = self.rmsnorm(x if all_rows else x[-1:], self.output_norm)  # (T|1, n_embd)
         out = (rows @ self.output.T) / self.dtype(self.logit_div)          # (T or 1, n_vocab)
         if self.final_cap:
             out = self.final_cap * np.tanh(out.astype(np.float64) / self.final_cap)
@@ -583,6 +636,64 @@ class RefModel:
         a = np.einsum("hts,hsd->thd", pr, V).reshape(T, -1)              # (T, H*dv)
         return a @ L["attn_output"].T
 
+    def mtp_forward(self, toks, hs, cache):
+        """The MTP block (llama.cpp's graph_mtp) on rows (toks[t], hs[t]) after the cache's
+        positions (its own KV: a list of one (K, V)): e = embed(tok) (nextn.embed_tokens, else
+        token_embd), x = eh_proj [rmsnorm(e) * enorm | rmsnorm(h) * hnorm], then the block's
+        MLA attention and MoE FFN (shared experts too) with residuals from x, then
+        h_nextn = rmsnorm(x) * (shared_head_norm, else output_norm) and logits = (nextn
+        shared_head_head, else the LM head) h_nextn. Returns (logits (T, n_vocab),
+        h_nextn (T, n_embd)), both in the model's dtype."""
+        M, L = self.mtp, self.mtp["layer"]
+        toks = np.asarray(toks, dtype=np.int64)
+        T = len(toks)
+        past = cache[0][0].shape[1] if cache else 0
+        pos = np.arange(past, past + T)
+        e = M["embd"][toks].astype(self.dtype)
+        h = np.asarray(hs, dtype=self.dtype).reshape(T, self.n_embd)
+        x = np.concatenate([self.rmsnorm(e, M["enorm"]), self.rmsnorm(h, M["hnorm"])],
+                           axis=1) @ M["eh_proj"].T                      # (T, n_embd)
+        mask = np.arange(past + T)[None, :] > (past + np.arange(T))[:, None]
+        x = x + self.attn_mla(L, self.rmsnorm(x, L["attn_norm"]), pos, cache, 0, mask)
+        x = x + self.ffn(L, self.rmsnorm(x, L["ffn_norm"]))
+        hn = self.rmsnorm(x, M["head_norm"])
+        return hn @ M["head"].T, hn
+
+    def mtp_rows(self, ids):
+        """The target and the MTP block over one sequence ids (T,): returns (target logits
+        (T, n_vocab), MTP logits (T, n_vocab)), where MTP row p = (ids[p], h_{p-1}) at
+        position p (h the target's h_nextn rows, h_{-1} = 0) drafts the token after ids[p],
+        as target row p chooses it (the driver's rows, common/speculative.cpp draft-mtp)."""
+        if self.mtp is None:
+            raise ValueError(f"{self.path}: no MTP (nextn) block")
+        hs = []
+        tl = self.forward(ids, [], all_rows=True, out_h=hs)
+        h_in = np.concatenate([np.zeros((1, self.n_embd), self.dtype), hs[0][:-1]])
+        ml, _ = self.mtp_forward(ids, h_in, [])
+        return tl, ml
+
+    def mtp_draft(self, ids, n_draft=1):
+        """llama.cpp's draft-mtp after a prompt ids (n tokens): the target runs the prompt,
+        x_n = argmax of its last logits; the MTP block runs rows p = 0..n (x_p, h_{p-1}),
+        h_{-1} = 0, and row n's logits are the first draft's; each further draft feeds the
+        previous one with the MTP's own h_nextn at the next position. Returns (x_n, drafts
+        (n_draft greedy tokens), first-draft logits (n_vocab,) in the model's dtype)."""
+        if self.mtp is None:
+            raise ValueError(f"{self.path}: no MTP (nextn) block")
+        ids = [int(t) for t in ids]
+        hs = []
+        lg = self.forward(ids, [], out_h=hs)
+        x_n = int(np.argmax(lg))
+        h_in = np.concatenate([np.zeros((1, self.n_embd), self.dtype), hs[0]])
+        cache = []
+        ml, hn = self.mtp_forward(ids + [x_n], h_in, cache)
+        first = ml[-1]
+        drafts = [int(np.argmax(first))]
+        while len(drafts) < n_draft:
+            ml, hn = self.mtp_forward([drafts[-1]], hn[-1:], cache)
+            drafts.append(int(np.argmax(ml[-1])))
+        return x_n, drafts, first
+
     # -- API ------------------------------------------------------------------------
     def logits_last(self, ids):
         return self.forward(ids, [])
@@ -625,6 +736,23 @@ def greedy(path, ids, n):
     return load(path).generate(ids, n)[0]
 
 
+def mtp_acceptance(m, ids, n):
+    """Greedy decoding of n target tokens after ids; returns (hits, n): how many of the n
+    steps after the first had the MTP's first draft (row p, RefModel.mtp_rows) equal to the
+    target's own next choice, i.e. how often a one-token draft would be accepted."""
+    toks, _ = m.generate(ids, n)
+    seq = list(ids) + toks
+    tl, ml = m.mtp_rows(seq[:-1])
+    rows = range(len(ids), len(seq) - 1)  # row p drafts seq[p + 1]; row n-1 is the target's
+    hits = sum(int(np.argmax(ml[p]) == seq[p + 1]) for p in rows)
+    return hits, len(rows)
+
+
+def mtp_first_draft_logits(path, ids, dtype=np.float64):
+    """The MTP first-draft logits after prompt ids (RefModel.mtp_draft), float64 by default."""
+    return load(path, dtype).mtp_draft(ids)[2]
+
+
 def main():
     ap = argparse.ArgumentParser(description="numpy reference forward pass of a GGUF model")
     ap.add_argument("--model", required=True)
@@ -632,9 +760,25 @@ def main():
     ap.add_argument("--greedy", type=int, default=0, help="generate N tokens greedily")
     ap.add_argument("--out-logits", help="write the last position's logits (raw float32)")
     ap.add_argument("--f64", action="store_true", help="compute in float64")
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="MTP models: print x_n and K greedy MTP drafts; --out-logits then gets "
+                         "the first draft's logits (what `tandem logits --mtp` writes)")
+    ap.add_argument("--mtp-accept", type=int, default=0, metavar="N",
+                    help="MTP models: over N greedy target tokens, how often the MTP's first "
+                         "draft is the target's next token")
     a = ap.parse_args()
     ids = [int(x) for x in a.ids.split(",") if x.strip()]
     m = load(a.model, np.float64 if a.f64 else np.float32)
+    if a.mtp:
+        x_n, drafts, first = m.mtp_draft(ids, a.mtp)
+        if a.out_logits:
+            first.astype("<f4").tofile(a.out_logits)
+        print(f"x_n {x_n} drafts {' '.join(map(str, drafts))}")
+        return 0
+    if a.mtp_accept:
+        hit, n = mtp_acceptance(m, ids, a.mtp_accept)
+        print(f"MTP first draft = target's next token: {hit}/{n} ({hit / n:.1%})")
+        return 0
     lg = m.logits_last(ids)
     if a.out_logits:
         lg.astype("<f4").tofile(a.out_logits)

@@ -3,7 +3,8 @@
 
 For the default model (--model) and for the synthetic models in --synth-dir (llama with
 rope_freqs, qwen2, qwen3, gemma3 with a sliding window of 8, smollm3, granite, phi3, olmo2,
-qwen3moe, deepseek2, gemma2 (soft-capped, a sliding window of 8 on its even layers);
+qwen3moe, deepseek2, gemma2 (soft-capped, a sliding window of 8 on its even layers),
+deepseek2-mtp (deepseek2 plus an MTP block);
 mixed weight types), and a fixed set of prompts given as token
 ids (tokenized here with the GGUF's vocabulary, independent of the C tokenizer):
 
@@ -14,7 +15,12 @@ ids (tokenized here with the GGUF's vocabulary, independent of the C tokenizer):
      token (EOS or any control token); the comparison then ends there. If the sequences
      part at a step where the reference's top two logits are within --tie-tol (relative),
      the difference is a tie-break, not an engine bug: it is reported, not failed;
-  3. with --kv-type f16 (one prompt per model) the logits error must stay below --f16-tol.
+  3. with --kv-type f16 (one prompt per model) the logits error must stay below --f16-tol;
+  4. models with a multi-token-prediction block (nextn_predict_layers, deepseek2-mtp): also
+     `tandem logits ... --mtp` (the MTP's first-draft logits: the target runs the prompt and
+     picks x_n greedily, the MTP block drafts the token after it; ref_forward.py's
+     RefModel.mtp_draft) under the same tolerances, every prompt with f32 KV and the first
+     with f16. An engine that refuses --mtp on such a model fails the check.
 
 Prints every check's figures, the worst error, and "reference: N passed, M failed";
 exits 1 if anything failed (including a missing or crashing engine).
@@ -58,7 +64,7 @@ TEXT_PROMPTS = [
 
 SYNTH_MODELS = ["llama.gguf", "qwen2.gguf", "qwen3.gguf", "llama-f32.gguf", "gemma3.gguf",
                 "smollm3.gguf", "granite.gguf", "phi3.gguf", "olmo2.gguf", "qwen3moe.gguf",
-                "deepseek2.gguf", "gemma2.gguf"]
+                "deepseek2.gguf", "gemma2.gguf", "deepseek2-mtp.gguf"]
 
 
 def synth_prompts(n_vocab):
@@ -95,11 +101,11 @@ class Runner:
             raise RuntimeError(f"`{' '.join(cmd)}` exited {p.returncode}:\n{p.stderr[-2000:]}")
         return p.stdout
 
-    def engine_logits(self, model, ids, kv_type):
+    def engine_logits(self, model, ids, kv_type, mtp=False):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "logits.f32")
             self.tandem(["logits", "--model", model, "--prompt-ids", ",".join(map(str, ids)),
-                         "--out", out, "--kv-type", kv_type])
+                         "--out", out, "--kv-type", kv_type] + (["--mtp"] if mtp else []))
             return np.fromfile(out, dtype="<f4")
 
     def engine_generate(self, model, ids, n, kv_type):
@@ -111,25 +117,27 @@ class Runner:
             return []
         return [int(x) for x in lines[-1].split()]
 
-    def check_logits(self, name, model, ref, ids, kv_type, tol):
+    def check_logits(self, name, model, ref, ids, kv_type, tol, mtp=False):
+        """Last-position logits, or with mtp the MTP's first-draft logits."""
+        what = "mtp logits" if mtp else "logits"
         try:
-            got = self.engine_logits(model, ids, kv_type)
-        except Exception as e:  # engine missing, crashed or timed out
-            self.fail(f"{name} logits kv={kv_type}: {e}")
+            got = self.engine_logits(model, ids, kv_type, mtp)
+        except Exception as e:  # engine missing, crashed, timed out or refused --mtp
+            self.fail(f"{name} {what} kv={kv_type}: {e}")
             return
-        want = ref.logits_last(ids)
+        want = ref.mtp_draft(ids)[2].astype(np.float32) if mtp else ref.logits_last(ids)
         if got.shape != want.shape:
-            self.fail(f"{name} logits kv={kv_type}: {got.size} values, expected {want.size}")
+            self.fail(f"{name} {what} kv={kv_type}: {got.size} values, expected {want.size}")
             return
         if not np.all(np.isfinite(got)):
-            self.fail(f"{name} logits kv={kv_type}: non-finite values")
+            self.fail(f"{name} {what} kv={kv_type}: non-finite values")
             return
         rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         same_top = int(np.argmax(got)) == int(np.argmax(want))
-        msg = (f"{name} logits kv={kv_type}: rel L2 err {rel:.3e} (tol {tol:.0e}), "
+        msg = (f"{name} {what} kv={kv_type}: rel L2 err {rel:.3e} (tol {tol:.0e}), "
                f"argmax {int(np.argmax(got))} vs ref {int(np.argmax(want))}")
         if kv_type == "f32" and rel > self.worst[0]:
-            self.worst = (rel, name)
+            self.worst = (rel, f"{name} {what}" if mtp else name)
         if rel < tol:
             self.ok(msg)
         else:
@@ -183,12 +191,18 @@ class Runner:
         except Exception as e:
             self.fail(f"{label}: reference cannot load {model}: {e}")
             return
+        mtp = ref.n_nextn > 0
         for i, ids in enumerate(prompts):
             name = f"{label}[{i}] ({len(ids)} ids)"
             self.check_logits(name, model, ref, ids, "f32", self.a.tol)
             self.check_greedy(name, model, ref, ids, self.a.n_gen)
+            if mtp:
+                self.check_logits(name, model, ref, ids, "f32", self.a.tol, mtp=True)
         if not self.a.no_f16:
             self.check_logits(f"{label}[0]", model, ref, prompts[0], "f16", self.a.f16_tol)
+            if mtp:
+                self.check_logits(f"{label}[0]", model, ref, prompts[0], "f16", self.a.f16_tol,
+                                  mtp=True)
 
 
 def main():
