@@ -326,53 +326,6 @@ static void draft_keep(void *ctx, uint64_t id, const int32_t *toks, int32_t n)
     roll_back(d, q, kept_prefix(d, q, toks, n));
 }
 
-/* The target computed positions [pos0, pos0 + n) of request id: h, their hidden states
- * (dc_spec_proposer.hidden). Stored from the first row the block still reads (position
- * n_exact - 1's: the input of n_exact) on; a gap before them reads as zeros. */
-static void draft_hidden(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h)
-{
-    dc_draft *d = ctx;
-    int r = get_req(d, id);
-    if (r < 0 || n < 1) return;
-    draft_req *q = &d->reqs[r];
-    const int64_t E = d->E;
-    int32_t need0 = q->n_exact > 0 ? q->n_exact - 1 : 0;
-    if (q->n_hid && q->hid0 < need0) { /* spent rows go */
-        int32_t drop = need0 - q->hid0 < q->n_hid ? need0 - q->hid0 : q->n_hid;
-        memmove(q->hid, q->hid + drop * E, (size_t)((q->n_hid - drop) * E) * sizeof *q->hid);
-        q->hid0 += drop;
-        q->n_hid -= drop;
-    }
-    if (pos0 < need0) {
-        int32_t skip = need0 - pos0;
-        if (skip >= n) return;
-        pos0 += skip;
-        h += skip * E;
-        n -= skip;
-    }
-    if (!q->n_hid) q->hid0 = pos0;
-    if (pos0 < q->hid0) { /* rows before the store's (a rollback past it): start it again */
-        q->hid0 = pos0;
-        q->n_hid = 0;
-    }
-    int32_t end = pos0 + n, old_end = q->hid0 + q->n_hid;
-    if (end - q->hid0 > q->cap_hid) {
-        int32_t cap = end - q->hid0 + 64;
-        float *g = realloc(q->hid, (size_t)cap * (size_t)E * sizeof *g);
-        if (!g) { /* no room: the block reads zeros for these */
-            q->n_hid = 0;
-            return;
-        }
-        q->hid = g;
-        q->cap_hid = cap;
-    }
-    if (pos0 > old_end)
-        memset(q->hid + (old_end - q->hid0) * E, 0,
-               (size_t)((pos0 - old_end) * E) * sizeof *q->hid);
-    memcpy(q->hid + (pos0 - q->hid0) * E, h, (size_t)(n * E) * sizeof *h);
-    if (end > old_end) q->n_hid = end - q->hid0;
-}
-
 /* The block's input row for position p of q: the target's hidden state of p - 1, or zeros
  * where it is not known (p = 0; a prompt the prefill stages computed; a cached prefix). */
 static void hidden_in(const dc_draft *d, const draft_req *q, int32_t p, float *row)
@@ -435,6 +388,23 @@ static int grow_call(dc_draft *d, int n)
     return 0;
 }
 
+/* q's tokens [n_held, n) from toks to be fed, with room reserved for need positions. false:
+ * a token the draft cannot read or no room (q emptied, counted as refused). */
+static bool feed(dc_draft *d, draft_req *q, const int32_t *toks, int32_t n, int32_t need)
+{
+    bool ok = true;
+    for (int32_t j = q->n_held; j < n && ok; j++)
+        ok = toks[j] >= 0 && toks[j] < d->n_in;
+    if (ok) ok = TD_GROW_INT(q->toks, q->cap, need, 64) == 0;
+    if (!ok || kn_kv_seq_reserve(d->mem, &q->seq, need)) {
+        empty_req(d, q);
+        d->st.refused++;
+        return false;
+    }
+    memcpy(q->toks + q->n_held, toks + q->n_held, (size_t)(n - q->n_held) * sizeof *toks);
+    return true;
+}
+
 /* Request i of the call (tokens toks[0, n), k proposals wanted) joins it: its record rolled
  * back to what it shares with toks (its last token fed again if it holds them all), room
  * reserved for toks and k - 1 proposals, the tokens to feed copied in. false: it takes no
@@ -448,17 +418,7 @@ static bool join_call(dc_draft *d, int i, uint64_t id, const int32_t *toks, int3
     draft_req *q = &d->reqs[r];
     int32_t keep = kept_prefix(d, q, toks, n);
     roll_back(d, q, keep < n ? keep : n - 1);
-    int32_t need = n + k - 1;
-    bool ok = true;
-    for (int32_t j = q->n_held; j < n && ok; j++)
-        ok = toks[j] >= 0 && toks[j] < d->n_in;
-    if (ok) ok = TD_GROW_INT(q->toks, q->cap, need, 64) == 0;
-    if (!ok || kn_kv_seq_reserve(d->mem, &q->seq, need)) {
-        empty_req(d, q);
-        d->st.refused++;
-        return false;
-    }
-    memcpy(q->toks + q->n_held, toks + q->n_held, (size_t)(n - q->n_held) * sizeof *toks);
+    if (!feed(d, q, toks, n, n + k - 1)) return false;
     *a = (draft_act){.rec = r, .i = i, .n_in = n, .row = -1, .far = n - q->n_held > FAR_TOKENS};
     return true;
 }
@@ -561,6 +521,96 @@ static int extend(dc_draft *d, int m, const int *k, int32_t *const *out, int *n_
         }
     }
 }
+
+/* ---- the target's hidden states (an MTP block) ---- */
+
+/* q's stored rows before the first the block still reads (position n_exact - 1's, the input
+ * of n_exact) go. */
+static void trim_hid(dc_draft *d, draft_req *q)
+{
+    int32_t need0 = q->n_exact > 0 ? q->n_exact - 1 : 0;
+    if (!q->n_hid || q->hid0 >= need0) return;
+    int32_t drop = need0 - q->hid0 < q->n_hid ? need0 - q->hid0 : q->n_hid;
+    memmove(q->hid, q->hid + drop * d->E, (size_t)((q->n_hid - drop) * d->E) * sizeof *q->hid);
+    q->hid0 += drop;
+    q->n_hid -= drop;
+}
+
+/* Store rows [pos0, pos0 + n) of the target's hidden states h in q (those the block still
+ * reads); a gap before them reads as zeros. false: no memory (then none are kept). */
+static bool store_hid(dc_draft *d, draft_req *q, int32_t pos0, int32_t n, const float *h)
+{
+    const int64_t E = d->E;
+    int32_t need0 = q->n_exact > 0 ? q->n_exact - 1 : 0;
+    if (pos0 < need0) {
+        int32_t skip = need0 - pos0;
+        if (skip >= n) return true;
+        pos0 += skip;
+        h += skip * E;
+        n -= skip;
+    }
+    if (!q->n_hid || pos0 < q->hid0) { /* nothing kept, or rows before them: start again */
+        q->hid0 = pos0;
+        q->n_hid = 0;
+    }
+    int32_t end = pos0 + n, old_end = q->hid0 + q->n_hid;
+    if (end - q->hid0 > q->cap_hid) {
+        int32_t cap = end - q->hid0 + 64;
+        float *g = realloc(q->hid, (size_t)cap * (size_t)E * sizeof *g);
+        if (!g) {
+            q->n_hid = 0;
+            return false;
+        }
+        q->hid = g;
+        q->cap_hid = cap;
+    }
+    if (pos0 > old_end)
+        memset(q->hid + (old_end - q->hid0) * E, 0,
+               (size_t)((pos0 - old_end) * E) * sizeof *q->hid);
+    memcpy(q->hid + (pos0 - q->hid0) * E, h, (size_t)(n * E) * sizeof *h);
+    if (end > old_end) q->n_hid = end - q->hid0;
+    return true;
+}
+
+/* Record r caught up to position upto of toks now, alone (no proposal). */
+static void catch_up_now(dc_draft *d, int r, const int32_t *toks, int32_t upto)
+{
+    draft_req *q = &d->reqs[r];
+    roll_back(d, q, kept_prefix(d, q, toks, upto));
+    if (grow_call(d, 1) || !feed(d, q, toks, upto, upto)) return;
+    d->act[0] = (draft_act){.rec = r, .i = 0, .n_in = upto, .row = -1, .far = true};
+    int rc = catch_up(d, 1, NULL, NULL);
+    if (rc) {
+        TD_LOG_WARN("%s: draft model pass failed: %s", d->who, td_strerror(rc));
+        empty_req(d, q);
+    }
+}
+
+/* The target computed positions [pos0, pos0 + n) of request id (its tokens toks[0, n_toks)):
+ * h, their hidden states (dc_spec_proposer.hidden). Kept until the block reads them; a chunk of
+ * more than FAR_TOKENS rows (a prompt's prefill) is caught up at once, while the prefill runs,
+ * so a prompt's rows are never all kept nor caught up in one decode step. (A prompt the prefix
+ * cache served, whose last few positions alone are computed, is caught up at its first
+ * proposal, as a draft model's prompt is.) */
+static void draft_hidden(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h,
+                         const int32_t *toks, int32_t n_toks)
+{
+    dc_draft *d = ctx;
+    int r = get_req(d, id);
+    if (r < 0 || n < 1) return;
+    draft_req *q = &d->reqs[r];
+    trim_hid(d, q);
+    if (!store_hid(d, q, pos0, n, h)) return;
+    /* positions whose token and input are known: p < n_toks, p - 1 < the rows' end */
+    int32_t upto = q->hid0 + q->n_hid + 1 < n_toks ? q->hid0 + q->n_hid + 1 : n_toks;
+    if (n > FAR_TOKENS && upto - kept_prefix(d, q, toks, n_toks) > FAR_TOKENS) {
+        d->st.calls++;
+        catch_up_now(d, r, toks, upto);
+        trim_hid(d, q);
+    }
+}
+
+/* ---- the proposer's calls ---- */
 
 static int draft_propose(void *ctx, int n, const uint64_t *ids, const int32_t *const *toks,
                          const int32_t *n_toks, const int *k, int32_t *const *out, int *n_out)

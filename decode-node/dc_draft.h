@@ -1,6 +1,15 @@
 /* dc_draft.h: a draft model as speculative decoding's proposer (dc_spec.h, DC_SPEC_DRAFT):
  * a smaller model of the target's vocabulary, run on the decode leader beside the target,
- * that proposes each request's next tokens by greedy decoding.
+ * that proposes each request's next tokens by greedy decoding. Or (params.mtp) the target's
+ * own multi-token prediction block (model.h kn_shard.mtp: DeepSeek's nextn layer), run the
+ * same way as a one-layer draft whose row for position p also reads the target's final hidden
+ * state of position p - 1 (dc_spec_proposer.hidden: the scheduler hands each step's rows over;
+ * zeros where the target's is not known: position 0, a prompt the prefill stages computed in
+ * disaggregated mode, a prefix the cache served) and, for a chain's later proposals, the
+ * block's own of the row before (llama.cpp's draft-mtp). A record's KV past the positions
+ * computed from the target's states is dropped at keep even where its tokens were right, and
+ * a prompt's chunk of more than DC_SPEC_MAX_TOKENS + 1 positions is caught up as its rows
+ * arrive, so the rows are not kept and its catch-up does not land in one decode step.
  *
  * Purpose: prompt lookup proposes only where output repeats its context; a draft model
  * proposes everywhere, at the price of its own forward passes. Its proposals are greedy

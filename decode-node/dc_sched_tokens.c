@@ -147,7 +147,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         const dc_spec_proposer *pp = &s->p.spec.proposer;
         if (s->hid)
             pp->hidden(pp->ctx, r->id, r->n_computed, r->chunk,
-                       s->hid + (size_t)r->row0 * (size_t)pp->n_hidden);
+                       s->hid + (size_t)r->row0 * (size_t)pp->n_hidden, r->tokens, r->n_tokens);
         /* a proposal's KV is kept only once it is accepted (emit_tokens) */
         r->n_computed += r->chunk - r->n_draft;
         r->chunk = 0;

@@ -66,9 +66,11 @@ typedef struct {
     /* Optional (NULL: the proposer reads no hidden states; n_hidden 0). The target computed
      * positions [pos0, pos0 + n) of request id in the step just ended (its prefill chunk, or
      * its decode row and verification rows); h: their final hidden states as the LM head
-     * reads them (n, n_hidden; kn_batch.hidden_out). Called before the step's tokens are
-     * sampled: rows past what keep then says the request holds are of rejected proposals. */
-    void (*hidden)(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h);
+     * reads them (n, n_hidden; kn_batch.hidden_out); toks[0, n_toks): the request's tokens
+     * (prompt and output) so far. Called before the step's tokens are sampled: rows past what
+     * keep then says the request holds are of rejected proposals. */
+    void (*hidden)(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h,
+                   const int32_t *toks, int32_t n_toks);
     int n_hidden;
 } dc_spec_proposer;
 

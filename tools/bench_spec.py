@@ -23,11 +23,15 @@ other round (A B C D, D C B A) so that drift hits all alike:
   n8, n1      Tandem, {method: ngram, ngram_max: 8} | {method: ngram, ngram_min: 1} (adaptive:
               longer suffixes looked up, or single tokens too)
   draft       Tandem, {method: draft, draft: --draft GGUF} (adaptive; e.g. Qwen2.5-Coder-0.5B)
+  mtp         Tandem, {method: mtp}: the model's own multi-token prediction block (a deepseek2
+              GGUF with nextn layers, e.g. make_synth.py's deepseek2-mtp-echo at bench size)
   off         Tandem, {method: off}
   llama_spec  llama-server with --llama-spec (default LLAMA_SPEC_DEFAULT: see LLAMA_SWEEP)
   llama_off   llama-server without speculation
   llama_draft llama-server with a draft model (--llama-draft GGUF, e.g. Qwen2.5-Coder-0.5B;
               --llama-draft-args): a reference figure only, not in the default set
+  llama_mtp   llama-server with the model's MTP block (--spec-type draft-mtp
+              --spec-draft-n-max 8)
 Tandem: `tandem up --no-restart --port FREE` on a copy of --config
 (deploy/local-colocated.yaml) with model: --model, every decode instance's threads:
 --threads and its speculative block as above (--spec-key omit leaves it out, for a build
@@ -52,7 +56,8 @@ acceptance (its timings: draft_n_accepted / draft_n) and any router /metrics ser
 *spec* (their change over the phase). Then per batch the medians over rounds and the
 ratios (median, and each round's) of the configurations that ran: on/off, draft/off,
 draft/on, k4/off, k8/off, n8/off, n1/off, n8/on, n1/on, llama_spec/llama_off,
-llama_draft/llama_off, on/llama_spec, draft/llama_draft, off/llama_off, on/llama_off.
+llama_draft/llama_off, on/llama_spec, draft/llama_draft, off/llama_off, on/llama_off, mtp/off,
+llama_mtp/llama_off, mtp/llama_mtp.
 Text check: each answer of on, k4, k8, n8 and n1 at batch 1 must equal off's answer to the same
 prompt in the same round, byte for byte (speculation must not change greedy output); a
 difference prints MISMATCH with where it starts, and the exit status is 2. Batched, the
@@ -632,8 +637,9 @@ TANDEM_SPEC = {"on": {"method": "ngram"},
                "n8": {"method": "ngram", "ngram_max": 8},
                "n1": {"method": "ngram", "ngram_min": 1},
                "draft": None,  # {method: draft, draft: --draft}, set from the arguments
+               "mtp": {"method": "mtp"},
                "off": {"method": "off"}}
-LLAMA = ("llama_spec", "llama_off", "llama_draft")
+LLAMA = ("llama_spec", "llama_off", "llama_draft", "llama_mtp")
 LOG_DIR = os.path.expanduser("~/.cache/tandem/bench-spec")
 
 args = None  # the parsed options (main)
@@ -950,6 +956,8 @@ def make_server(name, log_dir):
         return Llama(name, log_dir, args.llama_spec.split())
     if name == "llama_draft":
         return Llama(name, log_dir, ["-md", args.llama_draft] + args.llama_draft_args.split())
+    if name == "llama_mtp":
+        return Llama(name, log_dir, ["--spec-type", "draft-mtp", "--spec-draft-n-max", "8"])
     if name.startswith("llama:"):
         return Llama(name.replace(":", "_"), log_dir, LLAMA_SWEEP[name[6:]].split())
     raise ValueError(name)
@@ -1097,7 +1105,8 @@ def check_texts(texts, rounds, batches):
 RATIOS = [("on", "off"), ("draft", "off"), ("draft", "on"), ("k4", "off"), ("k8", "off"),
           ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
           ("llama_draft", "llama_off"), ("on", "llama_spec"), ("draft", "llama_draft"),
-          ("off", "llama_off"), ("on", "llama_off")]
+          ("off", "llama_off"), ("on", "llama_off"), ("mtp", "off"), ("llama_mtp", "llama_off"),
+          ("mtp", "llama_mtp")]
 
 
 def report(results, batches, names):

@@ -445,8 +445,9 @@ static void test_mtp_direct(void)
 {
     target_rig t;
     TH_REQUIRE(target_open(&t, "deepseek2-mtp.gguf") == 0);
-    const int64_t E = model->hp.n_embd, n = 30;
-    int32_t toks[40], pos[40], seq_of[40] = {0};
+    /* 60 positions: the proposer catches them up in hidden() already (a prompt's chunk) */
+    const int64_t E = model->hp.n_embd, n = 60;
+    int32_t toks[70], pos[70], seq_of[70] = {0};
     float *hid = malloc((size_t)(n + 1) * (size_t)E * sizeof *hid);
     float *lg = malloc((size_t)model->hp.n_vocab * sizeof *lg);
     TH_REQUIRE(hid && lg);
@@ -478,7 +479,8 @@ static void test_mtp_direct(void)
     TH_REQUIRE(mtp_open(&r, 64 * 16) == 0);
     dc_spec_proposer pp = dc_draft_proposer(r.d);
     TH_REQUIRE(pp.hidden && pp.n_hidden == E);
-    pp.hidden(pp.ctx, 7, 0, (int32_t)n, hid + E);
+    pp.hidden(pp.ctx, 7, 0, (int32_t)n, hid + E, toks, (int32_t)n);
+    TH_CHECK(dc_draft_blocks_used(r.d) == 4); /* positions 0..59 caught up */
     int32_t prop[4];
     TH_CHECK(propose1(&pp, 7, toks, (int32_t)n + 1, 3, prop) == 3);
     /* the block in one pass over rows 0..n (row 0 reads zeros) */
@@ -536,7 +538,7 @@ static void test_mtp_direct(void)
     /* the target kept the prompt and its token only: the chained proposals' KV (computed from
      * the block's own hidden states) goes */
     pp.keep(pp.ctx, 7, toks, (int32_t)n + 1);
-    TH_CHECK(dc_draft_blocks_used(r.d) == 2); /* 31 positions: two blocks of 16 */
+    TH_CHECK(dc_draft_blocks_used(r.d) == 4); /* 61 positions: four blocks of 16 */
     pp.drop(pp.ctx, 7);
     TH_CHECK(dc_draft_blocks_used(r.d) == 0);
     kn_kv_seq_fini(bmem, &bseq);
