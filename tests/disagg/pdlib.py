@@ -39,7 +39,8 @@ class Cluster:
                         "kv_blocks": d.get("kv_blocks", 512), "port": d["port"],
                         "step_tokens": 64,
                         **{k: d[k] for k in ("prefix_cache", "kv_dtype", "overlap", "ep",
-                                             "share_cores", "itl_target_ms") if k in d}}
+                                             "share_cores", "itl_target_ms", "speculative")
+                           if k in d}}
                        for i, d in enumerate(decode)],
             "kvxfer": {"ucx_tls": ucx_tls, "timeout_ms": timeout_ms}})
         self.ps = Procs(self.dir)

@@ -4,7 +4,8 @@ tandem-prefill stages and tandem-decode ranks as real processes on loopback.
 
 Cases (--case NAME runs one):
   moe      the same on the synthetic qwen3moe and deepseek2 (colocated tp 2, pp 2 -> tp 2 ep 2),
-           with n > 1 and batched prompts through the openai client on deepseek2;
+           with n > 1 and batched prompts through the openai client on deepseek2; pp 2 -> tp 2
+           with the model's MTP block proposing (deepseek2-mtp, its oracle -echo);
   synth    greedy output equals `tandem generate` token for token on the synthetic llama,
            for prefill pp 1/2/3 x decode tp 1/2, prompts from 1 token to several chunks;
            and on a model whose decode ranks share KV heads (6 over 2 at tp 3); n > 1 and
@@ -263,6 +264,22 @@ def case_moe(args):
                 if name == "deepseek2" and pf:
                     choices_output(c, args, model, label)
                 idle(c, label)
+    # the model's MTP block proposing (speculative method mtp), pp 2 -> tp 2: the prompt's
+    # hidden states stay on the stages (the block reads zeros for them), the output is
+    # generate's; the oracle block's proposals are accepted
+    for name in ("deepseek2-mtp", "deepseek2-mtp-echo"):
+        model = os.path.join(args.synth_dir, f"{name}.gguf")
+        label = f"{name} pp2 tp2 mtp"
+        spec = {"method": "mtp", "adaptive": False, "max_tokens": 4}
+        with Cluster(args, model, [{"pp": 2, "chunk": 64}], [{"tp": 2, "speculative": spec}]) as c:
+            equal_outputs(c, args, model, prompts, label)
+            idle(c, label)
+            c.stop()  # the rank logs its speculation figures as it stops
+            m = re.findall(r"speculation: (\d+) verifications, (\d+) proposed tokens, (\d+) "
+                           r"accepted", c.log("d0r0"))
+            v, p, a = (int(x) for x in m[-1]) if m else (0, 0, 0)
+            check(v > 0 and p > 0 and (a > p // 2 if name.endswith("echo") else a <= p),
+                  f"{label}: {v} verifications, {p} proposed, {a} accepted")
 
 
 def case_default(args):
