@@ -449,8 +449,10 @@ static void chain_keep(dc_draft *d, int a, int row)
 }
 
 /* Catch the call's m requests up: every token of theirs fed, in passes of at most chunk
- * tokens; proposal 1 from each one's last row. */
-static int catch_up(dc_draft *d, int m, int32_t *const *out, int *n_out)
+ * tokens, but those of requests far behind (a prompt: no proposal in this call) only up to
+ * far_budget tokens in all (the rest in later calls: a call's time is a decode step's);
+ * proposal 1 from each near one's last row. */
+static int catch_up(dc_draft *d, int m, int32_t *const *out, int *n_out, int64_t far_budget)
 {
     for (;;) {
         int n_tok = 0, n_views = 0, n_rows = 0;
@@ -458,8 +460,10 @@ static int catch_up(dc_draft *d, int m, int32_t *const *out, int *n_out)
             draft_act *x = &d->act[a];
             draft_req *q = &d->reqs[x->rec];
             int32_t take = x->n_in - q->n_held;
+            if (x->far && take > far_budget) take = (int32_t)far_budget;
             if (take <= 0) continue;
             if (take > d->chunk - n_tok) take = d->chunk - n_tok;
+            if (x->far) far_budget -= take;
             for (int32_t j = 0; j < take; j++, n_tok++) {
                 d->tok[n_tok] = q->toks[q->n_held + j];
                 d->pos[n_tok] = q->n_held + j;
@@ -522,7 +526,7 @@ static int extend(dc_draft *d, int m, const int *k, int32_t *const *out, int *n_
     }
 }
 
-/* ---- the target's hidden states (an MTP block) ---- */
+/* ---- the target's rows: an MTP block's hidden states, a prompt's chunks ---- */
 
 /* q's stored rows before the first the block still reads (position n_exact - 1's, the input
  * of n_exact) go. */
@@ -579,34 +583,41 @@ static void catch_up_now(dc_draft *d, int r, const int32_t *toks, int32_t upto)
     roll_back(d, q, kept_prefix(d, q, toks, upto));
     if (grow_call(d, 1) || !feed(d, q, toks, upto, upto)) return;
     d->act[0] = (draft_act){.rec = r, .i = 0, .n_in = upto, .row = -1, .far = true};
-    int rc = catch_up(d, 1, NULL, NULL);
+    int rc = catch_up(d, 1, NULL, NULL, INT64_MAX);
     if (rc) {
         TD_LOG_WARN("%s: draft model pass failed: %s", d->who, td_strerror(rc));
         empty_req(d, q);
     }
 }
 
-/* The target computed positions [pos0, pos0 + n) of request id (its tokens toks[0, n_toks)):
- * h, their hidden states (dc_spec_proposer.hidden). Kept until the block reads them; a chunk of
- * more than FAR_TOKENS rows (a prompt's prefill) is caught up at once, while the prefill runs,
- * so a prompt's rows are never all kept nor caught up in one decode step. (A prompt the prefix
- * cache served, whose last few positions alone are computed, is caught up at its first
- * proposal, as a draft model's prompt is.) */
-static void draft_hidden(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h,
-                         const int32_t *toks, int32_t n_toks)
+/* The target computed positions [pos0, pos0 + n) of request id (its tokens toks[0, n_toks);
+ * an MTP block: h, their hidden states, kept until the block reads them). A chunk of more than
+ * FAR_TOKENS rows (a prompt's prefill, colocated) is caught up at once, while the target
+ * prefills it, so a prompt's catch-up does not land in one decode step (nor, for an MTP block,
+ * are its rows all kept). A prompt computed elsewhere (the prefill stages) or served by the
+ * prefix cache, whose last positions alone the target computes here, is caught up by the
+ * proposals' calls, at most chunk tokens of it a call (catch_up). */
+static void draft_computed(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h,
+                           const int32_t *toks, int32_t n_toks)
 {
     dc_draft *d = ctx;
+    if (n < 1 || (!d->mtp && n <= FAR_TOKENS)) return;
     int r = get_req(d, id);
-    if (r < 0 || n < 1) return;
+    if (r < 0) return;
     draft_req *q = &d->reqs[r];
-    trim_hid(d, q);
-    if (!store_hid(d, q, pos0, n, h)) return;
-    /* positions whose token and input are known: p < n_toks, p - 1 < the rows' end */
-    int32_t upto = q->hid0 + q->n_hid + 1 < n_toks ? q->hid0 + q->n_hid + 1 : n_toks;
+    /* positions whose token (and, for the block, input) are known: p < n_toks, and p below the
+     * rows' end (a draft model) or p - 1 below it (the block reads the row before) */
+    int32_t upto = pos0 + n;
+    if (d->mtp) {
+        trim_hid(d, q);
+        if (!store_hid(d, q, pos0, n, h)) return;
+        upto = q->hid0 + q->n_hid + 1;
+    }
+    if (upto > n_toks) upto = n_toks;
     if (n > FAR_TOKENS && upto - kept_prefix(d, q, toks, n_toks) > FAR_TOKENS) {
         d->st.calls++;
         catch_up_now(d, r, toks, upto);
-        trim_hid(d, q);
+        if (d->mtp) trim_hid(d, q);
     }
 }
 
@@ -625,7 +636,7 @@ static int draft_propose(void *ctx, int n, const uint64_t *ids, const int32_t *c
     int m = 0;
     for (int i = 0; i < n; i++)
         if (join_call(d, i, ids[i], toks[i], n_toks[i], k[i], &d->act[m])) m++;
-    if (m && !(rc = catch_up(d, m, out, n_out))) rc = extend(d, m, k, out, n_out);
+    if (m && !(rc = catch_up(d, m, out, n_out, d->chunk))) rc = extend(d, m, k, out, n_out);
     if (rc) {
         /* the KV of the failed pass is unknown: its requests start again from nothing */
         TD_LOG_WARN("%s: draft model pass failed: %s", d->who, td_strerror(rc));
@@ -646,6 +657,6 @@ dc_spec_proposer dc_draft_proposer(dc_draft *d)
                               .propose = draft_propose,
                               .keep = draft_keep,
                               .drop = draft_drop,
-                              .hidden = d->mtp ? draft_hidden : NULL,
+                              .computed = draft_computed,
                               .n_hidden = d->mtp ? (int)d->E : 0};
 }

@@ -23,12 +23,17 @@
  * time; a logit row for a request's last token only), takes the argmax as proposal 1, and
  * runs up to k - 1 more passes of one row per request still wanting more, each argmax the
  * next proposal. Rows are not solo (model.h): a proposal's rounding never changes output.
- * A request caught up by more than DC_SPEC_MAX_TOKENS + 1 tokens in a call (its prompt, the
- * first time, or all of it again after a preemption) gets no proposals in that call: the
- * step's time then holds a prefill, which the scheduler's step cost model would charge to
+ * A request more than DC_SPEC_MAX_TOKENS + 1 tokens behind (its prompt, the first time, or
+ * all of it again after a preemption) gets no proposals in that call, and is caught up by at
+ * most chunk_tokens tokens a call (all such requests together), the rest in the next calls:
+ * the step's time then holds a prefill, which the scheduler's step cost model would charge to
  * the step's verification rows (a verification row would look as dear as a prompt's
- * prefill, and the adaptive choice would stop proposing for good); it proposes from its next
- * step on.
+ * prefill, and the adaptive choice would stop proposing for good), and a whole prompt's
+ * catch-up in one step would stall every other request's next token; it proposes once it is
+ * near. In colocated mode a prompt's prefill chunks reach the proposer as the target computes
+ * them (dc_spec_proposer.computed) and are caught up then, so its first decode step has
+ * little to do; a prompt the prefill stages computed, or the prefix cache served, is caught
+ * up by the calls.
  * A request's record:
  *
  *      (none) --propose: first call--> HOLDS (KV of toks[0, n_held)) --drop--> (none)
@@ -76,7 +81,8 @@ typedef struct {
     int64_t kv_tokens;          /* the draft's KV capacity, tokens (whole blocks of it) */
     int block_size;             /* tokens per KV block, a power of two; 0: 16 */
     td_dtype kv_type;           /* TD_F32 (0) or TD_F16 */
-    int chunk_tokens;           /* most tokens of one catch-up pass; 0: 512 */
+    int chunk_tokens;           /* most tokens of one catch-up pass, and of a prompt's catch-up
+                                   in one call (the rest in the next calls); 0: 512 */
     const char *who;            /* log prefix ("decode d0"); NULL: "draft" */
 } dc_draft_params;
 

@@ -21,14 +21,15 @@ static void on_signal(int sig)
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: tandem-decode --config FILE --instance NAME --rank R [--listen URL]\n"
-                    "                     [--name NAME] [--advertise HOST]\n"
-                    "  one process per tensor-parallel rank; rank 0 serves the control socket\n"
-                    "  (tcp://HOST:PORT of the instance in the config, or --listen)\n"
-                    "  --name: this instance's own name (default: --instance, then only the YAML\n"
-                    "          entry its settings come from); every rank of it gives the same\n"
-                    "  --advertise: the host the router reaches rank 0 at (router.membership), and\n"
-                    "               whose network device the KV plane uses\n");
+    fprintf(stderr,
+            "usage: tandem-decode --config FILE --instance NAME --rank R [--listen URL]\n"
+            "                     [--name NAME] [--advertise HOST]\n"
+            "  one process per tensor-parallel rank; rank 0 serves the control socket\n"
+            "  (tcp://HOST:PORT of the instance in the config, or --listen)\n"
+            "  --name: this instance's own name (default: --instance, then only the YAML\n"
+            "          entry its settings come from); every rank of it gives the same\n"
+            "  --advertise: the host the router reaches rank 0 at (router.membership), and\n"
+            "               whose network device the KV plane uses\n");
 }
 
 int main(int argc, char **argv)

@@ -347,6 +347,8 @@ static int draft_init(dc_node *n)
                           .kv_tokens = (int64_t)kv->n_blocks * kv->block_size,
                           .block_size = kv->block_size,
                           .kv_type = n->dcfg->kv_dtype,
+                          /* a prompt's catch-up a step: the step's prefill share */
+                          .chunk_tokens = n->dcfg->step_tokens,
                           .who = who};
     int rc = dc_draft_create(&dp, &n->leader.draft);
     if (rc) return rc;

@@ -99,15 +99,15 @@ typedef struct {
  * Owner dc_node.c (form, fail_in_flight, dc_node_step_failed, the stop); dc_serve.c reads
  * it. Plain values: zero at the start, nothing to free. */
 typedef struct {
-    bool forming;          /* not every rank is in (or old transfers still end): not ready */
-    int formations;        /* formations completed (1 once the instance first served) */
-    char forming_why[160]; /* the ERR_BUSY text while forming: "re-forming (waiting for
-                              rank 1)" */
-    char fail_why[192];    /* while a failure fails every request: why, for their events */
-    bool stopping;         /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
-    bool draining;         /* after the loop: new requests are refused */
-    bool leaving;          /* SIGTERM with decode[].drain_timeout_ms: draining while the
-                              requests in flight finish, still serving (Health.draining) */
+    bool forming;           /* not every rank is in (or old transfers still end): not ready */
+    int formations;         /* formations completed (1 once the instance first served) */
+    char forming_why[160];  /* the ERR_BUSY text while forming: "re-forming (waiting for
+                               rank 1)" */
+    char fail_why[192];     /* while a failure fails every request: why, for their events */
+    bool stopping;          /* SIGTERM: in-flight requests end with ERR_SHUTDOWN */
+    bool draining;          /* after the loop: new requests are refused */
+    bool leaving;           /* SIGTERM with decode[].drain_timeout_ms: draining while the
+                               requests in flight finish, still serving (Health.draining) */
     int64_t leave_until_ms; /* leaving: when the requests left end with ERR_SHUTDOWN */
 } dc_life;
 
@@ -127,12 +127,12 @@ typedef struct {
  * planning). */
 typedef struct {
     dc_sched *sched;
-    dc_draft *draft;    /* speculative.method draft: the proposer, else NULL */
-    gr_vocab *gvocab;   /* structured output: the vocabulary's trie */
-    gr_cache *grammars; /* compiled grammars by schema text */
-    float *logits;      /* (logit_rows, n_vocab) */
-    int logit_rows;     /* max_batch; grown on demand for prompt logprobs (a row per token) */
-    dc_threads threads; /* each step's compute threads (decode[].adaptive_threads) */
+    dc_draft *draft;     /* speculative.method draft: the proposer, else NULL */
+    gr_vocab *gvocab;    /* structured output: the vocabulary's trie */
+    gr_cache *grammars;  /* compiled grammars by schema text */
+    float *logits;       /* (logit_rows, n_vocab) */
+    int logit_rows;      /* max_batch; grown on demand for prompt logprobs (a row per token) */
+    dc_threads threads;  /* each step's compute threads (decode[].adaptive_threads) */
     td_coreshare *cores; /* decode[].share_cores: each step claims the host's cores, or NULL */
 } dc_leader;
 

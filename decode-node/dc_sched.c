@@ -64,7 +64,7 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
     if (sp->max_tokens > DC_SPEC_MAX_TOKENS || sp->ngram_max < sp->ngram_min ||
         (sp->method != DC_SPEC_OFF && sp->method != DC_SPEC_NGRAM && sp->method != DC_SPEC_DRAFT) ||
         (sp->method == DC_SPEC_DRAFT && !sp->proposer.propose) ||
-        (sp->method == DC_SPEC_DRAFT && !sp->proposer.hidden != !(sp->proposer.n_hidden > 0))) {
+        (sp->method == DC_SPEC_DRAFT && sp->proposer.n_hidden > 0 && !sp->proposer.computed)) {
         TD_LOG_ERR("speculative decoding: bad parameters (method %d, max_tokens %d, ngram "
                    "%d..%d)",
                    (int)sp->method, sp->max_tokens, sp->ngram_min, sp->ngram_max);
@@ -101,13 +101,13 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
         s->pr_out = malloc(ns * sizeof *s->pr_out);
         s->pr_k = malloc(ns * sizeof *s->pr_k);
         s->pr_nout = malloc(ns * sizeof *s->pr_nout);
-        if (sp->proposer.hidden)
+        if (sp->proposer.n_hidden > 0)
             s->hid = malloc((size_t)s->cap_tokens * (size_t)sp->proposer.n_hidden * sizeof *s->hid);
     }
     if (!s->eog || !s->tok || !s->pos || !s->seq_of || !s->rows || !s->views || !s->in_step ||
         !s->emit || !s->emit_lp || !s->cands || !s->cand_req ||
         (pr && (!s->pr_ids || !s->pr_toks || !s->pr_ntok || !s->pr_out || !s->pr_k || !s->pr_nout ||
-                (sp->proposer.hidden && !s->hid)))) {
+                (sp->proposer.n_hidden > 0 && !s->hid)))) {
         dc_sched_destroy(s);
         return TD_ENOMEM;
     }

@@ -92,7 +92,8 @@ struct dc_sched {
     const int32_t **pr_toks;
     int32_t *pr_ntok, **pr_out;
     int *pr_k, *pr_nout;
-    float *hid; /* (cap_tokens, proposer.n_hidden): the step's hidden states, for proposer.hidden */
+    float *hid; /* (cap_tokens, proposer.n_hidden): the step's hidden states for
+                   proposer.computed (n_hidden > 0), else NULL */
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
 };

@@ -143,11 +143,13 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
             dcs_finish(s, &s->running, i, DC_FINISH_ERROR);
             continue;
         }
-        /* a proposer that reads the target's hidden states gets the rows of r (an MTP block) */
+        /* a proposer that follows the target's rows (and, an MTP block, reads their hidden
+         * states) is told of r's */
         const dc_spec_proposer *pp = &s->p.spec.proposer;
-        if (s->hid)
-            pp->hidden(pp->ctx, r->id, r->n_computed, r->chunk,
-                       s->hid + (size_t)r->row0 * (size_t)pp->n_hidden, r->tokens, r->n_tokens);
+        if (s->p.spec.method == DC_SPEC_DRAFT && pp->computed)
+            pp->computed(pp->ctx, r->id, r->n_computed, r->chunk,
+                         s->hid ? s->hid + (size_t)r->row0 * (size_t)pp->n_hidden : NULL, r->tokens,
+                         r->n_tokens);
         /* a proposal's KV is kept only once it is accepted (emit_tokens) */
         r->n_computed += r->chunk - r->n_draft;
         r->chunk = 0;

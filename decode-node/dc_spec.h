@@ -63,15 +63,15 @@ typedef struct {
     void (*keep)(void *ctx, uint64_t id, const int32_t *toks, int32_t n);
     /* Request id ended or was preempted: forget it. */
     void (*drop)(void *ctx, uint64_t id);
-    /* Optional (NULL: the proposer reads no hidden states; n_hidden 0). The target computed
-     * positions [pos0, pos0 + n) of request id in the step just ended (its prefill chunk, or
-     * its decode row and verification rows); h: their final hidden states as the LM head
-     * reads them (n, n_hidden; kn_batch.hidden_out); toks[0, n_toks): the request's tokens
-     * (prompt and output) so far. Called before the step's tokens are sampled: rows past what
-     * keep then says the request holds are of rejected proposals. */
-    void (*hidden)(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h,
-                   const int32_t *toks, int32_t n_toks);
-    int n_hidden;
+    /* Optional (NULL: not told). The target computed positions [pos0, pos0 + n) of request
+     * id in the step just ended (its prefill chunk, or its decode row and verification rows);
+     * toks[0, n_toks): the request's tokens (prompt and output) so far; h: with n_hidden > 0,
+     * the rows' final hidden states as the LM head reads them (n, n_hidden;
+     * kn_batch.hidden_out), else NULL. Called before the step's tokens are sampled: rows past
+     * what keep then says the request holds are of rejected proposals. */
+    void (*computed)(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h,
+                     const int32_t *toks, int32_t n_toks);
+    int n_hidden; /* > 0: computed reads the target's hidden states (an MTP block) */
 } dc_spec_proposer;
 
 typedef struct {

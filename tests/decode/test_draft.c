@@ -245,11 +245,23 @@ static void test_direct_calls(void)
     TH_CHECK(propose1(&pp, 1, toks, 43, 3, p1) == 3);
     TH_CHECK(propose1(&pp, 2, toks, 43, 3, p2) == 0 && propose1(&pp, 2, toks, 43, 3, p2) == 3);
     TH_CHECK(!memcmp(p1, p2, sizeof p1[0] * 3) && !memcmp(p1, p0 + 3, sizeof p1[0] * 2));
-    /* catch-up in passes of 7 tokens */
-    TH_CHECK(propose1(&ps, 1, toks, 43, 3, p3) == 0 && propose1(&ps, 1, toks, 43, 3, p3) == 3);
+    /* catch-up in passes of 7 tokens, 7 a call while far behind: 43 tokens held 7, then 14,
+     * then (29 to go: near) all of them and the proposals */
+    TH_CHECK(propose1(&ps, 1, toks, 43, 3, p3) == 0 && dc_draft_blocks_used(small.d) == 3);
+    TH_CHECK(propose1(&ps, 1, toks, 43, 3, p3) == 0);
+    TH_CHECK(propose1(&ps, 1, toks, 43, 3, p3) == 3);
     TH_CHECK(!memcmp(p1, p3, sizeof p1[0] * 3));
     /* a short prompt proposes at once */
     TH_CHECK(propose1(&pp, 4, toks, 20, 2, p2) == 2);
+    /* a prompt's prefill chunk (colocated) is caught up as the target computes it: its first
+     * call proposes at once, as a request caught up by calls does */
+    TH_REQUIRE(pp.computed != NULL && pp.n_hidden == 0);
+    int used = dc_draft_blocks_used(r.d);
+    pp.computed(pp.ctx, 5, 0, 40, NULL, toks, 40);
+    TH_CHECK(dc_draft_blocks_used(r.d) == used + 3);
+    TH_CHECK(propose1(&pp, 5, toks, 40, 5, p3) == 5 && !memcmp(p0, p3, sizeof p0[0] * 5));
+    pp.computed(pp.ctx, 6, 0, 20, NULL, toks, 20); /* short: left to the calls */
+    TH_CHECK(dc_draft_blocks_used(r.d) == used + 3);
     /* a token it cannot embed: no proposals, no error */
     toks[5] = model->hp.n_vocab + 3;
     TH_CHECK(propose1(&pp, 3, toks, 20, 2, p2) == 0);
@@ -258,6 +270,7 @@ static void test_direct_calls(void)
     pp.drop(pp.ctx, 2);
     pp.drop(pp.ctx, 3);
     pp.drop(pp.ctx, 4);
+    pp.drop(pp.ctx, 5);
     pp.drop(pp.ctx, 99); /* unknown: nothing */
     ps.drop(ps.ctx, 1);
     TH_CHECK(dc_draft_blocks_used(r.d) == 0 && dc_draft_blocks_used(small.d) == 0);
@@ -478,8 +491,8 @@ static void test_mtp_direct(void)
     draft_rig r;
     TH_REQUIRE(mtp_open(&r, 64 * 16) == 0);
     dc_spec_proposer pp = dc_draft_proposer(r.d);
-    TH_REQUIRE(pp.hidden && pp.n_hidden == E);
-    pp.hidden(pp.ctx, 7, 0, (int32_t)n, hid + E, toks, (int32_t)n);
+    TH_REQUIRE(pp.computed && pp.n_hidden == E);
+    pp.computed(pp.ctx, 7, 0, (int32_t)n, hid + E, toks, (int32_t)n);
     TH_CHECK(dc_draft_blocks_used(r.d) == 4); /* positions 0..59 caught up */
     int32_t prop[4];
     TH_CHECK(propose1(&pp, 7, toks, (int32_t)n + 1, 3, prop) == 3);
