@@ -26,6 +26,8 @@ other round (A B C D, D C B A) so that drift hits all alike:
   mtp         Tandem, {method: mtp}: the model's own multi-token prediction block (a deepseek2
               GGUF with nextn layers, e.g. make_synth.py's deepseek2-mtp-echo at bench size)
   off         Tandem, {method: off}
+  off2        the same as off in a process of its own: the control (off2/off is the spread
+              between two servers of one build doing the same work)
   llama_spec  llama-server with --llama-spec (default LLAMA_SPEC_DEFAULT: see LLAMA_SWEEP)
   llama_off   llama-server without speculation
   llama_draft llama-server with a draft model (--llama-draft GGUF, e.g. Qwen2.5-Coder-0.5B;
@@ -638,7 +640,8 @@ TANDEM_SPEC = {"on": {"method": "ngram"},
                "n1": {"method": "ngram", "ngram_min": 1},
                "draft": None,  # {method: draft, draft: --draft}, set from the arguments
                "mtp": {"method": "mtp"},
-               "off": {"method": "off"}}
+               "off": {"method": "off"},
+               "off2": {"method": "off"}}
 LLAMA = ("llama_spec", "llama_off", "llama_draft", "llama_mtp")
 LOG_DIR = os.path.expanduser("~/.cache/tandem/bench-spec")
 
@@ -1105,7 +1108,7 @@ def check_texts(texts, rounds, batches):
 RATIOS = [("on", "off"), ("draft", "off"), ("draft", "on"), ("k4", "off"), ("k8", "off"),
           ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
           ("llama_draft", "llama_off"), ("on", "llama_spec"), ("draft", "llama_draft"),
-          ("off", "llama_off"), ("on", "llama_off"), ("mtp", "off"), ("llama_mtp", "llama_off"),
+          ("off", "llama_off"), ("on", "llama_off"), ("off2", "off"), ("on", "off2"), ("mtp", "off"), ("llama_mtp", "llama_off"),
           ("mtp", "llama_mtp")]
 
 
