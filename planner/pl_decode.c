@@ -32,6 +32,7 @@ typedef struct {
     const pl_model *m;
     const pl_hw *hw;
     int tp, max_batch;
+    bool ep;       /* experts whole on the ranks (pl_decode_cfg.ep) */
     double kv_cap; /* tokens of KV an instance holds */
     dreq *r;
     bool colocated;
@@ -69,7 +70,7 @@ static void start_step(dsim *d, dinst *in, double now)
         S += q->prompt + q->made;
         B++;
     }
-    double ms = B ? pl_decode_step_ms(d->m, d->hw, d->tp, B, S) : 0;
+    double ms = B ? pl_decode_step_ms(d->m, d->hw, d->tp, d->ep, B, S) : 0;
     if (in->pf_req >= 0) {
         const dreq *q = &d->r[in->pf_req];
         in->pf_x = q->pf_left < d->step_tokens ? q->pf_left : d->step_tokens;
@@ -209,6 +210,7 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
     dsim d = {.m = m,
               .hw = hw,
               .tp = cl->dc.tp,
+              .ep = cl->dc.ep,
               .max_batch = cl->dc.max_batch ? cl->dc.max_batch : 256,
               .colocated = cl->n_prefill == 0,
               .step_tokens = cl->dc.step_tokens ? cl->dc.step_tokens : 512};

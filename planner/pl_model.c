@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gguf.h"
@@ -58,6 +59,7 @@ static void deepseek_v3(pl_model *m)
     m->n_expert = 256;
     m->n_expert_used = 8;
     m->moe_expert_bytes = 58 * 256 * expert; /* FP8: a byte a weight */
+    m->moe_active_params = 58 * 8 * expert;
     double all = 61 * attn + 3 * dense_ffn + 58 * (expert + h * 256) + 2 * m->head_params;
     m->weight_bytes = all + m->moe_expert_bytes;
     m->embd_bytes = m->head_params;
@@ -119,10 +121,17 @@ int pl_model_gguf(const char *path, pl_model *m)
         if (!strcmp(t->name, "token_embd.weight") && !hp.tied_embd)
             m->embd_bytes = (double)t->nbytes;
         if (t->n_dims < 2 || strncmp(t->name, "blk.", 4)) continue;
+        /* a multi-token prediction block (layers n_layer..) is no part of the trunk's forward:
+         * held only where speculative decoding uses it */
+        if (atoi(t->name + 4) >= hp.n_layer) {
+            m->weight_bytes -= (double)t->nbytes;
+            continue;
+        }
         /* a MoE layer's 3-D expert tensors: a token meets n_expert_used of the experts */
         const bool experts = t->n_dims == 3 && hp.n_expert > 0 && t->ne[2] == hp.n_expert;
-        layers += (double)t->ne[0] * (double)t->ne[1] * (experts ? hp.n_expert_used : t->ne[2]);
-        if (experts) m->moe_expert_bytes += (double)t->nbytes;
+        double p = (double)t->ne[0] * (double)t->ne[1] * (experts ? hp.n_expert_used : t->ne[2]);
+        layers += p;
+        if (experts) m->moe_expert_bytes += (double)t->nbytes, m->moe_active_params += p;
     }
     td_gguf_close(g);
     m->layer_params = layers / hp.n_layer;
@@ -154,4 +163,43 @@ double pl_model_weights_read(const pl_model *m, double tokens)
 double pl_model_active_params(const pl_model *m)
 {
     return m->n_layer * m->layer_params + m->head_params;
+}
+
+/* The expected maximum of R independent standard normals (R = 1..16), then the asymptote. */
+static double max_normal(int r)
+{
+    static const double c[] = {0,      0,      0.5642, 0.8463, 1.0294, 1.1630,
+                               1.2672, 1.3522, 1.4236, 1.4850, 1.5388, 1.5864,
+                               1.6292, 1.6680, 1.7034, 1.7359, 1.7660};
+    if (r < (int)(sizeof c / sizeof *c)) return c[r < 0 ? 0 : r];
+    double l = sqrt(2.0 * log((double)r));
+    return l - (log(log((double)r)) + log(4.0 * 3.14159265358979323846)) / (2.0 * l);
+}
+
+/* mean + c_R sigma sqrt(1 - rho) over the mean (rho clamped to [-1 / (R - 1), 1]). */
+static double max_over_mean(double mean, double var, double rho, int r)
+{
+    if (mean <= 0 || var <= 0) return 1;
+    double lo = -1.0 / (r - 1);
+    rho = rho < lo ? lo : rho > 1 ? 1 : rho;
+    return (mean + max_normal(r) * sqrt(var) * sqrt(1.0 - rho)) / mean;
+}
+
+void pl_model_ep_imbalance(const pl_model *m, int ranks, double tokens, double *mem, double *comp)
+{
+    *mem = *comp = 1;
+    const double E = m->n_expert, k = m->n_expert_used;
+    if (E <= 0 || k <= 0 || ranks <= 1 || tokens <= 0 || E < ranks) return;
+    const double n = E / ranks; /* experts a rank holds */
+    /* experts touched on one rank: n indicators, each touched with q; two distinct experts
+     * both untouched with p2 (a token takes k of E without repeats) */
+    double u = pow(1.0 - k / E, tokens), q = 1.0 - u;
+    double p2 = pow((E - k) * (E - k - 1) / (E * (E - 1)), tokens);
+    double cov1 = p2 - u * u; /* of two experts' indicators */
+    double var = n * q * (1 - q) + n * (n - 1) * cov1;
+    *mem = max_over_mean(n * q, var, var > 0 ? n * n * cov1 / var : 0, ranks);
+    /* choices landing on one rank: each token's k choices fall n of E (hypergeometric); the
+     * ranks' counts sum to tokens k, so they are correlated -1 / (R - 1) */
+    double var_c = tokens * k * (n / E) * (1 - n / E) * (E - k) / (E - 1);
+    *comp = max_over_mean(tokens * k / ranks, var_c, -1.0 / (ranks - 1), ranks);
 }

@@ -76,7 +76,7 @@ double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
     return (comp > wread ? comp : wread) + st->b_comm * (double)x + st->c;
 }
 
-double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, double S)
+double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S)
 {
     double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
     /* measured: the speed-up with the all-reduces of a batch-1 step in it */
@@ -85,8 +85,17 @@ double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, doub
     double bw = par * hw->hbm_bw * hw->eff_mem;
     /* a roofline per phase: the weight products and the attention over the KV are separate
      * kernels, one after the other, each bound by its own memory or compute */
-    double w_mem = pl_model_weights_read(m, B) / bw;
-    double w_comp = 2.0 * pl_model_active_params(m) * B / (par * hw->matmul_flops * hw->eff_matmul);
+    double w_read = pl_model_weights_read(m, B), p_active = pl_model_active_params(m);
+    if (ep && tp > 1 && m->n_expert > 0) { /* the step waits for the rank with most expert work */
+        double f_mem, f_comp;
+        pl_model_ep_imbalance(m, tp, B, &f_mem, &f_comp);
+        double touched =
+            m->moe_expert_bytes * (1.0 - pow(1.0 - (double)m->n_expert_used / m->n_expert, B));
+        w_read += touched * (f_mem - 1);
+        p_active += m->moe_active_params * (f_comp - 1);
+    }
+    double w_mem = w_read / bw;
+    double w_comp = 2.0 * p_active * B / (par * hw->matmul_flops * hw->eff_matmul);
     double a_mem = S * m->kv_bytes_token / bw;
     double a_comp = m->n_layer * m->attn_flops_pair * S / (par * hw->attn_flops * hw->eff_attn);
     if (hw->decode_attn > 0) a_mem = a_comp = S * hw->decode_attn / par; /* measured */

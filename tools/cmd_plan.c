@@ -31,6 +31,8 @@ static int plan_usage(void)
         "           --chunk-max C (2048) --smooth S (0.75; 0 fixed chunks)\n"
         "  colocated (N decode instances of tp TP prefill their own prompts):\n"
         "           --step-tokens T (512: prompt tokens a step, decode[].step_tokens)\n"
+        "  decode:  --ep (a mixture-of-experts model's experts whole on the tp ranks,\n"
+        "           decode[].ep: a step waits for the rank with the most expert work)\n"
         "  search:  --max-instances N (4) --max-devices N (no cap: devices = prefill instances x\n"
         "           pp x tp + decode instances x tp) --max-batch B (256) --all (every "
         "configuration)\n"
@@ -156,6 +158,7 @@ static int plan_parse(int argc, char **argv, plan_opts *o)
                      : !strcmp(f, "--all")        ? &o->all
                      : !strcmp(f, "--reproduce")  ? &o->reproduce
                      : !strcmp(f, "--sequential") ? &o->sequential
+                     : !strcmp(f, "--ep")         ? &o->sp.ep
                                                   : NULL;
         if (flag) {
             *flag = true;
@@ -241,12 +244,14 @@ static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
     const pl_result *r = &c->r;
     if (json) {
         printf("%s{\"prefill\": {\"instances\": %d, \"pp\": %d, \"tp\": %d}, \"decode\": "
-               "{\"instances\": %d, \"tp\": %d}, \"devices\": %d, \"fits\": %s, \"meets\": %s, "
+               "{\"instances\": %d, \"tp\": %d, \"ep\": %s}, \"devices\": %d, \"fits\": %s, "
+               "\"meets\": %s, "
                "\"ttft_ms\": {\"p50\": %.3f, \"p90\": %.3f}, \"tpot_ms\": {\"p50\": %.4f, "
                "\"p90\": %.4f}, \"output_tps\": %.3f, \"prefill_tps\": %.3f}",
                first ? "" : ", ", k->n_prefill, k->pf.pp, k->pf.tp, k->n_decode, k->dc.tp,
-               r->devices, r->fits ? "true" : "false", c->meets ? "true" : "false", r->ttft_p50,
-               r->ttft_p90, r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps);
+               k->dc.ep ? "true" : "false", r->devices, r->fits ? "true" : "false",
+               c->meets ? "true" : "false", r->ttft_p50, r->ttft_p90, r->tpot_p50, r->tpot_p90,
+               r->output_tps, r->prefill_tps);
         return;
     }
     if (!r->fits) {
@@ -285,6 +290,7 @@ static int do_plan(const plan_opts *o, const pl_model *m, const pl_hw *hw, pl_re
         one.cl.pf.pp = o->cfg.pf.pp;
         one.cl.pf.tp = o->cfg.pf.tp;
         one.cl.dc.max_batch = o->sp.max_batch;
+        one.cl.dc.ep = o->sp.ep;
         rc = (o->sequential ? pl_simulate_sequential : pl_simulate)(m, hw, &one.cl, reqs,
                                                                     o->w.n_requests, &one.r);
         one.meets = one.r.fits && (!o->have_ttft || one.r.ttft_p90 <= o->sp.ttft_ms) &&

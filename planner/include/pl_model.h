@@ -22,6 +22,8 @@ typedef struct {
     double embd_bytes;           /* the token embedding table when not tied (in weight_bytes): held,
                                   * but a forward reads only its rows */
     double moe_expert_bytes;     /* routed experts' bytes (in weight_bytes); 0 for dense */
+    double moe_active_params;    /* the routed experts' matrix weights one token meets, all layers
+                                    (in n_layer x layer_params); 0 for dense */
     int n_expert, n_expert_used; /* routed experts and experts per token; 0 for dense */
     double kv_bytes_token;       /* KV cache of one token, all layers, bytes */
     double attn_flops_pair;      /* FLOPs of one (query, key) pair in one layer: QK^T + PV */
@@ -49,5 +51,15 @@ double pl_model_weights_read(const pl_model *m, double tokens);
 
 /* Matrix parameters one token meets: n_layer x layer_params + head_params. */
 double pl_model_active_params(const pl_model *m);
+
+/* Expert parallelism (decode[].ep: each of `ranks` ranks holds n_expert / ranks experts
+ * whole) makes a step wait for the rank with the most expert work. For a step of `tokens`
+ * tokens, each choosing n_expert_used distinct experts uniformly (the planner's routing), the
+ * expected most on one rank over its mean, for the experts' bytes read (*mem: experts
+ * touched) and for their products (*comp: token-expert choices). Both 1 for a dense model,
+ * ranks 1 or tokens 0. The expected maximum of `ranks` equicorrelated counts is taken as
+ * normal: mean + c_R sigma sqrt(1 - rho), c_R the expected maximum of R standard normals
+ * (docs/planner.md "Expert parallelism"). */
+void pl_model_ep_imbalance(const pl_model *m, int ranks, double tokens, double *mem, double *comp);
 
 #endif

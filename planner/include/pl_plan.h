@@ -35,6 +35,7 @@ typedef struct {
                               * more plans clusters of engines that have it */
     int max_devices;         /* 0: no cap; else configurations using more devices (the
                               * machine's cores or GPUs) are not considered */
+    bool ep;                 /* decode instances run expert parallelism (pl_decode_cfg.ep) */
 } pl_search_params;
 
 typedef struct {

@@ -24,6 +24,11 @@
  *     max(weights read for B tokens / tp / (B_hbm e_mem), 2 P_active B / (tp F_mm e_mm))
  *     + max(S kv_bytes / tp / (B_hbm e_mem), n_layer A S / (tp F_att e_att))
  *     + 2 n_layer all-reduces of B n_embd act_bytes + step overhead;
+ *   with expert parallelism (whole experts on each of the tp ranks, decode[].ep) the routed
+ *   experts' share of both weight terms is scaled by the expected imbalance: the rank with
+ *   the most experts touched (bytes) or choices (products) sets the step
+ *   (pl_model_ep_imbalance). Tandem's ep moves no token (attention stays tensor-parallel and
+ *   the all-reduces the tp step has anyway combine the experts' shares): no dispatch term;
  *   requests join a running batch at step boundaries (continuous batching) on the decode
  *   instance with the fewest requests, if its KV memory holds prompt + output.
  * Invariants: results are deterministic for a given input (no clock, no randomness beyond
@@ -61,6 +66,9 @@ typedef struct {
 
 typedef struct {
     int tp;          /* per decode instance */
+    bool ep;         /* expert parallelism (decode[].ep = tp): each rank holds its share of a
+                        mixture-of-experts model's experts whole instead of a slice of each; no
+                        effect on a dense model or at tp 1 */
     int max_batch;   /* requests in a step; 0: 256 */
     int step_tokens; /* colocated: prompt tokens a step at most (decode[].step_tokens); 0: 512 */
 } pl_decode_cfg;
@@ -100,8 +108,10 @@ double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x);
 /* Ring all-reduce of `bytes` over tp devices, ms (0 for tp 1). */
 double pl_allreduce_ms(const pl_hw *hw, int tp, double bytes);
 
-/* Time of one decode step of B requests with summed context S on tp devices, ms. */
-double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, int B, double S);
+/* Time of one decode step of B requests with summed context S on tp devices, ms; ep: the
+ * experts whole on the ranks (pl_decode_cfg.ep), the experts' bytes and products scaled by the
+ * expected imbalance (pl_model_ep_imbalance). */
+double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S);
 
 /* Simulate the cluster over reqs (n, any arrival order; not modified). Fills *r; when the
  * configuration does not fit, r->fits is false and the times are 0. Returns 0, TD_EINVAL

@@ -179,15 +179,15 @@ static void test_one_node(void)
     pl_model m = test_model();
     hw.devices_per_node = 2;
     hw.net_lat = 1e-3;
-    double shared_net = pl_decode_step_ms(&m, &hw, 3, 1, 100);
+    double shared_net = pl_decode_step_ms(&m, &hw, 3, false, 1, 100);
     TH_CHECK(pl_allreduce_ms(&hw, 3, 0) > 3.9); /* 2 x 2 x 1 ms over the network */
     hw.one_node = 1;
     TH_CHECK(pl_hw_parallel(&hw, 3) == 1.5 && pl_hw_parallel(&hw, 2) == 2 &&
              pl_hw_parallel(&hw, 4) == 2);
     double comp2 = 1e3 * (2 * 8.1e6 / 1e12 + 8 * 1e4 * 100 / 5e11) / 1.5;
-    TH_CHECKF(fabs(pl_decode_step_ms(&m, &hw, 3, 1, 100) - (comp2 + 0.5)) < 1e-6, "step %.6f",
-              pl_decode_step_ms(&m, &hw, 3, 1, 100));
-    TH_CHECK(shared_net > pl_decode_step_ms(&m, &hw, 3, 1, 100));
+    TH_CHECKF(fabs(pl_decode_step_ms(&m, &hw, 3, false, 1, 100) - (comp2 + 0.5)) < 1e-6,
+              "step %.6f", pl_decode_step_ms(&m, &hw, 3, false, 1, 100));
+    TH_CHECK(shared_net > pl_decode_step_ms(&m, &hw, 3, false, 1, 100));
     hw.ar_lat[3] = 50e-6;
     TH_CHECKF(fabs(pl_allreduce_ms(&hw, 3, 0) - 0.05) < 1e-9, "ar %.6f",
               pl_allreduce_ms(&hw, 3, 0));
@@ -324,6 +324,41 @@ static void test_moe_gguf(void)
     TH_CHECK(w1 < w512 && w512 <= m.weight_bytes - m.embd_bytes);
 }
 
+/* Expert parallelism's imbalance: at one token, 4 choices of 32 experts over 2 ranks of 16
+ * land 4-0, 3-1 or 2-2 (hypergeometric): the busier rank takes 2.698 on average against the
+ * mean 2, 1.349x (the normal form gives 1.379); many tokens even it out; ep at tp 1, a dense
+ * model or no tokens: 1. The decode step with ep is the balanced one with the experts' share
+ * scaled. */
+static void test_ep_imbalance(void)
+{
+    pl_model m = {
+        .n_expert = 32, .n_expert_used = 4, .moe_expert_bytes = 1e9, .moe_active_params = 1e8};
+    double mem, comp;
+    pl_model_ep_imbalance(&m, 2, 1, &mem, &comp);
+    TH_CHECKF(fabs(comp - 1.349) < 0.04 && fabs(mem - comp) < 1e-9, "one token: mem %.4f comp %.4f",
+              mem, comp);
+    double mem64, comp64, mem4, comp4;
+    pl_model_ep_imbalance(&m, 2, 64, &mem64, &comp64);
+    pl_model_ep_imbalance(&m, 4, 64, &mem4, &comp4);
+    TH_CHECKF(comp64 > 1 && comp64 < 1.1 && mem64 >= 1 && mem64 < 1.05 && comp4 > comp64,
+              "64 tokens: mem %.4f comp %.4f (4 ranks: comp %.4f)", mem64, comp64, comp4);
+    pl_model_ep_imbalance(&m, 1, 8, &mem, &comp);
+    TH_CHECK(mem == 1 && comp == 1);
+    pl_model dense = {0};
+    pl_model_ep_imbalance(&dense, 2, 8, &mem, &comp);
+    TH_CHECK(mem == 1 && comp == 1);
+    /* in a step: the experts' bytes are all that differs (bandwidth-bound here) */
+    pl_hw hw = test_hw();
+    pl_model t = test_model();
+    t.n_expert = 32, t.n_expert_used = 4, t.moe_expert_bytes = t.weight_bytes / 2;
+    t.moe_active_params = t.layer_params * t.n_layer / 4;
+    double bal = pl_decode_step_ms(&t, &hw, 2, false, 1, 100);
+    double ep = pl_decode_step_ms(&t, &hw, 2, true, 1, 100);
+    TH_CHECKF(ep > bal && pl_decode_step_ms(&t, &hw, 1, true, 1, 100) ==
+                              pl_decode_step_ms(&t, &hw, 1, false, 1, 100),
+              "tp 2: balanced %.4f ms, ep %.4f ms", bal, ep);
+}
+
 static void test_reproduce_runs(void)
 {
     pl_hw hw = test_hw();
@@ -348,10 +383,10 @@ static void test_measured_decode(void)
     hw.decode_speedup[3] = 1.25;
     hw.decode_attn = 2e-6; /* 2 us a token of context */
     double want = (w + 100 * 2e-6 * 1e3) / 1.25 + 0.5;
-    TH_CHECKF(fabs(pl_decode_step_ms(&m, &hw, 3, 1, 100) - want) < 1e-9, "step %.6f want %.6f",
-              pl_decode_step_ms(&m, &hw, 3, 1, 100), want);
+    TH_CHECKF(fabs(pl_decode_step_ms(&m, &hw, 3, false, 1, 100) - want) < 1e-9,
+              "step %.6f want %.6f", pl_decode_step_ms(&m, &hw, 3, false, 1, 100), want);
     /* tp 1 takes the measured attention, not the speed-up */
-    TH_CHECK(fabs(pl_decode_step_ms(&m, &hw, 1, 1, 100) - (w + 0.2 + 0.5)) < 1e-9);
+    TH_CHECK(fabs(pl_decode_step_ms(&m, &hw, 1, false, 1, 100) - (w + 0.2 + 0.5)) < 1e-9);
     const char *t =
         "name: x\ndevices_per_node: 2\nmemory_gib: 1\npeak_tflops: {f32: 1}\n"
         "matmul_type: f32\nattention_type: f32\nhbm_gbps: 1\nnvlink_gbps: 1\n"
@@ -412,6 +447,7 @@ int main(int argc, char **argv)
     TH_RUN(test_hw_errors);
     TH_RUN(test_named_shapes);
     if (synth_dir) TH_RUN(test_moe_gguf);
+    TH_RUN(test_ep_imbalance);
     TH_RUN(test_reproduce_runs);
     TH_EXIT();
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""validate_live.py BUILD MODEL [--quick] [--bound B] [--port P] [--only NAME,...]: the planner
+"""validate_live.py BUILD MODEL [--quick|--moe] [--bound B] [--port P] [--only NAME,...]: the planner
 against live clusters on this machine, measured in the same run (issue 18 item 3;
 BENCHMARKS.md "Planner"; docs/planner.md "Validation against live clusters").
 
@@ -18,7 +18,10 @@ Fixed 512-token chunks everywhere (prefill chunk_size with smoothing 0, colocate
 so that both sides chunk alike. Exit 1 when a ratio leaves [1/B, B] (default B 1.15).
 --quick: three configurations (colocated tp 1, pp 2 + tp 1, pp 1 + tp 3), short prompts, few
 requests (the ctest planner_live, with a generous bound). --hw F: use that profile instead of
-calibrating; --only: a comma-separated subset of the configurations' names.
+calibrating; --only: a comma-separated subset of the configurations' names. --moe: for a
+mixture-of-experts model, colocated tp 1, tp 2 with the experts split across the ranks and
+tp 2 with ep (whole experts a rank: `tandem plan --ep`), and the ep/split TPOT ratio measured
+and predicted.
 The decode tp must divide the model's attention heads: the configurations use tp 1 and 3
 (SmolLM2-135M has 9 heads; tp 2 needs another model)."""
 import argparse, http.client, json, os, random, subprocess, sys, tempfile, time
@@ -39,6 +42,13 @@ QUICK = [
     ("disagg pp2+tp1, 128", 2, 1, 128, 12, 2),
     ("disagg pp1+tp3, 128", 1, 3, 128, 12, 2),
 ]
+# --moe: a mixture-of-experts model's experts split across the tp ranks against whole on them
+# (decode[].ep; the 7th field); at batch 1 a token's k experts fall unevenly on 2 ranks
+MOE = [
+    ("colocated tp1, 256", 0, 1, 256, 32, 4),
+    ("colocated tp2, 256", 0, 2, 256, 32, 4),
+    ("colocated tp2 ep2, 256", 0, 2, 256, 32, 4, True),
+]
 CHUNK = 512
 
 
@@ -49,7 +59,7 @@ def run(cmd, **kw):
     return p.stdout
 
 
-def write_yaml(path, model, run_dir, pp, tp, max_prompt):
+def write_yaml(path, model, run_dir, pp, tp, max_prompt, ep=False):
     y = ["model: %s" % model, "backend: cpu", "run_dir: %s" % run_dir, "router:",
          "  listen: 127.0.0.1:8000", "  max_prompt_tokens: %d" % (max_prompt + 64)]
     if pp:
@@ -59,7 +69,7 @@ def write_yaml(path, model, run_dir, pp, tp, max_prompt):
               "    kv_tokens: %d" % max(4096, 2 * (max_prompt + 64))]
     y += ["decode:", "  - name: d0", "    tp: %d" % tp, "    threads: 1",
           "    kv_memory: 256MiB", "    max_batch: 64", "    step_tokens: %d" % CHUNK,
-          "    prefix_cache: false"]
+          "    prefix_cache: false"] + (["    ep: %d" % tp] if ep else [])
     if pp:
         y += ["kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 600000"]
     open(path, "w").write("\n".join(y) + "\n")
@@ -102,10 +112,14 @@ def one_request(port, prompt, out):
     return 1e3 * (times[0] - t0), 1e3 * (times[-1] - times[0]) / (used - 1)
 
 
+def ep_of(cfg):
+    return len(cfg) > 6 and cfg[6]
+
+
 def measure(tandem, model, tmp, cfg, port):
-    name, pp, tp, prompt, out, n = cfg
-    yml = os.path.join(tmp, "c%d-%d.yaml" % (pp, tp))
-    write_yaml(yml, model, os.path.join(tmp, "run"), pp, tp, prompt)
+    name, pp, tp, prompt, out, n = cfg[:6]
+    yml = os.path.join(tmp, "c%d-%d%s.yaml" % (pp, tp, "-ep" if ep_of(cfg) else ""))
+    write_yaml(yml, model, os.path.join(tmp, "run"), pp, tp, prompt, ep_of(cfg))
     run([tandem, "up", "-d", yml, "--port", str(port), "--no-restart", "--timeout", "600"])
     try:
         rnd = random.Random(1)
@@ -128,12 +142,13 @@ def median(v):
 
 
 def predict(tandem, model, hw, cfg):
-    name, pp, tp, prompt, out, n = cfg
+    name, pp, tp, prompt, out, n = cfg[:6]
     shape = ["--colocated", "1x%d" % tp, "--step-tokens", str(CHUNK)] if not pp else \
         ["--prefill", "1x%dx1" % pp, "--decode", "1x%d" % tp, "--chunk", str(CHUNK),
          "--chunk-max", str(CHUNK), "--smooth", "0"]
     o = run([tandem, "plan", "--model", model, "--hw", hw, "--requests", str(n), "--sequential",
-             "--prompt", str(prompt), "--output", str(out), "--json"] + shape)
+             "--prompt", str(prompt), "--output", str(out), "--json"] + shape +
+            (["--ep"] if ep_of(cfg) else []))
     c = json.loads(o)["configs"][0]
     return c["ttft_ms"]["p50"], c["tpot_ms"]["p50"]
 
@@ -147,13 +162,16 @@ def main():
     ap.add_argument("build")
     ap.add_argument("model")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--moe", action="store_true",
+                    help="MOE's configurations (a mixture-of-experts model: tp 2 with and "
+                         "without ep)")
     ap.add_argument("--bound", type=float, default=1.15)
     ap.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
     ap.add_argument("--only", default="", help="comma-separated configuration names")
     ap.add_argument("--hw", default="", help="a profile to use instead of calibrating")
     a = ap.parse_args()
     tandem = os.path.join(a.build, "bin", "tandem")
-    cfgs = QUICK if a.quick else FULL
+    cfgs = MOE if a.moe else QUICK if a.quick else FULL
     if a.only:
         cfgs = [c for c in cfgs if c[0] in a.only.split(",")]
     tmp = tempfile.mkdtemp(prefix="tandem-live-")
@@ -187,6 +205,11 @@ def main():
           "| TPOT p50 measured | predicted | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     bad = 0
+    if a.moe:  # what ep does, measured and predicted
+        tp2 = {ep_of(c): (mp, pp) for c, mt, pt, mp, pp in rows if c[2] == 2}
+        if len(tp2) == 2:
+            print("# ep 2 against experts split, TPOT: measured %.3fx, predicted %.3fx" % (
+                tp2[True][0] / tp2[False][0], tp2[True][1] / tp2[False][1]))
     for cfg, mt, pt, mp, pp in rows:
         rt, rp = pt / mt, pp / mp
         bad += sum(not (1 / a.bound <= r <= a.bound) for r in (rt, rp))
