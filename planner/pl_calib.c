@@ -97,6 +97,7 @@ static void fill_hw(pl_calib_result *r, int threads)
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++) {
         hw->ar_lat[tp] = r->allreduce_us[tp] * 1e-6;
         hw->decode_speedup[tp] = r->decode_speedup[tp];
+        hw->decode_speedup_ep[tp] = r->decode_speedup_ep[tp];
     }
 }
 
@@ -147,8 +148,15 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
     /* the whole tp step where the model splits (heads divide): its speed-up over tp 1 */
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
         if (r->model.n_head % tp == 0 && r->model.n_head_kv % tp == 0 &&
-            !(rc = pl_calib_decode_tp(p->model_path, tp, threads, steps, &r->decode_tp_ms[tp])))
+            !(rc = pl_calib_decode_tp(p->model_path, tp, false, threads, steps,
+                                      &r->decode_tp_ms[tp])))
             r->decode_speedup[tp] = r->decode_ms / r->decode_tp_ms[tp];
+    /* and with the experts whole on the ranks (decode[].ep), where they divide */
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
+        if (r->decode_tp_ms[tp] > 0 && r->model.n_expert >= tp &&
+            !(rc = pl_calib_decode_tp(p->model_path, tp, true, threads, steps,
+                                      &r->decode_tp_ep_ms[tp])))
+            r->decode_speedup_ep[tp] = r->decode_ms / r->decode_tp_ep_ms[tp];
     if (rc) return rc;
     /* robustly, as the prefill node fits its profile (pf_chunking.c): a busy moment is an
      * outlier, not a change of the model */
@@ -209,7 +217,8 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         "#   decode all-reduce of %d floats (dc_shm, one-thread rank processes): tp 2 %.1f us,\n"
         "#   tp 3 %.1f us, tp 4 %.1f us;\n"
         "#   the batch-1 decode step at tp 2/3/4 (forked ranks, dc_shm, 0: the model's heads do\n"
-        "#   not split): %.3f / %.3f / %.3f ms.\n"
+        "#   not split): %.3f / %.3f / %.3f ms; with the experts whole on the ranks (ep; 0:\n"
+        "#   no experts to divide): %.3f / %.3f / %.3f ms.\n"
         "# peak_tflops.f32 is the faster of sgemm and the matrix-product rate; efficiencies\n"
         "#   are measured / peak (attention clamped at 1).\n"
         "# KV transfer, %s:\n"
@@ -222,7 +231,8 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         r->fit_c, r->fit_r2, r->matmul_gflops, r->attn_gflops, r->decode_ms, r->decode_gbps,
         r->long_ctx, r->decode_long_ms, r->hw.decode_attn * 1e6, r->model.n_embd,
         r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4], r->decode_tp_ms[2],
-        r->decode_tp_ms[3], r->decode_tp_ms[4],
+        r->decode_tp_ms[3], r->decode_tp_ms[4], r->decode_tp_ep_ms[2], r->decode_tp_ep_ms[3],
+        r->decode_tp_ep_ms[4],
         r->kvx_measured ? "measured (kvx-bench, the model's KV shape)"
                         : "not measured here (BENCHMARKS.md)",
         r->kvx_gbps[0], r->kvx_gbps[1], r->kvx_lat_us[1], r->kvx_lat_us[0]);

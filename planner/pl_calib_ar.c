@@ -50,14 +50,15 @@ static int ar_rank(const char *token, int rank, int tp, int n, int iters, double
 typedef struct {
     const char *model; /* decode steps: the GGUF; all-reduces: NULL */
     int tp, threads, n_floats, iters;
+    bool ep; /* decode steps: the experts whole on the ranks */
 } rank_job;
 
-static int tp_rank(const char *token, const char *model, int rank, int tp, int threads, int steps,
-                   double *out);
+static int tp_rank(const char *token, const char *model, int rank, int tp, bool ep, int threads,
+                   int steps, double *out);
 
 static int run_rank(const rank_job *j, const char *token, int rank, double *res)
 {
-    return j->model ? tp_rank(token, j->model, rank, j->tp, j->threads, j->iters, res)
+    return j->model ? tp_rank(token, j->model, rank, j->tp, j->ep, j->threads, j->iters, res)
                     : ar_rank(token, rank, j->tp, j->n_floats, j->iters, res);
 }
 
@@ -135,15 +136,15 @@ static int tp_gather(void *ctx, const float *part, int64_t rows, int64_t n_cols,
 }
 
 /* One rank: its shard, a small pool, the steps; rank 0 stores the median (ms). */
-static int tp_rank(const char *token, const char *model, int rank, int tp, int threads, int steps,
-                   double *out)
+static int tp_rank(const char *token, const char *model, int rank, int tp, bool ep, int threads,
+                   int steps, double *out)
 {
     kn_runtime rt;
     memset(&rt, 0, sizeof rt);
     tp_coll c = {.rank = rank};
     kn_collective coll = {.ctx = &c, .allreduce_sum = tp_allreduce, .gather_cols = tp_gather};
     kn_runtime_params rp = {.model_path = model,
-                            .shard = {.tp_rank = rank, .tp_size = tp},
+                            .shard = {.tp_rank = rank, .tp_size = tp, .ep = ep},
                             .backend_opts = {.n_threads = threads, .device = -1, .rank = rank},
                             .coll = &coll,
                             .who = "calibrate"};
@@ -172,9 +173,9 @@ static int tp_rank(const char *token, const char *model, int rank, int tp, int t
     return rc;
 }
 
-int pl_calib_decode_tp(const char *model_path, int tp, int threads, int steps, double *ms)
+int pl_calib_decode_tp(const char *model_path, int tp, bool ep, int threads, int steps, double *ms)
 {
     if (tp < 2 || tp > DC_SHM_MAX_TP || steps < 1 || !model_path) return TD_EINVAL;
-    rank_job j = {.model = model_path, .tp = tp, .threads = threads, .iters = steps};
-    return fork_ranks(&j, "decodestep", ms);
+    rank_job j = {.model = model_path, .tp = tp, .ep = ep, .threads = threads, .iters = steps};
+    return fork_ranks(&j, ep ? "decodestepep" : "decodestep", ms);
 }

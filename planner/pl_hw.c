@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +57,9 @@ static const hw_field fields[] = {
     {"decode_speedup.tp2", F_NUM, OFF(decode_speedup[2]), 0, 1e3, 1, 0},
     {"decode_speedup.tp3", F_NUM, OFF(decode_speedup[3]), 0, 1e3, 1, 0},
     {"decode_speedup.tp4", F_NUM, OFF(decode_speedup[4]), 0, 1e3, 1, 0},
+    {"decode_speedup_ep.tp2", F_NUM, OFF(decode_speedup_ep[2]), 0, 1e3, 1, 0},
+    {"decode_speedup_ep.tp3", F_NUM, OFF(decode_speedup_ep[3]), 0, 1e3, 1, 0},
+    {"decode_speedup_ep.tp4", F_NUM, OFF(decode_speedup_ep[4]), 0, 1e3, 1, 0},
     {"decode_attention_us_per_token", F_NUM, OFF(decode_attn), 0, 1e6, 1e-6, 0},
 };
 #define N_FIELDS (sizeof fields / sizeof fields[0])
@@ -242,6 +246,18 @@ int pl_hw_load(const char *path, pl_hw *hw, char *err, size_t errcap)
     return rc;
 }
 
+/* "key: {tp2: .., tp3: ..}" of the measured (> 0) entries of v[tp], or nothing. */
+static void write_per_tp(FILE *f, const char *key, const double *v)
+{
+    bool first = true;
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++)
+        if (v[tp] > 0) {
+            fprintf(f, "%s%stp%d: %.6g", first ? key : "", first ? ": {" : ", ", tp, v[tp]);
+            first = false;
+        }
+    if (!first) fprintf(f, "}\n");
+}
+
 int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
 {
     FILE *f = fopen(path, "w");
@@ -267,17 +283,8 @@ int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
     fprintf(f, "kv_transfer: {gbps: %.6g, latency_us: %.6g}\n", hw->kvx_bw / 1e9,
             hw->kvx_lat * 1e6);
     if (hw->one_node) fprintf(f, "one_node: 1\n");
-    for (int tp = 2, first = 1; tp <= PL_HW_MAX_AR_TP; tp++)
-        if (hw->decode_speedup[tp] > 0) {
-            fprintf(f, "%stp%d: %.6g", first ? "decode_speedup: {" : ", ", tp,
-                    hw->decode_speedup[tp]);
-            first = 0;
-        }
-    for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++)
-        if (hw->decode_speedup[tp] > 0) {
-            fprintf(f, "}\n");
-            break;
-        }
+    write_per_tp(f, "decode_speedup", hw->decode_speedup);
+    write_per_tp(f, "decode_speedup_ep", hw->decode_speedup_ep);
     if (hw->decode_attn > 0)
         fprintf(f, "decode_attention_us_per_token: %.6g\n", hw->decode_attn * 1e6);
     for (int tp = 2, first = 1; tp <= PL_HW_MAX_AR_TP; tp++)

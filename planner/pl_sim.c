@@ -79,16 +79,25 @@ double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
 double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S)
 {
     double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
-    /* measured: the speed-up with the all-reduces of a batch-1 step in it */
-    bool meas = tp > 1 && tp <= PL_HW_MAX_AR_TP && hw->decode_speedup[tp] > 0;
-    if (meas) par = hw->decode_speedup[tp];
+    /* measured: the speed-up with the all-reduces of a batch-1 step in it (with whole experts
+     * on the ranks, its own: the measured step holds one token's imbalance) */
+    ep = ep && tp > 1 && m->n_expert > 0;
+    bool meas_ep = ep && tp <= PL_HW_MAX_AR_TP && hw->decode_speedup_ep[tp] > 0;
+    bool meas = meas_ep || (tp > 1 && tp <= PL_HW_MAX_AR_TP && hw->decode_speedup[tp] > 0);
+    if (meas) par = meas_ep ? hw->decode_speedup_ep[tp] : hw->decode_speedup[tp];
     double bw = par * hw->hbm_bw * hw->eff_mem;
     /* a roofline per phase: the weight products and the attention over the KV are separate
      * kernels, one after the other, each bound by its own memory or compute */
     double w_read = pl_model_weights_read(m, B), p_active = pl_model_active_params(m);
-    if (ep && tp > 1 && m->n_expert > 0) { /* the step waits for the rank with most expert work */
+    if (ep) { /* the step waits for the rank with the most expert work */
         double f_mem, f_comp;
         pl_model_ep_imbalance(m, tp, B, &f_mem, &f_comp);
+        if (meas_ep) { /* relative to the one token the measured step had */
+            double f1_mem, f1_comp;
+            pl_model_ep_imbalance(m, tp, 1, &f1_mem, &f1_comp);
+            f_mem /= f1_mem;
+            f_comp /= f1_comp;
+        }
         double touched =
             m->moe_expert_bytes * (1.0 - pow(1.0 - (double)m->n_expert_used / m->n_expert, B));
         w_read += touched * (f_mem - 1);

@@ -61,6 +61,9 @@ typedef struct {
     double allreduce_us[PL_HW_MAX_AR_TP + 1];   /* [tp]: one all-reduce of n_embd floats */
     double decode_tp_ms[PL_HW_MAX_AR_TP + 1];   /* [tp]: the batch-1 decode step; 0: not measured */
     double decode_speedup[PL_HW_MAX_AR_TP + 1]; /* [tp]: decode_ms / decode_tp_ms[tp] */
+    /* the same with the experts whole on the ranks (decode[].ep; a mixture-of-experts model
+     * whose experts the tp ranks divide): 0 when not measured */
+    double decode_tp_ep_ms[PL_HW_MAX_AR_TP + 1], decode_speedup_ep[PL_HW_MAX_AR_TP + 1];
     /* KV transfer, [0] shared memory, [1] TCP: kvx-bench's medians in the model's KV shape
      * (GB/s of a 4096-token chunk, us of a one-block chunk), or BENCHMARKS.md's figures */
     double kvx_gbps[2], kvx_lat_us[2];
@@ -83,10 +86,10 @@ typedef struct {
 int pl_calib_decode_steps(kn_engine *eng, kn_kv_mem *mem, int n_vocab, int ctx0, int steps,
                           const pl_calib_step_hook *hook, double *ms);
 
-/* The same at tp ranks: tp forked processes, each the model's rank shard (threads threads)
- * with the decode node's dc_shm collective; *ms rank 0's median step. Returns 0 or a td_err
- * (logged). */
-int pl_calib_decode_tp(const char *model_path, int tp, int threads, int steps, double *ms);
+/* The same at tp ranks: tp forked processes, each the model's rank shard (threads threads;
+ * ep: the experts whole, kn_shard.ep) with the decode node's dc_shm collective; *ms rank 0's
+ * median step. Returns 0 or a td_err (logged). */
+int pl_calib_decode_tp(const char *model_path, int tp, bool ep, int threads, int steps, double *ms);
 
 /* Prefill chunks of x tokens after prefixes of k long_ctx / n tokens, k = 0..n-1 (the prefix
  * reserved and filled, not computed), each the median of reps forwards. */

@@ -25,6 +25,9 @@
  *   decode_speedup: {tp3: 1.1}   optional: the batch-1 decode step at that tp, measured, as a
  *                   speed-up over tp 1 with its all-reduces, in place of pl_hw_parallel and
  *                   allreduce_us for decode steps (`tandem calibrate` writes it)
+ *   decode_speedup_ep: {tp2: 1.3}   optional: the same with a mixture-of-experts model's
+ *                   experts whole on the ranks (decode[].ep), in place of decode_speedup for
+ *                   ep steps (`tandem calibrate` writes it for such a model)
  *   decode_attention_us_per_token: 3.5   optional: a decode step's attention, measured, per
  *                   token of context it reads (all layers, one device), in place of the
  *                   roofline of the KV bytes and FLOPs (`tandem calibrate` writes it)
@@ -52,8 +55,9 @@ typedef struct {
     double kvx_bw, kvx_lat;             /* KV transfer bytes/s and s per transfer */
     int one_node;                       /* 1: all devices on one node, extra ones time-share it */
     double ar_lat[PL_HW_MAX_AR_TP + 1]; /* [tp]: measured all-reduce latency, s; 0: none */
-    double decode_speedup[PL_HW_MAX_AR_TP + 1]; /* [tp]: a measured batch-1 decode step's
-                                                   speed-up over tp 1, all-reduces included */
+    double decode_speedup[PL_HW_MAX_AR_TP + 1];    /* [tp]: a measured batch-1 decode step's
+                                                      speed-up over tp 1, all-reduces included */
+    double decode_speedup_ep[PL_HW_MAX_AR_TP + 1]; /* [tp]: the same with experts whole */
     double decode_attn; /* s per KV token a decode step attends to (all layers,
                            one device); 0: the memory/compute roofline */
 } pl_hw;

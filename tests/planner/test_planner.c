@@ -357,6 +357,15 @@ static void test_ep_imbalance(void)
     TH_CHECKF(ep > bal && pl_decode_step_ms(&t, &hw, 1, true, 1, 100) ==
                               pl_decode_step_ms(&t, &hw, 1, false, 1, 100),
               "tp 2: balanced %.4f ms, ep %.4f ms", bal, ep);
+    /* a measured ep step (decode_speedup_ep) holds one token's imbalance: at batch 1 it is the
+     * step; larger batches scale the experts' share by their imbalance over one token's */
+    pl_hw meas = hw, as_split = hw;
+    meas.decode_speedup[2] = 1.8, meas.decode_speedup_ep[2] = 1.5;
+    as_split.decode_speedup[2] = 1.5;
+    TH_CHECK(fabs(pl_decode_step_ms(&t, &meas, 2, true, 1, 100) -
+                  pl_decode_step_ms(&t, &as_split, 2, false, 1, 100)) < 1e-12);
+    TH_CHECK(pl_decode_step_ms(&t, &meas, 2, true, 64, 100) <
+             pl_decode_step_ms(&t, &as_split, 2, false, 64, 100));
 }
 
 static void test_reproduce_runs(void)
