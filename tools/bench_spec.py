@@ -59,7 +59,7 @@ acceptance (its timings: draft_n_accepted / draft_n) and any router /metrics ser
 ratios (median, and each round's) of the configurations that ran: on/off, draft/off,
 draft/on, k4/off, k8/off, n8/off, n1/off, n8/on, n1/on, llama_spec/llama_off,
 llama_draft/llama_off, on/llama_spec, draft/llama_draft, off/llama_off, on/llama_off, mtp/off,
-llama_mtp/llama_off, mtp/llama_mtp.
+llama_mtp/llama_off, mtp/llama_mtp, off2/off, on/off2.
 Text check: each answer of on, k4, k8, n8 and n1 at batch 1 must equal off's answer to the same
 prompt in the same round, byte for byte (speculation must not change greedy output); a
 difference prints MISMATCH with where it starts, and the exit status is 2. Batched, the

@@ -500,7 +500,11 @@ static void test_mtp_direct(void)
     kn_model *bm;
     kn_engine *be;
     kn_kv_mem *bmem;
+    /* the block is no trunk layer (block_count counts it), and it loads whole only */
+    TH_CHECK(model->hp.n_layer_nextn == 1 && model->shard.l1 == model->hp.n_layer);
+    TH_CHECK(kn_model_load(gguf, &(kn_shard){.mtp = true, .tp_size = 2}, &bm) == TD_EINVAL);
     TH_REQUIRE(kn_model_load(gguf, &(kn_shard){.mtp = true}, &bm) == 0);
+    TH_CHECK(bm->shard.l0 == model->hp.n_layer && bm->first && bm->last);
     TH_REQUIRE(kn_engine_create(bm, kn_cpu_backend(t.cpu), NULL, &be) == 0);
     kn_kv_pool_params bp = kn_model_kv_params(bm, 8, 16, TD_F32);
     TH_REQUIRE(bp.n_layers == 1 && kn_kv_mem_create(&bp, &bmem) == 0);
