@@ -98,12 +98,12 @@ typedef struct {
 
 /* Its work so far (the stop log). */
 typedef struct {
-    uint64_t calls;     /* propose calls */
+    uint64_t calls;     /* propose calls and computed's catch-ups */
     uint64_t passes;    /* forward passes */
     uint64_t rows;      /* tokens computed (catch-up and proposals) */
     uint64_t proposals; /* tokens proposed */
     uint64_t refused;   /* requests given nothing: no room in the pool, a token it cannot read */
-    int64_t ns;         /* time in propose */
+    int64_t ns;         /* time in propose and in computed's catch-ups */
 } dc_draft_stats;
 
 /* Opens p->path, checks its vocabulary against the target's, loads it whole, makes its
