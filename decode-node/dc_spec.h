@@ -44,10 +44,10 @@ enum { DC_SPEC_MAX_TOKENS = 32 }; /* bound on max_tokens (and the per-position c
 typedef enum {
     DC_SPEC_OFF = 0,
     DC_SPEC_NGRAM, /* prompt lookup */
-    DC_SPEC_DRAFT, /* a proposer (dc_spec_proposer: a draft model) */
+    DC_SPEC_DRAFT, /* a proposer (dc_spec_proposer: a draft model, an MTP block) */
 } dc_spec_method;
 
-/* A proposer that computes its proposals (a draft model): the scheduler decides first how
+/* A proposer that computes its proposals (dc_draft.h): the scheduler decides first how
  * many tokens each request may propose (adaptive: from its acceptance, as for prompt
  * lookup; its cost is in the measured step time, which the step cost model fits), then
  * asks for them all at once. Called on the scheduler's thread only. */
