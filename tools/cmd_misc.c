@@ -7,6 +7,7 @@
 
 #include "cli.h"
 #include "cpu_backend.h"
+#include "sampler.h"
 #include "td_err.h"
 
 static int write_f32(const char *path, const float *x, size_t n)
@@ -53,9 +54,7 @@ static int mtp_logits(cli_session *s, const int32_t *ids, int64_t n, const float
     }
     if (!rc) rc = kn_kv_seq_reserve(mem, &seq, rows);
     if (!rc) {
-        int32_t next = 0; /* the trunk's greedy token after the prompt */
-        for (int v = 1; v < hp->n_vocab; v++)
-            if (logits[v] > logits[next]) next = v;
+        int32_t next = kn_argmax(logits, hp->n_vocab); /* the trunk's greedy token after it */
         for (int64_t p = 0; p < rows; p++) {
             tok[p] = p < n ? ids[p] : next;
             pos[p] = (int32_t)p;

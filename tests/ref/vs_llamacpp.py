@@ -58,12 +58,9 @@ sys.path.insert(0, HERE)
 import make_synth  # noqa: E402
 import ref_forward  # noqa: E402
 
-LOGITS_C = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include "llama.h"
-
+# What both programs share: the log silenced, argmax, and the context every comparison runs
+# (F32 KV cache, flash attention off: float32 throughout with F32 weights), as f32_params().
+PRELUDE = r"""
 static void quiet(enum ggml_log_level l, const char *t, void *u) { (void)l; (void)t; (void)u; }
 
 static int argmax(const float *v, int n)
@@ -74,6 +71,28 @@ static int argmax(const float *v, int n)
     return b;
 }
 
+static struct llama_context_params f32_params(void)
+{
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 512;
+    cp.n_batch = 512;
+    cp.n_ubatch = 512;
+    cp.n_threads = cp.n_threads_batch = 2;
+    cp.type_k = GGML_TYPE_F32;
+    cp.type_v = GGML_TYPE_F32;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    return cp;
+}
+"""
+
+LOGITS_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "llama.h"
+
+@PRELUDE@
+
 /* usage: prog MODEL IDS N_GEN OUT.f32 -> last-position logits in OUT, greedy ids on stdout */
 int main(int argc, char **argv)
 {
@@ -83,14 +102,7 @@ int main(int argc, char **argv)
     struct llama_model_params mp = llama_model_default_params();
     struct llama_model *model = llama_model_load_from_file(argv[1], mp);
     if (!model) return 3;
-    struct llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = 512;
-    cp.n_batch = 512;
-    cp.n_ubatch = 512;
-    cp.n_threads = cp.n_threads_batch = 2;
-    cp.type_k = GGML_TYPE_F32;
-    cp.type_v = GGML_TYPE_F32;
-    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    struct llama_context_params cp = f32_params();
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) return 4;
     int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
@@ -127,15 +139,7 @@ MTP_CPP = r"""
 #include "llama.h"
 #include "llama-ext.h"   // llama_set_embeddings_nextn, llama_get_embeddings_nextn(_ith)
 
-static void quiet(enum ggml_log_level l, const char *t, void *u) { (void)l; (void)t; (void)u; }
-
-static int argmax(const float *v, int n)
-{
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[b]) b = i;
-    return b;
-}
+@PRELUDE@
 
 // one batch row: token id at pos with the hidden row h (the MTP's "embedding" input)
 static int put(llama_batch_ext *b, llama_token id, llama_pos pos, const float *h, int n_embd,
@@ -163,14 +167,7 @@ int main(int argc, char **argv)
     llama_model *model = llama_model_load_from_file(argv[1], mp);
     if (!model) return 3;
     if (llama_model_n_layer_nextn(model) != 1) return 13;
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = 512;
-    cp.n_batch = 512;
-    cp.n_ubatch = 512;
-    cp.n_threads = cp.n_threads_batch = 2;
-    cp.type_k = GGML_TYPE_F32;
-    cp.type_v = GGML_TYPE_F32;
-    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    llama_context_params cp = f32_params();
     llama_context *tgt = llama_init_from_model(model, cp);
     if (!tgt) return 4;
     cp.ctx_type = LLAMA_CONTEXT_TYPE_MTP;   // common_speculative_init_result's draft context
@@ -246,7 +243,7 @@ def build_helper(llama_dir, d):
     src = os.path.join(d, "llcpp_logits.c")
     exe = os.path.join(d, "llcpp_logits")
     with open(src, "w") as f:
-        f.write(LOGITS_C)
+        f.write(LOGITS_C.replace("@PRELUDE@", PRELUDE))
     subprocess.run(["cc", "-O1", "-o", exe, src, "-I", os.path.join(llama_dir, "include"),
                     "-I", os.path.join(llama_dir, "ggml", "include"), "-L", lib, "-lllama",
                     "-Wl,-rpath," + lib], check=True)
@@ -259,7 +256,7 @@ def build_mtp_helper(llama_dir, d):
     src = os.path.join(d, "llcpp_mtp.cpp")
     exe = os.path.join(d, "llcpp_mtp")
     with open(src, "w") as f:
-        f.write(MTP_CPP)
+        f.write(MTP_CPP.replace("@PRELUDE@", PRELUDE))
     p = subprocess.run(["c++", "-std=c++17", "-O1", "-o", exe, src,
                         "-I", os.path.join(llama_dir, "include"),
                         "-I", os.path.join(llama_dir, "ggml", "include"),
