@@ -13,6 +13,8 @@ typedef struct {
     jn_tok *t;
     size_t n, i;
     int depth; /* nesting of expressions and blocks: bounded, and so the C stack */
+    int loops; /* for-loop bodies around the current token (0 in a macro or call body):
+                * break / continue outside one fail to parse, as Jinja2 refuses them */
 } jn_parser;
 
 typedef struct {

@@ -99,7 +99,11 @@ static jn_node *parse_for(jn_parser *P)
     if (jnp_skip_name(P, "if") && !(x->b = jnp_expr(P, true))) return NULL;
     if (jnp_is_name(P, "recursive"))
         return jnp_fail(P, TD_EUNSUPP, "recursive for loops are not supported%s", "");
-    if (!expect_block_end(P) || !(x->body = jnp_body(P, ends, 2))) return NULL;
+    if (!expect_block_end(P)) return NULL;
+    P->loops++;
+    x->body = jnp_body(P, ends, 2);
+    P->loops--;
+    if (!x->body) return NULL;
     if (at_block_name(P, "else")) {
         P->i += 2;
         if (!expect_block_end(P) || !(x->else_body = jnp_body(P, ends + 1, 1))) return NULL;
@@ -179,6 +183,17 @@ static void mark_extra_args(jn_node *x)
     x->kwargs = jnp_reads_name(x->body, "kwargs");
 }
 
+/* a macro's or call block's body: called from anywhere, so a loop around its definition
+ * is not a loop around its break */
+static jn_node *loop_free_body(jn_parser *P, const char *const *ends, size_t n_ends)
+{
+    int loops = P->loops;
+    P->loops = 0;
+    jn_node *body = jnp_body(P, ends, n_ends);
+    P->loops = loops;
+    return body;
+}
+
 static jn_node *parse_macro(jn_parser *P)
 {
     static const char *const ends[] = {"endmacro"};
@@ -187,7 +202,7 @@ static jn_node *parse_macro(jn_parser *P)
     if (jnp_cur(P)->type != JN_T_NAME)
         return jnp_fail(P, TD_EINVAL, "expected a macro name, got %s", jnp_tok_desc(P));
     if (!(x->name = jnp_tok_name(P)) || parse_params(P, x) || !expect_block_end(P) ||
-        !(x->body = jnp_body(P, ends, 1)))
+        !(x->body = loop_free_body(P, ends, 1)))
         return NULL;
     mark_extra_args(x);
     return expect_end_tag(P, "endmacro") ? x : NULL;
@@ -201,7 +216,7 @@ static jn_node *parse_call_block(jn_parser *P)
     if (jnp_is_op(P, "(") && parse_params(P, x)) return NULL;
     if (!(x->a = jnp_expr(P, true))) return NULL;
     if (x->a->kind != N_CALL) return jnp_fail(P, TD_EINVAL, "a call block needs a call%s", "");
-    if (!expect_block_end(P) || !(x->body = jnp_body(P, ends, 1))) return NULL;
+    if (!expect_block_end(P) || !(x->body = loop_free_body(P, ends, 1))) return NULL;
     mark_extra_args(x);
     return expect_end_tag(P, "endcall") ? x : NULL;
 }
@@ -242,6 +257,9 @@ static jn_node *parse_statement_in(jn_parser *P)
     if (jnp_skip_name(P, "filter")) return parse_filter_block(P);
     if (jnp_skip_name(P, "generation")) return parse_generation(P);
     if (jnp_is_name(P, "break") || jnp_is_name(P, "continue")) {
+        if (!P->loops)
+            return jnp_fail(P, TD_EINVAL, "'%s' outside a for loop",
+                            jnp_is_name(P, "break") ? "break" : "continue");
         jn_node *x = jnp_node(P, jnp_is_name(P, "break") ? S_BREAK : S_CONTINUE);
         P->i++;
         return x && expect_block_end(P) ? x : NULL;

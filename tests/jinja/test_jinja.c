@@ -114,6 +114,15 @@ static void test_statements(void)
        "1");
     OK("{% for x in [1, 2, 3] %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}{% endfor %}", NULL,
        "13");
+    /* a break or continue belongs to a loop around it in the same body, or fails to parse */
+    ERR("{%- break %}x", NULL, TD_EINVAL, "'break' outside a for loop");
+    ERR("{% for x in [] %}{% else %}{% continue %}{% endfor %}", NULL, TD_EINVAL,
+        "'continue' outside a for loop");
+    ERR("{% for x in [1] %}{% macro m() %}{% break %}{% endmacro %}{% endfor %}", NULL, TD_EINVAL,
+        "'break' outside a for loop");
+    OK("{% macro m() %}{% for x in [1, 2] %}{{ x }}{% break %}{% endfor %}{% endmacro %}"
+       "{% for y in [3, 4] %}{{ m() }}{% if y == 3 %}{% continue %}{% endif %}{{ y }}{% endfor %}",
+       NULL, "114");
     OK("{% for x in 'ab' %}{{ loop.previtem }}{{ x }}{{ loop.nextitem }}|{% endfor %}", NULL,
        "ab|ab|");
     /* scoping: a set in a loop stays in it, a namespace carries out */
