@@ -49,12 +49,14 @@ static void *server_main(void *arg)
     server_run *r = arg;
     while (!atomic_load(&r->stop)) {
         td_ctrl_server_in in;
-        if (td_ctrl_server_recv(r->s, &in, 20) == 0 && in.kind == TD_CTRL_IN_REQUEST)
-            td_ctrl_server_reply_ack(r->s, in.req, in.env->submit ? in.env->submit->request_id : 0);
+        bool got = td_ctrl_server_recv(r->s, &in, 20) == 0 && in.kind == TD_CTRL_IN_REQUEST;
+        /* the counts before the reply: a client that has its reply reads them current */
         td_ctrl_server_stats st;
         td_ctrl_server_get_stats(r->s, &st);
         atomic_store(&r->refused, st.refused);
         atomic_store(&r->requests, st.requests);
+        if (got)
+            td_ctrl_server_reply_ack(r->s, in.req, in.env->submit ? in.env->submit->request_id : 0);
     }
     return NULL;
 }
