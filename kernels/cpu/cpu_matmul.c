@@ -32,8 +32,9 @@
  * m there too), each thread running the solo rows' dots over the same 16-row groups first.
  * In the q16 mode (KN_CPU_ACT_Q16) the dot path's rows of Q4_0, Q4_1, Q5_0 and Q8_0 weights are
  * quantized to 16 bits once per call and take cpu_q16act.c's integer dots (through the q8
- * mode's packed copy of a registered matrix, read by 16-row groups); the gemm path's batch
- * rows and the other types stay float32, so the rows keep the f32 mode's split and contract.
+ * mode's packed copy of a registered matrix, read by 16-row groups); the other types stay
+ * float32, and so do the gemm path's batch rows where AMX-BF16 runs them (mm_gemm_rows: without
+ * it, with AVX512-VNNI, the q16 dots take every row, faster than dequantize + sgemm).
  * matmul_mixed (solo rows first, then batch rows): when the batch rows take the gemm path,
  * each thread runs the dot path for the solo rows over a slice of W's rows just before it
  * dequantizes that slice for sgemm, so the slice is read from memory once.
@@ -488,6 +489,21 @@ static int mm_check(const kn_mat *w, const char *op)
     return 0;
 }
 
+/* The batch rows (m - m_solo) that take the gemm path: all of them from MM_GEMM_MIN_M on,
+ * except in the q16 mode on weights it has AVX512-VNNI integer dots for, where AMX-BF16 is not
+ * usable: there the dot path's 16-bit dots run 4 rows of x per read of a packed 16-row group
+ * and beat dequantize + sgemm at every m (the default model's pp512, AMD EPYC, 2 threads:
+ * BENCHMARKS.md "The AMD machine type with s25-s31's changes"), and the batch rows get a solo
+ * row's bits. */
+static int64_t mm_gemm_rows(const kn_cpu *c, const kn_mat *w, int64_t m, int64_t m_solo)
+{
+    if (m - m_solo < MM_GEMM_MIN_M) return 0;
+    if (c->act_q16 && kn_q16_supported(w->type) && !kn_bf16amx_usable() &&
+        !strcmp(kn_q16_isa(), "avx512vnni"))
+        return 0;
+    return m - m_solo;
+}
+
 #define MM_STR_(x) #x
 #define MM_STR(x)  MM_STR_(x)
 
@@ -508,6 +524,8 @@ void kn_cpu_matmul_paths(const kn_cpu *c, const kn_mat *w, const char **batch, c
             amx ? "q8 K-quant integer GEMM (amx-int8)" : "q8 K-quant integer GEMM (avx512-vnni)";
     else if (kn_bf16amx_usable())
         *batch = w->type == TD_F32 ? KN_BF16AMX_NAME : "float32 tiles + " KN_BF16AMX_NAME;
+    else if (!mm_gemm_rows(c, w, MM_GEMM_MIN_M, 0))
+        *batch = "q16 integer dot (avx512-vnni)";
     else if (w->type == TD_F32)
         *batch = "OpenBLAS sgemm";
     else
@@ -550,7 +568,7 @@ int kn_cpu_matmul_mixed(void *ctx, const kn_mat *w, const float *x, int64_t m, i
     if (c->act_q8 && kn_q8_gemm_supported(w)) return mm_q8_gemm(c, w, x, m, y);
     /* the batch rows take the gemm path when there are enough of them; the dot path gives
      * every row the same bits in either role, so below that all m rows share it */
-    const int64_t gm = m - m_solo >= MM_GEMM_MIN_M ? m - m_solo : 0;
+    const int64_t gm = mm_gemm_rows(c, w, m, m_solo);
     mm_job j = {.c = c,
                 .w = w,
                 .x = x,
@@ -708,7 +726,7 @@ int kn_cpu_dot_init(kn_cpu *c, const kn_mat *w, const float *x, int64_t m, int64
             .c = c, .w = w, .x = x, .xq = side, .packed = packed, .m = m, .y = y, .grain = 16};
         return 0;
     }
-    if (m - m_solo >= MM_GEMM_MIN_M) return 1; /* the batch rows take the gemm path */
+    if (mm_gemm_rows(c, w, m, m_solo)) return 1; /* the batch rows take the gemm path */
     *d = (kn_cpu_dot){.c = c, .w = w, .x = x, .m = m, .y = y, .grain = 1};
     const int sg = kn_cpu_traits_of(w->type)->xsum_group;
     if (c->act_q16 && kn_q16_supported(w->type)) {

@@ -2,7 +2,8 @@
  * TANDEM_CPU_ACT=q16): on the dot path (decode rows, m below the gemm threshold, and every
  * solo row of matmul_mixed) each row of x is quantized per 32-block to int16 once per matmul
  * and dotted with the raw weight quants in integer arithmetic. 32-block types only (Q4_0, Q4_1,
- * Q5_0, Q8_0); the other types, and the batch rows the gemm path takes, stay float32.
+ * Q5_0, Q8_0); the other types, and the batch rows where a gemm path runs them (AMX-BF16;
+ * sgemm without AVX512-VNNI: cpu_matmul.c's mm_gemm_rows), stay float32.
  *
  * Purpose: the float32 dot path unpacks every weight to float32 and is compute-bound at
  * batch 1; the q8 mode's integer dots are 1.7x faster but round x to 8 bits, which changes

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cpu_backend.h"
+#include "cpu_bf16amx.h"
 #include "cpu_internal.h"
 #include "cpu_q16act.h"
 #include "cpu_q8act.h"
@@ -289,8 +290,9 @@ static void test_nonfinite(void)
 }
 
 /* matmul_mixed with m - solo >= 64 batch rows: the solo rows get the q16 bits of each row alone,
- * the batch rows the float32 gemm path's; types without q16 dots (Q5_1, Q4_K) keep the float32
- * bits everywhere. */
+ * the batch rows the float32 gemm path's where one runs them (AMX-BF16, or no AVX512-VNNI),
+ * else the q16 bits of each row alone too (cpu_matmul.c, mm_gemm_rows); types without q16 dots
+ * (Q5_1, Q4_K) keep the float32 bits everywhere. */
 static void test_mixed_and_others(void)
 {
     const td_dtype types[] = {TD_Q4_1, TD_Q8_0, TD_Q5_1, TD_Q4_K};
@@ -320,12 +322,19 @@ static void test_mixed_and_others(void)
         TH_REQUIRE(matmul_act(cpus[2], KN_CPU_ACT_F32, &W.w, x, m, solo, y32) == 0);
         const bool q16 = kn_q16_supported(t);
         TH_CHECK(q16 == (t == TD_Q4_1 || t == TD_Q8_0));
-        for (int64_t i = 0; i < solo; i++) {
+        const char *batch, *solo_path;
+        kn_cpu_set_act(cpus[1], KN_CPU_ACT_Q16);
+        kn_cpu_matmul_paths(cpus[1], &W.w, &batch, &solo_path);
+        kn_cpu_set_act(cpus[1], KN_CPU_ACT_F32);
+        const bool batch_q16 = !strncmp(batch, "q16", 3);
+        TH_CHECKF(!batch_q16 || (q16 && !kn_bf16amx_usable()), "batch rows by %s", batch);
+        for (int64_t i = 0; i < (batch_q16 ? m : solo); i++) {
             TH_REQUIRE(matmul_act(cpus[0], KN_CPU_ACT_Q16, &W.w, x + i * n_cols, 1, 0, y1) == 0);
             TH_CHECK(memcmp(y + i * n_rows, y1, (size_t)n_rows * sizeof(float)) == 0);
         }
         const size_t nsolo = (size_t)(solo * n_rows) * sizeof(float);
-        TH_CHECK(memcmp((char *)y + nsolo, (char *)y32 + nsolo, ny - nsolo) == 0);
+        TH_CHECK(batch_q16 ==
+                 !!memcmp((char *)y + nsolo, (char *)y32 + nsolo, ny - nsolo));
         TH_CHECK(q16 == !!memcmp(y, y32, nsolo));
         free(x), free(y), free(y32), free(y1);
         if (q16)
