@@ -139,6 +139,7 @@ static const td_cfg_field tier_fields[TI_N] = FIELD_TABLE(TIER_FIELDS);
     F(S_DRAFT, "draft", F_PATH, draft, 0, 0)                                                       \
     F(S_MAX_TOKENS, "max_tokens", F_INT, max_tokens, 1, TD_CFG_SPEC_MAX_TOKENS)                    \
     F(S_ADAPTIVE, "adaptive", F_BOOL, adaptive, 0, 0)                                              \
+    F(S_GATE, "gate", F_BOOL, gate, 0, 0)                                                          \
     F(S_NGRAM_MIN, "ngram_min", F_INT, ngram_min, 1, TD_CFG_SPEC_MAX_NGRAM)                        \
     F(S_NGRAM_MAX, "ngram_max", F_INT, ngram_max, 1, TD_CFG_SPEC_MAX_NGRAM)
 enum { SPEC_FIELDS(ENUM_ID, ENUM_ID, ENUM_ID) S_N };
@@ -418,7 +419,7 @@ static int parse_tier(td_cfg_ctx *p, yaml_node_t *n, const char *inst, td_cfg_de
     return 0;
 }
 
-/* decode[].speculative: {method, draft, max_tokens, adaptive, ngram_min, ngram_max}, each
+/* decode[].speculative: {method, draft, max_tokens, adaptive, gate, ngram_min, ngram_max}, each
  * optional (x holds the defaults); draft alone means method draft, which requires it. */
 static int parse_spec(td_cfg_ctx *p, yaml_node_t *n, const char *inst, td_cfg_spec *x)
 {
@@ -476,6 +477,7 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
     x->speculative = (td_cfg_spec){.method = TD_CFG_SPEC_NGRAM,
                                    .max_tokens = 8,
                                    .adaptive = true,
+                                   .gate = true,
                                    .ngram_min = 2,
                                    .ngram_max = 4};
     if (p->rc) return p->rc;

@@ -158,6 +158,9 @@ typedef struct {
     int max_tokens;            /* 8: most proposed tokens a request verifies in one step */
     bool adaptive;             /* true: the scheduler picks how many pay off (0 at large
                                   batches or poor acceptance); false: up to max_tokens */
+    bool gate;                 /* true: adaptive also measures, per batch size, the time per
+                                  token with speculation and without, and holds it off where
+                                  it does not pay (dc_spec.h, the measured gate) */
     int ngram_min;             /* 2: shortest suffix matched, <= ngram_max */
     int ngram_max;             /* 4: longest */
 } td_cfg_spec;

@@ -312,6 +312,12 @@ static int follower_run(dc_node *n)
 _Static_assert(TD_CFG_SPEC_MAX_TOKENS == DC_SPEC_MAX_TOKENS,
                "decode[].speculative.max_tokens is bounded by the scheduler's bound");
 
+/* how many proposals a step takes, for the start-up log */
+static const char *spec_mode(const td_cfg_spec *c)
+{
+    return !c->adaptive ? "pinned" : c->gate ? "adaptive, measured gate" : "adaptive";
+}
+
 /* decode[].speculative -> the scheduler's dc_spec_params (adaptive: false pins k); draft:
  * methods draft's and mtp's proposer (NULL otherwise) */
 static dc_spec_params spec_params(const td_cfg_spec *c, dc_draft *draft)
@@ -322,6 +328,7 @@ static dc_spec_params spec_params(const td_cfg_spec *c, dc_draft *draft)
                                        : DC_SPEC_OFF,
                          .max_tokens = c->max_tokens,
                          .pinned = !c->adaptive,
+                         .gate = c->gate,
                          .ngram_min = c->ngram_min,
                          .ngram_max = c->ngram_max};
     if (draft) sp.proposer = dc_draft_proposer(draft);
@@ -360,7 +367,7 @@ static int draft_init(dc_node *n)
         n->p->instance, mtp ? "the model's MTP block" : "a draft model: ", mtp ? "" : spec->draft,
         kn_arch_name(in.arch), mtp ? 1 : in.n_layer, mtp || in.n_layer == 1 ? "" : "s", in.n_embd,
         (double)in.weight_bytes / (1 << 20), in.kv_blocks, (double)in.kv_bytes / (1 << 20),
-        in.warm_ms, spec->max_tokens, spec->adaptive ? "adaptive" : "pinned");
+        in.warm_ms, spec->max_tokens, spec_mode(spec));
     return 0;
 }
 
@@ -442,7 +449,7 @@ static int leader_init(dc_node *n)
         TD_LOG_INFO("decode %s: speculative decoding by prompt lookup (n-grams %d..%d), up to %d "
                     "tokens a step, %s",
                     n->p->instance, spec->ngram_min, spec->ngram_max, spec->max_tokens,
-                    spec->adaptive ? "adaptive" : "pinned");
+                    spec_mode(spec));
     bool adaptive = n->dcfg->adaptive_threads && n->dcfg->threads > 1;
     if (adaptive && !kn_cpu_of(n->proc.rt.be)) {
         TD_LOG_WARN("decode %s: decode[].adaptive_threads: the %s backend has no CPU threads to "

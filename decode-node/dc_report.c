@@ -80,12 +80,13 @@ void dc_report_log(const dc_node *n)
     if (st.spec_drafts)
         TD_LOG_INFO("decode %s: speculation: %llu verifications, %llu proposed tokens, %llu "
                     "accepted (%.1f%%), %.2f tokens per verification; step cost model: %.2f ms "
-                    "a one-row step, %.2f ms a verification row",
+                    "a one-row step, %.2f ms a verification row; %llu steps held off by the "
+                    "measured gate",
                     n->p->instance, (unsigned long long)st.spec_drafts,
                     (unsigned long long)st.spec_draft_tokens, (unsigned long long)st.spec_accepted,
                     100.0 * (double)st.spec_accepted / (double)st.spec_draft_tokens,
                     1.0 + (double)st.spec_accepted / (double)st.spec_drafts, st.cost_decode_ms,
-                    st.cost_verify_ms);
+                    st.cost_verify_ms, (unsigned long long)st.spec_held_steps);
     if (n->leader.draft) {
         dc_draft_stats ds = dc_draft_get_stats(n->leader.draft);
         TD_LOG_INFO("decode %s: draft model: %llu calls, %llu passes, %llu tokens computed, %llu "

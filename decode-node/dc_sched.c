@@ -77,6 +77,7 @@ int dc_sched_create(const dc_sched_params *p, const kn_model *m, kn_kv_mem *mem,
     s->mem = mem;
     s->kv = kn_kv_mem_pool(mem);
     dc_cost_init(&s->cost, &m->hp);
+    dc_spec_gate_init(&s->gate, sp->method != DC_SPEC_OFF && !sp->pinned && sp->gate);
     s->sink = sink;
     /* prefill budget + one per decode and its proposals */
     s->cap_tokens = s->p.step_tokens + s->p.max_running * (1 + spec_k);
@@ -572,11 +573,12 @@ static void plan_proposals(dc_sched *s, dc_step_shape *d)
 {
     const dc_spec_params *sp = &s->p.spec;
     bool lookup = sp->method == DC_SPEC_NGRAM;
+    bool allow = dc_spec_gate_allow(&s->gate, d->n_decode);
     int n = 0;
     for (int i = 0; i < s->running.n; i++) {
         dc_req *r = s->running.v[i];
         r->n_draft = 0;
-        if (r->chunk != 1 || r->n_tokens - r->n_computed != 1) continue;
+        if (r->chunk != 1 || r->n_tokens - r->n_computed != 1 || !allow) continue;
         int k = sp->max_tokens, room = r->max_tokens - r->n_generated - 1;
         if (room > s->p.max_ctx - r->n_tokens - 1) room = s->p.max_ctx - r->n_tokens - 1;
         k = k < room ? k : room;
@@ -637,6 +639,7 @@ static void plan_decodes(dc_sched *s)
     dc_step_shape d = {0};
     for (int i = 0; i < s->running.n; i++)
         if (s->running.v[i]->chunk) d.n_decode++, d.attn += s->running.v[i]->n_computed + 1;
+    s->plain_ms = dc_cost_predict(&s->cost, &d);
     if (s->p.spec.method != DC_SPEC_OFF) plan_proposals(s, &d);
     s->capping = s->p.itl_target_ms > 0 && d.n_decode > 0;
     s->prefill_planned = s->capped = false;
@@ -773,6 +776,9 @@ void dc_sched_observe(dc_sched *s, double ms)
                  "tokens, %.0f attention pairs: %.2f ms measured, %.2f predicted",
                  s->shape.n_decode, s->shape.n_draft, s->shape.n_pass, s->shape.n_prefill,
                  s->shape.attn, ms, dc_cost_predict(&s->cost, &s->shape));
+    if (!s->shape.n_prefill)
+        dc_spec_gate_observe(&s->gate, ms, s->plain_ms, s->shape.n_decode,
+                             s->shape.n_decode + s->step_accepted);
     dc_cost_observe(&s->cost, &s->shape, ms);
 }
 
@@ -823,6 +829,7 @@ dc_sched_stats dc_sched_get_stats(const dc_sched *s)
         .spec_drafts = s->spec_drafts,
         .spec_draft_tokens = s->spec_draft_tokens,
         .spec_accepted = s->spec_accepted,
+        .spec_held_steps = s->gate.held_steps,
     };
     memcpy(st.spec_accepted_pos, s->spec_accepted_pos, sizeof st.spec_accepted_pos);
     st.cost_decode_ms = dc_cost_predict(&s->cost, &(dc_step_shape){.n_decode = 1, .attn = 1});

@@ -169,6 +169,7 @@ typedef struct {
      * first of a verification), all since the start */
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
+    uint64_t spec_held_steps; /* steps the measured gate held speculation off in */
     /* the step cost model as fitted (dc_plan.h): predicted ms of a step of one decode row,
      * and what one verification row adds to it (its attention at position 0 aside) */
     double cost_decode_ms, cost_verify_ms;

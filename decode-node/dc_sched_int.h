@@ -96,6 +96,9 @@ struct dc_sched {
                    proposer.computed (n_hidden > 0), else NULL */
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
+    dc_spec_gate gate; /* speculation per batch size, measured (dc_spec.h) */
+    double plain_ms;   /* the last step's decode rows alone, predicted when it was planned */
+    int step_accepted; /* the last commit's accepted proposals */
 };
 
 void dcs_list_remove_at(dc_req_list *l, int i);

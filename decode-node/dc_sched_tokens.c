@@ -136,6 +136,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
 {
     if (!s->planned) return TD_ESTATE;
     s->planned = false;
+    uint64_t accepted0 = s->spec_accepted;
     for (int i = s->running.n - 1; i >= 0; i--) {
         dc_req *r = s->running.v[i];
         if (!r->chunk) continue;
@@ -160,6 +161,7 @@ int dc_sched_commit(dc_sched *s, const float *logits, int rc)
         }
         if (r->logit_row >= 0) emit_tokens(s, i, r, logits);
     }
+    s->step_accepted = (int)(s->spec_accepted - accepted0);
     return rc;
 }
 

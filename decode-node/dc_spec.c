@@ -115,6 +115,56 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
     }
 }
 
+void dc_spec_gate_init(dc_spec_gate *g, bool on)
+{
+    *g = (dc_spec_gate){.on = on, .step_bucket = -1};
+    for (int b = 0; b < DC_SPEC_GATE_BUCKETS; b++)
+        g->per_tok[b][0] = g->per_tok[b][1] = -1;
+}
+
+int dc_spec_gate_bucket(int n_decode)
+{
+    int b = 0;
+    while (b < DC_SPEC_GATE_BUCKETS - 1 && n_decode >= 2 << b)
+        b++;
+    return b;
+}
+
+bool dc_spec_gate_allow(dc_spec_gate *g, int n_decode)
+{
+    if (!g->on || n_decode < 1) {
+        g->step_bucket = -1;
+        return true;
+    }
+    int b = dc_spec_gate_bucket(n_decode);
+    bool allow = !g->held[b];
+    double cur = g->per_tok[b][allow], other = g->per_tok[b][!allow];
+    /* the other way: probed often while unmeasured or close, rarely once far behind */
+    int every = other >= 0 && cur >= 0 && cur < DC_SPEC_GATE_FAR * other ? DC_SPEC_GATE_PROBE_FAR
+                                                                         : DC_SPEC_GATE_PROBE;
+    if (++g->steps[b] % (uint64_t)every == 0) {
+        allow = !allow;
+    } else if (!allow) {
+        g->held_steps++;
+    }
+    g->step_bucket = b;
+    g->step_allowed = allow;
+    return allow;
+}
+
+void dc_spec_gate_observe(dc_spec_gate *g, double ms, double plain_ms, int n_decode, int tokens)
+{
+    int b = g->step_bucket;
+    g->step_bucket = -1;
+    if (b < 0 || !(ms > 0) || !(plain_ms > 0) || n_decode < 1 || tokens < 1) return;
+    double r = ms / tokens / (plain_ms / n_decode), *x = &g->per_tok[b][g->step_allowed];
+    double a = g->step_allowed == !g->held[b] ? DC_SPEC_GATE_ALPHA : DC_SPEC_GATE_ALPHA_PROBE;
+    *x = *x < 0 ? r : *x + a * (r - *x);
+    bool allow = !g->held[b];
+    double cur = g->per_tok[b][allow], other = g->per_tok[b][!allow];
+    if (cur >= 0 && other >= 0 && other < DC_SPEC_GATE_MARGIN * cur) g->held[b] = allow;
+}
+
 int dc_spec_ngram(const int32_t *tokens, int32_t n, int ngram_min, int ngram_max, int k,
                   int32_t *out)
 {

@@ -25,6 +25,8 @@ other round (A B C D, D C B A) so that drift hits all alike:
   draft       Tandem, {method: draft, draft: --draft GGUF} (adaptive; e.g. Qwen2.5-Coder-0.5B)
   mtp         Tandem, {method: mtp}: the model's own multi-token prediction block (a deepseek2
               GGUF with nextn layers, e.g. make_synth.py's deepseek2-mtp-echo at bench size)
+  nogate, mtp_nogate  on and mtp without the measured gate ({gate: false}: the cost model's
+              choice alone)
   off         Tandem, {method: off}
   off2        the same as off in a process of its own: the control (off2/off is the spread
               between two servers of one build doing the same work)
@@ -640,6 +642,8 @@ TANDEM_SPEC = {"on": {"method": "ngram"},
                "n1": {"method": "ngram", "ngram_min": 1},
                "draft": None,  # {method: draft, draft: --draft}, set from the arguments
                "mtp": {"method": "mtp"},
+               "nogate": {"method": "ngram", "gate": "false"},
+               "mtp_nogate": {"method": "mtp", "gate": "false"},
                "off": {"method": "off"},
                "off2": {"method": "off"}}
 LLAMA = ("llama_spec", "llama_off", "llama_draft", "llama_mtp")
@@ -1109,7 +1113,8 @@ RATIOS = [("on", "off"), ("draft", "off"), ("draft", "on"), ("k4", "off"), ("k8"
           ("n8", "off"), ("n1", "off"), ("n8", "on"), ("n1", "on"), ("llama_spec", "llama_off"),
           ("llama_draft", "llama_off"), ("on", "llama_spec"), ("draft", "llama_draft"),
           ("off", "llama_off"), ("on", "llama_off"), ("off2", "off"), ("on", "off2"), ("mtp", "off"), ("llama_mtp", "llama_off"),
-          ("mtp", "llama_mtp")]
+          ("mtp", "llama_mtp"), ("on", "nogate"), ("nogate", "off"), ("mtp", "mtp_nogate"),
+          ("mtp_nogate", "off")]
 
 
 def report(results, batches, names):

@@ -115,7 +115,7 @@ static const bad_case bad_cases[] = {
      "decode[0].speculative: expected a mapping, got a string"},
     {"spec_unknown", MIN "    speculative:\n      k: 4\n", 5, 7,
      "unknown key 'k' in decode[0].speculative (known: method, draft, max_tokens, adaptive, "
-     "ngram_min, ngram_max)"},
+     "gate, ngram_min, ngram_max)"},
     {"spec_method", MIN "    speculative:\n      method: eagle\n", 5, 15,
      "unknown speculative method 'eagle' (known: ngram, draft, mtp, off)"},
     {"spec_draft_missing", MIN "    speculative:\n      method: draft\n", 5, 15,
@@ -327,6 +327,7 @@ static void test_good_file(void)
                        "      method: off\n"
                        "      max_tokens: 32\n"
                        "      adaptive: false\n"
+                       "      gate: false\n"
                        "      ngram_min: 3\n"
                        "      ngram_max: 3\n"
                        "    kv_dtype: f32\n"
@@ -402,12 +403,12 @@ static void test_good_file(void)
              d->kv_dtype == TD_F32 && d->port == 7000 && d->overlap && d->n_devices == 3 &&
              d->devices[2] == 4);
     TH_CHECK(d->speculative.method == TD_CFG_SPEC_OFF && d->speculative.max_tokens == 32 &&
-             !d->speculative.adaptive && d->speculative.ngram_min == 3 &&
+             !d->speculative.adaptive && !d->speculative.gate && d->speculative.ngram_min == 3 &&
              d->speculative.ngram_max == 3);
     d = td_cfg_find_decode(c, "d2"); /* a partial map: the rest defaults */
     TH_REQUIRE(d);
     TH_CHECK(d->speculative.method == TD_CFG_SPEC_NGRAM && d->speculative.max_tokens == 1 &&
-             d->speculative.adaptive && d->speculative.ngram_min == 1 &&
+             d->speculative.adaptive && d->speculative.gate && d->speculative.ngram_min == 1 &&
              d->speculative.ngram_max == 16);
     d = td_cfg_find_decode(c, "d1");
     TH_REQUIRE(d);

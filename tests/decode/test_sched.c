@@ -1177,6 +1177,53 @@ static void test_spec_units(void)
               "two with passes: took %d, %d, %d", d[0].take, d[1].take, d[2].take);
 }
 
+/* One step of a batch of 16 decode rows through the gate: a plain step takes 10 ms; one
+ * with speculation generates 20 tokens in allowed_ms. Returns whether it was allowed. */
+static bool gate_step(dc_spec_gate *g, double allowed_ms)
+{
+    bool allow = dc_spec_gate_allow(g, 16);
+    dc_spec_gate_observe(g, allow ? allowed_ms : 10, 10, 16, allow ? 20 : 16);
+    return allow;
+}
+
+/* The measured gate: held off at a batch size where speculation's time per token is worse,
+ * allowed again once it is better, probed at the rates dc_spec.h gives, each batch size
+ * apart; off, every step allows. */
+static void test_spec_gate(void)
+{
+    dc_spec_gate g;
+    dc_spec_gate_init(&g, true);
+    /* 20 tokens in 15 ms: 0.75 ms a token against 0.625 without */
+    int allowed = 0;
+    for (int i = 0; i < 256; i++)
+        allowed += gate_step(&g, 15);
+    TH_CHECKF(g.held[dc_spec_gate_bucket(16)] && allowed >= 256 / DC_SPEC_GATE_PROBE - 1 &&
+                  allowed < 256 / DC_SPEC_GATE_PROBE + 16,
+              "a losing batch size: %d of 256 steps allowed", allowed);
+    TH_CHECKF(g.held_steps > 200, "held %llu", (unsigned long long)g.held_steps);
+    /* batch 1 is its own: still allowed */
+    TH_CHECK(dc_spec_gate_allow(&g, 1));
+    dc_spec_gate_observe(&g, 5, 10, 1, 2);
+    /* speculation pays again (20 tokens in 6 ms): the probes see it and the gate opens */
+    int first = -1;
+    for (int i = 0; i < 64 && first < 0; i++)
+        if (!g.held[dc_spec_gate_bucket(16)]) first = i;
+        else gate_step(&g, 6);
+    TH_CHECKF(first >= 0 && first <= 4 * DC_SPEC_GATE_PROBE, "opened after %d steps", first);
+    /* far apart (0.3 against 0.625 ms a token): probed once in DC_SPEC_GATE_PROBE_FAR */
+    for (int i = 0; i < 64; i++)
+        gate_step(&g, 6);
+    int held = 0;
+    for (int i = 0; i < 4 * DC_SPEC_GATE_PROBE_FAR; i++)
+        held += !gate_step(&g, 6);
+    TH_CHECKF(held == 4, "far apart: %d of %d steps held off", held, 4 * DC_SPEC_GATE_PROBE_FAR);
+    /* off: always allowed, nothing measured */
+    dc_spec_gate_init(&g, false);
+    for (int i = 0; i < 64; i++)
+        TH_CHECK(gate_step(&g, 100));
+    TH_CHECK(!g.held_steps);
+}
+
 /* Requests N_REQ.. N_REQ + N_LONG - 1: long greedy generations (a random model's text
  * falls into loops, which prompt lookup predicts), as alone without speculation. */
 #define N_LONG 6
@@ -1417,6 +1464,7 @@ int main(int argc, char **argv)
     TH_RUN(test_cost_model);
     TH_RUN(test_cost_start);
     TH_RUN(test_spec_units);
+    TH_RUN(test_spec_gate);
     TH_RUN(test_spec_equals_alone);
     TH_RUN(test_spec_pressure_and_transfer);
     TH_RUN(test_spec_proposer);
