@@ -639,7 +639,6 @@ static void plan_decodes(dc_sched *s)
     dc_step_shape d = {0};
     for (int i = 0; i < s->running.n; i++)
         if (s->running.v[i]->chunk) d.n_decode++, d.attn += s->running.v[i]->n_computed + 1;
-    s->plain_ms = dc_cost_predict(&s->cost, &d);
     if (s->p.spec.method != DC_SPEC_OFF) plan_proposals(s, &d);
     s->capping = s->p.itl_target_ms > 0 && d.n_decode > 0;
     s->prefill_planned = s->capped = false;
@@ -777,8 +776,7 @@ void dc_sched_observe(dc_sched *s, double ms)
                  s->shape.n_decode, s->shape.n_draft, s->shape.n_pass, s->shape.n_prefill,
                  s->shape.attn, ms, dc_cost_predict(&s->cost, &s->shape));
     if (!s->shape.n_prefill)
-        dc_spec_gate_observe(&s->gate, ms, s->plain_ms, s->shape.n_decode,
-                             s->shape.n_decode + s->step_accepted);
+        dc_spec_gate_observe(&s->gate, ms, s->shape.n_decode + s->step_accepted);
     dc_cost_observe(&s->cost, &s->shape, ms);
 }
 

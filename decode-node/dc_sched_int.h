@@ -97,7 +97,6 @@ struct dc_sched {
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
     dc_spec_gate gate; /* speculation per batch size, measured (dc_spec.h) */
-    double plain_ms;   /* the last step's decode rows alone, predicted when it was planned */
     int step_accepted; /* the last commit's accepted proposals */
 };
 

@@ -119,7 +119,7 @@ void dc_spec_gate_init(dc_spec_gate *g, bool on)
 {
     *g = (dc_spec_gate){.on = on, .step_bucket = -1};
     for (int b = 0; b < DC_SPEC_GATE_BUCKETS; b++)
-        g->per_tok[b][0] = g->per_tok[b][1] = -1;
+        g->ms_tok[b][0] = g->ms_tok[b][1] = -1;
 }
 
 int dc_spec_gate_bucket(int n_decode)
@@ -138,7 +138,7 @@ bool dc_spec_gate_allow(dc_spec_gate *g, int n_decode)
     }
     int b = dc_spec_gate_bucket(n_decode);
     bool allow = !g->held[b];
-    double cur = g->per_tok[b][allow], other = g->per_tok[b][!allow];
+    double cur = g->ms_tok[b][allow], other = g->ms_tok[b][!allow];
     /* the other way: probed often while unmeasured or close, rarely once far behind */
     int every = other >= 0 && cur >= 0 && cur < DC_SPEC_GATE_FAR * other ? DC_SPEC_GATE_PROBE_FAR
                                                                          : DC_SPEC_GATE_PROBE;
@@ -152,17 +152,24 @@ bool dc_spec_gate_allow(dc_spec_gate *g, int n_decode)
     return allow;
 }
 
-void dc_spec_gate_observe(dc_spec_gate *g, double ms, double plain_ms, int n_decode, int tokens)
+void dc_spec_gate_observe(dc_spec_gate *g, double ms, int tokens)
 {
-    int b = g->step_bucket;
+    int b = g->step_bucket, w = g->step_allowed;
     g->step_bucket = -1;
-    if (b < 0 || !(ms > 0) || !(plain_ms > 0) || n_decode < 1 || tokens < 1) return;
-    double r = ms / tokens / (plain_ms / n_decode), *x = &g->per_tok[b][g->step_allowed];
-    double a = g->step_allowed == !g->held[b] ? DC_SPEC_GATE_ALPHA : DC_SPEC_GATE_ALPHA_PROBE;
-    *x = *x < 0 ? r : *x + a * (r - *x);
+    if (b < 0 || !(ms > 0) || tokens < 1) return;
+    double r = ms / tokens, *x = &g->ms_tok[b][w];
+    if (*x < 0) {
+        *x = r;
+    } else {
+        if (r > 2 * *x) r = 2 * *x; /* an outlier moves the mean as twice the mean would */
+        *x += (w == !g->held[b] ? DC_SPEC_GATE_ALPHA : DC_SPEC_GATE_ALPHA_PROBE) * (r - *x);
+    }
+    if (g->n_obs[b][w] < UINT32_MAX) g->n_obs[b][w]++;
     bool allow = !g->held[b];
-    double cur = g->per_tok[b][allow], other = g->per_tok[b][!allow];
-    if (cur >= 0 && other >= 0 && other < DC_SPEC_GATE_MARGIN * cur) g->held[b] = allow;
+    double cur = g->ms_tok[b][allow], other = g->ms_tok[b][!allow];
+    if (g->n_obs[b][0] >= DC_SPEC_GATE_MIN_OBS && g->n_obs[b][1] >= DC_SPEC_GATE_MIN_OBS &&
+        other < DC_SPEC_GATE_MARGIN * cur)
+        g->held[b] = allow;
 }
 
 int dc_spec_ngram(const int32_t *tokens, int32_t n, int ngram_min, int ngram_max, int k,

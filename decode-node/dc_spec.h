@@ -119,44 +119,47 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
  * costs about what it saves (a batch whose steps are compute-bound: a mixture-of-experts
  * model at 16 rows on a CPU) its error decides, and a proposer's own time (a draft model's
  * or MTP block's passes, their catch-up) is only as right as the fit. The gate measures
- * instead: per batch size (decode rows 1, 2-3, 4-7, ... 64+), the time per generated token of
- * the steps that allow speculation and of the steps that hold it off, each over the cost
- * model's prediction for the same decode rows without proposals (so steps of different
- * lengths and contexts compare; the same normaliser on both sides cancels its bias), running
- * means. Speculation is held off at a batch size while its steps' time per token is above the
- * held-off steps' by the margin, and allowed again once below by it; one step in
- * DC_SPEC_GATE_PROBE of a batch size runs the other way (one in DC_SPEC_GATE_PROBE_FAR once
- * the two are far apart, so a 2x gain loses little to its probes). Only steps without
- * prefill rows are measured (a prompt's chunk would hide the difference). */
+ * instead: per batch size (decode rows 1, 2-3, 4-7, ... 64+), the wall time per generated
+ * token of the steps that allow speculation and of the steps that hold it off, running means
+ * (a step's time as measured, not over a prediction: the cost model is refitted as the steps
+ * come, and early in a run its predictions are off by 2-5x, which no ratio to them survives;
+ * probes interleave with the other steps, so both ways see the same contexts and row counts).
+ * Speculation is held off at a batch size once both ways have DC_SPEC_GATE_MIN_OBS steps and
+ * its time per token is above the held-off steps' by the margin, and allowed again once
+ * below by it; one step in DC_SPEC_GATE_PROBE of a batch size runs the other way (one in
+ * DC_SPEC_GATE_PROBE_FAR once the two are far apart, so a 2x gain loses little to its
+ * probes). A step over twice its way's mean (a first step's warm-up, a preempted thread)
+ * counts as twice the mean. Only steps without prefill rows are measured (a prompt's chunk
+ * would hide the difference). */
 enum { DC_SPEC_GATE_BUCKETS = 7 };   /* decode rows 1, 2-3, 4-7, ..., 32-63, 64+ */
-#define DC_SPEC_GATE_PROBE     8     /* one step in this many runs the other way */
-#define DC_SPEC_GATE_PROBE_FAR 32    /* ... once one way is DC_SPEC_GATE_FAR ahead */
-#define DC_SPEC_GATE_FAR       0.8   /* the better way's time per token below this share */
-#define DC_SPEC_GATE_MARGIN    0.97  /* a switch: the other way below this share of the current */
-#define DC_SPEC_GATE_ALPHA     0.125 /* a step's weight in its way's running mean */
-#define DC_SPEC_GATE_ALPHA_PROBE 0.25 /* a probe's: the one fresh reading of its way */
+#define DC_SPEC_GATE_PROBE       8     /* one step in this many runs the other way */
+#define DC_SPEC_GATE_PROBE_FAR   32    /* ... once one way is DC_SPEC_GATE_FAR ahead */
+#define DC_SPEC_GATE_FAR         0.8   /* the better way's time per token below this share */
+#define DC_SPEC_GATE_MARGIN      0.97  /* a switch: the other way below this share of the current */
+#define DC_SPEC_GATE_MIN_OBS     4     /* steps of each way before a switch */
+#define DC_SPEC_GATE_ALPHA       0.125 /* a step's weight in its way's running mean */
+#define DC_SPEC_GATE_ALPHA_PROBE 0.25  /* a probe's: the one fresh reading of its way */
 
 typedef struct {
-    bool on;                            /* measuring (else every step allows speculation) */
-    bool held[DC_SPEC_GATE_BUCKETS];    /* speculation held off at this batch size */
-    double per_tok[DC_SPEC_GATE_BUCKETS][2]; /* [b][allowed]: running mean of a step's ms per
-                                                generated token over the predicted ms per
-                                                decode row of the same step without proposals;
-                                                < 0: not measured */
-    uint64_t steps[DC_SPEC_GATE_BUCKETS]; /* steps planned at the batch size */
-    int step_bucket;                      /* the last step's (dc_spec_gate_allow), -1: none */
+    bool on;                         /* measuring (else every step allows speculation) */
+    bool held[DC_SPEC_GATE_BUCKETS]; /* speculation held off at this batch size */
+    double ms_tok[DC_SPEC_GATE_BUCKETS][2]; /* [b][allowed]: running mean of a step's ms per
+                                               generated token; < 0: not measured */
+    uint32_t n_obs[DC_SPEC_GATE_BUCKETS][2]; /* steps measured (saturating) */
+    uint64_t steps[DC_SPEC_GATE_BUCKETS];    /* steps planned at the batch size */
+    int step_bucket;                         /* the last step's (dc_spec_gate_allow), -1: none */
     bool step_allowed;
     uint64_t held_steps; /* steps that held speculation off (probes aside: the stats line) */
 } dc_spec_gate;
 
 void dc_spec_gate_init(dc_spec_gate *g, bool on);
-/* The batch size's index in held and per_tok (n_decode >= 1). */
+/* The batch size's index in held and ms_tok (n_decode >= 1). */
 int dc_spec_gate_bucket(int n_decode);
 /* Whether the next step, of n_decode decode rows, allows speculation. */
 bool dc_spec_gate_allow(dc_spec_gate *g, int n_decode);
-/* That step took ms and generated tokens (decode rows plus accepted proposals); plain_ms: the
- * cost model's prediction for its decode rows alone. Steps with prefill rows are not given. */
-void dc_spec_gate_observe(dc_spec_gate *g, double ms, double plain_ms, int n_decode, int tokens);
+/* That step took ms and generated tokens (decode rows plus accepted proposals). Steps with
+ * prefill rows are not given. */
+void dc_spec_gate_observe(dc_spec_gate *g, double ms, int tokens);
 
 /* Prompt lookup: up to k tokens following the most recent earlier occurrence of the longest
  * suffix of tokens[0, n) with ngram_min..ngram_max tokens; returns how many were written to

@@ -1182,32 +1182,38 @@ static void test_spec_units(void)
 static bool gate_step(dc_spec_gate *g, double allowed_ms)
 {
     bool allow = dc_spec_gate_allow(g, 16);
-    dc_spec_gate_observe(g, allow ? allowed_ms : 10, 10, 16, allow ? 20 : 16);
+    dc_spec_gate_observe(g, allow ? allowed_ms : 10, allow ? 20 : 16);
     return allow;
 }
 
 /* The measured gate: held off at a batch size where speculation's time per token is worse,
  * allowed again once it is better, probed at the rates dc_spec.h gives, each batch size
- * apart; off, every step allows. */
+ * apart, not moved by a first slow step; off, every step allows. */
 static void test_spec_gate(void)
 {
     dc_spec_gate g;
     dc_spec_gate_init(&g, true);
-    /* 20 tokens in 15 ms: 0.75 ms a token against 0.625 without */
+    const int b16 = dc_spec_gate_bucket(16);
+    TH_CHECK(b16 == 4 && dc_spec_gate_bucket(1) == 0 && dc_spec_gate_bucket(3) == 1 &&
+             dc_spec_gate_bucket(1000) == DC_SPEC_GATE_BUCKETS - 1);
+    /* 20 tokens in 15 ms: 0.75 ms a token against 0.625 without. Allowed until the held-off
+     * probes have DC_SPEC_GATE_MIN_OBS steps, then held, probed one step in 8 */
     int allowed = 0;
     for (int i = 0; i < 256; i++)
         allowed += gate_step(&g, 15);
-    TH_CHECKF(g.held[dc_spec_gate_bucket(16)] && allowed >= 256 / DC_SPEC_GATE_PROBE - 1 &&
-                  allowed < 256 / DC_SPEC_GATE_PROBE + 16,
+    const int before = DC_SPEC_GATE_PROBE * DC_SPEC_GATE_MIN_OBS;
+    TH_CHECKF(g.held[b16] && allowed == before - DC_SPEC_GATE_MIN_OBS +
+                                            (256 - before) / DC_SPEC_GATE_PROBE,
               "a losing batch size: %d of 256 steps allowed", allowed);
-    TH_CHECKF(g.held_steps > 200, "held %llu", (unsigned long long)g.held_steps);
+    TH_CHECKF(g.held_steps == (uint64_t)(256 - allowed - DC_SPEC_GATE_MIN_OBS), "held %llu",
+              (unsigned long long)g.held_steps);
     /* batch 1 is its own: still allowed */
     TH_CHECK(dc_spec_gate_allow(&g, 1));
-    dc_spec_gate_observe(&g, 5, 10, 1, 2);
+    dc_spec_gate_observe(&g, 5, 2);
     /* speculation pays again (20 tokens in 6 ms): the probes see it and the gate opens */
     int first = -1;
     for (int i = 0; i < 64 && first < 0; i++)
-        if (!g.held[dc_spec_gate_bucket(16)]) first = i;
+        if (!g.held[b16]) first = i;
         else gate_step(&g, 6);
     TH_CHECKF(first >= 0 && first <= 4 * DC_SPEC_GATE_PROBE, "opened after %d steps", first);
     /* far apart (0.3 against 0.625 ms a token): probed once in DC_SPEC_GATE_PROBE_FAR */
@@ -1217,6 +1223,13 @@ static void test_spec_gate(void)
     for (int i = 0; i < 4 * DC_SPEC_GATE_PROBE_FAR; i++)
         held += !gate_step(&g, 6);
     TH_CHECKF(held == 4, "far apart: %d of %d steps held off", held, 4 * DC_SPEC_GATE_PROBE_FAR);
+    /* a first step of 10x (a warm-up) does not hold off a way that pays */
+    dc_spec_gate_init(&g, true);
+    TH_CHECK(gate_step(&g, 60));
+    for (int i = 0; i < 64; i++)
+        gate_step(&g, 6);
+    TH_CHECKF(!g.held[b16], "held after a slow first step (%.3f against %.3f ms a token)",
+              g.ms_tok[b16][1], g.ms_tok[b16][0]);
     /* off: always allowed, nothing measured */
     dc_spec_gate_init(&g, false);
     for (int i = 0; i < 64; i++)
