@@ -360,14 +360,14 @@ static int draft_init(dc_node *n)
     int rc = dc_draft_create(&dp, &n->leader.draft);
     if (rc) return rc;
     dc_draft_info in = dc_draft_get_info(n->leader.draft);
-    TD_LOG_INFO(
-        "decode %s: speculative decoding by %s%s (%s, %d layer%s, n_embd %d, "
-        "%.1f MiB of weights; KV pool %d blocks, %.1f MiB; warm-up %.0f ms), up to %d "
-        "tokens a step, %s",
-        n->p->instance, mtp ? "the model's MTP block" : "a draft model: ", mtp ? "" : spec->draft,
-        kn_arch_name(in.arch), mtp ? 1 : in.n_layer, mtp || in.n_layer == 1 ? "" : "s", in.n_embd,
-        (double)in.weight_bytes / (1 << 20), in.kv_blocks, (double)in.kv_bytes / (1 << 20),
-        in.warm_ms, spec->max_tokens, spec_mode(spec));
+    TD_LOG_INFO("decode %s: speculative decoding by %s%s (%s, %d layer%s, n_embd %d, "
+                "%.1f MiB of weights; KV pool %d blocks, %.1f MiB; warm-up %.0f ms), up to %d "
+                "tokens a step, %s",
+                n->p->instance,
+                mtp ? "the model's MTP block" : "a draft model: ", mtp ? "" : spec->draft,
+                kn_arch_name(in.arch), mtp ? 1 : in.n_layer, mtp || in.n_layer == 1 ? "" : "s",
+                in.n_embd, (double)in.weight_bytes / (1 << 20), in.kv_blocks,
+                (double)in.kv_bytes / (1 << 20), in.warm_ms, spec->max_tokens, spec_mode(spec));
     return 0;
 }
 

@@ -131,7 +131,7 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
  * probes). A step over twice its way's mean (a first step's warm-up, a preempted thread)
  * counts as twice the mean. Only steps without prefill rows are measured (a prompt's chunk
  * would hide the difference). */
-enum { DC_SPEC_GATE_BUCKETS = 7 };   /* decode rows 1, 2-3, 4-7, ..., 32-63, 64+ */
+enum { DC_SPEC_GATE_BUCKETS = 7 };     /* decode rows 1, 2-3, 4-7, ..., 32-63, 64+ */
 #define DC_SPEC_GATE_PROBE       8     /* one step in this many runs the other way */
 #define DC_SPEC_GATE_PROBE_FAR   32    /* ... once one way is DC_SPEC_GATE_FAR ahead */
 #define DC_SPEC_GATE_FAR         0.8   /* the better way's time per token below this share */
@@ -141,10 +141,10 @@ enum { DC_SPEC_GATE_BUCKETS = 7 };   /* decode rows 1, 2-3, 4-7, ..., 32-63, 64+
 #define DC_SPEC_GATE_ALPHA_PROBE 0.25  /* a probe's: the one fresh reading of its way */
 
 typedef struct {
-    bool on;                         /* measuring (else every step allows speculation) */
-    bool held[DC_SPEC_GATE_BUCKETS]; /* speculation held off at this batch size */
-    double ms_tok[DC_SPEC_GATE_BUCKETS][2]; /* [b][allowed]: running mean of a step's ms per
-                                               generated token; < 0: not measured */
+    bool on;                                 /* measuring (else every step allows speculation) */
+    bool held[DC_SPEC_GATE_BUCKETS];         /* speculation held off at this batch size */
+    double ms_tok[DC_SPEC_GATE_BUCKETS][2];  /* [b][allowed]: running mean of a step's ms per
+                                                generated token; < 0: not measured */
     uint32_t n_obs[DC_SPEC_GATE_BUCKETS][2]; /* steps measured (saturating) */
     uint64_t steps[DC_SPEC_GATE_BUCKETS];    /* steps planned at the batch size */
     int step_bucket;                         /* the last step's (dc_spec_gate_allow), -1: none */

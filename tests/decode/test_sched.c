@@ -1202,8 +1202,8 @@ static void test_spec_gate(void)
     for (int i = 0; i < 256; i++)
         allowed += gate_step(&g, 15);
     const int before = DC_SPEC_GATE_PROBE * DC_SPEC_GATE_MIN_OBS;
-    TH_CHECKF(g.held[b16] && allowed == before - DC_SPEC_GATE_MIN_OBS +
-                                            (256 - before) / DC_SPEC_GATE_PROBE,
+    TH_CHECKF(g.held[b16] &&
+                  allowed == before - DC_SPEC_GATE_MIN_OBS + (256 - before) / DC_SPEC_GATE_PROBE,
               "a losing batch size: %d of 256 steps allowed", allowed);
     TH_CHECKF(g.held_steps == (uint64_t)(256 - allowed - DC_SPEC_GATE_MIN_OBS), "held %llu",
               (unsigned long long)g.held_steps);
@@ -1213,8 +1213,10 @@ static void test_spec_gate(void)
     /* speculation pays again (20 tokens in 6 ms): the probes see it and the gate opens */
     int first = -1;
     for (int i = 0; i < 64 && first < 0; i++)
-        if (!g.held[b16]) first = i;
-        else gate_step(&g, 6);
+        if (!g.held[b16])
+            first = i;
+        else
+            gate_step(&g, 6);
     TH_CHECKF(first >= 0 && first <= 4 * DC_SPEC_GATE_PROBE, "opened after %d steps", first);
     /* far apart (0.3 against 0.625 ms a token): probed once in DC_SPEC_GATE_PROBE_FAR */
     for (int i = 0; i < 64; i++)

@@ -333,8 +333,7 @@ static void test_mixed_and_others(void)
             TH_CHECK(memcmp(y + i * n_rows, y1, (size_t)n_rows * sizeof(float)) == 0);
         }
         const size_t nsolo = (size_t)(solo * n_rows) * sizeof(float);
-        TH_CHECK(batch_q16 ==
-                 !!memcmp((char *)y + nsolo, (char *)y32 + nsolo, ny - nsolo));
+        TH_CHECK(batch_q16 == !!memcmp((char *)y + nsolo, (char *)y32 + nsolo, ny - nsolo));
         TH_CHECK(q16 == !!memcmp(y, y32, nsolo));
         free(x), free(y), free(y32), free(y1);
         if (q16)
