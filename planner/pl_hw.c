@@ -246,13 +246,14 @@ int pl_hw_load(const char *path, pl_hw *hw, char *err, size_t errcap)
     return rc;
 }
 
-/* "key: {tp2: .., tp3: ..}" of the measured (> 0) entries of v[tp], or nothing. */
-static void write_per_tp(FILE *f, const char *key, const double *v)
+/* "key: {tp2: .., tp3: ..}" of the measured (> 0) entries of v[tp] times scale, or nothing. */
+static void write_per_tp(FILE *f, const char *key, const double *v, double scale)
 {
     bool first = true;
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++)
         if (v[tp] > 0) {
-            fprintf(f, "%s%stp%d: %.6g", first ? key : "", first ? ": {" : ", ", tp, v[tp]);
+            fprintf(f, "%s%stp%d: %.6g", first ? key : "", first ? ": {" : ", ", tp,
+                    v[tp] * scale);
             first = false;
         }
     if (!first) fprintf(f, "}\n");
@@ -283,16 +284,13 @@ int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
     fprintf(f, "kv_transfer: {gbps: %.6g, latency_us: %.6g}\n", hw->kvx_bw / 1e9,
             hw->kvx_lat * 1e6);
     if (hw->one_node) fprintf(f, "one_node: 1\n");
-    write_per_tp(f, "decode_speedup", hw->decode_speedup);
-    write_per_tp(f, "decode_speedup_ep", hw->decode_speedup_ep);
+    write_per_tp(f, "decode_speedup", hw->decode_speedup, 1);
+    write_per_tp(f, "decode_speedup_ep", hw->decode_speedup_ep, 1);
     if (hw->decode_attn > 0)
         fprintf(f, "decode_attention_us_per_token: %.6g\n", hw->decode_attn * 1e6);
-    for (int tp = 2, first = 1; tp <= PL_HW_MAX_AR_TP; tp++)
-        if (hw->ar_lat[tp] > 0) {
-            fprintf(f, "%stp%d: %.6g", first ? "allreduce_us: {" : ", ", tp, hw->ar_lat[tp] * 1e6);
-            first = 0;
-            if (tp == PL_HW_MAX_AR_TP || !(hw->ar_lat[tp + 1] > 0)) fprintf(f, "}\n");
-        }
+    /* one mapping whatever tp counts were measured (closing it at the first gap left a tp
+     * after the gap outside it) */
+    write_per_tp(f, "allreduce_us", hw->ar_lat, 1e6);
     if (fclose(f)) {
         TD_LOG_ERR("planner: cannot write %s: %s", path, strerror(errno));
         return TD_EIO;

@@ -1,7 +1,9 @@
 /* test_planner.c: the planner's simulator, search, model shapes and hardware-profile loader
  * (planner/pl_sim.h, pl_plan.h, pl_model.h, pl_hw.h) against hand computations. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "pl_calib.h"
 #include "pl_plan.h"
@@ -201,6 +203,20 @@ static void test_one_node(void)
     char err[256];
     TH_REQUIRE(pl_hw_parse(t, strlen(t), "t", &h2, err, sizeof err) == 0);
     TH_CHECK(h2.one_node == 1 && fabs(h2.ar_lat[3] - 40e-6) < 1e-12 && h2.ar_lat[4] == 0);
+    /* written and read back, with a gap in the measured tp counts */
+    h2.ar_lat[3] = 0;
+    h2.ar_lat[4] = 70e-6;
+    h2.decode_speedup[3] = 1.25;
+    char path[] = "/tmp/test_planner_hw_XXXXXX";
+    int fd = mkstemp(path);
+    TH_REQUIRE(fd >= 0);
+    close(fd);
+    TH_REQUIRE(pl_hw_write(&h2, "# round trip\n", path) == 0);
+    pl_hw h3;
+    TH_CHECKF(pl_hw_load(path, &h3, err, sizeof err) == 0, "%s", err);
+    TH_CHECK(fabs(h3.ar_lat[2] - 10e-6) < 1e-12 && h3.ar_lat[3] == 0 &&
+             fabs(h3.ar_lat[4] - 70e-6) < 1e-12 && h3.decode_speedup[3] == 1.25);
+    unlink(path);
     const char *bad = "name: x\none_node: 2\n";
     TH_CHECK(pl_hw_parse(bad, strlen(bad), "t", &h2, err, sizeof err) == TD_EINVAL);
     TH_CHECKF(strstr(err, "one_node: 2 is outside [0, 1]") != NULL, "%s", err);
