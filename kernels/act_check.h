@@ -4,8 +4,8 @@
  * arithmetic on activations rounded to 8 bits, 1.5-4x faster than float32; some models
  * keep their answers under that rounding (Qwen2.5-Coder 0.5B and 1.5B answer the quick
  * start's question as in float32), others do not (SmolLM2-135M answers it wrongly, as
- * llama.cpp does on the same file). The q16 mode rounds them to 16 bits on the decode dot
- * path of 32-block weights, slower than q8 and faster than float32, with a rounding ~250x
+ * llama.cpp does on the same file). The q16 mode rounds them to 16 bits on the dot path
+ * of 32-block weights (decode rows; prompt rows too without AMX-BF16), slower than q8 and faster than float32, with a rounding ~250x
  * smaller. Which modes a model tolerates cannot be read off its file, so it is measured: a
  * fixed set of chat prompts, greedy, in float32 and q8 on the whole model, then (when q8
  * differs) in q16; the first of q8, q16 whose every prompt's first KN_ACT_CHECK_TOKENS tokens
