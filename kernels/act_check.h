@@ -5,23 +5,22 @@
  * keep their answers under that rounding (Qwen2.5-Coder 0.5B and 1.5B answer the quick
  * start's question as in float32), others do not (SmolLM2-135M answers it wrongly, as
  * llama.cpp does on the same file). The q16 mode rounds them to 16 bits on the dot path
- * of 32-block weights (decode rows; prompt rows too without AMX-BF16), slower than q8 and faster than float32, with a rounding ~250x
- * smaller. Which modes a model tolerates cannot be read off its file, so it is measured: a
- * fixed set of chat prompts, greedy, in float32 and q8 on the whole model, then (when q8
- * differs) in q16; the first of q8, q16 whose every prompt's first KN_ACT_CHECK_TOKENS tokens
- * are float32's is chosen, else f32.
- * The verdict is cached ($TANDEM_CACHE/act, else ~/.cache/tandem/act), keyed on what it
- * depends on: the model's shape (file size, tensor table), the build of the executable and of
- * OpenBLAS, the BLAS core, the kernels' ISA, the CPU's name and the check itself; so the
- * processes of one executable (a cluster's prefill stages, its decode ranks) read the same
- * verdict, and only the first start of each executable on a machine and build pays for the
- * check (the default model: about 5 s on 2 cores, q16 included). Processes that start
- * together take turns on a lock file: one measures, the others read its verdict. The cost
- * grows with the model: 2 x 8 prompts of ~30 tokens and 16 greedy steps each on the whole
- * model in one process (its weights mapped, not copied), 3 x 8 when q8 differs; seconds for
- * the 0.5B-1.5B models here, minutes for a 7B one on 2 cores; a model too large for one
- * machine cannot be checked (pin f32, q8 or q16 then).
- * Threading: any thread; the check creates its own backend (n_threads) and model runtime.
+ * of 32-block weights (decode rows; prompt rows too without AMX-BF16), slower than q8 and faster
+ * than float32, with a rounding ~250x smaller. Which modes a model tolerates cannot be read off its
+ * file, so it is measured: a fixed set of chat prompts, greedy, in float32 and q8 on the whole
+ * model, then (when q8 differs) in q16; the first of q8, q16 whose every prompt's first
+ * KN_ACT_CHECK_TOKENS tokens are float32's is chosen, else f32. The verdict is cached
+ * ($TANDEM_CACHE/act, else ~/.cache/tandem/act), keyed on what it depends on: the model's shape
+ * (file size, tensor table), the build of the executable and of OpenBLAS, the BLAS core, the
+ * kernels' ISA, the CPU's name and the check itself; so the processes of one executable (a
+ * cluster's prefill stages, its decode ranks) read the same verdict, and only the first start of
+ * each executable on a machine and build pays for the check (the default model: about 5 s on 2
+ * cores, q16 included). Processes that start together take turns on a lock file: one measures, the
+ * others read its verdict. The cost grows with the model: 2 x 8 prompts of ~30 tokens and 16 greedy
+ * steps each on the whole model in one process (its weights mapped, not copied), 3 x 8 when q8
+ * differs; seconds for the 0.5B-1.5B models here, minutes for a 7B one on 2 cores; a model too
+ * large for one machine cannot be checked (pin f32, q8 or q16 then). Threading: any thread; the
+ * check creates its own backend (n_threads) and model runtime.
  */
 #ifndef KN_ACT_CHECK_H
 #define KN_ACT_CHECK_H

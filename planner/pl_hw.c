@@ -252,8 +252,7 @@ static void write_per_tp(FILE *f, const char *key, const double *v, double scale
     bool first = true;
     for (int tp = 2; tp <= PL_HW_MAX_AR_TP; tp++)
         if (v[tp] > 0) {
-            fprintf(f, "%s%stp%d: %.6g", first ? key : "", first ? ": {" : ", ", tp,
-                    v[tp] * scale);
+            fprintf(f, "%s%stp%d: %.6g", first ? key : "", first ? ": {" : ", ", tp, v[tp] * scale);
             first = false;
         }
     if (!first) fprintf(f, "}\n");
