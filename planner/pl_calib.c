@@ -98,6 +98,8 @@ static void fill_hw(pl_calib_result *r, int threads)
         hw->ar_lat[tp] = r->allreduce_us[tp] * 1e-6;
         hw->decode_speedup[tp] = r->decode_speedup[tp];
         hw->decode_speedup_ep[tp] = r->decode_speedup_ep[tp];
+        hw->prefill_speedup[tp] = r->prefill_speedup[tp];
+        hw->prefill_speedup_ep[tp] = r->prefill_speedup_ep[tp];
     }
 }
 
@@ -157,6 +159,17 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
             !(rc = pl_calib_decode_tp(p->model_path, tp, true, threads, steps,
                                       &r->decode_tp_ep_ms[tp])))
             r->decode_speedup_ep[tp] = r->decode_ms / r->decode_tp_ep_ms[tp];
+    /* a prefill chunk at those tp (the colocated decode instance's prompt chunks): its
+     * speed-up over chunk_ms[0]. The fitted overhead c holds work tp divides (a model's
+     * experts run at a few rows each; s31's tp 2 TTFTs came out 1.43-1.49x too long when the
+     * planner kept c whole), so the whole chunk is measured, not its parts. */
+    for (int tp = 2; tp <= PL_HW_MAX_AR_TP && !rc; tp++)
+        for (int ep = 0; ep <= (r->model.n_expert >= tp) && !rc; ep++) {
+            double *t = ep ? &r->chunk_tp_ep_ms[tp] : &r->chunk_tp_ms[tp];
+            if (r->decode_tp_ms[tp] > 0 &&
+                !(rc = pl_calib_chunk_tp(p->model_path, tp, ep, threads, r->chunk_x, 2, t)))
+                (ep ? r->prefill_speedup_ep : r->prefill_speedup)[tp] = ch[0].ms / *t;
+        }
     if (rc) return rc;
     /* robustly, as the prefill node fits its profile (pf_chunking.c): a busy moment is an
      * outlier, not a change of the model */
@@ -218,7 +231,9 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         "#   tp 3 %.1f us, tp 4 %.1f us;\n"
         "#   the batch-1 decode step at tp 2/3/4 (forked ranks, dc_shm, 0: the model's heads do\n"
         "#   not split): %.3f / %.3f / %.3f ms; with the experts whole on the ranks (ep; 0:\n"
-        "#   no experts to divide): %.3f / %.3f / %.3f ms.\n"
+        "#   no experts to divide): %.3f / %.3f / %.3f ms;\n"
+        "#   the %d-token prefill chunk at tp 2/3/4: %.1f / %.1f / %.1f ms; with the experts\n"
+        "#   whole: %.1f / %.1f / %.1f ms.\n"
         "# peak_tflops.f32 is the faster of sgemm and the matrix-product rate; efficiencies\n"
         "#   are measured / peak (attention clamped at 1).\n"
         "# KV transfer, %s:\n"
@@ -232,7 +247,8 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         r->long_ctx, r->decode_long_ms, r->hw.decode_attn * 1e6, r->model.n_embd,
         r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4], r->decode_tp_ms[2],
         r->decode_tp_ms[3], r->decode_tp_ms[4], r->decode_tp_ep_ms[2], r->decode_tp_ep_ms[3],
-        r->decode_tp_ep_ms[4],
+        r->decode_tp_ep_ms[4], r->chunk_x, r->chunk_tp_ms[2], r->chunk_tp_ms[3], r->chunk_tp_ms[4],
+        r->chunk_tp_ep_ms[2], r->chunk_tp_ep_ms[3], r->chunk_tp_ep_ms[4],
         r->kvx_measured ? "measured (kvx-bench, the model's KV shape)"
                         : "not measured here (BENCHMARKS.md)",
         r->kvx_gbps[0], r->kvx_gbps[1], r->kvx_lat_us[1], r->kvx_lat_us[0]);

@@ -1,7 +1,7 @@
 /* pl_calib_ar.c: `tandem calibrate`'s measurements across processes (pl_calib.h): tp rank
  * processes of the decode node's own shared-memory collective (dc_shm), each one thread,
  * timing all-reduces of one token's hidden state (a decode step of batch 1 makes 2 a
- * layer), and whole batch-1 decode steps of the model's tp shards. */
+ * layer), whole batch-1 decode steps and whole prefill chunks of the model's tp shards. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +17,7 @@
 #include "pl_calib.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_stats.h"
 
 #define AR_WARMUP 200
 
@@ -48,17 +49,17 @@ static int ar_rank(const char *token, int rank, int tp, int n, int iters, double
 
 /* What every rank process runs; rank 0 leaves its figure in res[0] (shared memory). */
 typedef struct {
-    const char *model; /* decode steps: the GGUF; all-reduces: NULL */
+    const char *model; /* decode steps and prefill chunks: the GGUF; all-reduces: NULL */
     int tp, threads, n_floats, iters;
-    bool ep; /* decode steps: the experts whole on the ranks */
+    int chunk; /* with model: 0 decode steps, else prefill chunks of this many tokens */
+    bool ep;   /* with model: the experts whole on the ranks */
 } rank_job;
 
-static int tp_rank(const char *token, const char *model, int rank, int tp, bool ep, int threads,
-                   int steps, double *out);
+static int tp_rank(const char *token, const rank_job *j, int rank, double *out);
 
 static int run_rank(const rank_job *j, const char *token, int rank, double *res)
 {
-    return j->model ? tp_rank(token, j->model, rank, j->tp, j->ep, j->threads, j->iters, res)
+    return j->model ? tp_rank(token, j, rank, res)
                     : ar_rank(token, rank, j->tp, j->n_floats, j->iters, res);
 }
 
@@ -102,7 +103,7 @@ int pl_calib_allreduce(int tp, int n_floats, int iters, double *us)
     return fork_ranks(&j, "allreduce", us);
 }
 
-/* ---- the whole decode step at tp ---- */
+/* ---- the whole decode step and prefill chunk at tp ---- */
 
 typedef struct {
     dc_shm *shm;
@@ -135,37 +136,76 @@ static int tp_gather(void *ctx, const float *part, int64_t rows, int64_t n_cols,
     return dc_shm_gather_cols(((tp_coll *)ctx)->shm, part, rows, n_cols, out);
 }
 
-/* One rank: its shard, a small pool, the steps; rank 0 stores the median (ms). */
-static int tp_rank(const char *token, const char *model, int rank, int tp, bool ep, int threads,
-                   int steps, double *out)
+/* Prefill chunks of x tokens from an empty context, no logits (as pl_calib_chunks times them
+ * at tp 1), one warm-up and reps timed, each after the plan hand-off; *ms their median. */
+static int tp_chunks(kn_engine *eng, kn_kv_mem *mem, int n_vocab, int x, int reps,
+                     const pl_calib_step_hook *hook, double *ms)
+{
+    int32_t *tok = malloc((size_t)x * sizeof *tok), *pos = malloc((size_t)x * sizeof *pos);
+    int32_t *seq_of = calloc((size_t)x, sizeof *seq_of);
+    double t[16];
+    int rc = tok && pos && seq_of && reps >= 1 && reps <= 16 ? 0 : TD_EINVAL;
+    for (int i = 0; i < x && !rc; i++) {
+        tok[i] = (int32_t)(((uint32_t)i * 7919u + 17) % (uint32_t)n_vocab);
+        pos[i] = i;
+    }
+    for (int r = 0; r < reps + 1 && !rc; r++) {
+        kn_kv_seq seq;
+        kn_kv_seq_init(&seq);
+        int64_t t0 = td_now_ns();
+        rc = hook->fn(hook->ctx);
+        if (!rc) rc = kn_kv_seq_reserve(mem, &seq, x);
+        kn_seq_view view = {.block_table = seq.blocks, .n_ctx = x};
+        kn_batch b = {
+            .n_tokens = x, .tokens = tok, .pos = pos, .seq_of = seq_of, .n_seqs = 1, .seqs = &view};
+        if (!rc) rc = kn_engine_forward(eng, kn_kv_mem_pool(mem), &b, NULL);
+        if (r > 0) t[r - 1] = (double)(td_now_ns() - t0) / 1e6;
+        kn_kv_seq_fini(mem, &seq);
+    }
+    if (!rc) *ms = td_stats_median(t, (size_t)reps);
+    free(tok);
+    free(pos);
+    free(seq_of);
+    return rc;
+}
+
+/* One rank: its shard, a small pool, the steps or chunks; rank 0 stores the median (ms). */
+static int tp_rank(const char *token, const rank_job *j, int rank, double *out)
 {
     kn_runtime rt;
     memset(&rt, 0, sizeof rt);
     tp_coll c = {.rank = rank};
     kn_collective coll = {.ctx = &c, .allreduce_sum = tp_allreduce, .gather_cols = tp_gather};
-    kn_runtime_params rp = {.model_path = model,
-                            .shard = {.tp_rank = rank, .tp_size = tp, .ep = ep},
-                            .backend_opts = {.n_threads = threads, .device = -1, .rank = rank},
+    kn_runtime_params rp = {.model_path = j->model,
+                            .shard = {.tp_rank = rank, .tp_size = j->tp, .ep = j->ep},
+                            .backend_opts = {.n_threads = j->threads, .device = -1, .rank = rank},
                             .coll = &coll,
                             .who = "calibrate"};
     int rc = kn_act_runtime_open(&rt, &rp); /* TANDEM_CPU_ACT=auto resolved, as the nodes do */
     if (rc) return rc;
     const kn_hparams *hp = &rt.model->hp;
+    int64_t max_floats = (int64_t)hp->n_embd > hp->n_vocab ? hp->n_embd : hp->n_vocab;
+    if (j->chunk > 0 && (int64_t)j->chunk * hp->n_embd > max_floats)
+        max_floats = (int64_t)j->chunk * hp->n_embd; /* a chunk's all-reduces */
     dc_shm_params sp = {.instance = "calibtp",
                         .token = token,
                         .rank = rank,
-                        .tp = tp,
-                        .max_floats = (int64_t)hp->n_embd > hp->n_vocab ? hp->n_embd : hp->n_vocab,
+                        .tp = j->tp,
+                        .max_floats = max_floats,
                         .timeout_ms = 30000,
                         .op_timeout_ms = 30000};
     kn_kv_mem *kv = NULL;
+    int tokens = j->chunk > 0 ? j->chunk : 2 * j->iters;
     if (!(rc = dc_shm_open(&sp, &c.shm))) {
-        kn_kv_pool_params kp = kn_model_kv_params(rt.model, (2 * steps + 64) / 16 + 1, 16, TD_F16);
+        kn_kv_pool_params kp = kn_model_kv_params(rt.model, (tokens + 64) / 16 + 1, 16, TD_F16);
         rc = kn_kv_mem_create(&kp, &kv);
     }
     double ms = 0;
     pl_calib_step_hook hook = {.fn = tp_plan, .ctx = &c};
-    if (!rc) rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, steps, &hook, &ms);
+    if (!rc && j->chunk > 0)
+        rc = tp_chunks(rt.engine, kv, hp->n_vocab, j->chunk, j->iters, &hook, &ms);
+    else if (!rc)
+        rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, j->iters, &hook, &ms);
     if (!rc && rank == 0) *out = ms;
     kn_kv_mem_destroy(kv);
     if (c.shm) dc_shm_close(c.shm);
@@ -178,4 +218,14 @@ int pl_calib_decode_tp(const char *model_path, int tp, bool ep, int threads, int
     if (tp < 2 || tp > DC_SHM_MAX_TP || steps < 1 || !model_path) return TD_EINVAL;
     rank_job j = {.model = model_path, .tp = tp, .ep = ep, .threads = threads, .iters = steps};
     return fork_ranks(&j, ep ? "decodestepep" : "decodestep", ms);
+}
+
+int pl_calib_chunk_tp(const char *model_path, int tp, bool ep, int threads, int x, int reps,
+                      double *ms)
+{
+    if (tp < 2 || tp > DC_SHM_MAX_TP || x < 1 || reps < 1 || reps > 16 || !model_path)
+        return TD_EINVAL;
+    rank_job j = {
+        .model = model_path, .tp = tp, .ep = ep, .threads = threads, .iters = reps, .chunk = x};
+    return fork_ranks(&j, ep ? "prefillchunkep" : "prefillchunk", ms);
 }

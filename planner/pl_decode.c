@@ -214,7 +214,7 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
               .max_batch = cl->dc.max_batch ? cl->dc.max_batch : 256,
               .colocated = cl->n_prefill == 0,
               .step_tokens = cl->dc.step_tokens ? cl->dc.step_tokens : 512};
-    if (d.colocated && pl_stage_make(m, hw, m->n_layer, cl->dc.tp, false, &d.whole))
+    if (d.colocated && pl_stage_make(m, hw, m->n_layer, cl->dc.tp, cl->dc.ep, false, &d.whole))
         return TD_EINVAL;
     res->fits = check_fit(m, hw, cl, max_tokens, &d.kv_cap, res->why, sizeof res->why);
     if (!res->fits) return 0;

@@ -32,7 +32,7 @@ static void allreduce_parts(const pl_model *m, const pl_hw *hw, int n_layers, in
     *fixed = 2.0 * n_layers * zero;
 }
 
-int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool pp_cross,
+int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool ep, bool pp_cross,
                   pl_stage *st)
 {
     if (n_layers < 1 || n_layers > m->n_layer || tp < 1) return TD_EINVAL;
@@ -40,13 +40,25 @@ int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool
     st->n_layers = n_layers;
     st->tp = tp;
     double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
+    /* measured: the whole chunk's speed-up, its all-reduces and overhead in it (with whole
+     * experts on the ranks, its own) */
+    ep = ep && tp > 1 && m->n_expert > 0;
+    double meas = tp > 1 && tp <= PL_HW_MAX_AR_TP
+                      ? (ep && hw->prefill_speedup_ep[tp] > 0 ? hw->prefill_speedup_ep[tp]
+                                                              : hw->prefill_speedup[tp])
+                      : 0;
+    if (meas > 0) par = meas;
     double mm = par * hw->matmul_flops * hw->eff_matmul, att = par * hw->attn_flops * hw->eff_attn;
     /* attention over a chunk: A n_l x (L + x/2) = a x (2L + x) with a = A n_l / 2 */
     st->a = 1e3 * m->attn_flops_pair * n_layers / (2.0 * att);
     st->b_comp = 1e3 * 2.0 * m->layer_params * n_layers / mm;
-    double ar_fixed;
-    allreduce_parts(m, hw, n_layers, tp, &st->b_comm, &ar_fixed);
-    st->c = hw->chunk_overhead * 1e3 + ar_fixed;
+    double ar_fixed = 0;
+    if (meas > 0)
+        st->c = hw->chunk_overhead * 1e3 / par;
+    else {
+        allreduce_parts(m, hw, n_layers, tp, &st->b_comm, &ar_fixed);
+        st->c = hw->chunk_overhead * 1e3 + ar_fixed;
+    }
     st->weight_frac = (double)n_layers / m->n_layer;
     st->weight_ms_full = 1e3 * (m->weight_bytes - m->embd_bytes) * st->weight_frac /
                          (par * hw->hbm_bw * hw->eff_mem);
@@ -201,7 +213,7 @@ static int inst_init(const pl_model *m, const pl_hw *hw, const pl_prefill_cfg *p
     int rc = pf_layer_partition(m->n_layer, pf->pp, NULL, 0, counts);
     bool cross = pf->pp * pf->tp > hw->devices_per_node && !hw->one_node;
     for (int s = 0; s < pf->pp && !rc; s++)
-        rc = pl_stage_make(m, hw, counts[s], pf->tp, cross, &in->st[s]);
+        rc = pl_stage_make(m, hw, counts[s], pf->tp, false, cross, &in->st[s]);
     if (rc) return rc;
     in->last_done = calloc((size_t)pf->pp, sizeof *in->last_done);
     return in->last_done ? 0 : TD_ENOMEM;

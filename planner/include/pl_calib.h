@@ -64,6 +64,11 @@ typedef struct {
     /* the same with the experts whole on the ranks (decode[].ep; a mixture-of-experts model
      * whose experts the tp ranks divide): 0 when not measured */
     double decode_tp_ep_ms[PL_HW_MAX_AR_TP + 1], decode_speedup_ep[PL_HW_MAX_AR_TP + 1];
+    /* a prefill chunk of chunk_x tokens from an empty context at tp (forked ranks, as the
+     * decode steps above; chunk_ms[0] is its tp 1 time), the experts split and whole: 0 when
+     * not measured */
+    double chunk_tp_ms[PL_HW_MAX_AR_TP + 1], prefill_speedup[PL_HW_MAX_AR_TP + 1];
+    double chunk_tp_ep_ms[PL_HW_MAX_AR_TP + 1], prefill_speedup_ep[PL_HW_MAX_AR_TP + 1];
     /* KV transfer, [0] shared memory, [1] TCP: kvx-bench's medians in the model's KV shape
      * (GB/s of a 4096-token chunk, us of a one-block chunk), or BENCHMARKS.md's figures */
     double kvx_gbps[2], kvx_lat_us[2];
@@ -90,6 +95,11 @@ int pl_calib_decode_steps(kn_engine *eng, kn_kv_mem *mem, int n_vocab, int ctx0,
  * ep: the experts whole, kn_shard.ep) with the decode node's dc_shm collective; *ms rank 0's
  * median step. Returns 0 or a td_err (logged). */
 int pl_calib_decode_tp(const char *model_path, int tp, bool ep, int threads, int steps, double *ms);
+
+/* A prefill chunk of x tokens from an empty context, no logits, at tp ranks as above: one
+ * warm-up, reps (1..16) timed, *ms rank 0's median. Returns 0 or a td_err (logged). */
+int pl_calib_chunk_tp(const char *model_path, int tp, bool ep, int threads, int x, int reps,
+                      double *ms);
 
 /* Prefill chunks of x tokens after prefixes of k long_ctx / n tokens, k = 0..n-1 (the prefix
  * reserved and filled, not computed), each the median of reps forwards. */

@@ -28,6 +28,11 @@
  *   decode_speedup_ep: {tp2: 1.3}   optional: the same with a mixture-of-experts model's
  *                   experts whole on the ranks (decode[].ep), in place of decode_speedup for
  *                   ep steps (`tandem calibrate` writes it for such a model)
+ *   prefill_speedup: {tp2: 1.7}   optional: a prefill chunk (the whole model, no logits) at
+ *                   that tp, measured, as a speed-up over tp 1 with its all-reduces, in place
+ *                   of pl_hw_parallel, the all-reduces and a whole overhead_ms.chunk for
+ *                   prefill chunks at that tp (`tandem calibrate` writes it)
+ *   prefill_speedup_ep: {tp2: 1.6}   optional: the same with the experts whole on the ranks
  *   decode_attention_us_per_token: 3.5   optional: a decode step's attention, measured, per
  *                   token of context it reads (all layers, one device), in place of the
  *                   roofline of the KV bytes and FLOPs (`tandem calibrate` writes it)
@@ -58,6 +63,9 @@ typedef struct {
     double decode_speedup[PL_HW_MAX_AR_TP + 1];    /* [tp]: a measured batch-1 decode step's
                                                       speed-up over tp 1, all-reduces included */
     double decode_speedup_ep[PL_HW_MAX_AR_TP + 1]; /* [tp]: the same with experts whole */
+    double prefill_speedup[PL_HW_MAX_AR_TP + 1];   /* [tp]: a measured prefill chunk's
+                                                      speed-up over tp 1, all-reduces included */
+    double prefill_speedup_ep[PL_HW_MAX_AR_TP + 1]; /* [tp]: the same with experts whole */
     double decode_attn; /* s per KV token a decode step attends to (all layers,
                            one device); 0: the memory/compute roofline */
 } pl_hw;

@@ -11,6 +11,8 @@
  *     weights = bytes of the stage's weights read / tp / (B_hbm e_mem)
  *     all-reduce = 2 n_l ring all-reduces of x n_embd act_bytes (NVLink within a node, the
  *                  network when tp spans nodes)
+ *     (a profile's measured prefill_speedup for tp: the tp 1 compute, weights and overhead
+ *     divided by it, no all-reduce term: the measurement holds them)
  *   so without the weights floor a chunk costs a x (2L + x) + b x + c: the quadratic the
  *   prefill node fits (pf_chunk.h), which the simulator hands to pf_plan_chunks and
  *   pf_tune_initial_chunk exactly as stage 0 does with its profile.
@@ -97,9 +99,12 @@ typedef struct {
     char why[128];                        /* when !fits: what does not fit */
 } pl_result;
 
-/* The cost of one stage of n_layers layers on tp devices; pp_cross: the stage's
- * activation send crosses nodes. Returns 0 or TD_EINVAL. */
-int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool pp_cross,
+/* The cost of one stage of n_layers layers on tp devices; ep: a mixture-of-experts model's
+ * experts whole on them; pp_cross: the stage's activation send crosses nodes. Where the
+ * profile has a measured prefill_speedup(_ep) for tp, the tp 1 cost divided by it (all-reduces
+ * and overhead in it) replaces the parallel rates and the all-reduce terms. Returns 0 or
+ * TD_EINVAL. */
+int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool ep, bool pp_cross,
                   pl_stage *st);
 
 /* Time of a chunk of x tokens after a prefix of L on stage st, ms (the formula above). */

@@ -61,6 +61,8 @@ if ! "$tandem" calibrate --model "$model" --out "$dir/this.yaml" --chunk 512 --b
   "$tandem" calibrate --model "$model" --out "$dir/this.yaml" --chunk 512 --budget-ms 4000
 fi
 grep -q "^matmul_type: f32" "$dir/this.yaml"
+# the whole prefill chunk was measured at tp 2 (the synthetic llama's heads split by 2)
+grep -qE "^prefill_speedup: \{tp2: [0-9.e+-]+" "$dir/this.yaml" || { head -40 "$dir/this.yaml"; exit 1; }
 # the KV transfer figures were measured by kvx-bench (built beside tandem) and written
 grep -q "^# KV transfer, measured (kvx-bench" "$dir/this.yaml" || { head -30 "$dir/this.yaml"; exit 1; }
 grep -qE "^kv_transfer: \{gbps: [0-9.e+-]+, latency_us: [0-9.e+-]+\}" "$dir/this.yaml"

@@ -108,7 +108,7 @@ static void test_more_stages(void)
         double busy = 0;
         for (int s = 0; s < pp; s++) {
             pl_stage st;
-            TH_REQUIRE(pl_stage_make(&m, &hw, counts[s], 1, false, &st) == 0);
+            TH_REQUIRE(pl_stage_make(&m, &hw, counts[s], 1, false, false, &st) == 0);
             for (int64_t L = 0; L < 4096; L += 512)
                 busy += pl_stage_ms(&m, &st, L, 512);
         }
@@ -427,6 +427,57 @@ static void test_measured_decode(void)
     TH_CHECK(pl_hw_parse(bad, strlen(bad), "t", &h2, err, sizeof err) == TD_EINVAL);
 }
 
+/* Measured prefill terms: prefill_speedup replaces the lock-step rounds, the all-reduces and
+ * the whole per-chunk overhead of a chunk at that tp (s31's tp 2 TTFTs were 1.43-1.49x long
+ * with the overhead kept whole); prefill_speedup_ep serves the experts whole on the ranks,
+ * prefill_speedup the rest; both load and write back. */
+static void test_measured_prefill(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    hw.devices_per_node = 2;
+    hw.one_node = 1;
+    hw.chunk_overhead = 40e-3;
+    pl_stage one, meas, moe, moe_ep;
+    TH_REQUIRE(pl_stage_make(&m, &hw, m.n_layer, 1, false, false, &one) == 0);
+    hw.prefill_speedup[2] = 1.6;
+    hw.prefill_speedup_ep[2] = 1.25;
+    TH_REQUIRE(pl_stage_make(&m, &hw, m.n_layer, 2, false, false, &meas) == 0);
+    for (int64_t x = 64; x <= 4096; x *= 4) {
+        double t1 = pl_stage_ms(&m, &one, 1000, x), t2 = pl_stage_ms(&m, &meas, 1000, x);
+        TH_CHECKF(fabs(t2 - t1 / 1.6) < 1e-9 * t1, "x %lld: tp 1 %.6f ms, tp 2 %.6f ms",
+                  (long long)x, t1, t2);
+    }
+    /* a dense model has no experts to hold whole: ep takes prefill_speedup */
+    TH_REQUIRE(pl_stage_make(&m, &hw, m.n_layer, 2, true, false, &moe_ep) == 0);
+    TH_CHECK(fabs(pl_stage_ms(&m, &moe_ep, 0, 512) - pl_stage_ms(&m, &meas, 0, 512)) < 1e-12);
+    pl_model e = m;
+    e.n_expert = 8, e.n_expert_used = 2, e.moe_expert_bytes = e.weight_bytes / 2;
+    e.moe_active_params = e.layer_params * e.n_layer / 2;
+    TH_REQUIRE(pl_stage_make(&e, &hw, e.n_layer, 1, false, false, &one) == 0);
+    TH_REQUIRE(pl_stage_make(&e, &hw, e.n_layer, 2, false, false, &moe) == 0);
+    TH_REQUIRE(pl_stage_make(&e, &hw, e.n_layer, 2, true, false, &moe_ep) == 0);
+    double t1 = pl_stage_ms(&e, &one, 0, 512);
+    TH_CHECK(fabs(pl_stage_ms(&e, &moe, 0, 512) - t1 / 1.6) < 1e-9 * t1);
+    TH_CHECK(fabs(pl_stage_ms(&e, &moe_ep, 0, 512) - t1 / 1.25) < 1e-9 * t1);
+    /* tp 4 has no measurement: the rounds and all-reduces as before, the overhead whole */
+    pl_stage four;
+    TH_REQUIRE(pl_stage_make(&m, &hw, m.n_layer, 4, false, false, &four) == 0);
+    TH_CHECK(four.c >= hw.chunk_overhead * 1e3);
+    char path[] = "/tmp/test_planner_hw_XXXXXX";
+    int fd = mkstemp(path);
+    TH_REQUIRE(fd >= 0);
+    close(fd);
+    hw.prefill_speedup[4] = 2.5; /* with a gap at tp 3 */
+    TH_REQUIRE(pl_hw_write(&hw, NULL, path) == 0);
+    pl_hw h2;
+    char err[256];
+    TH_CHECKF(pl_hw_load(path, &h2, err, sizeof err) == 0, "%s", err);
+    TH_CHECK(h2.prefill_speedup[2] == 1.6 && h2.prefill_speedup[3] == 0 &&
+             h2.prefill_speedup[4] == 2.5 && h2.prefill_speedup_ep[2] == 1.25);
+    unlink(path);
+}
+
 /* The joint fit of profile forwards and chunks after a prefix recovers the model that made
  * them; a set that is not convex is refused and leaves the fit alone. */
 static void test_joint_fit(void)
@@ -467,6 +518,7 @@ int main(int argc, char **argv)
     TH_RUN(test_sequential);
     TH_RUN(test_one_node);
     TH_RUN(test_measured_decode);
+    TH_RUN(test_measured_prefill);
     TH_RUN(test_joint_fit);
     TH_RUN(test_search_meets);
     TH_RUN(test_hw_errors);
