@@ -1,5 +1,7 @@
 /* td_tp.h: how tensor parallelism divides the attention heads: the one rule the engine, the
- * decode node's KV pools and the KV transfer all follow.
+ * decode node's KV pools and the KV transfer all follow; and how a data-parallel attention
+ * group lays out its members' gathered rows (td_dp_layout), the rule the engine and the
+ * group's collectives share.
  *
  * Rank r of tp holds query heads [q0, q0 + n_q), n_q = n_head / tp (tp must divide n_head),
  * and exactly the KV heads those query heads read under grouped-query attention (group =
@@ -19,6 +21,8 @@
 #ifndef TD_TP_H
 #define TD_TP_H
 
+#include <stdint.h>
+
 typedef struct {
     int q0, n_q;   /* query heads [q0, q0 + n_q) */
     int kv0, n_kv; /* KV heads [kv0, kv0 + n_kv) */
@@ -34,5 +38,25 @@ int td_tp_heads_of_rank(int n_head, int n_head_kv, int tp, int rank, td_tp_heads
  * ranks of an instance have the same number of blocks under one memory budget). 0 when
  * the arguments are invalid. */
 int td_tp_max_kv_heads(int n_head, int n_head_kv, int tp);
+
+/* Data-parallel attention's gathered rows, solo-first: counts[2q] is member q's rows and
+ * counts[2q + 1] its leading solo rows (decode rows computed as if alone), q < dp. Every
+ * member's solo rows come before any other row, each kind in member order: member r's solo
+ * rows at [*solo_at, *solo_at + counts[2r + 1]), its other rows at [*rest_at, *rest_at +
+ * counts[2r] - counts[2r + 1]); *n_all the rows of all members, *n_solo their solo rows. */
+static inline void td_dp_layout(const int64_t *counts, int dp, int r, int64_t *solo_at,
+                                int64_t *rest_at, int64_t *n_all, int64_t *n_solo)
+{
+    int64_t S = 0, N = 0, s_before = 0, r_before = 0;
+    for (int q = 0; q < dp; q++) {
+        if (q == r) s_before = S, r_before = N - S;
+        S += counts[2 * q + 1];
+        N += counts[2 * q];
+    }
+    *solo_at = s_before;
+    *rest_at = S + r_before;
+    *n_all = N;
+    *n_solo = S;
+}
 
 #endif

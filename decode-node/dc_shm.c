@@ -220,7 +220,7 @@ static void report_silent(dc_shm *s, const char *what, uint64_t want, bool plan)
 }
 
 /* All ranks meet; every rank's writes before it are visible to all after it. */
-static int barrier(dc_shm *s)
+int dc_shm_barrier(dc_shm *s)
 {
     dc_shm_hdr *h = s->h;
     uint64_t k = ++s->bar_k;
@@ -247,7 +247,7 @@ static int barrier(dc_shm *s)
 
 /* out[i] = ((src[0][i] + src[1][i]) + src[2][i]) + ... for i in [0, n), tp >= 2; out does
  * not overlap the sources. The same order on every rank makes the sums bit-identical. */
-static void reduce(float *restrict out, const float *const *src, int tp, int64_t n)
+void dc_shm_reduce_sum(float *restrict out, const float *const *src, int tp, int64_t n)
 {
     for (int64_t b = 0; b < n; b += RED_BLOCK) {
         int64_t m = n - b < RED_BLOCK ? n - b : RED_BLOCK;
@@ -264,7 +264,7 @@ static void reduce(float *restrict out, const float *const *src, int tp, int64_t
     }
 }
 
-static int check_usable(dc_shm *s, const char *what)
+int dc_shm_check_usable(dc_shm *s, const char *what)
 {
     if (s->err) return s->err;
     if (!s->gathered) return TD_ESTATE;
@@ -277,7 +277,7 @@ static int check_usable(dc_shm *s, const char *what)
 
 /* After the barrier of operation ar_k (parity par): every rank published the same size
  * word (an allreduce's n, or gather_word of a gather), else the instance breaks. */
-static int check_sizes(dc_shm *s, int par, int64_t word)
+int dc_shm_check_sizes(dc_shm *s, int par, int64_t word)
 {
     for (int r = 0; r < s->tp; r++) {
         int64_t wr = atomic_load_explicit(&s->h->ranks[r].n[par], memory_order_relaxed);
@@ -295,7 +295,7 @@ static int check_sizes(dc_shm *s, int par, int64_t word)
 
 int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
 {
-    int rc = check_usable(s, "allreduce");
+    int rc = dc_shm_check_usable(s, "allreduce");
     if (rc) return rc;
     if (n < 0 || n > s->max_floats || (n > 0 && !buf)) {
         TD_LOG_ERR("dc_shm %s rank %d: allreduce of %lld floats (max %lld)", s->inst, s->rank,
@@ -310,8 +310,8 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
     float *part = s->partial[par];
     if (n > 0) memcpy(part + (size_t)s->rank * s->stride, buf, (size_t)n * sizeof(float));
     atomic_store_explicit(&h->ranks[s->rank].n[par], n, memory_order_relaxed);
-    if ((rc = barrier(s))) return rc;
-    if ((rc = check_sizes(s, par, n))) return rc;
+    if ((rc = dc_shm_barrier(s))) return rc;
+    if ((rc = dc_shm_check_sizes(s, par, n))) return rc;
     const float *src[DC_SHM_MAX_TP];
     if (s->tp >= 3 && n >= TWO_PHASE_MIN) {
         /* reduce-scatter: rank r sums slice r (64-byte aligned) into result; then gather */
@@ -321,13 +321,13 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
         if (hi > n) hi = n;
         for (int r = 0; r < s->tp; r++)
             src[r] = part + (size_t)r * s->stride + lo;
-        reduce(s->result[par] + lo, src, s->tp, hi - lo);
-        if ((rc = barrier(s))) return rc;
+        dc_shm_reduce_sum(s->result[par] + lo, src, s->tp, hi - lo);
+        if ((rc = dc_shm_barrier(s))) return rc;
         if (n > 0) memcpy(buf, s->result[par], (size_t)n * sizeof(float));
     } else {
         for (int r = 0; r < s->tp; r++)
             src[r] = part + (size_t)r * s->stride;
-        reduce(buf, src, s->tp, n);
+        dc_shm_reduce_sum(buf, src, s->tp, n);
     }
     s->st.ns_allreduce += (uint64_t)(td_now_ns() - t0);
     return 0;
@@ -370,7 +370,7 @@ static int bad_gather(dc_shm *s, int64_t rows, int64_t n_cols, const float *part
 
 int dc_shm_gather_cols(dc_shm *s, const float *part, int64_t rows, int64_t n_cols, float *out)
 {
-    int rc = check_usable(s, "gather");
+    int rc = dc_shm_check_usable(s, "gather");
     if (rc || (rc = bad_gather(s, rows, n_cols, part, out))) return rc;
     s->st.n_gather++;
     if (s->tp == 1) {
@@ -392,7 +392,7 @@ int dc_shm_gather_cols(dc_shm *s, const float *part, int64_t rows, int64_t n_col
             memcpy(s->partial[par] + (size_t)s->rank * s->stride, part + f0,
                    (size_t)(f1 - f0) * sizeof(float));
         atomic_store_explicit(&s->h->ranks[s->rank].n[par], word, memory_order_relaxed);
-        if ((rc = barrier(s)) || (rc = check_sizes(s, par, word))) return rc;
+        if ((rc = dc_shm_barrier(s)) || (rc = dc_shm_check_sizes(s, par, word))) return rc;
         if (s->rank != 0) continue;
         for (int r = 0; r < s->tp; r++) {
             int64_t c0 = (int64_t)r * n_cols / s->tp, nc = (int64_t)(r + 1) * n_cols / s->tp - c0;
@@ -407,7 +407,7 @@ int dc_shm_gather_cols(dc_shm *s, const float *part, int64_t rows, int64_t n_col
 
 int dc_shm_plan_begin(dc_shm *s, void **buf, size_t *cap)
 {
-    int rc = check_usable(s, "plan");
+    int rc = dc_shm_check_usable(s, "plan");
     if (rc) return rc;
     if (s->rank != 0 || !buf || !cap) {
         TD_LOG_ERR("dc_shm %s rank %d: only rank 0 publishes plans", s->inst, s->rank);
@@ -446,7 +446,7 @@ static void publish(dc_shm *s, uint32_t kind, size_t len)
 
 int dc_shm_plan_commit(dc_shm *s, size_t len)
 {
-    int rc = check_usable(s, "plan");
+    int rc = dc_shm_check_usable(s, "plan");
     if (rc) return rc;
     if (!s->in_plan || len > s->max_plan) {
         TD_LOG_ERR("dc_shm %s rank %d: plan commit of %zu bytes (max %zu)%s", s->inst, s->rank, len,

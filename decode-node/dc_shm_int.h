@@ -116,6 +116,18 @@ int dc_shm_wait_word(dc_shm *s, _Atomic uint32_t *word, _Atomic uint32_t *waiter
                      int64_t timeout_ns);
 void dc_shm_futex_wake(_Atomic uint32_t *w);
 
+/* dc_shm.c, for dc_shm_dp.c. All ranks meet; every rank's writes before it are visible to
+ * all after it (0, or the error that broke the object, logged). */
+int dc_shm_barrier(dc_shm *s);
+/* out[i] = ((src[0][i] + src[1][i]) + src[2][i]) + ... for i in [0, n), tp >= 2, the same
+ * order on every rank; out does not overlap the sources. */
+void dc_shm_reduce_sum(float *restrict out, const float *const *src, int tp, int64_t n);
+/* 0 if collectives may run (gathered, not stopped, not broken), else the error. */
+int dc_shm_check_usable(dc_shm *s, const char *what);
+/* After the barrier of operation ar_k (parity par): every rank published the same size
+ * word, else the instance breaks (TD_EINVAL, logged). */
+int dc_shm_check_sizes(dc_shm *s, int par, int64_t word);
+
 /* dc_shm_join.c. Whether the process (pid, start) still runs: not gone, not a zombie, pid
  * not reused (start 0: not checked). */
 bool dc_shm_proc_alive(pid_t pid, uint64_t start);

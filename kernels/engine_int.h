@@ -30,6 +30,12 @@ typedef struct {
     float *h_rl;          /* (cap, n_expert) host copy of rl (device backends) */
     int32_t *tok, *slot;  /* (cap * k) the plan's token and slot in backend memory (device) */
     float *wt;            /* (cap * k) and its weights */
+    /* data-parallel attention (kn_shard.dp_size > 1; host memory): cap counts the rows of
+     * every member */
+    kn_moe_plan own; /* the routing of this member's rows */
+    float *pk, *pa;  /* (cap, n_embd + 2k) rows packed with their choices and weights: this
+                        member's, then every member's (solo-first layout) */
+    float *ha, *ma;  /* (cap, n_embd) every member's rows, their experts' combined output */
 } kn_engine_moe;
 
 /* A latent-attention layer's scratch (forward_mla.c), for the engine's cap tokens; NULL for
@@ -85,6 +91,10 @@ struct kn_engine {
     int cap_lg;   /* logit rows lg holds */
     float *lg;    /* (cap_lg, n_vocab_local) this rank's logit slice; tp > 1 only */
     kn_engine_stage st;
+    /* data-parallel attention (kn_shard.dp_size > 1): this forward's dp_counts and the
+     * rows of all members (all) and their leading solo rows (all_solo) */
+    int64_t *dp_counts; /* (2 dp_size) */
+    int64_t dp_all, dp_all_solo;
     kn_engine_moe moe;
     kn_engine_mla mla;
 };
@@ -120,7 +130,9 @@ int64_t kn_engine_ffn_width(const kn_model *m);
 /* The MoE scratch for n tokens (grown on demand); 0 at once for a dense model. */
 int kn_engine_moe_reserve(kn_engine *e, int64_t n);
 void kn_engine_moe_free(kn_engine *e);
-/* x += allreduce(moe(h)): h (n, n_embd) the FFN's normed input. */
+/* x += allreduce(moe(h)): h (n, n_embd) the FFN's normed input. With data-parallel
+ * attention the experts run on every member's rows (e->dp_*; n may be 0: h NULL) and
+ * x += this member's rows of the members' summed shares. */
 int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo);
 
 /* ---- forward_mla.c ---- */

@@ -66,8 +66,21 @@ int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll
         TD_LOG_ERR("tp %d: the vocab-parallel LM head needs a gather", m->shard.tp_size);
         return TD_EINVAL;
     }
+    const int dp = m->shard.dp_size > 1 ? m->shard.dp_size : 1;
+    if (dp > 1 && (!coll || !coll->dp_counts || !coll->dp_gather || !coll->dp_reduce)) {
+        TD_LOG_ERR("dp attention %d needs the group's collectives", dp);
+        return TD_EINVAL;
+    }
+    if (dp > 1 && !be.ops->host_memory) {
+        TD_LOG_ERR("dp attention runs on host-memory backends; '%s' is not one", be.ops->name);
+        return TD_EUNSUPP;
+    }
     kn_engine *e = calloc(1, sizeof *e);
     if (!e) return TD_ENOMEM;
+    if (dp > 1 && !(e->dp_counts = calloc((size_t)(2 * dp), sizeof *e->dp_counts))) {
+        free(e);
+        return TD_ENOMEM;
+    }
     e->m = m;
     e->be = be;
     e->dev = !be.ops->host_memory;
@@ -100,6 +113,7 @@ void kn_engine_destroy(kn_engine *e)
     kn_engine_mla_free(e);
     if (e->lg) e->be.ops->free(e->be.ctx, e->lg);
     kn_engine_stage_free(e);
+    free(e->dp_counts);
     free(e);
 }
 
@@ -469,19 +483,56 @@ static int mtp_input(kn_engine *e, const kn_batch *db, const float *hidden)
     return kn_engine_matmul(e, &m->mtp_eh_proj, e->cat, n, db->n_solo, e->x);
 }
 
+/* Data-parallel attention: the group's counts of this forward (every member's rows and solo
+ * rows; a member whose batch is empty or bad offers none) into e->dp_*, and the MoE scratch
+ * for all of them. */
+static int dp_begin(kn_engine *e, int64_t n, int64_t solo)
+{
+    const int64_t mine[2] = {n, solo};
+    int rc = e->coll.dp_counts(e->coll.ctx, mine, e->dp_counts);
+    if (rc) return rc;
+    int64_t at, rest_at;
+    td_dp_layout(e->dp_counts, e->m->shard.dp_size, e->m->shard.dp_rank, &at, &rest_at, &e->dp_all,
+                 &e->dp_all_solo);
+    return kn_engine_moe_reserve(e, e->dp_all > n ? e->dp_all : n);
+}
+
+/* A member without rows in this forward: its part of every MoE layer's collectives (the
+ * other members' rows through the experts it holds), nothing else. */
+static int dp_idle(kn_engine *e)
+{
+    const kn_model *m = e->m;
+    int rc = dp_begin(e, 0, 0);
+    for (int li = 0; li < m->shard.l1 - m->shard.l0 && !rc; li++)
+        if (kn_layer_is_moe(&m->hp, m->shard.l0 + li))
+            rc = kn_engine_moe_ffn(e, &m->layers[li], NULL, 0, 0);
+    return rc;
+}
+
+int kn_engine_forward_idle(kn_engine *e)
+{
+    if (e->m->shard.dp_size <= 1) return 0;
+    return dp_idle(e);
+}
+
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)
 {
     const kn_model *m = e->m;
     const kn_backend_ops *ops = e->be.ops;
     void *c = e->be.ctx;
     const int64_t n = b->n_tokens, E = m->hp.n_embd;
+    const bool dp = m->shard.dp_size > 1;
     int rc = validate(e, kv, b);
-    if (rc) return rc;
     bool wants_out = m->last ? b->n_logits > 0 && m->shard.tp_rank == 0 : true;
-    if (wants_out && !out) {
+    if (!rc && wants_out && !out) {
         TD_LOG_ERR("no output buffer for the %s", m->last ? "logits" : "hidden states");
-        return TD_EINVAL;
+        rc = TD_EINVAL;
     }
+    if (rc) { /* a dp member still takes its part, without rows: the others wait for it */
+        if (dp) dp_idle(e);
+        return rc;
+    }
+    if (dp && (rc = dp_begin(e, n, b->n_solo))) return rc;
     if ((rc = reserve(e, n))) return rc;
     kn_batch staged; /* b's arrays in the backend's memory (a device backend's only) */
     const kn_batch *db = b;

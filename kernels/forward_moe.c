@@ -18,8 +18,17 @@
  * share and the all-reduce sums the shares (every rank has every token: attention is
  * tensor-parallel, so no token moves).
  * A device backend downloads the router's logits and uploads the plan (n * k tokens, slots
- * and weights) once per layer; the experts' GEMMs run in its memory. */
+ * and weights) once per layer; the experts' GEMMs run in its memory.
+ * Data-parallel attention (kn_shard.dp_size > 1, host backends): each member routes its own
+ * rows, the rows travel with their choices (dp_gather, every member's solo rows first), each
+ * member runs the experts it holds on every row and combines them, the others' choices
+ * reading the zero row, and dp_reduce sums the members' shares back into each row's own
+ * member; the shared experts run whole on the member's own rows. A solo row's route and
+ * shared experts are its own, it leads every group it joins and its combine reads its own
+ * slots, and the sum over members runs in member order: its result does not depend on the
+ * other rows of any member. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "engine_int.h"
 #include "td_err.h"
@@ -35,9 +44,10 @@ int64_t kn_engine_ffn_width(const kn_model *m)
 void kn_engine_moe_free(kn_engine *e)
 {
     kn_engine_moe *mo = &e->moe;
-    void **const bufs[] = {(void **)&mo->rl,  (void **)&mo->xe,   (void **)&mo->ge,
-                           (void **)&mo->ue,  (void **)&mo->ye,   (void **)&mo->mo,
-                           (void **)&mo->tok, (void **)&mo->slot, (void **)&mo->wt};
+    void **const bufs[] = {
+        (void **)&mo->rl, (void **)&mo->xe,  (void **)&mo->ge,   (void **)&mo->ue, (void **)&mo->ye,
+        (void **)&mo->mo, (void **)&mo->tok, (void **)&mo->slot, (void **)&mo->wt, (void **)&mo->pk,
+        (void **)&mo->pa, (void **)&mo->ha,  (void **)&mo->ma};
     kn_engine_free_bufs(e, bufs, sizeof bufs / sizeof *bufs);
     free(mo->h_rl);
     mo->h_rl = NULL;
@@ -47,6 +57,7 @@ void kn_engine_moe_free(kn_engine *e)
         free(host[i]);
     *gr = (kn_engine_groups){0};
     kn_moe_plan_free(&mo->plan);
+    kn_moe_plan_free(&mo->own);
     mo->cap = 0;
 }
 
@@ -79,6 +90,7 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
     kn_engine_moe_free(e);
     const int64_t E = hp->n_embd, X = hp->n_expert, k = hp->n_expert_used;
     const int64_t F = e->m->n_ffe_local;
+    const bool dp = e->m->shard.dp_size > 1;
     /* the plan's device copies only on a device backend (a host one reads the plan) */
     const kn_engine_buf want[] = {
         {(void **)&mo->rl, n * X},
@@ -90,6 +102,10 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
         {e->dev ? (void **)&mo->tok : NULL, n * k},
         {e->dev ? (void **)&mo->slot : NULL, n * k},
         {e->dev ? (void **)&mo->wt : NULL, n * k},
+        {dp ? (void **)&mo->pk : NULL, n * (E + 2 * k)},
+        {dp ? (void **)&mo->pa : NULL, n * (E + 2 * k)},
+        {dp ? (void **)&mo->ha : NULL, n * E},
+        {dp ? (void **)&mo->ma : NULL, n * E},
     };
     int rc = kn_engine_alloc_bufs(e, want, sizeof want / sizeof *want, "experts'");
     if (rc) return rc;
@@ -103,6 +119,18 @@ int kn_engine_moe_reserve(kn_engine *e, int64_t n)
     }
     mo->cap = n;
     return 0;
+}
+
+/* The experts other ranks or members hold read the zero row in the combine (ep, dp
+ * attention). */
+static void zero_others(kn_engine *e, int64_t nk)
+{
+    kn_engine_moe *mo = &e->moe;
+    const int x0 = e->m->x0, x1 = e->m->x0 + e->m->n_x_local;
+    if (x1 - x0 < e->m->hp.n_expert)
+        for (int64_t ch = 0; ch < nk; ch++)
+            if (mo->plan.expert[ch] < x0 || mo->plan.expert[ch] >= x1)
+                mo->plan.slot[ch] = (int32_t)(mo->cap * e->m->hp.n_expert_used);
 }
 
 /* The plan for the layer: routed on the host, and in backend memory for a device backend
@@ -122,11 +150,7 @@ static int route(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, in
         logits = mo->h_rl;
     }
     if ((rc = kn_moe_route(&e->m->hp, ly->exp_probs_b, logits, n, &mo->plan))) return rc;
-    const int x0 = e->m->x0, x1 = e->m->x0 + e->m->n_x_local;
-    if (x1 - x0 < X) /* ep: the other ranks' experts read the zero row */
-        for (int64_t ch = 0; ch < nk; ch++)
-            if (mo->plan.expert[ch] < x0 || mo->plan.expert[ch] >= x1)
-                mo->plan.slot[ch] = (int32_t)(mo->cap * e->m->hp.n_expert_used);
+    zero_others(e, nk);
     *tok = mo->plan.token;
     *slot = mo->plan.slot;
     *wt = mo->plan.weight;
@@ -187,8 +211,67 @@ static int experts(kn_engine *e, int ng)
     return rc;
 }
 
+/* Data-parallel attention (the top comment): h (n, n_embd) this member's rows, n may be 0. */
+static int moe_ffn_dp(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo)
+{
+    const kn_hparams *hp = &e->m->hp;
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    kn_engine_moe *mo = &e->moe;
+    const int64_t E = hp->n_embd, k = hp->n_expert_used, W = E + 2 * k;
+    const int64_t N = e->dp_all;
+    int rc = 0;
+    if (n > 0) { /* this member's choices, packed beside its rows */
+        if ((rc = kn_engine_matmul(e, &ly->gate_inp, h, n, solo, mo->rl)) ||
+            (rc = kn_moe_route(hp, ly->exp_probs_b, mo->rl, n, &mo->own)))
+            return rc;
+        for (int64_t i = 0; i < n; i++) {
+            float *row = mo->pk + i * W;
+            memcpy(row, h + i * E, (size_t)E * sizeof *row);
+            for (int64_t j = 0; j < k; j++) {
+                row[E + j] = (float)mo->own.expert[i * k + j]; /* exact: ids < 2^24 */
+                row[E + k + j] = mo->own.weight[i * k + j];
+            }
+        }
+    }
+    if ((rc = e->coll.dp_gather(e->coll.ctx, mo->pk, e->dp_counts, W, mo->pa))) return rc;
+    if ((rc = kn_moe_plan_reserve(&mo->plan, N, (int)k, hp->n_expert))) return rc;
+    for (int64_t i = 0; i < N; i++) {
+        const float *row = mo->pa + i * W;
+        memcpy(mo->ha + i * E, row, (size_t)E * sizeof *row);
+        for (int64_t j = 0; j < k; j++) {
+            const float x = row[E + j];
+            if (!(x >= 0 && x < hp->n_expert)) {
+                TD_LOG_ERR("dp attention: gathered row %lld names expert %g", (long long)i,
+                           (double)x);
+                return TD_EINVAL;
+            }
+            mo->plan.expert[i * k + j] = (int32_t)x;
+            mo->plan.weight[i * k + j] = row[E + k + j];
+        }
+    }
+    kn_moe_group(&mo->plan, N);
+    zero_others(e, N * k);
+    if (N > 0) {
+        ops->copy_rows(c, mo->ha, mo->plan.token, N * k, E, mo->xe);
+        if ((rc = experts(e, groups_of(e, ly, e->dp_all_solo)))) return rc;
+        ops->weighted_rows_sum(c, mo->ye, mo->plan.slot, mo->plan.weight, (int)k, N, E, mo->ma);
+    }
+    if ((rc = e->coll.dp_reduce(e->coll.ctx, mo->ma, e->dp_counts, E, mo->mo))) return rc;
+    if (n == 0) return 0;
+    if (ly->sh_gate.data) {
+        if ((rc = kn_engine_glu(e, &ly->sh_gate, &ly->sh_up, h, n, solo, e->g, e->u)) ||
+            (rc = kn_engine_matmul(e, &ly->sh_down, e->g, n, solo, mo->xe)))
+            return rc;
+        ops->add(c, mo->mo, mo->xe, n, E);
+    }
+    ops->add(c, e->x, mo->mo, n, E);
+    return 0;
+}
+
 int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t n, int64_t solo)
 {
+    if (e->m->shard.dp_size > 1) return moe_ffn_dp(e, ly, h, n, solo);
     const kn_hparams *hp = &e->m->hp;
     const kn_backend_ops *ops = e->be.ops;
     void *c = e->be.ctx;

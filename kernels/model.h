@@ -137,6 +137,14 @@ typedef struct {
      * kn_split_even(n_expert, tp, r) whole instead of a slice of every expert; refused for
      * a model without experts */
     bool ep;
+    /* data-parallel attention (SGLang's DP attention): this shard is member dp_rank of a group
+     * of dp_size that each run their own batches (their own requests and KV). Every tensor is
+     * whole on every member but the routed experts, which the members divide whole
+     * (kn_split_even(n_expert, dp_size, dp_rank)); a MoE layer gathers every member's rows,
+     * runs the experts this member holds on all of them and sums the members' shares back to
+     * each row's own member (kn_collective's dp_*). Needs tp_size 1, a model with at least
+     * dp_size experts and a host backend. dp_size 0 means 1 (no group). */
+    int dp_rank, dp_size;
     /* the model's first MTP block (layer n_layer, hparams.n_layer_nextn > 0) instead of trunk
      * layers (l0/l1 ignored; tp 1): a one-layer model whose forward takes the tokens and, in
      * kn_batch.embd, the trunk's normed hidden states of the positions before them (llama.cpp's
@@ -220,16 +228,34 @@ static inline void kn_split_even(int64_t n, int parts, int r, int64_t *lo, int64
 }
 
 /* The tensor-parallel collectives of one instance's ranks. Every rank calls them in the
- * same order with the same sizes. Both return 0 or a negative td_err.
+ * same order with the same sizes. All return 0 or a negative td_err.
  *   allreduce_sum: sum buf (n floats) across the ranks in place; every rank gets the sum.
  *   gather_cols:   rank r passes part (rows, c1 - c0) row-major, columns [c0, c1) of a
  *                  (rows, n_cols) matrix (kn_split_even(n_cols, tp, r)); rank 0 gets the
  *                  whole matrix in out (rows, n_cols); the other ranks' out is neither read
- *                  nor written (may be NULL). Needed by a last stage with tp > 1. */
+ *                  nor written (may be NULL). Needed by a last stage with tp > 1.
+ *
+ * The data-parallel group's collectives (kn_shard.dp_size > 1: members, not ranks, each with
+ * its own rows; every member calls them in the same order, once per forward and twice per
+ * MoE layer, a member without rows too):
+ *   dp_counts: member r passes mine = {its rows, its leading solo rows}; every member gets
+ *              all (2 dp_size): member q's two at all[2q], all[2q + 1].
+ *   dp_gather: member r passes its rows (its count, n_cols); every member gets all of them in
+ *              all (N, n_cols), N the sum of the counts, in the solo-first layout of
+ *              td_dp_layout (every member's solo rows before any other row).
+ *   dp_reduce: every member passes all (N, n_cols) in that layout; member r gets in mine its
+ *              own rows, each summed over the members in member order (bit-identical on every
+ *              member, whatever the other rows).
+ *   counts is dp_counts' all. */
 typedef struct {
     void *ctx;
     int (*allreduce_sum)(void *ctx, float *buf, int64_t n);
     int (*gather_cols)(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out);
+    int (*dp_counts)(void *ctx, const int64_t mine[2], int64_t *all);
+    int (*dp_gather)(void *ctx, const float *mine, const int64_t *counts, int64_t n_cols,
+                     float *all);
+    int (*dp_reduce)(void *ctx, const float *all, const int64_t *counts, int64_t n_cols,
+                     float *mine);
 } kn_collective;
 
 /* One forward batch: tokens of several sequences at arbitrary positions. Tokens of one
@@ -260,7 +286,7 @@ typedef struct {
 
 typedef struct kn_engine kn_engine;
 
-/* coll may be NULL when tp_size == 1. */
+/* coll may be NULL when tp_size and dp_size are 1. */
 int kn_engine_create(const kn_model *m, kn_backend be, const kn_collective *coll, kn_engine **out);
 void kn_engine_destroy(kn_engine *e);
 
@@ -273,5 +299,11 @@ void kn_engine_destroy(kn_engine *e);
  * Bad input (token id out of range, position past the block table, missing tokens or
  * embd) is TD_EINVAL / TD_ERANGE with a logged message, never a crash. */
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out);
+
+/* Data-parallel attention (kn_shard.dp_size > 1): a member with no rows for a forward the
+ * others run takes its part in the group's collectives this way (the other members' rows
+ * through the experts it holds). A bad batch given to kn_engine_forward does the same before
+ * its error returns. 0 at once without a group. */
+int kn_engine_forward_idle(kn_engine *e);
 
 #endif

@@ -689,6 +689,26 @@ static int check_split(const kn_hparams *hp, const kn_shard *s)
                        s->tp_size, hp->n_expert);
         return TD_EUNSUPP;
     }
+    if (s->dp_size < 1 || s->dp_rank < 0 || s->dp_rank >= s->dp_size) {
+        TD_LOG_ERR("bad data-parallel member %d of %d", s->dp_rank, s->dp_size);
+        return TD_EINVAL;
+    }
+    if (s->dp_size > 1 && (s->tp_size > 1 || s->ep || s->mtp)) {
+        TD_LOG_ERR("dp attention %d: every tensor but the experts is whole on a member; "
+                   "tp %d%s%s cannot split it as well",
+                   s->dp_size, s->tp_size, s->ep ? ", ep" : "", s->mtp ? ", an MTP block" : "");
+        return TD_EUNSUPP;
+    }
+    if (s->dp_size > 1 && hp->n_expert < s->dp_size) {
+        if (!hp->n_expert)
+            TD_LOG_ERR("dp attention: the model (%s) has no experts to divide among the members; "
+                       "run separate instances",
+                       kn_arch_name(hp->arch));
+        else
+            TD_LOG_ERR("dp attention %d: the model has %d experts, fewer than the members",
+                       s->dp_size, hp->n_expert);
+        return TD_EUNSUPP;
+    }
     if (!kn_ld_ffn_splits(hp->n_ff, s->tp_size, "ffn") ||
         (hp->n_expert && !s->ep && !kn_ld_ffn_splits(hp->n_ff_exp, s->tp_size, "expert ffn")) ||
         (hp->n_ff_shexp && !kn_ld_ffn_splits(hp->n_ff_shexp, s->tp_size, "shared expert ffn")))
@@ -760,6 +780,7 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
     if (s.mtp && (rc = kn_mtp_shard(hp, &s))) goto fail;
     if (s.l1 == 0) s.l1 = hp->n_layer;
     if (s.tp_size == 0) s.tp_size = 1;
+    if (s.dp_size == 0) s.dp_size = 1;
     if ((rc = check_split(hp, &s))) goto fail;
     m->shard = s;
     m->first = s.l0 == 0 || s.mtp;
@@ -779,6 +800,13 @@ int kn_model_load(const td_gguf *g, const kn_shard *shard, kn_model **out)
         m->n_ffe_local = hp->n_ff_exp;
         TD_LOG_INFO("ep %d rank %d: experts [%d, %d) of %d, whole", s.tp_size, s.tp_rank, m->x0,
                     m->x0 + m->n_x_local, hp->n_expert);
+    } else if (s.dp_size > 1) { /* dp attention: the member's share of the experts */
+        int64_t x0, x1;
+        kn_split_even(hp->n_expert, s.dp_size, s.dp_rank, &x0, &x1);
+        m->x0 = (int)x0;
+        m->n_x_local = (int)(x1 - x0);
+        TD_LOG_INFO("dp attention %d member %d: experts [%d, %d) of %d, the rest whole", s.dp_size,
+                    s.dp_rank, m->x0, m->x0 + m->n_x_local, hp->n_expert);
     }
     kn_ld_ffn_split(hp->n_ff_shexp, &s, &m->ffs0, &m->n_ffs_local);
     const char *name;

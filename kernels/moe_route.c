@@ -22,10 +22,12 @@ void kn_moe_plan_free(kn_moe_plan *p)
     memset(p, 0, sizeof *p);
 }
 
-/* Room for n tokens' k choices among n_expert experts (contents lost when it grows). */
-static int reserve(kn_moe_plan *p, int64_t n, int k, int n_expert)
+int kn_moe_plan_reserve(kn_moe_plan *p, int64_t n, int k, int n_expert)
 {
-    if (n * k <= p->cap && n_expert == p->n_expert) return 0;
+    if (n * k <= p->cap && n_expert == p->n_expert) {
+        p->k = k;
+        return 0;
+    }
     int64_t cap = n * k > p->cap ? n * k : p->cap;
     kn_moe_plan q = {.cap = cap};
     q.expert = malloc((size_t)cap * sizeof *q.expert);
@@ -42,6 +44,7 @@ static int reserve(kn_moe_plan *p, int64_t n, int k, int n_expert)
     kn_moe_plan_free(p);
     *p = q;
     p->n_expert = n_expert;
+    p->k = k;
     return 0;
 }
 
@@ -120,10 +123,8 @@ int kn_moe_route(const kn_hparams *hp, const float *bias, const float *logits, i
                  kn_moe_plan *p)
 {
     const int X = hp->n_expert, k = hp->n_expert_used;
-    int rc = reserve(p, n, k, X);
+    int rc = kn_moe_plan_reserve(p, n, k, X);
     if (rc) return rc;
-    p->n_tokens = n;
-    p->k = k;
     for (int64_t i = 0; i < n; i++) {
         const float *l = logits + i * X;
         for (int x = 0; x < X; x++)
@@ -135,7 +136,15 @@ int kn_moe_route(const kn_hparams *hp, const float *bias, const float *logits, i
         probabilities(hp->moe_gating, l, p->prob, X);
         choose(hp, bias, p, i);
     }
-    /* group the choices by expert: a counting sort, tokens ascending within each group */
+    kn_moe_group(p, n);
+    return 0;
+}
+
+void kn_moe_group(kn_moe_plan *p, int64_t n)
+{
+    const int X = p->n_expert, k = p->k;
+    p->n_tokens = n;
+    /* a counting sort, tokens ascending within each group */
     memset(p->offset, 0, (size_t)(X + 1) * sizeof *p->offset);
     for (int64_t c = 0; c < n * k; c++)
         p->offset[p->expert[c] + 1]++;
@@ -149,5 +158,4 @@ int kn_moe_route(const kn_hparams *hp, const float *bias, const float *logits, i
     for (int x = X; x > 0; x--) /* the fill moved each start to the next group's */
         p->offset[x] = p->offset[x - 1];
     p->offset[0] = 0;
-    return 0;
 }

@@ -39,4 +39,11 @@ int kn_moe_route(const kn_hparams *hp, const float *bias, const float *logits, i
                  kn_moe_plan *p);
 void kn_moe_plan_free(kn_moe_plan *p);
 
+/* The plan's parts for a caller that makes the choices itself (data-parallel attention: the
+ * choices every member made for its own rows, gathered): room for n tokens' k choices among
+ * n_expert (contents lost when it grows; sets k and n_expert), then, once expert and weight
+ * hold the n tokens' choices, the grouping (offset, token, slot) as kn_moe_route makes it. */
+int kn_moe_plan_reserve(kn_moe_plan *p, int64_t n, int k, int n_expert);
+void kn_moe_group(kn_moe_plan *p, int64_t n);
+
 #endif

@@ -30,6 +30,22 @@ if(TANDEM_PYTHON)
   endforeach()
 endif()
 
+# Data-parallel attention (kn_shard.dp_size): dp 2 and 3 members on threads against the
+# unsplit model, on the split tests' synthetic qwen3moe and deepseek2 (llama: the dense
+# model dp refuses).
+add_executable(test_model_dp ${CMAKE_CURRENT_SOURCE_DIR}/kernels/test_model_dp.c)
+target_link_libraries(test_model_dp PRIVATE td_kernels td_common)
+if(TANDEM_PYTHON)
+  foreach(arch qwen3moe deepseek2)
+    add_test(NAME model_dp_${arch}
+             COMMAND test_model_dp ${TANDEM_TEST_DATA}/split-${arch}.gguf
+                     ${TANDEM_TEST_DATA}/split-llama.gguf)
+    set_tests_properties(model_dp_${arch} PROPERTIES
+                         FIXTURES_REQUIRED "split_${arch};split_llama" TIMEOUT 300
+                         ENVIRONMENT "${split_env}")
+  endforeach()
+endif()
+
 # The split shapes issue 13 added: an FFN width TP 2/4 do not cut into whole 32-blocks
 # (uneven split) with an odd, tied vocabulary (uneven vocab-parallel LM head over
 # token_embd's rows), K-type row-parallel tensors whose TP slices are re-quantized, and KV

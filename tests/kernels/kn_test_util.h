@@ -295,8 +295,10 @@ static inline double kt_median(double *v, int n)
 typedef struct {
     pthread_barrier_t bar; /* tp parties */
     float **slots;         /* (tp) each rank's allreduce buffer */
-    const float **parts;   /* (tp) each rank's logit slice (gather_cols) */
-    int tp;
+    const float **parts;   /* (tp) each rank's logit slice (gather_cols), or a dp member's
+                              rows (dp_gather, dp_reduce) */
+    int64_t counts[2 * 16]; /* dp_counts: member q's at [2q], [2q + 1] (tp <= 16) */
+    int tp;                 /* ranks, or dp members */
 } kt_coll;
 
 /* A rank's context for kn_collective (ctx). */
@@ -342,6 +344,63 @@ static inline int kt_gather_cols(void *ctx, const float *part, int64_t rows, int
             memcpy(out + i * n_cols + c0, cc->parts[r] + i * nc, (size_t)nc * sizeof *out);
     }
     pthread_barrier_wait(&cc->bar); /* the parts stay valid until rank 0 has copied them */
+    return 0;
+}
+
+/* kn_collective.dp_counts (kt_coll's tp members, at most 16). */
+static inline int kt_dp_counts(void *ctx, const int64_t mine[2], int64_t *all)
+{
+    kt_rank_coll *rc = ctx;
+    kt_coll *cc = rc->cc;
+    cc->counts[2 * rc->rank] = mine[0];
+    cc->counts[2 * rc->rank + 1] = mine[1];
+    pthread_barrier_wait(&cc->bar);
+    memcpy(all, cc->counts, (size_t)(2 * cc->tp) * sizeof *all);
+    pthread_barrier_wait(&cc->bar); /* nobody writes the next counts before all have read */
+    return 0;
+}
+
+/* kn_collective.dp_gather: every member copies every member's rows into its all, in
+ * td_dp_layout's solo-first places. */
+static inline int kt_dp_gather(void *ctx, const float *mine, const int64_t *counts, int64_t n_cols,
+                               float *all)
+{
+    kt_rank_coll *rc = ctx;
+    kt_coll *cc = rc->cc;
+    cc->parts[rc->rank] = mine;
+    pthread_barrier_wait(&cc->bar);
+    for (int q = 0; q < cc->tp; q++) {
+        int64_t at, rest_at, n_all, n_solo, s = counts[2 * q + 1], n = counts[2 * q];
+        td_dp_layout(counts, cc->tp, q, &at, &rest_at, &n_all, &n_solo);
+        if (s) memcpy(all + at * n_cols, cc->parts[q], (size_t)(s * n_cols) * sizeof *all);
+        if (n > s)
+            memcpy(all + rest_at * n_cols, cc->parts[q] + s * n_cols,
+                   (size_t)((n - s) * n_cols) * sizeof *all);
+    }
+    pthread_barrier_wait(&cc->bar);
+    return 0;
+}
+
+/* kn_collective.dp_reduce: member r sums its rows of every member's all, in member order. */
+static inline int kt_dp_reduce(void *ctx, const float *all, const int64_t *counts, int64_t n_cols,
+                               float *mine)
+{
+    kt_rank_coll *rc = ctx;
+    kt_coll *cc = rc->cc;
+    cc->parts[rc->rank] = all;
+    pthread_barrier_wait(&cc->bar);
+    int64_t at, rest_at, n_all, n_solo, s = counts[2 * rc->rank + 1], n = counts[2 * rc->rank];
+    td_dp_layout(counts, cc->tp, rc->rank, &at, &rest_at, &n_all, &n_solo);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t src = (i < s ? at + i : rest_at + i - s) * n_cols;
+        for (int64_t j = 0; j < n_cols; j++) {
+            float v = cc->parts[0][src + j];
+            for (int q = 1; q < cc->tp; q++)
+                v += cc->parts[q][src + j];
+            mine[i * n_cols + j] = v;
+        }
+    }
+    pthread_barrier_wait(&cc->bar);
     return 0;
 }
 
