@@ -7,6 +7,11 @@ add_executable(test_shm ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_shm.c)
 target_link_libraries(test_shm PRIVATE dc_shm td_common m)
 add_test(NAME test_shm COMMAND test_shm)
 set_tests_properties(test_shm PROPERTIES TIMEOUT 120)
+# the data-parallel attention group's collectives (dc_shm_dp_*), members as threads
+add_executable(test_shm_dp ${CMAKE_CURRENT_SOURCE_DIR}/decode/test_shm_dp.c)
+target_link_libraries(test_shm_dp PRIVATE dc_shm td_common)
+add_test(NAME test_shm_dp COMMAND test_shm_dp)
+set_tests_properties(test_shm_dp PROPERTIES TIMEOUT 60)
 # ---- end dc_shm
 
 # ---- dc_core: scheduler + plan on a real engine (synthetic model).

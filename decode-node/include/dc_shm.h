@@ -77,6 +77,7 @@
 #define DC_SHM_H
 
 #include <signal.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -161,6 +162,27 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n);
  * vocabulary. Returns 0 or a negative td_err (logged where detected); any error breaks the
  * instance, as for the allreduce. tp == 1: rank 0 copies part into out. */
 int dc_shm_gather_cols(dc_shm *s, const float *part, int64_t rows, int64_t n_cols, float *out);
+
+/* The collectives of a data-parallel attention group (kernels/model.h kn_collective dp_*;
+ * the segment's ranks are the group's members, each with its own rows; every member calls
+ * the same sequence, a member without rows too):
+ *   dp_counts: every member's {rows, leading solo rows} (mine) into all (2 tp, member q's at
+ *              all[2q]); needs max_floats >= 4.
+ *   dp_gather: every member's rows (counts from dp_counts, n_cols each) into all (N, n_cols)
+ *              in td_dp_layout's solo-first places (common/td_tp.h); mine may be NULL with
+ *              no rows.
+ *   dp_reduce: every member passes all (N, n_cols) in that layout; mine gets this member's
+ *              rows summed over the members in member order (bit-identical whatever the
+ *              other rows).
+ * Data larger than a slot (max_floats) travels in pieces, one barrier each. Returns 0 or a
+ * negative td_err (logged where detected); any error, a size disagreement between members
+ * included, breaks the group as for the all-reduce. Counted in the stats as gathers and
+ * all-reduces. tp == 1: local copies. */
+int dc_shm_dp_counts(dc_shm *s, const int64_t mine[2], int64_t *all);
+int dc_shm_dp_gather(dc_shm *s, const float *mine, const int64_t *counts, int64_t n_cols,
+                     float *all);
+int dc_shm_dp_reduce(dc_shm *s, const float *all, const int64_t *counts, int64_t n_cols,
+                     float *mine);
 
 /* Leader (rank 0) only. Publish the next step's plan: copies len <= max_plan bytes into
  * the segment and wakes the followers. Returns 0 or a negative td_err: TD_EINVAL for a plan
