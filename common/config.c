@@ -100,6 +100,7 @@ static const td_cfg_field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_NAME, "name", F_STR, name, 0, 0)                                                           \
     F(D_TP, "tp", F_INT, tp, 1, TD_CFG_MAX_PARALLEL)                                               \
     F(D_EP, "ep", F_INT, ep, 1, TD_CFG_MAX_PARALLEL)                                               \
+    F(D_DP, "dp", F_INT, dp, 1, TD_CFG_MAX_PARALLEL)                                               \
     F(D_HOST, "host", F_STR, host, 0, 0)                                                           \
     F(D_THREADS, "threads", F_INT, threads, 1, 1024)                                               \
     F(D_BLOCK, "block_size", F_INT, block_size, 1, 1024)                                           \
@@ -465,6 +466,7 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
     yaml_node_t *seen[D_N], *keys[D_N];
     x->tp = 1;
     x->ep = 1;
+    x->dp = 1;
     cfg_set_str(p, &x->host, "127.0.0.1");
     x->threads = 1;
     x->block_size = 16;
@@ -501,12 +503,100 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
     if (seen[D_DTYPE] && cfg_kv_dtype_of(cfg_sval(seen[D_DTYPE])) < 0)
         return cfg_fail(p, seen[D_DTYPE], "kv_dtype '%s': expected f16 or f32",
                         cfg_sval(seen[D_DTYPE]));
+    if (x->dp > 1 && (x->tp > 1 || x->ep > 1))
+        return cfg_fail(p, seen[D_DP],
+                        "dp %d: each member holds the model whole but its experts; tp and ep "
+                        "stay 1 (tp %d, ep %d)",
+                        x->dp, x->tp, x->ep);
+    if (x->dp > 1 && seen[D_OVERLAP] && x->overlap)
+        return cfg_fail(p, seen[D_OVERLAP], "overlap with dp > 1 is not built yet");
+    if (x->dp > 1 && seen[D_DEVICES])
+        return cfg_fail(p, seen[D_DP], "dp > 1 runs on the cpu backend (no devices)");
     if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     if (seen[D_SPEC] && parse_spec(p, seen[D_SPEC], what, &x->speculative)) return p->rc;
-    *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port,
-                      seen[D_PORT] ? seen[D_PORT] : seen[D_NAME]};
+    if (x->dp > 1 && x->speculative.method == TD_CFG_SPEC_MTP)
+        return cfg_fail(p, seen[D_SPEC], "speculative method mtp with dp > 1 is not built yet");
+    *ref = (inst_ref){x->name, seen[D_NAME], x->host, x->port, seen[D_PORT] ? seen[D_PORT] : NULL};
     return 0;
+}
+
+static char *dup_suffixed(td_cfg_ctx *p, const char *s, int k)
+{
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s.%d", s, k);
+    return cfg_xstrdup(p, buf);
+}
+
+/* A data-parallel entry (dp > 1) becomes its members, NAME.K at port + K (the YAML's port) or
+ * 9000 + their place in the list; x is the parsed entry, out its members (dp of them, zeroed),
+ * at list index *at onwards. The members own copies of every string; x keeps its own. */
+static int expand_dp(td_cfg_ctx *p, const td_cfg_decode *x, const inst_ref *ref, int at,
+                     td_cfg_decode *out, inst_ref *refs)
+{
+    for (int k = 0; k < x->dp && !p->rc; k++) {
+        td_cfg_decode *m = &out[k];
+        *m = *x;
+        m->dp_rank = k;
+        m->name = dup_suffixed(p, x->name, k);
+        m->dp_group = cfg_xstrdup(p, x->name);
+        m->host = cfg_xstrdup(p, x->host);
+        /* one prefix-cache tier file a member */
+        m->tier.path = x->tier.path ? dup_suffixed(p, x->tier.path, k) : NULL;
+        m->speculative.draft = x->speculative.draft ? cfg_xstrdup(p, x->speculative.draft) : NULL;
+        m->devices = NULL, m->n_devices = 0;
+        m->port = ref->port_node ? x->port + k : 9000 + at + k;
+        if (m->port > 65535)
+            return cfg_fail(p, ref->port_node, "dp %d: member %d's port %d is beyond 65535", x->dp,
+                            k, m->port);
+        refs[k] = (inst_ref){m->name, ref->name_node, m->host, m->port,
+                             ref->port_node ? ref->port_node : ref->name_node};
+    }
+    return p->rc;
+}
+
+/* Every data-parallel entry into its members (expand_dp), every entry's default port 9000 +
+ * its place in the list that results; *refs (np prefill ones first) grows with it. */
+static int expand_groups(td_cfg_ctx *p, td_cfg *c, inst_ref **refs, size_t np)
+{
+    int total = 0;
+    for (int i = 0; i < c->n_decode; i++)
+        total += c->decode[i].dp;
+    td_cfg_decode *out = calloc((size_t)total, sizeof *out);
+    inst_ref *r = calloc(np + (size_t)total, sizeof *r);
+    if (!out || !r) {
+        free(out);
+        free(r);
+        return p->rc = TD_ENOMEM;
+    }
+    memcpy(r, *refs, np * sizeof *r);
+    int at = 0;
+    for (int i = 0; i < c->n_decode; i++) {
+        td_cfg_decode *x = &c->decode[i];
+        inst_ref *xr = &(*refs)[np + i];
+        if (x->dp == 1) {
+            out[at] = *x;
+            if (!xr->port_node) out[at].port = 9000 + at;
+            r[np + at] = (inst_ref){out[at].name, xr->name_node, out[at].host, out[at].port,
+                                    xr->port_node ? xr->port_node : xr->name_node};
+            memset(x, 0, sizeof *x); /* moved */
+            at++;
+            continue;
+        }
+        if (expand_dp(p, x, xr, at, out + at, r + np + at)) {
+            /* the members made so far and every entry not yet moved are freed below */
+            at += x->dp;
+            break;
+        }
+        at += x->dp;
+    }
+    /* what stayed in the parsed entries (the dp ones' strings, or all after a failure) */
+    cfg_free_decodes(c->decode, c->n_decode);
+    c->decode = out;
+    c->n_decode = at;
+    free(*refs);
+    *refs = r;
+    return p->rc;
 }
 
 static int check_instances(td_cfg_ctx *p, inst_ref *r, int n)
@@ -619,19 +709,20 @@ static int parse_root(td_cfg_ctx *p, yaml_node_t *root, td_cfg *c)
         parse_decode(p, cfg_node_at(p, seen[T_DECODE]->data.sequence.items.start[i]), (int)i,
                      &c->decode[i], &refs[np + i]);
     }
-    if (!p->rc) check_instances(p, refs, (int)(np + nd));
-    free(refs);
+    if (!p->rc) expand_groups(p, c, &refs, np);
+    if (!p->rc) check_instances(p, refs, (int)np + c->n_decode);
     /* prefill stages write straight into decode blocks: one block size and KV type for
      * every decode instance (the prefill stages use the same) */
     for (int i = 1; np && !p->rc && i < c->n_decode; i++)
         if (c->decode[i].block_size != c->decode[0].block_size ||
             c->decode[i].kv_dtype != c->decode[0].kv_dtype)
-            cfg_fail(p, cfg_node_at(p, seen[T_DECODE]->data.sequence.items.start[i]),
+            cfg_fail(p, refs[np + i].name_node,
                      "decode instance '%s' has block_size %d / kv_dtype %s but '%s' has %d / %s: "
                      "with prefill instances every decode instance needs the same",
                      c->decode[i].name, c->decode[i].block_size,
                      cfg_kv_dtype_name(c->decode[i].kv_dtype), c->decode[0].name,
                      c->decode[0].block_size, cfg_kv_dtype_name(c->decode[0].kv_dtype));
+    free(refs);
     return p->rc;
 }
 

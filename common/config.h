@@ -170,6 +170,13 @@ typedef struct {
     int tp;             /* 1: tensor-parallel ranks (same host) */
     int ep;             /* 1, or tp: a mixture-of-experts model's experts are divided whole
                            among the ranks instead of each split across them */
+    /* data-parallel attention (decode[].dp, a mixture-of-experts model): the YAML entry
+     * stands for dp members named NAME.K (K < dp), each its own instance (requests, KV,
+     * control port) with every tensor whole but its share of the routed experts, which the
+     * members run for each other's tokens in lock step (decode-node/dc_group.c); 1: none */
+    int dp;
+    int dp_rank;        /* this member's K */
+    char *dp_group;     /* the YAML entry's name (the group's), NULL when dp is 1 */
     char *host;         /* 127.0.0.1 */
     int threads;        /* 1: per rank */
     int block_size;     /* 16: tokens per KV block, a power of two */

@@ -73,6 +73,8 @@ bool cfg_is_null(const yaml_node_t *n);
 const char *cfg_kind_name(const yaml_node_t *n);
 /* strdup that records an out-of-memory error in p (NULL then). */
 char *cfg_xstrdup(td_cfg_ctx *p, const char *s);
+/* config_util.c: free n decode entries' strings and the array itself (NULL is fine). */
+void cfg_free_decodes(td_cfg_decode *d, int n);
 /* *dst = a copy of s (the old value freed); cfg_set_path expands a leading "~/". */
 void cfg_set_str(td_cfg_ctx *p, char **dst, const char *s);
 void cfg_set_path(td_cfg_ctx *p, char **dst, const char *s);

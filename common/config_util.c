@@ -109,6 +109,19 @@ bool td_cfg_tool_parser_known(const char *name)
     return false;
 }
 
+void cfg_free_decodes(td_cfg_decode *d, int n)
+{
+    for (int i = 0; d && i < n; i++) {
+        free(d[i].name);
+        free(d[i].dp_group);
+        free(d[i].host);
+        free(d[i].tier.path);
+        free(d[i].speculative.draft);
+        free(d[i].devices);
+    }
+    free(d);
+}
+
 void td_cfg_free(td_cfg *c)
 {
     if (!c) return;
@@ -134,14 +147,7 @@ void td_cfg_free(td_cfg *c)
         free(x->hosts);
     }
     free(c->prefill);
-    for (int i = 0; i < c->n_decode; i++) {
-        free(c->decode[i].name);
-        free(c->decode[i].host);
-        free(c->decode[i].tier.path);
-        free(c->decode[i].speculative.draft);
-        free(c->decode[i].devices);
-    }
-    free(c->decode);
+    cfg_free_decodes(c->decode, c->n_decode);
     free(c->kvxfer.ucx_tls);
     free(c->security.ca);
     free(c->security.cert);

@@ -14,6 +14,9 @@
 
 #define IDLE_WAIT_MS 200 /* leader's inbox wait while nothing runs (liveness checks) */
 #define XFER_WAIT_MS 2   /* ... while only KV transfers are in flight: react quickly */
+/* a dp group's member (dc_group.c) while nothing runs: it sleeps on the group's round word
+ * instead of the inbox, this long at a time between looks at the inbox */
+#define GROUP_IDLE_MS 2
 
 /* A step between its plan and its commit. */
 typedef struct {
@@ -91,7 +94,7 @@ static int run_step(dc_node *n)
     int k = step_begin(n, &sr);
     if (k <= 0) return k;
     int rc = sr.rc;
-    if (!rc) rc = kn_engine_forward(n->proc.rt.engine, dc_kv(n), &sr.st.batch, n->leader.logits);
+    if (!rc) rc = dc_group_forward(n, &sr.st.batch, n->leader.logits);
     return step_end(n, &sr, rc);
 }
 
@@ -112,7 +115,7 @@ static int serve_io(dc_node *n, int wait, int64_t *last_health, int64_t *ns_wait
 static int inbox_wait(const dc_node *n, int k)
 {
     int pending = dc_xfer_pending(n->plane.xfer);
-    return dc_sched_idle(n->leader.sched) && !pending ? IDLE_WAIT_MS
+    return dc_sched_idle(n->leader.sched) && !pending ? (n->dcfg->dp > 1 ? 0 : IDLE_WAIT_MS)
            : k > 0 || !pending                        ? 0
                                                       : XFER_WAIT_MS;
 }
@@ -134,14 +137,19 @@ static int serve_sequential(dc_node *n, bool *fatal)
         int64_t t_in = td_now_ns();
         k = 0;
         if ((rc = dc_serve_sync_allocs(n))) return rc; /* no pass in flight here */
-        if (!dc_sched_idle(n->leader.sched)) {
+        bool idle = dc_sched_idle(n->leader.sched);
+        if (!idle) {
             if ((rc = run_step(n)) < 0) return rc;
             k = rc;
             if (dc_sched_idle(n->leader.sched)) dc_serve_health(n); /* the load dropped to 0 */
         }
+        /* a dp group's member without rows takes its part in the others' rounds */
+        if (k == 0 && (rc = dc_group_idle(n, idle && !dc_xfer_pending(n->plane.xfer) ? GROUP_IDLE_MS
+                                                                                     : 0)) < 0)
+            return rc;
         /* no step ran (idle, or only transfers): notice a dead rank now, not at the next
          * step */
-        if (k == 0 && (rc = dc_shm_check(n->form.shm))) return rc;
+        if (k == 0 && ((rc = dc_shm_check(n->form.shm)) || (rc = dc_group_check(n)))) return rc;
         if (k > 0) { /* only the loops that ran a step, without an idle wait before it */
             n->stats.ns_inbox += t_in - t_loop - ns_wait;
             n->stats.ns_serve += td_now_ns() - t_loop - ns_wait;

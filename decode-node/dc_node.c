@@ -80,9 +80,14 @@ static int proc_init(dc_node *n)
     snprintf(who, sizeof who, "decode %s rank %d", p->instance, p->rank);
     kn_collective coll = {
         .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
+    dc_group_collective(n, &coll); /* a dp group's calls (dc_group.c) */
     kn_runtime_params rp = {
         .model_path = p->cfg->model,
-        .shard = {.tp_rank = p->rank, .tp_size = n->dcfg->tp, .ep = n->dcfg->ep > 1},
+        .shard = {.tp_rank = p->rank,
+                  .tp_size = n->dcfg->tp,
+                  .ep = n->dcfg->ep > 1,
+                  .dp_rank = n->dcfg->dp_rank,
+                  .dp_size = n->dcfg->dp},
         .backend = td_cfg_backend_name(p->cfg->backend),
         .backend_opts = {.n_threads = n->dcfg->threads,
                          .device = n->dcfg->devices ? n->dcfg->devices[p->rank] : -1,
@@ -145,6 +150,7 @@ static int proc_init(dc_node *n)
         .timeout_ms = p->cfg->kvxfer.timeout_ms,
         .interrupt = p->stop,
     };
+    dc_group_init(n, max_step);
     char be[160];
     n->proc.rt.be.ops->describe(n->proc.rt.be.ctx, be, sizeof be);
     TD_LOG_INFO("decode %s rank %d/%d: %s layers, %d heads/%d kv heads local, %d kv blocks of %d "
@@ -159,6 +165,7 @@ static int proc_init(dc_node *n)
  * other ranks notice at once) and keep its figures for the final log. */
 static void close_shm(dc_node *n)
 {
+    dc_group_close(n); /* a dp group forms again with the instance */
     if (!n->form.shm) return;
     dc_shm_stats st;
     dc_shm_get_stats(n->form.shm, &st);
@@ -529,6 +536,22 @@ static int form(dc_node *n)
     if (n->proc.disagg) dc_xfer_kv_shm_sweep(p->instance, n->proc.token);
     while (!*p->stop) {
         int rc;
+        if (n->dcfg->dp > 1 && !n->group.ready) { /* the dp group first (its members are tp 1) */
+            rc = dc_group_form(n, FORM_WAIT_MS);
+            snprintf(n->life.forming_why, sizeof n->life.forming_why,
+                     "%s (waiting for the members of dp group %s: %s)",
+                     first ? "forming" : "re-forming", n->dcfg->dp_group,
+                     rc == TD_ETIMEDOUT || !rc ? "not all in yet" : td_strerror(rc));
+            if ((rc = dc_serve_inbox(n, rc && rc != TD_ETIMEDOUT ? FORM_WAIT_MS : 0, NULL)))
+                return rc;
+            dc_serve_health_tick(n, &last_health);
+            if (td_now_ms() >= next_log) {
+                TD_LOG_INFO("decode %s: %s for %.0f s", p->instance, n->life.forming_why,
+                            (double)(td_now_ms() - t0) / 1e3);
+                next_log = td_now_ms() + FORM_LOG_MS;
+            }
+            continue;
+        }
         if (!n->form.shm && td_now_ms() >= next_try) {
             gathered = false;
             if ((rc = dc_shm_begin(&n->proc.shmp, &n->form.shm))) {

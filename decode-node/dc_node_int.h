@@ -95,6 +95,19 @@ typedef struct {
     dc_shm_stats shm_done; /* the stats of the segments already closed */
 } dc_formation;
 
+/* The data-parallel attention group this instance is a member of (decode[].dp > 1; the
+ * segment's ranks are the members). Owner dc_group.c (dc_group_init at start-up; the segment
+ * made by dc_group_form, closed by dc_group_close when the formation ends and at exit). */
+typedef struct {
+    dc_shm_params shmp;   /* its rendezvous (instance = the group's name) */
+    char token[32];       /* its name token on this host: g + member 0's port */
+    dc_shm *shm;          /* the current group segment, or NULL (no group, or between them) */
+    bool ready;           /* every member joined it */
+    uint32_t joined;      /* rounds (forwards of every member) this member took part in */
+    uint64_t rounds;      /* rounds of every group segment this member served in */
+    uint64_t idle_rounds; /* of them, without rows of its own */
+} dc_group;
+
 /* Where the leader is in its life (dc_node.h's states), for the control plane's answers.
  * Owner dc_node.c (form, fail_in_flight, dc_node_step_failed, the stop); dc_serve.c reads
  * it. Plain values: zero at the start, nothing to free. */
@@ -192,6 +205,7 @@ typedef struct {
     const td_cfg_decode *dcfg;
     dc_proc proc;
     dc_formation form;
+    dc_group group;
     dc_life life;     /* leader */
     dc_kvplane plane; /* leader */
     dc_leader leader; /* leader */
@@ -298,6 +312,14 @@ int dc_tier_copy_barrier(dc_node *n);
  *   dc_node_stop_now: after SIGTERM, whether the serving loop ends now; with
  *     decode[].drain_timeout_ms the instance first leaves (Health.draining) while the requests
  *     in flight finish, for up to that long. */
+void dc_group_collective(dc_node *n, kn_collective *coll);
+void dc_group_init(dc_node *n, int64_t max_rows);
+int dc_group_form(dc_node *n, int wait_ms);
+void dc_group_close(dc_node *n);
+int dc_group_forward(dc_node *n, const kn_batch *b, float *logits);
+int dc_group_idle(dc_node *n, int wait_ms);
+int dc_group_check(dc_node *n);
+
 void dc_node_use_threads(dc_node *n, int threads);
 int dc_node_grow_logits(dc_node *n, int rows);
 void dc_node_step_failed(dc_node *n, int rc);

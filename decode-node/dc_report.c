@@ -96,6 +96,11 @@ void dc_report_log(const dc_node *n)
                     (unsigned long long)ds.refused, (double)ds.ns / 1e6,
                     n->stats.step_ns ? 100.0 * (double)ds.ns / (double)n->stats.step_ns : 0.0);
     }
+    if (n->dcfg->dp > 1)
+        TD_LOG_INFO("decode %s: dp group: %llu rounds, %llu idle (member %d of %s's %d)",
+                    n->p->instance, (unsigned long long)n->group.rounds,
+                    (unsigned long long)n->group.idle_rounds, n->dcfg->dp_rank, n->dcfg->dp_group,
+                    n->dcfg->dp);
     log_phases(n);
     if (n->plane.xfer) {
         /* leak check of the tests: every transfer released on every rank */

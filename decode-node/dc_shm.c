@@ -193,7 +193,7 @@ int dc_shm_wait_word(dc_shm *s, _Atomic uint32_t *word, _Atomic uint32_t *waiter
 }
 
 /* Store *word = val and wake its sleepers. */
-static void post_word(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t val)
+void dc_shm_post_word(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t val)
 {
     atomic_store(word, val);
     if (atomic_load(waiters)) dc_shm_futex_wake(word);
@@ -228,7 +228,7 @@ int dc_shm_barrier(dc_shm *s)
     /* after the arrival, so a rank that is behind never looks arrived in report_silent */
     atomic_store_explicit(&h->ranks[s->rank].arrived, k, memory_order_relaxed);
     if (c == k * (uint64_t)s->tp) {
-        post_word(&h->bar_gen, &h->bar_waiters, (uint32_t)k);
+        dc_shm_post_word(&h->bar_gen, &h->bar_waiters, (uint32_t)k);
         return 0;
     }
     int rc = dc_shm_wait_word(s, &h->bar_gen, &h->bar_waiters, (uint32_t)k, s->op_timeout_ns);
@@ -440,7 +440,7 @@ static void publish(dc_shm *s, uint32_t kind, size_t len)
     uint32_t q = ++s->plan_seq;
     atomic_store_explicit(&h->plan_kind[q & 1], kind, memory_order_relaxed);
     atomic_store_explicit(&h->plan_len[q & 1], len, memory_order_relaxed);
-    post_word(&h->plan_seq, &h->plan_waiters, q);
+    dc_shm_post_word(&h->plan_seq, &h->plan_waiters, q);
     s->in_plan = false;
 }
 

@@ -14,6 +14,7 @@
 #include "dc_shm_int.h"
 #include "td_clock.h"
 #include "td_err.h"
+#include "td_futex.h"
 #include "td_tp.h"
 
 #define WORD_COUNTS (-(INT64_C(3) << 60))
@@ -170,4 +171,27 @@ int dc_shm_dp_reduce(dc_shm *s, const float *all, const int64_t *counts, int64_t
     s->st.ns_allreduce += (uint64_t)(td_now_ns() - t0);
     s->st.n_allreduce++;
     return 0;
+}
+
+/* ---- rounds: a member with rows wakes the idle ones ---- */
+
+void dc_shm_dp_request(dc_shm *s, uint32_t round)
+{
+    dc_shm_hdr *h = s->h;
+    uint32_t v = atomic_load(&h->dp_round);
+    while ((int32_t)(round - v) > 0 && !atomic_compare_exchange_weak(&h->dp_round, &v, round)) {
+    }
+    if (atomic_load(&h->dp_round_waiters)) dc_shm_futex_wake(&h->dp_round);
+}
+
+bool dc_shm_dp_wanted(dc_shm *s, uint32_t joined, int64_t wait_ns)
+{
+    dc_shm_hdr *h = s->h;
+    uint32_t v = atomic_load(&h->dp_round);
+    if ((int32_t)(v - joined) > 0 || wait_ns <= 0 || s->err) return (int32_t)(v - joined) > 0;
+    atomic_fetch_add(&h->dp_round_waiters, 1);
+    v = atomic_load(&h->dp_round);
+    if ((int32_t)(v - joined) <= 0) td_futex_wait(&h->dp_round, v, wait_ns, true);
+    atomic_fetch_sub(&h->dp_round_waiters, 1);
+    return (int32_t)(atomic_load(&h->dp_round) - joined) > 0;
 }

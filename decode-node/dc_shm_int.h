@@ -60,6 +60,9 @@ typedef struct {
     _Alignas(DC_SHM_LINE) _Atomic uint32_t
         taken_word; /* plans taken, summed over followers (futex) */
     _Atomic uint32_t taken_waiters;
+    _Alignas(DC_SHM_LINE) _Atomic uint32_t dp_round; /* a dp group: the last round a member
+                                                        asked for (futex) */
+    _Atomic uint32_t dp_round_waiters;
     dc_shm_slot ranks[DC_SHM_MAX_TP];
 } dc_shm_hdr;
 
@@ -127,6 +130,8 @@ int dc_shm_check_usable(dc_shm *s, const char *what);
 /* After the barrier of operation ar_k (parity par): every rank published the same size
  * word, else the instance breaks (TD_EINVAL, logged). */
 int dc_shm_check_sizes(dc_shm *s, int par, int64_t word);
+/* Store val into *word and wake its waiters (if any). */
+void dc_shm_post_word(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t val);
 
 /* dc_shm_join.c. Whether the process (pid, start) still runs: not gone, not a zombie, pid
  * not reused (start 0: not checked). */

@@ -20,7 +20,7 @@
 #include "td_err.h"
 
 #define SHM_MAGIC   0x31304d4853445454ull /* "TTDSHM01" */
-#define SHM_VERSION 2u                    /* 2: broken names the culprit too */
+#define SHM_VERSION 3u /* 2: broken names the culprit too; 3: a dp group's round word */
 #define PAGE        4096
 
 #define DEF_MAX_PLAN    (64 * 1024)

@@ -183,6 +183,12 @@ int dc_shm_dp_gather(dc_shm *s, const float *mine, const int64_t *counts, int64_
                      float *all);
 int dc_shm_dp_reduce(dc_shm *s, const float *all, const int64_t *counts, int64_t n_cols,
                      float *mine);
+/* A dp group's rounds (one forward of every member each, in order; decode-node/dc_group.c):
+ * a member about to run round `round` with rows asks for it (the group's round word becomes
+ * at least round; sleeping members wake); a member that has joined `joined` rounds learns
+ * whether a later one was asked for, waiting up to wait_ns (0: just look) on the word. */
+void dc_shm_dp_request(dc_shm *s, uint32_t round);
+bool dc_shm_dp_wanted(dc_shm *s, uint32_t joined, int64_t wait_ns);
 
 /* Leader (rank 0) only. Publish the next step's plan: copies len <= max_plan bytes into
  * the segment and wakes the followers. Returns 0 or a negative td_err: TD_EINVAL for a plan

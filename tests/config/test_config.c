@@ -107,6 +107,16 @@ static const bad_case bad_cases[] = {
     {"decode_tp_list", MIN "    tp: [1]\n", 4, 9, "expected an integer, got a list"},
     {"decode_ep_not_tp", MIN "    tp: 4\n    ep: 2\n", 5, 9, "ep 2: 1 or the instance's tp (4)"},
     {"decode_ep_zero", MIN "    ep: 0\n", 4, 9, "0 is out of range [1, 64]"},
+    {"decode_dp_tp", MIN "    dp: 2\n    tp: 2\n", 4, 9,
+     "dp 2: each member holds the model whole but its experts; tp and ep stay 1 (tp 2, ep 1)"},
+    {"decode_dp_overlap", MIN "    dp: 2\n    overlap: true\n", 5, 14,
+     "overlap with dp > 1 is not built yet"},
+    {"decode_dp_mtp", MIN "    dp: 2\n    speculative:\n      method: mtp\n", 6, 7,
+     "speculative method mtp with dp > 1 is not built yet"},
+    {"decode_dp_clash", MIN "    dp: 2\n  - name: d1\n    port: 9001\n", 6, 11,
+     "control port 9001 on 127.0.0.1 is already used by instance 'd0.1'"},
+    {"decode_dp_name_clash", MIN "    dp: 2\n  - name: d0.1\n", 5, 11,
+     "duplicate instance name 'd0.1'"},
     {"decode_itl_neg", MIN "    itl_target_ms: -5\n", 4, 20, "-5 is out of range [0, 600000]"},
     {"decode_itl_text", MIN "    itl_target_ms: fast\n", 4, 20, "expected a number, got 'fast'"},
     {"decode_overlap_text", MIN "    overlap: sometimes\n", 4, 14,
@@ -151,7 +161,7 @@ static const bad_case bad_cases[] = {
      "duplicate key 'max_tokens' in decode[0].speculative (first at line 5)"},
     {"pd_block_mismatch",
      "model: /m\nprefill:\n  - name: p0\ndecode:\n  - name: d0\n  - name: d1\n    block_size: 32\n",
-     6, 5, "with prefill instances every decode instance needs the same"},
+     6, 11, "with prefill instances every decode instance needs the same"},
     {"prefill_kv_tokens",
      "model: /m\nprefill:\n  - name: p0\n    kv_tokens: 10\ndecode:\n  - name: d0\n", 4, 16,
      "10 is out of range"},
@@ -514,6 +524,38 @@ static void test_good_file(void)
     td_cfg_free(c);
 }
 
+/* decode[].dp: the entry becomes its members, each its own instance; the ports follow
+ * (the YAML's + K, or 9000 + the place in the list, later entries' too); each member its own
+ * tier file. */
+static void test_dp_members(void)
+{
+    const char *t = "model: /m.gguf\n"
+                    "decode:\n"
+                    "  - name: d0\n"
+                    "    dp: 3\n"
+                    "    prefix_cache_tier: {path: /tmp/tier, size: 1GiB}\n"
+                    "  - name: d1\n"
+                    "  - name: e\n"
+                    "    dp: 2\n"
+                    "    port: 7100\n";
+    td_cfg *c = NULL;
+    char err[512];
+    TH_REQUIRE(td_cfg_parse(t, strlen(t), "dp.yaml", &c, err, sizeof err) == 0);
+    TH_CHECK(c->n_decode == 6);
+    const char *names[] = {"d0.0", "d0.1", "d0.2", "d1", "e.0", "e.1"};
+    const int ports[] = {9000, 9001, 9002, 9003, 7100, 7101};
+    const int dps[] = {3, 3, 3, 1, 2, 2}, ranks[] = {0, 1, 2, 0, 0, 1};
+    for (int i = 0; i < 6 && i < c->n_decode; i++) {
+        const td_cfg_decode *d = &c->decode[i];
+        TH_CHECKF(!strcmp(d->name, names[i]) && d->port == ports[i] && d->dp == dps[i] &&
+                      d->dp_rank == ranks[i],
+                  "member %d: %s port %d dp %d rank %d", i, d->name, d->port, d->dp, d->dp_rank);
+        TH_CHECK(dps[i] == 1 ? !d->dp_group : !strcmp(d->dp_group, i < 3 ? "d0" : "e"));
+    }
+    TH_CHECK(!strcmp(c->decode[1].tier.path, "/tmp/tier.1") && !c->decode[3].tier.path);
+    td_cfg_free(c);
+}
+
 static void test_sizes(void)
 {
     int64_t v;
@@ -561,6 +603,7 @@ int main(int argc, char **argv)
     n_examples = argc > 2 ? argc - 2 : 0;
     TH_RUN(test_bad_files);
     TH_RUN(test_good_file);
+    TH_RUN(test_dp_members);
     TH_RUN(test_security);
     TH_RUN(test_sizes);
     TH_RUN(test_examples);

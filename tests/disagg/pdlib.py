@@ -15,7 +15,9 @@ from tdtest.waits import get_status, wait_for, wait_http
 
 
 class Cluster:
-    """prefill: list of dicts (pp, chunk, ...); decode: list of dicts (tp, ...)."""
+    """prefill: list of dicts (pp, chunk, ...); decode: list of dicts (tp, ...; dp: the YAML
+    entry d{i} is a data-parallel group whose members d{i}.{k} run one process each, at the
+    entry's port + k)."""
 
     def __init__(self, args, model, prefill, decode, timeout_ms=60000, heartbeat_ms=100,
                  instance_timeout_ms=4000, ucx_tls="sm,tcp,self", routing=None):
@@ -38,7 +40,7 @@ class Cluster:
             "decode": [{"name": f"d{i}", "tp": d.get("tp", 1), "threads": 1,
                         "kv_blocks": d.get("kv_blocks", 512), "port": d["port"],
                         "step_tokens": 64,
-                        **{k: d[k] for k in ("prefix_cache", "kv_dtype", "overlap", "ep",
+                        **{k: d[k] for k in ("prefix_cache", "kv_dtype", "overlap", "ep", "dp",
                                              "share_cores", "itl_target_ms", "speculative")
                            if k in d}}
                        for i, d in enumerate(decode)],
@@ -52,9 +54,15 @@ class Cluster:
         self.ps.spawn(f"p{i}s{s}", [self.args.prefill, "--config", self.cfg, "--instance",
                                     f"p{i}", "--stage", str(s)])
 
-    def start_rank(self, i, r):
-        self.ps.spawn(f"d{i}r{r}", [self.args.decode, "--config", self.cfg, "--instance",
-                                    f"d{i}", "--rank", str(r)])
+    def decode_names(self, i):
+        """The instances of decode entry i: d{i}, or its dp group's members."""
+        dp = self.dc[i].get("dp", 1)
+        return [f"d{i}"] if dp == 1 else [f"d{i}.{k}" for k in range(dp)]
+
+    def start_rank(self, i, r, name=None):
+        name = name or f"d{i}"
+        self.ps.spawn(f"{name}r{r}", [self.args.decode, "--config", self.cfg, "--instance",
+                                      name, "--rank", str(r)])
 
     def start_router(self):
         self.ps.spawn("router", [self.args.router, "--config", self.cfg])
@@ -67,8 +75,9 @@ class Cluster:
 
     def __enter__(self):
         for i, d in enumerate(self.dc):
-            for r in range(d.get("tp", 1)):
-                self.start_rank(i, r)
+            for name in self.decode_names(i):
+                for r in range(d.get("tp", 1)):
+                    self.start_rank(i, r, name)
         for i, p in enumerate(self.pf):
             for s in range(p.get("pp", 1)):
                 self.start_stage(i, s)
@@ -116,8 +125,8 @@ class Cluster:
     def health(self, url):
         return client_health(self.args.tandem, url, timeout=30)
 
-    def decode_health(self, i=0):
-        return self.health(f"tcp://127.0.0.1:{self.dc[i]['port']}")
+    def decode_health(self, i=0, k=0):
+        return self.health(f"tcp://127.0.0.1:{self.dc[i]['port'] + k}")
 
     def prefill_health(self, i=0):
         return self.health(f"tcp://127.0.0.1:{self.pf[i]['port']}")
@@ -127,7 +136,8 @@ class Cluster:
         hs = []
 
         def idle():
-            hs[:] = [self.decode_health(i) for i in range(len(self.dc))] + \
+            hs[:] = [self.decode_health(i, k) for i in range(len(self.dc))
+                     for k in range(len(self.decode_names(i)))] + \
                     [self.prefill_health(i) for i in range(len(self.pf))]
             return all(h.get("kv_used") == "0" and h.get("running") == "0" and
                        h.get("waiting") == "0" for h in hs)

@@ -3,6 +3,8 @@
 tandem-prefill stages and tandem-decode ranks as real processes on loopback.
 
 Cases (--case NAME runs one):
+  dp       data-parallel attention on the synthetic deepseek2 and qwen3moe (decode[].dp 2,
+           colocated and pp 2 -> dp 2): generate's output alone and several at once;
   moe      the same on the synthetic qwen3moe and deepseek2 (colocated tp 2, pp 2 -> tp 2 ep 2),
            with n > 1 and batched prompts through the openai client on deepseek2; pp 2 -> tp 2
            with the model's MTP block proposing (deepseek2-mtp, its oracle -echo);
@@ -280,6 +282,47 @@ def case_moe(args):
             v, p, a = (int(x) for x in m[-1]) if m else (0, 0, 0)
             check(v > 0 and p > 0 and (a > p // 2 if name.endswith("echo") else a <= p),
                   f"{label}: {v} verifications, {p} proposed, {a} accepted")
+
+
+def concurrent_outputs(c, args, model, prompts, label, n=16):
+    """The prompts at once, so a dp group's members step together (each its own request):
+    every text equals `tandem generate`'s."""
+    want = expect(args, model, prompts, n)
+    got = [None] * len(prompts)
+
+    def one(i):
+        st, body = c.complete(prompts[i], n)
+        got[i] = body.get("choices", [{}])[0].get("text") if st == 200 else (st, body)
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    check(got == want, f"{label}: {len(prompts)} prompts at once equal generate"
+          + ("" if got == want else f" ({str(got)[:300]!r} vs {str(want)[:300]!r})"))
+
+
+def case_dp(args):
+    """Data-parallel attention (decode[].dp 2: two member instances, each its own requests and
+    KV, every tensor whole but half the routed experts, a MoE layer's experts run for both
+    members' tokens in lock step): colocated and pp 2 -> dp 2 give `tandem generate`'s greedy
+    output one request at a time (the other member idle in every round) and several at once
+    (the router spreads them over the members); both members ran rounds with rows of their
+    own (their stop logs)."""
+    prompts = ["a", text(30), text(150)]
+    for name in ("deepseek2", "qwen3moe"):
+        model = os.path.join(args.synth_dir, f"{name}.gguf")
+        for pf in ([], [{"pp": 2, "chunk": 64}]):
+            label = f"{name} {'pp2' if pf else 'colocated'} dp2"
+            with Cluster(args, model, pf, [{"dp": 2}]) as c:
+                equal_outputs(c, args, model, prompts, label)
+                concurrent_outputs(c, args, model, prompts + [text(60), "b", text(9)], label)
+                idle(c, label)
+                c.stop()
+                rounds = [re.findall(r"dp group: (\d+) rounds, (\d+) idle", c.log(f"d0.{k}r0"))
+                          for k in range(2)]
+                check(all(r and int(r[-1][0]) > int(r[-1][1]) for r in rounds),
+                      f"{label}: both members ran rounds with rows of their own ({rounds})")
 
 
 def case_default(args):
@@ -640,7 +683,7 @@ def grammar_first_token(c, cl, mid, rf):
         check(False, f"grammar pp2 tp3: ... and the output validates ({e})")
 
 
-CASES = {"synth": case_synth, "moe": case_moe, "default": case_default, "retry": case_retry,
+CASES = {"synth": case_synth, "moe": case_moe, "dp": case_dp, "default": case_default, "retry": case_retry,
          "decode_dies": case_decode_dies, "stalled": case_stalled, "share": case_share,
          "logprobs": case_logprobs,
          "grammar": case_grammar, "logprobs_default": case_logprobs_default,
@@ -665,7 +708,7 @@ def main():
     for name, fn in CASES.items():
         if (wanted and name not in wanted) or name in skipped:
             continue
-        if name not in ("synth", "moe", "logprobs", "share") and not (args.model and
+        if name not in ("synth", "moe", "dp", "logprobs", "share") and not (args.model and
                                                              os.path.exists(args.model)):
             print(f"skip {name}: no default model")
             continue
