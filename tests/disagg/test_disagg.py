@@ -308,7 +308,7 @@ def case_dp(args):
     members' tokens in lock step): colocated and pp 2 -> dp 2 give `tandem generate`'s greedy
     output one request at a time (the other member idle in every round) and several at once
     (the router spreads them over the members); both members ran rounds with rows of their
-    own (their stop logs)."""
+    own (their stop logs); a member killed mid-stream (dp_member_dies)."""
     prompts = ["a", text(30), text(150)]
     for name in ("deepseek2", "qwen3moe"):
         model = os.path.join(args.synth_dir, f"{name}.gguf")
@@ -323,6 +323,38 @@ def case_dp(args):
                           for k in range(2)]
                 check(all(r and int(r[-1][0]) > int(r[-1][1]) for r in rounds),
                       f"{label}: both members ran rounds with rows of their own ({rounds})")
+    dp_member_dies(args)
+
+
+def dp_member_dies(args):
+    """A member of a dp group killed mid-stream (decode [{dp: 2}, {tp: 1}]): the request
+    moves (the group's other member fails its requests too: the experts it lacks are gone)
+    and the client's text still equals generate; the killed member restarts, the group forms
+    again and serves."""
+    model = os.path.join(args.synth_dir, "deepseek2.gguf")
+    label = "deepseek2 dp2 member killed"
+    prompt, n = text(40), 160
+    want = expect(args, model, [prompt], n)[0]
+    with Cluster(args, model, [], [{"dp": 2}, {}]) as c:
+        out, first = {}, threading.Event()
+        th = threading.Thread(target=stream_complete, args=(c, prompt, n, out, first))
+        th.start()
+        first.wait(120)
+        busy = [k for k in range(2) if c.decode_health(0, k).get("running") == "1"]
+        check(busy, f"{label}: the request runs on a member ({busy})")
+        victim = busy[0] if busy else 0
+        c.kill(f"d0.{victim}r0")
+        th.join(timeout=300)
+        moved = re.findall(r"after (\d+) tokens: moving it", c.log("router"))
+        check(moved and int(moved[0]) < n,
+              f"{label}: the router moved the stream mid-way (after {moved} tokens)")
+        check(out.get("text") == want, f"{label}: the moved stream equals generate")
+        c.start_rank(0, 0, f"d0.{victim}")
+        ready = wait_for(lambda: all(c.decode_health(0, k).get("ready") == "1" for k in range(2)),
+                         120)
+        check(ready, f"{label}: the restarted member and the other formed the group again")
+        concurrent_outputs(c, args, model, [prompt, "a", text(20)], f"{label}, re-formed", n=12)
+        idle(c, label)
 
 
 def case_default(args):
