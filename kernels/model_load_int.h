@@ -57,6 +57,9 @@ float *kn_ld_vec(kn_loader *L, const char *name, int64_t ne0, int64_t off, int64
  * 32-weight blocks (or the width is not a multiple of 32, float weights), else whole
  * 32-blocks with rank r taking blocks [r * nb / tp, (r + 1) * nb / tp). */
 void kn_ld_ffn_split(int n_ff, const kn_shard *s, int *f0, int *nf);
+/* model_split.c: whether shard s (tp_size and dp_size already 1 where they were 0) fits the
+ * model: 0, or TD_EINVAL / TD_EUNSUPP with the reason logged. */
+int kn_ld_check_split(const kn_hparams *hp, const kn_shard *s);
 /* Whether tp can split the width n_ff (kn_ld_ffn_split); logs what names it when not. */
 bool kn_ld_ffn_splits(int n_ff, int tp, const char *what);
 

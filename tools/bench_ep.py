@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
-"""bench_ep.py: expert parallelism against tensor-parallel experts (BENCHMARKS.md "Mixture of
-experts"), one mixture-of-experts model served colocated by one decode instance of tp N:
-  ep 1   every expert split across the N ranks (each rank a column slice of every expert);
-  ep N   the experts divided whole among the ranks (each rank its share, every token).
-The two clusters are brought up in turn (`tandem up -d`), each loaded by `tandem bench` with
-the same prompts (greedy, fixed lengths, --ignore-eos); the order alternates per repetition so
-that drift on a shared machine falls on both. Reports output tokens/s, TTFT and ITL per run.
+"""bench_ep.py: expert parallelism against tensor-parallel experts and data-parallel attention
+(BENCHMARKS.md "Mixture of experts"), one mixture-of-experts model served colocated on N
+processes:
+  split  (ep 1) one decode instance of tp N, every expert split across the ranks (each rank a
+         column slice of every expert);
+  ep     (ep N) the same instance with the experts divided whole among the ranks (each rank
+         its share, every token);
+  dp     (dp N) N member instances of tp 1, each its own requests and KV with every tensor
+         whole but its share of the experts, which run for every member's tokens.
+The clusters are brought up in turn (`tandem up -d`), each loaded by `tandem bench` with the
+same prompts (greedy, fixed lengths, --ignore-eos); the order rotates per repetition so that
+drift on a shared machine falls on all. Reports output tokens/s, TTFT and ITL per run.
 
 usage: tools/bench_ep.py --model GGUF [--build build] [--tp 2] [--threads 1] [--reps 2]
-                         [--concurrency 4] [--requests 16] [--prompt-tokens 128]
-                         [--max-tokens 64]
+                         [--configs split,ep] [--concurrency 4] [--requests 16]
+                         [--prompt-tokens 128] [--max-tokens 64]
 """
 import argparse
 import json
@@ -25,18 +30,23 @@ def free_port():
         return s.getsockname()[1]
 
 
-def yaml(d, a, ep):
-    path = os.path.join(d, f"ep{ep}.yaml")
+def yaml(d, a, conf):
+    path = os.path.join(d, f"{conf}.yaml")
+    shape = {"split": f"tp: {a.tp}\n    ep: 1", "ep": f"tp: {a.tp}\n    ep: {a.tp}",
+             "dp": f"dp: {a.tp}"}[conf]
+    base = free_port()
+    while conf == "dp" and base + a.tp > 65535:
+        base = free_port()
     with open(path, "w") as f:
-        f.write(f"model: {a.model}\nrun_dir: {d}/run-ep{ep}\n"
+        f.write(f"model: {a.model}\nrun_dir: {d}/run-{conf}\n"
                 f"router:\n  listen: 127.0.0.1:{a.port}\n"
-                f"decode:\n  - name: d0\n    tp: {a.tp}\n    ep: {ep}\n"
-                f"    threads: {a.threads}\n    port: {free_port()}\n    kv_memory: 256MiB\n")
+                f"decode:\n  - name: d0\n    {shape}\n"
+                f"    threads: {a.threads}\n    port: {base}\n    kv_memory: 256MiB\n")
     return path
 
 
-def run(a, d, ep):
-    cfg = yaml(d, a, ep)
+def run(a, d, conf):
+    cfg = yaml(d, a, conf)
     tandem = os.path.join(a.build, "bin", "tandem")
     subprocess.run([tandem, "up", "-d", cfg, "--timeout", "300"], check=True,
                    stdout=subprocess.DEVNULL)
@@ -58,6 +68,7 @@ def main():
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--configs", default="split,ep", help="of split, ep, dp")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -65,10 +76,11 @@ def main():
     a = ap.parse_args()
     a.port = free_port()
     with tempfile.TemporaryDirectory(prefix="tandem-bench-ep-") as d:
+        confs = a.configs.split(",")
         for rep in range(a.reps):
-            for ep in ((1, a.tp) if rep % 2 == 0 else (a.tp, 1)):
-                r = run(a, d, ep)
-                print(json.dumps({"rep": rep, "ep": ep, "tp": a.tp, **r}), flush=True)
+            for conf in confs[rep % len(confs):] + confs[:rep % len(confs)]:
+                r = run(a, d, conf)
+                print(json.dumps({"rep": rep, "config": conf, "n": a.tp, **r}), flush=True)
 
 
 if __name__ == "__main__":
