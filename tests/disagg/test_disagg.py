@@ -333,27 +333,30 @@ def dp_member_dies(args):
     again and serves."""
     model = os.path.join(args.synth_dir, "deepseek2.gguf")
     label = "deepseek2 dp2 member killed"
-    prompt, n = text(40), 160
-    want = expect(args, model, [prompt], n)[0]
+    prompts, n = [text(40), text(25)], 380  # within the model's 512 positions
+    want = expect(args, model, prompts, n)
     with Cluster(args, model, [], [{"dp": 2}, {}]) as c:
-        out, first = {}, threading.Event()
-        th = threading.Thread(target=stream_complete, args=(c, prompt, n, out, first))
-        th.start()
-        first.wait(120)
-        busy = [k for k in range(2) if c.decode_health(0, k).get("running") == "1"]
-        check(busy, f"{label}: the request runs on a member ({busy})")
-        victim = busy[0] if busy else 0
+        # two streams: the router spreads them, so at least one runs on a member
+        outs, firsts, ths = [{}, {}], [threading.Event(), threading.Event()], []
+        for p, o, f in zip(prompts, outs, firsts):
+            ths.append(threading.Thread(target=stream_complete, args=(c, p, n, o, f)))
+            ths[-1].start()
+        for f in firsts:
+            f.wait(120)
+        # member 0 at once: the group breaks, so a stream on either member moves
+        victim = 0
         c.kill(f"d0.{victim}r0")
-        th.join(timeout=300)
+        for th in ths:
+            th.join(timeout=300)
         moved = re.findall(r"after (\d+) tokens: moving it", c.log("router"))
-        check(moved and int(moved[0]) < n,
-              f"{label}: the router moved the stream mid-way (after {moved} tokens)")
-        check(out.get("text") == want, f"{label}: the moved stream equals generate")
+        check(moved and all(int(m) < n for m in moved),
+              f"{label}: the router moved a stream on the group mid-way (after {moved} tokens)")
+        check([o.get("text") for o in outs] == want, f"{label}: both streams equal generate")
         c.start_rank(0, 0, f"d0.{victim}")
         ready = wait_for(lambda: all(c.decode_health(0, k).get("ready") == "1" for k in range(2)),
                          120)
         check(ready, f"{label}: the restarted member and the other formed the group again")
-        concurrent_outputs(c, args, model, [prompt, "a", text(20)], f"{label}, re-formed", n=12)
+        concurrent_outputs(c, args, model, prompts + ["a", text(20)], f"{label}, re-formed", n=12)
         idle(c, label)
 
 
