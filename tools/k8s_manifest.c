@@ -361,6 +361,16 @@ int cli_k8s_check_names(const char *base, const td_cfg *cfg)
 int cli_k8s_manifests(const cli_k8s_opts *o, const cli_k8s_cluster *c, const cli_k8s_model *m,
                       cli_k8s_out *out)
 {
+    for (int i = 0; i < c->cfg->n_decode; i++)
+        if (c->cfg->decode[i].dp > 1) {
+            /* its members meet in one host's shared memory; here each instance is a pod */
+            fprintf(stderr,
+                    "tandem k8s: decode '%s' has dp %d: data-parallel attention's members share "
+                    "one host's memory, and these manifests give each instance its own pod; not "
+                    "built for Kubernetes yet\n",
+                    c->cfg->decode[i].dp_group, c->cfg->decode[i].dp);
+            return TD_EUNSUPP;
+        }
     mf_ctx x = {.o = o, .c = c, .m = m, .out = out};
     uint64_t h = fnv1a(fnv1a(0xcbf29ce484222325ull, c->text), c->template_text);
     snprintf(x.hash, sizeof x.hash, "%016llx", (unsigned long long)h);

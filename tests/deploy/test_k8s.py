@@ -484,6 +484,9 @@ def case_errors(a, tmp):
         f.write("model: x\ndecode:\n  - name: d0\n    tq: 2\n")
     bad(["render", p], "unknown key 'tq'", "an unknown key")
     with open(p, "w") as f:
+        f.write("model: x\ndecode:\n  - name: d0\n    dp: 2\n")
+    bad(["render", p], "decode 'd0' has dp 2", "data-parallel attention (not built for pods)")
+    with open(p, "w") as f:
         f.write("model: x\ndecode:\n  - name: router\n")
     bad(["render", p], "taken by the broken-router object", "an instance named like an object")
     k8s = os.path.join(a.source_dir, "deploy/k8s.yaml")
