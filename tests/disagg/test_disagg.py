@@ -317,6 +317,8 @@ def case_dp(args):
             with Cluster(args, model, pf, [{"dp": 2}]) as c:
                 equal_outputs(c, args, model, prompts, label)
                 concurrent_outputs(c, args, model, prompts + [text(60), "b", text(9)], label)
+                if name == "deepseek2" and pf:  # the official openai client, n > 1, batches
+                    choices_output(c, args, model, label)
                 idle(c, label)
                 c.stop()
                 rounds = [re.findall(r"dp group: (\d+) rounds, (\d+) idle", c.log(f"d0.{k}r0"))
@@ -327,17 +329,19 @@ def case_dp(args):
 
 
 def dp_member_dies(args):
-    """A member of a dp group killed mid-stream (decode [{dp: 2}, {tp: 1}]): the request
-    moves (the group's other member fails its requests too: the experts it lacks are gone)
+    """A member of a dp group killed mid-stream (decode [{dp: 2}, {tp: 1}], three streams):
+    the requests on the group move (the group's other member fails its requests too: the experts it lacks are gone)
     and the client's text still equals generate; the killed member restarts, the group forms
     again and serves."""
     model = os.path.join(args.synth_dir, "deepseek2.gguf")
     label = "deepseek2 dp2 member killed"
-    prompts, n = [text(40), text(25)], 380  # within the model's 512 positions
+    # three streams with nothing in common (no prefix affinity): the router spreads them over
+    # the three instances, so at least one runs on the group
+    prompts = [text(40), " ".join(reversed(WORDS)), "seven owls " * 9]
+    n = 380  # within the model's 512 positions
     want = expect(args, model, prompts, n)
     with Cluster(args, model, [], [{"dp": 2}, {}]) as c:
-        # two streams: the router spreads them, so at least one runs on a member
-        outs, firsts, ths = [{}, {}], [threading.Event(), threading.Event()], []
+        outs, firsts, ths = [{}, {}, {}], [threading.Event() for _ in prompts], []
         for p, o, f in zip(prompts, outs, firsts):
             ths.append(threading.Thread(target=stream_complete, args=(c, p, n, o, f)))
             ths[-1].start()
@@ -351,7 +355,7 @@ def dp_member_dies(args):
         moved = re.findall(r"after (\d+) tokens: moving it", c.log("router"))
         check(moved and all(int(m) < n for m in moved),
               f"{label}: the router moved a stream on the group mid-way (after {moved} tokens)")
-        check([o.get("text") for o in outs] == want, f"{label}: both streams equal generate")
+        check([o.get("text") for o in outs] == want, f"{label}: every stream equals generate")
         c.start_rank(0, 0, f"d0.{victim}")
         ready = wait_for(lambda: all(c.decode_health(0, k).get("ready") == "1" for k in range(2)),
                          120)
