@@ -315,6 +315,7 @@ def case_dp(args):
         for pf in ([], [{"pp": 2, "chunk": 64}]):
             label = f"{name} {'pp2' if pf else 'colocated'} dp2"
             with Cluster(args, model, pf, [{"dp": 2}]) as c:
+                check(members_ready(c, label), f"{label}: both members ready")
                 equal_outputs(c, args, model, prompts, label)
                 concurrent_outputs(c, args, model, prompts + [text(60), "b", text(9)], label)
                 if name == "deepseek2" and pf:  # the official openai client, n > 1, batches
@@ -326,6 +327,13 @@ def case_dp(args):
                 check(all(r and int(r[-1][0]) > int(r[-1][1]) for r in rounds),
                       f"{label}: both members ran rounds with rows of their own ({rounds})")
     dp_member_dies(args)
+
+
+def members_ready(c, label, timeout=120):
+    """Every member of decode entry 0's dp group answers ready (the router is up as soon as
+    any instance is)."""
+    return wait_for(lambda: all(c.decode_health(0, k).get("ready") == "1"
+                                for k in range(len(c.decode_names(0)))), timeout)
 
 
 def dp_member_dies(args):
@@ -341,6 +349,7 @@ def dp_member_dies(args):
     n = 380  # within the model's 512 positions
     want = expect(args, model, prompts, n)
     with Cluster(args, model, [], [{"dp": 2}, {}]) as c:
+        members_ready(c, label)
         outs, firsts, ths = [{}, {}, {}], [threading.Event() for _ in prompts], []
         for p, o, f in zip(prompts, outs, firsts):
             ths.append(threading.Thread(target=stream_complete, args=(c, p, n, o, f)))
@@ -357,9 +366,8 @@ def dp_member_dies(args):
               f"{label}: the router moved a stream on the group mid-way (after {moved} tokens)")
         check([o.get("text") for o in outs] == want, f"{label}: every stream equals generate")
         c.start_rank(0, 0, f"d0.{victim}")
-        ready = wait_for(lambda: all(c.decode_health(0, k).get("ready") == "1" for k in range(2)),
-                         120)
-        check(ready, f"{label}: the restarted member and the other formed the group again")
+        check(members_ready(c, label),
+              f"{label}: the restarted member and the other formed the group again")
         concurrent_outputs(c, args, model, prompts + ["a", text(20)], f"{label}, re-formed", n=12)
         idle(c, label)
 
