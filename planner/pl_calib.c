@@ -100,6 +100,8 @@ static void fill_hw(pl_calib_result *r, int threads)
         hw->decode_speedup_ep[tp] = r->decode_speedup_ep[tp];
         hw->prefill_speedup[tp] = r->prefill_speedup[tp];
         hw->prefill_speedup_ep[tp] = r->prefill_speedup_ep[tp];
+        hw->decode_speedup_dp[tp] = r->decode_speedup_dp[tp];
+        hw->prefill_speedup_dp[tp] = r->prefill_speedup_dp[tp];
     }
 }
 
@@ -170,6 +172,14 @@ int pl_calibrate(const pl_calib_params *p, pl_calib_result *r)
                 !(rc = pl_calib_chunk_tp(p->model_path, tp, ep, threads, r->chunk_x, 2, t)))
                 (ep ? r->prefill_speedup_ep : r->prefill_speedup)[tp] = ch[0].ms / *t;
         }
+    /* a data-parallel attention group of that many members (decode[].dp): a member's step
+     * with every member stepping, member 0's chunk with the others idle */
+    for (int g = 2; g <= PL_HW_MAX_AR_TP && !rc && r->model.n_expert >= g; g++)
+        if (!(rc = pl_calib_dp(p->model_path, g, threads, steps, 0, &r->decode_dp_ms[g])) &&
+            !(rc = pl_calib_dp(p->model_path, g, threads, steps, r->chunk_x, &r->chunk_dp_ms[g]))) {
+            r->decode_speedup_dp[g] = r->decode_ms / r->decode_dp_ms[g];
+            r->prefill_speedup_dp[g] = ch[0].ms / r->chunk_dp_ms[g];
+        }
     if (rc) return rc;
     /* robustly, as the prefill node fits its profile (pf_chunking.c): a busy moment is an
      * outlier, not a change of the model */
@@ -233,7 +243,9 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         "#   not split): %.3f / %.3f / %.3f ms; with the experts whole on the ranks (ep; 0:\n"
         "#   no experts to divide): %.3f / %.3f / %.3f ms;\n"
         "#   the %d-token prefill chunk at tp 2/3/4: %.1f / %.1f / %.1f ms; with the experts\n"
-        "#   whole: %.1f / %.1f / %.1f ms.\n"
+        "#   whole: %.1f / %.1f / %.1f ms;\n"
+        "#   a dp group of 2/3/4 members (0: not measured): each member's batch-1 step %.3f /\n"
+        "#   %.3f / %.3f ms, member 0's chunk %.1f / %.1f / %.1f ms.\n"
         "# peak_tflops.f32 is the faster of sgemm and the matrix-product rate; efficiencies\n"
         "#   are measured / peak (attention clamped at 1).\n"
         "# KV transfer, %s:\n"
@@ -248,7 +260,9 @@ void pl_calib_comment(const pl_calib_result *r, char *buf, size_t cap)
         r->allreduce_us[2], r->allreduce_us[3], r->allreduce_us[4], r->decode_tp_ms[2],
         r->decode_tp_ms[3], r->decode_tp_ms[4], r->decode_tp_ep_ms[2], r->decode_tp_ep_ms[3],
         r->decode_tp_ep_ms[4], r->chunk_x, r->chunk_tp_ms[2], r->chunk_tp_ms[3], r->chunk_tp_ms[4],
-        r->chunk_tp_ep_ms[2], r->chunk_tp_ep_ms[3], r->chunk_tp_ep_ms[4],
+        r->chunk_tp_ep_ms[2], r->chunk_tp_ep_ms[3], r->chunk_tp_ep_ms[4], r->decode_dp_ms[2],
+        r->decode_dp_ms[3], r->decode_dp_ms[4], r->chunk_dp_ms[2], r->chunk_dp_ms[3],
+        r->chunk_dp_ms[4],
         r->kvx_measured ? "measured (kvx-bench, the model's KV shape)"
                         : "not measured here (BENCHMARKS.md)",
         r->kvx_gbps[0], r->kvx_gbps[1], r->kvx_lat_us[1], r->kvx_lat_us[0]);

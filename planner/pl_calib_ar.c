@@ -53,6 +53,8 @@ typedef struct {
     int tp, threads, n_floats, iters;
     int chunk; /* with model: 0 decode steps, else prefill chunks of this many tokens */
     bool ep;   /* with model: the experts whole on the ranks */
+    bool dp;   /* with model: the ranks are a data-parallel attention group's members (each
+                  its own row a step; a chunk is member 0's, the others idle) */
 } rank_job;
 
 static int tp_rank(const char *token, const rank_job *j, int rank, double *out);
@@ -136,6 +138,30 @@ static int tp_gather(void *ctx, const float *part, int64_t rows, int64_t n_cols,
     return dc_shm_gather_cols(((tp_coll *)ctx)->shm, part, rows, n_cols, out);
 }
 
+static int dp_counts(void *ctx, const int64_t mine[2], int64_t *all)
+{
+    return dc_shm_dp_counts(((tp_coll *)ctx)->shm, mine, all);
+}
+
+static int dp_gather(void *ctx, const float *mine, const int64_t *counts, int64_t n_cols,
+                     float *all)
+{
+    return dc_shm_dp_gather(((tp_coll *)ctx)->shm, mine, counts, n_cols, all);
+}
+
+static int dp_reduce(void *ctx, const float *all, const int64_t *counts, int64_t n_cols,
+                     float *mine)
+{
+    return dc_shm_dp_reduce(((tp_coll *)ctx)->shm, all, counts, n_cols, mine);
+}
+
+/* A dp member's turn before each step: nothing to hand off (each member plans its own). */
+static int dp_none(void *ctx)
+{
+    (void)ctx;
+    return 0;
+}
+
 /* Prefill chunks of x tokens from an empty context, no logits (as pl_calib_chunks times them
  * at tp 1), one warm-up and reps timed, each after the plan hand-off; *ms their median. */
 static int tp_chunks(kn_engine *eng, kn_kv_mem *mem, int n_vocab, int x, int reps,
@@ -175,9 +201,16 @@ static int tp_rank(const char *token, const rank_job *j, int rank, double *out)
     kn_runtime rt;
     memset(&rt, 0, sizeof rt);
     tp_coll c = {.rank = rank};
-    kn_collective coll = {.ctx = &c, .allreduce_sum = tp_allreduce, .gather_cols = tp_gather};
+    kn_collective coll = {.ctx = &c,
+                          .allreduce_sum = tp_allreduce,
+                          .gather_cols = tp_gather,
+                          .dp_counts = dp_counts,
+                          .dp_gather = dp_gather,
+                          .dp_reduce = dp_reduce};
+    kn_shard shard = {.tp_rank = rank, .tp_size = j->tp, .ep = j->ep};
+    if (j->dp) shard = (kn_shard){.dp_rank = rank, .dp_size = j->tp};
     kn_runtime_params rp = {.model_path = j->model,
-                            .shard = {.tp_rank = rank, .tp_size = j->tp, .ep = j->ep},
+                            .shard = shard,
                             .backend_opts = {.n_threads = j->threads, .device = -1, .rank = rank},
                             .coll = &coll,
                             .who = "calibrate"};
@@ -187,6 +220,9 @@ static int tp_rank(const char *token, const rank_job *j, int rank, double *out)
     int64_t max_floats = (int64_t)hp->n_embd > hp->n_vocab ? hp->n_embd : hp->n_vocab;
     if (j->chunk > 0 && (int64_t)j->chunk * hp->n_embd > max_floats)
         max_floats = (int64_t)j->chunk * hp->n_embd; /* a chunk's all-reduces */
+    if (j->dp) /* a chunk's rows with their choices in one piece */
+        max_floats =
+            (int64_t)(j->chunk > 0 ? j->chunk : 1) * (hp->n_embd + 2 * (int64_t)hp->n_expert_used);
     dc_shm_params sp = {.instance = "calibtp",
                         .token = token,
                         .rank = rank,
@@ -201,8 +237,11 @@ static int tp_rank(const char *token, const rank_job *j, int rank, double *out)
         rc = kn_kv_mem_create(&kp, &kv);
     }
     double ms = 0;
-    pl_calib_step_hook hook = {.fn = tp_plan, .ctx = &c};
-    if (!rc && j->chunk > 0)
+    pl_calib_step_hook hook = {.fn = j->dp ? dp_none : tp_plan, .ctx = &c};
+    if (!rc && j->chunk > 0 && j->dp && rank > 0) /* member 0's chunks: their rounds */
+        for (int r = 0; r < j->iters + 1 && !rc; r++)
+            rc = kn_engine_forward_idle(rt.engine);
+    else if (!rc && j->chunk > 0)
         rc = tp_chunks(rt.engine, kv, hp->n_vocab, j->chunk, j->iters, &hook, &ms);
     else if (!rc)
         rc = pl_calib_decode_steps(rt.engine, kv, hp->n_vocab, 0, j->iters, &hook, &ms);
@@ -228,4 +267,16 @@ int pl_calib_chunk_tp(const char *model_path, int tp, bool ep, int threads, int 
     rank_job j = {
         .model = model_path, .tp = tp, .ep = ep, .threads = threads, .iters = reps, .chunk = x};
     return fork_ranks(&j, ep ? "prefillchunkep" : "prefillchunk", ms);
+}
+
+int pl_calib_dp(const char *model_path, int dp, int threads, int steps, int chunk, double *ms)
+{
+    if (dp < 2 || dp > DC_SHM_MAX_TP || steps < 1 || chunk < 0 || !model_path) return TD_EINVAL;
+    rank_job j = {.model = model_path,
+                  .tp = dp,
+                  .dp = true,
+                  .threads = threads,
+                  .iters = chunk ? 2 : steps,
+                  .chunk = chunk};
+    return fork_ranks(&j, chunk ? "dpchunk" : "dpstep", ms);
 }

@@ -33,6 +33,7 @@ typedef struct {
     const pl_hw *hw;
     int tp, max_batch;
     bool ep;       /* experts whole on the ranks (pl_decode_cfg.ep) */
+    int dp;        /* > 1: every instance a member of a dp group of this many (pl_decode_cfg.dp) */
     double kv_cap; /* tokens of KV an instance holds */
     dreq *r;
     bool colocated;
@@ -70,7 +71,9 @@ static void start_step(dsim *d, dinst *in, double now)
         S += q->prompt + q->made;
         B++;
     }
-    double ms = B ? pl_decode_step_ms(d->m, d->hw, d->tp, d->ep, B, S) : 0;
+    double ms = !B          ? 0
+                : d->dp > 1 ? pl_decode_step_ms_dp(d->m, d->hw, d->dp, B, S)
+                            : pl_decode_step_ms(d->m, d->hw, d->tp, d->ep, B, S);
     if (in->pf_req >= 0) {
         const dreq *q = &d->r[in->pf_req];
         in->pf_x = q->pf_left < d->step_tokens ? q->pf_left : d->step_tokens;
@@ -162,7 +165,10 @@ static bool check_fit(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, 
         snprintf(why, cap, "prefill needs %.1f GiB a device", pf_need / 1073741824.0);
         return false;
     }
-    *kv_cap = (mem * cl->dc.tp - m->weight_bytes) / m->kv_bytes_token;
+    /* a dp member holds every weight but the routed experts, of which its share */
+    double w = m->weight_bytes;
+    if (cl->dc.dp > 1) w -= m->moe_expert_bytes * (1.0 - 1.0 / cl->dc.dp);
+    *kv_cap = (mem * cl->dc.tp - w) / m->kv_bytes_token;
     if (*kv_cap < max_tokens) {
         snprintf(why, cap, "decode tp %d holds %.0f KV tokens < %d", cl->dc.tp,
                  *kv_cap > 0 ? *kv_cap : 0, max_tokens);
@@ -199,10 +205,14 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
                 int n, pl_result *res)
 {
     memset(res, 0, sizeof *res);
+    const int dp = cl->dc.dp > 1 ? cl->dc.dp : 1;
     if (cl->n_prefill < 0 || cl->n_decode < 1 || cl->dc.tp < 1 || cl->dc.max_batch < 0 ||
-        cl->dc.step_tokens < 0 || n < 1)
+        cl->dc.step_tokens < 0 || n < 1 || cl->dc.dp < 0 ||
+        (dp > 1 && (cl->dc.tp != 1 || cl->dc.ep || m->n_expert < dp)))
         return TD_EINVAL;
-    res->devices = cl->n_prefill * cl->pf.pp * cl->pf.tp + cl->n_decode * cl->dc.tp;
+    /* a dp group's members are instances of their own (the router's choice among them) */
+    const int n_inst = cl->n_decode * dp;
+    res->devices = cl->n_prefill * cl->pf.pp * cl->pf.tp + n_inst * cl->dc.tp;
     int max_tokens = 0;
     for (int i = 0; i < n; i++)
         if (reqs[i].prompt + reqs[i].output > max_tokens)
@@ -211,10 +221,13 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
               .hw = hw,
               .tp = cl->dc.tp,
               .ep = cl->dc.ep,
+              .dp = dp,
               .max_batch = cl->dc.max_batch ? cl->dc.max_batch : 256,
               .colocated = cl->n_prefill == 0,
               .step_tokens = cl->dc.step_tokens ? cl->dc.step_tokens : 512};
-    if (d.colocated && pl_stage_make(m, hw, m->n_layer, cl->dc.tp, cl->dc.ep, false, &d.whole))
+    if (d.colocated &&
+        (dp > 1 ? pl_stage_make_dp(m, hw, dp, &d.whole)
+                : pl_stage_make(m, hw, m->n_layer, cl->dc.tp, cl->dc.ep, false, &d.whole)))
         return TD_EINVAL;
     res->fits = check_fit(m, hw, cl, max_tokens, &d.kv_cap, res->why, sizeof res->why);
     if (!res->fits) return 0;
@@ -222,13 +235,13 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
     pl_key *keys = malloc((size_t)n * sizeof *keys);
     int *order = malloc((size_t)n * sizeof *order);
     d.r = calloc((size_t)n, sizeof *d.r);
-    dinst *in = calloc((size_t)cl->n_decode, sizeof *in);
+    dinst *in = calloc((size_t)n_inst, sizeof *in);
     int rc = tmp && keys && order && d.r && in ? 0 : TD_ENOMEM;
     if (!rc && d.colocated)
         memset(tmp, 0, (size_t)n * sizeof *tmp); /* prompts go straight to decode */
     else if (!rc)
         rc = pl_sim_prefill(m, hw, &cl->pf, cl->n_prefill, reqs, n, tmp, &res->n_chunks);
-    for (int i = 0; i < cl->n_decode && !rc; i++) {
+    for (int i = 0; i < n_inst && !rc; i++) {
         in[i].run = malloc((size_t)d.max_batch * sizeof *in[i].run);
         in[i].queue = malloc((size_t)n * sizeof *in[i].queue);
         if (!in[i].run || !in[i].queue) rc = TD_ENOMEM;
@@ -247,10 +260,10 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
         pl_sort_keys(keys, n);
         for (int i = 0; i < n; i++)
             order[i] = keys[i].i;
-        run_decode(&d, in, cl->n_decode, order, n);
+        run_decode(&d, in, n_inst, order, n);
         summarize(reqs, d.r, n, tmp, res);
     }
-    for (int i = 0; in && i < cl->n_decode; i++) {
+    for (int i = 0; in && i < n_inst; i++) {
         free(in[i].run);
         free(in[i].queue);
     }

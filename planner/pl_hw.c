@@ -66,6 +66,12 @@ static const hw_field fields[] = {
     {"prefill_speedup_ep.tp2", F_NUM, OFF(prefill_speedup_ep[2]), 0, 1e3, 1, 0},
     {"prefill_speedup_ep.tp3", F_NUM, OFF(prefill_speedup_ep[3]), 0, 1e3, 1, 0},
     {"prefill_speedup_ep.tp4", F_NUM, OFF(prefill_speedup_ep[4]), 0, 1e3, 1, 0},
+    {"decode_speedup_dp.tp2", F_NUM, OFF(decode_speedup_dp[2]), 0, 1e3, 1, 0},
+    {"decode_speedup_dp.tp3", F_NUM, OFF(decode_speedup_dp[3]), 0, 1e3, 1, 0},
+    {"decode_speedup_dp.tp4", F_NUM, OFF(decode_speedup_dp[4]), 0, 1e3, 1, 0},
+    {"prefill_speedup_dp.tp2", F_NUM, OFF(prefill_speedup_dp[2]), 0, 1e3, 1, 0},
+    {"prefill_speedup_dp.tp3", F_NUM, OFF(prefill_speedup_dp[3]), 0, 1e3, 1, 0},
+    {"prefill_speedup_dp.tp4", F_NUM, OFF(prefill_speedup_dp[4]), 0, 1e3, 1, 0},
     {"decode_attention_us_per_token", F_NUM, OFF(decode_attn), 0, 1e6, 1e-6, 0},
 };
 #define N_FIELDS (sizeof fields / sizeof fields[0])
@@ -293,6 +299,8 @@ int pl_hw_write(const pl_hw *hw, const char *comment, const char *path)
     write_per_tp(f, "decode_speedup_ep", hw->decode_speedup_ep, 1);
     write_per_tp(f, "prefill_speedup", hw->prefill_speedup, 1);
     write_per_tp(f, "prefill_speedup_ep", hw->prefill_speedup_ep, 1);
+    write_per_tp(f, "decode_speedup_dp", hw->decode_speedup_dp, 1);
+    write_per_tp(f, "prefill_speedup_dp", hw->prefill_speedup_dp, 1);
     if (hw->decode_attn > 0)
         fprintf(f, "decode_attention_us_per_token: %.6g\n", hw->decode_attn * 1e6);
     /* one mapping whatever tp counts were measured (closing it at the first gap left a tp

@@ -79,6 +79,16 @@ int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool
     return 0;
 }
 
+int pl_stage_make_dp(const pl_model *m, const pl_hw *hw, int dp, pl_stage *st)
+{
+    int rc = pl_stage_make(m, hw, m->n_layer, 1, false, false, st);
+    double s = dp > 1 && dp <= PL_HW_MAX_AR_TP ? hw->prefill_speedup_dp[dp] : 0;
+    if (rc || !(s > 0)) return rc;
+    st->a /= s, st->b_comp /= s, st->c /= s, st->weight_ms_full /= s;
+    st->fit.a = st->a, st->fit.b = st->fit.b_fit = st->b_comp + st->b_comm, st->fit.c = st->c;
+    return 0;
+}
+
 double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
 {
     double comp = st->a * (double)x * (2.0 * L + x) + st->b_comp * (double)x;
@@ -256,4 +266,15 @@ int pl_sim_prefill(const pl_model *m, const pl_hw *hw, const pl_prefill_cfg *pf,
     free(order);
     free(buf);
     return rc;
+}
+
+double pl_decode_step_ms_dp(const pl_model *m, const pl_hw *hw, int dp, int B, double S)
+{
+    double t1 = pl_decode_step_ms(m, hw, 1, false, B, S);
+    if (dp <= 1) return t1;
+    if (dp <= PL_HW_MAX_AR_TP && hw->decode_speedup_dp[dp] > 0)
+        return t1 / hw->decode_speedup_dp[dp];
+    int moe_layers = m->n_expert > 0 ? m->n_layer : 0; /* leading dense layers counted too */
+    return t1 +
+           2.0 * moe_layers * pl_allreduce_ms(hw, dp, (double)dp * B * m->n_embd * m->act_bytes);
 }

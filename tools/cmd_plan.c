@@ -33,6 +33,8 @@ static int plan_usage(void)
         "           --step-tokens T (512: prompt tokens a step, decode[].step_tokens)\n"
         "  decode:  --ep (a mixture-of-experts model's experts whole on the tp ranks,\n"
         "           decode[].ep: a step waits for the rank with the most expert work)\n"
+        "           --dp G (with a given shape of tp 1: each decode instance a data-parallel\n"
+        "           attention group of G member instances, decode[].dp; not searched)\n"
         "  search:  --max-instances N (4) --max-devices N (no cap: devices = prefill instances x\n"
         "           pp x tp + decode instances x tp) --max-batch B (256) --all (every "
         "configuration)\n"
@@ -47,6 +49,7 @@ typedef struct {
     bool json, all, reproduce, have_cfg, have_ttft, have_tpot, sequential;
     bool pf_flag; /* --chunk, --chunk-max or --smooth given (prefill instances only) */
     int batch;
+    int dp; /* --dp: each decode instance a data-parallel attention group (given shapes only) */
     pl_cluster cfg;
     int cfg_parts;
 } plan_opts;
@@ -122,6 +125,8 @@ static int plan_flag(plan_opts *o, const char *f, const char *v)
         return cli_parse_int(f, v, 1, 65536, &o->sp.max_batch);
     else if (!strcmp(f, "--batch"))
         return cli_parse_int(f, v, 1, 16, &o->batch);
+    else if (!strcmp(f, "--dp"))
+        return cli_parse_int(f, v, 1, 64, &o->dp);
     else if (!strcmp(f, "--prefill")) {
         if ((rc = parse_shape(f, v, 3, s))) return rc;
         o->cfg.n_prefill = s[0], o->cfg.pf.pp = s[1], o->cfg.pf.tp = s[2];
@@ -195,6 +200,13 @@ static int plan_parse(int argc, char **argv, plan_opts *o)
                         "--decode, or --colocated), not a search\n");
         return TD_EINVAL;
     }
+    if (o->dp > 1 && (!o->have_cfg || o->cfg.dc.tp != 1 || o->sp.ep)) {
+        fprintf(stderr,
+                "tandem: --dp %d prices a given decode shape of tp 1 without --ep "
+                "(--colocated Nx1 or --decode Nx1): each instance a group of %d members\n",
+                o->dp, o->dp);
+        return TD_EINVAL;
+    }
     return 0;
 }
 
@@ -244,14 +256,15 @@ static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
     const pl_result *r = &c->r;
     if (json) {
         printf("%s{\"prefill\": {\"instances\": %d, \"pp\": %d, \"tp\": %d}, \"decode\": "
-               "{\"instances\": %d, \"tp\": %d, \"ep\": %s}, \"devices\": %d, \"fits\": %s, "
+               "{\"instances\": %d, \"tp\": %d, \"ep\": %s, \"dp\": %d}, \"devices\": %d, "
+               "\"fits\": %s, "
                "\"meets\": %s, "
                "\"ttft_ms\": {\"p50\": %.3f, \"p90\": %.3f}, \"tpot_ms\": {\"p50\": %.4f, "
                "\"p90\": %.4f}, \"output_tps\": %.3f, \"prefill_tps\": %.3f}",
                first ? "" : ", ", k->n_prefill, k->pf.pp, k->pf.tp, k->n_decode, k->dc.tp,
-               k->dc.ep ? "true" : "false", r->devices, r->fits ? "true" : "false",
-               c->meets ? "true" : "false", r->ttft_p50, r->ttft_p90, r->tpot_p50, r->tpot_p90,
-               r->output_tps, r->prefill_tps);
+               k->dc.ep ? "true" : "false", k->dc.dp > 1 ? k->dc.dp : 1, r->devices,
+               r->fits ? "true" : "false", c->meets ? "true" : "false", r->ttft_p50, r->ttft_p90,
+               r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps);
         return;
     }
     if (!r->fits) {
@@ -291,6 +304,7 @@ static int do_plan(const plan_opts *o, const pl_model *m, const pl_hw *hw, pl_re
         one.cl.pf.tp = o->cfg.pf.tp;
         one.cl.dc.max_batch = o->sp.max_batch;
         one.cl.dc.ep = o->sp.ep;
+        one.cl.dc.dp = o->dp;
         rc = (o->sequential ? pl_simulate_sequential : pl_simulate)(m, hw, &one.cl, reqs,
                                                                     o->w.n_requests, &one.r);
         one.meets = one.r.fits && (!o->have_ttft || one.r.ttft_p90 <= o->sp.ttft_ms) &&

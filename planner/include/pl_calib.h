@@ -69,6 +69,11 @@ typedef struct {
      * not measured */
     double chunk_tp_ms[PL_HW_MAX_AR_TP + 1], prefill_speedup[PL_HW_MAX_AR_TP + 1];
     double chunk_tp_ep_ms[PL_HW_MAX_AR_TP + 1], prefill_speedup_ep[PL_HW_MAX_AR_TP + 1];
+    /* a data-parallel attention group of dp members (a mixture-of-experts model with at least
+     * dp experts): the batch-1 step of each member at once and member 0's prefill chunk, and
+     * their speed-ups over tp 1 (below 1: what the group costs a member); 0 when not measured */
+    double decode_dp_ms[PL_HW_MAX_AR_TP + 1], decode_speedup_dp[PL_HW_MAX_AR_TP + 1];
+    double chunk_dp_ms[PL_HW_MAX_AR_TP + 1], prefill_speedup_dp[PL_HW_MAX_AR_TP + 1];
     /* KV transfer, [0] shared memory, [1] TCP: kvx-bench's medians in the model's KV shape
      * (GB/s of a 4096-token chunk, us of a one-block chunk), or BENCHMARKS.md's figures */
     double kvx_gbps[2], kvx_lat_us[2];
@@ -100,6 +105,13 @@ int pl_calib_decode_tp(const char *model_path, int tp, bool ep, int threads, int
  * warm-up, reps (1..16) timed, *ms rank 0's median. Returns 0 or a td_err (logged). */
 int pl_calib_chunk_tp(const char *model_path, int tp, bool ep, int threads, int x, int reps,
                       double *ms);
+
+/* A data-parallel attention group of dp forked members (kn_shard.dp_size; the dc_shm dp
+ * collectives): chunk 0: steps batch-1 decode steps of every member at once (one row each),
+ * *ms member 0's median; chunk > 0: member 0's prefill chunk of that many tokens from an
+ * empty context while the others take their idle part (median of 2 after a warm-up).
+ * Returns 0 or a td_err (logged). */
+int pl_calib_dp(const char *model_path, int dp, int threads, int steps, int chunk, double *ms);
 
 /* Prefill chunks of x tokens after prefixes of k long_ctx / n tokens, k = 0..n-1 (the prefix
  * reserved and filled, not computed), each the median of reps forwards. */

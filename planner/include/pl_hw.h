@@ -33,6 +33,11 @@
  *                   of pl_hw_parallel, the all-reduces and a whole overhead_ms.chunk for
  *                   prefill chunks at that tp (`tandem calibrate` writes it)
  *   prefill_speedup_ep: {tp2: 1.6}   optional: the same with the experts whole on the ranks
+ *   decode_speedup_dp: {tp2: 0.8}, prefill_speedup_dp: {tp2: 0.9}   optional: a
+ *                   data-parallel attention group of that many members (decode[].dp; the
+ *                   keys' tpN is the member count): a member's batch-1 step with every member
+ *                   stepping, and member 0's prefill chunk with the others idle, as speed-ups
+ *                   over tp 1 (`tandem calibrate` writes them for a mixture-of-experts model)
  *   decode_attention_us_per_token: 3.5   optional: a decode step's attention, measured, per
  *                   token of context it reads (all layers, one device), in place of the
  *                   roofline of the KV bytes and FLOPs (`tandem calibrate` writes it)
@@ -66,6 +71,8 @@ typedef struct {
     double prefill_speedup[PL_HW_MAX_AR_TP + 1];   /* [tp]: a measured prefill chunk's
                                                       speed-up over tp 1, all-reduces included */
     double prefill_speedup_ep[PL_HW_MAX_AR_TP + 1]; /* [tp]: the same with experts whole */
+    double decode_speedup_dp[PL_HW_MAX_AR_TP + 1];  /* [members]: a dp group member's step */
+    double prefill_speedup_dp[PL_HW_MAX_AR_TP + 1]; /* [members]: member 0's chunk */
     double decode_attn; /* s per KV token a decode step attends to (all layers,
                            one device); 0: the memory/compute roofline */
 } pl_hw;

@@ -73,6 +73,9 @@ typedef struct {
                         effect on a dense model or at tp 1 */
     int max_batch;   /* requests in a step; 0: 256 */
     int step_tokens; /* colocated: prompt tokens a step at most (decode[].step_tokens); 0: 512 */
+    int dp;          /* 0 or 1; > 1 (tp 1, ep off, a mixture-of-experts model): each instance is a
+                        data-parallel attention group of dp member instances (decode[].dp), each
+                        its own requests and KV at the pl_decode_step_ms_dp cost */
 } pl_decode_cfg;
 
 typedef struct {
@@ -106,6 +109,10 @@ typedef struct {
  * TD_EINVAL. */
 int pl_stage_make(const pl_model *m, const pl_hw *hw, int n_layers, int tp, bool ep, bool pp_cross,
                   pl_stage *st);
+/* A member of a data-parallel attention group of dp (tp 1) prefilling a chunk while the
+ * others take their idle part: the tp 1 stage over the profile's prefill_speedup_dp[dp] where
+ * measured, else the tp 1 stage. Returns 0 or TD_EINVAL. */
+int pl_stage_make_dp(const pl_model *m, const pl_hw *hw, int dp, pl_stage *st);
 
 /* Time of a chunk of x tokens after a prefix of L on stage st, ms (the formula above). */
 double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x);
@@ -117,6 +124,12 @@ double pl_allreduce_ms(const pl_hw *hw, int tp, double bytes);
  * experts whole on the ranks (pl_decode_cfg.ep), the experts' bytes and products scaled by the
  * expected imbalance (pl_model_ep_imbalance). */
 double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S);
+/* The step of one member of a data-parallel attention group of dp with B requests and
+ * context S of its own: the tp 1 step over the profile's decode_speedup_dp[dp] (a member's
+ * batch-1 step with every member stepping, measured), else the tp 1 step plus the gather and
+ * reduce of dp B rows in every MoE layer (taken as two all-reduces of their bytes; the
+ * experts' share a member saves is not counted). */
+double pl_decode_step_ms_dp(const pl_model *m, const pl_hw *hw, int dp, int B, double S);
 
 /* Simulate the cluster over reqs (n, any arrival order; not modified). Fills *r; when the
  * configuration does not fit, r->fits is false and the times are 0. Returns 0, TD_EINVAL

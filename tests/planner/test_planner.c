@@ -478,6 +478,52 @@ static void test_measured_prefill(void)
     unlink(path);
 }
 
+/* A data-parallel attention group (pl_decode_cfg.dp): its members are instances of tp 1 at
+ * the measured dp step (decode_speedup_dp) or, unmeasured, the tp 1 step plus the gather and
+ * reduce; their chunks at prefill_speedup_dp; a member holds its share of the experts only,
+ * so its KV room grows; a dense model, tp 2 or ep with dp are refused; both keys load back. */
+static void test_dp(void)
+{
+    pl_hw hw = test_hw();
+    pl_model e = test_model();
+    e.n_expert = 8, e.n_expert_used = 2, e.moe_expert_bytes = e.weight_bytes / 2;
+    e.moe_active_params = e.layer_params * e.n_layer / 2;
+    double t1 = pl_decode_step_ms(&e, &hw, 1, false, 4, 400);
+    TH_CHECK(pl_decode_step_ms_dp(&e, &hw, 2, 4, 400) > t1); /* the gather and reduce */
+    hw.decode_speedup_dp[2] = 0.8;
+    TH_CHECK(fabs(pl_decode_step_ms_dp(&e, &hw, 2, 4, 400) - t1 / 0.8) < 1e-9 * t1);
+    pl_stage one, st;
+    TH_REQUIRE(pl_stage_make(&e, &hw, e.n_layer, 1, false, false, &one) == 0);
+    hw.prefill_speedup_dp[2] = 0.5;
+    TH_REQUIRE(pl_stage_make_dp(&e, &hw, 2, &st) == 0);
+    TH_CHECK(fabs(pl_stage_ms(&e, &st, 0, 256) - 2 * pl_stage_ms(&e, &one, 0, 256)) < 1e-9);
+    /* a colocated group of 2 against one instance: two devices, twice the instances */
+    pl_cluster cl = {.n_prefill = 0, .n_decode = 1, .dc = {.tp = 1, .dp = 2}};
+    pl_request reqs[4];
+    for (int i = 0; i < 4; i++)
+        reqs[i] = (pl_request){.arrival_ms = 0, .prompt = 64, .output = 8};
+    pl_result r;
+    TH_REQUIRE(pl_simulate(&e, &hw, &cl, reqs, 4, &r) == 0);
+    TH_CHECK(r.fits && r.devices == 2 && r.tpot_p50 > 0);
+    cl.dc.tp = 2;
+    TH_CHECK(pl_simulate(&e, &hw, &cl, reqs, 4, &r) == TD_EINVAL);
+    cl.dc.tp = 1, cl.dc.ep = true;
+    TH_CHECK(pl_simulate(&e, &hw, &cl, reqs, 4, &r) == TD_EINVAL);
+    cl.dc.ep = false;
+    pl_model dense = test_model();
+    TH_CHECK(pl_simulate(&dense, &hw, &cl, reqs, 4, &r) == TD_EINVAL);
+    char path[] = "/tmp/test_planner_hw_XXXXXX";
+    int fd = mkstemp(path);
+    TH_REQUIRE(fd >= 0);
+    close(fd);
+    TH_REQUIRE(pl_hw_write(&hw, NULL, path) == 0);
+    pl_hw h2;
+    char err[256];
+    TH_CHECKF(pl_hw_load(path, &h2, err, sizeof err) == 0, "%s", err);
+    TH_CHECK(h2.decode_speedup_dp[2] == 0.8 && h2.prefill_speedup_dp[2] == 0.5);
+    unlink(path);
+}
+
 /* The joint fit of profile forwards and chunks after a prefix recovers the model that made
  * them; a set that is not convex is refused and leaves the fit alone. */
 static void test_joint_fit(void)
@@ -519,6 +565,7 @@ int main(int argc, char **argv)
     TH_RUN(test_one_node);
     TH_RUN(test_measured_decode);
     TH_RUN(test_measured_prefill);
+    TH_RUN(test_dp);
     TH_RUN(test_joint_fit);
     TH_RUN(test_search_meets);
     TH_RUN(test_hw_errors);

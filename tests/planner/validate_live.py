@@ -19,9 +19,9 @@ so that both sides chunk alike. Exit 1 when a ratio leaves [1/B, B] (default B 1
 --quick: three configurations (colocated tp 1, pp 2 + tp 1, pp 1 + tp 3), short prompts, few
 requests (the ctest planner_live, with a generous bound). --hw F: use that profile instead of
 calibrating; --only: a comma-separated subset of the configurations' names. --moe: for a
-mixture-of-experts model, colocated tp 1, tp 2 with the experts split across the ranks and
-tp 2 with ep (whole experts a rank: `tandem plan --ep`), and the ep/split TPOT ratio measured
-and predicted.
+mixture-of-experts model, colocated tp 1, tp 2 with the experts split across the ranks,
+tp 2 with ep (whole experts a rank: `tandem plan --ep`) and a data-parallel attention group of
+2 members (`tandem plan --dp 2`), and the ep/split TPOT ratio measured and predicted.
 The decode tp must divide the model's attention heads: the configurations use tp 1 and 3
 (SmolLM2-135M has 9 heads; tp 2 needs another model)."""
 import argparse, http.client, json, os, random, subprocess, sys, tempfile, time
@@ -48,6 +48,7 @@ MOE = [
     ("colocated tp1, 256", 0, 1, 256, 32, 4),
     ("colocated tp2, 256", 0, 2, 256, 32, 4),
     ("colocated tp2 ep2, 256", 0, 2, 256, 32, 4, True),
+    ("colocated dp2, 256", 0, 2, 256, 32, 4, "dp"),  # 2 member instances of tp 1
 ]
 CHUNK = 512
 
@@ -59,7 +60,7 @@ def run(cmd, **kw):
     return p.stdout
 
 
-def write_yaml(path, model, run_dir, pp, tp, max_prompt, ep=False):
+def write_yaml(path, model, run_dir, pp, tp, max_prompt, ep=False, dp=False):
     y = ["model: %s" % model, "backend: cpu", "run_dir: %s" % run_dir, "router:",
          "  listen: 127.0.0.1:8000", "  max_prompt_tokens: %d" % (max_prompt + 64)]
     if pp:
@@ -67,9 +68,10 @@ def write_yaml(path, model, run_dir, pp, tp, max_prompt, ep=False):
               "    dynamic_chunking: false", "    smooth_factor: 0", "    threads: 1",
               "    profile_budget_ms: 0", "    prefix_cache: false",
               "    kv_tokens: %d" % max(4096, 2 * (max_prompt + 64))]
-    y += ["decode:", "  - name: d0", "    tp: %d" % tp, "    threads: 1",
+    y += ["decode:", "  - name: d0", "    tp: %d" % (1 if dp else tp), "    threads: 1",
           "    kv_memory: 256MiB", "    max_batch: 64", "    step_tokens: %d" % CHUNK,
-          "    prefix_cache: false"] + (["    ep: %d" % tp] if ep else [])
+          "    prefix_cache: false"] + (["    ep: %d" % tp] if ep else []) + \
+        (["    dp: %d" % tp] if dp else [])
     if pp:
         y += ["kvxfer:", "  ucx_tls: posix,cma,self", "  timeout_ms: 600000"]
     open(path, "w").write("\n".join(y) + "\n")
@@ -113,13 +115,19 @@ def one_request(port, prompt, out):
 
 
 def ep_of(cfg):
-    return len(cfg) > 6 and cfg[6]
+    return len(cfg) > 6 and cfg[6] is True
+
+
+def dp_of(cfg):
+    """A data-parallel attention group of `tp` members (each an instance of tp 1)."""
+    return len(cfg) > 6 and cfg[6] == "dp"
 
 
 def measure(tandem, model, tmp, cfg, port):
     name, pp, tp, prompt, out, n = cfg[:6]
-    yml = os.path.join(tmp, "c%d-%d%s.yaml" % (pp, tp, "-ep" if ep_of(cfg) else ""))
-    write_yaml(yml, model, os.path.join(tmp, "run"), pp, tp, prompt, ep_of(cfg))
+    yml = os.path.join(tmp, "c%d-%d%s.yaml" % (pp, tp, "-ep" if ep_of(cfg) else
+                                                "-dp" if dp_of(cfg) else ""))
+    write_yaml(yml, model, os.path.join(tmp, "run"), pp, tp, prompt, ep_of(cfg), dp_of(cfg))
     run([tandem, "up", "-d", yml, "--port", str(port), "--no-restart", "--timeout", "600"])
     try:
         rnd = random.Random(1)
@@ -143,9 +151,12 @@ def median(v):
 
 def predict(tandem, model, hw, cfg):
     name, pp, tp, prompt, out, n = cfg[:6]
-    shape = ["--colocated", "1x%d" % tp, "--step-tokens", str(CHUNK)] if not pp else \
-        ["--prefill", "1x%dx1" % pp, "--decode", "1x%d" % tp, "--chunk", str(CHUNK),
+    dtp = 1 if dp_of(cfg) else tp
+    shape = ["--colocated", "1x%d" % dtp, "--step-tokens", str(CHUNK)] if not pp else \
+        ["--prefill", "1x%dx1" % pp, "--decode", "1x%d" % dtp, "--chunk", str(CHUNK),
          "--chunk-max", str(CHUNK), "--smooth", "0"]
+    if dp_of(cfg):
+        shape += ["--dp", str(tp)]
     o = run([tandem, "plan", "--model", model, "--hw", hw, "--requests", str(n), "--sequential",
              "--prompt", str(prompt), "--output", str(out), "--json"] + shape +
             (["--ep"] if ep_of(cfg) else []))
