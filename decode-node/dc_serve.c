@@ -605,6 +605,7 @@ void dc_serve_health(dc_node *n)
     h.spec_drafts = st.spec_drafts;
     h.spec_draft_tokens = st.spec_draft_tokens;
     h.spec_accepted_tokens = st.spec_accepted;
+    h.spec_held_steps = st.spec_held_steps;
     size_t n_pos = sizeof st.spec_accepted_pos / sizeof st.spec_accepted_pos[0];
     while (n_pos > 0 && !st.spec_accepted_pos[n_pos - 1])
         n_pos--; /* up to the last nonzero position: a small message */

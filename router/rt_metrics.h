@@ -57,7 +57,8 @@ typedef struct {
 /* Health.spec_accepted_per_pos entries kept (the decode node's DC_SPEC_MAX_TOKENS); later
  * ones are dropped */
 #define RT_SPEC_POS 32
-#define RT_SPEC_N   (3 + RT_SPEC_POS) /* rt_inst_gauge.spec */
+#define RT_SPEC_HELD (3 + RT_SPEC_POS)  /* rt_inst_gauge.spec[]: Health.spec_held_steps */
+#define RT_SPEC_N    (RT_SPEC_HELD + 1) /* rt_inst_gauge.spec */
 
 /* A decode instance as the loop publishes it (rt_reg_gauge, rt_metrics_publish_inst). */
 typedef struct {
@@ -71,7 +72,8 @@ typedef struct {
     uint64_t steps[RT_STEP_N];
     /* likewise: speculative decoding's verifications, proposed tokens verified, of which
      * accepted (Health 34-36), then the accepted tokens at each proposal position
-     * (Health.spec_accepted_per_pos; 0 past its end) */
+     * (Health.spec_accepted_per_pos; 0 past its end), then the steps the measured gate held
+     * the proposals off (Health.spec_held_steps) */
     uint64_t spec[RT_SPEC_N];
     uint64_t boot_id; /* Health.boot_id: a new one restarts every count above from 0 */
     bool alive;

@@ -175,6 +175,10 @@ static void render_spec(rt_mw *w, const rt_metrics *m)
              "Proposed tokens the decode instance verified.", 11);
     put_inst(w, m, "vllm:spec_decode_num_accepted_tokens_total", RT_MT_COUNTER,
              "Of those, tokens accepted (they matched what was sampled).", 12);
+    put_inst(w, m, "tandem_spec_decode_gate_held_steps_total", RT_MT_COUNTER,
+             "Steps in which the measured gate (decode[].speculative.gate) held the proposals "
+             "off: at that batch size, steps without them were measured faster.",
+             10 + RT_SPEC_HELD);
     rt_mw_family(w, "vllm:spec_decode_num_accepted_tokens_per_pos_total", RT_MT_COUNTER,
                  "Accepted tokens by proposal position (0: a verification's first).");
     rt_labels l;

@@ -306,6 +306,7 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
         for (int k = 0; k < RT_SPEC_POS; k++) /* absent: none accepted there */
             s->spec[3 + k] =
                 (size_t)k < h->n_spec_accepted_per_pos ? h->spec_accepted_per_pos[k] : 0;
+        s->spec[RT_SPEC_HELD] = h->spec_held_steps;
         seen_compute(&s->compute, h);
     }
     s->alive = s->ready;

@@ -53,7 +53,8 @@ typedef struct {
                                Health.prefix_tier[0..2] (tier writes, reads, hit tokens) */
     uint64_t steps[TD_STEP_HIST_N + 2]; /* decode: Health.step_time_counts, step_time_us */
     uint64_t spec[RT_SPEC_N];           /* decode: Health.spec_drafts, spec_draft_tokens,
-                                           spec_accepted_tokens, spec_accepted_per_pos[] */
+                                           spec_accepted_tokens, spec_accepted_per_pos[],
+                                           spec_held_steps */
     uint64_t inflight_tokens;           /* prefill: prompt tokens of the router's attempts on it */
     bool role_warned;                   /* prefill: logged once that it does not say ROLE_PREFILL */
     bool ev_warned;                     /* logged once that its Health's KV events were malformed */

@@ -368,7 +368,7 @@ static void test_inst_counters(void)
     td_cfg_free(cfg);
 }
 
-/* Speculative decoding's counts (Health 34-37) from a Health through rt_reg_seen, the
+/* Speculative decoding's counts (Health 34-37, 39) from a Health through rt_reg_seen, the
  * loop's snapshot (rt_reg_gauge) and rt_metrics_publish_inst to vLLM's series: summed
  * across restarts (counts that went back, a new boot id), positions past the message's end
  * counted 0, those past RT_SPEC_POS dropped, per-position series up to the last position
@@ -411,6 +411,7 @@ static void test_spec_counters(void)
         }
         h.n_spec_accepted_per_pos = n;
         h.spec_accepted_per_pos = pos;
+        h.spec_held_steps = seen[k][2] / 2; /* 5, 1, 10: summed across the restart */
         rt_reg_seen(&d0, &h, 1 + k);
         TH_CHECK(d0.spec[0] == seen[k][2] && d0.spec[3 + 2] == seen[k][7] && d0.spec[3 + 3] == 0);
         rt_inst_gauge g = rt_reg_gauge(&d0);
@@ -430,6 +431,10 @@ static void test_spec_counters(void)
                           "instance=\"d0\"} ") == 96);
     TH_CHECK(series(text, "vllm:spec_decode_num_accepted_tokens_total{model_name=\"x\","
                           "instance=\"d0\"} ") == 45);
+    TH_CHECK(series(text, "tandem_spec_decode_gate_held_steps_total{model_name=\"x\","
+                          "instance=\"d0\"} ") == 16);
+    TH_CHECK(series(text, "tandem_spec_decode_gate_held_steps_total{model_name=\"x\","
+                          "instance=\"d1\"} ") == 0);
     /* positions: 8 + 1 + 15, 4 + 0 + 10, 2 + 0 + 5; the last kept one 4, later dropped */
     static const struct {
         int pos;
