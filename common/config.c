@@ -508,8 +508,6 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
                         "dp %d: each member holds the model whole but its experts; tp and ep "
                         "stay 1 (tp %d, ep %d)",
                         x->dp, x->tp, x->ep);
-    if (x->dp > 1 && seen[D_OVERLAP] && x->overlap)
-        return cfg_fail(p, seen[D_OVERLAP], "overlap with dp > 1 is not built yet");
     if (x->dp > 1 && seen[D_DEVICES])
         return cfg_fail(p, seen[D_DP], "dp > 1 runs on the cpu backend (no devices)");
     if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;

@@ -111,18 +111,21 @@ void dc_group_close(dc_node *n)
     n->group.ready = false;
 }
 
+void dc_group_round(dc_node *n)
+{
+    dc_group *g = &n->group;
+    if (n->dcfg->dp <= 1 || !g->ready) return;
+    dc_shm_dp_request(g->shm, g->joined + 1);
+    g->joined++;
+    g->rounds++;
+}
+
 /* A forward with this member's rows: its round asked for first (the idle members wake). */
 int dc_group_forward(dc_node *n, const kn_batch *b, float *logits)
 {
-    dc_group *g = &n->group;
-    if (n->dcfg->dp > 1) {
-        if (!g->ready) return TD_ESTATE;
-        dc_shm_dp_request(g->shm, g->joined + 1);
-    }
-    int rc = kn_engine_forward(n->proc.rt.engine, dc_kv(n), b, logits);
-    g->joined++;
-    g->rounds++;
-    return rc;
+    if (n->dcfg->dp > 1 && !n->group.ready) return TD_ESTATE;
+    dc_group_round(n);
+    return kn_engine_forward(n->proc.rt.engine, dc_kv(n), b, logits);
 }
 
 /* No rows of its own: the rounds the others asked for, waiting up to wait_ms for one. 1 when

@@ -192,7 +192,9 @@ static int serve_overlap(dc_node *n, bool *fatal)
         if ((rc = dc_serve_sync_allocs(n))) break; /* joined: no pass in flight */
         if (!dc_sched_idle(n->leader.sched)) {
             if ((rc = step_begin(n, &sr)) < 0) break;
+            if (rc > 0 && !sr.rc && n->dcfg->dp > 1 && !n->group.ready) sr.rc = TD_ESTATE;
             if (rc > 0 && !sr.rc) {
+                dc_group_round(n); /* a dp group's round: the idle members wake */
                 dc_async_launch(n, &sr.st.batch, n->leader.logits);
                 flying = true;
             } else if (rc > 0 && (rc = step_end(n, &sr, sr.rc)) < 0) {
@@ -203,7 +205,16 @@ static int serve_overlap(dc_node *n, bool *fatal)
         if (!flying) dc_async_flush(n); /* no pass to hide them behind */
         rc = 0;
         if (k > 0 && !flying && dc_sched_idle(n->leader.sched)) dc_serve_health(n); /* load 0 */
-        if (!flying && k == 0 && (rc = dc_shm_check(n->form.shm))) break;
+        /* a dp group's member without a pass of its own takes its part in the others' rounds
+         * (the engine is free: no pass in flight) */
+        if (!flying && k == 0 &&
+            (rc = dc_group_idle(n, dc_sched_idle(n->leader.sched) && !dc_xfer_pending(n->plane.xfer)
+                                       ? GROUP_IDLE_MS
+                                       : 0)) < 0)
+            break;
+        rc = 0;
+        if (!flying && k == 0 && ((rc = dc_shm_check(n->form.shm)) || (rc = dc_group_check(n))))
+            break;
         if (k > 0) { /* as in serve_sequential */
             n->stats.ns_inbox += t_in - t_loop - ns_wait;
             n->stats.ns_serve += td_now_ns() - t_loop - ns_wait;

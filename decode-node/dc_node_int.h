@@ -316,6 +316,7 @@ void dc_group_collective(dc_node *n, kn_collective *coll);
 void dc_group_init(dc_node *n, int64_t max_rows);
 int dc_group_form(dc_node *n, int wait_ms);
 void dc_group_close(dc_node *n);
+void dc_group_round(dc_node *n);
 int dc_group_forward(dc_node *n, const kn_batch *b, float *logits);
 int dc_group_idle(dc_node *n, int wait_ms);
 int dc_group_check(dc_node *n);

@@ -109,8 +109,6 @@ static const bad_case bad_cases[] = {
     {"decode_ep_zero", MIN "    ep: 0\n", 4, 9, "0 is out of range [1, 64]"},
     {"decode_dp_tp", MIN "    dp: 2\n    tp: 2\n", 4, 9,
      "dp 2: each member holds the model whole but its experts; tp and ep stay 1 (tp 2, ep 1)"},
-    {"decode_dp_overlap", MIN "    dp: 2\n    overlap: true\n", 5, 14,
-     "overlap with dp > 1 is not built yet"},
     {"decode_dp_mtp", MIN "    dp: 2\n    speculative:\n      method: mtp\n", 6, 7,
      "speculative method mtp with dp > 1 is not built yet"},
     {"decode_dp_clash", MIN "    dp: 2\n  - name: d1\n    port: 9001\n", 6, 11,

@@ -308,7 +308,7 @@ def case_dp(args):
     members' tokens in lock step): colocated and pp 2 -> dp 2 give `tandem generate`'s greedy
     output one request at a time (the other member idle in every round) and several at once
     (the router spreads them over the members); both members ran rounds with rows of their
-    own (their stop logs); a member killed mid-stream (dp_member_dies)."""
+    own (their stop logs); the same with overlap; a member killed mid-stream (dp_member_dies)."""
     prompts = ["a", text(30), text(150)]
     for name in ("deepseek2", "qwen3moe"):
         model = os.path.join(args.synth_dir, f"{name}.gguf")
@@ -326,6 +326,14 @@ def case_dp(args):
                           for k in range(2)]
                 check(all(r and int(r[-1][0]) > int(r[-1][1]) for r in rounds),
                       f"{label}: both members ran rounds with rows of their own ({rounds})")
+    # with overlap: each member's pass on its forward thread, its idle part between passes
+    model = os.path.join(args.synth_dir, "deepseek2.gguf")
+    label = "deepseek2 colocated dp2 overlap"
+    with Cluster(args, model, [], [{"dp": 2, "overlap": True}]) as c:
+        check(members_ready(c, label), f"{label}: both members ready")
+        equal_outputs(c, args, model, prompts, label)
+        concurrent_outputs(c, args, model, prompts + [text(60), "b", text(9)], label)
+        idle(c, label)
     dp_member_dies(args)
 
 
