@@ -50,27 +50,31 @@ int pl_search(const pl_model *m, const pl_hw *hw, const pl_request *reqs, int n,
               const pl_search_params *p, pl_candidate **out, int *n_out, int *best)
 {
     static const int par[] = {1, 2, 4, 8};
+    /* decode shapes: tp 1, 2, 4, 8; then data-parallel attention groups of 2 and 4 members
+     * of tp 1 (a mixture-of-experts model, without ep) */
+    static const int dshape_tp[] = {1, 2, 4, 8, 1, 1}, dshape_dp[] = {1, 1, 1, 1, 2, 4};
     int mi = p->max_instances > 0 ? p->max_instances : 4;
     int max_tpp = p->max_prefill_tp > 0 ? p->max_prefill_tp : 1;
-    int total = mi * mi * 4 * 4 * 4, k = 0, rc = 0;
+    int total = mi * mi * 4 * 4 * 6, k = 0, rc = 0;
     pl_candidate *c = calloc((size_t)total, sizeof *c);
     if (!c) return TD_ENOMEM;
     for (int np = 1; np <= mi && !rc; np++)
         for (int a = 0; a < 4 && !rc; a++)
             for (int b = 0; b < 4 && !rc; b++)
                 for (int nd = 1; nd <= mi && !rc; nd++)
-                    for (int d = 0; d < 4 && !rc; d++) {
-                        int pp = par[a], tpp = par[b], tpd = par[d];
+                    for (int d = 0; d < 6 && !rc; d++) {
+                        int pp = par[a], tpp = par[b], tpd = dshape_tp[d], dp = dshape_dp[d];
                         if (pp > m->n_layer || tpp > hw->devices_per_node || tpp > max_tpp ||
                             tpd > hw->devices_per_node ||
-                            (p->max_devices > 0 && np * pp * tpp + nd * tpd > p->max_devices))
+                            (dp > 1 && (p->ep || m->n_expert < dp || dp > hw->devices_per_node)) ||
+                            (p->max_devices > 0 && np * pp * tpp + nd * tpd * dp > p->max_devices))
                             continue;
                         pl_candidate *x = &c[k];
-                        x->cl =
-                            (pl_cluster){.n_prefill = np,
-                                         .n_decode = nd,
-                                         .pf = p->pf,
-                                         .dc = {.tp = tpd, .max_batch = p->max_batch, .ep = p->ep}};
+                        x->cl = (pl_cluster){
+                            .n_prefill = np,
+                            .n_decode = nd,
+                            .pf = p->pf,
+                            .dc = {.tp = tpd, .max_batch = p->max_batch, .ep = p->ep, .dp = dp}};
                         x->cl.pf.pp = pp;
                         x->cl.pf.tp = tpp;
                         rc = pl_simulate(m, hw, &x->cl, reqs, n, &x->r);

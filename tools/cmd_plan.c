@@ -34,7 +34,8 @@ static int plan_usage(void)
         "  decode:  --ep (a mixture-of-experts model's experts whole on the tp ranks,\n"
         "           decode[].ep: a step waits for the rank with the most expert work)\n"
         "           --dp G (with a given shape of tp 1: each decode instance a data-parallel\n"
-        "           attention group of G member instances, decode[].dp; not searched)\n"
+        "           attention group of G member instances, decode[].dp; the search tries\n"
+        "           groups of 2 and 4 for a mixture-of-experts model without --ep)\n"
         "  search:  --max-instances N (4) --max-devices N (no cap: devices = prefill instances x\n"
         "           pp x tp + decode instances x tp) --max-batch B (256) --all (every "
         "configuration)\n"
@@ -267,9 +268,14 @@ static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
                r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps);
         return;
     }
+    char dc[24];
+    if (k->dc.dp > 1)
+        snprintf(dc, sizeof dc, "%dxdp%d", k->n_decode, k->dc.dp);
+    else
+        snprintf(dc, sizeof dc, "%dx%d", k->n_decode, k->dc.tp);
     if (!r->fits) {
-        printf("%7d  %dx%dx%-4d %dx%-4d  does not fit: %s\n", r->devices, k->n_prefill, k->pf.pp,
-               k->pf.tp, k->n_decode, k->dc.tp, r->why);
+        printf("%7d  %dx%dx%-4d %-6s  does not fit: %s\n", r->devices, k->n_prefill, k->pf.pp,
+               k->pf.tp, dc, r->why);
         return;
     }
     char pf[16];
@@ -277,10 +283,9 @@ static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
         snprintf(pf, sizeof pf, "%dx%dx%d", k->n_prefill, k->pf.pp, k->pf.tp);
     else
         snprintf(pf, sizeof pf, "colocated");
-    printf("%7d  %-10s %dx%-4d %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s%s\n", r->devices, pf,
-           k->n_decode, k->dc.tp, r->ttft_p50, r->ttft_p90, r->tpot_p50, r->tpot_p90, r->output_tps,
-           r->prefill_tps, c->meets ? "yes" : "no",
-           best ? "  <- cheapest that meets the targets" : "");
+    printf("%7d  %-10s %-6s %10.1f %10.1f %9.3f %9.3f %10.1f %10.1f  %s%s\n", r->devices, pf, dc,
+           r->ttft_p50, r->ttft_p90, r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps,
+           c->meets ? "yes" : "no", best ? "  <- cheapest that meets the targets" : "");
 }
 
 static void print_head(const plan_opts *o, const pl_model *m, const pl_hw *hw)
@@ -337,9 +342,10 @@ static int do_plan(const plan_opts *o, const pl_model *m, const pl_hw *hw, pl_re
                    o->sp.tpot_ms);
         else
             printf("cheapest meeting p90 TTFT <= %g ms and TPOT <= %g ms: prefill %dx pp%d tp%d, "
-                   "decode %dx tp%d (%d devices)\n",
+                   "decode %dx %s%d (%d devices)\n",
                    o->sp.ttft_ms, o->sp.tpot_ms, c[best].cl.n_prefill, c[best].cl.pf.pp,
-                   c[best].cl.pf.tp, c[best].cl.n_decode, c[best].cl.dc.tp, c[best].r.devices);
+                   c[best].cl.pf.tp, c[best].cl.n_decode, c[best].cl.dc.dp > 1 ? "dp" : "tp",
+                   c[best].cl.dc.dp > 1 ? c[best].cl.dc.dp : c[best].cl.dc.tp, c[best].r.devices);
     }
     if (c != &one) free(c);
     return 0;

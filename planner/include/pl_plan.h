@@ -45,7 +45,9 @@ typedef struct {
 } pl_candidate;
 
 /* Simulate every configuration (instances 1..max per role, pp in 1, 2, 4, 8, tp in 1, 2, 4,
- * 8 up to devices_per_node, prefill tp up to max_prefill_tp) over reqs. *out (n_out) in order of
+ * 8 up to devices_per_node, prefill tp up to max_prefill_tp; for a mixture-of-experts model
+ * without ep also decode instances that are data-parallel attention groups of 2 and 4 members)
+ * over reqs. *out (n_out) in order of
  * devices then output throughput (descending); *best the index of the cheapest that meets the
  * targets, -1 if none. Returns 0 or a td_err from the simulator. */
 int pl_search(const pl_model *m, const pl_hw *hw, const pl_request *reqs, int n,

@@ -522,6 +522,22 @@ static void test_dp(void)
     TH_CHECKF(pl_hw_load(path, &h2, err, sizeof err) == 0, "%s", err);
     TH_CHECK(h2.decode_speedup_dp[2] == 0.8 && h2.prefill_speedup_dp[2] == 0.5);
     unlink(path);
+    /* the search tries dp groups for the MoE model only (and never with ep) */
+    pl_search_params sp = {.ttft_ms = 1e9, .tpot_ms = 1e9, .max_instances = 1};
+    pl_candidate *c = NULL;
+    int nc = 0, best = -1, with_dp = 0;
+    hw.devices_per_node = 4;
+    TH_REQUIRE(pl_search(&e, &hw, reqs, 4, &sp, &c, &nc, &best) == 0);
+    for (int i = 0; i < nc; i++)
+        with_dp +=
+            c[i].cl.dc.dp > 1 &&
+            c[i].r.devices == c[i].cl.n_prefill * c[i].cl.pf.pp * c[i].cl.pf.tp + c[i].cl.dc.dp;
+    free(c);
+    TH_CHECK(with_dp > 0);
+    TH_REQUIRE(pl_search(&dense, &hw, reqs, 4, &sp, &c, &nc, &best) == 0);
+    for (int i = 0; i < nc; i++)
+        TH_CHECK(c[i].cl.dc.dp <= 1);
+    free(c);
 }
 
 /* The joint fit of profile forwards and chunks after a prefix recovers the model that made
