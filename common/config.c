@@ -545,8 +545,8 @@ static int expand_dp(td_cfg_ctx *p, const td_cfg_decode *x, const inst_ref *ref,
         m->devices = NULL, m->n_devices = 0;
         m->port = ref->port_node ? x->port + k : 9000 + at + k;
         if (m->port > 65535)
-            return cfg_fail(p, ref->port_node, "dp %d: member %d's port %d is beyond 65535", x->dp,
-                            k, m->port);
+            return cfg_fail(p, ref->port_node ? ref->port_node : ref->name_node,
+                            "dp %d: member %d's port %d is beyond 65535", x->dp, k, m->port);
         refs[k] = (inst_ref){m->name, ref->name_node, m->host, m->port,
                              ref->port_node ? ref->port_node : ref->name_node};
     }

@@ -10,16 +10,18 @@
  * word, which wakes the sleeping members) and runs its forward; a member without rows that
  * sees a round asked for beyond those it joined runs the idle forward (kn_engine_forward_idle:
  * the others' rows through its experts). While idle, a member sleeps on the round word for at
- * most IDLE_SLICE_MS at a time between looks at its inbox, so a peer's round waits for it
+ * most GROUP_IDLE_MS at a time between looks at its inbox, so a peer's round waits for it
  * microseconds, not an inbox wait (decode-node/dc_loop.c).
  * Failures: a member that dies or leaves breaks the segment; the others' next collective fails
  * (TD_EIO), their step fails its requests (the router moves them) and they form again, the
  * group segment made anew once every member is back (dc_node.c form()).
- * Threading: the engine thread only. */
+ * Threading: the node thread; with decode[].overlap the forward thread's pass also calls the
+ * collectives, which read the segment, while the node thread leaves the group alone until the
+ * pass is joined (its round is asked for before the launch, its idle part only between
+ * passes). */
 #include <stdio.h>
 
 #include "dc_node_int.h"
-#include "td_clock.h"
 #include "td_err.h"
 
 static int grp_counts(void *ctx, const int64_t mine[2], int64_t *all)
@@ -87,7 +89,7 @@ int dc_group_form(dc_node *n, int wait_ms)
     int rc = 0;
     if (!g->shm && (rc = dc_shm_begin(&g->shmp, &g->shm))) {
         g->shm = NULL;
-        return rc == TD_ETIMEDOUT ? rc : rc; /* no segment of a live member 0 yet, or worse */
+        return rc; /* TD_ETIMEDOUT: no segment of a live member 0 yet; else worse */
     }
     rc = dc_shm_gather(g->shm, wait_ms);
     if (rc == TD_ETIMEDOUT) return rc;
