@@ -106,8 +106,19 @@ int dc_group_form(dc_node *n, int wait_ms)
     return 0;
 }
 
+void dc_group_stats(const dc_node *n, dc_shm_stats *st)
+{
+    *st = n->group.done;
+    if (!n->group.shm) return;
+    dc_shm_stats cur;
+    dc_shm_get_stats(n->group.shm, &cur);
+    st->n_allreduce += cur.n_allreduce, st->ns_allreduce += cur.ns_allreduce;
+    st->n_gather += cur.n_gather, st->ns_gather += cur.ns_gather;
+}
+
 void dc_group_close(dc_node *n)
 {
+    dc_group_stats(n, &n->group.done);
     dc_shm_close(n->group.shm);
     n->group.shm = NULL;
     n->group.ready = false;

@@ -106,6 +106,7 @@ typedef struct {
     uint32_t joined;      /* rounds (forwards of every member) this member took part in */
     uint64_t rounds;      /* rounds of every group segment this member served in */
     uint64_t idle_rounds; /* of them, without rows of its own */
+    dc_shm_stats done;    /* the collectives of the group segments already closed */
 } dc_group;
 
 /* Where the leader is in its life (dc_node.h's states), for the control plane's answers.
@@ -316,6 +317,7 @@ void dc_group_collective(dc_node *n, kn_collective *coll);
 void dc_group_init(dc_node *n, int64_t max_rows);
 int dc_group_form(dc_node *n, int wait_ms);
 void dc_group_close(dc_node *n);
+void dc_group_stats(const dc_node *n, dc_shm_stats *st);
 void dc_group_round(dc_node *n);
 int dc_group_forward(dc_node *n, const kn_batch *b, float *logits);
 int dc_group_idle(dc_node *n, int wait_ms);

@@ -96,11 +96,22 @@ void dc_report_log(const dc_node *n)
                     (unsigned long long)ds.refused, (double)ds.ns / 1e6,
                     n->stats.step_ns ? 100.0 * (double)ds.ns / (double)n->stats.step_ns : 0.0);
     }
-    if (n->dcfg->dp > 1)
-        TD_LOG_INFO("decode %s: dp group: %llu rounds, %llu idle (member %d of %s's %d)",
+    if (n->dcfg->dp > 1) {
+        /* the gathers and reduces hold the waits for the other members: what two-batch
+         * overlap could hide at most */
+        dc_shm_stats gs;
+        dc_group_stats(n, &gs);
+        double ns = (double)(gs.ns_gather + gs.ns_allreduce);
+        TD_LOG_INFO("decode %s: dp group: %llu rounds, %llu idle (member %d of %s's %d); %llu "
+                    "gathers %.1f us, %llu reduces %.1f us: %.1f%% of step time",
                     n->p->instance, (unsigned long long)n->group.rounds,
                     (unsigned long long)n->group.idle_rounds, n->dcfg->dp_rank, n->dcfg->dp_group,
-                    n->dcfg->dp);
+                    n->dcfg->dp, (unsigned long long)gs.n_gather,
+                    gs.n_gather ? (double)gs.ns_gather / (double)gs.n_gather / 1e3 : 0.0,
+                    (unsigned long long)gs.n_allreduce,
+                    gs.n_allreduce ? (double)gs.ns_allreduce / (double)gs.n_allreduce / 1e3 : 0.0,
+                    n->stats.step_ns ? 100.0 * ns / (double)n->stats.step_ns : 0.0);
+    }
     log_phases(n);
     if (n->plane.xfer) {
         /* leak check of the tests: every transfer released on every rank */
