@@ -521,9 +521,14 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
 
 static char *dup_suffixed(td_cfg_ctx *p, const char *s, int k)
 {
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s.%d", s, k);
-    return cfg_xstrdup(p, buf);
+    size_t cap = strlen(s) + 16;
+    char *d = malloc(cap);
+    if (!d) {
+        p->rc = TD_ENOMEM;
+        return NULL;
+    }
+    snprintf(d, cap, "%s.%d", s, k);
+    return d;
 }
 
 /* A data-parallel entry (dp > 1) becomes its members, NAME.K at port + K (the YAML's port) or
@@ -534,15 +539,20 @@ static int expand_dp(td_cfg_ctx *p, const td_cfg_decode *x, const inst_ref *ref,
 {
     for (int k = 0; k < x->dp && !p->rc; k++) {
         td_cfg_decode *m = &out[k];
-        *m = *x;
+        *m = *x; /* then none of x's strings: each member owns its copies */
+        m->name = m->dp_group = m->host = m->tier.path = m->speculative.draft = NULL;
+        m->devices = NULL, m->n_devices = 0;
         m->dp_rank = k;
         m->name = dup_suffixed(p, x->name, k);
+        if (m->name && !td_cfg_name_ok(m->name))
+            return cfg_fail(p, ref->name_node,
+                            "dp %d: member name '%s' is longer than %d bytes: shorten '%s'", x->dp,
+                            m->name, TD_CFG_NAME_MAX, x->name);
         m->dp_group = cfg_xstrdup(p, x->name);
         m->host = cfg_xstrdup(p, x->host);
         /* one prefix-cache tier file a member */
         m->tier.path = x->tier.path ? dup_suffixed(p, x->tier.path, k) : NULL;
         m->speculative.draft = x->speculative.draft ? cfg_xstrdup(p, x->speculative.draft) : NULL;
-        m->devices = NULL, m->n_devices = 0;
         m->port = ref->port_node ? x->port + k : 9000 + at + k;
         if (m->port > 65535)
             return cfg_fail(p, ref->port_node ? ref->port_node : ref->name_node,

@@ -115,6 +115,13 @@ static const bad_case bad_cases[] = {
      "control port 9001 on 127.0.0.1 is already used by instance 'd0.1'"},
     {"decode_dp_name_clash", MIN "    dp: 2\n  - name: d0.1\n", 5, 11,
      "duplicate instance name 'd0.1'"},
+    {"decode_dp_long_name",
+     "model: /m\ndecode:\n  - name: "
+     "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzabcdefghijk\n"
+     "    dp: 2\n",
+     3, 11,
+     "dp 2: member name 'abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzabcdefghijk.0' is "
+     "longer than 63 bytes"},
     {"decode_dp_port_range", MIN "    dp: 3\n    port: 65534\n", 5, 11,
      "dp 3: member 2's port 65536 is beyond 65535"},
     {"decode_itl_neg", MIN "    itl_target_ms: -5\n", 4, 20, "-5 is out of range [0, 600000]"},
