@@ -101,7 +101,11 @@ int dc_shm_dp_gather(dc_shm *s, const float *mine, const int64_t *counts, int64_
     for (int q = 0; q < s->tp; q++)
         if (counts[2 * q] * n_cols > most) most = counts[2 * q] * n_cols;
     const int64_t own = counts[2 * s->rank] * n_cols;
-    if (own > 0 && !mine) return dc_shm_fail(s, TD_EINVAL);
+    if (own > 0 && !mine) {
+        TD_LOG_ERR("dc_shm %s member %d: dp gather of %lld rows without them", s->inst, s->rank,
+                   (long long)counts[2 * s->rank]);
+        return dc_shm_fail(s, TD_EINVAL);
+    }
     if (s->tp == 1) {
         if (own > 0) memcpy(all, mine, (size_t)own * sizeof *all);
         return 0;
@@ -136,7 +140,11 @@ int dc_shm_dp_reduce(dc_shm *s, const float *all, const int64_t *counts, int64_t
     int64_t N = 0;
     if (rc || (rc = bad_counts(s, counts, n_cols, &N))) return rc;
     const int64_t total = N * n_cols, S = (int64_t)s->stride, word = WORD_REDUCE - total;
-    if (total > 0 && !all) return dc_shm_fail(s, TD_EINVAL);
+    if (total > 0 && !all) {
+        TD_LOG_ERR("dc_shm %s member %d: dp reduce of %lld floats without them", s->inst, s->rank,
+                   (long long)total);
+        return dc_shm_fail(s, TD_EINVAL);
+    }
     int64_t at, rest_at, n_all, n_solo;
     td_dp_layout(counts, s->tp, s->rank, &at, &rest_at, &n_all, &n_solo);
     const int64_t solo = counts[2 * s->rank + 1], rows = counts[2 * s->rank];
