@@ -170,7 +170,7 @@ static int tp_chunks(kn_engine *eng, kn_kv_mem *mem, int n_vocab, int x, int rep
     int32_t *tok = malloc((size_t)x * sizeof *tok), *pos = malloc((size_t)x * sizeof *pos);
     int32_t *seq_of = calloc((size_t)x, sizeof *seq_of);
     double t[16];
-    int rc = tok && pos && seq_of && reps >= 1 && reps <= 16 ? 0 : TD_EINVAL;
+    int rc = reps < 1 || reps > 16 ? TD_EINVAL : tok && pos && seq_of ? 0 : TD_ENOMEM;
     for (int i = 0; i < x && !rc; i++) {
         tok[i] = (int32_t)(((uint32_t)i * 7919u + 17) % (uint32_t)n_vocab);
         pos[i] = i;
