@@ -223,7 +223,7 @@ static int moe_ffn_dp(kn_engine *e, const kn_layer *ly, const float *h, int64_t 
     int rc = 0;
     if (n > 0) { /* this member's choices, packed beside its rows */
         if ((rc = kn_engine_matmul(e, &ly->gate_inp, h, n, solo, mo->rl)) ||
-            (rc = kn_moe_route(hp, ly->exp_probs_b, mo->rl, n, &mo->own)))
+            (rc = kn_moe_choose(hp, ly->exp_probs_b, mo->rl, n, &mo->own)))
             return rc;
         for (int64_t i = 0; i < n; i++) {
             float *row = mo->pk + i * W;

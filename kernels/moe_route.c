@@ -122,9 +122,18 @@ static void choose(const kn_hparams *hp, const float *bias, kn_moe_plan *p, int6
 int kn_moe_route(const kn_hparams *hp, const float *bias, const float *logits, int64_t n,
                  kn_moe_plan *p)
 {
+    int rc = kn_moe_choose(hp, bias, logits, n, p);
+    if (!rc) kn_moe_group(p, n);
+    return rc;
+}
+
+int kn_moe_choose(const kn_hparams *hp, const float *bias, const float *logits, int64_t n,
+                  kn_moe_plan *p)
+{
     const int X = hp->n_expert, k = hp->n_expert_used;
     int rc = kn_moe_plan_reserve(p, n, k, X);
     if (rc) return rc;
+    p->n_tokens = n;
     for (int64_t i = 0; i < n; i++) {
         const float *l = logits + i * X;
         for (int x = 0; x < X; x++)
@@ -136,7 +145,6 @@ int kn_moe_route(const kn_hparams *hp, const float *bias, const float *logits, i
         probabilities(hp->moe_gating, l, p->prob, X);
         choose(hp, bias, p, i);
     }
-    kn_moe_group(p, n);
     return 0;
 }
 

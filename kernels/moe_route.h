@@ -38,6 +38,10 @@ typedef struct {
 int kn_moe_route(const kn_hparams *hp, const float *bias, const float *logits, int64_t n,
                  kn_moe_plan *p);
 void kn_moe_plan_free(kn_moe_plan *p);
+/* kn_moe_route's first half: the n tokens' choices and weights (expert, weight) only, no
+ * grouping (data-parallel attention gathers them and groups every member's together). */
+int kn_moe_choose(const kn_hparams *hp, const float *bias, const float *logits, int64_t n,
+                  kn_moe_plan *p);
 
 /* The plan's parts for a caller that makes the choices itself (data-parallel attention: the
  * choices every member made for its own rows, gathered): room for n tokens' k choices among
