@@ -3,13 +3,16 @@
  *
  * Segment layout (offsets page-aligned):
  *   dc_shm_hdr                      identity, futex words (each on its own line), rank slots
- *   partial[2][tp][stride] floats   each rank's input of the allreduce of each parity
- *   result[2][stride] floats        reduce-scatter target of the two-phase allreduce
+ *   partial[4][tp][stride] floats   each rank's input of the operation in each slot set
+ *   result[4][stride] floats        reduce-scatter target of the two-phase allreduce
  *   plan[2][plan_stride] bytes      plan slots, seq q uses slot q & 1
- * Allreduce k uses parity k & 1. A rank can start writing parity p again (allreduce k + 2)
- * only after passing the first barrier of allreduce k + 1, i.e. after every rank finished
- * allreduce k; so the one-barrier scheme needs no second barrier. Each piece of a column
- * gather is one such operation (it takes the next parity), so the same holds across both.
+ * Operation k (an allreduce, a gather piece, a dp collective) uses slot set k % 4. A rank
+ * starts operation k with nothing in flight but, at most, operation k - 1 (a split allreduce
+ * posted, not yet waited), so it has completed k - 2, whose barrier every rank passed; each
+ * rank started k - 2 by the same rule, having completed k - 4 (its reads of the set
+ * included): one barrier an operation suffices, no second one to free the slots. A barrier
+ * completes when every rank's arrival index reached it (ranks may arrive at a later one first: a
+ * split allreduce posts without waiting), whoever sees that last posts it.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -219,18 +222,28 @@ static void report_silent(dc_shm *s, const char *what, uint64_t want, bool plan)
                 (long long)(s->op_timeout_ns / 1000000));
 }
 
-/* All ranks meet; every rank's writes before it are visible to all after it. */
-int dc_shm_barrier(dc_shm *s)
+/* Arrive at the next barrier (its index): whoever sees every rank there posts it. The
+ * arrival and the look at the others are sequentially consistent, so of two ranks arriving
+ * at once at least one sees the other: the last arrival is never missed. */
+static uint64_t arrive(dc_shm *s)
 {
     dc_shm_hdr *h = s->h;
     uint64_t k = ++s->bar_k;
-    uint64_t c = atomic_fetch_add(&h->bar_count, 1) + 1;
-    /* after the arrival, so a rank that is behind never looks arrived in report_silent */
-    atomic_store_explicit(&h->ranks[s->rank].arrived, k, memory_order_relaxed);
-    if (c == k * (uint64_t)s->tp) {
-        dc_shm_post_word(&h->bar_gen, &h->bar_waiters, (uint32_t)k);
-        return 0;
+    atomic_store(&h->ranks[s->rank].arrived, k);
+    for (int r = 0; r < s->tp; r++)
+        if (atomic_load(&h->ranks[r].arrived) < k) return k;
+    uint32_t v = atomic_load(&h->bar_gen);
+    while ((int32_t)((uint32_t)k - v) > 0 &&
+           !atomic_compare_exchange_weak(&h->bar_gen, &v, (uint32_t)k)) {
     }
+    if (atomic_load(&h->bar_waiters)) dc_shm_futex_wake(&h->bar_gen);
+    return k;
+}
+
+/* Wait until barrier k completed. */
+static int await_barrier(dc_shm *s, uint64_t k)
+{
+    dc_shm_hdr *h = s->h;
     int rc = dc_shm_wait_word(s, &h->bar_gen, &h->bar_waiters, (uint32_t)k, s->op_timeout_ns);
     if (rc == TD_ETIMEDOUT) {
         report_silent(s, "allreduce barrier", k, false);
@@ -241,6 +254,23 @@ int dc_shm_barrier(dc_shm *s)
         return dc_shm_fail(s, TD_ESTATE);
     }
     return rc;
+}
+
+/* All ranks meet; every rank's writes before it are visible to all after it. */
+int dc_shm_barrier(dc_shm *s)
+{
+    return await_barrier(s, arrive(s));
+}
+
+int dc_shm_next_slot(dc_shm *s)
+{
+    if (s->posted >= 2 || (s->posted == 1 && s->post_k[0] + 1 != s->ar_k)) {
+        TD_LOG_ERR("dc_shm %s rank %d: a collective with %s in flight", s->inst, s->rank,
+                   s->posted >= 2 ? "two split allreduces" : "an older split allreduce");
+        dc_shm_fail(s, TD_ESTATE);
+        return -1;
+    }
+    return (int)(s->ar_k++ % DC_SHM_RING);
 }
 
 /* ---- allreduce ---- */
@@ -275,16 +305,16 @@ int dc_shm_check_usable(dc_shm *s, const char *what)
     return 0;
 }
 
-/* After the barrier of operation ar_k (parity par): every rank published the same size
+/* After the barrier of an operation (its slot set par): every rank published the same size
  * word (an allreduce's n, or gather_word of a gather), else the instance breaks. */
 int dc_shm_check_sizes(dc_shm *s, int par, int64_t word)
 {
     for (int r = 0; r < s->tp; r++) {
         int64_t wr = atomic_load_explicit(&s->h->ranks[r].n[par], memory_order_relaxed);
         if (wr != word) {
-            TD_LOG_ERR("dc_shm %s rank %d: collective %llu size mismatch: rank %d has %lld "
-                       "(%s), rank %d has %lld (%s)",
-                       s->inst, s->rank, (unsigned long long)s->ar_k, s->rank, (long long)word,
+            TD_LOG_ERR("dc_shm %s rank %d: collective size mismatch: rank %d has %lld (%s), "
+                       "rank %d has %lld (%s)",
+                       s->inst, s->rank, s->rank, (long long)word,
                        word < 0 ? "gather" : "allreduce floats", r, (long long)wr,
                        wr < 0 ? "gather" : "allreduce floats");
             return dc_shm_fail(s, TD_EINVAL);
@@ -293,28 +323,38 @@ int dc_shm_check_sizes(dc_shm *s, int par, int64_t word)
     return 0;
 }
 
-int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
+static int bad_allreduce(dc_shm *s, const float *buf, int64_t n)
 {
     int rc = dc_shm_check_usable(s, "allreduce");
     if (rc) return rc;
-    if (n < 0 || n > s->max_floats || (n > 0 && !buf)) {
-        TD_LOG_ERR("dc_shm %s rank %d: allreduce of %lld floats (max %lld)", s->inst, s->rank,
-                   (long long)n, (long long)s->max_floats);
-        return dc_shm_fail(s, TD_EINVAL);
-    }
-    s->st.n_allreduce++;
-    if (s->tp == 1) return 0;
-    int64_t t0 = td_now_ns();
-    dc_shm_hdr *h = s->h;
-    int par = (int)(s->ar_k++ & 1);
-    float *part = s->partial[par];
-    if (n > 0) memcpy(part + (size_t)s->rank * s->stride, buf, (size_t)n * sizeof(float));
-    atomic_store_explicit(&h->ranks[s->rank].n[par], n, memory_order_relaxed);
-    if ((rc = dc_shm_barrier(s))) return rc;
-    if ((rc = dc_shm_check_sizes(s, par, n))) return rc;
+    if (n >= 0 && n <= s->max_floats && (n == 0 || buf)) return 0;
+    TD_LOG_ERR("dc_shm %s rank %d: allreduce of %lld floats (max %lld)", s->inst, s->rank,
+               (long long)n, (long long)s->max_floats);
+    return dc_shm_fail(s, TD_EINVAL);
+}
+
+/* This rank's input of an allreduce into the next slot set, and its arrival at the barrier
+ * (the operation's slot set in *par, its barrier in *bar). */
+static int post_input(dc_shm *s, const float *buf, int64_t n, int *par, uint64_t *bar)
+{
+    if ((*par = dc_shm_next_slot(s)) < 0) return s->err;
+    if (n > 0)
+        memcpy(s->partial[*par] + (size_t)s->rank * s->stride, buf, (size_t)n * sizeof(float));
+    atomic_store_explicit(&s->h->ranks[s->rank].n[*par], n, memory_order_relaxed);
+    *bar = arrive(s);
+    return 0;
+}
+
+/* Once barrier bar completed: every rank's input of slot set par summed into buf, by every
+ * rank over all inputs, or (two_phase) reduce-scattered and gathered (fewer reads for a
+ * large n and tp >= 3; one more barrier; the same sums, in the same order). */
+static int sum_inputs(dc_shm *s, int par, uint64_t bar, float *buf, int64_t n, bool two_phase)
+{
+    int rc = await_barrier(s, bar);
+    if (rc || (rc = dc_shm_check_sizes(s, par, n))) return rc;
     const float *src[DC_SHM_MAX_TP];
-    if (s->tp >= 3 && n >= TWO_PHASE_MIN) {
-        /* reduce-scatter: rank r sums slice r (64-byte aligned) into result; then gather */
+    float *part = s->partial[par];
+    if (two_phase) {
         int64_t chunk = ((n + s->tp - 1) / s->tp + 15) & ~(int64_t)15;
         int64_t lo = (int64_t)s->rank * chunk, hi = lo + chunk;
         if (lo > n) lo = n;
@@ -324,11 +364,66 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
         dc_shm_reduce_sum(s->result[par] + lo, src, s->tp, hi - lo);
         if ((rc = dc_shm_barrier(s))) return rc;
         if (n > 0) memcpy(buf, s->result[par], (size_t)n * sizeof(float));
-    } else {
-        for (int r = 0; r < s->tp; r++)
-            src[r] = part + (size_t)r * s->stride;
-        dc_shm_reduce_sum(buf, src, s->tp, n);
+        return 0;
     }
+    for (int r = 0; r < s->tp; r++)
+        src[r] = part + (size_t)r * s->stride;
+    dc_shm_reduce_sum(buf, src, s->tp, n);
+    return 0;
+}
+
+int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n)
+{
+    int rc = bad_allreduce(s, buf, n);
+    if (rc) return rc;
+    s->st.n_allreduce++;
+    if (s->tp == 1) return 0;
+    int64_t t0 = td_now_ns();
+    int par;
+    uint64_t bar;
+    const bool two_phase = s->tp >= 3 && n >= TWO_PHASE_MIN;
+    if ((rc = post_input(s, buf, n, &par, &bar)) ||
+        (rc = sum_inputs(s, par, bar, buf, n, two_phase)))
+        return rc;
+    s->st.ns_allreduce += (uint64_t)(td_now_ns() - t0);
+    return 0;
+}
+
+int dc_shm_allreduce_post(dc_shm *s, const float *buf, int64_t n, uint64_t *ticket)
+{
+    int rc = bad_allreduce(s, buf, n);
+    if (rc) return rc;
+    *ticket = s->ar_k;
+    if (s->tp == 1) return 0;
+    int64_t t0 = td_now_ns();
+    int par;
+    uint64_t bar;
+    if ((rc = post_input(s, buf, n, &par, &bar))) return rc;
+    s->post_k[s->posted] = *ticket;
+    s->post_bar[s->posted++] = bar;
+    s->st.ns_allreduce += (uint64_t)(td_now_ns() - t0);
+    return 0;
+}
+
+int dc_shm_allreduce_wait(dc_shm *s, uint64_t ticket, float *buf, int64_t n)
+{
+    int rc = bad_allreduce(s, buf, n);
+    if (rc) return rc;
+    s->st.n_allreduce++;
+    if (s->tp == 1) return 0;
+    if (!s->posted || s->post_k[0] != ticket) {
+        TD_LOG_ERR("dc_shm %s rank %d: wait for allreduce %llu, not the oldest posted", s->inst,
+                   s->rank, (unsigned long long)ticket);
+        return dc_shm_fail(s, TD_ESTATE);
+    }
+    int64_t t0 = td_now_ns();
+    const uint64_t bar = s->post_bar[0];
+    s->post_k[0] = s->post_k[1];
+    s->post_bar[0] = s->post_bar[1];
+    s->posted--;
+    /* one phase: the two-phase one's second barrier would wait for the ranks' other
+     * micro-batch */
+    if ((rc = sum_inputs(s, (int)(ticket % DC_SHM_RING), bar, buf, n, false))) return rc;
     s->st.ns_allreduce += (uint64_t)(td_now_ns() - t0);
     return 0;
 }
@@ -384,7 +479,8 @@ int dc_shm_gather_cols(dc_shm *s, const float *part, int64_t rows, int64_t n_col
         rows * ((int64_t)(s->rank + 1) * n_cols / s->tp - (int64_t)s->rank * n_cols / s->tp);
     const int64_t pieces = most > S ? (most + S - 1) / S : 1;
     for (int64_t k = 0; k < pieces; k++) {
-        int par = (int)(s->ar_k++ & 1);
+        int par = dc_shm_next_slot(s);
+        if (par < 0) return s->err;
         const int64_t f0 = k * S;
         int64_t f1 = f0 + S < mine ? f0 + S : mine;
         /* rank 0 reads its own part in place */

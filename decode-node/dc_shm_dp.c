@@ -65,7 +65,8 @@ int dc_shm_dp_counts(dc_shm *s, const int64_t mine[2], int64_t *all)
                    (unsigned long long)s->stride);
         return dc_shm_fail(s, TD_EINVAL);
     }
-    int par = (int)(s->ar_k++ & 1);
+    int par = dc_shm_next_slot(s);
+    if (par < 0) return s->err;
     float *slot = s->partial[par] + (size_t)s->rank * s->stride; /* stride >= 4 floats */
     memcpy(slot, mine, 2 * sizeof *mine);
     if ((rc = meet(s, par, WORD_COUNTS))) return rc;
@@ -113,7 +114,8 @@ int dc_shm_dp_gather(dc_shm *s, const float *mine, const int64_t *counts, int64_
     int64_t t0 = td_now_ns();
     const int64_t pieces = most > S ? (most + S - 1) / S : 1;
     for (int64_t k = 0; k < pieces; k++) {
-        int par = (int)(s->ar_k++ & 1);
+        int par = dc_shm_next_slot(s);
+        if (par < 0) return s->err;
         const int64_t f0 = k * S;
         if (own > f0)
             memcpy(s->partial[par] + (size_t)s->rank * s->stride, mine + f0,
@@ -161,7 +163,8 @@ int dc_shm_dp_reduce(dc_shm *s, const float *all, const int64_t *counts, int64_t
     int64_t t0 = td_now_ns();
     const int64_t pieces = total > S ? (total + S - 1) / S : 1;
     for (int64_t k = 0; k < pieces; k++) {
-        int par = (int)(s->ar_k++ & 1);
+        int par = dc_shm_next_slot(s);
+        if (par < 0) return s->err;
         const int64_t f0 = k * S, f1 = total < f0 + S ? total : f0 + S;
         if (f1 > f0)
             memcpy(s->partial[par] + (size_t)s->rank * s->stride, all + f0,

@@ -16,6 +16,10 @@
 #include "dc_shm.h"
 
 #define DC_SHM_LINE 128 /* a pair of cache lines: keeps the adjacent-line prefetcher off */
+/* Slot sets of the collectives: operation k uses set k % DC_SHM_RING. A rank starts
+ * operation k with at most operation k - 1 in flight (a split allreduce posted and not yet
+ * waited), so every rank has finished operation k - 4 by then (dc_shm.c). */
+#define DC_SHM_RING 4
 
 enum { DC_SHM_PLAN = 1, DC_SHM_PLAN_STOP = 2 }; /* plan_kind of a plan slot */
 
@@ -28,8 +32,8 @@ typedef struct {
     _Atomic uint64_t start;                       /* its start time (/proc/pid/stat field 22) */
     _Atomic uint64_t joined_epoch;                /* == hdr.epoch once joined (release) */
     _Atomic uint64_t arrived;                     /* last barrier index it arrived at */
-    _Atomic int64_t n[2];        /* size word of its collective of each parity: an allreduce's n,
-                                    or -1 - rows * n_cols for a gather piece */
+    _Atomic int64_t n[DC_SHM_RING]; /* size word of its collective in each slot set: an
+                                       allreduce's n, or -1 - rows * n_cols for a gather piece */
     _Atomic uint32_t plan_taken; /* followers: last plan seq taken */
 } dc_shm_slot;
 
@@ -49,9 +53,7 @@ typedef struct {
     _Alignas(DC_SHM_LINE) _Atomic uint32_t broken; /* 0, or BROKEN(detector, culprit) of the first
                                                failure */
     _Atomic int32_t broken_err;                    /* its td_err */
-    _Alignas(DC_SHM_LINE) _Atomic uint64_t bar_count; /* barrier arrivals since creation */
-    _Alignas(
-        DC_SHM_LINE) _Atomic uint32_t bar_gen; /* index of the last completed barrier (futex) */
+    _Alignas(DC_SHM_LINE) _Atomic uint32_t bar_gen; /* the last completed barrier (futex) */
     _Atomic uint32_t bar_waiters;
     _Alignas(DC_SHM_LINE) _Atomic uint32_t plan_seq; /* seq of the last published plan (futex) */
     _Atomic uint32_t plan_waiters;
@@ -76,8 +78,8 @@ struct dc_shm {
     uint64_t stride;    /* floats per partial slot */
     size_t max_plan;
     uint64_t plan_stride;
-    float *partial[2]; /* (tp, stride) each */
-    float *result[2];  /* (stride) each */
+    float *partial[DC_SHM_RING]; /* (tp, stride) each */
+    float *result[DC_SHM_RING];  /* (stride) each */
     uint8_t *plan[2];  /* (plan_stride) each */
     uint64_t epoch;
     int64_t op_timeout_ns, liveness_ns, spin_ns;
@@ -87,7 +89,10 @@ struct dc_shm {
     uint64_t start;
     int pidfd[DC_SHM_MAX_TP]; /* peers' pidfds once gathered (readable when they exit), or -1 */
     uint64_t bar_k;           /* barriers passed */
-    uint64_t ar_k;            /* allreduces started */
+    uint64_t ar_k;            /* collectives (and gather pieces) started */
+    int posted;               /* split allreduces posted and not yet waited (0..2) */
+    uint64_t post_k[2];       /* their operation indices, oldest first */
+    uint64_t post_bar[2];     /* and their barriers */
     uint32_t plan_seq;        /* leader: last published; follower: last taken */
     bool in_plan;             /* leader: between plan_begin and plan_commit */
     bool gathered;            /* rendezvous done */
@@ -122,6 +127,10 @@ void dc_shm_futex_wake(_Atomic uint32_t *w);
 /* dc_shm.c, for dc_shm_dp.c. All ranks meet; every rank's writes before it are visible to
  * all after it (0, or the error that broke the object, logged). */
 int dc_shm_barrier(dc_shm *s);
+/* The slot set of the next operation (and counts it started), or -1 (logged, broken) when
+ * anything but the operation just before it is in flight (two split allreduces, or an older
+ * one): the caller must wait first. */
+int dc_shm_next_slot(dc_shm *s);
 /* out[i] = ((src[0][i] + src[1][i]) + src[2][i]) + ... for i in [0, n), tp >= 2, the same
  * order on every rank; out does not overlap the sources. */
 void dc_shm_reduce_sum(float *restrict out, const float *const *src, int tp, int64_t n);

@@ -20,7 +20,9 @@
 #include "td_err.h"
 
 #define SHM_MAGIC   0x31304d4853445454ull /* "TTDSHM01" */
-#define SHM_VERSION 3u /* 2: broken names the culprit too; 3: a dp group's round word */
+#define SHM_VERSION                                                                                \
+    4u /* 2: broken names the culprit too; 3: a dp group's round word;                             \
+           4: four slot sets, barriers by arrival index (split allreduce) */
 #define PAGE        4096
 
 #define DEF_MAX_PLAN    (64 * 1024)
@@ -128,12 +130,12 @@ static void set_views(dc_shm *s)
     uint8_t *base = (uint8_t *)s->h;
     size_t off = (sizeof(dc_shm_hdr) + PAGE - 1) & ~(size_t)(PAGE - 1);
     size_t part = (size_t)s->tp * s->stride * sizeof(float);
-    for (int p = 0; p < 2; p++)
+    for (int p = 0; p < DC_SHM_RING; p++)
         s->partial[p] = (float *)(base + off + (size_t)p * part);
-    off += 2 * part;
-    for (int p = 0; p < 2; p++)
+    off += DC_SHM_RING * part;
+    for (int p = 0; p < DC_SHM_RING; p++)
         s->result[p] = (float *)(base + off + (size_t)p * s->stride * sizeof(float));
-    off += 2 * s->stride * sizeof(float);
+    off += DC_SHM_RING * s->stride * sizeof(float);
     for (int p = 0; p < 2; p++)
         s->plan[p] = base + off + (size_t)p * s->plan_stride;
 }
@@ -141,7 +143,7 @@ static void set_views(dc_shm *s)
 static size_t layout_size(const dc_shm *s)
 {
     size_t off = (sizeof(dc_shm_hdr) + PAGE - 1) & ~(size_t)(PAGE - 1);
-    off += (2 * (size_t)s->tp + 2) * s->stride * sizeof(float);
+    off += DC_SHM_RING * ((size_t)s->tp + 1) * s->stride * sizeof(float);
     off += 2 * s->plan_stride;
     return (off + PAGE - 1) & ~(size_t)(PAGE - 1);
 }

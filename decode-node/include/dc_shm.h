@@ -69,7 +69,7 @@
  *                 the last rank calls dc_shm_close (or dies)
  *   GATHERING also goes to BROKEN: rendezvous timeout, a joined rank died, interrupted.
  *
- * Memory: (2 * tp + 2) * max_floats * 4 + 2 * max_plan bytes (+ a few KiB of header), on
+ * Memory: 4 * (tp + 1) * max_floats * 4 + 2 * max_plan bytes (+ a few KiB of header), on
  * tmpfs (/dev/shm); reserved with posix_fallocate, so a full /dev/shm is a clean TD_ENOMEM
  * at open rather than a SIGBUS later.
  */
@@ -152,6 +152,19 @@ void dc_shm_close(dc_shm *s);
  * bit-identical sum. Returns 0 or a negative td_err (logged where detected); any error
  * breaks the instance. tp == 1: no-op. */
 int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n);
+
+/* The allreduce in two halves, for a rank that computes something else while the others
+ * arrive (two-batch overlap, kernels/forward_tbo.c): post copies buf (n floats) into the
+ * segment, arrives and returns at once with a ticket; wait (the same n, buf to receive the
+ * sum, which may be the posted one) waits for the others' inputs and sums them as
+ * dc_shm_allreduce does, bit for bit (always in one phase: every rank reads all inputs).
+ * Posts pair across ranks, in order, with allreduces and posts. A collective (a post
+ * included) starts only with nothing in flight but the collective just before it, and waits
+ * come in the order posted: post A, post B, wait A, post C, wait B, ... (the engine's two
+ * micro-batches); a breach breaks the instance (TD_ESTATE, logged), as every other error
+ * does. */
+int dc_shm_allreduce_post(dc_shm *s, const float *buf, int64_t n, uint64_t *ticket);
+int dc_shm_allreduce_wait(dc_shm *s, uint64_t ticket, float *buf, int64_t n);
 
 /* Column gather (the vocab-parallel LM head's logits): rank r passes part (rows, c1 - c0)
  * row-major, columns [c0, c1) = [r * n_cols / tp, (r + 1) * n_cols / tp) of a

@@ -14,7 +14,10 @@
  * then removes the name rank 0 left behind); the column gather of the vocab-parallel LM
  * head: rank 0 gets every rank's columns bit for bit (uneven parts, parts larger than the
  * slot in pieces, interleaved with allreduces), the others' output is left alone, and a
- * gather paired with an allreduce breaks the instance.
+ * gather paired with an allreduce breaks the instance. The split allreduce (post, then wait,
+ * two in flight, blocking allreduces and gathers between them, ranks that run ahead by a
+ * random delay) gives the blocking one's bits; a third post, or a wait out of order, breaks
+ * the instance.
  * usage: test_shm            run the tests
  *        test_shm --bench    allreduce latency (tp 2, n = 576 and 576 * 64)
  */
@@ -580,6 +583,88 @@ static void test_bad_sizes(void)
     TH_CHECK(td_now_ns() - t0 < 3000000000ll);
 }
 
+/* ---- split allreduce (two-batch overlap) ---- */
+
+/* Every iteration: post A, (a random stall), post B, wait A, a blocking allreduce C or a
+ * gather with B in flight, wait B: the shape of kn_engine's two micro-batches. Each result is
+ * checked against the rank-order sum. */
+static int check_sum(const ar_ctx *c, int rank, int tag, const float *got, int64_t n, float *tmp,
+                     float *ref)
+{
+    for (int r = 0; r < c->tp; r++) {
+        fill(c, r, tag, tmp, n);
+        for (int64_t i = 0; i < n; i++)
+            ref[i] = r ? ref[i] + tmp[i] : tmp[i];
+    }
+    if (!n || !memcmp(got, ref, (size_t)n * sizeof *got)) return 0;
+    fprintf(stderr, "rank %d: split allreduce %d (n %lld) not the rank-order sum\n", rank, tag,
+            (long long)n);
+    return 1;
+}
+
+static int body_split(int rank, void *vctx)
+{
+    const ar_ctx *c = vctx;
+    dc_shm_params p = params(c->token, rank, c->tp);
+    dc_shm *s;
+    if (dc_shm_open(&p, &s)) return 1;
+    float *a = malloc(MAXF * sizeof *a), *b = malloc(MAXF * sizeof *b);
+    float *x = malloc(MAXF * sizeof *x), *tmp = malloc(MAXF * sizeof *tmp);
+    float *ref = malloc(MAXF * sizeof *ref);
+    int fails = 0, rc = 0;
+    for (int it = 0; it < c->iters && !fails && !rc; it++) {
+        const int64_t na = pick_n(c, it), nb = pick_n(c, it + 1000), nx = pick_n(c, it + 2000);
+        uint64_t ta, tb;
+        fill(c, rank, 3 * it, a, na);
+        fill(c, rank, 3 * it + 1, b, nb);
+        fill(c, rank, 3 * it + 2, x, nx);
+        if ((rc = dc_shm_allreduce_post(s, a, na, &ta))) break;
+        if (mix(c->seed ^ (uint64_t)(it * 4 + rank)) % 7 == 0) sleep_ms(1);
+        if ((rc = dc_shm_allreduce_post(s, b, nb, &tb)) ||
+            (rc = dc_shm_allreduce_wait(s, ta, a, na)))
+            break;
+        fails += check_sum(c, rank, 3 * it, a, na, tmp, ref);
+        if (it % 3 == 1) { /* a gather between: only rank 0 gets the columns */
+            if ((rc = dc_shm_gather_cols(s, x, 1, (int64_t)c->tp * 5, rank ? NULL : tmp))) break;
+        } else if (!(rc = dc_shm_allreduce(s, x, nx))) {
+            fails += check_sum(c, rank, 3 * it + 2, x, nx, tmp, ref);
+        }
+        if (rc || (rc = dc_shm_allreduce_wait(s, tb, b, nb))) break;
+        fails += check_sum(c, rank, 3 * it + 1, b, nb, tmp, ref);
+        outs[rank].iters++;
+    }
+    if (rc) fprintf(stderr, "rank %d: split allreduce: %s\n", rank, td_strerror(rc));
+    if (!rc && !fails && c->tp > 1) { /* a third post breaks the instance */
+        uint64_t t[3];
+        rc = dc_shm_allreduce_post(s, a, 4, &t[0]);
+        if (!rc) rc = dc_shm_allreduce_post(s, b, 4, &t[1]);
+        fails += rc != 0 || dc_shm_allreduce_post(s, x, 4, &t[2]) != TD_ESTATE;
+        fails += dc_shm_allreduce_wait(s, t[0], a, 4) != TD_ESTATE;
+        rc = 0;
+    }
+    dc_shm_close(s);
+    free(a);
+    free(b);
+    free(x);
+    free(tmp);
+    free(ref);
+    return fails || rc;
+}
+
+static void test_split_allreduce(void)
+{
+    for (int tp = 1; tp <= 4; tp++) {
+        ar_ctx c = {.tp = tp, .iters = 120, .seed = 300 + (uint64_t)tp};
+        new_token(c.token, sizeof c.token);
+        int delays[MAX_TP];
+        random_delays(delays, tp, c.seed, 40);
+        reset_outs();
+        TH_CHECK(run_procs(tp, body_split, &c, delays, 60000) == 0);
+        for (int r = 0; r < tp; r++)
+            TH_CHECK(outs[r].iters == c.iters);
+    }
+}
+
 /* ---- column gather ---- */
 
 typedef struct {
@@ -1126,6 +1211,7 @@ int main(int argc, char **argv)
     RUN(test_bad_open);
     RUN(test_bad_sizes);
     RUN(test_gather_cols);
+    RUN(test_split_allreduce);
     RUN(test_kill_mid_allreduce);
     RUN(test_not_answering);
     RUN(test_idle_follower_cpu);
