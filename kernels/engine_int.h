@@ -74,6 +74,25 @@ typedef struct {
     int32_t *up; /* (cap_up) blocks to upload from a staged pool's host copy */
 } kn_engine_stage;
 
+/* An all-reduce a micro-batch posted and what follows it (kn_engine_reduce_add). */
+typedef struct {
+    bool on;
+    float *buf; /* (rows, n_embd) posted; receives the sum */
+    int64_t rows;
+    const float *post_norm; /* then x += [post_norm] buf [* residual_scale] */
+    bool scaled;
+    uint64_t ticket;
+} kn_engine_pending;
+
+/* Two-batch overlap (forward_tbo.c): the second micro-batch's engine and its logit rows. */
+typedef struct {
+    int64_t min_tokens; /* split forwards of at least this many tokens; 0: never */
+    kn_engine *twin;    /* the second micro-batch's scratch (shares m, be, coll) */
+    int cap_rows;
+    int32_t *rows;    /* (cap_rows) its logit rows, counted from its first row */
+    uint64_t n_split; /* forwards run as two micro-batches */
+} kn_engine_tbo;
+
 struct kn_engine {
     const kn_model *m;
     kn_backend be;
@@ -97,6 +116,9 @@ struct kn_engine {
     int64_t dp_all, dp_all_solo;
     kn_engine_moe moe;
     kn_engine_mla mla;
+    bool defer;             /* a micro-batch of a two-batch forward: all-reduces post */
+    kn_engine_pending pend; /* its posted all-reduce */
+    kn_engine_tbo tbo;
 };
 
 /* One scratch buffer of elems 4-byte elements (floats or int32) in backend memory. */
@@ -120,9 +142,34 @@ int kn_engine_glu(const kn_engine *e, const kn_mat *wg, const kn_mat *wu, const 
                   int64_t solo, float *g, float *u);
 /* buf (n floats) summed across the TP ranks (a no-op at tp 1). */
 int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n);
+/* x += [post_norm] allreduce(buf) [* residual_scale if scaled] (buf: (n, n_embd)); on an
+ * engine that defers (a micro-batch, e->defer) the all-reduce is posted and the rest waits
+ * for kn_engine_settle. */
+int kn_engine_reduce_add(kn_engine *e, float *buf, int64_t n, const float *post_norm, bool scaled);
+/* The posted all-reduce waited and its residual add done (0 at once when none is posted). */
+int kn_engine_settle(kn_engine *e);
 /* x += [post_norm] allreduce(in W) [* residual_scale] (in: (n, w->n_cols)). */
 int kn_engine_project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
                           int64_t n, int64_t solo);
+
+/* The activations of n tokens, in the backend's memory (grown on demand). */
+int kn_engine_reserve(kn_engine *e, int64_t n);
+/* The forward pass in its parts (kn_engine_forward: input, the halves of every local layer,
+ * output), for forward_tbo.c's interleaving. db is b with its arrays in backend memory. */
+int kn_engine_input(kn_engine *e, const kn_batch *b, const kn_batch *db);
+int kn_engine_attn_half(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li);
+int kn_engine_ffn_half(kn_engine *e, const kn_batch *b, int li);
+int kn_engine_output(kn_engine *e, const kn_batch *b, const kn_batch *db, float *out);
+
+/* ---- forward_tbo.c ---- */
+/* Where a validated batch splits into two micro-batches (the first's tokens), or 0: run it
+ * whole (overlap off, too small, or logit rows that do not split in order). */
+int64_t kn_engine_tbo_split(const kn_engine *e, const kn_batch *b);
+/* The forward as two micro-batches, rows [0, split) and the rest, interleaved layer half by
+ * layer half so each one's all-reduce runs while the other computes. */
+int kn_engine_forward_tbo(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int64_t split,
+                          float *out);
+void kn_engine_tbo_free(kn_engine *e);
 
 /* ---- forward_moe.c ---- */
 /* The widest FFN a layer of the model computes (dense, one expert, shared experts). */

@@ -108,6 +108,7 @@ static void free_scratch(kn_engine *e)
 void kn_engine_destroy(kn_engine *e)
 {
     if (!e) return;
+    kn_engine_tbo_free(e);
     free_scratch(e);
     kn_engine_moe_free(e);
     kn_engine_mla_free(e);
@@ -140,7 +141,7 @@ int kn_engine_alloc_bufs(kn_engine *e, const kn_engine_buf *b, size_t n, const c
 }
 
 /* The activations of n tokens, in the backend's memory. */
-static int reserve(kn_engine *e, int64_t n)
+int kn_engine_reserve(kn_engine *e, int64_t n)
 {
     int rc = kn_engine_moe_reserve(e, n);
     if (!rc) rc = kn_engine_mla_reserve(e, n);
@@ -315,25 +316,62 @@ int kn_engine_allreduce(kn_engine *e, float *buf, int64_t n)
     return e->coll.allreduce_sum(e->coll.ctx, buf, n);
 }
 
+/* What follows an all-reduce: x += [post_norm] buf [* residual_scale]. */
+static void finish_add(kn_engine *e, float *buf, int64_t n, const float *post_norm, bool scaled)
+{
+    const kn_backend_ops *ops = e->be.ops;
+    const kn_hparams *hp = &e->m->hp;
+    const int64_t E = hp->n_embd;
+    /* gemma3/olmo2 normalize the (whole, reduced) output before the residual add */
+    if (post_norm) ops->rmsnorm(e->be.ctx, buf, post_norm, buf, n, E, hp->rms_eps);
+    if (scaled) ops->scale(e->be.ctx, buf, n * E, hp->residual_scale); /* granite */
+    ops->add(e->be.ctx, e->x, buf, n, E);
+}
+
+int kn_engine_reduce_add(kn_engine *e, float *buf, int64_t n, const float *post_norm, bool scaled)
+{
+    const int64_t N = n * e->m->hp.n_embd;
+    if (e->defer && e->m->shard.tp_size > 1) { /* a micro-batch: the rest after the other's work */
+        kn_engine_pending *p = &e->pend;
+        int rc = e->coll.allreduce_post(e->coll.ctx, buf, N, &p->ticket);
+        if (rc) return rc;
+        *p = (kn_engine_pending){.on = true,
+                                 .buf = buf,
+                                 .rows = n,
+                                 .post_norm = post_norm,
+                                 .scaled = scaled,
+                                 .ticket = p->ticket};
+        return 0;
+    }
+    int rc = kn_engine_allreduce(e, buf, N);
+    if (rc) return rc;
+    finish_add(e, buf, n, post_norm, scaled);
+    return 0;
+}
+
+int kn_engine_settle(kn_engine *e)
+{
+    kn_engine_pending *p = &e->pend;
+    if (!p->on) return 0;
+    p->on = false;
+    int rc = e->coll.allreduce_wait(e->coll.ctx, p->ticket, p->buf, p->rows * e->m->hp.n_embd);
+    if (rc) return rc;
+    finish_add(e, p->buf, p->rows, p->post_norm, p->scaled);
+    return 0;
+}
+
 /* x += [post_norm] allreduce(in W) [* residual_scale]: one fused op where nothing comes
  * between the product and the add (tp 1, no post-norm, no scale) and the backend has it. */
 int kn_engine_project_add(kn_engine *e, const kn_mat *w, const float *in, const float *post_norm,
                           int64_t n, int64_t solo)
 {
     const kn_backend_ops *ops = e->be.ops;
-    const kn_hparams *hp = &e->m->hp;
-    const int64_t E = hp->n_embd;
-    const bool scaled = hp->residual_scale != 1.0f;
+    const bool scaled = e->m->hp.residual_scale != 1.0f;
     if (ops->matmul_add && e->m->shard.tp_size == 1 && !post_norm && !scaled)
         return ops->matmul_add(e->be.ctx, w, in, n, solo, e->h, e->x);
-    int rc;
-    if ((rc = kn_engine_matmul(e, w, in, n, solo, e->h))) return rc;
-    if ((rc = kn_engine_allreduce(e, e->h, n * E))) return rc;
-    /* gemma3/olmo2 normalize the (whole, reduced) output before the residual add */
-    if (post_norm) ops->rmsnorm(e->be.ctx, e->h, post_norm, e->h, n, E, hp->rms_eps);
-    if (scaled) ops->scale(e->be.ctx, e->h, n * E, hp->residual_scale); /* granite */
-    ops->add(e->be.ctx, e->x, e->h, n, E);
-    return 0;
+    int rc = kn_engine_matmul(e, w, in, n, solo, e->h);
+    if (rc) return rc;
+    return kn_engine_reduce_add(e, e->h, n, post_norm, scaled);
 }
 
 /* q, k (n rows) normalized: per head (qwen3, gemma3) or over the whole projection (olmo2,
@@ -383,31 +421,34 @@ static int attention_block(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int 
     return kn_engine_project_add(e, &ly->wo, e->att, ly->attn_post_norm, n, solo);
 }
 
-static int layer_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
+int kn_engine_attn_half(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int li)
 {
     const kn_model *m = e->m;
     const kn_hparams *hp = &m->hp;
     const kn_layer *ly = &m->layers[li];
-    const kn_backend_ops *ops = e->be.ops;
-    void *c = e->be.ctx;
-    const int64_t n = b->n_tokens, solo = b->n_solo, E = hp->n_embd;
-    const int il = m->shard.l0 + li;
-    int rc;
-
-    /* attention (olmo2 has no pre-norms: the blocks read x itself), on latent KV for
-     * deepseek2 (forward_mla.c) */
+    /* olmo2 has no pre-norms: the blocks read x itself; deepseek2 attends on latent KV
+     * (forward_mla.c) */
     const float *in = ly->attn_norm ? e->h : e->x;
-    if (ly->attn_norm) ops->rmsnorm(c, e->x, ly->attn_norm, e->h, n, E, hp->rms_eps);
-    rc = hp->kv_lora_rank ? kn_engine_mla_attention(e, kv, b, li, in)
-                          : attention_block(e, kv, b, li, in);
-    if (rc) return rc;
+    if (ly->attn_norm)
+        e->be.ops->rmsnorm(e->be.ctx, e->x, ly->attn_norm, e->h, b->n_tokens, hp->n_embd,
+                           hp->rms_eps);
+    return hp->kv_lora_rank ? kn_engine_mla_attention(e, kv, b, li, in)
+                            : attention_block(e, kv, b, li, in);
+}
 
-    /* feed-forward: dense, or the layer's experts (forward_moe.c) */
-    if (ly->ffn_norm) ops->rmsnorm(c, e->x, ly->ffn_norm, e->h, n, E, hp->rms_eps);
+int kn_engine_ffn_half(kn_engine *e, const kn_batch *b, int li)
+{
+    const kn_model *m = e->m;
+    const kn_hparams *hp = &m->hp;
+    const kn_layer *ly = &m->layers[li];
+    const int64_t n = b->n_tokens, solo = b->n_solo;
+    /* dense, or the layer's experts (forward_moe.c) */
+    if (ly->ffn_norm)
+        e->be.ops->rmsnorm(e->be.ctx, e->x, ly->ffn_norm, e->h, n, hp->n_embd, hp->rms_eps);
     const float *fin = ly->ffn_norm ? e->h : e->x;
-    if (kn_layer_is_moe(hp, il)) return kn_engine_moe_ffn(e, ly, fin, n, solo);
-    if ((rc = kn_engine_glu(e, &ly->w_gate, &ly->w_up, fin, n, solo, e->g, e->u))) return rc;
-    return kn_engine_project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo);
+    if (kn_layer_is_moe(hp, m->shard.l0 + li)) return kn_engine_moe_ffn(e, ly, fin, n, solo);
+    int rc = kn_engine_glu(e, &ly->w_gate, &ly->w_up, fin, n, solo, e->g, e->u);
+    return rc ? rc : kn_engine_project_add(e, &ly->w_down, e->g, ly->ffn_post_norm, n, solo);
 }
 
 /* logits (n_logits, n_vocab) = sel Wout on one rank; with tp > 1 each rank computes its
@@ -515,43 +556,27 @@ int kn_engine_forward_idle(kn_engine *e)
     return dp_idle(e);
 }
 
-int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)
+int kn_engine_input(kn_engine *e, const kn_batch *b, const kn_batch *db)
 {
     const kn_model *m = e->m;
     const kn_backend_ops *ops = e->be.ops;
     void *c = e->be.ctx;
     const int64_t n = b->n_tokens, E = m->hp.n_embd;
-    const bool dp = m->shard.dp_size > 1;
-    int rc = validate(e, kv, b);
-    bool wants_out = m->last ? b->n_logits > 0 && m->shard.tp_rank == 0 : true;
-    if (!rc && wants_out && !out) {
-        TD_LOG_ERR("no output buffer for the %s", m->last ? "logits" : "hidden states");
-        rc = TD_EINVAL;
-    }
-    if (rc) { /* a dp member still takes its part, without rows: the others wait for it */
-        if (dp) dp_idle(e);
-        return rc;
-    }
-    if (dp && (rc = dp_begin(e, n, b->n_solo))) return rc;
-    if ((rc = reserve(e, n))) return rc;
-    kn_batch staged; /* b's arrays in the backend's memory (a device backend's only) */
-    const kn_batch *db = b;
-    if (e->dev) {
-        if ((rc = kn_engine_stage_batch(e, kv, b, &staged))) return rc;
-        db = &staged;
-    }
+    int rc;
+    if (m->shard.mtp) return mtp_input(e, db, b->embd);
+    if (!m->first) return ops->upload(c, e->x, b->embd, (size_t)(n * E) * sizeof(float));
+    if ((rc = ops->get_rows(c, &m->tok_embd, db->tokens, n, e->x))) return rc;
+    if (m->hp.embd_scale != 1.0f) ops->scale(c, e->x, n * E, m->hp.embd_scale);
+    return 0;
+}
 
-    if (m->shard.mtp) {
-        if ((rc = mtp_input(e, db, b->embd))) return rc;
-    } else if (m->first) {
-        if ((rc = ops->get_rows(c, &m->tok_embd, db->tokens, n, e->x))) return rc;
-        if (m->hp.embd_scale != 1.0f) ops->scale(c, e->x, n * E, m->hp.embd_scale);
-    } else if ((rc = ops->upload(c, e->x, b->embd, (size_t)(n * E) * sizeof(float)))) {
-        return rc;
-    }
-    for (int li = 0; li < m->shard.l1 - m->shard.l0; li++)
-        if ((rc = layer_forward(e, kv, db, li))) return rc;
-
+int kn_engine_output(kn_engine *e, const kn_batch *b, const kn_batch *db, float *out)
+{
+    const kn_model *m = e->m;
+    const kn_backend_ops *ops = e->be.ops;
+    void *c = e->be.ctx;
+    const int64_t n = b->n_tokens, E = m->hp.n_embd;
+    int rc;
     if (!m->last) return ops->download(c, out, e->x, (size_t)(n * E) * sizeof(float));
     if (b->hidden_out) {
         ops->rmsnorm(c, e->x, m->output_norm, e->h, n, E, m->hp.rms_eps);
@@ -564,4 +589,35 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
     if ((rc = lm_head(e, b, out))) return rc;
     if (m->shard.tp_rank == 0) finish_logits(&m->hp, out, (int64_t)b->n_logits * m->hp.n_vocab);
     return 0;
+}
+
+int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out)
+{
+    const kn_model *m = e->m;
+    const bool dp = m->shard.dp_size > 1;
+    int rc = validate(e, kv, b);
+    bool wants_out = m->last ? b->n_logits > 0 && m->shard.tp_rank == 0 : true;
+    if (!rc && wants_out && !out) {
+        TD_LOG_ERR("no output buffer for the %s", m->last ? "logits" : "hidden states");
+        rc = TD_EINVAL;
+    }
+    if (rc) { /* a dp member still takes its part, without rows: the others wait for it */
+        if (dp) dp_idle(e);
+        return rc;
+    }
+    int64_t split = kn_engine_tbo_split(e, b);
+    if (split > 0) return kn_engine_forward_tbo(e, kv, b, split, out);
+    if (dp && (rc = dp_begin(e, b->n_tokens, b->n_solo))) return rc;
+    if ((rc = kn_engine_reserve(e, b->n_tokens))) return rc;
+    kn_batch staged; /* b's arrays in the backend's memory (a device backend's only) */
+    const kn_batch *db = b;
+    if (e->dev) {
+        if ((rc = kn_engine_stage_batch(e, kv, b, &staged))) return rc;
+        db = &staged;
+    }
+    if ((rc = kn_engine_input(e, b, db))) return rc;
+    for (int li = 0; li < m->shard.l1 - m->shard.l0; li++)
+        if ((rc = kn_engine_attn_half(e, kv, db, li)) || (rc = kn_engine_ffn_half(e, db, li)))
+            return rc;
+    return kn_engine_output(e, b, db, out);
 }

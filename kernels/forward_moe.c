@@ -290,7 +290,5 @@ int kn_engine_moe_ffn(kn_engine *e, const kn_layer *ly, const float *h, int64_t 
             return rc;
         ops->add(c, mo->mo, mo->xe, n, E);
     }
-    if ((rc = kn_engine_allreduce(e, mo->mo, n * E))) return rc;
-    ops->add(c, e->x, mo->mo, n, E);
-    return 0;
+    return kn_engine_reduce_add(e, mo->mo, n, NULL, false);
 }

@@ -256,6 +256,12 @@ typedef struct {
                      float *all);
     int (*dp_reduce)(void *ctx, const float *all, const int64_t *counts, int64_t n_cols,
                      float *mine);
+    /* Optional, for two-batch overlap (kn_engine_set_tbo): allreduce_sum in two halves. post
+     * hands buf (n floats) over and returns at once with a ticket; wait (the same n) puts
+     * the sum into buf. Posts pair across ranks in order with allreduces, at most two in
+     * flight, waited in the order posted. */
+    int (*allreduce_post)(void *ctx, const float *buf, int64_t n, uint64_t *ticket);
+    int (*allreduce_wait)(void *ctx, uint64_t ticket, float *buf, int64_t n);
 } kn_collective;
 
 /* One forward batch: tokens of several sequences at arbitrary positions. Tokens of one
@@ -299,6 +305,15 @@ void kn_engine_destroy(kn_engine *e);
  * Bad input (token id out of range, position past the block table, missing tokens or
  * embd) is TD_EINVAL / TD_ERANGE with a logged message, never a crash. */
 int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *out);
+
+/* Two-batch overlap (forward_tbo.c): a forward of at least min_tokens tokens (>= 2) runs as
+ * two micro-batches whose layers interleave, so each one's all-reduces are in flight while
+ * the other computes; 0 turns it off. The result is the whole batch's (solo rows bit for
+ * bit). Needs tp >= 2, the collective's allreduce_post/wait, a host-memory backend, no dp,
+ * not an MTP block: else TD_EUNSUPP (logged). Every rank of an instance sets the same
+ * min_tokens (they must split alike). kn_engine_tbo_count: forwards that ran split. */
+int kn_engine_set_tbo(kn_engine *e, int64_t min_tokens);
+uint64_t kn_engine_tbo_count(const kn_engine *e);
 
 /* Data-parallel attention (kn_shard.dp_size > 1): a member with no rows for a forward the
  * others run takes its part in the group's collectives this way (the other members' rows

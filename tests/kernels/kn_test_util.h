@@ -305,6 +305,8 @@ typedef struct {
 typedef struct {
     kt_coll *cc;
     int rank;
+    float *posted[2]; /* kt_allreduce_post's copies, oldest first */
+    int n_posted;
 } kt_rank_coll;
 
 /* kn_collective.allreduce_sum: every rank sums in rank order, so all ranks get bit-identical
@@ -327,6 +329,34 @@ static inline int kt_allreduce_sum(void *ctx, float *buf, int64_t n)
     memcpy(buf, mine, (size_t)n * sizeof *mine);
     free(mine);
     return 0;
+}
+
+/* kn_collective.allreduce_post / allreduce_wait: post keeps a copy of buf (so a caller that
+ * changed buf before the wait would be caught); the wait sums the copies, as
+ * kt_allreduce_sum would have at the post. At most two in flight, waited in order. */
+static inline int kt_allreduce_post(void *ctx, const float *buf, int64_t n, uint64_t *ticket)
+{
+    kt_rank_coll *rc = ctx;
+    if (rc->n_posted >= 2) return TD_ESTATE;
+    float *copy = malloc((size_t)(n > 0 ? n : 1) * sizeof *copy);
+    if (!copy) return TD_ENOMEM;
+    if (n > 0) memcpy(copy, buf, (size_t)n * sizeof *copy);
+    *ticket = (uint64_t)(uintptr_t)copy;
+    rc->posted[rc->n_posted++] = copy;
+    return 0;
+}
+
+static inline int kt_allreduce_wait(void *ctx, uint64_t ticket, float *buf, int64_t n)
+{
+    kt_rank_coll *rc = ctx;
+    float *copy = rc->posted[0];
+    if (!rc->n_posted || (uint64_t)(uintptr_t)copy != ticket) return TD_ESTATE;
+    rc->posted[0] = rc->posted[1];
+    rc->n_posted--;
+    int err = kt_allreduce_sum(ctx, copy, n);
+    if (!err && n > 0) memcpy(buf, copy, (size_t)n * sizeof *buf);
+    free(copy);
+    return err;
 }
 
 /* kn_collective.gather_cols: rank r's part is columns [r * n_cols / tp, (r + 1) * n_cols / tp)

@@ -10,6 +10,9 @@
  *   - prefill in chunks of 1, 7, 64 and all at once, then greedy decode from that KV,
  *   - two sequences in one batch vs each alone (no cross-sequence attention),
  *   - a solo decode row's logits bit for bit alone and beside a long prompt chunk,
+ *   - two-batch overlap at tp 2 (and ep): every forward of 2 tokens or more as two
+ *     micro-batches, a prompt chunk cut through its sequence, a solo decode row bit for bit
+ *     what it is unsplit,
  * must all give the same logits (max abs difference < 1e-4), and bad batches must be
  * rejected with an error. A model whose FFN width tp does not split into whole 32-weight
  * blocks (--n-ff 544) checks the uneven split (ranks differ by one block). A model whose
@@ -39,6 +42,8 @@ static int n_vocab, n_embd, n_layer, n_ff, n_head;
 static bool requant_ref; /* row-parallel tensors have blocks wider than 32: compare requantized */
 static bool gguf_moe;    /* the model has mixture-of-experts layers */
 static bool grids_ep;    /* grid_open's shards divide the experts among the ranks (kn_shard.ep) */
+static int64_t grids_tbo;   /* grid_open's engines' two-batch overlap (kn_engine_set_tbo) */
+static uint64_t tbo_splits; /* forwards rank 0 ran split, summed by grid_close */
 /* --tp: the TP sizes test_tp_splits runs (test_pp_x_tp takes the first and the last) */
 static int tp_sizes[8] = {2, 4}, n_tp_sizes = 2;
 /* the largest logit difference a split may show: float reassociation only (the real
@@ -92,10 +97,14 @@ static int grid_open(grid *g, int pp, int tp, td_dtype kv_type)
             if (rc) return rc;
             if ((rc = kn_cpu_create(1 + (r % 2), &x->cpu))) return rc; /* mixed thread counts */
             x->coll = (kt_rank_coll){.cc = &g->ars[s], .rank = r};
-            kn_collective coll = {
-                .ctx = &x->coll, .allreduce_sum = kt_allreduce_sum, .gather_cols = kt_gather_cols};
+            kn_collective coll = {.ctx = &x->coll,
+                                  .allreduce_sum = kt_allreduce_sum,
+                                  .gather_cols = kt_gather_cols,
+                                  .allreduce_post = kt_allreduce_post,
+                                  .allreduce_wait = kt_allreduce_wait};
             if ((rc = kn_engine_create(x->model, kn_cpu_backend(x->cpu), &coll, &x->engine)))
                 return rc;
+            if (grids_tbo && (rc = kn_engine_set_tbo(x->engine, grids_tbo))) return rc;
             kn_kv_pool_params kp = kn_model_kv_params(x->model, 64, BLOCK, kv_type);
             if ((rc = kn_kv_mem_create(&kp, &x->mem))) return rc;
             x->kv = kn_kv_mem_pool(x->mem);
@@ -115,6 +124,7 @@ static void grid_close(grid *g)
             kn_kv_seq_fini(x->mem, &x->seqs[1]);
         }
         kn_kv_mem_destroy(x->mem);
+        if (i == 0 && x->engine) tbo_splits += kn_engine_tbo_count(x->engine);
         kn_engine_destroy(x->engine);
         kn_cpu_destroy(x->cpu);
         kn_model_destroy(x->model);
@@ -433,6 +443,92 @@ static void test_solo_row_invariant(void)
     grid_close(&g);
 }
 
+/* Two-batch overlap (kernels/forward_tbo.c) at the first tp size, experts split and (a MoE
+ * model) ep: the prompt as one chunk, cut through its sequence, and the decode steps give the
+ * reference's logits and tokens; a solo decode row beside another sequence's chunk is bit
+ * for bit what it is unsplit; tp 1 and a backend-less overlap are refused. */
+static void test_tbo(void)
+{
+    const int tp = tp_sizes[0];
+    grids_tbo = 2;
+    for (int ep = 0; ep <= (gguf_moe ? 1 : 0); ep++) {
+        grids_ep = ep;
+        tbo_splits = 0;
+        compare_config(1, tp, PROMPT_LEN, TD_F32, split_tol);
+        TH_CHECK(tbo_splits == 1); /* the prompt; decode steps are one token */
+    }
+    grids_ep = false;
+    /* the solo row: unsplit (grids_tbo 0) and split grids run the same batches, the prompts
+     * whole, then the decode row with the chunk */
+    float *logits[2];
+    for (int t = 0; t < 2; t++) {
+        grids_tbo = t ? 2 : 0;
+        tbo_splits = 0;
+        grid g;
+        TH_REQUIRE(grid_open(&g, 1, tp, TD_F32) == 0);
+        enum { CHUNK = 160 };
+        int32_t tok[1 + CHUNK], pos[1 + CHUNK], seq_of[1 + CHUNK] = {0}, ctx[2];
+        int32_t rows[2] = {0, CHUNK};
+        logits[t] = malloc((size_t)2 * n_vocab * sizeof(float));
+        int32_t ptok[2 * PROMPT_LEN], ppos[2 * PROMPT_LEN], pseq[2 * PROMPT_LEN];
+        for (int i = 0; i < PROMPT_LEN; i++) {
+            ptok[i] = prompt[i], ppos[i] = i, pseq[i] = 0;
+            ptok[PROMPT_LEN + i] = (prompt[i] * 5 + 1) % n_vocab, ppos[PROMPT_LEN + i] = i;
+            pseq[PROMPT_LEN + i] = 1;
+        }
+        ctx[0] = ctx[1] = PROMPT_LEN;
+        int32_t last[2] = {PROMPT_LEN - 1, 2 * PROMPT_LEN - 1};
+        /* the prompts whole in both (their KV's bits depend on the batch they ran in) */
+        for (int r = 0; r < tp && t; r++)
+            TH_CHECK(kn_engine_set_tbo(g.rt[r].engine, 1000) == 0);
+        TH_REQUIRE(grid_forward(&g, ptok, ppos, pseq, 2 * PROMPT_LEN, 2, ctx, last, 2, logits[t]) ==
+                   0);
+        for (int r = 0; r < tp && t; r++)
+            TH_CHECK(kn_engine_set_tbo(g.rt[r].engine, 2) == 0);
+        g.n_solo = 1;
+        tok[0] = ref_gen[0], pos[0] = PROMPT_LEN, ctx[0] = PROMPT_LEN + 1;
+        for (int i = 0; i < CHUNK; i++) {
+            tok[1 + i] = (int32_t)((i * 3 + 7) % n_vocab);
+            pos[1 + i] = PROMPT_LEN + i;
+            seq_of[1 + i] = 1;
+        }
+        ctx[1] = PROMPT_LEN + CHUNK;
+        TH_REQUIRE(grid_forward(&g, tok, pos, seq_of, 1 + CHUNK, 2, ctx, rows, 2, logits[t]) == 0);
+        grid_close(&g);
+        TH_CHECKF(tbo_splits == (t ? 1u : 0u), "splits %llu", (unsigned long long)tbo_splits);
+    }
+    TH_CHECK(memcmp(logits[0], logits[1], (size_t)n_vocab * sizeof(float)) == 0);
+    float d = max_abs_diff(logits[0] + n_vocab, logits[1] + n_vocab, (size_t)n_vocab);
+    fprintf(stderr, "  tbo: chunk row max |dlogit| %.3g\n", d);
+    TH_CHECK(d < split_tol);
+    TH_CHECK(max_abs_diff(logits[0], ref_logits + n_vocab, (size_t)n_vocab) < split_tol);
+    free(logits[0]);
+    free(logits[1]);
+    grids_tbo = 0;
+    /* refused: tp 1; a collective without the split allreduce */
+    kn_model *m = NULL;
+    kn_cpu *cpu = NULL;
+    kn_engine *e = NULL;
+    kn_shard sh = {.tp_rank = 0, .tp_size = 1};
+    TH_REQUIRE(kn_model_load(gguf, &sh, &m) == 0 && kn_cpu_create(1, &cpu) == 0);
+    TH_REQUIRE(kn_engine_create(m, kn_cpu_backend(cpu), NULL, &e) == 0);
+    TH_CHECK(kn_engine_set_tbo(e, 2) == TD_EUNSUPP);
+    TH_CHECK(kn_engine_set_tbo(e, 0) == 0);
+    kn_engine_destroy(e);
+    kn_model_destroy(m);
+    sh = (kn_shard){.tp_rank = 0, .tp_size = 2};
+    kt_coll cc = {.tp = 2};
+    kt_rank_coll rc = {.cc = &cc};
+    kn_collective plain = {
+        .ctx = &rc, .allreduce_sum = kt_allreduce_sum, .gather_cols = kt_gather_cols};
+    TH_REQUIRE(kn_model_load(gguf, &sh, &m) == 0);
+    TH_REQUIRE(kn_engine_create(m, kn_cpu_backend(cpu), &plain, &e) == 0);
+    TH_CHECK(kn_engine_set_tbo(e, 2) == TD_EUNSUPP);
+    kn_engine_destroy(e);
+    kn_model_destroy(m);
+    kn_cpu_destroy(cpu);
+}
+
 static void test_f16_kv_close(void)
 {
     /* f16 KV rounds K and V (relative 5e-4): close to f32, not equal; the logits move in
@@ -735,6 +831,7 @@ int main(int argc, char **argv)
     TH_RUN(test_chunking);
     TH_RUN(test_two_sequences_in_one_batch);
     TH_RUN(test_solo_row_invariant);
+    if (tp_sizes[0] >= 2) TH_RUN(test_tbo);
     TH_RUN(test_f16_kv_close);
     TH_RUN(test_bad_batches);
     TH_RUN(test_kv_pool_exhaustion);
