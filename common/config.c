@@ -114,6 +114,7 @@ static const td_cfg_field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_DETERMINISTIC, "deterministic", F_BOOL, deterministic, 0, 0)                               \
     F(D_PREFIX_CACHE, "prefix_cache", F_BOOL, prefix_cache, 0, 0)                                  \
     F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
+    F(D_TBO, "tbo_min_tokens", F_INT, tbo_min_tokens, 0, 1 << 20)                                  \
     F(D_ADAPTIVE_THREADS, "adaptive_threads", F_BOOL, adaptive_threads, 0, 0)                      \
     F(D_SHARE_CORES, "share_cores", F_BOOL, share_cores, 0, 0)                                     \
     F(D_DRAIN, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000)                            \
@@ -510,6 +511,11 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
                         x->dp, x->tp, x->ep);
     if (x->dp > 1 && seen[D_DEVICES])
         return cfg_fail(p, seen[D_DP], "dp > 1 runs on the cpu backend (no devices)");
+    if (x->tbo_min_tokens > 0 && (x->tp < 2 || x->dp > 1 || seen[D_DEVICES]))
+        return cfg_fail(p, seen[D_TBO],
+                        "tbo_min_tokens (two-batch overlap) needs tp >= 2 on the cpu backend, "
+                        "without dp (tp %d, dp %d%s)",
+                        x->tp, x->dp, seen[D_DEVICES] ? ", devices" : "");
     if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     if (seen[D_SPEC] && parse_spec(p, seen[D_SPEC], what, &x->speculative)) return p->rc;

@@ -65,6 +65,19 @@ static int node_allreduce(void *ctx, float *buf, int64_t n_floats)
     return n->form.shm ? dc_shm_allreduce(n->form.shm, buf, n_floats) : TD_ESTATE;
 }
 
+/* Two-batch overlap's halves of the allreduce (kernels/forward_tbo.c). */
+static int node_allreduce_post(void *ctx, const float *buf, int64_t n_floats, uint64_t *ticket)
+{
+    dc_node *n = ctx;
+    return n->form.shm ? dc_shm_allreduce_post(n->form.shm, buf, n_floats, ticket) : TD_ESTATE;
+}
+
+static int node_allreduce_wait(void *ctx, uint64_t ticket, float *buf, int64_t n_floats)
+{
+    dc_node *n = ctx;
+    return n->form.shm ? dc_shm_allreduce_wait(n->form.shm, ticket, buf, n_floats) : TD_ESTATE;
+}
+
 /* The LM head's logit slices to the leader, which samples (followers pass out NULL). */
 static int node_gather_cols(void *ctx, const float *part, int64_t rows, int64_t n_cols, float *out)
 {
@@ -78,8 +91,11 @@ static int proc_init(dc_node *n)
     const dc_node_params *p = n->p;
     char who[96];
     snprintf(who, sizeof who, "decode %s rank %d", p->instance, p->rank);
-    kn_collective coll = {
-        .ctx = n, .allreduce_sum = node_allreduce, .gather_cols = node_gather_cols};
+    kn_collective coll = {.ctx = n,
+                          .allreduce_sum = node_allreduce,
+                          .gather_cols = node_gather_cols,
+                          .allreduce_post = node_allreduce_post,
+                          .allreduce_wait = node_allreduce_wait};
     dc_group_collective(n, &coll); /* a dp group's calls (dc_group.c) */
     kn_runtime_params rp = {
         .model_path = p->cfg->model,
@@ -97,6 +113,9 @@ static int proc_init(dc_node *n)
         .who = who};
     int rc = kn_act_runtime_open(&n->proc.rt, &rp);
     if (rc) return rc;
+    if (n->dcfg->tbo_min_tokens &&
+        (rc = kn_engine_set_tbo(n->proc.rt.engine, n->dcfg->tbo_min_tokens)))
+        return rc;
     int n_blocks = kv_blocks_of(n);
     if (n_blocks < 1) {
         TD_LOG_ERR("decode %s: kv_memory %lld bytes holds no block", p->instance,

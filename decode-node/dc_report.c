@@ -60,6 +60,12 @@ void dc_report_log(const dc_node *n)
                 (unsigned long long)ss.n_gather,
                 ss.n_gather ? (double)ss.ns_gather / (double)ss.n_gather / 1e3 : 0.0,
                 (unsigned long long)st.preemptions, n->life.formations);
+    if (n->dcfg->tbo_min_tokens && n->proc.rt.engine)
+        TD_LOG_INFO("decode %s: two-batch overlap (decode[].tbo_min_tokens %d): %llu of %llu steps "
+                    "ran as two micro-batches",
+                    n->p->instance, n->dcfg->tbo_min_tokens,
+                    (unsigned long long)kn_engine_tbo_count(n->proc.rt.engine),
+                    (unsigned long long)n->stats.step);
     const dc_threads *th = &n->leader.threads;
     if (th->n_levels > 1 && th->steps) {
         char buf[256];

@@ -41,7 +41,8 @@ class Cluster:
                         "kv_blocks": d.get("kv_blocks", 512), "port": d["port"],
                         "step_tokens": 64,
                         **{k: d[k] for k in ("prefix_cache", "kv_dtype", "overlap", "ep", "dp",
-                                             "share_cores", "itl_target_ms", "speculative")
+                                             "share_cores", "itl_target_ms", "speculative",
+                                             "tbo_min_tokens")
                            if k in d}}
                        for i, d in enumerate(decode)],
             "kvxfer": {"ucx_tls": ucx_tls, "timeout_ms": timeout_ms}})

@@ -254,18 +254,29 @@ def case_moe(args):
     latent KV head on every rank, sigmoid routing over expert groups, shared experts, a dense
     first layer): colocated tp 2 (every expert split across the ranks) and prefill pp 2 ->
     decode tp 2 with ep 2 (each rank holds half the experts whole) give `tandem generate`'s
-    greedy output; on deepseek2 disaggregated, the official openai client's n > 1 and
+    greedy output, colocated with two-batch overlap too (alone and 6 requests at once); on deepseek2 disaggregated, the official openai client's n > 1 and
     batched prompts."""
     prompts = ["a", text(30), text(150)]
     for name in ("qwen3moe", "deepseek2"):
         model = os.path.join(args.synth_dir, f"{name}.gguf")
-        for pf, dc in (([], {"tp": 2}), ([{"pp": 2, "chunk": 64}], {"tp": 2, "ep": 2})):
-            label = f"{name} {'pp2' if pf else 'colocated'} tp2{' ep2' if 'ep' in dc else ''}"
+        # colocated with two-batch overlap: every step of 2 tokens or more (the prompts'
+        # chunks, concurrent decode rows) runs as two micro-batches
+        for pf, dc in (([], {"tp": 2, "tbo_min_tokens": 2}),
+                       ([{"pp": 2, "chunk": 64}], {"tp": 2, "ep": 2})):
+            label = (f"{name} {'pp2' if pf else 'colocated'} tp2{' ep2' if 'ep' in dc else ''}"
+                     f"{' tbo' if 'tbo_min_tokens' in dc else ''}")
             with Cluster(args, model, pf, [dc]) as c:
                 equal_outputs(c, args, model, prompts, label)
                 if name == "deepseek2" and pf:
                     choices_output(c, args, model, label)
+                if "tbo_min_tokens" in dc:
+                    concurrent_outputs(c, args, model, prompts * 2, label)
                 idle(c, label)
+                if "tbo_min_tokens" in dc:
+                    c.stop()  # the leader logs how many steps ran split as it stops
+                    m = re.findall(r"two-batch overlap .*: (\d+) of (\d+) steps", c.log("d0r0"))
+                    split, steps = (int(x) for x in m[-1]) if m else (0, 0)
+                    check(0 < split < steps, f"{label}: {split} of {steps} steps ran split")
     # the model's MTP block proposing (speculative method mtp), pp 2 -> tp 2: the prompt's
     # hidden states stay on the stages (the block reads zeros for them), the output is
     # generate's; the oracle block's proposals are accepted
