@@ -34,6 +34,7 @@ typedef struct {
     int tp, max_batch;
     bool ep;       /* experts whole on the ranks (pl_decode_cfg.ep) */
     int dp;        /* > 1: every instance a member of a dp group of this many (pl_decode_cfg.dp) */
+    int tbo_min;   /* pl_decode_cfg.tbo_min */
     double kv_cap; /* tokens of KV an instance holds */
     dreq *r;
     bool colocated;
@@ -73,7 +74,9 @@ static void start_step(dsim *d, dinst *in, double now)
     }
     double ms = !B          ? 0
                 : d->dp > 1 ? pl_decode_step_ms_dp(d->m, d->hw, d->dp, B, S)
-                            : pl_decode_step_ms(d->m, d->hw, d->tp, d->ep, B, S);
+                : d->tbo_min && B >= d->tbo_min
+                    ? pl_decode_step_ms_tbo(d->m, d->hw, d->tp, d->ep, B, S)
+                    : pl_decode_step_ms(d->m, d->hw, d->tp, d->ep, B, S);
     if (in->pf_req >= 0) {
         const dreq *q = &d->r[in->pf_req];
         in->pf_x = q->pf_left < d->step_tokens ? q->pf_left : d->step_tokens;
@@ -207,7 +210,8 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
     memset(res, 0, sizeof *res);
     const int dp = cl->dc.dp > 1 ? cl->dc.dp : 1;
     if (cl->n_prefill < 0 || cl->n_decode < 1 || cl->dc.tp < 1 || cl->dc.max_batch < 0 ||
-        cl->dc.step_tokens < 0 || n < 1 || cl->dc.dp < 0 ||
+        cl->dc.step_tokens < 0 || n < 1 || cl->dc.dp < 0 || cl->dc.tbo_min < 0 ||
+        (cl->dc.tbo_min > 0 && (dp > 1 || cl->dc.tp < 2)) ||
         (dp > 1 && (cl->dc.tp != 1 || cl->dc.ep || m->n_expert < dp)))
         return TD_EINVAL;
     /* a dp group's members are instances of their own (the router's choice among them) */
@@ -222,6 +226,7 @@ int pl_simulate(const pl_model *m, const pl_hw *hw, const pl_cluster *cl, const 
               .tp = cl->dc.tp,
               .ep = cl->dc.ep,
               .dp = dp,
+              .tbo_min = cl->dc.tbo_min,
               .max_batch = cl->dc.max_batch ? cl->dc.max_batch : 256,
               .colocated = cl->n_prefill == 0,
               .step_tokens = cl->dc.step_tokens ? cl->dc.step_tokens : 512};

@@ -70,11 +70,15 @@ int pl_search(const pl_model *m, const pl_hw *hw, const pl_request *reqs, int n,
                             (p->max_devices > 0 && np * pp * tpp + nd * tpd * dp > p->max_devices))
                             continue;
                         pl_candidate *x = &c[k];
-                        x->cl = (pl_cluster){
-                            .n_prefill = np,
-                            .n_decode = nd,
-                            .pf = p->pf,
-                            .dc = {.tp = tpd, .max_batch = p->max_batch, .ep = p->ep, .dp = dp}};
+                        x->cl =
+                            (pl_cluster){.n_prefill = np,
+                                         .n_decode = nd,
+                                         .pf = p->pf,
+                                         .dc = {.tp = tpd,
+                                                .max_batch = p->max_batch,
+                                                .ep = p->ep,
+                                                .dp = dp,
+                                                .tbo_min = tpd > 1 && dp == 1 ? p->tbo_min : 0}};
                         x->cl.pf.pp = pp;
                         x->cl.pf.tp = tpp;
                         rc = pl_simulate(m, hw, &x->cl, reqs, n, &x->r);

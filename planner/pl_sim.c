@@ -98,7 +98,10 @@ double pl_stage_ms(const pl_model *m, const pl_stage *st, int64_t L, int64_t x)
     return (comp > wread ? comp : wread) + st->b_comm * (double)x + st->c;
 }
 
-double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S)
+/* A decode step's parts, ms: its products and attention (compute) and its all-reduces (ar;
+ * 0 where the profile's measured speed-up holds them). */
+static void step_parts(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S,
+                       double *compute, double *ar)
 {
     double par = pl_hw_parallel(hw, tp); /* tp beyond a one_node profile's cores time-shares */
     /* measured: the speed-up with the all-reduces of a batch-1 step in it (with whole experts
@@ -130,9 +133,28 @@ double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, in
     double a_mem = S * m->kv_bytes_token / bw;
     double a_comp = m->n_layer * m->attn_flops_pair * S / (par * hw->attn_flops * hw->eff_attn);
     if (hw->decode_attn > 0) a_mem = a_comp = S * hw->decode_attn / par; /* measured */
-    double ar =
+    *compute = 1e3 * (fmax(w_mem, w_comp) + fmax(a_mem, a_comp));
+    *ar =
         meas ? 0 : 2.0 * m->n_layer * pl_allreduce_ms(hw, tp, (double)B * m->n_embd * m->act_bytes);
-    return 1e3 * (fmax(w_mem, w_comp) + fmax(a_mem, a_comp)) + ar + hw->step_overhead * 1e3;
+}
+
+double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S)
+{
+    double compute, ar;
+    step_parts(m, hw, tp, ep, B, S, &compute, &ar);
+    return compute + ar + hw->step_overhead * 1e3;
+}
+
+double pl_decode_step_ms_tbo(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S)
+{
+    if (tp < 2 || B < 2) return pl_decode_step_ms(m, hw, tp, ep, B, S);
+    const int Ba = (B + 1) / 2, Bb = B - Ba;
+    const double Sa = S * Ba / B;
+    double ca, ara, cb, arb;
+    step_parts(m, hw, tp, ep, Ba, Sa, &ca, &ara);
+    step_parts(m, hw, tp, ep, Bb, S - Sa, &cb, &arb);
+    /* each micro-batch's all-reduces run behind the other's compute; what sticks out stays */
+    return ca + cb + fmax(0, ara - cb) + fmax(0, arb - ca) + hw->step_overhead * 1e3;
 }
 
 /* ---- prefill ---- */

@@ -36,6 +36,8 @@ static int plan_usage(void)
         "           --dp G (with a given shape of tp 1: each decode instance a data-parallel\n"
         "           attention group of G member instances, decode[].dp; the search tries\n"
         "           groups of 2 and 4 for a mixture-of-experts model without --ep)\n"
+        "           --tbo N (two-batch overlap for decode steps of N requests or more at\n"
+        "           tp >= 2, decode[].tbo_min_tokens)\n"
         "  search:  --max-instances N (4) --max-devices N (no cap: devices = prefill instances x\n"
         "           pp x tp + decode instances x tp) --max-batch B (256) --all (every "
         "configuration)\n"
@@ -128,6 +130,8 @@ static int plan_flag(plan_opts *o, const char *f, const char *v)
         return cli_parse_int(f, v, 1, 16, &o->batch);
     else if (!strcmp(f, "--dp"))
         return cli_parse_int(f, v, 1, 64, &o->dp);
+    else if (!strcmp(f, "--tbo"))
+        return cli_parse_int(f, v, 1, 1 << 20, &o->sp.tbo_min);
     else if (!strcmp(f, "--prefill")) {
         if ((rc = parse_shape(f, v, 3, s))) return rc;
         o->cfg.n_prefill = s[0], o->cfg.pf.pp = s[1], o->cfg.pf.tp = s[2];
@@ -201,6 +205,10 @@ static int plan_parse(int argc, char **argv, plan_opts *o)
                         "--decode, or --colocated), not a search\n");
         return TD_EINVAL;
     }
+    if (o->sp.tbo_min && o->have_cfg && (o->cfg.dc.tp < 2 || o->dp > 1)) {
+        fprintf(stderr, "tandem: --tbo needs a decode shape of tp >= 2 without --dp\n");
+        return TD_EINVAL;
+    }
     if (o->dp > 1 && (!o->have_cfg || o->cfg.dc.tp != 1 || o->sp.ep)) {
         fprintf(stderr,
                 "tandem: --dp %d prices a given decode shape of tp 1 without --ep "
@@ -257,13 +265,14 @@ static void print_cand(const pl_candidate *c, bool json, bool first, bool best)
     const pl_result *r = &c->r;
     if (json) {
         printf("%s{\"prefill\": {\"instances\": %d, \"pp\": %d, \"tp\": %d}, \"decode\": "
-               "{\"instances\": %d, \"tp\": %d, \"ep\": %s, \"dp\": %d}, \"devices\": %d, "
+               "{\"instances\": %d, \"tp\": %d, \"ep\": %s, \"dp\": %d, \"tbo_min\": %d}, "
+               "\"devices\": %d, "
                "\"fits\": %s, "
                "\"meets\": %s, "
                "\"ttft_ms\": {\"p50\": %.3f, \"p90\": %.3f}, \"tpot_ms\": {\"p50\": %.4f, "
                "\"p90\": %.4f}, \"output_tps\": %.3f, \"prefill_tps\": %.3f}",
                first ? "" : ", ", k->n_prefill, k->pf.pp, k->pf.tp, k->n_decode, k->dc.tp,
-               k->dc.ep ? "true" : "false", k->dc.dp > 1 ? k->dc.dp : 1, r->devices,
+               k->dc.ep ? "true" : "false", k->dc.dp > 1 ? k->dc.dp : 1, k->dc.tbo_min, r->devices,
                r->fits ? "true" : "false", c->meets ? "true" : "false", r->ttft_p50, r->ttft_p90,
                r->tpot_p50, r->tpot_p90, r->output_tps, r->prefill_tps);
         return;
@@ -310,6 +319,7 @@ static int do_plan(const plan_opts *o, const pl_model *m, const pl_hw *hw, pl_re
         one.cl.dc.max_batch = o->sp.max_batch;
         one.cl.dc.ep = o->sp.ep;
         one.cl.dc.dp = o->dp;
+        one.cl.dc.tbo_min = o->sp.tbo_min;
         rc = (o->sequential ? pl_simulate_sequential : pl_simulate)(m, hw, &one.cl, reqs,
                                                                     o->w.n_requests, &one.r);
         one.meets = one.r.fits && (!o->have_ttft || one.r.ttft_p90 <= o->sp.ttft_ms) &&

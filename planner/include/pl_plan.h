@@ -36,6 +36,8 @@ typedef struct {
     int max_devices;         /* 0: no cap; else configurations using more devices (the
                               * machine's cores or GPUs) are not considered */
     bool ep;                 /* decode instances run expert parallelism (pl_decode_cfg.ep) */
+    int tbo_min;             /* > 0: decode instances of tp >= 2 run two-batch overlap
+                              * (pl_decode_cfg.tbo_min) */
 } pl_search_params;
 
 typedef struct {

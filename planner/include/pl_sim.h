@@ -76,6 +76,9 @@ typedef struct {
     int dp;          /* 0 or 1; > 1 (tp 1, ep off, a mixture-of-experts model): each instance is a
                         data-parallel attention group of dp member instances (decode[].dp), each
                         its own requests and KV at the pl_decode_step_ms_dp cost */
+    int tbo_min;     /* > 0 (tp >= 2, no dp): decode steps of at least this many requests at the
+                        pl_decode_step_ms_tbo cost (decode[].tbo_min_tokens; a colocated step's
+                        prompt chunk keeps its whole cost) */
 } pl_decode_cfg;
 
 typedef struct {
@@ -124,6 +127,14 @@ double pl_allreduce_ms(const pl_hw *hw, int tp, double bytes);
  * experts whole on the ranks (pl_decode_cfg.ep), the experts' bytes and products scaled by the
  * expected imbalance (pl_model_ep_imbalance). */
 double pl_decode_step_ms(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S);
+/* The same step with two-batch overlap (decode[].tbo_min_tokens): two micro-batches of about
+ * B / 2 requests, each priced as a step of its own (so each reads the weights), each one's
+ * all-reduces hidden behind the other's compute but for what sticks out. Where the profile's
+ * measured speed-up holds the all-reduces (a calibrated CPU profile) nothing is left to hide
+ * and only the second weight read shows: the overlap is predicted to pay where the
+ * collectives are priced apart (a device profile's NVLink or network all-reduces) and the
+ * step is compute-bound. tp < 2 or B < 2: pl_decode_step_ms. */
+double pl_decode_step_ms_tbo(const pl_model *m, const pl_hw *hw, int tp, bool ep, int B, double S);
 /* The step of one member of a data-parallel attention group of dp with B requests and
  * context S of its own: the tp 1 step over the profile's decode_speedup_dp[dp] (a member's
  * batch-1 step with every member stepping, measured), else the tp 1 step plus the gather and

@@ -540,6 +540,49 @@ static void test_dp(void)
     free(c);
 }
 
+/* Two-batch overlap (pl_decode_step_ms_tbo): the two micro-batches' steps, each all-reduce
+ * hidden behind the other's compute but for what sticks out. At B 1 or tp 1 the plain step.
+ * With the all-reduces priced apart and longer than nothing, the overlap pays where the step
+ * computes (many rows) and loses where it reads weights (few rows: twice); with a measured
+ * speed-up (the all-reduces in it) only the second read is left. The simulator takes it for
+ * steps of tbo_min requests or more, and refuses it at tp 1 and with dp. */
+static void test_tbo(void)
+{
+    pl_hw hw = test_hw();
+    pl_model m = test_model();
+    hw.devices_per_node = 4;
+    TH_CHECK(pl_decode_step_ms_tbo(&m, &hw, 2, false, 1, 100) ==
+             pl_decode_step_ms(&m, &hw, 2, false, 1, 100));
+    TH_CHECK(pl_decode_step_ms_tbo(&m, &hw, 1, false, 8, 100) ==
+             pl_decode_step_ms(&m, &hw, 1, false, 8, 100));
+    hw.nvlink_bw = 2e9; /* the all-reduces take time: 64 x 2 bytes a row at 1 GB/s a phase */
+    hw.nvlink_lat = 1e-6;
+    const int big = 4096; /* compute-bound: the products cost more than the weights' read */
+    double plain = pl_decode_step_ms(&m, &hw, 2, false, big, 0);
+    double tbo = pl_decode_step_ms_tbo(&m, &hw, 2, false, big, 0);
+    TH_CHECKF(tbo < plain, "batch %d: tbo %.4f ms, plain %.4f ms", big, tbo, plain);
+    hw.hbm_bw = 1e9; /* bandwidth-bound at a few rows: the second read costs more */
+    plain = pl_decode_step_ms(&m, &hw, 2, false, 2, 0);
+    tbo = pl_decode_step_ms_tbo(&m, &hw, 2, false, 2, 0);
+    TH_CHECKF(tbo > plain, "batch 2: tbo %.4f ms, plain %.4f ms", tbo, plain);
+    hw.decode_speedup[2] = 1.5; /* measured, the all-reduces in it: nothing left to hide */
+    plain = pl_decode_step_ms(&m, &hw, 2, false, big, 0);
+    tbo = pl_decode_step_ms_tbo(&m, &hw, 2, false, big, 0);
+    double half = pl_decode_step_ms(&m, &hw, 2, false, big / 2, 0) - hw.step_overhead * 1e3;
+    TH_CHECK(fabs(tbo - (2 * half + hw.step_overhead * 1e3)) < 1e-9 * tbo && tbo >= plain);
+    pl_cluster cl = {.n_prefill = 0, .n_decode = 1, .dc = {.tp = 2, .tbo_min = 2}};
+    pl_request reqs[4];
+    for (int i = 0; i < 4; i++)
+        reqs[i] = (pl_request){.arrival_ms = 0, .prompt = 64, .output = 8};
+    pl_result with, without;
+    TH_REQUIRE(pl_simulate(&m, &hw, &cl, reqs, 4, &with) == 0);
+    cl.dc.tbo_min = 0;
+    TH_REQUIRE(pl_simulate(&m, &hw, &cl, reqs, 4, &without) == 0);
+    TH_CHECK(with.tpot_p50 > without.tpot_p50); /* the measured profile: the read only */
+    cl.dc.tbo_min = 2, cl.dc.tp = 1;
+    TH_CHECK(pl_simulate(&m, &hw, &cl, reqs, 4, &with) == TD_EINVAL);
+}
+
 /* The joint fit of profile forwards and chunks after a prefix recovers the model that made
  * them; a set that is not convex is refused and leaves the fit alone. */
 static void test_joint_fit(void)
@@ -588,6 +631,7 @@ int main(int argc, char **argv)
     TH_RUN(test_named_shapes);
     if (synth_dir) TH_RUN(test_moe_gguf);
     TH_RUN(test_ep_imbalance);
+    TH_RUN(test_tbo);
     TH_RUN(test_reproduce_runs);
     TH_EXIT();
 }
