@@ -511,11 +511,11 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
                         x->dp, x->tp, x->ep);
     if (x->dp > 1 && seen[D_DEVICES])
         return cfg_fail(p, seen[D_DP], "dp > 1 runs on the cpu backend (no devices)");
-    if (x->tbo_min_tokens > 0 && (x->tp < 2 || x->dp > 1 || seen[D_DEVICES]))
+    if (x->tbo_min_tokens > 0 && (x->tp < 2 || x->dp > 1))
         return cfg_fail(p, seen[D_TBO],
-                        "tbo_min_tokens (two-batch overlap) needs tp >= 2 on the cpu backend, "
-                        "without dp (tp %d, dp %d%s)",
-                        x->tp, x->dp, seen[D_DEVICES] ? ", devices" : "");
+                        "tbo_min_tokens (two-batch overlap) needs tp >= 2 and no dp (tp %d, dp "
+                        "%d)",
+                        x->tp, x->dp);
     if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     if (seen[D_SPEC] && parse_spec(p, seen[D_SPEC], what, &x->speculative)) return p->rc;

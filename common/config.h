@@ -178,7 +178,7 @@ typedef struct {
     int dp_rank;        /* this member's K */
     /* two-batch overlap (kernels/forward_tbo.c): a step of at least this many tokens runs as
      * two micro-batches, each one's all-reduces in flight while the other computes; 0: off.
-     * tp >= 2, cpu backend, no dp */
+     * tp >= 2, no dp */
     int tbo_min_tokens;
     char *dp_group;     /* the YAML entry's name (the group's), NULL when dp is 1 */
     char *host;         /* 127.0.0.1 */

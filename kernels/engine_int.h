@@ -209,6 +209,11 @@ void kn_engine_stage_free(kn_engine *e);
  * (rows, n_vocab); other ranks pass out NULL. Each moves 4 bytes a float each way per
  * rank over the host link (docs/gpu.md has the sums). */
 int kn_engine_allreduce_staged(kn_engine *e, float *buf, int64_t n);
+/* The staged all-reduce in two halves (a two-batch overlap micro-batch): post downloads buf
+ * into the engine's host staging and posts it; wait waits for the sum there and uploads it
+ * into buf. Nothing else may stage on the engine in between. */
+int kn_engine_allreduce_post_staged(kn_engine *e, const float *buf, int64_t n, uint64_t *ticket);
+int kn_engine_allreduce_wait_staged(kn_engine *e, uint64_t ticket, float *buf, int64_t n);
 int kn_engine_gather_staged(kn_engine *e, const float *part, int64_t rows, float *out);
 
 #endif

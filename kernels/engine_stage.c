@@ -3,7 +3,8 @@
  * host arrays (tokens, positions, sequence indices, logit rows, block tables and the seq
  * views that point at them) copied into backend memory before the first op reads them, and
  * with tp > 1 the collectives staged through host memory (the process's host collective,
- * the decode node's shared-memory all-reduce, sums what each rank downloads).
+ * the decode node's shared-memory all-reduce, sums what each rank downloads; a micro-batch of
+ * two-batch overlap posts its download and uploads the sum when it waits).
  * Host-memory backends (cpu) read the caller's arrays directly; one with a map_matrix is
  * told the shard's weight matrices (kn_engine_map_model) and nothing else here. */
 #include <stdlib.h>
@@ -251,6 +252,21 @@ int kn_engine_allreduce_staged(kn_engine *e, float *buf, int64_t n)
     if (!rc) rc = e->coll.allreduce_sum(e->coll.ctx, h, n);
     if (!rc) rc = e->be.ops->upload(e->be.ctx, buf, h, bytes);
     return rc;
+}
+
+int kn_engine_allreduce_post_staged(kn_engine *e, const float *buf, int64_t n, uint64_t *ticket)
+{
+    float *h = stage_host(e, n ? n : 1);
+    if (!h) return TD_ENOMEM;
+    int rc = e->be.ops->download(e->be.ctx, h, buf, (size_t)n * sizeof(float));
+    return rc ? rc : e->coll.allreduce_post(e->coll.ctx, h, n, ticket);
+}
+
+int kn_engine_allreduce_wait_staged(kn_engine *e, uint64_t ticket, float *buf, int64_t n)
+{
+    float *h = e->st.host; /* the post's: nothing staged on this engine since */
+    int rc = e->coll.allreduce_wait(e->coll.ctx, ticket, h, n);
+    return rc ? rc : e->be.ops->upload(e->be.ctx, buf, h, (size_t)n * sizeof(float));
 }
 
 int kn_engine_gather_staged(kn_engine *e, const float *part, int64_t rows, float *out)

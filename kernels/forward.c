@@ -333,7 +333,8 @@ int kn_engine_reduce_add(kn_engine *e, float *buf, int64_t n, const float *post_
     const int64_t N = n * e->m->hp.n_embd;
     if (e->defer && e->m->shard.tp_size > 1) { /* a micro-batch: the rest after the other's work */
         kn_engine_pending *p = &e->pend;
-        int rc = e->coll.allreduce_post(e->coll.ctx, buf, N, &p->ticket);
+        int rc = e->dev ? kn_engine_allreduce_post_staged(e, buf, N, &p->ticket)
+                        : e->coll.allreduce_post(e->coll.ctx, buf, N, &p->ticket);
         if (rc) return rc;
         *p = (kn_engine_pending){.on = true,
                                  .buf = buf,
@@ -354,7 +355,9 @@ int kn_engine_settle(kn_engine *e)
     kn_engine_pending *p = &e->pend;
     if (!p->on) return 0;
     p->on = false;
-    int rc = e->coll.allreduce_wait(e->coll.ctx, p->ticket, p->buf, p->rows * e->m->hp.n_embd);
+    const int64_t N = p->rows * e->m->hp.n_embd;
+    int rc = e->dev ? kn_engine_allreduce_wait_staged(e, p->ticket, p->buf, N)
+                    : e->coll.allreduce_wait(e->coll.ctx, p->ticket, p->buf, N);
     if (rc) return rc;
     finish_add(e, p->buf, p->rows, p->post_norm, p->scaled);
     return 0;

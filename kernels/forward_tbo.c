@@ -18,6 +18,12 @@
  * attention half writes its keys of a layer before B's attention half of that layer reads
  * them, and A's rows come first in the sequence (kn_batch: position order).
  *
+ * On a device backend each micro-batch's arrays are staged into its engine's device buffers,
+ * and its all-reduce goes through its engine's host staging (engine_stage.c): the post
+ * downloads (waiting for that micro-batch's kernels), so the wait for the other ranks runs
+ * while the other micro-batch's kernels, already queued, compute. Not yet run on a GPU
+ * (cpu-dev checks the memory contract: test_engine_device).
+ *
  * The cost is the weights: each micro-batch reads every matrix, so where a step is bound
  * by reading weights (small decode batches on a CPU) the overlap pays only if the waits it
  * hides are longer than the second read; min_tokens keeps small batches whole. */
@@ -43,7 +49,6 @@ int kn_engine_set_tbo(kn_engine *e, int64_t min_tokens)
     }
     const char *why = m->shard.tp_size < 2   ? "needs tp >= 2"
                       : m->shard.dp_size > 1 ? "is not built for dp"
-                      : e->dev               ? "runs on host backends"
                       : !e->coll.allreduce_post || !e->coll.allreduce_wait
                           ? "needs a split allreduce"
                       : m->shard.mtp ? "is not for an MTP block"
@@ -133,24 +138,29 @@ int kn_engine_forward_tbo(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, int64
     float *outs[2] = {out, NULL};
     if (out) outs[1] = out + (m->last ? (int64_t)nl * m->hp.n_vocab : split * E);
     kn_engine *eng[2] = {e, t->twin};
+    kn_batch staged[2]; /* a device backend's: each micro-batch's arrays in its memory */
+    const kn_batch *db[2] = {&mb[0], &mb[1]};
     int rc = 0;
-    for (int i = 0; i < 2 && !rc; i++)
-        if (!(rc = kn_engine_reserve(eng[i], mb[i].n_tokens)))
-            rc = kn_engine_input(eng[i], &mb[i], &mb[i]);
+    for (int i = 0; i < 2 && !rc; i++) {
+        if (e->dev && !(rc = kn_engine_stage_batch(eng[i], kv, &mb[i], &staged[i])))
+            db[i] = &staged[i];
+        if (!rc && !(rc = kn_engine_reserve(eng[i], mb[i].n_tokens)))
+            rc = kn_engine_input(eng[i], &mb[i], db[i]);
+    }
     e->defer = eng[1]->defer = true;
     for (int li = 0; li < m->shard.l1 - m->shard.l0 && !rc; li++)
         for (int half = 0; half < 2 && !rc; half++)
             for (int i = 0; i < 2 && !rc; i++)
                 if (!(rc = kn_engine_settle(eng[i])))
-                    rc = half ? kn_engine_ffn_half(eng[i], &mb[i], li)
-                              : kn_engine_attn_half(eng[i], kv, &mb[i], li);
+                    rc = half ? kn_engine_ffn_half(eng[i], db[i], li)
+                              : kn_engine_attn_half(eng[i], kv, db[i], li);
     for (int i = 0; i < 2; i++) {
         if (!rc) rc = kn_engine_settle(eng[i]);
         eng[i]->pend.on = false; /* after a failure the instance re-forms: nothing to wait */
         eng[i]->defer = false;
     }
     for (int i = 0; i < 2 && !rc; i++)
-        rc = kn_engine_output(eng[i], &mb[i], &mb[i], outs[i]);
+        rc = kn_engine_output(eng[i], &mb[i], db[i], outs[i]);
     if (!rc) t->n_split++;
     return rc;
 }

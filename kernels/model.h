@@ -309,8 +309,9 @@ int kn_engine_forward(kn_engine *e, kn_kv_pool *kv, const kn_batch *b, float *ou
 /* Two-batch overlap (forward_tbo.c): a forward of at least min_tokens tokens (>= 2) runs as
  * two micro-batches whose layers interleave, so each one's all-reduces are in flight while
  * the other computes; 0 turns it off. The result is the whole batch's (solo rows bit for
- * bit). Needs tp >= 2, the collective's allreduce_post/wait, a host-memory backend, no dp,
- * not an MTP block: else TD_EUNSUPP (logged). Every rank of an instance sets the same
+ * bit). Needs tp >= 2, the collective's allreduce_post/wait, no dp, not an MTP block: else
+ * TD_EUNSUPP (logged); a device backend stages each micro-batch's all-reduce through host
+ * memory as the plain forward does. Every rank of an instance sets the same
  * min_tokens (they must split alike). kn_engine_tbo_count: forwards that ran split. */
 int kn_engine_set_tbo(kn_engine *e, int64_t min_tokens);
 uint64_t kn_engine_tbo_count(const kn_engine *e);

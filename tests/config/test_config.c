@@ -110,10 +110,9 @@ static const bad_case bad_cases[] = {
     {"decode_dp_tp", MIN "    dp: 2\n    tp: 2\n", 4, 9,
      "dp 2: each member holds the model whole but its experts; tp and ep stay 1 (tp 2, ep 1)"},
     {"decode_tbo_tp1", MIN "    tbo_min_tokens: 8\n", 4, 21,
-     "tbo_min_tokens (two-batch overlap) needs tp >= 2 on the cpu backend, without dp (tp 1, "
-     "dp 1)"},
+     "tbo_min_tokens (two-batch overlap) needs tp >= 2 and no dp (tp 1, dp 1)"},
     {"decode_tbo_dp", MIN "    dp: 2\n    tbo_min_tokens: 8\n", 5, 21,
-     "needs tp >= 2 on the cpu backend, without dp (tp 1, dp 2)"},
+     "needs tp >= 2 and no dp (tp 1, dp 2)"},
     {"decode_tbo_negative", MIN "    tp: 2\n    tbo_min_tokens: -1\n", 5, 21,
      "-1 is out of range [0, 1048576]"},
     {"decode_dp_mtp", MIN "    dp: 2\n    speculative:\n      method: mtp\n", 6, 7,
