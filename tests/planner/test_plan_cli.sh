@@ -42,6 +42,17 @@ if "$tandem" plan --model llama3-8b --hw "$hw/h100.yaml" --colocated 1x1 --smoot
 fi
 grep -q "a colocated decode instance takes --step-tokens" "$dir/err.txt"
 
+# two-batch overlap: the shape's JSON carries tbo_min; at tp 1 it is refused
+"$tandem" plan --model llama3-70b --hw "$hw/h100.yaml" --prefill 1x4x8 --decode 1x8 --tbo 2 \
+  --requests 64 --rate 0 --prompt 1024 --output 32 --json > "$dir/tbo.json"
+"$py" -c "import json,sys; c=json.load(open(sys.argv[1]))['configs'][0]; \
+assert c['decode']['tbo_min'] == 2 and c['tpot_ms']['p50'] > 0, c; print('tbo: ok')" "$dir/tbo.json"
+if "$tandem" plan --model llama3-8b --hw "$hw/h100.yaml" --colocated 1x1 --tbo 2 \
+     2> "$dir/err.txt"; then
+  echo "--tbo at tp 1 was accepted"; exit 1
+fi
+grep -q -- "--tbo needs a decode shape of tp >= 2" "$dir/err.txt"
+
 # a bad profile is a clear error, exit 1
 printf 'name: x\nhbm_gbps: fast\n' > "$dir/bad.yaml"
 if "$tandem" plan --model llama3-8b --hw "$dir/bad.yaml" --prefill 1x1x1 --decode 1x1 \
