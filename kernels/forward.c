@@ -21,6 +21,10 @@
  * the optional fused ops (kn_backend.h), q, k, v are one matmul_multi, gate, up and the
  * activation one glu_ffn, and each output projection with its residual add one matmul_add
  * (tp 1 without post-norm), with the same bits as the sequences they replace.
+ * The pass is in parts (input, each layer's attention half and feed-forward half, output) so
+ * that two-batch overlap (forward_tbo.c) can interleave two micro-batches; an engine that
+ * defers posts each all-reduce (kn_engine_reduce_add) and finishes it (kn_engine_settle)
+ * before its next half.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -332,16 +336,16 @@ int kn_engine_reduce_add(kn_engine *e, float *buf, int64_t n, const float *post_
 {
     const int64_t N = n * e->m->hp.n_embd;
     if (e->defer && e->m->shard.tp_size > 1) { /* a micro-batch: the rest after the other's work */
-        kn_engine_pending *p = &e->pend;
-        int rc = e->dev ? kn_engine_allreduce_post_staged(e, buf, N, &p->ticket)
-                        : e->coll.allreduce_post(e->coll.ctx, buf, N, &p->ticket);
+        uint64_t ticket;
+        int rc = e->dev ? kn_engine_allreduce_post_staged(e, buf, N, &ticket)
+                        : e->coll.allreduce_post(e->coll.ctx, buf, N, &ticket);
         if (rc) return rc;
-        *p = (kn_engine_pending){.on = true,
-                                 .buf = buf,
-                                 .rows = n,
-                                 .post_norm = post_norm,
-                                 .scaled = scaled,
-                                 .ticket = p->ticket};
+        e->pend = (kn_engine_pending){.on = true,
+                                      .buf = buf,
+                                      .rows = n,
+                                      .post_norm = post_norm,
+                                      .scaled = scaled,
+                                      .ticket = ticket};
         return 0;
     }
     int rc = kn_engine_allreduce(e, buf, N);
