@@ -254,7 +254,8 @@ def case_moe(args):
     latent KV head on every rank, sigmoid routing over expert groups, shared experts, a dense
     first layer): colocated tp 2 (every expert split across the ranks) and prefill pp 2 ->
     decode tp 2 with ep 2 (each rank holds half the experts whole) give `tandem generate`'s
-    greedy output, colocated with two-batch overlap too (alone and 6 requests at once); on deepseek2 disaggregated, the official openai client's n > 1 and
+    greedy output, colocated with two-batch overlap too (alone and 6 requests at once; a rank
+    killed mid-stream: tbo_rank_dies); on deepseek2 disaggregated, the official openai client's n > 1 and
     batched prompts."""
     prompts = ["a", text(30), text(150)]
     for name in ("qwen3moe", "deepseek2"):
@@ -293,6 +294,42 @@ def case_moe(args):
             v, p, a = (int(x) for x in m[-1]) if m else (0, 0, 0)
             check(v > 0 and p > 0 and (a > p // 2 if name.endswith("echo") else a <= p),
                   f"{label}: {v} verifications, {p} proposed, {a} accepted")
+    tbo_rank_dies(args)
+
+
+def tbo_rank_dies(args):
+    """A follower of a tp 2 instance with two-batch overlap killed mid-stream (decode
+    [{tp: 2, tbo_min_tokens: 2}, {tp: 1}], three streams, so the instance's steps run split and
+    a micro-batch's all-reduce is posted when the rank goes): the streams on it move and every
+    text equals generate; the restarted rank and its leader form the instance again, which
+    serves (split again)."""
+    model = os.path.join(args.synth_dir, "deepseek2.gguf")
+    label = "deepseek2 tp2 tbo rank killed"
+    prompts = [text(40), " ".join(reversed(WORDS)), "seven owls " * 9]
+    n = 380  # within the model's 512 positions
+    want = expect(args, model, prompts, n)
+    with Cluster(args, model, [], [{"tp": 2, "tbo_min_tokens": 2}, {}]) as c:
+        outs, firsts, ths = [{}, {}, {}], [threading.Event() for _ in prompts], []
+        for p, o, f in zip(prompts, outs, firsts):
+            ths.append(threading.Thread(target=stream_complete, args=(c, p, n, o, f)))
+            ths[-1].start()
+        for f in firsts:
+            f.wait(120)
+        c.kill("d0r1")
+        for th in ths:
+            th.join(timeout=300)
+        moved = re.findall(r"after (\d+) tokens: moving it", c.log("router"))
+        check(moved and all(int(m) < n for m in moved),
+              f"{label}: the router moved a stream on the instance mid-way (after {moved} tokens)")
+        check([o.get("text") for o in outs] == want, f"{label}: every stream equals generate")
+        c.start_rank(0, 1)
+        check(wait_for(lambda: c.decode_health(0).get("ready") == "1", 120),
+              f"{label}: the restarted rank and its leader formed the instance again")
+        concurrent_outputs(c, args, model, prompts + ["a", text(20)], f"{label}, re-formed", n=12)
+        idle(c, label)
+        c.stop()
+        m = re.findall(r"two-batch overlap .*: (\d+) of (\d+) steps", c.log("d0r0"))
+        check(m and int(m[-1][0]) > 0, f"{label}: the re-formed instance split steps ({m})")
 
 
 def concurrent_outputs(c, args, model, prompts, label, n=16):
