@@ -309,6 +309,10 @@ def tbo_rank_dies(args):
     n = 380  # within the model's 512 positions
     want = expect(args, model, prompts, n)
     with Cluster(args, model, [], [{"tp": 2, "tbo_min_tokens": 2}, {}]) as c:
+        # the router is up once any instance is: wait for the tp 2 one, or the streams all
+        # go to the other
+        check(wait_for(lambda: c.decode_health(0).get("ready") == "1", 120),
+              f"{label}: the tp 2 instance is ready")
         outs, firsts, ths = [{}, {}, {}], [threading.Event() for _ in prompts], []
         for p, o, f in zip(prompts, outs, firsts):
             ths.append(threading.Thread(target=stream_complete, args=(c, p, n, o, f)))
