@@ -443,20 +443,22 @@ static void test_solo_row_invariant(void)
     grid_close(&g);
 }
 
-/* Two-batch overlap (kernels/forward_tbo.c) at the first tp size, experts split and (a MoE
+/* Two-batch overlap (kernels/forward_tbo.c) at every tp size, experts split and (a MoE
  * model) ep: the prompt as one chunk, cut through its sequence, and the decode steps give the
- * reference's logits and tokens; a solo decode row beside another sequence's chunk is bit
- * for bit what it is unsplit; tp 1 and a backend-less overlap are refused. */
+ * reference's logits and tokens; at the first tp size, a solo decode row beside another
+ * sequence's chunk is bit for bit what it is unsplit; tp 1 and a collective without the
+ * split allreduce are refused. */
 static void test_tbo(void)
 {
     const int tp = tp_sizes[0];
     grids_tbo = 2;
-    for (int ep = 0; ep <= (gguf_moe ? 1 : 0); ep++) {
-        grids_ep = ep;
-        tbo_splits = 0;
-        compare_config(1, tp, PROMPT_LEN, TD_F32, split_tol);
-        TH_CHECK(tbo_splits == 1); /* the prompt; decode steps are one token */
-    }
+    for (int i = 0; i < n_tp_sizes; i++) /* every tp size; experts split and (MoE) whole */
+        for (int ep = 0; ep <= (gguf_moe ? 1 : 0); ep++) {
+            grids_ep = ep;
+            tbo_splits = 0;
+            compare_config(1, tp_sizes[i], PROMPT_LEN, TD_F32, split_tol);
+            TH_CHECK(tbo_splits == 1); /* the prompt; decode steps are one token */
+        }
     grids_ep = false;
     /* the solo row: unsplit (grids_tbo 0) and split grids run the same batches, the prompts
      * whole, then the decode row with the chunk */
