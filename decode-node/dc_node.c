@@ -165,6 +165,7 @@ static int proc_init(dc_node *n)
         .rank = p->rank,
         .tp = n->dcfg->tp,
         .max_floats = max_step * n->proc.rt.model->hp.n_embd,
+        .split_allreduce = n->dcfg->tbo_min_tokens > 0, /* two-batch overlap's posts */
         .max_plan = max_plan,
         .timeout_ms = p->cfg->kvxfer.timeout_ms,
         .interrupt = p->stop,

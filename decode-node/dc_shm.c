@@ -3,14 +3,16 @@
  *
  * Segment layout (offsets page-aligned):
  *   dc_shm_hdr                      identity, futex words (each on its own line), rank slots
- *   partial[4][tp][stride] floats   each rank's input of the operation in each slot set
- *   result[4][stride] floats        reduce-scatter target of the two-phase allreduce
+ *   partial[ring][tp][stride] floats  each rank's input of the operation in each slot set
+ *   result[ring][stride] floats       reduce-scatter target of the two-phase allreduce
  *   plan[2][plan_stride] bytes      plan slots, seq q uses slot q & 1
- * Operation k (an allreduce, a gather piece, a dp collective) uses slot set k % 4. A rank
- * starts operation k with nothing in flight but, at most, operation k - 1 (a split allreduce
- * posted, not yet waited), so it has completed k - 2, whose barrier every rank passed; each
- * rank started k - 2 by the same rule, having completed k - 4 (its reads of the set
- * included): one barrier an operation suffices, no second one to free the slots. A barrier
+ * Operation k (an allreduce, a gather piece, a dp collective) uses slot set k % ring. With
+ * blocking collectives only (ring 2) a rank starts k once k - 1 completed, whose barrier every
+ * rank passed, so every rank finished k - 2. With the split allreduce (ring 4) a rank starts
+ * operation k with nothing in flight but, at most, operation k - 1 (posted, not yet waited),
+ * so it has completed k - 2, whose barrier every rank passed; each rank started k - 2 by the
+ * same rule, having completed k - 4 (its reads of the set included). Either way one barrier
+ * an operation suffices, no second one to free the slots. A barrier
  * completes when every rank's arrival index reached it (ranks may arrive at a later one first: a
  * split allreduce posts without waiting), whoever sees that last posts it.
  */
@@ -270,7 +272,7 @@ int dc_shm_next_slot(dc_shm *s)
         dc_shm_fail(s, TD_ESTATE);
         return -1;
     }
-    return (int)(s->ar_k++ % DC_SHM_RING);
+    return (int)(s->ar_k++ % (uint64_t)s->ring);
 }
 
 /* ---- allreduce ---- */
@@ -395,6 +397,12 @@ int dc_shm_allreduce_post(dc_shm *s, const float *buf, int64_t n, uint64_t *tick
     if (rc) return rc;
     *ticket = s->ar_k;
     if (s->tp == 1) return 0;
+    if (s->ring < DC_SHM_RING) {
+        TD_LOG_ERR("dc_shm %s rank %d: a split allreduce on a segment opened without "
+                   "split_allreduce",
+                   s->inst, s->rank);
+        return dc_shm_fail(s, TD_EINVAL);
+    }
     int64_t t0 = td_now_ns();
     int par;
     uint64_t bar;
@@ -423,7 +431,7 @@ int dc_shm_allreduce_wait(dc_shm *s, uint64_t ticket, float *buf, int64_t n)
     s->posted--;
     /* one phase: the two-phase one's second barrier would wait for the ranks' other
      * micro-batch */
-    if ((rc = sum_inputs(s, (int)(ticket % DC_SHM_RING), bar, buf, n, false))) return rc;
+    if ((rc = sum_inputs(s, (int)(ticket % (uint64_t)s->ring), bar, buf, n, false))) return rc;
     s->st.ns_allreduce += (uint64_t)(td_now_ns() - t0);
     return 0;
 }

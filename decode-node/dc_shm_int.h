@@ -16,9 +16,10 @@
 #include "dc_shm.h"
 
 #define DC_SHM_LINE 128 /* a pair of cache lines: keeps the adjacent-line prefetcher off */
-/* Slot sets of the collectives: operation k uses set k % DC_SHM_RING. A rank starts
- * operation k with at most operation k - 1 in flight (a split allreduce posted and not yet
- * waited), so every rank has finished operation k - 4 by then (dc_shm.c). */
+/* Slot sets of the collectives: operation k uses set k % ring, ring 2, or DC_SHM_RING with
+ * the split allreduce (dc_shm_params.split_allreduce). Blocking collectives only: a rank
+ * starts k once k - 1 completed, so every rank finished k - 2. With the split allreduce a
+ * rank starts k with at most k - 1 in flight, so every rank has finished k - 4 (dc_shm.c). */
 #define DC_SHM_RING 4
 
 enum { DC_SHM_PLAN = 1, DC_SHM_PLAN_STOP = 2 }; /* plan_kind of a plan slot */
@@ -42,6 +43,7 @@ typedef struct {
     uint64_t magic;
     uint32_t version;
     uint32_t tp;
+    uint32_t ring;          /* slot sets: 2, or DC_SHM_RING with the split allreduce */
     uint64_t stride;        /* floats per partial slot (max_floats rounded up) */
     uint64_t plan_stride;   /* bytes per plan slot (max_plan rounded up) */
     uint64_t total;         /* bytes of the segment */
@@ -74,6 +76,7 @@ struct dc_shm {
     char name[144]; /* /tandem-INSTANCE-TOKEN (8 + 64 + 1 + 64 + 1) */
     char inst[72];  /* instance name, for messages */
     int rank, tp;
+    int ring;           /* slot sets (dc_shm_hdr.ring) */
     int64_t max_floats; /* as asked (the allreduce limit) */
     uint64_t stride;    /* floats per partial slot */
     size_t max_plan;

@@ -130,12 +130,12 @@ static void set_views(dc_shm *s)
     uint8_t *base = (uint8_t *)s->h;
     size_t off = (sizeof(dc_shm_hdr) + PAGE - 1) & ~(size_t)(PAGE - 1);
     size_t part = (size_t)s->tp * s->stride * sizeof(float);
-    for (int p = 0; p < DC_SHM_RING; p++)
+    for (int p = 0; p < s->ring; p++)
         s->partial[p] = (float *)(base + off + (size_t)p * part);
-    off += DC_SHM_RING * part;
-    for (int p = 0; p < DC_SHM_RING; p++)
+    off += (size_t)s->ring * part;
+    for (int p = 0; p < s->ring; p++)
         s->result[p] = (float *)(base + off + (size_t)p * s->stride * sizeof(float));
-    off += DC_SHM_RING * s->stride * sizeof(float);
+    off += (size_t)s->ring * s->stride * sizeof(float);
     for (int p = 0; p < 2; p++)
         s->plan[p] = base + off + (size_t)p * s->plan_stride;
 }
@@ -143,7 +143,7 @@ static void set_views(dc_shm *s)
 static size_t layout_size(const dc_shm *s)
 {
     size_t off = (sizeof(dc_shm_hdr) + PAGE - 1) & ~(size_t)(PAGE - 1);
-    off += DC_SHM_RING * ((size_t)s->tp + 1) * s->stride * sizeof(float);
+    off += (size_t)s->ring * ((size_t)s->tp + 1) * s->stride * sizeof(float);
     off += 2 * s->plan_stride;
     return (off + PAGE - 1) & ~(size_t)(PAGE - 1);
 }
@@ -223,6 +223,7 @@ static int create_segment(dc_shm *s)
     h->magic = SHM_MAGIC;
     h->version = SHM_VERSION;
     h->tp = (uint32_t)s->tp;
+    h->ring = (uint32_t)s->ring;
     h->stride = s->stride;
     h->plan_stride = s->plan_stride;
     h->total = size;
@@ -263,13 +264,14 @@ static int try_attach(dc_shm *s, int fd)
         munmap(h, size);
         return 0;
     }
-    if (h->tp != (uint32_t)s->tp || h->stride != s->stride || h->plan_stride != s->plan_stride ||
-        h->total != size || size != layout_size(s)) {
-        TD_LOG_ERR("dc_shm %s rank %d: rank 0 (pid %d) has tp %u, %llu floats, %llu plan "
-                   "bytes; this rank has tp %d, %llu floats, %llu plan bytes",
-                   s->inst, s->rank, (int)pid0, h->tp, (unsigned long long)h->stride,
-                   (unsigned long long)h->plan_stride, s->tp, (unsigned long long)s->stride,
-                   (unsigned long long)s->plan_stride);
+    if (h->tp != (uint32_t)s->tp || h->ring != (uint32_t)s->ring || h->stride != s->stride ||
+        h->plan_stride != s->plan_stride || h->total != size || size != layout_size(s)) {
+        TD_LOG_ERR("dc_shm %s rank %d: rank 0 (pid %d) has tp %u, %u slot sets, %llu floats, "
+                   "%llu plan bytes; this rank has tp %d, %d slot sets, %llu floats, %llu plan "
+                   "bytes",
+                   s->inst, s->rank, (int)pid0, h->tp, h->ring, (unsigned long long)h->stride,
+                   (unsigned long long)h->plan_stride, s->tp, s->ring,
+                   (unsigned long long)s->stride, (unsigned long long)s->plan_stride);
         munmap(h, size);
         return TD_EINVAL;
     }
@@ -412,6 +414,7 @@ static int begin(const dc_shm_params *p, dc_shm **out, int64_t *deadline)
     snprintf(s->inst, sizeof s->inst, "%s", p->instance);
     s->rank = p->rank;
     s->tp = p->tp;
+    s->ring = p->split_allreduce ? DC_SHM_RING : 2;
     s->max_floats = p->max_floats;
     s->stride = ((uint64_t)p->max_floats + 31) & ~(uint64_t)31;
     s->max_plan = p->max_plan ? p->max_plan : DEF_MAX_PLAN;

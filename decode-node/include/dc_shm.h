@@ -69,7 +69,8 @@
  *                 the last rank calls dc_shm_close (or dies)
  *   GATHERING also goes to BROKEN: rendezvous timeout, a joined rank died, interrupted.
  *
- * Memory: 4 * (tp + 1) * max_floats * 4 + 2 * max_plan bytes (+ a few KiB of header), on
+ * Memory: ring * (tp + 1) * max_floats * 4 + 2 * max_plan bytes, ring 2 (4 with
+ * split_allreduce) (+ a few KiB of header), on
  * tmpfs (/dev/shm); reserved with posix_fallocate, so a full /dev/shm is a clean TD_ENOMEM
  * at open rather than a SIGBUS later.
  */
@@ -96,6 +97,8 @@ typedef struct {
                              answering"; 0: 30000 */
     int liveness_ms;      /* a sleeping wait checks the peers' pids this often; 0: 20 */
     int spin_us;          /* spin this long before sleeping on the futex; 0: 50; < 0: none */
+    bool split_allreduce; /* allow dc_shm_allreduce_post/wait (two-batch overlap): 4 slot sets
+                             instead of 2, twice the slots' memory; every rank alike */
     volatile sig_atomic_t *interrupt; /* optional, borrowed until dc_shm_close: when it
                              becomes non-zero (e.g. set by a SIGTERM handler) the current wait
                              returns within liveness_ms (DC_SHM_INTR from dc_shm_plan_wait,
@@ -162,7 +165,7 @@ int dc_shm_allreduce(dc_shm *s, float *buf, int64_t n);
  * included) starts only with nothing in flight but the collective just before it, and waits
  * come in the order posted: post A, post B, wait A, post C, wait B, ... (the engine's two
  * micro-batches); a breach breaks the instance (TD_ESTATE, logged), as every other error
- * does. */
+ * does. Needs params.split_allreduce (else TD_EINVAL, broken). */
 int dc_shm_allreduce_post(dc_shm *s, const float *buf, int64_t n, uint64_t *ticket);
 int dc_shm_allreduce_wait(dc_shm *s, uint64_t ticket, float *buf, int64_t n);
 

@@ -17,7 +17,7 @@
  * gather paired with an allreduce breaks the instance. The split allreduce (post, then wait,
  * two in flight, blocking allreduces and gathers between them, ranks that run ahead by a
  * random delay) gives the blocking one's bits; a third post, or a wait out of order, breaks
- * the instance.
+ * the instance, and a segment opened without split_allreduce refuses a post.
  * usage: test_shm            run the tests
  *        test_shm --bench    allreduce latency (tp 2, n = 576 and 576 * 64)
  */
@@ -606,6 +606,7 @@ static int body_split(int rank, void *vctx)
 {
     const ar_ctx *c = vctx;
     dc_shm_params p = params(c->token, rank, c->tp);
+    p.split_allreduce = true;
     dc_shm *s;
     if (dc_shm_open(&p, &s)) return 1;
     float *a = malloc(MAXF * sizeof *a), *b = malloc(MAXF * sizeof *b);
@@ -651,8 +652,27 @@ static int body_split(int rank, void *vctx)
     return fails || rc;
 }
 
+/* A segment opened without split_allreduce (2 slot sets) refuses a post. */
+static int body_split_refused(int rank, void *vctx)
+{
+    const ar_ctx *c = vctx;
+    dc_shm_params p = params(c->token, rank, c->tp);
+    dc_shm *s;
+    if (dc_shm_open(&p, &s)) return 1;
+    float x[4] = {1, 2, 3, 4};
+    uint64_t t;
+    outs[rank].rc = dc_shm_allreduce_post(s, x, 4, &t);
+    dc_shm_close(s);
+    return 0;
+}
+
 static void test_split_allreduce(void)
 {
+    ar_ctx r = {.tp = 2};
+    new_token(r.token, sizeof r.token);
+    reset_outs();
+    TH_CHECK(run_threads(2, body_split_refused, &r, NULL) == 0);
+    TH_CHECK(outs[0].rc == TD_EINVAL && outs[1].rc == TD_EINVAL);
     for (int tp = 1; tp <= 4; tp++) {
         ar_ctx c = {.tp = tp, .iters = 120, .seed = 300 + (uint64_t)tp};
         new_token(c.token, sizeof c.token);
