@@ -297,6 +297,31 @@ def case_moe(args):
     tbo_rank_dies(args)
 
 
+# three streams with nothing in common (no prefix affinity): the router spreads them over the
+# instances, so at least one runs on the one whose process is killed
+KILL_PROMPTS = [text(40), " ".join(reversed(WORDS)), "seven owls " * 9]
+KILL_TOKENS = 380  # within the synthetic models' 512 positions
+
+
+def streams_survive_kill(c, args, model, label, victim, where):
+    """The three KILL_PROMPTS streamed at once; the process `victim` killed once each has its
+    first token: a stream on `where` moves mid-way and every text equals generate."""
+    want = expect(args, model, KILL_PROMPTS, KILL_TOKENS)
+    outs, firsts, ths = [{}, {}, {}], [threading.Event() for _ in KILL_PROMPTS], []
+    for p, o, f in zip(KILL_PROMPTS, outs, firsts):
+        ths.append(threading.Thread(target=stream_complete, args=(c, p, KILL_TOKENS, o, f)))
+        ths[-1].start()
+    for f in firsts:
+        f.wait(120)
+    c.kill(victim)
+    for th in ths:
+        th.join(timeout=300)
+    moved = re.findall(r"after (\d+) tokens: moving it", c.log("router"))
+    check(moved and all(int(m) < KILL_TOKENS for m in moved),
+          f"{label}: the router moved a stream on {where} mid-way (after {moved} tokens)")
+    check([o.get("text") for o in outs] == want, f"{label}: every stream equals generate")
+
+
 def tbo_rank_dies(args):
     """A follower of a tp 2 instance with two-batch overlap killed mid-stream (decode
     [{tp: 2, tbo_min_tokens: 2}, {tp: 1}], three streams, so the instance's steps run split and
@@ -305,31 +330,17 @@ def tbo_rank_dies(args):
     serves (split again)."""
     model = os.path.join(args.synth_dir, "deepseek2.gguf")
     label = "deepseek2 tp2 tbo rank killed"
-    prompts = [text(40), " ".join(reversed(WORDS)), "seven owls " * 9]
-    n = 380  # within the model's 512 positions
-    want = expect(args, model, prompts, n)
     with Cluster(args, model, [], [{"tp": 2, "tbo_min_tokens": 2}, {}]) as c:
         # the router is up once any instance is: wait for the tp 2 one, or the streams all
         # go to the other
         check(wait_for(lambda: c.decode_health(0).get("ready") == "1", 120),
               f"{label}: the tp 2 instance is ready")
-        outs, firsts, ths = [{}, {}, {}], [threading.Event() for _ in prompts], []
-        for p, o, f in zip(prompts, outs, firsts):
-            ths.append(threading.Thread(target=stream_complete, args=(c, p, n, o, f)))
-            ths[-1].start()
-        for f in firsts:
-            f.wait(120)
-        c.kill("d0r1")
-        for th in ths:
-            th.join(timeout=300)
-        moved = re.findall(r"after (\d+) tokens: moving it", c.log("router"))
-        check(moved and all(int(m) < n for m in moved),
-              f"{label}: the router moved a stream on the instance mid-way (after {moved} tokens)")
-        check([o.get("text") for o in outs] == want, f"{label}: every stream equals generate")
+        streams_survive_kill(c, args, model, label, "d0r1", "the instance")
         c.start_rank(0, 1)
         check(wait_for(lambda: c.decode_health(0).get("ready") == "1", 120),
               f"{label}: the restarted rank and its leader formed the instance again")
-        concurrent_outputs(c, args, model, prompts + ["a", text(20)], f"{label}, re-formed", n=12)
+        concurrent_outputs(c, args, model, KILL_PROMPTS + ["a", text(20)], f"{label}, re-formed",
+                           n=12)
         idle(c, label)
         c.stop()
         m = re.findall(r"two-batch overlap .*: (\d+) of (\d+) steps", c.log("d0r0"))
@@ -403,32 +414,15 @@ def dp_member_dies(args):
     again and serves."""
     model = os.path.join(args.synth_dir, "deepseek2.gguf")
     label = "deepseek2 dp2 member killed"
-    # three streams with nothing in common (no prefix affinity): the router spreads them over
-    # the three instances, so at least one runs on the group
-    prompts = [text(40), " ".join(reversed(WORDS)), "seven owls " * 9]
-    n = 380  # within the model's 512 positions
-    want = expect(args, model, prompts, n)
     with Cluster(args, model, [], [{"dp": 2}, {}]) as c:
         members_ready(c, label)
-        outs, firsts, ths = [{}, {}, {}], [threading.Event() for _ in prompts], []
-        for p, o, f in zip(prompts, outs, firsts):
-            ths.append(threading.Thread(target=stream_complete, args=(c, p, n, o, f)))
-            ths[-1].start()
-        for f in firsts:
-            f.wait(120)
         # member 0 at once: the group breaks, so a stream on either member moves
-        victim = 0
-        c.kill(f"d0.{victim}r0")
-        for th in ths:
-            th.join(timeout=300)
-        moved = re.findall(r"after (\d+) tokens: moving it", c.log("router"))
-        check(moved and all(int(m) < n for m in moved),
-              f"{label}: the router moved a stream on the group mid-way (after {moved} tokens)")
-        check([o.get("text") for o in outs] == want, f"{label}: every stream equals generate")
-        c.start_rank(0, 0, f"d0.{victim}")
+        streams_survive_kill(c, args, model, label, "d0.0r0", "the group")
+        c.start_rank(0, 0, "d0.0")
         check(members_ready(c, label),
               f"{label}: the restarted member and the other formed the group again")
-        concurrent_outputs(c, args, model, prompts + ["a", text(20)], f"{label}, re-formed", n=12)
+        concurrent_outputs(c, args, model, KILL_PROMPTS + ["a", text(20)], f"{label}, re-formed",
+                           n=12)
         idle(c, label)
 
 

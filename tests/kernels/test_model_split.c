@@ -403,6 +403,42 @@ static void test_two_sequences_in_one_batch(void)
     grid_close(&g);
 }
 
+/* Both prompts, sequence 0's and a second one, in one batch; their last rows' logits into
+ * logits (2 rows). */
+static int both_prompts(grid *g, float *logits)
+{
+    int32_t tok[2 * PROMPT_LEN], pos[2 * PROMPT_LEN], seq[2 * PROMPT_LEN];
+    for (int i = 0; i < PROMPT_LEN; i++) {
+        tok[i] = prompt[i], pos[i] = i, seq[i] = 0;
+        tok[PROMPT_LEN + i] = (prompt[i] * 5 + 1) % n_vocab, pos[PROMPT_LEN + i] = i;
+        seq[PROMPT_LEN + i] = 1;
+    }
+    int32_t ctx[2] = {PROMPT_LEN, PROMPT_LEN}, last[2] = {PROMPT_LEN - 1, 2 * PROMPT_LEN - 1};
+    return grid_forward(g, tok, pos, seq, 2 * PROMPT_LEN, 2, ctx, last, 2, logits);
+}
+
+/* After both_prompts: sequence 0's next token (ref_gen[0]) as the batch's solo row, then
+ * `chunk` prompt rows of sequence 1 (0: the row alone); the logits of the solo row and of the
+ * chunk's last row into logits (1 or 2 rows). The solo row rewrites its own KV each time. */
+static int solo_beside_chunk(grid *g, int chunk, float *logits)
+{
+    int32_t *tok = malloc((size_t)(1 + chunk) * 3 * sizeof *tok), *pos = tok + 1 + chunk;
+    int32_t *seq = pos + 1 + chunk;
+    if (!tok) return TD_ENOMEM;
+    tok[0] = ref_gen[0], pos[0] = PROMPT_LEN, seq[0] = 0;
+    for (int i = 0; i < chunk; i++) {
+        tok[1 + i] = (int32_t)((i * 3 + 7) % n_vocab);
+        pos[1 + i] = PROMPT_LEN + i;
+        seq[1 + i] = 1;
+    }
+    int32_t ctx[2] = {PROMPT_LEN + 1, PROMPT_LEN + chunk}, rows[2] = {0, chunk};
+    g->n_solo = 1;
+    int rc =
+        grid_forward(g, tok, pos, seq, 1 + chunk, chunk ? 2 : 1, ctx, rows, chunk ? 2 : 1, logits);
+    free(tok);
+    return rc;
+}
+
 /* A decode row computed as a solo row (model.h) has the same logits, bit for bit, alone and
  * batched with another sequence's prompt rows; with experts, those rows share the decode
  * row's experts (the gathered groups keep it first and alone). The chunk is long enough
@@ -412,31 +448,11 @@ static void test_solo_row_invariant(void)
 {
     grid g;
     TH_REQUIRE(grid_open(&g, 1, 1, TD_F32) == 0);
-    enum { CHUNK = 320 }; /* each expert gets more than the 64 rows of the gemm path */
-    int32_t tok[1 + CHUNK], pos[1 + CHUNK], seq_of[1 + CHUNK] = {0}, ctx[2], rows[2] = {0, CHUNK};
     float *logits = malloc((size_t)3 * n_vocab * sizeof(float)); /* alone, then 2 rows */
-    /* both prompts in one batch, then sequence 0's next token alone */
-    int32_t ptok[2 * PROMPT_LEN], ppos[2 * PROMPT_LEN], pseq[2 * PROMPT_LEN];
-    for (int i = 0; i < PROMPT_LEN; i++) {
-        ptok[i] = prompt[i], ppos[i] = i, pseq[i] = 0;
-        ptok[PROMPT_LEN + i] = (prompt[i] * 5 + 1) % n_vocab, ppos[PROMPT_LEN + i] = i;
-        pseq[PROMPT_LEN + i] = 1;
-    }
-    ctx[0] = ctx[1] = PROMPT_LEN;
-    int32_t last[2] = {PROMPT_LEN - 1, 2 * PROMPT_LEN - 1};
-    TH_REQUIRE(grid_forward(&g, ptok, ppos, pseq, 2 * PROMPT_LEN, 2, ctx, last, 2, logits) == 0);
-    g.n_solo = 1;
-    tok[0] = ref_gen[0], pos[0] = PROMPT_LEN, ctx[0] = PROMPT_LEN + 1;
-    TH_REQUIRE(grid_forward(&g, tok, pos, seq_of, 1, 1, ctx, rows, 1, logits) == 0);
-    /* the same decode row again (it rewrites its own KV), now before sequence 1's chunk */
-    for (int i = 0; i < CHUNK; i++) {
-        tok[1 + i] = (int32_t)((i * 3 + 7) % n_vocab);
-        pos[1 + i] = PROMPT_LEN + i;
-        seq_of[1 + i] = 1;
-    }
-    ctx[1] = PROMPT_LEN + CHUNK;
-    TH_REQUIRE(grid_forward(&g, tok, pos, seq_of, 1 + CHUNK, 2, ctx, rows, 2, logits + n_vocab) ==
-               0);
+    TH_REQUIRE(both_prompts(&g, logits) == 0);
+    TH_REQUIRE(solo_beside_chunk(&g, 0, logits) == 0);
+    /* each expert gets more than the 64 rows of the gemm path */
+    TH_REQUIRE(solo_beside_chunk(&g, 320, logits + n_vocab) == 0);
     TH_CHECK(memcmp(logits, logits + n_vocab, (size_t)n_vocab * sizeof(float)) == 0);
     TH_CHECK(max_abs_diff(logits, ref_logits + n_vocab, (size_t)n_vocab) < split_tol);
     free(logits);
@@ -461,41 +477,21 @@ static void test_tbo(void)
         }
     grids_ep = false;
     /* the solo row: unsplit (grids_tbo 0) and split grids run the same batches, the prompts
-     * whole, then the decode row with the chunk */
+     * whole, then the decode row with a chunk, which the split grid cuts (at row 80) */
     float *logits[2];
     for (int t = 0; t < 2; t++) {
         grids_tbo = t ? 2 : 0;
         tbo_splits = 0;
         grid g;
         TH_REQUIRE(grid_open(&g, 1, tp, TD_F32) == 0);
-        enum { CHUNK = 160 };
-        int32_t tok[1 + CHUNK], pos[1 + CHUNK], seq_of[1 + CHUNK] = {0}, ctx[2];
-        int32_t rows[2] = {0, CHUNK};
         logits[t] = malloc((size_t)2 * n_vocab * sizeof(float));
-        int32_t ptok[2 * PROMPT_LEN], ppos[2 * PROMPT_LEN], pseq[2 * PROMPT_LEN];
-        for (int i = 0; i < PROMPT_LEN; i++) {
-            ptok[i] = prompt[i], ppos[i] = i, pseq[i] = 0;
-            ptok[PROMPT_LEN + i] = (prompt[i] * 5 + 1) % n_vocab, ppos[PROMPT_LEN + i] = i;
-            pseq[PROMPT_LEN + i] = 1;
-        }
-        ctx[0] = ctx[1] = PROMPT_LEN;
-        int32_t last[2] = {PROMPT_LEN - 1, 2 * PROMPT_LEN - 1};
         /* the prompts whole in both (their KV's bits depend on the batch they ran in) */
         for (int r = 0; r < tp && t; r++)
             TH_CHECK(kn_engine_set_tbo(g.rt[r].engine, 1000) == 0);
-        TH_REQUIRE(grid_forward(&g, ptok, ppos, pseq, 2 * PROMPT_LEN, 2, ctx, last, 2, logits[t]) ==
-                   0);
+        TH_REQUIRE(both_prompts(&g, logits[t]) == 0);
         for (int r = 0; r < tp && t; r++)
             TH_CHECK(kn_engine_set_tbo(g.rt[r].engine, 2) == 0);
-        g.n_solo = 1;
-        tok[0] = ref_gen[0], pos[0] = PROMPT_LEN, ctx[0] = PROMPT_LEN + 1;
-        for (int i = 0; i < CHUNK; i++) {
-            tok[1 + i] = (int32_t)((i * 3 + 7) % n_vocab);
-            pos[1 + i] = PROMPT_LEN + i;
-            seq_of[1 + i] = 1;
-        }
-        ctx[1] = PROMPT_LEN + CHUNK;
-        TH_REQUIRE(grid_forward(&g, tok, pos, seq_of, 1 + CHUNK, 2, ctx, rows, 2, logits[t]) == 0);
+        TH_REQUIRE(solo_beside_chunk(&g, 160, logits[t]) == 0);
         grid_close(&g);
         TH_CHECKF(tbo_splits == (t ? 1u : 0u), "splits %llu", (unsigned long long)tbo_splits);
     }
