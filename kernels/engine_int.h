@@ -1,6 +1,7 @@
-/* engine_int.h: the kn_engine object, shared by forward.c (the forward pass) and
- * engine_stage.c (device backends: the model's weights mapped once, each batch's inputs
- * staged into backend memory). Private to kernels/. */
+/* engine_int.h: the kn_engine object, shared by forward.c (the forward pass, in parts),
+ * forward_moe.c / forward_mla.c (experts, latent attention), forward_tbo.c (two-batch overlap:
+ * the parts of two micro-batches interleaved) and engine_stage.c (device backends: the model's
+ * weights mapped once, each batch's inputs staged into backend memory). Private to kernels/. */
 #ifndef KN_ENGINE_INT_H
 #define KN_ENGINE_INT_H
 
