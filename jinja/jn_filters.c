@@ -62,9 +62,13 @@ static jn_args rest_args(const jn_args *a, size_t skip)
     return r;
 }
 
-/* jinja2's attribute getter: "a.b.0" reads item by item. */
-static jv *attr_path(jn_ctx *c, jv *v, const jv *path, int line)
+/* jinja2's attribute getter: "a.b.0" reads item by item; none reads nothing (the value
+ * itself); any other value (map(attribute=0)) is one item key, as jinja2's make_attrgetter
+ * takes it. */
+static jv *attr_path(jn_ctx *c, jv *v, jv *path, int line)
 {
+    if (path->kind == JV_NONE || path->kind == JV_UNDEF) return v;
+    if (path->kind != JV_STR) return jn_getitem(c, v, path, line);
     const char *p = path->u.str.s;
     while (v) {
         const char *dot = strchr(p, '.');
@@ -95,7 +99,7 @@ static jv *str_of(jn_ctx *c, jv *v)
 
 /* The key a sort, unique, min or max compares: the attribute, lower-cased strings unless
  * case_sensitive. */
-static jv *sort_key(jn_ctx *c, jv *v, const jv *attr, bool case_sensitive, int line)
+static jv *sort_key(jn_ctx *c, jv *v, jv *attr, bool case_sensitive, int line)
 {
     if (attr && !(v = attr_path(c, v, attr, line))) return NULL;
     if (!case_sensitive && v->kind == JV_STR) return jn_str_case(c, v, 'l');
@@ -264,7 +268,7 @@ static jv *f_join(jn_ctx *c, jv *v, const jn_args *a, int line)
     jv *r = NULL;
     for (size_t i = 0; i < items->u.list.n; i++) {
         jv *x = items->u.list.items[i];
-        if (attr && attr->kind == JV_STR && !(x = attr_path(c, x, attr, line))) goto out;
+        if (attr && !(x = attr_path(c, x, attr, line))) goto out;
         if ((i && sep && jn_buf_put(c, &b, sep->u.str.s, sep->u.str.len)) || jn_write_str(c, &b, x))
             goto out;
     }
@@ -338,9 +342,7 @@ static jv *f_sort(jn_ctx *c, jv *v, const jn_args *a, int line)
     jv **keys = jn_alloc(&c->arena, (items->u.list.n + 1) * sizeof *keys);
     if (!keys) return jn_fail(c, TD_ENOMEM, line, "out of memory");
     for (size_t i = 0; i < items->u.list.n; i++)
-        if (!(keys[i] =
-                  sort_key(c, items->u.list.items[i], attr && attr->kind == JV_STR ? attr : NULL,
-                           cs && jn_truthy(cs), line)))
+        if (!(keys[i] = sort_key(c, items->u.list.items[i], attr, cs && jn_truthy(cs), line)))
             return NULL;
     return sort_items(c, items->u.list.items, keys, items->u.list.n, rev && jn_truthy(rev), line)
                ? NULL
@@ -355,8 +357,7 @@ static jv *f_unique(jn_ctx *c, jv *v, const jn_args *a, int line)
     if (!seen) return out ? jn_fail(c, TD_ENOMEM, line, "out of memory") : NULL;
     size_t n = 0;
     for (size_t i = 0; i < items->u.list.n; i++) {
-        jv *k = sort_key(c, items->u.list.items[i], attr && attr->kind == JV_STR ? attr : NULL,
-                         cs && jn_truthy(cs), line);
+        jv *k = sort_key(c, items->u.list.items[i], attr, cs && jn_truthy(cs), line);
         if (!k) return NULL;
         bool dup = false;
         for (size_t j = 0; j < n && !dup; j++)
@@ -375,8 +376,7 @@ static jv *min_max(jn_ctx *c, jv *v, const jn_args *a, int line, bool max)
     jv *items = jn_iterate(c, v, line), *best = NULL, *best_key = NULL;
     if (!items) return NULL;
     for (size_t i = 0; i < items->u.list.n; i++) {
-        jv *k = sort_key(c, items->u.list.items[i], attr && attr->kind == JV_STR ? attr : NULL,
-                         cs && jn_truthy(cs), line);
+        jv *k = sort_key(c, items->u.list.items[i], attr, cs && jn_truthy(cs), line);
         if (!k) return NULL;
         bool ok = true;
         int r = best ? jn_compare(k, best_key, &ok) : 0;
@@ -548,7 +548,7 @@ static jv *f_sum(jn_ctx *c, jv *v, const jn_args *a, int line)
     jv *items = jn_iterate(c, v, line), *acc = start ? start : jn_int(c, 0);
     for (size_t i = 0; items && acc && i < items->u.list.n; i++) {
         jv *x = items->u.list.items[i];
-        if (attr && attr->kind == JV_STR && !(x = attr_path(c, x, attr, line))) return NULL;
+        if (attr && !(x = attr_path(c, x, attr, line))) return NULL;
         bool fl = acc->kind == JV_FLOAT || x->kind == JV_FLOAT;
         if ((acc->kind != JV_INT && acc->kind != JV_FLOAT) ||
             (x->kind != JV_INT && x->kind != JV_FLOAT))

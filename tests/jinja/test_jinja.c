@@ -166,6 +166,11 @@ static void test_filters_and_tests(void)
     OK("{{ l|selectattr('t', 'equalto', 'f')|map(attribute='n')|list }} {{ "
        "l|rejectattr('t')|list|length }}",
        "{\"l\": [{\"n\": 1, \"t\": \"f\"}, {\"n\": 2, \"t\": \"g\"}, {\"n\": 3}]}", "[1] 1");
+    /* a non-string attribute is one item key (jinja2's make_attrgetter); none reads nothing */
+    OK("{{ [[1, 2], [3, 4]]|map(attribute=1)|list }} {{ [[1, 2], [3, 4]]|sum(attribute=1) }} {{ "
+       "[[1, 2], [3, 4]]|join(',', attribute=0) }} {{ [[3, 1], [1, 2]]|sort(attribute=0)|list }} "
+       "{{ [3, 1]|sort(attribute=none)|list }} {{ [[2, 9], [1, 8]]|max(attribute=1) }}",
+       NULL, "[2, 4] 6 1,3 [[1, 2], [3, 1]] [1, 3] [2, 9]");
     OK("{{ [3, 1, 2]|sort|list }} {{ ['b', 'A', 'a']|unique|list }} {{ [2, 5, 1]|max }} {{ {'b': "
        "1, 'a': 2}|dictsort }}",
        NULL, "[1, 2, 3] ['b', 'A'] 5 [('a', 2), ('b', 1)]");
