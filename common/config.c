@@ -116,7 +116,7 @@ static const td_cfg_field prefill_fields[P_N] = FIELD_TABLE(PREFILL_FIELDS);
     F(D_OVERLAP, "overlap", F_BOOL, overlap, 0, 0)                                                 \
     F(D_TBO, "tbo_min_tokens", F_INT, tbo_min_tokens, 0, 1 << 20)                                  \
     F(D_ADAPTIVE_THREADS, "adaptive_threads", F_BOOL, adaptive_threads, 0, 0)                      \
-    F(D_SHARE_CORES, "share_cores", F_BOOL, share_cores, 0, 0)                                     \
+    N(D_SHARE_CORES, "share_cores")                                                                \
     F(D_DRAIN, "drain_timeout_ms", F_INT, drain_timeout_ms, 0, 3600000)                            \
     L(D_DEVICES, "devices", F_INTS, devices, n_devices, 0, 1023)                                   \
     N(D_TIER, "prefix_cache_tier")                                                                 \
@@ -462,6 +462,25 @@ static int parse_spec(td_cfg_ctx *p, yaml_node_t *n, const char *inst, td_cfg_sp
     return 0;
 }
 
+/* decode[].share_cores: a bool, or "auto" (which decides by itl_target_ms, so needs one). */
+static int parse_share_cores(td_cfg_ctx *p, yaml_node_t *v, td_cfg_decode *x)
+{
+    if (v->type == YAML_SCALAR_NODE && !strcmp(cfg_sval(v), "auto")) {
+        if (x->itl_target_ms <= 0)
+            return cfg_fail(p, v,
+                            "share_cores: auto claims the cores while steps run longer than "
+                            "itl_target_ms: set itl_target_ms (> 0)");
+        x->share_cores = TD_CFG_SHARE_AUTO;
+        return 0;
+    }
+    int on = cfg_bool_of(v);
+    if (on < 0)
+        return cfg_fail(p, v, "share_cores: expected true, false or auto, got %s",
+                        v->type == YAML_SCALAR_NODE ? cfg_sval(v) : cfg_kind_name(v));
+    x->share_cores = on ? TD_CFG_SHARE_ON : TD_CFG_SHARE_OFF;
+    return 0;
+}
+
 static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x, inst_ref *ref)
 {
     yaml_node_t *seen[D_N], *keys[D_N];
@@ -516,6 +535,7 @@ static int parse_decode(td_cfg_ctx *p, yaml_node_t *n, int idx, td_cfg_decode *x
                         "tbo_min_tokens (two-batch overlap) needs tp >= 2 and no dp (tp %d, dp "
                         "%d)",
                         x->tp, x->dp);
+    if (seen[D_SHARE_CORES] && parse_share_cores(p, seen[D_SHARE_CORES], x)) return p->rc;
     if (check_devices(p, seen[D_DEVICES], x->n_devices, x->tp, "tp", "rank")) return p->rc;
     if (seen[D_TIER] && parse_tier(p, seen[D_TIER], what, x)) return p->rc;
     if (seen[D_SPEC] && parse_spec(p, seen[D_SPEC], what, &x->speculative)) return p->rc;

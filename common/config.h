@@ -48,6 +48,14 @@ typedef enum {
 /* "f32", "q8", "q16", "auto", or NULL for TD_CFG_ACT_ENV: kn_backend_options.cpu_act. */
 const char *td_cfg_act_name(td_cfg_act a);
 
+/* decode[].share_cores: false, true or "auto". */
+typedef enum {
+    TD_CFG_SHARE_OFF = 0, /* false (default): the stages compute beside the steps */
+    TD_CFG_SHARE_ON,      /* true: every step claims the host's cores */
+    TD_CFG_SHARE_AUTO,    /* "auto": steps claim them only while, left to the scheduler beside
+                             busy stages, they run longer than itl_target_ms */
+} td_cfg_share;
+
 /* router.routing: how a request's instance is chosen (router/rt_route.h). */
 typedef enum {
     TD_CFG_ROUTING_LOAD = 0,    /* "load": the least loaded instance (default) */
@@ -204,10 +212,11 @@ typedef struct {
     /* false: every step computes with `threads`; true: each step's threads (threads, or fewer)
      * chosen from measured step times (decode-node/dc_threads.h, docs/config.md) */
     bool adaptive_threads;
-    /* false: the prefill stages of its host compute beside its steps; true: each step claims
-     * the host's cores and those stages pause meanwhile, then get the rest of itl_target_ms
+    /* off: the prefill stages of its host compute beside its steps; on: each step claims the
+     * host's cores and those stages pause meanwhile, then get the rest of itl_target_ms; auto:
+     * claims only while steps left beside the stages run longer than itl_target_ms
      * (common/td_coreshare.h, docs/config.md) */
-    bool share_cores;
+    td_cfg_share share_cores;
     /* 0: SIGTERM ends the requests in flight at once with ERR_SHUTDOWN (the router moves
      * them); > 0: they may finish for up to this long first, no new ones taken (docs/config.md) */
     int drain_timeout_ms;

@@ -80,6 +80,8 @@ void cfg_set_str(td_cfg_ctx *p, char **dst, const char *s);
 void cfg_set_path(td_cfg_ctx *p, char **dst, const char *s);
 /* A scalar's string (an error for a mapping or a list). */
 int cfg_get_str(td_cfg_ctx *p, const yaml_node_t *n, const char **out);
+/* 1 for true/yes/on, 0 for false/no/off (plain scalars, any case), else -1. */
+int cfg_bool_of(const yaml_node_t *n);
 /* The KV cache types a decode instance may use: TD_F16 / TD_F32, or -1; and back. */
 int cfg_kv_dtype_of(const char *s);
 const char *cfg_kv_dtype_name(td_dtype t);

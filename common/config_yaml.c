@@ -125,20 +125,25 @@ static int get_float(td_cfg_ctx *p, const yaml_node_t *n, double lo, double hi, 
     return 0;
 }
 
+int cfg_bool_of(const yaml_node_t *n)
+{
+    if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE) return -1;
+    const char *s = cfg_sval(n);
+    if (!strcasecmp(s, "true") || !strcasecmp(s, "yes") || !strcasecmp(s, "on")) return 1;
+    if (!strcasecmp(s, "false") || !strcasecmp(s, "no") || !strcasecmp(s, "off")) return 0;
+    return -1;
+}
+
 static int get_bool(td_cfg_ctx *p, const yaml_node_t *n, bool *out)
 {
-    if (n->type == YAML_SCALAR_NODE && n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE) {
-        const char *s = cfg_sval(n);
-        if (!strcasecmp(s, "true") || !strcasecmp(s, "yes") || !strcasecmp(s, "on")) {
-            *out = true;
-            return 0;
-        }
-        if (!strcasecmp(s, "false") || !strcasecmp(s, "no") || !strcasecmp(s, "off")) {
-            *out = false;
-            return 0;
-        }
-        if (!cfg_is_null(n)) return cfg_fail(p, n, "expected true or false, got '%s'", s);
+    int b = cfg_bool_of(n);
+    if (b >= 0) {
+        *out = b;
+        return 0;
     }
+    if (n->type == YAML_SCALAR_NODE && n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+        !cfg_is_null(n))
+        return cfg_fail(p, n, "expected true or false, got '%s'", cfg_sval(n));
     return cfg_fail(p, n, "expected true or false, got %s", cfg_kind_name(n));
 }
 

@@ -59,17 +59,26 @@ static void sleep_ns(int64_t ns)
 struct td_coreshare {
     char name[96];
     seg *s;
-    int64_t claim_ns;    /* this claim's start (0: none yet) */
+    int64_t claim_ns;    /* this step's start (0: none yet) */
     int64_t released_ns; /* the last release (0: none yet) */
     int64_t share_ns;    /* the stages' share after it */
+    bool holding;        /* this step claimed the cores */
+    /* adaptive (share_cores: auto) */
+    bool adaptive;
+    bool claiming;          /* steps claim; else they are left to the scheduler and timed */
+    int64_t claiming_since; /* when claiming began */
+    int64_t active_ns;      /* when a stage was last seen computing or asking */
+    double samples[TD_CORESHARE_AUTO_SAMPLES]; /* unclaimed steps beside busy stages, ms (ring) */
+    int n_samples, next_sample;
     td_coreshare_stats st;
 };
 
-int td_coreshare_create(const char *name, td_coreshare **out)
+int td_coreshare_create(const char *name, bool adaptive, td_coreshare **out)
 {
     *out = NULL;
     td_coreshare *cs = calloc(1, sizeof *cs);
     if (!cs) return TD_ENOMEM;
+    cs->adaptive = adaptive;
     snprintf(cs->name, sizeof cs->name, "%s", name);
     int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
     if (fd < 0 || ftruncate(fd, SEG_BYTES)) {
@@ -107,12 +116,79 @@ void td_coreshare_destroy(td_coreshare *cs)
     free(cs);
 }
 
+/* A stage is computing or asked lately: one in a forward (unless silent so long it died in
+ * it), or an op that asked within IDLE_NS. */
+static bool stages_active(const seg *s, int64_t now)
+{
+    int64_t quiet = now - atomic_load(&s->want_ns);
+    return quiet < IDLE_NS || (atomic_load(&s->busy) > 0 && quiet < STALE_NS);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Adaptive, before a step: go back to measuring when the stages went idle or the claims ran
+ * for the probe period; then whether this step claims. */
+static bool auto_claims(td_coreshare *cs, int64_t now)
+{
+    if (stages_active(cs->s, now)) cs->active_ns = now;
+    if (cs->claiming && (now - cs->active_ns >= TD_CORESHARE_AUTO_IDLE_MS * MS ||
+                         now - cs->claiming_since >= TD_CORESHARE_AUTO_PROBE_MS * MS)) {
+        TD_LOG_DEBUG("share_cores auto: %s: steps left to the scheduler again, measured",
+                     now - cs->active_ns >= TD_CORESHARE_AUTO_IDLE_MS * MS
+                         ? "the prefill stages went idle"
+                         : "claimed for the probe period");
+        cs->claiming = false;
+        cs->n_samples = cs->next_sample = 0;
+    }
+    return cs->claiming;
+}
+
+/* Adaptive, after an unclaimed step of step_ns: time it if a stage computed meanwhile, and
+ * begin claiming when the median of the last samples is above the period. */
+static void auto_measure(td_coreshare *cs, int64_t now, int64_t step_ns, double period_ms)
+{
+    if (atomic_load(&cs->s->want_ns) < cs->claim_ns && !stages_active(cs->s, now)) return;
+    cs->active_ns = now;
+    cs->samples[cs->next_sample] = (double)step_ns / 1e6;
+    cs->next_sample = (cs->next_sample + 1) % TD_CORESHARE_AUTO_SAMPLES;
+    if (cs->n_samples < TD_CORESHARE_AUTO_SAMPLES) cs->n_samples++;
+    if (cs->n_samples < TD_CORESHARE_AUTO_SAMPLES || period_ms <= 0) return;
+    double sorted[TD_CORESHARE_AUTO_SAMPLES];
+    memcpy(sorted, cs->samples, sizeof sorted);
+    qsort(sorted, TD_CORESHARE_AUTO_SAMPLES, sizeof *sorted, cmp_double);
+    double median =
+        (sorted[TD_CORESHARE_AUTO_SAMPLES / 2 - 1] + sorted[TD_CORESHARE_AUTO_SAMPLES / 2]) / 2;
+    if (median <= period_ms) return;
+    cs->claiming = true;
+    cs->claiming_since = now;
+    cs->st.switches++;
+    /* the first time says what auto found on this machine; later ones are routine */
+    if (cs->st.switches == 1)
+        TD_LOG_INFO("share_cores auto: the last %d steps beside busy prefill stages took a "
+                    "median %.1f ms, above the period target %.1f ms: steps claim the cores",
+                    TD_CORESHARE_AUTO_SAMPLES, median, period_ms);
+    else
+        TD_LOG_DEBUG("share_cores auto: median %.1f ms above %.1f ms: claiming again", median,
+                     period_ms);
+}
+
 void td_coreshare_claim(td_coreshare *cs)
 {
     int64_t now = td_now_ns();
+    seg *s = cs->s;
+    if (cs->adaptive && !auto_claims(cs, now)) {
+        cs->holding = false;
+        cs->claim_ns = now;
+        cs->st.unclaimed++;
+        return;
+    }
+    cs->holding = true;
     /* a stage is in a forward, or asked for the cores since the last claim: leave the stages
      * their share */
-    seg *s = cs->s;
     if (cs->released_ns &&
         (atomic_load(&s->busy) > 0 || atomic_load(&s->want_ns) >= cs->claim_ns)) {
         int64_t until = cs->released_ns + cs->share_ns, t0 = now;
@@ -140,6 +216,13 @@ void td_coreshare_claim(td_coreshare *cs)
 void td_coreshare_release(td_coreshare *cs, double period_ms)
 {
     int64_t now = td_now_ns(), step = now - cs->claim_ns;
+    if (!cs->holding) { /* adaptive, left to the scheduler: nothing to leave the stages */
+        cs->released_ns = now;
+        cs->share_ns = 0;
+        if (cs->adaptive) auto_measure(cs, now, step, period_ms);
+        return;
+    }
+    cs->holding = false;
     atomic_store(&cs->s->claimed, 0);
     td_futex_wake(&cs->s->claimed, INT_MAX, true);
     int64_t period = (int64_t)(period_ms * 1e6);

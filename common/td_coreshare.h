@@ -22,6 +22,15 @@
  * few ms) claims at once, and one whose stage died in a forward (counted, silent for
  * TD_CORESHARE_STALE_MS) too.
  *
+ * Adaptive (share_cores: auto): the claims cost the stages' throughput and are only worth it
+ * where the scheduler alone stretches the steps past the period target (the Intel type with
+ * AMX prefill: steps 2-4x; the AMD type without: steps short enough, and sharing only cost,
+ * BENCHMARKS.md). So an adaptive leader starts by leaving its steps to the scheduler and
+ * times those that ran while a stage computed; when the median of the last
+ * TD_CORESHARE_AUTO_SAMPLES of them is above the period target it claims from the next step
+ * on, until the stages have been idle for TD_CORESHARE_AUTO_IDLE_MS or it has claimed for
+ * TD_CORESHARE_AUTO_PROBE_MS, then measures again.
+ *
  * Ownership: create/destroy (decode leader), gate_create/gate_destroy (a stage). Threading:
  * a td_coreshare is used by one thread (the decode's step loop); a gate's wait by the
  * stage's compute thread, its busy call by the thread that runs the forward (the same).
@@ -34,6 +43,12 @@
 #include <stdint.h>
 
 #define TD_CORESHARE_STALE_MS 2000 /* a claim this old pauses no one */
+/* adaptive: steps beside busy stages the decision takes its median of */
+#define TD_CORESHARE_AUTO_SAMPLES 16
+/* adaptive: stages idle this long (no stage in a forward, none asking): measure again */
+#define TD_CORESHARE_AUTO_IDLE_MS 1000
+/* adaptive: claiming this long: measure again (the workload may have changed) */
+#define TD_CORESHARE_AUTO_PROBE_MS 60000
 
 /* The segment name of the decode instance whose rank 0 listens on port (with the uid, so
  * users of one host do not meet). */
@@ -44,23 +59,28 @@ void td_coreshare_name(int port, char *buf, size_t cap);
 typedef struct td_coreshare td_coreshare;
 
 typedef struct {
-    uint64_t steps;    /* claims */
-    uint64_t waits;    /* claims that first left the stages their share */
-    double wait_ms;    /* total time those waited */
-    double claimed_ms; /* total time the cores were claimed */
+    uint64_t steps;     /* claims */
+    uint64_t waits;     /* claims that first left the stages their share */
+    double wait_ms;     /* total time those waited */
+    double claimed_ms;  /* total time the cores were claimed */
+    uint64_t unclaimed; /* adaptive: steps left to the scheduler */
+    uint64_t switches;  /* adaptive: times it began claiming */
 } td_coreshare_stats;
 
-/* Create (or take over a stale one of the same name) and clear the claim. TD_EIO with a
- * logged reason when /dev/shm refuses. */
-int td_coreshare_create(const char *name, td_coreshare **out);
+/* Create (or take over a stale one of the same name) and clear the claim; adaptive: claim
+ * only while measured steps ask for it (above). TD_EIO with a logged reason when /dev/shm
+ * refuses. */
+int td_coreshare_create(const char *name, bool adaptive, td_coreshare **out);
 void td_coreshare_destroy(td_coreshare *cs); /* releases, unlinks; NULL is fine */
 
 /* Before a step: when a stage wanted the cores since the last claim, wait until its share
- * after the last step has passed (or the stages went idle), then claim. */
+ * after the last step has passed (or the stages went idle), then claim. Adaptive and not
+ * claiming: only notes the step's start. */
 void td_coreshare_claim(td_coreshare *cs);
 /* After the step: release, wake the stages, and set their share before the next claim:
  * max(period_ms - the step's time, the step's time / 4); period_ms 0: the step's time
- * (half the machine each while both have work). */
+ * (half the machine each while both have work). Adaptive: period_ms is also the target the
+ * unclaimed steps are measured against (0: never claims). */
 void td_coreshare_release(td_coreshare *cs, double period_ms);
 td_coreshare_stats td_coreshare_get_stats(const td_coreshare *cs);
 

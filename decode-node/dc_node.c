@@ -413,8 +413,16 @@ static int share_cores_init(dc_node *n)
     }
     char name[96];
     td_coreshare_name(n->dcfg->port, name, sizeof name);
-    int rc = td_coreshare_create(name, &n->leader.cores);
-    if (!rc)
+    bool adaptive = n->dcfg->share_cores == TD_CFG_SHARE_AUTO;
+    int rc = td_coreshare_create(name, adaptive, &n->leader.cores);
+    if (!rc && adaptive)
+        TD_LOG_INFO("decode %s: steps claim the cores of host %s while, left beside its busy "
+                    "prefill stages, they take more than itl_target_ms (%.1f ms, the median of "
+                    "%d); the stages then compute between steps for the rest of it "
+                    "(decode[].share_cores: auto)",
+                    n->p->instance, n->dcfg->host, n->dcfg->itl_target_ms,
+                    TD_CORESHARE_AUTO_SAMPLES);
+    else if (!rc)
         TD_LOG_INFO("decode %s: each step claims the cores of host %s; its prefill stages compute "
                     "between steps for %s (decode[].share_cores)",
                     n->p->instance, n->dcfg->host,

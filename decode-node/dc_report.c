@@ -82,6 +82,11 @@ void dc_report_log(const dc_node *n)
                     "%.1f s; %llu waited first for the prefill stages' share, %.1f s in all",
                     n->p->instance, (unsigned long long)cs.steps, cs.claimed_ms / 1e3,
                     (unsigned long long)cs.waits, cs.wait_ms / 1e3);
+        if (n->dcfg->share_cores == TD_CFG_SHARE_AUTO)
+            TD_LOG_INFO("decode %s: shared cores, auto: %llu steps left to the scheduler; "
+                        "claiming began %llu times",
+                        n->p->instance, (unsigned long long)cs.unclaimed,
+                        (unsigned long long)cs.switches);
     }
     if (st.spec_drafts)
         TD_LOG_INFO("decode %s: speculation: %llu verifications, %llu proposed tokens, %llu "

@@ -4,7 +4,8 @@
  * the next claim leaves the stages their share (the period's rest, at least a quarter of the
  * step), and none when they are idle; a claim of a decode that died pauses no one after
  * TD_CORESHARE_STALE_MS, nor does a stage that died in its forward; a stage notices a
- * re-created segment (a restarted decode). Bounds on
+ * re-created segment (a restarted decode); the adaptive mode (share_cores: auto) leaves short
+ * steps to the scheduler and claims once steps beside busy stages run past the period. Bounds on
  * how late something happens are loose (a loaded 2-core machine); the guarantees (nothing ran
  * inside a claim, a share was left) are exact. */
 #define _GNU_SOURCE
@@ -157,7 +158,7 @@ static void test_pause(void)
     pid_t pid = start_stage();
     TH_CHECK(ran_after(td_now_ns())); /* no segment yet: the gate never waits */
     td_coreshare *cs;
-    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    TH_REQUIRE(td_coreshare_create(seg_name, false, &cs) == 0);
     sleep_ms(20); /* the stage's next forward attaches */
     for (int round = 0; round < 3; round++)
         claim_pauses(cs, 60, "the claim");
@@ -172,7 +173,7 @@ static void test_share(void)
 {
     atomic_store(&sh->n_ops, 0);
     td_coreshare *cs;
-    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    TH_REQUIRE(td_coreshare_create(seg_name, false, &cs) == 0);
     pid_t pid = start_stage();
     sleep_ms(20);
     struct {
@@ -231,7 +232,7 @@ static void test_stale_and_restart(void)
     pid_t dec = fork();
     if (dec == 0) {
         td_coreshare *cs;
-        if (td_coreshare_create(seg_name, &cs)) _exit(2);
+        if (td_coreshare_create(seg_name, false, &cs)) _exit(2);
         sleep_ms(30);
         td_coreshare_claim(cs);
         _exit(0); /* dies in its step: no release, no unlink */
@@ -248,10 +249,10 @@ static void test_stale_and_restart(void)
               "resumed %.0f ms after the claim", (double)(resumed - t_dead) / 1e6);
     /* a restarted decode: unlink the dead one's segment (its name is reused), create anew */
     td_coreshare *old;
-    TH_REQUIRE(td_coreshare_create(seg_name, &old) == 0);
+    TH_REQUIRE(td_coreshare_create(seg_name, false, &old) == 0);
     td_coreshare_destroy(old); /* unlinks */
     td_coreshare *cs;
-    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    TH_REQUIRE(td_coreshare_create(seg_name, false, &cs) == 0);
     sleep_ms(30); /* the stage's next forward maps the new segment */
     claim_pauses(cs, 50, "the new decode's claim");
     stop_stage(pid);
@@ -263,7 +264,7 @@ static void test_stale_and_restart(void)
 static void test_dead_stage(void)
 {
     td_coreshare *cs;
-    TH_REQUIRE(td_coreshare_create(seg_name, &cs) == 0);
+    TH_REQUIRE(td_coreshare_create(seg_name, false, &cs) == 0);
     pid_t pid = fork();
     if (pid == 0) {
         const char *names[] = {seg_name};
@@ -285,6 +286,75 @@ static void test_dead_stage(void)
     td_coreshare_destroy(cs);
 }
 
+/* One step of ms milliseconds as the decode runs it (claim, work, release against period);
+ * the stage's ops that started inside it. */
+static int step_of(td_coreshare *cs, int ms, double period)
+{
+    td_coreshare_claim(cs);
+    int64_t t0 = td_now_ns();
+    sleep_ms(ms);
+    int64_t t1 = td_now_ns();
+    td_coreshare_release(cs, period);
+    return ops_between(t0 + MS, t1);
+}
+
+/* share_cores: auto. Short steps beside a busy stage are left to the scheduler (the stage
+ * computes inside them); steps above the period make the next ones claim once
+ * TD_CORESHARE_AUTO_SAMPLES were timed; after TD_CORESHARE_AUTO_IDLE_MS of idle stages the
+ * steps are left and measured again, and steps beside idle stages are not samples. */
+static void test_auto(void)
+{
+    enum { N = TD_CORESHARE_AUTO_SAMPLES };
+    const double period = 30;
+    atomic_store(&sh->n_ops, 0);
+    td_coreshare *cs;
+    TH_REQUIRE(td_coreshare_create(seg_name, true, &cs) == 0);
+    pid_t pid = start_stage();
+    sleep_ms(20);
+    int inside = 0;
+    for (int i = 0; i < 2 * N; i++)
+        inside += step_of(cs, 5, period);
+    td_coreshare_stats a = td_coreshare_get_stats(cs);
+    TH_CHECKF(a.steps == 0 && a.unclaimed == 2 * N && a.switches == 0,
+              "short steps: %llu claimed, %llu left, %llu switches", (unsigned long long)a.steps,
+              (unsigned long long)a.unclaimed, (unsigned long long)a.switches);
+    TH_CHECKF(inside > 0, "the stage computed inside no unclaimed step");
+    /* steps that run past the period: claimed once they are the median of the last N (a
+     * half and one of them after the short ones; a loaded machine may stretch a short one) */
+    int k = 0;
+    while (k < N && td_coreshare_get_stats(cs).switches == 0) {
+        step_of(cs, 45, period);
+        k++;
+    }
+    a = td_coreshare_get_stats(cs);
+    TH_CHECKF(a.steps == 0 && a.switches == 1 && k >= N / 2 - 2 && k <= N / 2 + 1,
+              "long steps: claiming after %d, %llu claimed, %llu switches", k,
+              (unsigned long long)a.steps, (unsigned long long)a.switches);
+    for (int round = 0; round < 3; round++)
+        claim_pauses(cs, 45, "an adaptive claim");
+    a = td_coreshare_get_stats(cs);
+    TH_CHECK(a.steps == 3 && a.unclaimed == 2 * N + (unsigned)k);
+    /* the stage idle: the next step is left to the scheduler, and steps beside idle stages,
+     * however long, do not bring the claims back */
+    atomic_store(&sh->run, 0);
+    sleep_ms(TD_CORESHARE_AUTO_IDLE_MS + 100);
+    for (int i = 0; i < N + 1; i++)
+        step_of(cs, 40, period);
+    td_coreshare_stats b = td_coreshare_get_stats(cs);
+    TH_CHECKF(b.steps == a.steps && b.unclaimed == a.unclaimed + N + 1 && b.switches == 1,
+              "idle stages: %llu claimed, %llu left, %llu switches", (unsigned long long)b.steps,
+              (unsigned long long)b.unclaimed, (unsigned long long)b.switches);
+    /* busy again, steps long again: claimed again */
+    atomic_store(&sh->run, 1);
+    TH_CHECK(ran_after(td_now_ns()));
+    for (int i = 0; i < N && td_coreshare_get_stats(cs).switches < 2; i++)
+        step_of(cs, 45, period);
+    TH_CHECK(td_coreshare_get_stats(cs).switches == 2);
+    claim_pauses(cs, 45, "a claim after the stages came back");
+    stop_stage(pid);
+    td_coreshare_destroy(cs);
+}
+
 int main(void)
 {
     sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -296,6 +366,7 @@ int main(void)
     TH_RUN(test_share);
     TH_RUN(test_stale_and_restart);
     TH_RUN(test_dead_stage);
+    TH_RUN(test_auto);
     shm_unlink(seg_name);
     TH_EXIT();
 }

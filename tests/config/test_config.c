@@ -130,6 +130,13 @@ static const bad_case bad_cases[] = {
      "longer than 63 bytes"},
     {"decode_dp_port_range", MIN "    dp: 3\n    port: 65534\n", 5, 11,
      "dp 3: member 2's port 65536 is beyond 65535"},
+    {"decode_share_auto_no_itl", MIN "    share_cores: auto\n", 4, 18,
+     "share_cores: auto claims the cores while steps run longer than itl_target_ms: set "
+     "itl_target_ms (> 0)"},
+    {"decode_share_text", MIN "    share_cores: maybe\n", 4, 18,
+     "share_cores: expected true, false or auto, got maybe"},
+    {"decode_share_list", MIN "    share_cores: [1]\n", 4, 18,
+     "share_cores: expected true, false or auto, got a list"},
     {"decode_itl_neg", MIN "    itl_target_ms: -5\n", 4, 20, "-5 is out of range [0, 600000]"},
     {"decode_itl_text", MIN "    itl_target_ms: fast\n", 4, 20, "expected a number, got 'fast'"},
     {"decode_overlap_text", MIN "    overlap: sometimes\n", 4, 14,
@@ -344,6 +351,7 @@ static void test_good_file(void)
                        "    max_batch: 16\n"
                        "    step_tokens: 128\n"
                        "    itl_target_ms: 75.5\n"
+                       "    share_cores: auto\n"
                        "    overlap: true\n"
                        "    drain_timeout_ms: 15000\n"
                        "    speculative:\n"
@@ -424,7 +432,7 @@ static void test_good_file(void)
              d->block_size == 32 && d->kv_memory == (1ll << 30) && d->kv_blocks == 0 &&
              d->max_batch == 16 && d->step_tokens == 128 && d->itl_target_ms == 75.5 &&
              d->kv_dtype == TD_F32 && d->port == 7000 && d->overlap && d->n_devices == 3 &&
-             d->devices[2] == 4);
+             d->devices[2] == 4 && d->share_cores == TD_CFG_SHARE_AUTO);
     TH_CHECK(d->speculative.method == TD_CFG_SPEC_OFF && d->speculative.max_tokens == 32 &&
              !d->speculative.adaptive && !d->speculative.gate && d->speculative.ngram_min == 3 &&
              d->speculative.ngram_max == 3);
@@ -438,7 +446,8 @@ static void test_good_file(void)
     TH_CHECK(d->tp == 1 && d->ep == 1 && !strcmp(d->host, "127.0.0.1") && d->threads == 1 &&
              d->block_size == 32 && d->kv_blocks == 4096 && d->kv_memory == 0 &&
              d->max_batch == 64 && d->step_tokens == 512 && d->itl_target_ms == 0 &&
-             d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap && !d->devices);
+             d->kv_dtype == TD_F32 && d->port == 9001 && !d->overlap && !d->devices &&
+             d->share_cores == TD_CFG_SHARE_OFF);
     TH_CHECK(d->speculative.method == TD_CFG_SPEC_NGRAM && d->speculative.max_tokens == 8 &&
              d->speculative.adaptive && d->speculative.ngram_min == 2 &&
              d->speculative.ngram_max == 4);

@@ -30,7 +30,7 @@ Cases (--case NAME runs one):
            temperature-1.0 json_schema outputs (prompts of one chunk and of several)
            validate, the first token (the last prefill stage's) obeys the mask against a
            logit_bias of +100 (grammar_many: ten seeded outputs, and json_object parses);
-  share    decode[].share_cores (pp 2 -> tp 2, itl_target_ms 20): prompts of several chunks,
+  share    decode[].share_cores true and auto (pp 2 -> tp 2): prompts of several chunks,
            each prefilled while the earlier ones decode, give `tandem generate`'s output; the
            stages paused for the decode's steps and the steps claimed the cores (exit logs);
   stalled  prefill stage 0 stopped (SIGSTOP) after taking a prompt, so its KV never comes:
@@ -493,38 +493,47 @@ def case_share(args):
     """Each prompt (several chunks) is sent once the one before has its first token, so the
     stages prefill it alone (rows batched with another prompt's round differently) while the
     earlier ones decode: the stages' compute and the steps meet, and every output must still
-    be `tandem generate`'s."""
+    be `tandem generate`'s. Twice: share_cores true (every step claims), and auto with a
+    period target every step beside the busy stages runs past (so it measures the steps left
+    to the scheduler, then claims)."""
     model = os.path.join(args.synth_dir, "llama.gguf")
     # no two share a prefix: the stages compute each whole (no prefix-cache hits)
     prompts = [" ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(120 + 5 * i))
                for i in range(5)] + [text(20)]
     want = expect(args, model, prompts, 48)
-    dc = {"tp": 2, "share_cores": True, "itl_target_ms": 20}
-    with Cluster(args, model, [{"pp": 2, "chunk": 64}], [dc]) as c:
-        outs = [{} for _ in prompts]
-        ths = []
-        for p, o in zip(prompts, outs):
-            first = threading.Event()
-            ths.append(threading.Thread(target=stream_complete, args=(c, p, 48, o, first)))
-            ths[-1].start()
-            first.wait(300)
-        for t in ths:
-            t.join()
-        same = sum(1 for o, w in zip(outs, want) if o.get("text") == w)
-        check(same == len(prompts), f"share: {same}/{len(prompts)} outputs of overlapping "
-                                    f"requests equal to generate")
-        idle(c, "share")
-        codes = c.stop()
-        check(all(v == 0 for v in codes.values()), f"share: every process exits 0 ({codes})")
-        m = re.search(r"shared cores \(decode\[\]\.share_cores\): (\d+) steps claimed them .*; "
-                      r"(\d+) waited", c.log("d0r0"))
-        paused = [re.search(r"paused (\d+) times for decode steps", c.log(f"p0s{s}"))
-                  for s in range(2)]
-        check(m is not None and int(m.group(1)) > 0,
-              f"share: the decode's steps claimed the cores ({m.group(0) if m else None})")
-        n_paused = [int(p.group(1)) if p else None for p in paused]
-        check(None not in n_paused and sum(n_paused) > 0,
-              f"share: the stages paused for the steps (times per stage {n_paused})")
+    for mode, itl in ((True, 20), ("auto", 0.2)):
+        what = f"share {mode}"
+        dc = {"tp": 2, "share_cores": mode, "itl_target_ms": itl}
+        with Cluster(args, model, [{"pp": 2, "chunk": 64}], [dc]) as c:
+            outs = [{} for _ in prompts]
+            ths = []
+            for p, o in zip(prompts, outs):
+                first = threading.Event()
+                ths.append(threading.Thread(target=stream_complete, args=(c, p, 48, o, first)))
+                ths[-1].start()
+                first.wait(300)
+            for t in ths:
+                t.join()
+            same = sum(1 for o, w in zip(outs, want) if o.get("text") == w)
+            check(same == len(prompts), f"{what}: {same}/{len(prompts)} outputs of overlapping "
+                                        f"requests equal to generate")
+            idle(c, "share")
+            codes = c.stop()
+            check(all(v == 0 for v in codes.values()), f"{what}: every process exits 0 ({codes})")
+            m = re.search(r"shared cores \(decode\[\]\.share_cores\): (\d+) steps claimed them "
+                          r".*; (\d+) waited", c.log("d0r0"))
+            paused = [re.search(r"paused (\d+) times for decode steps", c.log(f"p0s{s}"))
+                      for s in range(2)]
+            check(m is not None and int(m.group(1)) > 0,
+                  f"{what}: the decode's steps claimed the cores ({m.group(0) if m else None})")
+            n_paused = [int(p.group(1)) if p else None for p in paused]
+            check(None not in n_paused and sum(n_paused) > 0,
+                  f"{what}: the stages paused for the steps (times per stage {n_paused})")
+            if mode == "auto":
+                a = re.search(r"shared cores, auto: (\d+) steps left to the scheduler; claiming "
+                              r"began (\d+) times", c.log("d0r0"))
+                check(a is not None and int(a.group(1)) >= 16 and int(a.group(2)) >= 1,
+                      f"{what}: steps measured unclaimed, then claimed ({a.group(0) if a else None})")
 
 
 def background_complete(c, prompt, n, out):
