@@ -29,10 +29,10 @@
  * beside active stages, it leaves most to the scheduler and claims every
  * TD_CORESHARE_AUTO_PROBE_EVERY-th (a probe), each step's time taken over the cost model's
  * prediction for its shape. It claims from then on while the unclaimed steps' median ratio is
- * at least TD_CORESHARE_AUTO_STRETCH times the claimed ones' and their median time is above
- * the period; while claiming, every TD_CORESHARE_AUTO_REVERSE_EVERY-th such step is left to the
- * scheduler, so the windows (the last TD_CORESHARE_AUTO_SAMPLES of each) follow a change of
- * workload. Steps beside idle stages neither claim nor count.
+ * at least TD_CORESHARE_AUTO_STRETCH times the claimed ones' and three in four of them take
+ * longer than the period; while claiming, every TD_CORESHARE_AUTO_REVERSE_EVERY-th such step is
+ * left to the scheduler, so the windows (the last TD_CORESHARE_AUTO_SAMPLES of each) follow a
+ * change of workload. Steps beside idle stages neither claim nor count.
  *
  * Ownership: create/destroy (decode leader), gate_create/gate_destroy (a stage). Threading:
  * a td_coreshare is used by one thread (the decode's step loop); a gate's wait by the
@@ -47,7 +47,7 @@
 
 #define TD_CORESHARE_STALE_MS 2000 /* a claim this old pauses no one */
 /* adaptive: the windows of unclaimed and claimed steps beside active stages */
-#define TD_CORESHARE_AUTO_SAMPLES 16
+#define TD_CORESHARE_AUTO_SAMPLES 32
 /* adaptive, measuring: every this many steps beside active stages one claims (a probe) */
 #define TD_CORESHARE_AUTO_PROBE_EVERY 4
 /* adaptive, claiming: every this many steps beside active stages one is left (the tail's
@@ -72,6 +72,8 @@ typedef struct {
     double claimed_ms;  /* total time the cores were claimed */
     uint64_t unclaimed; /* adaptive: steps left to the scheduler */
     uint64_t switches;  /* adaptive: times it began claiming (after measuring) */
+    double stretch;     /* adaptive: the last decision's unclaimed / claimed (0: none yet) */
+    double p25_ms;      /* adaptive: and the unclaimed steps' time three in four exceed */
 } td_coreshare_stats;
 
 /* Create (or take over a stale one of the same name) and clear the claim; adaptive: claim

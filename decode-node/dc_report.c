@@ -84,9 +84,12 @@ void dc_report_log(const dc_node *n)
                     (unsigned long long)cs.waits, cs.wait_ms / 1e3);
         if (n->dcfg->share_cores == TD_CFG_SHARE_AUTO)
             TD_LOG_INFO("decode %s: shared cores, auto: %llu steps left to the scheduler; "
-                        "claiming began %llu times",
+                        "claiming began %llu times; last measured: steps beside busy stages "
+                        "%.2fx their time when claiming, three in four over %.1f ms (claims "
+                        "when >= %.1fx and over %.1f ms)",
                         n->p->instance, (unsigned long long)cs.unclaimed,
-                        (unsigned long long)cs.switches);
+                        (unsigned long long)cs.switches, cs.stretch, cs.p25_ms,
+                        TD_CORESHARE_AUTO_STRETCH, n->dcfg->itl_target_ms);
     }
     if (st.spec_drafts)
         TD_LOG_INFO("decode %s: speculation: %llu verifications, %llu proposed tokens, %llu "
