@@ -263,7 +263,9 @@ void td_coreshare_release(td_coreshare *cs, double period_ms, double predicted_m
 
 td_coreshare_stats td_coreshare_get_stats(const td_coreshare *cs)
 {
-    return cs->st;
+    td_coreshare_stats st = cs->st;
+    st.claiming = !cs->adaptive || cs->claiming;
+    return st;
 }
 
 /* ---- prefill stage ---- */

@@ -74,6 +74,7 @@ typedef struct {
     uint64_t switches;  /* adaptive: times it began claiming (after measuring) */
     double stretch;     /* adaptive: the last decision's unclaimed / claimed (0: none yet) */
     double p25_ms;      /* adaptive: and the unclaimed steps' time three in four exceed */
+    bool claiming;      /* steps beside busy stages claim now (always, unless adaptive) */
 } td_coreshare_stats;
 
 /* Create (or take over a stale one of the same name) and clear the claim; adaptive: claim

@@ -606,6 +606,13 @@ void dc_serve_health(dc_node *n)
     h.spec_draft_tokens = st.spec_draft_tokens;
     h.spec_accepted_tokens = st.spec_accepted;
     h.spec_held_steps = st.spec_held_steps;
+    if (n->leader.cores) {
+        td_coreshare_stats cs = td_coreshare_get_stats(n->leader.cores);
+        h.share_claimed_steps = cs.steps;
+        h.share_left_steps = cs.unclaimed;
+        h.share_switches = cs.switches;
+        h.share_claiming = cs.claiming;
+    }
     size_t n_pos = sizeof st.spec_accepted_pos / sizeof st.spec_accepted_pos[0];
     while (n_pos > 0 && !st.spec_accepted_pos[n_pos - 1])
         n_pos--; /* up to the last nonzero position: a small message */

@@ -59,6 +59,7 @@ typedef struct {
 #define RT_SPEC_POS 32
 #define RT_SPEC_HELD (3 + RT_SPEC_POS)  /* rt_inst_gauge.spec[]: Health.spec_held_steps */
 #define RT_SPEC_N    (RT_SPEC_HELD + 1) /* rt_inst_gauge.spec */
+#define RT_SHARE_N   3                  /* rt_inst_gauge.share */
 
 /* A decode instance as the loop publishes it (rt_reg_gauge, rt_metrics_publish_inst). */
 typedef struct {
@@ -75,6 +76,10 @@ typedef struct {
      * (Health.spec_accepted_per_pos; 0 past its end), then the steps the measured gate held
      * the proposals off (Health.spec_held_steps) */
     uint64_t spec[RT_SPEC_N];
+    /* likewise: decode[].share_cores's steps that claimed the cores, steps left to the
+     * scheduler, times auto began claiming (Health 40-42) */
+    uint64_t share[RT_SHARE_N];
+    bool share_claiming; /* Health.share_claiming: its steps claim the cores now */
     uint64_t boot_id; /* Health.boot_id: a new one restarts every count above from 0 */
     bool alive;
     rt_compute compute;
@@ -88,7 +93,7 @@ typedef struct {
 /* A decode instance's counts as /metrics shows them: summed across its restarts (the
  * instance reports counts since its own start). */
 typedef struct {
-    uint64_t preempt, pc[RT_PC_N], steps[RT_STEP_N], spec[RT_SPEC_N];
+    uint64_t preempt, pc[RT_PC_N], steps[RT_STEP_N], spec[RT_SPEC_N], share[RT_SHARE_N];
 } rt_inst_counts;
 typedef struct {
     rt_inst_counts total; /* seen across restarts: what the counters render */

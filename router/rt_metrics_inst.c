@@ -64,6 +64,7 @@ void rt_metrics_publish_inst(rt_metrics *m, int i, const rt_inst_gauge *g)
     accumulate(t->total.pc, t->last.pc, g->pc, RT_PC_N, restarted);
     accumulate(t->total.steps, t->last.steps, g->steps, RT_STEP_N, restarted);
     accumulate(t->total.spec, t->last.spec, g->spec, RT_SPEC_N, restarted);
+    accumulate(t->total.share, t->last.share, g->share, RT_SHARE_N, restarted);
     m->inst[i] = *g;
 }
 

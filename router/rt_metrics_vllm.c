@@ -133,10 +133,16 @@ static void render_steps(rt_mw *w, const rt_metrics *m)
     }
 }
 
-/* One family with a value per decode instance: what 0 running, 1 waiting, 2 KV usage (alive
- * instances only), 3 preemptions, 4-9 prefix cache queried tokens, hit tokens, evictions,
- * tier writes, reads, hits, 10-12 speculative decoding's verifications, proposed tokens
- * verified, accepted tokens (counters: every instance). */
+#define WHAT_CLAIMING 99  /* put_inst: share_cores claims now */
+#define WHAT_SHARE    100 /* put_inst: share_cores's counts, + their index */
+_Static_assert(10 + RT_SPEC_N <= WHAT_CLAIMING, "put_inst's codes overlap");
+
+/* One family with a value per decode instance: what 0 running, 1 waiting, 2 KV usage,
+ * WHAT_CLAIMING share_cores claiming (alive instances only), 3 preemptions, 4-9 prefix cache
+ * queried tokens, hit tokens, evictions, tier writes, reads, hits, 10 + k speculative
+ * decoding's spec[k] (verifications, proposed tokens verified, accepted tokens, ...),
+ * WHAT_SHARE + k share_cores's share[k] (claimed steps, left steps, claiming began)
+ * (counters: every instance). */
 static void put_inst(rt_mw *w, const rt_metrics *m, const char *name, rt_mtype type,
                      const char *help, int what)
 {
@@ -147,8 +153,13 @@ static void put_inst(rt_mw *w, const rt_metrics *m, const char *name, rt_mtype t
         const rt_inst_gauge *g = &m->inst[i];
         const rt_inst_counts *t = &m->tally[i].total;
         double val;
-        if (what == 3) /* the counters: every configured instance, dead or alive */
+        if (what == WHAT_CLAIMING) { /* a gauge: alive instances only */
+            if (!g->alive) continue;
+            val = g->share_claiming;
+        } else if (what == 3) /* the counters: every configured instance, dead or alive */
             val = (double)t->preempt;
+        else if (what >= WHAT_SHARE)
+            val = (double)t->share[what - WHAT_SHARE];
         else if (what >= 10)
             val = (double)t->spec[what - 10];
         else if (what >= 4)
@@ -162,6 +173,28 @@ static void put_inst(rt_mw *w, const rt_metrics *m, const char *name, rt_mtype t
                                             : 0.0;
         rt_mw_real(w, labels(&l, m, g->name), val, 15);
     }
+}
+
+/* decode[].share_cores per decode instance (0 with it off): steps that claimed the host's
+ * cores, steps auto left to the scheduler, times auto began claiming (counters, summed across
+ * restarts), and whether its steps claim now. */
+static void render_share(rt_mw *w, const rt_metrics *m)
+{
+    put_inst(w, m, "tandem_decode_share_cores_claimed_steps_total", RT_MT_COUNTER,
+             "Steps that claimed the host's cores from the prefill stages beside them "
+             "(decode[].share_cores).",
+             WHAT_SHARE);
+    put_inst(w, m, "tandem_decode_share_cores_left_steps_total", RT_MT_COUNTER,
+             "Steps share_cores: auto left to the scheduler beside the prefill stages.",
+             WHAT_SHARE + 1);
+    put_inst(w, m, "tandem_decode_share_cores_claiming_started_total", RT_MT_COUNTER,
+             "Times share_cores: auto began claiming, having measured the steps left to the "
+             "scheduler stretched past itl_target_ms.",
+             WHAT_SHARE + 2);
+    put_inst(w, m, "tandem_decode_share_cores_claiming", RT_MT_GAUGE,
+             "1 while the instance's steps beside busy prefill stages claim the cores "
+             "(share_cores: true, or auto having measured that it pays), else 0.",
+             WHAT_CLAIMING);
 }
 
 /* vLLM's speculative decoding counters per decode instance (every configured one, summed
@@ -329,6 +362,7 @@ void rt_metrics_vllm_render(rt_mw *w, const rt_metrics *m)
              "the second tier (part of vllm:prefix_cache_hits_total).",
              9);
     render_spec(w, m);
+    render_share(w, m);
     render_steps(w, m);
     if (m->n_pf > 0) render_kv(w, m);
 }

@@ -307,6 +307,10 @@ bool rt_reg_seen(rt_inst *s, const Td__Health *h, int64_t now)
             s->spec[3 + k] =
                 (size_t)k < h->n_spec_accepted_per_pos ? h->spec_accepted_per_pos[k] : 0;
         s->spec[RT_SPEC_HELD] = h->spec_held_steps;
+        s->share[0] = h->share_claimed_steps;
+        s->share[1] = h->share_left_steps;
+        s->share[2] = h->share_switches;
+        s->share_claiming = h->share_claiming;
         seen_compute(&s->compute, h);
     }
     s->alive = s->ready;
@@ -321,6 +325,7 @@ rt_inst_gauge rt_reg_gauge(const rt_inst *s)
                        .kv_free = s->kv_free,
                        .preemptions = s->preemptions,
                        .boot_id = s->boot_id,
+                       .share_claiming = s->share_claiming,
                        .alive = s->alive,
                        .compute = s->compute,
                        .cache = s->cst};
@@ -331,11 +336,12 @@ rt_inst_gauge rt_reg_gauge(const rt_inst *s)
     g.joined = s->joined;
     g.draining = s->draining;
     _Static_assert(sizeof g.pc == sizeof s->pc && sizeof g.steps == sizeof s->steps &&
-                       sizeof g.spec == sizeof s->spec,
+                       sizeof g.spec == sizeof s->spec && sizeof g.share == sizeof s->share,
                    "rt_inst's counts are rt_inst_gauge's");
     memcpy(g.pc, s->pc, sizeof g.pc);
     memcpy(g.steps, s->steps, sizeof g.steps);
     memcpy(g.spec, s->spec, sizeof g.spec);
+    memcpy(g.share, s->share, sizeof g.share);
     return g;
 }
 

@@ -55,6 +55,9 @@ typedef struct {
     uint64_t spec[RT_SPEC_N];           /* decode: Health.spec_drafts, spec_draft_tokens,
                                            spec_accepted_tokens, spec_accepted_per_pos[],
                                            spec_held_steps */
+    uint64_t share[RT_SHARE_N];         /* decode: Health.share_claimed_steps, share_left_steps,
+                                           share_switches */
+    bool share_claiming;                /* decode: Health.share_claiming */
     uint64_t inflight_tokens;           /* prefill: prompt tokens of the router's attempts on it */
     bool role_warned;                   /* prefill: logged once that it does not say ROLE_PREFILL */
     bool ev_warned;                     /* logged once that its Health's KV events were malformed */

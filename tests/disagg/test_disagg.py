@@ -519,6 +519,18 @@ def case_share(args):
             check(same == len(prompts), f"{what}: {same}/{len(prompts)} outputs of overlapping "
                                         f"requests equal to generate")
             idle(c, "share")
+            # /metrics (the router's, from the decode's Health): the claims, and the steps
+            # auto left
+            fam = ("tandem_decode_share_cores_claimed_steps_total" if mode is True
+                   else "tandem_decode_share_cores_left_steps_total")
+            got = None
+            for _ in range(50):
+                got = re.search(re.escape(fam) + r'\{[^}]*instance="d0"\} (\S+)', c.metrics())
+                if got and float(got.group(1)) > 0:
+                    break
+                time.sleep(0.2)
+            check(got is not None and float(got.group(1)) > 0,
+                  f"{what}: /metrics {fam} of d0 {got.group(1) if got else None}")
             codes = c.stop()
             check(all(v == 0 for v in codes.values()), f"{what}: every process exits 0 ({codes})")
             m = re.search(r"shared cores \(decode\[\]\.share_cores\): (\d+) steps claimed them "

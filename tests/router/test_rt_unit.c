@@ -412,6 +412,11 @@ static void test_spec_counters(void)
         h.n_spec_accepted_per_pos = n;
         h.spec_accepted_per_pos = pos;
         h.spec_held_steps = seen[k][2] / 2; /* 5, 1, 10: summed across the restart */
+        /* share_cores's counters: as drafts, draft tokens, accepted (the same sums) */
+        h.share_claimed_steps = seen[k][2];
+        h.share_left_steps = seen[k][3];
+        h.share_switches = seen[k][4];
+        h.share_claiming = k == 3;
         rt_reg_seen(&d0, &h, 1 + k);
         TH_CHECK(d0.spec[0] == seen[k][2] && d0.spec[3 + 2] == seen[k][7] && d0.spec[3 + 3] == 0);
         rt_inst_gauge g = rt_reg_gauge(&d0);
@@ -434,6 +439,18 @@ static void test_spec_counters(void)
     TH_CHECK(series(text, "tandem_spec_decode_gate_held_steps_total{model_name=\"x\","
                           "instance=\"d0\"} ") == 16);
     TH_CHECK(series(text, "tandem_spec_decode_gate_held_steps_total{model_name=\"x\","
+                          "instance=\"d1\"} ") == 0);
+    TH_CHECK(series(text, "tandem_decode_share_cores_claimed_steps_total{model_name=\"x\","
+                          "instance=\"d0\"} ") == 32);
+    TH_CHECK(series(text, "tandem_decode_share_cores_left_steps_total{model_name=\"x\","
+                          "instance=\"d0\"} ") == 96);
+    TH_CHECK(series(text, "tandem_decode_share_cores_claiming_started_total{model_name=\"x\","
+                          "instance=\"d0\"} ") == 45);
+    TH_CHECK(series(text, "tandem_decode_share_cores_claiming{model_name=\"x\","
+                          "instance=\"d0\"} ") == 1);
+    TH_CHECK(series(text, "tandem_decode_share_cores_claiming{model_name=\"x\","
+                          "instance=\"d1\"} ") == 0);
+    TH_CHECK(series(text, "tandem_decode_share_cores_claimed_steps_total{model_name=\"x\","
                           "instance=\"d1\"} ") == 0);
     /* positions: 8 + 1 + 15, 4 + 0 + 10, 2 + 0 + 5; the last kept one 4, later dropped */
     static const struct {
