@@ -416,12 +416,13 @@ static int share_cores_init(dc_node *n)
     bool adaptive = n->dcfg->share_cores == TD_CFG_SHARE_AUTO;
     int rc = td_coreshare_create(name, adaptive, &n->leader.cores);
     if (!rc && adaptive)
-        TD_LOG_INFO("decode %s: steps claim the cores of host %s while, left beside its busy "
-                    "prefill stages, they take more than itl_target_ms (%.1f ms, the median of "
-                    "%d); the stages then compute between steps for the rest of it "
+        TD_LOG_INFO("decode %s: steps claim the cores of host %s only while the ones left to "
+                    "the scheduler beside its busy prefill stages take %.1fx their claimed time "
+                    "and three in four of them more than itl_target_ms (%.1f ms), measured over "
+                    "the last %d; the stages then compute between steps for the rest of it "
                     "(decode[].share_cores: auto)",
-                    n->p->instance, n->dcfg->host, n->dcfg->itl_target_ms,
-                    TD_CORESHARE_AUTO_SAMPLES);
+                    n->p->instance, n->dcfg->host, TD_CORESHARE_AUTO_STRETCH,
+                    n->dcfg->itl_target_ms, TD_CORESHARE_AUTO_SAMPLES);
     else if (!rc)
         TD_LOG_INFO("decode %s: each step claims the cores of host %s; its prefill stages compute "
                     "between steps for %s (decode[].share_cores)",
