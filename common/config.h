@@ -52,8 +52,9 @@ const char *td_cfg_act_name(td_cfg_act a);
 typedef enum {
     TD_CFG_SHARE_OFF = 0, /* false (default): the stages compute beside the steps */
     TD_CFG_SHARE_ON,      /* true: every step claims the host's cores */
-    TD_CFG_SHARE_AUTO,    /* "auto": steps claim them only while, left to the scheduler beside
-                             busy stages, they run longer than itl_target_ms */
+    TD_CFG_SHARE_AUTO,    /* "auto": steps claim them only while measured to pay: those left
+                             to the scheduler beside busy stages stretched (against probe
+                             claims) and nearly all longer than itl_target_ms */
 } td_cfg_share;
 
 /* router.routing: how a request's instance is chosen (router/rt_route.h). */
@@ -214,8 +215,7 @@ typedef struct {
     bool adaptive_threads;
     /* off: the prefill stages of its host compute beside its steps; on: each step claims the
      * host's cores and those stages pause meanwhile, then get the rest of itl_target_ms; auto:
-     * claims only while steps left beside the stages run longer than itl_target_ms
-     * (common/td_coreshare.h, docs/config.md) */
+     * claims only while measured to pay (common/td_coreshare.h, docs/config.md) */
     td_cfg_share share_cores;
     /* 0: SIGTERM ends the requests in flight at once with ERR_SHUTDOWN (the router moves
      * them); > 0: they may finish for up to this long first, no new ones taken (docs/config.md) */
