@@ -18,6 +18,7 @@
 
 #include "td_clock.h"
 #include "td_futex.h"
+#include "td_stats.h"
 #include "td_err.h"
 
 #define SEG_MAGIC 0x54434f52u /* "TCOR" */
@@ -72,19 +73,12 @@ static int ring_add(ring *r, double x)
     return at;
 }
 
-static int cmp_double(const void *a, const void *b)
+/* Percentile p (0..100, td_stats.h's definition) of v's first n, v kept as it is. */
+static double percentile_of(const double *v, int n, double p)
 {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* The q-quantile (0..1, nearest rank below) of v's first n (n > 0). */
-static double quantile_of(const double *v, int n, double q)
-{
-    double sorted[TD_CORESHARE_AUTO_SAMPLES];
-    memcpy(sorted, v, (size_t)n * sizeof *v);
-    qsort(sorted, (size_t)n, sizeof *sorted, cmp_double);
-    return sorted[(int)(q * (n - 1))];
+    double copy[TD_CORESHARE_AUTO_SAMPLES];
+    memcpy(copy, v, (size_t)n * sizeof *v);
+    return td_stats_percentile(copy, (size_t)n, p);
 }
 
 struct td_coreshare {
@@ -187,9 +181,9 @@ static void auto_measure(td_coreshare *cs, bool claimed, double step_ms, double 
         cs->unclaimed_ms[at] = step_ms;
     }
     if (cs->unclaimed.n < TD_CORESHARE_AUTO_SAMPLES || cs->claimed.n < 4 || period_ms <= 0) return;
-    double stretch = quantile_of(cs->unclaimed.v, cs->unclaimed.n, 0.5) /
-                     quantile_of(cs->claimed.v, cs->claimed.n, 0.5),
-           p25 = quantile_of(cs->unclaimed_ms, cs->unclaimed.n, 0.25);
+    double stretch = percentile_of(cs->unclaimed.v, cs->unclaimed.n, 50) /
+                     percentile_of(cs->claimed.v, cs->claimed.n, 50),
+           p25 = percentile_of(cs->unclaimed_ms, cs->unclaimed.n, 25);
     bool claim = stretch >= TD_CORESHARE_AUTO_STRETCH && p25 > period_ms;
     cs->st.stretch = stretch;
     cs->st.p25_ms = p25;
