@@ -61,8 +61,62 @@ size_t kn_q16_row_bytes(int64_t n)
 
 /* ---- quantizing x ---- */
 
-static void q16b_quant(const float *x, kn_q16b *b)
+/* A block quantized to zeros: all zero, or so small (every |x| below ~1e-34) that
+ * QMAX / amax overflows, where x * inf would give NaN for its zeros. */
+static bool q16_zero_block(float amax)
 {
+    return amax == 0.0f || isinf((float)KN_Q16_QMAX / amax);
+}
+
+static int q16_isa(void);
+
+static void q16b_quant(const float *x, kn_q16b *b, bool vec)
+{
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* vec (the AVX512-VNNI form, not forced off): the scalar rule below on two vectors (finite
+     * blocks; the others take it): the products, roundings (nearest even, as nearbyintf in the
+     * default mode) and clamps are the same operations, max and the integer parts exact in any
+     * order, so the same bits. It is most of the mode's cost outside the dots (a scalar loop
+     * calling fmaxf per element was 28 % of the default model's prefill dot time, AMD EPYC). */
+#define Q16_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+    const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16), z = _mm512_setzero_ps();
+    const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), z, _CMP_NEQ_UQ) |
+                          _mm512_cmp_ps_mask(_mm512_sub_ps(c, c), z, _CMP_NEQ_UQ);
+    if (vec && !bad) {
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        if (q16_zero_block(amax)) {
+            memset(b, 0, sizeof *b);
+            return;
+        }
+        const __m512 id = _mm512_set1_ps((float)KN_Q16_QMAX / amax),
+                     top = _mm512_set1_ps((float)KN_Q16_QMAX),
+                     bot = _mm512_set1_ps(-(float)KN_Q16_QMAX);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_max_ps(
+            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, id), Q16_RNE), top), bot));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_max_ps(
+            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(c, id), Q16_RNE), top), bot));
+        /* hi = floor((q + 128) / 256) by an arithmetic shift, lo = q - 256 hi */
+        const __m512i r = _mm512_set1_epi32(128);
+        const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, r), 8),
+                      hc = _mm512_srai_epi32(_mm512_add_epi32(qc, r), 8);
+        const __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 8)),
+                      lc = _mm512_sub_epi32(qc, _mm512_slli_epi32(hc, 8));
+        _mm256_storeu_si256((__m256i *)(void *)b->qs, _mm512_cvtepi32_epi16(qa));
+        _mm256_storeu_si256((__m256i *)(void *)(b->qs + 16), _mm512_cvtepi32_epi16(qc));
+        _mm_storeu_si128((__m128i *)(void *)b->hi, _mm512_cvtepi32_epi8(ha));
+        _mm_storeu_si128((__m128i *)(void *)(b->hi + 16), _mm512_cvtepi32_epi8(hc));
+        _mm_storeu_si128((__m128i *)(void *)b->lo, _mm512_cvtepi32_epi8(la));
+        _mm_storeu_si128((__m128i *)(void *)(b->lo + 16), _mm512_cvtepi32_epi8(lc));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+        b->d = amax / (float)KN_Q16_QMAX;
+        b->sum = sum;
+        b->dsum = b->d * (float)sum;
+        return;
+    }
+#undef Q16_RNE
+#else
+    (void)vec;
+#endif
     float amax = 0.0f;
     bool finite = true;
     for (int i = 0; i < TD_QK; i++) {
@@ -70,7 +124,7 @@ static void q16b_quant(const float *x, kn_q16b *b)
         finite &= isfinite(x[i]) != 0;
     }
     memset(b, 0, sizeof *b);
-    if (!finite || amax == 0.0f) {
+    if (!finite || q16_zero_block(amax)) {
         b->d = finite ? 0.0f : NAN;
         b->dsum = b->d;
         return;
@@ -94,8 +148,9 @@ static void q16b_quant(const float *x, kn_q16b *b)
 void kn_q16_quant_rows(const float *x, int64_t m, int64_t n, void *xq)
 {
     kn_q16b *b = xq;
+    const bool vec = q16_isa() == 2;
     for (int64_t i = 0; i < m * (n / TD_QK); i++)
-        q16b_quant(x + i * TD_QK, &b[i]);
+        q16b_quant(x + i * TD_QK, &b[i], vec);
 }
 
 /* ---- the instruction set ---- */

@@ -12,7 +12,9 @@
  * Format of a quantized row of x (n columns): n / 32 kn_q16b blocks, d = max|x| / 32512,
  * q = round(x / d) in [-32512, 32512] (= 127 * 256, so that q = 256 hi + lo with hi and lo
  * signed bytes: hi = floor((q + 128) / 256) in [-127, 127], lo in [-128, 127]), sum = the sum
- * of the 32 q, dsum = d * (float)sum; q, hi and lo in element order.
+ * of the 32 q, dsum = d * (float)sum; q, hi and lo in element order. round is to nearest even
+ * of x times the float 32512 / max|x|; a block where that overflows (max|x| below ~1e-34) is
+ * all zeros with d 0. The AVX-512 and scalar quantizers give the same bytes.
  * Arithmetic of a row r of W against a row of x, block by block in order (acc = 0):
  *   s   = sum of the 32 w_q * q           (exact int32; w_q Q4_0 q-8, Q4_1 q, Q5_0 q-16, Q8_0 q)
  *   acc = fma((float)s, d_r * d, acc)     (d_r * d rounded once)
@@ -68,7 +70,8 @@ void kn_q16_dot(const kn_mat *w, const void *packed, const void *xq, int64_t m, 
 
 /* The kernels' instruction set: "avx512vnni" (16 rows of W per lane group), "avx2" or
  * "scalar" (one row at a time), chosen by cpuid at first use. kn_q16_force_isa("avx2") or
- * ("scalar") forces a slower form (a test hook: the same bits), NULL undoes it. */
+ * ("scalar") forces a slower form, of the dots and (below AVX512-VNNI) of kn_q16_quant_rows
+ * too (a test hook: the same bits), NULL undoes it. */
 const char *kn_q16_isa(void);
 void kn_q16_force_isa(const char *isa);
 

@@ -99,13 +99,22 @@ static int64_t unpack_x(const float *x, const kn_q16b *xq, int64_t m, int64_t n,
     int64_t fails = 0;
     for (int64_t b = 0; b < m * n / 32; b++) {
         int sum = 0;
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++)
+            amax = fabsf(x[b * 32 + k]) > amax ? fabsf(x[b * 32 + k]) : amax;
+        const float id = (float)KN_Q16_QMAX / amax;
         for (int k = 0; k < 32; k++) {
             const int64_t e = b * 32 + k;
             xd[e] = xq[b].d;
             q[e] = xq[b].qs[k];
             sum += q[e];
-            if (q[e] < -KN_Q16_QMAX || q[e] > KN_Q16_QMAX ||
-                fabs((double)x[e] - (double)xq[b].d * q[e]) > xq[b].d * Q16_XERR ||
+            /* the rule exactly (every form of the quantizer gives these bits): nearest even
+             * of x times the float QMAX / amax, a block of zeros when that overflows */
+            const float v = isinf(id) ? 0.0f : nearbyintf(x[e] * id);
+            if (q[e] != (int)fmaxf(-KN_Q16_QMAX, fminf(KN_Q16_QMAX, v)) ||
+                xq[b].d != (isinf(id) ? 0.0f : amax / (float)KN_Q16_QMAX) || q[e] < -KN_Q16_QMAX ||
+                q[e] > KN_Q16_QMAX ||
+                (!isinf(id) && fabs((double)x[e] - (double)xq[b].d * q[e]) > xq[b].d * Q16_XERR) ||
                 q[e] != 256 * xq[b].hi[k] + xq[b].lo[k])
                 fails++;
         }
@@ -274,6 +283,40 @@ static void test_q16_dots(void)
     }
 }
 
+/* The quantizer at its edges: ties round to even (x times 1.0 exactly .5), the clamps and
+ * negative byte planes (q = -129: hi -1, lo 127), and blocks so small that QMAX / amax
+ * overflows: zeros with d 0, not NaN. */
+static void test_quant_edges(void)
+{
+    float x[96] = {0};
+    x[0] = (float)KN_Q16_QMAX; /* id = 1 */
+    const float ties[] = {2.5f, -3.5f, 0.5f, 1.5f, -129.0f, -32512.0f, -0.5f, 255.5f};
+    const int want[] = {2, -4, 0, 2, -129, -32512, 0, 256};
+    for (int k = 0; k < 8; k++)
+        x[1 + k] = ties[k];
+    for (int k = 0; k < 32; k++) /* the second block: subnormal and tiny */
+        x[32 + k] = k % 2 ? 1e-40f : -3e-36f;
+    for (int k = 0; k < 32; k++) /* the third: one element at the overflow's edge, a zero */
+        x[64 + k] = k == 5 ? 1e-33f : k == 6 ? 0.0f : 1e-35f;
+    kn_q16b b[3], bs[3];
+    double xd[96];
+    int q[96];
+    kn_q16_force_isa("scalar"); /* the quantizer's scalar form: the same bytes */
+    kn_q16_quant_rows(x, 1, 96, bs);
+    kn_q16_force_isa(NULL);
+    kn_q16_quant_rows(x, 1, 96, b);
+    TH_CHECK(memcmp(b, bs, sizeof b) == 0);
+    TH_CHECK(unpack_x(x, b, 1, 96, xd, q) == 0);
+    for (int k = 0; k < 8; k++)
+        TH_CHECKF(b[0].qs[1 + k] == want[k], "x %g: q %d, want %d", (double)ties[k], b[0].qs[1 + k],
+                  want[k]);
+    TH_CHECK(b[0].hi[5] == -1 && b[0].lo[5] == 127);
+    TH_CHECK(b[1].d == 0.0f && b[1].sum == 0 && b[1].dsum == 0.0f);
+    for (int k = 0; k < 32; k++)
+        TH_CHECK(b[1].qs[k] == 0 && b[1].hi[k] == 0 && b[1].lo[k] == 0);
+    TH_CHECK(b[2].d > 0.0f && b[2].qs[5] == KN_Q16_QMAX && b[2].qs[6] == 0);
+}
+
 /* A block with a non-finite element: that row's products are NaN, the others finite. */
 static void test_nonfinite(void)
 {
@@ -373,6 +416,7 @@ int main(void)
     fprintf(stderr, "isa %s, q16 dots %s (weights packed: %s)\n", kn_cpu_isa(), kn_q16_isa(),
             kn_q8_gemm_group_rows() == 16 ? "yes" : "no, not AVX512-VNNI");
     TH_RUN(test_q16_dots);
+    TH_RUN(test_quant_edges);
     TH_RUN(test_nonfinite);
     TH_RUN(test_mixed_and_others);
     TH_RUN(test_env_and_names);
