@@ -48,9 +48,49 @@ size_t kn_q8_row_bytes(td_dtype t, int64_t n)
     return (size_t)(n / qb) * (qb == KN_QK_K ? sizeof(kn_q8k) : sizeof(kn_q8b));
 }
 
-/* q (len) = x (len) quantized with d = max|x| / 127; returns d (NaN for non-finite x). */
+/* A block quantized to zeros: all zero, or so small (every |x| below ~4e-37) that
+ * 127 / amax overflows, where x * inf would give NaN for its zeros. */
+static bool q8_zero_block(float amax)
+{
+    return amax == 0.0f || isinf(127.0f / amax);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q8_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* 16 elements of x times id, rounded to nearest even and clamped to [-127, 127], as int32 */
+static inline __m512i q8_round16(__m512 v, __m512 id)
+{
+    return _mm512_cvtps_epi32(_mm512_max_ps(
+        _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(v, id), Q8_RNE), _mm512_set1_ps(127.0f)),
+        _mm512_set1_ps(-127.0f)));
+}
+#endif
+
+/* q (len) = x (len) quantized with d = max|x| / 127; returns d (NaN for non-finite x). With
+ * AVX-512 and len a multiple of 16 (the K-quants' 256-blocks) the same operations on vectors
+ * (max exact in any order, the products, roundings and clamps lane by lane): the same bytes. */
 static float q8_quant(const float *x, int len, int8_t *q)
 {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (len % 16 == 0) {
+        const __m512 z = _mm512_setzero_ps();
+        __m512 mx = z;
+        __mmask16 bad = 0;
+        for (int i = 0; i < len; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), z, _CMP_NEQ_UQ);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        }
+        const float amax = _mm512_reduce_max_ps(mx);
+        if (!bad && !q8_zero_block(amax)) {
+            const __m512 id = _mm512_set1_ps(127.0f / amax);
+            for (int i = 0; i < len; i += 16)
+                _mm_storeu_si128((__m128i *)(void *)(q + i),
+                                 _mm512_cvtepi32_epi8(q8_round16(_mm512_loadu_ps(x + i), id)));
+            return amax / 127.0f;
+        }
+    }
+#endif
     float amax = 0.0f;
     bool finite = true;
     for (int i = 0; i < len; i++) {
@@ -61,7 +101,7 @@ static float q8_quant(const float *x, int len, int8_t *q)
         memset(q, 0, (size_t)len);
         return NAN;
     }
-    if (amax == 0.0f) {
+    if (q8_zero_block(amax)) {
         memset(q, 0, (size_t)len);
         return 0.0f;
     }
@@ -79,23 +119,18 @@ static float q8_quant(const float *x, int len, int8_t *q)
 static void q8b_quant(const float *x, kn_q8b *b)
 {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define Q8_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
     const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16), z = _mm512_setzero_ps();
     const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), z, _CMP_NEQ_UQ) |
                           _mm512_cmp_ps_mask(_mm512_sub_ps(c, c), z, _CMP_NEQ_UQ);
     if (!bad) {
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-        if (amax == 0.0f) {
+        if (q8_zero_block(amax)) {
             memset(b->qs, 0, sizeof b->qs);
             b->d = 0.0f, b->sum = 0, b->sum16 = 0;
             return;
         }
-        const __m512 id = _mm512_set1_ps(127.0f / amax), hi = _mm512_set1_ps(127.0f),
-                     lo = _mm512_set1_ps(-127.0f);
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_max_ps(
-            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, id), Q8_RNE), hi), lo));
-        const __m512i qc = _mm512_cvtps_epi32(_mm512_max_ps(
-            _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(c, id), Q8_RNE), hi), lo));
+        const __m512 id = _mm512_set1_ps(127.0f / amax);
+        const __m512i qa = q8_round16(a, id), qc = q8_round16(c, id);
         _mm_storeu_si128((__m128i *)(void *)b->qs, _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(void *)(b->qs + 16), _mm512_cvtepi32_epi8(qc));
         b->d = amax / 127.0f;

@@ -106,11 +106,19 @@ static int64_t unpack_x(td_dtype t, const float *x, const uint8_t *xq, int64_t m
         const uint8_t *blk = xq + (size_t)b * bsz;
         const float d = is_k ? ((const kn_q8k *)blk)->d : ((const kn_q8b *)blk)->d;
         const int8_t *qs = is_k ? ((const kn_q8k *)blk)->qs : ((const kn_q8b *)blk)->qs;
+        float amax = 0.0f;
+        for (int k = 0; k < bl; k++)
+            amax = fabsf(x[b * bl + k]) > amax ? fabsf(x[b * bl + k]) : amax;
+        const float id = 127.0f / amax; /* inf: the block is all zeros, d 0 */
+        fails += d != (isinf(id) ? 0.0f : amax / 127.0f);
         for (int k = 0; k < bl; k++) {
             const int64_t e = b * bl + k;
             xd[e] = d;
             q[e] = qs[k];
-            if (q[e] < -127 || fabs((double)x[e] - (double)d * q[e]) > d * (0.5 + 256 * 0x1p-24))
+            /* the rule exactly (the AVX-512 and scalar quantizers give these bytes) */
+            const float v = isinf(id) ? 0.0f : nearbyintf(x[e] * id);
+            if (q[e] != (int)fmaxf(-127.0f, fminf(127.0f, v)) || q[e] < -127 ||
+                (!isinf(id) && fabs((double)x[e] - (double)d * q[e]) > d * (0.5 + 256 * 0x1p-24)))
                 fails++;
         }
         if (!is_k) {
@@ -390,6 +398,36 @@ static void test_kpacked(void)
     }
 }
 
+/* The quantizers at their edges, 32-blocks (Q8_0's rows) and 256-blocks (Q4_K's): ties round
+ * to even (x times 1.0 exactly .5), the clamp, and blocks so small that 127 / amax overflows:
+ * zeros with d 0, not NaN or clamped garbage. */
+static void test_quant_edges(void)
+{
+    static const td_dtype types[] = {TD_Q8_0, TD_Q4_K};
+    float x[512] = {0};
+    x[0] = 127.0f; /* id = 1 in the first 32 and the first 256 */
+    const float ties[] = {2.5f, -3.5f, 0.5f, 1.5f, -0.5f, 126.5f};
+    const int want[] = {2, -4, 0, 2, 0, 126};
+    for (int k = 0; k < 6; k++)
+        x[1 + k] = ties[k];
+    for (int k = 256; k < 512; k++) /* the second 256 (and its 32-blocks): tiny, a zero */
+        x[k] = k == 300 ? 0.0f : k % 2 ? 1e-40f : -2e-38f;
+    for (int i = 0; i < 2; i++) {
+        uint8_t *xq = malloc(kn_q8_row_bytes(types[i], 512));
+        double xd[512];
+        int q[512];
+        TH_REQUIRE(xq);
+        kn_q8_quant_rows(types[i], x, 1, 512, xq);
+        TH_CHECKF(unpack_x(types[i], x, xq, 1, 512, xd, q) == 0, "%s", td_dtype_name(types[i]));
+        for (int k = 0; k < 6; k++)
+            TH_CHECKF(q[1 + k] == want[k], "%s: x %g: q %d, want %d", td_dtype_name(types[i]),
+                      (double)ties[k], q[1 + k], want[k]);
+        for (int k = 256; k < 512; k++)
+            TH_CHECK(q[k] == 0 && xd[k] == 0.0);
+        free(xq);
+    }
+}
+
 static void test_q8_dots(void)
 {
     for (int k = 0; k < N_QTYPES; k++) {
@@ -484,6 +522,7 @@ int main(void)
     if (kt_cpus_create(cpus)) return 1;
     fprintf(stderr, "isa %s, q8 gemm %s (weights packed: %s)\n", kn_cpu_isa(), kn_q8_gemm_isa(),
             kn_q8_gemm_group_rows() == 16 ? "yes" : "no, not AVX512-VNNI");
+    TH_RUN(test_quant_edges);
     TH_RUN(test_q8_dots);
     TH_RUN(test_kquant_gemm);
     TH_RUN(test_kpacked);
