@@ -90,13 +90,16 @@ endif()
 # the test venv: its schemas are in the package, nothing is fetched), plus the render's own
 # rules (the ConfigMap's YAML loads and renders to itself, one container per rank and stage
 # with the node command lines, probes, resources from the model's header); bad input and
-# options; `tandem health` against a real decode instance (the manifests' exec probes)
+# options; `tandem health` against a real decode instance (the manifests' exec probes); a
+# data-parallel group rendered into one pod and that pod's rendered command lines run here
+# (the members form their group, join the router through membership, both serve)
 if(TANDEM_PYTHON)
-  foreach(case render errors health)
+  foreach(case render errors health dp_pod)
     add_test(NAME deploy_k8s_${case}
              COMMAND ${TANDEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/deploy/test_k8s.py
                      --case ${case} --tandem $<TARGET_FILE:tandem>
                      --decode $<TARGET_FILE:tandem-decode>
+                     --router $<TARGET_FILE:tandem-router>
                      --synth-dir ${TANDEM_TEST_DATA}/synth --source-dir ${CMAKE_SOURCE_DIR})
     set_tests_properties(deploy_k8s_${case} PROPERTIES FIXTURES_REQUIRED synth_models TIMEOUT 300
                          SKIP_RETURN_CODE 77 ENVIRONMENT PYTHONDONTWRITEBYTECODE=1)

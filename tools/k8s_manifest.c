@@ -1,8 +1,9 @@
 /* k8s_manifest.c: the Kubernetes objects of `tandem k8s render` (k8s_int.h), in apply
  * order: the Namespace (with --namespace), the ConfigMap with the cluster YAML, the router
  * (Deployment, its HTTP Service and the membership Service the nodes dial), then per
- * decode instance a headless Service, a StatefulSet (one pod per replica, one container
- * per tensor-parallel rank) and a PodDisruptionBudget, per prefill instance a Deployment
+ * decode instance (or data-parallel group) a headless Service, a StatefulSet (one pod per
+ * replica, one container per tensor-parallel rank, per member of a group) and a
+ * PodDisruptionBudget, per prefill instance a Deployment
  * (one pod per replica, one container per pipeline stage) and a PodDisruptionBudget.
  * docs/deploy.md ("Kubernetes") says why each choice. */
 #include <ctype.h>
@@ -82,10 +83,12 @@ static int config_map(mf_ctx *x)
     return 0;
 }
 
-/* A Service over the pods of component/inst. headless: clusterIP None (a StatefulSet's
- * pods' DNS names). not_ready: its endpoints include pods that are not ready. */
-static int service(mf_ctx *x, const char *name, const char *component, const char *inst,
-                   const char *port_name, int port, bool headless, bool not_ready)
+/* A Service over the pods of component/inst with n ports (port_names[i] on ports[i]).
+ * headless: clusterIP None (a StatefulSet's pods' DNS names). not_ready: its endpoints
+ * include pods that are not ready. */
+static int service_ports(mf_ctx *x, const char *name, const char *component, const char *inst,
+                         const char *const *port_names, const int *ports, int n, bool headless,
+                         bool not_ready)
 {
     cli_k8s_doc *d = begin(x, "v1", "Service", name, component, inst);
     if (!d) return TD_ENOMEM;
@@ -93,13 +96,22 @@ static int service(mf_ctx *x, const char *name, const char *component, const cha
     if (headless) cli_k8s_put_str(d, spec, "clusterIP", "None");
     if (not_ready) cli_k8s_put_bool(d, spec, "publishNotReadyAddresses", true);
     selector(x, d, cli_k8s_put_map(d, spec, "selector"), component, inst);
-    int p = cli_k8s_map(d);
-    cli_k8s_push(d, cli_k8s_put_seq(d, spec, "ports"), p);
-    cli_k8s_put_str(d, p, "name", port_name);
-    cli_k8s_put_num(d, p, "port", port);
-    cli_k8s_put_str(d, p, "targetPort", port_name);
-    cli_k8s_put_str(d, p, "protocol", "TCP");
+    int seq = cli_k8s_put_seq(d, spec, "ports");
+    for (int i = 0; i < n; i++) {
+        int p = cli_k8s_map(d);
+        cli_k8s_push(d, seq, p);
+        cli_k8s_put_str(d, p, "name", port_names[i]);
+        cli_k8s_put_num(d, p, "port", ports[i]);
+        cli_k8s_put_str(d, p, "targetPort", port_names[i]);
+        cli_k8s_put_str(d, p, "protocol", "TCP");
+    }
     return 0;
+}
+
+static int service(mf_ctx *x, const char *name, const char *component, const char *inst,
+                   const char *port_name, int port, bool headless, bool not_ready)
+{
+    return service_ports(x, name, component, inst, &port_name, &port, 1, headless, not_ready);
 }
 
 static int pdb(mf_ctx *x, const char *name, const char *component, const char *inst)
@@ -198,21 +210,38 @@ static int router(mf_ctx *x)
     return rc;
 }
 
-/* Rank r's container: tandem-decode joining under the pod's name; rank 0 serves the
- * instance's control socket on every address and is probed with `tandem health`. */
+/* The control port's name of member k of a dp group (dp > 1), or of the instance. */
+static void control_port_name(const td_cfg_decode *dc, char *buf, size_t cap)
+{
+    if (dc->dp > 1)
+        snprintf(buf, cap, "control-%d", dc->dp_rank);
+    else
+        snprintf(buf, cap, "control");
+}
+
+/* Rank r's container of the instance dc (a dp group's member dc->dp_rank): tandem-decode
+ * joining under the pod's name (a member under POD.K, its member name's suffix); rank 0
+ * serves the instance's control socket on every address and is probed with `tandem health`. */
 static void decode_rank(mf_ctx *x, cli_k8s_doc *d, int list, const cli_k8s_pod *p,
                         const td_cfg_decode *dc, int r, int64_t bytes)
 {
-    char rank[16], listen[64], cname[32];
+    char rank[16], listen[64], cname[32], join[32], port_name[16];
     snprintf(rank, sizeof rank, "%d", r);
     snprintf(listen, sizeof listen, "tcp://0.0.0.0:%d", dc->port);
-    snprintf(cname, sizeof cname, "rank-%d", r);
-    const char *argv[] = {"tandem-decode", "--config", CFG_PATH, "--instance",  dc->name,
-                          "--rank",        rank,       "--name", "$(POD_NAME)", "--advertise",
+    if (dc->dp > 1) {
+        snprintf(cname, sizeof cname, "m%d-rank-%d", dc->dp_rank, r);
+        snprintf(join, sizeof join, "$(POD_NAME).%d", dc->dp_rank);
+    } else {
+        snprintf(cname, sizeof cname, "rank-%d", r);
+        snprintf(join, sizeof join, "$(POD_NAME)");
+    }
+    control_port_name(dc, port_name, sizeof port_name);
+    const char *argv[] = {"tandem-decode", "--config", CFG_PATH, "--instance", dc->name,
+                          "--rank",        rank,       "--name", join,         "--advertise",
                           "$(POD_IP)",     "--listen", listen};
     int ctr = cli_k8s_container(d, list, p, cname, argv, r == 0 ? 13 : 11);
     if (r == 0) {
-        container_port(d, cli_k8s_put_seq(d, ctr, "ports"), "control", dc->port);
+        container_port(d, cli_k8s_put_seq(d, ctr, "ports"), port_name, dc->port);
         cli_k8s_exec_probe(d, ctr, "startupProbe", true, dc->port, 5, 120);
         cli_k8s_exec_probe(d, ctr, "readinessProbe", false, dc->port, 5, 2);
         cli_k8s_exec_probe(d, ctr, "livenessProbe", true, dc->port, 15, 4);
@@ -220,11 +249,24 @@ static void decode_rank(mf_ctx *x, cli_k8s_doc *d, int list, const cli_k8s_pod *
     cli_k8s_resources(d, ctr, dc->threads, bytes, x->c->cfg->backend == TD_CFG_BACKEND_CUDA);
 }
 
-static int decode(mf_ctx *x, const td_cfg_decode *dc, const char *inst)
+/* A decode instance, or a dp group's n members (dc[0 .. n), consecutive in the config: its
+ * dp entry expanded), in one pod: the members meet in the pod's shared memory and run their
+ * MoE layers in lock step, so they live and move together; each member joins the router as
+ * an instance of its own (POD.K at its own port). inst: the object's DNS name (the
+ * instance's, or the group's). */
+static int decode(mf_ctx *x, const td_cfg_decode *dc, int n, const char *inst)
 {
     char name[160];
     snprintf(name, sizeof name, "%s-%s", x->o->base, inst);
-    int rc = service(x, name, "decode", inst, "control", dc->port, true, true);
+    char port_names[TD_CFG_MAX_PARALLEL][16];
+    const char *pn[TD_CFG_MAX_PARALLEL];
+    int ports[TD_CFG_MAX_PARALLEL];
+    for (int k = 0; k < n; k++) {
+        control_port_name(&dc[k], port_names[k], sizeof port_names[k]);
+        pn[k] = port_names[k];
+        ports[k] = dc[k].port;
+    }
+    int rc = service_ports(x, name, "decode", inst, pn, ports, n, true, true);
     cli_k8s_doc *d = rc ? NULL : begin(x, "apps/v1", "StatefulSet", name, "decode", inst);
     if (!d) return TD_ENOMEM;
     int spec = cli_k8s_put_map(d, 1, "spec");
@@ -236,18 +278,24 @@ static int decode(mf_ctx *x, const td_cfg_decode *dc, const char *inst)
     int sel = cli_k8s_put_map(d, spec, "selector");
     selector(x, d, cli_k8s_put_map(d, sel, "matchLabels"), "decode", inst);
     int pspec = pod_template(x, d, spec, "decode", inst, false, grace_of(x, dc->drain_timeout_ms));
-    /* the ranks meet in shared memory (/dev/shm) and watch each other's pids */
+    /* the ranks (and a group's members) meet in shared memory (/dev/shm) and watch each
+     * other's pids */
     cli_k8s_put_bool(d, pspec, "shareProcessNamespace", true);
     int64_t kv = cli_k8s_decode_kv_bytes(x->m, dc);
     cli_k8s_pod p = {.o = x->o, .c = x->c, .m = x->m, .shm = true, .tier = dc->tier.path != NULL};
-    /* followers' KV pools are segments in /dev/shm (disaggregated), plus the rendezvous */
-    if (x->m->known) p.shm_bytes = (x->c->cfg->n_prefill ? kv * (dc->tp - 1) : 0) + (64ll << 20);
-    p.tier_bytes = dc->tier.path ? dc->tier.bytes * dc->tp + (16ll << 20) : 0;
+    /* per member: its followers' KV pools are segments in /dev/shm (disaggregated), plus its
+     * ranks' rendezvous; a group adds its members' segment, budgeted as one more */
+    if (x->m->known)
+        p.shm_bytes =
+            n * (x->c->cfg->n_prefill ? kv * (dc->tp - 1) : 0) + (n + (n > 1)) * (64ll << 20);
+    p.tier_bytes = dc->tier.path ? n * dc->tier.bytes * dc->tp + (16ll << 20) : 0;
     cli_k8s_init_fetch(d, pspec, &p);
     int list = cli_k8s_put_seq(d, pspec, "containers");
-    int64_t bytes = cli_k8s_decode_rank_bytes(x->m, dc);
-    for (int r = 0; r < dc->tp; r++)
-        decode_rank(x, d, list, &p, dc, r, bytes);
+    for (int k = 0; k < n; k++) {
+        int64_t bytes = cli_k8s_decode_rank_bytes(x->m, &dc[k]);
+        for (int r = 0; r < dc[k].tp; r++)
+            decode_rank(x, d, list, &p, &dc[k], r, bytes);
+    }
     cli_k8s_volumes(d, pspec, &p);
     return pdb(x, name, "decode", inst);
 }
@@ -311,14 +359,24 @@ static int prefill(mf_ctx *x, const td_cfg_prefill *pc, const char *inst)
     return pdb(x, name, "prefill", inst);
 }
 
-/* Every instance's DNS-safe name, checked for length and clashes. */
+/* A dp group's members (decode[i], decode[j] of one group): one pod, one object name. */
+static bool same_group(const td_cfg *cfg, int i, int j)
+{
+    const td_cfg_decode *a = &cfg->decode[i], *b = &cfg->decode[j];
+    return i < cfg->n_decode && j < cfg->n_decode && a->dp > 1 && b->dp > 1 &&
+           !strcmp(a->dp_group, b->dp_group);
+}
+
+/* Every instance's DNS-safe object name (a dp group member's: its group's), checked for
+ * length and clashes. */
 static int instance_names(const char *base, const td_cfg *cfg, char (*names)[64])
 {
     static const char *const taken[] = {"router", "join", "config", "secret"};
     int n = cfg->n_decode + cfg->n_prefill;
     for (int i = 0; i < n; i++) {
-        const char *in =
-            i < cfg->n_decode ? cfg->decode[i].name : cfg->prefill[i - cfg->n_decode].name;
+        const char *in = i >= cfg->n_decode      ? cfg->prefill[i - cfg->n_decode].name
+                         : cfg->decode[i].dp > 1 ? cfg->decode[i].dp_group
+                                                 : cfg->decode[i].name;
         if (!cli_k8s_dns_name(in, names[i], 64)) {
             fprintf(stderr,
                     "tandem k8s: instance name '%s' does not make a Kubernetes name (lower case "
@@ -340,7 +398,7 @@ static int instance_names(const char *base, const td_cfg *cfg, char (*names)[64]
                 return TD_EINVAL;
             }
         for (int j = 0; j < i; j++)
-            if (!strcmp(names[i], names[j])) {
+            if (!same_group(cfg, i, j) && !strcmp(names[i], names[j])) {
                 fprintf(stderr, "tandem k8s: two instances make the same Kubernetes name '%s'\n",
                         names[i]);
                 return TD_EINVAL;
@@ -361,16 +419,6 @@ int cli_k8s_check_names(const char *base, const td_cfg *cfg)
 int cli_k8s_manifests(const cli_k8s_opts *o, const cli_k8s_cluster *c, const cli_k8s_model *m,
                       cli_k8s_out *out)
 {
-    for (int i = 0; i < c->cfg->n_decode; i++)
-        if (c->cfg->decode[i].dp > 1) {
-            /* its members meet in one host's shared memory; here each instance is a pod */
-            fprintf(stderr,
-                    "tandem k8s: decode '%s' has dp %d: data-parallel attention's members share "
-                    "one host's memory, and these manifests give each instance its own pod; not "
-                    "built for Kubernetes yet\n",
-                    c->cfg->decode[i].dp_group, c->cfg->decode[i].dp);
-            return TD_EUNSUPP;
-        }
     mf_ctx x = {.o = o, .c = c, .m = m, .out = out};
     uint64_t h = fnv1a(fnv1a(0xcbf29ce484222325ull, c->text), c->template_text);
     snprintf(x.hash, sizeof x.hash, "%016llx", (unsigned long long)h);
@@ -387,8 +435,11 @@ int cli_k8s_manifests(const cli_k8s_opts *o, const cli_k8s_cluster *c, const cli
     }
     if (!rc) rc = config_map(&x);
     if (!rc) rc = router(&x);
-    for (int i = 0; !rc && i < c->cfg->n_decode; i++)
-        rc = decode(&x, &c->cfg->decode[i], names[i]);
+    for (int i = 0; !rc && i < c->cfg->n_decode; i++) {
+        const td_cfg_decode *dc = &c->cfg->decode[i];
+        if (dc->dp > 1 && dc->dp_rank > 0) continue; /* in its group's pod, with member 0 */
+        rc = decode(&x, dc, dc->dp > 1 ? dc->dp : 1, names[i]);
+    }
     for (int i = 0; !rc && i < c->cfg->n_prefill; i++)
         rc = prefill(&x, &c->cfg->prefill[i], names[c->cfg->n_decode + i]);
     free(names);

@@ -20,16 +20,24 @@ Cases (--case, one ctest each):
   health   `tandem health` against a real decode instance (synthetic model): exit 1 before
            it listens, 0 once ready (and with --alive), 1 after SIGTERM; against an http
            URL with nothing there: 1
+  dp_pod   a data-parallel group (dp 2) rendered into one pod (a container per member, each
+           joining as POD.K at its port), then that pod's rendered command lines run here
+           with the router's: the group forms, both members join and pass their probes, and
+           both answer requests with the same greedy text
 
-usage: test_k8s.py --case NAME --tandem BIN [--decode BIN] --synth-dir DIR --source-dir DIR
+usage: test_k8s.py --case NAME --tandem BIN [--decode BIN] [--router BIN] --synth-dir DIR
+                   --source-dir DIR
 """
 import argparse
 import glob
+import http.client
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import yaml
@@ -483,9 +491,10 @@ def case_errors(a, tmp):
     with open(p, "w") as f:
         f.write("model: x\ndecode:\n  - name: d0\n    tq: 2\n")
     bad(["render", p], "unknown key 'tq'", "an unknown key")
-    with open(p, "w") as f:
-        f.write("model: x\ndecode:\n  - name: d0\n    dp: 2\n")
-    bad(["render", p], "decode 'd0' has dp 2", "data-parallel attention (not built for pods)")
+    with open(p, "w") as f:  # a dp group's object is named after the group
+        f.write("model: x\ndecode:\n  - name: d0\n    dp: 2\n  - name: D0\n")
+    bad(["render", p], "two instances make the same Kubernetes name 'd0'",
+        "a dp group and an instance of one DNS name")
     with open(p, "w") as f:
         f.write("model: x\ndecode:\n  - name: router\n")
     bad(["render", p], "taken by the broken-router object", "an instance named like an object")
@@ -568,17 +577,162 @@ def case_health(a, tmp):
     return None
 
 
+def http_json(port, method, path, body=None, timeout=60):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request(method, path, body=json.dumps(body) if body is not None else None,
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        return r.status, json.loads(data) if data else None
+    except (OSError, ValueError):
+        return 0, None
+    finally:
+        c.close()
+
+
+def case_dp_pod(a, tmp):
+    """A data-parallel group (decode[].dp 2, the synthetic qwen3moe model) rendered into one
+    pod, then that pod run here as its containers would run: the rendered command lines
+    (binaries from the build, $(POD_NAME) / $(POD_IP) filled in, the ConfigMap's YAML with
+    the pod paths pointed here), the router from its Deployment's command; the members form
+    their group through the pod's shared memory, join the router as POD.0 and POD.1 through
+    membership, each member's rendered readiness probe passes, and concurrent requests are
+    answered by both members with the same greedy text."""
+    if not a.decode or not a.router or not os.access(a.router, os.X_OK):
+        print("SKIP: no tandem-decode or tandem-router")
+        return 77
+    http_port, mport, dport = free_port(), free_port(), free_port(2)  # members at dport + k
+    path = os.path.join(tmp, "dp.yaml")
+    with open(path, "w") as f:
+        f.write(f"model: {os.path.join(a.synth_dir, 'qwen3moe.gguf')}\n"
+                f"router:\n  listen: 127.0.0.1:{http_port}\n"
+                f"  membership:\n    listen: 127.0.0.1:{mport}\n    lease_ms: 3000\n"
+                f"decode:\n  - name: d0\n    dp: 2\n    port: {dport}\n    kv_blocks: 128\n")
+    r = render(a.tandem, path, "--name", "dpk", "--quiet")
+    if not check(r.returncode == 0, f"dp 2: rendered ({r.stderr.strip()[-300:]})"):
+        return None
+    docs = load_all(r.stdout)
+    validate(docs, "dp 2")
+    objs = by_kind(docs)
+    sts = objs["StatefulSet"].get("dpk-d0")
+    if not check(sts is not None and list(objs["StatefulSet"]) == ["dpk-d0"],
+                 "dp 2: one StatefulSet dpk-d0 for the group"):
+        return None
+    pod = sts["spec"]["template"]["spec"]
+    cs = pod["containers"]
+    check([c["name"] for c in cs] == ["m0-rank-0", "m1-rank-0"], "dp 2: a container per member")
+    for k, c in enumerate(cs):
+        want = ["tandem-decode", "--config", "/etc/tandem/cluster.yaml", "--instance", f"d0.{k}",
+                "--rank", "0", "--name", f"$(POD_NAME).{k}", "--advertise", "$(POD_IP)",
+                "--listen", f"tcp://0.0.0.0:{dport + k}"]
+        check(c["command"] == want, f"dp 2: member {k}: {' '.join(c['command'])}")
+        check(c["ports"] == [{"name": f"control-{k}", "containerPort": dport + k,
+                              "protocol": "TCP"}] and
+              probe_cmd(c, "readinessProbe")[-1] == f"tcp://127.0.0.1:{dport + k}",
+              f"dp 2: member {k}: its port and probes")
+    svc = objs["Service"]["dpk-d0"]["spec"]
+    check([(p_["name"], p_["port"]) for p_ in svc["ports"]] ==
+          [("control-0", dport), ("control-1", dport + 1)] and svc["clusterIP"] == "None",
+          "dp 2: the headless Service names both members' ports")
+    check(pod.get("shareProcessNamespace") is True and
+          any(v["name"] == "shm" and v["emptyDir"].get("medium") == "Memory"
+              for v in pod["volumes"]), "dp 2: shared pids and /dev/shm")
+
+    # the pod, run here
+    text = cfg_of(docs)[0]
+    cache = os.path.join(tmp, "cache")
+    os.makedirs(cache, exist_ok=True)
+    text = (text.replace("/models/", a.synth_dir + "/").replace("/var/cache/tandem", cache)
+            .replace("dpk-join:", "127.0.0.1:"))
+    cfgp = os.path.join(tmp, "cluster.yaml")
+    with open(cfgp, "w") as f:
+        f.write(text)
+    bins = {"tandem-decode": a.decode, "tandem-router": a.router, "tandem": a.tandem}
+    subst = {"$(POD_NAME)": "dpk-d0-0", "$(POD_IP)": "127.0.0.1",
+             "/etc/tandem/cluster.yaml": cfgp}
+
+    def local(cmd):
+        out = [bins.get(cmd[0], cmd[0])]
+        for arg in cmd[1:]:
+            for k, v in subst.items():
+                arg = arg.replace(k, v)
+            out.append(arg)
+        return out
+
+    env = dict(os.environ, TANDEM_CACHE=cache)
+    rt_cmd = objs["Deployment"]["dpk-router"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    procs, logs = [], {}
+    try:
+        for name, cmd in [("router", rt_cmd)] + [(c["name"], c["command"]) for c in cs]:
+            logs[name] = os.path.join(tmp, f"{name}.log")
+            procs.append(subprocess.Popen(local(cmd), env=env, stdout=open(logs[name], "w"),
+                                          stderr=subprocess.STDOUT))
+        t0, ready = time.time(), [False, False]
+        while time.time() - t0 < 120 and not all(ready):
+            for k, c in enumerate(cs):
+                if not ready[k]:
+                    ready[k] = subprocess.run(local(probe_cmd(c, "readinessProbe")),
+                                              capture_output=True, env=env,
+                                              timeout=60).returncode == 0
+            time.sleep(0.3)
+        check(all(ready), f"dp 2: each member's rendered readiness probe passes ({ready})")
+        members = {f"dpk-d0-0.{k}": f"tcp://127.0.0.1:{dport + k}" for k in range(2)}
+        live = {}
+        while time.time() - t0 < 120:
+            st, inst = http_json(http_port, "GET", "/instances")
+            live = {i["name"]: i for i in (inst or {}).get("decode", [])} if st == 200 else {}
+            if all(live.get(m, {}).get("alive") for m in members):
+                break
+            time.sleep(0.3)
+        check(all(live.get(m, {}).get("joined") and live[m].get("alive") and live[m]["url"] == u
+                  for m, u in members.items()),
+              f"dp 2: the members joined as POD.0 and POD.1 at their ports ({live})")
+        grp = open(logs["m0-rank-0"]).read()
+        check("member 0 of dp group d0 (2 members)" in grp, "dp 2: the group formed in the pod")
+        body = {"messages": [{"role": "user", "content": "count: one two three"}],
+                "max_tokens": 12, "temperature": 0}
+        res = [None] * 8
+
+        def ask(i):
+            res[i] = http_json(http_port, "POST", "/v1/chat/completions", body, timeout=120)
+
+        ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(res))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        texts = {r_[1]["choices"][0]["message"]["content"] for r_ in res
+                 if r_ and r_[0] == 200 and r_[1]}
+        check(all(r_ and r_[0] == 200 for r_ in res) and len(texts) == 1,
+              f"dp 2: {len(res)} concurrent requests answered, one greedy text ({texts})")
+        rlog = open(logs["router"]).read()
+        served = {m for m in ("dpk-d0-0.0", "dpk-d0-0.1") if f"decode {m}" in rlog}
+        check(len(served) == 2, f"dp 2: both members served requests ({sorted(served)})")
+    finally:
+        for q in procs:
+            q.terminate()
+        for q in procs:
+            try:
+                q.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                q.kill()
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=["render", "errors", "health"])
+    ap.add_argument("--case", required=True, choices=["render", "errors", "health", "dp_pod"])
     ap.add_argument("--tandem", required=True)
     ap.add_argument("--decode")
+    ap.add_argument("--router")
     ap.add_argument("--synth-dir", required=True)
     ap.add_argument("--source-dir", required=True)
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tandem-k8s-")
     try:
-        rc = {"render": case_render, "errors": case_errors, "health": case_health}[a.case](a, tmp)
+        rc = {"render": case_render, "errors": case_errors, "health": case_health,
+              "dp_pod": case_dp_pod}[a.case](a, tmp)
         if rc == 77:
             return 77
     finally:
