@@ -717,6 +717,9 @@ def case_dp_pod(a, tmp):
                 q.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 q.kill()
+                q.wait()
+    rcs = {name: q.returncode for name, q in zip(logs, procs)}
+    check(all(rc == 0 for rc in rcs.values()), f"dp 2: every process exits 0 on SIGTERM ({rcs})")
     return None
 
 
