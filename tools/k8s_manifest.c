@@ -362,9 +362,9 @@ static int prefill(mf_ctx *x, const td_cfg_prefill *pc, const char *inst)
 /* A dp group's members (decode[i], decode[j] of one group): one pod, one object name. */
 static bool same_group(const td_cfg *cfg, int i, int j)
 {
+    if (i >= cfg->n_decode || j >= cfg->n_decode) return false;
     const td_cfg_decode *a = &cfg->decode[i], *b = &cfg->decode[j];
-    return i < cfg->n_decode && j < cfg->n_decode && a->dp > 1 && b->dp > 1 &&
-           !strcmp(a->dp_group, b->dp_group);
+    return a->dp > 1 && b->dp > 1 && !strcmp(a->dp_group, b->dp_group);
 }
 
 /* Every instance's DNS-safe object name (a dp group member's: its group's), checked for
