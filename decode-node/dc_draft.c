@@ -68,7 +68,8 @@ struct dc_draft {
     float *hout;   /* mtp: (cap_tok, E) its rows' own hidden states (the next proposal's input) */
     float *chain;  /* mtp: (cap_act, E) each request's last row's own hidden state */
     dc_draft_stats st;
-    int64_t warm_ns; /* warm_up's time */
+    int64_t warm_ns;    /* warm_up's time */
+    int64_t call_stale; /* the last propose call's (dc_spec_proposer.stale_tokens) */
 };
 
 /* ---- the vocabulary ---- */
@@ -420,6 +421,8 @@ static bool join_call(dc_draft *d, int i, uint64_t id, const int32_t *toks, int3
     roll_back(d, q, keep < n ? keep : n - 1);
     if (!feed(d, q, toks, n, n + k - 1)) return false;
     *a = (draft_act){.rec = r, .i = i, .n_in = n, .row = -1, .far = n - q->n_held > FAR_TOKENS};
+    if (n - q->n_held > DC_SPEC_STEADY_BEHIND)
+        d->call_stale += n - q->n_held - DC_SPEC_STEADY_BEHIND;
     return true;
 }
 
@@ -631,6 +634,7 @@ static int draft_propose(void *ctx, int n, const uint64_t *ids, const int32_t *c
     dc_draft *d = ctx;
     int64_t t0 = td_now_ns();
     d->st.calls++;
+    d->call_stale = 0;
     for (int i = 0; i < n; i++)
         n_out[i] = 0;
     int rc = grow_call(d, n);
@@ -653,6 +657,11 @@ static int draft_propose(void *ctx, int n, const uint64_t *ids, const int32_t *c
     return rc;
 }
 
+static int64_t draft_stale_tokens(void *ctx)
+{
+    return ((const dc_draft *)ctx)->call_stale;
+}
+
 dc_spec_proposer dc_draft_proposer(dc_draft *d)
 {
     return (dc_spec_proposer){.ctx = d,
@@ -660,5 +669,6 @@ dc_spec_proposer dc_draft_proposer(dc_draft *d)
                               .keep = draft_keep,
                               .drop = draft_drop,
                               .computed = draft_computed,
+                              .stale_tokens = draft_stale_tokens,
                               .n_hidden = d->mtp ? (int)d->E : 0};
 }

@@ -98,6 +98,8 @@ struct dc_sched {
     uint64_t spec_accepted_pos[DC_SPEC_MAX_TOKENS];
     dc_spec_gate gate; /* speculation per batch size, measured (dc_spec.h) */
     int step_accepted; /* the last commit's accepted proposals */
+    int64_t step_stale; /* tokens the proposer caught up beyond its steady lag in the step
+                           being run (dc_spec_proposer.stale_tokens): it is not measured */
 };
 
 void dcs_list_remove_at(dc_req_list *l, int i);

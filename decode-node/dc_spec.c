@@ -117,7 +117,7 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
 
 void dc_spec_gate_init(dc_spec_gate *g, bool on)
 {
-    *g = (dc_spec_gate){.on = on, .step_bucket = -1};
+    *g = (dc_spec_gate){.on = on, .step_bucket = -1, .reprobe = -1};
     for (int b = 0; b < DC_SPEC_GATE_BUCKETS; b++)
         g->ms_tok[b][0] = g->ms_tok[b][1] = -1;
 }
@@ -142,7 +142,10 @@ bool dc_spec_gate_allow(dc_spec_gate *g, int n_decode)
     /* the other way: probed often while unmeasured or close, rarely once far behind */
     int every = other >= 0 && cur >= 0 && cur < DC_SPEC_GATE_FAR * other ? DC_SPEC_GATE_PROBE_FAR
                                                                          : DC_SPEC_GATE_PROBE;
-    if (++g->steps[b] % (uint64_t)every == 0) {
+    if (g->reprobe == b) { /* the step that stands in for a skipped one */
+        g->reprobe = -1;
+        allow = true;
+    } else if (++g->steps[b] % (uint64_t)every == 0) {
         allow = !allow;
     } else if (!allow) {
         g->held_steps++;
@@ -150,6 +153,12 @@ bool dc_spec_gate_allow(dc_spec_gate *g, int n_decode)
     g->step_bucket = b;
     g->step_allowed = allow;
     return allow;
+}
+
+void dc_spec_gate_skip(dc_spec_gate *g)
+{
+    if (g->step_bucket >= 0 && g->step_allowed) g->reprobe = g->step_bucket;
+    g->step_bucket = -1;
 }
 
 void dc_spec_gate_observe(dc_spec_gate *g, double ms, int tokens)

@@ -40,6 +40,10 @@
 #include <stdint.h>
 
 enum { DC_SPEC_MAX_TOKENS = 32 }; /* bound on max_tokens (and the per-position counters) */
+/* A proposer that speculated in the request's last step is at most this many tokens behind
+ * it: the token sampled after the accepted proposals, and the last proposal when all were
+ * accepted (it was never fed back). */
+enum { DC_SPEC_STEADY_BEHIND = 2 };
 
 typedef enum {
     DC_SPEC_OFF = 0,
@@ -72,6 +76,14 @@ typedef struct {
     void (*computed)(void *ctx, uint64_t id, int32_t pos0, int32_t n, const float *h,
                      const int32_t *toks, int32_t n_toks);
     int n_hidden; /* > 0: computed reads the target's hidden states (an MTP block) */
+    /* Optional (NULL: none). Tokens the last propose call caught up beyond what speculating
+     * in every step leaves behind (DC_SPEC_STEADY_BEHIND a request): a prompt the prefill
+     * stages computed or the prefix cache served, or the output of steps in which a request
+     * did not speculate (the gate held it off, the choice took nothing). That is not the
+     * price of the step's proposals, so the scheduler measures neither the gate nor the step
+     * cost model on that step, and the gate measures the next one instead
+     * (dc_spec_gate_skip). */
+    int64_t (*stale_tokens)(void *ctx);
 } dc_spec_proposer;
 
 typedef struct {
@@ -149,6 +161,7 @@ typedef struct {
     uint64_t steps[DC_SPEC_GATE_BUCKETS];    /* steps planned at the batch size */
     int step_bucket;                         /* the last step's (dc_spec_gate_allow), -1: none */
     bool step_allowed;
+    int reprobe;         /* the bucket whose next step speculates (dc_spec_gate_skip), -1: none */
     uint64_t held_steps; /* steps that held speculation off (probes aside: the stats line) */
 } dc_spec_gate;
 
@@ -160,6 +173,10 @@ bool dc_spec_gate_allow(dc_spec_gate *g, int n_decode);
 /* That step took ms and generated tokens (decode rows plus accepted proposals). Steps with
  * prefill rows are not given. */
 void dc_spec_gate_observe(dc_spec_gate *g, double ms, int tokens);
+/* That step is not measured (its time holds other work: a proposer's catch-up); when it
+ * speculated, the next step of its batch size speculates too and is measured in its place
+ * (else a probe after held steps, always behind, would never be measured). */
+void dc_spec_gate_skip(dc_spec_gate *g);
 
 /* Prompt lookup: up to k tokens following the most recent earlier occurrence of the longest
  * suffix of tokens[0, n) with ngram_min..ngram_max tokens; returns how many were written to

@@ -1232,6 +1232,26 @@ static void test_spec_gate(void)
         gate_step(&g, 6);
     TH_CHECKF(!g.held[b16], "held after a slow first step (%.3f against %.3f ms a token)",
               g.ms_tok[b16][1], g.ms_tok[b16][0]);
+    /* a skipped probe (its time held a proposer's catch-up): the next step of its batch size
+     * speculates in its place and is the one measured; a skipped held step changes nothing */
+    dc_spec_gate_init(&g, true);
+    for (int i = 0; i < 256; i++)
+        gate_step(&g, 15); /* held, as above */
+    TH_REQUIRE(g.held[b16]);
+    int i = 0;
+    while (!dc_spec_gate_allow(&g, 16) && i++ < 64)
+        dc_spec_gate_observe(&g, 10, 16);
+    const double was = g.ms_tok[b16][1];
+    const uint32_t n_was = g.n_obs[b16][1];
+    dc_spec_gate_skip(&g); /* the probe: not measured */
+    TH_CHECK(g.ms_tok[b16][1] == was && g.n_obs[b16][1] == n_was);
+    TH_CHECK(dc_spec_gate_allow(&g, 16)); /* its stand-in */
+    dc_spec_gate_observe(&g, 15, 20);
+    TH_CHECK(g.n_obs[b16][1] == n_was + 1);
+    TH_CHECK(!dc_spec_gate_allow(&g, 16)); /* held again */
+    dc_spec_gate_skip(&g);
+    TH_CHECK(!dc_spec_gate_allow(&g, 16) && g.reprobe < 0);
+    dc_spec_gate_observe(&g, 10, 16);
     /* off: always allowed, nothing measured */
     dc_spec_gate_init(&g, false);
     for (int i = 0; i < 64; i++)
@@ -1403,6 +1423,101 @@ static void test_spec_proposer(void)
     TH_CHECK(st.spec_accepted > st.spec_draft_tokens / 2);
 }
 
+/* A proposer like a draft model in disaggregated mode: its first call for a request catches up
+ * the request's prompt (no proposals, stale_tokens says how many tokens), later calls propose as
+ * the oracle does. */
+typedef struct {
+    oracle o;
+    bool seen[N_REQ];
+    int64_t far; /* the last call's */
+} far_oracle;
+
+static int far_propose(void *ctx, int n, const uint64_t *ids, const int32_t *const *toks,
+                       const int32_t *n_toks, const int *k, int32_t *const *out, int *n_out)
+{
+    far_oracle *f = ctx;
+    int rc = oracle_propose(&f->o, n, ids, toks, n_toks, k, out, n_out);
+    f->far = 0;
+    for (int i = 0; i < n; i++)
+        if (!f->seen[ids[i]]) {
+            f->seen[ids[i]] = true;
+            f->far += n_toks[i];
+            n_out[i] = 0;
+        }
+    return rc;
+}
+
+static int64_t stale_tokens(void *ctx)
+{
+    return ((far_oracle *)ctx)->far;
+}
+
+/* The measured gate beside a proposer's catch-up of far requests: such a step holds a draft's
+ * prefill (here 400 ms against 10 for a plain step), and measured as a speculating step it
+ * makes the gate hold speculation off although every other speculating step pays (10 ms + 1
+ * a verification row, its proposals right); with stale_tokens the scheduler measures neither
+ * the gate nor the cost model on it, and speculation stays on. Requests one after another
+ * (batch 1, the disaggregated case). */
+static void run_far(bool tell, dc_sched_stats *st)
+{
+    int ids[10] = {1, 2, 4, 5, 7, 8, 10, 11, 13, 14}; /* not every third: proposals right */
+    far_oracle f = {0};
+    dc_spec_params sp = {.method = DC_SPEC_DRAFT,
+                         .max_tokens = 4,
+                         .gate = true,
+                         .proposer = {.ctx = &f,
+                                      .propose = far_propose,
+                                      .keep = oracle_keep,
+                                      .drop = oracle_drop,
+                                      .stale_tokens = tell ? stale_tokens : NULL}};
+    kn_kv_mem *mem;
+    kn_kv_pool_params kp = kn_model_kv_params(model, 256, 16, TD_F32);
+    TH_REQUIRE(kn_kv_mem_create(&kp, &mem) == 0);
+    kn_kv_pool *kv = kn_kv_mem_pool(mem);
+    dc_sched *s;
+    outputs o;
+    memset(&o, 0, sizeof o);
+    dc_sched_params p = {.max_running = 16, .step_tokens = 64, .spec = sp};
+    TH_REQUIRE(dc_sched_create(&p, model, mem, (dc_sink){.ctx = &o, .on_tokens = on_tokens}, &s) ==
+               0);
+    for (int i = 0; i < 10; i++) {
+        dc_request_params rp = params_of(ids[i]);
+        TH_REQUIRE(dc_sched_submit(s, &rp) == 0);
+        while (!dc_sched_idle(s)) {
+            dc_step step;
+            int n = dc_sched_plan(s, &step);
+            TH_REQUIRE(n > 0);
+            int pf = (int)(step.batch.n_tokens - step.batch.n_solo);
+            int64_t far = f.far;
+            f.far = 0; /* one step's */
+            dc_sched_commit(s, logits_buf, kn_engine_forward(engine, kv, &step.batch, logits_buf));
+            dc_sched_observe(s, far ? 400.0 : pf ? 10.0 + pf : 10.0 + (double)(n - 1));
+        }
+    }
+    *st = dc_sched_get_stats(s);
+    dc_sched_destroy(s);
+    kn_kv_mem_destroy(mem);
+    for (int i = 0; i < 10; i++) {
+        int id = ids[i];
+        TH_CHECKF(o.n[id] == alone.n[id] &&
+                      !memcmp(o.ids[id], alone.ids[id], sizeof(int32_t) * (size_t)o.n[id]),
+                  "far catch-up: req %d differs from alone", id);
+    }
+}
+
+static void test_spec_far_not_measured(void)
+{
+    dc_sched_stats told, not_told;
+    run_far(true, &told);
+    run_far(false, &not_told);
+    fprintf(stderr,
+            "  far catch-up told: %llu verifications, %llu held steps; not told: %llu, %llu\n",
+            (unsigned long long)told.spec_drafts, (unsigned long long)told.spec_held_steps,
+            (unsigned long long)not_told.spec_drafts, (unsigned long long)not_told.spec_held_steps);
+    TH_CHECK(told.spec_held_steps == 0 && told.spec_drafts > 0);
+    TH_CHECK(not_told.spec_held_steps > 0);
+}
+
 /* Speculation under pool pressure (preemption; proposals never preempt) and for requests
  * whose prompt KV arrived by transfer, with the prefix cache: still every token as alone. */
 static void test_spec_pressure_and_transfer(void)
@@ -1483,6 +1598,7 @@ int main(int argc, char **argv)
     TH_RUN(test_spec_equals_alone);
     TH_RUN(test_spec_pressure_and_transfer);
     TH_RUN(test_spec_proposer);
+    TH_RUN(test_spec_far_not_measured);
     free(logits_buf);
     kn_engine_destroy(engine);
     kn_cpu_destroy(cpu);
