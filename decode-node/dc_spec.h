@@ -142,7 +142,8 @@ void dc_spec_choose(dc_spec_cand *c, int n, double tokens, double ms,
  * DC_SPEC_GATE_PROBE_FAR once the two are far apart, so a 2x gain loses little to its
  * probes). A step over twice its way's mean (a first step's warm-up, a preempted thread)
  * counts as twice the mean. Only steps without prefill rows are measured (a prompt's chunk
- * would hide the difference). */
+ * would hide the difference), and not those whose proposer caught up more than its steady
+ * lag (dc_spec_gate_skip: the next step stands in). */
 enum { DC_SPEC_GATE_BUCKETS = 7 };     /* decode rows 1, 2-3, 4-7, ..., 32-63, 64+ */
 #define DC_SPEC_GATE_PROBE       8     /* one step in this many runs the other way */
 #define DC_SPEC_GATE_PROBE_FAR   32    /* ... once one way is DC_SPEC_GATE_FAR ahead */
