@@ -608,7 +608,8 @@ def case_dp_pod(a, tmp):
         f.write(f"model: {os.path.join(a.synth_dir, 'qwen3moe.gguf')}\n"
                 f"router:\n  listen: 127.0.0.1:{http_port}\n"
                 f"  membership:\n    listen: 127.0.0.1:{mport}\n    lease_ms: 3000\n"
-                f"decode:\n  - name: d0\n    dp: 2\n    port: {dport}\n    kv_blocks: 128\n")
+                f"decode:\n  - name: d0\n    dp: 2\n    port: {dport}\n    kv_blocks: 128\n"
+                "    deterministic: true\n")  # one text whatever the batching
     r = render(a.tandem, path, "--name", "dpk", "--quiet")
     if not check(r.returncode == 0, f"dp 2: rendered ({r.stderr.strip()[-300:]})"):
         return None
